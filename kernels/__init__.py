@@ -1,0 +1,64 @@
+"""Mamba selective-scan kernels behind one API; they know nothing of the wire.
+
+    selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
+                   backend=None) -> y | (y, state)
+    selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
+                           dt_softplus=False, dt_min=None, dt_max=None, slots=None,
+                           backend=None) -> y      (state updated in place)
+
+Math (mamba_ssm's selective_scan_ref / selective_state_update_ref): dt += dt_bias; dt =
+softplus(dt) if dt_softplus; dt = clamp(dt, dt_min, dt_max); h_t = exp(dt_t A) h_{t-1} +
+dt_t B_t x_t; y_t = C_t . h_t + D x_t; y *= silu(z). State and accumulation in fp32 (fp64 for
+fp64 inputs); y in x's dtype; the returned state is fp32 (fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+from . import _args
+from ._registry import available_backends, get_backend, unavailable_backends
+from .errors import BackendUnavailable, KernelInputError, UnknownBackend
+
+__all__ = [
+    "selective_scan", "selective_state_update", "available_backends", "unavailable_backends",
+    "select_backend", "warmup", "KernelInputError", "BackendUnavailable", "UnknownBackend",
+]
+
+
+def select_backend(device_type: str, backend: str | None = None) -> str:
+    """Name of the backend `backend=None` would pick for tensors on `device_type`."""
+    return get_backend(backend, device_type).name
+
+
+def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
+                   backend=None):
+    args = _args.check_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                            dt_min=dt_min, dt_max=dt_max, h0=h0, return_state=return_state,
+                            layout=layout)
+    impl = get_backend(backend, args.x.device.type)
+    y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+    return (y, state) if args.return_state else y
+
+
+def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
+                           dt_softplus=False, dt_min=None, dt_max=None, slots=None, backend=None):
+    args = _args.check_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                                    dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
+                                    slots=slots)
+    impl = get_backend(backend, args.x.device.type)
+    return impl.state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
+                             **args.backend_kwargs())
+
+
+def warmup(shapes, *, device="cpu", dtype=None, backend=None) -> list[str]:
+    """Compile ahead of time the kernels for `shapes`, an iterable of dicts with keys batch,
+    seq, dim, state (and optionally groups, layout). Returns what was compiled (for `info`);
+    an empty list where the chosen backend compiles nothing."""
+    import torch
+
+    device = torch.device(device)
+    impl = get_backend(backend, device.type)
+    if impl.warmup is None:
+        return []
+    return list(impl.warmup(list(shapes), device=device, dtype=dtype or torch.float32))

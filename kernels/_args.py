@@ -1,0 +1,254 @@
+"""Validation and normalisation shared by every backend.
+
+The public functions in `kernels/__init__.py` call these before dispatching, so a backend
+receives arguments that are known to be consistent:
+
+scan (layout "bld"):  x, dt, z [batch, seq, dim]; B, C [batch, seq, groups, state]
+scan (layout "bdl"):  x, dt, z [batch, dim, seq]; B, C [batch, groups, state, seq]
+both:                 A [dim, state]; D, dt_bias [dim]; h0 [batch, dim, state] or None
+state update:         state [pool, dim, state]; x, dt, z [batch, dim]; B, C [batch, groups, state];
+                      slots [batch] int64 or None (then pool == batch)
+
+3-D B/C are given a groups axis of size 1 as a view (no copy). Nothing is made contiguous:
+backends read through strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import KernelInputError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+LAYOUTS = ("bld", "bdl")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _require_tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputError(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in FLOAT_DTYPES:
+        raise KernelInputError(name, "a floating dtype (float32, float16, bfloat16, float64)", str(t.dtype))
+    return t
+
+
+def _require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], meaning: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        want = "[" + ", ".join(str(s) for s in expected) + "]"
+        raise KernelInputError(name, f"shape {want} ({meaning})", f"shape {_shape(t)}")
+
+
+def _check_clamp(dt_min, dt_max) -> None:
+    for name, v in (("dt_min", dt_min), ("dt_max", dt_max)):
+        if v is not None and not isinstance(v, (int, float)):
+            raise KernelInputError(name, "a number or None", type(v).__name__)
+    if dt_min is not None and dt_max is not None and dt_min > dt_max:
+        raise KernelInputError("dt_max", f"a value >= dt_min ({dt_min})", str(dt_max))
+
+
+def _check_devices(named: dict[str, torch.Tensor | None]) -> torch.device:
+    device = None
+    first = None
+    for name, t in named.items():
+        if t is None:
+            continue
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise KernelInputError(name, f"a tensor on {device} (like {first})", f"a tensor on {t.device}")
+    return device
+
+
+@dataclass(frozen=True)
+class ScanDims:
+    batch: int
+    seq: int
+    dim: int
+    state: int
+    groups: int
+
+
+@dataclass
+class ScanArgs:
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    D: torch.Tensor | None
+    z: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    dt_softplus: bool
+    dt_min: float | None
+    dt_max: float | None
+    h0: torch.Tensor | None
+    return_state: bool
+    layout: str
+    dims: ScanDims
+
+    def backend_kwargs(self) -> dict:
+        return dict(
+            D=self.D, z=self.z, dt_bias=self.dt_bias, dt_softplus=self.dt_softplus,
+            dt_min=self.dt_min, dt_max=self.dt_max, h0=self.h0,
+            return_state=self.return_state, layout=self.layout,
+        )
+
+
+def check_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+               dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld") -> ScanArgs:
+    if layout not in LAYOUTS:
+        raise KernelInputError("layout", '"bld" or "bdl"', repr(layout))
+    x = _require_tensor("x", x)
+    if x.dim() != 3:
+        raise KernelInputError("x", f"3 dimensions ({'[batch, seq, dim]' if layout == 'bld' else '[batch, dim, seq]'})",
+                               f"shape {_shape(x)}")
+    if layout == "bld":
+        batch, seq, dim = x.shape
+    else:
+        batch, dim, seq = x.shape
+    if batch == 0 or seq == 0 or dim == 0:
+        raise KernelInputError("x", "non-empty batch, seq and dim", f"shape {_shape(x)}")
+    dt = _require_tensor("dt", dt)
+    _require_shape("dt", dt, tuple(x.shape), "same as x")
+    A = _require_tensor("A", A)
+    if A.dim() != 2 or A.shape[0] != dim:
+        raise KernelInputError("A", f"shape [{dim}, state] ([dim, state])", f"shape {_shape(A)}")
+    state = A.shape[1]
+    if state == 0:
+        raise KernelInputError("A", "a non-empty state axis", f"shape {_shape(A)}")
+    B = _norm_bc_scan("B", _require_tensor("B", B), batch, seq, state, dim, layout)
+    C = _norm_bc_scan("C", _require_tensor("C", C), batch, seq, state, dim, layout)
+    groups = B.shape[2] if layout == "bld" else B.shape[1]
+    c_groups = C.shape[2] if layout == "bld" else C.shape[1]
+    if c_groups != groups:
+        raise KernelInputError("C", f"{groups} groups (as B)", f"{c_groups} groups")
+    if D is not None:
+        D = _require_tensor("D", D)
+        _require_shape("D", D, (dim,), "[dim]")
+    if dt_bias is not None:
+        dt_bias = _require_tensor("dt_bias", dt_bias)
+        _require_shape("dt_bias", dt_bias, (dim,), "[dim]")
+    if z is not None:
+        z = _require_tensor("z", z)
+        _require_shape("z", z, tuple(x.shape), "same as x")
+    if h0 is not None:
+        h0 = _require_tensor("h0", h0)
+        _require_shape("h0", h0, (batch, dim, state), "[batch, dim, state]")
+    _check_clamp(dt_min, dt_max)
+    _check_devices(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0))
+    return ScanArgs(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+                    None if dt_min is None else float(dt_min), None if dt_max is None else float(dt_max),
+                    h0, bool(return_state), layout, ScanDims(batch, seq, dim, state, groups))
+
+
+def _norm_bc_scan(name, t, batch, seq, state, dim, layout) -> torch.Tensor:
+    if layout == "bld":
+        if t.dim() == 3:
+            _require_shape(name, t, (batch, seq, state), "[batch, seq, state]")
+            t = t.unsqueeze(2)
+        elif t.dim() == 4:
+            if (t.shape[0], t.shape[1], t.shape[3]) != (batch, seq, state):
+                raise KernelInputError(name, f"shape [{batch}, {seq}, groups, {state}] ([batch, seq, groups, state])",
+                                       f"shape {_shape(t)}")
+        else:
+            raise KernelInputError(name, "[batch, seq, state] or [batch, seq, groups, state]", f"shape {_shape(t)}")
+        groups = t.shape[2]
+    else:
+        if t.dim() == 3:
+            _require_shape(name, t, (batch, state, seq), "[batch, state, seq]")
+            t = t.unsqueeze(1)
+        elif t.dim() == 4:
+            if (t.shape[0], t.shape[2], t.shape[3]) != (batch, state, seq):
+                raise KernelInputError(name, f"shape [{batch}, groups, {state}, {seq}] ([batch, groups, state, seq])",
+                                       f"shape {_shape(t)}")
+        else:
+            raise KernelInputError(name, "[batch, state, seq] or [batch, groups, state, seq]", f"shape {_shape(t)}")
+        groups = t.shape[1]
+    if groups == 0 or dim % groups != 0:
+        raise KernelInputError(name, f"a group count dividing dim ({dim})", f"{groups} groups")
+    return t
+
+
+@dataclass
+class UpdateArgs:
+    state: torch.Tensor
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    D: torch.Tensor | None
+    z: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    dt_softplus: bool
+    dt_min: float | None
+    dt_max: float | None
+    slots: torch.Tensor | None
+
+    def backend_kwargs(self) -> dict:
+        return dict(D=self.D, z=self.z, dt_bias=self.dt_bias, dt_softplus=self.dt_softplus,
+                    dt_min=self.dt_min, dt_max=self.dt_max, slots=self.slots)
+
+
+def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                       dt_min=None, dt_max=None, slots=None) -> UpdateArgs:
+    state = _require_tensor("state", state)
+    if state.dim() != 3:
+        raise KernelInputError("state", "3 dimensions ([pool, dim, state])", f"shape {_shape(state)}")
+    pool, dim, n = state.shape
+    x = _require_tensor("x", x)
+    if x.dim() != 2 or x.shape[1] != dim:
+        raise KernelInputError("x", f"shape [batch, {dim}] ([batch, dim])", f"shape {_shape(x)}")
+    batch = x.shape[0]
+    dt = _require_tensor("dt", dt)
+    _require_shape("dt", dt, tuple(x.shape), "same as x")
+    A = _require_tensor("A", A)
+    _require_shape("A", A, (dim, n), "[dim, state]")
+    B = _norm_bc_update("B", _require_tensor("B", B), batch, n, dim)
+    C = _norm_bc_update("C", _require_tensor("C", C), batch, n, dim)
+    if C.shape[1] != B.shape[1]:
+        raise KernelInputError("C", f"{B.shape[1]} groups (as B)", f"{C.shape[1]} groups")
+    if D is not None:
+        D = _require_tensor("D", D)
+        _require_shape("D", D, (dim,), "[dim]")
+    if dt_bias is not None:
+        dt_bias = _require_tensor("dt_bias", dt_bias)
+        _require_shape("dt_bias", dt_bias, (dim,), "[dim]")
+    if z is not None:
+        z = _require_tensor("z", z)
+        _require_shape("z", z, tuple(x.shape), "same as x")
+    if slots is None:
+        if pool != batch:
+            raise KernelInputError("state", f"{batch} rows (batch of x) when no slots are given",
+                                   f"{pool} rows")
+    else:
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
+            raise KernelInputError("slots", "an int32/int64 tensor", getattr(slots, "dtype", type(slots).__name__).__str__())
+        _require_shape("slots", slots, (batch,), "[batch]")
+        if slots.numel() and int(slots.max()) >= pool:
+            raise KernelInputError("slots", f"indices < {pool} (pool rows) or negative for padding",
+                                   f"max index {int(slots.max())}")
+    _check_clamp(dt_min, dt_max)
+    _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
+    return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+                      None if dt_min is None else float(dt_min), None if dt_max is None else float(dt_max), slots)
+
+
+def _norm_bc_update(name, t, batch, n, dim) -> torch.Tensor:
+    if t.dim() == 2:
+        _require_shape(name, t, (batch, n), "[batch, state]")
+        t = t.unsqueeze(1)
+    elif t.dim() == 3:
+        if (t.shape[0], t.shape[2]) != (batch, n):
+            raise KernelInputError(name, f"shape [{batch}, groups, {n}] ([batch, groups, state])", f"shape {_shape(t)}")
+    else:
+        raise KernelInputError(name, "[batch, state] or [batch, groups, state]", f"shape {_shape(t)}")
+    groups = t.shape[1]
+    if groups == 0 or dim % groups != 0:
+        raise KernelInputError(name, f"a group count dividing dim ({dim})", f"{groups} groups")
+    return t

@@ -1,0 +1,106 @@
+"""Backend registry.
+
+Each backend lives in its own module exposing `load_backend() -> Backend`, which raises
+`BackendUnavailable(reason)` when it cannot run here. Modules are imported lazily, once; the
+reason a backend is unavailable is logged once and kept for `unavailable_backends()` (the
+server's `info` op reports it).
+
+Backend call signatures (arguments already validated and normalised by `kernels._args`):
+
+    scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state, layout)
+        -> (y, state_or_None)
+    state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots) -> y
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import BackendUnavailable, UnknownBackend
+
+log = logging.getLogger("kernels")
+
+# name -> module; order is the listing order of available_backends().
+BACKEND_MODULES = {
+    "reference": "kernels.reference",
+    "torch": "kernels.eager",
+    "cpu": "kernels.cpu",
+    "triton": "kernels.triton_kernels",
+}
+
+# For backend=None: the first available backend that serves the tensors' device type.
+# The Triton interpreter also serves CPU tensors, but far slower than any other CPU backend,
+# so it is only ever used on the CPU when asked for by name.
+PREFERENCE = {
+    "cuda": ("triton", "torch", "reference"),
+    "cpu": ("cpu", "torch", "reference"),
+}
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    scan: Callable
+    state_update: Callable
+    device_types: frozenset
+    # Compiles kernels for the given shape buckets ahead of the first request; returns a list
+    # of human-readable descriptions of what was compiled. None: nothing to compile.
+    warmup: Callable | None = None
+    details: dict = field(default_factory=dict)
+
+
+_lock = threading.Lock()
+_loaded: dict[str, Backend] = {}
+_unavailable: dict[str, str] = {}
+
+
+def _load(name: str) -> Backend | None:
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        if name in _unavailable:
+            return None
+        try:
+            module = importlib.import_module(BACKEND_MODULES[name])
+            backend = module.load_backend()
+        except BackendUnavailable as exc:
+            _unavailable[name] = str(exc)
+            log.info("kernels backend %r unavailable: %s", name, exc)
+            return None
+        except ImportError as exc:
+            _unavailable[name] = f"import failed: {exc}"
+            log.info("kernels backend %r unavailable: import failed: %s", name, exc)
+            return None
+        _loaded[name] = backend
+        return backend
+
+
+def available_backends() -> list[str]:
+    return [name for name in BACKEND_MODULES if _load(name) is not None]
+
+
+def unavailable_backends() -> dict[str, str]:
+    available_backends()
+    return dict(_unavailable)
+
+
+def get_backend(name: str | None, device_type: str) -> Backend:
+    if name is None:
+        for candidate in PREFERENCE.get(device_type, ("torch", "reference")):
+            backend = _load(candidate)
+            if backend is not None and device_type in backend.device_types:
+                return backend
+        raise BackendUnavailable(f"no backend serves device type {device_type!r}")
+    if name not in BACKEND_MODULES:
+        raise UnknownBackend("backend", "one of " + ", ".join(repr(n) for n in BACKEND_MODULES), repr(name))
+    backend = _load(name)
+    if backend is None:
+        raise BackendUnavailable(f"backend {name!r} is unavailable: {_unavailable[name]}")
+    if device_type not in backend.device_types:
+        raise BackendUnavailable(
+            f"backend {name!r} serves {sorted(backend.device_types)}, not {device_type!r} tensors")
+    return backend

@@ -1,0 +1,210 @@
+"""Shared test harness for every kernels backend: named cases, fresh random inputs (never
+zeros), a per-dtype tolerance table and one comparison helper.
+
+Each backend's tests draw cases from here and compare against `kernels.reference` run in
+float64, so a backend is never checked against itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+# Per-dtype tolerances (rtol, atol) against the float64 reference, as in mamba_ssm's tests:
+# fp32 3e-4 / 1e-3, fp16 5e-3 / 1e-2, bf16 1e-2 / 5e-2.
+TOLERANCES = {
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (3e-4, 1e-3),
+    torch.float16: (5e-3, 1e-2),
+    torch.bfloat16: (1e-2, 5e-2),
+}
+# The state is kept in fp32 whatever the input dtype, so it meets fp32 tolerances against
+# a reference fed the same (rounded) inputs.
+STATE_TOLERANCE = (3e-4, 1e-3)
+
+
+@dataclass(frozen=True)
+class ScanCase:
+    batch: int
+    seq: int
+    dim: int
+    state: int
+    groups: int = 1
+    layout: str = "bld"
+    D: bool = False
+    z: bool = False
+    dt_bias: bool = False
+    dt_softplus: bool = False
+    clamp: bool = False
+    h0: bool = False
+    return_state: bool = True
+    bc_3d: bool = False  # pass B/C without the groups axis (requires groups == 1)
+
+
+# Named cases: odd sizes (dim not a power of two, seq not a multiple of common chunk sizes),
+# groups, each option alone and all together, both layouts.
+SCAN_CASES = [
+    pytest.param(ScanCase(1, 1, 1, 1), id="tiny-1x1x1x1"),
+    pytest.param(ScanCase(2, 7, 5, 3, bc_3d=True), id="odd-bc3d"),
+    pytest.param(ScanCase(3, 13, 12, 4, groups=2), id="groups2"),
+    pytest.param(ScanCase(3, 13, 12, 4, groups=3, layout="bdl"), id="groups3-bdl"),
+    pytest.param(ScanCase(2, 9, 6, 5, D=True), id="D"),
+    pytest.param(ScanCase(2, 9, 6, 5, z=True), id="z"),
+    pytest.param(ScanCase(2, 9, 6, 5, dt_bias=True), id="dt_bias"),
+    pytest.param(ScanCase(2, 9, 6, 5, dt_softplus=True), id="softplus"),
+    pytest.param(ScanCase(2, 9, 6, 5, clamp=True), id="clamp"),
+    pytest.param(ScanCase(2, 9, 6, 5, h0=True), id="h0"),
+    pytest.param(ScanCase(2, 9, 6, 5, return_state=False), id="no-state"),
+    pytest.param(ScanCase(3, 37, 20, 16, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
+                          clamp=True, h0=True), id="all-options-bld"),
+    pytest.param(ScanCase(3, 37, 20, 16, groups=2, layout="bdl", D=True, z=True, dt_bias=True,
+                          dt_softplus=True, clamp=True, h0=True), id="all-options-bdl"),
+    pytest.param(ScanCase(1, 130, 33, 8, D=True, dt_softplus=True, dt_bias=True), id="long-odd"),
+]
+
+
+@dataclass(frozen=True)
+class UpdateCase:
+    batch: int
+    dim: int
+    state: int
+    groups: int = 1
+    pool: int | None = None  # None: no slots, pool == batch
+    padding_rows: int = 0  # how many of the slots are negative (padding)
+    D: bool = False
+    z: bool = False
+    dt_bias: bool = False
+    dt_softplus: bool = False
+    clamp: bool = False
+    bc_2d: bool = False
+
+
+UPDATE_CASES = [
+    pytest.param(UpdateCase(1, 1, 1), id="tiny"),
+    pytest.param(UpdateCase(3, 5, 3, bc_2d=True), id="odd-bc2d"),
+    pytest.param(UpdateCase(3, 12, 4, groups=2), id="groups2"),
+    pytest.param(UpdateCase(2, 6, 5, D=True, z=True), id="D-z"),
+    pytest.param(UpdateCase(2, 6, 5, dt_bias=True, dt_softplus=True), id="bias-softplus"),
+    pytest.param(UpdateCase(2, 6, 5, clamp=True), id="clamp"),
+    pytest.param(UpdateCase(5, 20, 16, pool=9), id="slots"),
+    pytest.param(UpdateCase(7, 20, 16, groups=2, pool=11, padding_rows=3, D=True, z=True,
+                            dt_bias=True, dt_softplus=True, clamp=True), id="slots-padding-all"),
+]
+
+
+def _rand(shape, dtype, device, gen, low=-1.0, high=1.0):
+    # Uniform in [low, high), drawn in fp32 then cast: never all zeros.
+    t = torch.rand(shape, generator=gen, dtype=torch.float32) * (high - low) + low
+    return t.to(device=device, dtype=dtype)
+
+
+def make_scan_inputs(case: ScanCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """Keyword arguments for `kernels.selective_scan` (without backend)."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    b, l, d, n, g = case.batch, case.seq, case.dim, case.state, case.groups
+    if case.layout == "bld":
+        xs, bcs = (b, l, d), ((b, l, n) if case.bc_3d else (b, l, g, n))
+    else:
+        xs, bcs = (b, d, l), ((b, n, l) if case.bc_3d else (b, g, n, l))
+    args = dict(
+        x=_rand(xs, dtype, device, gen),
+        # dt positive and modest; with softplus it is a pre-activation around zero.
+        dt=_rand(xs, dtype, device, gen, -1.0, 1.0) if case.dt_softplus else _rand(xs, dtype, device, gen, 0.01, 0.5),
+        # A negative (mamba: A = -exp(A_log)) in fp32, like mamba's parameters.
+        A=_rand((d, n), torch.float32, device, gen, -2.0, -0.1),
+        B=_rand(bcs, dtype, device, gen),
+        C=_rand(bcs, dtype, device, gen),
+        layout=case.layout,
+        return_state=case.return_state,
+    )
+    if case.D:
+        args["D"] = _rand((d,), torch.float32, device, gen)
+    if case.z:
+        args["z"] = _rand(xs, dtype, device, gen, -2.0, 2.0)
+    if case.dt_bias:
+        args["dt_bias"] = _rand((d,), torch.float32, device, gen, -0.5, 0.5)
+    if case.dt_softplus:
+        args["dt_softplus"] = True
+    if case.clamp:
+        args["dt_min"], args["dt_max"] = 0.05, 0.3
+    if case.h0:
+        args["h0"] = _rand((b, d, n), torch.float32, device, gen)
+    return args
+
+
+def make_update_inputs(case: UpdateCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """Keyword arguments for `kernels.selective_state_update` (without backend); `state` is a
+    fresh random fp32 pool."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    b, d, n, g = case.batch, case.dim, case.state, case.groups
+    pool = case.pool if case.pool is not None else b
+    bcs = (b, n) if case.bc_2d else (b, g, n)
+    args = dict(
+        state=_rand((pool, d, n), torch.float32, device, gen),
+        x=_rand((b, d), dtype, device, gen),
+        dt=_rand((b, d), dtype, device, gen, -1.0, 1.0) if case.dt_softplus else _rand((b, d), dtype, device, gen, 0.01, 0.5),
+        A=_rand((d, n), torch.float32, device, gen, -2.0, -0.1),
+        B=_rand(bcs, dtype, device, gen),
+        C=_rand(bcs, dtype, device, gen),
+    )
+    if case.pool is not None:
+        perm = torch.randperm(pool, generator=gen)[:b]
+        if case.padding_rows:
+            perm[torch.randperm(b, generator=gen)[: case.padding_rows]] = -1
+        args["slots"] = perm.to(device=device, dtype=torch.int64)
+    if case.D:
+        args["D"] = _rand((d,), torch.float32, device, gen)
+    if case.z:
+        args["z"] = _rand((b, d), dtype, device, gen, -2.0, 2.0)
+    if case.dt_bias:
+        args["dt_bias"] = _rand((d,), torch.float32, device, gen, -0.5, 0.5)
+    if case.dt_softplus:
+        args["dt_softplus"] = True
+    if case.clamp:
+        args["dt_min"], args["dt_max"] = 0.05, 0.3
+    return args
+
+
+def reference_scan(inputs: dict):
+    """(y, state) from the float64 reference for the same inputs."""
+    return _reference_scan64(inputs)
+
+
+def _reference_scan64(inputs: dict):
+    from kernels import _args
+    from kernels.reference import selective_scan_ref
+
+    a = _args.check_scan(**{**inputs, "return_state": True})
+    y, state = selective_scan_ref(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs(),
+                                  compute_dtype=torch.float64)
+    return y, state
+
+
+def reference_update(inputs: dict):
+    """(y, new_state) from the float64 reference applied to a copy of inputs["state"]."""
+    from kernels.reference import selective_state_update_ref
+
+    state = inputs["state"].clone().to(torch.float64)
+    kw = {k: v for k, v in inputs.items() if k != "state"}
+    y = selective_state_update_ref(state, compute_dtype=torch.float64, **kw)
+    return y, state
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,
+                 tolerance=None) -> None:
+    """Compare in float64 with the tolerance of `dtype` (or an explicit (rtol, atol))."""
+    rtol, atol = tolerance or TOLERANCES[dtype]
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if torch.isnan(a).any():
+        raise AssertionError(f"{what}: {int(torch.isnan(a).sum())} NaN elements (unwritten output?)")
+    torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"{what} ({dtype}): {m}")
+
+
+def with_option(case, **changes):
+    return dataclasses.replace(case, **changes)
