@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from . import _args
 from ._registry import available_backends, get_backend, unavailable_backends
-from .errors import BackendUnavailable, KernelInputError, UnknownBackend
+from .errors import BackendUnavailable, KernelInputError, ShapeMismatch, UnknownBackend
 
 __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends",
-    "select_backend", "warmup", "KernelInputError", "BackendUnavailable", "UnknownBackend",
+    "select_backend", "warmup", "KernelInputError", "ShapeMismatch", "BackendUnavailable",
+    "UnknownBackend",
 ]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import KernelInputError
+from .errors import KernelInputError, ShapeMismatch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 LAYOUTS = ("bld", "bdl")
@@ -31,7 +31,7 @@ def _shape(t: torch.Tensor) -> str:
 
 def _require_tensor(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise KernelInputError(name, "a torch.Tensor", type(t).__name__)
+        raise ShapeMismatch(name, "a torch.Tensor", type(t).__name__)
     if t.dtype not in FLOAT_DTYPES:
         raise KernelInputError(name, "a floating dtype (float32, float16, bfloat16, float64)", str(t.dtype))
     return t
@@ -40,13 +40,13 @@ def _require_tensor(name: str, t) -> torch.Tensor:
 def _require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], meaning: str) -> None:
     if tuple(t.shape) != tuple(expected):
         want = "[" + ", ".join(str(s) for s in expected) + "]"
-        raise KernelInputError(name, f"shape {want} ({meaning})", f"shape {_shape(t)}")
+        raise ShapeMismatch(name, f"shape {want} ({meaning})", f"shape {_shape(t)}")
 
 
 def _check_clamp(dt_min, dt_max) -> None:
     for name, v in (("dt_min", dt_min), ("dt_max", dt_max)):
         if v is not None and not isinstance(v, (int, float)):
-            raise KernelInputError(name, "a number or None", type(v).__name__)
+            raise ShapeMismatch(name, "a number or None", type(v).__name__)
     if dt_min is not None and dt_max is not None and dt_min > dt_max:
         raise KernelInputError("dt_max", f"a value >= dt_min ({dt_min})", str(dt_max))
 
@@ -105,28 +105,28 @@ def check_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=Fals
         raise KernelInputError("layout", '"bld" or "bdl"', repr(layout))
     x = _require_tensor("x", x)
     if x.dim() != 3:
-        raise KernelInputError("x", f"3 dimensions ({'[batch, seq, dim]' if layout == 'bld' else '[batch, dim, seq]'})",
+        raise ShapeMismatch("x", f"3 dimensions ({'[batch, seq, dim]' if layout == 'bld' else '[batch, dim, seq]'})",
                                f"shape {_shape(x)}")
     if layout == "bld":
         batch, seq, dim = x.shape
     else:
         batch, dim, seq = x.shape
     if batch == 0 or seq == 0 or dim == 0:
-        raise KernelInputError("x", "non-empty batch, seq and dim", f"shape {_shape(x)}")
+        raise ShapeMismatch("x", "non-empty batch, seq and dim", f"shape {_shape(x)}")
     dt = _require_tensor("dt", dt)
     _require_shape("dt", dt, tuple(x.shape), "same as x")
     A = _require_tensor("A", A)
     if A.dim() != 2 or A.shape[0] != dim:
-        raise KernelInputError("A", f"shape [{dim}, state] ([dim, state])", f"shape {_shape(A)}")
+        raise ShapeMismatch("A", f"shape [{dim}, state] ([dim, state])", f"shape {_shape(A)}")
     state = A.shape[1]
     if state == 0:
-        raise KernelInputError("A", "a non-empty state axis", f"shape {_shape(A)}")
+        raise ShapeMismatch("A", "a non-empty state axis", f"shape {_shape(A)}")
     B = _norm_bc_scan("B", _require_tensor("B", B), batch, seq, state, dim, layout)
     C = _norm_bc_scan("C", _require_tensor("C", C), batch, seq, state, dim, layout)
     groups = B.shape[2] if layout == "bld" else B.shape[1]
     c_groups = C.shape[2] if layout == "bld" else C.shape[1]
     if c_groups != groups:
-        raise KernelInputError("C", f"{groups} groups (as B)", f"{c_groups} groups")
+        raise ShapeMismatch("C", f"{groups} groups (as B)", f"{c_groups} groups")
     if D is not None:
         D = _require_tensor("D", D)
         _require_shape("D", D, (dim,), "[dim]")
@@ -153,10 +153,10 @@ def _norm_bc_scan(name, t, batch, seq, state, dim, layout) -> torch.Tensor:
             t = t.unsqueeze(2)
         elif t.dim() == 4:
             if (t.shape[0], t.shape[1], t.shape[3]) != (batch, seq, state):
-                raise KernelInputError(name, f"shape [{batch}, {seq}, groups, {state}] ([batch, seq, groups, state])",
+                raise ShapeMismatch(name, f"shape [{batch}, {seq}, groups, {state}] ([batch, seq, groups, state])",
                                        f"shape {_shape(t)}")
         else:
-            raise KernelInputError(name, "[batch, seq, state] or [batch, seq, groups, state]", f"shape {_shape(t)}")
+            raise ShapeMismatch(name, "[batch, seq, state] or [batch, seq, groups, state]", f"shape {_shape(t)}")
         groups = t.shape[2]
     else:
         if t.dim() == 3:
@@ -164,13 +164,13 @@ def _norm_bc_scan(name, t, batch, seq, state, dim, layout) -> torch.Tensor:
             t = t.unsqueeze(1)
         elif t.dim() == 4:
             if (t.shape[0], t.shape[2], t.shape[3]) != (batch, state, seq):
-                raise KernelInputError(name, f"shape [{batch}, groups, {state}, {seq}] ([batch, groups, state, seq])",
+                raise ShapeMismatch(name, f"shape [{batch}, groups, {state}, {seq}] ([batch, groups, state, seq])",
                                        f"shape {_shape(t)}")
         else:
-            raise KernelInputError(name, "[batch, state, seq] or [batch, groups, state, seq]", f"shape {_shape(t)}")
+            raise ShapeMismatch(name, "[batch, state, seq] or [batch, groups, state, seq]", f"shape {_shape(t)}")
         groups = t.shape[1]
     if groups == 0 or dim % groups != 0:
-        raise KernelInputError(name, f"a group count dividing dim ({dim})", f"{groups} groups")
+        raise ShapeMismatch(name, f"a group count dividing dim ({dim})", f"{groups} groups")
     return t
 
 
@@ -199,11 +199,11 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
                        dt_min=None, dt_max=None, slots=None) -> UpdateArgs:
     state = _require_tensor("state", state)
     if state.dim() != 3:
-        raise KernelInputError("state", "3 dimensions ([pool, dim, state])", f"shape {_shape(state)}")
+        raise ShapeMismatch("state", "3 dimensions ([pool, dim, state])", f"shape {_shape(state)}")
     pool, dim, n = state.shape
     x = _require_tensor("x", x)
     if x.dim() != 2 or x.shape[1] != dim:
-        raise KernelInputError("x", f"shape [batch, {dim}] ([batch, dim])", f"shape {_shape(x)}")
+        raise ShapeMismatch("x", f"shape [batch, {dim}] ([batch, dim])", f"shape {_shape(x)}")
     batch = x.shape[0]
     dt = _require_tensor("dt", dt)
     _require_shape("dt", dt, tuple(x.shape), "same as x")
@@ -212,7 +212,7 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     B = _norm_bc_update("B", _require_tensor("B", B), batch, n, dim)
     C = _norm_bc_update("C", _require_tensor("C", C), batch, n, dim)
     if C.shape[1] != B.shape[1]:
-        raise KernelInputError("C", f"{B.shape[1]} groups (as B)", f"{C.shape[1]} groups")
+        raise ShapeMismatch("C", f"{B.shape[1]} groups (as B)", f"{C.shape[1]} groups")
     if D is not None:
         D = _require_tensor("D", D)
         _require_shape("D", D, (dim,), "[dim]")
@@ -224,14 +224,14 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
         _require_shape("z", z, tuple(x.shape), "same as x")
     if slots is None:
         if pool != batch:
-            raise KernelInputError("state", f"{batch} rows (batch of x) when no slots are given",
+            raise ShapeMismatch("state", f"{batch} rows (batch of x) when no slots are given",
                                    f"{pool} rows")
     else:
         if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
             raise KernelInputError("slots", "an int32/int64 tensor", getattr(slots, "dtype", type(slots).__name__).__str__())
         _require_shape("slots", slots, (batch,), "[batch]")
         if slots.numel() and int(slots.max()) >= pool:
-            raise KernelInputError("slots", f"indices < {pool} (pool rows) or negative for padding",
+            raise ShapeMismatch("slots", f"indices < {pool} (pool rows) or negative for padding",
                                    f"max index {int(slots.max())}")
     _check_clamp(dt_min, dt_max)
     _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
@@ -245,10 +245,10 @@ def _norm_bc_update(name, t, batch, n, dim) -> torch.Tensor:
         t = t.unsqueeze(1)
     elif t.dim() == 3:
         if (t.shape[0], t.shape[2]) != (batch, n):
-            raise KernelInputError(name, f"shape [{batch}, groups, {n}] ([batch, groups, state])", f"shape {_shape(t)}")
+            raise ShapeMismatch(name, f"shape [{batch}, groups, {n}] ([batch, groups, state])", f"shape {_shape(t)}")
     else:
-        raise KernelInputError(name, "[batch, state] or [batch, groups, state]", f"shape {_shape(t)}")
+        raise ShapeMismatch(name, "[batch, state] or [batch, groups, state]", f"shape {_shape(t)}")
     groups = t.shape[1]
     if groups == 0 or dim % groups != 0:
-        raise KernelInputError(name, f"a group count dividing dim ({dim})", f"{groups} groups")
+        raise ShapeMismatch(name, f"a group count dividing dim ({dim})", f"{groups} groups")
     return t

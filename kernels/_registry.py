@@ -71,7 +71,8 @@ def _load(name: str) -> Backend | None:
             _unavailable[name] = str(exc)
             log.info("kernels backend %r unavailable: %s", name, exc)
             return None
-        except ImportError as exc:
+        except (ImportError, AttributeError) as exc:
+            # AttributeError: a module without load_backend() (a broken or partial install).
             _unavailable[name] = f"import failed: {exc}"
             log.info("kernels backend %r unavailable: import failed: %s", name, exc)
             return None

@@ -16,6 +16,10 @@ class KernelInputError(ValueError):
         super().__init__(f"{field}: expected {expected}, got {got}")
 
 
+class ShapeMismatch(KernelInputError):
+    """A tensor's shape disagrees with what the other arguments imply."""
+
+
 class BackendUnavailable(RuntimeError):
     """A backend cannot run here (not built, no device, missing package). Carries the reason."""
 

@@ -66,6 +66,18 @@ SCAN_CASES = [
 ]
 
 
+# Larger cases, for backends that process the sequence in chunks or the channels in blocks:
+# sizes that leave odd remainders at every common chunk length, a long sequence with every
+# option, and one timestep too wide to be processed in one piece (2050 channels, state 128).
+# Seconds in the float64 reference, so kept out of SCAN_CASES (which interpreter suites use).
+LARGE_SCAN_CASES = [
+    pytest.param(ScanCase(2, 601, 66, 16, groups=3, D=True, z=True, dt_bias=True, dt_softplus=True,
+                          clamp=True, h0=True), id="long-all-options"),
+    pytest.param(ScanCase(2, 5, 2050, 128, groups=2, layout="bdl", D=True, z=True, h0=True),
+                 id="wide-bdl"),
+]
+
+
 @dataclass(frozen=True)
 class UpdateCase:
     batch: int

@@ -1,0 +1,392 @@
+"""The generic kernels suite: every available backend that serves CPU tensors (except the
+reference, which is the oracle, and Triton, which has its own interpreter suite) against the
+float64 reference, plus chaining, strided inputs, validation and backend selection.
+
+Inputs are fresh random draws each run; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kernels
+from kernel_cases import (
+    LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, TOLERANCES, UPDATE_CASES, ScanCase, UpdateCase,
+    assert_close, make_scan_inputs, make_update_inputs, reference_scan, reference_update,
+)
+
+
+def _cpu_backends() -> list[str]:
+    names = []
+    for name in kernels.available_backends():
+        if name in ("reference", "triton"):
+            continue
+        try:
+            kernels.select_backend("cpu", name)
+        except kernels.BackendUnavailable:
+            continue  # available, but for other devices only
+        names.append(name)
+    return names
+
+
+BACKENDS = [pytest.param(name, id=name) for name in _cpu_backends()]
+DTYPES = [
+    pytest.param(torch.float32, id="f32"),
+    pytest.param(torch.float16, id="f16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float64, id="f64"),
+]
+
+
+def _seed() -> int:
+    return random.randrange(2**31)
+
+
+def _state_tolerance(dtype):
+    # The state is fp32 for every input dtype but float64 (then fp64).
+    return TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
+
+
+def _state_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_scan(backend, case, dtype, seed, what):
+    inputs = make_scan_inputs(case, dtype, seed=seed)
+    y_ref, state_ref = reference_scan(inputs)
+    out = kernels.selective_scan(**inputs, backend=backend)
+    y, state = out if case.return_state else (out, None)
+    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
+    assert_close(y, y_ref, dtype, f"{what} y")
+    if case.return_state:
+        assert state.dtype == _state_dtype(dtype), f"{what}: state dtype {state.dtype}"
+        assert_close(state, state_ref, dtype, f"{what} state", _state_tolerance(dtype))
+
+
+# --- scan and state update against the float64 reference ------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SCAN_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_matches_reference(backend, case, dtype):
+    seed = _seed()
+    _check_scan(backend, case, dtype, seed, f"{backend} seed={seed}")
+
+
+@pytest.mark.parametrize("case", LARGE_SCAN_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_scan_matches_reference(backend, case):
+    seed = _seed()
+    _check_scan(backend, case, torch.float32, seed, f"{backend} seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", UPDATE_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_update_matches_reference(backend, case, dtype):
+    seed = _seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_update_inputs(case, dtype, seed=seed)
+    y_ref, state_ref = reference_update(inputs)
+    before = inputs["state"].clone()
+    y = kernels.selective_state_update(**inputs, backend=backend)
+    state = inputs["state"]
+
+    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
+    assert_close(y, y_ref, dtype, f"{what} y")
+    slots = inputs.get("slots")
+    live = torch.ones(case.batch, dtype=torch.bool) if slots is None else slots >= 0
+    if slots is not None:
+        padding = ~live
+        assert torch.equal(y[padding], torch.zeros_like(y[padding])), f"{what}: padding rows' y not 0"
+    touched = torch.zeros(state.shape[0], dtype=torch.bool)
+    touched[torch.arange(case.batch) if slots is None else slots[live]] = True
+    # The pool is fp32 for every input dtype (make_update_inputs), so fp32 tolerances.
+    assert_close(state[touched], state_ref[touched], dtype, f"{what} updated rows", STATE_TOLERANCE)
+    assert torch.equal(state[~touched], before[~touched]), f"{what}: rows outside the live slots changed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_strong_decay_stays_finite(backend):
+    """Decays of e^-3000 and below over the sequence: a formulation that takes exp of positive
+    cumulative sums overflows here; the true state only keeps the latest inputs."""
+    case = ScanCase(1, 3001, 8, 4, D=True, dt_bias=True, dt_softplus=True)
+    seed = _seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_scan_inputs(case, torch.float32, seed=seed)
+    inputs["dt_bias"] = inputs["dt_bias"] + 10.0  # softplus(dt) ~ 10 with A in [-2, -0.1]
+    y_ref, state_ref = reference_scan(inputs)
+    y, state = kernels.selective_scan(**inputs, backend=backend)
+    assert torch.isfinite(y).all() and torch.isfinite(state).all(), f"{what}: inf or NaN"
+    assert_close(y, y_ref, torch.float32, f"{what} y")
+    assert_close(state, state_ref, torch.float32, f"{what} state")
+
+
+# --- chaining: state carried across calls ---------------------------------------------------
+
+def _seq_slice(inputs: dict, layout: str, start: int, stop: int) -> dict:
+    """The inputs for timesteps [start, stop): the seq axis is 1 in "bld" and last in "bdl"."""
+    out = dict(inputs)
+    for name in ("x", "dt", "z", "B", "C"):
+        if name in inputs:
+            out[name] = inputs[name][:, start:stop] if layout == "bld" else inputs[name][..., start:stop]
+    return out
+
+
+CHAIN_CASES = [
+    pytest.param(ScanCase(2, 23, 10, 4, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
+                          clamp=True, h0=True), 9, id="all-options-bld"),
+    pytest.param(ScanCase(3, 17, 9, 5, groups=3, layout="bdl", D=True, z=True, h0=True), 16,
+                 id="groups3-bdl"),
+    pytest.param(ScanCase(1, 40, 7, 3, bc_3d=True), 1, id="split-after-first-step"),
+]
+
+
+@pytest.mark.parametrize("case,split", CHAIN_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_in_two_calls_equals_one(backend, case, split):
+    seed = _seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_scan_inputs(case, torch.float32, seed=seed)
+    y_full, state_full = kernels.selective_scan(**inputs, backend=backend)
+    y1, state1 = kernels.selective_scan(**_seq_slice(inputs, case.layout, 0, split), backend=backend)
+    second = {**_seq_slice(inputs, case.layout, split, case.seq), "h0": state1}
+    y2, state2 = kernels.selective_scan(**second, backend=backend)
+    seq_axis = 1 if case.layout == "bld" else 2
+    assert_close(torch.cat([y1, y2], dim=seq_axis), y_full, torch.float32, f"{what} y")
+    assert_close(state2, state_full, torch.float32, f"{what} state")
+
+
+@pytest.mark.parametrize("steps", [pytest.param(1, id="1-step"), pytest.param(6, id="6-steps")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_then_state_updates_equals_one_scan(backend, steps):
+    case = ScanCase(3, 19, 12, 5, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
+                    clamp=True, h0=True)
+    seed = _seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_scan_inputs(case, torch.float32, seed=seed)
+    y_full, state_full = kernels.selective_scan(**inputs, backend=backend)
+    prefill = case.seq - steps
+    _, state = kernels.selective_scan(**_seq_slice(inputs, "bld", 0, prefill), backend=backend)
+    shared = {k: inputs[k] for k in ("A", "D", "dt_bias", "dt_softplus", "dt_min", "dt_max")}
+    for t in range(prefill, case.seq):
+        step = {k: inputs[k][:, t] for k in ("x", "dt", "B", "C", "z")}
+        y_t = kernels.selective_state_update(state, **step, **shared, backend=backend)
+        assert_close(y_t, y_full[:, t], torch.float32, f"{what} y at step {t}")
+    assert_close(state, state_full, torch.float32, f"{what} state")
+
+
+# --- strided (non-contiguous) inputs --------------------------------------------------------
+
+def _nan_gapped(t: torch.Tensor) -> torch.Tensor:
+    """Same values, every stride doubled, NaN in the gaps: a backend that reads (or writes)
+    through the wrong strides shows NaN or leaves NaN behind."""
+    return torch.stack((t, torch.full_like(t, float("nan"))), dim=-1)[..., 0]
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """Same values and shape, last two axes laid out transposed in memory."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() >= 2 else t
+
+
+STRIDED = [pytest.param(_nan_gapped, id="nan-gapped"), pytest.param(_transposed, id="transposed")]
+STRIDED_SCAN_CASES = [
+    pytest.param(ScanCase(2, 11, 12, 4, groups=2, D=True, z=True, dt_bias=True, h0=True), id="bld"),
+    pytest.param(ScanCase(2, 11, 12, 4, groups=3, layout="bdl", D=True, z=True, dt_bias=True,
+                          h0=True), id="bdl"),
+]
+
+
+@pytest.mark.parametrize("restride", STRIDED)
+@pytest.mark.parametrize("case", STRIDED_SCAN_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_strided_inputs(backend, case, restride):
+    seed = _seed()
+    inputs = make_scan_inputs(case, torch.float32, seed=seed)
+    y_ref, state_ref = kernels.selective_scan(**inputs, backend=backend)
+    strided = {k: restride(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    assert not strided["x"].is_contiguous()
+    y, state = kernels.selective_scan(**strided, backend=backend)
+    assert_close(y, y_ref, torch.float32, f"{backend} seed={seed} y")
+    assert_close(state, state_ref, torch.float32, f"{backend} seed={seed} state")
+
+
+@pytest.mark.parametrize("restride", STRIDED)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_update_strided_inputs_and_state(backend, restride):
+    case = UpdateCase(5, 12, 4, groups=2, pool=8, padding_rows=2, D=True, z=True, dt_bias=True)
+    seed = _seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_update_inputs(case, torch.float32, seed=seed)
+    y_ref, state_ref = reference_update(inputs)
+    strided = {k: restride(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+               for k, v in inputs.items()}
+    state = strided["state"]
+    assert not state.is_contiguous()
+    y = kernels.selective_state_update(**strided, backend=backend)
+    assert_close(y, y_ref, torch.float32, f"{what} y")
+    assert_close(state, state_ref, torch.float32, f"{what} state", STATE_TOLERANCE)
+    if restride is _nan_gapped:
+        gaps = state._base[..., 1]
+        assert torch.isnan(gaps).all(), f"{what}: the update wrote outside the state view"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_update_int32_slots(backend):
+    case = UpdateCase(6, 10, 3, pool=9, padding_rows=2, D=True)
+    seed = _seed()
+    inputs = make_update_inputs(case, torch.float32, seed=seed)
+    y_ref, state_ref = reference_update(inputs)
+    inputs["slots"] = inputs["slots"].to(torch.int32)
+    y = kernels.selective_state_update(**inputs, backend=backend)
+    assert_close(y, y_ref, torch.float32, f"{backend} seed={seed} y")
+    assert_close(inputs["state"], state_ref, torch.float32, f"{backend} seed={seed} state",
+                 STATE_TOLERANCE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_update_all_padding_rows_touch_nothing(backend):
+    case = UpdateCase(4, 10, 3, pool=6, padding_rows=4, D=True, z=True)
+    inputs = make_update_inputs(case, torch.float32, seed=_seed())
+    before = inputs["state"].clone()
+    y = kernels.selective_state_update(**inputs, backend=backend)
+    assert torch.equal(y, torch.zeros(4, 10))
+    assert torch.equal(inputs["state"], before)
+
+
+# --- the torch backend's blocking -----------------------------------------------------------
+
+# The case below: one timestep is batch 2 x dim 12 x state 4 x 4 bytes = 384 bytes, and one
+# channel of every group (2 groups) 2 x 2 x 4 x 4 = 64 bytes.
+@pytest.mark.parametrize("block_bytes", [
+    pytest.param(64, id="one-channel-per-block"),
+    pytest.param(4 * 64, id="channel-blocks-4-then-2"),
+    pytest.param(3 * 384, id="3-step-chunks"),
+])
+@pytest.mark.parametrize("layout", ["bld", "bdl"])
+def test_torch_backend_blocks_agree_with_reference(monkeypatch, block_bytes, layout):
+    """The torch backend splits channels and sequence into L2-sized blocks; tiny block sizes
+    force every boundary (channel blocks with a remainder, chunk carries) on a small case."""
+    from kernels import eager
+
+    monkeypatch.setattr(eager, "_BLOCK_BYTES", block_bytes)
+    case = ScanCase(2, 10, 12, 4, groups=2, layout=layout, D=True, z=True, dt_bias=True,
+                    dt_softplus=True, h0=True)
+    seed = _seed()
+    _check_scan("torch", case, torch.float32, seed, f"torch block_bytes={block_bytes} seed={seed}")
+
+
+# --- validation -----------------------------------------------------------------------------
+
+def _scan_base() -> dict:
+    case = ScanCase(2, 5, 6, 3, groups=2, D=True, z=True, dt_bias=True, h0=True)
+    return make_scan_inputs(case, torch.float32, seed=_seed())
+
+
+def _with(**changes):
+    return lambda a: {**a, **{k: (v(a) if callable(v) else v) for k, v in changes.items()}}
+
+
+SCAN_ERRORS = [
+    # (change to the valid arguments, field, a fragment of `got`)
+    pytest.param(_with(x=lambda a: a["x"].tolist()), "x", "list", id="x-not-a-tensor"),
+    pytest.param(_with(x=lambda a: a["x"].to(torch.int32)), "x", "int32", id="x-int-dtype"),
+    pytest.param(_with(x=lambda a: a["x"][0]), "x", "[5, 6]", id="x-2d"),
+    pytest.param(_with(x=lambda a: a["x"][:, :0]), "x", "[2, 0, 6]", id="x-empty"),
+    pytest.param(_with(layout="lbd"), "layout", "lbd", id="layout-unknown"),
+    pytest.param(_with(dt=lambda a: a["dt"][:, :4]), "dt", "[2, 4, 6]", id="dt-shape"),
+    pytest.param(_with(A=lambda a: a["A"][:5]), "A", "[5, 3]", id="A-shape"),
+    pytest.param(_with(A=lambda a: a["A"][:, :0]), "A", "[6, 0]", id="A-no-state"),
+    pytest.param(_with(B=lambda a: a["B"][:, :4]), "B", "[2, 4, 2, 3]", id="B-shape"),
+    pytest.param(_with(B=lambda a: a["B"][None]), "B", "[1, 2, 5, 2, 3]", id="B-5d"),
+    pytest.param(_with(B=lambda a: torch.rand(2, 5, 4, 3), C=lambda a: torch.rand(2, 5, 4, 3)),
+                 "B", "4 groups", id="groups-not-dividing-dim"),
+    pytest.param(_with(C=lambda a: torch.rand(2, 5, 3, 3)), "C", "3 groups", id="C-groups-differ"),
+    pytest.param(_with(D=lambda a: a["D"][:5]), "D", "[5]", id="D-shape"),
+    pytest.param(_with(z=lambda a: a["z"][:1]), "z", "[1, 5, 6]", id="z-shape"),
+    pytest.param(_with(dt_bias=lambda a: a["dt_bias"][None]), "dt_bias", "[1, 6]", id="dt_bias-shape"),
+    pytest.param(_with(h0=lambda a: a["h0"][:, :, :2]), "h0", "[2, 6, 2]", id="h0-shape"),
+    pytest.param(_with(dt_min="0.1"), "dt_min", "str", id="dt_min-not-a-number"),
+    pytest.param(_with(dt_min=0.5, dt_max=0.1), "dt_max", "0.1", id="dt_min-above-dt_max"),
+]
+
+
+@pytest.mark.parametrize("change,field,got", SCAN_ERRORS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_rejects_malformed_arguments(backend, change, field, got):
+    args = change(_scan_base())
+    with pytest.raises(kernels.KernelInputError) as info:
+        kernels.selective_scan(**args, backend=backend)
+    err = info.value
+    assert err.field == field, f"field {err.field!r} ({err}), expected {field!r}"
+    assert got in err.got, f"got {err.got!r} does not mention {got!r}"
+    assert err.expected and err.expected in str(err)
+
+
+def _update_base() -> dict:
+    case = UpdateCase(3, 6, 3, groups=2, pool=5, padding_rows=1, D=True, z=True, dt_bias=True)
+    return make_update_inputs(case, torch.float32, seed=_seed())
+
+
+UPDATE_ERRORS = [
+    pytest.param(_with(state=lambda a: a["state"][0]), "state", "[6, 3]", id="state-2d"),
+    pytest.param(_with(state=lambda a: a["state"].to(torch.int64)), "state", "int64",
+                 id="state-int-dtype"),
+    pytest.param(_with(x=lambda a: a["x"][:, :5]), "x", "[3, 5]", id="x-dim-differs"),
+    pytest.param(_with(dt=lambda a: a["dt"][:2]), "dt", "[2, 6]", id="dt-shape"),
+    pytest.param(_with(A=lambda a: a["A"][:, :2]), "A", "[6, 2]", id="A-shape"),
+    pytest.param(_with(B=lambda a: a["B"][:, :, :2]), "B", "[3, 2, 2]", id="B-shape"),
+    pytest.param(_with(B=lambda a: torch.rand(3, 4, 3), C=lambda a: torch.rand(3, 4, 3)),
+                 "B", "4 groups", id="groups-not-dividing-dim"),
+    pytest.param(_with(C=lambda a: torch.rand(3, 3, 3)), "C", "3 groups", id="C-groups-differ"),
+    pytest.param(_with(z=lambda a: a["z"][:, :1]), "z", "[3, 1]", id="z-shape"),
+    pytest.param(_with(slots=lambda a: a["slots"].float()), "slots", "float32", id="slots-float"),
+    pytest.param(_with(slots=lambda a: a["slots"][:2]), "slots", "[2]", id="slots-shape"),
+    pytest.param(_with(slots=lambda a: torch.tensor([0, 5, -1])), "slots", "5", id="slots-beyond-pool"),
+    pytest.param(_with(slots=None), "state", "5 rows", id="pool-differs-without-slots"),
+    pytest.param(_with(dt_min=0.3, dt_max=0.2), "dt_max", "0.2", id="dt_min-above-dt_max"),
+]
+
+
+@pytest.mark.parametrize("change,field,got", UPDATE_ERRORS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_update_rejects_malformed_arguments(backend, change, field, got):
+    args = change(_update_base())
+    state_before = args["state"].clone() if isinstance(args["state"], torch.Tensor) else None
+    with pytest.raises(kernels.KernelInputError) as info:
+        kernels.selective_state_update(**args, backend=backend)
+    err = info.value
+    assert err.field == field, f"field {err.field!r} ({err}), expected {field!r}"
+    assert got in err.got, f"got {err.got!r} does not mention {got!r}"
+    assert err.expected and err.expected in str(err)
+    if state_before is not None:
+        assert torch.equal(args["state"], state_before), "a rejected call changed the state"
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(kernels.UnknownBackend) as info:
+        kernels.selective_scan(**_scan_base(), backend="no-such-backend")
+    assert info.value.field == "backend"
+    assert "no-such-backend" in info.value.got
+    assert "'torch'" in info.value.expected
+
+
+# --- backend selection ----------------------------------------------------------------------
+
+def test_cpu_selection_prefers_the_native_backend():
+    expected = "cpu" if "cpu" in kernels.available_backends() else "torch"
+    assert kernels.select_backend("cpu") == expected
+
+
+def test_named_backend_is_selected_as_named():
+    assert kernels.select_backend("cpu", "torch") == "torch"
+    assert kernels.select_backend("cpu", "reference") == "reference"
+    with pytest.raises(kernels.UnknownBackend):
+        kernels.select_backend("cpu", "no-such-backend")
+
+
+def test_torch_backend_is_always_available():
+    assert "torch" in kernels.available_backends(), kernels.unavailable_backends().get("torch")
