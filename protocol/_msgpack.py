@@ -1,0 +1,90 @@
+"""Byte-level msgpack helpers for the decoder: what kind of value an encoded value is, how to
+describe it in an error without decoding it, and where a bin/str payload starts.
+
+The decoder walks a request one level at a time: msgspec decodes a map into
+`{key: msgspec.Raw}`, where each Raw is a zero-copy view of one encoded value inside the body.
+Tensor payloads are never decoded: their bin/str header is read here and the rest of the Raw is
+the payload, still a view into the body. This works for msgpack str as well as bin, which
+matters because Msgpax (Elixir) packs binaries as str with arbitrary, non-UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# One level of a map: keys decoded, values left encoded (views into the input).
+MAP_DECODER = msgspec.msgpack.Decoder(dict[Any, msgspec.Raw])
+ANY_DECODER = msgspec.msgpack.Decoder()
+# What msgspec raises on malformed input: UnicodeDecodeError for a str (or key) that is not
+# UTF-8, RecursionError for absurdly deep nesting.
+DECODE_FAILURES = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+_KINDS = ["int"] * 256
+for _b in range(0x80, 0x90):
+    _KINDS[_b] = "map"
+for _b in range(0x90, 0xA0):
+    _KINDS[_b] = "array"
+for _b in range(0xA0, 0xC0):
+    _KINDS[_b] = "str"
+for _b, _k in {0xC0: "nil", 0xC1: "invalid", 0xC2: "bool", 0xC3: "bool", 0xC4: "bin", 0xC5: "bin",
+               0xC6: "bin", 0xC7: "ext", 0xC8: "ext", 0xC9: "ext", 0xCA: "float", 0xCB: "float",
+               0xD4: "ext", 0xD5: "ext", 0xD6: "ext", 0xD7: "ext", 0xD8: "ext", 0xD9: "str",
+               0xDA: "str", 0xDB: "str", 0xDC: "array", 0xDD: "array", 0xDE: "map",
+               0xDF: "map"}.items():
+    _KINDS[_b] = _k
+del _b, _k
+
+# First byte -> (header size, size of the big-endian length field) of bin/str values.
+_PAYLOAD_HEADERS = {0xC4: (2, 1), 0xC5: (3, 2), 0xC6: (5, 4), 0xD9: (2, 1), 0xDA: (3, 2), 0xDB: (5, 4)}
+_CONTAINER_HEADERS = {0xDC: 2, 0xDD: 4, 0xDE: 2, 0xDF: 4}
+
+_SHOWN_STR = 40
+
+
+def kind(encoded: memoryview) -> str:
+    """The msgpack type of an encoded value: int, float, bool, nil, str, bin, array, map, ext."""
+    return _KINDS[encoded[0]] if encoded.nbytes else "nothing"
+
+
+def payload(encoded: memoryview) -> memoryview | None:
+    """The bytes of an encoded bin or str value, as a view into `encoded`; None for other types."""
+    first = encoded[0]
+    if 0xA0 <= first <= 0xBF:
+        return encoded[1:]
+    header = _PAYLOAD_HEADERS.get(first)
+    if header is None:
+        return None
+    return encoded[header[0]:]
+
+
+def count(encoded: memoryview) -> int:
+    """Number of items of an encoded array or entries of an encoded map."""
+    first = encoded[0]
+    if first < 0xA0:
+        return first & 0x0F
+    size = _CONTAINER_HEADERS[first]
+    return int.from_bytes(encoded[1:1 + size], "big")
+
+
+def describe(encoded: memoryview) -> str:
+    """A short account of an encoded value for error messages ("int -3", "bin of 12 bytes")."""
+    what = kind(encoded)
+    if what in ("int", "float", "bool", "nil"):
+        value = ANY_DECODER.decode(encoded)
+        return "nil" if value is None else f"{what} {value!r}"
+    if what == "str":
+        data = payload(encoded)
+        try:
+            text = str(data, "utf-8")
+        except UnicodeDecodeError:
+            return f"str of {data.nbytes} bytes (not UTF-8)"
+        return f"str {text!r}" if len(text) <= _SHOWN_STR else f"str of {data.nbytes} bytes"
+    if what == "bin":
+        return f"bin of {payload(encoded).nbytes} bytes"
+    if what == "array":
+        return f"array of {count(encoded)} items"
+    if what == "map":
+        return f"map of {count(encoded)} entries"
+    return what

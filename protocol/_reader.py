@@ -1,0 +1,230 @@
+"""Checks one encoded value at a time and raises the matching ValidationError.
+
+A `Reader` remembers what is known about the request being decoded (its id once parsed,
+whether it is a legacy ExPhil request) so every error it raises carries it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NoReturn, Union
+
+import msgspec
+
+from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind, payload
+from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
+                     ValidationError)
+from .schema import KIND_EXPECTED, LAYOUTS
+from .tensors import DTYPES, MAX_DIM, MAX_NDIM, HandleRef, WireTensor
+
+_TENSOR_KEYS = ("dtype", "shape", "data")
+_ABSENT = msgspec.Raw(b"")
+
+
+class _TensorFields(msgspec.Struct, forbid_unknown_fields=True):
+    """A tensor map or a handle map, typed loosely enough to decode either in one call."""
+
+    dtype: Union[str, None] = None
+    shape: Union[list[int], None] = None
+    data: msgspec.Raw = _ABSENT
+    handle: Union[str, None] = None
+
+
+_TENSOR_FIELDS = msgspec.msgpack.Decoder(_TensorFields)
+# msgpack names of what msgspec decodes values (and map keys: arrays become tuples) into.
+_PY_TO_MSGPACK = {int: "int", float: "float", bool: "bool", type(None): "nil", bytes: "bin",
+                  tuple: "array", list: "array", dict: "map", str: "str"}
+
+
+def decode_top_map(body) -> dict[str, msgspec.Raw]:
+    """The body's top-level map, values left encoded. Raises DecodeError / InvalidRequest."""
+    try:
+        top = MAP_DECODER.decode(body)
+    except msgspec.ValidationError:
+        got = kind(memoryview(body).cast("B"))
+        raise DecodeError(f"body: expected one msgpack map, got {got}",
+                          detail={"expected": "one msgpack map", "got": got}) from None
+    except DECODE_FAILURES as e:
+        raise DecodeError(f"body: not one msgpack value: {e}",
+                          detail={"expected": "one msgpack map", "got": str(e)}) from None
+    # Which format the map is in decides the shape of the error reply.
+    legacy = "id" not in top and "v" not in top
+    Reader(legacy=legacy).check_keys(top, memoryview(body).cast("B"), "body", InvalidRequest)
+    return top
+
+
+class Reader:
+    __slots__ = ("request_id", "legacy")
+
+    def __init__(self, *, legacy: bool = False):
+        self.request_id = None
+        self.legacy = legacy
+
+    def fail(self, cls: type[ValidationError], field: str, expected: str, got: str,
+             **extra) -> NoReturn:
+        raise cls(field, expected, got, request_id=self.request_id, legacy=self.legacy, **extra)
+
+    # -- containers ---------------------------------------------------------------------
+
+    def check_keys(self, entries: dict, encoded: memoryview, field: str, cls) -> None:
+        for key in entries:
+            if type(key) is not str:
+                self.fail(cls, field, "a map with str keys",
+                          f"a {_PY_TO_MSGPACK.get(type(key), 'non-str')} key {key!r}")
+        if len(entries) != count(encoded):
+            self.fail(cls, field, "a map with distinct keys", "a key given more than once")
+
+    def map(self, raw: msgspec.Raw, field: str, expected: str, cls) -> dict[str, msgspec.Raw]:
+        encoded = memoryview(raw)
+        if kind(encoded) != "map":
+            self.fail(cls, field, expected, describe(encoded))
+        entries = self._decode(MAP_DECODER, raw, field, expected, cls)
+        self.check_keys(entries, encoded, field, cls)
+        return entries
+
+    def _decode(self, decoder, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument):
+        # The enclosing decode only skipped over this value: keys and strings inside it were
+        # not checked for UTF-8 or hashability yet.
+        try:
+            return decoder.decode(raw)
+        except DECODE_FAILURES as e:
+            self.fail(cls, field, expected, f"an undecodable {kind(memoryview(raw))} ({e})")
+
+    # -- scalars ------------------------------------------------------------------------
+
+    def string(self, raw: msgspec.Raw, field: str, cls=InvalidArgument,
+               expected: str = KIND_EXPECTED["str"]) -> str:
+        encoded = memoryview(raw)
+        if kind(encoded) != "str":
+            self.fail(cls, field, expected, describe(encoded))
+        value = self._decode(ANY_DECODER, raw, field, expected, cls)
+        if not value:
+            self.fail(cls, field, expected, "an empty str")
+        return value
+
+    def boolean(self, raw: msgspec.Raw, field: str) -> bool:
+        encoded = memoryview(raw)
+        if kind(encoded) != "bool":
+            self.fail(InvalidArgument, field, KIND_EXPECTED["bool"], describe(encoded))
+        return ANY_DECODER.decode(raw)
+
+    def number(self, raw: msgspec.Raw, field: str) -> float:
+        encoded = memoryview(raw)
+        if kind(encoded) in ("int", "float"):
+            value = float(ANY_DECODER.decode(raw))
+            if math.isfinite(value):
+                return value
+        self.fail(InvalidArgument, field, KIND_EXPECTED["number"], describe(encoded))
+
+    def size(self, raw: msgspec.Raw, field: str) -> int:
+        encoded = memoryview(raw)
+        if kind(encoded) == "int":
+            value = ANY_DECODER.decode(raw)
+            if 0 < value <= MAX_DIM:
+                return value
+        self.fail(InvalidArgument, field, KIND_EXPECTED["size"], describe(encoded))
+
+    def layout(self, raw: msgspec.Raw, field: str) -> str:
+        expected = KIND_EXPECTED["layout"]
+        value = self.string(raw, field, expected=expected)
+        if value not in LAYOUTS:
+            self.fail(InvalidArgument, field, expected, describe(memoryview(raw)))
+        return value
+
+    # -- tensors ------------------------------------------------------------------------
+
+    def tensor(self, raw: msgspec.Raw, field: str) -> WireTensor | HandleRef:
+        return self._tensor(raw, field, allow_handle=True)
+
+    def tensor_data(self, raw: msgspec.Raw, field: str) -> WireTensor:
+        return self._tensor(raw, field, allow_handle=False)
+
+    def _tensor(self, raw, field, allow_handle):
+        tensor = self.valid_tensor(raw, allow_handle)
+        if tensor is not None:
+            return tensor
+        # Not a valid tensor: find out what is wrong, one value at a time.
+        expected = KIND_EXPECTED["tensor" if allow_handle else "tensor_data"]
+        entries = self.map(raw, field, expected, InvalidArgument)
+        if "handle" in entries:
+            if not allow_handle:
+                self.fail(InvalidArgument, field, expected, "a handle map {handle}")
+            if len(entries) != 1:
+                self.fail(InvalidArgument, field, "a handle map with the single key 'handle'",
+                          f"keys {sorted(entries)}")
+            return HandleRef(self.string(entries["handle"], field + ".handle"))
+        for key in entries:
+            if key not in _TENSOR_KEYS:
+                self.fail(InvalidArgument, f"{field}.{key}", "only the keys dtype, shape, data",
+                          f"unknown key {key!r}")
+        for key in _TENSOR_KEYS:
+            if key not in entries:
+                self.fail(InvalidArgument, f"{field}.{key}", f"a tensor {key}", "nothing")
+        dtype = self.dtype(entries["dtype"], field + ".dtype")
+        shape = self.shape(entries["shape"], field + ".shape")
+        data = self.data(entries["data"], field + ".data")
+        self.check_size(field + ".data", dtype, shape, data)
+        return WireTensor(dtype, shape, data)
+
+    @staticmethod
+    def valid_tensor(raw: msgspec.Raw, allow_handle: bool) -> WireTensor | HandleRef | None:
+        """The tensor (or handle) when `raw` is a valid one, else None. One typed decode
+        instead of a decode per key: ~10x faster, which matters for small steps. It accepts
+        only what the checks in `_tensor` accept (tests hold the two paths to that)."""
+        try:
+            fields = _TENSOR_FIELDS.decode(raw)
+        except DECODE_FAILURES:
+            return None
+        encoded = memoryview(raw)
+        if fields.handle is not None:
+            if (allow_handle and fields.handle and fields.dtype is None and fields.shape is None
+                    and fields.data is _ABSENT and count(encoded) == 1):
+                return HandleRef(fields.handle)
+            return None
+        dtype, shape = fields.dtype, fields.shape
+        if (dtype not in DTYPES or shape is None or len(shape) > MAX_NDIM
+                or fields.data is _ABSENT or count(encoded) != 3):
+            return None
+        for d in shape:
+            if not 0 <= d <= MAX_DIM:
+                return None
+        data = payload(memoryview(fields.data))
+        if data is None or data.nbytes != math.prod(shape) * DTYPES[dtype][0]:
+            return None
+        return WireTensor(dtype, tuple(shape), data)
+
+    def dtype(self, raw: msgspec.Raw, field: str) -> str:
+        name = self.string(raw, field, expected="a dtype code (" + ", ".join(DTYPES) + ")")
+        if name not in DTYPES:
+            self.fail(UnknownDtype, field, "one of " + ", ".join(DTYPES), f"str {name!r}",
+                      known=list(DTYPES))
+        return name
+
+    def shape(self, raw: msgspec.Raw, field: str) -> tuple[int, ...]:
+        encoded = memoryview(raw)
+        expected = f"a list of at most {MAX_NDIM} non-negative ints"
+        if kind(encoded) != "array":
+            self.fail(InvalidArgument, field, expected, describe(encoded))
+        if count(encoded) > MAX_NDIM:
+            self.fail(InvalidArgument, field, expected, f"{count(encoded)} dims")
+        dims = self._decode(ANY_DECODER, raw, field, expected)
+        for i, d in enumerate(dims):
+            if type(d) is not int or not 0 <= d <= MAX_DIM:
+                got = "nil" if d is None else f"{_PY_TO_MSGPACK.get(type(d), 'ext')} {d!r}"
+                self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", got)
+        return tuple(dims)
+
+    def data(self, raw: msgspec.Raw, field: str) -> memoryview:
+        encoded = memoryview(raw)
+        view = payload(encoded)
+        if view is None:
+            self.fail(InvalidArgument, field, "the tensor bytes as bin or str", describe(encoded))
+        return view
+
+    def check_size(self, field: str, dtype: str, shape: tuple[int, ...], data: memoryview) -> None:
+        expected = math.prod(shape) * DTYPES[dtype][0]
+        if data.nbytes != expected:
+            self.fail(TensorSizeMismatch, field,
+                      f"{expected} bytes ({dtype} {list(shape)})", f"{data.nbytes} bytes",
+                      dtype=dtype, shape=list(shape), expected_bytes=expected,
+                      got_bytes=data.nbytes)

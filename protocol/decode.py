@@ -1,0 +1,186 @@
+"""Request decoding: a frame body -> `Request` (v1) or `LegacyRequest` (ExPhil); and, for
+Python clients, a reply body -> `Reply`.
+
+Nothing is copied: tensor data comes back as views into the body, whose header (bin or str)
+is read in `_msgpack`. Everything is checked before the caller allocates anything; failures
+raise `ProtocolError` subclasses that carry the wire error code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NoReturn
+
+import msgspec
+
+from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, describe, kind
+from ._reader import Reader, decode_top_map
+from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
+                     UnsupportedVersion, ValidationError)
+from .legacy import LegacyRequest, decode_legacy
+from .schema import (ALIASES, KIND_EXPECTED, MAX_REQUEST_ID, OPS, PROTOCOL_VERSION,
+                     SUPPORTED_VERSIONS, Arg)
+
+_ENVELOPE_KEYS = ("v", "id", "op", "args")
+_ARRAY_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_ID_EXPECTED = "a uint or a non-empty str"
+# Schema kind -> the Reader method that checks a value of that kind.
+_CHECKS = {"tensor": Reader.tensor, "tensor_data": Reader.tensor_data, "bool": Reader.boolean,
+           "number": Reader.number, "str": Reader.string, "size": Reader.size,
+           "layout": Reader.layout}
+
+
+@dataclass(slots=True)
+class Request:
+    """A v1 request. `args` maps canonical argument names (aliases resolved) to checked values:
+    WireTensor / HandleRef for tensors, bool, float, str, int. Optional arguments that were
+    absent (or nil) are not in `args`."""
+
+    id: int | str
+    op: str
+    args: dict
+    version: int = PROTOCOL_VERSION
+
+
+def decode_request(body) -> Request | LegacyRequest:
+    """Decode one frame body. A map with an "id" or "v" key is v1; any other map is a legacy
+    ExPhil request. Raises a `ProtocolError` subclass on anything else."""
+    top = decode_top_map(body)
+    if "id" in top or "v" in top:
+        return _decode_v1(top)
+    return decode_legacy(top)
+
+
+def _decode_v1(top: dict[str, msgspec.Raw]) -> Request:
+    reader = Reader()
+    reader.request_id = _request_id(reader, top.get("id"))
+    if "v" in top:
+        _check_version(reader, top["v"])
+    for key in top:
+        if key not in _ENVELOPE_KEYS:
+            reader.fail(InvalidRequest, key, "only the envelope keys v, id, op, args",
+                        f"unknown key {key!r}")
+    if "op" not in top:
+        reader.fail(InvalidRequest, "op", "a str naming the operation", "nothing")
+    op = reader.string(top["op"], "op", InvalidRequest, "a str naming the operation")
+    spec = OPS.get(op)
+    if spec is None:
+        reader.fail(UnknownOp, "op", "one of " + ", ".join(OPS), f"str {op!r}", known=list(OPS))
+    entries = (reader.map(top["args"], "args", "a map of arguments", InvalidRequest)
+               if "args" in top else {})
+    return Request(reader.request_id, op, _read_args(reader, op, spec, entries))
+
+
+def _request_id(reader: Reader, raw: msgspec.Raw | None) -> int | str:
+    if raw is None:
+        reader.fail(InvalidRequest, "id", _ID_EXPECTED, "nothing")
+    encoded = memoryview(raw)
+    if kind(encoded) == "int":
+        value = ANY_DECODER.decode(raw)
+        if 0 <= value <= MAX_REQUEST_ID:
+            return value
+    elif kind(encoded) == "str":
+        return reader.string(raw, "id", InvalidRequest, _ID_EXPECTED)
+    reader.fail(InvalidRequest, "id", _ID_EXPECTED, describe(encoded))
+
+
+def _check_version(reader: Reader, raw: msgspec.Raw) -> None:
+    encoded = memoryview(raw)
+    if kind(encoded) != "int":
+        reader.fail(InvalidRequest, "v", "the int protocol version", describe(encoded))
+    if ANY_DECODER.decode(raw) not in SUPPORTED_VERSIONS:
+        reader.fail(UnsupportedVersion, "v", " or ".join(map(str, SUPPORTED_VERSIONS)),
+                    describe(encoded), supported=list(SUPPORTED_VERSIONS))
+
+
+def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict) -> dict:
+    args = {}
+    given_as = {}
+    for key, raw in entries.items():
+        name = ALIASES.get(key, key)
+        field = "args." + key
+        arg = spec.get(name)
+        if arg is None:
+            expected = (f"an argument of {op}: " + ", ".join(spec)) if spec else f"no arguments for {op}"
+            reader.fail(InvalidArgument, field, expected, f"unknown argument {key!r}", known=list(spec))
+        if name in given_as:
+            reader.fail(InvalidArgument, field, f"either {name!r} or its alias, not both",
+                        f"both {given_as[name]!r} and {key!r}")
+        given_as[name] = key
+        if kind(memoryview(raw)) == "nil":
+            if arg.required:
+                reader.fail(InvalidArgument, field, KIND_EXPECTED[arg.kind], "nil")
+            continue
+        args[name] = _CHECKS[arg.kind](reader, raw, field)
+    for name, arg in spec.items():
+        if arg.required and name not in args:
+            reader.fail(MissingArgument, "args." + name, KIND_EXPECTED[arg.kind], "nothing", op=op)
+    return args
+
+
+@dataclass(slots=True)
+class Reply:
+    """A v1 reply as a client reads it. In `result`, every tensor map comes back as a
+    WireTensor (a view into the body); `error` is {"code", "message", "detail"} when not ok."""
+
+    id: int | str | None
+    ok: bool
+    result: dict | None
+    error: dict | None
+    timing: dict
+    version: int = PROTOCOL_VERSION
+
+
+_REPLY_KEYS = ("v", "id", "ok", "result", "error", "timing")
+
+
+def decode_reply(body) -> Reply:
+    """Decode one v1 reply body (client side). Raises DecodeError when it is not one."""
+    try:
+        top = decode_top_map(body)
+    except ValidationError as e:  # a map with non-str or duplicate keys
+        _bad_reply("body", e.expected, e.got)
+    for key in top:
+        if key not in _REPLY_KEYS:
+            _bad_reply(key, "only the keys " + ", ".join(_REPLY_KEYS), f"unknown key {key!r}")
+    for key in ("v", "id", "ok"):
+        if key not in top:
+            _bad_reply(key, "a reply envelope key", "nothing")
+    values = {key: _reply_value(raw, key) for key, raw in top.items()}
+    if values["v"] not in SUPPORTED_VERSIONS:
+        _bad_reply("v", " or ".join(map(str, SUPPORTED_VERSIONS)), repr(values["v"]))
+    request_id = values["id"]
+    if not (request_id is None or (isinstance(request_id, str) and request_id)
+            or (type(request_id) is int and 0 <= request_id <= MAX_REQUEST_ID)):
+        _bad_reply("id", _ID_EXPECTED + " or nil", repr(request_id))
+    ok = values["ok"]
+    if type(ok) is not bool:
+        _bad_reply("ok", "a bool", repr(ok))
+    body_key = "result" if ok else "error"
+    if not isinstance(values.get(body_key), dict):
+        _bad_reply(body_key, "a map", repr(values.get(body_key)))
+    timing = values.get("timing", {})
+    if not isinstance(timing, dict):
+        _bad_reply("timing", "a map", repr(timing))
+    return Reply(request_id, ok, values.get("result"), values.get("error"), timing, values["v"])
+
+
+def _reply_value(raw: msgspec.Raw, field: str):
+    encoded = memoryview(raw)
+    what = kind(encoded)
+    try:
+        if what == "map":
+            tensor = Reader.valid_tensor(raw, allow_handle=False)
+            if tensor is not None:
+                return tensor
+            return {key: _reply_value(item, f"{field}.{key}") for key, item in MAP_DECODER.decode(raw).items()}
+        if what == "array":
+            return [_reply_value(item, f"{field}[{i}]") for i, item in enumerate(_ARRAY_DECODER.decode(raw))]
+        return ANY_DECODER.decode(raw)
+    except DECODE_FAILURES as e:
+        _bad_reply(field, "a decodable value", f"an undecodable {what} ({e})")
+
+
+def _bad_reply(field: str, expected: str, got: str) -> NoReturn:
+    raise DecodeError(f"reply {field}: expected {expected}, got {got}",
+                      detail={"field": field, "expected": expected, "got": got})

@@ -1,0 +1,136 @@
+"""ExPhil legacy format (DESIGN §5): the requests `ExPhil.Bridge.PyTorchPort` and its Triton
+variant send, and the replies their GenServers pattern-match. Served unchanged.
+
+Requests (maps without "id" or "v"; binaries packed by Msgpax as msgpack str, f32, bld):
+
+    {"op": "scan", "batch", "seq_len", "hidden", "state", "x", "dt", "A", "B", "C"}
+    {"op": "scan", "x", "dt", "A", "B", "C", "x_shape", "dt_shape", "A_shape", "B_shape", "C_shape"}
+    {"op": "ping"}    {"op": "info"}
+
+Replies:
+
+    {"status": "ok", "result": <f32 bin>, "shape": [batch, seq_len, hidden]}
+    {"status": "ok", ...extra keys}           (ping, info)
+    {"status": "error", "message": str}
+
+ExPhil's math is a plain scan with dt clamped to [0.001, 0.1] (no bias, softplus, D, z;
+h0 = 0); `LegacyRequest.args` spells it as v1 scan arguments so the bridge runs one path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from ._reader import Reader
+from .encode import Packer, check_timing
+from .errors import InvalidArgument, InvalidRequest, MissingArgument, UnknownOp
+from .tensors import OutTensor, WireTensor
+
+LEGACY_OPS = ("scan", "ping", "info")
+LEGACY_DT_MIN = 0.001
+LEGACY_DT_MAX = 0.1
+_TENSORS = ("x", "dt", "A", "B", "C")
+_DIMS = ("batch", "seq_len", "hidden", "state")
+_SHAPE_KEYS = tuple(name + "_shape" for name in _TENSORS)
+_OP_EXPECTED = ("a str naming the operation (a map with neither 'id' nor 'v' is read as a "
+                "legacy ExPhil request)")
+
+
+@dataclass(slots=True)
+class LegacyRequest:
+    """An ExPhil request. For "scan", `args` holds the equivalent v1 scan arguments: x, dt, A,
+    B, C as f32 WireTensors (layout bld) and ExPhil's dt_min / dt_max; for "ping" and "info"
+    it is empty."""
+
+    op: str
+    args: dict
+
+
+def decode_legacy(top: dict[str, msgspec.Raw]) -> LegacyRequest:
+    reader = Reader(legacy=True)
+    if "op" not in top:
+        reader.fail(InvalidRequest, "op", _OP_EXPECTED, "nothing")
+    op = reader.string(top["op"], "op", InvalidRequest, _OP_EXPECTED)
+    if op not in LEGACY_OPS:
+        reader.fail(UnknownOp, "op", "one of " + ", ".join(LEGACY_OPS) + " (legacy ExPhil)",
+                    f"str {op!r}", known=list(LEGACY_OPS))
+    if op != "scan":
+        for key in top:
+            if key != "op":
+                reader.fail(InvalidArgument, key, f"no other key than 'op' for legacy {op}",
+                            f"unknown key {key!r}")
+        return LegacyRequest(op, {})
+    shapes = _declared_shapes(reader, top) if "x_shape" in top else _dims_shapes(reader, top)
+    args = {}
+    for name in _TENSORS:
+        data = reader.data(top[name], name)
+        reader.check_size(name, "f32", shapes[name], data)
+        args[name] = WireTensor("f32", shapes[name], data)
+    args["dt_min"] = LEGACY_DT_MIN
+    args["dt_max"] = LEGACY_DT_MAX
+    return LegacyRequest("scan", args)
+
+
+def _check_keys(reader: Reader, top: dict, keys: tuple[str, ...], form: str) -> None:
+    for key in top:
+        if key not in keys:
+            reader.fail(InvalidArgument, key, f"only the keys {', '.join(keys)} ({form})",
+                        f"unknown key {key!r}")
+    for key in keys:
+        if key not in top:
+            reader.fail(MissingArgument, key, f"the key {key!r} ({form})", "nothing")
+
+
+def _dims_shapes(reader: Reader, top: dict) -> dict[str, tuple[int, ...]]:
+    _check_keys(reader, top, ("op", *_DIMS, *_TENSORS), "legacy scan with batch/seq_len/hidden/state")
+    b, l, h, s = (reader.size(top[key], key) for key in _DIMS)
+    return {"x": (b, l, h), "dt": (b, l, h), "A": (h, s), "B": (b, l, s), "C": (b, l, s)}
+
+
+def _declared_shapes(reader: Reader, top: dict) -> dict[str, tuple[int, ...]]:
+    _check_keys(reader, top, ("op", *_TENSORS, *_SHAPE_KEYS), "legacy scan with x_shape..C_shape")
+    return {name: reader.shape(top[key], key) for name, key in zip(_TENSORS, _SHAPE_KEYS)}
+
+
+def encode_legacy_reply(reply: dict, *, timing=None) -> list:
+    """An ExPhil reply body as a list of buffers (tensor bytes referenced, not copied).
+    `reply` is one of the maps ExPhil's GenServers match:
+
+        {"status": "ok", "result": <f32 OutTensor>}    scan; "shape" is added from the tensor
+                                                        (or, if given, must equal its shape)
+        {"status": "ok", **extra}                       ping, info (no "result")
+        {"status": "error", "message": str}
+
+    `timing` (a dict, or a callable returning one, called last) adds a "timing" key, which
+    ExPhil's map patterns ignore.
+    """
+    if not isinstance(reply, dict):
+        raise TypeError(f"reply: expected a dict, got {type(reply).__name__}")
+    reply = dict(reply)
+    status = reply.get("status")
+    if status == "error":
+        if set(reply) != {"status", "message"} or not isinstance(reply["message"], str):
+            raise ValueError(f'reply: expected {{"status": "error", "message": str}}, got keys {sorted(reply)}')
+    elif status != "ok":
+        raise ValueError(f'reply["status"]: expected "ok" or "error", got {status!r}')
+    elif "result" in reply:
+        result = reply["result"]
+        if not isinstance(result, OutTensor) or result.dtype != "f32":
+            raise TypeError(f'reply["result"]: expected an f32 OutTensor, got {result!r}')
+        shape = list(result.shape)
+        if reply.setdefault("shape", shape) != shape:
+            raise ValueError(f'reply["shape"]: expected the result\'s shape {shape}, got {reply["shape"]!r}')
+        reply["result"] = result.data  # a bare f32 binary, not a tensor map
+    if "timing" in reply:
+        raise ValueError('reply: "timing" is given as the timing argument')
+    packer = Packer()
+    packer.map_header(len(reply) + (timing is not None))
+    for key, value in reply.items():
+        packer.value(key, "reply key")
+        packer.value(value, f"reply[{key!r}]")
+    if timing is not None:
+        packer.value("timing", "reply key")
+        packer.value(check_timing(timing), "timing")
+    return packer.finish()

@@ -1,0 +1,90 @@
+"""Per-op argument schemas of protocol v1 (DESIGN §2; SPEC.md "Ops" documents the same table).
+
+Each argument has a kind, checked by the decoder one value at a time:
+
+    tensor       a tensor map {dtype, shape, data} or a handle reference {handle}
+    tensor_data  a tensor map only (no handle)
+    bool         true / false
+    number       a finite int or float (delivered as float)
+    str          a non-empty str
+    size         a positive int
+    layout       "bld" or "bdl"
+
+Consistency between arguments (shapes agreeing, a session existing) is checked further in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+# Request ids are msgpack uints (or non-empty strs).
+MAX_REQUEST_ID = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Arg:
+    kind: str
+    required: bool = False
+
+
+KIND_EXPECTED = {
+    "tensor": "a tensor map {dtype, shape, data} or a handle map {handle}",
+    "tensor_data": "a tensor map {dtype, shape, data}",
+    "bool": "a bool",
+    "number": "a finite number",
+    "str": "a non-empty str",
+    "size": "a positive int",
+    "layout": '"bld" or "bdl"',
+}
+LAYOUTS = ("bld", "bdl")
+
+# alias -> canonical name; accepted by every op that has the canonical argument.
+ALIASES = {"u": "x", "delta": "dt", "delta_bias": "dt_bias"}
+
+_DT_TRANSFORM = {
+    "D": Arg("tensor"),
+    "z": Arg("tensor"),
+    "dt_bias": Arg("tensor"),
+    "dt_softplus": Arg("bool"),
+    "dt_min": Arg("number"),
+    "dt_max": Arg("number"),
+}
+
+OPS: dict[str, dict[str, Arg]] = {
+    "ping": {},
+    "info": {},
+    "scan": {
+        "x": Arg("tensor", True),
+        "dt": Arg("tensor", True),
+        "A": Arg("tensor", True),
+        "B": Arg("tensor", True),
+        "C": Arg("tensor", True),
+        **_DT_TRANSFORM,
+        "h0": Arg("tensor"),
+        "return_state": Arg("bool"),
+        "layout": Arg("layout"),
+        "session": Arg("str"),
+    },
+    "step": {
+        "session": Arg("str", True),
+        "x": Arg("tensor", True),
+        "dt": Arg("tensor", True),
+        "A": Arg("tensor", True),
+        "B": Arg("tensor", True),
+        "C": Arg("tensor", True),
+        **_DT_TRANSFORM,
+    },
+    "session_open": {
+        "batch": Arg("size", True),
+        "dim": Arg("size", True),
+        "state": Arg("size", True),
+    },
+    "session_close": {"session": Arg("str", True)},
+    "session_state": {"session": Arg("str", True)},
+    "put": {"tensor": Arg("tensor_data", True)},
+    "free": {"handle": Arg("str", True)},
+    "stats": {},
+    "shutdown": {},
+}

@@ -1,0 +1,80 @@
+"""Tensor values on the wire: dtype codes, decoded tensors, tensor references, reply tensors.
+
+A tensor is the map `{"dtype": code, "shape": [d0, ...], "data": <bin or str>}`: little-endian,
+C-contiguous, `len(data) == prod(shape) * itemsize`. `{"handle": name}` stands in for a tensor
+that lives on the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+# wire code -> (itemsize in bytes, what the bytes are). All little-endian.
+DTYPES: dict[str, tuple[int, str]] = {
+    "f32": (4, "IEEE 754 binary32"),
+    "f16": (2, "IEEE 754 binary16"),
+    "bf16": (2, "bfloat16: the upper 16 bits of an IEEE 754 binary32"),
+    "f64": (8, "IEEE 754 binary64"),
+    "i32": (4, "two's complement 32-bit integer"),
+    "i64": (8, "two's complement 64-bit integer"),
+    "u8": (1, "unsigned 8-bit integer"),
+}
+MAX_NDIM = 8
+# Dimensions are int64 on the server side.
+MAX_DIM = 2**63 - 1
+
+
+@dataclass(slots=True)
+class WireTensor:
+    """A tensor decoded from a request. `data` is a read-only view into the received body
+    (no copy; it keeps the body alive) of exactly prod(shape) * itemsize bytes; its address
+    has whatever alignment the sender gave it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+@dataclass(slots=True)
+class HandleRef:
+    """`{"handle": name}` given where a tensor is expected: a tensor resident on the server."""
+
+    handle: str
+
+
+class OutTensor:
+    """A tensor to put in a reply (or a request): encoded as the tensor map with `data` as
+    msgpack bin, referencing `data`'s memory without copying it.
+
+    `data` is any C-contiguous buffer (bytes, bytearray, memoryview, numpy array) holding
+    exactly prod(shape) * itemsize bytes in the wire layout (little-endian, C order).
+    """
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype: str, shape, data):
+        if dtype not in DTYPES:
+            raise ValueError(f"OutTensor dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+        shape = tuple(shape)
+        if len(shape) > MAX_NDIM or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape):
+            raise ValueError(f"OutTensor shape: expected at most {MAX_NDIM} non-negative ints, got {shape!r}")
+        try:
+            view = memoryview(data)
+        except TypeError:
+            raise TypeError(f"OutTensor data: expected a buffer (bytes, memoryview, numpy array), "
+                            f"got {type(data).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError("OutTensor data: expected a C-contiguous buffer, got a strided one")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        expected = prod(shape) * DTYPES[dtype][0]
+        if view.nbytes != expected:
+            raise ValueError(f"OutTensor data: expected {expected} bytes ({dtype} {list(shape)}), "
+                             f"got {view.nbytes}")
+        self.dtype = dtype
+        self.shape = shape
+        self.data = view
+
+    def __repr__(self):
+        return f"OutTensor(dtype={self.dtype!r}, shape={self.shape!r}, {self.data.nbytes} bytes)"

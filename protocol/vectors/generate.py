@@ -1,0 +1,292 @@
+"""Builds the golden vectors and writes them next to this file:
+
+    python -m protocol.vectors.generate
+
+Each vector is NAME.frame (the exact framed bytes) and NAME.json (what they mean; SPEC.md §11).
+Requests are packed here by a deliberately separate, minimal msgpack writer playing the part
+of a client (it can send binaries as msgpack str, as Msgpax does); replies are produced by this
+package's encoders, as the server sends them. Values are small and exactly representable in
+their dtype so that other-language clients can compare them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import sys
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+import msgpack
+
+from protocol import (DEFAULT_MAX_FRAME_SIZE, OutTensor, encode_error, encode_frame,
+                      encode_legacy_reply, encode_reply, frame_parts)
+
+VECTORS_DIR = Path(__file__).resolve().parent
+_STRUCT_CODES = {"f32": "f", "f16": "e", "f64": "d", "i32": "i", "i64": "q", "u8": "B"}
+
+
+@dataclass
+class Binary:
+    """Bytes holding `values` of `dtype`, little-endian; sent as msgpack bin, or as str when
+    `as_str` (Msgpax's way)."""
+
+    dtype: str
+    values: list
+    as_str: bool = False
+
+    def to_bytes(self) -> bytes:
+        if self.dtype == "bf16":
+            # bfloat16 is the upper half of a binary32; the values are exactly representable.
+            return b"".join(struct.pack("<f", v)[2:] for v in self.values)
+        return struct.pack(f"<{len(self.values)}{_STRUCT_CODES[self.dtype]}", *self.values)
+
+    def to_json(self) -> dict:
+        return {"$bytes": {"format": "str" if self.as_str else "bin", "dtype": self.dtype,
+                           "values": self.values}}
+
+
+def values(dtype: str, count: int, seed: int) -> list:
+    """`count` non-zero values exact in `dtype`: quarters in [-4, 4] for floats."""
+    rng = random.Random(seed)
+    if dtype in ("f32", "f16", "bf16", "f64"):
+        return [rng.choice([-1, 1]) * rng.randint(1, 16) / 4 for _ in range(count)]
+    if dtype == "u8":
+        return [rng.randint(1, 255) for _ in range(count)]
+    bound = 2**40 if dtype == "i64" else 2**20
+    return [rng.choice([-1, 1]) * rng.randint(1, bound) for _ in range(count)]
+
+
+def tensor(dtype: str, shape, seed: int, as_str: bool = False) -> dict:
+    return {"dtype": dtype, "shape": list(shape),
+            "data": Binary(dtype, values(dtype, prod(shape), seed), as_str)}
+
+
+def out_tensor(t: dict) -> OutTensor:
+    return OutTensor(t["dtype"], t["shape"], t["data"].to_bytes())
+
+
+# -- the client-side writer ----------------------------------------------------------------
+
+def _header(n: int, fix: int | None, fix_max: int, codes: tuple[int | None, int, int]) -> bytes:
+    """A msgpack length header: the fix form (`fix | n`) when there is one and n fits it, else
+    the first of the 8/16/32-bit forms `codes` that fits."""
+    if fix is not None and n <= fix_max:
+        return bytes([fix | n])
+    for code, size in zip(codes, (1, 2, 4)):
+        if code is not None and n < 1 << (8 * size):
+            return bytes([code]) + n.to_bytes(size, "big")
+    raise ValueError(f"length {n} does not fit msgpack")
+
+
+def pack_client(obj) -> bytes:
+    if isinstance(obj, dict):
+        return _header(len(obj), 0x80, 15, (None, 0xDE, 0xDF)) + b"".join(
+            msgpack.packb(k) + pack_client(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return _header(len(obj), 0x90, 15, (None, 0xDC, 0xDD)) + b"".join(map(pack_client, obj))
+    if isinstance(obj, Binary):
+        data = obj.to_bytes()
+        if obj.as_str:
+            return _header(len(data), 0xA0, 31, (0xD9, 0xDA, 0xDB)) + data
+        return _header(len(data), None, 0, (0xC4, 0xC5, 0xC6)) + data
+    return msgpack.packb(obj)
+
+
+def to_json(obj):
+    if isinstance(obj, Binary):
+        return obj.to_json()
+    if isinstance(obj, dict):
+        return {k: to_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_json(v) for v in obj]
+    return obj
+
+
+# -- the vectors ---------------------------------------------------------------------------
+
+def _request(name, description, message, kind="request"):
+    return name, encode_frame(pack_client(message)), {
+        "name": name, "kind": kind, "description": description, "message": to_json(message)}
+
+
+def _invalid(name, description, message, code, field, request_id, legacy=False):
+    return name, encode_frame(pack_client(message)), {
+        "name": name, "kind": "invalid", "description": description, "message": to_json(message),
+        "error": {"code": code, "field": field, "request_id": request_id, "legacy": legacy}}
+
+
+def _reply(name, description, parts, message, kind="reply"):
+    return name, b"".join(frame_parts(parts)), {
+        "name": name, "kind": kind, "description": description, "message": to_json(message)}
+
+
+def _scan_args(dtype, batch, seq, dim, state, seed, layout="bld", as_str=False):
+    bld = layout == "bld"
+    x_shape = (batch, seq, dim) if bld else (batch, dim, seq)
+    bc_shape = (batch, seq, state) if bld else (batch, state, seq)
+    return {
+        "x": tensor(dtype, x_shape, seed, as_str),
+        "dt": tensor(dtype, x_shape, seed + 1, as_str),
+        "A": tensor(dtype, (dim, state), seed + 2, as_str),
+        "B": tensor(dtype, bc_shape, seed + 3, as_str),
+        "C": tensor(dtype, bc_shape, seed + 4, as_str),
+    }
+
+
+def build_vectors() -> list[tuple[str, bytes, dict]]:
+    """(name, frame bytes, json document) for every vector, in a fixed order."""
+    vectors = [
+        _request("ping", "ping with an empty args map", {"v": 1, "id": 1, "op": "ping", "args": {}}),
+        _request("info", "info with a str id and no args key", {"v": 1, "id": "info-1", "op": "info"}),
+    ]
+
+    full = _scan_args("f32", 2, 3, 4, 2, seed=10)
+    full.update(D=tensor("f32", (4,), 15), z=tensor("f32", (2, 3, 4), 16),
+                dt_bias=tensor("f32", (4,), 17), dt_softplus=True, dt_min=0.25, dt_max=4.0,
+                return_state=True, layout="bld")
+    vectors.append(_request("scan_f32", "scan with every optional argument, f32, layout bld",
+                            {"v": 1, "id": 2, "op": "scan", "args": full}))
+
+    f16 = _scan_args("f16", 1, 5, 3, 2, seed=20)
+    f16["u"], f16["delta"] = f16.pop("x"), f16.pop("dt")
+    f16["delta_bias"] = tensor("f16", (3,), 25)
+    vectors.append(_request("scan_f16_aliases", "scan in f16 using the aliases u, delta, delta_bias",
+                            {"v": 1, "id": 3, "op": "scan", "args": f16}))
+    vectors.append(_request("scan_bf16_bdl", "scan in bf16, layout bdl (x [batch, dim, seq])",
+                            {"v": 1, "id": 4, "op": "scan",
+                             "args": {**_scan_args("bf16", 2, 3, 2, 3, seed=30, layout="bdl"),
+                                      "layout": "bdl"}}))
+    vectors.append(_request("scan_f64", "scan in f64, required arguments only",
+                            {"v": 1, "id": 5, "op": "scan", "args": _scan_args("f64", 1, 2, 3, 2, seed=40)}))
+    vectors.append(_request("scan_str_data",
+                            "scan whose tensor data are msgpack str (as Msgpax packs binaries)",
+                            {"v": 1, "id": 6, "op": "scan",
+                             "args": _scan_args("f32", 1, 4, 3, 2, seed=50, as_str=True)}))
+    handle_args = _scan_args("f32", 1, 2, 3, 2, seed=60)
+    handle_args["A"] = {"handle": "A-weights"}
+    vectors.append(_request("scan_handle_ref", "scan with A given as a handle to a put tensor",
+                            {"v": 1, "id": 7, "op": "scan", "args": handle_args}))
+    vectors.append(_request("step_groups", "one step against a session, B/C with 2 groups",
+                            {"v": 1, "id": 8, "op": "step",
+                             "args": {"session": "s-1", "x": tensor("f32", (2, 4), 70),
+                                      "dt": tensor("f32", (2, 4), 71), "A": tensor("f32", (4, 3), 72),
+                                      "B": tensor("f32", (2, 2, 3), 73), "C": tensor("f32", (2, 2, 3), 74),
+                                      "D": tensor("f32", (4,), 75), "dt_softplus": True}}))
+    vectors.append(_request("session_open", "open a session for batch 2, dim 4, state 3",
+                            {"v": 1, "id": 9, "op": "session_open",
+                             "args": {"batch": 2, "dim": 4, "state": 3}}))
+    for i, (dtype, shape) in enumerate((("i32", (3, 5)), ("i64", (7,)), ("u8", (2, 2, 3)))):
+        vectors.append(_request(f"put_{dtype}", f"put an {dtype} tensor",
+                                {"v": 1, "id": 20 + i, "op": "put",
+                                 "args": {"tensor": tensor(dtype, shape, 80 + i)}}))
+
+    y, state = tensor("f32", (2, 3, 4), 90), tensor("f32", (2, 4, 2), 91)
+    timing = {"decode_us": 14, "queue_us": 2, "h2d_us": 0, "kernel_us": 153, "d2h_us": 0,
+              "encode_us": 4, "server_us": 181}
+    vectors.append(_reply("reply_scan", "ok reply to scan_f32 (return_state): y and state",
+                          encode_reply(2, {"y": out_tensor(y), "state": out_tensor(state)}, timing),
+                          {"v": 1, "id": 2, "ok": True, "result": {"y": y, "state": state},
+                           "timing": timing}))
+    ping_timing = {"decode_us": 3, "server_us": 9}
+    vectors.append(_reply("reply_ping", "ok reply to ping",
+                          encode_reply(1, {"pong": True}, ping_timing),
+                          {"v": 1, "id": 1, "ok": True, "result": {"pong": True}, "timing": ping_timing}))
+    detail = {"field": "args.B.shape", "expected": "[2, 3, 2] ([batch, seq, state])", "got": "[2, 4, 2]"}
+    message = "args.B.shape: expected [2, 3, 2] ([batch, seq, state]), got [2, 4, 2]"
+    vectors.append(_reply("reply_error", "error reply with a detail map",
+                          encode_error(2, "shape_mismatch", message, detail),
+                          {"v": 1, "id": 2, "ok": False,
+                           "error": {"code": "shape_mismatch", "message": message, "detail": detail}},
+                          kind="error"))
+    too_large = {"length": DEFAULT_MAX_FRAME_SIZE + 1, "limit": DEFAULT_MAX_FRAME_SIZE}
+    message = f"frame of {too_large['length']} bytes exceeds the limit of {too_large['limit']} bytes"
+    vectors.append(_reply("reply_error_no_id", "error reply to a frame whose id could not be read",
+                          encode_error(None, "frame_too_large", message, too_large),
+                          {"v": 1, "id": None, "ok": False,
+                           "error": {"code": "frame_too_large", "message": message, "detail": too_large}},
+                          kind="error"))
+
+    batch, seq, hidden, state = 2, 3, 4, 2
+    legacy = {"A": Binary("f32", values("f32", hidden * state, 102), True),
+              "B": Binary("f32", values("f32", batch * seq * state, 103), True),
+              "C": Binary("f32", values("f32", batch * seq * state, 104), True),
+              "batch": batch,
+              "dt": Binary("f32", values("f32", batch * seq * hidden, 101), True),
+              "hidden": hidden, "op": "scan", "seq_len": seq, "state": state,
+              "x": Binary("f32", values("f32", batch * seq * hidden, 100), True)}
+    vectors.append(_request("legacy_scan",
+                            "ExPhil PyTorchPort scan: dims as keys, f32 binaries as msgpack str, "
+                            "keys in Msgpax (atom) order", legacy, kind="legacy_request"))
+    shapes = {"x": [1, 2, 3], "dt": [1, 2, 3], "A": [3, 2], "B": [1, 2, 2], "C": [1, 2, 2]}
+    data = {name: Binary("f32", values("f32", prod(shape), 110 + i), True)
+            for i, (name, shape) in enumerate(shapes.items())}
+    legacy_shapes = {"A": data["A"], "A_shape": shapes["A"], "B": data["B"], "B_shape": shapes["B"],
+                     "C": data["C"], "C_shape": shapes["C"], "dt": data["dt"], "dt_shape": shapes["dt"],
+                     "op": "scan", "x": data["x"], "x_shape": shapes["x"]}
+    vectors.append(_request("legacy_scan_shapes", "ExPhil Triton variant: x_shape..C_shape keys",
+                            legacy_shapes, kind="legacy_request"))
+    vectors.append(_request("legacy_ping", "ExPhil ping", {"op": "ping"}, kind="legacy_request"))
+    result = Binary("f32", values("f32", batch * seq * hidden, 120))
+    scan_reply = {"status": "ok", "result": OutTensor("f32", (batch, seq, hidden), result.to_bytes())}
+    vectors.append(_reply("legacy_reply_scan", "ExPhil scan reply", encode_legacy_reply(scan_reply),
+                          {"status": "ok", "result": result, "shape": [batch, seq, hidden]},
+                          kind="legacy_reply"))
+    ping_reply = {"status": "ok", "message": "pong", "device": "cpu", "cuda_available": False}
+    vectors.append(_reply("legacy_reply_ping", "ExPhil ping reply (extra keys after status)",
+                          encode_legacy_reply(ping_reply), ping_reply, kind="legacy_reply"))
+    error_reply = {"status": "error", "message": "x: expected 96 bytes (f32 [2, 3, 4]), got 92 bytes"}
+    vectors.append(_reply("legacy_reply_error", "ExPhil error reply", encode_legacy_reply(error_reply),
+                          error_reply, kind="legacy_reply"))
+
+    lying = {"dtype": "f32", "shape": [2, 3], "data": Binary("f32", values("f32", 5, 130))}
+    vectors.append(_invalid("invalid_lying_shape", "shape [2, 3] f32 announces 24 bytes, data has 20",
+                            {"v": 1, "id": 30, "op": "put", "args": {"tensor": lying}},
+                            "tensor_size_mismatch", "args.tensor.data", 30))
+    unknown = {"dtype": "f8", "shape": [2], "data": Binary("u8", [1, 2])}
+    vectors.append(_invalid("invalid_unknown_dtype", "dtype code f8 does not exist",
+                            {"v": 1, "id": 31, "op": "put", "args": {"tensor": unknown}},
+                            "unknown_dtype", "args.tensor.dtype", 31))
+    vectors.append(_invalid("invalid_unknown_op", "op misspelt",
+                            {"v": 1, "id": 32, "op": "scna", "args": {}}, "unknown_op", "op", 32))
+    missing = _scan_args("f32", 1, 2, 3, 2, seed=140)
+    del missing["C"]
+    vectors.append(_invalid("invalid_missing_argument", "scan without C",
+                            {"v": 1, "id": 33, "op": "scan", "args": missing},
+                            "missing_argument", "args.C", 33))
+    vectors.append(_invalid("invalid_unsupported_version", "protocol version 2",
+                            {"v": 2, "id": 34, "op": "ping", "args": {}}, "unsupported_version", "v", 34))
+    vectors.append(_invalid("invalid_not_a_map", "the body is a msgpack array, not a map",
+                            [1, 2, 3], "decode_error", None, None))
+    short = dict(legacy, x=Binary("f32", values("f32", batch * seq * hidden - 1, 150), True))
+    vectors.append(_invalid("invalid_legacy_size", "ExPhil scan whose x is one f32 short",
+                            short, "tensor_size_mismatch", "x", None, legacy=True))
+    length = DEFAULT_MAX_FRAME_SIZE + 1
+    vectors.append(("invalid_frame_too_large", length.to_bytes(4, "big"), {
+        "name": "invalid_frame_too_large", "kind": "invalid_frame",
+        "description": "a header announcing one byte more than the default 256 MiB limit (no body follows)",
+        "frame_length": length,
+        "error": {"code": "frame_too_large", "field": None, "request_id": None, "legacy": False}}))
+    return vectors
+
+
+def render_json(doc: dict) -> bytes:
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def main() -> None:
+    vectors = build_vectors()
+    names = {name for name, _, _ in vectors}
+    for path in VECTORS_DIR.iterdir():
+        if path.suffix in (".frame", ".json") and path.stem not in names:
+            path.unlink()
+    for name, frame, doc in vectors:
+        (VECTORS_DIR / f"{name}.frame").write_bytes(frame)
+        (VECTORS_DIR / f"{name}.json").write_bytes(render_json(doc))
+    print(f"wrote {len(vectors)} vectors to {VECTORS_DIR}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

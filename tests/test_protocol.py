@@ -1,0 +1,542 @@
+"""protocol: request decoding (v1 and ExPhil legacy), validation errors, encoders, round trips."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgpack
+import numpy as np
+import pytest
+
+import protocol
+from protocol import (BIG_PAYLOAD, DTYPES, ERROR_CODES, OPS, HandleRef, LegacyRequest, OutTensor,
+                      ProtocolError, Request, WireTensor, decode_reply, decode_request,
+                      encode_error, encode_legacy_reply, encode_reply, encode_request)
+
+RNG = np.random.default_rng()
+NUMPY = {"f32": "<f4", "f16": "<f2", "f64": "<f8", "i32": "<i4", "i64": "<i8", "u8": "u1"}
+
+
+def random_bytes(dtype: str, shape) -> bytes:
+    """Fresh random non-zero values of `dtype` in wire layout."""
+    n = math.prod(shape)
+    if dtype == "bf16":
+        f32 = (RNG.standard_normal(n) + 3.0).astype("<f4")
+        return (f32.view("<u4") >> 16).astype("<u2").tobytes()
+    if dtype in ("f32", "f16", "f64"):
+        return (RNG.standard_normal(n) + 3.0).astype(NUMPY[dtype]).tobytes()
+    return RNG.integers(1, 100, n).astype(NUMPY[dtype]).tobytes()
+
+
+def tensor_map(dtype="f32", shape=(2, 3), data=None) -> dict:
+    return {"dtype": dtype, "shape": list(shape),
+            "data": random_bytes(dtype, shape) if data is None else data}
+
+
+def request(op, args=None, request_id=1, **envelope) -> dict:
+    message = {"v": 1, "id": request_id, "op": op}
+    if args is not None:
+        message["args"] = args
+    message.update(envelope)
+    return message
+
+
+def pack(message, str_binaries=False) -> bytes:
+    # use_bin_type=False packs bytes as msgpack str, as Msgpax does.
+    return msgpack.packb(message, use_bin_type=not str_binaries)
+
+
+def scan_args(dtype="f32", batch=2, seq=5, dim=3, state=4) -> dict:
+    return {"x": tensor_map(dtype, (batch, seq, dim)), "dt": tensor_map(dtype, (batch, seq, dim)),
+            "A": tensor_map(dtype, (dim, state)), "B": tensor_map(dtype, (batch, seq, state)),
+            "C": tensor_map(dtype, (batch, seq, state))}
+
+
+def legacy_scan(batch=2, seq=5, hidden=3, state=4) -> dict:
+    return {"op": "scan", "batch": batch, "seq_len": seq, "hidden": hidden, "state": state,
+            "x": random_bytes("f32", (batch, seq, hidden)), "dt": random_bytes("f32", (batch, seq, hidden)),
+            "A": random_bytes("f32", (hidden, state)), "B": random_bytes("f32", (batch, seq, state)),
+            "C": random_bytes("f32", (batch, seq, state))}
+
+
+def decode_error(body) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode_request(body)
+    error = info.value
+    assert error.code in ERROR_CODES
+    json.dumps(error.detail)  # detail must be JSON-able
+    return error
+
+
+# -- v1 requests -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", [
+    pytest.param((7,), id="1d-odd"),
+    pytest.param((3, 5, 9), id="3d-odd"),
+    pytest.param((2, 1, 3, 1, 5, 1, 7, 1), id="8d"),
+    pytest.param((), id="scalar"),
+    pytest.param((0, 3), id="empty"),
+])
+@pytest.mark.parametrize("str_binaries", [pytest.param(False, id="bin"), pytest.param(True, id="str")])
+def test_tensor_of_every_dtype_decodes_to_a_view_of_its_bytes(dtype, shape, str_binaries):
+    t = tensor_map(dtype, shape)
+    req = decode_request(pack(request("put", {"tensor": t}), str_binaries))
+    got = req.args["tensor"]
+    assert isinstance(got, WireTensor)
+    assert (got.dtype, got.shape, bytes(got.data)) == (dtype, shape, t["data"])
+    assert isinstance(got.data, memoryview) and got.data.nbytes == len(t["data"])
+
+
+@pytest.mark.parametrize("str_binaries", [pytest.param(False, id="bin"), pytest.param(True, id="str")])
+@pytest.mark.parametrize("as_view", [pytest.param(False, id="bytearray"), pytest.param(True, id="memoryview")])
+def test_tensor_data_is_zero_copy_into_the_body(str_binaries, as_view):
+    body = bytearray(pack(request("scan", scan_args(batch=3, seq=7, dim=5, state=3)), str_binaries))
+    req = decode_request(memoryview(body) if as_view else body)
+    x = req.args["x"].data
+    body_array = np.frombuffer(body, np.uint8)
+    assert np.shares_memory(np.frombuffer(x, np.uint8), body_array)
+    offset = bytes(body).find(bytes(x))
+    body[offset] ^= 0xFF
+    assert x[0] == body[offset]  # a view sees the change; a copy would not
+
+
+def test_non_utf8_str_data_is_accepted_as_bytes():
+    data = bytes([0xFF, 0xFE, 0x80, 0xC0]) * 6  # not UTF-8: a str decode would fail
+    req = decode_request(pack(request("put", {"tensor": tensor_map("f32", (2, 3), data)}), True))
+    assert bytes(req.args["tensor"].data) == data
+
+
+def test_scan_with_every_argument_keeps_canonical_names_and_types():
+    args = scan_args()
+    args.update(D=tensor_map("f32", (3,)), z=tensor_map("f32", (2, 5, 3)), dt_bias=tensor_map("f32", (3,)),
+                dt_softplus=True, dt_min=1, dt_max=0.5, h0=tensor_map("f32", (2, 3, 4)),
+                return_state=False, layout="bdl", session="s-9")
+    req = decode_request(pack(request("scan", args, request_id=42)))
+    assert isinstance(req, Request) and (req.id, req.op, req.version) == (42, "scan", 1)
+    assert list(req.args) == list(args)
+    assert req.args["dt_min"] == 1.0 and type(req.args["dt_min"]) is float
+    assert (req.args["dt_softplus"], req.args["return_state"]) == (True, False)
+    assert (req.args["layout"], req.args["session"]) == ("bdl", "s-9")
+    for name in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0"):
+        assert bytes(req.args[name].data) == args[name]["data"]
+
+
+def test_aliases_resolve_to_canonical_names():
+    args = scan_args()
+    args["u"], args["delta"] = args.pop("x"), args.pop("dt")
+    args["delta_bias"] = tensor_map("f32", (3,))
+    req = decode_request(pack(request("scan", args)))
+    assert set(req.args) == {"x", "dt", "A", "B", "C", "dt_bias"}
+    assert bytes(req.args["x"].data) == args["u"]["data"]
+
+
+def test_handle_reference_in_place_of_a_tensor():
+    args = scan_args()
+    args["A"] = {"handle": "weights-A"}
+    assert decode_request(pack(request("scan", args))).args["A"] == HandleRef("weights-A")
+
+
+def test_nil_optional_argument_counts_as_absent():
+    args = dict(scan_args(), D=None, dt_min=None, layout=None)
+    assert set(decode_request(pack(request("scan", args))).args) == {"x", "dt", "A", "B", "C"}
+
+
+@pytest.mark.parametrize("request_id", [
+    pytest.param(0, id="zero"),
+    pytest.param(2**64 - 1, id="max-uint64"),
+    pytest.param("req-ü-7", id="str"),
+])
+def test_request_ids_and_optional_v_and_args(request_id):
+    message = {"id": request_id, "op": "ping"}  # no v, no args
+    req = decode_request(pack(message))
+    assert (req.id, req.op, req.args, req.version) == (request_id, "ping", {}, 1)
+
+
+def _minimal_value(kind):
+    return {"tensor": tensor_map("f32", (3, 1)), "tensor_data": tensor_map("i64", (5,)), "bool": True,
+            "number": 0.25, "str": "name-1", "size": 3, "layout": "bld"}[kind]
+
+
+def _wrong_value(kind):
+    return {"tensor": [1, 2], "tensor_data": {"handle": "h"}, "bool": 1, "number": "0.5", "str": 7,
+            "size": 0, "layout": "dbl"}[kind]
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_every_op_accepts_its_required_arguments(op):
+    args = {name: _minimal_value(arg.kind) for name, arg in OPS[op].items() if arg.required}
+    req = decode_request(pack(request(op, args)))
+    assert req.op == op and set(req.args) == set(args)
+
+
+@pytest.mark.parametrize("op, name", [pytest.param(op, name, id=f"{op}.{name}")
+                                      for op, spec in OPS.items() for name in spec])
+def test_every_argument_rejects_a_value_of_the_wrong_kind(op, name):
+    args = {n: _minimal_value(arg.kind) for n, arg in OPS[op].items() if arg.required}
+    args[name] = _wrong_value(OPS[op][name].kind)
+    error = decode_error(pack(request(op, args, request_id=5)))
+    assert (error.code, error.detail["field"], error.request_id) == ("invalid_argument", f"args.{name}", 5)
+    assert f"args.{name}" in str(error)
+
+
+_ALL_SCAN = scan_args()
+_TOO_DEEP = b"\x81\xa1v" + b"\x91" * 100_000 + b"\x01"
+
+# (id, body, code, field or None, request_id)
+_INVALID = [
+    ("not-msgpack", b"\xc1", "decode_error", None, None),
+    ("empty-body", b"", "decode_error", None, None),
+    ("truncated", pack(request("ping"))[:-3], "decode_error", None, None),
+    ("trailing-bytes", pack(request("ping")) + b"\x00", "decode_error", None, None),
+    ("array-body", pack([1, "ping"]), "decode_error", None, None),
+    ("int-body", pack(5), "decode_error", None, None),
+    ("absurdly-deep", _TOO_DEEP, "decode_error", None, None),
+    ("bad-utf8-key", b"\x81\xa2\xff\xfe\x01", "decode_error", None, None),
+    ("int-key", pack({1: 2, "id": 3}), "invalid_request", "body", None),
+    ("duplicate-key", b"\x84\xa2id\x01\xa2op\xa4ping\xa2id\x02\xa1v\x01", "invalid_request", "body", None),
+    ("v-without-id", pack({"v": 1, "op": "ping"}), "invalid_request", "id", None),
+    ("negative-id", pack(request("ping", request_id=-1)), "invalid_request", "id", None),
+    ("float-id", pack(request("ping", request_id=1.5)), "invalid_request", "id", None),
+    ("bool-id", pack(request("ping", request_id=True)), "invalid_request", "id", None),
+    ("empty-str-id", pack(request("ping", request_id="")), "invalid_request", "id", None),
+    ("nil-id", pack(request("ping", request_id=None)), "invalid_request", "id", None),
+    ("v2", pack(request("ping", v=2)), "unsupported_version", "v", 1),
+    ("v-str", pack(request("ping", v="1")), "invalid_request", "v", 1),
+    ("unknown-envelope-key", pack(request("ping", idd=1)), "invalid_request", "idd", 1),
+    ("op-missing", pack({"v": 1, "id": 4}), "invalid_request", "op", 4),
+    ("op-int", pack(request(3)), "invalid_request", "op", 1),
+    ("op-unknown", pack(request("scna", {})), "unknown_op", "op", 1),
+    ("args-array", pack(request("ping", [])), "invalid_request", "args", 1),
+    ("args-int-key", pack(request("ping", {1: 2})), "invalid_request", "args", 1),
+    ("unknown-arg", pack(request("scan", dict(_ALL_SCAN, dt_minn=0.1))), "invalid_argument", "args.dt_minn", 1),
+    ("arg-for-argless-op", pack(request("ping", {"x": 1})), "invalid_argument", "args.x", 1),
+    ("alias-and-name", pack(request("scan", dict(_ALL_SCAN, u=_ALL_SCAN["x"]))), "invalid_argument", "args.u", 1),
+    ("missing-C", pack(request("scan", {k: v for k, v in _ALL_SCAN.items() if k != "C"})),
+     "missing_argument", "args.C", 1),
+    ("missing-session", pack(request("step", _ALL_SCAN)), "missing_argument", "args.session", 1),
+    ("required-nil", pack(request("scan", dict(_ALL_SCAN, x=None))), "invalid_argument", "args.x", 1),
+    ("nan-dt-min", pack(request("scan", dict(_ALL_SCAN, dt_min=float("nan")))), "invalid_argument", "args.dt_min", 1),
+    ("bool-dt-max", pack(request("scan", dict(_ALL_SCAN, dt_max=True))), "invalid_argument", "args.dt_max", 1),
+    ("empty-session", pack(request("session_close", {"session": ""})), "invalid_argument", "args.session", 1),
+    ("negative-size", pack(request("session_open", {"batch": -2, "dim": 1, "state": 1})),
+     "invalid_argument", "args.batch", 1),
+    ("float-size", pack(request("session_open", {"batch": 2, "dim": 1.0, "state": 1})),
+     "invalid_argument", "args.dim", 1),
+    ("tensor-missing-data", pack(request("put", {"tensor": {"dtype": "f32", "shape": [1]}})),
+     "invalid_argument", "args.tensor.data", 1),
+    ("tensor-extra-key", pack(request("put", {"tensor": dict(tensor_map(), strides=[3, 1])})),
+     "invalid_argument", "args.tensor.strides", 1),
+    ("unknown-dtype", pack(request("put", {"tensor": tensor_map("f32", (2,), b"\x01" * 8) | {"dtype": "f8"}})),
+     "unknown_dtype", "args.tensor.dtype", 1),
+    ("dtype-not-str", pack(request("put", {"tensor": tensor_map() | {"dtype": 4}})),
+     "invalid_argument", "args.tensor.dtype", 1),
+    ("dtype-bad-utf8", b"\x84\xa1v\x01\xa2id\x01\xa2op\xa3put\xa4args\x81\xa6tensor\x83"
+                       b"\xa5dtype\xa2\xff\xfe\xa5shape\x91\x01\xa4data\xc4\x04abcd",
+     "invalid_argument", "args.tensor.dtype", 1),
+    ("shape-not-list", pack(request("put", {"tensor": tensor_map() | {"shape": 6}})),
+     "invalid_argument", "args.tensor.shape", 1),
+    ("shape-negative", pack(request("put", {"tensor": tensor_map("u8", (2, 3)) | {"shape": [2, -3]}})),
+     "invalid_argument", "args.tensor.shape[1]", 1),
+    ("shape-bool", pack(request("put", {"tensor": tensor_map("u8", (1,)) | {"shape": [True]}})),
+     "invalid_argument", "args.tensor.shape[0]", 1),
+    ("shape-float", pack(request("put", {"tensor": tensor_map("u8", (1,)) | {"shape": [1.0]}})),
+     "invalid_argument", "args.tensor.shape[0]", 1),
+    ("shape-9d", pack(request("put", {"tensor": tensor_map("u8", (1,) * 8) | {"shape": [1] * 9}})),
+     "invalid_argument", "args.tensor.shape", 1),
+    ("data-int", pack(request("put", {"tensor": tensor_map() | {"data": 7}})),
+     "invalid_argument", "args.tensor.data", 1),
+    ("data-short", pack(request("put", {"tensor": tensor_map("f32", (3, 5), random_bytes("f32", (14,)))})),
+     "tensor_size_mismatch", "args.tensor.data", 1),
+    ("data-long", pack(request("put", {"tensor": tensor_map("bf16", (3,), random_bytes("bf16", (4,)))})),
+     "tensor_size_mismatch", "args.tensor.data", 1),
+    ("handle-with-dtype", pack(request("scan", dict(_ALL_SCAN, A={"handle": "h", "dtype": "f32"}))),
+     "invalid_argument", "args.A", 1),
+    ("handle-empty", pack(request("scan", dict(_ALL_SCAN, A={"handle": ""}))),
+     "invalid_argument", "args.A.handle", 1),
+    ("put-a-handle", pack(request("put", {"tensor": {"handle": "h"}})), "invalid_argument", "args.tensor", 1),
+]
+
+
+@pytest.mark.parametrize("body, code, field, request_id",
+                         [pytest.param(*case[1:], id=case[0]) for case in _INVALID])
+def test_invalid_requests_raise_the_documented_code_naming_the_field(body, code, field, request_id):
+    error = decode_error(body)
+    assert (error.code, error.request_id, error.legacy) == (code, request_id, False)
+    if field is not None:
+        assert error.detail["field"] == field
+        assert str(error).startswith(field + ":")
+        assert "expected" in str(error) and "got" in str(error)
+
+
+def test_every_request_error_code_of_the_protocol_layer_is_exercised():
+    raised = {case[2] for case in _INVALID} | {case[2] for case in _INVALID_LEGACY}
+    assert raised == {cls.code for cls in (protocol.DecodeError, *protocol.ValidationError.__subclasses__())}
+
+
+def test_size_mismatch_detail_says_expected_and_received_bytes():
+    error = decode_error(pack(request("put", {"tensor": tensor_map("f64", (3, 5), random_bytes("f64", (14,)))})))
+    assert error.detail | {} == {"field": "args.tensor.data", "expected": "120 bytes (f64 [3, 5])",
+                                 "got": "112 bytes", "dtype": "f64", "shape": [3, 5],
+                                 "expected_bytes": 120, "got_bytes": 112}
+
+
+def test_unknown_op_detail_lists_the_known_ops():
+    error = decode_error(pack(request("scna")))
+    assert error.detail["known"] == list(OPS)
+
+
+# -- the typed fast path for tensors agrees with the careful one ------------------------------
+
+@pytest.mark.parametrize("tensor, allow_handle", [
+    pytest.param(tensor_map("f16", (3, 1, 5)), True, id="valid"),
+    pytest.param({"handle": "h-1"}, True, id="handle"),
+    pytest.param({"handle": "h-1"}, False, id="handle-not-allowed"),
+    pytest.param(tensor_map("f32", (2,), b"\x01" * 7), True, id="short"),
+    pytest.param(tensor_map() | {"shape": [2, None]}, True, id="nil-dim"),
+    pytest.param(tensor_map() | {"dtype": None}, True, id="nil-dtype"),
+    pytest.param(tensor_map() | {"data": None}, True, id="nil-data"),
+    pytest.param({"dtype": "f32", "shape": [1]}, True, id="no-data"),
+    pytest.param(tensor_map("u8", [0] * 9, b""), True, id="9d"),
+])
+def test_fast_tensor_path_only_accepts_what_the_careful_path_accepts(tensor, allow_handle):
+    from protocol._reader import Reader
+
+    raw = msgpack_raw(pack(tensor))
+    fast = Reader.valid_tensor(raw, allow_handle)
+    reader = Reader()
+    try:
+        careful = reader.tensor(raw, "t") if allow_handle else reader.tensor_data(raw, "t")
+    except ProtocolError:
+        careful = None
+    if fast is not None:
+        assert careful is not None and _same(fast, careful)
+
+
+def msgpack_raw(encoded: bytes):
+    import msgspec
+
+    return msgspec.msgpack.decode(encoded, type=msgspec.Raw)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, WireTensor):
+        return (a.dtype, a.shape, bytes(a.data)) == (b.dtype, b.shape, bytes(b.data))
+    return a == b
+
+
+# -- ExPhil legacy ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch, seq, hidden, state", [
+    pytest.param(1, 1, 1, 1, id="tiny"),
+    pytest.param(3, 7, 5, 2, id="odd"),
+    pytest.param(2, 60, 33, 16, id="exphil-like"),
+])
+def test_legacy_scan_dims_form(batch, seq, hidden, state):
+    message = legacy_scan(batch, seq, hidden, state)
+    body = bytearray(pack(message, str_binaries=True))
+    req = decode_request(body)
+    assert isinstance(req, LegacyRequest) and req.op == "scan"
+    shapes = {"x": (batch, seq, hidden), "dt": (batch, seq, hidden), "A": (hidden, state),
+              "B": (batch, seq, state), "C": (batch, seq, state)}
+    for name, shape in shapes.items():
+        t = req.args[name]
+        assert (t.dtype, t.shape, bytes(t.data)) == ("f32", shape, message[name])
+        assert np.shares_memory(np.frombuffer(t.data, np.uint8), np.frombuffer(body, np.uint8))
+    assert (req.args["dt_min"], req.args["dt_max"]) == (0.001, 0.1)
+
+
+def test_legacy_scan_shapes_form_accepts_bin_or_str():
+    shapes = {"x": [2, 3, 5], "dt": [2, 3, 5], "A": [5, 4], "B": [2, 3, 4], "C": [2, 3, 4]}
+    message = {"op": "scan"}
+    for name, shape in shapes.items():
+        message[name] = random_bytes("f32", shape)
+        message[name + "_shape"] = shape
+    for str_binaries in (False, True):
+        req = decode_request(pack(message, str_binaries))
+        assert {k: list(v.shape) for k, v in req.args.items() if k in shapes} == shapes
+        assert bytes(req.args["B"].data) == message["B"]
+
+
+@pytest.mark.parametrize("op", ["ping", "info"])
+def test_legacy_ping_and_info(op):
+    assert decode_request(pack({"op": op})) == LegacyRequest(op, {})
+
+
+_INVALID_LEGACY = [
+    ("no-op", {"batch": 1}, "invalid_request", "op"),
+    ("op-not-str", {"op": 1}, "invalid_request", "op"),
+    ("unknown-op", {"op": "step"}, "unknown_op", "op"),
+    ("ping-extra-key", {"op": "ping", "x": 1}, "invalid_argument", "x"),
+    ("missing-C", {k: v for k, v in legacy_scan().items() if k != "C"}, "missing_argument", "C"),
+    ("unknown-key", dict(legacy_scan(), dt_softplus=True), "invalid_argument", "dt_softplus"),
+    ("zero-batch", dict(legacy_scan(), batch=0), "invalid_argument", "batch"),
+    ("x-short", dict(legacy_scan(), x=random_bytes("f32", (29,))), "tensor_size_mismatch", "x"),
+    ("A-not-binary", dict(legacy_scan(), A=[1.0, 2.0]), "invalid_argument", "A"),
+    ("bad-shape", {"op": "scan", **{k: b"" for k in ("x", "dt", "A", "B", "C")},
+                   **{k + "_shape": [0] for k in ("x", "dt", "A", "B")}, "C_shape": [-1]},
+     "invalid_argument", "C_shape[0]"),
+]
+
+
+@pytest.mark.parametrize("message, code, field", [pytest.param(*case[1:], id=case[0]) for case in _INVALID_LEGACY])
+def test_invalid_legacy_requests_are_flagged_legacy(message, code, field):
+    error = decode_error(pack(message, str_binaries=True))
+    assert (error.code, error.detail["field"], error.legacy, error.request_id) == (code, field, True, None)
+    assert str(error).startswith(field + ":")
+
+
+def test_legacy_map_with_a_duplicate_key_is_rejected_in_legacy_shape():
+    body = b"\x82\xa2op\xa4ping\xa2op\xa4info"
+    error = decode_error(body)
+    assert (error.code, error.detail["field"], error.legacy) == ("invalid_request", "body", True)
+
+
+# -- encoders ---------------------------------------------------------------------------------
+
+def _out(dtype, shape):
+    return OutTensor(dtype, shape, random_bytes(dtype, shape))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_reply_round_trip_every_dtype(dtype):
+    y, extra = _out(dtype, (3, 5, 7)), _out(dtype, (1,))
+    result = {"y": y, "nested": {"t": [extra, 1, -2.5, None, True, "s", b"\x00\x01"]}}
+    timing = {"decode_us": 12.5, "server_us": 99}
+    reply = decode_reply(b"".join(encode_reply("r-1", result, timing)))
+    assert (reply.id, reply.ok, reply.error, reply.timing) == ("r-1", True, None, timing)
+    got = reply.result["y"]
+    assert (got.dtype, got.shape, bytes(got.data)) == (dtype, (3, 5, 7), bytes(y.data))
+    t, *rest = reply.result["nested"]["t"]
+    assert bytes(t.data) == bytes(extra.data) and rest == [1, -2.5, None, True, "s", b"\x00\x01"]
+
+
+def test_reply_keys_in_order_with_timing_last():
+    body = b"".join(encode_reply(3, {"pong": True}, {"server_us": 1}))
+    assert list(msgpack.unpackb(body)) == ["v", "id", "ok", "result", "timing"]
+
+
+def test_timing_callable_runs_after_the_result_is_encoded():
+    result = {"late": []}
+
+    def timing():
+        result["late"].append("added after encoding")
+        return {"encode_us": 4}
+
+    reply = msgpack.unpackb(b"".join(encode_reply(1, result, timing)))
+    assert reply["result"] == {"late": []} and reply["timing"] == {"encode_us": 4}
+
+
+@pytest.mark.parametrize("nbytes, separate", [
+    pytest.param(BIG_PAYLOAD - 4, False, id="below-threshold"),
+    pytest.param(BIG_PAYLOAD, True, id="at-threshold"),
+    pytest.param(3 * BIG_PAYLOAD + 4, True, id="above"),
+])
+def test_big_payloads_are_separate_parts_referencing_the_callers_buffer(nbytes, separate):
+    array = RNG.standard_normal(nbytes // 4).astype("<f4") + 1
+    parts = encode_reply(7, {"y": OutTensor("f32", array.shape, array), "n": 3}, {"server_us": 2})
+    views = [p for p in parts if isinstance(p, memoryview)]
+    if separate:
+        assert len(views) == 1 and np.shares_memory(np.frombuffer(views[0], np.uint8), array)
+        assert all(isinstance(p, bytes) for p in parts if p is not views[0])
+    else:
+        assert views == [] and len(parts) == 1
+    assert msgpack.unpackb(b"".join(parts))["result"]["y"]["data"] == array.tobytes()
+
+
+def test_error_reply_shape():
+    parts = encode_error(None, "frame_too_large", "too big", {"length": 9, "limit": 8})
+    assert msgpack.unpackb(b"".join(parts)) == {
+        "v": 1, "id": None, "ok": False,
+        "error": {"code": "frame_too_large", "message": "too big", "detail": {"length": 9, "limit": 8}}}
+    with_timing = msgpack.unpackb(b"".join(encode_error(4, "internal_error", "boom", timing=lambda: {"server_us": 3})))
+    assert list(with_timing) == ["v", "id", "ok", "error", "timing"] and with_timing["error"]["detail"] == {}
+    reply = decode_reply(b"".join(parts))
+    assert (reply.ok, reply.result, reply.error["code"]) == (False, None, "frame_too_large")
+
+
+def test_protocol_error_converts_to_an_error_reply():
+    error = decode_error(pack(request("put", {"tensor": tensor_map() | {"dtype": "f8"}}, request_id=11)))
+    reply = decode_reply(b"".join(encode_error(error.request_id, error.code, str(error), error.detail)))
+    assert (reply.id, reply.error["code"], reply.error["detail"]["field"]) == (11, "unknown_dtype", "args.tensor.dtype")
+
+
+def test_a_decoded_tensor_can_be_sent_on_unchanged():
+    state = _out("f32", (2, 3, 4))
+    received = decode_reply(b"".join(encode_reply(1, {"state": state}, {})))
+    req = decode_request(b"".join(encode_request(2, "put", {"tensor": received.result["state"]})))
+    assert bytes(req.args["tensor"].data) == bytes(state.data) and req.args["tensor"].shape == (2, 3, 4)
+
+
+def test_request_round_trip_through_the_encoder():
+    args = {"x": _out("bf16", (2, 5, 3)), "A": HandleRef("a"), "dt": _out("bf16", (2, 5, 3)),
+            "B": _out("bf16", (2, 5, 4)), "C": _out("bf16", (2, 5, 4)), "dt_softplus": True, "layout": "bld"}
+    req = decode_request(b"".join(encode_request(2**40, "scan", args)))
+    assert (req.id, req.op, list(req.args)) == (2**40, "scan", list(args))
+    assert bytes(req.args["x"].data) == bytes(args["x"].data) and req.args["A"] == HandleRef("a")
+
+
+@pytest.mark.parametrize("call, exception, says", [
+    pytest.param(lambda: encode_reply(-1, {}, {}), ValueError, "request_id", id="negative-id"),
+    pytest.param(lambda: encode_reply(None, {}, {}), ValueError, "request_id", id="nil-id-ok-reply"),
+    pytest.param(lambda: encode_reply(1, [], {}), TypeError, "result", id="result-not-dict"),
+    pytest.param(lambda: encode_reply(1, {"y": np.zeros(2)}, {}), TypeError, "result.y", id="raw-ndarray"),
+    pytest.param(lambda: encode_reply(1, {3: 1}, {}), TypeError, "result", id="int-key"),
+    pytest.param(lambda: encode_reply(1, {"n": [2**65]}, {}), ValueError, "result.n[0]", id="int-overflow"),
+    pytest.param(lambda: encode_reply(1, {}, {"server_us": "1"}), TypeError, "timing", id="timing-str"),
+    pytest.param(lambda: encode_reply(1, {}, lambda: None), TypeError, "timing", id="timing-callable-none"),
+    pytest.param(lambda: encode_error(1, "no_such_code", "m"), ValueError, "code", id="unknown-code"),
+    pytest.param(lambda: encode_error(1, "internal_error", "m", ["d"]), TypeError, "detail", id="detail-list"),
+    pytest.param(lambda: OutTensor("f8", (1,), b"\x00"), ValueError, "dtype", id="out-dtype"),
+    pytest.param(lambda: OutTensor("u8", (-1,), b""), ValueError, "shape", id="out-shape"),
+    pytest.param(lambda: OutTensor("f32", (2,), b"\x00" * 7), ValueError, "7", id="out-size"),
+    pytest.param(lambda: OutTensor("f32", (2, 2), np.ones((2, 4), "<f4")[:, ::2]), ValueError, "contiguous",
+                 id="out-strided"),
+    pytest.param(lambda: OutTensor("f32", (1,), 1.0), TypeError, "buffer", id="out-not-buffer"),
+])
+def test_encoders_reject_bad_input_saying_what_and_where(call, exception, says):
+    with pytest.raises(exception, match=None) as info:
+        call()
+    assert says in str(info.value)
+
+
+def test_legacy_replies_match_exphil_patterns():
+    y = _out("f32", (2, 7, 3))
+    ok = msgpack.unpackb(b"".join(encode_legacy_reply({"status": "ok", "result": y})))
+    assert ok == {"status": "ok", "result": bytes(y.data), "shape": [2, 7, 3]}
+    ping = msgpack.unpackb(b"".join(encode_legacy_reply({"status": "ok", "message": "pong", "device": "cpu"},
+                                                        timing={"server_us": 5})))
+    assert ping == {"status": "ok", "message": "pong", "device": "cpu", "timing": {"server_us": 5}}
+    error = msgpack.unpackb(b"".join(encode_legacy_reply({"status": "error", "message": "x: bad"})))
+    assert error == {"status": "error", "message": "x: bad"}
+
+
+@pytest.mark.parametrize("reply, exception", [
+    pytest.param({"status": "ok", "result": _out("f16", (2,))}, TypeError, id="not-f32"),
+    pytest.param({"status": "ok", "result": _out("f32", (2,)), "shape": [1, 2]}, ValueError, id="shape-lies"),
+    pytest.param({"status": "fine"}, ValueError, id="bad-status"),
+    pytest.param({"status": "error", "message": "m", "code": 3}, ValueError, id="error-extra-key"),
+    pytest.param({"status": "error", "message": 3}, ValueError, id="error-message-not-str"),
+    pytest.param({"status": "ok", "timing": {}}, ValueError, id="timing-in-reply"),
+    pytest.param(["status", "ok"], TypeError, id="not-a-dict"),
+])
+def test_legacy_reply_rejects_maps_exphil_would_not_match(reply, exception):
+    with pytest.raises(exception):
+        encode_legacy_reply(reply)
+
+
+@pytest.mark.parametrize("body, field", [
+    pytest.param(pack({"v": 1, "id": 1}), "ok", id="no-ok"),
+    pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": 3}), "result", id="result-not-map"),
+    pytest.param(pack({"v": 1, "id": 1, "ok": False, "result": {}}), "error", id="error-missing"),
+    pytest.param(pack({"v": 1, "id": -4, "ok": True, "result": {}}), "id", id="negative-id"),
+    pytest.param(pack({"v": 1, "id": 1, "ok": "yes", "result": {}}), "ok", id="ok-not-bool"),
+    pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": {}, "extra": 1}), "extra", id="unknown-key"),
+    pytest.param(pack({"status": "ok"}), "status", id="legacy-reply"),
+    pytest.param(pack({1: 1}), "body", id="int-key"),
+])
+def test_decode_reply_rejects_what_is_not_a_v1_reply(body, field):
+    with pytest.raises(protocol.DecodeError) as info:
+        decode_reply(body)
+    assert info.value.detail["field"] == field
