@@ -1,0 +1,46 @@
+# Two commands on a fresh machine: `make test` and `make bench`. Both create .venv/ on first use
+# and install everything the project needs; nothing is installed by hand.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: all test bench setup kernels system-deps clean
+
+all: test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch comes first so that the project's unpinned requirement is already met: on a machine
+# without an NVIDIA driver that is the local CPU build (torch==2.13.0); pip must never pull
+# gigabytes of CUDA wheels there.
+$(STAMP): pyproject.toml | $(PY)
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
+	  else $(PY) -m pip install --quiet torch==2.13.0; fi; \
+	fi
+	$(PY) -m pip install --quiet -e '.[dev,triton]'
+	touch $(STAMP)
+
+setup: $(STAMP) kernels system-deps
+
+# Debian packages for the non-Python suites (C client, Elixir client): .ci/system-deps.sh.
+system-deps:
+	@bash .ci/system-deps.sh
+
+# Builds the C++ CPU kernels ahead of time; where they cannot be built the torch backend serves
+# and the reason is printed (and logged again by the server).
+kernels: $(STAMP)
+	@$(PY) -c "import kernels.cpu" 2>/dev/null && $(PY) -m kernels.cpu.build || echo "make: CPU kernels not built (see above); the torch backend will serve CPU tensors"
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m bench.roundtrip --json bench/results/roundtrip-stdio.json
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: each measures its baseline in the same run and records JSON under bench/results/."""

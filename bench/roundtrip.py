@@ -1,0 +1,143 @@
+"""The ExPhil request (32×60×512×16 f32) over stdio from PortClient, against the physical floor.
+
+Measures, interleaved in one run:
+  * server: PortClient → `python -m bridge` → reply; round trip and the server's timing split;
+  * floor:  the same request bytes through the same kind of pipes to a C program that reads the
+            frame and answers with a frame of the reply's size (bench/echo/pipe_echo.c).
+Reports the bridge cost — round trip − kernel_us, i.e. decode, copies, queueing, encode and
+transport — as a ratio to the floor's round trip. Goal (issue 2): ≤ 1.3×.
+
+    python -m bench.roundtrip [--iterations 40] [--json bench/results/roundtrip-stdio.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+import protocol
+from bridge.client import PortClient, to_wire
+from bridge.transports.stdio import read_exact, write_all
+
+from .machine import commit_info, machine_info
+from .pipe_echo import build_pipe_echo
+
+EXPHIL = {"batch": 32, "seq": 60, "dim": 512, "state": 16}
+
+
+def exphil_inputs(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    b, l, d, n = EXPHIL["batch"], EXPHIL["seq"], EXPHIL["dim"], EXPHIL["state"]
+    return {
+        "x": rng.standard_normal((b, l, d), dtype=np.float32),
+        "dt": rng.uniform(0.001, 0.1, (b, l, d)).astype(np.float32),
+        "A": -rng.uniform(0.5, 4.0, (d, n)).astype(np.float32),
+        "B": rng.standard_normal((b, l, n), dtype=np.float32),
+        "C": rng.standard_normal((b, l, n), dtype=np.float32),
+    }
+
+
+class EchoLane:
+    """A Port-style pipe pair to the C echo; sends pre-framed bytes, reads one reply frame."""
+
+    def __init__(self, reply_bytes: int):
+        self.proc = subprocess.Popen([build_pipe_echo(), str(reply_bytes)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, bufsize=0)
+        self.header = memoryview(bytearray(4))
+        self.body = memoryview(bytearray(reply_bytes))
+
+    def round_trip_us(self, framed_parts: list) -> float:
+        start = time.perf_counter_ns()
+        write_all(self.proc.stdin.fileno(), framed_parts)
+        read_exact(self.proc.stdout, self.header)
+        n = protocol.parse_frame_header(self.header)
+        read_exact(self.proc.stdout, self.body[:n])
+        return (time.perf_counter_ns() - start) / 1000.0
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(5)
+
+
+def summarize(values: list[float]) -> dict:
+    q = statistics.quantiles(values, n=10) if len(values) > 1 else [values[0]] * 9
+    return {"p50_us": statistics.median(values), "p20_us": float(np.percentile(values, 20)),
+            "p80_us": float(np.percentile(values, 80)), "p90_us": q[8], "min_us": min(values)}
+
+
+def run(iterations: int, server_args: list[str]) -> dict:
+    inputs = exphil_inputs()
+    with PortClient(["--device", "cpu", *server_args]) as client:
+        first = client.scan(**inputs)
+        first.unwrap()
+        reply_frame = first.bytes_in
+        request_parts = protocol.frame_parts(
+            protocol.encode_request(1, "scan", {k: to_wire(v) for k, v in inputs.items()}))
+        request_frame = sum(len(memoryview(p).cast("B")) for p in request_parts)
+        echo = EchoLane(reply_frame - 4)
+        rows = {"round_trip": [], "bridge_cost": [], "echo": [], "ipc": []}
+        stages = {}
+        for i in range(iterations + 3):
+            echo_us = echo.round_trip_us(request_parts)
+            reply = client.scan(**inputs)
+            reply.unwrap()
+            if i < 3:  # warm-up: page faults, first-call allocations
+                continue
+            t = reply.timing
+            rows["round_trip"].append(reply.round_trip_us)
+            rows["bridge_cost"].append(reply.round_trip_us - t["kernel_us"])
+            rows["echo"].append(echo_us)
+            rows["ipc"].append(reply.ipc_us)
+            for key in list(t) + ["client_encode_us", "client_decode_us"]:
+                value = t.get(key, getattr(reply, key, None))
+                if isinstance(value, (int, float)):
+                    stages.setdefault(key, []).append(value)
+        echo.close()
+        backend = client.info()["backend"]
+    summary = {k: summarize(v) for k, v in rows.items()}
+    return {
+        "case": "exphil 32x60x512x16 f32, stdio (PortClient)",
+        "backend": backend,
+        "iterations": iterations,
+        "request_frame_bytes": request_frame,
+        "reply_frame_bytes": reply_frame,
+        "round_trip": summary["round_trip"],
+        "bridge_cost": summary["bridge_cost"],
+        "echo_floor": summary["echo"],
+        "ipc": summary["ipc"],
+        "stages_p50_us": {k: statistics.median(v) for k, v in stages.items()},
+        "bridge_cost_over_floor": summary["bridge_cost"]["p50_us"] / summary["echo"]["p50_us"],
+        "goal_bridge_cost_over_floor": 1.3,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--json", help="write results (with machine and commit info) to this file")
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for the server")
+    args = p.parse_args(argv)
+    result = run(args.iterations, args.server_arg)
+    r = result
+    print(f"{r['case']}  backend={r['backend']}  request {r['request_frame_bytes']/1e6:.2f} MB, "
+          f"reply {r['reply_frame_bytes']/1e6:.2f} MB, {r['iterations']} iterations (medians, p20–p80)")
+    for name in ("round_trip", "bridge_cost", "echo_floor", "ipc"):
+        s = r[name]
+        print(f"  {name:<12} {s['p50_us']/1000:8.2f} ms   ({s['p20_us']/1000:.2f}–{s['p80_us']/1000:.2f})")
+    print("  stages p50:  " + "  ".join(f"{k}={v/1000:.2f}ms" for k, v in r["stages_p50_us"].items()))
+    print(f"  bridge cost / echo floor = {r['bridge_cost_over_floor']:.2f}×  (goal ≤ {r['goal_bridge_cost_over_floor']}×)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "roundtrip-stdio", "machine": machine_info(), "commit": commit_info(),
+                       "results": [result]}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""Dynamic batching: requests that can share a kernel launch run as one launch.
+
+An op that can be batched (step, scan) is a `BatchedOp`: `prepare(server, call)` checks one
+request and resolves its tensors and session into an `Item`, whose `key` says what must be equal
+for two requests to share a launch (shapes past the batch axis, dtypes, options); `run(server,
+items)` makes one launch for all of them and gives each its own rows back. The dispatcher's
+worker gathers the batch (bridge.dispatcher): it takes the next request, then more queued
+requests of the same op while `Batch.accepts` them, waiting for late ones only as long as
+`BatchPolicy` says.
+
+Rules a batch keeps:
+  * equal keys, and the same A, D, dt_bias: the same tensor (one handle) or equal values;
+  * at most `--max-batch` rows (one request bigger than that runs alone);
+  * one request per session: two steps of one session are two timesteps, run one after the
+    other, never side by side in one launch;
+  * gathering stops at the first request that does not fit, which runs next: requests run in
+    the order they arrived.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+from .sessions import Session, unknown_session
+from .timing import now_ns
+
+# How long a batch size is remembered as the company to wait for (see BatchPolicy). Longer than
+# a 60 FPS frame, so that agents stepping once per frame are still expected on the next frame.
+COMPANY_MEMORY_NS = 1_000_000_000
+
+
+@dataclass(eq=False)
+class Item:
+    """One prepared request."""
+
+    call: object
+    key: tuple | None  # None: shares a launch with nothing
+    rows: int
+    tensors: dict  # this request's own tensors by argument name (None where not given)
+    shared: dict = field(default_factory=dict)  # tensors every member must have equal: A, D, dt_bias
+    session: Session | None = None
+    prepare_ns: int = 0  # time spent preparing; not queueing time
+
+
+class BatchedOp(abc.ABC):
+    """An op whose requests can share a kernel launch. Calling it serves one request alone (the
+    legacy ExPhil path does)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def prepare(self, server, call) -> Item:
+        """Check the request and resolve its tensors; raise OpError (or a kernels input error)
+        for a request that cannot run."""
+
+    @abc.abstractmethod
+    def run(self, server, items: list[Item]) -> list[dict]:
+        """One launch for `items` (equal keys, distinct sessions); the result of each, in order."""
+
+    def __call__(self, server, call) -> dict:
+        return self.run(server, [self.prepare(server, call)])[0]
+
+
+def same_values(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """True when `a` and `b` are the same tensor or hold equal values (dtype and shape too)."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b)
+
+
+class Batch:
+    def __init__(self, first: Item):
+        self.items = [first]
+        self.rows = first.rows
+        self.sessions = {first.session} if first.session is not None else set()
+        self.first_enqueued_ns = first.call.enqueued_ns
+
+    @property
+    def key(self):
+        return self.items[0].key
+
+    def accepts(self, item: Item, max_batch: int) -> bool:
+        lead = self.items[0]
+        if item.key is None or item.key != lead.key or self.rows + item.rows > max_batch:
+            return False
+        if item.session is not None and item.session in self.sessions:
+            return False
+        return all(same_values(item.shared[name], tensor) for name, tensor in lead.shared.items())
+
+    def add(self, item: Item) -> None:
+        self.items.append(item)
+        self.rows += item.rows
+        if item.session is not None:
+            self.sessions.add(item.session)
+
+
+class BatchPolicy:
+    """How long a batch waits for more requests.
+
+    A batch waits for late requests only while it has fewer requests than the largest batch of
+    its key in the last second (its expected company), and never longer than `max_delay_us`
+    after its first request arrived. So a lone caller never waits, while callers that step
+    together are gathered into one launch again each time. `max_delay_us` 0 never waits; what is
+    already queued still joins.
+    """
+
+    def __init__(self, max_delay_us: int, max_batch: int):
+        self.max_delay_ns = max_delay_us * 1000
+        self.max_batch = max_batch
+        self._company: dict[tuple, tuple[int, int]] = {}  # key -> (when, requests) of the largest recent batch
+
+    def wait_s(self, batch: Batch, now: int) -> float | None:
+        """Seconds to wait for one more request to join `batch`; None: take only queued ones."""
+        if self.max_delay_ns == 0 or batch.key is None or len(batch.items) >= self._expected(batch.key, now):
+            return None
+        remaining = batch.first_enqueued_ns + self.max_delay_ns - now
+        return remaining / 1e9 if remaining > 0 else None
+
+    def _expected(self, key, now: int) -> int:
+        when, requests = self._company.get(key, (0, 1))
+        return requests if now - when <= COMPANY_MEMORY_NS else 1
+
+    def observe(self, batch: Batch, now: int) -> None:
+        """Remember the size of a gathered batch."""
+        if batch.key is None:
+            return
+        if len(batch.items) >= self._expected(batch.key, now):
+            self._company[batch.key] = (now, len(batch.items))
+        if len(self._company) > 256:  # forget keys not seen for a while
+            self._company = {k: v for k, v in self._company.items() if now - v[0] <= COMPANY_MEMORY_NS}
+
+
+def concat_rows(tensors: list) -> torch.Tensor | None:
+    """The members' tensors of one argument stacked along the batch axis (no copy for one)."""
+    if tensors[0] is None:
+        return None
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def split_rows(t: torch.Tensor, items: list[Item]) -> tuple:
+    """Each member's rows of a batched output (views)."""
+    return t.split([item.rows for item in items])
+
+
+def charge(items: list[Item], stage: str, ns: int) -> None:
+    """Charge work done once for the whole batch to every member's timing."""
+    for item in items:
+        item.call.timing.add(stage, ns)
+
+
+def run_batch(server, op: BatchedOp, items: list[Item]) -> list[tuple[Item, dict | BaseException]]:
+    """Run one gathered batch. Members whose session was closed while they waited (their
+    connection went away) are left out and get unknown_session; the others share one launch."""
+    outcomes, live = [], []
+    for item in items:
+        if item.session is not None and item.session.closed:
+            outcomes.append((item, unknown_session(item.session.id, "args.session")))
+        else:
+            live.append(item)
+    if not live:
+        return outcomes
+    rows = sum(item.rows for item in live)
+    for item in live:
+        item.call.timing.extra["batch_rows"] = rows
+    try:
+        results = op.run(server, live)
+    except Exception as exc:  # the launch failed for all of them
+        outcomes.extend((item, exc) for item in live)
+    else:
+        outcomes.extend(zip(live, results))
+    return outcomes
+
+
+def prepare(op: BatchedOp, server, call) -> Item:
+    """`op.prepare`, timed: preparing is work, not waiting."""
+    start = now_ns()
+    item = op.prepare(server, call)
+    item.prepare_ns = now_ns() - start
+    return item

@@ -1,0 +1,76 @@
+"""ping, info, stats, shutdown."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import torch
+
+import kernels
+import protocol
+
+from .. import __version__
+
+
+def ping(server, call) -> dict:
+    return {"pong": True}
+
+
+def info(server, call) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    devices = [{"type": "cpu", "threads": torch.get_num_threads(), "cores": os.cpu_count()}]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            devices.append({"type": "cuda", "index": i, "name": props.name,
+                            "memory_bytes": props.total_memory})
+    return {
+        "server": "scan-bridge",
+        "versions": {
+            "bridge": __version__,
+            "python": platform.python_version(),
+            "torch": str(torch.__version__),
+            "triton": triton_version,
+            "cuda": torch.version.cuda,
+        },
+        "protocol": {"version": protocol.PROTOCOL_VERSION, "ops": sorted(server_ops(server))},
+        "device": server.device_choice.describe(),
+        "backend": server.backend,
+        "devices": devices,
+        "kernels": {
+            "available": kernels.available_backends(),
+            "unavailable": kernels.unavailable_backends(),
+            "compiled": list(server.compiled),
+        },
+        "transports": list(server.transports),
+        "limits": {"max_frame_size": server.config.max_frame_size,
+                   "max_pending": server.config.max_pending},
+        "pid": os.getpid(),
+        "platform": sys.platform,
+    }
+
+
+def server_ops(server):
+    from . import HANDLERS
+
+    return HANDLERS.keys()
+
+
+def stats(server, call) -> dict:
+    return server.stats.snapshot()
+
+
+def shutdown(server, call) -> dict:
+    # The reply is written first; the main loop then drains what is in flight and exits.
+    call.extra["after_reply"] = server.stop_requested.set
+    return {"stopping": True}
+
+
+HANDLERS = {"ping": ping, "info": info, "stats": stats, "shutdown": shutdown}

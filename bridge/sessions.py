@@ -1,0 +1,194 @@
+"""Sessions: SSM state kept on the server's device between requests, so that a client steps one
+timestep at a time instead of resending its whole window.
+
+State lives in pools, one per (dim, state) class: a [capacity, dim, state] fp32 tensor on the
+device whose rows are handed out as slots. A session of `batch` rows owns `batch` slots (any
+rows of its class's pool, not necessarily contiguous), and a step passes them to
+`kernels.selective_state_update(..., slots=...)`; that is what lets steps of many sessions of one
+class share a kernel launch (bridge.batcher).
+
+A pool grows by doubling (one device copy of its rows; slot numbers stay valid) as far as the
+pool-bytes limit allows, and is dropped when its last session closes. Every session belongs to
+the connection that opened it: naming it from another connection gets the same unknown_session
+error as a name that was never issued, so ids reveal nothing, and they are unguessable.
+
+Ops run on the dispatcher's one worker thread, but a connection closes on its transport's thread
+(`release_owner`), so every change to the tables holds the lock.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import torch
+
+from .errors import OpError
+
+# The state is kept and accumulated in fp32 whatever the dtype of the inputs (DESIGN §2).
+STATE_DTYPE = torch.float32
+STATE_ITEMSIZE = 4
+
+
+def unknown_session(session_id: str, field: str) -> OpError:
+    """The one error for a session that is not open on the asking connection (never issued,
+    closed, or another connection's)."""
+    return OpError("unknown_session", f"{field}: no session {session_id!r} is open on this connection",
+                   {"field": field, "session": session_id})
+
+
+class StatePool:
+    """The rows of one (dim, state) class on the device, and which of them are free."""
+
+    def __init__(self, dim: int, state: int, device: torch.device):
+        self.dim = dim
+        self.state = state
+        self.row_bytes = dim * state * STATE_ITEMSIZE
+        self.rows = torch.empty((0, dim, state), dtype=STATE_DTYPE, device=device)
+        self._free: list[int] = []  # kept sorted: low rows first, so sessions sit close together
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.row_bytes
+
+    def grow(self, capacity: int) -> None:
+        old = self.rows
+        self.rows = torch.empty((capacity, self.dim, self.state), dtype=STATE_DTYPE, device=old.device)
+        self.rows[: old.shape[0]].copy_(old)
+        self._free.extend(range(old.shape[0], capacity))
+
+    def take(self, count: int) -> list[int]:
+        taken, self._free = self._free[:count], self._free[count:]
+        return taken
+
+    def give_back(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+        self._free.sort()
+
+
+class Session:
+    """`batch` rows of state in `pool`, stepped together."""
+
+    __slots__ = ("id", "owner", "batch", "pool", "slot_list", "slots", "closed")
+
+    def __init__(self, session_id: str, owner: str, batch: int, pool: StatePool, slot_list: list[int]):
+        self.id = session_id
+        self.owner = owner
+        self.batch = batch
+        self.pool = pool
+        self.slot_list = slot_list
+        # The kernel's view of the same rows: [batch] int64 on the device, built once.
+        self.slots = torch.tensor(slot_list, dtype=torch.int64, device=pool.rows.device)
+        # Set (under the table's lock) when closed; a batch already holding the session checks it
+        # before its launch.
+        self.closed = False
+
+    @property
+    def dim(self) -> int:
+        return self.pool.dim
+
+    @property
+    def state(self) -> int:
+        return self.pool.state
+
+    def read(self) -> torch.Tensor:
+        """A copy of the state, [batch, dim, state] fp32."""
+        return self.pool.rows.index_select(0, self.slots)
+
+    def write(self, state: torch.Tensor) -> None:
+        """Replace the state with `state` [batch, dim, state] (any float dtype; stored as fp32)."""
+        self.pool.rows.index_copy_(0, self.slots, state.to(STATE_DTYPE))
+
+
+class SessionTable:
+    def __init__(self, device: torch.device, *, max_sessions: int, max_pool_bytes: int):
+        self.device = device
+        self.max_sessions = max_sessions
+        self.max_pool_bytes = max_pool_bytes
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._pools: dict[tuple[int, int], StatePool] = {}
+
+    def open(self, owner: str, batch: int, dim: int, state: int) -> Session:
+        """A new session of `batch` rows whose state is zero. Limits are checked before anything
+        is allocated."""
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise OpError("limit_exceeded",
+                              f"session_open: at most {self.max_sessions} sessions may be open at once "
+                              f"(--max-sessions), {len(self._sessions)} are",
+                              {"limit": "max_sessions", "max": self.max_sessions, "open": len(self._sessions)})
+            pool = self._pools.get((dim, state))
+            row_bytes = dim * state * STATE_ITEMSIZE
+            missing = batch - (pool.free_rows if pool else 0)
+            if missing > 0:
+                in_use = self._pool_bytes()
+                room = (self.max_pool_bytes - in_use) // row_bytes  # rows the budget still allows
+                if missing > room:
+                    raise OpError(
+                        "limit_exceeded",
+                        f"session_open: {batch} rows of [{dim}, {state}] fp32 state need "
+                        f"{missing * row_bytes} more bytes of state pool; {in_use} of "
+                        f"{self.max_pool_bytes} are in use (--max-pool-bytes)",
+                        {"limit": "max_pool_bytes", "max": self.max_pool_bytes, "in_use": in_use,
+                         "requested": missing * row_bytes})
+                if pool is None:
+                    pool = self._pools[(dim, state)] = StatePool(dim, state, self.device)
+                # Double when the budget allows, so that n opens cost O(log n) pool copies.
+                pool.grow(pool.capacity + max(missing, min(pool.capacity, room)))
+            session = Session(secrets.token_urlsafe(16), owner, batch, pool, pool.take(batch))
+            pool.rows.index_fill_(0, session.slots, 0.0)
+            self._sessions[session.id] = session
+            return session
+
+    def get(self, owner: str, session_id: str, field: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.owner != owner:
+            raise unknown_session(session_id, field)
+        return session
+
+    def close(self, owner: str, session_id: str, field: str) -> None:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.owner != owner:
+                raise unknown_session(session_id, field)
+            self._close(session)
+
+    def release_owner(self, owner: str) -> int:
+        """Close every session of `owner` (its connection went away); returns how many."""
+        with self._lock:
+            mine = [s for s in self._sessions.values() if s.owner == owner]
+            for session in mine:
+                self._close(session)
+        return len(mine)
+
+    def _close(self, session: Session) -> None:
+        session.closed = True
+        del self._sessions[session.id]
+        pool = session.pool
+        pool.give_back(session.slot_list)
+        if pool.free_rows == pool.capacity:  # its last session: give the device memory back
+            del self._pools[(pool.dim, pool.state)]
+
+    def _pool_bytes(self) -> int:
+        return sum(pool.nbytes for pool in self._pools.values())
+
+    def usage(self) -> dict:
+        with self._lock:
+            return {
+                "sessions": len(self._sessions),
+                "max_sessions": self.max_sessions,
+                "pool_bytes": self._pool_bytes(),
+                "max_pool_bytes": self.max_pool_bytes,
+                "pools": [{"dim": p.dim, "state": p.state, "capacity": p.capacity,
+                           "rows_in_use": p.capacity - p.free_rows} for p in self._pools.values()],
+            }

@@ -1,0 +1,70 @@
+"""Cumulative counters for the `stats` op, modelled on Triton Inference Server's statistics
+extension: per op, `inference_count` (requests served) and `execution_count` (kernel launches;
+their ratio is the mean batch), successes, failures and cumulative microseconds per stage."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, defaultdict
+
+from .timing import STAGES
+
+
+class Stats:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.frames_in = 0
+        self.bytes_in = 0
+        self.replies_out = 0
+        self.bytes_out = 0
+        self.errors = Counter()
+        self.ops = defaultdict(self._new_op)
+
+    @staticmethod
+    def _new_op() -> dict:
+        entry = {"inference_count": 0, "execution_count": 0, "success_count": 0, "failure_count": 0}
+        entry.update({f"{stage}_us": 0.0 for stage in STAGES})
+        entry["server_us"] = 0.0
+        return entry
+
+    def frame_in(self, nbytes: int) -> None:
+        with self._lock:
+            self.frames_in += 1
+            self.bytes_in += nbytes + 4
+
+    def reply_out(self, nbytes: int) -> None:
+        with self._lock:
+            self.replies_out += 1
+            self.bytes_out += nbytes
+
+    def record(self, op: str, timing: dict | None, *, ok: bool, executions: int = 1,
+               error_code: str | None = None) -> None:
+        with self._lock:
+            entry = self.ops[op]
+            entry["inference_count"] += 1
+            entry["execution_count"] += executions
+            entry["success_count" if ok else "failure_count"] += 1
+            if timing:
+                for stage in STAGES:
+                    entry[f"{stage}_us"] += timing.get(f"{stage}_us", 0.0)
+                entry["server_us"] += timing.get("server_us", 0.0)
+            if error_code:
+                self.errors[error_code] += 1
+
+    def record_error(self, code: str) -> None:
+        with self._lock:
+            self.errors[code] += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "uptime_s": time.time() - self.started,
+                "frames_in": self.frames_in,
+                "bytes_in": self.bytes_in,
+                "replies_out": self.replies_out,
+                "bytes_out": self.bytes_out,
+                "errors": dict(self.errors),
+                "ops": {op: dict(entry) for op, entry in self.ops.items()},
+            }

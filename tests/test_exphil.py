@@ -1,0 +1,117 @@
+"""ExPhil compatibility (DESIGN §5): its GenServers' exact request and reply formats.
+
+ExPhil packs with Msgpax, which writes Elixir binaries as msgpack *str*; `use_bin_type=False`
+reproduces that here. Replies are matched the way its GenServer pattern-matches them."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from bridge.client import PortClient
+from kernels.reference import selective_scan_ref
+
+
+@pytest.fixture(scope="module")
+def client():
+    with PortClient(["--device", "cpu"]) as c:
+        yield c
+
+
+def msgpax(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=False)
+
+
+def exphil_call(client, obj, pack=msgpax) -> dict:
+    before = len(client.unmatched)
+    client.send_raw(pack(obj))
+
+
+    deadline = time.monotonic() + 60
+    while len(client.unmatched) == before:
+        assert time.monotonic() < deadline, "no reply"
+        time.sleep(0.002)
+    return last_raw(client)
+
+
+def last_raw(client) -> dict:
+    return msgpack.unpackb(client.unmatched[-1].extra["raw"])
+
+
+def exphil_inputs(b, l, h, n, seed):
+    rng = np.random.default_rng(seed)
+    return dict(
+        x=rng.standard_normal((b, l, h), dtype=np.float32),
+        # Wider than ExPhil's clamp range on purpose: the clamp must be applied.
+        dt=rng.uniform(0.0, 0.3, (b, l, h)).astype(np.float32),
+        A=-rng.uniform(0.5, 4.0, (h, n)).astype(np.float32),
+        B=rng.standard_normal((b, l, n), dtype=np.float32),
+        C=rng.standard_normal((b, l, n), dtype=np.float32),
+    )
+
+
+def exphil_expected(inp):
+    t = {k: torch.from_numpy(v) for k, v in inp.items()}
+    y, _ = selective_scan_ref(t["x"], t["dt"], t["A"], t["B"], t["C"], dt_min=0.001, dt_max=0.1,
+                              compute_dtype=torch.float64)
+    return y.to(torch.float32)
+
+
+def check_ok_reply(reply, inp, shape):
+    assert set(reply) == {"status", "result", "shape"}
+    assert reply["status"] == "ok"
+    assert reply["shape"] == list(shape)
+    y = torch.from_numpy(np.frombuffer(reply["result"], dtype=np.float32).reshape(shape).copy())
+    torch.testing.assert_close(y, exphil_expected(inp), rtol=3e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dims", [(2, 7, 5, 3), (3, 60, 32, 16)], ids=["odd", "exphil-shaped"])
+def test_pytorch_port_scan(client, dims):
+    b, l, h, n = dims
+    inp = exphil_inputs(b, l, h, n, seed=b * l)
+    req = {"op": "scan", "batch": b, "seq_len": l, "hidden": h, "state": n,
+           **{k: v.tobytes() for k, v in inp.items()}}
+    check_ok_reply(exphil_call(client, req), inp, (b, l, h))
+
+
+def test_triton_variant_scan_with_shapes(client):
+    b, l, h, n = 2, 9, 6, 4
+    inp = exphil_inputs(b, l, h, n, seed=7)
+    req = {"op": "scan"}
+    for k, v in inp.items():
+        req[k] = v.tobytes()
+        req[f"{k}_shape"] = list(v.shape)
+    check_ok_reply(exphil_call(client, req), inp, (b, l, h))
+
+
+def test_bin_encoded_binaries_also_accepted(client):
+    b, l, h, n = 1, 4, 3, 2
+    inp = exphil_inputs(b, l, h, n, seed=3)
+    req = {"op": "scan", "batch": b, "seq_len": l, "hidden": h, "state": n,
+           **{k: v.tobytes() for k, v in inp.items()}}
+    reply = exphil_call(client, req, pack=lambda obj: msgpack.packb(obj, use_bin_type=True))
+    check_ok_reply(reply, inp, (b, l, h))
+
+
+@pytest.mark.parametrize("op", ["ping", "info"])
+def test_ping_and_info(client, op):
+    reply = exphil_call(client, {"op": op})
+    assert reply["status"] == "ok"
+    assert "device" in reply
+
+
+@pytest.mark.parametrize("req", [
+    pytest.param({"op": "scan", "batch": 2, "seq_len": 3, "hidden": 4, "state": 2, "x": b"\0" * 7,
+                  "dt": b"", "A": b"", "B": b"", "C": b""}, id="short-binaries"),
+    pytest.param({"op": "scan", "batch": 1}, id="missing-fields"),
+    pytest.param({"op": "teleport"}, id="unknown-op"),
+])
+def test_errors_use_exphil_shape(client, req):
+    reply = exphil_call(client, req)
+    assert set(reply) == {"status", "message"}
+    assert reply["status"] == "error" and isinstance(reply["message"], str) and reply["message"]
+    assert exphil_call(client, {"op": "ping"})["status"] == "ok"

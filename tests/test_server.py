@@ -1,0 +1,284 @@
+"""The server end to end, through a real subprocess spoken to as a BEAM Port would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+import protocol
+from bridge.client import BridgeError, PortClient
+from kernel_cases import SCAN_CASES, TOLERANCES, assert_close, make_scan_inputs, reference_scan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def client():
+    with PortClient(["--device", "cpu"]) as c:
+        yield c
+
+
+def numpy_args(inputs: dict) -> dict:
+    return {k: (v.numpy() if isinstance(v, torch.Tensor) and v.dtype != torch.bfloat16 else v)
+            for k, v in inputs.items()}
+
+
+def body(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def tensor_map(arr: np.ndarray, dtype="f32") -> dict:
+    return {"dtype": dtype, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def raw_request(client, obj_or_bytes):
+    """Send one frame (bypassing the client's encoder); return the Reply to it."""
+    data = obj_or_bytes if isinstance(obj_or_bytes, bytes) else body(obj_or_bytes)
+    before = len(client.unmatched)
+    rid = obj_or_bytes.get("id") if isinstance(obj_or_bytes, dict) else None
+    if isinstance(rid, (int, str)) and not isinstance(rid, bool):
+        return client.send_raw(data, request_id=rid).result(30)
+    client.send_raw(data)
+    deadline = time.monotonic() + 30
+    while len(client.unmatched) == before:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no reply")
+        time.sleep(0.002)
+    return client.unmatched[-1]
+
+
+def test_ping_and_info(client):
+    assert client.ping() == {"pong": True}
+    info = client.info()
+    assert info["protocol"]["version"] == 1
+    assert info["device"]["device"] == "cpu"
+    assert info["backend"] in info["kernels"]["available"]
+    assert {"ping", "info", "scan", "stats", "shutdown"} <= set(info["protocol"]["ops"])
+
+
+@pytest.mark.parametrize("case", SCAN_CASES)
+def test_scan_matches_reference(client, case):
+    inputs = make_scan_inputs(case)
+    reply = client.scan(**numpy_args(inputs))
+    result = reply.unwrap()
+    y_ref, state_ref = reference_scan(inputs)
+    assert_close(torch.from_numpy(result["y"]), y_ref, torch.float32, "y")
+    if case.return_state:
+        assert_close(torch.from_numpy(result["state"]), state_ref, torch.float32, "state")
+    else:
+        assert "state" not in result
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=["f16", "bf16", "f64"])
+def test_scan_dtypes(client, dtype):
+    case = SCAN_CASES[11].values[0]  # every option
+    inputs = make_scan_inputs(case, dtype=dtype)
+    result = client.scan(**numpy_args(inputs)).unwrap()
+    y = result["y"]
+    y = y if isinstance(y, torch.Tensor) else torch.from_numpy(y)
+    assert y.dtype == dtype
+    y_ref, _ = reference_scan(inputs)
+    assert_close(y, y_ref, dtype, "y")
+
+
+def test_timing_split(client):
+    inputs = make_scan_inputs(SCAN_CASES[11].values[0])
+    reply = client.scan(**numpy_args(inputs))
+    t = reply.timing
+    keys = {"decode_us", "queue_us", "h2d_us", "kernel_us", "d2h_us", "encode_us", "server_us"}
+    assert keys <= set(t)
+    assert all(t[k] >= 0 for k in keys)
+    assert t["kernel_us"] > 0
+    stage_sum = sum(t[k] for k in keys - {"server_us"})
+    assert stage_sum <= t["server_us"] + 1.0
+    assert t["server_us"] <= reply.round_trip_us
+
+
+def test_pipelined_requests_match_by_id(client):
+    case = SCAN_CASES[2].values[0]
+    pending = []
+    for i in range(24):
+        inputs = make_scan_inputs(case, seed=1000 + i)
+        rid = f"req-{i}" if i % 2 else 10_000 + i
+        pending.append((client.submit("scan", numpy_args(inputs), request_id=rid), inputs, rid))
+    for future, inputs, rid in pending:
+        reply = future.result(60)
+        assert reply.id == rid
+        y_ref, _ = reference_scan(inputs)
+        assert_close(torch.from_numpy(reply.unwrap()["y"]), y_ref, torch.float32, f"y of {rid}")
+
+
+def good_scan_args(seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    b, l, d, n = 2, 5, 4, 3
+    f = lambda *s: rng.uniform(-1, 1, s).astype(np.float32)  # noqa: E731
+    return {"x": tensor_map(f(b, l, d)), "dt": tensor_map(rng.uniform(0.01, 0.5, (b, l, d)).astype(np.float32)),
+            "A": tensor_map(-rng.uniform(0.1, 2, (d, n)).astype(np.float32)),
+            "B": tensor_map(f(b, l, n)), "C": tensor_map(f(b, l, n))}
+
+
+def with_args(**changes):
+    args = good_scan_args()
+    for k, v in changes.items():
+        if v is None:
+            args.pop(k, None)
+        else:
+            args[k] = v
+    return args
+
+
+ERROR_CASES = [
+    pytest.param(b"\xc1", None, "decode_error", id="not-msgpack"),
+    pytest.param(body([1, 2, 3]), None, "decode_error", id="not-a-map"),
+    pytest.param(body({"v": 1, "id": 7, "op": "ping"}) + b"\x00", None, "decode_error", id="trailing-bytes"),
+    pytest.param({"v": 1, "id": 1, "op": 5}, 1, "invalid_request", id="op-not-str"),
+    pytest.param({"v": 1, "id": 2, "op": "scan", "args": [1]}, 2, "invalid_request", id="args-not-map"),
+    pytest.param({"v": 1, "id": [1], "op": "ping"}, None, "invalid_request", id="id-wrong-type"),
+    pytest.param({"v": 2, "id": 3, "op": "ping"}, 3, "unsupported_version", id="version-2"),
+    pytest.param({"v": 1, "id": 4, "op": "fly"}, 4, "unknown_op", id="unknown-op"),
+    pytest.param({"v": 1, "id": 5, "op": "scan", "args": with_args(B=None)}, 5, "missing_argument", id="missing-B"),
+    pytest.param({"v": 1, "id": 6, "op": "scan", "args": with_args(dt_softplus="yes")}, 6, "invalid_argument",
+                 id="softplus-not-bool"),
+    pytest.param({"v": 1, "id": 7, "op": "scan", "args": with_args(layout="lbd")}, 7, "invalid_argument", id="bad-layout"),
+    pytest.param({"v": 1, "id": 8, "op": "scan", "args": with_args(typo_arg=1)}, 8, "invalid_argument", id="unknown-arg"),
+    pytest.param({"v": 1, "id": 9, "op": "scan", "args": with_args(x={"dtype": "f128", "shape": [1], "data": b"\0" * 16})},
+                 9, "unknown_dtype", id="unknown-dtype"),
+    pytest.param({"v": 1, "id": 10, "op": "scan", "args": with_args(x={"dtype": "f32", "shape": [1000, 1000], "data": b"\0" * 16})},
+                 10, "tensor_size_mismatch", id="lying-shape"),
+    pytest.param({"v": 1, "id": 11, "op": "scan", "args": with_args(dt=tensor_map(np.ones((2, 5, 7), np.float32)))},
+                 11, "shape_mismatch", id="dt-shape"),
+    pytest.param({"v": 1, "id": 12, "op": "scan", "args": with_args(A={"handle": "nope"})}, 12, "unknown_handle",
+                 id="unknown-handle"),
+    pytest.param({"v": 1, "id": 13, "op": "scan", "args": with_args(x=tensor_map(np.ones((2, 5, 4), np.int32), "i32"))},
+                 13, "invalid_argument", id="int-x"),
+    pytest.param({"v": 1, "id": 14, "op": "scan", "args": with_args(dt_min=0.5, dt_max=0.1)}, 14, "invalid_argument",
+                 id="clamp-inverted"),
+    pytest.param({"v": 1, "id": 15, "op": "scan", "args": with_args(session="s-unknown")}, 15, "unknown_session",
+                 id="unknown-session"),
+]
+
+
+@pytest.mark.parametrize("frame,expected_id,code", ERROR_CASES)
+def test_every_bad_input_gets_a_structured_error(client, frame, expected_id, code):
+    reply = raw_request(client, frame)
+    assert reply.ok is False
+    assert reply.id == expected_id
+    assert reply.error["code"] == code, reply.error
+    assert reply.error["message"]
+    assert code in protocol.ERROR_CODES
+    assert client.ping() == {"pong": True}
+
+
+def test_errors_name_the_field(client):
+    reply = raw_request(client, {"v": 1, "id": 99, "op": "scan",
+                                 "args": with_args(dt=tensor_map(np.ones((2, 5, 7), np.float32)))})
+    assert "dt" in reply.error["message"] and "[2, 5, 4]" in reply.error["message"]
+    assert reply.error["detail"]["field"] == "args.dt"
+
+
+def test_stats_count_requests_and_errors(client):
+    before = client.stats()
+    client.scan(**{k: v for k, v in numpy_args(make_scan_inputs(SCAN_CASES[1].values[0])).items()}).unwrap()
+    raw_request(client, {"v": 1, "id": 777, "op": "fly"})
+    after = client.stats()
+    assert after["ops"]["scan"]["inference_count"] == before["ops"].get("scan", {}).get("inference_count", 0) + 1
+    assert after["ops"]["scan"]["kernel_us"] > before["ops"].get("scan", {}).get("kernel_us", 0)
+    assert after["errors"].get("unknown_op", 0) == before["errors"].get("unknown_op", 0) + 1
+    assert after["frames_in"] >= before["frames_in"] + 3
+
+
+def test_oversized_frame_is_drained_and_answered():
+    with PortClient(["--device", "cpu", "--max-frame-size", "4096"]) as c:
+        c.send_raw(b"\x00" * 10_000)
+        ok = c.submit("ping")
+        assert ok.result(30).unwrap() == {"pong": True}
+        assert len(c.unmatched) == 1
+        err = c.unmatched[0]
+        assert err.id is None and err.error["code"] == "frame_too_large"
+
+
+def spawn_server(*extra, command=None):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = command or [sys.executable, "-m", "bridge", "--device", "cpu", *extra]
+    return PortClient(command=cmd, env=env, stderr=subprocess.DEVNULL)
+
+
+def wait_ready(c):
+    assert c.request("ping", timeout=120).unwrap() == {"pong": True}
+
+
+def test_exits_zero_within_a_second_of_eof():
+    c = spawn_server()
+    wait_ready(c)
+    c.proc.stdin.close()
+    start = time.monotonic()
+    assert c.proc.wait(5) == 0
+    assert time.monotonic() - start < 1.0
+
+
+def test_eof_finishes_requests_in_flight():
+    c = spawn_server()
+    wait_ready(c)
+    inputs = make_scan_inputs(SCAN_CASES[12].values[0])
+    futures = [c.submit("scan", numpy_args(inputs)) for _ in range(3)]
+    c.proc.stdin.close()
+    for f in futures:
+        assert "y" in f.result(30).unwrap()
+    assert c.proc.wait(5) == 0
+
+
+def test_sigterm_exits_zero_within_a_second():
+    c = spawn_server()
+    wait_ready(c)
+    start = time.monotonic()
+    c.proc.send_signal(signal.SIGTERM)
+    assert c.proc.wait(5) == 0
+    assert time.monotonic() - start < 1.0
+
+
+def test_shutdown_op_replies_then_exits():
+    c = spawn_server()
+    wait_ready(c)
+    assert c.call("shutdown") == {"stopping": True}
+    assert c.proc.wait(5) == 0
+
+
+# A C-level writer hammering fd 1 from another thread while requests are served: the guard
+# must have moved the protocol off fd 1 before any such write can happen.
+STRAY_WRITER = r"""
+import sys
+from bridge.stdio_guard import claim_protocol_stdout
+fd = claim_protocol_stdout()
+import ctypes, threading, time
+libc = ctypes.CDLL(None)
+def scribble():
+    while True:
+        libc.write(1, b"\x00\x00\x00\x05hello stray C write\n", 24)
+        libc.printf(b"printf noise %d\n", 42)
+        libc.fflush(None)
+        print("python print noise")
+        time.sleep(0.001)
+threading.Thread(target=scribble, daemon=True).start()
+from bridge.cli import main
+main(["--device", "cpu"], protocol_fd=fd)
+"""
+
+
+def test_stray_writes_to_fd1_leave_frames_intact():
+    c = spawn_server(command=[sys.executable, "-c", STRAY_WRITER])
+    wait_ready(c)
+    case = SCAN_CASES[11].values[0]
+    for i in range(20):
+        inputs = make_scan_inputs(case, seed=i)
+        y_ref, _ = reference_scan(inputs)
+        assert_close(torch.from_numpy(c.scan(**numpy_args(inputs)).unwrap()["y"]), y_ref, torch.float32, "y")
+    assert c.unmatched == []
+    c.close()
