@@ -8,3 +8,10 @@ if ROOT not in sys.path:
 TESTS = os.path.dirname(os.path.abspath(__file__))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+
+# Without a GPU the Triton kernels run on Triton's CPU interpreter. Triton reads this when its
+# kernels are defined, so it must be set before triton is first imported in this process.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

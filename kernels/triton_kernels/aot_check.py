@@ -1,0 +1,169 @@
+"""Compile the Triton kernels for CUDA GPUs on a machine that has none.
+
+    python -m kernels.triton_kernels.aot_check [--arch 90] [--arch 80] ...
+
+The interpreter proves the kernels' arithmetic but compiles nothing, so it cannot catch what only
+the GPU compiler rejects (a non-constexpr global, an op without a lowering) or a block size that
+spills registers. This builds the launches of representative calls on CPU tensors (every kernel,
+both layouts, each input dtype, every option, one and several sequence segments, each row of the
+block tables), specialises each launch as Triton's JIT would on a GPU, compiles it to a cubin
+for each architecture and prints the registers and spills ptxas reports. Exit status 1 when a
+variant fails to compile or spills. Run it without TRITON_INTERPRET (the tests start it in a
+subprocess for that reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+def _representative_launches():
+    """(label, Launch) for calls that together reach every compiled variant family."""
+    from . import configs
+    from .scan import scan_launches
+    from .state_update import update_launch
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.rand(shape, generator=gen).to(dtype)
+
+    def scan_call(label, dtype, layout, state, options, segment_len=None, batch=2, seq=40, dim=64, groups=2):
+        seq_shape = (batch, seq, dim) if layout == "bld" else (batch, dim, seq)
+        bc_shape = (batch, seq, groups, state) if layout == "bld" else (batch, groups, state, seq)
+        def on(name):
+            return name in options
+
+        _, _, launches = scan_launches(
+            rand(*seq_shape, dtype=dtype), rand(*seq_shape, dtype=dtype), -rand(dim, state),
+            rand(*bc_shape, dtype=dtype), rand(*bc_shape, dtype=dtype),
+            D=rand(dim) if on("D") else None, z=rand(*seq_shape, dtype=dtype) if on("z") else None,
+            dt_bias=rand(dim) if on("dt_bias") else None, dt_softplus=on("dt_softplus"),
+            dt_min=0.001 if on("clamp") else None, dt_max=0.1 if on("clamp") else None,
+            h0=rand(batch, dim, state) if on("h0") else None, return_state=on("return_state"),
+            layout=layout, out=None, state_out=None, blocks=None, segment_len=segment_len)
+        return [(f"{label} [{launch.kernel.__name__}]", launch) for launch in launches]
+
+    def update_call(label, dtype, state, options, batch=5, dim=64, groups=2):
+        def on(name):
+            return name in options
+
+        _, launch = update_launch(
+            rand(batch + 3, dim, state), rand(batch, dim, dtype=dtype), rand(batch, dim, dtype=dtype),
+            -rand(dim, state), rand(batch, groups, state, dtype=dtype), rand(batch, groups, state, dtype=dtype),
+            D=rand(dim) if on("D") else None, z=rand(batch, dim, dtype=dtype) if on("z") else None,
+            dt_bias=rand(dim) if on("dt_bias") else None, dt_softplus=on("dt_softplus"),
+            dt_min=0.001 if on("clamp") else None, dt_max=0.1 if on("clamp") else None,
+            slots=torch.arange(batch) if on("slots") else None, out=None, blocks=None)
+        return [(f"{label} [{launch.kernel.__name__}]", launch)]
+
+    every = ("D", "z", "dt_bias", "dt_softplus", "clamp", "h0", "return_state")
+    found = []
+    found += scan_call("scan bld f16 all options, segments", torch.float16, "bld", 16, every, segment_len=16)
+    found += scan_call("scan bdl f32 plain", torch.float32, "bdl", 16, ("return_state",))
+    found += scan_call("scan bld bf16 clamp (ExPhil)", torch.bfloat16, "bld", 16, ("clamp",))
+    found += scan_call("scan bdl f64 all options, segments", torch.float64, "bdl", 16, every, segment_len=16)
+    for limit, _ in configs.SCAN_TABLE:
+        found += scan_call(f"scan bld f32 state {limit}, segments", torch.float32, "bld", limit,
+                           ("return_state",), segment_len=16, dim=64, groups=1)
+    found += update_call("update bf16 all options, slots", torch.bfloat16, 16,
+                         ("D", "z", "dt_bias", "dt_softplus", "clamp", "slots"))
+    found += update_call("update f32 plain", torch.float32, 16, ())
+    found += update_call("update f64 clamp, slots", torch.float64, 16, ("clamp", "slots"))
+    for limit, _ in configs.UPDATE_TABLE:
+        found += update_call(f"update f32 state {limit}", torch.float32, limit, ("slots",), dim=64, groups=1)
+    return found
+
+
+def _source(launch, backend):
+    """The ASTSource Triton's JIT would compile for this launch on a GPU: constexprs, None
+    arguments and ints equal to 1 become constants; pointers and ints that are multiples of 16
+    carry the divisibility hint (the JIT's own specialisation function decides both)."""
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import native_specialize_impl
+
+    kernel = launch.kernel
+    runtime_params = [p for p in kernel.params if not p.is_constexpr]
+    if len(runtime_params) != len(launch.args):
+        raise ValueError(f"{kernel.__name__}: {len(launch.args)} arguments for {len(runtime_params)} parameters")
+    values = dict(zip((p.name for p in runtime_params), launch.args))
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = launch.constexprs[param.name]
+            continue
+        value = values[param.name]
+        kind, attr = native_specialize_impl(type(backend), value, False, not param.do_not_specialize, True)
+        if kind == "constexpr":
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+            continue
+        signature[param.name] = kind
+        if attr:
+            attrs[(index,)] = backend.parse_attr(attr)
+    return ASTSource(kernel, signature, constexprs, attrs)
+
+
+def _ptxas_report(ptx: str, arch: int) -> tuple[str, bool]:
+    """(ptxas -v summary, spills or not); ('', False) when no ptxas can be found."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+        ptxas = get_ptxas(arch).path
+        gpu_name = sm_arch_from_capability(arch)
+    except (ImportError, AttributeError, RuntimeError):
+        return "", False
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-v", f"--gpu-name={gpu_name}", path, "-o", os.devnull],
+                              capture_output=True, text=True)
+    log = done.stdout + done.stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    summary = f"{registers.group(1) if registers else '?'} registers, {max(spills, default=0)} bytes spilled"
+    return summary, any(spills)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, action="append",
+                        help="CUDA compute capability as an int (90 = H100/H200); repeatable; default 90")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("aot_check: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    failed = False
+    launches = _representative_launches()
+    for arch in args.arch or [90]:
+        target = GPUTarget("cuda", arch, 32)
+        backend = make_backend(target)
+        for label, launch in launches:
+            try:
+                compiled = triton.compile(_source(launch, backend), target=target,
+                                          options={"num_warps": launch.num_warps})
+            except Exception as exc:  # report every failing variant, not just the first
+                failed = True
+                print(f"sm_{arch} {label}: FAILED {type(exc).__name__}: {exc}")
+                continue
+            summary, spilled = _ptxas_report(compiled.asm["ptx"], arch)
+            failed |= spilled
+            print(f"sm_{arch} {label}: ok, {launch.num_warps} warps, {summary or 'ptxas -v unavailable'}"
+                  f"{' SPILLS' if spilled else ''}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

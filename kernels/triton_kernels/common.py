@@ -1,0 +1,124 @@
+"""What the scan and the state-update kernels share, so the two cannot drift apart: the
+element-wise math (dt discretisation, silu gate) on the device side, and on the host side the
+accumulation dtype, the clamp bounds' encoding and the check of caller-supplied outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import KernelInputError
+
+# torch.nn.functional.softplus's default threshold: above it softplus(x) is x to fp32 precision
+# and exp(x) would only add overflow risk.
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
+
+@triton.jit
+def _bound(high, low, dtype: tl.constexpr):
+    value = tl.cast(high, dtype)
+    if dtype == tl.float64:
+        value += tl.cast(low, dtype)
+    return value
+
+
+@triton.jit
+def discretize_dt(dt, exists, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
+                  dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo):
+    """dt (bias already added, in the accumulation dtype) -> softplus if asked -> clamp if asked,
+    and 0 wherever `exists` is false (padded timesteps or channels), so that a padded step has
+    decay exp(0 * A) = 1 and input 0 and leaves the state as it was.
+
+    Softplus is log(1 + exp(dt)) rather than libdevice's log1p, which the interpreter cannot run
+    (so the tests could not prove it): its error is absolute, ~1e-7 at most in fp32, and only
+    matters where softplus(dt) is itself that small, far below the tolerances.
+    The clamp bounds come as fp32 pairs (see clamp_bounds)."""
+    if DT_SOFTPLUS:
+        dt = tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.log(1.0 + tl.exp(dt)))
+    if HAS_CLAMP:
+        dt = tl.maximum(dt, _bound(dt_min_hi, dt_min_lo, dt.dtype))
+        dt = tl.minimum(dt, _bound(dt_max_hi, dt_max_lo, dt.dtype))
+    return tl.where(exists, dt, 0.0)
+
+
+@triton.jit
+def silu(z):
+    return z * tl.sigmoid(z)
+
+
+def _to_fp32(value: float) -> float:
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond fp32's range: as far as an fp32 dt can reach
+        return math.copysign(math.inf, value)
+
+
+def _fp32_pair(value: float) -> tuple[float, float]:
+    high = _to_fp32(value)
+    if math.isinf(high):
+        return high, 0.0
+    return high, _to_fp32(value - high)
+
+
+def clamp_bounds(dt_min: float | None, dt_max: float | None) -> tuple[bool, tuple[float, ...]]:
+    """(clamp or not, (min_hi, min_lo, max_hi, max_lo)) for `discretize_dt`.
+
+    Triton passes a Python float to a kernel as fp32 (and its interpreter does the same), so a
+    bound like 0.05 would be rounded before an fp64 clamp. Each bound is sent as two fp32
+    values, the rounded bound and the rounding error: the fp32 kernel uses the first (what torch
+    uses for a float clamp), the fp64 kernel their sum, exact to ~1e-15. An open side is +-inf."""
+    if dt_min is None and dt_max is None:
+        return False, (0.0, 0.0, 0.0, 0.0)
+    low = _fp32_pair(float("-inf") if dt_min is None else dt_min)
+    high = _fp32_pair(float("inf") if dt_max is None else dt_max)
+    return True, low + high
+
+
+def interpreter_active() -> bool:
+    """Whether Triton runs kernels on its CPU interpreter (TRITON_INTERPRET=1 when the kernels
+    were defined) instead of compiling them."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, its arguments built before it runs: the launchers run these, and
+    `aot_check` compiles the very same specialisations for a GPU that is not present."""
+    kernel: Any  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple  # the kernel's non-constexpr parameters, in order
+    constexprs: dict[str, Any]
+    num_warps: int
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, num_warps=self.num_warps, **self.constexprs)
+
+
+def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """State and math dtype: fp64 for fp64 x, fp32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def triton_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.float64: tl.float64}[dtype]
+
+
+def check_out(name: str, t: torch.Tensor, shape, dtype: torch.dtype, device: torch.device) -> None:
+    """A caller-supplied output tensor must be exactly what the launcher would allocate
+    (any strides)."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputError(name, "a torch.Tensor", type(t).__name__)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise KernelInputError(name, f"a {dtype} tensor of shape {list(shape)} on {device}",
+                               f"a {t.dtype} tensor of shape {list(t.shape)} on {t.device}")

@@ -1,0 +1,149 @@
+"""Ahead-of-time compilation of the Triton kernels for the shapes a server will see.
+
+Triton compiles a kernel per specialisation: the constexpr options (which of D, z, dt_bias, h0
+... are given), the dtypes, and for integer arguments whether they equal 1 or are multiples of
+16 (strides among them). The surest way to build exactly the variants real requests will hit is
+to run the real launchers on inputs of the bucket's shape, dtype and options, which is what
+`warmup` does; it costs one launch per bucket beyond the compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..errors import KernelInputError
+from . import scan, state_update
+from .common import interpreter_active
+
+_LAYOUTS = ("bld", "bdl")
+
+
+@dataclass(frozen=True)
+class WarmupShape:
+    """One bucket. batch/seq/dim/state/groups/layout give the scan's shape; the flags name the
+    options the server's requests use (each option is a compile-time switch of the kernels).
+    `slots`: the state update is warmed with int64 slot indices into a pool (the bridge's
+    sessions) rather than one state row per batch row.
+
+    What selects a compiled variant, so what a bucket must match: the options; the dtypes (x,
+    dt, B, C, z in the warmup dtype; A, D, dt_bias, h0 and the state pool in fp32, as mamba
+    keeps its parameters); state, groups and dim (through the blocks and the strides'
+    divisibility by 16); and seq only through whether the sequence is split into segments (a
+    second kernel) and, in the "bdl" layout, through the strides."""
+    batch: int
+    seq: int
+    dim: int
+    state: int
+    groups: int = 1
+    layout: str = "bld"
+    D: bool = False
+    z: bool = False
+    dt_bias: bool = False
+    dt_softplus: bool = False
+    clamp: bool = False
+    h0: bool = False
+    return_state: bool = False
+    slots: bool = True
+
+    @classmethod
+    def parse(cls, shape) -> "WarmupShape":
+        if not isinstance(shape, dict):
+            raise KernelInputError("shapes", "dicts with keys batch, seq, dim, state", type(shape).__name__)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(shape) - known)
+        if unknown:
+            raise KernelInputError("shapes", f"keys among {sorted(known)}", f"unknown keys {unknown}")
+        missing = [k for k in ("batch", "seq", "dim", "state") if k not in shape]
+        if missing:
+            raise KernelInputError("shapes", "keys batch, seq, dim, state", f"missing {missing} in {shape}")
+        spec = cls(**shape)
+        for name in ("batch", "seq", "dim", "state", "groups"):
+            value = getattr(spec, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KernelInputError(f"shapes.{name}", "a positive int", repr(value))
+        if spec.dim % spec.groups:
+            raise KernelInputError("shapes.groups", f"a divisor of dim ({spec.dim})", str(spec.groups))
+        if spec.layout not in _LAYOUTS:
+            raise KernelInputError("shapes.layout", '"bld" or "bdl"', repr(spec.layout))
+        return spec
+
+    def options(self) -> list[str]:
+        names = ("D", "z", "dt_bias", "dt_softplus", "clamp", "h0", "return_state")
+        return [name for name in names if getattr(self, name)]
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _uniform(shape, dtype, device, low, high):
+    return torch.empty(shape, dtype=torch.float32, device=device).uniform_(low, high).to(dtype)
+
+
+def _per_channel(spec: WarmupShape, wanted: bool, device):
+    """D or dt_bias for a bucket that uses it, else None."""
+    return _uniform((spec.dim,), torch.float32, device, -0.5, 0.5) if wanted else None
+
+
+def _warm_scan(spec: WarmupShape, device, dtype) -> str:
+    b, l, d, n, g = spec.batch, spec.seq, spec.dim, spec.state, spec.groups
+    seq_shape = (b, l, d) if spec.layout == "bld" else (b, d, l)
+    bc_shape = (b, l, g, n) if spec.layout == "bld" else (b, g, n, l)
+    scan.selective_scan(
+        _uniform(seq_shape, dtype, device, -1, 1), _uniform(seq_shape, dtype, device, 0.01, 0.5),
+        _uniform((d, n), torch.float32, device, -2, -0.1),
+        _uniform(bc_shape, dtype, device, -1, 1), _uniform(bc_shape, dtype, device, -1, 1),
+        D=_per_channel(spec, spec.D, device),
+        z=_uniform(seq_shape, dtype, device, -1, 1) if spec.z else None,
+        dt_bias=_per_channel(spec, spec.dt_bias, device),
+        dt_softplus=spec.dt_softplus,
+        dt_min=0.001 if spec.clamp else None, dt_max=0.1 if spec.clamp else None,
+        h0=_uniform((b, d, n), torch.float32, device, -1, 1) if spec.h0 else None,
+        return_state=spec.return_state, layout=spec.layout,
+    )
+    plan = scan.plan_scan(b, l, d, n, g, device)
+    return (f"scan {spec.layout} batch={b} seq={l} dim={d} state={n} groups={g} {_name(dtype)} "
+            f"options={spec.options()}: {plan.describe()}")
+
+
+def _warm_state_update(spec: WarmupShape, device, dtype) -> str:
+    b, d, n, g = spec.batch, spec.dim, spec.state, spec.groups
+    state_update.selective_state_update(
+        _uniform((b, d, n), torch.float32, device, -1, 1),
+        _uniform((b, d), dtype, device, -1, 1), _uniform((b, d), dtype, device, 0.01, 0.5),
+        _uniform((d, n), torch.float32, device, -2, -0.1),
+        _uniform((b, g, n), dtype, device, -1, 1), _uniform((b, g, n), dtype, device, -1, 1),
+        D=_per_channel(spec, spec.D, device),
+        z=_uniform((b, d), dtype, device, -1, 1) if spec.z else None,
+        dt_bias=_per_channel(spec, spec.dt_bias, device),
+        dt_softplus=spec.dt_softplus,
+        dt_min=0.001 if spec.clamp else None, dt_max=0.1 if spec.clamp else None,
+        slots=torch.arange(b, device=device) if spec.slots else None,
+    )
+    options = [o for o in spec.options() if o not in ("h0", "return_state")]
+    plan = state_update.plan_update(b, d, n, g)
+    return (f"state_update batch={b} dim={d} state={n} groups={g} {_name(dtype)} "
+            f"slots={spec.slots} options={options}: {plan.describe()}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def warmup(shapes, *, device, dtype) -> list[str]:
+    """Run the scan and the state update once per bucket so that their kernels are compiled
+    (on the interpreter nothing compiles and the runs only check the buckets). Returns one
+    line per kernel warmed, for the server's `info`."""
+    if dtype not in _DTYPES:
+        raise KernelInputError("dtype", "float32, float16, bfloat16 or float64", str(dtype))
+    specs = [WarmupShape.parse(shape) for shape in shapes]
+    device = torch.device(device)
+    suffix = " (interpreted, nothing compiled)" if interpreter_active() else " (compiled)"
+    described = []
+    for spec in specs:
+        described.append("triton " + _warm_scan(spec, device, dtype) + suffix)
+        described.append("triton " + _warm_state_update(spec, device, dtype) + suffix)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return described

@@ -1,0 +1,416 @@
+"""The Triton backend against the float64 reference.
+
+Without a GPU every kernel runs on Triton's CPU interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton is imported) at small odd sizes and with small blocks, so that
+one case crosses several tiles, channel blocks and sequence segments and leaves remainders in
+each. The interpreter scans only ~10k elements a second, so the heaviest combinations run on a
+GPU only. With CUDA the same tests run on the GPU with the production block table, plus real
+sizes and fp16/bf16.
+
+Every output is NaN-filled before the launch (the launchers take `out=` / `state_out=`), so an
+element no program writes fails the comparison. Inputs are fresh random draws; the seed is in
+every failure message.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot be tested")
+
+import kernels  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, TOLERANCES, UPDATE_CASES, ScanCase, UpdateCase,
+    assert_close, make_scan_inputs, make_update_inputs, reference_scan, reference_update,
+)
+from kernels import _args  # noqa: E402
+from kernels._registry import get_backend  # noqa: E402
+from kernels.triton_kernels import configs  # noqa: E402
+from kernels.triton_kernels import scan as triton_scan  # noqa: E402
+from kernels.triton_kernels import state_update as triton_update  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+NO_CUDA = "no CUDA device here: real sizes and fp16/bf16 at size run on a GPU only"
+DEVICES = [
+    pytest.param("cpu", id="interpreter"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not CUDA, reason=NO_CUDA)),
+]
+ON_CUDA = pytest.mark.skipif(not CUDA, reason=NO_CUDA)
+
+# Interpreter blocks: tiles of 4 steps x 4 channels. On CUDA the tests use the production table.
+INTERPRETER_SCAN_BLOCKS = configs.ScanBlocks(block_d=4, chunk=4, num_warps=1)
+INTERPRETER_UPDATE_BLOCKS = configs.UpdateBlocks(block_d=4, num_warps=1)
+
+
+def _scan_split_params():
+    """Every shared case in two sequence splits: one segment (a single launch; the state crosses
+    tiles in registers) and segments of two tiles (pass 1 writes carries, pass 2 looks back over
+    them). The three cases that take 10-15 s per split on the interpreter run there in one split."""
+    interpreter_once = {("all-options-bld", "two-tiles"), ("all-options-bdl", "whole"),
+                        ("long-odd", "whole")}
+    params = []
+    for case in SCAN_CASES:
+        for split, split_id in (("whole", "one-segment"), ("two-tiles", "2-tile-segments")):
+            slow = (case.id, split) in interpreter_once
+            params.append(pytest.param(case.values[0], split, slow, id=f"{case.id}-{split_id}"))
+    return params
+
+
+def _seed() -> int:
+    return random.randrange(2**31)
+
+
+def _backend(device: str):
+    try:
+        return get_backend("triton", device)
+    except kernels.BackendUnavailable as exc:
+        pytest.skip(f"the triton backend does not serve {device} tensors here: {exc}")
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _state_tolerance(dtype):
+    return TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
+
+
+def _poisoned(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _run_scan(inputs: dict, blocks=None, segment_len=None):
+    """The backend's launcher on validated inputs, writing into NaN-filled outputs."""
+    args = _args.check_scan(**inputs)
+    d = args.dims
+    y = _poisoned(args.x.shape, args.x.dtype, args.x.device)
+    state = _poisoned((d.batch, d.dim, d.state), _acc(args.x.dtype), args.x.device) if args.return_state else None
+    return triton_scan.selective_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
+                                      out=y, state_out=state, blocks=blocks, segment_len=segment_len)
+
+
+def _check_scan(case: ScanCase, dtype, device, blocks=None, segment_len=None, what=""):
+    seed = _seed()
+    inputs = make_scan_inputs(case, dtype, device, seed=seed)
+    y, state = _run_scan(inputs, blocks, segment_len)
+    y_ref, state_ref = reference_scan(inputs)
+    label = f"{what} seed={seed}"
+    assert y.dtype == dtype
+    assert_close(y, y_ref, dtype, f"y {label}")
+    if case.return_state:
+        assert state.dtype == _acc(dtype)
+        assert_close(state, state_ref, dtype, f"state {label}", tolerance=_state_tolerance(dtype))
+    else:
+        assert state is None
+
+
+def _chunk(case: ScanCase, blocks) -> int:
+    return (blocks or configs.scan_blocks(case.state, case.dim // case.groups)[1]).chunk
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case, split, interpreter_slow", _scan_split_params())
+def test_scan_matches_reference(case, split, interpreter_slow, device):
+    _backend(device)
+    if device == "cpu" and interpreter_slow:
+        pytest.skip("10-15 s on the interpreter: there it runs in the other split only")
+    blocks = INTERPRETER_SCAN_BLOCKS if device == "cpu" else None
+    segment_len = case.seq if split == "whole" else 2 * _chunk(case, blocks)
+    _check_scan(case, torch.float32, device, blocks, segment_len, what=split)
+
+
+# Reduced-precision and fp64 inputs on the interpreter: small cases that still cross tiles,
+# channel blocks, groups and segments. fp64 checks the fp64 accumulation (and exact fp64 clamp
+# bounds) at the fp64 tolerance.
+DTYPE_CASES = [
+    pytest.param(ScanCase(2, 11, 12, 4, groups=2, layout="bdl", D=True, z=True, dt_bias=True,
+                          dt_softplus=True, h0=True), id="options-bdl"),
+    pytest.param(ScanCase(3, 9, 6, 5, clamp=True, D=True), id="clamp-D"),
+]
+DTYPES = [
+    pytest.param(torch.float16, id="f16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float64, id="f64"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DTYPE_CASES)
+def test_scan_dtypes_on_interpreter(case, dtype):
+    _backend("cpu")
+    _check_scan(case, dtype, "cpu", INTERPRETER_SCAN_BLOCKS, 2 * INTERPRETER_SCAN_BLOCKS.chunk,
+                what="2-tile-segments")
+
+
+# Real sizes on a GPU, with the planned split: the ExPhil request (one launch), batch 1 with a
+# long sequence (split into segments to fill the GPU), "bdl" with groups, a larger state.
+REAL_SCAN_CASES = [
+    pytest.param(ScanCase(32, 60, 512, 16, clamp=True), id="exphil-32x60x512x16"),
+    pytest.param(ScanCase(1, 4096, 512, 16, D=True, z=True, dt_bias=True, dt_softplus=True),
+                 id="batch1-seq4096"),
+    pytest.param(ScanCase(2, 1000, 768, 16, groups=2, layout="bdl", D=True, z=True, dt_bias=True,
+                          dt_softplus=True, clamp=True, h0=True), id="bdl-groups2-all-options"),
+    pytest.param(ScanCase(3, 257, 200, 64, h0=True), id="state64-odd"),
+    *LARGE_SCAN_CASES,
+]
+GPU_DTYPES = [pytest.param(torch.float32, id="f32"), *DTYPES]
+
+
+@ON_CUDA
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", REAL_SCAN_CASES)
+def test_scan_real_sizes_on_gpu(case, dtype):
+    _backend("cuda")
+    _check_scan(case, dtype, "cuda", what="planned split")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scan_table_blocks_and_planned_split(device):
+    """The production table and split (not the tests' small blocks) on an odd grouped case."""
+    _backend(device)
+    _check_scan(ScanCase(3, 21, 12, 4, groups=2, D=True, z=True, h0=True), torch.float32, device,
+                what="table blocks")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scan_reads_strided_views(device):
+    """Non-contiguous views of larger buffers, and a non-contiguous y: the kernels follow
+    strides (nothing is made contiguous) and write only y's elements."""
+    _backend(device)
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    b, l, d, n, g = 2, 10, 6, 3, 2
+
+    def rand(*shape):
+        return (torch.rand(shape, generator=gen) * 2 - 1).to(device)
+
+    x = rand(b, l, 2 * d)[:, :, ::2]  # every other channel
+    dt = rand(b, d, l).transpose(1, 2).abs() * 0.5 + 0.01  # "bdl" memory read as "bld"
+    B = rand(b, n, g, l).permute(0, 3, 2, 1)  # [b, l, g, n], state axis not innermost
+    C = rand(b, l, g, n + 2)[..., 1:-1]
+    A = -rand(n, d).t().abs() - 0.1
+    D = rand(2 * d)[::2]
+    h0 = rand(b, n, d).transpose(1, 2)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, h0=h0, return_state=True)
+    args = _args.check_scan(**inputs)
+    y_buffer = _poisoned((b, l, 2 * d), torch.float32, device)
+    y, state = triton_scan.selective_scan(
+        args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(), out=y_buffer[:, :, 1::2],
+        blocks=INTERPRETER_SCAN_BLOCKS if device == "cpu" else None)
+    y_ref, state_ref = reference_scan(inputs)
+    assert_close(y, y_ref, torch.float32, f"y seed={seed}")
+    assert_close(state, state_ref, torch.float32, f"state seed={seed}")
+    assert torch.isnan(y_buffer[:, :, ::2]).all(), "wrote outside the strided y view"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scan_through_public_api(device):
+    """`kernels.selective_scan(..., backend="triton")` reaches these kernels (3-D B/C included)."""
+    _backend(device)
+    seed = _seed()
+    inputs = make_scan_inputs(ScanCase(2, 7, 5, 3, bc_3d=True, D=True), torch.float32, device, seed=seed)
+    y, state = kernels.selective_scan(**inputs, backend="triton")
+    y_ref, state_ref = reference_scan(inputs)
+    assert_close(y, y_ref, torch.float32, f"y seed={seed}")
+    assert_close(state, state_ref, torch.float32, f"state seed={seed}")
+
+
+def _run_update(inputs: dict, blocks=None):
+    args = _args.check_state_update(**inputs)
+    y = _poisoned(args.x.shape, args.x.dtype, args.x.device)
+    return triton_update.selective_state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
+                                                **args.backend_kwargs(), out=y, blocks=blocks)
+
+
+def _check_update(case: UpdateCase, dtype, device, blocks=None):
+    seed = _seed()
+    inputs = make_update_inputs(case, dtype, device, seed=seed)
+    before = inputs["state"].clone()
+    y_ref, state_ref = reference_update(inputs)
+    y = _run_update(inputs, blocks)
+    label = f"seed={seed}"
+    assert y.dtype == dtype
+    assert_close(y, y_ref, dtype, f"y {label}")
+    # The pool is fp32 whatever the input dtype: fp32 tolerance on the updated rows.
+    assert_close(inputs["state"], state_ref, dtype, f"state {label}", tolerance=STATE_TOLERANCE)
+    slots = inputs.get("slots")
+    if slots is not None:
+        touched = torch.zeros(before.shape[0], dtype=torch.bool, device=before.device)
+        touched[slots[slots >= 0]] = True
+        assert torch.equal(inputs["state"][~touched], before[~touched]), f"untouched pool rows changed {label}"
+        padding = slots < 0
+        assert torch.equal(y[padding], torch.zeros_like(y[padding])), f"padding rows' y not zero {label}"
+
+
+UPDATE_DTYPES = [pytest.param(torch.float32, id="f32"), *DTYPES]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", UPDATE_DTYPES)
+@pytest.mark.parametrize("case", UPDATE_CASES)
+def test_state_update_matches_reference(case, dtype, device):
+    _backend(device)
+    _check_update(case, dtype, device, INTERPRETER_UPDATE_BLOCKS if device == "cpu" else None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_update_table_blocks(device):
+    _backend(device)
+    _check_update(UpdateCase(5, 40, 16, groups=2, pool=8, padding_rows=2, D=True, z=True), torch.float32, device)
+
+
+REAL_UPDATE_CASES = [
+    pytest.param(UpdateCase(32, 512, 16, pool=100, padding_rows=5, D=True, z=True, dt_bias=True,
+                            dt_softplus=True), id="batch32-pool100"),
+    pytest.param(UpdateCase(3, 2050, 128, groups=2, clamp=True), id="wide-state128"),
+]
+
+
+@ON_CUDA
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", REAL_UPDATE_CASES)
+def test_state_update_real_sizes_on_gpu(case, dtype):
+    _backend("cuda")
+    _check_update(case, dtype, "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scan_then_steps_continue_the_sequence(device):
+    """A scan's final state fed to state updates gives the same y as one longer scan."""
+    _backend(device)
+    seed = _seed()
+    case = ScanCase(2, 9, 6, 4, D=True, z=True, dt_bias=True, dt_softplus=True)
+    inputs = make_scan_inputs(case, torch.float32, device, seed=seed)
+    y_ref, _ = reference_scan(inputs)
+    prefix = 6
+    head = {**inputs, **{k: inputs[k][:, :prefix] for k in ("x", "dt", "z", "B", "C")}, "return_state": True}
+    blocks = INTERPRETER_SCAN_BLOCKS if device == "cpu" else None
+    _, state = triton_scan.selective_scan(**_normalised_scan(head), blocks=blocks)
+    for t in range(prefix, case.seq):
+        step = {k: inputs[k][:, t] for k in ("x", "dt", "z", "B", "C")}
+        y_t = kernels.selective_state_update(state, **step, A=inputs["A"], D=inputs["D"],
+                                             dt_bias=inputs["dt_bias"], dt_softplus=True, backend="triton")
+        assert_close(y_t, y_ref[:, t], torch.float32, f"y at step {t} seed={seed}")
+
+
+def _normalised_scan(inputs: dict) -> dict:
+    args = _args.check_scan(**inputs)
+    return dict(x=args.x, dt=args.dt, A=args.A, B=args.B, C=args.C, **args.backend_kwargs())
+
+
+def test_backend_serves_cpu_only_through_the_interpreter():
+    backend = _backend("cpu") if not CUDA else get_backend("triton", "cuda")
+    assert backend.name == "triton"
+    assert backend.details["interpreter"] == ("cpu" in backend.device_types)
+    assert ("cuda" in backend.device_types) == CUDA
+    assert backend.warmup is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_warmup_runs_each_bucket_and_describes_it(device):
+    _backend(device)
+    shapes = [
+        dict(batch=2, seq=5, dim=6, state=3),
+        dict(batch=1, seq=9, dim=4, state=2, groups=2, layout="bdl", D=True, z=True, clamp=True,
+             h0=True, return_state=True, slots=False),
+    ]
+    described = kernels.warmup(shapes, device=device, dtype=torch.float32, backend="triton")
+    assert len(described) == 4
+    assert described[0].startswith("triton scan bld batch=2 seq=5 dim=6 state=3 groups=1 float32")
+    assert described[1].startswith("triton state_update batch=2 dim=6 state=3 groups=1 float32 slots=True")
+    assert "options=['D', 'z', 'clamp', 'h0', 'return_state']" in described[2]
+    assert "slots=False options=['D', 'z', 'clamp']" in described[3]
+    suffix = "(interpreted, nothing compiled)" if device == "cpu" else "(compiled)"
+    assert all(line.endswith(suffix) for line in described)
+
+
+@pytest.mark.parametrize("shape, field", [
+    pytest.param(dict(batch=1, seq=2, dim=3), "shapes", id="missing-state"),
+    pytest.param(dict(batch=1, seq=2, dim=3, state=2, chunk=4), "shapes", id="unknown-key"),
+    pytest.param(dict(batch=0, seq=2, dim=3, state=2), "shapes.batch", id="zero-batch"),
+    pytest.param(dict(batch=1, seq=2, dim=3, state=2, groups=2), "shapes.groups", id="groups-not-dividing"),
+    pytest.param(dict(batch=1, seq=2, dim=4, state=2, layout="lbd"), "shapes.layout", id="bad-layout"),
+])
+def test_warmup_rejects_bad_buckets(shape, field):
+    _backend("cpu" if not CUDA else "cuda")
+    with pytest.raises(kernels.KernelInputError) as info:
+        kernels.warmup([shape], device="cpu" if not CUDA else "cuda", backend="triton")
+    assert info.value.field == field
+
+
+def test_launcher_rejects_a_wrong_out_tensor():
+    device = "cpu" if not CUDA else "cuda"
+    _backend(device)
+    args = _args.check_scan(**make_scan_inputs(ScanCase(1, 3, 2, 2), torch.float32, device, seed=_seed()))
+    with pytest.raises(kernels.KernelInputError) as info:
+        triton_scan.selective_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
+                                   out=torch.empty(1, 3, 3, device=device))
+    assert info.value.field == "out"
+
+
+def _nvidia_backend_present() -> bool:
+    from triton.backends import backends
+
+    return "nvidia" in backends
+
+
+@pytest.mark.skipif(CUDA, reason="with a GPU the cuda tests compile and run every kernel")
+def test_kernels_compile_for_sm90_without_spills():
+    """The interpreter compiles nothing: compile every kernel variant family for an H100/H200
+    (sm_90) here, as the JIT would specialise it, and check ptxas reports no spills."""
+    if not _nvidia_backend_present():
+        pytest.skip("this triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "kernels.triton_kernels.aot_check", "--arch", "90"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    kernels_seen = {name for name in ("_scan_output_kernel", "_segment_state_kernel", "_state_update_kernel")
+                    if any(name in line for line in lines)}
+    assert len(kernels_seen) == 3, done.stdout
+    assert all(": ok," in line for line in lines), done.stdout
+
+
+@pytest.mark.parametrize("shape, segments", [
+    # (batch, seq, dim, state) on a 132-SM H100 with the table's blocks
+    pytest.param((32, 60, 512, 16), 1, id="exphil-fills-the-gpu-alone"),
+    pytest.param((1, 4096, 512, 16), 9, id="batch1-long-split-to-2-waves"),
+    pytest.param((1, 1 << 20, 16, 16), 32, id="capped-at-max-segments"),
+    pytest.param((1, 40, 16, 16), 1, id="too-short-to-split"),
+    pytest.param((1, 64, 16, 16), 2, id="min-two-tiles-per-segment"),
+])
+def test_sequence_split_plan(shape, segments):
+    batch, seq, dim, state = shape
+    _, blocks = configs.scan_blocks(state, dim)
+    programs = batch * triton.cdiv(dim, blocks.block_d)
+    n_tiles = triton.cdiv(seq, blocks.chunk)
+    tiles = configs.tiles_per_segment(n_tiles, programs, sm_count=132)
+    assert triton.cdiv(n_tiles, tiles) == segments
+
+
+def test_state_beyond_the_table_is_refused():
+    with pytest.raises(kernels.KernelInputError) as info:
+        configs.scan_blocks(configs.MAX_STATE + 1, 8)
+    assert info.value.field == "A"
+
+
+@pytest.mark.parametrize("value", [
+    pytest.param(0.05, id="inexact-in-fp32"),
+    pytest.param(1e-3, id="small"),
+    pytest.param(1e39, id="beyond-fp32"),
+])
+def test_clamp_bound_pairs_recover_the_fp64_value(value):
+    from kernels.triton_kernels.common import clamp_bounds
+
+    _, (high, low, *_rest) = clamp_bounds(value, None)
+    assert high == float(torch.tensor(value, dtype=torch.float32))
+    if high != float("inf"):
+        assert abs((high + low) - value) <= abs(value) * 2**-46
