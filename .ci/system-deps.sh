@@ -8,6 +8,7 @@ set -euo pipefail
 # One line per package: "package  command-or-file-that-proves-it-is-installed"
 PACKAGES=(
   "gcc  gcc"
+  "elixir  mix"
 )
 
 missing=()

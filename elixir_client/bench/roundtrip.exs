@@ -1,0 +1,407 @@
+# Round trips from Elixir through ScanBridge against a framing-only echo over the same lane,
+# interleaved in one run:
+#
+#   * the ExPhil request (scan, 32×60×512×16 f32) and a 32×512×16 step (a session; A kept on
+#     the server as a handle), through the public API (caller → client process → server);
+#   * the same request bytes sent by this process to the C echo (bench/echo/pipe_echo.c), which
+#     reads each frame and answers with a frame of the server's reply size: over a Port
+#     ({:packet, 4}, as the client's) and, when the server has the unix lane, over a unix
+#     socket (:gen_tcp {:local, path}, packet 4, with the client's socket options).
+#
+#   mix run bench/roundtrip.exs [--iterations 30] [--step-iterations 400] [--out PATH]
+#
+# Needs $PYTHON (default: the checkout's .venv) and cc. Writes JSON (with machine and commit
+# info) to ../bench/results/elixir-roundtrip.json by default.
+
+Code.require_file("../test/support/json.ex", __DIR__)
+
+defmodule RoundtripBench do
+  alias ScanBridge.{Protocol, Tensor}
+  alias ScanBridge.TestSupport.JSON
+
+  @root Path.expand("../..", __DIR__)
+  @exphil %{batch: 32, seq: 60, dim: 512, state: 16}
+  @step %{batch: 32, dim: 512, state: 16}
+  @warmup 3
+
+  def main(argv) do
+    {opts, _, _} =
+      OptionParser.parse(argv,
+        strict: [iterations: :integer, step_iterations: :integer, out: :string]
+      )
+
+    iterations = Keyword.get(opts, :iterations, 30)
+    step_iterations = Keyword.get(opts, :step_iterations, 400)
+    out = Keyword.get(opts, :out, Path.join(@root, "bench/results/elixir-roundtrip.json"))
+    python = System.get_env("PYTHON") || Path.join(@root, ".venv/bin/python")
+    env = [{"PYTHONPATH", System.get_env("PYTHONPATH") || @root}, {"SCAN_BRIDGE_LOG", "WARNING"}]
+    echo = build_echo(python, env)
+    :rand.seed(:exsss, {1, 2, 3})
+    exphil = exphil_inputs()
+
+    lanes =
+      if unix_lane?(python, env) do
+        [:port, :unix]
+      else
+        IO.puts("unix lane: skipped (the server's CLI has no --unix)")
+        [:port]
+      end
+
+    # One client per lane, all alive at once: each case runs on every lane in turn, so that
+    # lanes are compared over adjacent stretches of time on this shared machine.
+    clients = Map.new(lanes, fn lane -> {lane, start_client(lane, python, env)} end)
+    {:ok, info} = ScanBridge.info(clients[:port])
+
+    exphil_calls =
+      for lane <- lanes do
+        {lane, {"scan", exphil}, fn -> ScanBridge.scan(clients[lane], exphil) end}
+      end
+
+    step_results =
+      if "step" in info["protocol"]["ops"] do
+        step = step_inputs()
+        calls = for lane <- lanes, do: step_call(lane, clients[lane], step)
+        measure("step 32x512x16 f32 (A as a handle)", calls, step_iterations, echo, python)
+      else
+        IO.puts("step: skipped (the server has no step op)")
+        []
+      end
+
+    results =
+      (measure("exphil scan 32x60x512x16 f32", exphil_calls, iterations, echo, python) ++
+         step_results)
+      |> Enum.map(&Map.put(&1, "backend", info["backend"]))
+
+    Enum.each(clients, fn {_lane, client} -> GenServer.stop(client) end)
+    summary = goals(results)
+    report(results, summary)
+
+    doc = %{
+      "benchmark" => "elixir-roundtrip",
+      "machine" => machine(python, env),
+      "commit" => commit(),
+      "results" => results,
+      "goals" => summary
+    }
+
+    File.mkdir_p!(Path.dirname(out))
+    File.write!(out, JSON.encode!(doc) <> "\n")
+    IO.puts("wrote #{out}")
+  end
+
+  defp start_client(lane, python, env) do
+    transport =
+      case lane do
+        :port -> :port
+        :unix -> {:unix, Path.join(System.tmp_dir!(), "scan-bridge-bench-#{System.os_time()}.sock")}
+      end
+
+    {:ok, client} =
+      ScanBridge.start_link(
+        python: python,
+        env: env,
+        args: ["--device", "cpu"],
+        transport: transport
+      )
+
+    client
+  end
+
+  ## Inputs
+
+  defp exphil_inputs do
+    %{batch: b, seq: l, dim: d, state: n} = @exphil
+
+    %{
+      x: random({b, l, d}, -1.0, 1.0),
+      dt: random({b, l, d}, 0.001, 0.1),
+      A: random({d, n}, -4.0, -0.5),
+      B: random({b, l, n}, -1.0, 1.0),
+      C: random({b, l, n}, -1.0, 1.0)
+    }
+  end
+
+  defp step_inputs do
+    %{batch: b, dim: d, state: n} = @step
+
+    %{
+      x: random({b, d}, -1.0, 1.0),
+      dt: random({b, d}, 0.001, 0.1),
+      A: random({d, n}, -4.0, -0.5),
+      B: random({b, n}, -1.0, 1.0),
+      C: random({b, n}, -1.0, 1.0)
+    }
+  end
+
+  defp random(shape, lo, hi) do
+    count = shape |> Tuple.to_list() |> Enum.product()
+
+    data =
+      for _ <- 1..count, into: <<>>, do: <<lo + (hi - lo) * :rand.uniform_real()::float-32-little>>
+
+    Tensor.new(data, :f32, shape)
+  end
+
+  # A session and the A handle belong to the connection that made them: one each per lane.
+  defp step_call(lane, client, step) do
+    %{batch: b, dim: d, state: n} = @step
+    {:ok, session} = ScanBridge.open_session(client, batch: b, dim: d, state: n)
+    {:ok, a} = ScanBridge.put(client, step."A")
+    inputs = %{step | A: a}
+
+    {lane, {"step", Map.put(inputs, :session, session)},
+     fn -> ScanBridge.step(client, session, inputs) end}
+  end
+
+  ## Measuring
+
+  # Lane after lane, each round the echo of the request bytes then the API call; warm-up
+  # rounds dropped. One result row per lane. (Lanes are not interleaved round by round: a
+  # server that has just run keeps its OpenMP threads spinning for a while, which on 2 cores
+  # slows the other lane's server, a cost no single-server deployment has.)
+  defp measure(name, calls, iterations, echo_path, python) do
+    for {lane, {op, inputs}, call} <- calls do
+      {:ok, first} = call.()
+      {head, size} = Protocol.request_head(op, Protocol.wire_args!(inputs, op))
+      request = [head, Protocol.id_entry(1)]
+      reply_bytes = reply_size(%{"y" => first.y}, first.timing)
+      echo = start_echo(lane, echo_path, python, reply_bytes)
+
+      # warm-up: page faults, first-call allocations on both sides
+      for _ <- 1..@warmup, do: {echo_round_trip(echo, request), {:ok, _} = call.()}
+
+      samples =
+        for _ <- 1..iterations do
+          echo_us = echo_round_trip(echo, request)
+          t0 = System.monotonic_time(:nanosecond)
+          {:ok, result} = call.()
+          {(System.monotonic_time(:nanosecond) - t0) / 1000, echo_us, result.timing}
+        end
+
+      stop_echo(echo)
+      row(name, %{lane: lane, size: size, reply_bytes: reply_bytes}, iterations, samples)
+    end
+  end
+
+  defp row(name, lane, iterations, samples) do
+    round_trips = for {rt, _, _} <- samples, do: rt
+    echoes = for {_, e, _} <- samples, do: e
+    kernel = for {_, _, t} <- samples, do: t["kernel_us"] || 0
+    server = for {_, _, t} <- samples, do: t["server_us"] || 0
+    bridge_cost = for {rt, _, t} <- samples, do: rt - (t["kernel_us"] || 0)
+    ipc = for {rt, _, t} <- samples, do: rt - (t["server_us"] || 0)
+    stages = samples |> Enum.flat_map(fn {_, _, t} -> Map.keys(t) end) |> Enum.uniq()
+
+    %{
+      "case" => name,
+      "lane" => Atom.to_string(lane.lane),
+      "iterations" => iterations,
+      "request_frame_bytes" => lane.size + 4,
+      "reply_frame_bytes" => lane.reply_bytes + 4,
+      "round_trip" => summarize(round_trips),
+      "echo_floor" => summarize(echoes),
+      "bridge_cost" => summarize(bridge_cost),
+      "ipc" => summarize(ipc),
+      "kernel_us_p50" => median(kernel),
+      "server_us_p50" => median(server),
+      "stages_p50_us" =>
+        Map.new(stages, fn k -> {k, median(for {_, _, t} <- samples, do: t[k] || 0)} end),
+      "round_trip_over_echo" => median(round_trips) / median(echoes),
+      "bridge_cost_over_echo" => median(bridge_cost) / median(echoes)
+    }
+  end
+
+  # The server's reply body size for this result (same keys; timing values vary by a few bytes).
+  defp reply_size(result, timing) do
+    {_io, size} =
+      ScanBridge.Msgpack.encode_at(
+        %{"v" => 1, "id" => 1, "ok" => true, "result" => result, "timing" => timing},
+        0
+      )
+
+    size
+  end
+
+  defp summarize(values) do
+    sorted = Enum.sort(values)
+
+    %{
+      "p50_us" => percentile(sorted, 50),
+      "p20_us" => percentile(sorted, 20),
+      "p80_us" => percentile(sorted, 80),
+      "p90_us" => percentile(sorted, 90),
+      "min_us" => hd(sorted)
+    }
+  end
+
+  defp median(values), do: values |> Enum.sort() |> percentile(50)
+
+  # linear interpolation between closest ranks (numpy's default)
+  defp percentile(sorted, p) do
+    pos = (length(sorted) - 1) * p / 100
+    lo = floor(pos)
+    hi = min(lo + 1, length(sorted) - 1)
+    a = Enum.at(sorted, lo)
+    (a + (Enum.at(sorted, hi) - a) * (pos - lo)) * 1.0
+  end
+
+  ## The echo
+
+  defp build_echo(python, env) do
+    code = "from bench.pipe_echo import build_pipe_echo; print(build_pipe_echo())"
+    {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
+    String.trim(out)
+  end
+
+  defp unix_lane?(python, env) do
+    {help, 0} = System.cmd(python, ["-m", "bridge", "--help"], env: env, stderr_to_stdout: true)
+    String.contains?(help, "--unix")
+  end
+
+  defp start_echo(:port, echo, _python, bytes) do
+    {:port,
+     Port.open({:spawn_executable, echo}, [
+       :binary,
+       {:packet, 4},
+       :exit_status,
+       args: [Integer.to_string(bytes)]
+     ])}
+  end
+
+  defp start_echo(:unix, echo, python, bytes) do
+    path = Path.join(System.tmp_dir!(), "scan-bridge-echo-#{System.os_time()}.sock")
+
+    # Accept one connection and become the echo with the socket as its stdin and stdout.
+    launcher = """
+    import os, socket, sys
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(sys.argv[1]); s.listen(1)
+    c, _ = s.accept()
+    os.unlink(sys.argv[1])
+    os.dup2(c.fileno(), 0); os.dup2(c.fileno(), 1)
+    os.execv(sys.argv[2], [sys.argv[2], sys.argv[3]])
+    """
+
+    owner =
+      Port.open({:spawn_executable, python}, [
+        :binary,
+        :exit_status,
+        args: ["-c", launcher, path, echo, Integer.to_string(bytes)]
+      ])
+
+    socket = connect(path, 200)
+    {:unix, socket, owner}
+  end
+
+  defp connect(path, tries) do
+    case :gen_tcp.connect({:local, path}, 0, ScanBridge.Server.socket_options()) do
+      {:ok, socket} ->
+        socket
+
+      {:error, _} when tries > 0 ->
+        Process.sleep(10)
+        connect(path, tries - 1)
+    end
+  end
+
+  defp stop_echo({:port, port}), do: Port.close(port)
+  defp stop_echo({:unix, socket, _launcher}), do: :gen_tcp.close(socket)
+
+  defp echo_round_trip(echo, request) do
+    t0 = System.monotonic_time(:nanosecond)
+
+    case echo do
+      {:port, port} ->
+        Port.command(port, request)
+        receive do: ({^port, {:data, _}} -> :ok)
+
+      {:unix, socket, _launcher} ->
+        :ok = :gen_tcp.send(socket, request)
+        receive do: ({:tcp, ^socket, _} -> :ok)
+    end
+
+    (System.monotonic_time(:nanosecond) - t0) / 1000
+  end
+
+  ## Goals (issue 7) and the report
+
+  defp goals(results) do
+    find = fn case_prefix, lane ->
+      Enum.find(results, &(String.starts_with?(&1["case"], case_prefix) and &1["lane"] == lane))
+    end
+
+    port_scan = find.("exphil", "port")
+    unix_scan = find.("exphil", "unix")
+    port_step = find.("step", "port")
+
+    %{
+      "port_exphil_bridge_cost_over_echo" => port_scan["bridge_cost_over_echo"],
+      "port_exphil_goal" => "<= 1.15 (round trip minus kernel_us, over the Port echo)",
+      "unix_speedup_over_port_exphil" =>
+        unix_scan && port_scan["bridge_cost"]["p50_us"] / unix_scan["bridge_cost"]["p50_us"],
+      "unix_speedup_goal" => ">= 3 (round trip minus kernel_us, Port over unix)",
+      "port_step_round_trip_over_echo" => port_step && port_step["round_trip_over_echo"],
+      "port_step_goal" => "<= 1.5 (p50 round trip over the Port echo)"
+    }
+  end
+
+  defp report(results, summary) do
+    for r <- results do
+      IO.puts(
+        "#{r["case"]} over #{r["lane"]} (backend #{r["backend"]}): request #{r["request_frame_bytes"]} B, reply #{r["reply_frame_bytes"]} B, #{r["iterations"]} iterations, p50 (p20–p80)"
+      )
+
+      for key <- ~w(round_trip echo_floor bridge_cost ipc) do
+        s = r[key]
+
+        IO.puts(
+          "  #{String.pad_trailing(key, 12)} #{fmt(s["p50_us"])}  (#{fmt(s["p20_us"])} – #{fmt(s["p80_us"])})"
+        )
+      end
+
+      IO.puts(
+        "  kernel_us p50 #{fmt(r["kernel_us_p50"])}, server_us p50 #{fmt(r["server_us_p50"])}; round trip / echo #{Float.round(r["round_trip_over_echo"], 2)}, bridge cost / echo #{Float.round(r["bridge_cost_over_echo"], 2)}"
+      )
+    end
+
+    IO.puts("goals: #{inspect(summary, pretty: true)}")
+  end
+
+  defp fmt(us) when us >= 1000, do: "#{Float.round(us / 1000, 2)} ms"
+  defp fmt(us), do: "#{Float.round(us * 1.0, 1)} µs"
+
+  ## Where and what was measured
+
+  defp machine(python, env) do
+    code = "import json; from bench.machine import machine_info; print(json.dumps(machine_info()))"
+    {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
+
+    out
+    |> JSON.decode!()
+    |> Map.merge(%{
+      "otp_release" => to_string(:erlang.system_info(:otp_release)),
+      "erts" => to_string(:erlang.system_info(:version)),
+      "elixir" => System.version(),
+      "schedulers" => :erlang.system_info(:schedulers_online),
+      # e.g. "+sbwt none ...": scheduler busy-waiting competes with the server for the cores
+      "elixir_erl_options" => System.get_env("ELIXIR_ERL_OPTIONS")
+    })
+  end
+
+  defp commit do
+    git = fn args ->
+      case System.cmd("git", args, cd: @root, stderr_to_stdout: true) do
+        {out, 0} -> String.trim(out)
+        _ -> ""
+      end
+    end
+
+    %{
+      "commit" => git.(["rev-parse", "HEAD"]),
+      "dirty" => git.(["status", "--porcelain"]) != "",
+      "branch" => git.(["rev-parse", "--abbrev-ref", "HEAD"])
+    }
+  end
+end
+
+RoundtripBench.main(System.argv())

@@ -1,0 +1,260 @@
+defmodule ScanBridge do
+  @moduledoc """
+  Offload Mamba selective scans to a scan-bridge server (`python -m bridge`) from Elixir.
+
+  Start one client under your supervisor; it spawns the server as a Port and keeps it for its
+  lifetime:
+
+      children = [
+        {ScanBridge, name: MyApp.Scan, args: ["--device", "auto"]}
+      ]
+
+  Then, from any number of processes at once:
+
+      {:ok, %{y: y, state: state, timing: timing}} =
+        ScanBridge.scan(MyApp.Scan, %{x: x, dt: dt, A: a, B: b, C: c, D: d, return_state: true})
+
+  Inputs are maps of the protocol's argument names (atoms; SPEC §6) to tensors
+  (`ScanBridge.Tensor`, or `Nx.Tensor` when Nx is loaded), handles returned by `put/2`, and
+  options (`dt_softplus: true`, `dt_min: 0.001`, `layout: :bdl`, ...). Every reply's `timing`
+  is the server's time split in microseconds (`"kernel_us"`, `"server_us"`, ...).
+
+  Failures are values: `{:error, %ScanBridge.Error{reason: reason}}` with a typed `reason`
+  (`:timeout`, `:server_exited`, `:shape_mismatch`, ...). Each call has a deadline (`:timeout`
+  option, default 30 000 ms) kept by the client process.
+
+  ## Lanes
+
+    * `transport: :port` (default): requests and replies travel through the Port's pipes
+      (`{:packet, 4}`). The fastest lane for small requests such as `step/4`.
+    * `transport: {:unix, path}`: the server is still spawned (and watched) as a Port, and
+      told to listen on `path`; every request then goes over one unix-socket connection
+      (`:gen_tcp`, `{:local, path}`, packet 4), 3–4× faster than the pipes for
+      multi-megabyte tensors. Sessions and handles belong to the connection that made them,
+      which is why all requests share the one lane.
+
+  ## Example
+
+      iex> {:ok, server} = ScanBridge.start_link(args: ["--device", "cpu"])
+      iex> ScanBridge.ping(server)
+      :ok
+      iex> f32 = fn values, shape -> ScanBridge.Tensor.from_list(values, :f32, shape) end
+      iex> inputs = %{x: f32.([1.0, 2.0], {1, 2, 1}), dt: f32.([0.5, 0.5], {1, 2, 1}),
+      ...>            A: f32.([-1.0], {1, 1}), B: f32.([1.0, 1.0], {1, 2, 1}),
+      ...>            C: f32.([1.0, 1.0], {1, 2, 1})}
+      iex> {:ok, %{y: y, state: nil}} = ScanBridge.scan(server, inputs)
+      iex> y |> ScanBridge.Tensor.to_list() |> Enum.map(&Float.round(&1, 4))
+      [0.5, 1.3033]
+      iex> GenServer.stop(server)
+      :ok
+  """
+
+  alias ScanBridge.{Error, Protocol, Server, Tensor}
+
+  @default_timeout 30_000
+
+  @type server :: GenServer.server()
+  @typedoc "A tensor kept by the server (`put/2`); valid on the client that made it."
+  @type handle :: {:handle, String.t()}
+  @type tensor_input :: Tensor.t() | handle | struct
+  @typedoc "Argument names (SPEC §6) to tensors, handles, booleans, numbers or strings/atoms."
+  @type inputs :: %{
+          optional(atom | String.t()) => tensor_input | boolean | number | atom | String.t() | nil
+        }
+  @type call_opts :: [timeout: timeout]
+  @type timing :: %{optional(String.t()) => number}
+  @type error :: {:error, Error.t()}
+
+  @doc """
+  Starts a client: spawns `python -m bridge` and returns once it answers a ping.
+
+  Options:
+
+    * `:python` - the interpreter (default: `$SCAN_BRIDGE_PYTHON`, else `python3` on PATH);
+      the `bridge` package must be importable by it (see `:env`).
+    * `:args` - extra server arguments, e.g. `["--device", "cuda"]`.
+    * `:env` - environment for the server, `[{"PYTHONPATH", "/srv/scan-bridge"}]`; a `nil`
+      value unsets a variable.
+    * `:name` - register the client process under this name.
+    * `:transport` - `:port` (default) or `{:unix, path}`; see "Lanes".
+    * `:max_in_flight` - requests at the server at once (default 256); more wait in order.
+    * `:max_frame_size` - largest request body sent (default 256 MiB, the server's default
+      limit); a bigger one is answered `:frame_too_large` without being sent.
+    * `:startup_timeout` - ms to wait for the server to answer (default 60 000).
+    * `:exit_grace` - ms the server gets to exit after its stdin closes before it is killed
+      (default 2 000).
+
+  Returns `{:error, %ScanBridge.Error{reason: :startup_failed | :startup_timeout}}` when the
+  server cannot be started.
+  """
+  @spec start_link([Server.option()]) :: GenServer.on_start()
+  defdelegate start_link(opts), to: Server
+
+  @doc """
+  A child specification, so that `{ScanBridge, opts}` can go in a supervisor's children. The
+  id is the `:name` when given. The client is a permanent worker; it gets 5 s to stop (it
+  closes the server's stdin and waits for it to exit).
+  """
+  @spec child_spec([Server.option()]) :: Supervisor.child_spec()
+  def child_spec(opts) do
+    %{
+      id: Keyword.get(opts, :name, __MODULE__),
+      start: {__MODULE__, :start_link, [opts]},
+      type: :worker,
+      restart: :permanent,
+      shutdown: 5_000
+    }
+  end
+
+  @doc "Round trip to the server. `:ok` when it answers."
+  @spec ping(server, call_opts) :: :ok | error
+  def ping(server, opts \\ []) do
+    with {:ok, _result, _timing} <- request(server, "ping", %{}, opts), do: :ok
+  end
+
+  @doc """
+  The server's description: versions, `"protocol"` (with its `"ops"`), `"backend"`,
+  `"devices"`, `"kernels"`, `"transports"`, `"limits"`.
+  """
+  @spec info(server, call_opts) :: {:ok, map} | error
+  def info(server, opts \\ []) do
+    with {:ok, result, _timing} <- request(server, "info", %{}, opts), do: {:ok, result}
+  end
+
+  @doc "The server's cumulative per-op counters and stage times."
+  @spec stats(server, call_opts) :: {:ok, map} | error
+  def stats(server, opts \\ []) do
+    with {:ok, result, _timing} <- request(server, "stats", %{}, opts), do: {:ok, result}
+  end
+
+  @doc """
+  The selective scan over a window (SPEC §6 `scan`).
+
+  `inputs`: `:x`, `:dt`, `:A`, `:B`, `:C` (required tensors); `:D`, `:z`, `:dt_bias`, `:h0`
+  (tensors); `:dt_softplus`, `:return_state` (booleans); `:dt_min`, `:dt_max` (numbers);
+  `:layout` (`:bld`, the default, or `:bdl`); `:session` (a session id: the scan continues
+  from and leaves its final state in that session). The aliases `:u`, `:delta`,
+  `:delta_bias` are accepted.
+
+  Returns `y` (in x's dtype), `state` (`[batch, dim, state]` f32 with `return_state: true`,
+  else nil) and the server's `timing`.
+  """
+  @spec scan(server, inputs, call_opts) ::
+          {:ok, %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}} | error
+  def scan(server, inputs, opts \\ []) do
+    with {:ok, result, timing} <-
+           request(server, "scan", Protocol.wire_args!(inputs, "scan"), opts),
+         {:ok, y} <- result_tensor(result, "y"),
+         {:ok, state} <- optional_result_tensor(result, "state") do
+      {:ok, %{y: y, state: state, timing: timing}}
+    end
+  end
+
+  @doc "Like `scan/3`, raising `ScanBridge.Error` on failure."
+  @spec scan!(server, inputs, call_opts) :: %{
+          y: Tensor.t(),
+          state: Tensor.t() | nil,
+          timing: timing
+        }
+  def scan!(server, inputs, opts \\ []) do
+    case scan(server, inputs, opts) do
+      {:ok, result} -> result
+      {:error, error} -> raise error
+    end
+  end
+
+  @doc """
+  One timestep against a session's state, which is updated in place on the server
+  (SPEC §6 `step`). `inputs`: `:x`, `:dt`, `:A`, `:B`, `:C`, optionally `:z`, `:D`,
+  `:dt_bias`, `:dt_softplus`, `:dt_min`, `:dt_max`; x, dt, z are `[batch, dim]`, B and C
+  `[batch, state]` or `[batch, groups, state]`. Returns `y` `[batch, dim]`.
+  """
+  @spec step(server, String.t(), inputs, call_opts) ::
+          {:ok, %{y: Tensor.t(), timing: timing}} | error
+  def step(server, session, inputs, opts \\ []) when is_binary(session) do
+    args = inputs |> Protocol.wire_args!("step") |> Map.put("session", session)
+
+    with {:ok, result, timing} <- request(server, "step", args, opts),
+         {:ok, y} <- result_tensor(result, "y") do
+      {:ok, %{y: y, timing: timing}}
+    end
+  end
+
+  @doc """
+  Opens a session: a `[batch, dim, state]` f32 state kept on the server's device, zero at
+  first. `dims` is a map or keyword list with `:batch`, `:dim`, `:state`. Returns its id.
+  """
+  @spec open_session(server, map | keyword, call_opts) :: {:ok, String.t()} | error
+  def open_session(server, dims, opts \\ []) do
+    dims = Map.new(dims)
+    args = Map.new([:batch, :dim, :state], fn key -> {key, Map.get(dims, key)} end)
+
+    with {:ok, result, _timing} <- request(server, "session_open", args, opts),
+         do: result_string(result, "session")
+  end
+
+  @doc "Closes a session and frees its state."
+  @spec close_session(server, String.t(), call_opts) :: :ok | error
+  def close_session(server, session, opts \\ []) when is_binary(session) do
+    with {:ok, _result, _timing} <- request(server, "session_close", %{session: session}, opts),
+         do: :ok
+  end
+
+  @doc "A copy of a session's current state, `[batch, dim, state]` f32."
+  @spec session_state(server, String.t(), call_opts) :: {:ok, Tensor.t()} | error
+  def session_state(server, session, opts \\ []) when is_binary(session) do
+    with {:ok, result, _timing} <- request(server, "session_state", %{session: session}, opts),
+         do: result_tensor(result, "state")
+  end
+
+  @doc """
+  Keeps a tensor on the server; the returned handle can stand for it in later requests (e.g.
+  weights sent once: `scan(server, %{A: handle, ...})`) until `free/2`.
+  """
+  @spec put(server, tensor_input, call_opts) :: {:ok, handle} | error
+  def put(server, tensor, opts \\ []) do
+    args = %{tensor: Tensor.cast!(tensor, "put tensor")}
+
+    with {:ok, result, _timing} <- request(server, "put", args, opts),
+         {:ok, id} <- result_string(result, "handle"),
+         do: {:ok, {:handle, id}}
+  end
+
+  @doc "Frees a tensor kept by `put/2`."
+  @spec free(server, handle, call_opts) :: :ok | error
+  def free(server, {:handle, id}, opts \\ []) when is_binary(id) do
+    with {:ok, _result, _timing} <- request(server, "free", %{handle: id}, opts), do: :ok
+  end
+
+  @doc "The OS pid of the server process this client runs."
+  @spec os_pid(server) :: {:ok, pos_integer} | error
+  defdelegate os_pid(server), to: Server
+
+  ## Helpers
+
+  defp request(server, op, args, opts) do
+    Server.request(server, op, args, Keyword.get(opts, :timeout, @default_timeout))
+  end
+
+  defp result_tensor(result, key) do
+    case Tensor.from_wire(Map.get(result, key)) do
+      {:ok, tensor} -> {:ok, tensor}
+      {:error, message} -> {:error, Error.client(:decode_error, "result #{key}: #{message}")}
+    end
+  end
+
+  defp optional_result_tensor(result, key) do
+    if Map.has_key?(result, key), do: result_tensor(result, key), else: {:ok, nil}
+  end
+
+  defp result_string(result, key) do
+    case Map.get(result, key) do
+      value when is_binary(value) and value != "" ->
+        {:ok, value}
+
+      other ->
+        {:error,
+         Error.client(:decode_error, "result #{key}: expected a str, got #{inspect(other)}")}
+    end
+  end
+end

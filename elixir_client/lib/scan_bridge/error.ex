@@ -1,0 +1,86 @@
+defmodule ScanBridge.Error do
+  @moduledoc """
+  Why a request failed, as a value (`{:error, %ScanBridge.Error{}}`) or raised by the `!`
+  functions.
+
+  `reason` is an atom a program can match on:
+
+    * the client's own: `:timeout` (the call's deadline passed first; the late reply is
+      dropped), `:server_exited` (the server's OS process or its lane went away while the
+      request was pending), `:not_running` (no client process under that name or pid),
+      `:startup_failed`, `:startup_timeout`, `:decode_error` (a reply that is not valid
+      protocol, or a frame the client could not decode), `:frame_too_large` (the request is
+      bigger than the server accepts; it was not sent);
+    * the server's error codes (protocol SPEC §7), e.g. `:shape_mismatch`, `:unknown_session`,
+      `:overloaded`. A code this client does not know becomes `:internal_error`, as the
+      specification requires; `code` keeps the string the server sent.
+
+  `detail` is the server's `detail` map (string keys, e.g. `"field"`, `"expected"`, `"got"`)
+  or, for client-side reasons, a map saying what happened (e.g. `%{"exit_status" => 137}`).
+  """
+
+  @server_codes ~w(frame_too_large decode_error invalid_request unsupported_version unknown_op
+                   missing_argument invalid_argument unknown_dtype tensor_size_mismatch
+                   shape_mismatch unknown_session unknown_handle limit_exceeded unsupported
+                   overloaded shutting_down internal_error)
+  @reason_of_code Map.new(@server_codes, fn code -> {code, String.to_atom(code)} end)
+
+  @type server_reason ::
+          :frame_too_large
+          | :decode_error
+          | :invalid_request
+          | :unsupported_version
+          | :unknown_op
+          | :missing_argument
+          | :invalid_argument
+          | :unknown_dtype
+          | :tensor_size_mismatch
+          | :shape_mismatch
+          | :unknown_session
+          | :unknown_handle
+          | :limit_exceeded
+          | :unsupported
+          | :overloaded
+          | :shutting_down
+          | :internal_error
+  @type client_reason ::
+          :timeout | :server_exited | :not_running | :startup_failed | :startup_timeout
+  @type reason :: server_reason | client_reason
+
+  @type t :: %__MODULE__{
+          reason: reason,
+          code: String.t() | nil,
+          message: String.t(),
+          detail: map
+        }
+
+  defexception reason: :internal_error, code: nil, message: "", detail: %{}
+
+  @doc """
+  The error carried by a server's error reply (`{"code", "message", "detail"}`).
+
+      iex> ScanBridge.Error.from_server(%{"code" => "unknown_session", "message" => "no session", "detail" => %{}})
+      %ScanBridge.Error{reason: :unknown_session, code: "unknown_session", message: "no session", detail: %{}}
+
+      iex> ScanBridge.Error.from_server(%{"code" => "from_the_future", "message" => "?"}).reason
+      :internal_error
+  """
+  @spec from_server(map) :: t
+  def from_server(%{} = error) do
+    code = Map.get(error, "code")
+    detail = Map.get(error, "detail")
+
+    %__MODULE__{
+      reason: Map.get(@reason_of_code, code, :internal_error),
+      code: if(is_binary(code), do: code),
+      message: to_string(Map.get(error, "message") || "server error #{inspect(code)}"),
+      detail: if(is_map(detail), do: detail, else: %{})
+    }
+  end
+
+  @doc "An error found by the client itself (no server code)."
+  @spec client(client_reason | :decode_error | :frame_too_large, String.t(), map) :: t
+  def client(reason, message, detail \\ %{}) do
+    %__MODULE__{reason: reason, message: message, detail: detail}
+  end
+end

@@ -1,0 +1,104 @@
+defmodule ScanBridge.Protocol do
+  @moduledoc """
+  The v1 envelope (SPEC §4): request bodies and reply bodies.
+
+  A request body is built in two parts so that callers can encode their (possibly large)
+  arguments in their own process, before the connection owner has picked the request id:
+
+      {"v": 1, "op": <op>, "args": {...}, "id": <uint 64>}
+       └──────────── head: request_head/2 ──┘ └ id_entry/1 ┘
+
+  The id comes last and always as a uint 64 (a non-minimal encoding the specification
+  allows), so the head's bytes, and the alignment of the tensor payloads inside it, do not
+  depend on the id.
+  """
+
+  alias ScanBridge.{Error, Msgpack, Tensor}
+
+  @version 1
+  # fixmap 4, "v": 1, "op"
+  @head_prefix <<0x84, 0xA1, "v", @version, 0xA2, "op">>
+  @args_key <<0xA4, "args">>
+  @id_entry_size 1 + 2 + 9
+
+  @doc """
+  The request body without its id entry, and the body's size once the id entry is added.
+  Raises `ArgumentError` when `args` cannot be encoded.
+  """
+  @spec request_head(String.t(), map) :: {iodata, pos_integer}
+  def request_head(op, args) when is_binary(op) and is_map(args) do
+    {op_io, pos} = Msgpack.encode_at(op, byte_size(@head_prefix))
+    {args_io, pos} = Msgpack.encode_at(args, pos + byte_size(@args_key))
+    {[@head_prefix, op_io, @args_key | args_io], pos + @id_entry_size}
+  end
+
+  @doc """
+  The arguments of a request as the public API takes them (names as atoms or strings; tensors,
+  `Nx.Tensor`s, `{:handle, id}`, booleans, numbers, strings, atoms such as `:bdl`, nil for
+  absent) → the terms `request_head/2` encodes. Tensor data is not copied. Raises
+  `ArgumentError` naming the argument for a value that cannot be sent; `op` is for messages.
+  """
+  @spec wire_args!(map, String.t()) :: map
+  def wire_args!(inputs, op) when is_map(inputs) do
+    Map.new(inputs, fn {name, value} ->
+      unless is_atom(name) or is_binary(name) do
+        raise ArgumentError,
+              "#{op} inputs: expected argument names as atoms or strings, got #{inspect(name)}"
+      end
+
+      {name, wire_value!(value, "#{op} input #{name}")}
+    end)
+  end
+
+  def wire_args!(inputs, op) do
+    raise ArgumentError,
+          "#{op} inputs: expected a map of argument names to values, got #{inspect(inputs, limit: 5)}"
+  end
+
+  defp wire_value!(value, _what)
+       when is_nil(value) or is_boolean(value) or is_number(value) or is_binary(value),
+       do: value
+
+  defp wire_value!(value, _what) when is_atom(value), do: Atom.to_string(value)
+  defp wire_value!({:handle, id}, _what) when is_binary(id), do: %{handle: id}
+  defp wire_value!(%_{} = tensor, what), do: Tensor.cast!(tensor, what)
+
+  defp wire_value!(value, what) do
+    raise ArgumentError,
+          "#{what}: expected a tensor, a {:handle, id}, a boolean, a number or a string, got #{inspect(value, limit: 5)}"
+  end
+
+  @doc "The `\"id\": <uint 64>` entry that completes a request head."
+  @spec id_entry(non_neg_integer) :: binary
+  def id_entry(id) when is_integer(id) and id >= 0, do: <<0xA2, "id", 0xCF, id::64>>
+
+  @doc """
+  Read a reply body. `{:reply, id, outcome}` for a well-formed v1 reply (`id` is nil when the
+  server could not read the request's id), `{:error, error}` for a body that is not one.
+  """
+  @spec decode_reply(binary) ::
+          {:reply, term, {:ok, map, map} | {:error, Error.t()}} | {:error, Error.t()}
+  def decode_reply(body) do
+    case Msgpack.decode(body) do
+      {:ok, %{"v" => @version, "id" => id, "ok" => true, "result" => %{} = result} = reply} ->
+        {:reply, id, {:ok, result, timing(reply)}}
+
+      {:ok, %{"v" => @version, "id" => id, "ok" => false, "error" => %{} = error}} ->
+        {:reply, id, {:error, Error.from_server(error)}}
+
+      {:ok, other} ->
+        {:error,
+         Error.client(
+           :decode_error,
+           "reply: expected a v1 reply map, got #{inspect(other, limit: 8)}"
+         )}
+
+      {:error, _} = failure ->
+        failure
+    end
+  end
+
+  # Every ok reply carries timing; error replies may omit it (SPEC §4).
+  defp timing(%{"timing" => %{} = timing}), do: timing
+  defp timing(_reply), do: %{}
+end

@@ -1,0 +1,174 @@
+defmodule ScanBridge.LifecycleTest do
+  # Starting, supervising, losing and stopping the server's OS process. Each test has its own
+  # server.
+  use ExUnit.Case, async: false
+
+  alias ScanBridge.{Error, TestSupport}
+
+  import TestSupport,
+    only: [scan_inputs: 2, assert_scan_matches: 2, eventually: 1, os_process_gone?: 1]
+
+  setup do
+    :rand.seed(:exsss, {7, 11, 13})
+    :ok
+  end
+
+  test "the server killed mid-request: every waiter is answered and the supervisor restarts it" do
+    name = :lifecycle_killed
+
+    {:ok, supervisor} =
+      Supervisor.start_link([{ScanBridge, TestSupport.server_opts(name: name)}],
+        strategy: :one_for_one
+      )
+
+    client = Process.whereis(name)
+    {:ok, os_pid} = ScanBridge.os_pid(name)
+
+    # The server is frozen (SIGSTOP) so that all 8 requests are surely in flight when it dies;
+    # they are small enough to fit the pipe, so the Port never blocks its owner.
+    signal(os_pid, "STOP")
+    inputs = scan_inputs(%{batch: 2, seq: 16, dim: 32, state: 4}, [:D])
+    tasks = for _ <- 1..8, do: Task.async(fn -> ScanBridge.scan(name, inputs) end)
+    assert eventually(fn -> map_size(:sys.get_state(client).pending) == 8 end)
+    signal(os_pid, "KILL")
+
+    for outcome <- Task.await_many(tasks, 10_000) do
+      assert {:error, %Error{reason: :server_exited, detail: %{"exit_status" => status}}} = outcome
+      assert status == 128 + 9
+    end
+
+    assert eventually(fn -> (pid = Process.whereis(name)) && pid != client end)
+    assert ScanBridge.ping(name) == :ok
+    assert {:ok, new_os_pid} = ScanBridge.os_pid(name)
+    assert new_os_pid != os_pid
+
+    inputs = scan_inputs(%{batch: 2, seq: 3, dim: 4, state: 2}, [])
+    assert {:ok, result} = ScanBridge.scan(name, inputs)
+    assert_scan_matches(result, inputs)
+    Supervisor.stop(supervisor)
+    assert os_process_gone?(new_os_pid)
+  end
+
+  test "no orphan: the server's OS process is gone after the client process is killed" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts())
+    Process.unlink(client)
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    refute os_process_gone?(os_pid)
+    Process.exit(client, :kill)
+    # the Port closes with its owner; the server exits on stdin EOF within a second
+    assert eventually(fn -> os_process_gone?(os_pid) end)
+  end
+
+  test "a stopped client has stopped its server" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts())
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    assert GenServer.stop(client) == :ok
+    assert os_process_gone?(os_pid)
+    assert {:error, %Error{reason: :not_running}} = ScanBridge.ping(client)
+  end
+
+  test "at most max_in_flight requests are at the server; the rest wait their turn in order" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 2))
+
+    cases =
+      for i <- 1..12 do
+        inputs = scan_inputs(%{batch: 1 + rem(i, 2), seq: 3 + rem(i, 4), dim: 5, state: 2}, [:z])
+        {inputs, Task.async(fn -> ScanBridge.scan(client, inputs) end)}
+      end
+
+    assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) <= 2 end)
+
+    for {inputs, task} <- cases do
+      assert {:ok, result} = Task.await(task, 30_000)
+      assert_scan_matches(result, inputs)
+    end
+
+    state = :sys.get_state(client)
+
+    assert state.pending == %{} and MapSet.size(state.outstanding) == 0 and
+             :queue.is_empty(state.queue)
+
+    GenServer.stop(client)
+  end
+
+  test "a queued request whose deadline passes is answered :timeout and never sent" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 1))
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    {:ok, stats_before} = ScanBridge.stats(client)
+    # frozen server: the first request stays outstanding, so the ping waits in the client's queue
+    signal(os_pid, "STOP")
+    first = Task.async(fn -> ScanBridge.ping(client) end)
+    assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) == 1 end)
+    assert {:error, %Error{reason: :timeout}} = ScanBridge.ping(client, timeout: 20)
+    signal(os_pid, "CONT")
+    assert Task.await(first) == :ok
+    {:ok, stats_after} = ScanBridge.stats(client)
+    # one ping reached the server between the two stats calls: the timed-out one never did
+    assert ping_count(stats_after) - ping_count(stats_before) == 1
+    GenServer.stop(client)
+  end
+
+  test "a request bigger than the server accepts is refused without being sent" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_frame_size: 4096))
+    inputs = scan_inputs(%{batch: 2, seq: 64, dim: 16, state: 2}, [])
+
+    assert {:error,
+            %Error{reason: :frame_too_large, detail: %{"limit" => 4096, "length" => length}}} =
+             ScanBridge.scan(client, inputs)
+
+    assert length > 4096
+    assert ScanBridge.ping(client) == :ok
+    GenServer.stop(client)
+  end
+
+  describe "start-up failures are errors, not crashes" do
+    setup do
+      Process.flag(:trap_exit, true)
+      :ok
+    end
+
+    test "no such interpreter" do
+      assert {:error, %Error{reason: :startup_failed, message: message}} =
+               ScanBridge.start_link(TestSupport.server_opts(python: "/nonexistent/python"))
+
+      assert message =~ "/nonexistent/python"
+    end
+
+    test "the server exits during start-up" do
+      assert {:error, %Error{reason: :startup_failed, detail: %{"exit_status" => 2}}} =
+               ScanBridge.start_link(TestSupport.server_opts(args: ["--no-such-option"]))
+    end
+
+    test "bad options name what was expected" do
+      assert_raise ArgumentError,
+                   ~r/:transport: expected :port or \{:unix, path\}, got :pipe/,
+                   fn ->
+                     ScanBridge.start_link(TestSupport.server_opts(transport: :pipe))
+                   end
+
+      assert_raise ArgumentError, ~r/unknown keys \[:colour\]/, fn ->
+        ScanBridge.start_link(colour: :blue)
+      end
+    end
+  end
+
+  test "child_spec is a permanent worker named by :name" do
+    spec = ScanBridge.child_spec(name: :some_scan)
+
+    assert %{
+             id: :some_scan,
+             restart: :permanent,
+             type: :worker,
+             start: {ScanBridge, :start_link, [[name: :some_scan]]}
+           } = spec
+
+    assert ScanBridge.child_spec([]).id == ScanBridge
+  end
+
+  defp signal(os_pid, name),
+    do: {_, 0} = System.cmd("kill", ["-#{name}", Integer.to_string(os_pid)])
+
+  defp ping_count(stats),
+    do:
+      get_in(stats, ["ops", "ping", "success_count"]) || raise("no ping count in #{inspect(stats)}")
+end

@@ -1,0 +1,186 @@
+defmodule ScanBridgeTest do
+  # The public API against the real server (one shared server for this module).
+  use ExUnit.Case, async: false
+
+  alias ScanBridge.{Error, Tensor, TestSupport}
+  import TestSupport, only: [scan_inputs: 2, assert_scan_matches: 2, assert_close: 3]
+
+  doctest ScanBridge
+
+  setup_all do
+    server = start_supervised!({ScanBridge, TestSupport.server_opts()})
+    %{server: server}
+  end
+
+  setup do
+    :rand.seed(:exsss, {101, 202, 303})
+    :ok
+  end
+
+  test "ping, info and stats", %{server: server} do
+    assert ScanBridge.ping(server) == :ok
+    assert {:ok, info} = ScanBridge.info(server)
+    assert info["protocol"]["version"] == 1
+    assert ~w(info ping scan) -- info["protocol"]["ops"] == []
+    assert info["backend"] in info["kernels"]["available"]
+    assert "stdio" in info["transports"]
+    assert {:ok, info["pid"]} == ScanBridge.os_pid(server)
+    assert {:ok, %{} = stats} = ScanBridge.stats(server)
+    assert map_size(stats) > 0
+  end
+
+  # {id, sizes, optional tensors, options}: odd sizes, every option alone and all together.
+  @scan_cases [
+    {"required only", %{batch: 2, seq: 7, dim: 5, state: 3}, [], %{}},
+    {"D and z", %{batch: 3, seq: 5, dim: 7, state: 2}, [:D, :z], %{}},
+    {"dt_bias with softplus", %{batch: 2, seq: 6, dim: 5, state: 3}, [:dt_bias],
+     %{dt_softplus: true}},
+    {"dt clamped", %{batch: 1, seq: 9, dim: 3, state: 5}, [], %{dt_min: 0.05, dt_max: 0.3}},
+    {"h0 and return_state", %{batch: 2, seq: 5, dim: 5, state: 3}, [:h0], %{return_state: true}},
+    {"return_state from zero", %{batch: 3, seq: 3, dim: 2, state: 7}, [], %{return_state: true}},
+    {"3 groups", %{batch: 2, seq: 5, dim: 6, state: 3, groups: 3}, [], %{}},
+    {"layout bdl", %{batch: 2, seq: 7, dim: 5, state: 3, layout: :bdl}, [:D],
+     %{return_state: true}},
+    {"layout bdl with 2 groups", %{batch: 1, seq: 5, dim: 6, state: 3, layout: :bdl, groups: 2},
+     [:z], %{}},
+    {"one step", %{batch: 1, seq: 1, dim: 3, state: 2}, [:D], %{}},
+    {"every option", %{batch: 2, seq: 7, dim: 6, state: 3, groups: 3}, [:D, :z, :dt_bias, :h0],
+     %{dt_softplus: true, dt_min: 0.02, dt_max: 0.4, return_state: true}}
+  ]
+
+  for {id, sizes, optional, options} <- @scan_cases do
+    test "scan matches the scalar reference: #{id}", %{server: server} do
+      inputs =
+        Map.merge(
+          scan_inputs(unquote(Macro.escape(sizes)), unquote(optional)),
+          unquote(Macro.escape(options))
+        )
+
+      assert {:ok, result} = ScanBridge.scan(server, inputs)
+      assert_scan_matches(result, inputs)
+      assert %{"kernel_us" => kernel_us, "server_us" => server_us} = result.timing
+      assert kernel_us >= 0 and server_us >= kernel_us
+    end
+  end
+
+  test "the aliases u, delta, delta_bias are the same arguments", %{server: server} do
+    inputs = scan_inputs(%{batch: 2, seq: 4, dim: 3, state: 2}, [:dt_bias])
+
+    aliased = %{
+      u: inputs.x,
+      delta: inputs.dt,
+      delta_bias: inputs.dt_bias,
+      A: inputs."A",
+      B: inputs."B",
+      C: inputs."C"
+    }
+
+    assert {:ok, result} = ScanBridge.scan(server, aliased)
+    assert_scan_matches(result, inputs)
+  end
+
+  test "f64 inputs give an f64 y", %{server: server} do
+    inputs = scan_inputs(%{batch: 2, seq: 5, dim: 3, state: 2}, [:D])
+    f64 = Map.new(inputs, fn {k, t} -> {k, Tensor.from_list(Tensor.to_list(t), :f64, t.shape)} end)
+    assert {:ok, %{y: y}} = ScanBridge.scan(server, f64)
+    assert y.dtype == :f64
+    {y_ref, _} = TestSupport.Reference.scan(f64)
+    assert_close(Tensor.to_list(y), y_ref, "y")
+  end
+
+  test "50 concurrent callers, each with its own inputs, each get their own answer", %{
+    server: server
+  } do
+    results =
+      1..50
+      |> Task.async_stream(
+        fn i ->
+          :rand.seed(:exsss, {i, i * 7, i * 13})
+
+          sizes = %{
+            batch: 1 + rem(i, 3),
+            seq: 2 + rem(i, 5),
+            dim: 3 + rem(i, 4),
+            state: 2 + rem(i, 3)
+          }
+
+          inputs = scan_inputs(sizes, [:D]) |> Map.put(:return_state, true)
+          {inputs, ScanBridge.scan(server, inputs)}
+        end,
+        max_concurrency: 50,
+        timeout: 60_000
+      )
+      |> Enum.map(fn {:ok, result} -> result end)
+
+    assert length(results) == 50
+
+    for {inputs, outcome} <- results do
+      assert {:ok, result} = outcome
+      assert_scan_matches(result, inputs)
+    end
+  end
+
+  test "a call past its deadline gets :timeout and its late reply is dropped", %{server: server} do
+    inputs = scan_inputs(%{batch: 2, seq: 3, dim: 4, state: 2}, [])
+    {:ok, os_pid} = ScanBridge.os_pid(server)
+    # frozen, the server cannot answer before the deadline; thawed, it answers late
+    {_, 0} = System.cmd("kill", ["-STOP", Integer.to_string(os_pid)])
+    started = System.monotonic_time(:millisecond)
+    outcome = ScanBridge.scan(server, inputs, timeout: 50)
+    elapsed = System.monotonic_time(:millisecond) - started
+    {_, 0} = System.cmd("kill", ["-CONT", Integer.to_string(os_pid)])
+    assert {:error, %Error{reason: :timeout}} = outcome
+    assert elapsed >= 50 and elapsed < 1_000
+
+    # the late reply is dropped: the next calls get their own answers
+    other = scan_inputs(%{batch: 1, seq: 5, dim: 3, state: 2}, [:D])
+    assert {:ok, result} = ScanBridge.scan(server, other)
+    assert_scan_matches(result, other)
+    assert ScanBridge.ping(server) == :ok
+    assert :sys.get_state(server).outstanding == MapSet.new()
+    refute_received _
+  end
+
+  test "a server error comes back typed, with the server's detail", %{server: server} do
+    inputs = scan_inputs(%{batch: 2, seq: 5, dim: 3, state: 2}, [])
+    bad = %{inputs | B: TestSupport.random(:f32, {2, 4, 2})}
+
+    assert {:error, %Error{reason: :shape_mismatch, code: "shape_mismatch", detail: detail}} =
+             ScanBridge.scan(server, bad)
+
+    assert detail["field"] =~ "B"
+    assert_raise Error, fn -> ScanBridge.scan!(server, bad) end
+
+    assert {:error, %Error{reason: :missing_argument}} =
+             ScanBridge.scan(server, Map.delete(inputs, :C))
+
+    assert %{y: %Tensor{}} = ScanBridge.scan!(server, inputs)
+  end
+
+  test "inputs that cannot be sent are refused before sending", %{server: server} do
+    assert_raise ArgumentError, ~r/scan input x: expected a tensor.*got \[1\.0\]/, fn ->
+      ScanBridge.scan(server, %{x: [1.0]})
+    end
+
+    assert_raise ArgumentError, ~r/expected a ScanBridge.Tensor/, fn ->
+      ScanBridge.scan(server, %{x: URI.parse("x:")})
+    end
+
+    assert_raise ArgumentError, ~r/expected a map of argument names/, fn ->
+      ScanBridge.scan(server, x: 1)
+    end
+  end
+
+  describe "handles" do
+    if reason = TestSupport.skip_reason(:handles), do: @describetag(skip: reason)
+
+    test "a put tensor stands in for its data until freed", %{server: server} do
+      inputs = scan_inputs(%{batch: 2, seq: 5, dim: 3, state: 2}, [:D])
+      assert {:ok, {:handle, _} = a} = ScanBridge.put(server, inputs."A")
+      assert {:ok, result} = ScanBridge.scan(server, %{inputs | A: a})
+      assert_scan_matches(result, inputs)
+      assert ScanBridge.free(server, a) == :ok
+      assert {:error, %Error{reason: :unknown_handle}} = ScanBridge.scan(server, %{inputs | A: a})
+    end
+  end
+end

@@ -1,0 +1,273 @@
+defmodule ScanBridge.TestSupport do
+  @moduledoc false
+  # What the tests share: how to start the real server, what it supports, random inputs, and
+  # numeric comparison.
+
+  import ExUnit.Assertions
+  alias ScanBridge.{Tensor, TestSupport.Reference}
+
+  @repo_root Path.expand("../../..", __DIR__)
+
+  def repo_root, do: @repo_root
+
+  @doc "The interpreter that runs the server: $PYTHON, else the repository's .venv."
+  def python, do: System.get_env("PYTHON") || Path.join(@repo_root, ".venv/bin/python")
+
+  @doc "Options for `ScanBridge.start_link/1` against the checkout's server, on the CPU."
+  def server_opts(extra \\ []) do
+    env = [
+      {"PYTHONPATH", System.get_env("PYTHONPATH") || @repo_root},
+      {"SCAN_BRIDGE_LOG", System.get_env("SCAN_BRIDGE_LOG", "WARNING")}
+    ]
+
+    Keyword.merge([python: python(), args: ["--device", "cpu"], env: env], extra)
+  end
+
+  ## What the server supports (probed once by test_helper.exs)
+
+  @doc """
+  Ask the server what it supports: its ops (from `info`) and whether its CLI has the unix
+  lane (`--unix`). Stored for `skip_reason/1`.
+  """
+  def probe! do
+    {:ok, server} = ScanBridge.start_link(server_opts())
+    {:ok, info} = ScanBridge.info(server)
+    GenServer.stop(server)
+    # argparse writes the help to stdout, which the server points at stderr (stdio_guard)
+    {help, 0} =
+      System.cmd(python(), ["-m", "bridge", "--help"],
+        env: server_opts()[:env],
+        stderr_to_stdout: true
+      )
+
+    ops = info["protocol"]["ops"]
+    :persistent_term.put({__MODULE__, :ops}, ops)
+    :persistent_term.put({__MODULE__, :unix_lane}, String.contains?(help, "--unix"))
+    %{ops: ops, unix_lane: String.contains?(help, "--unix")}
+  end
+
+  @features %{
+    sessions: ~w(session_open session_close session_state step),
+    handles: ~w(put free)
+  }
+
+  @doc "nil when the server supports `feature`, else why the tests that need it are skipped."
+  def skip_reason(:unix_lane) do
+    unless :persistent_term.get({__MODULE__, :unix_lane}),
+      do: "the server has no unix lane yet (`python -m bridge --help` lists no --unix; issue 6)"
+  end
+
+  def skip_reason(feature) do
+    ops = :persistent_term.get({__MODULE__, :ops})
+    missing = @features[feature] -- ops
+
+    if missing != [],
+      do:
+        "the server lacks the ops #{Enum.join(missing, ", ")} (its info lists #{Enum.join(ops, ", ")})"
+  end
+
+  def features, do: [:unix_lane | Map.keys(@features)]
+
+  ## Inputs
+
+  @int_ranges %{
+    u8: 0..255,
+    i32: -0x80000000..0x7FFFFFFF,
+    i64: -0x8000000000000000..0x7FFFFFFFFFFFFFFF
+  }
+
+  @doc """
+  A tensor of uniform random values: floats in [lo, hi) (rounded to the dtype), integers over
+  the integer dtype's whole range.
+  """
+  def random(dtype, shape, lo \\ -1.0, hi \\ 1.0) do
+    count = shape |> Tuple.to_list() |> Enum.product()
+
+    values =
+      case @int_ranges[dtype] do
+        nil -> for _ <- 1..count//1, do: lo + (hi - lo) * :rand.uniform_real()
+        range -> for _ <- 1..count//1, do: Enum.random(range)
+      end
+
+    Tensor.from_list(values, dtype, shape)
+  end
+
+  @doc """
+  Random scan inputs: x [batch, seq, dim] (or [batch, dim, seq] for :bdl), B/C with `groups`
+  when given, and each optional tensor named in `with` (:D, :z, :dt_bias, :h0).
+  """
+  def scan_inputs(%{batch: b, seq: l, dim: d, state: n} = sizes, with \\ []) do
+    layout = Map.get(sizes, :layout, :bld)
+    groups = Map.get(sizes, :groups)
+    x_shape = if layout == :bld, do: {b, l, d}, else: {b, d, l}
+
+    bc_shape =
+      case {layout, groups} do
+        {:bld, nil} -> {b, l, n}
+        {:bld, g} -> {b, l, g, n}
+        {:bdl, nil} -> {b, n, l}
+        {:bdl, g} -> {b, g, n, l}
+      end
+
+    required = %{
+      x: random(:f32, x_shape),
+      dt: random(:f32, x_shape, 0.01, 0.5),
+      A: random(:f32, {d, n}, -2.0, -0.1),
+      B: random(:f32, bc_shape),
+      C: random(:f32, bc_shape)
+    }
+
+    optional = %{
+      D: fn -> random(:f32, {d}) end,
+      z: fn -> random(:f32, x_shape) end,
+      dt_bias: fn -> random(:f32, {d}, -0.5, 0.5) end,
+      h0: fn -> random(:f32, {b, d, n}) end
+    }
+
+    extra = Map.new(with, fn key -> {key, Map.fetch!(optional, key).()} end)
+    layout_opt = if layout == :bld, do: %{}, else: %{layout: layout}
+    required |> Map.merge(extra) |> Map.merge(layout_opt)
+  end
+
+  ## Comparison
+
+  @doc "Assert two flat lists of numbers agree within atol + rtol·|expected|."
+  def assert_close(actual, expected, what, atol \\ 1.0e-4, rtol \\ 1.0e-3) do
+    assert length(actual) == length(expected),
+           "#{what}: #{length(actual)} values, expected #{length(expected)}"
+
+    worst =
+      Enum.zip(actual, expected)
+      |> Enum.with_index()
+      |> Enum.map(fn {{a, e}, i} -> {abs(a - e) - (atol + rtol * abs(e)), i, a, e} end)
+      |> Enum.max()
+
+    {excess, i, a, e} = worst
+
+    assert excess <= 0,
+           "#{what}[#{i}]: got #{a}, expected #{e} (tolerance #{atol} + #{rtol}·|expected|)"
+  end
+
+  @doc "Check a scan result against the scalar reference."
+  def assert_scan_matches(%{y: y, state: state}, inputs) do
+    {y_ref, state_ref} = Reference.scan(inputs)
+    assert y.dtype == :f32
+    assert y.shape == inputs.x.shape
+    assert_close(Tensor.to_list(y), y_ref, "y")
+
+    if inputs[:return_state] do
+      {b, _, _} = inputs.x.shape
+      {d, n} = inputs."A".shape
+      assert state.shape == {b, d, n}
+      assert_close(Tensor.to_list(state), state_ref, "state")
+    else
+      assert state == nil
+    end
+  end
+
+  @doc """
+  A session prefilled by a scan over `prefill` timesteps, then stepped `steps` times, each
+  answer checked against the scalar reference over the whole sequence; then its state, and
+  its close. `sizes`/`optional`/`options` as for `scan_inputs/2` (layout bld).
+  """
+  def assert_session_scenario(server, sizes, optional, options, prefill, steps) do
+    %{batch: b, dim: d, state: n} = sizes
+    full = sizes |> Map.put(:seq, prefill + steps) |> scan_inputs(optional) |> Map.merge(options)
+    {y_ref, state_ref} = Reference.scan(full)
+    y_ref = List.to_tuple(y_ref)
+
+    ref_at = fn t ->
+      for bi <- 0..(b - 1), di <- 0..(d - 1), do: elem(y_ref, (bi * (prefill + steps) + t) * d + di)
+    end
+
+    assert {:ok, session} = ScanBridge.open_session(server, batch: b, dim: d, state: n)
+    assert is_binary(session)
+
+    prefill_inputs = full |> time_slice(0, prefill) |> Map.put(:session, session)
+    assert {:ok, %{y: y}} = ScanBridge.scan(server, prefill_inputs)
+
+    assert_close(
+      Tensor.to_list(y),
+      Enum.flat_map(0..(prefill - 1), fn t -> ref_at.(t) end) |> reorder_bld(b, prefill, d),
+      "prefill y"
+    )
+
+    for k <- 0..(steps - 1) do
+      step_inputs = full |> time_slice(prefill + k, 1) |> squeeze_time()
+
+      assert {:ok, %{y: y, timing: %{"server_us" => _}}} =
+               ScanBridge.step(server, session, step_inputs)
+
+      assert y.shape == {b, d}
+      assert_close(Tensor.to_list(y), ref_at.(prefill + k), "step #{k} y")
+    end
+
+    assert {:ok, state} = ScanBridge.session_state(server, session)
+    assert state.shape == {b, d, n}
+    assert_close(Tensor.to_list(state), state_ref, "session state")
+
+    assert ScanBridge.close_session(server, session) == :ok
+    step_inputs = full |> time_slice(prefill, 1) |> squeeze_time()
+
+    assert {:error, %ScanBridge.Error{reason: :unknown_session}} =
+             ScanBridge.step(server, session, step_inputs)
+  end
+
+  # ref_at gives [batch, dim] per timestep; y of a bld scan is [batch, seq, dim].
+  defp reorder_bld(per_time, b, l, d) do
+    v = List.to_tuple(per_time)
+    for bi <- 0..(b - 1), t <- 0..(l - 1), di <- 0..(d - 1), do: elem(v, (t * b + bi) * d + di)
+  end
+
+  # Timesteps [from, from + count) of every per-timestep tensor ([batch, seq, ...], layout bld).
+  defp time_slice(inputs, from, count) do
+    seq = elem(inputs.x.shape, 1)
+
+    Map.new(inputs, fn
+      {key, %Tensor{shape: shape} = t} when key in [:x, :dt, :z, :B, :C] ->
+        [batch, ^seq | rest] = Tuple.to_list(shape)
+        row = Enum.product(rest) * Tensor.itemsize(t.dtype)
+
+        data =
+          for bi <- 0..(batch - 1),
+              into: <<>>,
+              do: binary_part(t.data, (bi * seq + from) * row, count * row)
+
+        {key, Tensor.new(data, t.dtype, List.to_tuple([batch, count | rest]))}
+
+      other ->
+        other
+    end)
+  end
+
+  defp squeeze_time(inputs) do
+    Map.new(inputs, fn
+      {key, %Tensor{shape: shape} = t} when key in [:x, :dt, :z, :B, :C] ->
+        [batch, 1 | rest] = Tuple.to_list(shape)
+        {key, %{t | shape: List.to_tuple([batch | rest])}}
+
+      other ->
+        other
+    end)
+  end
+
+  @doc "Whether the OS process `os_pid` is gone (Linux: no /proc entry)."
+  def os_process_gone?(os_pid), do: not File.exists?("/proc/#{os_pid}")
+
+  @doc "Poll `fun` every 10 ms until it returns truthy or `ms` pass; returns its last value."
+  def eventually(fun, ms \\ 5_000) do
+    deadline = System.monotonic_time(:millisecond) + ms
+    poll(fun, deadline)
+  end
+
+  defp poll(fun, deadline) do
+    value = fun.()
+
+    if value || System.monotonic_time(:millisecond) > deadline do
+      value
+    else
+      Process.sleep(10)
+      poll(fun, deadline)
+    end
+  end
+end

@@ -1,0 +1,101 @@
+defmodule ScanBridge.UnixLaneTest do
+  # transport: {:unix, path}: the server spawned as a Port, every request over the socket.
+  use ExUnit.Case, async: false
+
+  alias ScanBridge.{Error, TestSupport}
+
+  import TestSupport,
+    only: [scan_inputs: 2, assert_scan_matches: 2, eventually: 1, os_process_gone?: 1]
+
+  if reason = TestSupport.skip_reason(:unix_lane), do: @moduletag(skip: reason)
+
+  setup_all do
+    path =
+      Path.join(System.tmp_dir!(), "scan-bridge-test-#{System.unique_integer([:positive])}.sock")
+
+    server = start_supervised!({ScanBridge, TestSupport.server_opts(transport: {:unix, path})})
+    %{server: server, path: path}
+  end
+
+  setup do
+    :rand.seed(:exsss, {17, 19, 23})
+    :ok
+  end
+
+  test "the server serves the unix lane", %{server: server, path: path} do
+    assert ScanBridge.ping(server) == :ok
+    assert {:ok, info} = ScanBridge.info(server)
+
+    assert Enum.any?(info["transports"], &String.starts_with?(&1, "unix")),
+           inspect(info["transports"])
+
+    assert File.exists?(path)
+    assert :sys.get_state(server).socket != nil
+  end
+
+  test "scan over the socket matches the reference, every option", %{server: server} do
+    inputs =
+      scan_inputs(%{batch: 2, seq: 7, dim: 6, state: 3, groups: 3}, [:D, :z, :dt_bias, :h0])
+      |> Map.merge(%{dt_softplus: true, dt_min: 0.02, dt_max: 0.4, return_state: true})
+
+    assert {:ok, result} = ScanBridge.scan(server, inputs)
+    assert_scan_matches(result, inputs)
+  end
+
+  test "a large request and reply cross the socket intact", %{server: server} do
+    inputs = scan_inputs(%{batch: 2, seq: 64, dim: 512, state: 16}, [])
+    assert {:ok, result} = ScanBridge.scan(server, inputs)
+    assert_scan_matches(result, inputs)
+  end
+
+  test "concurrent callers over the socket", %{server: server} do
+    1..20
+    |> Task.async_stream(
+      fn i ->
+        :rand.seed(:exsss, {i, 2 * i, 3 * i})
+        inputs = scan_inputs(%{batch: 1 + rem(i, 3), seq: 3 + rem(i, 4), dim: 5, state: 2}, [:D])
+        {inputs, ScanBridge.scan(server, inputs)}
+      end,
+      max_concurrency: 20,
+      timeout: 60_000
+    )
+    |> Enum.each(fn {:ok, {inputs, outcome}} ->
+      assert {:ok, result} = outcome
+      assert_scan_matches(result, inputs)
+    end)
+  end
+
+  if reason = TestSupport.skip_reason(:sessions), do: @tag(skip: reason)
+
+  test "a session over the socket", %{server: server} do
+    TestSupport.assert_session_scenario(
+      server,
+      %{batch: 2, dim: 5, state: 3},
+      [:D, :z],
+      %{dt_softplus: true},
+      4,
+      3
+    )
+  end
+
+  test "the server killed: waiters answered, client stopped, no orphan" do
+    path =
+      Path.join(System.tmp_dir!(), "scan-bridge-test-#{System.unique_integer([:positive])}.sock")
+
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(transport: {:unix, path}))
+    Process.unlink(client)
+    ref = Process.monitor(client)
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    {_, 0} = System.cmd("kill", ["-STOP", Integer.to_string(os_pid)])
+    tasks = for _ <- 1..4, do: Task.async(fn -> ScanBridge.ping(client) end)
+    assert eventually(fn -> map_size(:sys.get_state(client).pending) == 4 end)
+    {_, 0} = System.cmd("kill", ["-KILL", Integer.to_string(os_pid)])
+
+    for outcome <- Task.await_many(tasks) do
+      assert {:error, %Error{reason: :server_exited}} = outcome
+    end
+
+    assert_receive {:DOWN, ^ref, :process, ^client, {:shutdown, _}}, 5_000
+    assert os_process_gone?(os_pid)
+  end
+end
