@@ -24,7 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
+from protocol import OutTensor, WireTensor
+
 from .sessions import Session, unknown_session
+from .tensors import TORCH_DTYPES, to_wire
 from .timing import now_ns
 
 # How long a batch size is remembered as the company to wait for (see BatchPolicy). Longer than
@@ -39,7 +43,7 @@ class Item:
     call: object
     key: tuple | None  # None: shares a launch with nothing
     rows: int
-    tensors: dict  # this request's own tensors by argument name (None where not given)
+    tensors: dict  # this request's per-row values by argument name: WireTensor, tensor or None
     shared: dict = field(default_factory=dict)  # tensors every member must have equal: A, D, dt_bias
     session: Session | None = None
     prepare_ns: int = 0  # time spent preparing; not queueing time
@@ -48,8 +52,6 @@ class Item:
 class BatchedOp(abc.ABC):
     """An op whose requests can share a kernel launch. Calling it serves one request alone (the
     legacy ExPhil path does)."""
-
-    name: str
 
     @abc.abstractmethod
     def prepare(self, server, call) -> Item:
@@ -135,11 +137,20 @@ class BatchPolicy:
             self._company = {k: v for k, v in self._company.items() if now - v[0] <= COMPANY_MEMORY_NS}
 
 
-def concat_rows(tensors: list) -> torch.Tensor | None:
-    """The members' tensors of one argument stacked along the batch axis (no copy for one)."""
-    if tensors[0] is None:
+def stack_rows(server, values: list) -> torch.Tensor | None:
+    """Members' values of one per-row argument (wire tensors as they came, or tensors) as one
+    device tensor stacked on the batch axis. Wire bytes are joined before any tensor is made: one
+    copy, one tensor and one host-to-device transfer per batch, none per request."""
+    first = values[0]
+    if first is None:
         return None
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    if len(values) == 1:
+        return server.device_tensor(first) if isinstance(first, WireTensor) else first
+    if all(isinstance(v, WireTensor) for v in values):
+        rows = sum(v.shape[0] for v in values)
+        joined = bytearray().join(v.data for v in values)
+        return server.device_tensor(WireTensor(first.dtype, (rows, *first.shape[1:]), memoryview(joined)))
+    return torch.cat([server.device_tensor(v) if isinstance(v, WireTensor) else v for v in values])
 
 
 def split_rows(t: torch.Tensor, items: list[Item]) -> tuple:
@@ -164,16 +175,31 @@ def run_batch(server, op: BatchedOp, items: list[Item]) -> list[tuple[Item, dict
             live.append(item)
     if not live:
         return outcomes
-    rows = sum(item.rows for item in live)
-    for item in live:
-        item.call.timing.extra["batch_rows"] = rows
     try:
-        results = op.run(server, live)
+        outcomes.extend(zip(live, _launch(server, op, live)))
+    except kernels.KernelInputError as exc:
+        if len(live) == 1:
+            outcomes.append((live[0], exc))
+            return outcomes
+        # Members have equal keys, so they fail together; the kernels check every argument
+        # before computing, so nothing ran. Alone, each gets an error naming its own shapes.
+        for item in live:
+            try:
+                outcomes.append((item, _launch(server, op, [item])[0]))
+            except Exception as alone_exc:
+                outcomes.append((item, alone_exc))
     except Exception as exc:  # the launch failed for all of them
         outcomes.extend((item, exc) for item in live)
-    else:
-        outcomes.extend(zip(live, results))
     return outcomes
+
+
+def _launch(server, op: BatchedOp, items: list[Item]) -> list[dict]:
+    rows = sum(item.rows for item in items)
+    for i, item in enumerate(items):
+        item.call.timing.extra["batch_rows"] = rows
+        # One execution per launch in the stats (inference_count / execution_count = mean batch).
+        item.call.executions = int(i == 0)
+    return op.run(server, items)
 
 
 def prepare(op: BatchedOp, server, call) -> Item:
@@ -182,3 +208,34 @@ def prepare(op: BatchedOp, server, call) -> Item:
     item = op.prepare(server, call)
     item.prepare_ns = now_ns() - start
     return item
+
+
+def wire_rows(t: torch.Tensor, items: list[Item]) -> list[OutTensor]:
+    """A batched output [rows, ...] as each member's reply tensor: one device-to-host copy for
+    the batch (charged to every member), then each member's byte range of it."""
+    start = now_ns()
+    whole = to_wire(t)
+    charge(items, "d2h", now_ns() - start)
+    if len(items) == 1:
+        return [whole]
+    row_bytes = whole.data.nbytes // t.shape[0]
+    out, offset = [], 0
+    for item in items:
+        size = item.rows * row_bytes
+        out.append(OutTensor(whole.dtype, (item.rows, *whole.shape[1:]), whole.data[offset:offset + size]))
+        offset += size
+    return out
+
+
+def dtype_of(value: WireTensor | torch.Tensor) -> torch.dtype:
+    return TORCH_DTYPES[value.dtype] if isinstance(value, WireTensor) else value.dtype
+
+
+def row_signature(value: WireTensor | torch.Tensor | None):
+    """What must be equal between members' values of one argument so they stack on the batch
+    axis: dtype and every axis but the first."""
+    return None if value is None else (dtype_of(value), tuple(value.shape[1:]))
+
+
+def signature(value: WireTensor | torch.Tensor | None):
+    return None if value is None else (dtype_of(value), tuple(value.shape))

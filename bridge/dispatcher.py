@@ -4,6 +4,11 @@ Transports call `on_frame` from their reader threads: the body is decoded and va
 (so the next frame is read while the worker computes), then queued for the worker, which runs
 the op and writes the reply through the connection. Every failure becomes a structured error
 reply; nothing a client sends can stop the worker.
+
+On the worker, a request for a batchable op (a bridge.batcher.BatchedOp: step, scan) leads a
+batch: queued requests that can share its kernel launch join it, late ones too while the
+batch policy waits for them (`--max-delay-us`); the batch runs as one launch and each request
+gets its own reply. Any other request runs alone. Requests run in the order they arrived.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Callable
 
 import protocol
 
+from .batcher import Batch, BatchedOp, BatchPolicy, prepare, run_batch
 from .errors import OpError, error_fields
 from .timing import Timing, now_ns
 
@@ -31,8 +37,9 @@ class Call:
     timing: Timing
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
-    executions: int = 1  # kernel launches this request took part in (for stats)
+    executions: int = 1  # kernel launches this request is counted for (stats; 0 for all but one member of a batch)
     extra: dict = field(default_factory=dict)
+    prepared: object = None  # the batcher's Item, once prepared
 
     @property
     def op(self) -> str:
@@ -58,6 +65,10 @@ class Dispatcher:
         self._idle = threading.Condition(self._pending_lock)
         self._worker = threading.Thread(target=self._work, name="bridge-worker", daemon=True)
         self.accepting = True
+        self.policy = BatchPolicy(server.config.max_delay_us, server.config.max_batch)
+        # A request taken from the queue while gathering a batch that it could not join: the
+        # worker serves it next (worker thread only).
+        self._held: Call | None = None
 
     # -- transport side -------------------------------------------------------------------
 
@@ -123,30 +134,100 @@ class Dispatcher:
         self._queue.put(_STOP)
 
     # -- worker side ----------------------------------------------------------------------
+    # Every request taken from the queue ends in exactly one of _answer or _fail.
 
     def _work(self) -> None:
         while True:
-            call = self._queue.get()
+            call = self._next_call()
             if call is _STOP:
                 return
+            op = self._batched_op(call)
             try:
-                self._serve(call)
+                if op is None:
+                    self._serve(call)
+                else:
+                    self._serve_batch(op, call)
             except Exception:  # a bug in reply writing must not stop the worker
-                log.exception("serving %s failed", getattr(call, "op", "?"))
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.notify_all()
+                log.exception("serving %s failed", call.op)
+
+    def _next_call(self, block: bool = True, timeout: float | None = None):
+        """The held request if any, else the next queued one; None when nothing came in time."""
+        if self._held is not None:
+            call, self._held = self._held, None
+            return call
+        try:
+            return self._queue.get(block, timeout)
+        except queue.Empty:
+            return None
+
+    def _batched_op(self, call) -> BatchedOp | None:
+        if call is _STOP or isinstance(call.request, protocol.LegacyRequest):
+            return None
+        handler = self.handlers[call.op]
+        return handler if isinstance(handler, BatchedOp) else None
 
     def _serve(self, call: Call) -> None:
         call.timing.add("queue", now_ns() - call.enqueued_ns)
         legacy = isinstance(call.request, protocol.LegacyRequest)
         handler = (self.legacy_handlers if legacy else self.handlers)[call.op]
-        stats_op = "legacy_" + call.op if legacy else call.op
         try:
             result = handler(self.server, call)
-            reply_timing = {}
+        except Exception as exc:  # every failure is answered; the worker lives on
+            self._fail(call, exc)
+        else:
+            self._answer(call, result)
+
+    def _serve_batch(self, op: BatchedOp, first: Call) -> None:
+        batch = self._gather(op, first)
+        if batch is None:
+            return
+        start = now_ns()
+        for item in batch.items:
+            item.call.timing.add("queue", start - item.call.enqueued_ns - item.prepare_ns)
+        for item, outcome in run_batch(self.server, op, batch.items):
+            if isinstance(outcome, BaseException):
+                self._fail(item.call, outcome)
+            else:
+                self._answer(item.call, outcome)
+
+    def _gather(self, op: BatchedOp, first: Call) -> Batch | None:
+        """The batch `first` leads: the requests after it that can share its launch."""
+        lead = self._prepare(op, first)
+        if lead is None:
+            return None
+        batch = Batch(lead)
+        while lead.key is not None and batch.rows < self.policy.max_batch:
+            wait = self.policy.wait_s(batch, now_ns())
+            call = self._next_call(block=wait is not None, timeout=wait)
+            if call is None:
+                break
+            if self._batched_op(call) is not op:
+                self._held = call
+                break
+            item = self._prepare(op, call)
+            if item is None:
+                continue
+            if not batch.accepts(item, self.policy.max_batch):
+                self._held = call
+                break
+            batch.add(item)
+        self.policy.observe(batch, now_ns())
+        return batch
+
+    def _prepare(self, op: BatchedOp, call: Call):
+        """The request's batch item; None when it cannot run (it has been answered)."""
+        if call.prepared is None:
+            try:
+                call.prepared = prepare(op, self.server, call)
+            except Exception as exc:
+                self._fail(call, exc)
+                return None
+        return call.prepared
+
+    def _answer(self, call: Call, result: dict) -> None:
+        legacy = isinstance(call.request, protocol.LegacyRequest)
+        reply_timing = {}
+        try:
             if legacy:
                 parts = protocol.encode_legacy_reply(result)
             else:
@@ -158,20 +239,44 @@ class Dispatcher:
                     return reply_timing
 
                 parts = protocol.encode_reply(call.request.id, result, timing)
-        except Exception as exc:  # every failure is answered; the worker lives on
+        except Exception as exc:
+            self._fail(call, exc)
+            return
+        try:
+            self._send(call.conn, parts)
+            self.server.stats.record(self._stats_op(call), reply_timing or None, ok=True,
+                                     executions=call.executions)
+        finally:
+            self._finish(call)
+
+    def _fail(self, call: Call, exc: BaseException) -> None:
+        try:
             if not isinstance(exc, (OpError, protocol.ProtocolError)) and type(exc).__module__ != "kernels.errors":
-                log.exception("op %s failed", call.op)
+                log.error("op %s failed", call.op, exc_info=exc)
+            legacy = isinstance(call.request, protocol.LegacyRequest)
             self._reply_error(call.conn, None if legacy else call.request.id, exc, call.timing,
                               legacy=legacy, op=call.op)
-        else:
-            self._send(call.conn, parts)
-            self.server.stats.record(stats_op, reply_timing or None, ok=True, executions=call.executions)
         finally:
+            self._finish(call)
+
+    def _finish(self, call: Call) -> None:
+        """The request has been answered: its frame buffer goes back to the pool (its tensors
+        were views into it), its after-reply hook runs, and it is no longer in flight."""
+        try:
             if call.release:
                 call.release()
             hook = call.extra.get("after_reply")
             if hook:
                 hook()
+        finally:
+            with self._idle:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.notify_all()
+
+    @staticmethod
+    def _stats_op(call: Call) -> str:
+        return "legacy_" + call.op if isinstance(call.request, protocol.LegacyRequest) else call.op
 
     def _reply_error(self, conn, request_id, exc: BaseException, timing: Timing, *, legacy: bool,
                      op: str | None = None) -> None:
@@ -179,7 +284,11 @@ class Dispatcher:
         if legacy:
             parts = protocol.encode_legacy_reply({"status": "error", "message": message})
         else:
-            parts = protocol.encode_error(request_id, code, message, detail)
+            try:
+                parts = protocol.encode_error(request_id, code, message, detail)
+            except (TypeError, ValueError):  # a detail msgpack cannot carry must not cost the reply
+                log.exception("error detail of %s cannot be encoded", code)
+                parts = protocol.encode_error(request_id, code, message, {})
         self._send(conn, parts)
         if op is not None:
             self.server.stats.record(op if not legacy else "legacy_" + op, None, ok=False,

@@ -1,7 +1,9 @@
-"""The state every op handler sees: configuration, device, backend, counters, stop signal."""
+"""The state every op handler sees: configuration, device, backend, counters, stop signal, and
+what lives on the device between requests (sessions, tensor handles) with their owners."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,9 +15,13 @@ import protocol
 
 from .device import DeviceChoice
 from .errors import OpError
+from .handles import HandleTable
+from .sessions import Session, SessionTable
 from .stats import Stats
-from .tensors import to_device
+from .tensors import host_view, to_device
 from .timing import now_ns
+
+log = logging.getLogger("bridge")
 
 
 @dataclass
@@ -24,6 +30,18 @@ class ServerConfig:
     backend: str | None = None
     max_frame_size: int = protocol.DEFAULT_MAX_FRAME_SIZE
     max_pending: int = 4096
+    # Dynamic batching (bridge.batcher): how long a batch may wait for company after its first
+    # request arrived (0: never wait), and the most rows one launch takes. 500 µs: with 8 callers
+    # stepping on the 2-core dev machine, throughput was flat from 0 to 1600 µs (3.9-4.2k
+    # steps/s) while the mean batch grew from 4.9 to 7.9 requests (fewer launches, which is what
+    # a GPU needs); p99 was no worse at 500 µs. A lone caller never waits (BatchPolicy).
+    max_delay_us: int = 500
+    max_batch: int = 1024
+    # What may stay on the device between requests, over all connections.
+    max_sessions: int = 4096
+    max_pool_bytes: int = 1 << 30
+    max_handles: int = 4096
+    max_handle_bytes: int = 1 << 30
 
 
 class Server:
@@ -38,45 +56,97 @@ class Server:
         self.compiled: list[str] = []
         # Backends that read unaligned memory at full speed need no aligned copy of inputs.
         self.unaligned_ok = self.backend == "cpu"
+        self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
+                                     max_pool_bytes=config.max_pool_bytes)
+        self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)
+        self.stats.add_gauge("sessions", self.sessions.usage)
+        self.stats.add_gauge("handles", self.handles.usage)
+        self._watched: set[str] = set()  # ids of connections whose close frees what they own
+        self._watched_lock = threading.Lock()
 
     def tensor(self, call, name: str, *, required: bool = True) -> torch.Tensor | None:
         """The request argument `name` as a tensor on the server's device; h2d time is
         charged to the call."""
+        value = self.tensor_arg(call, name, required=required)
+        if not isinstance(value, protocol.WireTensor):
+            return value
+        start = now_ns()
+        tensor = self.device_tensor(value)
+        call.timing.add("h2d", now_ns() - start)
+        return tensor
+
+    def tensor_arg(self, call, name: str, *, required: bool = True) -> protocol.WireTensor | torch.Tensor | None:
+        """The request argument `name` as it came: wire bytes not yet made a tensor, or a
+        handle's tensor. Batched ops join members' bytes first and make one tensor of them."""
         value = call.args.get(name)
         if value is None:
             if required:
                 raise OpError("missing_argument", f"args.{name}: expected a tensor, got nothing",
                               {"field": f"args.{name}", "expected": "a tensor", "got": None})
             return None
-        start = now_ns()
         if isinstance(value, protocol.HandleRef):
-            tensor = self.resolve_handle(call.conn, value.handle, f"args.{name}")
-        else:
-            tensor = to_device(value, self.device, unaligned_ok=self.unaligned_ok)
-        call.timing.add("h2d", now_ns() - start)
-        return tensor
+            return self.resolve_handle(call.conn, value.handle, f"args.{name}")
+        return value
+
+    def device_tensor(self, wire: protocol.WireTensor) -> torch.Tensor:
+        """Wire bytes as a tensor on the device (a view of them where the device is the CPU)."""
+        return to_device(wire, self.device, unaligned_ok=self.unaligned_ok)
 
     def resolve_handle(self, conn, handle: str, field: str) -> torch.Tensor:
-        raise OpError("unknown_handle", f"{field}: no tensor handle {handle!r} is held for this connection",
-                      {"field": field, "handle": handle})
+        return self.handles.get(conn.id, handle, field)
 
-    def session(self, conn, session_id: str, field: str):
+    def session(self, conn, session_id: str, field: str) -> Session:
         """The session `session_id` opened by `conn`."""
-        raise OpError("unknown_session", f"{field}: no session {session_id!r} is open on this connection",
-                      {"field": field, "session": session_id})
+        return self.sessions.get(conn.id, session_id, field)
+
+    def open_session(self, conn, batch: int, dim: int, state: int) -> Session:
+        session = self.sessions.open(conn.id, batch, dim, state)
+        self._watch(conn)
+        return session
+
+    def put_tensor(self, call, name: str) -> str:
+        """Copy the request's tensor argument `name` to the device as a handle of the caller's."""
+        wire = call.args[name]
+        self.handles.check_room(len(wire.data))
+        start = now_ns()
+        # Always a copy: the frame the bytes arrived in goes back to its pool after the reply.
+        tensor = host_view(wire).to(self.device, copy=True)
+        call.timing.add("h2d", now_ns() - start)
+        handle = self.handles.put(call.conn.id, tensor)
+        self._watch(call.conn)
+        return handle
+
+    def _watch(self, conn) -> None:
+        """Free what `conn` owns when it closes. Called after something was created for it: if
+        it closed meanwhile, on_close runs the release at once, so nothing is left behind."""
+        with self._watched_lock:
+            if conn.id in self._watched:
+                return
+            self._watched.add(conn.id)
+        conn.on_close(self._release_connection)
+
+    def _release_connection(self, conn) -> None:
+        with self._watched_lock:
+            self._watched.discard(conn.id)
+        sessions = self.sessions.release_owner(conn.id)
+        handles = self.handles.release_owner(conn.id)
+        if sessions or handles:
+            log.info("%s closed: freed %d sessions and %d tensor handles", conn.id, sessions, handles)
 
     @contextmanager
-    def kernel_timer(self, call):
-        """Charges the enclosed kernel work to `kernel_us`: device events on CUDA (so the
-        time is the GPU's, not the launch's), wall time on the CPU."""
+    def kernel_timer(self, *calls):
+        """Charges the enclosed kernel work to `kernel_us` of every call in the launch: device
+        events on CUDA (so the time is the GPU's, not the launch's), wall time on the CPU."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
             end.synchronize()
-            call.timing.add("kernel", int(start.elapsed_time(end) * 1e6))
+            elapsed = int(start.elapsed_time(end) * 1e6)
         else:
             t0 = now_ns()
             yield
-            call.timing.add("kernel", now_ns() - t0)
+            elapsed = now_ns() - t0
+        for call in calls:
+            call.timing.add("kernel", elapsed)

@@ -133,13 +133,15 @@ class SessionTable:
                 in_use = self._pool_bytes()
                 room = (self.max_pool_bytes - in_use) // row_bytes  # rows the budget still allows
                 if missing > room:
+                    requested = missing * row_bytes
+                    detail = {"limit": "max_pool_bytes", "max": self.max_pool_bytes, "in_use": in_use}
+                    if requested < 2**63:  # what a msgpack int holds; the message has it anyway
+                        detail["requested"] = requested
                     raise OpError(
                         "limit_exceeded",
                         f"session_open: {batch} rows of [{dim}, {state}] fp32 state need "
-                        f"{missing * row_bytes} more bytes of state pool; {in_use} of "
-                        f"{self.max_pool_bytes} are in use (--max-pool-bytes)",
-                        {"limit": "max_pool_bytes", "max": self.max_pool_bytes, "in_use": in_use,
-                         "requested": missing * row_bytes})
+                        f"{requested} more bytes of state pool; {in_use} of "
+                        f"{self.max_pool_bytes} are in use (--max-pool-bytes)", detail)
                 if pool is None:
                     pool = self._pools[(dim, state)] = StatePool(dim, state, self.device)
                 # Double when the budget allows, so that n opens cost O(log n) pool copies.

@@ -1,6 +1,7 @@
 """Cumulative counters for the `stats` op, modelled on Triton Inference Server's statistics
 extension: per op, `inference_count` (requests served) and `execution_count` (kernel launches;
-their ratio is the mean batch), successes, failures and cumulative microseconds per stage."""
+their ratio is the mean batch in requests), successes, failures and cumulative microseconds per
+stage; plus gauges of what the server holds now (sessions, tensor handles)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ class Stats:
         self.bytes_out = 0
         self.errors = Counter()
         self.ops = defaultdict(self._new_op)
+        self._gauges: dict = {}  # name -> callable returning a JSON-able dict
+
+    def add_gauge(self, name: str, read) -> None:
+        """Report `read()` under `name` in every snapshot."""
+        self._gauges[name] = read
 
     @staticmethod
     def _new_op() -> dict:
@@ -59,7 +65,7 @@ class Stats:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {
+            counters = {
                 "uptime_s": time.time() - self.started,
                 "frames_in": self.frames_in,
                 "bytes_in": self.bytes_in,
@@ -68,3 +74,4 @@ class Stats:
                 "errors": dict(self.errors),
                 "ops": {op: dict(entry) for op, entry in self.ops.items()},
             }
+        return counters | {name: read() for name, read in self._gauges.items()}

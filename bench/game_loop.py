@@ -1,0 +1,311 @@
+"""Sessions and batching over stdio (issue 5), each part compared within the same run.
+
+(a) The 60 FPS game loop: one session of 32×512×16, prefilled with a 60-frame scan, then 600
+    steps of one frame each (A uploaded once as a handle). Per-frame round trip p50/p99 and
+    bytes per frame (request + reply frames) against re-sending the 60-frame window every frame
+    (the ExPhil way: 8.1 MB in, 3.9 MB out).
+(b) 8 concurrent callers, each stepping its own session in a closed loop through one server:
+    throughput with batching (the server's defaults) against `--max-delay-us 0 --max-batch 1`,
+    the two servers taking turns for several rounds. The callers are driven by one lean loop
+    (CallerLoop) so that the client's CPU, on the same cores, is not what is measured.
+(c) Optional (`--delays`): (b) with batching at several `--max-delay-us`, to choose its default.
+
+    python -m bench.game_loop [--steps 600] [--windows 40] [--seconds 2] [--rounds 3]
+                              [--delays 0,100,200,400] [--json bench/results/game_loop.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+
+import protocol
+from bridge.client import PortClient, to_wire
+from bridge.transports.stdio import read_exact, write_all
+
+from .machine import commit_info, machine_info
+
+GAME = {"batch": 32, "dim": 512, "state": 16, "window": 60}
+# ExPhil's dt clamp (DESIGN §5).
+DT_CLAMP = {"dt_min": 0.001, "dt_max": 0.1}
+
+
+def summarize(values: list[float]) -> dict:
+    a = np.asarray(values)
+    return {"p50_us": float(np.percentile(a, 50)), "p90_us": float(np.percentile(a, 90)),
+            "p99_us": float(np.percentile(a, 99)), "min_us": float(a.min()), "max_us": float(a.max()),
+            "n": len(values)}
+
+
+def frame_inputs(rng, batch: int, dim: int, state: int, seq: int | None = None) -> dict:
+    """Random per-frame arguments: x, dt [batch, (seq,) dim]; B, C [batch, (seq,) state]."""
+    lead = (batch,) if seq is None else (batch, seq)
+    return {"x": rng.standard_normal((*lead, dim), dtype=np.float32),
+            "dt": rng.uniform(0.001, 0.1, (*lead, dim)).astype(np.float32),
+            "B": rng.standard_normal((*lead, state), dtype=np.float32),
+            "C": rng.standard_normal((*lead, state), dtype=np.float32)}
+
+
+def constant_A(rng, dim: int, state: int) -> np.ndarray:
+    return -rng.uniform(0.5, 4.0, (dim, state)).astype(np.float32)
+
+
+# -- (a) the game loop ------------------------------------------------------------------------
+
+
+def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
+    b, d, n, w = GAME["batch"], GAME["dim"], GAME["state"], GAME["window"]
+    rng = np.random.default_rng(0)
+    A = constant_A(rng, d, n)
+    window = frame_inputs(rng, b, d, n, seq=w)
+    frames = [frame_inputs(rng, b, d, n) for _ in range(32)]  # cycled; content does not matter
+    with PortClient(["--device", "cpu", *server_args]) as client:
+        handle = client.put(A)
+        session = client.open_session(b, d, n)
+        prefill = client.scan(**window, A=handle, session=session, **DT_CLAMP)
+        prefill.unwrap()
+        for i in range(20):  # warm-up: first-call allocations, page faults
+            client.step(session, **frames[i % len(frames)], A=handle, **DT_CLAMP).unwrap()
+        step_rows, step_bytes, step_timing = [], [], []
+        for i in range(steps):
+            reply = client.step(session, **frames[i % len(frames)], A=handle, **DT_CLAMP)
+            reply.unwrap()
+            step_rows.append(reply.round_trip_us)
+            step_bytes.append(reply.bytes_out + reply.bytes_in)
+            step_timing.append(reply.timing)
+        for _ in range(3):
+            client.scan(**window, A=A, **DT_CLAMP).unwrap()
+        window_rows, window_bytes, window_timing = [], [], []
+        for _ in range(windows):
+            reply = client.scan(**window, A=A, **DT_CLAMP)
+            reply.unwrap()
+            window_rows.append(reply.round_trip_us)
+            window_bytes.append(reply.bytes_out + reply.bytes_in)
+            window_timing.append(reply.timing)
+        backend = client.info()["backend"]
+
+    def stage_medians(timings):
+        return {k: statistics.median(t[k] for t in timings) for k in timings[0] if k.endswith("_us")}
+
+    step_frame_bytes, window_frame_bytes = statistics.median(step_bytes), statistics.median(window_bytes)
+    return {
+        "case": f"game loop: session {b}x{d}x{n}, prefill {w} frames, {steps} steps; "
+                f"vs re-sending the {w}-frame window ({windows} frames)",
+        "backend": backend,
+        "step_round_trip": summarize(step_rows),
+        "step_stages_p50_us": stage_medians(step_timing),
+        "step_bytes_per_frame": step_frame_bytes,
+        "prefill_round_trip_us": prefill.round_trip_us,
+        "window_round_trip": summarize(window_rows),
+        "window_stages_p50_us": stage_medians(window_timing),
+        "window_bytes_per_frame": window_frame_bytes,
+        "bytes_ratio": window_frame_bytes / step_frame_bytes,
+        "goals": {"step_p99_us": 1000, "step_p50_us": 150, "bytes_ratio": 50},
+    }
+
+
+# -- (b) concurrent callers -------------------------------------------------------------------
+
+
+class ReplyHead(msgspec.Struct):
+    """The parts of a reply the caller loop reads (the rest, y included, is skipped)."""
+
+    id: str
+    ok: bool
+    timing: dict = {}
+    error: dict = {}
+
+
+class CallerLoop:
+    """A server over pipes with 8 (or n) callers, each stepping its own session in a closed
+    loop: each caller has one request in flight and sends its next the moment its reply is in.
+    One thread drives them all and reads only each reply's head, so that the client's CPU (on
+    the same 2 cores as the server) is as small as it can be and the same for both servers."""
+
+    def __init__(self, server_args: list[str]):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *server_args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+        self._header = memoryview(bytearray(4))
+        self._heads = msgspec.msgpack.Decoder(ReplyHead)
+
+    def send(self, body: bytes) -> None:
+        write_all(self.proc.stdin.fileno(), protocol.frame_parts([body]))
+
+    def receive(self) -> memoryview:
+        if not read_exact(self.proc.stdout, self._header):
+            raise ConnectionError("the server closed its end")
+        body = memoryview(bytearray(protocol.parse_frame_header(self._header)))
+        if not read_exact(self.proc.stdout, body):
+            raise ConnectionError("the server closed its end mid-frame")
+        return body
+
+    def call(self, op: str, **args) -> dict:
+        self.send(b"".join(protocol.encode_request("setup", op, {k: to_wire(v) for k, v in args.items()})))
+        reply = protocol.decode_reply(self.receive())
+        if not reply.ok:
+            raise RuntimeError(f"{op}: {reply.error}")
+        return reply.result
+
+    def step_bodies(self, rows: int, callers: int) -> list[bytes]:
+        """One pre-encoded step request per caller, each for a session of its own."""
+        dim, state = GAME["dim"], GAME["state"]
+        rng = np.random.default_rng(1)
+        handle = protocol.HandleRef(self.call("put", tensor=constant_A(rng, dim, state))["handle"])
+        bodies = []
+        for i in range(callers):
+            session = self.call("session_open", batch=rows, dim=dim, state=state)["session"]
+            args = {"session": session, "A": handle, **DT_CLAMP,
+                    **{k: to_wire(v) for k, v in frame_inputs(rng, rows, dim, state).items()}}
+            bodies.append(b"".join(protocol.encode_request(str(i), "step", args)))
+        return bodies
+
+    def run(self, bodies: list[bytes], seconds: float) -> dict:
+        callers = len(bodies)
+        counts, round_trips, batch_rows = [0] * callers, [], []
+        sent_at = [0] * callers
+        began = time.perf_counter_ns()
+        deadline = began + int(seconds * 1e9)
+        for i, body in enumerate(bodies):
+            sent_at[i] = time.perf_counter_ns()
+            self.send(body)
+        in_flight = callers
+        while in_flight:
+            head = self._heads.decode(self.receive())
+            now = time.perf_counter_ns()
+            if not head.ok:
+                raise RuntimeError(f"step failed: {head.error}")
+            i = int(head.id)
+            counts[i] += 1
+            round_trips.append((now - sent_at[i]) / 1000.0)
+            batch_rows.append(head.timing["batch_rows"])
+            if now < deadline:
+                sent_at[i] = time.perf_counter_ns()
+                self.send(bodies[i])
+            else:
+                in_flight -= 1
+        elapsed = (time.perf_counter_ns() - began) / 1e9
+        return {"elapsed_s": elapsed, "counts": counts, "round_trips": round_trips, "batch_rows": batch_rows}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+
+def run_callers(server_args: list[str], rows: int, callers: int, seconds: float) -> dict:
+    loop = CallerLoop(server_args)
+    try:
+        bodies = loop.step_bodies(rows, callers)
+        loop.run(bodies, 0.2)  # warm-up
+        before = loop.call("stats")["ops"]["step"]
+        run = loop.run(bodies, seconds)
+        after = loop.call("stats")["ops"]["step"]
+    finally:
+        loop.close()
+    steps = sum(run["counts"])
+    executions = after["execution_count"] - before["execution_count"]
+    return {
+        "server_args": server_args,
+        "steps_per_s": steps / run["elapsed_s"],
+        "rows_per_s": steps * rows / run["elapsed_s"],
+        "round_trip": summarize(run["round_trips"]),
+        "mean_batch_requests": (after["inference_count"] - before["inference_count"]) / max(executions, 1),
+        "mean_batch_rows": statistics.mean(run["batch_rows"]),
+        "per_caller_steps": run["counts"],
+    }
+
+
+def concurrent(rows: int, callers: int, seconds: float, rounds: int, batched_args: list[str]) -> dict:
+    unbatched_args = ["--max-delay-us", "0", "--max-batch", "1"]
+    runs = {"batched": [], "unbatched": []}
+    for _ in range(rounds):  # taking turns, so that drift in the machine's load hits both
+        runs["batched"].append(run_callers(batched_args, rows, callers, seconds))
+        runs["unbatched"].append(run_callers(unbatched_args, rows, callers, seconds))
+    median = {k: statistics.median(r["steps_per_s"] for r in v) for k, v in runs.items()}
+    return {
+        "case": f"{callers} callers each stepping a {rows}x{GAME['dim']}x{GAME['state']} session, "
+                f"{rounds} rounds of {seconds} s per server",
+        "batched_args": batched_args,
+        "median_steps_per_s": median,
+        "speedup": median["batched"] / median["unbatched"],
+        "runs": runs,
+        "goal_speedup_cpu": 2.0,
+    }
+
+
+def delay_sweep(delays: list[int], rows: int, callers: int, seconds: float, rounds: int) -> list[dict]:
+    results = {d: [] for d in delays}
+    for _ in range(rounds):
+        for delay in delays:
+            results[delay].append(run_callers(["--max-delay-us", str(delay)], rows, callers, seconds))
+    return [{"max_delay_us": d,
+             "median_steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
+             "median_p50_us": statistics.median(r["round_trip"]["p50_us"] for r in runs),
+             "median_p99_us": statistics.median(r["round_trip"]["p99_us"] for r in runs),
+             "median_mean_batch_requests": statistics.median(r["mean_batch_requests"] for r in runs)}
+            for d, runs in results.items()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--windows", type=int, default=40, help="window re-sends to compare with")
+    p.add_argument("--callers", type=int, default=8)
+    p.add_argument("--rows", default="1,32", help="session batch of each caller in (b), comma-separated")
+    p.add_argument("--seconds", type=float, default=2.0, help="length of one (b) run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--delays", default="", help="(c): --max-delay-us values to sweep, comma-separated")
+    p.add_argument("--skip", default="", help="parts to skip, e.g. a or b")
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for the servers")
+    p.add_argument("--json", default="bench/results/game_loop.json")
+    args = p.parse_args(argv)
+    # The machine may be shared: its load is recorded with the results.
+    load_before = os.getloadavg()
+    results = {}
+    if "a" not in args.skip:
+        r = results["game_loop"] = game_loop(args.steps, args.windows, args.server_arg)
+        s, w = r["step_round_trip"], r["window_round_trip"]
+        print(f"(a) {r['case']}, backend {r['backend']}")
+        print(f"    step    p50 {s['p50_us']:8.1f} µs  p99 {s['p99_us']:8.1f} µs  "
+              f"{r['step_bytes_per_frame'] / 1e3:8.1f} kB/frame  (goals p50 ≤ 150, p99 < 1000)")
+        print(f"    window  p50 {w['p50_us']:8.1f} µs  p99 {w['p99_us']:8.1f} µs  "
+              f"{r['window_bytes_per_frame'] / 1e3:8.1f} kB/frame")
+        print(f"    bytes ratio {r['bytes_ratio']:.1f}× (goal ≥ 50×); step stages p50: " +
+              "  ".join(f"{k}={v:.1f}" for k, v in r["step_stages_p50_us"].items()))
+    if "b" not in args.skip:
+        results["concurrent"] = []
+        for rows in (int(x) for x in args.rows.split(",")):
+            r = concurrent(rows, args.callers, args.seconds, args.rounds, args.server_arg)
+            results["concurrent"].append(r)
+            m = r["median_steps_per_s"]
+            batch = statistics.median(x["mean_batch_requests"] for x in r["runs"]["batched"])
+            print(f"(b) {r['case']}: batched {m['batched']:.0f} steps/s (mean batch {batch:.1f} requests), "
+                  f"unbatched {m['unbatched']:.0f} steps/s: {r['speedup']:.2f}× (goal ≥ 2× on CPU)")
+    if args.delays:
+        rows = int(args.rows.split(",")[0])
+        results["delay_sweep"] = delay_sweep([int(x) for x in args.delays.split(",")], rows, args.callers,
+                                             args.seconds, args.rounds)
+        for r in results["delay_sweep"]:
+            print(f"(c) --max-delay-us {r['max_delay_us']:5d}: {r['median_steps_per_s']:7.0f} steps/s, "
+                  f"p50 {r['median_p50_us']:.0f} µs, p99 {r['median_p99_us']:.0f} µs, "
+                  f"mean batch {r['median_mean_batch_requests']:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "game-loop", "machine": machine_info(), "commit": commit_info(),
+                       "load_average": {"before": load_before, "after": os.getloadavg()},
+                       "results": results}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

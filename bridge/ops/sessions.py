@@ -1,0 +1,103 @@
+"""Sessions and tensor handles (DESIGN §2): session_open, session_close, session_state, step,
+put, free. What they manage lives in bridge.sessions and bridge.handles; step is batched
+(bridge.batcher)."""
+
+from __future__ import annotations
+
+import kernels
+
+from ..batcher import BatchedOp, Item, charge, row_signature, signature, stack_rows, wire_rows
+from ..errors import OpError
+from ..tensors import to_wire
+from ..timing import now_ns
+
+# Arguments with one row per session row, stacked when steps share a launch.
+ROW_ARGS = ("x", "dt", "B", "C", "z")
+OPTIONAL_ROW_ARGS = ("z",)
+# Arguments every step of a launch must share (same handle or equal values).
+SHARED_ARGS = ("A", "D", "dt_bias")
+OPTIONAL_SHARED_ARGS = ("D", "dt_bias")
+
+
+def session_open(server, call) -> dict:
+    args = call.args
+    session = server.open_session(call.conn, args["batch"], args["dim"], args["state"])
+    return {"session": session.id}
+
+
+def session_close(server, call) -> dict:
+    server.sessions.close(call.conn.id, call.args["session"], "args.session")
+    return {"closed": True}
+
+
+def session_state(server, call) -> dict:
+    session = server.session(call.conn, call.args["session"], "args.session")
+    start = now_ns()
+    state = to_wire(session.read())
+    call.timing.add("d2h", now_ns() - start)
+    return {"state": state}
+
+
+def put(server, call) -> dict:
+    return {"handle": server.put_tensor(call, "tensor")}
+
+
+def free(server, call) -> dict:
+    server.handles.free(call.conn.id, call.args["handle"], "args.handle")
+    return {"freed": True}
+
+
+def check_rows(session, values: dict) -> None:
+    """Every per-row value has the session's batch on its first axis. Checked here, not left to
+    the kernel: in a batched launch, one request's extra row and another's missing row would
+    add up to the right total and shift rows between callers."""
+    for name, value in values.items():
+        if value is not None and (len(value.shape) == 0 or value.shape[0] != session.batch):
+            raise OpError("shape_mismatch",
+                          f"args.{name}: expected {session.batch} rows on the first axis (the session's "
+                          f"batch), got shape {list(value.shape)}",
+                          {"field": f"args.{name}", "expected": f"{session.batch} rows",
+                           "got": list(value.shape)})
+
+
+class StepOp(BatchedOp):
+    """One timestep for every row of a session, its state updated in place in the pool."""
+
+    def prepare(self, server, call) -> Item:
+        args = call.args
+        session = server.session(call.conn, args["session"], "args.session")
+        own = {name: server.tensor_arg(call, name, required=name not in OPTIONAL_ROW_ARGS) for name in ROW_ARGS}
+        shared = {name: server.tensor(call, name, required=name not in OPTIONAL_SHARED_ARGS)
+                  for name in SHARED_ARGS}
+        check_rows(session, own)
+        key = ("step", id(session.pool), session.dim, session.state,
+               *(row_signature(t) for t in own.values()), *(signature(t) for t in shared.values()),
+               bool(args.get("dt_softplus", False)), args.get("dt_min"), args.get("dt_max"))
+        return Item(call, key, session.batch, own, shared, session)
+
+    def run(self, server, items: list[Item]) -> list[dict]:
+        lead = items[0]
+        args = lead.call.args
+        start = now_ns()
+        rows = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
+        slots = stack_rows(server, [item.session.slots for item in items])
+        charge(items, "h2d", now_ns() - start)
+        with server.kernel_timer(*(item.call for item in items)):
+            y = kernels.selective_state_update(
+                lead.session.pool.rows, rows["x"], rows["dt"], lead.shared["A"], rows["B"], rows["C"],
+                D=lead.shared["D"], z=rows["z"], dt_bias=lead.shared["dt_bias"],
+                dt_softplus=bool(args.get("dt_softplus", False)), dt_min=args.get("dt_min"),
+                dt_max=args.get("dt_max"), slots=slots, backend=server.backend)
+        return [{"y": y_rows} for y_rows in wire_rows(y, items)]
+
+
+step = StepOp()
+
+HANDLERS = {
+    "session_open": session_open,
+    "session_close": session_close,
+    "session_state": session_state,
+    "step": step,
+    "put": put,
+    "free": free,
+}

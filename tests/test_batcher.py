@@ -1,0 +1,397 @@
+"""The dynamic batcher: requests that share a launch each get their own rows back, batches keep
+their rules (equal constants, one request per session, at most --max-batch rows, arrival
+order), the wait policy, and stats that add up.
+
+Most tests use the in-process server of test_sessions.py: the worker is parked in a ping while
+requests queue up behind it, so that what it gathers on release is known exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import protocol
+from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, run_batch
+from bridge.client import PortClient
+from bridge.errors import OpError
+from bridge.ops.scan import BATCH_MAX_X_BYTES
+from bridge.sessions import unknown_session
+from bridge.timing import Timing
+from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
+                          make_update_inputs, reference_scan, reference_update)
+from test_sessions import RecordingConnection, inproc, torch_result  # noqa: F401  (inproc: fixture)
+
+SHARED = ("A", "D", "dt_bias")
+
+
+def open_prefilled(srv, conn, batch: int, dim: int, state: int, groups: int = 1) -> str:
+    """A session whose state is a random prefill (so that every session starts different)."""
+    session = srv.call(conn, "session_open", batch=batch, dim=dim, state=state)["session"]
+    srv.call(conn, "scan", session=session, **make_scan_inputs(ScanCase(batch, 3, dim, state, groups)))
+    return session
+
+
+def state_of(srv, conn, session: str) -> torch.Tensor:
+    return srv.call(conn, "session_state", session=session)["state"]
+
+
+def step_inputs(batch: int, dim: int, state: int, shared: dict, options: dict) -> dict:
+    """Fresh random per-row step arguments; the constants are `shared`."""
+    inputs = make_update_inputs(UpdateCase(batch, dim, state, **options))
+    del inputs["state"]
+    inputs.update(shared)
+    return inputs
+
+
+def shared_constants(dim: int, state: int, options: dict) -> dict:
+    base = make_update_inputs(UpdateCase(1, dim, state, **options))
+    return {k: base[k] for k in SHARED if k in base}
+
+
+def check_step(reply: protocol.Reply, inputs: dict, before: torch.Tensor, after: torch.Tensor, what: str):
+    assert reply.ok, reply.error
+    y_ref, state_ref = reference_update({**inputs, "state": before})
+    assert_close(torch_result(reply.result)["y"], y_ref, torch.float32, f"{what} y")
+    assert_close(after, state_ref, torch.float32, f"{what} state", STATE_TOLERANCE)
+
+
+def launches_of(rows: list[int], max_batch: int) -> list[list[int]]:
+    """The launches that consecutive compatible requests make when each launch takes requests
+    until the next one does not fit."""
+    launches = [[]]
+    for r in rows:
+        if launches[-1] and sum(launches[-1]) + r > max_batch:
+            launches.append([])
+        launches[-1].append(r)
+    return launches
+
+
+def expected_batch_rows(rows: list[int], max_batch: int) -> list[int]:
+    """batch_rows each request reports, in arrival order."""
+    return [sum(launch) for launch in launches_of(rows, max_batch) for _ in launch]
+
+
+@dataclass(frozen=True)
+class StepBatchCase:
+    rows: tuple[int, ...]  # each caller's session batch, in arrival order
+    dim: int
+    state: int
+    max_batch: int = 1024
+    groups: int = 1
+    options: tuple = ()  # UpdateCase flags: D, z, dt_bias, dt_softplus, clamp
+    handles: bool = False  # constants uploaded once with put
+
+
+STEP_BATCH_CASES = [
+    pytest.param(StepBatchCase((3, 1, 2, 5, 7), 5, 3), id="odd-sizes-one-launch"),
+    pytest.param(StepBatchCase((3, 1, 2, 5, 7, 4), 6, 4, max_batch=7), id="split-by-max-batch"),
+    pytest.param(StepBatchCase((1,) * 9, 33, 16), id="nine-single-rows"),
+    pytest.param(StepBatchCase((2, 3, 1), 12, 4, groups=2, handles=True,
+                               options=(("D", True), ("z", True), ("dt_bias", True), ("dt_softplus", True),
+                                        ("clamp", True))), id="groups-all-options-handles"),
+]
+
+
+@pytest.mark.parametrize("case", STEP_BATCH_CASES)
+def test_each_caller_gets_its_own_rows(inproc, case):
+    srv = inproc(max_batch=case.max_batch, max_delay_us=0)
+    conn = RecordingConnection()
+    options = dict(case.options, groups=case.groups)
+    shared = shared_constants(case.dim, case.state, options)
+    wire_shared = {k: protocol.HandleRef(srv.call(conn, "put", tensor=v)["handle"]) for k, v in shared.items()} \
+        if case.handles else shared
+    sessions = [open_prefilled(srv, conn, r, case.dim, case.state, case.groups) for r in case.rows]
+    idle = open_prefilled(srv, conn, 2, case.dim, case.state, case.groups)  # in the pool, not stepped
+    idle_before = state_of(srv, conn, idle)
+    before = [state_of(srv, conn, s) for s in sessions]
+    inputs = [step_inputs(r, case.dim, case.state, shared, options) for r in case.rows]
+
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **{**inp, **wire_shared}) for s, inp in zip(sessions, inputs)]
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+
+    assert [r.timing["batch_rows"] for r in replies] == expected_batch_rows(list(case.rows), case.max_batch)
+    for i, (reply, session) in enumerate(zip(replies, sessions)):
+        check_step(reply, inputs[i], before[i], state_of(srv, conn, session), f"caller {i}")
+    assert torch.equal(state_of(srv, conn, idle), idle_before)
+
+
+@pytest.mark.parametrize("pattern,expected", [
+    pytest.param((0, 0, 0, 0), [8, 8, 8, 8], id="equal-values"),
+    pytest.param((0, 1, 0, 1), [2, 2, 2, 2], id="alternating"),
+    pytest.param((0, 0, 1, 1), [4, 4, 4, 4], id="two-runs"),
+])
+def test_only_requests_with_equal_constants_share_a_launch(inproc, pattern, expected):
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    options = {"D": True, "dt_bias": True}
+    constants = [shared_constants(7, 3, options) for _ in range(2)]
+    sessions = [open_prefilled(srv, conn, 2, 7, 3) for _ in pattern]
+    before = [state_of(srv, conn, s) for s in sessions]
+    # Each request carries its own copy of the bytes: equal values, never the same tensor.
+    inputs = [step_inputs(2, 7, 3, {k: v.clone() for k, v in constants[p].items()}, options) for p in pattern]
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **inp) for s, inp in zip(sessions, inputs)]
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert [r.timing["batch_rows"] for r in replies] == expected
+    for i, reply in enumerate(replies):
+        check_step(reply, inputs[i], before[i], state_of(srv, conn, sessions[i]), f"caller {i}")
+
+
+def test_two_steps_of_one_session_are_two_launches_in_order(inproc):
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    shared = shared_constants(6, 4, {})
+    first, other = open_prefilled(srv, conn, 3, 6, 4), open_prefilled(srv, conn, 2, 6, 4)
+    start = state_of(srv, conn, first)
+    a, b, c = step_inputs(3, 6, 4, shared, {}), step_inputs(2, 6, 4, shared, {}), step_inputs(3, 6, 4, shared, {})
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=first, **a), srv.submit(conn, "step", session=other, **b),
+           srv.submit(conn, "step", session=first, **c)]
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert [r.timing["batch_rows"] for r in replies] == [5, 5, 3]
+    _, middle = reference_update({**a, "state": start})
+    check_step(replies[0], a, start, middle.float(), "first step")
+    check_step(replies[2], c, middle.float(), state_of(srv, conn, first), "second step")
+
+
+def test_a_bad_request_or_another_op_does_not_spoil_the_batch(inproc):
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    shared = shared_constants(5, 3, {})
+    sessions = [open_prefilled(srv, conn, r, 5, 3) for r in (2, 3, 1, 4)]
+    before = [state_of(srv, conn, s) for s in sessions]
+    inputs = [step_inputs(r, 5, 3, shared, {}) for r in (2, 3, 1, 4)]
+    bad = {**inputs[1], "x": inputs[1]["x"][:2]}
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=sessions[0], **inputs[0]),
+           srv.submit(conn, "step", session=sessions[1], **bad),
+           srv.submit(conn, "step", session=sessions[2], **inputs[2]),
+           srv.submit(conn, "session_state", session=sessions[0]),
+           srv.submit(conn, "step", session=sessions[3], **inputs[3])]
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert replies[1].error["code"] == "shape_mismatch" and replies[1].error["detail"]["field"] == "args.x"
+    assert [replies[i].timing["batch_rows"] for i in (0, 2, 4)] == [3, 3, 4]
+    # session_state was queued after the first batch and ran after it.
+    after_first = torch_result(replies[3].result)["state"]
+    check_step(replies[0], inputs[0], before[0], after_first, "caller 0")
+    check_step(replies[2], inputs[2], before[2], state_of(srv, conn, sessions[2]), "caller 2")
+    check_step(replies[4], inputs[3], before[3], state_of(srv, conn, sessions[3]), "caller 3")
+    assert torch.equal(state_of(srv, conn, sessions[1]), before[1])
+
+
+def test_no_batching_with_max_batch_one(inproc):
+    srv = inproc(max_batch=1, max_delay_us=0)
+    conn = RecordingConnection()
+    shared = shared_constants(4, 2, {})
+    sessions = [open_prefilled(srv, conn, r, 4, 2) for r in (1, 3, 1)]
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **step_inputs(r, 4, 2, shared, {}))
+           for s, r in zip(sessions, (1, 3, 1))]
+    srv.go()
+    assert [conn.reply(i).timing["batch_rows"] for i in ids] == [1, 3, 1]
+    step = srv.call(conn, "stats")["ops"]["step"]
+    assert step["execution_count"] == step["inference_count"] == 3
+
+
+def test_stats_add_up(inproc):
+    srv = inproc(max_batch=6, max_delay_us=0)
+    conn = RecordingConnection()
+    shared = shared_constants(5, 3, {})
+    rows = (2, 1, 3, 2, 5, 1, 1)
+    sessions = [open_prefilled(srv, conn, r, 5, 3) for r in rows]
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **step_inputs(r, 5, 3, shared, {})) for s, r in zip(sessions, rows)]
+    ids.append(srv.submit(conn, "step", session="no-such-session", **step_inputs(1, 5, 3, shared, {})))
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    ok = [(r, rows[i]) for i, r in enumerate(replies) if r.ok]
+    launches = sum(own / reply.timing["batch_rows"] for reply, own in ok)
+    step = srv.call(conn, "stats")["ops"]["step"]
+    assert step["inference_count"] == len(ids) == step["success_count"] + step["failure_count"]
+    assert step["failure_count"] == 1
+    assert abs(launches - round(launches)) < 1e-9
+    assert step["execution_count"] == round(launches) == len(launches_of(list(rows), 6)) == 4
+    assert step["kernel_us"] > 0 and step["queue_us"] > 0
+
+
+def test_scans_of_equal_shapes_share_a_launch(inproc):
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    dim, state, seq = 6, 4, 5
+    case = ScanCase(1, seq, dim, state, D=True)
+    constants = make_scan_inputs(case)
+    shared = {k: constants[k] for k in ("A", "D")}
+
+    def inputs(batch, h0=False):
+        fresh = make_scan_inputs(ScanCase(batch, seq, dim, state, D=True, h0=h0))
+        return {**fresh, **shared}
+
+    plain = [inputs(2), {**inputs(3), "return_state": False}]
+    session = open_prefilled(srv, conn, 1, dim, state)
+    session_start = state_of(srv, conn, session)
+    prefill, with_h0 = inputs(1), inputs(4, h0=True)
+    srv.hold(conn)
+    ids = [srv.submit(conn, "scan", **plain[0]), srv.submit(conn, "scan", **plain[1]),
+           srv.submit(conn, "scan", session=session, **{k: v for k, v in prefill.items() if k != "return_state"}),
+           srv.submit(conn, "scan", **with_h0)]
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert [r.timing["batch_rows"] for r in replies] == [5, 5, 5, 5]  # no h0 | initial state given
+    for what, reply, inp in (("plain 0", replies[0], plain[0]), ("plain 1", replies[1], plain[1]),
+                             ("h0", replies[3], with_h0)):
+        y_ref, state_ref = reference_scan(inp)
+        result = torch_result(reply.result)
+        assert_close(result["y"], y_ref, torch.float32, f"{what} y")
+        if inp.get("return_state"):
+            assert_close(result["state"], state_ref, torch.float32, f"{what} state", STATE_TOLERANCE)
+        else:
+            assert "state" not in result
+    y_ref, state_ref = reference_scan({**prefill, "h0": session_start})
+    assert_close(torch_result(replies[2].result)["y"], y_ref, torch.float32, "session y")
+    assert_close(state_of(srv, conn, session), state_ref, torch.float32, "session state", STATE_TOLERANCE)
+
+
+def test_big_scans_run_alone(inproc):
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    dim, state = 64, 2
+    seq = BATCH_MAX_X_BYTES // (4 * dim) + 1  # one row of x is just over the cap
+    shared = make_scan_inputs(ScanCase(1, 1, dim, state))
+    scans = [{**make_scan_inputs(ScanCase(1, seq, dim, state)), "A": shared["A"]} for _ in range(2)]
+    srv.hold(conn)
+    ids = [srv.submit(conn, "scan", **s) for s in scans]
+    srv.go()
+    for i, s in zip(ids, scans):
+        reply = conn.reply(i)
+        assert reply.timing["batch_rows"] == 1
+        assert_close(torch_result(reply.result)["y"], reference_scan(s)[0], torch.float32, "y")
+
+
+# -- the wait policy --------------------------------------------------------------------------
+
+
+@dataclass
+class FakeCall:
+    enqueued_ns: int
+    timing: Timing
+    executions: int = 1
+
+
+def fake_item(key, rows=1, enqueued_ns=0, session=None) -> Item:
+    return Item(FakeCall(enqueued_ns, Timing(0)), key, rows, {}, {}, session)
+
+
+def test_policy_waits_only_for_expected_company():
+    policy = BatchPolicy(max_delay_us=500, max_batch=64)
+    lone = Batch(fake_item(("k",), enqueued_ns=1_000))
+    assert policy.wait_s(lone, 1_100) is None  # nobody came together before: no wait
+    pair = Batch(fake_item(("k",), enqueued_ns=1_000))
+    pair.add(fake_item(("k",), enqueued_ns=1_050))
+    policy.observe(pair, 2_000)
+    alone_again = Batch(fake_item(("k",), enqueued_ns=10_000))
+    assert policy.wait_s(alone_again, 10_100) == pytest.approx(499_900e-9)  # until 500 µs after arrival
+    assert policy.wait_s(alone_again, 10_000 + 500_000) is None  # the window is over
+    assert policy.wait_s(Batch(fake_item(("other",), enqueued_ns=10_000)), 10_100) is None  # per key
+    later = 2_000 + 1_000_000_001  # a second after the pair: forgotten
+    assert policy.wait_s(Batch(fake_item(("k",), enqueued_ns=later)), later + 100) is None
+    assert BatchPolicy(max_delay_us=0, max_batch=64).wait_s(alone_again, 10_100) is None
+
+
+def test_a_lone_caller_never_waits_and_company_is_waited_for(inproc):
+    delay_us = 300_000
+    srv = inproc(max_delay_us=delay_us)
+    conn = RecordingConnection()
+    shared = shared_constants(4, 2, {})
+    a, b = open_prefilled(srv, conn, 1, 4, 2), open_prefilled(srv, conn, 1, 4, 2)
+    for _ in range(3):
+        reply = srv.request(conn, "step", session=a, **step_inputs(1, 4, 2, shared, {}))
+        assert reply.ok and reply.timing["queue_us"] < delay_us / 3
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 4, 2, shared, {})) for s in (a, b)]
+    srv.go()
+    assert [conn.reply(i).timing["batch_rows"] for i in ids] == [2, 2]
+    # Two came together a moment ago: one alone now waits for the other, up to the delay.
+    reply = srv.request(conn, "step", session=a, **step_inputs(1, 4, 2, shared, {}))
+    assert reply.ok and reply.timing["queue_us"] >= 0.9 * delay_us and reply.timing["batch_rows"] == 1
+
+
+class RecordingOp(BatchedOp):
+    """Records the launches it is given."""
+
+    def __init__(self):
+        self.launches = []
+
+    def prepare(self, server, call):
+        raise NotImplementedError("items are made by the test")
+
+    def run(self, server, items):
+        self.launches.append(list(items))
+        return [{"rows": item.rows} for item in items]
+
+
+def test_members_whose_session_closed_while_waiting_are_left_out():
+    class FakeSession:
+        def __init__(self, closed):
+            self.id, self.closed = f"s-{closed}", closed
+
+    op = RecordingOp()
+    items = [fake_item(("k",), 2, session=FakeSession(False)), fake_item(("k",), 3, session=FakeSession(True)),
+             fake_item(("k",), 1, session=FakeSession(False))]
+    outcomes = dict((id(item), outcome) for item, outcome in run_batch(None, op, items))
+    assert [len(launch) for launch in op.launches] == [2]
+    assert outcomes[id(items[0])] == {"rows": 2} and outcomes[id(items[2])] == {"rows": 1}
+    closed = outcomes[id(items[1])]
+    assert isinstance(closed, OpError) and closed.code == "unknown_session"
+    assert str(closed) == str(unknown_session("s-True", "args.session"))
+    assert items[0].call.timing.extra["batch_rows"] == items[2].call.timing.extra["batch_rows"] == 3
+
+
+# -- real concurrency through a subprocess ---------------------------------------------------
+
+
+def test_concurrent_callers_over_stdio_each_get_their_rows():
+    callers, steps, dim, state = 8, 12, 16, 4
+    shared = shared_constants(dim, state, {"D": True})
+    with PortClient(["--device", "cpu", "--max-delay-us", "5000"], as_torch=True) as client:
+        handles = {k: client.put(v) for k, v in shared.items()}
+        sessions = [client.open_session(1 + i % 3, dim, state) for i in range(callers)]
+        failures, batch_rows = [], []
+        start = threading.Barrier(callers)
+
+        def caller(i):
+            rows = 1 + i % 3
+            state_ref = torch.zeros(rows, dim, state, dtype=torch.float64)
+            start.wait()
+            for t in range(steps):
+                inputs = step_inputs(rows, dim, state, shared, {"D": True})
+                reply = client.step(sessions[i], **{**inputs, **handles})
+                if not reply.ok:
+                    failures.append((i, t, reply.error))
+                    return
+                batch_rows.append((rows, reply.timing["batch_rows"]))
+                y_ref, state_ref = reference_update({**inputs, "state": state_ref})
+                try:
+                    assert_close(reply.result["y"], y_ref, torch.float32, f"caller {i} step {t}")
+                except AssertionError as exc:
+                    failures.append((i, t, str(exc)))
+                    return
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not failures, failures[:3]
+        assert len(batch_rows) == callers * steps
+        stats = client.stats()["ops"]["step"]
+        assert stats["execution_count"] == round(sum(own / total for own, total in batch_rows))
+        assert max(total for _, total in batch_rows) > 3  # some launch took rows of several callers

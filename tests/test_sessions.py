@@ -1,0 +1,450 @@
+"""Sessions and tensor handles: prefill + steps against one reference scan, ownership per
+connection, limits, and what closing a session or a connection frees.
+
+End-to-end tests speak to a real subprocess (stdio: one connection per process). Tests that need
+two connections on one server use `InProcessServer`: a Server and Dispatcher in this process,
+spoken to through `RecordingConnection`s (also used by test_batcher.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import protocol
+from bridge.client import BridgeError, PortClient, from_wire, to_wire
+from bridge.device import choose_device
+from bridge.dispatcher import Dispatcher
+from bridge.ops import HANDLERS, LEGACY_HANDLERS
+from bridge.server import Server, ServerConfig
+from bridge.timing import now_ns
+from bridge.transports.base import Connection
+from kernel_cases import (STATE_TOLERANCE, ScanCase, assert_close, make_scan_inputs,
+                          reference_scan)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# -- in-process harness ---------------------------------------------------------------------
+
+
+class RecordingConnection(Connection):
+    """A connection whose replies are decoded and kept until asked for by id."""
+
+    def __init__(self):
+        super().__init__("test")
+        self._replies: dict = {}
+        self._arrived = threading.Condition()
+
+    def send(self, parts: list) -> int:
+        body = b"".join(parts)
+        reply = protocol.decode_reply(body)
+        with self._arrived:
+            self._replies[reply.id] = reply
+            self._arrived.notify_all()
+        return len(body)
+
+    def reply(self, request_id, timeout: float = 60.0) -> protocol.Reply:
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: request_id in self._replies, timeout):
+                raise TimeoutError(f"no reply to request {request_id}")
+            return self._replies.pop(request_id)
+
+
+def torch_result(value):
+    """A decoded reply's result with its tensors as torch tensors that own their memory."""
+    if isinstance(value, protocol.WireTensor):
+        return from_wire(value, as_torch=True)
+    if isinstance(value, dict):
+        return {k: torch_result(v) for k, v in value.items()}
+    return value
+
+
+class InProcessServer:
+    """A CPU Server and its Dispatcher in this process. `hold()` parks the worker inside a ping
+    so that requests queue up behind it; `go()` lets it on, and it gathers what is queued."""
+
+    def __init__(self, **config):
+        self.server = Server(ServerConfig(device="cpu", **config), choose_device("cpu"))
+        self._gate = threading.Event()
+        self._gate.set()
+        self._parked = threading.Event()
+        self._held_ping = None
+        self.dispatcher = Dispatcher(self.server, {**HANDLERS, "ping": self._gated_ping}, LEGACY_HANDLERS)
+        self.dispatcher.start()
+        self._ids = itertools.count(1)
+
+    def _gated_ping(self, server, call) -> dict:
+        self._parked.set()
+        if not self._gate.wait(60):
+            raise TimeoutError("the test never let the worker go on")
+        return {"pong": True}
+
+    def hold(self, conn: RecordingConnection) -> None:
+        self._gate.clear()
+        self._parked.clear()
+        self._held_ping = (conn, self.submit(conn, "ping"))
+        if not self._parked.wait(60):
+            raise TimeoutError("the worker did not reach the held ping")
+
+    def go(self) -> None:
+        self._gate.set()
+        conn, request_id = self._held_ping
+        assert conn.reply(request_id).ok
+
+    def submit(self, conn: RecordingConnection, op: str, **args) -> int:
+        request_id = next(self._ids)
+        body = b"".join(protocol.encode_request(request_id, op, {k: to_wire(v) for k, v in args.items()}))
+        self.dispatcher.on_frame(conn, bytearray(body), now_ns())
+        return request_id
+
+    def request(self, conn: RecordingConnection, op: str, **args) -> protocol.Reply:
+        return conn.reply(self.submit(conn, op, **args))
+
+    def call(self, conn: RecordingConnection, op: str, **args) -> dict:
+        reply = self.request(conn, op, **args)
+        if not reply.ok:
+            raise BridgeError(reply.error["code"], reply.error["message"], reply.error["detail"])
+        return torch_result(reply.result)
+
+    def close(self) -> None:
+        self._gate.set()
+        self.dispatcher.stop()
+
+
+@pytest.fixture
+def inproc():
+    servers = []
+
+    def make(**config) -> InProcessServer:
+        servers.append(InProcessServer(**config))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+# -- prefill by scan, then steps: one reference scan over the whole sequence -------------------
+
+
+def time_axis(layout: str) -> int:
+    # bld: x [b, l, d], B [b, l, (g,) n]; bdl: x [b, d, l], B [b, (g,) n, l].
+    return 1 if layout == "bld" else -1
+
+
+PER_TIMESTEP = ("x", "dt", "z", "B", "C")
+CONSTANTS = ("A", "D", "dt_bias", "dt_softplus", "dt_min", "dt_max")
+
+
+def window(inputs: dict, start: int, length: int) -> dict:
+    axis = time_axis(inputs["layout"])
+    args = {k: inputs[k].narrow(axis, start, length) for k in PER_TIMESTEP if k in inputs}
+    args.update({k: inputs[k] for k in CONSTANTS if k in inputs})
+    args["layout"] = inputs["layout"]
+    return args
+
+
+def timestep(inputs: dict, t: int) -> dict:
+    """Step arguments for timestep t: x, dt, z [batch, dim]; B, C [batch, (groups,) state]."""
+    axis = time_axis(inputs["layout"])
+    args = {k: inputs[k].select(axis, t) for k in PER_TIMESTEP if k in inputs}
+    args.update({k: inputs[k] for k in CONSTANTS if k in inputs})
+    return args
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    scan: ScanCase  # the whole sequence
+    prefill: int  # timesteps given to the prefilling scan (0: steps only)
+    handles: bool = False  # A, D, dt_bias uploaded once with put
+
+
+PREFILL_CASES = [
+    pytest.param(PrefillCase(ScanCase(3, 11, 5, 3), 6), id="odd-bld"),
+    pytest.param(PrefillCase(ScanCase(2, 9, 12, 4, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
+                                      clamp=True), 4), id="groups-all-options"),
+    pytest.param(PrefillCase(ScanCase(3, 8, 7, 5, layout="bdl", D=True, z=True), 5), id="bdl-prefill"),
+    pytest.param(PrefillCase(ScanCase(1, 5, 6, 2, bc_3d=True), 0), id="steps-only"),
+    pytest.param(PrefillCase(ScanCase(2, 7, 6, 5, D=True, dt_bias=True, dt_softplus=True), 3, handles=True),
+                 id="constants-as-handles"),
+]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with PortClient(["--device", "cpu"], as_torch=True) as c:
+        yield c
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_then_steps_equal_one_scan(client, case):
+    s = case.scan
+    inputs = make_scan_inputs(s)
+    y_ref, state_ref = reference_scan(inputs)
+    axis = time_axis(s.layout)
+    if case.handles:
+        for name in ("A", "D", "dt_bias"):
+            if name in inputs:
+                inputs[name] = client.put(inputs[name])
+    session = client.open_session(s.batch, s.dim, s.state)
+    if case.prefill:
+        y = client.scan(**window(inputs, 0, case.prefill), session=session).unwrap()["y"]
+        assert_close(y, y_ref.narrow(axis, 0, case.prefill), torch.float32, "prefill y")
+    for t in range(case.prefill, s.seq):
+        y = client.step(session, **timestep(inputs, t)).unwrap()["y"]
+        assert_close(y, y_ref.select(axis, t), torch.float32, f"step {t} y")
+    assert_close(client.session_state(session), state_ref, torch.float32, "state", STATE_TOLERANCE)
+    client.close_session(session)
+
+
+def test_prefill_returns_the_state_it_keeps(client):
+    s = ScanCase(2, 6, 5, 3, D=True)
+    inputs = make_scan_inputs(s)
+    _, state_ref = reference_scan(inputs)
+    session = client.open_session(2, 5, 3)
+    result = client.scan(**window(inputs, 0, 6), session=session, return_state=True).unwrap()
+    assert_close(result["state"], state_ref, torch.float32, "returned state", STATE_TOLERANCE)
+    assert torch.equal(client.session_state(session), result["state"])
+    client.close_session(session)
+
+
+def test_a_new_session_starts_from_zero(client):
+    session = client.open_session(3, 4, 2)
+    state = client.session_state(session)
+    assert state.dtype == torch.float32 and tuple(state.shape) == (3, 4, 2)
+    assert not state.any()
+    client.close_session(session)
+
+
+def test_sessions_do_not_share_state(client):
+    s = ScanCase(2, 4, 6, 3)
+    first, second = make_scan_inputs(s), make_scan_inputs(s)
+    a, b = client.open_session(2, 6, 3), client.open_session(2, 6, 3)
+    client.scan(**window(first, 0, 4), session=a).unwrap()
+    client.scan(**window(second, 0, 4), session=b).unwrap()
+    assert_close(client.session_state(a), reference_scan(first)[1], torch.float32, "a", STATE_TOLERANCE)
+    assert_close(client.session_state(b), reference_scan(second)[1], torch.float32, "b", STATE_TOLERANCE)
+    client.close_session(a)
+    client.close_session(b)
+
+
+def test_sessions_keep_their_state_while_the_pool_grows(client):
+    inputs = make_scan_inputs(ScanCase(3, 4, 7, 5))
+    session = client.open_session(3, 7, 5)
+    client.scan(**window(inputs, 0, 4), session=session).unwrap()
+    before = client.session_state(session)
+    others = [client.open_session(b, 7, 5) for b in (1, 2, 5, 9, 17, 33)]  # several doublings
+    pool = next(p for p in client.stats()["sessions"]["pools"] if (p["dim"], p["state"]) == (7, 5))
+    assert pool["rows_in_use"] == 3 + 1 + 2 + 5 + 9 + 17 + 33
+    assert torch.equal(client.session_state(session), before)
+    for other in others + [session]:
+        client.close_session(other)
+
+
+def test_a_closed_session_is_gone(client):
+    inputs = make_scan_inputs(ScanCase(2, 1, 4, 3))
+    session = client.open_session(2, 4, 3)
+    client.step(session, **timestep(inputs, 0)).unwrap()
+    client.close_session(session)
+    for op, args in [("step", timestep(inputs, 0)), ("session_state", {}), ("session_close", {}),
+                     ("scan", window(inputs, 0, 1))]:
+        reply = client.request(op, {**args, "session": session})
+        assert not reply.ok and reply.error["code"] == "unknown_session", (op, reply.error)
+        assert reply.error["detail"] == {"field": "args.session", "session": session}
+
+
+def test_freed_handle_is_gone(client):
+    inputs = make_scan_inputs(ScanCase(2, 3, 4, 3))
+    handle = client.put(inputs["A"])
+    assert client.stats()["handles"]["handles"] >= 1
+    client.scan(**{**window(inputs, 0, 3), "A": handle}).unwrap()
+    client.free(handle)
+    reply = client.scan(**{**window(inputs, 0, 3), "A": handle})
+    assert reply.error["code"] == "unknown_handle" and reply.error["detail"]["field"] == "args.A"
+    assert client.request("free", {"handle": handle.handle}).error["code"] == "unknown_handle"
+
+
+def test_put_copies_the_tensor(client):
+    """The frame a put arrives in is reused for later requests: the handle must own its bytes."""
+    s = ScanCase(2, 3, 4, 3)
+    inputs = make_scan_inputs(s)
+    handle = client.put(inputs["A"])
+    for _ in range(3):  # later frames of the same size land in the pooled buffer
+        client.put(-inputs["A"] * 7)
+    y = client.scan(**{**window(inputs, 0, 3), "A": handle}).unwrap()["y"]
+    assert_close(y, reference_scan(inputs)[0], torch.float32, "y")
+
+
+def step_error_cases():
+    inputs = make_scan_inputs(ScanCase(3, 2, 5, 4))
+    good = timestep(inputs, 0)
+    wrong_rows = {**good, "x": good["x"][:2]}
+    wrong_b_rows = {**good, "B": good["B"][:1]}
+    return [
+        pytest.param("step", wrong_rows, "shape_mismatch", "args.x", id="step-x-rows"),
+        pytest.param("step", wrong_b_rows, "shape_mismatch", "args.B", id="step-B-rows"),
+        pytest.param("step", {**good, "x": torch.rand(3, 6) + 0.5, "dt": torch.rand(3, 6) + 0.5},
+                     "shape_mismatch", "args.x", id="step-x-dim"),
+        pytest.param("scan", {**window(inputs, 0, 2), "x": inputs["x"][:2, :2], "dt": inputs["dt"][:2, :2]},
+                     "shape_mismatch", "args.x", id="scan-x-rows"),
+        pytest.param("scan", {**window(inputs, 0, 2), "A": -torch.rand(5, 3) - 0.1},
+                     "shape_mismatch", "args.A", id="scan-A-state"),
+        pytest.param("scan", {**window(inputs, 0, 2), "h0": torch.rand(3, 5, 4) + 0.5},
+                     "invalid_argument", "args.h0", id="scan-h0-and-session"),
+        pytest.param("step", {**good, "A": protocol.HandleRef("no-such-handle")}, "unknown_handle", "args.A",
+                     id="step-unknown-handle"),
+    ]
+
+
+@pytest.mark.parametrize("op,args,code,field", step_error_cases())
+def test_bad_session_requests_name_the_field(client, op, args, code, field):
+    session = client.open_session(3, 5, 4)
+    reply = client.request(op, {**args, "session": session})
+    assert not reply.ok and reply.error["code"] == code, reply.error
+    assert reply.error["detail"]["field"] == field, reply.error
+    assert not client.session_state(session).any()  # a refused request leaves the state alone
+    client.close_session(session)
+
+
+# -- ownership: two connections on one server ------------------------------------------------
+
+
+def test_connections_cannot_see_each_others_sessions_or_handles(inproc):
+    srv = inproc()
+    alice, bob = RecordingConnection(), RecordingConnection()
+    inputs = make_scan_inputs(ScanCase(2, 1, 4, 3))
+    session = srv.call(alice, "session_open", batch=2, dim=4, state=3)["session"]
+    handle = srv.call(alice, "put", tensor=inputs["A"])["handle"]
+    step = timestep(inputs, 0)
+    for op, args, code in [
+        ("step", {**step, "session": session}, "unknown_session"),
+        ("session_state", {"session": session}, "unknown_session"),
+        ("session_close", {"session": session}, "unknown_session"),
+        ("scan", {**window(inputs, 0, 1), "session": session}, "unknown_session"),
+        ("scan", {**window(inputs, 0, 1), "A": protocol.HandleRef(handle)}, "unknown_handle"),
+        ("free", {"handle": handle}, "unknown_handle"),
+    ]:
+        reply = srv.request(bob, op, **args)
+        assert not reply.ok and reply.error["code"] == code, (op, reply.error)
+    # The same error as for a name never issued: another connection's ids reveal nothing.
+    never = srv.request(bob, "session_state", session="never-issued").error
+    theirs = srv.request(bob, "session_state", session=session).error
+    assert never["message"].replace("never-issued", session) == theirs["message"]
+    # Alice's are untouched by Bob's attempts.
+    y = srv.call(alice, "step", **{**step, "A": protocol.HandleRef(handle)}, session=session)["y"]
+    assert tuple(y.shape) == (2, 4)
+    srv.call(alice, "free", handle=handle)
+    srv.call(alice, "session_close", session=session)
+
+
+def test_closing_a_connection_frees_what_it_owns(inproc):
+    srv = inproc()
+    alice, bob = RecordingConnection(), RecordingConnection()
+    for conn in (alice, bob):
+        srv.call(conn, "session_open", batch=3, dim=4, state=2)
+        srv.call(conn, "put", tensor=torch.rand(5) + 0.5)
+    bobs = srv.call(bob, "session_open", batch=1, dim=4, state=2)["session"]
+    assert srv.server.sessions.usage()["sessions"] == 3
+    alice.mark_closed()
+    assert srv.server.sessions.usage()["sessions"] == 2
+    assert srv.server.handles.usage()["handles"] == 1
+    assert srv.call(bob, "session_state", session=bobs)["state"].shape == (1, 4, 2)
+    bob.mark_closed()
+    usage = srv.server.sessions.usage()
+    assert (usage["sessions"], usage["pool_bytes"], usage["pools"]) == (0, 0, [])
+    assert srv.server.handles.usage()["handle_bytes"] == 0
+
+
+def test_what_a_closed_connection_opens_is_freed_at_once(inproc):
+    srv = inproc()
+    conn = RecordingConnection()
+    srv.call(conn, "session_open", batch=1, dim=2, state=2)
+    conn.mark_closed()
+    srv.call(conn, "session_open", batch=1, dim=2, state=2)  # its reply goes nowhere real
+    srv.call(conn, "put", tensor=torch.rand(3) + 0.5)
+    assert srv.server.sessions.usage()["sessions"] == 0
+    assert srv.server.handles.usage()["handles"] == 0
+
+
+# -- limits ----------------------------------------------------------------------------------
+
+
+def expect_limit(srv, conn, op, limit, **args) -> dict:
+    reply = srv.request(conn, op, **args)
+    assert not reply.ok and reply.error["code"] == "limit_exceeded", reply.error
+    assert reply.error["detail"]["limit"] == limit
+    return reply.error
+
+
+def test_session_count_limit(inproc):
+    srv = inproc(max_sessions=2)
+    conn = RecordingConnection()
+    first = srv.call(conn, "session_open", batch=1, dim=3, state=2)["session"]
+    srv.call(conn, "session_open", batch=1, dim=5, state=2)
+    error = expect_limit(srv, conn, "session_open", "max_sessions", batch=1, dim=3, state=2)
+    assert "--max-sessions" in error["message"]
+    srv.call(conn, "session_close", session=first)
+    srv.call(conn, "session_open", batch=1, dim=3, state=2)
+
+
+def test_pool_bytes_limit(inproc):
+    row = 5 * 4 * 4  # one [dim 5, state 4] fp32 row
+    srv = inproc(max_pool_bytes=10 * row)
+    conn = RecordingConnection()
+    six = srv.call(conn, "session_open", batch=6, dim=5, state=4)["session"]
+    error = expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=5, dim=5, state=4)
+    assert error["detail"]["requested"] == 5 * row and error["detail"]["max"] == 10 * row
+    srv.call(conn, "session_open", batch=4, dim=5, state=4)  # exactly fills the budget
+    expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=1, dim=1, state=1)
+    srv.call(conn, "session_close", session=six)
+    srv.call(conn, "session_open", batch=6, dim=5, state=4)  # its rows are free again
+    assert srv.server.sessions.usage()["pool_bytes"] == 10 * row
+
+
+def test_huge_session_is_refused_before_allocating(inproc):
+    srv = inproc()
+    conn = RecordingConnection()
+    expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=2**40, dim=2**20, state=2**10)
+    assert srv.server.sessions.usage()["pool_bytes"] == 0
+
+
+def test_handle_limits(inproc):
+    srv = inproc(max_handles=2, max_handle_bytes=100)
+    conn = RecordingConnection()
+    first = srv.call(conn, "put", tensor=torch.rand(20) + 0.5)["handle"]  # 80 bytes
+    error = expect_limit(srv, conn, "put", "max_handle_bytes", tensor=torch.rand(6) + 0.5)
+    assert error["detail"] == {"limit": "max_handle_bytes", "max": 100, "in_use": 80, "requested": 24}
+    srv.call(conn, "put", tensor=torch.rand(5) + 0.5)
+    expect_limit(srv, conn, "put", "max_handles", tensor=torch.rand(1) + 0.5)
+    srv.call(conn, "free", handle=first)
+    srv.call(conn, "put", tensor=torch.rand(20) + 0.5)
+
+
+def test_limit_flags_reach_the_server():
+    with PortClient(["--device", "cpu", "--max-sessions", "1", "--max-handles", "0"]) as c:
+        c.open_session(1, 2, 2)
+        with pytest.raises(BridgeError) as raised:
+            c.open_session(1, 2, 2)
+        assert raised.value.code == "limit_exceeded"
+        with pytest.raises(BridgeError) as raised:
+            c.put(torch.rand(2) + 0.5)
+        assert raised.value.detail["limit"] == "max_handles"
+
+
+@pytest.mark.parametrize("flag,value", [
+    pytest.param("--max-batch", "0", id="max-batch-zero"),
+    pytest.param("--max-delay-us", "-5", id="negative-delay"),
+    pytest.param("--max-sessions", "many", id="not-an-int"),
+])
+def test_bad_limit_flags_are_refused(flag, value):
+    proc = subprocess.run([sys.executable, "-m", "bridge", flag, value], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL, cwd=ROOT)
+    assert proc.returncode == 2
+    assert flag in proc.stderr and value in proc.stderr
