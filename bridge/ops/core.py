@@ -50,8 +50,9 @@ def info(server, call) -> dict:
             "compiled": list(server.compiled),
         },
         "transports": list(server.transports),
-        "limits": {"max_frame_size": server.config.max_frame_size,
-                   "max_pending": server.config.max_pending},
+        "limits": {name: getattr(server.config, name) for name in (
+            "max_frame_size", "max_pending", "max_delay_us", "max_batch", "max_sessions",
+            "max_pool_bytes", "max_handles", "max_handle_bytes")},
         "pid": os.getpid(),
         "platform": sys.platform,
     }
