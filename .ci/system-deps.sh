@@ -9,6 +9,9 @@ set -euo pipefail
 PACKAGES=(
   "gcc  gcc"
   "elixir  mix"
+  "make  make"
+  "libzmq3-dev  /usr/include/zmq.h"
+  "libmsgpack-dev  /usr/include/msgpack.h"
 )
 
 missing=()

@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import time
 
 import numpy as np
 
 import protocol
 from bridge.client import PortClient, to_wire
-from bridge.transports.stdio import read_exact, write_all
 
+from .floors import open_floor
 from .machine import commit_info, machine_info
-from .pipe_echo import build_pipe_echo
 
 EXPHIL = {"batch": 32, "seq": 60, "dim": 512, "state": 16}
 
@@ -40,28 +37,6 @@ def exphil_inputs(seed: int = 0) -> dict:
         "B": rng.standard_normal((b, l, n), dtype=np.float32),
         "C": rng.standard_normal((b, l, n), dtype=np.float32),
     }
-
-
-class EchoLane:
-    """A Port-style pipe pair to the C echo; sends pre-framed bytes, reads one reply frame."""
-
-    def __init__(self, reply_bytes: int):
-        self.proc = subprocess.Popen([build_pipe_echo(), str(reply_bytes)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, bufsize=0)
-        self.header = memoryview(bytearray(4))
-        self.body = memoryview(bytearray(reply_bytes))
-
-    def round_trip_us(self, framed_parts: list) -> float:
-        start = time.perf_counter_ns()
-        write_all(self.proc.stdin.fileno(), framed_parts)
-        read_exact(self.proc.stdout, self.header)
-        n = protocol.parse_frame_header(self.header)
-        read_exact(self.proc.stdout, self.body[:n])
-        return (time.perf_counter_ns() - start) / 1000.0
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait(5)
 
 
 def summarize(values: list[float]) -> dict:
@@ -79,7 +54,7 @@ def run(iterations: int, server_args: list[str]) -> dict:
         request_parts = protocol.frame_parts(
             protocol.encode_request(1, "scan", {k: to_wire(v) for k, v in inputs.items()}))
         request_frame = sum(len(memoryview(p).cast("B")) for p in request_parts)
-        echo = EchoLane(reply_frame - 4)
+        echo = open_floor("stdio", [reply_frame - protocol.framing.HEADER_SIZE])
         rows = {"round_trip": [], "bridge_cost": [], "echo": [], "ipc": []}
         stages = {}
         for i in range(iterations + 3):

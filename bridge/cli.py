@@ -1,5 +1,6 @@
 """`python -m bridge`: serve the scan over stdio (BEAM Port mode) until stdin closes,
-SIGTERM, or a `shutdown` request."""
+SIGTERM, or a `shutdown` request; or over unix sockets and ZeroMQ (--unix, --zmq; with --stdio
+as well) until SIGTERM or `shutdown`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import time
 # Drain budget after EOF/SIGTERM: in-flight requests get this long to be answered so that the
 # process is gone within 1 s.
 DRAIN_SECONDS = 0.8
+# How often the main thread looks for a stop condition (signal, EOF, shutdown op).
+STOP_POLL_SECONDS = 0.02
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +32,98 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=4096,
                    help="requests in flight before new ones are answered with overloaded")
     p.add_argument("--log-level", default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"))
+
+    # Batching and residency defaults live in ServerConfig; importing it loads torch, which
+    # main() loads right after parsing anyway.
+    from .server import ServerConfig
+
+    defaults = ServerConfig()
+    p.add_argument("--max-delay-us", type=_count, default=defaults.max_delay_us,
+                   help="how long a batch of step/scan requests may wait for more after its first "
+                        "arrived, in microseconds; it waits only for as many as recently came together "
+                        "(0: never wait; what is already queued is still batched)")
+    p.add_argument("--max-batch", type=_positive, default=defaults.max_batch,
+                   help="most rows one batched kernel launch takes (1: no batching)")
+    p.add_argument("--max-sessions", type=_count, default=defaults.max_sessions,
+                   help="sessions open at once, over all connections")
+    p.add_argument("--max-pool-bytes", type=_count, default=defaults.max_pool_bytes,
+                   help="device bytes of session state pools")
+    p.add_argument("--max-handles", type=_count, default=defaults.max_handles,
+                   help="tensor handles held at once, over all connections")
+    p.add_argument("--max-handle-bytes", type=_count, default=defaults.max_handle_bytes,
+                   help="device bytes of tensors held as handles")
+
+    # Transports, any combination, one dispatcher. Without --zmq/--unix the server speaks stdio;
+    # with them it does not read stdin (unless --stdio) and runs until SIGTERM or `shutdown`.
+    p.add_argument("--stdio", action="store_true",
+                   help="serve stdio (the BEAM Port lane) beside --zmq/--unix, and stop when stdin closes, "
+                        "as a Port server does; the default when neither is given")
+    p.add_argument("--zmq", action="append", default=[], metavar="ENDPOINT",
+                   help="serve a ZeroMQ ROUTER socket on ENDPOINT: ipc://PATH or tcp://[HOST]:PORT "
+                        "(HOST defaults to 127.0.0.1; name * or an address to listen beyond loopback; "
+                        "PORT * picks a free one); repeatable")
+    p.add_argument("--unix", action="append", default=[], metavar="PATH",
+                   help="serve the stdio framing on a unix socket at PATH, many connections; repeatable")
+    p.add_argument("--curve-secret-key", metavar="FILE",
+                   help="encrypt the tcp ZeroMQ endpoints with CURVE, using this server certificate "
+                        "(a .key_secret file as written by zmq.auth.create_certificates)")
+    p.add_argument("--curve-clients", metavar="DIR",
+                   help="with --curve-secret-key: only clients whose public certificate is in DIR may connect "
+                        "(without it, any client that knows the server's public key may)")
+    p.add_argument("--max-in-flight-per-peer", type=_positive, default=64,
+                   help="requests one unix connection or ZeroMQ peer may have in flight; its later requests "
+                        "wait (in its socket buffer, or in its queue on ZeroMQ)")
+    p.add_argument("--zmq-hwm", type=_positive, default=1000,
+                   help="ZeroMQ high-water mark: messages queued per peer each way, and requests a peer may "
+                        "have waiting beyond its in-flight cap before it is answered overloaded")
+    p.add_argument("--max-connections", type=_positive, default=256,
+                   help="unix connections served at once; another is answered overloaded and closed")
     return p
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def open_lanes(args, dispatcher) -> list:
+    """The unix and ZeroMQ transports the arguments name, bound and ready to start."""
+    from .transports.unix import UnixTransport
+
+    if args.curve_clients and not args.curve_secret_key:
+        raise ValueError("--curve-clients: expected --curve-secret-key too (the server's own keys)")
+    lanes = []
+    try:
+        for path in args.unix:
+            lanes.append(UnixTransport(dispatcher, path, max_frame_size=args.max_frame_size,
+                                       max_in_flight=args.max_in_flight_per_peer,
+                                       max_connections=args.max_connections))
+        if args.zmq:
+            from .transports.zmq import CurveKeys, ZmqTransport
+
+            if args.curve_secret_key and not any(e.startswith("tcp://") for e in args.zmq):
+                raise ValueError("--curve-secret-key: CURVE secures tcp endpoints, and no --zmq tcp:// is given")
+            curve = CurveKeys.load(args.curve_secret_key, args.curve_clients) if args.curve_secret_key else None
+            lanes.append(ZmqTransport(dispatcher, args.zmq, max_frame_size=args.max_frame_size,
+                                      max_in_flight=args.max_in_flight_per_peer, hwm=args.zmq_hwm,
+                                      curve=curve))
+    except Exception:
+        for lane in lanes:
+            lane.close()
+        raise
+    return lanes
 
 
 def tune_malloc() -> None:
@@ -69,7 +163,10 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
         log.error("%s", exc)
         return 2
     config = ServerConfig(device=args.device, backend=args.backend,
-                          max_frame_size=args.max_frame_size, max_pending=args.max_pending)
+                          max_frame_size=args.max_frame_size, max_pending=args.max_pending,
+                          max_delay_us=args.max_delay_us, max_batch=args.max_batch,
+                          max_sessions=args.max_sessions, max_pool_bytes=args.max_pool_bytes,
+                          max_handles=args.max_handles, max_handle_bytes=args.max_handle_bytes)
     try:
         server = Server(config, device)
     except Exception as exc:  # e.g. --backend naming an unavailable backend
@@ -77,30 +174,46 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
         return 2
     dispatcher = Dispatcher(server, HANDLERS, LEGACY_HANDLERS, max_pending=config.max_pending)
 
-    sizes = [enlarge_pipe(0), enlarge_pipe(protocol_fd)]
-    transport = StdioTransport(dispatcher, 0, protocol_fd, config.max_frame_size)
-    server.transports.append("stdio")
+    try:
+        lanes = open_lanes(args, dispatcher)
+    except Exception as exc:  # a bad endpoint, an address in use, unreadable keys
+        log.error("cannot start: %s", exc)
+        return 2
+    stdio = None
+    if args.stdio or not lanes:
+        sizes = [enlarge_pipe(0), enlarge_pipe(protocol_fd)]
+        stdio = StdioTransport(dispatcher, 0, protocol_fd, config.max_frame_size)
+        server.transports.append("stdio")
+    server.transports.extend(name for lane in lanes for name in lane.names)
+
+    # The handler only records the signal: it runs in the main thread between bytecodes,
+    # possibly while that thread holds a lock (Event.wait holds its Condition's), so taking any
+    # lock here — Event.set() included — can deadlock the process.
+    signalled = []
 
     def request_stop(signum, frame):
-        server.stop_requested.set()
+        signalled.append(signum)
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
 
     dispatcher.start()
-    transport.start()
-    log.info("serving stdio on %s (%s), backend %s, pipe sizes %s", device.device, device.reason,
-             server.backend, sizes)
-    while not (server.stop_requested.is_set() or transport.eof.is_set()):
-        server.stop_requested.wait(0.05)
-    why = "stdin closed" if transport.eof.is_set() else "stop requested"
+    for lane in ([stdio] if stdio else []) + lanes:
+        lane.start()
+    log.info("serving %s on %s (%s), backend %s%s", ", ".join(server.transports), device.device,
+             device.reason, server.backend, f", pipe sizes {sizes}" if stdio else "")
+    while not (signalled or server.stop_requested.is_set() or (stdio and stdio.eof.is_set())):
+        time.sleep(STOP_POLL_SECONDS)
+    why = "stdin closed" if stdio and stdio.eof.is_set() else "stop requested"
     started = time.monotonic()
     drained = dispatcher.drain(DRAIN_SECONDS)
+    for lane in lanes:  # ZeroMQ sends the replies it was handed; unix removes its socket file
+        lane.close()
     log.info("%s; %s in %.0f ms; exiting", why,
              "all requests answered" if drained else "gave up waiting for requests in flight",
              (time.monotonic() - started) * 1000)
     logging.shutdown()
     sys.stderr.flush()
     # os._exit: interpreter teardown (torch, thread joins) can take longer than the 1 s budget,
-    # and every reply has been written synchronously by now.
+    # and every reply has been written by now (synchronously, or flushed by the lane's close).
     os._exit(0)

@@ -1,7 +1,8 @@
 """Python clients. `PortClient` spawns `python -m bridge` over pipes exactly as a BEAM Port
 would ({packet, 4}: a 4-byte big-endian length before each msgpack body), pipelines requests by
 id, converts numpy/torch tensors to wire tensors and back, and returns each result with the
-server's timing split plus its own round trip.
+server's timing split plus its own round trip. `UnixClient(path)` and `ZmqClient(endpoint)`
+have the same API for a server started with `--unix PATH` / `--zmq ENDPOINT`.
 
     with PortClient() as client:
         reply = client.scan(x, dt, A, B, C, return_state=True)
@@ -134,7 +135,7 @@ class FramedClient:
 
     def submit(self, op: str, args: dict | None = None, *, request_id=None) -> Future:
         """Send one request now; the Future resolves to its Reply."""
-        from bridge.transports.stdio import write_all
+        from bridge.transports.framed import write_all
 
         request_id = next(self._ids) if request_id is None else request_id
         future: Future = Future()
@@ -142,16 +143,14 @@ class FramedClient:
         wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
         parts = protocol.frame_parts(protocol.encode_request(request_id, op, wire_args))
         encoded = time.perf_counter_ns()
+        # Recorded before the write: the reply may arrive before write_all returns.
+        size = sum(memoryview(p).nbytes for p in parts)
         with self._lock:
             if self._closed.is_set():
                 raise ServerExited("the server is gone")
-            self._pending[request_id] = (future, start, (encoded - start) / 1000.0, 0)
+            self._pending[request_id] = (future, start, (encoded - start) / 1000.0, size)
         with self._write_lock:
-            sent = write_all(self._writer_fd, parts)
-        with self._lock:
-            if request_id in self._pending:
-                f, s, enc, _ = self._pending[request_id]
-                self._pending[request_id] = (f, s, enc, sent)
+            write_all(self._writer_fd, parts)
         return future
 
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
@@ -174,11 +173,38 @@ class FramedClient:
         """Reply to a scan; `reply.unwrap()["y"]` (and "state" with return_state=True)."""
         return self.request("scan", {"x": x, "dt": dt, "A": A, "B": B, "C": C, **options}, timeout)
 
+    # -- sessions and handles (state and constants that stay on the server) ---------------
+
+    def open_session(self, batch: int, dim: int, state: int) -> str:
+        """A new session with a zero [batch, dim, state] state; returns its id. Prefill it with
+        `scan(..., session=id)`, then `step` it one timestep at a time."""
+        return self.call("session_open", batch=batch, dim=dim, state=state)["session"]
+
+    def step(self, session: str, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+        """Reply to one timestep of `session` (x, dt, z [batch, dim]; B, C [batch, state]);
+        `reply.unwrap()["y"]`. Tensor arguments may be handles from `put`."""
+        return self.request("step", {"session": session, "x": x, "dt": dt, "A": A, "B": B, "C": C,
+                                     **options}, timeout)
+
+    def session_state(self, session: str):
+        """The session's state [batch, dim, state] (fp32)."""
+        return self.call("session_state", session=session)["state"]
+
+    def close_session(self, session: str) -> None:
+        self.call("session_close", session=session)
+
+    def put(self, tensor) -> protocol.HandleRef:
+        """Upload `tensor` once; pass the returned handle wherever a tensor argument goes."""
+        return protocol.HandleRef(self.call("put", tensor=tensor)["handle"])
+
+    def free(self, handle: protocol.HandleRef | str) -> None:
+        self.call("free", handle=handle.handle if isinstance(handle, protocol.HandleRef) else handle)
+
     def send_raw(self, body: bytes, request_id=None) -> Future | None:
         """Write an arbitrary body as one frame (tests and benchmarks). With `request_id`, the
         reply carrying that id resolves the returned Future; replies with ids that match
         nothing in flight (e.g. id null for an undecodable body) land in `self.unmatched`."""
-        from bridge.transports.stdio import write_all
+        from bridge.transports.framed import write_all
 
         future = None
         if request_id is not None:
@@ -192,7 +218,7 @@ class FramedClient:
     # -- replies --------------------------------------------------------------------------
 
     def _read_replies(self) -> None:
-        from bridge.transports.stdio import read_exact
+        from bridge.transports.framed import read_exact
 
         header = memoryview(bytearray(4))
         try:
@@ -206,9 +232,11 @@ class FramedClient:
         finally:
             self._fail_all(ServerExited("the server closed its end before replying"))
 
-    def _deliver(self, body, received_ns: int, nbytes: int) -> None:
+    def _deliver(self, body, received_ns: int, nbytes: int, buffers=()) -> None:
+        """Resolve the request a reply body answers (`buffers`: the raw buffers of a multipart
+        reply, which its tensors refer to)."""
         try:
-            decoded = protocol.decode_reply(body)
+            decoded = protocol.decode_reply(body, buffers)
         except protocol.ProtocolError:
             # Not a v1 reply (e.g. an ExPhil-format answer to a legacy request): keep the bytes.
             self.unmatched.append(Reply(None, False, None, None, {}, 0.0, bytes_in=nbytes,
@@ -262,6 +290,158 @@ class PortClient(FramedClient):
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class UnixClient(FramedClient):
+    """PortClient's API over a unix socket served by `python -m bridge --unix PATH` (the same
+    framing as the Port). Connecting retries for `connect_timeout` seconds while the server is
+    still starting."""
+
+    def __init__(self, path: str, *, as_torch: bool = False, connect_timeout: float = 30.0):
+        import socket
+
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = time.monotonic() + connect_timeout
+        while True:
+            try:
+                self.sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    self.sock.close()
+                    raise
+                time.sleep(0.05)
+        super().__init__(self.sock.makefile("rb", buffering=0), self.sock.fileno(), as_torch=as_torch)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop sending; the server answers what is in flight and closes its end; then close."""
+        import socket
+
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server is gone already
+        self._thread.join(timeout)
+        self._reader.close()
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ZmqClient(FramedClient):
+    """PortClient's API over ZeroMQ: a DEALER socket connected to a server started with
+    `--zmq ENDPOINT`. With `multipart` (the default) tensors travel as raw buffers after the
+    body (SPEC §5), from and into the arrays' own memory: do not modify an array passed to
+    `submit` before its reply has come; arrays in replies are read-only views of the received
+    message. `curve_server_key` (z85) secures a tcp endpoint served with CURVE; the client's
+    own key pair is `curve_keypair`, or a fresh one.
+
+    ZeroMQ sockets are not thread-safe: one io thread owns the socket, sends what `submit`
+    posts from any thread, and resolves replies."""
+
+    def __init__(self, endpoint: str, *, multipart: bool = True, as_torch: bool = False,
+                 curve_server_key: bytes | None = None, curve_keypair: tuple[bytes, bytes] | None = None):
+        import zmq
+
+        from bridge.transports.zmq import Outbox
+
+        self.endpoint = endpoint
+        self.multipart = multipart
+        self._context = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # The server bounds what it accepts; the client never blocks (or drops) its own sends.
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        if curve_server_key is not None:
+            public, secret = curve_keypair or zmq.curve_keypair()
+            self._socket.curve_serverkey = curve_server_key
+            self._socket.curve_publickey = public
+            self._socket.curve_secretkey = secret
+        self._socket.connect(endpoint)
+        self._outbox = Outbox()
+        # FramedClient's streams stay unused: the reader thread it starts runs _read_replies
+        # below, the socket's io loop.
+        super().__init__(None, -1, as_torch=as_torch)
+
+    def submit(self, op: str, args: dict | None = None, *, request_id=None) -> Future:
+        request_id = next(self._ids) if request_id is None else request_id
+        future: Future = Future()
+        start = time.perf_counter_ns()
+        wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
+        buffers = [] if self.multipart else None
+        parts = protocol.encode_request(request_id, op, wire_args, buffers=buffers)
+        frames = [parts[0] if len(parts) == 1 else b"".join(parts), *(buffers or ())]
+        encoded = time.perf_counter_ns()
+        with self._lock:
+            if self._closed.is_set():
+                raise ServerExited("the client is closed")
+            self._pending[request_id] = (future, start, (encoded - start) / 1000.0,
+                                         sum(memoryview(f).nbytes for f in frames))
+        self._outbox.post(frames)
+        return future
+
+    def send_raw(self, body: bytes, request_id=None, buffers=()) -> Future | None:
+        """Send an arbitrary body (and raw buffers) as one message (tests and benchmarks);
+        replies as in FramedClient.send_raw."""
+        future = None
+        if request_id is not None:
+            future = Future()
+            with self._lock:
+                self._pending[request_id] = (future, time.perf_counter_ns(), 0.0,
+                                             len(body) + sum(memoryview(b).nbytes for b in buffers))
+        self._outbox.post([body, *buffers])
+        return future
+
+    def _read_replies(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._outbox.fd, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._outbox.fd in ready:
+                    for frames in self._outbox.take():
+                        if frames is None:  # close()
+                            return
+                        self._socket.send_multipart(frames, copy=False)
+                if self._socket in ready:
+                    self._receive_all()
+        finally:
+            self._fail_all(ServerExited("the client was closed with requests outstanding"))
+
+    def _receive_all(self) -> None:
+        import zmq
+
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            received = time.perf_counter_ns()
+            self._deliver(frames[0].buffer, received, sum(len(f) for f in frames),
+                          [f.buffer for f in frames[1:]])
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the io thread (requests still in flight fail with ServerExited) and close."""
+        self._outbox.post(None)
+        self._thread.join(timeout)
+        self._socket.close()
+        self._context.term()
+        self._outbox.close()
 
     def __enter__(self):
         return self

@@ -75,11 +75,12 @@ class Dispatcher:
     def start(self) -> None:
         self._worker.start()
 
-    def on_frame(self, conn, body, received_ns: int, release: Callable | None = None) -> None:
+    def on_frame(self, conn, body, received_ns: int, release: Callable | None = None,
+                 buffers=()) -> None:
         self.server.stats.frame_in(len(body))
         timing = Timing(received_ns)
         try:
-            request = protocol.decode_request(body)
+            request = protocol.decode_request(body, buffers)
         except protocol.ProtocolError as exc:
             self._reply_error(conn, exc.request_id, exc, timing, legacy=exc.legacy)
             if release:
@@ -227,6 +228,8 @@ class Dispatcher:
     def _answer(self, call: Call, result: dict) -> None:
         legacy = isinstance(call.request, protocol.LegacyRequest)
         reply_timing = {}
+        # A multipart request (ZeroMQ) gets its reply's tensors as raw buffers too.
+        out_of_band = [] if not legacy and call.request.multipart else None
         try:
             if legacy:
                 parts = protocol.encode_legacy_reply(result)
@@ -238,12 +241,12 @@ class Dispatcher:
                     reply_timing.update(call.timing.as_reply())
                     return reply_timing
 
-                parts = protocol.encode_reply(call.request.id, result, timing)
+                parts = protocol.encode_reply(call.request.id, result, timing, buffers=out_of_band)
         except Exception as exc:
             self._fail(call, exc)
             return
         try:
-            self._send(call.conn, parts)
+            self._send(call.conn, parts, out_of_band)
             self.server.stats.record(self._stats_op(call), reply_timing or None, ok=True,
                                      executions=call.executions)
         finally:
@@ -296,9 +299,10 @@ class Dispatcher:
         else:
             self.server.stats.record_error(code)
 
-    def _send(self, conn, parts) -> None:
+    def _send(self, conn, parts, buffers: list | None = None) -> None:
         try:
-            n = conn.send(parts)
+            # Only a multipart reply passes buffers (only ZeroMQ connections get one).
+            n = conn.send(parts) if buffers is None else conn.send(parts, buffers)
         except OSError as exc:
             log.warning("could not reply to %s: %s", getattr(conn, "id", conn), exc)
             return

@@ -1,7 +1,8 @@
 """Checks one encoded value at a time and raises the matching ValidationError.
 
 A `Reader` remembers what is known about the request being decoded (its id once parsed,
-whether it is a legacy ExPhil request) so every error it raises carries it.
+whether it is a legacy ExPhil request) so every error it raises carries it, and the raw buffers
+of a multipart message (SPEC §5, "Multipart messages") that tensors may refer to by index.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from .schema import KIND_EXPECTED, LAYOUTS
 from .tensors import DTYPES, MAX_DIM, MAX_NDIM, HandleRef, WireTensor
 
 _TENSOR_KEYS = ("dtype", "shape", "data")
+# A tensor of a multipart message: "buf" (an index into the message's raw buffers) stands
+# where "data" would.
+_BUFFER_TENSOR_KEYS = ("dtype", "shape", "buf")
 _ABSENT = msgspec.Raw(b"")
 
 
@@ -27,6 +31,7 @@ class _TensorFields(msgspec.Struct, forbid_unknown_fields=True):
     dtype: Union[str, None] = None
     shape: Union[list[int], None] = None
     data: msgspec.Raw = _ABSENT
+    buf: Union[int, None] = None
     handle: Union[str, None] = None
 
 
@@ -53,12 +58,24 @@ def decode_top_map(body) -> dict[str, msgspec.Raw]:
     return top
 
 
-class Reader:
-    __slots__ = ("request_id", "legacy")
+def buffer_views(buffers) -> tuple[memoryview, ...]:
+    """The raw buffers of a multipart message as flat byte views (no copies)."""
+    views = []
+    for buffer in buffers:
+        view = memoryview(buffer)
+        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return tuple(views)
 
-    def __init__(self, *, legacy: bool = False):
+
+class Reader:
+    __slots__ = ("request_id", "legacy", "buffers", "used")
+
+    def __init__(self, *, legacy: bool = False, buffers: tuple[memoryview, ...] = ()):
         self.request_id = None
         self.legacy = legacy
+        # Raw buffers of a multipart message, and the indices tensors have referred to so far.
+        self.buffers = buffers
+        self.used: set[int] = set()
 
     def fail(self, cls: type[ValidationError], field: str, expected: str, got: str,
              **extra) -> NoReturn:
@@ -140,7 +157,7 @@ class Reader:
         return self._tensor(raw, field, allow_handle=False)
 
     def _tensor(self, raw, field, allow_handle):
-        tensor = self.valid_tensor(raw, allow_handle)
+        tensor = self.valid_tensor(raw, allow_handle, self.buffers, self.used)
         if tensor is not None:
             return tensor
         # Not a valid tensor: find out what is wrong, one value at a time.
@@ -153,24 +170,35 @@ class Reader:
                 self.fail(InvalidArgument, field, "a handle map with the single key 'handle'",
                           f"keys {sorted(entries)}")
             return HandleRef(self.string(entries["handle"], field + ".handle"))
+        if "buf" in entries and "data" in entries:
+            self.fail(InvalidArgument, field, "either data or buf, not both", "both")
+        keys = _BUFFER_TENSOR_KEYS if "buf" in entries else _TENSOR_KEYS
         for key in entries:
-            if key not in _TENSOR_KEYS:
-                self.fail(InvalidArgument, f"{field}.{key}", "only the keys dtype, shape, data",
+            if key not in keys:
+                self.fail(InvalidArgument, f"{field}.{key}", "only the keys " + ", ".join(keys),
                           f"unknown key {key!r}")
-        for key in _TENSOR_KEYS:
+        for key in keys:
             if key not in entries:
                 self.fail(InvalidArgument, f"{field}.{key}", f"a tensor {key}", "nothing")
         dtype = self.dtype(entries["dtype"], field + ".dtype")
         shape = self.shape(entries["shape"], field + ".shape")
-        data = self.data(entries["data"], field + ".data")
-        self.check_size(field + ".data", dtype, shape, data)
+        if "buf" in entries:
+            index = self.buffer_index(entries["buf"], field + ".buf")
+            data = self.buffers[index]
+            self.check_size(field + ".buf", dtype, shape, data)
+            self.used.add(index)
+        else:
+            data = self.data(entries["data"], field + ".data")
+            self.check_size(field + ".data", dtype, shape, data)
         return WireTensor(dtype, shape, data)
 
     @staticmethod
-    def valid_tensor(raw: msgspec.Raw, allow_handle: bool) -> WireTensor | HandleRef | None:
+    def valid_tensor(raw: msgspec.Raw, allow_handle: bool, buffers: tuple[memoryview, ...] = (),
+                     used: set[int] | None = None) -> WireTensor | HandleRef | None:
         """The tensor (or handle) when `raw` is a valid one, else None. One typed decode
         instead of a decode per key: ~10x faster, which matters for small steps. It accepts
-        only what the checks in `_tensor` accept (tests hold the two paths to that)."""
+        only what the checks in `_tensor` accept (tests hold the two paths to that). A tensor
+        referring to raw buffer i of `buffers` adds i to `used`."""
         try:
             fields = _TENSOR_FIELDS.decode(raw)
         except DECODE_FAILURES:
@@ -178,19 +206,26 @@ class Reader:
         encoded = memoryview(raw)
         if fields.handle is not None:
             if (allow_handle and fields.handle and fields.dtype is None and fields.shape is None
-                    and fields.data is _ABSENT and count(encoded) == 1):
+                    and fields.data is _ABSENT and fields.buf is None and count(encoded) == 1):
                 return HandleRef(fields.handle)
             return None
         dtype, shape = fields.dtype, fields.shape
         if (dtype not in DTYPES or shape is None or len(shape) > MAX_NDIM
-                or fields.data is _ABSENT or count(encoded) != 3):
+                or (fields.data is _ABSENT) == (fields.buf is None) or count(encoded) != 3):
             return None
         for d in shape:
             if not 0 <= d <= MAX_DIM:
                 return None
-        data = payload(memoryview(fields.data))
+        if fields.buf is None:
+            data = payload(memoryview(fields.data))
+        elif 0 <= fields.buf < len(buffers):
+            data = buffers[fields.buf]
+        else:
+            return None
         if data is None or data.nbytes != math.prod(shape) * DTYPES[dtype][0]:
             return None
+        if fields.buf is not None and used is not None:
+            used.add(fields.buf)
         return WireTensor(dtype, tuple(shape), data)
 
     def dtype(self, raw: msgspec.Raw, field: str) -> str:
@@ -213,6 +248,25 @@ class Reader:
                 got = "nil" if d is None else f"{_PY_TO_MSGPACK.get(type(d), 'ext')} {d!r}"
                 self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", got)
         return tuple(dims)
+
+    def buffer_index(self, raw: msgspec.Raw, field: str) -> int:
+        encoded = memoryview(raw)
+        n_buffers = len(self.buffers)
+        expected = (f"the index of one of the message's {n_buffers} raw buffers (0..{n_buffers - 1})"
+                    if n_buffers else "no buf: this message has no raw buffers (buf needs a multipart message)")
+        if kind(encoded) == "int":
+            index = ANY_DECODER.decode(raw)
+            if 0 <= index < n_buffers:
+                return index
+        self.fail(InvalidArgument, field, expected, describe(encoded))
+
+    def check_buffers_used(self) -> None:
+        """Every raw buffer of a multipart message is some tensor's data: a stray buffer is a
+        client bug (an index off by one) and is reported, not ignored."""
+        for index in range(len(self.buffers)):
+            if index not in self.used:
+                self.fail(InvalidRequest, f"buffers[{index}]", "every raw buffer referred to by a tensor's buf",
+                          f"raw buffer {index} ({self.buffers[index].nbytes} bytes) referred to by no tensor")
 
     def data(self, raw: msgspec.Raw, field: str) -> memoryview:
         encoded = memoryview(raw)

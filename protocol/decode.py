@@ -2,7 +2,8 @@
 Python clients, a reply body -> `Reply`.
 
 Nothing is copied: tensor data comes back as views into the body, whose header (bin or str)
-is read in `_msgpack`. Everything is checked before the caller allocates anything; failures
+is read in `_msgpack`, or, in a multipart message (ZeroMQ), as views of the raw buffers that
+followed the body. Everything is checked before the caller allocates anything; failures
 raise `ProtocolError` subclasses that carry the wire error code.
 """
 
@@ -14,7 +15,7 @@ from typing import NoReturn
 import msgspec
 
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, describe, kind
-from ._reader import Reader, decode_top_map
+from ._reader import Reader, buffer_views, decode_top_map
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
@@ -34,25 +35,34 @@ _CHECKS = {"tensor": Reader.tensor, "tensor_data": Reader.tensor_data, "bool": R
 class Request:
     """A v1 request. `args` maps canonical argument names (aliases resolved) to checked values:
     WireTensor / HandleRef for tensors, bool, float, str, int. Optional arguments that were
-    absent (or nil) are not in `args`."""
+    absent (or nil) are not in `args`. `multipart`: the request came with raw buffers (its
+    tensors refer to them by index), so its reply may carry its tensors the same way."""
 
     id: int | str
     op: str
     args: dict
     version: int = PROTOCOL_VERSION
+    multipart: bool = False
 
 
-def decode_request(body) -> Request | LegacyRequest:
+def decode_request(body, buffers=()) -> Request | LegacyRequest:
     """Decode one frame body. A map with an "id" or "v" key is v1; any other map is a legacy
-    ExPhil request. Raises a `ProtocolError` subclass on anything else."""
+    ExPhil request. Raises a `ProtocolError` subclass on anything else.
+
+    `buffers`: the raw buffers that followed the body in a multipart message (ZeroMQ), which
+    tensors name as `{"dtype", "shape", "buf": i}`; every one must be named."""
     top = decode_top_map(body)
+    views = buffer_views(buffers)
     if "id" in top or "v" in top:
-        return _decode_v1(top)
+        return _decode_v1(top, views)
+    if views:
+        raise InvalidRequest("buffers", "no raw buffers (a legacy ExPhil request has none)",
+                             f"{len(views)} raw buffers", legacy=True)
     return decode_legacy(top)
 
 
-def _decode_v1(top: dict[str, msgspec.Raw]) -> Request:
-    reader = Reader()
+def _decode_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...]) -> Request:
+    reader = Reader(buffers=buffers)
     reader.request_id = _request_id(reader, top.get("id"))
     if "v" in top:
         _check_version(reader, top["v"])
@@ -68,7 +78,9 @@ def _decode_v1(top: dict[str, msgspec.Raw]) -> Request:
         reader.fail(UnknownOp, "op", "one of " + ", ".join(OPS), f"str {op!r}", known=list(OPS))
     entries = (reader.map(top["args"], "args", "a map of arguments", InvalidRequest)
                if "args" in top else {})
-    return Request(reader.request_id, op, _read_args(reader, op, spec, entries))
+    args = _read_args(reader, op, spec, entries)
+    reader.check_buffers_used()
+    return Request(reader.request_id, op, args, multipart=bool(buffers))
 
 
 def _request_id(reader: Reader, raw: msgspec.Raw | None) -> int | str:
@@ -134,8 +146,9 @@ class Reply:
 _REPLY_KEYS = ("v", "id", "ok", "result", "error", "timing")
 
 
-def decode_reply(body) -> Reply:
-    """Decode one v1 reply body (client side). Raises DecodeError when it is not one."""
+def decode_reply(body, buffers=()) -> Reply:
+    """Decode one v1 reply body (client side), with the raw buffers that followed it in a
+    multipart message. Raises DecodeError when it is not one."""
     try:
         top = decode_top_map(body)
     except ValidationError as e:  # a map with non-str or duplicate keys
@@ -146,7 +159,13 @@ def decode_reply(body) -> Reply:
     for key in ("v", "id", "ok"):
         if key not in top:
             _bad_reply(key, "a reply envelope key", "nothing")
-    values = {key: _reply_value(raw, key) for key, raw in top.items()}
+    views = buffer_views(buffers)
+    used: set[int] = set()
+    values = {key: _reply_value(raw, key, views, used) for key, raw in top.items()}
+    if len(used) != len(views):
+        unused = min(set(range(len(views))) - used)
+        _bad_reply(f"buffers[{unused}]", "every raw buffer referred to by a tensor's buf",
+                   f"raw buffer {unused} referred to by no tensor")
     if values["v"] not in SUPPORTED_VERSIONS:
         _bad_reply("v", " or ".join(map(str, SUPPORTED_VERSIONS)), repr(values["v"]))
     request_id = values["id"]
@@ -165,17 +184,22 @@ def decode_reply(body) -> Reply:
     return Reply(request_id, ok, values.get("result"), values.get("error"), timing, values["v"])
 
 
-def _reply_value(raw: msgspec.Raw, field: str):
+def _reply_value(raw: msgspec.Raw, field: str, buffers: tuple[memoryview, ...], used: set[int]):
     encoded = memoryview(raw)
     what = kind(encoded)
     try:
         if what == "map":
-            tensor = Reader.valid_tensor(raw, allow_handle=False)
+            tensor = Reader.valid_tensor(raw, False, buffers, used)
             if tensor is not None:
                 return tensor
-            return {key: _reply_value(item, f"{field}.{key}") for key, item in MAP_DECODER.decode(raw).items()}
+            entries = MAP_DECODER.decode(raw)
+            if "buf" in entries and "shape" in entries:
+                _bad_reply(field, f"a tensor whose buf names one of the {len(buffers)} raw buffers, "
+                                  "holding prod(shape) * itemsize bytes", describe(encoded))
+            return {key: _reply_value(item, f"{field}.{key}", buffers, used) for key, item in entries.items()}
         if what == "array":
-            return [_reply_value(item, f"{field}[{i}]") for i, item in enumerate(_ARRAY_DECODER.decode(raw))]
+            return [_reply_value(item, f"{field}[{i}]", buffers, used)
+                    for i, item in enumerate(_ARRAY_DECODER.decode(raw))]
         return ANY_DECODER.decode(raw)
     except DECODE_FAILURES as e:
         _bad_reply(field, "a decodable value", f"an undecodable {what} ({e})")

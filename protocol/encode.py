@@ -5,6 +5,10 @@ that reference the caller's memory; everything between them is coalesced into `b
 list is one msgpack body, unframed: `frame_parts(parts)` prefixes it for `os.writev`, a ZeroMQ
 transport sends `b"".join(parts)` or the parts as one zero-copy message.
 
+Given a `buffers` list, the encoders write the multipart form instead (SPEC §5, "Multipart
+messages"): every tensor becomes `{"dtype", "shape", "buf": i}` and its data, untouched, is
+appended to `buffers` as raw buffer i, to travel as its own ZeroMQ frame after the body.
+
 Reply maps are written in a fixed key order: v, id, ok, result, timing. `timing` comes last so
 that, given as a callable, it is called after everything before it is encoded and can include
 the encoding time itself.
@@ -26,13 +30,17 @@ _SCALAR_ENCODER = msgspec.msgpack.Encoder()
 
 
 class Packer:
-    """Writes msgpack into a growing bytearray, splitting out big binary payloads."""
+    """Writes msgpack into a growing bytearray, splitting out big binary payloads; with a
+    `buffers` list, tensor data goes there instead of into the body."""
 
-    __slots__ = ("parts", "small")
+    __slots__ = ("parts", "small", "buffers")
 
-    def __init__(self):
+    def __init__(self, buffers: list | None = None):
+        if buffers:
+            raise ValueError(f"buffers: expected an empty list to collect tensor data, got {len(buffers)} items")
         self.parts: list = []
         self.small = bytearray()
+        self.buffers = buffers
 
     def map_header(self, n: int) -> None:
         self._header(n, 0x80, 0xDE, 0xDF)
@@ -74,8 +82,13 @@ class Packer:
             _SCALAR_ENCODER.encode_into(value.dtype, self.small, -1)
             self.small += b"\xa5shape"
             _SCALAR_ENCODER.encode_into(list(value.shape), self.small, -1)
-            self.small += b"\xa4data"
-            self.binary(value.data)
+            if self.buffers is None:
+                self.small += b"\xa4data"
+                self.binary(value.data)
+            else:
+                self.small += b"\xa3buf"
+                _SCALAR_ENCODER.encode_into(len(self.buffers), self.small, -1)
+                self.buffers.append(value.data)
         elif isinstance(value, HandleRef):
             self.small += b"\x81\xa6handle"
             _SCALAR_ENCODER.encode_into(value.handle, self.small, -1)
@@ -132,12 +145,14 @@ def check_timing(timing: dict | Callable[[], dict]) -> dict:
     return timing
 
 
-def encode_reply(request_id, result: dict, timing: dict | Callable[[], dict]) -> list:
-    """`{"v": 1, "id", "ok": true, "result", "timing"}` as a list of buffers."""
+def encode_reply(request_id, result: dict, timing: dict | Callable[[], dict], *,
+                 buffers: list | None = None) -> list:
+    """`{"v": 1, "id", "ok": true, "result", "timing"}` as a list of buffers; with `buffers`,
+    in the multipart form (tensor data appended to `buffers`)."""
     _check_request_id(request_id, allow_none=False)
     if not isinstance(result, dict):
         raise TypeError(f"result: expected a dict, got {type(result).__name__}")
-    packer = Packer()
+    packer = Packer(buffers)
     packer.small += b"\x85\xa1v"
     packer.value(PROTOCOL_VERSION, "v")
     packer.small += b"\xa2id"
@@ -175,16 +190,17 @@ def encode_error(request_id, code: str, message: str, detail: dict | None = None
     return packer.finish()
 
 
-def encode_request(request_id, op: str, args: dict | None = None) -> list:
+def encode_request(request_id, op: str, args: dict | None = None, *, buffers: list | None = None) -> list:
     """`{"v": 1, "id", "op", "args"}` as a list of buffers, for Python clients and tests.
-    Tensor arguments are OutTensor (or HandleRef); the server checks everything else."""
+    Tensor arguments are OutTensor (or HandleRef); the server checks everything else. With
+    `buffers`, in the multipart form (tensor data appended to `buffers`)."""
     _check_request_id(request_id, allow_none=False)
     if not isinstance(op, str) or not op:
         raise ValueError(f"op: expected a non-empty str, got {op!r}")
     args = {} if args is None else args
     if not isinstance(args, dict):
         raise TypeError(f"args: expected a dict, got {type(args).__name__}")
-    packer = Packer()
+    packer = Packer(buffers)
     packer.small += b"\x84\xa1v"
     packer.value(PROTOCOL_VERSION, "v")
     packer.small += b"\xa2id"

@@ -1,3 +1,4 @@
+"""What every transport's connections share: an id, the reply method, and close callbacks."""
 from __future__ import annotations
 
 import itertools
@@ -16,8 +17,17 @@ class Connection:
         self._close_callbacks = []
         self._close_lock = threading.Lock()
 
-    def send(self, parts: list) -> int:  # pragma: no cover - each transport implements it
+    def send(self, parts: list, buffers: list | None = None) -> int:  # pragma: no cover - each transport implements it
+        """Write one reply: `parts` make up one msgpack body (the transport adds its framing);
+        `buffers` are the raw buffers of a multipart reply, which only a message-based
+        transport (ZeroMQ) carries. Returns the bytes sent. Called from any thread."""
         raise NotImplementedError
+
+    @property
+    def has_close_callbacks(self) -> bool:
+        """Something (a session, a tensor handle) waits for this connection to close."""
+        with self._close_lock:
+            return bool(self._close_callbacks)
 
     def on_close(self, callback) -> None:
         with self._close_lock:

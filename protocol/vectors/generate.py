@@ -3,6 +3,8 @@
     python -m protocol.vectors.generate
 
 Each vector is NAME.frame (the exact framed bytes) and NAME.json (what they mean; SPEC.md §11).
+Multipart messages (ZeroMQ only; SPEC.md §5) are in multipart/: their NAME.frame holds the
+message's parts, body first, each framed as on a stream.
 Requests are packed here by a deliberately separate, minimal msgpack writer playing the part
 of a client (it can send binaries as msgpack str, as Msgpax does); replies are produced by this
 package's encoders, as the server sends them. Values are small and exactly representable in
@@ -25,6 +27,7 @@ from protocol import (DEFAULT_MAX_FRAME_SIZE, OutTensor, encode_error, encode_fr
                       encode_legacy_reply, encode_reply, frame_parts)
 
 VECTORS_DIR = Path(__file__).resolve().parent
+MULTIPART_DIR = VECTORS_DIR / "multipart"
 _STRUCT_CODES = {"f32": "f", "f16": "e", "f64": "d", "i32": "i", "i64": "q", "u8": "B"}
 
 
@@ -272,20 +275,64 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
     return vectors
 
 
+def _multipart(name, description, body: bytes, buffers: list[Binary], message, kind) -> tuple[str, bytes, dict]:
+    parts = [body, *(b.to_bytes() for b in buffers)]
+    return name, b"".join(encode_frame(part) for part in parts), {
+        "name": name, "kind": kind, "description": description, "message": to_json(message),
+        "buffers": [to_json(b) for b in buffers]}
+
+
+def buffer_tensor(dtype: str, shape, seed: int, buffers: list[Binary]) -> dict:
+    """A tensor map whose data travels as the next raw buffer of a multipart message."""
+    buffers.append(Binary(dtype, values(dtype, prod(shape), seed)))
+    return {"dtype": dtype, "shape": list(shape), "buf": len(buffers) - 1}
+
+
+def build_multipart_vectors() -> list[tuple[str, bytes, dict]]:
+    """(name, parts framed one after another, json document) for the multipart form."""
+    buffers: list[Binary] = []
+    args = {"x": buffer_tensor("f32", (2, 3, 4), 200, buffers),
+            "dt": buffer_tensor("f32", (2, 3, 4), 201, buffers),
+            "A": tensor("f32", (4, 2), 202),  # inline and raw buffers mix freely
+            "B": buffer_tensor("f32", (2, 3, 2), 203, buffers),
+            "C": buffer_tensor("f32", (2, 3, 2), 204, buffers),
+            "return_state": True}
+    request = {"v": 1, "id": 50, "op": "scan", "args": args}
+    vectors = [_multipart("multipart_scan", "scan whose x, dt, B, C are raw buffers 0-3 (A inline)",
+                          pack_client(request), buffers, request, "multipart_request")]
+    y, state = Binary("f32", values("f32", 24, 210)), Binary("f32", values("f32", 16, 211))
+    timing = {"decode_us": 9, "kernel_us": 40, "server_us": 71}
+    reply_buffers: list = []
+    body = b"".join(encode_reply(50, {"y": OutTensor("f32", (2, 3, 4), y.to_bytes()),
+                                      "state": OutTensor("f32", (2, 4, 2), state.to_bytes())},
+                                 timing, buffers=reply_buffers))
+    reply = {"v": 1, "id": 50, "ok": True,
+             "result": {"y": {"dtype": "f32", "shape": [2, 3, 4], "buf": 0},
+                        "state": {"dtype": "f32", "shape": [2, 4, 2], "buf": 1}}, "timing": timing}
+    vectors.append(_multipart("multipart_reply_scan", "the reply to multipart_scan: y and state as raw buffers",
+                              body, [y, state], reply, "multipart_reply"))
+    return vectors
+
+
 def render_json(doc: dict) -> bytes:
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
-def main() -> None:
-    vectors = build_vectors()
+def write(directory: Path, vectors: list[tuple[str, bytes, dict]]) -> None:
+    directory.mkdir(exist_ok=True)
     names = {name for name, _, _ in vectors}
-    for path in VECTORS_DIR.iterdir():
+    for path in directory.iterdir():
         if path.suffix in (".frame", ".json") and path.stem not in names:
             path.unlink()
     for name, frame, doc in vectors:
-        (VECTORS_DIR / f"{name}.frame").write_bytes(frame)
-        (VECTORS_DIR / f"{name}.json").write_bytes(render_json(doc))
-    print(f"wrote {len(vectors)} vectors to {VECTORS_DIR}", file=sys.stderr)
+        (directory / f"{name}.frame").write_bytes(frame)
+        (directory / f"{name}.json").write_bytes(render_json(doc))
+    print(f"wrote {len(vectors)} vectors to {directory}", file=sys.stderr)
+
+
+def main() -> None:
+    write(VECTORS_DIR, build_vectors())
+    write(MULTIPART_DIR, build_multipart_vectors())
 
 
 if __name__ == "__main__":

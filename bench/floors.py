@@ -1,0 +1,230 @@
+"""Echo floors: per transport, the cost of moving a request's bytes to a server and a reply's
+bytes back with nothing done in between, the physical floor a server's round trip is compared
+to in the same run.
+
+    lane = open_floor("unix", [reply_body_bytes])
+    us = lane.round_trip_us(lane.frame(protocol.encode_request(1, "scan", args)))
+    lane.close()
+
+Transports (`FLOORS`): `stdio` (pipes, as a BEAM Port), `unix` (a unix socket, same framing),
+`zmq-ipc` and `zmq-tcp` (a DEALER to a ROUTER, one message per request). Each echo is a small C
+program (bench/echo/*.c) built on demand into build/; it answers every request with a reply of
+the sizes it was started with, from one buffer it filled once.
+
+Every lane has `round_trip_us(frame_parts) -> float`, where `frame_parts` is the request as its
+transport carries it (`lane.frame(body_parts, buffers)` makes it from an encoded request: the
+length-prefixed parts on a stream; the message frames, body then raw buffers, on ZeroMQ), and
+`last_reply` (the reply's body, or its frames on ZeroMQ). The same client code reaches the
+bridge itself (`connect_unix`, `connect_zmq`), so a server is timed exactly as its floor is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Callable
+
+import protocol
+from bridge.transports.framed import read_exact, write_all
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ECHO_SOURCES = os.path.join(ROOT, "bench", "echo")
+BUILD_DIR = os.path.join(ROOT, "build")
+START_TIMEOUT_S = 10.0
+
+
+class EchoUnavailable(RuntimeError):
+    """An echo cannot be built or started here; the message says why."""
+
+
+def build_echo(name: str, libs: tuple[str, ...] = ()) -> str:
+    """Path to the echo binary bench/echo/NAME.c, (re)built when the source is newer."""
+    source = os.path.join(ECHO_SOURCES, f"{name}.c")
+    binary = os.path.join(BUILD_DIR, name)
+    if os.path.exists(binary) and os.path.getmtime(binary) >= os.path.getmtime(source):
+        return binary
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise EchoUnavailable(f"no C compiler (cc/gcc) on PATH to build the {name} echo")
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    result = subprocess.run([cc, "-O2", "-o", binary, source, *libs], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise EchoUnavailable(f"building the {name} echo failed: {result.stderr.strip()}")
+    return binary
+
+
+class StreamLane:
+    """A client of a stream transport (pipes or a unix socket): writes a framed request, reads
+    the one reply frame into a buffer reused from call to call."""
+
+    def __init__(self, reader, writer_fd: int, on_close=None):
+        self.reader = reader
+        self.writer_fd = writer_fd
+        self._on_close = on_close
+        self._header = memoryview(bytearray(protocol.framing.HEADER_SIZE))
+        self._buffer = bytearray(1 << 16)
+        self.last_reply: memoryview = memoryview(b"")
+
+    @staticmethod
+    def frame(body_parts: list, buffers: list | None = None) -> list:
+        if buffers:
+            raise ValueError("a stream transport carries one frame per request: no raw buffers")
+        return protocol.frame_parts(body_parts)
+
+    def round_trip_us(self, frame_parts: list) -> float:
+        start = time.perf_counter_ns()
+        write_all(self.writer_fd, frame_parts)
+        if not read_exact(self.reader, self._header):
+            raise EOFError("the server closed the stream")
+        n = protocol.parse_frame_header(self._header)
+        if n > len(self._buffer):
+            self._buffer = bytearray(n)
+        body = memoryview(self._buffer)[:n]
+        if not read_exact(self.reader, body):
+            raise EOFError("the server closed the stream inside a reply")
+        elapsed = time.perf_counter_ns() - start
+        self.last_reply = body
+        return elapsed / 1000.0
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+
+
+class ZmqLane:
+    """A DEALER client of a ZeroMQ endpoint: sends one message, receives one, without copies."""
+
+    def __init__(self, endpoint: str, on_close=None):
+        import zmq
+
+        self.endpoint = endpoint
+        self._on_close = on_close
+        self._context = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self.last_reply: list = []
+
+    @staticmethod
+    def frame(body_parts: list, buffers: list | None = None) -> list:
+        body = body_parts[0] if len(body_parts) == 1 else b"".join(body_parts)
+        return [body, *(buffers or ())]
+
+    def round_trip_us(self, frame_parts: list) -> float:
+        start = time.perf_counter_ns()
+        self._socket.send_multipart(frame_parts, copy=False)
+        frames = self._socket.recv_multipart(copy=False)
+        elapsed = time.perf_counter_ns() - start
+        self.last_reply = frames
+        return elapsed / 1000.0
+
+    def close(self) -> None:
+        self._socket.close()
+        self._context.term()
+        if self._on_close is not None:
+            self._on_close()
+
+
+def connect_unix(path: str, on_close=None) -> StreamLane:
+    """A stream lane over a unix socket connection to `path`; `on_close` runs after it closes."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    reader = sock.makefile("rb", buffering=0)
+
+    def close():
+        reader.close()
+        sock.close()
+        if on_close is not None:
+            on_close()
+
+    return StreamLane(reader, sock.fileno(), close)
+
+
+def connect_zmq(endpoint: str) -> ZmqLane:
+    return ZmqLane(endpoint)
+
+
+# -- the echoes ---------------------------------------------------------------------------------
+
+def _spawn(command: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start an echo that prints where it listens once ready; (process, that line)."""
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = proc.stdout.readline().decode().strip()
+    if not line:
+        proc.wait(START_TIMEOUT_S)
+        raise EchoUnavailable(f"{os.path.basename(command[0])} did not start: {proc.stderr.read().decode().strip()}")
+    return proc, line
+
+
+def _stopper(proc: subprocess.Popen, scratch: tempfile.TemporaryDirectory | None = None):
+    def stop():
+        proc.terminate()
+        proc.wait(5)
+        proc.stdout.close()
+        proc.stderr.close()
+        if scratch is not None:
+            scratch.cleanup()
+
+    return stop
+
+
+def _stdio_floor(reply_sizes: list[int]) -> StreamLane:
+    (size,) = reply_sizes
+    proc = subprocess.Popen([build_echo("pipe_echo"), str(size)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, bufsize=0)
+
+    def stop():
+        proc.stdin.close()
+        proc.wait(5)
+        proc.stdout.close()
+
+    return StreamLane(proc.stdout, proc.stdin.fileno(), stop)
+
+
+def _unix_floor(reply_sizes: list[int]) -> StreamLane:
+    (size,) = reply_sizes
+    scratch = tempfile.TemporaryDirectory(prefix="unix-echo-")
+    proc, path = _spawn([build_echo("unix_echo"), os.path.join(scratch.name, "echo.sock"), str(size)])
+    return connect_unix(path, _stopper(proc, scratch))
+
+
+def _zmq_floor(endpoint_for: Callable[[str], str]) -> Callable[[list[int]], ZmqLane]:
+    def open_lane(reply_sizes: list[int]) -> ZmqLane:
+        scratch = tempfile.TemporaryDirectory(prefix="zmq-echo-")
+        proc, endpoint = _spawn([build_echo("zmq_echo", ("-lzmq",)), endpoint_for(scratch.name),
+                                 *map(str, reply_sizes)])
+        return ZmqLane(endpoint, _stopper(proc, scratch))
+
+    return open_lane
+
+
+FLOORS = {
+    "stdio": _stdio_floor,
+    "unix": _unix_floor,
+    "zmq-ipc": _zmq_floor(lambda scratch: f"ipc://{scratch}/echo.ipc"),
+    "zmq-tcp": _zmq_floor(lambda scratch: "tcp://127.0.0.1:*"),
+}
+_ECHO_PROGRAMS = {"stdio": ("pipe_echo", ()), "unix": ("unix_echo", ()),
+                  "zmq-ipc": ("zmq_echo", ("-lzmq",)), "zmq-tcp": ("zmq_echo", ("-lzmq",))}
+
+
+def floor_missing(transport: str) -> str | None:
+    """Why `transport` can have no echo floor here (no compiler, no libzmq headers), or None."""
+    try:
+        build_echo(*_ECHO_PROGRAMS[transport])
+    except EchoUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def open_floor(transport: str, reply_sizes: list[int]):
+    """A connected lane to a fresh echo for `transport` answering every request with a reply
+    of `reply_sizes`: on a stream transport one item, the reply body's bytes (without the
+    length prefix); on ZeroMQ the bytes of each reply frame (body, then raw buffers)."""
+    if transport not in FLOORS:
+        raise ValueError(f"transport: expected one of {', '.join(FLOORS)}, got {transport!r}")
+    return FLOORS[transport](list(reply_sizes))

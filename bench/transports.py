@@ -1,0 +1,342 @@
+"""Every transport of one server against a raw echo of the same bytes over the same transport,
+in the same run; then many concurrent clients; then the cost of handing a reply to the ZeroMQ
+socket's own thread.
+
+Lanes: stdio (the Port's pipes), unix (a unix socket), zmq-ipc and zmq-tcp (DEALER to ROUTER;
+tensors as raw buffers, zero copy, and zmq-ipc once more with tensors inline). Cases: the
+ExPhil request (32×60×512×16 f32 scan: 8.1 MB in, 3.9 MB out) and a small step (~4 KB: batch
+2, dim 256, state 16, A a server-resident handle). Each iteration times the echo floor
+(bench/floors.py: a C echo answering with a reply of the bridge's reply sizes) and then the
+bridge, with the same client code (bench/floors.py lanes), so the two differ only by the
+server. IPC cost = round trip − server_us (DESIGN §2). Goals (issue 6): the big request's IPC
+cost ≤ 1.3× its echo on unix and zmq ipc; 16 clients pipelining 10,000 requests get every
+reply once, to the right client.
+
+    python -m bench.transports [--iterations 20] [--requests 10000] [--json bench/results/transports.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+import kernels
+import protocol
+from bridge.cli import tune_malloc
+from bridge.client import UnixClient, ZmqClient, to_wire
+
+from .floors import StreamLane, connect_unix, connect_zmq, floor_missing, open_floor
+from .machine import commit_info, machine_info
+from .roundtrip import exphil_inputs, summarize
+
+GOAL_IPC_OVER_ECHO = 1.3
+STEP = {"batch": 2, "dim": 256, "state": 16}
+# (lane, tensors as raw buffers)
+ROWS = [("stdio", False), ("unix", False), ("zmq-ipc", True), ("zmq-ipc", False), ("zmq-tcp", True)]
+CONCURRENT = {"batch": 1, "seq": 4, "dim": 8, "state": 4}
+# Idle time before each timed round trip. After a kernel the server's OpenMP threads keep
+# spinning for a while (libgomp's busy wait); on a small machine that steals the CPU from
+# whatever runs next, so without a pause the echo after each bridge round trip pays for it.
+SETTLE_S = 0.005
+# Untimed round trips before each row's timed ones; and a whole untimed pass over the ExPhil
+# rows first: the server's heap grows to hold several 8 MB requests at once over the first few
+# dozen requests (fresh pages fault at ~2.5 µs each, DESIGN §3), which would land on the
+# first row measured.
+WARMUP = 5
+PIPELINE_DEPTH = 16
+
+
+class Server:
+    """`python -m bridge` with every lane open; stdio is reached through its pipes."""
+
+    def __init__(self, server_args: list[str]):
+        self.scratch = tempfile.TemporaryDirectory(prefix="bench-transports-")
+        self.unix = os.path.join(self.scratch.name, "bridge.sock")
+        self.log = tempfile.TemporaryFile()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bridge", "--device", "cpu", *server_args, "--stdio", "--unix", self.unix,
+             "--zmq", f"ipc://{self.scratch.name}/bridge.ipc", "--zmq", "tcp://:*"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, bufsize=0)
+        self.stdio = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
+        info = self.exchange(self.stdio, "info", {})
+        self.backend = info["backend"]
+        self.endpoints = {"unix": self.unix}
+        for entry in info["transports"]:
+            kind, _, address = entry.partition(" ")
+            if kind == "zmq":
+                self.endpoints["zmq-ipc" if address.startswith("ipc://") else "zmq-tcp"] = address
+
+    def connect(self, lane: str):
+        if lane == "stdio":
+            return self.stdio
+        return connect_unix(self.unix) if lane == "unix" else connect_zmq(self.endpoints[lane])
+
+    @staticmethod
+    def exchange(lane, op: str, args: dict, multipart: bool = False) -> dict:
+        """One request over a raw lane; its result (raises on an error reply)."""
+        buffers = [] if multipart else None
+        body = protocol.encode_request(1, op, {k: to_wire(v) for k, v in args.items()}, buffers=buffers)
+        lane.round_trip_us(lane.frame(body, buffers))
+        reply = decode(lane)
+        if not reply.ok:
+            raise RuntimeError(f"{op}: {reply.error}")
+        return reply.result
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(10)
+        self.proc.stdout.close()
+        self.log.close()
+        self.scratch.cleanup()
+
+
+def decode(lane) -> protocol.Reply:
+    if isinstance(lane, StreamLane):
+        return protocol.decode_reply(lane.last_reply)
+    frames = lane.last_reply
+    return protocol.decode_reply(frames[0].buffer, [f.buffer for f in frames[1:]])
+
+
+def reply_sizes(lane) -> list[int]:
+    if isinstance(lane, StreamLane):
+        return [len(lane.last_reply)]
+    return [len(f) for f in lane.last_reply]
+
+
+def case_request(case: str, server: Server, lane) -> tuple[str, dict]:
+    """(op, args) of a case on a lane (a step needs a session and a handle of that lane's)."""
+    if case == "exphil":
+        return "scan", exphil_inputs()
+    rng = np.random.default_rng()
+    b, d, n = STEP["batch"], STEP["dim"], STEP["state"]
+    A = server.exchange(lane, "put", {"tensor": -rng.uniform(0.1, 2, (d, n)).astype(np.float32)})["handle"]
+    session = server.exchange(lane, "session_open", STEP)["session"]
+    return "step", {"session": session, "A": protocol.HandleRef(A),
+                    "x": rng.standard_normal((b, d), dtype=np.float32),
+                    "dt": rng.uniform(0.01, 0.2, (b, d)).astype(np.float32),
+                    "B": rng.standard_normal((b, n), dtype=np.float32),
+                    "C": rng.standard_normal((b, n), dtype=np.float32)}
+
+
+def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iterations: int) -> dict | None:
+    """The case on one lane, interleaved with its echo floor; with no iterations, only the
+    warm-up round trips (and None)."""
+    lane = server.connect(lane_name)
+    op, args = case_request(case, server, lane)
+    buffers = [] if multipart else None
+    frame = lane.frame(protocol.encode_request(7, op, {k: to_wire(v) for k, v in args.items()}, buffers=buffers),
+                       buffers)
+    lane.round_trip_us(frame)
+    first = decode(lane)
+    if not first.ok:
+        raise RuntimeError(f"{case} on {lane_name}: {first.error}")
+    floor = open_floor(lane_name, reply_sizes(lane))
+    rows = {"round_trip": [], "ipc": [], "echo": [], "bridge_cost": []}
+    stages: dict[str, list[float]] = {}
+    for i in range(WARMUP + iterations):
+        time.sleep(SETTLE_S)
+        echo_us = floor.round_trip_us(frame)
+        time.sleep(SETTLE_S)
+        round_trip_us = lane.round_trip_us(frame)
+        timing = decode(lane).timing
+        if i < WARMUP:
+            continue
+        rows["round_trip"].append(round_trip_us)
+        rows["ipc"].append(round_trip_us - timing["server_us"])
+        rows["echo"].append(echo_us)
+        rows["bridge_cost"].append(round_trip_us - timing.get("kernel_us", 0.0))
+        for key, value in timing.items():
+            stages.setdefault(key, []).append(value)
+    floor.close()
+    if lane_name != "stdio":
+        lane.close()
+    if not iterations:
+        return None
+    summary = {name: summarize(values) for name, values in rows.items()}
+    return {
+        "case": case, "lane": lane_name, "tensors": "raw buffers" if multipart else "inline",
+        "iterations": iterations,
+        "request_bytes": sum(memoryview(p).nbytes for p in frame), "reply_bytes": sum(reply_sizes(lane)),
+        **summary,
+        "stages_p50_us": {k: statistics.median(v) for k, v in stages.items()},
+        "ipc_over_echo": summary["ipc"]["p50_us"] / summary["echo"]["p50_us"],
+        # The quieter fifth of each: less sensitive to load from other processes.
+        "ipc_over_echo_p20": summary["ipc"]["p20_us"] / summary["echo"]["p20_us"],
+    }
+
+
+# -- many clients -----------------------------------------------------------------------------
+
+def concurrent_inputs(count: int, seed: int) -> tuple[dict, np.ndarray]:
+    """`count` distinct small scans (one row each, sharing A) and the reference y of each."""
+    rng = np.random.default_rng(seed)
+    b, l, d, n = count, CONCURRENT["seq"], CONCURRENT["dim"], CONCURRENT["state"]
+    inputs = {"x": rng.standard_normal((b, l, d), dtype=np.float32),
+              "dt": rng.uniform(0.01, 0.5, (b, l, d)).astype(np.float32),
+              "A": -rng.uniform(0.1, 2, (d, n)).astype(np.float32),
+              "B": rng.standard_normal((b, l, n), dtype=np.float32),
+              "C": rng.standard_normal((b, l, n), dtype=np.float32)}
+    t = {k: torch.from_numpy(v).double() for k, v in inputs.items()}
+    y = kernels.selective_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], backend="reference")
+    return inputs, y.float().numpy()
+
+
+def run_clients(server: Server, lane: str, clients: int, requests: int, seed: int) -> dict:
+    inputs, expected = concurrent_inputs(requests, seed)
+    per_client = [range(i, requests, clients) for i in range(clients)]
+    start = threading.Barrier(clients + 1)
+    lost, misrouted, duplicated, latencies = [], [], [], []
+
+    def client_run(index: int):
+        client = UnixClient(server.unix) if lane == "unix" else ZmqClient(server.endpoints[lane])
+        try:
+            start.wait()
+            window: list = []
+            for i in per_client[index]:
+                args = {k: v[i:i + 1] for k, v in inputs.items() if k != "A"}
+                window.append((i, client.submit("scan", {**args, "A": inputs["A"]}, request_id=f"{index}-{i}")))
+                if len(window) >= PIPELINE_DEPTH:
+                    check(*window.pop(0))
+            for item in window:
+                check(*item)
+            time.sleep(0.2)  # a duplicate would have arrived by now
+            duplicated.extend(client.unmatched)
+        finally:
+            client.close()
+
+    def check(i, future):
+        try:
+            reply = future.result(120)
+        except Exception as exc:  # a lost reply
+            lost.append((i, repr(exc)))
+            return
+        latencies.append(reply.round_trip_us)
+        y = reply.result["y"] if reply.ok else None
+        if reply.id != f"{i % clients}-{i}" or y is None or not np.allclose(y[0], expected[i], rtol=3e-4, atol=1e-3):
+            misrouted.append(i)
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client_run, i) for i in range(clients)]
+        start.wait()
+        began = time.perf_counter()
+        for f in futures:
+            f.result()
+        elapsed = time.perf_counter() - began
+    return {"lane": lane, "clients": clients, "requests": requests, "pipeline_depth": PIPELINE_DEPTH,
+            "lost": len(lost), "duplicated": len(duplicated), "misrouted": len(misrouted),
+            "seconds": elapsed, "requests_per_s": requests / elapsed,
+            "latency": summarize(latencies) if latencies else None}
+
+
+# -- the hop to the ZeroMQ socket's thread ----------------------------------------------------
+
+def outbox_hop(samples: int = 2000) -> dict:
+    """Microseconds from `Outbox.post` on one thread to the owner thread, polling the eventfd
+    with zmq.Poller as the transport does, holding the item: the cost of routing each reply to
+    the socket's own thread."""
+    import zmq
+
+    from bridge.transports.zmq import Outbox
+
+    outbox, hops, done = Outbox(), [], threading.Event()
+
+    def owner():
+        poller = zmq.Poller()
+        poller.register(outbox.fd, zmq.POLLIN)
+        while len(hops) < samples:
+            poller.poll()
+            for posted in outbox.take():
+                hops.append((time.perf_counter_ns() - posted) / 1000.0)
+                done.set()
+
+    thread = threading.Thread(target=owner, daemon=True)
+    thread.start()
+    for _ in range(samples):
+        done.clear()
+        outbox.post(time.perf_counter_ns())
+        done.wait(5)
+        time.sleep(0.0002)  # let the owner go back to sleep, as between replies
+    thread.join(5)
+    outbox.close()
+    return summarize(hops)
+
+
+# -- report -----------------------------------------------------------------------------------
+
+def run(args) -> dict:
+    tune_malloc()  # the client reads multi-MB replies into fresh buffers, as the server does
+    for lane in {lane for lane, _ in ROWS}:
+        reason = floor_missing(lane)
+        if reason:
+            raise SystemExit(f"bench.transports: no echo floor for {lane}: {reason}")
+    server = Server(args.server_arg)
+    try:
+        for lane, multipart in ROWS:
+            measure_row(server, "exphil", lane, multipart, iterations=0)
+        rows = [measure_row(server, case, lane, multipart, args.iterations * (1 if case == "exphil" else 5))
+                for case in ("exphil", "step") for lane, multipart in ROWS]
+        concurrency = [run_clients(server, lane, args.clients, args.requests, seed=i)
+                       for i, lane in enumerate(("zmq-ipc", "unix"))]
+    finally:
+        server.close()
+    return {"backend": server.backend, "rows": rows, "concurrency": concurrency, "outbox_hop_us": outbox_hop(),
+            "goals": {"big_ipc_over_echo": GOAL_IPC_OVER_ECHO, "lost_duplicated_misrouted": 0}}
+
+
+def report(result: dict) -> None:
+    print(f"backend {result['backend']}; medians in µs; IPC = round trip - server_us; "
+          f"(p20s): the same ratio of p20s")
+    print(f"{'case':<7} {'lane':<8} {'tensors':<12} {'request':>9} {'reply':>9} {'round trip':>11} "
+          f"{'IPC':>9} {'echo':>9} {'IPC/echo':>8} {'(p20s)':>7}")
+    for r in result["rows"]:
+        print(f"{r['case']:<7} {r['lane']:<8} {r['tensors']:<12} {r['request_bytes']:>9} {r['reply_bytes']:>9} "
+              f"{r['round_trip']['p50_us']:>11.1f} {r['ipc']['p50_us']:>9.1f} {r['echo']['p50_us']:>9.1f} "
+              f"{r['ipc_over_echo']:>8.2f} {r['ipc_over_echo_p20']:>7.2f}")
+    for c in result["concurrency"]:
+        print(f"{c['clients']} clients on {c['lane']}, {c['requests']} pipelined requests: {c['lost']} lost, "
+              f"{c['duplicated']} duplicated, {c['misrouted']} misrouted; {c['requests_per_s']:.0f} req/s, "
+              f"latency p50 {c['latency']['p50_us']:.0f} µs")
+    hop = result["outbox_hop_us"]
+    print(f"reply hop to the zmq thread (Outbox): p50 {hop['p50_us']:.1f} µs (p20 {hop['p20_us']:.1f}, "
+          f"p80 {hop['p80_us']:.1f})")
+    for r in result["rows"]:
+        if r["case"] == "exphil" and (r["lane"], r["tensors"]) in (("unix", "inline"), ("zmq-ipc", "raw buffers")):
+            verdict = "meets" if r["ipc_over_echo"] <= GOAL_IPC_OVER_ECHO else "MISSES"
+            print(f"goal: big request on {r['lane']}: IPC {r['ipc_over_echo']:.2f}× its echo "
+                  f"({verdict} ≤ {GOAL_IPC_OVER_ECHO}×)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iterations", type=int, default=20, help="timed ExPhil round trips per lane (steps: 5×)")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=10_000, help="requests over all concurrent clients, per lane")
+    p.add_argument("--json", help="write results (with machine and commit info) to this file")
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for the server")
+    args = p.parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "transports", "machine": machine_info(), "commit": commit_info(),
+                       "results": result}, f, indent=2)
+        print(f"wrote {args.json}")
+    failed = any(c["lost"] or c["duplicated"] or c["misrouted"] for c in result["concurrency"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

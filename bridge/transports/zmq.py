@@ -1,0 +1,358 @@
+"""The ZeroMQ lane: ROUTER sockets on ipc:// and tcp:// endpoints; one ZeroMQ message is one
+request (SPEC §2): routing id, an empty delimiter when the peer is a REQ socket, the msgpack
+body, then the raw buffers of a multipart request (SPEC §5). Replies go back with the
+sender's envelope.
+
+ZeroMQ sockets are not thread-safe, so one thread ("zmq-io") owns every socket of the lane: it
+receives, hands bodies to the dispatcher (which decodes them on this thread, as on the stdio
+reader), and sends every reply. Replies produced on other threads (the dispatcher's worker)
+are posted to an `Outbox` that wakes the io thread through an eventfd it polls beside the
+sockets.
+
+Bounds and fairness: a peer has at most `max_in_flight` requests in flight (with the
+dispatcher, or answered and not yet sent); its later requests wait in its own queue (at most
+`hwm` of them, after which it is answered `overloaded`), so a peer that floods delays only
+itself. Sockets are ROUTER_MANDATORY: a reply to a peer that is gone fails at once, and the
+peer's sessions and handles are freed; a reply to a live peer whose pipe is full (SNDHWM)
+waits in the peer's own queue and is tried again every RETRY_MS, never blocking the others; a
+peer with `hwm` replies waiting reads none of them, and its further replies are dropped with a
+warning. ZeroMQ does not tell a ROUTER when a peer disconnects (ZMQ_ROUTER_NOTIFY is a draft
+API), so a peer that leaves with nothing in flight keeps its sessions until a reply to it
+fails or the server stops: ZeroMQ clients close their sessions.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import zmq
+
+import protocol
+
+from ..timing import now_ns
+from .base import Connection
+
+log = logging.getLogger("bridge.zmq")
+
+# Messages read from one socket before replies are flushed again.
+RECEIVE_BATCH = 64
+# How often replies to a peer whose pipe was full are tried again.
+RETRY_MS = 2
+# How long closing waits for queued replies to leave.
+LINGER_MS = 200
+LOOPBACK = "127.0.0.1"
+
+
+def resolve_endpoint(endpoint: str) -> str:
+    """The endpoint to bind: `ipc://PATH` as given; `tcp://HOST:PORT` with HOST defaulting to
+    the loopback address (a server is reachable from other hosts only when a host, such as *
+    or an interface address, is named). PORT may be * for any free port."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "ipc" and rest:
+        return endpoint
+    if scheme == "tcp":
+        host, sep, port = rest.rpartition(":")
+        if sep and (port == "*" or port.isdigit()):
+            return f"tcp://{host or LOOPBACK}:{port}"
+    raise ValueError(f"--zmq: expected ipc://PATH or tcp://[HOST]:PORT, got {endpoint!r}")
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE security for tcp endpoints: the server's key pair (z85) and, optionally, a
+    directory of client public-key certificates that alone may connect (without it, any
+    client that knows the server's public key may)."""
+
+    public: bytes
+    secret: bytes
+    clients_dir: str | None = None
+
+    @classmethod
+    def load(cls, secret_file: str, clients_dir: str | None = None) -> "CurveKeys":
+        """From a secret certificate as written by `zmq.auth.create_certificates`."""
+        import zmq.auth
+
+        public, secret = zmq.auth.load_certificate(secret_file)
+        if secret is None:
+            raise ValueError(f"--curve-secret-key {secret_file}: expected a secret certificate "
+                             "(the .key_secret file), got one without a secret key")
+        if clients_dir is not None and not os.path.isdir(clients_dir):
+            raise ValueError(f"--curve-clients {clients_dir}: expected a directory of public certificates")
+        return cls(public, secret, clients_dir)
+
+
+class Outbox:
+    """Messages for sockets owned by one thread, posted from any thread: zmq sockets are not
+    thread-safe, so the owner sends them. `post` wakes the owner through an eventfd it polls."""
+
+    def __init__(self):
+        self._items: collections.deque = collections.deque()
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def post(self, item) -> None:
+        self._items.append(item)
+        os.eventfd_write(self.fd, 1)
+
+    def take(self) -> list:
+        """Everything posted so far, in order (called by the owner when the fd is readable)."""
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+        items = []
+        while self._items:
+            items.append(self._items.popleft())
+        return items
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def split_envelope(frames: list) -> tuple[list, list]:
+    """(envelope, message) of a message received on a ROUTER: the routing id, plus the empty
+    delimiter a REQ peer puts before its message; the message is the body and raw buffers."""
+    if len(frames) >= 3 and len(frames[1]) == 0:
+        return frames[:2], frames[2:]
+    return frames[:1], frames[1:]
+
+
+class ZmqPeer(Connection):
+    """One ZeroMQ peer of one socket: owner of the sessions and handles it opens. Its state
+    is touched only by the io thread, except `send`, which posts."""
+
+    def __init__(self, transport: "ZmqTransport", key: tuple[int, bytes]):
+        super().__init__("zmq")
+        self.transport = transport
+        self.key = key  # (index of its socket, routing id)
+        self.socket = transport.sockets[key[0]]
+        # What replies are sent after: the routing id, and the empty delimiter of a REQ peer.
+        self.envelope: list = [key[1]]
+        # Requests with the dispatcher or answered but not yet sent; requests waiting for one of
+        # those to finish; replies waiting for room in the peer's pipe (ZeroMQ frames, in order).
+        self.in_flight = 0
+        self.waiting: collections.deque = collections.deque()
+        self.unsent: collections.deque = collections.deque()
+
+    def send(self, parts: list, buffers: list | None = None) -> int:
+        self.transport.outbox.post((self, parts, buffers))
+        return sum(memoryview(p).nbytes for p in parts) + sum(memoryview(b).nbytes for b in buffers or ())
+
+
+class ZmqTransport:
+    """One ROUTER socket per endpoint, all served by one io thread."""
+
+    def __init__(self, dispatcher, endpoints: list[str], *, max_frame_size: int, max_in_flight: int,
+                 hwm: int, curve: CurveKeys | None = None):
+        self.dispatcher = dispatcher
+        self.max_frame_size = max_frame_size
+        self.max_in_flight = max_in_flight
+        self.hwm = hwm
+        self.context = zmq.Context(io_threads=1)
+        self.outbox = Outbox()
+        self.endpoints: list[str] = []
+        self.sockets: list[zmq.Socket] = []
+        self._authenticator = None
+        self._peers: dict[tuple[int, bytes], ZmqPeer] = {}
+        self._backlogged: set[ZmqPeer] = set()  # peers with replies waiting for room in their pipe
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zmq-io", daemon=True)
+        try:
+            for endpoint in endpoints:
+                self._bind(resolve_endpoint(endpoint), curve)
+        except Exception:
+            self._close_sockets()
+            raise
+
+    @property
+    def names(self) -> list[str]:
+        """How `info` lists this lane: one entry per bound endpoint."""
+        return [f"zmq {endpoint}" for endpoint in self.endpoints]
+
+    def _bind(self, endpoint: str, curve: CurveKeys | None) -> None:
+        sock = self.context.socket(zmq.ROUTER)
+        self.sockets.append(sock)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        # A bigger single frame is refused by ZeroMQ itself (the peer is disconnected) before
+        # it is buffered; bodies plus raw buffers over the limit are answered frame_too_large.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_size)
+        if curve is not None and endpoint.startswith("tcp://"):
+            if curve.clients_dir is not None and self._authenticator is None:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._authenticator = ThreadAuthenticator(self.context)
+                self._authenticator.start()
+                self._authenticator.configure_curve(domain="*", location=curve.clients_dir)
+            sock.curve_server = True
+            sock.curve_publickey = curve.public
+            sock.curve_secretkey = curve.secret
+        sock.bind(endpoint)
+        self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the io thread, send the replies already posted, and close the sockets (queued
+        messages get LINGER_MS to leave)."""
+        if self._thread.ident is not None:  # started
+            self._stop.set()
+            self.outbox.post(None)
+            self._thread.join(1.0)
+            if self._thread.is_alive():
+                # Its sockets cannot be closed under it (and the context would wait for them).
+                log.error("the zmq io thread did not stop; replies still queued are lost")
+                return
+            self._flush()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self.context.term()
+        self.outbox.close()
+
+    # -- the io thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in self.sockets:
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self.outbox.fd, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(RETRY_MS if self._backlogged else None))
+                for index, sock in enumerate(self.sockets):
+                    if sock in ready:
+                        self._receive(index, sock)
+                self._flush()
+        except Exception:  # a transport fault ends this lane, never silently
+            log.exception("zmq io thread failed")
+
+    def _receive(self, index: int, sock: zmq.Socket) -> None:
+        for _ in range(RECEIVE_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            received_ns = now_ns()
+            envelope, message = split_envelope(frames)
+            routing_id = envelope[0].bytes
+            key = (index, routing_id)
+            peer = self._peers.get(key)
+            if peer is None:
+                peer = self._peers[key] = ZmqPeer(self, key)
+            # A REQ peer's replies need its delimiter; a DEALER's must not have one.
+            peer.envelope = [routing_id, b""] if len(envelope) == 2 else [routing_id]
+            request = (message, received_ns)
+            if peer.in_flight < self.max_in_flight:
+                self._dispatch(peer, request)
+            elif len(peer.waiting) < self.hwm:
+                peer.waiting.append(request)
+            else:
+                self._decline(peer, message)
+
+    def _dispatch(self, peer: ZmqPeer, request: tuple) -> None:
+        message, received_ns = request
+        peer.in_flight += 1
+        try:
+            body, buffers = message[0].buffer, [frame.buffer for frame in message[1:]]
+            size = sum(len(frame) for frame in message)
+            if size > self.max_frame_size:
+                self.dispatcher.on_frame_error(peer, protocol.FrameTooLarge(size, self.max_frame_size),
+                                               received_ns)
+            elif buffers:
+                self.dispatcher.on_frame(peer, body, received_ns, buffers=buffers)
+            else:  # as every other transport calls it
+                self.dispatcher.on_frame(peer, body, received_ns)
+        except Exception:
+            log.exception("%s: dispatching a request failed", peer.id)
+            self._answered(peer)
+
+    def _decline(self, peer: ZmqPeer, message: list) -> None:
+        """Answer `overloaded` at once: the peer has `hwm` requests waiting already."""
+        text = f"more than {self.hwm} requests of this peer waiting; retry later"
+        try:
+            request = protocol.decode_request(message[0].buffer, [frame.buffer for frame in message[1:]])
+        except protocol.ProtocolError as exc:
+            request_id, legacy = exc.request_id, exc.legacy
+        else:
+            legacy = isinstance(request, protocol.LegacyRequest)
+            request_id = None if legacy else request.id
+        parts = (protocol.encode_legacy_reply({"status": "error", "message": text}) if legacy
+                 else protocol.encode_error(request_id, "overloaded", text, {"limit": self.hwm}))
+        self.dispatcher.server.stats.record_error("overloaded")
+        peer.in_flight += 1  # answered like any other request: _flush gives it back
+        peer.send(parts)
+
+    def _flush(self) -> None:
+        for item in self.outbox.take():
+            if item is not None:  # None: close()'s wake-up
+                self._send(*item)
+        for peer in list(self._backlogged):
+            self._send_unsent(peer)
+
+    def _send(self, peer: ZmqPeer, parts: list, buffers: list | None) -> None:
+        if peer.closed:  # it vanished after this request came: nobody to answer
+            self._answered(peer)
+            return
+        # One ZeroMQ frame per body: a body of several parts (big inline tensors) is joined;
+        # raw buffers go as frames of their own, without copies.
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        frames = [*peer.envelope, body, *(buffers or ())]
+        if len(peer.unsent) >= self.hwm:
+            log.warning("%s: reply dropped: the peer reads none of its replies (%d waiting to be sent)",
+                        peer.id, len(peer.unsent))
+            self._answered(peer)
+            return
+        peer.unsent.append(frames)
+        self._send_unsent(peer)
+
+    def _send_unsent(self, peer: ZmqPeer) -> None:
+        """Send the peer's replies in order, until its pipe is full (SNDHWM: they wait for a
+        later round of the loop, which polls briefly while any wait) or it is found gone."""
+        while peer.unsent:
+            try:
+                peer.socket.send_multipart(peer.unsent[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._backlogged.add(peer)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._gone(peer)
+                return
+            peer.unsent.popleft()
+            self._answered(peer)
+        self._backlogged.discard(peer)
+
+    def _gone(self, peer: ZmqPeer) -> None:
+        log.info("%s vanished; %d replies and %d requests of its dropped", peer.id, len(peer.unsent),
+                 len(peer.waiting))
+        peer.waiting.clear()
+        self._backlogged.discard(peer)
+        self._forget(peer)
+        peer.mark_closed()
+        for _ in range(len(peer.unsent)):
+            peer.unsent.popleft()
+            self._answered(peer)
+
+    def _answered(self, peer: ZmqPeer) -> None:
+        peer.in_flight -= 1
+        if peer.waiting and not peer.closed:
+            self._dispatch(peer, peer.waiting.popleft())
+        elif peer.in_flight == 0 and not peer.waiting and not peer.unsent and not peer.has_close_callbacks:
+            # Idle and owning nothing: forget it (a later message makes a fresh peer).
+            self._forget(peer)
+
+    def _forget(self, peer: ZmqPeer) -> None:
+        if self._peers.get(peer.key) is peer:  # not a newer peer with the same routing id
+            del self._peers[peer.key]

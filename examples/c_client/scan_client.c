@@ -1,0 +1,523 @@
+/* scan_client: a C client of the scan-bridge server over ZeroMQ (protocol v1, protocol/SPEC.md).
+ *
+ *   scan_client ENDPOINT [VECTORS_DIR]
+ *
+ * 1. Decodes every golden vector in VECTORS_DIR (default: protocol/vectors, and its multipart/
+ *    directory) and checks each is as valid, or as invalid, as its .json says.
+ * 2. Connects a DEALER socket to ENDPOINT (e.g. ipc:///tmp/bridge.ipc, tcp://127.0.0.1:5555)
+ *    and sends `ping`.
+ * 3. Sends a `scan` on fresh random data twice: tensors inline in the msgpack body, then as raw
+ *    buffers of a multipart message (zero copy both ways); checks y against a scalar C
+ *    reference and prints the server's timing split beside the client's round trip.
+ *
+ * Exits 0 when everything matched, 1 on any mismatch or failure, 2 on bad usage.
+ * Assumes a little-endian host (the wire's byte order for tensor data).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <dirent.h>
+#include <math.h>
+#include <msgpack.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#define REPLY_TIMEOUT_MS 60000
+/* fp32 against a double reference, as the Python tests compare (mamba_ssm's fp32 tolerances). */
+#define RTOL 3e-4
+#define ATOL 1e-3
+#define MAX_PARTS 16
+#define MAX_NAMES 256
+
+static int failures = 0;
+
+static void fail(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "FAIL: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    failures++;
+}
+
+static double now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+/* -- msgpack reading helpers ------------------------------------------------------------- */
+
+static int key_is(const msgpack_object *key, const char *name) {
+    size_t n = strlen(name);
+    return key->type == MSGPACK_OBJECT_STR && key->via.str.size == n && memcmp(key->via.str.ptr, name, n) == 0;
+}
+
+/* The value under `name` in a map, or NULL. */
+static const msgpack_object *get(const msgpack_object *map, const char *name) {
+    if (map == NULL || map->type != MSGPACK_OBJECT_MAP) return NULL;
+    for (uint32_t i = 0; i < map->via.map.size; i++)
+        if (key_is(&map->via.map.ptr[i].key, name)) return &map->via.map.ptr[i].val;
+    return NULL;
+}
+
+static int is_str(const msgpack_object *o, const char *text) { return o != NULL && key_is(o, text); }
+
+/* Item size of a wire dtype code, 0 when unknown. */
+static size_t itemsize(const msgpack_object *dtype) {
+    static const struct { const char *code; size_t size; } codes[] = {
+        {"f32", 4}, {"f16", 2}, {"bf16", 2}, {"f64", 8}, {"i32", 4}, {"i64", 8}, {"u8", 1}};
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++)
+        if (is_str(dtype, codes[i].code)) return codes[i].size;
+    return 0;
+}
+
+/* A message: the msgpack body and the raw buffers after it (a multipart message). */
+typedef struct {
+    const char *data[MAX_PARTS];
+    size_t size[MAX_PARTS];
+    int count;
+} parts_t;
+
+/* A decoded tensor: where its bytes are (inside the body, or a raw buffer) and how many. */
+typedef struct {
+    const char *bytes;
+    size_t nbytes;
+    uint64_t elements;
+} tensor_t;
+
+/* Checks a tensor map {dtype, shape, data | buf} against SPEC §5; NULL when valid, else why. */
+static const char *read_tensor(const msgpack_object *map, const parts_t *parts, int *used, tensor_t *out) {
+    const msgpack_object *dtype = get(map, "dtype"), *shape = get(map, "shape");
+    const msgpack_object *data = get(map, "data"), *buf = get(map, "buf");
+    size_t size = itemsize(dtype);
+    if (size == 0) return "unknown dtype";
+    if (shape == NULL || shape->type != MSGPACK_OBJECT_ARRAY || shape->via.array.size > 8) return "bad shape";
+    uint64_t elements = 1;
+    for (uint32_t i = 0; i < shape->via.array.size; i++) {
+        if (shape->via.array.ptr[i].type != MSGPACK_OBJECT_POSITIVE_INTEGER) return "bad dimension";
+        elements *= shape->via.array.ptr[i].via.u64;
+    }
+    if ((data == NULL) == (buf == NULL) || map->via.map.size != 3) return "not exactly dtype, shape and one of data/buf";
+    if (data != NULL) {
+        if (data->type != MSGPACK_OBJECT_BIN && data->type != MSGPACK_OBJECT_STR) return "data neither bin nor str";
+        out->bytes = data->via.bin.ptr;  /* bin and str share the layout {size, ptr} */
+        out->nbytes = data->via.bin.size;
+    } else {
+        if (buf->type != MSGPACK_OBJECT_POSITIVE_INTEGER || buf->via.u64 + 1 >= (uint64_t)parts->count)
+            return "buf names no raw buffer";
+        out->bytes = parts->data[buf->via.u64 + 1];
+        out->nbytes = parts->size[buf->via.u64 + 1];
+        used[buf->via.u64 + 1] = 1;
+    }
+    out->elements = elements;
+    if (out->nbytes != elements * size) return "tensor size mismatch";
+    return NULL;
+}
+
+/* Every tensor map inside `o` (maps with a dtype key) checked; NULL when all are valid. */
+static const char *check_tensors(const msgpack_object *o, const parts_t *parts, int *used) {
+    if (o->type == MSGPACK_OBJECT_MAP) {
+        if (get(o, "dtype") != NULL) {
+            tensor_t t;
+            return read_tensor(o, parts, used, &t);
+        }
+        for (uint32_t i = 0; i < o->via.map.size; i++) {
+            const char *why = check_tensors(&o->via.map.ptr[i].val, parts, used);
+            if (why) return why;
+        }
+    } else if (o->type == MSGPACK_OBJECT_ARRAY) {
+        for (uint32_t i = 0; i < o->via.array.size; i++) {
+            const char *why = check_tensors(&o->via.array.ptr[i], parts, used);
+            if (why) return why;
+        }
+    }
+    return NULL;
+}
+
+/* Decodes a message as a client would: one msgpack map filling the body, every tensor valid,
+ * every raw buffer named. NULL when it decodes, else why not. */
+static const char *decode_message(const parts_t *parts, msgpack_unpacked *result) {
+    size_t offset = 0;
+    if (msgpack_unpack_next(result, parts->data[0], parts->size[0], &offset) != MSGPACK_UNPACK_SUCCESS)
+        return "not one msgpack value";
+    if (offset != parts->size[0]) return "bytes after the msgpack value";
+    if (result->data.type != MSGPACK_OBJECT_MAP) return "not a map";
+    int used[MAX_PARTS] = {0};
+    const char *why = check_tensors(&result->data, parts, used);
+    if (why) return why;
+    for (int i = 1; i < parts->count; i++)
+        if (!used[i]) return "a raw buffer no tensor names";
+    return NULL;
+}
+
+/* -- golden vectors ------------------------------------------------------------------------ */
+
+static char *read_file(const char *path, size_t *size) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *data = malloc(n + 1);
+    if (data && fread(data, 1, n, f) != (size_t)n) {
+        free(data);
+        data = NULL;
+    }
+    fclose(f);
+    if (data) data[n] = 0;
+    *size = (size_t)n;
+    return data;
+}
+
+/* The string value of `"key": "..."` in a JSON text, copied into out (empty when absent). */
+static void json_string(const char *json, const char *key, char *out, size_t cap) {
+    char pattern[64];
+    snprintf(pattern, sizeof pattern, "\"%s\": \"", key);
+    const char *at = strstr(json, pattern);
+    out[0] = 0;
+    if (!at) return;
+    at += strlen(pattern);
+    size_t n = 0;
+    while (at[n] && at[n] != '"' && n + 1 < cap) n++;
+    memcpy(out, at, n);
+    out[n] = 0;
+}
+
+static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Checks one vector: what decoding finds against what its JSON says. */
+static void check_vector(const char *dir, const char *name) {
+    char path[4096];
+    size_t size, json_size;
+    snprintf(path, sizeof path, "%s/%s.frame", dir, name);
+    char *frame = read_file(path, &size);
+    snprintf(path, sizeof path, "%s/%s.json", dir, name);
+    char *json = read_file(path, &json_size);
+    if (!frame || !json) {
+        fail("vector %s: cannot read its files", name);
+        free(frame);
+        free(json);
+        return;
+    }
+    char kind[32], code[64];
+    json_string(json, "kind", kind, sizeof kind);
+    json_string(json, "code", code, sizeof code);
+    int legacy = strstr(json, "\"legacy\": true") != NULL;
+
+    /* The parts, each length-prefixed (one part except in multipart/). */
+    parts_t parts = {.count = 0};
+    const char *why = NULL;
+    size_t pos = 0;
+    while (pos < size && !why) {
+        if (size - pos < 4 || parts.count == MAX_PARTS) { why = "truncated frame header"; break; }
+        const unsigned char *h = (const unsigned char *)frame + pos;
+        size_t length = ((size_t)h[0] << 24) | ((size_t)h[1] << 16) | ((size_t)h[2] << 8) | h[3];
+        if (length > size - pos - 4) { why = "frame longer than the stream"; break; }
+        parts.data[parts.count] = frame + pos + 4;
+        parts.size[parts.count++] = length;
+        pos += 4 + length;
+    }
+    msgpack_unpacked result;
+    msgpack_unpacked_init(&result);
+    if (!why) why = decode_message(&parts, &result);
+
+    /* Decoding finds malformed bytes and tensors; the server alone finds the rest (an unknown
+     * op, a missing argument, a wrong version, legacy key rules). */
+    int client_detects = strcmp(kind, "invalid_frame") == 0 ||
+        (strcmp(kind, "invalid") == 0 && !legacy &&
+         (!strcmp(code, "decode_error") || !strcmp(code, "tensor_size_mismatch") || !strcmp(code, "unknown_dtype")));
+    if (client_detects && !why)
+        fail("vector %s (%s %s): decoded, but it is malformed", name, kind, code);
+    else if (!client_detects && why)
+        fail("vector %s (%s): %s", name, kind, why);
+    else
+        printf("vector %-28s %-18s %s%s\n", name, kind, why ? "rejected: " : "decoded", why ? why : "");
+    msgpack_unpacked_destroy(&result);
+    free(frame);
+    free(json);
+}
+
+static int check_vectors_in(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    char *names[MAX_NAMES];
+    int count = 0;
+    struct dirent *entry;
+    while ((entry = readdir(d)) != NULL && count < MAX_NAMES) {
+        size_t n = strlen(entry->d_name);
+        if (n > 6 && strcmp(entry->d_name + n - 6, ".frame") == 0) names[count++] = strndup(entry->d_name, n - 6);
+    }
+    closedir(d);
+    qsort(names, count, sizeof names[0], by_name);
+    for (int i = 0; i < count; i++) {
+        check_vector(dir, names[i]);
+        free(names[i]);
+    }
+    return count;
+}
+
+/* -- talking to the server ----------------------------------------------------------------- */
+
+typedef struct {
+    zmq_msg_t frames[MAX_PARTS];
+    parts_t parts;
+    double round_trip_us;
+} reply_t;
+
+static void free_data(void *data, void *hint) { (void)data; (void)hint; }
+
+/* Sends the body and raw buffers as one message (buffers zero copy: they must outlive the
+ * send, which they do here), receives the reply's frames. 0 on success. */
+static int exchange(void *sock, msgpack_sbuffer *body, const parts_t *buffers, reply_t *reply) {
+    double start = now_us();
+    int more = buffers->count > 0 ? ZMQ_SNDMORE : 0;
+    if (zmq_send(sock, body->data, body->size, more) < 0) return -1;
+    for (int i = 0; i < buffers->count; i++) {
+        zmq_msg_t msg;
+        zmq_msg_init_data(&msg, (void *)buffers->data[i], buffers->size[i], free_data, NULL);
+        if (zmq_msg_send(&msg, sock, i + 1 < buffers->count ? ZMQ_SNDMORE : 0) < 0) return -1;
+    }
+    reply->parts.count = 0;
+    do {
+        if (reply->parts.count == MAX_PARTS) return -1;
+        zmq_msg_t *msg = &reply->frames[reply->parts.count];
+        zmq_msg_init(msg);
+        if (zmq_msg_recv(msg, sock, 0) < 0) return -1;
+        reply->parts.data[reply->parts.count] = zmq_msg_data(msg);
+        reply->parts.size[reply->parts.count++] = zmq_msg_size(msg);
+    } while (zmq_msg_more(&reply->frames[reply->parts.count - 1]));
+    reply->round_trip_us = now_us() - start;
+    return 0;
+}
+
+static void close_reply(reply_t *reply) {
+    for (int i = 0; i < reply->parts.count; i++) zmq_msg_close(&reply->frames[i]);
+}
+
+static void pack_string(msgpack_packer *pk, const char *s) { msgpack_pack_str_with_body(pk, s, strlen(s)); }
+
+/* The request envelope up to the args map header. */
+static void pack_envelope(msgpack_packer *pk, uint64_t id, const char *op, size_t n_args) {
+    msgpack_pack_map(pk, 4);
+    pack_string(pk, "v");
+    msgpack_pack_int(pk, 1);
+    pack_string(pk, "id");
+    msgpack_pack_uint64(pk, id);
+    pack_string(pk, "op");
+    pack_string(pk, op);
+    pack_string(pk, "args");
+    msgpack_pack_map(pk, n_args);
+}
+
+/* An f32 tensor: inline as bin, or (with buffers) as the next raw buffer of the message. */
+static void pack_tensor(msgpack_packer *pk, const char *name, const float *values, const int *shape, int ndim,
+                        parts_t *buffers) {
+    size_t elements = 1;
+    for (int i = 0; i < ndim; i++) elements *= (size_t)shape[i];
+    pack_string(pk, name);
+    msgpack_pack_map(pk, 3);
+    pack_string(pk, "dtype");
+    pack_string(pk, "f32");
+    pack_string(pk, "shape");
+    msgpack_pack_array(pk, ndim);
+    for (int i = 0; i < ndim; i++) msgpack_pack_int(pk, shape[i]);
+    if (buffers == NULL) {
+        pack_string(pk, "data");
+        msgpack_pack_bin_with_body(pk, values, elements * sizeof(float));
+    } else {
+        pack_string(pk, "buf");
+        msgpack_pack_int(pk, buffers->count);
+        buffers->data[buffers->count] = (const char *)values;
+        buffers->size[buffers->count++] = elements * sizeof(float);
+    }
+}
+
+/* Prints the reply's timing map and the client's view of the same request. */
+static void print_timing(const char *what, const msgpack_object *reply, double round_trip_us) {
+    const msgpack_object *timing = get(reply, "timing");
+    double server_us = 0;
+    printf("%-16s round trip %9.1f us |", what, round_trip_us);
+    for (uint32_t i = 0; timing && timing->type == MSGPACK_OBJECT_MAP && i < timing->via.map.size; i++) {
+        const msgpack_object *k = &timing->via.map.ptr[i].key, *v = &timing->via.map.ptr[i].val;
+        double value = v->type == MSGPACK_OBJECT_FLOAT64 || v->type == MSGPACK_OBJECT_FLOAT32 ? v->via.f64
+                       : v->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? (double)v->via.u64 : 0;
+        if (key_is(k, "server_us")) server_us = value;
+        printf(" %.*s=%.1f", (int)k->via.str.size, k->via.str.ptr, value);
+    }
+    printf(" | ipc %.1f us\n", round_trip_us - server_us);
+}
+
+/* A fresh xorshift stream: different data on every run. */
+static uint64_t rng_state;
+static float uniform(float low, float high) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return low + (high - low) * (float)((rng_state >> 11) * (1.0 / 9007199254740992.0));
+}
+
+/* The reference: mamba's selective_scan_ref in double, layout bld, with D, z and softplus. */
+static void reference_scan(int b, int l, int d, int n, const float *x, const float *dt, const float *A,
+                           const float *B, const float *C, const float *D, const float *z, double *y) {
+    double *h = calloc((size_t)d * n, sizeof *h);
+    for (int bi = 0; bi < b; bi++) {
+        memset(h, 0, (size_t)d * n * sizeof *h);
+        for (int t = 0; t < l; t++) {
+            size_t row = ((size_t)bi * l + t);
+            for (int c = 0; c < d; c++) {
+                double delta = dt[row * d + c];
+                delta = delta > 20 ? delta : log1p(exp(delta));  /* softplus */
+                double xv = x[row * d + c], acc = 0;
+                for (int s = 0; s < n; s++) {
+                    double *hs = &h[(size_t)c * n + s];
+                    *hs = exp(delta * A[c * n + s]) * *hs + delta * B[row * n + s] * xv;
+                    acc += C[row * n + s] * *hs;
+                }
+                acc += D[c] * xv;
+                double zv = z[row * d + c];
+                y[row * d + c] = acc * zv / (1 + exp(-zv));  /* y * silu(z) */
+            }
+        }
+    }
+    free(h);
+}
+
+static int run_scan(void *sock, int multipart) {
+    enum { BATCH = 2, SEQ = 37, DIM = 12, STATE = 5 };
+    size_t xn = (size_t)BATCH * SEQ * DIM, bn = (size_t)BATCH * SEQ * STATE;
+    float *x = malloc(xn * 4), *dt = malloc(xn * 4), *z = malloc(xn * 4), *A = malloc(DIM * STATE * 4);
+    float *B = malloc(bn * 4), *C = malloc(bn * 4), D[DIM];
+    double *expected = malloc(xn * sizeof *expected);
+    for (size_t i = 0; i < xn; i++) x[i] = uniform(-1, 1), dt[i] = uniform(-1, 1), z[i] = uniform(-2, 2);
+    for (size_t i = 0; i < bn; i++) B[i] = uniform(-1, 1), C[i] = uniform(-1, 1);
+    for (int i = 0; i < DIM * STATE; i++) A[i] = uniform(-2, -0.1f);
+    for (int i = 0; i < DIM; i++) D[i] = uniform(-1, 1);
+    reference_scan(BATCH, SEQ, DIM, STATE, x, dt, A, B, C, D, z, expected);
+
+    msgpack_sbuffer body;
+    msgpack_sbuffer_init(&body);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &body, msgpack_sbuffer_write);
+    parts_t buffers = {.count = 0};
+    parts_t *raw = multipart ? &buffers : NULL;
+    const int xs[] = {BATCH, SEQ, DIM}, bs[] = {BATCH, SEQ, STATE}, as[] = {DIM, STATE}, ds[] = {DIM};
+    pack_envelope(&pk, multipart ? 3 : 2, "scan", 8);
+    pack_tensor(&pk, "x", x, xs, 3, raw);
+    pack_tensor(&pk, "dt", dt, xs, 3, raw);
+    pack_tensor(&pk, "A", A, as, 2, raw);
+    pack_tensor(&pk, "B", B, bs, 3, raw);
+    pack_tensor(&pk, "C", C, bs, 3, raw);
+    pack_tensor(&pk, "D", D, ds, 1, raw);
+    pack_tensor(&pk, "z", z, xs, 3, raw);
+    pack_string(&pk, "dt_softplus");
+    msgpack_pack_true(&pk);
+
+    reply_t reply;
+    int ok = 0;
+    const char *what = multipart ? "scan multipart" : "scan inline";
+    if (exchange(sock, &body, &buffers, &reply) != 0) {
+        fail("%s: no reply: %s", what, zmq_strerror(zmq_errno()));
+        goto done;
+    }
+    msgpack_unpacked result;
+    msgpack_unpacked_init(&result);
+    const char *why = decode_message(&reply.parts, &result);
+    const msgpack_object *y = get(get(&result.data, "result"), "y");
+    tensor_t t;
+    if (why || !get(&result.data, "ok") || !get(&result.data, "ok")->via.boolean || !y) {
+        fail("%s: not an ok reply with y (%s)", what, why ? why : "error reply");
+    } else if ((why = read_tensor(y, &reply.parts, (int[MAX_PARTS]){0}, &t)) != NULL || t.elements != xn) {
+        fail("%s: y is not [%d, %d, %d] f32 (%s)", what, BATCH, SEQ, DIM, why ? why : "wrong size");
+    } else if (multipart != (reply.parts.count > 1)) {
+        fail("%s: the reply should %suse raw buffers", what, multipart ? "" : "not ");
+    } else {
+        size_t bad = 0, worst_at = 0;
+        double worst = 0;
+        for (size_t i = 0; i < xn; i++) {
+            float got;
+            memcpy(&got, t.bytes + i * 4, 4);  /* payloads need not be aligned */
+            double error = fabs(got - expected[i]);
+            if (error > ATOL + RTOL * fabs(expected[i])) bad++;
+            if (error > worst) worst = error, worst_at = i;
+        }
+        if (bad) {
+            fail("%s: %zu of %zu values of y differ from the reference (worst: %g at %zu, expected %g)",
+                 what, bad, xn, worst, worst_at, expected[worst_at]);
+        } else {
+            ok = 1;
+            print_timing(what, &result.data, reply.round_trip_us);
+        }
+    }
+    msgpack_unpacked_destroy(&result);
+    close_reply(&reply);
+done:
+    msgpack_sbuffer_destroy(&body);
+    free(x), free(dt), free(z), free(A), free(B), free(C), free(expected);
+    return ok;
+}
+
+static int run_ping(void *sock) {
+    msgpack_sbuffer body;
+    msgpack_sbuffer_init(&body);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &body, msgpack_sbuffer_write);
+    pack_envelope(&pk, 1, "ping", 0);
+    parts_t none = {.count = 0};
+    reply_t reply;
+    int ok = 0;
+    if (exchange(sock, &body, &none, &reply) != 0) {
+        fail("ping: no reply: %s", zmq_strerror(zmq_errno()));
+    } else {
+        msgpack_unpacked result;
+        msgpack_unpacked_init(&result);
+        const msgpack_object *pong = decode_message(&reply.parts, &result) ? NULL
+                                     : get(get(&result.data, "result"), "pong");
+        if (pong && pong->type == MSGPACK_OBJECT_BOOLEAN && pong->via.boolean) {
+            ok = 1;
+            print_timing("ping", &result.data, reply.round_trip_us);
+        } else {
+            fail("ping: the reply is not {\"pong\": true}");
+        }
+        msgpack_unpacked_destroy(&result);
+        close_reply(&reply);
+    }
+    msgpack_sbuffer_destroy(&body);
+    return ok;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || argc > 3) {
+        fprintf(stderr, "usage: scan_client ENDPOINT [VECTORS_DIR]\n");
+        return 2;
+    }
+    const char *vectors = argc > 2 ? argv[2] : "protocol/vectors";
+    char multipart_dir[4096];
+    snprintf(multipart_dir, sizeof multipart_dir, "%s/multipart", vectors);
+    int single = check_vectors_in(vectors), multi = check_vectors_in(multipart_dir);
+    if (single <= 0 || multi <= 0) fail("no golden vectors in %s and %s", vectors, multipart_dir);
+    else printf("golden vectors: %d checked\n", single + multi);
+
+    rng_state = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ 0x9E3779B97F4A7C15ull;
+    void *context = zmq_ctx_new();
+    void *sock = zmq_socket(context, ZMQ_DEALER);
+    int timeout = REPLY_TIMEOUT_MS, linger = 0;
+    zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger);
+    if (zmq_connect(sock, argv[1]) != 0) {
+        fail("connect %s: %s", argv[1], zmq_strerror(zmq_errno()));
+    } else if (run_ping(sock)) {
+        run_scan(sock, 0);
+        run_scan(sock, 1);
+    }
+    zmq_close(sock);
+    zmq_ctx_term(context);
+    if (failures) fprintf(stderr, "%d failure(s)\n", failures);
+    else printf("all checks passed\n");
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,685 @@
+"""The unix-socket and ZeroMQ lanes end to end, through real server processes: every lane and
+tensor form against the reference, REQ and DEALER peers, many concurrent pipelining clients,
+peers that vanish or stop reading, per-peer bounds, CURVE, and the multipart form (SPEC §5)
+from the protocol layer up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+import protocol
+from bridge.client import UnixClient, ZmqClient
+from bridge.transports.framed import read_exact
+from bridge.transports.zmq import resolve_endpoint, split_envelope
+from kernel_cases import ScanCase, assert_close, make_scan_inputs, reference_scan
+from protocol.vectors import generate
+from test_protocol_vectors import from_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 180.0
+REPLY_TIMEOUT_S = 60.0
+
+
+def numpy_args(inputs: dict) -> dict:
+    return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def check_scan(reply, inputs: dict, what: str = "y") -> None:
+    result = reply.unwrap()
+    y_ref, state_ref = reference_scan(inputs)
+    assert_close(torch.from_numpy(np.array(result["y"])), y_ref, torch.float32, what)
+    if inputs.get("return_state"):
+        assert_close(torch.from_numpy(np.array(result["state"])), state_ref, torch.float32, what + " state")
+
+
+class ServerProcess:
+    """`python -m bridge` with the given transports; its log goes to a file shown on failure."""
+
+    def __init__(self, directory, *args, stdin=subprocess.DEVNULL):
+        self.directory = directory
+        self.log_path = os.path.join(directory, "server.log")
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *args],
+                                         stdin=stdin, stdout=subprocess.DEVNULL, stderr=log, env=env)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_for_path(self, path: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not os.path.exists(path):
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not create {path}:\n{self.log()}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def endpoint_of(info: dict, scheme: str) -> str:
+    """The bound ZeroMQ endpoint of `scheme` (tcp://127.0.0.1:* resolves to a port)."""
+    for entry in info["transports"]:
+        kind, _, address = entry.partition(" ")
+        if kind == "zmq" and address.startswith(scheme):
+            return address
+    raise AssertionError(f"no zmq {scheme} endpoint in {info['transports']}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server with every lane: stdio (its pipes), a unix socket, zmq ipc and zmq tcp."""
+    directory = str(tmp_path_factory.mktemp("lanes"))
+    unix_path = os.path.join(directory, "bridge.sock")
+    srv = ServerProcess(directory, "--stdio", "--unix", unix_path, "--zmq", f"ipc://{directory}/bridge.ipc",
+                        "--zmq", "tcp://:*", stdin=subprocess.PIPE)
+    srv.wait_for_path(unix_path)
+    with UnixClient(unix_path) as probe:
+        info = probe.info()
+    srv.unix = unix_path
+    srv.ipc = endpoint_of(info, "ipc://")
+    srv.tcp = endpoint_of(info, "tcp://")
+    srv.info = info
+    yield srv
+    # stdio is served too, so closing stdin ends the server, as with a Port.
+    srv.proc.stdin.close()
+    assert srv.proc.wait(10) == 0, srv.log()
+
+
+def lane_client(server, lane: str):
+    if lane == "unix":
+        return UnixClient(server.unix)
+    transport, form = lane.split("-")
+    return ZmqClient(getattr(server, transport), multipart=form == "multipart")
+
+
+LANES = [
+    pytest.param("unix", id="unix"),
+    pytest.param("ipc-multipart", id="zmq-ipc-multipart"),
+    pytest.param("ipc-inline", id="zmq-ipc-inline"),
+    pytest.param("tcp-multipart", id="zmq-tcp-multipart"),
+    pytest.param("tcp-inline", id="zmq-tcp-inline"),
+]
+
+
+# -- every lane -------------------------------------------------------------------------------
+
+def test_info_lists_every_lane_and_tcp_binds_loopback(server):
+    kinds = [entry.split(" ", 1)[0] for entry in server.info["transports"]]
+    assert kinds == ["stdio", "unix", "zmq", "zmq"]
+    assert server.tcp.startswith("tcp://127.0.0.1:") and int(server.tcp.rsplit(":", 1)[1]) > 0
+
+
+def test_stdio_is_served_beside_the_sockets(server):
+    # The stdio replies go to the server's stdout, which this test does not read: ask the
+    # server over another lane that the frame arrived and was answered.
+    with UnixClient(server.unix) as client:
+        answered = client.stats()["ops"].get("info", {}).get("success_count", 0)
+        body = msgpack.packb({"v": 1, "id": 5, "op": "info"})
+        server.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        server.proc.stdin.flush()
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while client.stats()["ops"]["info"]["success_count"] < answered + 1:
+            assert time.monotonic() < deadline, "the stdio request was never answered"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("case", [
+    pytest.param(ScanCase(2, 7, 5, 3, D=True, z=True), id="odd"),
+    pytest.param(ScanCase(3, 37, 20, 16, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
+                          clamp=True, h0=True), id="all-options"),
+    pytest.param(ScanCase(1, 300, 129, 16, layout="bdl", D=True), id="big-bdl"),
+])
+def test_scan_matches_reference_on_every_lane(server, lane, case):
+    inputs = make_scan_inputs(case)
+    with lane_client(server, lane) as client:
+        assert client.ping() == {"pong": True}
+        reply = client.scan(**numpy_args(inputs))
+        check_scan(reply, inputs)
+        assert reply.timing["server_us"] > 0
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_sessions_and_handles_on_every_lane(server, lane):
+    inputs = make_scan_inputs(ScanCase(2, 9, 6, 5, D=True))
+    args = numpy_args(inputs)
+    with lane_client(server, lane) as client:
+        handle = client.put(args["A"])
+        session = client.open_session(2, 6, 5)
+        reply = client.scan(**{**args, "A": handle}, session=session)
+        check_scan(reply, inputs)
+        assert_close(torch.from_numpy(np.array(client.session_state(session))),
+                     reference_scan(inputs)[1], torch.float32, "kept state")
+        client.close_session(session)
+        client.free(handle)
+
+
+def zmq_exchange(endpoint: str, frames: list, socket_type=zmq.DEALER, timeout_s=REPLY_TIMEOUT_S) -> list:
+    context = zmq.Context.instance()
+    sock = context.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(frames)
+        if not sock.poll(timeout_s * 1000):
+            raise TimeoutError(f"no reply from {endpoint}")
+        return sock.recv_multipart()
+    finally:
+        sock.close()
+
+
+def scan_message(inputs: dict, request_id, multipart: bool) -> list:
+    wire = {k: protocol.OutTensor("f32", v.shape, v.contiguous().numpy()) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()}
+    buffers = [] if multipart else None
+    parts = protocol.encode_request(request_id, "scan", wire, buffers=buffers)
+    return [b"".join(parts), *map(bytes, buffers or ())]
+
+
+@pytest.mark.parametrize("socket_type", [pytest.param(zmq.DEALER, id="dealer"), pytest.param(zmq.REQ, id="req")])
+@pytest.mark.parametrize("multipart", [pytest.param(True, id="multipart"), pytest.param(False, id="inline")])
+def test_replies_keep_the_peers_envelope_and_the_requests_form(server, socket_type, multipart):
+    inputs = make_scan_inputs(ScanCase(2, 11, 7, 3, return_state=True))
+    frames = zmq_exchange(server.ipc, scan_message(inputs, 41, multipart), socket_type)
+    # REQ strips the delimiter it needs; DEALER gets none: either way the body comes first.
+    body, buffers = frames[0], frames[1:]
+    raw = msgpack.unpackb(body)
+    assert raw["id"] == 41 and raw["ok"] is True
+    if multipart:
+        assert {raw["result"]["y"]["buf"], raw["result"]["state"]["buf"]} == {0, 1} and len(buffers) == 2
+    else:
+        assert "data" in raw["result"]["y"] and buffers == []
+    reply = protocol.decode_reply(body, buffers)
+    y_ref, state_ref = reference_scan(inputs)
+    y = torch.frombuffer(bytearray(reply.result["y"].data), dtype=torch.float32).view(reply.result["y"].shape)
+    assert_close(y, y_ref, torch.float32, "y")
+
+
+@pytest.mark.parametrize("message, code, field", [
+    pytest.param(lambda t: [msgpack.packb({"v": 1, "id": 1, "op": "put", "args": {"tensor": {**t, "buf": 1}}}),
+                            b"\x01" * 12], "invalid_argument", "args.tensor.buf", id="index-out-of-range"),
+    pytest.param(lambda t: [msgpack.packb({"v": 1, "id": 1, "op": "put", "args": {"tensor": {**t, "buf": 0}}}),
+                            b"\x01" * 11], "tensor_size_mismatch", "args.tensor.buf", id="short-buffer"),
+    pytest.param(lambda t: [msgpack.packb({"v": 1, "id": 1, "op": "put", "args": {"tensor": {**t, "buf": 0}}}),
+                            b"\x01" * 12, b"\x02" * 4], "invalid_request", "buffers[1]", id="stray-buffer"),
+    pytest.param(lambda t: [msgpack.packb({"v": 1, "id": 1, "op": "put",
+                                           "args": {"tensor": {**t, "buf": 0, "data": b"\x01" * 12}}}),
+                            b"\x01" * 12], "invalid_argument", "args.tensor", id="buf-and-data"),
+    pytest.param(lambda t: [msgpack.packb({"v": 1, "id": 1, "op": "put", "args": {"tensor": {**t, "buf": 0}}})],
+                 "invalid_argument", "args.tensor.buf", id="no-buffers"),
+    pytest.param(lambda t: [msgpack.packb({"v": 1, "id": 1, "op": "put", "args": {"tensor": {**t, "buf": "0"}}}),
+                            b"\x01" * 12], "invalid_argument", "args.tensor.buf", id="index-not-int"),
+    pytest.param(lambda t: [msgpack.packb({"op": "ping"}), b"\x01" * 12], "invalid_request", "buffers",
+                 id="legacy-with-buffers"),
+    pytest.param(lambda t: [b"\xc1", b"\x01" * 12], "decode_error", None, id="body-not-msgpack"),
+])
+def test_a_malformed_multipart_message_gets_an_error_reply(server, message, code, field):
+    frames = zmq_exchange(server.ipc, message({"dtype": "f32", "shape": [3]}))
+    reply = msgpack.unpackb(frames[0])
+    if field == "buffers":  # a legacy request is answered in the legacy format
+        assert reply["status"] == "error" and "buffers" in reply["message"]
+        return
+    assert reply["ok"] is False and reply["error"]["code"] == code, reply
+    assert reply["error"]["detail"].get("field") == field
+    with ZmqClient(server.ipc) as client:
+        assert client.ping() == {"pong": True}
+
+
+def test_the_legacy_format_is_served_on_the_unix_lane(server):
+    rng = np.random.default_rng()
+    b, l, h, n = 2, 3, 5, 4
+    f32 = lambda *shape: rng.uniform(-1, 1, shape).astype(np.float32)  # noqa: E731
+    x, dt, A, B, C = f32(b, l, h), rng.uniform(0.01, 0.09, (b, l, h)).astype(np.float32), \
+        -rng.uniform(0.1, 2, (h, n)).astype(np.float32), f32(b, l, n), f32(b, l, n)
+    body = msgpack.packb({"op": "scan", "batch": b, "seq_len": l, "hidden": h, "state": n,
+                          "x": x.tobytes(), "dt": dt.tobytes(), "A": A.tobytes(), "B": B.tobytes(),
+                          "C": C.tobytes()}, use_bin_type=False)
+    with UnixClient(server.unix) as client:
+        client.send_raw(body)
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not client.unmatched:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    reply = msgpack.unpackb(client.unmatched[0].extra["raw"], raw=False)
+    assert reply["status"] == "ok" and reply["shape"] == [b, l, h]
+    inputs = {"x": torch.from_numpy(x), "dt": torch.from_numpy(dt), "A": torch.from_numpy(A),
+              "B": torch.from_numpy(B), "C": torch.from_numpy(C), "dt_min": 0.001, "dt_max": 0.1}
+    y = torch.frombuffer(bytearray(reply["result"]), dtype=torch.float32).view(b, l, h)
+    assert_close(y, reference_scan(inputs)[0], torch.float32, "legacy y")
+
+
+# -- many clients -----------------------------------------------------------------------------
+
+CLIENT_LANES = ["ipc-multipart"] * 5 + ["ipc-inline"] * 3 + ["tcp-multipart"] * 2 + ["unix"] * 6
+PIPELINED = 24
+
+
+def test_sixteen_pipelining_clients_each_get_exactly_their_replies(server):
+    assert len(CLIENT_LANES) == 16
+    case = ScanCase(2, 7, 5, 3, D=True, z=True)
+    start = threading.Barrier(len(CLIENT_LANES))
+
+    def run(index: int, lane: str):
+        with lane_client(server, lane) as client:
+            requests = [make_scan_inputs(case) for _ in range(PIPELINED)]
+            start.wait()
+            futures = [client.submit("scan", numpy_args(inputs),
+                                     request_id=f"c{index}-{i}" if i % 2 else index * 1000 + i)
+                       for i, inputs in enumerate(requests)]
+            replies = [f.result(REPLY_TIMEOUT_S) for f in futures]
+            time.sleep(0.1)  # a duplicate reply would land in unmatched by now
+            return lane, requests, replies, list(client.unmatched)
+
+    with ThreadPoolExecutor(len(CLIENT_LANES)) as pool:
+        results = list(pool.map(run, range(len(CLIENT_LANES)), CLIENT_LANES))
+    for index, (lane, requests, replies, unmatched) in enumerate(results):
+        assert unmatched == [], f"client {index} ({lane}) got replies to nothing it asked"
+        for i, (inputs, reply) in enumerate(zip(requests, replies)):
+            assert reply.id == (f"c{index}-{i}" if i % 2 else index * 1000 + i)
+            check_scan(reply, inputs, f"client {index} ({lane}) request {i}")
+
+
+@pytest.mark.parametrize("lane", [pytest.param("unix", id="unix"), pytest.param("ipc-multipart", id="zmq")])
+def test_a_client_that_vanishes_mid_request_disturbs_no_one_and_loses_its_session(server, lane):
+    with UnixClient(server.unix) as observer:
+        sessions_before = observer.stats()["sessions"]["sessions"]
+        leaver = lane_client(server, lane)
+        leaver.open_session(1, 4, 2)
+        assert observer.stats()["sessions"]["sessions"] == sessions_before + 1
+        # Requests quick to send and slow to compute, that keep the server busy well after the
+        # client has gone: it leaves once the first is answered.
+        slow = numpy_args(make_scan_inputs(ScanCase(1, 200, 64, 64, D=True)))
+        futures = [leaver.submit("scan", slow) for _ in range(100)]
+        futures[0].result(REPLY_TIMEOUT_S)
+        if lane == "unix":
+            leaver.sock.shutdown(socket.SHUT_RDWR)  # gone, not a polite half-close
+        leaver.close()
+        stayer_inputs = [make_scan_inputs(ScanCase(2, 7, 5, 3)) for _ in range(8)]
+        with lane_client(server, lane) as stayer:
+            futures = [stayer.submit("scan", numpy_args(i)) for i in stayer_inputs]
+            for inputs, future in zip(stayer_inputs, futures):
+                check_scan(future.result(REPLY_TIMEOUT_S), inputs)
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while observer.stats()["sessions"]["sessions"] != sessions_before:
+            assert time.monotonic() < deadline, "the vanished client's session was never freed"
+            time.sleep(0.1)
+
+
+def test_closing_a_unix_connection_frees_its_sessions_and_handles(server):
+    with UnixClient(server.unix) as observer:
+        before = observer.stats()
+        with UnixClient(server.unix) as owner:
+            owner.open_session(2, 3, 4)
+            owner.put(np.random.default_rng().standard_normal((5, 3), dtype=np.float32))
+            during = observer.stats()
+            assert during["sessions"]["sessions"] == before["sessions"]["sessions"] + 1
+            assert during["handles"]["handles"] == before["handles"]["handles"] + 1
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while True:
+            after = observer.stats()
+            if (after["sessions"]["sessions"], after["handles"]["handles"]) == \
+                    (before["sessions"]["sessions"], before["handles"]["handles"]):
+                break
+            assert time.monotonic() < deadline, "the closed connection's session and handle were never freed"
+            time.sleep(0.05)
+
+
+# -- bounds: a server with small limits -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("limited"))
+    unix_path = os.path.join(directory, "bridge.sock")
+    srv = ServerProcess(directory, "--unix", unix_path, "--zmq", f"ipc://{directory}/bridge.ipc",
+                        "--max-in-flight-per-peer", "2", "--zmq-hwm", "3", "--max-connections", "4",
+                        "--max-frame-size", "3000000")
+    srv.wait_for_path(unix_path)
+    srv.unix, srv.ipc = unix_path, f"ipc://{directory}/bridge.ipc"
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_a_unix_peer_that_reads_nothing_does_not_hold_up_the_others(limited):
+    # Replies of ~1 MB each: the stuck peer's socket buffer fills at once.
+    inputs = make_scan_inputs(ScanCase(1, 1024, 256, 4))
+    message = protocol.frame_parts(protocol.encode_request(
+        1, "scan", {k: protocol.OutTensor("f32", v.shape, v.numpy()) if isinstance(v, torch.Tensor) else v
+                    for k, v in inputs.items()}))
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.connect(limited.unix)
+    frame = b"".join(message)
+    sender = threading.Thread(target=lambda: [stuck.sendall(frame) for _ in range(6)], daemon=True)
+    sender.start()
+    try:
+        time.sleep(1.0)  # its replies pile up unread; its later requests wait, unread
+        with UnixClient(limited.unix) as other:
+            for _ in range(5):
+                started = time.monotonic()
+                assert other.ping() == {"pong": True}
+                assert time.monotonic() - started < 2.0
+        # Once it reads, it gets every reply, in order and whole.
+        reader = stuck.makefile("rb", buffering=0)
+        header = memoryview(bytearray(4))
+        for _ in range(6):
+            assert read_exact(reader, header)
+            body = memoryview(bytearray(protocol.parse_frame_header(header)))
+            assert read_exact(reader, body)
+            reply = protocol.decode_reply(body)
+            assert reply.ok, reply.error
+            assert_close(torch.frombuffer(bytearray(reply.result["y"].data), dtype=torch.float32).view(1, 1024, 256),
+                         reference_scan(inputs)[0], torch.float32, "y")
+        reader.close()
+    finally:
+        stuck.close()
+
+
+def test_a_zmq_peer_past_its_queue_is_answered_overloaded_and_others_are_served(limited):
+    context = zmq.Context.instance()
+    flood = context.socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(limited.ipc)
+    # Each takes the server far longer to compute than to receive: they all arrive while the
+    # first are computed.
+    inputs = make_scan_inputs(ScanCase(1, 1000, 128, 64))
+    sent = 30
+    message = scan_message(inputs, 0, multipart=True)
+    for i in range(sent):
+        body = b"".join(protocol.encode_request(i, "scan", {k: protocol.OutTensor("f32", v.shape, v.numpy())
+                                                             if isinstance(v, torch.Tensor) else v
+                                                             for k, v in inputs.items()}, buffers=[]))
+        flood.send_multipart([body, *message[1:]])
+    with ZmqClient(limited.ipc) as other:
+        assert other.ping() == {"pong": True}
+    codes = {}
+    while len(codes) < sent:
+        assert flood.poll(REPLY_TIMEOUT_S * 1000), f"replies to {sorted(set(range(sent)) - set(codes))} never came"
+        frames = flood.recv_multipart()
+        reply = protocol.decode_reply(frames[0], frames[1:])
+        assert reply.id not in codes, f"two replies to {reply.id}"
+        codes[reply.id] = "ok" if reply.ok else reply.error["code"]
+    flood.close()
+    # 2 in flight + 3 waiting are served; what came while all 5 were taken is declined.
+    assert set(codes.values()) == {"ok", "overloaded"}, codes
+    assert list(codes.values()).count("ok") >= 5
+
+
+def raw_ping(path: str):
+    """(socket, reply, closed) of a ping on a fresh unix connection; the socket is left open;
+    `closed`: an error reply was followed by the server closing the connection."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    try:
+        sock.sendall(b"".join(protocol.frame_parts(protocol.encode_request(1, "ping"))))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # turned away and closed already: its one reply is waiting to be read
+    reader = sock.makefile("rb", buffering=0)
+    header = memoryview(bytearray(4))
+    assert read_exact(reader, header)
+    body = memoryview(bytearray(protocol.parse_frame_header(header)))
+    assert read_exact(reader, body)
+    reply = protocol.decode_reply(body)
+    closed = False
+    if not reply.ok:
+        try:
+            closed = reader.read(1) == b""
+        except ConnectionResetError:  # closed with our ping unread
+            closed = True
+    reader.close()
+    return sock, reply, closed
+
+
+def test_a_connection_past_the_cap_is_answered_overloaded_and_closed(limited):
+    # Connections of earlier tests close once their last reply is written: wait for them.
+    for _ in range(50):
+        kept, turned_away = [], None
+        for _ in range(5):
+            sock, reply, closed = raw_ping(limited.unix)
+            if reply.ok:
+                kept.append(sock)
+            else:
+                turned_away = (reply, closed)
+                sock.close()
+                break
+        for sock in kept:
+            sock.close()
+        if len(kept) == 4:
+            break
+        time.sleep(0.1)
+    assert len(kept) == 4 and turned_away is not None
+    reply, closed = turned_away
+    assert reply.id is None and reply.error["code"] == "overloaded" and reply.error["detail"]["limit"] == 4
+    assert closed
+
+
+def test_a_zmq_message_over_the_frame_limit_is_answered_frame_too_large(limited):
+    frames = zmq_exchange(limited.ipc, [msgpack.packb({"v": 1, "id": 3, "op": "ping"}),
+                                        b"\x01" * 2_000_000, b"\x02" * 1_500_000])
+    reply = msgpack.unpackb(frames[0])
+    assert reply["error"]["code"] == "frame_too_large" and reply["error"]["detail"]["limit"] == 3_000_000
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+
+def test_a_socket_only_server_ignores_stdin_and_stops_on_sigterm(tmp_path):
+    unix_path = str(tmp_path / "s.sock")
+    srv = ServerProcess(str(tmp_path), "--unix", unix_path, "--zmq", f"ipc://{tmp_path}/z.ipc",
+                        stdin=subprocess.PIPE)
+    srv.wait_for_path(unix_path)
+    srv.proc.stdin.close()  # a Port-mode server would exit now
+    with UnixClient(unix_path) as client:
+        time.sleep(0.3)
+        assert client.ping() == {"pong": True}
+    started = time.monotonic()
+    assert srv.stop() == 0, srv.log()
+    assert time.monotonic() - started < 1.0
+    assert not os.path.exists(unix_path)
+
+
+def test_curve_admits_only_known_clients(tmp_path):
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    clients = tmp_path / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    server_public_file, server_secret_file = zmq.auth.create_certificates(str(keys), "server")
+    known_public_file, known_secret_file = zmq.auth.create_certificates(str(clients), "known")
+    os.rename(known_secret_file, keys / "known.key_secret")  # the server sees only public keys
+    unix_path = str(tmp_path / "s.sock")
+    srv = ServerProcess(str(tmp_path), "--unix", unix_path, "--zmq", "tcp://:*",
+                        "--curve-secret-key", server_secret_file, "--curve-clients", str(clients))
+    try:
+        srv.wait_for_path(unix_path)
+        with UnixClient(unix_path) as probe:
+            endpoint = endpoint_of(probe.info(), "tcp://")
+        server_public, _ = zmq.auth.load_certificate(server_public_file)
+        known = zmq.auth.load_certificate(str(keys / "known.key_secret"))
+        with ZmqClient(endpoint, curve_server_key=server_public, curve_keypair=known) as client:
+            assert client.ping() == {"pong": True}
+        for stranger in ({"curve_server_key": server_public}, {}):  # unknown key; no CURVE at all
+            with ZmqClient(endpoint, **stranger) as client:
+                with pytest.raises(TimeoutError):
+                    client.request("ping", timeout=1.5)
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+# -- in process: endpoints, lane setup, the multipart form ------------------------------------
+
+@pytest.mark.parametrize("given, bound", [
+    pytest.param("tcp://:5555", "tcp://127.0.0.1:5555", id="no-host-is-loopback"),
+    pytest.param("tcp://:*", "tcp://127.0.0.1:*", id="any-port-on-loopback"),
+    pytest.param("tcp://*:5555", "tcp://*:5555", id="every-interface-when-named"),
+    pytest.param("tcp://10.1.2.3:7", "tcp://10.1.2.3:7", id="named-address"),
+    pytest.param("ipc:///tmp/x.ipc", "ipc:///tmp/x.ipc", id="ipc"),
+])
+def test_endpoints_bind_loopback_unless_a_host_is_named(given, bound):
+    assert resolve_endpoint(given) == bound
+
+
+@pytest.mark.parametrize("endpoint", [
+    pytest.param("tcp://localhost", id="no-port"), pytest.param("inproc://x", id="inproc"),
+    pytest.param("ipc://", id="no-path"), pytest.param("127.0.0.1:5555", id="no-scheme"),
+])
+def test_bad_endpoints_are_refused_with_what_was_expected(endpoint):
+    with pytest.raises(ValueError, match="expected ipc://PATH or tcp://"):
+        resolve_endpoint(endpoint)
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--zmq", "ipc:///tmp/x.ipc", "--curve-secret-key", "k"], "no --zmq tcp://", id="curve-without-tcp"),
+    pytest.param(["--unix", "u.sock", "--curve-clients", "d"], "--curve-secret-key too", id="clients-without-key"),
+])
+def test_lane_options_that_cannot_work_are_refused(argv, message):
+    from bridge.cli import build_parser, open_lanes
+
+    with pytest.raises(ValueError, match=message):
+        open_lanes(build_parser().parse_args(argv), dispatcher=None)
+
+
+def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):
+    from bridge.transports.unix import UnixTransport
+
+    options = dict(max_frame_size=1024, max_in_flight=1, max_connections=1)
+    path = str(tmp_path / "live.sock")
+    live = UnixTransport(None, path, **options)
+    with pytest.raises(OSError, match="another server is listening"):
+        UnixTransport(None, path, **options)
+    live.close()
+    assert not os.path.exists(path)
+    stale = str(tmp_path / "stale.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(stale)  # a server that died without removing its socket file
+    dead.close()
+    UnixTransport(None, stale, **options).close()
+    (tmp_path / "file").write_text("data")
+    with pytest.raises(OSError, match="non-socket file"):
+        UnixTransport(None, str(tmp_path / "file"), **options)
+    assert (tmp_path / "file").read_text() == "data"
+
+
+@pytest.mark.parametrize("frames, envelope, message", [
+    pytest.param([b"id", b"body"], [b"id"], [b"body"], id="dealer"),
+    pytest.param([b"id", b"body", b"buf"], [b"id"], [b"body", b"buf"], id="dealer-multipart"),
+    pytest.param([b"id", b"", b"body"], [b"id", b""], [b"body"], id="req"),
+    pytest.param([b"id", b"", b"body", b"buf"], [b"id", b""], [b"body", b"buf"], id="req-multipart"),
+    pytest.param([b"id", b""], [b"id"], [b""], id="dealer-empty-body"),
+])
+def test_the_envelope_is_the_routing_id_and_a_req_delimiter(frames, envelope, message):
+    assert split_envelope(frames) == (envelope, message)
+
+
+def random_tensor(rng, dtype: str, shape) -> protocol.OutTensor:
+    values = rng.uniform(-4, 4, shape) if dtype in ("f32", "f64") else rng.integers(1, 100, shape)
+    array = values.astype({"f32": np.float32, "f64": np.float64, "i32": np.int32, "u8": np.uint8}[dtype])
+    return protocol.OutTensor(dtype, shape, array)
+
+
+@pytest.mark.parametrize("dtypes", [
+    pytest.param(("f32",), id="one"), pytest.param(("f32", "f64", "i32", "u8"), id="mixed"),
+])
+def test_multipart_requests_decode_to_views_of_the_buffers(dtypes):
+    rng = np.random.default_rng()
+    tensors = {f"t{i}": random_tensor(rng, dtype, (3, 5 + i)) for i, dtype in enumerate(dtypes)}
+    buffers = []
+    body = b"".join(protocol.encode_request(9, "put", {"tensor": tensors["t0"]}, buffers=buffers))
+    assert msgpack.unpackb(body)["args"]["tensor"] == {"dtype": dtypes[0], "shape": [3, 5], "buf": 0}
+    received = [bytearray(b) for b in buffers]
+    request = protocol.decode_request(body, received)
+    assert request.multipart and bytes(request.args["tensor"].data) == bytes(tensors["t0"].data)
+    received[0][0] ^= 0xFF  # a view, not a copy
+    assert bytes(request.args["tensor"].data) == bytes(received[0])
+    buffers = []
+    parts = protocol.encode_reply(9, {"out": tensors}, {"server_us": 1.5}, buffers=buffers)
+    assert len(buffers) == len(dtypes)
+    reply = protocol.decode_reply(b"".join(parts), buffers)
+    for name, tensor in tensors.items():
+        got = reply.result["out"][name]
+        assert (got.dtype, got.shape, bytes(got.data)) == (tensor.dtype, tensor.shape, bytes(tensor.data))
+
+
+def test_inline_requests_are_not_multipart():
+    body = b"".join(protocol.encode_request(1, "ping", {}))
+    assert protocol.decode_request(body).multipart is False
+
+
+def test_encoders_want_an_empty_list_for_buffers():
+    with pytest.raises(ValueError, match="empty list"):
+        protocol.encode_request(1, "ping", {}, buffers=[b"left over"])
+
+
+@pytest.mark.parametrize("frames, field", [
+    pytest.param(lambda body, data: [body], "result.y", id="missing-buffer"),
+    pytest.param(lambda body, data: [body, data, b"x"], "buffers[1]", id="stray-buffer"),
+    pytest.param(lambda body, data: [body, data[:-1]], "result.y", id="short-buffer"),
+])
+def test_a_malformed_multipart_reply_is_a_decode_error(frames, field):
+    data = np.random.default_rng().standard_normal(6).astype(np.float32)
+    buffers = []
+    body = b"".join(protocol.encode_reply(4, {"y": protocol.OutTensor("f32", (2, 3), data)}, {}, buffers=buffers))
+    with pytest.raises(protocol.DecodeError) as info:
+        message = frames(body, bytes(buffers[0]))
+        protocol.decode_reply(message[0], message[1:])
+    assert info.value.detail["field"] == field
+
+
+# -- the multipart golden vectors (protocol/vectors/multipart) --------------------------------
+
+MULTIPART_VECTORS = generate.build_multipart_vectors()
+
+
+def test_multipart_vector_files_are_exactly_what_the_generator_builds():
+    on_disk = {p.name for p in generate.MULTIPART_DIR.iterdir() if p.suffix in (".frame", ".json")}
+    assert on_disk == {f"{name}.{ext}" for name, _, _ in MULTIPART_VECTORS for ext in ("frame", "json")}, \
+        "run: python -m protocol.vectors.generate"
+    for name, frame, doc in MULTIPART_VECTORS:
+        assert (generate.MULTIPART_DIR / f"{name}.frame").read_bytes() == frame, name
+        assert (generate.MULTIPART_DIR / f"{name}.json").read_bytes() == generate.render_json(doc), name
+        assert f"`{name}`" in (generate.VECTORS_DIR.parent / "SPEC.md").read_text(), name
+
+
+@pytest.mark.parametrize("frame, doc", [pytest.param(frame, doc, id=name) for name, frame, doc in MULTIPART_VECTORS])
+def test_multipart_vectors_decode_as_described(frame, doc):
+    body, *buffers = protocol.FrameDecoder().feed(frame)
+    message = from_json(doc["message"])
+    assert [bytes(b) for b in buffers] == [from_json(b) for b in doc["buffers"]]
+    assert msgpack.unpackb(body) == message
+    if doc["kind"] == "multipart_request":
+        request = protocol.decode_request(body, buffers)
+        assert request.multipart and (request.id, request.op) == (message["id"], message["op"])
+        tensors = request.args
+    else:
+        reply = protocol.decode_reply(body, buffers)
+        assert (reply.id, reply.ok, reply.timing) == (message["id"], message["ok"], message["timing"])
+        tensors = reply.result
+    described = message["args"] if doc["kind"] == "multipart_request" else message["result"]
+    for name, value in described.items():
+        if isinstance(value, dict):
+            expected = buffers[value["buf"]] if "buf" in value else value["data"]
+            assert (tensors[name].dtype, list(tensors[name].shape)) == (value["dtype"], value["shape"])
+            assert bytes(tensors[name].data) == bytes(expected)
