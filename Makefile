@@ -39,8 +39,9 @@ kernels: $(STAMP)
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The main job: where the time goes, per transport and payload size, against each lane's echo floor.
 bench: setup
-	$(PY) -m bench.roundtrip --json bench/results/roundtrip-stdio.json
+	$(PY) -m bridge.bench --quick --json bench/results/bridge-bench-quick.json --plot docs/bridge-bench.png
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

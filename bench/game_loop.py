@@ -29,7 +29,7 @@ import numpy as np
 
 import protocol
 from bridge.client import PortClient, to_wire
-from bridge.transports.stdio import read_exact, write_all
+from bridge.transports.framed import read_exact, write_all
 
 from .machine import commit_info, machine_info
 

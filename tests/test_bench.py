@@ -1,0 +1,255 @@
+"""`python -m bridge.bench`: the stage split adds up, the JSON schema holds still, `--quick`
+runs end to end, and `--baseline` compares with another Port-style server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bridge.bench import plot as plot_mod
+from bridge.bench.baseline import run_baseline
+from bridge.bench.cases import Case, parse_sizes
+from bridge.bench.lanes import TRANSPORTS, BenchError, SpawnedServer, choose_transports
+from bridge.bench.measure import (STAGES, TimingMissing, fit_latency, make_row, measure_case,
+                                  stage_split)
+from bridge.client import Reply
+
+SERVER = [sys.executable, "-m", "bridge", "--device", "cpu"]
+
+# The JSON schema, spelled out: changing a key breaks whoever reads bench/results, so it must
+# be a deliberate change here too.
+TOP_KEYS = {"benchmark", "schema_version", "machine_info", "commit_info", "config", "rows", "fits",
+            "baseline_command", "baseline", "skipped", "elapsed_s"}
+ROW_KEYS = [
+    "transport", "backend", "device", "case", "op",
+    "batch", "seq", "dim", "state", "iterations", "request_bytes", "reply_bytes",
+    "round_trip_p50_us", "round_trip_p90_us", "round_trip_p99_us",
+    "client_encode_p50_us", "client_encode_p90_us", "client_encode_p99_us",
+    "server_decode_p50_us", "server_decode_p90_us", "server_decode_p99_us",
+    "queue_p50_us", "queue_p90_us", "queue_p99_us",
+    "h2d_p50_us", "h2d_p90_us", "h2d_p99_us",
+    "kernel_p50_us", "kernel_p90_us", "kernel_p99_us",
+    "d2h_p50_us", "d2h_p90_us", "d2h_p99_us",
+    "server_encode_p50_us", "server_encode_p90_us", "server_encode_p99_us",
+    "server_other_p50_us", "server_other_p90_us", "server_other_p99_us",
+    "client_decode_p50_us", "client_decode_p90_us", "client_decode_p99_us",
+    "transport_p50_us", "transport_p90_us", "transport_p99_us",
+    "floor_p50_us", "floor_p90_us", "floor_p99_us",
+    "ipc_over_floor_ratio", "overhead_over_floor_ratio", "fits_60fps",
+]
+FIT_KEYS = {"transport", "backend", "measure", "points", "intercept_us", "slope_us_per_mb",
+            "bandwidth_gb_per_s", "max_error_ratio"}
+BASELINE_KEYS = {"case", "seq", "request_bytes", "bridge_reply_bytes", "baseline_reply_bytes", "iterations",
+                 "bridge_p50_us", "bridge_p90_us", "bridge_p99_us", "baseline_p50_us", "baseline_p90_us",
+                 "baseline_p99_us", "baseline_over_bridge_ratio", "results_agree"}
+UNIT_SUFFIXES = ("_us", "_bytes", "_ratio", "_gb_per_s", "_us_per_mb", "_s")
+COUNTS = {"batch", "seq", "dim", "state", "iterations", "points", "schema_version"}
+
+
+def check_units(mapping: dict, where: str) -> None:
+    """Every number is named with its unit, or is a count."""
+    for key, value in mapping.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            assert key in COUNTS or key.endswith(UNIT_SUFFIXES), f"{where}: {key!r} has no unit suffix"
+
+
+@pytest.fixture(scope="module")
+def server():
+    specs, _ = choose_transports(None)
+    with SpawnedServer(specs, ["--device", "cpu"]) as spawned:
+        yield spawned
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("case", [
+    pytest.param(Case("step", 1, batch=3, dim=37, state=5), id="step-odd"),
+    pytest.param(Case("scan", 7, batch=2, dim=33, state=3), id="scan-odd"),
+    pytest.param(Case("scan", 60), id="scan-exphil-window"),
+])
+def test_stages_sum_to_the_round_trip(server, transport, case):
+    if TRANSPORTS[transport].missing():
+        pytest.skip(f"this checkout has no {transport} client: {TRANSPORTS[transport].missing()}")
+    # A transport this checkout has a client for must be served, and answer.
+    lane = next((lane for lane in server.lanes if lane.transport == transport), None)
+    assert lane is not None, server.skipped
+    samples = measure_case(case, [lane], iterations=4, warmup=1, max_seconds=30.0,
+                           seed=np.random.SeedSequence().entropy % 2**32)[transport]
+    assert len(samples.round_trip_us) == 4
+    for i, round_trip in enumerate(samples.round_trip_us):
+        stages = {stage: samples.stages_us[stage][i] for stage in STAGES}
+        # Every stage, including the two the measured ones leave over, is a real share of the
+        # round trip: the server's stages fit in server_us, and server_us in the round trip.
+        negative = {stage: us for stage, us in stages.items() if us < 0}
+        assert not negative, f"iteration {i}: stages below zero {negative}"
+        assert sum(stages.values()) == pytest.approx(round_trip, rel=1e-9)
+    assert samples.request_bytes > sum(4 * np.prod(s) for s in _shapes(case)) > 0
+    if lane.make_floor is not None:
+        assert len(samples.floor_us) == 4 and min(samples.floor_us) > 0
+    row = make_row(case, transport, server.backend, server.device, samples)
+    assert list(row) == ROW_KEYS
+    assert row["round_trip_p50_us"] <= row["round_trip_p90_us"] <= row["round_trip_p99_us"]
+
+
+def _shapes(case: Case) -> list[tuple[int, ...]]:
+    lead = (case.batch,) if case.op == "step" else (case.batch, case.seq)
+    return [(*lead, case.dim)] * 2 + [(case.dim, case.state)] + [(*lead, case.state)] * 2
+
+
+def test_stage_split_names_missing_timing_keys():
+    reply = Reply(1, True, {}, None, {"decode_us": 1.0, "server_us": 5.0}, round_trip_us=9.0)
+    with pytest.raises(TimingMissing, match="kernel_us"):
+        stage_split(reply)
+
+
+def test_fit_recovers_a_line():
+    rng = np.random.default_rng()
+    intercept, slope = rng.uniform(5, 500), rng.uniform(1e-4, 1e-2)  # µs, µs per byte
+    sizes = np.array([4097, 168_193, 2_062_339, 8_143_043, 67_076_101], dtype=np.float64)
+    fit = fit_latency(sizes, intercept + slope * sizes)
+    assert fit["intercept_us"] == pytest.approx(intercept, rel=1e-6)
+    assert fit["slope_us_per_mb"] == pytest.approx(slope * 1e6, rel=1e-6)
+    assert fit["bandwidth_gb_per_s"] == pytest.approx(1 / slope / 1000, rel=1e-6)
+    assert fit["max_error_ratio"] < 1e-6
+    assert fit_latency([4097, 4097], [10.0, 11.0]) is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    pytest.param("step,15,60", [Case("step", 1), Case("scan", 15), Case("scan", 60)], id="mixed"),
+    pytest.param(" 7 ", [Case("scan", 7)], id="spaces"),
+])
+def test_parse_sizes(text, expected):
+    assert parse_sizes(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    pytest.param("step,0", "got '0'", id="zero"),
+    pytest.param("60,big", "got 'big'", id="word"),
+    pytest.param("15,15", "twice", id="repeat"),
+    pytest.param("", "got ''", id="empty"),
+])
+def test_parse_sizes_rejects(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_sizes(text)
+
+
+def test_plot_says_why_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib → ImportError
+    reason = plot_mod.plot([], str(tmp_path / "x.png"), {}, "title")
+    assert "matplotlib is not installed" in reason
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_quick_end_to_end(tmp_path):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run([sys.executable, "-m", "bridge.bench", "--quick", "--device", "cpu",
+                           "--sizes", "step,3", "--json", str(out_json), "--plot", str(out_png)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "transport" in proc.stdout and "latency ≈ a + b·bytes" in proc.stdout
+    assert "60 FPS frame" in proc.stdout
+    document = json.loads(out_json.read_text())
+    assert set(document) == TOP_KEYS
+    assert document["benchmark"] == "bridge-bench" and document["schema_version"] == 1
+    assert {"cpu_model", "cpu_count", "torch", "python"} <= set(document["machine_info"])
+    assert {"commit", "dirty", "branch"} <= set(document["commit_info"])
+    rows = document["rows"]
+    served = [name for name, spec in TRANSPORTS.items() if not spec.missing()]
+    assert [(r["transport"], r["case"]) for r in rows] == [(t, c) for c in ("step", "scan L=3") for t in served], \
+        document["skipped"]
+    for row in rows:
+        assert list(row) == ROW_KEYS
+        check_units(row, f"row {row['case']}")
+        assert row["iterations"] >= 3
+    for fit in document["fits"]:
+        assert set(fit) == FIT_KEYS
+        check_units(fit, "fit")
+    check_units(document, "document")
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "no plot: matplotlib is not installed" in proc.stdout
+    else:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("command", [
+    pytest.param(SERVER, id="our-own-server"),
+    pytest.param([sys.executable, "-m", "bridge.bench.exphil_standin"], id="exphil-standin"),
+])
+def test_baseline_compares_exphil_requests(command):
+    cases = [Case("scan", 1), Case("scan", 5, batch=3, dim=7, state=3)]
+    rows = run_baseline(shlex.join(command), cases, ["--device", "cpu"], iterations=3,
+                        warmup=1, max_seconds=30.0, seed=np.random.SeedSequence().entropy % 2**32)
+    assert [r["case"] for r in rows] == ["scan L=1", "scan L=5"]
+    for row in rows:
+        assert set(row) == BASELINE_KEYS
+        check_units(row, "baseline row")
+        assert row["results_agree"], row
+        assert row["iterations"] == 3
+        assert row["baseline_over_bridge_ratio"] == pytest.approx(row["baseline_p50_us"] / row["bridge_p50_us"])
+
+
+def test_baseline_names_a_command_that_does_not_start():
+    with pytest.raises(BenchError, match="no-such-server"):
+        run_baseline("/nonexistent/no-such-server --flag", [Case("scan", 1)], ["--device", "cpu"],
+                     iterations=1, warmup=0, max_seconds=1.0)
+
+
+@pytest.mark.parametrize("argv, status, message", [
+    pytest.param(["--sizes", "step,x"], 2, "expected 'step' or a positive sequence length", id="bad-size"),
+    pytest.param(["--iterations", "0"], 2, "expected --iterations >= 1", id="no-iterations"),
+    pytest.param(["--transports", "pigeon"], 2, "got pigeon", id="unknown-transport"),
+    pytest.param(["--sizes", "step", "--backends", "nosuch"], 1, "got 'nosuch'", id="server-refuses-backend"),
+])
+def test_cli_says_what_it_expected(argv, status, message, capsys):
+    from bridge.bench.__main__ import main
+
+    assert main(["--device", "cpu", *argv]) == status
+    assert message in capsys.readouterr().err
+
+
+def test_connect_measures_a_running_server(tmp_path, capsys):
+    from bridge.bench.__main__ import main
+
+    if TRANSPORTS["unix"].missing():
+        pytest.skip(TRANSPORTS["unix"].missing())
+    path = str(tmp_path / "bridge.sock")
+    server = subprocess.Popen([*SERVER, "--unix", path], stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out_json = tmp_path / "connect.json"
+        assert main(["--connect", f"unix:{path}", "--sizes", "step,2", "--iterations", "3",
+                     "--json", str(out_json)]) == 0, capsys.readouterr().err
+        rows = json.loads(out_json.read_text())["rows"]
+        assert [(r["transport"], r["case"]) for r in rows] == [("unix", "step"), ("unix", "scan L=2")]
+        assert all(r["iterations"] == 3 for r in rows)
+    finally:
+        server.terminate()
+        assert server.wait(10) == 0
+
+
+WRONG_SERVER = """
+import struct, sys, msgpack
+stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+while (header := stdin.read(4)):
+    request = msgpack.unpackb(stdin.read(struct.unpack(">I", header)[0]), raw=True)
+    reply = {"status": "ok"}
+    if request[b"op"] == b"scan":  # the right shape, the wrong numbers
+        shape = [request[b"batch"], request[b"seq_len"], request[b"hidden"]]
+        reply.update(result=bytes(4 * shape[0] * shape[1] * shape[2]), shape=shape)
+    body = msgpack.packb(reply)
+    stdout.write(struct.pack(">I", len(body)) + body)
+    stdout.flush()
+"""
+
+
+def test_baseline_flags_results_that_differ(tmp_path):
+    script = tmp_path / "wrong_server.py"
+    script.write_text(WRONG_SERVER)
+    rows = run_baseline(shlex.join([sys.executable, str(script)]), [Case("scan", 3, batch=2, dim=9, state=4)],
+                        ["--device", "cpu"], iterations=3, warmup=0, max_seconds=30.0,
+                        seed=np.random.SeedSequence().entropy % 2**32)
+    assert [r["results_agree"] for r in rows] == [False]
