@@ -8,6 +8,7 @@ set -euo pipefail
 # One line per package: "package  command-or-file-that-proves-it-is-installed"
 PACKAGES=(
   "gcc  gcc"
+  "g++  g++"
   "elixir  mix"
   "make  make"
   "libzmq3-dev  /usr/include/zmq.h"

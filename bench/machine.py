@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -31,11 +32,10 @@ def machine_info() -> dict:
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+    # The installed version, without importing triton (slow, and irrelevant on CPU runs).
     try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
+        info["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         info["triton"] = None
     return info
 

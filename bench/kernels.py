@@ -1,0 +1,325 @@
+"""Kernel benchmark: each backend on a registry of cases, against the memory floor, the
+reference and the torch backend, all measured in the same run.
+
+    python -m bench.kernels [--backends cpu,torch] [--cases exphil,step-32x512x16] [--quick]
+                            [--layout bld|bdl] [--threads N] [--json bench/results/kernels-cpu.json]
+
+Per (case, backend): kernel time (median, p20, p80) of the backend's own call on arguments
+validated once beforehand (so API validation is not counted); achieved GB/s; the ratio to the
+memory floor; and the speedup over the reference and over the torch backend.
+
+Memory floor: the bytes a kernel must move -- every input read once and every output written
+once (y; for the state update also the state rows, read and written in place) -- over the copy
+bandwidth measured in this run: a 64 MiB tensor copy on the CPU, device-to-device on a GPU
+(both count bytes read plus bytes written). Small cases live in caches and can beat it.
+
+Timing: on the CPU, perf_counter around repeated calls, within a time budget per measurement;
+on CUDA, triton.testing.do_bench (CUDA events when triton is missing). triton is only imported
+where CUDA is present. The reference materialises [batch, seq, dim, state] tensors and loops
+over time in Python: its repetitions are capped, and above a size it is skipped with the reason
+printed (the speedup over it is then absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+import kernels
+from kernels import _args
+from kernels._registry import get_backend
+
+from .machine import commit_info, machine_info
+
+BASELINES = ("reference", "torch")
+# Candidate backends per device type, in report order; only available ones run.
+BACKENDS = {"cpu": ("reference", "torch", "cpu"), "cuda": ("reference", "torch", "triton")}
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    name: str
+    kind: str  # "scan" or "step" (selective_state_update: one timestep)
+    batch: int
+    dim: int
+    state: int
+    seq: int = 1
+    exphil: bool = False  # ExPhil's math: dt clamped to [0.001, 0.1], no bias/softplus/D/z
+
+    @property
+    def elements(self) -> int:
+        """batch x seq x dim x state: the size of what the reference materialises."""
+        return self.batch * self.seq * self.dim * self.state
+
+
+def _scan(name, batch, dim, seq, state, **kw):
+    return KernelCase(name, "scan", batch=batch, dim=dim, state=state, seq=seq, **kw)
+
+
+# Names give batch x dim x seq x state, as in the issue; "exphil" is ExPhil's request
+# (32 x 60 x 512 x 16: batch x seq x dim x state).
+CASES = [
+    _scan("exphil", 32, 512, 60, 16, exphil=True),
+    _scan("1x4x16x4", 1, 4, 16, 4),
+    _scan("4x16x64x16", 4, 16, 64, 16),
+    _scan("16x64x256x64", 16, 64, 256, 64),
+    _scan("1x256x1024x16", 1, 256, 1024, 16),
+    _scan("1x512x1024x16", 1, 512, 1024, 16),
+    _scan("1x768x1024x16", 1, 768, 1024, 16),
+    _scan("1x1536x4096x16", 1, 1536, 4096, 16),
+    KernelCase("step-32x512x16", "step", batch=32, dim=512, state=16),
+]
+CASES_BY_NAME = {c.name: c for c in CASES}
+
+
+# --- inputs --------------------------------------------------------------------------------
+
+def make_inputs(case: KernelCase, layout: str, device: torch.device, seed: int = 0) -> dict:
+    """Keyword arguments for selective_scan / selective_state_update. ExPhil's request as it
+    sends it; the other cases as a Mamba block calls the kernel (S4D-real A = -(1..state),
+    dt through bias and softplus into ~[0.001, 0.1], D, z)."""
+    g = torch.Generator().manual_seed(seed)
+    b, d, n, l = case.batch, case.dim, case.state, case.seq
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def uniform(lo, hi, *shape):
+        return torch.rand(*shape, generator=g) * (hi - lo) + lo
+
+    if case.kind == "step":
+        args = dict(state=randn(b, d, n), x=randn(b, d), dt=uniform(-4.0, -2.0, b, d),
+                    B=randn(b, n), C=randn(b, n), z=randn(b, d))
+    else:
+        x_shape, bc_shape = ((b, l, d), (b, l, n)) if layout == "bld" else ((b, d, l), (b, n, l))
+        args = dict(x=randn(*x_shape), B=randn(*bc_shape), C=randn(*bc_shape), layout=layout)
+        if case.exphil:
+            args.update(dt=uniform(0.001, 0.1, *x_shape), A=-uniform(0.5, 4.0, d, n),
+                        dt_min=0.001, dt_max=0.1)
+        else:
+            args.update(dt=uniform(-4.0, -2.0, *x_shape), z=randn(*x_shape))
+    if not case.exphil:
+        args.update(A=-torch.arange(1, n + 1, dtype=torch.float32).repeat(d, 1), D=torch.ones(d),
+                    dt_bias=uniform(-2.5, -0.5, d), dt_softplus=True)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def moved_bytes(case: KernelCase, inputs: dict) -> int:
+    """Inputs read once plus outputs written once (y, same size as x; the state update also
+    writes the state it reads)."""
+    tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+    read = sum(t.numel() * t.element_size() for t in tensors)
+    written = inputs["x"].numel() * inputs["x"].element_size()
+    if case.kind == "step":
+        written += inputs["state"].numel() * inputs["state"].element_size()
+    return read + written
+
+
+def kernel_call(case: KernelCase, backend: str, inputs: dict):
+    """The backend's own call on arguments validated and normalised once, here."""
+    impl = get_backend(backend, inputs["x"].device.type)
+    if case.kind == "step":
+        a = _args.check_state_update(**inputs)
+        kw = a.backend_kwargs()
+        return lambda: impl.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **kw)
+    a = _args.check_scan(**inputs)
+    kw = a.backend_kwargs()
+    return lambda: impl.scan(a.x, a.dt, a.A, a.B, a.C, **kw)
+
+
+# --- timing --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Budget:
+    seconds: float  # per measurement, after the warm-up call
+    min_reps: int
+    max_reps: int
+
+
+def measure(fn, device: torch.device, budget: Budget) -> dict:
+    """median / p20 / p80 of one call, in microseconds."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            return _summary(_event_times(fn, budget))
+        median, p20, p80 = do_bench(fn, warmup=max(1, round(budget.seconds * 250)),
+                                    rep=max(1, round(budget.seconds * 1000)), quantiles=[0.5, 0.2, 0.8])
+        return {"median_us": median * 1e3, "p20_us": p20 * 1e3, "p80_us": p80 * 1e3, "reps": None}
+    return _summary(_wall_times(fn, budget))
+
+
+def _repeat(fn, budget: Budget, timed_call) -> list[float]:
+    fn()  # warm-up: first-touch page faults, lazily built state, compilation
+    times = []
+    start = time.perf_counter()
+    while len(times) < budget.min_reps or (
+            len(times) < budget.max_reps and time.perf_counter() - start < budget.seconds):
+        times.append(timed_call())
+    return times
+
+
+def _wall_times(fn, budget: Budget) -> list[float]:
+    def call():
+        t0 = time.perf_counter_ns()
+        fn()
+        return (time.perf_counter_ns() - t0) / 1e3
+    return _repeat(fn, budget, call)
+
+
+def _event_times(fn, budget: Budget) -> list[float]:
+    def call():
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) * 1e3
+    return _repeat(fn, budget, call)
+
+
+def _summary(times: list[float]) -> dict:
+    return {"median_us": statistics.median(times), "p20_us": _percentile(times, 20),
+            "p80_us": _percentile(times, 80), "reps": len(times)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def copy_bandwidth(device: torch.device, budget: Budget) -> float:
+    """Bytes per second of a 64 MiB tensor copy (beyond this machine's 32 MiB L3), counting
+    bytes read plus bytes written."""
+    src = torch.rand(16 * 1024 * 1024, device=device)
+    dst = torch.empty_like(src)
+    median_us = measure(lambda: dst.copy_(src), device, budget)["median_us"]
+    return 2 * src.numel() * src.element_size() / (median_us * 1e-6)
+
+
+# --- the run -------------------------------------------------------------------------------
+
+def backend_status(names, device_type: str) -> tuple[list[str], dict]:
+    """(available names, {unavailable name: reason}); loads only the backends named."""
+    ok, skipped = [], {}
+    for name in names:
+        try:
+            kernels.select_backend(device_type, name)
+        except (kernels.BackendUnavailable, kernels.UnknownBackend) as exc:
+            skipped[name] = str(exc)
+        else:
+            ok.append(name)
+    return ok, skipped
+
+
+def run(cases, backends, device: torch.device, layout: str, quick: bool, reference_reps: int,
+        reference_max_elements: int, log=print) -> dict:
+    budget = Budget(0.15, 3, 200) if quick else Budget(0.6, 5, 2000)
+    ref_budget = Budget(0.0, reference_reps, reference_reps)
+    bandwidth = copy_bandwidth(device, budget)
+    log(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (64 MiB tensor copy, read + write)")
+    results = []
+    for case in cases:
+        inputs = make_inputs(case, layout, device)
+        nbytes = moved_bytes(case, inputs)
+        floor_us = nbytes / bandwidth * 1e6
+        rows = {}
+        for name in backends:
+            row = {"case": case.name, "backend": name, "bytes": nbytes, "floor_us": floor_us}
+            if name == "reference" and case.elements > reference_max_elements:
+                row["skipped"] = (f"reference skipped: batch*seq*dim*state = {case.elements:,} > "
+                                  f"{reference_max_elements:,} (it materialises that many elements)")
+                log(f"  {case.name}: {row['skipped']}")
+            else:
+                fresh = make_inputs(case, layout, device)  # in-place state updates stay per backend
+                row.update(measure(kernel_call(case, name, fresh), device,
+                                   ref_budget if name == "reference" else budget))
+                row["GBps"] = nbytes / (row["median_us"] * 1e-6) / 1e9
+                row["over_floor"] = row["median_us"] / floor_us
+            rows[name] = row
+        for row in rows.values():
+            for base in BASELINES:
+                if "median_us" in row and "median_us" in rows.get(base, {}):
+                    row[f"speedup_vs_{base}"] = rows[base]["median_us"] / row["median_us"]
+        results.extend(rows.values())
+        log(format_rows(case, list(rows.values())))
+    return {"copy_bandwidth_GBps": bandwidth / 1e9, "results": results}
+
+
+def _us(v: float) -> str:
+    return f"{v / 1000:.2f} ms" if v >= 1000 else f"{v:.1f} us"
+
+
+def format_rows(case: KernelCase, rows: list[dict]) -> str:
+    shape = (f"batch {case.batch} x dim {case.dim} x state {case.state}" if case.kind == "step"
+             else f"batch {case.batch} x seq {case.seq} x dim {case.dim} x state {case.state}")
+    lines = [f"{case.name} ({case.kind}: {shape}; {rows[0]['bytes'] / 1e6:.2f} MB moved, "
+             f"floor {_us(rows[0]['floor_us'])})"]
+    for r in rows:
+        if "median_us" not in r:
+            lines.append(f"  {r['backend']:<10} skipped")
+            continue
+        speedups = "  ".join(f"{r[k]:7.1f}x vs {k[11:]}" for k in ("speedup_vs_reference", "speedup_vs_torch")
+                             if k in r)
+        lines.append(f"  {r['backend']:<10} {_us(r['median_us']):>10}  ({_us(r['p20_us'])} - {_us(r['p80_us'])})"
+                     f"  {r['GBps']:6.2f} GB/s  {r['over_floor']:6.1f}x floor  {speedups}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", help="comma-separated backends to time (default: every available "
+                   "one for the device); the reference and torch backends always run as baselines")
+    p.add_argument("--cases", help="comma-separated case names (default: all): " + ", ".join(CASES_BY_NAME))
+    p.add_argument("--quick", action="store_true", help="short time budget per measurement")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    p.add_argument("--layout", choices=_args.LAYOUTS, default="bld", help="layout of the scan cases")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads before measuring")
+    p.add_argument("--reference-reps", type=int, default=3, help="repetitions of the reference (default 3)")
+    p.add_argument("--reference-max-elements", type=int, default=1 << 25,
+                   help="skip the reference above this batch*seq*dim*state (default 2^25)")
+    p.add_argument("--json", help="write results with machine and commit info to this file")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cases = [CASES_BY_NAME[n] for n in args.cases.split(",")] if args.cases else CASES
+    except KeyError as exc:
+        p.error(f"unknown case {exc}; known: {', '.join(CASES_BY_NAME)}")
+    wanted = args.backends.split(",") if args.backends else BACKENDS[device.type]
+    names = list(dict.fromkeys([*BASELINES, *wanted]))
+    available, unavailable = backend_status(names, device.type)
+    for name, reason in unavailable.items():
+        print(f"backend {name}: unavailable: {reason}", file=sys.stderr)
+    details = {n: get_backend(n, device.type).details for n in available}
+    print(f"device {device}, torch threads {torch.get_num_threads()}, backends {', '.join(available)}"
+          + "".join(f"; {n}: {d}" for n, d in details.items() if d))
+
+    start = time.perf_counter()
+    report = run(cases, available, device, args.layout, args.quick, args.reference_reps,
+                 args.reference_max_elements)
+    print(f"total {time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "kernels", "machine": machine_info(), "commit": commit_info(),
+                       "device": str(device), "torch_threads": torch.get_num_threads(),
+                       "layout": args.layout, "quick": args.quick, "backend_details": details,
+                       "unavailable_backends": unavailable,
+                       "cases": [asdict(c) for c in cases], **report}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

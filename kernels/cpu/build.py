@@ -1,0 +1,188 @@
+"""Build and load the C++ extension behind the "cpu" backend.
+
+`python -m kernels.cpu.build` compiles it ahead of time (the Makefile's `kernels` target);
+`load_extension()` imports the built library, compiling it first only when no library matches.
+
+Each build lives in a directory named by a digest of everything that determines the binary
+(sources, flags, compiler, torch and Python versions, the CPU it is tuned for with
+-march=native), under the checkout's git-ignored `build/kernels_cpu/` (torch's extension cache
+when the package is installed read-only). A process that finds a matching library imports it
+directly, in milliseconds, without touching the compiler or ninja; a library built for another
+CPU, torch or source revision is never loaded. Concurrent builds of the same digest are
+serialised by torch's lock file in that directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import BackendUnavailable
+
+log = logging.getLogger("kernels")
+
+# Python caches extension modules by name: a differently built library must use another name
+# to be loaded beside this one.
+MODULE_NAME = "scan_bridge_cpu"
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("scan_kernel.cpp", "binding.cpp")
+HEADERS = ("scan_kernel.h", "helper_pool.h")
+# -march=native: built on the machine that runs it (the digest includes the CPU's flags).
+# -fvisibility=hidden: only the module's init function is exported, so two builds loaded in
+# one process (tests load an AVX2 build beside the native one) never bind to each other's code.
+# -Wno-psabi: without AVX-512 GCC notes that 64-byte vectors are passed differently; only
+# internal functions take them, so no ABI is at stake.
+CFLAGS = ("-O3", "-march=native", "-pthread", "-fvisibility=hidden", "-Wall", "-Wno-psabi")
+LDFLAGS = ("-pthread",)
+_LOCK_FILE = "lock"  # torch.utils.cpp_extension's FileBaton, present while a build runs
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its instruction-set flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        # The first CPU's lines are enough: all cores of a machine share one ISA.
+        seen, first = set(), []
+        for ln in lines:
+            key = ln.split(":", 1)[0].strip()
+            if key in seen:
+                break
+            seen.add(key)
+            first.append(ln.strip())
+        if first:
+            return "\n".join(first)
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def build_digest() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode())
+        h.update((SOURCE_DIR / name).read_bytes())
+    for part in (MODULE_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version,
+                 sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
+        h.update(repr(part).encode())
+    return h.hexdigest()[:16]
+
+
+def build_root() -> Path:
+    """`<checkout>/build/kernels_cpu`, or torch's extension cache outside a writable checkout."""
+    checkout = SOURCE_DIR.parents[1]
+    if (checkout / "pyproject.toml").is_file() and os.access(checkout, os.W_OK):
+        return checkout / "build" / "kernels_cpu"
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / "scan_bridge_cpu"
+
+
+def build_directory() -> Path:
+    return build_root() / build_digest()
+
+
+def library_path() -> Path:
+    # The name torch.utils.cpp_extension.load gives the library it links.
+    return build_directory() / (MODULE_NAME + (".pyd" if sys.platform == "win32" else ".so"))
+
+
+def _import_built(path: Path):
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _first_error_line(text: str) -> str:
+    """The compiler's first diagnostic ("file:line:col: error: ..."), else the first line
+    that mentions an error, else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for wanted in (lambda ln: "error:" in ln, lambda ln: "error" in ln.lower()):
+        for line in lines:
+            if wanted(line):
+                return line[:300]
+    return lines[-1][:300] if lines else "no compiler output"
+
+
+def _compile(directory: Path, verbose: bool):
+    """Build with torch.utils.cpp_extension (ninja) and import the result."""
+    try:
+        from torch.utils import cpp_extension
+    except ImportError as exc:  # torch builds without the extension tooling
+        raise BackendUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
+    path_before = os.environ.get("PATH", "")
+    venv_bin = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(venv_bin, "ninja")):
+        # A venv's pip-installed ninja is only on PATH when the venv is activated.
+        os.environ["PATH"] = venv_bin + os.pathsep + path_before
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=MODULE_NAME,
+            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            extra_include_paths=[str(SOURCE_DIR)],
+            build_directory=str(directory),
+            verbose=verbose,
+        )
+    except (RuntimeError, OSError, ImportError) as exc:
+        text = str(exc)
+        (directory / "build.log").write_text(text, encoding="utf-8")
+        raise BackendUnavailable(
+            f"C++ build failed: {_first_error_line(text)} (full log: {directory / 'build.log'})") from exc
+    finally:
+        os.environ["PATH"] = path_before
+
+
+def load_extension(*, verbose: bool = False):
+    """The extension module; compiled first if no library matches this machine and source.
+    Raises BackendUnavailable with one line of reason when it cannot be built or loaded."""
+    directory = build_directory()
+    library = library_path()
+    if library.is_file() and not (directory / _LOCK_FILE).exists():
+        try:
+            return _import_built(library)
+        except ImportError as exc:
+            raise BackendUnavailable(f"cannot load {library}: {exc}") from exc
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise BackendUnavailable(f"no C++ compiler ({compiler!r} not found)")
+    log.info("kernels: building the CPU backend's C++ extension in %s (once per machine)", directory)
+    return _compile(directory, verbose)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kernels.cpu.build", description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    parser.add_argument("--print-dir", action="store_true", help="print the build directory and exit")
+    args = parser.parse_args(argv)
+    if args.print_dir:
+        print(build_directory())
+        return 0
+    start = time.perf_counter()
+    if not library_path().is_file():
+        print(f"kernels.cpu: compiling into {build_directory()} (about 20 s)", flush=True)
+    try:
+        ext = load_extension(verbose=args.verbose)
+    except BackendUnavailable as exc:
+        print(f"kernels.cpu: not built: {exc}", file=sys.stderr)
+        return 1
+    print(f"kernels.cpu: {ext.__file__} ready ({ext.simd()}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+// Threads that help with a kernel call when they can, and are never waited for when they
+// cannot.
+//
+// HelperPool::run(helpers, work) calls work() on the calling thread and offers it to up to
+// `helpers` pool threads at once. work() must be safe to call concurrently and return when
+// nothing is left to take (it pulls ranges from a shared queue). run returns once the caller's
+// own work() has returned and every helper that entered work() has left it. A helper that
+// wakes late -- its core busy with another process -- finds the call closed and does nothing.
+//
+// Why not at::parallel_for: OpenMP's fork/join makes every call wait until each team thread
+// has been scheduled and finished a fixed share; on a small machine whose other core runs
+// another process, a 50 us state update then takes a scheduler time slice (8 ms measured).
+// Here the caller starts at once, helpers join when they get a core, and the caller never
+// waits for one that has not started.
+//
+// After fork() the child runs everything on the calling thread (the pool's threads and lock
+// stay in the parent).
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SCAN_BRIDGE_CPU_RELAX() _mm_pause()
+#else
+#define SCAN_BRIDGE_CPU_RELAX() std::this_thread::yield()
+#endif
+
+namespace scan_bridge {
+
+class HelperPool {
+ public:
+  // One pool per process, never destroyed: its threads may still be parked at exit.
+  static HelperPool& shared() {
+    static HelperPool* pool = new HelperPool();
+    return *pool;
+  }
+
+  void run(int helpers, const std::function<void()>& work) {
+    if (helpers <= 0 || getpid() != owner_pid_) {
+      work();
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->work = &work;
+    job->seats.store(helpers);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (threads_ < helpers) {
+        std::thread(&HelperPool::helper_loop, this).detach();
+        ++threads_;
+      }
+      job_ = job;
+      generation_.fetch_add(1);
+    }
+    wake_.notify_all();
+    std::exception_ptr error;
+    try {
+      work();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    // Close the call, then wait for the helpers inside it. A helper counts itself in before it
+    // checks `open` (both sequentially consistent), so it either is seen here or sees closed.
+    job->open.store(false);
+    // A helper inside is finishing its last range: usually microseconds; if it was preempted,
+    // yield so that it can be scheduled here.
+    for (int spins = 0; job->inside.load() != 0; ++spins) {
+      if (spins < 4096) {
+        SCAN_BRIDGE_CPU_RELAX();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    if (!error && job->failed.load()) error = job->error;
+    if (error) std::rethrow_exception(error);
+  }
+
+ private:
+  struct Job {
+    const std::function<void()>* work = nullptr;  // on the caller's stack: used only while open
+    std::atomic<bool> open{true};
+    std::atomic<int> seats{0};
+    std::atomic<int> inside{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;  // written by the first helper that sets `failed`
+  };
+
+  // How long an idle helper keeps polling before it sleeps: back-to-back calls (a decode loop)
+  // then find it awake instead of paying a futex wake-up (20-50 us here), at the cost of up to
+  // this much spinning on its core after each call (libgomp's default wait policy spins too).
+  // Measured on back-to-back 32x512x16 steps: 100 us was often too short to bridge two calls.
+  static constexpr std::chrono::microseconds kSpin{1000};
+
+  HelperPool() : owner_pid_(getpid()) {}
+
+  void helper_loop() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+      while (generation_.load() == seen && std::chrono::steady_clock::now() < spin_until)
+        SCAN_BRIDGE_CPU_RELAX();
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        seen = generation_.load();
+        job = job_;
+      }
+      if (job->seats.fetch_sub(1) <= 0) continue;
+      job->inside.fetch_add(1);
+      if (job->open.load()) {
+        try {
+          (*job->work)();
+        } catch (...) {
+          if (!job->failed.exchange(true)) job->error = std::current_exception();
+        }
+      }
+      job->inside.fetch_sub(1);
+    }
+  }
+
+  const pid_t owner_pid_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::shared_ptr<Job> job_;
+  int threads_ = 0;
+};
+
+}  // namespace scan_bridge

@@ -1,0 +1,937 @@
+// SIMD selective scan and state update for the CPU (see scan_kernel.h for the contract).
+//
+// The work is cut into items of (a block of W channels of one group, one batch row), W = 16
+// lanes of fp32 (8 of fp64), and h is laid out per mode:
+//  - sequence mode (seq > 1): lanes run over channels and h is [state][lanes] in L1. Each
+//    timestep is then multiply-adds with B_t,n and C_t,n broadcast and no horizontal sum; an
+//    item walks its whole sequence in one pass.
+//  - step mode (seq == 1, the state update): lanes run over the state and h keeps the pool's
+//    own [channel][state] layout, updated where it lies; y takes one lane-sum tree per block.
+//
+// Inputs are first packed into small aligned fp32 (fp64) tiles, a chunk of timesteps (or one
+// batch row) at a time: that one step absorbs every dtype (f16/bf16/f32/f64), both layouts, any
+// strides and any byte misalignment, and applies dt's bias/softplus/clamp and z's gate once per
+// (t, channel). The recurrence only reads aligned tiles; y is converted and stored per tile.
+//
+// Written with GCC vector extensions so it builds for any target (AVX2 machines split each
+// 64-byte vector in two); where AVX-512 is present exp2 uses a register table and vscalef, and
+// half-precision runs convert 16 values per instruction.
+
+#include "scan_kernel.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace scan_bridge {
+namespace {
+
+constexpr int kVectorBytes = 64;
+// Timesteps packed per pass. 32 keeps the tiles of a pass (x, dt, dt*x, gate, y: 32 x 64 B
+// each; B and C: 32 x state values) within a 32 KiB L1 for state 16.
+constexpr int kTimeChunk = 32;
+
+template <typename T>
+struct Lanes {
+  typedef T V __attribute__((vector_size(kVectorBytes)));
+  static constexpr int W = kVectorBytes / sizeof(T);
+};
+
+// ---- element access at any byte offset -------------------------------------------------
+
+struct BF16 {
+  uint16_t bits;
+};
+
+inline float widen(float v) { return v; }
+inline double widen(double v) { return v; }
+inline float widen(_Float16 v) { return static_cast<float>(v); }
+inline float widen(BF16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename Dst>
+inline Dst narrow(float v) { return static_cast<Dst>(v); }
+template <typename Dst>
+inline Dst narrow(double v) { return static_cast<Dst>(v); }
+// float -> bfloat16, round to nearest even; NaN stays a quiet NaN (as torch converts).
+template <>
+inline BF16 narrow<BF16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if (std::isnan(v)) return BF16{static_cast<uint16_t>((bits >> 16) | 0x40)};
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return BF16{static_cast<uint16_t>(bits >> 16)};
+}
+template <>
+inline BF16 narrow<BF16>(double v) { return narrow<BF16>(static_cast<float>(v)); }
+
+template <typename T, typename Src>
+inline T read_elem(const char* p) {
+  Src v;
+  std::memcpy(&v, p, sizeof v);
+  return static_cast<T>(widen(v));
+}
+
+template <typename Dst, typename T>
+inline void write_elem(char* p, T v) {
+  Dst d = narrow<Dst>(v);
+  std::memcpy(p, &d, sizeof d);
+}
+
+// out[i] = src[i] for i < count, src contiguous at any byte offset. Plain loops vectorize for
+// every pair but half <-> float, which GCC 12 converts one element at a time; AVX-512 does 16.
+// (Here and in exp2, the all-ones-mask "maskz" intrinsics only avoid GCC 12's false
+// uninitialized warnings in the unmasked ones.)
+template <typename T, typename Src>
+inline void read_run(const char* src, int count, T* out) {
+  int i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Src, _Float16>) {
+    for (; i + 16 <= count; i += 16) {
+      __m256i h;
+      std::memcpy(&h, src + 2 * i, sizeof h);
+      _mm512_storeu_ps(out + i, _mm512_maskz_cvtph_ps(0xFFFF, h));
+    }
+  }
+#endif
+  for (; i < count; ++i) out[i] = read_elem<T, Src>(src + i * sizeof(Src));
+}
+
+template <typename Dst, typename T>
+inline void write_run(char* dst, int count, const T* in) {
+  int i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Dst, _Float16>) {
+    for (; i + 16 <= count; i += 16) {
+      const __m256i h = _mm512_maskz_cvtps_ph(0xFFFF, _mm512_loadu_ps(in + i),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      std::memcpy(dst + 2 * i, &h, sizeof h);
+    }
+  }
+#endif
+  for (; i < count; ++i) write_elem<Dst>(dst + i * sizeof(Dst), in[i]);
+}
+
+// ---- lane shuffles ------------------------------------------------------------------------
+
+// Two-input lane shuffles with compile-time masks. A mask lane holds the lane of (a, b) it
+// takes: a's lanes are 0..W-1, b's W..2W-1. GCC picks the instruction from the pattern.
+template <typename T>
+struct Shuffles {
+  using V = typename Lanes<T>::V;
+  static constexpr int W = Lanes<T>::W;
+  typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> I;
+  typedef I M __attribute__((vector_size(kVectorBytes)));
+
+  template <typename Source, size_t... Is>
+  static constexpr M mask(std::index_sequence<Is...>) {
+    return M{static_cast<I>(Source::lane(static_cast<int>(Is)))...};
+  }
+  template <typename Source>
+  static inline V apply(V a, V b) {
+    constexpr M m = mask<Source>(std::make_index_sequence<W>());
+    return __builtin_shuffle(a, b, m);
+  }
+
+  // Block transposition at stage H: per 2H-lane block, `low` = the first H lanes of a then the
+  // first H lanes of b, `high` = the last H lanes of a then the last H lanes of b.
+  template <int H, bool kHigh>
+  struct Interleave {
+    static constexpr int lane(int i) {
+      const int base = i / (2 * H) * (2 * H), j = i % (2 * H), shift = kHigh ? H : 0;
+      return j < H ? base + j + shift : W + base + j - H + shift;
+    }
+  };
+
+  // m[r] becomes column r of the W x W matrix whose rows were m[0..W).
+  template <int H = W / 2>
+  static void transpose(V* m) {
+    for (int i = 0; i < W; ++i) {
+      if (i & H) continue;
+      const V a = m[i], b = m[i + H];
+      m[i] = apply<Interleave<H, false>>(a, b);
+      m[i + H] = apply<Interleave<H, true>>(a, b);
+    }
+    if constexpr (H > 1) transpose<H / 2>(m);
+  }
+};
+
+// ---- strided tiles in and out ---------------------------------------------------------------
+
+// out[r * out_stride + c] = src[r * sr + c * sc] for r < rows, c < cols (strides in elements).
+// Contiguous rows are copied as runs; contiguous columns (sr == 1: the "bdl" layout, and h read
+// as [state][channel]) go W x W blocks at a time through an in-register transpose; anything
+// else element by element along the smaller stride.
+template <typename T, typename Src>
+void load_2d_typed(const char* base, int64_t sr, int64_t sc, int rows, int cols, T* out,
+                   int out_stride) {
+  using V = typename Lanes<T>::V;
+  constexpr int W = Lanes<T>::W;
+  constexpr int64_t E = sizeof(Src);
+  if (sc == 1) {
+    for (int r = 0; r < rows; ++r) read_run<T, Src>(base + r * sr * E, cols, out + r * out_stride);
+    return;
+  }
+  int full_rows = 0, full_cols = 0;
+  if (sr == 1) {
+    full_rows = rows / W * W;
+    full_cols = cols / W * W;
+    for (int r0 = 0; r0 < full_rows; r0 += W) {
+      for (int c0 = 0; c0 < full_cols; c0 += W) {
+        V m[W];
+        for (int c = 0; c < W; ++c)
+          read_run<T, Src>(base + ((c0 + c) * sc + r0) * E, W, reinterpret_cast<T*>(&m[c]));
+        Shuffles<T>::transpose(m);
+        for (int r = 0; r < W; ++r) std::memcpy(out + (r0 + r) * out_stride + c0, &m[r], sizeof(V));
+      }
+    }
+  }
+  // What the blocks left: the columns past full_cols of the block rows, then the rows past them.
+  const bool rows_inner = sr == 1 || std::llabs(sr) < std::llabs(sc);
+  auto rest = [&](int r_begin, int r_end, int c_begin) {
+    if (rows_inner) {
+      for (int c = c_begin; c < cols; ++c)
+        for (int r = r_begin; r < r_end; ++r)
+          out[r * out_stride + c] = read_elem<T, Src>(base + (r * sr + c * sc) * E);
+    } else {
+      for (int r = r_begin; r < r_end; ++r)
+        for (int c = c_begin; c < cols; ++c)
+          out[r * out_stride + c] = read_elem<T, Src>(base + (r * sr + c * sc) * E);
+    }
+  };
+  rest(0, full_rows, full_cols);
+  rest(full_rows, rows, 0);
+}
+
+template <typename T>
+void load_2d(const Strided& s, int64_t offset, int64_t sr, int64_t sc, int rows, int cols,
+             T* out, int out_stride) {
+  const char* base = static_cast<const char*>(s.data);
+  switch (s.dtype) {
+    case DType::f32:
+      return load_2d_typed<T, float>(base + offset * 4, sr, sc, rows, cols, out, out_stride);
+    case DType::f16:
+      return load_2d_typed<T, _Float16>(base + offset * 2, sr, sc, rows, cols, out, out_stride);
+    case DType::bf16:
+      return load_2d_typed<T, BF16>(base + offset * 2, sr, sc, rows, cols, out, out_stride);
+    case DType::f64:
+      return load_2d_typed<T, double>(base + offset * 8, sr, sc, rows, cols, out, out_stride);
+    case DType::i32:
+    case DType::i64:
+      break;  // integer operands (slots) are read with read_slot
+  }
+}
+
+// dst[r * sr + c * sc] = in[r * in_stride + c]: the mirror of load_2d_typed.
+template <typename Dst, typename T>
+void store_2d_typed(char* base, int64_t sr, int64_t sc, int rows, int cols, const T* in,
+                    int in_stride) {
+  using V = typename Lanes<T>::V;
+  constexpr int W = Lanes<T>::W;
+  constexpr int64_t E = sizeof(Dst);
+  if (sc == 1) {
+    for (int r = 0; r < rows; ++r) write_run<Dst, T>(base + r * sr * E, cols, in + r * in_stride);
+    return;
+  }
+  int full_rows = 0, full_cols = 0;
+  if (sr == 1) {
+    full_rows = rows / W * W;
+    full_cols = cols / W * W;
+    for (int r0 = 0; r0 < full_rows; r0 += W) {
+      for (int c0 = 0; c0 < full_cols; c0 += W) {
+        V m[W];
+        for (int r = 0; r < W; ++r) std::memcpy(&m[r], in + (r0 + r) * in_stride + c0, sizeof(V));
+        Shuffles<T>::transpose(m);
+        for (int c = 0; c < W; ++c)
+          write_run<Dst, T>(base + ((c0 + c) * sc + r0) * E, W, reinterpret_cast<const T*>(&m[c]));
+      }
+    }
+  }
+  const bool rows_inner = sr == 1 || std::llabs(sr) < std::llabs(sc);
+  auto rest = [&](int r_begin, int r_end, int c_begin) {
+    if (rows_inner) {
+      for (int c = c_begin; c < cols; ++c)
+        for (int r = r_begin; r < r_end; ++r)
+          write_elem<Dst>(base + (r * sr + c * sc) * E, in[r * in_stride + c]);
+    } else {
+      for (int r = r_begin; r < r_end; ++r)
+        for (int c = c_begin; c < cols; ++c)
+          write_elem<Dst>(base + (r * sr + c * sc) * E, in[r * in_stride + c]);
+    }
+  };
+  rest(0, full_rows, full_cols);
+  rest(full_rows, rows, 0);
+}
+
+template <typename T>
+void store_2d(const Strided& s, int64_t offset, int64_t sr, int64_t sc, int rows, int cols,
+              const T* in, int in_stride) {
+  char* base = static_cast<char*>(s.data);
+  switch (s.dtype) {
+    case DType::f32:
+      return store_2d_typed<float>(base + offset * 4, sr, sc, rows, cols, in, in_stride);
+    case DType::f16:
+      return store_2d_typed<_Float16>(base + offset * 2, sr, sc, rows, cols, in, in_stride);
+    case DType::bf16:
+      return store_2d_typed<BF16>(base + offset * 2, sr, sc, rows, cols, in, in_stride);
+    case DType::f64:
+      return store_2d_typed<double>(base + offset * 8, sr, sc, rows, cols, in, in_stride);
+    case DType::i32:
+    case DType::i64:
+      break;  // never an output dtype
+  }
+}
+
+int64_t read_slot(const Strided& s, int64_t b) {
+  const char* p = static_cast<const char*>(s.data);
+  if (s.dtype == DType::i32) {
+    int32_t v;
+    std::memcpy(&v, p + b * s.stride[0] * 4, sizeof v);
+    return v;
+  }
+  int64_t v;
+  std::memcpy(&v, p + b * s.stride[0] * 8, sizeof v);
+  return v;
+}
+
+// ---- vector math ----------------------------------------------------------------------
+
+template <typename T>
+struct Math;
+
+template <>
+struct Math<float> {
+  using V = Lanes<float>::V;
+  static constexpr float kLog2e = 1.4426950408889634f;
+
+  // 2^t.
+#if defined(__AVX512F__)
+  // 2^t = 2^n * 2^(j/16) * 2^r with t = n + j/16 + r, |r| <= 1/32: the 16 values 2^(j/16) sit
+  // in one register (vpermps picks them by the low bits of t + 1.5 * 2^19, which is t rounded
+  // to 1/16), 2^r is a degree-3 polynomial fitted for minimax relative error (1.6e-9), and
+  // vscalef applies 2^floor(n + j/16) = 2^n over the whole range (overflow to inf, underflow
+  // to 0, NaN through). 1.1e-7 relative error at most, unbiased but for the table's rounding.
+  // Fewer multiply-adds than a polynomial over [-0.5, 0.5]: those pipes bound the kernels.
+  // For |t| < 1/32, q = 1 + t p(t) exactly as computed, so decays close to 1 (long memories)
+  // keep their full precision.
+  static inline V exp2(V t) {
+    const __m512 table = _mm512_setr_ps(
+        1.0f, 1.0442737340927124f, 1.0905077457427979f, 1.1387885808944702f, 1.1892070770263672f,
+        1.2418577671051025f, 1.2968395948410034f, 1.3542555570602417f, 1.4142135381698608f,
+        1.4768261909484863f, 1.5422108173370361f, 1.610490322113037f, 1.6817928552627563f,
+        1.7562521696090698f, 1.8340080976486206f, 1.9152065515518188f);
+    constexpr float kShift = 786432.0f;  // 1.5 * 2^19: its ulp is 1/16
+    const V s = t + kShift;
+    const V k = s - kShift;  // n + j/16
+    const V r = t - k;
+    const V T = _mm512_permutexvar_ps(_mm512_castps_si512(s), table);
+    const V p = (0.055502135306596756f * r + 0.24023428559303284f) * r + 0.6931471824645996f;
+    return _mm512_maskz_scalef_ps(0xFFFF, T + (T * r) * p, k);
+  }
+#else
+  // Degree-5 polynomial for 2^f on f in [-0.5, 0.5], fitted for minimax relative error (1.7e-7
+  // at most evaluated in fp32, -2e-8 on average), times 2^round(t) built in the exponent bits.
+  // p(0) = 1 and f = t for |t| < 0.5, so decays close to 1 keep their full precision.
+  static inline V exp2(V t) {
+    constexpr float c1 = 0.6931470036506653f, c2 = 0.24022242426872253f,
+                    c3 = 0.05550733953714371f, c4 = 0.009671509265899658f,
+                    c5 = 0.0013264698209241033f;
+    typedef int32_t VI __attribute__((vector_size(kVectorBytes)));
+    // Clamp so 2^n is a normal float or inf; comparisons keep NaN (both false).
+    t = t < -126.0f ? -126.0f : t;
+    t = t > 128.0f ? 128.0f : t;
+    // Adding 1.5 * 2^23 rounds t to an integer that lands in the low mantissa bits.
+    constexpr float kShift = 12582912.0f;
+    const V s = t + kShift;
+    const V n = s - kShift;
+    const V f = t - n;
+    const V p = (((((c5 * f + c4) * f + c3) * f + c2) * f + c1) * f + 1.0f);
+    const VI bits = ((VI)s - (0x4B400000 - 127)) << 23;
+    return p * (V)bits;
+  }
+#endif
+
+  // exp(dt A) = exp2((dt log2e) A): the scale goes on dt, once per (t, channel) when dt is
+  // discretized, not on A. A rounded A log2e would be off by up to half an ulp identically at
+  // every step of a channel, a bias that compounds over sequences whose state grows; dt's
+  // rounding changes from step to step like that of dt * A itself.
+  static constexpr float kDecayScale = kLog2e;
+  static inline V decay(V scaled_dt, V A) { return exp2(scaled_dt * A); }
+
+  // torch's softplus (threshold 20): max(x, 0) + log1p(exp(-|x|)), with
+  // log1p(e) = 2 atanh(e / (2 + e)) by its odd series (|s| <= 1/3: 7 terms reach 5e-9).
+  static inline V softplus(V x) {
+    const V ax = x < 0.0f ? -x : x;
+    const V e = exp2(-ax * kLog2e);
+    const V s = e / (e + 2.0f);
+    const V s2 = s * s;
+    const V series =
+        1.0f + s2 * (1.0f / 3 + s2 * (1.0f / 5 + s2 * (1.0f / 7 + s2 * (1.0f / 9 + s2 * (1.0f / 11 + s2 * (1.0f / 13))))));
+    const V r = (x > 0.0f ? x : 0.0f) + 2.0f * s * series;
+    return x > 20.0f ? x : r;
+  }
+
+  static inline V silu(V z) { return z / (1.0f + exp2(-z * kLog2e)); }
+};
+
+// float64 is the precision path (x given as float64): libm per lane, within an ulp or so.
+template <>
+struct Math<double> {
+  using V = Lanes<double>::V;
+  static constexpr int W = Lanes<double>::W;
+
+  static constexpr double kDecayScale = 1.0;
+  static inline V decay(V dt, V A) {
+    V r;
+    for (int i = 0; i < W; ++i) r[i] = std::exp(dt[i] * A[i]);
+    return r;
+  }
+  static inline V softplus(V x) {
+    V r;
+    for (int i = 0; i < W; ++i) r[i] = x[i] > 20.0 ? x[i] : std::log1p(std::exp(x[i]));
+    return r;
+  }
+  static inline V silu(V z) {
+    V r;
+    for (int i = 0; i < W; ++i) r[i] = z[i] / (1.0 + std::exp(-z[i]));
+    return r;
+  }
+};
+
+// ---- what both modes share ------------------------------------------------------------------
+
+// Channels are cut into blocks of W lanes within each group, so a block never straddles two
+// groups and B, C are the same for all its lanes; the last block of a group may be partial.
+template <typename T>
+struct Blocks {
+  static constexpr int W = Lanes<T>::W;
+  int64_t per_group, per_group_blocks, count;
+
+  explicit Blocks(const ScanProblem& p)
+      : per_group(p.dim / p.groups),
+        per_group_blocks((per_group + W - 1) / W),
+        count(p.groups * per_group_blocks) {}
+  int64_t group(int64_t block) const { return block / per_group_blocks; }
+  int64_t first_channel(int64_t block) const {
+    return group(block) * per_group + (block % per_group_blocks) * W;
+  }
+  int lanes(int64_t block) const {
+    return static_cast<int>(std::min<int64_t>(W, per_group - (block % per_group_blocks) * W));
+  }
+};
+
+// dt <- clamp(softplus(dt + bias)); dtx <- dt * x; then dt is kept times Math<T>::kDecayScale,
+// the form Math<T>::decay takes. In place over `count` vectors; `bias` advances by `bias_step`
+// vectors per vector (0: one bias for all).
+template <typename T>
+void discretize(const ScanProblem& p, int count, typename Lanes<T>::V* dt,
+                const typename Lanes<T>::V* x, typename Lanes<T>::V* dtx,
+                const typename Lanes<T>::V* bias, int bias_step) {
+  using V = typename Lanes<T>::V;
+  const T lo = static_cast<T>(p.dt_min), hi = static_cast<T>(p.dt_max);
+  for (int i = 0; i < count; ++i) {
+    V d = dt[i] + bias[i * bias_step];
+    if (p.dt_softplus) d = Math<T>::softplus(d);
+    // Comparisons are false for NaN, so NaN passes through as in torch.clamp.
+    if (p.has_dt_min) d = d < lo ? lo : d;
+    if (p.has_dt_max) d = d > hi ? hi : d;
+    dtx[i] = d * x[i];
+    dt[i] = d * Math<T>::kDecayScale;
+  }
+}
+
+// 64-byte aligned scratch, zero-filled.
+class Scratch {
+ public:
+  explicit Scratch(size_t bytes) {
+    const size_t rounded = (bytes + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
+    mem_ = std::aligned_alloc(kVectorBytes, rounded);
+    if (mem_ == nullptr) throw std::bad_alloc();
+    std::memset(mem_, 0, rounded);
+  }
+  ~Scratch() { std::free(mem_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  // Consecutive carving: `count` objects of type U, each region starting 64-byte aligned.
+  template <typename U>
+  U* take(int64_t count) {
+    U* at = reinterpret_cast<U*>(static_cast<char*>(mem_) + used_);
+    used_ += (count * static_cast<int64_t>(sizeof(U)) + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
+    return at;
+  }
+  template <typename U>
+  static int64_t bytes(int64_t count) {
+    return (count * static_cast<int64_t>(sizeof(U)) + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
+  }
+
+ private:
+  void* mem_ = nullptr;
+  int64_t used_ = 0;
+};
+
+// ---- sequence mode (seq > 1): lanes over channels ------------------------------------------
+
+// h <- exp(dt A) h + (dt x) B_t ; y_t = C_t . h, for t < steps, with dts as discretize leaves
+// them. h and A are [state] vectors of channel lanes (in L1); B_t, C_t scalars are broadcast.
+template <typename T>
+void recur_chunk(int steps, int64_t N, const typename Lanes<T>::V* __restrict A,
+                 typename Lanes<T>::V* __restrict h, const typename Lanes<T>::V* __restrict dts,
+                 const typename Lanes<T>::V* __restrict dtx, const T* __restrict Bs,
+                 const T* __restrict Cs, typename Lanes<T>::V* __restrict ys) {
+  using V = typename Lanes<T>::V;
+  for (int t = 0; t < steps; ++t) {
+    const V d = dts[t];
+    const V u = dtx[t];
+    const T* Bt = Bs + t * N;
+    const T* Ct = Cs + t * N;
+    // Two accumulators halve the dependency chain of the C . h sum.
+    V acc0 = {}, acc1 = {};
+    int64_t n = 0;
+    for (; n + 1 < N; n += 2) {
+      h[n] = Math<T>::decay(d, A[n]) * h[n] + u * Bt[n];
+      acc0 += h[n] * Ct[n];
+      h[n + 1] = Math<T>::decay(d, A[n + 1]) * h[n + 1] + u * Bt[n + 1];
+      acc1 += h[n + 1] * Ct[n + 1];
+    }
+    if (n < N) {
+      h[n] = Math<T>::decay(d, A[n]) * h[n] + u * Bt[n];
+      acc0 += h[n] * Ct[n];
+    }
+    ys[t] = acc0 + acc1;
+  }
+}
+
+// Items are ordered block-major (item = block * batch + b), so a thread's consecutive items
+// share a block and its A, D, dt_bias are prepared once. h is kept as [state][channel lanes]:
+// each timestep is then pure multiply-adds with B and C broadcast, and loading and storing h
+// transposes it once per item.
+template <typename T>
+class SequenceRunner {
+  using V = typename Lanes<T>::V;
+  static constexpr int W = Lanes<T>::W;
+
+ public:
+  explicit SequenceRunner(const ScanProblem& p)
+      : p_(p), blocks_(p), N_(p.state), N_int_(static_cast<int>(p.state)),
+        scratch_(2 * Scratch::bytes<V>(p.state) + 2 * Scratch::bytes<V>(1) +
+                 5 * Scratch::bytes<V>(kTimeChunk) + 2 * Scratch::bytes<T>(kTimeChunk * p.state)) {
+    A_ = scratch_.take<V>(N_);
+    h_ = scratch_.take<V>(N_);
+    D_ = scratch_.take<V>(1);
+    bias_ = scratch_.take<V>(1);
+    xs_ = scratch_.take<V>(kTimeChunk);
+    dts_ = scratch_.take<V>(kTimeChunk);
+    dtx_ = scratch_.take<V>(kTimeChunk);
+    gate_ = scratch_.take<V>(kTimeChunk);
+    ys_ = scratch_.take<V>(kTimeChunk);
+    Bs_ = scratch_.take<T>(kTimeChunk * N_);
+    Cs_ = scratch_.take<T>(kTimeChunk * N_);
+  }
+
+  void run(int64_t item) {
+    const int64_t b = item % p_.batch;
+    const int64_t block = item / p_.batch;
+    const int64_t g = blocks_.group(block);
+    const int64_t d0 = blocks_.first_channel(block);
+    const int lanes = blocks_.lanes(block);
+    if (block != prepared_block_) {
+      prepare_block(d0, lanes);
+      prepared_block_ = block;
+    }
+    if (p_.h0.data == nullptr || lanes < W) std::memset(static_cast<void*>(h_), 0, N_ * sizeof(V));
+    if (p_.h0.data != nullptr) {
+      const auto& s = p_.h0.stride;
+      load_2d(p_.h0, b * s[0] + d0 * s[1], s[2], s[1], N_int_, lanes, reinterpret_cast<T*>(h_), W);
+    }
+    for (int64_t t0 = 0; t0 < p_.seq; t0 += kTimeChunk) {
+      const int steps = static_cast<int>(std::min<int64_t>(kTimeChunk, p_.seq - t0));
+      pack_chunk(b, g, t0, steps, d0, lanes);
+      recur_chunk<T>(steps, N_, A_, h_, dts_, dtx_, Bs_, Cs_, ys_);
+      finish_chunk(b, t0, steps, d0, lanes);
+    }
+    if (p_.state_out.data != nullptr) {
+      const auto& s = p_.state_out.stride;
+      store_2d(p_.state_out, b * s[0] + d0 * s[1], s[2], s[1], N_int_, lanes,
+               reinterpret_cast<const T*>(h_), W);
+    }
+  }
+
+ private:
+  // A as [state][lanes]; D and dt_bias as lanes.
+  void prepare_block(int64_t d0, int lanes) {
+    std::memset(static_cast<void*>(A_), 0, N_ * sizeof(V));
+    const auto& sa = p_.A.stride;
+    load_2d(p_.A, d0 * sa[0], sa[1], sa[0], N_int_, lanes, reinterpret_cast<T*>(A_), W);
+    *D_ = V{};
+    if (p_.D.data != nullptr)
+      load_2d(p_.D, d0 * p_.D.stride[0], 0, p_.D.stride[0], 1, lanes, reinterpret_cast<T*>(D_), W);
+    *bias_ = V{};
+    if (p_.dt_bias.data != nullptr)
+      load_2d(p_.dt_bias, d0 * p_.dt_bias.stride[0], 0, p_.dt_bias.stride[0], 1, lanes,
+              reinterpret_cast<T*>(bias_), W);
+  }
+
+  // x, discretized dt, dt * x and silu(z) as [t][channel lanes] tiles, and B, C as [t][state]
+  // rows, for timesteps t0 .. t0 + steps of batch row b.
+  void pack_chunk(int64_t b, int64_t g, int64_t t0, int steps, int64_t d0, int lanes) {
+    if (lanes < W) {
+      // Keep the unused lanes at zero rather than at a previous block's values.
+      for (int t = 0; t < steps; ++t) xs_[t] = dts_[t] = gate_[t] = V{};
+    }
+    const auto& sx = p_.x.stride;
+    load_2d(p_.x, b * sx[0] + t0 * sx[1] + d0 * sx[2], sx[1], sx[2], steps, lanes,
+            reinterpret_cast<T*>(xs_), W);
+    const auto& sd = p_.dt.stride;
+    load_2d(p_.dt, b * sd[0] + t0 * sd[1] + d0 * sd[2], sd[1], sd[2], steps, lanes,
+            reinterpret_cast<T*>(dts_), W);
+    discretize<T>(p_, steps, dts_, xs_, dtx_, bias_, 0);
+    if (p_.z.data != nullptr) {
+      const auto& sz = p_.z.stride;
+      load_2d(p_.z, b * sz[0] + t0 * sz[1] + d0 * sz[2], sz[1], sz[2], steps, lanes,
+              reinterpret_cast<T*>(gate_), W);
+      for (int t = 0; t < steps; ++t) gate_[t] = Math<T>::silu(gate_[t]);
+    }
+    const auto& sB = p_.B.stride;
+    load_2d(p_.B, b * sB[0] + t0 * sB[1] + g * sB[2], sB[1], sB[3], steps, N_int_, Bs_, N_int_);
+    const auto& sC = p_.C.stride;
+    load_2d(p_.C, b * sC[0] + t0 * sC[1] + g * sC[2], sC[1], sC[3], steps, N_int_, Cs_, N_int_);
+  }
+
+  void finish_chunk(int64_t b, int64_t t0, int steps, int64_t d0, int lanes) {
+    if (p_.D.data != nullptr) {
+      const V D = *D_;
+      for (int t = 0; t < steps; ++t) ys_[t] += D * xs_[t];
+    }
+    if (p_.z.data != nullptr)
+      for (int t = 0; t < steps; ++t) ys_[t] *= gate_[t];
+    const auto& sy = p_.y.stride;
+    store_2d(p_.y, b * sy[0] + t0 * sy[1] + d0 * sy[2], sy[1], sy[2], steps, lanes,
+             reinterpret_cast<const T*>(ys_), W);
+  }
+
+  const ScanProblem& p_;
+  const Blocks<T> blocks_;
+  const int64_t N_;
+  const int N_int_;
+  Scratch scratch_;
+  int64_t prepared_block_ = -1;
+  V *A_, *h_, *D_, *bias_, *xs_, *dts_, *dtx_, *gate_, *ys_;
+  T *Bs_, *Cs_;
+};
+
+// ---- step mode (seq == 1, the state update): lanes over the state axis ----------------------
+
+// Sums of the lanes of W vectors at once, as one vector: a tree of W - 1 adds of shuffle
+// pairs. Stage H (W/2 .. 1) folds pairs (v[c], v[c + H]) into v[c]: within groups of G lanes,
+// `low` takes the even H-lane blocks of a then those of b, `high` the odd ones, and low + high
+// halves the partial sums of every input. G is the whole vector while an H-block spans a
+// 128-bit lane or more, else one 128-bit lane, so every shuffle is a cheap whole-lane
+// (vshuff32x4) or in-lane (vshufps) one rather than a general two-source permute. The sums
+// come out in a fixed lane order: kSlot[c] is the input whose sum lands in lane c.
+template <typename T>
+struct LaneSums {
+  using V = typename Lanes<T>::V;
+  static constexpr int W = Lanes<T>::W;
+
+  template <int H, bool kHigh>
+  struct Fold {
+    static constexpr int lane(int i) {
+      const int group = H * static_cast<int>(sizeof(T)) >= 16 ? W : 16 / static_cast<int>(sizeof(T));
+      const int start = i / group * group, k = i % group, half = group / 2;
+      const int m = k % half;
+      const int taken = start + (2 * (m / H) + (kHigh ? 1 : 0)) * H + m % H;
+      return k < half ? taken : W + taken;
+    }
+  };
+
+  template <int H>
+  static constexpr int fold_lane(bool high, int i) {
+    return high ? Fold<H, true>::lane(i) : Fold<H, false>::lane(i);
+  }
+  template <int H>
+  static constexpr void fold_owners(std::array<std::array<int, W>, W>& v, bool& consistent) {
+    for (int c = 0; c < H; ++c) {
+      std::array<int, W> folded{};
+      for (int j = 0; j < W; ++j) {
+        const int lo = fold_lane<H>(false, j), hi = fold_lane<H>(true, j);
+        const int lo_owner = lo < W ? v[c][lo] : v[c + H][lo - W];
+        const int hi_owner = hi < W ? v[c][hi] : v[c + H][hi - W];
+        consistent = consistent && lo_owner == hi_owner;
+        folded[j] = lo_owner;
+      }
+      v[c] = folded;
+    }
+    if constexpr (H > 1) fold_owners<H / 2>(v, consistent);
+  }
+  // The tree run on input indices: which input's sum each lane of the result holds (-1 for
+  // all lanes if some fold would add partial sums of two different inputs).
+  static constexpr std::array<int, W> owners() {
+    std::array<std::array<int, W>, W> v{};
+    for (int i = 0; i < W; ++i)
+      for (int j = 0; j < W; ++j) v[i][j] = i;
+    bool consistent = true;
+    fold_owners<W / 2>(v, consistent);
+    if (!consistent) v[0].fill(-1);
+    return v[0];
+  }
+  static constexpr std::array<int, W> kSlot = owners();
+  static_assert(kSlot[0] >= 0, "the fold masks must pair lanes of the same input");
+
+  template <int H = W / 2>
+  static inline __attribute__((always_inline)) V of(V* v) {
+    for (int c = 0; c < H; ++c)
+      v[c] = Shuffles<T>::template apply<Fold<H, false>>(v[c], v[c + H]) +
+             Shuffles<T>::template apply<Fold<H, true>>(v[c], v[c + H]);
+    if constexpr (H > 1) {
+      return of<H / 2>(v);
+    } else {
+      return v[0];
+    }
+  }
+};
+
+// One timestep for the `lanes` channels of a block. Channel c's state row is `vecs` vectors at
+// h + c * h_stride and its A row `vecs` vectors at A + c * A_stride (any alignment), padded
+// with zeros in A, B, C (and h) past the state size;
+// dt[c] (as discretize leaves it) and dtx[c] are its scalars (read as broadcast operands). Returns y (before D and z)
+// with channel c in lane c. kFull instantiates the common full block of W channels whose state
+// is one vector (state == W), fully unrolled so the W accumulators stay in registers.
+template <typename T, bool kFull>
+typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, int64_t A_stride,
+                                T* __restrict h, int64_t h_stride, const T* __restrict dt,
+                                const T* __restrict dtx, const typename Lanes<T>::V* __restrict B,
+                                const typename Lanes<T>::V* __restrict C) {
+  using V = typename Lanes<T>::V;
+  typedef T VU __attribute__((vector_size(kVectorBytes), aligned(1), may_alias));
+  constexpr int W = Lanes<T>::W;
+  if constexpr (kFull) vecs = 1;
+  V acc[W];
+  for (int c = 0; c < W; ++c) acc[c] = V{};
+  auto channel = [&](int c) __attribute__((always_inline)) {
+    const T* Ac = A + c * A_stride;
+    T* hc = h + c * h_stride;
+    V& sum = acc[LaneSums<T>::kSlot[c]];
+    for (int64_t k = 0; k < vecs; ++k) {
+      VU* hp = reinterpret_cast<VU*>(hc + k * W);
+      const V a = *reinterpret_cast<const VU*>(Ac + k * W);
+      const V hk = Math<T>::decay(dt[c] + V{}, a) * V(*hp) + B[k] * dtx[c];
+      *hp = hk;
+      sum += hk * C[k];
+    }
+  };
+  if constexpr (kFull) {
+#pragma GCC unroll 16
+    for (int c = 0; c < W; ++c) channel(c);
+  } else {
+    for (int c = 0; c < lanes; ++c) channel(c);
+  }
+  return LaneSums<T>::of(acc);
+}
+
+// Items are ordered row-major (item = b * blocks + block), so a thread's consecutive items
+// share a batch row, whose x, dt, z, B and C are packed once for all blocks, and walk the state
+// pool row sequentially. h is kept in the state's own [channel][state] layout and is updated
+// where it lies when the state pool is in the compute dtype with a contiguous, vector-multiple
+// state axis (the server's pool); otherwise through a padded copy.
+template <typename T>
+class StepRunner {
+  using V = typename Lanes<T>::V;
+  static constexpr int W = Lanes<T>::W;
+  static constexpr DType kDType = sizeof(T) == 4 ? DType::f32 : DType::f64;
+
+ public:
+  explicit StepRunner(const ScanProblem& p)
+      : p_(p), blocks_(p), N_(p.state), N_int_(static_cast<int>(p.state)), vecs_((p.state + W - 1) / W),
+        in_place_(p.h0.data != nullptr && p.h0.data == p.state_out.data && p.h0.dtype == kDType &&
+                  p.h0.stride[2] == 1 && p.state % W == 0),
+        A_direct_(p.A.dtype == kDType && p.A.stride[1] == 1 && p.state % W == 0),
+        scratch_(Scratch::bytes<V>(blocks_.count * W * vecs_) + 6 * Scratch::bytes<V>(blocks_.count) +
+                 2 * Scratch::bytes<V>(p.groups * vecs_) + Scratch::bytes<V>(W * vecs_)),
+        prepared_(blocks_.count, 0) {
+    A_ = scratch_.take<V>(blocks_.count * W * vecs_);
+    D_ = scratch_.take<V>(blocks_.count);
+    bias_ = scratch_.take<V>(blocks_.count);
+    xs_ = scratch_.take<V>(blocks_.count);
+    dts_ = scratch_.take<V>(blocks_.count);
+    dtx_ = scratch_.take<V>(blocks_.count);
+    gate_ = scratch_.take<V>(blocks_.count);
+    Bs_ = scratch_.take<V>(p.groups * vecs_);
+    Cs_ = scratch_.take<V>(p.groups * vecs_);
+    h_ = scratch_.take<V>(W * vecs_);
+    // D and dt_bias for every block, laid out like the packed rows (group-padded).
+    for (int64_t g = 0; g < p_.groups; ++g) {
+      const int64_t at = g * blocks_.per_group_blocks;
+      if (p_.D.data != nullptr)
+        load_2d(p_.D, g * blocks_.per_group * p_.D.stride[0], 0, p_.D.stride[0], 1,
+                static_cast<int>(blocks_.per_group), reinterpret_cast<T*>(D_ + at), 0);
+      if (p_.dt_bias.data != nullptr)
+        load_2d(p_.dt_bias, g * blocks_.per_group * p_.dt_bias.stride[0], 0, p_.dt_bias.stride[0], 1,
+                static_cast<int>(blocks_.per_group), reinterpret_cast<T*>(bias_ + at), 0);
+    }
+  }
+
+  void run(int64_t item) {
+    const int64_t b = item / blocks_.count;
+    const int64_t block = item % blocks_.count;
+    const int64_t g = blocks_.group(block);
+    const int64_t d0 = blocks_.first_channel(block);
+    const int lanes = blocks_.lanes(block);
+    const auto& sy = p_.y.stride;
+    // The pool row: slots[b] (negative = padding row), or b itself.
+    const int64_t row = p_.slots.data != nullptr ? read_slot(p_.slots, b) : b;
+    if (row < 0) {
+      const V zero = {};
+      store_2d(p_.y, b * sy[0] + d0 * sy[2], 0, sy[2], 1, lanes, reinterpret_cast<const T*>(&zero), W);
+      return;
+    }
+    if (b != packed_row_) {
+      pack_row(b);
+      packed_row_ = b;
+    }
+    T* h = reinterpret_cast<T*>(h_);
+    int64_t h_stride = vecs_ * W;
+    const auto& si = p_.h0.stride;
+    if (in_place_) {
+      h = static_cast<T*>(p_.h0.data) + row * si[0] + d0 * si[1];
+      h_stride = si[1];
+    } else if (p_.h0.data != nullptr) {
+      load_2d(p_.h0, row * si[0] + d0 * si[1], si[1], si[2], lanes, N_int_, h, static_cast<int>(h_stride));
+    } else {
+      for (int c = 0; c < lanes; ++c) std::memset(static_cast<void*>(h + c * h_stride), 0, N_ * sizeof(T));
+    }
+    const T* A = reinterpret_cast<const T*>(A_ + block * W * vecs_);
+    int64_t A_stride = vecs_ * W;
+    if (A_direct_) {
+      A = static_cast<const T*>(p_.A.data) + d0 * p_.A.stride[0];
+      A_stride = p_.A.stride[0];
+    } else if (!prepared_[block]) {
+      prepare_A(block, d0, lanes);
+      prepared_[block] = 1;
+    }
+    const T* dt = reinterpret_cast<const T*>(dts_ + block);
+    const T* dtx = reinterpret_cast<const T*>(dtx_ + block);
+    V y = lanes == W && vecs_ == 1
+              ? step_block<T, true>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bs_ + g, Cs_ + g)
+              : step_block<T, false>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx,
+                                     Bs_ + g * vecs_, Cs_ + g * vecs_);
+    if (!in_place_ && p_.state_out.data != nullptr) {
+      const auto& so = p_.state_out.stride;
+      store_2d(p_.state_out, row * so[0] + d0 * so[1], so[1], so[2], lanes, N_int_, h,
+               static_cast<int>(h_stride));
+    }
+    if (p_.D.data != nullptr) y += D_[block] * xs_[block];
+    if (p_.z.data != nullptr) y *= gate_[block];
+    store_2d(p_.y, b * sy[0] + d0 * sy[2], 0, sy[2], 1, lanes, reinterpret_cast<const T*>(&y), W);
+  }
+
+ private:
+  // The block's A as [lanes][padded state]; zero past the state.
+  void prepare_A(int64_t block, int64_t d0, int lanes) {
+    T* A = reinterpret_cast<T*>(A_ + block * W * vecs_);
+    const auto& sa = p_.A.stride;
+    load_2d(p_.A, d0 * sa[0], sa[0], sa[1], lanes, N_int_, A, static_cast<int>(vecs_ * W));
+  }
+
+  // Row b of x, discretized dt, dt * x, silu(z) for every block, and B, C for every group. A
+  // group's channels land block after block; lanes past a group's end keep their zeros.
+  void pack_row(int64_t b) {
+    const int cols = static_cast<int>(blocks_.per_group);
+    for (int64_t g = 0; g < p_.groups; ++g) {
+      const int64_t c0 = g * blocks_.per_group;
+      const int64_t at = g * blocks_.per_group_blocks;
+      load_2d(p_.x, b * p_.x.stride[0] + c0 * p_.x.stride[2], 0, p_.x.stride[2], 1, cols,
+              reinterpret_cast<T*>(xs_ + at), 0);
+      load_2d(p_.dt, b * p_.dt.stride[0] + c0 * p_.dt.stride[2], 0, p_.dt.stride[2], 1, cols,
+              reinterpret_cast<T*>(dts_ + at), 0);
+      if (p_.z.data != nullptr)
+        load_2d(p_.z, b * p_.z.stride[0] + c0 * p_.z.stride[2], 0, p_.z.stride[2], 1, cols,
+                reinterpret_cast<T*>(gate_ + at), 0);
+      load_2d(p_.B, b * p_.B.stride[0] + g * p_.B.stride[2], 0, p_.B.stride[3], 1, N_int_,
+              reinterpret_cast<T*>(Bs_ + g * vecs_), 0);
+      load_2d(p_.C, b * p_.C.stride[0] + g * p_.C.stride[2], 0, p_.C.stride[3], 1, N_int_,
+              reinterpret_cast<T*>(Cs_ + g * vecs_), 0);
+    }
+    const int count = static_cast<int>(blocks_.count);
+    discretize<T>(p_, count, dts_, xs_, dtx_, bias_, 1);
+    if (p_.z.data != nullptr)
+      for (int i = 0; i < count; ++i) gate_[i] = Math<T>::silu(gate_[i]);
+  }
+
+  const ScanProblem& p_;
+  const Blocks<T> blocks_;
+  const int64_t N_;
+  const int N_int_;
+  const int64_t vecs_;  // vectors per (zero-padded) state row
+  const bool in_place_;
+  const bool A_direct_;  // A read where it lies (as the state); else copied per block, padded
+  Scratch scratch_;
+  std::vector<char> prepared_;  // per block: A copied
+  int64_t packed_row_ = -1;
+  V *A_, *D_, *bias_, *xs_, *dts_, *dtx_, *gate_, *Bs_, *Cs_, *h_;
+};
+
+int64_t block_width(const ScanProblem& p) {
+  return p.compute_f64 ? Lanes<double>::W : Lanes<float>::W;
+}
+
+template <typename T>
+void run_queue(const ScanProblem& p, WorkQueue& queue) {
+  auto drain = [&](auto& runner) {
+    int64_t begin, end;
+    while (queue.take(&begin, &end))
+      for (int64_t i = begin; i < end; ++i) runner.run(i);
+  };
+  if (p.seq == 1) {
+    StepRunner<T> runner(p);
+    drain(runner);
+  } else {
+    SequenceRunner<T> runner(p);
+    drain(runner);
+  }
+}
+
+}  // namespace
+
+int64_t work_items(const ScanProblem& p) {
+  const int64_t per_group = p.dim / p.groups;
+  const int64_t W = block_width(p);
+  return p.batch * p.groups * ((per_group + W - 1) / W);
+}
+
+int64_t work_per_item(const ScanProblem& p) { return p.seq * block_width(p) * p.state; }
+
+void run_items(const ScanProblem& p, WorkQueue& queue) {
+  if (p.compute_f64) {
+    run_queue<double>(p, queue);
+  } else {
+    run_queue<float>(p, queue);
+  }
+}
+
+const char* simd_description() {
+#if defined(__AVX512F__)
+  return "avx512 (64-byte vectors)";
+#elif defined(__AVX2__)
+  return "avx2 (64-byte vectors as 2 x 32 bytes)";
+#elif defined(__ARM_NEON)
+  return "neon (64-byte vectors as 4 x 16 bytes)";
+#else
+  return "generic (64-byte vectors lowered by the compiler)";
+#endif
+}
+
+}  // namespace scan_bridge

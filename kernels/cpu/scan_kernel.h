@@ -1,0 +1,73 @@
+// One selective-scan call described without torch types: the contract between the SIMD kernels
+// (scan_kernel.cpp, torch-free so it compiles in seconds with -O3 -march=native) and the ATen
+// binding (binding.cpp), which fills a ScanProblem from tensors and shares its work items
+// between the calling thread and helper threads (helper_pool.h).
+//
+// The state update is the same problem with seq == 1, h0 and state_out both pointing at the
+// state pool, and `slots` choosing the pool row of each batch row.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace scan_bridge {
+
+enum class DType : int32_t { f32, f16, bf16, f64, i32, i64 };
+
+// A tensor read or written through element strides in a fixed axis order (given per field
+// below). `data` may sit at any byte offset: every access goes through memcpy-style loads.
+struct Strided {
+  void* data = nullptr;  // nullptr: the optional operand is absent
+  DType dtype = DType::f32;
+  int64_t stride[4] = {0, 0, 0, 0};
+};
+
+struct ScanProblem {
+  int64_t batch = 0, seq = 0, dim = 0, state = 0, groups = 1;
+  Strided x, dt, z;     // (batch, time, channel)
+  Strided B, C;         // (batch, time, group, state)
+  Strided A;            // (channel, state)
+  Strided D, dt_bias;   // (channel)
+  Strided slots;        // (batch) i32/i64, seq == 1 only: the state row of each batch row;
+                        // < 0 = padding row (y = 0, no state touched)
+  Strided h0;           // (row, channel, state); absent = zeros
+  Strided y;            // (batch, time, channel), written
+  Strided state_out;    // (row, channel, state), written; may alias h0 (in-place update)
+  bool dt_softplus = false;
+  bool has_dt_min = false, has_dt_max = false;
+  double dt_min = 0.0, dt_max = 0.0;
+  bool compute_f64 = false;  // float64 math (x is float64); float32 otherwise
+};
+
+// Items are independent (channel block, batch row) pairs; any split of [0, work_items) across
+// threads gives bit-identical results. Consecutive items share a channel block (or a batch
+// row, for seq == 1), so a thread taking contiguous ranges prepares shared data once.
+int64_t work_items(const ScanProblem& p);
+// State-element updates (time x channels x state) one item performs: sizes parallel grains.
+int64_t work_per_item(const ScanProblem& p);
+
+// Contiguous ranges of items handed out on demand, so that a thread that gets less CPU time
+// (a core shared with another process) simply takes fewer ranges.
+class WorkQueue {
+ public:
+  WorkQueue(int64_t items, int64_t chunk) : items_(items), chunk_(chunk < 1 ? 1 : chunk) {}
+  bool take(int64_t* begin, int64_t* end) {
+    const int64_t b = next_.fetch_add(chunk_, std::memory_order_relaxed);
+    if (b >= items_) return false;
+    *begin = b;
+    *end = b + chunk_ < items_ ? b + chunk_ : items_;
+    return true;
+  }
+
+ private:
+  const int64_t items_, chunk_;
+  std::atomic<int64_t> next_{0};
+};
+
+// Runs ranges from `queue` until it is empty; called by every thread of a parallel region.
+void run_items(const ScanProblem& p, WorkQueue& queue);
+
+// The instruction set the kernels were compiled for, for `info` and benchmark reports.
+const char* simd_description();
+
+}  // namespace scan_bridge

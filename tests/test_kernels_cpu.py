@@ -1,0 +1,411 @@
+"""What is particular to the "cpu" backend (kernels/cpu/), beyond the generic suite in
+test_kernels.py that runs the shared cases against every backend:
+
+- its two code paths (sequence mode for seq > 1, step mode for seq == 1) at sizes that reach
+  full SIMD blocks, partial blocks, the state-16 register path and the generic-state path,
+  several time chunks, and the in-register transposes of the "bdl" layout and of h;
+- every option in every dtype on those paths, against the float64 reference;
+- thread counts: any split of the work gives bit-identical results; concurrent callers; a
+  forked child;
+- inputs at odd byte offsets (tensors decoded from a network frame);
+- the state update in place, in fp32 and fp64 pools, with padding rows;
+- the build: a second process reuses the library, and a failed build is one line of reason.
+
+Inputs are fresh random draws each run; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import _args
+from kernel_cases import (
+    STATE_TOLERANCE, TOLERANCES, ScanCase, UpdateCase, assert_close, make_scan_inputs,
+    make_update_inputs, reference_scan, reference_update,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if "cpu" not in kernels.available_backends():
+    pytest.skip(f"cpu backend unavailable: {kernels.unavailable_backends().get('cpu')}",
+                allow_module_level=True)
+
+DTYPES = [
+    pytest.param(torch.float32, id="f32"),
+    pytest.param(torch.float16, id="f16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float64, id="f64"),
+]
+
+ALL = dict(D=True, z=True, dt_bias=True, dt_softplus=True, clamp=True, h0=True)
+
+# Blocks are 16 channels (fp32 math; 8 in fp64) per group; time is packed 32 steps at a time.
+SCAN_CASES = [
+    pytest.param(ScanCase(2, 65, 48, 16, layout="bdl", **ALL), id="bdl-full-blocks-3-chunks"),
+    pytest.param(ScanCase(2, 33, 40, 16, groups=2, **ALL), id="bld-partial-blocks"),
+    pytest.param(ScanCase(3, 31, 35, 24, D=True, z=True, h0=True), id="state-24-generic-path"),
+    pytest.param(ScanCase(1, 40, 17, 64, layout="bdl", dt_bias=True, dt_softplus=True, h0=True),
+                 id="bdl-state-64"),
+    pytest.param(ScanCase(2, 64, 32, 32, bc_3d=True, clamp=True), id="bc3d-no-h0"),
+    pytest.param(ScanCase(2, 1, 48, 16, **ALL), id="seq1-step-path-h0"),
+    pytest.param(ScanCase(2, 1, 40, 5, groups=2, layout="bdl", D=True, z=True, dt_softplus=True),
+                 id="seq1-step-path-state5-no-h0"),
+    pytest.param(ScanCase(2, 37, 20, 16, return_state=False, D=True, z=True), id="no-state"),
+]
+
+UPDATE_CASES = [
+    pytest.param(UpdateCase(9, 64, 16, groups=2, pool=13, padding_rows=3, D=True, z=True,
+                            dt_bias=True, dt_softplus=True, clamp=True), id="in-place-full-blocks"),
+    pytest.param(UpdateCase(7, 48, 24, pool=10, padding_rows=2, D=True, z=True), id="state-24-copied"),
+    pytest.param(UpdateCase(5, 40, 16, groups=4, D=True, z=True, dt_bias=True, dt_softplus=True,
+                            clamp=True), id="partial-blocks-no-slots"),
+    pytest.param(UpdateCase(3, 33, 3, bc_2d=True, pool=4, padding_rows=1), id="state-3-bc2d"),
+]
+
+
+def _seed() -> int:
+    return random.randrange(2**31)
+
+
+def _state_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scan(inputs, **overrides):
+    return kernels.selective_scan(**{**inputs, **overrides}, backend="cpu")
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# --- every option, both paths, every dtype ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SCAN_CASES)
+def test_scan_matches_reference(case, dtype):
+    seed = _seed()
+    what = f"cpu seed={seed}"
+    inputs = make_scan_inputs(case, dtype, seed=seed)
+    y_ref, state_ref = reference_scan(inputs)
+    out = _scan(inputs)
+    y, state = out if case.return_state else (out, None)
+    assert y.dtype == dtype and y.shape == inputs["x"].shape, f"{what}: y {y.dtype} {tuple(y.shape)}"
+    assert_close(y, y_ref, dtype, f"{what} y")
+    if case.return_state:
+        assert state.dtype == _state_dtype(dtype), f"{what}: state dtype {state.dtype}"
+        tolerance = TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
+        assert_close(state, state_ref, dtype, f"{what} state", tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", UPDATE_CASES)
+def test_state_update_matches_reference(case, dtype):
+    seed = _seed()
+    what = f"cpu seed={seed}"
+    inputs = make_update_inputs(case, dtype, seed=seed)
+    y_ref, state_ref = reference_update(inputs)
+    before = inputs["state"].clone()
+    y = kernels.selective_state_update(**inputs, backend="cpu")
+    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}"
+    assert_close(y, y_ref, dtype, f"{what} y")
+    slots = inputs.get("slots")
+    if slots is None:
+        touched = torch.ones(case.batch, dtype=torch.bool)
+    else:
+        live = slots >= 0
+        assert torch.equal(y[~live], torch.zeros_like(y[~live])), f"{what}: padding rows' y not 0"
+        touched = torch.zeros(inputs["state"].shape[0], dtype=torch.bool)
+        touched[slots[live]] = True
+    state = inputs["state"]
+    assert_close(state[touched], state_ref[touched], dtype, f"{what} state", STATE_TOLERANCE)
+    assert torch.equal(state[~touched], before[~touched]), f"{what}: untouched pool rows changed"
+
+
+@pytest.mark.parametrize("case", UPDATE_CASES)
+def test_state_update_in_a_float64_pool(case):
+    """float64 inputs and pool: fp64 math and state, updated in place."""
+    seed = _seed()
+    inputs = make_update_inputs(case, torch.float64, seed=seed)
+    inputs["state"] = inputs["state"].to(torch.float64)
+    y_ref, state_ref = reference_update(inputs)
+    y = kernels.selective_state_update(**inputs, backend="cpu")
+    f64 = TOLERANCES[torch.float64]
+    assert_close(y, y_ref, torch.float64, f"cpu seed={seed} y", f64)
+    assert_close(inputs["state"], state_ref, torch.float64, f"cpu seed={seed} state", f64)
+
+
+def test_mixed_input_dtypes():
+    """Each tensor is read in its own dtype: bf16 x, fp16 B/C, fp64 A, fp32 rest."""
+    case = ScanCase(2, 40, 36, 16, groups=2, **ALL)
+    seed = _seed()
+    inputs = make_scan_inputs(case, torch.float32, seed=seed)
+    mixed = {**inputs, "x": inputs["x"].bfloat16(), "B": inputs["B"].half(), "C": inputs["C"].half(),
+             "A": inputs["A"].double()}
+    y_ref, state_ref = reference_scan({**mixed, "x": mixed["x"].float(), "B": mixed["B"].float(),
+                                       "C": mixed["C"].float(), "A": mixed["A"].float()})
+    y, state = _scan(mixed)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, y_ref, torch.bfloat16, f"cpu seed={seed} y")
+    assert_close(state, state_ref, torch.float32, f"cpu seed={seed} state", STATE_TOLERANCE)
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+# Both large enough (over 64k state updates per thread) to be split across threads.
+@pytest.mark.parametrize("threads", [pytest.param(2, id="2-threads"), pytest.param(3, id="3-threads")])
+@pytest.mark.parametrize("layout", ["bld", "bdl"])
+def test_scan_threads_give_identical_results(restore_threads, threads, layout):
+    case = ScanCase(5, 70, 88, 16, groups=2, layout=layout, **ALL)
+    inputs = make_scan_inputs(case, torch.float32, seed=_seed())
+    torch.set_num_threads(1)
+    y1, state1 = _scan(inputs)
+    torch.set_num_threads(threads)
+    yn, staten = _scan(inputs)
+    assert torch.equal(y1, yn) and torch.equal(state1, staten)
+
+
+@pytest.mark.parametrize("threads", [pytest.param(2, id="2-threads"), pytest.param(3, id="3-threads")])
+def test_state_update_threads_give_identical_results(restore_threads, threads):
+    case = UpdateCase(37, 200, 16, groups=2, pool=45, padding_rows=5, D=True, z=True,
+                      dt_bias=True, dt_softplus=True)
+    inputs = make_update_inputs(case, torch.float32, seed=_seed())
+    state = inputs["state"]
+    results = []
+    for n in (1, threads):
+        torch.set_num_threads(n)
+        pool = state.clone()
+        y = kernels.selective_state_update(**{**inputs, "state": pool}, backend="cpu")
+        results.append((y, pool))
+    (y1, pool1), (yn, pooln) = results
+    assert torch.equal(y1, yn) and torch.equal(pool1, pooln)
+
+
+def test_concurrent_calls_from_python_threads():
+    """The GIL is released while a kernel runs: calls from several threads at once must not
+    share any scratch."""
+    cases = [ScanCase(3, 50, 40, 16, **ALL), ScanCase(2, 45, 24, 8, layout="bdl", D=True, h0=True)]
+    inputs = [make_scan_inputs(c, torch.float32, seed=_seed()) for c in cases]
+    expected = [_scan(i) for i in inputs]
+    errors = []
+
+    def worker(k):
+        for _ in range(20):
+            y, state = _scan(inputs[k])
+            if not (torch.equal(y, expected[k][0]) and torch.equal(state, expected[k][1])):
+                errors.append(k)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1, 0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, f"results differed under concurrency in cases {sorted(set(errors))}"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_computes_without_the_parents_helpers(restore_threads):
+    """A server may fork after using the kernels: the child has none of the parent's helper
+    threads and must neither wait for them nor deadlock."""
+    torch.set_num_threads(2)
+    case = ScanCase(3, 50, 64, 16, **ALL)
+    inputs = make_scan_inputs(case, torch.float32, seed=_seed())
+    expected = _scan(inputs)  # starts the helper pool in this process
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 if it computes the same result
+        try:
+            y, state = _scan(inputs)
+            os._exit(0 if torch.equal(y, expected[0]) and torch.equal(state, expected[1]) else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+# --- inputs at odd byte offsets ----------------------------------------------------------------
+
+def _at_odd_offset(t: torch.Tensor, keep: list) -> torch.Tensor:
+    """The same values in a tensor whose data starts 1 byte past an aligned address, as tensor
+    bytes decoded from a network frame can."""
+    t = t.contiguous()
+    buf = bytearray(t.numel() * t.element_size() + 1)
+    keep.append(buf)
+    out = torch.frombuffer(buf, dtype=t.dtype, offset=1, count=t.numel()).view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 2 == 1
+    return out
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("layout", ["bld", "bdl"])
+def test_scan_inputs_at_odd_byte_offsets(dtype, layout):
+    case = ScanCase(2, 45, 40, 16, groups=2, layout=layout, **ALL)
+    seed = _seed()
+    inputs = make_scan_inputs(case, dtype, seed=seed)
+    keep = []
+    odd = {k: _at_odd_offset(v, keep) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    y_aligned, state_aligned = _scan(inputs)
+    y, state = _scan(odd)
+    assert torch.equal(y, y_aligned) and torch.equal(state, state_aligned), f"seed={seed}"
+    y_ref, _ = reference_scan(inputs)
+    assert_close(y, y_ref, dtype, f"cpu seed={seed} y")
+
+
+@pytest.mark.parametrize("state_size", [pytest.param(16, id="in-place-path"), pytest.param(12, id="copy-path")])
+def test_state_update_pool_at_odd_byte_offset(state_size):
+    case = UpdateCase(6, 48, state_size, pool=9, padding_rows=2, D=True, z=True, dt_bias=True)
+    seed = _seed()
+    inputs = make_update_inputs(case, torch.float32, seed=seed)
+    y_ref, state_ref = reference_update(inputs)
+    keep = []
+    odd = {k: _at_odd_offset(v, keep) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    y = kernels.selective_state_update(**odd, backend="cpu")
+    assert_close(y, y_ref, torch.float32, f"cpu seed={seed} y")
+    assert_close(odd["state"], state_ref, torch.float32, f"cpu seed={seed} state", STATE_TOLERANCE)
+
+
+# --- the build ---------------------------------------------------------------------------------
+
+def test_second_process_reuses_the_built_library():
+    """What `make` runs; with the library built, a fresh process only imports it."""
+    from kernels.cpu import build
+
+    library = build.library_path()
+    assert library.is_file(), "the backend loaded, so its library must exist"
+    mtime = library.stat().st_mtime_ns
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "kernels.cpu.build"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert str(library) in proc.stdout
+    assert library.stat().st_mtime_ns == mtime, "the library was rebuilt"
+    # Interpreter and torch start-up included; a rebuild takes 15 s or more.
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+
+
+def test_digest_follows_sources(tmp_path, monkeypatch):
+    """A library built from other sources (or flags, or for another CPU) is never loaded."""
+    from kernels.cpu import build
+
+    for name in build.SOURCES + build.HEADERS:
+        (tmp_path / name).write_bytes((build.SOURCE_DIR / name).read_bytes())
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    first = build.build_digest()
+    with open(tmp_path / build.HEADERS[0], "a") as f:
+        f.write("\n// changed\n")
+    assert build.build_digest() != first
+    monkeypatch.setattr(build, "CFLAGS", build.CFLAGS + ("-DSOMETHING",))
+    assert len({first, build.build_digest()}) == 2
+
+
+def test_no_compiler_is_one_reason_and_torch_serves(monkeypatch, caplog):
+    from kernels import _registry
+    from kernels.cpu import build
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # also a new digest: nothing built for it
+    monkeypatch.setattr(_registry, "_loaded", {})
+    monkeypatch.setattr(_registry, "_unavailable", {})
+    assert not build.library_path().exists()
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        assert kernels.select_backend("cpu") == "torch"
+        assert kernels.select_backend("cpu") == "torch"
+    reason = _registry._unavailable["cpu"]
+    assert "no C++ compiler" in reason and "/nonexistent/c++" in reason and "\n" not in reason
+    assert [r.getMessage() for r in caplog.records if "'cpu'" in r.getMessage()] == [
+        f"kernels backend 'cpu' unavailable: {reason}"]
+
+
+def test_compile_error_is_one_line_with_the_log(tmp_path, monkeypatch):
+    from kernels.cpu import build
+
+    (tmp_path / "broken.cpp").write_text("int f() { return undeclared_name; }\n")
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    monkeypatch.setattr(build, "SOURCES", ("broken.cpp",))
+    monkeypatch.setattr(build, "HEADERS", ())
+    monkeypatch.setattr(build, "build_root", lambda: tmp_path / "out")
+    with pytest.raises(kernels.BackendUnavailable) as info:
+        build.load_extension()
+    reason = str(info.value)
+    assert "undeclared_name" in reason and "\n" not in reason
+    log = Path(reason.rsplit("full log: ", 1)[1].rstrip(")"))
+    assert log.is_file() and "undeclared_name" in log.read_text()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
+def test_portable_build_without_avx512(tmp_path, monkeypatch):
+    """The generic vector code that machines without AVX-512 (and many CI runners) build: the
+    same sources for x86-64-v3 (AVX2) in a scratch directory, against the reference."""
+    from kernels.cpu import backend_from, build
+
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in build.CFLAGS)
+    monkeypatch.setattr(build, "CFLAGS", flags)
+    monkeypatch.setattr(build, "MODULE_NAME", "scan_bridge_cpu_avx2")
+    monkeypatch.setattr(build, "build_root", lambda: tmp_path)
+    backend = backend_from(build.load_extension())
+    assert backend.details["simd"].startswith("avx2"), backend.details
+    assert Path(backend.details["library"]).is_relative_to(tmp_path), backend.details
+    seed = _seed()
+    for case, dtype in ((ScanCase(2, 65, 48, 16, layout="bdl", **ALL), torch.float32),
+                        (ScanCase(2, 33, 40, 24, groups=2, **ALL), torch.float16),
+                        (ScanCase(2, 1, 40, 16, groups=2, **ALL), torch.float32)):
+        inputs = make_scan_inputs(case, dtype, seed=seed)
+        a = _args.check_scan(**inputs)
+        y, state = backend.scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+        y_ref, state_ref = reference_scan(inputs)
+        assert_close(y, y_ref, dtype, f"avx2 build {case} seed={seed} y")
+        assert_close(state, state_ref, dtype, f"avx2 build {case} seed={seed} state", STATE_TOLERANCE)
+    case = UpdateCase(9, 64, 16, groups=2, pool=13, padding_rows=3, D=True, z=True, dt_bias=True,
+                      dt_softplus=True, clamp=True)
+    inputs = make_update_inputs(case, torch.float32, seed=seed)
+    y_ref, state_ref = reference_update(inputs)
+    a = _args.check_state_update(**inputs)
+    y = backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    assert_close(y, y_ref, torch.float32, f"avx2 build update seed={seed} y")
+    assert_close(inputs["state"], state_ref, torch.float32, f"avx2 build update seed={seed} state",
+                 STATE_TOLERANCE)
+
+
+def test_bench_runner_reports_every_backend(tmp_path):
+    """`python -m bench.kernels` (issue 4's runner) on two small cases: one row per backend
+    with its timing, bandwidth, floor ratio and speedups, plus machine and commit info."""
+    import json
+
+    from bench import kernels as bench_kernels
+
+    out = tmp_path / "kernels.json"
+    assert bench_kernels.main(["--quick", "--cases", "1x4x16x4,step-32x512x16", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["machine"]["cpu_model"] and report["commit"]["commit"]
+    assert report["copy_bandwidth_GBps"] > 0
+    rows = {(r["case"], r["backend"]): r for r in report["results"]}
+    assert set(rows) == {(c, b) for c in ("1x4x16x4", "step-32x512x16") for b in ("reference", "torch", "cpu")}
+    for (case, backend), r in rows.items():
+        assert r["p20_us"] <= r["median_us"] <= r["p80_us"], (case, backend, r)
+        assert r["GBps"] > 0 and r["over_floor"] > 0
+        assert r["speedup_vs_reference"] > 0 and r["speedup_vs_torch"] > 0
+    assert rows[("1x4x16x4", "reference")]["speedup_vs_reference"] == 1.0
