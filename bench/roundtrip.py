@@ -68,7 +68,7 @@ def run(iterations: int, server_args: list[str]) -> dict:
             rows["bridge_cost"].append(reply.round_trip_us - t["kernel_us"])
             rows["echo"].append(echo_us)
             rows["ipc"].append(reply.ipc_us)
-            for key in list(t) + ["client_encode_us", "client_decode_us"]:
+            for key in [k for k in t if k.endswith("_us")] + ["client_encode_us", "client_decode_us"]:
                 value = t.get(key, getattr(reply, key, None))
                 if isinstance(value, (int, float)):
                     stages.setdefault(key, []).append(value)
