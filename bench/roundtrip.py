@@ -24,6 +24,7 @@ from bridge.client import PortClient, to_wire
 from .floors import open_floor
 from .machine import commit_info, machine_info
 
+SETTLE_SECONDS = 0.005
 EXPHIL = {"batch": 32, "seq": 60, "dim": 512, "state": 16}
 
 
@@ -58,7 +59,11 @@ def run(iterations: int, server_args: list[str]) -> dict:
         rows = {"round_trip": [], "bridge_cost": [], "echo": [], "ipc": []}
         stages = {}
         for i in range(iterations + 3):
+            # A pause before each timed round trip: the kernel's helper threads keep polling a
+            # core for up to 1 ms after a call, which would otherwise slow whatever runs next.
+            time.sleep(SETTLE_SECONDS)
             echo_us = echo.round_trip_us(request_parts)
+            time.sleep(SETTLE_SECONDS)
             reply = client.scan(**inputs)
             reply.unwrap()
             if i < 3:  # warm-up: page faults, first-call allocations

@@ -14,9 +14,10 @@ dispatcher, or answered and not yet sent); its later requests wait in its own qu
 `hwm` of them, after which it is answered `overloaded`), so a peer that floods delays only
 itself. Sockets are ROUTER_MANDATORY: a reply to a peer that is gone fails at once, and the
 peer's sessions and handles are freed; a reply to a live peer whose pipe is full (SNDHWM)
-waits in the peer's own queue and is tried again every RETRY_MS, never blocking the others; a
-peer with `hwm` replies waiting reads none of them, and its further replies are dropped with a
-warning. ZeroMQ does not tell a ROUTER when a peer disconnects (ZMQ_ROUTER_NOTIFY is a draft
+waits in the peer's own queue and is tried again every RETRY_MS, never blocking the others.
+Replies to served requests are never dropped (at most `max_in_flight` wait per peer); only
+`overloaded` answers, once `hwm` of them wait beside its replies, for a peer that floods
+and reads nothing. ZeroMQ does not tell a ROUTER when a peer disconnects (ZMQ_ROUTER_NOTIFY is a draft
 API), so a peer that leaves with nothing in flight keeps its sessions until a reply to it
 fails or the server stops: ZeroMQ clients close their sessions.
 """
@@ -290,8 +291,8 @@ class ZmqTransport:
         parts = (protocol.encode_legacy_reply({"status": "error", "message": text}) if legacy
                  else protocol.encode_error(request_id, "overloaded", text, {"limit": self.hwm}))
         self.dispatcher.server.stats.record_error("overloaded")
-        peer.in_flight += 1  # answered like any other request: _flush gives it back
-        peer.send(parts)
+        peer.in_flight += 1  # answered like any other request: _answered gives it back
+        self._send(peer, parts, None, droppable=True)  # on the io thread already
 
     def _flush(self) -> None:
         for item in self.outbox.take():
@@ -300,7 +301,7 @@ class ZmqTransport:
         for peer in list(self._backlogged):
             self._send_unsent(peer)
 
-    def _send(self, peer: ZmqPeer, parts: list, buffers: list | None) -> None:
+    def _send(self, peer: ZmqPeer, parts: list, buffers: list | None, *, droppable: bool = False) -> None:
         if peer.closed:  # it vanished after this request came: nobody to answer
             self._answered(peer)
             return
@@ -308,8 +309,11 @@ class ZmqTransport:
         # raw buffers go as frames of their own, without copies.
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         frames = [*peer.envelope, body, *(buffers or ())]
-        if len(peer.unsent) >= self.hwm:
-            log.warning("%s: reply dropped: the peer reads none of its replies (%d waiting to be sent)",
+        # Replies to served requests are never dropped: at most max_in_flight of them can wait
+        # (a request is not dispatched while that many are unsent). Only `overloaded` answers
+        # to a peer that floods without reading are unbounded, and only those are dropped.
+        if droppable and len(peer.unsent) >= self.hwm + self.max_in_flight:
+            log.warning("%s: overloaded answer dropped: the peer reads none of its replies (%d waiting)",
                         peer.id, len(peer.unsent))
             self._answered(peer)
             return
