@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=4096,
                    help="requests in flight before new ones are answered with overloaded")
     p.add_argument("--log-level", default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"))
+    p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
+                   help="compile the kernels for this shape bucket before serving (repeatable); OPTS "
+                        "is a comma list of the options requests will use: D,z,dt_bias,dt_softplus,"
+                        "clamp,h0,return_state; `info` lists what was compiled")
 
     # Batching and residency defaults live in ServerConfig; importing it loads torch, which
     # main() loads right after parsing anyway.
@@ -126,6 +130,24 @@ def open_lanes(args, dispatcher) -> list:
     return lanes
 
 
+WARMUP_OPTIONS = ("D", "z", "dt_bias", "dt_softplus", "clamp", "h0", "return_state")
+
+
+def warmup_shape(text: str) -> dict:
+    """`32x60x512x16:D,z` → the shape dict `kernels.warmup` takes."""
+    dims, _, opts = text.partition(":")
+    try:
+        batch, seq, dim, state = (int(v) for v in dims.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxSEQxDIMxSTATE[:OPTIONS], got {text!r}") from None
+    shape = {"batch": batch, "seq": seq, "dim": dim, "state": state}
+    for opt in filter(None, opts.split(",")):
+        if opt not in WARMUP_OPTIONS:
+            raise argparse.ArgumentTypeError(f"warmup option: expected one of {', '.join(WARMUP_OPTIONS)}, got {opt!r}")
+        shape[opt] = True
+    return shape
+
+
 def tune_malloc() -> None:
     """Keep large freed blocks in the heap instead of returning them to the OS, so the next
     request's multi-MB buffers reuse mapped pages instead of page-faulting (~2.5 µs per 4 KiB
@@ -172,6 +194,16 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     except Exception as exc:  # e.g. --backend naming an unavailable backend
         log.error("cannot start: %s", exc)
         return 2
+    if args.warmup:
+        import kernels
+
+        try:
+            server.compiled = kernels.warmup(args.warmup, device=server.device, backend=server.backend)
+        except Exception as exc:  # a bucket the backend refuses: say so before serving anything
+            log.error("cannot start: --warmup: %s", exc)
+            return 2
+        log.info("warmed up %d kernels for %d shape buckets (backend %s)", len(server.compiled),
+                 len(args.warmup), server.backend)
     dispatcher = Dispatcher(server, HANDLERS, LEGACY_HANDLERS, max_pending=config.max_pending)
 
     try:

@@ -282,3 +282,24 @@ def test_stray_writes_to_fd1_leave_frames_intact():
         assert_close(torch.from_numpy(c.scan(**numpy_args(inputs)).unwrap()["y"]), y_ref, torch.float32, "y")
     assert c.unmatched == []
     c.close()
+
+
+def test_warmup_compiles_before_serving_and_info_lists_it():
+    # The Triton backend runs on the CPU interpreter here (tests/conftest.py sets
+    # TRITON_INTERPRET=1 without CUDA); on a GPU the same flag compiles for real.
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "bridge", "--device", "cpu", "--backend", "triton",
+           "--warmup", "2x5x4x3:D,z", "--warmup", "1x3x4x2"]
+    c = PortClient(command=cmd, env=env, stderr=subprocess.DEVNULL)
+    wait_ready(c)
+    compiled = c.info()["kernels"]["compiled"]
+    assert len(compiled) == 4 and all(line.startswith("triton ") for line in compiled), compiled
+    c.close()
+
+
+def test_a_bad_warmup_bucket_stops_the_server_with_a_reason():
+    result = subprocess.run([sys.executable, "-m", "bridge", "--device", "cpu", "--warmup", "2x5x4"],
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "BATCHxSEQxDIMxSTATE" in result.stderr
