@@ -20,6 +20,7 @@ bridge itself (`connect_unix`, `connect_zmq`), so a server is timed exactly as i
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import socket
@@ -42,10 +43,12 @@ class EchoUnavailable(RuntimeError):
 
 
 def build_echo(name: str, libs: tuple[str, ...] = ()) -> str:
-    """Path to the echo binary bench/echo/NAME.c, (re)built when the source is newer."""
+    """Path to the echo binary bench/echo/NAME.c, (re)built when the source or a header in
+    bench/echo/ (which the echoes include) is newer."""
     source = os.path.join(ECHO_SOURCES, f"{name}.c")
     binary = os.path.join(BUILD_DIR, name)
-    if os.path.exists(binary) and os.path.getmtime(binary) >= os.path.getmtime(source):
+    inputs = [source, *glob.glob(os.path.join(ECHO_SOURCES, "*.h"))]
+    if os.path.exists(binary) and os.path.getmtime(binary) >= max(map(os.path.getmtime, inputs)):
         return binary
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:

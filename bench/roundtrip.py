@@ -20,25 +20,18 @@ import time
 import numpy as np
 
 import protocol
+from bridge.bench.cases import EXPHIL_SEQ, Case
 from bridge.client import PortClient, to_wire
 
 from .floors import open_floor
 from .machine import commit_info, machine_info
 
 SETTLE_SECONDS = 0.005
-EXPHIL = {"batch": 32, "seq": 60, "dim": 512, "state": 16}
 
 
 def exphil_inputs(seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    b, l, d, n = EXPHIL["batch"], EXPHIL["seq"], EXPHIL["dim"], EXPHIL["state"]
-    return {
-        "x": rng.standard_normal((b, l, d), dtype=np.float32),
-        "dt": rng.uniform(0.001, 0.1, (b, l, d)).astype(np.float32),
-        "A": -rng.uniform(0.5, 4.0, (d, n)).astype(np.float32),
-        "B": rng.standard_normal((b, l, n), dtype=np.float32),
-        "C": rng.standard_normal((b, l, n), dtype=np.float32),
-    }
+    """ExPhil's window (32×60×512×16 f32): the sweep's own case, so both benches send the same."""
+    return Case("scan", EXPHIL_SEQ).inputs(seed)
 
 
 def summarize(values: list[float]) -> dict:

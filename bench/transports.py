@@ -51,7 +51,7 @@ CONCURRENT = {"batch": 1, "seq": 4, "dim": 8, "state": 4}
 SETTLE_S = 0.005
 # Untimed round trips before each row's timed ones; and a whole untimed pass over the ExPhil
 # rows first: the server's heap grows to hold several 8 MB requests at once over the first few
-# dozen requests (fresh pages fault at ~2.5 µs each, DESIGN §3), which would land on the
+# dozen requests (each fresh page faults on first touch), which would land on the
 # first row measured.
 WARMUP = 5
 PIPELINE_DEPTH = 16

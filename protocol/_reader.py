@@ -196,7 +196,7 @@ class Reader:
     def valid_tensor(raw: msgspec.Raw, allow_handle: bool, buffers: tuple[memoryview, ...] = (),
                      used: set[int] | None = None) -> WireTensor | HandleRef | None:
         """The tensor (or handle) when `raw` is a valid one, else None. One typed decode
-        instead of a decode per key: ~10x faster, which matters for small steps. It accepts
+        instead of a decode per key, to keep small steps cheap. It accepts
         only what the checks in `_tensor` accept (tests hold the two paths to that). A tensor
         referring to raw buffer i of `buffers` adds i to `used`."""
         try:

@@ -133,6 +133,15 @@ def _check_request_id(request_id, allow_none: bool) -> None:
                      f"got {request_id!r}")
 
 
+def _envelope(packer: Packer, keys: int, request_id) -> None:
+    """Start a map of `keys` entries with the two every message opens with: v, then id."""
+    packer.map_header(keys)
+    packer.small += b"\xa1v"
+    packer.value(PROTOCOL_VERSION, "v")
+    packer.small += b"\xa2id"
+    packer.value(request_id, "id")
+
+
 def check_timing(timing: dict | Callable[[], dict]) -> dict:
     """The timing dict (calling `timing` if it is callable): str keys, int/float values."""
     if callable(timing):
@@ -153,10 +162,7 @@ def encode_reply(request_id, result: dict, timing: dict | Callable[[], dict], *,
     if not isinstance(result, dict):
         raise TypeError(f"result: expected a dict, got {type(result).__name__}")
     packer = Packer(buffers)
-    packer.small += b"\x85\xa1v"
-    packer.value(PROTOCOL_VERSION, "v")
-    packer.small += b"\xa2id"
-    packer.value(request_id, "id")
+    _envelope(packer, 5, request_id)
     packer.small += b"\xa2ok\xc3\xa6result"
     packer.value(result, "result")
     packer.small += b"\xa6timing"
@@ -177,11 +183,7 @@ def encode_error(request_id, code: str, message: str, detail: dict | None = None
     if detail is not None and not isinstance(detail, dict):
         raise TypeError(f"detail: expected a dict or None, got {type(detail).__name__}")
     packer = Packer()
-    packer.map_header(4 if timing is None else 5)
-    packer.small += b"\xa1v"
-    packer.value(PROTOCOL_VERSION, "v")
-    packer.small += b"\xa2id"
-    packer.value(request_id, "id")
+    _envelope(packer, 4 if timing is None else 5, request_id)
     packer.small += b"\xa2ok\xc2\xa5error"
     packer.value({"code": code, "message": message, "detail": {} if detail is None else detail}, "error")
     if timing is not None:
@@ -201,10 +203,7 @@ def encode_request(request_id, op: str, args: dict | None = None, *, buffers: li
     if not isinstance(args, dict):
         raise TypeError(f"args: expected a dict, got {type(args).__name__}")
     packer = Packer(buffers)
-    packer.small += b"\x84\xa1v"
-    packer.value(PROTOCOL_VERSION, "v")
-    packer.small += b"\xa2id"
-    packer.value(request_id, "id")
+    _envelope(packer, 4, request_id)
     packer.small += b"\xa2op"
     packer.value(op, "op")
     packer.small += b"\xa4args"

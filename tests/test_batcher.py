@@ -2,7 +2,7 @@
 their rules (equal constants, one request per session, at most --max-batch rows, arrival
 order), the wait policy, and stats that add up.
 
-Most tests use the in-process server of test_sessions.py: the worker is parked in a ping while
+Most tests use the in-process server of bridge_fakes.py: the worker is parked in a ping while
 requests queue up behind it, so that what it gathers on release is known exactly.
 """
 
@@ -23,7 +23,7 @@ from bridge.sessions import unknown_session
 from bridge.timing import Timing
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
-from test_sessions import RecordingConnection, inproc, torch_result  # noqa: F401  (inproc: fixture)
+from bridge_fakes import RecordingConnection, inproc, torch_result  # noqa: F401  (inproc: fixture)
 
 SHARED = ("A", "D", "dt_bias")
 

@@ -1,0 +1,117 @@
+"""In-process fakes shared by the session and batcher tests: `InProcessServer`, a Server and
+Dispatcher in this process, spoken to through `RecordingConnection`s, and the `inproc` fixture
+that makes them."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+import protocol
+from bridge.client import BridgeError, from_wire, to_wire
+from bridge.device import choose_device
+from bridge.dispatcher import Dispatcher
+from bridge.ops import HANDLERS, LEGACY_HANDLERS
+from bridge.server import Server, ServerConfig
+from bridge.timing import now_ns
+from bridge.transports.base import Connection
+
+
+class RecordingConnection(Connection):
+    """A connection whose replies are decoded and kept until asked for by id."""
+
+    def __init__(self):
+        super().__init__("test")
+        self._replies: dict = {}
+        self._arrived = threading.Condition()
+
+    def send(self, parts: list) -> int:
+        body = b"".join(parts)
+        reply = protocol.decode_reply(body)
+        with self._arrived:
+            self._replies[reply.id] = reply
+            self._arrived.notify_all()
+        return len(body)
+
+    def reply(self, request_id, timeout: float = 60.0) -> protocol.Reply:
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: request_id in self._replies, timeout):
+                raise TimeoutError(f"no reply to request {request_id}")
+            return self._replies.pop(request_id)
+
+
+def torch_result(value):
+    """A decoded reply's result with its tensors as torch tensors that own their memory."""
+    if isinstance(value, protocol.WireTensor):
+        return from_wire(value, as_torch=True)
+    if isinstance(value, dict):
+        return {k: torch_result(v) for k, v in value.items()}
+    return value
+
+
+class InProcessServer:
+    """A CPU Server and its Dispatcher in this process. `hold()` parks the worker inside a ping
+    so that requests queue up behind it; `go()` lets it on, and it gathers what is queued."""
+
+    def __init__(self, **config):
+        self.server = Server(ServerConfig(device="cpu", **config), choose_device("cpu"))
+        self._gate = threading.Event()
+        self._gate.set()
+        self._parked = threading.Event()
+        self._held_ping = None
+        self.dispatcher = Dispatcher(self.server, {**HANDLERS, "ping": self._gated_ping}, LEGACY_HANDLERS)
+        self.dispatcher.start()
+        self._ids = itertools.count(1)
+
+    def _gated_ping(self, server, call) -> dict:
+        self._parked.set()
+        if not self._gate.wait(60):
+            raise TimeoutError("the test never let the worker go on")
+        return {"pong": True}
+
+    def hold(self, conn: RecordingConnection) -> None:
+        self._gate.clear()
+        self._parked.clear()
+        self._held_ping = (conn, self.submit(conn, "ping"))
+        if not self._parked.wait(60):
+            raise TimeoutError("the worker did not reach the held ping")
+
+    def go(self) -> None:
+        self._gate.set()
+        conn, request_id = self._held_ping
+        assert conn.reply(request_id).ok
+
+    def submit(self, conn: RecordingConnection, op: str, **args) -> int:
+        request_id = next(self._ids)
+        body = b"".join(protocol.encode_request(request_id, op, {k: to_wire(v) for k, v in args.items()}))
+        self.dispatcher.on_frame(conn, bytearray(body), now_ns())
+        return request_id
+
+    def request(self, conn: RecordingConnection, op: str, **args) -> protocol.Reply:
+        return conn.reply(self.submit(conn, op, **args))
+
+    def call(self, conn: RecordingConnection, op: str, **args) -> dict:
+        reply = self.request(conn, op, **args)
+        if not reply.ok:
+            raise BridgeError(reply.error["code"], reply.error["message"], reply.error["detail"])
+        return torch_result(reply.result)
+
+    def close(self) -> None:
+        self._gate.set()
+        self.dispatcher.stop()
+
+
+@pytest.fixture
+def inproc():
+    servers = []
+
+    def make(**config) -> InProcessServer:
+        servers.append(InProcessServer(**config))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
