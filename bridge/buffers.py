@@ -1,8 +1,7 @@
 """Receive buffers that are reused across requests.
 
-A fresh multi-MB allocation page-faults at ~2.5 µs per 4 KiB page (DESIGN §3: a copying
-decoder took 7.4 ms instead of 1.0 ms on the 8 MB request). Frames are read into pooled
-bytearrays instead; the decoded tensors are views into them, so a buffer goes back to the pool
+A fresh multi-MB allocation page-faults on the first touch of every page, for every request.
+Frames are read into pooled bytearrays instead; the decoded tensors are views into them, so a buffer goes back to the pool
 only when its request has been answered. Op handlers must therefore never keep a reference to
 an input tensor beyond the request (copy what must outlive it, as `put` does).
 """

@@ -27,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where tensors live and kernels run (auto: CUDA when available)")
     p.add_argument("--backend", default=None,
                    help="kernels backend by name (reference, torch, cpu, triton); default: the best for the device")
-    p.add_argument("--max-frame-size", type=int, default=protocol.DEFAULT_MAX_FRAME_SIZE,
+    p.add_argument("--max-frame-size", type=_positive, default=protocol.DEFAULT_MAX_FRAME_SIZE,
                    help="largest request frame in bytes; bigger frames are drained and answered with frame_too_large")
-    p.add_argument("--max-pending", type=int, default=4096,
+    p.add_argument("--max-pending", type=_positive, default=4096,
                    help="requests in flight before new ones are answered with overloaded")
     p.add_argument("--log-level", default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"))
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import protocol
+from bridge.transports.framed import read_exact, write_all
 
 NUMPY_DTYPES = {
     "f32": np.float32, "f16": np.float16, "f64": np.float64,
@@ -81,13 +82,9 @@ def to_wire(value):
             raise TypeError(f"dtype {arr.dtype} has no wire code; expected one of {sorted(map(str, WIRE_CODES))}")
         return protocol.OutTensor(WIRE_CODES[arr.dtype], tuple(arr.shape), memoryview(arr).cast("B"))
     if type(value).__module__.startswith("torch"):
-        import torch
+        from bridge.tensors import to_wire as tensor_to_wire
 
-        from bridge.tensors import WIRE_DTYPES
-
-        t = value.detach().cpu().contiguous()
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-        return protocol.OutTensor(WIRE_DTYPES[t.dtype], tuple(t.shape), data)
+        return tensor_to_wire(value.detach())
     return value
 
 
@@ -135,8 +132,6 @@ class FramedClient:
 
     def submit(self, op: str, args: dict | None = None, *, request_id=None) -> Future:
         """Send one request now; the Future resolves to its Reply."""
-        from bridge.transports.framed import write_all
-
         request_id = next(self._ids) if request_id is None else request_id
         future: Future = Future()
         start = time.perf_counter_ns()
@@ -204,8 +199,6 @@ class FramedClient:
         """Write an arbitrary body as one frame (tests and benchmarks). With `request_id`, the
         reply carrying that id resolves the returned Future; replies with ids that match
         nothing in flight (e.g. id null for an undecodable body) land in `self.unmatched`."""
-        from bridge.transports.framed import write_all
-
         future = None
         if request_id is not None:
             future = Future()
@@ -218,8 +211,6 @@ class FramedClient:
     # -- replies --------------------------------------------------------------------------
 
     def _read_replies(self) -> None:
-        from bridge.transports.framed import read_exact
-
         header = memoryview(bytearray(4))
         try:
             while read_exact(self._reader, header):

@@ -89,30 +89,22 @@ class Dispatcher:
         timing.add("decode", now_ns() - received_ns)
         legacy = isinstance(request, protocol.LegacyRequest)
         table = self.legacy_handlers if legacy else self.handlers
+        refusal = None
         if request.op not in table:
             known = sorted(table)
-            exc = OpError("unknown_op", f"op: expected one of {', '.join(known)}, got {request.op!r}",
-                          {"field": "op", "expected": known, "got": request.op})
-            self._reply_error(conn, None if legacy else request.id, exc, timing, legacy=legacy)
-            if release:
-                release()
-            return
-        if not self.accepting:
-            exc = OpError("shutting_down", "the server is shutting down and takes no new requests")
-            self._reply_error(conn, None if legacy else request.id, exc, timing, legacy=legacy)
-            if release:
-                release()
-            return
-        with self._pending_lock:
-            if self._pending >= self.max_pending:
-                full = True
-            else:
-                full = False
-                self._pending += 1
-        if full:
-            exc = OpError("overloaded", f"more than {self.max_pending} requests in flight",
-                          {"limit": self.max_pending})
-            self._reply_error(conn, None if legacy else request.id, exc, timing, legacy=legacy)
+            refusal = OpError("unknown_op", f"op: expected one of {', '.join(known)}, got {request.op!r}",
+                              {"field": "op", "expected": known, "got": request.op})
+        elif not self.accepting:
+            refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
+        else:
+            with self._pending_lock:
+                if self._pending < self.max_pending:
+                    self._pending += 1
+                else:
+                    refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
+                                      {"limit": self.max_pending})
+        if refusal is not None:
+            self._reply_error(conn, None if legacy else request.id, refusal, timing, legacy=legacy)
             if release:
                 release()
             return

@@ -31,10 +31,11 @@ class ServerConfig:
     max_frame_size: int = protocol.DEFAULT_MAX_FRAME_SIZE
     max_pending: int = 4096
     # Dynamic batching (bridge.batcher): how long a batch may wait for company after its first
-    # request arrived (0: never wait), and the most rows one launch takes. 500 µs: with 8 callers
-    # stepping on the 2-core dev machine, throughput was flat from 0 to 1600 µs (3.9-4.2k
-    # steps/s) while the mean batch grew from 4.9 to 7.9 requests (fewer launches, which is what
-    # a GPU needs); p99 was no worse at 500 µs. A lone caller never waits (BatchPolicy).
+    # request arrived (0: never wait), and the most rows one launch takes. A longer wait gathers
+    # bigger batches (fewer launches, which is what a GPU needs) at the cost of latency; 500 µs
+    # is a default, not a measured optimum: on the 2-core CPU box (8 callers stepping,
+    # bench/results/batch_delay_sweep.json) it gave 3.5k steps/s against 4.4k at 0 µs. A lone
+    # caller never waits (BatchPolicy).
     max_delay_us: int = 500
     max_batch: int = 1024
     # What may stay on the device between requests, over all connections.
@@ -54,7 +55,7 @@ class Server:
         self.stop_requested = threading.Event()
         self.transports: list[str] = []
         self.compiled: list[str] = []
-        # Backends that read unaligned memory at full speed need no aligned copy of inputs.
+        # Backends that read unaligned memory themselves need no aligned copy of inputs.
         self.unaligned_ok = self.backend == "cpu"
         self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
                                      max_pool_bytes=config.max_pool_bytes)

@@ -28,8 +28,8 @@ def claim_protocol_stdout() -> int:
 
 
 def enlarge_pipe(fd: int, size: int = PIPE_SIZE) -> int | None:
-    """Grow a pipe's kernel buffer (the BEAM creates 64 KiB pipes; 1 MiB cuts an 8 MB round
-    trip from ~17 to ~11.5 ms, DESIGN §3). Returns the new size, or None where the fd is not a
+    """Grow a pipe's kernel buffer (the BEAM creates 64 KiB pipes; a bigger buffer means fewer
+    wake-ups per multi-MB frame). Returns the new size, or None where the fd is not a
     pipe or the OS refuses (e.g. above /proc/sys/fs/pipe-max-size for unprivileged users)."""
     try:
         return fcntl.fcntl(fd, F_SETPIPE_SZ, size)

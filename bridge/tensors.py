@@ -2,9 +2,9 @@
 
 Inbound bytes are viewed, not copied, on the CPU: `torch.frombuffer` over the memoryview the
 decoder produced (a view into the received frame). A payload at an address that is not a
-multiple of its item size is copied once to aligned memory (DESIGN §3: unaligned float32 made
-compute 1.8× slower) unless the backend declares it reads unaligned memory at full speed. On
-CUDA the copy to the device is the staging copy.
+multiple of its item size is copied once to aligned memory (the kernels expect aligned
+operands) unless the backend reads unaligned memory itself (the "cpu" backend). On CUDA the
+copy to the device is the staging copy.
 """
 
 from __future__ import annotations

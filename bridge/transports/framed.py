@@ -22,9 +22,14 @@ DRAIN_CHUNK = 1 << 20
 IOV_MAX = 1024
 
 
+def byte_views(parts: list) -> list[memoryview]:
+    """Flat byte views of the non-empty `parts`, for a gather-write (no copies)."""
+    return [memoryview(p).cast("B") for p in parts if len(p)]
+
+
 def write_all(fd: int, parts: list) -> int:
     """writev every byte of `parts`, resuming after partial writes."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    views = byte_views(parts)
     total = sum(len(v) for v in views)
     while views:
         written = os.writev(fd, views[:IOV_MAX])

@@ -25,7 +25,7 @@ import protocol
 
 from ..buffers import BufferPool
 from .base import Connection
-from .framed import IOV_MAX, consume, serve_frames
+from .framed import IOV_MAX, byte_views, consume, serve_frames
 
 log = logging.getLogger("bridge.unix")
 
@@ -75,7 +75,7 @@ class UnixConnection(Connection):
     def send(self, parts: list, buffers: list | None = None) -> int:
         if buffers:
             raise ValueError("a unix-socket reply is one frame: it carries no raw buffers")
-        views = [memoryview(p).cast("B") for p in protocol.frame_parts(parts) if len(p)]
+        views = byte_views(protocol.frame_parts(parts))
         total = sum(len(v) for v in views)
         with self._send_lock:
             try:

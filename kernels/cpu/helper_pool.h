@@ -20,7 +20,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -101,22 +100,14 @@ class HelperPool {
   // then find it awake instead of paying a futex wake-up (20-50 us here), at the cost of up to
   // this much spinning on its core after each call (libgomp's default wait policy spins too).
   // Measured on back-to-back 32x512x16 steps: 100 us was often too short to bridge two calls.
-  // SCAN_BRIDGE_CPU_SPIN_US overrides it (0: sleep at once), for hosts where the spinning
-  // core is needed by other threads between calls (a server's reader, its clients).
-  static std::chrono::microseconds spin_time() {
-    static const std::chrono::microseconds spin{[] {
-      const char* env = std::getenv("SCAN_BRIDGE_CPU_SPIN_US");
-      return env ? std::strtol(env, nullptr, 10) : 1000L;
-    }()};
-    return spin;
-  }
+  static constexpr std::chrono::microseconds kSpin{1000};
 
   HelperPool() : owner_pid_(getpid()) {}
 
   void helper_loop() {
     uint64_t seen = generation_.load();
     for (;;) {
-      const auto spin_until = std::chrono::steady_clock::now() + spin_time();
+      const auto spin_until = std::chrono::steady_clock::now() + kSpin;
       while (generation_.load() == seen && std::chrono::steady_clock::now() < spin_until)
         SCAN_BRIDGE_CPU_RELAX();
       std::shared_ptr<Job> job;
