@@ -51,6 +51,26 @@ def _check_clamp(dt_min, dt_max) -> None:
         raise KernelInputError("dt_max", f"a value >= dt_min ({dt_min})", str(dt_max))
 
 
+def _check_options(D, dt_bias, z, dim: int, x: torch.Tensor):
+    """D, dt_bias [dim] and z (shaped like x), each optional; returned in that order."""
+    for name, t in (("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            _require_shape(name, _require_tensor(name, t), (dim,), "[dim]")
+    if z is not None:
+        _require_shape("z", _require_tensor("z", z), tuple(x.shape), "same as x")
+    return D, dt_bias, z
+
+
+def _optional_float(v) -> float | None:
+    return None if v is None else float(v)
+
+
+def _check_groups(name: str, t: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
+    if groups == 0 or dim % groups != 0:
+        raise ShapeMismatch(name, f"a group count dividing dim ({dim})", f"{groups} groups")
+    return t
+
+
 def _check_devices(named: dict[str, torch.Tensor | None]) -> torch.device:
     device = None
     first = None
@@ -127,23 +147,15 @@ def check_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=Fals
     c_groups = C.shape[2] if layout == "bld" else C.shape[1]
     if c_groups != groups:
         raise ShapeMismatch("C", f"{groups} groups (as B)", f"{c_groups} groups")
-    if D is not None:
-        D = _require_tensor("D", D)
-        _require_shape("D", D, (dim,), "[dim]")
-    if dt_bias is not None:
-        dt_bias = _require_tensor("dt_bias", dt_bias)
-        _require_shape("dt_bias", dt_bias, (dim,), "[dim]")
-    if z is not None:
-        z = _require_tensor("z", z)
-        _require_shape("z", z, tuple(x.shape), "same as x")
+    D, dt_bias, z = _check_options(D, dt_bias, z, dim, x)
     if h0 is not None:
         h0 = _require_tensor("h0", h0)
         _require_shape("h0", h0, (batch, dim, state), "[batch, dim, state]")
     _check_clamp(dt_min, dt_max)
     _check_devices(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0))
     return ScanArgs(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                    None if dt_min is None else float(dt_min), None if dt_max is None else float(dt_max),
-                    h0, bool(return_state), layout, ScanDims(batch, seq, dim, state, groups))
+                    _optional_float(dt_min), _optional_float(dt_max), h0, bool(return_state), layout,
+                    ScanDims(batch, seq, dim, state, groups))
 
 
 def _norm_bc_scan(name, t, batch, seq, state, dim, layout) -> torch.Tensor:
@@ -169,9 +181,7 @@ def _norm_bc_scan(name, t, batch, seq, state, dim, layout) -> torch.Tensor:
         else:
             raise ShapeMismatch(name, "[batch, state, seq] or [batch, groups, state, seq]", f"shape {_shape(t)}")
         groups = t.shape[1]
-    if groups == 0 or dim % groups != 0:
-        raise ShapeMismatch(name, f"a group count dividing dim ({dim})", f"{groups} groups")
-    return t
+    return _check_groups(name, t, groups, dim)
 
 
 @dataclass
@@ -213,15 +223,7 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     C = _norm_bc_update("C", _require_tensor("C", C), batch, n, dim)
     if C.shape[1] != B.shape[1]:
         raise ShapeMismatch("C", f"{B.shape[1]} groups (as B)", f"{C.shape[1]} groups")
-    if D is not None:
-        D = _require_tensor("D", D)
-        _require_shape("D", D, (dim,), "[dim]")
-    if dt_bias is not None:
-        dt_bias = _require_tensor("dt_bias", dt_bias)
-        _require_shape("dt_bias", dt_bias, (dim,), "[dim]")
-    if z is not None:
-        z = _require_tensor("z", z)
-        _require_shape("z", z, tuple(x.shape), "same as x")
+    D, dt_bias, z = _check_options(D, dt_bias, z, dim, x)
     if slots is None:
         if pool != batch:
             raise ShapeMismatch("state", f"{batch} rows (batch of x) when no slots are given",
@@ -230,13 +232,16 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
         if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
             raise KernelInputError("slots", "an int32/int64 tensor", getattr(slots, "dtype", type(slots).__name__).__str__())
         _require_shape("slots", slots, (batch,), "[batch]")
-        if slots.numel() and int(slots.max()) >= pool:
+        # int() of the max is a host sync on CUDA (one per step); kept, since an index past the
+        # pool would make the Triton kernel write outside `state`.
+        top = int(slots.max()) if slots.numel() else -1
+        if top >= pool:
             raise ShapeMismatch("slots", f"indices < {pool} (pool rows) or negative for padding",
-                                   f"max index {int(slots.max())}")
+                                f"max index {top}")
     _check_clamp(dt_min, dt_max)
     _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
     return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                      None if dt_min is None else float(dt_min), None if dt_max is None else float(dt_max), slots)
+                      _optional_float(dt_min), _optional_float(dt_max), slots)
 
 
 def _norm_bc_update(name, t, batch, n, dim) -> torch.Tensor:
@@ -248,7 +253,4 @@ def _norm_bc_update(name, t, batch, n, dim) -> torch.Tensor:
             raise ShapeMismatch(name, f"shape [{batch}, groups, {n}] ([batch, groups, state])", f"shape {_shape(t)}")
     else:
         raise ShapeMismatch(name, "[batch, state] or [batch, groups, state]", f"shape {_shape(t)}")
-    groups = t.shape[1]
-    if groups == 0 or dim % groups != 0:
-        raise ShapeMismatch(name, f"a group count dividing dim ({dim})", f"{groups} groups")
-    return t
+    return _check_groups(name, t, t.shape[1], dim)

@@ -16,8 +16,9 @@ Why not a log-space cumulative-sum (exp(S_t) * cumsum(exp(-S_s) u_s)): it needs 
 cumulative sums, which overflows as soon as a chunk decays by more than e^88 (fp32), a case that
 real inputs reach (large softplus(dt) times a very negative A). The step-by-step form multiplies
 decays <= 1 only, so long sequences merely underflow towards 0, which is the correct answer.
-The per-step Python cost (~5 us) is small against the elementwise work for the sizes the bridge
-serves; it dominates only for tiny batch*dim*state with very long sequences.
+The per-step Python cost is expected to be small against the elementwise work for the sizes the
+bridge serves, and to dominate only for tiny batch*dim*state with very long sequences (no
+benchmark in bench/results/ isolates it).
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def selective_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max
                 cur = states[:, t]
                 cur.addcmul_(decay[:, t], prev)  # h_t = dA_t h_{t-1} + dt_t B_t x_t, in place
                 prev = cur
-            # y_t = C_t . h_t for the whole block. einsum measured 3x faster here than matmul
-            # of [b, T, g, w, n] @ [b, T, g, n, 1] (a batch of matrix-vector products).
+            # y_t = C_t . h_t for the whole block, as one einsum rather than a matmul of
+            # [b, T, g, w, n] @ [b, T, g, n, 1] (a batch of matrix-vector products).
             y4[:, t0:t1, :, c0:c1] = torch.einsum("btgwn,btgn->btgw", states, C[:, t0:t1].to(f))
         h_blk.copy_(prev)
 

@@ -113,6 +113,22 @@ def _rand(shape, dtype, device, gen, low=-1.0, high=1.0):
     return t.to(device=device, dtype=dtype)
 
 
+def _add_options(args: dict, case, x_shape, dtype, device, gen) -> None:
+    """The options a ScanCase and an UpdateCase share (D, z, dt_bias, softplus, clamp), drawn
+    in that order from `gen`."""
+    d = case.dim
+    if case.D:
+        args["D"] = _rand((d,), torch.float32, device, gen)
+    if case.z:
+        args["z"] = _rand(x_shape, dtype, device, gen, -2.0, 2.0)
+    if case.dt_bias:
+        args["dt_bias"] = _rand((d,), torch.float32, device, gen, -0.5, 0.5)
+    if case.dt_softplus:
+        args["dt_softplus"] = True
+    if case.clamp:
+        args["dt_min"], args["dt_max"] = 0.05, 0.3
+
+
 def make_scan_inputs(case: ScanCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
     """Keyword arguments for `kernels.selective_scan` (without backend)."""
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
@@ -132,16 +148,7 @@ def make_scan_inputs(case: ScanCase, dtype=torch.float32, device="cpu", seed=Non
         layout=case.layout,
         return_state=case.return_state,
     )
-    if case.D:
-        args["D"] = _rand((d,), torch.float32, device, gen)
-    if case.z:
-        args["z"] = _rand(xs, dtype, device, gen, -2.0, 2.0)
-    if case.dt_bias:
-        args["dt_bias"] = _rand((d,), torch.float32, device, gen, -0.5, 0.5)
-    if case.dt_softplus:
-        args["dt_softplus"] = True
-    if case.clamp:
-        args["dt_min"], args["dt_max"] = 0.05, 0.3
+    _add_options(args, case, xs, dtype, device, gen)
     if case.h0:
         args["h0"] = _rand((b, d, n), torch.float32, device, gen)
     return args
@@ -167,32 +174,18 @@ def make_update_inputs(case: UpdateCase, dtype=torch.float32, device="cpu", seed
         if case.padding_rows:
             perm[torch.randperm(b, generator=gen)[: case.padding_rows]] = -1
         args["slots"] = perm.to(device=device, dtype=torch.int64)
-    if case.D:
-        args["D"] = _rand((d,), torch.float32, device, gen)
-    if case.z:
-        args["z"] = _rand((b, d), dtype, device, gen, -2.0, 2.0)
-    if case.dt_bias:
-        args["dt_bias"] = _rand((d,), torch.float32, device, gen, -0.5, 0.5)
-    if case.dt_softplus:
-        args["dt_softplus"] = True
-    if case.clamp:
-        args["dt_min"], args["dt_max"] = 0.05, 0.3
+    _add_options(args, case, (b, d), dtype, device, gen)
     return args
 
 
 def reference_scan(inputs: dict):
     """(y, state) from the float64 reference for the same inputs."""
-    return _reference_scan64(inputs)
-
-
-def _reference_scan64(inputs: dict):
     from kernels import _args
     from kernels.reference import selective_scan_ref
 
     a = _args.check_scan(**{**inputs, "return_state": True})
-    y, state = selective_scan_ref(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs(),
-                                  compute_dtype=torch.float64)
-    return y, state
+    return selective_scan_ref(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs(),
+                              compute_dtype=torch.float64)
 
 
 def reference_update(inputs: dict):

@@ -50,6 +50,19 @@ def discretize_dt(dt, exists, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr
 
 
 @triton.jit
+def program_coords(dim_per_group, groups, BLOCK_D: tl.constexpr):
+    """(batch row as int64, group, channel indices [BLOCK_D], channel mask) of a program on a
+    (rows x groups x channel blocks) first grid axis."""
+    pid = tl.program_id(0)
+    n_dblocks = tl.cdiv(dim_per_group, BLOCK_D)
+    dblock = pid % n_dblocks
+    group = (pid // n_dblocks) % groups
+    row = (pid // (n_dblocks * groups)).to(tl.int64)
+    in_group = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
+    return row, group, group * dim_per_group + in_group, in_group < dim_per_group
+
+
+@triton.jit
 def silu(z):
     return z * tl.sigmoid(z)
 

@@ -45,7 +45,8 @@ import triton.language as tl
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, silu, triton_dtype,
+    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, program_coords, silu,
+    triton_dtype,
 )
 
 
@@ -74,15 +75,24 @@ def _tile_states(h_in, dt, x, A, B_tile, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _program_coords(dim_per_group, groups, BLOCK_D: tl.constexpr):
-    """(batch row as int64, group, channel indices [BLOCK_D], channel mask) of this program."""
-    pid = tl.program_id(0)
-    n_dblocks = tl.cdiv(dim_per_group, BLOCK_D)
-    dblock = pid % n_dblocks
-    group = (pid // n_dblocks) % groups
-    row = (pid // (n_dblocks * groups)).to(tl.int64)
-    in_group = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
-    return row, group, group * dim_per_group + in_group, in_group < dim_per_group
+def _load_tile(x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
+               s_x_l, s_x_d, s_dt_l, s_dt_d, s_B_l, s_B_n,
+               dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
+               HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
+               ACC: tl.constexpr, CHUNK: tl.constexpr):
+    """One tile's timesteps t [CHUNK] and their masks, x and discretised dt [CHUNK, BLOCK_D]
+    and B [CHUNK, BLOCK_N], all in ACC (0 where masked)."""
+    t = t0 + tl.arange(0, CHUNK)
+    mask_t = t < t_end
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    mask_tn = mask_t[:, None] & mask_n[None, :]
+    x = tl.load(x_base + t[:, None] * s_x_l + d[None, :] * s_x_d, mask=mask_td, other=0.0).to(ACC)
+    dt = tl.load(dt_base + t[:, None] * s_dt_l + d[None, :] * s_dt_d, mask=mask_td, other=0.0).to(ACC)
+    if HAS_DT_BIAS:
+        dt += bias[None, :]
+    dt = discretize_dt(dt, mask_td, DT_SOFTPLUS, HAS_CLAMP, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo)
+    B_tile = tl.load(B_base + t[:, None] * s_B_l + n[None, :] * s_B_n, mask=mask_tn, other=0.0).to(ACC)
+    return t, mask_td, mask_tn, x, dt, B_tile
 
 
 # Loop bounds and counters: knowing they are multiples of 16 buys nothing, and not specialising
@@ -102,12 +112,13 @@ def _segment_state_kernel(
 ):
     """Pass 1: carry_h[row, seg] = state after segment `seg` from a zero state;
     carry_dt[row, seg] = the segment's summed (discretised) dt."""
-    row, group, d, mask_d = _program_coords(dim_per_group, groups, BLOCK_D)
+    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D)
     seg = tl.program_id(1)
     n = tl.arange(0, BLOCK_N)
     mask_n = n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask_dn, other=0.0).to(ACC)
+    bias = tl.zeros([BLOCK_D], dtype=ACC)  # read only when HAS_DT_BIAS
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(ACC)
     x_base = x_ptr + row * s_x_b
@@ -118,16 +129,10 @@ def _segment_state_kernel(
     t_start = seg * segment_len
     t_end = tl.minimum(t_start + segment_len, seq)
     for t0 in range(t_start, t_end, CHUNK):
-        t = t0 + tl.arange(0, CHUNK)
-        mask_t = t < t_end
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        x = tl.load(x_base + t[:, None] * s_x_l + d[None, :] * s_x_d, mask=mask_td, other=0.0).to(ACC)
-        dt = tl.load(dt_base + t[:, None] * s_dt_l + d[None, :] * s_dt_d, mask=mask_td, other=0.0).to(ACC)
-        if HAS_DT_BIAS:
-            dt += bias[None, :]
-        dt = discretize_dt(dt, mask_td, DT_SOFTPLUS, HAS_CLAMP, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo)
-        B_tile = tl.load(B_base + t[:, None] * s_B_l + n[None, :] * s_B_n,
-                         mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(ACC)
+        _, _, _, x, dt, B_tile = _load_tile(
+            x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
+            s_x_l, s_x_d, s_dt_l, s_dt_d, s_B_l, s_B_n, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
+            HAS_DT_BIAS, DT_SOFTPLUS, HAS_CLAMP, ACC, CHUNK)
         _, h = _tile_states(h, dt, x, A, B_tile, CHUNK)
         dt_total += tl.sum(dt, axis=0)
     carry = (row * n_carries + seg) * dim + d
@@ -151,12 +156,13 @@ def _scan_output_kernel(
 ):
     """Pass 2 (the only pass when there is one segment): y for one segment, and the final state
     from the last segment."""
-    row, group, d, mask_d = _program_coords(dim_per_group, groups, BLOCK_D)
+    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D)
     seg = tl.program_id(1)
     n = tl.arange(0, BLOCK_N)
     mask_n = n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask_dn, other=0.0).to(ACC)
+    bias = tl.zeros([BLOCK_D], dtype=ACC)  # read only when HAS_DT_BIAS
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(ACC)
     if HAS_D:
@@ -183,16 +189,10 @@ def _scan_output_kernel(
     t_start = seg * segment_len
     t_end = tl.minimum(t_start + segment_len, seq)
     for t0 in range(t_start, t_end, CHUNK):
-        t = t0 + tl.arange(0, CHUNK)
-        mask_t = t < t_end
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        mask_tn = mask_t[:, None] & mask_n[None, :]
-        x = tl.load(x_base + t[:, None] * s_x_l + d[None, :] * s_x_d, mask=mask_td, other=0.0).to(ACC)
-        dt = tl.load(dt_base + t[:, None] * s_dt_l + d[None, :] * s_dt_d, mask=mask_td, other=0.0).to(ACC)
-        if HAS_DT_BIAS:
-            dt += bias[None, :]
-        dt = discretize_dt(dt, mask_td, DT_SOFTPLUS, HAS_CLAMP, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo)
-        B_tile = tl.load(B_base + t[:, None] * s_B_l + n[None, :] * s_B_n, mask=mask_tn, other=0.0).to(ACC)
+        t, mask_td, mask_tn, x, dt, B_tile = _load_tile(
+            x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
+            s_x_l, s_x_d, s_dt_l, s_dt_d, s_B_l, s_B_n, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
+            HAS_DT_BIAS, DT_SOFTPLUS, HAS_CLAMP, ACC, CHUNK)
         C_tile = tl.load(C_base + t[:, None] * s_C_l + n[None, :] * s_C_n, mask=mask_tn, other=0.0).to(ACC)
         states, h = _tile_states(h, dt, x, A, B_tile, CHUNK)
         y = tl.sum(states * C_tile[:, None, :], axis=2)

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, silu, triton_dtype,
+    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, program_coords, silu,
+    triton_dtype,
 )
 
 
@@ -34,14 +35,7 @@ def _state_update_kernel(
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_dblocks = tl.cdiv(dim_per_group, BLOCK_D)
-    dblock = pid % n_dblocks
-    group = (pid // n_dblocks) % groups
-    row = (pid // (n_dblocks * groups)).to(tl.int64)
-    in_group = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
-    d = group * dim_per_group + in_group
-    mask_d = in_group < dim_per_group
+    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
 
     if HAS_SLOTS:
@@ -50,7 +44,7 @@ def _state_update_kernel(
         slot = row
     live = slot >= 0
     # A padding row reads and writes nothing: its masks admit no channel and no state index.
-    mask_live_d = in_group < tl.where(live, dim_per_group, 0)
+    mask_live_d = tl.where(live, mask_d, False)
     mask_live_n = n < tl.where(live, nstate, 0)
     mask_live_dn = mask_live_d[:, None] & mask_live_n[None, :]
 
