@@ -130,11 +130,10 @@ def open_lanes(args, dispatcher) -> list:
     return lanes
 
 
-WARMUP_OPTIONS = ("D", "z", "dt_bias", "dt_softplus", "clamp", "h0", "return_state")
-
-
 def warmup_shape(text: str) -> dict:
     """`32x60x512x16:D,z` → the shape dict `kernels.warmup` takes."""
+    from kernels import WARMUP_OPTIONS
+
     dims, _, opts = text.partition(":")
     try:
         batch, seq, dim, state = (int(v) for v in dims.lower().split("x"))

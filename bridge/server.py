@@ -56,7 +56,7 @@ class Server:
         self.transports: list[str] = []
         self.compiled: list[str] = []
         # Backends that read unaligned memory themselves need no aligned copy of inputs.
-        self.unaligned_ok = self.backend == "cpu"
+        self.unaligned_ok = kernels.reads_unaligned(self.backend, self.device.type)
         self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
                                      max_pool_bytes=config.max_pool_bytes)
         self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)

@@ -21,7 +21,7 @@ from .errors import BackendUnavailable, KernelInputError, ShapeMismatch, Unknown
 
 __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends",
-    "select_backend", "warmup", "KernelInputError", "ShapeMismatch", "BackendUnavailable",
+    "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "ShapeMismatch", "BackendUnavailable",
     "UnknownBackend",
 ]
 
@@ -29,6 +29,15 @@ __all__ = [
 def select_backend(device_type: str, backend: str | None = None) -> str:
     """Name of the backend `backend=None` would pick for tensors on `device_type`."""
     return get_backend(backend, device_type).name
+
+
+# The options a warmup shape bucket may name (each option set is a separately compiled kernel).
+WARMUP_OPTIONS = ("D", "z", "dt_bias", "dt_softplus", "clamp", "h0", "return_state")
+
+
+def reads_unaligned(backend: str, device_type: str) -> bool:
+    """Whether `backend` takes inputs at any byte offset itself (no aligned copy needed)."""
+    return get_backend(backend, device_type).reads_unaligned
 
 
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,

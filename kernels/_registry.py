@@ -50,6 +50,9 @@ class Backend:
     # Compiles kernels for the given shape buckets ahead of the first request; returns a list
     # of human-readable descriptions of what was compiled. None: nothing to compile.
     warmup: Callable | None = None
+    # True when the backend reads inputs at any byte offset itself (tensor bytes decoded from a
+    # frame may sit at any offset); callers then need no aligned copy of their inputs.
+    reads_unaligned: bool = False
     details: dict = field(default_factory=dict)
 
 

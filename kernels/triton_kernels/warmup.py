@@ -70,8 +70,9 @@ class WarmupShape:
         return spec
 
     def options(self) -> list[str]:
-        names = ("D", "z", "dt_bias", "dt_softplus", "clamp", "h0", "return_state")
-        return [name for name in names if getattr(self, name)]
+        from .. import WARMUP_OPTIONS
+
+        return [name for name in WARMUP_OPTIONS if getattr(self, name)]
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
