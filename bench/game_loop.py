@@ -3,7 +3,9 @@
 (a) The 60 FPS game loop: one session of 32×512×16, prefilled with a 60-frame scan, then 600
     steps of one frame each (A uploaded once as a handle). Per-frame round trip p50/p99 and
     bytes per frame (request + reply frames) against re-sending the 60-frame window every frame
-    (the ExPhil way: 8.1 MB in, 3.9 MB out).
+    (the ExPhil way: 8.1 MB in, 3.9 MB out). For scale, the same step requests also go through
+    a C pipe echo answering with a reply of the step's size (bench/floors.py): the round trip
+    no server over these pipes can beat.
 (b) 8 concurrent callers, each stepping its own session in a closed loop through one server:
     throughput with batching (the server's defaults) against `--max-delay-us 0 --max-batch 1`,
     the two servers taking turns for several rounds. The callers are driven by one lean loop
@@ -31,6 +33,7 @@ import protocol
 from bridge.client import PortClient, to_wire
 from bridge.transports.framed import read_exact, write_all
 
+from .floors import floor_missing, open_floor
 from .machine import commit_info, machine_info
 
 GAME = {"batch": 32, "dim": 512, "state": 16, "window": 60}
@@ -81,6 +84,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
             step_rows.append(reply.round_trip_us)
             step_bytes.append(reply.bytes_out + reply.bytes_in)
             step_timing.append(reply.timing)
+        step_reply_body = reply.bytes_in - protocol.framing.HEADER_SIZE
         for _ in range(3):
             client.scan(**window, A=A, **DT_CLAMP).unwrap()
         window_rows, window_bytes, window_timing = [], [], []
@@ -95,6 +99,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
     def stage_medians(timings):
         return {k: statistics.median(t[k] for t in timings) for k in timings[0] if k.endswith("_us")}
 
+    floor = step_echo_floor(steps, step_reply_body, session, frames, handle)
     step_frame_bytes, window_frame_bytes = statistics.median(step_bytes), statistics.median(window_bytes)
     return {
         "case": f"game loop: session {b}x{d}x{n}, prefill {w} frames, {steps} steps; "
@@ -103,6 +108,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
         "step_round_trip": summarize(step_rows),
         "step_stages_p50_us": stage_medians(step_timing),
         "step_bytes_per_frame": step_frame_bytes,
+        "step_echo_floor": floor,
         "prefill_round_trip_us": prefill.round_trip_us,
         "window_round_trip": summarize(window_rows),
         "window_stages_p50_us": stage_medians(window_timing),
@@ -110,6 +116,24 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
         "bytes_ratio": window_frame_bytes / step_frame_bytes,
         "goals": {"step_p99_us": 1000, "step_p50_us": 150, "bytes_ratio": 50},
     }
+
+
+def step_echo_floor(steps: int, reply_body: int, session: str, frames: list, handle) -> dict:
+    """Round trips of the same step requests through a C pipe echo that answers each with
+    `reply_body` bytes; {"skipped": why} where the echo cannot be built."""
+    missing = floor_missing("stdio")
+    if missing:
+        return {"skipped": missing}
+    lane = open_floor("stdio", [reply_body])
+    try:
+        requests = [lane.frame(protocol.encode_request(i, "step", {
+            "session": session, **{k: to_wire(v) for k, v in f.items()}, "A": handle, **DT_CLAMP}))
+            for i, f in enumerate(frames)]
+        for r in requests[:20]:
+            lane.round_trip_us(r)
+        return summarize([lane.round_trip_us(requests[i % len(requests)]) for i in range(steps)])
+    finally:
+        lane.close()
 
 
 # -- (b) concurrent callers -------------------------------------------------------------------
@@ -277,6 +301,12 @@ def main(argv=None) -> int:
         print(f"(a) {r['case']}, backend {r['backend']}")
         print(f"    step    p50 {s['p50_us']:8.1f} µs  p99 {s['p99_us']:8.1f} µs  "
               f"{r['step_bytes_per_frame'] / 1e3:8.1f} kB/frame  (goals p50 ≤ 150, p99 < 1000)")
+        floor = r["step_echo_floor"]
+        if "skipped" in floor:
+            print(f"    step echo floor skipped: {floor['skipped']}")
+        else:
+            print(f"    step echo floor (C pipe echo, same bytes) p50 {floor['p50_us']:8.1f} µs  "
+                  f"p99 {floor['p99_us']:8.1f} µs: step p50 = {s['p50_us'] / floor['p50_us']:.2f}× the floor")
         print(f"    window  p50 {w['p50_us']:8.1f} µs  p99 {w['p99_us']:8.1f} µs  "
               f"{r['window_bytes_per_frame'] / 1e3:8.1f} kB/frame")
         print(f"    bytes ratio {r['bytes_ratio']:.1f}× (goal ≥ 50×); step stages p50: " +

@@ -123,6 +123,10 @@ class BatchPolicy:
         remaining = batch.first_enqueued_ns + self.max_delay_ns - now
         return remaining / 1e9 if remaining > 0 else None
 
+    def expects_company(self, key, now: int) -> bool:
+        """Whether requests of `key` recently came together (in one batch of several)."""
+        return key is not None and self._expected(key, now) > 1
+
     def _expected(self, key, now: int) -> int:
         when, requests = self._company.get(key, (0, 1))
         return requests if now - when <= COMPANY_MEMORY_NS else 1

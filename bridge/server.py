@@ -31,12 +31,13 @@ class ServerConfig:
     max_frame_size: int = protocol.DEFAULT_MAX_FRAME_SIZE
     max_pending: int = 4096
     # Dynamic batching (bridge.batcher): how long a batch may wait for company after its first
-    # request arrived (0: never wait), and the most rows one launch takes. A longer wait gathers
-    # bigger batches (fewer launches, which is what a GPU needs) at the cost of latency; 500 µs
-    # is a default, not a measured optimum: on the 2-core CPU box (8 callers stepping,
-    # bench/results/batch_delay_sweep.json) it gave 3.5k steps/s against 4.4k at 0 µs. A lone
-    # caller never waits (BatchPolicy).
-    max_delay_us: int = 500
+    # request arrived (0: never wait; requests already queued still join), and the most rows
+    # one launch takes. 0 is the measured best on the 2-core CPU box: with 8 callers stepping,
+    # waiting only cost throughput (bench/results/batch_delay_sweep.json: 4.4k steps/s at 0 µs,
+    # 4.0k at 200, 3.5k at 500, 3.3k at 1600), because requests queue up behind each launch
+    # anyway. A GPU, where a launch costs more than a request, may gain from a few hundred µs;
+    # that is not measured yet. A lone caller never waits (BatchPolicy).
+    max_delay_us: int = 0
     max_batch: int = 1024
     # What may stay on the device between requests, over all connections.
     max_sessions: int = 4096

@@ -62,11 +62,13 @@ class InProcessServer:
         self._gate.set()
         self._parked = threading.Event()
         self._held_ping = None
+        self.ping_threads: list[str] = []  # the thread that served each ping
         self.dispatcher = Dispatcher(self.server, {**HANDLERS, "ping": self._gated_ping}, LEGACY_HANDLERS)
         self.dispatcher.start()
         self._ids = itertools.count(1)
 
     def _gated_ping(self, server, call) -> dict:
+        self.ping_threads.append(threading.current_thread().name)
         self._parked.set()
         if not self._gate.wait(60):
             raise TimeoutError("the test never let the worker go on")
@@ -84,10 +86,12 @@ class InProcessServer:
         conn, request_id = self._held_ping
         assert conn.reply(request_id).ok
 
-    def submit(self, conn: RecordingConnection, op: str, **args) -> int:
+    def submit(self, conn: RecordingConnection, op: str, *, more_input: bool = True, **args) -> int:
+        """Hand a request to the dispatcher as a transport would; `more_input=False` says that
+        nothing else waits on the connection (an idle server then serves it on this thread)."""
         request_id = next(self._ids)
         body = b"".join(protocol.encode_request(request_id, op, {k: to_wire(v) for k, v in args.items()}))
-        self.dispatcher.on_frame(conn, bytearray(body), now_ns())
+        self.dispatcher.on_frame(conn, bytearray(body), now_ns(), more_input=more_input)
         return request_id
 
     def request(self, conn: RecordingConnection, op: str, **args) -> protocol.Reply:

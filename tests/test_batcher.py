@@ -306,22 +306,62 @@ def test_policy_waits_only_for_expected_company():
     assert BatchPolicy(max_delay_us=0, max_batch=64).wait_s(alone_again, 10_100) is None
 
 
-def test_a_lone_caller_never_waits_and_company_is_waited_for(inproc):
+@pytest.mark.parametrize("more_input", [True, False], ids=["queued", "idle-lane"])
+def test_a_lone_caller_never_waits_and_company_is_waited_for(inproc, more_input):
     delay_us = 300_000
     srv = inproc(max_delay_us=delay_us)
     conn = RecordingConnection()
     shared = shared_constants(4, 2, {})
     a, b = open_prefilled(srv, conn, 1, 4, 2), open_prefilled(srv, conn, 1, 4, 2)
     for _ in range(3):
-        reply = srv.request(conn, "step", session=a, **step_inputs(1, 4, 2, shared, {}))
+        reply = conn.reply(srv.submit(conn, "step", session=a, more_input=more_input,
+                                      **step_inputs(1, 4, 2, shared, {})))
         assert reply.ok and reply.timing["queue_us"] < delay_us / 3
     srv.hold(conn)
     ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 4, 2, shared, {})) for s in (a, b)]
     srv.go()
     assert [conn.reply(i).timing["batch_rows"] for i in ids] == [2, 2]
-    # Two came together a moment ago: one alone now waits for the other, up to the delay.
-    reply = srv.request(conn, "step", session=a, **step_inputs(1, 4, 2, shared, {}))
+    # Two came together a moment ago: one alone now waits for the other, up to the delay, even
+    # on an idle server with nothing more waiting on its lane (it goes through the worker).
+    reply = conn.reply(srv.submit(conn, "step", session=a, more_input=more_input,
+                                  **step_inputs(1, 4, 2, shared, {})))
     assert reply.ok and reply.timing["queue_us"] >= 0.9 * delay_us and reply.timing["batch_rows"] == 1
+
+
+def test_an_idle_server_serves_a_request_on_the_thread_that_read_it(inproc):
+    srv = inproc()
+    conn = RecordingConnection()
+    me = threading.current_thread().name
+    request_id = srv.submit(conn, "ping", more_input=False)
+    # Served before submit returned: the reply is already there, written by this thread.
+    assert conn.reply(request_id, timeout=0).ok and srv.ping_threads == [me]
+    srv.request(conn, "ping")  # more input may be waiting: the worker serves it
+    assert srv.ping_threads == [me, "bridge-worker"]
+    # A failure on this thread is answered like any other, and the server serves on.
+    bad = conn.reply(srv.submit(conn, "step", session="nope", more_input=False,
+                                **step_inputs(1, 4, 2, shared_constants(4, 2, {}), {})), timeout=0)
+    assert not bad.ok and bad.error["code"] == "unknown_session"
+    assert conn.reply(srv.submit(conn, "ping", more_input=False), timeout=0).ok
+    assert srv.ping_threads[-1] == me
+
+
+def test_a_request_behind_one_in_flight_waits_its_turn(inproc):
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    shared = shared_constants(5, 3, {})
+    session = open_prefilled(srv, conn, 2, 5, 3)
+    start = state_of(srv, conn, session)
+    first, second = step_inputs(2, 5, 3, shared, {}), step_inputs(2, 5, 3, shared, {})
+    srv.hold(conn)
+    # Something is in flight: even with nothing more waiting on its lane, the step is queued
+    # (submit returns at once although the worker is parked) and runs after the ping.
+    ids = [srv.submit(conn, "step", session=session, more_input=False, **first)]
+    srv.go()
+    ids.append(srv.submit(conn, "step", session=session, more_input=False, **second))
+    replies = [conn.reply(i) for i in ids]
+    _, middle = reference_update({**first, "state": start})
+    check_step(replies[0], first, start, middle.float(), "first step")
+    check_step(replies[1], second, middle.float(), state_of(srv, conn, session), "second step")
 
 
 class RecordingOp(BatchedOp):

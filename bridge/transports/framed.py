@@ -8,7 +8,10 @@ and the tensor views.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import os
+import termios
 import threading
 
 import protocol
@@ -49,6 +52,13 @@ def consume(views: list, written: int) -> None:
             written = 0
 
 
+def input_waiting(fd: int) -> bool:
+    """Whether bytes are already waiting to be read on `fd` (a pipe or a socket)."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count, True)
+    return count[0] > 0
+
+
 def read_exact(reader, view: memoryview) -> bool:
     """Fill `view` from `reader` (anything with `readinto`); False on EOF before it is full."""
     pos, size = 0, len(view)
@@ -86,6 +96,7 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int, admit=None
     block: it is how a lane caps the requests one peer has in flight (its later frames wait
     in the kernel's buffer and the peer feels the backpressure)."""
     header = memoryview(bytearray(4))
+    fd = reader.fileno()
     while True:
         if not read_exact(reader, header):
             return
@@ -105,7 +116,8 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int, admit=None
         received_ns = now_ns()
         if admit is not None:
             admit()
-        dispatcher.on_frame(conn, body, received_ns, release)
+        # With nothing more waiting, an idle server may serve this frame on this thread.
+        dispatcher.on_frame(conn, body, received_ns, release, more_input=input_waiting(fd))
 
 
 def _discard(reader, length: int) -> bool:
