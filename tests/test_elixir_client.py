@@ -6,6 +6,7 @@ is missing the suite is skipped with the reason — except in CI (CI=true), wher
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -36,7 +37,8 @@ def mix_env() -> dict:
     return env
 
 
-def test_exunit_suite_passes():
+def find_mix() -> str:
+    """mix's path; skips with the reason where Elixir is missing, except in CI (CI=true)."""
     mix = shutil.which("mix")
     if mix is None:
         reason = ("mix (Elixir) is not installed: run `make system-deps` (Debian package elixir) "
@@ -45,9 +47,31 @@ def test_exunit_suite_passes():
             pytest.fail(f"CI: {reason}")
         print(reason, file=sys.stderr)
         pytest.skip(reason)
+    return mix
+
+
+def test_exunit_suite_passes():
+    mix = find_mix()
     result = subprocess.run([mix, "test"], cwd=PROJECT, env=mix_env(), capture_output=True,
                             text=True, timeout=TIMEOUT_S)
     output = result.stdout + result.stderr
     print(output)
     if result.returncode != 0:
         pytest.fail(f"`mix test` in elixir_client/ exited {result.returncode}:\n{output[-8000:]}")
+
+
+def test_roundtrip_benchmark_runs(tmp_path):
+    """`mix run bench/roundtrip.exs` end to end with a few iterations (its numbers are not
+    judged here): it must keep working as the server and the echo floors change."""
+    out = tmp_path / "elixir-roundtrip.json"
+    result = subprocess.run([find_mix(), "run", "bench/roundtrip.exs", "--iterations", "2",
+                             "--step-iterations", "3", "--out", str(out)],
+                            cwd=PROJECT, env=mix_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        pytest.fail(f"the Elixir round-trip benchmark exited {result.returncode}:\n{output[-8000:]}")
+    results = json.loads(out.read_text())["results"]
+    lanes = {(r["case"].split()[0], r["lane"]) for r in results}
+    assert {("exphil", "port"), ("step", "port")} <= lanes, lanes
+    for r in results:
+        assert r["round_trip"]["p50_us"] > 0 and r["echo_floor"]["p50_us"] > 0, r["case"]

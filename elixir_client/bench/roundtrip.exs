@@ -248,7 +248,7 @@ defmodule RoundtripBench do
   ## The echo
 
   defp build_echo(python, env) do
-    code = "from bench.pipe_echo import build_pipe_echo; print(build_pipe_echo())"
+    code = "from bench.floors import build_echo; print(build_echo('pipe_echo'))"
     {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
     String.trim(out)
   end
