@@ -57,6 +57,12 @@ def frame_inputs(rng, batch: int, dim: int, state: int, seq: int | None = None) 
             "C": rng.standard_normal((*lead, state), dtype=np.float32)}
 
 
+def step_request(request_id, session: str, handle, inputs: dict) -> list:
+    """The body parts of a step of `session` with per-frame `inputs`, A as `handle`, ExPhil's clamp."""
+    args = {"session": session, "A": handle, **DT_CLAMP, **{k: to_wire(v) for k, v in inputs.items()}}
+    return protocol.encode_request(request_id, "step", args)
+
+
 def constant_A(rng, dim: int, state: int) -> np.ndarray:
     return -rng.uniform(0.5, 4.0, (dim, state)).astype(np.float32)
 
@@ -126,9 +132,7 @@ def step_echo_floor(steps: int, reply_body: int, session: str, frames: list, han
         return {"skipped": missing}
     lane = open_floor("stdio", [reply_body])
     try:
-        requests = [lane.frame(protocol.encode_request(i, "step", {
-            "session": session, **{k: to_wire(v) for k, v in f.items()}, "A": handle, **DT_CLAMP}))
-            for i, f in enumerate(frames)]
+        requests = [lane.frame(step_request(i, session, handle, f)) for i, f in enumerate(frames)]
         for r in requests[:20]:
             lane.round_trip_us(r)
         return summarize([lane.round_trip_us(requests[i % len(requests)]) for i in range(steps)])
@@ -188,9 +192,7 @@ class CallerLoop:
         bodies = []
         for i in range(callers):
             session = self.call("session_open", batch=rows, dim=dim, state=state)["session"]
-            args = {"session": session, "A": handle, **DT_CLAMP,
-                    **{k: to_wire(v) for k, v in frame_inputs(rng, rows, dim, state).items()}}
-            bodies.append(b"".join(protocol.encode_request(str(i), "step", args)))
+            bodies.append(b"".join(step_request(str(i), session, handle, frame_inputs(rng, rows, dim, state))))
         return bodies
 
     def run(self, bodies: list[bytes], seconds: float) -> dict:

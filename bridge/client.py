@@ -111,7 +111,13 @@ def _convert_result(value, as_torch):
 
 class FramedClient:
     """Pipelined request/reply over a pair of byte streams with 4-byte length framing.
-    Subclasses provide the streams; replies are matched to requests by id."""
+    Subclasses provide the streams and `close`; replies are matched to requests by id."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def __init__(self, reader, writer_fd: int, *, as_torch: bool = False):
         self._reader = reader
@@ -282,12 +288,6 @@ class PortClient(FramedClient):
             self.proc.kill()
             return self.proc.wait()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 class UnixClient(FramedClient):
     """PortClient's API over a unix socket served by `python -m bridge --unix PATH` (the same
@@ -322,12 +322,6 @@ class UnixClient(FramedClient):
         self._thread.join(timeout)
         self._reader.close()
         self.sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class ZmqClient(FramedClient):
@@ -433,9 +427,3 @@ class ZmqClient(FramedClient):
         self._socket.close()
         self._context.term()
         self._outbox.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -123,32 +123,10 @@ class Dispatcher:
                 release()
             return
         call = Call(conn, request, timing, release, enqueued_ns=now_ns())
-        if idle and not more_input:
-            self._serve_now(call)
-        else:
+        # An idle server serves the request on this thread, unless it is to be batched with
+        # others (see _serve_on); nothing it could be queued behind exists, so order is kept.
+        if not (idle and not more_input and self._serve_on(call, reader=True)):
             self._queue.put(call)
-
-    def _serve_now(self, call: Call) -> None:
-        """Serve a request that found nothing in flight, on the calling thread: alone, unless
-        requests like it recently came together, then through the worker, which gathers those
-        that arrive meanwhile (and waits for them as the batch policy says). Nothing it was
-        queued behind exists (nothing was in flight), so the order requests arrived in is kept."""
-        with self._serving:
-            op = self._batched_op(call)
-            try:
-                if op is None:
-                    self._serve(call)
-                    return
-                item = self._prepare(op, call)
-                if item is None:
-                    return
-                if not self.policy.expects_company(item.key, now_ns()):
-                    self._run_batch(op, Batch(item))
-                    return
-            except Exception:
-                log.exception("serving %s failed", call.op)
-                return
-        self._queue.put(call)
 
     def on_frame_error(self, conn, exc: protocol.ProtocolError, received_ns: int) -> None:
         """A framing-level problem (e.g. an oversized frame, already drained by the decoder)."""
@@ -173,15 +151,29 @@ class Dispatcher:
             call = self._next_call()
             if call is _STOP:
                 return
-            op = self._batched_op(call)
-            with self._serving:
-                try:
-                    if op is None:
-                        self._serve(call)
-                    else:
-                        self._serve_batch(op, call)
-                except Exception:  # a bug in reply writing must not stop the worker
-                    log.exception("serving %s failed", call.op)
+            self._serve_on(call, reader=False)
+
+    def _serve_on(self, call: Call, *, reader: bool) -> bool:
+        """Serve `call`, one thread at a time. The worker serves a batched request with the
+        batch it leads. A reader thread serves it alone, unless requests like it recently came
+        together: then it serves nothing and returns False, so that the worker gathers the
+        request with those that arrive meanwhile (waiting for them as the batch policy says)."""
+        op = self._batched_op(call)
+        with self._serving:
+            try:
+                if op is None:
+                    self._serve(call)
+                elif not reader:
+                    self._serve_batch(op, call)
+                else:
+                    item = self._prepare(op, call)
+                    if item is not None:
+                        if self.policy.expects_company(item.key, now_ns()):
+                            return False
+                        self._run_batch(op, Batch(item))
+            except Exception:  # a bug in reply writing must not stop the serving thread
+                log.exception("serving %s failed", call.op)
+        return True
 
     def _next_call(self, block: bool = True, timeout: float | None = None):
         """The held request if any, else the next queued one; None when nothing came in time."""

@@ -145,7 +145,28 @@ def _unanswered_ping(client) -> str | None:
     return None
 
 
-class SpawnedServer:
+class BenchServer:
+    """What the benchmark reads of a server: its `info`, its `lanes`; `close` in subclasses."""
+
+    info: dict
+    lanes: list
+
+    @property
+    def backend(self) -> str:
+        return self.info["backend"]
+
+    @property
+    def device(self) -> str:
+        return self.info["device"]["device"]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SpawnedServer(BenchServer):
     """`python -m bridge` with every chosen transport open, and a Lane per transport its `info`
     lists. The benchmark holds it by its stdin/stdout (the stdio lane, and the server's life:
     it exits when stdin closes), so stdio is always served. Its log goes to a temporary file,
@@ -190,14 +211,6 @@ class SpawnedServer:
             raise BenchError(f"the server (python -m bridge {' '.join(args)}) did not start: {exc}; "
                              f"its log ends:\n{tail}") from exc
 
-    @property
-    def backend(self) -> str:
-        return self.info["backend"]
-
-    @property
-    def device(self) -> str:
-        return self.info["device"]["device"]
-
     def log_tail(self, lines: int = 15) -> str:
         self.log.seek(0)
         return b"".join(deque(self.log, maxlen=lines)).decode(errors="replace").rstrip()
@@ -211,14 +224,8 @@ class SpawnedServer:
         self.log.close()
         self.scratch.cleanup()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self.close()
-
-
-class ConnectedServer:
+class ConnectedServer(BenchServer):
     """A server somebody else started (`--connect ENDPOINT`), over the one transport named."""
 
     def __init__(self, endpoint: str):
@@ -236,19 +243,5 @@ class ConnectedServer:
         self.lanes = [make_lane(spec, client)]
         self.skipped: list[dict] = []
 
-    @property
-    def backend(self) -> str:
-        return self.info["backend"]
-
-    @property
-    def device(self) -> str:
-        return self.info["device"]["device"]
-
     def close(self) -> None:
         self.lanes[0].client.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
