@@ -290,7 +290,10 @@ class Dispatcher:
 
     def _finish(self, call: Call) -> None:
         """The request has been answered: its frame buffer goes back to the pool (its tensors
-        were views into it), its after-reply hook runs, and it is no longer in flight."""
+        were views into it), its after-reply hook runs, and it is no longer in flight. Its batch
+        item is dropped: item and call refer to each other, and left so, every request (its
+        tensors, their frame views) would wait for the cyclic garbage collector to be freed."""
+        call.prepared = None
         try:
             if call.release:
                 call.release()

@@ -8,6 +8,7 @@ requests queue up behind it, so that what it gathers on release is known exactly
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass
 
@@ -362,6 +363,33 @@ def test_a_request_behind_one_in_flight_waits_its_turn(inproc):
     _, middle = reference_update({**first, "state": start})
     check_step(replies[0], first, start, middle.float(), "first step")
     check_step(replies[1], second, middle.float(), state_of(srv, conn, session), "second step")
+
+
+def test_answered_requests_leave_no_reference_cycles(inproc):
+    """Reference counting frees a request (its tensors, their views of the frame) once it is
+    answered, on either serving thread: a cycle between the call and its batch item once left
+    every request to the cyclic garbage collector, whose pauses made the game loop's p99."""
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    shared = shared_constants(5, 3, {})
+    sessions = [open_prefilled(srv, conn, 2, 5, 3) for _ in range(2)]
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        alone = srv.submit(conn, "step", session=sessions[0], more_input=False, **step_inputs(2, 5, 3, shared, {}))
+        assert conn.reply(alone, timeout=0).ok  # served on this thread
+        srv.hold(conn)
+        batched = [srv.submit(conn, "step", session=s, **step_inputs(2, 5, 3, shared, {})) for s in sessions]
+        srv.go()
+        assert all(conn.reply(i).ok for i in batched)
+        srv.request(conn, "ping")  # the worker has finished the batch before it answers this
+        gc.collect()
+        ours = [type(o).__qualname__ for o in gc.garbage
+                if type(o).__module__.split(".")[0] in ("bridge", "protocol", "kernels")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert ours == []
 
 
 class RecordingOp(BatchedOp):
