@@ -5,12 +5,18 @@ decoder produced (a view into the received frame). A payload at an address that 
 multiple of its item size is copied once to aligned memory (the kernels expect aligned
 operands) unless the backend reads unaligned memory itself (the "cpu" backend). On CUDA the
 copy to the device is the staging copy.
+
+Each conversion is one torch call (through numpy, which makes the views for a fraction of the
+cost): after a kernel has swept megabytes through the caches, every torch call pays for its
+deep dispatch path in cache misses (tens of µs each on the 2-core box), which made up most of
+a step's h2d and d2h stages when a view took two or four of them.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 
 from protocol import OutTensor, WireTensor
@@ -25,18 +31,19 @@ TORCH_DTYPES = {
     "u8": torch.uint8,
 }
 WIRE_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
+# numpy has no bfloat16: its bytes travel as int16 and are reinterpreted on the torch side.
+NUMPY_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.int16, "f64": np.float64,
+                "i32": np.int32, "i64": np.int64, "u8": np.uint8}
 
 # Frames are received into buffers we own and never reuse while a request is in flight, so the
-# read-only flag some decoders put on views is no hazard; torch warns about it once per process.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
+# read-only flag some decoders put on views is no hazard; torch warns about it.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 def host_view(t: WireTensor) -> torch.Tensor:
     """A CPU tensor over the wire bytes, zero-copy (possibly unaligned)."""
-    dtype = TORCH_DTYPES[t.dtype]
-    if len(t.data) == 0:
-        return torch.empty(t.shape, dtype=dtype)
-    return torch.frombuffer(t.data, dtype=dtype).view(t.shape)
+    tensor = torch.from_numpy(np.ndarray(t.shape, NUMPY_DTYPES[t.dtype], t.data))
+    return tensor.view(torch.bfloat16) if t.dtype == "bf16" else tensor
 
 
 def to_device(t: WireTensor, device: torch.device, *, unaligned_ok: bool = False) -> torch.Tensor:
@@ -52,6 +59,7 @@ def to_wire(t: torch.Tensor) -> OutTensor:
     """A reply tensor whose data is a view of the (host, contiguous) tensor's memory."""
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-    return OutTensor(WIRE_DTYPES[t.dtype], tuple(t.shape), data)
+    array = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return OutTensor(WIRE_DTYPES[t.dtype], array.shape, array if array.size else b"")
