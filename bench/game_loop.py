@@ -37,7 +37,7 @@ from .floors import floor_missing, open_floor
 from .machine import commit_info, machine_info
 
 GAME = {"batch": 32, "dim": 512, "state": 16, "window": 60}
-# ExPhil's dt clamp (DESIGN §5).
+# ExPhil's dt clamp (protocol/SPEC.md §9).
 DT_CLAMP = {"dt_min": 0.001, "dt_max": 0.1}
 
 

@@ -8,7 +8,7 @@ ExPhil request (32×60×512×16 f32 scan: 8.1 MB in, 3.9 MB out) and a small ste
 2, dim 256, state 16, A a server-resident handle). Each iteration times the echo floor
 (bench/floors.py: a C echo answering with a reply of the bridge's reply sizes) and then the
 bridge, with the same client code (bench/floors.py lanes), so the two differ only by the
-server. IPC cost = round trip − server_us (DESIGN §2). Goals (issue 6): the big request's IPC
+server. IPC cost = round trip − server_us (protocol/SPEC.md §8). Goals (issue 6): the big request's IPC
 cost ≤ 1.3× its echo on unix and zmq ipc; 16 clients pipelining 10,000 requests get every
 reply once, to the right client.
 

@@ -2,7 +2,7 @@
 request takes a tensor, so constants (A, D, dt_bias) cross the wire once.
 
 A handle's tensor is the server's own copy on its device (request frames are pooled buffers that
-are reused after the reply, DESIGN §3). Ownership, id secrecy and thread safety are as for
+are reused after the reply, bridge.buffers). Ownership, id secrecy and thread safety are as for
 sessions (bridge.sessions): a handle belongs to the connection that put it, another
 connection's handle is indistinguishable from an unknown one, and the table is locked because
 connections close on their transport's thread.

@@ -25,7 +25,7 @@ import torch
 
 from .errors import OpError
 
-# The state is kept and accumulated in fp32 whatever the dtype of the inputs (DESIGN §2).
+# The state is kept and accumulated in fp32 whatever the dtype of the inputs (SPEC.md §6.1).
 STATE_DTYPE = torch.float32
 STATE_ITEMSIZE = 4
 

@@ -1,4 +1,4 @@
-"""The per-request timing split carried by every reply (DESIGN §2).
+"""The per-request timing split carried by every reply (protocol/SPEC.md §8).
 
 Stages, in microseconds: decode (frame complete → request validated), queue (waiting for the
 worker or the batcher), h2d (wire bytes → device tensors), kernel, d2h (device → host bytes),

@@ -1,4 +1,4 @@
-"""ExPhil legacy format (DESIGN §5): the requests `ExPhil.Bridge.PyTorchPort` and its Triton
+"""ExPhil legacy format (SPEC.md §9): the requests `ExPhil.Bridge.PyTorchPort` and its Triton
 variant send, and the replies their GenServers pattern-match. Served unchanged.
 
 Requests (maps without "id" or "v"; binaries packed by Msgpax as msgpack str, f32, bld):

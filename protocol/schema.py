@@ -1,4 +1,4 @@
-"""Per-op argument schemas of protocol v1 (DESIGN §2; SPEC.md "Ops" documents the same table).
+"""Per-op argument schemas of protocol v1 (SPEC.md §6 documents the same table).
 
 Each argument has a kind, checked by the decoder one value at a time:
 

@@ -1,4 +1,4 @@
-"""ExPhil compatibility (DESIGN §5): its GenServers' exact request and reply formats.
+"""ExPhil compatibility (protocol/SPEC.md §9): its GenServers' exact request and reply formats.
 
 ExPhil packs with Msgpax, which writes Elixir binaries as msgpack *str*; `use_bin_type=False`
 reproduces that here. Replies are matched the way its GenServer pattern-matches them."""

@@ -1,6 +1,6 @@
 """`--baseline CMD`: ExPhil's own requests against any Port-style server command, beside ours.
 
-Both servers get the same bytes: legacy ExPhil scans (DESIGN §5: no id, f32 tensors as msgpack
+Both servers get the same bytes: legacy ExPhil scans (protocol/SPEC.md §9: no id, f32 tensors as msgpack
 *str*, the way Msgpax packs binaries), one request at a time over a fresh pair of pipes, the way
 ExPhil's GenServer drives its Port. The round trip is write → whole reply read; both sides share
 the client's encoding (done once, untimed), so the ratio compares servers and their pipes. The

@@ -2,7 +2,7 @@
 
     python -m bridge.bench --baseline "python -m bridge.bench.exphil_standin"
 
-It answers the same legacy requests (DESIGN §5) the way that server is built (DESIGN §3):
+It answers the same legacy requests (protocol/SPEC.md §9) the way that server is built:
 blocking buffered reads of each frame on default 64 KiB pipes, msgpack-python decoding that
 copies every binary, one more copy into a torch tensor per input, a Python loop over the
 timesteps that materializes [batch, hidden, state] per step, and a reply packed in one piece.

@@ -18,7 +18,7 @@ from .cases import Case
 # stages of one reply sum to its round trip exactly.
 STAGES = ("client_encode", "server_decode", "queue", "h2d", "kernel", "d2h", "server_encode",
           "server_other", "client_decode", "transport")
-# The reply `timing` key of each stage the server measures (DESIGN §2).
+# The reply `timing` key of each stage the server measures (protocol/SPEC.md §8).
 SERVER_STAGE_KEYS = {"server_decode": "decode_us", "queue": "queue_us", "h2d": "h2d_us",
                      "kernel": "kernel_us", "d2h": "d2h_us", "server_encode": "encode_us"}
 PERCENTILES = (50, 90, 99)

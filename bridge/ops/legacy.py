@@ -1,4 +1,4 @@
-"""ExPhil's PyTorchPort requests (DESIGN §5), answered in its own reply shapes. The protocol
+"""ExPhil's PyTorchPort requests (protocol/SPEC.md §9), answered in its own reply shapes. The protocol
 layer already turned a legacy scan into v1 scan arguments (with ExPhil's dt clamp), so the scan
 itself runs through the same path as a v1 scan."""
 

@@ -1,4 +1,4 @@
-"""scan: the full selective scan over a window (DESIGN §2), batched with other scans of the same
+"""scan: the full selective scan over a window (protocol/SPEC.md §6), batched with other scans of the same
 shape; with `session`, a prefill: the session's state is the initial state and the last state is
 written back to it."""
 

@@ -1,4 +1,4 @@
-"""Sessions and tensor handles (DESIGN §2): session_open, session_close, session_state, step,
+"""Sessions and tensor handles (protocol/SPEC.md §6.1, §6.2): session_open, session_close, session_state, step,
 put, free. What they manage lives in bridge.sessions and bridge.handles; step is batched
 (bridge.batcher)."""
 

@@ -1,6 +1,6 @@
 defmodule ScanBridge.TestSupport.Reference do
   @moduledoc false
-  # The selective scan, one scalar at a time in float64 (DESIGN §2 / SPEC §6 math), as the
+  # The selective scan, one scalar at a time in float64 (protocol/SPEC.md §6 math), as the
   # oracle for the server's answers. Slow on purpose: small shapes only.
 
   alias ScanBridge.Tensor
