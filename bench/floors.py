@@ -30,6 +30,7 @@ import time
 from typing import Callable
 
 import protocol
+from bridge.client import to_wire
 from bridge.transports.framed import read_exact, write_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,6 +150,25 @@ def connect_unix(path: str, on_close=None) -> StreamLane:
 
 def connect_zmq(endpoint: str) -> ZmqLane:
     return ZmqLane(endpoint)
+
+
+def lane_reply(lane) -> protocol.Reply:
+    """The last reply a lane read, decoded."""
+    if isinstance(lane, StreamLane):
+        return protocol.decode_reply(lane.last_reply)
+    frames = lane.last_reply
+    return protocol.decode_reply(frames[0].buffer, [f.buffer for f in frames[1:]])
+
+
+def lane_call(lane, op: str, args: dict, multipart: bool = False) -> dict:
+    """One request over a lane to the bridge; its result (raises on an error reply)."""
+    buffers = [] if multipart else None
+    body = protocol.encode_request("setup", op, {k: to_wire(v) for k, v in args.items()}, buffers=buffers)
+    lane.round_trip_us(lane.frame(body, buffers))
+    reply = lane_reply(lane)
+    if not reply.ok:
+        raise RuntimeError(f"{op}: {reply.error}")
+    return reply.result
 
 
 # -- the echoes ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import protocol
 from bridge.cli import tune_malloc
 from bridge.client import UnixClient, ZmqClient, to_wire
 
-from .floors import StreamLane, connect_unix, connect_zmq, floor_missing, open_floor
+from .floors import StreamLane, connect_unix, connect_zmq, floor_missing, lane_call, lane_reply, open_floor
 from .machine import commit_info, machine_info
 from .roundtrip import exphil_inputs, summarize
 
@@ -71,7 +71,7 @@ class Server:
              "--zmq", f"ipc://{self.scratch.name}/bridge.ipc", "--zmq", "tcp://:*"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, bufsize=0)
         self.stdio = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
-        info = self.exchange(self.stdio, "info", {})
+        info = lane_call(self.stdio, "info", {})
         self.backend = info["backend"]
         self.endpoints = {"unix": self.unix}
         for entry in info["transports"]:
@@ -84,30 +84,12 @@ class Server:
             return self.stdio
         return connect_unix(self.unix) if lane == "unix" else connect_zmq(self.endpoints[lane])
 
-    @staticmethod
-    def exchange(lane, op: str, args: dict, multipart: bool = False) -> dict:
-        """One request over a raw lane; its result (raises on an error reply)."""
-        buffers = [] if multipart else None
-        body = protocol.encode_request(1, op, {k: to_wire(v) for k, v in args.items()}, buffers=buffers)
-        lane.round_trip_us(lane.frame(body, buffers))
-        reply = decode(lane)
-        if not reply.ok:
-            raise RuntimeError(f"{op}: {reply.error}")
-        return reply.result
-
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(10)
         self.proc.stdout.close()
         self.log.close()
         self.scratch.cleanup()
-
-
-def decode(lane) -> protocol.Reply:
-    if isinstance(lane, StreamLane):
-        return protocol.decode_reply(lane.last_reply)
-    frames = lane.last_reply
-    return protocol.decode_reply(frames[0].buffer, [f.buffer for f in frames[1:]])
 
 
 def reply_sizes(lane) -> list[int]:
@@ -122,8 +104,8 @@ def case_request(case: str, server: Server, lane) -> tuple[str, dict]:
         return "scan", exphil_inputs()
     rng = np.random.default_rng()
     b, d, n = STEP["batch"], STEP["dim"], STEP["state"]
-    A = server.exchange(lane, "put", {"tensor": -rng.uniform(0.1, 2, (d, n)).astype(np.float32)})["handle"]
-    session = server.exchange(lane, "session_open", STEP)["session"]
+    A = lane_call(lane, "put", {"tensor": -rng.uniform(0.1, 2, (d, n)).astype(np.float32)})["handle"]
+    session = lane_call(lane, "session_open", STEP)["session"]
     return "step", {"session": session, "A": protocol.HandleRef(A),
                     "x": rng.standard_normal((b, d), dtype=np.float32),
                     "dt": rng.uniform(0.01, 0.2, (b, d)).astype(np.float32),
@@ -140,7 +122,7 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
     frame = lane.frame(protocol.encode_request(7, op, {k: to_wire(v) for k, v in args.items()}, buffers=buffers),
                        buffers)
     lane.round_trip_us(frame)
-    first = decode(lane)
+    first = lane_reply(lane)
     if not first.ok:
         raise RuntimeError(f"{case} on {lane_name}: {first.error}")
     floor = open_floor(lane_name, reply_sizes(lane))
@@ -151,7 +133,7 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
         echo_us = floor.round_trip_us(frame)
         time.sleep(SETTLE_S)
         round_trip_us = lane.round_trip_us(frame)
-        timing = decode(lane).timing
+        timing = lane_reply(lane).timing
         if i < WARMUP:
             continue
         rows["round_trip"].append(round_trip_us)

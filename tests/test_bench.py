@@ -1,5 +1,6 @@
 """`python -m bridge.bench`: the stage split adds up, the JSON schema holds still, `--quick`
-runs end to end, and `--baseline` compares with another Port-style server."""
+runs end to end, and `--baseline` compares with another Port-style server. `python -m
+bench.game_loop` runs end to end."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -253,3 +255,32 @@ def test_baseline_flags_results_that_differ(tmp_path):
                         ["--device", "cpu"], iterations=3, warmup=0, max_seconds=30.0,
                         seed=np.random.SeedSequence().entropy % 2**32)
     assert [r["results_agree"] for r in rows] == [False]
+
+
+def test_game_loop_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.game_loop` (issue 5's benchmark), tiny: every part runs and its JSON
+    carries what the README quotes, with numbers that belong to this run."""
+    out = tmp_path / "game_loop.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.game_loop", "--steps", "30", "--windows", "2",
+                           "--repeats", "2", "--rows", "1", "--callers", "3", "--seconds", "0.2",
+                           "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    loop = results["game_loop"]
+    assert len(loop["runs"]) == 2 and loop["backend"] == "cpu"
+    for run in loop["runs"]:
+        assert run["step_round_trip"]["n"] == 30 and run["step_round_trip_python_client"]["n"] == 30
+        assert 0 < run["step_round_trip"]["min_us"] <= run["step_round_trip"]["p50_us"]
+        # 32x512x16 f32: x and dt (64 KiB each) plus B and C in, y (64 KiB) out, per frame.
+        assert 3 * 65536 < run["step_bytes_per_frame"] < 4 * 65536
+        assert 50 < run["bytes_ratio"] < 70
+        assert run["step_stages_p50_us"]["kernel_us"] > 0
+        echo = run["step_echo_floor"]
+        assert "skipped" in echo or echo["n"] == 30
+    (concurrent,) = results["concurrent"]
+    for kind, runs in concurrent["runs"].items():
+        (run,) = runs
+        assert sum(run["per_caller_steps"]) > 0 and len(run["per_caller_steps"]) == 3, kind
+    assert concurrent["speedup"] == pytest.approx(
+        concurrent["median_steps_per_s"]["batched"] / concurrent["median_steps_per_s"]["unbatched"])
