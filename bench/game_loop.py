@@ -4,14 +4,15 @@
     steps of one frame each (A uploaded once as a handle). Per-frame round trip p50/p99 and
     bytes per frame (request + reply frames) against re-sending the 60-frame window every frame
     (the ExPhil way: 8.1 MB in, 3.9 MB out). For scale, the same step requests also go through
-    a C pipe echo answering with a reply of the step's size (bench/floors.py): the round trip
-    no server over these pipes can beat. The bridge is driven by the same client as that echo
-    (pre-encoded requests written, the reply read whole into a reused buffer, one at a time), so
-    the two differ only by the server; the same steps through the Python client library
-    (bridge.client.PortClient: encoding each request, a reader thread, decoding each reply) are
-    measured beside them, as a Python caller would see them. Repeated `--repeats` times, each with a fresh server:
-    one 600-step p99 on a shared machine says more about its neighbours than about the bridge,
-    so the medians over the runs are reported and every run is kept.
+    a C pipe echo answering with a reply of the step's size (bench/floors.py), taking turns with
+    the bridge request by request: the round trip no server over these pipes can beat. The
+    bridge is driven by the same client as that echo (pre-encoded requests written, the reply
+    read whole into a reused buffer, one at a time), so the two differ only by the server; the
+    same steps through the Python client library (bridge.client.PortClient: encoding each
+    request, a reader thread, decoding each reply) are measured beside them, as a Python
+    caller sees them. Repeated `--repeats` times, each with a fresh server: one 600-step p99 on
+    a shared machine says more about its neighbours than about the bridge, so the medians over
+    the runs are reported and every run is kept.
 (b) 8 concurrent callers, each stepping its own session in a closed loop through one server:
     throughput with batching (the server's defaults) against `--max-delay-us 0 --max-batch 1`,
     the two servers taking turns for several rounds. The callers are driven by one lean loop
@@ -92,15 +93,22 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
                                 **{k: to_wire(v) for k, v in window.items()}})))
         step_frames = [StreamLane.frame(step_request(i, session, handle, f)) for i, f in enumerate(frames)]
         for i in range(20):  # warm-up: first-call allocations, page faults
-            bridge.exchange(step_frames[i % len(step_frames)])
-        step_rows, step_bytes, step_timing = [], [], []
-        for i in range(steps):
-            request = step_frames[i % len(step_frames)]
-            us, reply = bridge.exchange(request)
-            step_rows.append(us)
-            step_bytes.append(frame_bytes(request) + protocol.framing.HEADER_SIZE + reply.body_bytes)
-            step_timing.append(reply.timing)
-        step_reply_body = reply.body_bytes
+            _, reply = bridge.exchange(step_frames[i % len(step_frames)])
+        echo, echo_missing = open_step_echo(reply.body_bytes, step_frames)
+        step_rows, step_bytes, step_timing, echo_rows = [], [], [], []
+        try:
+            # Bridge and echo take turns, request by request, so that both see the same machine.
+            for i in range(steps):
+                request = step_frames[i % len(step_frames)]
+                us, reply = bridge.exchange(request)
+                step_rows.append(us)
+                step_bytes.append(frame_bytes(request) + protocol.framing.HEADER_SIZE + reply.body_bytes)
+                step_timing.append(reply.timing)
+                if echo is not None:
+                    echo_rows.append(echo.round_trip_us(request))
+        finally:
+            if echo is not None:
+                echo.close()
         window_frame = StreamLane.frame(protocol.encode_request(
             "window", "scan", {"A": to_wire(A), **DT_CLAMP, **{k: to_wire(v) for k, v in window.items()}}))
         for _ in range(3):
@@ -118,7 +126,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
     def stage_medians(timings):
         return {k: statistics.median(t[k] for t in timings) for k in timings[0] if k.endswith("_us")}
 
-    floor = step_echo_floor(steps, step_reply_body, step_frames)
+    floor = summarize(echo_rows) if echo is not None else {"skipped": echo_missing}
     step_frame_bytes, window_frame_bytes = statistics.median(step_bytes), statistics.median(window_bytes)
     return {
         "case": f"game loop: session {b}x{d}x{n}, prefill {w} frames, {steps} steps; "
@@ -181,19 +189,16 @@ def game_loop_runs(repeats: int, steps: int, windows: int, server_args: list[str
     }
 
 
-def step_echo_floor(steps: int, reply_body: int, step_frames: list) -> dict:
-    """Round trips of the same step frames through a C pipe echo that answers each with
-    `reply_body` bytes, driven as the bridge was; {"skipped": why} where the echo cannot be built."""
+def open_step_echo(reply_body: int, step_frames: list):
+    """(lane, None): a C pipe echo answering each step frame with `reply_body` bytes, warmed up;
+    (None, why) where the echo cannot be built."""
     missing = floor_missing("stdio")
     if missing:
-        return {"skipped": missing}
+        return None, missing
     lane = open_floor("stdio", [reply_body])
-    try:
-        for r in step_frames[:20]:
-            lane.round_trip_us(r)
-        return summarize([lane.round_trip_us(step_frames[i % len(step_frames)]) for i in range(steps)])
-    finally:
-        lane.close()
+    for request in step_frames[:20]:
+        lane.round_trip_us(request)
+    return lane, None
 
 
 # -- (b) concurrent callers -------------------------------------------------------------------
