@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -42,7 +41,7 @@ from bridge.client import PortClient, to_wire
 from bridge.transports.framed import read_exact, write_all
 
 from .floors import StreamLane, floor_missing, lane_call, open_floor
-from .machine import commit_info, machine_info
+from .machine import write_results
 
 GAME = {"batch": 32, "dim": 512, "state": 16, "window": 60}
 # ExPhil's dt clamp (protocol/SPEC.md §9).
@@ -420,11 +419,8 @@ def main(argv=None) -> int:
                   f"p50 {r['median_p50_us']:.0f} µs, p99 {r['median_p99_us']:.0f} µs, "
                   f"mean batch {r['median_mean_batch_requests']:.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "game-loop", "machine": machine_info(), "commit": commit_info(),
-                       "load_average": {"before": load_before, "after": os.getloadavg()},
-                       "results": results}, f, indent=2)
-        print(f"wrote {args.json}")
+        write_results(args.json, "game-loop", {"load_average": {"before": load_before, "after": os.getloadavg()},
+                                               "results": results})
     return 0
 
 

@@ -23,7 +23,6 @@ printed (the speedup over it is then absent).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -36,7 +35,7 @@ import kernels
 from kernels import _args
 from kernels._registry import get_backend
 
-from .machine import commit_info, machine_info
+from .machine import write_results
 
 BASELINES = ("reference", "torch")
 # Candidate backends per device type, in report order; only available ones run.
@@ -311,13 +310,10 @@ def main(argv=None) -> int:
                  args.reference_max_elements)
     print(f"total {time.perf_counter() - start:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "kernels", "machine": machine_info(), "commit": commit_info(),
-                       "device": str(device), "torch_threads": torch.get_num_threads(),
-                       "layout": args.layout, "quick": args.quick, "backend_details": details,
-                       "unavailable_backends": unavailable,
-                       "cases": [asdict(c) for c in cases], **report}, f, indent=2)
-        print(f"wrote {args.json}")
+        write_results(args.json, "kernels", {
+            "device": str(device), "torch_threads": torch.get_num_threads(), "layout": args.layout,
+            "quick": args.quick, "backend_details": details, "unavailable_backends": unavailable,
+            "cases": [asdict(c) for c in cases], **report})
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -52,3 +53,13 @@ def commit_info() -> dict:
 
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
             "branch": git("rev-parse", "--abbrev-ref", "HEAD")}
+
+
+def write_results(path: str, benchmark: str, fields: dict) -> None:
+    """The results document for `path`: the benchmark's name, machine_info, commit_info, then
+    `fields`. The document is built before the file is opened: opening it first truncates a
+    tracked results file, and commit_info would always call the tree dirty."""
+    document = {"benchmark": benchmark, "machine": machine_info(), "commit": commit_info(), **fields}
+    with open(path, "w") as f:
+        json.dump(document, f, indent=2)
+    print(f"wrote {path}")

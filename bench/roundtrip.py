@@ -13,7 +13,6 @@ transport — as a ratio to the floor's round trip. Goal (issue 2): ≤ 1.3×.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -24,7 +23,7 @@ from bridge.bench.cases import EXPHIL_SEQ, Case
 from bridge.client import PortClient, to_wire
 
 from .floors import open_floor
-from .machine import commit_info, machine_info
+from .machine import write_results
 
 SETTLE_SECONDS = 0.005
 
@@ -106,10 +105,7 @@ def main(argv=None) -> int:
     print("  stages p50:  " + "  ".join(f"{k}={v/1000:.2f}ms" for k, v in r["stages_p50_us"].items()))
     print(f"  bridge cost / echo floor = {r['bridge_cost_over_floor']:.2f}×  (goal ≤ {r['goal_bridge_cost_over_floor']}×)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "roundtrip-stdio", "machine": machine_info(), "commit": commit_info(),
-                       "results": [result]}, f, indent=2)
-        print(f"wrote {args.json}")
+        write_results(args.json, "roundtrip-stdio", {"results": [result]})
     return 0
 
 

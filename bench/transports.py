@@ -18,7 +18,6 @@ reply once, to the right client.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ from bridge.cli import tune_malloc
 from bridge.client import UnixClient, ZmqClient, to_wire
 
 from .floors import StreamLane, connect_unix, connect_zmq, floor_missing, lane_call, lane_reply, open_floor
-from .machine import commit_info, machine_info
+from .machine import write_results
 from .roundtrip import exphil_inputs, summarize
 
 GOAL_IPC_OVER_ECHO = 1.3
@@ -312,10 +311,7 @@ def main(argv=None) -> int:
     result = run(args)
     report(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "transports", "machine": machine_info(), "commit": commit_info(),
-                       "results": result}, f, indent=2)
-        print(f"wrote {args.json}")
+        write_results(args.json, "transports", {"results": result})
     failed = any(c["lost"] or c["duplicated"] or c["misrouted"] for c in result["concurrency"])
     return 1 if failed else 0
 
