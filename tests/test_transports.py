@@ -330,10 +330,13 @@ def test_a_client_that_vanishes_mid_request_disturbs_no_one_and_loses_its_sessio
             time.sleep(0.1)
 
 
-def test_closing_a_unix_connection_frees_its_sessions_and_handles(server):
+@pytest.mark.parametrize("lane", [pytest.param("unix", id="unix"), pytest.param("ipc-multipart", id="zmq-ipc"),
+                                  pytest.param("tcp-inline", id="zmq-tcp")])
+def test_closing_a_connection_frees_its_sessions_and_handles(server, lane):
+    """With nothing in flight: on ZeroMQ the server learns of it from the socket monitor."""
     with UnixClient(server.unix) as observer:
         before = observer.stats()
-        with UnixClient(server.unix) as owner:
+        with lane_client(server, lane) as owner:
             owner.open_session(2, 3, 4)
             owner.put(np.random.default_rng().standard_normal((5, 3), dtype=np.float32))
             during = observer.stats()
@@ -347,6 +350,20 @@ def test_closing_a_unix_connection_frees_its_sessions_and_handles(server):
                 break
             assert time.monotonic() < deadline, "the closed connection's session and handle were never freed"
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("lane", [pytest.param("ipc-multipart", id="zmq-ipc"), pytest.param("tcp-inline", id="zmq-tcp")])
+def test_a_new_zmq_connection_keeps_its_sessions_when_an_old_one_ends(server, lane):
+    """A connection that ends just before another opens (which likely gets its descriptor)
+    frees only its own sessions."""
+    for _ in range(5):
+        with lane_client(server, lane) as old:
+            old.open_session(1, 3, 2)
+        with lane_client(server, lane) as new:
+            kept = new.open_session(1, 3, 2)
+            time.sleep(0.1)  # the server has long read the old connection's end
+            assert new.session_state(kept).shape == (1, 3, 2)
+            new.close_session(kept)
 
 
 # -- bounds: a server with small limits -------------------------------------------------------

@@ -17,9 +17,15 @@ peer's sessions and handles are freed; a reply to a live peer whose pipe is full
 waits in the peer's own queue and is tried again every RETRY_MS, never blocking the others.
 Replies to served requests are never dropped (at most `max_in_flight` wait per peer); only
 `overloaded` answers, once `hwm` of them wait beside its replies, for a peer that floods
-and reads nothing. ZeroMQ does not tell a ROUTER when a peer disconnects (ZMQ_ROUTER_NOTIFY is a draft
-API), so a peer that leaves with nothing in flight keeps its sessions until a reply to it
-fails or the server stops: ZeroMQ clients close their sessions.
+and reads nothing.
+
+Peers that go away: a ROUTER is not told when a peer disconnects (ZMQ_ROUTER_NOTIFY is a draft
+API, absent from release builds of libzmq), so each socket's monitor reports its connections'
+ends (EVENT_DISCONNECTED, with the connection's file descriptor), and every message says which
+descriptor it came in on (ZMQ_SRCFD). The peers seen on a descriptor whose connection ended are
+gone: their sessions and handles are freed at once, as when a unix connection closes. The
+monitor is read before each round of messages, so a descriptor reused by a new connection is
+never mistaken for the old one.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import threading
 from dataclasses import dataclass
 
 import zmq
+import zmq.utils.monitor
 
 import protocol
 
@@ -45,6 +52,8 @@ RECEIVE_BATCH = 64
 RETRY_MS = 2
 # How long closing waits for queued replies to leave.
 LINGER_MS = 200
+# What a socket's monitor reports: its connections' starts and ends (the value is the fd).
+CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 LOOPBACK = "127.0.0.1"
 
 
@@ -130,6 +139,7 @@ class ZmqPeer(Connection):
         self.transport = transport
         self.key = key  # (index of its socket, routing id)
         self.socket = transport.sockets[key[0]]
+        self.fd: int | None = None  # the descriptor of the connection its messages come in on
         # What replies are sent after: the routing id, and the empty delimiter of a REQ peer.
         self.envelope: list = [key[1]]
         # Requests with the dispatcher or answered but not yet sent; requests waiting for one of
@@ -156,8 +166,11 @@ class ZmqTransport:
         self.outbox = Outbox()
         self.endpoints: list[str] = []
         self.sockets: list[zmq.Socket] = []
+        self.monitors: list[zmq.Socket] = []  # one per socket, same index
         self._authenticator = None
         self._peers: dict[tuple[int, bytes], ZmqPeer] = {}
+        self._on_fd: dict[tuple[int, int], set[ZmqPeer]] = {}  # (socket index, fd) -> its peers
+        self._fds_known = True
         self._backlogged: set[ZmqPeer] = set()  # peers with replies waiting for room in their pipe
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zmq-io", daemon=True)
@@ -193,6 +206,7 @@ class ZmqTransport:
             sock.curve_server = True
             sock.curve_publickey = curve.public
             sock.curve_secretkey = curve.secret
+        self.monitors.append(sock.get_monitor_socket(CONNECTION_EVENTS))
         sock.bind(endpoint)
         self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
@@ -215,7 +229,10 @@ class ZmqTransport:
 
     def _close_sockets(self) -> None:
         for sock in self.sockets:
+            sock.disable_monitor()
             sock.close()
+        for monitor in self.monitors:
+            monitor.close()
         if self._authenticator is not None:
             self._authenticator.stop()
         self.context.term()
@@ -227,10 +244,17 @@ class ZmqTransport:
         poller = zmq.Poller()
         for sock in self.sockets:
             poller.register(sock, zmq.POLLIN)
+        for monitor in self.monitors:
+            poller.register(monitor, zmq.POLLIN)
         poller.register(self.outbox.fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(RETRY_MS if self._backlogged else None))
+                # Connection events first, whether or not the poll saw them: a connection that
+                # ended before a message on a reused descriptor came is settled before that
+                # message is attributed.
+                for index, monitor in enumerate(self.monitors):
+                    self._connection_events(index, monitor)
                 for index, sock in enumerate(self.sockets):
                     if sock in ready:
                         self._receive(index, sock)
@@ -251,6 +275,11 @@ class ZmqTransport:
             peer = self._peers.get(key)
             if peer is None:
                 peer = self._peers[key] = ZmqPeer(self, key)
+            fd = self._source_fd(frames[0])
+            if fd is not None and peer.fd != fd:
+                self._unlist(peer)
+                peer.fd = fd
+                self._on_fd.setdefault((index, fd), set()).add(peer)
             # A REQ peer's replies need its delimiter; a DEALER's must not have one.
             peer.envelope = [routing_id, b""] if len(envelope) == 2 else [routing_id]
             request = (message, received_ns)
@@ -260,6 +289,40 @@ class ZmqTransport:
                 peer.waiting.append(request)
             else:
                 self._decline(peer, message)
+
+    def _source_fd(self, frame: zmq.Frame) -> int | None:
+        """The descriptor a message came in on; None where libzmq no longer tells (its peers'
+        ends are then noticed only when a reply to them fails)."""
+        if not self._fds_known:
+            return None
+        try:
+            return frame.get(zmq.SRCFD)
+        except zmq.ZMQError as exc:
+            self._fds_known = False
+            log.warning("libzmq does not tell which connection a message came on (%s): a peer that "
+                        "leaves with nothing in flight keeps its sessions until the server stops", exc)
+            return None
+
+    def _connection_events(self, index: int, monitor: zmq.Socket) -> None:
+        """Settle the connections of socket `index` that ended (or whose descriptor a new
+        connection now has): their peers are gone."""
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] & CONNECTION_EVENTS:
+                for peer in self._on_fd.pop((index, int(event["value"])), ()):
+                    if not peer.closed:
+                        self._gone(peer, "disconnected")
+
+    def _unlist(self, peer: ZmqPeer) -> None:
+        """Take `peer` off its descriptor's list."""
+        listed = self._on_fd.get((peer.key[0], peer.fd))
+        if listed is not None:
+            listed.discard(peer)
+            if not listed:
+                del self._on_fd[(peer.key[0], peer.fd)]
 
     def _dispatch(self, peer: ZmqPeer, request: tuple) -> None:
         message, received_ns = request
@@ -338,8 +401,8 @@ class ZmqTransport:
             self._answered(peer)
         self._backlogged.discard(peer)
 
-    def _gone(self, peer: ZmqPeer) -> None:
-        log.info("%s vanished; %d replies and %d requests of its dropped", peer.id, len(peer.unsent),
+    def _gone(self, peer: ZmqPeer, how: str = "vanished") -> None:
+        log.info("%s %s; %d replies and %d requests of its dropped", peer.id, how, len(peer.unsent),
                  len(peer.waiting))
         peer.waiting.clear()
         self._backlogged.discard(peer)
@@ -358,5 +421,6 @@ class ZmqTransport:
             self._forget(peer)
 
     def _forget(self, peer: ZmqPeer) -> None:
+        self._unlist(peer)
         if self._peers.get(peer.key) is peer:  # not a newer peer with the same routing id
             del self._peers[peer.key]
