@@ -116,6 +116,11 @@ class Packer:
             raise TypeError(f"{path}: cannot encode a {type(value).__module__}.{type(value).__qualname__} "
                             "(use dict, list, str, int, float, bool, None, bytes, OutTensor)")
 
+    def timing(self, timing: dict | Callable[[], dict]) -> None:
+        """The timing map, checked (str -> number), in one encoder call: the same bytes as
+        `value` writes, without its per-entry dispatch (a fifth of a small reply's encoding)."""
+        _SCALAR_ENCODER.encode_into(check_timing(timing), self.small, -1)
+
     def finish(self) -> list:
         if self.small:
             self.parts.append(bytes(self.small))
@@ -166,7 +171,7 @@ def encode_reply(request_id, result: dict, timing: dict | Callable[[], dict], *,
     packer.small += b"\xa2ok\xc3\xa6result"
     packer.value(result, "result")
     packer.small += b"\xa6timing"
-    packer.value(check_timing(timing), "timing")
+    packer.timing(timing)
     return packer.finish()
 
 
@@ -188,7 +193,7 @@ def encode_error(request_id, code: str, message: str, detail: dict | None = None
     packer.value({"code": code, "message": message, "detail": {} if detail is None else detail}, "error")
     if timing is not None:
         packer.small += b"\xa6timing"
-        packer.value(check_timing(timing), "timing")
+        packer.timing(timing)
     return packer.finish()
 
 
