@@ -1,7 +1,7 @@
 """Wire tensors ↔ torch tensors. The only place where protocol meets torch.
 
-Inbound bytes are viewed, not copied, on the CPU: `torch.frombuffer` over the memoryview the
-decoder produced (a view into the received frame). A payload at an address that is not a
+Inbound bytes are viewed, not copied, on the CPU: a tensor over the memoryview the decoder
+produced (a view into the received frame). A payload at an address that is not a
 multiple of its item size is copied once to aligned memory (the kernels expect aligned
 operands) unless the backend reads unaligned memory itself (the "cpu" backend). On CUDA the
 copy to the device is the staging copy.
@@ -21,6 +21,8 @@ import torch
 
 from protocol import OutTensor, WireTensor
 
+from .client import NUMPY_DTYPES
+
 TORCH_DTYPES = {
     "f32": torch.float32,
     "f16": torch.float16,
@@ -32,8 +34,7 @@ TORCH_DTYPES = {
 }
 WIRE_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 # numpy has no bfloat16: its bytes travel as int16 and are reinterpreted on the torch side.
-NUMPY_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.int16, "f64": np.float64,
-                "i32": np.int32, "i64": np.int64, "u8": np.uint8}
+HOST_DTYPES = {**NUMPY_DTYPES, "bf16": np.int16}
 
 # Frames are received into buffers we own and never reuse while a request is in flight, so the
 # read-only flag some decoders put on views is no hazard; torch warns about it.
@@ -42,7 +43,7 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 def host_view(t: WireTensor) -> torch.Tensor:
     """A CPU tensor over the wire bytes, zero-copy (possibly unaligned)."""
-    tensor = torch.from_numpy(np.ndarray(t.shape, NUMPY_DTYPES[t.dtype], t.data))
+    tensor = torch.from_numpy(np.ndarray(t.shape, HOST_DTYPES[t.dtype], t.data))
     return tensor.view(torch.bfloat16) if t.dtype == "bf16" else tensor
 
 
