@@ -306,11 +306,8 @@ class ZmqTransport:
     def _connection_events(self, index: int, monitor: zmq.Socket) -> None:
         """Settle the connections of socket `index` that ended (or whose descriptor a new
         connection now has): their peers are gone."""
-        while True:
-            try:
-                event = zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            event = zmq.utils.monitor.recv_monitor_message(monitor)
             if event["event"] & CONNECTION_EVENTS:
                 for peer in self._on_fd.pop((index, int(event["value"])), ()):
                     if not peer.closed:
