@@ -11,6 +11,9 @@ from collections import Counter, defaultdict
 
 from .timing import STAGES
 
+# The timing keys added up per op: each stage's, then the whole server time.
+TOTALLED_KEYS = tuple(f"{stage}_us" for stage in STAGES) + ("server_us",)
+
 
 class Stats:
     def __init__(self):
@@ -31,8 +34,7 @@ class Stats:
     @staticmethod
     def _new_op() -> dict:
         entry = {"inference_count": 0, "execution_count": 0, "success_count": 0, "failure_count": 0}
-        entry.update({f"{stage}_us": 0.0 for stage in STAGES})
-        entry["server_us"] = 0.0
+        entry.update({key: 0.0 for key in TOTALLED_KEYS})
         return entry
 
     def frame_in(self, nbytes: int) -> None:
@@ -53,9 +55,8 @@ class Stats:
             entry["execution_count"] += executions
             entry["success_count" if ok else "failure_count"] += 1
             if timing:
-                for stage in STAGES:
-                    entry[f"{stage}_us"] += timing.get(f"{stage}_us", 0.0)
-                entry["server_us"] += timing.get("server_us", 0.0)
+                for key in TOTALLED_KEYS:
+                    entry[key] += timing.get(key, 0.0)
             if error_code:
                 self.errors[error_code] += 1
 
