@@ -97,6 +97,8 @@ defmodule ScanBridge.LifecycleTest do
     {:ok, stats_before} = ScanBridge.stats(client)
     # frozen server: the first request stays outstanding, so the ping waits in the client's queue
     signal(os_pid, "STOP")
+    # kill(1) returns before every thread of the target has stopped
+    assert eventually(fn -> stopped?(os_pid) end)
     first = Task.async(fn -> ScanBridge.ping(client) end)
     assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) == 1 end)
     assert {:error, %Error{reason: :timeout}} = ScanBridge.ping(client, timeout: 20)
@@ -167,6 +169,23 @@ defmodule ScanBridge.LifecycleTest do
 
   defp signal(os_pid, name),
     do: {_, 0} = System.cmd("kill", ["-#{name}", Integer.to_string(os_pid)])
+
+  # Every thread of the process is in the stopped state ("T" in /proc/PID/task/TID/stat).
+  defp stopped?(os_pid) do
+    case File.ls("/proc/#{os_pid}/task") do
+      {:ok, tids} ->
+        Enum.all?(tids, fn tid ->
+          case File.read("/proc/#{os_pid}/task/#{tid}/stat") do
+            # the state follows the parenthesised command name, which may contain spaces
+            {:ok, stat} -> stat |> String.split(") ") |> List.last() |> String.starts_with?("T")
+            {:error, _} -> true
+          end
+        end)
+
+      {:error, _} ->
+        false
+    end
+  end
 
   defp ping_count(stats),
     do:
