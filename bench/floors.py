@@ -14,8 +14,9 @@ the sizes it was started with, from one buffer it filled once.
 Every lane has `round_trip_us(frame_parts) -> float`, where `frame_parts` is the request as its
 transport carries it (`lane.frame(body_parts, buffers)` makes it from an encoded request: the
 length-prefixed parts on a stream; the message frames, body then raw buffers, on ZeroMQ), and
-`last_reply` (the reply's body, or its frames on ZeroMQ). The same client code reaches the
-bridge itself (`connect_unix`, `connect_zmq`), so a server is timed exactly as its floor is.
+`last_reply` (the reply's body, or its frames on ZeroMQ; `reply()` decodes it). The same client
+code reaches the bridge itself (`connect_unix`, `ZmqLane`, `BridgeProcess` on pipes), so a
+server is timed exactly as its floor is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -79,9 +81,11 @@ class StreamLane:
             raise ValueError("a stream transport carries one frame per request: no raw buffers")
         return protocol.frame_parts(body_parts)
 
-    def round_trip_us(self, frame_parts: list) -> float:
-        start = time.perf_counter_ns()
+    def send(self, frame_parts: list) -> None:
         write_all(self.writer_fd, frame_parts)
+
+    def receive(self) -> memoryview:
+        """The next reply's body, in the lane's buffer (valid until the next receive)."""
         if not read_exact(self.reader, self._header):
             raise EOFError("the server closed the stream")
         n = protocol.parse_frame_header(self._header)
@@ -90,9 +94,21 @@ class StreamLane:
         body = memoryview(self._buffer)[:n]
         if not read_exact(self.reader, body):
             raise EOFError("the server closed the stream inside a reply")
-        elapsed = time.perf_counter_ns() - start
         self.last_reply = body
-        return elapsed / 1000.0
+        return body
+
+    def round_trip_us(self, frame_parts: list) -> float:
+        start = time.perf_counter_ns()
+        self.send(frame_parts)
+        self.receive()
+        return (time.perf_counter_ns() - start) / 1000.0
+
+    def reply(self) -> protocol.Reply:
+        """The last reply, decoded."""
+        return protocol.decode_reply(self.last_reply)
+
+    def reply_sizes(self) -> list[int]:
+        return [len(self.last_reply)]
 
     def close(self) -> None:
         if self._on_close is not None:
@@ -126,6 +142,13 @@ class ZmqLane:
         self.last_reply = frames
         return elapsed / 1000.0
 
+    def reply(self) -> protocol.Reply:
+        """The last reply, decoded."""
+        return protocol.decode_reply(self.last_reply[0].buffer, [f.buffer for f in self.last_reply[1:]])
+
+    def reply_sizes(self) -> list[int]:
+        return [len(f) for f in self.last_reply]
+
     def close(self) -> None:
         self._socket.close()
         self._context.term()
@@ -148,27 +171,49 @@ def connect_unix(path: str, on_close=None) -> StreamLane:
     return StreamLane(reader, sock.fileno(), close)
 
 
-def connect_zmq(endpoint: str) -> ZmqLane:
-    return ZmqLane(endpoint)
+def encode_request(request_id, op: str, args: dict, buffers: list | None = None) -> list:
+    """A request's body parts, with numpy/torch arguments made wire tensors."""
+    return protocol.encode_request(request_id, op, {k: to_wire(v) for k, v in args.items()}, buffers=buffers)
 
 
-def lane_reply(lane) -> protocol.Reply:
-    """The last reply a lane read, decoded."""
-    if isinstance(lane, StreamLane):
-        return protocol.decode_reply(lane.last_reply)
-    frames = lane.last_reply
-    return protocol.decode_reply(frames[0].buffer, [f.buffer for f in frames[1:]])
+def frame_bytes(parts: list) -> int:
+    return sum(memoryview(part).nbytes for part in parts)
 
 
 def lane_call(lane, op: str, args: dict, multipart: bool = False) -> dict:
     """One request over a lane to the bridge; its result (raises on an error reply)."""
     buffers = [] if multipart else None
-    body = protocol.encode_request("setup", op, {k: to_wire(v) for k, v in args.items()}, buffers=buffers)
-    lane.round_trip_us(lane.frame(body, buffers))
-    reply = lane_reply(lane)
+    lane.round_trip_us(lane.frame(encode_request("setup", op, args, buffers), buffers))
+    reply = lane.reply()
     if not reply.ok:
         raise RuntimeError(f"{op}: {reply.error}")
     return reply.result
+
+
+def bridge_env() -> dict:
+    """The environment for `python -m bridge` (and other servers of this checkout) from any
+    working directory: this checkout first on PYTHONPATH."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""))
+
+
+class BridgeProcess:
+    """`python -m bridge --device cpu ARGS` on pipes, spoken to through a StreamLane (`lane`),
+    so that it is timed exactly as the echoes are. Closing its stdin stops it."""
+
+    def __init__(self, server_args: list[str], stderr=None):
+        self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *server_args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                     env=bridge_env(), bufsize=0)
+        self.lane = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
+
+    def call(self, op: str, **args) -> dict:
+        return lane_call(self.lane, op, args)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(10)
+        self.proc.stdout.close()
 
 
 # -- the echoes ---------------------------------------------------------------------------------

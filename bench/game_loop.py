@@ -28,50 +28,49 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
 import protocol
-from bridge.client import PortClient, to_wire
-from bridge.transports.framed import read_exact, write_all
+from bridge.bench.cases import Case
+from bridge.client import PortClient
 
-from .floors import StreamLane, floor_missing, lane_call, open_floor
-from .machine import write_results
+from .floors import BridgeProcess, StreamLane, encode_request, floor_missing, frame_bytes, open_floor
+from .machine import summarize_us, write_results
 
 GAME = {"batch": 32, "dim": 512, "state": 16, "window": 60}
 # ExPhil's dt clamp (protocol/SPEC.md §9).
 DT_CLAMP = {"dt_min": 0.001, "dt_max": 0.1}
 
 
-def summarize(values: list[float]) -> dict:
-    a = np.asarray(values)
-    return {"p50_us": float(np.percentile(a, 50)), "p90_us": float(np.percentile(a, 90)),
-            "p99_us": float(np.percentile(a, 99)), "min_us": float(a.min()), "max_us": float(a.max()),
-            "n": len(values)}
+def frame_inputs(batch: int, seed: int, seq: int | None = None) -> dict:
+    """Random per-frame arguments (the sweep's own ranges, bridge.bench.cases): x, dt
+    [batch, (seq,) dim]; B, C [batch, (seq,) state]."""
+    case = Case("step", 1, batch) if seq is None else Case("scan", seq, batch)
+    inputs = case.inputs(seed)
+    del inputs["A"]
+    return inputs
 
 
-def frame_inputs(rng, batch: int, dim: int, state: int, seq: int | None = None) -> dict:
-    """Random per-frame arguments: x, dt [batch, (seq,) dim]; B, C [batch, (seq,) state]."""
-    lead = (batch,) if seq is None else (batch, seq)
-    return {"x": rng.standard_normal((*lead, dim), dtype=np.float32),
-            "dt": rng.uniform(0.001, 0.1, (*lead, dim)).astype(np.float32),
-            "B": rng.standard_normal((*lead, state), dtype=np.float32),
-            "C": rng.standard_normal((*lead, state), dtype=np.float32)}
+def constant_A(seed: int) -> np.ndarray:
+    return Case("step", 1).inputs(seed)["A"]
 
 
 def step_request(request_id, session: str, handle, inputs: dict) -> list:
     """The body parts of a step of `session` with per-frame `inputs`, A as `handle`, ExPhil's clamp."""
-    args = {"session": session, "A": handle, **DT_CLAMP, **{k: to_wire(v) for k, v in inputs.items()}}
-    return protocol.encode_request(request_id, "step", args)
+    return encode_request(request_id, "step", {"session": session, "A": handle, **DT_CLAMP, **inputs})
 
 
-def constant_A(rng, dim: int, state: int) -> np.ndarray:
-    return -rng.uniform(0.5, 4.0, (dim, state)).astype(np.float32)
+def exchange(lane: StreamLane, frame_parts: list) -> tuple[float, int, dict]:
+    """One round trip (µs: request written → reply read whole), the reply's body bytes and its
+    timing; raises on an error reply."""
+    us = lane.round_trip_us(frame_parts)
+    reply = lane.reply()
+    if not reply.ok:
+        raise RuntimeError(f"request failed: {reply.error}")
+    return us, len(lane.last_reply), reply.timing
 
 
 # -- (a) the game loop ------------------------------------------------------------------------
@@ -79,45 +78,43 @@ def constant_A(rng, dim: int, state: int) -> np.ndarray:
 
 def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
     b, d, n, w = GAME["batch"], GAME["dim"], GAME["state"], GAME["window"]
-    rng = np.random.default_rng(0)
-    A = constant_A(rng, d, n)
-    window = frame_inputs(rng, b, d, n, seq=w)
-    frames = [frame_inputs(rng, b, d, n) for _ in range(32)]  # cycled; content does not matter
-    bridge = PipeBridge(server_args)
+    A = constant_A(0)
+    window = frame_inputs(b, 0, seq=w)
+    frames = [frame_inputs(b, 1 + i) for i in range(32)]  # cycled; content does not matter
+    bridge = BridgeProcess(server_args)
+    lane = bridge.lane
     try:
         handle = protocol.HandleRef(bridge.call("put", tensor=A)["handle"])
         session = bridge.call("session_open", batch=b, dim=d, state=n)["session"]
-        prefill_us, _ = bridge.exchange(StreamLane.frame(protocol.encode_request(
-            "prefill", "scan", {"A": handle, "session": session, **DT_CLAMP,
-                                **{k: to_wire(v) for k, v in window.items()}})))
-        step_frames = [StreamLane.frame(step_request(i, session, handle, f)) for i, f in enumerate(frames)]
+        prefill_us, _, _ = exchange(lane, lane.frame(encode_request(
+            "prefill", "scan", {"A": handle, "session": session, **DT_CLAMP, **window})))
+        step_frames = [lane.frame(step_request(i, session, handle, f)) for i, f in enumerate(frames)]
         for i in range(20):  # warm-up: first-call allocations, page faults
-            _, reply = bridge.exchange(step_frames[i % len(step_frames)])
-        echo, echo_missing = open_step_echo(reply.body_bytes, step_frames)
+            _, reply_bytes, _ = exchange(lane, step_frames[i % len(step_frames)])
+        echo, echo_missing = open_step_echo(reply_bytes, step_frames)
         step_rows, step_bytes, step_timing, echo_rows = [], [], [], []
         try:
             # Bridge and echo take turns, request by request, so that both see the same machine.
             for i in range(steps):
                 request = step_frames[i % len(step_frames)]
-                us, reply = bridge.exchange(request)
+                us, reply_bytes, timing = exchange(lane, request)
                 step_rows.append(us)
-                step_bytes.append(frame_bytes(request) + protocol.framing.HEADER_SIZE + reply.body_bytes)
-                step_timing.append(reply.timing)
+                step_bytes.append(frame_bytes(request) + protocol.framing.HEADER_SIZE + reply_bytes)
+                step_timing.append(timing)
                 if echo is not None:
                     echo_rows.append(echo.round_trip_us(request))
         finally:
             if echo is not None:
                 echo.close()
-        window_frame = StreamLane.frame(protocol.encode_request(
-            "window", "scan", {"A": to_wire(A), **DT_CLAMP, **{k: to_wire(v) for k, v in window.items()}}))
+        window_frame = lane.frame(encode_request("window", "scan", {"A": A, **DT_CLAMP, **window}))
         for _ in range(3):
-            bridge.exchange(window_frame)
+            exchange(lane, window_frame)
         window_rows, window_bytes, window_timing = [], [], []
         for _ in range(windows):
-            us, reply = bridge.exchange(window_frame)
+            us, reply_bytes, timing = exchange(lane, window_frame)
             window_rows.append(us)
-            window_bytes.append(frame_bytes(window_frame) + protocol.framing.HEADER_SIZE + reply.body_bytes)
-            window_timing.append(reply.timing)
+            window_bytes.append(frame_bytes(window_frame) + protocol.framing.HEADER_SIZE + reply_bytes)
+            window_timing.append(timing)
         backend = bridge.call("info")["backend"]
     finally:
         bridge.close()
@@ -125,28 +122,24 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
     def stage_medians(timings):
         return {k: statistics.median(t[k] for t in timings) for k in timings[0] if k.endswith("_us")}
 
-    floor = summarize(echo_rows) if echo is not None else {"skipped": echo_missing}
+    floor = summarize_us(echo_rows) if echo is not None else {"skipped": echo_missing}
     step_frame_bytes, window_frame_bytes = statistics.median(step_bytes), statistics.median(window_bytes)
     return {
         "case": f"game loop: session {b}x{d}x{n}, prefill {w} frames, {steps} steps; "
                 f"vs re-sending the {w}-frame window ({windows} frames)",
         "backend": backend,
-        "step_round_trip": summarize(step_rows),
+        "step_round_trip": summarize_us(step_rows),
         "step_stages_p50_us": stage_medians(step_timing),
         "step_bytes_per_frame": step_frame_bytes,
         "step_echo_floor": floor,
         "step_round_trip_python_client": python_client_steps(steps, A, frames, server_args),
         "prefill_round_trip_us": prefill_us,
-        "window_round_trip": summarize(window_rows),
+        "window_round_trip": summarize_us(window_rows),
         "window_stages_p50_us": stage_medians(window_timing),
         "window_bytes_per_frame": window_frame_bytes,
         "bytes_ratio": window_frame_bytes / step_frame_bytes,
         "goals": {"step_p99_us": 1000, "step_p50_us": 150, "bytes_ratio": 50},
     }
-
-
-def frame_bytes(frame_parts: list) -> int:
-    return sum(memoryview(part).nbytes for part in frame_parts)
 
 
 def python_client_steps(steps: int, A, frames: list, server_args: list[str]) -> dict:
@@ -162,7 +155,7 @@ def python_client_steps(steps: int, A, frames: list, server_args: list[str]) -> 
             reply.unwrap()
             if i >= 20:
                 rows.append(reply.round_trip_us)
-    return summarize(rows)
+    return summarize_us(rows)
 
 
 def game_loop_runs(repeats: int, steps: int, windows: int, server_args: list[str]) -> dict:
@@ -212,41 +205,7 @@ class ReplyHead(msgspec.Struct):
     error: dict = {}
 
 
-@dataclass
-class ReplySummary:
-    body_bytes: int
-    timing: dict
-
-
-class PipeBridge:
-    """`python -m bridge` on pipes, spoken to without the client library: framed requests are
-    written and replies read through the same StreamLane as the echo floors use."""
-
-    def __init__(self, server_args: list[str]):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *server_args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
-        self.lane = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
-
-    def exchange(self, frame_parts: list) -> tuple[float, ReplySummary]:
-        """One round trip (µs: request written → reply read whole), then the reply checked."""
-        us = self.lane.round_trip_us(frame_parts)
-        reply = protocol.decode_reply(self.lane.last_reply)
-        if not reply.ok:
-            raise RuntimeError(f"request failed: {reply.error}")
-        return us, ReplySummary(len(self.lane.last_reply), reply.timing)
-
-    def call(self, op: str, **args) -> dict:
-        return lane_call(self.lane, op, args)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(10)
-        self.proc.stdout.close()
-
-
-class CallerLoop(PipeBridge):
+class CallerLoop(BridgeProcess):
     """A server over pipes with 8 (or n) callers, each stepping its own session in a closed
     loop: each caller has one request in flight and sends its next the moment its reply is in.
     One thread drives them all and reads only each reply's head, so that the client's CPU (on
@@ -254,43 +213,30 @@ class CallerLoop(PipeBridge):
 
     def __init__(self, server_args: list[str]):
         super().__init__(server_args)
-        self._header = memoryview(bytearray(4))
         self._heads = msgspec.msgpack.Decoder(ReplyHead)
 
-    def send(self, body: bytes) -> None:
-        write_all(self.proc.stdin.fileno(), protocol.frame_parts([body]))
-
-    def receive(self) -> memoryview:
-        if not read_exact(self.proc.stdout, self._header):
-            raise ConnectionError("the server closed its end")
-        body = memoryview(bytearray(protocol.parse_frame_header(self._header)))
-        if not read_exact(self.proc.stdout, body):
-            raise ConnectionError("the server closed its end mid-frame")
-        return body
-
-    def step_bodies(self, rows: int, callers: int) -> list[bytes]:
-        """One pre-encoded step request per caller, each for a session of its own."""
+    def step_frames(self, rows: int, callers: int) -> list[list]:
+        """One pre-encoded step request frame per caller, each for a session of its own."""
         dim, state = GAME["dim"], GAME["state"]
-        rng = np.random.default_rng(1)
-        handle = protocol.HandleRef(self.call("put", tensor=constant_A(rng, dim, state))["handle"])
-        bodies = []
+        handle = protocol.HandleRef(self.call("put", tensor=constant_A(1))["handle"])
+        frames = []
         for i in range(callers):
             session = self.call("session_open", batch=rows, dim=dim, state=state)["session"]
-            bodies.append(b"".join(step_request(str(i), session, handle, frame_inputs(rng, rows, dim, state))))
-        return bodies
+            frames.append(self.lane.frame(step_request(str(i), session, handle, frame_inputs(rows, 1 + i))))
+        return frames
 
-    def run(self, bodies: list[bytes], seconds: float) -> dict:
-        callers = len(bodies)
+    def run(self, frames: list[list], seconds: float) -> dict:
+        callers = len(frames)
         counts, round_trips, batch_rows = [0] * callers, [], []
         sent_at = [0] * callers
         began = time.perf_counter_ns()
         deadline = began + int(seconds * 1e9)
-        for i, body in enumerate(bodies):
+        for i, frame in enumerate(frames):
             sent_at[i] = time.perf_counter_ns()
-            self.send(body)
+            self.lane.send(frame)
         in_flight = callers
         while in_flight:
-            head = self._heads.decode(self.receive())
+            head = self._heads.decode(self.lane.receive())
             now = time.perf_counter_ns()
             if not head.ok:
                 raise RuntimeError(f"step failed: {head.error}")
@@ -300,19 +246,20 @@ class CallerLoop(PipeBridge):
             batch_rows.append(head.timing["batch_rows"])
             if now < deadline:
                 sent_at[i] = time.perf_counter_ns()
-                self.send(bodies[i])
+                self.lane.send(frames[i])
             else:
                 in_flight -= 1
         elapsed = (time.perf_counter_ns() - began) / 1e9
         return {"elapsed_s": elapsed, "counts": counts, "round_trips": round_trips, "batch_rows": batch_rows}
 
+
 def run_callers(server_args: list[str], rows: int, callers: int, seconds: float) -> dict:
     loop = CallerLoop(server_args)
     try:
-        bodies = loop.step_bodies(rows, callers)
-        loop.run(bodies, 0.2)  # warm-up
+        frames = loop.step_frames(rows, callers)
+        loop.run(frames, 0.2)  # warm-up
         before = loop.call("stats")["ops"]["step"]
-        run = loop.run(bodies, seconds)
+        run = loop.run(frames, seconds)
         after = loop.call("stats")["ops"]["step"]
     finally:
         loop.close()
@@ -322,7 +269,7 @@ def run_callers(server_args: list[str], rows: int, callers: int, seconds: float)
         "server_args": server_args,
         "steps_per_s": steps / run["elapsed_s"],
         "rows_per_s": steps * rows / run["elapsed_s"],
-        "round_trip": summarize(run["round_trips"]),
+        "round_trip": summarize_us(run["round_trips"]),
         "mean_batch_requests": (after["inference_count"] - before["inference_count"]) / max(executions, 1),
         "mean_batch_rows": statistics.mean(run["batch_rows"]),
         "per_caller_steps": run["counts"],

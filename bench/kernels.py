@@ -23,8 +23,6 @@ printed (the speedup over it is then absent).
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,7 +33,7 @@ import kernels
 from kernels import _args
 from kernels._registry import get_backend
 
-from .machine import write_results
+from .machine import summarize_us, write_results
 
 BASELINES = ("reference", "torch")
 # Candidate backends per device type, in report order; only available ones run.
@@ -185,15 +183,8 @@ def _event_times(fn, budget: Budget) -> list[float]:
 
 
 def _summary(times: list[float]) -> dict:
-    return {"median_us": statistics.median(times), "p20_us": _percentile(times, 20),
-            "p80_us": _percentile(times, 80), "reps": len(times)}
-
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    s = summarize_us(times, (20, 50, 80))
+    return {"median_us": s["p50_us"], "p20_us": s["p20_us"], "p80_us": s["p80_us"], "reps": s["n"]}
 
 
 def copy_bandwidth(device: torch.device, budget: Budget) -> float:

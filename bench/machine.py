@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 
+import numpy as np
+
 
 def _cpu_model() -> str:
     try:
@@ -60,6 +62,14 @@ def write_results(path: str, benchmark: str, fields: dict) -> None:
     `fields`. The document is built before the file is opened: opening it first truncates a
     tracked results file, and commit_info would always call the tree dirty."""
     document = {"benchmark": benchmark, "machine": machine_info(), "commit": commit_info(), **fields}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(document, f, indent=2)
     print(f"wrote {path}")
+
+
+def summarize_us(values, points=(50, 90, 99)) -> dict:
+    """Percentiles (numpy's linear interpolation), min, max and count of timings in µs."""
+    a = np.asarray(values, dtype=np.float64)
+    return {**{f"p{p}_us": float(v) for p, v in zip(points, np.percentile(a, points))},
+            "min_us": float(a.min()), "max_us": float(a.max()), "n": len(values)}

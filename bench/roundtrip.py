@@ -16,15 +16,18 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 
 import protocol
 from bridge.bench.cases import EXPHIL_SEQ, Case
 from bridge.client import PortClient, to_wire
 
 from .floors import open_floor
-from .machine import write_results
+from .machine import summarize_us, write_results
 
+# Idle time before each timed round trip (here and in bench.transports). After a kernel the
+# server's helper threads keep polling a core for up to 1 ms; on a small machine that steals
+# the CPU from whatever runs next, so without a pause the echo after each bridge round trip
+# would pay for it.
 SETTLE_SECONDS = 0.005
 
 
@@ -34,9 +37,8 @@ def exphil_inputs(seed: int = 0) -> dict:
 
 
 def summarize(values: list[float]) -> dict:
-    q = statistics.quantiles(values, n=10) if len(values) > 1 else [values[0]] * 9
-    return {"p50_us": statistics.median(values), "p20_us": float(np.percentile(values, 20)),
-            "p80_us": float(np.percentile(values, 80)), "p90_us": q[8], "min_us": min(values)}
+    """The round-trip benches' summary: the quieter fifth (p20) beside p50, p80 and p90."""
+    return summarize_us(values, (20, 50, 80, 90))
 
 
 def run(iterations: int, server_args: list[str]) -> dict:
@@ -52,8 +54,6 @@ def run(iterations: int, server_args: list[str]) -> dict:
         rows = {"round_trip": [], "bridge_cost": [], "echo": [], "ipc": []}
         stages = {}
         for i in range(iterations + 3):
-            # A pause before each timed round trip: the kernel's helper threads keep polling a
-            # core for up to 1 ms after a call, which would otherwise slow whatever runs next.
             time.sleep(SETTLE_SECONDS)
             echo_us = echo.round_trip_us(request_parts)
             time.sleep(SETTLE_SECONDS)

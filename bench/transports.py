@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,21 +31,17 @@ import torch
 import kernels
 import protocol
 from bridge.cli import tune_malloc
-from bridge.client import UnixClient, ZmqClient, to_wire
+from bridge.client import UnixClient, ZmqClient
 
-from .floors import StreamLane, connect_unix, connect_zmq, floor_missing, lane_call, lane_reply, open_floor
+from .floors import BridgeProcess, ZmqLane, connect_unix, encode_request, floor_missing, frame_bytes, lane_call, open_floor
 from .machine import write_results
-from .roundtrip import exphil_inputs, summarize
+from .roundtrip import SETTLE_SECONDS, exphil_inputs, summarize
 
 GOAL_IPC_OVER_ECHO = 1.3
 STEP = {"batch": 2, "dim": 256, "state": 16}
 # (lane, tensors as raw buffers)
 ROWS = [("stdio", False), ("unix", False), ("zmq-ipc", True), ("zmq-ipc", False), ("zmq-tcp", True)]
 CONCURRENT = {"batch": 1, "seq": 4, "dim": 8, "state": 4}
-# Idle time before each timed round trip. After a kernel the server's OpenMP threads keep
-# spinning for a while (libgomp's busy wait); on a small machine that steals the CPU from
-# whatever runs next, so without a pause the echo after each bridge round trip pays for it.
-SETTLE_S = 0.005
 # Untimed round trips before each row's timed ones; and a whole untimed pass over the ExPhil
 # rows first: the server's heap grows to hold several 8 MB requests at once over the first few
 # dozen requests (each fresh page faults on first touch), which would land on the
@@ -56,21 +50,17 @@ WARMUP = 5
 PIPELINE_DEPTH = 16
 
 
-class Server:
+class Server(BridgeProcess):
     """`python -m bridge` with every lane open; stdio is reached through its pipes."""
 
     def __init__(self, server_args: list[str]):
         self.scratch = tempfile.TemporaryDirectory(prefix="bench-transports-")
         self.unix = os.path.join(self.scratch.name, "bridge.sock")
         self.log = tempfile.TemporaryFile()
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bridge", "--device", "cpu", *server_args, "--stdio", "--unix", self.unix,
-             "--zmq", f"ipc://{self.scratch.name}/bridge.ipc", "--zmq", "tcp://:*"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, bufsize=0)
-        self.stdio = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
-        info = lane_call(self.stdio, "info", {})
+        super().__init__([*server_args, "--stdio", "--unix", self.unix,
+                          "--zmq", f"ipc://{self.scratch.name}/bridge.ipc", "--zmq", "tcp://:*"], stderr=self.log)
+        self.stdio = self.lane
+        info = self.call("info")
         self.backend = info["backend"]
         self.endpoints = {"unix": self.unix}
         for entry in info["transports"]:
@@ -81,23 +71,15 @@ class Server:
     def connect(self, lane: str):
         if lane == "stdio":
             return self.stdio
-        return connect_unix(self.unix) if lane == "unix" else connect_zmq(self.endpoints[lane])
+        return connect_unix(self.unix) if lane == "unix" else ZmqLane(self.endpoints[lane])
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(10)
-        self.proc.stdout.close()
+        super().close()
         self.log.close()
         self.scratch.cleanup()
 
 
-def reply_sizes(lane) -> list[int]:
-    if isinstance(lane, StreamLane):
-        return [len(lane.last_reply)]
-    return [len(f) for f in lane.last_reply]
-
-
-def case_request(case: str, server: Server, lane) -> tuple[str, dict]:
+def case_request(case: str, lane) -> tuple[str, dict]:
     """(op, args) of a case on a lane (a step needs a session and a handle of that lane's)."""
     if case == "exphil":
         return "scan", exphil_inputs()
@@ -116,23 +98,22 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
     """The case on one lane, interleaved with its echo floor; with no iterations, only the
     warm-up round trips (and None)."""
     lane = server.connect(lane_name)
-    op, args = case_request(case, server, lane)
+    op, args = case_request(case, lane)
     buffers = [] if multipart else None
-    frame = lane.frame(protocol.encode_request(7, op, {k: to_wire(v) for k, v in args.items()}, buffers=buffers),
-                       buffers)
+    frame = lane.frame(encode_request(7, op, args, buffers), buffers)
     lane.round_trip_us(frame)
-    first = lane_reply(lane)
+    first = lane.reply()
     if not first.ok:
         raise RuntimeError(f"{case} on {lane_name}: {first.error}")
-    floor = open_floor(lane_name, reply_sizes(lane))
+    floor = open_floor(lane_name, lane.reply_sizes())
     rows = {"round_trip": [], "ipc": [], "echo": [], "bridge_cost": []}
     stages: dict[str, list[float]] = {}
     for i in range(WARMUP + iterations):
-        time.sleep(SETTLE_S)
+        time.sleep(SETTLE_SECONDS)
         echo_us = floor.round_trip_us(frame)
-        time.sleep(SETTLE_S)
+        time.sleep(SETTLE_SECONDS)
         round_trip_us = lane.round_trip_us(frame)
-        timing = lane_reply(lane).timing
+        timing = lane.reply().timing
         if i < WARMUP:
             continue
         rows["round_trip"].append(round_trip_us)
@@ -150,7 +131,7 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
     return {
         "case": case, "lane": lane_name, "tensors": "raw buffers" if multipart else "inline",
         "iterations": iterations,
-        "request_bytes": sum(memoryview(p).nbytes for p in frame), "reply_bytes": sum(reply_sizes(lane)),
+        "request_bytes": frame_bytes(frame), "reply_bytes": sum(lane.reply_sizes()),
         **summary,
         "stages_p50_us": {k: statistics.median(v) for k, v in stages.items()},
         "ipc_over_echo": summary["ipc"]["p50_us"] / summary["echo"]["p50_us"],

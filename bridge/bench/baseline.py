@@ -8,26 +8,24 @@ first reply of each is checked against the other's, so a fast wrong answer canno
 
 from __future__ import annotations
 
-import os
 import select
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 
 import msgpack
 import numpy as np
 
 import protocol
+from bench.floors import bridge_env
 from bridge.transports.framed import read_exact, write_all
 
 from .cases import EXPHIL_SEQ, Case
-from .lanes import BenchError
+from .lanes import BenchError, log_tail
 from .measure import MIN_ITERATIONS, percentiles
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 300.0
 # ExPhil's per-step loop and our kernels sum in different orders; f32 results agree to this,
@@ -40,20 +38,17 @@ class PortProcess:
     spoken to one request at a time."""
 
     def __init__(self, command: list[str]):
-        env = dict(os.environ)
-        # So that `python -m bridge` (and the stand-in) resolve from any working directory.
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         self.command = command
         self.log = tempfile.TemporaryFile(mode="w+b")
         try:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=self.log, env=env, bufsize=0)
+                                         stderr=self.log, env=bridge_env(), bufsize=0)
         except OSError as exc:
             self.log.close()
             raise BenchError(f"--baseline: cannot start {shlex.join(command)}: {exc}") from exc
         self.header = memoryview(bytearray(protocol.framing.HEADER_SIZE))
 
-    def exchange(self, parts: list, timeout: float = REPLY_TIMEOUT_S) -> tuple[float, bytes]:
+    def exchange(self, parts: list, timeout: float = REPLY_TIMEOUT_S) -> tuple[float, bytearray]:
         """Send one framed request; (round trip µs, reply body)."""
         start = time.perf_counter_ns()
         try:
@@ -65,17 +60,15 @@ class PortProcess:
             raise BenchError(f"{shlex.join(self.command)}: no reply within {timeout:.0f} s")
         if not read_exact(self.proc.stdout, self.header):
             raise self._gone("exited before replying")
-        body = memoryview(bytearray(protocol.parse_frame_header(self.header)))
-        if not read_exact(self.proc.stdout, body):
+        body = bytearray(protocol.parse_frame_header(self.header))
+        if not read_exact(self.proc.stdout, memoryview(body)):
             raise self._gone("exited in the middle of a reply")
-        return (time.perf_counter_ns() - start) / 1000.0, body.tobytes()
+        return (time.perf_counter_ns() - start) / 1000.0, body
 
     def _gone(self, what: str) -> BenchError:
         self.proc.wait(5)
-        self.log.seek(0)
-        tail = b"".join(deque(self.log, maxlen=15)).decode(errors="replace").rstrip()
         return BenchError(f"{shlex.join(self.command)} {what} (exit status {self.proc.returncode}); "
-                          f"its stderr ends:\n{tail}")
+                          f"its stderr ends:\n{log_tail(self.log)}")
 
     def close(self) -> None:
         self.proc.stdin.close()

@@ -145,6 +145,12 @@ def _unanswered_ping(client) -> str | None:
     return None
 
 
+def log_tail(log, lines: int = 15) -> str:
+    """The last `lines` lines of a server's log file, for an error message."""
+    log.seek(0)
+    return b"".join(deque(log, maxlen=lines)).decode(errors="replace").rstrip()
+
+
 class BenchServer:
     """What the benchmark reads of a server: its `info`, its `lanes`; `close` in subclasses."""
 
@@ -211,9 +217,8 @@ class SpawnedServer(BenchServer):
             raise BenchError(f"the server (python -m bridge {' '.join(args)}) did not start: {exc}; "
                              f"its log ends:\n{tail}") from exc
 
-    def log_tail(self, lines: int = 15) -> str:
-        self.log.seek(0)
-        return b"".join(deque(self.log, maxlen=lines)).decode(errors="replace").rstrip()
+    def log_tail(self) -> str:
+        return log_tail(self.log)
 
     def close(self) -> None:
         for lane in self.lanes:
