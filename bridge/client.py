@@ -23,13 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import protocol
+from bridge.dtypes import NUMPY_DTYPES, WIRE_CODES
 from bridge.transports.framed import read_exact, write_all
-
-NUMPY_DTYPES = {
-    "f32": np.float32, "f16": np.float16, "f64": np.float64,
-    "i32": np.int32, "i64": np.int64, "u8": np.uint8,
-}
-WIRE_CODES = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}
 
 
 class BridgeError(Exception):

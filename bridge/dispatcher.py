@@ -330,8 +330,7 @@ class Dispatcher:
 
     def _send(self, conn, parts, buffers: list | None = None) -> None:
         try:
-            # Only a multipart reply passes buffers (only ZeroMQ connections get one).
-            n = conn.send(parts) if buffers is None else conn.send(parts, buffers)
+            n = conn.send(parts, buffers)  # buffers: a multipart reply's (ZeroMQ only)
         except OSError as exc:
             log.warning("could not reply to %s: %s", getattr(conn, "id", conn), exc)
             return

@@ -9,10 +9,10 @@ import threading
 import time
 from collections import Counter, defaultdict
 
-from .timing import STAGES
+from .timing import STAGE_KEYS
 
 # The timing keys added up per op: each stage's, then the whole server time.
-TOTALLED_KEYS = tuple(f"{stage}_us" for stage in STAGES) + ("server_us",)
+TOTALLED_KEYS = STAGE_KEYS + ("server_us",)
 
 
 class Stats:

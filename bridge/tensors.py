@@ -21,7 +21,7 @@ import torch
 
 from protocol import OutTensor, WireTensor
 
-from .client import NUMPY_DTYPES
+from .dtypes import HOST_DTYPES
 
 TORCH_DTYPES = {
     "f32": torch.float32,
@@ -33,8 +33,6 @@ TORCH_DTYPES = {
     "u8": torch.uint8,
 }
 WIRE_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
-# numpy has no bfloat16: its bytes travel as int16 and are reinterpreted on the torch side.
-HOST_DTYPES = {**NUMPY_DTYPES, "bf16": np.int16}
 
 # Frames are received into buffers we own and never reuse while a request is in flight, so the
 # read-only flag some decoders put on views is no hazard; torch warns about it.

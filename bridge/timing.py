@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 
 STAGES = ("decode", "queue", "h2d", "kernel", "d2h", "encode")
+# Each stage's key in a reply's timing map.
+STAGE_KEYS = tuple(f"{stage}_us" for stage in STAGES)
 
 now_ns = time.perf_counter_ns
 
@@ -30,7 +32,7 @@ class Timing:
     def as_reply(self) -> dict:
         """The `timing` map of a reply; server_us is measured now, so call this last."""
         server_ns = now_ns() - self.received_ns
-        reply = {f"{stage}_us": ns / 1000.0 for stage, ns in self.stages_ns.items()}
+        reply = {key: ns / 1000.0 for key, ns in zip(STAGE_KEYS, self.stages_ns.values())}
         reply["server_us"] = server_ns / 1000.0
         reply.update(self.extra)
         return reply

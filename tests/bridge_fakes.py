@@ -28,7 +28,7 @@ class RecordingConnection(Connection):
         self._replies: dict = {}
         self._arrived = threading.Condition()
 
-    def send(self, parts: list) -> int:
+    def send(self, parts: list, buffers: list | None = None) -> int:
         body = b"".join(parts)
         reply = protocol.decode_reply(body)
         with self._arrived:

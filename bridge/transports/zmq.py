@@ -330,10 +330,8 @@ class ZmqTransport:
             if size > self.max_frame_size:
                 self.dispatcher.on_frame_error(peer, protocol.FrameTooLarge(size, self.max_frame_size),
                                                received_ns)
-            elif buffers:
+            else:
                 self.dispatcher.on_frame(peer, body, received_ns, buffers=buffers)
-            else:  # as every other transport calls it
-                self.dispatcher.on_frame(peer, body, received_ns)
         except Exception:
             log.exception("%s: dispatching a request failed", peer.id)
             self._answered(peer)
