@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -29,8 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels backend by name (reference, torch, cpu, triton); default: the best for the device")
     p.add_argument("--max-frame-size", type=_positive, default=protocol.DEFAULT_MAX_FRAME_SIZE,
                    help="largest request frame in bytes; bigger frames are drained and answered with frame_too_large")
-    p.add_argument("--max-pending", type=_positive, default=4096,
-                   help="requests in flight before new ones are answered with overloaded")
     p.add_argument("--log-level", default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"))
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
                    help="compile the kernels for this shape bucket before serving (repeatable); OPTS "
@@ -42,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .server import ServerConfig
 
     defaults = ServerConfig()
+    p.add_argument("--max-pending", type=_positive, default=defaults.max_pending,
+                   help="requests in flight before new ones are answered with overloaded")
     p.add_argument("--max-delay-us", type=_count, default=defaults.max_delay_us,
                    help="how long a batch of step/scan requests may wait for more after its first "
                         "arrived, in microseconds; it waits only for as many as recently came together "
@@ -183,11 +184,8 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     except DeviceUnavailable as exc:
         log.error("%s", exc)
         return 2
-    config = ServerConfig(device=args.device, backend=args.backend,
-                          max_frame_size=args.max_frame_size, max_pending=args.max_pending,
-                          max_delay_us=args.max_delay_us, max_batch=args.max_batch,
-                          max_sessions=args.max_sessions, max_pool_bytes=args.max_pool_bytes,
-                          max_handles=args.max_handles, max_handle_bytes=args.max_handle_bytes)
+    # Every ServerConfig field is an option of the same name.
+    config = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
     try:
         server = Server(config, device)
     except Exception as exc:  # e.g. --backend naming an unavailable backend
@@ -203,7 +201,7 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
             return 2
         log.info("warmed up %d kernels for %d shape buckets (backend %s)", len(server.compiled),
                  len(args.warmup), server.backend)
-    dispatcher = Dispatcher(server, HANDLERS, LEGACY_HANDLERS, max_pending=config.max_pending)
+    dispatcher = Dispatcher(server, HANDLERS, LEGACY_HANDLERS)
 
     try:
         lanes = open_lanes(args, dispatcher)

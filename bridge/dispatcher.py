@@ -61,11 +61,11 @@ _STOP = object()
 
 
 class Dispatcher:
-    def __init__(self, server, handlers: dict, legacy_handlers: dict, *, max_pending: int = 4096):
+    def __init__(self, server, handlers: dict, legacy_handlers: dict):
         self.server = server
         self.handlers = handlers
         self.legacy_handlers = legacy_handlers
-        self.max_pending = max_pending
+        self.max_pending = server.config.max_pending
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._pending_lock = threading.Lock()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,10 @@ class ServerConfig:
     max_pool_bytes: int = 1 << 30
     max_handles: int = 4096
     max_handle_bytes: int = 1 << 30
+
+
+# The limits `info` reports: every max_* setting.
+LIMITS = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name.startswith("max_"))
 
 
 class Server:

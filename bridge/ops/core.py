@@ -12,6 +12,7 @@ import kernels
 import protocol
 
 from .. import __version__
+from ..server import LIMITS
 
 
 def ping(server, call) -> dict:
@@ -50,9 +51,7 @@ def info(server, call) -> dict:
             "compiled": list(server.compiled),
         },
         "transports": list(server.transports),
-        "limits": {name: getattr(server.config, name) for name in (
-            "max_frame_size", "max_pending", "max_delay_us", "max_batch", "max_sessions",
-            "max_pool_bytes", "max_handles", "max_handle_bytes")},
+        "limits": {name: getattr(server.config, name) for name in LIMITS},
         "pid": os.getpid(),
         "platform": sys.platform,
     }
