@@ -15,7 +15,6 @@ import kernels
 import protocol
 
 from .device import DeviceChoice
-from .errors import OpError
 from .handles import HandleTable
 from .sessions import Session, SessionTable
 from .stats import Stats
@@ -71,10 +70,11 @@ class Server:
         self._watched: set[str] = set()  # ids of connections whose close frees what they own
         self._watched_lock = threading.Lock()
 
-    def tensor(self, call, name: str, *, required: bool = True) -> torch.Tensor | None:
-        """The request argument `name` as a tensor on the server's device; h2d time is
+    def tensor(self, call, name: str) -> torch.Tensor | None:
+        """The request argument `name` as a tensor on the server's device (None when absent:
+        protocol.OPS has already refused a request missing a required one); h2d time is
         charged to the call."""
-        value = self.tensor_arg(call, name, required=required)
+        value = self.tensor_arg(call, name)
         if not isinstance(value, protocol.WireTensor):
             return value
         start = now_ns()
@@ -82,15 +82,11 @@ class Server:
         call.timing.add("h2d", now_ns() - start)
         return tensor
 
-    def tensor_arg(self, call, name: str, *, required: bool = True) -> protocol.WireTensor | torch.Tensor | None:
+    def tensor_arg(self, call, name: str) -> protocol.WireTensor | torch.Tensor | None:
         """The request argument `name` as it came: wire bytes not yet made a tensor, or a
-        handle's tensor. Batched ops join members' bytes first and make one tensor of them."""
+        handle's tensor (None when absent). Batched ops join members' bytes first and make one
+        tensor of them."""
         value = call.args.get(name)
-        if value is None:
-            if required:
-                raise OpError("missing_argument", f"args.{name}: expected a tensor, got nothing",
-                              {"field": f"args.{name}", "expected": "a tensor", "got": None})
-            return None
         if isinstance(value, protocol.HandleRef):
             return self.resolve_handle(call.conn, value.handle, f"args.{name}")
         return value

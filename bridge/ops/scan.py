@@ -15,7 +15,6 @@ from ..timing import now_ns
 from .sessions import check_rows
 
 ROW_ARGS = ("x", "dt", "B", "C", "z", "h0")
-REQUIRED = ("x", "dt", "A", "B", "C")
 SHARED_ARGS = ("A", "D", "dt_bias")
 # A request whose x is bigger runs alone: stacking it with others copies every input once more,
 # which costs more than the launch it would save (see SPEC, "Batching").
@@ -59,13 +58,13 @@ class ScanOp(BatchedOp):
                               "args.h0: expected no h0 with a session (the session's state is the "
                               "initial state), got a tensor",
                               {"field": "args.h0", "expected": "nothing", "got": "a tensor"})
-        own = {name: server.tensor_arg(call, name, required=name in REQUIRED) for name in ROW_ARGS if name != "h0"}
-        shared = {name: server.tensor(call, name, required=name in REQUIRED) for name in SHARED_ARGS}
+        own = {name: server.tensor_arg(call, name) for name in ROW_ARGS if name != "h0"}
+        shared = {name: server.tensor(call, name) for name in SHARED_ARGS}
         if session is not None:
             _check_session_dims(session, own["x"], shared["A"], layout)
             h0_signature = (session.pool.rows.dtype, (session.dim, session.state))
         else:
-            own["h0"] = server.tensor_arg(call, "h0", required=False)
+            own["h0"] = server.tensor_arg(call, "h0")
             h0_signature = row_signature(own["h0"])
         x = own["x"]
         key = None

@@ -13,10 +13,8 @@ from ..timing import now_ns
 
 # Arguments with one row per session row, stacked when steps share a launch.
 ROW_ARGS = ("x", "dt", "B", "C", "z")
-OPTIONAL_ROW_ARGS = ("z",)
 # Arguments every step of a launch must share (same handle or equal values).
 SHARED_ARGS = ("A", "D", "dt_bias")
-OPTIONAL_SHARED_ARGS = ("D", "dt_bias")
 
 
 def session_open(server, call) -> dict:
@@ -66,9 +64,8 @@ class StepOp(BatchedOp):
     def prepare(self, server, call) -> Item:
         args = call.args
         session = server.session(call.conn, args["session"], "args.session")
-        own = {name: server.tensor_arg(call, name, required=name not in OPTIONAL_ROW_ARGS) for name in ROW_ARGS}
-        shared = {name: server.tensor(call, name, required=name not in OPTIONAL_SHARED_ARGS)
-                  for name in SHARED_ARGS}
+        own = {name: server.tensor_arg(call, name) for name in ROW_ARGS}
+        shared = {name: server.tensor(call, name) for name in SHARED_ARGS}
         check_rows(session, own)
         key = ("step", id(session.pool), session.dim, session.state,
                *(row_signature(t) for t in own.values()), *(signature(t) for t in shared.values()),
