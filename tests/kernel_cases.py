@@ -8,10 +8,13 @@ float64, so a backend is never checked against itself.
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass
 
 import pytest
 import torch
+
+import kernels
 
 # Per-dtype tolerances (rtol, atol) against the float64 reference, as in mamba_ssm's tests:
 # fp32 3e-4 / 1e-3, fp16 5e-3 / 1e-2, bf16 1e-2 / 5e-2.
@@ -213,3 +216,63 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 def with_option(case, **changes):
     return dataclasses.replace(case, **changes)
+
+
+# -- what every backend's tests share ---------------------------------------------------------
+
+DTYPES = [
+    pytest.param(torch.float32, id="f32"),
+    pytest.param(torch.float16, id="f16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float64, id="f64"),
+]
+
+
+def random_seed() -> int:
+    """A fresh seed per test (printed in failure messages, so a failure can be replayed)."""
+    return random.randrange(2**31)
+
+
+def state_dtype(dtype):
+    """The dtype the state is kept and accumulated in: fp32 for every input dtype but float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def state_tolerance(dtype):
+    return TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
+
+
+def check_scan(backend: str, case, dtype, seed: int, what: str) -> None:
+    """kernels.selective_scan on `backend` against the float64 reference: y (shape and dtype
+    too) and, with return_state, the state."""
+    inputs = make_scan_inputs(case, dtype, seed=seed)
+    y_ref, state_ref = reference_scan(inputs)
+    out = kernels.selective_scan(**inputs, backend=backend)
+    y, state = out if case.return_state else (out, None)
+    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
+    assert_close(y, y_ref, dtype, f"{what} y")
+    if case.return_state:
+        assert state.dtype == state_dtype(dtype), f"{what}: state dtype {state.dtype}"
+        assert_close(state, state_ref, dtype, f"{what} state", state_tolerance(dtype))
+
+
+def check_state_update(backend: str, case, dtype, seed: int, what: str) -> None:
+    """kernels.selective_state_update on `backend` against the float64 reference: y, padding
+    rows' y zero, the live slots' state rows updated and every other pool row untouched."""
+    inputs = make_update_inputs(case, dtype, seed=seed)
+    y_ref, state_ref = reference_update(inputs)
+    before = inputs["state"].clone()
+    y = kernels.selective_state_update(**inputs, backend=backend)
+    state = inputs["state"]
+    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
+    assert_close(y, y_ref, dtype, f"{what} y")
+    slots = inputs.get("slots")
+    live = torch.ones(case.batch, dtype=torch.bool) if slots is None else slots >= 0
+    if slots is not None:
+        padding = ~live
+        assert torch.equal(y[padding], torch.zeros_like(y[padding])), f"{what}: padding rows' y not 0"
+    touched = torch.zeros(state.shape[0], dtype=torch.bool)
+    touched[torch.arange(case.batch) if slots is None else slots[live]] = True
+    # The pool is fp32 for every input dtype (make_update_inputs), so fp32 tolerances.
+    assert_close(state[touched], state_ref[touched], dtype, f"{what} updated rows", STATE_TOLERANCE)
+    assert torch.equal(state[~touched], before[~touched]), f"{what}: rows outside the live slots changed"

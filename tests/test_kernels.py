@@ -7,15 +7,15 @@ Inputs are fresh random draws each run; the seed is in every failure message.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 import kernels
 from kernel_cases import (
-    LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, TOLERANCES, UPDATE_CASES, ScanCase, UpdateCase,
-    assert_close, make_scan_inputs, make_update_inputs, reference_scan, reference_update,
+    DTYPES, LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, UPDATE_CASES, ScanCase, UpdateCase,
+    assert_close, check_scan, check_state_update, make_scan_inputs, make_update_inputs,
+    random_seed, reference_scan, reference_update,
 )
 
 
@@ -33,80 +33,29 @@ def _cpu_backends() -> list[str]:
 
 
 BACKENDS = [pytest.param(name, id=name) for name in _cpu_backends()]
-DTYPES = [
-    pytest.param(torch.float32, id="f32"),
-    pytest.param(torch.float16, id="f16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float64, id="f64"),
-]
-
-
-def _seed() -> int:
-    return random.randrange(2**31)
-
-
-def _state_tolerance(dtype):
-    # The state is fp32 for every input dtype but float64 (then fp64).
-    return TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
-
-
-def _state_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check_scan(backend, case, dtype, seed, what):
-    inputs = make_scan_inputs(case, dtype, seed=seed)
-    y_ref, state_ref = reference_scan(inputs)
-    out = kernels.selective_scan(**inputs, backend=backend)
-    y, state = out if case.return_state else (out, None)
-    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
-    assert_close(y, y_ref, dtype, f"{what} y")
-    if case.return_state:
-        assert state.dtype == _state_dtype(dtype), f"{what}: state dtype {state.dtype}"
-        assert_close(state, state_ref, dtype, f"{what} state", _state_tolerance(dtype))
-
-
 # --- scan and state update against the float64 reference ------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", SCAN_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scan_matches_reference(backend, case, dtype):
-    seed = _seed()
-    _check_scan(backend, case, dtype, seed, f"{backend} seed={seed}")
+    seed = random_seed()
+    check_scan(backend, case, dtype, seed, f"{backend} seed={seed}")
 
 
 @pytest.mark.parametrize("case", LARGE_SCAN_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_scan_matches_reference(backend, case):
-    seed = _seed()
-    _check_scan(backend, case, torch.float32, seed, f"{backend} seed={seed}")
+    seed = random_seed()
+    check_scan(backend, case, torch.float32, seed, f"{backend} seed={seed}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", UPDATE_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_update_matches_reference(backend, case, dtype):
-    seed = _seed()
-    what = f"{backend} seed={seed}"
-    inputs = make_update_inputs(case, dtype, seed=seed)
-    y_ref, state_ref = reference_update(inputs)
-    before = inputs["state"].clone()
-    y = kernels.selective_state_update(**inputs, backend=backend)
-    state = inputs["state"]
-
-    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
-    assert_close(y, y_ref, dtype, f"{what} y")
-    slots = inputs.get("slots")
-    live = torch.ones(case.batch, dtype=torch.bool) if slots is None else slots >= 0
-    if slots is not None:
-        padding = ~live
-        assert torch.equal(y[padding], torch.zeros_like(y[padding])), f"{what}: padding rows' y not 0"
-    touched = torch.zeros(state.shape[0], dtype=torch.bool)
-    touched[torch.arange(case.batch) if slots is None else slots[live]] = True
-    # The pool is fp32 for every input dtype (make_update_inputs), so fp32 tolerances.
-    assert_close(state[touched], state_ref[touched], dtype, f"{what} updated rows", STATE_TOLERANCE)
-    assert torch.equal(state[~touched], before[~touched]), f"{what}: rows outside the live slots changed"
+    seed = random_seed()
+    check_state_update(backend, case, dtype, seed, f"{backend} seed={seed}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,7 +63,7 @@ def test_long_strong_decay_stays_finite(backend):
     """Decays of e^-3000 and below over the sequence: a formulation that takes exp of positive
     cumulative sums overflows here; the true state only keeps the latest inputs."""
     case = ScanCase(1, 3001, 8, 4, D=True, dt_bias=True, dt_softplus=True)
-    seed = _seed()
+    seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
     inputs["dt_bias"] = inputs["dt_bias"] + 10.0  # softplus(dt) ~ 10 with A in [-2, -0.1]
@@ -148,7 +97,7 @@ CHAIN_CASES = [
 @pytest.mark.parametrize("case,split", CHAIN_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scan_in_two_calls_equals_one(backend, case, split):
-    seed = _seed()
+    seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
     y_full, state_full = kernels.selective_scan(**inputs, backend=backend)
@@ -165,7 +114,7 @@ def test_scan_in_two_calls_equals_one(backend, case, split):
 def test_prefill_then_state_updates_equals_one_scan(backend, steps):
     case = ScanCase(3, 19, 12, 5, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
                     clamp=True, h0=True)
-    seed = _seed()
+    seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
     y_full, state_full = kernels.selective_scan(**inputs, backend=backend)
@@ -204,7 +153,7 @@ STRIDED_SCAN_CASES = [
 @pytest.mark.parametrize("case", STRIDED_SCAN_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scan_strided_inputs(backend, case, restride):
-    seed = _seed()
+    seed = random_seed()
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
     y_ref, state_ref = kernels.selective_scan(**inputs, backend=backend)
     strided = {k: restride(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -218,7 +167,7 @@ def test_scan_strided_inputs(backend, case, restride):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_update_strided_inputs_and_state(backend, restride):
     case = UpdateCase(5, 12, 4, groups=2, pool=8, padding_rows=2, D=True, z=True, dt_bias=True)
-    seed = _seed()
+    seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_update_inputs(case, torch.float32, seed=seed)
     y_ref, state_ref = reference_update(inputs)
@@ -237,7 +186,7 @@ def test_state_update_strided_inputs_and_state(backend, restride):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_update_int32_slots(backend):
     case = UpdateCase(6, 10, 3, pool=9, padding_rows=2, D=True)
-    seed = _seed()
+    seed = random_seed()
     inputs = make_update_inputs(case, torch.float32, seed=seed)
     y_ref, state_ref = reference_update(inputs)
     inputs["slots"] = inputs["slots"].to(torch.int32)
@@ -250,7 +199,7 @@ def test_state_update_int32_slots(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_update_all_padding_rows_touch_nothing(backend):
     case = UpdateCase(4, 10, 3, pool=6, padding_rows=4, D=True, z=True)
-    inputs = make_update_inputs(case, torch.float32, seed=_seed())
+    inputs = make_update_inputs(case, torch.float32, seed=random_seed())
     before = inputs["state"].clone()
     y = kernels.selective_state_update(**inputs, backend=backend)
     assert torch.equal(y, torch.zeros(4, 10))
@@ -275,15 +224,15 @@ def test_torch_backend_blocks_agree_with_reference(monkeypatch, block_bytes, lay
     monkeypatch.setattr(eager, "_BLOCK_BYTES", block_bytes)
     case = ScanCase(2, 10, 12, 4, groups=2, layout=layout, D=True, z=True, dt_bias=True,
                     dt_softplus=True, h0=True)
-    seed = _seed()
-    _check_scan("torch", case, torch.float32, seed, f"torch block_bytes={block_bytes} seed={seed}")
+    seed = random_seed()
+    check_scan("torch", case, torch.float32, seed, f"torch block_bytes={block_bytes} seed={seed}")
 
 
 # --- validation -----------------------------------------------------------------------------
 
 def _scan_base() -> dict:
     case = ScanCase(2, 5, 6, 3, groups=2, D=True, z=True, dt_bias=True, h0=True)
-    return make_scan_inputs(case, torch.float32, seed=_seed())
+    return make_scan_inputs(case, torch.float32, seed=random_seed())
 
 
 def _with(**changes):
@@ -328,7 +277,7 @@ def test_scan_rejects_malformed_arguments(backend, change, field, got):
 
 def _update_base() -> dict:
     case = UpdateCase(3, 6, 3, groups=2, pool=5, padding_rows=1, D=True, z=True, dt_bias=True)
-    return make_update_inputs(case, torch.float32, seed=_seed())
+    return make_update_inputs(case, torch.float32, seed=random_seed())
 
 
 UPDATE_ERRORS = [

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import random
 import subprocess
 import sys
 import threading
@@ -32,8 +31,9 @@ import torch
 import kernels
 from kernels import _args
 from kernel_cases import (
-    STATE_TOLERANCE, TOLERANCES, ScanCase, UpdateCase, assert_close, make_scan_inputs,
-    make_update_inputs, reference_scan, reference_update,
+    DTYPES, STATE_TOLERANCE, TOLERANCES, ScanCase, UpdateCase, assert_close, check_scan,
+    check_state_update, make_scan_inputs, make_update_inputs, random_seed, reference_scan,
+    reference_update,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,13 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if "cpu" not in kernels.available_backends():
     pytest.skip(f"cpu backend unavailable: {kernels.unavailable_backends().get('cpu')}",
                 allow_module_level=True)
-
-DTYPES = [
-    pytest.param(torch.float32, id="f32"),
-    pytest.param(torch.float16, id="f16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float64, id="f64"),
-]
 
 ALL = dict(D=True, z=True, dt_bias=True, dt_softplus=True, clamp=True, h0=True)
 
@@ -75,14 +68,6 @@ UPDATE_CASES = [
 ]
 
 
-def _seed() -> int:
-    return random.randrange(2**31)
-
-
-def _state_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _scan(inputs, **overrides):
     return kernels.selective_scan(**{**inputs, **overrides}, backend="cpu")
 
@@ -99,48 +84,21 @@ def restore_threads():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", SCAN_CASES)
 def test_scan_matches_reference(case, dtype):
-    seed = _seed()
-    what = f"cpu seed={seed}"
-    inputs = make_scan_inputs(case, dtype, seed=seed)
-    y_ref, state_ref = reference_scan(inputs)
-    out = _scan(inputs)
-    y, state = out if case.return_state else (out, None)
-    assert y.dtype == dtype and y.shape == inputs["x"].shape, f"{what}: y {y.dtype} {tuple(y.shape)}"
-    assert_close(y, y_ref, dtype, f"{what} y")
-    if case.return_state:
-        assert state.dtype == _state_dtype(dtype), f"{what}: state dtype {state.dtype}"
-        tolerance = TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
-        assert_close(state, state_ref, dtype, f"{what} state", tolerance)
+    seed = random_seed()
+    check_scan("cpu", case, dtype, seed, f"cpu seed={seed}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", UPDATE_CASES)
 def test_state_update_matches_reference(case, dtype):
-    seed = _seed()
-    what = f"cpu seed={seed}"
-    inputs = make_update_inputs(case, dtype, seed=seed)
-    y_ref, state_ref = reference_update(inputs)
-    before = inputs["state"].clone()
-    y = kernels.selective_state_update(**inputs, backend="cpu")
-    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}"
-    assert_close(y, y_ref, dtype, f"{what} y")
-    slots = inputs.get("slots")
-    if slots is None:
-        touched = torch.ones(case.batch, dtype=torch.bool)
-    else:
-        live = slots >= 0
-        assert torch.equal(y[~live], torch.zeros_like(y[~live])), f"{what}: padding rows' y not 0"
-        touched = torch.zeros(inputs["state"].shape[0], dtype=torch.bool)
-        touched[slots[live]] = True
-    state = inputs["state"]
-    assert_close(state[touched], state_ref[touched], dtype, f"{what} state", STATE_TOLERANCE)
-    assert torch.equal(state[~touched], before[~touched]), f"{what}: untouched pool rows changed"
+    seed = random_seed()
+    check_state_update("cpu", case, dtype, seed, f"cpu seed={seed}")
 
 
 @pytest.mark.parametrize("case", UPDATE_CASES)
 def test_state_update_in_a_float64_pool(case):
     """float64 inputs and pool: fp64 math and state, updated in place."""
-    seed = _seed()
+    seed = random_seed()
     inputs = make_update_inputs(case, torch.float64, seed=seed)
     inputs["state"] = inputs["state"].to(torch.float64)
     y_ref, state_ref = reference_update(inputs)
@@ -153,7 +111,7 @@ def test_state_update_in_a_float64_pool(case):
 def test_mixed_input_dtypes():
     """Each tensor is read in its own dtype: bf16 x, fp16 B/C, fp64 A, fp32 rest."""
     case = ScanCase(2, 40, 36, 16, groups=2, **ALL)
-    seed = _seed()
+    seed = random_seed()
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
     mixed = {**inputs, "x": inputs["x"].bfloat16(), "B": inputs["B"].half(), "C": inputs["C"].half(),
              "A": inputs["A"].double()}
@@ -172,7 +130,7 @@ def test_mixed_input_dtypes():
 @pytest.mark.parametrize("layout", ["bld", "bdl"])
 def test_scan_threads_give_identical_results(restore_threads, threads, layout):
     case = ScanCase(5, 70, 88, 16, groups=2, layout=layout, **ALL)
-    inputs = make_scan_inputs(case, torch.float32, seed=_seed())
+    inputs = make_scan_inputs(case, torch.float32, seed=random_seed())
     torch.set_num_threads(1)
     y1, state1 = _scan(inputs)
     torch.set_num_threads(threads)
@@ -184,7 +142,7 @@ def test_scan_threads_give_identical_results(restore_threads, threads, layout):
 def test_state_update_threads_give_identical_results(restore_threads, threads):
     case = UpdateCase(37, 200, 16, groups=2, pool=45, padding_rows=5, D=True, z=True,
                       dt_bias=True, dt_softplus=True)
-    inputs = make_update_inputs(case, torch.float32, seed=_seed())
+    inputs = make_update_inputs(case, torch.float32, seed=random_seed())
     state = inputs["state"]
     results = []
     for n in (1, threads):
@@ -200,7 +158,7 @@ def test_concurrent_calls_from_python_threads():
     """The GIL is released while a kernel runs: calls from several threads at once must not
     share any scratch."""
     cases = [ScanCase(3, 50, 40, 16, **ALL), ScanCase(2, 45, 24, 8, layout="bdl", D=True, h0=True)]
-    inputs = [make_scan_inputs(c, torch.float32, seed=_seed()) for c in cases]
+    inputs = [make_scan_inputs(c, torch.float32, seed=random_seed()) for c in cases]
     expected = [_scan(i) for i in inputs]
     errors = []
 
@@ -224,7 +182,7 @@ def test_forked_child_computes_without_the_parents_helpers(restore_threads):
     threads and must neither wait for them nor deadlock."""
     torch.set_num_threads(2)
     case = ScanCase(3, 50, 64, 16, **ALL)
-    inputs = make_scan_inputs(case, torch.float32, seed=_seed())
+    inputs = make_scan_inputs(case, torch.float32, seed=random_seed())
     expected = _scan(inputs)  # starts the helper pool in this process
     pid = os.fork()
     if pid == 0:  # the child: exit status 0 if it computes the same result
@@ -264,7 +222,7 @@ def _at_odd_offset(t: torch.Tensor, keep: list) -> torch.Tensor:
 @pytest.mark.parametrize("layout", ["bld", "bdl"])
 def test_scan_inputs_at_odd_byte_offsets(dtype, layout):
     case = ScanCase(2, 45, 40, 16, groups=2, layout=layout, **ALL)
-    seed = _seed()
+    seed = random_seed()
     inputs = make_scan_inputs(case, dtype, seed=seed)
     keep = []
     odd = {k: _at_odd_offset(v, keep) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -278,7 +236,7 @@ def test_scan_inputs_at_odd_byte_offsets(dtype, layout):
 @pytest.mark.parametrize("state_size", [pytest.param(16, id="in-place-path"), pytest.param(12, id="copy-path")])
 def test_state_update_pool_at_odd_byte_offset(state_size):
     case = UpdateCase(6, 48, state_size, pool=9, padding_rows=2, D=True, z=True, dt_bias=True)
-    seed = _seed()
+    seed = random_seed()
     inputs = make_update_inputs(case, torch.float32, seed=seed)
     y_ref, state_ref = reference_update(inputs)
     keep = []
@@ -369,7 +327,7 @@ def test_portable_build_without_avx512(tmp_path, monkeypatch):
     backend = backend_from(build.load_extension())
     assert backend.details["simd"].startswith("avx2"), backend.details
     assert Path(backend.details["library"]).is_relative_to(tmp_path), backend.details
-    seed = _seed()
+    seed = random_seed()
     for case, dtype in ((ScanCase(2, 65, 48, 16, layout="bdl", **ALL), torch.float32),
                         (ScanCase(2, 33, 40, 24, groups=2, **ALL), torch.float16),
                         (ScanCase(2, 1, 40, 16, groups=2, **ALL), torch.float32)):

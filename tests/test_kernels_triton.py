@@ -15,7 +15,6 @@ every failure message.
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -26,8 +25,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, TOLERANCES, UPDATE_CASES, ScanCase, UpdateCase,
-    assert_close, make_scan_inputs, make_update_inputs, reference_scan, reference_update,
+    LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
+    make_scan_inputs, make_update_inputs, random_seed, reference_scan,
+    reference_update, state_dtype, state_tolerance,
 )
 from kernels import _args  # noqa: E402
 from kernels._registry import get_backend  # noqa: E402
@@ -62,23 +62,11 @@ def _scan_split_params():
     return params
 
 
-def _seed() -> int:
-    return random.randrange(2**31)
-
-
 def _backend(device: str):
     try:
         return get_backend("triton", device)
     except kernels.BackendUnavailable as exc:
         pytest.skip(f"the triton backend does not serve {device} tensors here: {exc}")
-
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _state_tolerance(dtype):
-    return TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
 
 
 def _poisoned(shape, dtype, device):
@@ -90,13 +78,13 @@ def _run_scan(inputs: dict, blocks=None, segment_len=None):
     args = _args.check_scan(**inputs)
     d = args.dims
     y = _poisoned(args.x.shape, args.x.dtype, args.x.device)
-    state = _poisoned((d.batch, d.dim, d.state), _acc(args.x.dtype), args.x.device) if args.return_state else None
+    state = _poisoned((d.batch, d.dim, d.state), state_dtype(args.x.dtype), args.x.device) if args.return_state else None
     return triton_scan.selective_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
                                       out=y, state_out=state, blocks=blocks, segment_len=segment_len)
 
 
 def _check_scan(case: ScanCase, dtype, device, blocks=None, segment_len=None, what=""):
-    seed = _seed()
+    seed = random_seed()
     inputs = make_scan_inputs(case, dtype, device, seed=seed)
     y, state = _run_scan(inputs, blocks, segment_len)
     y_ref, state_ref = reference_scan(inputs)
@@ -104,8 +92,8 @@ def _check_scan(case: ScanCase, dtype, device, blocks=None, segment_len=None, wh
     assert y.dtype == dtype
     assert_close(y, y_ref, dtype, f"y {label}")
     if case.return_state:
-        assert state.dtype == _acc(dtype)
-        assert_close(state, state_ref, dtype, f"state {label}", tolerance=_state_tolerance(dtype))
+        assert state.dtype == state_dtype(dtype)
+        assert_close(state, state_ref, dtype, f"state {label}", tolerance=state_tolerance(dtype))
     else:
         assert state is None
 
@@ -183,7 +171,7 @@ def test_scan_reads_strided_views(device):
     """Non-contiguous views of larger buffers, and a non-contiguous y: the kernels follow
     strides (nothing is made contiguous) and write only y's elements."""
     _backend(device)
-    seed = _seed()
+    seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
     b, l, d, n, g = 2, 10, 6, 3, 2
 
@@ -213,7 +201,7 @@ def test_scan_reads_strided_views(device):
 def test_scan_through_public_api(device):
     """`kernels.selective_scan(..., backend="triton")` reaches these kernels (3-D B/C included)."""
     _backend(device)
-    seed = _seed()
+    seed = random_seed()
     inputs = make_scan_inputs(ScanCase(2, 7, 5, 3, bc_3d=True, D=True), torch.float32, device, seed=seed)
     y, state = kernels.selective_scan(**inputs, backend="triton")
     y_ref, state_ref = reference_scan(inputs)
@@ -229,7 +217,7 @@ def _run_update(inputs: dict, blocks=None):
 
 
 def _check_update(case: UpdateCase, dtype, device, blocks=None):
-    seed = _seed()
+    seed = random_seed()
     inputs = make_update_inputs(case, dtype, device, seed=seed)
     before = inputs["state"].clone()
     y_ref, state_ref = reference_update(inputs)
@@ -284,7 +272,7 @@ def test_state_update_real_sizes_on_gpu(case, dtype):
 def test_scan_then_steps_continue_the_sequence(device):
     """A scan's final state fed to state updates gives the same y as one longer scan."""
     _backend(device)
-    seed = _seed()
+    seed = random_seed()
     case = ScanCase(2, 9, 6, 4, D=True, z=True, dt_bias=True, dt_softplus=True)
     inputs = make_scan_inputs(case, torch.float32, device, seed=seed)
     y_ref, _ = reference_scan(inputs)
@@ -347,7 +335,7 @@ def test_warmup_rejects_bad_buckets(shape, field):
 def test_launcher_rejects_a_wrong_out_tensor():
     device = "cpu" if not CUDA else "cuda"
     _backend(device)
-    args = _args.check_scan(**make_scan_inputs(ScanCase(1, 3, 2, 2), torch.float32, device, seed=_seed()))
+    args = _args.check_scan(**make_scan_inputs(ScanCase(1, 3, 2, 2), torch.float32, device, seed=random_seed()))
     with pytest.raises(kernels.KernelInputError) as info:
         triton_scan.selective_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
                                    out=torch.empty(1, 3, 3, device=device))

@@ -2,10 +2,11 @@
 // (no copies, both layouts), outputs allocated here, and the work items shared between the
 // calling thread and helper threads (helper_pool.h), as many in all as torch.get_num_threads().
 // The GIL is released while the kernel runs. Arguments arrive validated by kernels._args; the
-// checks here only guard the memory safety of a direct call.
+// checks here cover ranks, dtypes and devices only (sizes are trusted from kernels._args, so a
+// direct call with mismatched sizes reads out of bounds).
 //
-// Only the light ATen headers are included (not torch/extension.h): this file compiles in ~7 s
-// instead of ~35 s.
+// Only the light ATen headers are included (not torch/extension.h), which keeps this file's
+// compile short.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,8 +28,8 @@ using scan_bridge::Strided;
 
 namespace {
 
-// State-element updates below which a call stays on the calling thread: waking a second core
-// costs ~20 us on the 2-core development machine, about what 64k updates take on one core.
+// State-element updates below which a call stays on the calling thread: about as long on one
+// core as waking a second one takes (an estimate from development, not a recorded benchmark).
 constexpr int64_t kMinWorkPerThread = 1 << 16;
 
 DType dtype_of(const at::Tensor& t, const char* name) {
@@ -59,14 +60,6 @@ Strided strided(const std::optional<at::Tensor>& t, const char* name, const std:
   return t.has_value() ? strided(*t, name, axes) : Strided{};
 }
 
-void set_dt_options(ScanProblem& p, bool dt_softplus, std::optional<double> dt_min,
-                    std::optional<double> dt_max) {
-  p.dt_softplus = dt_softplus;
-  p.has_dt_min = dt_min.has_value();
-  p.has_dt_max = dt_max.has_value();
-  p.dt_min = dt_min.value_or(0.0);
-  p.dt_max = dt_max.value_or(0.0);
-}
 
 // The items go through a queue in ranges of about 1/kRangesPerThread of a thread's share, to
 // the calling thread and to as many helpers as have kMinWorkPerThread each to do, up to
@@ -80,6 +73,37 @@ void run(const ScanProblem& p) {
   scan_bridge::WorkQueue queue(items, std::max<int64_t>(1, items / (threads * kRangesPerThread)));
   scan_bridge::HelperPool::shared().run(static_cast<int>(threads - 1),
                                         [&] { scan_bridge::run_items(p, queue); });
+}
+
+// What both entry points fill alike: the sizes and the operands x, dt, z (read as batch,
+// time, channel through `btd`), B, C (batch, time, group, state through `btgn`), A, D,
+// dt_bias, and the dt options. A -1 time axis is a broadcast axis of length 1.
+ScanProblem problem_from(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                         const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
+                         const std::optional<at::Tensor>& z, const std::optional<at::Tensor>& dt_bias,
+                         bool dt_softplus, std::optional<double> dt_min, std::optional<double> dt_max,
+                         const std::array<int, 3>& btd, const std::array<int, 4>& btgn) {
+  ScanProblem p;
+  p.batch = x.size(0);
+  p.seq = btd[1] < 0 ? 1 : x.size(btd[1]);
+  p.dim = x.size(btd[2]);
+  p.state = A.size(1);
+  p.groups = B.size(btgn[2]);
+  p.x = strided(x, "x", btd);
+  p.dt = strided(dt, "dt", btd);
+  p.z = strided(z, "z", btd);
+  p.B = strided(B, "B", btgn);
+  p.C = strided(C, "C", btgn);
+  p.A = strided(A, "A", std::array<int, 2>{0, 1});
+  p.D = strided(D, "D", std::array<int, 1>{0});
+  p.dt_bias = strided(dt_bias, "dt_bias", std::array<int, 1>{0});
+  p.dt_softplus = dt_softplus;
+  p.has_dt_min = dt_min.has_value();
+  p.has_dt_max = dt_max.has_value();
+  p.dt_min = dt_min.value_or(0.0);
+  p.dt_max = dt_max.value_or(0.0);
+  p.compute_f64 = x.scalar_type() == at::kDouble;
+  return p;
 }
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> scan(
@@ -96,23 +120,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> scan(
   const std::array<int, 3> btd = bdl ? std::array<int, 3>{0, 2, 1} : std::array<int, 3>{0, 1, 2};
   const std::array<int, 4> btgn = bdl ? std::array<int, 4>{0, 3, 1, 2} : std::array<int, 4>{0, 1, 2, 3};
 
-  ScanProblem p;
-  p.batch = x.size(0);
-  p.seq = x.size(btd[1]);
-  p.dim = x.size(btd[2]);
-  p.state = A.size(1);
-  p.groups = B.size(btgn[2]);
-  p.x = strided(x, "x", btd);
-  p.dt = strided(dt, "dt", btd);
-  p.z = strided(z, "z", btd);
-  p.B = strided(B, "B", btgn);
-  p.C = strided(C, "C", btgn);
-  p.A = strided(A, "A", std::array<int, 2>{0, 1});
-  p.D = strided(D, "D", std::array<int, 1>{0});
-  p.dt_bias = strided(dt_bias, "dt_bias", std::array<int, 1>{0});
+  ScanProblem p = problem_from(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, btd, btgn);
   p.h0 = strided(h0, "h0", std::array<int, 3>{0, 1, 2});
-  set_dt_options(p, dt_softplus, dt_min, dt_max);
-  p.compute_f64 = x.scalar_type() == at::kDouble;
 
   at::Tensor y = at::empty(x.sizes(), x.options());
   p.y = strided(y, "y", btd);
@@ -137,26 +146,11 @@ at::Tensor state_update(const at::Tensor& state, const at::Tensor& x, const at::
   const std::array<int, 3> btd{0, -1, 1};
   const std::array<int, 4> btgn{0, -1, 1, 2};
 
-  ScanProblem p;
-  p.batch = x.size(0);
-  p.seq = 1;
-  p.dim = x.size(1);
-  p.state = A.size(1);
-  p.groups = B.size(1);
-  p.x = strided(x, "x", btd);
-  p.dt = strided(dt, "dt", btd);
-  p.z = strided(z, "z", btd);
-  p.B = strided(B, "B", btgn);
-  p.C = strided(C, "C", btgn);
-  p.A = strided(A, "A", std::array<int, 2>{0, 1});
-  p.D = strided(D, "D", std::array<int, 1>{0});
-  p.dt_bias = strided(dt_bias, "dt_bias", std::array<int, 1>{0});
+  ScanProblem p = problem_from(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, btd, btgn);
   p.slots = strided(slots, "slots", std::array<int, 1>{0});
   // Read and written in place: each item loads its state slice whole before storing it.
   p.h0 = strided(state, "state", std::array<int, 3>{0, 1, 2});
   p.state_out = p.h0;
-  set_dt_options(p, dt_softplus, dt_min, dt_max);
-  p.compute_f64 = x.scalar_type() == at::kDouble;
 
   at::Tensor y = at::empty(x.sizes(), x.options());
   p.y = strided(y, "y", btd);

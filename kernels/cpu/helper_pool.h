@@ -9,7 +9,8 @@
 //
 // Why not at::parallel_for: OpenMP's fork/join makes every call wait until each team thread
 // has been scheduled and finished a fixed share; on a small machine whose other core runs
-// another process, a 50 us state update then takes a scheduler time slice (8 ms measured).
+// another process, a 50 us state update then waits for a scheduler time slice (milliseconds,
+// seen while developing; not a recorded benchmark).
 // Here the caller starts at once, helpers join when they get a core, and the caller never
 // waits for one that has not started.
 //
@@ -96,10 +97,11 @@ class HelperPool {
     std::exception_ptr error;  // written by the first helper that sets `failed`
   };
 
-  // How long an idle helper keeps polling before it sleeps: back-to-back calls (a decode loop)
-  // then find it awake instead of paying a futex wake-up (20-50 us here), at the cost of up to
-  // this much spinning on its core after each call (libgomp's default wait policy spins too).
-  // Measured on back-to-back 32x512x16 steps: 100 us was often too short to bridge two calls.
+  // How long an idle helper keeps polling before it sleeps: back-to-back calls (a decode loop,
+  // a game loop's steps) then find it awake instead of paying a futex wake-up, at the cost of
+  // up to this much spinning on its core after each call (libgomp's default wait policy spins
+  // too). Against 0 (sleep at once), in the game loop's steps: kernel call 109-158 us against
+  // 230-311 us (bench/results/helper_spin_ab.json).
   static constexpr std::chrono::microseconds kSpin{1000};
 
   HelperPool() : owner_pid_(getpid()) {}

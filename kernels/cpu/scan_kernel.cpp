@@ -470,7 +470,7 @@ class Scratch {
   template <typename U>
   U* take(int64_t count) {
     U* at = reinterpret_cast<U*>(static_cast<char*>(mem_) + used_);
-    used_ += (count * static_cast<int64_t>(sizeof(U)) + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
+    used_ += bytes<U>(count);
     return at;
   }
   template <typename U>
@@ -824,10 +824,11 @@ class StepRunner {
     }
     const T* dt = reinterpret_cast<const T*>(dts_ + block);
     const T* dtx = reinterpret_cast<const T*>(dtx_ + block);
+    const V* Bg = Bs_ + g * vecs_;
+    const V* Cg = Cs_ + g * vecs_;
     V y = lanes == W && vecs_ == 1
-              ? step_block<T, true>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bs_ + g, Cs_ + g)
-              : step_block<T, false>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx,
-                                     Bs_ + g * vecs_, Cs_ + g * vecs_);
+              ? step_block<T, true>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg)
+              : step_block<T, false>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
     if (!in_place_ && p_.state_out.data != nullptr) {
       const auto& so = p_.state_out.stride;
       store_2d(p_.state_out, row * so[0] + d0 * so[1], so[1], so[2], lanes, N_int_, h,
@@ -884,10 +885,6 @@ class StepRunner {
   V *A_, *D_, *bias_, *xs_, *dts_, *dtx_, *gate_, *Bs_, *Cs_, *h_;
 };
 
-int64_t block_width(const ScanProblem& p) {
-  return p.compute_f64 ? Lanes<double>::W : Lanes<float>::W;
-}
-
 template <typename T>
 void run_queue(const ScanProblem& p, WorkQueue& queue) {
   auto drain = [&](auto& runner) {
@@ -906,13 +903,14 @@ void run_queue(const ScanProblem& p, WorkQueue& queue) {
 
 }  // namespace
 
+// The runners decode items with the same Blocks, so the count cannot drift from theirs.
 int64_t work_items(const ScanProblem& p) {
-  const int64_t per_group = p.dim / p.groups;
-  const int64_t W = block_width(p);
-  return p.batch * p.groups * ((per_group + W - 1) / W);
+  return p.batch * (p.compute_f64 ? Blocks<double>(p).count : Blocks<float>(p).count);
 }
 
-int64_t work_per_item(const ScanProblem& p) { return p.seq * block_width(p) * p.state; }
+int64_t work_per_item(const ScanProblem& p) {
+  return p.seq * (p.compute_f64 ? Lanes<double>::W : Lanes<float>::W) * p.state;
+}
 
 void run_items(const ScanProblem& p, WorkQueue& queue) {
   if (p.compute_f64) {

@@ -26,6 +26,7 @@ import torch
 
 def _representative_launches():
     """(label, Launch) for calls that together reach every compiled variant family."""
+    from .. import WARMUP_OPTIONS
     from . import configs
     from .scan import scan_launches
     from .state_update import update_launch
@@ -64,7 +65,7 @@ def _representative_launches():
             slots=torch.arange(batch) if on("slots") else None, out=None, blocks=None)
         return [(f"{label} [{launch.kernel.__name__}]", launch)]
 
-    every = ("D", "z", "dt_bias", "dt_softplus", "clamp", "h0", "return_state")
+    every = WARMUP_OPTIONS
     found = []
     found += scan_call("scan bld f16 all options, segments", torch.float16, "bld", 16, every, segment_len=16)
     found += scan_call("scan bdl f32 plain", torch.float32, "bdl", 16, ("return_state",))
