@@ -150,8 +150,8 @@ def warmup_shape(text: str) -> dict:
 
 def tune_malloc() -> None:
     """Keep large freed blocks in the heap instead of returning them to the OS, so the next
-    request's multi-MB buffers reuse mapped pages instead of page-faulting (~2.5 µs per 4 KiB
-    page, measured on the 2-core box). glibc only; a no-op elsewhere."""
+    request's multi-MB buffers reuse mapped pages instead of page-faulting on every one of
+    their pages again. glibc only; a no-op elsewhere."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

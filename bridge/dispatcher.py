@@ -12,8 +12,9 @@ gets its own reply. Any other request runs alone. Requests run in the order they
 
 A request that finds the server idle -- nothing in flight, nothing more waiting on its
 connection (the transport says so: `more_input=False`) -- runs at once on the reader thread
-that decoded it, skipping the hand-off to the worker: on the 2-core box that hand-off (a
-thread wake-up and GIL hand-over) was a fifth of a step's time in the server. It runs alone;
+that decoded it, skipping the hand-off to the worker (a thread wake-up and GIL hand-over): the
+game loop's queue stage was 50 µs a step in bench/results/game_loop.json as recorded at
+36b13ce, and 6-9 µs since. It runs alone;
 requests that come meanwhile queue for the worker, which gathers them into batches as usual.
 One lock (`_serving`) lets one thread at a time run ops, so the ops never run concurrently.
 """

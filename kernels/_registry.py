@@ -33,8 +33,9 @@ BACKEND_MODULES = {
 }
 
 # For backend=None: the first available backend that serves the tensors' device type.
-# The Triton interpreter also serves CPU tensors, but far slower than any other CPU backend,
-# so it is only ever used on the CPU when asked for by name.
+# The Triton interpreter also serves CPU tensors, but it interprets every program instance
+# in Python (it exists to test the kernels), so it is only used on the CPU when asked for by
+# name.
 PREFERENCE = {
     "cuda": ("triton", "torch", "reference"),
     "cpu": ("cpu", "torch", "reference"),

@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from ._registry import Backend
 
 # Target size of one per-block work buffer (decays; the state buffers have the same shape).
-# About the L2 of this machine (2 MiB per core; the elementwise ops split each buffer between
-# the two cores' threads). Measured (min of 9, f32, 2 threads), ExPhil 32x60x512x16 /
-# 4x128x2048x16 / 1x2048x64x16: 512 KiB 26 / 34 / 13 ms, 1 MiB 20 / 21 / 13 ms,
-# 2 MiB 17 / 20 / 13 ms, 4 MiB 23 / 30 / 14 ms, 8 MiB 29 / 27 / 14 ms. Smaller blocks pay more
-# per-op overhead (more chunks, strided channel views); larger ones spill to L3.
+# About the L2 of this machine (2 MiB in all; the elementwise ops split each buffer between
+# the two cores' threads). Chosen from a block-size sweep while developing (not recorded;
+# 2 MiB was the fastest of 512 KiB to 8 MiB on three shapes): smaller blocks pay more per-op
+# overhead (more chunks, strided channel views), larger ones spill to L3. The recorded torch
+# backend times are in bench/results/kernels-cpu.json.
 _BLOCK_BYTES = 2 * 1024 * 1024
 
 

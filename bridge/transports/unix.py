@@ -38,8 +38,9 @@ LISTEN_BACKLOG = 128
 POOLED_BUFFERS = 32
 # Socket buffers of each connection (the kernel caps them at net.core.wmem_max / rmem_max).
 # The default ~200 KiB made a 4 MB reply and an 8 MB request take dozens of wake-ups each
-# side; at 4 MiB the Elixir client's ExPhil round trip lost ~0.7 ms of IPC (bridge cost
-# 3.6-4.0 ms against 4.3-4.8 ms, three alternated runs each).
+# side; at 4 MiB the Elixir client's ExPhil round trip lost ~0.4 ms of IPC (median IPC
+# 3.37 ms against 3.80 ms over three alternated runs each,
+# bench/results/elixir_unix_socket_buffers_ab.json).
 SOCKET_BUFFER_BYTES = 4 << 20
 
 

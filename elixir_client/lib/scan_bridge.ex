@@ -26,12 +26,11 @@ defmodule ScanBridge do
   ## Lanes
 
     * `transport: :port` (default): requests and replies travel through the Port's pipes
-      (`{:packet, 4}`). Small requests such as `step/4` take about as long on either lane
-      (0.5–0.9 ms on the 2-core development box, `bench/roundtrip.exs`).
+      (`{:packet, 4}`).
     * `transport: {:unix, path}`: the server is still spawned (and watched) as a Port, and
       told to listen on `path`; every request then goes over one unix-socket connection
-      (`:gen_tcp`, `{:local, path}`, packet 4), 2.5–3× faster than the pipes for the
-      12 MB ExPhil request. Sessions and handles belong to the connection that made them,
+      (`:gen_tcp`, `{:local, path}`, packet 4), cheaper than the pipes for big tensors and
+      small steps alike (`bench/roundtrip.exs`, recorded in `bench/results/`). Sessions and handles belong to the connection that made them,
       which is why all requests share the one lane.
 
   ## Example

@@ -17,7 +17,8 @@ defmodule ScanBridge.Msgpack do
   | `%ScanBridge.Tensor{}` | the tensor map `{"dtype", "shape", "data"}` with data as bin |
 
   Binaries are placed in the iodata as they are: a tensor's data is never copied or
-  concatenated, so an 8 MB tensor costs the same to encode as an empty one.
+  concatenated (a test checks that the very binary comes out), so encoding does not grow with
+  the tensor's size.
 
   **Alignment** (SPEC §5). A tensor's data lands at a multiple of 8 bytes from the start of the
   encoded body, so that the server computes on aligned memory without a copy. The encoder

@@ -39,8 +39,8 @@ defmodule ScanBridge.Server do
     startup_timeout: 60_000,
     exit_grace: 2_000
   ]
-  # Socket and driver buffers of the unix lane. Echo of the 8 MB ExPhil request, p50 on 2 cores:
-  # defaults 4.2 ms, 1 MiB 4.6 ms, 4 MiB 3.3 ms, 8 MiB 6.2 ms (the socket backend: 22 ms).
+  # Socket and driver buffers of the unix lane: the size the server gives its side
+  # (bridge/transports/unix.py), chosen from a sweep while developing that was not recorded.
   @socket_buffer 4 * 1024 * 1024
   @connect_retry_ms 10
 
