@@ -18,16 +18,21 @@ from protocol.schema import ALIASES
 from protocol.vectors import generate
 
 VECTORS = generate.build_vectors()
+MULTIPART_VECTORS = generate.build_multipart_vectors()
 SPEC = (Path(generate.VECTORS_DIR).parent / "SPEC.md").read_text()
 
 
-def test_files_on_disk_are_exactly_what_the_generator_builds():
-    on_disk = {p.name for p in generate.VECTORS_DIR.iterdir() if p.suffix in (".frame", ".json")}
-    assert on_disk == {f"{name}.{ext}" for name, _, _ in VECTORS for ext in ("frame", "json")}, \
+@pytest.mark.parametrize("directory, vectors", [
+    pytest.param(generate.VECTORS_DIR, VECTORS, id="single"),
+    pytest.param(generate.MULTIPART_DIR, MULTIPART_VECTORS, id="multipart"),
+])
+def test_files_on_disk_are_exactly_what_the_generator_builds(directory, vectors):
+    on_disk = {p.name for p in directory.iterdir() if p.suffix in (".frame", ".json")}
+    assert on_disk == {f"{name}.{ext}" for name, _, _ in vectors for ext in ("frame", "json")}, \
         "run: python -m protocol.vectors.generate"
-    for name, frame, doc in VECTORS:
-        assert (generate.VECTORS_DIR / f"{name}.frame").read_bytes() == frame, name
-        assert (generate.VECTORS_DIR / f"{name}.json").read_bytes() == generate.render_json(doc), name
+    for name, frame, doc in vectors:
+        assert (directory / f"{name}.frame").read_bytes() == frame, name
+        assert (directory / f"{name}.json").read_bytes() == generate.render_json(doc), name
 
 
 def from_json(value):
@@ -196,10 +201,34 @@ def test_spec_ops_table_lists_every_op_and_argument():
 
 
 def test_spec_lists_every_vector():
-    for name, _, _ in VECTORS:
+    for name, _, _ in VECTORS + MULTIPART_VECTORS:
         assert f"`{name}`" in SPEC, name
 
 
 def test_json_documents_are_plain_json():
     for name, _, doc in VECTORS:
         assert json.loads(generate.render_json(doc)) == doc, name
+
+
+# -- the multipart golden vectors (protocol/vectors/multipart) --------------------------------
+
+@pytest.mark.parametrize("frame, doc", [pytest.param(frame, doc, id=name) for name, frame, doc in MULTIPART_VECTORS])
+def test_multipart_vectors_decode_as_described(frame, doc):
+    body, *buffers = FrameDecoder().feed(frame)
+    message = from_json(doc["message"])
+    assert [bytes(b) for b in buffers] == [from_json(b) for b in doc["buffers"]]
+    assert msgpack.unpackb(body) == message
+    if doc["kind"] == "multipart_request":
+        request = decode_request(body, buffers)
+        assert request.multipart and (request.id, request.op) == (message["id"], message["op"])
+        tensors = request.args
+    else:
+        reply = decode_reply(body, buffers)
+        assert (reply.id, reply.ok, reply.timing) == (message["id"], message["ok"], message["timing"])
+        tensors = reply.result
+    described = message["args"] if doc["kind"] == "multipart_request" else message["result"]
+    for name, value in described.items():
+        if isinstance(value, dict):
+            expected = buffers[value["buf"]] if "buf" in value else value["data"]
+            assert (tensors[name].dtype, list(tensors[name].shape)) == (value["dtype"], value["shape"])
+            assert bytes(tensors[name].data) == bytes(expected)

@@ -26,8 +26,6 @@ from bridge.client import UnixClient, ZmqClient
 from bridge.transports.framed import read_exact
 from bridge.transports.zmq import resolve_endpoint, split_envelope
 from kernel_cases import ScanCase, assert_close, make_scan_inputs, reference_scan
-from protocol.vectors import generate
-from test_protocol_vectors import from_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 180.0
@@ -663,40 +661,3 @@ def test_a_malformed_multipart_reply_is_a_decode_error(frames, field):
         message = frames(body, bytes(buffers[0]))
         protocol.decode_reply(message[0], message[1:])
     assert info.value.detail["field"] == field
-
-
-# -- the multipart golden vectors (protocol/vectors/multipart) --------------------------------
-
-MULTIPART_VECTORS = generate.build_multipart_vectors()
-
-
-def test_multipart_vector_files_are_exactly_what_the_generator_builds():
-    on_disk = {p.name for p in generate.MULTIPART_DIR.iterdir() if p.suffix in (".frame", ".json")}
-    assert on_disk == {f"{name}.{ext}" for name, _, _ in MULTIPART_VECTORS for ext in ("frame", "json")}, \
-        "run: python -m protocol.vectors.generate"
-    for name, frame, doc in MULTIPART_VECTORS:
-        assert (generate.MULTIPART_DIR / f"{name}.frame").read_bytes() == frame, name
-        assert (generate.MULTIPART_DIR / f"{name}.json").read_bytes() == generate.render_json(doc), name
-        assert f"`{name}`" in (generate.VECTORS_DIR.parent / "SPEC.md").read_text(), name
-
-
-@pytest.mark.parametrize("frame, doc", [pytest.param(frame, doc, id=name) for name, frame, doc in MULTIPART_VECTORS])
-def test_multipart_vectors_decode_as_described(frame, doc):
-    body, *buffers = protocol.FrameDecoder().feed(frame)
-    message = from_json(doc["message"])
-    assert [bytes(b) for b in buffers] == [from_json(b) for b in doc["buffers"]]
-    assert msgpack.unpackb(body) == message
-    if doc["kind"] == "multipart_request":
-        request = protocol.decode_request(body, buffers)
-        assert request.multipart and (request.id, request.op) == (message["id"], message["op"])
-        tensors = request.args
-    else:
-        reply = protocol.decode_reply(body, buffers)
-        assert (reply.id, reply.ok, reply.timing) == (message["id"], message["ok"], message["timing"])
-        tensors = reply.result
-    described = message["args"] if doc["kind"] == "multipart_request" else message["result"]
-    for name, value in described.items():
-        if isinstance(value, dict):
-            expected = buffers[value["buf"]] if "buf" in value else value["data"]
-            assert (tensors[name].dtype, list(tensors[name].shape)) == (value["dtype"], value["shape"])
-            assert bytes(tensors[name].data) == bytes(expected)
