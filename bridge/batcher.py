@@ -46,6 +46,7 @@ class Item:
     tensors: dict  # this request's per-row values by argument name: WireTensor, tensor or None
     shared: dict = field(default_factory=dict)  # tensors every member must have equal: A, D, dt_bias
     session: Session | None = None
+    options: dict = field(default_factory=dict)  # the kernel's dt options, part of the key
     prepare_ns: int = 0  # time spent preparing; not queueing time
 
 
@@ -64,6 +65,13 @@ class BatchedOp(abc.ABC):
 
     def __call__(self, server, call) -> dict:
         return self.run(server, [self.prepare(server, call)])[0]
+
+
+def dt_options(args: dict) -> dict:
+    """The kernel's dt options of a request, as the kernels API takes them (requests share a
+    launch only when these are equal)."""
+    return {"dt_softplus": bool(args.get("dt_softplus", False)), "dt_min": args.get("dt_min"),
+            "dt_max": args.get("dt_max")}
 
 
 def same_values(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import kernels
 from protocol import WireTensor
 
-from ..batcher import (BatchedOp, Item, charge, row_signature, signature, split_rows, stack_rows,
-                       wire_rows)
+from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, signature, split_rows,
+                       stack_rows, wire_rows)
 from ..errors import OpError
 from ..tensors import to_wire
 from ..timing import now_ns
@@ -67,6 +67,7 @@ class ScanOp(BatchedOp):
             own["h0"] = server.tensor_arg(call, "h0")
             h0_signature = row_signature(own["h0"])
         x = own["x"]
+        options = dt_options(args)
         key = None
         # Only requests whose per-row values all have x's rows share a launch (else one request's
         # extra row could make up for another's missing one); a malformed request runs alone, and
@@ -74,14 +75,12 @@ class ScanOp(BatchedOp):
         if len(x.shape) == 3 and _nbytes(x) <= BATCH_MAX_X_BYTES and \
                 all(v is None or (len(v.shape) >= 1 and v.shape[0] == x.shape[0]) for v in own.values()):
             key = ("scan", layout, *(row_signature(own[name]) for name in ("x", "dt", "B", "C", "z")),
-                   h0_signature, *(signature(t) for t in shared.values()),
-                   bool(args.get("dt_softplus", False)), args.get("dt_min"), args.get("dt_max"))
+                   h0_signature, *(signature(t) for t in shared.values()), *options.values())
         rows = x.shape[0] if len(x.shape) else 1
-        return Item(call, key, rows, own, shared, session)
+        return Item(call, key, rows, own, shared, session, options)
 
     def run(self, server, items: list[Item]) -> list[dict]:
         lead = items[0]
-        args = lead.call.args
         start = now_ns()
         for item in items:
             if item.session is not None:
@@ -93,10 +92,9 @@ class ScanOp(BatchedOp):
         with server.kernel_timer(*(item.call for item in items)):
             out = kernels.selective_scan(
                 stacked["x"], stacked["dt"], lead.shared["A"], stacked["B"], stacked["C"],
-                D=lead.shared["D"], z=stacked["z"], dt_bias=lead.shared["dt_bias"],
-                dt_softplus=bool(args.get("dt_softplus", False)), dt_min=args.get("dt_min"),
-                dt_max=args.get("dt_max"), h0=stacked["h0"], return_state=need_state,
-                layout=args.get("layout", "bld"), backend=server.backend)
+                D=lead.shared["D"], z=stacked["z"], dt_bias=lead.shared["dt_bias"], **lead.options,
+                h0=stacked["h0"], return_state=need_state, layout=lead.call.args.get("layout", "bld"),
+                backend=server.backend)
             y, state = out if need_state else (out, None)
             states = split_rows(state, items) if need_state else [None] * len(items)
             for item, item_state in zip(items, states):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import kernels
 
-from ..batcher import BatchedOp, Item, charge, row_signature, signature, stack_rows, wire_rows
+from ..batcher import BatchedOp, Item, charge, dt_options, row_signature, signature, stack_rows, wire_rows
 from ..errors import OpError
 from ..tensors import to_wire
 from ..timing import now_ns
@@ -67,14 +67,14 @@ class StepOp(BatchedOp):
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS}
         shared = {name: server.tensor(call, name) for name in SHARED_ARGS}
         check_rows(session, own)
-        key = ("step", id(session.pool), session.dim, session.state,
-               *(row_signature(t) for t in own.values()), *(signature(t) for t in shared.values()),
-               bool(args.get("dt_softplus", False)), args.get("dt_min"), args.get("dt_max"))
-        return Item(call, key, session.batch, own, shared, session)
+        options = dt_options(args)
+        # One pool per (dim, state): the pool names the state's shape too.
+        key = ("step", id(session.pool), *(row_signature(t) for t in own.values()),
+               *(signature(t) for t in shared.values()), *options.values())
+        return Item(call, key, session.batch, own, shared, session, options)
 
     def run(self, server, items: list[Item]) -> list[dict]:
         lead = items[0]
-        args = lead.call.args
         start = now_ns()
         rows = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
         slots = stack_rows(server, [item.session.slots for item in items])
@@ -82,9 +82,8 @@ class StepOp(BatchedOp):
         with server.kernel_timer(*(item.call for item in items)):
             y = kernels.selective_state_update(
                 lead.session.pool.rows, rows["x"], rows["dt"], lead.shared["A"], rows["B"], rows["C"],
-                D=lead.shared["D"], z=rows["z"], dt_bias=lead.shared["dt_bias"],
-                dt_softplus=bool(args.get("dt_softplus", False)), dt_min=args.get("dt_min"),
-                dt_max=args.get("dt_max"), slots=slots, backend=server.backend)
+                D=lead.shared["D"], z=rows["z"], dt_bias=lead.shared["dt_bias"], **lead.options,
+                slots=slots, backend=server.backend)
         return [{"y": y_rows} for y_rows in wire_rows(y, items)]
 
 
