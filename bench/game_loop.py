@@ -299,7 +299,7 @@ def delay_sweep(delays: list[int], rows: int, callers: int, seconds: float, roun
     for _ in range(rounds):
         for delay in delays:
             results[delay].append(run_callers(["--max-delay-us", str(delay)], rows, callers, seconds))
-    return [{"max_delay_us": d,
+    return [{"max_delay_us": d, "callers": callers, "rows": rows, "rounds": rounds, "seconds": seconds,
              "median_steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
              "median_p50_us": statistics.median(r["round_trip"]["p50_us"] for r in runs),
              "median_p99_us": statistics.median(r["round_trip"]["p99_us"] for r in runs),
