@@ -32,9 +32,9 @@ class ServerConfig:
     max_pending: int = 4096
     # Dynamic batching (bridge.batcher): how long a batch may wait for company after its first
     # request arrived (0: never wait; requests already queued still join), and the most rows
-    # one launch takes. 0 is the measured best on the 2-core CPU box: with 8 callers stepping,
-    # waiting only cost throughput (bench/results/batch_delay_sweep.json: 4.4k steps/s at 0 µs,
-    # 4.0k at 200, 3.5k at 500, 3.3k at 1600), because requests queue up behind each launch
+    # one launch takes. 0 is as good as any delay measured on the 2-core CPU box: with 8 callers
+    # stepping 1-row sessions (bench/results/batch_delay_sweep.json), 3.9k steps/s at 0 µs,
+    # 4.0k at 200, 3.8k at 500 and 3.2k at 1600, because requests queue up behind each launch
     # anyway. A GPU, where a launch costs more than a request, may gain from a few hundred µs;
     # that is not measured yet. A lone caller never waits (BatchPolicy).
     max_delay_us: int = 0
