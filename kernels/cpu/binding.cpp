@@ -70,9 +70,10 @@ void run(const ScanProblem& p) {
   const int64_t per_item = std::max<int64_t>(1, scan_bridge::work_per_item(p));
   const int64_t min_items = (kMinWorkPerThread + per_item - 1) / per_item;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items / min_items));
-  scan_bridge::WorkQueue queue(items, std::max<int64_t>(1, items / (threads * kRangesPerThread)));
+  scan_bridge::WorkQueue queue(items, std::max<int64_t>(1, items / (threads * kRangesPerThread)),
+                               static_cast<int>(threads));
   scan_bridge::HelperPool::shared().run(static_cast<int>(threads - 1),
-                                        [&] { scan_bridge::run_items(p, queue); });
+                                        [&](int seat) { scan_bridge::run_items(p, queue, seat); });
 }
 
 // What both entry points fill alike: the sizes and the operands x, dt, z (read as batch,

@@ -1,11 +1,12 @@
 // Threads that help with a kernel call when they can, and are never waited for when they
 // cannot.
 //
-// HelperPool::run(helpers, work) calls work() on the calling thread and offers it to up to
-// `helpers` pool threads at once. work() must be safe to call concurrently and return when
-// nothing is left to take (it pulls ranges from a shared queue). run returns once the caller's
-// own work() has returned and every helper that entered work() has left it. A helper that
-// wakes late -- its core busy with another process -- finds the call closed and does nothing.
+// HelperPool::run(helpers, work) calls work(0) on the calling thread and offers it to up to
+// `helpers` pool threads at once, each calling work(seat) with its own seat 1 .. helpers.
+// work must be safe to call concurrently and return when nothing is left to take (it pulls
+// ranges from a shared queue). run returns once the caller's own work has returned and every
+// helper that entered work has left it. A helper that wakes late -- its core busy with
+// another process -- finds the call closed and does nothing.
 //
 // Why not at::parallel_for: OpenMP's fork/join makes every call wait until each team thread
 // has been scheduled and finished a fixed share; on a small machine whose other core runs
@@ -47,13 +48,14 @@ class HelperPool {
     return *pool;
   }
 
-  void run(int helpers, const std::function<void()>& work) {
+  void run(int helpers, const std::function<void(int)>& work) {
     if (helpers <= 0 || getpid() != owner_pid_) {
-      work();
+      work(0);
       return;
     }
     auto job = std::make_shared<Job>();
     job->work = &work;
+    job->helpers = helpers;
     job->seats.store(helpers);
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -67,7 +69,7 @@ class HelperPool {
     wake_.notify_all();
     std::exception_ptr error;
     try {
-      work();
+      work(0);
     } catch (...) {
       error = std::current_exception();
     }
@@ -89,7 +91,8 @@ class HelperPool {
 
  private:
   struct Job {
-    const std::function<void()>* work = nullptr;  // on the caller's stack: used only while open
+    const std::function<void(int)>* work = nullptr;  // on the caller's stack: used only while open
+    int helpers = 0;
     std::atomic<bool> open{true};
     std::atomic<int> seats{0};
     std::atomic<int> inside{0};
@@ -119,11 +122,12 @@ class HelperPool {
         seen = generation_.load();
         job = job_;
       }
-      if (job->seats.fetch_sub(1) <= 0) continue;
+      const int free_seats = job->seats.fetch_sub(1);
+      if (free_seats <= 0) continue;
       job->inside.fetch_add(1);
       if (job->open.load()) {
         try {
-          (*job->work)();
+          (*job->work)(job->helpers - free_seats + 1);
         } catch (...) {
           if (!job->failed.exchange(true)) job->error = std::current_exception();
         }

@@ -886,10 +886,10 @@ class StepRunner {
 };
 
 template <typename T>
-void run_queue(const ScanProblem& p, WorkQueue& queue) {
+void run_queue(const ScanProblem& p, WorkQueue& queue, int seat) {
   auto drain = [&](auto& runner) {
     int64_t begin, end;
-    while (queue.take(&begin, &end))
+    while (queue.take(seat, &begin, &end))
       for (int64_t i = begin; i < end; ++i) runner.run(i);
   };
   if (p.seq == 1) {
@@ -912,11 +912,11 @@ int64_t work_per_item(const ScanProblem& p) {
   return p.seq * (p.compute_f64 ? Lanes<double>::W : Lanes<float>::W) * p.state;
 }
 
-void run_items(const ScanProblem& p, WorkQueue& queue) {
+void run_items(const ScanProblem& p, WorkQueue& queue, int seat) {
   if (p.compute_f64) {
-    run_queue<double>(p, queue);
+    run_queue<double>(p, queue, seat);
   } else {
-    run_queue<float>(p, queue);
+    run_queue<float>(p, queue, seat);
   }
 }
 
