@@ -43,6 +43,7 @@ class Call:
     conn: object
     request: object  # protocol.Request | protocol.LegacyRequest
     timing: Timing
+    handler: Callable  # the op's handler, from the table of the request's protocol
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
     executions: int = 1  # kernel launches this request is counted for (stats; 0 for all but one member of a batch)
@@ -56,6 +57,15 @@ class Call:
     @property
     def args(self) -> dict:
         return self.request.args
+
+    @property
+    def legacy(self) -> bool:
+        return isinstance(self.request, protocol.LegacyRequest)
+
+    @property
+    def stats_op(self) -> str:
+        """The op's name in the stats, where a legacy request's ops are counted apart."""
+        return "legacy_" + self.op if self.legacy else self.op
 
 
 _STOP = object()
@@ -102,9 +112,10 @@ class Dispatcher:
         timing.add("decode", now_ns() - received_ns)
         legacy = isinstance(request, protocol.LegacyRequest)
         table = self.legacy_handlers if legacy else self.handlers
+        handler = table.get(request.op)
         refusal = None
         idle = False
-        if request.op not in table:
+        if handler is None:
             known = sorted(table)
             refusal = OpError("unknown_op", f"op: expected one of {', '.join(known)}, got {request.op!r}",
                               {"field": "op", "expected": known, "got": request.op})
@@ -123,7 +134,7 @@ class Dispatcher:
             if release:
                 release()
             return
-        call = Call(conn, request, timing, release, enqueued_ns=now_ns())
+        call = Call(conn, request, timing, handler, release, enqueued_ns=now_ns())
         # An idle server serves the request on this thread, unless it is to be batched with
         # others (see _serve_on); nothing it could be queued behind exists, so order is kept.
         if not (idle and not more_input and self._serve_on(call, reader=True)):
@@ -186,18 +197,16 @@ class Dispatcher:
         except queue.Empty:
             return None
 
-    def _batched_op(self, call) -> BatchedOp | None:
-        if call is _STOP or isinstance(call.request, protocol.LegacyRequest):
+    @staticmethod
+    def _batched_op(call) -> BatchedOp | None:
+        if call is _STOP or call.legacy:
             return None
-        handler = self.handlers[call.op]
-        return handler if isinstance(handler, BatchedOp) else None
+        return call.handler if isinstance(call.handler, BatchedOp) else None
 
     def _serve(self, call: Call) -> None:
         call.timing.add("queue", now_ns() - call.enqueued_ns)
-        legacy = isinstance(call.request, protocol.LegacyRequest)
-        handler = (self.legacy_handlers if legacy else self.handlers)[call.op]
         try:
-            result = handler(self.server, call)
+            result = call.handler(self.server, call)
         except Exception as exc:  # every failure is answered; the worker lives on
             self._fail(call, exc)
         else:
@@ -253,12 +262,11 @@ class Dispatcher:
         return call.prepared
 
     def _answer(self, call: Call, result: dict) -> None:
-        legacy = isinstance(call.request, protocol.LegacyRequest)
         reply_timing = {}
         # A multipart request (ZeroMQ) gets its reply's tensors as raw buffers too.
-        out_of_band = [] if not legacy and call.request.multipart else None
+        out_of_band = [] if not call.legacy and call.request.multipart else None
         try:
-            if legacy:
+            if call.legacy:
                 parts = protocol.encode_legacy_reply(result)
             else:
                 encode_start = now_ns()
@@ -274,7 +282,7 @@ class Dispatcher:
             return
         try:
             self._send(call.conn, parts, out_of_band)
-            self.server.stats.record(self._stats_op(call), reply_timing or None, ok=True,
+            self.server.stats.record(call.stats_op, reply_timing or None, ok=True,
                                      executions=call.executions)
         finally:
             self._finish(call)
@@ -283,9 +291,8 @@ class Dispatcher:
         try:
             if not isinstance(exc, (OpError, protocol.ProtocolError)) and type(exc).__module__ != "kernels.errors":
                 log.error("op %s failed", call.op, exc_info=exc)
-            legacy = isinstance(call.request, protocol.LegacyRequest)
-            self._reply_error(call.conn, None if legacy else call.request.id, exc, call.timing,
-                              legacy=legacy, op=call.op)
+            self._reply_error(call.conn, None if call.legacy else call.request.id, exc, call.timing,
+                              legacy=call.legacy, stats_op=call.stats_op)
         finally:
             self._finish(call)
 
@@ -307,12 +314,10 @@ class Dispatcher:
                 if self._pending == 0:
                     self._idle.notify_all()
 
-    @staticmethod
-    def _stats_op(call: Call) -> str:
-        return "legacy_" + call.op if isinstance(call.request, protocol.LegacyRequest) else call.op
-
     def _reply_error(self, conn, request_id, exc: BaseException, timing: Timing, *, legacy: bool,
-                     op: str | None = None) -> None:
+                     stats_op: str | None = None) -> None:
+        """`stats_op`: the op the stats count the failure for; without one (the request was
+        refused before it became a call), only the error code is counted."""
         code, message, detail = error_fields(exc)
         if legacy:
             parts = protocol.encode_legacy_reply({"status": "error", "message": message})
@@ -323,9 +328,8 @@ class Dispatcher:
                 log.exception("error detail of %s cannot be encoded", code)
                 parts = protocol.encode_error(request_id, code, message, {})
         self._send(conn, parts)
-        if op is not None:
-            self.server.stats.record(op if not legacy else "legacy_" + op, None, ok=False,
-                                     error_code=code, executions=0)
+        if stats_op is not None:
+            self.server.stats.record(stats_op, None, ok=False, error_code=code, executions=0)
         else:
             self.server.stats.record_error(code)
 
