@@ -13,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -24,7 +26,7 @@ import zmq
 import protocol
 from bridge.client import UnixClient, ZmqClient
 from bridge.transports.framed import read_exact
-from bridge.transports.zmq import resolve_endpoint, split_envelope
+from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
 from kernel_cases import ScanCase, assert_close, make_scan_inputs, reference_scan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -607,6 +609,27 @@ def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):
 ])
 def test_the_envelope_is_the_routing_id_and_a_req_delimiter(frames, envelope, message):
     assert split_envelope(frames) == (envelope, message)
+
+
+def test_zmq_overloaded_answers_that_leave_start_no_request_past_the_peer_cap():
+    """`overloaded` answers count as in flight until they leave; as each leaves, a waiting
+    request may start only while the peer is under its cap, or a peer that floods and reads
+    nothing would get one more request served per answer dropped."""
+    started = []
+
+    def dispatch(peer, request):
+        started.append(request)
+        peer.in_flight += 1
+
+    transport = SimpleNamespace(max_in_flight=2, _dispatch=dispatch, _forget=lambda peer: None)
+    # Two served requests in flight, three overloaded answers unsent, four requests waiting.
+    peer = SimpleNamespace(in_flight=2 + 3, waiting=deque(["r1", "r2", "r3", "r4"]), closed=False,
+                           unsent=deque(), has_close_callbacks=False)
+    for _ in range(3):
+        ZmqTransport._answered(transport, peer)
+    assert started == [] and peer.in_flight == 2
+    ZmqTransport._answered(transport, peer)  # a served request's reply left
+    assert started == ["r1"] and peer.in_flight == 2
 
 
 def random_tensor(rng, dtype: str, shape) -> protocol.OutTensor:

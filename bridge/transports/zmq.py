@@ -409,7 +409,8 @@ class ZmqTransport:
 
     def _answered(self, peer: ZmqPeer) -> None:
         peer.in_flight -= 1
-        if peer.waiting and not peer.closed:
+        # `overloaded` answers count too, so the peer may still be at its cap.
+        if peer.waiting and not peer.closed and peer.in_flight < self.max_in_flight:
             self._dispatch(peer, peer.waiting.popleft())
         elif peer.in_flight == 0 and not peer.waiting and not peer.unsent and not peer.has_close_callbacks:
             # Idle and owning nothing: forget it (a later message makes a fresh peer).
