@@ -24,8 +24,8 @@ API, absent from release builds of libzmq), so each socket's monitor reports its
 ends (EVENT_DISCONNECTED, with the connection's file descriptor), and every message says which
 descriptor it came in on (ZMQ_SRCFD). The peers seen on a descriptor whose connection ended are
 gone: their sessions and handles are freed at once, as when a unix connection closes. The
-monitor is read before each round of messages, so a descriptor reused by a new connection is
-never mistaken for the old one.
+monitor is read whenever it has news, and before a message is first attributed to a
+descriptor, so that a descriptor reused by a new connection is never mistaken for the old one.
 """
 
 from __future__ import annotations
@@ -250,11 +250,9 @@ class ZmqTransport:
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(RETRY_MS if self._backlogged else None))
-                # Connection events first, whether or not the poll saw them: a connection that
-                # ended before a message on a reused descriptor came is settled before that
-                # message is attributed.
                 for index, monitor in enumerate(self.monitors):
-                    self._connection_events(index, monitor)
+                    if monitor in ready:
+                        self._connection_events(index)
                 for index, sock in enumerate(self.sockets):
                     if sock in ready:
                         self._receive(index, sock)
@@ -272,10 +270,15 @@ class ZmqTransport:
             envelope, message = split_envelope(frames)
             routing_id = envelope[0].bytes
             key = (index, routing_id)
-            peer = self._peers.get(key)
-            if peer is None:
-                peer = self._peers[key] = ZmqPeer(self, key)
             fd = self._source_fd(frames[0])
+            peer = self._peers.get(key)
+            if peer is None or (fd is not None and peer.fd != fd):
+                # A connection that ended before this message came is settled before the
+                # message is attributed to its descriptor: that one may be reused already.
+                self._connection_events(index)
+                peer = self._peers.get(key)
+                if peer is None:
+                    peer = self._peers[key] = ZmqPeer(self, key)
             if fd is not None and peer.fd != fd:
                 self._unlist(peer)
                 peer.fd = fd
@@ -303,15 +306,16 @@ class ZmqTransport:
                         "leaves with nothing in flight keeps its sessions until the server stops", exc)
             return None
 
-    def _connection_events(self, index: int, monitor: zmq.Socket) -> None:
+    def _connection_events(self, index: int) -> None:
         """Settle the connections of socket `index` that ended (or whose descriptor a new
-        connection now has): their peers are gone."""
+        connection now has): their peers are gone. The monitor reports nothing but those
+        (CONNECTION_EVENTS), each with its descriptor."""
+        monitor = self.monitors[index]
         while monitor.get(zmq.EVENTS) & zmq.POLLIN:
             event = zmq.utils.monitor.recv_monitor_message(monitor)
-            if event["event"] & CONNECTION_EVENTS:
-                for peer in self._on_fd.pop((index, int(event["value"])), ()):
-                    if not peer.closed:
-                        self._gone(peer, "disconnected")
+            for peer in self._on_fd.pop((index, event["value"]), ()):
+                if not peer.closed:
+                    self._gone(peer, "disconnected")
 
     def _unlist(self, peer: ZmqPeer) -> None:
         """Take `peer` off its descriptor's list."""
