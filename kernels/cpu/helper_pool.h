@@ -1,8 +1,9 @@
 // Threads that help with a kernel call when they can, and are never waited for when they
 // cannot.
 //
-// HelperPool::run(helpers, work) calls work(0) on the calling thread and offers it to up to
-// `helpers` pool threads at once, each calling work(seat) with its own seat 1 .. helpers.
+// HelperPool::run(helpers, work) calls work(0) on the calling thread and offers it to pool
+// threads 1 .. `helpers`, thread i calling work(i): a seat is a pool thread's own, the same in
+// every call, so work split by seat goes to the same thread call after call.
 // work must be safe to call concurrently and return when nothing is left to take (it pulls
 // ranges from a shared queue). run returns once the caller's own work has returned and every
 // helper that entered work has left it. A helper that wakes late -- its core busy with
@@ -56,13 +57,9 @@ class HelperPool {
     auto job = std::make_shared<Job>();
     job->work = &work;
     job->helpers = helpers;
-    job->seats.store(helpers);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      while (threads_ < helpers) {
-        std::thread(&HelperPool::helper_loop, this).detach();
-        ++threads_;
-      }
+      while (threads_ < helpers) std::thread(&HelperPool::helper_loop, this, ++threads_).detach();
       job_ = job;
       generation_.fetch_add(1);
     }
@@ -92,9 +89,8 @@ class HelperPool {
  private:
   struct Job {
     const std::function<void(int)>* work = nullptr;  // on the caller's stack: used only while open
-    int helpers = 0;
+    int helpers = 0;  // pool threads 1 .. helpers take part
     std::atomic<bool> open{true};
-    std::atomic<int> seats{0};
     std::atomic<int> inside{0};
     std::atomic<bool> failed{false};
     std::exception_ptr error;  // written by the first helper that sets `failed`
@@ -109,7 +105,7 @@ class HelperPool {
 
   HelperPool() : owner_pid_(getpid()) {}
 
-  void helper_loop() {
+  void helper_loop(int seat) {
     uint64_t seen = generation_.load();
     for (;;) {
       const auto spin_until = std::chrono::steady_clock::now() + kSpin;
@@ -122,12 +118,11 @@ class HelperPool {
         seen = generation_.load();
         job = job_;
       }
-      const int free_seats = job->seats.fetch_sub(1);
-      if (free_seats <= 0) continue;
+      if (seat > job->helpers) continue;
       job->inside.fetch_add(1);
       if (job->open.load()) {
         try {
-          (*job->work)(job->helpers - free_seats + 1);
+          (*job->work)(seat);
         } catch (...) {
           if (!job->failed.exchange(true)) job->error = std::current_exception();
         }
