@@ -7,10 +7,13 @@
     a C pipe echo answering with a reply of the step's size (bench/floors.py), taking turns with
     the bridge request by request: the round trip no server over these pipes can beat. The
     bridge is driven by the same client as that echo (pre-encoded requests written, the reply
-    read whole into a reused buffer, one at a time), so the two differ only by the server; the
-    same steps through the Python client library (bridge.client.PortClient: encoding each
-    request, a reader thread, decoding each reply) are measured beside them, as a Python
-    caller sees them. Repeated `--repeats` times, each with a fresh server: one 600-step p99 on
+    read whole into a reused buffer, one at a time), so the two differ only by the server. Each
+    round trip, the bridge's and the echo's, starts after the same pause (SETTLE_SECONDS), as
+    a frame of a 60 FPS loop comes long after the last: the server's kernel helpers poll a
+    core for up to 1 ms after a step, which would slow an echo sent right after it and spare
+    the next step their wake-up. The same steps through the Python client library
+    (bridge.client.PortClient: encoding each request, a reader thread, decoding each reply)
+    are measured beside them, as a Python caller sees them. Repeated `--repeats` times, each with a fresh server: one 600-step p99 on
     a shared machine says more about its neighbours than about the bridge, so the medians over
     the runs are reported and every run is kept.
 (b) 8 concurrent callers, each stepping its own session in a closed loop through one server:
@@ -34,13 +37,15 @@ import msgspec
 import numpy as np
 
 import protocol
-from bridge.bench.cases import Case
+from bridge.bench.cases import BATCH, DIM, EXPHIL_SEQ, STATE, Case
 from bridge.client import PortClient
 
-from .floors import BridgeProcess, StreamLane, encode_request, floor_missing, frame_bytes, open_floor
+from .floors import BridgeProcess, EchoUnavailable, StreamLane, encode_request, frame_bytes, open_floor
 from .machine import summarize_us, write_results
+from .roundtrip import SETTLE_SECONDS
 
-GAME = {"batch": 32, "dim": 512, "state": 16, "window": 60}
+# ExPhil's shape, which Case draws its inputs in.
+GAME = {"batch": BATCH, "dim": DIM, "state": STATE, "window": EXPHIL_SEQ}
 # ExPhil's dt clamp (protocol/SPEC.md §9).
 DT_CLAMP = {"dt_min": 0.001, "dt_max": 0.1}
 
@@ -97,11 +102,13 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
             # Bridge and echo take turns, request by request, so that both see the same machine.
             for i in range(steps):
                 request = step_frames[i % len(step_frames)]
+                time.sleep(SETTLE_SECONDS)
                 us, reply_bytes, timing = exchange(lane, request)
                 step_rows.append(us)
                 step_bytes.append(frame_bytes(request) + protocol.framing.HEADER_SIZE + reply_bytes)
                 step_timing.append(timing)
                 if echo is not None:
+                    time.sleep(SETTLE_SECONDS)
                     echo_rows.append(echo.round_trip_us(request))
         finally:
             if echo is not None:
@@ -124,14 +131,16 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
 
     floor = summarize_us(echo_rows) if echo is not None else {"skipped": echo_missing}
     step_frame_bytes, window_frame_bytes = statistics.median(step_bytes), statistics.median(window_bytes)
+    step = summarize_us(step_rows)
     return {
         "case": f"game loop: session {b}x{d}x{n}, prefill {w} frames, {steps} steps; "
                 f"vs re-sending the {w}-frame window ({windows} frames)",
         "backend": backend,
-        "step_round_trip": summarize_us(step_rows),
+        "step_round_trip": step,
         "step_stages_p50_us": stage_medians(step_timing),
         "step_bytes_per_frame": step_frame_bytes,
         "step_echo_floor": floor,
+        "step_p50_over_echo": step["p50_us"] / floor["p50_us"] if echo is not None else None,
         "step_round_trip_python_client": python_client_steps(steps, A, frames, server_args),
         "prefill_round_trip_us": prefill_us,
         "window_round_trip": summarize_us(window_rows),
@@ -144,13 +153,14 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
 
 def python_client_steps(steps: int, A, frames: list, server_args: list[str]) -> dict:
     """The same steps through bridge.client.PortClient, round trips as it reports them (its
-    request encoding and reply decoding included)."""
+    request encoding and reply decoding included), with the same pause before each."""
     b, d, n = GAME["batch"], GAME["dim"], GAME["state"]
     with PortClient(["--device", "cpu", *server_args]) as client:
         handle = client.put(A)
         session = client.open_session(b, d, n)
         rows = []
         for i in range(20 + steps):
+            time.sleep(SETTLE_SECONDS)
             reply = client.step(session, **frames[i % len(frames)], A=handle, **DT_CLAMP)
             reply.unwrap()
             if i >= 20:
@@ -172,6 +182,8 @@ def game_loop_runs(repeats: int, steps: int, windows: int, server_args: list[str
         "median_step_p50_us": median([r["step_round_trip"]["p50_us"] for r in runs]),
         "median_step_p99_us": median([r["step_round_trip"]["p99_us"] for r in runs]),
         "median_step_echo_p50_us": median([f["p50_us"] for f in floors]),
+        "median_step_p50_over_echo": median([r["step_p50_over_echo"] for r in runs
+                                             if r["step_p50_over_echo"] is not None]),
         "median_step_python_client_p50_us": median([r["step_round_trip_python_client"]["p50_us"] for r in runs]),
         "median_step_python_client_p99_us": median([r["step_round_trip_python_client"]["p99_us"] for r in runs]),
         "median_window_p50_us": median([r["window_round_trip"]["p50_us"] for r in runs]),
@@ -184,10 +196,10 @@ def game_loop_runs(repeats: int, steps: int, windows: int, server_args: list[str
 def open_step_echo(reply_body: int, step_frames: list):
     """(lane, None): a C pipe echo answering each step frame with `reply_body` bytes, warmed up;
     (None, why) where the echo cannot be built."""
-    missing = floor_missing("stdio")
-    if missing:
-        return None, missing
-    lane = open_floor("stdio", [reply_body])
+    try:
+        lane = open_floor("stdio", [reply_body])
+    except EchoUnavailable as exc:
+        return None, str(exc)
     for request in step_frames[:20]:
         lane.round_trip_us(request)
     return lane, None
@@ -336,7 +348,7 @@ def main(argv=None) -> int:
                 print(f"    step echo floor skipped: {floor['skipped']}")
             else:
                 print(f"    step echo floor (C pipe echo, same bytes) p50 {floor['p50_us']:8.1f} µs  "
-                      f"p99 {floor['p99_us']:8.1f} µs: step p50 = {s['p50_us'] / floor['p50_us']:.2f}× the floor")
+                      f"p99 {floor['p99_us']:8.1f} µs: step p50 = {r['step_p50_over_echo']:.2f}× the floor")
             py = r["step_round_trip_python_client"]
             print(f"    step through the Python client library p50 {py['p50_us']:8.1f} µs  p99 {py['p99_us']:8.1f} µs")
             print(f"    window  p50 {w['p50_us']:8.1f} µs  p99 {w['p99_us']:8.1f} µs  "
@@ -346,7 +358,7 @@ def main(argv=None) -> int:
         echo = summary["median_step_echo_p50_us"]
         print(f"  median of {args.repeats} runs: step p50 {summary['median_step_p50_us']:.1f} µs, "
               f"p99 {summary['median_step_p99_us']:.1f} µs" +
-              (f", echo p50 {echo:.1f} µs" if echo is not None else "") +
+              (f", echo p50 {echo:.1f} µs ({summary['median_step_p50_over_echo']:.2f}×)" if echo is not None else "") +
               f", bytes ratio {summary['median_bytes_ratio']:.1f}×")
     if "b" not in args.skip:
         results["concurrent"] = []

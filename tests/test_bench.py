@@ -278,6 +278,8 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
         assert run["step_stages_p50_us"]["kernel_us"] > 0
         echo = run["step_echo_floor"]
         assert "skipped" in echo or echo["n"] == 30
+        assert run["step_p50_over_echo"] == (
+            None if "skipped" in echo else pytest.approx(run["step_round_trip"]["p50_us"] / echo["p50_us"]))
     (concurrent,) = results["concurrent"]
     for kind, runs in concurrent["runs"].items():
         (run,) = runs
