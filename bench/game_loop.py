@@ -11,9 +11,11 @@
     round trip, the bridge's and the echo's, starts after the same pause (SETTLE_SECONDS), as
     a frame of a 60 FPS loop comes long after the last: the server's kernel helpers poll a
     core for up to 1 ms after a step, which would slow an echo sent right after it and spare
-    the next step their wake-up. The same steps through the Python client library
-    (bridge.client.PortClient: encoding each request, a reader thread, decoding each reply)
-    are measured beside them, as a Python caller sees them. Repeated `--repeats` times, each with a fresh server: one 600-step p99 on
+    the next step their wake-up. The same steps are also timed back to back, without the pause
+    (a server kept busy, as by many agents stepping), the bridge alone. The same steps through
+    the Python client library (bridge.client.PortClient: encoding each request, a reader
+    thread, decoding each reply) are measured beside them, paused alike, as a Python caller
+    sees them. Repeated `--repeats` times, each with a fresh server: one 600-step p99 on
     a shared machine says more about its neighbours than about the bridge, so the medians over
     the runs are reported and every run is kept.
 (b) 8 concurrent callers, each stepping its own session in a closed loop through one server:
@@ -113,6 +115,13 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
         finally:
             if echo is not None:
                 echo.close()
+        # The same steps back to back: a server kept busy (many agents) rather than a frame's
+        # lone step; no echo, which the kernel helpers' polling would slow.
+        back_to_back_rows, back_to_back_timing = [], []
+        for i in range(steps):
+            us, _, timing = exchange(lane, step_frames[i % len(step_frames)])
+            back_to_back_rows.append(us)
+            back_to_back_timing.append(timing)
         window_frame = lane.frame(encode_request("window", "scan", {"A": A, **DT_CLAMP, **window}))
         for _ in range(3):
             exchange(lane, window_frame)
@@ -141,6 +150,8 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
         "step_bytes_per_frame": step_frame_bytes,
         "step_echo_floor": floor,
         "step_p50_over_echo": step["p50_us"] / floor["p50_us"] if echo is not None else None,
+        "step_round_trip_back_to_back": summarize_us(back_to_back_rows),
+        "step_stages_p50_us_back_to_back": stage_medians(back_to_back_timing),
         "step_round_trip_python_client": python_client_steps(steps, A, frames, server_args),
         "prefill_round_trip_us": prefill_us,
         "window_round_trip": summarize_us(window_rows),
@@ -181,6 +192,8 @@ def game_loop_runs(repeats: int, steps: int, windows: int, server_args: list[str
         "backend": runs[0]["backend"],
         "median_step_p50_us": median([r["step_round_trip"]["p50_us"] for r in runs]),
         "median_step_p99_us": median([r["step_round_trip"]["p99_us"] for r in runs]),
+        "median_step_back_to_back_p50_us": median([r["step_round_trip_back_to_back"]["p50_us"] for r in runs]),
+        "median_step_back_to_back_p99_us": median([r["step_round_trip_back_to_back"]["p99_us"] for r in runs]),
         "median_step_echo_p50_us": median([f["p50_us"] for f in floors]),
         "median_step_p50_over_echo": median([r["step_p50_over_echo"] for r in runs
                                              if r["step_p50_over_echo"] is not None]),
@@ -349,6 +362,9 @@ def main(argv=None) -> int:
             else:
                 print(f"    step echo floor (C pipe echo, same bytes) p50 {floor['p50_us']:8.1f} µs  "
                       f"p99 {floor['p99_us']:8.1f} µs: step p50 = {r['step_p50_over_echo']:.2f}× the floor")
+            bb = r["step_round_trip_back_to_back"]
+            print(f"    step back to back (no pause) p50 {bb['p50_us']:8.1f} µs  p99 {bb['p99_us']:8.1f} µs; stages p50: " +
+                  "  ".join(f"{k}={v:.1f}" for k, v in r["step_stages_p50_us_back_to_back"].items()))
             py = r["step_round_trip_python_client"]
             print(f"    step through the Python client library p50 {py['p50_us']:8.1f} µs  p99 {py['p99_us']:8.1f} µs")
             print(f"    window  p50 {w['p50_us']:8.1f} µs  p99 {w['p99_us']:8.1f} µs  "

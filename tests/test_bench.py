@@ -270,7 +270,8 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
     loop = results["game_loop"]
     assert len(loop["runs"]) == 2 and loop["backend"] == "cpu"
     for run in loop["runs"]:
-        assert run["step_round_trip"]["n"] == 30 and run["step_round_trip_python_client"]["n"] == 30
+        assert (run["step_round_trip"]["n"] == run["step_round_trip_back_to_back"]["n"]
+                == run["step_round_trip_python_client"]["n"] == 30)
         assert 0 < run["step_round_trip"]["min_us"] <= run["step_round_trip"]["p50_us"]
         # 32x512x16 f32: x and dt (64 KiB each) plus B and C in, y (64 KiB) out, per frame.
         assert 3 * 65536 < run["step_bytes_per_frame"] < 4 * 65536
