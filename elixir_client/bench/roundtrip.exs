@@ -23,6 +23,7 @@ defmodule RoundtripBench do
   @exphil %{batch: 32, seq: 60, dim: 512, state: 16}
   @step %{batch: 32, dim: 512, state: 16}
   @warmup 3
+  @settle_ms 5
 
   def main(argv) do
     {opts, _, _} =
@@ -170,9 +171,15 @@ defmodule RoundtripBench do
       # warm-up: page faults, first-call allocations on both sides
       for _ <- 1..@warmup, do: {echo_round_trip(echo, request), {:ok, _} = call.()}
 
+      # Each round trip, the echo's and the call's, after the same pause (as a 60 FPS frame
+      # comes long after the last): right after a call the server's kernel helpers still
+      # poll a core for up to 1 ms, which would slow the echo and spare the next call their
+      # wake-up (the Python benches pause alike, bench/roundtrip.py SETTLE_SECONDS).
       samples =
         for _ <- 1..iterations do
+          Process.sleep(@settle_ms)
           echo_us = echo_round_trip(echo, request)
+          Process.sleep(@settle_ms)
           t0 = System.monotonic_time(:nanosecond)
           {:ok, result} = call.()
           {(System.monotonic_time(:nanosecond) - t0) / 1000, echo_us, result.timing}
