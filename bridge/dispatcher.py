@@ -1,8 +1,8 @@
 """frame → decode → dispatch → op → encode → reply.
 
 Transports call `on_frame` from their reader threads: the body is decoded and validated there
-(so the next frame is read while the worker computes), then queued for the worker, which runs
-the op and writes the reply through the connection. Every failure becomes a structured error
+(so, while the server is busy, the next frame is read while the worker computes), then queued
+for the worker, which runs the op and writes the reply through the connection. Every failure becomes a structured error
 reply; nothing a client sends can stop the worker.
 
 On the worker, a request for a batchable op (a bridge.batcher.BatchedOp: step, scan) leads a
@@ -14,8 +14,8 @@ A request that finds the server idle -- nothing in flight, nothing more waiting 
 connection (the transport says so: `more_input=False`) -- runs at once on the reader thread
 that decoded it, skipping the hand-off to the worker (a thread wake-up and GIL hand-over): the
 game loop's queue stage was 50 µs a step in bench/results/game_loop.json as recorded at
-36b13ce, and 6-9 µs since. It runs alone;
-requests that come meanwhile queue for the worker, which gathers them into batches as usual.
+630f5f6, and 6-9 µs since in steps back to back. It runs alone; requests that come meanwhile
+queue for the worker, which gathers them into batches as usual.
 One lock (`_serving`) lets one thread at a time run ops, so the ops never run concurrently.
 """
 

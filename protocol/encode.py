@@ -118,7 +118,7 @@ class Packer:
 
     def timing(self, timing: dict | Callable[[], dict]) -> None:
         """The timing map, checked (str -> number), in one encoder call: the same bytes as
-        `value` writes, without its per-entry dispatch (a fifth of a small reply's encoding)."""
+        `value` writes, without its per-entry dispatch."""
         _SCALAR_ENCODER.encode_into(check_timing(timing), self.small, -1)
 
     def finish(self) -> list:
