@@ -44,6 +44,7 @@ class Call:
     request: object  # protocol.Request | protocol.LegacyRequest
     timing: Timing
     handler: Callable  # the op's handler, from the table of the request's protocol
+    legacy: bool  # an ExPhil request (protocol.LegacyRequest)
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
     executions: int = 1  # kernel launches this request is counted for (stats; 0 for all but one member of a batch)
@@ -59,8 +60,9 @@ class Call:
         return self.request.args
 
     @property
-    def legacy(self) -> bool:
-        return isinstance(self.request, protocol.LegacyRequest)
+    def batched_op(self) -> BatchedOp | None:
+        """The handler when the dispatcher batches it (legacy ops have no batched handler)."""
+        return self.handler if isinstance(self.handler, BatchedOp) else None
 
     @property
     def stats_op(self) -> str:
@@ -134,7 +136,7 @@ class Dispatcher:
             if release:
                 release()
             return
-        call = Call(conn, request, timing, handler, release, enqueued_ns=now_ns())
+        call = Call(conn, request, timing, handler, legacy, release, enqueued_ns=now_ns())
         # An idle server serves the request on this thread, unless it is to be batched with
         # others (see _serve_on); nothing it could be queued behind exists, so order is kept.
         if not (idle and not more_input and self._serve_on(call, reader=True)):
@@ -170,7 +172,7 @@ class Dispatcher:
         batch it leads. A reader thread serves it alone, unless requests like it recently came
         together: then it serves nothing and returns False, so that the worker gathers the
         request with those that arrive meanwhile (waiting for them as the batch policy says)."""
-        op = self._batched_op(call)
+        op = call.batched_op
         with self._serving:
             try:
                 if op is None:
@@ -178,13 +180,19 @@ class Dispatcher:
                 elif not reader:
                     self._serve_batch(op, call)
                 else:
-                    item = self._prepare(op, call)
-                    if item is not None:
-                        if self.policy.expects_company(item.key, now_ns()):
-                            return False
-                        self._run_batch(op, Batch(item))
+                    return self._serve_alone(op, call)
             except Exception:  # a bug in reply writing must not stop the serving thread
                 log.exception("serving %s failed", call.op)
+        return True
+
+    def _serve_alone(self, op: BatchedOp, call: Call) -> bool:
+        """Serve a batchable request as a batch of its own, unless requests like it recently
+        came together (then False: it is left for the worker to gather)."""
+        item = self._prepare(op, call)
+        if item is not None:
+            if self.policy.expects_company(item.key, now_ns()):
+                return False
+            self._run_batch(op, Batch(item))
         return True
 
     def _next_call(self, block: bool = True, timeout: float | None = None):
@@ -196,12 +204,6 @@ class Dispatcher:
             return self._queue.get(block, timeout)
         except queue.Empty:
             return None
-
-    @staticmethod
-    def _batched_op(call) -> BatchedOp | None:
-        if call is _STOP or call.legacy:
-            return None
-        return call.handler if isinstance(call.handler, BatchedOp) else None
 
     def _serve(self, call: Call) -> None:
         call.timing.add("queue", now_ns() - call.enqueued_ns)
@@ -238,7 +240,7 @@ class Dispatcher:
             call = self._next_call(block=wait is not None, timeout=wait)
             if call is None:
                 break
-            if self._batched_op(call) is not op:
+            if call is _STOP or call.batched_op is not op:
                 self._held = call
                 break
             item = self._prepare(op, call)
