@@ -21,26 +21,25 @@ STOP_POLL_SECONDS = 0.02
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import protocol
+    # The defaults live in ServerConfig; importing it loads torch, which main() loads right
+    # after parsing anyway.
+    import kernels
 
+    from .server import ServerConfig
+
+    defaults = ServerConfig()
     p = argparse.ArgumentParser(prog="python -m bridge", description=__doc__)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+    p.add_argument("--device", default=defaults.device, choices=("auto", "cpu", "cuda"),
                    help="where tensors live and kernels run (auto: CUDA when available)")
-    p.add_argument("--backend", default=None,
+    p.add_argument("--backend", default=defaults.backend,
                    help="kernels backend by name (reference, torch, cpu, triton); default: the best for the device")
-    p.add_argument("--max-frame-size", type=_positive, default=protocol.DEFAULT_MAX_FRAME_SIZE,
+    p.add_argument("--max-frame-size", type=_positive, default=defaults.max_frame_size,
                    help="largest request frame in bytes; bigger frames are drained and answered with frame_too_large")
     p.add_argument("--log-level", default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"))
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
                    help="compile the kernels for this shape bucket before serving (repeatable); OPTS "
-                        "is a comma list of the options requests will use: D,z,dt_bias,dt_softplus,"
-                        "clamp,h0,return_state; `info` lists what was compiled")
-
-    # Batching and residency defaults live in ServerConfig; importing it loads torch, which
-    # main() loads right after parsing anyway.
-    from .server import ServerConfig
-
-    defaults = ServerConfig()
+                        "is a comma list of the options requests will use: " + ",".join(kernels.WARMUP_OPTIONS) +
+                        "; `info` lists what was compiled")
     p.add_argument("--max-pending", type=_positive, default=defaults.max_pending,
                    help="requests in flight before new ones are answered with overloaded")
     p.add_argument("--max-delay-us", type=_count, default=defaults.max_delay_us,

@@ -7,7 +7,6 @@ import logging
 import threading
 from contextlib import contextmanager
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +23,7 @@ from .timing import now_ns
 log = logging.getLogger("bridge")
 
 
-@dataclass
+@dataclasses.dataclass
 class ServerConfig:
     device: str = "auto"
     backend: str | None = None
