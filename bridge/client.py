@@ -94,13 +94,14 @@ def from_wire(t: protocol.WireTensor, *, as_torch: bool = False):
     return np.frombuffer(t.data, dtype=NUMPY_DTYPES[t.dtype]).reshape(t.shape)
 
 
-def _convert_result(value, as_torch):
+def result_from_wire(value, *, as_torch: bool = False):
+    """A decoded reply's result with every wire tensor in it made an array (see from_wire)."""
     if isinstance(value, protocol.WireTensor):
         return from_wire(value, as_torch=as_torch)
     if isinstance(value, dict):
-        return {k: _convert_result(v, as_torch) for k, v in value.items()}
+        return {k: result_from_wire(v, as_torch=as_torch) for k, v in value.items()}
     if isinstance(value, list):
-        return [_convert_result(v, as_torch) for v in value]
+        return [result_from_wire(v, as_torch=as_torch) for v in value]
     return value
 
 
@@ -234,7 +235,7 @@ class FramedClient:
             self.unmatched.append(Reply(None, False, None, None, {}, 0.0, bytes_in=nbytes,
                                         extra={"raw": bytes(body)}))
             return
-        result = _convert_result(decoded.result, self.as_torch) if decoded.ok else None
+        result = result_from_wire(decoded.result, as_torch=self.as_torch) if decoded.ok else None
         done = time.perf_counter_ns()
         with self._lock:
             entry = self._pending.pop(decoded.id, None) if isinstance(decoded.id, (int, str)) else None

@@ -8,10 +8,9 @@ import itertools
 import threading
 
 import pytest
-import torch
 
 import protocol
-from bridge.client import BridgeError, from_wire, to_wire
+from bridge.client import BridgeError, result_from_wire, to_wire
 from bridge.device import choose_device
 from bridge.dispatcher import Dispatcher
 from bridge.ops import HANDLERS, LEGACY_HANDLERS
@@ -44,12 +43,8 @@ class RecordingConnection(Connection):
 
 
 def torch_result(value):
-    """A decoded reply's result with its tensors as torch tensors that own their memory."""
-    if isinstance(value, protocol.WireTensor):
-        return from_wire(value, as_torch=True)
-    if isinstance(value, dict):
-        return {k: torch_result(v) for k, v in value.items()}
-    return value
+    """A decoded reply's result with its tensors as torch tensors (views of the reply body)."""
+    return result_from_wire(value, as_torch=True)
 
 
 class InProcessServer:

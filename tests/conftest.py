@@ -15,3 +15,6 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The in-process server fixture (`inproc`) of the session and batcher tests.
+pytest_plugins = ["bridge_fakes"]

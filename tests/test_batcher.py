@@ -24,7 +24,7 @@ from bridge.sessions import unknown_session
 from bridge.timing import Timing
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
-from bridge_fakes import RecordingConnection, inproc, torch_result  # noqa: F401  (inproc: fixture)
+from bridge_fakes import RecordingConnection, torch_result
 
 SHARED = ("A", "D", "dt_bias")
 

@@ -18,7 +18,7 @@ import torch
 
 import protocol
 from bridge.client import BridgeError, PortClient
-from bridge_fakes import RecordingConnection, inproc, torch_result  # noqa: F401  (inproc: fixture)
+from bridge_fakes import RecordingConnection
 from kernel_cases import (STATE_TOLERANCE, ScanCase, assert_close, make_scan_inputs,
                           reference_scan)
 
