@@ -32,10 +32,15 @@ import time
 from typing import Callable
 
 import protocol
-from bridge.client import to_wire
+from bridge.client import server_env, to_wire
 from bridge.transports.framed import read_exact, write_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Idle time before each timed round trip, the bridge's and its echo's, in every bench. After a
+# kernel the server's helper threads keep polling a core for up to 1 ms; on a small machine
+# that steals the CPU from whatever runs next, so without a pause the echo after each bridge
+# round trip would pay for it, and the next bridge request would be spared their wake-up.
+SETTLE_SECONDS = 0.005
 ECHO_SOURCES = os.path.join(ROOT, "bench", "echo")
 BUILD_DIR = os.path.join(ROOT, "build")
 START_TIMEOUT_S = 10.0
@@ -190,13 +195,6 @@ def lane_call(lane, op: str, args: dict, multipart: bool = False) -> dict:
     return reply.result
 
 
-def bridge_env() -> dict:
-    """The environment for `python -m bridge` (and other servers of this checkout) from any
-    working directory: this checkout first on PYTHONPATH."""
-    path = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""))
-
-
 class BridgeProcess:
     """`python -m bridge --device cpu ARGS` on pipes, spoken to through a StreamLane (`lane`),
     so that it is timed exactly as the echoes are. Closing its stdin stops it."""
@@ -204,7 +202,7 @@ class BridgeProcess:
     def __init__(self, server_args: list[str], stderr=None):
         self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *server_args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     env=bridge_env(), bufsize=0)
+                                     env=server_env(), bufsize=0)
         self.lane = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
 
     def call(self, op: str, **args) -> dict:

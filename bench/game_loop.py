@@ -42,9 +42,9 @@ import protocol
 from bridge.bench.cases import BATCH, DIM, EXPHIL_SEQ, STATE, Case
 from bridge.client import PortClient
 
-from .floors import BridgeProcess, EchoUnavailable, StreamLane, encode_request, frame_bytes, open_floor
+from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, StreamLane, encode_request, frame_bytes,
+                     open_floor)
 from .machine import summarize_us, write_results
-from .roundtrip import SETTLE_SECONDS
 
 # ExPhil's shape, which Case draws its inputs in.
 GAME = {"batch": BATCH, "dim": DIM, "state": STATE, "window": EXPHIL_SEQ}

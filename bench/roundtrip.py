@@ -16,19 +16,12 @@ import argparse
 import statistics
 import time
 
-
 import protocol
 from bridge.bench.cases import EXPHIL_SEQ, Case
-from bridge.client import PortClient, to_wire
+from bridge.client import PortClient
 
-from .floors import open_floor
+from .floors import SETTLE_SECONDS, encode_request, frame_bytes, open_floor
 from .machine import summarize_us, write_results
-
-# Idle time before each timed round trip (here and in bench.transports). After a kernel the
-# server's helper threads keep polling a core for up to 1 ms; on a small machine that steals
-# the CPU from whatever runs next, so without a pause the echo after each bridge round trip
-# would pay for it.
-SETTLE_SECONDS = 0.005
 
 
 def exphil_inputs(seed: int = 0) -> dict:
@@ -47,9 +40,8 @@ def run(iterations: int, server_args: list[str]) -> dict:
         first = client.scan(**inputs)
         first.unwrap()
         reply_frame = first.bytes_in
-        request_parts = protocol.frame_parts(
-            protocol.encode_request(1, "scan", {k: to_wire(v) for k, v in inputs.items()}))
-        request_frame = sum(len(memoryview(p).cast("B")) for p in request_parts)
+        request_parts = protocol.frame_parts(encode_request(1, "scan", inputs))
+        request_frame = frame_bytes(request_parts)
         echo = open_floor("stdio", [reply_frame - protocol.framing.HEADER_SIZE])
         rows = {"round_trip": [], "bridge_cost": [], "echo": [], "ipc": []}
         stages = {}

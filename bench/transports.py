@@ -33,9 +33,10 @@ import protocol
 from bridge.cli import tune_malloc
 from bridge.client import UnixClient, ZmqClient
 
-from .floors import BridgeProcess, ZmqLane, connect_unix, encode_request, floor_missing, frame_bytes, lane_call, open_floor
+from .floors import (SETTLE_SECONDS, BridgeProcess, ZmqLane, connect_unix, encode_request, floor_missing,
+                     frame_bytes, lane_call, open_floor)
 from .machine import write_results
-from .roundtrip import SETTLE_SECONDS, exphil_inputs, summarize
+from .roundtrip import exphil_inputs, summarize
 
 GOAL_IPC_OVER_ECHO = 1.3
 STEP = {"batch": 2, "dim": 256, "state": 16}

@@ -257,18 +257,23 @@ class FramedClient:
                 future.set_exception(exc)
 
 
+def server_env(extra: dict | None = None) -> dict:
+    """The environment for `python -m bridge` of this checkout from any working directory:
+    the checkout first on PYTHONPATH (and no empty entry, which would put the working
+    directory on it), then `extra`."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else ""), **(extra or {})}
+
+
 class PortClient(FramedClient):
     """Spawns the server as a BEAM Port would and talks to it over its stdin/stdout."""
 
     def __init__(self, server_args=(), *, python: str = sys.executable, env: dict | None = None,
                  stderr=None, as_torch: bool = False, start_timeout: float = 120.0, command=None):
         cmd = list(command) if command else [python, "-m", "bridge", *server_args]
-        full_env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
-        full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     env=full_env, bufsize=0)
+                                     env=server_env(env), bufsize=0)
         super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
         if command is None:
             # Readiness handshake: the first reply proves imports and device setup are done.

@@ -55,11 +55,11 @@ def scan_client() -> str:
 @pytest.fixture(scope="module")
 def endpoints(scan_client, tmp_path_factory):
     """A live server on zmq ipc and tcp; its tcp port is read from `info` over the unix lane."""
-    from bridge.client import UnixClient
+    from bridge.client import UnixClient, server_env
 
     directory = tmp_path_factory.mktemp("c-client")
     unix_path = str(directory / "bridge.sock")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = server_env()
     log = open(directory / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", "--unix", unix_path,
                              "--zmq", f"ipc://{directory}/bridge.ipc", "--zmq", "tcp://:*"],

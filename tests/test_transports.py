@@ -24,12 +24,11 @@ import torch
 import zmq
 
 import protocol
-from bridge.client import UnixClient, ZmqClient
+from bridge.client import UnixClient, ZmqClient, server_env
 from bridge.transports.framed import read_exact
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
 from kernel_cases import ScanCase, assert_close, make_scan_inputs, reference_scan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 180.0
 REPLY_TIMEOUT_S = 60.0
 
@@ -52,10 +51,9 @@ class ServerProcess:
     def __init__(self, directory, *args, stdin=subprocess.DEVNULL):
         self.directory = directory
         self.log_path = os.path.join(directory, "server.log")
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *args],
-                                         stdin=stdin, stdout=subprocess.DEVNULL, stderr=log, env=env)
+                                         stdin=stdin, stdout=subprocess.DEVNULL, stderr=log, env=server_env())
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:

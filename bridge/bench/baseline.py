@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 import protocol
-from bench.floors import bridge_env
+from bridge.client import server_env
 from bridge.transports.framed import read_exact, write_all
 
 from .cases import EXPHIL_SEQ, Case
@@ -42,7 +42,7 @@ class PortProcess:
         self.log = tempfile.TemporaryFile(mode="w+b")
         try:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=self.log, env=bridge_env(), bufsize=0)
+                                         stderr=self.log, env=server_env(), bufsize=0)
         except OSError as exc:
             self.log.close()
             raise BenchError(f"--baseline: cannot start {shlex.join(command)}: {exc}") from exc
