@@ -21,8 +21,8 @@ from .errors import BackendUnavailable, KernelInputError, ShapeMismatch, Unknown
 
 __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends",
-    "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "ShapeMismatch", "BackendUnavailable",
-    "UnknownBackend",
+    "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "ShapeMismatch",
+    "BackendUnavailable", "UnknownBackend",
 ]
 
 

@@ -242,7 +242,7 @@ def state_tolerance(dtype):
     return TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
 
 
-def check_scan(backend: str, case, dtype, seed: int, what: str) -> None:
+def assert_scan_matches_reference(backend: str, case, dtype, seed: int, what: str) -> None:
     """kernels.selective_scan on `backend` against the float64 reference: y (shape and dtype
     too) and, with return_state, the state."""
     inputs = make_scan_inputs(case, dtype, seed=seed)
@@ -256,7 +256,7 @@ def check_scan(backend: str, case, dtype, seed: int, what: str) -> None:
         assert_close(state, state_ref, dtype, f"{what} state", state_tolerance(dtype))
 
 
-def check_state_update(backend: str, case, dtype, seed: int, what: str) -> None:
+def assert_update_matches_reference(backend: str, case, dtype, seed: int, what: str) -> None:
     """kernels.selective_state_update on `backend` against the float64 reference: y, padding
     rows' y zero, the live slots' state rows updated and every other pool row untouched."""
     inputs = make_update_inputs(case, dtype, seed=seed)

@@ -14,7 +14,7 @@ import torch
 import kernels
 from kernel_cases import (
     DTYPES, LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, UPDATE_CASES, ScanCase, UpdateCase,
-    assert_close, check_scan, check_state_update, make_scan_inputs, make_update_inputs,
+    assert_close, assert_scan_matches_reference, assert_update_matches_reference, make_scan_inputs, make_update_inputs,
     random_seed, reference_scan, reference_update,
 )
 
@@ -40,14 +40,14 @@ BACKENDS = [pytest.param(name, id=name) for name in _cpu_backends()]
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scan_matches_reference(backend, case, dtype):
     seed = random_seed()
-    check_scan(backend, case, dtype, seed, f"{backend} seed={seed}")
+    assert_scan_matches_reference(backend, case, dtype, seed, f"{backend} seed={seed}")
 
 
 @pytest.mark.parametrize("case", LARGE_SCAN_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_scan_matches_reference(backend, case):
     seed = random_seed()
-    check_scan(backend, case, torch.float32, seed, f"{backend} seed={seed}")
+    assert_scan_matches_reference(backend, case, torch.float32, seed, f"{backend} seed={seed}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -55,7 +55,7 @@ def test_large_scan_matches_reference(backend, case):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_update_matches_reference(backend, case, dtype):
     seed = random_seed()
-    check_state_update(backend, case, dtype, seed, f"{backend} seed={seed}")
+    assert_update_matches_reference(backend, case, dtype, seed, f"{backend} seed={seed}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -225,7 +225,7 @@ def test_torch_backend_blocks_agree_with_reference(monkeypatch, block_bytes, lay
     case = ScanCase(2, 10, 12, 4, groups=2, layout=layout, D=True, z=True, dt_bias=True,
                     dt_softplus=True, h0=True)
     seed = random_seed()
-    check_scan("torch", case, torch.float32, seed, f"torch block_bytes={block_bytes} seed={seed}")
+    assert_scan_matches_reference("torch", case, torch.float32, seed, f"torch block_bytes={block_bytes} seed={seed}")
 
 
 # --- validation -----------------------------------------------------------------------------

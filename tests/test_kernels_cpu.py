@@ -31,8 +31,8 @@ import torch
 import kernels
 from kernels import _args
 from kernel_cases import (
-    DTYPES, STATE_TOLERANCE, TOLERANCES, ScanCase, UpdateCase, assert_close, check_scan,
-    check_state_update, make_scan_inputs, make_update_inputs, random_seed, reference_scan,
+    DTYPES, STATE_TOLERANCE, TOLERANCES, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
+    assert_update_matches_reference, make_scan_inputs, make_update_inputs, random_seed, reference_scan,
     reference_update,
 )
 
@@ -85,14 +85,14 @@ def restore_threads():
 @pytest.mark.parametrize("case", SCAN_CASES)
 def test_scan_matches_reference(case, dtype):
     seed = random_seed()
-    check_scan("cpu", case, dtype, seed, f"cpu seed={seed}")
+    assert_scan_matches_reference("cpu", case, dtype, seed, f"cpu seed={seed}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", UPDATE_CASES)
 def test_state_update_matches_reference(case, dtype):
     seed = random_seed()
-    check_state_update("cpu", case, dtype, seed, f"cpu seed={seed}")
+    assert_update_matches_reference("cpu", case, dtype, seed, f"cpu seed={seed}")
 
 
 @pytest.mark.parametrize("case", UPDATE_CASES)

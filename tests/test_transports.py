@@ -37,7 +37,7 @@ def numpy_args(inputs: dict) -> dict:
     return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def check_scan(reply, inputs: dict, what: str = "y") -> None:
+def assert_reply_matches_reference(reply, inputs: dict, what: str = "y") -> None:
     result = reply.unwrap()
     y_ref, state_ref = reference_scan(inputs)
     assert_close(torch.from_numpy(np.array(result["y"])), y_ref, torch.float32, what)
@@ -158,7 +158,7 @@ def test_scan_matches_reference_on_every_lane(server, lane, case):
     with lane_client(server, lane) as client:
         assert client.ping() == {"pong": True}
         reply = client.scan(**numpy_args(inputs))
-        check_scan(reply, inputs)
+        assert_reply_matches_reference(reply, inputs)
         assert reply.timing["server_us"] > 0
 
 
@@ -170,7 +170,7 @@ def test_sessions_and_handles_on_every_lane(server, lane):
         handle = client.put(args["A"])
         session = client.open_session(2, 6, 5)
         reply = client.scan(**{**args, "A": handle}, session=session)
-        check_scan(reply, inputs)
+        assert_reply_matches_reference(reply, inputs)
         assert_close(torch.from_numpy(np.array(client.session_state(session))),
                      reference_scan(inputs)[1], torch.float32, "kept state")
         client.close_session(session)
@@ -299,7 +299,7 @@ def test_sixteen_pipelining_clients_each_get_exactly_their_replies(server):
         assert unmatched == [], f"client {index} ({lane}) got replies to nothing it asked"
         for i, (inputs, reply) in enumerate(zip(requests, replies)):
             assert reply.id == (f"c{index}-{i}" if i % 2 else index * 1000 + i)
-            check_scan(reply, inputs, f"client {index} ({lane}) request {i}")
+            assert_reply_matches_reference(reply, inputs, f"client {index} ({lane}) request {i}")
 
 
 @pytest.mark.parametrize("lane", [pytest.param("unix", id="unix"), pytest.param("ipc-multipart", id="zmq")])
@@ -321,7 +321,7 @@ def test_a_client_that_vanishes_mid_request_disturbs_no_one_and_loses_its_sessio
         with lane_client(server, lane) as stayer:
             futures = [stayer.submit("scan", numpy_args(i)) for i in stayer_inputs]
             for inputs, future in zip(stayer_inputs, futures):
-                check_scan(future.result(REPLY_TIMEOUT_S), inputs)
+                assert_reply_matches_reference(future.result(REPLY_TIMEOUT_S), inputs)
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         while observer.stats()["sessions"]["sessions"] != sessions_before:
             assert time.monotonic() < deadline, "the vanished client's session was never freed"

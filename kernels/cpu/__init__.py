@@ -37,7 +37,8 @@ def backend_from(ext) -> Backend:
         scan=scan,
         state_update=state_update,
         device_types=frozenset({"cpu"}),
-        # It packs every input into aligned tiles itself, whatever the byte offset.
+        # It reads every input at whatever byte offset it lies (unaligned loads, or packed
+        # into aligned tiles), so the bridge makes no aligned copy.
         reads_unaligned=True,
         details={"simd": ext.simd(), "library": ext.__file__},
     )

@@ -60,7 +60,6 @@ Strided strided(const std::optional<at::Tensor>& t, const char* name, const std:
   return t.has_value() ? strided(*t, name, axes) : Strided{};
 }
 
-
 // The items go through a queue in ranges of about 1/kRangesPerThread of a thread's share, to
 // the calling thread and to as many helpers as have kMinWorkPerThread each to do, up to
 // torch.get_num_threads() threads in all.
