@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
+    DTYPES, LARGE_SCAN_CASES, SCAN_CASES, STATE_TOLERANCE, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan,
     reference_update, state_dtype, state_tolerance,
 )
@@ -121,14 +121,11 @@ DTYPE_CASES = [
                           dt_softplus=True, h0=True), id="options-bdl"),
     pytest.param(ScanCase(3, 9, 6, 5, clamp=True, D=True), id="clamp-D"),
 ]
-DTYPES = [
-    pytest.param(torch.float16, id="f16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float64, id="f64"),
-]
+# f32 has the cases above; these add the other dtypes (the interpreter runs them on the CPU).
+NON_F32_DTYPES = [p for p in DTYPES if p.values[0] != torch.float32]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", NON_F32_DTYPES)
 @pytest.mark.parametrize("case", DTYPE_CASES)
 def test_scan_dtypes_on_interpreter(case, dtype):
     _backend("cpu")
@@ -147,11 +144,10 @@ REAL_SCAN_CASES = [
     pytest.param(ScanCase(3, 257, 200, 64, h0=True), id="state64-odd"),
     *LARGE_SCAN_CASES,
 ]
-GPU_DTYPES = [pytest.param(torch.float32, id="f32"), *DTYPES]
 
 
 @ON_CUDA
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", REAL_SCAN_CASES)
 def test_scan_real_sizes_on_gpu(case, dtype):
     _backend("cuda")
@@ -236,11 +232,8 @@ def _check_update(case: UpdateCase, dtype, device, blocks=None):
         assert torch.equal(y[padding], torch.zeros_like(y[padding])), f"padding rows' y not zero {label}"
 
 
-UPDATE_DTYPES = [pytest.param(torch.float32, id="f32"), *DTYPES]
-
-
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", UPDATE_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", UPDATE_CASES)
 def test_state_update_matches_reference(case, dtype, device):
     _backend(device)
@@ -261,7 +254,7 @@ REAL_UPDATE_CASES = [
 
 
 @ON_CUDA
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", REAL_UPDATE_CASES)
 def test_state_update_real_sizes_on_gpu(case, dtype):
     _backend("cuda")
