@@ -60,7 +60,6 @@ class Server(BridgeProcess):
         self.log = tempfile.TemporaryFile()
         super().__init__([*server_args, "--stdio", "--unix", self.unix,
                           "--zmq", f"ipc://{self.scratch.name}/bridge.ipc", "--zmq", "tcp://:*"], stderr=self.log)
-        self.stdio = self.lane
         info = self.call("info")
         self.backend = info["backend"]
         self.endpoints = {"unix": self.unix}
@@ -71,7 +70,7 @@ class Server(BridgeProcess):
 
     def connect(self, lane: str):
         if lane == "stdio":
-            return self.stdio
+            return self.lane
         return connect_unix(self.unix) if lane == "unix" else ZmqLane(self.endpoints[lane])
 
     def close(self) -> None:

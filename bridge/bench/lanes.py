@@ -212,13 +212,10 @@ class SpawnedServer(BenchServer):
                     client.close()
                     self.skipped.append({"what": f"transport {spec.name}", "reason": f"{endpoint}: {reason}"})
         except (clients.ServerExited, TimeoutError, OSError) as exc:
-            tail = self.log_tail()
+            tail = log_tail(self.log)
             self.close()
             raise BenchError(f"the server (python -m bridge {' '.join(args)}) did not start: {exc}; "
                              f"its log ends:\n{tail}") from exc
-
-    def log_tail(self) -> str:
-        return log_tail(self.log)
 
     def close(self) -> None:
         for lane in self.lanes:
