@@ -9,9 +9,10 @@
     bridge is driven by the same client as that echo (pre-encoded requests written, the reply
     read whole into a reused buffer, one at a time), so the two differ only by the server. Each
     round trip, the bridge's and the echo's, starts after the same pause (SETTLE_SECONDS), as
-    a frame of a 60 FPS loop comes long after the last: the server's kernel helpers poll a
-    core for up to 1 ms after a step, which would slow an echo sent right after it and spare
-    the next step their wake-up. The same steps are also timed back to back, without the pause
+    a frame of a 60 FPS loop comes long after the last: back to back, the cores stay warm and
+    the server's kernel helpers still poll one, which no such frame finds (on this 2-core
+    virtual machine every stage of a step ran several times slower after the pause,
+    bench/results/game_loop.json). The same steps are also timed back to back, without the pause
     (a server kept busy, as by many agents stepping), the bridge alone. The same steps through
     the Python client library (bridge.client.PortClient: encoding each request, a reader
     thread, decoding each reply) are measured beside them, paused alike, as a Python caller

@@ -171,10 +171,10 @@ defmodule RoundtripBench do
       # warm-up: page faults, first-call allocations on both sides
       for _ <- 1..@warmup, do: {echo_round_trip(echo, request), {:ok, _} = call.()}
 
-      # Each round trip, the echo's and the call's, after the same pause (as a 60 FPS frame
-      # comes long after the last): right after a call the server's kernel helpers still
-      # poll a core for up to 1 ms, which would slow the echo and spare the next call their
-      # wake-up (the Python benches pause alike, bench/roundtrip.py SETTLE_SECONDS).
+      # Each round trip, the echo's and the call's, after the same pause, as a 60 FPS frame
+      # comes long after the last: back to back, the cores stay warm and the server's kernel
+      # helpers still poll one, which no such frame finds (the Python benches pause alike,
+      # bench/floors.py SETTLE_SECONDS).
       samples =
         for _ <- 1..iterations do
           Process.sleep(@settle_ms)
