@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import (DTYPES, OPS, FrameDecoder, FrameTooLarge, HandleRef, ProtocolError, WireTensor,
+from protocol import (ALIASES, DTYPES, OPS, FrameDecoder, FrameTooLarge, HandleRef, ProtocolError, WireTensor,
                       decode_reply, decode_request, encode_frame)
-from protocol._reader import Reader
+from protocol._reader import Reader, buffer_views, decode_top_map
+from protocol.decode import _decode_v1_checked, _decode_valid_v1
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -92,6 +93,117 @@ def test_fast_tensor_path_is_sound(tensor, allow_handle, str_binaries):
             assert fast == careful
         else:
             assert (fast.dtype, fast.shape, bytes(fast.data)) == (careful.dtype, careful.shape, bytes(careful.data))
+
+
+@st.composite
+def valid_tensor_maps(draw):
+    dtype = draw(st.sampled_from(list(DTYPES)))
+    shape = draw(st.lists(st.integers(0, 3), max_size=3))
+    return {"dtype": dtype, "shape": shape, "data": bytes(math.prod(shape) * DTYPES[dtype][0])}
+
+
+handle_maps = st.fixed_dictionaries({"handle": st.text(min_size=1, max_size=3)})
+# Per schema kind: values it accepts, and near misses of them.
+KIND_VALID = {
+    "tensor": valid_tensor_maps() | handle_maps,
+    "tensor_data": valid_tensor_maps(),
+    "bool": st.booleans(),
+    "number": st.floats(allow_nan=False, allow_infinity=False) | st.integers(-2**63, 2**64 - 1),
+    "str": st.text(min_size=1, max_size=3),
+    "size": st.integers(1, 2**63 - 1),
+    "layout": st.sampled_from(["bld", "bdl"]),
+}
+KIND_NEAR_MISS = {
+    "tensor": tensor_maps() | st.fixed_dictionaries({"handle": st.just("")}) | st.none(),
+    "tensor_data": tensor_maps() | handle_maps | st.none(),
+    "bool": st.none() | st.integers(0, 1),
+    "number": st.floats() | st.booleans() | st.none() | st.text(max_size=2),
+    "str": st.just("") | st.binary(max_size=2) | st.none(),
+    "size": st.integers(-1, 0) | st.integers(2**63, 2**64 - 1) | st.floats(0, 4) | st.none(),
+    "layout": st.sampled_from(["bl", ""]) | st.none(),
+}
+
+
+@st.composite
+def op_requests(draw):
+    """A request whose op and argument names mostly come from the schema, with values that
+    mostly fit their kinds: requests valid and invalid in every way the fast path must tell.
+    The argument map is packed by hand so that a key can come twice."""
+    op = draw(st.sampled_from(list(OPS)))
+    spec = OPS[op]
+    names = draw(st.lists(st.sampled_from([*spec, *ALIASES, "extra"]) if spec else st.just("extra"),
+                          max_size=len(spec) + 1, unique=True))
+    if draw(st.booleans()):  # every argument, so that many are valid
+        names = list(spec)
+    # At most one value is a near miss, so that the rest of the request does not already fail it.
+    miss = draw(st.integers(0, 2 * len(names)))
+    pairs = []
+    for i, name in enumerate(names):
+        arg = spec.get(ALIASES.get(name, name))
+        if arg is None:
+            pairs.append((name, draw(values)))
+        else:
+            pairs.append((name, draw((KIND_NEAR_MISS if i == miss else KIND_VALID)[arg.kind])))
+    if pairs and not draw(st.integers(0, 7)):
+        pairs.append(pairs[0])
+    packer = msgpack.Packer(use_bin_type=draw(st.booleans()))
+    args = packer.pack_map_header(len(pairs)) + b"".join(packer.pack(k) + packer.pack(v) for k, v in pairs)
+    near_miss = not draw(st.integers(0, 4))
+    envelope = {"v": draw(st.sampled_from([0, 2, 1.0, None]) if near_miss else st.just(1)),
+                "id": draw(st.sampled_from([-1, "", True, 1.5]) if near_miss else st.integers(0, 9) | st.text(min_size=1))}
+    if draw(st.booleans()):
+        del envelope["v"]
+    if draw(st.integers(0, 9)):
+        envelope["op"] = op
+    head = packer.pack_map_header(len(envelope) + 1) + b"".join(packer.pack(k) + packer.pack(v)
+                                                                 for k, v in envelope.items())
+    return head + packer.pack("args") + args
+
+
+def arg_key(value):
+    if isinstance(value, WireTensor):
+        return ("tensor", value.dtype, value.shape, bytes(value.data))
+    return (type(value).__name__, value)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op_requests())
+def test_whole_request_path_accepts_only_what_the_checks_accept(body):
+    """The one-typed-decode path for valid requests: whatever it accepts, the argument-by-argument
+    checks accept identically; anything they reject, it leaves to them (None)."""
+    try:
+        top = decode_top_map(body)
+    except ProtocolError:
+        return
+    fast = _decode_valid_v1(top, ())
+    try:
+        careful = _decode_v1_checked(top, ())
+    except ProtocolError:
+        assert fast is None
+        return
+    if fast is not None:
+        assert (fast.id, fast.op, fast.multipart) == (careful.id, careful.op, careful.multipart)
+        assert {k: arg_key(v) for k, v in fast.args.items()} == {k: arg_key(v) for k, v in careful.args.items()}
+
+
+def test_whole_request_path_takes_the_requests_clients_send():
+    """Not a path that never fires: a step with every option, a scan with a handle and a
+    multipart put all go through it."""
+    tensor = {"dtype": "f32", "shape": [1, 2], "data": bytes(8)}
+    bodies = [
+        ({"v": 1, "id": 3, "op": "step", "args": {
+            "session": "s", "x": tensor, "dt": tensor, "A": {"handle": "a"}, "B": tensor, "C": tensor,
+            "D": tensor, "z": tensor, "dt_bias": tensor, "dt_softplus": True, "dt_min": 0, "dt_max": 0.5}}, ()),
+        ({"id": "r", "op": "scan", "args": {"x": tensor, "dt": tensor, "A": {"handle": "a"}, "B": tensor,
+                                             "C": tensor, "layout": "bdl", "return_state": False}}, ()),
+        ({"id": 4, "op": "put", "args": {"tensor": {"dtype": "u8", "shape": [3], "buf": 0}}}, (b"abc",)),
+    ]
+    for message, buffers in bodies:
+        top = decode_top_map(msgpack.packb(message))
+        fast = _decode_valid_v1(top, buffer_views(buffers))
+        assert fast is not None, message["op"]
+        careful = _decode_v1_checked(top, buffer_views(buffers))
+        assert {k: arg_key(v) for k, v in fast.args.items()} == {k: arg_key(v) for k, v in careful.args.items()}
 
 
 @SETTINGS
