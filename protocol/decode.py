@@ -9,9 +9,9 @@ raise `ProtocolError` subclasses that carry the wire error code.
 
 from __future__ import annotations
 
-import math
+import sys
 from dataclasses import dataclass
-from typing import NoReturn, Union
+from typing import Annotated, Literal, NoReturn, Union
 
 import msgspec
 
@@ -21,7 +21,7 @@ from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgume
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
 from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, MAX_REQUEST_ID, OPS, PROTOCOL_VERSION,
-                     SUPPORTED_VERSIONS, Arg)
+                     SUPPORTED_VERSIONS, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
 _ENVELOPE_KEYS = ("v", "id", "op", "args")
@@ -70,15 +70,32 @@ def _decode_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...]) -> 
 
 # -- valid requests, in one typed decode of their arguments ----------------------------------
 # Nearly every request is valid as it comes. Decoding each one's argument map as one typed
-# struct (per op, from the schema) and checking the values in one pass costs about two thirds
-# of checking it one argument at a time; whatever that finds amiss -- or cannot tell, such as an
-# alias or a key given twice -- sends the request down the argument-by-argument path below,
-# which names what is wrong. So this path only ever accepts, and accepts exactly what that one
-# does (tests/test_protocol_properties.py holds the two to that). Tensor arguments stay Raw:
-# Reader.valid_tensor checks each, its key count included.
+# struct (per op, from the schema, each kind's rule a msgspec constraint) is cheaper than
+# checking it one argument at a time (a 32x512x16 step's decode stage 48-53 us against 58-62
+# back to back, bench/results/protocol_typed_decode_ab.json); whatever that finds amiss -- or
+# cannot tell, such as an alias or a key given twice -- sends the request down the
+# argument-by-argument path below, which names what is wrong. So this path only ever accepts,
+# and accepts exactly what that one does (tests/test_protocol_properties.py holds the two to
+# that). Tensor arguments stay Raw: Reader.valid_tensor checks each, its key count included.
 
 _TENSOR_KINDS = ("tensor", "tensor_data")
-_SCALAR_TYPES = {"bool": bool, "number": Union[int, float], "str": str, "size": int, "layout": str}
+# Each scalar kind of schema.KIND_EXPECTED as a msgspec type: the constraints reject what the
+# Reader's checks reject (a float field takes ints as floats, and no nan, inf or bool).
+_SCALAR_TYPES = {
+    "bool": bool,
+    "number": Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)],
+    "str": Annotated[str, msgspec.Meta(min_length=1)],
+    "size": Annotated[int, msgspec.Meta(gt=0, le=MAX_DIM)],
+    "layout": Literal[LAYOUTS],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _ArgPlan:
+    name: str
+    required: bool
+    tensor: bool
+    allow_handle: bool
 
 
 def _args_decoder(op: str, spec: dict[str, Arg]) -> msgspec.msgpack.Decoder:
@@ -90,7 +107,11 @@ def _args_decoder(op: str, spec: dict[str, Arg]) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(struct)
 
 
-_ARGS_DECODERS = {op: (_args_decoder(op, spec), tuple(spec.items())) for op, spec in OPS.items()}
+_ARGS_DECODERS = {
+    op: (_args_decoder(op, spec),
+         tuple(_ArgPlan(name, arg.required, arg.kind in _TENSOR_KINDS, arg.kind == "tensor")
+               for name, arg in spec.items()))
+    for op, spec in OPS.items()}
 _ENVELOPE = frozenset(_ENVELOPE_KEYS)
 
 
@@ -105,49 +126,39 @@ def _decode_valid_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...
         op = ANY_DECODER.decode(top["op"])
     except DECODE_FAILURES:
         return None
-    if not ((type(request_id) is int and 0 <= request_id <= MAX_REQUEST_ID)
-            or (type(request_id) is str and request_id)):
-        return None
-    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+    if not valid_request_id(request_id) or type(version) is not int or version not in SUPPORTED_VERSIONS:
         return None
     entry = _ARGS_DECODERS.get(op) if type(op) is str else None
     if entry is None:
         return None
-    decoder, spec = entry
+    decoder, plans = entry
     try:
         decoded = decoder.decode(top["args"])
     except (*DECODE_FAILURES, msgspec.ValidationError):
         return None
     args, given, used = {}, 0, set()
-    for name, arg in spec:
-        value = getattr(decoded, name)
-        if arg.kind in _TENSOR_KINDS:
+    for plan in plans:
+        value = getattr(decoded, plan.name)
+        if plan.tensor:
             encoded = memoryview(value)
             if not encoded.nbytes:
                 value = msgspec.UNSET
             elif encoded[0] == 0xC0:
                 value = None
             else:
-                value = Reader.valid_tensor(value, arg.kind == "tensor", buffers, used)
+                value = Reader.valid_tensor(value, plan.allow_handle, buffers, used)
                 if value is None:
                     return None
         if value is msgspec.UNSET:
-            if arg.required:
+            if plan.required:
                 return None
             continue
         given += 1
         if value is None:
-            if arg.required:
+            if plan.required:
                 return None
             continue
-        if arg.kind == "number":
-            value = float(value)
-            if not math.isfinite(value):
-                return None
-        elif (arg.kind == "str" and not value) or (arg.kind == "size" and not 0 < value <= MAX_DIM) \
-                or (arg.kind == "layout" and value not in LAYOUTS):
-            return None
-        args[name] = value
+        args[plan.name] = value
     # A key given twice decodes as one: only the map's own count tells.
     if given != count(memoryview(top["args"])) or len(used) != len(buffers):
         return None
@@ -264,8 +275,7 @@ def decode_reply(body, buffers=()) -> Reply:
     if values["v"] not in SUPPORTED_VERSIONS:
         _bad_reply("v", " or ".join(map(str, SUPPORTED_VERSIONS)), repr(values["v"]))
     request_id = values["id"]
-    if not (request_id is None or (isinstance(request_id, str) and request_id)
-            or (type(request_id) is int and 0 <= request_id <= MAX_REQUEST_ID)):
+    if not (request_id is None or valid_request_id(request_id)):
         _bad_reply("id", _ID_EXPECTED + " or nil", repr(request_id))
     ok = values["ok"]
     if type(ok) is not bool:

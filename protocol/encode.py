@@ -21,7 +21,7 @@ from collections.abc import Callable
 import msgspec
 
 from .errors import ERROR_CODES
-from .schema import MAX_REQUEST_ID, PROTOCOL_VERSION
+from .schema import PROTOCOL_VERSION, valid_request_id
 from .tensors import HandleRef, OutTensor, WireTensor
 
 # Payloads from this size on are not copied into the coalesced buffers.
@@ -128,11 +128,7 @@ class Packer:
 
 
 def _check_request_id(request_id, allow_none: bool) -> None:
-    if request_id is None and allow_none:
-        return
-    if isinstance(request_id, str) and request_id:
-        return
-    if type(request_id) is int and 0 <= request_id <= MAX_REQUEST_ID:
+    if (request_id is None and allow_none) or valid_request_id(request_id):
         return
     raise ValueError(f"request_id: expected a uint or a non-empty str{' or None' if allow_none else ''}, "
                      f"got {request_id!r}")

@@ -23,6 +23,12 @@ SUPPORTED_VERSIONS = (1,)
 MAX_REQUEST_ID = 2**64 - 1
 
 
+def valid_request_id(value) -> bool:
+    """Whether `value` is a request id: an int in 0 .. MAX_REQUEST_ID (not a bool) or a
+    non-empty str."""
+    return (type(value) is int and 0 <= value <= MAX_REQUEST_ID) or (isinstance(value, str) and value != "")
+
+
 @dataclass(frozen=True)
 class Arg:
     kind: str

@@ -117,7 +117,7 @@ KIND_NEAR_MISS = {
     "tensor": tensor_maps() | st.fixed_dictionaries({"handle": st.just("")}) | st.none(),
     "tensor_data": tensor_maps() | handle_maps | st.none(),
     "bool": st.none() | st.integers(0, 1),
-    "number": st.floats() | st.booleans() | st.none() | st.text(max_size=2),
+    "number": st.sampled_from([math.nan, math.inf, -math.inf]) | st.booleans() | st.none() | st.text(max_size=2),
     "str": st.just("") | st.binary(max_size=2) | st.none(),
     "size": st.integers(-1, 0) | st.integers(2**63, 2**64 - 1) | st.floats(0, 4) | st.none(),
     "layout": st.sampled_from(["bl", ""]) | st.none(),
@@ -128,8 +128,8 @@ KIND_NEAR_MISS = {
 def op_requests(draw):
     """A request whose op and argument names mostly come from the schema, with values that
     mostly fit their kinds: requests valid and invalid in every way the fast path must tell.
-    The argument map is packed by hand so that a key can come twice."""
-    op = draw(st.sampled_from(list(OPS)))
+    The argument map is packed by hand so that a key can come twice. Returns (body, buffers)."""
+    op = draw(st.sampled_from([*OPS, "scan", "step", "scan", "step"]))  # those with most arguments, more often
     spec = OPS[op]
     names = draw(st.lists(st.sampled_from([*spec, *ALIASES, "extra"]) if spec else st.just("extra"),
                           max_size=len(spec) + 1, unique=True))
@@ -146,18 +146,34 @@ def op_requests(draw):
             pairs.append((name, draw((KIND_NEAR_MISS if i == miss else KIND_VALID)[arg.kind])))
     if pairs and not draw(st.integers(0, 7)):
         pairs.append(pairs[0])
+    # Now and then one tensor's data comes as a raw buffer (multipart), and a buffer is left
+    # over or named out of range.
+    buffers = []
+    with_data = [i for i, (_, v) in enumerate(pairs) if isinstance(v, dict) and {"dtype", "shape", "data"} <= set(v)]
+    if with_data and draw(st.booleans()):
+        i = draw(st.sampled_from(with_data))
+        name, tensor = pairs[i]
+        pairs[i] = (name, {"dtype": tensor["dtype"], "shape": tensor["shape"], "buf": len(buffers)})
+        buffers.append(tensor["data"])
+        if not draw(st.integers(0, 7)):
+            pairs[i][1]["buf"] = len(buffers)
+    if not draw(st.integers(0, 7)):
+        buffers.append(b"stray")
     packer = msgpack.Packer(use_bin_type=draw(st.booleans()))
     args = packer.pack_map_header(len(pairs)) + b"".join(packer.pack(k) + packer.pack(v) for k, v in pairs)
-    near_miss = not draw(st.integers(0, 4))
-    envelope = {"v": draw(st.sampled_from([0, 2, 1.0, None]) if near_miss else st.just(1)),
-                "id": draw(st.sampled_from([-1, "", True, 1.5]) if near_miss else st.integers(0, 9) | st.text(min_size=1))}
-    if draw(st.booleans()):
+    # At most one envelope field is spoiled, so that each of their checks meets its own.
+    spoiled = draw(st.sampled_from([None, None, None, "v", "id", "op", "no op"]))
+    envelope = {"v": draw(st.sampled_from([0, 2, 1.0, None])) if spoiled == "v" else 1,
+                "id": draw(st.sampled_from([-1, "", True, 1.5]) if spoiled == "id"
+                           else st.integers(0, 9) | st.text(min_size=1)),
+                "op": draw(st.sampled_from(["scna", "", 3])) if spoiled == "op" else op}
+    if spoiled != "v" and draw(st.booleans()):
         del envelope["v"]
-    if draw(st.integers(0, 9)):
-        envelope["op"] = op
+    if spoiled == "no op":
+        del envelope["op"]
     head = packer.pack_map_header(len(envelope) + 1) + b"".join(packer.pack(k) + packer.pack(v)
                                                                  for k, v in envelope.items())
-    return head + packer.pack("args") + args
+    return head + packer.pack("args") + args, buffers
 
 
 def arg_key(value):
@@ -168,22 +184,90 @@ def arg_key(value):
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(op_requests())
-def test_whole_request_path_accepts_only_what_the_checks_accept(body):
+def test_whole_request_path_accepts_only_what_the_checks_accept(request):
     """The one-typed-decode path for valid requests: whatever it accepts, the argument-by-argument
     checks accept identically; anything they reject, it leaves to them (None)."""
+    body, buffers = request
     try:
         top = decode_top_map(body)
     except ProtocolError:
         return
-    fast = _decode_valid_v1(top, ())
+    fast = _decode_valid_v1(top, buffer_views(buffers))
     try:
-        careful = _decode_v1_checked(top, ())
+        careful = _decode_v1_checked(top, buffer_views(buffers))
     except ProtocolError:
         assert fast is None
         return
     if fast is not None:
         assert (fast.id, fast.op, fast.multipart) == (careful.id, careful.op, careful.multipart)
         assert {k: arg_key(v) for k, v in fast.args.items()} == {k: arg_key(v) for k, v in careful.args.items()}
+
+
+def _packed_map(pairs: list) -> bytes:
+    """A msgpack map of `pairs` in order, a key given twice kept twice."""
+    packer = msgpack.Packer()
+    return packer.pack_map_header(len(pairs)) + b"".join(packer.pack(k) + packer.pack(v) for k, v in pairs)
+
+
+def _request_top(head: list, args: list) -> dict:
+    """The decoded top-level map of a request with envelope `head` and argument pairs `args`."""
+    packer = msgpack.Packer()
+    return decode_top_map(packer.pack_map_header(len(head) + 1)
+                          + b"".join(packer.pack(k) + packer.pack(v) for k, v in head)
+                          + packer.pack("args") + _packed_map(args))
+
+
+_F32 = {"dtype": "f32", "shape": [1, 2], "data": bytes(8)}
+_STEP_ARGS = [("session", "s"), ("x", _F32), ("dt", _F32), ("A", {"handle": "a"}), ("B", _F32), ("C", _F32),
+              ("dt_min", 0.001)]
+
+
+@pytest.mark.parametrize("spoil", [
+    pytest.param(("dt_min", math.nan), id="number-nan"),
+    pytest.param(("dt_min", math.inf), id="number-inf"),
+    pytest.param(("dt_min", True), id="number-bool"),
+    pytest.param(("session", ""), id="str-empty"),
+    pytest.param(("dt_softplus", 1), id="bool-int"),
+    pytest.param(("x", {"dtype": "f32", "shape": [1, 3], "data": bytes(8)}), id="tensor-size"),
+    pytest.param(("A", {"handle": ""}), id="handle-empty"),
+    pytest.param(("delta", _F32), id="alias-beside-name"),
+    pytest.param(("extra", 1), id="unknown-argument"),
+])
+def test_whole_request_path_leaves_each_near_miss_to_the_checks(spoil):
+    """One spoiled argument of an otherwise valid step: deterministic cases beside the property
+    test, one per check of the fast path."""
+    name, value = spoil
+    args = [(k, value if k == name else v) for k, v in _STEP_ARGS]
+    if name not in dict(args):
+        args.append((name, value))
+    assert _decode_valid_v1(_request_top([("v", 1), ("id", 5), ("op", "step")], _STEP_ARGS), ()) is not None
+    top = _request_top([("v", 1), ("id", 5), ("op", "step")], args)
+    assert _decode_valid_v1(top, ()) is None
+    with pytest.raises(ProtocolError):
+        _decode_v1_checked(top, ())
+
+
+@pytest.mark.parametrize("head, args, buffers", [
+    pytest.param([("v", 2), ("id", 5), ("op", "session_open")], None, (), id="version"),
+    pytest.param([("v", 1), ("id", -1), ("op", "session_open")], None, (), id="id-negative"),
+    pytest.param([("v", 1), ("id", 5), ("op", "sesion_open")], None, (), id="op-unknown"),
+    pytest.param([("id", 5), ("op", "session_open")], [("batch", 0), ("dim", 4), ("state", 2)], (), id="size-zero"),
+    pytest.param([("id", 5), ("op", "session_open")], [("batch", 2**63), ("dim", 4), ("state", 2)], (), id="size-too-big"),
+    pytest.param([("id", 5), ("op", "session_open")], [("batch", 1), ("dim", 4), ("state", 2), ("dim", 4)], (),
+                 id="key-twice"),
+    pytest.param([("id", 5), ("op", "scan")], [("x", _F32), ("dt", _F32), ("A", _F32), ("B", _F32), ("C", _F32),
+                                               ("layout", "bl")], (), id="layout"),
+    pytest.param([("id", 5), ("op", "put")], [("tensor", {"dtype": "u8", "shape": [3], "buf": 1})], (b"abc",),
+                 id="buf-out-of-range"),
+    pytest.param([("id", 5), ("op", "put")], [("tensor", {"dtype": "u8", "shape": [3], "buf": 0})], (b"abc", b"x"),
+                 id="buf-stray"),
+])
+def test_whole_request_path_leaves_each_bad_envelope_or_map_to_the_checks(head, args, buffers):
+    """One spoiled envelope field or argument map, each a check of the fast path."""
+    top = _request_top(head, [("batch", 1), ("dim", 4), ("state", 2)] if args is None else args)
+    assert _decode_valid_v1(top, buffer_views(buffers)) is None
+    with pytest.raises(ProtocolError):
+        _decode_v1_checked(top, buffer_views(buffers))
 
 
 def test_whole_request_path_takes_the_requests_clients_send():
