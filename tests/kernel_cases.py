@@ -1,5 +1,5 @@
 """Shared test harness for every kernels backend: named cases, fresh random inputs (never
-zeros), a per-dtype tolerance table and one comparison helper.
+zeros), a per-dtype tolerance table and the helpers that compare a backend with the reference.
 
 Each backend's tests draw cases from here and compare against `kernels.reference` run in
 float64, so a backend is never checked against itself.
@@ -246,33 +246,47 @@ def assert_scan_matches_reference(backend: str, case, dtype, seed: int, what: st
     """kernels.selective_scan on `backend` against the float64 reference: y (shape and dtype
     too) and, with return_state, the state."""
     inputs = make_scan_inputs(case, dtype, seed=seed)
-    y_ref, state_ref = reference_scan(inputs)
     out = kernels.selective_scan(**inputs, backend=backend)
     y, state = out if case.return_state else (out, None)
+    check_scan_outputs(case, dtype, inputs, y, state, what)
+
+
+def check_scan_outputs(case, dtype, inputs: dict, y, state, what: str) -> None:
+    """A scan's outputs on `inputs`, however it was called, against the float64 reference."""
+    y_ref, state_ref = reference_scan(inputs)
     assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
     assert_close(y, y_ref, dtype, f"{what} y")
     if case.return_state:
         assert state.dtype == state_dtype(dtype), f"{what}: state dtype {state.dtype}"
         assert_close(state, state_ref, dtype, f"{what} state", state_tolerance(dtype))
+    else:
+        assert state is None, f"{what}: a state without return_state"
 
 
 def assert_update_matches_reference(backend: str, case, dtype, seed: int, what: str) -> None:
     """kernels.selective_state_update on `backend` against the float64 reference: y, padding
     rows' y zero, the live slots' state rows updated and every other pool row untouched."""
     inputs = make_update_inputs(case, dtype, seed=seed)
-    y_ref, state_ref = reference_update(inputs)
     before = inputs["state"].clone()
     y = kernels.selective_state_update(**inputs, backend=backend)
+    check_update_outputs(case, dtype, inputs, before, y, what)
+
+
+def check_update_outputs(case, dtype, inputs: dict, before, y, what: str) -> None:
+    """A state update's y and pool (`inputs["state"]`, updated in place from `before`), however
+    it was called, against the float64 reference run on `before`."""
+    y_ref, state_ref = reference_update({**inputs, "state": before})
     state = inputs["state"]
     assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
     assert_close(y, y_ref, dtype, f"{what} y")
     slots = inputs.get("slots")
-    live = torch.ones(case.batch, dtype=torch.bool) if slots is None else slots >= 0
-    if slots is not None:
-        padding = ~live
-        assert torch.equal(y[padding], torch.zeros_like(y[padding])), f"{what}: padding rows' y not 0"
-    touched = torch.zeros(state.shape[0], dtype=torch.bool)
-    touched[torch.arange(case.batch) if slots is None else slots[live]] = True
+    touched = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
+    if slots is None:
+        touched[:case.batch] = True
+    else:
+        live = slots >= 0
+        assert torch.equal(y[~live], torch.zeros_like(y[~live])), f"{what}: padding rows' y not 0"
+        touched[slots[live]] = True
     # The pool is fp32 for every input dtype (make_update_inputs), so fp32 tolerances.
     assert_close(state[touched], state_ref[touched], dtype, f"{what} updated rows", STATE_TOLERANCE)
     assert torch.equal(state[~touched], before[~touched]), f"{what}: rows outside the live slots changed"

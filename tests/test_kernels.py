@@ -7,7 +7,6 @@ Inputs are fresh random draws each run; the seed is in every failure message.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
