@@ -36,10 +36,10 @@ from bridge.client import server_env, to_wire
 from bridge.transports.framed import read_exact, write_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Idle time before each timed round trip, the bridge's and its echo's, in every bench. After a
-# kernel the server's helper threads keep polling a core for up to 1 ms; on a small machine
-# that steals the CPU from whatever runs next, so without a pause the echo after each bridge
-# round trip would pay for it, and the next bridge request would be spared their wake-up.
+# Idle time before each timed round trip, the bridge's and its echo's, in every bench: a frame
+# of a 60 FPS loop comes long after the last, and finds cold caches and sleeping kernel helpers,
+# which back to back no round trip would (the game loop's step echo was 0.16 ms back to back in
+# the recording at baf062c, 0.32 ms after this pause in the one at ba99edc).
 SETTLE_SECONDS = 0.005
 ECHO_SOURCES = os.path.join(ROOT, "bench", "echo")
 BUILD_DIR = os.path.join(ROOT, "build")
@@ -185,14 +185,20 @@ def frame_bytes(parts: list) -> int:
     return sum(memoryview(part).nbytes for part in parts)
 
 
+def exchange(lane, frame_parts: list, what: str = "request") -> tuple[float, protocol.Reply]:
+    """One round trip over a lane to the bridge (µs: request written → reply read whole) and the
+    decoded reply; raises on an error reply."""
+    us = lane.round_trip_us(frame_parts)
+    reply = lane.reply()
+    if not reply.ok:
+        raise RuntimeError(f"{what} failed: {reply.error}")
+    return us, reply
+
+
 def lane_call(lane, op: str, args: dict, multipart: bool = False) -> dict:
     """One request over a lane to the bridge; its result (raises on an error reply)."""
     buffers = [] if multipart else None
-    lane.round_trip_us(lane.frame(encode_request("setup", op, args, buffers), buffers))
-    reply = lane.reply()
-    if not reply.ok:
-        raise RuntimeError(f"{op}: {reply.error}")
-    return reply.result
+    return exchange(lane, lane.frame(encode_request("setup", op, args, buffers), buffers), op)[1].result
 
 
 class BridgeProcess:
@@ -210,7 +216,11 @@ class BridgeProcess:
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait(10)
+        try:
+            self.proc.wait(START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # a hung server must not outlive the bench
+            self.proc.kill()
+            self.proc.wait()
         self.proc.stdout.close()
 
 

@@ -43,12 +43,14 @@ import protocol
 from bridge.bench.cases import BATCH, DIM, EXPHIL_SEQ, STATE, Case
 from bridge.client import PortClient
 
-from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, StreamLane, encode_request, frame_bytes,
-                     open_floor)
+from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, encode_request, exchange,
+                     frame_bytes, open_floor)
 from .machine import summarize_us, write_results
 
 # ExPhil's shape, which Case draws its inputs in.
 GAME = {"batch": BATCH, "dim": DIM, "state": STATE, "window": EXPHIL_SEQ}
+# Untimed round trips before the timed ones: first-call allocations, page faults.
+WARMUP = 20
 # ExPhil's dt clamp (protocol/SPEC.md §9).
 DT_CLAMP = {"dt_min": 0.001, "dt_max": 0.1}
 
@@ -71,16 +73,6 @@ def step_request(request_id, session: str, handle, inputs: dict) -> list:
     return encode_request(request_id, "step", {"session": session, "A": handle, **DT_CLAMP, **inputs})
 
 
-def exchange(lane: StreamLane, frame_parts: list) -> tuple[float, int, dict]:
-    """One round trip (µs: request written → reply read whole), the reply's body bytes and its
-    timing; raises on an error reply."""
-    us = lane.round_trip_us(frame_parts)
-    reply = lane.reply()
-    if not reply.ok:
-        raise RuntimeError(f"request failed: {reply.error}")
-    return us, len(lane.last_reply), reply.timing
-
-
 # -- (a) the game loop ------------------------------------------------------------------------
 
 
@@ -94,22 +86,22 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
     try:
         handle = protocol.HandleRef(bridge.call("put", tensor=A)["handle"])
         session = bridge.call("session_open", batch=b, dim=d, state=n)["session"]
-        prefill_us, _, _ = exchange(lane, lane.frame(encode_request(
+        prefill_us, _ = exchange(lane, lane.frame(encode_request(
             "prefill", "scan", {"A": handle, "session": session, **DT_CLAMP, **window})))
         step_frames = [lane.frame(step_request(i, session, handle, f)) for i, f in enumerate(frames)]
-        for i in range(20):  # warm-up: first-call allocations, page faults
-            _, reply_bytes, _ = exchange(lane, step_frames[i % len(step_frames)])
-        echo, echo_missing = open_step_echo(reply_bytes, step_frames)
+        for i in range(WARMUP):
+            exchange(lane, step_frames[i % len(step_frames)])
+        echo, echo_missing = open_step_echo(len(lane.last_reply), step_frames)
         step_rows, step_bytes, step_timing, echo_rows = [], [], [], []
         try:
             # Bridge and echo take turns, request by request, so that both see the same machine.
             for i in range(steps):
                 request = step_frames[i % len(step_frames)]
                 time.sleep(SETTLE_SECONDS)
-                us, reply_bytes, timing = exchange(lane, request)
+                us, reply = exchange(lane, request)
                 step_rows.append(us)
-                step_bytes.append(frame_bytes(request) + protocol.framing.HEADER_SIZE + reply_bytes)
-                step_timing.append(timing)
+                step_bytes.append(frame_bytes(request) + protocol.framing.HEADER_SIZE + len(lane.last_reply))
+                step_timing.append(reply.timing)
                 if echo is not None:
                     time.sleep(SETTLE_SECONDS)
                     echo_rows.append(echo.round_trip_us(request))
@@ -117,21 +109,21 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
             if echo is not None:
                 echo.close()
         # The same steps back to back: a server kept busy (many agents) rather than a frame's
-        # lone step; no echo, which the kernel helpers' polling would slow.
+        # lone step; the bridge alone, this series is not held against a floor.
         back_to_back_rows, back_to_back_timing = [], []
         for i in range(steps):
-            us, _, timing = exchange(lane, step_frames[i % len(step_frames)])
+            us, reply = exchange(lane, step_frames[i % len(step_frames)])
             back_to_back_rows.append(us)
-            back_to_back_timing.append(timing)
+            back_to_back_timing.append(reply.timing)
         window_frame = lane.frame(encode_request("window", "scan", {"A": A, **DT_CLAMP, **window}))
         for _ in range(3):
             exchange(lane, window_frame)
         window_rows, window_bytes, window_timing = [], [], []
         for _ in range(windows):
-            us, reply_bytes, timing = exchange(lane, window_frame)
+            us, reply = exchange(lane, window_frame)
             window_rows.append(us)
-            window_bytes.append(frame_bytes(window_frame) + protocol.framing.HEADER_SIZE + reply_bytes)
-            window_timing.append(timing)
+            window_bytes.append(frame_bytes(window_frame) + protocol.framing.HEADER_SIZE + len(lane.last_reply))
+            window_timing.append(reply.timing)
         backend = bridge.call("info")["backend"]
     finally:
         bridge.close()
@@ -139,6 +131,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
     def stage_medians(timings):
         return {k: statistics.median(t[k] for t in timings) for k in timings[0] if k.endswith("_us")}
 
+    python_client = python_client_steps(steps, A, frames, server_args)
     floor = summarize_us(echo_rows) if echo is not None else {"skipped": echo_missing}
     step_frame_bytes, window_frame_bytes = statistics.median(step_bytes), statistics.median(window_bytes)
     step = summarize_us(step_rows)
@@ -153,7 +146,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
         "step_p50_over_echo": step["p50_us"] / floor["p50_us"] if echo is not None else None,
         "step_round_trip_back_to_back": summarize_us(back_to_back_rows),
         "step_stages_p50_us_back_to_back": stage_medians(back_to_back_timing),
-        "step_round_trip_python_client": python_client_steps(steps, A, frames, server_args),
+        "step_round_trip_python_client": python_client,
         "prefill_round_trip_us": prefill_us,
         "window_round_trip": summarize_us(window_rows),
         "window_stages_p50_us": stage_medians(window_timing),
@@ -171,11 +164,11 @@ def python_client_steps(steps: int, A, frames: list, server_args: list[str]) -> 
         handle = client.put(A)
         session = client.open_session(b, d, n)
         rows = []
-        for i in range(20 + steps):
+        for i in range(WARMUP + steps):
             time.sleep(SETTLE_SECONDS)
             reply = client.step(session, **frames[i % len(frames)], A=handle, **DT_CLAMP)
             reply.unwrap()
-            if i >= 20:
+            if i >= WARMUP:
                 rows.append(reply.round_trip_us)
     return summarize_us(rows)
 
@@ -214,7 +207,7 @@ def open_step_echo(reply_body: int, step_frames: list):
         lane = open_floor("stdio", [reply_body])
     except EchoUnavailable as exc:
         return None, str(exc)
-    for request in step_frames[:20]:
+    for request in step_frames[:WARMUP]:
         lane.round_trip_us(request)
     return lane, None
 

@@ -31,10 +31,11 @@ import torch
 import kernels
 import protocol
 from bridge.cli import tune_malloc
+from bridge.bench.cases import Case
 from bridge.client import UnixClient, ZmqClient
 
-from .floors import (SETTLE_SECONDS, BridgeProcess, ZmqLane, connect_unix, encode_request, floor_missing,
-                     frame_bytes, lane_call, open_floor)
+from .floors import (SETTLE_SECONDS, BridgeProcess, ZmqLane, connect_unix, encode_request, exchange,
+                     floor_missing, frame_bytes, lane_call, open_floor)
 from .machine import write_results
 from .roundtrip import exphil_inputs, summarize
 
@@ -83,15 +84,10 @@ def case_request(case: str, lane) -> tuple[str, dict]:
     """(op, args) of a case on a lane (a step needs a session and a handle of that lane's)."""
     if case == "exphil":
         return "scan", exphil_inputs()
-    rng = np.random.default_rng()
-    b, d, n = STEP["batch"], STEP["dim"], STEP["state"]
-    A = lane_call(lane, "put", {"tensor": -rng.uniform(0.1, 2, (d, n)).astype(np.float32)})["handle"]
+    inputs = Case("step", 1, **STEP).inputs(seed=0)
+    A = lane_call(lane, "put", {"tensor": inputs.pop("A")})["handle"]
     session = lane_call(lane, "session_open", STEP)["session"]
-    return "step", {"session": session, "A": protocol.HandleRef(A),
-                    "x": rng.standard_normal((b, d), dtype=np.float32),
-                    "dt": rng.uniform(0.01, 0.2, (b, d)).astype(np.float32),
-                    "B": rng.standard_normal((b, n), dtype=np.float32),
-                    "C": rng.standard_normal((b, n), dtype=np.float32)}
+    return "step", {"session": session, "A": protocol.HandleRef(A), **inputs}
 
 
 def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iterations: int) -> dict | None:
@@ -101,10 +97,7 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
     op, args = case_request(case, lane)
     buffers = [] if multipart else None
     frame = lane.frame(encode_request(7, op, args, buffers), buffers)
-    lane.round_trip_us(frame)
-    first = lane.reply()
-    if not first.ok:
-        raise RuntimeError(f"{case} on {lane_name}: {first.error}")
+    exchange(lane, frame, f"{case} on {lane_name}")
     floor = open_floor(lane_name, lane.reply_sizes())
     rows = {"round_trip": [], "ipc": [], "echo": [], "bridge_cost": []}
     stages: dict[str, list[float]] = {}
@@ -144,13 +137,7 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
 
 def concurrent_inputs(count: int, seed: int) -> tuple[dict, np.ndarray]:
     """`count` distinct small scans (one row each, sharing A) and the reference y of each."""
-    rng = np.random.default_rng(seed)
-    b, l, d, n = count, CONCURRENT["seq"], CONCURRENT["dim"], CONCURRENT["state"]
-    inputs = {"x": rng.standard_normal((b, l, d), dtype=np.float32),
-              "dt": rng.uniform(0.01, 0.5, (b, l, d)).astype(np.float32),
-              "A": -rng.uniform(0.1, 2, (d, n)).astype(np.float32),
-              "B": rng.standard_normal((b, l, n), dtype=np.float32),
-              "C": rng.standard_normal((b, l, n), dtype=np.float32)}
+    inputs = Case("scan", CONCURRENT["seq"], count, CONCURRENT["dim"], CONCURRENT["state"]).inputs(seed)
     t = {k: torch.from_numpy(v).double() for k, v in inputs.items()}
     y = kernels.selective_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], backend="reference")
     return inputs, y.float().numpy()
