@@ -30,10 +30,9 @@ from ._registry import Backend
 
 # Target size of one per-block work buffer (decays; the state buffers have the same shape).
 # About the L2 of this machine (2 MiB in all; the elementwise ops split each buffer between
-# the two cores' threads). Chosen from a block-size sweep while developing (not recorded;
-# 2 MiB was the fastest of 512 KiB to 8 MiB on three shapes): smaller blocks pay more per-op
-# overhead (more chunks, strided channel views), larger ones spill to L3. The recorded torch
-# backend times are in bench/results/kernels-cpu.json.
+# the two cores' threads): smaller blocks pay more per-op overhead (more chunks, strided
+# channel views), larger ones spill to L3. An L2-sized choice, not a recorded optimum; the
+# recorded torch backend times are in bench/results/kernels-cpu.json.
 _BLOCK_BYTES = 2 * 1024 * 1024
 
 
