@@ -287,3 +287,22 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
         assert sum(run["per_caller_steps"]) > 0 and len(run["per_caller_steps"]) == 3, kind
     assert concurrent["speedup"] == pytest.approx(
         concurrent["median_steps_per_s"]["batched"] / concurrent["median_steps_per_s"]["unbatched"])
+
+
+def test_soak_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.soak`, tiny: every round's session ends in round 0's state, churned
+    connections leave nothing behind, and the JSON carries the usage the README quotes."""
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.soak", "--rounds", "3", "--steps", "3", "--churn", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())["results"]
+    assert [s["round"] for s in result["rounds"]] == [0, 1, 2]
+    assert result["rounds_with_state_equal_to_round_0"] == 2
+    assert result["left_after_rounds"] == {"sessions": 0, "handles": 0}
+    assert result["connections"] == 3 * 2 * 2 + 1
+    # Requests counted by the server itself, climbing every round.
+    counts = [s["requests"] for s in result["rounds"]]
+    assert counts == sorted(counts) and counts[0] > 3 + 2 * 2
+    assert all(s["rss_kB"] > 0 and s["fds"] > 0 and s["threads"] > 0 for s in result["rounds"])
