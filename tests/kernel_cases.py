@@ -242,10 +242,10 @@ def state_tolerance(dtype):
     return TOLERANCES[torch.float64] if dtype == torch.float64 else STATE_TOLERANCE
 
 
-def assert_scan_matches_reference(backend: str, case, dtype, seed: int, what: str) -> None:
-    """kernels.selective_scan on `backend` against the float64 reference: y (shape and dtype
-    too) and, with return_state, the state."""
-    inputs = make_scan_inputs(case, dtype, seed=seed)
+def assert_scan_matches_reference(backend: str, case, dtype, seed: int, what: str, device="cpu") -> None:
+    """kernels.selective_scan on `backend` (inputs on `device`) against the float64 reference:
+    y (shape and dtype too) and, with return_state, the state."""
+    inputs = make_scan_inputs(case, dtype, device, seed=seed)
     out = kernels.selective_scan(**inputs, backend=backend)
     y, state = out if case.return_state else (out, None)
     check_scan_outputs(case, dtype, inputs, y, state, what)
@@ -287,6 +287,6 @@ def check_update_outputs(case, dtype, inputs: dict, before, y, what: str) -> Non
         live = slots >= 0
         assert torch.equal(y[~live], torch.zeros_like(y[~live])), f"{what}: padding rows' y not 0"
         touched[slots[live]] = True
-    # The pool is fp32 for every input dtype (make_update_inputs), so fp32 tolerances.
-    assert_close(state[touched], state_ref[touched], dtype, f"{what} updated rows", STATE_TOLERANCE)
+    # The tolerance of the pool's own dtype: fp32 (make_update_inputs) or a float64 pool.
+    assert_close(state[touched], state_ref[touched], dtype, f"{what} updated rows", state_tolerance(state.dtype))
     assert torch.equal(state[~touched], before[~touched]), f"{what}: rows outside the live slots changed"

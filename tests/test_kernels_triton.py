@@ -25,8 +25,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    DTYPES, LARGE_SCAN_CASES, SCAN_CASES, UPDATE_CASES, ScanCase, UpdateCase, assert_close, check_scan_outputs,
-    check_update_outputs, make_scan_inputs, make_update_inputs, random_seed, reference_scan, state_dtype,
+    DTYPES, LARGE_SCAN_CASES, SCAN_CASES, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
+    assert_scan_matches_reference, check_scan_outputs, check_update_outputs, make_scan_inputs, make_update_inputs, random_seed, reference_scan, state_dtype,
 )
 from kernels import _args  # noqa: E402
 from kernels._registry import get_backend  # noqa: E402
@@ -189,11 +189,8 @@ def test_scan_through_public_api(device):
     """`kernels.selective_scan(..., backend="triton")` reaches these kernels (3-D B/C included)."""
     _backend(device)
     seed = random_seed()
-    inputs = make_scan_inputs(ScanCase(2, 7, 5, 3, bc_3d=True, D=True), torch.float32, device, seed=seed)
-    y, state = kernels.selective_scan(**inputs, backend="triton")
-    y_ref, state_ref = reference_scan(inputs)
-    assert_close(y, y_ref, torch.float32, f"y seed={seed}")
-    assert_close(state, state_ref, torch.float32, f"state seed={seed}")
+    assert_scan_matches_reference("triton", ScanCase(2, 7, 5, 3, bc_3d=True, D=True), torch.float32, seed,
+                                  f"seed={seed}", device)
 
 
 def _run_update(inputs: dict, blocks=None):
