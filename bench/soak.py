@@ -15,9 +15,10 @@ driven through the Python client library for `--rounds` rounds. Each round:
 The session's inputs are the same every round, so its state after the steps must be bit for bit
 the state of round 0 (the kernels are deterministic): a pool row reused after churn that kept an
 old state, or any drift, shows there. After each round the bench records the server's resident
-memory (VmRSS), open file descriptors and threads (from /proc), and its sessions and handles
-gauges, which must be back to 0. The bench stops with an error at the first round that breaks
-either rule, so a written result means every round kept both. The first third of the rounds is
+memory (VmRSS), open file descriptors and threads (from /proc); the server's sessions and
+handles gauges (counts, pool bytes, handle bytes) must be back to 0. The bench stops with an
+error at the first round that breaks either rule (`check_round`), so a written result means
+every round kept both. The first third of the rounds is
 warm-up, where resident memory climbs most (the rounds of bench/results/soak.json show it);
 growth is measured from its end to the last round's.
 
@@ -35,13 +36,16 @@ import time
 import numpy as np
 
 from bridge.bench.cases import DIM, EXPHIL_SEQ, STATE, Case
-from bridge.client import BridgeError, PortClient, UnixClient, ZmqClient
+from bridge.bench.lanes import TRANSPORTS, log_tail
+from bridge.client import BridgeError, PortClient, ServerExited, UnixClient, ZmqClient
 
 from .game_loop import DT_CLAMP
 from .machine import write_results
 
 # The long-lived session's batch: a few agents of the game loop's layer (DIM x STATE).
 ROWS = 4
+# How long closed connections' sessions and handles may take to be freed.
+RELEASE_TIMEOUT_S = 10.0
 
 
 def process_usage(pid: int) -> dict:
@@ -69,23 +73,23 @@ class SessionScript:
         self.window = Case("scan", EXPHIL_SEQ, ROWS).inputs(seed)
         self.frames = [Case("step", 1, ROWS).inputs(seed + 1 + i) for i in range(steps)]
         self.A = self.window["A"]
-        self.clamp = DT_CLAMP
 
     def run(self, client: UnixClient) -> np.ndarray:
         """The session's final state."""
         A = client.put(self.A)
         session = client.open_session(ROWS, DIM, STATE)
         w = self.window
-        client.scan(w["x"], w["dt"], A, w["B"], w["C"], session=session, **self.clamp).unwrap()
+        client.scan(w["x"], w["dt"], A, w["B"], w["C"], session=session, **DT_CLAMP).unwrap()
         for f in self.frames:
-            client.step(session, f["x"], f["dt"], A, f["B"], f["C"], **self.clamp).unwrap()
+            client.step(session, f["x"], f["dt"], A, f["B"], f["C"], **DT_CLAMP).unwrap()
         state = np.array(client.session_state(session))
         client.close_session(session)
-        expect_error(client.step(session, f["x"], f["dt"], A, f["B"], f["C"], **self.clamp),
+        f = self.frames[-1]
+        expect_error(client.step(session, f["x"], f["dt"], A, f["B"], f["C"], **DT_CLAMP),
                      "unknown_session", "a step after session_close")
         expect_error(client.request("no_such_op", {}), "unknown_op", "an unknown op")
         other = client.open_session(ROWS, DIM, STATE)
-        expect_error(client.step(other, f["x"][:, :-1], f["dt"], A, f["B"], f["C"], **self.clamp),
+        expect_error(client.step(other, f["x"][:, :-1], f["dt"], A, f["B"], f["C"], **DT_CLAMP),
                      "shape_mismatch", "a step whose x lacks a channel")
         client.close_session(other)
         for i in range(10):
@@ -105,54 +109,72 @@ def churn(unix_path: str, zmq_endpoint: str, connections: int, A: np.ndarray, fr
             client.put(A)
 
 
-def wait_for_release(port: PortClient, timeout_s: float = 10.0) -> dict:
-    """The server's gauges once churned connections' sessions and handles are freed (a ZeroMQ
+def held(stats: dict) -> dict:
+    """What the server still holds for sessions and handles, by its gauges."""
+    sessions, handles = stats["sessions"], stats["handles"]
+    return {"sessions": sessions["sessions"], "pool_bytes": sessions["pool_bytes"],
+            "handles": handles["handles"], "handle_bytes": handles["handle_bytes"]}
+
+
+def wait_for_release(port: PortClient, timeout_s: float = RELEASE_TIMEOUT_S) -> dict:
+    """The server's stats once churned connections' sessions and handles are freed (a ZeroMQ
     peer's departure reaches the server asynchronously), or as they stand at the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
-        gauges = port.stats()
-        if (gauges["sessions"]["sessions"] == 0 and gauges["handles"]["handles"] == 0) or time.monotonic() > deadline:
-            return gauges
+        stats = port.stats()
+        if not any(held(stats).values()) or time.monotonic() > deadline:
+            return stats
         time.sleep(0.05)
+
+
+def requests_served(stats: dict) -> int:
+    """Requests the server has read, its stats requests (wait_for_release's polls) left out:
+    frames_in counts the stats request being answered, the ops table those answered before."""
+    return stats["frames_in"] - stats["ops"].get("stats", {}).get("inference_count", 0) - 1
+
+
+def check_round(r: int, state: np.ndarray, first_state: np.ndarray, stats: dict) -> None:
+    """Raise unless round `r` ended with round 0's session state and nothing left held."""
+    if not np.array_equal(state, first_state):
+        raise RuntimeError(f"round {r}: the session's final state differs from round 0's "
+                           f"(max |diff| {np.abs(state - first_state).max()})")
+    left = held(stats)
+    if any(left.values()):
+        raise RuntimeError(f"round {r}: still held {RELEASE_TIMEOUT_S:.0f} s after every connection "
+                           f"but the long-lived one closed: {left}")
 
 
 def soak(rounds: int, steps: int, connections: int) -> dict:
     script = SessionScript(steps)
-    with tempfile.TemporaryDirectory(prefix="bridge-soak-") as scratch:
-        unix_path = os.path.join(scratch, "bridge.sock")
-        zmq_endpoint = f"ipc://{scratch}/bridge.ipc"
-        port = PortClient(["--device", "cpu", "--stdio", "--unix", unix_path, "--zmq", zmq_endpoint])
+    with tempfile.TemporaryDirectory(prefix="bridge-soak-") as scratch, \
+            tempfile.TemporaryFile(mode="w+b") as log:
+        unix_path = TRANSPORTS["unix"].value(scratch)
+        zmq_endpoint = TRANSPORTS["zmq-ipc"].value(scratch)
+        port = PortClient(["--device", "cpu", "--stdio", "--unix", unix_path, "--zmq", zmq_endpoint],
+                          stderr=log)
         try:
-            pid = port.proc.pid
             samples, first_state = [], None
             with UnixClient(unix_path) as client:
                 for r in range(rounds):
                     state = script.run(client)
-                    if first_state is None:
-                        first_state = state
-                    elif not np.array_equal(state, first_state):
-                        raise RuntimeError(f"round {r}: the session's final state differs from round 0's "
-                                           f"(max |diff| {np.abs(state - first_state).max()})")
+                    first_state = state if first_state is None else first_state
                     churn(unix_path, zmq_endpoint, connections, script.A, script.frames[0])
-                    gauges = wait_for_release(port)
-                    left = (gauges["sessions"]["sessions"], gauges["handles"]["handles"])
-                    if left != (0, 0):
-                        raise RuntimeError(f"round {r}: {left[0]} sessions and {left[1]} handles of closed "
-                                           "connections still held 10 s after they closed")
-                    # Requests the server has read, wait_for_release's stats requests included.
-                    sample = {"round": r, "requests": gauges["frames_in"], **process_usage(pid),
-                              "sessions": gauges["sessions"]["sessions"], "handles": gauges["handles"]["handles"]}
+                    stats = wait_for_release(port)
+                    check_round(r, state, first_state, stats)
+                    sample = {"round": r, "requests": requests_served(stats), **process_usage(port.proc.pid)}
                     samples.append(sample)
-                    print(f"round {r}: {sample['requests']} requests, rss {sample['rss_kB']} kB, {sample['fds']} fds, "
-                          f"{sample['threads']} threads, {sample['sessions']} sessions, {sample['handles']} handles",
-                          flush=True)
+                    print(f"round {r}: {sample['requests']} requests, rss {sample['rss_kB']} kB, "
+                          f"{sample['fds']} fds, {sample['threads']} threads", flush=True)
+        except (ServerExited, TimeoutError, OSError) as exc:
+            raise RuntimeError(f"the server failed: {exc!r}; its log ends:\n{log_tail(log)}") from exc
         finally:
             port.close()
-    return summarize(samples, rounds, steps, connections)
+    return summarize(samples, steps, connections)
 
 
-def summarize(samples: list[dict], rounds: int, steps: int, connections: int) -> dict:
-    first, warm, last = samples[0], samples[len(samples) // 3 - 1], samples[-1]
+def summarize(samples: list[dict], steps: int, connections: int) -> dict:
+    rounds = len(samples)
+    first, warm, last = samples[0], samples[rounds // 3 - 1], samples[-1]
     served = last["requests"] - warm["requests"]
     growth = last["rss_kB"] - warm["rss_kB"]
     return {
@@ -182,6 +204,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 3:
         p.error(f"--rounds: expected at least 3 (the first third warms up), got {args.rounds}")
+    if args.steps < 1:
+        p.error(f"--steps: expected at least 1, got {args.steps}")
     try:
         result = soak(args.rounds, args.steps, args.churn)
     except (RuntimeError, BridgeError) as exc:
