@@ -13,8 +13,8 @@ gets its own reply. Any other request runs alone. Requests run in the order they
 A request that finds the server idle -- nothing in flight, nothing more waiting on its
 connection (the transport says so: `more_input=False`) -- runs at once on the reader thread
 that decoded it, skipping the hand-off to the worker (a thread wake-up and GIL hand-over): the
-game loop's queue stage was 50 µs a step in bench/results/game_loop.json as recorded at
-630f5f6, and 6-9 µs since in steps back to back. It runs alone; requests that come meanwhile
+game loop's queue stage was 50 µs a step in bench/results/game_loop.json as committed in
+13cc2ef, and 6-9 µs since in steps back to back. It runs alone; requests that come meanwhile
 queue for the worker, which gathers them into batches as usual.
 One lock (`_serving`) lets one thread at a time run ops, so the ops never run concurrently.
 """

@@ -29,9 +29,11 @@ defmodule ScanBridge do
       (`{:packet, 4}`).
     * `transport: {:unix, path}`: the server is still spawned (and watched) as a Port, and
       told to listen on `path`; every request then goes over one unix-socket connection
-      (`:gen_tcp`, `{:local, path}`, packet 4), cheaper than the pipes for big tensors and
-      small steps alike (`bench/roundtrip.exs`, recorded in `bench/results/`). Sessions and handles belong to the connection that made them,
-      which is why all requests share the one lane.
+      (`:gen_tcp`, `{:local, path}`, packet 4), cheaper than the pipes for big tensors
+      (`bench/roundtrip.exs`: the ExPhil request's bridge cost 2.30x lower in
+      `bench/results/elixir-roundtrip.json`, where a step's p50 is 1.63 against 1.73 ms).
+      Sessions and handles belong to the connection that made them, which is why all
+      requests share the one lane.
 
   ## Example
 
