@@ -29,7 +29,7 @@ class RecordingConnection(Connection):
 
     def send(self, parts: list, buffers: list | None = None) -> int:
         body = b"".join(parts)
-        reply = protocol.decode_reply(body)
+        reply = protocol.decode_reply(body, buffers or ())
         with self._arrived:
             self._replies[reply.id] = reply
             self._arrived.notify_all()

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from bridge.client import server_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT = os.path.join(ROOT, "elixir_client")
 # Generous: the suite itself takes well under 2 minutes, plus compiling on a cold _build.
@@ -21,7 +23,8 @@ TIMEOUT_S = 600
 
 
 def mix_env() -> dict:
-    env = dict(os.environ)
+    # server_env: this checkout first on PYTHONPATH, for the server the suite spawns.
+    env = server_env()
     build = os.path.join(PROJECT, "_build")
     env.update({
         "MIX_ENV": "test",
@@ -31,7 +34,6 @@ def mix_env() -> dict:
         "HEX_OFFLINE": "1",
         # The interpreter running this suite has the server's dependencies.
         "PYTHON": sys.executable,
-        "PYTHONPATH": ROOT,
     })
     env.setdefault("LANG", "C.UTF-8")  # the BEAM warns and mangles output under a latin1 locale
     return env

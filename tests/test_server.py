@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,10 +13,9 @@ import pytest
 import torch
 
 import protocol
-from bridge.client import BridgeError, PortClient
+from bridge.client import BridgeError, PortClient, server_env
 from kernel_cases import SCAN_CASES, TOLERANCES, assert_close, make_scan_inputs, reference_scan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -206,9 +204,8 @@ def test_oversized_frame_is_drained_and_answered():
 
 
 def spawn_server(*extra, command=None):
-    env = dict(os.environ, PYTHONPATH=ROOT)
     cmd = command or [sys.executable, "-m", "bridge", "--device", "cpu", *extra]
-    return PortClient(command=cmd, env=env, stderr=subprocess.DEVNULL)
+    return PortClient(command=cmd, stderr=subprocess.DEVNULL)
 
 
 def wait_ready(c):
@@ -287,10 +284,9 @@ def test_stray_writes_to_fd1_leave_frames_intact():
 def test_warmup_compiles_before_serving_and_info_lists_it():
     # The Triton backend runs on the CPU interpreter here (tests/conftest.py sets
     # TRITON_INTERPRET=1 without CUDA); on a GPU the same flag compiles for real.
-    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "bridge", "--device", "cpu", "--backend", "triton",
            "--warmup", "2x5x4x3:D,z", "--warmup", "1x3x4x2"]
-    c = PortClient(command=cmd, env=env, stderr=subprocess.DEVNULL)
+    c = PortClient(command=cmd, env={"TRITON_INTERPRET": "1"}, stderr=subprocess.DEVNULL)
     wait_ready(c)
     compiled = c.info()["kernels"]["compiled"]
     assert len(compiled) == 4 and all(line.startswith("triton ") for line in compiled), compiled
@@ -299,7 +295,7 @@ def test_warmup_compiles_before_serving_and_info_lists_it():
 
 def test_a_bad_warmup_bucket_stops_the_server_with_a_reason():
     result = subprocess.run([sys.executable, "-m", "bridge", "--device", "cpu", "--warmup", "2x5x4"],
-                            env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.DEVNULL,
+                            env=server_env(), stdin=subprocess.DEVNULL,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "BATCHxSEQxDIMxSTATE" in result.stderr
