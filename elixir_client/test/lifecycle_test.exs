@@ -6,7 +6,14 @@ defmodule ScanBridge.LifecycleTest do
   alias ScanBridge.{Error, TestSupport}
 
   import TestSupport,
-    only: [scan_inputs: 2, assert_scan_matches: 2, eventually: 1, os_process_gone?: 1]
+    only: [
+      scan_inputs: 2,
+      assert_scan_matches: 2,
+      eventually: 1,
+      os_process_gone?: 1,
+      freeze: 1,
+      thaw: 1
+    ]
 
   setup do
     :rand.seed(:exsss, {7, 11, 13})
@@ -25,12 +32,13 @@ defmodule ScanBridge.LifecycleTest do
     {:ok, os_pid} = ScanBridge.os_pid(name)
 
     # The server is frozen (SIGSTOP) so that all 8 requests are surely in flight when it dies;
-    # they are small enough to fit the pipe, so the Port never blocks its owner.
-    signal(os_pid, "STOP")
-    inputs = scan_inputs(%{batch: 2, seq: 16, dim: 32, state: 4}, [:D])
+    # all 8 (under 8 KB) fit an unenlarged 64 KiB pipe, so the Port never blocks its owner
+    # (8 of the 2x16x32x4 requests this test once sent, 80 KB, fitted only the enlarged one).
+    freeze(os_pid)
+    inputs = scan_inputs(%{batch: 1, seq: 4, dim: 8, state: 2}, [:D])
     tasks = for _ <- 1..8, do: Task.async(fn -> ScanBridge.scan(name, inputs) end)
     assert eventually(fn -> map_size(:sys.get_state(client).pending) == 8 end)
-    signal(os_pid, "KILL")
+    {_, 0} = System.cmd("kill", ["-KILL", Integer.to_string(os_pid)])
 
     for outcome <- Task.await_many(tasks, 10_000) do
       assert {:error, %Error{reason: :server_exited, detail: %{"exit_status" => status}}} = outcome
@@ -67,6 +75,20 @@ defmodule ScanBridge.LifecycleTest do
     assert {:error, %Error{reason: :not_running}} = ScanBridge.ping(client)
   end
 
+  test "a server that does not exit on stdin EOF is killed after :exit_grace" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(exit_grace: 300))
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    # frozen, it cannot read the EOF
+    freeze(os_pid)
+    started = System.monotonic_time(:millisecond)
+
+    {_, log} = ExUnit.CaptureLog.with_log(fn -> assert GenServer.stop(client) == :ok end)
+
+    assert System.monotonic_time(:millisecond) - started >= 300
+    assert os_process_gone?(os_pid)
+    assert log =~ "server #{os_pid} still running after its stdin closed; killing it"
+  end
+
   test "at most max_in_flight requests are at the server; the rest wait their turn in order" do
     {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 2))
 
@@ -96,13 +118,13 @@ defmodule ScanBridge.LifecycleTest do
     {:ok, os_pid} = ScanBridge.os_pid(client)
     {:ok, stats_before} = ScanBridge.stats(client)
     # frozen server: the first request stays outstanding, so the ping waits in the client's queue
-    signal(os_pid, "STOP")
+    freeze(os_pid)
     # kill(1) returns before every thread of the target has stopped
     assert eventually(fn -> stopped?(os_pid) end)
     first = Task.async(fn -> ScanBridge.ping(client) end)
     assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) == 1 end)
     assert {:error, %Error{reason: :timeout}} = ScanBridge.ping(client, timeout: 20)
-    signal(os_pid, "CONT")
+    thaw(os_pid)
     assert Task.await(first) == :ok
     {:ok, stats_after} = ScanBridge.stats(client)
     # one ping reached the server between the two stats calls: the timed-out one never did
@@ -166,9 +188,6 @@ defmodule ScanBridge.LifecycleTest do
 
     assert ScanBridge.child_spec([]).id == ScanBridge
   end
-
-  defp signal(os_pid, name),
-    do: {_, 0} = System.cmd("kill", ["-#{name}", Integer.to_string(os_pid)])
 
   # Every thread of the process is in the stopped state ("T" in /proc/PID/task/TID/stat).
   defp stopped?(os_pid) do

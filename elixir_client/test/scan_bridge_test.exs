@@ -124,11 +124,11 @@ defmodule ScanBridgeTest do
     inputs = scan_inputs(%{batch: 2, seq: 3, dim: 4, state: 2}, [])
     {:ok, os_pid} = ScanBridge.os_pid(server)
     # frozen, the server cannot answer before the deadline; thawed, it answers late
-    {_, 0} = System.cmd("kill", ["-STOP", Integer.to_string(os_pid)])
+    TestSupport.freeze(os_pid)
     started = System.monotonic_time(:millisecond)
     outcome = ScanBridge.scan(server, inputs, timeout: 50)
     elapsed = System.monotonic_time(:millisecond) - started
-    {_, 0} = System.cmd("kill", ["-CONT", Integer.to_string(os_pid)])
+    TestSupport.thaw(os_pid)
     assert {:error, %Error{reason: :timeout}} = outcome
     assert elapsed >= 50 and elapsed < 1_000
 

@@ -43,6 +43,8 @@ defmodule ScanBridge.Server do
   # (bridge/transports/unix.py), chosen from a sweep while developing that was not recorded.
   @socket_buffer 4 * 1024 * 1024
   @connect_retry_ms 10
+  # How long a server killed after :exit_grace may take to be gone (and reaped).
+  @kill_wait_ms 1_000
 
   @typedoc "Options for `start_link/1`; see `ScanBridge.start_link/1`."
   @type option ::
@@ -496,10 +498,13 @@ defmodule ScanBridge.Server do
     end
   end
 
-  defp poll_os_exit(os_pid, deadline) do
+  defp poll_os_exit(os_pid, deadline, stage \\ :closed_stdin) do
     cond do
       not File.exists?("/proc/#{os_pid}") ->
         :ok
+
+      System.monotonic_time(:millisecond) >= deadline and stage == :killed ->
+        Logger.error("scan-bridge: server #{os_pid} still there #{@kill_wait_ms} ms after SIGKILL")
 
       System.monotonic_time(:millisecond) >= deadline ->
         Logger.warning(
@@ -507,11 +512,13 @@ defmodule ScanBridge.Server do
         )
 
         :os.cmd(~c"kill -KILL #{os_pid}")
-        :ok
+        # SIGKILL is not synchronous: wait (briefly) for it to land, so that a stopped client
+        # has surely stopped its server.
+        poll_os_exit(os_pid, System.monotonic_time(:millisecond) + @kill_wait_ms, :killed)
 
       true ->
         Process.sleep(10)
-        poll_os_exit(os_pid, deadline)
+        poll_os_exit(os_pid, deadline, stage)
     end
   end
 

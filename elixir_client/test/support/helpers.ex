@@ -251,6 +251,27 @@ defmodule ScanBridge.TestSupport do
     end)
   end
 
+  @doc """
+  Freeze the OS process `os_pid` (SIGSTOP). Call it from a test: when the test ends, passed or
+  failed, the process is thawed (SIGCONT), so one frozen by a failed assertion still reads its
+  stdin's EOF and exits rather than outliving the suite.
+  """
+  def freeze(os_pid) do
+    ExUnit.Callbacks.on_exit(fn -> send_signal(os_pid, "CONT") end)
+    {_, 0} = send_signal(os_pid, "STOP")
+    :ok
+  end
+
+  @doc "Thaw an OS process frozen by `freeze/1` (SIGCONT)."
+  def thaw(os_pid) do
+    {_, 0} = send_signal(os_pid, "CONT")
+    :ok
+  end
+
+  # kill(1)'s status is not 0 for a process already gone; the callers that need it check it.
+  defp send_signal(os_pid, name),
+    do: System.cmd("kill", ["-#{name}", Integer.to_string(os_pid)], stderr_to_stdout: true)
+
   @doc "Whether the OS process `os_pid` is gone (Linux: no /proc entry)."
   def os_process_gone?(os_pid), do: not File.exists?("/proc/#{os_pid}")
 
