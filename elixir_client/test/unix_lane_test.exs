@@ -10,8 +10,7 @@ defmodule ScanBridge.UnixLaneTest do
   if reason = TestSupport.skip_reason(:unix_lane), do: @moduletag(skip: reason)
 
   setup_all do
-    path =
-      Path.join(System.tmp_dir!(), "scan-bridge-test-#{System.unique_integer([:positive])}.sock")
+    path = TestSupport.socket_path()
 
     server = start_supervised!({ScanBridge, TestSupport.server_opts(transport: {:unix, path})})
     %{server: server, path: path}
@@ -79,8 +78,7 @@ defmodule ScanBridge.UnixLaneTest do
   end
 
   test "the server killed: waiters answered, client stopped, no orphan" do
-    path =
-      Path.join(System.tmp_dir!(), "scan-bridge-test-#{System.unique_integer([:positive])}.sock")
+    path = TestSupport.socket_path()
 
     {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(transport: {:unix, path}))
     Process.unlink(client)

@@ -252,6 +252,22 @@ defmodule ScanBridge.TestSupport do
   end
 
   @doc """
+  A fresh unix socket path for a server, removed when the calling test (or module, from
+  `setup_all`) ends. The BEAM's OS pid is part of it: unique integers restart with every VM,
+  so two suites running at once (or one after a crash) would otherwise pick the same paths.
+  """
+  def socket_path do
+    path =
+      Path.join(
+        System.tmp_dir!(),
+        "scan-bridge-test-#{System.pid()}-#{System.unique_integer([:positive])}.sock"
+      )
+
+    ExUnit.Callbacks.on_exit(fn -> File.rm(path) end)
+    path
+  end
+
+  @doc """
   Freeze the OS process `os_pid` (SIGSTOP). Call it from a test: when the test ends, passed or
   failed, the process is thawed (SIGCONT), so one frozen by a failed assertion still reads its
   stdin's EOF and exits rather than outliving the suite.
