@@ -28,7 +28,7 @@ PROJECT = os.path.join(ROOT, "elixir_client")
 TIMEOUT_S = 600
 # A server whose client went away exits on stdin EOF within a second; one still there after
 # this long was left behind.
-ORPHAN_GRACE_S = 5.0
+ORPHAN_GRACE_S = 10.0
 # Set in mix's environment, inherited by every server the suite spawns: how a leftover is found.
 RUN_MARKER = "SCAN_BRIDGE_TEST_RUN"
 
