@@ -21,6 +21,7 @@ from bridge.bench.lanes import TRANSPORTS, BenchError, SpawnedServer, choose_tra
 from bridge.bench.measure import (STAGES, TimingMissing, fit_latency, make_row, measure_case,
                                   stage_split)
 from bridge.client import Reply
+from process_runs import run_marked
 
 SERVER = [sys.executable, "-m", "bridge", "--device", "cpu"]
 
@@ -149,10 +150,9 @@ def test_plot_says_why_without_matplotlib(monkeypatch, tmp_path):
 
 def test_quick_end_to_end(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run([sys.executable, "-m", "bridge.bench", "--quick", "--device", "cpu",
-                           "--sizes", "step,3", "--json", str(out_json), "--plot", str(out_png)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_marked([sys.executable, "-m", "bridge.bench", "--quick", "--device", "cpu",
+                       "--sizes", "step,3", "--json", str(out_json), "--plot", str(out_png)], timeout_s=120)
+    assert proc.failure() is None, proc.failure()
     assert "transport" in proc.stdout and "latency ≈ a + b·bytes" in proc.stdout
     assert "60 FPS frame" in proc.stdout
     document = json.loads(out_json.read_text())
@@ -261,11 +261,10 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
     """`python -m bench.game_loop` (issue 5's benchmark), tiny: every part runs and its JSON
     carries what the README quotes, with numbers that belong to this run."""
     out = tmp_path / "game_loop.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.game_loop", "--steps", "30", "--windows", "2",
-                           "--repeats", "2", "--rows", "1", "--callers", "3", "--seconds", "0.2",
-                           "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_marked([sys.executable, "-m", "bench.game_loop", "--steps", "30", "--windows", "2",
+                       "--repeats", "2", "--rows", "1", "--callers", "3", "--seconds", "0.2",
+                       "--rounds", "1", "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
     results = json.loads(out.read_text())["results"]
     loop = results["game_loop"]
     assert len(loop["runs"]) == 2 and loop["backend"] == "cpu"
@@ -293,10 +292,9 @@ def test_soak_bench_runs_end_to_end(tmp_path):
     """`python -m bench.soak`, tiny: it exits 0 (every round's checks held) and its JSON carries
     the usage the README quotes, with the server's own request count."""
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.soak", "--rounds", "3", "--steps", "3", "--churn", "2",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_marked([sys.executable, "-m", "bench.soak", "--rounds", "3", "--steps", "3", "--churn", "2",
+                       "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
     result = json.loads(out.read_text())["results"]
     assert [s["round"] for s in result["rounds"]] == [0, 1, 2]
     # A round: 31 requests over the long-lived connection besides its 3 steps, and 5 from each of

@@ -2,7 +2,7 @@
 
 `mix test` needs Elixir (Debian's `elixir` package, installed by `make system-deps`). Where mix
 is missing the suite is skipped with the reason — except in CI (CI=true), where that fails.
-A server process that outlives `mix` (a test left it frozen, say) fails the run by name.
+A server that outlives `mix` (a test left it frozen, say) fails the run by name (tests/process_runs.py).
 """
 
 from __future__ import annotations
@@ -10,27 +10,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-import uuid
-from dataclasses import dataclass
 
 import pytest
 
 from bridge.client import server_env
+from process_runs import ProcessRun, run_marked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT = os.path.join(ROOT, "elixir_client")
 # Generous: the suite itself takes well under 2 minutes, plus compiling on a cold _build.
 TIMEOUT_S = 600
-# A server whose client went away exits on stdin EOF within a second; one still there after
-# this long was left behind.
-ORPHAN_GRACE_S = 10.0
-# Set in mix's environment, inherited by every server the suite spawns: how a leftover is found.
-RUN_MARKER = "SCAN_BRIDGE_TEST_RUN"
 
 
 def mix_env() -> dict:
@@ -63,100 +53,9 @@ def find_mix() -> str:
     return mix
 
 
-@dataclass
-class MixRun:
-    returncode: int | None  # None: killed at the timeout
-    output: str
-    orphans: list[str]  # "pid state cmdline" of servers still running after mix exited
-
-    def failure(self, what: str) -> str | None:
-        """Why the run failed, with the end of its output; None when it passed."""
-        problems = []
-        if self.returncode is None:
-            problems.append(f"{what} was still running after {TIMEOUT_S} s and was killed")
-        elif self.returncode != 0:
-            problems.append(f"{what} exited {self.returncode}")
-        if self.orphans:
-            problems.append(f"{len(self.orphans)} server process(es) outlived it by more than "
-                            f"{ORPHAN_GRACE_S} s (killed now): " + "; ".join(self.orphans))
-        return "\n".join(problems + [self.output[-8000:]]) if problems else None
-
-
-def run_mix(args: list[str]) -> MixRun:
-    """`mix ARGS` in elixir_client/, its output in a file rather than a pipe: a server that
-    outlived mix would hold a pipe open and hang the reader, where here it is named and killed."""
-    marker = uuid.uuid4().hex
-    env = mix_env()
-    env[RUN_MARKER] = marker
-    with tempfile.TemporaryFile(mode="w+") as log:
-        mix = subprocess.Popen([find_mix(), *args], cwd=PROJECT, env=env, stdin=subprocess.DEVNULL,
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = mix.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(mix.pid, signal.SIGKILL)
-            mix.wait()
-            returncode = None
-        orphans = reap_servers_of_run(marker)
-        log.seek(0)
-        return MixRun(returncode, log.read(), orphans)
-
-
-def reap_servers_of_run(marker: str, grace_s: float = ORPHAN_GRACE_S) -> list[str]:
-    """Waits up to `grace_s` for the processes carrying `marker` in their environment to exit,
-    then kills and describes those still there."""
-    deadline = time.monotonic() + grace_s
-    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    described = []
-    for pid in left:
-        described.append(describe_process(pid))
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return described
-
-
-def processes_with_marker(marker: str) -> list[int]:
-    needle = f"{RUN_MARKER}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as environ:
-                if needle in environ.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return found
-
-
-def describe_process(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(") ", 1)[1].split()[0]  # T: stopped, as by SIGSTOP
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return f"{pid} (exited while being described)"
-    return f"{pid} state {state}: {command}"
-
-
-def test_leftover_processes_of_a_run_are_named_and_killed():
-    marker = uuid.uuid4().hex
-    env = dict(os.environ, **{RUN_MARKER: marker})
-    frozen = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
-    try:
-        os.kill(frozen.pid, signal.SIGSTOP)
-        assert processes_with_marker(uuid.uuid4().hex) == []
-        orphans = reap_servers_of_run(marker, grace_s=0.5)
-        assert len(orphans) == 1 and orphans[0].startswith(f"{frozen.pid} state T: sleep 60"), orphans
-        assert frozen.wait(timeout=5) == -signal.SIGKILL
-    finally:
-        frozen.kill()
-        frozen.wait()
+def run_mix(args: list[str]) -> ProcessRun:
+    """`mix ARGS` in elixir_client/; a server left running after mix exits fails the run."""
+    return run_marked([find_mix(), *args], timeout_s=TIMEOUT_S, cwd=PROJECT, env=mix_env())
 
 
 def test_exunit_suite_passes():
