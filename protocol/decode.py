@@ -24,7 +24,7 @@ from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, MAX_REQUEST_ID, OPS, PROTO
                      SUPPORTED_VERSIONS, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
-_ENVELOPE_KEYS = ("v", "id", "op", "args")
+_ENVELOPE_KEYS = frozenset(("v", "id", "op", "args"))
 _ARRAY_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ID_EXPECTED = "a uint or a non-empty str"
 # Schema kind -> the Reader method that checks a value of that kind.
@@ -114,13 +114,12 @@ _ARGS_DECODERS = {
          tuple(_ArgPlan(name, arg.required, arg.kind in _TENSOR_KINDS, arg.kind == "tensor")
                for name, arg in spec.items()))
     for op, spec in OPS.items()}
-_ENVELOPE = frozenset(_ENVELOPE_KEYS)
 
 
 def _decode_valid_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...]) -> Request | None:
     """The request when it is valid and says so plainly; None to have it checked argument by
     argument."""
-    if "args" not in top or "op" not in top or "id" not in top or not _ENVELOPE.issuperset(top):
+    if "args" not in top or "op" not in top or "id" not in top or not _ENVELOPE_KEYS.issuperset(top):
         return None
     try:
         request_id = ANY_DECODER.decode(top["id"])

@@ -162,7 +162,7 @@ def op_requests(draw):
     packer = msgpack.Packer(use_bin_type=draw(st.booleans()))
     args = packer.pack_map_header(len(pairs)) + b"".join(packer.pack(k) + packer.pack(v) for k, v in pairs)
     # At most one envelope field is spoiled, so that each of their checks meets its own.
-    spoiled = draw(st.sampled_from([None, None, None, "v", "id", "op", "no op"]))
+    spoiled = draw(st.sampled_from([None, None, None, "v", "id", "op", "no op", "no id", "extra key"]))
     envelope = {"v": draw(st.sampled_from([0, 2, 1.0, None])) if spoiled == "v" else 1,
                 "id": draw(st.sampled_from([-1, "", True, 1.5]) if spoiled == "id"
                            else st.integers(0, 9) | st.text(min_size=1)),
@@ -171,6 +171,10 @@ def op_requests(draw):
         del envelope["v"]
     if spoiled == "no op":
         del envelope["op"]
+    if spoiled == "no id":
+        del envelope["id"]
+    if spoiled == "extra key":
+        envelope["idd"] = 1
     head = packer.pack_map_header(len(envelope) + 1) + b"".join(packer.pack(k) + packer.pack(v)
                                                                  for k, v in envelope.items())
     return head + packer.pack("args") + args, buffers
@@ -260,6 +264,8 @@ def test_whole_request_path_leaves_each_near_miss_to_the_checks(spoil):
     pytest.param([("v", 2), ("id", 5), ("op", "session_open")], None, (), id="version"),
     pytest.param([("v", 1), ("id", -1), ("op", "session_open")], None, (), id="id-negative"),
     pytest.param([("v", 1), ("id", 5), ("op", "sesion_open")], None, (), id="op-unknown"),
+    pytest.param([("v", 1), ("op", "session_open")], None, (), id="id-missing"),
+    pytest.param([("id", 5), ("op", "session_open"), ("x", 1)], None, (), id="envelope-extra-key"),
     pytest.param([("id", 5), ("op", "session_open")], [("batch", 0), ("dim", 4), ("state", 2)], (), id="size-zero"),
     pytest.param([("id", 5), ("op", "session_open")], [("batch", 2**63), ("dim", 4), ("state", 2)], (), id="size-too-big"),
     pytest.param([("id", 5), ("op", "session_open")], [("batch", 1), ("dim", 4), ("state", 2), ("dim", 4)], (),
