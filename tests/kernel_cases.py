@@ -247,11 +247,11 @@ def assert_scan_matches_reference(backend: str, case, dtype, seed: int, what: st
     y (shape and dtype too) and, with return_state, the state."""
     inputs = make_scan_inputs(case, dtype, device, seed=seed)
     out = kernels.selective_scan(**inputs, backend=backend)
-    y, state = out if case.return_state else (out, None)
-    check_scan_outputs(case, dtype, inputs, y, state, what)
+    y, state = out if isinstance(out, tuple) else (out, None)
+    assert_scan_outputs_match_reference(case, dtype, inputs, y, state, what)
 
 
-def check_scan_outputs(case, dtype, inputs: dict, y, state, what: str) -> None:
+def assert_scan_outputs_match_reference(case, dtype, inputs: dict, y, state, what: str) -> None:
     """A scan's outputs on `inputs`, however it was called, against the float64 reference."""
     y_ref, state_ref = reference_scan(inputs)
     assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
@@ -269,10 +269,10 @@ def assert_update_matches_reference(backend: str, case, dtype, seed: int, what: 
     inputs = make_update_inputs(case, dtype, seed=seed)
     before = inputs["state"].clone()
     y = kernels.selective_state_update(**inputs, backend=backend)
-    check_update_outputs(case, dtype, inputs, before, y, what)
+    assert_update_outputs_match_reference(case, dtype, inputs, before, y, what)
 
 
-def check_update_outputs(case, dtype, inputs: dict, before, y, what: str) -> None:
+def assert_update_outputs_match_reference(case, dtype, inputs: dict, before, y, what: str) -> None:
     """A state update's y and pool (`inputs["state"]`, updated in place from `before`), however
     it was called, against the float64 reference run on `before`."""
     y_ref, state_ref = reference_update({**inputs, "state": before})

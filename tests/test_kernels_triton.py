@@ -26,7 +26,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
     DTYPES, LARGE_SCAN_CASES, SCAN_CASES, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
-    assert_scan_matches_reference, check_scan_outputs, check_update_outputs, make_scan_inputs, make_update_inputs, random_seed, reference_scan, state_dtype,
+    assert_scan_matches_reference, assert_scan_outputs_match_reference,
+    assert_update_outputs_match_reference, make_scan_inputs, make_update_inputs, random_seed,
+    reference_scan, state_dtype,
 )
 from kernels import _args  # noqa: E402
 from kernels._registry import get_backend  # noqa: E402
@@ -86,7 +88,7 @@ def _check_scan(case: ScanCase, dtype, device, blocks=None, segment_len=None, wh
     seed = random_seed()
     inputs = make_scan_inputs(case, dtype, device, seed=seed)
     y, state = _run_scan(inputs, blocks, segment_len)
-    check_scan_outputs(case, dtype, inputs, y, state, f"{what} seed={seed}")
+    assert_scan_outputs_match_reference(case, dtype, inputs, y, state, f"{what} seed={seed}")
 
 
 def _chunk(case: ScanCase, blocks) -> int:
@@ -205,7 +207,7 @@ def _check_update(case: UpdateCase, dtype, device, blocks=None):
     inputs = make_update_inputs(case, dtype, device, seed=seed)
     before = inputs["state"].clone()
     y = _run_update(inputs, blocks)
-    check_update_outputs(case, dtype, inputs, before, y, f"seed={seed}")
+    assert_update_outputs_match_reference(case, dtype, inputs, before, y, f"seed={seed}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
