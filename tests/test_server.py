@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import protocol
-from bridge.client import BridgeError, PortClient, server_env
-from kernel_cases import SCAN_CASES, TOLERANCES, assert_close, make_scan_inputs, reference_scan
-
+from bridge.client import PortClient, server_env
+from kernel_cases import SCAN_CASES, assert_close, make_scan_inputs, reference_scan
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ spoken to through `RecordingConnection`s (tests/bridge_fakes.py, shared with tes
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -17,12 +16,10 @@ import pytest
 import torch
 
 import protocol
-from bridge.client import BridgeError, PortClient
+from bridge.client import BridgeError, PortClient, server_env
 from bridge_fakes import RecordingConnection
 from kernel_cases import (STATE_TOLERANCE, ScanCase, assert_close, make_scan_inputs,
                           reference_scan)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- prefill by scan, then steps: one reference scan over the whole sequence -------------------
@@ -339,6 +336,6 @@ def test_limit_flags_reach_the_server():
 ])
 def test_bad_limit_flags_are_refused(flag, value):
     proc = subprocess.run([sys.executable, "-m", "bridge", flag, value], capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL, cwd=ROOT)
+                          timeout=120, stdin=subprocess.DEVNULL, env=server_env())
     assert proc.returncode == 2
     assert flag in proc.stderr and value in proc.stderr
