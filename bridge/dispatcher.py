@@ -107,7 +107,7 @@ class Dispatcher:
         try:
             request = protocol.decode_request(body, buffers)
         except protocol.ProtocolError as exc:
-            self._reply_error(conn, exc.request_id, exc, timing, legacy=exc.legacy)
+            self._reply_error(conn, exc.request_id, exc, legacy=exc.legacy)
             if release:
                 release()
             return
@@ -132,7 +132,7 @@ class Dispatcher:
                     refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
                                       {"limit": self.max_pending})
         if refusal is not None:
-            self._reply_error(conn, None if legacy else request.id, refusal, timing, legacy=legacy)
+            self._reply_error(conn, None if legacy else request.id, refusal, legacy=legacy)
             if release:
                 release()
             return
@@ -142,9 +142,9 @@ class Dispatcher:
         if not (idle and not more_input and self._serve_on(call, reader=True)):
             self._queue.put(call)
 
-    def on_frame_error(self, conn, exc: protocol.ProtocolError, received_ns: int) -> None:
+    def on_frame_error(self, conn, exc: protocol.ProtocolError) -> None:
         """A framing-level problem (e.g. an oversized frame, already drained by the decoder)."""
-        self._reply_error(conn, None, exc, Timing(received_ns), legacy=False)
+        self._reply_error(conn, None, exc, legacy=False)
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -293,7 +293,7 @@ class Dispatcher:
         try:
             if not isinstance(exc, (OpError, protocol.ProtocolError)) and type(exc).__module__ != "kernels.errors":
                 log.error("op %s failed", call.op, exc_info=exc)
-            self._reply_error(call.conn, None if call.legacy else call.request.id, exc, call.timing,
+            self._reply_error(call.conn, None if call.legacy else call.request.id, exc,
                               legacy=call.legacy, stats_op=call.stats_op)
         finally:
             self._finish(call)
@@ -316,7 +316,7 @@ class Dispatcher:
                 if self._pending == 0:
                     self._idle.notify_all()
 
-    def _reply_error(self, conn, request_id, exc: BaseException, timing: Timing, *, legacy: bool,
+    def _reply_error(self, conn, request_id, exc: BaseException, *, legacy: bool,
                      stats_op: str | None = None) -> None:
         """`stats_op`: the op the stats count the failure for; without one (the request was
         refused before it became a call), only the error code is counted."""

@@ -104,10 +104,9 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int, admit=None
         if length > max_frame_size:
             if not _discard(reader, length):
                 return
-            received_ns = now_ns()
             if admit is not None:
                 admit()
-            dispatcher.on_frame_error(conn, protocol.FrameTooLarge(length, max_frame_size), received_ns)
+            dispatcher.on_frame_error(conn, protocol.FrameTooLarge(length, max_frame_size))
             continue
         body, release = pool.acquire(length)
         if not read_exact(reader, body):

@@ -332,8 +332,7 @@ class ZmqTransport:
             body, buffers = message[0].buffer, [frame.buffer for frame in message[1:]]
             size = sum(len(frame) for frame in message)
             if size > self.max_frame_size:
-                self.dispatcher.on_frame_error(peer, protocol.FrameTooLarge(size, self.max_frame_size),
-                                               received_ns)
+                self.dispatcher.on_frame_error(peer, protocol.FrameTooLarge(size, self.max_frame_size))
             else:
                 self.dispatcher.on_frame(peer, body, received_ns, buffers=buffers)
         except Exception:
