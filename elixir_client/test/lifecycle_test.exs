@@ -38,7 +38,7 @@ defmodule ScanBridge.LifecycleTest do
     inputs = scan_inputs(%{batch: 1, seq: 4, dim: 8, state: 2}, [:D])
     tasks = for _ <- 1..8, do: Task.async(fn -> ScanBridge.scan(name, inputs) end)
     assert eventually(fn -> map_size(:sys.get_state(client).pending) == 8 end)
-    {_, 0} = System.cmd("kill", ["-KILL", Integer.to_string(os_pid)])
+    TestSupport.kill!(os_pid)
 
     for outcome <- Task.await_many(tasks, 10_000) do
       assert {:error, %Error{reason: :server_exited, detail: %{"exit_status" => status}}} = outcome
@@ -119,8 +119,6 @@ defmodule ScanBridge.LifecycleTest do
     {:ok, stats_before} = ScanBridge.stats(client)
     # frozen server: the first request stays outstanding, so the ping waits in the client's queue
     freeze(os_pid)
-    # kill(1) returns before every thread of the target has stopped
-    assert eventually(fn -> stopped?(os_pid) end)
     first = Task.async(fn -> ScanBridge.ping(client) end)
     assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) == 1 end)
     assert {:error, %Error{reason: :timeout}} = ScanBridge.ping(client, timeout: 20)
@@ -187,23 +185,6 @@ defmodule ScanBridge.LifecycleTest do
            } = spec
 
     assert ScanBridge.child_spec([]).id == ScanBridge
-  end
-
-  # Every thread of the process is in the stopped state ("T" in /proc/PID/task/TID/stat).
-  defp stopped?(os_pid) do
-    case File.ls("/proc/#{os_pid}/task") do
-      {:ok, tids} ->
-        Enum.all?(tids, fn tid ->
-          case File.read("/proc/#{os_pid}/task/#{tid}/stat") do
-            # the state follows the parenthesised command name, which may contain spaces
-            {:ok, stat} -> stat |> String.split(") ") |> List.last() |> String.starts_with?("T")
-            {:error, _} -> true
-          end
-        end)
-
-      {:error, _} ->
-        false
-    end
   end
 
   defp ping_count(stats),

@@ -89,7 +89,7 @@ defmodule ScanBridge.UnixLaneTest do
     TestSupport.freeze(os_pid)
     tasks = for _ <- 1..4, do: Task.async(fn -> ScanBridge.ping(client) end)
     assert eventually(fn -> map_size(:sys.get_state(client).pending) == 4 end)
-    {_, 0} = System.cmd("kill", ["-KILL", Integer.to_string(os_pid)])
+    TestSupport.kill!(os_pid)
 
     for outcome <- Task.await_many(tasks) do
       assert {:error, %Error{reason: :server_exited}} = outcome

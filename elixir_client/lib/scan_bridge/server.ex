@@ -488,37 +488,36 @@ defmodule ScanBridge.Server do
   end
 
   defp await_os_exit(os_pid, grace) do
-    deadline = System.monotonic_time(:millisecond) + grace
+    # Without /proc (not Linux) there is nothing cheap to poll: rely on stdin EOF.
+    if File.dir?("/proc") and not gone_within?(os_pid, grace) do
+      Logger.warning(
+        "scan-bridge: server #{os_pid} still running after its stdin closed; killing it"
+      )
 
-    cond do
-      # Without /proc (not Linux) there is nothing cheap to poll: rely on stdin EOF.
-      not File.dir?("/proc") -> :ok
-      not File.exists?("/proc/#{os_pid}") -> :ok
-      true -> poll_os_exit(os_pid, deadline)
+      :os.cmd(~c"kill -KILL #{os_pid}")
+      # SIGKILL is not synchronous: wait (briefly) for it to land, so that a stopped client
+      # has surely stopped its server.
+      unless gone_within?(os_pid, @kill_wait_ms) do
+        Logger.error("scan-bridge: server #{os_pid} still there #{@kill_wait_ms} ms after SIGKILL")
+      end
     end
+
+    :ok
   end
 
-  defp poll_os_exit(os_pid, deadline, stage \\ :closed_stdin) do
+  defp gone_within?(os_pid, ms), do: poll_gone(os_pid, System.monotonic_time(:millisecond) + ms)
+
+  defp poll_gone(os_pid, deadline) do
     cond do
       not File.exists?("/proc/#{os_pid}") ->
-        :ok
-
-      System.monotonic_time(:millisecond) >= deadline and stage == :killed ->
-        Logger.error("scan-bridge: server #{os_pid} still there #{@kill_wait_ms} ms after SIGKILL")
+        true
 
       System.monotonic_time(:millisecond) >= deadline ->
-        Logger.warning(
-          "scan-bridge: server #{os_pid} still running after its stdin closed; killing it"
-        )
-
-        :os.cmd(~c"kill -KILL #{os_pid}")
-        # SIGKILL is not synchronous: wait (briefly) for it to land, so that a stopped client
-        # has surely stopped its server.
-        poll_os_exit(os_pid, System.monotonic_time(:millisecond) + @kill_wait_ms, :killed)
+        false
 
       true ->
         Process.sleep(10)
-        poll_os_exit(os_pid, deadline, stage)
+        poll_gone(os_pid, deadline)
     end
   end
 

@@ -275,7 +275,32 @@ defmodule ScanBridge.TestSupport do
   def freeze(os_pid) do
     ExUnit.Callbacks.on_exit(fn -> send_signal(os_pid, "CONT") end)
     {_, 0} = send_signal(os_pid, "STOP")
+    # kill(1) returns before every thread of the target has stopped
+    assert eventually(fn -> stopped?(os_pid) end), "server #{os_pid} did not stop on SIGSTOP"
     :ok
+  end
+
+  @doc "Kill the OS process `os_pid` (SIGKILL)."
+  def kill!(os_pid) do
+    {_, 0} = send_signal(os_pid, "KILL")
+    :ok
+  end
+
+  # Every thread of the process is in the stopped state ("T" in /proc/PID/task/TID/stat).
+  defp stopped?(os_pid) do
+    case File.ls("/proc/#{os_pid}/task") do
+      {:ok, tids} ->
+        Enum.all?(tids, fn tid ->
+          case File.read("/proc/#{os_pid}/task/#{tid}/stat") do
+            # the state follows the parenthesised command name, which may contain spaces
+            {:ok, stat} -> stat |> String.split(") ") |> List.last() |> String.starts_with?("T")
+            {:error, _} -> true
+          end
+        end)
+
+      {:error, _} ->
+        false
+    end
   end
 
   @doc "Thaw an OS process frozen by `freeze/1` (SIGCONT)."
