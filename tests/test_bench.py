@@ -302,6 +302,14 @@ def test_soak_bench_runs_end_to_end(tmp_path):
     counts = [s["requests"] for s in result["rounds"]]
     assert counts == [1 + 44, 1 + 2 * 44, 1 + 3 * 44]
     assert all(s["rss_kB"] > 0 and s["fds"] > 0 and s["threads"] > 0 for s in result["rounds"])
+    # The summary the README quotes, from these rounds: 3 rounds of 2 churned pairs, plus the
+    # long-lived connection; the first third (round 0) is warm-up.
+    first, last = result["rounds"][0], result["rounds"][-1]
+    assert result["requests"] == counts[-1] and result["connections"] == 3 * 2 * 2 + 1
+    assert result["warmup_rounds"] == 1 and result["rss_kB_after_warmup"] == first["rss_kB"]
+    assert result["rss_growth_kB"] == last["rss_kB"] - first["rss_kB"]
+    assert result["fds"] == [first["fds"], last["fds"]]
+    assert result["threads"] == [first["threads"], last["threads"]]
 
 
 def _soak_stats(**held):

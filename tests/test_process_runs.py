@@ -27,7 +27,9 @@ def test_a_frozen_leftover_is_named_and_killed():
                               start_new_session=True)
     try:
         os.kill(frozen.pid, signal.SIGSTOP)
-        assert processes_with_marker(uuid.uuid4().hex) == []
+        # the marker matches whole: neither a prefix of it nor a longer value does
+        assert processes_with_marker(marker[:-1]) == [] and processes_with_marker(marker + "0") == []
+        assert processes_with_marker(marker) == [frozen.pid]
         leftovers = reap_marked(marker, grace_s=0.5)
         assert len(leftovers) == 1 and leftovers[0].startswith(f"{frozen.pid} state T: sleep 60"), leftovers
         assert frozen.wait(timeout=5) == -signal.SIGKILL
