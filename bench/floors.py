@@ -32,7 +32,7 @@ import time
 from typing import Callable
 
 import protocol
-from bridge.client import server_env, to_wire
+from bridge.client import server_env, stop_piped_server, to_wire
 from bridge.transports.framed import read_exact, write_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -215,12 +215,7 @@ class BridgeProcess:
         return lane_call(self.lane, op, args)
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(START_TIMEOUT_S)
-        except subprocess.TimeoutExpired:  # a hung server must not outlive the bench
-            self.proc.kill()
-            self.proc.wait()
+        stop_piped_server(self.proc)
         self.proc.stdout.close()
 
 

@@ -105,8 +105,8 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
         time.sleep(SETTLE_SECONDS)
         echo_us = floor.round_trip_us(frame)
         time.sleep(SETTLE_SECONDS)
-        round_trip_us = lane.round_trip_us(frame)
-        timing = lane.reply().timing
+        round_trip_us, reply = exchange(lane, frame, f"{case} on {lane_name}")
+        timing = reply.timing
         if i < WARMUP:
             continue
         rows["round_trip"].append(round_trip_us)

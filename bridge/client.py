@@ -266,6 +266,18 @@ def server_env(extra: dict | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else ""), **(extra or {})}
 
 
+def stop_piped_server(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """Close a server's stdin (it finishes what is in flight and exits) and wait for its exit
+    status; a server still there after `timeout` seconds is killed, never left behind."""
+    if proc.stdin and not proc.stdin.closed:
+        proc.stdin.close()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 class PortClient(FramedClient):
     """Spawns the server as a BEAM Port would and talks to it over its stdin/stdout."""
 
@@ -281,13 +293,7 @@ class PortClient(FramedClient):
 
     def close(self, timeout: float = 10.0) -> int:
         """Close stdin (the server finishes what is in flight and exits) and wait."""
-        if self.proc.stdin and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_piped_server(self.proc, timeout)
 
 
 class UnixClient(FramedClient):

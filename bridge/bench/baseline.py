@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 import protocol
-from bridge.client import server_env
+from bridge.client import server_env, stop_piped_server
 from bridge.transports.framed import read_exact, write_all
 
 from .cases import EXPHIL_SEQ, Case
@@ -71,12 +71,7 @@ class PortProcess:
                           f"its stderr ends:\n{log_tail(self.log)}")
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_piped_server(self.proc)
         self.proc.stdout.close()
         self.log.close()
 
