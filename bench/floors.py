@@ -36,7 +36,9 @@ from bridge.client import server_env, stop_piped_server, to_wire
 from bridge.transports.framed import read_exact, write_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Idle time before each timed round trip, the bridge's and its echo's, in every bench: a frame
+# Idle time before each timed round trip, the bridge's and its echo's, in bench.roundtrip,
+# bench.transports' rows against their echoes and bench.game_loop's paced steps (roundtrip.exs pauses
+# as long; bridge.bench, bench.kernels and the back-to-back series do not pause): a frame
 # of a 60 FPS loop comes long after the last, and finds cold caches and sleeping kernel helpers,
 # which back to back no round trip would (the game loop's step echo was 0.16 ms back to back in
 # the recording at baf062c, 0.32 ms after this pause in the one at ba99edc).
