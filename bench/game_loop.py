@@ -40,19 +40,15 @@ import msgspec
 import numpy as np
 
 import protocol
-from bridge.bench.cases import BATCH, DIM, EXPHIL_SEQ, STATE, Case
+from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.client import PortClient
 
 from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, encode_request, exchange,
                      frame_bytes, open_floor)
 from .machine import summarize_us, write_results
 
-# ExPhil's shape, which Case draws its inputs in.
-GAME = {"batch": BATCH, "dim": DIM, "state": STATE, "window": EXPHIL_SEQ}
 # Untimed round trips before the timed ones: first-call allocations, page faults.
 WARMUP = 20
-# ExPhil's dt clamp (protocol/SPEC.md §9).
-DT_CLAMP = {"dt_min": 0.001, "dt_max": 0.1}
 
 
 def frame_inputs(batch: int, seed: int, seq: int | None = None) -> dict:
@@ -77,7 +73,7 @@ def step_request(request_id, session: str, handle, inputs: dict) -> list:
 
 
 def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
-    b, d, n, w = GAME["batch"], GAME["dim"], GAME["state"], GAME["window"]
+    b, d, n, w = BATCH, DIM, STATE, EXPHIL_SEQ
     A = constant_A(0)
     window = frame_inputs(b, 0, seq=w)
     frames = [frame_inputs(b, 1 + i) for i in range(32)]  # cycled; content does not matter
@@ -159,7 +155,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
 def python_client_steps(steps: int, A, frames: list, server_args: list[str]) -> dict:
     """The same steps through bridge.client.PortClient, round trips as it reports them (its
     request encoding and reply decoding included), with the same pause before each."""
-    b, d, n = GAME["batch"], GAME["dim"], GAME["state"]
+    b, d, n = BATCH, DIM, STATE
     with PortClient(["--device", "cpu", *server_args]) as client:
         handle = client.put(A)
         session = client.open_session(b, d, n)
@@ -236,7 +232,7 @@ class CallerLoop(BridgeProcess):
 
     def step_frames(self, rows: int, callers: int) -> list[list]:
         """One pre-encoded step request frame per caller, each for a session of its own."""
-        dim, state = GAME["dim"], GAME["state"]
+        dim, state = DIM, STATE
         handle = protocol.HandleRef(self.call("put", tensor=constant_A(1))["handle"])
         frames = []
         for i in range(callers):
@@ -303,7 +299,7 @@ def concurrent(rows: int, callers: int, seconds: float, rounds: int, batched_arg
         runs["unbatched"].append(run_callers(unbatched_args, rows, callers, seconds))
     median = {k: statistics.median(r["steps_per_s"] for r in v) for k, v in runs.items()}
     return {
-        "case": f"{callers} callers each stepping a {rows}x{GAME['dim']}x{GAME['state']} session, "
+        "case": f"{callers} callers each stepping a {rows}x{DIM}x{STATE} session, "
                 f"{rounds} rounds of {seconds} s per server",
         "batched_args": batched_args,
         "median_steps_per_s": median,

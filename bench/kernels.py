@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bridge.bench.cases import DT_CLAMP
 import kernels
 from kernels import _args
 from kernels._registry import get_backend
@@ -98,8 +99,8 @@ def make_inputs(case: KernelCase, layout: str, device: torch.device, seed: int =
         x_shape, bc_shape = ((b, l, d), (b, l, n)) if layout == "bld" else ((b, d, l), (b, n, l))
         args = dict(x=randn(*x_shape), B=randn(*bc_shape), C=randn(*bc_shape), layout=layout)
         if case.exphil:
-            args.update(dt=uniform(0.001, 0.1, *x_shape), A=-uniform(0.5, 4.0, d, n),
-                        dt_min=0.001, dt_max=0.1)
+            args.update(dt=uniform(DT_CLAMP["dt_min"], DT_CLAMP["dt_max"], *x_shape),
+                        A=-uniform(0.5, 4.0, d, n), **DT_CLAMP)
         else:
             args.update(dt=uniform(-4.0, -2.0, *x_shape), z=randn(*x_shape))
     if not case.exphil:

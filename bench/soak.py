@@ -35,11 +35,10 @@ import time
 
 import numpy as np
 
-from bridge.bench.cases import DIM, EXPHIL_SEQ, STATE, Case
+from bridge.bench.cases import DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.bench.lanes import TRANSPORTS, log_tail
 from bridge.client import BridgeError, PortClient, ServerExited, UnixClient, ZmqClient
 
-from .game_loop import DT_CLAMP
 from .machine import write_results
 
 # The long-lived session's batch: a few agents of the game loop's layer (DIM x STATE).

@@ -10,6 +10,8 @@ import numpy as np
 
 BATCH, DIM, STATE = 32, 512, 16
 EXPHIL_SEQ = 60
+# ExPhil's dt clamp (protocol/SPEC.md §9); Case.inputs draws dt within it.
+DT_CLAMP = {"dt_min": 0.001, "dt_max": 0.1}
 # The largest window whose scan request stays under 64 MiB: 135,168 bytes per timestep (x and dt
 # [32, 512] f32, B and C [32, 16] f32) plus A [512, 16] and the msgpack envelope.
 LARGEST_SEQ = 496
