@@ -279,10 +279,10 @@ class ZmqTransport:
                 peer = self._peers.get(key)
                 if peer is None:
                     peer = self._peers[key] = ZmqPeer(self, key)
-            if fd is not None and peer.fd != fd:
-                self._unlist(peer)
-                peer.fd = fd
-                self._on_fd.setdefault((index, fd), set()).add(peer)
+                if fd is not None and peer.fd != fd:
+                    self._unlist(peer)
+                    peer.fd = fd
+                    self._on_fd.setdefault((index, fd), set()).add(peer)
             # A REQ peer's replies need its delimiter; a DEALER's must not have one.
             peer.envelope = [routing_id, b""] if len(envelope) == 2 else [routing_id]
             request = (message, received_ns)
