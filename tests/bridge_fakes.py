@@ -42,11 +42,6 @@ class RecordingConnection(Connection):
             return self._replies.pop(request_id)
 
 
-def torch_result(value):
-    """A decoded reply's result with its tensors as torch tensors (views of the reply body)."""
-    return result_from_wire(value, as_torch=True)
-
-
 class InProcessServer:
     """A CPU Server and its Dispatcher in this process. `hold()` parks the worker inside a ping
     so that requests queue up behind it; `go()` lets it on, and it gathers what is queued."""
@@ -96,7 +91,7 @@ class InProcessServer:
         reply = self.request(conn, op, **args)
         if not reply.ok:
             raise BridgeError(reply.error["code"], reply.error["message"], reply.error["detail"])
-        return torch_result(reply.result)
+        return result_from_wire(reply.result, as_torch=True)
 
     def close(self) -> None:
         self._gate.set()

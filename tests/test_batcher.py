@@ -17,14 +17,14 @@ import torch
 
 import protocol
 from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, run_batch
-from bridge.client import PortClient
+from bridge.client import PortClient, result_from_wire
 from bridge.errors import OpError
 from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
 from bridge.timing import Timing
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
-from bridge_fakes import RecordingConnection, torch_result
+from bridge_fakes import RecordingConnection
 
 SHARED = ("A", "D", "dt_bias")
 
@@ -56,7 +56,7 @@ def shared_constants(dim: int, state: int, options: dict) -> dict:
 def check_step(reply: protocol.Reply, inputs: dict, before: torch.Tensor, after: torch.Tensor, what: str):
     assert reply.ok, reply.error
     y_ref, state_ref = reference_update({**inputs, "state": before})
-    assert_close(torch_result(reply.result)["y"], y_ref, torch.float32, f"{what} y")
+    assert_close(result_from_wire(reply.result, as_torch=True)["y"], y_ref, torch.float32, f"{what} y")
     assert_close(after, state_ref, torch.float32, f"{what} state", STATE_TOLERANCE)
 
 
@@ -182,7 +182,7 @@ def test_a_bad_request_or_another_op_does_not_spoil_the_batch(inproc):
     assert replies[1].error["code"] == "shape_mismatch" and replies[1].error["detail"]["field"] == "args.x"
     assert [replies[i].timing["batch_rows"] for i in (0, 2, 4)] == [3, 3, 4]
     # session_state was queued after the first batch and ran after it.
-    after_first = torch_result(replies[3].result)["state"]
+    after_first = result_from_wire(replies[3].result, as_torch=True)["state"]
     check_step(replies[0], inputs[0], before[0], after_first, "caller 0")
     check_step(replies[2], inputs[2], before[2], state_of(srv, conn, sessions[2]), "caller 2")
     check_step(replies[4], inputs[3], before[3], state_of(srv, conn, sessions[3]), "caller 3")
@@ -250,14 +250,14 @@ def test_scans_of_equal_shapes_share_a_launch(inproc):
     for what, reply, inp in (("plain 0", replies[0], plain[0]), ("plain 1", replies[1], plain[1]),
                              ("h0", replies[3], with_h0)):
         y_ref, state_ref = reference_scan(inp)
-        result = torch_result(reply.result)
+        result = result_from_wire(reply.result, as_torch=True)
         assert_close(result["y"], y_ref, torch.float32, f"{what} y")
         if inp.get("return_state"):
             assert_close(result["state"], state_ref, torch.float32, f"{what} state", STATE_TOLERANCE)
         else:
             assert "state" not in result
     y_ref, state_ref = reference_scan({**prefill, "h0": session_start})
-    assert_close(torch_result(replies[2].result)["y"], y_ref, torch.float32, "session y")
+    assert_close(result_from_wire(replies[2].result, as_torch=True)["y"], y_ref, torch.float32, "session y")
     assert_close(state_of(srv, conn, session), state_ref, torch.float32, "session state", STATE_TOLERANCE)
 
 
@@ -274,7 +274,7 @@ def test_big_scans_run_alone(inproc):
     for i, s in zip(ids, scans):
         reply = conn.reply(i)
         assert reply.timing["batch_rows"] == 1
-        assert_close(torch_result(reply.result)["y"], reference_scan(s)[0], torch.float32, "y")
+        assert_close(result_from_wire(reply.result, as_torch=True)["y"], reference_scan(s)[0], torch.float32, "y")
 
 
 # -- the wait policy --------------------------------------------------------------------------
