@@ -630,6 +630,72 @@ def test_zmq_overloaded_answers_that_leave_start_no_request_past_the_peer_cap():
     assert started == ["r1"] and peer.in_flight == 2
 
 
+def test_zmq_a_peer_on_a_reused_descriptor_outlives_the_old_connections_end(tmp_path):
+    """A connection ends and a new one is accepted on its descriptor before the io loop has
+    read the monitor's report of that end; the new peer's first message, in the same round,
+    settles the old connection before it is filed under the descriptor, so that report frees
+    the old peer (and its sessions) only. Which descriptor the new connection gets is the
+    kernel's choice: the case is tried until it gets the old one (nearly always the first
+    time; other descriptors opened in between can take it under load)."""
+    assert any(reused_descriptor_round(str(tmp_path / f"reuse{n}.ipc")) for n in range(10)), \
+        "in 10 tries the new connection never got the old one's descriptor"
+
+
+def reused_descriptor_round(ipc_path: str) -> bool:
+    """One try of the case above, the io loop driven by hand (without its thread) so that the
+    monitor is read exactly when a round reads it. Its checks hold whatever the descriptors;
+    returns whether the new connection got the old one's, the case that can fail them."""
+    opened, freed = [], []
+
+    def on_frame(peer, body, received_ns, buffers):
+        opened.append((peer, bytes(body)))
+        peer.on_close(freed.append)  # as a session it opened would
+
+    transport = ZmqTransport(SimpleNamespace(on_frame=on_frame), [f"ipc://{ipc_path}"],
+                             max_frame_size=1 << 20, max_in_flight=4, hwm=16)
+    server_socket, monitor = transport.sockets[0], transport.monitors[0]
+    context = zmq.Context()
+    try:
+        def peer_sends(body: bytes) -> zmq.Socket:
+            client = context.socket(zmq.DEALER)
+            client.connect(transport.endpoints[0])
+            client.send(body)
+            assert server_socket.poll(5000, zmq.POLLIN), "the server never got the message"
+            return client
+
+        idle = context.socket(zmq.DEALER)  # opens the client context's own descriptors for good
+        fds_before = set(os.listdir("/proc/self/fd"))
+        old_client = peer_sends(b"old")
+        transport._receive(0, server_socket)
+        (old_peer, _), = opened
+        old_fds = set(os.listdir("/proc/self/fd")) - fds_before  # both ends' (and the listing's)
+        old_client.close(linger=0)
+        # The monitor now holds the end of the old connection, unread, as a round would find it.
+        assert monitor.poll(5000, zmq.POLLIN), "no report of the old connection's end"
+        # Both ends' descriptors closed (libzmq closes them on its own threads), so that the
+        # new connection's ends can take the same lowest free ones.
+        deadline = time.monotonic() + 5
+        while any(os.path.lexists(f"/proc/self/fd/{fd}") for fd in old_fds):
+            assert time.monotonic() < deadline, "the old connection's descriptors stayed open"
+            time.sleep(0.001)
+        new_client = peer_sends(b"new")
+        transport._receive(0, server_socket)
+        (new_peer, body) = opened[1]
+        assert body == b"new" and new_peer is not old_peer
+        transport._connection_events(0)  # the next round reads whatever the monitor still has
+        assert freed == [old_peer] and not new_peer.closed
+        assert transport._on_fd == {(0, new_peer.fd): {new_peer}}
+        new_client.close(linger=0)
+        assert monitor.poll(5000, zmq.POLLIN), "no report of the new connection's end"
+        transport._connection_events(0)
+        assert freed == [old_peer, new_peer] and transport._on_fd == {}
+        idle.close()
+        return new_peer.fd == old_peer.fd
+    finally:
+        context.destroy(linger=0)
+        transport.close()
+
+
 def random_tensor(rng, dtype: str, shape) -> protocol.OutTensor:
     values = rng.uniform(-4, 4, shape) if dtype in ("f32", "f64") else rng.integers(1, 100, shape)
     array = values.astype({"f32": np.float32, "f64": np.float64, "i32": np.int32, "u8": np.uint8}[dtype])
