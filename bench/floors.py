@@ -251,8 +251,7 @@ def _stdio_floor(reply_sizes: list[int]) -> StreamLane:
                             stdout=subprocess.PIPE, bufsize=0)
 
     def stop():
-        proc.stdin.close()
-        proc.wait(5)
+        stop_piped_server(proc, 5)
         proc.stdout.close()
 
     return StreamLane(proc.stdout, proc.stdin.fileno(), stop)

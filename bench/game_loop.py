@@ -60,6 +60,11 @@ def frame_inputs(batch: int, seed: int, seq: int | None = None) -> dict:
     return inputs
 
 
+def round_trip_bytes(lane, request: list) -> int:
+    """Bytes on the wire for `request` and the lane's last reply: both frames, headers included."""
+    return frame_bytes(request) + protocol.framing.HEADER_SIZE + sum(lane.reply_sizes())
+
+
 def constant_A(seed: int) -> np.ndarray:
     return Case("step", 1).inputs(seed)["A"]
 
@@ -73,21 +78,20 @@ def step_request(request_id, session: str, handle, inputs: dict) -> list:
 
 
 def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
-    b, d, n, w = BATCH, DIM, STATE, EXPHIL_SEQ
     A = constant_A(0)
-    window = frame_inputs(b, 0, seq=w)
-    frames = [frame_inputs(b, 1 + i) for i in range(32)]  # cycled; content does not matter
+    window = frame_inputs(BATCH, 0, seq=EXPHIL_SEQ)
+    frames = [frame_inputs(BATCH, 1 + i) for i in range(32)]  # cycled; content does not matter
     bridge = BridgeProcess(server_args)
     lane = bridge.lane
     try:
         handle = protocol.HandleRef(bridge.call("put", tensor=A)["handle"])
-        session = bridge.call("session_open", batch=b, dim=d, state=n)["session"]
+        session = bridge.call("session_open", batch=BATCH, dim=DIM, state=STATE)["session"]
         prefill_us, _ = exchange(lane, lane.frame(encode_request(
             "prefill", "scan", {"A": handle, "session": session, **DT_CLAMP, **window})))
         step_frames = [lane.frame(step_request(i, session, handle, f)) for i, f in enumerate(frames)]
         for i in range(WARMUP):
             exchange(lane, step_frames[i % len(step_frames)])
-        echo, echo_missing = open_step_echo(len(lane.last_reply), step_frames)
+        echo, echo_missing = open_step_echo(lane.reply_sizes(), step_frames)
         step_rows, step_bytes, step_timing, echo_rows = [], [], [], []
         try:
             # Bridge and echo take turns, request by request, so that both see the same machine.
@@ -96,7 +100,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
                 time.sleep(SETTLE_SECONDS)
                 us, reply = exchange(lane, request)
                 step_rows.append(us)
-                step_bytes.append(frame_bytes(request) + protocol.framing.HEADER_SIZE + len(lane.last_reply))
+                step_bytes.append(round_trip_bytes(lane, request))
                 step_timing.append(reply.timing)
                 if echo is not None:
                     time.sleep(SETTLE_SECONDS)
@@ -118,7 +122,7 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
         for _ in range(windows):
             us, reply = exchange(lane, window_frame)
             window_rows.append(us)
-            window_bytes.append(frame_bytes(window_frame) + protocol.framing.HEADER_SIZE + len(lane.last_reply))
+            window_bytes.append(round_trip_bytes(lane, window_frame))
             window_timing.append(reply.timing)
         backend = bridge.call("info")["backend"]
     finally:
@@ -132,8 +136,8 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
     step_frame_bytes, window_frame_bytes = statistics.median(step_bytes), statistics.median(window_bytes)
     step = summarize_us(step_rows)
     return {
-        "case": f"game loop: session {b}x{d}x{n}, prefill {w} frames, {steps} steps; "
-                f"vs re-sending the {w}-frame window ({windows} frames)",
+        "case": f"game loop: session {BATCH}x{DIM}x{STATE}, prefill {EXPHIL_SEQ} frames, {steps} steps; "
+                f"vs re-sending the {EXPHIL_SEQ}-frame window ({windows} frames)",
         "backend": backend,
         "step_round_trip": step,
         "step_stages_p50_us": stage_medians(step_timing),
@@ -155,10 +159,9 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
 def python_client_steps(steps: int, A, frames: list, server_args: list[str]) -> dict:
     """The same steps through bridge.client.PortClient, round trips as it reports them (its
     request encoding and reply decoding included), with the same pause before each."""
-    b, d, n = BATCH, DIM, STATE
     with PortClient(["--device", "cpu", *server_args]) as client:
         handle = client.put(A)
-        session = client.open_session(b, d, n)
+        session = client.open_session(BATCH, DIM, STATE)
         rows = []
         for i in range(WARMUP + steps):
             time.sleep(SETTLE_SECONDS)
@@ -196,11 +199,11 @@ def game_loop_runs(repeats: int, steps: int, windows: int, server_args: list[str
     }
 
 
-def open_step_echo(reply_body: int, step_frames: list):
-    """(lane, None): a C pipe echo answering each step frame with `reply_body` bytes, warmed up;
-    (None, why) where the echo cannot be built."""
+def open_step_echo(reply_sizes: list[int], step_frames: list):
+    """(lane, None): a C pipe echo answering each step frame with a reply of `reply_sizes`
+    (as a lane's reply_sizes() gives them), warmed up; (None, why) where the echo cannot be built."""
     try:
-        lane = open_floor("stdio", [reply_body])
+        lane = open_floor("stdio", reply_sizes)
     except EchoUnavailable as exc:
         return None, str(exc)
     for request in step_frames[:WARMUP]:
@@ -232,11 +235,10 @@ class CallerLoop(BridgeProcess):
 
     def step_frames(self, rows: int, callers: int) -> list[list]:
         """One pre-encoded step request frame per caller, each for a session of its own."""
-        dim, state = DIM, STATE
         handle = protocol.HandleRef(self.call("put", tensor=constant_A(1))["handle"])
         frames = []
         for i in range(callers):
-            session = self.call("session_open", batch=rows, dim=dim, state=state)["session"]
+            session = self.call("session_open", batch=rows, dim=DIM, state=STATE)["session"]
             frames.append(self.lane.frame(step_request(str(i), session, handle, frame_inputs(rows, 1 + i))))
         return frames
 

@@ -68,9 +68,9 @@ def expect_error(reply, code: str, what: str) -> None:
 class SessionScript:
     """The long-lived connection's work of one round: the same inputs every round."""
 
-    def __init__(self, steps: int, seed: int = 0):
-        self.window = Case("scan", EXPHIL_SEQ, ROWS).inputs(seed)
-        self.frames = [Case("step", 1, ROWS).inputs(seed + 1 + i) for i in range(steps)]
+    def __init__(self, steps: int):
+        self.window = Case("scan", EXPHIL_SEQ, ROWS).inputs(0)
+        self.frames = [Case("step", 1, ROWS).inputs(1 + i) for i in range(steps)]
         self.A = self.window["A"]
 
     def run(self, client: UnixClient) -> np.ndarray:
@@ -115,10 +115,11 @@ def held(stats: dict) -> dict:
             "handles": handles["handles"], "handle_bytes": handles["handle_bytes"]}
 
 
-def wait_for_release(port: PortClient, timeout_s: float = RELEASE_TIMEOUT_S) -> dict:
+def wait_for_release(port: PortClient) -> dict:
     """The server's stats once churned connections' sessions and handles are freed (a ZeroMQ
-    peer's departure reaches the server asynchronously), or as they stand at the timeout."""
-    deadline = time.monotonic() + timeout_s
+    peer's departure reaches the server asynchronously), or as they stand after
+    RELEASE_TIMEOUT_S."""
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
     while True:
         stats = port.stats()
         if not any(held(stats).values()) or time.monotonic() > deadline:
@@ -152,11 +153,12 @@ def soak(rounds: int, steps: int, connections: int) -> dict:
         port = PortClient(["--device", "cpu", "--stdio", "--unix", unix_path, "--zmq", zmq_endpoint],
                           stderr=log)
         try:
-            samples, first_state = [], None
+            samples = []
             with UnixClient(unix_path) as client:
                 for r in range(rounds):
                     state = script.run(client)
-                    first_state = state if first_state is None else first_state
+                    if r == 0:
+                        first_state = state
                     churn(unix_path, zmq_endpoint, connections, script.A, script.frames[0])
                     stats = wait_for_release(port)
                     check_round(r, state, first_state, stats)
@@ -187,7 +189,7 @@ def summarize(samples: list[dict], steps: int, connections: int) -> dict:
         "rss_kB_after_warmup": warm["rss_kB"],
         "rss_kB_last": last["rss_kB"],
         "rss_growth_kB": growth,
-        "rss_growth_bytes_per_request": growth * 1024 / served if served else None,
+        "rss_growth_bytes_per_request": growth * 1024 / served,
         "fds": [first["fds"], last["fds"]],
         "threads": [first["threads"], last["threads"]],
         "rounds": samples,

@@ -97,7 +97,8 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
     op, args = case_request(case, lane)
     buffers = [] if multipart else None
     frame = lane.frame(encode_request(7, op, args, buffers), buffers)
-    exchange(lane, frame, f"{case} on {lane_name}")
+    what = f"{case} on {lane_name}"
+    exchange(lane, frame, what)
     floor = open_floor(lane_name, lane.reply_sizes())
     rows = {"round_trip": [], "ipc": [], "echo": [], "bridge_cost": []}
     stages: dict[str, list[float]] = {}
@@ -105,7 +106,7 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
         time.sleep(SETTLE_SECONDS)
         echo_us = floor.round_trip_us(frame)
         time.sleep(SETTLE_SECONDS)
-        round_trip_us, reply = exchange(lane, frame, f"{case} on {lane_name}")
+        round_trip_us, reply = exchange(lane, frame, what)
         timing = reply.timing
         if i < WARMUP:
             continue

@@ -49,12 +49,12 @@ class Case:
 
     def inputs(self, seed: int) -> dict[str, np.ndarray]:
         """Random f32 inputs in the ranges a Mamba layer produces: dt within ExPhil's clamp
-        [0.001, 0.1] and A negative, so every server computes the same finite result."""
+        (DT_CLAMP) and A negative, so every server computes the same finite result."""
         rng = np.random.default_rng(seed)
         lead = (self.batch,) if self.op == "step" else (self.batch, self.seq)
         return {
             "x": rng.standard_normal((*lead, self.dim), dtype=np.float32),
-            "dt": rng.uniform(0.001, 0.1, (*lead, self.dim)).astype(np.float32),
+            "dt": rng.uniform(DT_CLAMP["dt_min"], DT_CLAMP["dt_max"], (*lead, self.dim)).astype(np.float32),
             "A": -rng.uniform(0.5, 4.0, (self.dim, self.state)).astype(np.float32),
             "B": rng.standard_normal((*lead, self.state), dtype=np.float32),
             "C": rng.standard_normal((*lead, self.state), dtype=np.float32),
