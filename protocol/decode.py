@@ -20,7 +20,7 @@ from ._reader import Reader, buffer_views, decode_top_map
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
-from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, MAX_REQUEST_ID, OPS, PROTOCOL_VERSION,
+from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, OPS, PROTOCOL_VERSION,
                      SUPPORTED_VERSIONS, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
@@ -196,7 +196,7 @@ def _request_id(reader: Reader, raw: msgspec.Raw | None) -> int | str:
     encoded = memoryview(raw)
     if kind(encoded) == "int":
         value = ANY_DECODER.decode(raw)
-        if 0 <= value <= MAX_REQUEST_ID:
+        if valid_request_id(value):
             return value
     elif kind(encoded) == "str":
         return reader.string(raw, "id", InvalidRequest, _ID_EXPECTED)
