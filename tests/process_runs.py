@@ -60,7 +60,7 @@ def run_marked(command: list[str], *, timeout_s: float, cwd=None, env: dict | No
     env = dict(os.environ if env is None else env, **{RUN_MARKER: marker})
     with tempfile.TemporaryFile(mode="w+") as out, tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=err, text=True, start_new_session=True)
+                                stderr=err, start_new_session=True)
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -11,8 +11,8 @@ import uuid
 
 from process_runs import RUN_MARKER, processes_with_marker, reap_marked, run_marked
 
-# Starts a child that inherits stdout and stderr, freezes it and exits: the child would hold a
-# capture_output pipe open for its 60 s.
+# Starts a child that inherits stdout and stderr, freezes it and exits: stopped, the child would
+# hold a capture_output pipe open until someone killed it.
 LEAVES_A_FROZEN_CHILD = """
 import os, signal, subprocess
 child = subprocess.Popen(["sleep", "60"])
