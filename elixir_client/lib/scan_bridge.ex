@@ -94,8 +94,9 @@ defmodule ScanBridge do
 
   @doc """
   A child specification, so that `{ScanBridge, opts}` can go in a supervisor's children. The
-  id is the `:name` when given. The client is a permanent worker; it gets 5 s to stop (it
-  closes the server's stdin and waits for it to exit).
+  id is the `:name` when given. The client is a permanent worker; it gets
+  `ScanBridge.Server.stop_time_ms/1` to stop, 5 s with the default `:exit_grace` (it closes
+  the server's stdin, waits for it to exit, and kills it after `:exit_grace`).
   """
   @spec child_spec([Server.option()]) :: Supervisor.child_spec()
   def child_spec(opts) do
@@ -104,7 +105,7 @@ defmodule ScanBridge do
       start: {__MODULE__, :start_link, [opts]},
       type: :worker,
       restart: :permanent,
-      shutdown: 5_000
+      shutdown: Server.stop_time_ms(opts)
     }
   end
 

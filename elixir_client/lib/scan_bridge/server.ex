@@ -45,6 +45,8 @@ defmodule ScanBridge.Server do
   @connect_retry_ms 10
   # How long a server killed after :exit_grace may take to be gone (and reaped).
   @kill_wait_ms 1_000
+  # What stopping takes beyond those waits (closing the port and the socket), with room to spare.
+  @stop_margin_ms 2_000
 
   @typedoc "Options for `start_link/1`; see `ScanBridge.start_link/1`."
   @type option ::
@@ -80,6 +82,16 @@ defmodule ScanBridge.Server do
     opts = validate!(opts)
     gen_opts = if opts[:name], do: [name: opts[:name]], else: []
     GenServer.start_link(__MODULE__, opts, gen_opts)
+  end
+
+  @doc """
+  How long stopping a client started with `opts` may take, for a supervisor's `:shutdown`: its
+  server's `:exit_grace`, the wait for a killed server to be gone, and #{@stop_margin_ms} ms
+  for closing the port and the socket.
+  """
+  @spec stop_time_ms([option]) :: pos_integer
+  def stop_time_ms(opts) do
+    Keyword.get(opts, :exit_grace, @defaults[:exit_grace]) + @kill_wait_ms + @stop_margin_ms
   end
 
   @doc """
