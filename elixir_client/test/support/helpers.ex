@@ -254,7 +254,7 @@ defmodule ScanBridge.TestSupport do
   @doc """
   A fresh unix socket path for a server, removed when the calling test (or module, from
   `setup_all`) ends. The BEAM's OS pid is part of it: unique integers restart with every VM,
-  so two suites running at once (or one after a crash) would otherwise pick the same paths.
+  so two suites running at once would otherwise pick the same paths.
   """
   def socket_path do
     path =
@@ -274,17 +274,14 @@ defmodule ScanBridge.TestSupport do
   """
   def freeze(os_pid) do
     ExUnit.Callbacks.on_exit(fn -> send_signal(os_pid, "CONT") end)
-    {_, 0} = send_signal(os_pid, "STOP")
+    signal!(os_pid, "STOP")
     # kill(1) returns before every thread of the target has stopped
     assert eventually(fn -> stopped?(os_pid) end), "server #{os_pid} did not stop on SIGSTOP"
     :ok
   end
 
   @doc "Kill the OS process `os_pid` (SIGKILL)."
-  def kill!(os_pid) do
-    {_, 0} = send_signal(os_pid, "KILL")
-    :ok
-  end
+  def kill!(os_pid), do: signal!(os_pid, "KILL")
 
   # Every thread of the process is in the stopped state ("T" in /proc/PID/task/TID/stat).
   defp stopped?(os_pid) do
@@ -304,12 +301,15 @@ defmodule ScanBridge.TestSupport do
   end
 
   @doc "Thaw an OS process frozen by `freeze/1` (SIGCONT)."
-  def thaw(os_pid) do
-    {_, 0} = send_signal(os_pid, "CONT")
+  def thaw(os_pid), do: signal!(os_pid, "CONT")
+
+  defp signal!(os_pid, name) do
+    {_, 0} = send_signal(os_pid, name)
     :ok
   end
 
-  # kill(1)'s status is not 0 for a process already gone; the callers that need it check it.
+  # kill(1)'s status is not 0 for a process already gone: freeze's thaw at the test's end
+  # ignores it, the others require 0.
   defp send_signal(os_pid, name),
     do: System.cmd("kill", ["-#{name}", Integer.to_string(os_pid)], stderr_to_stdout: true)
 
