@@ -40,6 +40,19 @@ def write_all(fd: int, parts: list) -> int:
     return total
 
 
+def stream_frames(replies: list[tuple[list, list | None]]) -> tuple[list[memoryview], list[int]]:
+    """The byte views of `replies` (`(parts, buffers)` pairs) framed one after another for a
+    stream, and each frame's size. A stream reply is one frame: raw buffers are refused."""
+    views, sizes = [], []
+    for parts, buffers in replies:
+        if buffers:
+            raise ValueError("a stream reply is one frame: it carries no raw buffers")
+        frame = byte_views(protocol.frame_parts(parts))
+        views += frame
+        sizes.append(sum(len(v) for v in frame))
+    return views, sizes
+
+
 def consume(views: list, written: int) -> None:
     """Drop the first `written` bytes from the list of byte views (after a partial write)."""
     while written:
@@ -80,11 +93,13 @@ class FdConnection(Connection):
         self._write_lock = threading.Lock()
 
     def send(self, parts: list, buffers: list | None = None) -> int:
-        if buffers:
-            raise ValueError("a stream reply is one frame: it carries no raw buffers")
-        framed = protocol.frame_parts(parts)
+        return self.send_all([(parts, buffers)])[0]
+
+    def send_all(self, replies: list[tuple[list, list | None]]) -> list[int]:
+        framed, sizes = stream_frames(replies)
         with self._write_lock:
-            return write_all(self.out_fd, framed)
+            write_all(self.out_fd, framed)
+        return sizes
 
 
 def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int, admit=None) -> None:

@@ -25,7 +25,7 @@ import protocol
 
 from ..buffers import BufferPool
 from .base import Connection
-from .framed import IOV_MAX, byte_views, consume, serve_frames
+from .framed import IOV_MAX, consume, serve_frames, stream_frames
 
 log = logging.getLogger("bridge.unix")
 
@@ -53,9 +53,10 @@ class UnixConnection(Connection):
         self._in_flight = 0
         self._answered = threading.Condition()
         self._send_lock = threading.Lock()
-        # Replies (lists of byte views, the first possibly partly written) the writer thread
-        # still has to write, in order; non-empty exactly while the writer thread runs.
-        self._backlog: collections.deque[list[memoryview]] = collections.deque()
+        # Replies the writer thread still has to write, in order, as (byte views, the first
+        # possibly partly written; how many replies they hold); non-empty exactly while the
+        # writer thread runs.
+        self._backlog: collections.deque[tuple[list[memoryview], int]] = collections.deque()
         self._broken: OSError | None = None
 
     # -- reader side ----------------------------------------------------------------------
@@ -79,26 +80,27 @@ class UnixConnection(Connection):
     # -- replies --------------------------------------------------------------------------
 
     def send(self, parts: list, buffers: list | None = None) -> int:
-        if buffers:
-            raise ValueError("a unix-socket reply is one frame: it carries no raw buffers")
-        views = byte_views(protocol.frame_parts(parts))
-        total = sum(len(v) for v in views)
+        return self.send_all([(parts, buffers)])[0]
+
+    def send_all(self, replies: list[tuple[list, list | None]]) -> list[int]:
+        views, sizes = stream_frames(replies)
+        count = len(replies)
         with self._send_lock:
             try:
                 if self._broken is not None:
                     raise BrokenPipeError(f"{self.id}: the peer is gone ({self._broken})")
                 if self._backlog:  # earlier replies still queued for a slow peer: keep the order
-                    self._backlog.append(views)
-                    return total
+                    self._backlog.append((views, count))
+                    return sizes
                 if self._write_now(views):
-                    self._done()
+                    self._done(count)
                 else:
-                    self._backlog.append(views)
+                    self._backlog.append((views, count))
                     threading.Thread(target=self._write_backlog, name=f"{self.id}-writer", daemon=True).start()
-                return total
+                return sizes
             except OSError as exc:
                 self._broken = self._broken or exc
-                self._done()
+                self._done(count)
                 raise
 
     def _write_now(self, views: list[memoryview]) -> bool:
@@ -123,21 +125,21 @@ class UnixConnection(Connection):
             with self._send_lock:
                 if not self._backlog:
                     return
-                views = self._backlog[0]
+                views, count = self._backlog[0]
             try:
                 while views:
                     consume(views, self.sock.sendmsg(views[:IOV_MAX]))
             except OSError as exc:
                 with self._send_lock:
                     self._broken = self._broken or exc
-                    dropped = len(self._backlog)
+                    dropped = sum(count for _, count in self._backlog)
                     self._backlog.clear()
                 log.warning("%s: dropped %d replies: %s", self.id, dropped, exc)
                 self._done(dropped)
                 return
             with self._send_lock:
                 self._backlog.popleft()
-            self._done()
+            self._done(count)
 
 
 class UnixTransport:
