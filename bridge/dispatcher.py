@@ -8,9 +8,7 @@ reply; nothing a client sends can stop the worker.
 On the worker, a request for a batchable op (a bridge.batcher.BatchedOp: step, scan) leads a
 batch: queued requests that can share its kernel launch join it, late ones too while the
 batch policy waits for them (`--max-delay-us`); the batch runs as one launch and each request
-gets its own reply, those to one connection written together (`Connection.send_all`: one
-system call and one wake-up of the peer for all of them on a stream). Any other request runs
-alone. Requests run in the order they arrived.
+gets its own reply. Any other request runs alone. Requests run in the order they arrived.
 
 A request that finds the server idle -- nothing in flight, nothing more waiting on its
 connection (the transport says so: `more_input=False`) -- runs at once on the reader thread
@@ -70,17 +68,6 @@ class Call:
     def stats_op(self) -> str:
         """The op's name in the stats, where a legacy request's ops are counted apart."""
         return "legacy_" + self.op if self.legacy else self.op
-
-
-@dataclass
-class _Reply:
-    """A request's reply, encoded and not yet sent."""
-
-    call: Call
-    parts: list  # the msgpack body's parts
-    buffers: list | None  # a multipart reply's raw buffers (ZeroMQ)
-    timing: dict | None  # the timing it reports (a result's)
-    error_code: str | None = None  # set for an error reply
 
 
 _STOP = object()
@@ -171,8 +158,7 @@ class Dispatcher:
         self._queue.put(_STOP)
 
     # -- worker side ----------------------------------------------------------------------
-    # Every request taken from the queue ends in exactly one reply, built by _answer or
-    # _failure and delivered by _deliver.
+    # Every request taken from the queue ends in exactly one of _answer or _fail.
 
     def _work(self) -> None:
         while True:
@@ -224,10 +210,9 @@ class Dispatcher:
         try:
             result = call.handler(self.server, call)
         except Exception as exc:  # every failure is answered; the worker lives on
-            reply = self._failure(call, exc)
+            self._fail(call, exc)
         else:
-            reply = self._answer(call, result)
-        self._deliver([reply])
+            self._answer(call, result)
 
     def _serve_batch(self, op: BatchedOp, first: Call) -> None:
         batch = self._gather(op, first)
@@ -238,9 +223,11 @@ class Dispatcher:
         start = now_ns()
         for item in batch.items:
             item.call.timing.add("queue", start - item.call.enqueued_ns - item.prepare_ns)
-        self._deliver([self._failure(item.call, outcome) if isinstance(outcome, BaseException)
-                       else self._answer(item.call, outcome)
-                       for item, outcome in run_batch(self.server, op, batch.items)])
+        for item, outcome in run_batch(self.server, op, batch.items):
+            if isinstance(outcome, BaseException):
+                self._fail(item.call, outcome)
+            else:
+                self._answer(item.call, outcome)
 
     def _gather(self, op: BatchedOp, first: Call) -> Batch | None:
         """The batch `first` leads: the requests after it that can share its launch."""
@@ -272,12 +259,11 @@ class Dispatcher:
             try:
                 call.prepared = prepare(op, self.server, call)
             except Exception as exc:
-                self._deliver([self._failure(call, exc)])
+                self._fail(call, exc)
                 return None
         return call.prepared
 
-    def _answer(self, call: Call, result: dict) -> _Reply:
-        """The reply carrying `result`; the error reply when it cannot be encoded."""
+    def _answer(self, call: Call, result: dict) -> None:
         reply_timing = {}
         # A multipart request (ZeroMQ) gets its reply's tensors as raw buffers too.
         out_of_band = [] if not call.legacy and call.request.multipart else None
@@ -294,41 +280,23 @@ class Dispatcher:
 
                 parts = protocol.encode_reply(call.request.id, result, timing, buffers=out_of_band)
         except Exception as exc:
-            return self._failure(call, exc)
-        return _Reply(call, parts, out_of_band, reply_timing or None)
-
-    def _failure(self, call: Call, exc: BaseException) -> _Reply:
-        """The error reply for `call`."""
-        if not isinstance(exc, (OpError, protocol.ProtocolError)) and type(exc).__module__ != "kernels.errors":
-            log.error("op %s failed", call.op, exc_info=exc)
-        code, parts = self._error_parts(None if call.legacy else call.request.id, exc, call.legacy)
-        return _Reply(call, parts, None, None, error_code=code)
-
-    def _deliver(self, replies: list[_Reply]) -> None:
-        """Send `replies` (one request's, or a batch's), those to one connection in one
-        `send_all`, so that a batch's replies to one peer leave in one write; then count each
-        and let its request go (_finish)."""
+            self._fail(call, exc)
+            return
         try:
-            by_conn: dict[object, list[_Reply]] = {}
-            for reply in replies:
-                by_conn.setdefault(reply.call.conn, []).append(reply)
-            for group in by_conn.values():
-                sizes = self._send_all(group[0].call.conn, [(r.parts, r.buffers) for r in group])
-                for reply, size in zip(group, sizes or ()):
-                    self.server.stats.reply_out(size or 0)
-            for reply in replies:
-                call = reply.call
-                if reply.error_code is None:
-                    self.server.stats.record(call.stats_op, reply.timing, ok=True, executions=call.executions)
-                else:
-                    self.server.stats.record(call.stats_op, None, ok=False, error_code=reply.error_code,
-                                             executions=0)
+            self._send(call.conn, parts, out_of_band)
+            self.server.stats.record(call.stats_op, reply_timing or None, ok=True,
+                                     executions=call.executions)
         finally:
-            for reply in replies:
-                try:
-                    self._finish(reply.call)
-                except Exception:  # one request's release or hook must not keep the others in flight
-                    log.exception("finishing %s failed", reply.call.op)
+            self._finish(call)
+
+    def _fail(self, call: Call, exc: BaseException) -> None:
+        try:
+            if not isinstance(exc, (OpError, protocol.ProtocolError)) and type(exc).__module__ != "kernels.errors":
+                log.error("op %s failed", call.op, exc_info=exc)
+            self._reply_error(call.conn, None if call.legacy else call.request.id, exc,
+                              legacy=call.legacy, stats_op=call.stats_op)
+        finally:
+            self._finish(call)
 
     def _finish(self, call: Call) -> None:
         """The request has been answered: its frame buffer goes back to the pool (its tensors
@@ -348,31 +316,29 @@ class Dispatcher:
                 if self._pending == 0:
                     self._idle.notify_all()
 
-    def _reply_error(self, conn, request_id, exc: BaseException, *, legacy: bool) -> None:
-        """Answer a request refused before it became a call (only the error code is counted)."""
-        code, parts = self._error_parts(request_id, exc, legacy)
-        sizes = self._send_all(conn, [(parts, None)])
-        if sizes:
-            self.server.stats.reply_out(sizes[0] or 0)
-        self.server.stats.record_error(code)
-
-    @staticmethod
-    def _error_parts(request_id, exc: BaseException, legacy: bool) -> tuple[str, list]:
-        """The error code of `exc` and the reply body that reports it."""
+    def _reply_error(self, conn, request_id, exc: BaseException, *, legacy: bool,
+                     stats_op: str | None = None) -> None:
+        """`stats_op`: the op the stats count the failure for; without one (the request was
+        refused before it became a call), only the error code is counted."""
         code, message, detail = error_fields(exc)
         if legacy:
-            return code, protocol.encode_legacy_reply({"status": "error", "message": message})
-        try:
-            return code, protocol.encode_error(request_id, code, message, detail)
-        except (TypeError, ValueError):  # a detail msgpack cannot carry must not cost the reply
-            log.exception("error detail of %s cannot be encoded", code)
-            return code, protocol.encode_error(request_id, code, message, {})
+            parts = protocol.encode_legacy_reply({"status": "error", "message": message})
+        else:
+            try:
+                parts = protocol.encode_error(request_id, code, message, detail)
+            except (TypeError, ValueError):  # a detail msgpack cannot carry must not cost the reply
+                log.exception("error detail of %s cannot be encoded", code)
+                parts = protocol.encode_error(request_id, code, message, {})
+        self._send(conn, parts)
+        if stats_op is not None:
+            self.server.stats.record(stats_op, None, ok=False, error_code=code, executions=0)
+        else:
+            self.server.stats.record_error(code)
 
-    @staticmethod
-    def _send_all(conn, replies: list) -> list[int] | None:
-        """Each reply's bytes sent; None when the peer could not be written to (logged)."""
+    def _send(self, conn, parts, buffers: list | None = None) -> None:
         try:
-            return conn.send_all(replies)
+            n = conn.send(parts, buffers)  # buffers: a multipart reply's (ZeroMQ only)
         except OSError as exc:
             log.warning("could not reply to %s: %s", getattr(conn, "id", conn), exc)
-            return None
+            return
+        self.server.stats.reply_out(n or 0)

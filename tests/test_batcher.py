@@ -189,42 +189,6 @@ def test_a_bad_request_or_another_op_does_not_spoil_the_batch(inproc):
     assert torch.equal(state_of(srv, conn, sessions[1]), before[1])
 
 
-class WriteRecordingConnection(RecordingConnection):
-    """Records the request ids of the replies each `send_all` carried: on a stream transport,
-    one write."""
-
-    def __init__(self):
-        super().__init__()
-        self.writes: list[list] = []
-
-    def send_all(self, replies: list) -> list[int]:
-        self.writes.append([protocol.decode_reply(b"".join(parts), buffers or ()).id for parts, buffers in replies])
-        return super().send_all(replies)
-
-
-def test_a_batchs_replies_to_one_connection_leave_in_one_write_in_order(inproc):
-    srv = inproc(max_delay_us=0)
-    conns = [WriteRecordingConnection(), WriteRecordingConnection()]
-    shared = shared_constants(6, 4, {})
-    owners = (0, 1, 0, 0, 1)  # which connection sends each step, in arrival order
-    sessions = [open_prefilled(srv, conns[o], 1, 6, 4) for o in owners]
-    inputs = [step_inputs(1, 6, 4, shared, {}) for _ in owners]
-    before = [state_of(srv, conns[o], s) for o, s in zip(owners, sessions)]
-    srv.hold(conns[1])
-    for conn in conns:
-        conn.writes.clear()
-    ids = [srv.submit(conns[o], "step", session=s, **i) for o, s, i in zip(owners, sessions, inputs)]
-    srv.go()
-    replies = [conns[o].reply(i) for o, i in zip(owners, ids)]
-    held_ping, *batch_writes = conns[1].writes
-    assert len(held_ping) == 1
-    assert conns[0].writes == [[ids[0], ids[2], ids[3]]]
-    assert batch_writes == [[ids[1], ids[4]]]
-    assert [r.timing["batch_rows"] for r in replies] == [5] * 5
-    for k, (o, s) in enumerate(zip(owners, sessions)):
-        check_step(replies[k], inputs[k], before[k], state_of(srv, conns[o], s), f"caller {k}")
-
-
 def test_no_batching_with_max_batch_one(inproc):
     srv = inproc(max_batch=1, max_delay_us=0)
     conn = RecordingConnection()

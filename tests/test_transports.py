@@ -25,8 +25,7 @@ import zmq
 
 import protocol
 from bridge.client import UnixClient, ZmqClient, server_env
-from bridge.transports.framed import FdConnection, read_exact
-from bridge.transports.unix import UnixConnection
+from bridge.transports.framed import read_exact
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
 from kernel_cases import ScanCase, assert_close, make_scan_inputs, reference_scan
 
@@ -701,81 +700,6 @@ def random_tensor(rng, dtype: str, shape) -> protocol.OutTensor:
     values = rng.uniform(-4, 4, shape) if dtype in ("f32", "f64") else rng.integers(1, 100, shape)
     array = values.astype({"f32": np.float32, "f64": np.float64, "i32": np.int32, "u8": np.uint8}[dtype])
     return protocol.OutTensor(dtype, shape, array)
-
-
-# -- several replies in one write --------------------------------------------------------------
-
-def random_replies(rng, sizes: list[int]) -> list[tuple[list, None]]:
-    """Replies (parts, no buffers) with ids 0.. and a random f32 tensor of each size."""
-    return [(protocol.encode_reply(i, {"y": random_tensor(rng, "f32", (n,))}, {"server_us": 1.0}), None)
-            for i, n in enumerate(sizes)]
-
-
-def read_replies(reader, count: int) -> list[protocol.Reply]:
-    replies, header = [], memoryview(bytearray(4))
-    for _ in range(count):
-        assert read_exact(reader, header)
-        body = memoryview(bytearray(protocol.parse_frame_header(header)))
-        assert read_exact(reader, body)
-        replies.append(protocol.decode_reply(body))
-    return replies
-
-
-def check_replies_arrived(sent: list, sizes: list[int], replies: list[protocol.Reply]) -> None:
-    """Each reply came whole and in order, and `sizes` counted each frame's bytes."""
-    assert [r.id for r in replies] == list(range(len(sent)))
-    for (parts, _), size, reply in zip(sent, sizes, replies):
-        expected = protocol.decode_reply(b"".join(parts)).result["y"]
-        assert bytes(reply.result["y"].data) == bytes(expected.data)
-        assert size == 4 + sum(len(p) for p in parts)
-
-
-@pytest.mark.parametrize("sizes", [pytest.param([3], id="one"), pytest.param([5, 1, 0, 17, 1000], id="five")])
-def test_a_pipe_connection_writes_a_batch_of_replies_in_one_writev(monkeypatch, sizes):
-    replies = random_replies(np.random.default_rng(), sizes)
-    calls = []
-    writev = os.writev
-    monkeypatch.setattr(os, "writev", lambda fd, views: calls.append(len(views)) or writev(fd, views))
-    read_fd, write_fd = os.pipe()
-    with open(read_fd, "rb", buffering=0) as reader:
-        try:
-            sent = FdConnection("test", write_fd).send_all(replies)
-        finally:
-            os.close(write_fd)
-        check_replies_arrived(replies, sent, read_replies(reader, len(sizes)))
-        assert reader.read() == b""
-    assert len(calls) == 1
-
-
-def test_a_unix_connection_writes_a_batch_of_replies_in_one_sendmsg_and_counts_each_answered():
-    replies = random_replies(np.random.default_rng(), [4, 9, 2])
-    ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = UnixConnection(ours, max_in_flight=8)
-    calls = []
-    sendmsg = ours.sendmsg
-    conn.sock = SimpleNamespace(sendmsg=lambda *a: calls.append(len(a[0])) or sendmsg(*a))
-    for _ in replies:
-        conn.admit()
-    with peer.makefile("rb", buffering=0) as reader:
-        try:
-            sent = conn.send_all(replies)
-            assert conn._in_flight == 0  # each reply answered its own request
-            check_replies_arrived(replies, sent, read_replies(reader, len(replies)))
-        finally:
-            ours.close()
-            peer.close()
-    assert len(calls) == 1
-
-
-def test_a_stream_reply_refuses_raw_buffers():
-    read_fd, write_fd = os.pipe()
-    with open(read_fd, "rb", buffering=0) as reader:
-        try:
-            with pytest.raises(ValueError, match="no raw buffers"):
-                FdConnection("test", write_fd).send_all([([b"\x80"], None), ([b"\x80"], [b"raw"])])
-        finally:
-            os.close(write_fd)
-        assert reader.read() == b""  # nothing of the batch was written
 
 
 @pytest.mark.parametrize("dtypes", [

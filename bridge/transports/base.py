@@ -23,12 +23,6 @@ class Connection:
         transport (ZeroMQ) carries. Returns the bytes sent. Called from any thread."""
         raise NotImplementedError
 
-    def send_all(self, replies: list[tuple[list, list | None]]) -> list[int]:
-        """Write several replies (`(parts, buffers)` pairs, as `send` takes), in order; returns
-        the bytes of each. A stream transport writes them all at once: a batch's replies to one
-        peer then cost one system call and one wake-up of the peer, not one each."""
-        return [self.send(parts, buffers) for parts, buffers in replies]
-
     @property
     def has_close_callbacks(self) -> bool:
         """Something (a session, a tensor handle) waits for this connection to close."""

@@ -40,19 +40,6 @@ def write_all(fd: int, parts: list) -> int:
     return total
 
 
-def stream_frames(replies: list[tuple[list, list | None]]) -> tuple[list[memoryview], list[int]]:
-    """The byte views of `replies` (`(parts, buffers)` pairs) framed one after another for a
-    stream, and each frame's size. A stream reply is one frame: raw buffers are refused."""
-    views, sizes = [], []
-    for parts, buffers in replies:
-        if buffers:
-            raise ValueError("a stream reply is one frame: it carries no raw buffers")
-        frame = byte_views(protocol.frame_parts(parts))
-        views += frame
-        sizes.append(sum(len(v) for v in frame))
-    return views, sizes
-
-
 def consume(views: list, written: int) -> None:
     """Drop the first `written` bytes from the list of byte views (after a partial write)."""
     while written:
@@ -93,13 +80,11 @@ class FdConnection(Connection):
         self._write_lock = threading.Lock()
 
     def send(self, parts: list, buffers: list | None = None) -> int:
-        return self.send_all([(parts, buffers)])[0]
-
-    def send_all(self, replies: list[tuple[list, list | None]]) -> list[int]:
-        framed, sizes = stream_frames(replies)
+        if buffers:
+            raise ValueError("a stream reply is one frame: it carries no raw buffers")
+        framed = protocol.frame_parts(parts)
         with self._write_lock:
-            write_all(self.out_fd, framed)
-        return sizes
+            return write_all(self.out_fd, framed)
 
 
 def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int, admit=None) -> None:

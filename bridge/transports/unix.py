@@ -25,7 +25,7 @@ import protocol
 
 from ..buffers import BufferPool
 from .base import Connection
-from .framed import IOV_MAX, consume, serve_frames, stream_frames
+from .framed import IOV_MAX, byte_views, consume, serve_frames
 
 log = logging.getLogger("bridge.unix")
 
@@ -53,10 +53,9 @@ class UnixConnection(Connection):
         self._in_flight = 0
         self._answered = threading.Condition()
         self._send_lock = threading.Lock()
-        # Replies the writer thread still has to write, in order, as (byte views, the first
-        # possibly partly written; how many replies they hold); non-empty exactly while the
-        # writer thread runs.
-        self._backlog: collections.deque[tuple[list[memoryview], int]] = collections.deque()
+        # Replies (lists of byte views, the first possibly partly written) the writer thread
+        # still has to write, in order; non-empty exactly while the writer thread runs.
+        self._backlog: collections.deque[list[memoryview]] = collections.deque()
         self._broken: OSError | None = None
 
     # -- reader side ----------------------------------------------------------------------
@@ -80,27 +79,26 @@ class UnixConnection(Connection):
     # -- replies --------------------------------------------------------------------------
 
     def send(self, parts: list, buffers: list | None = None) -> int:
-        return self.send_all([(parts, buffers)])[0]
-
-    def send_all(self, replies: list[tuple[list, list | None]]) -> list[int]:
-        views, sizes = stream_frames(replies)
-        count = len(replies)
+        if buffers:
+            raise ValueError("a unix-socket reply is one frame: it carries no raw buffers")
+        views = byte_views(protocol.frame_parts(parts))
+        total = sum(len(v) for v in views)
         with self._send_lock:
             try:
                 if self._broken is not None:
                     raise BrokenPipeError(f"{self.id}: the peer is gone ({self._broken})")
                 if self._backlog:  # earlier replies still queued for a slow peer: keep the order
-                    self._backlog.append((views, count))
-                    return sizes
+                    self._backlog.append(views)
+                    return total
                 if self._write_now(views):
-                    self._done(count)
+                    self._done()
                 else:
-                    self._backlog.append((views, count))
+                    self._backlog.append(views)
                     threading.Thread(target=self._write_backlog, name=f"{self.id}-writer", daemon=True).start()
-                return sizes
+                return total
             except OSError as exc:
                 self._broken = self._broken or exc
-                self._done(count)
+                self._done()
                 raise
 
     def _write_now(self, views: list[memoryview]) -> bool:
@@ -125,21 +123,21 @@ class UnixConnection(Connection):
             with self._send_lock:
                 if not self._backlog:
                     return
-                views, count = self._backlog[0]
+                views = self._backlog[0]
             try:
                 while views:
                     consume(views, self.sock.sendmsg(views[:IOV_MAX]))
             except OSError as exc:
                 with self._send_lock:
                     self._broken = self._broken or exc
-                    dropped = sum(count for _, count in self._backlog)
+                    dropped = len(self._backlog)
                     self._backlog.clear()
                 log.warning("%s: dropped %d replies: %s", self.id, dropped, exc)
                 self._done(dropped)
                 return
             with self._send_lock:
                 self._backlog.popleft()
-            self._done(count)
+            self._done()
 
 
 class UnixTransport:
