@@ -2,7 +2,8 @@
 reference and the torch backend, all measured in the same run.
 
     python -m bench.kernels [--backends cpu,torch] [--cases exphil,step-32x512x16] [--quick]
-                            [--layout bld|bdl] [--threads N] [--json bench/results/kernels-cpu.json]
+                            [--layout bld|bdl] [--threads N] [--runs N [--gap-seconds S]]
+                            [--json bench/results/kernels-cpu.json]
 
 Per (case, backend): kernel time (median, p20, p80) of the backend's own call on arguments
 validated once beforehand (so API validation is not counted); achieved GB/s; the ratio to the
@@ -18,12 +19,21 @@ on CUDA, triton.testing.do_bench (CUDA events when triton is missing). triton is
 where CUDA is present. The reference materialises [batch, seq, dim, state] tensors and loops
 over time in Python: its repetitions are capped, and above a size it is skipped with the reason
 printed (the speedup over it is then absent).
+
+`--runs N` repeats the whole measurement in N fresh processes, `--gap-seconds` apart, and
+reports per (case, backend) the median of the runs' medians with their range: on a shared
+machine a process's speed depends on its placement and on what its neighbours do (single runs
+of the same step kernel have ranged 40 to 73 us here), which one process cannot show.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -266,6 +276,78 @@ def format_rows(case: KernelCase, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _child_argv(args) -> list[str]:
+    """The options of one run of the measurement, as `args` gave them (without --runs,
+    --gap-seconds and --json)."""
+    argv = ["--layout", args.layout, "--reference-reps", str(args.reference_reps),
+            "--reference-max-elements", str(args.reference_max_elements)]
+    for option, value in (("--backends", args.backends), ("--cases", args.cases),
+                          ("--device", args.device), ("--threads", args.threads)):
+        if value:
+            argv += [option, str(value)]
+    return argv + (["--quick"] if args.quick else [])
+
+
+def over_runs(runs: list[list[dict]]) -> list[dict]:
+    """Per (case, backend), in the order of the first run: each run's median, the median of
+    those with their range, and the median of each run's speedups."""
+    rows: dict[tuple, list[dict]] = {}
+    for results in runs:
+        for row in results:
+            if "median_us" in row:
+                rows.setdefault((row["case"], row["backend"]), []).append(row)
+    summary = []
+    for (case, backend), mine in rows.items():
+        medians = [r["median_us"] for r in mine]
+        entry = {"case": case, "backend": backend, "runs": len(mine), "run_medians_us": medians,
+                 "median_of_medians_us": statistics.median(medians), "min_median_us": min(medians),
+                 "max_median_us": max(medians),
+                 "median_of_p20_us": statistics.median(r["p20_us"] for r in mine)}
+        for base in BASELINES:
+            speedups = [r[f"speedup_vs_{base}"] for r in mine if f"speedup_vs_{base}" in r]
+            if speedups and base != backend:
+                entry[f"median_speedup_vs_{base}"] = statistics.median(speedups)
+        summary.append(entry)
+    return summary
+
+
+def repeated(args) -> int:
+    """`--runs N`: the measurement in N fresh processes; their results and the summary over them."""
+    runs, documents = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:
+        for i in range(args.runs):
+            if i and args.gap_seconds:
+                time.sleep(args.gap_seconds)
+            out = f"{scratch}/run{i}.json"
+            proc = subprocess.run([sys.executable, "-m", "bench.kernels", *_child_argv(args), "--json", out],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stdout + proc.stderr, file=sys.stderr)
+                print(f"run {i + 1} of {args.runs} failed (exit status {proc.returncode})", file=sys.stderr)
+                return 1
+            with open(out) as f:
+                document = json.load(f)
+            documents.append(document)
+            runs.append(document["results"])
+            print(f"run {i + 1}/{args.runs}: " + ", ".join(
+                f"{r['case']} {r['backend']} {_us(r['median_us'])}" for r in document["results"] if "median_us" in r),
+                flush=True)
+    summary = over_runs(runs)
+    print(f"over {args.runs} runs, {args.gap_seconds:g} s apart (median of the runs' medians, their range):")
+    for e in summary:
+        print(f"  {e['case']:<16} {e['backend']:<10} {_us(e['median_of_medians_us']):>10}  "
+              f"({_us(e['min_median_us'])} - {_us(e['max_median_us'])})")
+    if args.json:
+        first = documents[0]
+        write_results(args.json, "kernels", {
+            **{k: first[k] for k in ("device", "torch_threads", "layout", "quick", "backend_details",
+                                     "unavailable_backends", "cases")},
+            "runs": args.runs, "gap_seconds": args.gap_seconds, "over_runs": summary,
+            "each_run": [{"commit": d["commit"], "copy_bandwidth_GBps": d["copy_bandwidth_GBps"],
+                          "results": d["results"]} for d in documents]})
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", help="comma-separated backends to time (default: every available "
@@ -278,8 +360,15 @@ def main(argv=None) -> int:
     p.add_argument("--reference-reps", type=int, default=3, help="repetitions of the reference (default 3)")
     p.add_argument("--reference-max-elements", type=int, default=1 << 25,
                    help="skip the reference above this batch*seq*dim*state (default 2^25)")
+    p.add_argument("--runs", type=int, default=1, help="repeat the measurement in this many fresh "
+                   "processes and summarise over them (default 1: this process only)")
+    p.add_argument("--gap-seconds", type=float, default=0.0, help="pause between runs (with --runs)")
     p.add_argument("--json", help="write results with machine and commit info to this file")
     args = p.parse_args(argv)
+    if args.runs < 1 or args.gap_seconds < 0:
+        p.error(f"--runs: expected at least 1, got {args.runs}; --gap-seconds: expected >= 0, got {args.gap_seconds}")
+    if args.runs > 1:
+        return repeated(args)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:

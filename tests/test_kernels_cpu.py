@@ -362,3 +362,39 @@ def test_bench_runner_reports_every_backend(tmp_path):
         assert r["GBps"] > 0 and r["over_floor"] > 0
         assert r["speedup_vs_reference"] > 0 and r["speedup_vs_torch"] > 0
     assert rows[("1x4x16x4", "reference")]["speedup_vs_reference"] == 1.0
+
+
+def test_bench_runner_summarises_repeated_runs():
+    """`--runs`: per (case, backend), the median of the runs' medians and their range; a row a
+    run skipped is left out; speedups are the median of each run's."""
+    from bench.kernels import over_runs
+
+    def row(backend, median, **extra):
+        return {"case": "c", "backend": backend, "median_us": median, "p20_us": median - 1, **extra}
+
+    runs = [[row("reference", 100.0), row("cpu", 30.0, speedup_vs_reference=100 / 30)],
+            [{"case": "c", "backend": "reference", "skipped": "too big"}, row("cpu", 10.0, speedup_vs_reference=9.0)],
+            [row("reference", 90.0), row("cpu", 20.0, speedup_vs_reference=4.5)]]
+    reference, cpu = over_runs(runs)
+    assert (reference["backend"], reference["runs"], reference["run_medians_us"]) == ("reference", 2, [100.0, 90.0])
+    assert reference["median_of_medians_us"] == 95.0 and "median_speedup_vs_reference" not in reference
+    assert cpu["run_medians_us"] == [30.0, 10.0, 20.0]
+    assert (cpu["median_of_medians_us"], cpu["min_median_us"], cpu["max_median_us"]) == (20.0, 10.0, 30.0)
+    assert cpu["median_of_p20_us"] == 19.0 and cpu["median_speedup_vs_reference"] == 4.5
+
+
+def test_bench_runner_repeats_in_fresh_processes(tmp_path):
+    import json
+
+    from bench import kernels as bench_kernels
+
+    out = tmp_path / "runs.json"
+    assert bench_kernels.main(["--quick", "--cases", "1x4x16x4", "--backends", "cpu", "--runs", "2",
+                               "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["runs"] == 2 and len(report["each_run"]) == 2
+    summary = {e["backend"]: e for e in report["over_runs"]}
+    assert set(summary) == {"reference", "torch", "cpu"}
+    for e in summary.values():
+        assert e["runs"] == 2 and e["min_median_us"] <= e["median_of_medians_us"] <= e["max_median_us"]
+        assert sorted(e["run_medians_us"]) == [e["min_median_us"], e["max_median_us"]]
