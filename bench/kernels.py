@@ -365,8 +365,10 @@ def main(argv=None) -> int:
     p.add_argument("--gap-seconds", type=float, default=0.0, help="pause between runs (with --runs)")
     p.add_argument("--json", help="write results with machine and commit info to this file")
     args = p.parse_args(argv)
-    if args.runs < 1 or args.gap_seconds < 0:
-        p.error(f"--runs: expected at least 1, got {args.runs}; --gap-seconds: expected >= 0, got {args.gap_seconds}")
+    if args.runs < 1:
+        p.error(f"--runs: expected at least 1, got {args.runs}")
+    if args.gap_seconds < 0:
+        p.error(f"--gap-seconds: expected 0 or more, got {args.gap_seconds}")
     if args.runs > 1:
         return repeated(args)
 

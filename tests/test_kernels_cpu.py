@@ -398,3 +398,16 @@ def test_bench_runner_repeats_in_fresh_processes(tmp_path):
     for e in summary.values():
         assert e["runs"] == 2 and e["min_median_us"] <= e["median_of_medians_us"] <= e["max_median_us"]
         assert sorted(e["run_medians_us"]) == [e["min_median_us"], e["max_median_us"]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--runs", "0"], "--runs: expected at least 1, got 0", id="no-runs"),
+    pytest.param(["--runs", "2", "--gap-seconds", "-1"], "--gap-seconds: expected 0 or more, got -1.0",
+                 id="negative-gap"),
+])
+def test_bench_runner_refuses_impossible_repeats(argv, message, capsys):
+    from bench import kernels as bench_kernels
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_kernels.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
