@@ -276,18 +276,6 @@ def format_rows(case: KernelCase, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _child_argv(args) -> list[str]:
-    """The options of one run of the measurement, as `args` gave them (without --runs,
-    --gap-seconds and --json)."""
-    argv = ["--layout", args.layout, "--reference-reps", str(args.reference_reps),
-            "--reference-max-elements", str(args.reference_max_elements)]
-    for option, value in (("--backends", args.backends), ("--cases", args.cases),
-                          ("--device", args.device), ("--threads", args.threads)):
-        if value:
-            argv += [option, str(value)]
-    return argv + (["--quick"] if args.quick else [])
-
-
 def over_runs(runs: list[list[dict]]) -> list[dict]:
     """Per (case, backend), in the order of the first run: each run's median, the median of
     those with their range, and the median of each run's speedups."""
@@ -311,15 +299,17 @@ def over_runs(runs: list[list[dict]]) -> list[dict]:
     return summary
 
 
-def repeated(args) -> int:
-    """`--runs N`: the measurement in N fresh processes; their results and the summary over them."""
+def repeated(args, argv: list[str]) -> int:
+    """`--runs N`: the measurement in N fresh processes, each given `argv` as it came with
+    `--runs 1 --json FILE` after it (argparse keeps an option's last value), so every other
+    option reaches them unchanged; their results and the summary over them."""
     runs, documents = [], []
     with tempfile.TemporaryDirectory(prefix="bench-kernels-") as scratch:
         for i in range(args.runs):
             if i and args.gap_seconds:
                 time.sleep(args.gap_seconds)
             out = f"{scratch}/run{i}.json"
-            proc = subprocess.run([sys.executable, "-m", "bench.kernels", *_child_argv(args), "--json", out],
+            proc = subprocess.run([sys.executable, "-m", "bench.kernels", *argv, "--runs", "1", "--json", out],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stdout + proc.stderr, file=sys.stderr)
@@ -364,13 +354,14 @@ def main(argv=None) -> int:
                    "processes and summarise over them (default 1: this process only)")
     p.add_argument("--gap-seconds", type=float, default=0.0, help="pause between runs (with --runs)")
     p.add_argument("--json", help="write results with machine and commit info to this file")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error(f"--runs: expected at least 1, got {args.runs}")
     if args.gap_seconds < 0:
         p.error(f"--gap-seconds: expected 0 or more, got {args.gap_seconds}")
     if args.runs > 1:
-        return repeated(args)
+        return repeated(args, argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:

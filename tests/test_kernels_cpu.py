@@ -393,6 +393,8 @@ def test_bench_runner_repeats_in_fresh_processes(tmp_path):
                                "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["runs"] == 2 and len(report["each_run"]) == 2
+    # every other option reached the runs: only the named case, on the quick budget
+    assert report["quick"] and {e["case"] for e in report["over_runs"]} == {"1x4x16x4"}
     summary = {e["backend"]: e for e in report["over_runs"]}
     assert set(summary) == {"reference", "torch", "cpu"}
     for e in summary.values():
