@@ -132,7 +132,11 @@ def moved_bytes(case: KernelCase, inputs: dict) -> int:
 
 def kernel_call(case: KernelCase, backend: str, inputs: dict):
     """The backend's own call on arguments validated and normalised once, here."""
-    impl = get_backend(backend, inputs["x"].device.type)
+    return backend_call(case, get_backend(backend, inputs["x"].device.type), inputs)
+
+
+def backend_call(case: KernelCase, impl, inputs: dict):
+    """`impl`'s (a kernels Backend's) call on arguments validated and normalised once, here."""
     if case.kind == "step":
         a = _args.check_state_update(**inputs)
         kw = a.backend_kwargs()

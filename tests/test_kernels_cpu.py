@@ -413,3 +413,76 @@ def test_bench_runner_refuses_impossible_repeats(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_kernels.main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# --- bench.kernel_ab: two builds in one process ----------------------------------------------
+
+def test_kernel_ab_times_two_builds_of_one_revision(tmp_path):
+    """HEAD against HEAD: two libraries under two module names, loaded side by side, whose
+    outputs agree bit for bit; every (case, threads) row has both builds' blocks."""
+    import json
+
+    from bench import kernel_ab
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    out = tmp_path / "ab.json"
+    assert kernel_ab.main(["--base", "HEAD", "--other", "HEAD", "--cases", "1x4x16x4,step-32x512x16",
+                           "--threads", "1,2", "--seconds", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["base"]["commit"] == report["other"]["commit"] == head
+    assert report["base"]["details"]["library"] != report["other"]["details"]["library"]
+    assert [(r["case"], r["threads"]) for r in report["results"]] == [
+        ("1x4x16x4", 1), ("1x4x16x4", 2), ("step-32x512x16", 1), ("step-32x512x16", 2)]
+    for row in report["results"]:
+        assert row["max_relative_difference"] == 0.0
+        assert row["base"]["blocks"] == row["other"]["blocks"] >= 10
+        assert row["ratio_median"] == pytest.approx(row["base"]["median_us"] / row["other"]["median_us"])
+        assert 0 < row["ratio_paired_median"] < float("inf")
+
+
+def test_kernel_ab_reports_builds_that_compute_differently():
+    """The outputs check sees a difference where there is one: the cpu backend against the
+    torch backend (same math, other rounding) on both kinds of case."""
+    from bench import kernel_ab
+    from bench.kernels import CASES_BY_NAME
+
+    pair = (kernels.get_backend("cpu", "cpu"), kernels.get_backend("torch", "cpu"))
+    for name in ("1x4x16x4", "step-32x512x16"):
+        difference = kernel_ab.max_relative_difference(CASES_BY_NAME[name], pair)
+        assert 0 < difference < 1e-3, (name, difference)
+
+
+def test_kernel_ab_copies_the_working_tree_sources(tmp_path):
+    from bench import kernel_ab
+    from kernels.cpu import build
+
+    assert kernel_ab.sources_at(kernel_ab.WORKING_TREE, tmp_path) == kernel_ab.WORKING_TREE
+    for name in build.SOURCES + build.HEADERS:
+        assert (tmp_path / name).read_bytes() == (build.SOURCE_DIR / name).read_bytes()
+
+
+@pytest.mark.parametrize("argv, status, message", [
+    pytest.param(["--base", "no-such-revision"], 2, "revision 'no-such-revision':", id="unknown-revision"),
+    pytest.param(["--cases", "nope"], 2, "--cases: unknown case 'nope'", id="unknown-case"),
+    pytest.param(["--threads", "0"], 2, "--threads: expected counts of 1 or more, got '0'", id="no-threads"),
+    pytest.param(["--threads", "two"], 2, "--threads: expected comma-separated integers, got 'two'",
+                 id="threads-not-numbers"),
+    pytest.param(["--seconds", "-1"], 2, "--seconds: expected a finite number of 0 or more, got -1.0",
+                 id="negative-seconds"),
+])
+def test_kernel_ab_says_what_it_expected(argv, status, message, capsys):
+    from bench import kernel_ab
+
+    try:
+        code = kernel_ab.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code == status and message in capsys.readouterr().err
+
+
+def test_a_second_copy_of_the_sources_needs_a_name_of_its_own(tmp_path):
+    from kernels.cpu import build
+
+    with pytest.raises(ValueError, match="expected a name other than 'scan_bridge_cpu'"):
+        build.load_sources(build.SOURCE_DIR, build.MODULE_NAME)

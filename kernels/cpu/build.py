@@ -66,12 +66,15 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def build_digest() -> str:
+def build_digest(source_dir: Path | None = None, module_name: str | None = None) -> str:
+    """Of the sources in `source_dir` built as `module_name` (by default this checkout's, as
+    MODULE_NAME)."""
+    source_dir = source_dir or SOURCE_DIR
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update(name.encode())
-        h.update((SOURCE_DIR / name).read_bytes())
-    for part in (MODULE_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version,
+        h.update((source_dir / name).read_bytes())
+    for part in (module_name or MODULE_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version,
                  sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
         h.update(repr(part).encode())
     return h.hexdigest()[:16]
@@ -92,12 +95,16 @@ def build_directory() -> Path:
 
 
 def library_path() -> Path:
+    return _library_in(build_directory(), MODULE_NAME)
+
+
+def _library_in(directory: Path, module_name: str) -> Path:
     # The name torch.utils.cpp_extension.load gives the library it links.
-    return build_directory() / (MODULE_NAME + (".pyd" if sys.platform == "win32" else ".so"))
+    return directory / (module_name + (".pyd" if sys.platform == "win32" else ".so"))
 
 
-def _import_built(path: Path):
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+def _import_built(path: Path, module_name: str | None = None):
+    spec = importlib.util.spec_from_file_location(module_name or MODULE_NAME, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -114,8 +121,9 @@ def _first_error_line(text: str) -> str:
     return lines[-1][:300] if lines else "no compiler output"
 
 
-def _compile(directory: Path, verbose: bool):
+def _compile(directory: Path, verbose: bool, source_dir: Path | None = None, module_name: str | None = None):
     """Build with torch.utils.cpp_extension (ninja) and import the result."""
+    source_dir = source_dir or SOURCE_DIR
     try:
         from torch.utils import cpp_extension
     except ImportError as exc:  # torch builds without the extension tooling
@@ -128,11 +136,11 @@ def _compile(directory: Path, verbose: bool):
     directory.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name=MODULE_NAME,
-            sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            name=module_name or MODULE_NAME,
+            sources=[str(source_dir / s) for s in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
-            extra_include_paths=[str(SOURCE_DIR)],
+            extra_include_paths=[str(source_dir)],
             build_directory=str(directory),
             verbose=verbose,
         )
@@ -160,6 +168,20 @@ def load_extension(*, verbose: bool = False):
         raise BackendUnavailable(f"no C++ compiler ({compiler!r} not found)")
     log.info("kernels: building the CPU backend's C++ extension in %s (once per machine)", directory)
     return _compile(directory, verbose)
+
+
+def load_sources(source_dir: Path, module_name: str):
+    """The extension built from another copy of the sources (SOURCES and HEADERS in
+    `source_dir`, a git revision's for bench.kernel_ab) as `module_name`, in a directory named by
+    its own digest under build_root()/"other". Python caches extension modules by name, so
+    the name must differ from MODULE_NAME and from every other copy loaded in the process."""
+    if module_name == MODULE_NAME:
+        raise ValueError(f"module_name: expected a name other than {MODULE_NAME!r}, got {module_name!r}")
+    directory = build_root() / "other" / build_digest(source_dir, module_name)
+    library = _library_in(directory, module_name)
+    if library.is_file() and not (directory / _LOCK_FILE).exists():
+        return _import_built(library, module_name)
+    return _compile(directory, False, source_dir, module_name)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,211 @@
+"""Two builds of the CPU backend's C++ kernels timed against each other in one process: the
+kernels/cpu sources of a git revision (the base) against those of the working tree, or of
+another revision, on bench.kernels' cases and inputs.
+
+    python -m bench.kernel_ab [--base REV] [--other REV] [--cases step-32x512x16,exphil]
+                              [--threads 1] [--seconds 10] [--json FILE]
+
+Why one process: on this shared machine one process's speed for the same build drifts by more
+than a kernel change is worth (single runs of the same step kernel have ranged 40 to 73 us), so
+an A/B of separate processes needs many of them and still blurs a few per cent. Here each build
+is loaded under a module name of its own (kernels.cpu.build.load_sources), and short blocks of
+calls alternate between the two, the order swapped every round, so both builds meet the same
+machine state. Reported per (case, threads): the median and p20 of the blocks' mean call time
+for each build, their ratio base / other (above 1: the other build is faster), and the
+median over rounds of the ratio of the two blocks timed side by side.
+
+One thread by default: a change to the kernels' code shows there undiluted, and two builds of
+the same sources then time alike to within 1.5% (three runs: 1.014, 1.004, 0.987). With more
+threads each build has its own helper pool: before each block the harness sleeps past the
+pool's spin (1 ms), so that the build not being timed has its helper asleep rather than
+spinning on the second core, then warms the timed build up for 2 ms (a core that idled runs
+its first calls slowly). Where the scheduler then puts the woken helper is not the same from
+block to block: two threads' medians of identical builds have differed by 18%, so read the
+p20 there.
+
+Before timing, both builds run the same inputs once: the largest relative difference of their
+outputs (y; and the state for the state update) is reported, so an A/B of builds that compute
+different things shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.cpu import backend_from, build
+
+from .kernels import CASES_BY_NAME, backend_call, make_inputs
+from .machine import write_results
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_PATH = "kernels/cpu"  # where the sources sit in a revision's tree
+WORKING_TREE = "working tree"
+HELPER_SPIN_SECONDS = 0.001  # helper_pool.h's kSpin
+BLOCK_SECONDS = 0.001  # calls per block: about this long
+WARM_SECONDS = 0.002
+
+
+class RevisionError(Exception):
+    """A revision whose kernel sources cannot be read."""
+
+
+def sources_at(revision: str, destination: Path) -> str:
+    """Writes the kernel sources (build.SOURCES and HEADERS) of `revision`, or of the working
+    tree for WORKING_TREE, into `destination`; returns the revision's commit hash (or
+    WORKING_TREE)."""
+    destination.mkdir(parents=True, exist_ok=True)
+    names = build.SOURCES + build.HEADERS
+    if revision == WORKING_TREE:
+        for name in names:
+            (destination / name).write_bytes((build.SOURCE_DIR / name).read_bytes())
+        return WORKING_TREE
+    commit = _git("rev-parse", "--verify", f"{revision}^{{commit}}", revision=revision).decode().strip()
+    for name in names:
+        (destination / name).write_bytes(_git("show", f"{commit}:{SOURCE_PATH}/{name}", revision=revision))
+    return commit
+
+
+def _git(*args, revision: str) -> bytes:
+    done = subprocess.run(["git", *args], cwd=REPO, capture_output=True)
+    if done.returncode != 0:
+        reason = done.stderr.decode(errors="replace").strip() or f"git {args[0]} exited {done.returncode}"
+        raise RevisionError(f"revision {revision!r}: {reason}")
+    return done.stdout
+
+
+def load_build(revision: str, side: str, scratch: Path):
+    """(the Backend over `revision`'s build, its commit) with the module named for `side`."""
+    source_dir = scratch / side
+    commit = sources_at(revision, source_dir)
+    started = time.perf_counter()
+    backend = backend_from(build.load_sources(source_dir, f"{build.MODULE_NAME}_ab_{side}"))
+    print(f"{side}: {revision} ({commit[:12]}) {backend.details['library']} "
+          f"ready in {time.perf_counter() - started:.1f} s", flush=True)
+    return backend, commit
+
+
+def max_relative_difference(case, backends) -> float:
+    """The largest |a - b| / max(|a|, |b|, 1e-30) over y (and the updated state) when both
+    backends run one call on the same fresh inputs."""
+    outputs = []
+    for backend in backends:
+        inputs = make_inputs(case, "bld", torch.device("cpu"), seed=1)
+        y = backend_call(case, backend, inputs)()
+        if isinstance(y, tuple):
+            y = y[0]
+        parts = [y.double().flatten()]
+        if case.kind == "step":
+            parts.append(inputs["state"].double().flatten())
+        outputs.append(torch.cat(parts))
+    a, b = outputs
+    scale = torch.maximum(a.abs(), b.abs()).clamp_min(1e-30)
+    return float(((a - b).abs() / scale).max())
+
+
+def time_pair(case, backends, seconds: float, min_rounds: int = 10) -> list[list[float]]:
+    """Per backend, the mean call time (us) of each of its blocks, in alternated rounds."""
+    # One set of inputs for both: tensors placed differently (their offsets within pages) can
+    # time differently, which would pass for a difference between the builds.
+    inputs = make_inputs(case, "bld", torch.device("cpu"))
+    calls = [backend_call(case, b, inputs) for b in backends]
+    for call in calls:
+        call()
+    started = time.perf_counter()
+    calls[0]()
+    estimate = max(time.perf_counter() - started, 1e-6)
+    block = max(1, round(BLOCK_SECONDS / estimate))
+    warm = max(1, round(WARM_SECONDS / estimate))
+    blocks = [[] for _ in calls]
+    started = time.perf_counter()
+    rounds = 0
+    while rounds < min_rounds or time.perf_counter() - started < seconds:
+        order = range(len(calls)) if rounds % 2 == 0 else reversed(range(len(calls)))
+        for i in order:
+            if torch.get_num_threads() > 1:
+                time.sleep(HELPER_SPIN_SECONDS * 3)
+            for _ in range(warm):
+                calls[i]()
+            t0 = time.perf_counter_ns()
+            for _ in range(block):
+                calls[i]()
+            blocks[i].append((time.perf_counter_ns() - t0) / 1e3 / block)
+        rounds += 1
+    return blocks
+
+
+def summary(blocks: list[float]) -> dict:
+    ordered = sorted(blocks)
+    return {"median_us": statistics.median(ordered), "p20_us": ordered[len(ordered) // 5],
+            "blocks": len(ordered)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="HEAD", help="git revision of the base build (default HEAD)")
+    p.add_argument("--other", default=WORKING_TREE,
+                   help="git revision of the other build (default: the working tree's sources)")
+    p.add_argument("--cases", default="step-32x512x16",
+                   help="comma-separated bench.kernels case names (default step-32x512x16): "
+                   + ", ".join(CASES_BY_NAME))
+    p.add_argument("--threads", default="1", help="comma-separated thread counts (default 1)")
+    p.add_argument("--seconds", type=float, default=10.0,
+                   help="timing per (case, thread count), both builds together (default 10)")
+    p.add_argument("--json", help="write results with machine and commit info to this file")
+    args = p.parse_args(argv)
+    try:
+        cases = [CASES_BY_NAME[n] for n in args.cases.split(",")]
+    except KeyError as exc:
+        p.error(f"--cases: unknown case {exc}; known: {', '.join(CASES_BY_NAME)}")
+    try:
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        p.error(f"--threads: expected comma-separated integers, got {args.threads!r}")
+    if min(threads) < 1:
+        p.error(f"--threads: expected counts of 1 or more, got {args.threads!r}")
+    if not (args.seconds >= 0 and math.isfinite(args.seconds)):
+        p.error(f"--seconds: expected a finite number of 0 or more, got {args.seconds}")
+
+    with tempfile.TemporaryDirectory(prefix="kernel_ab_") as scratch:
+        try:
+            base, base_commit = load_build(args.base, "base", Path(scratch))
+            other, other_commit = load_build(args.other, "other", Path(scratch))
+        except RevisionError as exc:
+            print(f"bench.kernel_ab: {exc}", file=sys.stderr)
+            return 2
+    rows = []
+    for case in cases:
+        difference = max_relative_difference(case, (base, other))
+        for count in threads:
+            torch.set_num_threads(count)
+            base_blocks, other_blocks = time_pair(case, (base, other), args.seconds)
+            row = {"case": case.name, "threads": count, "base": summary(base_blocks),
+                   "other": summary(other_blocks), "max_relative_difference": difference}
+            row["ratio_median"] = row["base"]["median_us"] / row["other"]["median_us"]
+            row["ratio_p20"] = row["base"]["p20_us"] / row["other"]["p20_us"]
+            row["ratio_paired_median"] = statistics.median(
+                b / o for b, o in zip(base_blocks, other_blocks))
+            rows.append(row)
+            print(f"{case.name}, {count} thread(s): base {row['base']['median_us']:.1f} us "
+                  f"(p20 {row['base']['p20_us']:.1f}), other {row['other']['median_us']:.1f} us "
+                  f"(p20 {row['other']['p20_us']:.1f}); base/other {row['ratio_median']:.3f} "
+                  f"(p20 {row['ratio_p20']:.3f}, paired by round {row['ratio_paired_median']:.3f}) over {row['base']['blocks']} blocks each; "
+                  f"outputs differ by {difference:.2g} at most (relative)", flush=True)
+    if args.json:
+        write_results(args.json, "kernel-ab", {
+            "base": {"revision": args.base, "commit": base_commit, "details": base.details},
+            "other": {"revision": args.other, "commit": other_commit, "details": other.details},
+            "seconds": args.seconds, "results": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
