@@ -3,7 +3,7 @@ kernels/cpu sources of a git revision (the base) against those of the working tr
 another revision, on bench.kernels' cases and inputs.
 
     python -m bench.kernel_ab [--base REV] [--other REV] [--cases step-32x512x16,exphil]
-                              [--threads 1] [--seconds 10] [--json FILE]
+                              [--threads 1] [--seconds 20] [--json FILE]
 
 Why one process: on this shared machine one process's speed for the same build drifts by more
 than a kernel change is worth (single runs of the same step kernel have ranged 40 to 73 us), so
@@ -14,14 +14,14 @@ machine state. Reported per (case, threads): the median and p20 of the blocks' m
 for each build, their ratio base / other (above 1: the other build is faster), and the
 median over rounds of the ratio of the two blocks timed side by side.
 
-One thread by default: a change to the kernels' code shows there undiluted, and two builds of
-the same sources then time alike to within 1.5% (three runs: 1.014, 1.004, 0.987). With more
+Two builds of the same sources, 20 s each, timed alike to within 0.7% on the step and ExPhil
+at 1 and 2 threads (bench/results/kernel_ab_identical.json): differences beyond that are the
+code's. One thread by default: a change to the kernels' code shows there undiluted. With more
 threads each build has its own helper pool: before each block the harness sleeps past the
 pool's spin (1 ms), so that the build not being timed has its helper asleep rather than
 spinning on the second core, then warms the timed build up for 2 ms (a core that idled runs
-its first calls slowly). Where the scheduler then puts the woken helper is not the same from
-block to block: two threads' medians of identical builds have differed by 18%, so read the
-p20 there.
+its first calls slowly); where the scheduler puts the woken helper still varies from block to
+block, so there the p20 and the paired ratio are the steadier figures.
 
 Before timing, both builds run the same inputs once: the largest relative difference of their
 outputs (y; and the state for the state update) is reported, so an A/B of builds that compute
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
                    help="comma-separated bench.kernels case names (default step-32x512x16): "
                    + ", ".join(CASES_BY_NAME))
     p.add_argument("--threads", default="1", help="comma-separated thread counts (default 1)")
-    p.add_argument("--seconds", type=float, default=10.0,
-                   help="timing per (case, thread count), both builds together (default 10)")
+    p.add_argument("--seconds", type=float, default=20.0,
+                   help="timing per (case, thread count), both builds together (default 20)")
     p.add_argument("--json", help="write results with machine and commit info to this file")
     args = p.parse_args(argv)
     try:
