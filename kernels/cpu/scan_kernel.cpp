@@ -387,14 +387,17 @@ struct Math<float> {
   static inline V decay(V scaled_dt, V A) { return exp2(scaled_dt * A); }
 
   // torch's softplus (threshold 20): max(x, 0) + log1p(exp(-|x|)), with
-  // log1p(e) = 2 atanh(e / (2 + e)) by its odd series (|s| <= 1/3: 7 terms reach 5e-9).
+  // log1p(e) = 2 atanh(s), s = e / (2 + e) <= 1/3, and atanh(s) / s = 1 + s^2 q(s^2) with q a
+  // cubic fitted for minimax relative error on s <= 1/3 (4.5e-9; the odd series needs 6 terms
+  // after the 1 to reach 5e-9, two multiply-adds more).
   static inline V softplus(V x) {
     const V ax = x < 0.0f ? -x : x;
     const V e = exp2(-ax * kLog2e);
     const V s = e / (e + 2.0f);
     const V s2 = s * s;
-    const V series =
-        1.0f + s2 * (1.0f / 3 + s2 * (1.0f / 5 + s2 * (1.0f / 7 + s2 * (1.0f / 9 + s2 * (1.0f / 11 + s2 * (1.0f / 13))))));
+    const V q = ((0.14005890488624573f * s2 + 0.14000922441482544f) * s2 + 0.2001076191663742f) * s2 +
+                0.3333320915699005f;
+    const V series = 1.0f + s2 * q;
     const V r = (x > 0.0f ? x : 0.0f) + 2.0f * s * series;
     return x > 20.0f ? x : r;
   }
