@@ -95,6 +95,24 @@ def test_state_update_matches_reference(case, dtype):
     assert_update_matches_reference("cpu", case, dtype, seed, f"cpu seed={seed}")
 
 
+def test_softplus_of_dt_across_its_range():
+    """softplus(dt) as the kernel computes it, over dt from -30 to 25 (past torch's threshold
+    of 20) in fp32, against float64: with A ~ 0, x = 1, B = C = the first unit vector and a zero
+    state, y is the discretized dt itself. Random offsets keep the points fresh each run."""
+    seed = random_seed()
+    g = torch.Generator().manual_seed(seed)
+    channels, state = 1 << 14, 16
+    dt = torch.linspace(-30, 25, channels) + torch.rand(channels, generator=g) * (55 / channels)
+    unit = torch.zeros(1, state)
+    unit[0, 0] = 1
+    y = kernels.selective_state_update(torch.zeros(1, channels, state), torch.ones(1, channels), dt[None],
+                                       torch.full((channels, state), -1e-30), unit, unit.clone(),
+                                       dt_softplus=True, backend="cpu")
+    expected = torch.nn.functional.softplus(dt.double())
+    worst = ((y[0].double() - expected).abs() / expected).max().item()
+    assert worst < 1e-6, f"seed={seed}: softplus relative error {worst:.3g}"
+
+
 @pytest.mark.parametrize("case", UPDATE_CASES)
 def test_state_update_in_a_float64_pool(case):
     """float64 inputs and pool: fp64 math and state, updated in place."""
