@@ -459,6 +459,31 @@ def test_kernel_ab_times_two_builds_of_one_revision(tmp_path):
         assert 0 < row["ratio_paired_median"] < float("inf")
 
 
+def test_kernel_ab_names_each_copy_of_the_sources_apart(tmp_path, monkeypatch):
+    """Within one process, a side's sources loaded again give the same module, and other
+    sources for the same side give a module of their own, running their own code (here: a
+    different `simd` description), not the one first loaded."""
+    from bench import kernel_ab
+    from kernels.cpu import build
+
+    def sources_marked(mark):
+        def write(revision, destination):
+            destination.mkdir(parents=True, exist_ok=True)
+            for name in build.SOURCES + build.HEADERS:
+                text = (build.SOURCE_DIR / name).read_text()
+                (destination / name).write_text(text.replace("-byte vectors", "-byte vectors" + mark))
+            return revision
+        return write
+
+    monkeypatch.setattr(kernel_ab, "sources_at", sources_marked(""))
+    first, _ = kernel_ab.load_build(kernel_ab.WORKING_TREE, "base", tmp_path / "a")
+    again, _ = kernel_ab.load_build(kernel_ab.WORKING_TREE, "base", tmp_path / "b")
+    monkeypatch.setattr(kernel_ab, "sources_at", sources_marked(", another copy"))
+    other, _ = kernel_ab.load_build(kernel_ab.WORKING_TREE, "base", tmp_path / "c")
+    assert again.details == first.details
+    assert other.details["simd"] == first.details["simd"].replace("-byte vectors", "-byte vectors, another copy")
+
+
 def test_kernel_ab_reports_builds_that_compute_differently():
     """The outputs check sees a difference where there is one: the cpu backend against the
     torch backend (same math, other rounding) on both kinds of case."""
