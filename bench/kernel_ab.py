@@ -6,8 +6,9 @@ another revision, on bench.kernels' cases and inputs.
                               [--threads 1] [--seconds 20] [--json FILE]
 
 Why one process: on this shared machine one process's speed for the same build drifts by more
-than a kernel change is worth (single runs of the same step kernel have ranged 40 to 73 us), so
-an A/B of separate processes needs many of them and still blurs a few per cent. Here each build
+than a kernel change is worth (20 runs of the same step kernel: 38 to 72 us,
+bench/results/kernels-cpu-runs.json), so an A/B of separate processes needs many of them and
+still blurs a few per cent. Here each build
 is loaded under a module name of its own (kernels.cpu.build.load_sources), and short blocks of
 calls alternate between the two, the order swapped every round, so both builds meet the same
 machine state. Reported per (case, threads): the median and p20 of the blocks' mean call time
