@@ -45,20 +45,11 @@ template <typename T>
 struct Lanes {
   typedef T V __attribute__((vector_size(kVectorBytes)));
   static constexpr int W = kVectorBytes / sizeof(T);
-  // x in every lane. `x + V{}` costs a scalar add before the broadcast (x + 0 is not x for
-  // x = -0, so it cannot be folded), and GCC 12 turns a lane-by-lane fill into 16 masked
-  // broadcasts; where AVX-512 is present the intrinsic is one broadcast (a load from memory).
-  static inline V splat(T x) {
-#if defined(__AVX512F__)
-    if constexpr (sizeof(T) == 4) {
-      return _mm512_set1_ps(x);
-    } else {
-      return _mm512_set1_pd(x);
-    }
-#else
-    return x + V{};
-#endif
-  }
+  // x in every lane, as one broadcast (a load from memory where x is). x - 0 is x for every
+  // x, so the compiler drops the subtraction; x + 0 is not (-0 + 0 = +0), so `x + V{}` costs a
+  // scalar add before the broadcast, and GCC 12 turns a lane-by-lane fill into 16 masked
+  // broadcasts.
+  static inline V splat(T x) { return x - V{}; }
 };
 
 // ---- element access at any byte offset -------------------------------------------------
