@@ -32,7 +32,6 @@ different things shows it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import statistics
 import subprocess
@@ -85,17 +84,13 @@ def _git(*args, revision: str) -> bytes:
 
 
 def load_build(revision: str, side: str, scratch: Path):
-    """(the Backend over `revision`'s build, its commit). The module is named for `side` and
-    for the sources' own digest: a process that loads one side's sources again gets the same
-    module, and never a module of other sources under a name already taken."""
+    """(the Backend over `revision`'s build, its commit), its module named for `side` (and,
+    by load_sources, for its sources), so that both sides load side by side even when their
+    sources are the same."""
     source_dir = scratch / side
     commit = sources_at(revision, source_dir)
-    digest = hashlib.sha256()
-    for name in build.SOURCES + build.HEADERS:
-        digest.update((source_dir / name).read_bytes())
     started = time.perf_counter()
-    module_name = f"{build.MODULE_NAME}_ab_{side}_{digest.hexdigest()[:12]}"
-    backend = backend_from(build.load_sources(source_dir, module_name))
+    backend = backend_from(build.load_sources(source_dir, f"{build.MODULE_NAME}_ab_{side}"))
     print(f"{side}: {revision} ({commit[:12]}) {backend.details['library']} "
           f"ready in {time.perf_counter() - started:.1f} s", flush=True)
     return backend, commit

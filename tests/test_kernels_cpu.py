@@ -459,29 +459,29 @@ def test_kernel_ab_times_two_builds_of_one_revision(tmp_path):
         assert 0 < row["ratio_paired_median"] < float("inf")
 
 
-def test_kernel_ab_names_each_copy_of_the_sources_apart(tmp_path, monkeypatch):
-    """Within one process, a side's sources loaded again give the same module, and other
-    sources for the same side give a module of their own, running their own code (here: a
-    different `simd` description), not the one first loaded."""
-    from bench import kernel_ab
+def test_each_copy_of_the_sources_loads_as_a_module_of_its_own(tmp_path):
+    """build.load_sources: within one process the same sources loaded again give the same
+    module, and other sources under the same prefix -- even MODULE_NAME's, beside the loaded
+    default extension -- give a module running their own code (here: a marked `simd`
+    description), never the one first loaded under a name."""
     from kernels.cpu import build
 
-    def sources_marked(mark):
-        def write(revision, destination):
-            destination.mkdir(parents=True, exist_ok=True)
-            for name in build.SOURCES + build.HEADERS:
-                text = (build.SOURCE_DIR / name).read_text()
-                (destination / name).write_text(text.replace("-byte vectors", "-byte vectors" + mark))
-            return revision
-        return write
+    def copy_marked(directory, mark):
+        directory.mkdir()
+        for name in build.SOURCES + build.HEADERS:
+            text = (build.SOURCE_DIR / name).read_text()
+            (directory / name).write_text(text.replace("-byte vectors", "-byte vectors" + mark))
+        return directory
 
-    monkeypatch.setattr(kernel_ab, "sources_at", sources_marked(""))
-    first, _ = kernel_ab.load_build(kernel_ab.WORKING_TREE, "base", tmp_path / "a")
-    again, _ = kernel_ab.load_build(kernel_ab.WORKING_TREE, "base", tmp_path / "b")
-    monkeypatch.setattr(kernel_ab, "sources_at", sources_marked(", another copy"))
-    other, _ = kernel_ab.load_build(kernel_ab.WORKING_TREE, "base", tmp_path / "c")
-    assert again.details == first.details
-    assert other.details["simd"] == first.details["simd"].replace("-byte vectors", "-byte vectors, another copy")
+    default = build.load_extension()
+    plain = copy_marked(tmp_path / "plain", "")
+    first = build.load_sources(plain, "scan_bridge_cpu_test")
+    assert build.load_sources(copy_marked(tmp_path / "again", ""), "scan_bridge_cpu_test") is first
+    marked = build.load_sources(copy_marked(tmp_path / "marked", ", another copy"), "scan_bridge_cpu_test")
+    assert marked.simd() == first.simd().replace("-byte vectors", "-byte vectors, another copy")
+    beside_default = build.load_sources(copy_marked(tmp_path / "beside", ", beside"), build.MODULE_NAME)
+    assert beside_default.simd() == default.simd().replace("-byte vectors", "-byte vectors, beside")
+    assert default.simd() == first.simd()
 
 
 def test_kernel_ab_reports_builds_that_compute_differently():
@@ -522,10 +522,3 @@ def test_kernel_ab_says_what_it_expected(argv, status, message, capsys):
     except SystemExit as exc:
         code = exc.code
     assert code == status and message in capsys.readouterr().err
-
-
-def test_a_second_copy_of_the_sources_needs_a_name_of_its_own(tmp_path):
-    from kernels.cpu import build
-
-    with pytest.raises(ValueError, match="expected a name other than 'scan_bridge_cpu'"):
-        build.load_sources(build.SOURCE_DIR, build.MODULE_NAME)

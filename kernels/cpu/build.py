@@ -66,14 +66,17 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def build_digest(source_dir: Path | None = None, module_name: str | None = None) -> str:
-    """Of the sources in `source_dir` built as `module_name` (by default this checkout's, as
-    MODULE_NAME)."""
-    source_dir = source_dir or SOURCE_DIR
-    h = hashlib.sha256()
+def _hash_sources(h, source_dir: Path):
     for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((source_dir / name).read_bytes())
+
+
+def build_digest(source_dir: Path | None = None, module_name: str | None = None) -> str:
+    """Of the sources in `source_dir` built as `module_name` (by default this checkout's, as
+    MODULE_NAME)."""
+    h = hashlib.sha256()
+    _hash_sources(h, source_dir or SOURCE_DIR)
     for part in (module_name or MODULE_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version,
                  sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
         h.update(repr(part).encode())
@@ -103,8 +106,8 @@ def _library_in(directory: Path, module_name: str) -> Path:
     return directory / (module_name + (".pyd" if sys.platform == "win32" else ".so"))
 
 
-def _import_built(path: Path, module_name: str | None = None):
-    spec = importlib.util.spec_from_file_location(module_name or MODULE_NAME, path)
+def _import_built(path: Path, module_name: str):
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -121,9 +124,8 @@ def _first_error_line(text: str) -> str:
     return lines[-1][:300] if lines else "no compiler output"
 
 
-def _compile(directory: Path, verbose: bool, source_dir: Path | None = None, module_name: str | None = None):
+def _compile(directory: Path, verbose: bool, source_dir: Path, module_name: str):
     """Build with torch.utils.cpp_extension (ninja) and import the result."""
-    source_dir = source_dir or SOURCE_DIR
     try:
         from torch.utils import cpp_extension
     except ImportError as exc:  # torch builds without the extension tooling
@@ -136,7 +138,7 @@ def _compile(directory: Path, verbose: bool, source_dir: Path | None = None, mod
     directory.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name=module_name or MODULE_NAME,
+            name=module_name,
             sources=[str(source_dir / s) for s in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
@@ -156,32 +158,36 @@ def _compile(directory: Path, verbose: bool, source_dir: Path | None = None, mod
 def load_extension(*, verbose: bool = False):
     """The extension module; compiled first if no library matches this machine and source.
     Raises BackendUnavailable with one line of reason when it cannot be built or loaded."""
-    directory = build_directory()
-    library = library_path()
+    return _load(build_directory(), SOURCE_DIR, MODULE_NAME, verbose)
+
+
+def load_sources(source_dir: Path, name_prefix: str):
+    """The extension built from another copy of the sources (SOURCES and HEADERS in
+    `source_dir`, a git revision's for bench.kernel_ab), in a directory of its own digest under
+    build_root()/"other". Its module is named `name_prefix` and the sources' digest: Python
+    caches extension modules by name, and under a name already taken it hands back the module
+    first loaded, so copies of different sources need different names, while the same sources
+    loaded again give the same module."""
+    h = hashlib.sha256()
+    _hash_sources(h, source_dir)
+    module_name = f"{name_prefix}_{h.hexdigest()[:12]}"
+    return _load(build_root() / "other" / build_digest(source_dir, module_name), source_dir, module_name, False)
+
+
+def _load(directory: Path, source_dir: Path, module_name: str, verbose: bool):
+    """The library in `directory` imported, compiled first if it is not there; BackendUnavailable
+    with one line of reason when it cannot be built or loaded."""
+    library = _library_in(directory, module_name)
     if library.is_file() and not (directory / _LOCK_FILE).exists():
         try:
-            return _import_built(library)
+            return _import_built(library, module_name)
         except ImportError as exc:
             raise BackendUnavailable(f"cannot load {library}: {exc}") from exc
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise BackendUnavailable(f"no C++ compiler ({compiler!r} not found)")
     log.info("kernels: building the CPU backend's C++ extension in %s (once per machine)", directory)
-    return _compile(directory, verbose)
-
-
-def load_sources(source_dir: Path, module_name: str):
-    """The extension built from another copy of the sources (SOURCES and HEADERS in
-    `source_dir`, a git revision's for bench.kernel_ab) as `module_name`, in a directory named by
-    its own digest under build_root()/"other". Python caches extension modules by name, so
-    the name must differ from MODULE_NAME and from every other copy loaded in the process."""
-    if module_name == MODULE_NAME:
-        raise ValueError(f"module_name: expected a name other than {MODULE_NAME!r}, got {module_name!r}")
-    directory = build_root() / "other" / build_digest(source_dir, module_name)
-    library = _library_in(directory, module_name)
-    if library.is_file() and not (directory / _LOCK_FILE).exists():
-        return _import_built(library, module_name)
-    return _compile(directory, False, source_dir, module_name)
+    return _compile(directory, verbose, source_dir, module_name)
 
 
 def main(argv=None) -> int:
