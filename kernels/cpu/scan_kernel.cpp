@@ -44,6 +44,8 @@ constexpr int kTimeChunk = 32;
 template <typename T>
 struct Lanes {
   typedef T V __attribute__((vector_size(kVectorBytes)));
+  // V at any address, aliasing the T it is read from or written over (the state pool, A, y).
+  typedef T Unaligned __attribute__((vector_size(kVectorBytes), aligned(1), may_alias));
   static constexpr int W = kVectorBytes / sizeof(T);
   // x in every lane, as one broadcast (a load from memory where x is). x - 0 is x for every
   // x, so the compiler drops the subtraction; x + 0 is not (-0 + 0 = +0), so `x + V{}` costs a
@@ -728,7 +730,7 @@ typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, 
                                 const T* __restrict dtx, const typename Lanes<T>::V* __restrict B,
                                 const typename Lanes<T>::V* __restrict C) {
   using V = typename Lanes<T>::V;
-  typedef T VU __attribute__((vector_size(kVectorBytes), aligned(1), may_alias));
+  using VU = typename Lanes<T>::Unaligned;
   constexpr int W = Lanes<T>::W;
   if constexpr (kFull) vecs = 1;
   V acc[W];
@@ -865,8 +867,7 @@ class StepRunner {
     if (p_.D.data != nullptr) y += D_[block] * xs_[block];
     if (p_.z.data != nullptr) y *= gate_[block];
     if (y_direct_ && lanes == W) {
-      typedef T VU __attribute__((vector_size(kVectorBytes), aligned(1), may_alias));
-      *reinterpret_cast<VU*>(static_cast<char*>(p_.y.data) + (b * sy[0] + d0) * sizeof(T)) = y;
+      *reinterpret_cast<typename Lanes<T>::Unaligned*>(static_cast<char*>(p_.y.data) + (b * sy[0] + d0) * sizeof(T)) = y;
     } else {
       store_2d(p_.y, b * sy[0] + d0 * sy[2], 0, sy[2], 1, lanes, reinterpret_cast<const T*>(&y), W);
     }
