@@ -22,8 +22,9 @@ printed (the speedup over it is then absent).
 
 `--runs N` repeats the whole measurement in N fresh processes, `--gap-seconds` apart, and
 reports per (case, backend) the median of the runs' medians with their range: on a shared
-machine a process's speed depends on its placement and on what its neighbours do (single runs
-of the same step kernel have ranged 40 to 73 us here), which one process cannot show.
+machine a process's speed depends on its placement and on what its neighbours do (20 runs of
+the same step kernel: 38 to 72 us, bench/results/kernels-cpu-runs.json), which one process
+cannot show.
 """
 
 from __future__ import annotations
