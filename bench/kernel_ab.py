@@ -50,7 +50,7 @@ from .machine import write_results
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_PATH = "kernels/cpu"  # where the sources sit in a revision's tree
 WORKING_TREE = "working tree"
-HELPER_SPIN_SECONDS = 0.001  # helper_pool.h's kSpin
+HELPER_SPIN_SECONDS = 0.001  # helper_pool.h's kSpin (a test keeps the two equal)
 BLOCK_SECONDS = 0.001  # calls per block: about this long
 WARM_SECONDS = 0.002
 

@@ -484,6 +484,17 @@ def test_each_copy_of_the_sources_loads_as_a_module_of_its_own(tmp_path):
     assert default.simd() == first.simd()
 
 
+def test_kernel_ab_sleeps_past_the_helper_pools_spin():
+    """kernel_ab's copy of helper_pool.h's kSpin, which its pauses between blocks must outlast."""
+    import re
+
+    from bench import kernel_ab
+
+    spin = re.search(r"kSpin\{(\d+)\}", (ROOT / "kernels/cpu/helper_pool.h").read_text())
+    assert spin, "kSpin not found in helper_pool.h"
+    assert kernel_ab.HELPER_SPIN_SECONDS == int(spin.group(1)) * 1e-6
+
+
 def test_kernel_ab_reports_builds_that_compute_differently():
     """The outputs check sees a difference where there is one: the cpu backend against the
     torch backend (same math, other rounding) on both kinds of case."""
