@@ -144,7 +144,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus,
     padding row: its y is 0 and no state row is touched."""
     f = _compute_dtype(x)
     batch, dim = x.shape
-    groups, n = B.shape[1], A.shape[1]
+    groups = B.shape[1]
     per_group = dim // groups
 
     if slots is None:
