@@ -16,6 +16,7 @@ Inputs are fresh random draws each run; the seed is in every failure message.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -218,6 +219,47 @@ def test_forked_child_computes_without_the_parents_helpers(restore_threads):
             pytest.fail("the forked child hung")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# Run in a fresh process: how many threads it has after each kernel call. Helper threads start
+# the first time a call offers them work, so a new thread shows that a call did.
+HELPER_PROBE = """
+import json, os, sys, time
+import torch, kernels
+from kernel_cases import UpdateCase, make_update_inputs
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+rows = [int(r) for r in sys.argv[1:]]
+inputs = [make_update_inputs(UpdateCase(r, 512, 16), seed=k) for k, r in enumerate(rows)]
+tiny = make_update_inputs(UpdateCase(1, 16, 16), seed=len(rows))  # below one thread's share
+kernels.selective_state_update(**tiny, backend="cpu")  # imports, allocations; offers no work
+time.sleep(0.01)  # past the pool's spin (kSpin): the next call comes alone
+counts = [threads()]
+for args in inputs:  # back to back
+    kernels.selective_state_update(**args, backend="cpu")
+    counts.append(threads())
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+@pytest.mark.parametrize("rows, started_by", [
+    pytest.param((32, 32), 2, id="small-lone-call-wakes-none-the-next-close-one-does"),
+    pytest.param((128,), 1, id="call-worth-a-wake-up-wakes-helpers-alone"),
+])
+def test_helpers_are_woken_for_big_or_close_calls_only(rows, started_by):
+    """A call below kMinWorkToWake (32x512x16: 2^18 state-element updates) long after the last
+    runs on the calling thread alone; one right after another, or one of 2^20 (128x512x16),
+    offers work to a helper (whose thread then starts)."""
+    proc = subprocess.run([sys.executable, "-c", HELPER_PROBE, *map(str, rows)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    counts = json.loads(proc.stdout)
+    first_growth = next((i for i in range(1, len(counts)) if counts[i] > counts[0]), None)
+    assert first_growth == started_by, (
+        f"threads after each call of rows {rows}: {counts}; expected the first helper with call {started_by}")
 
 
 # --- inputs at odd byte offsets ----------------------------------------------------------------

@@ -31,6 +31,10 @@ namespace {
 // State-element updates below which a call stays on the calling thread: about as long on one
 // core as waking a second one takes (an estimate from development, not a recorded benchmark).
 constexpr int64_t kMinWorkPerThread = 1 << 16;
+// State-element updates below which a call does not wake sleeping helpers (HelperPool::Wake):
+// about 0.3 ms on one core of the 2-core box, several times a helper's wake-up there. The
+// 32x512x16 step (2^18) is below, ExPhil's scan (about 2^24) far above.
+constexpr int64_t kMinWorkToWake = 1 << 20;
 
 DType dtype_of(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
@@ -71,8 +75,10 @@ void run(const ScanProblem& p) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items / min_items));
   scan_bridge::WorkQueue queue(items, std::max<int64_t>(1, items / (threads * kRangesPerThread)),
                                static_cast<int>(threads));
+  const auto wake = items * per_item >= kMinWorkToWake ? scan_bridge::HelperPool::Wake::always
+                                                       : scan_bridge::HelperPool::Wake::if_calls_close;
   scan_bridge::HelperPool::shared().run(static_cast<int>(threads - 1),
-                                        [&](int seat) { scan_bridge::run_items(p, queue, seat); });
+                                        [&](int seat) { scan_bridge::run_items(p, queue, seat); }, wake);
 }
 
 // What both entry points fill alike: the sizes and the operands x, dt, z (read as batch,

@@ -16,6 +16,14 @@
 // Here the caller starts at once, helpers join when they get a core, and the caller never
 // waits for one that has not started.
 //
+// A call too small to be worth waking a sleeping helper for (Wake::if_calls_close) offers its
+// work to the helpers only when the previous call ended less than kSpin ago, so that they are
+// still polling or a stream of calls has begun. A lone call -- a 60 FPS game loop's step, long
+// after the last -- then runs on the calling thread alone: woken for it, a helper came too late
+// to help much on a busy small machine, took a core from the process waiting for the reply, and
+// could be preempted inside a range the caller then had to wait for (the paced game loop's
+// kernel stage, bench/results/helper_wake_ab.json).
+//
 // After fork() the child runs everything on the calling thread (the pool's threads and lock
 // stay in the parent).
 #pragma once
@@ -28,6 +36,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -49,8 +58,15 @@ class HelperPool {
     return *pool;
   }
 
-  void run(int helpers, const std::function<void(int)>& work) {
-    if (helpers <= 0 || getpid() != owner_pid_) {
+  enum class Wake {
+    always,          // work worth waking a sleeping helper for
+    if_calls_close,  // only when the previous call ended less than kSpin ago
+  };
+
+  void run(int helpers, const std::function<void(int)>& work, Wake wake = Wake::always) {
+    const bool calls_close = now_us() - last_end_.load(std::memory_order_relaxed) < kSpin.count();
+    const EndRecorder end_recorder{last_end_};
+    if (helpers <= 0 || getpid() != owner_pid_ || (wake == Wake::if_calls_close && !calls_close)) {
       work(0);
       return;
     }
@@ -103,6 +119,18 @@ class HelperPool {
   // 230-311 us (bench/results/helper_spin_ab.json).
   static constexpr std::chrono::microseconds kSpin{1000};
 
+  static int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  // Stores the time a call ended, however it ends (returning or throwing).
+  struct EndRecorder {
+    std::atomic<int64_t>& last_end;
+    ~EndRecorder() { last_end.store(now_us(), std::memory_order_relaxed); }
+  };
+
   HelperPool() : owner_pid_(getpid()) {}
 
   void helper_loop(int seat) {
@@ -135,6 +163,8 @@ class HelperPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};
+  // When the last call ended, in steady_clock microseconds (far in the past before the first).
+  std::atomic<int64_t> last_end_{std::numeric_limits<int64_t>::min() / 2};
   std::shared_ptr<Job> job_;
   int threads_ = 0;
 };
