@@ -31,10 +31,12 @@ setup: $(STAMP) kernels system-deps
 system-deps:
 	@bash .ci/system-deps.sh
 
-# Builds the C++ CPU kernels ahead of time; where they cannot be built the torch backend serves
-# and the reason is printed (and logged again by the server).
+# Builds the C++ CPU kernels and the native step path (bridge/native) ahead of time. Where the
+# kernels cannot be built the torch backend serves, where the step path cannot every step takes
+# the general path; either way the reason is printed (and logged again by the server).
 kernels: $(STAMP)
 	@$(PY) -c "import kernels.cpu" 2>/dev/null && $(PY) -m kernels.cpu.build || echo "make: CPU kernels not built (see above); the torch backend will serve CPU tensors"
+	@$(PY) -m bridge.native || echo "make: native step path not built (see above); steps take the general path"
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

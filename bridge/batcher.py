@@ -135,6 +135,10 @@ class BatchPolicy:
         """Whether requests of `key` recently came together (in one batch of several)."""
         return key is not None and self._expected(key, now) > 1
 
+    def any_company(self, now: int) -> bool:
+        """Whether requests of any key recently came together."""
+        return any(requests > 1 and now - when <= COMPANY_MEMORY_NS for when, requests in self._company.values())
+
     def _expected(self, key, now: int) -> int:
         when, requests = self._company.get(key, (0, 1))
         return requests if now - when <= COMPANY_MEMORY_NS else 1

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor handles held at once, over all connections")
     p.add_argument("--max-handle-bytes", type=_count, default=defaults.max_handle_bytes,
                    help="device bytes of tensors held as handles")
+    p.add_argument("--no-native-step", dest="native_step", action="store_false",
+                   help="serve every step through the general (Python) path, never the native C++ one "
+                        "(bridge.native), which by default takes plain steps that find the server idle")
 
     # Transports, any combination, one dispatcher. Without --zmq/--unix the server speaks stdio;
     # with them it does not read stdin (unless --stdio) and runs until SIGTERM or `shutdown`.

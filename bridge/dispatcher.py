@@ -31,6 +31,7 @@ import protocol
 
 from .batcher import Batch, BatchedOp, BatchPolicy, prepare, run_batch
 from .errors import OpError, error_fields
+from .native import NativeStepError
 from .timing import Timing, now_ns
 
 log = logging.getLogger("bridge")
@@ -103,6 +104,10 @@ class Dispatcher:
         transport that can tell it is not (stdio, unix) passes False, letting an idle server
         serve the request on this thread."""
         self.server.stats.frame_in(len(body))
+        if self.server.native_step is not None and not more_input and not buffers and self._serve_native(conn, body, received_ns):
+            if release:
+                release()
+            return
         timing = Timing(received_ns)
         try:
             request = protocol.decode_request(body, buffers)
@@ -141,6 +146,36 @@ class Dispatcher:
         # others (see _serve_on); nothing it could be queued behind exists, so order is kept.
         if not (idle and not more_input and self._serve_on(call, reader=True)):
             self._queue.put(call)
+
+    def _serve_native(self, conn, body, received_ns: int) -> bool:
+        """Serve a plain step on this thread through the native path, if the server is idle and
+        no requests were recently batched together (the batcher gathers those). False: it was
+        not taken, and goes the general way."""
+        if not self.accepting or self.policy.any_company(now_ns()):
+            return False
+        with self._pending_lock:
+            if self._pending:
+                return False
+            self._pending += 1
+        try:
+            with self._serving:
+                try:
+                    outcome = self.server.native_step.serve(conn, body, received_ns)
+                except NativeStepError as exc:
+                    log.error("native step failed", exc_info=exc.__cause__)
+                    self._reply_error(conn, exc.request_id, exc, legacy=False, stats_op="step")
+                    return True
+            if outcome is None:
+                return False
+            reply, timing = outcome
+            self._send(conn, [reply])
+            self.server.stats.record("step", timing, ok=True)
+            return True
+        finally:
+            with self._idle:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.notify_all()
 
     def on_frame_error(self, conn, exc: protocol.ProtocolError) -> None:
         """A framing-level problem (e.g. an oversized frame, already drained by the decoder)."""

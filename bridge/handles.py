@@ -60,12 +60,17 @@ class HandleTable:
             self._bytes += nbytes
         return handle
 
-    def get(self, owner: str, handle: str, field: str) -> torch.Tensor:
+    def find(self, owner: str, handle: str) -> torch.Tensor | None:
+        """The tensor of `handle` if `owner` holds it, else None."""
         with self._lock:
             entry = self._tensors.get(handle)
-        if entry is None or entry[0] != owner:
+        return entry[1] if entry is not None and entry[0] == owner else None
+
+    def get(self, owner: str, handle: str, field: str) -> torch.Tensor:
+        tensor = self.find(owner, handle)
+        if tensor is None:
             raise unknown_handle(handle, field)
-        return entry[1]
+        return tensor
 
     def free(self, owner: str, handle: str, field: str) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ import protocol
 
 from .device import DeviceChoice
 from .handles import HandleTable
+from .native import NativeStep
 from .sessions import Session, SessionTable
 from .stats import Stats
 from .tensors import host_view, to_device
@@ -43,6 +44,8 @@ class ServerConfig:
     max_pool_bytes: int = 1 << 30
     max_handles: int = 4096
     max_handle_bytes: int = 1 << 30
+    # Serve plain steps that find the server idle in C++ (bridge.native), where it can.
+    native_step: bool = True
 
 
 # The limits `info` reports: every max_* setting.
@@ -64,6 +67,8 @@ class Server:
         self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
                                      max_pool_bytes=config.max_pool_bytes)
         self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)
+        # Plain steps that find the server idle, served in C++ (None: every step goes the general way).
+        self.native_step = NativeStep.for_server(self) if config.native_step else None
         self.stats.add_gauge("sessions", self.sessions.usage)
         self.stats.add_gauge("handles", self.handles.usage)
         self._watched: set[str] = set()  # ids of connections whose close frees what they own

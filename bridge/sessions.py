@@ -151,10 +151,15 @@ class SessionTable:
             self._sessions[session.id] = session
             return session
 
-    def get(self, owner: str, session_id: str, field: str) -> Session:
+    def find(self, owner: str, session_id: str) -> Session | None:
+        """The session `session_id` if `owner` opened it and it is open, else None."""
         with self._lock:
             session = self._sessions.get(session_id)
-        if session is None or session.owner != owner:
+        return session if session is not None and session.owner == owner else None
+
+    def get(self, owner: str, session_id: str, field: str) -> Session:
+        session = self.find(owner, session_id)
+        if session is None:
             raise unknown_session(session_id, field)
         return session
 

@@ -44,6 +44,7 @@ def info(server, call) -> dict:
         "protocol": {"version": protocol.PROTOCOL_VERSION, "ops": sorted(server_ops(server))},
         "device": server.device_choice.describe(),
         "backend": server.backend,
+        "native_step": server.native_step is not None,
         "devices": devices,
         "kernels": {
             "available": kernels.available_backends(),

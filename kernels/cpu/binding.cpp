@@ -1,6 +1,8 @@
 // Python entry points of the CPU backend: tensors in, a ScanProblem filled from their strides
 // (no copies, both layouts), outputs allocated here, and the work items shared between the
 // calling thread and helper threads (helper_pool.h), as many in all as torch.get_num_threads().
+// Native callers in the process get the same run for a ScanProblem they fill themselves through
+// the "scan_bridge.run_problem" capsule.
 // The GIL is released while the kernel runs. Arguments arrive validated by kernels._args; the
 // checks here cover ranks, dtypes and devices only (sizes are trusted from kernels._args, so a
 // direct call with mismatched sizes reads out of bounds).
@@ -14,7 +16,9 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
+#include <cstdio>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -164,6 +168,25 @@ at::Tensor state_update(const at::Tensor& state, const at::Tensor& x, const at::
   return y;
 }
 
+// The kernel run on a ScanProblem filled elsewhere in this process -- the bridge's native step
+// path (bridge/native/step.cpp), which points it at operands where they lie in a request
+// frame -- behind a C signature, exported as the capsule "scan_bridge.run_problem".
+// `problem_size` is sizeof(ScanProblem) as the caller was compiled, so that a caller built
+// against another scan_kernel.h is refused instead of misread. 0 on success, else the error's
+// message is in `error`.
+int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t error_size) {
+  try {
+    if (problem_size != sizeof(ScanProblem))
+      throw std::invalid_argument("ScanProblem size " + std::to_string(problem_size) + ", expected " +
+                                  std::to_string(sizeof(ScanProblem)) + " (built against another scan_kernel.h)");
+    run(*p);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(error, error_size, "%s", e.what());
+    return 1;
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -171,4 +194,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan", &scan, py::call_guard<py::gil_scoped_release>());
   m.def("state_update", &state_update, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
+  m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), "scan_bridge.run_problem");
 }

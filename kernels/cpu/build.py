@@ -22,6 +22,7 @@ import platform
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,17 +67,35 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def _hash_sources(h, source_dir: Path):
-    for name in SOURCES + HEADERS:
-        h.update(name.encode())
-        h.update((source_dir / name).read_bytes())
+@dataclass(frozen=True)
+class Sources:
+    """What one extension is compiled from: `files` (.cpp) and the `headers` they include, in
+    `directory` (a header may also be an absolute path), with `directory` and `include_dirs`
+    searched for includes. Every file and header goes into the build's digest."""
+
+    directory: Path
+    files: tuple[str, ...]
+    headers: tuple[str | Path, ...]
+    include_dirs: tuple[Path, ...] = ()
 
 
-def build_digest(source_dir: Path | None = None, module_name: str | None = None) -> str:
-    """Of the sources in `source_dir` built as `module_name` (by default this checkout's, as
-    MODULE_NAME)."""
+def _kernel_sources(directory: Path) -> Sources:
+    """The kernels' SOURCES and HEADERS in `directory`."""
+    return Sources(directory, SOURCES, HEADERS)
+
+
+def _hash_sources(h, sources: Sources):
+    for name in sources.files + sources.headers:
+        h.update(str(name).encode())
+        h.update((sources.directory / name).read_bytes())
+
+
+def build_digest(source_dir: Path | None = None, module_name: str | None = None,
+                 sources: Sources | None = None) -> str:
+    """Of the sources in `source_dir` (or `sources`) built as `module_name` (by default this
+    checkout's kernels, as MODULE_NAME)."""
     h = hashlib.sha256()
-    _hash_sources(h, source_dir or SOURCE_DIR)
+    _hash_sources(h, sources or _kernel_sources(source_dir or SOURCE_DIR))
     for part in (module_name or MODULE_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version,
                  sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
         h.update(repr(part).encode())
@@ -124,7 +143,7 @@ def _first_error_line(text: str) -> str:
     return lines[-1][:300] if lines else "no compiler output"
 
 
-def _compile(directory: Path, verbose: bool, source_dir: Path, module_name: str):
+def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str):
     """Build with torch.utils.cpp_extension (ninja) and import the result."""
     try:
         from torch.utils import cpp_extension
@@ -139,10 +158,10 @@ def _compile(directory: Path, verbose: bool, source_dir: Path, module_name: str)
     try:
         return cpp_extension.load(
             name=module_name,
-            sources=[str(source_dir / s) for s in SOURCES],
+            sources=[str(sources.directory / s) for s in sources.files],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
-            extra_include_paths=[str(source_dir)],
+            extra_include_paths=[str(d) for d in (sources.directory, *sources.include_dirs)],
             build_directory=str(directory),
             verbose=verbose,
         )
@@ -158,7 +177,7 @@ def _compile(directory: Path, verbose: bool, source_dir: Path, module_name: str)
 def load_extension(*, verbose: bool = False):
     """The extension module; compiled first if no library matches this machine and source.
     Raises BackendUnavailable with one line of reason when it cannot be built or loaded."""
-    return _load(build_directory(), SOURCE_DIR, MODULE_NAME, verbose)
+    return _load(build_directory(), _kernel_sources(SOURCE_DIR), MODULE_NAME, verbose)
 
 
 def load_sources(source_dir: Path, name_prefix: str):
@@ -169,12 +188,21 @@ def load_sources(source_dir: Path, name_prefix: str):
     first loaded, so copies of different sources need different names, while the same sources
     loaded again give the same module."""
     h = hashlib.sha256()
-    _hash_sources(h, source_dir)
+    _hash_sources(h, _kernel_sources(source_dir))
     module_name = f"{name_prefix}_{h.hexdigest()[:12]}"
-    return _load(build_root() / "other" / build_digest(source_dir, module_name), source_dir, module_name, False)
+    return _load(build_root() / "other" / build_digest(source_dir, module_name), _kernel_sources(source_dir),
+                 module_name, False)
 
 
-def _load(directory: Path, source_dir: Path, module_name: str, verbose: bool):
+def load_module(sources: Sources, module_name: str, subdirectory: str):
+    """Another extension built like the kernels' (same flags, digest and cache; the bridge's
+    native step module), in build_root()/`subdirectory`/<digest>; BackendUnavailable with one
+    line of reason when it cannot be built or loaded."""
+    directory = build_root() / subdirectory / build_digest(module_name=module_name, sources=sources)
+    return _load(directory, sources, module_name, False)
+
+
+def _load(directory: Path, sources: Sources, module_name: str, verbose: bool):
     """The library in `directory` imported, compiled first if it is not there; BackendUnavailable
     with one line of reason when it cannot be built or loaded."""
     library = _library_in(directory, module_name)
@@ -186,8 +214,8 @@ def _load(directory: Path, source_dir: Path, module_name: str, verbose: bool):
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise BackendUnavailable(f"no C++ compiler ({compiler!r} not found)")
-    log.info("kernels: building the CPU backend's C++ extension in %s (once per machine)", directory)
-    return _compile(directory, verbose, source_dir, module_name)
+    log.info("kernels: building the C++ extension %s in %s (once per machine)", module_name, directory)
+    return _compile(directory, verbose, sources, module_name)
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,9 @@
 // One selective-scan call described without torch types: the contract between the SIMD kernels
 // (scan_kernel.cpp, torch-free so it compiles in seconds with -O3 -march=native) and the ATen
 // binding (binding.cpp), which fills a ScanProblem from tensors and shares its work items
-// between the calling thread and helper threads (helper_pool.h).
+// between the calling thread and helper threads (helper_pool.h). The bridge's native step path
+// (bridge/native/step.cpp) fills one from a request frame and runs it through the binding's
+// "scan_bridge.run_problem" capsule.
 //
 // The state update is the same problem with seq == 1, h0 and state_out both pointing at the
 // state pool, and `slots` choosing the pool row of each batch row.

@@ -1,0 +1,96 @@
+"""The native step path: a plain `step` request served from its frame to its reply in one C++
+call (step.cpp), on the CPU with the "cpu" backend.
+
+A step long after the last -- a 60 FPS game loop's frame -- spent about 0.5 ms of its 1.3 ms
+round trip in the server's Python per-request work, which a pause makes several times slower
+than back to back (README, "Sessions"). Here the request is read where it lies in the frame,
+the kernel reads its operands there and writes y straight into the reply.
+
+What it takes -- anything else goes the general way (bridge.dispatcher), which answers every
+error: a v1 request on a stream lane (no raw buffers) whose args are the session (this
+connection's), x, dt, B, C and optionally z inline as f32 (B and C [batch, state] or [batch,
+groups, state]), A and optionally D and dt_bias inline as f32 or as handles to contiguous f32
+tensors, and the dt options; request and session ids in ASCII. The dispatcher hands it only
+requests that find the server idle and no steps recently batched together (bridge.batcher's
+BatchPolicy), so batching is unchanged. Its replies are the general path's, but for the
+timing: `decode_us` covers everything before the kernel (parsing, the session and handle
+lookups, the checks) and h2d and d2h are 0 (the kernel reads the frame and writes the reply).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from kernels.errors import BackendUnavailable
+
+log = logging.getLogger("bridge")
+
+NATIVE_DIR = Path(__file__).resolve().parent
+MODULE_NAME = "scan_bridge_native_step"
+
+
+def _module():
+    from kernels.cpu import build
+
+    sources = build.Sources(NATIVE_DIR, files=("step.cpp",), headers=(build.SOURCE_DIR / "scan_kernel.h",),
+                            include_dirs=(build.SOURCE_DIR,))
+    return build.load_module(sources, MODULE_NAME, "native_step")
+
+
+class NativeStepError(RuntimeError):
+    """The native path failed after taking a request (its kernel raised): the request must not
+    be served again (its state may have moved), so it is answered with this error."""
+
+    def __init__(self, request_id, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_id = request_id
+
+
+class NativeStep:
+    """Serves plain step requests for `server` (see the module docstring)."""
+
+    def __init__(self, server, module, kernel_module):
+        self.server = server
+        self._parse = module.parse
+        self._native = module.Server(kernel_module.run_problem)
+
+    @classmethod
+    def for_server(cls, server) -> NativeStep | None:
+        """The native path when the server runs the "cpu" backend on the CPU, else None; also
+        None, with the reason logged, when its extension cannot be built."""
+        if server.device.type != "cpu" or server.backend != "cpu":
+            return None
+        try:
+            from kernels.cpu import build
+
+            return cls(server, _module(), build.load_extension())
+        except BackendUnavailable as exc:
+            log.warning("native step path unavailable, steps take the general path: %s", exc)
+            return None
+
+    def serve(self, conn, frame, received_ns: int) -> tuple[bytes, dict] | None:
+        """(reply body, timing) of a plain step request, the session's state stepped; None for
+        any other request (nothing touched)."""
+        request = self._parse(frame)
+        if request is None:
+            return None
+        session = self.server.sessions.find(conn.id, request.session)
+        if session is None or session.closed:
+            return None
+        handle_tensors = {}
+        for name, handle in request.handles.items():
+            tensor = self.server.handles.find(conn.id, handle)
+            if (tensor is None or tensor.dtype != torch.float32 or tensor.device.type != "cpu"
+                    or not tensor.is_contiguous()):
+                return None
+            handle_tensors[name] = (tensor.data_ptr(), tuple(tensor.shape))
+        pool = session.pool.rows
+        try:
+            return self._native.run(request, frame, received_ns, pool.data_ptr(), session.batch, session.dim,
+                                    session.state, session.slots.data_ptr(), handle_tensors)
+        except Exception as exc:
+            raise NativeStepError(request.id, exc) from exc
+

@@ -1,0 +1,670 @@
+// The native step path: a `step` request served from its frame to its reply frame in one C++
+// call, for the CPU kernels.
+//
+// Why: on the 2-core box a paced step spent about 0.5 ms of its 1.3 ms in the server's Python
+// per-request work (decoding, making tensors of the wire bytes, the kernels API's checks,
+// encoding), which a pause makes several times slower (bench/results/game_loop.json,
+// cold_after_pause_probe.json). Here the request is read where it lies in the frame, the kernel
+// reads its operands there and writes y straight into the reply, and the reply is built around
+// it: no tensors, no copies, a few hundred instructions besides the kernel.
+//
+// It serves only the plain form of a step (bridge/native/__init__.py says which); for anything
+// else `parse` returns None and the request takes the general path, which gives every error
+// reply. So nothing here reports an error to a client: a request it cannot take is handed on
+// untouched, and a request it takes is known to be valid before the state is touched.
+//
+// The kernel is the CPU backend's, called through the capsule its extension exports
+// (kernels/cpu/binding.cpp, "scan_bridge.run_problem") with the ScanProblem of
+// kernels/cpu/scan_kernel.h: this file knows the wire, the kernels do not.
+
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "scan_kernel.h"
+
+namespace py = pybind11;
+using scan_bridge::DType;
+using scan_bridge::ScanProblem;
+using scan_bridge::Strided;
+
+namespace {
+
+using RunProblem = int (*)(const ScanProblem*, size_t, char*, size_t);
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// --- reading msgpack -----------------------------------------------------------------------
+// Only what a plain step request holds. Every read returns false on anything else (another
+// type, a truncated value); the request then goes the general way.
+
+class Reader {
+ public:
+  Reader(const uint8_t* data, size_t size) : p_(data), end_(data + size) {}
+
+  bool done() const { return p_ == end_; }
+  bool next_is_str() const {
+    return p_ < end_ && ((*p_ & 0xe0) == 0xa0 || *p_ == 0xd9 || *p_ == 0xda || *p_ == 0xdb);
+  }
+
+  bool map(uint32_t* n) { return header(0x80, 0x0f, 0xde, 0xdf, n); }
+  bool array(uint32_t* n) { return header(0x90, 0x0f, 0xdc, 0xdd, n); }
+
+  bool str(std::string_view* s) {
+    if (p_ >= end_) return false;
+    const uint8_t c = *p_;
+    uint64_t n;
+    if ((c & 0xe0) == 0xa0) {
+      n = c & 0x1f;
+      ++p_;
+    } else if (c == 0xd9 || c == 0xda || c == 0xdb) {
+      ++p_;
+      if (!big_endian(c == 0xd9 ? 1 : c == 0xda ? 2 : 4, &n)) return false;
+    } else {
+      return false;
+    }
+    if (static_cast<uint64_t>(end_ - p_) < n) return false;
+    *s = std::string_view(reinterpret_cast<const char*>(p_), n);
+    p_ += n;
+    return true;
+  }
+
+  // Tensor data: bin, or str (SPEC §5: Msgpax packs binaries as str).
+  bool bytes(const uint8_t** data, uint64_t* n) {
+    if (p_ >= end_) return false;
+    const uint8_t c = *p_;
+    if (c == 0xc4 || c == 0xc5 || c == 0xc6) {
+      ++p_;
+      if (!big_endian(c == 0xc4 ? 1 : c == 0xc5 ? 2 : 4, n)) return false;
+      if (static_cast<uint64_t>(end_ - p_) < *n) return false;
+      *data = p_;
+      p_ += *n;
+      return true;
+    }
+    std::string_view s;
+    if (!str(&s)) return false;
+    *data = reinterpret_cast<const uint8_t*>(s.data());
+    *n = s.size();
+    return true;
+  }
+
+  // A non-negative int in any encoding (SPEC §3: decoders accept non-minimal ones).
+  bool uint(uint64_t* v) {
+    if (p_ >= end_) return false;
+    const uint8_t c = *p_;
+    if (c <= 0x7f) {
+      *v = c;
+      ++p_;
+      return true;
+    }
+    if (c >= 0xcc && c <= 0xcf) {
+      ++p_;
+      return big_endian(1 << (c - 0xcc), v);
+    }
+    if (c >= 0xd0 && c <= 0xd3) {  // a signed encoding of a non-negative value
+      ++p_;
+      uint64_t raw;
+      const int size = 1 << (c - 0xd0);
+      if (!big_endian(size, &raw)) return false;
+      const int shift = 64 - 8 * size;
+      const int64_t value = static_cast<int64_t>(raw << shift) >> shift;
+      if (value < 0) return false;
+      *v = static_cast<uint64_t>(value);
+      return true;
+    }
+    return false;
+  }
+
+  // A finite number: any int or float (SPEC "number").
+  bool number(double* v) {
+    if (p_ >= end_) return false;
+    const uint8_t c = *p_;
+    if (c == 0xca) {
+      ++p_;
+      uint64_t raw;
+      if (!big_endian(4, &raw)) return false;
+      const uint32_t bits = static_cast<uint32_t>(raw);
+      float f;
+      std::memcpy(&f, &bits, 4);
+      *v = f;
+    } else if (c == 0xcb) {
+      ++p_;
+      uint64_t raw;
+      if (!big_endian(8, &raw)) return false;
+      std::memcpy(v, &raw, 8);
+    } else if (c >= 0xe0) {
+      *v = static_cast<int8_t>(c);
+      ++p_;
+    } else {
+      const uint8_t* start = p_;
+      uint64_t u;
+      if (uint(&u)) {
+        *v = static_cast<double>(u);
+      } else {
+        p_ = start;
+        if (c < 0xd0 || c > 0xd3) return false;
+        ++p_;
+        uint64_t raw;
+        const int size = 1 << (c - 0xd0);
+        if (!big_endian(size, &raw)) return false;
+        const int shift = 64 - 8 * size;
+        *v = static_cast<double>(static_cast<int64_t>(raw << shift) >> shift);
+      }
+    }
+    return std::isfinite(*v);
+  }
+
+  bool boolean(bool* v) {
+    if (p_ >= end_ || (*p_ != 0xc2 && *p_ != 0xc3)) return false;
+    *v = *p_++ == 0xc3;
+    return true;
+  }
+
+  bool nil() {
+    if (p_ >= end_ || *p_ != 0xc0) return false;
+    ++p_;
+    return true;
+  }
+
+ private:
+  bool header(uint8_t fix, uint8_t mask, uint8_t code16, uint8_t code32, uint32_t* n) {
+    if (p_ >= end_) return false;
+    const uint8_t c = *p_;
+    uint64_t v;
+    if ((c & ~mask) == fix) {
+      v = c & mask;
+      ++p_;
+    } else if (c == code16 || c == code32) {
+      ++p_;
+      if (!big_endian(c == code16 ? 2 : 4, &v)) return false;
+    } else {
+      return false;
+    }
+    *n = static_cast<uint32_t>(v);
+    return true;
+  }
+
+  bool big_endian(int size, uint64_t* v) {
+    if (end_ - p_ < size) return false;
+    uint64_t r = 0;
+    for (int i = 0; i < size; ++i) r = (r << 8) | p_[i];
+    p_ += size;
+    *v = r;
+    return true;
+  }
+
+  const uint8_t* p_;
+  const uint8_t* end_;
+};
+
+// --- the request ---------------------------------------------------------------------------
+
+// An f32 tensor given inline: where its elements lie in the frame, and its shape.
+struct Inline {
+  const uint8_t* data = nullptr;  // nullptr: not given inline
+  int ndim = 0;
+  int64_t shape[3] = {0, 0, 0};
+};
+
+enum Operand { kX, kDt, kB, kC, kZ, kA, kD, kDtBias, kOperands };
+constexpr const char* kOperandNames[kOperands] = {"x", "dt", "B", "C", "z", "A", "D", "dt_bias"};
+// Per-row operands must come inline; the shared ones (A, D, dt_bias) may be handles.
+constexpr bool kMayBeHandle[kOperands] = {false, false, false, false, false, true, true, true};
+
+// A plain step request read from a frame. Valid only while the frame is.
+struct StepRequest {
+  py::object id;  // int or str, echoed in the reply
+  std::string session;
+  Inline operands[kOperands];
+  std::optional<std::string> handles[kOperands];
+  bool dt_softplus = false;
+  std::optional<double> dt_min, dt_max;
+  int64_t parsed_ns = 0;
+
+  bool given(Operand o) const { return operands[o].data != nullptr || handles[o].has_value(); }
+};
+
+bool ascii(std::string_view s) {
+  for (unsigned char c : s)
+    if (c >= 0x80) return false;
+  return true;
+}
+
+// {"dtype": "f32", "shape": [...], "data": ...} with at most 3 dims, or {"handle": str} where
+// `may_be_handle`. The data's length is checked against the shape here.
+bool read_operand(Reader& r, bool may_be_handle, Inline* t, std::optional<std::string>* handle) {
+  uint32_t keys;
+  if (!r.map(&keys)) return false;
+  if (keys == 1) {
+    std::string_view key, value;
+    if (!may_be_handle || !r.str(&key) || key != "handle" || !r.str(&value) || value.empty() || !ascii(value))
+      return false;
+    handle->emplace(value);
+    return true;
+  }
+  if (keys != 3) return false;
+  bool seen_dtype = false, seen_shape = false;
+  uint64_t nbytes = 0;
+  for (uint32_t i = 0; i < keys; ++i) {
+    std::string_view key;
+    if (!r.str(&key)) return false;
+    if (key == "dtype" && !seen_dtype) {
+      std::string_view dtype;
+      if (!r.str(&dtype) || dtype != "f32") return false;
+      seen_dtype = true;
+    } else if (key == "shape" && !seen_shape) {
+      uint32_t ndim;
+      if (!r.array(&ndim) || ndim < 1 || ndim > 3) return false;
+      t->ndim = static_cast<int>(ndim);
+      for (uint32_t d = 0; d < ndim; ++d) {
+        uint64_t size;
+        if (!r.uint(&size) || size == 0 || size > (1u << 30)) return false;
+        t->shape[d] = static_cast<int64_t>(size);
+      }
+      seen_shape = true;
+    } else if (key == "data" && t->data == nullptr) {
+      if (!r.bytes(&t->data, &nbytes)) return false;
+    } else {
+      return false;
+    }
+  }
+  if (!seen_dtype || !seen_shape || t->data == nullptr) return false;
+  uint64_t elements = 1;
+  for (int d = 0; d < t->ndim; ++d) elements *= static_cast<uint64_t>(t->shape[d]);
+  return nbytes == elements * 4;
+}
+
+// nil for an optional argument is "absent" (SPEC §3).
+bool read_args(Reader& r, StepRequest* req) {
+  uint32_t keys;
+  if (!r.map(&keys)) return false;
+  uint32_t seen = 0;  // one bit per argument: a key given twice goes the general way
+  for (uint32_t i = 0; i < keys; ++i) {
+    std::string_view key;
+    if (!r.str(&key)) return false;
+    int bit;
+    if (key == "session") {
+      bit = 0;
+      std::string_view session;
+      if (!r.str(&session) || !ascii(session)) return false;
+      req->session.assign(session);
+    } else if (key == "dt_softplus") {
+      bit = 1;
+      if (!r.nil() && !r.boolean(&req->dt_softplus)) return false;
+    } else if (key == "dt_min" || key == "dt_max") {
+      bit = key == "dt_min" ? 2 : 3;
+      if (!r.nil()) {
+        double v;
+        if (!r.number(&v)) return false;
+        (key == "dt_min" ? req->dt_min : req->dt_max) = v;
+      }
+    } else {
+      bit = -1;
+      for (int o = 0; o < kOperands; ++o) {
+        if (key == kOperandNames[o]) {
+          bit = 4 + o;
+          if (!r.nil() && !read_operand(r, kMayBeHandle[o], &req->operands[o], &req->handles[o]))
+            return false;
+          break;
+        }
+      }
+      if (bit < 0) return false;
+    }
+    if (seen & (1u << bit)) return false;
+    seen |= 1u << bit;
+  }
+  return !req->session.empty() && req->given(kX) && req->given(kDt) && req->given(kA) &&
+         req->given(kB) && req->given(kC);
+}
+
+// The request when `frame` is a plain step request, else None. Its `id`, `session` and
+// `handles` (name -> handle id, for A, D and dt_bias given as handles) are for the caller to
+// resolve; `run` does the rest.
+py::object parse(py::buffer frame) {
+  const py::buffer_info info = frame.request();
+  Reader r(static_cast<const uint8_t*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
+  uint32_t keys;
+  if (!r.map(&keys) || keys < 3 || keys > 4) return py::none();
+  auto req = std::make_unique<StepRequest>();
+  bool seen_v = false, seen_id = false, seen_op = false, seen_args = false;
+  for (uint32_t i = 0; i < keys; ++i) {
+    std::string_view key;
+    if (!r.str(&key)) return py::none();
+    if (key == "v" && !seen_v) {
+      uint64_t v;
+      if (!r.uint(&v) || v != 1) return py::none();
+      seen_v = true;
+    } else if (key == "id" && !seen_id) {
+      uint64_t n;
+      std::string_view s;
+      if (r.next_is_str()) {
+        if (!r.str(&s) || s.empty() || !ascii(s)) return py::none();
+        req->id = py::str(s.data(), s.size());
+      } else {
+        if (!r.uint(&n)) return py::none();
+        req->id = py::int_(n);
+      }
+      seen_id = true;
+    } else if (key == "op" && !seen_op) {
+      std::string_view op;
+      if (!r.str(&op) || op != "step") return py::none();
+      seen_op = true;
+    } else if (key == "args" && !seen_args) {
+      if (!read_args(r, req.get())) return py::none();
+      seen_args = true;
+    } else {
+      return py::none();
+    }
+  }
+  if (!seen_id || !seen_op || !seen_args || !r.done()) return py::none();
+  req->parsed_ns = now_ns();
+  return py::cast(req.release(), py::return_value_policy::take_ownership);
+}
+
+py::dict handles_of(const StepRequest& req) {
+  py::dict out;
+  for (int o = kA; o <= kDtBias; ++o)
+    if (req.handles[o]) out[kOperandNames[o]] = *req.handles[o];
+  return out;
+}
+
+// --- writing the reply ---------------------------------------------------------------------
+
+class Writer {
+ public:
+  explicit Writer(char* out) : p_(reinterpret_cast<uint8_t*>(out)), start_(p_) {}
+  size_t size() const { return static_cast<size_t>(p_ - start_); }
+  uint8_t* position() { return p_; }
+  void skip(size_t n) { p_ += n; }
+
+  void raw(const char* s) {
+    const size_t n = std::strlen(s);
+    std::memcpy(p_, s, n);
+    p_ += n;
+  }
+  void fixstr(const char* s) {
+    const size_t n = std::strlen(s);
+    *p_++ = static_cast<uint8_t>(0xa0 | n);
+    raw(s);
+  }
+  void uint(uint64_t v) {
+    if (v <= 0x7f) {
+      *p_++ = static_cast<uint8_t>(v);
+    } else if (v <= 0xff) {
+      *p_++ = 0xcc;
+      be(v, 1);
+    } else if (v <= 0xffff) {
+      *p_++ = 0xcd;
+      be(v, 2);
+    } else if (v <= 0xffffffffu) {
+      *p_++ = 0xce;
+      be(v, 4);
+    } else {
+      *p_++ = 0xcf;
+      be(v, 8);
+    }
+  }
+  void str(std::string_view s) {
+    const size_t n = s.size();
+    if (n < 32) {
+      *p_++ = static_cast<uint8_t>(0xa0 | n);
+    } else if (n <= 0xff) {
+      *p_++ = 0xd9;
+      be(n, 1);
+    } else if (n <= 0xffff) {
+      *p_++ = 0xda;
+      be(n, 2);
+    } else {
+      *p_++ = 0xdb;
+      be(n, 4);
+    }
+    std::memcpy(p_, s.data(), n);
+    p_ += n;
+  }
+  void bin_header(uint64_t n) {
+    if (n <= 0xff) {
+      *p_++ = 0xc4;
+      be(n, 1);
+    } else if (n <= 0xffff) {
+      *p_++ = 0xc5;
+      be(n, 2);
+    } else {
+      *p_++ = 0xc6;
+      be(n, 4);
+    }
+  }
+  void f64(double v) {
+    uint64_t bits;
+    std::memcpy(&bits, &v, 8);
+    *p_++ = 0xcb;
+    be(bits, 8);
+  }
+
+ private:
+  void be(uint64_t v, int size) {
+    for (int i = size - 1; i >= 0; --i) *p_++ = static_cast<uint8_t>(v >> (8 * i));
+  }
+  uint8_t* p_;
+  uint8_t* start_;
+};
+
+// The reply's timing keys, in the general path's order (bridge/timing.py), then batch_rows.
+constexpr const char* kTimingKeys[] = {"decode_us", "queue_us", "h2d_us", "kernel_us",
+                                       "d2h_us",    "encode_us", "server_us"};
+
+// --- serving -------------------------------------------------------------------------------
+
+struct TensorRef {  // a handle's tensor, as the caller found it: contiguous f32 on the CPU
+  const void* data;
+  int64_t shape[2];
+  int ndim;
+};
+
+std::optional<TensorRef> tensor_ref(const py::object& value) {
+  if (value.is_none()) return std::nullopt;
+  auto t = value.cast<py::tuple>();  // (data_ptr, shape tuple)
+  TensorRef ref{};
+  ref.data = reinterpret_cast<const void*>(t[0].cast<uintptr_t>());
+  auto shape = t[1].cast<py::tuple>();
+  ref.ndim = static_cast<int>(shape.size());
+  if (ref.ndim < 1 || ref.ndim > 2) return TensorRef{nullptr, {0, 0}, 0};
+  for (int d = 0; d < ref.ndim; ++d) ref.shape[d] = shape[d].cast<int64_t>();
+  return ref;
+}
+
+Strided f32(const void* data, int64_t s0, int64_t s1 = 0, int64_t s2 = 0, int64_t s3 = 0) {
+  Strided s;
+  s.data = const_cast<void*>(data);
+  s.dtype = DType::f32;
+  s.stride[0] = s0;
+  s.stride[1] = s1;
+  s.stride[2] = s2;
+  s.stride[3] = s3;
+  return s;
+}
+
+class Server {
+ public:
+  explicit Server(py::capsule run_problem)
+      : run_problem_(reinterpret_cast<RunProblem>(run_problem.get_pointer())), keep_(run_problem) {
+    if (std::string(run_problem.name()) != "scan_bridge.run_problem")
+      throw py::value_error("expected the cpu backend's scan_bridge.run_problem capsule");
+  }
+
+  // One step of the session whose state rows are `pool` rows `slots` (`batch` of them, each
+  // [dim, state] f32, the pool contiguous), with A, D, dt_bias from handles where the request
+  // named them (`handle_tensors`: name -> (data_ptr, shape) of a contiguous f32 CPU tensor).
+  // Returns (reply body, timing) -- y written into the reply by the kernel -- or None when the
+  // request does not fit the session or its handles (nothing touched; the general path then
+  // answers it).
+  py::object run(const StepRequest& req, py::buffer frame, int64_t received_ns, uintptr_t pool,
+                 int64_t batch, int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors) {
+    (void)frame;  // held by the caller for as long as the request's views into it are used
+    const Inline* op = req.operands;
+    TensorRef shared[kOperands] = {};
+    for (int o = kA; o <= kDtBias; ++o) {
+      if (op[o].data != nullptr) {
+        shared[o] = TensorRef{op[o].data, {op[o].shape[0], op[o].shape[1]}, op[o].ndim};
+      } else if (req.handles[o]) {
+        auto found = tensor_ref(handle_tensors.attr("get")(kOperandNames[o]));
+        if (!found || found->data == nullptr) return py::none();
+        shared[o] = *found;
+      }
+    }
+    auto rows_of = [&](Operand o, int64_t cols) {
+      return op[o].ndim == 2 && op[o].shape[0] == batch && op[o].shape[1] == cols;
+    };
+    if (!rows_of(kX, dim) || !rows_of(kDt, dim) || (req.given(kZ) && !rows_of(kZ, dim))) return py::none();
+    // B, C: [batch, state] or [batch, groups, state], the same groups, dividing dim.
+    int64_t groups = 0;
+    for (Operand o : {kB, kC}) {
+      const Inline& t = op[o];
+      int64_t g;
+      if (t.ndim == 2 && t.shape[0] == batch && t.shape[1] == state) {
+        g = 1;
+      } else if (t.ndim == 3 && t.shape[0] == batch && t.shape[2] == state) {
+        g = t.shape[1];
+      } else {
+        return py::none();
+      }
+      if (groups != 0 && g != groups) return py::none();
+      groups = g;
+    }
+    if (dim % groups != 0) return py::none();
+    if (!(shared[kA].ndim == 2 && shared[kA].shape[0] == dim && shared[kA].shape[1] == state))
+      return py::none();
+    for (Operand o : {kD, kDtBias})
+      if (req.given(o) && !(shared[o].ndim == 1 && shared[o].shape[0] == dim)) return py::none();
+    if (req.dt_min && req.dt_max && *req.dt_min > *req.dt_max) return py::none();
+
+    ScanProblem p;
+    p.batch = batch;
+    p.seq = 1;
+    p.dim = dim;
+    p.state = state;
+    p.groups = groups;
+    p.x = f32(op[kX].data, dim, 0, 1);
+    p.dt = f32(op[kDt].data, dim, 0, 1);
+    if (req.given(kZ)) p.z = f32(op[kZ].data, dim, 0, 1);
+    p.B = f32(op[kB].data, groups * state, 0, state, 1);
+    p.C = f32(op[kC].data, groups * state, 0, state, 1);
+    p.A = f32(shared[kA].data, state, 1);
+    if (req.given(kD)) p.D = f32(shared[kD].data, 1);
+    if (req.given(kDtBias)) p.dt_bias = f32(shared[kDtBias].data, 1);
+    p.slots.data = reinterpret_cast<void*>(slots);
+    p.slots.dtype = DType::i64;
+    p.slots.stride[0] = 1;
+    p.h0 = f32(reinterpret_cast<const void*>(pool), dim * state, state, 1);
+    p.state_out = p.h0;
+    p.dt_softplus = req.dt_softplus;
+    p.has_dt_min = req.dt_min.has_value();
+    p.has_dt_max = req.dt_max.has_value();
+    p.dt_min = req.dt_min.value_or(0.0);
+    p.dt_max = req.dt_max.value_or(0.0);
+
+    // The reply: {"v": 1, "id", "ok": true, "result": {"y": tensor}, "timing": {...}}, sized
+    // before it is written (the id, the shape and the payload are the only variable parts).
+    const std::string id_text = py::isinstance<py::str>(req.id) ? req.id.cast<std::string>() : std::string();
+    const bool id_is_str = py::isinstance<py::str>(req.id);
+    const uint64_t id_number = id_is_str ? 0 : req.id.cast<uint64_t>();
+    const uint64_t y_bytes = static_cast<uint64_t>(batch) * dim * 4;
+    // Envelope and tensor map at most 96 bytes besides the id; each timing entry at most 21.
+    const size_t size = 96 + id_text.size() + y_bytes + 8 + 21 * (std::size(kTimingKeys) + 1);
+    PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
+    if (raw == nullptr) throw py::error_already_set();
+    py::object reply = py::reinterpret_steal<py::object>(raw);
+    Writer w(PyBytes_AS_STRING(raw));
+    w.raw("\x85\xa1v\x01\xa2id");
+    if (id_is_str) {
+      w.str(id_text);
+    } else {
+      w.uint(id_number);
+    }
+    w.raw("\xa2ok\xc3\xa6result\x81\xa1y\x83\xa5""dtype\xa3""f32\xa5shape\x92");
+    w.uint(static_cast<uint64_t>(batch));
+    w.uint(static_cast<uint64_t>(dim));
+    w.raw("\xa4""data");
+    w.bin_header(y_bytes);
+    p.y = f32(w.position(), dim, 0, 1);
+    w.skip(y_bytes);
+
+    const int64_t kernel_start = now_ns();
+    char error[256] = {0};
+    int status;
+    {
+      py::gil_scoped_release unlocked;
+      status = run_problem_(&p, sizeof(ScanProblem), error, sizeof(error));
+    }
+    if (status != 0) throw std::runtime_error(std::string("native step kernel: ") + error);
+    const int64_t kernel_end = now_ns();
+
+    w.raw("\xa6timing");
+    *w.position() = static_cast<uint8_t>(0x80 | (std::size(kTimingKeys) + 1));
+    w.skip(1);
+    // Everything before the kernel -- parsing, the caller's session and handle lookups, these
+    // checks -- is the request's decode; the kernel wrote y into the reply, so there is no
+    // host copy either way.
+    const double decode_us = (kernel_start - received_ns) / 1e3;
+    const double kernel_us = (kernel_end - kernel_start) / 1e3;
+    const double values_before_encode[] = {decode_us, 0.0, 0.0, kernel_us, 0.0};
+    for (size_t k = 0; k < 5; ++k) {
+      w.fixstr(kTimingKeys[k]);
+      w.f64(values_before_encode[k]);
+    }
+    const int64_t encoded = now_ns();
+    const double encode_us = (encoded - kernel_end) / 1e3;
+    const double server_us = (encoded - received_ns) / 1e3;
+    w.fixstr("encode_us");
+    w.f64(encode_us);
+    w.fixstr("server_us");
+    w.f64(server_us);
+    w.fixstr("batch_rows");
+    w.uint(static_cast<uint64_t>(batch));
+    if (w.size() > size) throw std::logic_error("native step: reply larger than sized");
+    raw = reply.release().ptr();
+    if (_PyBytes_Resize(&raw, static_cast<Py_ssize_t>(w.size())) < 0) throw py::error_already_set();
+    reply = py::reinterpret_steal<py::object>(raw);
+
+    py::dict timing;
+    timing["decode_us"] = decode_us;
+    timing["queue_us"] = 0.0;
+    timing["h2d_us"] = 0.0;
+    timing["kernel_us"] = kernel_us;
+    timing["d2h_us"] = 0.0;
+    timing["encode_us"] = encode_us;
+    timing["server_us"] = server_us;
+    timing["batch_rows"] = batch;
+    return py::make_tuple(reply, timing);
+  }
+
+ private:
+  RunProblem run_problem_;
+  py::capsule keep_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "scan-bridge native step path (bridge/native)";
+  py::class_<StepRequest>(m, "StepRequest")
+      .def_readonly("session", &StepRequest::session)
+      .def_property_readonly("id", [](const StepRequest& r) { return r.id; })
+      .def_property_readonly("handles", &handles_of)
+      .def_property_readonly("rows", [](const StepRequest& r) { return r.operands[kX].shape[0]; });
+  m.def("parse", &parse, py::arg("frame"));
+  py::class_<Server>(m, "Server")
+      .def(py::init<py::capsule>())
+      .def("run", &Server::run, py::arg("request"), py::arg("frame"), py::arg("received_ns"),
+           py::arg("pool"), py::arg("batch"), py::arg("dim"), py::arg("state"), py::arg("slots"),
+           py::arg("handle_tensors"));
+}

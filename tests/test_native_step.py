@@ -1,0 +1,286 @@
+"""The native step path (bridge/native): plain steps served in C++ from frame to reply.
+
+- what it serves is bit for bit what the general path serves (y, the state after, the reply's
+  keys), on named cases: odd sizes, groups, every option, constants inline or as handles;
+- what it does not take (other dtypes, per-row handles, bad shapes, another connection's
+  session, freed handles, unknown keys) is handed on untouched and answered as the general path
+  answers it;
+- mutated frames never crash it, and the server answers every one;
+- the kernels' capsule refuses a caller built against another ScanProblem.
+
+Two in-process servers, one with the native path and one without, get the same requests with
+fresh random inputs (the seed is in every failure message); requests are submitted as a stream
+transport does when nothing more is waiting, the only ones the native path is offered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import protocol
+from bridge.native import NativeStep
+from bridge.tensors import to_wire
+from bridge.timing import now_ns
+from bridge_fakes import RecordingConnection
+from kernel_cases import random_seed
+
+def _native_available() -> str | None:
+    from bridge.device import choose_device
+    from bridge.server import Server, ServerConfig
+
+    server = Server(ServerConfig(device="cpu"), choose_device("cpu"))
+    if server.backend != "cpu":
+        return f"the cpu backend is unavailable (the server runs {server.backend})"
+    return None if NativeStep.for_server(server) is not None else "the native step extension cannot be built"
+
+
+_UNAVAILABLE = _native_available()
+pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE))
+
+
+@dataclass(frozen=True)
+class StepCase:
+    batch: int
+    dim: int
+    state: int
+    groups: int = 0  # 0: B and C [batch, state]; else [batch, groups, state]
+    options: bool = False  # D, z, dt_bias, softplus, clamp
+    handles: bool = False  # A (and D, dt_bias) as handles
+    steps: int = 3
+
+
+CASES = [
+    pytest.param(StepCase(1, 1, 1), id="1x1x1"),
+    pytest.param(StepCase(3, 37, 5), id="odd-3x37x5"),
+    pytest.param(StepCase(2, 40, 16, groups=2, options=True), id="groups-all-options"),
+    pytest.param(StepCase(5, 24, 7, options=True, handles=True), id="options-as-handles"),
+    pytest.param(StepCase(32, 512, 16, handles=True, steps=2), id="game-loop-32x512x16"),
+    pytest.param(StepCase(4, 33, 16, groups=3, handles=True), id="3d-bc-1-group-per-11-channels"),
+]
+
+
+def step_inputs(case: StepCase, gen: torch.Generator) -> dict:
+    b, d, n = case.batch, case.dim, case.state
+    bc = (b, case.groups, n) if case.groups else (b, n)
+
+    def rand(*shape, lo=-1.0, hi=1.0):
+        return torch.rand(*shape, generator=gen) * (hi - lo) + lo
+
+    args = {"x": rand(b, d), "dt": rand(b, d, lo=0.01, hi=0.5), "B": rand(*bc), "C": rand(*bc)}
+    if case.options:
+        args.update(z=rand(b, d), dt=rand(b, d, lo=-3.0, hi=1.0), dt_softplus=True, dt_min=0.005, dt_max=0.3)
+    return args
+
+
+def constants(case: StepCase, gen: torch.Generator) -> dict:
+    out = {"A": -(torch.rand(case.dim, case.state, generator=gen) * 2 + 0.1)}
+    if case.options:
+        out.update(D=torch.rand(case.dim, generator=gen), dt_bias=torch.rand(case.dim, generator=gen) - 0.5)
+    return out
+
+
+class Served:
+    """Counts the requests the native path of `srv` served (every frame is offered to it)."""
+
+    def __init__(self, srv):
+        self.taken = 0
+        native = srv.server.native_step
+        serve = native.serve
+
+        def counting(conn, frame, received_ns):
+            outcome = serve(conn, frame, received_ns)
+            self.taken += outcome is not None
+            return outcome
+
+        native.serve = counting
+
+
+def submit(srv, conn, op, **args) -> protocol.Reply:
+    return conn.reply(srv.submit(conn, op, more_input=False, **args))
+
+
+def wire_array(t) -> np.ndarray:
+    return np.frombuffer(bytes(t.data), dtype=np.float32).reshape(t.shape)
+
+
+def open_session(srv, conn, case: StepCase, consts: dict) -> tuple[str, dict]:
+    session = submit(srv, conn, "session_open", batch=case.batch, dim=case.dim, state=case.state).result["session"]
+    if not case.handles:
+        return session, dict(consts)
+    return session, {name: protocol.HandleRef(submit(srv, conn, "put", tensor=t).result["handle"])
+                     for name, t in consts.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_native_steps_equal_the_general_path(inproc, case):
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    consts = constants(case, gen)
+    frames = [step_inputs(case, gen) for _ in range(case.steps)]
+    native_srv, general_srv = inproc(), inproc(native_step=False)
+    assert general_srv.server.native_step is None
+    served = Served(native_srv)
+    results = []
+    for srv in (native_srv, general_srv):
+        conn = RecordingConnection()
+        session, shared = open_session(srv, conn, case, consts)
+        replies = [submit(srv, conn, "step", session=session, **shared, **frame) for frame in frames]
+        assert all(r.ok for r in replies), (seed, [r.error for r in replies if not r.ok])
+        state = submit(srv, conn, "session_state", session=session).result["state"]
+        results.append(([wire_array(r.result["y"]) for r in replies], wire_array(state), replies))
+    assert served.taken == case.steps, (seed, served.__dict__)
+    (native_ys, native_state, native_replies), (general_ys, general_state, general_replies) = results
+    for t, (a, b) in enumerate(zip(native_ys, general_ys)):
+        assert np.array_equal(a, b), f"seed={seed}: y of step {t} differs by {np.abs(a - b).max()}"
+    assert np.array_equal(native_state, general_state), f"seed={seed}: the state after the steps differs"
+    assert not np.all(native_state == 0), f"seed={seed}: the steps left the state zero"
+    for a, b in zip(native_replies, general_replies):
+        assert (a.id, a.ok, list(a.result)) == (b.id, b.ok, list(b.result))
+        assert a.result["y"].dtype == "f32" and tuple(a.result["y"].shape) == (case.batch, case.dim)
+        assert set(a.timing) == set(b.timing), (a.timing, b.timing)
+        assert a.timing["kernel_us"] > 0 and a.timing["server_us"] >= a.timing["kernel_us"]
+    stats = native_srv.server.stats.snapshot()["ops"]["step"]
+    assert (stats["inference_count"], stats["execution_count"], stats["success_count"]) == (case.steps,) * 3
+
+
+def declined_cases():
+    """(id, how the request differs from a plain step, the error the general path gives or None)."""
+    return [
+        pytest.param("f16", lambda a, s, h, other: {**a, "x": a["x"].half(), "dt": a["dt"].half()}, None, id="f16-inputs"),
+        pytest.param("z-handle", lambda a, s, h, other: {**a, "z": h["z"]}, None, id="z-as-handle"),
+        pytest.param("x-rows", lambda a, s, h, other: {**a, "x": a["x"][:1]}, "shape_mismatch", id="x-rows"),
+        pytest.param("A-shape", lambda a, s, h, other: {**a, "A": -torch.rand(3, 4) - 0.1}, "shape_mismatch",
+                     id="A-shape"),
+        pytest.param("clamp", lambda a, s, h, other: {**a, "dt_min": 0.5, "dt_max": 0.1}, "invalid_argument",
+                     id="dt-min-above-max"),
+        pytest.param("session", lambda a, s, h, other: {**a, "session": other}, "unknown_session",
+                     id="another-connections-session"),
+        pytest.param("handle", lambda a, s, h, other: {**a, "A": h["freed"]}, "unknown_handle", id="freed-handle"),
+        pytest.param("key", lambda a, s, h, other: {**a, "h0": torch.rand(2, 6, 3)}, "invalid_argument",
+                     id="argument-a-step-does-not-take"),
+        pytest.param("bf16-A", lambda a, s, h, other: {**a, "A": a["A"].bfloat16()}, None, id="bf16-A-inline"),
+    ]
+
+
+@pytest.mark.parametrize("name,change,code", declined_cases())
+def test_what_the_native_path_does_not_take_is_answered_as_before(inproc, name, change, code):
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(2, 6, 3)
+    consts = constants(case, gen)
+    frame = step_inputs(case, gen)
+    outcomes = []
+    for native in (True, False):
+        srv = inproc(native_step=native)
+        served = Served(srv) if native else None
+        conn, other = RecordingConnection(), RecordingConnection()
+        session = submit(srv, conn, "session_open", batch=2, dim=6, state=3).result["session"]
+        others = submit(srv, other, "session_open", batch=2, dim=6, state=3).result["session"]
+        handles = {"z": protocol.HandleRef(submit(srv, conn, "put", tensor=frame["x"]).result["handle"]),
+                   "freed": protocol.HandleRef(submit(srv, conn, "put", tensor=consts["A"]).result["handle"])}
+        submit(srv, conn, "free", handle=handles["freed"].handle)
+        args = change({**frame, **consts, "session": session}, session, handles, others)
+        reply = submit(srv, conn, "step", **args)
+        state = wire_array(submit(srv, conn, "session_state", session=session).result["state"])
+        outcomes.append((reply, state))
+        if native:
+            assert served.taken == 0, f"seed={seed}: the native path took a {name} request"
+    (native_reply, native_state), (general_reply, general_state) = outcomes
+    assert native_reply.ok == general_reply.ok == (code is None), (native_reply.error, general_reply.error)
+    if code is None:
+        a, b = native_reply.result["y"], general_reply.result["y"]
+        assert (a.dtype, a.shape, bytes(a.data)) == (b.dtype, b.shape, bytes(b.data)), f"seed={seed}"
+    else:
+        # The same error, but for the ids in its message (each server issues its own).
+        assert native_reply.error["code"] == general_reply.error["code"] == code, native_reply.error
+        assert native_reply.error["detail"].get("field") == general_reply.error["detail"].get("field")
+    assert np.array_equal(native_state, general_state), f"seed={seed}"
+
+
+def test_mutated_frames_are_answered_and_the_server_lives_on(inproc):
+    """Random byte flips, truncations and insertions in a plain step frame: whatever the native
+    parser makes of each, the request gets exactly one reply and the server still steps."""
+    seed = random_seed()
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(2, 8, 4, options=True)
+    srv = inproc()
+    served = Served(srv)
+    conn = CountingConnection()
+    session, shared = open_session(srv, conn, case, constants(case, gen))
+    args = {**step_inputs(case, gen), **shared, "session": session}
+    body = bytearray(b"".join(protocol.encode_request(
+        1, "step", {k: to_wire(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})))
+    before = conn.sent
+    for _ in range(300):
+        mutated = bytearray(body)
+        kind = rng.randrange(3)
+        at = rng.randrange(len(mutated))
+        if kind == 0:
+            mutated[at] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            del mutated[at:]
+        else:
+            mutated[at:at] = bytes([rng.randrange(256)])
+        srv.dispatcher.on_frame(conn, mutated, now_ns(), more_input=False)
+    assert conn.sent - before == 300, f"seed={seed}: {conn.sent - before} replies to 300 frames"
+    # Flips in the tensor data (most of the frame) leave valid steps, which the native path took.
+    assert served.taken > 0, f"seed={seed}"
+    assert submit(srv, conn, "step", **args).ok
+
+
+class CountingConnection(RecordingConnection):
+    """Also counts every reply, whatever its id (a mutated frame's may be unreadable: nil)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = 0
+
+    def send(self, parts: list, buffers: list | None = None) -> int:
+        self.sent += 1
+        return super().send(parts, buffers)
+
+
+def test_the_kernel_capsule_refuses_another_problem_layout():
+    """A caller compiled against another scan_kernel.h passes another ScanProblem size: refused
+    with the sizes named, nothing run."""
+    from kernels.cpu import build
+
+    capsule = build.load_extension().run_problem
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(
+        get_pointer(capsule, b"scan_bridge.run_problem"))
+    error = ctypes.create_string_buffer(256)
+    problem = ctypes.create_string_buffer(4096)  # zeros: a problem with no work, were it run
+    assert run(ctypes.cast(problem, ctypes.c_void_p), 3, error, 256) == 1
+    assert b"ScanProblem size 3, expected" in error.value, error.value
+
+
+@pytest.mark.parametrize("args, native", [([], True), (["--no-native-step"], False)], ids=["default", "flag-off"])
+def test_a_piped_server_steps_natively_unless_told_not_to(args, native):
+    """Over stdio, as a Port client steps: `info` says whether the native path is on, and the
+    step stats show which path served (the native one makes no host copies: h2d_us stays 0)."""
+    from bridge.client import PortClient
+
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(3, 20, 4, options=True)
+    consts = constants(case, gen)
+    with PortClient(["--device", "cpu", *args]) as client:
+        assert client.info()["native_step"] is native
+        session = client.open_session(case.batch, case.dim, case.state)
+        A = client.put(consts["A"])
+        for _ in range(3):
+            frame = step_inputs(case, gen)
+            x, dt, B, C = (frame.pop(k) for k in ("x", "dt", "B", "C"))
+            assert client.step(session, x, dt, A, B, C, D=consts["D"], dt_bias=consts["dt_bias"], **frame).ok
+        step_stats = client.stats()["ops"]["step"]
+    assert step_stats["success_count"] == 3, step_stats
+    assert (step_stats["h2d_us"] == 0) is native, f"seed={seed}: {step_stats}"
