@@ -20,6 +20,7 @@ lookups, the checks) and h2d and d2h are 0 (the kernel reads the frame and write
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
 import torch
@@ -56,6 +57,12 @@ class NativeStep:
         self.server = server
         self._parse = module.parse
         self._native = module.Server(kernel_module.run_problem)
+        # What the kernel needs of a session's pool rows and of a handle's tensor, read from
+        # torch once rather than every step (after a pause those reads cost tens of µs), each
+        # with a weak reference to the tensor it was read from: valid while that tensor is
+        # still the one the table hands back, and never keeping a freed one alive.
+        self._pools: dict[str, tuple] = {}
+        self._handles: dict[str, tuple] = {}
 
     @classmethod
     def for_server(cls, server) -> NativeStep | None:
@@ -83,14 +90,42 @@ class NativeStep:
         handle_tensors = {}
         for name, handle in request.handles.items():
             tensor = self.server.handles.find(conn.id, handle)
-            if (tensor is None or tensor.dtype != torch.float32 or tensor.device.type != "cpu"
-                    or not tensor.is_contiguous()):
+            if tensor is None:
                 return None
-            handle_tensors[name] = (tensor.data_ptr(), tuple(tensor.shape))
-        pool = session.pool.rows
+            ref = self._handle_ref(handle, tensor)
+            if ref is None:
+                return None
+            handle_tensors[name] = ref
+        pool_address, slots_address = self._pool_addresses(session)
         try:
-            return self._native.run(request, frame, received_ns, pool.data_ptr(), session.batch, session.dim,
-                                    session.state, session.slots.data_ptr(), handle_tensors)
+            return self._native.run(request, frame, received_ns, pool_address, session.batch, session.dim,
+                                    session.state, slots_address, handle_tensors)
         except Exception as exc:
             raise NativeStepError(request.id, exc) from exc
+
+    def _pool_addresses(self, session) -> tuple[int, int]:
+        """The addresses of the session's pool rows (contiguous fp32) and of its slots (int64)."""
+        rows = session.pool.rows  # replaced when the pool grows
+        cached = self._pools.get(session.id)
+        if cached is None or cached[0]() is not rows:
+            cached = (weakref.ref(rows), (rows.data_ptr(), session.slots.data_ptr()))
+            _remember(self._pools, session.id, cached)
+        return cached[1]
+
+    def _handle_ref(self, handle: str, tensor: torch.Tensor) -> tuple | None:
+        """(address, shape) of a handle's tensor when it is contiguous fp32 on the CPU, else None."""
+        cached = self._handles.get(handle)
+        if cached is None or cached[0]() is not tensor:
+            usable = tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+            cached = (weakref.ref(tensor), (tensor.data_ptr(), tuple(tensor.shape)) if usable else None)
+            _remember(self._handles, handle, cached)
+        return cached[1]
+
+
+def _remember(cache: dict, key: str, value: tuple) -> None:
+    # Entries of closed sessions and freed handles are dead weak references and two ints; the
+    # caches are emptied now and then rather than told about every close.
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[key] = value
 
