@@ -17,6 +17,11 @@ game loop's queue stage was 50 µs a step in bench/results/game_loop.json as com
 13cc2ef, and 6-9 µs since in steps back to back. It runs alone; requests that come meanwhile
 queue for the worker, which gathers them into batches as usual.
 One lock (`_serving`) lets one thread at a time run ops, so the ops never run concurrently.
+
+Before that, such a request (on a stream lane, no raw buffers) is offered to the native step
+path (bridge.native) when no requests were recently batched together: a plain step it serves
+in C++ from frame to reply under the same lock; anything else it hands back untouched, before
+any decoding here.
 """
 
 from __future__ import annotations
@@ -104,7 +109,8 @@ class Dispatcher:
         transport that can tell it is not (stdio, unix) passes False, letting an idle server
         serve the request on this thread."""
         self.server.stats.frame_in(len(body))
-        if self.server.native_step is not None and not more_input and not buffers and self._serve_native(conn, body, received_ns):
+        native = self.server.native_step is not None and not more_input and not buffers
+        if native and self._serve_native(conn, body, received_ns):
             if release:
                 release()
             return
@@ -161,10 +167,13 @@ class Dispatcher:
             with self._serving:
                 try:
                     outcome = self.server.native_step.serve(conn, body, received_ns)
-                except NativeStepError as exc:
+                except NativeStepError as exc:  # its kernel ran, or may have: never served twice
                     log.error("native step failed", exc_info=exc.__cause__)
                     self._reply_error(conn, exc.request_id, exc, legacy=False, stats_op="step")
                     return True
+                except Exception:  # before its kernel: nothing touched, the general path answers
+                    log.exception("native step path failed before taking a request")
+                    return False
             if outcome is None:
                 return False
             reply, timing = outcome

@@ -284,3 +284,36 @@ def test_a_piped_server_steps_natively_unless_told_not_to(args, native):
         step_stats = client.stats()["ops"]["step"]
     assert step_stats["success_count"] == 3, step_stats
     assert (step_stats["h2d_us"] == 0) is native, f"seed={seed}: {step_stats}"
+
+
+def test_failures_inside_the_native_path_are_answered(inproc, monkeypatch):
+    """Before its kernel, a failure hands the request to the general path, which serves it; at
+    the kernel, the request is answered with internal_error and never served again (its state
+    may have moved)."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(2, 8, 4)
+    srv = inproc()
+    conn = RecordingConnection()
+    session, shared = open_session(srv, conn, case, constants(case, gen))
+    native = srv.server.native_step
+    served = Served(srv)
+
+    def broken_parse(frame):
+        raise RuntimeError("a parser bug")
+
+    monkeypatch.setattr(native, "_parse", broken_parse)
+    assert submit(srv, conn, "step", session=session, **shared, **step_inputs(case, gen)).ok
+    assert served.taken == 0
+    monkeypatch.undo()
+
+    class FailingKernel:
+        def run(self, *args):
+            raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(native, "_native", FailingKernel())
+    reply = submit(srv, conn, "step", session=session, **shared, **step_inputs(case, gen))
+    assert not reply.ok and reply.error["code"] == "internal_error", reply.error
+    assert "the kernel failed" in reply.error["message"]
+    stats = srv.server.stats.snapshot()["ops"]["step"]
+    assert (stats["success_count"], stats["failure_count"]) == (1, 1), stats
