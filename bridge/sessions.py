@@ -77,7 +77,9 @@ class StatePool:
 class Session:
     """`batch` rows of state in `pool`, stepped together."""
 
-    __slots__ = ("id", "owner", "batch", "pool", "slot_list", "slots", "closed")
+    # __weakref__: the native step path (bridge.native) forgets what it kept of a session when
+    # the session goes.
+    __slots__ = ("id", "owner", "batch", "pool", "slot_list", "slots", "closed", "__weakref__")
 
     def __init__(self, session_id: str, owner: str, batch: int, pool: StatePool, slot_list: list[int]):
         self.id = session_id

@@ -318,3 +318,29 @@ def test_failures_inside_the_native_path_are_answered(inproc, monkeypatch):
     assert "the kernel failed" in reply.error["message"]
     stats = srv.server.stats.snapshot()["ops"]["step"]
     assert (stats["success_count"], stats["failure_count"]) == (1, 1), stats
+
+
+def test_what_the_native_path_keeps_goes_with_its_session_and_handle(inproc):
+    """The addresses kept of a session's pool and a handle's tensor leave when the session
+    closes and the handle is freed, or their connection goes (a long-lived server sees
+    thousands come and go)."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(2, 8, 4, options=True, handles=True)
+    srv = inproc()
+    native = srv.server.native_step
+    served = Served(srv)
+    kept = []
+    for ending in ("close-and-free", "connection-goes"):
+        conn = RecordingConnection()
+        session, shared = open_session(srv, conn, case, constants(case, gen))
+        assert submit(srv, conn, "step", session=session, **shared, **step_inputs(case, gen)).ok
+        kept.append((len(native._pools), len(native._handles)))
+        if ending == "close-and-free":
+            submit(srv, conn, "session_close", session=session)
+            for handle in shared.values():
+                submit(srv, conn, "free", handle=handle.handle)
+        else:
+            conn.mark_closed()
+        assert (native._pools, native._handles) == ({}, {}), f"seed={seed}: {ending} left entries"
+    assert served.taken == 2 and kept == [(1, 3), (1, 3)], (served.taken, kept)

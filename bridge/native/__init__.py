@@ -19,6 +19,7 @@ lookups, the checks) and h2d and d2h are 0 (the kernel reads the frame and write
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from pathlib import Path
@@ -58,9 +59,10 @@ class NativeStep:
         self._parse = module.parse
         self._native = module.Server(kernel_module.run_problem)
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
-        # torch once rather than every step (after a pause those reads cost tens of µs), each
-        # with a weak reference to the tensor it was read from: valid while that tensor is
-        # still the one the table hands back, and never keeping a freed one alive.
+        # torch once rather than every step (after a pause those reads cost tens of µs). An entry
+        # holds a weak reference to the tensor it was read from (valid while that is still the
+        # one in use) and leaves with its session or tensor (a weak reference's callback), so
+        # the caches hold nothing alive and keep nothing of what is gone.
         self._pools: dict[str, tuple] = {}
         self._handles: dict[str, tuple] = {}
 
@@ -107,25 +109,22 @@ class NativeStep:
         """The addresses of the session's pool rows (contiguous fp32) and of its slots (int64)."""
         rows = session.pool.rows  # replaced when the pool grows
         cached = self._pools.get(session.id)
-        if cached is None or cached[0]() is not rows:
-            cached = (weakref.ref(rows), (rows.data_ptr(), session.slots.data_ptr()))
-            _remember(self._pools, session.id, cached)
-        return cached[1]
+        if cached is None or cached[1]() is not rows:
+            gone = functools.partial(_forget, self._pools, session.id)
+            cached = (weakref.ref(session, gone), weakref.ref(rows), (rows.data_ptr(), session.slots.data_ptr()))
+            self._pools[session.id] = cached
+        return cached[2]
 
     def _handle_ref(self, handle: str, tensor: torch.Tensor) -> tuple | None:
         """(address, shape) of a handle's tensor when it is contiguous fp32 on the CPU, else None."""
         cached = self._handles.get(handle)
         if cached is None or cached[0]() is not tensor:
             usable = tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
-            cached = (weakref.ref(tensor), (tensor.data_ptr(), tuple(tensor.shape)) if usable else None)
-            _remember(self._handles, handle, cached)
+            gone = functools.partial(_forget, self._handles, handle)
+            cached = (weakref.ref(tensor, gone), (tensor.data_ptr(), tuple(tensor.shape)) if usable else None)
+            self._handles[handle] = cached
         return cached[1]
 
 
-def _remember(cache: dict, key: str, value: tuple) -> None:
-    # Entries of closed sessions and freed handles are dead weak references and two ints; the
-    # caches are emptied now and then rather than told about every close.
-    if len(cache) >= 4096:
-        cache.clear()
-    cache[key] = value
-
+def _forget(cache: dict, key: str, _dead_reference) -> None:
+    cache.pop(key, None)
