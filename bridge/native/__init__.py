@@ -57,7 +57,7 @@ class NativeStep:
     def __init__(self, server, module, kernel_module):
         self.server = server
         self._parse = module.parse
-        self._native = module.Server(kernel_module.run_problem)
+        self._native = module.Stepper(kernel_module.run_problem)
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
         # torch once rather than every step (after a pause those reads cost tens of µs). An entry
         # holds a weak reference to the tensor it was read from (valid while that is still the

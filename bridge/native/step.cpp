@@ -493,9 +493,9 @@ Strided f32(const void* data, int64_t s0, int64_t s1 = 0, int64_t s2 = 0, int64_
   return s;
 }
 
-class Server {
+class Stepper {
  public:
-  explicit Server(py::capsule run_problem)
+  explicit Stepper(py::capsule run_problem)
       : run_problem_(reinterpret_cast<RunProblem>(run_problem.get_pointer())), keep_(run_problem) {
     if (std::string(run_problem.name()) != "scan_bridge.run_problem")
       throw py::value_error("expected the cpu backend's scan_bridge.run_problem capsule");
@@ -665,9 +665,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("handles", &handles_of)
       .def_property_readonly("rows", [](const StepRequest& r) { return r.operands[kX].shape[0]; });
   m.def("parse", &parse, py::arg("frame"));
-  py::class_<Server>(m, "Server")
+  py::class_<Stepper>(m, "Stepper")
       .def(py::init<py::capsule>())
-      .def("run", &Server::run, py::arg("request"), py::arg("frame"), py::arg("received_ns"),
+      .def("run", &Stepper::run, py::arg("request"), py::arg("frame"), py::arg("received_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("dim"), py::arg("state"), py::arg("slots"),
            py::arg("handle_tensors"));
 }
