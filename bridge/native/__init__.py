@@ -3,7 +3,8 @@ call (step.cpp), on the CPU with the "cpu" backend.
 
 A step long after the last -- a 60 FPS game loop's frame -- spent about 0.5 ms of its 1.3 ms
 round trip in the server's Python per-request work, which a pause makes several times slower
-than back to back (README, "Sessions"). Here the request is read where it lies in the frame,
+than back to back (bench/results/game_loop.json as recorded at e6519e1, `git show
+758a274:bench/results/game_loop.json`: server 0.91 ms, of it the kernel call 0.38). Here the request is read where it lies in the frame,
 the kernel reads its operands there and writes y straight into the reply.
 
 What it takes -- anything else goes the general way (bridge.dispatcher), which answers every
@@ -59,7 +60,8 @@ class NativeStep:
         self._parse = module.parse
         self._native = module.Stepper(kernel_module.run_problem)
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
-        # torch once rather than every step (after a pause those reads cost tens of µs). An entry
+        # torch once rather than on every step (Python-level work, which a pause makes several
+        # times slower). An entry
         # holds a weak reference to the tensor it was read from (valid while that is still the
         # one in use) and leaves with its session or tensor (a weak reference's callback), so
         # the caches hold nothing alive and keep nothing of what is gone.
@@ -100,7 +102,7 @@ class NativeStep:
             handle_tensors[name] = ref
         pool_address, slots_address = self._pool_addresses(session)
         try:
-            return self._native.run(request, frame, received_ns, pool_address, session.batch, session.dim,
+            return self._native.run(request, received_ns, pool_address, session.batch, session.dim,
                                     session.state, slots_address, handle_tensors)
         except Exception as exc:
             raise NativeStepError(request.id, exc) from exc

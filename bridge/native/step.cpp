@@ -3,10 +3,10 @@
 //
 // Why: on the 2-core box a paced step spent about 0.5 ms of its 1.3 ms in the server's Python
 // per-request work (decoding, making tensors of the wire bytes, the kernels API's checks,
-// encoding), which a pause makes several times slower (bench/results/game_loop.json,
-// cold_after_pause_probe.json). Here the request is read where it lies in the frame, the kernel
+// encoding), which a pause makes several times slower (bench/results/game_loop.json as recorded
+// at e6519e1, `git show 758a274:bench/results/game_loop.json`; cold_after_pause_probe.json). Here the request is read where it lies in the frame, the kernel
 // reads its operands there and writes y straight into the reply, and the reply is built around
-// it: no tensors, no copies, a few hundred instructions besides the kernel.
+// it: no tensors and no copies.
 //
 // It serves only the plain form of a step (bridge/native/__init__.py says which); for anything
 // else `parse` returns None and the request takes the general path, which gives every error
@@ -19,10 +19,13 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -111,18 +114,10 @@ class Reader {
       ++p_;
       return big_endian(1 << (c - 0xcc), v);
     }
-    if (c >= 0xd0 && c <= 0xd3) {  // a signed encoding of a non-negative value
-      ++p_;
-      uint64_t raw;
-      const int size = 1 << (c - 0xd0);
-      if (!big_endian(size, &raw)) return false;
-      const int shift = 64 - 8 * size;
-      const int64_t value = static_cast<int64_t>(raw << shift) >> shift;
-      if (value < 0) return false;
-      *v = static_cast<uint64_t>(value);
-      return true;
-    }
-    return false;
+    int64_t value;
+    if (!signed_int(&value) || value < 0) return false;  // a signed encoding of a non-negative value
+    *v = static_cast<uint64_t>(value);
+    return true;
   }
 
   // A finite number: any int or float (SPEC "number").
@@ -142,24 +137,14 @@ class Reader {
       uint64_t raw;
       if (!big_endian(8, &raw)) return false;
       std::memcpy(v, &raw, 8);
-    } else if (c >= 0xe0) {
-      *v = static_cast<int8_t>(c);
-      ++p_;
+    } else if (c >= 0xd0 && c <= 0xd3) {
+      int64_t i;
+      if (!signed_int(&i)) return false;
+      *v = static_cast<double>(i);
     } else {
-      const uint8_t* start = p_;
       uint64_t u;
-      if (uint(&u)) {
-        *v = static_cast<double>(u);
-      } else {
-        p_ = start;
-        if (c < 0xd0 || c > 0xd3) return false;
-        ++p_;
-        uint64_t raw;
-        const int size = 1 << (c - 0xd0);
-        if (!big_endian(size, &raw)) return false;
-        const int shift = 64 - 8 * size;
-        *v = static_cast<double>(static_cast<int64_t>(raw << shift) >> shift);
-      }
+      if (!uint(&u)) return false;
+      *v = static_cast<double>(u);
     }
     return std::isfinite(*v);
   }
@@ -177,6 +162,25 @@ class Reader {
   }
 
  private:
+  // A negative fixint or an int 8/16/32/64.
+  bool signed_int(int64_t* v) {
+    if (p_ >= end_) return false;
+    const uint8_t c = *p_;
+    if (c >= 0xe0) {
+      *v = static_cast<int8_t>(c);
+      ++p_;
+      return true;
+    }
+    if (c < 0xd0 || c > 0xd3) return false;
+    ++p_;
+    uint64_t raw;
+    const int size = 1 << (c - 0xd0);
+    if (!big_endian(size, &raw)) return false;
+    const int shift = 64 - 8 * size;
+    *v = static_cast<int64_t>(raw << shift) >> shift;
+    return true;
+  }
+
   bool header(uint8_t fix, uint8_t mask, uint8_t code16, uint8_t code32, uint32_t* n) {
     if (p_ >= end_) return false;
     const uint8_t c = *p_;
@@ -209,11 +213,15 @@ class Reader {
 
 // --- the request ---------------------------------------------------------------------------
 
-// An f32 tensor given inline: where its elements lie in the frame, and its shape.
-struct Inline {
-  const uint8_t* data = nullptr;  // nullptr: not given inline
+// Contiguous f32 elements and their shape (at most 3 dims): an operand inline in the frame, or
+// a handle's tensor.
+struct F32Array {
+  const void* data = nullptr;  // nullptr: not given (inline)
   int ndim = 0;
   int64_t shape[3] = {0, 0, 0};
+
+  bool is(int64_t d0) const { return ndim == 1 && shape[0] == d0; }
+  bool is(int64_t d0, int64_t d1) const { return ndim == 2 && shape[0] == d0 && shape[1] == d1; }
 };
 
 enum Operand { kX, kDt, kB, kC, kZ, kA, kD, kDtBias, kOperands };
@@ -221,15 +229,16 @@ constexpr const char* kOperandNames[kOperands] = {"x", "dt", "B", "C", "z", "A",
 // Per-row operands must come inline; the shared ones (A, D, dt_bias) may be handles.
 constexpr bool kMayBeHandle[kOperands] = {false, false, false, false, false, true, true, true};
 
-// A plain step request read from a frame. Valid only while the frame is.
+// A plain step request read from a frame, which it keeps alive: its inline operands point
+// into it.
 struct StepRequest {
+  py::object frame;
   py::object id;  // int or str, echoed in the reply
   std::string session;
-  Inline operands[kOperands];
+  F32Array operands[kOperands];
   std::optional<std::string> handles[kOperands];
   bool dt_softplus = false;
   std::optional<double> dt_min, dt_max;
-  int64_t parsed_ns = 0;
 
   bool given(Operand o) const { return operands[o].data != nullptr || handles[o].has_value(); }
 };
@@ -242,7 +251,7 @@ bool ascii(std::string_view s) {
 
 // {"dtype": "f32", "shape": [...], "data": ...} with at most 3 dims, or {"handle": str} where
 // `may_be_handle`. The data's length is checked against the shape here.
-bool read_operand(Reader& r, bool may_be_handle, Inline* t, std::optional<std::string>* handle) {
+bool read_operand(Reader& r, bool may_be_handle, F32Array* t, std::optional<std::string>* handle) {
   uint32_t keys;
   if (!r.map(&keys)) return false;
   if (keys == 1) {
@@ -273,7 +282,9 @@ bool read_operand(Reader& r, bool may_be_handle, Inline* t, std::optional<std::s
       }
       seen_shape = true;
     } else if (key == "data" && t->data == nullptr) {
-      if (!r.bytes(&t->data, &nbytes)) return false;
+      const uint8_t* data;
+      if (!r.bytes(&data, &nbytes)) return false;
+      t->data = data;
     } else {
       return false;
     }
@@ -336,6 +347,7 @@ py::object parse(py::buffer frame) {
   uint32_t keys;
   if (!r.map(&keys) || keys < 3 || keys > 4) return py::none();
   auto req = std::make_unique<StepRequest>();
+  req->frame = frame;
   bool seen_v = false, seen_id = false, seen_op = false, seen_args = false;
   for (uint32_t i = 0; i < keys; ++i) {
     std::string_view key;
@@ -367,7 +379,6 @@ py::object parse(py::buffer frame) {
     }
   }
   if (!seen_id || !seen_op || !seen_args || !r.done()) return py::none();
-  req->parsed_ns = now_ns();
   return py::cast(req.release(), py::return_value_policy::take_ownership);
 }
 
@@ -458,28 +469,25 @@ class Writer {
   uint8_t* start_;
 };
 
-// The reply's timing keys, in the general path's order (bridge/timing.py), then batch_rows.
-constexpr const char* kTimingKeys[] = {"decode_us", "queue_us", "h2d_us", "kernel_us",
-                                       "d2h_us",    "encode_us", "server_us"};
+// The reply's timing: the stages in the general path's order (bridge/timing.py), then
+// server_us and batch_rows.
+constexpr const char* kStageKeys[] = {"decode_us", "queue_us", "h2d_us", "kernel_us", "d2h_us", "encode_us"};
+constexpr size_t kTimingEntries = std::size(kStageKeys) + 2;
 
 // --- serving -------------------------------------------------------------------------------
 
-struct TensorRef {  // a handle's tensor, as the caller found it: contiguous f32 on the CPU
-  const void* data;
-  int64_t shape[2];
-  int ndim;
-};
-
-std::optional<TensorRef> tensor_ref(const py::object& value) {
+// A handle's tensor as the caller found it, (data_ptr, shape) of a contiguous f32 CPU tensor;
+// nullopt for None or a shape of more than 3 dims.
+std::optional<F32Array> handle_array(const py::object& value) {
   if (value.is_none()) return std::nullopt;
-  auto t = value.cast<py::tuple>();  // (data_ptr, shape tuple)
-  TensorRef ref{};
-  ref.data = reinterpret_cast<const void*>(t[0].cast<uintptr_t>());
+  auto t = value.cast<py::tuple>();
   auto shape = t[1].cast<py::tuple>();
-  ref.ndim = static_cast<int>(shape.size());
-  if (ref.ndim < 1 || ref.ndim > 2) return TensorRef{nullptr, {0, 0}, 0};
-  for (int d = 0; d < ref.ndim; ++d) ref.shape[d] = shape[d].cast<int64_t>();
-  return ref;
+  F32Array a;
+  a.ndim = static_cast<int>(shape.size());
+  if (a.ndim < 1 || a.ndim > 3) return std::nullopt;
+  a.data = reinterpret_cast<const void*>(t[0].cast<uintptr_t>());
+  for (int d = 0; d < a.ndim; ++d) a.shape[d] = shape[d].cast<int64_t>();
+  return a;
 }
 
 Strided f32(const void* data, int64_t s0, int64_t s1 = 0, int64_t s2 = 0, int64_t s3 = 0) {
@@ -507,28 +515,23 @@ class Stepper {
   // Returns (reply body, timing) -- y written into the reply by the kernel -- or None when the
   // request does not fit the session or its handles (nothing touched; the general path then
   // answers it).
-  py::object run(const StepRequest& req, py::buffer frame, int64_t received_ns, uintptr_t pool,
-                 int64_t batch, int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors) {
-    (void)frame;  // held by the caller for as long as the request's views into it are used
-    const Inline* op = req.operands;
-    TensorRef shared[kOperands] = {};
+  py::object run(const StepRequest& req, int64_t received_ns, uintptr_t pool, int64_t batch, int64_t dim,
+                 int64_t state, uintptr_t slots, py::dict handle_tensors) {
+    // The operands, with A, D and dt_bias from their handles where the request named them.
+    F32Array op[kOperands];
+    std::copy(std::begin(req.operands), std::end(req.operands), op);
     for (int o = kA; o <= kDtBias; ++o) {
-      if (op[o].data != nullptr) {
-        shared[o] = TensorRef{op[o].data, {op[o].shape[0], op[o].shape[1]}, op[o].ndim};
-      } else if (req.handles[o]) {
-        auto found = tensor_ref(handle_tensors.attr("get")(kOperandNames[o]));
-        if (!found || found->data == nullptr) return py::none();
-        shared[o] = *found;
-      }
+      if (!req.handles[o]) continue;
+      auto found = handle_array(handle_tensors.attr("get")(kOperandNames[o]));
+      if (!found) return py::none();
+      op[o] = *found;
     }
-    auto rows_of = [&](Operand o, int64_t cols) {
-      return op[o].ndim == 2 && op[o].shape[0] == batch && op[o].shape[1] == cols;
-    };
-    if (!rows_of(kX, dim) || !rows_of(kDt, dim) || (req.given(kZ) && !rows_of(kZ, dim))) return py::none();
+    if (!op[kX].is(batch, dim) || !op[kDt].is(batch, dim) || (req.given(kZ) && !op[kZ].is(batch, dim)))
+      return py::none();
     // B, C: [batch, state] or [batch, groups, state], the same groups, dividing dim.
     int64_t groups = 0;
     for (Operand o : {kB, kC}) {
-      const Inline& t = op[o];
+      const F32Array& t = op[o];
       int64_t g;
       if (t.ndim == 2 && t.shape[0] == batch && t.shape[1] == state) {
         g = 1;
@@ -541,10 +544,9 @@ class Stepper {
       groups = g;
     }
     if (dim % groups != 0) return py::none();
-    if (!(shared[kA].ndim == 2 && shared[kA].shape[0] == dim && shared[kA].shape[1] == state))
-      return py::none();
+    if (!op[kA].is(dim, state)) return py::none();
     for (Operand o : {kD, kDtBias})
-      if (req.given(o) && !(shared[o].ndim == 1 && shared[o].shape[0] == dim)) return py::none();
+      if (req.given(o) && !op[o].is(dim)) return py::none();
     if (req.dt_min && req.dt_max && *req.dt_min > *req.dt_max) return py::none();
 
     ScanProblem p;
@@ -558,9 +560,9 @@ class Stepper {
     if (req.given(kZ)) p.z = f32(op[kZ].data, dim, 0, 1);
     p.B = f32(op[kB].data, groups * state, 0, state, 1);
     p.C = f32(op[kC].data, groups * state, 0, state, 1);
-    p.A = f32(shared[kA].data, state, 1);
-    if (req.given(kD)) p.D = f32(shared[kD].data, 1);
-    if (req.given(kDtBias)) p.dt_bias = f32(shared[kDtBias].data, 1);
+    p.A = f32(op[kA].data, state, 1);
+    if (req.given(kD)) p.D = f32(op[kD].data, 1);
+    if (req.given(kDtBias)) p.dt_bias = f32(op[kDtBias].data, 1);
     p.slots.data = reinterpret_cast<void*>(slots);
     p.slots.dtype = DType::i64;
     p.slots.stride[0] = 1;
@@ -579,7 +581,7 @@ class Stepper {
     const uint64_t id_number = id_is_str ? 0 : req.id.cast<uint64_t>();
     const uint64_t y_bytes = static_cast<uint64_t>(batch) * dim * 4;
     // Envelope and tensor map at most 96 bytes besides the id; each timing entry at most 21.
-    const size_t size = 96 + id_text.size() + y_bytes + 8 + 21 * (std::size(kTimingKeys) + 1);
+    const size_t size = 96 + id_text.size() + y_bytes + 8 + 21 * kTimingEntries;
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
     if (raw == nullptr) throw py::error_already_set();
     py::object reply = py::reinterpret_steal<py::object>(raw);
@@ -608,22 +610,19 @@ class Stepper {
     if (status != 0) throw std::runtime_error(std::string("native step kernel: ") + error);
     const int64_t kernel_end = now_ns();
 
-    w.raw("\xa6timing");
-    *w.position() = static_cast<uint8_t>(0x80 | (std::size(kTimingKeys) + 1));
-    w.skip(1);
     // Everything before the kernel -- parsing, the caller's session and handle lookups, these
     // checks -- is the request's decode; the kernel wrote y into the reply, so there is no
     // host copy either way.
-    const double decode_us = (kernel_start - received_ns) / 1e3;
-    const double kernel_us = (kernel_end - kernel_start) / 1e3;
-    const double values_before_encode[] = {decode_us, 0.0, 0.0, kernel_us, 0.0};
-    for (size_t k = 0; k < 5; ++k) {
-      w.fixstr(kTimingKeys[k]);
-      w.f64(values_before_encode[k]);
+    double stages[std::size(kStageKeys)] = {(kernel_start - received_ns) / 1e3, 0.0, 0.0,
+                                            (kernel_end - kernel_start) / 1e3, 0.0, 0.0};
+    w.raw("\xa6timing");
+    *w.position() = static_cast<uint8_t>(0x80 | kTimingEntries);
+    w.skip(1);
+    stages[5] = (now_ns() - kernel_end) / 1e3;  // encode_us: the reply up to here
+    for (size_t k = 0; k < std::size(kStageKeys); ++k) {
+      w.fixstr(kStageKeys[k]);
+      w.f64(stages[k]);
     }
-    const double encode_us = (now_ns() - kernel_end) / 1e3;
-    w.fixstr("encode_us");
-    w.f64(encode_us);
     // server_us is read last, once the reply is whole, so it covers every stage above and the
     // writing of these last entries: never less than their sum.
     w.fixstr("server_us");
@@ -639,12 +638,7 @@ class Stepper {
     reply = py::reinterpret_steal<py::object>(raw);
 
     py::dict timing;
-    timing["decode_us"] = decode_us;
-    timing["queue_us"] = 0.0;
-    timing["h2d_us"] = 0.0;
-    timing["kernel_us"] = kernel_us;
-    timing["d2h_us"] = 0.0;
-    timing["encode_us"] = encode_us;
+    for (size_t k = 0; k < std::size(kStageKeys); ++k) timing[kStageKeys[k]] = stages[k];
     timing["server_us"] = server_us;
     timing["batch_rows"] = batch;
     return py::make_tuple(reply, timing);
@@ -662,12 +656,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StepRequest>(m, "StepRequest")
       .def_readonly("session", &StepRequest::session)
       .def_property_readonly("id", [](const StepRequest& r) { return r.id; })
-      .def_property_readonly("handles", &handles_of)
-      .def_property_readonly("rows", [](const StepRequest& r) { return r.operands[kX].shape[0]; });
+      .def_property_readonly("handles", &handles_of);
   m.def("parse", &parse, py::arg("frame"));
   py::class_<Stepper>(m, "Stepper")
       .def(py::init<py::capsule>())
-      .def("run", &Stepper::run, py::arg("request"), py::arg("frame"), py::arg("received_ns"),
+      .def("run", &Stepper::run, py::arg("request"), py::arg("received_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("dim"), py::arg("state"), py::arg("slots"),
            py::arg("handle_tensors"));
 }
