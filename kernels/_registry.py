@@ -55,6 +55,10 @@ class Backend:
     # frame may sit at any offset); callers then need no aligned copy of their inputs.
     reads_unaligned: bool = False
     details: dict = field(default_factory=dict)
+    # A PyCapsule "scan_bridge.run_problem" running the backend's kernel on a ScanProblem
+    # (kernels/cpu/scan_kernel.h) that a native caller in this process fills itself (the
+    # bridge's native step path); None for backends without one.
+    run_problem: object | None = None
 
 
 _lock = threading.Lock()

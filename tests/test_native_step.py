@@ -251,9 +251,9 @@ class CountingConnection(RecordingConnection):
 def test_the_kernel_capsule_refuses_another_problem_layout():
     """A caller compiled against another scan_kernel.h passes another ScanProblem size: refused
     with the sizes named, nothing run."""
-    from kernels.cpu import build
+    import kernels
 
-    capsule = build.load_extension().run_problem
+    capsule = kernels.get_backend("cpu", "cpu").run_problem
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(

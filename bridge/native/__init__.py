@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from kernels.errors import BackendUnavailable
 
 log = logging.getLogger("bridge")
@@ -55,10 +56,10 @@ class NativeStepError(RuntimeError):
 class NativeStep:
     """Serves plain step requests for `server` (see the module docstring)."""
 
-    def __init__(self, server, module, kernel_module):
+    def __init__(self, server, module, run_problem):
         self.server = server
         self._parse = module.parse
-        self._native = module.Stepper(kernel_module.run_problem)
+        self._native = module.Stepper(run_problem)
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
         # torch once rather than on every step (Python-level work, which a pause makes several
         # times slower). An entry
@@ -71,13 +72,12 @@ class NativeStep:
     @classmethod
     def for_server(cls, server) -> NativeStep | None:
         """The native path when the server runs the "cpu" backend on the CPU, else None; also
-        None, with the reason logged, when its extension cannot be built."""
+        None, with the reason logged, when its extension cannot be built. It runs the kernel of
+        the backend the server already loaded."""
         if server.device.type != "cpu" or server.backend != "cpu":
             return None
         try:
-            from kernels.cpu import build
-
-            return cls(server, _module(), build.load_extension())
+            return cls(server, _module(), kernels.get_backend("cpu", "cpu").run_problem)
         except BackendUnavailable as exc:
             log.warning("native step path unavailable, steps take the general path: %s", exc)
             return None

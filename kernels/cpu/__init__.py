@@ -41,4 +41,5 @@ def backend_from(ext) -> Backend:
         # into aligned tiles), so the bridge makes no aligned copy.
         reads_unaligned=True,
         details={"simd": ext.simd(), "library": ext.__file__},
+        run_problem=ext.run_problem,
     )
