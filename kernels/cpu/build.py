@@ -90,12 +90,10 @@ def _hash_sources(h, sources: Sources):
         h.update((sources.directory / name).read_bytes())
 
 
-def build_digest(source_dir: Path | None = None, module_name: str | None = None,
-                 sources: Sources | None = None) -> str:
-    """Of the sources in `source_dir` (or `sources`) built as `module_name` (by default this
-    checkout's kernels, as MODULE_NAME)."""
+def build_digest(sources: Sources | None = None, module_name: str | None = None) -> str:
+    """Of `sources` built as `module_name` (by default this checkout's kernels, as MODULE_NAME)."""
     h = hashlib.sha256()
-    _hash_sources(h, sources or _kernel_sources(source_dir or SOURCE_DIR))
+    _hash_sources(h, sources or _kernel_sources(SOURCE_DIR))
     for part in (module_name or MODULE_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version,
                  sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
         h.update(repr(part).encode())
@@ -187,18 +185,18 @@ def load_sources(source_dir: Path, name_prefix: str):
     caches extension modules by name, and under a name already taken it hands back the module
     first loaded, so copies of different sources need different names, while the same sources
     loaded again give the same module."""
+    sources = _kernel_sources(source_dir)
     h = hashlib.sha256()
-    _hash_sources(h, _kernel_sources(source_dir))
+    _hash_sources(h, sources)
     module_name = f"{name_prefix}_{h.hexdigest()[:12]}"
-    return _load(build_root() / "other" / build_digest(source_dir, module_name), _kernel_sources(source_dir),
-                 module_name, False)
+    return _load(build_root() / "other" / build_digest(sources, module_name), sources, module_name, False)
 
 
 def load_module(sources: Sources, module_name: str, subdirectory: str):
     """Another extension built like the kernels' (same flags, digest and cache; the bridge's
     native step module), in build_root()/`subdirectory`/<digest>; BackendUnavailable with one
     line of reason when it cannot be built or loaded."""
-    directory = build_root() / subdirectory / build_digest(module_name=module_name, sources=sources)
+    directory = build_root() / subdirectory / build_digest(sources, module_name)
     return _load(directory, sources, module_name, False)
 
 
