@@ -181,10 +181,7 @@ class Dispatcher:
             self.server.stats.record("step", timing, ok=True)
             return True
         finally:
-            with self._idle:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._idle.notify_all()
+            self._leave()
 
     def on_frame_error(self, conn, exc: protocol.ProtocolError) -> None:
         """A framing-level problem (e.g. an oversized frame, already drained by the decoder)."""
@@ -355,10 +352,14 @@ class Dispatcher:
             if hook:
                 hook()
         finally:
-            with self._idle:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._idle.notify_all()
+            self._leave()
+
+    def _leave(self) -> None:
+        """A request is no longer in flight (drain waits for none to be)."""
+        with self._idle:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
 
     def _reply_error(self, conn, request_id, exc: BaseException, *, legacy: bool,
                      stats_op: str | None = None) -> None:
