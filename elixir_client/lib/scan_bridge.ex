@@ -31,7 +31,7 @@ defmodule ScanBridge do
       told to listen on `path`; every request then goes over one unix-socket connection
       (`:gen_tcp`, `{:local, path}`, packet 4), cheaper than the pipes for big tensors
       (`bench/roundtrip.exs`: the ExPhil request's bridge cost 2.41x lower in
-      `bench/results/elixir-roundtrip.json`, where a step's p50 is 1.68 against 1.82 ms).
+      `bench/results/elixir-roundtrip.json`, where a step's p50 is 0.89 against 1.10 ms).
       Sessions and handles belong to the connection that made them, which is why all
       requests share the one lane.
 

@@ -36,8 +36,10 @@ namespace {
 // core as waking a second one takes (an estimate from development, not a recorded benchmark).
 constexpr int64_t kMinWorkPerThread = 1 << 16;
 // State-element updates below which a call does not wake sleeping helpers (HelperPool::Wake):
-// about 0.3 ms on one core of the 2-core box, several times a helper's wake-up there. The
-// 32x512x16 step (2^18) is below, ExPhil's scan (about 2^24) far above.
+// about 0.3 ms on one core of the 2-core box (128 rows of 512x16, step_time_probes.json). A
+// choice, not a measured break-even: the 32x512x16 step (2^18) is below, and woken for, it was
+// slower (helper_wake_ab.json); ExPhil's scan (about 2^24) is far above; sizes in between were
+// not timed both ways.
 constexpr int64_t kMinWorkToWake = 1 << 20;
 
 DType dtype_of(const at::Tensor& t, const char* name) {

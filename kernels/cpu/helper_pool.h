@@ -19,10 +19,11 @@
 // A call too small to be worth waking a sleeping helper for (Wake::if_calls_close) offers its
 // work to the helpers only when the previous call ended less than kSpin ago, so that they are
 // still polling or a stream of calls has begun. A lone call -- a 60 FPS game loop's step, long
-// after the last -- then runs on the calling thread alone: woken for it, a helper came too late
-// to help much on a busy small machine, took a core from the process waiting for the reply, and
-// could be preempted inside a range the caller then had to wait for (the paced game loop's
-// kernel stage, bench/results/helper_wake_ab.json).
+// after the last -- then runs on the calling thread alone: on the 2-core box, where the client
+// waits on the other core, the paced game loop's kernel stage was 371 us so against 981 us with
+// the helper woken for every step (bench/results/helper_wake_ab.json). Which of the woken
+// helper's costs weighed most -- its late start, the core it took from the client, its 1 ms of
+// polling after, or a range the caller had to wait for -- no recording separates.
 //
 // After fork() the child runs everything on the calling thread (the pool's threads and lock
 // stay in the parent).
