@@ -7,6 +7,11 @@
 #     reads each frame and answers with a frame of the server's reply size: over a Port
 #     ({:packet, 4}, as the client's) and, when the server has the unix lane, over a unix
 #     socket (:gen_tcp {:local, path}, packet 4, with the client's socket options).
+#   * the client's own parts of a call, each timed alone after the same pause, to split what a
+#     call costs beyond the echo and the server's part: encoding the request in the caller,
+#     decoding the reply (the server's reply body to that call, as the client process got it),
+#     and the hop from the caller to a process like the client and back (a GenServer that
+#     answers from handle_info, as the client does once the reply is in).
 #
 #   mix run bench/roundtrip.exs [--iterations 30] [--step-iterations 400] [--out PATH]
 #
@@ -14,6 +19,28 @@
 # info) to ../bench/results/elixir-roundtrip.json by default.
 
 Code.require_file("../test/support/json.ex", __DIR__)
+
+# Stands in for ScanBridge.Server when timing the hop alone: takes a request like the client's
+# handle_call (no reply yet) and answers it from handle_info with a decoded reply of the case,
+# as the client answers once the server's reply is in.
+defmodule HopStandIn do
+  use GenServer
+
+  @impl true
+  def init(outcome), do: {:ok, outcome}
+
+  @impl true
+  def handle_call({:request, _head, _size, _timeout}, from, state) do
+    send(self(), {:answer, from})
+    {:noreply, state}
+  end
+
+  @impl true
+  def handle_info({:answer, from}, outcome) do
+    GenServer.reply(from, outcome)
+    {:noreply, outcome}
+  end
+end
 
 defmodule RoundtripBench do
   alias ScanBridge.{Protocol, Tensor}
@@ -55,7 +82,7 @@ defmodule RoundtripBench do
 
     exphil_calls =
       for lane <- lanes do
-        {lane, {"scan", exphil}, fn -> ScanBridge.scan(clients[lane], exphil) end}
+        {lane, clients[lane], {"scan", exphil}, fn -> ScanBridge.scan(clients[lane], exphil) end}
       end
 
     step_results =
@@ -150,31 +177,42 @@ defmodule RoundtripBench do
     {:ok, a} = ScanBridge.put(client, step."A")
     inputs = %{step | A: a}
 
-    {lane, {"step", Map.put(inputs, :session, session)},
+    {lane, client, {"step", Map.put(inputs, :session, session)},
      fn -> ScanBridge.step(client, session, inputs) end}
   end
 
   ## Measuring
 
-  # Lane after lane, each round the echo of the request bytes then the API call; warm-up
-  # rounds dropped. One result row per lane. (Lanes are not interleaved round by round: a
-  # server that has just run keeps its OpenMP threads spinning for a while, which on 2 cores
-  # slows the other lane's server, a cost no single-server deployment has.)
+  # Lane after lane, each round the echo of the request bytes, the API call, then the client's
+  # parts alone; warm-up rounds dropped. One result row per lane. (Lanes are not interleaved
+  # round by round: a server that has just run keeps its kernel helpers polling for a while,
+  # which on 2 cores slows the other lane's server, a cost no single-server deployment has.)
   defp measure(name, calls, iterations, echo_path, python) do
-    for {lane, {op, inputs}, call} <- calls do
-      {:ok, first} = call.()
+    for {lane, client, {op, inputs}, call} <- calls do
+      {{:ok, first}, reply_body} = with_reply_body(client, call)
       {head, size} = Protocol.request_head(op, Protocol.wire_args!(inputs, op))
       request = [head, Protocol.id_entry(1)]
       reply_bytes = reply_size(%{"y" => first.y}, first.timing)
       echo = start_echo(lane, echo_path, python, reply_bytes)
+      {:reply, _id, outcome} = Protocol.decode_reply(reply_body)
+      {:ok, hop} = GenServer.start_link(HopStandIn, outcome)
+
+      parts = [
+        encode: fn -> Protocol.request_head(op, Protocol.wire_args!(inputs, op)) end,
+        decode: fn ->
+          {:reply, _id, {:ok, result, _timing}} = Protocol.decode_reply(reply_body)
+          {:ok, _y} = Tensor.from_wire(result["y"])
+        end,
+        process_hop: fn -> {:ok, _, _} = GenServer.call(hop, {:request, head, size, :infinity}) end
+      ]
 
       # warm-up: page faults, first-call allocations on both sides
       for _ <- 1..@warmup, do: {echo_round_trip(echo, request), {:ok, _} = call.()}
 
-      # Each round trip, the echo's and the call's, after the same pause, as a 60 FPS frame
-      # comes long after the last: back to back, the cores stay warm and the server's kernel
-      # helpers still poll one, which no such frame finds (the Python benches pause alike,
-      # bench/floors.py SETTLE_SECONDS).
+      # Each round trip, the echo's and the call's, and each client part, after the same
+      # pause, as a 60 FPS frame comes long after the last: back to back, the cores stay warm
+      # and the server's kernel helpers still poll one, which no such frame finds (the Python
+      # benches pause alike, bench/floors.py SETTLE_SECONDS).
       samples =
         for _ <- 1..iterations do
           Process.sleep(@settle_ms)
@@ -182,22 +220,57 @@ defmodule RoundtripBench do
           Process.sleep(@settle_ms)
           t0 = System.monotonic_time(:nanosecond)
           {:ok, result} = call.()
-          {(System.monotonic_time(:nanosecond) - t0) / 1000, echo_us, result.timing}
+          round_trip = (System.monotonic_time(:nanosecond) - t0) / 1000
+
+          client_parts =
+            Map.new(parts, fn {part, f} ->
+              Process.sleep(@settle_ms)
+              t0 = System.monotonic_time(:nanosecond)
+              f.()
+              {part, (System.monotonic_time(:nanosecond) - t0) / 1000}
+            end)
+
+          {round_trip, echo_us, result.timing, client_parts}
         end
 
       stop_echo(echo)
+      GenServer.stop(hop)
       row(name, %{lane: lane, size: size, reply_bytes: reply_bytes}, iterations, samples)
     end
   end
 
+  # A call's result and the reply body its client process received for it.
+  defp with_reply_body(client, call) do
+    :erlang.trace(client, true, [:receive])
+    result = call.()
+    :erlang.trace(client, false, [:receive])
+    {result, traced_reply_body()}
+  end
+
+  defp traced_reply_body do
+    receive do
+      {:trace, _, :receive, {_port, {:data, body}}} -> body
+      {:trace, _, :receive, {:tcp, _socket, body}} -> body
+      {:trace, _, :receive, _other} -> traced_reply_body()
+    after
+      1000 -> raise "the client's reply body was not traced"
+    end
+  end
+
   defp row(name, lane, iterations, samples) do
-    round_trips = for {rt, _, _} <- samples, do: rt
-    echoes = for {_, e, _} <- samples, do: e
-    kernel = for {_, _, t} <- samples, do: t["kernel_us"] || 0
-    server = for {_, _, t} <- samples, do: t["server_us"] || 0
-    bridge_cost = for {rt, _, t} <- samples, do: rt - (t["kernel_us"] || 0)
-    ipc = for {rt, _, t} <- samples, do: rt - (t["server_us"] || 0)
-    stages = samples |> Enum.flat_map(fn {_, _, t} -> Map.keys(t) end) |> Enum.uniq()
+    round_trips = for {rt, _, _, _} <- samples, do: rt
+    echoes = for {_, e, _, _} <- samples, do: e
+    timings = for {_, _, t, _} <- samples, do: t
+    kernel = for t <- timings, do: t["kernel_us"] || 0
+    server = for t <- timings, do: t["server_us"] || 0
+    bridge_cost = for {rt, _, t, _} <- samples, do: rt - (t["kernel_us"] || 0)
+    ipc = for {rt, _, t, _} <- samples, do: rt - (t["server_us"] || 0)
+    stages = timings |> Enum.flat_map(&Map.keys/1) |> Enum.uniq()
+
+    client =
+      Map.new([:encode, :decode, :process_hop], fn part ->
+        {"#{part}_us", median(for {_, _, _, c} <- samples, do: c[part])}
+      end)
 
     %{
       "case" => name,
@@ -211,8 +284,14 @@ defmodule RoundtripBench do
       "ipc" => summarize(ipc),
       "kernel_us_p50" => median(kernel),
       "server_us_p50" => median(server),
-      "stages_p50_us" =>
-        Map.new(stages, fn k -> {k, median(for {_, _, t} <- samples, do: t[k] || 0)} end),
+      "stages_p50_us" => Map.new(stages, fn k -> {k, median(for t <- timings, do: t[k] || 0)} end),
+      "client_parts_p50_us" => client,
+      # What the medians leave of the round trip once the echo, the server's part and the
+      # client's parts are taken out: the lane's cost beyond the echo's (e.g. the server's
+      # reading and writing outside server_us). Medians of separate samples: an estimate.
+      "rest_p50_us" =>
+        median(round_trips) - median(echoes) - median(server) -
+          (client |> Map.values() |> Enum.sum()),
       "round_trip_over_echo" => median(round_trips) / median(echoes),
       "bridge_cost_over_echo" => median(bridge_cost) / median(echoes)
     }
@@ -365,6 +444,12 @@ defmodule RoundtripBench do
           "  #{String.pad_trailing(key, 12)} #{fmt(s["p50_us"])}  (#{fmt(s["p20_us"])} – #{fmt(s["p80_us"])})"
         )
       end
+
+      c = r["client_parts_p50_us"]
+
+      IO.puts(
+        "  client parts p50: encode #{fmt(c["encode_us"])}, decode #{fmt(c["decode_us"])}, process hop #{fmt(c["process_hop_us"])}; rest #{fmt(r["rest_p50_us"])}"
+      )
 
       IO.puts(
         "  kernel_us p50 #{fmt(r["kernel_us_p50"])}, server_us p50 #{fmt(r["server_us_p50"])}; round trip / echo #{Float.round(r["round_trip_over_echo"], 2)}, bridge cost / echo #{Float.round(r["bridge_cost_over_echo"], 2)}"
