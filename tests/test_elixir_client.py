@@ -70,10 +70,13 @@ def test_roundtrip_benchmark_runs(tmp_path):
     judged here): it must keep working as the server and the echo floors change."""
     out = tmp_path / "elixir-roundtrip.json"
     run = run_mix(["run", "bench/roundtrip.exs", "--iterations", "2", "--step-iterations", "3",
-                   "--out", str(out)])
+                   "--rounds", "2", "--out", str(out)])
     if failure := run.failure("the Elixir round-trip benchmark"):
         pytest.fail(failure)
-    results = json.loads(out.read_text())["results"]
+    doc = json.loads(out.read_text())
+    results = doc["results"]
+    assert {r["round"] for r in results} == {1, 2}
+    assert len(doc["goals"]["per_round"]) == 2
     lanes = {(r["case"].split()[0], r["lane"]) for r in results}
     assert {("exphil", "port"), ("step", "port")} <= lanes, lanes
     for r in results:
