@@ -246,9 +246,25 @@ defmodule RoundtripBench do
           {round_trip, echo_us, result.timing, client_parts}
         end
 
+      # The client's parts again back to back, for how much of their time the pause makes.
+      back_to_back =
+        Map.new(parts, fn {part, f} ->
+          times =
+            for _ <- 1..iterations do
+              t0 = System.monotonic_time(:nanosecond)
+              f.()
+              (System.monotonic_time(:nanosecond) - t0) / 1000
+            end
+
+          {"#{part}_us", median(times)}
+        end)
+
       stop_echo(echo)
       GenServer.stop(hop)
-      row(name, %{lane: lane, size: size, reply_bytes: reply_bytes}, iterations, samples)
+
+      name
+      |> row(%{lane: lane, size: size, reply_bytes: reply_bytes}, iterations, samples)
+      |> Map.put("client_parts_back_to_back_p50_us", back_to_back)
     end
   end
 
@@ -480,6 +496,12 @@ defmodule RoundtripBench do
 
       IO.puts(
         "  client parts p50: encode #{fmt(c["encode_us"])}, decode #{fmt(c["decode_us"])}, process hop #{fmt(c["process_hop_us"])}; rest #{fmt(r["rest_p50_us"])}"
+      )
+
+      b = r["client_parts_back_to_back_p50_us"]
+
+      IO.puts(
+        "  client parts back to back p50: encode #{fmt(b["encode_us"])}, decode #{fmt(b["decode_us"])}, process hop #{fmt(b["process_hop_us"])}"
       )
 
       IO.puts(
