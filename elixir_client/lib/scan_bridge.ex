@@ -30,8 +30,8 @@ defmodule ScanBridge do
     * `transport: {:unix, path}`: the server is still spawned (and watched) as a Port, and
       told to listen on `path`; every request then goes over one unix-socket connection
       (`:gen_tcp`, `{:local, path}`, packet 4), cheaper than the pipes for big tensors
-      (`bench/roundtrip.exs`: the ExPhil request's bridge cost 2.41x lower in
-      `bench/results/elixir-roundtrip.json`, where a step's p50 is 0.89 against 1.10 ms).
+      (`bench/roundtrip.exs`: the ExPhil request's bridge cost 1.71x lower in
+      `bench/results/elixir-roundtrip.json`, 2.38x in the run before it).
       Sessions and handles belong to the connection that made them, which is why all
       requests share the one lane.
 
