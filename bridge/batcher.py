@@ -136,8 +136,11 @@ class BatchPolicy:
         return key is not None and self._expected(key, now) > 1
 
     def any_company(self, now: int) -> bool:
-        """Whether requests of any key recently came together."""
-        return any(requests > 1 and now - when <= COMPANY_MEMORY_NS for when, requests in self._company.values())
+        """Whether requests of any key recently came together. Called from reader threads while
+        the worker may be in `observe`: it iterates over a copy (made in one C call, so under
+        the GIL), as a new key added during a Python-level iteration would raise RuntimeError."""
+        recent = tuple(self._company.values())
+        return any(requests > 1 and now - when <= COMPANY_MEMORY_NS for when, requests in recent)
 
     def _expected(self, key, now: int) -> int:
         when, requests = self._company.get(key, (0, 1))

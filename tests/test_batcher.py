@@ -9,6 +9,7 @@ requests queue up behind it, so that what it gathers on release is known exactly
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -305,6 +306,38 @@ def test_policy_waits_only_for_expected_company():
     later = 2_000 + 1_000_000_001  # a second after the pair: forgotten
     assert policy.wait_s(Batch(fake_item(("k",), enqueued_ns=later)), later + 100) is None
     assert BatchPolicy(max_delay_us=0, max_batch=64).wait_s(alone_again, 10_100) is None
+
+
+def test_any_company_reads_while_the_worker_observes():
+    """Reader threads ask any_company while the worker's observe adds keys. With thread switches
+    forced every microsecond, iterating the live dict raised RuntimeError (dictionary changed
+    size during iteration) before any_company iterated over a copy."""
+    policy = BatchPolicy(max_delay_us=0, max_batch=64)
+    errors, done = [], threading.Event()
+
+    def reader():
+        try:
+            while not done.is_set():
+                policy.any_company(10_000)
+        except Exception as exc:
+            errors.append(exc)
+
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for round_ in range(5):
+            for i in range(200):
+                pair = Batch(fake_item((round_, i)))
+                pair.add(fake_item((round_, i)))
+                policy.observe(pair, 10_000)
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(switch_interval)
+    assert not errors, errors
+    assert policy.any_company(10_000)
 
 
 @pytest.mark.parametrize("more_input", [True, False], ids=["queued", "idle-lane"])
