@@ -14,8 +14,9 @@
 #     answers from handle_info, as the client does once the reply is in).
 #
 # The whole sequence runs `--rounds` times with the same clients; the goals are the medians of
-# the rounds' ratios (one run's echo wandered by half between runs on this shared machine), and
-# every round's rows are kept.
+# the rounds' ratios, and every round's rows are kept. Rounds show the spread within one run;
+# between runs the step's Port echo has moved by half while staying put within each (0.31 ms in
+# every round of the recording at c0a1d94, 0.46-0.51 ms at 4134dcd), which they do not capture.
 #
 #   mix run bench/roundtrip.exs [--iterations 30] [--step-iterations 400] [--rounds 3] [--out PATH]
 #
@@ -231,16 +232,12 @@ defmodule RoundtripBench do
           Process.sleep(@settle_ms)
           echo_us = echo_round_trip(echo, request)
           Process.sleep(@settle_ms)
-          t0 = System.monotonic_time(:nanosecond)
-          {:ok, result} = call.()
-          round_trip = (System.monotonic_time(:nanosecond) - t0) / 1000
+          {{:ok, result}, round_trip} = timed(call)
 
           client_parts =
             Map.new(parts, fn {part, f} ->
               Process.sleep(@settle_ms)
-              t0 = System.monotonic_time(:nanosecond)
-              f.()
-              {part, (System.monotonic_time(:nanosecond) - t0) / 1000}
+              {part, f |> timed() |> elem(1)}
             end)
 
           {round_trip, echo_us, result.timing, client_parts}
@@ -249,14 +246,7 @@ defmodule RoundtripBench do
       # The client's parts again back to back, for how much of their time the pause makes.
       back_to_back =
         Map.new(parts, fn {part, f} ->
-          times =
-            for _ <- 1..iterations do
-              t0 = System.monotonic_time(:nanosecond)
-              f.()
-              (System.monotonic_time(:nanosecond) - t0) / 1000
-            end
-
-          {"#{part}_us", median(times)}
+          {"#{part}_us", median(for _ <- 1..iterations, do: f |> timed() |> elem(1))}
         end)
 
       stop_echo(echo)
@@ -425,19 +415,27 @@ defmodule RoundtripBench do
   defp stop_echo({:unix, socket, _launcher}), do: :gen_tcp.close(socket)
 
   defp echo_round_trip(echo, request) do
+    {:ok, us} =
+      timed(fn ->
+        case echo do
+          {:port, port} ->
+            Port.command(port, request)
+            receive do: ({^port, {:data, _}} -> :ok)
+
+          {:unix, socket, _launcher} ->
+            :ok = :gen_tcp.send(socket, request)
+            receive do: ({:tcp, ^socket, _} -> :ok)
+        end
+      end)
+
+    us
+  end
+
+  # `fun`'s result and how long it took, in microseconds.
+  defp timed(fun) do
     t0 = System.monotonic_time(:nanosecond)
-
-    case echo do
-      {:port, port} ->
-        Port.command(port, request)
-        receive do: ({^port, {:data, _}} -> :ok)
-
-      {:unix, socket, _launcher} ->
-        :ok = :gen_tcp.send(socket, request)
-        receive do: ({:tcp, ^socket, _} -> :ok)
-    end
-
-    (System.monotonic_time(:nanosecond) - t0) / 1000
+    result = fun.()
+    {result, (System.monotonic_time(:nanosecond) - t0) / 1000}
   end
 
   ## Goals (issue 7) and the report
