@@ -309,7 +309,7 @@ defmodule RoundtripBench do
       # client's parts are taken out: the lane's cost beyond the echo's (e.g. the server's
       # reading and writing outside server_us). Medians of separate samples: an estimate, and
       # no split at all where the transfer dwarfs the rest (the ExPhil request's came out
-      # negative: its megabytes do not move in the same time with and without a kernel between).
+      # negative).
       "rest_p50_us" =>
         median(round_trips) - median(echoes) - median(server) -
           (client |> Map.values() |> Enum.sum()),
