@@ -20,10 +20,12 @@
     a shared machine says more about its neighbours than about the bridge, so the medians over
     the runs are reported and every run is kept.
 (b) 8 concurrent callers, each stepping its own session in a closed loop through one server:
-    throughput with batching (the server's defaults) against `--max-delay-us 0 --max-batch 1`,
-    the two servers taking turns for several rounds. The callers are driven by one lean loop
+    throughput with the server's defaults against `--max-delay-us 0 --max-batch 1`, and the same
+    two with `--no-native-step` (every step through the batcher, CONCURRENT_SERVERS), the four
+    servers taking turns for several rounds. The callers are driven by one lean loop
     (CallerLoop) so that the client's CPU, on the same cores, is not what is measured.
-(c) Optional (`--delays`): (b) with batching at several `--max-delay-us`, to choose its default.
+(c) Optional (`--delays`): (b) through the batcher (`--no-native-step`) at several `--max-delay-us`,
+    to choose its default.
 
     python -m bench.game_loop [--steps 600] [--windows 40] [--repeats 3] [--seconds 2] [--rounds 3]
                               [--delays 0,100,200,400] [--json bench/results/game_loop.json]
@@ -227,7 +229,7 @@ class CallerLoop(BridgeProcess):
     """A server over pipes with 8 (or n) callers, each stepping its own session in a closed
     loop: each caller has one request in flight and sends its next the moment its reply is in.
     One thread drives them all and reads only each reply's head, so that the client's CPU (on
-    the same 2 cores as the server) is as small as it can be and the same for both servers."""
+    the same 2 cores as the server) is as small as it can be and the same for every server."""
 
     def __init__(self, server_args: list[str]):
         super().__init__(server_args)
@@ -293,19 +295,36 @@ def run_callers(server_args: list[str], rows: int, callers: int, seconds: float)
     }
 
 
-def concurrent(rows: int, callers: int, seconds: float, rounds: int, batched_args: list[str]) -> dict:
-    unbatched_args = ["--max-delay-us", "0", "--max-batch", "1"]
-    runs = {"batched": [], "unbatched": []}
-    for _ in range(rounds):  # taking turns, so that drift in the machine's load hits both
-        runs["batched"].append(run_callers(batched_args, rows, callers, seconds))
-        runs["unbatched"].append(run_callers(unbatched_args, rows, callers, seconds))
+# The servers part (b) compares, by name: their flags after --server-arg's. By default the native
+# step path (bridge/native) serves every plain step that finds nothing in flight, unbatched; only
+# steps queued behind another request reach the batcher. Without it (--no-native-step) every step
+# goes through the batcher, so the last two show what sharing a launch gains where it is used.
+CONCURRENT_SERVERS = {
+    "batched": [],
+    "unbatched": ["--max-delay-us", "0", "--max-batch", "1"],
+    "batched_general": ["--no-native-step"],
+    "unbatched_general": ["--no-native-step", "--max-delay-us", "0", "--max-batch", "1"],
+}
+
+
+def concurrent(rows: int, callers: int, seconds: float, rounds: int, server_args: list[str]) -> dict:
+    runs = {name: [] for name in CONCURRENT_SERVERS}
+    for _ in range(rounds):  # taking turns, so that drift in the machine's load hits all alike
+        for name, flags in CONCURRENT_SERVERS.items():
+            runs[name].append(run_callers(server_args + flags, rows, callers, seconds))
     median = {k: statistics.median(r["steps_per_s"] for r in v) for k, v in runs.items()}
     return {
         "case": f"{callers} callers each stepping a {rows}x{DIM}x{STATE} session, "
                 f"{rounds} rounds of {seconds} s per server",
-        "batched_args": batched_args,
+        "server_args": server_args,
+        "servers": CONCURRENT_SERVERS,
         "median_steps_per_s": median,
+        # The issue's comparison: the server's defaults against --max-delay-us 0 --max-batch 1.
         "speedup": median["batched"] / median["unbatched"],
+        # What batching gains where every step goes through the batcher.
+        "general_path_speedup": median["batched_general"] / median["unbatched_general"],
+        # The defaults against the general path with batching.
+        "defaults_over_batched_general": median["batched"] / median["batched_general"],
         "runs": runs,
         "goal_speedup_cpu": 2.0,
     }
@@ -315,7 +334,9 @@ def delay_sweep(delays: list[int], rows: int, callers: int, seconds: float, roun
     results = {d: [] for d in delays}
     for _ in range(rounds):
         for delay in delays:
-            results[delay].append(run_callers(["--max-delay-us", str(delay)], rows, callers, seconds))
+            # Without the native path, which would serve most steps before the batcher saw them.
+            results[delay].append(run_callers(["--no-native-step", "--max-delay-us", str(delay)], rows,
+                                              callers, seconds))
     return [{"max_delay_us": d, "callers": callers, "rows": rows, "rounds": rounds, "seconds": seconds,
              "median_steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
              "median_p50_us": statistics.median(r["round_trip"]["p50_us"] for r in runs),
@@ -374,9 +395,12 @@ def main(argv=None) -> int:
             r = concurrent(rows, args.callers, args.seconds, args.rounds, args.server_arg)
             results["concurrent"].append(r)
             m = r["median_steps_per_s"]
-            batch = statistics.median(x["mean_batch_requests"] for x in r["runs"]["batched"])
-            print(f"(b) {r['case']}: batched {m['batched']:.0f} steps/s (mean batch {batch:.1f} requests), "
-                  f"unbatched {m['unbatched']:.0f} steps/s: {r['speedup']:.2f}× (goal ≥ 2× on CPU)")
+            batch = statistics.median(x["mean_batch_requests"] for x in r["runs"]["batched_general"])
+            print(f"(b) {r['case']}, steps/s: defaults {m['batched']:.0f}, --max-batch 1 {m['unbatched']:.0f} "
+                  f"({r['speedup']:.2f}×); with --no-native-step: batched {m['batched_general']:.0f} "
+                  f"(mean batch {batch:.1f} requests), unbatched {m['unbatched_general']:.0f} "
+                  f"({r['general_path_speedup']:.2f}×; goal ≥ 2× on CPU); defaults over batched "
+                  f"--no-native-step {r['defaults_over_batched_general']:.2f}×")
     if args.delays:
         rows = int(args.rows.split(",")[0])
         results["delay_sweep"] = delay_sweep([int(x) for x in args.delays.split(",")], rows, args.callers,

@@ -135,13 +135,6 @@ class BatchPolicy:
         """Whether requests of `key` recently came together (in one batch of several)."""
         return key is not None and self._expected(key, now) > 1
 
-    def any_company(self, now: int) -> bool:
-        """Whether requests of any key recently came together. Called from reader threads while
-        the worker may be in `observe`: it iterates over a copy (made in one C call, so under
-        the GIL), as a new key added during a Python-level iteration would raise RuntimeError."""
-        recent = tuple(self._company.values())
-        return any(requests > 1 and now - when <= COMPANY_MEMORY_NS for when, requests in recent)
-
     def _expected(self, key, now: int) -> int:
         when, requests = self._company.get(key, (0, 1))
         return requests if now - when <= COMPANY_MEMORY_NS else 1

@@ -18,10 +18,16 @@ game loop's queue stage was 50 µs a step in bench/results/game_loop.json as com
 queue for the worker, which gathers them into batches as usual.
 One lock (`_serving`) lets one thread at a time run ops, so the ops never run concurrently.
 
-Before that, such a request (on a stream lane, no raw buffers) is offered to the native step
-path (bridge.native) when no requests were recently batched together: a plain step it serves
-in C++ from frame to reply under the same lock; anything else it hands back untouched, before
-any decoding here.
+Before any of that, a request without raw buffers that finds nothing in flight -- on any lane,
+whatever waits behind it -- is offered to the native step path (bridge.native): a plain step it
+serves in C++ from frame to reply under the same lock; anything else it hands back untouched,
+before any decoding here. Nothing in flight keeps the order: no request it could overtake
+exists. It takes steps under load too, where the batcher would have gathered them: on the CPU a
+native step costs the server about 11 µs against the general path's few hundred, which sharing
+a launch cannot win back (8 callers stepping 1-row sessions: about 6x the batched general
+path's throughput, 32-row ones about 3x; bench/results/game_loop.json, part b). Steps that
+queue behind other work, and every step where there is no native path (CUDA, other backends,
+`--no-native-step`), are batched as above.
 """
 
 from __future__ import annotations
@@ -109,8 +115,7 @@ class Dispatcher:
         transport that can tell it is not (stdio, unix) passes False, letting an idle server
         serve the request on this thread."""
         self.server.stats.frame_in(len(body))
-        native = self.server.native_step is not None and not more_input and not buffers
-        if native and self._serve_native(conn, body, received_ns):
+        if self.server.native_step is not None and not buffers and self._serve_native(conn, body, received_ns):
             if release:
                 release()
             return
@@ -154,10 +159,9 @@ class Dispatcher:
             self._queue.put(call)
 
     def _serve_native(self, conn, body, received_ns: int) -> bool:
-        """Serve a plain step on this thread through the native path, if the server is idle and
-        no requests were recently batched together (the batcher gathers those). False: it was
-        not taken, and goes the general way."""
-        if not self.accepting or self.policy.any_company(now_ns()):
+        """Serve a plain step on this thread through the native path, if nothing is in flight.
+        False: it was not taken, and goes the general way."""
+        if not self.accepting:
             return False
         with self._pending_lock:
             if self._pending:

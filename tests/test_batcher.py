@@ -9,7 +9,6 @@ requests queue up behind it, so that what it gathers on release is known exactly
 from __future__ import annotations
 
 import gc
-import sys
 import threading
 from dataclasses import dataclass
 
@@ -308,42 +307,12 @@ def test_policy_waits_only_for_expected_company():
     assert BatchPolicy(max_delay_us=0, max_batch=64).wait_s(alone_again, 10_100) is None
 
 
-def test_any_company_reads_while_the_worker_observes():
-    """Reader threads ask any_company while the worker's observe adds keys. With thread switches
-    forced every microsecond, iterating the live dict raised RuntimeError (dictionary changed
-    size during iteration) before any_company iterated over a copy."""
-    policy = BatchPolicy(max_delay_us=0, max_batch=64)
-    errors, done = [], threading.Event()
-
-    def reader():
-        try:
-            while not done.is_set():
-                policy.any_company(10_000)
-        except Exception as exc:
-            errors.append(exc)
-
-    switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        for round_ in range(5):
-            for i in range(200):
-                pair = Batch(fake_item((round_, i)))
-                pair.add(fake_item((round_, i)))
-                policy.observe(pair, 10_000)
-    finally:
-        done.set()
-        thread.join()
-        sys.setswitchinterval(switch_interval)
-    assert not errors, errors
-    assert policy.any_company(10_000)
-
-
 @pytest.mark.parametrize("more_input", [True, False], ids=["queued", "idle-lane"])
 def test_a_lone_caller_never_waits_and_company_is_waited_for(inproc, more_input):
+    """The wait policy, where steps go through the batcher: without the native step path (on
+    the CPU it serves at once every step that finds nothing in flight, tests/test_native_step.py)."""
     delay_us = 300_000
-    srv = inproc(max_delay_us=delay_us)
+    srv = inproc(max_delay_us=delay_us, native_step=False)
     conn = RecordingConnection()
     shared = shared_constants(4, 2, {})
     a, b = open_prefilled(srv, conn, 1, 4, 2), open_prefilled(srv, conn, 1, 4, 2)
@@ -459,13 +428,18 @@ def test_members_whose_session_closed_while_waiting_are_left_out():
 # -- real concurrency through a subprocess ---------------------------------------------------
 
 
-def test_concurrent_callers_over_stdio_each_get_their_rows():
+@pytest.mark.parametrize("native", [True, False], ids=["native-path", "batcher"])
+def test_concurrent_callers_over_stdio_each_get_their_rows(native):
+    """8 threads of one client step sessions of their own at once. By default the native path
+    serves every step that finds nothing in flight and the batcher the ones queued behind it;
+    with --no-native-step the batcher gathers them all."""
     callers, steps, dim, state = 8, 12, 16, 4
     shared = shared_constants(dim, state, {"D": True})
-    with PortClient(["--device", "cpu", "--max-delay-us", "5000"], as_torch=True) as client:
+    args = ["--device", "cpu", "--max-delay-us", "5000"] + ([] if native else ["--no-native-step"])
+    with PortClient(args, as_torch=True) as client:
         handles = {k: client.put(v) for k, v in shared.items()}
         sessions = [client.open_session(1 + i % 3, dim, state) for i in range(callers)]
-        failures, batch_rows = [], []
+        failures, seen = [], []  # (rows, batch_rows, served natively) of every reply
         start = threading.Barrier(callers)
 
         def caller(i):
@@ -478,7 +452,9 @@ def test_concurrent_callers_over_stdio_each_get_their_rows():
                 if not reply.ok:
                     failures.append((i, t, reply.error))
                     return
-                batch_rows.append((rows, reply.timing["batch_rows"]))
+                # The native path makes no tensors of the wire bytes: no h2d or d2h time.
+                served_natively = reply.timing["h2d_us"] == reply.timing["d2h_us"] == 0
+                seen.append((rows, reply.timing["batch_rows"], served_natively))
                 y_ref, state_ref = reference_update({**inputs, "state": state_ref})
                 try:
                     assert_close(reply.result["y"], y_ref, torch.float32, f"caller {i} step {t}")
@@ -492,7 +468,12 @@ def test_concurrent_callers_over_stdio_each_get_their_rows():
         for t in threads:
             t.join(120)
         assert not failures, failures[:3]
-        assert len(batch_rows) == callers * steps
+        assert len(seen) == callers * steps
         stats = client.stats()["ops"]["step"]
-        assert stats["execution_count"] == round(sum(own / total for own, total in batch_rows))
-        assert max(total for _, total in batch_rows) > 3  # some launch took rows of several callers
+        assert stats["execution_count"] == round(sum(own / total for own, total, _ in seen))
+        natively = sum(served for _, _, served in seen)
+        if native:
+            assert natively > 0
+        else:
+            assert natively == 0
+            assert max(total for _, total, _ in seen) > 3  # some launch took rows of several callers

@@ -284,8 +284,11 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
     for kind, runs in concurrent["runs"].items():
         (run,) = runs
         assert sum(run["per_caller_steps"]) > 0 and len(run["per_caller_steps"]) == 3, kind
-    assert concurrent["speedup"] == pytest.approx(
-        concurrent["median_steps_per_s"]["batched"] / concurrent["median_steps_per_s"]["unbatched"])
+    assert set(concurrent["runs"]) == {"batched", "unbatched", "batched_general", "unbatched_general"}
+    steps_per_s = concurrent["median_steps_per_s"]
+    assert concurrent["speedup"] == pytest.approx(steps_per_s["batched"] / steps_per_s["unbatched"])
+    assert concurrent["general_path_speedup"] == pytest.approx(
+        steps_per_s["batched_general"] / steps_per_s["unbatched_general"])
 
 
 def test_soak_bench_runs_end_to_end(tmp_path):

@@ -9,8 +9,8 @@
 - the kernels' capsule refuses a caller built against another ScanProblem.
 
 Two in-process servers, one with the native path and one without, get the same requests with
-fresh random inputs (the seed is in every failure message); requests are submitted as a stream
-transport does when nothing more is waiting, the only ones the native path is offered.
+fresh random inputs (the seed is in every failure message). The native path is offered every
+request without raw buffers that finds nothing in flight, whatever waits behind it.
 """
 
 from __future__ import annotations
@@ -202,6 +202,32 @@ def test_what_the_native_path_does_not_take_is_answered_as_before(inproc, name, 
         assert native_reply.error["code"] == general_reply.error["code"] == code, native_reply.error
         assert native_reply.error["detail"].get("field") == general_reply.error["detail"].get("field")
     assert np.array_equal(native_state, general_state), f"seed={seed}"
+
+
+def test_every_step_that_finds_nothing_in_flight_is_served_natively(inproc):
+    """Whatever waits behind it (a stream lane with more input, or ZeroMQ, which cannot tell)
+    and however recently steps were batched together; a step behind a request in flight is
+    queued instead (served at once it would overtake that one), and the batcher gathers it."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(2, 8, 4, handles=True)
+    srv = inproc(max_delay_us=0)
+    served = Served(srv)
+    conn = RecordingConnection()
+    consts = constants(case, gen)
+    (first, shared), (second, _) = open_session(srv, conn, case, consts), open_session(srv, conn, case, consts)
+
+    def step(session, more_input):
+        return srv.submit(conn, "step", session=session, more_input=more_input, **shared, **step_inputs(case, gen))
+
+    assert conn.reply(step(first, more_input=True)).ok and served.taken == 1, f"seed={seed}"
+    srv.hold(conn)
+    behind = [step(first, more_input=False), step(second, more_input=False)]
+    assert served.taken == 1, f"seed={seed}"
+    srv.go()
+    assert [conn.reply(i).timing["batch_rows"] for i in behind] == [2 * case.batch] * 2, f"seed={seed}"
+    reply = conn.reply(step(second, more_input=True))
+    assert reply.ok and reply.timing["batch_rows"] == case.batch and served.taken == 2, f"seed={seed}"
 
 
 def test_mutated_frames_are_answered_and_the_server_lives_on(inproc):

@@ -8,12 +8,12 @@ than back to back (bench/results/game_loop.json as recorded at e6519e1, `git sho
 the kernel reads its operands there and writes y straight into the reply.
 
 What it takes -- anything else goes the general way (bridge.dispatcher), which answers every
-error: a v1 request on a stream lane (no raw buffers) whose args are the session (this
-connection's), x, dt, B, C and optionally z inline as f32 (B and C [batch, state] or [batch,
-groups, state]), A and optionally D and dt_bias inline as f32 or as handles to contiguous f32
-tensors, and the dt options; request and session ids in ASCII. The dispatcher hands it only
-requests that find the server idle and no steps recently batched together (bridge.batcher's
-BatchPolicy), so batching is unchanged. Its replies are the general path's, but for the
+error: a v1 request in one frame (no raw buffers: a stream lane's, or a one-part ZeroMQ message)
+whose args are the session (this connection's), x, dt, B, C and optionally z inline as f32 (B
+and C [batch, state] or [batch, groups, state]), A and optionally D and dt_bias inline as f32 or
+as handles to contiguous f32 tensors, and the dt options; request and session ids in ASCII. The
+dispatcher hands it every request without raw buffers that finds nothing in flight, on any lane
+and under load too (bridge.dispatcher says why). Its replies are the general path's, but for the
 timing: `decode_us` covers everything before the kernel (parsing, the session and handle
 lookups, the checks) and h2d and d2h are 0 (the kernel reads the frame and writes the reply).
 """
