@@ -23,11 +23,11 @@ whatever waits behind it -- is offered to the native step path (bridge.native): 
 serves in C++ from frame to reply under the same lock; anything else it hands back untouched,
 before any decoding here. Nothing in flight keeps the order: no request it could overtake
 exists. It takes steps under load too, where the batcher would have gathered them: on the CPU a
-native step costs the server about 11 µs against the general path's few hundred, which sharing
-a launch cannot win back (8 callers stepping 1-row sessions: about 6x the batched general
-path's throughput, 32-row ones about 3x; bench/results/game_loop.json, part b). Steps that
-queue behind other work, and every step where there is no native path (CUDA, other backends,
-`--no-native-step`), are batched as above.
+step served natively alone costs less than its share of a batch through the general path (8
+callers stepping 1-row sessions over stdio: 5.1x the batched general path's throughput, 32-row
+ones 1.56x; bench/results/game_loop.json, part b). Steps that queue behind other work, and every
+step where there is no native path (CUDA, other backends, `--no-native-step`), are batched as
+above.
 """
 
 from __future__ import annotations
