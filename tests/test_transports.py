@@ -27,7 +27,8 @@ import protocol
 from bridge.client import UnixClient, ZmqClient, server_env
 from bridge.transports.framed import read_exact
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
-from kernel_cases import ScanCase, assert_close, make_scan_inputs, reference_scan
+from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
+                          make_update_inputs, reference_scan, reference_update)
 
 START_TIMEOUT_S = 180.0
 REPLY_TIMEOUT_S = 60.0
@@ -164,6 +165,9 @@ def test_scan_matches_reference_on_every_lane(server, lane, case):
 
 @pytest.mark.parametrize("lane", LANES)
 def test_sessions_and_handles_on_every_lane(server, lane):
+    """A session prefilled by a scan, then stepped. A step in one frame (every lane but
+    multipart ZeroMQ) is served by the native step path, which makes no host copies (h2d_us and
+    d2h_us 0); a multipart one, its tensors in frames of their own, by the general path."""
     inputs = make_scan_inputs(ScanCase(2, 9, 6, 5, D=True))
     args = numpy_args(inputs)
     with lane_client(server, lane) as client:
@@ -171,8 +175,18 @@ def test_sessions_and_handles_on_every_lane(server, lane):
         session = client.open_session(2, 6, 5)
         reply = client.scan(**{**args, "A": handle}, session=session)
         assert_reply_matches_reference(reply, inputs)
-        assert_close(torch.from_numpy(np.array(client.session_state(session))),
-                     reference_scan(inputs)[1], torch.float32, "kept state")
+        kept = torch.from_numpy(np.array(client.session_state(session)))
+        assert_close(kept, reference_scan(inputs)[1], torch.float32, "kept state")
+        frame = {k: v for k, v in make_update_inputs(UpdateCase(2, 6, 5, D=True, bc_2d=True)).items()
+                 if k not in ("state", "A")}
+        reply = client.step(session, A=handle, **numpy_args(frame))
+        assert reply.ok, reply.error
+        y_ref, state_ref = reference_update({**frame, "A": inputs["A"], "state": kept})
+        assert_close(torch.from_numpy(np.array(reply.result["y"])), y_ref, torch.float32, "step y")
+        assert_close(torch.from_numpy(np.array(client.session_state(session))), state_ref, torch.float32,
+                     "stepped state", STATE_TOLERANCE)
+        natively = reply.timing["h2d_us"] == reply.timing["d2h_us"] == 0
+        assert natively is not lane.endswith("multipart"), reply.timing
         client.close_session(session)
         client.free(handle)
 
