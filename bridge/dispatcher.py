@@ -93,6 +93,8 @@ class Dispatcher:
         self.max_pending = server.config.max_pending
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
+        # Of those, requests taken by the native step path (see _serve_native).
+        self._pending_native = 0
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
         self._worker = threading.Thread(target=self._work, name="bridge-worker", daemon=True)
@@ -159,14 +161,23 @@ class Dispatcher:
             self._queue.put(call)
 
     def _serve_native(self, conn, body, received_ns: int) -> bool:
-        """Serve a plain step on this thread through the native path, if nothing is in flight.
-        False: it was not taken, and goes the general way."""
+        """Serve a plain step on this thread through the native path, if nothing is in flight
+        but other native steps (other connections' readers, each serving one). False: it was not
+        taken, and goes the general way.
+
+        A request that goes the general way is never overtaken: while one is in flight, every
+        request after it goes that way too. Native steps of other connections only wait for the
+        serving lock: sent to the worker instead, a step arriving while another connection's is
+        served would leave the next ones behind it in flight too, and so on (8 callers over the
+        unix lane, each on a connection of its own: a quarter of their steps native, where
+        stdio's single reader served all of them natively)."""
         if not self.accepting:
             return False
         with self._pending_lock:
-            if self._pending:
+            if self._pending != self._pending_native:
                 return False
             self._pending += 1
+            self._pending_native += 1
         try:
             with self._serving:
                 try:
@@ -185,6 +196,8 @@ class Dispatcher:
             self.server.stats.record("step", timing, ok=True)
             return True
         finally:
+            with self._pending_lock:
+                self._pending_native -= 1
             self._leave()
 
     def on_frame_error(self, conn, exc: protocol.ProtocolError) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -228,6 +230,52 @@ def test_every_step_that_finds_nothing_in_flight_is_served_natively(inproc):
     assert [conn.reply(i).timing["batch_rows"] for i in behind] == [2 * case.batch] * 2, f"seed={seed}"
     reply = conn.reply(step(second, more_input=True))
     assert reply.ok and reply.timing["batch_rows"] == case.batch and served.taken == 2, f"seed={seed}"
+
+
+def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(inproc):
+    """Connections stepping at once (the unix lane: a reader thread each): a step that finds
+    only other connections' native steps in flight waits for the serving lock and is served
+    natively too, rather than queued for the worker, where the steps after it would follow."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(2, 8, 4, handles=True)
+    srv = inproc(max_delay_us=0)
+    conns = [RecordingConnection(), RecordingConnection()]
+    opened = [open_session(srv, conn, case, constants(case, gen)) for conn in conns]
+    native = srv.server.native_step
+    serve = native.serve
+    first_inside, let_go = threading.Event(), threading.Event()
+    taken = []
+
+    def held_first(conn, frame, received_ns):  # runs under the serving lock
+        outcome = serve(conn, frame, received_ns)
+        taken.append(conn)
+        if len(taken) == 1:
+            first_inside.set()
+            let_go.wait(60)
+        return outcome
+
+    native.serve = held_first
+    ids = [None, None]
+
+    def step(i):
+        session, shared = opened[i]
+        ids[i] = srv.submit(conns[i], "step", session=session, **shared, **step_inputs(case, gen))
+
+    threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+    threads[0].start()
+    assert first_inside.wait(60)
+    threads[1].start()
+    deadline = time.monotonic() + 60
+    while srv.dispatcher._pending < 2:  # the second is in flight: waiting, or queued
+        assert time.monotonic() < deadline, "the second step never arrived"
+        time.sleep(0.001)
+    let_go.set()
+    for thread in threads:
+        thread.join(60)
+    replies = [conn.reply(i) for conn, i in zip(conns, ids)]
+    assert all(r.ok and r.timing["h2d_us"] == r.timing["d2h_us"] == 0 for r in replies), f"seed={seed}: {replies}"
+    assert taken == conns, f"seed={seed}"
 
 
 def test_mutated_frames_are_answered_and_the_server_lives_on(inproc):
