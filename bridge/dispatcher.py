@@ -18,12 +18,13 @@ game loop's queue stage was 50 µs a step in bench/results/game_loop.json as com
 queue for the worker, which gathers them into batches as usual.
 One lock (`_serving`) lets one thread at a time run ops, so the ops never run concurrently.
 
-Before any of that, a request without raw buffers that finds nothing in flight -- on any lane,
-whatever waits behind it -- is offered to the native step path (bridge.native): a plain step it
-serves in C++ from frame to reply under the same lock; anything else it hands back untouched,
-before any decoding here. Nothing in flight keeps the order: no request it could overtake
-exists. It takes steps under load too, where the batcher would have gathered them: on the CPU a
-step served natively alone costs less than its share of a batch through the general path (8
+Before any of that, a request without raw buffers that finds nothing in flight but native steps
+(other connections', see _serve_native) -- on any lane, whatever waits behind it -- is offered
+to the native step path (bridge.native): a plain step it serves in C++ from frame to reply under
+the same lock; anything else it hands back untouched, before any decoding here. That keeps the
+order: nothing gone the general way is overtaken, and a connection's requests are read one after
+the other. It takes steps under load too, where the batcher would have gathered them: on the CPU
+a step served natively alone costs less than its share of a batch through the general path (8
 callers stepping 1-row sessions over stdio: 5.1x the batched general path's throughput, 32-row
 ones 1.56x; bench/results/game_loop.json, part b). Steps that queue behind other work, and every
 step where there is no native path (CUDA, other backends, `--no-native-step`), are batched as

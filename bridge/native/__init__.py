@@ -12,10 +12,11 @@ error: a v1 request in one frame (no raw buffers: a stream lane's, or a one-part
 whose args are the session (this connection's), x, dt, B, C and optionally z inline as f32 (B
 and C [batch, state] or [batch, groups, state]), A and optionally D and dt_bias inline as f32 or
 as handles to contiguous f32 tensors, and the dt options; request and session ids in ASCII. The
-dispatcher hands it every request without raw buffers that finds nothing in flight, on any lane
-and under load too (bridge.dispatcher says why). Its replies are the general path's, but for the
-timing: `decode_us` covers everything before the kernel (parsing, the session and handle
-lookups, the checks) and h2d and d2h are 0 (the kernel reads the frame and writes the reply).
+dispatcher hands it every request without raw buffers that finds nothing in flight but other
+native steps, on any lane and under load too (bridge.dispatcher says why). Its replies are the
+general path's, but for the timing: `decode_us` covers everything before the kernel (parsing,
+the session and handle lookups, the checks) and h2d and d2h are 0 (the kernel reads the frame
+and writes the reply).
 """
 
 from __future__ import annotations
