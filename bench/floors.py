@@ -91,6 +91,10 @@ class StreamLane:
     def send(self, frame_parts: list) -> None:
         write_all(self.writer_fd, frame_parts)
 
+    def fileno(self) -> int:
+        """What to poll for a reply (the reader is unbuffered: nothing waits in Python)."""
+        return self.reader.fileno()
+
     def receive(self) -> memoryview:
         """The next reply's body, in the lane's buffer (valid until the next receive)."""
         if not read_exact(self.reader, self._header):
@@ -141,13 +145,24 @@ class ZmqLane:
         body = body_parts[0] if len(body_parts) == 1 else b"".join(body_parts)
         return [body, *(buffers or ())]
 
+    def send(self, frame_parts: list) -> None:
+        self._socket.send_multipart(frame_parts, copy=False)
+
+    def receive(self) -> memoryview:
+        """The next reply's body (its first frame)."""
+        self.last_reply = self._socket.recv_multipart(copy=False)
+        return self.last_reply[0].buffer
+
+    @property
+    def socket(self):
+        """What to poll for a reply."""
+        return self._socket
+
     def round_trip_us(self, frame_parts: list) -> float:
         start = time.perf_counter_ns()
-        self._socket.send_multipart(frame_parts, copy=False)
-        frames = self._socket.recv_multipart(copy=False)
-        elapsed = time.perf_counter_ns() - start
-        self.last_reply = frames
-        return elapsed / 1000.0
+        self.send(frame_parts)
+        self.receive()
+        return (time.perf_counter_ns() - start) / 1000.0
 
     def reply(self) -> protocol.Reply:
         """The last reply, decoded."""

@@ -19,7 +19,8 @@
     sees them. Repeated `--repeats` times, each with a fresh server: one 600-step p99 on
     a shared machine says more about its neighbours than about the bridge, so the medians over
     the runs are reported and every run is kept.
-(b) 8 concurrent callers, each stepping its own session in a closed loop through one server:
+(b) 8 concurrent callers, each stepping its own session in a closed loop through one server
+    (over stdio, or with `--lanes` over the unix lane and ZeroMQ too, CALLER_LANES):
     throughput with the server's defaults against `--max-delay-us 0 --max-batch 1`, and the same
     two with `--no-native-step` (every step through the batcher, CONCURRENT_SERVERS), the four
     servers taking turns for several rounds. The callers are driven by one lean loop
@@ -28,7 +29,8 @@
     to choose its default.
 
     python -m bench.game_loop [--steps 600] [--windows 40] [--repeats 3] [--seconds 2] [--rounds 3]
-                              [--delays 0,100,200,400] [--json bench/results/game_loop.json]
+                              [--lanes stdio,unix,zmq] [--delays 0,100,200,400]
+                              [--json bench/results/game_loop.json]
 """
 
 from __future__ import annotations
@@ -36,17 +38,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 import msgspec
 import numpy as np
+import zmq
 
 import protocol
 from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.client import PortClient
 
-from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, encode_request, exchange,
-                     frame_bytes, open_floor)
+from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, ZmqLane, connect_unix, encode_request,
+                     exchange, frame_bytes, lane_call, open_floor)
 from .machine import summarize_us, write_results
 
 # Untimed round trips before the timed ones: first-call allocations, page faults.
@@ -225,60 +229,102 @@ class ReplyHead(msgspec.Struct):
     error: dict = {}
 
 
+# Part (b)'s lanes: stdio (the callers share the server's pipes, as the processes behind one Port
+# owner do), unix and zmq (ipc) (a connection per caller, as separate client processes have).
+CALLER_LANES = ("stdio", "unix", "zmq")
+
+
 class CallerLoop(BridgeProcess):
-    """A server over pipes with 8 (or n) callers, each stepping its own session in a closed
-    loop: each caller has one request in flight and sends its next the moment its reply is in.
-    One thread drives them all and reads only each reply's head, so that the client's CPU (on
-    the same 2 cores as the server) is as small as it can be and the same for every server."""
+    """A server with 8 (or n) callers, each stepping its own session in a closed loop: each
+    caller has one request in flight and sends its next the moment its reply is in. One thread
+    drives them all and reads only each reply's head, so that the client's CPU (on the same 2
+    cores as the server) is as small as it can be and the same for every server. Over unix and
+    zmq the server also serves its pipes, which `call` (stats) uses."""
 
-    def __init__(self, server_args: list[str]):
-        super().__init__(server_args)
+    def __init__(self, server_args: list[str], lane: str = "stdio"):
+        if lane not in CALLER_LANES:
+            raise ValueError(f"lane: expected one of {', '.join(CALLER_LANES)}, got {lane!r}")
+        self.lane_kind = lane
+        self._scratch = None
+        extra = []
+        if lane != "stdio":
+            self._scratch = tempfile.TemporaryDirectory(prefix="scan-bridge-callers-")
+            self._address = (os.path.join(self._scratch.name, "bridge.sock") if lane == "unix"
+                             else f"ipc://{self._scratch.name}/bridge.ipc")
+            extra = ["--stdio", f"--{lane}", self._address]
+        super().__init__(server_args + extra)
         self._heads = msgspec.msgpack.Decoder(ReplyHead)
+        self._connections: list = []
 
-    def step_frames(self, rows: int, callers: int) -> list[list]:
-        """One pre-encoded step request frame per caller, each for a session of its own."""
-        handle = protocol.HandleRef(self.call("put", tensor=constant_A(1))["handle"])
-        frames = []
-        for i in range(callers):
-            session = self.call("session_open", batch=rows, dim=DIM, state=STATE)["session"]
-            frames.append(self.lane.frame(step_request(str(i), session, handle, frame_inputs(rows, 1 + i))))
-        return frames
+    def step_frames(self, rows: int, callers: int) -> tuple[list, list[list]]:
+        """Each caller's lane and its one pre-encoded step request frame, for a session of its
+        own (A a handle put on that lane: a handle belongs to the connection that put it)."""
+        self.call("ping")  # answered once the server serves, when every lane is bound
+        if self.lane_kind == "stdio":
+            lanes = [self.lane] * callers
+        else:
+            connect = connect_unix if self.lane_kind == "unix" else ZmqLane
+            lanes = self._connections = [connect(self._address) for _ in range(callers)]
+        handles, frames = {}, []
+        for i, lane in enumerate(lanes):
+            if id(lane) not in handles:
+                handles[id(lane)] = protocol.HandleRef(lane_call(lane, "put", {"tensor": constant_A(1)})["handle"])
+            session = lane_call(lane, "session_open", {"batch": rows, "dim": DIM, "state": STATE})["session"]
+            frames.append(lane.frame(step_request(str(i), session, handles[id(lane)], frame_inputs(rows, 1 + i))))
+        return lanes, frames
 
-    def run(self, frames: list[list], seconds: float) -> dict:
+    def run(self, lanes: list, frames: list[list], seconds: float) -> dict:
         callers = len(frames)
         counts, round_trips, batch_rows = [0] * callers, [], []
         sent_at = [0] * callers
+        shared = len({id(lane) for lane in lanes}) == 1
+        poller, polled = zmq.Poller(), {}
+        if not shared:  # a connection per caller: wait for whichever answers
+            for lane in lanes:
+                key = lane.socket if isinstance(lane, ZmqLane) else lane.fileno()
+                poller.register(key, zmq.POLLIN)
+                polled[key] = lane
         began = time.perf_counter_ns()
         deadline = began + int(seconds * 1e9)
         for i, frame in enumerate(frames):
             sent_at[i] = time.perf_counter_ns()
-            self.lane.send(frame)
+            lanes[i].send(frame)
         in_flight = callers
         while in_flight:
-            head = self._heads.decode(self.lane.receive())
-            now = time.perf_counter_ns()
-            if not head.ok:
-                raise RuntimeError(f"step failed: {head.error}")
-            i = int(head.id)
-            counts[i] += 1
-            round_trips.append((now - sent_at[i]) / 1000.0)
-            batch_rows.append(head.timing["batch_rows"])
-            if now < deadline:
-                sent_at[i] = time.perf_counter_ns()
-                self.lane.send(frames[i])
-            else:
-                in_flight -= 1
+            for lane in [lanes[0]] if shared else [polled[key] for key, _ in poller.poll()]:
+                head = self._heads.decode(lane.receive())
+                now = time.perf_counter_ns()
+                if not head.ok:
+                    raise RuntimeError(f"step failed: {head.error}")
+                i = int(head.id)
+                counts[i] += 1
+                round_trips.append((now - sent_at[i]) / 1000.0)
+                batch_rows.append(head.timing["batch_rows"])
+                if now < deadline:
+                    sent_at[i] = time.perf_counter_ns()
+                    lane.send(frames[i])
+                else:
+                    in_flight -= 1
         elapsed = (time.perf_counter_ns() - began) / 1e9
         return {"elapsed_s": elapsed, "counts": counts, "round_trips": round_trips, "batch_rows": batch_rows}
 
+    def close(self) -> None:
+        try:
+            for connection in self._connections:
+                connection.close()
+            super().close()
+        finally:
+            if self._scratch is not None:
+                self._scratch.cleanup()
 
-def run_callers(server_args: list[str], rows: int, callers: int, seconds: float) -> dict:
-    loop = CallerLoop(server_args)
+
+def run_callers(server_args: list[str], rows: int, callers: int, seconds: float, lane: str = "stdio") -> dict:
+    loop = CallerLoop(server_args, lane)
     try:
-        frames = loop.step_frames(rows, callers)
-        loop.run(frames, 0.2)  # warm-up
+        lanes, frames = loop.step_frames(rows, callers)
+        loop.run(lanes, frames, 0.2)  # warm-up
         before = loop.call("stats")["ops"]["step"]
-        run = loop.run(frames, seconds)
+        run = loop.run(lanes, frames, seconds)
         after = loop.call("stats")["ops"]["step"]
     finally:
         loop.close()
@@ -307,15 +353,17 @@ CONCURRENT_SERVERS = {
 }
 
 
-def concurrent(rows: int, callers: int, seconds: float, rounds: int, server_args: list[str]) -> dict:
+def concurrent(rows: int, callers: int, seconds: float, rounds: int, server_args: list[str],
+               lane: str = "stdio") -> dict:
     runs = {name: [] for name in CONCURRENT_SERVERS}
     for _ in range(rounds):  # taking turns, so that drift in the machine's load hits all alike
         for name, flags in CONCURRENT_SERVERS.items():
-            runs[name].append(run_callers(server_args + flags, rows, callers, seconds))
+            runs[name].append(run_callers(server_args + flags, rows, callers, seconds, lane))
     median = {k: statistics.median(r["steps_per_s"] for r in v) for k, v in runs.items()}
     return {
-        "case": f"{callers} callers each stepping a {rows}x{DIM}x{STATE} session, "
+        "case": f"{callers} callers over {lane} each stepping a {rows}x{DIM}x{STATE} session, "
                 f"{rounds} rounds of {seconds} s per server",
+        "lane": lane,
         "server_args": server_args,
         "servers": CONCURRENT_SERVERS,
         "median_steps_per_s": median,
@@ -352,6 +400,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="(a) runs, each with a fresh server")
     p.add_argument("--callers", type=int, default=8)
     p.add_argument("--rows", default="1,32", help="session batch of each caller in (b), comma-separated")
+    p.add_argument("--lanes", default="stdio", help=f"(b)'s lanes, comma-separated, of {', '.join(CALLER_LANES)}")
     p.add_argument("--seconds", type=float, default=2.0, help="length of one (b) run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--delays", default="", help="(c): --max-delay-us values to sweep, comma-separated")
@@ -391,16 +440,17 @@ def main(argv=None) -> int:
               f", bytes ratio {summary['median_bytes_ratio']:.1f}×")
     if "b" not in args.skip:
         results["concurrent"] = []
-        for rows in (int(x) for x in args.rows.split(",")):
-            r = concurrent(rows, args.callers, args.seconds, args.rounds, args.server_arg)
-            results["concurrent"].append(r)
-            m = r["median_steps_per_s"]
-            batch = statistics.median(x["mean_batch_requests"] for x in r["runs"]["batched_general"])
-            print(f"(b) {r['case']}, steps/s: defaults {m['batched']:.0f}, --max-batch 1 {m['unbatched']:.0f} "
-                  f"({r['speedup']:.2f}×); with --no-native-step: batched {m['batched_general']:.0f} "
-                  f"(mean batch {batch:.1f} requests), unbatched {m['unbatched_general']:.0f} "
-                  f"({r['general_path_speedup']:.2f}×; goal ≥ 2× on CPU); defaults over batched "
-                  f"--no-native-step {r['defaults_over_batched_general']:.2f}×")
+        for lane in args.lanes.split(","):
+            for rows in (int(x) for x in args.rows.split(",")):
+                r = concurrent(rows, args.callers, args.seconds, args.rounds, args.server_arg, lane)
+                results["concurrent"].append(r)
+                m = r["median_steps_per_s"]
+                batch = statistics.median(x["mean_batch_requests"] for x in r["runs"]["batched_general"])
+                print(f"(b) {r['case']}, steps/s: defaults {m['batched']:.0f}, --max-batch 1 {m['unbatched']:.0f} "
+                      f"({r['speedup']:.2f}×); with --no-native-step: batched {m['batched_general']:.0f} "
+                      f"(mean batch {batch:.1f} requests), unbatched {m['unbatched_general']:.0f} "
+                      f"({r['general_path_speedup']:.2f}×; goal ≥ 2× on CPU); defaults over batched "
+                      f"--no-native-step {r['defaults_over_batched_general']:.2f}×")
     if args.delays:
         rows = int(args.rows.split(",")[0])
         results["delay_sweep"] = delay_sweep([int(x) for x in args.delays.split(",")], rows, args.callers,

@@ -263,7 +263,7 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
     out = tmp_path / "game_loop.json"
     proc = run_marked([sys.executable, "-m", "bench.game_loop", "--steps", "30", "--windows", "2",
                        "--repeats", "2", "--rows", "1", "--callers", "3", "--seconds", "0.2",
-                       "--rounds", "1", "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+                       "--rounds", "1", "--lanes", "stdio,unix,zmq", "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
     assert proc.failure() is None, proc.failure()
     results = json.loads(out.read_text())["results"]
     loop = results["game_loop"]
@@ -280,15 +280,18 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
         assert "skipped" in echo or echo["n"] == 30
         assert run["step_p50_over_echo"] == (
             None if "skipped" in echo else pytest.approx(run["step_round_trip"]["p50_us"] / echo["p50_us"]))
-    (concurrent,) = results["concurrent"]
-    for kind, runs in concurrent["runs"].items():
-        (run,) = runs
-        assert sum(run["per_caller_steps"]) > 0 and len(run["per_caller_steps"]) == 3, kind
-    assert set(concurrent["runs"]) == {"batched", "unbatched", "batched_general", "unbatched_general"}
-    steps_per_s = concurrent["median_steps_per_s"]
-    assert concurrent["speedup"] == pytest.approx(steps_per_s["batched"] / steps_per_s["unbatched"])
-    assert concurrent["general_path_speedup"] == pytest.approx(
-        steps_per_s["batched_general"] / steps_per_s["unbatched_general"])
+    assert [c["lane"] for c in results["concurrent"]] == ["stdio", "unix", "zmq"]
+    for concurrent in results["concurrent"]:
+        lane = concurrent["lane"]
+        assert set(concurrent["runs"]) == {"batched", "unbatched", "batched_general", "unbatched_general"}
+        for kind, runs in concurrent["runs"].items():
+            (run,) = runs
+            # Every caller stepped: on its own connection too (unix, zmq), where each put its A.
+            assert len(run["per_caller_steps"]) == 3 and min(run["per_caller_steps"]) > 0, (lane, kind)
+        steps_per_s = concurrent["median_steps_per_s"]
+        assert concurrent["speedup"] == pytest.approx(steps_per_s["batched"] / steps_per_s["unbatched"])
+        assert concurrent["general_path_speedup"] == pytest.approx(
+            steps_per_s["batched_general"] / steps_per_s["unbatched_general"])
 
 
 def test_soak_bench_runs_end_to_end(tmp_path):
