@@ -25,10 +25,10 @@ the same lock; anything else it hands back untouched, before any decoding here. 
 order: nothing gone the general way is overtaken, and a connection's requests are read one after
 the other. It takes steps under load too, where the batcher would have gathered them: on the CPU
 a step served natively alone costs less than its share of a batch through the general path (8
-callers stepping 1-row sessions over stdio: 5.1x the batched general path's throughput, 32-row
-ones 1.56x; bench/results/game_loop.json, part b). Steps that queue behind other work, and every
-step where there is no native path (CUDA, other backends, `--no-native-step`), are batched as
-above.
+callers stepping 1-row sessions: 5.15x the batched general path's throughput over stdio, 3.12x
+over ZeroMQ, 1.74x over the unix lane; 32-row ones 1.74-1.99x; bench/results/game_loop.json,
+part b). Steps that queue behind other work, and every step where there is no native path (CUDA,
+other backends, `--no-native-step`), are batched as above.
 """
 
 from __future__ import annotations
