@@ -175,7 +175,8 @@ class Dispatcher:
         if not self.accepting:
             return False
         with self._pending_lock:
-            if self._pending != self._pending_native:
+            # Past --max-pending, the general way answers `overloaded`.
+            if self._pending != self._pending_native or self._pending >= self.max_pending:
                 return False
             self._pending += 1
             self._pending_native += 1

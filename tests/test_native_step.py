@@ -232,30 +232,34 @@ def test_every_step_that_finds_nothing_in_flight_is_served_natively(inproc):
     assert reply.ok and reply.timing["batch_rows"] == case.batch and served.taken == 2, f"seed={seed}"
 
 
-def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(inproc):
-    """Connections stepping at once (the unix lane: a reader thread each): a step that finds
-    only other connections' native steps in flight waits for the serving lock and is served
-    natively too, rather than queued for the worker, where the steps after it would follow."""
-    seed = random_seed()
+class HeldNativeStep:
+    """Holds the first step the native path of `srv` serves inside it (under the serving lock)
+    until `let_go`; records the connection of every step it serves."""
+
+    def __init__(self, srv):
+        native = srv.server.native_step
+        serve = native.serve
+        self.inside, self.let_go, self.taken = threading.Event(), threading.Event(), []
+
+        def held_first(conn, frame, received_ns):
+            outcome = serve(conn, frame, received_ns)
+            self.taken.append(conn)
+            if len(self.taken) == 1:
+                self.inside.set()
+                self.let_go.wait(60)
+            return outcome
+
+        native.serve = held_first
+
+
+def steps_of_two_connections(srv, seed: int) -> tuple[list, list[protocol.Reply], HeldNativeStep]:
+    """The first connection's step held inside the native path until the second's is in flight
+    too (waiting, or queued) or answered; both replies once let go."""
     gen = torch.Generator().manual_seed(seed)
     case = StepCase(2, 8, 4, handles=True)
-    srv = inproc(max_delay_us=0)
     conns = [RecordingConnection(), RecordingConnection()]
     opened = [open_session(srv, conn, case, constants(case, gen)) for conn in conns]
-    native = srv.server.native_step
-    serve = native.serve
-    first_inside, let_go = threading.Event(), threading.Event()
-    taken = []
-
-    def held_first(conn, frame, received_ns):  # runs under the serving lock
-        outcome = serve(conn, frame, received_ns)
-        taken.append(conn)
-        if len(taken) == 1:
-            first_inside.set()
-            let_go.wait(60)
-        return outcome
-
-    native.serve = held_first
+    held = HeldNativeStep(srv)
     ids = [None, None]
 
     def step(i):
@@ -264,18 +268,36 @@ def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(i
 
     threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
     threads[0].start()
-    assert first_inside.wait(60)
+    assert held.inside.wait(60)
     threads[1].start()
     deadline = time.monotonic() + 60
-    while srv.dispatcher._pending < 2:  # the second is in flight: waiting, or queued
+    while srv.dispatcher._pending < 2 and threads[1].is_alive():
         assert time.monotonic() < deadline, "the second step never arrived"
         time.sleep(0.001)
-    let_go.set()
+    held.let_go.set()
     for thread in threads:
         thread.join(60)
-    replies = [conn.reply(i) for conn, i in zip(conns, ids)]
+    return conns, [conn.reply(i) for conn, i in zip(conns, ids)], held
+
+
+def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(inproc):
+    """Connections stepping at once (the unix lane: a reader thread each): a step that finds
+    only other connections' native steps in flight waits for the serving lock and is served
+    natively too, rather than queued for the worker, where the steps after it would follow."""
+    seed = random_seed()
+    conns, replies, held = steps_of_two_connections(inproc(max_delay_us=0), seed)
     assert all(r.ok and r.timing["h2d_us"] == r.timing["d2h_us"] == 0 for r in replies), f"seed={seed}: {replies}"
-    assert taken == conns, f"seed={seed}"
+    assert held.taken == conns, f"seed={seed}"
+
+
+def test_native_steps_keep_to_max_pending(inproc):
+    """A step that would take the in-flight count past --max-pending is answered `overloaded`,
+    native steps in flight counted like any other."""
+    seed = random_seed()
+    conns, replies, held = steps_of_two_connections(inproc(max_delay_us=0, max_pending=1), seed)
+    assert replies[0].ok, f"seed={seed}: {replies[0]}"
+    assert not replies[1].ok and replies[1].error["code"] == "overloaded", f"seed={seed}: {replies[1]}"
+    assert held.taken == conns[:1], f"seed={seed}"
 
 
 def test_mutated_frames_are_answered_and_the_server_lives_on(inproc):
