@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import msgspec
@@ -49,8 +48,8 @@ import protocol
 from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.client import PortClient
 
-from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, ZmqLane, connect_unix, encode_request,
-                     exchange, frame_bytes, lane_call, open_floor)
+from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
+                     frame_bytes, lane_call, open_floor)
 from .machine import summarize_us, write_results
 
 # Untimed round trips before the timed ones: first-call allocations, page faults.
@@ -229,9 +228,10 @@ class ReplyHead(msgspec.Struct):
     error: dict = {}
 
 
-# Part (b)'s lanes: stdio (the callers share the server's pipes, as the processes behind one Port
-# owner do), unix and zmq (ipc) (a connection per caller, as separate client processes have).
-CALLER_LANES = ("stdio", "unix", "zmq")
+# Part (b)'s lanes, by their --lanes name, as BridgeProcess names them: stdio (the callers share
+# the server's pipes, as the processes behind one Port owner do), unix and zmq (ipc) (a
+# connection per caller, as separate client processes have).
+CALLER_LANES = {"stdio": "stdio", "unix": "unix", "zmq": "zmq-ipc"}
 
 
 class CallerLoop(BridgeProcess):
@@ -244,27 +244,18 @@ class CallerLoop(BridgeProcess):
     def __init__(self, server_args: list[str], lane: str = "stdio"):
         if lane not in CALLER_LANES:
             raise ValueError(f"lane: expected one of {', '.join(CALLER_LANES)}, got {lane!r}")
-        self.lane_kind = lane
-        self._scratch = None
-        extra = []
-        if lane != "stdio":
-            self._scratch = tempfile.TemporaryDirectory(prefix="scan-bridge-callers-")
-            self._address = (os.path.join(self._scratch.name, "bridge.sock") if lane == "unix"
-                             else f"ipc://{self._scratch.name}/bridge.ipc")
-            extra = ["--stdio", f"--{lane}", self._address]
-        super().__init__(server_args + extra)
+        self.lane_name = CALLER_LANES[lane]
+        super().__init__(server_args, lanes=() if lane == "stdio" else (self.lane_name,))
         self._heads = msgspec.msgpack.Decoder(ReplyHead)
         self._connections: list = []
 
     def step_frames(self, rows: int, callers: int) -> tuple[list, list[list]]:
         """Each caller's lane and its one pre-encoded step request frame, for a session of its
         own (A a handle put on that lane: a handle belongs to the connection that put it)."""
-        self.call("ping")  # answered once the server serves, when every lane is bound
-        if self.lane_kind == "stdio":
+        if self.lane_name == "stdio":
             lanes = [self.lane] * callers
         else:
-            connect = connect_unix if self.lane_kind == "unix" else ZmqLane
-            lanes = self._connections = [connect(self._address) for _ in range(callers)]
+            lanes = self._connections = [self.connect(self.lane_name) for _ in range(callers)]
         handles, frames = {}, []
         for i, lane in enumerate(lanes):
             if id(lane) not in handles:
@@ -278,8 +269,8 @@ class CallerLoop(BridgeProcess):
         counts, round_trips, batch_rows = [0] * callers, [], []
         sent_at = [0] * callers
         shared = len({id(lane) for lane in lanes}) == 1
-        poller, polled = zmq.Poller(), {}
         if not shared:  # a connection per caller: wait for whichever answers
+            poller, polled = zmq.Poller(), {}
             for lane in lanes:
                 key = lane.socket if isinstance(lane, ZmqLane) else lane.fileno()
                 poller.register(key, zmq.POLLIN)
@@ -309,13 +300,9 @@ class CallerLoop(BridgeProcess):
         return {"elapsed_s": elapsed, "counts": counts, "round_trips": round_trips, "batch_rows": batch_rows}
 
     def close(self) -> None:
-        try:
-            for connection in self._connections:
-                connection.close()
-            super().close()
-        finally:
-            if self._scratch is not None:
-                self._scratch.cleanup()
+        for connection in self._connections:
+            connection.close()
+        super().close()
 
 
 def run_callers(server_args: list[str], rows: int, callers: int, seconds: float, lane: str = "stdio") -> dict:

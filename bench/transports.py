@@ -18,7 +18,6 @@ reply once, to the right client.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import threading
@@ -34,8 +33,8 @@ from bridge.cli import tune_malloc
 from bridge.bench.cases import Case
 from bridge.client import UnixClient, ZmqClient
 
-from .floors import (SETTLE_SECONDS, BridgeProcess, ZmqLane, connect_unix, encode_request, exchange,
-                     floor_missing, frame_bytes, lane_call, open_floor)
+from .floors import (SETTLE_SECONDS, BridgeProcess, encode_request, exchange, floor_missing, frame_bytes,
+                     lane_call, open_floor)
 from .machine import write_results
 from .roundtrip import exphil_inputs, summarize
 
@@ -56,28 +55,13 @@ class Server(BridgeProcess):
     """`python -m bridge` with every lane open; stdio is reached through its pipes."""
 
     def __init__(self, server_args: list[str]):
-        self.scratch = tempfile.TemporaryDirectory(prefix="bench-transports-")
-        self.unix = os.path.join(self.scratch.name, "bridge.sock")
         self.log = tempfile.TemporaryFile()
-        super().__init__([*server_args, "--stdio", "--unix", self.unix,
-                          "--zmq", f"ipc://{self.scratch.name}/bridge.ipc", "--zmq", "tcp://:*"], stderr=self.log)
-        info = self.call("info")
-        self.backend = info["backend"]
-        self.endpoints = {"unix": self.unix}
-        for entry in info["transports"]:
-            kind, _, address = entry.partition(" ")
-            if kind == "zmq":
-                self.endpoints["zmq-ipc" if address.startswith("ipc://") else "zmq-tcp"] = address
-
-    def connect(self, lane: str):
-        if lane == "stdio":
-            return self.lane
-        return connect_unix(self.unix) if lane == "unix" else ZmqLane(self.endpoints[lane])
+        super().__init__(server_args, stderr=self.log, lanes=("unix", "zmq-ipc", "zmq-tcp"))
+        self.backend = self.call("info")["backend"]
 
     def close(self) -> None:
         super().close()
         self.log.close()
-        self.scratch.cleanup()
 
 
 def case_request(case: str, lane) -> tuple[str, dict]:
@@ -151,7 +135,7 @@ def run_clients(server: Server, lane: str, clients: int, requests: int, seed: in
     lost, misrouted, duplicated, latencies = [], [], [], []
 
     def client_run(index: int):
-        client = UnixClient(server.unix) if lane == "unix" else ZmqClient(server.endpoints[lane])
+        client = UnixClient(server.endpoints["unix"]) if lane == "unix" else ZmqClient(server.endpoints[lane])
         try:
             start.wait()
             window: list = []
