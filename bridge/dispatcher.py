@@ -18,13 +18,13 @@ game loop's queue stage was 50 µs a step in bench/results/game_loop.json as com
 queue for the worker, which gathers them into batches as usual.
 One lock (`_serving`) lets one thread at a time run ops, so the ops never run concurrently.
 
-Before any of that, a request without raw buffers that finds nothing in flight but native steps
-(other connections', see _serve_native) -- on any lane, whatever waits behind it -- is offered
-to the native step path (bridge.native): a plain step it serves in C++ from frame to reply under
-the same lock; anything else it hands back untouched, before any decoding here. That keeps the
-order: nothing gone the general way is overtaken, and a connection's requests are read one after
-the other. It takes steps under load too, where the batcher would have gathered them: on the CPU
-a step served natively alone costs less than its share of a batch through the general path (8
+Before any of that, the native step path (bridge.native) reads a request without raw buffers
+where it lies; anything but a plain step goes on untouched. A plain step that finds nothing in
+flight but native steps (other connections', see _serve_native) -- on any lane, whatever waits
+behind it -- it serves in C++ from frame to reply under the same lock. That keeps the order:
+nothing gone the general way is overtaken, and a connection's requests are read one after the
+other. It takes steps under load too, where the batcher would have gathered them: on the CPU a
+step served natively alone costs less than its share of a batch through the general path (8
 callers stepping 1-row sessions: 5.15x the batched general path's throughput over stdio, 3.12x
 over ZeroMQ, 1.74x over the unix lane; 32-row ones 1.74-1.99x; bench/results/game_loop.json,
 part b). Steps that queue behind other work, and every step where there is no native path (CUDA,
@@ -118,7 +118,8 @@ class Dispatcher:
         transport that can tell it is not (stdio, unix) passes False, letting an idle server
         serve the request on this thread."""
         self.server.stats.frame_in(len(body))
-        if self.server.native_step is not None and not buffers and self._serve_native(conn, body, received_ns):
+        native = self._native_request(body) if self.server.native_step is not None and not buffers else None
+        if native is not None and self._serve_native(conn, native, received_ns):
             if release:
                 release()
             return
@@ -161,10 +162,19 @@ class Dispatcher:
         if not (idle and not more_input and self._serve_on(call, reader=True)):
             self._queue.put(call)
 
-    def _serve_native(self, conn, body, received_ns: int) -> bool:
-        """Serve a plain step on this thread through the native path, if nothing is in flight
-        but other native steps (other connections' readers, each serving one). False: it was not
-        taken, and goes the general way.
+    def _native_request(self, body):
+        """The plain step `body` holds, for the native path; None for any other request, or
+        when parsing fails (the general path then answers it)."""
+        try:
+            return self.server.native_step.parse(body)
+        except Exception:
+            log.exception("native step path failed parsing a request")
+            return None
+
+    def _serve_native(self, conn, request, received_ns: int) -> bool:
+        """Serve a parsed plain step on this thread through the native path, if nothing is in
+        flight but other native steps (other connections' readers, each serving one). False: it
+        was not taken, and goes the general way.
 
         A request that goes the general way is never overtaken: while one is in flight, every
         request after it goes that way too. Native steps of other connections only wait for the
@@ -183,7 +193,7 @@ class Dispatcher:
         try:
             with self._serving:
                 try:
-                    outcome = self.server.native_step.serve(conn, body, received_ns)
+                    outcome = self.server.native_step.serve(conn, request, received_ns)
                 except NativeStepError as exc:  # its kernel ran, or may have: never served twice
                     log.error("native step failed", exc_info=exc.__cause__)
                     self._reply_error(conn, exc.request_id, exc, legacy=False, stats_op="step")

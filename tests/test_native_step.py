@@ -88,19 +88,28 @@ def constants(case: StepCase, gen: torch.Generator) -> dict:
 
 
 class Served:
-    """Counts the requests the native path of `srv` served (every frame is offered to it)."""
+    """Records the connection of every request the native path of `srv` served; with
+    `hold_first`, holds the first inside it (under the serving lock) until `let_go` is set."""
 
-    def __init__(self, srv):
-        self.taken = 0
+    def __init__(self, srv, hold_first: bool = False):
         native = srv.server.native_step
         serve = native.serve
+        self.conns, self.inside, self.let_go = [], threading.Event(), threading.Event()
 
-        def counting(conn, frame, received_ns):
-            outcome = serve(conn, frame, received_ns)
-            self.taken += outcome is not None
+        def recording(conn, request, received_ns):
+            outcome = serve(conn, request, received_ns)
+            if outcome is not None:
+                self.conns.append(conn)
+                if hold_first and len(self.conns) == 1:
+                    self.inside.set()
+                    self.let_go.wait(60)
             return outcome
 
-        native.serve = counting
+        native.serve = recording
+
+    @property
+    def taken(self) -> int:
+        return len(self.conns)
 
 
 def submit(srv, conn, op, **args) -> protocol.Reply:
@@ -232,34 +241,14 @@ def test_every_step_that_finds_nothing_in_flight_is_served_natively(inproc):
     assert reply.ok and reply.timing["batch_rows"] == case.batch and served.taken == 2, f"seed={seed}"
 
 
-class HeldNativeStep:
-    """Holds the first step the native path of `srv` serves inside it (under the serving lock)
-    until `let_go`; records the connection of every step it serves."""
-
-    def __init__(self, srv):
-        native = srv.server.native_step
-        serve = native.serve
-        self.inside, self.let_go, self.taken = threading.Event(), threading.Event(), []
-
-        def held_first(conn, frame, received_ns):
-            outcome = serve(conn, frame, received_ns)
-            self.taken.append(conn)
-            if len(self.taken) == 1:
-                self.inside.set()
-                self.let_go.wait(60)
-            return outcome
-
-        native.serve = held_first
-
-
-def steps_of_two_connections(srv, seed: int) -> tuple[list, list[protocol.Reply], HeldNativeStep]:
+def steps_of_two_connections(srv, seed: int) -> tuple[list, list[protocol.Reply], Served]:
     """The first connection's step held inside the native path until the second's is in flight
     too (waiting, or queued) or answered; both replies once let go."""
     gen = torch.Generator().manual_seed(seed)
     case = StepCase(2, 8, 4, handles=True)
     conns = [RecordingConnection(), RecordingConnection()]
     opened = [open_session(srv, conn, case, constants(case, gen)) for conn in conns]
-    held = HeldNativeStep(srv)
+    held = Served(srv, hold_first=True)
     ids = [None, None]
 
     def step(i):
@@ -287,7 +276,7 @@ def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(i
     seed = random_seed()
     conns, replies, held = steps_of_two_connections(inproc(max_delay_us=0), seed)
     assert all(r.ok and r.timing["h2d_us"] == r.timing["d2h_us"] == 0 for r in replies), f"seed={seed}: {replies}"
-    assert held.taken == conns, f"seed={seed}"
+    assert held.conns == conns, f"seed={seed}"
 
 
 def test_native_steps_keep_to_max_pending(inproc):
@@ -297,7 +286,7 @@ def test_native_steps_keep_to_max_pending(inproc):
     conns, replies, held = steps_of_two_connections(inproc(max_delay_us=0, max_pending=1), seed)
     assert replies[0].ok, f"seed={seed}: {replies[0]}"
     assert not replies[1].ok and replies[1].error["code"] == "overloaded", f"seed={seed}: {replies[1]}"
-    assert held.taken == conns[:1], f"seed={seed}"
+    assert held.conns == conns[:1], f"seed={seed}"
 
 
 def test_mutated_frames_are_answered_and_the_server_lives_on(inproc):
@@ -399,10 +388,14 @@ def test_failures_inside_the_native_path_are_answered(inproc, monkeypatch):
     def broken_parse(frame):
         raise RuntimeError("a parser bug")
 
-    monkeypatch.setattr(native, "_parse", broken_parse)
-    assert submit(srv, conn, "step", session=session, **shared, **step_inputs(case, gen)).ok
-    assert served.taken == 0
-    monkeypatch.undo()
+    def broken_lookup(session):
+        raise RuntimeError("a lookup bug")
+
+    for name, broken in (("_parse", broken_parse), ("_pool_addresses", broken_lookup)):
+        monkeypatch.setattr(native, name, broken)
+        assert submit(srv, conn, "step", session=session, **shared, **step_inputs(case, gen)).ok, name
+        assert served.taken == 0, name
+        monkeypatch.undo()
 
     class FailingKernel:
         def run(self, *args):
@@ -413,7 +406,7 @@ def test_failures_inside_the_native_path_are_answered(inproc, monkeypatch):
     assert not reply.ok and reply.error["code"] == "internal_error", reply.error
     assert "the kernel failed" in reply.error["message"]
     stats = srv.server.stats.snapshot()["ops"]["step"]
-    assert (stats["success_count"], stats["failure_count"]) == (1, 1), stats
+    assert (stats["success_count"], stats["failure_count"]) == (2, 1), stats
 
 
 def test_what_the_native_path_keeps_goes_with_its_session_and_handle(inproc):

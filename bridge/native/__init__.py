@@ -83,12 +83,14 @@ class NativeStep:
             log.warning("native step path unavailable, steps take the general path: %s", exc)
             return None
 
-    def serve(self, conn, frame, received_ns: int) -> tuple[bytes, dict] | None:
-        """(reply body, timing) of a plain step request, the session's state stepped; None for
-        any other request (nothing touched)."""
-        request = self._parse(frame)
-        if request is None:
-            return None
+    def parse(self, frame):
+        """The plain step request in `frame`, read where it lies (valid while the frame is), or
+        None for any other request. Pure: the dispatcher asks before any bookkeeping."""
+        return self._parse(frame)
+
+    def serve(self, conn, request, received_ns: int) -> tuple[bytes, dict] | None:
+        """(reply body, timing) of a parsed plain step, the session's state stepped; None when
+        its session or a handle is not this connection's or not usable here (nothing touched)."""
         session = self.server.sessions.find(conn.id, request.session)
         if session is None or session.closed:
             return None
