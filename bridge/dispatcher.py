@@ -191,9 +191,10 @@ class Dispatcher:
             self._pending += 1
             self._pending_native += 1
         try:
+            waiting_since = now_ns()
             with self._serving:
                 try:
-                    outcome = self.server.native_step.serve(conn, request, received_ns)
+                    outcome = self.server.native_step.serve(conn, request, received_ns, now_ns() - waiting_since)
                 except NativeStepError as exc:  # its kernel ran, or may have: never served twice
                     log.error("native step failed", exc_info=exc.__cause__)
                     self._reply_error(conn, exc.request_id, exc, legacy=False, stats_op="step")

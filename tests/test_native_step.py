@@ -96,8 +96,8 @@ class Served:
         serve = native.serve
         self.conns, self.inside, self.let_go = [], threading.Event(), threading.Event()
 
-        def recording(conn, request, received_ns):
-            outcome = serve(conn, request, received_ns)
+        def recording(conn, request, *timings):
+            outcome = serve(conn, request, *timings)
             if outcome is not None:
                 self.conns.append(conn)
                 if hold_first and len(self.conns) == 1:
@@ -241,6 +241,10 @@ def test_every_step_that_finds_nothing_in_flight_is_served_natively(inproc):
     assert reply.ok and reply.timing["batch_rows"] == case.batch and served.taken == 2, f"seed={seed}"
 
 
+# How long the first step is held once the second is in flight.
+HELD_S = 0.02
+
+
 def steps_of_two_connections(srv, seed: int) -> tuple[list, list[protocol.Reply], Served]:
     """The first connection's step held inside the native path until the second's is in flight
     too (waiting, or queued) or answered; both replies once let go."""
@@ -263,6 +267,7 @@ def steps_of_two_connections(srv, seed: int) -> tuple[list, list[protocol.Reply]
     while srv.dispatcher._pending < 2 and threads[1].is_alive():
         assert time.monotonic() < deadline, "the second step never arrived"
         time.sleep(0.001)
+    time.sleep(HELD_S)  # what a second step waiting meanwhile reports as its queue_us, at least
     held.let_go.set()
     for thread in threads:
         thread.join(60)
@@ -272,11 +277,15 @@ def steps_of_two_connections(srv, seed: int) -> tuple[list, list[protocol.Reply]
 def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(inproc):
     """Connections stepping at once (the unix lane: a reader thread each): a step that finds
     only other connections' native steps in flight waits for the serving lock and is served
-    natively too, rather than queued for the worker, where the steps after it would follow."""
+    natively too, rather than queued for the worker, where the steps after it would follow; its
+    timing shows the wait as queue_us."""
     seed = random_seed()
     conns, replies, held = steps_of_two_connections(inproc(max_delay_us=0), seed)
     assert all(r.ok and r.timing["h2d_us"] == r.timing["d2h_us"] == 0 for r in replies), f"seed={seed}: {replies}"
     assert held.conns == conns, f"seed={seed}"
+    # Its wait for the first is its queue_us, not part of its decode.
+    assert replies[1].timing["queue_us"] >= HELD_S * 1e6, replies[1].timing
+    assert replies[1].timing["decode_us"] < replies[1].timing["queue_us"], replies[1].timing
 
 
 def test_native_steps_keep_to_max_pending(inproc):
@@ -331,6 +340,18 @@ class CountingConnection(RecordingConnection):
     def send(self, parts: list, buffers: list | None = None) -> int:
         self.sent += 1
         return super().send(parts, buffers)
+
+
+def test_a_missing_source_leaves_the_general_path_serving(monkeypatch, tmp_path):
+    """A package installed without step.cpp: the native path is unavailable, and says why,
+    instead of stopping the server."""
+    import bridge.native
+    from bridge.device import choose_device
+    from bridge.server import Server, ServerConfig
+
+    monkeypatch.setattr(bridge.native, "NATIVE_DIR", tmp_path)
+    server = Server(ServerConfig(device="cpu"), choose_device("cpu"))
+    assert server.native_step is None
 
 
 def test_the_kernel_capsule_refuses_another_problem_layout():

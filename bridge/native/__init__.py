@@ -4,8 +4,9 @@ call (step.cpp), on the CPU with the "cpu" backend.
 A step long after the last -- a 60 FPS game loop's frame -- spent about 0.5 ms of its 1.3 ms
 round trip in the server's Python per-request work, which a pause makes several times slower
 than back to back (bench/results/game_loop.json as recorded at e6519e1, `git show
-758a274:bench/results/game_loop.json`: server 0.91 ms, of it the kernel call 0.38). Here the request is read where it lies in the frame,
-the kernel reads its operands there and writes y straight into the reply.
+758a274:bench/results/game_loop.json`: server 0.89 ms, of it the kernel call 0.38 (the runs'
+medians)). Here the request is read where it lies in the frame, the kernel reads its operands
+there and writes y straight into the reply.
 
 What it takes -- anything else goes the general way (bridge.dispatcher), which answers every
 error: a v1 request in one frame (no raw buffers: a stream lane's, or a one-part ZeroMQ message)
@@ -14,9 +15,10 @@ and C [batch, state] or [batch, groups, state]), A and optionally D and dt_bias 
 as handles to contiguous f32 tensors, and the dt options; request and session ids in ASCII. The
 dispatcher hands it every request without raw buffers that finds nothing in flight but other
 native steps, on any lane and under load too (bridge.dispatcher says why). Its replies are the
-general path's, but for the timing: `decode_us` covers everything before the kernel (parsing,
-the session and handle lookups, the checks) and h2d and d2h are 0 (the kernel reads the frame
-and writes the reply).
+general path's, but for the timing: `queue_us` is the wait for the serving lock (behind other
+connections' native steps), `decode_us` everything else before the kernel (parsing, the session
+and handle lookups, the checks), and h2d and d2h are 0 (the kernel reads the frame and writes
+the reply).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 
 import kernels
 from kernels.errors import BackendUnavailable
+
+from ..timing import STAGE_KEYS
 
 log = logging.getLogger("bridge")
 
@@ -58,15 +62,18 @@ class NativeStep:
     """Serves plain step requests for `server` (see the module docstring)."""
 
     def __init__(self, server, module, run_problem):
+        if tuple(module.STAGE_KEYS) != STAGE_KEYS:
+            raise BackendUnavailable(f"native step path: its replies' stages {tuple(module.STAGE_KEYS)}, "
+                                     f"expected bridge.timing's {STAGE_KEYS}")
         self.server = server
         self._parse = module.parse
         self._native = module.Stepper(run_problem)
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
         # torch once rather than on every step (Python-level work, which a pause makes several
-        # times slower). An entry
-        # holds a weak reference to the tensor it was read from (valid while that is still the
-        # one in use) and leaves with its session or tensor (a weak reference's callback), so
-        # the caches hold nothing alive and keep nothing of what is gone.
+        # times slower). An entry holds a weak reference to the tensor it was read from (valid
+        # while that is still the one in use) and leaves with its session or tensor (a weak
+        # reference's callback), so the caches hold nothing alive and keep nothing of what is
+        # gone.
         self._pools: dict[str, tuple] = {}
         self._handles: dict[str, tuple] = {}
 
@@ -88,13 +95,16 @@ class NativeStep:
         None for any other request. Pure: the dispatcher asks before any bookkeeping."""
         return self._parse(frame)
 
-    def serve(self, conn, request, received_ns: int) -> tuple[bytes, dict] | None:
+    def serve(self, conn, request, received_ns: int, queued_ns: int = 0) -> tuple[bytes, dict] | None:
         """(reply body, timing) of a parsed plain step, the session's state stepped; None when
-        its session or a handle is not this connection's or not usable here (nothing touched)."""
+        its session or a handle is not this connection's or not usable here (nothing touched).
+        `queued_ns`: how long it waited to be served, its queue_us."""
         session = self.server.sessions.find(conn.id, request.session)
         if session is None or session.closed:
             return None
-        handle_tensors = {}
+        # The kernel gets the handles' addresses only: their tensors are held here until it is
+        # done, whatever frees the handles meanwhile.
+        handle_tensors, held = {}, []
         for name, handle in request.handles.items():
             tensor = self.server.handles.find(conn.id, handle)
             if tensor is None:
@@ -103,9 +113,10 @@ class NativeStep:
             if ref is None:
                 return None
             handle_tensors[name] = ref
+            held.append(tensor)
         pool_address, slots_address = self._pool_addresses(session)
         try:
-            return self._native.run(request, received_ns, pool_address, session.batch, session.dim,
+            return self._native.run(request, received_ns, queued_ns, pool_address, session.batch, session.dim,
                                     session.state, slots_address, handle_tensors)
         except Exception as exc:
             raise NativeStepError(request.id, exc) from exc

@@ -4,14 +4,15 @@
 // Why: on the 2-core box a paced step spent about 0.5 ms of its 1.3 ms in the server's Python
 // per-request work (decoding, making tensors of the wire bytes, the kernels API's checks,
 // encoding), which a pause makes several times slower (bench/results/game_loop.json as recorded
-// at e6519e1, `git show 758a274:bench/results/game_loop.json`; cold_after_pause_probe.json). Here the request is read where it lies in the frame, the kernel
-// reads its operands there and writes y straight into the reply, and the reply is built around
-// it: no tensors and no copies.
+// at e6519e1, `git show 758a274:bench/results/game_loop.json`; cold_after_pause_probe.json).
+// Here the request is read where it lies in the frame, the kernel reads its operands there and
+// writes y straight into the reply, and the reply is built around it: no tensors and no copies.
 //
 // It serves only the plain form of a step (bridge/native/__init__.py says which); for anything
 // else `parse` returns None and the request takes the general path, which gives every error
-// reply. So nothing here reports an error to a client: a request it cannot take is handed on
-// untouched, and a request it takes is known to be valid before the state is touched.
+// reply. So nothing here reports a request's error to a client: a request it cannot take is
+// handed on untouched, and a request it takes is known to be valid before the state is touched
+// (only a failing kernel is raised, and answered as internal_error by the dispatcher).
 //
 // The kernel is the CPU backend's, called through the capsule its extension exports
 // (kernels/cpu/binding.cpp, "scan_bridge.run_problem") with the ScanProblem of
@@ -38,8 +39,6 @@ using scan_bridge::ScanProblem;
 using scan_bridge::Strided;
 
 namespace {
-
-using RunProblem = int (*)(const ScanProblem*, size_t, char*, size_t);
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -137,7 +136,7 @@ class Reader {
       uint64_t raw;
       if (!big_endian(8, &raw)) return false;
       std::memcpy(v, &raw, 8);
-    } else if (c >= 0xd0 && c <= 0xd3) {
+    } else if ((c >= 0xd0 && c <= 0xd3) || c >= 0xe0) {  // int 8-64, negative fixint
       int64_t i;
       if (!signed_int(&i)) return false;
       *v = static_cast<double>(i);
@@ -290,9 +289,12 @@ bool read_operand(Reader& r, bool may_be_handle, F32Array* t, std::optional<std:
     }
   }
   if (!seen_dtype || !seen_shape || t->data == nullptr) return false;
+  // Each axis is at most 2^30, so three of them could wrap the product: checked multiplies.
   uint64_t elements = 1;
-  for (int d = 0; d < t->ndim; ++d) elements *= static_cast<uint64_t>(t->shape[d]);
-  return nbytes == elements * 4;
+  for (int d = 0; d < t->ndim; ++d)
+    if (__builtin_mul_overflow(elements, static_cast<uint64_t>(t->shape[d]), &elements)) return false;
+  uint64_t expected;
+  return !__builtin_mul_overflow(elements, uint64_t{4}, &expected) && nbytes == expected;
 }
 
 // nil for an optional argument is "absent" (SPEC §3).
@@ -504,19 +506,20 @@ Strided f32(const void* data, int64_t s0, int64_t s1 = 0, int64_t s2 = 0, int64_
 class Stepper {
  public:
   explicit Stepper(py::capsule run_problem)
-      : run_problem_(reinterpret_cast<RunProblem>(run_problem.get_pointer())), keep_(run_problem) {
-    if (std::string(run_problem.name()) != "scan_bridge.run_problem")
-      throw py::value_error("expected the cpu backend's scan_bridge.run_problem capsule");
+      : run_problem_(reinterpret_cast<scan_bridge::RunProblemFn>(run_problem.get_pointer())), keep_(run_problem) {
+    if (std::string(run_problem.name()) != scan_bridge::kRunProblemCapsule)
+      throw py::value_error(std::string("expected the cpu backend's ") + scan_bridge::kRunProblemCapsule + " capsule");
   }
 
   // One step of the session whose state rows are `pool` rows `slots` (`batch` of them, each
   // [dim, state] f32, the pool contiguous), with A, D, dt_bias from handles where the request
-  // named them (`handle_tensors`: name -> (data_ptr, shape) of a contiguous f32 CPU tensor).
+  // named them (`handle_tensors`: name -> (data_ptr, shape) of a contiguous f32 CPU tensor);
+  // `queued_ns` of the time since `received_ns` the request waited to be served (queue_us).
   // Returns (reply body, timing) -- y written into the reply by the kernel -- or None when the
   // request does not fit the session or its handles (nothing touched; the general path then
   // answers it).
-  py::object run(const StepRequest& req, int64_t received_ns, uintptr_t pool, int64_t batch, int64_t dim,
-                 int64_t state, uintptr_t slots, py::dict handle_tensors) {
+  py::object run(const StepRequest& req, int64_t received_ns, int64_t queued_ns, uintptr_t pool, int64_t batch,
+                 int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors) {
     // The operands, with A, D and dt_bias from their handles where the request named them.
     F32Array op[kOperands];
     std::copy(std::begin(req.operands), std::end(req.operands), op);
@@ -576,8 +579,8 @@ class Stepper {
 
     // The reply: {"v": 1, "id", "ok": true, "result": {"y": tensor}, "timing": {...}}, sized
     // before it is written (the id, the shape and the payload are the only variable parts).
-    const std::string id_text = py::isinstance<py::str>(req.id) ? req.id.cast<std::string>() : std::string();
     const bool id_is_str = py::isinstance<py::str>(req.id);
+    const std::string id_text = id_is_str ? req.id.cast<std::string>() : std::string();
     const uint64_t id_number = id_is_str ? 0 : req.id.cast<uint64_t>();
     const uint64_t y_bytes = static_cast<uint64_t>(batch) * dim * 4;
     // Envelope and tensor map at most 96 bytes besides the id; each timing entry at most 21.
@@ -610,10 +613,10 @@ class Stepper {
     if (status != 0) throw std::runtime_error(std::string("native step kernel: ") + error);
     const int64_t kernel_end = now_ns();
 
-    // Everything before the kernel -- parsing, the caller's session and handle lookups, these
-    // checks -- is the request's decode; the kernel wrote y into the reply, so there is no
-    // host copy either way.
-    double stages[std::size(kStageKeys)] = {(kernel_start - received_ns) / 1e3, 0.0, 0.0,
+    // Everything before the kernel but the wait to be served -- parsing, the caller's session
+    // and handle lookups, these checks -- is the request's decode; the kernel wrote y into the
+    // reply, so there is no host copy either way.
+    double stages[std::size(kStageKeys)] = {(kernel_start - received_ns - queued_ns) / 1e3, queued_ns / 1e3, 0.0,
                                             (kernel_end - kernel_start) / 1e3, 0.0, 0.0};
     w.raw("\xa6timing");
     *w.position() = static_cast<uint8_t>(0x80 | kTimingEntries);
@@ -645,7 +648,7 @@ class Stepper {
   }
 
  private:
-  RunProblem run_problem_;
+  scan_bridge::RunProblemFn run_problem_;
   py::capsule keep_;
 };
 
@@ -658,9 +661,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("id", [](const StepRequest& r) { return r.id; })
       .def_property_readonly("handles", &handles_of);
   m.def("parse", &parse, py::arg("frame"));
+  // The stage keys the replies' timing holds, for bridge.native to check against bridge/timing.py.
+  py::tuple stage_keys(std::size(kStageKeys));
+  for (size_t k = 0; k < std::size(kStageKeys); ++k) stage_keys[k] = kStageKeys[k];
+  m.attr("STAGE_KEYS") = stage_keys;
   py::class_<Stepper>(m, "Stepper")
       .def(py::init<py::capsule>())
-      .def("run", &Stepper::run, py::arg("request"), py::arg("received_ns"),
+      .def("run", &Stepper::run, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("dim"), py::arg("state"), py::arg("slots"),
            py::arg("handle_tensors"));
 }

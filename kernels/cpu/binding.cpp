@@ -3,9 +3,9 @@
 // calling thread and helper threads (helper_pool.h), as many in all as torch.get_num_threads().
 // Native callers in the process get the same run for a ScanProblem they fill themselves through
 // the "scan_bridge.run_problem" capsule.
-// The GIL is released while the kernel runs. Arguments arrive validated by kernels._args; the
-// checks here cover ranks, dtypes and devices only (sizes are trusted from kernels._args, so a
-// direct call with mismatched sizes reads out of bounds).
+// The GIL is released while the kernel runs. Arguments arrive validated by kernels._args (a
+// ScanProblem through the capsule, by its caller); the checks here cover ranks, dtypes and
+// devices only (sizes are trusted, so a direct call with mismatched sizes reads out of bounds).
 //
 // Only the light ATen headers are included (not torch/extension.h), which keeps this file's
 // compile short.
@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "helper_pool.h"
 #include "scan_kernel.h"
@@ -190,6 +191,9 @@ int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t e
   } catch (const std::exception& e) {
     std::snprintf(error, error_size, "%s", e.what());
     return 1;
+  } catch (...) {  // nothing may unwind through the C signature into another module
+    std::snprintf(error, error_size, "the kernel raised something other than a std::exception");
+    return 1;
   }
 }
 
@@ -200,5 +204,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan", &scan, py::call_guard<py::gil_scoped_release>());
   m.def("state_update", &state_update, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
-  m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), "scan_bridge.run_problem");
+  static_assert(std::is_same_v<decltype(&run_problem), scan_bridge::RunProblemFn>);
+  m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), scan_bridge::kRunProblemCapsule);
 }

@@ -85,9 +85,15 @@ def _kernel_sources(directory: Path) -> Sources:
 
 
 def _hash_sources(h, sources: Sources):
+    """Each file's name (not where the checkout lies) and bytes; BackendUnavailable when one is
+    missing (a package installed without it)."""
     for name in sources.files + sources.headers:
-        h.update(str(name).encode())
-        h.update((sources.directory / name).read_bytes())
+        path = sources.directory / name
+        h.update(path.name.encode())
+        try:
+            h.update(path.read_bytes())
+        except OSError as exc:
+            raise BackendUnavailable(f"cannot read the source {path}: {exc}") from exc
 
 
 def build_digest(sources: Sources | None = None, module_name: str | None = None) -> str:
@@ -188,8 +194,7 @@ def load_sources(source_dir: Path, name_prefix: str):
     sources = _kernel_sources(source_dir)
     h = hashlib.sha256()
     _hash_sources(h, sources)
-    module_name = f"{name_prefix}_{h.hexdigest()[:12]}"
-    return _load(build_root() / "other" / build_digest(sources, module_name), sources, module_name, False)
+    return load_module(sources, f"{name_prefix}_{h.hexdigest()[:12]}", "other")
 
 
 def load_module(sources: Sources, module_name: str, subdirectory: str):

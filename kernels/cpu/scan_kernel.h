@@ -100,4 +100,10 @@ void run_items(const ScanProblem& p, WorkQueue& queue, int seat);
 // The instruction set the kernels were compiled for, for `info` and benchmark reports.
 const char* simd_description();
 
+// The kernel run for native callers in this process (kernels/cpu/binding.cpp exports it, the
+// bridge's native step path calls it): `problem_size` is sizeof(ScanProblem) as the caller was
+// compiled; 0 on success, else the error's message is in `error`.
+using RunProblemFn = int (*)(const ScanProblem* problem, size_t problem_size, char* error, size_t error_size);
+inline constexpr char kRunProblemCapsule[] = "scan_bridge.run_problem";
+
 }  // namespace scan_bridge
