@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device bytes of tensors held as handles")
     p.add_argument("--no-native-step", dest="native_step", action="store_false",
                    help="serve every step through the general (Python) path, never the native C++ one "
-                        "(bridge.native), which by default serves each plain step that finds nothing in flight, "
+                        "(bridge.native), which by default serves each plain step that finds nothing but native steps in flight, "
                         "unbatched; with this flag concurrent steps are batched")
 
     # Transports, any combination, one dispatcher. Without --zmq/--unix the server speaks stdio;

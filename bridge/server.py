@@ -44,7 +44,7 @@ class ServerConfig:
     max_pool_bytes: int = 1 << 30
     max_handles: int = 4096
     max_handle_bytes: int = 1 << 30
-    # Serve plain steps that find nothing in flight in C++ (bridge.native), where it can.
+    # Serve plain steps that find nothing but native steps in flight in C++ (bridge.native), where it can.
     native_step: bool = True
 
 
@@ -67,7 +67,8 @@ class Server:
         self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
                                      max_pool_bytes=config.max_pool_bytes)
         self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)
-        # Plain steps that find nothing in flight, served in C++ (None: every step goes the general way).
+        # Plain steps that find nothing but native steps in flight, served in C++ (None: every step
+        # goes the general way).
         self.native_step = NativeStep.for_server(self) if config.native_step else None
         self.stats.add_gauge("sessions", self.sessions.usage)
         self.stats.add_gauge("handles", self.handles.usage)
