@@ -1,7 +1,8 @@
 """The unix-socket and ZeroMQ lanes end to end, through real server processes: every lane and
 tensor form against the reference, REQ and DEALER peers, many concurrent pipelining clients,
 peers that vanish or stop reading, per-peer bounds, CURVE, and the multipart form (SPEC §5)
-from the protocol layer up."""
+from the protocol layer up; the unix lane's one reading thread with frames that come in pieces,
+oversized, past a peer's cap, after a half-close, and with the server out of descriptors."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ import torch
 import zmq
 
 import protocol
-from bridge.client import UnixClient, ZmqClient, server_env
-from bridge.transports.framed import read_exact
+from bridge.client import UnixClient, ZmqClient, result_from_wire, server_env
+from bridge.buffers import BufferPool
+from bridge.transports.framed import FrameAssembler, read_exact
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
@@ -39,7 +41,12 @@ def numpy_args(inputs: dict) -> dict:
 
 
 def assert_reply_matches_reference(reply, inputs: dict, what: str = "y") -> None:
-    result = reply.unwrap()
+    """`reply`: a client's, or a protocol.Reply read off a raw socket."""
+    if isinstance(reply, protocol.Reply):
+        assert reply.ok, f"{what}: {reply.error}"
+        result = result_from_wire(reply.result)
+    else:
+        result = reply.unwrap()
     y_ref, state_ref = reference_scan(inputs)
     assert_close(torch.from_numpy(np.array(result["y"])), y_ref, torch.float32, what)
     if inputs.get("return_state"):
@@ -427,6 +434,112 @@ def test_a_unix_peer_that_reads_nothing_does_not_hold_up_the_others(limited):
         stuck.close()
 
 
+def scan_frame(request_id, inputs: dict) -> bytes:
+    args = {k: protocol.OutTensor("f32", v.shape, v.numpy()) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()}
+    return b"".join(protocol.frame_parts(protocol.encode_request(request_id, "scan", args)))
+
+
+def read_reply(reader) -> protocol.Reply:
+    header = memoryview(bytearray(4))
+    assert read_exact(reader, header), "the server closed the connection instead of replying"
+    body = memoryview(bytearray(protocol.parse_frame_header(header)))
+    assert read_exact(reader, body)
+    return protocol.decode_reply(body)
+
+
+def test_a_unix_request_sent_in_pieces_is_read_whole_while_other_connections_are_served(limited):
+    """One thread reads every unix connection: a frame that comes in pieces (its header split
+    too) must not keep it from serving the others meanwhile."""
+    inputs = make_scan_inputs(ScanCase(2, 64, 32, 4, D=True))
+    frame = scan_frame(7, inputs)
+    pieces = [frame[:2], frame[2:4], frame[4:9]] + [frame[i:i + 3000] for i in range(9, len(frame), 3000)]
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.connect(limited.unix)
+    try:
+        with UnixClient(limited.unix) as other:
+            for piece in pieces:
+                slow.sendall(piece)
+                assert other.ping() == {"pong": True}
+        reader = slow.makefile("rb", buffering=0)
+        reply = read_reply(reader)
+        assert reply.id == 7
+        assert_reply_matches_reference(reply, inputs)
+        reader.close()
+    finally:
+        slow.close()
+
+
+def test_a_unix_frame_over_the_limit_is_drained_and_answered_and_the_connection_serves_on(limited):
+    limit = 3_000_000
+    body = os.urandom(1 << 16) * (limit // (1 << 16) + 1)
+    body = body[:limit + 1]
+    big = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    big.connect(limited.unix)
+    try:
+        with UnixClient(limited.unix) as other:
+            big.sendall(struct.pack(">I", len(body)))
+            for start in range(0, len(body), 1 << 20):
+                big.sendall(body[start:start + (1 << 20)])
+                assert other.ping() == {"pong": True}
+        big.sendall(b"".join(protocol.frame_parts(protocol.encode_request(2, "ping"))))
+        reader = big.makefile("rb", buffering=0)
+        refused = read_reply(reader)
+        assert refused.id is None and refused.error["code"] == "frame_too_large"
+        assert refused.error["detail"] == {"length": limit + 1, "limit": limit}
+        pong = read_reply(reader)
+        assert (pong.id, pong.result) == (2, {"pong": True})
+        reader.close()
+    finally:
+        big.close()
+
+
+def test_a_unix_peer_pipelining_past_its_cap_gets_every_reply(limited):
+    """The cap is 2 in flight: the other requests wait unread in the socket until answers free
+    a slot, then are read and served."""
+    requests = {i: make_scan_inputs(ScanCase(1 + i % 3, 5 + i, 4, 2, z=bool(i % 2))) for i in range(12)}
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(limited.unix)
+    try:
+        sock.sendall(b"".join(scan_frame(i, inputs) for i, inputs in requests.items()))
+        reader = sock.makefile("rb", buffering=0)
+        replies = [read_reply(reader) for _ in requests]
+        assert sorted(reply.id for reply in replies) == sorted(requests)
+        for reply in replies:
+            assert_reply_matches_reference(reply, requests[reply.id], f"request {reply.id}")
+        reader.close()
+    finally:
+        sock.close()
+
+
+def test_a_unix_peer_that_half_closes_gets_its_replies_then_its_session_is_freed(limited):
+    with UnixClient(limited.unix) as observer:
+        sessions_before = observer.stats()["sessions"]["sessions"]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(limited.unix)
+        try:
+            reader = sock.makefile("rb", buffering=0)
+            sock.sendall(b"".join(protocol.frame_parts(protocol.encode_request(
+                "open", "session_open", {"batch": 1, "dim": 4, "state": 2}))))
+            assert read_reply(reader).ok
+            assert observer.stats()["sessions"]["sessions"] == sessions_before + 1
+            requests = [make_scan_inputs(ScanCase(2, 300, 48, 8, D=True)) for _ in range(4)]
+            sock.sendall(b"".join(scan_frame(i, inputs) for i, inputs in enumerate(requests)))
+            sock.shutdown(socket.SHUT_WR)
+            for i, inputs in enumerate(requests):
+                reply = read_reply(reader)
+                assert reply.id == i
+                assert_reply_matches_reference(reply, inputs, f"request {i}")
+            assert reader.read(1) == b"", "the server kept the connection open after answering all"
+            reader.close()
+        finally:
+            sock.close()
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while observer.stats()["sessions"]["sessions"] != sessions_before:
+            assert time.monotonic() < deadline, "the half-closed connection's session was never freed"
+            time.sleep(0.05)
+
+
 def test_a_zmq_peer_past_its_queue_is_answered_overloaded_and_others_are_served(limited):
     context = zmq.Context.instance()
     flood = context.socket(zmq.DEALER)
@@ -505,6 +618,44 @@ def test_a_connection_past_the_cap_is_answered_overloaded_and_closed(limited):
     assert closed
 
 
+def test_a_unix_server_out_of_descriptors_accepts_again_once_a_connection_closes(tmp_path):
+    import concurrent.futures
+    import resource
+
+    path = str(tmp_path / "bridge.sock")
+    srv = ServerProcess(str(tmp_path), "--unix", path)
+    try:
+        srv.wait_for_path(path)
+        with UnixClient(path) as first:
+            assert first.ping() == {"pong": True}
+        # Room for a few more descriptors than it has open now: connections past them wait
+        # in the listen backlog, unaccepted.
+        open_now = len(os.listdir(f"/proc/{srv.proc.pid}/fd"))
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (open_now + 4, open_now + 4))
+        served, waiting = [], None
+        for _ in range(20):
+            client = UnixClient(path)
+            pong = client.submit("ping")
+            try:
+                assert pong.result(1.0).result == {"pong": True}
+            except concurrent.futures.TimeoutError:
+                waiting = (client, pong)
+                break
+            served.append(client)
+        assert waiting is not None, "20 connections were accepted under a limit of 4 more descriptors"
+        assert served, "not one connection fitted under the limit"
+        served.pop(0).close()
+        client, pong = waiting
+        assert pong.result(REPLY_TIMEOUT_S).result == {"pong": True}
+        client.close()
+        for client in served:
+            assert client.ping() == {"pong": True}
+            client.close()
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "accepting paused until a connection closes" in srv.log()
+
+
 def test_a_zmq_message_over_the_frame_limit_is_answered_frame_too_large(limited):
     frames = zmq_exchange(limited.ipc, [msgpack.packb({"v": 1, "id": 3, "op": "ping"}),
                                         b"\x01" * 2_000_000, b"\x02" * 1_500_000])
@@ -559,6 +710,72 @@ def test_curve_admits_only_known_clients(tmp_path):
 
 
 # -- in process: endpoints, lane setup, the multipart form ------------------------------------
+
+class CountingPool(BufferPool):
+    def __init__(self):
+        super().__init__()
+        self.out = 0
+
+    def acquire(self, size):
+        view, release = super().acquire(size)
+        self.out += 1
+
+        def give_back():
+            self.out -= 1
+            release()
+        return view, give_back
+
+
+ASSEMBLER_LIMIT = 40
+# Frame body lengths; those over ASSEMBLER_LIMIT must come out as FrameTooLarge.
+ASSEMBLER_FRAMES = [0, 1, 7, 300, 50, 13, 41, 0, 40, 2 * 1024 * 1024 + 3]
+
+
+@pytest.mark.parametrize("chunking", ["whole", "byte_by_byte", "odd_pieces", "random"])
+def test_the_frame_assembler_yields_each_frame_whole_however_the_stream_is_cut(chunking):
+    rng = np.random.default_rng()
+    bodies = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in ASSEMBLER_FRAMES]
+    stream = b"".join(struct.pack(">I", len(b)) + b for b in bodies)
+    pool = CountingPool()
+    assembler = FrameAssembler(pool, ASSEMBLER_LIMIT)
+    frame_starts = set(np.cumsum([0] + [4 + len(b) for b in bodies]).tolist())
+    events, pos = [], 0
+    while pos < len(stream):
+        assert assembler.at_frame_start == (pos in frame_starts), f"at byte {pos}"
+        space = assembler.space()
+        want = {"whole": len(stream), "byte_by_byte": 1, "odd_pieces": 3,
+                "random": int(rng.integers(1, 200))}[chunking]
+        count = min(len(space), want)
+        space[:count] = stream[pos:pos + count]
+        pos += count
+        event = assembler.advance(count)
+        if event is not None:
+            events.append(event)
+    assert len(events) == len(bodies)
+    for body, event in zip(bodies, events):
+        if len(body) > ASSEMBLER_LIMIT:
+            assert isinstance(event, protocol.FrameTooLarge)
+            assert (event.length, event.limit) == (len(body), ASSEMBLER_LIMIT)
+        else:
+            view, release = event
+            assert bytes(view) == body
+            release()
+    assert pool.out == 0
+
+
+def test_the_frame_assembler_gives_back_a_frame_read_in_part():
+    pool = CountingPool()
+    assembler = FrameAssembler(pool, 1 << 20)
+    frame = struct.pack(">I", 1000) + os.urandom(400)
+    space = assembler.space()
+    space[:4] = frame[:4]
+    assert assembler.advance(4) is None and not assembler.at_frame_start
+    space = assembler.space()
+    space[:400] = frame[4:]
+    assert assembler.advance(400) is None and pool.out == 1
+    assembler.abandon()
+    assert pool.out == 0 and assembler.at_frame_start
+
 
 @pytest.mark.parametrize("given, bound", [
     pytest.param("tcp://:5555", "tcp://127.0.0.1:5555", id="no-host-is-loopback"),

@@ -1,9 +1,10 @@
 """The stream framing shared by the stdio and unix-socket lanes (SPEC §2: a 4-byte big-endian
 length, then the body), and by the Python clients that speak it.
 
-Bodies are read straight into pooled buffers (`readinto`, no intermediate copies) and handed
-to the dispatcher; replies go out as one gather-write of the prefix, the msgpack header pieces
-and the tensor views.
+Bodies are read straight into pooled buffers (no intermediate copies) and handed to the
+dispatcher: blocking by `serve_frames` (stdio's one stream), a piece at a time as bytes come by
+`FrameAssembler` (the unix lane's many); replies go out as one gather-write of the prefix, the
+msgpack header pieces and the tensor views.
 """
 
 from __future__ import annotations
@@ -87,14 +88,72 @@ class FdConnection(Connection):
             return write_all(self.out_fd, framed)
 
 
-def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int, admit=None) -> None:
+class FrameAssembler:
+    """One stream's frame being read a piece at a time, as bytes come, for a reader that must not
+    block (the unix lane's). `space()` is where the next bytes go; `advance(n)` after `n` more
+    bytes are in returns None until a frame is complete, then `(body, release)` (the body in a
+    pooled buffer), or a FrameTooLarge once an oversized frame's body has been read and
+    discarded (the stream stays usable).
+
+    Unlike protocol.FrameDecoder it never reads past the end of the frame it is in: a frame not
+    begun stays in the socket, so that a connection at its cap of requests in flight leaves the
+    rest of its input unread (backpressure) and `input_waiting` still tells whether more came."""
+
+    def __init__(self, pool, max_frame_size: int):
+        self.pool = pool
+        self.max_frame_size = max_frame_size
+        self._header = memoryview(bytearray(4))
+        self._target = self._header  # the header's or the body's view, or the discard scratch
+        self._pos = 0
+        self._release = None  # gives the body's pooled buffer back
+        self._discard_left = 0  # bytes of an oversized body still to be discarded
+        self._oversized = 0
+
+    @property
+    def at_frame_start(self) -> bool:
+        """No byte of the next frame has been read."""
+        return self._target is self._header and self._pos == 0
+
+    def space(self) -> memoryview:
+        return self._target[self._pos:]
+
+    def advance(self, count: int):
+        self._pos += count
+        if self._pos < len(self._target):
+            return None
+        self._pos = 0
+        if self._target is self._header:
+            length = protocol.parse_frame_header(self._header)
+            if length > self.max_frame_size:
+                self._oversized = self._discard_left = length
+                self._target = memoryview(bytearray(min(length, DRAIN_CHUNK)))
+                return None
+            self._target, self._release = self.pool.acquire(length)
+            if length:
+                return None
+        elif self._discard_left:
+            self._discard_left -= len(self._target)
+            if self._discard_left:
+                self._target = self._target[:min(self._discard_left, len(self._target))]
+                return None
+            self._target = self._header
+            return protocol.FrameTooLarge(self._oversized, self.max_frame_size)
+        frame = (self._target, self._release)
+        self._target, self._release = self._header, None
+        return frame
+
+    def abandon(self) -> None:
+        """The stream ended: give back the buffer of a frame read only in part."""
+        if self._release is not None:
+            self._release()
+        self._target, self._release, self._pos, self._discard_left = self._header, None, 0, 0
+
+
+def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
     """Read frames from `reader` until EOF and hand each body to the dispatcher for `conn`.
 
     A frame announcing more than `max_frame_size` is read and discarded, then answered with
-    frame_too_large; the stream stays usable. `admit()`, when given, is called with each
-    complete frame, before it is handed on (each one is answered exactly once), and may
-    block: it is how a lane caps the requests one peer has in flight (its later frames wait
-    in the kernel's buffer and the peer feels the backpressure)."""
+    frame_too_large; the stream stays usable."""
     header = memoryview(bytearray(4))
     fd = reader.fileno()
     while True:
@@ -104,8 +163,6 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int, admit=None
         if length > max_frame_size:
             if not _discard(reader, length):
                 return
-            if admit is not None:
-                admit()
             dispatcher.on_frame_error(conn, protocol.FrameTooLarge(length, max_frame_size))
             continue
         body, release = pool.acquire(length)
@@ -113,8 +170,6 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int, admit=None
             release()
             return
         received_ns = now_ns()
-        if admit is not None:
-            admit()
         # With nothing more waiting, an idle server may serve this frame on this thread.
         dispatcher.on_frame(conn, body, received_ns, release, more_input=input_waiting(fd))
 

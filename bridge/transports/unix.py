@@ -1,13 +1,18 @@
 """The unix-socket lane: the stdio framing (SPEC §2) on a listening unix socket, for many
 connections at once, all served by the one dispatcher.
 
-Each connection has a reader thread (frames read into pooled buffers, as on stdio) and a cap on
-the requests it has in flight: past the cap its reader stops reading, so the peer's further
-requests wait in its own socket buffer and nobody else's. Replies are written by whichever
-thread produced them, without ever blocking it on a peer that does not read: the reply is
-written non-blocking, and a peer that accepts no byte for `STALL_SECONDS` gets the rest
-written by a writer thread of its own (later replies queue behind it, in order). A
-connection whose peer has closed its end and whose replies are all written (or undeliverable)
+One thread reads every connection: it waits on all of them at once (a selector), reads what
+each has without blocking into pooled buffers (as on stdio), and hands each complete frame to
+the dispatcher on the spot, so a plain step is served natively on that thread as one over stdio
+is. With a reader thread per connection, as this lane had before, many callers lost most of
+their throughput to thread wake-ups and GIL hand-overs (bench/results/unix_event_loop_ab.json).
+
+Each connection has a cap on the requests it has in flight: at the cap its input is no longer
+read, so the peer's further requests wait in its own socket buffer and nobody else's. Replies
+are written by whichever thread produced them, without ever blocking it on a peer that does not
+read: the reply is written non-blocking, and a peer that accepts no byte for `STALL_SECONDS`
+gets the rest written by a writer thread of its own (later replies queue behind it, in order).
+A connection whose peer has closed its end and whose replies are all written (or undeliverable)
 is closed, and what it owned (sessions, tensor handles) is freed through `mark_closed`.
 """
 
@@ -17,6 +22,7 @@ import collections
 import logging
 import os
 import select
+import selectors
 import socket
 import stat
 import threading
@@ -24,14 +30,15 @@ import threading
 import protocol
 
 from ..buffers import BufferPool
+from ..timing import now_ns
 from .base import Connection
-from .framed import IOV_MAX, byte_views, consume, serve_frames
+from .framed import IOV_MAX, FrameAssembler, byte_views, consume, input_waiting
 
 log = logging.getLogger("bridge.unix")
 
 # How long the replying thread waits for a peer that accepts no byte of a reply before handing
 # the rest to the connection's writer thread. A peer that is reading makes progress far more
-# often than this; the dispatcher's worker is held up at most this long by a stuck one.
+# often than this; the serving thread is held up at most this long by a stuck one.
 STALL_SECONDS = 0.02
 LISTEN_BACKLOG = 128
 # Enough pooled receive buffers for several connections with a big request each in flight.
@@ -42,39 +49,69 @@ POOLED_BUFFERS = 32
 # 3.37 ms against 3.80 ms over three alternated runs each,
 # bench/results/elixir_unix_socket_buffers_ab.json).
 SOCKET_BUFFER_BYTES = 4 << 20
+# Frames taken from one connection before the reading thread looks at the others again, so that
+# a peer pipelining many small requests cannot keep the others waiting.
+FRAMES_PER_TURN = 16
 
 
 class UnixConnection(Connection):
-    def __init__(self, sock: socket.socket, max_in_flight: int):
+    def __init__(self, sock: socket.socket, max_in_flight: int, incoming: FrameAssembler, wake):
         super().__init__("unix")
         self.sock = sock
         self.max_in_flight = max_in_flight
+        # The frame being read (reading thread only).
+        self.incoming = incoming
+        # Asks the reading thread to look at this connection again (it resumes reading, or
+        # closes the connection); called when an answer frees a slot it waits for.
+        self._wake = wake
         # Requests read and not yet answered (reply written, or undeliverable).
         self._in_flight = 0
-        self._answered = threading.Condition()
+        self._count_lock = threading.Lock()
+        # Set by the reading thread, under _count_lock: it stopped reading at the cap, or the
+        # peer's input ended (EOF or an error); either way an answer may be what it waits for.
+        self._paused = False
+        self._input_ended = False
         self._send_lock = threading.Lock()
         # Replies (lists of byte views, the first possibly partly written) the writer thread
         # still has to write, in order; non-empty exactly while the writer thread runs.
         self._backlog: collections.deque[list[memoryview]] = collections.deque()
         self._broken: OSError | None = None
 
-    # -- reader side ----------------------------------------------------------------------
+    # -- reading side (the transport's reading thread) ------------------------------------
+
+    def pause_at_cap(self) -> bool:
+        """Before a new frame: True (and paused) when the connection has its cap in flight."""
+        with self._count_lock:
+            self._paused = self._in_flight >= self.max_in_flight
+            return self._paused
+
+    def end_input(self) -> bool:
+        """The peer sends nothing more. True when nothing is in flight: close it now."""
+        self.incoming.abandon()
+        with self._count_lock:
+            self._input_ended = True
+            return self._in_flight == 0
 
     def admit(self) -> None:
-        """Count a request read; wait while the connection has its cap in flight."""
-        with self._answered:
-            self._answered.wait_for(lambda: self._in_flight < self.max_in_flight)
+        """Count a complete frame in flight (it will be answered exactly once)."""
+        with self._count_lock:
             self._in_flight += 1
 
     def _done(self, count: int = 1) -> None:
-        with self._answered:
+        with self._count_lock:
             self._in_flight -= count
-            self._answered.notify_all()
+            wake = (self._paused and self._in_flight < self.max_in_flight) or \
+                (self._input_ended and self._in_flight == 0)
+            if wake:
+                self._paused = False
+        if wake:
+            self._wake(self)
 
-    def wait_answered(self) -> None:
-        """Wait until every request read on this connection has been answered."""
-        with self._answered:
-            self._answered.wait_for(lambda: self._in_flight == 0)
+    @property
+    def finished(self) -> bool:
+        """Input ended and every request read is answered."""
+        with self._count_lock:
+            return self._input_ended and self._in_flight == 0
 
     # -- replies --------------------------------------------------------------------------
 
@@ -141,7 +178,7 @@ class UnixConnection(Connection):
 
 
 class UnixTransport:
-    """Listens on `path`; one reader thread per connection."""
+    """Listens on `path`; one thread accepts and reads every connection."""
 
     def __init__(self, dispatcher, path: str, *, max_frame_size: int, max_in_flight: int,
                  max_connections: int):
@@ -152,9 +189,21 @@ class UnixTransport:
         self.max_connections = max_connections
         self.pool = BufferPool(max_buffers=POOLED_BUFFERS)
         self._connections: set[UnixConnection] = set()
-        self._lock = threading.Lock()
         self._listener = _listen(path)
-        self._thread = threading.Thread(target=self._accept, name="unix-accept", daemon=True)
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        # Other threads ask the reading thread to look at a connection again by adding it to
+        # _woken and, when the set was empty, writing a byte to _wake_send.
+        self._wake_receive, self._wake_send = socket.socketpair()
+        self._wake_receive.setblocking(False)
+        self._wake_send.setblocking(False)
+        self._woken: set[UnixConnection | None] = set()
+        self._woken_lock = threading.Lock()
+        self._stopping = False
+        # Accepting failed (e.g. out of file descriptors): the listener is left out of the
+        # selector, which would report it ready again at once, until a connection closes.
+        self._accept_paused = False
+        self._thread = threading.Thread(target=self._run, name="unix-reader", daemon=True)
 
     @property
     def names(self) -> list[str]:
@@ -162,6 +211,8 @@ class UnixTransport:
         return [f"unix {self.path}"]
 
     def start(self) -> None:
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_receive, selectors.EVENT_READ)
         self._thread.start()
 
     def close(self) -> None:
@@ -170,25 +221,88 @@ class UnixTransport:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-        self._listener.close()
+        if self._thread.is_alive():
+            self._stopping = True  # the reading thread closes the listener it waits on
+            self._wake(None)
+        else:
+            self._listener.close()
+
+    # -- the reading thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                try:
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is self._wake_receive:
+                        self._look_again()
+                    else:
+                        self._read(key.data)
+                except Exception:  # a bug here must not stop every connection's input
+                    log.exception("unix lane: reading failed")
+
+    def _wake(self, conn: UnixConnection | None) -> None:
+        """From any thread: have the reading thread look at `conn` again (None: at the lane)."""
+        with self._woken_lock:
+            first = not self._woken
+            self._woken.add(conn)
+        if first:
+            try:
+                self._wake_send.send(b"\0")
+            except BlockingIOError:  # a wake-up is pending already
+                pass
+
+    def _look_again(self) -> None:
+        try:
+            while self._wake_receive.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._woken_lock:
+            woken, self._woken = self._woken, set()
+        for conn in woken:
+            try:
+                if conn is None:
+                    self._stop_accepting()
+                elif conn.finished:
+                    self._close(conn)
+                elif conn in self._connections and not self._registered(conn.sock):
+                    self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+                    self._read(conn)
+            except Exception:
+                log.exception("unix lane: resuming %s failed", getattr(conn, "id", "the listener"))
+
+    def _registered(self, fileobj) -> bool:
+        return fileobj.fileno() >= 0 and self._selector.get_map().get(fileobj) is not None
+
+    def _stop_accepting(self) -> None:
+        if self._stopping and self._listener.fileno() >= 0:
+            if self._registered(self._listener):
+                self._selector.unregister(self._listener)
+            self._listener.close()
 
     def _accept(self) -> None:
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:  # the listener was closed: the server is stopping
+            except BlockingIOError:
                 return
+            except OSError as exc:
+                log.warning("unix lane: accepting paused until a connection closes: %s", exc)
+                self._selector.unregister(self._listener)
+                self._accept_paused = True
+                return
+            sock.setblocking(True)  # replies are written blocking by writer threads
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-            conn = UnixConnection(sock, self.max_in_flight)
-            with self._lock:
-                full = len(self._connections) >= self.max_connections
-                if not full:
-                    self._connections.add(conn)
-            if full:
+            conn = UnixConnection(sock, self.max_in_flight, FrameAssembler(self.pool, self.max_frame_size),
+                                  self._wake)
+            if len(self._connections) >= self.max_connections:
                 self._turn_away(conn)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name=f"{conn.id}-reader", daemon=True).start()
+            self._connections.add(conn)
+            self._selector.register(sock, selectors.EVENT_READ, conn)
 
     def _turn_away(self, conn: UnixConnection) -> None:
         """Answer a connection over the cap with one `overloaded` error (id nil) and close it."""
@@ -203,21 +317,57 @@ class UnixTransport:
             pass  # the peer is already gone
         conn.sock.close()
 
-    def _serve(self, conn: UnixConnection) -> None:
-        reader = conn.sock.makefile("rb", buffering=0)
-        try:
-            serve_frames(reader, conn, self.dispatcher, self.pool, self.max_frame_size, admit=conn.admit)
-        except OSError as exc:  # reset by the peer: its replies will fail and free their slots
-            log.info("%s: %s", conn.id, exc)
-        except Exception:
-            log.exception("%s: reader failed", conn.id)
-        # The peer may have only shut down its sending side: answer what it asked first.
-        conn.wait_answered()
-        with self._lock:
-            self._connections.discard(conn)
+    def _read(self, conn: UnixConnection) -> None:
+        """Read what `conn` has without blocking, handing on each frame as it completes: until
+        it has nothing more, has its cap in flight, has sent FRAMES_PER_TURN frames this turn,
+        or its input ends."""
+        incoming = conn.incoming
+        frames = 0
+        while frames < FRAMES_PER_TURN:
+            if incoming.at_frame_start and conn.pause_at_cap():
+                self._selector.unregister(conn.sock)  # an answer wakes it (UnixConnection._done)
+                return
+            try:
+                n = conn.sock.recv_into(incoming.space(), 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError as exc:  # reset by the peer: its replies will fail and free their slots
+                log.info("%s: %s", conn.id, exc)
+                n = 0
+            if not n:
+                self._end_input(conn)
+                return
+            frame = incoming.advance(n)
+            if frame is None:
+                continue
+            frames += 1
+            conn.admit()
+            if isinstance(frame, protocol.FrameTooLarge):
+                self.dispatcher.on_frame_error(conn, frame)
+                continue
+            body, release = frame
+            # With nothing more waiting, an idle server may serve this frame on this thread.
+            self.dispatcher.on_frame(conn, body, now_ns(), release,
+                                     more_input=input_waiting(conn.sock.fileno()))
+
+    def _end_input(self, conn: UnixConnection) -> None:
+        """The peer sent its last frame (or is gone): the connection closes once every request
+        it sent is answered (the peer may have only shut down its sending side)."""
+        self._selector.unregister(conn.sock)
+        if conn.end_input():
+            self._close(conn)
+
+    def _close(self, conn: UnixConnection) -> None:
+        if conn not in self._connections:
+            return
+        self._connections.discard(conn)
+        if self._registered(conn.sock):
+            self._selector.unregister(conn.sock)
         conn.mark_closed()
-        reader.close()
         conn.sock.close()
+        if self._accept_paused and not self._stopping:
+            self._accept_paused = False
+            self._selector.register(self._listener, selectors.EVENT_READ)
 
 
 def _listen(path: str) -> socket.socket:
