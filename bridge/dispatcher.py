@@ -114,9 +114,10 @@ class Dispatcher:
 
     def on_frame(self, conn, body, received_ns: int, release: Callable | None = None,
                  buffers=(), *, more_input: bool = True) -> None:
-        """`more_input`: whether more of this connection's input may already be waiting; only a
-        transport that can tell it is not (stdio, unix) passes False, letting an idle server
-        serve the request on this thread."""
+        """`more_input`: whether more input may already be waiting for the thread that read this
+        frame (this connection's; over the unix lane, any connection's: one thread reads them
+        all); only a transport that can tell none is (stdio, unix) passes False, letting an idle
+        server serve the request on this thread."""
         self.server.stats.frame_in(len(body))
         native = self._native_request(body) if self.server.native_step is not None and not buffers else None
         if native is not None and self._serve_native(conn, native, received_ns):

@@ -656,6 +656,42 @@ def test_a_unix_server_out_of_descriptors_accepts_again_once_a_connection_closes
     assert "accepting paused until a connection closes" in srv.log()
 
 
+def test_steps_from_many_unix_connections_are_gathered_into_batches(tmp_path):
+    """One thread reads every unix connection: it must hand a request on to the batcher while
+    other connections' requests wait to be read, not serve each alone in turn. The general path
+    only (--no-native-step), as on a GPU, where there is no native path."""
+    path = str(tmp_path / "bridge.sock")
+    srv = ServerProcess(str(tmp_path), "--unix", path, "--no-native-step", "--max-delay-us", "2000")
+    connections = 8
+    try:
+        srv.wait_for_path(path)
+        clients = [UnixClient(path) for _ in range(connections)]
+        try:
+            rng = np.random.default_rng()
+            A = -np.exp(rng.standard_normal((6, 3), dtype=np.float32))
+            sessions = [client.open_session(1, 6, 3) for client in clients]
+            most_rows = 0
+            for _ in range(20):
+                futures = [client.submit("step", {"session": session, "A": A,
+                                                  "x": rng.standard_normal((1, 6), dtype=np.float32),
+                                                  "dt": rng.uniform(0.01, 0.5, (1, 6)).astype(np.float32),
+                                                  "B": rng.standard_normal((1, 3), dtype=np.float32),
+                                                  "C": rng.standard_normal((1, 3), dtype=np.float32)})
+                           for client, session in zip(clients, sessions)]
+                replies = [future.result(REPLY_TIMEOUT_S) for future in futures]
+                for reply in replies:
+                    reply.unwrap()
+                most_rows = max(most_rows, *(reply.timing["batch_rows"] for reply in replies))
+                if most_rows > 1:
+                    break
+            assert most_rows > 1, "no two connections' steps ever shared a launch"
+        finally:
+            for client in clients:
+                client.close()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 def test_a_zmq_message_over_the_frame_limit_is_answered_frame_too_large(limited):
     frames = zmq_exchange(limited.ipc, [msgpack.packb({"v": 1, "id": 3, "op": "ping"}),
                                         b"\x01" * 2_000_000, b"\x02" * 1_500_000])

@@ -233,14 +233,15 @@ class UnixTransport:
 
     def _run(self) -> None:
         while True:
-            for key, _ in self._selector.select():
+            ready = self._selector.select()
+            for index, (key, _) in enumerate(ready):
                 try:
                     if key.fileobj is self._listener:
                         self._accept()
                     elif key.fileobj is self._wake_receive:
                         self._look_again()
                     else:
-                        self._read(key.data)
+                        self._read(key.data, others_waiting=index + 1 < len(ready))
                 except Exception:  # a bug here must not stop every connection's input
                     log.exception("unix lane: reading failed")
 
@@ -319,10 +320,10 @@ class UnixTransport:
             pass  # the peer is already gone
         conn.sock.close()
 
-    def _read(self, conn: UnixConnection) -> None:
+    def _read(self, conn: UnixConnection, others_waiting: bool = False) -> None:
         """Read what `conn` has without blocking, handing on each frame as it completes: until
         it has nothing more, has its cap in flight, has sent FRAMES_PER_TURN frames this turn,
-        or its input ends."""
+        or its input ends. `others_waiting`: other connections have input waiting too."""
         incoming = conn.incoming
         frames = 0
         while frames < FRAMES_PER_TURN:
@@ -348,9 +349,11 @@ class UnixTransport:
                 self.dispatcher.on_frame_error(conn, frame)
                 continue
             body, release = frame
-            # With nothing more waiting, an idle server may serve this frame on this thread.
+            # With nothing more waiting, an idle server may serve this frame on this thread. Not
+            # while other connections wait to be read: this thread reads them all, and serving
+            # one after another here would keep the batcher from ever gathering them.
             self.dispatcher.on_frame(conn, body, now_ns(), release,
-                                     more_input=input_waiting(conn.sock.fileno()))
+                                     more_input=others_waiting or input_waiting(conn.sock.fileno()))
 
     def _end_input(self, conn: UnixConnection) -> None:
         """The peer sent its last frame (or is gone): the connection closes once every request
