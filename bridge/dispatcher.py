@@ -25,8 +25,8 @@ behind it -- it serves in C++ from frame to reply under the same lock. That keep
 nothing gone the general way is overtaken, and a connection's requests are read one after the
 other. It takes steps under load too, where the batcher would have gathered them: on the CPU a
 step served natively alone costs less than its share of a batch through the general path (8
-callers stepping 1-row sessions: 5.15x the batched general path's throughput over stdio, 3.12x
-over ZeroMQ, 1.74x over the unix lane; 32-row ones 1.74-1.99x; bench/results/game_loop.json,
+callers stepping 1-row sessions: 4.34x the batched general path's throughput over stdio, 4.19x
+over the unix lane, 3.13x over ZeroMQ; 32-row ones 1.64-2.25x; bench/results/game_loop.json,
 part b). Steps that queue behind other work, and every step where there is no native path (CUDA,
 other backends, `--no-native-step`), are batched as above.
 """
@@ -174,15 +174,17 @@ class Dispatcher:
 
     def _serve_native(self, conn, request, received_ns: int) -> bool:
         """Serve a parsed plain step on this thread through the native path, if nothing is in
-        flight but other native steps (other connections' readers, each serving one). False: it
+        flight but other native steps (other lanes' readers, each serving one). False: it
         was not taken, and goes the general way.
 
         A request that goes the general way is never overtaken: while one is in flight, every
         request after it goes that way too. Native steps of other connections only wait for the
         serving lock: sent to the worker instead, a step arriving while another connection's is
         served would leave the next ones behind it in flight too, and so on (8 callers over the
-        unix lane, each on a connection of its own: 24-37% of their steps native and 5.1k steps/s,
-        against all of them and 7.2k waiting; bench/results/unix_callers_native_ab.json)."""
+        unix lane, each on a connection of its own, when each had a reader thread of its own:
+        24-37% of their steps native and 5.1k steps/s, against all of them and 7.2k waiting;
+        bench/results/unix_callers_native_ab.json). Since one thread reads every unix
+        connection, the readers that meet here are those of different lanes."""
         if not self.accepting:
             return False
         with self._pending_lock:
