@@ -13,7 +13,9 @@ Each connection has a cap on the requests it has in flight: at the cap its input
 read, so the peer's further requests wait in its own socket buffer and nobody else's. Replies
 are written by whichever thread produced them, without ever blocking it on a peer that does not
 read: the reply is written non-blocking, and a peer that accepts no byte for `STALL_SECONDS`
-gets the rest written by a writer thread of its own (later replies queue behind it, in order).
+(`READER_STALL_SECONDS` when the reading thread writes, which every connection waits on, and
+for no longer than `READER_WRITE_SECONDS` in all) gets the rest written by a writer thread of
+its own (later replies queue behind it, in order).
 A connection whose peer has closed its end and whose replies are all written (or undeliverable)
 is closed, and what it owned (sessions, tensor handles) is freed through `mark_closed`.
 """
@@ -28,6 +30,7 @@ import selectors
 import socket
 import stat
 import threading
+import time
 
 import protocol
 
@@ -40,8 +43,16 @@ log = logging.getLogger("bridge.unix")
 
 # How long the replying thread waits for a peer that accepts no byte of a reply before handing
 # the rest to the connection's writer thread. A peer that is reading makes progress far more
-# often than this; the serving thread is held up at most this long by a stuck one.
+# often than this; the worker is held up this long by a stuck one, once per reply it stalls on.
 STALL_SECONDS = 0.02
+# The same for the reading thread (a native step's reply, an error, a request served inline),
+# which every connection waits on: a shorter stall, and a bound on the whole write, so that a
+# peer reading just fast enough to make progress cannot hold it for a whole large reply.
+READER_STALL_SECONDS = 0.001
+READER_WRITE_SECONDS = 0.005
+# How often the reading thread looks, without being woken, at connections it is not reading
+# (a wake-up that could not be sent) and at a listener it stopped accepting on.
+SWEEP_SECONDS = 1.0
 LISTEN_BACKLOG = 128
 # Enough pooled receive buffers for several connections with a big request each in flight.
 POOLED_BUFFERS = 32
@@ -57,8 +68,10 @@ FRAMES_PER_TURN = 16
 
 
 class UnixConnection(Connection):
-    def __init__(self, sock: socket.socket, max_in_flight: int, incoming: FrameAssembler, wake):
+    def __init__(self, sock: socket.socket, max_in_flight: int, incoming: FrameAssembler, wake,
+                 reading_thread: threading.Thread):
         super().__init__("unix")
+        self._reading_thread = reading_thread
         self.sock = sock
         self.max_in_flight = max_in_flight
         # The frame being read (reading thread only).
@@ -115,6 +128,12 @@ class UnixConnection(Connection):
         with self._count_lock:
             return self._input_ended and self._in_flight == 0
 
+    @property
+    def resumable(self) -> bool:
+        """Not read (paused at its cap) but below it now: a wake-up for it may have been lost."""
+        with self._count_lock:
+            return not self._input_ended and self._in_flight < self.max_in_flight
+
     # -- replies --------------------------------------------------------------------------
 
     def send(self, parts: list, buffers: list | None = None) -> int:
@@ -122,36 +141,49 @@ class UnixConnection(Connection):
             raise ValueError("a unix-socket reply is one frame: it carries no raw buffers")
         views = byte_views(protocol.frame_parts(parts))
         total = sum(len(v) for v in views)
+        if threading.current_thread() is self._reading_thread:
+            stall_s, budget_s = READER_STALL_SECONDS, READER_WRITE_SECONDS
+        else:
+            stall_s, budget_s = STALL_SECONDS, None
+        failure = None
         with self._send_lock:
-            try:
-                if self._broken is not None:
-                    raise BrokenPipeError(f"{self.id}: the peer is gone ({self._broken})")
-                if self._backlog:  # earlier replies still queued for a slow peer: keep the order
-                    self._backlog.append(views)
-                    return total
-                if self._write_now(views):
-                    self._done()
-                else:
-                    self._backlog.append(views)
-                    threading.Thread(target=self._write_backlog, name=f"{self.id}-writer", daemon=True).start()
+            if self._broken is not None:
+                failure = BrokenPipeError(f"{self.id}: the peer is gone ({self._broken})")
+            elif self._backlog:  # earlier replies still queued for a slow peer: keep the order
+                self._backlog.append(views)
                 return total
-            except OSError as exc:
-                self._broken = self._broken or exc
-                self._done()
-                raise
+            else:
+                try:
+                    if not self._write_now(views, stall_s, budget_s):
+                        self._backlog.append(views)
+                        threading.Thread(target=self._write_backlog, name=f"{self.id}-writer", daemon=True).start()
+                        return total
+                except OSError as exc:
+                    self._broken = self._broken or exc
+                    failure = exc
+        # Answered: written, or never to be (outside the lock, and once, whatever _done does).
+        self._done()
+        if failure is not None:
+            raise failure
+        return total
 
-    def _write_now(self, views: list[memoryview]) -> bool:
-        """Write without blocking for longer than STALL_SECONDS without progress. True when
-        all is written; False when the peer stalled (`views` then holds the rest)."""
+    def _write_now(self, views: list[memoryview], stall_s: float, budget_s: float | None) -> bool:
+        """Write without blocking for longer than `stall_s` without progress, nor past `budget_s`
+        in all when given. True when all is written; False when the peer stalled or the budget
+        ran out (`views` then holds the rest)."""
         poller = None
+        deadline = None if budget_s is None else time.monotonic() + budget_s
         while views:
             try:
                 written = self.sock.sendmsg(views[:IOV_MAX], (), socket.MSG_DONTWAIT)
             except BlockingIOError:
+                wait_s = stall_s if deadline is None else min(stall_s, deadline - time.monotonic())
+                if wait_s <= 0:
+                    return False
                 if poller is None:
                     poller = select.poll()
                     poller.register(self.sock, select.POLLOUT)
-                if not poller.poll(STALL_SECONDS * 1000):
+                if not poller.poll(wait_s * 1000):
                     return False
                 continue
             consume(views, written)
@@ -203,7 +235,8 @@ class UnixTransport:
         self._woken_lock = threading.Lock()
         self._stopping = False
         # Accepting failed (e.g. out of file descriptors): the listener is left out of the
-        # selector, which would report it ready again at once, until a connection closes.
+        # selector, which would report it ready again at once, until a connection closes or the
+        # next sweep.
         self._accept_paused = False
         self._thread = threading.Thread(target=self._run, name="unix-reader", daemon=True)
 
@@ -232,18 +265,43 @@ class UnixTransport:
     # -- the reading thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_SECONDS
         while True:
-            ready = self._selector.select()
-            for index, (key, _) in enumerate(ready):
+            ready = [key for key, _ in self._selector.select(max(0.0, next_sweep - time.monotonic()))]
+            if time.monotonic() >= next_sweep:
                 try:
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_receive:
-                        self._look_again()
-                    else:
-                        self._read(key.data, others_waiting=index + 1 < len(ready))
-                except Exception:  # a bug here must not stop every connection's input
-                    log.exception("unix lane: reading failed")
+                    self._sweep()
+                except Exception:
+                    log.exception("unix lane: the sweep failed")
+                next_sweep = time.monotonic() + SWEEP_SECONDS
+            # Connections with input waiting after the one being read (the listener's and the
+            # wake-up socket's keys carry no connection).
+            waiting = sum(key.data is not None for key in ready)
+            for key in ready:
+                if key.data is None:
+                    try:
+                        if key.fileobj is self._wake_receive:
+                            self._look_again()
+                        elif self._registered(key.fileobj):  # not closed since the select
+                            self._accept()
+                    except Exception:  # a bug here must not stop every connection's input
+                        log.exception("unix lane: a wake-up or an accept failed")
+                    continue
+                waiting -= 1
+                if self._registered(key.fileobj):  # not closed or paused since the select
+                    self._read_guarded(key.data, waiting > 0)
+
+    def _read_guarded(self, conn: UnixConnection, others_waiting: bool) -> None:
+        """_read, ending the connection's input if it fails: the frame it was in is lost, and
+        what follows could not be told apart from frames."""
+        try:
+            self._read(conn, others_waiting)
+        except Exception:
+            log.exception("%s: reading failed; its input ends here", conn.id)
+            try:
+                self._end_input(conn)
+            except Exception:
+                log.exception("%s: ending its input failed", conn.id)
 
     def _wake(self, conn: UnixConnection | None) -> None:
         """From any thread: have the reading thread look at `conn` again (None: at the lane)."""
@@ -255,6 +313,8 @@ class UnixTransport:
                 self._wake_send.send(b"\0")
             except BlockingIOError:  # a wake-up is pending already
                 pass
+            except OSError as exc:  # the next sweep finds it
+                log.warning("unix lane: a wake-up could not be sent: %s", exc)
 
     def _look_again(self) -> None:
         try:
@@ -264,23 +324,36 @@ class UnixTransport:
             pass
         with self._woken_lock:
             woken, self._woken = self._woken, set()
+        woken.discard(None)
+        if self._stopping:
+            self._stop_accepting()
         for conn in woken:
-            try:
-                if conn is None:
-                    self._stop_accepting()
-                elif conn.finished:
-                    self._close(conn)
-                elif conn in self._connections and not self._registered(conn.sock):
-                    self._selector.register(conn.sock, selectors.EVENT_READ, conn)
-                    self._read(conn)
-            except Exception:
-                log.exception("unix lane: resuming %s failed", getattr(conn, "id", "the listener"))
+            self._look_at(conn, others_waiting=len(woken) > 1)
+
+    def _look_at(self, conn: UnixConnection, others_waiting: bool = False) -> None:
+        """Close a connection whose input ended once all is answered; resume reading one that
+        was paused at its cap."""
+        if conn.finished:
+            self._close(conn)
+        elif conn in self._connections and not self._registered(conn.sock) and conn.resumable:
+            self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+            self._read_guarded(conn, others_waiting)
+
+    def _sweep(self) -> None:
+        """Every SWEEP_SECONDS: retry a paused accept, and look at every connection not being
+        read, in case a wake-up for it was lost."""
+        if self._accept_paused and not self._stopping:
+            self._accept_paused = False
+            self._selector.register(self._listener, selectors.EVENT_READ)
+        for conn in list(self._connections):
+            if not self._registered(conn.sock):
+                self._look_at(conn)
 
     def _registered(self, fileobj) -> bool:
         return fileobj.fileno() >= 0 and self._selector.get_map().get(fileobj) is not None
 
     def _stop_accepting(self) -> None:
-        if self._stopping and self._listener.fileno() >= 0:
+        if self._listener.fileno() >= 0:
             if self._registered(self._listener):
                 self._selector.unregister(self._listener)
             self._listener.close()
@@ -292,7 +365,8 @@ class UnixTransport:
             except BlockingIOError:
                 return
             except OSError as exc:
-                log.warning("unix lane: accepting paused until a connection closes: %s", exc)
+                log.warning("unix lane: accepting paused until a connection closes (or for %g s): %s",
+                            SWEEP_SECONDS, exc)
                 self._selector.unregister(self._listener)
                 self._accept_paused = True
                 return
@@ -300,7 +374,7 @@ class UnixTransport:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
             conn = UnixConnection(sock, self.max_in_flight, FrameAssembler(self.pool, self.max_frame_size),
-                                  self._wake)
+                                  self._wake, self._thread)
             if len(self._connections) >= self.max_connections:
                 self._turn_away(conn)
                 continue
@@ -320,7 +394,7 @@ class UnixTransport:
             pass  # the peer is already gone
         conn.sock.close()
 
-    def _read(self, conn: UnixConnection, others_waiting: bool = False) -> None:
+    def _read(self, conn: UnixConnection, others_waiting: bool) -> None:
         """Read what `conn` has without blocking, handing on each frame as it completes: until
         it has nothing more, has its cap in flight, has sent FRAMES_PER_TURN frames this turn,
         or its input ends. `others_waiting`: other connections have input waiting too."""
@@ -358,7 +432,8 @@ class UnixTransport:
     def _end_input(self, conn: UnixConnection) -> None:
         """The peer sent its last frame (or is gone): the connection closes once every request
         it sent is answered (the peer may have only shut down its sending side)."""
-        self._selector.unregister(conn.sock)
+        if self._registered(conn.sock):
+            self._selector.unregister(conn.sock)
         if conn.end_input():
             self._close(conn)
 
@@ -368,8 +443,10 @@ class UnixTransport:
         self._connections.discard(conn)
         if self._registered(conn.sock):
             self._selector.unregister(conn.sock)
-        conn.mark_closed()
-        conn.sock.close()
+        try:
+            conn.mark_closed()
+        finally:
+            conn.sock.close()
         if self._accept_paused and not self._stopping:
             self._accept_paused = False
             self._selector.register(self._listener, selectors.EVENT_READ)
