@@ -1,10 +1,10 @@
 """The stream framing shared by the stdio and unix-socket lanes (SPEC §2: a 4-byte big-endian
 length, then the body), and by the Python clients that speak it.
 
-Bodies are read straight into pooled buffers (no intermediate copies) and handed to the
-dispatcher: blocking by `serve_frames` (stdio's one stream), a piece at a time as bytes come by
-`FrameAssembler` (the unix lane's many); replies go out as one gather-write of the prefix, the
-msgpack header pieces and the tensor views.
+Bodies are read straight into pooled buffers (no intermediate copies) by `FrameAssembler`, a
+frame at a time, and handed to the dispatcher: blocking by `serve_frames` (stdio's one
+stream), without blocking by the unix lane (its many); replies go out as one gather-write of
+the prefix, the msgpack header pieces and the tensor views.
 """
 
 from __future__ import annotations
@@ -89,11 +89,11 @@ class FdConnection(Connection):
 
 
 class FrameAssembler:
-    """One stream's frame being read a piece at a time, as bytes come, for a reader that must not
-    block (the unix lane's). `space()` is where the next bytes go; `advance(n)` after `n` more
-    bytes are in returns None until a frame is complete, then `(body, release)` (the body in a
-    pooled buffer), or a FrameTooLarge once an oversized frame's body has been read and
-    discarded (the stream stays usable).
+    """One stream's frame being read a piece at a time, as bytes come: by a blocking reader
+    (`serve_frames`, stdio's) or one that must not block (the unix lane's). `space()` is where
+    the next bytes go; `advance(n)` after `n` more bytes are in returns None until a frame is
+    complete, then `(body, release)` (the body in a pooled buffer), or a FrameTooLarge once an
+    oversized frame's body has been read and discarded (the stream stays usable).
 
     Unlike protocol.FrameDecoder it never reads past the end of the frame it is in: a frame not
     begun stays in the socket, so that a connection at its cap of requests in flight leaves the
@@ -150,36 +150,24 @@ class FrameAssembler:
 
 
 def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
-    """Read frames from `reader` until EOF and hand each body to the dispatcher for `conn`.
+    """Read frames from `reader` (blocking, with `readinto`) until EOF and hand each body to the
+    dispatcher for `conn`.
 
     A frame announcing more than `max_frame_size` is read and discarded, then answered with
     frame_too_large; the stream stays usable."""
-    header = memoryview(bytearray(4))
+    incoming = FrameAssembler(pool, max_frame_size)
     fd = reader.fileno()
     while True:
-        if not read_exact(reader, header):
+        count = reader.readinto(incoming.space())
+        if not count:
+            incoming.abandon()
             return
-        length = protocol.parse_frame_header(header)
-        if length > max_frame_size:
-            if not _discard(reader, length):
-                return
-            dispatcher.on_frame_error(conn, protocol.FrameTooLarge(length, max_frame_size))
+        frame = incoming.advance(count)
+        if frame is None:
             continue
-        body, release = pool.acquire(length)
-        if not read_exact(reader, body):
-            release()
-            return
-        received_ns = now_ns()
+        if isinstance(frame, protocol.FrameTooLarge):
+            dispatcher.on_frame_error(conn, frame)
+            continue
+        body, release = frame
         # With nothing more waiting, an idle server may serve this frame on this thread.
-        dispatcher.on_frame(conn, body, received_ns, release, more_input=input_waiting(fd))
-
-
-def _discard(reader, length: int) -> bool:
-    scratch = memoryview(bytearray(min(length, DRAIN_CHUNK)))
-    remaining = length
-    while remaining:
-        n = reader.readinto(scratch[:min(remaining, len(scratch))])
-        if not n:
-            return False
-        remaining -= n
-    return True
+        dispatcher.on_frame(conn, body, now_ns(), release, more_input=input_waiting(fd))
