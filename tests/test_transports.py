@@ -400,44 +400,13 @@ def limited(tmp_path_factory):
     assert srv.stop() == 0, srv.log()
 
 
-def test_a_unix_peer_that_reads_nothing_does_not_hold_up_the_others(limited):
-    # Replies of ~1 MB each: the stuck peer's socket buffer fills at once.
-    inputs = make_scan_inputs(ScanCase(1, 1024, 256, 4))
-    message = protocol.frame_parts(protocol.encode_request(
-        1, "scan", {k: protocol.OutTensor("f32", v.shape, v.numpy()) if isinstance(v, torch.Tensor) else v
-                    for k, v in inputs.items()}))
-    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stuck.connect(limited.unix)
-    frame = b"".join(message)
-    sender = threading.Thread(target=lambda: [stuck.sendall(frame) for _ in range(6)], daemon=True)
-    sender.start()
-    try:
-        time.sleep(1.0)  # its replies pile up unread; its later requests wait, unread
-        with UnixClient(limited.unix) as other:
-            for _ in range(5):
-                started = time.monotonic()
-                assert other.ping() == {"pong": True}
-                assert time.monotonic() - started < 2.0
-        # Once it reads, it gets every reply, in order and whole.
-        reader = stuck.makefile("rb", buffering=0)
-        header = memoryview(bytearray(4))
-        for _ in range(6):
-            assert read_exact(reader, header)
-            body = memoryview(bytearray(protocol.parse_frame_header(header)))
-            assert read_exact(reader, body)
-            reply = protocol.decode_reply(body)
-            assert reply.ok, reply.error
-            assert_close(torch.frombuffer(bytearray(reply.result["y"].data), dtype=torch.float32).view(1, 1024, 256),
-                         reference_scan(inputs)[0], torch.float32, "y")
-        reader.close()
-    finally:
-        stuck.close()
+def request_frame(request_id, op: str, args: dict | None = None) -> bytes:
+    return b"".join(protocol.frame_parts(protocol.encode_request(request_id, op, args or {})))
 
 
 def scan_frame(request_id, inputs: dict) -> bytes:
-    args = {k: protocol.OutTensor("f32", v.shape, v.numpy()) if isinstance(v, torch.Tensor) else v
-            for k, v in inputs.items()}
-    return b"".join(protocol.frame_parts(protocol.encode_request(request_id, "scan", args)))
+    return request_frame(request_id, "scan", {k: protocol.OutTensor("f32", v.shape, v.numpy())
+                                              if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
 
 
 def read_reply(reader) -> protocol.Reply:
@@ -454,6 +423,29 @@ def raw_unix(path: str) -> socket.socket:
     sock.settimeout(REPLY_TIMEOUT_S)
     sock.connect(path)
     return sock
+
+
+def test_a_unix_peer_that_reads_nothing_does_not_hold_up_the_others(limited):
+    # Replies of ~1 MB each: the stuck peer's socket buffer fills at once.
+    inputs = make_scan_inputs(ScanCase(1, 1024, 256, 4))
+    stuck = raw_unix(limited.unix)
+    frame = scan_frame(1, inputs)
+    sender = threading.Thread(target=lambda: [stuck.sendall(frame) for _ in range(6)], daemon=True)
+    sender.start()
+    try:
+        time.sleep(1.0)  # its replies pile up unread; its later requests wait, unread
+        with UnixClient(limited.unix) as other:
+            for _ in range(5):
+                started = time.monotonic()
+                assert other.ping() == {"pong": True}
+                assert time.monotonic() - started < 2.0
+        # Once it reads, it gets every reply, in order and whole.
+        reader = stuck.makefile("rb", buffering=0)
+        for i in range(6):
+            assert_reply_matches_reference(read_reply(reader), inputs, f"reply {i}")
+        reader.close()
+    finally:
+        stuck.close()
 
 
 def test_a_unix_request_sent_in_pieces_is_read_whole_while_other_connections_are_served(limited):
@@ -488,7 +480,7 @@ def test_a_unix_frame_over_the_limit_is_drained_and_answered_and_the_connection_
             for start in range(0, len(body), 1 << 20):
                 big.sendall(body[start:start + (1 << 20)])
                 assert other.ping() == {"pong": True}
-        big.sendall(b"".join(protocol.frame_parts(protocol.encode_request(2, "ping"))))
+        big.sendall(request_frame(2, "ping"))
         reader = big.makefile("rb", buffering=0)
         refused = read_reply(reader)
         assert refused.id is None and refused.error["code"] == "frame_too_large"
@@ -523,8 +515,7 @@ def test_a_unix_peer_that_half_closes_gets_its_replies_then_its_session_is_freed
         sock = raw_unix(limited.unix)
         try:
             reader = sock.makefile("rb", buffering=0)
-            sock.sendall(b"".join(protocol.frame_parts(protocol.encode_request(
-                "open", "session_open", {"batch": 1, "dim": 4, "state": 2}))))
+            sock.sendall(request_frame("open", "session_open", {"batch": 1, "dim": 4, "state": 2}))
             assert read_reply(reader).ok
             assert observer.stats()["sessions"]["sessions"] == sessions_before + 1
             # Slow to compute, small to send back: still in flight when the end of input is read,
@@ -579,18 +570,13 @@ def test_a_zmq_peer_past_its_queue_is_answered_overloaded_and_others_are_served(
 def raw_ping(path: str):
     """(socket, reply, closed) of a ping on a fresh unix connection; the socket is left open;
     `closed`: an error reply was followed by the server closing the connection."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
+    sock = raw_unix(path)
     try:
-        sock.sendall(b"".join(protocol.frame_parts(protocol.encode_request(1, "ping"))))
+        sock.sendall(request_frame(1, "ping"))
     except (BrokenPipeError, ConnectionResetError):
         pass  # turned away and closed already: its one reply is waiting to be read
     reader = sock.makefile("rb", buffering=0)
-    header = memoryview(bytearray(4))
-    assert read_exact(reader, header)
-    body = memoryview(bytearray(protocol.parse_frame_header(header)))
-    assert read_exact(reader, body)
-    reply = protocol.decode_reply(body)
+    reply = read_reply(reader)
     closed = False
     if not reply.ok:
         try:
