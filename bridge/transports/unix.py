@@ -234,10 +234,6 @@ class UnixTransport:
         self._woken: set[UnixConnection | None] = set()
         self._woken_lock = threading.Lock()
         self._stopping = False
-        # Accepting failed (e.g. out of file descriptors): the listener is left out of the
-        # selector, which would report it ready again at once, until a connection closes or the
-        # next sweep.
-        self._accept_paused = False
         self._thread = threading.Thread(target=self._run, name="unix-reader", daemon=True)
 
     @property
@@ -342,15 +338,18 @@ class UnixTransport:
     def _sweep(self) -> None:
         """Every SWEEP_SECONDS: retry a paused accept, and look at every connection not being
         read, in case a wake-up for it was lost."""
-        if self._accept_paused and not self._stopping:
-            self._accept_paused = False
-            self._selector.register(self._listener, selectors.EVENT_READ)
+        self._resume_accepting()
         for conn in list(self._connections):
             if not self._registered(conn.sock):
                 self._look_at(conn)
 
     def _registered(self, fileobj) -> bool:
         return fileobj.fileno() >= 0 and self._selector.get_map().get(fileobj) is not None
+
+    def _resume_accepting(self) -> None:
+        """Take the listener back into the selector after an accept failed (see _accept)."""
+        if not self._stopping and not self._registered(self._listener):
+            self._selector.register(self._listener, selectors.EVENT_READ)
 
     def _stop_accepting(self) -> None:
         if self._listener.fileno() >= 0:
@@ -365,10 +364,11 @@ class UnixTransport:
             except BlockingIOError:
                 return
             except OSError as exc:
+                # Out of file descriptors, say: the listener is left out of the selector, which
+                # would report it ready again at once, until a connection closes or the next sweep.
                 log.warning("unix lane: accepting paused until a connection closes (or for %g s): %s",
                             SWEEP_SECONDS, exc)
                 self._selector.unregister(self._listener)
-                self._accept_paused = True
                 return
             sock.setblocking(True)  # replies are written blocking by writer threads
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -447,9 +447,7 @@ class UnixTransport:
             conn.mark_closed()
         finally:
             conn.sock.close()
-        if self._accept_paused and not self._stopping:
-            self._accept_paused = False
-            self._selector.register(self._listener, selectors.EVENT_READ)
+        self._resume_accepting()  # its descriptor is free now
 
 
 def _listen(path: str) -> socket.socket:
