@@ -5,9 +5,10 @@ One thread reads every connection: it waits on all of them at once (a selector),
 each has without blocking into pooled buffers (as on stdio), and hands each complete frame to
 the dispatcher on the spot, so a plain step is served natively on that thread as one over stdio
 is. With a reader thread per connection, as this lane had before, many callers lost most of
-their throughput (a thread wake-up and a GIL hand-over at every step, most likely): 8 callers,
-each on a connection of its own, stepping 1-row sessions got 7.1k steps/s then and 20.7k now
-(2.91x, rounds 1.97-3.40); 32-row ones 3.5k and 5.3k (1.51x); bench/results/unix_event_loop_ab.json.
+their throughput (a thread wake-up and a GIL hand-over at every step, most likely; nothing
+recorded splits it out): 8 callers, each on a connection of its own, stepping 1-row sessions
+got 7.1k steps/s then and 20.7k now (2.91x, rounds 1.97-3.40); 32-row ones 3.5k and 5.3k
+(1.51x); bench/results/unix_event_loop_ab.json.
 
 Each connection has a cap on the requests it has in flight: at the cap its input is no longer
 read, so the peer's further requests wait in its own socket buffer and nobody else's. Replies
