@@ -113,11 +113,13 @@ class Dispatcher:
         self._worker.start()
 
     def on_frame(self, conn, body, received_ns: int, release: Callable | None = None,
-                 buffers=(), *, more_input: bool = True) -> None:
+                 buffers=(), *, more_input: bool | Callable[[], bool] = True) -> None:
         """`more_input`: whether more input may already be waiting for the thread that read this
         frame (this connection's; over the unix lane, any connection's: one thread reads them
-        all); only a transport that can tell none is (stdio, unix) passes False, letting an idle
-        server serve the request on this thread."""
+        all), or a function that tells it, asked only where the answer matters (an idle
+        server's general-path request: the native path does not ask, so a step served natively
+        costs no check); only a transport that can tell none is (stdio, unix) lets it be False,
+        and so an idle server serve the request on this thread."""
         self.server.stats.frame_in(len(body))
         native = self._native_request(body) if self.server.native_step is not None and not buffers else None
         if native is not None and self._serve_native(conn, native, received_ns):
@@ -160,7 +162,8 @@ class Dispatcher:
         call = Call(conn, request, timing, handler, legacy, release, enqueued_ns=now_ns())
         # An idle server serves the request on this thread, unless it is to be batched with
         # others (see _serve_on); nothing it could be queued behind exists, so order is kept.
-        if not (idle and not more_input and self._serve_on(call, reader=True)):
+        if not (idle and not (more_input() if callable(more_input) else more_input)
+                and self._serve_on(call, reader=True)):
             self._queue.put(call)
 
     def _native_request(self, body):

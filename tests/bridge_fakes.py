@@ -76,9 +76,10 @@ class InProcessServer:
         conn, request_id = self._held_ping
         assert conn.reply(request_id).ok
 
-    def submit(self, conn: RecordingConnection, op: str, *, more_input: bool = True, **args) -> int:
-        """Hand a request to the dispatcher as a transport would; `more_input=False` says that
-        nothing else waits on the connection (an idle server then serves it on this thread)."""
+    def submit(self, conn: RecordingConnection, op: str, *, more_input=True, **args) -> int:
+        """Hand a request to the dispatcher as a transport would; `more_input=False` (or a
+        function returning False) says that nothing else waits on the connection (an idle
+        server then serves it on this thread)."""
         request_id = next(self._ids)
         body = b"".join(protocol.encode_request(request_id, op, {k: to_wire(v) for k, v in args.items()}))
         self.dispatcher.on_frame(conn, bytearray(body), now_ns(), more_input=more_input)

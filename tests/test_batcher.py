@@ -346,6 +346,11 @@ def test_an_idle_server_serves_a_request_on_the_thread_that_read_it(inproc):
     assert not bad.ok and bad.error["code"] == "unknown_session"
     assert conn.reply(srv.submit(conn, "ping", more_input=False), timeout=0).ok
     assert srv.ping_threads[-1] == me
+    # A transport may pass a function that tells, asked only for an idle server's request.
+    assert conn.reply(srv.submit(conn, "ping", more_input=lambda: False), timeout=0).ok
+    assert srv.ping_threads[-1] == me
+    assert conn.reply(srv.submit(conn, "ping", more_input=lambda: True)).ok
+    assert srv.ping_threads[-1] == "bridge-worker"
 
 
 def test_a_request_behind_one_in_flight_waits_its_turn(inproc):

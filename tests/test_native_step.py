@@ -239,6 +239,10 @@ def test_every_step_that_finds_nothing_in_flight_is_served_natively(inproc):
     assert [conn.reply(i).timing["batch_rows"] for i in behind] == [2 * case.batch] * 2, f"seed={seed}"
     reply = conn.reply(step(second, more_input=True))
     assert reply.ok and reply.timing["batch_rows"] == case.batch and served.taken == 2, f"seed={seed}"
+    # Served natively, a step never has the transport check for more input.
+    asked = []
+    reply = conn.reply(step(first, more_input=lambda: asked.append(1) or False))
+    assert reply.ok and served.taken == 3 and asked == [], f"seed={seed}"
 
 
 # How long the first step is held once the second is in flight.

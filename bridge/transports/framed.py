@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import fcntl
+import functools
 import os
 import termios
 import threading
@@ -156,7 +157,7 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
     A frame announcing more than `max_frame_size` is read and discarded, then answered with
     frame_too_large; the stream stays usable."""
     incoming = FrameAssembler(pool, max_frame_size)
-    fd = reader.fileno()
+    more_input = functools.partial(input_waiting, reader.fileno())
     while True:
         count = reader.readinto(incoming.space())
         if not count:
@@ -170,4 +171,4 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
             continue
         body, release = frame
         # With nothing more waiting, an idle server may serve this frame on this thread.
-        dispatcher.on_frame(conn, body, now_ns(), release, more_input=input_waiting(fd))
+        dispatcher.on_frame(conn, body, now_ns(), release, more_input=more_input)

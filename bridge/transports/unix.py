@@ -24,6 +24,7 @@ is closed, and what it owned (sessions, tensor handles) is freed through `mark_c
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import select
@@ -75,6 +76,8 @@ class UnixConnection(Connection):
         self._reading_thread = reading_thread
         self.sock = sock
         self.max_in_flight = max_in_flight
+        # Whether more of its input waits (for the dispatcher, which asks only when it matters).
+        self.more_input = functools.partial(input_waiting, sock.fileno())
         # The frame being read (reading thread only).
         self.incoming = incoming
         # Asks the reading thread to look at this connection again (it resumes reading, or
@@ -428,7 +431,7 @@ class UnixTransport:
             # while other connections wait to be read: this thread reads them all, and serving
             # one after another here would keep the batcher from ever gathering them.
             self.dispatcher.on_frame(conn, body, now_ns(), release,
-                                     more_input=others_waiting or input_waiting(conn.sock.fileno()))
+                                     more_input=True if others_waiting else conn.more_input)
 
     def _end_input(self, conn: UnixConnection) -> None:
         """The peer sent its last frame (or is gone): the connection closes once every request
