@@ -134,8 +134,9 @@ class ZmqLane:
 
         self.endpoint = endpoint
         self._on_close = on_close
-        self._context = zmq.Context(io_threads=1)
-        self._socket = self._context.socket(zmq.DEALER)
+        # The process's one context: one libzmq I/O thread however many lanes are open (a
+        # context each gave the game-loop bench's 8 callers 8 of them on the 2 cores).
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(endpoint)
         self.last_reply: list = []
@@ -173,7 +174,6 @@ class ZmqLane:
 
     def close(self) -> None:
         self._socket.close()
-        self._context.term()
         if self._on_close is not None:
             self._on_close()
 
