@@ -215,9 +215,7 @@ class Dispatcher:
             self.server.stats.record("step", timing, ok=True)
             return True
         finally:
-            with self._pending_lock:
-                self._pending_native -= 1
-            self._leave()
+            self._leave(native=True)
 
     def on_frame_error(self, conn, exc: protocol.ProtocolError) -> None:
         """A framing-level problem (e.g. an oversized frame, already drained by the decoder)."""
@@ -390,10 +388,12 @@ class Dispatcher:
         finally:
             self._leave()
 
-    def _leave(self) -> None:
-        """A request is no longer in flight (drain waits for none to be)."""
+    def _leave(self, native: bool = False) -> None:
+        """A request (`native`: one the native path took) is no longer in flight (drain waits
+        for none to be)."""
         with self._idle:
             self._pending -= 1
+            self._pending_native -= native
             if self._pending == 0:
                 self._idle.notify_all()
 

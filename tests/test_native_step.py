@@ -279,10 +279,10 @@ def steps_of_two_connections(srv, seed: int) -> tuple[list, list[protocol.Reply]
 
 
 def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(inproc):
-    """Connections stepping at once (the unix lane: a reader thread each): a step that finds
-    only other connections' native steps in flight waits for the serving lock and is served
-    natively too, rather than queued for the worker, where the steps after it would follow; its
-    timing shows the wait as queue_us."""
+    """Connections stepping at once, each read by a thread of its own (as lanes are: stdio, unix
+    and ZeroMQ each have one reader): a step that finds only other connections' native steps in
+    flight waits for the serving lock and is served natively too, rather than queued for the
+    worker, where the steps after it would follow; its timing shows the wait as queue_us."""
     seed = random_seed()
     conns, replies, held = steps_of_two_connections(inproc(max_delay_us=0), seed)
     assert all(r.ok and r.timing["h2d_us"] == r.timing["d2h_us"] == 0 for r in replies), f"seed={seed}: {replies}"

@@ -95,7 +95,7 @@ class NativeStep:
         None for any other request. Pure: the dispatcher asks before any bookkeeping."""
         return self._parse(frame)
 
-    def serve(self, conn, request, received_ns: int, queued_ns: int = 0) -> tuple[bytes, dict] | None:
+    def serve(self, conn, request, received_ns: int, queued_ns: int) -> tuple[bytes, dict] | None:
         """(reply body, timing) of a parsed plain step, the session's state stepped; None when
         its session or a handle is not this connection's or not usable here (nothing touched).
         `queued_ns`: how long it waited to be served, its queue_us."""
