@@ -218,40 +218,32 @@ def lane_call(lane, op: str, args: dict, multipart: bool = False) -> dict:
     return exchange(lane, lane.frame(encode_request("setup", op, args, buffers), buffers), op)[1].result
 
 
-# Lanes a BridgeProcess serves beside its pipes when asked (`lanes=`): the server's option and
-# its argument, made in the process's scratch directory.
-LANE_OPTIONS = {
-    "unix": ("--unix", lambda scratch: os.path.join(scratch, "bridge.sock")),
-    "zmq-ipc": ("--zmq", lambda scratch: f"ipc://{scratch}/bridge.ipc"),
-    "zmq-tcp": ("--zmq", lambda scratch: "tcp://:*"),
-}
-
-
 class BridgeProcess:
     """`python -m bridge --device cpu ARGS` on pipes, spoken to through a StreamLane (`lane`),
     so that it is timed exactly as the echoes are. Closing its stdin stops it. With `lanes`
-    (of LANE_OPTIONS) it serves those too; `connect` opens a client lane to any of them."""
+    (names of bridge.bench.lanes.TRANSPORTS: "unix", "zmq-ipc", "zmq-tcp") it serves those too,
+    opened as that table says; `connect` opens a client lane to any of them."""
 
     def __init__(self, server_args: list[str], stderr=None, lanes: tuple[str, ...] = ()):
+        from bridge.bench.lanes import TRANSPORTS  # it imports this module
+
         self._scratch = tempfile.TemporaryDirectory(prefix="bridge-lanes-") if lanes else None
         lane_args = ["--stdio"] if lanes else []
-        for name in lanes:
-            option, value = LANE_OPTIONS[name]
-            lane_args += [option, value(self._scratch.name)]
+        values = {name: TRANSPORTS[name].value(self._scratch.name) for name in lanes}
+        for name, value in values.items():
+            lane_args += [TRANSPORTS[name].option, value]
         self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *server_args, *lane_args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                      env=server_env(), bufsize=0)
         self.lane = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
         self.endpoints: dict[str, str] = {}
+        self.info: dict | None = None
         if lanes:
             # Answered once the server serves, every lane bound; it lists where (zmq tcp: the
             # port the server got).
-            for entry in self.call("info")["transports"]:
-                kind, _, address = entry.partition(" ")
-                if kind == "unix":
-                    self.endpoints["unix"] = address
-                elif kind == "zmq":
-                    self.endpoints["zmq-ipc" if address.startswith("ipc://") else "zmq-tcp"] = address
+            self.info = self.call("info")
+            self.endpoints = {name: TRANSPORTS[name].endpoint(self.info["transports"], value)
+                              for name, value in values.items()}
 
     def call(self, op: str, **args) -> dict:
         return lane_call(self.lane, op, args)

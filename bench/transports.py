@@ -57,7 +57,7 @@ class Server(BridgeProcess):
     def __init__(self, server_args: list[str]):
         self.log = tempfile.TemporaryFile()
         super().__init__(server_args, stderr=self.log, lanes=("unix", "zmq-ipc", "zmq-tcp"))
-        self.backend = self.call("info")["backend"]
+        self.backend = self.info["backend"]
 
     def close(self) -> None:
         super().close()
