@@ -19,6 +19,12 @@ from bridge.timing import now_ns
 from bridge.transports.base import Connection
 
 
+def served_natively(reply) -> bool:
+    """Whether a step's reply came from the native step path, by its timing: it makes no
+    tensors of the wire bytes, so its h2d and d2h stages are 0."""
+    return reply.timing["h2d_us"] == reply.timing["d2h_us"] == 0
+
+
 class RecordingConnection(Connection):
     """A connection whose replies are decoded and kept until asked for by id."""
 

@@ -24,7 +24,7 @@ from bridge.sessions import unknown_session
 from bridge.timing import Timing
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
-from bridge_fakes import RecordingConnection
+from bridge_fakes import RecordingConnection, served_natively
 
 SHARED = ("A", "D", "dt_bias")
 
@@ -457,9 +457,7 @@ def test_concurrent_callers_over_stdio_each_get_their_rows(native):
                 if not reply.ok:
                     failures.append((i, t, reply.error))
                     return
-                # The native path makes no tensors of the wire bytes: no h2d or d2h time.
-                served_natively = reply.timing["h2d_us"] == reply.timing["d2h_us"] == 0
-                seen.append((rows, reply.timing["batch_rows"], served_natively))
+                seen.append((rows, reply.timing["batch_rows"], served_natively(reply)))
                 y_ref, state_ref = reference_update({**inputs, "state": state_ref})
                 try:
                     assert_close(reply.result["y"], y_ref, torch.float32, f"caller {i} step {t}")

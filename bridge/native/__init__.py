@@ -66,7 +66,10 @@ class NativeStep:
             raise BackendUnavailable(f"native step path: its replies' stages {tuple(module.STAGE_KEYS)}, "
                                      f"expected bridge.timing's {STAGE_KEYS}")
         self.server = server
-        self._parse = module.parse
+        # parse(frame): the plain step request in `frame`, read where it lies (valid while the
+        # frame is), or None for any other request. Pure: the dispatcher asks before any
+        # bookkeeping. The module's own function, with no Python call around it.
+        self.parse = module.parse
         self._native = module.Stepper(run_problem)
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
         # torch once rather than on every step (Python-level work, which a pause makes several
@@ -89,11 +92,6 @@ class NativeStep:
         except BackendUnavailable as exc:
             log.warning("native step path unavailable, steps take the general path: %s", exc)
             return None
-
-    def parse(self, frame):
-        """The plain step request in `frame`, read where it lies (valid while the frame is), or
-        None for any other request. Pure: the dispatcher asks before any bookkeeping."""
-        return self._parse(frame)
 
     def serve(self, conn, request, received_ns: int, queued_ns: int) -> tuple[bytes, dict] | None:
         """(reply body, timing) of a parsed plain step, the session's state stepped; None when
