@@ -247,28 +247,33 @@ class CallerLoop(BridgeProcess):
         self.lane_name = CALLER_LANES[lane]
         super().__init__(server_args, lanes=() if lane == "stdio" else (self.lane_name,))
         self._heads = msgspec.msgpack.Decoder(ReplyHead)
+        # A connection per caller over unix and zmq (made by step_frames); over stdio all share
+        # the server's pipes.
         self._connections: list = []
 
-    def step_frames(self, rows: int, callers: int) -> tuple[list, list[list]]:
-        """Each caller's lane and its one pre-encoded step request frame, for a session of its
-        own (A a handle put on that lane: a handle belongs to the connection that put it)."""
-        if self.lane_name == "stdio":
-            lanes = [self.lane] * callers
-        else:
-            lanes = self._connections = [self.connect(self.lane_name) for _ in range(callers)]
-        handles, frames = {}, []
-        for i, lane in enumerate(lanes):
-            if id(lane) not in handles:
-                handles[id(lane)] = protocol.HandleRef(lane_call(lane, "put", {"tensor": constant_A(1)})["handle"])
+    def step_frames(self, rows: int, callers: int) -> list[list]:
+        """Each caller's one pre-encoded step request frame, for a session of its own (A a
+        handle put on its lane: a handle belongs to the connection that put it)."""
+        if self.lane_name != "stdio":
+            self._connections = [self.connect(self.lane_name) for _ in range(callers)]
+        frames = []
+        for i in range(callers):
+            lane = self._lane_of(i)
+            if i == 0 or self._connections:
+                handle = protocol.HandleRef(lane_call(lane, "put", {"tensor": constant_A(1)})["handle"])
             session = lane_call(lane, "session_open", {"batch": rows, "dim": DIM, "state": STATE})["session"]
-            frames.append(lane.frame(step_request(str(i), session, handles[id(lane)], frame_inputs(rows, 1 + i))))
-        return lanes, frames
+            frames.append(lane.frame(step_request(str(i), session, handle, frame_inputs(rows, 1 + i))))
+        return frames
 
-    def run(self, lanes: list, frames: list[list], seconds: float) -> dict:
+    def _lane_of(self, caller: int):
+        return self._connections[caller] if self._connections else self.lane
+
+    def run(self, frames: list[list], seconds: float) -> dict:
         callers = len(frames)
+        lanes = [self._lane_of(i) for i in range(callers)]
         counts, round_trips, batch_rows = [0] * callers, [], []
         sent_at = [0] * callers
-        shared = len({id(lane) for lane in lanes}) == 1
+        shared = not self._connections
         if not shared:  # a connection per caller: wait for whichever answers
             poller, polled = zmq.Poller(), {}
             for lane in lanes:
@@ -308,10 +313,10 @@ class CallerLoop(BridgeProcess):
 def run_callers(server_args: list[str], rows: int, callers: int, seconds: float, lane: str = "stdio") -> dict:
     loop = CallerLoop(server_args, lane)
     try:
-        lanes, frames = loop.step_frames(rows, callers)
-        loop.run(lanes, frames, 0.2)  # warm-up
+        frames = loop.step_frames(rows, callers)
+        loop.run(frames, 0.2)  # warm-up
         before = loop.call("stats")["ops"]["step"]
-        run = loop.run(lanes, frames, seconds)
+        run = loop.run(frames, seconds)
         after = loop.call("stats")["ops"]["step"]
     finally:
         loop.close()
