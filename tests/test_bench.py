@@ -288,7 +288,14 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
             (run,) = runs
             # Every caller stepped: on its own connection too (unix, zmq), where each put its A.
             assert len(run["per_caller_steps"]) == 3 and min(run["per_caller_steps"]) > 0, (lane, kind)
-        steps_per_s = concurrent["median_steps_per_s"]
+            # The throughput is the callers' own steps over the run, which lasted --seconds at least.
+            assert sum(run["per_caller_steps"]) / run["steps_per_s"] >= 0.2, (lane, kind)
+            if "--max-batch" in concurrent["servers"][kind]:
+                # The baselines really are unbatched: every launch served one 1-row request.
+                assert run["mean_batch_requests"] == 1.0 and run["mean_batch_rows"] == 1, (lane, kind)
+        # One round: each server's median is its one run, and the speedups are theirs.
+        steps_per_s = {kind: runs[0]["steps_per_s"] for kind, runs in concurrent["runs"].items()}
+        assert concurrent["median_steps_per_s"] == steps_per_s
         assert concurrent["speedup"] == pytest.approx(steps_per_s["batched"] / steps_per_s["unbatched"])
         assert concurrent["general_path_speedup"] == pytest.approx(
             steps_per_s["batched_general"] / steps_per_s["unbatched_general"])

@@ -26,6 +26,7 @@ import zmq
 
 import protocol
 from bridge.client import UnixClient, ZmqClient, result_from_wire, server_env
+from bridge.bench.lanes import TRANSPORTS
 from bridge.buffers import BufferPool
 from bridge.transports.framed import FrameAssembler, read_exact
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
@@ -88,13 +89,13 @@ class ServerProcess:
             raise
 
 
-def endpoint_of(info: dict, scheme: str) -> str:
-    """The bound ZeroMQ endpoint of `scheme` (tcp://127.0.0.1:* resolves to a port)."""
-    for entry in info["transports"]:
-        kind, _, address = entry.partition(" ")
-        if kind == "zmq" and address.startswith(scheme):
-            return address
-    raise AssertionError(f"no zmq {scheme} endpoint in {info['transports']}")
+def zmq_endpoint(info: dict, name: str, value: str) -> str:
+    """Where to connect to the ZeroMQ lane bound with `--zmq value` (`name` zmq-ipc or
+    zmq-tcp), read from info as the benchmark reads it."""
+    endpoint = TRANSPORTS[name].endpoint(info["transports"], value)
+    if endpoint is None:
+        raise AssertionError(f"no {name} endpoint for {value} in {info['transports']}")
+    return endpoint
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +103,16 @@ def server(tmp_path_factory):
     """One server with every lane: stdio (its pipes), a unix socket, zmq ipc and zmq tcp."""
     directory = str(tmp_path_factory.mktemp("lanes"))
     unix_path = os.path.join(directory, "bridge.sock")
-    srv = ServerProcess(directory, "--stdio", "--unix", unix_path, "--zmq", f"ipc://{directory}/bridge.ipc",
-                        "--zmq", "tcp://:*", stdin=subprocess.PIPE)
+    ipc = f"ipc://{directory}/bridge.ipc"
+    srv = ServerProcess(directory, "--stdio", "--unix", unix_path, "--zmq", ipc, "--zmq", "tcp://:*",
+                        stdin=subprocess.PIPE)
     srv.wait_for_path(unix_path)
     with UnixClient(unix_path) as probe:
         info = probe.info()
     srv.unix = unix_path
-    srv.ipc = endpoint_of(info, "ipc://")
-    srv.tcp = endpoint_of(info, "tcp://")
+    srv.ipc = zmq_endpoint(info, "zmq-ipc", ipc)
+    # With no host, the server binds loopback (test_info_lists_every_lane_and_tcp_binds_loopback).
+    srv.tcp = zmq_endpoint(info, "zmq-tcp", "tcp://:*")
     srv.info = info
     yield srv
     # stdio is served too, so closing stdin ends the server, as with a Port.
@@ -138,7 +141,9 @@ LANES = [
 def test_info_lists_every_lane_and_tcp_binds_loopback(server):
     kinds = [entry.split(" ", 1)[0] for entry in server.info["transports"]]
     assert kinds == ["stdio", "unix", "zmq", "zmq"]
-    assert server.tcp.startswith("tcp://127.0.0.1:") and int(server.tcp.rsplit(":", 1)[1]) > 0
+    # `--zmq tcp://:*` names no host: the server binds loopback, never every interface.
+    (tcp,) = [entry for entry in server.info["transports"] if entry.startswith("zmq tcp://")]
+    assert tcp.startswith("zmq tcp://127.0.0.1:") and int(tcp.rsplit(":", 1)[1]) > 0
 
 
 def test_stdio_is_served_beside_the_sockets(server):
@@ -726,7 +731,7 @@ def test_curve_admits_only_known_clients(tmp_path):
     try:
         srv.wait_for_path(unix_path)
         with UnixClient(unix_path) as probe:
-            endpoint = endpoint_of(probe.info(), "tcp://")
+            endpoint = zmq_endpoint(probe.info(), "zmq-tcp", "tcp://:*")
         server_public, _ = zmq.auth.load_certificate(server_public_file)
         known = zmq.auth.load_certificate(str(keys / "known.key_secret"))
         with ZmqClient(endpoint, curve_server_key=server_public, curve_keypair=known) as client:
