@@ -21,7 +21,9 @@ defmodule ScanBridge do
 
   Failures are values: `{:error, %ScanBridge.Error{reason: reason}}` with a typed `reason`
   (`:timeout`, `:server_exited`, `:shape_mismatch`, ...). Each call has a deadline (`:timeout`
-  option, default 30 000 ms) kept by the client process.
+  option, default 30 000 ms) kept by the client process. Inputs that cannot be sent, a
+  `:timeout` included (it must be `:infinity` or an integer of ms in 0..2^32 - 1), raise
+  `ArgumentError` in the calling process; the client process goes on serving the others.
 
   ## Lanes
 

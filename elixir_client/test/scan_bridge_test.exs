@@ -171,6 +171,17 @@ defmodule ScanBridgeTest do
     end
   end
 
+  test "a bad :timeout raises in the caller, and the client goes on", %{server: server} do
+    for bad <- [-1, nil, 1.5, "100", 0x1_0000_0000] do
+      assert_raise ArgumentError,
+                   ~r/:timeout: expected :infinity or an integer of milliseconds in 0\.\.4294967295, got #{Regex.escape(inspect(bad))}$/,
+                   fn -> ScanBridge.ping(server, timeout: bad) end
+    end
+
+    assert ScanBridge.ping(server, timeout: 0xFFFF_FFFF) == :ok
+    assert ScanBridge.ping(server, timeout: :infinity) == :ok
+  end
+
   describe "handles" do
     if reason = TestSupport.skip_reason(:handles), do: @describetag(skip: reason)
 

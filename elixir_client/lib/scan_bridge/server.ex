@@ -47,6 +47,8 @@ defmodule ScanBridge.Server do
   @kill_wait_ms 1_000
   # What stopping takes beyond those waits (closing the port and the socket), with room to spare.
   @stop_margin_ms 2_000
+  # The longest timer (Process.send_after) and receive timeout the BEAM takes: 2^32 - 1 ms.
+  @max_timeout_ms 0xFFFFFFFF
 
   @typedoc "Options for `start_link/1`; see `ScanBridge.start_link/1`."
   @type option ::
@@ -97,11 +99,13 @@ defmodule ScanBridge.Server do
   @doc """
   Sends one request (`op` with `args`, see `ScanBridge.Protocol.request_head/2`) and waits for
   its outcome: `{:ok, result, timing}` or `{:error, %ScanBridge.Error{}}`. The arguments are
-  encoded in the calling process.
+  encoded, and `timeout` (ms up to 2^32 - 1, or `:infinity`) checked, in the calling process:
+  either raises `ArgumentError` there when it is not valid.
   """
   @spec request(GenServer.server(), String.t(), map, timeout) ::
           {:ok, map, map} | {:error, Error.t()}
   def request(server, op, args, timeout) do
+    check!(:timeout, timeout, timeout_expected(), &valid_timeout?/1)
     {head, size} = Protocol.request_head(op, args)
     call(server, {:request, head, size, timeout})
   end
@@ -565,16 +569,16 @@ defmodule ScanBridge.Server do
       check!(key, opts[key], "a positive integer", &(is_integer(&1) and &1 > 0))
     end
 
-    check!(
-      :startup_timeout,
-      opts[:startup_timeout],
-      "a timeout",
-      &(&1 == :infinity or (is_integer(&1) and &1 >= 0))
-    )
+    check!(:startup_timeout, opts[:startup_timeout], timeout_expected(), &valid_timeout?/1)
 
     check!(:exit_grace, opts[:exit_grace], "a non-negative integer", &(is_integer(&1) and &1 >= 0))
     Keyword.put(opts, :python, python)
   end
+
+  defp valid_timeout?(timeout),
+    do: timeout == :infinity or (is_integer(timeout) and timeout in 0..@max_timeout_ms)
+
+  defp timeout_expected, do: ":infinity or an integer of milliseconds in 0..#{@max_timeout_ms}"
 
   defp valid_env?(env) when is_list(env) or is_map(env) do
     Enum.all?(env, fn
