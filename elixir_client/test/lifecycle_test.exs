@@ -110,7 +110,7 @@ defmodule ScanBridge.LifecycleTest do
     state = :sys.get_state(client)
 
     assert state.pending == %{} and MapSet.size(state.outstanding) == 0 and
-             :queue.is_empty(state.queue)
+             :gb_trees.is_empty(state.queue)
 
     GenServer.stop(client)
   end
@@ -129,6 +129,29 @@ defmodule ScanBridge.LifecycleTest do
     {:ok, stats_after} = ScanBridge.stats(client)
     # one ping reached the server between the two stats calls: the timed-out one never did
     assert ping_count(stats_after) - ping_count(stats_before) == 1
+    GenServer.stop(client)
+  end
+
+  test "queued requests are dropped, data and all, when their deadlines pass" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 1))
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    # frozen server: the first request stays outstanding, so every scan waits in the queue
+    freeze(os_pid)
+    first = Task.async(fn -> ScanBridge.ping(client) end)
+    assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) == 1 end)
+    inputs = scan_inputs(%{batch: 2, seq: 16, dim: 8, state: 2}, [])
+    queued = for _ <- 1..5, do: Task.async(fn -> ScanBridge.scan(client, inputs, timeout: 50) end)
+
+    for outcome <- Task.await_many(queued) do
+      assert {:error, %Error{reason: :timeout}} = outcome
+    end
+
+    # with no reply to take them out, the timed-out requests are gone all the same
+    state = :sys.get_state(client)
+    assert :gb_trees.is_empty(state.queue)
+    assert map_size(state.pending) == 1
+    thaw(os_pid)
+    assert Task.await(first) == :ok
     GenServer.stop(client)
   end
 

@@ -8,7 +8,8 @@ defmodule ScanBridge.Server do
   answered with `GenServer.reply/2`. Every call has a deadline kept here: when it passes, the
   caller gets `{:error, %ScanBridge.Error{reason: :timeout}}` and the server's late reply is
   dropped. At most `:max_in_flight` requests are at the server at once; more wait here, in
-  order, under their own deadlines.
+  order, under their own deadlines: one whose deadline passes is dropped, never sent, so a
+  server that has stopped answering holds no more queued data than the callers still waiting.
 
   Start-up waits for the server to answer a `ping` (and, on the unix lane, for the socket to
   accept and answer one too), so a started client is a ready one. When the server's OS process
@@ -74,8 +75,9 @@ defmodule ScanBridge.Server do
     pending: %{},
     # ids sent to the server and not yet answered by it (including timed-out ones)
     outstanding: MapSet.new(),
-    # {id, iodata} not yet sent because :max_in_flight requests are outstanding
-    queue: :queue.new()
+    # id => iodata not yet sent because :max_in_flight requests are outstanding; ids grow with
+    # arrival, so the smallest is the oldest, and a deadline drops its request in O(log n)
+    queue: :gb_trees.empty()
   ]
 
   @doc "Starts the server process and waits until the server answers; see `ScanBridge.start_link/1`."
@@ -195,7 +197,7 @@ defmodule ScanBridge.Server do
     if MapSet.size(state.outstanding) < state.max_in_flight do
       {:noreply, transmit(state, id, frame)}
     else
-      {:noreply, %{state | queue: :queue.in({id, frame}, state.queue)}}
+      {:noreply, %{state | queue: :gb_trees.insert(id, frame, state.queue)}}
     end
   end
 
@@ -219,7 +221,8 @@ defmodule ScanBridge.Server do
           {:error, Error.client(:timeout, "no reply before the deadline", %{"id" => id})}
         )
 
-        {:noreply, %{state | pending: pending}}
+        # a request still queued is never sent now: its data goes with it
+        {:noreply, %{state | pending: pending, queue: :gb_trees.delete_any(id, state.queue)}}
     end
   end
 
@@ -314,17 +317,10 @@ defmodule ScanBridge.Server do
   end
 
   defp send_queued(state) do
-    if MapSet.size(state.outstanding) < state.max_in_flight do
-      case :queue.out(state.queue) do
-        {{:value, {id, frame}}, queue} ->
-          state = %{state | queue: queue}
-          # a queued call whose deadline passed is no longer pending: skip it
-          state = if Map.has_key?(state.pending, id), do: transmit(state, id, frame), else: state
-          send_queued(state)
-
-        {:empty, _} ->
-          state
-      end
+    if MapSet.size(state.outstanding) < state.max_in_flight and
+         not :gb_trees.is_empty(state.queue) do
+      {id, frame, queue} = :gb_trees.take_smallest(state.queue)
+      %{state | queue: queue} |> transmit(id, frame) |> send_queued()
     else
       state
     end
@@ -338,7 +334,7 @@ defmodule ScanBridge.Server do
       GenServer.reply(from, {:error, error})
     end)
 
-    %{state | pending: %{}, queue: :queue.new(), outstanding: MapSet.new()}
+    %{state | pending: %{}, queue: :gb_trees.empty(), outstanding: MapSet.new()}
   end
 
   defp exited(message, detail), do: Error.client(:server_exited, message, detail)
