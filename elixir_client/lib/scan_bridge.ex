@@ -83,7 +83,8 @@ defmodule ScanBridge do
     * `:transport` - `:port` (default) or `{:unix, path}`; see "Lanes".
     * `:max_in_flight` - requests at the server at once (default 256); more wait in order.
     * `:max_frame_size` - largest request body sent (default 256 MiB, the server's default
-      limit); a bigger one is answered `:frame_too_large` without being sent.
+      limit), capped at start-up by the server's own limit (its `info`'s `limits`); a bigger
+      one is answered `:frame_too_large` without being sent.
     * `:startup_timeout` - ms to wait for the server to answer (default 60 000).
     * `:exit_grace` - ms the server gets to exit after its stdin closes before it is killed
       (default 2 000).

@@ -3,7 +3,7 @@ defmodule ScanBridge.LifecycleTest do
   # server.
   use ExUnit.Case, async: false
 
-  alias ScanBridge.{Error, TestSupport}
+  alias ScanBridge.{Error, Tensor, TestSupport}
 
   import TestSupport,
     only: [
@@ -165,6 +165,38 @@ defmodule ScanBridge.LifecycleTest do
 
     assert length > 4096
     assert ScanBridge.ping(client) == :ok
+    GenServer.stop(client)
+  end
+
+  test "a request over the server's --max-frame-size is refused at once, and the client goes on" do
+    opts = TestSupport.server_opts(args: ["--device", "cpu", "--max-frame-size", "1048576"])
+    {:ok, client} = ScanBridge.start_link(opts)
+
+    zeros = fn shape ->
+      count = shape |> Tuple.to_list() |> Enum.product()
+      Tensor.new(:binary.copy(<<0::32>>, count), :f32, shape)
+    end
+
+    # x and dt are 1 MiB each: the request is over 2 MiB
+    inputs = %{
+      x: zeros.({1, 1024, 256}),
+      dt: zeros.({1, 1024, 256}),
+      A: zeros.({256, 1}),
+      B: zeros.({1, 1024, 1}),
+      C: zeros.({1, 1024, 1})
+    }
+
+    started = System.monotonic_time(:millisecond)
+
+    assert {:error,
+            %Error{reason: :frame_too_large, detail: %{"limit" => 1_048_576, "length" => length}}} =
+             ScanBridge.scan(client, inputs, timeout: 5_000)
+
+    assert System.monotonic_time(:millisecond) - started < 1_000
+    assert length > 2 * 1024 * 1024
+    assert ScanBridge.ping(client) == :ok
+    state = :sys.get_state(client)
+    assert state.pending == %{} and MapSet.size(state.outstanding) == 0
     GenServer.stop(client)
   end
 

@@ -12,7 +12,9 @@ defmodule ScanBridge.Server do
   server that has stopped answering holds no more queued data than the callers still waiting.
 
   Start-up waits for the server to answer a `ping` (and, on the unix lane, for the socket to
-  accept and answer one too), so a started client is a ready one. When the server's OS process
+  accept and answer one too), so a started client is a ready one; it then reads the server's
+  `limits` from `info` and refuses, without sending it, a request bigger than the server's
+  `max_frame_size` (which the server would answer with an id-less error no caller could get). When the server's OS process
   exits or its lane closes, every waiting caller gets `{:error, %ScanBridge.Error{reason:
   :server_exited}}` and this process stops, for its supervisor to start a fresh one. When this
   process stops, the server's stdin closes and the server exits (within a second); if it is
@@ -160,7 +162,8 @@ defmodule ScanBridge.Server do
 
     with {:ok, state} <- open_port(state, opts),
          {:ok, state} <- handshake(state, :port, deadline),
-         {:ok, state} <- connect_lane(state, opts[:transport], deadline) do
+         {:ok, state} <- connect_lane(state, opts[:transport], deadline),
+         {:ok, state} <- adopt_limits(state, deadline) do
       {:ok, state}
     else
       {:error, %Error{} = error, state} ->
@@ -306,7 +309,9 @@ defmodule ScanBridge.Server do
         send_queued(state)
 
       {:reply, id, {:error, error}} ->
-        # nil id: the server could not read a request's id; no caller can be told which.
+        # nil id: the server could not read a request's id; no caller can be told which (it
+        # gets :timeout). Requests over the server's max_frame_size are not sent, so that
+        # reason, the one a well-formed request could meet, does not come here.
         Logger.warning("scan-bridge: error reply for id #{inspect(id)}: #{error.message}")
         state
 
@@ -377,29 +382,66 @@ defmodule ScanBridge.Server do
   # start-up ping there and still exits when its stdin closes (no orphan).
   defp transport_args({:unix, path}), do: ["--stdio", "--unix", path]
 
-  # One ping, answered before the deadline, on the current lane.
+  # One ping, answered before the deadline, on the given lane.
   defp handshake(state, lane, deadline) do
+    case startup_call(state, lane, "ping", deadline) do
+      {:ok, %{"pong" => true}, state} ->
+        {:ok, state}
+
+      {:ok, result, state} ->
+        {:error,
+         Error.client(
+           :startup_failed,
+           "unexpected answer to the start-up ping: #{inspect(result, limit: 8)}"
+         ), state}
+
+      {:error, _error, _state} = failure ->
+        failure
+    end
+  end
+
+  # The server's limits (info's "limits") that bound what this client sends: a smaller
+  # max_frame_size than the client's option replaces it. A server whose info lacks it (older
+  # than the limits) is taken at the option's word.
+  defp adopt_limits(state, deadline) do
+    lane = if state.socket, do: :socket, else: :port
+
+    with {:ok, info, state} <- startup_call(state, lane, "info", deadline) do
+      limits = if is_map(info["limits"]), do: info["limits"], else: %{}
+
+      case limits["max_frame_size"] do
+        limit when is_integer(limit) and limit > 0 ->
+          {:ok, %{state | max_frame_size: min(state.max_frame_size, limit)}}
+
+        _absent ->
+          {:ok, state}
+      end
+    end
+  end
+
+  # One request without arguments, answered before the deadline, on the given lane.
+  defp startup_call(state, lane, op, deadline) do
     id = state.next_id
-    {head, _size} = Protocol.request_head("ping", %{})
+    {head, _size} = Protocol.request_head(op, %{})
     state = %{state | next_id: id + 1}
 
     case send_frame(state, [head, Protocol.id_entry(id)]) do
       :ok ->
-        await_pong(state, lane, id, deadline)
+        await_startup_reply(state, lane, op, id, deadline)
 
       {:error, reason} ->
-        {:error, Error.client(:startup_failed, "cannot send the start-up ping: #{inspect(reason)}"),
-         state}
+        {:error,
+         Error.client(:startup_failed, "cannot send the start-up #{op}: #{inspect(reason)}"), state}
     end
   end
 
-  defp await_pong(%{port: port, socket: socket} = state, lane, id, deadline) do
+  defp await_startup_reply(%{port: port, socket: socket} = state, lane, op, id, deadline) do
     receive do
       {^port, {:data, body}} when lane == :port ->
-        check_pong(body, id, state)
+        startup_result(body, op, id, state)
 
       {:tcp, ^socket, body} when lane == :socket ->
-        check_pong(body, id, state)
+        startup_result(body, op, id, state)
 
       {^port, {:exit_status, status}} ->
         startup_exit(state, status)
@@ -412,21 +454,21 @@ defmodule ScanBridge.Server do
         {:error,
          Error.client(
            :startup_timeout,
-           "the server did not answer the start-up ping on the #{lane} lane in time"
+           "the server did not answer the start-up #{op} on the #{lane} lane in time"
          ), state}
     end
   end
 
-  defp check_pong(body, id, state) do
+  defp startup_result(body, op, id, state) do
     case Protocol.decode_reply(body) do
-      {:reply, ^id, {:ok, %{"pong" => true}, _timing}} ->
-        {:ok, state}
+      {:reply, ^id, {:ok, result, _timing}} ->
+        {:ok, result, state}
 
       other ->
         {:error,
          Error.client(
            :startup_failed,
-           "unexpected answer to the start-up ping: #{inspect(other, limit: 8)}"
+           "unexpected answer to the start-up #{op}: #{inspect(other, limit: 8)}"
          ), state}
     end
   end
