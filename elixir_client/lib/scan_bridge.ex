@@ -81,7 +81,10 @@ defmodule ScanBridge do
       value unsets a variable.
     * `:name` - register the client process under this name.
     * `:transport` - `:port` (default) or `{:unix, path}`; see "Lanes".
-    * `:max_in_flight` - requests at the server at once (default 256); more wait in order.
+    * `:max_in_flight` - requests at the server at once (default 256); more wait in order. On
+      the unix lane the server's own cap on one connection's requests in flight
+      (`--max-in-flight-per-peer`, read from its `info`'s `limits` at start-up) caps it: the
+      server leaves requests past it unread in the socket.
     * `:max_frame_size` - largest request body sent (default 256 MiB, the server's default
       limit), capped at start-up by the server's own limit (its `info`'s `limits`); a bigger
       one is answered `:frame_too_large` without being sent.

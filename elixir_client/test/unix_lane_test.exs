@@ -64,6 +64,34 @@ defmodule ScanBridge.UnixLaneTest do
     end)
   end
 
+  test "the client keeps within the server's per-connection in-flight cap; all are answered" do
+    path = TestSupport.socket_path()
+
+    opts =
+      TestSupport.server_opts(
+        transport: {:unix, path},
+        args: ["--device", "cpu", "--max-in-flight-per-peer", "4"]
+      )
+
+    client = start_supervised!({ScanBridge, opts}, id: :capped)
+    assert :sys.get_state(client).max_in_flight == 4
+
+    1..40
+    |> Task.async_stream(
+      fn i ->
+        :rand.seed(:exsss, {i, 5 * i, 7 * i})
+        inputs = scan_inputs(%{batch: 1 + rem(i, 3), seq: 3 + rem(i, 4), dim: 5, state: 2}, [:D])
+        {inputs, ScanBridge.scan(client, inputs)}
+      end,
+      max_concurrency: 40,
+      timeout: 60_000
+    )
+    |> Enum.each(fn {:ok, {inputs, outcome}} ->
+      assert {:ok, result} = outcome
+      assert_scan_matches(result, inputs)
+    end)
+  end
+
   if reason = TestSupport.skip_reason(:sessions), do: @tag(skip: reason)
 
   test "a session over the socket", %{server: server} do

@@ -8,18 +8,22 @@ defmodule ScanBridge.Server do
   answered with `GenServer.reply/2`. Every call has a deadline kept here: when it passes, the
   caller gets `{:error, %ScanBridge.Error{reason: :timeout}}` and the server's late reply is
   dropped. At most `:max_in_flight` requests are at the server at once; more wait here, in
-  order, under their own deadlines: one whose deadline passes is dropped, never sent, so a
-  server that has stopped answering holds no more queued data than the callers still waiting.
+  order, under their own deadlines: one whose deadline passes is dropped, never sent, so while
+  the server does not answer the queue holds only the requests of callers still waiting.
 
   Start-up waits for the server to answer a `ping` (and, on the unix lane, for the socket to
-  accept and answer one too), so a started client is a ready one; it then reads the server's
-  `limits` from `info` and refuses, without sending it, a request bigger than the server's
-  `max_frame_size` (which the server would answer with an id-less error no caller could get). When the server's OS process
-  exits or its lane closes, every waiting caller gets `{:error, %ScanBridge.Error{reason:
-  :server_exited}}` and this process stops, for its supervisor to start a fresh one. When this
-  process stops, the server's stdin closes and the server exits (within a second); if it is
-  still there after `:exit_grace` ms it is killed. If this process is killed, the BEAM closes
-  the Port and the server exits on its own.
+  accept and answer one too), so a started client is a ready one. It then reads the server's
+  `limits` from `info`: a request bigger than the server's `max_frame_size` is refused here,
+  not sent (the server would answer it with an id-less error no caller could be given), and on
+  the unix lane `:max_in_flight` is kept within the server's `max_in_flight_per_peer` (past
+  which the server leaves requests unread in the socket, and this process would block in
+  sending more).
+
+  When the server's OS process exits or its lane closes, every waiting caller gets
+  `{:error, %ScanBridge.Error{reason: :server_exited}}` and this process stops, for its
+  supervisor to start a fresh one. When this process stops, the server's stdin closes and the
+  server exits (within a second); if it is still there after `:exit_grace` ms it is killed. If
+  this process is killed, the BEAM closes the Port and the server exits on its own.
 
   The server's stderr (its log) is inherited from the BEAM, never mixed into the frames.
 
@@ -400,24 +404,32 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # The server's limits (info's "limits") that bound what this client sends: a smaller
-  # max_frame_size than the client's option replaces it. A server whose info lacks it (older
-  # than the limits) is taken at the option's word.
+  # The server's limits (info's "limits") that bound what this client sends, each replacing
+  # the client's option when smaller: max_frame_size, and on the unix lane the requests one
+  # connection may have in flight (max_in_flight_per_peer), past which the server stops reading
+  # the socket, so that more would only fill its buffers and then block this process in
+  # :gen_tcp.send, deadlines and all. A limit the server's info lacks (a server older than it)
+  # leaves the option as it is.
   defp adopt_limits(state, deadline) do
     lane = if state.socket, do: :socket, else: :port
 
     with {:ok, info, state} <- startup_call(state, lane, "info", deadline) do
       limits = if is_map(info["limits"]), do: info["limits"], else: %{}
+      state = cap(state, :max_frame_size, limits["max_frame_size"])
 
-      case limits["max_frame_size"] do
-        limit when is_integer(limit) and limit > 0 ->
-          {:ok, %{state | max_frame_size: min(state.max_frame_size, limit)}}
+      state =
+        if lane == :socket,
+          do: cap(state, :max_in_flight, limits["max_in_flight_per_peer"]),
+          else: state
 
-        _absent ->
-          {:ok, state}
-      end
+      {:ok, state}
     end
   end
+
+  defp cap(state, key, limit) when is_integer(limit) and limit > 0,
+    do: Map.update!(state, key, &min(&1, limit))
+
+  defp cap(state, _key, _absent), do: state
 
   # One request without arguments, answered before the deadline, on the given lane.
   defp startup_call(state, lane, op, deadline) do
