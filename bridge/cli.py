@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=defaults.backend,
                    help="kernels backend by name (reference, torch, cpu, triton); default: the best for the device")
     p.add_argument("--max-frame-size", type=_positive, default=defaults.max_frame_size,
-                   help="largest request frame in bytes; bigger frames are drained and answered with frame_too_large")
+                   help="largest request in bytes; a bigger stream frame, or ZeroMQ message in several frames, is "
+                        "drained and answered with frame_too_large; ZeroMQ drops a peer that sends a single "
+                        "frame bigger than this")
     p.add_argument("--log-level", default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"))
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
                    help="compile the kernels for this shape bucket before serving (repeatable); OPTS "
@@ -78,13 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-clients", metavar="DIR",
                    help="with --curve-secret-key: only clients whose public certificate is in DIR may connect "
                         "(without it, any client that knows the server's public key may)")
-    p.add_argument("--max-in-flight-per-peer", type=_positive, default=64,
+    p.add_argument("--max-in-flight-per-peer", type=_positive, default=defaults.max_in_flight_per_peer,
                    help="requests one unix connection or ZeroMQ peer may have in flight; its later requests "
                         "wait (in its socket buffer, or in its queue on ZeroMQ)")
     p.add_argument("--zmq-hwm", type=_positive, default=1000,
                    help="ZeroMQ high-water mark: messages queued per peer each way, and requests a peer may "
                         "have waiting beyond its in-flight cap before it is answered overloaded")
-    p.add_argument("--max-connections", type=_positive, default=256,
+    p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
                    help="unix connections served at once; another is answered overloaded and closed")
     return p
 

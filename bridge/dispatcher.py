@@ -86,6 +86,14 @@ class Call:
 _STOP = object()
 
 
+def reply_too_large(exc: protocol.FrameTooLarge) -> OpError:
+    """The answer to a request whose reply a stream lane's 4-byte length prefix cannot frame
+    (SPEC §2): a result as large as that comes only from a request near --max-frame-size whose
+    result is many times its input (a scan's state beside a short x)."""
+    return OpError("limit_exceeded", f"reply: expected at most {exc.limit} bytes in a frame, got {exc.length}",
+                   {"limit": "reply_frame_size", "max": exc.limit, "requested": exc.length})
+
+
 class Dispatcher:
     def __init__(self, server, handlers: dict, legacy_handlers: dict):
         self.server = server
@@ -143,7 +151,8 @@ class Dispatcher:
         if handler is None:
             known = sorted(table)
             refusal = OpError("unknown_op", f"op: expected one of {', '.join(known)}, got {request.op!r}",
-                              {"field": "op", "expected": known, "got": request.op})
+                              {"field": "op", "expected": f"one of {', '.join(known)}", "got": request.op,
+                               "known": known})
         elif not self.accepting:
             refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
         else:
@@ -358,7 +367,12 @@ class Dispatcher:
             self._fail(call, exc)
             return
         try:
-            self._send(call.conn, parts, out_of_band)
+            try:
+                self._send(call.conn, parts, out_of_band)
+            except protocol.FrameTooLarge as exc:  # nothing was written: the error is the answer
+                self._reply_error(call.conn, None if call.legacy else call.request.id, reply_too_large(exc),
+                                  legacy=call.legacy, stats_op=call.stats_op)
+                return
             self.server.stats.record(call.stats_op, reply_timing or None, ok=True,
                                      executions=call.executions)
         finally:

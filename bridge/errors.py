@@ -27,5 +27,5 @@ def error_fields(exc: BaseException) -> tuple[str, str, dict]:
     if isinstance(exc, kernels.BackendUnavailable):
         return "unsupported", str(exc), {}
     if isinstance(exc, MemoryError):
-        return "limit_exceeded", "out of memory while serving the request", {}
+        return "limit_exceeded", "out of memory while serving the request", {"limit": "memory"}
     return "internal_error", f"{type(exc).__name__}: {exc}", {"exception": type(exc).__name__}

@@ -44,6 +44,12 @@ class ServerConfig:
     max_pool_bytes: int = 1 << 30
     max_handles: int = 4096
     max_handle_bytes: int = 1 << 30
+    # The socket lanes' caps (bridge.transports): requests one unix connection or ZeroMQ peer may
+    # have in flight before its later ones wait, and unix connections served at once. Here, not
+    # only in the CLI, so that `info` reports them with the other limits: a client keeps its own
+    # in-flight bound within the first.
+    max_in_flight_per_peer: int = 64
+    max_connections: int = 256
     # Serve plain steps that find nothing but native steps in flight in C++ (bridge.native), where it can.
     native_step: bool = True
 

@@ -1,7 +1,8 @@
 """Cumulative counters for the `stats` op, modelled on Triton Inference Server's statistics
-extension: per op, `inference_count` (requests served) and `execution_count` (kernel launches;
-their ratio is the mean batch in requests), successes, failures and cumulative microseconds per
-stage; plus gauges of what the server holds now (sessions, tensor handles)."""
+extension: per op, `inference_count` (requests served successfully, as Triton counts them) and
+`execution_count` (kernel launches; their ratio is the mean batch in requests: a failed request
+is counted for no launch), successes, failures and cumulative microseconds per stage; plus gauges
+of what the server holds now (sessions, tensor handles)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Stats:
                error_code: str | None = None) -> None:
         with self._lock:
             entry = self.ops[op]
-            entry["inference_count"] += 1
+            entry["inference_count"] += ok
             entry["execution_count"] += executions
             entry["success_count" if ok else "failure_count"] += 1
             if timing:

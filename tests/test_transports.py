@@ -430,6 +430,14 @@ def raw_unix(path: str) -> socket.socket:
     return sock
 
 
+def test_info_reports_the_lanes_caps_with_the_other_limits(limited):
+    """A client keeps its own in-flight bound within the server's per-connection cap, which it
+    reads here (the Elixir client does)."""
+    with UnixClient(limited.unix) as client:
+        limits = client.info()["limits"]
+    assert (limits["max_in_flight_per_peer"], limits["max_connections"], limits["max_frame_size"]) == (2, 4, 3000000)
+
+
 def test_a_unix_peer_that_reads_nothing_does_not_hold_up_the_others(limited):
     # Replies of ~1 MB each: the stuck peer's socket buffer fills at once.
     inputs = make_scan_inputs(ScanCase(1, 1024, 256, 4))
@@ -850,6 +858,38 @@ def test_a_unix_connection_whose_frame_cannot_be_read_ends_there_and_the_lane_se
         reader.close()
         healthy.close()
         assert dispatcher.bodies == [b"hello"]
+    finally:
+        transport.close()
+
+
+def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection_serves_on(
+        tmp_path, monkeypatch, inproc):
+    """A stream reply's 4-byte prefix frames at most 2^32 - 1 bytes (SPEC §2). A reply longer
+    than that (here the limit is lowered so that a scan's state exceeds it) gets limit_exceeded
+    instead of no answer, and counts as answered: with one request allowed in flight, the
+    connection would otherwise never be read again."""
+    from bridge.transports.unix import UnixTransport
+
+    path = str(tmp_path / "lane.sock")
+    server = inproc()
+    transport = UnixTransport(server.dispatcher, path, max_frame_size=1 << 20, max_in_flight=1, max_connections=4)
+    inputs = make_scan_inputs(ScanCase(1, 1, 64, 16, return_state=True))  # a 4 KiB state
+    frames = [scan_frame(1, inputs), request_frame(2, "ping")]  # framed before the limit is lowered
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 2048)
+    transport.start()
+    try:
+        conn = raw_unix(path)
+        reader = conn.makefile("rb", buffering=0)
+        for frame in frames:
+            conn.sendall(frame)
+        refused, pong = read_reply(reader), read_reply(reader)
+        assert (refused.id, refused.ok, refused.error["code"]) == (1, False, "limit_exceeded")
+        detail = refused.error["detail"]
+        assert (detail["limit"], detail["max"]) == ("reply_frame_size", 2048)
+        assert detail["requested"] > 64 * 16 * 4
+        assert (pong.id, pong.ok, pong.result) == (2, True, {"pong": True})
+        reader.close()
+        conn.close()
     finally:
         transport.close()
 

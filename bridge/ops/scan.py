@@ -32,12 +32,12 @@ def _check_session_dims(session, x, A, layout: str) -> None:
         raise OpError("shape_mismatch",
                       f"args.x: expected {session.dim} channels (the session's dim) in layout {layout}, "
                       f"got shape {list(x.shape)}",
-                      {"field": "args.x", "expected": f"dim {session.dim}", "got": list(x.shape)})
+                      {"field": "args.x", "expected": f"dim {session.dim}", "got": str(list(x.shape))})
     if A.shape[1] != session.state:
         raise OpError("shape_mismatch",
                       f"args.A: expected {session.state} states (the session's state) on its second axis, "
                       f"got shape {list(A.shape)}",
-                      {"field": "args.A", "expected": f"state {session.state}", "got": list(A.shape)})
+                      {"field": "args.A", "expected": f"state {session.state}", "got": str(list(A.shape))})
 
 
 def _nbytes(value) -> int:

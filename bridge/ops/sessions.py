@@ -55,7 +55,7 @@ def check_rows(session, values: dict) -> None:
                           f"args.{name}: expected {session.batch} rows on the first axis (the session's "
                           f"batch), got shape {list(value.shape)}",
                           {"field": f"args.{name}", "expected": f"{session.batch} rows",
-                           "got": list(value.shape)})
+                           "got": str(list(value.shape))})
 
 
 class StepOp(BatchedOp):
