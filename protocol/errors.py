@@ -41,7 +41,7 @@ ERROR_CODES: dict[str, str] = {
     "unknown_session": "session names no open session",
     "unknown_handle": "handle names no server-resident tensor",
     "limit_exceeded": "a server limit (sessions, handles, resident bytes, sizes) would be exceeded",
-    "unsupported": "a valid request this server cannot serve (e.g. a dtype the kernel does not support)",
+    "unsupported": "a valid request this server cannot serve here (e.g. a kernels backend it has no device for)",
     "overloaded": "the server is too busy to accept the request now; retry later",
     "shutting_down": "the server is shutting down and accepts no new work",
     "internal_error": "the server failed in a way that is not the client's fault",
