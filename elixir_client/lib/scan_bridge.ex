@@ -25,6 +25,11 @@ defmodule ScanBridge do
   `:timeout` included (it must be `:infinity` or an integer of ms in 0..2^32 - 1), raise
   `ArgumentError` in the calling process; the client process goes on serving the others.
 
+  A call that times out is not taken back from the server, which may still carry it out: its
+  late reply is dropped, a late `put/3`'s handle or `open_session/3`'s session is freed by the
+  client as soon as that reply comes, and a timed-out `step/4` (or `scan/3` with `:session`)
+  may still have advanced its session.
+
   ## Lanes
 
     * `transport: :port` (default): requests and replies travel through the Port's pipes
@@ -177,6 +182,10 @@ defmodule ScanBridge do
   (SPEC §6 `step`). `inputs`: `:x`, `:dt`, `:A`, `:B`, `:C`, optionally `:z`, `:D`,
   `:dt_bias`, `:dt_softplus`, `:dt_min`, `:dt_max`; x, dt, z are `[batch, dim]`, B and C
   `[batch, state]` or `[batch, groups, state]`. Returns `y` `[batch, dim]`.
+
+  A step that timed out (`{:error, %ScanBridge.Error{reason: :timeout}}`) may still have been
+  done by the server, leaving the session one timestep further on; read it with
+  `session_state/3` before going on when that matters.
   """
   @spec step(server, String.t(), inputs, call_opts) ::
           {:ok, %{y: Tensor.t(), timing: timing}} | error

@@ -100,7 +100,7 @@ defmodule ScanBridge.LifecycleTest do
         {inputs, Task.async(fn -> ScanBridge.scan(client, inputs) end)}
       end
 
-    assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) <= 2 end)
+    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) <= 2 end)
 
     for {inputs, task} <- cases do
       assert {:ok, result} = Task.await(task, 30_000)
@@ -109,7 +109,7 @@ defmodule ScanBridge.LifecycleTest do
 
     state = :sys.get_state(client)
 
-    assert state.pending == %{} and MapSet.size(state.outstanding) == 0 and
+    assert state.pending == %{} and map_size(state.outstanding) == 0 and
              :gb_trees.is_empty(state.queue)
 
     GenServer.stop(client)
@@ -122,7 +122,7 @@ defmodule ScanBridge.LifecycleTest do
     # frozen server: the first request stays outstanding, so the ping waits in the client's queue
     freeze(os_pid)
     first = Task.async(fn -> ScanBridge.ping(client) end)
-    assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) == 1 end)
+    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
     assert {:error, %Error{reason: :timeout}} = ScanBridge.ping(client, timeout: 20)
     thaw(os_pid)
     assert Task.await(first) == :ok
@@ -138,7 +138,7 @@ defmodule ScanBridge.LifecycleTest do
     # frozen server: the first request stays outstanding, so every scan waits in the queue
     freeze(os_pid)
     first = Task.async(fn -> ScanBridge.ping(client) end)
-    assert eventually(fn -> MapSet.size(:sys.get_state(client).outstanding) == 1 end)
+    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
     inputs = scan_inputs(%{batch: 2, seq: 16, dim: 8, state: 2}, [])
     queued = for _ <- 1..5, do: Task.async(fn -> ScanBridge.scan(client, inputs, timeout: 50) end)
 
@@ -196,8 +196,40 @@ defmodule ScanBridge.LifecycleTest do
     assert length > 2 * 1024 * 1024
     assert ScanBridge.ping(client) == :ok
     state = :sys.get_state(client)
-    assert state.pending == %{} and MapSet.size(state.outstanding) == 0
+    assert state.pending == %{} and map_size(state.outstanding) == 0
     GenServer.stop(client)
+  end
+
+  describe "a timed-out call leaves nothing on the server" do
+    setup do
+      client = start_supervised!({ScanBridge, TestSupport.server_opts()})
+      {:ok, os_pid} = ScanBridge.os_pid(client)
+      %{client: client, os_pid: os_pid}
+    end
+
+    if reason = TestSupport.skip_reason(:handles), do: @tag(skip: reason)
+
+    test "a late put's handle is freed", %{client: client, os_pid: os_pid} do
+      # frozen, the server answers the put only after its deadline
+      freeze(os_pid)
+      tensor = TestSupport.random(:f32, {4, 2})
+      assert {:error, %Error{reason: :timeout}} = ScanBridge.put(client, tensor, timeout: 50)
+      thaw(os_pid)
+      # once the put is done, only the client's free can take its handle away
+      assert eventually(fn -> held_after(client, "put", "handles") == 0 end)
+    end
+
+    if reason = TestSupport.skip_reason(:sessions), do: @tag(skip: reason)
+
+    test "a late open_session's session is closed", %{client: client, os_pid: os_pid} do
+      freeze(os_pid)
+
+      assert {:error, %Error{reason: :timeout}} =
+               ScanBridge.open_session(client, [batch: 1, dim: 2, state: 2], timeout: 50)
+
+      thaw(os_pid)
+      assert eventually(fn -> held_after(client, "session_open", "sessions") == 0 end)
+    end
   end
 
   describe "start-up failures are errors, not crashes" do
@@ -248,6 +280,15 @@ defmodule ScanBridge.LifecycleTest do
     # the grace, the wait for the killed server, and room to close the port
     assert ScanBridge.child_spec([]).shutdown == 5_000
     assert ScanBridge.child_spec(exit_grace: 10_000).shutdown == 13_000
+  end
+
+  # How many handles or sessions (`gauge`) the server holds once it has done `op` once; nil
+  # before.
+  defp held_after(client, op, gauge) do
+    {:ok, stats} = ScanBridge.stats(client)
+
+    if get_in(stats, ["ops", op, "success_count"]) == 1,
+      do: get_in(stats, [gauge, gauge]) || raise("no #{gauge} count in #{inspect(stats)}")
   end
 
   defp ping_count(stats),

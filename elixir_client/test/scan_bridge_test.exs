@@ -137,7 +137,7 @@ defmodule ScanBridgeTest do
     assert {:ok, result} = ScanBridge.scan(server, other)
     assert_scan_matches(result, other)
     assert ScanBridge.ping(server) == :ok
-    assert :sys.get_state(server).outstanding == MapSet.new()
+    assert :sys.get_state(server).outstanding == %{}
     refute_received _
   end
 

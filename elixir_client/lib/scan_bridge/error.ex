@@ -6,7 +6,8 @@ defmodule ScanBridge.Error do
   `reason` is an atom a program can match on:
 
     * the client's own: `:timeout` (the call's deadline passed first; the late reply is
-      dropped), `:server_exited` (the server's OS process or its lane went away while the
+      dropped, though the server may still have carried the request out: see `ScanBridge`),
+      `:server_exited` (the server's OS process or its lane went away while the
       request was pending), `:not_running` (no client process under that name or pid),
       `:startup_failed`, `:startup_timeout`, `:decode_error` (a reply that is not valid
       protocol, or a frame the client could not decode), `:frame_too_large` (the request is

@@ -7,7 +7,8 @@ defmodule ScanBridge.Server do
   in `pending` (id → caller) while this process goes on; each reply is matched by its id and
   answered with `GenServer.reply/2`. Every call has a deadline kept here: when it passes, the
   caller gets `{:error, %ScanBridge.Error{reason: :timeout}}` and the server's late reply is
-  dropped. At most `:max_in_flight` requests are at the server at once; more wait here, in
+  dropped, but what a late `put` or `session_open` made (which no caller will ever learn of)
+  is freed here at once, so that timeouts leave no handles or sessions on the server. At most `:max_in_flight` requests are at the server at once; more wait here, in
   order, under their own deadlines: one whose deadline passes is dropped, never sent, so while
   the server does not answer the queue holds only the requests of callers still waiting.
 
@@ -79,10 +80,11 @@ defmodule ScanBridge.Server do
     next_id: 0,
     # id => {from, deadline timer}: callers waiting for an answer
     pending: %{},
-    # ids sent to the server and not yet answered by it (including timed-out ones)
-    outstanding: MapSet.new(),
-    # id => iodata not yet sent because :max_in_flight requests are outstanding; ids grow with
-    # arrival, so the smallest is the oldest, and a deadline drops its request in O(log n)
+    # id => op of the requests sent to the server and not yet answered by it (including
+    # timed-out ones, whose late replies may name something to free)
+    outstanding: %{},
+    # id => {op, iodata} not yet sent because :max_in_flight requests are outstanding; ids grow
+    # with arrival, so the smallest is the oldest, and a deadline drops its request in O(log n)
     queue: :gb_trees.empty()
   ]
 
@@ -115,7 +117,7 @@ defmodule ScanBridge.Server do
   def request(server, op, args, timeout) do
     check!(:timeout, timeout, timeout_expected(), &valid_timeout?/1)
     {head, size} = Protocol.request_head(op, args)
-    call(server, {:request, head, size, timeout})
+    call(server, {:request, op, head, size, timeout})
   end
 
   @doc "The `:gen_tcp` options of the unix lane: binaries, packet 4, active."
@@ -177,7 +179,7 @@ defmodule ScanBridge.Server do
   end
 
   @impl true
-  def handle_call({:request, _head, size, _timeout}, _from, %{max_frame_size: limit} = state)
+  def handle_call({:request, _op, _head, size, _timeout}, _from, %{max_frame_size: limit} = state)
       when size > limit do
     error =
       Error.client(
@@ -192,7 +194,7 @@ defmodule ScanBridge.Server do
     {:reply, {:error, error}, state}
   end
 
-  def handle_call({:request, head, _size, timeout}, from, state) do
+  def handle_call({:request, op, head, _size, timeout}, from, state) do
     id = state.next_id
 
     timer =
@@ -201,10 +203,10 @@ defmodule ScanBridge.Server do
     state = %{state | next_id: id + 1, pending: Map.put(state.pending, id, {from, timer})}
     frame = [head, Protocol.id_entry(id)]
 
-    if MapSet.size(state.outstanding) < state.max_in_flight do
-      {:noreply, transmit(state, id, frame)}
+    if map_size(state.outstanding) < state.max_in_flight do
+      {:noreply, transmit(state, id, op, frame)}
     else
-      {:noreply, %{state | queue: :gb_trees.insert(id, frame, state.queue)}}
+      {:noreply, %{state | queue: :gb_trees.insert(id, {op, frame}, state.queue)}}
     end
   end
 
@@ -265,22 +267,28 @@ defmodule ScanBridge.Server do
 
   ## Requests and replies
 
-  defp transmit(state, id, frame) do
+  defp transmit(state, id, op, frame) do
     case send_frame(state, frame) do
       :ok ->
-        %{state | outstanding: MapSet.put(state.outstanding, id)}
+        %{state | outstanding: Map.put(state.outstanding, id, op)}
 
       {:error, reason} ->
         # The lane is gone; its exit message follows and answers everyone else.
-        {{from, timer}, pending} = Map.pop(state.pending, id)
-        cancel(timer)
+        case Map.pop(state.pending, id) do
+          {nil, _} ->
+            # a release (release/3) has no caller
+            state
 
-        GenServer.reply(
-          from,
-          {:error, exited("the lane to the server is closed: #{inspect(reason)}", %{})}
-        )
+          {{from, timer}, pending} ->
+            cancel(timer)
 
-        %{state | pending: pending}
+            GenServer.reply(
+              from,
+              {:error, exited("the lane to the server is closed: #{inspect(reason)}", %{})}
+            )
+
+            %{state | pending: pending}
+        end
     end
   end
 
@@ -296,13 +304,15 @@ defmodule ScanBridge.Server do
   defp on_reply(body, state) do
     case Protocol.decode_reply(body) do
       {:reply, id, outcome} when is_integer(id) ->
-        state = %{state | outstanding: MapSet.delete(state.outstanding, id)}
+        {op, outstanding} = Map.pop(state.outstanding, id)
+        state = %{state | outstanding: outstanding}
 
         state =
           case Map.pop(state.pending, id) do
             {nil, _} ->
-              # answered already (its deadline passed): the late reply is dropped
-              state
+              # answered already (its deadline passed): the late reply is dropped, and what
+              # it made freed
+              release(state, op, outcome)
 
             {{from, timer}, pending} ->
               cancel(timer)
@@ -325,11 +335,29 @@ defmodule ScanBridge.Server do
     end
   end
 
+  # A late reply's caller was told :timeout and will never learn of the handle or session the
+  # server made for it: free it now, without a caller (its answer is dropped in turn). It takes
+  # the in-flight place the late reply has just left.
+  defp release(state, "put", {:ok, %{"handle" => handle}, _timing}) when is_binary(handle),
+    do: send_uncalled(state, "free", %{handle: handle})
+
+  defp release(state, "session_open", {:ok, %{"session" => session}, _timing})
+       when is_binary(session),
+       do: send_uncalled(state, "session_close", %{session: session})
+
+  defp release(state, _op, _outcome), do: state
+
+  defp send_uncalled(state, op, args) do
+    id = state.next_id
+    {head, _size} = Protocol.request_head(op, args)
+    transmit(%{state | next_id: id + 1}, id, op, [head, Protocol.id_entry(id)])
+  end
+
   defp send_queued(state) do
-    if MapSet.size(state.outstanding) < state.max_in_flight and
+    if map_size(state.outstanding) < state.max_in_flight and
          not :gb_trees.is_empty(state.queue) do
-      {id, frame, queue} = :gb_trees.take_smallest(state.queue)
-      %{state | queue: queue} |> transmit(id, frame) |> send_queued()
+      {id, {op, frame}, queue} = :gb_trees.take_smallest(state.queue)
+      %{state | queue: queue} |> transmit(id, op, frame) |> send_queued()
     else
       state
     end
@@ -343,7 +371,7 @@ defmodule ScanBridge.Server do
       GenServer.reply(from, {:error, error})
     end)
 
-    %{state | pending: %{}, queue: :gb_trees.empty(), outstanding: MapSet.new()}
+    %{state | pending: %{}, queue: :gb_trees.empty(), outstanding: %{}}
   end
 
   defp exited(message, detail), do: Error.client(:server_exited, message, detail)
