@@ -33,7 +33,8 @@ defmodule ScanBridge do
   ## Lanes
 
     * `transport: :port` (default): requests and replies travel through the Port's pipes
-      (`{:packet, 4}`).
+      (`{:packet, 4}`), even when `:args` open other lanes (`--unix`, `--zmq`) for other
+      clients (the server is started with `--stdio`).
     * `transport: {:unix, path}`: the server is still spawned (and watched) as a Port, and
       told to listen on `path`; every request then goes over one unix-socket connection
       (`:gen_tcp`, `{:local, path}`, packet 4), cheaper than the pipes for big tensors

@@ -64,6 +64,19 @@ defmodule ScanBridge.UnixLaneTest do
     end)
   end
 
+  test "transport :port is served over the Port even when :args open a unix socket too" do
+    path = TestSupport.socket_path()
+
+    opts =
+      TestSupport.server_opts(args: ["--device", "cpu", "--unix", path], startup_timeout: 20_000)
+
+    client = start_supervised!({ScanBridge, opts}, id: :port_beside_unix)
+    assert ScanBridge.ping(client) == :ok
+    assert :sys.get_state(client).socket == nil
+    assert {:ok, info} = ScanBridge.info(client)
+    assert "stdio" in info["transports"]
+  end
+
   test "the client keeps within the server's per-connection in-flight cap; all are answered" do
     path = TestSupport.socket_path()
 

@@ -409,9 +409,10 @@ defmodule ScanBridge.Server do
        ), state}
   end
 
-  defp transport_args(:port), do: []
-  # --stdio keeps the Port lane served beside the socket, so the server still answers the
-  # start-up ping there and still exits when its stdin closes (no orphan).
+  # --stdio keeps the Port lane served even when :args (or the transport) name a socket lane,
+  # so the server still answers the start-up ping there and still exits when its stdin closes
+  # (no orphan).
+  defp transport_args(:port), do: ["--stdio"]
   defp transport_args({:unix, path}), do: ["--stdio", "--unix", path]
 
   # One ping, answered before the deadline, on the given lane.
