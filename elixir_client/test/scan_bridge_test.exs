@@ -182,6 +182,21 @@ defmodule ScanBridgeTest do
     assert ScanBridge.ping(server, timeout: :infinity) == :ok
   end
 
+  test "a reply whose id no request had is logged and dropped; the client goes on", %{
+    server: server
+  } do
+    %{port: port} = :sys.get_state(server)
+    reply = %{"v" => 1, "id" => "not-ours", "ok" => true, "result" => %{}}
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        send(server, {port, {:data, ScanBridge.Msgpack.encode(reply) |> IO.iodata_to_binary()}})
+        assert ScanBridge.ping(server) == :ok
+      end)
+
+    assert log =~ ~s(reply for id "not-ours", which no request had, dropped)
+  end
+
   describe "handles" do
     if reason = TestSupport.skip_reason(:handles), do: @describetag(skip: reason)
 

@@ -329,6 +329,11 @@ defmodule ScanBridge.Server do
         Logger.warning("scan-bridge: error reply for id #{inspect(id)}: #{error.message}")
         state
 
+      {:reply, id, {:ok, _result, _timing}} ->
+        # this client sends integer ids only: no caller is waiting for this one
+        Logger.warning("scan-bridge: reply for id #{inspect(id)}, which no request had, dropped")
+        state
+
       {:error, error} ->
         Logger.error("scan-bridge: undecodable reply dropped: #{error.message}")
         state
