@@ -64,6 +64,37 @@ defmodule ScanBridge.UnixLaneTest do
     end)
   end
 
+  test "a socket error during start-up fails the start at once, not at its timeout" do
+    path = TestSupport.socket_path()
+    # The client, sent to path, connects to this listener, which never answers its ping, like
+    # a stuck server; the server itself listens on path.real (see wrapper/1).
+    {:ok, listener} = :gen_tcp.listen(0, [:binary, packet: 4, ifaddr: {:local, path}])
+
+    opts =
+      TestSupport.server_opts(
+        python: wrapper(path),
+        transport: {:unix, path},
+        name: :errs,
+        startup_timeout: 20_000
+      )
+
+    starting =
+      Task.async(fn ->
+        Process.flag(:trap_exit, true)
+        ScanBridge.start_link(opts)
+      end)
+
+    # the socket error comes while the client waits for its ping's answer
+    assert socket = eventually(fn -> (client = Process.whereis(:errs)) && socket_of(client) end)
+    send(Process.whereis(:errs), {:tcp_error, socket, :econnreset})
+
+    assert {:error, %Error{reason: :startup_failed, message: message}} =
+             Task.await(starting, 30_000)
+
+    assert message =~ "unix socket error during start-up: :econnreset"
+    :gen_tcp.close(listener)
+  end
+
   test "transport :port is served over the Port even when :args open a unix socket too" do
     path = TestSupport.socket_path()
 
@@ -146,5 +177,31 @@ defmodule ScanBridge.UnixLaneTest do
 
     assert_receive {:DOWN, ^ref, :process, ^client, {:shutdown, _}}, 5_000
     assert os_process_gone?(os_pid)
+  end
+
+  # An interpreter that runs the server with its --unix PATH moved to PATH.real.
+  defp wrapper(path) do
+    script = path <> ".python"
+    on_exit(fn -> File.rm(script) end)
+
+    File.write!(script, """
+    #!/bin/sh
+    for arg; do
+      shift
+      if [ "$previous" = --unix ]; then set -- "$@" "$arg.real"; else set -- "$@" "$arg"; fi
+      previous=$arg
+    done
+    exec #{TestSupport.python()} "$@"
+    """)
+
+    File.chmod!(script, 0o755)
+    on_exit(fn -> File.rm(path <> ".real") end)
+    script
+  end
+
+  # The unix-socket port the client process has opened, once it has.
+  defp socket_of(client) do
+    {:links, links} = Process.info(client, :links)
+    Enum.find(links, &(is_port(&1) and Port.info(&1, :name) == {:name, ~c"tcp_inet"}))
   end
 end

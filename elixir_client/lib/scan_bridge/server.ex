@@ -495,6 +495,11 @@ defmodule ScanBridge.Server do
       {:tcp_closed, ^socket} ->
         {:error, Error.client(:startup_failed, "the server closed the unix socket during start-up"),
          state}
+
+      {:tcp_error, ^socket, reason} ->
+        {:error,
+         Error.client(:startup_failed, "unix socket error during start-up: #{inspect(reason)}"),
+         state}
     after
       remaining(deadline) ->
         {:error,
