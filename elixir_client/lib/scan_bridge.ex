@@ -182,7 +182,8 @@ defmodule ScanBridge do
   One timestep against a session's state, which is updated in place on the server
   (SPEC §6 `step`). `inputs`: `:x`, `:dt`, `:A`, `:B`, `:C`, optionally `:z`, `:D`,
   `:dt_bias`, `:dt_softplus`, `:dt_min`, `:dt_max`; x, dt, z are `[batch, dim]`, B and C
-  `[batch, state]` or `[batch, groups, state]`. Returns `y` `[batch, dim]`.
+  `[batch, state]` or `[batch, groups, state]`. Returns `y` `[batch, dim]`. The session is
+  the second argument only: `inputs` that name one too raise `ArgumentError`.
 
   A step that timed out (`{:error, %ScanBridge.Error{reason: :timeout}}`) may still have been
   done by the server, leaving the session one timestep further on; read it with
@@ -191,7 +192,14 @@ defmodule ScanBridge do
   @spec step(server, String.t(), inputs, call_opts) ::
           {:ok, %{y: Tensor.t(), timing: timing}} | error
   def step(server, session, inputs, opts \\ []) when is_binary(session) do
-    args = inputs |> Protocol.wire_args!("step") |> Map.put("session", session)
+    args = Protocol.wire_args!(inputs, "step")
+
+    if Map.has_key?(args, "session") do
+      raise ArgumentError,
+            "step inputs: expected no session (step/4 takes it as its second argument), got #{inspect(args["session"], limit: 5)}"
+    end
+
+    args = Map.put(args, "session", session)
 
     with {:ok, result, timing} <- request(server, "step", args, opts),
          {:ok, y} <- result_tensor(result, "y") do

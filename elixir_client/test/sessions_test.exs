@@ -36,6 +36,34 @@ defmodule ScanBridge.SessionsTest do
     end
   end
 
+  test "step inputs naming the session, or an argument twice, raise before anything is sent", %{
+    server: server
+  } do
+    assert {:ok, session} = ScanBridge.open_session(server, batch: 1, dim: 2, state: 2)
+    f32 = fn shape -> TestSupport.random(:f32, shape) end
+    inputs = %{x: f32.({1, 2}), dt: f32.({1, 2}), A: f32.({2, 2}), B: f32.({1, 2}), C: f32.({1, 2})}
+
+    assert_raise ArgumentError,
+                 ~r/step inputs: expected no session \(step\/4 takes it as its second argument\), got "#{session}"/,
+                 fn ->
+                   ScanBridge.step(server, session, Map.put(inputs, :session, session),
+                     timeout: 5_000
+                   )
+                 end
+
+    assert_raise ArgumentError,
+                 ~r/step inputs: expected each argument once, got x both as an atom and as a string/,
+                 fn ->
+                   ScanBridge.step(server, session, Map.put(inputs, "x", inputs.x), timeout: 5_000)
+                 end
+
+    # nothing reached the session: its state is still the zeros it opened with
+    assert {:ok, state} = ScanBridge.session_state(server, session)
+    assert Enum.all?(ScanBridge.Tensor.to_list(state), &(&1 == 0.0))
+    assert {:ok, %{y: _}} = ScanBridge.step(server, session, inputs)
+    assert ScanBridge.close_session(server, session) == :ok
+  end
+
   test "sessions are the client's: an unknown id is :unknown_session", %{server: server} do
     assert {:error, %ScanBridge.Error{reason: :unknown_session}} =
              ScanBridge.session_state(server, "no-such-session")

@@ -35,24 +35,36 @@ defmodule ScanBridge.Protocol do
   @doc """
   The arguments of a request as the public API takes them (names as atoms or strings; tensors,
   `Nx.Tensor`s, `{:handle, id}`, booleans, numbers, strings, atoms such as `:bdl`, nil for
-  absent) → the terms `request_head/2` encodes. Tensor data is not copied. Raises
-  `ArgumentError` naming the argument for a value that cannot be sent; `op` is for messages.
+  absent) → the terms `request_head/2` encodes, named by strings. Tensor data is not copied.
+  Raises `ArgumentError` naming the argument for a value that cannot be sent, or for a name
+  given twice (as an atom and as a string), which would be a duplicate key on the wire; `op`
+  is for messages.
   """
-  @spec wire_args!(map, String.t()) :: map
+  @spec wire_args!(map, String.t()) :: %{String.t() => term}
   def wire_args!(inputs, op) when is_map(inputs) do
-    Map.new(inputs, fn {name, value} ->
-      unless is_atom(name) or is_binary(name) do
+    Enum.reduce(inputs, %{}, fn {name, value}, args ->
+      key = wire_name!(name, op)
+
+      if Map.has_key?(args, key) do
         raise ArgumentError,
-              "#{op} inputs: expected argument names as atoms or strings, got #{inspect(name)}"
+              "#{op} inputs: expected each argument once, got #{key} both as an atom and as a string"
       end
 
-      {name, wire_value!(value, "#{op} input #{name}")}
+      Map.put(args, key, wire_value!(value, "#{op} input #{key}"))
     end)
   end
 
   def wire_args!(inputs, op) do
     raise ArgumentError,
           "#{op} inputs: expected a map of argument names to values, got #{inspect(inputs, limit: 5)}"
+  end
+
+  defp wire_name!(name, _op) when is_binary(name), do: name
+  defp wire_name!(name, _op) when is_atom(name), do: Atom.to_string(name)
+
+  defp wire_name!(name, op) do
+    raise ArgumentError,
+          "#{op} inputs: expected argument names as atoms or strings, got #{inspect(name)}"
   end
 
   defp wire_value!(value, _what)
