@@ -168,6 +168,27 @@ defmodule ScanBridge.LifecycleTest do
     GenServer.stop(client)
   end
 
+  test "a queued request whose caller exits is dropped, never sent" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 1))
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    {:ok, stats_before} = ScanBridge.stats(client)
+    freeze(os_pid)
+    first = Task.async(fn -> ScanBridge.ping(client) end)
+    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
+    caller = spawn(fn -> ScanBridge.ping(client, timeout: :infinity) end)
+    assert eventually(fn -> map_size(:sys.get_state(client).pending) == 2 end)
+    Process.exit(caller, :kill)
+    assert eventually(fn -> :gb_trees.is_empty(:sys.get_state(client).queue) end)
+    state = :sys.get_state(client)
+    assert map_size(state.pending) == 1 and state.queued_callers == %{}
+    thaw(os_pid)
+    assert Task.await(first) == :ok
+    {:ok, stats_after} = ScanBridge.stats(client)
+    # only the first ping reached the server
+    assert ping_count(stats_after) - ping_count(stats_before) == 1
+    GenServer.stop(client)
+  end
+
   test "a request over the server's --max-frame-size is refused at once, and the client goes on" do
     opts = TestSupport.server_opts(args: ["--device", "cpu", "--max-frame-size", "1048576"])
     {:ok, client} = ScanBridge.start_link(opts)

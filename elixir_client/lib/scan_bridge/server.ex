@@ -8,9 +8,12 @@ defmodule ScanBridge.Server do
   answered with `GenServer.reply/2`. Every call has a deadline kept here: when it passes, the
   caller gets `{:error, %ScanBridge.Error{reason: :timeout}}` and the server's late reply is
   dropped, but what a late `put` or `session_open` made (which no caller will ever learn of)
-  is freed here at once, so that timeouts leave no handles or sessions on the server. At most `:max_in_flight` requests are at the server at once; more wait here, in
-  order, under their own deadlines: one whose deadline passes is dropped, never sent, so while
-  the server does not answer the queue holds only the requests of callers still waiting.
+  is freed here at once, so that timeouts leave no handles or sessions on the server.
+
+  At most `:max_in_flight` requests are at the server at once; more wait here, in order,
+  under their own deadlines. A queued request whose deadline passes, or whose caller exits, is
+  dropped, never sent: while the server does not answer, the queue holds only the requests of
+  callers still waiting.
 
   Start-up waits for the server to answer a `ping` (and, on the unix lane, for the socket to
   accept and answer one too), so a started client is a ready one. It then reads the server's
@@ -83,9 +86,12 @@ defmodule ScanBridge.Server do
     # id => op of the requests sent to the server and not yet answered by it (including
     # timed-out ones, whose late replies may name something to free)
     outstanding: %{},
-    # id => {op, iodata} not yet sent because :max_in_flight requests are outstanding; ids grow
-    # with arrival, so the smallest is the oldest, and a deadline drops its request in O(log n)
-    queue: :gb_trees.empty()
+    # id => {op, iodata, monitor of its caller} not yet sent because :max_in_flight requests
+    # are outstanding; ids grow with arrival, so the smallest is the oldest, and a deadline or
+    # the caller's exit drops its request in O(log n)
+    queue: :gb_trees.empty(),
+    # monitor => id of a queued request, to find the request when its caller exits
+    queued_callers: %{}
   ]
 
   @doc "Starts the server process and waits until the server answers; see `ScanBridge.start_link/1`."
@@ -206,7 +212,15 @@ defmodule ScanBridge.Server do
     if map_size(state.outstanding) < state.max_in_flight do
       {:noreply, transmit(state, id, op, frame)}
     else
-      {:noreply, %{state | queue: :gb_trees.insert(id, {op, frame}, state.queue)}}
+      {caller, _tag} = from
+      monitor = Process.monitor(caller)
+
+      {:noreply,
+       %{
+         state
+         | queue: :gb_trees.insert(id, {op, frame, monitor}, state.queue),
+           queued_callers: Map.put(state.queued_callers, monitor, id)
+       }}
     end
   end
 
@@ -231,8 +245,16 @@ defmodule ScanBridge.Server do
         )
 
         # a request still queued is never sent now: its data goes with it
-        {:noreply, %{state | pending: pending, queue: :gb_trees.delete_any(id, state.queue)}}
+        {:noreply, unqueue(%{state | pending: pending}, id)}
     end
+  end
+
+  def handle_info({:DOWN, monitor, :process, _caller, _reason}, state)
+      when is_map_key(state.queued_callers, monitor) do
+    id = Map.fetch!(state.queued_callers, monitor)
+    {{_from, timer}, pending} = Map.pop(state.pending, id)
+    cancel(timer)
+    {:noreply, unqueue(%{state | pending: pending}, id)}
   end
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
@@ -257,7 +279,8 @@ defmodule ScanBridge.Server do
     {:stop, {:shutdown, {:lane_error, reason}}, state}
   end
 
-  # Exit signals of other linked ports (the socket) and timers of answered calls.
+  # Exit signals of other linked ports (the socket), timers of answered calls and monitors of
+  # callers whose requests were sent after all.
   def handle_info(_message, state), do: {:noreply, state}
 
   @impl true
@@ -361,10 +384,27 @@ defmodule ScanBridge.Server do
   defp send_queued(state) do
     if map_size(state.outstanding) < state.max_in_flight and
          not :gb_trees.is_empty(state.queue) do
-      {id, {op, frame}, queue} = :gb_trees.take_smallest(state.queue)
-      %{state | queue: queue} |> transmit(id, op, frame) |> send_queued()
+      {id, {op, frame, monitor}, queue} = :gb_trees.take_smallest(state.queue)
+      Process.demonitor(monitor, [:flush])
+      queued_callers = Map.delete(state.queued_callers, monitor)
+
+      %{state | queue: queue, queued_callers: queued_callers}
+      |> transmit(id, op, frame)
+      |> send_queued()
     else
       state
+    end
+  end
+
+  # Drop request `id` from the queue, if it is there, with the monitor of its caller.
+  defp unqueue(state, id) do
+    case :gb_trees.take_any(id, state.queue) do
+      {{_op, _frame, monitor}, queue} ->
+        Process.demonitor(monitor, [:flush])
+        %{state | queue: queue, queued_callers: Map.delete(state.queued_callers, monitor)}
+
+      :error ->
+        state
     end
   end
 
@@ -376,7 +416,7 @@ defmodule ScanBridge.Server do
       GenServer.reply(from, {:error, error})
     end)
 
-    %{state | pending: %{}, queue: :gb_trees.empty(), outstanding: %{}}
+    %{state | pending: %{}, queue: :gb_trees.empty(), queued_callers: %{}, outstanding: %{}}
   end
 
   defp exited(message, detail), do: Error.client(:server_exited, message, detail)
