@@ -35,7 +35,7 @@ defmodule HopStandIn do
   def init(outcome), do: {:ok, outcome}
 
   @impl true
-  def handle_call({:request, _head, _size, _timeout}, from, state) do
+  def handle_call({:request, _op, _head, _size, _timeout}, from, state) do
     send(self(), {:answer, from})
     {:noreply, state}
   end
@@ -217,7 +217,9 @@ defmodule RoundtripBench do
           {:reply, _id, {:ok, result, _timing}} = Protocol.decode_reply(reply_body)
           {:ok, _y} = Tensor.from_wire(result["y"])
         end,
-        process_hop: fn -> {:ok, _, _} = GenServer.call(hop, {:request, head, size, :infinity}) end
+        process_hop: fn ->
+          {:ok, _, _} = GenServer.call(hop, {:request, op, head, size, :infinity})
+        end
       ]
 
       # warm-up: page faults, first-call allocations on both sides
