@@ -279,8 +279,7 @@ defmodule ScanBridge.Server do
     {:stop, {:shutdown, {:lane_error, reason}}, state}
   end
 
-  # Exit signals of other linked ports (the socket), timers of answered calls and monitors of
-  # callers whose requests were sent after all.
+  # Exit signals of other linked ports (the socket) and timers of answered calls.
   def handle_info(_message, state), do: {:noreply, state}
 
   @impl true
