@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,6 +103,19 @@ def result_from_wire(value, *, as_torch: bool = False):
     if isinstance(value, list):
         return [result_from_wire(v, as_torch=as_torch) for v in value]
     return value
+
+
+def settle(future: Future, outcome) -> None:
+    """Resolve `future` with a Reply, or fail it with an exception, unless its caller has
+    cancelled it already (cancel() succeeds on a pending Future at any time, even between a
+    done() check and set_result, so InvalidStateError is the one race-free test)."""
+    try:
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except InvalidStateError:
+        pass
 
 
 class FramedClient:
@@ -246,15 +259,14 @@ class FramedClient:
         if entry is None:
             self.unmatched.append(reply)
         else:
-            entry[0].set_result(reply)
+            settle(entry[0], reply)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             self._closed.set()
             pending, self._pending = self._pending, {}
         for future, *_ in pending.values():
-            if not future.done():
-                future.set_exception(exc)
+            settle(future, exc)
 
 
 def server_env(extra: dict | None = None) -> dict:
