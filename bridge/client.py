@@ -118,6 +118,16 @@ def settle(future: Future, outcome) -> None:
         pass
 
 
+@dataclass(slots=True)
+class InFlight:
+    """What the client keeps of a request until its reply comes."""
+
+    future: Future
+    start_ns: int  # perf_counter_ns when submit began
+    encode_us: float = 0.0
+    bytes_out: int = 0
+
+
 class FramedClient:
     """Pipelined request/reply over a pair of byte streams with 4-byte length framing.
     Subclasses provide the streams and `close`; replies are matched to requests by id."""
@@ -132,7 +142,7 @@ class FramedClient:
         self._reader = reader
         self._writer_fd = writer_fd
         self._ids = itertools.count(1)
-        self._pending: dict[object, tuple[Future, int, float, int]] = {}
+        self._pending: dict[object, InFlight] = {}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self.as_torch = as_torch
@@ -146,22 +156,47 @@ class FramedClient:
     # -- requests -------------------------------------------------------------------------
 
     def submit(self, op: str, args: dict | None = None, *, request_id=None) -> Future:
-        """Send one request now; the Future resolves to its Reply."""
-        request_id = next(self._ids) if request_id is None else request_id
-        future: Future = Future()
-        start = time.perf_counter_ns()
-        wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
-        parts = protocol.frame_parts(protocol.encode_request(request_id, op, wire_args))
-        encoded = time.perf_counter_ns()
-        # Recorded before the write: the reply may arrive before write_all returns.
-        size = sum(memoryview(p).nbytes for p in parts)
+        """Send one request now; the Future resolves to its Reply. `request_id` (a uint or a
+        non-empty str) must not be one in flight (SPEC §1): that is a ValueError. By default
+        the client numbers requests 1, 2, ..., passing over ids that callers chose."""
+        entry = InFlight(Future(), time.perf_counter_ns())
+        # Registered before the write: the reply may arrive before the write returns.
+        request_id = self._register(request_id, entry)
+        try:
+            wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
+            parts = self._encode(request_id, op, wire_args)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise
+        entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
+        entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
+        self._send(parts)
+        return entry.future
+
+    def _register(self, request_id, entry: InFlight):
+        """Put `entry` in flight under `request_id`, or under the next automatic id not in
+        flight when that is None; returns the id."""
         with self._lock:
             if self._closed.is_set():
                 raise ServerExited("the server is gone")
-            self._pending[request_id] = (future, start, (encoded - start) / 1000.0, size)
+            if request_id is None:
+                request_id = next(self._ids)
+                while request_id in self._pending:
+                    request_id = next(self._ids)
+            elif request_id in self._pending:
+                raise ValueError(f"request_id: expected an id not in flight, got {request_id!r}, "
+                                 "which a request still waiting for its reply has")
+            self._pending[request_id] = entry
+        return request_id
+
+    def _encode(self, request_id, op: str, wire_args: dict) -> list:
+        """The buffers that carry one request."""
+        return protocol.frame_parts(protocol.encode_request(request_id, op, wire_args))
+
+    def _send(self, parts: list) -> None:
         with self._write_lock:
             write_all(self._writer_fd, parts)
-        return future
 
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
         return self.submit(op, args).result(timeout)
@@ -214,14 +249,16 @@ class FramedClient:
         """Write an arbitrary body as one frame (tests and benchmarks). With `request_id`, the
         reply carrying that id resolves the returned Future; replies with ids that match
         nothing in flight (e.g. id null for an undecodable body) land in `self.unmatched`."""
-        future = None
+        parts = protocol.frame_parts([body])
+        return self._send_raw(parts, request_id)
+
+    def _send_raw(self, parts: list, request_id) -> Future | None:
+        entry = None
         if request_id is not None:
-            future = Future()
-            with self._lock:
-                self._pending[request_id] = (future, time.perf_counter_ns(), 0.0, len(body) + 4)
-        with self._write_lock:
-            write_all(self._writer_fd, protocol.frame_parts([body]))
-        return future
+            entry = InFlight(Future(), time.perf_counter_ns(), bytes_out=sum(memoryview(p).nbytes for p in parts))
+            self._register(request_id, entry)
+        self._send(parts)
+        return entry.future if entry else None
 
     # -- replies --------------------------------------------------------------------------
 
@@ -252,21 +289,22 @@ class FramedClient:
         done = time.perf_counter_ns()
         with self._lock:
             entry = self._pending.pop(decoded.id, None) if isinstance(decoded.id, (int, str)) else None
-        start, encode_us, sent = (entry[1], entry[2], entry[3]) if entry else (received_ns, 0.0, 0)
+        start = entry.start_ns if entry else received_ns
         reply = Reply(decoded.id, decoded.ok, result, decoded.error, decoded.timing or {},
-                      round_trip_us=(done - start) / 1000.0, client_encode_us=encode_us,
-                      client_decode_us=(done - received_ns) / 1000.0, bytes_out=sent, bytes_in=nbytes)
+                      round_trip_us=(done - start) / 1000.0, client_encode_us=entry.encode_us if entry else 0.0,
+                      client_decode_us=(done - received_ns) / 1000.0, bytes_out=entry.bytes_out if entry else 0,
+                      bytes_in=nbytes)
         if entry is None:
             self.unmatched.append(reply)
         else:
-            settle(entry[0], reply)
+            settle(entry.future, reply)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             self._closed.set()
             pending, self._pending = self._pending, {}
-        for future, *_ in pending.values():
-            settle(future, exc)
+        for entry in pending.values():
+            settle(entry.future, exc)
 
 
 def server_env(extra: dict | None = None) -> dict:
@@ -379,34 +417,19 @@ class ZmqClient(FramedClient):
         # below, the socket's io loop.
         super().__init__(None, -1, as_torch=as_torch)
 
-    def submit(self, op: str, args: dict | None = None, *, request_id=None) -> Future:
-        request_id = next(self._ids) if request_id is None else request_id
-        future: Future = Future()
-        start = time.perf_counter_ns()
-        wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
+    def _encode(self, request_id, op: str, wire_args: dict) -> list:
+        """The message's frames: the body, then (multipart) the tensors' raw buffers."""
         buffers = [] if self.multipart else None
         parts = protocol.encode_request(request_id, op, wire_args, buffers=buffers)
-        frames = [parts[0] if len(parts) == 1 else b"".join(parts), *(buffers or ())]
-        encoded = time.perf_counter_ns()
-        with self._lock:
-            if self._closed.is_set():
-                raise ServerExited("the client is closed")
-            self._pending[request_id] = (future, start, (encoded - start) / 1000.0,
-                                         sum(memoryview(f).nbytes for f in frames))
+        return [parts[0] if len(parts) == 1 else b"".join(parts), *(buffers or ())]
+
+    def _send(self, frames: list) -> None:
         self._outbox.post(frames)
-        return future
 
     def send_raw(self, body: bytes, request_id=None, buffers=()) -> Future | None:
         """Send an arbitrary body (and raw buffers) as one message (tests and benchmarks);
         replies as in FramedClient.send_raw."""
-        future = None
-        if request_id is not None:
-            future = Future()
-            with self._lock:
-                self._pending[request_id] = (future, time.perf_counter_ns(), 0.0,
-                                             len(body) + sum(memoryview(b).nbytes for b in buffers))
-        self._outbox.post([body, *buffers])
-        return future
+        return self._send_raw([body, *buffers], request_id)
 
     def _read_replies(self) -> None:
         import zmq

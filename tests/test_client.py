@@ -70,3 +70,30 @@ def test_a_cancelled_request_leaves_the_client_serving_the_others(pipe):
     pipe.reply(pipe.read_request().id, {"which": "later"})
     assert later.result(REPLY_TIMEOUT_S).result == {"which": "later"}
 
+
+
+def test_an_id_in_flight_is_refused_and_the_first_request_keeps_its_reply(pipe):
+    first = pipe.client.submit("ping")  # automatic id 1
+    with pytest.raises(ValueError, match="request_id: expected an id not in flight, got 1"):
+        pipe.client.submit("ping", request_id=1)
+    with pytest.raises(ValueError, match="got 1"):
+        pipe.client.send_raw(b"\x80", request_id=1)
+    pipe.reply(pipe.read_request().id, {"which": "first"})
+    assert first.result(REPLY_TIMEOUT_S).result == {"which": "first"}
+    assert pipe.client._pending == {}
+
+
+def test_automatic_ids_pass_over_ids_callers_chose(pipe):
+    chosen = pipe.client.submit("ping", request_id=1)
+    automatic = pipe.client.submit("ping")
+    assert [pipe.read_request().id for _ in range(2)] == [1, 2]
+    pipe.reply(2, {"which": "automatic"})
+    pipe.reply(1, {"which": "chosen"})
+    assert automatic.result(REPLY_TIMEOUT_S).result == {"which": "automatic"}
+    assert chosen.result(REPLY_TIMEOUT_S).result == {"which": "chosen"}
+
+
+def test_a_request_that_fails_to_encode_leaves_nothing_in_flight(pipe):
+    with pytest.raises(TypeError):
+        pipe.client.submit("ping", {"bad": object()}, request_id="kept-free")
+    assert pipe.client._pending == {}
