@@ -28,7 +28,8 @@ from bridge.transports.framed import read_exact, write_all
 
 
 class BridgeError(Exception):
-    """The server answered with an error reply."""
+    """The server answered with an error reply, or would have: a request over the server's
+    known `max_frame_size` is refused with `frame_too_large` before it is sent."""
 
     def __init__(self, code: str, message: str, detail: dict | None = None, timing: dict | None = None):
         super().__init__(f"{code}: {message}")
@@ -128,9 +129,20 @@ class InFlight:
     bytes_out: int = 0
 
 
+# How many replies to nothing in flight a client keeps (the latest): a long-lived client
+# must not grow without bound.
+UNMATCHED_KEPT = 1000
+
+
 class FramedClient:
     """Pipelined request/reply over a pair of byte streams with 4-byte length framing.
-    Subclasses provide the streams and `close`; replies are matched to requests by id."""
+    Subclasses provide the streams and `close`; replies are matched to requests by id.
+
+    `max_frame_size` is the server's limit on a request body once the client knows it (from
+    `info()` or a `frame_too_large` reply); a request over it is refused before it is sent."""
+
+    # Bytes of a request's frame that do not count against max_frame_size: the length prefix.
+    _frame_overhead = protocol.framing.HEADER_SIZE
 
     def __enter__(self):
         return self
@@ -147,9 +159,13 @@ class FramedClient:
         self._write_lock = threading.Lock()
         self.as_torch = as_torch
         self._closed = threading.Event()
-        # Replies whose id matches no request in flight (e.g. replies with id null to
-        # undecodable frames sent with send_raw).
+        # The latest UNMATCHED_KEPT replies whose id matches no request in flight (e.g.
+        # replies with id null to undecodable frames sent with send_raw).
         self.unmatched: list = []
+        self.max_frame_size: int | None = None
+        # An `overloaded` reply with id nil: the server turned this connection away and closes
+        # it (SPEC §4), which the requests in flight then fail with.
+        self._turned_away: BridgeError | None = None
         self._thread = threading.Thread(target=self._read_replies, name="bridge-client-reader", daemon=True)
         self._thread.start()
 
@@ -165,12 +181,13 @@ class FramedClient:
         try:
             wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
             parts = self._encode(request_id, op, wire_args)
+            entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
+            self._check_frame_size(entry.bytes_out - self._frame_overhead)
         except BaseException:
             with self._lock:
                 self._pending.pop(request_id, None)
             raise
         entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
-        entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
         self._send(parts)
         return entry.future
 
@@ -189,6 +206,12 @@ class FramedClient:
                                  "which a request still waiting for its reply has")
             self._pending[request_id] = entry
         return request_id
+
+    def _check_frame_size(self, length: int) -> None:
+        limit = self.max_frame_size
+        if limit is not None and length > limit:
+            raise BridgeError("frame_too_large", f"a request of {length} bytes exceeds the server's limit of "
+                              f"{limit} bytes (max_frame_size); it was not sent", {"length": length, "limit": limit})
 
     def _encode(self, request_id, op: str, wire_args: dict) -> list:
         """The buffers that carry one request."""
@@ -209,7 +232,9 @@ class FramedClient:
         return self.call("ping")
 
     def info(self) -> dict:
-        return self.call("info")
+        info = self.call("info")
+        self.max_frame_size = info.get("limits", {}).get("max_frame_size", self.max_frame_size)
+        return info
 
     def stats(self) -> dict:
         return self.call("stats")
@@ -272,8 +297,10 @@ class FramedClient:
                     break
                 received = time.perf_counter_ns()
                 self._deliver(body, received, length + 4)
+        except ConnectionResetError:
+            pass  # the server closed with our requests unread (a unix peer it turned away): an end like EOF
         finally:
-            self._fail_all(ServerExited("the server closed its end before replying"))
+            self._fail_all(self._turned_away or ServerExited("the server closed its end before replying"))
 
     def _deliver(self, body, received_ns: int, nbytes: int, buffers=()) -> None:
         """Resolve the request a reply body answers (`buffers`: the raw buffers of a multipart
@@ -282,22 +309,46 @@ class FramedClient:
             decoded = protocol.decode_reply(body, buffers)
         except protocol.ProtocolError:
             # Not a v1 reply (e.g. an ExPhil-format answer to a legacy request): keep the bytes.
-            self.unmatched.append(Reply(None, False, None, None, {}, 0.0, bytes_in=nbytes,
-                                        extra={"raw": bytes(body)}))
+            self._keep_unmatched(Reply(None, False, None, None, {}, 0.0, bytes_in=nbytes,
+                                       extra={"raw": bytes(body)}))
             return
         result = result_from_wire(decoded.result, as_torch=self.as_torch) if decoded.ok else None
         done = time.perf_counter_ns()
+        error = decoded.error or {}
         with self._lock:
-            entry = self._pending.pop(decoded.id, None) if isinstance(decoded.id, (int, str)) else None
+            if isinstance(decoded.id, (int, str)):
+                entry = self._pending.pop(decoded.id, None)
+            elif error.get("code") == "frame_too_large":
+                entry = self._refused_as_too_large(error.get("detail") or {})
+            else:
+                entry = None
+        if decoded.id is None and error.get("code") == "overloaded":
+            self._turned_away = BridgeError("overloaded", error.get("message", ""), error.get("detail"))
         start = entry.start_ns if entry else received_ns
         reply = Reply(decoded.id, decoded.ok, result, decoded.error, decoded.timing or {},
                       round_trip_us=(done - start) / 1000.0, client_encode_us=entry.encode_us if entry else 0.0,
                       client_decode_us=(done - received_ns) / 1000.0, bytes_out=entry.bytes_out if entry else 0,
                       bytes_in=nbytes)
         if entry is None:
-            self.unmatched.append(reply)
+            self._keep_unmatched(reply)
         else:
             settle(entry.future, reply)
+
+    def _refused_as_too_large(self, detail: dict) -> InFlight | None:
+        """The request a `frame_too_large` reply (id nil) refused, taken out of flight: the
+        oldest one whose body has the length the reply names (any request that long was
+        refused). Called with self._lock held."""
+        if isinstance(detail.get("limit"), int):
+            self.max_frame_size = detail["limit"]
+        for request_id, entry in self._pending.items():
+            if entry.bytes_out - self._frame_overhead == detail.get("length"):
+                return self._pending.pop(request_id)
+        return None
+
+    def _keep_unmatched(self, reply: Reply) -> None:
+        self.unmatched.append(reply)
+        if len(self.unmatched) > UNMATCHED_KEPT:
+            del self.unmatched[0]
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
@@ -416,6 +467,9 @@ class ZmqClient(FramedClient):
         # FramedClient's streams stay unused: the reader thread it starts runs _read_replies
         # below, the socket's io loop.
         super().__init__(None, -1, as_torch=as_torch)
+
+    # A ZeroMQ message has no length prefix: its body and buffers count against the limit.
+    _frame_overhead = 0
 
     def _encode(self, request_id, op: str, wire_args: dict) -> list:
         """The message's frames: the body, then (multipart) the tensors' raw buffers."""

@@ -5,11 +5,13 @@ ordering is deterministic."""
 from __future__ import annotations
 
 import os
+import threading
 
+import numpy as np
 import pytest
 
 import protocol
-from bridge.client import FramedClient
+from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient
 from bridge.transports.framed import read_exact, write_all
 
 REPLY_TIMEOUT_S = 10
@@ -25,11 +27,15 @@ class PipeServer:
         self.client = FramedClient(os.fdopen(replies_r, "rb", buffering=0), requests_w)
 
     def read_request(self) -> protocol.Request:
+        return self.read_request_and_length()[0]
+
+    def read_request_and_length(self) -> tuple[protocol.Request, int]:
+        """The next request and the length of its body."""
         header = memoryview(bytearray(4))
         assert read_exact(self.requests, header), "the client closed its end"
         body = memoryview(bytearray(protocol.parse_frame_header(header)))
         assert read_exact(self.requests, body), "the client closed its end inside a frame"
-        return protocol.decode_request(body)
+        return protocol.decode_request(body), len(body)
 
     def reply(self, request_id, result: dict | None = None) -> None:
         write_all(self.replies_fd, protocol.frame_parts(protocol.encode_reply(request_id, result or {}, {})))
@@ -97,3 +103,89 @@ def test_a_request_that_fails_to_encode_leaves_nothing_in_flight(pipe):
     with pytest.raises(TypeError):
         pipe.client.submit("ping", {"bad": object()}, request_id="kept-free")
     assert pipe.client._pending == {}
+
+
+def test_a_request_over_the_frame_limit_gets_the_servers_refusal_and_later_ones_are_not_sent(pipe):
+    big = pipe.client.submit("put", {"tensor": np.zeros(2048, np.float32)})
+    small = pipe.client.submit("ping")
+    (_, put_length), (ping, _) = pipe.read_request_and_length(), pipe.read_request_and_length()
+    # As a server with --max-frame-size 4096 answers: id nil, the length it skipped.
+    pipe.error(None, "frame_too_large", {"length": put_length, "limit": 4096})
+    pipe.reply(ping.id, {"pong": True})
+    assert small.result(REPLY_TIMEOUT_S).result == {"pong": True}
+    with pytest.raises(BridgeError) as refused:
+        big.result(REPLY_TIMEOUT_S).unwrap()
+    assert refused.value.code == "frame_too_large" and refused.value.detail["limit"] == 4096
+    assert pipe.client._pending == {} and pipe.client.unmatched == []
+    # Now that the client knows the limit, it refuses such a request without sending it.
+    with pytest.raises(BridgeError, match="frame_too_large") as local:
+        pipe.client.submit("put", {"tensor": np.zeros(2048, np.float32)})
+    assert local.value.detail == {"length": put_length, "limit": 4096}
+    pipe.client.submit("ping")
+    assert pipe.read_request().op == "ping"
+    assert len(pipe.client._pending) == 1
+
+
+def test_info_tells_the_client_the_frame_limit(pipe):
+    answered = threading.Thread(target=lambda: pipe.reply(pipe.read_request().id, {"limits": {"max_frame_size": 100}}))
+    answered.start()
+    pipe.client.info()
+    answered.join()
+    with pytest.raises(BridgeError, match="exceeds the server's limit of 100 bytes"):
+        pipe.client.submit("put", {"tensor": np.zeros(100, np.uint8)})
+
+
+def test_callers_waiting_when_the_server_turns_the_connection_away_get_overloaded(pipe):
+    waiting = pipe.client.submit("ping")
+    pipe.error(None, "overloaded", {"limit": 1})
+    pipe.hang_up()
+    with pytest.raises(BridgeError) as turned_away:
+        waiting.result(REPLY_TIMEOUT_S)
+    assert turned_away.value.code == "overloaded" and turned_away.value.detail == {"limit": 1}
+
+
+def test_replies_to_nothing_in_flight_are_kept_only_up_to_a_bound(pipe):
+    for index in range(UNMATCHED_KEPT + 5):
+        pipe.reply(f"stray-{index}")
+    ping = pipe.client.submit("ping")
+    pipe.reply(pipe.read_request().id)
+    ping.result(REPLY_TIMEOUT_S)
+    assert len(pipe.client.unmatched) == UNMATCHED_KEPT
+    assert pipe.client.unmatched[-1].id == f"stray-{UNMATCHED_KEPT + 4}"
+
+
+class ResetAfter:
+    """A reader that, once `start` is set, yields `data`, then fails as a unix socket that the
+    server closed with requests unread in it does."""
+
+    def __init__(self, data: bytes, start: threading.Event):
+        self.data = data
+        self.start = start
+
+    def readinto(self, view) -> int:
+        self.start.wait(REPLY_TIMEOUT_S)
+        if not self.data:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        count = min(len(view), len(self.data))
+        view[:count] = self.data[:count]
+        self.data = self.data[count:]
+        return count
+
+
+def test_a_connection_reset_after_overloaded_fails_the_callers_with_overloaded(monkeypatch):
+    reader_failures = []
+    monkeypatch.setattr(threading, "excepthook", reader_failures.append)
+    overloaded = protocol.encode_frame(b"".join(protocol.encode_error(None, "overloaded", "busy", {"limit": 1})))
+    requests_r, requests_w = os.pipe()
+    in_flight = threading.Event()
+    client = FramedClient(ResetAfter(overloaded, in_flight), requests_w)
+    try:
+        waiting = client.submit("ping")
+        in_flight.set()
+        with pytest.raises(BridgeError, match="overloaded"):
+            waiting.result(REPLY_TIMEOUT_S)
+        client._thread.join(REPLY_TIMEOUT_S)
+        assert reader_failures == []
+    finally:
+        os.close(requests_r)
+        os.close(requests_w)
