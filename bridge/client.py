@@ -390,7 +390,11 @@ class PortClient(FramedClient):
         super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
         if command is None:
             # Readiness handshake: the first reply proves imports and device setup are done.
-            self.request("ping", timeout=start_timeout).unwrap()
+            try:
+                self.request("ping", timeout=start_timeout).unwrap()
+            except BaseException:
+                self.close()  # no client reaches the caller to close: the server must not run on
+                raise
 
     def close(self, timeout: float = 10.0) -> int:
         """Close stdin (the server finishes what is in flight and exits) and wait."""

@@ -5,13 +5,15 @@ ordering is deterministic."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import pytest
 
 import protocol
-from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient
+from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient
 from bridge.transports.framed import read_exact, write_all
 
 REPLY_TIMEOUT_S = 10
@@ -189,3 +191,16 @@ def test_a_connection_reset_after_overloaded_fails_the_callers_with_overloaded(m
     finally:
         os.close(requests_r)
         os.close(requests_w)
+
+
+def test_a_port_client_whose_server_never_answers_its_handshake_stops_that_server(tmp_path):
+    pid_file = tmp_path / "server.pid"
+    silent_python = tmp_path / "python"
+    # `python -m bridge ...` becomes a server that reads its stdin to the end, answering nothing.
+    silent_python.write_text(f"#!/bin/sh\necho $$ > {pid_file}\n"
+                             f"exec {sys.executable} -c 'import sys; sys.stdin.buffer.read()'\n")
+    silent_python.chmod(0o755)
+    with pytest.raises(FutureTimeout):
+        PortClient(python=str(silent_python), start_timeout=0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
