@@ -249,5 +249,6 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     logging.shutdown()
     sys.stderr.flush()
     # os._exit: interpreter teardown (torch, thread joins) can take longer than the 1 s budget,
-    # and every reply has been written by now (synchronously, or flushed by the lane's close).
+    # and every reply has been written by now (synchronously, or by the lane's close: ZeroMQ
+    # sends what it was handed, unix waits up to FLUSH_SECONDS for its writer threads).
     os._exit(0)

@@ -137,8 +137,15 @@ class Dispatcher:
         timing = Timing(received_ns)
         try:
             request = protocol.decode_request(body, buffers)
-        except protocol.ProtocolError as exc:
-            self._reply_error(conn, exc.request_id, exc, legacy=exc.legacy)
+        except Exception as exc:
+            # Every frame read is answered once, a bug in the decoder's too (as internal_error,
+            # id nil): the transport counts it in flight until then.
+            if isinstance(exc, protocol.ProtocolError):
+                request_id, legacy = exc.request_id, exc.legacy
+            else:
+                log.exception("decoding a request failed")
+                request_id, legacy = None, False
+            self._reply_error(conn, request_id, exc, legacy=legacy)
             if release:
                 release()
             return
@@ -308,10 +315,13 @@ class Dispatcher:
         for item in batch.items:
             item.call.timing.add("queue", start - item.call.enqueued_ns - item.prepare_ns)
         for item, outcome in run_batch(self.server, op, batch.items):
-            if isinstance(outcome, BaseException):
-                self._fail(item.call, outcome)
-            else:
-                self._answer(item.call, outcome)
+            try:
+                if isinstance(outcome, BaseException):
+                    self._fail(item.call, outcome)
+                else:
+                    self._answer(item.call, outcome)
+            except Exception:  # after the reply (a release or hook failed): the others still get theirs
+                log.exception("finishing %s %s of a batch failed", item.call.op, item.call.request.id)
 
     def _gather(self, op: BatchedOp, first: Call) -> Batch | None:
         """The batch `first` leads: the requests after it that can share its launch."""

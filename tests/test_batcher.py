@@ -17,11 +17,11 @@ import torch
 
 import protocol
 from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, run_batch
-from bridge.client import PortClient, result_from_wire
+from bridge.client import PortClient, result_from_wire, to_wire
 from bridge.errors import OpError
 from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
-from bridge.timing import Timing
+from bridge.timing import Timing, now_ns
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
 from bridge_fakes import RecordingConnection, served_natively
@@ -224,6 +224,32 @@ def test_stats_add_up(inproc):
     assert abs(launches - round(launches)) < 1e-9
     assert step["execution_count"] == round(launches) == len(launches_of(list(rows), 6)) == 4
     assert step["kernel_us"] > 0 and step["queue_us"] > 0
+
+
+def test_a_batch_member_whose_finishing_fails_leaves_the_others_answered(inproc):
+    """Finishing a request (giving its frame buffer back, here) may fail after its reply went
+    out; the batch's other members must still get theirs, and nothing stays in flight (which
+    would keep the native path off and every drain waiting)."""
+    srv = inproc(max_batch=8, max_delay_us=0, native_step=False)
+    conn = RecordingConnection()
+    shared = shared_constants(5, 3, {})
+    sessions = [open_prefilled(srv, conn, 1, 5, 3) for _ in range(3)]
+    srv.hold(conn)
+
+    def failing_release():
+        raise RuntimeError("a pool bug")
+
+    ids = []
+    for i, session in enumerate(sessions):
+        request_id = 100 + i
+        args = {"session": session, **step_inputs(1, 5, 3, shared, {})}
+        body = protocol.encode_request(request_id, "step", {k: to_wire(v) for k, v in args.items()})
+        srv.dispatcher.on_frame(conn, bytearray(b"".join(body)), now_ns(), failing_release if i == 0 else None)
+        ids.append(request_id)
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert all(r.ok for r in replies) and {r.timing["batch_rows"] for r in replies} == {3}
+    assert srv.dispatcher.drain(5.0)
 
 
 def test_scans_of_equal_shapes_share_a_launch(inproc):

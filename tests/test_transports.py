@@ -894,6 +894,124 @@ def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection
         transport.close()
 
 
+class BigReplyDispatcher:
+    """Stands in for the dispatcher behind an in-process UnixTransport: a frame's first byte is
+    answered, from a thread of its own as by the worker, with REPLY_BYTES of that byte."""
+
+    REPLY_BYTES = 16 << 20
+
+    def on_frame(self, conn, body, received_ns, release=None, buffers=(), *, more_input=True):
+        tag = bytes(body[:1])
+        release()
+        threading.Thread(target=conn.send, args=([tag * self.REPLY_BYTES],), daemon=True).start()
+
+    def on_frame_error(self, conn, exc):
+        conn.send([b"refused"])
+
+
+def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path, monkeypatch):
+    """A writer thread that has written the last reply of its backlog must be gone as far as a
+    new reply can tell: here it lingers (its _done made slow), while reply B, written by another
+    thread, stalls and is handed to a writer. Two writers would both write B, one stream."""
+    from bridge.transports import unix
+
+    real_done = unix.UnixConnection._done
+
+    def slow_done_on_writers(self, count=1):
+        if threading.current_thread().name.endswith("-writer"):
+            time.sleep(0.5)
+        real_done(self, count)
+
+    monkeypatch.setattr(unix.UnixConnection, "_done", slow_done_on_writers)
+    path = str(tmp_path / "lane.sock")
+    transport = unix.UnixTransport(BigReplyDispatcher(), path, max_frame_size=1 << 20, max_in_flight=4,
+                                   max_connections=4)
+    transport.start()
+    size = BigReplyDispatcher.REPLY_BYTES
+    conn = raw_unix(path)
+    reader = conn.makefile("rb", buffering=0)
+    try:
+        conn.sendall(struct.pack(">I", 1) + b"A")
+        time.sleep(0.2)  # A is not read meanwhile: its writer thread takes it over
+        frame = memoryview(bytearray(4 + size))
+        assert read_exact(reader, frame) and bytes(frame[4:]) == b"A" * size
+        conn.sendall(struct.pack(">I", 1) + b"B")  # while A's writer lingers in _done
+        # B is not read meanwhile either: it is handed to a writer, and A's wakes up before it
+        # is written.
+        time.sleep(0.8)
+        assert read_exact(reader, frame) and protocol.parse_frame_header(frame[:4]) == size
+        assert bytes(frame[4:]) == b"B" * size
+        conn.settimeout(1.0)
+        with pytest.raises(socket.timeout):  # nothing after B: it was written once
+            conn.recv(1)
+        (served,) = transport._connections
+        deadline = time.monotonic() + 5
+        while served._in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert served._in_flight == 0 and not served._backlog
+    finally:
+        reader.close()
+        conn.close()
+        transport.close()
+
+
+def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_path):
+    """A reply handed to a writer thread counts as answered; the server must not exit before
+    the writer has written it (within unix.FLUSH_SECONDS): a client that reads 0.1 s after
+    asking for a 32 MiB state and a shutdown gets both replies whole."""
+    path = str(tmp_path / "bridge.sock")
+    srv = ServerProcess(str(tmp_path), "--unix", path)
+    try:
+        srv.wait_for_path(path)
+        conn = raw_unix(path)
+        reader = conn.makefile("rb", buffering=0)
+        conn.sendall(request_frame(1, "session_open", {"batch": 1, "dim": 4096, "state": 2048}))
+        session = read_reply(reader).result["session"]
+        conn.sendall(request_frame(2, "session_state", {"session": session}) + request_frame(3, "shutdown"))
+        time.sleep(0.1)  # a client busy elsewhere: the state's reply outlasts the worker's stall
+        state, stopping = read_reply(reader), read_reply(reader)
+        assert state.id == 2 and state.ok and state.result["state"].shape == (1, 4096, 2048), state.error
+        assert (stopping.id, stopping.result) == (3, {"stopping": True})
+        reader.close()
+        conn.close()
+        assert srv.proc.wait(REPLY_TIMEOUT_S) == 0, srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_request_the_decoder_fails_on_is_answered_and_the_connection_serves_on(tmp_path, monkeypatch, inproc):
+    """A bug in decoding (not a ProtocolError) still answers the frame, internal_error with a
+    nil id: the unix lane counts it in flight until then, and at a cap of one the connection
+    would never be read again (nor closed, nor its sessions freed)."""
+    from bridge.transports.unix import UnixTransport
+
+    real_decode = protocol.decode_request
+
+    def decode_failing_on_ping(body, buffers=()):
+        request = real_decode(body, buffers)
+        if request.op == "ping":
+            raise RuntimeError("a decoder bug")
+        return request
+
+    monkeypatch.setattr(protocol, "decode_request", decode_failing_on_ping)
+    path = str(tmp_path / "lane.sock")
+    server = inproc(native_step=False)
+    transport = UnixTransport(server.dispatcher, path, max_frame_size=1 << 20, max_in_flight=1, max_connections=4)
+    transport.start()
+    try:
+        conn = raw_unix(path)
+        reader = conn.makefile("rb", buffering=0)
+        conn.sendall(request_frame(1, "ping") + request_frame(2, "stats"))
+        failed, served = read_reply(reader), read_reply(reader)
+        assert (failed.id, failed.ok, failed.error["code"]) == (None, False, "internal_error")
+        assert failed.error["detail"] == {"exception": "RuntimeError"}
+        assert served.id == 2 and served.ok
+        reader.close()
+        conn.close()
+    finally:
+        transport.close()
+
+
 def test_the_frame_assembler_gives_back_a_frame_read_in_part():
     pool = CountingPool()
     assembler = FrameAssembler(pool, 1 << 20)

@@ -13,10 +13,10 @@ got 7.1k steps/s then and 20.7k now (2.91x, rounds 1.97-3.40); 32-row ones 3.5k 
 Each connection has a cap on the requests it has in flight: at the cap its input is no longer
 read, so the peer's further requests wait in its own socket buffer and nobody else's. Replies
 are written by whichever thread produced them, without ever blocking it on a peer that does not
-read: the reply is written non-blocking, and a peer that accepts no byte for `STALL_SECONDS`
-(`READER_STALL_SECONDS` when the reading thread writes, which every connection waits on, and
-for no longer than `READER_WRITE_SECONDS` in all) gets the rest written by a writer thread of
-its own (later replies queue behind it, in order).
+read: the reply is written non-blocking, and a peer that accepts no byte for `STALL_SECONDS`,
+or whose reply is not written within `WRITE_SECONDS` in all (`READER_STALL_SECONDS` and
+`READER_WRITE_SECONDS` when the reading thread writes, which every connection waits on), gets
+the rest written by a writer thread of its own (later replies queue behind it, in order).
 A connection whose peer has closed its end and whose replies are all written (or undeliverable)
 is closed, and what it owned (sessions, tensor handles) is freed through `mark_closed`.
 """
@@ -47,6 +47,10 @@ log = logging.getLogger("bridge.unix")
 # the rest to the connection's writer thread. A peer that is reading makes progress far more
 # often than this; the worker is held up this long by a stuck one, once per reply it stalls on.
 STALL_SECONDS = 0.02
+# And how long in all it writes one reply before doing so: a peer reading just fast enough to
+# make progress would otherwise hold the worker (and with it every lane's compute, and the
+# reading thread when it has a reply for that same connection) for the whole of a large reply.
+WRITE_SECONDS = 0.05
 # The same for the reading thread (a native step's reply, an error, a request served inline),
 # which every connection waits on: a shorter stall, and a bound on the whole write, so that a
 # peer reading just fast enough to make progress cannot hold it for a whole large reply.
@@ -64,6 +68,9 @@ POOLED_BUFFERS = 32
 # 3.37 ms against 3.80 ms over three alternated runs each,
 # bench/results/elixir_unix_socket_buffers_ab.json).
 SOCKET_BUFFER_BYTES = 4 << 20
+# How long closing the lane waits for replies still being written to slow readers (on top of
+# the dispatcher's drain, cli.DRAIN_SECONDS).
+FLUSH_SECONDS = 0.5
 # Frames taken from one connection before the reading thread looks at the others again, so that
 # a peer pipelining many small requests cannot keep the others waiting.
 FRAMES_PER_TURN = 16
@@ -71,7 +78,7 @@ FRAMES_PER_TURN = 16
 
 class UnixConnection(Connection):
     def __init__(self, sock: socket.socket, max_in_flight: int, incoming: FrameAssembler, wake,
-                 reading_thread: threading.Thread):
+                 start_writer, reading_thread: threading.Thread):
         super().__init__("unix")
         self._reading_thread = reading_thread
         self.sock = sock
@@ -83,6 +90,9 @@ class UnixConnection(Connection):
         # Asks the reading thread to look at this connection again (it resumes reading, or
         # closes the connection); called when an answer frees a slot it waits for.
         self._wake = wake
+        # Runs write_backlog on a writer thread the transport keeps track of (its close waits
+        # for them: a reply handed to one is counted answered already).
+        self._start_writer = start_writer
         # Requests read and not yet answered (reply written, or undeliverable).
         self._in_flight = 0
         self._count_lock = threading.Lock()
@@ -148,7 +158,7 @@ class UnixConnection(Connection):
         if threading.current_thread() is self._reading_thread:
             stall_s, budget_s = READER_STALL_SECONDS, READER_WRITE_SECONDS
         else:
-            stall_s, budget_s = STALL_SECONDS, None
+            stall_s, budget_s = STALL_SECONDS, WRITE_SECONDS
         failure = None
         with self._send_lock:
             if self._broken is not None:
@@ -160,7 +170,7 @@ class UnixConnection(Connection):
                 try:
                     if not self._write_now(views, stall_s, budget_s):
                         self._backlog.append(views)
-                        threading.Thread(target=self._write_backlog, name=f"{self.id}-writer", daemon=True).start()
+                        self._start_writer(self)
                         return total
                 except OSError as exc:
                     self._broken = self._broken or exc
@@ -171,17 +181,17 @@ class UnixConnection(Connection):
             raise failure
         return total
 
-    def _write_now(self, views: list[memoryview], stall_s: float, budget_s: float | None) -> bool:
+    def _write_now(self, views: list[memoryview], stall_s: float, budget_s: float) -> bool:
         """Write without blocking for longer than `stall_s` without progress, nor past `budget_s`
-        in all when given. True when all is written; False when the peer stalled or the budget
-        ran out (`views` then holds the rest)."""
+        in all. True when all is written; False when the peer stalled or the budget ran out
+        (`views` then holds the rest)."""
         poller = None
-        deadline = None if budget_s is None else time.monotonic() + budget_s
+        deadline = time.monotonic() + budget_s
         while views:
             try:
                 written = self.sock.sendmsg(views[:IOV_MAX], (), socket.MSG_DONTWAIT)
             except BlockingIOError:
-                wait_s = stall_s if deadline is None else min(stall_s, deadline - time.monotonic())
+                wait_s = min(stall_s, deadline - time.monotonic())
                 if wait_s <= 0:
                     return False
                 if poller is None:
@@ -193,11 +203,10 @@ class UnixConnection(Connection):
             consume(views, written)
         return True
 
-    def _write_backlog(self) -> None:
+    def write_backlog(self) -> None:
+        """The writer thread: write the backlog's replies in order, blocking, until it is empty."""
         while True:
             with self._send_lock:
-                if not self._backlog:
-                    return
                 views = self._backlog[0]
             try:
                 while views:
@@ -210,9 +219,15 @@ class UnixConnection(Connection):
                 log.warning("%s: dropped %d replies: %s", self.id, dropped, exc)
                 self._done(dropped)
                 return
+            # Whether to go on is decided with the reply's removal, under the lock: an empty
+            # backlog must mean no writer runs, or a `send` finding it empty would write beside
+            # this thread (and start a second one), the same reply twice on one stream.
             with self._send_lock:
                 self._backlog.popleft()
+                more = bool(self._backlog)
             self._done()
+            if not more:
+                return
 
 
 class UnixTransport:
@@ -237,6 +252,9 @@ class UnixTransport:
         self._wake_send.setblocking(False)
         self._woken: set[UnixConnection | None] = set()
         self._woken_lock = threading.Lock()
+        # Writer threads still writing a backlog (UnixConnection.write_backlog).
+        self._writers: set[threading.Thread] = set()
+        self._writers_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="unix-reader", daemon=True)
 
@@ -251,7 +269,9 @@ class UnixTransport:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop accepting and remove the socket file (connections end with the process)."""
+        """Stop accepting, remove the socket file, and give the writer threads up to
+        FLUSH_SECONDS to write the replies they were handed (connections end with the process,
+        and the dispatcher counts a reply handed to a writer as answered)."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -261,6 +281,28 @@ class UnixTransport:
             self._wake(None)
         else:
             self._listener.close()
+        deadline = time.monotonic() + FLUSH_SECONDS
+        with self._writers_lock:
+            writers = list(self._writers)
+        for writer in writers:
+            writer.join(max(0.0, deadline - time.monotonic()))
+        unwritten = sum(writer.is_alive() for writer in writers)
+        if unwritten:
+            log.warning("unix lane: %d connections' replies still unwritten after %g s are lost",
+                        unwritten, FLUSH_SECONDS)
+
+    def _start_writer(self, conn: UnixConnection) -> None:
+        writer = threading.Thread(target=self._write, args=(conn,), name=f"{conn.id}-writer", daemon=True)
+        with self._writers_lock:
+            self._writers.add(writer)
+        writer.start()
+
+    def _write(self, conn: UnixConnection) -> None:
+        try:
+            conn.write_backlog()
+        finally:
+            with self._writers_lock:
+                self._writers.discard(threading.current_thread())
 
     # -- the reading thread ---------------------------------------------------------------
 
@@ -378,7 +420,7 @@ class UnixTransport:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
             conn = UnixConnection(sock, self.max_in_flight, FrameAssembler(self.pool, self.max_frame_size),
-                                  self._wake, self._thread)
+                                  self._wake, self._start_writer, self._thread)
             if len(self._connections) >= self.max_connections:
                 self._turn_away(conn)
                 continue
