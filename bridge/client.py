@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -166,8 +167,7 @@ class FramedClient:
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
-        self._thread = threading.Thread(target=self._read_replies, name="bridge-client-reader", daemon=True)
-        self._thread.start()
+        self._thread = self._start_reader()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -287,20 +287,11 @@ class FramedClient:
 
     # -- replies --------------------------------------------------------------------------
 
-    def _read_replies(self) -> None:
-        header = memoryview(bytearray(4))
-        try:
-            while read_exact(self._reader, header):
-                length = protocol.parse_frame_header(header)
-                body = memoryview(bytearray(length))
-                if not read_exact(self._reader, body):
-                    break
-                received = time.perf_counter_ns()
-                self._deliver(body, received, length + 4)
-        except ConnectionResetError:
-            pass  # the server closed with our requests unread (a unix peer it turned away): an end like EOF
-        finally:
-            self._fail_all(self._turned_away or ServerExited("the server closed its end before replying"))
+    def _start_reader(self) -> threading.Thread:
+        thread = threading.Thread(target=read_replies, args=(self._reader, weakref.ref(self)),
+                                  name="bridge-client-reader", daemon=True)
+        thread.start()
+        return thread
 
     def _deliver(self, body, received_ns: int, nbytes: int, buffers=()) -> None:
         """Resolve the request a reply body answers (`buffers`: the raw buffers of a multipart
@@ -358,6 +349,31 @@ class FramedClient:
             settle(entry.future, exc)
 
 
+def read_replies(reader, client_ref: weakref.ref) -> None:
+    """A stream client's reader thread: hands each reply frame to the client. It holds the
+    client weakly, so that a client dropped without close() is collected (a PortClient's
+    finalizer then stops its server) and the thread ends with the stream."""
+    header = memoryview(bytearray(4))
+    try:
+        while read_exact(reader, header):
+            length = protocol.parse_frame_header(header)
+            body = memoryview(bytearray(length))
+            if not read_exact(reader, body):
+                break
+            received = time.perf_counter_ns()
+            client = client_ref()
+            if client is None:
+                return
+            client._deliver(body, received, length + 4)
+            del client  # not held while waiting for the next frame
+    except ConnectionResetError:
+        pass  # the server closed with our requests unread (a unix peer it turned away): an end like EOF
+    finally:
+        client = client_ref()
+        if client is not None:
+            client._fail_all(client._turned_away or ServerExited("the server closed its end before replying"))
+
+
 def server_env(extra: dict | None = None) -> dict:
     """The environment for `python -m bridge` of this checkout from any working directory:
     the checkout first on PYTHONPATH (and no empty entry, which would put the working
@@ -379,6 +395,15 @@ def stop_piped_server(proc: subprocess.Popen, timeout: float = 10.0) -> int:
         return proc.wait()
 
 
+def abandon_server(proc: subprocess.Popen, pending: dict) -> None:
+    """What a PortClient collected without close() (or still open at exit) leaves: its server
+    is told to stop (stdin closed: it answers what is in flight and exits, unwaited), and the
+    callers still waiting fail (nothing is left to hand them replies)."""
+    proc.stdin.close()
+    for entry in list(pending.values()):
+        settle(entry.future, ServerExited("the client was dropped without close()"))
+
+
 class PortClient(FramedClient):
     """Spawns the server as a BEAM Port would and talks to it over its stdin/stdout."""
 
@@ -388,6 +413,7 @@ class PortClient(FramedClient):
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                      env=server_env(env), bufsize=0)
         super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
+        weakref.finalize(self, abandon_server, self.proc, self._pending)
         if command is None:
             # Readiness handshake: the first reply proves imports and device setup are done.
             try:
@@ -488,6 +514,12 @@ class ZmqClient(FramedClient):
         """Send an arbitrary body (and raw buffers) as one message (tests and benchmarks);
         replies as in FramedClient.send_raw."""
         return self._send_raw([body, *buffers], request_id)
+
+    def _start_reader(self) -> threading.Thread:
+        # The io loop owns the socket, so it holds the client: close a ZmqClient, always.
+        thread = threading.Thread(target=self._read_replies, name="bridge-client-reader", daemon=True)
+        thread.start()
+        return thread
 
     def _read_replies(self) -> None:
         import zmq

@@ -4,16 +4,18 @@ ordering is deterministic."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
+import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import pytest
 
 import protocol
-from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient
+from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient, ServerExited
 from bridge.transports.framed import read_exact, write_all
 
 REPLY_TIMEOUT_S = 10
@@ -204,3 +206,19 @@ def test_a_port_client_whose_server_never_answers_its_handshake_stops_that_serve
         PortClient(python=str(silent_python), start_timeout=0.2)
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
+
+
+# A stand-in for `python -m bridge`: reads its stdin to the end, answering nothing.
+SILENT_SERVER = [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"]
+
+
+def test_a_port_client_dropped_without_close_is_collected_and_its_server_stops():
+    client = PortClient(command=SILENT_SERVER)
+    server, collected = client.proc, weakref.ref(client)
+    waiting = client.submit("ping")
+    del client
+    gc.collect()
+    assert collected() is None
+    assert server.wait(REPLY_TIMEOUT_S) == 0
+    with pytest.raises(ServerExited, match="dropped without close"):
+        waiting.result(REPLY_TIMEOUT_S)
