@@ -159,7 +159,9 @@ class FramedClient:
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self.as_torch = as_torch
-        self._closed = threading.Event()
+        # Why new requests are refused (set under self._lock); the writer fd is closed only
+        # with it set and self._write_lock held, so no write starts on a closed fd's number.
+        self._refusal: str | None = None
         # The latest UNMATCHED_KEPT replies whose id matches no request in flight (e.g.
         # replies with id null to undecodable frames sent with send_raw).
         self.unmatched: list = []
@@ -195,8 +197,8 @@ class FramedClient:
         """Put `entry` in flight under `request_id`, or under the next automatic id not in
         flight when that is None; returns the id."""
         with self._lock:
-            if self._closed.is_set():
-                raise ServerExited("the server is gone")
+            if self._refusal:
+                raise ServerExited(self._refusal)
             if request_id is None:
                 request_id = next(self._ids)
                 while request_id in self._pending:
@@ -219,7 +221,13 @@ class FramedClient:
 
     def _send(self, parts: list) -> None:
         with self._write_lock:
+            if self._refusal:
+                raise ServerExited(self._refusal)
             write_all(self._writer_fd, parts)
+
+    def _refuse_requests(self, reason: str) -> None:
+        with self._lock:
+            self._refusal = self._refusal or reason
 
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
         return self.submit(op, args).result(timeout)
@@ -343,7 +351,7 @@ class FramedClient:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            self._closed.set()
+            self._refusal = self._refusal or "the server is gone"
             pending, self._pending = self._pending, {}
         for entry in pending.values():
             settle(entry.future, exc)
@@ -424,6 +432,15 @@ class PortClient(FramedClient):
 
     def close(self, timeout: float = 10.0) -> int:
         """Close stdin (the server finishes what is in flight and exits) and wait."""
+        self._refuse_requests("the client is closed")
+        if not self._write_lock.acquire(timeout=timeout):
+            # A write is stuck on a server that reads nothing: killing it ends the write (EPIPE).
+            self.proc.kill()
+            self._write_lock.acquire()
+        try:
+            self.proc.stdin.close()
+        finally:
+            self._write_lock.release()
         return stop_piped_server(self.proc, timeout)
 
 
@@ -453,13 +470,16 @@ class UnixClient(FramedClient):
         """Stop sending; the server answers what is in flight and closes its end; then close."""
         import socket
 
+        self._refuse_requests("the client is closed")
         try:
+            # Also ends a write in progress (EPIPE), which the lock below waits for.
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass  # the server is gone already
         self._thread.join(timeout)
-        self._reader.close()
-        self.sock.close()
+        with self._write_lock:
+            self._reader.close()
+            self.sock.close()
 
 
 class ZmqClient(FramedClient):
@@ -554,6 +574,7 @@ class ZmqClient(FramedClient):
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the io thread (requests still in flight fail with ServerExited) and close."""
+        self._refuse_requests("the client is closed")
         self._outbox.post(None)
         self._thread.join(timeout)
         self._socket.close()

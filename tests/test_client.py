@@ -222,3 +222,28 @@ def test_a_port_client_dropped_without_close_is_collected_and_its_server_stops()
     assert server.wait(REPLY_TIMEOUT_S) == 0
     with pytest.raises(ServerExited, match="dropped without close"):
         waiting.result(REPLY_TIMEOUT_S)
+
+
+def test_a_request_submitted_while_close_waits_for_the_server_is_refused(tmp_path):
+    stdin_closed, release = tmp_path / "stdin-closed", tmp_path / "release"
+    # Reads its stdin to the end, says so, and exits only when the test lets it.
+    lingering = f"""
+import os, sys, time
+sys.stdin.buffer.read()
+open({str(stdin_closed)!r}, "w").close()
+while not os.path.exists({str(release)!r}):
+    time.sleep(0.01)
+"""
+    client = PortClient(command=[sys.executable, "-c", lingering])
+    closing = threading.Thread(target=client.close)
+    closing.start()
+    try:
+        while not stdin_closed.exists():
+            closing.join(0.01)
+        # stdin's fd number is free now, for any file opened next: nothing may be written to it.
+        with pytest.raises(ServerExited, match="the client is closed"):
+            client.submit("ping")
+    finally:
+        release.touch()
+        closing.join(REPLY_TIMEOUT_S)
+    assert client.proc.returncode == 0
