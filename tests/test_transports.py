@@ -1121,6 +1121,37 @@ def test_zmq_a_peer_on_a_reused_descriptor_outlives_the_old_connections_end(tmp_
         "in 10 tries the new connection never got the old one's descriptor"
 
 
+def test_a_fault_in_one_zmq_message_costs_that_message_not_the_lane(tmp_path, monkeypatch):
+    """An unexpected exception while the io thread handles one message (a bug) must not end
+    the thread: every peer's requests would go unanswered while the server runs on."""
+    import bridge.transports.zmq as zmq_lane
+
+    real_split = zmq_lane.split_envelope
+
+    def split_failing_on_the_first(frames):
+        if frames[-1].bytes == b"first":
+            raise RuntimeError("a bug handling this message")
+        return real_split(frames)
+
+    monkeypatch.setattr(zmq_lane, "split_envelope", split_failing_on_the_first)
+    echo = SimpleNamespace(on_frame=lambda peer, body, received_ns, buffers: peer.send([bytes(body)]))
+    transport = ZmqTransport(echo, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20, max_in_flight=4,
+                             hwm=16)
+    transport.start()
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    try:
+        client.connect(transport.endpoints[0])
+        client.send(b"first")
+        client.send(b"second")
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the lane answered nothing after the fault"
+        assert client.recv() == b"second"
+    finally:
+        client.close(linger=0)
+        context.term()
+        transport.close()
+
+
 def reused_descriptor_round(ipc_path: str) -> bool:
     """One try of the case above, the io loop driven by hand (without its thread) so that the
     monitor is read exactly when a round reads it. Its checks hold whatever the descriptors;

@@ -102,10 +102,16 @@ class Outbox:
     def __init__(self):
         self._items: collections.deque = collections.deque()
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Keeps `post` from writing to the fd's number once closed: it may name another file by
+        # then (a reply posted after a drain that gave up is dropped instead).
+        self._closing = threading.Lock()
+        self._closed = False
 
     def post(self, item) -> None:
         self._items.append(item)
-        os.eventfd_write(self.fd, 1)
+        with self._closing:
+            if not self._closed:
+                os.eventfd_write(self.fd, 1)
 
     def take(self) -> list:
         """Everything posted so far, in order (called by the owner when the fd is readable)."""
@@ -119,7 +125,9 @@ class Outbox:
         return items
 
     def close(self) -> None:
-        os.close(self.fd)
+        with self._closing:
+            self._closed = True
+            os.close(self.fd)
 
 
 def split_envelope(frames: list) -> tuple[list, list]:
@@ -247,8 +255,8 @@ class ZmqTransport:
         for monitor in self.monitors:
             poller.register(monitor, zmq.POLLIN)
         poller.register(self.outbox.fd, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
+        while not self._stop.is_set():
+            try:
                 ready = dict(poller.poll(RETRY_MS if self._backlogged else None))
                 for index, monitor in enumerate(self.monitors):
                     if monitor in ready:
@@ -257,8 +265,10 @@ class ZmqTransport:
                     if sock in ready:
                         self._receive(index, sock)
                 self._flush()
-        except Exception:  # a transport fault ends this lane, never silently
-            log.exception("zmq io thread failed")
+            except Exception:
+                # A fault in one message or event (a bug) costs that one, not the lane: every
+                # peer's requests would go unanswered while the server runs on.
+                log.exception("zmq io thread: a message or event could not be handled")
 
     def _receive(self, index: int, sock: zmq.Socket) -> None:
         for _ in range(RECEIVE_BATCH):
