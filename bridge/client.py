@@ -185,12 +185,11 @@ class FramedClient:
             parts = self._encode(request_id, op, wire_args)
             entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
+            entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
+            self._send(parts)
         except BaseException:
-            with self._lock:
-                self._pending.pop(request_id, None)
+            self._forget(request_id)  # its caller gets the exception, never the Future
             raise
-        entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
-        self._send(parts)
         return entry.future
 
     def _register(self, request_id, entry: InFlight):
@@ -219,11 +218,32 @@ class FramedClient:
         """The buffers that carry one request."""
         return protocol.frame_parts(protocol.encode_request(request_id, op, wire_args))
 
+    def _forget(self, request_id) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+
     def _send(self, parts: list) -> None:
+        """Write one frame. A write that fails or is interrupted (KeyboardInterrupt) may have
+        sent part of it, after which the server would read the next request's bytes as the
+        rest: the stream is ended instead (the server drops the partial frame at EOF and
+        answers what came before it), and later requests are refused. An OSError is raised as
+        ServerExited."""
         with self._write_lock:
             if self._refusal:
                 raise ServerExited(self._refusal)
-            write_all(self._writer_fd, parts)
+            try:
+                write_all(self._writer_fd, parts)
+            except BaseException as exc:
+                self._refuse_requests(f"a write failed part way ({exc!r}); the stream was ended")
+                self._end_stream()
+                if isinstance(exc, OSError):
+                    raise ServerExited(self._refusal) from exc
+                raise
+
+    def _end_stream(self) -> None:
+        """End the outgoing stream, so that the server sees EOF. Called with requests refused
+        and self._write_lock held: the writer fd is not written again."""
+        raise NotImplementedError
 
     def _refuse_requests(self, reason: str) -> None:
         with self._lock:
@@ -286,12 +306,17 @@ class FramedClient:
         return self._send_raw(parts, request_id)
 
     def _send_raw(self, parts: list, request_id) -> Future | None:
-        entry = None
-        if request_id is not None:
-            entry = InFlight(Future(), time.perf_counter_ns(), bytes_out=sum(memoryview(p).nbytes for p in parts))
-            self._register(request_id, entry)
-        self._send(parts)
-        return entry.future if entry else None
+        if request_id is None:
+            self._send(parts)
+            return None
+        entry = InFlight(Future(), time.perf_counter_ns(), bytes_out=sum(memoryview(p).nbytes for p in parts))
+        self._register(request_id, entry)
+        try:
+            self._send(parts)
+        except BaseException:
+            self._forget(request_id)
+            raise
+        return entry.future
 
     # -- replies --------------------------------------------------------------------------
 
@@ -438,10 +463,13 @@ class PortClient(FramedClient):
             self.proc.kill()
             self._write_lock.acquire()
         try:
-            self.proc.stdin.close()
+            self._end_stream()
         finally:
             self._write_lock.release()
         return stop_piped_server(self.proc, timeout)
+
+    def _end_stream(self) -> None:
+        self.proc.stdin.close()
 
 
 class UnixClient(FramedClient):
@@ -468,18 +496,21 @@ class UnixClient(FramedClient):
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop sending; the server answers what is in flight and closes its end; then close."""
-        import socket
-
         self._refuse_requests("the client is closed")
-        try:
-            # Also ends a write in progress (EPIPE), which the lock below waits for.
-            self.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # the server is gone already
+        # Also ends a write in progress (EPIPE), which the lock below waits for.
+        self._end_stream()
         self._thread.join(timeout)
         with self._write_lock:
             self._reader.close()
             self.sock.close()
+
+    def _end_stream(self) -> None:
+        import socket
+
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server is gone already
 
 
 class ZmqClient(FramedClient):

@@ -14,11 +14,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import pytest
 
+import bridge.client
 import protocol
 from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient, ServerExited
 from bridge.transports.framed import read_exact, write_all
 
 REPLY_TIMEOUT_S = 10
+
+
+class PipeClient(FramedClient):
+    def _end_stream(self) -> None:
+        os.close(self._writer_fd)
+        self._writer_fd = -1
 
 
 class PipeServer:
@@ -28,7 +35,7 @@ class PipeServer:
         requests_r, requests_w = os.pipe()
         replies_r, self.replies_fd = os.pipe()
         self.requests = os.fdopen(requests_r, "rb", buffering=0)
-        self.client = FramedClient(os.fdopen(replies_r, "rb", buffering=0), requests_w)
+        self.client = PipeClient(os.fdopen(replies_r, "rb", buffering=0), requests_w)
 
     def read_request(self) -> protocol.Request:
         return self.read_request_and_length()[0]
@@ -57,7 +64,8 @@ class PipeServer:
         self.hang_up()
         self.client._thread.join(REPLY_TIMEOUT_S)
         self.client._reader.close()
-        os.close(self.client._writer_fd)
+        if self.client._writer_fd >= 0:
+            os.close(self.client._writer_fd)
         self.requests.close()
 
 
@@ -247,3 +255,33 @@ while not os.path.exists({str(release)!r}):
         release.touch()
         closing.join(REPLY_TIMEOUT_S)
     assert client.proc.returncode == 0
+
+
+def test_a_write_interrupted_part_way_ends_the_stream_instead_of_misframing_later_requests(pipe, monkeypatch):
+    def interrupted(fd, parts):
+        os.write(fd, bytes(parts[0])[:2])  # half the length prefix
+        raise KeyboardInterrupt
+
+    answered = pipe.client.submit("ping")
+    monkeypatch.setattr(bridge.client, "write_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.client.submit("ping")
+    monkeypatch.undo()
+    with pytest.raises(ServerExited, match="a write failed part way"):
+        pipe.client.submit("ping")
+    # The server reads the whole first request, then the partial frame, then the end.
+    assert pipe.read_request().op == "ping"
+    assert pipe.requests.read() == b"\x00\x00"
+    assert list(pipe.client._pending) == [1]
+    pipe.reply(1)
+    assert answered.result(REPLY_TIMEOUT_S).ok
+
+
+def test_a_failed_write_raises_server_exited(pipe, monkeypatch):
+    def broken_pipe(fd, parts):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(bridge.client, "write_all", broken_pipe)
+    with pytest.raises(ServerExited, match="BrokenPipeError"):
+        pipe.client.submit("ping")
+    assert pipe.client._pending == {}
