@@ -72,15 +72,26 @@ class Reply:
 
 def to_wire(value):
     """numpy array / torch tensor → protocol.OutTensor (data is a zero-copy view when the
-    array is C-contiguous); other values pass through."""
+    array is little-endian and C-contiguous, else a copy that is); numpy scalars → Python
+    numbers, as options such as dt_min take them (np.asarray(x) makes a 0-d tensor); other
+    values pass through."""
+    if isinstance(value, np.generic):
+        return value.item()
     if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
-        if arr.dtype not in WIRE_CODES:
-            raise TypeError(f"dtype {arr.dtype} has no wire code; expected one of {sorted(map(str, WIRE_CODES))}")
-        return protocol.OutTensor(WIRE_CODES[arr.dtype], tuple(arr.shape), memoryview(arr).cast("B"))
+        wire_dtype = value.dtype.newbyteorder("<")
+        if wire_dtype not in WIRE_CODES:
+            raise TypeError(f"dtype {value.dtype} has no wire code; expected one of {sorted(map(str, WIRE_CODES))}")
+        # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d).
+        arr = np.require(value, wire_dtype, "C")
+        # As bytes through a flat view: memoryview cannot cast an array with a 0 in its shape.
+        return protocol.OutTensor(WIRE_CODES[wire_dtype], arr.shape, memoryview(arr.reshape(-1).view(np.uint8)))
     if type(value).__module__.startswith("torch"):
+        from bridge.tensors import WIRE_DTYPES
         from bridge.tensors import to_wire as tensor_to_wire
 
+        if value.dtype not in WIRE_DTYPES:
+            raise TypeError(f"torch dtype {value.dtype} has no wire code; expected one of "
+                            f"{sorted(map(str, WIRE_DTYPES))}")
         return tensor_to_wire(value.detach())
     return value
 

@@ -16,7 +16,7 @@ import pytest
 
 import bridge.client
 import protocol
-from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient, ServerExited
+from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient, ServerExited, from_wire, to_wire
 from bridge.transports.framed import read_exact, write_all
 
 REPLY_TIMEOUT_S = 10
@@ -285,3 +285,35 @@ def test_a_failed_write_raises_server_exited(pipe, monkeypatch):
     with pytest.raises(ServerExited, match="BrokenPipeError"):
         pipe.client.submit("ping")
     assert pipe.client._pending == {}
+
+
+def through_the_wire(value):
+    """`value` as a server receives it in a request."""
+    body = b"".join(bytes(memoryview(p).cast("B")) for p in protocol.encode_request(1, "put", {"tensor": to_wire(value)}))
+    return protocol.decode_request(memoryview(body)).args["tensor"]
+
+
+@pytest.mark.parametrize("array", [
+    pytest.param(np.array(3.0, np.float32), id="0-d"),
+    pytest.param(np.zeros((0, 3), np.float32), id="empty"),
+    pytest.param(np.zeros((3, 0), np.float32).T, id="empty-not-contiguous"),
+    pytest.param(np.arange(6, dtype=">f4").reshape(2, 3), id="big-endian"),
+    pytest.param(np.arange(6, dtype=np.int64).reshape(2, 3)[:, ::2], id="not-contiguous"),
+])
+def test_numpy_arrays_travel_with_their_shape_and_values(array):
+    received = from_wire(through_the_wire(array))
+    assert received.shape == array.shape
+    np.testing.assert_array_equal(received, array)
+
+
+def test_numpy_scalars_travel_as_numbers():
+    assert [to_wire(v) for v in (np.float32(0.5), np.int64(3), np.bool_(True))] == [0.5, 3, True]
+    assert type(to_wire(np.int64(3))) is int
+
+
+def test_a_dtype_without_a_wire_code_is_a_type_error_naming_it():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="torch dtype torch.bool has no wire code; expected one of"):
+        to_wire(torch.tensor([True, False]))
+    with pytest.raises(TypeError, match="dtype complex64 has no wire code"):
+        to_wire(np.zeros(2, np.complex64))
