@@ -151,7 +151,12 @@ class FramedClient:
     Subclasses provide the streams and `close`; replies are matched to requests by id.
 
     `max_frame_size` is the server's limit on a request body once the client knows it (from
-    `info()` or a `frame_too_large` reply); a request over it is refused before it is sent."""
+    `info()` or a `frame_too_large` reply); a request over it is refused before it is sent.
+
+    Thread-safe (so PortClient and UnixClient are too): any number of threads may submit at
+    once; ids come from one counter under a lock, each frame is written whole under a write
+    lock, and one reader thread resolves the Futures. When the server goes away, the callers
+    waiting fail with ServerExited."""
 
     # Bytes of a request's frame that do not count against max_frame_size: the length prefix.
     _frame_overhead = protocol.framing.HEADER_SIZE
@@ -533,7 +538,12 @@ class ZmqClient(FramedClient):
     own key pair is `curve_keypair`, or a fresh one.
 
     ZeroMQ sockets are not thread-safe: one io thread owns the socket, sends what `submit`
-    posts from any thread, and resolves replies."""
+    posts from any thread, and resolves replies; so the client is thread-safe.
+
+    ZeroMQ reconnects behind the socket and reports no peer going away: when the server
+    dies, requests in flight are never answered and never fail with ServerExited. Callers
+    find out by their timeouts (`request`'s, or `Future.result(timeout)`); only close()
+    fails what is still in flight."""
 
     def __init__(self, endpoint: str, *, multipart: bool = True, as_torch: bool = False,
                  curve_server_key: bytes | None = None, curve_keypair: tuple[bytes, bytes] | None = None):
