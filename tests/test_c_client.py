@@ -1,18 +1,24 @@
 """The C client (examples/c_client) built with `make` and run against a live server over zmq
 ipc and tcp: it decodes every golden vector, pings, and checks an inline and a multipart scan
-against its own C reference. Without libzmq / msgpack-c headers the tests skip and say why,
-except in CI (CI=true), where that is a failure: the CI machine installs them
-(.ci/system-deps.sh)."""
+against its own C reference. Then the same client against replies a proxy alters (other ids, a
+nil id, too many parts, an error reply, wrong types), against vectors of our own (sizes that
+overflow), and with a preloaded shim that sees who frees its zero-copy send buffers. Without
+libzmq / msgpack-c headers the tests skip and say why, except in CI (CI=true), where that is a
+failure: the CI machine installs them (.ci/system-deps.sh)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import msgpack
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,3 +106,296 @@ def test_the_c_client_exits_non_zero_on_a_bad_vector(scan_client, endpoints, tmp
     run = subprocess.run([scan_client, endpoints["ipc"], str(vectors)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1
     assert "vector reply_scan" in run.stderr and "1 failure(s)" in run.stderr
+
+
+# -- the client against a server that misbehaves --------------------------------------------------
+#
+# A proxy between the compiled client and the live server: a ROUTER that forwards each request
+# and sends back what a scenario makes of it. The client keeps one request in flight, so the
+# proxy serves one at a time. The client's ids: ping 1, scan inline 2, scan multipart 3.
+
+@contextlib.contextmanager
+def proxy(server: str, directory, scenario):
+    """Yields the endpoint to give the client. `scenario(request_id, frames, forward)` returns
+    the messages (lists of frames) to send back; `forward(frames)` is the server's reply to them."""
+    import zmq
+
+    context = zmq.Context()
+    front, back = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    for sock in (front, back):
+        sock.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{directory}/proxy.ipc"
+    front.bind(endpoint)
+    back.connect(server)
+    stop = threading.Event()
+
+    def forward(frames):
+        back.send_multipart(frames)
+        return back.recv_multipart()
+
+    def serve():
+        while not stop.is_set():
+            if not front.poll(50):
+                continue
+            peer, *frames = front.recv_multipart()
+            for message in scenario(msgpack.unpackb(frames[0])["id"], frames, forward):
+                front.send_multipart([peer, *message])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield endpoint
+    finally:
+        stop.set()
+        thread.join(10)
+        front.close()
+        back.close()
+        context.term()
+
+
+def run_through(scan_client, endpoints, tmp_path, scenario):
+    with proxy(endpoints["ipc"], tmp_path, scenario) as endpoint:
+        return subprocess.run([scan_client, endpoint, VECTORS], capture_output=True, text=True, timeout=120)
+
+
+def edited(body: bytes, **changes) -> bytes:
+    message = msgpack.unpackb(body, strict_map_key=False)
+    message.update(changes)
+    return msgpack.packb(message)
+
+
+def test_a_reply_to_another_id_is_dropped_not_taken_for_the_awaited_one(scan_client, endpoints, tmp_path):
+    # Before the inline scan's reply, one to ping's id again (as a late reply to a request that
+    # timed out would come) and one to an id never sent: both are dropped, and said so.
+    def scenario(request_id, frames, forward):
+        reply = forward(frames)
+        if request_id != 2:
+            return [reply]
+        return [[edited(reply[0], id=1, result={"pong": True})], [edited(reply[0], id="other")], reply]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 0, run.stderr
+    assert "scan inline: dropped a reply to id 1, not this request's id 2" in run.stderr
+    assert "scan inline: dropped a reply to id \"other\", not this request's id 2" in run.stderr
+    assert "scan inline " in run.stdout and "all checks passed" in run.stdout
+
+
+def test_a_reply_with_a_nil_id_is_reported(scan_client, endpoints, tmp_path):
+    error = {"code": "decode_error", "message": "body: expected a msgpack map", "detail": {}}
+    nil_id = msgpack.packb({"v": 1, "id": None, "ok": False, "error": error})
+    run = run_through(scan_client, endpoints, tmp_path, lambda request_id, frames, forward: [[nil_id]])
+    assert run.returncode == 1
+    assert "ping: a reply with no id, to a request the server could not read" in run.stderr
+    assert '"decode_error"' in run.stderr
+
+
+def test_a_reply_of_too_many_parts_is_read_to_its_end_and_dropped(scan_client, endpoints, tmp_path):
+    # The inline scan's reply comes with 16 extra frames (17 parts): it fails, and none of its
+    # frames is taken for the multipart scan's reply.
+    def scenario(request_id, frames, forward):
+        reply = forward(frames)
+        return [reply + [b"x" * 64] * 16] if request_id == 2 else [reply]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 1
+    assert "scan inline: no reply: a reply of more than 16 parts" in run.stderr
+    assert "1 failure(s)" in run.stderr and "scan multipart " in run.stdout
+
+
+def test_a_real_error_reply_with_dtype_and_shape_in_its_detail_is_an_error_reply(scan_client, endpoints, tmp_path):
+    # The server's tensor_size_mismatch reply (its detail has dtype and shape keys) is reported
+    # as the error it is, not rejected as a malformed tensor.
+    lying = msgpack.unpackb((pathlib.Path(VECTORS) / "invalid_lying_shape.frame").read_bytes()[4:])
+
+    def scenario(request_id, frames, forward):
+        return [forward([msgpack.packb({**lying, "id": 2})] if request_id == 2 else frames)]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 1
+    assert "scan inline: an error reply: " in run.stderr and '"tensor_size_mismatch"' in run.stderr
+    assert '"dtype"=>"f32", "shape"=>[2, 3]' in run.stderr  # msgpack-c prints maps so
+
+
+def test_an_ok_that_is_not_a_bool_is_a_malformed_reply(scan_client, endpoints, tmp_path):
+    def scenario(request_id, frames, forward):
+        reply = forward(frames)
+        return [[edited(reply[0], ok=1)]] if request_id == 2 else [reply]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 1
+    assert "scan inline: a reply whose ok is not a bool" in run.stderr
+
+
+def test_timing_keys_that_are_not_str_are_not_printed(scan_client, endpoints, tmp_path):
+    def scenario(request_id, frames, forward):
+        reply = forward(frames)
+        return [[edited(reply[0], timing={"server_us": 7, 5: 1})]] if request_id == 1 else [reply]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 0, run.stderr
+    ping = next(line for line in run.stdout.splitlines() if line.startswith("ping "))
+    assert ping.endswith("| server_us=7.0 | ipc " + ping.rsplit("| ipc ", 1)[1])
+
+
+# -- the client's decoder, on vectors of our own ---------------------------------------------------
+
+def run_on_vectors(scan_client, endpoints, tmp_path, extra: dict[str, bytes]):
+    """The client run on the golden vectors plus `extra` ({name: .frame bytes}, each a reply)."""
+    vectors = tmp_path / "vectors"
+    shutil.copytree(VECTORS, vectors)
+    for name, frame in extra.items():
+        (vectors / f"{name}.frame").write_bytes(frame)
+        (vectors / f"{name}.json").write_text(f'{{"name": "{name}", "kind": "reply"}}')
+    return subprocess.run([scan_client, endpoints["ipc"], str(vectors)], capture_output=True, text=True, timeout=120)
+
+
+def framed(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+def reply_with_y(y: dict) -> bytes:
+    return msgpack.packb({"v": 1, "id": 9, "ok": True, "result": {"y": y}, "timing": {}})
+
+
+def buf_past_the_end() -> bytes:
+    """A reply whose y names buffer 2^64 − 1 and has no buffers; its shape is the body's own
+    length in u8, so that a client taking part `buf + 1` (wrapped to 0, the body) finds the
+    byte count right."""
+    body = b""
+    for _ in range(3):
+        body = reply_with_y({"dtype": "u8", "shape": [len(body)], "buf": 2**64 - 1})
+    return body
+
+
+@pytest.mark.parametrize("body, why", [
+    pytest.param(reply_with_y({"dtype": "f32", "shape": [2**62, 4], "data": b""}), "tensor size mismatch",
+                 id="element-count-wraps-to-0"),
+    pytest.param(reply_with_y({"dtype": "u8", "shape": [2**63], "data": b""}), "bad dimension",
+                 id="dimension-past-2^63-1"),
+    pytest.param(reply_with_y({"dtype": "f64", "shape": [2**61], "data": b""}), "tensor size mismatch",
+                 id="byte-count-past-2^63-1"),
+    pytest.param(buf_past_the_end(), "buf names no raw buffer", id="buf-2^64-1"),
+])
+def test_the_decoder_rejects_tensors_whose_sizes_overflow(scan_client, endpoints, tmp_path, body, why):
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_crafted": framed(body)})
+    assert run.returncode == 1
+    assert f"FAIL: vector reply_crafted (reply): {why}\n1 failure(s)" in run.stderr
+
+
+def test_a_zero_dimension_makes_no_elements_whatever_the_others(scan_client, endpoints, tmp_path):
+    body = reply_with_y({"dtype": "f32", "shape": [2**62, 2**62, 0], "data": b""})
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_empty": framed(body)})
+    assert run.returncode == 0, run.stderr
+    assert "vector reply_empty " in run.stdout
+
+
+def test_every_vector_is_checked_however_many(scan_client, endpoints, tmp_path):
+    reply = (pathlib.Path(VECTORS) / "reply_ping.frame").read_bytes()
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {f"reply_ping_{i:03}": reply for i in range(300)})
+    assert run.returncode == 0, run.stderr
+    assert f"golden vectors: {count_vectors() + 300} checked" in run.stdout
+
+
+def test_the_client_does_not_build_for_a_big_endian_host(scan_client):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    run = subprocess.run([cc, "-fsyntax-only", "-std=c11", "-U__BYTE_ORDER__", "-D__BYTE_ORDER__=__ORDER_BIG_ENDIAN__",
+                          os.path.join(CLIENT_DIR, "scan_client.c")], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "scan_client needs a little-endian host" in run.stderr
+
+
+# -- zero-copy sends: who frees the buffers --------------------------------------------------------
+
+SHIM = r"""
+/* LD_PRELOAD'ed into scan_client. SHIM=hold: each frame sent with zmq_msg_send is also kept (a
+ * copy sharing its bytes, as ZeroMQ's I/O thread keeps a frame it has not written out yet)
+ * until zmq_close; frees of kept bytes are counted, while kept and after. SHIM=fail: the second
+ * zmq_msg_send fails (EINTR), and whether the client closes that message is counted. Counts go
+ * to stderr at exit. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+extern void __libc_free(void *);
+enum { KEPT = 1, RELEASED, FREED_AFTER };
+static zmq_msg_t copies[64];
+static void *kept[64];
+static int state[64], count, sends, freed_while_kept, failed_closed;
+static void *failed;
+
+static int mode(const char *name) { const char *m = getenv("SHIM"); return m && strcmp(m, name) == 0; }
+
+void free(void *p) {
+    for (int i = 0; p && i < count; i++)
+        if (kept[i] == p && state[i] == KEPT) freed_while_kept++;
+        else if (kept[i] == p && state[i] == RELEASED) state[i] = FREED_AFTER;
+    __libc_free(p);
+}
+
+int zmq_msg_send(zmq_msg_t *msg, void *s, int flags) {
+    int (*real)(zmq_msg_t *, void *, int) = (int (*)(zmq_msg_t *, void *, int))dlsym(RTLD_NEXT, "zmq_msg_send");
+    if (mode("fail") && ++sends == 2) {
+        failed = zmq_msg_data(msg);
+        errno = EINTR;
+        return -1;
+    }
+    if (mode("hold") && count < 64) {
+        zmq_msg_init(&copies[count]);
+        zmq_msg_copy(&copies[count], msg);
+        kept[count] = zmq_msg_data(msg);
+        state[count++] = KEPT;
+    }
+    return real(msg, s, flags);
+}
+
+int zmq_msg_close(zmq_msg_t *msg) {
+    int (*real)(zmq_msg_t *) = (int (*)(zmq_msg_t *))dlsym(RTLD_NEXT, "zmq_msg_close");
+    if (failed && zmq_msg_data(msg) == failed) failed_closed = 1;
+    return real(msg);
+}
+
+int zmq_close(void *s) {
+    int (*real)(void *) = (int (*)(void *))dlsym(RTLD_NEXT, "zmq_close");
+    for (int i = 0; i < count; i++)
+        if (state[i] == KEPT) state[i] = RELEASED, zmq_msg_close(&copies[i]);
+    return real(s);
+}
+
+__attribute__((destructor)) static void report(void) {
+    int after = 0;
+    for (int i = 0; i < count; i++) after += state[i] == FREED_AFTER;
+    if (mode("hold")) fprintf(stderr, "shim: %d kept, %d freed while kept, %d freed after\n", count, freed_while_kept, after);
+    if (mode("fail")) fprintf(stderr, "shim: the unsent message %s\n", failed_closed ? "was closed" : "was never closed");
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def shim(scan_client, tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("shim")
+    (directory / "shim.c").write_text(SHIM)
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    build = subprocess.run([cc, "-shared", "-fPIC", "-o", str(directory / "shim.so"), str(directory / "shim.c"),
+                            "-ldl", "-lzmq"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    return str(directory / "shim.so")
+
+
+def test_zero_copy_buffers_are_freed_by_zeromq_once_it_lets_go_never_before(scan_client, endpoints, shim):
+    # The multipart scan sends its 7 inputs zero copy; ZeroMQ keeps them past the reply here.
+    env = {**os.environ, "LD_PRELOAD": shim, "SHIM": "hold"}
+    run = subprocess.run([scan_client, endpoints["ipc"], VECTORS], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "shim: 7 kept, 0 freed while kept, 7 freed after" in run.stderr
+
+
+def test_a_frame_that_fails_to_send_is_closed_and_its_buffer_freed(scan_client, endpoints, shim):
+    env = {**os.environ, "LD_PRELOAD": shim, "SHIM": "fail"}
+    run = subprocess.run([scan_client, endpoints["ipc"], VECTORS], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 1
+    assert "scan multipart: not sent: Interrupted system call" in run.stderr
+    assert "shim: the unsent message was closed" in run.stderr
