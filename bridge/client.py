@@ -11,6 +11,7 @@ have the same API for a server started with `--unix PATH` / `--zmq ENDPOINT`.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import subprocess
@@ -599,6 +600,11 @@ class ZmqClient(FramedClient):
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._outbox.fd, zmq.POLLIN)
+        # Messages the socket would not take yet: a DEALER with no connected peer (the server
+        # not up yet, or refusing this client's CURVE handshake) blocks a send, and a blocked
+        # io thread could neither receive nor stop for close().
+        unsent: collections.deque = collections.deque()
+        watching_out = False  # polling for room to send: only while something waits for it
         try:
             while True:
                 ready = dict(poller.poll())
@@ -606,9 +612,18 @@ class ZmqClient(FramedClient):
                     for frames in self._outbox.take():
                         if frames is None:  # close()
                             return
-                        self._socket.send_multipart(frames, copy=False)
-                if self._socket in ready:
+                        unsent.append(frames)
+                if ready.get(self._socket, 0) & zmq.POLLIN:
                     self._receive_all()
+                while unsent:
+                    try:
+                        self._socket.send_multipart(unsent[0], zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    unsent.popleft()
+                if bool(unsent) != watching_out:
+                    watching_out = bool(unsent)
+                    poller.register(self._socket, zmq.POLLIN | (zmq.POLLOUT if watching_out else 0))
         finally:
             self._fail_all(ServerExited("the client was closed with requests outstanding"))
 
@@ -629,6 +644,9 @@ class ZmqClient(FramedClient):
         self._refuse_requests("the client is closed")
         self._outbox.post(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            # Closing a socket its thread still uses aborts the process: leave both behind.
+            raise RuntimeError(f"the ZeroMQ client's io thread did not stop within {timeout} s")
         self._socket.close()
         self._context.term()
         self._outbox.close()

@@ -748,6 +748,10 @@ def test_curve_admits_only_known_clients(tmp_path):
             with ZmqClient(endpoint, **stranger) as client:
                 with pytest.raises(TimeoutError):
                     client.request("ping", timeout=1.5)
+            # Refused, it never had a peer to send to: its io thread waited for one without
+            # blocking, and stopped when closed (a blocked one was left in use as its socket was
+            # closed, which aborts the process).
+            assert not client._thread.is_alive()
     finally:
         assert srv.stop() == 0, srv.log()
 
