@@ -6,6 +6,8 @@ oversized, past a peer's cap, after a half-close, and with the server out of des
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
 import socket
@@ -913,6 +915,48 @@ class BigReplyDispatcher:
         conn.send([b"refused"])
 
 
+class ListenerFailingOnce:
+    """A listening socket whose first accept() fails with `error` (as when the connection it
+    was for was aborted); the rest is the socket's own."""
+
+    def __init__(self, listener, error: int):
+        self._listener = listener
+        self._error = error
+
+    def accept(self):
+        if self._error:
+            error, self._error = self._error, 0
+            raise OSError(error, os.strerror(error))
+        return self._listener.accept()
+
+    def __getattr__(self, name):
+        return getattr(self._listener, name)
+
+
+def test_an_aborted_connection_does_not_pause_accepting_the_next(tmp_path, monkeypatch):
+    """Only running out of descriptors or memory pauses accepting (until a connection closes
+    or the sweep, here made too late to matter): a failure for one connection costs that one."""
+    from bridge.transports import unix
+
+    monkeypatch.setattr(unix, "SWEEP_SECONDS", 3600.0)
+    path = str(tmp_path / "lane.sock")
+    transport = unix.UnixTransport(RecordingDispatcher(), path, max_frame_size=1 << 20, max_in_flight=4,
+                                   max_connections=4)
+    transport._listener = ListenerFailingOnce(transport._listener, errno.ECONNABORTED)
+    transport.start()
+    try:
+        conn = raw_unix(path)
+        conn.settimeout(10)
+        conn.sendall(struct.pack(">I", 5) + b"hello")
+        reader = conn.makefile("rb", buffering=0)
+        reply = memoryview(bytearray(9))
+        assert read_exact(reader, reply) and bytes(reply[4:]) == b"hello"
+        reader.close()
+        conn.close()
+    finally:
+        transport.close()
+
+
 def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path, monkeypatch):
     """A writer thread that has written the last reply of its backlog must be gone as far as a
     new reply can tell: here it lingers (its _done made slow), while reply B, written by another
@@ -1125,6 +1169,24 @@ def test_zmq_a_peer_on_a_reused_descriptor_outlives_the_old_connections_end(tmp_
         "in 10 tries the new connection never got the old one's descriptor"
 
 
+@contextlib.contextmanager
+def zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight: int):
+    """An in-process ZeroMQ lane whose dispatcher is `on_frame`, started, and a DEALER
+    connected to it; both closed after."""
+    transport = ZmqTransport(SimpleNamespace(on_frame=on_frame), [f"ipc://{tmp_path}/lane.ipc"],
+                             max_frame_size=1 << 20, max_in_flight=max_in_flight, hwm=16)
+    transport.start()
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    try:
+        client.connect(transport.endpoints[0])
+        yield transport, client
+    finally:
+        client.close(linger=0)
+        context.term()
+        transport.close()
+
+
 def test_a_fault_in_one_zmq_message_costs_that_message_not_the_lane(tmp_path, monkeypatch):
     """An unexpected exception while the io thread handles one message (a bug) must not end
     the thread: every peer's requests would go unanswered while the server runs on."""
@@ -1138,22 +1200,46 @@ def test_a_fault_in_one_zmq_message_costs_that_message_not_the_lane(tmp_path, mo
         return real_split(frames)
 
     monkeypatch.setattr(zmq_lane, "split_envelope", split_failing_on_the_first)
-    echo = SimpleNamespace(on_frame=lambda peer, body, received_ns, buffers: peer.send([bytes(body)]))
-    transport = ZmqTransport(echo, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20, max_in_flight=4,
-                             hwm=16)
-    transport.start()
-    context = zmq.Context()
-    client = context.socket(zmq.DEALER)
-    try:
-        client.connect(transport.endpoints[0])
+
+    def echo(peer, body, received_ns, buffers):
+        peer.send([bytes(body)])
+
+    with zmq_lane_and_dealer(tmp_path, echo, max_in_flight=4) as (_, client):
         client.send(b"first")
         client.send(b"second")
         assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the lane answered nothing after the fault"
         assert client.recv() == b"second"
-    finally:
-        client.close(linger=0)
-        context.term()
+
+
+def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tmp_path):
+    """A peer's request past its in-flight cap waits in the lane; when the one before it is
+    answered at shutdown, it is dispatched and answered shutting_down, a reply posted while
+    close() sends the others: it must go out too."""
+    held = []
+
+    def on_frame(peer, body, received_ns, buffers):
+        if bytes(body) == b"first":
+            held.append(peer)  # answered later, as by a request still running
+        else:  # the dispatcher, draining, refuses what comes now
+            peer.send([b"shutting down: " + bytes(body)])
+
+    with zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight=1) as (transport, client):
+        client.send(b"first")
+        client.send(b"second")  # waits in the lane: the peer has its one request in flight
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not (held and held[0].waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The io thread stops first, as close() stops it, so that close() is what sends the
+        # first request's late reply and so dispatches the second.
+        transport._stop.set()
+        transport.outbox.post(None)
+        transport._thread.join(REPLY_TIMEOUT_S)
+        held[0].send([b"first done"])
         transport.close()
+        replies = []
+        while client.poll(2000, zmq.POLLIN):
+            replies.append(client.recv())
+        assert replies == [b"first done", b"shutting down: second"]
 
 
 def reused_descriptor_round(ipc_path: str) -> bool:

@@ -24,6 +24,7 @@ is closed, and what it owned (sessions, tensor handles) is freed through `mark_c
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import logging
 import os
@@ -60,6 +61,9 @@ READER_WRITE_SECONDS = 0.005
 # (a wake-up that could not be sent) and at a listener it stopped accepting on.
 SWEEP_SECONDS = 1.0
 LISTEN_BACKLOG = 128
+# accept() failures that pause accepting (it would fail again at once); any other costs only the
+# connection it was for.
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # Enough pooled receive buffers for several connections with a big request each in flight.
 POOLED_BUFFERS = 32
 # Socket buffers of each connection (the kernel caps them at net.core.wmem_max / rmem_max).
@@ -410,6 +414,9 @@ class UnixTransport:
             except BlockingIOError:
                 return
             except OSError as exc:
+                if exc.errno not in OUT_OF_RESOURCES:  # that one connection failed (it was aborted)
+                    log.info("unix lane: a connection could not be accepted: %s", exc)
+                    continue
                 # Out of file descriptors, say: the listener is left out of the selector, which
                 # would report it ready again at once, until a connection closes or the next sweep.
                 log.warning("unix lane: accepting paused until a connection closes (or for %g s): %s",

@@ -34,6 +34,7 @@ import collections
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -52,6 +53,10 @@ RECEIVE_BATCH = 64
 RETRY_MS = 2
 # How long closing waits for queued replies to leave.
 LINGER_MS = 200
+# How long closing goes on sending what is posted meanwhile (a peer's requests that waited past
+# its in-flight cap are answered shutting_down as the replies before them go) and what waits
+# for room in a peer's pipe.
+FLUSH_SECONDS = 0.5
 # What a socket's monitor reports: its connections' starts and ends (the value is the fd).
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 LOOPBACK = "127.0.0.1"
@@ -124,6 +129,11 @@ class Outbox:
             items.append(self._items.popleft())
         return items
 
+    @property
+    def pending(self) -> bool:
+        """Something was posted and not taken yet."""
+        return bool(self._items)
+
     def close(self) -> None:
         with self._closing:
             self._closed = True
@@ -181,6 +191,7 @@ class ZmqTransport:
         self._fds_known = True
         self._backlogged: set[ZmqPeer] = set()  # peers with replies waiting for room in their pipe
         self._stop = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="zmq-io", daemon=True)
         try:
             for endpoint in endpoints:
@@ -222,8 +233,11 @@ class ZmqTransport:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the io thread, send the replies already posted, and close the sockets (queued
-        messages get LINGER_MS to leave)."""
+        """Stop the io thread, send the replies already posted and those posted meanwhile (for
+        up to FLUSH_SECONDS), and close the sockets (queued messages get LINGER_MS to leave)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._thread.ident is not None:  # started
             self._stop.set()
             self.outbox.post(None)
@@ -232,7 +246,14 @@ class ZmqTransport:
                 # Its sockets cannot be closed under it (and the context would wait for them).
                 log.error("the zmq io thread did not stop; replies still queued are lost")
                 return
+            deadline = time.monotonic() + FLUSH_SECONDS
             self._flush()
+            while (self.outbox.pending or self._backlogged) and time.monotonic() < deadline:
+                time.sleep(RETRY_MS / 1000)
+                self._flush()
+            if self.outbox.pending or self._backlogged:
+                log.warning("zmq lane: replies to %d peers still unsent after %g s are lost",
+                            len(self._backlogged) + bool(self.outbox.pending), FLUSH_SECONDS)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
