@@ -957,6 +957,31 @@ def test_an_aborted_connection_does_not_pause_accepting_the_next(tmp_path, monke
         transport.close()
 
 
+def test_a_unix_connection_streaming_a_large_frame_gives_the_others_their_turn(tmp_path):
+    """The reading thread takes at most about BYTES_PER_TURN from one connection per turn, a
+    frame's end or not: a peer streaming a frame of up to --max-frame-size would otherwise hold
+    every other connection for as long as its bytes keep coming. Driven by hand (no reading
+    thread), with more than a turn's bytes waiting in the socket."""
+    from bridge.transports import unix
+
+    path = str(tmp_path / "lane.sock")
+    transport = unix.UnixTransport(RecordingDispatcher(), path, max_frame_size=64 << 20, max_in_flight=4,
+                                   max_connections=4)
+    streaming = raw_unix(path)
+    try:
+        transport._accept()
+        (conn,) = transport._connections
+        waiting = 2 * unix.BYTES_PER_TURN
+        streaming.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * unix.BYTES_PER_TURN)  # room for them
+        streaming.sendall(struct.pack(">I", 64 << 20) + bytes(waiting))  # a 64 MiB frame, begun
+        transport._read(conn, others_waiting=True)
+        assert conn.more_input(), "one turn read everything the connection had"
+        assert not conn.incoming.at_frame_start and transport.dispatcher.bodies == []
+    finally:
+        streaming.close()
+        transport.close()
+
+
 def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path, monkeypatch):
     """A writer thread that has written the last reply of its backlog must be gone as far as a
     new reply can tell: here it lingers (its _done made slow), while reply B, written by another

@@ -75,9 +75,11 @@ SOCKET_BUFFER_BYTES = 4 << 20
 # How long closing the lane waits for replies still being written to slow readers (on top of
 # the dispatcher's drain, cli.DRAIN_SECONDS).
 FLUSH_SECONDS = 0.5
-# Frames taken from one connection before the reading thread looks at the others again, so that
-# a peer pipelining many small requests cannot keep the others waiting.
+# Frames, and bytes, taken from one connection before the reading thread looks at the others
+# again, so that neither a peer pipelining many small requests nor one streaming a large frame
+# (up to --max-frame-size) can keep the others waiting.
 FRAMES_PER_TURN = 16
+BYTES_PER_TURN = 1 << 20
 
 
 class UnixConnection(Connection):
@@ -449,16 +451,18 @@ class UnixTransport:
 
     def _read(self, conn: UnixConnection, others_waiting: bool) -> None:
         """Read what `conn` has without blocking, handing on each frame as it completes: until
-        it has nothing more, has its cap in flight, has sent FRAMES_PER_TURN frames this turn,
-        or its input ends. `others_waiting`: other connections have input waiting too."""
+        it has nothing more, has its cap in flight, has sent FRAMES_PER_TURN frames or
+        BYTES_PER_TURN bytes this turn, or its input ends. `others_waiting`: other connections
+        have input waiting too."""
         incoming = conn.incoming
-        frames = 0
-        while frames < FRAMES_PER_TURN:
+        frames = taken = 0
+        while frames < FRAMES_PER_TURN and taken < BYTES_PER_TURN:
             if incoming.at_frame_start and conn.pause_at_cap():
                 self._selector.unregister(conn.sock)  # an answer wakes it (UnixConnection._done)
                 return
             try:
-                n = conn.sock.recv_into(incoming.space(), 0, socket.MSG_DONTWAIT)
+                space = incoming.space()
+                n = conn.sock.recv_into(space, min(len(space), BYTES_PER_TURN - taken), socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError as exc:  # reset by the peer: its replies will fail and free their slots
@@ -467,6 +471,7 @@ class UnixTransport:
             if not n:
                 self._end_input(conn)
                 return
+            taken += n
             frame = incoming.advance(n)
             if frame is None:
                 continue
