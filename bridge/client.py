@@ -489,6 +489,21 @@ class PortClient(FramedClient):
         self.proc.stdin.close()
 
 
+def abandon_connection(sock, pending: dict) -> None:
+    """What a UnixClient collected without close() (or still open at exit) leaves: its sending
+    side is shut, so that the server answers what is in flight, frees what the connection owned
+    (sessions, handles) and closes its end, which ends the reader thread; the callers still
+    waiting fail (nothing is left to hand them replies)."""
+    import socket
+
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # closed already, or the server is gone
+    for entry in list(pending.values()):
+        settle(entry.future, ServerExited("the client was dropped without close()"))
+
+
 class UnixClient(FramedClient):
     """PortClient's API over a unix socket served by `python -m bridge --unix PATH` (the same
     framing as the Port). Connecting retries for `connect_timeout` seconds while the server is
@@ -510,6 +525,7 @@ class UnixClient(FramedClient):
                     raise
                 time.sleep(0.05)
         super().__init__(self.sock.makefile("rb", buffering=0), self.sock.fileno(), as_torch=as_torch)
+        weakref.finalize(self, abandon_connection, self.sock, self._pending)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop sending; the server answers what is in flight and closes its end; then close."""

@@ -232,6 +232,38 @@ def test_a_port_client_dropped_without_close_is_collected_and_its_server_stops()
         waiting.result(REPLY_TIMEOUT_S)
 
 
+def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
+    """The server frees what a connection owned when it ends: a client collected without
+    close() must end it (its reader thread, blocked on the socket, would keep it open)."""
+    import socket
+
+    path = str(tmp_path / "lane.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(REPLY_TIMEOUT_S)
+    client = bridge.client.UnixClient(path)
+    served, _ = listener.accept()
+    served.settimeout(REPLY_TIMEOUT_S)
+    reader = served.makefile("rb", buffering=0)
+    try:
+        waiting = client.submit("ping")
+        header = memoryview(bytearray(4))
+        assert read_exact(reader, header)
+        assert read_exact(reader, memoryview(bytearray(protocol.parse_frame_header(header))))
+        collected = weakref.ref(client)
+        del client
+        gc.collect()
+        assert collected() is None
+        assert reader.read(1) == b"", "the dropped client's connection did not end"
+        with pytest.raises(ServerExited, match="dropped without close"):
+            waiting.result(REPLY_TIMEOUT_S)
+    finally:
+        reader.close()
+        served.close()
+        listener.close()
+
+
 def test_a_request_submitted_while_close_waits_for_the_server_is_refused(tmp_path):
     stdin_closed, release = tmp_path / "stdin-closed", tmp_path / "release"
     # Reads its stdin to the end, says so, and exits only when the test lets it.
