@@ -249,7 +249,6 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     logging.shutdown()
     sys.stderr.flush()
     # os._exit: interpreter teardown (torch, thread joins) can take longer than the 1 s budget,
-    # and every reply has been written by now (synchronously, or by the lane's close: ZeroMQ
-    # sends what it was handed and what that posts, unix waits for its writer threads; each for
-    # up to its FLUSH_SECONDS).
+    # and every reply has been written by now (synchronously, or by the lane's close, within
+    # transports.base.FLUSH_SECONDS).
     os._exit(0)

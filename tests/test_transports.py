@@ -1030,7 +1030,7 @@ def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path,
 
 def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_path):
     """A reply handed to a writer thread counts as answered; the server must not exit before
-    the writer has written it (within unix.FLUSH_SECONDS): a client that reads 0.1 s after
+    the writer has written it (within transports.base.FLUSH_SECONDS): a client that reads 0.1 s after
     asking for a 32 MiB state and a shutdown gets both replies whole."""
     path = str(tmp_path / "bridge.sock")
     srv = ServerProcess(str(tmp_path), "--unix", path)

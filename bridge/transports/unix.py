@@ -39,7 +39,7 @@ import protocol
 
 from ..buffers import BufferPool
 from ..timing import now_ns
-from .base import Connection
+from .base import FLUSH_SECONDS, Connection
 from .framed import IOV_MAX, FrameAssembler, byte_views, consume, input_waiting
 
 log = logging.getLogger("bridge.unix")
@@ -72,9 +72,6 @@ POOLED_BUFFERS = 32
 # 3.37 ms against 3.80 ms over three alternated runs each,
 # bench/results/elixir_unix_socket_buffers_ab.json).
 SOCKET_BUFFER_BYTES = 4 << 20
-# How long closing the lane waits for replies still being written to slow readers (on top of
-# the dispatcher's drain, cli.DRAIN_SECONDS).
-FLUSH_SECONDS = 0.5
 # Frames, and bytes, taken from one connection before the reading thread looks at the others
 # again, so that neither a peer pipelining many small requests nor one streaming a large frame
 # (up to --max-frame-size) can keep the others waiting.

@@ -43,7 +43,7 @@ import zmq.utils.monitor
 import protocol
 
 from ..timing import now_ns
-from .base import Connection
+from .base import FLUSH_SECONDS, Connection
 
 log = logging.getLogger("bridge.zmq")
 
@@ -53,10 +53,6 @@ RECEIVE_BATCH = 64
 RETRY_MS = 2
 # How long closing waits for queued replies to leave.
 LINGER_MS = 200
-# How long closing goes on sending what is posted meanwhile (a peer's requests that waited past
-# its in-flight cap are answered shutting_down as the replies before them go) and what waits
-# for room in a peer's pipe.
-FLUSH_SECONDS = 0.5
 # What a socket's monitor reports: its connections' starts and ends (the value is the fd).
 CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 LOOPBACK = "127.0.0.1"
