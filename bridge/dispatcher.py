@@ -27,8 +27,8 @@ other. It takes steps under load too, where the batcher would have gathered them
 step served natively alone costs less than its share of a batch through the general path (8
 callers stepping 1-row sessions: 5.57x the batched general path's throughput over stdio, 4.33x
 over the unix lane, 3.48x over ZeroMQ; 32-row ones 1.39-2.03x; bench/results/game_loop.json,
-part b, at 29e30f3). Steps that queue behind other work, and every step where there is no native path (CUDA,
-other backends, `--no-native-step`), are batched as above.
+part b, at 29e30f3). Steps that queue behind other work, and every step where there is no
+native path (CUDA, other backends, `--no-native-step`), are batched as above.
 """
 
 from __future__ import annotations
@@ -377,12 +377,11 @@ class Dispatcher:
             self._fail(call, exc)
             return
         try:
-            try:
-                self._send(call.conn, parts, out_of_band)
-            except protocol.FrameTooLarge as exc:  # nothing was written: the error is the answer
-                self._reply_error(call.conn, None if call.legacy else call.request.id, reply_too_large(exc),
-                                  legacy=call.legacy, stats_op=call.stats_op)
-                return
+            self._send(call.conn, parts, out_of_band)
+        except protocol.FrameTooLarge as exc:  # nothing was written: the error is the answer
+            self._reply_error(call.conn, None if call.legacy else call.request.id, reply_too_large(exc),
+                              legacy=call.legacy, stats_op=call.stats_op)
+        else:
             self.server.stats.record(call.stats_op, reply_timing or None, ok=True,
                                      executions=call.executions)
         finally:
