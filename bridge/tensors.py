@@ -57,9 +57,12 @@ def to_device(t: WireTensor, device: torch.device, *, unaligned_ok: bool = False
 
 def to_wire(t: torch.Tensor) -> OutTensor:
     """A reply tensor whose data is a view of the (host, contiguous) tensor's memory."""
+    code = WIRE_DTYPES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"torch dtype {t.dtype} has no wire code; expected one of {sorted(map(str, WIRE_DTYPES))}")
     if t.device.type != "cpu":
         t = t.cpu()
     array = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
-    return OutTensor(WIRE_DTYPES[t.dtype], array.shape, array if array.size else b"")
+    return OutTensor(code, array.shape, array if array.size else b"")
