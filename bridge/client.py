@@ -87,12 +87,8 @@ def to_wire(value):
         # As bytes through a flat view: memoryview cannot cast an array with a 0 in its shape.
         return protocol.OutTensor(WIRE_CODES[wire_dtype], arr.shape, memoryview(arr.reshape(-1).view(np.uint8)))
     if type(value).__module__.startswith("torch"):
-        from bridge.tensors import WIRE_DTYPES
         from bridge.tensors import to_wire as tensor_to_wire
 
-        if value.dtype not in WIRE_DTYPES:
-            raise TypeError(f"torch dtype {value.dtype} has no wire code; expected one of "
-                            f"{sorted(map(str, WIRE_DTYPES))}")
         return tensor_to_wire(value.detach())
     return value
 
@@ -180,8 +176,10 @@ class FramedClient:
         # with it set and self._write_lock held, so no write starts on a closed fd's number.
         self._refusal: str | None = None
         # The latest UNMATCHED_KEPT replies whose id matches no request in flight (e.g.
-        # replies with id null to undecodable frames sent with send_raw).
-        self.unmatched: list = []
+        # replies with id null to undecodable frames sent with send_raw), and how many came in
+        # all (what a caller waiting for the next one watches: the deque stops growing).
+        self.unmatched: collections.deque = collections.deque(maxlen=UNMATCHED_KEPT)
+        self.unmatched_count = 0
         self.max_frame_size: int | None = None
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
@@ -388,8 +386,7 @@ class FramedClient:
 
     def _keep_unmatched(self, reply: Reply) -> None:
         self.unmatched.append(reply)
-        if len(self.unmatched) > UNMATCHED_KEPT:
-            del self.unmatched[0]
+        self.unmatched_count += 1
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

@@ -128,7 +128,7 @@ def test_a_request_over_the_frame_limit_gets_the_servers_refusal_and_later_ones_
     with pytest.raises(BridgeError) as refused:
         big.result(REPLY_TIMEOUT_S).unwrap()
     assert refused.value.code == "frame_too_large" and refused.value.detail["limit"] == 4096
-    assert pipe.client._pending == {} and pipe.client.unmatched == []
+    assert pipe.client._pending == {} and not pipe.client.unmatched
     # Now that the client knows the limit, it refuses such a request without sending it.
     with pytest.raises(BridgeError, match="frame_too_large") as local:
         pipe.client.submit("put", {"tensor": np.zeros(2048, np.float32)})

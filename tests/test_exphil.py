@@ -27,12 +27,12 @@ def msgpax(obj) -> bytes:
 
 
 def exphil_call(client, obj, pack=msgpax) -> dict:
-    before = len(client.unmatched)
+    before = client.unmatched_count
     client.send_raw(pack(obj))
 
 
     deadline = time.monotonic() + 60
-    while len(client.unmatched) == before:
+    while client.unmatched_count == before:
         assert time.monotonic() < deadline, "no reply"
         time.sleep(0.002)
     return last_raw(client)

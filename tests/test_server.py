@@ -39,13 +39,13 @@ def tensor_map(arr: np.ndarray, dtype="f32") -> dict:
 def raw_request(client, obj_or_bytes):
     """Send one frame (bypassing the client's encoder); return the Reply to it."""
     data = obj_or_bytes if isinstance(obj_or_bytes, bytes) else body(obj_or_bytes)
-    before = len(client.unmatched)
+    before = client.unmatched_count
     rid = obj_or_bytes.get("id") if isinstance(obj_or_bytes, dict) else None
     if isinstance(rid, (int, str)) and not isinstance(rid, bool):
         return client.send_raw(data, request_id=rid).result(30)
     client.send_raw(data)
     deadline = time.monotonic() + 30
-    while len(client.unmatched) == before:
+    while client.unmatched_count == before:
         if time.monotonic() > deadline:
             raise TimeoutError("no reply")
         time.sleep(0.002)
@@ -276,7 +276,7 @@ def test_stray_writes_to_fd1_leave_frames_intact():
         inputs = make_scan_inputs(case, seed=i)
         y_ref, _ = reference_scan(inputs)
         assert_close(torch.from_numpy(c.scan(**numpy_args(inputs)).unwrap()["y"]), y_ref, torch.float32, "y")
-    assert c.unmatched == []
+    assert not c.unmatched
     c.close()
 
 

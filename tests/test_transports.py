@@ -324,7 +324,7 @@ def test_sixteen_pipelining_clients_each_get_exactly_their_replies(server):
     with ThreadPoolExecutor(len(CLIENT_LANES)) as pool:
         results = list(pool.map(run, range(len(CLIENT_LANES)), CLIENT_LANES))
     for index, (lane, requests, replies, unmatched) in enumerate(results):
-        assert unmatched == [], f"client {index} ({lane}) got replies to nothing it asked"
+        assert not unmatched, f"client {index} ({lane}) got replies to nothing it asked"
         for i, (inputs, reply) in enumerate(zip(requests, replies)):
             assert reply.id == (f"c{index}-{i}" if i % 2 else index * 1000 + i)
             assert_reply_matches_reference(reply, inputs, f"client {index} ({lane}) request {i}")
