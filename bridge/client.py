@@ -12,8 +12,10 @@ have the same API for a server started with `--unix PATH` / `--zmq ENDPOINT`.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -442,13 +444,22 @@ def stop_piped_server(proc: subprocess.Popen, timeout: float = 10.0) -> int:
         return proc.wait()
 
 
-def abandon_server(proc: subprocess.Popen, pending: dict) -> None:
-    """What a PortClient collected without close() (or still open at exit) leaves: its server
-    is told to stop (stdin closed: it answers what is in flight and exits, unwaited), and the
-    callers still waiting fail (nothing is left to hand them replies)."""
-    proc.stdin.close()
+def abandon(end_stream, pending: dict) -> None:
+    """What a client collected without close() (or still open at exit) leaves: its outgoing
+    stream is ended (`end_stream`), so that the server answers what is in flight, frees what the
+    connection owned and closes its end (a Port server exits, unwaited), which ends the reader
+    thread; the callers still waiting fail (nothing is left to hand them replies)."""
+    end_stream()
     for entry in list(pending.values()):
         settle(entry.future, ServerExited("the client was dropped without close()"))
+
+
+def shut_sending(sock: socket.socket) -> None:
+    """End a socket's outgoing stream (the server sees EOF), whatever state it is in."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # closed already, or the server is gone
 
 
 class PortClient(FramedClient):
@@ -460,7 +471,7 @@ class PortClient(FramedClient):
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                      env=server_env(env), bufsize=0)
         super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
-        weakref.finalize(self, abandon_server, self.proc, self._pending)
+        weakref.finalize(self, abandon, self.proc.stdin.close, self._pending)
         if command is None:
             # Readiness handshake: the first reply proves imports and device setup are done.
             try:
@@ -486,29 +497,12 @@ class PortClient(FramedClient):
         self.proc.stdin.close()
 
 
-def abandon_connection(sock, pending: dict) -> None:
-    """What a UnixClient collected without close() (or still open at exit) leaves: its sending
-    side is shut, so that the server answers what is in flight, frees what the connection owned
-    (sessions, handles) and closes its end, which ends the reader thread; the callers still
-    waiting fail (nothing is left to hand them replies)."""
-    import socket
-
-    try:
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass  # closed already, or the server is gone
-    for entry in list(pending.values()):
-        settle(entry.future, ServerExited("the client was dropped without close()"))
-
-
 class UnixClient(FramedClient):
     """PortClient's API over a unix socket served by `python -m bridge --unix PATH` (the same
     framing as the Port). Connecting retries for `connect_timeout` seconds while the server is
     still starting."""
 
     def __init__(self, path: str, *, as_torch: bool = False, connect_timeout: float = 30.0):
-        import socket
-
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline = time.monotonic() + connect_timeout
@@ -522,7 +516,7 @@ class UnixClient(FramedClient):
                     raise
                 time.sleep(0.05)
         super().__init__(self.sock.makefile("rb", buffering=0), self.sock.fileno(), as_torch=as_torch)
-        weakref.finalize(self, abandon_connection, self.sock, self._pending)
+        weakref.finalize(self, abandon, functools.partial(shut_sending, self.sock), self._pending)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop sending; the server answers what is in flight and closes its end; then close."""
@@ -535,12 +529,7 @@ class UnixClient(FramedClient):
             self.sock.close()
 
     def _end_stream(self) -> None:
-        import socket
-
-        try:
-            self.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # the server is gone already
+        shut_sending(self.sock)
 
 
 class ZmqClient(FramedClient):
