@@ -115,46 +115,6 @@ defmodule ScanBridge.LifecycleTest do
     GenServer.stop(client)
   end
 
-  test "a queued request whose deadline passes is answered :timeout and never sent" do
-    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 1))
-    {:ok, os_pid} = ScanBridge.os_pid(client)
-    {:ok, stats_before} = ScanBridge.stats(client)
-    # frozen server: the first request stays outstanding, so the ping waits in the client's queue
-    freeze(os_pid)
-    first = Task.async(fn -> ScanBridge.ping(client) end)
-    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
-    assert {:error, %Error{reason: :timeout}} = ScanBridge.ping(client, timeout: 20)
-    thaw(os_pid)
-    assert Task.await(first) == :ok
-    {:ok, stats_after} = ScanBridge.stats(client)
-    # one ping reached the server between the two stats calls: the timed-out one never did
-    assert ping_count(stats_after) - ping_count(stats_before) == 1
-    GenServer.stop(client)
-  end
-
-  test "queued requests are dropped, data and all, when their deadlines pass" do
-    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 1))
-    {:ok, os_pid} = ScanBridge.os_pid(client)
-    # frozen server: the first request stays outstanding, so every scan waits in the queue
-    freeze(os_pid)
-    first = Task.async(fn -> ScanBridge.ping(client) end)
-    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
-    inputs = scan_inputs(%{batch: 2, seq: 16, dim: 8, state: 2}, [])
-    queued = for _ <- 1..5, do: Task.async(fn -> ScanBridge.scan(client, inputs, timeout: 50) end)
-
-    for outcome <- Task.await_many(queued) do
-      assert {:error, %Error{reason: :timeout}} = outcome
-    end
-
-    # with no reply to take them out, the timed-out requests are gone all the same
-    state = :sys.get_state(client)
-    assert :gb_trees.is_empty(state.queue)
-    assert map_size(state.pending) == 1
-    thaw(os_pid)
-    assert Task.await(first) == :ok
-    GenServer.stop(client)
-  end
-
   test "a request bigger than the server accepts is refused without being sent" do
     {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_frame_size: 4096))
     inputs = scan_inputs(%{batch: 2, seq: 64, dim: 16, state: 2}, [])
@@ -168,25 +128,53 @@ defmodule ScanBridge.LifecycleTest do
     GenServer.stop(client)
   end
 
-  test "a queued request whose caller exits is dropped, never sent" do
-    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 1))
-    {:ok, os_pid} = ScanBridge.os_pid(client)
-    {:ok, stats_before} = ScanBridge.stats(client)
-    freeze(os_pid)
-    first = Task.async(fn -> ScanBridge.ping(client) end)
-    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
-    caller = spawn(fn -> ScanBridge.ping(client, timeout: :infinity) end)
-    assert eventually(fn -> map_size(:sys.get_state(client).pending) == 2 end)
-    Process.exit(caller, :kill)
-    assert eventually(fn -> :gb_trees.is_empty(:sys.get_state(client).queue) end)
-    state = :sys.get_state(client)
-    assert map_size(state.pending) == 1 and state.queued_callers == %{}
-    thaw(os_pid)
-    assert Task.await(first) == :ok
-    {:ok, stats_after} = ScanBridge.stats(client)
-    # only the first ping reached the server
-    assert ping_count(stats_after) - ping_count(stats_before) == 1
-    GenServer.stop(client)
+  describe "behind a frozen server, one ping outstanding (max_in_flight: 1)" do
+    # The server's OS process is stopped once the first ping is sent, so every later request
+    # waits in the client's queue; thaw_and_count_pings/1 lets the server go on.
+    setup do
+      {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 1))
+      {:ok, os_pid} = ScanBridge.os_pid(client)
+      {:ok, stats} = ScanBridge.stats(client)
+      freeze(os_pid)
+      first = Task.async(fn -> ScanBridge.ping(client) end)
+      assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
+      %{client: client, os_pid: os_pid, first: first, pings_before: ping_count(stats)}
+    end
+
+    test "a queued request whose deadline passes is answered :timeout and never sent", ctx do
+      assert {:error, %Error{reason: :timeout}} = ScanBridge.ping(ctx.client, timeout: 20)
+      # one ping reached the server: the timed-out one never did
+      assert thaw_and_count_pings(ctx) == 1
+    end
+
+    test "queued requests are dropped, data and all, when their deadlines pass", ctx do
+      inputs = scan_inputs(%{batch: 2, seq: 16, dim: 8, state: 2}, [])
+
+      queued =
+        for _ <- 1..5, do: Task.async(fn -> ScanBridge.scan(ctx.client, inputs, timeout: 50) end)
+
+      for outcome <- Task.await_many(queued) do
+        assert {:error, %Error{reason: :timeout}} = outcome
+      end
+
+      # with no reply to take them out, the timed-out requests are gone all the same
+      state = :sys.get_state(ctx.client)
+      assert :gb_trees.is_empty(state.queue)
+      assert map_size(state.pending) == 1
+      assert thaw_and_count_pings(ctx) == 1
+    end
+
+    test "a queued request whose caller exits is dropped, never sent", ctx do
+      client = ctx.client
+      caller = spawn(fn -> ScanBridge.ping(client, timeout: :infinity) end)
+      assert eventually(fn -> map_size(:sys.get_state(client).pending) == 2 end)
+      Process.exit(caller, :kill)
+      assert eventually(fn -> :gb_trees.is_empty(:sys.get_state(client).queue) end)
+      state = :sys.get_state(client)
+      assert map_size(state.pending) == 1 and state.queued_callers == %{}
+      # only the first ping reached the server
+      assert thaw_and_count_pings(ctx) == 1
+    end
   end
 
   test "a request over the server's --max-frame-size is refused at once, and the client goes on" do
@@ -310,6 +298,16 @@ defmodule ScanBridge.LifecycleTest do
 
     if get_in(stats, ["ops", op, "success_count"]) == 1,
       do: get_in(stats, [gauge, gauge]) || raise("no #{gauge} count in #{inspect(stats)}")
+  end
+
+  # Lets the frozen server of the "behind a frozen server" tests go on: the first ping is
+  # answered, and the pings the server served since the setup are counted; the client stops.
+  defp thaw_and_count_pings(%{client: client, os_pid: os_pid, first: first, pings_before: before}) do
+    thaw(os_pid)
+    assert Task.await(first) == :ok
+    {:ok, stats} = ScanBridge.stats(client)
+    GenServer.stop(client)
+    ping_count(stats) - before
   end
 
   defp ping_count(stats),

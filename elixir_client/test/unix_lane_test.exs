@@ -5,7 +5,13 @@ defmodule ScanBridge.UnixLaneTest do
   alias ScanBridge.{Error, TestSupport}
 
   import TestSupport,
-    only: [scan_inputs: 2, assert_scan_matches: 2, eventually: 1, os_process_gone?: 1]
+    only: [
+      scan_inputs: 2,
+      assert_scan_matches: 2,
+      assert_concurrent_scans: 2,
+      eventually: 1,
+      os_process_gone?: 1
+    ]
 
   if reason = TestSupport.skip_reason(:unix_lane), do: @moduletag(skip: reason)
 
@@ -48,20 +54,7 @@ defmodule ScanBridge.UnixLaneTest do
   end
 
   test "concurrent callers over the socket", %{server: server} do
-    1..20
-    |> Task.async_stream(
-      fn i ->
-        :rand.seed(:exsss, {i, 2 * i, 3 * i})
-        inputs = scan_inputs(%{batch: 1 + rem(i, 3), seq: 3 + rem(i, 4), dim: 5, state: 2}, [:D])
-        {inputs, ScanBridge.scan(server, inputs)}
-      end,
-      max_concurrency: 20,
-      timeout: 60_000
-    )
-    |> Enum.each(fn {:ok, {inputs, outcome}} ->
-      assert {:ok, result} = outcome
-      assert_scan_matches(result, inputs)
-    end)
+    assert_concurrent_scans(server, 20)
   end
 
   test "a socket error during start-up fails the start at once, not at its timeout" do
@@ -119,21 +112,7 @@ defmodule ScanBridge.UnixLaneTest do
 
     client = start_supervised!({ScanBridge, opts}, id: :capped)
     assert :sys.get_state(client).max_in_flight == 4
-
-    1..40
-    |> Task.async_stream(
-      fn i ->
-        :rand.seed(:exsss, {i, 5 * i, 7 * i})
-        inputs = scan_inputs(%{batch: 1 + rem(i, 3), seq: 3 + rem(i, 4), dim: 5, state: 2}, [:D])
-        {inputs, ScanBridge.scan(client, inputs)}
-      end,
-      max_concurrency: 40,
-      timeout: 60_000
-    )
-    |> Enum.each(fn {:ok, {inputs, outcome}} ->
-      assert {:ok, result} = outcome
-      assert_scan_matches(result, inputs)
-    end)
+    assert_concurrent_scans(client, 40)
   end
 
   if reason = TestSupport.skip_reason(:sessions), do: @tag(skip: reason)

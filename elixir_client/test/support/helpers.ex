@@ -166,6 +166,27 @@ defmodule ScanBridge.TestSupport do
   end
 
   @doc """
+  `n` callers scanning at once through `server`, each its own small inputs (seeded by its
+  index), each answer checked against the scalar reference.
+  """
+  def assert_concurrent_scans(server, n) do
+    1..n
+    |> Task.async_stream(
+      fn i ->
+        :rand.seed(:exsss, {i, 2 * i, 3 * i})
+        inputs = scan_inputs(%{batch: 1 + rem(i, 3), seq: 3 + rem(i, 4), dim: 5, state: 2}, [:D])
+        {inputs, ScanBridge.scan(server, inputs)}
+      end,
+      max_concurrency: n,
+      timeout: 60_000
+    )
+    |> Enum.each(fn {:ok, {inputs, outcome}} ->
+      assert {:ok, result} = outcome
+      assert_scan_matches(result, inputs)
+    end)
+  end
+
+  @doc """
   A session prefilled by a scan over `prefill` timesteps, then stepped `steps` times, each
   answer checked against the scalar reference over the whole sequence; then its state, and
   its close. `sizes`/`optional`/`options` as for `scan_inputs/2` (layout bld).
