@@ -2,7 +2,8 @@ defmodule ScanBridge.MixProject do
   use Mix.Project
 
   # No dependencies: hex.pm is unreachable where this is built and tested, and the client only
-  # needs OTP. Nx support compiles in when the host application brings Nx.
+  # needs OTP. Nx support compiles in only when Nx is loaded while this compiles (undeclared, it
+  # is left out from Elixir 1.15 on; see the main README's Limits).
   def project do
     [
       app: :scan_bridge,

@@ -60,6 +60,8 @@ defmodule ScanBridge.Server do
   @stop_margin_ms 2_000
   # The longest timer (Process.send_after) and receive timeout the BEAM takes: 2^32 - 1 ms.
   @max_timeout_ms 0xFFFFFFFF
+  # What check!/4 says a timeout must be, built once at compile time (every request checks one).
+  @timeout_expected ":infinity or an integer of milliseconds in 0..#{@max_timeout_ms}"
 
   @typedoc "Options for `start_link/1`; see `ScanBridge.start_link/1`."
   @type option ::
@@ -121,7 +123,7 @@ defmodule ScanBridge.Server do
   @spec request(GenServer.server(), String.t(), map, timeout) ::
           {:ok, map, map} | {:error, Error.t()}
   def request(server, op, args, timeout) do
-    check!(:timeout, timeout, timeout_expected(), &valid_timeout?/1)
+    check!(:timeout, timeout, @timeout_expected, &valid_timeout?/1)
     {head, size} = Protocol.request_head(op, args)
     call(server, {:request, op, head, size, timeout})
   end
@@ -331,6 +333,10 @@ defmodule ScanBridge.Server do
 
         state =
           case Map.pop(state.pending, id) do
+            {nil, _} when op == nil ->
+              Logger.warning("scan-bridge: reply for id #{id}, which no request had, dropped")
+              state
+
             {nil, _} ->
               # answered already (its deadline passed): the late reply is dropped, and what
               # it made freed
@@ -697,7 +703,7 @@ defmodule ScanBridge.Server do
       check!(key, opts[key], "a positive integer", &(is_integer(&1) and &1 > 0))
     end
 
-    check!(:startup_timeout, opts[:startup_timeout], timeout_expected(), &valid_timeout?/1)
+    check!(:startup_timeout, opts[:startup_timeout], @timeout_expected, &valid_timeout?/1)
 
     check!(:exit_grace, opts[:exit_grace], "a non-negative integer", &(is_integer(&1) and &1 >= 0))
     Keyword.put(opts, :python, python)
@@ -705,8 +711,6 @@ defmodule ScanBridge.Server do
 
   defp valid_timeout?(timeout),
     do: timeout == :infinity or (is_integer(timeout) and timeout in 0..@max_timeout_ms)
-
-  defp timeout_expected, do: ":infinity or an integer of milliseconds in 0..#{@max_timeout_ms}"
 
   defp valid_env?(env) when is_list(env) or is_map(env) do
     Enum.all?(env, fn
