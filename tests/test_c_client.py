@@ -21,15 +21,28 @@ import time
 import msgpack
 import pytest
 
+from protocol import encode_frame
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT_DIR = os.path.join(ROOT, "examples", "c_client")
 VECTORS = os.path.join(ROOT, "protocol", "vectors")
 START_TIMEOUT_S = 180.0
 
 
+def compiler() -> str | None:
+    """The C compiler the client's Makefile would use ($CC, else cc), else gcc, else None."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def run_client(scan_client, endpoint: str, vectors=VECTORS, *, timeout: float = 120, env=None):
+    """The built client against `endpoint`, checking the vectors in `vectors` first."""
+    return subprocess.run([scan_client, endpoint, str(vectors)], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
 def unavailable() -> str | None:
     """Why the C client cannot be built here, or None."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = compiler()
     if cc is None or shutil.which("make") is None:
         return "no C compiler or make on PATH"
     probe = subprocess.run([cc, "-E", "-x", "c", "-"], input="#include <zmq.h>\n#include <msgpack.h>\n",
@@ -89,7 +102,7 @@ def count_vectors() -> int:
 
 @pytest.mark.parametrize("lane", [pytest.param("ipc", id="zmq-ipc"), pytest.param("tcp", id="zmq-tcp")])
 def test_the_c_client_checks_vectors_ping_and_scans(scan_client, endpoints, lane):
-    run = subprocess.run([scan_client, endpoints[lane], VECTORS], capture_output=True, text=True, timeout=300)
+    run = run_client(scan_client, endpoints[lane], timeout=300)
     print(run.stdout)
     assert run.returncode == 0, run.stderr
     assert f"golden vectors: {count_vectors()} checked" in run.stdout
@@ -103,7 +116,7 @@ def test_the_c_client_exits_non_zero_on_a_bad_vector(scan_client, endpoints, tmp
     shutil.copytree(VECTORS, vectors)
     frame = vectors / "reply_scan.frame"
     frame.write_bytes(frame.read_bytes()[:-3])  # a valid reply, truncated
-    run = subprocess.run([scan_client, endpoints["ipc"], str(vectors)], capture_output=True, text=True, timeout=300)
+    run = run_client(scan_client, endpoints["ipc"], vectors, timeout=300)
     assert run.returncode == 1
     assert "vector reply_scan" in run.stderr and "1 failure(s)" in run.stderr
 
@@ -155,7 +168,7 @@ def proxy(server: str, directory, scenario):
 
 def run_through(scan_client, endpoints, tmp_path, scenario):
     with proxy(endpoints["ipc"], tmp_path, scenario) as endpoint:
-        return subprocess.run([scan_client, endpoint, VECTORS], capture_output=True, text=True, timeout=120)
+        return run_client(scan_client, endpoint)
 
 
 def edited(body: bytes, **changes) -> bytes:
@@ -246,11 +259,7 @@ def run_on_vectors(scan_client, endpoints, tmp_path, extra: dict[str, bytes]):
     for name, frame in extra.items():
         (vectors / f"{name}.frame").write_bytes(frame)
         (vectors / f"{name}.json").write_text(f'{{"name": "{name}", "kind": "reply"}}')
-    return subprocess.run([scan_client, endpoints["ipc"], str(vectors)], capture_output=True, text=True, timeout=120)
-
-
-def framed(body: bytes) -> bytes:
-    return len(body).to_bytes(4, "big") + body
+    return run_client(scan_client, endpoints["ipc"], vectors)
 
 
 def reply_with_y(y: dict) -> bytes:
@@ -277,14 +286,14 @@ def buf_past_the_end() -> bytes:
     pytest.param(buf_past_the_end(), "buf names no raw buffer", id="buf-2^64-1"),
 ])
 def test_the_decoder_rejects_tensors_whose_sizes_overflow(scan_client, endpoints, tmp_path, body, why):
-    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_crafted": framed(body)})
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_crafted": encode_frame(body)})
     assert run.returncode == 1
     assert f"FAIL: vector reply_crafted (reply): {why}\n1 failure(s)" in run.stderr
 
 
 def test_a_zero_dimension_makes_no_elements_whatever_the_others(scan_client, endpoints, tmp_path):
     body = reply_with_y({"dtype": "f32", "shape": [2**62, 2**62, 0], "data": b""})
-    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_empty": framed(body)})
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_empty": encode_frame(body)})
     assert run.returncode == 0, run.stderr
     assert "vector reply_empty " in run.stdout
 
@@ -297,7 +306,7 @@ def test_every_vector_is_checked_however_many(scan_client, endpoints, tmp_path):
 
 
 def test_the_client_does_not_build_for_a_big_endian_host(scan_client):
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = compiler()
     run = subprocess.run([cc, "-fsyntax-only", "-std=c11", "-U__BYTE_ORDER__", "-D__BYTE_ORDER__=__ORDER_BIG_ENDIAN__",
                           os.path.join(CLIENT_DIR, "scan_client.c")], capture_output=True, text=True)
     assert run.returncode != 0
@@ -378,7 +387,7 @@ __attribute__((destructor)) static void report(void) {
 def shim(scan_client, tmp_path_factory) -> str:
     directory = tmp_path_factory.mktemp("shim")
     (directory / "shim.c").write_text(SHIM)
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = compiler()
     build = subprocess.run([cc, "-shared", "-fPIC", "-o", str(directory / "shim.so"), str(directory / "shim.c"),
                             "-ldl", "-lzmq"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
@@ -388,14 +397,14 @@ def shim(scan_client, tmp_path_factory) -> str:
 def test_zero_copy_buffers_are_freed_by_zeromq_once_it_lets_go_never_before(scan_client, endpoints, shim):
     # The multipart scan sends its 7 inputs zero copy; ZeroMQ keeps them past the reply here.
     env = {**os.environ, "LD_PRELOAD": shim, "SHIM": "hold"}
-    run = subprocess.run([scan_client, endpoints["ipc"], VECTORS], capture_output=True, text=True, timeout=120, env=env)
+    run = run_client(scan_client, endpoints["ipc"], env=env)
     assert run.returncode == 0, run.stderr
     assert "shim: 7 kept, 0 freed while kept, 7 freed after" in run.stderr
 
 
 def test_a_frame_that_fails_to_send_is_closed_and_its_buffer_freed(scan_client, endpoints, shim):
     env = {**os.environ, "LD_PRELOAD": shim, "SHIM": "fail"}
-    run = subprocess.run([scan_client, endpoints["ipc"], VECTORS], capture_output=True, text=True, timeout=120, env=env)
+    run = run_client(scan_client, endpoints["ipc"], env=env)
     assert run.returncode == 1
     assert "scan multipart: not sent: Interrupted system call" in run.stderr
     assert "shim: the unsent message was closed" in run.stderr
