@@ -28,7 +28,7 @@ import numpy as np
 
 import protocol
 from bridge.dtypes import NUMPY_DTYPES, WIRE_CODES
-from bridge.transports.framed import read_exact, write_all
+from bridge.transports.framed import read_frame, write_all
 
 
 class BridgeError(Exception):
@@ -393,8 +393,10 @@ class FramedClient:
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             self._refusal = self._refusal or "the server is gone"
-            pending, self._pending = self._pending, {}
-        for entry in pending.values():
+            # Emptied, not replaced: the finalizer (abandon) holds this same dict.
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for entry in pending:
             settle(entry.future, exc)
 
 
@@ -402,18 +404,13 @@ def read_replies(reader, client_ref: weakref.ref) -> None:
     """A stream client's reader thread: hands each reply frame to the client. It holds the
     client weakly, so that a client dropped without close() is collected (a PortClient's
     finalizer then stops its server) and the thread ends with the stream."""
-    header = memoryview(bytearray(4))
     try:
-        while read_exact(reader, header):
-            length = protocol.parse_frame_header(header)
-            body = memoryview(bytearray(length))
-            if not read_exact(reader, body):
-                break
+        while (body := read_frame(reader)) is not None:
             received = time.perf_counter_ns()
             client = client_ref()
             if client is None:
                 return
-            client._deliver(body, received, length + 4)
+            client._deliver(body, received, len(body) + protocol.framing.HEADER_SIZE)
             del client  # not held while waiting for the next frame
     except ConnectionResetError:
         pass  # the server closed with our requests unread (a unix peer it turned away): an end like EOF

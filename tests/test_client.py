@@ -17,7 +17,7 @@ import pytest
 import bridge.client
 import protocol
 from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient, ServerExited, from_wire, to_wire
-from bridge.transports.framed import read_exact, write_all
+from bridge.transports.framed import read_frame, write_all
 
 REPLY_TIMEOUT_S = 10
 
@@ -42,10 +42,8 @@ class PipeServer:
 
     def read_request_and_length(self) -> tuple[protocol.Request, int]:
         """The next request and the length of its body."""
-        header = memoryview(bytearray(4))
-        assert read_exact(self.requests, header), "the client closed its end"
-        body = memoryview(bytearray(protocol.parse_frame_header(header)))
-        assert read_exact(self.requests, body), "the client closed its end inside a frame"
+        body = read_frame(self.requests)
+        assert body is not None, "the client closed its end"
         return protocol.decode_request(body), len(body)
 
     def reply(self, request_id, result: dict | None = None) -> None:
@@ -248,9 +246,7 @@ def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
     reader = served.makefile("rb", buffering=0)
     try:
         waiting = client.submit("ping")
-        header = memoryview(bytearray(4))
-        assert read_exact(reader, header)
-        assert read_exact(reader, memoryview(bytearray(protocol.parse_frame_header(header))))
+        assert read_frame(reader) is not None
         collected = weakref.ref(client)
         del client
         gc.collect()

@@ -30,7 +30,7 @@ import protocol
 from bridge.client import UnixClient, ZmqClient, result_from_wire, server_env
 from bridge.bench.lanes import TRANSPORTS
 from bridge.buffers import BufferPool
-from bridge.transports.framed import FrameAssembler, read_exact
+from bridge.transports.framed import FrameAssembler, read_exact, read_frame
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
 from bridge_fakes import served_natively
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
@@ -417,10 +417,8 @@ def scan_frame(request_id, inputs: dict) -> bytes:
 
 
 def read_reply(reader) -> protocol.Reply:
-    header = memoryview(bytearray(4))
-    assert read_exact(reader, header), "the server closed the connection instead of replying"
-    body = memoryview(bytearray(protocol.parse_frame_header(header)))
-    assert read_exact(reader, body)
+    body = read_frame(reader)
+    assert body is not None, "the server closed the connection instead of replying"
     return protocol.decode_reply(body)
 
 

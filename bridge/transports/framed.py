@@ -72,6 +72,16 @@ def read_exact(reader, view: memoryview) -> bool:
     return True
 
 
+def read_frame(reader) -> memoryview | None:
+    """The body of the next frame on `reader` (anything with `readinto`, blocking), read whole
+    into a buffer of its own; None when the stream ends before it is whole."""
+    header = memoryview(bytearray(protocol.framing.HEADER_SIZE))
+    if not read_exact(reader, header):
+        return None
+    body = memoryview(bytearray(protocol.parse_frame_header(header)))
+    return body if read_exact(reader, body) else None
+
+
 class FdConnection(Connection):
     """A connection whose replies are frames written to a file descriptor, blocking (the
     stdio lane: one peer, which reads its replies)."""
