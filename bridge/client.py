@@ -44,7 +44,8 @@ class BridgeError(Exception):
 
 
 class ServerExited(ConnectionError):
-    """The server process went away with requests outstanding."""
+    """The connection to the server is gone (the server exited or closed its end, a write failed,
+    the client was closed or dropped without close()), with requests outstanding or asked for."""
 
 
 @dataclass
@@ -155,7 +156,8 @@ class FramedClient:
     Thread-safe (so PortClient and UnixClient are too): any number of threads may submit at
     once; ids come from one counter under a lock, each frame is written whole under a write
     lock, and one reader thread resolves the Futures. When the server goes away, the callers
-    waiting fail with ServerExited."""
+    waiting fail with ServerExited (with BridgeError `overloaded` when the server turned the
+    connection away, SPEC §4)."""
 
     # Bytes of a request's frame that do not count against max_frame_size: the length prefix.
     _frame_overhead = protocol.framing.HEADER_SIZE
@@ -258,8 +260,10 @@ class FramedClient:
                 raise
 
     def _end_stream(self) -> None:
-        """End the outgoing stream, so that the server sees EOF. Called with requests refused
-        and self._write_lock held: the writer fd is not written again."""
+        """End the outgoing stream, so that the server sees EOF, with requests refused. Where it
+        closes the writer fd (PortClient), it is called with self._write_lock held, so that no
+        write starts on the fd's number once freed; shutting a socket's sending side needs no
+        lock (and also ends a write in progress)."""
         raise NotImplementedError
 
     def _refuse_requests(self, reason: str) -> None:
