@@ -203,13 +203,12 @@ defmodule ScanBridge.Server do
   end
 
   def handle_call({:request, op, head, _size, timeout}, from, state) do
-    id = state.next_id
+    {id, frame, state} = numbered(state, head)
 
     timer =
       if timeout == :infinity, do: nil, else: Process.send_after(self(), {:deadline, id}, timeout)
 
-    state = %{state | next_id: id + 1, pending: Map.put(state.pending, id, {from, timer})}
-    frame = [head, Protocol.id_entry(id)]
+    state = %{state | pending: Map.put(state.pending, id, {from, timer})}
 
     if map_size(state.outstanding) < state.max_in_flight do
       {:noreply, transmit(state, id, op, frame)}
@@ -381,9 +380,16 @@ defmodule ScanBridge.Server do
   defp release(state, _op, _outcome), do: state
 
   defp send_uncalled(state, op, args) do
-    id = state.next_id
     {head, _size} = Protocol.request_head(op, args)
-    transmit(%{state | next_id: id + 1}, id, op, [head, Protocol.id_entry(id)])
+    {id, frame, state} = numbered(state, head)
+    transmit(state, id, op, frame)
+  end
+
+  # The next request id, and the frame of the request `head` under it (the id goes last, as a
+  # fixed-size uint64, so that the head's payload offsets stay as encoded).
+  defp numbered(state, head) do
+    id = state.next_id
+    {id, [head, Protocol.id_entry(id)], %{state | next_id: id + 1}}
   end
 
   defp send_queued(state) do
@@ -512,11 +518,10 @@ defmodule ScanBridge.Server do
 
   # One request without arguments, answered before the deadline, on the given lane.
   defp startup_call(state, lane, op, deadline) do
-    id = state.next_id
     {head, _size} = Protocol.request_head(op, %{})
-    state = %{state | next_id: id + 1}
+    {id, frame, state} = numbered(state, head)
 
-    case send_frame(state, [head, Protocol.id_entry(id)]) do
+    case send_frame(state, frame) do
       :ok ->
         await_startup_reply(state, lane, op, id, deadline)
 
