@@ -82,7 +82,8 @@ def to_wire(value):
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
-        wire_dtype = value.dtype.newbyteorder("<")
+        # The wire is little-endian: a big-endian array is sent as a little-endian copy.
+        wire_dtype = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
         if wire_dtype not in WIRE_CODES:
             raise TypeError(f"dtype {value.dtype} has no wire code; expected one of {sorted(map(str, WIRE_CODES))}")
         # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d).
