@@ -14,18 +14,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# torch comes first so that the project's unpinned requirement is already met: on a machine
-# without an NVIDIA driver that is the local CPU build (torch==2.13.0); pip must never pull
-# gigabytes of CUDA wheels there.
+# torch comes first, pinned, so that the project's unpinned requirement is already met and pip
+# never picks a torch itself: on these CPU machines torch==2.13.0 is the local CPU build, where
+# an unpinned one would pull gigabytes of CUDA wheels (from PyPI the same pin is a CUDA build).
 $(STAMP): pyproject.toml | $(PY)
-	@if ! $(PY) -c "import torch" 2>/dev/null; then \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
-	  else $(PY) -m pip install --quiet torch==2.13.0; fi; \
-	fi
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,triton]'
 	touch $(STAMP)
 
-setup: $(STAMP) kernels system-deps
+# system-deps first: it installs the compilers that `kernels` builds with.
+setup: system-deps $(STAMP) kernels
 
 # Debian packages for the non-Python suites (C client, Elixir client): .ci/system-deps.sh.
 system-deps:

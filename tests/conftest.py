@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # Tests import the project from the checkout (also when it is not installed in the venv).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -18,3 +20,27 @@ if not torch.cuda.is_available():
 
 # The in-process server fixture (`inproc`) of the session and batcher tests.
 pytest_plugins = ["bridge_fakes"]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """In CI (CI=true) a suite that cannot run fails the run instead of skipping: a skip there
+    passes only with a reason a CPU machine expects (kernel_cases.EXPECTED_SKIPS). Without this,
+    a C++ kernel build that broke would turn its suites into skips (and drop its cases from the
+    parametrized kernel tests) under a green run. Elsewhere every skip prints its reason (-ra)."""
+    if os.environ.get("CI") != "true" or exitstatus != 0:
+        return
+    from kernel_cases import EXPECTED_SKIPS
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    unexpected = []
+    for report in reporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if reason not in EXPECTED_SKIPS:
+            unexpected.append(f"{report.nodeid}: {reason}")
+    if unexpected:
+        reporter.write("\n")
+        reporter.write_sep("=", "CI: skips a CPU machine does not expect (each fails the run)", red=True)
+        for line in unexpected:
+            reporter.write_line(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -25,8 +25,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    DTYPES, LARGE_SCAN_CASES, SCAN_CASES, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
-    assert_scan_matches_reference, assert_scan_outputs_match_reference,
+    DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, NO_CUDA, SCAN_CASES, UPDATE_CASES, ScanCase,
+    UpdateCase, assert_close, assert_scan_matches_reference, assert_scan_outputs_match_reference,
     assert_update_outputs_match_reference, make_scan_inputs, make_update_inputs, random_seed,
     reference_scan, state_dtype,
 )
@@ -37,7 +37,6 @@ from kernels.triton_kernels import scan as triton_scan  # noqa: E402
 from kernels.triton_kernels import state_update as triton_update  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-NO_CUDA = "no CUDA device here: real sizes and fp16/bf16 at size run on a GPU only"
 DEVICES = [
     pytest.param("cpu", id="interpreter"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not CUDA, reason=NO_CUDA)),
@@ -100,7 +99,7 @@ def _chunk(case: ScanCase, blocks) -> int:
 def test_scan_matches_reference(case, split, interpreter_slow, device):
     _backend(device)
     if device == "cpu" and interpreter_slow:
-        pytest.skip("10-15 s on the interpreter: there it runs in the other split only")
+        pytest.skip(INTERPRETER_OTHER_SPLIT)
     blocks = INTERPRETER_SCAN_BLOCKS if device == "cpu" else None
     segment_len = case.seq if split == "whole" else 2 * _chunk(case, blocks)
     _check_scan(case, torch.float32, device, blocks, segment_len, what=split)

@@ -54,7 +54,7 @@ defmodule ScanBridge.TestSupport do
   @doc "nil when the server supports `feature`, else why the tests that need it are skipped."
   def skip_reason(:unix_lane) do
     unless :persistent_term.get({__MODULE__, :unix_lane}),
-      do: "the server has no unix lane yet (`python -m bridge --help` lists no --unix; issue 6)"
+      do: "the server has no unix lane (`python -m bridge --help` lists no --unix)"
   end
 
   def skip_reason(feature) do
