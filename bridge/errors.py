@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 import kernels
 import protocol
 
@@ -15,6 +19,22 @@ class OpError(Exception):
         self.detail = detail or {}
 
 
+def out_of_memory(what: str, exc: BaseException) -> OpError:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return OpError("limit_exceeded", f"{what}: out of memory ({first_line})", {"limit": "memory"})
+
+
+@contextlib.contextmanager
+def allocation(what: str):
+    """Around a device allocation whose sizes are already checked: its failure is an
+    out-of-memory error, which torch raises as a RuntimeError (its CPU allocator) or
+    torch.OutOfMemoryError (CUDA), not as MemoryError."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        raise out_of_memory(what, exc) from exc
+
+
 def error_fields(exc: BaseException) -> tuple[str, str, dict]:
     """(code, message, detail) for an exception raised while serving a request."""
     if isinstance(exc, (OpError, protocol.ProtocolError)):
@@ -26,6 +46,6 @@ def error_fields(exc: BaseException) -> tuple[str, str, dict]:
             "field": field, "expected": exc.expected, "got": exc.got}
     if isinstance(exc, kernels.BackendUnavailable):
         return "unsupported", str(exc), {}
-    if isinstance(exc, MemoryError):
-        return "limit_exceeded", "out of memory while serving the request", {"limit": "memory"}
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return error_fields(out_of_memory("serving the request", exc))
     return "internal_error", f"{type(exc).__name__}: {exc}", {"exception": type(exc).__name__}

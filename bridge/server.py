@@ -14,6 +14,7 @@ import kernels
 import protocol
 
 from .device import DeviceChoice
+from .errors import allocation
 from .handles import HandleTable
 from .native import NativeStep
 from .sessions import Session, SessionTable
@@ -124,7 +125,8 @@ class Server:
         self.handles.check_room(len(wire.data))
         start = now_ns()
         # Always a copy: the frame the bytes arrived in goes back to its pool after the reply.
-        tensor = host_view(wire).to(self.device, copy=True)
+        with allocation("put"):
+            tensor = host_view(wire).to(self.device, copy=True)
         call.timing.add("h2d", now_ns() - start)
         handle = self.handles.put(call.conn.id, tensor)
         self._watch(call.conn)

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from .errors import OpError
+from .errors import OpError, allocation
 
 # The state is kept and accumulated in fp32 whatever the dtype of the inputs (SPEC.md §6.1).
 STATE_DTYPE = torch.float32
@@ -144,12 +144,21 @@ class SessionTable:
                         f"session_open: {batch} rows of [{dim}, {state}] fp32 state need "
                         f"{requested} more bytes of state pool; {in_use} of "
                         f"{self.max_pool_bytes} are in use (--max-pool-bytes)", detail)
-                if pool is None:
-                    pool = self._pools[(dim, state)] = StatePool(dim, state, self.device)
+                grown = pool or StatePool(dim, state, self.device)
                 # Double when the budget allows, so that n opens cost O(log n) pool copies.
-                pool.grow(pool.capacity + max(missing, min(pool.capacity, room)))
-            session = Session(secrets.token_urlsafe(16), owner, batch, pool, pool.take(batch))
-            pool.rows.index_fill_(0, session.slots, 0.0)
+                with allocation("session_open"):
+                    grown.grow(grown.capacity + max(missing, min(grown.capacity, room)))
+                # Kept only once it holds rows: a pool whose growth failed would hold no session
+                # that could ever close it.
+                pool = self._pools[(dim, state)] = grown
+            slots = pool.take(batch)
+            try:
+                with allocation("session_open"):
+                    session = Session(secrets.token_urlsafe(16), owner, batch, pool, slots)
+                    pool.rows.index_fill_(0, session.slots, 0.0)
+            except BaseException:
+                self._give_back(pool, slots)
+                raise
             self._sessions[session.id] = session
             return session
 
@@ -183,8 +192,10 @@ class SessionTable:
     def _close(self, session: Session) -> None:
         session.closed = True
         del self._sessions[session.id]
-        pool = session.pool
-        pool.give_back(session.slot_list)
+        self._give_back(session.pool, session.slot_list)
+
+    def _give_back(self, pool: StatePool, slots: list[int]) -> None:
+        pool.give_back(slots)
         if pool.free_rows == pool.capacity:  # its last session: give the device memory back
             del self._pools[(pool.dim, pool.state)]
 

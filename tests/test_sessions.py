@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import bridge.sessions
 import protocol
 from bridge.client import BridgeError, PortClient, server_env
 from bridge_fakes import RecordingConnection
@@ -307,6 +308,33 @@ def test_huge_session_is_refused_before_allocating(inproc):
     conn = RecordingConnection()
     expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=2**40, dim=2**20, state=2**10)
     assert srv.server.sessions.usage()["pool_bytes"] == 0
+
+
+def test_a_pool_the_machine_cannot_allocate_is_refused_and_leaves_nothing(inproc):
+    # Within --max-pool-bytes, but 16 PiB: more than any address space holds. torch raises
+    # its allocator's failure as a RuntimeError, which must still be limit_exceeded memory.
+    srv = inproc(max_pool_bytes=2**60)
+    conn = RecordingConnection()
+    error = expect_limit(srv, conn, "session_open", "memory", batch=1, dim=2**30, state=2**22)
+    assert "out of memory" in error["message"]
+    assert srv.server.sessions.usage()["pools"] == []
+    srv.call(conn, "session_open", batch=2, dim=3, state=4)
+
+
+def test_a_session_that_fails_to_open_gives_its_rows_back(inproc, monkeypatch):
+    srv = inproc()
+    conn = RecordingConnection()
+    srv.call(conn, "session_open", batch=2, dim=3, state=4)
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no room for the slot tensor")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(bridge.sessions.Session, "__init__", fail)
+        expect_limit(srv, conn, "session_open", "memory", batch=1, dim=3, state=4)
+    (pool,) = srv.server.sessions.usage()["pools"]
+    assert pool["rows_in_use"] == 2, pool
+    srv.call(conn, "session_open", batch=pool["capacity"] - 2, dim=3, state=4)
 
 
 def test_handle_limits(inproc):
