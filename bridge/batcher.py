@@ -22,13 +22,14 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import kernels
 from protocol import OutTensor, WireTensor
 
 from .sessions import Session, unknown_session
-from .tensors import TORCH_DTYPES, to_wire
+from .tensors import TORCH_DTYPES, host_view, to_wire
 from .timing import now_ns
 
 # How long a batch size is remembered as the company to wait for (see BatchPolicy). Longer than
@@ -44,7 +45,8 @@ class Item:
     key: tuple | None  # None: shares a launch with nothing
     rows: int
     tensors: dict  # this request's per-row values by argument name: WireTensor, tensor or None
-    shared: dict = field(default_factory=dict)  # tensors every member must have equal: A, D, dt_bias
+    # What every member must have equal (SHARED_ARGS): WireTensor as it came, a handle's tensor, or None
+    shared: dict = field(default_factory=dict)
     session: Session | None = None
     options: dict = field(default_factory=dict)  # the kernel's dt options, part of the key
     prepare_ns: int = 0  # time spent preparing; not queueing time
@@ -74,13 +76,32 @@ def dt_options(args: dict) -> dict:
             "dt_max": args.get("dt_max")}
 
 
-def same_values(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """True when `a` and `b` are the same tensor or hold equal values (dtype and shape too)."""
+# Arguments every member of a launch must share (the same handle or equal values): the launch
+# takes the lead member's.
+SHARED_ARGS = ("A", "D", "dt_bias")
+
+
+def same_values(a: WireTensor | torch.Tensor | None, b: WireTensor | torch.Tensor | None) -> bool:
+    """True when `a` and `b` (wire bytes as they came, or a handle's tensor) are the same tensor
+    or hold equal values, dtype and shape too. Wire bytes are compared as bytes on the host, so
+    that no member's copy goes to the device only to be compared."""
     if a is b:
         return True
-    if a is None or b is None:
+    if a is None or b is None or signature(a) != signature(b):
         return False
-    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b)
+    if isinstance(a, WireTensor) and isinstance(b, WireTensor):
+        return bool(np.array_equal(np.frombuffer(a.data, np.uint8), np.frombuffer(b.data, np.uint8)))
+    wire, tensor = (a, b) if isinstance(a, WireTensor) else (b, a)
+    if isinstance(wire, WireTensor):
+        return torch.equal(host_view(wire).to(tensor.device), tensor)
+    return a.device == b.device and torch.equal(a, b)
+
+
+def shared_tensors(server, lead: Item) -> dict:
+    """The lead member's shared arguments as device tensors, for the whole launch: one copy each,
+    which the op charges as the launch's h2d."""
+    return {name: server.device_tensor(value) if isinstance(value, WireTensor) else value
+            for name, value in lead.shared.items()}
 
 
 class Batch:

@@ -82,22 +82,10 @@ class Server:
         self._watched: set[str] = set()  # ids of connections whose close frees what they own
         self._watched_lock = threading.Lock()
 
-    def tensor(self, call, name: str) -> torch.Tensor | None:
-        """The request argument `name` as a tensor on the server's device (None when absent:
-        protocol.OPS has already refused a request missing a required one); h2d time is
-        charged to the call."""
-        value = self.tensor_arg(call, name)
-        if not isinstance(value, protocol.WireTensor):
-            return value
-        start = now_ns()
-        tensor = self.device_tensor(value)
-        call.timing.add("h2d", now_ns() - start)
-        return tensor
-
     def tensor_arg(self, call, name: str) -> protocol.WireTensor | torch.Tensor | None:
         """The request argument `name` as it came: wire bytes not yet made a tensor, or a
-        handle's tensor (None when absent). Batched ops join members' bytes first and make one
-        tensor of them."""
+        handle's tensor (None when absent: protocol.OPS has already refused a request missing a
+        required one). Batched ops join members' bytes first and make one tensor of them."""
         value = call.args.get(name)
         if isinstance(value, protocol.HandleRef):
             return self.resolve_handle(call.conn, value.handle, f"args.{name}")

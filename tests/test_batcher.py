@@ -122,6 +122,12 @@ def test_each_caller_gets_its_own_rows(inproc, case):
     assert torch.equal(state_of(srv, conn, idle), idle_before)
 
 
+def assert_launch_stages_shared(replies) -> None:
+    """Members of one launch report its h2d, kernel and d2h, the same for each (SPEC §6.3)."""
+    for stage in ("h2d_us", "kernel_us", "d2h_us"):
+        assert len({r.timing[stage] for r in replies}) == 1, [r.timing for r in replies]
+
+
 @pytest.mark.parametrize("pattern,expected", [
     pytest.param((0, 0, 0, 0), [8, 8, 8, 8], id="equal-values"),
     pytest.param((0, 1, 0, 1), [2, 2, 2, 2], id="alternating"),
@@ -141,6 +147,28 @@ def test_only_requests_with_equal_constants_share_a_launch(inproc, pattern, expe
     srv.go()
     replies = [conn.reply(i) for i in ids]
     assert [r.timing["batch_rows"] for r in replies] == expected
+    if expected[0] == 2 * len(pattern):
+        assert_launch_stages_shared(replies)
+    for i, reply in enumerate(replies):
+        check_step(reply, inputs[i], before[i], state_of(srv, conn, sessions[i]), f"caller {i}")
+
+
+def test_a_handle_and_its_values_sent_inline_share_a_launch(inproc):
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    options = {"D": True, "dt_bias": True}
+    constants = shared_constants(7, 3, options)
+    handles = {k: protocol.HandleRef(srv.call(conn, "put", tensor=v)["handle"]) for k, v in constants.items()}
+    sessions = [open_prefilled(srv, conn, 2, 7, 3) for _ in range(3)]
+    before = [state_of(srv, conn, s) for s in sessions]
+    inputs = [step_inputs(2, 7, 3, constants, options) for _ in sessions]
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **{**inp, **(handles if i == 1 else {})})
+           for i, (s, inp) in enumerate(zip(sessions, inputs))]
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert [r.timing["batch_rows"] for r in replies] == [6, 6, 6]
+    assert_launch_stages_shared(replies)
     for i, reply in enumerate(replies):
         check_step(reply, inputs[i], before[i], state_of(srv, conn, sessions[i]), f"caller {i}")
 
@@ -275,6 +303,8 @@ def test_scans_of_equal_shapes_share_a_launch(inproc):
     srv.go()
     replies = [conn.reply(i) for i in ids]
     assert [r.timing["batch_rows"] for r in replies] == [5, 5, 5, 5]  # no h0 | initial state given
+    assert_launch_stages_shared(replies[:2])
+    assert_launch_stages_shared(replies[2:])
     for what, reply, inp in (("plain 0", replies[0], plain[0]), ("plain 1", replies[1], plain[1]),
                              ("h0", replies[3], with_h0)):
         y_ref, state_ref = reference_scan(inp)

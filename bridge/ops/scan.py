@@ -7,15 +7,14 @@ from __future__ import annotations
 import kernels
 from protocol import WireTensor
 
-from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, signature, split_rows,
-                       stack_rows, wire_rows)
+from ..batcher import (SHARED_ARGS, BatchedOp, Item, charge, dt_options, row_signature, shared_tensors,
+                       signature, split_rows, stack_rows, wire_rows)
 from ..errors import OpError
 from ..tensors import to_wire
 from ..timing import now_ns
 from .sessions import check_rows
 
 ROW_ARGS = ("x", "dt", "B", "C", "z", "h0")
-SHARED_ARGS = ("A", "D", "dt_bias")
 # A request whose x is bigger runs alone: stacking it with others copies every input once more,
 # which costs more than the launch it would save (see SPEC, "Batching").
 BATCH_MAX_X_BYTES = 256 * 1024
@@ -24,7 +23,7 @@ BATCH_MAX_X_BYTES = 256 * 1024
 def _check_session_dims(session, x, A, layout: str) -> None:
     """x and A agree with the session's [batch, dim, state] (when they have the shapes the kernel
     takes; otherwise the kernel's own check names the problem)."""
-    if len(x.shape) != 3 or A.dim() != 2:
+    if len(x.shape) != 3 or len(A.shape) != 2:
         return
     check_rows(session, {"x": x})
     dim = x.shape[2] if layout == "bld" else x.shape[1]
@@ -59,7 +58,7 @@ class ScanOp(BatchedOp):
                               "initial state), got a tensor",
                               {"field": "args.h0", "expected": "nothing", "got": "a tensor"})
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS if name != "h0"}
-        shared = {name: server.tensor(call, name) for name in SHARED_ARGS}
+        shared = {name: server.tensor_arg(call, name) for name in SHARED_ARGS}
         if session is not None:
             _check_session_dims(session, own["x"], shared["A"], layout)
             h0_signature = (session.pool.rows.dtype, (session.dim, session.state))
@@ -86,13 +85,14 @@ class ScanOp(BatchedOp):
             if item.session is not None:
                 item.tensors["h0"] = item.session.read()
         stacked = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
+        shared = shared_tensors(server, lead)
         charge(items, "h2d", now_ns() - start)
         # The final state is computed when anyone needs it: to return, or to keep in a session.
         need_state = any(item.session is not None or item.call.args.get("return_state") for item in items)
         with server.kernel_timer(*(item.call for item in items)):
             out = kernels.selective_scan(
-                stacked["x"], stacked["dt"], lead.shared["A"], stacked["B"], stacked["C"],
-                D=lead.shared["D"], z=stacked["z"], dt_bias=lead.shared["dt_bias"], **lead.options,
+                stacked["x"], stacked["dt"], shared["A"], stacked["B"], stacked["C"],
+                D=shared["D"], z=stacked["z"], dt_bias=shared["dt_bias"], **lead.options,
                 h0=stacked["h0"], return_state=need_state, layout=lead.call.args.get("layout", "bld"),
                 backend=server.backend)
             y, state = out if need_state else (out, None)

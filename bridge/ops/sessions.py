@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import kernels
 
-from ..batcher import BatchedOp, Item, charge, dt_options, row_signature, signature, stack_rows, wire_rows
+from ..batcher import (SHARED_ARGS, BatchedOp, Item, charge, dt_options, row_signature, shared_tensors,
+                       signature, stack_rows, wire_rows)
 from ..errors import OpError
 from ..tensors import to_wire
 from ..timing import now_ns
 
 # Arguments with one row per session row, stacked when steps share a launch.
 ROW_ARGS = ("x", "dt", "B", "C", "z")
-# Arguments every step of a launch must share (same handle or equal values).
-SHARED_ARGS = ("A", "D", "dt_bias")
 
 
 def session_open(server, call) -> dict:
@@ -65,7 +64,7 @@ class StepOp(BatchedOp):
         args = call.args
         session = server.session(call.conn, args["session"], "args.session")
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS}
-        shared = {name: server.tensor(call, name) for name in SHARED_ARGS}
+        shared = {name: server.tensor_arg(call, name) for name in SHARED_ARGS}
         check_rows(session, own)
         options = dt_options(args)
         # One pool per (dim, state): the pool names the state's shape too.
@@ -78,11 +77,12 @@ class StepOp(BatchedOp):
         start = now_ns()
         rows = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
         slots = stack_rows(server, [item.session.slots for item in items])
+        shared = shared_tensors(server, lead)
         charge(items, "h2d", now_ns() - start)
         with server.kernel_timer(*(item.call for item in items)):
             y = kernels.selective_state_update(
-                lead.session.pool.rows, rows["x"], rows["dt"], lead.shared["A"], rows["B"], rows["C"],
-                D=lead.shared["D"], z=rows["z"], dt_bias=lead.shared["dt_bias"], **lead.options,
+                lead.session.pool.rows, rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"],
+                D=shared["D"], z=rows["z"], dt_bias=shared["dt_bias"], **lead.options,
                 slots=slots, backend=server.backend)
         return [{"y": y_rows} for y_rows in wire_rows(y, items)]
 
