@@ -132,43 +132,28 @@ def assert_launch_stages_shared(replies) -> None:
     pytest.param((0, 0, 0, 0), [8, 8, 8, 8], id="equal-values"),
     pytest.param((0, 1, 0, 1), [2, 2, 2, 2], id="alternating"),
     pytest.param((0, 0, 1, 1), [4, 4, 4, 4], id="two-runs"),
+    pytest.param((0, "handle", 0), [6, 6, 6], id="a-handle-and-its-values-inline"),
 ])
 def test_only_requests_with_equal_constants_share_a_launch(inproc, pattern, expected):
+    """`pattern`: each request's constants, set 0 or 1 sent inline, or set 0 as handles."""
     srv = inproc(max_delay_us=0)
     conn = RecordingConnection()
     options = {"D": True, "dt_bias": True}
     constants = [shared_constants(7, 3, options) for _ in range(2)]
+    handles = {k: protocol.HandleRef(srv.call(conn, "put", tensor=v)["handle"]) for k, v in constants[0].items()}
     sessions = [open_prefilled(srv, conn, 2, 7, 3) for _ in pattern]
     before = [state_of(srv, conn, s) for s in sessions]
     # Each request carries its own copy of the bytes: equal values, never the same tensor.
-    inputs = [step_inputs(2, 7, 3, {k: v.clone() for k, v in constants[p].items()}, options) for p in pattern]
+    inputs = [step_inputs(2, 7, 3, {k: v.clone() for k, v in constants[p if p != "handle" else 0].items()},
+                          options) for p in pattern]
     srv.hold(conn)
-    ids = [srv.submit(conn, "step", session=s, **inp) for s, inp in zip(sessions, inputs)]
+    ids = [srv.submit(conn, "step", session=s, **({**inp, **handles} if p == "handle" else inp))
+           for s, inp, p in zip(sessions, inputs, pattern)]
     srv.go()
     replies = [conn.reply(i) for i in ids]
     assert [r.timing["batch_rows"] for r in replies] == expected
     if expected[0] == 2 * len(pattern):
         assert_launch_stages_shared(replies)
-    for i, reply in enumerate(replies):
-        check_step(reply, inputs[i], before[i], state_of(srv, conn, sessions[i]), f"caller {i}")
-
-
-def test_a_handle_and_its_values_sent_inline_share_a_launch(inproc):
-    srv = inproc(max_delay_us=0)
-    conn = RecordingConnection()
-    options = {"D": True, "dt_bias": True}
-    constants = shared_constants(7, 3, options)
-    handles = {k: protocol.HandleRef(srv.call(conn, "put", tensor=v)["handle"]) for k, v in constants.items()}
-    sessions = [open_prefilled(srv, conn, 2, 7, 3) for _ in range(3)]
-    before = [state_of(srv, conn, s) for s in sessions]
-    inputs = [step_inputs(2, 7, 3, constants, options) for _ in sessions]
-    srv.hold(conn)
-    ids = [srv.submit(conn, "step", session=s, **{**inp, **(handles if i == 1 else {})})
-           for i, (s, inp) in enumerate(zip(sessions, inputs))]
-    srv.go()
-    replies = [conn.reply(i) for i in ids]
-    assert [r.timing["batch_rows"] for r in replies] == [6, 6, 6]
-    assert_launch_stages_shared(replies)
     for i, reply in enumerate(replies):
         check_step(reply, inputs[i], before[i], state_of(srv, conn, sessions[i]), f"caller {i}")
 
