@@ -228,11 +228,14 @@ def run_batch(server, op: BatchedOp, items: list[Item]) -> list[tuple[Item, dict
 
 def _launch(server, op: BatchedOp, items: list[Item]) -> list[dict]:
     rows = sum(item.rows for item in items)
-    for i, item in enumerate(items):
+    for item in items:
         item.call.timing.extra["batch_rows"] = rows
-        # One execution per launch in the stats (inference_count / execution_count = mean batch).
-        item.call.executions = int(i == 0)
-    return op.run(server, items)
+        # Counted here, once, not with any member's reply, which may still fail to go out
+        # (inference_count / execution_count = mean batch).
+        item.call.executions = 0
+    results = op.run(server, items)
+    server.stats.record_launch(items[0].call.stats_op)
+    return results
 
 
 def prepare(op: BatchedOp, server, call) -> Item:

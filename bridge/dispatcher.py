@@ -60,7 +60,7 @@ class Call:
     legacy: bool  # an ExPhil request (protocol.LegacyRequest)
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
-    executions: int = 1  # kernel launches this request is counted for (stats; 0 for all but one member of a batch)
+    executions: int = 1  # executions its success counts (stats): 0 in a batch, whose launch counts apart
     extra: dict = field(default_factory=dict)
     prepared: object = None  # the batcher's Item, once prepared
 

@@ -48,6 +48,11 @@ class Stats:
             self.replies_out += 1
             self.bytes_out += nbytes
 
+    def record_launch(self, op: str) -> None:
+        """One kernel launch that served a batch of `op` requests, counted apart from them."""
+        with self._lock:
+            self.ops[op]["execution_count"] += 1
+
     def record(self, op: str, timing: dict | None, *, ok: bool, executions: int = 1,
                error_code: str | None = None) -> None:
         with self._lock:

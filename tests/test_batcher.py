@@ -239,6 +239,33 @@ def test_stats_add_up(inproc):
     assert step["kernel_us"] > 0 and step["queue_us"] > 0
 
 
+def test_a_launch_counts_once_though_its_first_reply_fails(inproc, monkeypatch):
+    """The launch ran: it is one execution even when the reply of the member it is counted
+    with cannot be encoded (that member gets internal_error, the others their rows)."""
+    srv = inproc(max_batch=8, max_delay_us=0, native_step=False)
+    conn = RecordingConnection()
+    shared = shared_constants(5, 3, {})
+    sessions = [open_prefilled(srv, conn, 1, 5, 3) for _ in range(3)]
+    before = srv.call(conn, "stats")["ops"].get("step", {}).get("execution_count", 0)
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 5, 3, shared, {})) for s in sessions]
+    encode_reply = protocol.encode_reply
+
+    def failing_for_the_first(request_id, *args, **kwargs):
+        if request_id == ids[0]:
+            raise ValueError("cannot encode this reply")
+        return encode_reply(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(protocol, "encode_reply", failing_for_the_first)
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert replies[0].error["code"] == "internal_error" and all(r.ok for r in replies[1:])
+    assert {r.timing["batch_rows"] for r in replies[1:]} == {3}
+    step = srv.call(conn, "stats")["ops"]["step"]
+    assert step["execution_count"] - before == 1
+    assert step["inference_count"] == 2 and step["failure_count"] == 1
+
+
 def test_a_batch_member_whose_finishing_fails_leaves_the_others_answered(inproc):
     """Finishing a request (giving its frame buffer back, here) may fail after its reply went
     out; the batch's other members must still get theirs, and nothing stays in flight (which
