@@ -96,6 +96,12 @@ def reply_too_large(exc: protocol.FrameTooLarge) -> OpError:
 
 class Dispatcher:
     def __init__(self, server, handlers: dict, legacy_handlers: dict):
+        # The decoders refuse every op outside protocol.OPS (and the legacy ones), so the tables
+        # must serve exactly those.
+        for what, table, ops in (("handlers", handlers, protocol.OPS),
+                                 ("legacy_handlers", legacy_handlers, protocol.legacy.LEGACY_OPS)):
+            if set(table) != set(ops):
+                raise ValueError(f"{what}: expected one handler for each of {sorted(ops)}, got {sorted(table)}")
         self.server = server
         self.handlers = handlers
         self.legacy_handlers = legacy_handlers
@@ -152,15 +158,10 @@ class Dispatcher:
         timing.add("decode", now_ns() - received_ns)
         legacy = isinstance(request, protocol.LegacyRequest)
         table = self.legacy_handlers if legacy else self.handlers
-        handler = table.get(request.op)
+        handler = table[request.op]  # the decoder answered an op outside the table (unknown_op)
         refusal = None
         idle = False
-        if handler is None:
-            known = sorted(table)
-            refusal = OpError("unknown_op", f"op: expected one of {', '.join(known)}, got {request.op!r}",
-                              {"field": "op", "expected": f"one of {', '.join(known)}", "got": request.op,
-                               "known": known})
-        elif not self.accepting:
+        if not self.accepting:
             refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
         else:
             with self._pending_lock:

@@ -61,6 +61,19 @@ def test_ping_and_info(client):
     assert {"ping", "info", "scan", "stats", "shutdown"} <= set(info["protocol"]["ops"])
 
 
+@pytest.mark.parametrize("table", ["handlers", "legacy_handlers"])
+def test_a_dispatcher_serves_exactly_the_protocols_ops(table):
+    """The decoders answer any other op (unknown_op); a table missing one of the protocol's ops
+    would leave requests for it unanswerable, so it is refused at start."""
+    from bridge.dispatcher import Dispatcher
+    from bridge.ops import HANDLERS, LEGACY_HANDLERS
+
+    tables = {"handlers": dict(HANDLERS), "legacy_handlers": dict(LEGACY_HANDLERS)}
+    del tables[table]["scan"]
+    with pytest.raises(ValueError, match=f"{table}: expected one handler for each of"):
+        Dispatcher(None, **tables)
+
+
 @pytest.mark.parametrize("case", SCAN_CASES)
 def test_scan_matches_reference(client, case):
     inputs = make_scan_inputs(case)

@@ -41,7 +41,7 @@ def info(server, call) -> dict:
             "triton": triton_version,
             "cuda": torch.version.cuda,
         },
-        "protocol": {"version": protocol.PROTOCOL_VERSION, "ops": sorted(server_ops(server))},
+        "protocol": {"version": protocol.PROTOCOL_VERSION, "ops": sorted(protocol.OPS)},
         "device": server.device_choice.describe(),
         "backend": server.backend,
         "native_step": server.native_step is not None,
@@ -56,12 +56,6 @@ def info(server, call) -> dict:
         "pid": os.getpid(),
         "platform": sys.platform,
     }
-
-
-def server_ops(server):
-    from . import HANDLERS
-
-    return HANDLERS.keys()
 
 
 def stats(server, call) -> dict:
