@@ -134,7 +134,7 @@ class Dispatcher:
         server's general-path request: the native path does not ask, so a step served natively
         costs no check); only a transport that can tell none is (stdio, unix) lets it be False,
         and so an idle server serve the request on this thread."""
-        self.server.stats.frame_in(len(body))
+        self.server.stats.frame_in(len(body) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0))
         native = self._native_request(body) if self.server.native_step is not None and not buffers else None
         if native is not None and self._serve_native(conn, native, received_ns):
             if release:

@@ -38,10 +38,12 @@ class Stats:
         entry.update({key: 0.0 for key in TOTALLED_KEYS})
         return entry
 
+    # bytes_in and bytes_out count requests' and replies' bodies with their raw buffers (ZeroMQ),
+    # not the length prefix a stream lane adds: the same on every lane.
     def frame_in(self, nbytes: int) -> None:
         with self._lock:
             self.frames_in += 1
-            self.bytes_in += nbytes + 4
+            self.bytes_in += nbytes
 
     def reply_out(self, nbytes: int) -> None:
         with self._lock:

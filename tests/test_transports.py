@@ -179,6 +179,22 @@ def test_scan_matches_reference_on_every_lane(server, lane, case):
 
 
 @pytest.mark.parametrize("lane", LANES)
+def test_stats_count_message_bytes_alike_on_every_lane(server, lane):
+    """bytes_in and bytes_out count each request's and reply's body and raw buffers, not the
+    length prefix of a stream lane (which the client's byte counts include)."""
+    prefix = 4 if lane == "unix" else 0
+    with lane_client(server, lane) as client:
+        first = client.request("stats")
+        scan = client.scan(**numpy_args(make_scan_inputs(ScanCase(2, 7, 5, 3, D=True))))
+        second = client.request("stats")
+    before, after = first.unwrap(), second.unwrap()
+    # In between: the scan's and the second snapshot's requests came in; the first snapshot's
+    # reply and the scan's went out.
+    assert after["bytes_in"] - before["bytes_in"] == scan.bytes_out + second.bytes_out - 2 * prefix
+    assert after["bytes_out"] - before["bytes_out"] == first.bytes_in + scan.bytes_in - 2 * prefix
+
+
+@pytest.mark.parametrize("lane", LANES)
 def test_sessions_and_handles_on_every_lane(server, lane):
     """A session prefilled by a scan, then stepped. A step in one frame (every lane but
     multipart ZeroMQ) is served by the native step path, which makes no host copies (h2d_us and

@@ -26,7 +26,8 @@ class Connection:
     def send(self, parts: list, buffers: list | None = None) -> int:  # pragma: no cover - each transport implements it
         """Write one reply: `parts` make up one msgpack body (the transport adds its framing);
         `buffers` are the raw buffers of a multipart reply, which only a message-based
-        transport (ZeroMQ) carries. Returns the bytes sent. Called from any thread."""
+        transport (ZeroMQ) carries. Returns the reply's bytes: its body and buffers, without the
+        length prefix a stream lane adds (as the stats count them). Called from any thread."""
         raise NotImplementedError
 
     @property

@@ -96,7 +96,7 @@ class FdConnection(Connection):
             raise ValueError("a stream reply is one frame: it carries no raw buffers")
         framed = protocol.frame_parts(parts)
         with self._write_lock:
-            return write_all(self.out_fd, framed)
+            return write_all(self.out_fd, framed) - protocol.framing.HEADER_SIZE
 
 
 class FrameAssembler:
