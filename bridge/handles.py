@@ -54,7 +54,9 @@ class HandleTable:
         """Hold `tensor` (which must be the server's own copy) for `owner`; returns its id."""
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
-            self._check_room(nbytes)  # again: another put may have landed since check_room
+            # Again, should puts ever run side by side: today ops run one at a time, and only a
+            # closing connection can change the table meanwhile, which frees room.
+            self._check_room(nbytes)
             handle = secrets.token_urlsafe(16)
             self._tensors[handle] = (owner, tensor)
             self._bytes += nbytes

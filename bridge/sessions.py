@@ -12,8 +12,9 @@ pool-bytes limit allows, and is dropped when its last session closes. Every sess
 the connection that opened it: naming it from another connection gets the same unknown_session
 error as a name that was never issued, so ids reveal nothing, and they are unguessable.
 
-Ops run on the dispatcher's one worker thread, but a connection closes on its transport's thread
-(`release_owner`), so every change to the tables holds the lock.
+Ops run one at a time (under the dispatcher's serving lock: on its worker, on the reader thread
+of an idle server, or on the native step path), but a connection closes on its transport's
+thread (`release_owner`), so every change to the tables holds the lock.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class SessionTable:
                 if missing > room:
                     requested = missing * row_bytes
                     detail = {"limit": "max_pool_bytes", "max": self.max_pool_bytes, "in_use": in_use}
-                    if requested < 2**63:  # what a msgpack int holds; the message has it anyway
+                    if requested < 2**64:  # what a msgpack uint holds; the message has it anyway
                         detail["requested"] = requested
                     raise OpError(
                         "limit_exceeded",

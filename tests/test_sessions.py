@@ -306,7 +306,10 @@ def test_pool_bytes_limit(inproc):
 def test_huge_session_is_refused_before_allocating(inproc):
     srv = inproc()
     conn = RecordingConnection()
-    expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=2**40, dim=2**20, state=2**10)
+    error = expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=2**31, dim=2**20, state=2**10)
+    assert error["detail"]["requested"] == 2**63  # a msgpack uint still holds it
+    error = expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=2**40, dim=2**20, state=2**10)
+    assert "requested" not in error["detail"] and str(2**72) in error["message"]
     assert srv.server.sessions.usage()["pool_bytes"] == 0
 
 
