@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from bridge.client import PortClient, result_from_wire, to_wire
 from bridge.errors import OpError
 from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
+from bridge.stats import Stats
 from bridge.timing import Timing, now_ns
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
@@ -355,6 +357,7 @@ class FakeCall:
     enqueued_ns: int
     timing: Timing
     executions: int = 1
+    stats_op: str = "step"
 
 
 def fake_item(key, rows=1, enqueued_ns=0, session=None) -> Item:
@@ -491,8 +494,10 @@ def test_members_whose_session_closed_while_waiting_are_left_out():
     op = RecordingOp()
     items = [fake_item(("k",), 2, session=FakeSession(False)), fake_item(("k",), 3, session=FakeSession(True)),
              fake_item(("k",), 1, session=FakeSession(False))]
-    outcomes = dict((id(item), outcome) for item, outcome in run_batch(None, op, items))
+    server = SimpleNamespace(stats=Stats())
+    outcomes = dict((id(item), outcome) for item, outcome in run_batch(server, op, items))
     assert [len(launch) for launch in op.launches] == [2]
+    assert server.stats.ops["step"]["execution_count"] == 1
     assert outcomes[id(items[0])] == {"rows": 2} and outcomes[id(items[2])] == {"rows": 1}
     closed = outcomes[id(items[1])]
     assert isinstance(closed, OpError) and closed.code == "unknown_session"
