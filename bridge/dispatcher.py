@@ -36,9 +36,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
+import kernels
 import protocol
 
 from .batcher import Batch, BatchedOp, BatchPolicy, prepare, run_batch
@@ -61,7 +62,7 @@ class Call:
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
     executions: int = 1  # executions its success counts (stats): 0 in a batch, whose launch counts apart
-    extra: dict = field(default_factory=dict)
+    after_reply: Callable | None = None  # run once the reply is written (the shutdown op's)
     prepared: object = None  # the batcher's Item, once prepared
 
     @property
@@ -390,7 +391,9 @@ class Dispatcher:
 
     def _fail(self, call: Call, exc: BaseException) -> None:
         try:
-            if not isinstance(exc, (OpError, protocol.ProtocolError)) and type(exc).__module__ != "kernels.errors":
+            # Errors the request itself caused are answered, not logged as the server's failures.
+            if not isinstance(exc, (OpError, protocol.ProtocolError, kernels.KernelInputError,
+                                    kernels.BackendUnavailable)):
                 log.error("op %s failed", call.op, exc_info=exc)
             self._reply_error(call.conn, None if call.legacy else call.request.id, exc,
                               legacy=call.legacy, stats_op=call.stats_op)
@@ -406,9 +409,8 @@ class Dispatcher:
         try:
             if call.release:
                 call.release()
-            hook = call.extra.get("after_reply")
-            if hook:
-                hook()
+            if call.after_reply:
+                call.after_reply()
         finally:
             self._leave()
 

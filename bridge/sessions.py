@@ -28,7 +28,11 @@ from .errors import OpError, allocation
 
 # The state is kept and accumulated in fp32 whatever the dtype of the inputs (SPEC.md §6.1).
 STATE_DTYPE = torch.float32
-STATE_ITEMSIZE = 4
+
+
+def state_row_bytes(dim: int, state: int) -> int:
+    """Bytes of one [dim, state] row of state."""
+    return dim * state * STATE_DTYPE.itemsize
 
 
 def unknown_session(session_id: str, field: str) -> OpError:
@@ -44,7 +48,7 @@ class StatePool:
     def __init__(self, dim: int, state: int, device: torch.device):
         self.dim = dim
         self.state = state
-        self.row_bytes = dim * state * STATE_ITEMSIZE
+        self.row_bytes = state_row_bytes(dim, state)
         self.rows = torch.empty((0, dim, state), dtype=STATE_DTYPE, device=device)
         self._free: list[int] = []  # kept sorted: low rows first, so sessions sit close together
 
@@ -130,7 +134,7 @@ class SessionTable:
                               f"(--max-sessions), {len(self._sessions)} are",
                               {"limit": "max_sessions", "max": self.max_sessions, "open": len(self._sessions)})
             pool = self._pools.get((dim, state))
-            row_bytes = dim * state * STATE_ITEMSIZE
+            row_bytes = state_row_bytes(dim, state)
             missing = batch - (pool.free_rows if pool else 0)
             if missing > 0:
                 in_use = self._pool_bytes()

@@ -1,12 +1,10 @@
 // The native step path: a `step` request served from its frame to its reply frame in one C++
 // call, for the CPU kernels.
 //
-// Why: on the 2-core box a paced step spent about 0.5 ms of its 1.3 ms in the server's Python
-// per-request work (decoding, making tensors of the wire bytes, the kernels API's checks,
-// encoding), which a pause makes several times slower (bench/results/game_loop.json as recorded
-// at e6519e1, `git show 758a274:bench/results/game_loop.json`; cold_after_pause_probe.json).
-// Here the request is read where it lies in the frame, the kernel reads its operands there and
-// writes y straight into the reply, and the reply is built around it: no tensors and no copies.
+// Why (the Python per-request work a paced step spent, with its recordings): the docstring of
+// bridge/native/__init__.py. Here the request is read where it lies in the frame, the kernel
+// reads its operands there and writes y straight into the reply, and the reply is built around
+// it: no tensors and no copies.
 //
 // It serves only the plain form of a step (bridge/native/__init__.py says which); for anything
 // else `parse` returns None and the request takes the general path, which gives every error

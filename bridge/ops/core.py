@@ -64,7 +64,7 @@ def stats(server, call) -> dict:
 
 def shutdown(server, call) -> dict:
     # The reply is written first; the main loop then drains what is in flight and exits.
-    call.extra["after_reply"] = server.stop_requested.set
+    call.after_reply = server.stop_requested.set
     return {"stopping": True}
 
 

@@ -67,8 +67,8 @@ class StepOp(BatchedOp):
         shared = {name: server.tensor_arg(call, name) for name in SHARED_ARGS}
         check_rows(session, own)
         options = dt_options(args)
-        # One pool per (dim, state): the pool names the state's shape too.
-        key = ("step", id(session.pool), *(row_signature(t) for t in own.values()),
+        # One pool per (dim, state): its class names the pool and the state's shape.
+        key = ("step", session.dim, session.state, *(row_signature(t) for t in own.values()),
                *(signature(t) for t in shared.values()), *options.values())
         return Item(call, key, session.batch, own, shared, session, options)
 
