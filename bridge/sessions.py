@@ -149,7 +149,7 @@ class SessionTable:
                         f"session_open: {batch} rows of [{dim}, {state}] fp32 state need "
                         f"{requested} more bytes of state pool; {in_use} of "
                         f"{self.max_pool_bytes} are in use (--max-pool-bytes)", detail)
-                grown = pool or StatePool(dim, state, self.device)
+                grown = pool if pool is not None else StatePool(dim, state, self.device)
                 # Double when the budget allows, so that n opens cost O(log n) pool copies.
                 with allocation("session_open"):
                     grown.grow(grown.capacity + max(missing, min(grown.capacity, room)))
