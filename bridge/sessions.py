@@ -9,22 +9,15 @@ class share a kernel launch (bridge.batcher).
 
 A pool grows by doubling (one device copy of its rows; slot numbers stay valid) as far as the
 pool-bytes limit allows, and is dropped when its last session closes. Every session belongs to
-the connection that opened it: naming it from another connection gets the same unknown_session
-error as a name that was never issued, so ids reveal nothing, and they are unguessable.
-
-Ops run one at a time (under the dispatcher's serving lock: on its worker, on the reader thread
-of an idle server, or on the native step path), but a connection closes on its transport's
-thread (`release_owner`), so every change to the tables holds the lock.
+the connection that opened it (bridge.owned).
 """
 
 from __future__ import annotations
 
-import secrets
-import threading
-
 import torch
 
 from .errors import OpError, allocation
+from .owned import OwnedTable
 
 # The state is kept and accumulated in fp32 whatever the dtype of the inputs (SPEC.md §6.1).
 STATE_DTYPE = torch.float32
@@ -84,11 +77,10 @@ class Session:
 
     # __weakref__: the native step path (bridge.native) forgets what it kept of a session when
     # the session goes.
-    __slots__ = ("id", "owner", "batch", "pool", "slot_list", "slots", "closed", "__weakref__")
+    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "closed", "__weakref__")
 
-    def __init__(self, session_id: str, owner: str, batch: int, pool: StatePool, slot_list: list[int]):
+    def __init__(self, session_id: str, batch: int, pool: StatePool, slot_list: list[int]):
         self.id = session_id
-        self.owner = owner
         self.batch = batch
         self.pool = pool
         self.slot_list = slot_list
@@ -115,24 +107,23 @@ class Session:
         self.pool.rows.index_copy_(0, self.slots, state.to(STATE_DTYPE))
 
 
-class SessionTable:
+class SessionTable(OwnedTable[Session]):
     def __init__(self, device: torch.device, *, max_sessions: int, max_pool_bytes: int):
+        super().__init__(unknown_session)
         self.device = device
         self.max_sessions = max_sessions
         self.max_pool_bytes = max_pool_bytes
-        self._lock = threading.Lock()
-        self._sessions: dict[str, Session] = {}
         self._pools: dict[tuple[int, int], StatePool] = {}
 
     def open(self, owner: str, batch: int, dim: int, state: int) -> Session:
         """A new session of `batch` rows whose state is zero. Limits are checked before anything
         is allocated."""
         with self._lock:
-            if len(self._sessions) >= self.max_sessions:
+            if len(self) >= self.max_sessions:
                 raise OpError("limit_exceeded",
                               f"session_open: at most {self.max_sessions} sessions may be open at once "
-                              f"(--max-sessions), {len(self._sessions)} are",
-                              {"limit": "max_sessions", "max": self.max_sessions, "open": len(self._sessions)})
+                              f"(--max-sessions), {len(self)} are",
+                              {"limit": "max_sessions", "max": self.max_sessions, "open": len(self)})
             pool = self._pools.get((dim, state))
             row_bytes = state_row_bytes(dim, state)
             missing = batch - (pool.free_rows if pool else 0)
@@ -159,44 +150,15 @@ class SessionTable:
             slots = pool.take(batch)
             try:
                 with allocation("session_open"):
-                    session = Session(secrets.token_urlsafe(16), owner, batch, pool, slots)
-                    pool.rows.index_fill_(0, session.slots, 0.0)
+                    _, session = self._add(owner, lambda session_id: Session(session_id, batch, pool, slots))
             except BaseException:
                 self._give_back(pool, slots)
                 raise
-            self._sessions[session.id] = session
+            pool.rows.index_fill_(0, session.slots, 0.0)
             return session
 
-    def find(self, owner: str, session_id: str) -> Session | None:
-        """The session `session_id` if `owner` opened it and it is open, else None."""
-        with self._lock:
-            session = self._sessions.get(session_id)
-        return session if session is not None and session.owner == owner else None
-
-    def get(self, owner: str, session_id: str, field: str) -> Session:
-        session = self.find(owner, session_id)
-        if session is None:
-            raise unknown_session(session_id, field)
-        return session
-
-    def close(self, owner: str, session_id: str, field: str) -> None:
-        with self._lock:
-            session = self._sessions.get(session_id)
-            if session is None or session.owner != owner:
-                raise unknown_session(session_id, field)
-            self._close(session)
-
-    def release_owner(self, owner: str) -> int:
-        """Close every session of `owner` (its connection went away); returns how many."""
-        with self._lock:
-            mine = [s for s in self._sessions.values() if s.owner == owner]
-            for session in mine:
-                self._close(session)
-        return len(mine)
-
-    def _close(self, session: Session) -> None:
+    def _released(self, session: Session) -> None:
         session.closed = True
-        del self._sessions[session.id]
         self._give_back(session.pool, session.slot_list)
 
     def _give_back(self, pool: StatePool, slots: list[int]) -> None:
@@ -210,7 +172,7 @@ class SessionTable:
     def usage(self) -> dict:
         with self._lock:
             return {
-                "sessions": len(self._sessions),
+                "sessions": len(self),
                 "max_sessions": self.max_sessions,
                 "pool_bytes": self._pool_bytes(),
                 "max_pool_bytes": self.max_pool_bytes,

@@ -23,7 +23,7 @@ def session_open(server, call) -> dict:
 
 
 def session_close(server, call) -> dict:
-    server.sessions.close(call.conn.id, call.args["session"], "args.session")
+    server.sessions.remove(call.conn.id, call.args["session"], "args.session")
     return {"closed": True}
 
 
@@ -40,7 +40,7 @@ def put(server, call) -> dict:
 
 
 def free(server, call) -> dict:
-    server.handles.free(call.conn.id, call.args["handle"], "args.handle")
+    server.handles.remove(call.conn.id, call.args["handle"], "args.handle")
     return {"freed": True}
 
 

@@ -1,0 +1,76 @@
+"""What connections own on the server -- sessions (bridge.sessions), tensor handles
+(bridge.handles) -- kept under unguessable ids, each entry its owner's alone.
+
+Naming an entry from another connection gets the same error as naming one never issued, so ids
+reveal nothing, and what a connection owns is released when it closes (`release_owner`). Ops
+run one at a time (under the dispatcher's serving lock: on its worker, on the reader thread of an
+idle server, or on the native step path), but a connection closes on its transport's thread, so
+every change to a table holds its lock.
+"""
+
+from __future__ import annotations
+
+import abc
+import secrets
+import threading
+from typing import Callable, Generic, TypeVar
+
+from .errors import OpError
+
+Value = TypeVar("Value")
+
+
+class OwnedTable(abc.ABC, Generic[Value]):
+    def __init__(self, unknown: Callable[[str, str], OpError]):
+        """`unknown(id, field)`: the error for an id its asker does not own."""
+        self._unknown = unknown
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[str, Value]] = {}  # id -> (owner, value)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def find(self, owner: str, entry_id: str) -> Value | None:
+        """The value of `entry_id` if `owner` owns it, else None."""
+        with self._lock:
+            entry = self._entries.get(entry_id)
+        return entry[1] if entry is not None and entry[0] == owner else None
+
+    def get(self, owner: str, entry_id: str, field: str) -> Value:
+        value = self.find(owner, entry_id)
+        if value is None:
+            raise self._unknown(entry_id, field)
+        return value
+
+    def remove(self, owner: str, entry_id: str, field: str) -> None:
+        """Release `entry_id`, which `owner` must own."""
+        with self._lock:
+            entry = self._entries.get(entry_id)
+            if entry is None or entry[0] != owner:
+                raise self._unknown(entry_id, field)
+            self._remove(entry_id)
+
+    def release_owner(self, owner: str) -> int:
+        """Release everything `owner` owns (its connection went away); returns how many."""
+        with self._lock:
+            mine = [entry_id for entry_id, (entry_owner, _) in self._entries.items() if entry_owner == owner]
+            for entry_id in mine:
+                self._remove(entry_id)
+        return len(mine)
+
+    def _add(self, owner: str, make: Callable[[str], Value]) -> tuple[str, Value]:
+        """(id, value) of a new entry of `owner`'s, its value made by `make(id)`. Called with the
+        lock held."""
+        entry_id = secrets.token_urlsafe(16)
+        value = make(entry_id)
+        self._entries[entry_id] = (owner, value)
+        return entry_id, value
+
+    def _remove(self, entry_id: str) -> None:
+        """Drop an entry and free what it holds. Called with the lock held."""
+        _, value = self._entries.pop(entry_id)
+        self._released(value)
+
+    @abc.abstractmethod
+    def _released(self, value: Value) -> None:
+        """Free what a dropped entry held. Called with the lock held."""
