@@ -12,6 +12,7 @@ have the same API for a server started with `--unix PATH` / `--zmq ENDPOINT`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import os
@@ -198,19 +199,28 @@ class FramedClient:
         non-empty str) must not be one in flight (SPEC §1): that is a ValueError. By default
         the client numbers requests 1, 2, ..., passing over ids that callers chose."""
         entry = InFlight(Future(), time.perf_counter_ns())
-        # Registered before the write: the reply may arrive before the write returns.
-        request_id = self._register(request_id, entry)
-        try:
+        with self._in_flight(request_id, entry) as request_id:
             wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
             parts = self._encode(request_id, op, wire_args)
             entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
             self._send(parts)
-        except BaseException:
-            self._forget(request_id)  # its caller gets the exception, never the Future
-            raise
         return entry.future
+
+    @contextlib.contextmanager
+    def _in_flight(self, request_id, entry: InFlight):
+        """`entry` in flight under `request_id` (None: the next automatic id), which this yields,
+        while its request is sent: registered before the write, as the reply may arrive before
+        the write returns, and taken out again if sending raises (its caller gets the
+        exception, never the Future)."""
+        request_id = self._register(request_id, entry)
+        try:
+            yield request_id
+        except BaseException:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise
 
     def _register(self, request_id, entry: InFlight):
         """Put `entry` in flight under `request_id`, or under the next automatic id not in
@@ -237,10 +247,6 @@ class FramedClient:
     def _encode(self, request_id, op: str, wire_args: dict) -> list:
         """The buffers that carry one request."""
         return protocol.frame_parts(protocol.encode_request(request_id, op, wire_args))
-
-    def _forget(self, request_id) -> None:
-        with self._lock:
-            self._pending.pop(request_id, None)
 
     def _send(self, parts: list) -> None:
         """Write one frame. A write that fails or is interrupted (KeyboardInterrupt) may have
@@ -332,12 +338,8 @@ class FramedClient:
             self._send(parts)
             return None
         entry = InFlight(Future(), time.perf_counter_ns(), bytes_out=sum(memoryview(p).nbytes for p in parts))
-        self._register(request_id, entry)
-        try:
+        with self._in_flight(request_id, entry):
             self._send(parts)
-        except BaseException:
-            self._forget(request_id)
-            raise
         return entry.future
 
     # -- replies --------------------------------------------------------------------------
