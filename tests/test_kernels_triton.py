@@ -25,10 +25,10 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, NO_CUDA, SCAN_CASES, UPDATE_CASES, ScanCase,
-    UpdateCase, assert_close, assert_scan_matches_reference, assert_scan_outputs_match_reference,
-    assert_update_outputs_match_reference, make_scan_inputs, make_update_inputs, random_seed,
-    reference_scan, state_dtype,
+    CUDA_COMPILES_EVERY_KERNEL, DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, NO_CUDA, SCAN_CASES,
+    TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
+    assert_scan_outputs_match_reference, assert_update_outputs_match_reference, make_scan_inputs,
+    make_update_inputs, random_seed, reference_scan, state_dtype,
 )
 from kernels import _args  # noqa: E402
 from kernels._registry import get_backend  # noqa: E402
@@ -66,7 +66,7 @@ def _backend(device: str):
     try:
         return get_backend("triton", device)
     except kernels.BackendUnavailable as exc:
-        pytest.skip(f"the triton backend does not serve {device} tensors here: {exc}")
+        pytest.skip(f"{TRITON_NOT_SERVING.format(device=device)}: {exc}")
 
 
 def _poisoned(shape, dtype, device):
@@ -277,13 +277,16 @@ def test_warmup_runs_each_bucket_and_describes_it(device):
         dict(batch=2, seq=5, dim=6, state=3),
         dict(batch=1, seq=9, dim=4, state=2, groups=2, layout="bdl", D=True, z=True, clamp=True,
              h0=True, return_state=True, slots=False),
+        dict(batch=1, seq=40, dim=4, state=2),  # long enough to split: both forms are warmed
     ]
     described = kernels.warmup(shapes, device=device, dtype=torch.float32, backend="triton")
-    assert len(described) == 4
+    assert len(described) == 6
     assert described[0].startswith("triton scan bld batch=2 seq=5 dim=6 state=3 groups=1 float32")
     assert described[1].startswith("triton state_update batch=2 dim=6 state=3 groups=1 float32 slots=True")
     assert "options=['D', 'z', 'clamp', 'h0', 'return_state']" in described[2]
     assert "slots=False options=['D', 'z', 'clamp']" in described[3]
+    assert "(1 launch)" in described[4] and "; also " in described[4] and "(2 launches)" in described[4]
+    assert "; also " not in described[0]  # seq 5 fits one chunk: there is no other form
     suffix = "(interpreted, nothing compiled)" if device == "cpu" else "(compiled)"
     assert all(line.endswith(suffix) for line in described)
 
@@ -318,7 +321,7 @@ def _nvidia_backend_present() -> bool:
     return "nvidia" in backends
 
 
-@pytest.mark.skipif(CUDA, reason="with a GPU the cuda tests compile and run every kernel")
+@pytest.mark.skipif(CUDA, reason=CUDA_COMPILES_EVERY_KERNEL)
 def test_kernels_compile_for_sm90_without_spills():
     """The interpreter compiles nothing: compile every kernel variant family for an H100/H200
     (sm_90) here, as the JIT would specialise it, and check ptxas reports no spills."""

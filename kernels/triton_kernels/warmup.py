@@ -88,13 +88,18 @@ def _per_channel(spec: WarmupShape, wanted: bool, device):
 
 
 def _warm_scan(spec: WarmupShape, device, dtype) -> str:
+    """Whether the sequence is split in segments (a second kernel, and another variant of the
+    first) depends on the batch too: fewer rows than fill the GPU are split. A batcher stacks
+    any number of rows up to the bucket's, so both forms are warmed where seq allows a split."""
     b, l, d, n, g = spec.batch, spec.seq, spec.dim, spec.state, spec.groups
     seq_shape = (b, l, d) if spec.layout == "bld" else (b, d, l)
     bc_shape = (b, l, g, n) if spec.layout == "bld" else (b, g, n, l)
-    scan.selective_scan(
+    inputs = (
         _uniform(seq_shape, dtype, device, -1, 1), _uniform(seq_shape, dtype, device, 0.01, 0.5),
         _uniform((d, n), torch.float32, device, -2, -0.1),
         _uniform(bc_shape, dtype, device, -1, 1), _uniform(bc_shape, dtype, device, -1, 1),
+    )
+    options = dict(
         D=_per_channel(spec, spec.D, device),
         z=_uniform(seq_shape, dtype, device, -1, 1) if spec.z else None,
         dt_bias=_per_channel(spec, spec.dt_bias, device),
@@ -104,8 +109,17 @@ def _warm_scan(spec: WarmupShape, device, dtype) -> str:
         return_state=spec.return_state, layout=spec.layout,
     )
     plan = scan.plan_scan(b, l, d, n, g, device)
+    scan.selective_scan(*inputs, **options)
+    chunk = plan.blocks.chunk
+    other = None
+    if l > chunk:
+        # The other form: one segment where the plan splits, else two segments.
+        other_len = l if plan.n_segments > 1 else chunk * -(-l // (2 * chunk))
+        scan.selective_scan(*inputs, **options, segment_len=other_len)
+        other = scan.plan_scan(b, l, d, n, g, device, segment_len=other_len)
     return (f"scan {spec.layout} batch={b} seq={l} dim={d} state={n} groups={g} {_name(dtype)} "
-            f"options={spec.options()}: {plan.describe()}")
+            f"options={spec.options()}: {plan.describe()}"
+            + (f"; also {other.describe()}" if other else ""))
 
 
 def _warm_state_update(spec: WarmupShape, device, dtype) -> str:
