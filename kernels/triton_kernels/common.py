@@ -5,6 +5,7 @@ accumulation dtype, the clamp bounds' encoding and the check of caller-supplied 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -116,6 +117,13 @@ class Launch:
 
     def run(self) -> None:
         self.kernel[self.grid](*self.args, num_warps=self.num_warps, **self.constexprs)
+
+
+def on_device_of(t: torch.Tensor):
+    """Triton launches on the current CUDA device (with its current stream), not on the device
+    its tensors are on: the launches go inside this, which makes `t`'s device current (off CUDA,
+    under the interpreter, it does nothing)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
