@@ -24,14 +24,23 @@ def out_of_memory(what: str, exc: BaseException) -> OpError:
     return OpError("limit_exceeded", f"{what}: out of memory ({first_line})", {"limit": "memory"})
 
 
+# What torch's CPU allocator says when it fails: it raises a plain RuntimeError (CUDA's raises
+# torch.OutOfMemoryError).
+CPU_ALLOCATOR_FAILED = "can't allocate memory"
+
+
 @contextlib.contextmanager
 def allocation(what: str):
     """Around a device allocation whose sizes are already checked: its failure is an
-    out-of-memory error, which torch raises as a RuntimeError (its CPU allocator) or
-    torch.OutOfMemoryError (CUDA), not as MemoryError."""
+    out-of-memory error. Any other RuntimeError (a CUDA error an earlier kernel left, say) is
+    not this request's fault and stays what it is."""
     try:
         yield
-    except (MemoryError, RuntimeError) as exc:
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        raise out_of_memory(what, exc) from exc
+    except RuntimeError as exc:
+        if CPU_ALLOCATOR_FAILED not in str(exc):
+            raise
         raise out_of_memory(what, exc) from exc
 
 
