@@ -34,6 +34,7 @@ from typing import Callable
 import protocol
 from bridge.client import server_env, stop_piped_server, to_wire
 from bridge.transports.framed import read_exact, write_all
+from bridge.transports.unix import SOCKET_BUFFER_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Idle time before each timed round trip, the bridge's and its echo's, in bench.roundtrip,
@@ -302,7 +303,9 @@ def _stdio_floor(reply_sizes: list[int]) -> StreamLane:
 def _unix_floor(reply_sizes: list[int]) -> StreamLane:
     (size,) = reply_sizes
     scratch = tempfile.TemporaryDirectory(prefix="unix-echo-")
-    proc, path = _spawn([build_echo("unix_echo"), os.path.join(scratch.name, "echo.sock"), str(size)])
+    # The server's socket buffers: the echo must not move the bytes through smaller ones.
+    proc, path = _spawn([build_echo("unix_echo"), os.path.join(scratch.name, "echo.sock"), str(size),
+                         str(SOCKET_BUFFER_BYTES)])
     return connect_unix(path, _stopper(proc, scratch))
 
 

@@ -1,9 +1,13 @@
 /* The physical floor for the unix-socket lane: listen on a unix socket, and on each connection
  * read every length-prefixed request frame in full and answer with one frame of a fixed reply
  * size. No decoding, no compute: the cost of moving the same bytes through the same kind of
- * socket. Connections are served one after another. Prints PATH on stdout once listening.
+ * socket, with the socket buffers the server gives its connections. Connections are served one
+ * after another. Prints PATH on stdout once listening.
  *
- *   unix_echo PATH REPLY_BYTES     reply frame body size in bytes (0: echo the request body back)
+ *   unix_echo PATH REPLY_BYTES [BUFFER_BYTES]
+ *     REPLY_BYTES    reply frame body size in bytes (0: echo the request body back)
+ *     BUFFER_BYTES   SO_SNDBUF and SO_RCVBUF of each connection (bridge/transports/unix.py's
+ *                    SOCKET_BUFFER_BYTES); the system's default where absent or 0
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -18,11 +22,12 @@
 #include "frame_io.h"
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: unix_echo PATH REPLY_BYTES\n");
+    if (argc != 3 && argc != 4) {
+        fprintf(stderr, "usage: unix_echo PATH REPLY_BYTES [BUFFER_BYTES]\n");
         return 2;
     }
     size_t reply_bytes = strtoull(argv[2], NULL, 10);
+    int buffer_bytes = argc == 4 ? atoi(argv[3]) : 0;
     uint8_t *reply = reply_bytes ? malloc(reply_bytes) : NULL;
     if (reply_bytes && !reply) return 2;
     /* Written once so that it is backed by real pages: untouched calloc memory maps every page
@@ -47,6 +52,11 @@ int main(int argc, char **argv) {
         if (fd < 0) {
             if (errno == EINTR) continue;
             perror("unix_echo: accept");
+            return 1;
+        }
+        if (buffer_bytes > 0 && (setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer_bytes, sizeof buffer_bytes) < 0 ||
+                                 setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer_bytes, sizeof buffer_bytes) < 0)) {
+            perror("unix_echo: setsockopt");
             return 1;
         }
         echo_frames(fd, fd, reply_bytes, reply);  /* until the peer closes it */

@@ -380,22 +380,29 @@ defmodule RoundtripBench do
   defp start_echo(:unix, echo, python, bytes) do
     path = Path.join(System.tmp_dir!(), "scan-bridge-echo-#{System.os_time()}.sock")
 
-    # Accept one connection and become the echo with the socket as its stdin and stdout.
+    # Accept one connection and become the echo with the socket as its stdin and stdout. Its
+    # end of the socket gets the buffers the server gives its own (bridge/transports/unix.py's
+    # SOCKET_BUFFER_BYTES, the size the client side asks for too): the echo must not move the
+    # bytes through smaller ones than the bridge does.
     launcher = """
     import os, socket, sys
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(sys.argv[1]); s.listen(1)
     c, _ = s.accept()
     os.unlink(sys.argv[1])
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(sys.argv[4]))
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(sys.argv[4]))
     os.dup2(c.fileno(), 0); os.dup2(c.fileno(), 1)
     os.execv(sys.argv[2], [sys.argv[2], sys.argv[3]])
     """
+
+    buffer = Keyword.fetch!(ScanBridge.Server.socket_options(), :sndbuf)
 
     owner =
       Port.open({:spawn_executable, python}, [
         :binary,
         :exit_status,
-        args: ["-c", launcher, path, echo, Integer.to_string(bytes)]
+        args: ["-c", launcher, path, echo, Integer.to_string(bytes), Integer.to_string(buffer)]
       ])
 
     socket = connect(path, 200)
