@@ -37,12 +37,13 @@ from bridge.transports.framed import read_exact, write_all
 from bridge.transports.unix import SOCKET_BUFFER_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Idle time before each timed round trip, the bridge's and its echo's, in bench.roundtrip,
-# bench.transports' rows against their echoes and bench.game_loop's paced steps (roundtrip.exs pauses
-# as long; bridge.bench, bench.kernels and the back-to-back series do not pause): a frame
-# of a 60 FPS loop comes long after the last, and finds cold caches and sleeping kernel helpers,
-# which back to back no round trip would (the game loop's step echo was 0.16 ms back to back in
-# the recording at baf062c, 0.32 ms after this pause in the one at ba99edc).
+# Idle time before each timed round trip, the bridge's and its echo's, in bench.roundtrip and
+# bench.transports' rows against their echoes (roundtrip.exs pauses as long; bench.game_loop
+# paces its steps by 60 FPS frames instead; bridge.bench, bench.kernels and the back-to-back
+# series do not pause): a request that comes long after the last finds cold caches and
+# sleeping kernel helpers, which back to back no round trip would (the game loop's step echo
+# was 0.16 ms back to back in the recording at baf062c, 0.32 ms after this pause in the one at
+# ba99edc).
 SETTLE_SECONDS = 0.005
 ECHO_SOURCES = os.path.join(ROOT, "bench", "echo")
 BUILD_DIR = os.path.join(ROOT, "build")

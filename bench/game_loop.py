@@ -4,21 +4,21 @@
     steps of one frame each (A uploaded once as a handle). Per-frame round trip p50/p99 and
     bytes per frame (request + reply frames) against re-sending the 60-frame window every frame
     (the ExPhil way: 8.1 MB in, 3.9 MB out). For scale, the same step requests also go through
-    a C pipe echo answering with a reply of the step's size (bench/floors.py), taking turns with
-    the bridge request by request: the round trip no server over these pipes can beat. The
-    bridge is driven by the same client as that echo (pre-encoded requests written, the reply
-    read whole into a reused buffer, one at a time), so the two differ only by the server. Each
-    round trip, the bridge's and the echo's, starts after the same pause (SETTLE_SECONDS), as
-    a frame of a 60 FPS loop comes long after the last: back to back, the cores stay warm and
-    the server's kernel helpers still poll one, which no such frame finds (on this 2-core
-    virtual machine every stage of a step ran several times slower after the pause,
-    bench/results/game_loop.json). The same steps are also timed back to back, without the pause
-    (a server kept busy, as by many agents stepping), the bridge alone. The same steps through
-    the Python client library (bridge.client.PortClient: encoding each request, a reader
-    thread, decoding each reply) are measured beside them, paused alike, as a Python caller
-    sees them. Repeated `--repeats` times, each with a fresh server: one 600-step p99 on
-    a shared machine says more about its neighbours than about the bridge, so the medians over
-    the runs are reported and every run is kept.
+    a C pipe echo answering with a reply of the step's size (bench/floors.py): what moving the
+    bytes alone costs (a reference, not a bound no server can beat: see README). The bridge is
+    driven by the same client as that echo (pre-encoded requests written, the reply read whole
+    into a reused buffer, one at a time), so the two differ only by the server. Both are paced
+    as a 60 FPS loop: each gets one request a frame (FRAME_SECONDS), the bridge's at the frame's
+    start and the echo's half a frame later, so each finds the machine idle since the other's
+    (back to back, the cores stay warm and the server's kernel helpers still poll, which no
+    such frame finds: on this 2-core virtual machine every stage of a step ran several times
+    slower after a pause, bench/results/game_loop.json). The same steps are also timed back to
+    back (a server kept busy, as by many agents stepping), the bridge alone. The same steps
+    through the Python client library (bridge.client.PortClient: encoding each request, a reader
+    thread, decoding each reply) are measured beside them, one a frame, timed in the calling
+    thread, as a Python caller waits. Repeated `--repeats` times, each with a fresh server: one
+    600-step p99 on a shared machine says more about its neighbours than about the bridge, so
+    the medians over the runs are reported and every run is kept.
 (b) 8 concurrent callers, each stepping its own session in a closed loop through one server
     (over stdio, or with `--lanes` over the unix lane and ZeroMQ too, CALLER_LANES):
     throughput with the server's defaults against `--max-delay-us 0 --max-batch 1`, and the same
@@ -48,12 +48,32 @@ import protocol
 from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.client import PortClient
 
-from .floors import (SETTLE_SECONDS, BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
+from .floors import (BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
                      frame_bytes, lane_call, open_floor)
 from .machine import summarize_us, write_results
 
 # Untimed round trips before the timed ones: first-call allocations, page faults.
 WARMUP = 20
+# One frame of a 60 FPS loop.
+FRAME_SECONDS = 1 / 60
+
+
+def frame_clock():
+    """A function that waits until a point of the next frame: `wait(fraction)` returns at
+    `fraction` of the way into frame k (k = 0, 1, ... on its calls with fraction 0), or at once
+    where that point has passed."""
+    start = time.perf_counter()
+    frame = -1
+
+    def wait(fraction: float = 0.0) -> None:
+        nonlocal frame
+        if fraction == 0.0:
+            frame += 1
+        delay = start + (frame + fraction) * FRAME_SECONDS - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+    return wait
 
 
 def frame_inputs(batch: int, seed: int, seq: int | None = None) -> dict:
@@ -99,16 +119,17 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
         echo, echo_missing = open_step_echo(lane.reply_sizes(), step_frames)
         step_rows, step_bytes, step_timing, echo_rows = [], [], [], []
         try:
-            # Bridge and echo take turns, request by request, so that both see the same machine.
+            # Bridge and echo take turns within each frame, so that both see the same machine.
+            wait = frame_clock()
             for i in range(steps):
                 request = step_frames[i % len(step_frames)]
-                time.sleep(SETTLE_SECONDS)
+                wait()
                 us, reply = exchange(lane, request)
                 step_rows.append(us)
                 step_bytes.append(round_trip_bytes(lane, request))
                 step_timing.append(reply.timing)
                 if echo is not None:
-                    time.sleep(SETTLE_SECONDS)
+                    wait(0.5)
                     echo_rows.append(echo.round_trip_us(request))
         finally:
             if echo is not None:
@@ -162,18 +183,20 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
 
 
 def python_client_steps(steps: int, A, frames: list, server_args: list[str]) -> dict:
-    """The same steps through bridge.client.PortClient, round trips as it reports them (its
-    request encoding and reply decoding included), with the same pause before each."""
+    """The same steps through bridge.client.PortClient, one a frame, each timed in the calling
+    thread from the call to its reply in hand (request encoding, the reader thread's hand-over
+    and reply decoding included)."""
     with PortClient(["--device", "cpu", *server_args]) as client:
         handle = client.put(A)
         session = client.open_session(BATCH, DIM, STATE)
         rows = []
+        wait = frame_clock()
         for i in range(WARMUP + steps):
-            time.sleep(SETTLE_SECONDS)
-            reply = client.step(session, **frames[i % len(frames)], A=handle, **DT_CLAMP)
-            reply.unwrap()
+            wait()
+            start = time.perf_counter_ns()
+            client.step(session, **frames[i % len(frames)], A=handle, **DT_CLAMP).unwrap()
             if i >= WARMUP:
-                rows.append(reply.round_trip_us)
+                rows.append((time.perf_counter_ns() - start) / 1000.0)
     return summarize_us(rows)
 
 

@@ -110,7 +110,8 @@ def frame_budget_table(rows: list[dict], step_case: str | None, window_case: str
     wanted = [c for c in (step_case, window_case) if c]
     if not wanted:
         return "\n60 FPS frame: the sweep has neither the step nor the ExPhil window"
-    out = [f"\n60 FPS frame ({FRAME_BUDGET_60FPS_US / 1000:.1f} ms), judged on the p99 round trip"]
+    out = [f"\n60 FPS frame ({FRAME_BUDGET_60FPS_US / 1000:.1f} ms), judged on the p99 round trip "
+           "(of n round trips; under 100 that is about the slowest)"]
     groups = dict.fromkeys((r["transport"], r["backend"]) for r in rows)
     for transport, backend in groups:
         verdicts = []
@@ -118,7 +119,8 @@ def frame_budget_table(rows: list[dict], step_case: str | None, window_case: str
             row = next((r for r in rows if (r["transport"], r["backend"], r["case"]) == (transport, backend, case)), None)
             if row is not None:
                 verdict = "fits" if row["fits_60fps"] else "does NOT fit"
-                verdicts.append(f"{labels.get(case, case)} {fmt_us(row['round_trip_p99_us'])} {verdict}")
+                verdicts.append(f"{labels.get(case, case)} {fmt_us(row['round_trip_p99_us'])} "
+                                f"(n={row['iterations']}) {verdict}")
         out.append(f"  {transport:<9}{backend:<10}" + ";  ".join(verdicts))
     return "\n".join(out)
 
