@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
                    help="compile the kernels for this shape bucket before serving (repeatable); OPTS "
                         "is a comma list of the options requests will use: " + ",".join(kernels.WARMUP_OPTIONS) +
-                        "; `info` lists what was compiled")
+                        ", and groups=G, layout=bld|bdl, dtype=" + "|".join(WARMUP_DTYPES) +
+                        " (default 1, bld, f32: each is a kernel of its own); `info` lists what was compiled")
     p.add_argument("--max-pending", type=_positive, default=defaults.max_pending,
                    help="requests in flight before new ones are answered with overloaded")
     p.add_argument("--max-delay-us", type=_count, default=defaults.max_delay_us,
@@ -136,8 +137,13 @@ def open_lanes(args, dispatcher) -> list:
     return lanes
 
 
+# The dtypes a warmup bucket may name: the floating wire dtypes the kernels take (SPEC §5).
+WARMUP_DTYPES = ("f32", "f16", "bf16", "f64")
+
+
 def warmup_shape(text: str) -> dict:
-    """`32x60x512x16:D,z` → the shape dict `kernels.warmup` takes."""
+    """`32x60x512x16:D,z,dtype=bf16` → the shape dict `kernels.warmup` takes, plus the bucket's
+    wire dtype under "dtype" (warm_up sorts the buckets by it)."""
     from kernels import WARMUP_OPTIONS
 
     dims, _, opts = text.partition(":")
@@ -145,12 +151,36 @@ def warmup_shape(text: str) -> dict:
         batch, seq, dim, state = (int(v) for v in dims.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected BATCHxSEQxDIMxSTATE[:OPTIONS], got {text!r}") from None
-    shape = {"batch": batch, "seq": seq, "dim": dim, "state": state}
+    shape = {"batch": batch, "seq": seq, "dim": dim, "state": state, "dtype": "f32"}
     for opt in filter(None, opts.split(",")):
-        if opt not in WARMUP_OPTIONS:
-            raise argparse.ArgumentTypeError(f"warmup option: expected one of {', '.join(WARMUP_OPTIONS)}, got {opt!r}")
-        shape[opt] = True
+        name, is_setting, value = opt.partition("=")
+        if not is_setting and name in WARMUP_OPTIONS:
+            shape[name] = True
+        elif name == "groups" and value.isdigit() and int(value) > 0:
+            shape["groups"] = int(value)
+        elif name == "layout" and value in ("bld", "bdl"):
+            shape["layout"] = value
+        elif name == "dtype" and value in WARMUP_DTYPES:
+            shape["dtype"] = value
+        else:
+            raise argparse.ArgumentTypeError(
+                f"warmup option: expected one of {', '.join(WARMUP_OPTIONS)}, groups=<a positive int>, "
+                f"layout=bld|bdl or dtype={'|'.join(WARMUP_DTYPES)}, got {opt!r}")
     return shape
+
+
+def warm_up(buckets: list[dict], server) -> list[str]:
+    """Compile the kernels for every `--warmup` bucket, a kernels.warmup call per dtype; what
+    was compiled, for `info`."""
+    import kernels
+
+    from .tensors import TORCH_DTYPES
+
+    compiled = []
+    for dtype in dict.fromkeys(bucket["dtype"] for bucket in buckets):
+        shapes = [{k: v for k, v in bucket.items() if k != "dtype"} for bucket in buckets if bucket["dtype"] == dtype]
+        compiled += kernels.warmup(shapes, device=server.device, dtype=TORCH_DTYPES[dtype], backend=server.backend)
+    return compiled
 
 
 def tune_malloc() -> None:
@@ -197,10 +227,8 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
         log.error("cannot start: %s", exc)
         return 2
     if args.warmup:
-        import kernels
-
         try:
-            server.compiled = kernels.warmup(args.warmup, device=server.device, backend=server.backend)
+            server.compiled = warm_up(args.warmup, server)
         except Exception as exc:  # a bucket the backend refuses: say so before serving anything
             log.error("cannot start: --warmup: %s", exc)
             return 2

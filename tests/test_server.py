@@ -297,17 +297,26 @@ def test_warmup_compiles_before_serving_and_info_lists_it():
     # The Triton backend runs on the CPU interpreter here (tests/conftest.py sets
     # TRITON_INTERPRET=1 without CUDA); on a GPU the same flag compiles for real.
     cmd = [sys.executable, "-m", "bridge", "--device", "cpu", "--backend", "triton",
-           "--warmup", "2x5x4x3:D,z", "--warmup", "1x3x4x2"]
+           "--warmup", "2x5x4x3:D,z", "--warmup", "1x3x4x2",
+           "--warmup", "1x3x4x2:groups=2,layout=bdl,dtype=bf16"]
     c = PortClient(command=cmd, env={"TRITON_INTERPRET": "1"}, stderr=subprocess.DEVNULL)
     wait_ready(c)
     compiled = c.info()["kernels"]["compiled"]
-    assert len(compiled) == 4 and all(line.startswith("triton ") for line in compiled), compiled
+    assert len(compiled) == 6 and all(line.startswith("triton ") for line in compiled), compiled
+    assert sum("float32" in line for line in compiled) == 4
+    assert any(line.startswith("triton scan bdl batch=1 seq=3 dim=4 state=2 groups=2 bfloat16") for line in compiled)
     c.close()
 
 
-def test_a_bad_warmup_bucket_stops_the_server_with_a_reason():
-    result = subprocess.run([sys.executable, "-m", "bridge", "--device", "cpu", "--warmup", "2x5x4"],
+@pytest.mark.parametrize("bucket, expected", [
+    pytest.param("2x5x4", "BATCHxSEQxDIMxSTATE", id="three-dims"),
+    pytest.param("2x5x4x3:dtype=i32", "dtype=f32|f16|bf16|f64, got 'dtype=i32'", id="integer-dtype"),
+    pytest.param("2x5x4x3:groups=0", "groups=<a positive int>", id="zero-groups"),
+    pytest.param("2x5x4x3:layout=lbd", "layout=bld|bdl", id="bad-layout"),
+])
+def test_a_bad_warmup_bucket_stops_the_server_with_a_reason(bucket, expected):
+    result = subprocess.run([sys.executable, "-m", "bridge", "--device", "cpu", "--warmup", bucket],
                             env=server_env(), stdin=subprocess.DEVNULL,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "BATCHxSEQxDIMxSTATE" in result.stderr
+    assert expected in result.stderr, result.stderr
