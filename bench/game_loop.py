@@ -58,22 +58,12 @@ WARMUP = 20
 FRAME_SECONDS = 1 / 60
 
 
-def frame_clock():
-    """A function that waits until a point of the next frame: `wait(fraction)` returns at
-    `fraction` of the way into frame k (k = 0, 1, ... on its calls with fraction 0), or at once
-    where that point has passed."""
-    start = time.perf_counter()
-    frame = -1
-
-    def wait(fraction: float = 0.0) -> None:
-        nonlocal frame
-        if fraction == 0.0:
-            frame += 1
-        delay = start + (frame + fraction) * FRAME_SECONDS - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-
-    return wait
+def wait_for_frame(start: float, frame: float) -> None:
+    """Sleep until `frame` frames (a fraction for a point within one) after `start`
+    (time.perf_counter()); return at once where that point has passed."""
+    delay = start + frame * FRAME_SECONDS - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
 
 
 def frame_inputs(batch: int, seed: int, seq: int | None = None) -> dict:
@@ -120,16 +110,16 @@ def game_loop(steps: int, windows: int, server_args: list[str]) -> dict:
         step_rows, step_bytes, step_timing, echo_rows = [], [], [], []
         try:
             # Bridge and echo take turns within each frame, so that both see the same machine.
-            wait = frame_clock()
+            start = time.perf_counter()
             for i in range(steps):
                 request = step_frames[i % len(step_frames)]
-                wait()
+                wait_for_frame(start, i)
                 us, reply = exchange(lane, request)
                 step_rows.append(us)
                 step_bytes.append(round_trip_bytes(lane, request))
                 step_timing.append(reply.timing)
                 if echo is not None:
-                    wait(0.5)
+                    wait_for_frame(start, i + 0.5)
                     echo_rows.append(echo.round_trip_us(request))
         finally:
             if echo is not None:
@@ -190,9 +180,9 @@ def python_client_steps(steps: int, A, frames: list, server_args: list[str]) -> 
         handle = client.put(A)
         session = client.open_session(BATCH, DIM, STATE)
         rows = []
-        wait = frame_clock()
+        first_frame = time.perf_counter()
         for i in range(WARMUP + steps):
-            wait()
+            wait_for_frame(first_frame, i)
             start = time.perf_counter_ns()
             client.step(session, **frames[i % len(frames)], A=handle, **DT_CLAMP).unwrap()
             if i >= WARMUP:
