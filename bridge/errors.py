@@ -20,7 +20,7 @@ class OpError(Exception):
 
 
 def out_of_memory(what: str, exc: BaseException) -> OpError:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first_line = (str(exc).strip() or type(exc).__name__).splitlines()[0]
     return OpError("limit_exceeded", f"{what}: out of memory ({first_line})", {"limit": "memory"})
 
 
