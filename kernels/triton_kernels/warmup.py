@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+import triton
 
 from ..errors import KernelInputError
 from . import scan, state_update
@@ -113,8 +114,8 @@ def _warm_scan(spec: WarmupShape, device, dtype) -> str:
     chunk = plan.blocks.chunk
     other = None
     if l > chunk:
-        # The other form: one segment where the plan splits, else two segments.
-        other_len = l if plan.n_segments > 1 else chunk * -(-l // (2 * chunk))
+        # The other form: one segment where the plan splits, else the chunks cut in two halves.
+        other_len = l if plan.n_segments > 1 else chunk * triton.cdiv(triton.cdiv(l, chunk), 2)
         scan.selective_scan(*inputs, **options, segment_len=other_len)
         other = scan.plan_scan(b, l, d, n, g, device, segment_len=other_len)
     return (f"scan {spec.layout} batch={b} seq={l} dim={d} state={n} groups={g} {_name(dtype)} "
