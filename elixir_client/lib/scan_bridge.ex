@@ -38,8 +38,7 @@ defmodule ScanBridge do
     * `transport: {:unix, path}`: the server is still spawned (and watched) as a Port, and
       told to listen on `path`; every request then goes over one unix-socket connection
       (`:gen_tcp`, `{:local, path}`, packet 4), cheaper than the pipes for big tensors
-      (`bench/roundtrip.exs`: the ExPhil request's bridge cost 1.70x lower in
-      `bench/results/elixir-roundtrip.json`, 1.71x and 2.38x in the two runs before it).
+      (measured by `bench/roundtrip.exs`; the numbers are in the client's README).
       Sessions and handles belong to the connection that made them, which is why all
       requests share the one lane.
 

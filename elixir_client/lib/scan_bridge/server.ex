@@ -326,14 +326,25 @@ defmodule ScanBridge.Server do
 
   defp on_reply(body, state) do
     case Protocol.decode_reply(body) do
-      {:reply, id, outcome} when is_integer(id) ->
+      {:reply, nil, {:error, error}} ->
+        # the server could not read a request's id; no caller can be told which (it gets
+        # :timeout). Requests over the server's max_frame_size are not sent, so that reason,
+        # the one a well-formed request could meet, does not come here.
+        Logger.warning("scan-bridge: error reply for id nil: #{error.message}")
+        state
+
+      {:reply, id, outcome} ->
+        # any other id: this client's (an integer it sent), or one no request had
         {op, outstanding} = Map.pop(state.outstanding, id)
         state = %{state | outstanding: outstanding}
 
         state =
           case Map.pop(state.pending, id) do
             {nil, _} when op == nil ->
-              Logger.warning("scan-bridge: reply for id #{id}, which no request had, dropped")
+              Logger.warning(
+                "scan-bridge: reply for id #{inspect(id)}, which no request had, dropped"
+              )
+
               state
 
             {nil, _} ->
@@ -348,18 +359,6 @@ defmodule ScanBridge.Server do
           end
 
         send_queued(state)
-
-      {:reply, id, {:error, error}} ->
-        # nil id: the server could not read a request's id; no caller can be told which (it
-        # gets :timeout). Requests over the server's max_frame_size are not sent, so that
-        # reason, the one a well-formed request could meet, does not come here.
-        Logger.warning("scan-bridge: error reply for id #{inspect(id)}: #{error.message}")
-        state
-
-      {:reply, id, {:ok, _result, _timing}} ->
-        # this client sends integer ids only: no caller is waiting for this one
-        Logger.warning("scan-bridge: reply for id #{inspect(id)}, which no request had, dropped")
-        state
 
       {:error, error} ->
         Logger.error("scan-bridge: undecodable reply dropped: #{error.message}")
