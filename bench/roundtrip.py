@@ -11,7 +11,8 @@ Measures, interleaved in one run, each after the same pause:
     each request, a reader thread, decoding each reply. Reported beside, not in the ratio.
 Reports the bridge cost — round trip − kernel_us, i.e. decode, copies, queueing, encode and
 transport — as a ratio to the echo's round trip. Goal (issue 2): ≤ 1.3×. The echo is a reference,
-not a lower bound: on this machine the bridge's own IPC has measured below it (README).
+not a lower bound: on this machine the bridge's own IPC has measured below it on some lanes
+(bench/results/transports.json).
 
     python -m bench.roundtrip [--iterations 40] [--json bench/results/roundtrip-stdio.json]
 """

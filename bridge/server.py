@@ -142,7 +142,7 @@ class Server:
         """Charges the enclosed kernel work to `kernel_us` of every call in the launch: wall time
         on the CPU; on CUDA, device events recorded around the kernels API's call, so the time
         includes what the host does inside that call before the kernels reach the GPU (argument
-        checks, Triton's launch path), which for a step's microseconds-long kernel is most of
+        checks, Triton's launch path), which for a step's microseconds-long kernel may be most of
         it. Untried: no GPU has run this server yet."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -74,7 +74,8 @@ POOLED_BUFFERS = 32
 SOCKET_BUFFER_BYTES = 4 << 20
 # Frames, and bytes, taken from one connection before the reading thread looks at the others
 # again, so that neither a peer pipelining many small requests nor one streaming a large frame
-# (up to --max-frame-size) can keep the others waiting.
+# (up to --max-frame-size) can keep the others waiting. The byte cap cost a lone ExPhil request
+# no measurable IPC (1.03x, within the runs' spread, bench/results/unix_bytes_per_turn_ab.json).
 FRAMES_PER_TURN = 16
 BYTES_PER_TURN = 1 << 20
 
