@@ -39,7 +39,6 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-import kernels
 import protocol
 
 from .batcher import Batch, BatchedOp, BatchPolicy, prepare, run_batch
@@ -391,12 +390,12 @@ class Dispatcher:
 
     def _fail(self, call: Call, exc: BaseException) -> None:
         try:
-            # Errors the request itself caused are answered, not logged as the server's failures.
-            if not isinstance(exc, (OpError, protocol.ProtocolError, kernels.KernelInputError,
-                                    kernels.BackendUnavailable)):
+            code = self._reply_error(call.conn, None if call.legacy else call.request.id, exc,
+                                     legacy=call.legacy, stats_op=call.stats_op)
+            # Errors the request itself caused (every code but internal_error, as error_fields
+            # sorts them) are answered, not logged as the server's failures.
+            if code == "internal_error":
                 log.error("op %s failed", call.op, exc_info=exc)
-            self._reply_error(call.conn, None if call.legacy else call.request.id, exc,
-                              legacy=call.legacy, stats_op=call.stats_op)
         finally:
             self._finish(call)
 
@@ -424,9 +423,10 @@ class Dispatcher:
                 self._idle.notify_all()
 
     def _reply_error(self, conn, request_id, exc: BaseException, *, legacy: bool,
-                     stats_op: str | None = None) -> None:
-        """`stats_op`: the op the stats count the failure for; without one (the request was
-        refused before it became a call), only the error code is counted."""
+                     stats_op: str | None = None) -> str:
+        """Answer with the error `exc` maps to; returns its code. `stats_op`: the op the stats
+        count the failure for; without one (the request was refused before it became a call),
+        only the error code is counted."""
         code, message, detail = error_fields(exc)
         if legacy:
             parts = protocol.encode_legacy_reply({"status": "error", "message": message})
@@ -438,9 +438,10 @@ class Dispatcher:
                 parts = protocol.encode_error(request_id, code, message, {})
         self._send(conn, parts)
         if stats_op is not None:
-            self.server.stats.record(stats_op, None, ok=False, error_code=code, executions=0)
+            self.server.stats.record(stats_op, None, ok=False, error_code=code)
         else:
             self.server.stats.record_error(code)
+        return code
 
     def _send(self, conn, parts, buffers: list | None = None) -> None:
         try:

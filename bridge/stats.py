@@ -59,8 +59,9 @@ class Stats:
                error_code: str | None = None) -> None:
         with self._lock:
             entry = self.ops[op]
-            entry["inference_count"] += ok
-            entry["execution_count"] += executions
+            if ok:  # a failed request is counted for no launch
+                entry["inference_count"] += 1
+                entry["execution_count"] += executions
             entry["success_count" if ok else "failure_count"] += 1
             if timing:
                 for key in TOTALLED_KEYS:
