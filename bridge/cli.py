@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The defaults live in ServerConfig; importing it loads torch, which main() loads right
     # after parsing anyway.
     import kernels
+    from protocol.schema import LAYOUTS
 
     from .server import ServerConfig
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
                    help="compile the kernels for this shape bucket before serving (repeatable); OPTS "
                         "is a comma list of the options requests will use: " + ",".join(kernels.WARMUP_OPTIONS) +
-                        ", and groups=G, layout=bld|bdl, dtype=" + "|".join(WARMUP_DTYPES) +
+                        ", and groups=G, layout=" + "|".join(LAYOUTS) + ", dtype=" + "|".join(warmup_dtypes()) +
                         " (default 1, bld, f32: each is a kernel of its own); `info` lists what was compiled")
     p.add_argument("--max-pending", type=_positive, default=defaults.max_pending,
                    help="requests in flight before new ones are answered with overloaded")
@@ -137,50 +138,42 @@ def open_lanes(args, dispatcher) -> list:
     return lanes
 
 
-# The dtypes a warmup bucket may name: the floating wire dtypes the kernels take (SPEC §5).
-WARMUP_DTYPES = ("f32", "f16", "bf16", "f64")
+def warmup_dtypes() -> dict:
+    """The dtypes a warmup bucket may name, by wire code: the floating ones (SPEC §5), which the
+    kernels take."""
+    from .tensors import TORCH_DTYPES
+
+    return {code: dtype for code, dtype in TORCH_DTYPES.items() if dtype.is_floating_point}
 
 
 def warmup_shape(text: str) -> dict:
-    """`32x60x512x16:D,z,dtype=bf16` → the shape dict `kernels.warmup` takes, plus the bucket's
-    wire dtype under "dtype" (warm_up sorts the buckets by it)."""
+    """`32x60x512x16:D,z,dtype=bf16` → the shape dict `kernels.warmup` takes."""
     from kernels import WARMUP_OPTIONS
+    from protocol.schema import LAYOUTS
+
+    dtypes = warmup_dtypes()
 
     dims, _, opts = text.partition(":")
     try:
         batch, seq, dim, state = (int(v) for v in dims.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected BATCHxSEQxDIMxSTATE[:OPTIONS], got {text!r}") from None
-    shape = {"batch": batch, "seq": seq, "dim": dim, "state": state, "dtype": "f32"}
+    shape = {"batch": batch, "seq": seq, "dim": dim, "state": state}
     for opt in filter(None, opts.split(",")):
         name, is_setting, value = opt.partition("=")
         if not is_setting and name in WARMUP_OPTIONS:
             shape[name] = True
         elif name == "groups" and value.isdigit() and int(value) > 0:
             shape["groups"] = int(value)
-        elif name == "layout" and value in ("bld", "bdl"):
+        elif name == "layout" and value in LAYOUTS:
             shape["layout"] = value
-        elif name == "dtype" and value in WARMUP_DTYPES:
-            shape["dtype"] = value
+        elif name == "dtype" and value in dtypes:
+            shape["dtype"] = dtypes[value]
         else:
             raise argparse.ArgumentTypeError(
                 f"warmup option: expected one of {', '.join(WARMUP_OPTIONS)}, groups=<a positive int>, "
-                f"layout=bld|bdl or dtype={'|'.join(WARMUP_DTYPES)}, got {opt!r}")
+                f"layout={'|'.join(LAYOUTS)} or dtype={'|'.join(dtypes)}, got {opt!r}")
     return shape
-
-
-def warm_up(buckets: list[dict], server) -> list[str]:
-    """Compile the kernels for every `--warmup` bucket, a kernels.warmup call per dtype; what
-    was compiled, for `info`."""
-    import kernels
-
-    from .tensors import TORCH_DTYPES
-
-    compiled = []
-    for dtype in dict.fromkeys(bucket["dtype"] for bucket in buckets):
-        shapes = [{k: v for k, v in bucket.items() if k != "dtype"} for bucket in buckets if bucket["dtype"] == dtype]
-        compiled += kernels.warmup(shapes, device=server.device, dtype=TORCH_DTYPES[dtype], backend=server.backend)
-    return compiled
 
 
 def tune_malloc() -> None:
@@ -227,8 +220,10 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
         log.error("cannot start: %s", exc)
         return 2
     if args.warmup:
+        import kernels
+
         try:
-            server.compiled = warm_up(args.warmup, server)
+            server.compiled = kernels.warmup(args.warmup, device=server.device, backend=server.backend)
         except Exception as exc:  # a bucket the backend refuses: say so before serving anything
             log.error("cannot start: --warmup: %s", exc)
             return 2

@@ -63,7 +63,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
 
 def warmup(shapes, *, device="cpu", dtype=None, backend=None) -> list[str]:
     """Compile ahead of time the kernels for `shapes`, an iterable of dicts with keys batch,
-    seq, dim, state (and optionally groups, layout, and the options the server will use:
+    seq, dim, state (and optionally groups, layout, dtype (`dtype` the default), and the options the server will use:
     booleans D, z, dt_bias, dt_softplus, clamp, h0, return_state, slots — each option set is a
     separate compiled kernel). Returns what was compiled (for `info`); an empty list where the
     chosen backend compiles nothing."""

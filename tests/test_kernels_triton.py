@@ -297,6 +297,7 @@ def test_warmup_runs_each_bucket_and_describes_it(device):
     pytest.param(dict(batch=0, seq=2, dim=3, state=2), "shapes.batch", id="zero-batch"),
     pytest.param(dict(batch=1, seq=2, dim=3, state=2, groups=2), "shapes.groups", id="groups-not-dividing"),
     pytest.param(dict(batch=1, seq=2, dim=4, state=2, layout="lbd"), "shapes.layout", id="bad-layout"),
+    pytest.param(dict(batch=1, seq=2, dim=4, state=2, dtype=torch.int32), "shapes.dtype", id="integer-dtype"),
 ])
 def test_warmup_rejects_bad_buckets(shape, field):
     _backend("cpu" if not CUDA else "cuda")

@@ -14,11 +14,11 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
+from .._args import FLOAT_DTYPES, LAYOUTS
 from ..errors import KernelInputError
 from . import scan, state_update
 from .common import interpreter_active
 
-_LAYOUTS = ("bld", "bdl")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class WarmupShape:
     h0: bool = False
     return_state: bool = False
     slots: bool = True
+    dtype: torch.dtype | None = None  # of x, dt, B, C, z; None: the warmup call's
 
     @classmethod
     def parse(cls, shape) -> "WarmupShape":
@@ -66,8 +67,10 @@ class WarmupShape:
                 raise KernelInputError(f"shapes.{name}", "a positive int", repr(value))
         if spec.dim % spec.groups:
             raise KernelInputError("shapes.groups", f"a divisor of dim ({spec.dim})", str(spec.groups))
-        if spec.layout not in _LAYOUTS:
+        if spec.layout not in LAYOUTS:
             raise KernelInputError("shapes.layout", '"bld" or "bdl"', repr(spec.layout))
+        if spec.dtype is not None and spec.dtype not in FLOAT_DTYPES:
+            raise KernelInputError("shapes.dtype", _DTYPES_EXPECTED, str(spec.dtype))
         return spec
 
     def options(self) -> list[str]:
@@ -76,7 +79,7 @@ class WarmupShape:
         return [name for name in WARMUP_OPTIONS if getattr(self, name)]
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_DTYPES_EXPECTED = "float32, float16, bfloat16 or float64"
 
 
 def _uniform(shape, dtype, device, low, high):
@@ -151,15 +154,16 @@ def warmup(shapes, *, device, dtype) -> list[str]:
     """Run the scan and the state update once per bucket so that their kernels are compiled
     (on the interpreter nothing compiles and the runs only check the buckets). Returns one
     line per kernel warmed, for the server's `info`."""
-    if dtype not in _DTYPES:
-        raise KernelInputError("dtype", "float32, float16, bfloat16 or float64", str(dtype))
+    if dtype not in FLOAT_DTYPES:
+        raise KernelInputError("dtype", _DTYPES_EXPECTED, str(dtype))
     specs = [WarmupShape.parse(shape) for shape in shapes]
     device = torch.device(device)
     suffix = " (interpreted, nothing compiled)" if interpreter_active() else " (compiled)"
     described = []
     for spec in specs:
-        described.append("triton " + _warm_scan(spec, device, dtype) + suffix)
-        described.append("triton " + _warm_state_update(spec, device, dtype) + suffix)
+        spec_dtype = spec.dtype or dtype
+        described.append("triton " + _warm_scan(spec, device, spec_dtype) + suffix)
+        described.append("triton " + _warm_state_update(spec, device, spec_dtype) + suffix)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return described
