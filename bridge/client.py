@@ -89,8 +89,7 @@ def to_wire(value):
             raise TypeError(f"dtype {value.dtype} has no wire code; expected one of {sorted(map(str, WIRE_CODES))}")
         # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d).
         arr = np.require(value, wire_dtype, "C")
-        # As bytes through a flat view: memoryview cannot cast an array with a 0 in its shape.
-        return protocol.OutTensor(WIRE_CODES[wire_dtype], arr.shape, memoryview(arr.reshape(-1).view(np.uint8)))
+        return protocol.OutTensor(WIRE_CODES[wire_dtype], arr.shape, arr)
     if type(value).__module__.startswith("torch"):
         from bridge.tensors import to_wire as tensor_to_wire
 

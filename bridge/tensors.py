@@ -65,4 +65,4 @@ def to_wire(t: torch.Tensor) -> OutTensor:
     array = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
-    return OutTensor(code, array.shape, array if array.size else b"")
+    return OutTensor(code, array.shape, array)

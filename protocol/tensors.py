@@ -66,7 +66,9 @@ class OutTensor:
                             f"got {type(data).__name__}") from None
         if not view.c_contiguous:
             raise ValueError("OutTensor data: expected a C-contiguous buffer, got a strided one")
-        if view.format != "B" or view.ndim != 1:
+        if view.nbytes == 0:  # memoryview cannot cast a view with a 0 in its shape
+            view = memoryview(b"")
+        elif view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         expected = prod(shape) * DTYPES[dtype][0]
         if view.nbytes != expected:

@@ -428,6 +428,14 @@ def test_timing_callable_runs_after_the_result_is_encoded():
     assert reply["result"] == {"late": []} and reply["timing"] == {"encode_us": 4}
 
 
+@pytest.mark.parametrize("shape", [pytest.param((0, 3), id="0x3"), pytest.param((2, 0, 5), id="2x0x5")])
+def test_an_array_with_a_zero_in_its_shape_is_a_tensor_of_no_bytes(shape):
+    # memoryview cannot cast such an array to bytes: OutTensor takes it as it is all the same.
+    parts = encode_reply(7, {"y": OutTensor("f32", shape, np.zeros(shape, "<f4"))}, {"server_us": 2})
+    y = msgpack.unpackb(b"".join(parts))["result"]["y"]
+    assert y["shape"] == list(shape) and y["data"] == b""
+
+
 @pytest.mark.parametrize("nbytes, separate", [
     pytest.param(BIG_PAYLOAD - 4, False, id="below-threshold"),
     pytest.param(BIG_PAYLOAD, True, id="at-threshold"),
