@@ -344,10 +344,14 @@ class FramedClient:
     # -- replies --------------------------------------------------------------------------
 
     def _start_reader(self) -> threading.Thread:
-        thread = threading.Thread(target=read_replies, args=(self._reader, weakref.ref(self)),
-                                  name="bridge-client-reader", daemon=True)
+        target, args = self._reader_target()
+        thread = threading.Thread(target=target, args=args, name="bridge-client-reader", daemon=True)
         thread.start()
         return thread
+
+    def _reader_target(self) -> tuple:
+        """(function, args) the reader thread runs: a stream's reader holds the client weakly."""
+        return read_replies, (self._reader, weakref.ref(self))
 
     def _deliver(self, body, received_ns: int, nbytes: int, buffers=()) -> None:
         """Resolve the request a reply body answers (`buffers`: the raw buffers of a multipart
@@ -593,11 +597,9 @@ class ZmqClient(FramedClient):
         replies as in FramedClient.send_raw."""
         return self._send_raw([body, *buffers], request_id)
 
-    def _start_reader(self) -> threading.Thread:
+    def _reader_target(self) -> tuple:
         # The io loop owns the socket, so it holds the client: close a ZmqClient, always.
-        thread = threading.Thread(target=self._read_replies, name="bridge-client-reader", daemon=True)
-        thread.start()
-        return thread
+        return self._read_replies, ()
 
     def _read_replies(self) -> None:
         import zmq
