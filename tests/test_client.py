@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shlex
 import sys
 import threading
 import weakref
@@ -201,12 +202,12 @@ def test_a_connection_reset_after_overloaded_fails_the_callers_with_overloaded(m
         os.close(requests_w)
 
 
+
 def test_a_port_client_whose_server_never_answers_its_handshake_stops_that_server(tmp_path):
     pid_file = tmp_path / "server.pid"
     silent_python = tmp_path / "python"
-    # `python -m bridge ...` becomes a server that reads its stdin to the end, answering nothing.
-    silent_python.write_text(f"#!/bin/sh\necho $$ > {pid_file}\n"
-                             f"exec {sys.executable} -c 'import sys; sys.stdin.buffer.read()'\n")
+    # `python -m bridge ...` becomes the silent server, its pid noted.
+    silent_python.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec {shlex.join(SILENT_SERVER)}\n")
     silent_python.chmod(0o755)
     with pytest.raises(FutureTimeout):
         PortClient(python=str(silent_python), start_timeout=0.2)
@@ -317,7 +318,7 @@ def test_a_failed_write_raises_server_exited(pipe, monkeypatch):
 
 def through_the_wire(value):
     """`value` as a server receives it in a request."""
-    body = b"".join(bytes(memoryview(p).cast("B")) for p in protocol.encode_request(1, "put", {"tensor": to_wire(value)}))
+    body = b"".join(protocol.encode_request(1, "put", {"tensor": to_wire(value)}))
     return protocol.decode_request(memoryview(body)).args["tensor"]
 
 

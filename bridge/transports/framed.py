@@ -113,7 +113,7 @@ class FrameAssembler:
     def __init__(self, pool, max_frame_size: int):
         self.pool = pool
         self.max_frame_size = max_frame_size
-        self._header = memoryview(bytearray(4))
+        self._header = memoryview(bytearray(protocol.framing.HEADER_SIZE))
         self._target = self._header  # the header's or the body's view, or the discard scratch
         self._pos = 0
         self._release = None  # gives the body's pooled buffer back
