@@ -32,14 +32,12 @@ def byte_views(parts: list) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in parts if len(p)]
 
 
-def write_all(fd: int, parts: list) -> int:
+def write_all(fd: int, parts: list) -> None:
     """writev every byte of `parts`, resuming after partial writes."""
     views = byte_views(parts)
-    total = sum(len(v) for v in views)
     while views:
         written = os.writev(fd, views[:IOV_MAX])
         consume(views, written)
-    return total
 
 
 def consume(views: list, written: int) -> None:
@@ -96,7 +94,8 @@ class FdConnection(Connection):
             raise ValueError("a stream reply is one frame: it carries no raw buffers")
         framed = protocol.frame_parts(parts)
         with self._write_lock:
-            return write_all(self.out_fd, framed) - protocol.framing.HEADER_SIZE
+            write_all(self.out_fd, framed)
+        return protocol.parse_frame_header(framed[0])  # the body's bytes, as the stats count them
 
 
 class FrameAssembler:

@@ -158,7 +158,7 @@ class UnixConnection(Connection):
         if buffers:
             raise ValueError("a unix-socket reply is one frame: it carries no raw buffers")
         views = byte_views(protocol.frame_parts(parts))
-        total = sum(len(v) for v in views) - protocol.framing.HEADER_SIZE
+        total = protocol.parse_frame_header(views[0])  # the body's bytes, as the stats count them
         if threading.current_thread() is self._reading_thread:
             stall_s, budget_s = READER_STALL_SECONDS, READER_WRITE_SECONDS
         else:
