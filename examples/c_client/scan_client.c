@@ -102,7 +102,8 @@ typedef struct {
     uint64_t elements;
 } tensor_t;
 
-/* Checks a tensor map {dtype, shape, data | buf} against SPEC §5; NULL when valid, else why. */
+/* Checks a tensor map {dtype, shape, data | buf} against SPEC §5; NULL when valid, else why.
+ * `used` (may be NULL) marks the raw buffers it names. */
 static const char *read_tensor(const msgpack_object *map, const parts_t *parts, int *used, tensor_t *out) {
     const msgpack_object *dtype = get(map, "dtype"), *shape = get(map, "shape");
     const msgpack_object *data = get(map, "data"), *buf = get(map, "buf");
@@ -133,7 +134,7 @@ static const char *read_tensor(const msgpack_object *map, const parts_t *parts, 
             return "buf names no raw buffer";
         out->bytes = parts->data[buf->via.u64 + 1];
         out->nbytes = parts->size[buf->via.u64 + 1];
-        used[buf->via.u64 + 1] = 1;
+        if (used) used[buf->via.u64 + 1] = 1;
     }
     out->elements = elements;
     if (out->nbytes != nbytes) return "tensor size mismatch";
@@ -211,8 +212,6 @@ static void json_string(const char *json, const char *key, char *out, size_t cap
     out[n] = 0;
 }
 
-static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
-
 /* Checks one vector: what decoding finds against what its JSON says. */
 static void check_vector(const char *dir, const char *name) {
     char path[4096];
@@ -265,31 +264,22 @@ static void check_vector(const char *dir, const char *name) {
     free(json);
 }
 
+static int is_frame(const struct dirent *entry) {
+    size_t n = strlen(entry->d_name);
+    return n > 6 && strcmp(entry->d_name + n - 6, ".frame") == 0;
+}
+
+/* Checks every vector in dir, in name order; how many, or -1 when dir cannot be listed. */
 static int check_vectors_in(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return -1;
-    char **names = NULL;
-    int count = 0, capacity = 0;
-    struct dirent *entry;
-    while ((entry = readdir(d)) != NULL) {
-        size_t n = strlen(entry->d_name);
-        if (n <= 6 || strcmp(entry->d_name + n - 6, ".frame") != 0) continue;
-        if (count == capacity) {
-            char **grown = realloc(names, (capacity = capacity ? 2 * capacity : 64) * sizeof *names);
-            if (!grown) break;
-            names = grown;
-        }
-        if ((names[count] = strndup(entry->d_name, n - 6)) == NULL) break;
-        count++;
-    }
-    if (entry != NULL) fail("%s: out of memory listing its vectors", dir);
-    closedir(d);
-    if (count) qsort(names, count, sizeof names[0], by_name);
+    struct dirent **entries;
+    int count = scandir(dir, &entries, is_frame, alphasort);
+    if (count < 0) return -1;
     for (int i = 0; i < count; i++) {
-        check_vector(dir, names[i]);
-        free(names[i]);
+        entries[i]->d_name[strlen(entries[i]->d_name) - 6] = 0;  /* the vector's name: no .frame */
+        check_vector(dir, entries[i]->d_name);
+        free(entries[i]);
     }
-    free(names);
+    free(entries);
     return count;
 }
 
@@ -562,12 +552,13 @@ static int run_scan(void *sock, int multipart) {
     int ok = 0;
     const char *what = multipart ? "scan multipart" : "scan inline";
     if (!exchange(sock, what, id, &body, &buffers, &reply)) goto done;
+    /* exchange checked every tensor of the reply already: read_tensor below finds y's bytes */
     const msgpack_object *y = get(get(&reply.body.data, "result"), "y");
     const char *why;
     tensor_t t;
     if (!y) {
         fail("%s: the reply has no y", what);
-    } else if ((why = read_tensor(y, &reply.parts, (int[MAX_PARTS]){0}, &t)) != NULL || t.elements != xn) {
+    } else if ((why = read_tensor(y, &reply.parts, NULL, &t)) != NULL || t.elements != xn) {
         fail("%s: y is not [%d, %d, %d] f32 (%s)", what, BATCH, SEQ, DIM, why ? why : "wrong size");
     } else if (multipart != (reply.parts.count > 1)) {
         fail("%s: the reply should %suse raw buffers", what, multipart ? "" : "not ");
