@@ -843,43 +843,49 @@ class RecordingDispatcher:
         conn.send([b"refused"])
 
 
+@contextlib.contextmanager
+def unix_lane(tmp_path, dispatcher, **caps):
+    """An in-process unix lane for `dispatcher` at tmp_path/lane.sock, not yet started (a test
+    may reach in first), closed after; `caps` override its small limits."""
+    from bridge.transports.unix import UnixTransport
+
+    options = {"max_frame_size": 1 << 20, "max_in_flight": 4, "max_connections": 4, **caps}
+    transport = UnixTransport(dispatcher, str(tmp_path / "lane.sock"), **options)
+    try:
+        yield transport
+    finally:
+        transport.close()
+
+
 def test_a_unix_connection_whose_frame_cannot_be_read_ends_there_and_the_lane_serves_on(tmp_path):
     """A failure inside a frame (here: no buffer for its body) must end that connection's input:
     read on, the rest of the body would be taken for frames."""
-    from bridge.transports.unix import UnixTransport
-
-    path = str(tmp_path / "lane.sock")
     dispatcher = RecordingDispatcher()
-    transport = UnixTransport(dispatcher, path, max_frame_size=1 << 20, max_in_flight=4, max_connections=4)
-    real_acquire = transport.pool.acquire
+    with unix_lane(tmp_path, dispatcher) as transport:
+        real_acquire = transport.pool.acquire
 
-    def acquire(size):
-        if size == 1000:
-            raise MemoryError("no buffer for this body")
-        return real_acquire(size)
+        def acquire(size):
+            if size == 1000:
+                raise MemoryError("no buffer for this body")
+            return real_acquire(size)
 
-    transport.pool.acquire = acquire
-    transport.start()
-    try:
-        failing = raw_unix(path)
+        transport.pool.acquire = acquire
+        transport.start()
+        failing = raw_unix(transport.path)
         # A body that reads as a run of 4-byte frames if it were taken for the stream.
-        failing.sendall(struct.pack(">I", 1000) + struct.pack(">I", 0) * 250)
+        failing.sendall(protocol.encode_frame(bytes(4) * 250))
         try:
             assert failing.recv(1) == b"", "the connection was not closed"
         except ConnectionResetError:  # closed with the rest of the body unread
             pass
         failing.close()
-        healthy = raw_unix(path)
-        healthy.sendall(struct.pack(">I", 5) + b"hello")
+        healthy = raw_unix(transport.path)
+        healthy.sendall(protocol.encode_frame(b"hello"))
         reader = healthy.makefile("rb", buffering=0)
-        header = memoryview(bytearray(4))
-        assert read_exact(reader, header) and protocol.parse_frame_header(header) == 5
-        assert reader.read(5) == b"hello"
+        assert bytes(read_frame(reader)) == b"hello"
         reader.close()
         healthy.close()
         assert dispatcher.bodies == [b"hello"]
-    finally:
-        transport.close()
 
 
 def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection_serves_on(
@@ -888,17 +894,12 @@ def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection
     than that (here the limit is lowered so that a scan's state exceeds it) gets limit_exceeded
     instead of no answer, and counts as answered: with one request allowed in flight, the
     connection would otherwise never be read again."""
-    from bridge.transports.unix import UnixTransport
-
-    path = str(tmp_path / "lane.sock")
-    server = inproc()
-    transport = UnixTransport(server.dispatcher, path, max_frame_size=1 << 20, max_in_flight=1, max_connections=4)
     inputs = make_scan_inputs(ScanCase(1, 1, 64, 16, return_state=True))  # a 4 KiB state
     frames = [scan_frame(1, inputs), request_frame(2, "ping")]  # framed before the limit is lowered
     monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 2048)
-    transport.start()
-    try:
-        conn = raw_unix(path)
+    with unix_lane(tmp_path, inproc().dispatcher, max_in_flight=1) as transport:
+        transport.start()
+        conn = raw_unix(transport.path)
         reader = conn.makefile("rb", buffering=0)
         for frame in frames:
             conn.sendall(frame)
@@ -910,8 +911,6 @@ def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection
         assert (pong.id, pong.ok, pong.result) == (2, True, {"pong": True})
         reader.close()
         conn.close()
-    finally:
-        transport.close()
 
 
 class BigReplyDispatcher:
@@ -953,22 +952,16 @@ def test_an_aborted_connection_does_not_pause_accepting_the_next(tmp_path, monke
     from bridge.transports import unix
 
     monkeypatch.setattr(unix, "SWEEP_SECONDS", 3600.0)
-    path = str(tmp_path / "lane.sock")
-    transport = unix.UnixTransport(RecordingDispatcher(), path, max_frame_size=1 << 20, max_in_flight=4,
-                                   max_connections=4)
-    transport._listener = ListenerFailingOnce(transport._listener, errno.ECONNABORTED)
-    transport.start()
-    try:
-        conn = raw_unix(path)
+    with unix_lane(tmp_path, RecordingDispatcher()) as transport:
+        transport._listener = ListenerFailingOnce(transport._listener, errno.ECONNABORTED)
+        transport.start()
+        conn = raw_unix(transport.path)
         conn.settimeout(10)
-        conn.sendall(struct.pack(">I", 5) + b"hello")
+        conn.sendall(protocol.encode_frame(b"hello"))
         reader = conn.makefile("rb", buffering=0)
-        reply = memoryview(bytearray(9))
-        assert read_exact(reader, reply) and bytes(reply[4:]) == b"hello"
+        assert bytes(read_frame(reader)) == b"hello"
         reader.close()
         conn.close()
-    finally:
-        transport.close()
 
 
 def test_a_unix_connection_streaming_a_large_frame_gives_the_others_their_turn(tmp_path):
@@ -978,11 +971,8 @@ def test_a_unix_connection_streaming_a_large_frame_gives_the_others_their_turn(t
     thread), with more than a turn's bytes waiting in the socket."""
     from bridge.transports import unix
 
-    path = str(tmp_path / "lane.sock")
-    transport = unix.UnixTransport(RecordingDispatcher(), path, max_frame_size=64 << 20, max_in_flight=4,
-                                   max_connections=4)
-    streaming = raw_unix(path)
-    try:
+    with unix_lane(tmp_path, RecordingDispatcher(), max_frame_size=64 << 20) as transport, \
+            contextlib.closing(raw_unix(transport.path)) as streaming:
         transport._accept()
         (conn,) = transport._connections
         waiting = 2 * unix.BYTES_PER_TURN
@@ -991,9 +981,6 @@ def test_a_unix_connection_streaming_a_large_frame_gives_the_others_their_turn(t
         transport._read(conn, others_waiting=True)
         assert conn.more_input(), "one turn read everything the connection had"
         assert not conn.incoming.at_frame_start and transport.dispatcher.bodies == []
-    finally:
-        streaming.close()
-        transport.close()
 
 
 def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path, monkeypatch):
@@ -1010,19 +997,15 @@ def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path,
         real_done(self, count)
 
     monkeypatch.setattr(unix.UnixConnection, "_done", slow_done_on_writers)
-    path = str(tmp_path / "lane.sock")
-    transport = unix.UnixTransport(BigReplyDispatcher(), path, max_frame_size=1 << 20, max_in_flight=4,
-                                   max_connections=4)
-    transport.start()
     size = BigReplyDispatcher.REPLY_BYTES
-    conn = raw_unix(path)
-    reader = conn.makefile("rb", buffering=0)
-    try:
-        conn.sendall(struct.pack(">I", 1) + b"A")
+    with unix_lane(tmp_path, BigReplyDispatcher()) as transport, \
+            contextlib.closing(raw_unix(transport.path)) as conn, conn.makefile("rb", buffering=0) as reader:
+        transport.start()
+        conn.sendall(protocol.encode_frame(b"A"))
         time.sleep(0.2)  # A is not read meanwhile: its writer thread takes it over
         frame = memoryview(bytearray(4 + size))
         assert read_exact(reader, frame) and bytes(frame[4:]) == b"A" * size
-        conn.sendall(struct.pack(">I", 1) + b"B")  # while A's writer lingers in _done
+        conn.sendall(protocol.encode_frame(b"B"))  # while A's writer lingers in _done
         # B is not read meanwhile either: it is handed to a writer, and A's wakes up before it
         # is written.
         time.sleep(0.8)
@@ -1036,10 +1019,6 @@ def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path,
         while served._in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         assert served._in_flight == 0 and not served._backlog
-    finally:
-        reader.close()
-        conn.close()
-        transport.close()
 
 
 def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_path):
@@ -1070,8 +1049,6 @@ def test_a_request_the_decoder_fails_on_is_answered_and_the_connection_serves_on
     """A bug in decoding (not a ProtocolError) still answers the frame, internal_error with a
     nil id: the unix lane counts it in flight until then, and at a cap of one the connection
     would never be read again (nor closed, nor its sessions freed)."""
-    from bridge.transports.unix import UnixTransport
-
     real_decode = protocol.decode_request
 
     def decode_failing_on_ping(body, buffers=()):
@@ -1081,12 +1058,9 @@ def test_a_request_the_decoder_fails_on_is_answered_and_the_connection_serves_on
         return request
 
     monkeypatch.setattr(protocol, "decode_request", decode_failing_on_ping)
-    path = str(tmp_path / "lane.sock")
-    server = inproc(native_step=False)
-    transport = UnixTransport(server.dispatcher, path, max_frame_size=1 << 20, max_in_flight=1, max_connections=4)
-    transport.start()
-    try:
-        conn = raw_unix(path)
+    with unix_lane(tmp_path, inproc(native_step=False).dispatcher, max_in_flight=1) as transport:
+        transport.start()
+        conn = raw_unix(transport.path)
         reader = conn.makefile("rb", buffering=0)
         conn.sendall(request_frame(1, "ping") + request_frame(2, "stats"))
         failed, served = read_reply(reader), read_reply(reader)
@@ -1095,8 +1069,6 @@ def test_a_request_the_decoder_fails_on_is_answered_and_the_connection_serves_on
         assert served.id == 2 and served.ok
         reader.close()
         conn.close()
-    finally:
-        transport.close()
 
 
 def test_the_frame_assembler_gives_back_a_frame_read_in_part():
