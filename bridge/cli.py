@@ -13,8 +13,8 @@ import signal
 import sys
 import time
 
-# Drain budget after EOF/SIGTERM: in-flight requests get this long to be answered so that the
-# process is gone within 1 s.
+# Drain budget after EOF/SIGTERM: in-flight requests get this long to be answered; replies
+# still on their way then get transports.base.FLUSH_SECONDS more, one deadline for every lane.
 DRAIN_SECONDS = 0.8
 # How often the main thread looks for a stop condition (signal, EOF, shutdown op).
 STOP_POLL_SECONDS = 0.02
@@ -205,6 +205,7 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     from .ops import HANDLERS, LEGACY_HANDLERS
     from .server import Server, ServerConfig
     from .stdio_guard import enlarge_pipe
+    from .transports.base import FLUSH_SECONDS
     from .transports.stdio import StdioTransport
 
     try:
@@ -264,14 +265,15 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     why = "stdin closed" if stdio and stdio.eof.is_set() else "stop requested"
     started = time.monotonic()
     drained = dispatcher.drain(DRAIN_SECONDS)
+    flush_deadline = time.monotonic() + FLUSH_SECONDS
     for lane in lanes:  # ZeroMQ sends the replies it was handed; unix removes its socket file
-        lane.close()
+        lane.close(flush_deadline)
     log.info("%s; %s in %.0f ms; exiting", why,
              "all requests answered" if drained else "gave up waiting for requests in flight",
              (time.monotonic() - started) * 1000)
     logging.shutdown()
     sys.stderr.flush()
-    # os._exit: interpreter teardown (torch, thread joins) can take longer than the 1 s budget,
-    # and every reply has been written by now (synchronously, or by the lane's close, within
-    # transports.base.FLUSH_SECONDS).
+    # os._exit: interpreter teardown (torch, thread joins) can take longer than the shutdown
+    # budget, and every reply has been written by now (synchronously, or by the lanes' close,
+    # by the flush deadline).
     os._exit(0)

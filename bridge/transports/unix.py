@@ -272,10 +272,11 @@ class UnixTransport:
         self._selector.register(self._wake_receive, selectors.EVENT_READ)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop accepting, remove the socket file, and give the writer threads up to
-        FLUSH_SECONDS to write the replies they were handed (connections end with the process,
-        and the dispatcher counts a reply handed to a writer as answered)."""
+    def close(self, deadline: float | None = None) -> None:
+        """Stop accepting, remove the socket file, and give the writer threads until `deadline`
+        (time.monotonic(); FLUSH_SECONDS from now by default) to write the replies they were
+        handed (connections end with the process, and the dispatcher counts a reply handed to a
+        writer as answered)."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -285,15 +286,15 @@ class UnixTransport:
             self._wake(None)
         else:
             self._listener.close()
-        deadline = time.monotonic() + FLUSH_SECONDS
+        deadline = time.monotonic() + FLUSH_SECONDS if deadline is None else deadline
         with self._writers_lock:
             writers = list(self._writers)
         for writer in writers:
             writer.join(max(0.0, deadline - time.monotonic()))
         unwritten = sum(writer.is_alive() for writer in writers)
         if unwritten:
-            log.warning("unix lane: %d connections' replies still unwritten after %g s are lost",
-                        unwritten, FLUSH_SECONDS)
+            log.warning("unix lane: %d connections' replies still unwritten at the shutdown deadline are lost",
+                        unwritten)
 
     def _start_writer(self, conn: UnixConnection) -> None:
         writer = threading.Thread(target=self._write, args=(conn,), name=f"{conn.id}-writer", daemon=True)

@@ -228,9 +228,10 @@ class ZmqTransport:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop the io thread, send the replies already posted and those posted meanwhile (for
-        up to FLUSH_SECONDS), and close the sockets (queued messages get LINGER_MS to leave)."""
+    def close(self, deadline: float | None = None) -> None:
+        """Stop the io thread, send the replies already posted and those posted meanwhile (until
+        `deadline`, time.monotonic(); FLUSH_SECONDS from now by default), and close the sockets
+        (queued messages get LINGER_MS to leave)."""
         if self._closed:
             return
         self._closed = True
@@ -242,14 +243,14 @@ class ZmqTransport:
                 # Its sockets cannot be closed under it (and the context would wait for them).
                 log.error("the zmq io thread did not stop; replies still queued are lost")
                 return
-            deadline = time.monotonic() + FLUSH_SECONDS
+            deadline = time.monotonic() + FLUSH_SECONDS if deadline is None else deadline
             self._flush()
             while (self.outbox.pending or self._backlogged) and time.monotonic() < deadline:
                 time.sleep(RETRY_MS / 1000)
                 self._flush()
             if self.outbox.pending or self._backlogged:
-                log.warning("zmq lane: replies to %d peers still unsent after %g s are lost",
-                            len(self._backlogged) + bool(self.outbox.pending), FLUSH_SECONDS)
+                log.warning("zmq lane: replies to %d peers still unsent at the shutdown deadline are lost",
+                            len(self._backlogged) + bool(self.outbox.pending))
         self._close_sockets()
 
     def _close_sockets(self) -> None:
