@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import signal
 import socket
@@ -1181,11 +1182,11 @@ def test_zmq_a_peer_on_a_reused_descriptor_outlives_the_old_connections_end(tmp_
 
 
 @contextlib.contextmanager
-def zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight: int):
+def zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight: int, hwm: int = 16):
     """An in-process ZeroMQ lane whose dispatcher is `on_frame`, started, and a DEALER
     connected to it; both closed after."""
     transport = ZmqTransport(SimpleNamespace(on_frame=on_frame), [f"ipc://{tmp_path}/lane.ipc"],
-                             max_frame_size=1 << 20, max_in_flight=max_in_flight, hwm=16)
+                             max_frame_size=1 << 20, max_in_flight=max_in_flight, hwm=hwm)
     transport.start()
     context = zmq.Context()
     client = context.socket(zmq.DEALER)
@@ -1251,6 +1252,37 @@ def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tm
         while client.poll(2000, zmq.POLLIN):
             replies.append(client.recv())
         assert replies == [b"first done", b"shutting down: second"]
+
+
+def test_a_long_queue_of_requests_answered_on_the_io_thread_is_worked_off_in_turn(tmp_path, caplog):
+    """A peer's requests wait past its cap of one in flight; when the first is answered, each
+    waiting one is dispatched in turn and answered on the io thread itself (as the native step
+    path answers), a reply that is sent at once and lets the next one start. Far more of them
+    than Python's recursion limit allows frames: all answered, in order, and no fault logged,
+    so they were worked off in a loop, not by each reply sending the next."""
+    waiting = sys.getrecursionlimit() * 2
+    held = []
+
+    def on_frame(peer, body, received_ns, buffers):
+        if bytes(body) == b"first":
+            held.append(peer)  # answered later, from another thread, as by the worker
+        else:
+            peer.send([b"answered " + bytes(body)])
+
+    with zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight=1, hwm=waiting) as (transport, client):
+        client.send(b"first")
+        for n in range(waiting):
+            client.send(b"%d" % n)
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not (held and len(held[0].waiting) == waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held and len(held[0].waiting) == waiting, "the requests past the cap did not all wait"
+        held[0].send([b"first done"])
+        replies = []
+        while len(replies) < waiting + 1 and client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
+            replies.append(client.recv())
+    assert replies == [b"first done"] + [b"answered %d" % n for n in range(waiting)]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def reused_descriptor_round(ipc_path: str) -> bool:

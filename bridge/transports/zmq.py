@@ -163,7 +163,7 @@ class ZmqPeer(Connection):
         self.unsent: collections.deque = collections.deque()
 
     def send(self, parts: list, buffers: list | None = None) -> int:
-        self.transport.outbox.post((self, parts, buffers))
+        self.transport.reply(self, parts, buffers)
         return sum(memoryview(p).nbytes for p in parts) + sum(memoryview(b).nbytes for b in buffers or ())
 
 
@@ -186,6 +186,8 @@ class ZmqTransport:
         self._on_fd: dict[tuple[int, int], set[ZmqPeer]] = {}  # (socket index, fd) -> its peers
         self._fds_known = True
         self._backlogged: set[ZmqPeer] = set()  # peers with replies waiting for room in their pipe
+        self._made_here: collections.deque = collections.deque()  # replies made on the io thread, see reply()
+        self._flushing = False
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="zmq-io", daemon=True)
@@ -383,12 +385,42 @@ class ZmqTransport:
         peer.in_flight += 1  # answered like any other request: _answered gives it back
         self._send(peer, parts, None, droppable=True)  # on the io thread already
 
-    def _flush(self) -> None:
-        for item in self.outbox.take():
-            if item is not None:  # None: close()'s wake-up
-                self._send(*item)
-        for peer in list(self._backlogged):
-            self._send_unsent(peer)
+    def reply(self, peer: ZmqPeer, parts: list, buffers: list | None) -> None:
+        """Send a reply to `peer`. From another thread (the dispatcher's worker) it is posted for
+        the io thread; made on the io thread (a request served where it was read, as the native
+        step path serves one) it is sent at once, after anything posted before it: posting it
+        would cost an eventfd write and read and hold it until the loop's next flush
+        (bench/results/zmq_direct_reply_ab.json)."""
+        if threading.current_thread() is not self._thread:
+            self.outbox.post((peer, parts, buffers))
+            return
+        self._made_here.append((peer, parts, buffers))
+        if self._flushing:
+            return  # the flush this reply was made under sends it
+        try:
+            # Only what is there is taken: the loop reads the eventfd whenever poll finds it set.
+            self._flush(take_posted=self.outbox.pending)
+        except Exception:  # as in the loop: a fault costs this reply, not the dispatcher's caller
+            log.exception("zmq io thread: a reply could not be sent")
+
+    def _flush(self, take_posted: bool = True) -> None:
+        """Send what other threads posted (`take_posted`), then the replies made on this thread,
+        then retry the peers whose pipes were full. Not re-entered: sending a reply may dispatch a request
+        waiting past the peer's cap, whose reply is made here too (see reply) and sent by the
+        loop below, so a queue of waiting requests is worked off in turn rather than by a
+        recursion as deep as the queue."""
+        self._flushing = True
+        try:
+            if take_posted:
+                for item in self.outbox.take():
+                    if item is not None:  # None: close()'s wake-up
+                        self._send(*item)
+            while self._made_here:
+                self._send(*self._made_here.popleft())
+            for peer in list(self._backlogged):
+                self._send_unsent(peer)
+        finally:
+            self._flushing = False
 
     def _send(self, peer: ZmqPeer, parts: list, buffers: list | None, *, droppable: bool = False) -> None:
         if peer.closed:  # it vanished after this request came: nobody to answer
