@@ -284,7 +284,8 @@ class ZmqTransport:
                 for index, sock in enumerate(self.sockets):
                     if sock in ready:
                         self._receive(index, sock)
-                self._flush()
+                # The eventfd is read only when set: reading it unset costs a failing syscall.
+                self._flush(take_posted=self.outbox.fd in ready or self.outbox.pending)
             except Exception:
                 # A fault in one message or event (a bug) costs that one, not the lane: every
                 # peer's requests would go unanswered while the server runs on.
