@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor handles held at once, over all connections")
     p.add_argument("--max-handle-bytes", type=_count, default=defaults.max_handle_bytes,
                    help="device bytes of tensors held as handles")
+    p.add_argument("--threads", type=_positive, default=defaults.threads,
+                   help="CPU threads one kernel call may use (default: torch's, the machine's cores); fewer "
+                        "leaves cores to clients on the same machine, which can cut their tail latency")
     p.add_argument("--no-native-step", dest="native_step", action="store_false",
                    help="serve every step through the general (Python) path, never the native C++ one "
                         "(bridge.native), which by default serves each plain step that finds nothing but native steps in flight, "

@@ -14,7 +14,7 @@ import torch
 
 import protocol
 from bridge.client import PortClient, server_env
-from kernel_cases import SCAN_CASES, assert_close, make_scan_inputs, reference_scan
+from kernel_cases import SCAN_CASES, ScanCase, assert_close, make_scan_inputs, reference_scan
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,20 @@ def test_ping_and_info(client):
     assert info["device"]["device"] == "cpu"
     assert info["backend"] in info["kernels"]["available"]
     assert {"ping", "info", "scan", "stats", "shutdown"} <= set(info["protocol"]["ops"])
+
+
+def test_threads_sets_the_cpu_threads_a_kernel_call_may_use():
+    """--threads reaches torch (which the cpu backend's helper pool follows), as info reports,
+    and the kernels still answer; 0 is refused before anything starts."""
+    inputs = make_scan_inputs(ScanCase(2, 9, 6, 5, D=True))
+    with PortClient(["--device", "cpu", "--threads", "1"]) as one_thread:
+        assert one_thread.info()["devices"][0]["threads"] == 1
+        result = one_thread.scan(**numpy_args(inputs)).unwrap()
+    assert_close(torch.from_numpy(result["y"]), reference_scan(inputs)[0], torch.float32, "y")
+    refused = subprocess.run([sys.executable, "-m", "bridge", "--device", "cpu", "--threads", "0"],
+                             env=server_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "--threads: expected an int >= 1, got '0'" in refused.stderr
 
 
 @pytest.mark.parametrize("table", ["handlers", "legacy_handlers"])
