@@ -1223,6 +1223,37 @@ def test_a_fault_in_one_zmq_message_costs_that_message_not_the_lane(tmp_path, mo
         assert client.recv() == b"second"
 
 
+def test_a_zmq_reply_that_fails_to_send_is_tried_again(tmp_path, caplog):
+    """A send that fails with something other than a full pipe or a gone peer (EINTR: a signal
+    came) leaves the reply queued and tried again a moment later, with a warning; the peer is
+    kept and nothing is lost."""
+    failures = []
+
+    def echo(peer, body, received_ns, buffers):
+        if not failures:
+            real_send = peer.socket.send_multipart
+
+            def send_failing_once(*args, **kwargs):
+                if len(failures) < 1:
+                    failures.append(1)
+                    raise zmq.ZMQError(errno.EINTR)
+                return real_send(*args, **kwargs)
+
+            peer.socket.send_multipart = send_failing_once
+        peer.send([b"answered " + bytes(body)])
+
+    with zmq_lane_and_dealer(tmp_path, echo, max_in_flight=4) as (_, client):
+        client.send(b"first")
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the reply whose send failed never came"
+        assert client.recv() == b"answered first"
+        client.send(b"second")
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN)
+        assert client.recv() == b"answered second"
+    assert failures == [1]
+    assert any("a reply could not be sent" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+
+
 def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tmp_path):
     """A peer's request past its in-flight cap waits in the lane; when the one before it is
     answered at shutdown, it is dispatched and answered shutting_down, a reply posted while

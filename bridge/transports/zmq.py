@@ -444,7 +444,10 @@ class ZmqTransport:
 
     def _send_unsent(self, peer: ZmqPeer) -> None:
         """Send the peer's replies in order, until its pipe is full (SNDHWM: they wait for a
-        later round of the loop, which polls briefly while any wait) or it is found gone."""
+        later round of the loop, which polls briefly while any wait) or it is found gone.
+        Another failure (EINTR, a signal; ETERM or ENOTSOCK while closing) is retried the same
+        way, said once a time it starts: dropping the peer for it would lose its sessions, and
+        leaving the reply queued without a retry would leave it unsent until the peer's next one."""
         while peer.unsent:
             try:
                 peer.socket.send_multipart(peer.unsent[0], zmq.NOBLOCK, copy=False)
@@ -452,9 +455,11 @@ class ZmqTransport:
                 self._backlogged.add(peer)
                 return
             except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self._gone(peer)
+                if exc.errno == zmq.EHOSTUNREACH:
+                    self._gone(peer)
+                elif peer not in self._backlogged:
+                    log.warning("%s: a reply could not be sent (%s); trying again every %d ms", peer.id, exc, RETRY_MS)
+                    self._backlogged.add(peer)
                 return
             peer.unsent.popleft()
             self._answered(peer)
