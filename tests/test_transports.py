@@ -29,6 +29,7 @@ import zmq
 
 import protocol
 from bridge.client import UnixClient, ZmqClient, result_from_wire, server_env
+from bridge.native import NativeStepError
 from bridge.bench.lanes import TRANSPORTS
 from bridge.buffers import BufferPool
 from bridge.transports.framed import FrameAssembler, read_exact, read_frame
@@ -1223,10 +1224,10 @@ def test_a_fault_in_one_zmq_message_costs_that_message_not_the_lane(tmp_path, mo
         assert client.recv() == b"second"
 
 
-def test_a_zmq_reply_that_fails_to_send_is_tried_again(tmp_path, caplog):
-    """A send that fails with something other than a full pipe or a gone peer (EINTR: a signal
-    came) leaves the reply queued and tried again a moment later, with a warning; the peer is
-    kept and nothing is lost."""
+def test_a_zmq_reply_that_cannot_be_sent_is_dropped_and_the_next_ones_go(tmp_path, caplog):
+    """A send that fails for good (ENOTSOCK here; pyzmq retries EINTR itself) drops that reply
+    with a warning and gives back its place: with a cap of one request in flight, the peer's
+    next request is still served."""
     failures = []
 
     def echo(peer, body, received_ns, buffers):
@@ -1234,24 +1235,160 @@ def test_a_zmq_reply_that_fails_to_send_is_tried_again(tmp_path, caplog):
             real_send = peer.socket.send_multipart
 
             def send_failing_once(*args, **kwargs):
-                if len(failures) < 1:
+                if not failures:
                     failures.append(1)
-                    raise zmq.ZMQError(errno.EINTR)
+                    raise zmq.ZMQError(errno.ENOTSOCK)
                 return real_send(*args, **kwargs)
 
             peer.socket.send_multipart = send_failing_once
         peer.send([b"answered " + bytes(body)])
 
-    with zmq_lane_and_dealer(tmp_path, echo, max_in_flight=4) as (_, client):
+    with zmq_lane_and_dealer(tmp_path, echo, max_in_flight=1) as (_, client):
         client.send(b"first")
-        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the reply whose send failed never came"
-        assert client.recv() == b"answered first"
         client.send(b"second")
-        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN)
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the request after the dropped reply was not served"
         assert client.recv() == b"answered second"
     assert failures == [1]
-    assert any("a reply could not be sent" in r.getMessage() and r.levelno == logging.WARNING
+    assert any("a reply could not be sent and is dropped" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
+
+
+class FakeNativeStep:
+    """A native step path for a real Dispatcher: it takes bodies that start with b"step" and
+    answers b"native " + body; b"step-fail" fails after its kernel would have run
+    (NativeStepError). `before_parsing(body)` runs first, on the reading thread, before the
+    dispatcher decides whether the native path may serve it."""
+
+    def __init__(self, before_parsing=lambda body: None):
+        self.before_parsing = before_parsing
+
+    def parse(self, body):
+        body = bytes(body)
+        self.before_parsing(body)
+        return body if body.startswith(b"step") else None
+
+    def serve(self, conn, request, received_ns, queued_ns):
+        if request == b"step-fail":
+            raise NativeStepError(7, RuntimeError("the kernel failed"))
+        return b"native " + request, {}
+
+
+@contextlib.contextmanager
+def zmq_lane_with_dispatcher(tmp_path, native_step, max_in_flight: int, handlers: dict | None = None):
+    """A ZeroMQ lane in front of a real Dispatcher whose native step path is `native_step`,
+    started; closed after."""
+    from bridge.device import choose_device
+    from bridge.dispatcher import Dispatcher
+    from bridge.ops import HANDLERS, LEGACY_HANDLERS
+    from bridge.server import Server, ServerConfig
+
+    server = Server(ServerConfig(device="cpu", native_step=False), choose_device("cpu"))
+    server.native_step = native_step
+    dispatcher = Dispatcher(server, {**HANDLERS, **(handlers or {})}, LEGACY_HANDLERS)
+    dispatcher.start()
+    transport = ZmqTransport(dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
+                             max_in_flight=max_in_flight, hwm=16)
+    transport.start()
+    try:
+        yield dispatcher, transport
+    finally:
+        transport.close()
+        dispatcher.stop()
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + REPLY_TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.001)
+
+
+def reply_ids(client, count: int) -> list:
+    """The ids of the next `count` replies on `client`, a native step's as its body."""
+    replies = []
+    while len(replies) < count and client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
+        body = client.recv()
+        replies.append(body if body.startswith(b"native") else msgpack.unpackb(body)["id"])
+    return replies
+
+
+def test_a_failed_native_step_answered_on_the_zmq_io_thread_leaves_the_server_serving(tmp_path):
+    """A native step's error reply is made while the dispatcher still serves it (its serving
+    lock held, the step counted in flight). Sending it then, with another peer's reply already
+    posted, would start that peer's step that waited past its cap on the same thread, which
+    takes the same lock: the lane and the server would hang. Replies made on the io thread are
+    sent once the dispatcher has returned."""
+    ping_may_answer = threading.Event()
+
+    def held_ping(server, call):
+        if not ping_may_answer.wait(REPLY_TIMEOUT_S):
+            raise TimeoutError("the test never let the ping be answered")
+        return {"pong": True}
+
+    def until_the_ping_is_answered(body):
+        if body == b"step-fail":  # the other peer's pong posted and its request left
+            ping_may_answer.set()
+            wait_until(lambda: transport.outbox.pending and dispatcher._pending == 0,
+                       "the ping's reply was never posted")
+
+    with zmq_lane_with_dispatcher(tmp_path, FakeNativeStep(until_the_ping_is_answered), max_in_flight=1,
+                                  handlers={"ping": held_ping}) as (dispatcher, transport):
+        context = zmq.Context()
+        first, second = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+        try:
+            for peer in (first, second):
+                peer.connect(transport.endpoints[0])
+            second.send(b"".join(protocol.encode_request(1, "ping", {})))
+            second.send(b"step-2")  # waits: its peer has the ping in flight
+            wait_until(lambda: any(p.waiting for p in list(transport._peers.values())),
+                       "the step never waited behind the ping")
+            first.send(b"step-fail")
+            assert reply_ids(first, 1) == [7]
+            assert reply_ids(second, 2) == [1, b"native step-2"]
+        finally:
+            first.close(linger=0)
+            second.close(linger=0)
+            context.term()
+        assert not dispatcher._serving.locked()
+
+
+def test_a_zmq_peers_replies_leave_in_the_order_they_were_made(tmp_path):
+    """A peer's request that waited past its cap starts, and is answered on the io thread,
+    while a reply the worker posted for the same peer's earlier request is not sent yet: that
+    one leaves first."""
+    info_done = threading.Event()
+
+    def slow_info(server, call):
+        if not info_done.wait(REPLY_TIMEOUT_S):
+            raise TimeoutError("the test never let the info be answered")
+        return {"info": True}
+
+    with zmq_lane_with_dispatcher(tmp_path, FakeNativeStep(), max_in_flight=2,
+                                  handlers={"info": slow_info}) as (dispatcher, transport):
+        real_send = transport.sockets[0].send_multipart
+
+        def send_after_the_info(frames, *args, **kwargs):
+            # The pong leaves only once the info's reply is posted and its request has left,
+            # so that sending the pong starts the waiting step, served natively.
+            if any(b"pong" in bytes(frame) for frame in frames):
+                info_done.set()
+                wait_until(lambda: transport.outbox.pending and dispatcher._pending == 0,
+                           "the info's reply was never posted")
+            return real_send(frames, *args, **kwargs)
+
+        transport.sockets[0].send_multipart = send_after_the_info
+        context = zmq.Context()
+        client = context.socket(zmq.DEALER)
+        try:
+            client.connect(transport.endpoints[0])
+            client.send(b"".join(protocol.encode_request(1, "ping", {})))
+            client.send(b"".join(protocol.encode_request(2, "info", {})))
+            client.send(b"step-3")  # waits: two in flight
+            assert reply_ids(client, 3) == [1, 2, b"native step-3"]
+        finally:
+            client.close(linger=0)
+            context.term()
 
 
 def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tmp_path):

@@ -186,7 +186,9 @@ class ZmqTransport:
         self._on_fd: dict[tuple[int, int], set[ZmqPeer]] = {}  # (socket index, fd) -> its peers
         self._fds_known = True
         self._backlogged: set[ZmqPeer] = set()  # peers with replies waiting for room in their pipe
-        self._made_here: collections.deque = collections.deque()  # replies made on the io thread, see reply()
+        # Replies to send, in order: those made on the io thread and, ahead of each, what other
+        # threads had posted by then (see reply).
+        self._replies: collections.deque = collections.deque()
         self._flushing = False
         self._stop = threading.Event()
         self._closed = False
@@ -247,12 +249,12 @@ class ZmqTransport:
                 return
             deadline = time.monotonic() + FLUSH_SECONDS if deadline is None else deadline
             self._flush()
-            while (self.outbox.pending or self._backlogged) and time.monotonic() < deadline:
+            while (self.outbox.pending or self._replies or self._backlogged) and time.monotonic() < deadline:
                 time.sleep(RETRY_MS / 1000)
                 self._flush()
-            if self.outbox.pending or self._backlogged:
+            if self.outbox.pending or self._replies or self._backlogged:
                 log.warning("zmq lane: replies to %d peers still unsent at the shutdown deadline are lost",
-                            len(self._backlogged) + bool(self.outbox.pending))
+                            len(self._backlogged) + bool(self.outbox.pending or self._replies))
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -277,7 +279,8 @@ class ZmqTransport:
         poller.register(self.outbox.fd, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(RETRY_MS if self._backlogged else None))
+                # Replies left queued by a fault are tried again like a full pipe's.
+                ready = dict(poller.poll(RETRY_MS if self._backlogged or self._replies else None))
                 for index, monitor in enumerate(self.monitors):
                     if monitor in ready:
                         self._connection_events(index)
@@ -369,6 +372,11 @@ class ZmqTransport:
         except Exception:
             log.exception("%s: dispatching a request failed", peer.id)
             self._answered(peer)
+        if self._replies and not self._flushing:  # a request a flush started: that flush sends it
+            try:
+                self._flush(take_posted=self.outbox.pending)
+            except Exception:  # as in the loop: a fault costs a reply, not the messages after it
+                log.exception("zmq io thread: replies could not be sent")
 
     def _decline(self, peer: ZmqPeer, message: list) -> None:
         """Answer `overloaded` at once: the peer has `hwm` requests waiting already."""
@@ -388,36 +396,35 @@ class ZmqTransport:
 
     def reply(self, peer: ZmqPeer, parts: list, buffers: list | None) -> None:
         """Send a reply to `peer`. From another thread (the dispatcher's worker) it is posted for
-        the io thread; made on the io thread (a request served where it was read, as the native
-        step path serves one) it is sent at once, after anything posted before it: posting it
-        would cost an eventfd write and read and hold it until the loop's next flush
-        (bench/results/zmq_direct_reply_ab.json)."""
+        the io thread. Made on the io thread (a request served where it was read, as the native
+        step path serves one) it is queued behind what was posted before it and sent as soon as
+        the dispatcher returns from the request (_dispatch), instead of being posted to this
+        thread through the eventfd and held until the loop's next flush
+        (bench/results/zmq_direct_reply_ab.json). Never sent from in here: the dispatcher may
+        still hold its serving lock and count the request in flight, and a send can start a
+        request that waited past its peer's cap (_answered), which needs both."""
         if threading.current_thread() is not self._thread:
             self.outbox.post((peer, parts, buffers))
             return
-        self._made_here.append((peer, parts, buffers))
-        if self._flushing:
-            return  # the flush this reply was made under sends it
-        try:
-            # Only what is there is taken: the loop reads the eventfd whenever poll finds it set.
-            self._flush(take_posted=self.outbox.pending)
-        except Exception:  # as in the loop: a fault costs this reply, not the dispatcher's caller
-            log.exception("zmq io thread: a reply could not be sent")
+        if self.outbox.pending:  # posted before this reply was made: they go first
+            self._take_posted()
+        self._replies.append((peer, parts, buffers))
+
+    def _take_posted(self) -> None:
+        self._replies.extend(item for item in self.outbox.take() if item is not None)  # None: close()'s wake-up
 
     def _flush(self, take_posted: bool = True) -> None:
-        """Send what other threads posted (`take_posted`), then the replies made on this thread,
-        then retry the peers whose pipes were full. Not re-entered: sending a reply may dispatch a request
-        waiting past the peer's cap, whose reply is made here too (see reply) and sent by the
-        loop below, so a queue of waiting requests is worked off in turn rather than by a
-        recursion as deep as the queue."""
+        """Send the replies in order -- with what other threads posted (`take_posted`) after those
+        queued already -- then retry the peers whose pipes were full. Not re-entered: sending a
+        reply may start a request that waited past its peer's cap, whose reply, made here too,
+        is sent by the loop below, so a queue of waiting requests is worked off in turn rather
+        than by a recursion as deep as the queue."""
         self._flushing = True
         try:
             if take_posted:
-                for item in self.outbox.take():
-                    if item is not None:  # None: close()'s wake-up
-                        self._send(*item)
-            while self._made_here:
-                self._send(*self._made_here.popleft())
+                self._take_posted()
+            while self._replies:
+                self._send(*self._replies.popleft())
             for peer in list(self._backlogged):
                 self._send_unsent(peer)
         finally:
@@ -444,10 +451,10 @@ class ZmqTransport:
 
     def _send_unsent(self, peer: ZmqPeer) -> None:
         """Send the peer's replies in order, until its pipe is full (SNDHWM: they wait for a
-        later round of the loop, which polls briefly while any wait) or it is found gone.
-        Another failure (EINTR, a signal; ETERM or ENOTSOCK while closing) is retried the same
-        way, said once a time it starts: dropping the peer for it would lose its sessions, and
-        leaving the reply queued without a retry would leave it unsent until the peer's next one."""
+        later round of the loop, which polls briefly while any wait) or it is found gone. A
+        reply that fails otherwise is dropped, with a warning, and the next ones are tried:
+        pyzmq retries EINTR itself, so what fails here (ENOTSOCK, ETERM: the lane is closing)
+        would fail again, and kept it would hold the peer at its cap for good."""
         while peer.unsent:
             try:
                 peer.socket.send_multipart(peer.unsent[0], zmq.NOBLOCK, copy=False)
@@ -457,10 +464,8 @@ class ZmqTransport:
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
                     self._gone(peer)
-                elif peer not in self._backlogged:
-                    log.warning("%s: a reply could not be sent (%s); trying again every %d ms", peer.id, exc, RETRY_MS)
-                    self._backlogged.add(peer)
-                return
+                    return
+                log.warning("%s: a reply could not be sent and is dropped: %s", peer.id, exc)
             peer.unsent.popleft()
             self._answered(peer)
         self._backlogged.discard(peer)
