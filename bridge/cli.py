@@ -218,6 +218,10 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
         return 2
     # Every ServerConfig field is an option of the same name.
     config = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
+    if config.threads is not None:  # before any thread calls into torch: each keeps what it read
+        import torch
+
+        torch.set_num_threads(config.threads)
     try:
         server = Server(config, device)
     except Exception as exc:  # e.g. --backend naming an unavailable backend

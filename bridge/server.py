@@ -53,9 +53,10 @@ class ServerConfig:
     max_connections: int = 256
     # Serve plain steps that find nothing but native steps in flight in C++ (bridge.native), where it can.
     native_step: bool = True
-    # CPU threads one kernel call may use (torch.set_num_threads; the cpu backend's helper pool
-    # follows it); None: torch's default, the machine's cores. Fewer than the cores leaves cores to
-    # clients on the same machine: 8 unix callers stepping 32-row sessions on the 2-core box had a
+    # CPU threads one kernel call may use (torch.set_num_threads, which the cpu backend's helper
+    # pool follows), set by `python -m bridge` at start: it is the whole process's, so a Server
+    # made in-process leaves it alone. None: torch's default, the machine's cores. Fewer than the
+    # cores leaves cores to clients on the same machine: 8 unix callers stepping 32-row sessions on the 2-core box had a
     # p99 round trip of 11.0 ms on 2 threads and 4.5 ms on 1, at 0.76x the throughput
     # (bench/results/kernel_threads_callers_ab.json).
     threads: int | None = None
@@ -70,8 +71,6 @@ class Server:
         self.config = config
         self.device_choice = device
         self.device = device.device
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
         self.backend = kernels.select_backend(self.device.type, config.backend)
         self.stats = Stats()
         self.stop_requested = threading.Event()
