@@ -1274,7 +1274,8 @@ class FakeNativeStep:
 
 
 @contextlib.contextmanager
-def zmq_lane_with_dispatcher(tmp_path, native_step, max_in_flight: int, handlers: dict | None = None):
+def zmq_lane_with_dispatcher(tmp_path, native_step, max_in_flight: int, handlers: dict | None = None,
+                             hwm: int = 16):
     """A ZeroMQ lane in front of a real Dispatcher whose native step path is `native_step`,
     started; closed after."""
     from bridge.device import choose_device
@@ -1287,13 +1288,28 @@ def zmq_lane_with_dispatcher(tmp_path, native_step, max_in_flight: int, handlers
     dispatcher = Dispatcher(server, {**HANDLERS, **(handlers or {})}, LEGACY_HANDLERS)
     dispatcher.start()
     transport = ZmqTransport(dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
-                             max_in_flight=max_in_flight, hwm=16)
+                             max_in_flight=max_in_flight, hwm=hwm)
     transport.start()
     try:
         yield dispatcher, transport
     finally:
         transport.close()
         dispatcher.stop()
+
+
+@contextlib.contextmanager
+def dealers(transport, count: int):
+    """`count` DEALER sockets connected to the lane's endpoint; closed after."""
+    context = zmq.Context()
+    sockets = [context.socket(zmq.DEALER) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.connect(transport.endpoints[0])
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
 
 
 def wait_until(condition, what: str) -> None:
@@ -1334,11 +1350,7 @@ def test_a_failed_native_step_answered_on_the_zmq_io_thread_leaves_the_server_se
 
     with zmq_lane_with_dispatcher(tmp_path, FakeNativeStep(until_the_ping_is_answered), max_in_flight=1,
                                   handlers={"ping": held_ping}) as (dispatcher, transport):
-        context = zmq.Context()
-        first, second = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
-        try:
-            for peer in (first, second):
-                peer.connect(transport.endpoints[0])
+        with dealers(transport, 2) as (first, second):
             second.send(b"".join(protocol.encode_request(1, "ping", {})))
             second.send(b"step-2")  # waits: its peer has the ping in flight
             wait_until(lambda: any(p.waiting for p in list(transport._peers.values())),
@@ -1346,10 +1358,6 @@ def test_a_failed_native_step_answered_on_the_zmq_io_thread_leaves_the_server_se
             first.send(b"step-fail")
             assert reply_ids(first, 1) == [7]
             assert reply_ids(second, 2) == [1, b"native step-2"]
-        finally:
-            first.close(linger=0)
-            second.close(linger=0)
-            context.term()
         assert not dispatcher._serving.locked()
 
 
@@ -1378,17 +1386,80 @@ def test_a_zmq_peers_replies_leave_in_the_order_they_were_made(tmp_path):
             return real_send(frames, *args, **kwargs)
 
         transport.sockets[0].send_multipart = send_after_the_info
-        context = zmq.Context()
-        client = context.socket(zmq.DEALER)
-        try:
-            client.connect(transport.endpoints[0])
+        with dealers(transport, 1) as (client,):
             client.send(b"".join(protocol.encode_request(1, "ping", {})))
             client.send(b"".join(protocol.encode_request(2, "info", {})))
             client.send(b"step-3")  # waits: two in flight
             assert reply_ids(client, 3) == [1, 2, b"native step-3"]
-        finally:
-            client.close(linger=0)
-            context.term()
+
+
+def test_a_reply_made_while_a_full_pipe_is_retried_leaves_in_the_same_flush(tmp_path, monkeypatch):
+    """A peer's reply meets a full pipe until its next request waits behind it; when the retry
+    lets it leave, the waiting step starts and is answered on the io thread. That reply leaves
+    in the same flush, not a RETRY_MS later (made long here so that a wait would show)."""
+    import bridge.transports.zmq as zmq_lane
+
+    monkeypatch.setattr(zmq_lane, "RETRY_MS", 1000)
+    with zmq_lane_with_dispatcher(tmp_path, FakeNativeStep(), max_in_flight=1) as (_, transport):
+        real_send = transport.sockets[0].send_multipart
+
+        def full_until_a_request_waits(frames, *args, **kwargs):  # on the io thread
+            if b"native step-1" in frames and not any(p.waiting for p in transport._peers.values()):
+                raise zmq.Again()
+            return real_send(frames, *args, **kwargs)
+
+        transport.sockets[0].send_multipart = full_until_a_request_waits
+        with dealers(transport, 1) as (client,):
+            client.send(b"step-1")
+            client.send(b"step-2")  # waits: one in flight
+            arrivals = []
+            for _ in range(2):
+                assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN)
+                arrivals.append((client.recv(), time.monotonic()))
+    assert [body for body, _ in arrivals] == [b"native step-1", b"native step-2"]
+    assert arrivals[1][1] - arrivals[0][1] < 0.5, "the second reply waited for another retry"
+
+
+def test_an_overloaded_answer_leaves_after_the_replies_posted_before_it(tmp_path):
+    """The worker posts a peer's reply; before the io thread has sent it, the same peer's next
+    request, past its cap and its queue, is answered overloaded on the io thread: that answer
+    leaves second (an id-less legacy client tells replies apart by their order alone)."""
+    ping_may_answer = threading.Event()
+    declined_sent = threading.Event()
+    armed = []
+
+    def held_ping(server, call):
+        if not ping_may_answer.wait(REPLY_TIMEOUT_S):
+            raise TimeoutError("the test never let the ping be answered")
+        return {"pong": True}
+
+    def post_then_decline(body):
+        # On the io thread, reading the other peer's request: let the worker post the first
+        # peer's pong, then send that peer a request to decline, which this same round of
+        # reading finds once this returns.
+        if armed and armed.pop():
+            ping_may_answer.set()
+            wait_until(lambda: transport.outbox.pending and dispatcher._pending == 0,
+                       "the ping's reply was never posted")
+            first.send(b"".join(protocol.encode_request(3, "ping", {})))
+            time.sleep(0.2)  # for the message to reach the server's socket within this round
+            declined_sent.set()
+
+    with zmq_lane_with_dispatcher(tmp_path, FakeNativeStep(post_then_decline), max_in_flight=1,
+                                  handlers={"ping": held_ping}, hwm=1) as (dispatcher, transport):
+        with dealers(transport, 2) as (first, second):
+            first.send(b"".join(protocol.encode_request(1, "ping", {})))
+            first.send(b"".join(protocol.encode_request(2, "ping", {})))  # waits: its queue is full
+            wait_until(lambda: any(p.waiting for p in list(transport._peers.values())),
+                       "the second ping never waited")
+            armed.append(True)
+            second.send(b"".join(protocol.encode_request(9, "info", {})))
+            assert declined_sent.wait(REPLY_TIMEOUT_S)
+            replies = []
+            while len(replies) < 3 and first.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
+                reply = msgpack.unpackb(first.recv())
+                replies.append((reply["id"], reply["ok"] or reply["error"]["code"]))
+    assert replies == [(1, True), (3, "overloaded"), (2, True)]
 
 
 def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tmp_path):

@@ -392,7 +392,12 @@ class ZmqTransport:
                  else protocol.encode_error(request_id, "overloaded", text, {"limit": self.hwm}))
         self.dispatcher.server.stats.record_error("overloaded")
         peer.in_flight += 1  # answered like any other request: _answered gives it back
-        self._send(peer, parts, None, droppable=True)  # on the io thread already
+        # Queued like a reply made here (behind replies the worker posted for this peer before,
+        # which an id-less legacy client tells apart by order alone) and sent at once: the
+        # reading loop that declines it is outside the dispatcher.
+        self._queue((peer, parts, None, True))
+        if not self._flushing:
+            self._flush(take_posted=False)
 
     def reply(self, peer: ZmqPeer, parts: list, buffers: list | None) -> None:
         """Send a reply to `peer`. From another thread (the dispatcher's worker) it is posted for
@@ -406,9 +411,14 @@ class ZmqTransport:
         if threading.current_thread() is not self._thread:
             self.outbox.post((peer, parts, buffers))
             return
-        if self.outbox.pending:  # posted before this reply was made: they go first
+        self._queue((peer, parts, buffers))
+
+    def _queue(self, entry: tuple) -> None:
+        """Queue a reply made on the io thread, (peer, parts, buffers[, droppable]) as _send
+        takes them, behind what other threads posted before it was made."""
+        if self.outbox.pending:
             self._take_posted()
-        self._replies.append((peer, parts, buffers))
+        self._replies.append(entry)
 
     def _take_posted(self) -> None:
         self._replies.extend(item for item in self.outbox.take() if item is not None)  # None: close()'s wake-up
@@ -423,14 +433,19 @@ class ZmqTransport:
         try:
             if take_posted:
                 self._take_posted()
-            while self._replies:
-                self._send(*self._replies.popleft())
-            for peer in list(self._backlogged):
-                self._send_unsent(peer)
+            # A retried peer's reply that leaves may start its waiting request, whose reply is
+            # queued meanwhile: sent in the same flush, not a poll timeout later.
+            while self._replies or self._backlogged:
+                while self._replies:
+                    self._send(*self._replies.popleft())
+                for peer in list(self._backlogged):
+                    self._send_unsent(peer)
+                if not self._replies:
+                    break
         finally:
             self._flushing = False
 
-    def _send(self, peer: ZmqPeer, parts: list, buffers: list | None, *, droppable: bool = False) -> None:
+    def _send(self, peer: ZmqPeer, parts: list, buffers: list | None, droppable: bool = False) -> None:
         if peer.closed:  # it vanished after this request came: nobody to answer
             self._answered(peer)
             return
