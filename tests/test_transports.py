@@ -1442,7 +1442,10 @@ def test_an_overloaded_answer_leaves_after_the_replies_posted_before_it(tmp_path
             wait_until(lambda: transport.outbox.pending and dispatcher._pending == 0,
                        "the ping's reply was never posted")
             first.send(b"".join(protocol.encode_request(3, "ping", {})))
-            time.sleep(0.2)  # for the message to reach the server's socket within this round
+            # In the server's socket before this returns, so that this round of reading finds it
+            # (asked on the io thread, which owns the socket).
+            wait_until(lambda: transport.sockets[0].getsockopt(zmq.EVENTS) & zmq.POLLIN,
+                       "the request to decline never reached the server")
             declined_sent.set()
 
     with zmq_lane_with_dispatcher(tmp_path, FakeNativeStep(post_then_decline), max_in_flight=1,
