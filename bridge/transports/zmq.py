@@ -7,7 +7,9 @@ ZeroMQ sockets are not thread-safe, so one thread ("zmq-io") owns every socket o
 receives, hands bodies to the dispatcher (which decodes them on this thread, as on the stdio
 reader), and sends every reply. Replies produced on other threads (the dispatcher's worker)
 are posted to an `Outbox` that wakes the io thread through an eventfd it polls beside the
-sockets; replies made on the io thread itself (the native step path's) are sent at once.
+sockets; replies made on the io thread itself (the native step path's, `overloaded` answers)
+are queued behind what was posted before them and sent as soon as the dispatcher returns from
+the request, so that a peer's replies leave in the order they were made.
 
 Bounds and fairness: a peer has at most `max_in_flight` requests in flight (with the
 dispatcher, or answered and not yet sent); its later requests wait in its own queue (at most
