@@ -56,9 +56,9 @@ class ServerConfig:
     # CPU threads one kernel call may use (torch.set_num_threads, which the cpu backend's helper
     # pool follows), set by `python -m bridge` at start: it is the whole process's, so a Server
     # made in-process leaves it alone. None: torch's default, the machine's cores. Fewer than the
-    # cores leaves cores to clients on the same machine: 8 unix callers stepping 32-row sessions on the 2-core box had a
-    # p99 round trip of 11.0 ms on 2 threads and 4.5 ms on 1, at 0.76x the throughput
-    # (bench/results/kernel_threads_callers_ab.json).
+    # cores leaves cores to clients on the same machine: 8 unix callers stepping 32-row sessions
+    # on the 2-core box had a p99 round trip of 11.0 ms on 2 threads and 4.5 ms on 1, at 0.76x
+    # the throughput (bench/results/kernel_threads_callers_ab.json).
     threads: int | None = None
 
 

@@ -374,11 +374,7 @@ class ZmqTransport:
         except Exception:
             log.exception("%s: dispatching a request failed", peer.id)
             self._answered(peer)
-        if self._replies and not self._flushing:  # a request a flush started: that flush sends it
-            try:
-                self._flush(take_posted=self.outbox.pending)
-            except Exception:  # as in the loop: a fault costs a reply, not the messages after it
-                log.exception("zmq io thread: replies could not be sent")
+        self._send_queued()
 
     def _decline(self, peer: ZmqPeer, message: list) -> None:
         """Answer `overloaded` at once: the peer has `hwm` requests waiting already."""
@@ -398,8 +394,7 @@ class ZmqTransport:
         # which an id-less legacy client tells apart by order alone) and sent at once: the
         # reading loop that declines it is outside the dispatcher.
         self._queue((peer, parts, None, True))
-        if not self._flushing:
-            self._flush(take_posted=False)
+        self._send_queued()
 
     def reply(self, peer: ZmqPeer, parts: list, buffers: list | None) -> None:
         """Send a reply to `peer`. From another thread (the dispatcher's worker) it is posted for
@@ -422,6 +417,15 @@ class ZmqTransport:
             self._take_posted()
         self._replies.append(entry)
 
+    def _send_queued(self) -> None:
+        """Send the replies queued on the io thread, outside the dispatcher; under a flush (a
+        request it started) that flush sends them."""
+        if self._replies and not self._flushing:
+            try:
+                self._flush(take_posted=self.outbox.pending)
+            except Exception:  # as in the loop: a fault costs a reply, not the messages after it
+                log.exception("zmq io thread: replies could not be sent")
+
     def _take_posted(self) -> None:
         self._replies.extend(item for item in self.outbox.take() if item is not None)  # None: close()'s wake-up
 
@@ -437,7 +441,7 @@ class ZmqTransport:
                 self._take_posted()
             # A retried peer's reply that leaves may start its waiting request, whose reply is
             # queued meanwhile: sent in the same flush, not a poll timeout later.
-            while self._replies or self._backlogged:
+            while True:
                 while self._replies:
                     self._send(*self._replies.popleft())
                 for peer in list(self._backlogged):
