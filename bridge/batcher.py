@@ -230,10 +230,9 @@ def _launch(server, op: BatchedOp, items: list[Item]) -> list[dict]:
     rows = sum(item.rows for item in items)
     for item in items:
         item.call.timing.extra["batch_rows"] = rows
-        # Counted here, once, not with any member's reply, which may still fail to go out
-        # (inference_count / execution_count = mean batch).
-        item.call.executions = 0
     results = op.run(server, items)
+    # The launch is counted here, once, not with any member's reply, which may still fail to go
+    # out (inference_count / execution_count = mean batch).
     server.stats.record_launch(items[0].call.stats_op)
     return results
 

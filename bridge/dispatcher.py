@@ -60,7 +60,6 @@ class Call:
     legacy: bool  # an ExPhil request (protocol.LegacyRequest)
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
-    executions: int = 1  # executions its success counts (stats): 0 in a batch, whose launch counts apart
     after_reply: Callable | None = None  # run once the reply is written (the shutdown op's)
     prepared: object = None  # the batcher's Item, once prepared
 
@@ -383,8 +382,9 @@ class Dispatcher:
             self._reply_error(call.conn, None if call.legacy else call.request.id, reply_too_large(exc),
                               legacy=call.legacy, stats_op=call.stats_op)
         else:
+            # A batched op's success counts no execution: its launch counted one (_launch).
             self.server.stats.record(call.stats_op, reply_timing or None, ok=True,
-                                     executions=call.executions)
+                                     executions=int(call.batched_op is None))
         finally:
             self._finish(call)
 

@@ -356,7 +356,6 @@ def test_big_scans_run_alone(inproc):
 class FakeCall:
     enqueued_ns: int
     timing: Timing
-    executions: int = 1
     stats_op: str = "step"
 
 
