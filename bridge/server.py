@@ -58,7 +58,8 @@ class ServerConfig:
     # made in-process leaves it alone. None: torch's default, the machine's cores. Fewer than the
     # cores leaves cores to clients on the same machine: 8 unix callers stepping 32-row sessions
     # on the 2-core box had a p99 round trip of 11.0 ms on 2 threads and 4.5 ms on 1, at 0.76x
-    # the throughput (bench/results/kernel_threads_callers_ab.json).
+    # the throughput (bench/results/kernel_threads_callers_ab.json, taken with OMP_NUM_THREADS=1
+    # in the server's environment, which sets the same count, before this setting existed).
     threads: int | None = None
 
 
