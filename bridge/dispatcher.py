@@ -445,8 +445,10 @@ class Dispatcher:
 
     def _send(self, conn, parts, buffers: list | None = None) -> None:
         try:
-            n = conn.send(parts, buffers)  # buffers: a multipart reply's (ZeroMQ only)
+            conn.send(parts, buffers)  # buffers: a multipart reply's (ZeroMQ only)
         except OSError as exc:
             log.warning("could not reply to %s: %s", getattr(conn, "id", conn), exc)
             return
-        self.server.stats.reply_out(n or 0)
+        # The reply's bytes as frame_in counts a request's: body and buffers, no length prefix.
+        self.server.stats.reply_out(sum(memoryview(p).nbytes for p in parts)
+                                    + sum(memoryview(b).nbytes for b in buffers or ()))

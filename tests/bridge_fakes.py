@@ -33,13 +33,11 @@ class RecordingConnection(Connection):
         self._replies: dict = {}
         self._arrived = threading.Condition()
 
-    def send(self, parts: list, buffers: list | None = None) -> int:
-        body = b"".join(parts)
-        reply = protocol.decode_reply(body, buffers or ())
+    def send(self, parts: list, buffers: list | None = None) -> None:
+        reply = protocol.decode_reply(b"".join(parts), buffers or ())
         with self._arrived:
             self._replies[reply.id] = reply
             self._arrived.notify_all()
-        return len(body)
 
     def reply(self, request_id, timeout: float = 60.0) -> protocol.Reply:
         with self._arrived:

@@ -23,11 +23,10 @@ class Connection:
         self._close_callbacks = []
         self._close_lock = threading.Lock()
 
-    def send(self, parts: list, buffers: list | None = None) -> int:  # pragma: no cover - each transport implements it
+    def send(self, parts: list, buffers: list | None = None) -> None:  # pragma: no cover - each transport implements it
         """Write one reply: `parts` make up one msgpack body (the transport adds its framing);
         `buffers` are the raw buffers of a multipart reply, which only a message-based
-        transport (ZeroMQ) carries. Returns the reply's bytes: its body and buffers, without the
-        length prefix a stream lane adds (as the stats count them). Called from any thread."""
+        transport (ZeroMQ) carries. Called from any thread."""
         raise NotImplementedError
 
     @property

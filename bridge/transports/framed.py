@@ -89,13 +89,12 @@ class FdConnection(Connection):
         self.out_fd = out_fd
         self._write_lock = threading.Lock()
 
-    def send(self, parts: list, buffers: list | None = None) -> int:
+    def send(self, parts: list, buffers: list | None = None) -> None:
         if buffers:
             raise ValueError("a stream reply is one frame: it carries no raw buffers")
         framed = protocol.frame_parts(parts)
         with self._write_lock:
             write_all(self.out_fd, framed)
-        return protocol.parse_frame_header(framed[0])  # the body's bytes, as the stats count them
 
 
 class FrameAssembler:

@@ -154,11 +154,10 @@ class UnixConnection(Connection):
 
     # -- replies --------------------------------------------------------------------------
 
-    def send(self, parts: list, buffers: list | None = None) -> int:
+    def send(self, parts: list, buffers: list | None = None) -> None:
         if buffers:
             raise ValueError("a unix-socket reply is one frame: it carries no raw buffers")
         views = byte_views(protocol.frame_parts(parts))
-        total = protocol.parse_frame_header(views[0])  # the body's bytes, as the stats count them
         if threading.current_thread() is self._reading_thread:
             stall_s, budget_s = READER_STALL_SECONDS, READER_WRITE_SECONDS
         else:
@@ -169,13 +168,13 @@ class UnixConnection(Connection):
                 failure = BrokenPipeError(f"{self.id}: the peer is gone ({self._broken})")
             elif self._backlog:  # earlier replies still queued for a slow peer: keep the order
                 self._backlog.append(views)
-                return total
+                return
             else:
                 try:
                     if not self._write_now(views, stall_s, budget_s):
                         self._backlog.append(views)
                         self._start_writer(self)
-                        return total
+                        return
                 except OSError as exc:
                     self._broken = self._broken or exc
                     failure = exc
@@ -183,7 +182,6 @@ class UnixConnection(Connection):
         self._done()
         if failure is not None:
             raise failure
-        return total
 
     def _write_now(self, views: list[memoryview], stall_s: float, budget_s: float) -> bool:
         """Write without blocking for longer than `stall_s` without progress, nor past `budget_s`

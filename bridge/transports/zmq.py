@@ -164,9 +164,8 @@ class ZmqPeer(Connection):
         self.waiting: collections.deque = collections.deque()
         self.unsent: collections.deque = collections.deque()
 
-    def send(self, parts: list, buffers: list | None = None) -> int:
+    def send(self, parts: list, buffers: list | None = None) -> None:
         self.transport.reply(self, parts, buffers)
-        return sum(memoryview(p).nbytes for p in parts) + sum(memoryview(b).nbytes for b in buffers or ())
 
 
 class ZmqTransport:
