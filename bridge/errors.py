@@ -29,17 +29,21 @@ def out_of_memory(what: str, exc: BaseException) -> OpError:
 CPU_ALLOCATOR_FAILED = "can't allocate memory"
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocator failed: Python's, CUDA's, or torch's CPU allocator. Any other RuntimeError
+    (a CUDA error an earlier kernel left, say) is not."""
+    return (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+            or (isinstance(exc, RuntimeError) and CPU_ALLOCATOR_FAILED in str(exc)))
+
+
 @contextlib.contextmanager
 def allocation(what: str):
     """Around a device allocation whose sizes are already checked: its failure is an
-    out-of-memory error. Any other RuntimeError (a CUDA error an earlier kernel left, say) is
-    not this request's fault and stays what it is."""
+    out-of-memory error that names `what` was being allocated for."""
     try:
         yield
-    except (MemoryError, torch.OutOfMemoryError) as exc:
-        raise out_of_memory(what, exc) from exc
-    except RuntimeError as exc:
-        if CPU_ALLOCATOR_FAILED not in str(exc):
+    except Exception as exc:
+        if not is_out_of_memory(exc):
             raise
         raise out_of_memory(what, exc) from exc
 
@@ -55,6 +59,6 @@ def error_fields(exc: BaseException) -> tuple[str, str, dict]:
             "field": field, "expected": exc.expected, "got": exc.got}
     if isinstance(exc, kernels.BackendUnavailable):
         return "unsupported", str(exc), {}
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+    if is_out_of_memory(exc):
         return error_fields(out_of_memory("serving the request", exc))
     return "internal_error", f"{type(exc).__name__}: {exc}", {"exception": type(exc).__name__}

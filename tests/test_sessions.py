@@ -313,6 +313,25 @@ def test_huge_session_is_refused_before_allocating(inproc):
     assert srv.server.sessions.usage()["pool_bytes"] == 0
 
 
+@pytest.mark.parametrize("exc, code", [
+    pytest.param(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                              "you tried to allocate 4503599627370496 bytes"), "limit_exceeded", id="cpu-allocator"),
+    pytest.param(MemoryError(), "limit_exceeded", id="memory-error"),
+    pytest.param(torch.OutOfMemoryError("CUDA out of memory"), "limit_exceeded", id="cuda-allocator"),
+    pytest.param(RuntimeError("CUDA error: an illegal memory access was encountered"), "internal_error",
+                 id="other-runtime-error"),
+])
+def test_an_allocator_failure_anywhere_is_limit_exceeded_memory(exc, code):
+    """Wherever an op's allocation fails (not only around the pool and handle allocations), the
+    request is answered limit_exceeded with limit memory; other runtime errors stay internal."""
+    from bridge.errors import error_fields
+
+    got_code, message, detail = error_fields(exc)
+    assert got_code == code
+    if code == "limit_exceeded":
+        assert detail == {"limit": "memory"} and "out of memory" in message
+
+
 def test_a_pool_the_machine_cannot_allocate_is_refused_and_leaves_nothing(inproc):
     # Within --max-pool-bytes, but 16 PiB: more than any address space holds. torch raises
     # its allocator's failure as a RuntimeError, which must still be limit_exceeded memory.
