@@ -46,6 +46,7 @@ import zmq
 
 import protocol
 from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
+from bridge.bench.measure import FRAME_BUDGET_60FPS_US
 from bridge.client import PortClient
 
 from .floors import (BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
@@ -54,8 +55,7 @@ from .machine import summarize_us, write_results
 
 # Untimed round trips before the timed ones: first-call allocations, page faults.
 WARMUP = 20
-# One frame of a 60 FPS loop.
-FRAME_SECONDS = 1 / 60
+FRAME_SECONDS = FRAME_BUDGET_60FPS_US / 1e6
 
 
 def wait_for_frame(start: float, frame: float) -> None:

@@ -54,7 +54,7 @@ def run(iterations: int, server_args: list[str]) -> dict:
     try:
         exchange(bridge.lane, request_parts, "scan")
         reply_frame = protocol.framing.HEADER_SIZE + len(bridge.lane.last_reply)
-        echo = open_floor("stdio", [reply_frame - protocol.framing.HEADER_SIZE])
+        echo = open_floor("stdio", bridge.lane.reply_sizes())
         rows = {"round_trip": [], "bridge_cost": [], "echo": [], "ipc": [], "python_client": []}
         stages = {}
         for i in range(iterations + WARMUP):

@@ -144,9 +144,11 @@ def open_lanes(args, dispatcher) -> list:
 def warmup_dtypes() -> dict:
     """The dtypes a warmup bucket may name, by wire code: the floating ones (SPEC §5), which the
     kernels take."""
-    from .tensors import TORCH_DTYPES
+    from kernels._args import FLOAT_DTYPES
 
-    return {code: dtype for code, dtype in TORCH_DTYPES.items() if dtype.is_floating_point}
+    from .tensors import WIRE_DTYPES
+
+    return {WIRE_DTYPES[dtype]: dtype for dtype in FLOAT_DTYPES}
 
 
 def warmup_shape(text: str) -> dict:

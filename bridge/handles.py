@@ -19,10 +19,6 @@ def unknown_handle(handle: str, field: str) -> OpError:
                    {"field": field, "handle": handle})
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class HandleTable(OwnedTable[torch.Tensor]):
     def __init__(self, *, max_handles: int, max_bytes: int):
         super().__init__(unknown_handle)
@@ -51,7 +47,7 @@ class HandleTable(OwnedTable[torch.Tensor]):
 
     def put(self, owner: str, tensor: torch.Tensor) -> str:
         """Hold `tensor` (which must be the server's own copy) for `owner`; returns its id."""
-        nbytes = _nbytes(tensor)
+        nbytes = tensor.nbytes
         with self._lock:
             # Again, should puts ever run side by side: today ops run one at a time, and only a
             # closing connection can change the table meanwhile, which frees room.
@@ -61,7 +57,7 @@ class HandleTable(OwnedTable[torch.Tensor]):
         return handle_id
 
     def _released(self, tensor: torch.Tensor) -> None:
-        self._bytes -= _nbytes(tensor)
+        self._bytes -= tensor.nbytes
 
     def usage(self) -> dict:
         with self._lock:
