@@ -81,6 +81,11 @@ def dt_options(args: dict) -> dict:
 SHARED_ARGS = ("A", "D", "dt_bias")
 
 
+def shared_args(server, call) -> dict:
+    """A call's SHARED_ARGS, as its batch key and same_values compare them."""
+    return {name: server.tensor_arg(call, name) for name in SHARED_ARGS}
+
+
 def same_values(a: WireTensor | torch.Tensor | None, b: WireTensor | torch.Tensor | None) -> bool:
     """True when `a` and `b` (wire bytes as they came, or a handle's tensor) are the same tensor
     or hold equal values, dtype and shape too. Wire bytes are compared as bytes on the host, so

@@ -7,7 +7,7 @@ from __future__ import annotations
 import kernels
 from protocol import WireTensor
 
-from ..batcher import (SHARED_ARGS, BatchedOp, Item, charge, dt_options, row_signature, shared_tensors,
+from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, shared_args, shared_tensors,
                        signature, split_rows, stack_rows, wire_rows)
 from ..errors import OpError
 from ..tensors import to_wire
@@ -58,7 +58,7 @@ class ScanOp(BatchedOp):
                               "initial state), got a tensor",
                               {"field": "args.h0", "expected": "nothing", "got": "a tensor"})
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS if name != "h0"}
-        shared = {name: server.tensor_arg(call, name) for name in SHARED_ARGS}
+        shared = shared_args(server, call)
         if session is not None:
             _check_session_dims(session, own["x"], shared["A"], layout)
             h0_signature = (session.pool.rows.dtype, (session.dim, session.state))

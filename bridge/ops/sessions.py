@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import kernels
 
-from ..batcher import (SHARED_ARGS, BatchedOp, Item, charge, dt_options, row_signature, shared_tensors,
+from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, shared_args, shared_tensors,
                        signature, stack_rows, wire_rows)
 from ..errors import OpError
 from ..tensors import to_wire
@@ -64,7 +64,7 @@ class StepOp(BatchedOp):
         args = call.args
         session = server.session(call.conn, args["session"], "args.session")
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS}
-        shared = {name: server.tensor_arg(call, name) for name in SHARED_ARGS}
+        shared = shared_args(server, call)
         check_rows(session, own)
         options = dt_options(args)
         # One pool per (dim, state): its class names the pool and the state's shape.
