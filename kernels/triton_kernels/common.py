@@ -119,11 +119,13 @@ class Launch:
         self.kernel[self.grid](*self.args, num_warps=self.num_warps, **self.constexprs)
 
 
-def on_device_of(t: torch.Tensor):
-    """Triton launches on the current CUDA device (with its current stream), not on the device
-    its tensors are on: the launches go inside this, which makes `t`'s device current (off CUDA,
-    under the interpreter, it does nothing)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+def run_on_device_of(t: torch.Tensor, launches: list[Launch]) -> None:
+    """Run `launches` in order on `t`'s device. Triton launches on the current CUDA device (with
+    its current stream), not on the device its tensors are on, so `t`'s device is made current
+    for them (off CUDA, under the interpreter, there is nothing to make current)."""
+    with torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext():
+        for launch in launches:
+            launch.run()
 
 
 def accumulation_dtype(x: torch.Tensor) -> torch.dtype:

@@ -45,7 +45,7 @@ import triton.language as tl
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, on_device_of, program_coords,
+    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, program_coords, run_on_device_of,
     silu, triton_dtype,
 )
 
@@ -278,9 +278,7 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
         dt_max=dt_max, h0=h0, return_state=return_state, layout=layout, out=out,
         state_out=state_out, blocks=blocks, segment_len=segment_len)
-    with on_device_of(x):
-        for launch in launches:
-            launch.run()
+    run_on_device_of(x, launches)
     return out, state_out
 
 

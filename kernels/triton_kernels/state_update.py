@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, on_device_of, program_coords,
+    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, program_coords, run_on_device_of,
     silu, triton_dtype,
 )
 
@@ -104,8 +104,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
     out, launch = update_launch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                                 dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
                                 slots=slots, out=out, blocks=blocks)
-    with on_device_of(x):
-        launch.run()
+    run_on_device_of(x, [launch])
     return out
 
 
