@@ -221,12 +221,12 @@ def lane_call(lane, op: str, args: dict, multipart: bool = False) -> dict:
 
 
 class BridgeProcess:
-    """`python -m bridge --device cpu ARGS` on pipes, spoken to through a StreamLane (`lane`),
+    """`python -m bridge --device DEVICE ARGS` on pipes, spoken to through a StreamLane (`lane`),
     so that it is timed exactly as the echoes are. Closing its stdin stops it. With `lanes`
     (names of bridge.bench.lanes.TRANSPORTS: "unix", "zmq-ipc", "zmq-tcp") it serves those too,
     opened as that table says; `connect` opens a client lane to any of them."""
 
-    def __init__(self, server_args: list[str], stderr=None, lanes: tuple[str, ...] = ()):
+    def __init__(self, server_args: list[str], stderr=None, lanes: tuple[str, ...] = (), device: str = "cpu"):
         from bridge.bench.lanes import TRANSPORTS  # it imports this module
 
         self._scratch = tempfile.TemporaryDirectory(prefix="bridge-lanes-") if lanes else None
@@ -234,7 +234,7 @@ class BridgeProcess:
         values = {name: TRANSPORTS[name].value(self._scratch.name) for name in lanes}
         for name, value in values.items():
             lane_args += [TRANSPORTS[name].option, value]
-        self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *server_args, *lane_args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", device, *server_args, *lane_args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                      env=server_env(), bufsize=0)
         self.lane = StreamLane(self.proc.stdout, self.proc.stdin.fileno())

@@ -43,6 +43,10 @@ def machine_info() -> dict:
     return info
 
 
+# Names the commit of a tree that has no git history with it (see commit_info).
+COMMIT_VARIABLE = "SCAN_BRIDGE_COMMIT"
+
+
 def commit_info() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +57,12 @@ def commit_info() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+    commit = git("rev-parse", "HEAD")
+    if not commit and os.environ.get(COMMIT_VARIABLE):
+        # A copy of the tree without its git history (shipped to a GPU machine, say): the commit
+        # is named by whoever shipped it, and whether the copy matched it is not known here.
+        return {"commit": os.environ[COMMIT_VARIABLE], "dirty": None, "named_by": COMMIT_VARIABLE}
+    return {"commit": commit, "dirty": bool(git("status", "--porcelain")),
             "branch": git("rev-parse", "--abbrev-ref", "HEAD")}
 
 

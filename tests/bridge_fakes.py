@@ -47,11 +47,11 @@ class RecordingConnection(Connection):
 
 
 class InProcessServer:
-    """A CPU Server and its Dispatcher in this process. `hold()` parks the worker inside a ping
+    """A Server (on the CPU unless `device` says otherwise) and its Dispatcher in this process. `hold()` parks the worker inside a ping
     so that requests queue up behind it; `go()` lets it on, and it gathers what is queued."""
 
-    def __init__(self, **config):
-        self.server = Server(ServerConfig(device="cpu", **config), choose_device("cpu"))
+    def __init__(self, device: str = "cpu", **config):
+        self.server = Server(ServerConfig(device=device, **config), choose_device(device))
         self._gate = threading.Event()
         self._gate.set()
         self._parked = threading.Event()

@@ -20,10 +20,17 @@ import kernels
 # the cases that need a CUDA device, and the Triton cases the interpreter runs in one split only.
 # With one: the interpreter's cases (Triton then serves CUDA tensors only) and the sm_90 compile
 # check, which the CUDA cases replace.
-NO_CUDA = "no CUDA device here: real sizes and fp16/bf16 at size run on a GPU only"
+NO_CUDA = "no CUDA device here: the cuda cases (real sizes, fp16/bf16 at size, servers on a GPU) run on a GPU only"
 INTERPRETER_OTHER_SPLIT = "10-15 s on the interpreter: there it runs in the other split only"
 TRITON_NOT_SERVING = "the triton backend does not serve {device} tensors here"
 CUDA_COMPILES_EVERY_KERNEL = "with a GPU the cuda tests compile and run every kernel"
+
+
+# The devices a server test runs its server on: the GPU's cases need one.
+SERVER_DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)),
+]
 
 
 def expected_skip(reason: str) -> bool:

@@ -24,7 +24,7 @@ from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
 from bridge.stats import Stats
 from bridge.timing import Timing, now_ns
-from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
+from kernel_cases import (SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
 from bridge_fakes import RecordingConnection, served_natively
 
@@ -99,9 +99,10 @@ STEP_BATCH_CASES = [
 ]
 
 
+@pytest.mark.parametrize("device", SERVER_DEVICES)
 @pytest.mark.parametrize("case", STEP_BATCH_CASES)
-def test_each_caller_gets_its_own_rows(inproc, case):
-    srv = inproc(max_batch=case.max_batch, max_delay_us=0)
+def test_each_caller_gets_its_own_rows(inproc, case, device):
+    srv = inproc(device=device, max_batch=case.max_batch, max_delay_us=0)
     conn = RecordingConnection()
     options = dict(case.options, groups=case.groups)
     shared = shared_constants(case.dim, case.state, options)
@@ -294,8 +295,9 @@ def test_a_batch_member_whose_finishing_fails_leaves_the_others_answered(inproc)
     assert srv.dispatcher.drain(5.0)
 
 
-def test_scans_of_equal_shapes_share_a_launch(inproc):
-    srv = inproc(max_delay_us=0)
+@pytest.mark.parametrize("device", SERVER_DEVICES)
+def test_scans_of_equal_shapes_share_a_launch(inproc, device):
+    srv = inproc(device=device, max_delay_us=0)
     conn = RecordingConnection()
     dim, state, seq = 6, 4, 5
     case = ScanCase(1, seq, dim, state, D=True)
@@ -507,14 +509,19 @@ def test_members_whose_session_closed_while_waiting_are_left_out():
 # -- real concurrency through a subprocess ---------------------------------------------------
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-path", "batcher"])
-def test_concurrent_callers_over_stdio_each_get_their_rows(native):
+@pytest.mark.parametrize("device, flags, native", [
+    pytest.param("cpu", [], True, id="native-path"),
+    pytest.param("cpu", ["--no-native-step"], False, id="batcher"),
+    # On a GPU there is no native path: the batcher gathers every step.
+    pytest.param("cuda", [], False, id="cuda", marks=SERVER_DEVICES[1].marks),
+])
+def test_concurrent_callers_over_stdio_each_get_their_rows(device, flags, native):
     """8 threads of one client step sessions of their own at once. By default the native path
     serves every step that finds nothing in flight and the batcher the ones queued behind it;
-    with --no-native-step the batcher gathers them all."""
+    with --no-native-step (and on a GPU) the batcher gathers them all."""
     callers, steps, dim, state = 8, 12, 16, 4
     shared = shared_constants(dim, state, {"D": True})
-    args = ["--device", "cpu", "--max-delay-us", "5000"] + ([] if native else ["--no-native-step"])
+    args = ["--device", device, "--max-delay-us", "5000", *flags]
     with PortClient(args, as_torch=True) as client:
         handles = {k: client.put(v) for k, v in shared.items()}
         sessions = [client.open_session(1 + i % 3, dim, state) for i in range(callers)]

@@ -19,7 +19,7 @@ import bridge.sessions
 import protocol
 from bridge.client import BridgeError, PortClient, server_env
 from bridge_fakes import RecordingConnection
-from kernel_cases import (STATE_TOLERANCE, ScanCase, assert_close, make_scan_inputs,
+from kernel_cases import (SERVER_DEVICES, STATE_TOLERANCE, ScanCase, assert_close, make_scan_inputs,
                           reference_scan)
 
 
@@ -69,9 +69,9 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def client():
-    with PortClient(["--device", "cpu"], as_torch=True) as c:
+@pytest.fixture(scope="module", params=SERVER_DEVICES)
+def client(request):
+    with PortClient(["--device", request.param], as_torch=True) as c:
         yield c
 
 
