@@ -363,25 +363,29 @@ CONCURRENT_SERVERS = {
 
 def concurrent(rows: int, callers: int, seconds: float, rounds: int, server_args: list[str],
                lane: str = "stdio", device: str = "cpu") -> dict:
-    runs = {name: [] for name in CONCURRENT_SERVERS}
+    # The native path serves CPU sessions only: on a GPU the --no-native-step servers would be
+    # the first two again.
+    servers = CONCURRENT_SERVERS if device == "cpu" else {k: CONCURRENT_SERVERS[k] for k in ("batched", "unbatched")}
+    runs = {name: [] for name in servers}
     for _ in range(rounds):  # taking turns, so that drift in the machine's load hits all alike
-        for name, flags in CONCURRENT_SERVERS.items():
+        for name, flags in servers.items():
             runs[name].append(run_callers(server_args + flags, rows, callers, seconds, lane, device))
     median = {k: statistics.median(r["steps_per_s"] for r in v) for k, v in runs.items()}
+    general = "batched_general" in median
     return {
         "case": f"{callers} callers over {lane} each stepping a {rows}x{DIM}x{STATE} session, "
                 f"{rounds} rounds of {seconds} s per server",
         "lane": lane,
         "device": device,
         "server_args": server_args,
-        "servers": CONCURRENT_SERVERS,
+        "servers": servers,
         "median_steps_per_s": median,
         # The comparison: the server's defaults against --max-delay-us 0 --max-batch 1.
         "speedup": median["batched"] / median["unbatched"],
         # What batching gains where every step goes through the batcher.
-        "general_path_speedup": median["batched_general"] / median["unbatched_general"],
+        "general_path_speedup": median["batched_general"] / median["unbatched_general"] if general else None,
         # The defaults against the general path with batching.
-        "defaults_over_batched_general": median["batched"] / median["batched_general"],
+        "defaults_over_batched_general": median["batched"] / median["batched_general"] if general else None,
         "runs": runs,
         "goal_speedup": GOAL_BATCHING_SPEEDUP[device],
     }
@@ -457,12 +461,18 @@ def main(argv=None) -> int:
                 r = concurrent(rows, args.callers, args.seconds, args.rounds, args.server_arg, lane, args.device)
                 results["concurrent"].append(r)
                 m = r["median_steps_per_s"]
-                batch = statistics.median(x["mean_batch_requests"] for x in r["runs"]["batched_general"])
-                print(f"(b) {r['case']}, steps/s: defaults {m['batched']:.0f}, --max-batch 1 {m['unbatched']:.0f} "
-                      f"({r['speedup']:.2f}×); with --no-native-step: batched {m['batched_general']:.0f} "
-                      f"(mean batch {batch:.1f} requests), unbatched {m['unbatched_general']:.0f} "
-                      f"({r['general_path_speedup']:.2f}×; goal ≥ {r['goal_speedup']:g}× on {args.device}); defaults over batched "
-                      f"--no-native-step {r['defaults_over_batched_general']:.2f}×")
+                batched = "batched_general" if r["general_path_speedup"] is not None else "batched"
+                batch = statistics.median(x["mean_batch_requests"] for x in r["runs"][batched])
+                line = (f"(b) {r['case']}, steps/s: defaults {m['batched']:.0f}, --max-batch 1 {m['unbatched']:.0f} "
+                        f"({r['speedup']:.2f}×")
+                if r["general_path_speedup"] is None:
+                    line += f"; goal ≥ {r['goal_speedup']:g}× on {args.device}); mean batch {batch:.1f} requests"
+                else:
+                    line += (f"); with --no-native-step: batched {m['batched_general']:.0f} "
+                             f"(mean batch {batch:.1f} requests), unbatched {m['unbatched_general']:.0f} "
+                             f"({r['general_path_speedup']:.2f}×; goal ≥ {r['goal_speedup']:g}× on {args.device}); "
+                             f"defaults over batched --no-native-step {r['defaults_over_batched_general']:.2f}×")
+                print(line)
     if args.delays:
         rows = int(args.rows.split(",")[0])
         results["delay_sweep"] = delay_sweep([int(x) for x in args.delays.split(",")], rows, args.callers,

@@ -22,6 +22,7 @@ from bridge.bench.measure import (STAGES, TimingMissing, fit_latency, make_row, 
                                   stage_split)
 from bridge.client import Reply
 from process_runs import run_marked
+from kernel_cases import SERVER_DEVICES
 
 SERVER = [sys.executable, "-m", "bridge", "--device", "cpu"]
 
@@ -178,13 +179,15 @@ def test_quick_end_to_end(tmp_path):
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("command", [
-    pytest.param(SERVER, id="our-own-server"),
-    pytest.param([sys.executable, "-m", "bridge.bench.exphil_standin"], id="exphil-standin"),
+@pytest.mark.parametrize("command, device", [
+    pytest.param(SERVER, "cpu", id="our-own-server"),
+    pytest.param([sys.executable, "-m", "bridge.bench.exphil_standin"], "cpu", id="exphil-standin"),
+    pytest.param([sys.executable, "-m", "bridge.bench.exphil_standin", "--device", "cuda"], "cuda",
+                 id="exphil-standin-cuda", marks=SERVER_DEVICES[1].marks),
 ])
-def test_baseline_compares_exphil_requests(command):
+def test_baseline_compares_exphil_requests(command, device):
     cases = [Case("scan", 1), Case("scan", 5, batch=3, dim=7, state=3)]
-    rows = run_baseline(shlex.join(command), cases, ["--device", "cpu"], iterations=3,
+    rows = run_baseline(shlex.join(command), cases, ["--device", device], iterations=3,
                         warmup=1, max_seconds=30.0, seed=np.random.SeedSequence().entropy % 2**32)
     assert [r["case"] for r in rows] == ["scan L=1", "scan L=5"]
     for row in rows:

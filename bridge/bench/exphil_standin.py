@@ -7,10 +7,12 @@ blocking buffered reads of each frame on default 64 KiB pipes, msgpack-python de
 copies every binary, one more copy into a torch tensor per input, a Python loop over the
 timesteps that materializes [batch, hidden, state] per step, and a reply packed in one piece.
 Same math as ExPhil: dt clamped to [0.001, 0.1], h0 = 0, no bias, softplus, D or z.
+With `--device cuda` the inputs are copied to the GPU and y back, as ExPhil's server does there.
 """
 
 from __future__ import annotations
 
+import argparse
 import struct
 import sys
 
@@ -32,27 +34,31 @@ def scan_per_step(x, dt, A, B, C):
     return torch.stack(ys, dim=1)
 
 
-def scan(request: dict) -> dict:
+def scan(request: dict, device: torch.device) -> dict:
     b, l, hidden, n = (request[k] for k in (b"batch", b"seq_len", b"hidden", b"state"))
     shapes = {b"x": (b, l, hidden), b"dt": (b, l, hidden), b"A": (hidden, n), b"B": (b, l, n), b"C": (b, l, n)}
-    tensors = [torch.frombuffer(bytearray(request[k]), dtype=torch.float32).reshape(shape)
+    tensors = [torch.frombuffer(bytearray(request[k]), dtype=torch.float32).reshape(shape).to(device)
                for k, shape in shapes.items()]
-    y = scan_per_step(*tensors)
+    y = scan_per_step(*tensors).cpu()
     return {"status": "ok", "result": y.numpy().tobytes(), "shape": list(y.shape)}
 
 
-def answer(request) -> dict:
+def answer(request, device: torch.device) -> dict:
     op = request.get(b"op", b"") if isinstance(request, dict) else b""
+    cuda = torch.cuda.is_available()
     if op == b"ping":
-        return {"status": "ok", "message": "pong", "device": "cpu", "cuda_available": False}
+        return {"status": "ok", "message": "pong", "device": device.type, "cuda_available": cuda}
     if op == b"info":
-        return {"status": "ok", "device": "cpu", "cuda_available": False, "pytorch_version": torch.__version__}
+        return {"status": "ok", "device": device.type, "cuda_available": cuda, "pytorch_version": torch.__version__}
     if op == b"scan":
-        return scan(request)
+        return scan(request, device)
     return {"status": "error", "message": f"unknown op {op!r}"}
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    device = torch.device(p.parse_args(argv).device)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         header = stdin.read(4)
@@ -60,7 +66,7 @@ def main() -> int:
             return 0
         body = stdin.read(struct.unpack(">I", header)[0])
         try:
-            reply = answer(msgpack.unpackb(body, raw=True))
+            reply = answer(msgpack.unpackb(body, raw=True), device)
         except Exception as exc:  # every request is answered, as ExPhil's GenServer waits for one
             reply = {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
         packed = msgpack.packb(reply, use_bin_type=True)
