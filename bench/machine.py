@@ -43,7 +43,7 @@ def machine_info() -> dict:
     return info
 
 
-# Names the commit of a tree that has no git history with it (see commit_info).
+# Names the commit of a tree shipped without (current) git history (see commit_info).
 COMMIT_VARIABLE = "SCAN_BRIDGE_COMMIT"
 
 
@@ -57,12 +57,12 @@ def commit_info() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
-    commit = git("rev-parse", "HEAD")
-    if not commit and os.environ.get(COMMIT_VARIABLE):
-        # A copy of the tree without its git history (shipped to a GPU machine, say): the commit
-        # is named by whoever shipped it, and whether the copy matched it is not known here.
-        return {"commit": os.environ[COMMIT_VARIABLE], "dirty": None, "named_by": COMMIT_VARIABLE}
-    return {"commit": commit, "dirty": bool(git("status", "--porcelain")),
+    if os.environ.get(COMMIT_VARIABLE):
+        # A copy of the tree shipped elsewhere (to a GPU machine, say), whose git metadata may be
+        # missing or stale: the commit is named by whoever shipped it, and whether the copy
+        # matched it is not known here.
+        return {"commit": os.environ[COMMIT_VARIABLE], "dirty": None, "branch": None, "named_by": COMMIT_VARIABLE}
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
             "branch": git("rev-parse", "--abbrev-ref", "HEAD")}
 
 
