@@ -102,53 +102,11 @@ def same_values(a: WireTensor | torch.Tensor | None, b: WireTensor | torch.Tenso
     return a.device == b.device and torch.equal(a, b)
 
 
-def launch_tensors(server, items: list[Item], row_args: tuple[str, ...]) -> tuple[dict, dict]:
-    """(the members' per-row arguments stacked on the batch axis, the lead member's shared
-    arguments) as device tensors for the whole launch, which the op charges as its h2d."""
-    columns = {name: [item.tensors[name] for item in items] for name in row_args}
-    columns.update({name: [value] for name, value in items[0].shared.items()})
-    if server.device.type == "cpu":
-        tensors = {name: stack_rows(server, values) for name, values in columns.items()}
-    else:
-        # Each host-to-device copy costs tens of microseconds of host time whatever its size,
-        # most of a step's h2d: every argument that came as wire bytes goes in one copy.
-        wired = {name: values for name, values in columns.items()
-                 if all(isinstance(v, WireTensor) for v in values)}
-        tensors = pack_rows(wired, server.device) if wired else {}
-        tensors.update({name: stack_rows(server, values) for name, values in columns.items()
-                        if name not in wired})
-    return {name: tensors[name] for name in row_args}, {name: tensors[name] for name in items[0].shared}
-
-
-# Where each argument starts in pack_rows' buffer: a multiple of every dtype's size and of the
-# 16 bytes on which Triton specialises a pointer for vector loads.
-PACK_ALIGNMENT = 128
-
-
-def pack_rows(columns: dict[str, list[WireTensor]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Each argument's wire tensors stacked on the batch axis (one value: as it is), all of them
-    copied to `device` at once: joined into one host buffer (pinned for CUDA, so that the copy is
-    one DMA), one copy, then a view per argument."""
-    offsets, size = {}, 0
-    for name, values in columns.items():
-        offsets[name] = size
-        size += -(-sum(v.data.nbytes for v in values) // PACK_ALIGNMENT) * PACK_ALIGNMENT
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    flat = host.numpy()
-    for name, values in columns.items():
-        at = offsets[name]
-        for value in values:
-            flat[at:at + value.data.nbytes] = np.frombuffer(value.data, np.uint8)
-            at += value.data.nbytes
-    whole = host.to(device, non_blocking=True)
-    tensors = {}
-    for name, values in columns.items():
-        first = values[0]
-        shape = first.shape if len(values) == 1 else (sum(v.shape[0] for v in values), *first.shape[1:])
-        start = offsets[name]
-        view = whole[start:start + sum(v.data.nbytes for v in values)].view(TORCH_DTYPES[first.dtype])
-        tensors[name] = view.view(shape)
-    return tensors
+def shared_tensors(server, lead: Item) -> dict:
+    """The lead member's shared arguments as device tensors, for the whole launch: one copy each,
+    which the op charges as the launch's h2d."""
+    return {name: server.device_tensor(value) if isinstance(value, WireTensor) else value
+            for name, value in lead.shared.items()}
 
 
 class Batch:

@@ -77,18 +77,15 @@ class Session:
 
     # __weakref__: the native step path (bridge.native) forgets what it kept of a session when
     # the session goes.
-    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "host_slots", "closed", "__weakref__")
+    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "closed", "__weakref__")
 
     def __init__(self, session_id: str, batch: int, pool: StatePool, slot_list: list[int]):
         self.id = session_id
         self.batch = batch
         self.pool = pool
         self.slot_list = slot_list
-        # The kernel's view of the same rows: [batch] int64 on the device, built once; and on the
-        # CPU (the same tensor where the pool is there), which a step gives the kernels API so that
-        # they are checked without a device sync.
-        self.host_slots = torch.tensor(slot_list, dtype=torch.int64)
-        self.slots = self.host_slots.to(pool.rows.device)
+        # The kernel's view of the same rows: [batch] int64 on the device, built once.
+        self.slots = torch.tensor(slot_list, dtype=torch.int64, device=pool.rows.device)
         # Set (under the table's lock) when closed; a batch already holding the session checks it
         # before its launch.
         self.closed = False

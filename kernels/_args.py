@@ -7,8 +7,7 @@ scan (layout "bld"):  x, dt, z [batch, seq, dim]; B, C [batch, seq, groups, stat
 scan (layout "bdl"):  x, dt, z [batch, dim, seq]; B, C [batch, groups, state, seq]
 both:                 A [dim, state]; D, dt_bias [dim]; h0 [batch, dim, state] or None
 state update:         state [pool, dim, state]; x, dt, z [batch, dim]; B, C [batch, groups, state];
-                      slots [batch] int64 or None (then pool == batch), on the state's device
-                      or on the CPU (checked there without a device sync, then copied)
+                      slots [batch] int64 or None (then pool == batch)
 
 3-D B/C are given a groups axis of size 1 as a view (no copy). Nothing is made contiguous:
 backends read through strides.
@@ -233,15 +232,12 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
         if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
             raise KernelInputError("slots", "an int32/int64 tensor", getattr(slots, "dtype", type(slots).__name__).__str__())
         _require_shape("slots", slots, (batch,), "[batch]")
-        # Checked where they are, since an index past the pool would make the Triton kernel write
-        # outside `state`: on CUDA, int() of the max is a host sync (one per call); slots given on
-        # the CPU are checked without one, then copied to the state's device.
+        # int() of the max is a host sync on CUDA (one per step); kept, since an index past the
+        # pool would make the Triton kernel write outside `state`.
         top = int(slots.max()) if slots.numel() else -1
         if top >= pool:
             raise ShapeMismatch("slots", f"indices < {pool} (pool rows) or negative for padding",
                                 f"max index {top}")
-        if slots.device.type == "cpu" and state.device.type != "cpu":
-            slots = slots.to(state.device, non_blocking=True)
     _check_clamp(dt_min, dt_max)
     _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
     return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),

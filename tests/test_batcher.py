@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import protocol
-from bridge.batcher import PACK_ALIGNMENT, Batch, BatchedOp, BatchPolicy, Item, pack_rows, run_batch
+from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, run_batch
 from bridge.client import PortClient, result_from_wire, to_wire
 from bridge.errors import OpError
 from bridge.ops.scan import BATCH_MAX_X_BYTES
@@ -25,7 +25,7 @@ from bridge.sessions import unknown_session
 from bridge.stats import Stats
 from bridge.timing import Timing, now_ns
 from kernel_cases import (SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
-                          make_update_inputs, random_seed, reference_scan, reference_update)
+                          make_update_inputs, reference_scan, reference_update)
 from bridge_fakes import RecordingConnection, served_natively
 
 SHARED = ("A", "D", "dt_bias")
@@ -504,34 +504,6 @@ def test_members_whose_session_closed_while_waiting_are_left_out():
     assert isinstance(closed, OpError) and closed.code == "unknown_session"
     assert str(closed) == str(unknown_session("s-True", "args.session"))
     assert items[0].call.timing.extra["batch_rows"] == items[2].call.timing.extra["batch_rows"] == 3
-
-
-def test_pack_rows_joins_every_argument_into_one_buffer():
-    """pack_rows (one host-to-device copy for a GPU launch, run here to the CPU): each argument's
-    members stacked on the batch axis, a single value as it is, every argument at an aligned
-    place in one buffer, whatever the (odd) offsets the wire bytes had in their frames."""
-    gen = torch.Generator().manual_seed(random_seed())
-
-    def wire(t: torch.Tensor, code: str, offset: int) -> protocol.WireTensor:
-        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        return protocol.WireTensor(code, tuple(t.shape), memoryview(bytearray(offset) + raw)[offset:])
-
-    x = [torch.randn(rows, 5, generator=gen) for rows in (3, 1, 2)]
-    B = [torch.randn(rows, 2, 3, generator=gen).to(torch.bfloat16) for rows in (3, 1, 2)]
-    A = torch.randn(5, 3, generator=gen, dtype=torch.float64)
-    slots = torch.randperm(7, generator=gen)[:6]
-    columns = {"x": [wire(t, "f32", 1 + i) for i, t in enumerate(x)],
-               "B": [wire(t, "bf16", 3 + i) for i, t in enumerate(B)],
-               "A": [wire(A, "f64", 5)], "slots": [wire(slots, "i64", 7)]}
-    packed = pack_rows(columns, torch.device("cpu"))
-    assert torch.equal(packed["x"], torch.cat(x))
-    assert torch.equal(packed["B"], torch.cat(B))
-    assert torch.equal(packed["A"], A)
-    assert torch.equal(packed["slots"], slots)
-    base = packed["x"].untyped_storage().data_ptr()
-    for name, t in packed.items():
-        assert t.untyped_storage().data_ptr() == base, f"{name} is not in the one buffer"
-        assert (t.data_ptr() - base) % PACK_ALIGNMENT == 0, f"{name} at offset {t.data_ptr() - base}"
 
 
 # -- real concurrency through a subprocess ---------------------------------------------------

@@ -238,26 +238,6 @@ def test_state_update_real_sizes_on_gpu(case, dtype):
     _check_update(case, dtype, "cuda")
 
 
-@ON_CUDA
-def test_state_update_takes_slots_from_the_cpu():
-    """Slots on the CPU for a CUDA state are checked there (no device sync), then copied: the
-    same update as with slots on the device; an index past the pool is refused, nothing run."""
-    _backend("cuda")
-    case = UpdateCase(6, 10, 3, pool=9, padding_rows=2, D=True)
-    seed = random_seed()
-    inputs = make_update_inputs(case, torch.float32, "cuda", seed=seed)
-    before = inputs["state"].clone()
-    y = kernels.selective_state_update(**{**inputs, "slots": inputs["slots"].cpu()}, backend="triton")
-    assert_update_outputs_match_reference(case, torch.float32, inputs, before, y, f"seed={seed}")
-    past_pool = inputs["slots"].cpu().clone()
-    past_pool[0] = case.pool
-    after = inputs["state"].clone()
-    with pytest.raises(kernels.ShapeMismatch) as info:
-        kernels.selective_state_update(**{**inputs, "slots": past_pool}, backend="triton")
-    assert info.value.field == "slots" and str(case.pool) in info.value.got
-    assert torch.equal(inputs["state"], after)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_scan_then_steps_continue_the_sequence(device):
     """A scan's final state fed to state updates gives the same y as one longer scan."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import kernels
 from protocol import WireTensor
 
-from ..batcher import (BatchedOp, Item, charge, dt_options, launch_tensors, row_signature, shared_args,
-                       signature, split_rows, wire_rows)
+from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, shared_args, shared_tensors,
+                       signature, split_rows, stack_rows, wire_rows)
 from ..errors import OpError
 from ..tensors import to_wire
 from ..timing import now_ns
@@ -84,7 +84,8 @@ class ScanOp(BatchedOp):
         for item in items:
             if item.session is not None:
                 item.tensors["h0"] = item.session.read()
-        stacked, shared = launch_tensors(server, items, ROW_ARGS)
+        stacked = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
+        shared = shared_tensors(server, lead)
         charge(items, "h2d", now_ns() - start)
         # The final state is computed when anyone needs it: to return, or to keep in a session.
         need_state = any(item.session is not None or item.call.args.get("return_state") for item in items)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import kernels
 
-from ..batcher import (BatchedOp, Item, charge, dt_options, launch_tensors, row_signature, shared_args,
+from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, shared_args, shared_tensors,
                        signature, stack_rows, wire_rows)
 from ..errors import OpError
 from ..tensors import to_wire
@@ -75,9 +75,9 @@ class StepOp(BatchedOp):
     def run(self, server, items: list[Item]) -> list[dict]:
         lead = items[0]
         start = now_ns()
-        rows, shared = launch_tensors(server, items, ROW_ARGS)
-        # On the CPU, where the kernels API checks them without a device sync.
-        slots = stack_rows(server, [item.session.host_slots for item in items])
+        rows = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
+        slots = stack_rows(server, [item.session.slots for item in items])
+        shared = shared_tensors(server, lead)
         charge(items, "h2d", now_ns() - start)
         with server.kernel_timer(*(item.call for item in items)):
             y = kernels.selective_state_update(
