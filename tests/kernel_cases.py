@@ -26,11 +26,10 @@ TRITON_NOT_SERVING = "the triton backend does not serve {device} tensors here"
 CUDA_COMPILES_EVERY_KERNEL = "with a GPU the cuda tests compile and run every kernel"
 
 
-# The devices a server test runs its server on: the GPU's cases need one.
-SERVER_DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)),
-]
+# A test (or a parametrized case) that needs a CUDA device.
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+# The devices a server test runs its server on.
+SERVER_DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=ON_CUDA)]
 
 
 def expected_skip(reason: str) -> bool:

@@ -24,7 +24,7 @@ from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
 from bridge.stats import Stats
 from bridge.timing import Timing, now_ns
-from kernel_cases import (SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
+from kernel_cases import (ON_CUDA, SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
 from bridge_fakes import RecordingConnection, served_natively
 
@@ -513,7 +513,7 @@ def test_members_whose_session_closed_while_waiting_are_left_out():
     pytest.param("cpu", [], True, id="native-path"),
     pytest.param("cpu", ["--no-native-step"], False, id="batcher"),
     # On a GPU there is no native path: the batcher gathers every step.
-    pytest.param("cuda", [], False, id="cuda", marks=SERVER_DEVICES[1].marks),
+    pytest.param("cuda", [], False, id="cuda", marks=ON_CUDA),
 ])
 def test_concurrent_callers_over_stdio_each_get_their_rows(device, flags, native):
     """8 threads of one client step sessions of their own at once. By default the native path

@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    CUDA_COMPILES_EVERY_KERNEL, DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, NO_CUDA, SCAN_CASES,
+    CUDA_COMPILES_EVERY_KERNEL, DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, ON_CUDA, SCAN_CASES,
     TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
     assert_scan_outputs_match_reference, assert_update_outputs_match_reference, make_scan_inputs,
     make_update_inputs, random_seed, reference_scan, state_dtype,
@@ -39,9 +39,8 @@ from kernels.triton_kernels import state_update as triton_update  # noqa: E402
 CUDA = torch.cuda.is_available()
 DEVICES = [
     pytest.param("cpu", id="interpreter"),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not CUDA, reason=NO_CUDA)),
+    pytest.param("cuda", id="cuda", marks=ON_CUDA),
 ]
-ON_CUDA = pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 
 # Interpreter blocks: tiles of 4 steps x 4 channels. On CUDA the tests use the production table.
 INTERPRETER_SCAN_BLOCKS = configs.ScanBlocks(block_d=4, chunk=4, num_warps=1)
