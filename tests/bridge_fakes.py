@@ -47,17 +47,20 @@ class RecordingConnection(Connection):
 
 
 class InProcessServer:
-    """A Server (on the CPU unless `device` says otherwise) and its Dispatcher in this process. `hold()` parks the worker inside a ping
-    so that requests queue up behind it; `go()` lets it on, and it gathers what is queued."""
+    """A Server (on the CPU unless `device` says otherwise) and its Dispatcher in this process.
+    `hold()` parks the worker inside a ping so that requests queue up behind it; `go()` lets it
+    on, and it gathers what is queued. `handlers` replace ops of the dispatcher's table (a
+    "ping" among them: hold() then holds nothing)."""
 
-    def __init__(self, device: str = "cpu", **config):
+    def __init__(self, device: str = "cpu", handlers: dict | None = None, **config):
         self.server = Server(ServerConfig(device=device, **config), choose_device(device))
         self._gate = threading.Event()
         self._gate.set()
         self._parked = threading.Event()
         self._held_ping = None
         self.ping_threads: list[str] = []  # the thread that served each ping
-        self.dispatcher = Dispatcher(self.server, {**HANDLERS, "ping": self._gated_ping}, LEGACY_HANDLERS)
+        self.dispatcher = Dispatcher(self.server, {**HANDLERS, "ping": self._gated_ping, **(handlers or {})},
+                                     LEGACY_HANDLERS)
         self.dispatcher.start()
         self._ids = itertools.count(1)
 

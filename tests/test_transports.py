@@ -34,7 +34,7 @@ from bridge.bench.lanes import TRANSPORTS
 from bridge.buffers import BufferPool
 from bridge.transports.framed import FrameAssembler, read_exact, read_frame
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
-from bridge_fakes import served_natively
+from bridge_fakes import InProcessServer, served_natively
 from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
                           make_update_inputs, reference_scan, reference_update)
 
@@ -1278,23 +1278,16 @@ def zmq_lane_with_dispatcher(tmp_path, native_step, max_in_flight: int, handlers
                              hwm: int = 16):
     """A ZeroMQ lane in front of a real Dispatcher whose native step path is `native_step`,
     started; closed after."""
-    from bridge.device import choose_device
-    from bridge.dispatcher import Dispatcher
-    from bridge.ops import HANDLERS, LEGACY_HANDLERS
-    from bridge.server import Server, ServerConfig
-
-    server = Server(ServerConfig(device="cpu", native_step=False), choose_device("cpu"))
-    server.native_step = native_step
-    dispatcher = Dispatcher(server, {**HANDLERS, **(handlers or {})}, LEGACY_HANDLERS)
-    dispatcher.start()
-    transport = ZmqTransport(dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
+    srv = InProcessServer(native_step=False, handlers=handlers)
+    srv.server.native_step = native_step
+    transport = ZmqTransport(srv.dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
                              max_in_flight=max_in_flight, hwm=hwm)
     transport.start()
     try:
-        yield dispatcher, transport
+        yield srv.dispatcher, transport
     finally:
         transport.close()
-        dispatcher.stop()
+        srv.close()
 
 
 @contextlib.contextmanager
