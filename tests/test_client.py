@@ -202,7 +202,6 @@ def test_a_connection_reset_after_overloaded_fails_the_callers_with_overloaded(m
         os.close(requests_w)
 
 
-
 def test_a_port_client_whose_server_never_answers_its_handshake_stops_that_server(tmp_path):
     pid_file = tmp_path / "server.pid"
     silent_python = tmp_path / "python"

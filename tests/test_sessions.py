@@ -18,6 +18,7 @@ import torch
 import bridge.sessions
 import protocol
 from bridge.client import BridgeError, PortClient, server_env
+from bridge.errors import error_fields
 from bridge_fakes import RecordingConnection
 from kernel_cases import (SERVER_DEVICES, STATE_TOLERANCE, ScanCase, assert_close, make_scan_inputs,
                           reference_scan)
@@ -324,8 +325,6 @@ def test_huge_session_is_refused_before_allocating(inproc):
 def test_an_allocator_failure_anywhere_is_limit_exceeded_memory(exc, code):
     """Wherever an op's allocation fails (not only around the pool and handle allocations), the
     request is answered limit_exceeded with limit memory; other runtime errors stay internal."""
-    from bridge.errors import error_fields
-
     got_code, message, detail = error_fields(exc)
     assert got_code == code
     if code == "limit_exceeded":
