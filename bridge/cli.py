@@ -144,7 +144,7 @@ def open_lanes(args, dispatcher) -> list:
 def warmup_dtypes() -> dict:
     """The dtypes a warmup bucket may name, by wire code: the floating ones (SPEC §5), which the
     kernels take."""
-    from kernels._args import FLOAT_DTYPES
+    from kernels import FLOAT_DTYPES
 
     from .tensors import WIRE_DTYPES
 

@@ -16,13 +16,14 @@ fp64 inputs); y in x's dtype; the returned state is fp32 (fp64 for fp64 inputs).
 from __future__ import annotations
 
 from . import _args
+from ._args import FLOAT_DTYPES
 from ._registry import available_backends, get_backend, unavailable_backends
 from .errors import BackendUnavailable, KernelInputError, ShapeMismatch, UnknownBackend
 
 __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "ShapeMismatch",
-    "BackendUnavailable", "UnknownBackend",
+    "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES",
 ]
 
 
@@ -63,9 +64,9 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
 
 def warmup(shapes, *, device="cpu", dtype=None, backend=None) -> list[str]:
     """Compile ahead of time the kernels for `shapes`, an iterable of dicts with keys batch,
-    seq, dim, state (and optionally groups, layout, dtype (`dtype` the default), and the options the server will use:
-    booleans D, z, dt_bias, dt_softplus, clamp, h0, return_state, slots — each option set is a
-    separate compiled kernel). Returns what was compiled (for `info`); an empty list where the
+    seq, dim, state (and optionally groups, layout, dtype (`dtype` where absent), and the
+    options the server will use: booleans D, z, dt_bias, dt_softplus, clamp, h0, return_state,
+    slots — each option set is a separate compiled kernel). Returns what was compiled (for `info`); an empty list where the
     chosen backend compiles nothing."""
     import torch
 

@@ -23,6 +23,9 @@ from .errors import KernelInputError, ShapeMismatch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 LAYOUTS = ("bld", "bdl")
+# What an error says was expected of a dtype or a layout.
+FLOAT_DTYPES_EXPECTED = "a floating dtype (" + ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES) + ")"
+LAYOUTS_EXPECTED = " or ".join(f'"{layout}"' for layout in LAYOUTS)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -33,7 +36,7 @@ def _require_tensor(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ShapeMismatch(name, "a torch.Tensor", type(t).__name__)
     if t.dtype not in FLOAT_DTYPES:
-        raise KernelInputError(name, "a floating dtype (float32, float16, bfloat16, float64)", str(t.dtype))
+        raise KernelInputError(name, FLOAT_DTYPES_EXPECTED, str(t.dtype))
     return t
 
 
@@ -122,7 +125,7 @@ class ScanArgs:
 def check_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld") -> ScanArgs:
     if layout not in LAYOUTS:
-        raise KernelInputError("layout", '"bld" or "bdl"', repr(layout))
+        raise KernelInputError("layout", LAYOUTS_EXPECTED, repr(layout))
     x = _require_tensor("x", x)
     if x.dim() != 3:
         raise ShapeMismatch("x", f"3 dimensions ({'[batch, seq, dim]' if layout == 'bld' else '[batch, dim, seq]'})",

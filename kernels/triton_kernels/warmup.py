@@ -14,11 +14,10 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from .._args import FLOAT_DTYPES, LAYOUTS
+from .._args import FLOAT_DTYPES, FLOAT_DTYPES_EXPECTED, LAYOUTS, LAYOUTS_EXPECTED
 from ..errors import KernelInputError
 from . import scan, state_update
 from .common import interpreter_active
-
 
 
 @dataclass(frozen=True)
@@ -68,18 +67,15 @@ class WarmupShape:
         if spec.dim % spec.groups:
             raise KernelInputError("shapes.groups", f"a divisor of dim ({spec.dim})", str(spec.groups))
         if spec.layout not in LAYOUTS:
-            raise KernelInputError("shapes.layout", '"bld" or "bdl"', repr(spec.layout))
+            raise KernelInputError("shapes.layout", LAYOUTS_EXPECTED, repr(spec.layout))
         if spec.dtype is not None and spec.dtype not in FLOAT_DTYPES:
-            raise KernelInputError("shapes.dtype", _DTYPES_EXPECTED, str(spec.dtype))
+            raise KernelInputError("shapes.dtype", FLOAT_DTYPES_EXPECTED, str(spec.dtype))
         return spec
 
     def options(self) -> list[str]:
         from .. import WARMUP_OPTIONS
 
         return [name for name in WARMUP_OPTIONS if getattr(self, name)]
-
-
-_DTYPES_EXPECTED = "float32, float16, bfloat16 or float64"
 
 
 def _uniform(shape, dtype, device, low, high):
@@ -155,7 +151,7 @@ def warmup(shapes, *, device, dtype) -> list[str]:
     (on the interpreter nothing compiles and the runs only check the buckets). Returns one
     line per kernel warmed, for the server's `info`."""
     if dtype not in FLOAT_DTYPES:
-        raise KernelInputError("dtype", _DTYPES_EXPECTED, str(dtype))
+        raise KernelInputError("dtype", FLOAT_DTYPES_EXPECTED, str(dtype))
     specs = [WarmupShape.parse(shape) for shape in shapes]
     device = torch.device(device)
     suffix = " (interpreted, nothing compiled)" if interpreter_active() else " (compiled)"
