@@ -427,8 +427,8 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     results = {}
     if "a" not in args.skip:
-        summary = results["game_loop"] = game_loop_runs(args.repeats, args.steps, args.windows, args.server_arg,
-                                                                 args.device)
+        summary = results["game_loop"] = game_loop_runs(args.repeats, args.steps, args.windows,
+                                                        args.server_arg, args.device)
         print(f"(a) {summary['case']}, backend {summary['backend']}")
         for i, r in enumerate(summary["runs"], 1):
             s, w = r["step_round_trip"], r["window_round_trip"]
