@@ -151,8 +151,9 @@ class Server:
         on the CPU; on CUDA, device events recorded around the kernels API's call, so the time
         includes what the host does inside that call before the kernels reach the GPU (argument
         checks, Triton's launch path), which for a step's microseconds-long kernel may be most of
-        it: on an H100 a 32×512×16 step's kernel_us was 195–260 µs back to back, most of it host
-        time (bench/results/game_loop_cuda.json)."""
+        it: on an H100 a 32×512×16 step's kernel_us was 195–260 µs back to back, where the
+        backend's own call with a sync took 68 µs alone (bench/results/game_loop_cuda.json,
+        triton_launch_host_time_probe.json)."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
