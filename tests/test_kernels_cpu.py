@@ -411,7 +411,9 @@ def test_bench_runner_reports_every_backend(tmp_path):
     from bench import kernels as bench_kernels
 
     out = tmp_path / "kernels.json"
-    assert bench_kernels.main(["--quick", "--cases", "1x4x16x4,step-32x512x16", "--json", str(out)]) == 0
+    # The CPU's backends, also where a GPU would make cuda the default device.
+    assert bench_kernels.main(["--quick", "--device", "cpu", "--cases", "1x4x16x4,step-32x512x16",
+                               "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["machine"]["cpu_model"] and report["commit"]["commit"]
     assert report["copy_bandwidth_GBps"] > 0
@@ -449,8 +451,8 @@ def test_bench_runner_repeats_in_fresh_processes(tmp_path):
     from bench import kernels as bench_kernels
 
     out = tmp_path / "runs.json"
-    assert bench_kernels.main(["--quick", "--cases", "1x4x16x4", "--backends", "cpu", "--runs", "2",
-                               "--json", str(out)]) == 0
+    assert bench_kernels.main(["--quick", "--device", "cpu", "--cases", "1x4x16x4", "--backends", "cpu",
+                               "--runs", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["runs"] == 2 and len(report["each_run"]) == 2
     # every other option reached the runs: only the named case, on the quick budget
@@ -546,7 +548,10 @@ def test_kernel_ab_reports_builds_that_compute_differently():
     pair = (kernels.get_backend("cpu", "cpu"), kernels.get_backend("torch", "cpu"))
     for name in ("1x4x16x4", "step-32x512x16"):
         difference = kernel_ab.max_relative_difference(CASES_BY_NAME[name], pair)
-        assert 0 < difference < 1e-3, (name, difference)
+        # Relative per element, so an output that cancels to near zero sets it: the step's was
+        # 1.4e-3 on the H100 machine's Xeon (bench/results/gpu_test_runs.json) and varies with
+        # the CPU the kernels are built for; a kernel computing something else differs by ~1.
+        assert 0 < difference < 1e-2, (name, difference)
 
 
 def test_kernel_ab_copies_the_working_tree_sources(tmp_path):
