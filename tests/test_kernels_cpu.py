@@ -110,8 +110,14 @@ def test_softplus_of_dt_across_its_range():
                                        torch.full((channels, state), -1e-30), unit, unit.clone(),
                                        dt_softplus=True, backend="cpu")
     expected = torch.nn.functional.softplus(dt.double())
-    worst = ((y[0].double() - expected).abs() / expected).max().item()
-    assert worst < 1e-6, f"seed={seed}: softplus relative error {worst:.3g}"
+    error = (y[0].double() - expected).abs() / expected
+    # The kernel rounds exp2's argument |dt| log2e to fp32 (2^-24 |dt| of relative error in
+    # exp(dt)) with log2e itself rounded (1.3e-8 |dt|), so the bound grows with -dt: 1e-6 at
+    # dt = -8, 2.6e-6 at dt = -30 (see Math<float>::softplus).
+    allowed = 4e-7 + 7.5e-8 * (-dt.double()).clamp(min=0)
+    worst = (error / allowed).argmax()
+    assert error[worst] < allowed[worst], (f"seed={seed}: softplus relative error {error[worst].item():.3g} "
+                                           f"at dt={dt[worst].item():.4g}, allowed {allowed[worst].item():.3g}")
 
 
 @pytest.mark.parametrize("case", UPDATE_CASES)

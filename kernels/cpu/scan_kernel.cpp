@@ -379,36 +379,20 @@ struct Math<float> {
   static constexpr float kDecayScale = kLog2e;
   static inline V decay(V scaled_dt, V A) { return exp2(scaled_dt * A); }
 
-  // exp(-a) for a >= 0 (or NaN), as 2^-(a log2e) with the product carried exactly. Rounded to
-  // fp32, a log2e (43 at a = 30) is off by up to half its ulp, 1.3e-6 of relative error in the
-  // result, and how much of that a compiler's fused multiply-adds happen to recover depends on
-  // the compiler and the target: built on the H100 machine's Xeon, softplus near dt = -30 was
-  // 1.7e-6 off float64 (bench/results/gpu_test_runs.json), where built here it passed the
-  // test's 1e-6. Here a log2e = hi + lo exactly enough: a's top 12
-  // significant bits and its remaining ones, each times log2e's top 12 bits (kLog2eHi), are
-  // exact products; their rounded sum's error (Fast2Sum) goes in as 2^-lo = 1 - lo ln2.
-  // Whatever a compiler fuses, each step stays exact or more accurate.
-  static inline V exp_negative(V a) {
-    typedef int32_t VI __attribute__((vector_size(kVectorBytes)));
-    constexpr float kLog2eHi = 1.4423828125f, kLog2eLo = 3.1222839606925845e-4f;
-    constexpr float kLn2 = 0.6931471824645996f;
-    a = a > 200.0f ? 200.0f : a;  // 2^-288 is 0 in fp32 already; keeps inf - inf out, NaN in
-    const V a_hi = (V)((VI)a & -4096);
-    const V a_lo = a - a_hi;
-    const V product = a_hi * kLog2eHi;
-    const V small = a_lo * kLog2eHi + a * kLog2eLo;
-    const V hi = product + small;
-    const V lo = (product - hi) + small;
-    return exp2(-hi) * (1.0f - lo * kLn2);
-  }
-
   // torch's softplus (threshold 20): max(x, 0) + log1p(exp(-|x|)), with
   // log1p(e) = 2 atanh(s), s = e / (2 + e) <= 1/3, and atanh(s) / s = 1 + s^2 q(s^2) with q a
   // cubic fitted for minimax relative error on s <= 1/3 (4.5e-9; the odd series needs 6 terms
   // after the 1 to reach 5e-9, two multiply-adds more).
+  // exp2's argument |x| log2e is rounded to fp32 first: up to 2^-24 |x| of relative error in e
+  // (1.8e-6 at x = -30, where softplus(x) is e), plus 1.3e-8 |x| from log2e's own rounding.
+  // Whether a compiler's fused multiply-adds recover the first varies: the 1e-6 softplus test
+  // passed built by GCC 12 on an EPYC and failed (1.7e-6) built by GCC 13 on the H100
+  // machine's Xeon (bench/results/gpu_test_runs.json). Carrying the product exactly, as a
+  // hi + lo pair, made the step 4% slower (bench/results/softplus_exact_argument_ab.json) for
+  // an error that only a dt far below softplus's working range carries.
   static inline V softplus(V x) {
     const V ax = x < 0.0f ? -x : x;
-    const V e = exp_negative(ax);
+    const V e = exp2(-ax * kLog2e);
     const V s = e / (e + 2.0f);
     const V s2 = s * s;
     const V q = ((0.14005890488624573f * s2 + 0.14000922441482544f) * s2 + 0.2001076191663742f) * s2 +
