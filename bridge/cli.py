@@ -234,8 +234,12 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
 
         try:
             server.compiled = kernels.warmup(args.warmup, device=server.device, backend=server.backend)
-        except Exception as exc:  # a bucket the backend refuses: say so before serving anything
+        except (kernels.KernelInputError, kernels.BackendUnavailable) as exc:
+            # a bucket the backend refuses: say so before serving anything
             log.error("cannot start: --warmup: %s", exc)
+            return 2
+        except Exception:  # compiling failed: where is for the traceback to say
+            log.exception("cannot start: --warmup: compiling failed")
             return 2
         log.info("warmed up %d kernels for %d shape buckets (backend %s)", len(server.compiled),
                  len(args.warmup), server.backend)

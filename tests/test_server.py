@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -306,18 +308,35 @@ def test_stray_writes_to_fd1_leave_frames_intact():
 
 
 def test_warmup_compiles_before_serving_and_info_lists_it():
-    # The Triton backend runs on the CPU interpreter here (tests/conftest.py sets
-    # TRITON_INTERPRET=1 without CUDA); on a GPU the same flag compiles for real.
-    cmd = [sys.executable, "-m", "bridge", "--device", "cpu", "--backend", "triton",
+    # Without a GPU the Triton backend runs on the CPU interpreter (TRITON_INTERPRET=1); with
+    # one, the server compiles for real, for CUDA.
+    device, env = ("cuda", {}) if torch.cuda.is_available() else ("cpu", {"TRITON_INTERPRET": "1"})
+    cmd = [sys.executable, "-m", "bridge", "--device", device, "--backend", "triton",
            "--warmup", "2x5x4x3:D,z", "--warmup", "1x3x4x2",
            "--warmup", "1x3x4x2:groups=2,layout=bdl,dtype=bf16"]
-    c = PortClient(command=cmd, env={"TRITON_INTERPRET": "1"}, stderr=subprocess.DEVNULL)
+    c = PortClient(command=cmd, env=env, stderr=subprocess.DEVNULL)
     wait_ready(c)
     compiled = c.info()["kernels"]["compiled"]
     assert len(compiled) == 6 and all(line.startswith("triton ") for line in compiled), compiled
     assert sum("float32" in line for line in compiled) == 4
     assert any(line.startswith("triton scan bdl batch=1 seq=3 dim=4 state=2 groups=2 bfloat16") for line in compiled)
     c.close()
+
+
+def test_a_warmup_that_fails_to_compile_stops_the_server_with_its_traceback(monkeypatch, caplog):
+    """A compile failure is not a bad bucket: the log keeps its traceback, which says where."""
+    import kernels
+    from bridge import cli
+
+    def failing_warmup(*args, **kwargs):
+        raise RuntimeError("the compiler gave up")
+
+    monkeypatch.setattr(kernels, "warmup", failing_warmup)
+    with open(os.devnull, "wb") as protocol_out, caplog.at_level(logging.ERROR, logger="bridge"):
+        assert cli.main(["--device", "cpu", "--warmup", "1x3x4x2"], protocol_fd=protocol_out.fileno()) == 2
+    record = caplog.records[-1]
+    assert "compiling failed" in record.getMessage()
+    assert record.exc_info and record.exc_info[0] is RuntimeError
 
 
 @pytest.mark.parametrize("bucket, expected", [
