@@ -6,6 +6,8 @@
     selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
                            dt_softplus=False, dt_min=None, dt_max=None, slots=None,
                            backend=None) -> y      (state updated in place)
+    capture_state_update(state, x, dt, A, B, C, *, ..., slots, backend=None)
+                        -> a replayable state update (a CUDA graph) | None
 
 Math (mamba_ssm's selective_scan_ref / selective_state_update_ref): dt += dt_bias; dt =
 softplus(dt) if dt_softplus; dt = clamp(dt, dt_min, dt_max); h_t = exp(dt_t A) h_{t-1} +
@@ -23,7 +25,7 @@ from .errors import BackendUnavailable, KernelInputError, ShapeMismatch, Unknown
 __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "ShapeMismatch",
-    "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES",
+    "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update",
 ]
 
 
@@ -60,6 +62,26 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
     impl = get_backend(backend, args.x.device.type)
     return impl.state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
                              **args.backend_kwargs())
+
+
+def capture_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                         dt_min=None, dt_max=None, slots, backend=None):
+    """The state update for calls like this one, captured for replay, or None where the backend
+    captures nothing (only "triton" does, on CUDA and not under its interpreter). Checked as
+    `selective_state_update` checks its arguments. x, dt, B, C, z and slots give only shapes and
+    dtypes (nothing is computed here, no state touched); state, A, D and dt_bias are the very
+    tensors every replay reads. The capture's `stage(name, bytes)` writes one call's x, dt, B,
+    C, z or slots, and `run()` computes it, updating the state in place, and returns y in pinned
+    host memory that the next run overwrites; `alive()` is false once state, A, D or dt_bias is
+    freed, and then it refuses to run (kernels/triton_kernels/graphs.py)."""
+    args = _args.check_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                                    dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
+                                    slots=slots)
+    impl = get_backend(backend, args.x.device.type)
+    if impl.capture_state_update is None or args.x.device.type != "cuda" or args.slots is None:
+        return None
+    return impl.capture_state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
+                                     **args.backend_kwargs())
 
 
 def warmup(shapes, *, device="cpu", dtype=None, backend=None) -> list[str]:

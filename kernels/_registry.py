@@ -59,6 +59,8 @@ class Backend:
     # (kernels/cpu/scan_kernel.h) that a native caller in this process fills itself (the
     # bridge's native step path); None for backends without one.
     run_problem: object | None = None
+    # Captures a state update for replay (kernels.capture_state_update); None: nothing to capture.
+    capture_state_update: Callable | None = None
 
 
 _lock = threading.Lock()

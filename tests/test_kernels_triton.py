@@ -216,6 +216,69 @@ def test_state_update_matches_reference(case, dtype, device):
     _check_update(case, dtype, device, INTERPRETER_UPDATE_BLOCKS if device == "cpu" else None)
 
 
+def _capture_and_stage(inputs: dict):
+    """A capture made from `inputs`' shapes, with `inputs`' x, dt, B, C, z, slots staged."""
+    capture = kernels.capture_state_update(**inputs, backend="triton")
+    for name in ("x", "dt", "B", "C", "z", "slots"):
+        if inputs.get(name) is not None:
+            capture.stage(name, inputs[name].cpu().contiguous().view(torch.uint8).numpy())
+    return capture
+
+
+@ON_CUDA
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [p for p in UPDATE_CASES if p.values[0].pool is not None])
+def test_captured_state_update_replays_fresh_inputs(case, dtype):
+    """A capture replayed three times, each time on fresh inputs written into it, against the
+    reference: y, padding rows, the slots' state rows updated and every other row untouched.
+    The state pool and A/D/dt_bias stay the capture's; x, dt, B, C, z and slots change."""
+    seed = random_seed()
+    inputs = make_update_inputs(case, dtype, "cuda", seed=seed)
+    capture = _capture_and_stage(inputs)
+    for replay in range(3):
+        fresh = make_update_inputs(case, dtype, "cuda", seed=seed + 1 + replay)
+        fresh.update({name: inputs[name] for name in ("state", "A", "D", "dt_bias") if name in inputs})
+        for name in ("x", "dt", "B", "C", "z", "slots"):
+            if fresh.get(name) is not None:
+                capture.stage(name, fresh[name].cpu().contiguous().view(torch.uint8).numpy())
+        before = inputs["state"].clone()
+        y = capture.run().clone()
+        assert y.device.type == "cpu" and y.dtype == dtype
+        assert_update_outputs_match_reference(case, dtype, fresh, before, y, f"seed={seed} replay {replay}")
+
+
+@ON_CUDA
+def test_a_capture_refuses_to_replay_once_its_pool_is_freed():
+    case = UpdateCase(3, 20, 16, pool=5)
+    inputs = make_update_inputs(case, torch.float32, "cuda", seed=random_seed())
+    capture = _capture_and_stage(inputs)
+    capture.run()
+    assert capture.alive()
+    del inputs["state"]
+    assert not capture.alive()
+    with pytest.raises(RuntimeError, match="freed"):
+        capture.run()
+
+
+@ON_CUDA
+def test_a_capture_takes_only_its_own_sizes():
+    inputs = make_update_inputs(UpdateCase(3, 20, 16, pool=5), torch.float32, "cuda", seed=random_seed())
+    capture = _capture_and_stage(inputs)
+    with pytest.raises(ValueError, match=r"x: expected 240 bytes \(the captured shape\), got 236"):
+        capture.stage("x", bytes(236))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_capture_checks_its_arguments_and_captures_only_on_cuda(device):
+    _backend(device)
+    inputs = make_update_inputs(UpdateCase(3, 20, 16, pool=5), torch.float32, device, seed=random_seed())
+    with pytest.raises(kernels.ShapeMismatch, match="slots"):
+        kernels.capture_state_update(**{**inputs, "slots": inputs["slots"][:2]}, backend="triton")
+    capture = kernels.capture_state_update(**inputs, backend="triton")
+    # The interpreter compiles nothing to capture; a GPU's Triton does.
+    assert (capture is None) == (device == "cpu")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_state_update_table_blocks(device):
     _backend(device)

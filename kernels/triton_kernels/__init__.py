@@ -7,6 +7,7 @@ machine without a GPU; far too slow to serve). Nothing here imports triton until
 
     scan.py          forward scan: chunked associative scan, sequence segments with carries
     state_update.py  one timestep for many rows, state in place, slots into a state pool
+    graphs.py        the state update captured as a CUDA graph, for calls that repeat one problem
     common.py        math and host helpers both kernels share
     configs.py       the block-size table and the sequence split (no autotuning)
     warmup.py        compile the kernels for a server's shape buckets ahead of requests
@@ -27,6 +28,7 @@ def load_backend() -> Backend:
 
     from . import scan, state_update
     from .common import interpreter_active
+    from .graphs import CapturedStateUpdate
     from .warmup import warmup
 
     interpreted = interpreter_active()
@@ -46,4 +48,6 @@ def load_backend() -> Backend:
         device_types=frozenset(device_types),
         warmup=warmup,
         details={"triton": triton.__version__, "interpreter": interpreted},
+        # A CUDA graph holds a compiled kernel; the interpreter compiles none.
+        capture_state_update=None if interpreted else CapturedStateUpdate,
     )
