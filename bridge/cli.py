@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive, default=defaults.threads,
                    help="CPU threads one kernel call may use (default: torch's, the machine's cores); fewer "
                         "leaves cores to clients on the same machine, which can cut their tail latency")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on CUDA, launch every step through the kernels API instead of replaying a captured "
+                        "state update (a CUDA graph) for steps shaped like ones seen before")
     p.add_argument("--no-native-step", dest="native_step", action="store_false",
                    help="serve every step through the general (Python) path, never the native C++ one "
                         "(bridge.native), which by default serves each plain step that finds nothing but native steps in flight, "

@@ -18,6 +18,7 @@ from .errors import allocation
 from .handles import HandleTable
 from .native import NativeStep
 from .sessions import Session, SessionTable
+from .step_graphs import StepGraphs
 from .stats import Stats
 from .tensors import host_view, to_device
 from .timing import now_ns
@@ -53,6 +54,8 @@ class ServerConfig:
     max_connections: int = 256
     # Serve plain steps that find nothing but native steps in flight in C++ (bridge.native), where it can.
     native_step: bool = True
+    # On CUDA, replay captured state updates for steps like ones seen before (bridge.step_graphs).
+    cuda_graphs: bool = True
     # CPU threads one kernel call may use (torch.set_num_threads, which the cpu backend's helper
     # pool follows), set by `python -m bridge` at start: it is the whole process's, so a Server
     # made in-process leaves it alone. None: torch's default, the machine's cores. Fewer than the
@@ -85,6 +88,9 @@ class Server:
         # Plain steps that find nothing but native steps in flight, served in C++ (None: every step
         # goes the general way).
         self.native_step = NativeStep.for_server(self) if config.native_step else None
+        # Steps on CUDA replaying captured state updates (None: every step calls the kernels API).
+        self.step_graphs = (StepGraphs(self.backend) if config.cuda_graphs and self.device.type == "cuda"
+                            else None)
         self.stats.add_gauge("sessions", self.sessions.usage)
         self.stats.add_gauge("handles", self.handles.usage)
         self._watched: set[str] = set()  # ids of connections whose close frees what they own

@@ -45,6 +45,7 @@ def info(server, call) -> dict:
         "device": server.device_choice.describe(),
         "backend": server.backend,
         "native_step": server.native_step is not None,
+        "cuda_graphs": None if server.step_graphs is None else {"captured": server.step_graphs.captured},
         "devices": devices,
         "kernels": {
             "available": kernels.available_backends(),
