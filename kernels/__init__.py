@@ -74,11 +74,13 @@ def capture_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
     C, z or slots, and `run()` computes it, updating the state in place, and returns y in pinned
     host memory that the next run overwrites; `alive()` is false once state, A, D or dt_bias is
     freed, and then it refuses to run (kernels/triton_kernels/graphs.py)."""
+    if slots is None:
+        raise KernelInputError("slots", "an int32/int64 tensor (a capture updates pool rows by slot)", "None")
     args = _args.check_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                                     dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
                                     slots=slots)
     impl = get_backend(backend, args.x.device.type)
-    if impl.capture_state_update is None or args.x.device.type != "cuda" or args.slots is None:
+    if impl.capture_state_update is None:
         return None
     return impl.capture_state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
                                      **args.backend_kwargs())

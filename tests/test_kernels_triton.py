@@ -216,13 +216,17 @@ def test_state_update_matches_reference(case, dtype, device):
     _check_update(case, dtype, device, INTERPRETER_UPDATE_BLOCKS if device == "cpu" else None)
 
 
-def _capture_and_stage(inputs: dict):
-    """A capture made from `inputs`' shapes, with `inputs`' x, dt, B, C, z, slots staged."""
-    capture = kernels.capture_state_update(**inputs, backend="triton")
+def _stage(capture, inputs: dict):
+    """Write `inputs`' x, dt, B, C, z and slots into `capture`; returns it."""
     for name in ("x", "dt", "B", "C", "z", "slots"):
         if inputs.get(name) is not None:
             capture.stage(name, inputs[name].cpu().contiguous().view(torch.uint8).numpy())
     return capture
+
+
+def _capture_and_stage(inputs: dict):
+    """A capture made from `inputs`' shapes, with `inputs` staged."""
+    return _stage(kernels.capture_state_update(**inputs, backend="triton"), inputs)
 
 
 @ON_CUDA
@@ -238,9 +242,7 @@ def test_captured_state_update_replays_fresh_inputs(case, dtype):
     for replay in range(3):
         fresh = make_update_inputs(case, dtype, "cuda", seed=seed + 1 + replay)
         fresh.update({name: inputs[name] for name in ("state", "A", "D", "dt_bias") if name in inputs})
-        for name in ("x", "dt", "B", "C", "z", "slots"):
-            if fresh.get(name) is not None:
-                capture.stage(name, fresh[name].cpu().contiguous().view(torch.uint8).numpy())
+        _stage(capture, fresh)
         before = inputs["state"].clone()
         y = capture.run()
         assert y.device.type == "cpu" and y.is_pinned() and y.dtype == dtype
@@ -275,6 +277,8 @@ def test_capture_checks_its_arguments_and_captures_only_on_cuda(device):
     inputs = make_update_inputs(UpdateCase(3, 20, 16, pool=5), torch.float32, device, seed=random_seed())
     with pytest.raises(kernels.ShapeMismatch, match="slots"):
         kernels.capture_state_update(**{**inputs, "slots": inputs["slots"][:2]}, backend="triton")
+    with pytest.raises(kernels.KernelInputError, match="slots: expected an int32/int64 tensor"):
+        kernels.capture_state_update(**{**inputs, "slots": None}, backend="triton")
     capture = kernels.capture_state_update(**inputs, backend="triton")
     # The interpreter compiles nothing to capture; a GPU's Triton does.
     assert (capture is None) == (device == "cpu")

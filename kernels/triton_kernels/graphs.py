@@ -1,9 +1,11 @@
 """The state update captured as a CUDA graph, for a caller that repeats one problem many times
 (the bridge's steps: the same session pool, A, shapes and options every frame).
 
-What it saves is host time, which bounds a small step on a GPU: the kernels API's checks and
-Triton's launch path cost the host 69 µs for a 32×512×16 step whose kernel runs in tens of
-microseconds (bench/results/triton_launch_host_time_probe.json). A replay is one call.
+What it saves is host time, which bounds a small step on a GPU: the Triton backend's call
+alone costs the host 69 µs for a 32×512×16 step, unsynced
+(bench/results/triton_launch_host_time_probe.json), before the kernels API's checks, and the
+server's step took 2.1–2.3× less time with captures than without
+(bench/results/cuda_graph_steps_ab.json). A replay is one call.
 
 A capture owns one pinned host buffer and one device buffer holding every per-call input (x,
 dt, B, C, z, slots) at fixed offsets, and y's buffers. A call writes its inputs into the host
@@ -59,7 +61,6 @@ class CapturedStateUpdate:
             size = int(np.prod(shape)) * dtype.itemsize
             self.staging[name] = host_bytes[start:start + size]
             device_views[name] = self._device_in[start:start + size].view(dtype).view(shape)
-        self.has_z = "z" in layout
         self._device_y = torch.empty((self.rows, self.dim), dtype=x.dtype, device=self.device)
         self._host_y = torch.empty((self.rows, self.dim), dtype=x.dtype, pin_memory=True)
         self._held = [weakref.ref(t) for t in (state, A, D, dt_bias) if t is not None]
