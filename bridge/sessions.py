@@ -14,6 +14,7 @@ the connection that opened it (bridge.owned).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .errors import OpError, allocation
@@ -77,7 +78,7 @@ class Session:
 
     # __weakref__: the native step path (bridge.native) forgets what it kept of a session when
     # the session goes.
-    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "closed", "__weakref__")
+    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "slot_bytes", "closed", "__weakref__")
 
     def __init__(self, session_id: str, batch: int, pool: StatePool, slot_list: list[int]):
         self.id = session_id
@@ -86,6 +87,8 @@ class Session:
         self.slot_list = slot_list
         # The kernel's view of the same rows: [batch] int64 on the device, built once.
         self.slots = torch.tensor(slot_list, dtype=torch.int64, device=pool.rows.device)
+        # And as int64 bytes on the host, which a captured step stages (bridge.step_graphs).
+        self.slot_bytes = np.asarray(slot_list, dtype=np.int64).tobytes()
         # Set (under the table's lock) when closed; a batch already holding the session checks it
         # before its launch.
         self.closed = False

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-import numpy as np
 import torch
 
 import kernels
@@ -60,7 +59,7 @@ class StepGraphs:
         for name, value in lead.tensors.items():
             if value is not None:
                 capture.stage(name, *(item.tensors[name].data for item in items))
-        capture.stage("slots", np.fromiter((s for item in items for s in item.session.slot_list), np.int64, rows))
+        capture.stage("slots", *(item.session.slot_bytes for item in items))
         staged = now_ns()
         y = capture.run()
         ran = now_ns()
