@@ -76,11 +76,16 @@ def constants(handles: bool, srv, conn) -> tuple[dict, dict]:
     return values, {k: protocol.HandleRef(srv.call(conn, "put", tensor=v)["handle"]) for k, v in values.items()}
 
 
-def step_and_check(srv, conn, session: str, rows: int, values: dict, sent: dict, state: torch.Tensor) -> torch.Tensor:
-    """One step of `session` checked against the reference from `state`; the new state."""
+def step_inputs(rows: int, values: dict) -> dict:
+    """Fresh per-row step arguments, with the constants `values`."""
     inputs = make_update_inputs(UpdateCase(rows, DIM, STATE, D=True))
     del inputs["state"]
-    inputs.update(values)
+    return {**inputs, **values}
+
+
+def step_and_check(srv, conn, session: str, rows: int, values: dict, sent: dict, state: torch.Tensor) -> torch.Tensor:
+    """One step of `session` checked against the reference from `state`; the new state."""
+    inputs = step_inputs(rows, values)
     reply = srv.request(conn, "step", session=session, **{**inputs, **sent})
     assert reply.ok, reply.error
     y_ref, state_ref = reference_update({**inputs, "state": state})
@@ -90,13 +95,19 @@ def step_and_check(srv, conn, session: str, rows: int, values: dict, sent: dict,
     return after
 
 
+def open_and_step(srv, conn, rows: int, steps: int, values: dict, sent: dict) -> tuple[str, torch.Tensor]:
+    """A new session of `rows` stepped `steps` times, each step checked; (its id, its state)."""
+    session = srv.call(conn, "session_open", batch=rows, dim=DIM, state=STATE)["session"]
+    state = torch.zeros(rows, DIM, STATE)
+    for _ in range(steps):
+        state = step_and_check(srv, conn, session, rows, values, sent, state)
+    return session, state
+
+
 def test_steps_like_earlier_ones_replay_one_capture(graphs):
     conn = RecordingConnection()
     values, sent = constants(True, graphs, conn)
-    session = graphs.call(conn, "session_open", batch=3, dim=DIM, state=STATE)["session"]
-    state = torch.zeros(3, DIM, STATE)
-    for _ in range(4):
-        state = step_and_check(graphs, conn, session, 3, values, sent, state)
+    open_and_step(graphs, conn, 3, 4, values, sent)
     assert [c.runs for c in StandInCapture.made] == [4]
     assert graphs.call(conn, "info")["cuda_graphs"] == {"captured": 1}
 
@@ -112,11 +123,7 @@ def test_a_batch_stages_its_members_rows_and_slots_in_order(graphs):
     values, sent = constants(True, graphs, conn)
     rows = [1, 3, 2]
     sessions = [graphs.call(conn, "session_open", batch=r, dim=DIM, state=STATE)["session"] for r in rows]
-    inputs = []
-    for r in rows:
-        step = make_update_inputs(UpdateCase(r, DIM, STATE, D=True))
-        del step["state"]
-        inputs.append({**step, **values})
+    inputs = [step_inputs(r, values) for r in rows]
     graphs.hold(conn)
     ids = [graphs.submit(conn, "step", session=s, **{**inp, **sent}) for s, inp in zip(sessions, inputs)]
     graphs.go()
@@ -136,8 +143,7 @@ def test_steps_with_inline_constants_take_the_general_path(graphs):
     """Bytes that came with the request have no lasting device address to capture."""
     conn = RecordingConnection()
     values, sent = constants(False, graphs, conn)
-    session = graphs.call(conn, "session_open", batch=2, dim=DIM, state=STATE)["session"]
-    step_and_check(graphs, conn, session, 2, values, sent, torch.zeros(2, DIM, STATE))
+    open_and_step(graphs, conn, 2, 1, values, sent)
     assert StandInCapture.made == []
 
 
@@ -151,10 +157,7 @@ def test_a_kind_that_failed_to_capture_goes_the_general_path_from_then_on(graphs
     monkeypatch.setattr(kernels, "capture_state_update", failing)
     conn = RecordingConnection()
     values, sent = constants(True, graphs, conn)
-    session = graphs.call(conn, "session_open", batch=2, dim=DIM, state=STATE)["session"]
-    state = torch.zeros(2, DIM, STATE)
-    for _ in range(3):
-        state = step_and_check(graphs, conn, session, 2, values, sent, state)
+    open_and_step(graphs, conn, 2, 3, values, sent)
     assert attempts == [1]
 
 
@@ -175,14 +178,12 @@ def test_a_grown_pool_is_captured_again_and_old_captures_are_dropped(graphs):
     captures anew. Past `capacity` kinds, the least recently used capture goes."""
     conn = RecordingConnection()
     values, sent = constants(True, graphs, conn)
-    first = graphs.call(conn, "session_open", batch=1, dim=DIM, state=STATE)["session"]
-    state = step_and_check(graphs, conn, first, 1, values, sent, torch.zeros(1, DIM, STATE))
+    first, state = open_and_step(graphs, conn, 1, 1, values, sent)
     graphs.call(conn, "session_open", batch=4, dim=DIM, state=STATE)  # the pool grows
     assert not StandInCapture.made[0].alive()
     step_and_check(graphs, conn, first, 1, values, sent, state)
     assert len(StandInCapture.made) == 2
     for rows in (2, 3):  # two more kinds: the capacity of 2 drops the oldest
-        session = graphs.call(conn, "session_open", batch=rows, dim=DIM, state=STATE)["session"]
-        step_and_check(graphs, conn, session, rows, values, sent, torch.zeros(rows, DIM, STATE))
+        open_and_step(graphs, conn, rows, 1, values, sent)
     assert len(graphs.server.step_graphs._captures) == 2
 
