@@ -256,9 +256,14 @@ def wire_rows(t: torch.Tensor, items: list[Item]) -> list[OutTensor]:
     start = now_ns()
     whole = to_wire(t)
     charge(items, "d2h", now_ns() - start)
+    return member_rows(whole, items)
+
+
+def member_rows(whole: OutTensor, items: list[Item]) -> list[OutTensor]:
+    """A batched output already on the host as each member's byte range of it (views)."""
     if len(items) == 1:
         return [whole]
-    row_bytes = whole.data.nbytes // t.shape[0]
+    row_bytes = whole.data.nbytes // whole.shape[0]
     out, offset = [], 0
     for item in items:
         size = item.rows * row_bytes

@@ -8,7 +8,8 @@ bytes that came with the request, which would need a fresh device copy, do not q
 first launch of each kind captures (then replays); captures are kept per kind, the least
 recently used dropped past `capacity`, and a capture whose pool or handle tensor was freed is
 captured again. Kinds that failed to capture (other than by a bad argument, which is the
-request's error) go the general way from then on.
+request's error) go the general way from then on; the last `capacity` of them are remembered
+(a kind names device addresses, so a long-lived server could otherwise gather them forever).
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ class StepGraphs:
         self.backend = backend
         self.capacity = capacity
         self._captures: OrderedDict = OrderedDict()
-        self._failed: set = set()
+        self._failed: OrderedDict = OrderedDict()  # kinds that failed to capture, oldest first
         self.captured = 0  # captures made, for `info`
 
     def run(self, items, shared: dict):
         """y [rows, dim] on the host, a copy of its own, for the launch of `items` (prepared
         steps, bridge.ops.sessions.StepOp) with `shared` A, D, dt_bias; None when the launch does
         not qualify or its kind failed to capture (then nothing ran). Charges h2d (staging),
-        kernel (replay with its device copies and wait) and d2h (y's copy) to every item."""
+        kernel (replay with its device copies and wait) and d2h (y's copy: y reaches the host
+        within the replay, so this is all the d2h there is) to every item."""
         if any(value is not None and not isinstance(value, torch.Tensor) for value in shared.values()):
             return None
         if any(value is not None and not isinstance(value, WireTensor)
@@ -90,10 +92,10 @@ class StepGraphs:
             raise  # the request's own error, as the general path would report it
         except Exception:
             log.exception("capturing a %d-row step failed; steps like it take the general path", rows)
-            self._failed.add(kind)
+            self._remember_failed(kind)
             return None
         if capture is None:
-            self._failed.add(kind)
+            self._remember_failed(kind)
             return None
         self.captured += 1
         self._captures[kind] = capture
@@ -101,3 +103,8 @@ class StepGraphs:
         while len(self._captures) > self.capacity:
             self._captures.popitem(last=False)
         return capture
+
+    def _remember_failed(self, kind) -> None:
+        self._failed[kind] = None
+        while len(self._failed) > self.capacity:
+            self._failed.popitem(last=False)

@@ -18,6 +18,7 @@ import protocol
 from kernels import _args
 from bridge.client import result_from_wire
 from bridge.step_graphs import StepGraphs
+from bridge.timing import Timing
 from bridge_fakes import RecordingConnection
 from kernel_cases import STATE_TOLERANCE, UpdateCase, assert_close, make_update_inputs, reference_update
 
@@ -159,6 +160,51 @@ def test_a_kind_that_failed_to_capture_goes_the_general_path_from_then_on(graphs
     values, sent = constants(True, graphs, conn)
     open_and_step(graphs, conn, 2, 3, values, sent)
     assert attempts == [1]
+
+
+def test_only_the_last_capacity_failed_kinds_are_remembered(graphs, monkeypatch):
+    """A kind names device addresses, so failed kinds are not remembered forever: past
+    `capacity` (2 here), the oldest is forgotten and tried again."""
+    attempts = []
+
+    def failing(state, x, *args, **kwargs):
+        attempts.append(x.shape[0])
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(kernels, "capture_state_update", failing)
+    conn = RecordingConnection()
+    values, sent = constants(True, graphs, conn)
+    # Opened first: a session opened later could grow the pool, which makes new kinds.
+    sessions = {rows: graphs.call(conn, "session_open", batch=rows, dim=DIM, state=STATE)["session"]
+                for rows in (1, 2, 3)}
+    states = {rows: torch.zeros(rows, DIM, STATE) for rows in sessions}
+    for rows in (1, 2, 3, 3, 2, 1):  # 1 was forgotten when 3 failed; 3 and 2 are still remembered
+        states[rows] = step_and_check(graphs, conn, sessions[rows], rows, values, sent, states[rows])
+    assert attempts == [1, 2, 3, 1]
+    assert len(graphs.server.step_graphs._failed) == 2
+
+
+def test_a_replayed_step_charges_its_copy_to_the_host_once(graphs, monkeypatch):
+    """y reaches the host within the replay: its copy is the step's one d2h charge."""
+    conn = RecordingConnection()
+    values, sent = constants(True, graphs, conn)
+    session = graphs.call(conn, "session_open", batch=2, dim=DIM, state=STATE)["session"]
+    added = []
+    real_add = Timing.add
+
+    def recording_add(timing, stage, ns):
+        added.append(stage)
+        real_add(timing, stage, ns)
+
+    inputs = step_inputs(2, values)
+    with monkeypatch.context() as patched:
+        patched.setattr(Timing, "add", recording_add)
+        reply = graphs.request(conn, "step", session=session, **{**inputs, **sent})
+    assert reply.ok, reply.error
+    y_ref, _ = reference_update({**inputs, "state": torch.zeros(2, DIM, STATE)})
+    assert_close(result_from_wire(reply.result, as_torch=True)["y"], y_ref, torch.float32, "y")
+    assert [c.runs for c in StandInCapture.made] == [1]
+    assert added.count("d2h") == 1, added
 
 
 def test_a_bad_argument_is_the_requests_error_not_a_failed_capture(graphs):

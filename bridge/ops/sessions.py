@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import kernels
 
-from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, shared_args, shared_tensors,
-                       signature, stack_rows, wire_rows)
+from ..batcher import (BatchedOp, Item, charge, dt_options, member_rows, row_signature, shared_args,
+                       shared_tensors, signature, stack_rows, wire_rows)
 from ..errors import OpError
 from ..tensors import to_wire
 from ..timing import now_ns
@@ -76,8 +76,8 @@ class StepOp(BatchedOp):
         lead = items[0]
         if server.step_graphs is not None:
             y = server.step_graphs.run(items, lead.shared)
-            if y is not None:
-                return [{"y": y_rows} for y_rows in wire_rows(y, items)]
+            if y is not None:  # on the host already, its copy charged as d2h
+                return [{"y": y_rows} for y_rows in member_rows(to_wire(y), items)]
         start = now_ns()
         rows = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
         slots = stack_rows(server, [item.session.slots for item in items])
