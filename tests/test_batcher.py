@@ -560,4 +560,5 @@ def test_concurrent_callers_over_stdio_each_get_their_rows(device, flags, native
             assert natively > 0
         else:
             assert natively == 0
-            assert max(total for _, total, _ in seen) > 3  # some launch took rows of several callers
+            # Some launch took rows of several callers: a reply's launch had more rows than its own.
+            assert any(total > own for own, total, _ in seen), seen
