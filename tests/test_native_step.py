@@ -334,16 +334,50 @@ def test_mutated_frames_are_answered_and_the_server_lives_on(inproc):
     assert submit(srv, conn, "step", **args).ok
 
 
+# msgpack type bytes, each announcing something different to read: nil; bin 8 and 32; float
+# 32 and 64; uint 64 and int 64; str 8 and 32; array 32 and map 32 (a 4-byte count); the
+# largest positive fixint, empty and longest fixstr, longest fixarray and fixmap; fixint -1.
+TYPE_BYTES = bytes([0xC0, 0xC4, 0xC6, 0xCA, 0xCB, 0xCF, 0xD3, 0xD9, 0xDB, 0xDD, 0xDF, 0x7F, 0xA0, 0xBF, 0x9F,
+                    0x8F, 0xFF])
+
+
+@pytest.mark.parametrize("handles", [False, True], ids=["inline", "handles"])
+def test_every_cut_and_every_type_byte_of_a_step_frame_is_answered(inproc, handles):
+    """Every prefix of a plain step frame, and the frame with each of its bytes replaced by each
+    of msgpack's type bytes: one reply each, and the server still steps. Exhaustive where
+    test_mutated_frames_... samples, so that the sanitizer pass (test_sanitizers.py) sees the
+    parser read every header cut short or made to claim more than the frame holds."""
+    gen = torch.Generator().manual_seed(random_seed())
+    case = StepCase(1, 2, 1, options=True, handles=handles)
+    srv = inproc()
+    conn = CountingConnection()
+    session, shared = open_session(srv, conn, case, constants(case, gen))
+    args = {**step_inputs(case, gen), **shared, "session": session}
+    body = b"".join(protocol.encode_request(
+        1, "step", {k: to_wire(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}))
+    frames = [body[:cut] for cut in range(len(body))]
+    frames += [body[:at] + bytes([b]) + body[at + 1:] for at in range(len(body)) for b in TYPE_BYTES if b != body[at]]
+    conn.decoding = False  # a frame made legacy (no id left) gets a legacy reply
+    for frame in frames:
+        srv.dispatcher.on_frame(conn, frame, now_ns(), more_input=False)
+    conn.decoding = True
+    assert conn.sent == len(frames) + 1 + len(shared) * handles, f"{conn.sent} replies to {len(frames)} frames"
+    assert submit(srv, conn, "step", **args).ok
+
+
 class CountingConnection(RecordingConnection):
-    """Also counts every reply, whatever its id (a mutated frame's may be unreadable: nil)."""
+    """Also counts every reply, whatever its id (a mutated frame's may be unreadable: nil);
+    with `decoding` off it only counts."""
 
     def __init__(self):
         super().__init__()
         self.sent = 0
+        self.decoding = True
 
     def send(self, parts: list, buffers: list | None = None) -> None:
         self.sent += 1
-        super().send(parts, buffers)
+        if self.decoding:
+            super().send(parts, buffers)
 
 
 def test_a_missing_source_leaves_the_general_path_serving(monkeypatch, tmp_path, caplog):
