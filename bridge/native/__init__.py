@@ -39,14 +39,28 @@ log = logging.getLogger("bridge")
 
 NATIVE_DIR = Path(__file__).resolve().parent
 MODULE_NAME = "scan_bridge_native_step"
+BUILD_SUBDIRECTORY = "native_step"  # under kernels.cpu.build.build_root()
+
+
+def sources():
+    """What the module is built from (kernels.cpu.build.Sources)."""
+    from kernels.cpu import build
+
+    return build.Sources(NATIVE_DIR, files=("step.cpp",), headers=(build.SOURCE_DIR / "scan_kernel.h",),
+                         include_dirs=(build.SOURCE_DIR,))
 
 
 def _module():
     from kernels.cpu import build
 
-    sources = build.Sources(NATIVE_DIR, files=("step.cpp",), headers=(build.SOURCE_DIR / "scan_kernel.h",),
-                            include_dirs=(build.SOURCE_DIR,))
-    return build.load_module(sources, MODULE_NAME, "native_step")
+    return build.load_module(sources(), MODULE_NAME, BUILD_SUBDIRECTORY)
+
+
+def library_path() -> Path:
+    """Where the module's library is built for this process's flags."""
+    from kernels.cpu import build
+
+    return build.module_library_path(sources(), MODULE_NAME, BUILD_SUBDIRECTORY)
 
 
 class NativeStepError(RuntimeError):

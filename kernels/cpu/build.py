@@ -14,6 +14,7 @@ serialised by torch's lock file in that directory.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import logging
@@ -44,7 +45,44 @@ HEADERS = ("scan_kernel.h", "helper_pool.h")
 # internal functions take them, so no ABI is at stake.
 CFLAGS = ("-O3", "-march=native", "-pthread", "-fvisibility=hidden", "-Wall", "-Wno-psabi")
 LDFLAGS = ("-pthread",)
+# SCAN_BRIDGE_SANITIZE=address,undefined (or either) builds every extension with those
+# sanitizers, each finding fatal, under a digest of its own: the test suite's sanitizer pass
+# (tests/test_sanitizers.py). Python itself is not instrumented, so a process loads an
+# address-sanitized library only when it preloads the runtime (see _check_sanitizer_runtime).
+SANITIZE_ENV = "SCAN_BRIDGE_SANITIZE"
+SANITIZERS = ("address", "undefined")
 _LOCK_FILE = "lock"  # torch.utils.cpp_extension's FileBaton, present while a build runs
+
+
+def _requested_sanitizers() -> tuple[str, ...]:
+    """The sanitizers SANITIZE_ENV names; BackendUnavailable for a name not in SANITIZERS."""
+    names = tuple(n.strip() for n in os.environ.get(SANITIZE_ENV, "").split(",") if n.strip())
+    unknown = [n for n in names if n not in SANITIZERS]
+    if unknown:
+        raise BackendUnavailable(f"{SANITIZE_ENV}: expected a comma-separated list of {', '.join(SANITIZERS)}, "
+                                 f"got {os.environ[SANITIZE_ENV]!r}")
+    return names
+
+
+def compile_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(compiler flags, linker flags) of this process's builds: CFLAGS and LDFLAGS, plus the
+    requested sanitizers'."""
+    names = _requested_sanitizers()
+    if not names:
+        return CFLAGS, LDFLAGS
+    sanitize = "-fsanitize=" + ",".join(names)
+    return (CFLAGS + (sanitize, "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"),
+            LDFLAGS + (sanitize,))
+
+
+def _check_sanitizer_runtime() -> None:
+    """An address-sanitized library refuses to load (and aborts the process) unless the
+    runtime came first: say so instead."""
+    if "address" in _requested_sanitizers() and not hasattr(ctypes.CDLL(None), "__asan_init"):
+        raise BackendUnavailable(f"{SANITIZE_ENV} asks for the address sanitizer, whose runtime this process "
+                                 "has not loaded: start it with LD_PRELOAD=\"$(c++ -print-file-name=libasan.so) "
+                                 "$(c++ -print-file-name=libstdc++.so)\" (libstdc++ too, so that the runtime "
+                                 "finds the C++ exception functions it wraps when it starts)")
 
 
 def _cpu_signature() -> str:
@@ -100,7 +138,7 @@ def build_digest(sources: Sources | None = None, module_name: str | None = None)
     """Of `sources` built as `module_name` (by default this checkout's kernels, as MODULE_NAME)."""
     h = hashlib.sha256()
     _hash_sources(h, sources or _kernel_sources(SOURCE_DIR))
-    for part in (module_name or MODULE_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version,
+    for part in (module_name or MODULE_NAME, *compile_flags(), torch.__version__, sys.version,
                  sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
         h.update(repr(part).encode())
     return h.hexdigest()[:16]
@@ -159,12 +197,13 @@ def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str)
         # A venv's pip-installed ninja is only on PATH when the venv is activated.
         os.environ["PATH"] = venv_bin + os.pathsep + path_before
     directory.mkdir(parents=True, exist_ok=True)
+    cflags, ldflags = compile_flags()
     try:
         return cpp_extension.load(
             name=module_name,
             sources=[str(sources.directory / s) for s in sources.files],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
+            extra_cflags=list(cflags),
+            extra_ldflags=list(ldflags),
             extra_include_paths=[str(d) for d in (sources.directory, *sources.include_dirs)],
             build_directory=str(directory),
             verbose=verbose,
@@ -201,13 +240,22 @@ def load_module(sources: Sources, module_name: str, subdirectory: str):
     """Another extension built like the kernels' (same flags, digest and cache; the bridge's
     native step module), in build_root()/`subdirectory`/<digest>; BackendUnavailable with one
     line of reason when it cannot be built or loaded."""
-    directory = build_root() / subdirectory / build_digest(sources, module_name)
-    return _load(directory, sources, module_name, False)
+    return _load(_module_directory(sources, module_name, subdirectory), sources, module_name, False)
+
+
+def module_library_path(sources: Sources, module_name: str, subdirectory: str) -> Path:
+    """Where load_module builds (or finds) that extension's library for this process's flags."""
+    return _library_in(_module_directory(sources, module_name, subdirectory), module_name)
+
+
+def _module_directory(sources: Sources, module_name: str, subdirectory: str) -> Path:
+    return build_root() / subdirectory / build_digest(sources, module_name)
 
 
 def _load(directory: Path, sources: Sources, module_name: str, verbose: bool):
     """The library in `directory` imported, compiled first if it is not there; BackendUnavailable
     with one line of reason when it cannot be built or loaded."""
+    _check_sanitizer_runtime()
     library = _library_in(directory, module_name)
     if library.is_file() and not (directory / _LOCK_FILE).exists():
         try:

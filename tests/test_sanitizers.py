@@ -1,0 +1,83 @@
+"""The C++ code under AddressSanitizer and UndefinedBehaviorSanitizer: the CPU kernels' and the
+native step path's own suites run again in a child pytest whose extensions are built with
+-fsanitize=address,undefined (kernels.cpu.build's SANITIZE_ENV), every finding fatal. The native
+path parses untrusted frames in a long-lived server, and the kernels write through pool slots
+and raw addresses: an out-of-bounds read or write there would pass an ordinary run unnoticed.
+
+The child's servers (the suites start some) inherit the environment and load the same builds.
+Where the compiler has no ASan runtime the test skips and says why (in CI that fails the run,
+tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bridge import native
+from kernels.cpu import build
+from process_runs import run_marked
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITES = ["tests/test_native_step.py", "tests/test_kernels_cpu.py"]
+# The bench runner's tests time whole bench runs in fresh processes: minutes under ASan, and
+# they run no C++ that the kernel tests do not.
+DESELECT = "not bench_runner and not kernel_ab"
+# Python allocates for its lifetime without freeing at exit: leak reports would be its own.
+ASAN_OPTIONS = "detect_leaks=0:abort_on_error=1:print_summary=1"
+TIMEOUT_S = 1200
+
+
+def compiler_library(name: str) -> str | None:
+    """The path of a library the C++ compiler links with, None where it has none."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        return None
+    found = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+    # Without the library the compiler prints the bare name back.
+    return found if os.path.isabs(found) and os.path.exists(found) else None
+
+
+def test_cpp_extensions_pass_their_suites_under_address_and_undefined_sanitizers(monkeypatch, tmp_path):
+    # libstdc++ is preloaded after the ASan runtime so that the runtime, when it starts, finds
+    # the C++ exception functions it wraps (Python does not link libstdc++; without it the first
+    # exception a kernel throws fails ASan's own check).
+    preload = [compiler_library("libasan.so"), compiler_library("libstdc++.so")]
+    if None in preload:
+        pytest.skip("no ASan runtime (libasan) or libstdc++ for the C++ compiler here: the sanitizer pass needs them")
+    # Reports go to files: pytest captures the child's stderr, which an abort would lose.
+    reports = tmp_path / "report"
+    # PYTHONMALLOC=malloc: each Python object its own malloc block, so that ASan's bounds
+    # around it catch a read past a frame's bytes (pymalloc's pools would hide most).
+    env = {**os.environ, build.SANITIZE_ENV: "address,undefined", "LD_PRELOAD": " ".join(preload),
+           "PYTHONMALLOC": "malloc",
+           "ASAN_OPTIONS": f"{ASAN_OPTIONS}:log_path={reports}",
+           "UBSAN_OPTIONS": f"print_stacktrace=1:log_path={reports}"}
+    run = run_marked([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", DESELECT, *SUITES],
+                     timeout_s=TIMEOUT_S, cwd=ROOT, env=env)
+    found = "".join(f"\n{path.name}:\n{path.read_text(errors='replace')[:6000]}" for path in sorted(tmp_path.iterdir()))
+    assert not found, f"sanitizer reports:{found}"
+    assert run.failure("the sanitized suites") is None, run.failure("the sanitized suites")
+    # The libraries the suites loaded are the sanitized builds (a digest of their own): a pass
+    # against the ordinary ones would prove nothing.
+    monkeypatch.setenv(build.SANITIZE_ENV, env[build.SANITIZE_ENV])
+    for library in (build.library_path(), native.library_path()):
+        assert library.is_file(), f"{library}: not built by the sanitizer pass"
+        assert b"libasan.so" in library.read_bytes(), f"{library}: not linked to the ASan runtime"
+
+
+def test_an_address_sanitized_build_refuses_a_process_without_its_runtime(monkeypatch):
+    monkeypatch.setenv(build.SANITIZE_ENV, "address")
+    with pytest.raises(build.BackendUnavailable, match="LD_PRELOAD"):
+        build.load_extension()
+
+
+def test_an_unknown_sanitizer_is_refused_with_what_is_accepted(monkeypatch):
+    monkeypatch.setenv(build.SANITIZE_ENV, "address,thread")
+    with pytest.raises(build.BackendUnavailable, match="address, undefined.*'address,thread'"):
+        build.compile_flags()
