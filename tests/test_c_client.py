@@ -1,8 +1,9 @@
-"""The C client (examples/c_client) built with `make` and run against a live server over zmq
-ipc and tcp: it decodes every golden vector, pings, and checks an inline and a multipart scan
-against its own C reference. Then the same client against replies a proxy alters (other ids, a
-nil id, too many parts, an error reply, wrong types), against vectors of our own (sizes that
-overflow), and with a preloaded shim that sees who frees its zero-copy send buffers. Without
+"""The C client (examples/c_client), built under AddressSanitizer and UndefinedBehaviorSanitizer
+(`make scan_client-sanitized`), run against a live server over zmq ipc and tcp: it decodes every
+golden vector, pings, and checks an inline and a multipart scan against its own C reference.
+Then the same client against replies a proxy alters (other ids, a nil id, too many parts, an
+error reply, wrong types), against vectors of our own (sizes that overflow), and with a
+preloaded shim that sees who frees its zero-copy send buffers. Without
 libzmq / msgpack-c headers the tests skip and say why, except in CI (CI=true), where that is a
 failure: the CI machine installs them (.ci/system-deps.sh)."""
 
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import msgpack
 import pytest
@@ -34,10 +36,20 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+# For the sanitized build: an exit status of its own for a finding (the client's own failures
+# exit 1).
+SANITIZER_ENV = {"ASAN_OPTIONS": "exitcode=86", "LSAN_OPTIONS": "exitcode=86",
+                 "UBSAN_OPTIONS": "exitcode=86:print_stacktrace=1"}
+
+
 def run_client(scan_client, endpoint: str, vectors=VECTORS, *, timeout: float = 120, env=None):
-    """The built client against `endpoint`, checking the vectors in `vectors` first."""
-    return subprocess.run([scan_client, endpoint, str(vectors)], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    """The built client against `endpoint`, checking the vectors in `vectors` first; fails the
+    test on any sanitizer report, whatever the client's exit status."""
+    run = subprocess.run([scan_client, endpoint, str(vectors)], capture_output=True, text=True, timeout=timeout,
+                         env={**(env or os.environ), **SANITIZER_ENV})
+    assert run.returncode != 86 and "Sanitizer" not in run.stderr and "runtime error:" not in run.stderr, \
+        f"the sanitized client reported (exit {run.returncode}):\n{run.stderr[-6000:]}"
+    return run
 
 
 def unavailable() -> str | None:
@@ -65,7 +77,30 @@ def require_toolchain() -> None:
 
 @pytest.fixture(scope="module")
 def scan_client() -> str:
+    """The client built under AddressSanitizer and UndefinedBehaviorSanitizer (the Makefile's
+    scan_client-sanitized): its decoder meets live, altered and crafted replies here, and a
+    memory error, leak or undefined behaviour fails the test (run_client). Where the compiler
+    has no sanitizer runtimes, the plain build, with a warning saying so (in CI, a failure)."""
     require_toolchain()
+    build = subprocess.run(["make", "-C", CLIENT_DIR, "scan_client-sanitized"], capture_output=True, text=True)
+    if build.returncode == 0:
+        return os.path.join(CLIENT_DIR, "scan_client-sanitized")
+    reason = f"the sanitized C client did not build, so the plain one is tested:\n{build.stderr[-2000:]}"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must build the sanitized C client: {reason}")
+    warnings.warn(reason)
+    return build_plain_client()
+
+
+@pytest.fixture(scope="module")
+def plain_client() -> str:
+    """The client as `make` builds it: for the shim tests, whose shim counts the client's calls
+    to free, which ASan's allocator would take instead."""
+    require_toolchain()
+    return build_plain_client()
+
+
+def build_plain_client() -> str:
     build = subprocess.run(["make", "-C", CLIENT_DIR], capture_output=True, text=True)
     assert build.returncode == 0, f"make -C examples/c_client failed:\n{build.stdout}\n{build.stderr}"
     return os.path.join(CLIENT_DIR, "scan_client")
@@ -384,7 +419,7 @@ __attribute__((destructor)) static void report(void) {
 
 
 @pytest.fixture(scope="module")
-def shim(scan_client, tmp_path_factory) -> str:
+def shim(plain_client, tmp_path_factory) -> str:
     directory = tmp_path_factory.mktemp("shim")
     (directory / "shim.c").write_text(SHIM)
     cc = compiler()
@@ -394,17 +429,17 @@ def shim(scan_client, tmp_path_factory) -> str:
     return str(directory / "shim.so")
 
 
-def test_zero_copy_buffers_are_freed_by_zeromq_once_it_lets_go_never_before(scan_client, endpoints, shim):
+def test_zero_copy_buffers_are_freed_by_zeromq_once_it_lets_go_never_before(plain_client, endpoints, shim):
     # The multipart scan sends its 7 inputs zero copy; ZeroMQ keeps them past the reply here.
     env = {**os.environ, "LD_PRELOAD": shim, "SHIM": "hold"}
-    run = run_client(scan_client, endpoints["ipc"], env=env)
+    run = run_client(plain_client, endpoints["ipc"], env=env)
     assert run.returncode == 0, run.stderr
     assert "shim: 7 kept, 0 freed while kept, 7 freed after" in run.stderr
 
 
-def test_a_frame_that_fails_to_send_is_closed_and_its_buffer_freed(scan_client, endpoints, shim):
+def test_a_frame_that_fails_to_send_is_closed_and_its_buffer_freed(plain_client, endpoints, shim):
     env = {**os.environ, "LD_PRELOAD": shim, "SHIM": "fail"}
-    run = run_client(scan_client, endpoints["ipc"], env=env)
+    run = run_client(plain_client, endpoints["ipc"], env=env)
     assert run.returncode == 1
     assert "scan multipart: not sent: Interrupted system call" in run.stderr
     assert "shim: the unsent message was closed" in run.stderr
