@@ -1,17 +1,24 @@
-"""The C++ code under AddressSanitizer and UndefinedBehaviorSanitizer: the CPU kernels' and the
-native step path's own suites run again in a child pytest whose extensions are built with
--fsanitize=address,undefined (kernels.cpu.build's SANITIZE_ENV), every finding fatal. The native
-path parses untrusted frames in a long-lived server, and the kernels write through pool slots
-and raw addresses: an out-of-bounds read or write there would pass an ordinary run unnoticed.
+"""The C++ code under the sanitizers.
 
-The child's servers (the suites start some) inherit the environment and load the same builds.
-Where the compiler has no ASan runtime the test skips and says why (in CI that fails the run,
-tests/conftest.py).
+AddressSanitizer and UndefinedBehaviorSanitizer: the CPU kernels' and the native step path's own
+suites run again in a child pytest whose extensions are built with -fsanitize=address,undefined
+(kernels.cpu.build's SANITIZE_ENV), every finding fatal. The native path parses untrusted frames
+in a long-lived server, and the kernels write through pool slots and raw addresses: an
+out-of-bounds read or write there would pass an ordinary run unnoticed. The child's servers (the
+suites start some) inherit the environment and load the same builds.
+
+ThreadSanitizer: the kernels' helper pool (kernels/cpu/helper_pool.h), whose calls and helpers
+meet through atomics, driven by tests/cpp/helper_pool_stress.cpp. Python and torch are not built
+for TSan, so the pool is tested alone, not through the extension.
+
+Where the compiler has no runtime for a sanitizer its test skips and says why (in CI that fails
+the run, tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,3 +90,23 @@ def test_an_unknown_sanitizer_is_refused_with_what_is_accepted(monkeypatch):
     monkeypatch.setenv(build.SANITIZE_ENV, "address,thread")
     with pytest.raises(build.BackendUnavailable, match="address, undefined.*'address,thread'"):
         build.compile_flags()
+
+
+POOL_STRESS = ROOT / "tests" / "cpp" / "helper_pool_stress.cpp"
+
+
+def test_the_helper_pool_is_race_free_under_thread_sanitizer(tmp_path):
+    """3 threads call the pool 1000 times each: every sum right, every error handed back, no race."""
+    if compiler_library("libtsan.so") is None:
+        pytest.skip("no ThreadSanitizer runtime (libtsan) for the C++ compiler here")
+    binary = tmp_path / "helper_pool_stress"
+    build = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-g", "-Wall", "-fsanitize=thread",
+                            "-pthread", "-I", str(ROOT / "kernels" / "cpu"), str(POOL_STRESS), "-o", str(binary)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(binary), "3", "1000"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})
+    assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
+    # It exercised what it is for: calls helpers took part in, and helpers' errors handed back.
+    exercised = re.search(r"helped (\d+), helper errors (\d+)", run.stdout)
+    assert exercised and int(exercised[1]) > 0 and int(exercised[2]) > 0, run.stdout
