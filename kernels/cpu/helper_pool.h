@@ -101,8 +101,10 @@ class HelperPool {
     }
     if (!error && job->failed.load()) error = job->error;
     // The pool keeps the job (job_) until the next call: it must not keep the error alive too,
-    // to be freed by whichever thread makes that call. No helper can write it any more: all
-    // have left, and the closed call lets none in.
+    // to be freed by whichever thread makes that call (ThreadSanitizer, blind to libstdc++'s
+    // reference count, reports that free as a race with the catching thread; the pool's TSan
+    // test, tests/cpp/helper_pool_stress.cpp, relies on this). No helper can write it any
+    // more: all have left, and the closed call lets none in.
     job->error = nullptr;
     if (error) std::rethrow_exception(error);
   }
