@@ -184,6 +184,61 @@ defmodule ScanBridge.MsgpackTest do
     end
   end
 
+  describe "damaged replies" do
+    # A reply as the server sends one, and an error reply; every byte of each replaced by each
+    # of these msgpack type bytes (nil, bool, bin, ext, float, int and uint of every width, str,
+    # array and map headers, fixint, fixstr, fixarray and fixmap edges, the reserved 0xc1), and
+    # every truncation: the decoder answers each with {:ok, term} or a typed error, never raises.
+    @type_bytes [0xC0, 0xC1, 0xC2, 0xC3, 0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9, 0xCA, 0xCB, 0xCC] ++
+                  [0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD8, 0xD9, 0xDA, 0xDB, 0xDC] ++
+                  [0xDD, 0xDE, 0xDF, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xE0, 0xFF]
+
+    defp replies do
+      tensor = %{
+        "dtype" => "f32",
+        "shape" => [2],
+        "data" => {:bin, <<1.5::float-32-little, -2::32>>}
+      }
+
+      [
+        %{
+          "v" => 1,
+          "id" => 7,
+          "ok" => true,
+          "result" => %{"y" => tensor},
+          "timing" => %{"server_us" => 1.5}
+        },
+        %{
+          "v" => 1,
+          "id" => "a",
+          "ok" => false,
+          "error" => %{"code" => "x", "detail" => %{"at" => [1, nil, true]}}
+        }
+      ]
+      |> Enum.map(&pack/1)
+    end
+
+    defp answered?(body) do
+      match?({:ok, _}, Msgpack.decode(body)) or
+        match?({:error, %ScanBridge.Error{reason: :decode_error}}, Msgpack.decode(body))
+    end
+
+    test "every byte replaced by each type byte" do
+      for body <- replies(), at <- 0..(byte_size(body) - 1), type <- @type_bytes do
+        <<before::binary-size(at), _, rest::binary>> = body
+        damaged = before <> <<type>> <> rest
+        assert answered?(damaged), "byte #{at} made #{type}: #{inspect(damaged)}"
+      end
+    end
+
+    test "every truncation is a typed error" do
+      for body <- replies(), size <- 0..(byte_size(body) - 1) do
+        assert {:error, %ScanBridge.Error{reason: :decode_error}} =
+                 Msgpack.decode(binary_part(body, 0, size))
+      end
+    end
+  end
+
   describe "tensor payload alignment" do
     # Payload sizes on each side of the bin header boundaries, and shapes with dims that take
     # 1, 2 or 3 bytes, at every starting offset modulo 8.
