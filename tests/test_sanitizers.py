@@ -72,8 +72,9 @@ def test_cpp_extensions_pass_their_suites_under_address_and_undefined_sanitizers
     found = "".join(f"\n{path.name}:\n{path.read_text(errors='replace')[:6000]}" for path in sorted(tmp_path.iterdir()))
     assert not found, f"sanitizer reports:{found}"
     assert run.failure("the sanitized suites") is None, run.failure("the sanitized suites")
-    # The libraries the suites loaded are the sanitized builds (a digest of their own): a pass
-    # against the ordinary ones would prove nothing.
+    # The libraries the sanitizer setting selects (a digest of their own, which the child could
+    # only load or build) exist and are linked to the ASan runtime: a pass against the ordinary
+    # builds would prove nothing.
     monkeypatch.setenv(build.SANITIZE_ENV, env[build.SANITIZE_ENV])
     for library in (build.library_path(), native.library_path()):
         assert library.is_file(), f"{library}: not built by the sanitizer pass"
