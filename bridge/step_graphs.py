@@ -92,19 +92,17 @@ class StepGraphs:
             raise  # the request's own error, as the general path would report it
         except Exception:
             log.exception("capturing a %d-row step failed; steps like it take the general path", rows)
-            self._remember_failed(kind)
-            return None
+            capture = None
         if capture is None:
-            self._remember_failed(kind)
+            self._remember(self._failed, kind, None)
             return None
         self.captured += 1
-        self._captures[kind] = capture
-        self._captures.move_to_end(kind)
-        while len(self._captures) > self.capacity:
-            self._captures.popitem(last=False)
+        self._remember(self._captures, kind, capture)
         return capture
 
-    def _remember_failed(self, kind) -> None:
-        self._failed[kind] = None
-        while len(self._failed) > self.capacity:
-            self._failed.popitem(last=False)
+    def _remember(self, table: OrderedDict, kind, value) -> None:
+        """`kind` as the most recently used entry of `table`, which keeps the last `capacity`."""
+        table[kind] = value
+        table.move_to_end(kind)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
