@@ -24,8 +24,8 @@ from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
 from bridge.stats import Stats
 from bridge.timing import Timing, now_ns
-from kernel_cases import (ON_CUDA, SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
-                          make_update_inputs, reference_scan, reference_update)
+from kernel_cases import (ON_CUDA, SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close,
+                          make_scan_inputs, make_update_inputs, reference_scan, reference_update)
 from bridge_fakes import RecordingConnection, served_natively
 
 SHARED = ("A", "D", "dt_bias")

@@ -148,23 +148,9 @@ def test_steps_with_inline_constants_take_the_general_path(graphs):
     assert StandInCapture.made == []
 
 
-def test_a_kind_that_failed_to_capture_goes_the_general_path_from_then_on(graphs, monkeypatch):
-    attempts = []
-
-    def failing(*args, **kwargs):
-        attempts.append(1)
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(kernels, "capture_state_update", failing)
-    conn = RecordingConnection()
-    values, sent = constants(True, graphs, conn)
-    open_and_step(graphs, conn, 2, 3, values, sent)
-    assert attempts == [1]
-
-
-def test_only_the_last_capacity_failed_kinds_are_remembered(graphs, monkeypatch):
-    """A kind names device addresses, so failed kinds are not remembered forever: past
-    `capacity` (2 here), the oldest is forgotten and tried again."""
+@pytest.fixture
+def failing_captures(graphs, monkeypatch) -> list[int]:
+    """Every capture fails as a CUDA error would; the rows of each attempt, in order."""
     attempts = []
 
     def failing(state, x, *args, **kwargs):
@@ -172,6 +158,19 @@ def test_only_the_last_capacity_failed_kinds_are_remembered(graphs, monkeypatch)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(kernels, "capture_state_update", failing)
+    return attempts
+
+
+def test_a_kind_that_failed_to_capture_goes_the_general_path_from_then_on(graphs, failing_captures):
+    conn = RecordingConnection()
+    values, sent = constants(True, graphs, conn)
+    open_and_step(graphs, conn, 2, 3, values, sent)
+    assert failing_captures == [2]
+
+
+def test_only_the_last_capacity_failed_kinds_are_remembered(graphs, failing_captures):
+    """A kind names device addresses, so failed kinds are not remembered forever: past
+    `capacity` (2 here), the oldest is forgotten and tried again."""
     conn = RecordingConnection()
     values, sent = constants(True, graphs, conn)
     # Opened first: a session opened later could grow the pool, which makes new kinds.
@@ -180,7 +179,7 @@ def test_only_the_last_capacity_failed_kinds_are_remembered(graphs, monkeypatch)
     states = {rows: torch.zeros(rows, DIM, STATE) for rows in sessions}
     for rows in (1, 2, 3, 3, 2, 1):  # 1 was forgotten when 3 failed; 3 and 2 are still remembered
         states[rows] = step_and_check(graphs, conn, sessions[rows], rows, values, sent, states[rows])
-    assert attempts == [1, 2, 3, 1]
+    assert failing_captures == [1, 2, 3, 1]
     assert len(graphs.server.step_graphs._failed) == 2
 
 
