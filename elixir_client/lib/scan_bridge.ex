@@ -65,7 +65,9 @@ defmodule ScanBridge do
   @type server :: GenServer.server()
   @typedoc "A tensor kept by the server (`put/2`); valid on the client that made it."
   @type handle :: {:handle, String.t()}
-  @type tensor_input :: Tensor.t() | handle | struct
+  @typedoc "A tensor: a `ScanBridge.Tensor`, or an `Nx.Tensor` when Nx is compiled in."
+  @type tensor :: Tensor.t() | struct
+  @type tensor_input :: tensor | handle
   @typedoc "Argument names (SPEC §6) to tensors, handles, booleans, numbers or strings/atoms."
   @type inputs :: %{
           optional(atom | String.t()) => tensor_input | boolean | number | atom | String.t() | nil
@@ -98,7 +100,9 @@ defmodule ScanBridge do
       (default 2 000).
 
   Returns `{:error, %ScanBridge.Error{reason: :startup_failed | :startup_timeout}}` when the
-  server cannot be started.
+  server cannot be started. The client process then exits with that error, as a `GenServer`
+  whose `init` fails does, so a caller linked to it exits too unless it traps exits (a
+  supervisor does).
   """
   @spec start_link([Server.option()]) :: GenServer.on_start()
   defdelegate start_link(opts), to: Server
@@ -237,7 +241,7 @@ defmodule ScanBridge do
   Keeps a tensor on the server; the returned handle can stand for it in later requests (e.g.
   weights sent once: `scan(server, %{A: handle, ...})`) until `free/2`.
   """
-  @spec put(server, tensor_input, call_opts) :: {:ok, handle} | error
+  @spec put(server, tensor, call_opts) :: {:ok, handle} | error
   def put(server, tensor, opts \\ []) do
     args = %{tensor: Tensor.cast!(tensor, "put tensor")}
 

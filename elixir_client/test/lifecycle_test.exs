@@ -171,10 +171,56 @@ defmodule ScanBridge.LifecycleTest do
       Process.exit(caller, :kill)
       assert eventually(fn -> :gb_trees.is_empty(:sys.get_state(client).queue) end)
       state = :sys.get_state(client)
-      assert map_size(state.pending) == 1 and state.queued_callers == %{}
+      assert map_size(state.pending) == 1 and map_size(state.callers) == 1
       # only the first ping reached the server
       assert thaw_and_count_pings(ctx) == 1
     end
+
+    test "an error reply without an id answers the only request in flight", ctx do
+      reply = %{
+        "v" => 1,
+        "id" => nil,
+        "ok" => false,
+        "error" => %{"code" => "invalid_request", "message" => "no id"}
+      }
+
+      ExUnit.CaptureLog.capture_log(fn -> inject_reply(ctx.client, reply) end)
+
+      assert {:error, %Error{reason: :invalid_request, message: "no id"}} = Task.await(ctx.first)
+
+      # its in-flight place is free again: the server's own late reply finds no request
+      assert :sys.get_state(ctx.client).outstanding == %{}
+
+      # (the server answers in order: its late reply comes before the ping's)
+      log =
+        ExUnit.CaptureLog.capture_log(fn ->
+          thaw(ctx.os_pid)
+          assert ScanBridge.ping(ctx.client) == :ok
+        end)
+
+      assert log =~ "which no request had, dropped"
+      GenServer.stop(ctx.client)
+    end
+
+    test "a reply that is not a v1 reply answers the request its id names", ctx do
+      [id] = Map.keys(:sys.get_state(ctx.client).outstanding)
+
+      ExUnit.CaptureLog.capture_log(fn ->
+        inject_reply(ctx.client, %{"id" => id, "result" => "?"})
+      end)
+
+      assert {:error, %Error{reason: :decode_error, message: message}} = Task.await(ctx.first)
+      assert message =~ "expected a v1 reply map"
+      thaw(ctx.os_pid)
+      assert ScanBridge.ping(ctx.client) == :ok
+      GenServer.stop(ctx.client)
+    end
+  end
+
+  # Hand the client a reply body as if its server had sent it.
+  defp inject_reply(client, reply) do
+    %{port: port} = :sys.get_state(client)
+    send(client, {port, {:data, ScanBridge.Msgpack.encode(reply) |> IO.iodata_to_binary()}})
   end
 
   test "a request over the server's --max-frame-size is refused at once, and the client goes on" do
@@ -209,7 +255,14 @@ defmodule ScanBridge.LifecycleTest do
     GenServer.stop(client)
   end
 
-  describe "a timed-out call leaves nothing on the server" do
+  test "deadlines hold while the server reads nothing: sending never suspends the client" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts())
+    # 16 MiB: many times what the pipe and the port's queue take before the port is busy
+    TestSupport.assert_deadlines_hold_while_frozen(client, 16 * 1024 * 1024)
+    GenServer.stop(client)
+  end
+
+  describe "a call given up leaves nothing on the server" do
     setup do
       client = start_supervised!({ScanBridge, TestSupport.server_opts()})
       {:ok, os_pid} = ScanBridge.os_pid(client)
@@ -239,6 +292,37 @@ defmodule ScanBridge.LifecycleTest do
       thaw(os_pid)
       assert eventually(fn -> held_after(client, "session_open", "sessions") == 0 end)
     end
+
+    if reason = TestSupport.skip_reason(:handles), do: @tag(skip: reason)
+
+    test "a put whose caller exits while it is at the server: its handle is freed", ctx do
+      tensor = TestSupport.random(:f32, {4, 2})
+      exit_in_flight(ctx, fn -> ScanBridge.put(ctx.client, tensor, timeout: :infinity) end)
+      assert eventually(fn -> held_after(ctx.client, "put", "handles") == 0 end)
+    end
+
+    if reason = TestSupport.skip_reason(:sessions), do: @tag(skip: reason)
+
+    test "an open_session whose caller exits while it is at the server: it is closed", ctx do
+      exit_in_flight(ctx, fn ->
+        ScanBridge.open_session(ctx.client, [batch: 1, dim: 2, state: 2], timeout: :infinity)
+      end)
+
+      assert eventually(fn -> held_after(ctx.client, "session_open", "sessions") == 0 end)
+    end
+  end
+
+  # `call` runs in a process of its own, killed once its request is at the frozen server
+  # (so that no deadline, only the caller's exit, can give it up); the server then goes on.
+  defp exit_in_flight(%{client: client, os_pid: os_pid}, call) do
+    freeze(os_pid)
+    caller = spawn(call)
+    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
+    Process.exit(caller, :kill)
+    # forgotten by the client before the reply comes, the request still outstanding
+    assert eventually(fn -> :sys.get_state(client).pending == %{} end)
+    assert map_size(:sys.get_state(client).outstanding) == 1
+    thaw(os_pid)
   end
 
   describe "start-up failures are errors, not crashes" do

@@ -169,6 +169,20 @@ defmodule ScanBridgeTest do
     assert_raise ArgumentError, ~r/expected a map of argument names/, fn ->
       ScanBridge.scan(server, x: 1)
     end
+
+    # hand-built structs that new/3 would refuse: checked the same way, never encoded
+    for {bad, pattern} <- [
+          {%Tensor{data: <<>>, dtype: :f32, shape: Tuple.duplicate(0, 16)}, ~r/at most 8/},
+          {%Tensor{data: <<0, 0>>, dtype: :a_dtype_name_of_thirty_two_chars, shape: {2}},
+           ~r/tensor dtype: expected one of/},
+          {%Tensor{data: <<0, 0>>, dtype: :f32, shape: {2}}, ~r/expected 8 bytes/}
+        ] do
+      assert_raise ArgumentError, ~r/^put tensor: /, fn -> ScanBridge.put(server, bad) end
+      assert_raise ArgumentError, pattern, fn -> ScanBridge.put(server, bad) end
+    end
+
+    assert ScanBridge.ping(server) == :ok
+    assert :sys.get_state(server).outstanding == %{}
   end
 
   test "a bad :timeout raises in the caller, and the client goes on", %{server: server} do
@@ -195,6 +209,32 @@ defmodule ScanBridgeTest do
       end)
 
     assert log =~ ~s(reply for id "not-ours", which no request had, dropped)
+  end
+
+  test "replies that name no request, with none in flight, are logged and dropped", %{
+    server: server
+  } do
+    %{port: port} = :sys.get_state(server)
+
+    without_id = %{
+      "v" => 1,
+      "id" => nil,
+      "ok" => false,
+      "error" => %{"code" => "decode_error", "message" => "?"}
+    }
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        for reply <- [without_id, [1, 2]] do
+          send(server, {port, {:data, ScanBridge.Msgpack.encode(reply) |> IO.iodata_to_binary()}})
+        end
+
+        send(server, {port, {:data, <<0xC1>>}})
+        assert ScanBridge.ping(server) == :ok
+      end)
+
+    assert log =~ "error reply for id nil"
+    assert log =~ "undecodable reply"
   end
 
   describe "handles" do

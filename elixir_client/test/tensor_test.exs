@@ -40,6 +40,20 @@ defmodule ScanBridge.TensorTest do
     assert Tensor.to_list(Tensor.new(<<0x7C00::16-little>>, :f16, {1})) == [:infinity]
   end
 
+  for dtype <- [:f32, :f64, :f16, :bf16] do
+    test "#{dtype}: the non-finite atoms go in as they come out" do
+      specials = [:nan, :infinity, :neg_infinity, 1.0]
+      tensor = Tensor.from_list(specials, unquote(dtype), {4})
+      assert Tensor.to_list(tensor) == specials
+    end
+  end
+
+  test "the non-finite atoms are refused for integer dtypes" do
+    assert_raise ArgumentError, ~r/fits i32, got :nan/, fn ->
+      Tensor.from_list([:nan], :i32, {1})
+    end
+  end
+
   test "scalars and empty tensors" do
     assert Tensor.size(Tensor.new(<<1.0::float-32-little>>, :f32, {})) == 1
     assert Tensor.to_list(Tensor.new("", :f32, {0, 3})) == []
@@ -84,5 +98,14 @@ defmodule ScanBridge.TensorTest do
     assert_raise ArgumentError, ~r/scan input x: expected a ScanBridge.Tensor.*got \[1.0\]/, fn ->
       Tensor.cast!([1.0], "scan input x")
     end
+  end
+
+  test "cast! checks a struct built without new/3, naming the argument" do
+    assert_raise ArgumentError, ~r/^scan input x: tensor data: expected 8 bytes/, fn ->
+      Tensor.cast!(%Tensor{data: <<0>>, dtype: :f32, shape: {2}}, "scan input x")
+    end
+
+    good = Tensor.new(<<0::64>>, :f32, {2})
+    assert Tensor.cast!(good, "scan input x") == good
   end
 end

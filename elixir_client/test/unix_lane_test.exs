@@ -57,6 +57,14 @@ defmodule ScanBridge.UnixLaneTest do
     assert_concurrent_scans(server, 20)
   end
 
+  test "deadlines hold while the server reads nothing: sending never suspends the client" do
+    opts = TestSupport.server_opts(transport: {:unix, TestSupport.socket_path()})
+    {:ok, client} = ScanBridge.start_link(opts)
+    # 64 MiB: many times what both sides' socket buffers (4 MiB each) take
+    TestSupport.assert_deadlines_hold_while_frozen(client, 64 * 1024 * 1024)
+    GenServer.stop(client)
+  end
+
   test "a socket error during start-up fails the start at once, not at its timeout" do
     path = TestSupport.socket_path()
     # The client, sent to path, connects to this listener, which never answers its ping, like

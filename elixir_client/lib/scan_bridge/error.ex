@@ -65,6 +65,9 @@ defmodule ScanBridge.Error do
 
       iex> ScanBridge.Error.from_server(%{"code" => "from_the_future", "message" => "?"}).reason
       :internal_error
+
+      iex> ScanBridge.Error.from_server(%{"code" => "internal_error", "message" => %{"a" => 1}}).message
+      "server error \\"internal_error\\""
   """
   @spec from_server(map) :: t
   def from_server(%{} = error) do
@@ -74,10 +77,15 @@ defmodule ScanBridge.Error do
     %__MODULE__{
       reason: Map.get(@reason_of_code, code, :internal_error),
       code: if(is_binary(code), do: code),
-      message: to_string(Map.get(error, "message") || "server error #{inspect(code)}"),
+      message: message(Map.get(error, "message"), code),
       detail: if(is_map(detail), do: detail, else: %{})
     }
   end
+
+  # A server that breaks the reply format must not crash the client: anything but a string
+  # gives way to the code.
+  defp message(message, _code) when is_binary(message), do: message
+  defp message(_other, code), do: "server error #{inspect(code)}"
 
   @doc "An error found by the client itself (no server code)."
   @spec client(client_reason | :decode_error | :frame_too_large, String.t(), map) :: t

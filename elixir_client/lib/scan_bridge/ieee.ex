@@ -4,9 +4,19 @@ defmodule ScanBridge.IEEE do
   # so decoders name them with atoms instead.
 
   @mantissa_bits %{16 => 10, 32 => 23, 64 => 52}
+  # The little-endian bits of the quiet NaN and the infinities in each float dtype.
+  @bits %{
+    f32: %{nan: 0x7FC00000, infinity: 0x7F800000, neg_infinity: 0xFF800000},
+    f64: %{nan: 0x7FF8000000000000, infinity: 0x7FF0000000000000, neg_infinity: 0xFFF0000000000000},
+    f16: %{nan: 0x7E00, infinity: 0x7C00, neg_infinity: 0xFC00},
+    bf16: %{nan: 0x7FC0, infinity: 0x7F80, neg_infinity: 0xFF80}
+  }
+  @width %{f32: 32, f64: 64, f16: 16, bf16: 16}
+
+  @type special :: :nan | :infinity | :neg_infinity
 
   @doc "The atom for a non-finite IEEE 754 value given as its unsigned bit pattern and width."
-  @spec special(non_neg_integer, 16 | 32 | 64) :: :nan | :infinity | :neg_infinity
+  @spec special(non_neg_integer, 16 | 32 | 64) :: special
   def special(bits, width) do
     mantissa = Bitwise.band(bits, Bitwise.bsl(1, @mantissa_bits[width]) - 1)
 
@@ -15,5 +25,12 @@ defmodule ScanBridge.IEEE do
       Bitwise.bsr(bits, width - 1) == 1 -> :neg_infinity
       true -> :infinity
     end
+  end
+
+  @doc "The element bytes of a non-finite value in a float dtype, the inverse of `special/2`."
+  @spec encode(special, :f32 | :f64 | :f16 | :bf16) :: binary
+  def encode(value, dtype) do
+    width = @width[dtype]
+    <<@bits[dtype][value]::size(width)-little>>
   end
 end

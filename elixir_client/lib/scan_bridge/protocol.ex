@@ -86,7 +86,8 @@ defmodule ScanBridge.Protocol do
 
   @doc """
   Read a reply body. `{:reply, id, outcome}` for a well-formed v1 reply (`id` is nil when the
-  server could not read the request's id), `{:error, error}` for a body that is not one.
+  server could not read the request's id) and for a map with an integer id that is otherwise
+  not one (its outcome a `:decode_error`), `{:error, error}` for any other body.
   """
   @spec decode_reply(binary) ::
           {:reply, term, {:ok, map, map} | {:error, Error.t()}} | {:error, Error.t()}
@@ -99,11 +100,17 @@ defmodule ScanBridge.Protocol do
         {:reply, id, {:error, Error.from_server(error)}}
 
       {:ok, other} ->
-        {:error,
-         Error.client(
-           :decode_error,
-           "reply: expected a v1 reply map, got #{inspect(other, limit: 8)}"
-         )}
+        error =
+          Error.client(
+            :decode_error,
+            "reply: expected a v1 reply map, got #{inspect(other, limit: 8)}"
+          )
+
+        # a reply whose id can be read answers that request, even when the rest is amiss
+        case other do
+          %{"id" => id} when is_integer(id) -> {:reply, id, {:error, error}}
+          _ -> {:error, error}
+        end
 
       {:error, _} = failure ->
         failure

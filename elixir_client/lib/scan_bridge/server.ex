@@ -13,15 +13,21 @@ defmodule ScanBridge.Server do
   At most `:max_in_flight` requests are at the server at once; more wait here, in order,
   under their own deadlines. A queued request whose deadline passes, or whose caller exits, is
   dropped, never sent: while the server does not answer, the queue holds only the requests of
-  callers still waiting.
+  callers still waiting. A caller that exits while its request is at the server is treated as
+  one whose deadline passed: a `put` or `session_open` it made is freed when the reply comes.
+
+  Sending never suspends this process, even while the server reads nothing: the Port is opened
+  with `busy_limits_port: :disabled` and the socket with the highest `high_watermark`, so the
+  frames of the requests in flight wait in the lane's queue, and deadlines and replies are
+  served meanwhile.
 
   Start-up waits for the server to answer a `ping` (and, on the unix lane, for the socket to
   accept and answer one too), so a started client is a ready one. It then reads the server's
   `limits` from `info`: a request bigger than the server's `max_frame_size` is refused here,
   not sent (the server would answer it with an id-less error no caller could be given), and on
   the unix lane `:max_in_flight` is kept within the server's `max_in_flight_per_peer` (past
-  which the server leaves requests unread in the socket, and this process would block in
-  sending more).
+  which the server leaves requests unread in the socket, where more would only wait in the
+  lane's queue instead of this one's, out of reach of their deadlines).
 
   When the server's OS process exits or its lane closes, every waiting caller gets
   `{:error, %ScanBridge.Error{reason: :server_exited}}` and this process stops, for its
@@ -53,6 +59,9 @@ defmodule ScanBridge.Server do
   # Socket and driver buffers of the unix lane: the size the server gives its side
   # (bridge/transports/unix.py), chosen from a sweep while developing that was not recorded.
   @socket_buffer 4 * 1024 * 1024
+  # The most the inet driver takes for a socket's high watermark (a C int): below it a send
+  # never suspends this process. What waits there is bounded by :max_in_flight frames.
+  @socket_high_watermark 0x7FFFFFFF
   @connect_retry_ms 10
   # How long a server killed after :exit_grace may take to be gone (and reaped).
   @kill_wait_ms 1_000
@@ -83,17 +92,17 @@ defmodule ScanBridge.Server do
     :max_frame_size,
     :exit_grace,
     next_id: 0,
-    # id => {from, deadline timer}: callers waiting for an answer
+    # id => {from, deadline timer, monitor of the caller}: callers waiting for an answer
     pending: %{},
     # id => op of the requests sent to the server and not yet answered by it (including
     # timed-out ones, whose late replies may name something to free)
     outstanding: %{},
-    # id => {op, iodata, monitor of its caller} not yet sent because :max_in_flight requests
-    # are outstanding; ids grow with arrival, so the smallest is the oldest, and a deadline or
-    # the caller's exit drops its request in O(log n)
+    # id => {op, iodata} not yet sent because :max_in_flight requests are outstanding; ids
+    # grow with arrival, so the smallest is the oldest, and a deadline or the caller's exit
+    # drops its request in O(log n)
     queue: :gb_trees.empty(),
-    # monitor => id of a queued request, to find the request when its caller exits
-    queued_callers: %{}
+    # monitor => id of a pending request, to find the request when its caller exits
+    callers: %{}
   ]
 
   @doc "Starts the server process and waits until the server answers; see `ScanBridge.start_link/1`."
@@ -128,7 +137,10 @@ defmodule ScanBridge.Server do
     call(server, {:request, op, head, size, timeout})
   end
 
-  @doc "The `:gen_tcp` options of the unix lane: binaries, packet 4, active."
+  @doc """
+  The `:gen_tcp` options of the unix lane: binaries, packet 4, active, and a send that does
+  not suspend the sender while the server reads nothing.
+  """
   @spec socket_options() :: [:gen_tcp.connect_option()]
   def socket_options do
     [
@@ -137,7 +149,9 @@ defmodule ScanBridge.Server do
       active: true,
       recbuf: @socket_buffer,
       sndbuf: @socket_buffer,
-      buffer: @socket_buffer
+      buffer: @socket_buffer,
+      high_watermark: @socket_high_watermark,
+      low_watermark: @socket_high_watermark
     ]
   end
 
@@ -202,26 +216,24 @@ defmodule ScanBridge.Server do
     {:reply, {:error, error}, state}
   end
 
-  def handle_call({:request, op, head, _size, timeout}, from, state) do
+  def handle_call({:request, op, head, _size, timeout}, {caller, _tag} = from, state) do
     {id, frame, state} = numbered(state, head)
 
     timer =
       if timeout == :infinity, do: nil, else: Process.send_after(self(), {:deadline, id}, timeout)
 
-    state = %{state | pending: Map.put(state.pending, id, {from, timer})}
+    monitor = Process.monitor(caller)
+
+    state = %{
+      state
+      | pending: Map.put(state.pending, id, {from, timer, monitor}),
+        callers: Map.put(state.callers, monitor, id)
+    }
 
     if map_size(state.outstanding) < state.max_in_flight do
       {:noreply, transmit(state, id, op, frame)}
     else
-      {caller, _tag} = from
-      monitor = Process.monitor(caller)
-
-      {:noreply,
-       %{
-         state
-         | queue: :gb_trees.insert(id, {op, frame, monitor}, state.queue),
-           queued_callers: Map.put(state.queued_callers, monitor, id)
-       }}
+      {:noreply, %{state | queue: :gb_trees.insert(id, {op, frame}, state.queue)}}
     end
   end
 
@@ -235,27 +247,29 @@ defmodule ScanBridge.Server do
     do: {:noreply, on_reply(body, state)}
 
   def handle_info({:deadline, id}, state) do
-    case Map.pop(state.pending, id) do
-      {nil, _} ->
+    case take_pending(state, id) do
+      {nil, state} ->
         {:noreply, state}
 
-      {{from, _timer}, pending} ->
+      {from, state} ->
         GenServer.reply(
           from,
           {:error, Error.client(:timeout, "no reply before the deadline", %{"id" => id})}
         )
 
-        # a request still queued is never sent now: its data goes with it
-        {:noreply, unqueue(%{state | pending: pending}, id)}
+        # a request still queued is never sent now: its data goes with it; one at the server
+        # stays outstanding, for its late reply
+        {:noreply, unqueue(state, id)}
     end
   end
 
+  # The caller is gone: nobody will take the answer. As with a passed deadline, a queued
+  # request is dropped and a late reply's handle or session is freed.
   def handle_info({:DOWN, monitor, :process, _caller, _reason}, state)
-      when is_map_key(state.queued_callers, monitor) do
-    id = Map.fetch!(state.queued_callers, monitor)
-    {{_from, timer}, pending} = Map.pop(state.pending, id)
-    cancel(timer)
-    {:noreply, unqueue(%{state | pending: pending}, id)}
+      when is_map_key(state.callers, monitor) do
+    id = Map.fetch!(state.callers, monitor)
+    {_from, state} = take_pending(state, id)
+    {:noreply, unqueue(state, id)}
   end
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
@@ -297,21 +311,33 @@ defmodule ScanBridge.Server do
 
       {:error, reason} ->
         # The lane is gone; its exit message follows and answers everyone else.
-        case Map.pop(state.pending, id) do
-          {nil, _} ->
+        case take_pending(state, id) do
+          {nil, state} ->
             # a release (release/3) has no caller
             state
 
-          {{from, timer}, pending} ->
-            cancel(timer)
-
+          {from, state} ->
             GenServer.reply(
               from,
               {:error, exited("the lane to the server is closed: #{inspect(reason)}", %{})}
             )
 
-            %{state | pending: pending}
+            state
         end
+    end
+  end
+
+  # Take request `id`'s caller out of `pending`, its deadline and monitor with it:
+  # `{from, state}`, or `{nil, state}` when the caller was answered (or gone) already.
+  defp take_pending(state, id) do
+    case Map.pop(state.pending, id) do
+      {nil, _} ->
+        {nil, state}
+
+      {{from, timer, monitor}, pending} ->
+        cancel(timer)
+        Process.demonitor(monitor, [:flush])
+        {from, %{state | pending: pending, callers: Map.delete(state.callers, monitor)}}
     end
   end
 
@@ -327,42 +353,53 @@ defmodule ScanBridge.Server do
   defp on_reply(body, state) do
     case Protocol.decode_reply(body) do
       {:reply, nil, {:error, error}} ->
-        # the server could not read a request's id; no caller can be told which (it gets
-        # :timeout). Requests over the server's max_frame_size are not sent, so that reason,
-        # the one a well-formed request could meet, does not come here.
+        # The server could not read a request's id. Requests over the server's max_frame_size
+        # are not sent, and the encoder writes only what the server reads, so no request of
+        # this client should come here; if one does, it is the only one in flight or nobody
+        # can be told which it was (each such caller gets :timeout).
         Logger.warning("scan-bridge: error reply for id nil: #{error.message}")
-        state
+        answer_unattributed(state, {:error, error})
 
       {:reply, id, outcome} ->
-        # any other id: this client's (an integer it sent), or one no request had
-        {op, outstanding} = Map.pop(state.outstanding, id)
-        state = %{state | outstanding: outstanding}
-
-        state =
-          case Map.pop(state.pending, id) do
-            {nil, _} when op == nil ->
-              Logger.warning(
-                "scan-bridge: reply for id #{inspect(id)}, which no request had, dropped"
-              )
-
-              state
-
-            {nil, _} ->
-              # answered already (its deadline passed): the late reply is dropped, and what
-              # it made freed
-              release(state, op, outcome)
-
-            {{from, timer}, pending} ->
-              cancel(timer)
-              GenServer.reply(from, outcome)
-              %{state | pending: pending}
-          end
-
-        send_queued(state)
+        answer(state, id, outcome)
 
       {:error, error} ->
-        Logger.error("scan-bridge: undecodable reply dropped: #{error.message}")
-        state
+        Logger.error("scan-bridge: undecodable reply: #{error.message}")
+        answer_unattributed(state, {:error, error})
+    end
+  end
+
+  # Reply `id`'s outcome to its caller: any id, this client's (an integer it sent) or one no
+  # request had.
+  defp answer(state, id, outcome) do
+    {op, outstanding} = Map.pop(state.outstanding, id)
+    state = %{state | outstanding: outstanding}
+
+    state =
+      case take_pending(state, id) do
+        {nil, state} when op == nil ->
+          Logger.warning("scan-bridge: reply for id #{inspect(id)}, which no request had, dropped")
+          state
+
+        {nil, state} ->
+          # answered already (its deadline passed, or its caller exited): the late reply is
+          # dropped, and what it made freed
+          release(state, op, outcome)
+
+        {from, state} ->
+          GenServer.reply(from, outcome)
+          state
+      end
+
+    send_queued(state)
+  end
+
+  # A reply that names no request is the answer of the only one in flight, if there is one
+  # (its in-flight place is freed with it); with more in flight it is dropped.
+  defp answer_unattributed(state, outcome) do
+    case Map.keys(state.outstanding) do
+      [id] -> answer(state, id, outcome)
+      _ -> state
     end
   end
 
@@ -394,11 +431,9 @@ defmodule ScanBridge.Server do
   defp send_queued(state) do
     if map_size(state.outstanding) < state.max_in_flight and
          not :gb_trees.is_empty(state.queue) do
-      {id, {op, frame, monitor}, queue} = :gb_trees.take_smallest(state.queue)
-      Process.demonitor(monitor, [:flush])
-      queued_callers = Map.delete(state.queued_callers, monitor)
+      {id, {op, frame}, queue} = :gb_trees.take_smallest(state.queue)
 
-      %{state | queue: queue, queued_callers: queued_callers}
+      %{state | queue: queue}
       |> transmit(id, op, frame)
       |> send_queued()
     else
@@ -406,27 +441,24 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # Drop request `id` from the queue, if it is there, with the monitor of its caller.
+  # Drop request `id` from the queue, if it is there.
   defp unqueue(state, id) do
     case :gb_trees.take_any(id, state.queue) do
-      {{_op, _frame, monitor}, queue} ->
-        Process.demonitor(monitor, [:flush])
-        %{state | queue: queue, queued_callers: Map.delete(state.queued_callers, monitor)}
-
-      :error ->
-        state
+      {_request, queue} -> %{state | queue: queue}
+      :error -> state
     end
   end
 
   defp fail_all(state, message, detail) do
     error = exited(message, detail)
 
-    Enum.each(state.pending, fn {_id, {from, timer}} ->
+    Enum.each(state.pending, fn {_id, {from, timer, monitor}} ->
       cancel(timer)
+      Process.demonitor(monitor, [:flush])
       GenServer.reply(from, {:error, error})
     end)
 
-    %{state | pending: %{}, queue: :gb_trees.empty(), queued_callers: %{}, outstanding: %{}}
+    %{state | pending: %{}, queue: :gb_trees.empty(), callers: %{}, outstanding: %{}}
   end
 
   defp exited(message, detail), do: Error.client(:server_exited, message, detail)
@@ -449,6 +481,8 @@ defmodule ScanBridge.Server do
         {:packet, 4},
         :exit_status,
         :use_stdio,
+        # never suspend this process in Port.command (see the moduledoc)
+        {:busy_limits_port, :disabled},
         {:args, argv},
         {:env, env}
       ])
@@ -491,8 +525,8 @@ defmodule ScanBridge.Server do
   # The server's limits (info's "limits") that bound what this client sends, each replacing
   # the client's option when smaller: max_frame_size, and on the unix lane the requests one
   # connection may have in flight (max_in_flight_per_peer), past which the server stops reading
-  # the socket, so that more would only fill its buffers and then block this process in
-  # :gen_tcp.send, deadlines and all. A limit the server's info lacks (a server older than it)
+  # the socket, so that more would only wait in the lane's queue, where a passed deadline
+  # cannot drop them. A limit the server's info lacks (a server older than it)
   # leaves the option as it is.
   defp adopt_limits(state, deadline) do
     lane = if state.socket, do: :socket, else: :port

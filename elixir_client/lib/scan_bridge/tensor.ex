@@ -56,15 +56,19 @@ defmodule ScanBridge.Tensor do
 
   @doc """
   A tensor from a flat list of numbers in C order. Floats are rounded to the dtype (bf16:
-  round to nearest even); integers must fit the dtype.
+  round to nearest even); integers must fit the dtype. Float dtypes also take `:nan`,
+  `:infinity` and `:neg_infinity`, the atoms `to_list/1` gives for them.
 
       iex> ScanBridge.Tensor.from_list([1, -2, 3], :i32, {3}).data
       <<1, 0, 0, 0, 254, 255, 255, 255, 3, 0, 0, 0>>
 
       iex> ScanBridge.Tensor.from_list([1.0, 2.0], :bf16, {2}) |> ScanBridge.Tensor.to_list()
       [1.0, 2.0]
+
+      iex> ScanBridge.Tensor.from_list([:nan, -0.5, :neg_infinity], :f16, {3}) |> ScanBridge.Tensor.to_list()
+      [:nan, -0.5, :neg_infinity]
   """
-  @spec from_list([number], dtype, tuple) :: t
+  @spec from_list([number | ScanBridge.IEEE.special()], dtype, tuple) :: t
   def from_list(values, dtype, shape) when is_list(values) do
     check_dtype!(dtype)
     check_shape!(shape)
@@ -85,7 +89,7 @@ defmodule ScanBridge.Tensor do
       iex> ScanBridge.Tensor.from_list([0.5, -1.25], :f16, {2}) |> ScanBridge.Tensor.to_list()
       [0.5, -1.25]
   """
-  @spec to_list(t) :: [number | :nan | :infinity | :neg_infinity]
+  @spec to_list(t) :: [number | ScanBridge.IEEE.special()]
   def to_list(%__MODULE__{data: data, dtype: dtype}) do
     size = @itemsize[dtype]
     for <<element::binary-size(size) <- data>>, do: unpack(element, dtype)
@@ -103,12 +107,16 @@ defmodule ScanBridge.Tensor do
   end
 
   @doc """
-  A tensor from a value given to the public API: a `ScanBridge.Tensor` as it is, an
-  `Nx.Tensor` converted (when Nx is compiled in). Raises `ArgumentError` for anything else;
-  `what` names the value in the message.
+  A tensor from a value given to the public API: a `ScanBridge.Tensor`, checked like `new/3`
+  (a struct can be built without it), or an `Nx.Tensor` converted (when Nx is compiled in).
+  Raises `ArgumentError` for anything else; `what` names the value in the message.
   """
   @spec cast!(term, String.t()) :: t
-  def cast!(%__MODULE__{} = tensor, _what), do: tensor
+  def cast!(%__MODULE__{data: data, dtype: dtype, shape: shape}, what) do
+    new(data, dtype, shape)
+  rescue
+    e in ArgumentError -> reraise ArgumentError, "#{what}: #{Exception.message(e)}", __STACKTRACE__
+  end
 
   if Code.ensure_loaded?(Nx) do
     def cast!(%Nx.Tensor{} = tensor, _what), do: from_nx(tensor)
@@ -223,6 +231,10 @@ defmodule ScanBridge.Tensor do
     do: <<v::64-signed-little>>
 
   defp pack(v, :u8) when is_integer(v) and v in 0..255, do: <<v>>
+
+  defp pack(v, dtype)
+       when v in [:nan, :infinity, :neg_infinity] and dtype in [:f32, :f64, :f16, :bf16],
+       do: ScanBridge.IEEE.encode(v, dtype)
 
   defp pack(v, dtype) do
     raise ArgumentError, "tensor value: expected a number that fits #{dtype}, got #{inspect(v)}"

@@ -301,6 +301,46 @@ defmodule ScanBridge.TestSupport do
     :ok
   end
 
+  @doc """
+  Freeze `client`'s server and send it a put of `bytes` (more than its lane holds unread) and
+  then a ping, each with a 100 ms deadline: both callers get `:timeout` in time, which a client
+  process suspended in sending could not give. Thawed, the server answers again, and the late
+  put's handle is freed.
+  """
+  def assert_deadlines_hold_while_frozen(client, bytes) do
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    {:ok, before} = ScanBridge.stats(client)
+
+    big =
+      ScanBridge.Tensor.new(
+        :binary.copy(<<1.0::float-32-little>>, div(bytes, 4)),
+        :f32,
+        {div(bytes, 4)}
+      )
+
+    freeze(os_pid)
+    put = Task.async(fn -> ScanBridge.put(client, big, timeout: 100) end)
+    # the put is in the lane (a client suspended in sending it would not answer this)
+    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
+    ping = Task.async(fn -> ScanBridge.ping(client, timeout: 100) end)
+
+    assert [{^put, {:ok, put_outcome}}, {^ping, {:ok, ping_outcome}}] =
+             Task.yield_many([put, ping], 2_000)
+
+    assert {:error, %ScanBridge.Error{reason: :timeout}} = put_outcome
+    assert {:error, %ScanBridge.Error{reason: :timeout}} = ping_outcome
+    thaw(os_pid)
+    assert ScanBridge.ping(client, timeout: 10_000) == :ok
+
+    # the put was served late, and its handle freed
+    assert eventually(fn ->
+             {:ok, stats} = ScanBridge.stats(client)
+             served = get_in(stats, ["ops", "put", "success_count"]) || 0
+             served_before = get_in(before, ["ops", "put", "success_count"]) || 0
+             served == served_before + 1 and get_in(stats, ["handles", "handles"]) == 0
+           end)
+  end
+
   @doc "Kill the OS process `os_pid` (SIGKILL)."
   def kill!(os_pid), do: signal!(os_pid, "KILL")
 
