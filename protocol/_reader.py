@@ -16,7 +16,7 @@ from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
 from .schema import KIND_EXPECTED, LAYOUTS
-from .tensors import DTYPES, MAX_DIM, MAX_NDIM, HandleRef, WireTensor
+from .tensors import DTYPES, MAX_DIM, MAX_EXTENT_BYTES, MAX_NDIM, HandleRef, WireTensor, extent_bytes
 
 _TENSOR_KEYS = ("dtype", "shape", "data")
 # A tensor of a multipart message: "buf" (an index into the message's raw buffers) stands
@@ -181,7 +181,7 @@ class Reader:
             if key not in entries:
                 self.fail(InvalidArgument, f"{field}.{key}", f"a tensor {key}", "nothing")
         dtype = self.dtype(entries["dtype"], field + ".dtype")
-        shape = self.shape(entries["shape"], field + ".shape")
+        shape = self.shape(entries["shape"], field + ".shape", dtype)
         if "buf" in entries:
             index = self.buffer_index(entries["buf"], field + ".buf")
             data = self.buffers[index]
@@ -222,7 +222,13 @@ class Reader:
             data = buffers[fields.buf]
         else:
             return None
-        if data is None or data.nbytes != math.prod(shape) * DTYPES[dtype][0]:
+        itemsize = DTYPES[dtype][0]
+        nbytes = math.prod(shape) * itemsize
+        if data is None or data.nbytes != nbytes:
+            return None
+        # Data that fills its shape is no bigger than the message: only a 0 dim can hide a
+        # shape too big (so a step's tensors pay one test for it).
+        if not nbytes and extent_bytes(shape, itemsize) > MAX_EXTENT_BYTES:
             return None
         if fields.buf is not None and used is not None:
             used.add(fields.buf)
@@ -235,7 +241,7 @@ class Reader:
                       known=list(DTYPES))
         return name
 
-    def shape(self, raw: msgspec.Raw, field: str) -> tuple[int, ...]:
+    def shape(self, raw: msgspec.Raw, field: str, dtype: str) -> tuple[int, ...]:
         encoded = memoryview(raw)
         expected = f"a list of at most {MAX_NDIM} non-negative ints"
         if kind(encoded) != "array":
@@ -247,7 +253,17 @@ class Reader:
             if type(d) is not int or not 0 <= d <= MAX_DIM:
                 got = "nil" if d is None else f"{_PY_TO_MSGPACK.get(type(d), 'ext')} {d!r}"
                 self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", got)
+        self.check_extent(field, dtype, dims)
         return tuple(dims)
+
+    def check_extent(self, field: str, dtype: str, shape) -> None:
+        """SPEC §5: the shape spans at most 2^63 - 1 bytes, each 0 dim counted as 1, so that
+        the server can make an array of it and any tensor_size_mismatch's byte count fits
+        msgpack."""
+        extent = extent_bytes(shape, DTYPES[dtype][0])
+        if extent > MAX_EXTENT_BYTES:
+            self.fail(InvalidArgument, field, f"at most 2^63 - 1 bytes of {dtype} with each 0 dim counted as 1",
+                      f"{list(shape)}: {extent} bytes")
 
     def buffer_index(self, raw: msgspec.Raw, field: str) -> int:
         encoded = memoryview(raw)

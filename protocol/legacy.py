@@ -86,12 +86,15 @@ def _check_keys(reader: Reader, top: dict, keys: tuple[str, ...], form: str) -> 
 def _dims_shapes(reader: Reader, top: dict) -> dict[str, tuple[int, ...]]:
     _check_keys(reader, top, ("op", *_DIMS, *_TENSORS), "legacy scan with batch/seq_len/hidden/state")
     b, l, h, s = (reader.size(top[key], key) for key in _DIMS)
-    return {"x": (b, l, h), "dt": (b, l, h), "A": (h, s), "B": (b, l, s), "C": (b, l, s)}
+    shapes = {"x": (b, l, h), "dt": (b, l, h), "A": (h, s), "B": (b, l, s), "C": (b, l, s)}
+    for name, shape in shapes.items():
+        reader.check_extent(name, "f32", shape)
+    return shapes
 
 
 def _declared_shapes(reader: Reader, top: dict) -> dict[str, tuple[int, ...]]:
     _check_keys(reader, top, ("op", *_TENSORS, *_SHAPE_KEYS), "legacy scan with x_shape..C_shape")
-    return {name: reader.shape(top[key], key) for name, key in zip(_TENSORS, _SHAPE_KEYS)}
+    return {name: reader.shape(top[key], key, "f32") for name, key in zip(_TENSORS, _SHAPE_KEYS)}
 
 
 def encode_legacy_reply(reply: dict, *, timing=None) -> list:

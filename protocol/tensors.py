@@ -23,6 +23,15 @@ DTYPES: dict[str, tuple[int, str]] = {
 MAX_NDIM = 8
 # Dimensions are int64 on the server side.
 MAX_DIM = 2**63 - 1
+# The most bytes a shape may span (SPEC §5): array libraries keep a tensor's extent in an int64,
+# counting a 0 dim as 1, so numpy refuses f32 [0, 2^61] as too big though it holds nothing.
+MAX_EXTENT_BYTES = 2**63 - 1
+
+
+def extent_bytes(shape, itemsize: int) -> int:
+    """The bytes `shape` spans with each 0 dim counted as 1: at least its data's length, and
+    what must not pass MAX_EXTENT_BYTES."""
+    return prod(d or 1 for d in shape) * itemsize
 
 
 @dataclass(slots=True)
@@ -74,6 +83,11 @@ class OutTensor:
         if view.nbytes != expected:
             raise ValueError(f"OutTensor data: expected {expected} bytes ({dtype} {list(shape)}), "
                              f"got {view.nbytes}")
+        # Data that fills its shape is no bigger than a buffer: only a 0 dim can hide a shape
+        # too big to send.
+        if not expected and extent_bytes(shape, DTYPES[dtype][0]) > MAX_EXTENT_BYTES:
+            raise ValueError(f"OutTensor shape: expected at most {MAX_EXTENT_BYTES} bytes of {dtype} "
+                             f"with each 0 dim counted as 1, got {shape!r}")
         self.dtype = dtype
         self.shape = shape
         self.data = view

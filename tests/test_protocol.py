@@ -245,6 +245,11 @@ _INVALID = [
      "invalid_argument", "args.tensor.shape[0]", 1),
     ("shape-9d", pack(request("put", {"tensor": tensor_map("u8", (1,) * 8) | {"shape": [1] * 9}})),
      "invalid_argument", "args.tensor.shape", 1),
+    # No message holds 2^63 bytes, and no array spans them even when a 0 dim leaves it empty.
+    ("shape-too-big", pack(request("put", {"tensor": tensor_map("f32", (2**62, 4), b"")})),
+     "invalid_argument", "args.tensor.shape", 1),
+    ("shape-too-big-empty", pack(request("put", {"tensor": tensor_map("f32", (0, 2**61), b"")})),
+     "invalid_argument", "args.tensor.shape", 1),
     ("data-int", pack(request("put", {"tensor": tensor_map() | {"data": 7}})),
      "invalid_argument", "args.tensor.data", 1),
     ("data-short", pack(request("put", {"tensor": tensor_map("f32", (3, 5), random_bytes("f32", (14,)))})),
@@ -285,6 +290,46 @@ def test_size_mismatch_detail_says_expected_and_received_bytes():
 def test_unknown_op_detail_lists_the_known_ops():
     error = decode_error(pack(request("scna")))
     assert error.detail["known"] == list(OPS)
+
+
+def _most_elements(dtype: str) -> int:
+    """The most elements of `dtype` a shape may span: 2^63 - 1 bytes' worth."""
+    return (2**63 - 1) // DTYPES[dtype][0]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_shape_may_span_up_to_2_63_minus_1_bytes_counting_0_dims_as_1(dtype):
+    from protocol._reader import Reader
+
+    most = _most_elements(dtype)
+    for shape in [(0, most), (most, 0, 1)]:
+        t = tensor_map(dtype, shape, b"")
+        assert decode_request(pack(request("put", {"tensor": t}))).args["tensor"].shape == shape
+        assert Reader().tensor_data(msgpack_raw(pack(t)), "t").shape == shape  # the careful path too
+    for shape in [(0, 2, most // 2 + 1), (most // 2 + 1, 0, 2), (most // 2 + 1, 2)]:
+        error = decode_error(pack(request("put", {"tensor": tensor_map(dtype, shape, b"")})))
+        assert (error.code, error.detail["field"]) == ("invalid_argument", "args.tensor.shape")
+        assert error.detail["got"] == f"{list(shape)}: {2 * (most // 2 + 1) * DTYPES[dtype][0]} bytes"
+        assert Reader.valid_tensor(msgpack_raw(pack(tensor_map(dtype, shape, b""))), False) is None
+
+
+def test_a_buf_tensor_whose_shape_is_too_big_is_refused():
+    body = pack(request("put", {"tensor": {"dtype": "f32", "shape": [0, 2**61], "buf": 0}}))
+    with pytest.raises(ProtocolError) as info:
+        decode_request(body, [b""])
+    assert (info.value.code, info.value.detail["field"]) == ("invalid_argument", "args.tensor.shape")
+
+
+@pytest.mark.parametrize("tensor", [
+    pytest.param(tensor_map("f32", (2**62, 4), b""), id="f32-2^62x4"),
+    pytest.param(tensor_map("u8", (2**63 - 1,), b"\x01"), id="u8-2^63-1"),
+    pytest.param(tensor_map("f64", (2**31, 2**31, 2**2), b""), id="f64-2^64"),
+])
+def test_the_error_for_a_huge_tensor_keeps_its_detail_in_a_reply(tensor):
+    # msgpack ints stop at 2^64 - 1: an error whose byte count passed that could not be sent.
+    error = decode_error(pack(request("put", {"tensor": tensor}, request_id=3)))
+    reply = decode_reply(b"".join(encode_error(error.request_id, error.code, str(error), error.detail)))
+    assert reply.error["detail"] == error.detail and reply.error["detail"]["field"].startswith("args.tensor.")
 
 
 # -- the typed fast path for tensors agrees with the careful one ------------------------------
@@ -372,11 +417,15 @@ _INVALID_LEGACY = [
     ("missing-C", {k: v for k, v in legacy_scan().items() if k != "C"}, "missing_argument", "C"),
     ("unknown-key", dict(legacy_scan(), dt_softplus=True), "invalid_argument", "dt_softplus"),
     ("zero-batch", dict(legacy_scan(), batch=0), "invalid_argument", "batch"),
+    ("x-too-big", dict(legacy_scan(), batch=2**61, seq_len=1, hidden=1), "invalid_argument", "x"),
     ("x-short", dict(legacy_scan(), x=random_bytes("f32", (29,))), "tensor_size_mismatch", "x"),
     ("A-not-binary", dict(legacy_scan(), A=[1.0, 2.0]), "invalid_argument", "A"),
     ("bad-shape", {"op": "scan", **{k: b"" for k in ("x", "dt", "A", "B", "C")},
                    **{k + "_shape": [0] for k in ("x", "dt", "A", "B")}, "C_shape": [-1]},
      "invalid_argument", "C_shape[0]"),
+    ("shape-too-big", {"op": "scan", **{k: b"" for k in ("x", "dt", "A", "B", "C")},
+                       **{k + "_shape": [0] for k in ("x", "dt", "A", "B")}, "C_shape": [0, 2**61]},
+     "invalid_argument", "C_shape"),
 ]
 
 
@@ -499,6 +548,7 @@ def test_request_round_trip_through_the_encoder():
     pytest.param(lambda: encode_error(1, "internal_error", "m", ["d"]), TypeError, "detail", id="detail-list"),
     pytest.param(lambda: OutTensor("f8", (1,), b"\x00"), ValueError, "dtype", id="out-dtype"),
     pytest.param(lambda: OutTensor("u8", (-1,), b""), ValueError, "shape", id="out-shape"),
+    pytest.param(lambda: OutTensor("f32", (0, 2**61), b""), ValueError, "shape", id="out-shape-too-big"),
     pytest.param(lambda: OutTensor("f32", (2,), b"\x00" * 7), ValueError, "7", id="out-size"),
     pytest.param(lambda: OutTensor("f32", (2, 2), np.ones((2, 4), "<f4")[:, ::2]), ValueError, "contiguous",
                  id="out-strided"),

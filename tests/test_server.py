@@ -187,6 +187,10 @@ ERROR_CASES = [
                  id="clamp-inverted"),
     pytest.param({"v": 1, "id": 15, "op": "scan", "args": with_args(session="s-unknown")}, 15, "unknown_session",
                  id="unknown-session"),
+    # No array spans 2^63 bytes, even one a 0 dim leaves empty (SPEC §5): refused while decoding.
+    pytest.param({"v": 1, "id": 16, "op": "put",
+                  "args": {"tensor": {"dtype": "f32", "shape": [0, 2**61], "data": b""}}},
+                 16, "invalid_argument", id="empty-shape-too-big"),
 ]
 
 
@@ -206,6 +210,26 @@ def test_errors_name_the_field(client):
                                  "args": with_args(dt=tensor_map(np.ones((2, 5, 7), np.float32)))})
     assert "dt" in reply.error["message"] and "[2, 5, 4]" in reply.error["message"]
     assert reply.error["detail"]["field"] == "args.dt"
+
+
+@pytest.mark.parametrize("shape, field", [
+    pytest.param([0, 2**61], "args.tensor.shape", id="empty-past-2^63-1-bytes"),
+    pytest.param([2**62, 4], "args.tensor.shape", id="2^66-bytes"),
+    pytest.param([2**61 - 1], "args.tensor.data", id="2^63-4-bytes"),
+])
+def test_a_huge_tensor_is_answered_with_its_whole_detail(client, shape, field):
+    # A byte count past 2^64 - 1 would not fit the reply: its detail would be lost.
+    reply = raw_request(client, {"v": 1, "id": 100, "op": "put",
+                                 "args": {"tensor": {"dtype": "f32", "shape": shape, "data": b""}}})
+    assert reply.error["detail"]["field"] == field, reply.error
+    assert str(shape[-1]) in reply.error["detail"]["got" if field.endswith("shape") else "expected"]
+
+
+def test_the_largest_empty_tensor_is_put_and_freed(client):
+    reply = raw_request(client, {"v": 1, "id": 101, "op": "put",
+                                 "args": {"tensor": {"dtype": "f32", "shape": [0, 2**61 - 1], "data": b""}}})
+    assert reply.ok, reply.error
+    assert client.request("free", {"handle": reply.result["handle"]}).unwrap() == {"freed": True}
 
 
 def test_stats_count_requests_and_errors(client):
