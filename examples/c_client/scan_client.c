@@ -41,7 +41,8 @@
 #define MAX_PARTS 16
 #define STRING(x) #x
 #define STRINGIFY(x) STRING(x)  /* a macro's value as a string literal */
-/* SPEC §5: a dimension is at most 2^63 − 1 (an int64 on the server); no byte count is more. */
+/* SPEC §5: a dimension is at most 2^63 − 1 (an int64 on the server), and so is a shape's
+ * extent in bytes (its dims, each 0 counted as 1, times the itemsize). */
 #define MAX_EXTENT ((uint64_t)INT64_MAX)
 
 static int failures = 0;
@@ -110,19 +111,19 @@ static const char *read_tensor(const msgpack_object *map, const parts_t *parts, 
     size_t size = itemsize(dtype);
     if (size == 0) return "unknown dtype";
     if (shape == NULL || shape->type != MSGPACK_OBJECT_ARRAY || shape->via.array.size > 8) return "bad shape";
-    /* The byte count exactly, as the server counts it (with unbounded ints): a product that
-     * wraps would let [2^62, 4] f32 pass with 0 bytes. A zero dimension makes it 0 whatever
-     * the others (and whatever wrapped before it); else past 2^63 − 1 no message holds it. */
-    uint64_t elements = 1, nbytes;
-    int zero = 0, overflow = 0;
+    /* The shape's extent (SPEC §5), with checked multiplies: a product that wraps would let
+     * [2^62, 4] f32 pass with 0 bytes. A zero dimension leaves no elements but counts as 1 in
+     * the extent, so [0, 2^61] f32 is refused too. Within the extent, the element and byte
+     * counts cannot wrap. */
+    uint64_t elements = 1, extent = size;
     for (uint32_t i = 0; i < shape->via.array.size; i++) {
         const msgpack_object *dim = &shape->via.array.ptr[i];
         if (dim->type != MSGPACK_OBJECT_POSITIVE_INTEGER || dim->via.u64 > MAX_EXTENT) return "bad dimension";
-        zero |= dim->via.u64 == 0;
-        overflow |= __builtin_mul_overflow(elements, dim->via.u64, &elements);
+        if (__builtin_mul_overflow(extent, dim->via.u64 ? dim->via.u64 : 1, &extent) || extent > MAX_EXTENT)
+            return "shape of more than 2^63 - 1 bytes";
+        elements *= dim->via.u64;
     }
-    overflow |= __builtin_mul_overflow(elements, size, &nbytes) || nbytes > MAX_EXTENT;
-    if (overflow && !zero) return "tensor size mismatch";
+    uint64_t nbytes = elements * size;
     if ((data == NULL) == (buf == NULL) || map->via.map.size != 3) return "not exactly dtype, shape and one of data/buf";
     if (data != NULL) {
         if (data->type != MSGPACK_OBJECT_BIN && data->type != MSGPACK_OBJECT_STR) return "data neither bin nor str";
