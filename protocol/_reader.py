@@ -110,12 +110,14 @@ class Reader:
     # -- scalars ------------------------------------------------------------------------
 
     def string(self, raw: msgspec.Raw, field: str, cls=InvalidArgument,
-               expected: str = KIND_EXPECTED["str"]) -> str:
+               expected: str = KIND_EXPECTED["str"], *, allow_empty: bool = False) -> str:
+        """A str; the empty one only where `allow_empty`: a name looked up in a table (an op,
+        a dtype), where "" is one more unknown name."""
         encoded = memoryview(raw)
         if kind(encoded) != "str":
             self.fail(cls, field, expected, describe(encoded))
         value = self._decode(ANY_DECODER, raw, field, expected, cls)
-        if not value:
+        if not value and not allow_empty:
             self.fail(cls, field, expected, "an empty str")
         return value
 
@@ -235,7 +237,7 @@ class Reader:
         return WireTensor(dtype, tuple(shape), data)
 
     def dtype(self, raw: msgspec.Raw, field: str) -> str:
-        name = self.string(raw, field, expected="a dtype code (" + ", ".join(DTYPES) + ")")
+        name = self.string(raw, field, expected="a dtype code (" + ", ".join(DTYPES) + ")", allow_empty=True)
         if name not in DTYPES:
             self.fail(UnknownDtype, field, "one of " + ", ".join(DTYPES), f"str {name!r}",
                       known=list(DTYPES))

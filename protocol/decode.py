@@ -179,7 +179,7 @@ def _decode_v1_checked(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, .
                         f"unknown key {key!r}")
     if "op" not in top:
         reader.fail(InvalidRequest, "op", "a str naming the operation", "nothing")
-    op = reader.string(top["op"], "op", InvalidRequest, "a str naming the operation")
+    op = reader.string(top["op"], "op", InvalidRequest, "a str naming the operation", allow_empty=True)
     spec = OPS.get(op)
     if spec is None:
         reader.fail(UnknownOp, "op", "one of " + ", ".join(OPS), f"str {op!r}", known=list(OPS))

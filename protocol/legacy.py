@@ -52,7 +52,7 @@ def decode_legacy(top: dict[str, msgspec.Raw]) -> LegacyRequest:
     reader = Reader(legacy=True)
     if "op" not in top:
         reader.fail(InvalidRequest, "op", _OP_EXPECTED, "nothing")
-    op = reader.string(top["op"], "op", InvalidRequest, _OP_EXPECTED)
+    op = reader.string(top["op"], "op", InvalidRequest, _OP_EXPECTED, allow_empty=True)
     if op not in LEGACY_OPS:
         reader.fail(UnknownOp, "op", "one of " + ", ".join(LEGACY_OPS) + " (legacy ExPhil)",
                     f"str {op!r}", known=list(LEGACY_OPS))

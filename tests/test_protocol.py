@@ -208,6 +208,7 @@ _INVALID = [
     ("op-missing", pack({"v": 1, "id": 4}), "invalid_request", "op", 4),
     ("op-int", pack(request(3)), "invalid_request", "op", 1),
     ("op-unknown", pack(request("scna", {})), "unknown_op", "op", 1),
+    ("op-empty", pack(request("", {})), "unknown_op", "op", 1),
     ("args-array", pack(request("ping", [])), "invalid_request", "args", 1),
     ("args-int-key", pack(request("ping", {1: 2})), "invalid_request", "args", 1),
     ("unknown-arg", pack(request("scan", dict(_ALL_SCAN, dt_minn=0.1))), "invalid_argument", "args.dt_minn", 1),
@@ -229,6 +230,8 @@ _INVALID = [
     ("tensor-extra-key", pack(request("put", {"tensor": dict(tensor_map(), strides=[3, 1])})),
      "invalid_argument", "args.tensor.strides", 1),
     ("unknown-dtype", pack(request("put", {"tensor": tensor_map("f32", (2,), b"\x01" * 8) | {"dtype": "f8"}})),
+     "unknown_dtype", "args.tensor.dtype", 1),
+    ("dtype-empty", pack(request("put", {"tensor": tensor_map("f32", (2,), b"\x01" * 8) | {"dtype": ""}})),
      "unknown_dtype", "args.tensor.dtype", 1),
     ("dtype-not-str", pack(request("put", {"tensor": tensor_map() | {"dtype": 4}})),
      "invalid_argument", "args.tensor.dtype", 1),
@@ -287,9 +290,16 @@ def test_size_mismatch_detail_says_expected_and_received_bytes():
                                  "expected_bytes": 120, "got_bytes": 112}
 
 
-def test_unknown_op_detail_lists_the_known_ops():
-    error = decode_error(pack(request("scna")))
+@pytest.mark.parametrize("op", ["scna", ""])
+def test_unknown_op_detail_lists_the_known_ops(op):
+    error = decode_error(pack(request(op)))
     assert error.detail["known"] == list(OPS)
+
+
+@pytest.mark.parametrize("dtype", ["f8", ""])
+def test_unknown_dtype_detail_lists_the_known_dtypes(dtype):
+    error = decode_error(pack(request("put", {"tensor": tensor_map("u8", (1,), b"\x01") | {"dtype": dtype}})))
+    assert error.detail["known"] == list(DTYPES)
 
 
 def _most_elements(dtype: str) -> int:
@@ -413,6 +423,7 @@ _INVALID_LEGACY = [
     ("no-op", {"batch": 1}, "invalid_request", "op"),
     ("op-not-str", {"op": 1}, "invalid_request", "op"),
     ("unknown-op", {"op": "step"}, "unknown_op", "op"),
+    ("empty-op", {"op": ""}, "unknown_op", "op"),
     ("ping-extra-key", {"op": "ping", "x": 1}, "invalid_argument", "x"),
     ("missing-C", {k: v for k, v in legacy_scan().items() if k != "C"}, "missing_argument", "C"),
     ("unknown-key", dict(legacy_scan(), dt_softplus=True), "invalid_argument", "dt_softplus"),
