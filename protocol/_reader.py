@@ -36,6 +36,7 @@ class _TensorFields(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _TENSOR_FIELDS = msgspec.msgpack.Decoder(_TensorFields)
+_RAW_DECODER = msgspec.msgpack.Decoder(msgspec.Raw)
 # msgpack names of what msgspec decodes values (and map keys: arrays become tuples) into.
 _PY_TO_MSGPACK = {int: "int", float: "float", bool: "bool", type(None): "nil", bytes: "bin",
                   tuple: "array", list: "array", dict: "map", str: "str"}
@@ -50,12 +51,27 @@ def decode_top_map(body) -> dict[str, msgspec.Raw]:
         raise DecodeError(f"body: expected one msgpack map, got {got}",
                           detail={"expected": "one msgpack map", "got": got}) from None
     except DECODE_FAILURES as e:
+        if isinstance(e, msgspec.DecodeError) and _one_map(body):
+            # msgspec calls a key it cannot hash (a map, an ext, an array holding one)
+            # malformed; in a well-formed map it is one more non-str key (SPEC §3). Its keys
+            # cannot be read, so neither can whether it is a legacy request.
+            raise InvalidRequest("body", "a map with str keys",
+                                 "a map or ext key (or an array key holding one)") from None
         raise DecodeError(f"body: not one msgpack value: {e}",
                           detail={"expected": "one msgpack map", "got": str(e)}) from None
     # Which format the map is in decides the shape of the error reply.
     legacy = "id" not in top and "v" not in top
     Reader(legacy=legacy).check_keys(top, memoryview(body).cast("B"), "body", InvalidRequest)
     return top
+
+
+def _one_map(body) -> bool:
+    """Whether `body` is one well-formed msgpack map, without decoding its keys or values."""
+    try:
+        _RAW_DECODER.decode(body)
+    except DECODE_FAILURES:
+        return False
+    return kind(memoryview(body).cast("B")) == "map"
 
 
 def buffer_views(buffers) -> tuple[memoryview, ...]:

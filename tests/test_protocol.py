@@ -195,6 +195,10 @@ _INVALID = [
     ("absurdly-deep", _TOO_DEEP, "decode_error", None, None),
     ("bad-utf8-key", b"\x81\xa2\xff\xfe\x01", "decode_error", None, None),
     ("int-key", pack({1: 2, "id": 3}), "invalid_request", "body", None),
+    # A map or ext key is well-formed msgpack that msgspec cannot hash: a non-str key all the same.
+    ("map-key", b"\x83\xa2id\x03\xa2op\xa4ping" + pack({"a": 1}) + b"\x01", "invalid_request", "body", None),
+    ("ext-key", b"\x83\xa2id\x03\xa2op\xa4ping" + pack(msgpack.ExtType(1, b"x")) + b"\x01",
+     "invalid_request", "body", None),
     ("duplicate-key", b"\x84\xa2id\x01\xa2op\xa4ping\xa2id\x02\xa1v\x01", "invalid_request", "body", None),
     ("v-without-id", pack({"v": 1, "op": "ping"}), "invalid_request", "id", None),
     ("negative-id", pack(request("ping", request_id=-1)), "invalid_request", "id", None),

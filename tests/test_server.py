@@ -191,6 +191,7 @@ ERROR_CASES = [
     pytest.param({"v": 1, "id": 16, "op": "put",
                   "args": {"tensor": {"dtype": "f32", "shape": [0, 2**61], "data": b""}}},
                  16, "invalid_argument", id="empty-shape-too-big"),
+    pytest.param(b"\x83\xa2id\x11\xa2op\xa4ping" + body({"a": 1}) + b"\x01", None, "invalid_request", id="map-key"),
 ]
 
 
