@@ -609,6 +609,14 @@ def test_legacy_reply_rejects_maps_exphil_would_not_match(reply, exception):
     pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": {}, "extra": 1}), "extra", id="unknown-key"),
     pytest.param(pack({"status": "ok"}), "status", id="legacy-reply"),
     pytest.param(pack({1: 1}), "body", id="int-key"),
+    pytest.param(pack({"v": True, "id": 1, "ok": True, "result": {}}), "v", id="v-bool"),
+    pytest.param(pack({"v": 1.0, "id": 1, "ok": True, "result": {}}), "v", id="v-float"),
+    pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": {"y": tensor_map("f32", (2, 3), b"\0" * 20)}}),
+                 "result.y", id="tensor-data-short"),
+    pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": {"y": tensor_map("f32", (0, 2**61), b"")}}),
+                 "result.y", id="tensor-shape-too-big"),
+    pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": {"y": [tensor_map("f32", (2,), b"\0" * 4)]}}),
+                 "result.y[0]", id="tensor-in-a-list"),
 ])
 def test_decode_reply_rejects_what_is_not_a_v1_reply(body, field):
     with pytest.raises(protocol.DecodeError) as info:
