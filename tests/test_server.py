@@ -16,6 +16,7 @@ import torch
 
 import protocol
 from bridge.client import PortClient, server_env
+from protocol.vectors import generate
 from kernel_cases import SCAN_CASES, ScanCase, assert_close, make_scan_inputs, reference_scan
 
 
@@ -231,6 +232,15 @@ def test_the_largest_empty_tensor_is_put_and_freed(client):
                                  "args": {"tensor": {"dtype": "f32", "shape": [0, 2**61 - 1], "data": b""}}})
     assert reply.ok, reply.error
     assert client.request("free", {"handle": reply.result["handle"]}).unwrap() == {"freed": True}
+
+
+def test_the_golden_scan_replies_have_the_timing_keys_of_a_scan_reply(client):
+    vectors = {name: doc for name, _, doc in generate.build_vectors() + generate.build_multipart_vectors()}
+    live = client.scan(**numpy_args(make_scan_inputs(SCAN_CASES[1].values[0])))
+    assert live.ok and list(live.timing)[-1] == "batch_rows", live.error
+    assert set(live.timing) <= set(vectors["reply_scan"]["message"]["timing"])
+    for name in ("reply_scan", "multipart_reply_scan"):
+        assert list(vectors[name]["message"]["timing"])[-1] == "batch_rows", name
 
 
 def test_stats_count_requests_and_errors(client):

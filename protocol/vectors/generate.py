@@ -187,8 +187,9 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                                  "args": {"tensor": tensor(dtype, shape, 80 + i)}}))
 
     y, state = tensor("f32", (2, 3, 4), 90), tensor("f32", (2, 4, 2), 91)
+    # A scan reply's timing ends with batch_rows, a count, not microseconds (SPEC §8).
     timing = {"decode_us": 14, "queue_us": 2, "h2d_us": 0, "kernel_us": 153, "d2h_us": 0,
-              "encode_us": 4, "server_us": 181}
+              "encode_us": 4, "server_us": 181, "batch_rows": 2}
     vectors.append(_reply("reply_scan", "ok reply to scan_f32 (return_state): y and state",
                           encode_reply(2, {"y": out_tensor(y), "state": out_tensor(state)}, timing),
                           {"v": 1, "id": 2, "ok": True, "result": {"y": y, "state": state},
@@ -301,7 +302,7 @@ def build_multipart_vectors() -> list[tuple[str, bytes, dict]]:
     vectors = [_multipart("multipart_scan", "scan whose x, dt, B, C are raw buffers 0-3 (A inline)",
                           pack_client(request), buffers, request, "multipart_request")]
     y, state = Binary("f32", values("f32", 24, 210)), Binary("f32", values("f32", 16, 211))
-    timing = {"decode_us": 9, "kernel_us": 40, "server_us": 71}
+    timing = {"decode_us": 9, "kernel_us": 40, "server_us": 71, "batch_rows": 2}
     reply_buffers: list = []
     body = b"".join(encode_reply(50, {"y": OutTensor("f32", (2, 3, 4), y.to_bytes()),
                                       "state": OutTensor("f32", (2, 4, 2), state.to_bytes())},
