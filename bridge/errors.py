@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
 import kernels
 import protocol
+
+from .tensors import WIRE_DTYPES
+
+# Kernel errors name dtypes as torch does ("torch.int32", "float32"); the client sent, and
+# SPEC §5 lists, wire codes ("i32").
+_TORCH_DTYPE_NAMES = {str(dtype).removeprefix("torch."): code for dtype, code in WIRE_DTYPES.items()}
+_TORCH_DTYPE_NAME = re.compile(r"\b(?:torch\.)?(" + "|".join(_TORCH_DTYPE_NAMES) + r")\b")
+
+
+def wire_dtype_names(text: str) -> str:
+    """`text` with every torch dtype name in it replaced by its wire code."""
+    return _TORCH_DTYPE_NAME.sub(lambda m: _TORCH_DTYPE_NAMES[m.group(1)], text)
 
 
 class OpError(Exception):
@@ -55,8 +68,8 @@ def error_fields(exc: BaseException) -> tuple[str, str, dict]:
     if isinstance(exc, kernels.KernelInputError):
         code = "shape_mismatch" if isinstance(exc, kernels.ShapeMismatch) else "invalid_argument"
         field = exc.field if exc.field.startswith("args.") else f"args.{exc.field}"
-        return code, f"{field}: expected {exc.expected}, got {exc.got}", {
-            "field": field, "expected": exc.expected, "got": exc.got}
+        expected, got = wire_dtype_names(exc.expected), wire_dtype_names(exc.got)
+        return code, f"{field}: expected {expected}, got {got}", {"field": field, "expected": expected, "got": got}
     if isinstance(exc, kernels.BackendUnavailable):
         return "unsupported", str(exc), {}
     if is_out_of_memory(exc):

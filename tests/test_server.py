@@ -234,6 +234,14 @@ def test_the_largest_empty_tensor_is_put_and_freed(client):
     assert client.request("free", {"handle": reply.result["handle"]}).unwrap() == {"freed": True}
 
 
+def test_a_dtype_the_kernels_refuse_is_named_by_its_wire_code(client):
+    reply = raw_request(client, {"v": 1, "id": 102, "op": "scan",
+                                 "args": with_args(x=tensor_map(np.ones((2, 5, 4), np.int32), "i32"))})
+    assert reply.error["detail"] == {"field": "args.x", "expected": "a floating dtype (f32, f16, bf16, f64)",
+                                     "got": "i32"}
+    assert reply.error["message"] == "args.x: expected a floating dtype (f32, f16, bf16, f64), got i32"
+
+
 def test_the_golden_scan_replies_have_the_timing_keys_of_a_scan_reply(client):
     vectors = {name: doc for name, _, doc in generate.build_vectors() + generate.build_multipart_vectors()}
     live = client.scan(**numpy_args(make_scan_inputs(SCAN_CASES[1].values[0])))
