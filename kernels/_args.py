@@ -15,6 +15,8 @@ backends read through strides.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,7 @@ def _shape(t: torch.Tensor) -> str:
 
 def _require_tensor(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise ShapeMismatch(name, "a torch.Tensor", type(t).__name__)
+        raise KernelInputError(name, "a torch.Tensor", type(t).__name__)
     if t.dtype not in FLOAT_DTYPES:
         raise KernelInputError(name, FLOAT_DTYPES_EXPECTED, str(t.dtype))
     return t
@@ -46,12 +48,28 @@ def _require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], meanin
         raise ShapeMismatch(name, f"shape {want} ({meaning})", f"shape {_shape(t)}")
 
 
-def _check_clamp(dt_min, dt_max) -> None:
-    for name, v in (("dt_min", dt_min), ("dt_max", dt_max)):
-        if v is not None and not isinstance(v, (int, float)):
-            raise ShapeMismatch(name, "a number or None", type(v).__name__)
-    if dt_min is not None and dt_max is not None and dt_min > dt_max:
-        raise KernelInputError("dt_max", f"a value >= dt_min ({dt_min})", str(dt_max))
+def _clamp_bound(name: str, v) -> float | None:
+    """dt_min or dt_max as a float, or None. Any real number is taken (numpy's float32 as its
+    float64), but not a bool; it must be finite, since NaN compares false with everything and
+    each backend would ignore or propagate it differently."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise KernelInputError(name, "a number or None", type(v).__name__)
+    try:
+        value = float(v)
+    except OverflowError:  # an int (or a Fraction) beyond the float range
+        raise KernelInputError(name, "a finite number or None", f"{type(v).__name__} beyond the float range") from None
+    if not math.isfinite(value):
+        raise KernelInputError(name, "a finite number or None", repr(value))
+    return value
+
+
+def _clamp_bounds(dt_min, dt_max) -> tuple[float | None, float | None]:
+    low, high = _clamp_bound("dt_min", dt_min), _clamp_bound("dt_max", dt_max)
+    if low is not None and high is not None and low > high:
+        raise KernelInputError("dt_max", f"a value >= dt_min ({low})", str(high))
+    return low, high
 
 
 def _check_options(D, dt_bias, z, dim: int, x: torch.Tensor):
@@ -62,10 +80,6 @@ def _check_options(D, dt_bias, z, dim: int, x: torch.Tensor):
     if z is not None:
         _require_shape("z", _require_tensor("z", z), tuple(x.shape), "same as x")
     return D, dt_bias, z
-
-
-def _optional_float(v) -> float | None:
-    return None if v is None else float(v)
 
 
 def _check_groups(name: str, t: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
@@ -154,11 +168,10 @@ def check_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=Fals
     if h0 is not None:
         h0 = _require_tensor("h0", h0)
         _require_shape("h0", h0, (batch, dim, state), "[batch, dim, state]")
-    _check_clamp(dt_min, dt_max)
+    dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
     _check_devices(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0))
-    return ScanArgs(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                    _optional_float(dt_min), _optional_float(dt_max), h0, bool(return_state), layout,
-                    ScanDims(batch, seq, dim, state, groups))
+    return ScanArgs(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, h0,
+                    bool(return_state), layout, ScanDims(batch, seq, dim, state, groups))
 
 
 def _norm_bc_scan(name, t, batch, seq, state, dim, layout) -> torch.Tensor:
@@ -214,6 +227,13 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     if state.dim() != 3:
         raise ShapeMismatch("state", "3 dimensions ([pool, dim, state])", f"shape {_shape(state)}")
     pool, dim, n = state.shape
+    if dim == 0 or n == 0:
+        raise ShapeMismatch("state", "non-empty dim and state axes", f"shape {_shape(state)}")
+    # The update writes the state in place: rows sharing memory (a broadcast pool, from expand)
+    # would each read what another row wrote, whatever order a backend takes them in.
+    if any(stride == 0 and size > 1 for size, stride in zip(state.shape, state.stride())):
+        raise KernelInputError("state", "a tensor whose elements do not share memory (no stride 0 on an "
+                               "axis of size > 1)", f"strides {list(state.stride())} for shape {_shape(state)}")
     x = _require_tensor("x", x)
     if x.dim() != 2 or x.shape[1] != dim:
         raise ShapeMismatch("x", f"shape [batch, {dim}] ([batch, dim])", f"shape {_shape(x)}")
@@ -241,10 +261,9 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
         if top >= pool:
             raise ShapeMismatch("slots", f"indices < {pool} (pool rows) or negative for padding",
                                 f"max index {top}")
-    _check_clamp(dt_min, dt_max)
+    dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
     _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
-    return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                      _optional_float(dt_min), _optional_float(dt_max), slots)
+    return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, slots)
 
 
 def _norm_bc_update(name, t, batch, n, dim) -> torch.Tensor:

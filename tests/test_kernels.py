@@ -7,6 +7,7 @@ Inputs are fresh random draws each run; the seed is in every failure message.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,6 +257,10 @@ SCAN_ERRORS = [
     pytest.param(_with(dt_bias=lambda a: a["dt_bias"][None]), "dt_bias", "[1, 6]", id="dt_bias-shape"),
     pytest.param(_with(h0=lambda a: a["h0"][:, :, :2]), "h0", "[2, 6, 2]", id="h0-shape"),
     pytest.param(_with(dt_min="0.1"), "dt_min", "str", id="dt_min-not-a-number"),
+    pytest.param(_with(dt_max=True), "dt_max", "bool", id="dt_max-bool"),
+    pytest.param(_with(dt_min=float("nan")), "dt_min", "nan", id="dt_min-nan"),
+    pytest.param(_with(dt_max=float("inf")), "dt_max", "inf", id="dt_max-inf"),
+    pytest.param(_with(dt_min=10**400), "dt_min", "int beyond the float range", id="dt_min-int-beyond-float"),
     pytest.param(_with(dt_min=0.5, dt_max=0.1), "dt_max", "0.1", id="dt_min-above-dt_max"),
 ]
 
@@ -281,6 +286,10 @@ UPDATE_ERRORS = [
     pytest.param(_with(state=lambda a: a["state"][0]), "state", "[6, 3]", id="state-2d"),
     pytest.param(_with(state=lambda a: a["state"].to(torch.int64)), "state", "int64",
                  id="state-int-dtype"),
+    pytest.param(_with(state=lambda a: a["state"][:, :0]), "state", "[5, 0, 3]", id="state-no-dim"),
+    pytest.param(_with(state=lambda a: a["state"][:, :, :0]), "state", "[5, 6, 0]", id="state-no-state-axis"),
+    pytest.param(_with(state=lambda a: a["state"][:1].expand(5, 6, 3)), "state", "strides [0, 3, 1]",
+                 id="state-rows-share-memory"),
     pytest.param(_with(x=lambda a: a["x"][:, :5]), "x", "[3, 5]", id="x-dim-differs"),
     pytest.param(_with(dt=lambda a: a["dt"][:2]), "dt", "[2, 6]", id="dt-shape"),
     pytest.param(_with(A=lambda a: a["A"][:, :2]), "A", "[6, 2]", id="A-shape"),
@@ -294,6 +303,7 @@ UPDATE_ERRORS = [
     pytest.param(_with(slots=lambda a: torch.tensor([0, 5, -1])), "slots", "5", id="slots-beyond-pool"),
     pytest.param(_with(slots=None), "state", "5 rows", id="pool-differs-without-slots"),
     pytest.param(_with(dt_min=0.3, dt_max=0.2), "dt_max", "0.2", id="dt_min-above-dt_max"),
+    pytest.param(_with(dt_max=float("nan")), "dt_max", "nan", id="dt_max-nan"),
 ]
 
 
@@ -310,6 +320,34 @@ def test_state_update_rejects_malformed_arguments(backend, change, field, got):
     assert err.expected and err.expected in str(err)
     if state_before is not None:
         assert torch.equal(args["state"], state_before), "a rejected call changed the state"
+
+
+@pytest.mark.parametrize("change", [
+    pytest.param(_with(x=lambda a: a["x"].tolist()), id="x-not-a-tensor"),
+    pytest.param(_with(dt_min="0.1"), id="dt_min-not-a-number"),
+])
+def test_an_argument_of_the_wrong_type_is_an_invalid_argument_on_the_wire(change):
+    """Not a shape mismatch: the bridge answers ShapeMismatch as shape_mismatch, every other
+    KernelInputError as invalid_argument."""
+    from bridge.errors import error_fields
+
+    with pytest.raises(kernels.KernelInputError) as info:
+        kernels.selective_scan(**change(_scan_base()), backend="reference")
+    assert not isinstance(info.value, kernels.ShapeMismatch), repr(info.value)
+    assert error_fields(info.value)[0] == "invalid_argument"
+
+
+@pytest.mark.parametrize("bound", [
+    pytest.param(np.float32(0.1), id="numpy-float32"),
+    pytest.param(np.float64(0.1), id="numpy-float64"),
+    pytest.param(np.int64(1), id="numpy-int64"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_scalar_clamp_bounds_act_as_their_float(backend, bound):
+    inputs = _scan_base()
+    y_numpy, _ = kernels.selective_scan(**inputs, dt_min=bound, dt_max=bound, backend=backend)
+    y_float, _ = kernels.selective_scan(**inputs, dt_min=float(bound), dt_max=float(bound), backend=backend)
+    assert torch.equal(y_numpy, y_float)
 
 
 def test_unknown_backend_is_rejected():
