@@ -32,7 +32,8 @@ from kernel_cases import (  # noqa: E402
 )
 from kernels import _args  # noqa: E402
 from kernels._registry import get_backend  # noqa: E402
-from kernels.triton_kernels import configs  # noqa: E402
+from kernels.triton_kernels import common, configs  # noqa: E402
+from kernels.triton_kernels.common import run_on_device_of  # noqa: E402
 from kernels.triton_kernels import scan as triton_scan  # noqa: E402
 from kernels.triton_kernels import state_update as triton_update  # noqa: E402
 
@@ -327,6 +328,109 @@ def test_scan_then_steps_continue_the_sequence(device):
 def _normalised_scan(inputs: dict) -> dict:
     args = _args.check_scan(**inputs)
     return dict(x=args.x, dt=args.dt, A=args.A, B=args.B, C=args.C, **args.backend_kwargs())
+
+
+# --- element offsets past 2^31: the WIDE_OFFSETS variant ----------------------------------------
+
+@pytest.mark.parametrize("shape, strides, largest", [
+    pytest.param((2, 3, 4), (12, 4, 1), 23, id="contiguous"),
+    pytest.param((2, 3, 4), (1, 8, 2), 1 + 16 + 6, id="permuted"),
+    pytest.param((5, 3), (0, 1), 2, id="broadcast-axis"),
+    pytest.param((2, 0, 4), (4, 4, 1), 0, id="empty"),
+    pytest.param((), (), 0, id="scalar"),
+])
+def test_largest_offset(shape, strides, largest):
+    assert common.largest_offset(shape, strides) == largest
+
+
+def _meta(shape, strides=None, dtype=torch.float32):
+    """A tensor with shape and strides but no memory (device "meta"): launches can be built for
+    views of buffers far larger than this machine could allocate; they are never run."""
+    strides = strides or torch.empty(shape, device="meta").stride()
+    return torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("x_shape, x_strides, wide", [
+    # x [1, 3, 5]: timesteps `step` elements apart, so its largest offset is 2 step + 4.
+    pytest.param((1, 3, 5), (0, 2**30 - 3, 1), False, id="largest-offset-2^31-2"),
+    pytest.param((1, 3, 5), (0, 2**30 - 2, 1), True, id="largest-offset-2^31"),
+    pytest.param((1, 3, 5), (0, 3 * 2**29, 1), True, id="review-repro-3.2e9"),
+    # Rows 2^40 elements apart: the kernels index rows in int64 already.
+    pytest.param((4, 3, 5), (2**40, 5, 1), False, id="far-apart-rows"),
+])
+def test_scan_launches_take_int64_offsets_from_2_31_elements_in_a_row(x_shape, x_strides, wide):
+    batch, seq, dim = x_shape
+    x = _meta(x_shape, x_strides, torch.float16)
+    bc = _meta((batch, seq, 1, 2), dtype=torch.float16)
+    _, _, launches = triton_scan.scan_launches(
+        x, _meta(x_shape, dtype=torch.float16), _meta((dim, 2)), bc, bc, D=None, z=None, dt_bias=None,
+        dt_softplus=False, dt_min=None, dt_max=None, h0=None, return_state=True, layout="bld",
+        out=None, state_out=None, blocks=configs.ScanBlocks(block_d=4, chunk=1, num_warps=1), segment_len=1)
+    assert len(launches) == 2  # both kernels: one segment per timestep
+    assert [launch.constexprs["WIDE_OFFSETS"] for launch in launches] == [wide, wide]
+
+
+@pytest.mark.parametrize("state_shape, state_strides, wide", [
+    # A pool of one row whose channels lie `step` elements apart: largest offset 2 step + 1.
+    pytest.param((1, 3, 2), (0, 2**30 - 1, 1), False, id="largest-offset-2^31-1"),
+    pytest.param((1, 3, 2), (0, 2**30, 1), True, id="largest-offset-2^31+1"),
+    # A pool of 2^25 sessions, 2^34 elements: slots are indexed in int64 already.
+    pytest.param((2**25, 32, 16), None, False, id="large-pool"),
+])
+def test_state_update_launch_takes_int64_offsets_from_2_31_elements_in_a_row(state_shape, state_strides, wide):
+    _, dim, nstate = state_shape
+    bc = _meta((1, 1, nstate))
+    _, launch = triton_update.update_launch(
+        _meta(state_shape, state_strides), _meta((1, dim)), _meta((1, dim)), _meta((dim, nstate)), bc, bc,
+        D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None, dt_max=None,
+        slots=_meta((1,), dtype=torch.int64), out=None, blocks=None)
+    assert launch.constexprs["WIDE_OFFSETS"] == wide
+
+
+@pytest.fixture
+def wide_offsets_everywhere(monkeypatch):
+    """Every launch takes the WIDE_OFFSETS variant, whatever its size."""
+    monkeypatch.setattr(common, "INT32_OFFSET_LIMIT", 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["bld", "bdl"])
+def test_scan_int64_offsets_variant_matches_reference(device, layout, wide_offsets_everywhere):
+    """The variant inputs of 2^31 elements and more take, at a size the interpreter runs: both
+    kernels (segments of two tiles), groups, every option."""
+    _backend(device)
+    blocks = INTERPRETER_SCAN_BLOCKS if device == "cpu" else None
+    chunk = (blocks or configs.scan_blocks(4, 6)[1]).chunk
+    case = ScanCase(2, 3 * chunk + 1, 12, 4, groups=2, layout=layout, D=True, z=True, dt_bias=True,
+                    dt_softplus=True, clamp=True, h0=True)
+    seed = random_seed()
+    inputs = make_scan_inputs(case, torch.float32, device, seed=seed)
+    args = _args.check_scan(**inputs)
+    y, state, launches = triton_scan.scan_launches(
+        args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
+        out=_poisoned(args.x.shape, torch.float32, device), state_out=_poisoned((2, 12, 4), torch.float32, device),
+        blocks=blocks, segment_len=2 * chunk)
+    assert [launch.constexprs["WIDE_OFFSETS"] for launch in launches] == [True, True]
+    run_on_device_of(args.x, launches)
+    assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"int64 offsets seed={seed}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_update_int64_offsets_variant_matches_reference(device, wide_offsets_everywhere):
+    _backend(device)
+    case = UpdateCase(7, 20, 16, groups=2, pool=11, padding_rows=3, D=True, z=True, dt_bias=True,
+                      dt_softplus=True, clamp=True)
+    seed = random_seed()
+    inputs = make_update_inputs(case, torch.float32, device, seed=seed)
+    before = inputs["state"].clone()
+    args = _args.check_state_update(**inputs)
+    y, launch = triton_update.update_launch(
+        args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
+        out=_poisoned(args.x.shape, torch.float32, device),
+        blocks=INTERPRETER_UPDATE_BLOCKS if device == "cpu" else None)
+    assert launch.constexprs["WIDE_OFFSETS"]
+    run_on_device_of(args.x, [launch])
+    assert_update_outputs_match_reference(case, torch.float32, inputs, before, y, f"int64 offsets seed={seed}")
 
 
 def test_backend_serves_cpu_only_through_the_interpreter():

@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 
 import torch
 
@@ -65,6 +66,12 @@ def _representative_launches():
             slots=torch.arange(batch) if on("slots") else None, out=None, blocks=None)
         return [(f"{label} [{launch.kernel.__name__}]", launch)]
 
+    def int64_offsets(calls):
+        """The same launches in the variant for inputs of 2^31 elements and more (too large to
+        allocate here)."""
+        return [(f"{label} int64 offsets", replace(launch, constexprs={**launch.constexprs, "WIDE_OFFSETS": True}))
+                for label, launch in calls]
+
     every = WARMUP_OPTIONS
     found = []
     found += scan_call("scan bld f16 all options, segments", torch.float16, "bld", 16, every, segment_len=16)
@@ -77,6 +84,10 @@ def _representative_launches():
     found += update_call("update bf16 all options, slots", torch.bfloat16, 16,
                          ("D", "z", "dt_bias", "dt_softplus", "clamp", "slots"))
     found += update_call("update f32 plain", torch.float32, 16, ())
+    found += int64_offsets(scan_call("scan bld bf16 all options, segments", torch.bfloat16, "bld", 16, every,
+                                     segment_len=16))
+    found += int64_offsets(update_call("update f32 all options, slots", torch.float32, 16,
+                                       ("D", "z", "dt_bias", "dt_softplus", "clamp", "slots")))
     found += update_call("update f64 clamp, slots", torch.float64, 16, ("clamp", "slots"))
     for limit, _ in configs.UPDATE_TABLE:
         found += update_call(f"update f32 state {limit}", torch.float32, limit, ("slots",), dim=64, groups=1)

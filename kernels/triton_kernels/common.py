@@ -51,13 +51,23 @@ def discretize_dt(dt, exists, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr
 
 
 @triton.jit
-def program_coords(dim_per_group, groups, BLOCK_D: tl.constexpr):
+def offset_index(index, WIDE_OFFSETS: tl.constexpr):
+    """An index the kernels multiply by a stride: int64 in the WIDE_OFFSETS variant (see
+    `wide_offsets`), else as it is."""
+    if WIDE_OFFSETS:
+        index = index.to(tl.int64)
+    return index
+
+
+@triton.jit
+def program_coords(dim_per_group, groups, BLOCK_D: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
     """(batch row as int64, group, channel indices [BLOCK_D], channel mask) of a program on a
-    (rows x groups x channel blocks) first grid axis."""
+    (rows x groups x channel blocks) first grid axis; the group and the channels as
+    `offset_index` has them."""
     pid = tl.program_id(0)
     n_dblocks = tl.cdiv(dim_per_group, BLOCK_D)
     dblock = pid % n_dblocks
-    group = (pid // n_dblocks) % groups
+    group = offset_index((pid // n_dblocks) % groups, WIDE_OFFSETS)
     row = (pid // (n_dblocks * groups)).to(tl.int64)
     in_group = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
     return row, group, group * dim_per_group + in_group, in_group < dim_per_group
@@ -94,6 +104,35 @@ def clamp_bounds(dt_min: float | None, dt_max: float | None) -> tuple[bool, tupl
     low = _fp32_pair(float("-inf") if dt_min is None else dt_min)
     high = _fp32_pair(float("inf") if dt_max is None else dt_max)
     return True, low + high
+
+
+# The ordinary kernel variant computes every element offset but the row's in int32 (see
+# wide_offsets); from this many elements on, a launch takes the WIDE_OFFSETS variant. Tests
+# lower it to run that variant at sizes the interpreter can run.
+INT32_OFFSET_LIMIT = 2**31
+
+
+def largest_offset(shape, strides) -> int:
+    """The largest element offset of a tensor from its first element: the sum over its axes of
+    (size - 1) * |stride|; 0 for an empty tensor, which the kernels never index."""
+    if 0 in tuple(shape):
+        return 0
+    return sum((size - 1) * abs(stride) for size, stride in zip(shape, strides))
+
+
+def wide_offsets(per_row, whole) -> bool:
+    """Whether a launch needs the kernels' WIDE_OFFSETS variant, which computes element offsets
+    in int64. The ordinary variant takes only the batch row (or pool slot) as an int64; the
+    timestep, channel, group and state indices are int32, and Triton passes a stride that fits
+    int32 as an int32, so their products with the strides wrap once an offset reaches 2^31
+    elements (a [1, 524288, 4096] x, or a strided view of a larger buffer). Ordinary sizes keep
+    the int32 variant, compiled exactly as before.
+
+    `per_row`: tensors whose first axis is the row or the slot, counted without it; `whole`:
+    tensors indexed without a row (A, D, dt_bias). None entries are skipped."""
+    extents = [largest_offset(t.shape[1:], t.stride()[1:]) for t in per_row if t is not None]
+    extents += [largest_offset(t.shape, t.stride()) for t in whole if t is not None]
+    return max(extents, default=0) >= INT32_OFFSET_LIMIT
 
 
 def interpreter_active() -> bool:

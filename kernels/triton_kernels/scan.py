@@ -45,8 +45,8 @@ import triton.language as tl
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, program_coords, run_on_device_of,
-    silu, triton_dtype,
+    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
+    run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
 
@@ -79,10 +79,10 @@ def _load_tile(x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
                s_x_l, s_x_d, s_dt_l, s_dt_d, s_B_l, s_B_n,
                dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
                HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
-               ACC: tl.constexpr, CHUNK: tl.constexpr):
+               ACC: tl.constexpr, CHUNK: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
     """One tile's timesteps t [CHUNK] and their masks, x and discretised dt [CHUNK, BLOCK_D]
     and B [CHUNK, BLOCK_N], all in ACC (0 where masked)."""
-    t = t0 + tl.arange(0, CHUNK)
+    t = offset_index(t0 + tl.arange(0, CHUNK), WIDE_OFFSETS)
     mask_t = t < t_end
     mask_td = mask_t[:, None] & mask_d[None, :]
     mask_tn = mask_t[:, None] & mask_n[None, :]
@@ -109,12 +109,13 @@ def _segment_state_kernel(
     s_B_b, s_B_l, s_B_g, s_B_n, s_A_d, s_A_n, s_bias,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
 ):
     """Pass 1: carry_h[row, seg] = state after segment `seg` from a zero state;
     carry_dt[row, seg] = the segment's summed (discretised) dt."""
-    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D)
+    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
     seg = tl.program_id(1)
-    n = tl.arange(0, BLOCK_N)
+    n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
     mask_n = n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask_dn, other=0.0).to(ACC)
@@ -132,7 +133,7 @@ def _segment_state_kernel(
         _, _, _, x, dt, B_tile = _load_tile(
             x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
             s_x_l, s_x_d, s_dt_l, s_dt_d, s_B_l, s_B_n, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
-            HAS_DT_BIAS, DT_SOFTPLUS, HAS_CLAMP, ACC, CHUNK)
+            HAS_DT_BIAS, DT_SOFTPLUS, HAS_CLAMP, ACC, CHUNK, WIDE_OFFSETS)
         _, h = _tile_states(h, dt, x, A, B_tile, CHUNK)
         dt_total += tl.sum(dt, axis=0)
     carry = (row * n_carries + seg) * dim + d
@@ -153,12 +154,13 @@ def _scan_output_kernel(
     DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_H0: tl.constexpr,
     HAS_CARRIES: tl.constexpr, STORE_STATE: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
 ):
     """Pass 2 (the only pass when there is one segment): y for one segment, and the final state
     from the last segment."""
-    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D)
+    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
     seg = tl.program_id(1)
-    n = tl.arange(0, BLOCK_N)
+    n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
     mask_n = n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
     A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask_dn, other=0.0).to(ACC)
@@ -192,7 +194,7 @@ def _scan_output_kernel(
         t, mask_td, mask_tn, x, dt, B_tile = _load_tile(
             x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
             s_x_l, s_x_d, s_dt_l, s_dt_d, s_B_l, s_B_n, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
-            HAS_DT_BIAS, DT_SOFTPLUS, HAS_CLAMP, ACC, CHUNK)
+            HAS_DT_BIAS, DT_SOFTPLUS, HAS_CLAMP, ACC, CHUNK, WIDE_OFFSETS)
         C_tile = tl.load(C_base + t[:, None] * s_C_l + n[None, :] * s_C_n, mask=mask_tn, other=0.0).to(ACC)
         states, h = _tile_states(h, dt, x, A, B_tile, CHUNK)
         y = tl.sum(states * C_tile[:, None, :], axis=2)
@@ -314,8 +316,9 @@ def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
     s_x, s_dt = _seq_strides(x, layout), _seq_strides(dt, layout)
     s_B = _bc_strides(B, layout)
     s_bias = dt_bias.stride(0) if dt_bias is not None else 0
+    wide = wide_offsets(per_row=(x, dt, z, out, B, C, h0, state_out), whole=(A, D, dt_bias))
     blocks_constexprs = dict(ACC=triton_dtype(acc), BLOCK_D=plan.blocks.block_d,
-                             BLOCK_N=plan.block_n, CHUNK=plan.blocks.chunk)
+                             BLOCK_N=plan.block_n, CHUNK=plan.blocks.chunk, WIDE_OFFSETS=wide)
     launches = []
 
     carry_h = carry_dt = None

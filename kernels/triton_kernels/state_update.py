@@ -19,8 +19,8 @@ import triton.language as tl
 
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, program_coords, run_on_device_of,
-    silu, triton_dtype,
+    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
+    run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
 
@@ -33,10 +33,10 @@ def _state_update_kernel(
     s_B_b, s_B_g, s_B_n, s_C_b, s_C_g, s_C_n, s_A_d, s_A_n, s_D, s_bias, s_slots,
     HAS_SLOTS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
-    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D)
-    n = tl.arange(0, BLOCK_N)
+    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
+    n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
 
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + row * s_slots).to(tl.int64)
@@ -133,5 +133,6 @@ def update_launch(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, 
         dict(HAS_SLOTS=slots is not None, HAS_D=D is not None, HAS_Z=z is not None,
              HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp,
              ACC=triton_dtype(accumulation_dtype(x)), BLOCK_D=plan.blocks.block_d,
-             BLOCK_N=plan.block_n),
+             BLOCK_N=plan.block_n,
+             WIDE_OFFSETS=wide_offsets(per_row=(state, x, dt, z, out, B, C), whole=(A, D, dt_bias))),
         plan.blocks.num_warps)
