@@ -26,9 +26,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
     CUDA_COMPILES_EVERY_KERNEL, DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, ON_CUDA, SCAN_CASES,
-    TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
-    assert_scan_outputs_match_reference, assert_update_outputs_match_reference, make_scan_inputs,
-    make_update_inputs, random_seed, reference_scan, state_dtype,
+    TOLERANCES, TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
+    assert_scan_matches_reference, assert_scan_outputs_match_reference, assert_update_outputs_match_reference,
+    make_scan_inputs, make_update_inputs, random_seed, reference_scan, reference_update, state_dtype,
 )
 from kernels import _args  # noqa: E402
 from kernels._registry import get_backend  # noqa: E402
@@ -283,6 +283,38 @@ def test_capture_checks_its_arguments_and_captures_only_on_cuda(device):
     capture = kernels.capture_state_update(**inputs, backend="triton")
     # The interpreter compiles nothing to capture; a GPU's Triton does.
     assert (capture is None) == (device == "cpu")
+
+
+# dt pre-activations where log(1 + exp(dt)) in fp32 lost softplus's relative precision (4e-4 at
+# -10, 9e-3 at -12, all of it from -17), ordinary ones, and both sides of the threshold (20)
+# above which softplus is dt itself.
+SOFTPLUS_POINTS = (-30.0, -17.0, -12.0, -10.0, -3.0, 0.0, 4.0, 19.5, 20.5, 40.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")])
+def test_softplus_keeps_its_relative_precision_far_below_zero(device, dtype):
+    """From a zero state y = softplus(dt) x (B . C) and the state is softplus(dt) x B, both
+    proportional to softplus(dt): against the reference with the dtype's rtol and no atol,
+    which at softplus(-30) = 9e-14 would accept anything. B, C and x are positive, so that no
+    sum cancels. fp16 and bf16 are left out: y in fp16 cannot hold such small values."""
+    _backend(device)
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch, dim, nstate = 2, len(SOFTPLUS_POINTS), 4
+
+    def positive(*shape):
+        return (torch.rand(shape, generator=gen) + 0.5).to(device=device, dtype=dtype)
+
+    inputs = dict(state=torch.zeros(batch, dim, nstate, dtype=dtype, device=device), x=positive(batch, dim),
+                  dt=torch.tensor(SOFTPLUS_POINTS, dtype=dtype, device=device).repeat(batch, 1),
+                  A=-positive(dim, nstate).float(), B=positive(batch, nstate), C=positive(batch, nstate),
+                  dt_softplus=True)
+    y_ref, state_ref = reference_update(inputs)
+    y = _run_update(inputs, INTERPRETER_UPDATE_BLOCKS if device == "cpu" else None)
+    relative_only = (TOLERANCES[dtype][0], 0.0)
+    assert_close(y, y_ref, dtype, f"y seed={seed}", relative_only)
+    assert_close(inputs["state"], state_ref, dtype, f"state seed={seed}", relative_only)
 
 
 @pytest.mark.parametrize("device", DEVICES)
