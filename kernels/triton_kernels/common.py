@@ -53,12 +53,14 @@ def discretize_dt(dt, exists, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr
     Softplus is log1p(exp(dt)), dt itself above torch's threshold: log(1 + exp(dt)) rounds
     exp(dt) away in fp32 (4e-4 relative error at dt = -10, softplus 0 from dt = -17), and y
     and the state, both proportional to dt, would carry that relative error.
-    The clamp bounds come as fp32 pairs (see clamp_bounds)."""
+    The clamp keeps a NaN dt NaN, as torch.clamp does: Triton's maximum and minimum return the
+    bound by default, which would hide the NaN in a finite y. The clamp bounds come as fp32
+    pairs (see clamp_bounds)."""
     if DT_SOFTPLUS:
         dt = tl.where(dt > SOFTPLUS_THRESHOLD, dt, _log1p(tl.exp(dt)))
     if HAS_CLAMP:
-        dt = tl.maximum(dt, _bound(dt_min_hi, dt_min_lo, dt.dtype))
-        dt = tl.minimum(dt, _bound(dt_max_hi, dt_max_lo, dt.dtype))
+        dt = tl.maximum(dt, _bound(dt_min_hi, dt_min_lo, dt.dtype), propagate_nan=tl.PropagateNan.ALL)
+        dt = tl.minimum(dt, _bound(dt_max_hi, dt_max_lo, dt.dtype), propagate_nan=tl.PropagateNan.ALL)
     return tl.where(exists, dt, 0.0)
 
 
