@@ -1,13 +1,20 @@
 """Receive buffers that are reused across requests.
 
 A fresh multi-MB allocation page-faults on the first touch of every page, for every request.
-Frames are read into pooled bytearrays instead; the decoded tensors are views into them, so a buffer goes back to the pool
+Frames are read into pooled buffers instead; the decoded tensors are views into them, so a buffer goes back to the pool
 only when its request has been answered. Op handlers must therefore never keep a reference to
 an input tensor beyond the request (copy what must outlive it, as `put` does).
+
+A buffer is an anonymous private mapping, not a bytearray: its pages are committed as the
+frame's bytes are written into them, while a bytearray is zero-filled when made, which commits
+every page of the body a frame's 4-byte header announces before any of it has come (a few
+connections announcing --max-frame-size each could exhaust the memory). A mapping starts on a
+page boundary, so bodies keep their 16-byte alignment (SPEC §5).
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 MIN_CAPACITY = 64 * 1024
@@ -15,7 +22,7 @@ MIN_CAPACITY = 64 * 1024
 
 class BufferPool:
     def __init__(self, max_buffers: int = 8, max_pooled_bytes: int = 512 * 1024 * 1024):
-        self._free: list[bytearray] = []
+        self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self.max_buffers = max_buffers
         self.max_pooled_bytes = max_pooled_bytes
@@ -31,10 +38,10 @@ class BufferPool:
             if best >= 0:
                 buf = self._free.pop(best)
         if buf is None:
-            buf = bytearray(max(size, MIN_CAPACITY))
+            buf = mmap.mmap(-1, max(size, MIN_CAPACITY), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return memoryview(buf)[:size], lambda: self._release(buf)
 
-    def _release(self, buf: bytearray) -> None:
+    def _release(self, buf: mmap.mmap) -> None:
         with self._lock:
             if len(self._free) < self.max_buffers and \
                     sum(map(len, self._free)) + len(buf) <= self.max_pooled_bytes:

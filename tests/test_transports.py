@@ -681,6 +681,46 @@ def test_a_unix_server_out_of_descriptors_accepts_again_once_a_connection_closes
         assert srv.stop() == 0, srv.log()
 
 
+def resident_bytes(pid: int) -> int:
+    """The memory process `pid` has committed (VmRSS)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+def test_frame_headers_alone_commit_no_memory_for_the_bodies_they_announce(tmp_path):
+    """A body's buffer is taken as soon as its frame's header is read, before any of the body
+    has come. Were its pages committed then (a zero-filled bytearray), a few connections that
+    each send a header announcing --max-frame-size, and nothing more, would take the server's
+    memory: 512 MiB for these four, 64 GiB for the default caps."""
+    path = str(tmp_path / "bridge.sock")
+    announced, count = 128 << 20, 4
+    srv = ServerProcess(str(tmp_path), "--unix", path, "--max-frame-size", str(announced))
+    idle = []
+    try:
+        srv.wait_for_path(path)
+        with UnixClient(path) as probe:
+            assert probe.ping() == {"pong": True}
+            before = resident_bytes(srv.proc.pid)
+            idle.extend(raw_unix(path) for _ in range(count))
+            for sock in idle:
+                sock.sendall(struct.pack(">I", announced) + b"x")
+            # Each ping is read in a later round of the reading thread than the one before: by
+            # the third's answer, the round that accepted the connections and the next one,
+            # which read their headers (and took their buffers), are over.
+            for _ in range(3):
+                assert probe.ping() == {"pong": True}
+            grown = resident_bytes(srv.proc.pid) - before
+        assert grown < count * announced / 16, \
+            f"{count} headers announcing {announced >> 20} MiB each committed {grown >> 20} MiB"
+    finally:
+        for sock in idle:
+            sock.close()
+        assert srv.stop() == 0, srv.log()
+
+
 def test_steps_from_many_unix_connections_are_gathered_into_batches(tmp_path):
     """One thread reads every unix connection: it must hand a request on to the batcher while
     other connections' requests wait to be read, not serve each alone in turn. The general path
