@@ -5,26 +5,47 @@ Bodies are read straight into pooled buffers (no intermediate copies) by `FrameA
 frame at a time, and handed to the dispatcher: blocking by `serve_frames` (stdio's one
 stream), without blocking by the unix lane (its many); replies go out as one gather-write of
 the prefix, the msgpack header pieces and the tensor views.
+
+The unix lane's replies are written by whichever thread produced them (`StreamConnection`),
+without ever blocking it on a peer that does not read: that thread may hold the dispatcher's
+serving lock, which every lane's requests wait for. The reply is written non-blocking, and a
+peer that accepts no byte for `STALL_SECONDS`, or whose reply is not written within
+`WRITE_SECONDS` in all, gets the rest written by a writer thread of its own (later replies
+queue behind it, in order).
 """
 
 from __future__ import annotations
 
 import array
+import collections
 import fcntl
 import functools
+import logging
 import os
+import select
 import termios
 import threading
+import time
 
 import protocol
 
 from ..timing import now_ns
 from .base import Connection
 
+log = logging.getLogger("bridge.transports")
+
 # Scratch size for discarding the body of an oversized frame.
 DRAIN_CHUNK = 1 << 20
 # os.writev takes at most IOV_MAX (1024 on Linux) buffers per call.
 IOV_MAX = 1024
+# How long the replying thread waits for a peer that accepts no byte of a reply before handing
+# the rest to the connection's writer thread. A peer that is reading makes progress far more
+# often than this; the worker is held up this long by a stuck one, once per reply it stalls on.
+STALL_SECONDS = 0.02
+# And how long in all it writes one reply before doing so: a peer reading just fast enough to
+# make progress would otherwise hold the worker (and with it every lane's compute, and the
+# reading thread when it has a reply for that same connection) for the whole of a large reply.
+WRITE_SECONDS = 0.05
 
 
 def byte_views(parts: list) -> list[memoryview]:
@@ -78,6 +99,146 @@ def read_frame(reader) -> memoryview | None:
         return None
     body = memoryview(bytearray(protocol.parse_frame_header(header)))
     return body if read_exact(reader, body) else None
+
+
+class StreamConnection(Connection):
+    """A connection whose replies are frames written to a stream (a socket, a pipe) in order,
+    without blocking the thread that made one for longer than its write budget (the module
+    docstring says how). A transport gives the non-blocking write (`_write_nowait`), the
+    `stream` polled for room (a descriptor, or an object with `fileno()`), and `start_writer`,
+    which runs `write_backlog` on a writer thread it keeps track of (`WriterThreads`)."""
+
+    def __init__(self, kind: str, stream, start_writer):
+        super().__init__(kind)
+        self._stream = stream
+        self._start_writer = start_writer
+        self._send_lock = threading.Lock()
+        # Replies (lists of byte views, the first possibly partly written) the writer thread
+        # still has to write, in order; non-empty exactly while the writer thread runs.
+        self._backlog: collections.deque[list[memoryview]] = collections.deque()
+        self._broken: OSError | None = None
+
+    def _write_nowait(self, views: list[memoryview]) -> int:  # pragma: no cover - each transport implements it
+        """Write what the stream takes of `views` now: the bytes written, or BlockingIOError."""
+        raise NotImplementedError
+
+    def _write_budget(self) -> tuple[float, float]:
+        """(stall_s, budget_s) for a reply written by the calling thread (see _write_now)."""
+        return STALL_SECONDS, WRITE_SECONDS
+
+    def _done(self, count: int = 1) -> None:
+        """`count` replies are answered: written, or never to be (the peer is gone)."""
+
+    def send(self, parts: list, buffers: list | None = None) -> None:
+        if buffers:
+            raise ValueError("a stream reply is one frame: it carries no raw buffers")
+        views = byte_views(protocol.frame_parts(parts))
+        stall_s, budget_s = self._write_budget()
+        failure = None
+        with self._send_lock:
+            if self._broken is not None:
+                failure = BrokenPipeError(f"{self.id}: the peer is gone ({self._broken})")
+            elif self._backlog:  # earlier replies still queued for a slow peer: keep the order
+                self._backlog.append(views)
+                return
+            else:
+                try:
+                    if not self._write_now(views, stall_s, budget_s):
+                        self._backlog.append(views)
+                        self._start_writer(self)
+                        return
+                except OSError as exc:
+                    self._broken = self._broken or exc
+                    failure = exc
+        # Answered: written, or never to be (outside the lock, and once, whatever _done does).
+        self._done()
+        if failure is not None:
+            raise failure
+
+    def _write_now(self, views: list[memoryview], stall_s: float, budget_s: float) -> bool:
+        """Write without blocking for longer than `stall_s` without progress, nor past `budget_s`
+        in all. True when all is written; False when the peer stalled or the budget ran out
+        (`views` then holds the rest)."""
+        poller = None
+        deadline = time.monotonic() + budget_s
+        while views:
+            try:
+                written = self._write_nowait(views)
+            except BlockingIOError:
+                wait_s = min(stall_s, deadline - time.monotonic())
+                if wait_s <= 0:
+                    return False
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(self._stream, select.POLLOUT)
+                if not poller.poll(wait_s * 1000):
+                    return False
+                continue
+            consume(views, written)
+        return True
+
+    def write_backlog(self) -> None:
+        """The writer thread: write the backlog's replies in order, waiting for the peer as long
+        as it takes, until the backlog is empty."""
+        poller = select.poll()
+        poller.register(self._stream, select.POLLOUT)
+        while True:
+            with self._send_lock:
+                views = self._backlog[0]
+            try:
+                while views:
+                    try:
+                        consume(views, self._write_nowait(views))
+                    except BlockingIOError:
+                        poller.poll()
+            except OSError as exc:
+                with self._send_lock:
+                    self._broken = self._broken or exc
+                    dropped = len(self._backlog)
+                    self._backlog.clear()
+                log.warning("%s: dropped %d replies: %s", self.id, dropped, exc)
+                self._done(dropped)
+                return
+            # Whether to go on is decided with the reply's removal, under the lock: an empty
+            # backlog must mean no writer runs, or a `send` finding it empty would write beside
+            # this thread (and start a second one), the same reply twice on one stream.
+            with self._send_lock:
+                self._backlog.popleft()
+                more = bool(self._backlog)
+            self._done()
+            if not more:
+                return
+
+
+
+class WriterThreads:
+    """A lane's writer threads (StreamConnection.write_backlog), which its close waits for: the
+    dispatcher counts a reply handed to one as answered already."""
+
+    def __init__(self):
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def start(self, conn: StreamConnection) -> None:
+        writer = threading.Thread(target=self._write, args=(conn,), name=f"{conn.id}-writer", daemon=True)
+        with self._lock:
+            self._threads.add(writer)
+        writer.start()
+
+    def _write(self, conn: StreamConnection) -> None:
+        try:
+            conn.write_backlog()
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def join(self, deadline: float) -> int:
+        """Wait until `deadline` (time.monotonic()) for the writers to finish; how many have not."""
+        with self._lock:
+            writers = list(self._threads)
+        for writer in writers:
+            writer.join(max(0.0, deadline - time.monotonic()))
+        return sum(writer.is_alive() for writer in writers)
 
 
 class FdConnection(Connection):

@@ -12,23 +12,19 @@ got 7.1k steps/s then and 20.7k now (2.91x, rounds 1.97-3.40); 32-row ones 3.5k 
 
 Each connection has a cap on the requests it has in flight: at the cap its input is no longer
 read, so the peer's further requests wait in its own socket buffer and nobody else's. Replies
-are written by whichever thread produced them, without ever blocking it on a peer that does not
-read: the reply is written non-blocking, and a peer that accepts no byte for `STALL_SECONDS`,
-or whose reply is not written within `WRITE_SECONDS` in all (`READER_STALL_SECONDS` and
-`READER_WRITE_SECONDS` when the reading thread writes, which every connection waits on), gets
-the rest written by a writer thread of its own (later replies queue behind it, in order).
+are written as on stdio (framed.StreamConnection: non-blocking, the rest of a reply a peer does
+not take in time handed to a writer thread of its own), with a shorter budget when the reading
+thread writes, which every connection waits on (`READER_STALL_SECONDS`, `READER_WRITE_SECONDS`).
 A connection whose peer has closed its end and whose replies are all written (or undeliverable)
 is closed, and what it owned (sessions, tensor handles) is freed through `mark_closed`.
 """
 
 from __future__ import annotations
 
-import collections
 import errno
 import functools
 import logging
 import os
-import select
 import selectors
 import socket
 import stat
@@ -39,22 +35,15 @@ import protocol
 
 from ..buffers import BufferPool
 from ..timing import now_ns
-from .base import FLUSH_SECONDS, Connection
-from .framed import IOV_MAX, FrameAssembler, byte_views, consume, input_waiting
+from .base import FLUSH_SECONDS
+from .framed import IOV_MAX, FrameAssembler, StreamConnection, WriterThreads, input_waiting
 
 log = logging.getLogger("bridge.unix")
 
-# How long the replying thread waits for a peer that accepts no byte of a reply before handing
-# the rest to the connection's writer thread. A peer that is reading makes progress far more
-# often than this; the worker is held up this long by a stuck one, once per reply it stalls on.
-STALL_SECONDS = 0.02
-# And how long in all it writes one reply before doing so: a peer reading just fast enough to
-# make progress would otherwise hold the worker (and with it every lane's compute, and the
-# reading thread when it has a reply for that same connection) for the whole of a large reply.
-WRITE_SECONDS = 0.05
-# The same for the reading thread (a native step's reply, an error, a request served inline),
-# which every connection waits on: a shorter stall, and a bound on the whole write, so that a
-# peer reading just fast enough to make progress cannot hold it for a whole large reply.
+# framed.STALL_SECONDS and WRITE_SECONDS for the reading thread (a native step's reply, an
+# error, a request served inline), which every connection waits on: a shorter stall, and a
+# bound on the whole write, so that a peer reading just fast enough to make progress cannot
+# hold it for a whole large reply.
 READER_STALL_SECONDS = 0.001
 READER_WRITE_SECONDS = 0.005
 # How often the reading thread looks, without being woken, at connections it is not reading
@@ -80,10 +69,10 @@ FRAMES_PER_TURN = 16
 BYTES_PER_TURN = 1 << 20
 
 
-class UnixConnection(Connection):
+class UnixConnection(StreamConnection):
     def __init__(self, sock: socket.socket, max_in_flight: int, incoming: FrameAssembler, wake,
                  start_writer, reading_thread: threading.Thread):
-        super().__init__("unix")
+        super().__init__("unix", sock, start_writer)
         self._reading_thread = reading_thread
         self.sock = sock
         self.max_in_flight = max_in_flight
@@ -94,9 +83,6 @@ class UnixConnection(Connection):
         # Asks the reading thread to look at this connection again (it resumes reading, or
         # closes the connection); called when an answer frees a slot it waits for.
         self._wake = wake
-        # Runs write_backlog on a writer thread the transport keeps track of (its close waits
-        # for them: a reply handed to one is counted answered already).
-        self._start_writer = start_writer
         # Requests read and not yet answered (reply written, or undeliverable).
         self._in_flight = 0
         self._count_lock = threading.Lock()
@@ -104,11 +90,6 @@ class UnixConnection(Connection):
         # peer's input ended (EOF or an error); either way an answer may be what it waits for.
         self._paused = False
         self._input_ended = False
-        self._send_lock = threading.Lock()
-        # Replies (lists of byte views, the first possibly partly written) the writer thread
-        # still has to write, in order; non-empty exactly while the writer thread runs.
-        self._backlog: collections.deque[list[memoryview]] = collections.deque()
-        self._broken: OSError | None = None
 
     # -- reading side (the transport's reading thread) ------------------------------------
 
@@ -154,82 +135,13 @@ class UnixConnection(Connection):
 
     # -- replies --------------------------------------------------------------------------
 
-    def send(self, parts: list, buffers: list | None = None) -> None:
-        if buffers:
-            raise ValueError("a unix-socket reply is one frame: it carries no raw buffers")
-        views = byte_views(protocol.frame_parts(parts))
+    def _write_nowait(self, views: list[memoryview]) -> int:
+        return self.sock.sendmsg(views[:IOV_MAX], (), socket.MSG_DONTWAIT)
+
+    def _write_budget(self) -> tuple[float, float]:
         if threading.current_thread() is self._reading_thread:
-            stall_s, budget_s = READER_STALL_SECONDS, READER_WRITE_SECONDS
-        else:
-            stall_s, budget_s = STALL_SECONDS, WRITE_SECONDS
-        failure = None
-        with self._send_lock:
-            if self._broken is not None:
-                failure = BrokenPipeError(f"{self.id}: the peer is gone ({self._broken})")
-            elif self._backlog:  # earlier replies still queued for a slow peer: keep the order
-                self._backlog.append(views)
-                return
-            else:
-                try:
-                    if not self._write_now(views, stall_s, budget_s):
-                        self._backlog.append(views)
-                        self._start_writer(self)
-                        return
-                except OSError as exc:
-                    self._broken = self._broken or exc
-                    failure = exc
-        # Answered: written, or never to be (outside the lock, and once, whatever _done does).
-        self._done()
-        if failure is not None:
-            raise failure
-
-    def _write_now(self, views: list[memoryview], stall_s: float, budget_s: float) -> bool:
-        """Write without blocking for longer than `stall_s` without progress, nor past `budget_s`
-        in all. True when all is written; False when the peer stalled or the budget ran out
-        (`views` then holds the rest)."""
-        poller = None
-        deadline = time.monotonic() + budget_s
-        while views:
-            try:
-                written = self.sock.sendmsg(views[:IOV_MAX], (), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                wait_s = min(stall_s, deadline - time.monotonic())
-                if wait_s <= 0:
-                    return False
-                if poller is None:
-                    poller = select.poll()
-                    poller.register(self.sock, select.POLLOUT)
-                if not poller.poll(wait_s * 1000):
-                    return False
-                continue
-            consume(views, written)
-        return True
-
-    def write_backlog(self) -> None:
-        """The writer thread: write the backlog's replies in order, blocking, until it is empty."""
-        while True:
-            with self._send_lock:
-                views = self._backlog[0]
-            try:
-                while views:
-                    consume(views, self.sock.sendmsg(views[:IOV_MAX]))
-            except OSError as exc:
-                with self._send_lock:
-                    self._broken = self._broken or exc
-                    dropped = len(self._backlog)
-                    self._backlog.clear()
-                log.warning("%s: dropped %d replies: %s", self.id, dropped, exc)
-                self._done(dropped)
-                return
-            # Whether to go on is decided with the reply's removal, under the lock: an empty
-            # backlog must mean no writer runs, or a `send` finding it empty would write beside
-            # this thread (and start a second one), the same reply twice on one stream.
-            with self._send_lock:
-                self._backlog.popleft()
-                more = bool(self._backlog)
-            self._done()
-            if not more:
-                return
+            return READER_STALL_SECONDS, READER_WRITE_SECONDS
+        return super()._write_budget()
 
 
 class UnixTransport:
@@ -254,9 +166,7 @@ class UnixTransport:
         self._wake_send.setblocking(False)
         self._woken: set[UnixConnection | None] = set()
         self._woken_lock = threading.Lock()
-        # Writer threads still writing a backlog (UnixConnection.write_backlog).
-        self._writers: set[threading.Thread] = set()
-        self._writers_lock = threading.Lock()
+        self._writers = WriterThreads()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="unix-reader", daemon=True)
 
@@ -284,28 +194,10 @@ class UnixTransport:
             self._wake(None)
         else:
             self._listener.close()
-        deadline = time.monotonic() + FLUSH_SECONDS if deadline is None else deadline
-        with self._writers_lock:
-            writers = list(self._writers)
-        for writer in writers:
-            writer.join(max(0.0, deadline - time.monotonic()))
-        unwritten = sum(writer.is_alive() for writer in writers)
+        unwritten = self._writers.join(time.monotonic() + FLUSH_SECONDS if deadline is None else deadline)
         if unwritten:
             log.warning("unix lane: %d connections' replies still unwritten at the shutdown deadline are lost",
                         unwritten)
-
-    def _start_writer(self, conn: UnixConnection) -> None:
-        writer = threading.Thread(target=self._write, args=(conn,), name=f"{conn.id}-writer", daemon=True)
-        with self._writers_lock:
-            self._writers.add(writer)
-        writer.start()
-
-    def _write(self, conn: UnixConnection) -> None:
-        try:
-            conn.write_backlog()
-        finally:
-            with self._writers_lock:
-                self._writers.discard(threading.current_thread())
 
     # -- the reading thread ---------------------------------------------------------------
 
@@ -426,7 +318,7 @@ class UnixTransport:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
             conn = UnixConnection(sock, self.max_in_flight, FrameAssembler(self.pool, self.max_frame_size),
-                                  self._wake, self._start_writer, self._thread)
+                                  self._wake, self._writers.start, self._thread)
             if len(self._connections) >= self.max_connections:
                 self._turn_away(conn)
                 continue
