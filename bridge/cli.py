@@ -282,7 +282,10 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     started = time.monotonic()
     drained = dispatcher.drain(DRAIN_SECONDS)
     flush_deadline = time.monotonic() + FLUSH_SECONDS
-    for lane in lanes:  # ZeroMQ sends the replies it was handed; unix removes its socket file
+    # ZeroMQ sends the replies it was handed, the stream lanes' writer threads write theirs to
+    # slow readers; unix removes its socket file, before stdio's writer may wait out the
+    # deadline, so that no new client connects meanwhile.
+    for lane in lanes + ([stdio] if stdio else []):
         lane.close(flush_deadline)
     log.info("%s; %s in %.0f ms; exiting", why,
              "all requests answered" if drained else "gave up waiting for requests in flight",

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import signal
 import socket
 import struct
 import subprocess
+import termios
 import sys
 import threading
 import time
+from array import array
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -62,12 +65,12 @@ def assert_reply_matches_reference(reply, inputs: dict, what: str = "y") -> None
 class ServerProcess:
     """`python -m bridge` with the given transports; its log goes to a file shown on failure."""
 
-    def __init__(self, directory, *args, stdin=subprocess.DEVNULL):
+    def __init__(self, directory, *args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL):
         self.directory = directory
         self.log_path = os.path.join(directory, "server.log")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *args],
-                                         stdin=stdin, stdout=subprocess.DEVNULL, stderr=log, env=server_env())
+                                         stdin=stdin, stdout=stdout, stderr=log, env=server_env())
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -479,6 +482,48 @@ def test_a_unix_peer_that_reads_nothing_does_not_hold_up_the_others(limited):
         stuck.close()
 
 
+def input_bytes(fd: int) -> int:
+    """How many bytes wait to be read on `fd` (a pipe)."""
+    count = array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count, True)
+    return count[0]
+
+
+def test_a_stdio_peer_that_reads_nothing_does_not_hold_up_the_other_lanes(tmp_path):
+    """A stdio reply is written by the thread that served its request, with the dispatcher's
+    serving lock held, which every lane's requests wait for: a Port that stops reading its
+    replies must not stop the unix lane. Written blocking, a reply the pipe had no room for held
+    the lock until the Port read. Its replies still come whole and in order when it reads, the
+    last ones after its stdin has closed (the server writes them before it exits)."""
+    path = str(tmp_path / "bridge.sock")
+    srv = ServerProcess(str(tmp_path), "--stdio", "--unix", path, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        srv.wait_for_path(path)
+        inputs = make_scan_inputs(ScanCase(1, 1024, 512, 4))  # 2 MiB replies: more than a pipe holds
+        frame = scan_frame(1, inputs)
+        srv.proc.stdin.write(frame + frame)
+        srv.proc.stdin.flush()
+        stdout = srv.proc.stdout.fileno()
+        room = fcntl.fcntl(stdout, fcntl.F_GETPIPE_SZ)
+        wait_until(lambda: input_bytes(stdout) >= room - 4096, "the stdio replies never filled the pipe")
+        with UnixClient(path) as other:
+            pong = other.submit("ping")
+            try:
+                assert pong.result(REPLY_TIMEOUT_S).result == {"pong": True}
+            except TimeoutError:
+                pytest.fail("a unix ping got no answer while the stdio peer read nothing")
+        srv.proc.stdin.close()
+        # The server removes its socket file as it closes its lanes, stdio's last: that one
+        # still writes what the pipe had no room for (until transports.base.FLUSH_SECONDS).
+        wait_until(lambda: not os.path.exists(path), "the server did not stop when its stdin closed")
+        replies = [read_reply(srv.proc.stdout) for _ in range(2)]
+        for i, reply in enumerate(replies):
+            assert_reply_matches_reference(reply, inputs, f"stdio reply {i}")
+        assert srv.proc.wait(REPLY_TIMEOUT_S) == 0, srv.log()
+    finally:
+        srv.stop()
+
+
 def test_a_unix_request_sent_in_pieces_is_read_whole_while_other_connections_are_served(limited):
     """One thread reads every unix connection: a frame that comes in pieces (its header split
     too) must not keep it from serving the others meanwhile."""
@@ -883,6 +928,61 @@ class RecordingDispatcher:
 
     def on_frame_error(self, conn, exc):
         conn.send([b"refused"])
+
+
+class ReaderWatchingBacklog:
+    """The stdio reader's input, which notes whether it is read while replies of `conn` wait
+    for its writer thread."""
+
+    def __init__(self, raw, conn):
+        self.raw, self.conn = raw, conn
+        self.read_while_backlogged = threading.Event()
+
+    def readinto(self, view):
+        if self.conn._backlog:
+            self.read_while_backlogged.set()
+        return self.raw.readinto(view)
+
+    def fileno(self):
+        return self.raw.fileno()
+
+
+def test_a_stdio_peer_whose_replies_wait_for_it_has_no_more_requests_read_meanwhile(tmp_path):
+    """Written non-blocking, a reply the peer does not take in time goes to a writer thread;
+    requests read and answered meanwhile would queue replies for a peer that reads none without
+    bound. The stdio reader takes the next frame once its replies are written."""
+    from bridge.transports.framed import FdConnection, WriterThreads, serve_frames
+
+    requests_in, requests_out = os.pipe()
+    replies_in, replies_out = os.pipe()
+    os.set_blocking(replies_out, False)
+    writers = WriterThreads()
+    conn = FdConnection("stdio", replies_out, writers.start)
+    big = bytes(range(256)) * 1024  # echoed: more than the pipe (64 KiB) holds
+    reader_waits = threading.Event()
+    real_wait = conn.wait_until_written
+
+    def noting_the_wait():
+        if conn._backlog:
+            reader_waits.set()
+        real_wait()
+
+    conn.wait_until_written = noting_the_wait
+    with open(requests_in, "rb", buffering=0) as raw, open(replies_in, "rb", buffering=0) as replies:
+        watched = ReaderWatchingBacklog(raw, conn)
+        reading = threading.Thread(target=serve_frames, args=(watched, conn, RecordingDispatcher(),
+                                                              BufferPool(), 1 << 20), daemon=True)
+        reading.start()
+        with open(requests_out, "wb", buffering=0) as requests:
+            requests.write(protocol.encode_frame(big) + protocol.encode_frame(b"next"))
+        wait_until(lambda: watched.read_while_backlogged.is_set() or reader_waits.is_set(),
+                   "the reader neither read on nor waited for the writer")
+        assert not watched.read_while_backlogged.is_set(), "a frame was read while replies waited"
+        assert bytes(read_frame(replies)) == big and bytes(read_frame(replies)) == b"next"
+        reading.join(REPLY_TIMEOUT_S)
+        assert not reading.is_alive()
+    os.close(replies_out)
+    assert writers.join(time.monotonic() + REPLY_TIMEOUT_S) == 0
 
 
 @contextlib.contextmanager

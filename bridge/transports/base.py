@@ -7,10 +7,10 @@ import threading
 _ids = itertools.count(1)
 
 # How long the lanes' close() go on delivering replies already handed to them, on top of the
-# dispatcher's drain (cli.DRAIN_SECONDS; one deadline for all the lanes): unix replies its
-# writer threads still write to slow readers, ZeroMQ replies posted meanwhile (a peer's
-# requests that waited past its in-flight cap are answered shutting_down as the replies before
-# them go) or waiting for room in a peer's pipe.
+# dispatcher's drain (cli.DRAIN_SECONDS; one deadline for all the lanes): stdio and unix
+# replies their writer threads still write to slow readers, ZeroMQ replies posted meanwhile
+# (a peer's requests that waited past its in-flight cap are answered shutting_down as the
+# replies before them go) or waiting for room in a peer's pipe.
 FLUSH_SECONDS = 0.5
 
 

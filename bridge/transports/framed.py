@@ -6,12 +6,11 @@ frame at a time, and handed to the dispatcher: blocking by `serve_frames` (stdio
 stream), without blocking by the unix lane (its many); replies go out as one gather-write of
 the prefix, the msgpack header pieces and the tensor views.
 
-The unix lane's replies are written by whichever thread produced them (`StreamConnection`),
-without ever blocking it on a peer that does not read: that thread may hold the dispatcher's
-serving lock, which every lane's requests wait for. The reply is written non-blocking, and a
-peer that accepts no byte for `STALL_SECONDS`, or whose reply is not written within
-`WRITE_SECONDS` in all, gets the rest written by a writer thread of its own (later replies
-queue behind it, in order).
+Replies are written by whichever thread produced them (`StreamConnection`), without ever
+blocking it on a peer that does not read: that thread may hold the dispatcher's serving lock,
+which every lane's requests wait for. The reply is written non-blocking, and a peer that accepts
+no byte for `STALL_SECONDS`, or whose reply is not written within `WRITE_SECONDS` in all, gets
+the rest written by a writer thread of its own (later replies queue behind it, in order).
 """
 
 from __future__ import annotations
@@ -116,6 +115,7 @@ class StreamConnection(Connection):
         # Replies (lists of byte views, the first possibly partly written) the writer thread
         # still has to write, in order; non-empty exactly while the writer thread runs.
         self._backlog: collections.deque[list[memoryview]] = collections.deque()
+        self._written = threading.Condition(self._send_lock)  # notified when the backlog empties
         self._broken: OSError | None = None
 
     def _write_nowait(self, views: list[memoryview]) -> int:  # pragma: no cover - each transport implements it
@@ -196,6 +196,7 @@ class StreamConnection(Connection):
                     self._broken = self._broken or exc
                     dropped = len(self._backlog)
                     self._backlog.clear()
+                    self._written.notify_all()
                 log.warning("%s: dropped %d replies: %s", self.id, dropped, exc)
                 self._done(dropped)
                 return
@@ -205,10 +206,19 @@ class StreamConnection(Connection):
             with self._send_lock:
                 self._backlog.popleft()
                 more = bool(self._backlog)
+                if not more:
+                    self._written.notify_all()
             self._done()
             if not more:
                 return
 
+    def wait_until_written(self) -> None:
+        """Return once no reply waits for the writer thread: a reader that takes no more of a
+        peer's requests meanwhile keeps what a peer that does not read its replies costs bounded
+        (the unix lane bounds it by its cap of requests in flight instead)."""
+        if self._backlog:  # the check without the lock costs a request nearly nothing
+            with self._written:
+                self._written.wait_for(lambda: not self._backlog)
 
 
 class WriterThreads:
@@ -241,21 +251,16 @@ class WriterThreads:
         return sum(writer.is_alive() for writer in writers)
 
 
-class FdConnection(Connection):
-    """A connection whose replies are frames written to a file descriptor, blocking (the
-    stdio lane: one peer, which reads its replies)."""
+class FdConnection(StreamConnection):
+    """A connection whose replies are frames written to a non-blocking file descriptor (the
+    stdio lane's pipe: one peer)."""
 
-    def __init__(self, kind: str, out_fd: int):
-        super().__init__(kind)
+    def __init__(self, kind: str, out_fd: int, start_writer):
+        super().__init__(kind, out_fd, start_writer)
         self.out_fd = out_fd
-        self._write_lock = threading.Lock()
 
-    def send(self, parts: list, buffers: list | None = None) -> None:
-        if buffers:
-            raise ValueError("a stream reply is one frame: it carries no raw buffers")
-        framed = protocol.frame_parts(parts)
-        with self._write_lock:
-            write_all(self.out_fd, framed)
+    def _write_nowait(self, views: list[memoryview]) -> int:
+        return os.writev(self.out_fd, views[:IOV_MAX])
 
 
 class FrameAssembler:
@@ -324,7 +329,8 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
     dispatcher for `conn`.
 
     A frame announcing more than `max_frame_size` is read and discarded, then answered with
-    frame_too_large; the stream stays usable."""
+    frame_too_large; the stream stays usable. `conn` is a StreamConnection: the next frame is
+    read only when none of its replies waits for a writer thread (wait_until_written)."""
     incoming = FrameAssembler(pool, max_frame_size)
     more_input = functools.partial(input_waiting, reader.fileno())
     while True:
@@ -337,7 +343,9 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
             continue
         if isinstance(frame, protocol.FrameTooLarge):
             dispatcher.on_frame_error(conn, frame)
-            continue
-        body, release = frame
-        # With nothing more waiting, an idle server may serve this frame on this thread.
-        dispatcher.on_frame(conn, body, now_ns(), release, more_input=more_input)
+        else:
+            body, release = frame
+            # With nothing more waiting, an idle server may serve this frame on this thread.
+            dispatcher.on_frame(conn, body, now_ns(), release, more_input=more_input)
+        # A peer whose replies wait for it to read them gets no more requests read meanwhile.
+        conn.wait_until_written()

@@ -2,24 +2,48 @@
 
 A reader thread reads each frame into a pooled buffer and hands it to the dispatcher
 (`framed.serve_frames`); replies are written with one `os.writev` of the prefix, the msgpack
-header pieces and the tensor views."""
+header pieces and the tensor views, non-blocking as on the unix lane (framed.StreamConnection):
+a peer that stops reading its replies must not hold up the thread writing one, which may hold
+the dispatcher's serving lock that every lane's requests wait for. Its requests are not read
+meanwhile (serve_frames)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
+import time
 
 from ..buffers import BufferPool
-from .framed import FdConnection, serve_frames
+from .base import FLUSH_SECONDS
+from .framed import FdConnection, WriterThreads, serve_frames
 
 log = logging.getLogger("bridge.stdio")
+
+
+def nonblocking_pipe(fd: int) -> int:
+    """Where `fd` is a pipe (a Port's, a client's), a descriptor of that pipe whose writes
+    never block, on a file description of its own: O_NONBLOCK belongs to the description, which
+    `fd` may share with other processes (a shell's) that expect blocking writes. Anything else
+    (a file, a terminal), or a pipe that cannot be opened anew, is `fd` itself, written as it
+    is."""
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        return fd
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        log.warning("stdio replies are written blocking (the pipe could not be opened anew: %s): "
+                    "a peer that stops reading them holds up every lane", exc)
+        return fd
 
 
 class StdioTransport:
     def __init__(self, dispatcher, in_fd: int, out_fd: int, max_frame_size: int):
         self.dispatcher = dispatcher
         self.reader = open(in_fd, "rb", buffering=0, closefd=False)
-        self.conn = FdConnection("stdio", out_fd)
+        self._writers = WriterThreads()
+        self.conn = FdConnection("stdio", nonblocking_pipe(out_fd), self._writers.start)
         self.max_frame_size = max_frame_size
         self.pool = BufferPool()
         self.eof = threading.Event()
@@ -27,6 +51,12 @@ class StdioTransport:
 
     def start(self) -> None:
         self._thread.start()
+
+    def close(self, deadline: float | None = None) -> None:
+        """Give the writer thread until `deadline` (time.monotonic(); FLUSH_SECONDS from now by
+        default) to write the replies it was handed (the dispatcher counts them answered)."""
+        if self._writers.join(time.monotonic() + FLUSH_SECONDS if deadline is None else deadline):
+            log.warning("stdio lane: replies still unwritten at the shutdown deadline are lost")
 
     def _run(self) -> None:
         try:
