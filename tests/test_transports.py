@@ -1290,6 +1290,34 @@ def test_the_envelope_is_the_routing_id_and_a_req_delimiter(frames, envelope, me
     assert split_envelope(frames) == (envelope, message)
 
 
+@pytest.mark.parametrize("first_delimited", [pytest.param(True, id="delimiter-then-none"),
+                                             pytest.param(False, id="none-then-delimiter")])
+def test_each_zmq_reply_keeps_the_envelope_its_request_came_with(tmp_path, first_delimited):
+    """SPEC §2: a DEALER may send a REQ's empty delimiter, to be answered with it; the server
+    answers with the envelope the request came with. A DEALER's first request is answered
+    after its second, sent in the other form: each reply must keep its own request's, or the
+    peer finds the delimiter where it expects the body, or the body where it expects the
+    delimiter."""
+    held = []
+
+    def on_frame(target, body, received_ns, buffers):
+        if bytes(body) == b"first":
+            held.append(target)  # answered after the second
+        else:
+            target.send([b"answered " + bytes(body)])
+
+    with_delimiter, without = (lambda body: [b"", body]), (lambda body: [body])
+    first_form, second_form = (with_delimiter, without) if first_delimited else (without, with_delimiter)
+    with zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight=2) as (_, client):
+        client.send_multipart(first_form(b"first"))
+        client.send_multipart(second_form(b"second"))
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the second request was not answered"
+        assert client.recv_multipart() == second_form(b"answered second")
+        held[0].send([b"first done"])
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the first request was not answered"
+        assert client.recv_multipart() == first_form(b"first done")
+
+
 def test_zmq_overloaded_answers_that_leave_start_no_request_past_the_peer_cap():
     """`overloaded` answers count as in flight until they leave; as each leaves, a waiting
     request may start only while the peer is under its cap, or a peer that floods and reads
@@ -1354,8 +1382,8 @@ def test_a_fault_in_one_zmq_message_costs_that_message_not_the_lane(tmp_path, mo
 
     monkeypatch.setattr(zmq_lane, "split_envelope", split_failing_on_the_first)
 
-    def echo(peer, body, received_ns, buffers):
-        peer.send([bytes(body)])
+    def echo(target, body, received_ns, buffers):
+        target.send([bytes(body)])
 
     with zmq_lane_and_dealer(tmp_path, echo, max_in_flight=4) as (_, client):
         client.send(b"first")
@@ -1370,9 +1398,9 @@ def test_a_zmq_reply_that_cannot_be_sent_is_dropped_and_the_next_ones_go(tmp_pat
     next request is still served."""
     failures = []
 
-    def echo(peer, body, received_ns, buffers):
+    def echo(target, body, received_ns, buffers):
         if not failures:
-            real_send = peer.socket.send_multipart
+            real_send = target.peer.socket.send_multipart
 
             def send_failing_once(*args, **kwargs):
                 if not failures:
@@ -1380,8 +1408,8 @@ def test_a_zmq_reply_that_cannot_be_sent_is_dropped_and_the_next_ones_go(tmp_pat
                     raise zmq.ZMQError(errno.ENOTSOCK)
                 return real_send(*args, **kwargs)
 
-            peer.socket.send_multipart = send_failing_once
-        peer.send([b"answered " + bytes(body)])
+            target.peer.socket.send_multipart = send_failing_once
+        target.send([b"answered " + bytes(body)])
 
     with zmq_lane_and_dealer(tmp_path, echo, max_in_flight=1) as (_, client):
         client.send(b"first")
@@ -1604,17 +1632,17 @@ def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tm
     close() sends the others: it must go out too."""
     held = []
 
-    def on_frame(peer, body, received_ns, buffers):
+    def on_frame(target, body, received_ns, buffers):
         if bytes(body) == b"first":
-            held.append(peer)  # answered later, as by a request still running
+            held.append(target)  # answered later, as by a request still running
         else:  # the dispatcher, draining, refuses what comes now
-            peer.send([b"shutting down: " + bytes(body)])
+            target.send([b"shutting down: " + bytes(body)])
 
     with zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight=1) as (transport, client):
         client.send(b"first")
         client.send(b"second")  # waits in the lane: the peer has its one request in flight
         deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while not (held and held[0].waiting) and time.monotonic() < deadline:
+        while not (held and held[0].peer.waiting) and time.monotonic() < deadline:
             time.sleep(0.01)
         # The io thread stops first, as close() stops it, so that close() is what sends the
         # first request's late reply and so dispatches the second.
@@ -1638,20 +1666,20 @@ def test_a_long_queue_of_requests_answered_on_the_io_thread_is_worked_off_in_tur
     waiting = sys.getrecursionlimit() * 2
     held = []
 
-    def on_frame(peer, body, received_ns, buffers):
+    def on_frame(target, body, received_ns, buffers):
         if bytes(body) == b"first":
-            held.append(peer)  # answered later, from another thread, as by the worker
+            held.append(target)  # answered later, from another thread, as by the worker
         else:
-            peer.send([b"answered " + bytes(body)])
+            target.send([b"answered " + bytes(body)])
 
     with zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight=1, hwm=waiting) as (transport, client):
         client.send(b"first")
         for n in range(waiting):
             client.send(b"%d" % n)
         deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while not (held and len(held[0].waiting) == waiting) and time.monotonic() < deadline:
+        while not (held and len(held[0].peer.waiting) == waiting) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert held and len(held[0].waiting) == waiting, "the requests past the cap did not all wait"
+        assert held and len(held[0].peer.waiting) == waiting, "the requests past the cap did not all wait"
         held[0].send([b"first done"])
         replies = []
         while len(replies) < waiting + 1 and client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
@@ -1666,9 +1694,9 @@ def reused_descriptor_round(ipc_path: str) -> bool:
     returns whether the new connection got the old one's, the case that can fail them."""
     opened, freed = [], []
 
-    def on_frame(peer, body, received_ns, buffers):
-        opened.append((peer, bytes(body)))
-        peer.on_close(freed.append)  # as a session it opened would
+    def on_frame(target, body, received_ns, buffers):
+        opened.append((target.peer, bytes(body)))
+        target.on_close(freed.append)  # as a session it opened would
 
     transport = ZmqTransport(SimpleNamespace(on_frame=on_frame), [f"ipc://{ipc_path}"],
                              max_frame_size=1 << 20, max_in_flight=4, hwm=16)

@@ -1,7 +1,8 @@
 """The ZeroMQ lane: ROUTER sockets on ipc:// and tcp:// endpoints; one ZeroMQ message is one
 request (SPEC §2): routing id, an empty delimiter when the peer is a REQ socket, the msgpack
-body, then the raw buffers of a multipart request (SPEC §5). Replies go back with the
-sender's envelope.
+body, then the raw buffers of a multipart request (SPEC §5). Each reply goes back with the
+envelope its request came with (a DEALER may send the delimiter with one request and not with
+the next): the dispatcher answers a request through a `ZmqReplyTarget`, its peer and envelope.
 
 ZeroMQ sockets are not thread-safe, so one thread ("zmq-io") owns every socket of the lane: it
 receives, hands bodies to the dispatcher (which decodes them on this thread, as on the stdio
@@ -148,7 +149,7 @@ def split_envelope(frames: list) -> tuple[list, list]:
 
 class ZmqPeer(Connection):
     """One ZeroMQ peer of one socket: owner of the sessions and handles it opens. Its state
-    is touched only by the io thread, except `send`, which posts."""
+    is touched only by the io thread; replies to it go through a ZmqReplyTarget."""
 
     def __init__(self, transport: "ZmqTransport", key: tuple[int, bytes]):
         super().__init__("zmq")
@@ -156,16 +157,31 @@ class ZmqPeer(Connection):
         self.key = key  # (index of its socket, routing id)
         self.socket = transport.sockets[key[0]]
         self.fd: int | None = None  # the descriptor of the connection its messages come in on
-        # What replies are sent after: the routing id, and the empty delimiter of a REQ peer.
-        self.envelope: list = [key[1]]
         # Requests with the dispatcher or answered but not yet sent; requests waiting for one of
         # those to finish; replies waiting for room in the peer's pipe (ZeroMQ frames, in order).
         self.in_flight = 0
         self.waiting: collections.deque = collections.deque()
         self.unsent: collections.deque = collections.deque()
 
+
+class ZmqReplyTarget:
+    """What the dispatcher answers one request through, as it would a connection: the peer
+    (whose id owns the sessions and handles the request opens, freed when it goes) and the
+    envelope the request came with, which its reply is sent after: the routing id, and the
+    empty delimiter when the request had one."""
+
+    __slots__ = ("peer", "envelope", "id")
+
+    def __init__(self, peer: ZmqPeer, envelope: list):
+        self.peer = peer
+        self.envelope = envelope
+        self.id = peer.id
+
     def send(self, parts: list, buffers: list | None = None) -> None:
-        self.transport.reply(self, parts, buffers)
+        self.peer.transport.reply(self, parts, buffers)
+
+    def on_close(self, callback) -> None:
+        self.peer.on_close(callback)
 
 
 class ZmqTransport:
@@ -318,15 +334,15 @@ class ZmqTransport:
                     self._unlist(peer)
                     peer.fd = fd
                     self._on_fd.setdefault((index, fd), set()).add(peer)
-            # A REQ peer's replies need its delimiter; a DEALER's must not have one.
-            peer.envelope = [routing_id, b""] if len(envelope) == 2 else [routing_id]
-            request = (message, received_ns)
+            # A REQ peer's replies need its delimiter; a DEALER's must have one only when its
+            # request had one.
+            request = (message, received_ns, [routing_id, b""] if len(envelope) == 2 else [routing_id])
             if peer.in_flight < self.max_in_flight:
                 self._dispatch(peer, request)
             elif len(peer.waiting) < self.hwm:
                 peer.waiting.append(request)
             else:
-                self._decline(peer, message)
+                self._decline(peer, request)
 
     def _source_fd(self, frame: zmq.Frame) -> int | None:
         """The descriptor a message came in on; None where libzmq no longer tells (its peers'
@@ -361,22 +377,24 @@ class ZmqTransport:
                 del self._on_fd[(peer.key[0], peer.fd)]
 
     def _dispatch(self, peer: ZmqPeer, request: tuple) -> None:
-        message, received_ns = request
+        message, received_ns, envelope = request
         peer.in_flight += 1
+        target = ZmqReplyTarget(peer, envelope)
         try:
             body, buffers = message[0].buffer, [frame.buffer for frame in message[1:]]
             size = sum(len(frame) for frame in message)
             if size > self.max_frame_size:
-                self.dispatcher.on_frame_error(peer, protocol.FrameTooLarge(size, self.max_frame_size))
+                self.dispatcher.on_frame_error(target, protocol.FrameTooLarge(size, self.max_frame_size))
             else:
-                self.dispatcher.on_frame(peer, body, received_ns, buffers=buffers)
+                self.dispatcher.on_frame(target, body, received_ns, buffers=buffers)
         except Exception:
             log.exception("%s: dispatching a request failed", peer.id)
             self._answered(peer)
         self._send_queued()
 
-    def _decline(self, peer: ZmqPeer, message: list) -> None:
+    def _decline(self, peer: ZmqPeer, request: tuple) -> None:
         """Answer `overloaded` at once: the peer has `hwm` requests waiting already."""
+        message, _, envelope = request
         text = f"more than {self.hwm} requests of this peer waiting; retry later"
         try:
             request = protocol.decode_request(message[0].buffer, [frame.buffer for frame in message[1:]])
@@ -392,11 +410,11 @@ class ZmqTransport:
         # Queued like a reply made here (behind replies the worker posted for this peer before,
         # which an id-less legacy client tells apart by order alone) and sent at once: the
         # reading loop that declines it is outside the dispatcher.
-        self._queue((peer, parts, None, True))
+        self._queue((peer, envelope, parts, None, True))
         self._send_queued()
 
-    def reply(self, peer: ZmqPeer, parts: list, buffers: list | None) -> None:
-        """Send a reply to `peer`. From another thread (the dispatcher's worker) it is posted for
+    def reply(self, target: ZmqReplyTarget, parts: list, buffers: list | None) -> None:
+        """Send a reply to `target`'s peer. From another thread (the dispatcher's worker) it is posted for
         the io thread. Made on the io thread (a request served where it was read, as the native
         step path serves one) it is queued behind what was posted before it and sent as soon as
         the dispatcher returns from the request (_dispatch), instead of being posted to this
@@ -404,14 +422,15 @@ class ZmqTransport:
         (bench/results/zmq_direct_reply_ab.json). Never sent from in here: the dispatcher may
         still hold its serving lock and count the request in flight, and a send can start a
         request that waited past its peer's cap (_answered), which needs both."""
+        entry = (target.peer, target.envelope, parts, buffers)
         if threading.current_thread() is not self._thread:
-            self.outbox.post((peer, parts, buffers))
+            self.outbox.post(entry)
             return
-        self._queue((peer, parts, buffers))
+        self._queue(entry)
 
     def _queue(self, entry: tuple) -> None:
-        """Queue a reply made on the io thread, (peer, parts, buffers[, droppable]) as _send
-        takes them, behind what other threads posted before it was made."""
+        """Queue a reply made on the io thread, (peer, envelope, parts, buffers[, droppable]) as
+        _send takes them, behind what other threads posted before it was made."""
         if self.outbox.pending:
             self._take_posted()
         self._replies.append(entry)
@@ -450,14 +469,15 @@ class ZmqTransport:
         finally:
             self._flushing = False
 
-    def _send(self, peer: ZmqPeer, parts: list, buffers: list | None, droppable: bool = False) -> None:
+    def _send(self, peer: ZmqPeer, envelope: list, parts: list, buffers: list | None,
+              droppable: bool = False) -> None:
         if peer.closed:  # it vanished after this request came: nobody to answer
             self._answered(peer)
             return
         # One ZeroMQ frame per body: a body of several parts (big inline tensors) is joined;
         # raw buffers go as frames of their own, without copies.
         body = parts[0] if len(parts) == 1 else b"".join(parts)
-        frames = [*peer.envelope, body, *(buffers or ())]
+        frames = [*envelope, body, *(buffers or ())]
         # Replies to served requests are never dropped: at most max_in_flight of them can wait
         # (a request is not dispatched while that many are unsent). Only `overloaded` answers
         # to a peer that floods without reading are unbounded, and only those are dropped.
