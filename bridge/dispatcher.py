@@ -160,16 +160,18 @@ class Dispatcher:
         handler = table[request.op]  # the decoder answered an op outside the table (unknown_op)
         refusal = None
         idle = False
-        if not self.accepting:
-            refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
-        else:
-            with self._pending_lock:
-                if self._pending < self.max_pending:
-                    idle = self._pending == 0
-                    self._pending += 1
-                else:
-                    refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
-                                      {"limit": self.max_pending})
+        # Checked where the request is counted, under the lock drain() waits under: checked
+        # before, drain could find nothing in flight between the two and report all answered
+        # (the server then exits) with this request admitted after it.
+        with self._pending_lock:
+            if not self.accepting:
+                refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
+            elif self._pending < self.max_pending:
+                idle = self._pending == 0
+                self._pending += 1
+            else:
+                refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
+                                  {"limit": self.max_pending})
         if refusal is not None:
             self._reply_error(conn, None if legacy else request.id, refusal, legacy=legacy)
             if release:
@@ -204,11 +206,11 @@ class Dispatcher:
         24-37% of their steps native and 5.1k steps/s, against all of them and 7.2k waiting;
         bench/results/unix_callers_native_ab.json). Since one thread reads every unix
         connection, the readers that meet here are those of different lanes."""
-        if not self.accepting:
-            return False
         with self._pending_lock:
-            # Past --max-pending, the general way answers `overloaded`.
-            if self._pending != self._pending_native or self._pending >= self.max_pending:
+            # Past --max-pending, the general way answers `overloaded`; after drain() began,
+            # `shutting_down` (checked with the count, as on_frame does).
+            if not self.accepting or self._pending != self._pending_native \
+                    or self._pending >= self.max_pending:
                 return False
             self._pending += 1
             self._pending_native += 1
@@ -241,8 +243,8 @@ class Dispatcher:
 
     def drain(self, timeout: float) -> bool:
         """Stop taking requests and wait until those in flight are answered."""
-        self.accepting = False
         with self._idle:
+            self.accepting = False
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def stop(self) -> None:

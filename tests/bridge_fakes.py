@@ -106,6 +106,57 @@ class InProcessServer:
         self.dispatcher.stop()
 
 
+class DrainRace:
+    """Runs `dispatcher.drain()` at the first read of its `accepting` flag that finds it set, as
+    a thread preempted right after that read would let drain() run: on the reading thread
+    itself when nothing holds the dispatcher's pending-count lock there (the flag is read apart
+    from the count), else on a thread of its own, which waits for that lock. `events` gets
+    ("drained", what drain returned) when drain returns, and "replied" for each reply to `conn`."""
+
+    def __init__(self, dispatcher: Dispatcher, conn: RecordingConnection):
+        self.events: list = []
+        self._drainer: threading.Thread | None = None
+        race = self
+
+        class Racing(type(dispatcher)):
+            @property
+            def accepting(self) -> bool:
+                accepting = self.__dict__["_accepting"]
+                if accepting and race._drainer is None:
+                    if self._pending_lock.acquire(blocking=False):
+                        self._pending_lock.release()
+                        race._drainer = threading.current_thread()
+                        race._drain()
+                    else:
+                        race._drainer = threading.Thread(target=race._drain, name="drainer", daemon=True)
+                        race._drainer.start()
+                return accepting
+
+            @accepting.setter
+            def accepting(self, value: bool) -> None:
+                self.__dict__["_accepting"] = value
+
+        dispatcher.__dict__["_accepting"] = dispatcher.__dict__.pop("accepting")
+        dispatcher.__class__ = Racing
+        self._dispatcher = dispatcher
+        send = conn.send
+
+        def noting_the_reply(parts, buffers=None):
+            send(parts, buffers)
+            self.events.append("replied")
+
+        conn.send = noting_the_reply
+
+    def _drain(self) -> None:
+        self.events.append(("drained", self._dispatcher.drain(60)))
+
+    def finish(self) -> list:
+        """The events, once drain() has returned."""
+        if self._drainer is not threading.current_thread():
+            self._drainer.join(60)
+        return self.events
+
+
 @pytest.fixture
 def inproc():
     servers = []

@@ -26,7 +26,7 @@ from bridge.stats import Stats
 from bridge.timing import Timing, now_ns
 from kernel_cases import (ON_CUDA, SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close,
                           make_scan_inputs, make_update_inputs, reference_scan, reference_update)
-from bridge_fakes import RecordingConnection, served_natively
+from bridge_fakes import DrainRace, RecordingConnection, served_natively
 
 SHARED = ("A", "D", "dt_bias")
 
@@ -425,6 +425,19 @@ def test_an_idle_server_serves_a_request_on_the_thread_that_read_it(inproc):
     assert srv.ping_threads[-1] == me
     assert conn.reply(srv.submit(conn, "ping", more_input=lambda: True)).ok
     assert srv.ping_threads[-1] == "bridge-worker"
+
+
+def test_drain_does_not_report_all_answered_before_a_request_admitted_meanwhile_is(inproc):
+    """drain() stops admission and waits until nothing is in flight; a request is admitted by
+    reading that it may be, then counting itself in flight. Done apart, a reader between the two
+    let drain find nothing in flight and return (the server then exits) with the request
+    admitted after it, never answered."""
+    srv = inproc()
+    conn = RecordingConnection()
+    race = DrainRace(srv.dispatcher, conn)
+    request_id = srv.submit(conn, "ping")
+    assert race.finish() == ["replied", ("drained", True)]
+    assert conn.reply(request_id, timeout=0).ok
 
 
 def test_a_request_behind_one_in_flight_waits_its_turn(inproc):

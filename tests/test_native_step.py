@@ -29,7 +29,7 @@ import protocol
 from bridge.native import NativeStep
 from bridge.tensors import to_wire
 from bridge.timing import STAGE_KEYS, now_ns
-from bridge_fakes import RecordingConnection, served_natively
+from bridge_fakes import DrainRace, RecordingConnection, served_natively
 from kernel_cases import random_seed
 
 def _native_available() -> str | None:
@@ -290,6 +290,23 @@ def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(i
     # Its wait for the first is its queue_us, not part of its decode.
     assert replies[1].timing["queue_us"] >= HELD_S * 1e6, replies[1].timing
     assert replies[1].timing["decode_us"] < replies[1].timing["queue_us"], replies[1].timing
+
+
+def test_drain_does_not_report_all_answered_before_a_native_step_admitted_meanwhile_is(inproc):
+    """As for the general path (test_batcher): the native path reads whether it may take a step
+    where it counts the step in flight, under the lock drain() waits under."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(1, 4, 2)
+    srv = inproc()
+    served = Served(srv)
+    conn = RecordingConnection()
+    session, consts = open_session(srv, conn, case, constants(case, gen))
+    race = DrainRace(srv.dispatcher, conn)
+    request_id = srv.submit(conn, "step", session=session, more_input=False, **consts, **step_inputs(case, gen))
+    assert race.finish() == ["replied", ("drained", True)], f"seed={seed}"
+    reply = conn.reply(request_id, timeout=0)
+    assert reply.ok and served.taken == 1, f"seed={seed}: {reply}"
 
 
 def test_native_steps_keep_to_max_pending(inproc):
