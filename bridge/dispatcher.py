@@ -235,8 +235,10 @@ class Dispatcher:
         finally:
             self._leave(native=True)
 
-    def on_frame_error(self, conn, exc: protocol.ProtocolError) -> None:
-        """A framing-level problem (e.g. an oversized frame, already drained by the decoder)."""
+    def on_frame_error(self, conn, exc: protocol.FrameTooLarge) -> None:
+        """An oversized frame, already drained by the transport: read, as the stats count it
+        (its announced bytes), and answered."""
+        self.server.stats.frame_in(exc.length)
         self._reply_error(conn, None, exc, legacy=False)
 
     # -- shutdown -------------------------------------------------------------------------

@@ -242,6 +242,18 @@ def test_stats_add_up(inproc):
     assert step["kernel_us"] > 0 and step["queue_us"] > 0
 
 
+def test_an_oversized_frame_counts_as_read_and_its_answer_as_sent(inproc):
+    """Every frame read is counted in (body bytes: the announced length of one drained unread)
+    and every reply sent is counted out: an oversized frame's answer was counted out alone."""
+    srv = inproc()
+    conn = RecordingConnection()
+    before = srv.server.stats.snapshot()
+    srv.dispatcher.on_frame_error(conn, protocol.FrameTooLarge(2000, 1000))
+    assert conn.reply(None, timeout=0).error["code"] == "frame_too_large"
+    after = srv.server.stats.snapshot()
+    assert [after[key] - before[key] for key in ("frames_in", "bytes_in", "replies_out")] == [1, 2000, 1]
+
+
 def test_a_launch_counts_once_though_its_first_reply_fails(inproc, monkeypatch):
     """The launch ran: it is one execution even when the reply of the member it is counted
     with cannot be encoded (that member gets internal_error, the others their rows)."""

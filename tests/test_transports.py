@@ -686,6 +686,34 @@ def test_a_connection_past_the_cap_is_answered_overloaded_and_closed(limited):
     assert closed
 
 
+def test_a_connection_turned_away_counts_its_answer_as_sent(tmp_path, inproc):
+    """The `overloaded` answer to a connection past --max-connections answers no frame read:
+    it counts in replies_out, bytes_out and the errors, and in frames_in nothing."""
+    srv = inproc()
+    stats = srv.server.stats
+    with unix_lane(tmp_path, srv.dispatcher, max_connections=1) as transport:
+        transport.start()
+        kept = raw_unix(transport.path)
+        kept_reader = kept.makefile("rb", buffering=0)
+        kept.sendall(request_frame(1, "ping"))
+        assert read_reply(kept_reader).ok
+        before = stats.snapshot()
+        turned_away = raw_unix(transport.path)
+        body = read_frame(turned_away.makefile("rb", buffering=0))
+        assert protocol.decode_reply(body).error["code"] == "overloaded"
+        # Read by the thread that turned the other away: answered once that is done.
+        kept.sendall(request_frame(2, "ping"))
+        pong = read_frame(kept_reader)
+        assert protocol.decode_reply(pong).ok
+        after = stats.snapshot()
+        turned_away.close()
+        kept_reader.close()
+        kept.close()
+    assert [after[key] - before[key] for key in ("frames_in", "replies_out", "bytes_out")] == \
+        [1, 2, len(body) + len(pong)]
+    assert after["errors"]["overloaded"] - before["errors"].get("overloaded", 0) == 1
+
+
 def test_a_unix_server_out_of_descriptors_accepts_again_once_a_connection_closes(tmp_path):
     import resource
 
@@ -1624,6 +1652,35 @@ def test_an_overloaded_answer_leaves_after_the_replies_posted_before_it(tmp_path
                 reply = msgpack.unpackb(first.recv())
                 replies.append((reply["id"], reply["ok"] or reply["error"]["code"]))
     assert replies == [(1, True), (3, "overloaded"), (2, True)]
+
+
+def test_a_zmq_request_answered_overloaded_counts_as_read_and_its_answer_as_sent(tmp_path):
+    """A peer's request past its cap and its queue is declined by the lane, not the
+    dispatcher: it must still count in frames_in and bytes_in, and its answer in replies_out
+    and bytes_out, as the dispatcher counts every other request and reply."""
+    ping_may_answer = threading.Event()
+
+    def held_ping(server, call):
+        if not ping_may_answer.wait(REPLY_TIMEOUT_S):
+            raise TimeoutError("the test never let the ping be answered")
+        return {"pong": True}
+
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=1, handlers={"ping": held_ping},
+                                  hwm=1) as (dispatcher, transport), dealers(transport, 1) as (client,):
+        stats = dispatcher.server.stats
+        before = stats.snapshot()
+        pings = [b"".join(protocol.encode_request(i, "ping", {})) for i in (1, 2, 3)]
+        for ping in pings:  # in flight, waiting, declined
+            client.send(ping)
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the third ping was not declined"
+        declined = client.recv()
+        assert msgpack.unpackb(declined)["error"]["code"] == "overloaded"
+        after = stats.snapshot()
+        assert [after[key] - before[key] for key in ("frames_in", "bytes_in", "replies_out", "bytes_out")] == \
+            [2, len(pings[0]) + len(pings[2]), 1, len(declined)]
+        ping_may_answer.set()
+        assert sorted(reply_ids(client, 2)) == [1, 2]
+        assert stats.snapshot()["frames_in"] - before["frames_in"] == 3
 
 
 def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tmp_path):

@@ -405,7 +405,11 @@ class ZmqTransport:
             request_id = None if legacy else request.id
         parts = (protocol.encode_legacy_reply({"status": "error", "message": text}) if legacy
                  else protocol.encode_error(request_id, "overloaded", text, {"limit": self.hwm}))
-        self.dispatcher.server.stats.record_error("overloaded")
+        # Read and answered as the dispatcher counts a request and its reply.
+        stats = self.dispatcher.server.stats
+        stats.frame_in(sum(len(frame) for frame in message))
+        stats.record_error("overloaded")
+        stats.reply_out(sum(memoryview(part).nbytes for part in parts))
         peer.in_flight += 1  # answered like any other request: _answered gives it back
         # Queued like a reply made here (behind replies the worker posted for this peer before,
         # which an id-less legacy client tells apart by order alone) and sent at once: the
