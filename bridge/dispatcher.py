@@ -440,7 +440,12 @@ class Dispatcher:
             except (TypeError, ValueError):  # a detail msgpack cannot carry must not cost the reply
                 log.exception("error detail of %s cannot be encoded", code)
                 parts = protocol.encode_error(request_id, code, message, {})
-        self._send(conn, parts)
+        try:
+            self._send(conn, parts)
+        except protocol.FrameTooLarge as exc:  # nothing was written; that error's answer is small
+            # An error that echoes what the request sent (an op name or an argument's key, in
+            # the message and the detail) can be several times its size.
+            return self._reply_error(conn, request_id, reply_too_large(exc), legacy=legacy, stats_op=stats_op)
         if stats_op is not None:
             self.server.stats.record(stats_op, None, ok=False, error_code=code)
         else:

@@ -1083,6 +1083,26 @@ def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection
         conn.close()
 
 
+def test_an_error_reply_too_large_to_frame_is_answered_with_a_small_one(tmp_path, monkeypatch, inproc):
+    """An error reply echoes what the request sent (here an unknown op's name, in the message
+    and the detail), and may be too long to frame where the request was not: it is answered
+    limit_exceeded as a result too long is, not left unanswered (at a cap of one request in
+    flight, the connection would never be read again)."""
+    frames = [request_frame(1, "x" * 1500), request_frame(2, "ping")]  # framed before the limit is lowered
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 2048)
+    with unix_lane(tmp_path, inproc().dispatcher, max_in_flight=1) as transport:
+        transport.start()
+        conn = raw_unix(transport.path)
+        reader = conn.makefile("rb", buffering=0)
+        conn.sendall(b"".join(frames))
+        refused, pong = read_reply(reader), read_reply(reader)
+        assert (refused.id, refused.ok, refused.error["code"]) == (1, False, "limit_exceeded")
+        assert refused.error["detail"]["limit"] == "reply_frame_size"
+        assert (pong.id, pong.ok) == (2, True)
+        reader.close()
+        conn.close()
+
+
 class BigReplyDispatcher:
     """Stands in for the dispatcher behind an in-process UnixTransport: a frame's first byte is
     answered, from a thread of its own as by the worker, with REPLY_BYTES of that byte."""
