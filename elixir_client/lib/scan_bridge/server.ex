@@ -247,7 +247,7 @@ defmodule ScanBridge.Server do
     do: {:noreply, on_reply(body, state)}
 
   def handle_info({:deadline, id}, state) do
-    case take_pending(state, id) do
+    case abandon(state, id) do
       {nil, state} ->
         {:noreply, state}
 
@@ -257,9 +257,7 @@ defmodule ScanBridge.Server do
           {:error, Error.client(:timeout, "no reply before the deadline", %{"id" => id})}
         )
 
-        # a request still queued is never sent now: its data goes with it; one at the server
-        # stays outstanding, for its late reply
-        {:noreply, unqueue(state, id)}
+        {:noreply, state}
     end
   end
 
@@ -267,9 +265,8 @@ defmodule ScanBridge.Server do
   # request is dropped and a late reply's handle or session is freed.
   def handle_info({:DOWN, monitor, :process, _caller, _reason}, state)
       when is_map_key(state.callers, monitor) do
-    id = Map.fetch!(state.callers, monitor)
-    {_from, state} = take_pending(state, id)
-    {:noreply, unqueue(state, id)}
+    {_from, state} = abandon(state, state.callers[monitor])
+    {:noreply, state}
   end
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
@@ -325,6 +322,15 @@ defmodule ScanBridge.Server do
             state
         end
     end
+  end
+
+  # Give request `id` up (its deadline passed, or its caller exited): its caller is taken out of
+  # `pending` (`{from, state}`, or `{nil, state}` when answered already), a request still queued
+  # is never sent, its data going with it, and one at the server stays outstanding, for its late
+  # reply to be released.
+  defp abandon(state, id) do
+    {from, state} = take_pending(state, id)
+    {from, unqueue(state, id)}
   end
 
   # Take request `id`'s caller out of `pending`, its deadline and monitor with it:
