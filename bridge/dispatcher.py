@@ -458,6 +458,4 @@ class Dispatcher:
         except OSError as exc:
             log.warning("could not reply to %s: %s", getattr(conn, "id", conn), exc)
             return
-        # The reply's bytes as frame_in counts a request's: body and buffers, no length prefix.
-        self.server.stats.reply_out(sum(memoryview(p).nbytes for p in parts)
-                                    + sum(memoryview(b).nbytes for b in buffers or ()))
+        self.server.stats.reply_out(parts, buffers or ())

@@ -45,7 +45,10 @@ class Stats:
             self.frames_in += 1
             self.bytes_in += nbytes
 
-    def reply_out(self, nbytes: int) -> None:
+    def reply_out(self, parts, buffers=()) -> None:
+        """One reply sent: its body's `parts` and a multipart reply's raw `buffers`, counted as
+        frame_in counts a request (no length prefix)."""
+        nbytes = sum(memoryview(p).nbytes for p in parts) + sum(memoryview(b).nbytes for b in buffers)
         with self._lock:
             self.replies_out += 1
             self.bytes_out += nbytes

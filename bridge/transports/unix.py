@@ -329,16 +329,16 @@ class UnixTransport:
         """Answer a connection over the cap with one `overloaded` error (id nil) and close it."""
         message = f"the server serves at most {self.max_connections} unix connections at once"
         log.warning("%s turned away: %s", conn.id, message)
-        body = b"".join(protocol.encode_error(None, "overloaded", message, {"limit": self.max_connections}))
+        parts = protocol.encode_error(None, "overloaded", message, {"limit": self.max_connections})
         stats = self.dispatcher.server.stats
         stats.record_error("overloaded")
         try:
             # A fresh connection's send buffer is empty: this small frame fits without blocking.
-            conn.sock.send(protocol.encode_frame(body), socket.MSG_DONTWAIT)
+            conn.sock.send(b"".join(protocol.frame_parts(parts)), socket.MSG_DONTWAIT)
         except OSError:
             pass  # the peer is already gone
         else:
-            stats.reply_out(len(body))  # a reply that answers no frame read (SPEC §4)
+            stats.reply_out(parts)  # a reply that answers no frame read (SPEC §4)
         conn.sock.close()
 
     def _read(self, conn: UnixConnection, others_waiting: bool) -> None:

@@ -409,7 +409,7 @@ class ZmqTransport:
         stats = self.dispatcher.server.stats
         stats.frame_in(sum(len(frame) for frame in message))
         stats.record_error("overloaded")
-        stats.reply_out(sum(memoryview(part).nbytes for part in parts))
+        stats.reply_out(parts)
         peer.in_flight += 1  # answered like any other request: _answered gives it back
         # Queued like a reply made here (behind replies the worker posted for this peer before,
         # which an id-less legacy client tells apart by order alone) and sent at once: the
