@@ -271,8 +271,11 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
 
+    # stdio closes last (below): unix removes its socket file before stdio's writer may wait
+    # out the flush deadline, so that no new client connects meanwhile.
+    every_lane = lanes + ([stdio] if stdio else [])
     dispatcher.start()
-    for lane in ([stdio] if stdio else []) + lanes:
+    for lane in every_lane:
         lane.start()
     log.info("serving %s on %s (%s), backend %s%s", ", ".join(server.transports), device.device,
              device.reason, server.backend, f", pipe sizes {sizes}" if stdio else "")
@@ -283,9 +286,8 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     drained = dispatcher.drain(DRAIN_SECONDS)
     flush_deadline = time.monotonic() + FLUSH_SECONDS
     # ZeroMQ sends the replies it was handed, the stream lanes' writer threads write theirs to
-    # slow readers; unix removes its socket file, before stdio's writer may wait out the
-    # deadline, so that no new client connects meanwhile.
-    for lane in lanes + ([stdio] if stdio else []):
+    # slow readers.
+    for lane in every_lane:
         lane.close(flush_deadline)
     log.info("%s; %s in %.0f ms; exiting", why,
              "all requests answered" if drained else "gave up waiting for requests in flight",

@@ -253,14 +253,10 @@ class WriterThreads:
 
 class FdConnection(StreamConnection):
     """A connection whose replies are frames written to a non-blocking file descriptor (the
-    stdio lane's pipe: one peer)."""
-
-    def __init__(self, kind: str, out_fd: int, start_writer):
-        super().__init__(kind, out_fd, start_writer)
-        self.out_fd = out_fd
+    stdio lane's pipe: one peer); the stream is that descriptor."""
 
     def _write_nowait(self, views: list[memoryview]) -> int:
-        return os.writev(self.out_fd, views[:IOV_MAX])
+        return os.writev(self._stream, views[:IOV_MAX])
 
 
 class FrameAssembler:
