@@ -4,14 +4,32 @@ defmodule ScanBridge.IEEE do
   # so decoders name them with atoms instead.
 
   @mantissa_bits %{16 => 10, 32 => 23, 64 => 52}
-  # The little-endian bits of the quiet NaN and the infinities in each float dtype.
-  @bits %{
-    f32: %{nan: 0x7FC00000, infinity: 0x7F800000, neg_infinity: 0xFF800000},
-    f64: %{nan: 0x7FF8000000000000, infinity: 0x7FF0000000000000, neg_infinity: 0xFFF0000000000000},
-    f16: %{nan: 0x7E00, infinity: 0x7C00, neg_infinity: 0xFC00},
-    bf16: %{nan: 0x7FC0, infinity: 0x7F80, neg_infinity: 0xFF80}
+  # The element bytes (little-endian) of the quiet NaN and the infinities in each float dtype.
+  @element %{
+    f32: %{
+      nan: <<0x7FC00000::32-little>>,
+      infinity: <<0x7F800000::32-little>>,
+      neg_infinity: <<0xFF800000::32-little>>
+    },
+    f64: %{
+      nan: <<0x7FF8000000000000::64-little>>,
+      infinity: <<0x7FF0000000000000::64-little>>,
+      neg_infinity: <<0xFFF0000000000000::64-little>>
+    },
+    f16: %{
+      nan: <<0x7E00::16-little>>,
+      infinity: <<0x7C00::16-little>>,
+      neg_infinity: <<0xFC00::16-little>>
+    },
+    bf16: %{
+      nan: <<0x7FC0::16-little>>,
+      infinity: <<0x7F80::16-little>>,
+      neg_infinity: <<0xFF80::16-little>>
+    }
   }
-  @width %{f32: 32, f64: 64, f16: 16, bf16: 16}
+
+  @doc "Whether `dtype` is a float dtype, whose elements can be non-finite."
+  defguard float_dtype?(dtype) when is_map_key(@element, dtype)
 
   @type special :: :nan | :infinity | :neg_infinity
 
@@ -29,8 +47,5 @@ defmodule ScanBridge.IEEE do
 
   @doc "The element bytes of a non-finite value in a float dtype, the inverse of `special/2`."
   @spec encode(special, :f32 | :f64 | :f16 | :bf16) :: binary
-  def encode(value, dtype) do
-    width = @width[dtype]
-    <<@bits[dtype][value]::size(width)-little>>
-  end
+  def encode(value, dtype), do: @element[dtype][value]
 end

@@ -10,6 +10,8 @@ defmodule ScanBridge.Tensor do
   (`from_nx/1` converts it) and `to_nx/1` converts back.
   """
 
+  require ScanBridge.IEEE
+
   @enforce_keys [:data, :dtype, :shape]
   defstruct [:data, :dtype, :shape]
 
@@ -233,7 +235,7 @@ defmodule ScanBridge.Tensor do
   defp pack(v, :u8) when is_integer(v) and v in 0..255, do: <<v>>
 
   defp pack(v, dtype)
-       when v in [:nan, :infinity, :neg_infinity] and dtype in [:f32, :f64, :f16, :bf16],
+       when v in [:nan, :infinity, :neg_infinity] and ScanBridge.IEEE.float_dtype?(dtype),
        do: ScanBridge.IEEE.encode(v, dtype)
 
   defp pack(v, dtype) do
