@@ -336,7 +336,8 @@ class ZmqTransport:
                     self._on_fd.setdefault((index, fd), set()).add(peer)
             # A REQ peer's replies need its delimiter; a DEALER's must have one only when its
             # request had one.
-            request = (message, received_ns, [routing_id, b""] if len(envelope) == 2 else [routing_id])
+            target = ZmqReplyTarget(peer, [routing_id, b""] if len(envelope) == 2 else [routing_id])
+            request = (message, received_ns, target)
             if peer.in_flight < self.max_in_flight:
                 self._dispatch(peer, request)
             elif len(peer.waiting) < self.hwm:
@@ -377,9 +378,8 @@ class ZmqTransport:
                 del self._on_fd[(peer.key[0], peer.fd)]
 
     def _dispatch(self, peer: ZmqPeer, request: tuple) -> None:
-        message, received_ns, envelope = request
+        message, received_ns, target = request
         peer.in_flight += 1
-        target = ZmqReplyTarget(peer, envelope)
         try:
             body, buffers = message[0].buffer, [frame.buffer for frame in message[1:]]
             size = sum(len(frame) for frame in message)
@@ -394,15 +394,15 @@ class ZmqTransport:
 
     def _decline(self, peer: ZmqPeer, request: tuple) -> None:
         """Answer `overloaded` at once: the peer has `hwm` requests waiting already."""
-        message, _, envelope = request
+        message, _, target = request
         text = f"more than {self.hwm} requests of this peer waiting; retry later"
         try:
-            request = protocol.decode_request(message[0].buffer, [frame.buffer for frame in message[1:]])
+            decoded = protocol.decode_request(message[0].buffer, [frame.buffer for frame in message[1:]])
         except protocol.ProtocolError as exc:
             request_id, legacy = exc.request_id, exc.legacy
         else:
-            legacy = isinstance(request, protocol.LegacyRequest)
-            request_id = None if legacy else request.id
+            legacy = isinstance(decoded, protocol.LegacyRequest)
+            request_id = None if legacy else decoded.id
         parts = (protocol.encode_legacy_reply({"status": "error", "message": text}) if legacy
                  else protocol.encode_error(request_id, "overloaded", text, {"limit": self.hwm}))
         # Read and answered as the dispatcher counts a request and its reply.
@@ -414,7 +414,7 @@ class ZmqTransport:
         # Queued like a reply made here (behind replies the worker posted for this peer before,
         # which an id-less legacy client tells apart by order alone) and sent at once: the
         # reading loop that declines it is outside the dispatcher.
-        self._queue((peer, envelope, parts, None, True))
+        self._queue((peer, target.envelope, parts, None, True))
         self._send_queued()
 
     def reply(self, target: ZmqReplyTarget, parts: list, buffers: list | None) -> None:
