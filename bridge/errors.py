@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 
 import torch
 
@@ -11,16 +10,6 @@ import kernels
 import protocol
 
 from .tensors import WIRE_DTYPES
-
-# Kernel errors name dtypes as torch does ("torch.int32", "float32"); the client sent, and
-# SPEC §5 lists, wire codes ("i32").
-_TORCH_DTYPE_NAMES = {str(dtype).removeprefix("torch."): code for dtype, code in WIRE_DTYPES.items()}
-_TORCH_DTYPE_NAME = re.compile(r"\b(?:torch\.)?(" + "|".join(_TORCH_DTYPE_NAMES) + r")\b")
-
-
-def wire_dtype_names(text: str) -> str:
-    """`text` with every torch dtype name in it replaced by its wire code."""
-    return _TORCH_DTYPE_NAME.sub(lambda m: _TORCH_DTYPE_NAMES[m.group(1)], text)
 
 
 class OpError(Exception):
@@ -68,7 +57,11 @@ def error_fields(exc: BaseException) -> tuple[str, str, dict]:
     if isinstance(exc, kernels.KernelInputError):
         code = "shape_mismatch" if isinstance(exc, kernels.ShapeMismatch) else "invalid_argument"
         field = exc.field if exc.field.startswith("args.") else f"args.{exc.field}"
-        expected, got = wire_dtype_names(exc.expected), wire_dtype_names(exc.got)
+        expected, got = exc.expected, exc.got
+        if isinstance(exc, kernels.DtypeNotAllowed):
+            # named as the client sent them and SPEC §5 lists them, not as torch does
+            expected = f"{exc.kind} ({', '.join(WIRE_DTYPES[d] for d in exc.allowed)})"
+            got = WIRE_DTYPES.get(exc.dtype, got)
         return code, f"{field}: expected {expected}, got {got}", {"field": field, "expected": expected, "got": got}
     if isinstance(exc, kernels.BackendUnavailable):
         return "unsupported", str(exc), {}

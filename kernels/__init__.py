@@ -20,11 +20,11 @@ from __future__ import annotations
 from . import _args
 from ._args import FLOAT_DTYPES
 from ._registry import available_backends, get_backend, unavailable_backends
-from .errors import BackendUnavailable, KernelInputError, ShapeMismatch, UnknownBackend
+from .errors import BackendUnavailable, DtypeNotAllowed, KernelInputError, ShapeMismatch, UnknownBackend
 
 __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends",
-    "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "ShapeMismatch",
+    "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update",
 ]
 

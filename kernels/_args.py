@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import KernelInputError, ShapeMismatch
+from .errors import DtypeNotAllowed, KernelInputError, ShapeMismatch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 LAYOUTS = ("bld", "bdl")
@@ -38,7 +38,7 @@ def _require_tensor(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise KernelInputError(name, "a torch.Tensor", type(t).__name__)
     if t.dtype not in FLOAT_DTYPES:
-        raise KernelInputError(name, FLOAT_DTYPES_EXPECTED, str(t.dtype))
+        raise DtypeNotAllowed(name, "a floating dtype", FLOAT_DTYPES, t.dtype)
     return t
 
 

@@ -16,6 +16,19 @@ class KernelInputError(ValueError):
         super().__init__(f"{field}: expected {expected}, got {got}")
 
 
+class DtypeNotAllowed(KernelInputError):
+    """A tensor's dtype is not one its argument takes. `allowed` and `dtype` are the torch
+    dtypes themselves, for a caller that names dtypes its own way (the bridge: by wire codes);
+    `kind` says what the allowed ones are ("a floating dtype")."""
+
+    def __init__(self, field: str, kind: str, allowed: tuple, dtype):
+        self.kind = kind
+        self.allowed = allowed
+        self.dtype = dtype
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        super().__init__(field, f"{kind} ({names})", str(dtype))
+
+
 class ShapeMismatch(KernelInputError):
     """A tensor's shape disagrees with what the other arguments imply."""
 
