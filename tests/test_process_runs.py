@@ -17,6 +17,7 @@ LEAVES_A_FROZEN_CHILD = """
 import os, signal, subprocess
 child = subprocess.Popen(["sleep", "60"])
 os.kill(child.pid, signal.SIGSTOP)
+os.waitpid(child.pid, os.WUNTRACED)
 print("started", child.pid, flush=True)
 """
 
@@ -27,6 +28,10 @@ def test_a_frozen_leftover_is_named_and_killed():
                               start_new_session=True)
     try:
         os.kill(frozen.pid, signal.SIGSTOP)
+        # Popen returns once exec has closed the child's descriptors, before the kernel has set
+        # the new environment's bounds: /proc/PID/environ reads empty until then (CI, stop 28).
+        # A stop is taken only on the way back to user space, after exec has finished.
+        os.waitpid(frozen.pid, os.WUNTRACED)
         # the marker matches whole: neither a prefix of it nor a longer value does
         assert processes_with_marker(marker[:-1]) == [] and processes_with_marker(marker + "0") == []
         assert processes_with_marker(marker) == [frozen.pid]
