@@ -178,7 +178,11 @@ class Reader:
         tensor = self.valid_tensor(raw, allow_handle, self.buffers, self.used)
         if tensor is not None:
             return tensor
-        # Not a valid tensor: find out what is wrong, one value at a time.
+        return self.checked_tensor(raw, field, allow_handle)
+
+    def checked_tensor(self, raw: msgspec.Raw, field: str, allow_handle: bool) -> WireTensor | HandleRef:
+        """The tensor checked one value at a time, failing with the first thing wrong: what
+        runs when `valid_tensor` declines, and on its own the standard tests hold it to."""
         expected = KIND_EXPECTED["tensor" if allow_handle else "tensor_data"]
         entries = self.map(raw, field, expected, InvalidArgument)
         if "handle" in entries:
@@ -215,7 +219,7 @@ class Reader:
                      used: set[int] | None = None) -> WireTensor | HandleRef | None:
         """The tensor (or handle) when `raw` is a valid one, else None. One typed decode
         instead of a decode per key, to keep small steps cheap. It accepts
-        only what the checks in `_tensor` accept (tests hold the two paths to that). A tensor
+        only what `checked_tensor` accepts (tests hold the two paths to that). A tensor
         referring to raw buffer i of `buffers` adds i to `used`."""
         try:
             fields = _TENSOR_FIELDS.decode(raw)

@@ -366,7 +366,7 @@ def test_fast_tensor_path_only_accepts_what_the_careful_path_accepts(tensor, all
     fast = Reader.valid_tensor(raw, allow_handle)
     reader = Reader()
     try:
-        careful = reader.tensor(raw, "t") if allow_handle else reader.tensor_data(raw, "t")
+        careful = reader.checked_tensor(raw, "t", allow_handle)
     except ProtocolError:
         careful = None
     if fast is not None:
