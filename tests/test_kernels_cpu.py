@@ -227,8 +227,10 @@ def test_forked_child_computes_without_the_parents_helpers(restore_threads):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-# Run in a fresh process: how many threads it has after each kernel call. Helper threads start
-# the first time a call offers them work, so a new thread shows that a call did.
+# Run in a fresh process: how many threads it has before and after its kernel calls, made back
+# to back with nothing between them (a helper stays awake for kSpin, 1 ms, after a call; a
+# thread count taken between two calls could outlast that on a loaded machine). Helper threads
+# start the first time a call offers them work, so a new thread shows that a call did.
 HELPER_PROBE = """
 import json, os, sys, time
 import torch, kernels
@@ -241,20 +243,20 @@ inputs = [make_update_inputs(UpdateCase(r, 512, 16), seed=k) for k, r in enumera
 tiny = make_update_inputs(UpdateCase(1, 16, 16), seed=len(rows))  # below one thread's share
 kernels.selective_state_update(**tiny, backend="cpu")  # imports, allocations; offers no work
 time.sleep(0.01)  # past the pool's spin (kSpin): the next call comes alone
-counts = [threads()]
-for args in inputs:  # back to back
+before = threads()
+for args in inputs:
     kernels.selective_state_update(**args, backend="cpu")
-    counts.append(threads())
-print(json.dumps(counts))
+print(json.dumps([before, threads()]))
 """
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
-@pytest.mark.parametrize("rows, started_by", [
-    pytest.param((32, 32), 2, id="small-lone-call-wakes-none-the-next-close-one-does"),
-    pytest.param((128,), 1, id="call-worth-a-wake-up-wakes-helpers-alone"),
+@pytest.mark.parametrize("rows, wakes", [
+    pytest.param((32,), False, id="small-lone-call-wakes-none"),
+    pytest.param((32, 32), True, id="small-call-right-after-another-wakes-helpers"),
+    pytest.param((128,), True, id="call-worth-a-wake-up-wakes-helpers-alone"),
 ])
-def test_helpers_are_woken_for_big_or_close_calls_only(rows, started_by):
+def test_helpers_are_woken_for_big_or_close_calls_only(rows, wakes):
     """A call below kMinWorkToWake (32x512x16: 2^18 state-element updates) long after the last
     runs on the calling thread alone; one right after another, or one of 2^20 (128x512x16),
     offers work to a helper (whose thread then starts)."""
@@ -262,10 +264,8 @@ def test_helpers_are_woken_for_big_or_close_calls_only(rows, started_by):
                           env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    counts = json.loads(proc.stdout)
-    first_growth = next((i for i in range(1, len(counts)) if counts[i] > counts[0]), None)
-    assert first_growth == started_by, (
-        f"threads after each call of rows {rows}: {counts}; expected the first helper with call {started_by}")
+    before, after = json.loads(proc.stdout)
+    assert (after > before) == wakes, f"threads before and after calls of rows {rows}: {before}, {after}"
 
 
 # --- inputs at odd byte offsets ----------------------------------------------------------------
@@ -318,15 +318,11 @@ def test_second_process_reuses_the_built_library():
     library = build.library_path()
     assert library.is_file(), "the backend loaded, so its library must exist"
     mtime = library.stat().st_mtime_ns
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "kernels.cpu.build"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     assert str(library) in proc.stdout
     assert library.stat().st_mtime_ns == mtime, "the library was rebuilt"
-    # Interpreter and torch start-up included; a rebuild takes 15 s or more.
-    assert elapsed < 10, f"took {elapsed:.1f} s"
 
 
 def test_digest_follows_sources(tmp_path, monkeypatch):
