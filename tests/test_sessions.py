@@ -199,13 +199,16 @@ def step_error_cases():
 @pytest.mark.parametrize("op,args,code,field", step_error_cases())
 def test_bad_session_requests_name_the_field(client, op, args, code, field):
     session = client.open_session(3, 5, 4)
+    # A prefilled state, not the new session's zeros, so that a refusal that reset it shows.
+    client.scan(**window(make_scan_inputs(ScanCase(3, 2, 5, 4)), 0, 2), session=session).unwrap()
+    kept = client.session_state(session)
     reply = client.request(op, {**args, "session": session})
     assert not reply.ok and reply.error["code"] == code, reply.error
     detail = reply.error["detail"]
     assert detail["field"] == field, reply.error
     if code != "unknown_handle":  # a validation error says what it expected and what came, as strings
         assert isinstance(detail["expected"], str) and isinstance(detail["got"], str), reply.error
-    assert not client.session_state(session).any()  # a refused request leaves the state alone
+    assert torch.equal(client.session_state(session), kept)  # a refused request leaves the state alone
     client.close_session(session)
 
 
