@@ -1608,7 +1608,7 @@ def test_a_reply_made_while_a_full_pipe_is_retried_leaves_in_the_same_flush(tmp_
     in the same flush, not a RETRY_MS later (made long here so that a wait would show)."""
     import bridge.transports.zmq as zmq_lane
 
-    monkeypatch.setattr(zmq_lane, "RETRY_MS", 1000)
+    monkeypatch.setattr(zmq_lane, "RETRY_MS", 4000)
     with zmq_lane_with_dispatcher(tmp_path, FakeNativeStep(), max_in_flight=1) as (_, transport):
         real_send = transport.sockets[0].send_multipart
 
@@ -1626,7 +1626,8 @@ def test_a_reply_made_while_a_full_pipe_is_retried_leaves_in_the_same_flush(tmp_
                 assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN)
                 arrivals.append((client.recv(), time.monotonic()))
     assert [body for body, _ in arrivals] == [b"native step-1", b"native step-2"]
-    assert arrivals[1][1] - arrivals[0][1] < 0.5, "the second reply waited for another retry"
+    # milliseconds apart when both leave in one flush; a stall of the loaded runner is no retry
+    assert arrivals[1][1] - arrivals[0][1] < 2.0, "the second reply waited for another retry"
 
 
 def test_an_overloaded_answer_leaves_after_the_replies_posted_before_it(tmp_path):
