@@ -132,10 +132,14 @@ def run_clients(server: Server, lane: str, clients: int, requests: int, seed: in
     inputs, expected = concurrent_inputs(requests, seed)
     per_client = [range(i, requests, clients) for i in range(clients)]
     start = threading.Barrier(clients + 1)
-    lost, misrouted, duplicated, latencies = [], [], [], []
+    lost, misrouted, duplicated, latencies, finished = [], [], [], [], []
 
     def client_run(index: int):
-        client = UnixClient(server.endpoints["unix"]) if lane == "unix" else ZmqClient(server.endpoints[lane])
+        try:
+            client = UnixClient(server.endpoints["unix"]) if lane == "unix" else ZmqClient(server.endpoints[lane])
+        except BaseException:
+            start.abort()  # the others, and the timer, would wait for this client forever
+            raise
         try:
             start.wait()
             window: list = []
@@ -146,7 +150,8 @@ def run_clients(server: Server, lane: str, clients: int, requests: int, seed: in
                     check(*window.pop(0))
             for item in window:
                 check(*item)
-            time.sleep(0.2)  # a duplicate would have arrived by now
+            finished.append(time.perf_counter())
+            time.sleep(0.2)  # a duplicate would have arrived by now (not part of the throughput)
             duplicated.extend(client.unmatched)
         finally:
             client.close()
@@ -164,11 +169,15 @@ def run_clients(server: Server, lane: str, clients: int, requests: int, seed: in
 
     with ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(client_run, i) for i in range(clients)]
-        start.wait()
+        try:
+            start.wait()
+        except threading.BrokenBarrierError:  # a client could not start: raise its error
+            errors = [f.exception() for f in futures]
+            raise next(e for e in errors if not isinstance(e, (threading.BrokenBarrierError, type(None))))
         began = time.perf_counter()
         for f in futures:
             f.result()
-        elapsed = time.perf_counter() - began
+        elapsed = max(finished) - began
     return {"lane": lane, "clients": clients, "requests": requests, "pipeline_depth": PIPELINE_DEPTH,
             "lost": len(lost), "duplicated": len(duplicated), "misrouted": len(misrouted),
             "seconds": elapsed, "requests_per_s": requests / elapsed,

@@ -304,6 +304,35 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
             steps_per_s["batched_general"] / steps_per_s["unbatched_general"])
 
 
+def test_transports_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.transports`, tiny: every lane's rows and the many-clients runs come back
+    whole (nothing lost, duplicated or misrouted), with ratios and a throughput from this run's
+    own numbers."""
+    from bench.floors import floor_missing
+    from bench.transports import ROWS
+
+    missing = {lane: floor_missing(lane) for lane, _ in ROWS}
+    if any(missing.values()):
+        pytest.skip(f"bench.transports needs every lane's echo floor: {missing}")
+    out = tmp_path / "transports.json"
+    proc = run_marked([sys.executable, "-m", "bench.transports", "--iterations", "2", "--clients", "3",
+                       "--requests", "30", "--json", str(out)], timeout_s=300,
+                      cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    result = json.loads(out.read_text())["results"]
+    assert [(r["case"], r["lane"]) for r in result["rows"]] == [
+        (case, lane) for case in ("exphil", "step") for lane, _ in ROWS]
+    for row in result["rows"]:
+        assert row["iterations"] == (2 if row["case"] == "exphil" else 10)
+        assert row["ipc_over_echo"] == pytest.approx(row["ipc"]["p50_us"] / row["echo"]["p50_us"])
+        assert 0 < row["ipc"]["p50_us"] < row["round_trip"]["p50_us"]
+    assert sorted(c["lane"] for c in result["concurrency"]) == ["unix", "zmq-ipc"]
+    for run in result["concurrency"]:
+        assert (run["lost"], run["duplicated"], run["misrouted"]) == (0, 0, 0), run
+        assert run["requests_per_s"] == pytest.approx(30 / run["seconds"])
+        assert run["latency"]["n"] == 30
+
+
 def test_soak_bench_runs_end_to_end(tmp_path):
     """`python -m bench.soak`, tiny: it exits 0 (every round's checks held) and its JSON carries
     the usage the README quotes, with the server's own request count."""
