@@ -29,7 +29,7 @@ SERVER = [sys.executable, "-m", "bridge", "--device", "cpu"]
 # The JSON schema, spelled out: changing a key breaks whoever reads bench/results, so it must
 # be a deliberate change here too.
 TOP_KEYS = {"benchmark", "schema_version", "machine_info", "commit_info", "config", "rows", "fits",
-            "baseline_command", "baseline", "skipped", "elapsed_s"}
+            "baseline_command", "baseline", "skipped", "failures", "elapsed_s"}
 ROW_KEYS = [
     "transport", "backend", "device", "case", "op",
     "batch", "seq", "dim", "state", "iterations", "request_bytes", "reply_bytes",
@@ -257,7 +257,29 @@ def test_baseline_flags_results_that_differ(tmp_path):
     rows = run_baseline(shlex.join([sys.executable, str(script)]), [Case("scan", 3, batch=2, dim=9, state=4)],
                         ["--device", "cpu"], iterations=3, warmup=0, max_seconds=30.0,
                         seed=np.random.SeedSequence().entropy % 2**32)
-    assert [r["results_agree"] for r in rows] == [False]
+    assert [(r["results_agree"], r["baseline_over_bridge_ratio"]) for r in rows] == [(False, None)]
+
+
+@pytest.mark.parametrize("baseline, complaint", [
+    pytest.param("wrong", "its results differ from python -m bridge's on scan L=3", id="wrong-answers"),
+    pytest.param("missing", "no-such-server", id="does-not-start"),
+])
+def test_a_failed_baseline_exits_1_after_reporting_the_sweep(tmp_path, capsys, baseline, complaint):
+    from bridge.bench.__main__ import main
+
+    script = tmp_path / "wrong_server.py"
+    script.write_text(WRONG_SERVER)
+    command = shlex.join([sys.executable, str(script)]) if baseline == "wrong" else "/nonexistent/no-such-server"
+    out_json = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--transports", "stdio", "--sizes", "3", "--iterations", "3",
+                 "--baseline", command, "--json", str(out_json)]) == 1
+    err = capsys.readouterr().err
+    assert complaint in err
+    document = json.loads(out_json.read_text())
+    assert [r["case"] for r in document["rows"]] == ["scan L=3"] and document["rows"][0]["iterations"] == 3
+    assert len(document["failures"]) == 1 and complaint in document["failures"][0]
+    if baseline == "wrong":
+        assert [(r["results_agree"], r["baseline_over_bridge_ratio"]) for r in document["baseline"]] == [(False, None)]
 
 
 def test_game_loop_bench_runs_end_to_end(tmp_path):

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-arg", action="append", default=[], help="one more argument for the server (repeatable)")
     p.add_argument("--baseline", metavar="CMD",
                    help="also send ExPhil-format requests to this Port-style server command and to ours, "
-                        "and print the ratio")
+                        "and print the ratio (exit 1 where their results differ or it fails)")
     p.add_argument("--json", metavar="FILE", help="write the rows, machine_info and commit_info here")
     p.add_argument("--plot", metavar="FILE.png", help="write stacked bars of the stages here (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -166,24 +166,31 @@ def main(argv=None) -> int:
         return 2
     progress = Progress(1)
     baseline_rows = []
+    failures = []  # why the run exits 1 after reporting what it measured
     try:
         rows, sweep_skipped = run_sweep(cases, open_server, backends, plan, args.seed, progress)
-        skipped += sweep_skipped
-        windows = baseline_mod.baseline_cases(cases)
-        if args.baseline and not windows:
-            skipped.append({"what": "--baseline", "reason": f"--sizes has no window of at most ExPhil's "
-                                                            f"{EXPHIL_SEQ} timesteps"})
-        elif args.baseline:
-            iterations, warmup, max_seconds = plan
-            progress.total = progress.done + len(windows) * (warmup + iterations)
-            progress.start(f"baseline: {args.baseline}")
-            baseline_rows = baseline_mod.run_baseline(args.baseline, windows, server_args, iterations=iterations,
-                                                      warmup=warmup, max_seconds=max_seconds, seed=args.seed,
-                                                      on_iteration=progress.advance)
     except BenchError as exc:
         progress.finish()
         print(f"python -m bridge.bench: {exc}", file=sys.stderr)
         return 1
+    skipped += sweep_skipped
+    windows = baseline_mod.baseline_cases(cases)
+    if args.baseline and not windows:
+        skipped.append({"what": "--baseline", "reason": f"--sizes has no window of at most ExPhil's "
+                                                        f"{EXPHIL_SEQ} timesteps"})
+    elif args.baseline:
+        iterations, warmup, max_seconds = plan
+        progress.total = progress.done + len(windows) * (warmup + iterations)
+        progress.start(f"baseline: {args.baseline}")
+        try:  # a baseline that fails loses only itself: the finished sweep is still reported
+            baseline_rows = baseline_mod.run_baseline(args.baseline, windows, server_args, iterations=iterations,
+                                                      warmup=warmup, max_seconds=max_seconds, seed=args.seed,
+                                                      on_iteration=progress.advance)
+        except BenchError as exc:
+            failures.append(f"--baseline: {exc}")
+        differ = [r["case"] for r in baseline_rows if not r["results_agree"]]
+        if differ:
+            failures.append(f"--baseline: its results differ from python -m bridge's on {', '.join(differ)}")
     progress.finish()
     if not rows:
         print("python -m bridge.bench: nothing was measured: " + "; ".join(s["reason"] for s in skipped),
@@ -212,7 +219,7 @@ def main(argv=None) -> int:
                                "max_seconds": plan[2], "server_args": server_args},
                     "rows": rows, "fits": fits,
                     "baseline_command": args.baseline, "baseline": baseline_rows, "skipped": skipped,
-                    "elapsed_s": elapsed}
+                    "failures": failures, "elapsed_s": elapsed}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1)
@@ -221,7 +228,9 @@ def main(argv=None) -> int:
         device = rows[0]["device"]
         why_not = plot(rows, args.plot, labels, f"scan-bridge: where a request's time goes (p50 per stage), device {device}")
         print(f"wrote {args.plot}" if why_not is None else f"no plot: {why_not}")
-    return 0
+    for failure in failures:
+        print(f"python -m bridge.bench: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

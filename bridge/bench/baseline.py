@@ -155,7 +155,8 @@ def run_baseline(command: str, cases: list[Case], bridge_args: list[str], *, ite
                    "iterations": len(times["bridge"])}
             row.update(percentiles(times["bridge"], "bridge"))
             row.update(percentiles(times["baseline"], "baseline"))
-            row["baseline_over_bridge_ratio"] = row["baseline_p50_us"] / row["bridge_p50_us"]
+            # A wrong answer has no speed worth comparing: no ratio (and the bench exits 1).
+            row["baseline_over_bridge_ratio"] = row["baseline_p50_us"] / row["bridge_p50_us"] if agree else None
             row["results_agree"] = agree
             rows.append(row)
     finally:
