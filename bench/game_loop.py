@@ -392,13 +392,14 @@ def concurrent(rows: int, callers: int, seconds: float, rounds: int, server_args
 
 
 def delay_sweep(delays: list[int], rows: int, callers: int, seconds: float, rounds: int,
-                device: str = "cpu") -> list[dict]:
+                server_args: list[str], device: str = "cpu") -> list[dict]:
+    """(c), over stdio: the callers of (b) at each --max-delay-us, servers taking turns."""
     results = {d: [] for d in delays}
     for _ in range(rounds):
         for delay in delays:
             # Without the native path, which would serve most steps before the batcher saw them.
-            results[delay].append(run_callers(["--no-native-step", "--max-delay-us", str(delay)], rows,
-                                              callers, seconds, device=device))
+            results[delay].append(run_callers([*server_args, "--no-native-step", "--max-delay-us", str(delay)],
+                                              rows, callers, seconds, device=device))
     return [{"max_delay_us": d, "callers": callers, "rows": rows, "rounds": rounds, "seconds": seconds,
              "median_steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
              "median_p50_us": statistics.median(r["round_trip"]["p50_us"] for r in runs),
@@ -417,11 +418,13 @@ def main(argv=None) -> int:
     p.add_argument("--lanes", default="stdio", help=f"(b)'s lanes, comma-separated, of {', '.join(CALLER_LANES)}")
     p.add_argument("--seconds", type=float, default=2.0, help="length of one (b) run")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--delays", default="", help="(c): --max-delay-us values to sweep, comma-separated")
+    p.add_argument("--delays", default="", help="(c): --max-delay-us values to sweep, comma-separated "
+                                                "(over stdio, with (b)'s first --rows)")
     p.add_argument("--skip", default="", help="parts to skip, e.g. a or b")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for the servers")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the servers' --device")
-    p.add_argument("--json", default="bench/results/game_loop.json")
+    p.add_argument("--json", help="write the results (with machine and commit info) to this file, "
+                                   "e.g. bench/results/game_loop.json")
     args = p.parse_args(argv)
     # The machine may be shared: its load is recorded with the results.
     load_before = os.getloadavg()
@@ -476,7 +479,7 @@ def main(argv=None) -> int:
     if args.delays:
         rows = int(args.rows.split(",")[0])
         results["delay_sweep"] = delay_sweep([int(x) for x in args.delays.split(",")], rows, args.callers,
-                                             args.seconds, args.rounds, args.device)
+                                             args.seconds, args.rounds, args.server_arg, args.device)
         for r in results["delay_sweep"]:
             print(f"(c) --max-delay-us {r['max_delay_us']:5d}: {r['median_steps_per_s']:7.0f} steps/s, "
                   f"p50 {r['median_p50_us']:.0f} µs, p99 {r['median_p99_us']:.0f} µs, "

@@ -288,7 +288,8 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
     out = tmp_path / "game_loop.json"
     proc = run_marked([sys.executable, "-m", "bench.game_loop", "--steps", "30", "--windows", "2",
                        "--repeats", "2", "--rows", "1", "--callers", "3", "--seconds", "0.2",
-                       "--rounds", "1", "--lanes", "stdio,unix,zmq", "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+                       "--rounds", "1", "--lanes", "stdio,unix,zmq", "--delays", "0", "--json", str(out)],
+                      timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
     assert proc.failure() is None, proc.failure()
     results = json.loads(out.read_text())["results"]
     loop = results["game_loop"]
@@ -324,6 +325,8 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
         assert concurrent["speedup"] == pytest.approx(steps_per_s["batched"] / steps_per_s["unbatched"])
         assert concurrent["general_path_speedup"] == pytest.approx(
             steps_per_s["batched_general"] / steps_per_s["unbatched_general"])
+    (sweep,) = results["delay_sweep"]
+    assert (sweep["max_delay_us"], sweep["callers"], sweep["rows"]) == (0, 3, 1) and sweep["median_steps_per_s"] > 0
 
 
 def test_transports_bench_runs_end_to_end(tmp_path):
