@@ -3,7 +3,7 @@ defmodule ScanBridgeTest do
   use ExUnit.Case, async: false
 
   alias ScanBridge.{Error, Tensor, TestSupport}
-  import TestSupport, only: [scan_inputs: 2, assert_scan_matches: 2, assert_close: 3]
+  import TestSupport, only: [scan_inputs: 2, assert_scan_matches: 2, assert_close: 5]
 
   doctest ScanBridge
 
@@ -80,12 +80,17 @@ defmodule ScanBridgeTest do
   end
 
   test "f64 inputs give an f64 y", %{server: server} do
-    inputs = scan_inputs(%{batch: 2, seq: 5, dim: 3, state: 2}, [:D])
-    f64 = Map.new(inputs, fn {k, t} -> {k, Tensor.from_list(Tensor.to_list(t), :f64, t.shape)} end)
+    # drawn at full f64 precision (not f32 values widened), so that inputs narrowed to f32 on
+    # the way to the server would change the answer
+    f64 = scan_inputs(%{batch: 2, seq: 5, dim: 3, state: 2, dtype: :f64}, [:D, :z])
     assert {:ok, %{y: y}} = ScanBridge.scan(server, f64)
     assert y.dtype == :f64
+    assert y.shape == f64.x.shape
     {y_ref, _} = TestSupport.Reference.scan(f64)
-    assert_close(Tensor.to_list(y), y_ref, "y")
+    # f64 tolerances: the server's f64 scan meets the float64 reference to ~1e-15 here (a few
+    # ulps), where a y or inputs that passed through f32 would be off by ~1e-8 (f32's 2^-24
+    # relative rounding, on values of order 0.1), far past 1e-12 + 1e-10·|expected|
+    assert_close(Tensor.to_list(y), y_ref, "y", 1.0e-12, 1.0e-10)
   end
 
   test "50 concurrent callers, each with its own inputs, each get their own answer", %{

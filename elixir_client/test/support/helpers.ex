@@ -94,10 +94,12 @@ defmodule ScanBridge.TestSupport do
 
   @doc """
   Random scan inputs: x [batch, seq, dim] (or [batch, dim, seq] for :bdl), B/C with `groups`
-  when given, and each optional tensor named in `with` (:D, :z, :dt_bias, :h0).
+  when given, and each optional tensor named in `with` (:D, :z, :dt_bias, :h0); every tensor
+  of `sizes[:dtype]` (:f32 unless given; :f64 values are drawn at full f64 precision).
   """
   def scan_inputs(%{batch: b, seq: l, dim: d, state: n} = sizes, with \\ []) do
     layout = Map.get(sizes, :layout, :bld)
+    dtype = Map.get(sizes, :dtype, :f32)
     groups = Map.get(sizes, :groups)
     x_shape = if layout == :bld, do: {b, l, d}, else: {b, d, l}
 
@@ -110,18 +112,18 @@ defmodule ScanBridge.TestSupport do
       end
 
     required = %{
-      x: random(:f32, x_shape),
-      dt: random(:f32, x_shape, 0.01, 0.5),
-      A: random(:f32, {d, n}, -2.0, -0.1),
-      B: random(:f32, bc_shape),
-      C: random(:f32, bc_shape)
+      x: random(dtype, x_shape),
+      dt: random(dtype, x_shape, 0.01, 0.5),
+      A: random(dtype, {d, n}, -2.0, -0.1),
+      B: random(dtype, bc_shape),
+      C: random(dtype, bc_shape)
     }
 
     optional = %{
-      D: fn -> random(:f32, {d}) end,
-      z: fn -> random(:f32, x_shape) end,
-      dt_bias: fn -> random(:f32, {d}, -0.5, 0.5) end,
-      h0: fn -> random(:f32, {b, d, n}) end
+      D: fn -> random(dtype, {d}) end,
+      z: fn -> random(dtype, x_shape) end,
+      dt_bias: fn -> random(dtype, {d}, -0.5, 0.5) end,
+      h0: fn -> random(dtype, {b, d, n}) end
     }
 
     extra = Map.new(with, fn key -> {key, Map.fetch!(optional, key).()} end)
