@@ -92,15 +92,29 @@ defmodule ScanBridge.LifecycleTest do
   end
 
   test "at most max_in_flight requests are at the server; the rest wait their turn in order" do
-    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(max_in_flight: 2))
+    # start_supervised!: the client is stopped when the test ends, passed or failed, and
+    # freeze/1 thaws its server then
+    client = start_supervised!({ScanBridge, TestSupport.server_opts(max_in_flight: 2)})
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    watch_in_flight(client)
+    freeze(os_pid)
 
-    cases =
-      for i <- 1..12 do
+    # Submitted one at a time, each accepted before the next is made, so that the submission
+    # order is known: ids[k] is the id of the k-th request.
+    {cases, ids} =
+      Enum.map_reduce(1..12, [], fn i, ids ->
         inputs = scan_inputs(%{batch: 1 + rem(i, 2), seq: 3 + rem(i, 4), dim: 5, state: 2}, [:z])
-        {inputs, Task.async(fn -> ScanBridge.scan(client, inputs) end)}
-      end
+        task = Task.async(fn -> ScanBridge.scan(client, inputs) end)
+        assert eventually(fn -> map_size(:sys.get_state(client).pending) == i end)
+        [id] = Map.keys(:sys.get_state(client).pending) -- ids
+        {{inputs, task}, ids ++ [id]}
+      end)
 
-    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) <= 2 end)
+    # the frozen server holds the first two; the other ten wait in the client
+    state = :sys.get_state(client)
+    assert Enum.sort(Map.keys(state.outstanding)) == Enum.take(ids, 2)
+    assert :gb_trees.keys(state.queue) == Enum.drop(ids, 2)
+    thaw(os_pid)
 
     for {inputs, task} <- cases do
       assert {:ok, result} = Task.await(task, 30_000)
@@ -112,7 +126,14 @@ defmodule ScanBridge.LifecycleTest do
     assert state.pending == %{} and map_size(state.outstanding) == 0 and
              :gb_trees.is_empty(state.queue)
 
-    GenServer.stop(client)
+    # after every message the client handled: never more than two at the server, and each
+    # request sent in its turn
+    in_flight = in_flight_seen()
+
+    assert Enum.all?(in_flight, &(length(&1) <= 2)),
+           "more than 2 in flight: #{inspect(in_flight, charlists: :as_lists)}"
+
+    assert sent_order(in_flight) == ids
   end
 
   test "a request bigger than the server accepts is refused without being sent" do
@@ -215,6 +236,44 @@ defmodule ScanBridge.LifecycleTest do
       assert ScanBridge.ping(ctx.client) == :ok
       GenServer.stop(ctx.client)
     end
+  end
+
+  # Report to this test process the ids `client` has at the server (its `outstanding`) after
+  # each message it handles, from the events of its sys debug hook, which carry its new state.
+  defp watch_in_flight(client) do
+    test = self()
+
+    hook = fn nil, event, _name ->
+      case event do
+        {:noreply, state} -> send(test, {:in_flight, Map.keys(state.outstanding)})
+        {:out, _reply, _to, state} -> send(test, {:in_flight, Map.keys(state.outstanding)})
+        _ -> :ok
+      end
+
+      nil
+    end
+
+    :ok = :sys.install(client, {hook, nil})
+  end
+
+  # The reports so far (a sys call on the client returns only after the events of every message
+  # it handled before are sent, and messages from one process arrive in order).
+  defp in_flight_seen(acc \\ []) do
+    receive do
+      {:in_flight, ids} -> in_flight_seen([ids | acc])
+    after
+      0 -> Enum.reverse(acc)
+    end
+  end
+
+  # The ids in the order they first went to the server: one at a time, for their order to be
+  # seen (one reply frees one place).
+  defp sent_order(in_flight) do
+    Enum.reduce(in_flight, [], fn ids, sent ->
+      new = ids -- sent
+      assert length(new) <= 1, "#{inspect(new)} sent on one message"
+      sent ++ new
+    end)
   end
 
   # Hand the client a reply body as if its server had sent it.
