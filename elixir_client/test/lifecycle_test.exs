@@ -15,11 +15,6 @@ defmodule ScanBridge.LifecycleTest do
       thaw: 1
     ]
 
-  setup do
-    :rand.seed(:exsss, {7, 11, 13})
-    :ok
-  end
-
   test "the server killed mid-request: every waiter is answered and the supervisor restarts it" do
     name = :lifecycle_killed
 

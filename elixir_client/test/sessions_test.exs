@@ -10,11 +10,6 @@ defmodule ScanBridge.SessionsTest do
     %{server: start_supervised!({ScanBridge, TestSupport.server_opts()})}
   end
 
-  setup do
-    :rand.seed(:exsss, {5, 6, 7})
-    :ok
-  end
-
   # {id, sizes, optional tensors, options, prefill steps, steps}
   @cases [
     {"plain", %{batch: 2, dim: 5, state: 3}, [], %{}, 6, 3},

@@ -22,11 +22,6 @@ defmodule ScanBridge.UnixLaneTest do
     %{server: server, path: path}
   end
 
-  setup do
-    :rand.seed(:exsss, {17, 19, 23})
-    :ok
-  end
-
   test "the server serves the unix lane", %{server: server, path: path} do
     assert ScanBridge.ping(server) == :ok
     assert {:ok, info} = ScanBridge.info(server)
