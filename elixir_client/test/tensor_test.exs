@@ -48,6 +48,27 @@ defmodule ScanBridge.TensorTest do
     end
   end
 
+  # the quiet NaN, infinity and -infinity of each dtype, as numpy (bf16: torch) writes them
+  for {dtype, elements} <- [
+        f32: <<0x7FC00000::32-little, 0x7F800000::32-little, 0xFF800000::32-little>>,
+        f64:
+          <<0x7FF8000000000000::64-little, 0x7FF0000000000000::64-little,
+            0xFFF0000000000000::64-little>>,
+        f16: <<0x7E00::16-little, 0x7C00::16-little, 0xFC00::16-little>>,
+        bf16: <<0x7FC0::16-little, 0x7F80::16-little, 0xFF80::16-little>>
+      ] do
+    test "#{dtype}: the non-finite atoms are the dtype's IEEE element bytes" do
+      tensor = Tensor.from_list([:nan, :infinity, :neg_infinity], unquote(dtype), {3})
+      assert tensor.data == unquote(elements)
+
+      assert Tensor.to_list(Tensor.new(unquote(elements), unquote(dtype), {3})) == [
+               :nan,
+               :infinity,
+               :neg_infinity
+             ]
+    end
+  end
+
   test "the non-finite atoms are refused for integer dtypes" do
     assert_raise ArgumentError, ~r/fits i32, got :nan/, fn ->
       Tensor.from_list([:nan], :i32, {1})

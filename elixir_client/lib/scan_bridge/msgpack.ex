@@ -251,9 +251,9 @@ defmodule ScanBridge.Msgpack do
   defp value(<<0xD2, n::signed-32, r::binary>>), do: {n, r}
   defp value(<<0xD3, n::signed-64, r::binary>>), do: {n, r}
   defp value(<<0xCA, f::float-32, r::binary>>), do: {f, r}
-  defp value(<<0xCA, bits::32, r::binary>>), do: {IEEE.special(bits, 32), r}
+  defp value(<<0xCA, bits::32, r::binary>>), do: {IEEE.special(bits, :f32), r}
   defp value(<<0xCB, f::float-64, r::binary>>), do: {f, r}
-  defp value(<<0xCB, bits::64, r::binary>>), do: {IEEE.special(bits, 64), r}
+  defp value(<<0xCB, bits::64, r::binary>>), do: {IEEE.special(bits, :f64), r}
   defp value(<<n, r::binary>> = at) when n in 0xA0..0xBF, do: bytes(r, n - 0xA0, at)
   defp value(<<0xD9, len, r::binary>> = at), do: bytes(r, len, at)
   defp value(<<0xDA, len::16, r::binary>> = at), do: bytes(r, len, at)

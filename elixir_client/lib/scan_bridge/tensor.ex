@@ -250,7 +250,7 @@ defmodule ScanBridge.Tensor do
   defp unpack(<<v::64-signed-little>>, :i64), do: v
   defp unpack(<<v>>, :u8), do: v
   # A float pattern does not match NaN or infinity bit patterns.
-  defp unpack(element, _float_dtype) do
-    ScanBridge.IEEE.special(:binary.decode_unsigned(element, :little), byte_size(element) * 8)
+  defp unpack(element, float_dtype) do
+    ScanBridge.IEEE.special(:binary.decode_unsigned(element, :little), float_dtype)
   end
 end
