@@ -182,7 +182,7 @@ class Reader:
 
     def checked_tensor(self, raw: msgspec.Raw, field: str, allow_handle: bool) -> WireTensor | HandleRef:
         """The tensor checked one value at a time, failing with the first thing wrong: what
-        runs when `valid_tensor` declines, and on its own the standard tests hold it to."""
+        runs when `valid_tensor` declines, and what tests compare `valid_tensor` with."""
         expected = KIND_EXPECTED["tensor" if allow_handle else "tensor_data"]
         entries = self.map(raw, field, expected, InvalidArgument)
         if "handle" in entries:
