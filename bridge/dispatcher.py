@@ -25,9 +25,9 @@ behind it -- it serves in C++ from frame to reply under the same lock. That keep
 nothing gone the general way is overtaken, and a connection's requests are read one after the
 other. It takes steps under load too, where the batcher would have gathered them: on the CPU a
 step served natively alone costs less than its share of a batch through the general path (8
-callers stepping 1-row sessions: 5.98x the batched general path's throughput over stdio, 4.84x
-over the unix lane, 4.15x over ZeroMQ; 32-row ones 1.72-2.30x; bench/results/game_loop.json,
-part b, at 5d67e54). Steps that queue behind other work, and every step where there is no
+callers stepping 1-row sessions: 5.05x the batched general path's throughput over stdio, 4.35x
+over the unix lane, 4.62x over ZeroMQ; 32-row ones 1.71-1.77x; bench/results/game_loop.json,
+part b, at 87a7503). Steps that queue behind other work, and every step where there is no
 native path (CUDA, other backends, `--no-native-step`), are batched as above.
 """
 
