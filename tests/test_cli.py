@@ -1,0 +1,98 @@
+"""The server's command line for its lanes: options that cannot work are refused, a socket-only
+server ignores stdin and stops on SIGTERM or a shutdown request (writing a slow reader's
+replies first), and CURVE admits only the clients whose keys it was given."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from bridge.client import UnixClient, ZmqClient
+
+from lane_helpers import REPLY_TIMEOUT_S, ServerProcess, zmq_endpoint, request_frame, read_reply, raw_unix
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--zmq", "ipc:///tmp/x.ipc", "--curve-secret-key", "k"], "no --zmq tcp://", id="curve-without-tcp"),
+    pytest.param(["--unix", "u.sock", "--curve-clients", "d"], "--curve-secret-key too", id="clients-without-key"),
+])
+def test_lane_options_that_cannot_work_are_refused(argv, message):
+    from bridge.cli import build_parser, open_lanes
+
+    with pytest.raises(ValueError, match=message):
+        open_lanes(build_parser().parse_args(argv), dispatcher=None)
+
+
+def test_a_socket_only_server_ignores_stdin_and_stops_on_sigterm(tmp_path):
+    unix_path = str(tmp_path / "s.sock")
+    srv = ServerProcess(str(tmp_path), "--unix", unix_path, "--zmq", f"ipc://{tmp_path}/z.ipc",
+                        stdin=subprocess.PIPE)
+    srv.wait_for_path(unix_path)
+    srv.proc.stdin.close()  # a Port-mode server would exit now
+    with UnixClient(unix_path) as client:
+        time.sleep(0.3)
+        assert client.ping() == {"pong": True}
+    started = time.monotonic()
+    assert srv.stop() == 0, srv.log()
+    assert time.monotonic() - started < 1.0
+    assert not os.path.exists(unix_path)
+
+
+def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_path):
+    """A reply handed to a writer thread counts as answered; the server must not exit before
+    the writer has written it (within transports.base.FLUSH_SECONDS): a client that reads 0.1 s after
+    asking for a 32 MiB state and a shutdown gets both replies whole."""
+    path = str(tmp_path / "bridge.sock")
+    srv = ServerProcess(str(tmp_path), "--unix", path)
+    try:
+        srv.wait_for_path(path)
+        conn = raw_unix(path)
+        reader = conn.makefile("rb", buffering=0)
+        conn.sendall(request_frame(1, "session_open", {"batch": 1, "dim": 4096, "state": 2048}))
+        session = read_reply(reader).result["session"]
+        conn.sendall(request_frame(2, "session_state", {"session": session}) + request_frame(3, "shutdown"))
+        time.sleep(0.1)  # a client busy elsewhere: the state's reply outlasts the worker's stall
+        state, stopping = read_reply(reader), read_reply(reader)
+        assert state.id == 2 and state.ok and state.result["state"].shape == (1, 4096, 2048), state.error
+        assert (stopping.id, stopping.result) == (3, {"stopping": True})
+        reader.close()
+        conn.close()
+        assert srv.proc.wait(REPLY_TIMEOUT_S) == 0, srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_curve_admits_only_known_clients(tmp_path):
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    clients = tmp_path / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    server_public_file, server_secret_file = zmq.auth.create_certificates(str(keys), "server")
+    known_public_file, known_secret_file = zmq.auth.create_certificates(str(clients), "known")
+    os.rename(known_secret_file, keys / "known.key_secret")  # the server sees only public keys
+    unix_path = str(tmp_path / "s.sock")
+    srv = ServerProcess(str(tmp_path), "--unix", unix_path, "--zmq", "tcp://:*",
+                        "--curve-secret-key", server_secret_file, "--curve-clients", str(clients))
+    try:
+        srv.wait_for_path(unix_path)
+        with UnixClient(unix_path) as probe:
+            endpoint = zmq_endpoint(probe.info(), "zmq-tcp", "tcp://:*")
+        server_public, _ = zmq.auth.load_certificate(server_public_file)
+        known = zmq.auth.load_certificate(str(keys / "known.key_secret"))
+        with ZmqClient(endpoint, curve_server_key=server_public, curve_keypair=known) as client:
+            assert client.ping() == {"pong": True}
+        for stranger in ({"curve_server_key": server_public}, {}):  # unknown key; no CURVE at all
+            with ZmqClient(endpoint, **stranger) as client:
+                with pytest.raises(TimeoutError):
+                    client.request("ping", timeout=1.5)
+            # Refused, it never had a peer to send to: its io thread waited for one without
+            # blocking, and stopped when closed (a blocked one was left in use as its socket was
+            # closed, which aborts the process).
+            assert not client._thread.is_alive()
+    finally:
+        assert srv.stop() == 0, srv.log()

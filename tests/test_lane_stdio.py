@@ -1,0 +1,69 @@
+"""The stdio lane in process: its reader (`serve_frames`) on pipes, with a stand-in dispatcher."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import protocol
+from bridge.buffers import BufferPool
+from bridge.transports.framed import read_frame
+
+from lane_helpers import REPLY_TIMEOUT_S, RecordingDispatcher
+from waiting import wait_until
+
+
+class ReaderWatchingBacklog:
+    """The stdio reader's input, which notes whether it is read while replies of `conn` wait
+    for its writer thread."""
+
+    def __init__(self, raw, conn):
+        self.raw, self.conn = raw, conn
+        self.read_while_backlogged = threading.Event()
+
+    def readinto(self, view):
+        if self.conn._backlog:
+            self.read_while_backlogged.set()
+        return self.raw.readinto(view)
+
+    def fileno(self):
+        return self.raw.fileno()
+
+
+def test_a_stdio_peer_whose_replies_wait_for_it_has_no_more_requests_read_meanwhile(tmp_path):
+    """Written non-blocking, a reply the peer does not take in time goes to a writer thread;
+    requests read and answered meanwhile would queue replies for a peer that reads none without
+    bound. The stdio reader takes the next frame once its replies are written."""
+    from bridge.transports.framed import FdConnection, WriterThreads, serve_frames
+
+    requests_in, requests_out = os.pipe()
+    replies_in, replies_out = os.pipe()
+    os.set_blocking(replies_out, False)
+    writers = WriterThreads()
+    conn = FdConnection("stdio", replies_out, writers.start)
+    big = bytes(range(256)) * 1024  # echoed: more than the pipe (64 KiB) holds
+    reader_waits = threading.Event()
+    real_wait = conn.wait_until_written
+
+    def noting_the_wait():
+        if conn._backlog:
+            reader_waits.set()
+        real_wait()
+
+    conn.wait_until_written = noting_the_wait
+    with open(requests_in, "rb", buffering=0) as raw, open(replies_in, "rb", buffering=0) as replies:
+        watched = ReaderWatchingBacklog(raw, conn)
+        reading = threading.Thread(target=serve_frames, args=(watched, conn, RecordingDispatcher(),
+                                                              BufferPool(), 1 << 20), daemon=True)
+        reading.start()
+        with open(requests_out, "wb", buffering=0) as requests:
+            requests.write(protocol.encode_frame(big) + protocol.encode_frame(b"next"))
+        wait_until(lambda: watched.read_while_backlogged.is_set() or reader_waits.is_set(),
+                   "the reader neither read on nor waited for the writer")
+        assert not watched.read_while_backlogged.is_set(), "a frame was read while replies waited"
+        assert bytes(read_frame(replies)) == big and bytes(read_frame(replies)) == b"next"
+        reading.join(REPLY_TIMEOUT_S)
+        assert not reading.is_alive()
+    os.close(replies_out)
+    assert writers.join(time.monotonic() + REPLY_TIMEOUT_S) == 0

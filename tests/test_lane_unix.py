@@ -1,0 +1,294 @@
+"""The unix lane in process (UnixTransport with a stand-in or in-process dispatcher, or driven
+by hand): connections turned away, frames that cannot be read or answered, accept failures,
+turns between connections, one writer thread per connection, taking over a socket path."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+import protocol
+from bridge.transports.framed import read_exact, read_frame
+
+from kernel_cases import ScanCase, make_scan_inputs
+from lane_helpers import request_frame, scan_frame, read_reply, raw_unix, RecordingDispatcher
+
+
+@contextlib.contextmanager
+def unix_lane(tmp_path, dispatcher, **caps):
+    """An in-process unix lane for `dispatcher` at tmp_path/lane.sock, not yet started (a test
+    may reach in first), closed after; `caps` override its small limits."""
+    from bridge.transports.unix import UnixTransport
+
+    options = {"max_frame_size": 1 << 20, "max_in_flight": 4, "max_connections": 4, **caps}
+    transport = UnixTransport(dispatcher, str(tmp_path / "lane.sock"), **options)
+    try:
+        yield transport
+    finally:
+        transport.close()
+
+
+def test_a_connection_turned_away_counts_its_answer_as_sent(tmp_path, inproc):
+    """The `overloaded` answer to a connection past --max-connections answers no frame read:
+    it counts in replies_out, bytes_out and the errors, and in frames_in nothing."""
+    srv = inproc()
+    stats = srv.server.stats
+    with unix_lane(tmp_path, srv.dispatcher, max_connections=1) as transport:
+        transport.start()
+        kept = raw_unix(transport.path)
+        kept_reader = kept.makefile("rb", buffering=0)
+        kept.sendall(request_frame(1, "ping"))
+        assert read_reply(kept_reader).ok
+        before = stats.snapshot()
+        turned_away = raw_unix(transport.path)
+        body = read_frame(turned_away.makefile("rb", buffering=0))
+        assert protocol.decode_reply(body).error["code"] == "overloaded"
+        # Read by the thread that turned the other away: answered once that is done.
+        kept.sendall(request_frame(2, "ping"))
+        pong = read_frame(kept_reader)
+        assert protocol.decode_reply(pong).ok
+        after = stats.snapshot()
+        turned_away.close()
+        kept_reader.close()
+        kept.close()
+    assert [after[key] - before[key] for key in ("frames_in", "replies_out", "bytes_out")] == \
+        [1, 2, len(body) + len(pong)]
+    assert after["errors"]["overloaded"] - before["errors"].get("overloaded", 0) == 1
+
+
+def test_a_unix_connection_whose_frame_cannot_be_read_ends_there_and_the_lane_serves_on(tmp_path):
+    """A failure inside a frame (here: no buffer for its body) must end that connection's input:
+    read on, the rest of the body would be taken for frames."""
+    dispatcher = RecordingDispatcher()
+    with unix_lane(tmp_path, dispatcher) as transport:
+        real_acquire = transport.pool.acquire
+
+        def acquire(size):
+            if size == 1000:
+                raise MemoryError("no buffer for this body")
+            return real_acquire(size)
+
+        transport.pool.acquire = acquire
+        transport.start()
+        failing = raw_unix(transport.path)
+        # A body that reads as a run of 4-byte frames if it were taken for the stream.
+        failing.sendall(protocol.encode_frame(bytes(4) * 250))
+        try:
+            assert failing.recv(1) == b"", "the connection was not closed"
+        except ConnectionResetError:  # closed with the rest of the body unread
+            pass
+        failing.close()
+        healthy = raw_unix(transport.path)
+        healthy.sendall(protocol.encode_frame(b"hello"))
+        reader = healthy.makefile("rb", buffering=0)
+        assert bytes(read_frame(reader)) == b"hello"
+        reader.close()
+        healthy.close()
+        assert dispatcher.bodies == [b"hello"]
+
+
+def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection_serves_on(
+        tmp_path, monkeypatch, inproc):
+    """A stream reply's 4-byte prefix frames at most 2^32 - 1 bytes (SPEC §2). A reply longer
+    than that (here the limit is lowered so that a scan's state exceeds it) gets limit_exceeded
+    instead of no answer, and counts as answered: with one request allowed in flight, the
+    connection would otherwise never be read again."""
+    inputs = make_scan_inputs(ScanCase(1, 1, 64, 16, return_state=True))  # a 4 KiB state
+    frames = [scan_frame(1, inputs), request_frame(2, "ping")]  # framed before the limit is lowered
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 2048)
+    with unix_lane(tmp_path, inproc().dispatcher, max_in_flight=1) as transport:
+        transport.start()
+        conn = raw_unix(transport.path)
+        reader = conn.makefile("rb", buffering=0)
+        for frame in frames:
+            conn.sendall(frame)
+        refused, pong = read_reply(reader), read_reply(reader)
+        assert (refused.id, refused.ok, refused.error["code"]) == (1, False, "limit_exceeded")
+        detail = refused.error["detail"]
+        assert (detail["limit"], detail["max"]) == ("reply_frame_size", 2048)
+        assert detail["requested"] > 64 * 16 * 4
+        assert (pong.id, pong.ok, pong.result) == (2, True, {"pong": True})
+        reader.close()
+        conn.close()
+
+
+def test_an_error_reply_too_large_to_frame_is_answered_with_a_small_one(tmp_path, monkeypatch, inproc):
+    """An error reply echoes what the request sent (here an unknown op's name, in the message
+    and the detail), and may be too long to frame where the request was not: it is answered
+    limit_exceeded as a result too long is, not left unanswered (at a cap of one request in
+    flight, the connection would never be read again)."""
+    frames = [request_frame(1, "x" * 1500), request_frame(2, "ping")]  # framed before the limit is lowered
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 2048)
+    with unix_lane(tmp_path, inproc().dispatcher, max_in_flight=1) as transport:
+        transport.start()
+        conn = raw_unix(transport.path)
+        reader = conn.makefile("rb", buffering=0)
+        conn.sendall(b"".join(frames))
+        refused, pong = read_reply(reader), read_reply(reader)
+        assert (refused.id, refused.ok, refused.error["code"]) == (1, False, "limit_exceeded")
+        assert refused.error["detail"]["limit"] == "reply_frame_size"
+        assert (pong.id, pong.ok) == (2, True)
+        reader.close()
+        conn.close()
+
+
+def test_a_request_the_decoder_fails_on_is_answered_and_the_connection_serves_on(tmp_path, monkeypatch, inproc):
+    """A bug in decoding (not a ProtocolError) still answers the frame, internal_error with a
+    nil id: the unix lane counts it in flight until then, and at a cap of one the connection
+    would never be read again (nor closed, nor its sessions freed)."""
+    real_decode = protocol.decode_request
+
+    def decode_failing_on_ping(body, buffers=()):
+        request = real_decode(body, buffers)
+        if request.op == "ping":
+            raise RuntimeError("a decoder bug")
+        return request
+
+    monkeypatch.setattr(protocol, "decode_request", decode_failing_on_ping)
+    with unix_lane(tmp_path, inproc(native_step=False).dispatcher, max_in_flight=1) as transport:
+        transport.start()
+        conn = raw_unix(transport.path)
+        reader = conn.makefile("rb", buffering=0)
+        conn.sendall(request_frame(1, "ping") + request_frame(2, "stats"))
+        failed, served = read_reply(reader), read_reply(reader)
+        assert (failed.id, failed.ok, failed.error["code"]) == (None, False, "internal_error")
+        assert failed.error["detail"] == {"exception": "RuntimeError"}
+        assert served.id == 2 and served.ok
+        reader.close()
+        conn.close()
+
+
+class BigReplyDispatcher:
+    """Stands in for the dispatcher behind an in-process UnixTransport: a frame's first byte is
+    answered, from a thread of its own as by the worker, with REPLY_BYTES of that byte."""
+
+    REPLY_BYTES = 16 << 20
+
+    def on_frame(self, conn, body, received_ns, release=None, buffers=(), *, more_input=True):
+        tag = bytes(body[:1])
+        release()
+        threading.Thread(target=conn.send, args=([tag * self.REPLY_BYTES],), daemon=True).start()
+
+    def on_frame_error(self, conn, exc):
+        conn.send([b"refused"])
+
+
+class ListenerFailingOnce:
+    """A listening socket whose first accept() fails with `error` (as when the connection it
+    was for was aborted); the rest is the socket's own."""
+
+    def __init__(self, listener, error: int):
+        self._listener = listener
+        self._error = error
+
+    def accept(self):
+        if self._error:
+            error, self._error = self._error, 0
+            raise OSError(error, os.strerror(error))
+        return self._listener.accept()
+
+    def __getattr__(self, name):
+        return getattr(self._listener, name)
+
+
+def test_an_aborted_connection_does_not_pause_accepting_the_next(tmp_path, monkeypatch):
+    """Only running out of descriptors or memory pauses accepting (until a connection closes
+    or the sweep, here made too late to matter): a failure for one connection costs that one."""
+    from bridge.transports import unix
+
+    monkeypatch.setattr(unix, "SWEEP_SECONDS", 3600.0)
+    with unix_lane(tmp_path, RecordingDispatcher()) as transport:
+        transport._listener = ListenerFailingOnce(transport._listener, errno.ECONNABORTED)
+        transport.start()
+        conn = raw_unix(transport.path)
+        conn.settimeout(10)
+        conn.sendall(protocol.encode_frame(b"hello"))
+        reader = conn.makefile("rb", buffering=0)
+        assert bytes(read_frame(reader)) == b"hello"
+        reader.close()
+        conn.close()
+
+
+def test_a_unix_connection_streaming_a_large_frame_gives_the_others_their_turn(tmp_path):
+    """The reading thread takes at most about BYTES_PER_TURN from one connection per turn, a
+    frame's end or not: a peer streaming a frame of up to --max-frame-size would otherwise hold
+    every other connection for as long as its bytes keep coming. Driven by hand (no reading
+    thread), with more than a turn's bytes waiting in the socket."""
+    from bridge.transports import unix
+
+    with unix_lane(tmp_path, RecordingDispatcher(), max_frame_size=64 << 20) as transport, \
+            contextlib.closing(raw_unix(transport.path)) as streaming:
+        transport._accept()
+        (conn,) = transport._connections
+        waiting = 2 * unix.BYTES_PER_TURN
+        streaming.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * unix.BYTES_PER_TURN)  # room for them
+        streaming.sendall(struct.pack(">I", 64 << 20) + bytes(waiting))  # a 64 MiB frame, begun
+        transport._read(conn, others_waiting=True)
+        assert conn.more_input(), "one turn read everything the connection had"
+        assert not conn.incoming.at_frame_start and transport.dispatcher.bodies == []
+
+
+def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path, monkeypatch):
+    """A writer thread that has written the last reply of its backlog must be gone as far as a
+    new reply can tell: here it lingers (its _done made slow), while reply B, written by another
+    thread, stalls and is handed to a writer. Two writers would both write B, one stream."""
+    from bridge.transports import unix
+
+    real_done = unix.UnixConnection._done
+
+    def slow_done_on_writers(self, count=1):
+        if threading.current_thread().name.endswith("-writer"):
+            time.sleep(0.5)
+        real_done(self, count)
+
+    monkeypatch.setattr(unix.UnixConnection, "_done", slow_done_on_writers)
+    size = BigReplyDispatcher.REPLY_BYTES
+    with unix_lane(tmp_path, BigReplyDispatcher()) as transport, \
+            contextlib.closing(raw_unix(transport.path)) as conn, conn.makefile("rb", buffering=0) as reader:
+        transport.start()
+        conn.sendall(protocol.encode_frame(b"A"))
+        time.sleep(0.2)  # A is not read meanwhile: its writer thread takes it over
+        frame = memoryview(bytearray(4 + size))
+        assert read_exact(reader, frame) and bytes(frame[4:]) == b"A" * size
+        conn.sendall(protocol.encode_frame(b"B"))  # while A's writer lingers in _done
+        # B is not read meanwhile either: it is handed to a writer, and A's wakes up before it
+        # is written.
+        time.sleep(0.8)
+        assert read_exact(reader, frame) and protocol.parse_frame_header(frame[:4]) == size
+        assert bytes(frame[4:]) == b"B" * size
+        conn.settimeout(1.0)
+        with pytest.raises(socket.timeout):  # nothing after B: it was written once
+            conn.recv(1)
+        (served,) = transport._connections
+        deadline = time.monotonic() + 5
+        while served._in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert served._in_flight == 0 and not served._backlog
+
+
+def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):
+    from bridge.transports.unix import UnixTransport
+
+    options = dict(max_frame_size=1024, max_in_flight=1, max_connections=1)
+    path = str(tmp_path / "live.sock")
+    live = UnixTransport(None, path, **options)
+    with pytest.raises(OSError, match="another server is listening"):
+        UnixTransport(None, path, **options)
+    live.close()
+    assert not os.path.exists(path)
+    stale = str(tmp_path / "stale.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(stale)  # a server that died without removing its socket file
+    dead.close()
+    UnixTransport(None, stale, **options).close()
+    (tmp_path / "file").write_text("data")
+    with pytest.raises(OSError, match="non-socket file"):
+        UnixTransport(None, str(tmp_path / "file"), **options)
+    assert (tmp_path / "file").read_text() == "data"
