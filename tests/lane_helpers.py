@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from bridge.client import result_from_wire, server_env
 from bridge.transports.framed import read_frame
 
 from kernel_cases import assert_close, reference_scan
+from waiting import wait_until
 
 
 START_TIMEOUT_S = 180.0
@@ -62,13 +62,15 @@ class ServerProcess:
             return f.read()
 
     def wait_for_path(self, path: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not os.path.exists(path):
+        def created() -> bool:
             if self.proc.poll() is not None:
                 pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not create {path}:\n{self.log()}")
-            time.sleep(0.05)
+            return os.path.exists(path)
+
+        try:
+            wait_until(created, f"the server did not create {path}", START_TIMEOUT_S, interval=0.01)
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}:\n{self.log()}")
 
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:

@@ -33,6 +33,8 @@ def test_a_socket_only_server_ignores_stdin_and_stops_on_sigterm(tmp_path):
     srv.wait_for_path(unix_path)
     srv.proc.stdin.close()  # a Port-mode server would exit now
     with UnixClient(unix_path) as client:
+        # Not synchronisation: a stretch in which a server that read its stdin would see the EOF
+        # and stop; one that ignores it gives no event to wait for.
         time.sleep(0.3)
         assert client.ping() == {"pong": True}
     started = time.monotonic()
@@ -54,7 +56,9 @@ def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_pa
         conn.sendall(request_frame(1, "session_open", {"batch": 1, "dim": 4096, "state": 2048}))
         session = read_reply(reader).result["session"]
         conn.sendall(request_frame(2, "session_state", {"session": session}) + request_frame(3, "shutdown"))
-        time.sleep(0.1)  # a client busy elsewhere: the state's reply outlasts the worker's stall
+        # Not synchronisation: the slow reader under test, busy elsewhere, so that the state's
+        # reply outlasts the worker's stall and is left to a writer thread.
+        time.sleep(0.1)
         state, stopping = read_reply(reader), read_reply(reader)
         assert state.id == 2 and state.ok and state.result["state"].shape == (1, 4096, 2048), state.error
         assert (stopping.id, stopping.result) == (3, {"stopping": True})

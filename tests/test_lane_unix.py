@@ -10,7 +10,6 @@ import os
 import socket
 import struct
 import threading
-import time
 
 import pytest
 
@@ -18,7 +17,8 @@ import protocol
 from bridge.transports.framed import read_exact, read_frame
 
 from kernel_cases import ScanCase, make_scan_inputs
-from lane_helpers import request_frame, scan_frame, read_reply, raw_unix, RecordingDispatcher
+from lane_helpers import REPLY_TIMEOUT_S, RecordingDispatcher, raw_unix, read_reply, request_frame, scan_frame
+from waiting import wait_until
 
 
 @contextlib.contextmanager
@@ -237,39 +237,49 @@ def test_a_unix_connection_streaming_a_large_frame_gives_the_others_their_turn(t
 
 def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path, monkeypatch):
     """A writer thread that has written the last reply of its backlog must be gone as far as a
-    new reply can tell: here it lingers (its _done made slow), while reply B, written by another
+    new reply can tell: here it lingers (its _done held), while reply B, written by another
     thread, stalls and is handed to a writer. Two writers would both write B, one stream."""
     from bridge.transports import unix
 
     real_done = unix.UnixConnection._done
+    lingering, may_go_on, gone_on = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_done_on_writers(self, count=1):
-        if threading.current_thread().name.endswith("-writer"):
-            time.sleep(0.5)
+    def done_held_on_the_first_writer(self, count=1):
+        first = threading.current_thread().name.endswith("-writer") and not lingering.is_set()
+        if first:
+            lingering.set()
+            may_go_on.wait(REPLY_TIMEOUT_S)
         real_done(self, count)
+        if first:
+            gone_on.set()
 
-    monkeypatch.setattr(unix.UnixConnection, "_done", slow_done_on_writers)
+    monkeypatch.setattr(unix.UnixConnection, "_done", done_held_on_the_first_writer)
     size = BigReplyDispatcher.REPLY_BYTES
     with unix_lane(tmp_path, BigReplyDispatcher()) as transport, \
             contextlib.closing(raw_unix(transport.path)) as conn, conn.makefile("rb", buffering=0) as reader:
+        writers_started = []
+        start_writer = transport._writers.start
+        transport._writers.start = lambda c: (writers_started.append(c), start_writer(c))
         transport.start()
         conn.sendall(protocol.encode_frame(b"A"))
-        time.sleep(0.2)  # A is not read meanwhile: its writer thread takes it over
+        # A is not read meanwhile: its writer thread takes it over.
+        wait_until(lambda: len(writers_started) == 1, "A was never handed to a writer thread")
         frame = memoryview(bytearray(4 + size))
         assert read_exact(reader, frame) and bytes(frame[4:]) == b"A" * size
+        assert lingering.wait(REPLY_TIMEOUT_S), "A's writer never finished"
         conn.sendall(protocol.encode_frame(b"B"))  # while A's writer lingers in _done
-        # B is not read meanwhile either: it is handed to a writer, and A's wakes up before it
+        # B is not read meanwhile either: it is handed to a writer, and A's goes on before it
         # is written.
-        time.sleep(0.8)
+        wait_until(lambda: len(writers_started) == 2, "B was never handed to a writer thread")
+        may_go_on.set()
+        assert gone_on.wait(REPLY_TIMEOUT_S), "A's writer never went on"
         assert read_exact(reader, frame) and protocol.parse_frame_header(frame[:4]) == size
         assert bytes(frame[4:]) == b"B" * size
         conn.settimeout(1.0)
         with pytest.raises(socket.timeout):  # nothing after B: it was written once
             conn.recv(1)
         (served,) = transport._connections
-        deadline = time.monotonic() + 5
-        while served._in_flight and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not served._in_flight, "B was never counted answered")
         assert served._in_flight == 0 and not served._backlog
 
 

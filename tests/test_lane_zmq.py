@@ -194,9 +194,7 @@ def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tm
     with zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight=1) as (transport, client):
         client.send(b"first")
         client.send(b"second")  # waits in the lane: the peer has its one request in flight
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while not (held and held[0].peer.waiting) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: held and held[0].peer.waiting, "the second request never waited in the lane")
         # The io thread stops first, as close() stops it, so that close() is what sends the
         # first request's late reply and so dispatches the second.
         transport._stop.set()
@@ -205,7 +203,10 @@ def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tm
         held[0].send([b"first done"])
         transport.close()
         replies = []
-        while client.poll(2000, zmq.POLLIN):
+        while len(replies) < 2 and client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
+            replies.append(client.recv())
+        # close() has returned, its sockets closed: anything else it sent is right behind these.
+        while client.poll(500, zmq.POLLIN):
             replies.append(client.recv())
         assert replies == [b"first done", b"shutting down: second"]
 
@@ -229,10 +230,8 @@ def test_a_long_queue_of_requests_answered_on_the_io_thread_is_worked_off_in_tur
         client.send(b"first")
         for n in range(waiting):
             client.send(b"%d" % n)
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while not (held and len(held[0].peer.waiting) == waiting) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert held and len(held[0].peer.waiting) == waiting, "the requests past the cap did not all wait"
+        wait_until(lambda: held and len(held[0].peer.waiting) == waiting,
+                   "the requests past the cap did not all wait")
         held[0].send([b"first done"])
         replies = []
         while len(replies) < waiting + 1 and client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
@@ -512,10 +511,8 @@ def reused_descriptor_round(ipc_path: str) -> bool:
         assert monitor.poll(5000, zmq.POLLIN), "no report of the old connection's end"
         # Both ends' descriptors closed (libzmq closes them on its own threads), so that the
         # new connection's ends can take the same lowest free ones.
-        deadline = time.monotonic() + 5
-        while any(os.path.lexists(f"/proc/self/fd/{fd}") for fd in old_fds):
-            assert time.monotonic() < deadline, "the old connection's descriptors stayed open"
-            time.sleep(0.001)
+        wait_until(lambda: not any(os.path.lexists(f"/proc/self/fd/{fd}") for fd in old_fds),
+                   "the old connection's descriptors stayed open", timeout=5)
         new_client = peer_sends(b"new")
         transport._receive(0, server_socket)
         (new_peer, body) = opened[1]

@@ -10,7 +10,6 @@ import socket
 import struct
 import subprocess
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
@@ -23,8 +22,11 @@ import protocol
 from bridge.client import UnixClient, ZmqClient
 
 from bridge_fakes import served_natively
-from kernel_cases import STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs, make_update_inputs, reference_scan, reference_update
-from lane_helpers import REPLY_TIMEOUT_S, numpy_args, assert_reply_matches_reference, ServerProcess, zmq_endpoint, zmq_exchange, scan_message
+from kernel_cases import (STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, make_scan_inputs,
+                          make_update_inputs, reference_scan, reference_update)
+from lane_helpers import (REPLY_TIMEOUT_S, ServerProcess, assert_reply_matches_reference, numpy_args,
+                          scan_message, zmq_endpoint, zmq_exchange)
+from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +83,8 @@ def test_stdio_is_served_beside_the_sockets(server):
         body = msgpack.packb({"v": 1, "id": 5, "op": "info"})
         server.proc.stdin.write(struct.pack(">I", len(body)) + body)
         server.proc.stdin.flush()
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while client.stats()["ops"]["info"]["success_count"] < answered + 1:
-            assert time.monotonic() < deadline, "the stdio request was never answered"
-            time.sleep(0.05)
+        wait_until(lambda: client.stats()["ops"]["info"]["success_count"] >= answered + 1,
+                   "the stdio request was never answered", interval=0.01)
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -206,10 +206,7 @@ def test_the_legacy_format_is_served_on_the_unix_lane(server):
                           "C": C.tobytes()}, use_bin_type=False)
     with UnixClient(server.unix) as client:
         client.send_raw(body)
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while not client.unmatched:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: client.unmatched, "the legacy request was never answered")
     reply = msgpack.unpackb(client.unmatched[0].extra["raw"], raw=False)
     assert reply["status"] == "ok" and reply["shape"] == [b, l, h]
     inputs = {"x": torch.from_numpy(x), "dt": torch.from_numpy(dt), "A": torch.from_numpy(A),
@@ -237,7 +234,9 @@ def test_sixteen_pipelining_clients_each_get_exactly_their_replies(server):
                                      request_id=f"c{index}-{i}" if i % 2 else index * 1000 + i)
                        for i, inputs in enumerate(requests)]
             replies = [f.result(REPLY_TIMEOUT_S) for f in futures]
-            time.sleep(0.1)  # a duplicate reply would land in unmatched by now
+            # Replies come back in the order they were sent: a duplicate of any of the above
+            # would be in unmatched before the answer to a request sent after them all.
+            assert client.ping() == {"pong": True}
             return lane, requests, replies, list(client.unmatched)
 
     with ThreadPoolExecutor(len(CLIENT_LANES)) as pool:
@@ -269,10 +268,8 @@ def test_a_client_that_vanishes_mid_request_disturbs_no_one_and_loses_its_sessio
             futures = [stayer.submit("scan", numpy_args(i)) for i in stayer_inputs]
             for inputs, future in zip(stayer_inputs, futures):
                 assert_reply_matches_reference(future.result(REPLY_TIMEOUT_S), inputs)
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while observer.stats()["sessions"]["sessions"] != sessions_before:
-            assert time.monotonic() < deadline, "the vanished client's session was never freed"
-            time.sleep(0.1)
+        wait_until(lambda: observer.stats()["sessions"]["sessions"] == sessions_before,
+                   "the vanished client's session was never freed", interval=0.01)
 
 
 @pytest.mark.parametrize("lane", [pytest.param("unix", id="unix"), pytest.param("ipc-multipart", id="zmq-ipc"),
@@ -287,28 +284,32 @@ def test_closing_a_connection_frees_its_sessions_and_handles(server, lane):
             during = observer.stats()
             assert during["sessions"]["sessions"] == before["sessions"]["sessions"] + 1
             assert during["handles"]["handles"] == before["handles"]["handles"] + 1
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while True:
+
+        def freed() -> bool:
             after = observer.stats()
-            if (after["sessions"]["sessions"], after["handles"]["handles"]) == \
-                    (before["sessions"]["sessions"], before["handles"]["handles"]):
-                break
-            assert time.monotonic() < deadline, "the closed connection's session and handle were never freed"
-            time.sleep(0.05)
+            return (after["sessions"]["sessions"], after["handles"]["handles"]) == \
+                (before["sessions"]["sessions"], before["handles"]["handles"])
+
+        wait_until(freed, "the closed connection's session and handle were never freed", interval=0.01)
 
 
 @pytest.mark.parametrize("lane", [pytest.param("ipc-multipart", id="zmq-ipc"), pytest.param("tcp-inline", id="zmq-tcp")])
 def test_a_new_zmq_connection_keeps_its_sessions_when_an_old_one_ends(server, lane):
     """A connection that ends just before another opens (which likely gets its descriptor)
     frees only its own sessions."""
-    for _ in range(5):
-        with lane_client(server, lane) as old:
-            old.open_session(1, 3, 2)
-        with lane_client(server, lane) as new:
-            kept = new.open_session(1, 3, 2)
-            time.sleep(0.1)  # the server has long read the old connection's end
-            assert new.session_state(kept).shape == (1, 3, 2)
-            new.close_session(kept)
+    with UnixClient(server.unix) as observer:
+        sessions = lambda: observer.stats()["sessions"]["sessions"]  # noqa: E731
+        before = sessions()
+        for _ in range(5):
+            with lane_client(server, lane) as old:
+                old.open_session(1, 3, 2)
+            with lane_client(server, lane) as new:
+                kept = new.open_session(1, 3, 2)
+                # The server has read the old connection's end once its session is freed.
+                wait_until(lambda: sessions() <= before + 1, "the old connection's session was never freed",
+                           interval=0.01)
+                assert new.session_state(kept).shape == (1, 3, 2)
+                new.close_session(kept)
 
 
 def test_steps_from_many_unix_connections_are_gathered_into_batches(tmp_path):

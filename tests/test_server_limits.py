@@ -23,7 +23,8 @@ import protocol
 from bridge.client import UnixClient, ZmqClient
 
 from kernel_cases import ScanCase, make_scan_inputs
-from lane_helpers import REPLY_TIMEOUT_S, assert_reply_matches_reference, ServerProcess, zmq_exchange, scan_message, request_frame, scan_frame, read_reply, raw_unix
+from lane_helpers import (REPLY_TIMEOUT_S, assert_reply_matches_reference, ServerProcess, zmq_exchange,
+                          scan_message, request_frame, scan_frame, read_reply, raw_unix)
 from waiting import wait_until
 
 
@@ -54,9 +55,15 @@ def test_a_unix_peer_that_reads_nothing_does_not_hold_up_the_others(limited):
     stuck = raw_unix(limited.unix)
     frame = scan_frame(1, inputs)
     sender = threading.Thread(target=lambda: [stuck.sendall(frame) for _ in range(6)], daemon=True)
-    sender.start()
     try:
-        time.sleep(1.0)  # its replies pile up unread; its later requests wait, unread
+        with UnixClient(limited.unix) as observer:
+            scans = lambda: observer.stats()["ops"].get("scan", {}).get("success_count", 0)  # noqa: E731
+            answered = scans()
+            sender.start()
+            # Its cap of requests in flight answered: those replies pile up unread, and its later
+            # requests wait, unread.
+            wait_until(lambda: scans() >= answered + 2, "the stuck peer's first two requests were never answered",
+                       interval=0.01)
         with UnixClient(limited.unix) as other:
             for _ in range(5):
                 started = time.monotonic()
@@ -154,10 +161,8 @@ def test_a_unix_peer_that_half_closes_gets_its_replies_then_its_session_is_freed
             reader.close()
         finally:
             sock.close()
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while observer.stats()["sessions"]["sessions"] != sessions_before:
-            assert time.monotonic() < deadline, "the half-closed connection's session was never freed"
-            time.sleep(0.05)
+        wait_until(lambda: observer.stats()["sessions"]["sessions"] == sessions_before,
+                   "the half-closed connection's session was never freed", interval=0.01)
 
 
 def test_a_zmq_peer_past_its_queue_is_answered_overloaded_and_others_are_served(limited):
@@ -211,8 +216,9 @@ def raw_ping(path: str):
 
 
 def test_a_connection_past_the_cap_is_answered_overloaded_and_closed(limited):
-    # Connections of earlier tests close once their last reply is written: wait for them.
-    for _ in range(50):
+    attempts = []  # (connections kept, the answer and closing of the one turned away) per try
+
+    def four_kept() -> bool:
         kept, turned_away = [], None
         for _ in range(5):
             sock, reply, closed = raw_ping(limited.unix)
@@ -224,10 +230,13 @@ def test_a_connection_past_the_cap_is_answered_overloaded_and_closed(limited):
                 break
         for sock in kept:
             sock.close()
-        if len(kept) == 4:
-            break
-        time.sleep(0.1)
-    assert len(kept) == 4 and turned_away is not None
+        attempts.append((len(kept), turned_away))
+        return len(kept) == 4
+
+    # Connections of earlier tests close once their last reply is written: wait for them.
+    wait_until(four_kept, "4 connections were never kept at once", interval=0.1)
+    _, turned_away = attempts[-1]
+    assert turned_away is not None
     reply, closed = turned_away
     assert reply.id is None and reply.error["code"] == "overloaded" and reply.error["detail"]["limit"] == 4
     assert closed
@@ -300,10 +309,8 @@ def test_a_unix_server_out_of_descriptors_accepts_again_once_a_connection_closes
             client = UnixClient(path)
             pong = client.submit("ping")
             # Either it is answered, or accepting it failed (the server says so in its log).
-            deadline = time.monotonic() + REPLY_TIMEOUT_S
-            while not pong.done() and "accepting paused" not in srv.log():
-                assert time.monotonic() < deadline, "neither answered nor refused by accept"
-                time.sleep(0.02)
+            wait_until(lambda: pong.done() or "accepting paused" in srv.log(),
+                       "neither answered nor refused by accept", interval=0.01)
             if not pong.done():
                 waiting = (client, pong)
                 break
