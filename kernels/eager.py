@@ -18,7 +18,7 @@ real inputs reach (large softplus(dt) times a very negative A). The step-by-step
 decays <= 1 only, so long sequences merely underflow towards 0, which is the correct answer.
 The per-step Python cost is expected to be small against the elementwise work for the sizes the
 bridge serves, and to dominate only for tiny batch*dim*state with very long sequences (no
-benchmark in bench/results/ isolates it).
+benchmark isolates it).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from ._registry import Backend
 # Target size of one per-block work buffer (decays; the state buffers have the same shape).
 # About the L2 of this machine (2 MiB in all; the elementwise ops split each buffer between
 # the two cores' threads): smaller blocks pay more per-op overhead (more chunks, strided
-# channel views), larger ones spill to L3. An L2-sized choice, not a recorded optimum; the
-# recorded torch backend times are in bench/results/kernels-cpu.json.
+# channel views), larger ones spill to L3. An L2-sized choice, not a measured optimum; the
+# torch backend's times are in docs/performance.md, "CPU kernels".
 _BLOCK_BYTES = 2 * 1024 * 1024
 
 

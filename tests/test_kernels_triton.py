@@ -51,7 +51,7 @@ INTERPRETER_UPDATE_BLOCKS = configs.UpdateBlocks(block_d=4, num_warps=1)
 def _scan_split_params():
     """Every shared case in two sequence splits: one segment (a single launch; the state crosses
     tiles in registers) and segments of two tiles (pass 1 writes carries, pass 2 looks back over
-    them). The three cases that take 10-15 s per split on the interpreter run there in one split."""
+    them). The three slowest cases on the interpreter run there in one split."""
     interpreter_once = {("all-options-bld", "two-tiles"), ("all-options-bdl", "whole"),
                         ("long-odd", "whole")}
     params = []

@@ -33,18 +33,15 @@ using scan_bridge::Strided;
 
 namespace {
 
-// State-element updates each thread of a call gets at least (fewer: fewer threads). Against
-// 2^16, 2^15 splits calls of 2^16 updates across both threads of the 2-core box: an 8x512x16
-// step, a 1x64x64x16 scan. In six paired A/Bs of such calls (2 threads, helpers awake), 2^15
-// was 1.47-1.51x faster in three and within 0.988-1.032 in the others; calls whose threading
-// did not change timed 0.961-1.008 (bench/results/kernel_min_work_per_thread_ab.json).
-// Smaller values have no recorded A/B.
+// State-element updates each thread of a call gets at least (fewer: fewer threads). Unlike
+// 2^16, 2^15 splits calls of 2^16 updates (an 8x512x16 step, a 1x64x64x16 scan) across two
+// threads, which was faster or no slower (docs/performance.md, "kernel min work per thread").
+// Smaller values were not compared.
 constexpr int64_t kMinWorkPerThread = 1 << 15;
 // State-element updates below which a call does not wake sleeping helpers (HelperPool::Wake):
-// about 0.3 ms on one core of the 2-core box (128 rows of 512x16, step_time_probes.json). A
-// choice, not a measured break-even: the 32x512x16 step (2^18) is below, and woken for, it was
-// slower (helper_wake_ab.json); ExPhil's scan (about 2^24) is far above; sizes in between were
-// not timed both ways.
+// 128 rows of 512x16. A choice, not a measured break-even: the 32x512x16 step (2^18) is below,
+// and woken for it was slower (docs/performance.md, "helper wake"); ExPhil's scan (about 2^24)
+// is far above; sizes in between were not timed both ways.
 constexpr int64_t kMinWorkToWake = 1 << 20;
 
 DType dtype_of(const at::Tensor& t, const char* name) {

@@ -11,19 +11,18 @@
 //
 // Why not at::parallel_for: OpenMP's fork/join makes every call wait until each team thread
 // has been scheduled and finished a fixed share; on a small machine whose other core runs
-// another process, a 50 us state update then waits for a scheduler time slice (milliseconds,
-// seen while developing; not a recorded benchmark).
+// another process, a short state update then waits for a scheduler time slice (seen while
+// developing; not a recorded benchmark).
 // Here the caller starts at once, helpers join when they get a core, and the caller never
 // waits for one that has not started.
 //
 // A call too small to be worth waking a sleeping helper for (Wake::if_calls_close) offers its
 // work to the helpers only when the previous call ended less than kSpin ago, so that they are
 // still polling or a stream of calls has begun. A lone call -- a 60 FPS game loop's step, long
-// after the last -- then runs on the calling thread alone: on the 2-core box, where the client
-// waits on the other core, the paced game loop's kernel stage was 371 us so against 981 us with
-// the helper woken for every step (bench/results/helper_wake_ab.json). Which of the woken
-// helper's costs weighed most -- its late start, the core it took from the client, its 1 ms of
-// polling after, or a range the caller had to wait for -- no recording separates.
+// after the last -- then runs on the calling thread alone: on two cores, where the client waits
+// on the other one, waking the helper for every step made the paced game loop's kernel stage
+// slower (docs/performance.md, "helper wake"); no recording separates which of the woken
+// helper's costs weighed most.
 //
 // After fork() the child runs everything on the calling thread (the pool's threads and lock
 // stay in the parent).
@@ -122,8 +121,8 @@ class HelperPool {
   // How long an idle helper keeps polling before it sleeps: back-to-back calls (a decode loop,
   // a game loop's steps) then find it awake instead of paying a futex wake-up, at the cost of
   // up to this much spinning on its core after each call (libgomp's default wait policy spins
-  // too). Against 0 (sleep at once), in the game loop's steps: kernel call 109-158 us against
-  // 230-311 us (bench/results/helper_spin_ab.json).
+  // too). Sleeping at once made the game loop's kernel calls slower (docs/performance.md,
+  // "helper spin").
   static constexpr std::chrono::microseconds kSpin{1000};
 
   static int64_t now_us() {

@@ -385,11 +385,10 @@ struct Math<float> {
   // after the 1 to reach 5e-9, two multiply-adds more).
   // exp2's argument |x| log2e is rounded to fp32 first: up to 2^-24 |x| of relative error in e
   // (1.8e-6 at x = -30, where softplus(x) is e), plus 1.3e-8 |x| from log2e's own rounding.
-  // Whether a compiler's fused multiply-adds recover the first varies: the 1e-6 softplus test
-  // passed built by GCC 12 on an EPYC and failed (1.7e-6) built by GCC 13 on the H100
-  // machine's Xeon (bench/results/gpu_test_runs.json). Carrying the product exactly, as a
-  // hi + lo pair, made the step 4% slower (bench/results/softplus_exact_argument_ab.json) for
-  // an error that only a dt far below softplus's working range carries.
+  // Whether a compiler's fused multiply-adds recover the first varies, so the 1e-6 softplus
+  // test can fail on some builds. Carrying the product exactly (a hi + lo pair) made the step
+  // slower (docs/performance.md, "softplus exact argument") for an error that only a dt far
+  // below softplus's working range carries.
   static inline V softplus(V x) {
     const V ax = x < 0.0f ? -x : x;
     const V e = exp2(-ax * kLog2e);
@@ -808,8 +807,7 @@ class StepRunner {
 
   // Items begin .. end - 1, walked with running (row, block) counters rather than divisions
   // per item: an item (W channels of one row: 16 vectors for a state of 16) is too little work
-  // to carry them. With y stored in place below: step 48.8 against 51.9 us (p20, medians of 20
-  // alternated runs, bench/results/step_run_range_ab.json).
+  // to carry them (docs/performance.md, "step run range").
   void run_range(int64_t begin, int64_t end) {
     int64_t b = begin / blocks_.count;
     int64_t block = begin % blocks_.count;

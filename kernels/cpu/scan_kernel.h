@@ -55,10 +55,8 @@ int64_t work_per_item(const ScanProblem& p);
 // helps with what is left of the others'. While the threads keep pace, each one so meets the
 // same items call after call: in a state update, the same pool rows, which then stay in its
 // core's L2 instead of moving between the cores on every step. Against one queue shared by all,
-// three A/Bs of alternated runs on the 2-core box: a 32x512x16 step's medians 53 us against
-// 75 us, 60 against 79 (the runs overlap: 44-100 us against 52-102 us), then 52.5 against 54.8,
-// the shared queue's runs either as fast or at 75-92 us; the ExPhil scan no slower
-// (bench/results/work_split_affinity_ab.json, _ab_rerun.json, _ab_third.json).
+// the step was as fast or faster and the ExPhil scan no slower (docs/performance.md, "work
+// split affinity").
 class WorkQueue {
  public:
   WorkQueue(int64_t items, int64_t chunk, int seats)

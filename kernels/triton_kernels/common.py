@@ -145,8 +145,8 @@ def wide_offsets(per_row, whole) -> bool:
     `per_row`: tensors whose first axis is the row or the slot, counted without it; `whole`:
     tensors indexed without a row (A, D, dt_bias). None entries are skipped."""
     # No offset within a tensor passes the elements its storage holds, so with every storage
-    # below the limit (ordinary sizes) the launch needs no per-axis sums, which cost 4.5-5.4x
-    # as much on this path of every launch (bench/results/triton_wide_offsets_check.json).
+    # below the limit (ordinary sizes) the launch needs no per-axis sums, which would cost every
+    # launch host time (docs/performance.md, "triton wide offsets").
     if all(t.untyped_storage().nbytes() < INT32_OFFSET_LIMIT * t.element_size()
            for t in (*per_row, *whole) if t is not None):
         return False

@@ -1,11 +1,9 @@
 """The state update captured as a CUDA graph, for a caller that repeats one problem many times
 (the bridge's steps: the same session pool, A, shapes and options every frame).
 
-What it saves is host time, which bounds a small step on a GPU: the Triton backend's call
-alone costs the host 69 µs for a 32×512×16 step, unsynced
-(bench/results/triton_launch_host_time_probe.json), before the kernels API's checks, and the
-server's step took 2.1–2.3× less time with captures than without
-(bench/results/cuda_graph_steps_ab.json). A replay is one call.
+What it saves is host time, which bounds a small step on a GPU: a replay is one call where the
+Triton backend's launch and the kernels API's checks are many, and the server's step was faster
+with captures (docs/performance.md, "triton launch host time" and "CUDA graph steps").
 
 A capture owns one pinned host buffer and one device buffer holding every per-call input (x,
 dt, B, C, z, slots) at fixed offsets, and y's buffers. A call writes its inputs into the host
