@@ -71,14 +71,11 @@ def _decode_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...]) -> 
 # -- valid requests, in one typed decode of their arguments ----------------------------------
 # Nearly every request is valid as it comes. Decoding each one's argument map as one typed
 # struct (per op, from the schema, each kind's rule a msgspec constraint) is cheaper than
-# checking it one argument at a time (a 32x512x16 step's decode stage 48-53 us against 58-62
-# back to back, bench/results/protocol_typed_decode_ab.json, measured at a6ec028, before its
-# scalar checks became the msgspec constraints of bf4b27b, which was not re-measured; the
-# step's round trips did not move beyond their runs' spread); whatever that finds amiss -- or
-# cannot tell, such as an alias or a key given twice -- sends the request down the
-# argument-by-argument path below, which names what is wrong. So this path only ever accepts,
-# and accepts exactly what that one does (tests/test_protocol_properties.py holds the two to
-# that). Tensor arguments stay Raw: Reader.valid_tensor checks each, its key count included.
+# checking it one argument at a time (docs/performance.md, "protocol typed decode"); whatever
+# that finds amiss -- or cannot tell, such as an alias or a key given twice -- sends the request
+# down the argument-by-argument path below, which names what is wrong. So this path only ever
+# accepts, and accepts exactly what that one does (tests/test_protocol_properties.py holds the
+# two to that). Tensor arguments stay Raw: Reader.valid_tensor checks each, its key count included.
 
 _TENSOR_KINDS = ("tensor", "tensor_data")
 # Each scalar kind of schema.KIND_EXPECTED as a msgspec type: the constraints reject what the
