@@ -6,11 +6,10 @@ multiple of its item size is copied once to aligned memory (the kernels expect a
 operands) unless the backend reads unaligned memory itself (the "cpu" backend). On CUDA the
 copy to the device is the staging copy.
 
-Each conversion is one torch call (through numpy, which makes the views for a fraction of the
-cost): after a kernel has swept megabytes through the caches, every torch call pays for its
-deep dispatch path in cache misses. Against two calls in and four out, a game-loop step's h2d
-went from 43 to 29 µs and its d2h from 26 to 16 µs (medians of three alternated runs each,
-bench/results/game_loop_tensor_views_ab.json).
+Each conversion is one torch call (through numpy, which makes the views more cheaply): after a
+kernel has swept megabytes through the caches, every torch call pays for its deep dispatch path
+in cache misses, so fewer calls made a game-loop step's copies in and out faster
+(docs/performance.md, "game loop tensor views").
 """
 
 from __future__ import annotations

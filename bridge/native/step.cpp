@@ -1,7 +1,7 @@
 // The native step path: a `step` request served from its frame to its reply frame in one C++
 // call, for the CPU kernels.
 //
-// Why (the Python per-request work a paced step spent, with its recordings): the docstring of
+// Why (the Python per-request work a paced step spent): the docstring of
 // bridge/native/__init__.py. Here the request is read where it lies in the frame, the kernel
 // reads its operands there and writes y straight into the reply, and the reply is built around
 // it: no tensors and no copies.

@@ -5,10 +5,8 @@ One thread reads every connection: it waits on all of them at once (a selector),
 each has without blocking into pooled buffers (as on stdio), and hands each complete frame to
 the dispatcher on the spot, so a plain step is served natively on that thread as one over stdio
 is. With a reader thread per connection, as this lane had before, many callers lost most of
-their throughput (a thread wake-up and a GIL hand-over at every step, most likely; nothing
-recorded splits it out): 8 callers, each on a connection of its own, stepping 1-row sessions
-got 7.1k steps/s then and 20.7k now (2.91x, rounds 1.97-3.40); 32-row ones 3.5k and 5.3k
-(1.51x); bench/results/unix_event_loop_ab.json.
+their throughput, most likely to a thread wake-up and a GIL hand-over at every step
+(docs/performance.md, "unix event loop").
 
 Each connection has a cap on the requests it has in flight: at the cap its input is no longer
 read, so the peer's further requests wait in its own socket buffer and nobody else's. Replies
@@ -57,14 +55,13 @@ OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.E
 POOLED_BUFFERS = 32
 # Socket buffers of each connection (the kernel caps them at net.core.wmem_max / rmem_max).
 # The default ~200 KiB made a 4 MB reply and an 8 MB request take dozens of wake-ups each
-# side; at 4 MiB the Elixir client's ExPhil round trip lost ~0.4 ms of IPC (median IPC
-# 3.37 ms against 3.80 ms over three alternated runs each,
-# bench/results/elixir_unix_socket_buffers_ab.json).
+# side; 4 MiB made the Elixir client's ExPhil round trip cheaper (docs/performance.md, "elixir
+# unix socket buffers").
 SOCKET_BUFFER_BYTES = 4 << 20
 # Frames, and bytes, taken from one connection before the reading thread looks at the others
 # again, so that neither a peer pipelining many small requests nor one streaming a large frame
 # (up to --max-frame-size) can keep the others waiting. The byte cap cost a lone ExPhil request
-# no measurable IPC (1.03x, within the runs' spread, bench/results/unix_bytes_per_turn_ab.json).
+# no measurable IPC (docs/performance.md, "unix bytes per turn").
 FRAMES_PER_TURN = 16
 BYTES_PER_TURN = 1 << 20
 

@@ -422,8 +422,8 @@ class ZmqTransport:
         the io thread. Made on the io thread (a request served where it was read, as the native
         step path serves one) it is queued behind what was posted before it and sent as soon as
         the dispatcher returns from the request (_dispatch), instead of being posted to this
-        thread through the eventfd and held until the loop's next flush
-        (bench/results/zmq_direct_reply_ab.json). Never sent from in here: the dispatcher may
+        thread through the eventfd and held until the loop's next flush (docs/performance.md,
+        "zmq direct reply"). Never sent from in here: the dispatcher may
         still hold its serving lock and count the request in flight, and a send can start a
         request that waited past its peer's cap (_answered), which needs both."""
         entry = (target.peer, target.envelope, parts, buffers)
