@@ -14,9 +14,9 @@
 #     answers from handle_info, as the client does once the reply is in).
 #
 # The whole sequence runs `--rounds` times with the same clients; the goals are the medians of
-# the rounds' ratios, and every round's rows are kept. Rounds show the spread within one run;
-# between runs the step's Port echo has moved by half while staying put within each (0.31 ms in
-# every round of the recording at c0a1d94, 0.46-0.51 ms at 4134dcd), which they do not capture.
+# the rounds' ratios, and every round's rows are kept. Rounds show the spread within one run,
+# not between runs: the step's Port echo has moved from one run to the next while staying put
+# within each (docs/performance.md, "elixir roundtrip").
 #
 #   mix run bench/roundtrip.exs [--iterations 30] [--step-iterations 400] [--rounds 3] [--out PATH]
 #

@@ -38,7 +38,8 @@ defmodule ScanBridge do
     * `transport: {:unix, path}`: the server is still spawned (and watched) as a Port, and
       told to listen on `path`; every request then goes over one unix-socket connection
       (`:gen_tcp`, `{:local, path}`, packet 4), cheaper than the pipes for big tensors
-      (measured by `bench/roundtrip.exs`; the numbers are in the client's README).
+      (measured by `bench/roundtrip.exs`; the results are in the project's
+      docs/performance.md, "elixir roundtrip").
       Sessions and handles belong to the connection that made them, which is why all
       requests share the one lane.
 
