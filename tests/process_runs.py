@@ -14,9 +14,10 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
+
+from waiting import poll_until
 
 RUN_MARKER = "SCAN_BRIDGE_TEST_RUN"
 # A server whose client went away exits on stdin EOF within a second, one still starting up
@@ -76,9 +77,13 @@ def run_marked(command: list[str], *, timeout_s: float, cwd=None, env: dict | No
 def reap_marked(marker: str, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
     """Waits up to `grace_s` for the processes carrying `marker` in their environment to exit,
     then kills and describes those still there."""
-    deadline = time.monotonic() + grace_s
-    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    left: list[int] = []
+
+    def all_gone() -> bool:
+        left[:] = processes_with_marker(marker)
+        return not left
+
+    poll_until(all_gone, grace_s, interval=0.1)
     described = []
     for pid in left:
         described.append(describe_process(pid))

@@ -13,11 +13,8 @@ import contextlib
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
-import sys
 import threading
-import time
 import warnings
 
 import msgpack
@@ -28,7 +25,6 @@ from protocol import encode_frame
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT_DIR = os.path.join(ROOT, "examples", "c_client")
 VECTORS = os.path.join(ROOT, "protocol", "vectors")
-START_TIMEOUT_S = 180.0
 
 
 def compiler() -> str | None:
@@ -109,25 +105,18 @@ def build_plain_client() -> str:
 @pytest.fixture(scope="module")
 def endpoints(scan_client, tmp_path_factory):
     """A live server on zmq ipc and tcp; its tcp port is read from `info` over the unix lane."""
-    from bridge.client import UnixClient, server_env
+    from bridge.client import UnixClient
+    from lane_helpers import ServerProcess
 
     directory = tmp_path_factory.mktemp("c-client")
     unix_path = str(directory / "bridge.sock")
-    env = server_env()
-    log = open(directory / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", "--unix", unix_path,
-                             "--zmq", f"ipc://{directory}/bridge.ipc", "--zmq", "tcp://:*"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=env)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not os.path.exists(unix_path):
-        assert proc.poll() is None and time.monotonic() < deadline, (directory / "server.log").read_text()
-        time.sleep(0.05)
+    srv = ServerProcess(str(directory), "--unix", unix_path, "--zmq", f"ipc://{directory}/bridge.ipc",
+                        "--zmq", "tcp://:*")
+    srv.wait_for_path(unix_path)
     with UnixClient(unix_path) as client:
         zmq = [entry.split(" ", 1)[1] for entry in client.info()["transports"] if entry.startswith("zmq ")]
     yield {"ipc": next(e for e in zmq if e.startswith("ipc://")), "tcp": next(e for e in zmq if e.startswith("tcp://"))}
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(10) == 0
-    log.close()
+    assert srv.stop() == 0, srv.log()
 
 
 def count_vectors() -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import shlex
+import signal
 import sys
 import threading
 import weakref
@@ -19,6 +20,8 @@ import bridge.client
 import protocol
 from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient, ServerExited, from_wire, to_wire
 from bridge.transports.framed import read_frame, write_all
+
+from waiting import wait_until
 
 REPLY_TIMEOUT_S = 10
 
@@ -261,26 +264,27 @@ def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
 
 
 def test_a_request_submitted_while_close_waits_for_the_server_is_refused(tmp_path):
-    stdin_closed, release = tmp_path / "stdin-closed", tmp_path / "release"
-    # Reads its stdin to the end, says so, and exits only when the test lets it.
+    stdin_closed = tmp_path / "stdin-closed"
+    # Reads its stdin to the end, says so, and exits only when the test lets it (SIGUSR1, held
+    # pending from the start so that it cannot come too early).
     lingering = f"""
-import os, sys, time
+import signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1}})
 sys.stdin.buffer.read()
 open({str(stdin_closed)!r}, "w").close()
-while not os.path.exists({str(release)!r}):
-    time.sleep(0.01)
+signal.sigwait({{signal.SIGUSR1}})
 """
     client = PortClient(command=[sys.executable, "-c", lingering])
     closing = threading.Thread(target=client.close)
     closing.start()
     try:
-        while not stdin_closed.exists():
-            closing.join(0.01)
+        wait_until(stdin_closed.exists, "the server never read its stdin to the end", REPLY_TIMEOUT_S)
+        assert closing.is_alive(), "close() did not wait for the server"
         # stdin's fd number is free now, for any file opened next: nothing may be written to it.
         with pytest.raises(ServerExited, match="the client is closed"):
             client.submit("ping")
     finally:
-        release.touch()
+        client.proc.send_signal(signal.SIGUSR1)
         closing.join(REPLY_TIMEOUT_S)
     assert client.proc.returncode == 0
 

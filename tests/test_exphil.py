@@ -5,8 +5,6 @@ reproduces that here. Replies are matched the way its GenServer pattern-matches 
 
 from __future__ import annotations
 
-import time
-
 import msgpack
 import numpy as np
 import pytest
@@ -14,6 +12,8 @@ import torch
 
 from bridge.client import PortClient
 from kernels.reference import selective_scan_ref
+
+from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,7 @@ def msgpax(obj) -> bytes:
 def exphil_call(client, obj, pack=msgpax) -> dict:
     before = client.unmatched_count
     client.send_raw(pack(obj))
-
-
-    deadline = time.monotonic() + 60
-    while client.unmatched_count == before:
-        assert time.monotonic() < deadline, "no reply"
-        time.sleep(0.002)
+    wait_until(lambda: client.unmatched_count != before, "no reply")
     return last_raw(client)
 
 

@@ -23,7 +23,6 @@ import platform
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,7 @@ from kernel_cases import (
     assert_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
     make_update_inputs, random_seed, reference_scan,
 )
+from waiting import poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -214,17 +214,19 @@ def test_forked_child_computes_without_the_parents_helpers(restore_threads):
             os._exit(0 if torch.equal(y, expected[0]) and torch.equal(state, expected[1]) else 1)
         except BaseException:
             os._exit(2)
-    deadline = time.monotonic() + 60
-    while True:
+    statuses = []
+
+    def child_exited() -> bool:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0
+            statuses.append(status)
+        return bool(done)
+
+    if not poll_until(child_exited, 60, interval=0.01):
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(statuses[0]) == 0
 
 
 # Run in a fresh process: how many threads it has before and after its kernel calls, made back
@@ -242,7 +244,7 @@ rows = [int(r) for r in sys.argv[1:]]
 inputs = [make_update_inputs(UpdateCase(r, 512, 16), seed=k) for k, r in enumerate(rows)]
 tiny = make_update_inputs(UpdateCase(1, 16, 16), seed=len(rows))  # below one thread's share
 kernels.selective_state_update(**tiny, backend="cpu")  # imports, allocations; offers no work
-time.sleep(0.01)  # past the pool's spin (kSpin): the next call comes alone
+time.sleep(0.01)  # not synchronisation: past the pool's spin (kSpin), so the next call comes alone
 before = threads()
 for args in inputs:
     kernels.selective_state_update(**args, backend="cpu")

@@ -31,6 +31,7 @@ from bridge.tensors import to_wire
 from bridge.timing import STAGE_KEYS, now_ns
 from bridge_fakes import DrainRace, RecordingConnection, served_natively
 from kernel_cases import random_seed
+from waiting import wait_until
 
 def _native_available() -> str | None:
     from bridge.device import choose_device
@@ -267,11 +268,10 @@ def steps_of_two_connections(srv, seed: int) -> tuple[list, list[protocol.Reply]
     threads[0].start()
     assert held.inside.wait(60)
     threads[1].start()
-    deadline = time.monotonic() + 60
-    while srv.dispatcher._pending < 2 and threads[1].is_alive():
-        assert time.monotonic() < deadline, "the second step never arrived"
-        time.sleep(0.001)
-    time.sleep(HELD_S)  # what a second step waiting meanwhile reports as its queue_us, at least
+    wait_until(lambda: srv.dispatcher._pending >= 2 or not threads[1].is_alive(), "the second step never arrived")
+    # Not synchronisation: the hold under test, which a second step waiting meanwhile reports
+    # as its queue_us, at least.
+    time.sleep(HELD_S)
     held.let_go.set()
     for thread in threads:
         thread.join(60)

@@ -57,5 +57,6 @@ def test_a_run_ends_with_its_command_and_fails_on_what_it_left():
 def test_a_clean_run_passes_and_a_hung_one_is_killed_at_its_timeout():
     clean = run_marked([sys.executable, "-c", "print('ok')"], timeout_s=30, leftover_grace_s=0.5)
     assert clean.failure() is None and clean.stdout == "ok\n"
+    # Not synchronisation: a command that hangs, for the timeout under test.
     hung = run_marked([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1, leftover_grace_s=0.5)
     assert hung.returncode is None and "was still running after 1 s and was killed" in hung.failure()

@@ -18,6 +18,7 @@ import protocol
 from bridge.client import PortClient, server_env
 from protocol.vectors import generate
 from kernel_cases import SCAN_CASES, ScanCase, assert_close, make_scan_inputs, reference_scan
+from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +48,7 @@ def raw_request(client, obj_or_bytes):
     if isinstance(rid, (int, str)) and not isinstance(rid, bool):
         return client.send_raw(data, request_id=rid).result(30)
     client.send_raw(data)
-    deadline = time.monotonic() + 30
-    while client.unmatched_count == before:
-        if time.monotonic() > deadline:
-            raise TimeoutError("no reply")
-        time.sleep(0.002)
+    wait_until(lambda: client.unmatched_count != before, "no reply", timeout=30)
     return client.unmatched[-1]
 
 
@@ -331,7 +328,7 @@ def scribble():
         libc.printf(b"printf noise %d\n", 42)
         libc.fflush(None)
         print("python print noise")
-        time.sleep(0.001)
+        time.sleep(0.001)  # not synchronisation: the pace of the stray writes
 threading.Thread(target=scribble, daemon=True).start()
 from bridge.cli import main
 main(["--device", "cpu"], protocol_fd=fd)

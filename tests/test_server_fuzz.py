@@ -4,7 +4,6 @@ one reply, and the server keeps serving."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import msgpack
 import numpy as np
@@ -13,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge.client import PortClient
+
+from waiting import wait_until
 
 probe_ids = itertools.count(1 << 50)
 
@@ -84,10 +85,8 @@ def test_every_frame_answered_and_server_survives(client, body):
     assert ping.result(30).unwrap() == {"pong": True}
     # The fuzz frame was answered before the ping (the worker answers in order and decode
     # errors are answered at once), unless its id happened to match something in flight.
-    deadline = time.monotonic() + 5
-    while client.unmatched_count == before_unmatched and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert client.unmatched_count == before_unmatched + 1, f"no reply to {body[:80]!r}"
+    wait_until(lambda: client.unmatched_count != before_unmatched, f"no reply to {body[:80]!r}", timeout=5)
+    assert client.unmatched_count == before_unmatched + 1, f"more than one reply to {body[:80]!r}"
     assert pending_before.keys() == client._pending.keys()
 
 
