@@ -234,8 +234,8 @@ def test_sixteen_pipelining_clients_each_get_exactly_their_replies(server):
                                      request_id=f"c{index}-{i}" if i % 2 else index * 1000 + i)
                        for i, inputs in enumerate(requests)]
             replies = [f.result(REPLY_TIMEOUT_S) for f in futures]
-            # Replies come back in the order they were sent: a duplicate of any of the above
-            # would be in unmatched before the answer to a request sent after them all.
+            # A connection's replies arrive in the order the server sent them: a duplicate sent
+            # with those above is in unmatched before the answer to a ping sent after them all.
             assert client.ping() == {"pong": True}
             return lane, requests, replies, list(client.unmatched)
 
