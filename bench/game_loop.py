@@ -4,8 +4,8 @@
     steps of one frame each (A uploaded once as a handle). Per-frame round trip p50/p99 and
     bytes per frame (request + reply frames) against re-sending the 60-frame window every frame
     (the ExPhil way: 8.1 MB in, 3.9 MB out). For scale, the same step requests also go through
-    a C pipe echo answering with a reply of the step's size (bench/floors.py): what moving the
-    bytes alone costs (a reference, not a bound no server can beat: see README). The bridge is
+    a C pipe echo answering with a reply of the step's size (bridge/bench/floors.py): what
+    moving the bytes alone costs (a reference, not a bound no server can beat: see README). The bridge is
     driven by the same client as that echo (pre-encoded requests written, the reply read whole
     into a reused buffer, one at a time), so the two differ only by the server. Both are paced
     as a 60 FPS loop: each gets one request a frame (FRAME_SECONDS), the bridge's at the frame's
@@ -46,12 +46,11 @@ import zmq
 
 import protocol
 from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
+from bridge.bench.floors import (BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
+                                 frame_bytes, lane_call, open_floor)
+from bridge.bench.machine import summarize_us, write_results
 from bridge.bench.measure import FRAME_BUDGET_60FPS_US
 from bridge.client import PortClient
-
-from .floors import (BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
-                     frame_bytes, lane_call, open_floor)
-from .machine import summarize_us, write_results
 
 # Untimed round trips before the timed ones: first-call allocations, page faults.
 WARMUP = 20

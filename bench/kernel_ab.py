@@ -42,10 +42,10 @@ from pathlib import Path
 
 import torch
 
+from bridge.bench.machine import write_results
 from kernels.cpu import backend_from, build
 
 from .kernels import CASES_BY_NAME, backend_call, make_inputs
-from .machine import write_results
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_PATH = "kernels/cpu"  # where the sources sit in a revision's tree

@@ -40,12 +40,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bridge.bench.cases import DT_CLAMP
 import kernels
+from bridge.bench.cases import DT_CLAMP
+from bridge.bench.machine import summarize_us, write_results
 from kernels import _args
 from kernels._registry import get_backend
-
-from .machine import summarize_us, write_results
 
 BASELINES = ("reference", "torch")
 # Candidate backends per device type, in report order; only available ones run.

@@ -2,11 +2,11 @@
 
 Measures, interleaved in one run, each after the same pause:
   * server: `python -m bridge` → reply, spoken to by a lean client (the request encoded once,
-            the reply read whole into a reused buffer: bench/floors.py's StreamLane); round trip
+            the reply read whole into a reused buffer: bridge/bench/floors.py's StreamLane); round trip
             and the server's timing split;
   * echo:   the same request bytes, from the same client, through the same kind of pipes to a C
             program that reads the frame and answers with a frame of the reply's size
-            (bench/echo/pipe_echo.c);
+            (bridge/bench/echo/pipe_echo.c);
   * the Python client library (PortClient → its own server), as a caller sees it: encoding
     each request, a reader thread, decoding each reply. Reported beside, not in the ratio.
 Reports the bridge cost — round trip − kernel_us, i.e. decode, copies, queueing, encode and
@@ -27,8 +27,9 @@ import protocol
 from bridge.bench.cases import EXPHIL_SEQ, Case
 from bridge.client import PortClient
 
-from .floors import SETTLE_SECONDS, BridgeProcess, encode_request, exchange, frame_bytes, open_floor
-from .machine import summarize_us, write_results
+from bridge.bench.floors import (SETTLE_SECONDS, BridgeProcess, encode_request, exchange, frame_bytes,
+                                 open_floor)
+from bridge.bench.machine import summarize_us, write_results
 
 
 def exphil_inputs(seed: int = 0) -> dict:

@@ -37,9 +37,8 @@ import numpy as np
 
 from bridge.bench.cases import DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.bench.lanes import TRANSPORTS, log_tail
+from bridge.bench.machine import write_results
 from bridge.client import BridgeError, PortClient, ServerExited, UnixClient, ZmqClient
-
-from .machine import write_results
 
 # The long-lived session's batch: a few agents of the game loop's layer (DIM x STATE).
 ROWS = 4

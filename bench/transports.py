@@ -6,8 +6,8 @@ Lanes: stdio (the Port's pipes), unix (a unix socket), zmq-ipc and zmq-tcp (DEAL
 tensors as raw buffers, zero copy, and zmq-ipc once more with tensors inline). Cases: the
 ExPhil request (32×60×512×16 f32 scan: 8.1 MB in, 3.9 MB out) and a small step (~4 KB: batch
 2, dim 256, state 16, A a server-resident handle). Each iteration times the echo floor
-(bench/floors.py: a C echo answering with a reply of the bridge's reply sizes) and then the
-bridge, with the same client code (bench/floors.py lanes), so the two differ only by the
+(bridge/bench/floors.py: a C echo answering with a reply of the bridge's reply sizes) and then the
+bridge, with the same client code (bridge/bench/floors.py lanes), so the two differ only by the
 server. IPC cost = round trip − server_us (protocol/SPEC.md §8). Goals (issue 6): the big request's IPC
 cost ≤ 1.3× its echo on unix and zmq ipc; 16 clients pipelining 10,000 requests get every
 reply once, to the right client.
@@ -33,9 +33,9 @@ from bridge.cli import tune_malloc
 from bridge.bench.cases import Case
 from bridge.client import UnixClient, ZmqClient
 
-from .floors import (SETTLE_SECONDS, BridgeProcess, encode_request, exchange, floor_missing, frame_bytes,
-                     lane_call, open_floor)
-from .machine import write_results
+from bridge.bench.floors import (SETTLE_SECONDS, BridgeProcess, encode_request, exchange, floor_missing,
+                                 frame_bytes, lane_call, open_floor)
+from bridge.bench.machine import write_results
 from .roundtrip import exphil_inputs, summarize
 
 GOAL_IPC_OVER_ECHO = 1.3

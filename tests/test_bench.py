@@ -1,14 +1,17 @@
 """`python -m bridge.bench`: the stage split adds up, the JSON schema holds still, `--quick`
-runs end to end, and `--baseline` compares with another Port-style server. `python -m
-bench.game_loop` runs end to end."""
+runs end to end, and `--baseline` compares with another Port-style server. The repo-only
+benches (`python -m bench.game_loop`, `bench.transports`, `bench.soak`) run end to end. The
+package boundary holds: nothing installed imports the top-level `bench`, which is not installed."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -333,8 +336,8 @@ def test_transports_bench_runs_end_to_end(tmp_path):
     """`python -m bench.transports`, tiny: every lane's rows and the many-clients runs come back
     whole (nothing lost, duplicated or misrouted), with ratios and a throughput from this run's
     own numbers."""
-    from bench.floors import floor_missing
     from bench.transports import ROWS
+    from bridge.bench.floors import floor_missing
 
     missing = {lane: floor_missing(lane) for lane, _ in ROWS}
     if any(missing.values()):
@@ -380,6 +383,49 @@ def test_soak_bench_runs_end_to_end(tmp_path):
     assert result["rss_growth_kB"] == last["rss_kB"] - first["rss_kB"]
     assert result["fds"] == [first["fds"], last["fds"]]
     assert result["threads"] == [first["threads"], last["threads"]]
+
+
+# --- the package boundary ----------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTALLED = ("bridge", "kernels", "protocol")
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a file; a relative import counts as a
+    module of the file's own package, never as the top-level `bench`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_installed_packages_never_import_the_top_level_bench():
+    offenders = [f"{path.relative_to(ROOT)}:{line}: {module}"
+                 for package in INSTALLED for path in sorted((ROOT / package).rglob("*.py"))
+                 for line, module in _imported_modules(path)
+                 if module == "bench" or module.startswith("bench.")]
+    assert not offenders, "bench/ is repo-only scripts, not installed: " + "; ".join(offenders)
+
+
+def test_the_distribution_holds_bridge_kernels_and_protocol_only():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    # What setuptools' packages.find takes from the checkout (namespace packages unless switched off).
+    from setuptools import find_namespace_packages, find_packages
+
+    find = dict(config["packages"]["find"])
+    finder = find_namespace_packages if find.pop("namespaces", True) else find_packages
+    find.pop("where", None)
+    found = finder(str(ROOT), **find)
+    assert sorted({name.split(".")[0] for name in found}) == list(INSTALLED)
+    assert "bridge.bench" in found
+    # The echo floors' C sources ship with bridge.bench, which builds them on demand.
+    echo = sorted(p.relative_to(ROOT / "bridge").as_posix() for p in (ROOT / "bridge" / "bench" / "echo").iterdir())
+    patterns = config["package-data"]["bridge"]
+    assert echo and all(any(Path(name).match(pattern) for pattern in patterns) for name in echo), (echo, patterns)
 
 
 def _soak_stats(**held):

@@ -24,11 +24,10 @@ import os
 import sys
 import time
 
-from bench.machine import commit_info, machine_info
-
 from . import baseline as baseline_mod
 from .cases import DEFAULT_SIZES, EXPHIL_SEQ, QUICK_SIZES, Case, parse_sizes
 from .lanes import BenchError, ConnectedServer, SpawnedServer, choose_transports
+from .machine import commit_info, machine_info
 from .measure import fit_rows, make_row, measure_case
 from .plot import plot
 from .report import Progress, baseline_table, fits_table, frame_budget_table, results_table

@@ -1,6 +1,6 @@
 """How the benchmark reaches the server under test: the transports it knows (a table, so a
 transport is benchmarked as soon as this checkout's server and client speak it), the server it
-spawns or connects to, and each transport's floor (bench.floors: a C echo of the same bytes over
+spawns or connects to, and each transport's floor (floors.py: a C echo of the same bytes over
 the same kind of channel)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import protocol
-from bench import floors
 from bridge import client as clients
 
+from . import floors
 from .measure import Lane
 
 # How long a transport the server lists may take to answer its first ping.
@@ -28,7 +28,7 @@ class BenchError(RuntimeError):
 
 @dataclass(frozen=True)
 class TransportSpec:
-    """A transport the benchmark can drive, named as bench.floors names its echo.
+    """A transport the benchmark can drive, named as floors.py names its echo.
 
     client_class  the name of its client in bridge.client (missing there: not benchmarked)
     option        the server's option that opens it, with `value(scratch_dir)` its argument;

@@ -48,7 +48,9 @@ COMMIT_VARIABLE = "SCAN_BRIDGE_COMMIT"
 
 
 def commit_info() -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The checkout's commit, whether its tracked files differ from it, and its branch (empty
+    strings outside a git checkout, as for an installed package)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def git(*args):
         try:

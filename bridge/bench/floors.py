@@ -8,8 +8,8 @@ to in the same run.
 
 Transports (`FLOORS`): `stdio` (pipes, as a BEAM Port), `unix` (a unix socket, same framing),
 `zmq-ipc` and `zmq-tcp` (a DEALER to a ROUTER, one message per request). Each echo is a small C
-program (bench/echo/*.c) built on demand into build/; it answers every request with a reply of
-the sizes it was started with, from one buffer it filled once.
+program (echo/*.c beside this module) built on demand into `echo_build_dir()`; it answers every
+request with a reply of the sizes it was started with, from one buffer it filled once.
 
 Every lane has `round_trip_us(frame_parts) -> float`, where `frame_parts` is the request as its
 transport carries it (`lane.frame(body_parts, buffers)` makes it from an encoded request: the
@@ -36,18 +36,27 @@ from bridge.client import server_env, stop_piped_server, to_wire
 from bridge.transports.framed import read_exact, write_all
 from bridge.transports.unix import SOCKET_BUFFER_BYTES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Idle time before each timed round trip, the bridge's and its echo's, in bench.roundtrip and
 # bench.transports' rows against their echoes (roundtrip.exs pauses as long; bench.game_loop
-# paces its steps by 60 FPS frames instead; bridge.bench, bench.kernels and the back-to-back
-# series do not pause): a request that comes long after the last finds cold caches and
-# sleeping kernel helpers, which back to back no round trip would (the game loop's step echo
-# was 0.16 ms back to back in the recording at baf062c, 0.32 ms after this pause in the one at
-# ba99edc).
+# paces its steps by 60 FPS frames instead; bridge.bench does not pause): a request that comes
+# long after the last finds cold caches and sleeping kernel helpers, which back to back no round
+# trip would. How much a pause costs: docs/performance.md (the game loop's paced and
+# back-to-back steps).
 SETTLE_SECONDS = 0.005
-ECHO_SOURCES = os.path.join(ROOT, "bench", "echo")
-BUILD_DIR = os.path.join(ROOT, "build")
+# The echoes' C sources ship inside the package (package data), so that an installed bridge.bench
+# finds its floors as a checkout does.
+ECHO_SOURCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "echo")
 START_TIMEOUT_S = 10.0
+
+
+def echo_build_dir() -> str:
+    """Where the echo binaries go: `<checkout>/build/echo` (git-ignored) in a writable checkout,
+    else a per-user cache directory (an installed package's own directory may not be writable)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.isfile(os.path.join(checkout, "pyproject.toml")) and os.access(checkout, os.W_OK):
+        return os.path.join(checkout, "build", "echo")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "scan-bridge", "echo")
 
 
 class EchoUnavailable(RuntimeError):
@@ -55,24 +64,54 @@ class EchoUnavailable(RuntimeError):
 
 
 def build_echo(name: str, libs: tuple[str, ...] = ()) -> str:
-    """Path to the echo binary bench/echo/NAME.c, (re)built when the source or a header in
-    bench/echo/ (which the echoes include) is newer."""
+    """Path to the echo binary of echo/NAME.c (beside this module), (re)built when the source or
+    a header in echo/ (which the echoes include) is newer."""
     source = os.path.join(ECHO_SOURCES, f"{name}.c")
-    binary = os.path.join(BUILD_DIR, name)
+    build_dir = echo_build_dir()
+    binary = os.path.join(build_dir, name)
     inputs = [source, *glob.glob(os.path.join(ECHO_SOURCES, "*.h"))]
     if os.path.exists(binary) and os.path.getmtime(binary) >= max(map(os.path.getmtime, inputs)):
         return binary
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         raise EchoUnavailable(f"no C compiler (cc/gcc) on PATH to build the {name} echo")
-    os.makedirs(BUILD_DIR, exist_ok=True)
-    result = subprocess.run([cc, "-O2", "-o", binary, source, *libs], capture_output=True, text=True)
+    os.makedirs(build_dir, exist_ok=True)
+    # Built under a name of its own, then renamed: a process starting the echo meanwhile (another
+    # bench, a parallel test) runs the old binary or the new one, never a half-written file.
+    partial = f"{binary}.{os.getpid()}.partial"
+    result = subprocess.run([cc, "-O2", "-o", partial, source, *libs], capture_output=True, text=True)
     if result.returncode != 0:
+        if os.path.exists(partial):
+            os.unlink(partial)
         raise EchoUnavailable(f"building the {name} echo failed: {result.stderr.strip()}")
+    os.replace(partial, binary)
     return binary
 
 
-class StreamLane:
+class _Lane:
+    """What both kinds of lane share: a timed round trip (send, then receive the whole reply)
+    and `close`, which runs the `on_close` given (stopping an echo, say)."""
+
+    _on_close = None
+
+    def send(self, frame_parts: list) -> None:
+        raise NotImplementedError
+
+    def receive(self) -> memoryview:
+        raise NotImplementedError
+
+    def round_trip_us(self, frame_parts: list) -> float:
+        start = time.perf_counter_ns()
+        self.send(frame_parts)
+        self.receive()
+        return (time.perf_counter_ns() - start) / 1000.0
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+
+
+class StreamLane(_Lane):
     """A client of a stream transport (pipes or a unix socket): writes a framed request, reads
     the one reply frame into a buffer reused from call to call."""
 
@@ -110,12 +149,6 @@ class StreamLane:
         self.last_reply = body
         return body
 
-    def round_trip_us(self, frame_parts: list) -> float:
-        start = time.perf_counter_ns()
-        self.send(frame_parts)
-        self.receive()
-        return (time.perf_counter_ns() - start) / 1000.0
-
     def reply(self) -> protocol.Reply:
         """The last reply, decoded."""
         return protocol.decode_reply(self.last_reply)
@@ -123,12 +156,8 @@ class StreamLane:
     def reply_sizes(self) -> list[int]:
         return [len(self.last_reply)]
 
-    def close(self) -> None:
-        if self._on_close is not None:
-            self._on_close()
 
-
-class ZmqLane:
+class ZmqLane(_Lane):
     """A DEALER client of a ZeroMQ endpoint: sends one message, receives one, without copies."""
 
     def __init__(self, endpoint: str, on_close=None):
@@ -161,12 +190,6 @@ class ZmqLane:
         """What to poll for a reply."""
         return self._socket
 
-    def round_trip_us(self, frame_parts: list) -> float:
-        start = time.perf_counter_ns()
-        self.send(frame_parts)
-        self.receive()
-        return (time.perf_counter_ns() - start) / 1000.0
-
     def reply(self) -> protocol.Reply:
         """The last reply, decoded."""
         return protocol.decode_reply(self.last_reply[0].buffer, [f.buffer for f in self.last_reply[1:]])
@@ -176,8 +199,7 @@ class ZmqLane:
 
     def close(self) -> None:
         self._socket.close()
-        if self._on_close is not None:
-            self._on_close()
+        super().close()
 
 
 def connect_unix(path: str, on_close=None) -> StreamLane:
