@@ -353,7 +353,13 @@ def test_transports_bench_runs_end_to_end(tmp_path):
     for row in result["rows"]:
         assert row["iterations"] == (2 if row["case"] == "exphil" else 10)
         assert row["ipc_over_echo"] == pytest.approx(row["ipc"]["p50_us"] / row["echo"]["p50_us"])
+        assert row["bridge_cost_over_echo"] == pytest.approx(row["bridge_cost"]["p50_us"] / row["echo"]["p50_us"])
         assert 0 < row["ipc"]["p50_us"] < row["round_trip"]["p50_us"]
+        # The Python client library is timed beside the lean client on the stdio ExPhil row only.
+        if (row["case"], row["lane"]) == ("exphil", "stdio"):
+            assert row["python_client_round_trip"]["n"] == 2 and row["python_client_round_trip"]["p50_us"] > 0
+        else:
+            assert "python_client_round_trip" not in row
     assert sorted(c["lane"] for c in result["concurrency"]) == ["unix", "zmq-ipc"]
     for run in result["concurrency"]:
         assert (run["lost"], run["duplicated"], run["misrouted"]) == (0, 0, 0), run
@@ -383,6 +389,37 @@ def test_soak_bench_runs_end_to_end(tmp_path):
     assert result["rss_growth_kB"] == last["rss_kB"] - first["rss_kB"]
     assert result["fds"] == [first["fds"], last["fds"]]
     assert result["threads"] == [first["threads"], last["threads"]]
+
+
+def test_transports_bench_measures_only_what_is_asked(tmp_path):
+    """`--lanes stdio --cases exphil --clients 0`: one row, no many-clients run, no other lane
+    opened (the stdio ExPhil measurement on its own)."""
+    from bridge.bench.floors import floor_missing
+
+    if floor_missing("stdio"):
+        pytest.skip(floor_missing("stdio"))
+    out = tmp_path / "transports.json"
+    proc = run_marked([sys.executable, "-m", "bench.transports", "--lanes", "stdio", "--cases", "exphil",
+                       "--iterations", "2", "--clients", "0", "--json", str(out)], timeout_s=300,
+                      cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    assert "goal: big request on stdio: bridge cost" in proc.stdout
+    result = json.loads(out.read_text())["results"]
+    assert [(r["case"], r["lane"]) for r in result["rows"]] == [("exphil", "stdio")]
+    assert result["concurrency"] == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--lanes", "pigeon"], "--lanes: expected names from stdio,unix,zmq-ipc,zmq-tcp", id="lane"),
+    pytest.param(["--cases", ""], "--cases: expected names from exphil,step", id="no-case"),
+])
+def test_transports_bench_says_what_it_expected(argv, message, capsys):
+    from bench.transports import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 # --- the package boundary ----------------------------------------------------------------------

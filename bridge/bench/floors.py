@@ -36,13 +36,6 @@ from bridge.client import server_env, stop_piped_server, to_wire
 from bridge.transports.framed import read_exact, write_all
 from bridge.transports.unix import SOCKET_BUFFER_BYTES
 
-# Idle time before each timed round trip, the bridge's and its echo's, in bench.roundtrip and
-# bench.transports' rows against their echoes (roundtrip.exs pauses as long; bench.game_loop
-# paces its steps by 60 FPS frames instead; bridge.bench does not pause): a request that comes
-# long after the last finds cold caches and sleeping kernel helpers, which back to back no round
-# trip would. How much a pause costs: docs/performance.md (the game loop's paced and
-# back-to-back steps).
-SETTLE_SECONDS = 0.005
 # The echoes' C sources ship inside the package (package data), so that an installed bridge.bench
 # finds its floors as a checkout does.
 ECHO_SOURCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "echo")
