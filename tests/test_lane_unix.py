@@ -54,6 +54,9 @@ def test_a_connection_turned_away_counts_its_answer_as_sent(tmp_path, inproc):
         kept.sendall(request_frame(2, "ping"))
         pong = read_frame(kept_reader)
         assert protocol.decode_reply(pong).ok
+        # A reply is counted once written, which can be after its peer has read it.
+        wait_until(lambda: stats.snapshot()["replies_out"] - before["replies_out"] >= 2,
+                   "the turn-away's answer and the ping's reply were never both counted")
         after = stats.snapshot()
         turned_away.close()
         kept_reader.close()
