@@ -5,24 +5,23 @@ another revision, on bench.kernels' cases and inputs.
     python -m bench.kernel_ab [--base REV] [--other REV] [--cases step-32x512x16,exphil]
                               [--threads 1] [--seconds 20] [--json FILE]
 
-Why one process: on this shared machine one process's speed for the same build drifts by more
-than a kernel change is worth (20 runs of the same step kernel: 38 to 72 us,
-bench/results/kernels-cpu-runs.json), so an A/B of separate processes needs many of them and
-still blurs a few per cent. Here each build
-is loaded under a module name of its own (kernels.cpu.build.load_sources), and short blocks of
+Why one process: on a shared machine one process's speed for the same build drifts by more
+than a kernel change is worth (docs/performance.md, the kernels' run-to-run spread), so an A/B
+of separate processes needs many of them and still blurs small differences. Here each build is
+loaded under a module name of its own (kernels.cpu.build.load_sources), and short blocks of
 calls alternate between the two, the order swapped every round, so both builds meet the same
 machine state. Reported per (case, threads): the median and p20 of the blocks' mean call time
 for each build, their ratio base / other (above 1: the other build is faster), and the
 median over rounds of the ratio of the two blocks timed side by side.
 
-Two builds of the same sources, 20 s each, timed alike to within 0.7% on the step and ExPhil
-at 1 and 2 threads (bench/results/kernel_ab_identical.json): differences beyond that are the
-code's. One thread by default: a change to the kernels' code shows there undiluted. With more
-threads each build has its own helper pool: before each block the harness sleeps past the
-pool's spin (1 ms), so that the build not being timed has its helper asleep rather than
-spinning on the second core, then warms the timed build up for 2 ms (a core that idled runs
-its first calls slowly); where the scheduler puts the woken helper still varies from block to
-block, so there the p20 and the paired ratio are the steadier figures.
+How far two builds of the same sources differ here, the noise below which a difference is not
+the code's, is recorded once (docs/performance.md, identical builds A/B). One thread by
+default: a change to the kernels' code shows there undiluted. With more threads each build has
+its own helper pool: before each block the harness sleeps past the pool's spin (1 ms), so that
+the build not being timed has its helper asleep rather than spinning on the second core, then
+warms the timed build up for 2 ms (a core that idled runs its first calls slowly); where the
+scheduler puts the woken helper still varies from block to block, so there the p20 and the
+paired ratio are the steadier figures.
 
 Before timing, both builds run the same inputs once: the largest relative difference of their
 outputs (y; and the state for the state update) is reported, so an A/B of builds that compute

@@ -22,9 +22,8 @@ printed (the speedup over it is then absent).
 
 `--runs N` repeats the whole measurement in N fresh processes, `--gap-seconds` apart, and
 reports per (case, backend) the median of the runs' medians with their range: on a shared
-machine a process's speed depends on its placement and on what its neighbours do (20 runs of
-the same step kernel: 38 to 72 us, bench/results/kernels-cpu-runs.json), which one process
-cannot show.
+machine a process's speed depends on its placement and on what its neighbours do (how much:
+docs/performance.md, the kernels' run-to-run spread), which one process cannot show.
 """
 
 from __future__ import annotations
@@ -203,8 +202,8 @@ def _summary(times: list[float]) -> dict:
 
 
 def copy_bandwidth(device: torch.device, budget: Budget) -> float:
-    """Bytes per second of a 64 MiB tensor copy (beyond this machine's 32 MiB L3), counting
-    bytes read plus bytes written."""
+    """Bytes per second of a 64 MiB tensor copy (larger than the last-level caches of the
+    machines it targets), counting bytes read plus bytes written."""
     src = torch.rand(16 * 1024 * 1024, device=device)
     dst = torch.empty_like(src)
     median_us = measure(lambda: dst.copy_(src), device, budget)["median_us"]

@@ -46,11 +46,10 @@ static int write_all(int fd, struct iovec *iov, int count) {
     return 0;
 }
 
-/* A receive buffer of at least n bytes starting on a 64-byte line. Where malloc put it (16 bytes
- * past a page, as glibc does for every block it maps apart), the ExPhil request (8 MB) took
- * 5.7 ms to go through the pipe into it against 3.5 ms line-aligned, paced alike
- * (bench/results/echo_receive_buffer_ab.json): an echo that slow is no floor. Why the offset
- * costs so much here is not known (a Python reader, readinto, showed no such difference). */
+/* A receive buffer of at least n bytes starting on a 64-byte line. Where malloc puts it (16 bytes
+ * past a page, as glibc does for every block it maps apart), a large request went through the
+ * pipe into it far slower than into a line-aligned one, and an echo that slow is no floor
+ * (docs/performance.md, the echo's receive buffer). */
 static uint8_t *receive_buffer(size_t n) {
     return aligned_alloc(64, (n + 63) / 64 * 64);
 }
