@@ -6,14 +6,14 @@
     (the ExPhil way: 8.1 MB in, 3.9 MB out). For scale, the same step requests also go through
     a C pipe echo answering with a reply of the step's size (bridge/bench/floors.py): what
     moving the bytes alone costs (a reference, not a bound no server can beat:
-    docs/performance.md). The bridge is driven by the same client as that echo (pre-encoded
-    requests written, the reply read whole into a reused buffer, one at a time), so the two
-    differ only by the server. Both are paced as a 60 FPS loop: each gets one request a frame
-    (FRAME_SECONDS), the bridge's at the frame's start and the echo's half a frame later, so
-    each finds the machine idle since the other's (back to back, the cores stay warm and the
-    server's kernel helpers still poll, which no such frame finds: a step after a pause is
-    slower in every stage, docs/performance.md, game loop). The same steps are also timed back
-    to back (a server kept busy, as by many agents stepping), the bridge alone. The same steps
+    docs/performance.md, "transports"). The bridge is driven by the same client as that echo
+    (pre-encoded requests written, the reply read whole into a reused buffer, one at a time),
+    so the two differ only by the server. Both are paced as a 60 FPS loop: each gets one
+    request a frame (FRAME_SECONDS), the bridge's at the frame's start and the echo's half a
+    frame later, so each finds the machine idle since the other's (back to back, the cores stay
+    warm and the server's kernel helpers still poll, which no such frame finds: a step after a
+    pause is slower in every stage, docs/performance.md, "settle pause"). The same steps are
+    also timed back to back (a server kept busy, as by many agents stepping), the bridge alone. The same steps
     through the Python client library (bridge.client.PortClient: encoding each request, a reader
     thread, decoding each reply) are measured beside them, one a frame, timed in the calling
     thread, as a Python caller waits. Repeated `--repeats` times, each with a fresh server: one

@@ -6,7 +6,7 @@ another revision, on bench.kernels' cases and inputs.
                               [--threads 1] [--seconds 20] [--json FILE]
 
 Why one process: on a shared machine one process's speed for the same build drifts by more
-than a kernel change is worth (docs/performance.md, the kernels' run-to-run spread), so an A/B
+than a kernel change is worth (docs/performance.md, "CPU kernels": the runs' spread), so an A/B
 of separate processes needs many of them and still blurs small differences. Here each build is
 loaded under a module name of its own (kernels.cpu.build.load_sources), and short blocks of
 calls alternate between the two, the order swapped every round, so both builds meet the same
@@ -15,7 +15,7 @@ for each build, their ratio base / other (above 1: the other build is faster), a
 median over rounds of the ratio of the two blocks timed side by side.
 
 How far two builds of the same sources differ here, the noise below which a difference is not
-the code's, is recorded once (docs/performance.md, identical builds A/B). One thread by
+the code's, is recorded once (docs/performance.md, "kernel ab identical"). One thread by
 default: a change to the kernels' code shows there undiluted. With more threads each build has
 its own helper pool: before each block the harness sleeps past the pool's spin (1 ms), so that
 the build not being timed has its helper asleep rather than spinning on the second core, then

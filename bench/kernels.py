@@ -23,7 +23,7 @@ printed (the speedup over it is then absent).
 `--runs N` repeats the whole measurement in N fresh processes, `--gap-seconds` apart, and
 reports per (case, backend) the median of the runs' medians with their range: on a shared
 machine a process's speed depends on its placement and on what its neighbours do (how much:
-docs/performance.md, the kernels' run-to-run spread), which one process cannot show.
+docs/performance.md, "CPU kernels"), which one process cannot show.
 """
 
 from __future__ import annotations

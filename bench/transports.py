@@ -18,7 +18,7 @@ beside, not in the ratios.
 Goals: the ExPhil request's bridge cost ≤ 1.3× its echo over stdio (issue 2); its IPC cost ≤
 1.3× its echo on unix and zmq ipc, and 16 clients pipelining 10,000 requests get every reply
 once, to the right client (issue 6). The echo is a reference, not a lower bound: the bridge's
-own IPC can come in below it on some lanes (docs/performance.md, transports).
+own IPC can come in below it on some lanes (docs/performance.md, "transports").
 
     python -m bench.transports [--iterations 20] [--requests 10000] [--json bench/results/transports.json]
     python -m bench.transports --lanes stdio --cases exphil --iterations 40 --clients 0   # stdio only
@@ -61,7 +61,7 @@ CLIENT_LANES = ("zmq-ipc", "unix")
 # long; bench.game_loop paces its steps by 60 FPS frames instead; bridge.bench does not pause):
 # a request that comes long after the last finds cold caches and sleeping kernel helpers, which
 # back to back no round trip would, and the echo must meet the same. How much a pause costs:
-# docs/performance.md (the game loop's paced and back-to-back steps).
+# docs/performance.md, "settle pause".
 SETTLE_SECONDS = 0.005
 CONCURRENT = {"batch": 1, "seq": 4, "dim": 8, "state": 4}
 # Untimed round trips before each row's timed ones; and a whole untimed pass over the ExPhil

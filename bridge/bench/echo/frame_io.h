@@ -49,7 +49,7 @@ static int write_all(int fd, struct iovec *iov, int count) {
 /* A receive buffer of at least n bytes starting on a 64-byte line. Where malloc puts it (16 bytes
  * past a page, as glibc does for every block it maps apart), a large request went through the
  * pipe into it far slower than into a line-aligned one, and an echo that slow is no floor
- * (docs/performance.md, the echo's receive buffer). */
+ * (docs/performance.md, "echo receive buffer"). */
 static uint8_t *receive_buffer(size_t n) {
     return aligned_alloc(64, (n + 63) / 64 * 64);
 }
