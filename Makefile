@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all test bench setup kernels system-deps clean
+.PHONY: all test bench bench-record setup kernels system-deps clean
 
 all: test
 
@@ -40,8 +40,17 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The main job: where the time goes, per transport and payload size, against each lane's echo floor.
+# Writes into the git-ignored bench/out/, so a run leaves the tracked tree as it was; compare
+# bench/out/bridge-bench-quick.json with the recorded bench/results/bridge-bench-quick.json.
+BENCH_ARGS := --quick
 bench: setup
-	$(PY) -m bridge.bench --quick --json bench/results/bridge-bench-quick.json --plot docs/bridge-bench.png
+	$(PY) -m bridge.bench $(BENCH_ARGS) --json bench/out/bridge-bench-quick.json --plot bench/out/bridge-bench.png
+
+# Records a new reference: the same run, written over the tracked
+# bench/results/bridge-bench-quick.json and docs/bridge-bench.png (the figure README shows).
+# Run it on purpose, then commit both files.
+bench-record: setup
+	$(PY) -m bridge.bench $(BENCH_ARGS) --json bench/results/bridge-bench-quick.json --plot docs/bridge-bench.png
 
 clean:
-	rm -rf $(VENV) build .pytest_cache
+	rm -rf $(VENV) build bench/out .pytest_cache

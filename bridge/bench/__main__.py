@@ -11,7 +11,7 @@ channel (a C echo for pipes): the floor, to which each transport's cost is a rat
 transport, latency ≈ a + b·bytes is fitted, and the step and the ExPhil window are judged
 against a 60 FPS frame (16.7 ms).
 
-    python -m bridge.bench --quick --json bench/results/bridge-bench-quick.json --plot docs/bridge-bench.png
+    python -m bridge.bench --quick --json bench/out/bridge-bench-quick.json --plot bench/out/bridge-bench.png
     python -m bridge.bench --backends all --sizes step,60,496
     python -m bridge.bench --baseline "python -m bridge.bench.exphil_standin"
 """
