@@ -1,10 +1,10 @@
 // The native step path: a `step` request served from its frame to its reply frame in one C++
 // call, for the CPU kernels.
 //
-// Why (the Python per-request work a paced step spent): the docstring of
-// bridge/native/__init__.py. Here the request is read where it lies in the frame, the kernel
-// reads its operands there and writes y straight into the reply, and the reply is built around
-// it: no tensors and no copies.
+// Why: a paced step spent much of its round trip in the server's Python per-request work
+// (docs/performance.md, "native step path"). Here the request is read where it lies in the
+// frame, the kernel reads its operands there and writes y straight into the reply, and the reply
+// is built around it: no tensors and no copies.
 //
 // It serves only the plain form of a step (bridge/native/__init__.py says which); for anything
 // else `parse` returns None and the request takes the general path, which gives every error

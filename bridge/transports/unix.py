@@ -55,8 +55,8 @@ OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.E
 POOLED_BUFFERS = 32
 # Socket buffers of each connection (the kernel caps them at net.core.wmem_max / rmem_max).
 # The default ~200 KiB made a 4 MB reply and an 8 MB request take dozens of wake-ups each
-# side; 4 MiB made the Elixir client's ExPhil round trip cheaper (docs/performance.md, "elixir
-# unix socket buffers").
+# side; 4 MiB made the Elixir client's ExPhil round trip cheaper
+# (docs/performance.md, "elixir unix socket buffers").
 SOCKET_BUFFER_BYTES = 4 << 20
 # Frames, and bytes, taken from one connection before the reading thread looks at the others
 # again, so that neither a peer pipelining many small requests nor one streaming a large frame

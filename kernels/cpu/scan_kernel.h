@@ -55,8 +55,8 @@ int64_t work_per_item(const ScanProblem& p);
 // helps with what is left of the others'. While the threads keep pace, each one so meets the
 // same items call after call: in a state update, the same pool rows, which then stay in its
 // core's L2 instead of moving between the cores on every step. Against one queue shared by all,
-// the step was as fast or faster and the ExPhil scan no slower (docs/performance.md, "work
-// split affinity").
+// the step was as fast or faster and the ExPhil scan no slower
+// (docs/performance.md, "work split affinity").
 class WorkQueue {
  public:
   WorkQueue(int64_t items, int64_t chunk, int seats)
