@@ -210,7 +210,6 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
 
     from .device import DeviceUnavailable, choose_device
     from .dispatcher import Dispatcher
-    from .ops import HANDLERS, LEGACY_HANDLERS
     from .server import Server, ServerConfig
     from .stdio_guard import enlarge_pipe
     from .transports.base import FLUSH_SECONDS
@@ -246,7 +245,7 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
             return 2
         log.info("warmed up %d kernels for %d shape buckets (backend %s)", len(server.compiled),
                  len(args.warmup), server.backend)
-    dispatcher = Dispatcher(server, HANDLERS, LEGACY_HANDLERS)
+    dispatcher = Dispatcher(server)
 
     try:
         lanes = open_lanes(args, dispatcher)

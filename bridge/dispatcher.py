@@ -1,34 +1,26 @@
-"""frame → decode → dispatch → op → encode → reply.
+"""The serving pipeline: frame → decode → admit → execute → op → encode → reply.
 
-Transports call `on_frame` from their reader threads: the body is decoded and validated there
-(so, while the server is busy, the next frame is read while the worker computes), then queued
-for the worker, which runs the op and writes the reply through the connection. Every failure becomes a structured error
-reply; nothing a client sends can stop the worker.
+Transports hand every frame they read to `Dispatcher.on_frame`, from their reader threads. The
+dispatcher is the one place that decides how a request is served:
 
-On the worker, a request for a batchable op (a bridge.batcher.BatchedOp: step, scan) leads a
-batch: queued requests that can share its kernel launch join it, late ones too while the
-batch policy waits for them (`--max-delay-us`); the batch runs as one launch and each request
-gets its own reply. Any other request runs alone. Requests run in the order they arrived.
+  * fast path: the one op that offers one (the step op's native C++ path, bridge.native) looks
+    at the frame first; a request it takes that finds nothing in flight but such requests is
+    served on this thread from frame to reply. Anything else goes on untouched.
+  * decode: the body becomes a request that carries its reply codec (protocol.codecs: v1, or
+    ExPhil's legacy form), so every later step answers it the same way.
+  * admission: one count of requests in flight, under one lock, with the `--max-pending` cap
+    (`overloaded`) and shutdown (`shutting_down`); drain() waits until it is 0.
+  * execution: an idle server (nothing in flight, nothing more waiting on the transport)
+    serves the request at once on the reader thread; otherwise it queues for the worker, which
+    serves queued requests in arrival order, gathering batchable ones (bridge.batcher) that
+    can share a kernel launch.
+  * the op's handler (bridge.ops) runs; its result is encoded by the request's codec and sent.
 
-A request that finds the server idle -- nothing in flight, nothing more waiting on its
-connection (the transport says so: `more_input=False`) -- runs at once on the reader thread
-that decoded it, skipping the hand-off to the worker (a thread wake-up and GIL hand-over): the
-game loop's queue stage was 50 µs a step in bench/results/game_loop.json as committed in
-13cc2ef, and 6-9 µs since in steps back to back. It runs alone; requests that come meanwhile
-queue for the worker, which gathers them into batches as usual.
-One lock (`_serving`) lets one thread at a time run ops, so the ops never run concurrently.
-
-Before any of that, the native step path (bridge.native) reads a request without raw buffers
-where it lies; anything but a plain step goes on untouched. A plain step that finds nothing in
-flight but native steps (other connections', see _serve_native) -- on any lane, whatever waits
-behind it -- it serves in C++ from frame to reply under the same lock. That keeps the order:
-nothing gone the general way is overtaken, and a connection's requests are read one after the
-other. It takes steps under load too, where the batcher would have gathered them: on the CPU a
-step served natively alone costs less than its share of a batch through the general path (8
-callers stepping 1-row sessions: 5.05x the batched general path's throughput over stdio, 4.35x
-over the unix lane, 4.62x over ZeroMQ; 32-row ones 1.71-1.77x; bench/results/game_loop.json,
-part b, at 87a7503). Steps that queue behind other work, and every step where there is no
-native path (CUDA, other backends, `--no-native-step`), are batched as above.
+One lock (`_serving`) lets one thread at a time run ops, so ops never run concurrently, and a
+request never overtakes one admitted before it: a fast-path request is served only when nothing
+that went the general way is in flight. Every failure becomes a structured error reply; nothing
+a client sends can stop the serving threads. Why steps take the fast path under load too, and
+why a lone request skips the worker: docs/performance.md (native step path; inline when idle).
 """
 
 from __future__ import annotations
@@ -54,10 +46,9 @@ class Call:
     """One request in flight."""
 
     conn: object
-    request: object  # protocol.Request | protocol.LegacyRequest
+    request: object  # protocol.Request | protocol.LegacyRequest: it carries its reply codec
     timing: Timing
-    handler: Callable  # the op's handler, from the table of the request's protocol
-    legacy: bool  # an ExPhil request (protocol.LegacyRequest)
+    handler: Callable  # the op's handler, registered for the request's codec
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
     after_reply: Callable | None = None  # run once the reply is written (the shutdown op's)
@@ -72,6 +63,10 @@ class Call:
         return self.request.args
 
     @property
+    def codec(self):
+        return self.request.codec
+
+    @property
     def batched_op(self) -> BatchedOp | None:
         """The handler when the dispatcher batches it (legacy ops have no batched handler)."""
         return self.handler if isinstance(self.handler, BatchedOp) else None
@@ -79,7 +74,7 @@ class Call:
     @property
     def stats_op(self) -> str:
         """The op's name in the stats, where a legacy request's ops are counted apart."""
-        return "legacy_" + self.op if self.legacy else self.op
+        return self.codec.stats_prefix + self.op
 
 
 _STOP = object()
@@ -94,21 +89,15 @@ def reply_too_large(exc: protocol.FrameTooLarge) -> OpError:
 
 
 class Dispatcher:
-    def __init__(self, server, handlers: dict, legacy_handlers: dict):
-        # The decoders refuse every op outside protocol.OPS (and the legacy ones), so the tables
-        # must serve exactly those.
-        for what, table, ops in (("handlers", handlers, protocol.OPS),
-                                 ("legacy_handlers", legacy_handlers, protocol.legacy.LEGACY_OPS)):
-            if set(table) != set(ops):
-                raise ValueError(f"{what}: expected one handler for each of {sorted(ops)}, got {sorted(table)}")
+    def __init__(self, server):
         self.server = server
-        self.handlers = handlers
-        self.legacy_handlers = legacy_handlers
+        self.registry = server.registry  # its handlers serve every op the decoders let through
+        self.fast_path = server.fast_path
         self.max_pending = server.config.max_pending
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Requests in flight (admitted, not yet answered), and of those the fast path's.
         self._pending = 0
-        # Of those, requests taken by the native step path (see _serve_native).
-        self._pending_native = 0
+        self._pending_fast = 0
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
         self._worker = threading.Thread(target=self._work, name="bridge-worker", daemon=True)
@@ -127,15 +116,13 @@ class Dispatcher:
 
     def on_frame(self, conn, body, received_ns: int, release: Callable | None = None,
                  buffers=(), *, more_input: bool | Callable[[], bool] = True) -> None:
-        """`more_input`: whether more input may already be waiting for the thread that read this
-        frame (this connection's; over the unix lane, any connection's: one thread reads them
-        all), or a function that tells it, asked only where the answer matters (an idle
-        server's general-path request: the native path does not ask, so a step served natively
-        costs no check); only a transport that can tell none is (stdio, unix) lets it be False,
-        and so an idle server serve the request on this thread."""
+        """Serve the request in `body` (and the raw `buffers` after it, ZeroMQ's); `release`
+        gives its frame buffer back once it is answered. `more_input`: whether more input may
+        already be waiting for the thread that read this frame, or a function that tells it,
+        asked only where the answer matters; only a transport that can tell that none is
+        (stdio, unix) lets it be False, and so an idle server serve the request on this thread."""
         self.server.stats.frame_in(len(body) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0))
-        native = self._native_request(body) if self.server.native_step is not None and not buffers else None
-        if native is not None and self._serve_native(conn, native, received_ns):
+        if self.fast_path is not None and not buffers and self._serve_fast(conn, body, received_ns):
             if release:
                 release()
             return
@@ -146,85 +133,74 @@ class Dispatcher:
             # Every frame read is answered once, a bug in the decoder's too (as internal_error,
             # id nil): the transport counts it in flight until then.
             if isinstance(exc, protocol.ProtocolError):
-                request_id, legacy = exc.request_id, exc.legacy
+                codec, request_id = exc.codec, exc.request_id
             else:
                 log.exception("decoding a request failed")
-                request_id, legacy = None, False
-            self._reply_error(conn, request_id, exc, legacy=legacy)
+                codec, request_id = protocol.V1, None
+            self._reply_error(conn, codec, request_id, exc)
             if release:
                 release()
             return
         timing.add("decode", now_ns() - received_ns)
-        legacy = isinstance(request, protocol.LegacyRequest)
-        table = self.legacy_handlers if legacy else self.handlers
-        handler = table[request.op]  # the decoder answered an op outside the table (unknown_op)
-        refusal = None
-        idle = False
-        # Checked where the request is counted, under the lock drain() waits under: checked
-        # before, drain could find nothing in flight between the two and report all answered
-        # (the server then exits) with this request admitted after it.
-        with self._pending_lock:
-            if not self.accepting:
-                refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
-            elif self._pending < self.max_pending:
-                idle = self._pending == 0
-                self._pending += 1
-            else:
-                refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
-                                  {"limit": self.max_pending})
-        if refusal is not None:
-            self._reply_error(conn, None if legacy else request.id, refusal, legacy=legacy)
+        admitted = self._admit()
+        if isinstance(admitted, OpError):
+            self._reply_error(conn, request.codec, request.reply_id, admitted)
             if release:
                 release()
             return
-        call = Call(conn, request, timing, handler, legacy, release, enqueued_ns=now_ns())
+        call = Call(conn, request, timing, self.registry.handler(request), release, enqueued_ns=now_ns())
         # An idle server serves the request on this thread, unless it is to be batched with
         # others (see _serve_on); nothing it could be queued behind exists, so order is kept.
-        if not (idle and not (more_input() if callable(more_input) else more_input)
+        if not (admitted and not (more_input() if callable(more_input) else more_input)
                 and self._serve_on(call, reader=True)):
             self._queue.put(call)
 
-    def _native_request(self, body):
-        """The plain step `body` holds, for the native path; None for any other request, or
-        when parsing fails (the general path then answers it)."""
-        try:
-            return self.server.native_step.parse(body)
-        except Exception:
-            log.exception("native step path failed parsing a request")
-            return None
+    def _admit(self, fast: bool = False) -> bool | OpError | None:
+        """Count a request in flight. Returns whether the server was idle (nothing in flight);
+        the refusal to answer instead (past --max-pending, or once drain() began); for the fast
+        path, None where it must not take the request (then the general way decides).
 
-    def _serve_native(self, conn, request, received_ns: int) -> bool:
-        """Serve a parsed plain step on this thread through the native path, if nothing is in
-        flight but other native steps (other lanes' readers, each serving one). False: it
-        was not taken, and goes the general way.
-
-        A request that goes the general way is never overtaken: while one is in flight, every
-        request after it goes that way too. Native steps of other connections only wait for the
-        serving lock: sent to the worker instead, a step arriving while another connection's is
-        served would leave the next ones behind it in flight too, and so on (8 callers over the
-        unix lane, each on a connection of its own, when each had a reader thread of its own:
-        24-37% of their steps native and 5.1k steps/s, against all of them and 7.2k waiting;
-        bench/results/unix_callers_native_ab.json). Since one thread reads every unix
-        connection, the readers that meet here are those of different lanes."""
+        Checked where the request is counted, under the lock drain() waits under: checked
+        before, drain could find nothing in flight between the two and report all answered
+        (the server then exits) with this request admitted after it."""
         with self._pending_lock:
-            # Past --max-pending, the general way answers `overloaded`; after drain() began,
-            # `shutting_down` (checked with the count, as on_frame does).
-            if not self.accepting or self._pending != self._pending_native \
-                    or self._pending >= self.max_pending:
-                return False
-            self._pending += 1
-            self._pending_native += 1
+            if not self.accepting:
+                refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
+            elif self._pending >= self.max_pending:
+                refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
+                                  {"limit": self.max_pending})
+            elif fast and self._pending != self._pending_fast:
+                return None  # a general-path request in flight must not be overtaken
+            else:
+                idle = self._pending == 0
+                self._pending += 1
+                self._pending_fast += fast
+                return idle
+        return None if fast else refusal
+
+    def _serve_fast(self, conn, body, received_ns: int) -> bool:
+        """Serve the request in `body` through the op fast path on this thread, if that path
+        takes it and nothing is in flight but its own requests (other lanes' readers, each
+        serving one, which only wait for the serving lock). False: not taken (nothing was
+        touched), it goes the general way, which also answers every error."""
+        try:
+            request = self.fast_path.parse(body)
+        except Exception:
+            log.exception("fast path failed parsing a request")
+            return False
+        if request is None or self._admit(fast=True) is None:
+            return False
         try:
             waiting_since = now_ns()
             with self._serving:
                 try:
-                    outcome = self.server.native_step.serve(conn, request, received_ns, now_ns() - waiting_since)
+                    outcome = self.fast_path.serve(conn, request, received_ns, now_ns() - waiting_since)
                 except NativeStepError as exc:  # its kernel ran, or may have: never served twice
-                    log.error("native step failed", exc_info=exc.__cause__)
-                    self._reply_error(conn, exc.request_id, exc, legacy=False, stats_op="step")
+                    log.error("fast path failed", exc_info=exc.__cause__)
+                    self._reply_error(conn, protocol.V1, exc.request_id, exc, stats_op="step")
                     return True
                 except Exception:  # before its kernel: nothing touched, the general path answers
-                    log.exception("native step path failed before taking a request")
+                    log.exception("fast path failed before taking a request")
                     return False
             if outcome is None:
                 return False
@@ -233,13 +209,13 @@ class Dispatcher:
             self.server.stats.record("step", timing, ok=True)
             return True
         finally:
-            self._leave(native=True)
+            self._leave(fast=True)
 
     def on_frame_error(self, conn, exc: protocol.FrameTooLarge) -> None:
         """An oversized frame, already drained by the transport: read, as the stats count it
         (its announced bytes), and answered."""
         self.server.stats.frame_in(exc.length)
-        self._reply_error(conn, None, exc, legacy=False)
+        self._reply_error(conn, protocol.V1, None, exc)
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -364,27 +340,24 @@ class Dispatcher:
     def _answer(self, call: Call, result: dict) -> None:
         reply_timing = {}
         # A multipart request (ZeroMQ) gets its reply's tensors as raw buffers too.
-        out_of_band = [] if not call.legacy and call.request.multipart else None
+        out_of_band = [] if call.request.multipart else None
+        encode_start = now_ns()
+
+        def timing():
+            call.timing.add("encode", now_ns() - encode_start)
+            reply_timing.update(call.timing.as_reply())
+            return reply_timing
+
         try:
-            if call.legacy:
-                parts = protocol.encode_legacy_reply(result)
-            else:
-                encode_start = now_ns()
-
-                def timing():
-                    call.timing.add("encode", now_ns() - encode_start)
-                    reply_timing.update(call.timing.as_reply())
-                    return reply_timing
-
-                parts = protocol.encode_reply(call.request.id, result, timing, buffers=out_of_band)
+            parts = call.codec.reply(call.request, result, timing, out_of_band)
         except Exception as exc:
             self._fail(call, exc)
             return
         try:
             self._send(call.conn, parts, out_of_band)
         except protocol.FrameTooLarge as exc:  # nothing was written: the error is the answer
-            self._reply_error(call.conn, None if call.legacy else call.request.id, reply_too_large(exc),
-                              legacy=call.legacy, stats_op=call.stats_op)
+            self._reply_error(call.conn, call.codec, call.request.reply_id, reply_too_large(exc),
+                              stats_op=call.stats_op)
         else:
             # A batched op's success counts no execution: its launch counted one (_launch).
             self.server.stats.record(call.stats_op, reply_timing or None, ok=True,
@@ -394,8 +367,7 @@ class Dispatcher:
 
     def _fail(self, call: Call, exc: BaseException) -> None:
         try:
-            code = self._reply_error(call.conn, None if call.legacy else call.request.id, exc,
-                                     legacy=call.legacy, stats_op=call.stats_op)
+            code = self._reply_error(call.conn, call.codec, call.request.reply_id, exc, stats_op=call.stats_op)
             # Errors the request itself caused (every code but internal_error, as error_fields
             # sorts them) are answered, not logged as the server's failures.
             if code == "internal_error":
@@ -417,35 +389,31 @@ class Dispatcher:
         finally:
             self._leave()
 
-    def _leave(self, native: bool = False) -> None:
-        """A request (`native`: one the native path took) is no longer in flight (drain waits
-        for none to be)."""
+    def _leave(self, fast: bool = False) -> None:
+        """A request (`fast`: one the fast path took) is no longer in flight (drain waits for
+        none to be)."""
         with self._idle:
             self._pending -= 1
-            self._pending_native -= native
+            self._pending_fast -= fast
             if self._pending == 0:
                 self._idle.notify_all()
 
-    def _reply_error(self, conn, request_id, exc: BaseException, *, legacy: bool,
-                     stats_op: str | None = None) -> str:
-        """Answer with the error `exc` maps to; returns its code. `stats_op`: the op the stats
-        count the failure for; without one (the request was refused before it became a call),
-        only the error code is counted."""
+    def _reply_error(self, conn, codec, request_id, exc: BaseException, *, stats_op: str | None = None) -> str:
+        """Answer with the error `exc` maps to, in `codec`; returns its code. `stats_op`: the op
+        the stats count the failure for; without one (the request was refused before it became
+        a call), only the error code is counted."""
         code, message, detail = error_fields(exc)
-        if legacy:
-            parts = protocol.encode_legacy_reply({"status": "error", "message": message})
-        else:
-            try:
-                parts = protocol.encode_error(request_id, code, message, detail)
-            except (TypeError, ValueError):  # a detail msgpack cannot carry must not cost the reply
-                log.exception("error detail of %s cannot be encoded", code)
-                parts = protocol.encode_error(request_id, code, message, {})
+        try:
+            parts = codec.error(request_id, code, message, detail)
+        except (TypeError, ValueError):  # a detail msgpack cannot carry must not cost the reply
+            log.exception("error detail of %s cannot be encoded", code)
+            parts = codec.error(request_id, code, message, {})
         try:
             self._send(conn, parts)
         except protocol.FrameTooLarge as exc:  # nothing was written; that error's answer is small
             # An error that echoes what the request sent (an op name or an argument's key, in
             # the message and the detail) can be several times its size.
-            return self._reply_error(conn, request_id, reply_too_large(exc), legacy=legacy, stats_op=stats_op)
+            return self._reply_error(conn, codec, request_id, reply_too_large(exc), stats_op=stats_op)
         if stats_op is not None:
             self.server.stats.record(stats_op, None, ok=False, error_code=code)
         else:

@@ -16,7 +16,6 @@ import protocol
 from .device import DeviceChoice
 from .errors import allocation
 from .handles import HandleTable
-from .native import NativeStep
 from .sessions import Session, SessionTable
 from .step_graphs import StepGraphs
 from .stats import Stats
@@ -71,7 +70,12 @@ LIMITS = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name.starts
 
 
 class Server:
-    def __init__(self, config: ServerConfig, device: DeviceChoice):
+    def __init__(self, config: ServerConfig, device: DeviceChoice, registry=None):
+        """`registry`: the ops served (bridge.ops.Registry; default: every op's handler)."""
+        if registry is None:
+            from .ops import REGISTRY as registry  # the ops import this module
+        registry.check_complete()
+        self.registry = registry
         self.config = config
         self.device_choice = device
         self.device = device.device
@@ -85,9 +89,9 @@ class Server:
         self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
                                      max_pool_bytes=config.max_pool_bytes)
         self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)
-        # Plain steps that find nothing but native steps in flight, served in C++ (None: every step
-        # goes the general way).
-        self.native_step = NativeStep.for_server(self) if config.native_step else None
+        # The one op fast path that serves requests straight from their frames (the step op's
+        # native path; bridge.dispatcher says when), or None: every request goes the general way.
+        self.fast_path = registry.fast_path(self)
         # Steps on CUDA replaying captured state updates (None: every step calls the kernels API).
         self.step_graphs = (StepGraphs(self.backend) if config.cuda_graphs and self.device.type == "cuda"
                             else None)

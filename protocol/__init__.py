@@ -17,6 +17,7 @@ A transport that reads with `readinto` uses `decoder.get_buffer()` / `decoder.bu
 instead of `feed`, so big bodies land in place without a copy.
 """
 
+from .codecs import CODECS, LEGACY, V1, error_reply_for
 from .decode import Reply, Request, decode_reply, decode_request
 from .encode import BIG_PAYLOAD, encode_error, encode_reply, encode_request
 from .errors import (ERROR_CODES, DecodeError, FrameError, FrameTooLarge, InvalidArgument,
@@ -34,7 +35,7 @@ __all__ = [
     # messages
     "decode_request", "Request", "LegacyRequest", "decode_reply", "Reply", "WireTensor", "HandleRef",
     "OutTensor", "encode_reply", "encode_error", "encode_request", "encode_legacy_reply", "DTYPES", "MAX_NDIM",
-    "ERROR_CODES", "OPS", "ALIASES", "PROTOCOL_VERSION", "BIG_PAYLOAD",
+    "CODECS", "V1", "LEGACY", "error_reply_for", "ERROR_CODES", "OPS", "ALIASES", "PROTOCOL_VERSION", "BIG_PAYLOAD",
     # exceptions
     "ProtocolError", "FrameError", "TruncatedFrame", "DecodeError", "ValidationError",
     "InvalidRequest", "UnsupportedVersion", "UnknownOp", "MissingArgument", "InvalidArgument",

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Annotated, Literal, NoReturn, Union
+from typing import Annotated, ClassVar, Literal, NoReturn, Union
 
 import msgspec
 
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind
 from ._reader import Reader, buffer_views, decode_top_map
+from .codecs import V1
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
@@ -45,6 +46,14 @@ class Request:
     args: dict
     version: int = PROTOCOL_VERSION
     multipart: bool = False
+
+    # How this request is answered (protocol.codecs).
+    codec: ClassVar = V1
+
+    @property
+    def reply_id(self) -> int | str:
+        """The id its replies carry."""
+        return self.id
 
 
 def decode_request(body, buffers=()) -> Request | LegacyRequest:

@@ -2,11 +2,10 @@
 
 Errors are data: every `ProtocolError` carries the wire `code` the server puts in its error
 reply, a JSON-able `detail` dict, and what the decoder knew when it failed (`request_id`,
-`legacy`), so the bridge answers without parsing messages:
+`legacy`), so the bridge answers without parsing messages, in the request's own form:
 
     except ProtocolError as e:
-        parts = (encode_legacy_reply({"status": "error", "message": str(e)}) if e.legacy
-                 else encode_error(e.request_id, e.code, str(e), e.detail))
+        parts = e.codec.error(e.request_id, e.code, str(e), e.detail)
 
     ProtocolError
     ├── FrameError                  framing layer (length prefix)
@@ -65,6 +64,13 @@ class ProtocolError(Exception):
         self.detail = {} if detail is None else detail
         self.request_id = request_id
         self.legacy = legacy
+
+    @property
+    def codec(self):
+        """How the request that failed is answered (protocol.codecs)."""
+        from .codecs import LEGACY, V1
+
+        return LEGACY if self.legacy else V1
 
 
 class FrameError(ProtocolError):

@@ -20,6 +20,7 @@ h0 = 0); `LegacyRequest.args` spells it as v1 scan arguments so the bridge runs 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import msgspec
 
@@ -38,6 +39,25 @@ _OP_EXPECTED = ("a str naming the operation (a map with neither 'id' nor 'v' is 
                 "legacy ExPhil request)")
 
 
+class LegacyCodec:
+    """How legacy requests are answered (protocol.codecs): `{"status": "ok", ...}` or
+    `{"status": "error", "message"}`, with no id and no error code (ExPhil tells replies apart
+    by order)."""
+
+    name = "legacy"
+    ops = LEGACY_OPS
+    stats_prefix = "legacy_"
+
+    def reply(self, request, result: dict, timing, buffers: list | None = None) -> list:
+        return encode_legacy_reply(result)
+
+    def error(self, request_id, code: str, message: str, detail: dict | None = None) -> list:
+        return encode_legacy_reply({"status": "error", "message": message})
+
+
+LEGACY = LegacyCodec()
+
+
 @dataclass(slots=True)
 class LegacyRequest:
     """An ExPhil request. For "scan", `args` holds the equivalent v1 scan arguments: x, dt, A,
@@ -46,6 +66,10 @@ class LegacyRequest:
 
     op: str
     args: dict
+    # Legacy requests come in one frame: no raw buffers, no id to answer with.
+    multipart: ClassVar = False
+    reply_id: ClassVar = None
+    codec: ClassVar = LEGACY
 
 
 def decode_legacy(top: dict[str, msgspec.Raw]) -> LegacyRequest:

@@ -13,7 +13,7 @@ import protocol
 from bridge.client import BridgeError, result_from_wire, to_wire
 from bridge.device import choose_device
 from bridge.dispatcher import Dispatcher
-from bridge.ops import HANDLERS, LEGACY_HANDLERS
+from bridge.ops import REGISTRY
 from bridge.server import Server, ServerConfig
 from bridge.timing import now_ns
 from bridge.transports.base import Connection
@@ -53,14 +53,14 @@ class InProcessServer:
     "ping" among them: hold() then holds nothing)."""
 
     def __init__(self, device: str = "cpu", handlers: dict | None = None, **config):
-        self.server = Server(ServerConfig(device=device, **config), choose_device(device))
+        registry = REGISTRY.replacing({"ping": self._gated_ping, **(handlers or {})})
+        self.server = Server(ServerConfig(device=device, **config), choose_device(device), registry)
         self._gate = threading.Event()
         self._gate.set()
         self._parked = threading.Event()
         self._held_ping = None
         self.ping_threads: list[str] = []  # the thread that served each ping
-        self.dispatcher = Dispatcher(self.server, {**HANDLERS, "ping": self._gated_ping, **(handlers or {})},
-                                     LEGACY_HANDLERS)
+        self.dispatcher = Dispatcher(self.server)
         self.dispatcher.start()
         self._ids = itertools.count(1)
 

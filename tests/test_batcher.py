@@ -268,14 +268,14 @@ def test_a_launch_counts_once_though_its_first_reply_fails(inproc, monkeypatch):
     before = srv.call(conn, "stats")["ops"].get("step", {}).get("execution_count", 0)
     srv.hold(conn)
     ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 5, 3, shared, {})) for s in sessions]
-    encode_reply = protocol.encode_reply
+    reply = protocol.V1.reply
 
-    def failing_for_the_first(request_id, *args, **kwargs):
-        if request_id == ids[0]:
+    def failing_for_the_first(request, *args, **kwargs):
+        if request.id == ids[0]:
             raise ValueError("cannot encode this reply")
-        return encode_reply(request_id, *args, **kwargs)
+        return reply(request, *args, **kwargs)
 
-    monkeypatch.setattr(protocol, "encode_reply", failing_for_the_first)
+    monkeypatch.setattr(protocol.V1, "reply", failing_for_the_first)
     srv.go()
     replies = [conn.reply(i) for i in ids]
     assert replies[0].error["code"] == "internal_error" and all(r.ok for r in replies[1:])

@@ -266,7 +266,7 @@ def zmq_lane_with_dispatcher(tmp_path, native_step, max_in_flight: int, handlers
     """A ZeroMQ lane in front of a real Dispatcher whose native step path is `native_step`,
     started; closed after."""
     srv = InProcessServer(native_step=False, handlers=handlers)
-    srv.server.native_step = native_step
+    srv.dispatcher.fast_path = native_step
     transport = ZmqTransport(srv.dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
                              max_in_flight=max_in_flight, hwm=hwm)
     transport.start()

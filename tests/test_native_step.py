@@ -93,7 +93,7 @@ class Served:
     `hold_first`, holds the first inside it (under the serving lock) until `let_go` is set."""
 
     def __init__(self, srv, hold_first: bool = False):
-        native = srv.server.native_step
+        native = srv.server.fast_path
         serve = native.serve
         self.conns, self.inside, self.let_go = [], threading.Event(), threading.Event()
 
@@ -136,7 +136,7 @@ def test_native_steps_equal_the_general_path(inproc, case):
     consts = constants(case, gen)
     frames = [step_inputs(case, gen) for _ in range(case.steps)]
     native_srv, general_srv = inproc(), inproc(native_step=False)
-    assert general_srv.server.native_step is None
+    assert general_srv.server.fast_path is None
     served = Served(native_srv)
     results = []
     for srv in (native_srv, general_srv):
@@ -408,7 +408,7 @@ def test_a_missing_source_leaves_the_general_path_serving(monkeypatch, tmp_path,
     monkeypatch.setattr(bridge.native, "NATIVE_DIR", tmp_path)
     with caplog.at_level("WARNING", logger="bridge"):
         server = Server(ServerConfig(device="cpu"), choose_device("cpu"))
-    assert server.native_step is None
+    assert server.fast_path is None
     assert "native step path unavailable" in caplog.text and str(tmp_path / "step.cpp") in caplog.text, \
         caplog.text
 
@@ -462,7 +462,7 @@ def test_failures_inside_the_native_path_are_answered(inproc, monkeypatch):
     srv = inproc()
     conn = RecordingConnection()
     session, shared = open_session(srv, conn, case, constants(case, gen))
-    native = srv.server.native_step
+    native = srv.server.fast_path
     served = Served(srv)
 
     def broken_parse(frame):
@@ -497,7 +497,7 @@ def test_what_the_native_path_keeps_goes_with_its_session_and_handle(inproc):
     gen = torch.Generator().manual_seed(seed)
     case = StepCase(2, 8, 4, options=True, handles=True)
     srv = inproc()
-    native = srv.server.native_step
+    native = srv.server.fast_path
     served = Served(srv)
     kept = []
     for ending in ("close-and-free", "connection-goes"):

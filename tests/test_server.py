@@ -16,6 +16,8 @@ import torch
 
 import protocol
 from bridge.client import PortClient, server_env
+from bridge.device import choose_device
+from bridge.server import Server, ServerConfig
 from protocol.vectors import generate
 from kernel_cases import SCAN_CASES, ScanCase, assert_close, make_scan_inputs, reference_scan
 from waiting import wait_until
@@ -73,17 +75,14 @@ def test_threads_sets_the_cpu_threads_a_kernel_call_may_use():
     assert_close(torch.from_numpy(result["y"]), reference_scan(inputs)[0], torch.float32, "y")
 
 
-@pytest.mark.parametrize("table", ["handlers", "legacy_handlers"])
-def test_a_dispatcher_serves_exactly_the_protocols_ops(table):
-    """The decoders answer any other op (unknown_op); a table missing one of the protocol's ops
+@pytest.mark.parametrize("codec", protocol.CODECS, ids=lambda codec: codec.name)
+def test_a_server_serves_exactly_the_protocols_ops(codec):
+    """The decoders answer any other op (unknown_op); a registry missing one of a codec's ops
     would leave requests for it unanswerable, so it is refused at start."""
-    from bridge.dispatcher import Dispatcher
-    from bridge.ops import HANDLERS, LEGACY_HANDLERS
+    from bridge.ops import REGISTRY
 
-    tables = {"handlers": dict(HANDLERS), "legacy_handlers": dict(LEGACY_HANDLERS)}
-    del tables[table]["scan"]
-    with pytest.raises(ValueError, match=f"{table}: expected one handler for each of"):
-        Dispatcher(None, **tables)
+    with pytest.raises(ValueError, match=f"{codec.name} handlers: expected one for each of"):
+        Server(ServerConfig(device="cpu"), choose_device("cpu"), REGISTRY.without("scan", codec))
 
 
 @pytest.mark.parametrize("case", SCAN_CASES)

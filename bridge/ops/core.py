@@ -44,7 +44,7 @@ def info(server, call) -> dict:
         "protocol": {"version": protocol.PROTOCOL_VERSION, "ops": sorted(protocol.OPS)},
         "device": server.device_choice.describe(),
         "backend": server.backend,
-        "native_step": server.native_step is not None,
+        "native_step": server.fast_path is not None,
         "cuda_graphs": None if server.step_graphs is None else {"captured": server.step_graphs.captured},
         "devices": devices,
         "kernels": {

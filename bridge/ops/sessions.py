@@ -9,6 +9,7 @@ import kernels
 from ..batcher import (BatchedOp, Item, charge, dt_options, member_rows, row_signature, shared_args,
                        shared_tensors, signature, stack_rows, wire_rows)
 from ..errors import OpError
+from ..native import NativeStep
 from ..tensors import to_wire
 from ..timing import now_ns
 
@@ -59,6 +60,11 @@ def check_rows(session, values: dict) -> None:
 
 class StepOp(BatchedOp):
     """One timestep for every row of a session, its state updated in place in the pool."""
+
+    def fast_path(self, server) -> NativeStep | None:
+        """Plain steps served from frame to reply in C++ (bridge.native), where the server runs
+        the CPU kernels and its config allows it; None: every step goes the general way."""
+        return NativeStep.for_server(server) if server.config.native_step else None
 
     def prepare(self, server, call) -> Item:
         args = call.args

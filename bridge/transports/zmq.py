@@ -396,15 +396,8 @@ class ZmqTransport:
         """Answer `overloaded` at once: the peer has `hwm` requests waiting already."""
         message, _, target = request
         text = f"more than {self.hwm} requests of this peer waiting; retry later"
-        try:
-            decoded = protocol.decode_request(message[0].buffer, [frame.buffer for frame in message[1:]])
-        except protocol.ProtocolError as exc:
-            request_id, legacy = exc.request_id, exc.legacy
-        else:
-            legacy = isinstance(decoded, protocol.LegacyRequest)
-            request_id = None if legacy else decoded.id
-        parts = (protocol.encode_legacy_reply({"status": "error", "message": text}) if legacy
-                 else protocol.encode_error(request_id, "overloaded", text, {"limit": self.hwm}))
+        parts = protocol.error_reply_for(message[0].buffer, [frame.buffer for frame in message[1:]],
+                                         "overloaded", text, {"limit": self.hwm})
         # Read and answered as the dispatcher counts a request and its reply.
         stats = self.dispatcher.server.stats
         stats.frame_in(sum(len(frame) for frame in message))
