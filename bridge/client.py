@@ -29,7 +29,7 @@ import numpy as np
 
 import protocol
 from bridge.dtypes import NUMPY_DTYPES, WIRE_CODES
-from bridge.transports.framed import read_frame, write_all
+from bridge.streams import read_frame, write_all
 
 
 class BridgeError(Exception):

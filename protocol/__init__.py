@@ -3,18 +3,17 @@
 No sockets, threads or torch here; transports move bytes, the bridge acts on messages.
 SPEC.md (next to this file) is the language-neutral contract; vectors/ holds golden frames.
 
-    decoder = FrameDecoder()
-    for event in decoder.feed(chunk):
+    frames = FrameAssembler()
+    while (n := stream.readinto(frames.space())):    # bodies land in place, no copy
+        event = frames.advance(n)                    # None until a frame is whole
         if isinstance(event, FrameTooLarge):
             send(frame_parts(encode_error(None, event.code, str(event), event.detail)))
-            continue
-        try:
-            request = decode_request(event)          # Request | LegacyRequest
-        except ProtocolError as e:
-            ...                                      # e.code, e.detail, e.request_id, e.legacy
-
-A transport that reads with `readinto` uses `decoder.get_buffer()` / `decoder.buffer_updated(n)`
-instead of `feed`, so big bodies land in place without a copy.
+        elif event is not None:
+            body, release = event
+            try:
+                request = decode_request(body)       # Request | LegacyRequest
+            except ProtocolError as e:
+                send(frame_parts(e.codec.error(e.request_id, e.code, str(e), e.detail)))
 """
 
 from .codecs import CODECS, LEGACY, V1, error_reply_for
@@ -23,14 +22,14 @@ from .encode import BIG_PAYLOAD, encode_error, encode_reply, encode_request
 from .errors import (ERROR_CODES, DecodeError, FrameError, FrameTooLarge, InvalidArgument,
                      InvalidRequest, MissingArgument, ProtocolError, TensorSizeMismatch,
                      TruncatedFrame, UnknownDtype, UnknownOp, UnsupportedVersion, ValidationError)
-from .framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame, frame_parts, parse_frame_header
+from .framing import DEFAULT_MAX_FRAME_SIZE, FrameAssembler, encode_frame, frame_parts, parse_frame_header
 from .legacy import LegacyRequest, encode_legacy_reply
 from .schema import ALIASES, OPS, PROTOCOL_VERSION
 from .tensors import DTYPES, MAX_NDIM, HandleRef, OutTensor, WireTensor
 
 __all__ = [
     # framing
-    "FrameDecoder", "FrameTooLarge", "DEFAULT_MAX_FRAME_SIZE", "parse_frame_header", "encode_frame",
+    "FrameAssembler", "FrameTooLarge", "DEFAULT_MAX_FRAME_SIZE", "parse_frame_header", "encode_frame",
     "frame_parts",
     # messages
     "decode_request", "Request", "LegacyRequest", "decode_reply", "Reply", "WireTensor", "HandleRef",

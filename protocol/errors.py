@@ -9,7 +9,7 @@ reply, a JSON-able `detail` dict, and what the decoder knew when it failed (`req
 
     ProtocolError
     ├── FrameError                  framing layer (length prefix)
-    │   ├── FrameTooLarge           frame_too_large (also a FrameDecoder event)
+    │   ├── FrameTooLarge           frame_too_large (also a FrameAssembler event)
     │   └── TruncatedFrame          stream ended inside a frame (decode_error)
     ├── DecodeError                 decode_error: body is not one msgpack map
     └── ValidationError             the map is not a valid request
@@ -80,7 +80,7 @@ class FrameError(ProtocolError):
 class FrameTooLarge(FrameError):
     """A length prefix announced more than the limit.
 
-    `FrameDecoder.feed` returns an instance as an event (and skips that many bytes); the
+    `FrameAssembler` returns an instance as an event (and skips that many bytes); the
     framing helpers raise it when a reply cannot be framed.
     """
 
@@ -104,7 +104,7 @@ class FrameTooLarge(FrameError):
 
 
 class TruncatedFrame(FrameError):
-    """The stream ended inside a frame (raised by `FrameDecoder.eof()`)."""
+    """The stream ended inside a frame (`FrameAssembler.eof()` returns one)."""
 
     code = "decode_error"
 

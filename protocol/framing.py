@@ -1,8 +1,8 @@
 """Framing: a 4-byte unsigned big-endian length, then that many body bytes (one msgpack map).
 
-Sans-IO: `FrameDecoder` is fed whatever bytes a transport received (split anywhere) and hands
-back complete bodies; the encoders return lists of buffers that `frame_parts` prefixes without
-joining them, for `os.writev` / `socket.sendmsg`.
+Sans-IO: `FrameAssembler` takes whatever bytes a transport or client read (into the space it
+gives, or fed split anywhere) and hands back complete bodies; the encoders return lists of
+buffers that `frame_parts` prefixes without joining them, for `os.writev` / `socket.sendmsg`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ HEADER_SIZE = 4
 # The largest length a 4-byte prefix can announce.
 MAX_FRAMEABLE = 0xFFFFFFFF
 
-# Size of the buffer `get_buffer` hands out between frames.
-_SCRATCH_SIZE = 256 * 1024
+# Scratch size for discarding the body of an oversized frame.
+_DISCARD_CHUNK = 1 << 20
 
 
 def parse_frame_header(header) -> int:
@@ -44,131 +44,103 @@ def frame_parts(parts: list) -> list:
     return [_frame_header(total), *parts]
 
 
-class FrameDecoder:
-    """Splits a byte stream into frame bodies.
+def _own_buffer(length: int):
+    """A frame body's buffer when no pool gives one: a bytearray of its own (16-byte aligned, as
+    CPython's allocators align every block), nothing to give back."""
+    return memoryview(bytearray(length)), None
 
-    `feed(data)` takes bytes of any size and returns, in order, one event per frame completed:
-    the body (`bytes` or `memoryview`), or a `FrameTooLarge` for a header announcing more than
-    `max_frame_size`. After that event the decoder discards exactly the announced number of
-    bytes and carries on with the next frame, so a server can answer with an error and keep
-    serving. A frame that spans several chunks is filled into one buffer allocated at its
-    announced length (no quadratic re-copying).
 
-    Bodies live in memory of their own (`bytes`, or the per-frame buffer), never in the
-    caller's chunks, which it may reuse; they start at 16-byte aligned addresses, so a tensor
-    payload is aligned when its offset in the body is (SPEC.md §5).
+class FrameAssembler:
+    """One stream's frames, assembled as bytes come, for server lanes and clients alike.
 
-    `get_buffer()` / `buffer_updated(n)` (the `asyncio.BufferedProtocol` pair) let a transport
-    read straight into the frame buffer, saving the copy from its receive buffer:
+    `space()` is where the next bytes go (read into it: `readinto`, `recv_into`); `advance(n)`,
+    after `n` more bytes are in, returns None until a frame is complete, then `(body, release)`:
+    the body in a buffer from `acquire(length)` (a pool's, or one of its own by default), and
+    the callable that gives it back (None for a buffer of its own). A header announcing more
+    than `max_frame_size` gives a `FrameTooLarge` event once that many body bytes have been
+    read and discarded: the stream stays usable, so a server answers and serves on.
 
-        n = stdin.readinto(decoder.get_buffer())
-        events = decoder.buffer_updated(n)
-
-    Do not call `feed` between the two.
+    It never asks for bytes past the end of the frame it is in: a frame not begun stays in the
+    socket, so that a server at its cap of requests in flight leaves the rest of its input
+    unread (backpressure), and whether more input is waiting can still be asked of the socket.
+    `feed(data)` is the same for bytes already read (tests, a caller with its own buffers).
     """
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, acquire=_own_buffer):
         if type(max_frame_size) is not int or max_frame_size < 0:
             raise ValueError(f"max_frame_size: expected a non-negative int, got {max_frame_size!r}")
-        self._limit = max_frame_size
-        self._header = bytearray()   # a header split across chunks (fewer than 4 bytes)
-        self._body: bytearray | None = None   # the frame being filled
-        self._filled = 0
-        self._drain = 0              # bytes of an oversized frame still to discard
-        self._drain_length = 0       # that frame's announced length
-        self._scratch: bytearray | None = None
-        self._reading_into_body = False
+        self.max_frame_size = max_frame_size
+        self._acquire = acquire
+        self._header = memoryview(bytearray(HEADER_SIZE))
+        self._target = self._header  # the header's or the body's view, or the discard scratch
+        self._pos = 0
+        self._release = None  # gives the body's buffer back
+        self._discard_left = 0  # bytes of an oversized body still to be discarded
+        self._oversized = 0
 
     @property
-    def max_frame_size(self) -> int:
-        return self._limit
+    def at_frame_start(self) -> bool:
+        """No byte of the next frame has been read."""
+        return self._target is self._header and self._pos == 0
+
+    def space(self) -> memoryview:
+        return self._target[self._pos:]
+
+    def advance(self, count: int):
+        if not 0 <= count <= len(self._target) - self._pos:
+            raise ValueError(f"count: expected 0..{len(self._target) - self._pos} (the space given), got {count}")
+        self._pos += count
+        if self._pos < len(self._target):
+            return None
+        self._pos = 0
+        if self._target is self._header:
+            length = parse_frame_header(self._header)
+            if length > self.max_frame_size:
+                self._oversized = self._discard_left = length
+                self._target = memoryview(bytearray(min(length, _DISCARD_CHUNK)))
+                return None
+            self._target, self._release = self._acquire(length)
+            if length:
+                return None
+        elif self._discard_left:
+            self._discard_left -= len(self._target)
+            if self._discard_left:
+                self._target = self._target[:min(self._discard_left, len(self._target))]
+                return None
+            self._target = self._header
+            return FrameTooLarge(self._oversized, self.max_frame_size)
+        frame = (self._target, self._release)
+        self._target, self._release = self._header, None
+        return frame
 
     def feed(self, data) -> list:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        """The events of `data` (bytes already read, split anywhere), in order: each `(body,
+        release)` completed, or a `FrameTooLarge`."""
+        view = memoryview(data).cast("B")
         events = []
-        pos, end = 0, view.nbytes
-        while pos < end:
-            if self._drain:
-                step = min(self._drain, end - pos)
-                self._drain -= step
-                pos += step
-                continue
-            body = self._body
-            if body is not None:
-                step = min(len(body) - self._filled, end - pos)
-                body[self._filled:self._filled + step] = view[pos:pos + step]
-                self._filled += step
-                pos += step
-                if self._filled == len(body):
-                    events.append(self._take_body())
-                continue
-            if not self._header and end - pos >= HEADER_SIZE:
-                length = int.from_bytes(view[pos:pos + HEADER_SIZE], "big")
-                pos += HEADER_SIZE
-            else:
-                step = min(HEADER_SIZE - len(self._header), end - pos)
-                self._header += view[pos:pos + step]
-                pos += step
-                if len(self._header) < HEADER_SIZE:
-                    break
-                length = int.from_bytes(self._header, "big")
-                self._header.clear()
-            if length > self._limit:
-                events.append(FrameTooLarge(length, self._limit))
-                self._drain = self._drain_length = length
-            elif end - pos >= length:
-                events.append(bytes(view[pos:pos + length]))
-                pos += length
-            else:
-                body = self._body = bytearray(length)
-                self._filled = end - pos
-                body[:self._filled] = view[pos:]
-                pos = end
+        while view:
+            space = self.space()
+            step = min(len(space), len(view))
+            space[:step] = view[:step]
+            view = view[step:]
+            event = self.advance(step)
+            if event is not None:
+                events.append(event)
         return events
 
-    def _take_body(self) -> memoryview:
-        body = memoryview(self._body)
-        self._body = None
-        self._filled = 0
-        return body
-
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """A writable buffer for the next bytes; hand the count read to `buffer_updated`.
-
-        Inside a frame's body this is the unfilled rest of the frame's own buffer (the bytes
-        land where the decoder keeps them); otherwise a scratch buffer of at least `sizehint`
-        bytes whose content is parsed and copied as by `feed`.
-        """
-        if self._body is not None:
-            self._reading_into_body = True
-            return memoryview(self._body)[self._filled:]
-        self._reading_into_body = False
-        size = max(sizehint, _SCRATCH_SIZE)
-        if self._scratch is None or len(self._scratch) < size:
-            self._scratch = bytearray(size)
-        return memoryview(self._scratch)
-
-    def buffer_updated(self, nbytes: int) -> list:
-        """Events for the `nbytes` just written into the buffer from `get_buffer`."""
-        if self._reading_into_body:
-            self._reading_into_body = False
-            if nbytes < 0 or self._filled + nbytes > len(self._body):
-                raise ValueError(f"nbytes: expected 0..{len(self._body) - self._filled}, got {nbytes}")
-            self._filled += nbytes
-            return [self._take_body()] if self._filled == len(self._body) else []
-        if self._scratch is None or not 0 <= nbytes <= len(self._scratch):
-            raise ValueError(f"nbytes: expected 0..{0 if self._scratch is None else len(self._scratch)}, "
-                             f"got {nbytes} (call get_buffer first)")
-        return self.feed(memoryview(self._scratch)[:nbytes])
-
-    def eof(self) -> None:
-        """Call when the stream has ended: raises `TruncatedFrame` if it ended inside a frame."""
-        if self._header:
-            raise TruncatedFrame(len(self._header), HEADER_SIZE)
-        if self._body is not None:
-            raise TruncatedFrame(HEADER_SIZE + self._filled, HEADER_SIZE + len(self._body))
-        if self._drain:
-            raise TruncatedFrame(HEADER_SIZE + self._drain_length - self._drain,
-                                 HEADER_SIZE + self._drain_length)
+    def eof(self) -> TruncatedFrame | None:
+        """The stream ended: gives back the buffer of a frame read only in part; a
+        `TruncatedFrame` when the stream ended inside a frame, else None."""
+        if self.at_frame_start:
+            return None
+        if self._target is self._header:
+            got, expected = self._pos, HEADER_SIZE
+        elif self._discard_left:
+            done = self._oversized - self._discard_left + self._pos
+            got, expected = HEADER_SIZE + done, HEADER_SIZE + self._oversized
+        else:
+            got, expected = HEADER_SIZE + self._pos, HEADER_SIZE + len(self._target)
+        if self._release is not None:
+            self._release()
+        self._target, self._release, self._pos, self._discard_left = self._header, None, 0, 0
+        return TruncatedFrame(got, expected)

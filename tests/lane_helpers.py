@@ -18,7 +18,7 @@ import zmq
 import protocol
 from bridge.bench.lanes import TRANSPORTS
 from bridge.client import result_from_wire, server_env
-from bridge.transports.framed import read_frame
+from bridge.streams import read_frame
 
 from kernel_cases import assert_close, reference_scan
 from waiting import wait_until

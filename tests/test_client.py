@@ -19,7 +19,7 @@ import pytest
 import bridge.client
 import protocol
 from bridge.client import UNMATCHED_KEPT, BridgeError, FramedClient, PortClient, ServerExited, from_wire, to_wire
-from bridge.transports.framed import read_frame, write_all
+from bridge.streams import read_frame, write_all
 
 from waiting import wait_until
 

@@ -1,95 +1,13 @@
-"""Sans-IO units of the wire: the frame assembler the stream lanes read into (every way a stream
-can be cut, oversized frames drained, a frame abandoned part-read) and the multipart form of the
-codec (SPEC §5: tensors as views of raw buffers, malformed replies refused)."""
+"""Sans-IO units of the wire's multipart form (SPEC §5: tensors as views of raw buffers,
+malformed replies refused); the framer's are tests/test_protocol_framing.py."""
 
 from __future__ import annotations
-
-import os
-import struct
 
 import msgpack
 import numpy as np
 import pytest
 
 import protocol
-from bridge.buffers import BufferPool
-from bridge.transports import framed
-from bridge.transports.framed import FrameAssembler
-
-
-class CountingPool(BufferPool):
-    def __init__(self):
-        super().__init__()
-        self.out = 0
-
-    def acquire(self, size):
-        view, release = super().acquire(size)
-        self.out += 1
-
-        def give_back():
-            self.out -= 1
-            release()
-        return view, give_back
-
-
-ASSEMBLER_LIMIT = 40
-
-
-def assembler_frames(drain_chunk: int) -> list[int]:
-    """Frame body lengths; those over ASSEMBLER_LIMIT must come out as FrameTooLarge, the last
-    one drained in two whole chunks and part of a third."""
-    return [0, 1, 7, 300, 50, 13, 41, 0, 40, 2 * drain_chunk + 3]
-
-
-@pytest.mark.parametrize("chunking", ["whole", "byte_by_byte", "odd_pieces", "random"])
-def test_the_frame_assembler_yields_each_frame_whole_however_the_stream_is_cut(chunking, monkeypatch):
-    if chunking in ("byte_by_byte", "odd_pieces"):
-        # Fed a byte or three at a time, the real chunk's megabytes keep Python busy for most
-        # of this file's time; a small chunk has the same boundaries to cross.
-        monkeypatch.setattr(framed, "DRAIN_CHUNK", 64)
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    rng = np.random.default_rng(seed)
-    bodies = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in assembler_frames(framed.DRAIN_CHUNK)]
-    stream = b"".join(struct.pack(">I", len(b)) + b for b in bodies)
-    pool = CountingPool()
-    assembler = FrameAssembler(pool, ASSEMBLER_LIMIT)
-    frame_starts = set(np.cumsum([0] + [4 + len(b) for b in bodies]).tolist())
-    events, pos = [], 0
-    while pos < len(stream):
-        assert assembler.at_frame_start == (pos in frame_starts), f"at byte {pos} (seed {seed})"
-        space = assembler.space()
-        want = {"whole": len(stream), "byte_by_byte": 1, "odd_pieces": 3,
-                "random": int(rng.integers(1, 200))}[chunking]
-        count = min(len(space), want)
-        space[:count] = stream[pos:pos + count]
-        pos += count
-        event = assembler.advance(count)
-        if event is not None:
-            events.append(event)
-    assert len(events) == len(bodies), f"seed {seed}"
-    for body, event in zip(bodies, events):
-        if len(body) > ASSEMBLER_LIMIT:
-            assert isinstance(event, protocol.FrameTooLarge)
-            assert (event.length, event.limit) == (len(body), ASSEMBLER_LIMIT)
-        else:
-            view, release = event
-            assert bytes(view) == body
-            release()
-    assert pool.out == 0
-
-
-def test_the_frame_assembler_gives_back_a_frame_read_in_part():
-    pool = CountingPool()
-    assembler = FrameAssembler(pool, 1 << 20)
-    frame = struct.pack(">I", 1000) + os.urandom(400)
-    space = assembler.space()
-    space[:4] = frame[:4]
-    assert assembler.advance(4) is None and not assembler.at_frame_start
-    space = assembler.space()
-    space[:400] = frame[4:]
-    assert assembler.advance(400) is None and pool.out == 1
-    assembler.abandon()
-    assert pool.out == 0 and assembler.at_frame_start
 
 
 def random_tensor(rng, dtype: str, shape) -> protocol.OutTensor:

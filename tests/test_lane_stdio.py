@@ -8,7 +8,7 @@ import time
 
 import protocol
 from bridge.buffers import BufferPool
-from bridge.transports.framed import read_frame
+from bridge.streams import read_frame
 
 from lane_helpers import REPLY_TIMEOUT_S, RecordingDispatcher
 from waiting import wait_until

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 import protocol
-from bridge.transports.framed import read_exact, read_frame
+from bridge.streams import read_exact, read_frame
 
 from kernel_cases import ScanCase, make_scan_inputs
 from lane_helpers import REPLY_TIMEOUT_S, RecordingDispatcher, raw_unix, read_reply, request_frame, scan_frame

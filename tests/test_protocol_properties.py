@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import (ALIASES, DTYPES, OPS, FrameDecoder, FrameTooLarge, HandleRef, ProtocolError, WireTensor,
-                      decode_reply, decode_request, encode_frame)
+from protocol import (ALIASES, DTYPES, OPS, FrameAssembler, FrameTooLarge, HandleRef, ProtocolError, TruncatedFrame,
+                      WireTensor, decode_reply, decode_request, encode_frame)
 from protocol._reader import Reader, buffer_views, decode_top_map
 from protocol.decode import _decode_v1_checked, _decode_valid_v1
 
@@ -339,30 +339,33 @@ def test_whole_request_path_takes_the_requests_clients_send():
        st.integers(0, 200))
 def test_framing_does_not_depend_on_how_the_stream_is_cut(bodies, cuts, limit):
     data = b"".join(encode_frame(b) for b in bodies)
-    decoder = FrameDecoder(max_frame_size=limit)
+    decoder = FrameAssembler(max_frame_size=limit)
     events, start = [], 0
     for cut in sorted(c for c in cuts if c <= len(data)) + [len(data)]:
         events += decoder.feed(data[start:cut])
         start = cut
-    decoder.eof()
+    assert decoder.eof() is None
     expected = [bytes(b) if len(b) <= limit else FrameTooLarge(len(b), limit) for b in bodies]
-    assert [bytes(e) if not isinstance(e, FrameTooLarge) else e for e in events] == expected
+    assert [bytes(e[0]) if not isinstance(e, FrameTooLarge) else e for e in events] == expected
 
 
 @SETTINGS
 @given(st.binary(max_size=300), st.lists(st.integers(1, 50), min_size=1, max_size=5))
 def test_framing_never_fails_on_junk(junk, reads):
-    decoder = FrameDecoder(max_frame_size=64)
+    decoder = FrameAssembler(max_frame_size=64)
     pos, i = 0, 0
     while pos < len(junk):
-        buffer = decoder.get_buffer()
-        n = min(len(buffer), len(junk) - pos, reads[i % len(reads)])
-        buffer[:n] = junk[pos:pos + n]
+        space = decoder.space()
+        n = min(len(space), len(junk) - pos, reads[i % len(reads)])
+        space[:n] = junk[pos:pos + n]
         pos, i = pos + n, i + 1
-        for event in decoder.buffer_updated(n):
-            assert isinstance(event, (bytes, memoryview, FrameTooLarge))
-            if not isinstance(event, FrameTooLarge):
-                only_protocol_errors(decode_request, event)
+        event = decoder.advance(n)
+        if event is not None and not isinstance(event, FrameTooLarge):
+            body, release = event
+            assert isinstance(body, memoryview) and release is None
+            only_protocol_errors(decode_request, body)
+    truncated = decoder.eof()
+    assert truncated is None or isinstance(truncated, TruncatedFrame)
 
 
 def uint_encodings(value: int) -> list[bytes]:

@@ -20,7 +20,7 @@ import numpy as np
 
 import protocol
 from bridge.client import server_env, stop_piped_server
-from bridge.transports.framed import read_exact, write_all
+from bridge.streams import read_exact, write_all
 
 from .cases import EXPHIL_SEQ, Case
 from .lanes import BenchError, log_tail

@@ -33,7 +33,7 @@ from typing import Callable
 
 import protocol
 from bridge.client import server_env, stop_piped_server, to_wire
-from bridge.transports.framed import read_exact, write_all
+from bridge.streams import read_exact, write_all
 from bridge.transports.unix import SOCKET_BUFFER_BYTES
 
 # The echoes' C sources ship inside the package (package data), so that an installed bridge.bench

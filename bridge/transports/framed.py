@@ -1,8 +1,9 @@
 """The stream framing shared by the stdio and unix-socket lanes (SPEC §2: a 4-byte big-endian
-length, then the body), and by the Python clients that speak it.
+length, then the body); the clients' blocking reads and writes are bridge.streams.
 
-Bodies are read straight into pooled buffers (no intermediate copies) by `FrameAssembler`, a
-frame at a time, and handed to the dispatcher: blocking by `serve_frames` (stdio's one
+Bodies are read straight into pooled buffers (no intermediate copies) by
+`protocol.FrameAssembler`, a frame at a time, and handed to the dispatcher: blocking by
+`serve_frames` (stdio's one
 stream), without blocking by the unix lane (its many); replies go out as one gather-write of
 the prefix, the msgpack header pieces and the tensor views.
 
@@ -28,15 +29,12 @@ import time
 
 import protocol
 
+from ..streams import IOV_MAX, byte_views, consume
 from ..timing import now_ns
 from .base import Connection
 
 log = logging.getLogger("bridge.transports")
 
-# Scratch size for discarding the body of an oversized frame.
-DRAIN_CHUNK = 1 << 20
-# os.writev takes at most IOV_MAX (1024 on Linux) buffers per call.
-IOV_MAX = 1024
 # How long the replying thread waits for a peer that accepts no byte of a reply before handing
 # the rest to the connection's writer thread. A peer that is reading makes progress far more
 # often than this; the worker is held up this long by a stuck one, once per reply it stalls on.
@@ -47,57 +45,11 @@ STALL_SECONDS = 0.02
 WRITE_SECONDS = 0.05
 
 
-def byte_views(parts: list) -> list[memoryview]:
-    """Flat byte views of the non-empty `parts`, for a gather-write (no copies)."""
-    return [memoryview(p).cast("B") for p in parts if len(p)]
-
-
-def write_all(fd: int, parts: list) -> None:
-    """writev every byte of `parts`, resuming after partial writes."""
-    views = byte_views(parts)
-    while views:
-        written = os.writev(fd, views[:IOV_MAX])
-        consume(views, written)
-
-
-def consume(views: list, written: int) -> None:
-    """Drop the first `written` bytes from the list of byte views (after a partial write)."""
-    while written:
-        head = views[0]
-        if written >= len(head):
-            written -= len(head)
-            views.pop(0)
-        else:
-            views[0] = head[written:]
-            written = 0
-
-
 def input_waiting(fd: int) -> bool:
     """Whether bytes are already waiting to be read on `fd` (a pipe or a socket)."""
     count = array.array("i", [0])
     fcntl.ioctl(fd, termios.FIONREAD, count, True)
     return count[0] > 0
-
-
-def read_exact(reader, view: memoryview) -> bool:
-    """Fill `view` from `reader` (anything with `readinto`); False on EOF before it is full."""
-    pos, size = 0, len(view)
-    while pos < size:
-        n = reader.readinto(view[pos:])
-        if not n:
-            return False
-        pos += n
-    return True
-
-
-def read_frame(reader) -> memoryview | None:
-    """The body of the next frame on `reader` (anything with `readinto`, blocking), read whole
-    into a buffer of its own; None when the stream ends before it is whole."""
-    header = memoryview(bytearray(protocol.framing.HEADER_SIZE))
-    if not read_exact(reader, header):
-        return None
-    body = memoryview(bytearray(protocol.parse_frame_header(header)))
-    return body if read_exact(reader, body) else None
 
 
 class StreamConnection(Connection):
@@ -259,67 +211,6 @@ class FdConnection(StreamConnection):
         return os.writev(self._stream, views[:IOV_MAX])
 
 
-class FrameAssembler:
-    """One stream's frame being read a piece at a time, as bytes come: by a blocking reader
-    (`serve_frames`, stdio's) or one that must not block (the unix lane's). `space()` is where
-    the next bytes go; `advance(n)` after `n` more bytes are in returns None until a frame is
-    complete, then `(body, release)` (the body in a pooled buffer), or a FrameTooLarge once an
-    oversized frame's body has been read and discarded (the stream stays usable).
-
-    Unlike protocol.FrameDecoder it never reads past the end of the frame it is in: a frame not
-    begun stays in the socket, so that a connection at its cap of requests in flight leaves the
-    rest of its input unread (backpressure) and `input_waiting` still tells whether more came."""
-
-    def __init__(self, pool, max_frame_size: int):
-        self.pool = pool
-        self.max_frame_size = max_frame_size
-        self._header = memoryview(bytearray(protocol.framing.HEADER_SIZE))
-        self._target = self._header  # the header's or the body's view, or the discard scratch
-        self._pos = 0
-        self._release = None  # gives the body's pooled buffer back
-        self._discard_left = 0  # bytes of an oversized body still to be discarded
-        self._oversized = 0
-
-    @property
-    def at_frame_start(self) -> bool:
-        """No byte of the next frame has been read."""
-        return self._target is self._header and self._pos == 0
-
-    def space(self) -> memoryview:
-        return self._target[self._pos:]
-
-    def advance(self, count: int):
-        self._pos += count
-        if self._pos < len(self._target):
-            return None
-        self._pos = 0
-        if self._target is self._header:
-            length = protocol.parse_frame_header(self._header)
-            if length > self.max_frame_size:
-                self._oversized = self._discard_left = length
-                self._target = memoryview(bytearray(min(length, DRAIN_CHUNK)))
-                return None
-            self._target, self._release = self.pool.acquire(length)
-            if length:
-                return None
-        elif self._discard_left:
-            self._discard_left -= len(self._target)
-            if self._discard_left:
-                self._target = self._target[:min(self._discard_left, len(self._target))]
-                return None
-            self._target = self._header
-            return protocol.FrameTooLarge(self._oversized, self.max_frame_size)
-        frame = (self._target, self._release)
-        self._target, self._release = self._header, None
-        return frame
-
-    def abandon(self) -> None:
-        """The stream ended: give back the buffer of a frame read only in part."""
-        if self._release is not None:
-            self._release()
-        self._target, self._release, self._pos, self._discard_left = self._header, None, 0, 0
-
-
 def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
     """Read frames from `reader` (blocking, with `readinto`) until EOF and hand each body to the
     dispatcher for `conn`.
@@ -327,12 +218,12 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
     A frame announcing more than `max_frame_size` is read and discarded, then answered with
     frame_too_large; the stream stays usable. `conn` is a StreamConnection: the next frame is
     read only when none of its replies waits for a writer thread (wait_until_written)."""
-    incoming = FrameAssembler(pool, max_frame_size)
+    incoming = protocol.FrameAssembler(max_frame_size, pool.acquire)
     more_input = functools.partial(input_waiting, reader.fileno())
     while True:
         count = reader.readinto(incoming.space())
         if not count:
-            incoming.abandon()
+            incoming.eof()  # the peer is gone: a frame it left unfinished gets no answer
             return
         frame = incoming.advance(count)
         if frame is None:

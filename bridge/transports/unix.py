@@ -34,7 +34,7 @@ import protocol
 from ..buffers import BufferPool
 from ..timing import now_ns
 from .base import FLUSH_SECONDS
-from .framed import IOV_MAX, FrameAssembler, StreamConnection, WriterThreads, input_waiting
+from .framed import IOV_MAX, StreamConnection, WriterThreads, input_waiting
 
 log = logging.getLogger("bridge.unix")
 
@@ -67,7 +67,7 @@ BYTES_PER_TURN = 1 << 20
 
 
 class UnixConnection(StreamConnection):
-    def __init__(self, sock: socket.socket, max_in_flight: int, incoming: FrameAssembler, wake,
+    def __init__(self, sock: socket.socket, max_in_flight: int, incoming: protocol.FrameAssembler, wake,
                  start_writer, reading_thread: threading.Thread):
         super().__init__("unix", sock, start_writer)
         self._reading_thread = reading_thread
@@ -98,7 +98,7 @@ class UnixConnection(StreamConnection):
 
     def end_input(self) -> bool:
         """The peer sends nothing more. True when nothing is in flight: close it now."""
-        self.incoming.abandon()
+        self.incoming.eof()
         with self._count_lock:
             self._input_ended = True
             return self._in_flight == 0
@@ -314,7 +314,7 @@ class UnixTransport:
             sock.setblocking(True)  # replies are written blocking by writer threads
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-            conn = UnixConnection(sock, self.max_in_flight, FrameAssembler(self.pool, self.max_frame_size),
+            conn = UnixConnection(sock, self.max_in_flight, protocol.FrameAssembler(self.max_frame_size, self.pool.acquire),
                                   self._wake, self._writers.start, self._thread)
             if len(self._connections) >= self.max_connections:
                 self._turn_away(conn)
