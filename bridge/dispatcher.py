@@ -301,7 +301,7 @@ class Dispatcher:
                 else:
                     self._answer(item.call, outcome)
             except Exception:  # after the reply (a release or hook failed): the others still get theirs
-                log.exception("finishing %s %s of a batch failed", item.call.op, item.call.request.id)
+                log.exception("finishing %s %s of a batch failed", item.call.op, item.call.request.reply_id)
 
     def _gather(self, op: BatchedOp, first: Call) -> Batch | None:
         """The batch `first` leads: the requests after it that can share its launch."""

@@ -1,0 +1,141 @@
+"""Two checkouts' servers against each other, in one run: does a change to the serving path
+cost time? (Issue 31's check of its one serving pipeline against the server before it.)
+
+The server of `--baseline` (another checkout of this project, e.g. a `git worktree` of the
+commit before the change) and this checkout's take turns in blocks (A B, then B A, ...), each a
+fresh `python -m bridge` over stdio, driven by the same lean client (bench.floors' StreamLane).
+Per block and server:
+  * the ExPhil request (32×60×512×16 f32 scan), each after the settle pause: bridge cost =
+    round trip − kernel_us, as bench.roundtrip reports it;
+  * the paced game loop's step (a 32×512×16 session, A a handle, one step per 60 FPS frame):
+    round trip p50, as bench.game_loop part (a) reports it.
+Reports each figure's median over the blocks per server, and this checkout's over the
+baseline's; the goal is each within 5 %.
+
+    python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import protocol
+from bridge.bench.cases import BATCH, DIM, STATE
+from bridge.client import stop_piped_server
+
+from .floors import SETTLE_SECONDS, StreamLane, encode_request, exchange, lane_call
+from .game_loop import WARMUP, constant_A, frame_inputs, step_request, wait_for_frame
+from .machine import summarize_us, write_results
+from .roundtrip import exphil_inputs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The most a figure of this checkout may exceed the baseline's by.
+GOAL_RATIO = 1.05
+
+
+class TreeServer:
+    """`python -m bridge` of the checkout at `tree`, on pipes."""
+
+    def __init__(self, tree: str, server_args: list[str]):
+        env = {**os.environ, "PYTHONPATH": tree}
+        self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", "--log-level", "warning",
+                                      *server_args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0, cwd=tree)
+        self.lane = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
+
+    def call(self, op: str, **args) -> dict:
+        return lane_call(self.lane, op, args)
+
+    def close(self) -> None:
+        stop_piped_server(self.proc)
+        self.proc.stdout.close()
+
+
+def exphil_bridge_cost(server: TreeServer, iterations: int) -> list[float]:
+    request = protocol.frame_parts(encode_request(1, "scan", exphil_inputs()))
+    for _ in range(3):
+        exchange(server.lane, request, "scan")
+    costs = []
+    for _ in range(iterations):
+        time.sleep(SETTLE_SECONDS)
+        us, reply = exchange(server.lane, request, "scan")
+        costs.append(us - reply.timing["kernel_us"])
+    return costs
+
+
+def paced_steps(server: TreeServer, steps: int) -> list[float]:
+    handle = protocol.HandleRef(server.call("put", tensor=constant_A(0))["handle"])
+    session = server.call("session_open", batch=BATCH, dim=DIM, state=STATE)["session"]
+    frames = [server.lane.frame(step_request(i, session, handle, frame_inputs(BATCH, 1 + i))) for i in range(32)]
+    for i in range(WARMUP):
+        exchange(server.lane, frames[i % len(frames)])
+    rows = []
+    start = time.perf_counter()
+    for i in range(steps):
+        wait_for_frame(start, i)
+        rows.append(exchange(server.lane, frames[i % len(frames)])[0])
+    return rows
+
+
+def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: list[str]) -> dict:
+    trees = {"baseline": os.path.abspath(baseline), "this": ROOT}
+    per_block = {name: {"exphil_bridge_cost_p50_us": [], "step_p50_us": []} for name in trees}
+    for block in range(blocks):
+        order = list(trees) if block % 2 == 0 else list(reversed(trees))
+        for name in order:
+            server = TreeServer(trees[name], server_args)
+            try:
+                cost = exphil_bridge_cost(server, iterations)
+                step = paced_steps(server, steps)
+            finally:
+                server.close()
+            per_block[name]["exphil_bridge_cost_p50_us"].append(statistics.median(cost))
+            per_block[name]["step_p50_us"].append(statistics.median(step))
+            print(f"block {block + 1}/{blocks} {name:8s}: ExPhil bridge cost {statistics.median(cost):8.0f} µs, "
+                  f"paced step p50 {statistics.median(step):6.0f} µs", flush=True)
+    medians = {name: {key: statistics.median(values) for key, values in figures.items()}
+               for name, figures in per_block.items()}
+    ratios = {key: medians["this"][key] / medians["baseline"][key] for key in medians["this"]}
+    return {
+        "case": f"ExPhil scan 32x60x512x16 f32 ({iterations} a block, settle pause before each) and a paced "
+                f"{BATCH}x{DIM}x{STATE} step ({steps} a block, one per 60 FPS frame), over stdio",
+        "trees": {name: subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip() for name, tree in trees.items()},
+        "blocks": blocks,
+        "per_block": per_block,
+        "spread": {name: {key: summarize_us(values, (50,)) for key, values in figures.items()}
+                   for name, figures in per_block.items()},
+        "medians": medians,
+        "this_over_baseline": ratios,
+        "goal_ratio_at_most": GOAL_RATIO,
+        "met": all(ratio <= GOAL_RATIO for ratio in ratios.values()),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", required=True, help="the other checkout, whose server is the baseline")
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--iterations", type=int, default=10, help="ExPhil requests a block")
+    p.add_argument("--steps", type=int, default=200, help="paced steps a block")
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
+    p.add_argument("--json", help="write the results (with machine and commit info) to this file")
+    args = p.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.baseline, "bridge", "__main__.py")):
+        p.error(f"--baseline: expected a checkout of this project (with bridge/__main__.py), got {args.baseline!r}")
+    results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg)
+    for key, ratio in results["this_over_baseline"].items():
+        print(f"{key}: baseline {results['medians']['baseline'][key]:.0f} µs, this {results['medians']['this'][key]:.0f} µs, "
+              f"ratio {ratio:.3f} (goal ≤ {GOAL_RATIO})")
+    if args.json:
+        write_results(args.json, "server_ab", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
