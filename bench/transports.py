@@ -237,7 +237,7 @@ def outbox_hop(samples: int = 2000) -> dict:
     the socket's own thread."""
     import zmq
 
-    from bridge.transports.zmq import Outbox
+    from bridge.outbox import Outbox
 
     outbox, hops, done = Outbox(), [], threading.Event()
 

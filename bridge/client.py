@@ -559,7 +559,7 @@ class ZmqClient(FramedClient):
                  curve_server_key: bytes | None = None, curve_keypair: tuple[bytes, bytes] | None = None):
         import zmq
 
-        from bridge.transports.zmq import Outbox
+        from bridge.outbox import Outbox
 
         self.endpoint = endpoint
         self.multipart = multipart

@@ -12,6 +12,7 @@ import sys
 import threading
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,3 +350,23 @@ def test_a_dtype_without_a_wire_code_is_a_type_error_naming_it():
         to_wire(torch.tensor([True, False]))
     with pytest.raises(TypeError, match="dtype complex64 has no wire code"):
         to_wire(np.zeros(2, np.complex64))
+
+
+# What the client shares with the server: the wire (protocol) and neutral helpers; never the
+# server, its dispatcher, ops or transports, so a client can change without reading them.
+CLIENT_SHARED_MODULES = {"bridge.dtypes", "bridge.tensors", "bridge.streams", "bridge.outbox"}
+
+
+def test_the_client_imports_protocol_and_no_server_module():
+    import ast
+
+    source = Path(bridge.client.__file__).read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    ours = {name for name in imported if name.split(".")[0] in ("bridge", "kernels", "protocol")}
+    assert "protocol" in ours
+    assert ours - {"protocol"} <= CLIENT_SHARED_MODULES, sorted(ours - {"protocol"} - CLIENT_SHARED_MODULES)

@@ -45,6 +45,7 @@ import zmq.utils.monitor
 
 import protocol
 
+from ..outbox import Outbox
 from ..timing import now_ns
 from .base import FLUSH_SECONDS, Connection
 
@@ -97,46 +98,6 @@ class CurveKeys:
         if clients_dir is not None and not os.path.isdir(clients_dir):
             raise ValueError(f"--curve-clients {clients_dir}: expected a directory of public certificates")
         return cls(public, secret, clients_dir)
-
-
-class Outbox:
-    """Messages for sockets owned by one thread, posted from any thread: zmq sockets are not
-    thread-safe, so the owner sends them. `post` wakes the owner through an eventfd it polls."""
-
-    def __init__(self):
-        self._items: collections.deque = collections.deque()
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        # Keeps `post` from writing to the fd's number once closed: it may name another file by
-        # then (a reply posted after a drain that gave up is dropped instead).
-        self._closing = threading.Lock()
-        self._closed = False
-
-    def post(self, item) -> None:
-        self._items.append(item)
-        with self._closing:
-            if not self._closed:
-                os.eventfd_write(self.fd, 1)
-
-    def take(self) -> list:
-        """Everything posted so far, in order (called by the owner when the fd is readable)."""
-        try:
-            os.eventfd_read(self.fd)
-        except BlockingIOError:
-            pass
-        items = []
-        while self._items:
-            items.append(self._items.popleft())
-        return items
-
-    @property
-    def pending(self) -> bool:
-        """Something was posted and not taken yet."""
-        return bool(self._items)
-
-    def close(self) -> None:
-        with self._closing:
-            self._closed = True
-            os.close(self.fd)
 
 
 def split_envelope(frames: list) -> tuple[list, list]:
