@@ -3,10 +3,10 @@ cost time? (Issue 31's check of its one serving pipeline against the server befo
 
 The server of `--baseline` (another checkout of this project, e.g. a `git worktree` of the
 commit before the change) and this checkout's take turns in blocks (A B, then B A, ...), each a
-fresh `python -m bridge` over stdio, driven by the same lean client (bench.floors' StreamLane).
+fresh `python -m bridge` over stdio, driven by the same lean client (bridge.bench.floors' StreamLane).
 Per block and server:
   * the ExPhil request (32×60×512×16 f32 scan), each after the settle pause: bridge cost =
-    round trip − kernel_us, as bench.roundtrip reports it;
+    round trip − kernel_us, as bench.transports reports it;
   * the paced game loop's step (a 32×512×16 session, A a handle, one step per 60 FPS frame):
     round trip p50, as bench.game_loop part (a) reports it.
 Reports each figure's median over the blocks per server, and this checkout's over the
@@ -26,12 +26,12 @@ import time
 
 import protocol
 from bridge.bench.cases import BATCH, DIM, STATE
+from bridge.bench.floors import StreamLane, encode_request, exchange, lane_call
+from bridge.bench.machine import summarize_us, write_results
 from bridge.client import stop_piped_server
 
-from .floors import SETTLE_SECONDS, StreamLane, encode_request, exchange, lane_call
 from .game_loop import WARMUP, constant_A, frame_inputs, step_request, wait_for_frame
-from .machine import summarize_us, write_results
-from .roundtrip import exphil_inputs
+from .transports import SETTLE_SECONDS, exphil_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The most a figure of this checkout may exceed the baseline's by.
