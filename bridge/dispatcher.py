@@ -181,8 +181,9 @@ class Dispatcher:
     def _serve_fast(self, conn, body, received_ns: int) -> bool:
         """Serve the request in `body` through the op fast path on this thread, if that path
         takes it and nothing is in flight but its own requests (other lanes' readers, each
-        serving one, which only wait for the serving lock). False: not taken (nothing was
-        touched), it goes the general way, which also answers every error."""
+        serving one, which only wait for the serving lock: docs/performance.md, "unix callers
+        native"). False: not taken (nothing was touched), it goes the general way, which also
+        answers every error."""
         try:
             request = self.fast_path.parse(body)
         except Exception:

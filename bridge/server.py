@@ -33,11 +33,9 @@ class ServerConfig:
     max_pending: int = 4096
     # Dynamic batching (bridge.batcher): how long a batch may wait for company after its first
     # request arrived (0: never wait; requests already queued still join), and the most rows
-    # one launch takes. 0 is as good as any delay measured on the 2-core CPU box: with 8 callers
-    # stepping 1-row sessions (bench/results/batch_delay_sweep.json), 3.9k steps/s at 0 µs,
-    # 4.0k at 200, 3.8k at 500 and 3.2k at 1600, because requests queue up behind each launch
-    # anyway. A GPU, where a launch costs more than a request, may gain from a few hundred µs;
-    # that is not measured yet. A lone caller never waits (BatchPolicy).
+    # one launch takes. On the CPU no delay beat 0, since requests queue up behind each launch
+    # anyway (docs/performance.md, "max_delay_us default"); a GPU, where a launch costs more than
+    # a request, may gain from a few hundred µs. A lone caller never waits (BatchPolicy).
     max_delay_us: int = 0
     max_batch: int = 1024
     # What may stay on the device between requests, over all connections.
@@ -58,10 +56,8 @@ class ServerConfig:
     # CPU threads one kernel call may use (torch.set_num_threads, which the cpu backend's helper
     # pool follows), set by `python -m bridge` at start: it is the whole process's, so a Server
     # made in-process leaves it alone. None: torch's default, the machine's cores. Fewer than the
-    # cores leaves cores to clients on the same machine: 8 unix callers stepping 32-row sessions
-    # on the 2-core box had a p99 round trip of 11.0 ms on 2 threads and 4.5 ms on 1, at 0.76x
-    # the throughput (bench/results/kernel_threads_callers_ab.json, taken with OMP_NUM_THREADS=1
-    # in the server's environment, which sets the same count, before this setting existed).
+    # cores leaves cores to clients on the same machine, trading throughput for their tail
+    # latency (docs/performance.md, "threads default").
     threads: int | None = None
 
 
@@ -161,9 +157,7 @@ class Server:
         on the CPU; on CUDA, device events recorded around the kernels API's call, so the time
         includes what the host does inside that call before the kernels reach the GPU (argument
         checks, Triton's launch path), which for a step's microseconds-long kernel may be most of
-        it: on an H100 a 32×512×16 step's kernel_us was 195–260 µs back to back, where the
-        backend's own call with a sync took 68 µs alone (bench/results/game_loop_cuda.json,
-        triton_launch_host_time_probe.json)."""
+        it (docs/performance.md, "GPU kernel timing")."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

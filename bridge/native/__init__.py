@@ -1,12 +1,10 @@
 """The native step path: a plain `step` request served from its frame to its reply in one C++
 call (step.cpp), on the CPU with the "cpu" backend.
 
-A step long after the last -- a 60 FPS game loop's frame -- spent about 0.5 ms of its 1.3 ms
-round trip in the server's Python per-request work, which a pause makes several times slower
-than back to back (bench/results/game_loop.json as recorded at e6519e1, `git show
-758a274:bench/results/game_loop.json`: server 0.89 ms, of it the kernel call 0.38 (the runs'
-medians)). Here the request is read where it lies in the frame, the kernel reads its operands
-there and writes y straight into the reply.
+A step long after the last -- a 60 FPS game loop's frame -- spent much of its round trip in the
+server's Python per-request work, which a pause makes several times slower than back to back
+(docs/performance.md, "native step path"). Here the request is read where it lies in the
+frame, the kernel reads its operands there and writes y straight into the reply.
 
 What it takes -- anything else goes the general way (bridge.dispatcher), which answers every
 error: a v1 request in one frame (no raw buffers: a stream lane's, or a one-part ZeroMQ message)
@@ -14,11 +12,11 @@ whose args are the session (this connection's), x, dt, B, C and optionally z inl
 and C [batch, state] or [batch, groups, state]), A and optionally D and dt_bias inline as f32 or
 as handles to contiguous f32 tensors, and the dt options; request and session ids in ASCII. The
 dispatcher hands it every request without raw buffers that finds nothing in flight but other
-native steps, on any lane and under load too (bridge.dispatcher says why). Its replies are the
-general path's, but for the timing: `queue_us` is the wait for the serving lock (behind other
-connections' native steps), `decode_us` everything else before the kernel (parsing, the session
-and handle lookups, the checks), and h2d and d2h are 0 (the kernel reads the frame and writes
-the reply).
+native steps, on any lane and under load too (the step op offers it as its fast path,
+bridge.ops.sessions.StepOp.fast_path). Its replies are the general path's, but for the timing:
+`queue_us` is the wait for the serving lock (behind other connections' native steps),
+`decode_us` everything else before the kernel (parsing, the session and handle lookups, the
+checks), and h2d and d2h are 0 (the kernel reads the frame and writes the reply).
 """
 
 from __future__ import annotations
