@@ -3,7 +3,7 @@
 #
 #   * the ExPhil request (scan, 32×60×512×16 f32) and a 32×512×16 step (a session; A kept on
 #     the server as a handle), through the public API (caller → client process → server);
-#   * the same request bytes sent by this process to the C echo (bench/echo/pipe_echo.c), which
+#   * the same request bytes sent by this process to the C echo (bridge/bench/echo/pipe_echo.c), which
 #     reads each frame and answers with a frame of the server's reply size: over a Port
 #     ({:packet, 4}, as the client's) and, when the server has the unix lane, over a unix
 #     socket (:gen_tcp {:local, path}, packet 4, with the client's socket options).
@@ -21,7 +21,8 @@
 #   mix run bench/roundtrip.exs [--iterations 30] [--step-iterations 400] [--rounds 3] [--out PATH]
 #
 # Needs $PYTHON (default: the checkout's .venv) and cc. Writes JSON (with machine and commit
-# info) to ../bench/results/elixir-roundtrip.json by default.
+# info) to the git-ignored ../bench/out/elixir-roundtrip.json by default; to record the
+# reference the docs cite, `--out ../bench/results/elixir-roundtrip.json`.
 
 Code.require_file("../test/support/json.ex", __DIR__)
 
@@ -66,7 +67,7 @@ defmodule RoundtripBench do
     iterations = Keyword.get(opts, :iterations, 30)
     step_iterations = Keyword.get(opts, :step_iterations, 400)
     rounds = Keyword.get(opts, :rounds, 3)
-    out = Keyword.get(opts, :out, Path.join(@root, "bench/results/elixir-roundtrip.json"))
+    out = Keyword.get(opts, :out, Path.join(@root, "bench/out/elixir-roundtrip.json"))
     python = System.get_env("PYTHON") || Path.join(@root, ".venv/bin/python")
     env = [{"PYTHONPATH", System.get_env("PYTHONPATH") || @root}, {"SCAN_BRIDGE_LOG", "WARNING"}]
     echo = build_echo(python, env)
@@ -228,7 +229,7 @@ defmodule RoundtripBench do
       # Each round trip, the echo's and the call's, and each client part, after the same
       # pause, as a 60 FPS frame comes long after the last: back to back, the cores stay warm
       # and the server's kernel helpers still poll one, which no such frame finds (the Python
-      # benches pause alike, bench/floors.py SETTLE_SECONDS).
+      # benches pause alike, bench/transports.py SETTLE_SECONDS).
       samples =
         for _ <- 1..iterations do
           Process.sleep(@settle_ms)
@@ -357,7 +358,7 @@ defmodule RoundtripBench do
   ## The echo
 
   defp build_echo(python, env) do
-    code = "from bench.floors import build_echo; print(build_echo('pipe_echo'))"
+    code = "from bridge.bench.floors import build_echo; print(build_echo('pipe_echo'))"
     {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
     String.trim(out)
   end
@@ -525,7 +526,7 @@ defmodule RoundtripBench do
   ## Where and what was measured
 
   defp machine(python, env) do
-    code = "import json; from bench.machine import machine_info; print(json.dumps(machine_info()))"
+    code = "import json; from bridge.bench.machine import machine_info; print(json.dumps(machine_info()))"
     {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
 
     out
