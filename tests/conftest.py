@@ -22,6 +22,23 @@ if not torch.cuda.is_available():
 pytest_plugins = ["bridge_fakes"]
 
 
+def pytest_collection_finish(session):
+    """Child suites that run long (the sanitizer pass) start as soon as the tests are collected,
+    beside the rest of the session rather than after it, when the test that judges them is
+    selected: a test module offers `start_background_runs(selected test names)`."""
+    if session.config.option.collectonly:
+        return
+    selected: dict = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None:
+            selected.setdefault(module, set()).add(item.originalname)
+    for module, names in selected.items():
+        start = getattr(module, "start_background_runs", None)
+        if start is not None:
+            start(names)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """In CI (CI=true) a suite that cannot run fails the run instead of skipping: a skip there
     passes only with a reason the machine's kind expects (kernel_cases.expected_skip). Without this,

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -118,3 +119,37 @@ def describe_process(pid: int) -> str:
     except OSError:
         return f"{pid} (exited while being described)"
     return f"{pid} state {state}: {command}"
+
+
+class BackgroundRun:
+    """A `run_marked` started ahead of the test that judges it, on a thread of its own, so that
+    a long child suite (the sanitizer pass) runs beside the rest of the session instead of
+    after it. `start()` is idempotent; `result()` starts it if nothing has, then waits."""
+
+    def __init__(self, make_command):
+        # make_command() -> (command, run_marked's keyword arguments); called once, at start.
+        self._make_command = make_command
+        self._thread: threading.Thread | None = None
+        self._run: ProcessRun | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        command, options = self._make_command()
+
+        def run():
+            try:
+                self._run = run_marked(command, **options)
+            except BaseException as exc:  # handed to the test that waits for it
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="background-run", daemon=True)
+        self._thread.start()
+
+    def result(self) -> ProcessRun:
+        self.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._run

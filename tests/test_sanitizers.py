@@ -22,13 +22,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from bridge import native
 from kernels.cpu import build
-from process_runs import run_marked
+from process_runs import BackgroundRun
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ["tests/test_native_step.py", "tests/test_kernels_cpu.py"]
@@ -37,6 +38,7 @@ SUITES = ["tests/test_native_step.py", "tests/test_kernels_cpu.py"]
 # sources (kernel_ab's loading; 159 s). The portable (non-AVX-512) build's test stays: it is
 # the only one that runs that vector code here.
 DESELECT = "not bench_runner and not kernel_ab and not each_copy_of_the_sources"
+SANITIZERS = "address,undefined"
 # Python allocates for its lifetime without freeing at exit: leak reports would be its own.
 ASAN_OPTIONS = "detect_leaks=0:abort_on_error=1:print_summary=1"
 TIMEOUT_S = 1200
@@ -52,30 +54,55 @@ def compiler_library(name: str) -> str | None:
     return found if os.path.isabs(found) and os.path.exists(found) else None
 
 
-def test_cpp_extensions_pass_their_suites_under_address_and_undefined_sanitizers(monkeypatch, tmp_path):
+def asan_preload() -> list[str | None]:
     # libstdc++ is preloaded after the ASan runtime so that the runtime, when it starts, finds
     # the C++ exception functions it wraps (Python does not link libstdc++; without it the first
     # exception a kernel throws fails ASan's own check).
-    preload = [compiler_library("libasan.so"), compiler_library("libstdc++.so")]
-    if None in preload:
-        pytest.skip("no ASan runtime (libasan) or libstdc++ for the C++ compiler here: the sanitizer pass needs them")
-    # Reports go to files: pytest captures the child's stderr, which an abort would lose.
-    reports = tmp_path / "report"
+    return [compiler_library("libasan.so"), compiler_library("libstdc++.so")]
+
+
+# Reports go to files: pytest captures the child's stderr, which an abort would lose.
+REPORTS_DIR = Path(tempfile.gettempdir()) / f"scan-bridge-sanitizer-reports-{os.getpid()}"
+
+
+def sanitized_suites_command():
+    shutil.rmtree(REPORTS_DIR, ignore_errors=True)
+    REPORTS_DIR.mkdir()
+    reports = REPORTS_DIR / "report"
     # PYTHONMALLOC=malloc: each Python object its own malloc block, so that ASan's bounds
     # around it catch a read past a frame's bytes (pymalloc's pools would hide most).
-    env = {**os.environ, build.SANITIZE_ENV: "address,undefined", "LD_PRELOAD": " ".join(preload),
+    env = {**os.environ, build.SANITIZE_ENV: SANITIZERS, "LD_PRELOAD": " ".join(asan_preload()),
            "PYTHONMALLOC": "malloc",
            "ASAN_OPTIONS": f"{ASAN_OPTIONS}:log_path={reports}",
            "UBSAN_OPTIONS": f"print_stacktrace=1:log_path={reports}"}
-    run = run_marked([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", DESELECT, *SUITES],
-                     timeout_s=TIMEOUT_S, cwd=ROOT, env=env)
-    found = "".join(f"\n{path.name}:\n{path.read_text(errors='replace')[:6000]}" for path in sorted(tmp_path.iterdir()))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", DESELECT, *SUITES]
+    return command, {"timeout_s": TIMEOUT_S, "cwd": ROOT, "env": env}
+
+
+# The longest suite of all, a child process: started beside the rest of the session as soon as
+# the tests are collected (tests/conftest.py), judged by the test below.
+SANITIZED_SUITES = BackgroundRun(sanitized_suites_command)
+SANITIZED_SUITES_TEST = "test_cpp_extensions_pass_their_suites_under_address_and_undefined_sanitizers"
+
+
+def start_background_runs(selected: set[str]) -> None:
+    if SANITIZED_SUITES_TEST in selected and None not in asan_preload():
+        SANITIZED_SUITES.start()
+
+
+def test_cpp_extensions_pass_their_suites_under_address_and_undefined_sanitizers(monkeypatch):
+    if None in asan_preload():
+        pytest.skip("no ASan runtime (libasan) or libstdc++ for the C++ compiler here: the sanitizer pass needs them")
+    run = SANITIZED_SUITES.result()
+    found = "".join(f"\n{path.name}:\n{path.read_text(errors='replace')[:6000]}"
+                    for path in sorted(REPORTS_DIR.iterdir()))
+    shutil.rmtree(REPORTS_DIR, ignore_errors=True)
     assert not found, f"sanitizer reports:{found}"
     assert run.failure("the sanitized suites") is None, run.failure("the sanitized suites")
     # The libraries the sanitizer setting selects (a digest of their own, which the child could
     # only load or build) exist and are linked to the ASan runtime: a pass against the ordinary
     # builds would prove nothing.
-    monkeypatch.setenv(build.SANITIZE_ENV, env[build.SANITIZE_ENV])
+    monkeypatch.setenv(build.SANITIZE_ENV, SANITIZERS)
     for library in (build.library_path(), native.library_path()):
         assert library.is_file(), f"{library}: not built by the sanitizer pass"
         assert b"libasan.so" in library.read_bytes(), f"{library}: not linked to the ASan runtime"
