@@ -1,7 +1,7 @@
 // SIMD selective scan and state update for the CPU (see scan_kernel.h for the contract).
 //
-// The work is cut into items of (a block of W channels of one group, one batch row), W = 16
-// lanes of fp32 (8 of fp64), and h is laid out per mode:
+// The work is cut into items of (a block of W channels of one group, one batch row), W = the
+// lanes of fp32 (fp64) in one vector of the target's width, and h is laid out per mode:
 //  - sequence mode (seq > 1): lanes run over channels and h is [state][lanes] in L1. Each
 //    timestep is then multiply-adds with B_t,n and C_t,n broadcast and no horizontal sum; an
 //    item walks its whole sequence in one pass.
@@ -13,9 +13,10 @@
 // strides and any byte misalignment, and applies dt's bias/softplus/clamp and z's gate once per
 // (t, channel). The recurrence only reads aligned tiles; y is converted and stored per tile.
 //
-// Written with GCC vector extensions so it builds for any target (AVX2 machines split each
-// 64-byte vector in two); where AVX-512 is present exp2 uses a register table and vscalef, and
-// half-precision runs convert 16 values per instruction.
+// Written with GCC vector extensions so it builds for any target, with vectors of the width
+// the target executes (kVectorBytes): 64 bytes with AVX-512, 32 with AVX2, 16 otherwise (the
+// baseline: SSE2, NEON). Where AVX-512 is present exp2 uses a register table and vscalef, and
+// half-precision runs convert 16 values per instruction (8 with AVX2's F16C).
 
 #include "scan_kernel.h"
 
@@ -29,14 +30,24 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
 namespace scan_bridge {
 namespace {
 
+// Narrower targets get vectors they execute whole: wider ones, split by the compiler into
+// several registers, double the live registers of every loop and spill the state.
+#if defined(__AVX512F__)
 constexpr int kVectorBytes = 64;
+#elif defined(__AVX2__)
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;
+#endif
+// Scratch regions start on their own cache lines, whatever the vector width.
+constexpr int kScratchAlign = 64;
 // Timesteps packed per pass. 32 keeps the tiles of a pass (x, dt, dt*x, gate, y: 32 x 64 B
 // each; B and C: 32 x state values) within a 32 KiB L1 for state 16.
 constexpr int kTimeChunk = 32;
@@ -60,9 +71,16 @@ struct BF16 {
   uint16_t bits;
 };
 
+// IEEE half precision: GCC's _Float16 on x86, Arm's __fp16 where C++ has no _Float16 (GCC 12).
+#if defined(__aarch64__) || defined(__arm__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 inline float widen(float v) { return v; }
 inline double widen(double v) { return v; }
-inline float widen(_Float16 v) { return static_cast<float>(v); }
+inline float widen(Half v) { return static_cast<float>(v); }
 inline float widen(BF16 v) {
   uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
   float f;
@@ -107,11 +125,19 @@ template <typename T, typename Src>
 inline void read_run(const char* src, int count, T* out) {
   int i = 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<Src, _Float16>) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Src, Half>) {
     for (; i + 16 <= count; i += 16) {
       __m256i h;
       std::memcpy(&h, src + 2 * i, sizeof h);
       _mm512_storeu_ps(out + i, _mm512_maskz_cvtph_ps(0xFFFF, h));
+    }
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Src, Half>) {
+    for (; i + 8 <= count; i += 8) {
+      __m128i h;
+      std::memcpy(&h, src + 2 * i, sizeof h);
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
     }
   }
 #endif
@@ -122,10 +148,17 @@ template <typename Dst, typename T>
 inline void write_run(char* dst, int count, const T* in) {
   int i = 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<Dst, _Float16>) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Dst, Half>) {
     for (; i + 16 <= count; i += 16) {
       const __m256i h = _mm512_maskz_cvtps_ph(0xFFFF, _mm512_loadu_ps(in + i),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      std::memcpy(dst + 2 * i, &h, sizeof h);
+    }
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Dst, Half>) {
+    for (; i + 8 <= count; i += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       std::memcpy(dst + 2 * i, &h, sizeof h);
     }
   }
@@ -232,7 +265,7 @@ void load_2d(const Strided& s, int64_t offset, int64_t sr, int64_t sc, int rows,
     case DType::f32:
       return load_2d_typed<T, float>(base + offset * 4, sr, sc, rows, cols, out, out_stride);
     case DType::f16:
-      return load_2d_typed<T, _Float16>(base + offset * 2, sr, sc, rows, cols, out, out_stride);
+      return load_2d_typed<T, Half>(base + offset * 2, sr, sc, rows, cols, out, out_stride);
     case DType::bf16:
       return load_2d_typed<T, BF16>(base + offset * 2, sr, sc, rows, cols, out, out_stride);
     case DType::f64:
@@ -292,7 +325,7 @@ void store_2d(const Strided& s, int64_t offset, int64_t sr, int64_t sc, int rows
     case DType::f32:
       return store_2d_typed<float>(base + offset * 4, sr, sc, rows, cols, in, in_stride);
     case DType::f16:
-      return store_2d_typed<_Float16>(base + offset * 2, sr, sc, rows, cols, in, in_stride);
+      return store_2d_typed<Half>(base + offset * 2, sr, sc, rows, cols, in, in_stride);
     case DType::bf16:
       return store_2d_typed<BF16>(base + offset * 2, sr, sc, rows, cols, in, in_stride);
     case DType::f64:
@@ -358,16 +391,24 @@ struct Math<float> {
                     c3 = 0.05550733953714371f, c4 = 0.009671509265899658f,
                     c5 = 0.0013264698209241033f;
     typedef int32_t VI __attribute__((vector_size(kVectorBytes)));
-    // Clamp so 2^n is a normal float or inf; comparisons keep NaN (both false).
+    // Clamp so 2^n is a normal float or inf, NaN passing through.
+#if defined(__AVX2__)
+    // One vmaxps and one vminps, where GCC makes a compare and a blend of each comparison
+    // below; they return their second operand when either is NaN.
+    t = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-126.0f), t));
+#else
+    // Comparisons are false for NaN.
     t = t < -126.0f ? -126.0f : t;
     t = t > 128.0f ? 128.0f : t;
-    // Adding 1.5 * 2^23 rounds t to an integer that lands in the low mantissa bits.
-    constexpr float kShift = 12582912.0f;
+#endif
+    // Adding 1.5 * 2^23 + 127 rounds t to an integer whose low mantissa bits hold n + 127, the
+    // biased exponent of 2^n: shifted into the exponent field, they are 2^n.
+    constexpr float kShift = 12582912.0f + 127.0f;
     const V s = t + kShift;
     const V n = s - kShift;
     const V f = t - n;
     const V p = (((((c5 * f + c4) * f + c3) * f + c2) * f + c1) * f + 1.0f);
-    const VI bits = ((VI)s - (0x4B400000 - 127)) << 23;
+    const VI bits = (VI)s << 23;
     return p * (V)bits;
   }
 #endif
@@ -471,12 +512,12 @@ void discretize(const ScanProblem& p, int count, typename Lanes<T>::V* dt,
   }
 }
 
-// 64-byte aligned scratch, zero-filled.
+// Cache-line aligned scratch, zero-filled.
 class Scratch {
  public:
   explicit Scratch(size_t bytes) {
-    const size_t rounded = (bytes + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
-    mem_ = std::aligned_alloc(kVectorBytes, rounded);
+    const size_t rounded = (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+    mem_ = std::aligned_alloc(kScratchAlign, rounded);
     if (mem_ == nullptr) throw std::bad_alloc();
     std::memset(mem_, 0, rounded);
   }
@@ -492,7 +533,7 @@ class Scratch {
   }
   template <typename U>
   static int64_t bytes(int64_t count) {
-    return (count * static_cast<int64_t>(sizeof(U)) + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
+    return (count * static_cast<int64_t>(sizeof(U)) + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
   }
 
  private:
@@ -964,11 +1005,11 @@ const char* simd_description() {
 #if defined(__AVX512F__)
   return "avx512 (64-byte vectors)";
 #elif defined(__AVX2__)
-  return "avx2 (64-byte vectors as 2 x 32 bytes)";
+  return "avx2 (32-byte vectors)";
 #elif defined(__ARM_NEON)
-  return "neon (64-byte vectors as 4 x 16 bytes)";
+  return "baseline (16-byte vectors, neon)";
 #else
-  return "generic (64-byte vectors lowered by the compiler)";
+  return "baseline (16-byte vectors, generic)";
 #endif
 }
 
