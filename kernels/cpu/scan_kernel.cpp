@@ -770,9 +770,9 @@ struct LaneSums {
 // h + c * h_stride and its A row `vecs` vectors at A + c * A_stride (any alignment), padded
 // with zeros in A, B, C (and h) past the state size;
 // dt[c] (as discretize leaves it) and dtx[c] are its scalars (read as broadcast operands). Returns y (before D and z)
-// with channel c in lane c. kFull instantiates the common full block of W channels whose state
-// is one vector (state == W), fully unrolled so the W accumulators stay in registers.
-template <typename T, bool kFull>
+// with channel c in lane c. kFullVecs > 0 instantiates the common full block of W channels whose
+// state is kFullVecs vectors, fully unrolled so the W accumulators stay in registers.
+template <typename T, int kFullVecs>
 typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, int64_t A_stride,
                                 T* __restrict h, int64_t h_stride, const T* __restrict dt,
                                 const T* __restrict dtx, const typename Lanes<T>::V* __restrict B,
@@ -780,7 +780,7 @@ typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, 
   using V = typename Lanes<T>::V;
   using VU = typename Lanes<T>::Unaligned;
   constexpr int W = Lanes<T>::W;
-  if constexpr (kFull) vecs = 1;
+  if constexpr (kFullVecs > 0) vecs = kFullVecs;
   V acc[W];
   for (int c = 0; c < W; ++c) acc[c] = V{};
   auto channel = [&](int c) __attribute__((always_inline)) {
@@ -795,7 +795,7 @@ typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, 
       sum += hk * C[k];
     }
   };
-  if constexpr (kFull) {
+  if constexpr (kFullVecs > 0) {
 #pragma GCC unroll 16
     for (int c = 0; c < W; ++c) channel(c);
   } else {
@@ -814,6 +814,9 @@ class StepRunner {
   using V = typename Lanes<T>::V;
   static constexpr int W = Lanes<T>::W;
   static constexpr DType kDType = sizeof(T) == 4 ? DType::f32 : DType::f64;
+  // Vectors per state row of the unrolled path: 64 bytes (fp32 state 16) with AVX-512 and AVX2;
+  // the baseline's sixteen registers hold one vector a row (unrolled over four, it was slower).
+  static constexpr int kFullVecs = kVectorBytes == 32 ? 2 : 1;
 
  public:
   explicit StepRunner(const ScanProblem& p)
@@ -904,9 +907,9 @@ class StepRunner {
     const T* dtx = reinterpret_cast<const T*>(dtx_ + block);
     const V* Bg = Bs_ + g * vecs_;
     const V* Cg = Cs_ + g * vecs_;
-    V y = lanes == W && vecs_ == 1
-              ? step_block<T, true>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg)
-              : step_block<T, false>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
+    V y = lanes == W && vecs_ == kFullVecs
+              ? step_block<T, kFullVecs>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg)
+              : step_block<T, 0>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
     if (!in_place_ && p_.state_out.data != nullptr) {
       const auto& so = p_.state_out.stride;
       store_2d(p_.state_out, row * so[0] + d0 * so[1], so[1], so[2], lanes, N_int_, h,
