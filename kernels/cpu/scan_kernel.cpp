@@ -336,6 +336,15 @@ void store_2d(const Strided& s, int64_t offset, int64_t sr, int64_t sc, int rows
   }
 }
 
+// Asks for the cache line `ahead` bytes past each of `rows` rows (element strides, from the
+// element at `offset`) before it is read.
+void prefetch_rows(const Strided& s, int64_t offset, int64_t sr, int rows, int64_t ahead) {
+  static constexpr int kSize[] = {4, 2, 2, 8, 4, 8};  // DType's element sizes
+  const int64_t E = kSize[static_cast<int>(s.dtype)];
+  const char* base = static_cast<const char*>(s.data) + offset * E + ahead;
+  for (int r = 0; r < rows; ++r) __builtin_prefetch(base + r * sr * E);
+}
+
 int64_t read_slot(const Strided& s, int64_t b) {
   const char* p = static_cast<const char*>(s.data);
   if (s.dtype == DType::i32) {
@@ -573,24 +582,32 @@ void recur_chunk(int steps, int64_t N, const typename Lanes<T>::V* __restrict A,
   }
 }
 
-// Items are ordered block-major (item = block * batch + b), so a thread's consecutive items
-// share a block and its A, D, dt_bias are prepared once. h is kept as [state][channel lanes]:
+// With 64-byte vectors items are ordered block-major (item = block * batch + b), so a thread's
+// consecutive items share a block and its A, D, dt_bias are prepared once. With narrower ones
+// (kRowMajor) a cache line of x, dt, z and y holds several blocks' channels, and items are
+// ordered row-major (item = b * blocks + block), as in step mode: consecutive items walk a
+// batch row's lines in order, each line read once, and every block's A, D, dt_bias is prepared
+// once per thread. h is kept as [state][channel lanes]:
 // each timestep is then pure multiply-adds with B and C broadcast, and loading and storing h
 // transposes it once per item.
 template <typename T>
 class SequenceRunner {
   using V = typename Lanes<T>::V;
   static constexpr int W = Lanes<T>::W;
+  static constexpr bool kRowMajor = kVectorBytes < kScratchAlign;
 
  public:
   explicit SequenceRunner(const ScanProblem& p)
       : p_(p), blocks_(p), N_(p.state), N_int_(static_cast<int>(p.state)),
-        scratch_(2 * Scratch::bytes<V>(p.state) + 2 * Scratch::bytes<V>(1) +
-                 5 * Scratch::bytes<V>(kTimeChunk) + 2 * Scratch::bytes<T>(kTimeChunk * p.state)) {
-    A_ = scratch_.take<V>(N_);
+        slots_(kRowMajor ? blocks_.count : 1),
+        scratch_(Scratch::bytes<V>(slots_ * p.state) + Scratch::bytes<V>(p.state) +
+                 2 * Scratch::bytes<V>(slots_) + 5 * Scratch::bytes<V>(kTimeChunk) +
+                 2 * Scratch::bytes<T>(kTimeChunk * p.state)),
+        prepared_block_(slots_, -1) {
+    A_ = scratch_.take<V>(slots_ * N_);
     h_ = scratch_.take<V>(N_);
-    D_ = scratch_.take<V>(1);
-    bias_ = scratch_.take<V>(1);
+    D_ = scratch_.take<V>(slots_);
+    bias_ = scratch_.take<V>(slots_);
     xs_ = scratch_.take<V>(kTimeChunk);
     dts_ = scratch_.take<V>(kTimeChunk);
     dtx_ = scratch_.take<V>(kTimeChunk);
@@ -605,15 +622,17 @@ class SequenceRunner {
   }
 
   void run(int64_t item) {
-    const int64_t b = item % p_.batch;
-    const int64_t block = item / p_.batch;
+    const int64_t b = kRowMajor ? item / blocks_.count : item % p_.batch;
+    const int64_t block = kRowMajor ? item % blocks_.count : item / p_.batch;
     const int64_t g = blocks_.group(block);
     const int64_t d0 = blocks_.first_channel(block);
     const int lanes = blocks_.lanes(block);
-    if (block != prepared_block_) {
-      prepare_block(d0, lanes);
-      prepared_block_ = block;
+    const int64_t slot = kRowMajor ? block : 0;
+    if (block != prepared_block_[slot]) {
+      prepare_block(slot, d0, lanes);
+      prepared_block_[slot] = block;
     }
+    slot_ = slot;
     if (p_.h0.data == nullptr || lanes < W) std::memset(static_cast<void*>(h_), 0, N_ * sizeof(V));
     if (p_.h0.data != nullptr) {
       const auto& s = p_.h0.stride;
@@ -622,7 +641,7 @@ class SequenceRunner {
     for (int64_t t0 = 0; t0 < p_.seq; t0 += kTimeChunk) {
       const int steps = static_cast<int>(std::min<int64_t>(kTimeChunk, p_.seq - t0));
       pack_chunk(b, g, t0, steps, d0, lanes);
-      recur_chunk<T>(steps, N_, A_, h_, dts_, dtx_, Bs_, Cs_, ys_);
+      recur_chunk<T>(steps, N_, A_ + slot * N_, h_, dts_, dtx_, Bs_, Cs_, ys_);
       finish_chunk(b, t0, steps, d0, lanes);
     }
     if (p_.state_out.data != nullptr) {
@@ -633,18 +652,19 @@ class SequenceRunner {
   }
 
  private:
-  // A as [state][lanes]; D and dt_bias as lanes.
-  void prepare_block(int64_t d0, int lanes) {
-    std::memset(static_cast<void*>(A_), 0, N_ * sizeof(V));
+  // A as [state][lanes]; D and dt_bias as lanes; in the block's slot.
+  void prepare_block(int64_t slot, int64_t d0, int lanes) {
+    V* A = A_ + slot * N_;
+    std::memset(static_cast<void*>(A), 0, N_ * sizeof(V));
     const auto& sa = p_.A.stride;
-    load_2d(p_.A, d0 * sa[0], sa[1], sa[0], N_int_, lanes, reinterpret_cast<T*>(A_), W);
-    *D_ = V{};
+    load_2d(p_.A, d0 * sa[0], sa[1], sa[0], N_int_, lanes, reinterpret_cast<T*>(A), W);
+    D_[slot] = V{};
     if (p_.D.data != nullptr)
-      load_2d(p_.D, d0 * p_.D.stride[0], 0, p_.D.stride[0], 1, lanes, reinterpret_cast<T*>(D_), W);
-    *bias_ = V{};
+      load_2d(p_.D, d0 * p_.D.stride[0], 0, p_.D.stride[0], 1, lanes, reinterpret_cast<T*>(D_ + slot), W);
+    bias_[slot] = V{};
     if (p_.dt_bias.data != nullptr)
       load_2d(p_.dt_bias, d0 * p_.dt_bias.stride[0], 0, p_.dt_bias.stride[0], 1, lanes,
-              reinterpret_cast<T*>(bias_), W);
+              reinterpret_cast<T*>(bias_ + slot), W);
   }
 
   // x, discretized dt, dt * x and silu(z) as [t][channel lanes] tiles, and B, C as [t][state]
@@ -660,7 +680,16 @@ class SequenceRunner {
     const auto& sd = p_.dt.stride;
     load_2d(p_.dt, b * sd[0] + t0 * sd[1] + d0 * sd[2], sd[1], sd[2], steps, lanes,
             reinterpret_cast<T*>(dts_), W);
-    discretize<T>(p_, steps, dts_, xs_, dtx_, bias_, 0);
+    if (kRowMajor && sx[2] == 1 && sd[2] == 1) {
+      // The next line of these rows ("bld": channels contiguous), which the next blocks of the
+      // row read.
+      prefetch_rows(p_.x, b * sx[0] + t0 * sx[1] + d0, sx[1], steps, kScratchAlign);
+      prefetch_rows(p_.dt, b * sd[0] + t0 * sd[1] + d0, sd[1], steps, kScratchAlign);
+      const auto& sz = p_.z.stride;
+      if (p_.z.data != nullptr && sz[2] == 1)
+        prefetch_rows(p_.z, b * sz[0] + t0 * sz[1] + d0, sz[1], steps, kScratchAlign);
+    }
+    discretize<T>(p_, steps, dts_, xs_, dtx_, bias_ + slot_, 0);
     if (p_.z.data != nullptr) {
       const auto& sz = p_.z.stride;
       load_2d(p_.z, b * sz[0] + t0 * sz[1] + d0 * sz[2], sz[1], sz[2], steps, lanes,
@@ -675,7 +704,7 @@ class SequenceRunner {
 
   void finish_chunk(int64_t b, int64_t t0, int steps, int64_t d0, int lanes) {
     if (p_.D.data != nullptr) {
-      const V D = *D_;
+      const V D = D_[slot_];
       for (int t = 0; t < steps; ++t) ys_[t] += D * xs_[t];
     }
     if (p_.z.data != nullptr)
@@ -689,8 +718,10 @@ class SequenceRunner {
   const Blocks<T> blocks_;
   const int64_t N_;
   const int N_int_;
+  const int64_t slots_;  // blocks whose A, D, dt_bias are kept: every one (kRowMajor) or one
   Scratch scratch_;
-  int64_t prepared_block_ = -1;
+  std::vector<int64_t> prepared_block_;  // per slot: the block whose A, D, dt_bias it holds
+  int64_t slot_ = 0;                     // the running item's
   V *A_, *h_, *D_, *bias_, *xs_, *dts_, *dtx_, *gate_, *ys_;
   T *Bs_, *Cs_;
 };
