@@ -712,6 +712,13 @@ class SequenceRunner {
     const auto& sy = p_.y.stride;
     store_2d(p_.y, b * sy[0] + t0 * sy[1] + d0 * sy[2], sy[1], sy[2], steps, lanes,
              reinterpret_cast<const T*>(ys_), W);
+    if (kRowMajor && sy[2] == 1) {
+      // The next line of these rows of y, which the next blocks of the row write: fetched for
+      // writing now rather than when the store reaches it.
+      const char* next = static_cast<const char*>(p_.y.data) + (b * sy[0] + t0 * sy[1] + d0) * sizeof(T) +
+                         kScratchAlign;
+      for (int r = 0; r < steps; ++r) __builtin_prefetch(next + r * sy[1] * sizeof(T), 1);
+    }
   }
 
   const ScanProblem& p_;
