@@ -540,6 +540,27 @@ def test_bench_runner_reports_every_backend(tmp_path):
     assert rows[("1x4x16x4", "reference")]["speedup_vs_reference"] == 1.0
 
 
+def test_bench_runner_times_every_simd_variant_side_by_side(tmp_path):
+    """`--simd all --rounds 2`: a row per variant this CPU executes (cpu-<variant>) beside the
+    default cpu backend and the baselines, each the median of its alternated rounds, and the
+    variant of each named in backend_details."""
+    from bench import kernels as bench_kernels
+    from kernels.cpu import build
+
+    out = tmp_path / "simd.json"
+    assert bench_kernels.main(["--quick", "--device", "cpu", "--cases", "1x4x16x4", "--simd", "all",
+                               "--rounds", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    variants = [v.name for v in build.executable_variants()]
+    rows = {r["backend"]: r for r in report["results"]}
+    assert set(rows) == {"reference", "torch", "cpu", *(f"cpu-{v}" for v in variants)}
+    for v in variants:
+        assert report["backend_details"][f"cpu-{v}"]["simd"] == v
+        assert len(rows[f"cpu-{v}"]["round_medians_us"]) == 2 and rows[f"cpu-{v}"]["speedup_vs_torch"] > 0
+    assert report["backend_details"]["cpu"]["simd"] in variants
+    assert "round_medians_us" not in rows["reference"], "the reference is measured once"
+
+
 def test_bench_runner_summarises_repeated_runs():
     """`--runs`: per (case, backend), the median of the runs' medians and their range; a row a
     run skipped is left out; speedups are the median of each run's."""
