@@ -447,8 +447,8 @@ def main(argv=None) -> int:
     if args.json:
         write_results(args.json, "kernels", {
             "device": str(device), "torch_threads": torch.get_num_threads(), "layout": args.layout,
-            "quick": args.quick, "rounds": args.rounds, "backend_details": details, "unavailable_backends": unavailable,
-            "cases": [asdict(c) for c in cases], **report})
+            "quick": args.quick, "rounds": args.rounds, "backend_details": details,
+            "unavailable_backends": unavailable, "cases": [asdict(c) for c in cases], **report})
     return 0
 
 

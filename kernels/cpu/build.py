@@ -6,15 +6,15 @@
 Each build lives in a directory named by a digest of everything that determines the binary
 (sources, flags, compiler, torch and Python versions, the CPU it is tuned for with
 -march=native), under the checkout's git-ignored `build/kernels_cpu/` (torch's extension cache
-when the package is installed read-only).
+when the package is installed read-only). A process that finds a matching library imports it
+directly, in milliseconds, without touching the compiler or ninja; a library built for another
+CPU, torch or source revision is never loaded. Concurrent builds of the same digest are
+serialised by torch's lock file in that directory.
 
 The kernels build in one of several SIMD variants (SIMD_VARIANTS: AVX-512, AVX2, the portable
 baseline), each with its own flags and module name: by default the best this CPU executes;
 SCAN_BRIDGE_SIMD=avx512|avx2|baseline forces one (for comparison, or to test a variant), and a
-variant the CPU cannot execute is refused with BackendUnavailable. A process that finds a matching library imports it
-directly, in milliseconds, without touching the compiler or ninja; a library built for another
-CPU, torch or source revision is never loaded. Concurrent builds of the same digest are
-serialised by torch's lock file in that directory.
+variant the CPU cannot execute is refused with BackendUnavailable.
 """
 
 from __future__ import annotations
@@ -234,8 +234,8 @@ def build_digest(sources: Sources | None = None, module_name: str | None = None,
     variant = variant or selected_variant()
     h = hashlib.sha256()
     _hash_sources(h, sources or _kernel_sources(SOURCE_DIR))
-    for part in (module_name or variant_module_name(variant), *compile_flags(variant), torch.__version__, sys.version,
-                 sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
+    for part in (module_name or variant_module_name(variant), *compile_flags(variant), torch.__version__,
+                 sys.version, sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
         h.update(repr(part).encode())
     return h.hexdigest()[:16]
 
