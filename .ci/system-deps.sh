@@ -14,6 +14,10 @@ PACKAGES=(
   "libzmq3-dev  /usr/include/zmq.h"
   "libmsgpack-dev  /usr/include/msgpack.h"
 )
+# The CPU kernels' aarch64 compile check (tests/test_kernels_cpu.py) on x86-64 hosts.
+if [[ "$(uname -m)" == "x86_64" ]]; then
+  PACKAGES+=("g++-aarch64-linux-gnu  aarch64-linux-gnu-g++")
+fi
 
 missing=()
 for entry in "${PACKAGES[@]}"; do

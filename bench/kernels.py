@@ -2,6 +2,7 @@
 reference and the torch backend, all measured in the same run.
 
     python -m bench.kernels [--backends cpu,torch] [--cases exphil,step-32x512x16] [--quick]
+                            [--simd all|avx512,avx2,baseline] [--rounds N]
                             [--layout bld|bdl] [--threads N] [--runs N [--gap-seconds S]]
                             [--json bench/results/kernels-cpu.json]
 
@@ -19,6 +20,13 @@ on CUDA, triton.testing.do_bench (CUDA events when triton is missing). triton is
 where CUDA is present. The reference materialises [batch, seq, dim, state] tensors and loops
 over time in Python: its repetitions are capped, and above a size it is skipped with the reason
 printed (the speedup over it is then absent).
+
+`--simd` adds the C++ backend built in each named SIMD variant (kernels.cpu.build.SIMD_VARIANTS;
+`all`: every one this CPU executes) as rows `cpu-<variant>`, side by side with the "cpu" backend
+(the variant that serves by default, or SCAN_BRIDGE_SIMD's; `backend_details` names it) and the
+baselines. `--rounds N` measures every backend of a case N times, in alternating order (the
+reference once), and reports the median of the rounds' medians: ratios between backends then
+come from interleaved measurements, which a shared machine's drift affects alike.
 
 `--runs N` repeats the whole measurement in N fresh processes, `--gap-seconds` apart, and
 reports per (case, backend) the median of the runs' medians with their range: on a shared
@@ -129,9 +137,11 @@ def moved_bytes(case: KernelCase, inputs: dict) -> int:
     return read + written
 
 
-def kernel_call(case: KernelCase, backend: str, inputs: dict):
-    """The backend's own call on arguments validated and normalised once, here."""
-    return backend_call(case, get_backend(backend, inputs["x"].device.type), inputs)
+def kernel_call(case: KernelCase, backend: str, inputs: dict, extra: dict | None = None):
+    """The backend's own call on arguments validated and normalised once, here; `extra` maps
+    names to Backends outside the registry (the SIMD variants' builds)."""
+    impl = (extra or {}).get(backend) or get_backend(backend, inputs["x"].device.type)
+    return backend_call(case, impl, inputs)
 
 
 def backend_call(case: KernelCase, impl, inputs: dict):
@@ -225,8 +235,35 @@ def backend_status(names, device_type: str) -> tuple[list[str], dict]:
     return ok, skipped
 
 
+def simd_backends(names: list[str]) -> tuple[dict, dict]:
+    """({"cpu-<variant>": Backend}, {"cpu-<variant>": reason unavailable}) for the SIMD variants
+    named ("all": every one this CPU executes), each built as its own module."""
+    from kernels.cpu import backend_from, build
+
+    if names == ["all"]:
+        names = [v.name for v in build.executable_variants()]
+    loaded, unavailable = {}, {}
+    for name in names:
+        try:
+            loaded[f"cpu-{name}"] = backend_from(build.load_extension(variant=build.variant_named(name)))
+        except kernels.BackendUnavailable as exc:
+            unavailable[f"cpu-{name}"] = str(exc)
+    return loaded, unavailable
+
+
+def _over_rounds(measurements: list[dict]) -> dict:
+    """One backend's rounds: the median of their medians (and of their p20, p80)."""
+    if len(measurements) == 1:
+        return measurements[0]
+    return {"median_us": statistics.median(m["median_us"] for m in measurements),
+            "p20_us": statistics.median(m["p20_us"] for m in measurements),
+            "p80_us": statistics.median(m["p80_us"] for m in measurements),
+            "reps": sum(m["reps"] or 0 for m in measurements) or None,
+            "round_medians_us": [m["median_us"] for m in measurements]}
+
+
 def run(cases, backends, device: torch.device, layout: str, quick: bool, reference_reps: int,
-        reference_max_elements: int, log=print) -> dict:
+        reference_max_elements: int, log=print, extra: dict | None = None, rounds: int = 1) -> dict:
     budget = Budget(0.15, 3, 200) if quick else Budget(0.6, 5, 2000)
     ref_budget = Budget(0.0, reference_reps, reference_reps)
     bandwidth = copy_bandwidth(device, budget)
@@ -236,7 +273,7 @@ def run(cases, backends, device: torch.device, layout: str, quick: bool, referen
         inputs = make_inputs(case, layout, device)
         nbytes = moved_bytes(case, inputs)
         floor_us = nbytes / bandwidth * 1e6
-        rows = {}
+        rows, calls, measured = {}, {}, {}
         for name in backends:
             row = {"case": case.name, "backend": name, "bytes": nbytes, "floor_us": floor_us}
             if name == "reference" and case.elements > reference_max_elements:
@@ -245,11 +282,19 @@ def run(cases, backends, device: torch.device, layout: str, quick: bool, referen
                 log(f"  {case.name}: {row['skipped']}")
             else:
                 fresh = make_inputs(case, layout, device)  # in-place state updates stay per backend
-                row.update(measure(kernel_call(case, name, fresh), device,
-                                   ref_budget if name == "reference" else budget))
-                row["GBps"] = nbytes / (row["median_us"] * 1e-6) / 1e9
-                row["over_floor"] = row["median_us"] / floor_us
+                calls[name] = kernel_call(case, name, fresh, extra)
+                measured[name] = []
             rows[name] = row
+        for i in range(rounds):
+            for name in (list(calls) if i % 2 == 0 else list(calls)[::-1]):
+                if name == "reference" and measured[name]:
+                    continue  # the reference's seconds are measured once
+                measured[name].append(measure(calls[name], device, ref_budget if name == "reference" else budget))
+        for name, measurements in measured.items():
+            row = rows[name]
+            row.update(_over_rounds(measurements))
+            row["GBps"] = nbytes / (row["median_us"] * 1e-6) / 1e9
+            row["over_floor"] = row["median_us"] / floor_us
         for row in rows.values():
             for base in BASELINES:
                 if "median_us" in row and "median_us" in rows.get(base, {}):
@@ -270,11 +315,11 @@ def format_rows(case: KernelCase, rows: list[dict]) -> str:
              f"floor {_us(rows[0]['floor_us'])})"]
     for r in rows:
         if "median_us" not in r:
-            lines.append(f"  {r['backend']:<10} skipped")
+            lines.append(f"  {r['backend']:<12} skipped")
             continue
         speedups = "  ".join(f"{r[k]:7.1f}x vs {k[11:]}" for k in ("speedup_vs_reference", "speedup_vs_torch")
                              if k in r)
-        lines.append(f"  {r['backend']:<10} {_us(r['median_us']):>10}  ({_us(r['p20_us'])} - {_us(r['p80_us'])})"
+        lines.append(f"  {r['backend']:<12} {_us(r['median_us']):>10}  ({_us(r['p20_us'])} - {_us(r['p80_us'])})"
                      f"  {r['GBps']:6.2f} GB/s  {r['over_floor']:6.1f}x floor  {speedups}")
     return "\n".join(lines)
 
@@ -349,6 +394,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="short time budget per measurement")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     p.add_argument("--layout", choices=_args.LAYOUTS, default="bld", help="layout of the scan cases")
+    p.add_argument("--simd", help="comma-separated SIMD variants of the C++ backend to time beside it, each "
+                   "built as its own module (rows cpu-<variant>); 'all': every one this CPU executes")
+    p.add_argument("--rounds", type=int, default=1, help="measure each backend this many times per case, "
+                   "in alternating order, and report the median of the rounds (default 1)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads before measuring")
     p.add_argument("--reference-reps", type=int, default=3, help="repetitions of the reference (default 3)")
     p.add_argument("--reference-max-elements", type=int, default=1 << 25,
@@ -363,6 +412,8 @@ def main(argv=None) -> int:
         p.error(f"--runs: expected at least 1, got {args.runs}")
     if args.gap_seconds < 0:
         p.error(f"--gap-seconds: expected 0 or more, got {args.gap_seconds}")
+    if args.rounds < 1:
+        p.error(f"--rounds: expected at least 1, got {args.rounds}")
     if args.runs > 1:
         return repeated(args, argv)
 
@@ -376,21 +427,26 @@ def main(argv=None) -> int:
     wanted = args.backends.split(",") if args.backends else BACKENDS[device.type]
     names = list(dict.fromkeys([*BASELINES, *wanted]))
     available, unavailable = backend_status(names, device.type)
+    extra = {}
+    if args.simd:
+        extra, extra_unavailable = simd_backends(args.simd.split(","))
+        available += list(extra)
+        unavailable.update(extra_unavailable)
     for name, reason in unavailable.items():
         print(f"backend {name}: unavailable: {reason}", file=sys.stderr)
-    details = {n: get_backend(n, device.type).details for n in available}
+    details = {n: (extra.get(n) or get_backend(n, device.type)).details for n in available}
     print(f"device {device}, torch threads {torch.get_num_threads()}, backends {', '.join(available)}"
           + "".join(f"; {n}: {d}" for n, d in details.items() if d))
 
     start = time.perf_counter()
     report = run(cases, available, device, args.layout, args.quick, args.reference_reps,
-                 args.reference_max_elements)
+                 args.reference_max_elements, extra=extra, rounds=args.rounds)
     print(f"total {time.perf_counter() - start:.0f} s")
     if args.json:
         write_results(args.json, "kernels", {
             "device": str(device), "torch_threads": torch.get_num_threads(), "layout": args.layout,
-            "quick": args.quick, "backend_details": details, "unavailable_backends": unavailable,
-            "cases": [asdict(c) for c in cases], **report})
+            "quick": args.quick, "rounds": args.rounds, "backend_details": details,
+            "unavailable_backends": unavailable, "cases": [asdict(c) for c in cases], **report})
     return 0
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from . import _args
 from ._args import FLOAT_DTYPES
-from ._registry import available_backends, get_backend, unavailable_backends
+from ._registry import available_backends, backend_details, get_backend, unavailable_backends
 from .errors import BackendUnavailable, DtypeNotAllowed, KernelInputError, ShapeMismatch, UnknownBackend
 
 __all__ = [
-    "selective_scan", "selective_state_update", "available_backends", "unavailable_backends",
+    "selective_scan", "selective_state_update", "available_backends", "unavailable_backends", "backend_details",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update",
 ]

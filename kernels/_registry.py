@@ -99,6 +99,13 @@ def unavailable_backends() -> dict[str, str]:
     return dict(_unavailable)
 
 
+def backend_details() -> dict[str, dict]:
+    """What each available backend says of itself, where it says something (the cpu backend:
+    its SIMD variant, "simd")."""
+    return {name: dict(backend.details) for name in available_backends()
+            if (backend := _load(name)) is not None and backend.details}
+
+
 def get_backend(name: str | None, device_type: str) -> Backend:
     if name is None:
         for candidate in PREFERENCE.get(device_type, ("torch", "reference")):

@@ -9,7 +9,9 @@ test_kernels.py that runs the shared cases against every backend:
   forked child;
 - inputs at odd byte offsets (tensors decoded from a network frame);
 - the state update in place, in fp32 and fp64 pools, with padding rows;
-- the build: a second process reuses the library, and a failed build is one line of reason.
+- the build: a second process reuses the library, and a failed build is one line of reason;
+- every SIMD variant (AVX-512, AVX2, the baseline) built explicitly and run against the
+  reference, named in the test ids; one the CPU cannot execute is skipped with the reason.
 
 Inputs are fresh random draws each run; the seed is in every failure message.
 """
@@ -20,6 +22,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -32,8 +35,8 @@ import kernels
 from kernels import _args
 from kernel_cases import (
     DTYPES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
-    assert_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
-    make_update_inputs, random_seed, reference_scan,
+    assert_scan_outputs_match_reference, assert_update_matches_reference, assert_update_outputs_match_reference,
+    make_scan_inputs, make_update_inputs, random_seed, reference_scan,
 )
 from waiting import poll_until
 
@@ -375,36 +378,145 @@ def test_compile_error_is_one_line_with_the_log(tmp_path, monkeypatch):
     assert log.is_file() and "undeclared_name" in log.read_text()
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISA levels")
-def test_portable_build_without_avx512(tmp_path, monkeypatch):
-    """The generic vector code that machines without AVX-512 (and many CI runners) build: the
-    same sources for x86-64-v3 (AVX2) in a scratch directory, against the reference."""
+# Every SIMD variant (kernels.cpu.build.SIMD_VARIANTS: AVX-512, AVX2, the baseline) built
+# explicitly and run against the reference, whichever one serves by default: a few cases per
+# variant that reach its full and partial blocks (a block is one vector of channels: 16, 8 or 4
+# in fp32), its unrolled state-16 step, the generic-state paths, several time chunks, the
+# transposes of "bdl", half-precision conversion and fp64.
+SIMD_SCAN_CASES = [
+    pytest.param(ScanCase(2, 65, 48, 16, layout="bdl", **ALL), torch.float32, id="bdl-full-blocks-3-chunks-f32"),
+    pytest.param(ScanCase(2, 33, 37, 24, groups=1, **ALL), torch.float16, id="partial-blocks-state-24-f16"),
+    pytest.param(ScanCase(1, 19, 20, 5, groups=2, D=True, z=True, h0=True), torch.bfloat16, id="groups-state-5-bf16"),
+    pytest.param(ScanCase(2, 23, 13, 16, D=True, z=True, dt_softplus=True, h0=True), torch.float64, id="f64"),
+    pytest.param(ScanCase(3, 1, 40, 16, groups=2, **ALL), torch.float32, id="seq1-step-path-f32"),
+]
+SIMD_UPDATE_CASES = [
+    pytest.param(UpdateCase(9, 64, 16, groups=2, pool=13, padding_rows=3, D=True, z=True, dt_bias=True,
+                            dt_softplus=True, clamp=True), torch.float32, id="in-place-state-16-f32"),
+    pytest.param(UpdateCase(5, 37, 24, pool=7, padding_rows=1, D=True, z=True), torch.float32,
+                 id="partial-blocks-state-24-f32"),
+    pytest.param(UpdateCase(4, 20, 8, pool=6, padding_rows=1, D=True, z=True, dt_softplus=True), torch.float64,
+                 id="state-8-f64"),
+]
+
+
+def _simd_variant_names():
+    from kernels.cpu import build
+
+    return [v.name for v in build.SIMD_VARIANTS]
+
+
+@pytest.fixture(scope="module", params=_simd_variant_names())
+def simd_backend(request):
+    """The "cpu" backend built in one SIMD variant (its own module and digest, beside the
+    default one). A variant this CPU cannot execute is skipped with the reason
+    (build.unsupported_reason, which kernel_cases.expected_skip checks again in CI); one it
+    executes must build."""
     from kernels.cpu import backend_from, build
 
-    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in build.CFLAGS)
-    monkeypatch.setattr(build, "CFLAGS", flags)
-    monkeypatch.setattr(build, "MODULE_NAME", "scan_bridge_cpu_avx2")
-    monkeypatch.setattr(build, "build_root", lambda: tmp_path)
-    backend = backend_from(build.load_extension())
-    assert backend.details["simd"].startswith("avx2"), backend.details
-    assert Path(backend.details["library"]).is_relative_to(tmp_path), backend.details
+    variant = build.variant_named(request.param)
+    reason = build.unsupported_reason(variant)
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        backend = backend_from(build.load_extension(variant=variant))
+    except kernels.BackendUnavailable as exc:
+        pytest.fail(f"SIMD variant {variant.name}: this CPU executes it, but it did not build: {exc}")
+    assert backend.details["simd"] == variant.name, backend.details
+    print(f"\nSIMD variant {variant.name}: {backend.details['simd_description']} ({backend.details['library']})")
+    return backend
+
+
+@pytest.mark.parametrize("case, dtype", SIMD_SCAN_CASES)
+def test_simd_variant_scan_matches_reference(simd_backend, case, dtype):
     seed = random_seed()
-    for case, dtype in ((ScanCase(2, 65, 48, 16, layout="bdl", **ALL), torch.float32),
-                        (ScanCase(2, 33, 40, 24, groups=2, **ALL), torch.float16),
-                        (ScanCase(2, 1, 40, 16, groups=2, **ALL), torch.float32)):
-        inputs = make_scan_inputs(case, dtype, seed=seed)
-        a = _args.check_scan(**inputs)
-        y, state = backend.scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
-        y_ref, state_ref = reference_scan(inputs)
-        assert_close(y, y_ref, dtype, f"avx2 build {case} seed={seed} y")
-        assert_close(state, state_ref, dtype, f"avx2 build {case} seed={seed} state", STATE_TOLERANCE)
-    case = UpdateCase(9, 64, 16, groups=2, pool=13, padding_rows=3, D=True, z=True, dt_bias=True,
-                      dt_softplus=True, clamp=True)
-    inputs = make_update_inputs(case, torch.float32, seed=seed)
+    inputs = make_scan_inputs(case, dtype, seed=seed)
+    a = _args.check_scan(**inputs)
+    y, state = simd_backend.scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    assert_scan_outputs_match_reference(case, dtype, inputs, y, state,
+                                        f"{simd_backend.details['simd']} build {case} seed={seed}")
+
+
+@pytest.mark.parametrize("case, dtype", SIMD_UPDATE_CASES)
+def test_simd_variant_state_update_matches_reference(simd_backend, case, dtype):
+    seed = random_seed()
+    inputs = make_update_inputs(case, dtype, seed=seed)
     before = inputs["state"].clone()
     a = _args.check_state_update(**inputs)
-    y = backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
-    assert_update_outputs_match_reference(case, torch.float32, inputs, before, y, f"avx2 build update seed={seed}")
+    y = simd_backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    assert_update_outputs_match_reference(case, dtype, inputs, before, y,
+                                          f"{simd_backend.details['simd']} build update {case} seed={seed}")
+
+
+def test_default_variant_is_the_best_the_cpu_executes(monkeypatch):
+    from kernels.cpu import build
+
+    monkeypatch.delenv(build.SIMD_ENV, raising=False)
+    assert build.selected_variant() == build.executable_variants()[0]
+    assert build.executable_variants()[-1].name == "baseline"
+    backend = kernels.get_backend("cpu", "cpu")
+    if os.environ.get(build.SIMD_ENV) is None:
+        assert backend.details["simd"] == build.executable_variants()[0].name, backend.details
+    assert kernels.backend_details()["cpu"] == backend.details
+
+
+def test_simd_env_forces_a_variant_and_refuses_what_the_cpu_cannot_execute(monkeypatch):
+    from kernels.cpu import build
+
+    for variant in build.SIMD_VARIANTS:
+        monkeypatch.setenv(build.SIMD_ENV, variant.name)
+        reason = build.unsupported_reason(variant)
+        if reason is None:
+            assert build.selected_variant() == variant
+            assert build.library_path().name == f"{build.MODULE_NAME}_{variant.name}.so"
+        else:
+            with pytest.raises(kernels.BackendUnavailable, match=f"{build.SIMD_ENV}={variant.name}: .*cannot"):
+                build.selected_variant()
+    monkeypatch.setenv(build.SIMD_ENV, "avx1024")
+    with pytest.raises(kernels.BackendUnavailable, match="SIMD variant 'avx1024': expected one of .*baseline"):
+        build.selected_variant()
+    # A CPU without the variant's instruction sets: refused with the flags it lacks, not built.
+    monkeypatch.setattr(build, "_cpu_flags", lambda: {"sse2"})
+    monkeypatch.setenv(build.SIMD_ENV, build.SIMD_VARIANTS[0].name)
+    if build.SIMD_VARIANTS[0].cpu_flags:
+        with pytest.raises(kernels.BackendUnavailable, match="cannot execute it .*lacks"):
+            build.load_extension()
+    assert [v.name for v in build.executable_variants()] == ["baseline"]
+
+
+def test_variants_build_apart():
+    """Each variant has its own flags, module name and digest, so that all load side by side."""
+    from kernels.cpu import build
+
+    variants = build.SIMD_VARIANTS
+    assert len({build.variant_module_name(v) for v in variants}) == len(variants)
+    assert len({build.build_digest(variant=v) for v in variants}) == len(variants)
+    assert len({build.compile_flags(v) for v in variants}) == len(variants)
+
+
+AARCH64_CXX = "aarch64-linux-gnu-g++"
+
+
+@pytest.mark.skipif(platform.machine().lower() in ("aarch64", "arm64"),
+                    reason="on aarch64 the baseline variant above is the native build")
+def test_kernels_compile_for_aarch64(tmp_path):
+    """The kernels (the torch-free scan_kernel.cpp, whose vector code is all that depends on the
+    target) cross-compiled for aarch64 with the baseline's flags: NEON vectors, no x86
+    intrinsics, no warnings. Compile only; the compiler is Debian's g++-aarch64-linux-gnu
+    (.ci/system-deps.sh installs it)."""
+    from kernels.cpu import build
+
+    compiler = shutil.which(AARCH64_CXX)
+    if compiler is None:
+        pytest.skip(f"no aarch64 cross compiler ({AARCH64_CXX}; Debian package g++-aarch64-linux-gnu)")
+    flags = [f for f in build.CFLAGS if f != "-Wall"] + ["-Wall", "-Wextra", "-Werror", "-std=c++17"]
+    obj = tmp_path / "scan_kernel.o"
+    proc = subprocess.run([compiler, *flags, "-c", str(build.SOURCE_DIR / "scan_kernel.cpp"), "-o", str(obj)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    disassembly = subprocess.run([compiler.replace("g++", "objdump"), "-d", str(obj)], capture_output=True,
+                                 text=True, timeout=60).stdout
+    assert "fmla\tv" in disassembly, "no NEON multiply-adds in the aarch64 build"
 
 
 def test_bench_runner_reports_every_backend(tmp_path):
@@ -428,6 +540,27 @@ def test_bench_runner_reports_every_backend(tmp_path):
         assert r["GBps"] > 0 and r["over_floor"] > 0
         assert r["speedup_vs_reference"] > 0 and r["speedup_vs_torch"] > 0
     assert rows[("1x4x16x4", "reference")]["speedup_vs_reference"] == 1.0
+
+
+def test_bench_runner_times_every_simd_variant_side_by_side(tmp_path):
+    """`--simd all --rounds 2`: a row per variant this CPU executes (cpu-<variant>) beside the
+    default cpu backend and the baselines, each the median of its alternated rounds, and the
+    variant of each named in backend_details."""
+    from bench import kernels as bench_kernels
+    from kernels.cpu import build
+
+    out = tmp_path / "simd.json"
+    assert bench_kernels.main(["--quick", "--device", "cpu", "--cases", "1x4x16x4", "--simd", "all",
+                               "--rounds", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    variants = [v.name for v in build.executable_variants()]
+    rows = {r["backend"]: r for r in report["results"]}
+    assert set(rows) == {"reference", "torch", "cpu", *(f"cpu-{v}" for v in variants)}
+    for v in variants:
+        assert report["backend_details"][f"cpu-{v}"]["simd"] == v
+        assert len(rows[f"cpu-{v}"]["round_medians_us"]) == 2 and rows[f"cpu-{v}"]["speedup_vs_torch"] > 0
+    assert report["backend_details"]["cpu"]["simd"] in variants
+    assert "round_medians_us" not in rows["reference"], "the reference is measured once"
 
 
 def test_bench_runner_summarises_repeated_runs():

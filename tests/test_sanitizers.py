@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITES = ["tests/test_native_step.py", "tests/test_kernels_cpu.py"]
 # Left out, as minutes under the sanitizers that run no C++ the other tests do not: the bench
 # runner's tests (whole bench runs in fresh processes) and the build of several copies of the
-# sources (kernel_ab's loading; 159 s). The portable (non-AVX-512) build's test stays: it is
-# the only one that runs that vector code here.
+# sources (kernel_ab's loading; 159 s). The SIMD variants' tests stay: they are the only ones
+# that run the AVX2 and baseline vector code here.
 DESELECT = "not bench_runner and not kernel_ab and not each_copy_of_the_sources"
 SANITIZERS = "address,undefined"
 # Python allocates for its lifetime without freeing at exit: leak reports would be its own.

@@ -60,6 +60,8 @@ def test_ping_and_info(client):
     assert info["protocol"]["version"] == 1
     assert info["device"]["device"] == "cpu"
     assert info["backend"] in info["kernels"]["available"]
+    if "cpu" in info["kernels"]["available"]:  # the SIMD variant that serves
+        assert info["kernels"]["details"]["cpu"]["simd"] in ("avx512", "avx2", "baseline")
     assert {"ping", "info", "scan", "stats", "shutdown"} <= set(info["protocol"]["ops"])
 
 

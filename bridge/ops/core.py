@@ -50,6 +50,7 @@ def info(server, call) -> dict:
         "kernels": {
             "available": kernels.available_backends(),
             "unavailable": kernels.unavailable_backends(),
+            "details": kernels.backend_details(),
             "compiled": list(server.compiled),
         },
         "transports": list(server.transports),

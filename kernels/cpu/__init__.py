@@ -3,8 +3,9 @@
 One pass over the sequence per (batch row, block of channels) with the state in L1,
 vectorized over channels; the state update works on the pool in place, vectorized over the
 state; as many threads as torch.get_num_threads(). The extension is compiled once per machine
-by `python -m kernels.cpu.build` (see build.py); where it cannot be built, `load_backend`
-raises BackendUnavailable with the reason and the registry falls back to the "torch" backend.
+by `python -m kernels.cpu.build` (see build.py), in the best SIMD variant the CPU executes or
+the one SCAN_BRIDGE_SIMD names; where it cannot be built, `load_backend` raises
+BackendUnavailable with the reason and the registry falls back to the "torch" backend.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def backend_from(ext) -> Backend:
         # It reads every input at whatever byte offset it lies (unaligned loads, or packed
         # into aligned tiles), so the bridge makes no aligned copy.
         reads_unaligned=True,
-        details={"simd": ext.simd(), "library": ext.__file__},
+        # "simd": the variant that serves (build.SIMD_VARIANTS' name, the description's first
+        # word), with its description and library.
+        details={"simd": ext.simd().split(" ", 1)[0], "simd_description": ext.simd(), "library": ext.__file__},
         run_problem=ext.run_problem,
     )

@@ -10,6 +10,11 @@ when the package is installed read-only). A process that finds a matching librar
 directly, in milliseconds, without touching the compiler or ninja; a library built for another
 CPU, torch or source revision is never loaded. Concurrent builds of the same digest are
 serialised by torch's lock file in that directory.
+
+The kernels build in one of several SIMD variants (SIMD_VARIANTS: AVX-512, AVX2, the portable
+baseline), each with its own flags and module name: by default the best this CPU executes;
+SCAN_BRIDGE_SIMD=avx512|avx2|baseline forces one (for comparison, or to test a variant), and a
+variant the CPU cannot execute is refused with BackendUnavailable.
 """
 
 from __future__ import annotations
@@ -33,18 +38,45 @@ from ..errors import BackendUnavailable
 log = logging.getLogger("kernels")
 
 # Python caches extension modules by name: a differently built library must use another name
-# to be loaded beside this one.
+# to be loaded beside this one. Each SIMD variant's module is MODULE_NAME + "_" + its name.
 MODULE_NAME = "scan_bridge_cpu"
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("scan_kernel.cpp", "binding.cpp")
 HEADERS = ("scan_kernel.h", "helper_pool.h")
-# -march=native: built on the machine that runs it (the digest includes the CPU's flags).
 # -fvisibility=hidden: only the module's init function is exported, so two builds loaded in
-# one process (tests load an AVX2 build beside the native one) never bind to each other's code.
-# -Wno-psabi: without AVX-512 GCC notes that 64-byte vectors are passed differently; only
+# one process (tests load every SIMD variant side by side) never bind to each other's code.
+# -Wno-psabi: GCC notes that vectors wider than the target's are passed differently; only
 # internal functions take them, so no ABI is at stake.
-CFLAGS = ("-O3", "-march=native", "-pthread", "-fvisibility=hidden", "-Wall", "-Wno-psabi")
+CFLAGS = ("-O3", "-pthread", "-fvisibility=hidden", "-Wall", "-Wno-psabi")
 LDFLAGS = ("-pthread",)
+# SIMD_ENV=name builds and loads that variant instead of the best one the CPU executes.
+SIMD_ENV = "SCAN_BRIDGE_SIMD"
+
+
+@dataclass(frozen=True)
+class SimdVariant:
+    """One way to build the kernels: `flags` select the instruction set (-march=native: built
+    on the machine that runs it, the digest includes the CPU's flags), `cpu_flags` are what
+    /proc/cpuinfo must list for this CPU to execute it."""
+
+    name: str
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...] = ()
+
+
+def _machine_variants() -> tuple[SimdVariant, ...]:
+    """This platform's variants, best first. On x86-64: AVX-512 (64-byte vectors), AVX2 + FMA
+    (32-byte vectors, what -march=native keeps without AVX-512) and the baseline (x86-64's SSE2,
+    16-byte generic vectors, no intrinsics); elsewhere the baseline alone, for the compiler's
+    default target (NEON on aarch64)."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return (SimdVariant("avx512", ("-march=native",), ("avx512f",)),
+                SimdVariant("avx2", ("-march=native", "-mno-avx512f"), ("avx2", "fma")),
+                SimdVariant("baseline", ("-march=x86-64", "-mtune=generic")))
+    return (SimdVariant("baseline", ()),)
+
+
+SIMD_VARIANTS = _machine_variants()
 # SCAN_BRIDGE_SANITIZE=address,undefined (or either) builds every extension with those
 # sanitizers, each finding fatal, under a digest of its own: the test suite's sanitizer pass
 # (tests/test_sanitizers.py). Python itself is not instrumented, so a process loads an
@@ -64,14 +96,75 @@ def _requested_sanitizers() -> tuple[str, ...]:
     return names
 
 
-def compile_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(compiler flags, linker flags) of this process's builds: CFLAGS and LDFLAGS, plus the
-    requested sanitizers'."""
+def _cpu_flags() -> set[str] | None:
+    """The instruction-set flags /proc/cpuinfo lists for the first CPU; None where it cannot
+    be read (then only the baseline is known to execute)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def unsupported_reason(variant: SimdVariant) -> str | None:
+    """Why this CPU cannot execute `variant` (the flags it lacks); None when it can."""
+    if not variant.cpu_flags:
+        return None
+    flags = _cpu_flags()
+    if flags is None:
+        return f"SIMD variant {variant.name}: this CPU's instruction sets are unknown (/proc/cpuinfo unreadable)"
+    missing = [f for f in variant.cpu_flags if f not in flags]
+    if missing:
+        return f"SIMD variant {variant.name}: this CPU cannot execute it (it lacks {', '.join(missing)})"
+    return None
+
+
+def executable_variants() -> tuple[SimdVariant, ...]:
+    """The variants this CPU executes, best first (the baseline always)."""
+    return tuple(v for v in SIMD_VARIANTS if unsupported_reason(v) is None)
+
+
+def variant_named(name: str) -> SimdVariant:
+    """The variant called `name`; BackendUnavailable when this platform has none by that name."""
+    for variant in SIMD_VARIANTS:
+        if variant.name == name:
+            return variant
+    raise BackendUnavailable(f"SIMD variant {name!r}: expected one of {', '.join(v.name for v in SIMD_VARIANTS)}")
+
+
+def selected_variant() -> SimdVariant:
+    """The variant SIMD_ENV names, else the best this CPU executes; BackendUnavailable for a name
+    not in SIMD_VARIANTS or a variant the CPU cannot execute."""
+    name = os.environ.get(SIMD_ENV, "").strip()
+    if not name:
+        return executable_variants()[0]
+    try:
+        variant = variant_named(name)
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"{SIMD_ENV}={name}: {exc}") from None
+    reason = unsupported_reason(variant)
+    if reason is not None:
+        raise BackendUnavailable(f"{SIMD_ENV}={name}: {reason}; it executes "
+                                 f"{', '.join(v.name for v in executable_variants())}")
+    return variant
+
+
+def variant_module_name(variant: SimdVariant) -> str:
+    return f"{MODULE_NAME}_{variant.name}"
+
+
+def compile_flags(variant: SimdVariant | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(compiler flags, linker flags) of this process's builds of `variant` (by default the
+    selected one): CFLAGS and the variant's flags, LDFLAGS, plus the requested sanitizers'."""
+    cflags = CFLAGS + (variant or selected_variant()).flags
     names = _requested_sanitizers()
     if not names:
-        return CFLAGS, LDFLAGS
+        return cflags, LDFLAGS
     sanitize = "-fsanitize=" + ",".join(names)
-    return (CFLAGS + (sanitize, "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"),
+    return (cflags + (sanitize, "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"),
             LDFLAGS + (sanitize,))
 
 
@@ -134,12 +227,15 @@ def _hash_sources(h, sources: Sources):
             raise BackendUnavailable(f"cannot read the source {path}: {exc}") from exc
 
 
-def build_digest(sources: Sources | None = None, module_name: str | None = None) -> str:
-    """Of `sources` built as `module_name` (by default this checkout's kernels, as MODULE_NAME)."""
+def build_digest(sources: Sources | None = None, module_name: str | None = None,
+                 variant: SimdVariant | None = None) -> str:
+    """Of `sources` built as `module_name` in `variant` (by default this checkout's kernels in the
+    selected variant, under that variant's module name)."""
+    variant = variant or selected_variant()
     h = hashlib.sha256()
     _hash_sources(h, sources or _kernel_sources(SOURCE_DIR))
-    for part in (module_name or MODULE_NAME, *compile_flags(), torch.__version__, sys.version,
-                 sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
+    for part in (module_name or variant_module_name(variant), *compile_flags(variant), torch.__version__,
+                 sys.version, sys.implementation.cache_tag, os.environ.get("CXX", "c++"), _cpu_signature()):
         h.update(repr(part).encode())
     return h.hexdigest()[:16]
 
@@ -154,12 +250,13 @@ def build_root() -> Path:
     return Path(get_default_build_root()) / "scan_bridge_cpu"
 
 
-def build_directory() -> Path:
-    return build_root() / build_digest()
+def build_directory(variant: SimdVariant | None = None) -> Path:
+    return build_root() / build_digest(variant=variant)
 
 
-def library_path() -> Path:
-    return _library_in(build_directory(), MODULE_NAME)
+def library_path(variant: SimdVariant | None = None) -> Path:
+    variant = variant or selected_variant()
+    return _library_in(build_directory(variant), variant_module_name(variant))
 
 
 def _library_in(directory: Path, module_name: str) -> Path:
@@ -185,7 +282,7 @@ def _first_error_line(text: str) -> str:
     return lines[-1][:300] if lines else "no compiler output"
 
 
-def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str):
+def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str, variant: SimdVariant):
     """Build with torch.utils.cpp_extension (ninja) and import the result."""
     try:
         from torch.utils import cpp_extension
@@ -197,7 +294,7 @@ def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str)
         # A venv's pip-installed ninja is only on PATH when the venv is activated.
         os.environ["PATH"] = venv_bin + os.pathsep + path_before
     directory.mkdir(parents=True, exist_ok=True)
-    cflags, ldflags = compile_flags()
+    cflags, ldflags = compile_flags(variant)
     try:
         return cpp_extension.load(
             name=module_name,
@@ -217,10 +314,17 @@ def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str)
         os.environ["PATH"] = path_before
 
 
-def load_extension(*, verbose: bool = False):
-    """The extension module; compiled first if no library matches this machine and source.
-    Raises BackendUnavailable with one line of reason when it cannot be built or loaded."""
-    return _load(build_directory(), _kernel_sources(SOURCE_DIR), MODULE_NAME, verbose)
+def load_extension(*, verbose: bool = False, variant: SimdVariant | None = None):
+    """The extension module in `variant` (by default the selected one: SIMD_ENV's, else the
+    best this CPU executes); compiled first if no library matches this machine and source.
+    Raises BackendUnavailable with one line of reason when it cannot be built or loaded, or the
+    CPU cannot execute the variant."""
+    variant = variant or selected_variant()
+    reason = unsupported_reason(variant)
+    if reason is not None:
+        raise BackendUnavailable(reason)
+    return _load(build_directory(variant), _kernel_sources(SOURCE_DIR), variant_module_name(variant), verbose,
+                 variant)
 
 
 def load_sources(source_dir: Path, name_prefix: str):
@@ -252,9 +356,10 @@ def _module_directory(sources: Sources, module_name: str, subdirectory: str) -> 
     return build_root() / subdirectory / build_digest(sources, module_name)
 
 
-def _load(directory: Path, sources: Sources, module_name: str, verbose: bool):
-    """The library in `directory` imported, compiled first if it is not there; BackendUnavailable
-    with one line of reason when it cannot be built or loaded."""
+def _load(directory: Path, sources: Sources, module_name: str, verbose: bool, variant: SimdVariant | None = None):
+    """The library in `directory` imported, compiled first (in `variant`, by default the selected
+    one) if it is not there; BackendUnavailable with one line of reason when it cannot be built
+    or loaded."""
     _check_sanitizer_runtime()
     library = _library_in(directory, module_name)
     if library.is_file() and not (directory / _LOCK_FILE).exists():
@@ -266,7 +371,7 @@ def _load(directory: Path, sources: Sources, module_name: str, verbose: bool):
     if shutil.which(compiler) is None:
         raise BackendUnavailable(f"no C++ compiler ({compiler!r} not found)")
     log.info("kernels: building the C++ extension %s in %s (once per machine)", module_name, directory)
-    return _compile(directory, verbose, sources, module_name)
+    return _compile(directory, verbose, sources, module_name, variant or selected_variant())
 
 
 def main(argv=None) -> int:
@@ -276,14 +381,20 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     parser.add_argument("--print-dir", action="store_true", help="print the build directory and exit")
     args = parser.parse_args(argv)
+    try:
+        variant = selected_variant()
+    except BackendUnavailable as exc:
+        print(f"kernels.cpu: not built: {exc}", file=sys.stderr)
+        return 1
     if args.print_dir:
-        print(build_directory())
+        print(build_directory(variant))
         return 0
     start = time.perf_counter()
-    if not library_path().is_file():
-        print(f"kernels.cpu: compiling into {build_directory()} (about 20 s)", flush=True)
+    if not library_path(variant).is_file():
+        print(f"kernels.cpu: compiling the {variant.name} variant into {build_directory(variant)} (about 20 s)",
+              flush=True)
     try:
-        ext = load_extension(verbose=args.verbose)
+        ext = load_extension(verbose=args.verbose, variant=variant)
     except BackendUnavailable as exc:
         print(f"kernels.cpu: not built: {exc}", file=sys.stderr)
         return 1

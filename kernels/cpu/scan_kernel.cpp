@@ -1,7 +1,7 @@
 // SIMD selective scan and state update for the CPU (see scan_kernel.h for the contract).
 //
-// The work is cut into items of (a block of W channels of one group, one batch row), W = 16
-// lanes of fp32 (8 of fp64), and h is laid out per mode:
+// The work is cut into items of (a block of W channels of one group, one batch row), W = the
+// lanes of fp32 (fp64) in one vector of the target's width, and h is laid out per mode:
 //  - sequence mode (seq > 1): lanes run over channels and h is [state][lanes] in L1. Each
 //    timestep is then multiply-adds with B_t,n and C_t,n broadcast and no horizontal sum; an
 //    item walks its whole sequence in one pass.
@@ -13,9 +13,10 @@
 // strides and any byte misalignment, and applies dt's bias/softplus/clamp and z's gate once per
 // (t, channel). The recurrence only reads aligned tiles; y is converted and stored per tile.
 //
-// Written with GCC vector extensions so it builds for any target (AVX2 machines split each
-// 64-byte vector in two); where AVX-512 is present exp2 uses a register table and vscalef, and
-// half-precision runs convert 16 values per instruction.
+// Written with GCC vector extensions so it builds for any target, with vectors of the width
+// the target executes (kVectorBytes): 64 bytes with AVX-512, 32 with AVX2, 16 otherwise (the
+// baseline: SSE2, NEON). Where AVX-512 is present exp2 uses a register table and vscalef, and
+// half-precision runs convert 16 values per instruction (8 with AVX2's F16C).
 
 #include "scan_kernel.h"
 
@@ -29,14 +30,24 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
 namespace scan_bridge {
 namespace {
 
+// Narrower targets get vectors they execute whole: wider ones, split by the compiler into
+// several registers, double the live registers of every loop and spill the state.
+#if defined(__AVX512F__)
 constexpr int kVectorBytes = 64;
+#elif defined(__AVX2__)
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;
+#endif
+// Scratch regions start on their own cache lines, whatever the vector width.
+constexpr int kScratchAlign = 64;
 // Timesteps packed per pass. 32 keeps the tiles of a pass (x, dt, dt*x, gate, y: 32 x 64 B
 // each; B and C: 32 x state values) within a 32 KiB L1 for state 16.
 constexpr int kTimeChunk = 32;
@@ -60,9 +71,16 @@ struct BF16 {
   uint16_t bits;
 };
 
+// IEEE half precision: GCC's _Float16 on x86, Arm's __fp16 where C++ has no _Float16 (GCC 12).
+#if defined(__aarch64__) || defined(__arm__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 inline float widen(float v) { return v; }
 inline double widen(double v) { return v; }
-inline float widen(_Float16 v) { return static_cast<float>(v); }
+inline float widen(Half v) { return static_cast<float>(v); }
 inline float widen(BF16 v) {
   uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
   float f;
@@ -107,11 +125,19 @@ template <typename T, typename Src>
 inline void read_run(const char* src, int count, T* out) {
   int i = 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<Src, _Float16>) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Src, Half>) {
     for (; i + 16 <= count; i += 16) {
       __m256i h;
       std::memcpy(&h, src + 2 * i, sizeof h);
       _mm512_storeu_ps(out + i, _mm512_maskz_cvtph_ps(0xFFFF, h));
+    }
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Src, Half>) {
+    for (; i + 8 <= count; i += 8) {
+      __m128i h;
+      std::memcpy(&h, src + 2 * i, sizeof h);
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
     }
   }
 #endif
@@ -122,10 +148,17 @@ template <typename Dst, typename T>
 inline void write_run(char* dst, int count, const T* in) {
   int i = 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<Dst, _Float16>) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Dst, Half>) {
     for (; i + 16 <= count; i += 16) {
       const __m256i h = _mm512_maskz_cvtps_ph(0xFFFF, _mm512_loadu_ps(in + i),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      std::memcpy(dst + 2 * i, &h, sizeof h);
+    }
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<Dst, Half>) {
+    for (; i + 8 <= count; i += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       std::memcpy(dst + 2 * i, &h, sizeof h);
     }
   }
@@ -232,7 +265,7 @@ void load_2d(const Strided& s, int64_t offset, int64_t sr, int64_t sc, int rows,
     case DType::f32:
       return load_2d_typed<T, float>(base + offset * 4, sr, sc, rows, cols, out, out_stride);
     case DType::f16:
-      return load_2d_typed<T, _Float16>(base + offset * 2, sr, sc, rows, cols, out, out_stride);
+      return load_2d_typed<T, Half>(base + offset * 2, sr, sc, rows, cols, out, out_stride);
     case DType::bf16:
       return load_2d_typed<T, BF16>(base + offset * 2, sr, sc, rows, cols, out, out_stride);
     case DType::f64:
@@ -292,7 +325,7 @@ void store_2d(const Strided& s, int64_t offset, int64_t sr, int64_t sc, int rows
     case DType::f32:
       return store_2d_typed<float>(base + offset * 4, sr, sc, rows, cols, in, in_stride);
     case DType::f16:
-      return store_2d_typed<_Float16>(base + offset * 2, sr, sc, rows, cols, in, in_stride);
+      return store_2d_typed<Half>(base + offset * 2, sr, sc, rows, cols, in, in_stride);
     case DType::bf16:
       return store_2d_typed<BF16>(base + offset * 2, sr, sc, rows, cols, in, in_stride);
     case DType::f64:
@@ -301,6 +334,15 @@ void store_2d(const Strided& s, int64_t offset, int64_t sr, int64_t sc, int rows
     case DType::i64:
       break;  // never an output dtype
   }
+}
+
+// Asks for the cache line `ahead` bytes past each of `rows` rows (element strides, from the
+// element at `offset`) before it is read.
+void prefetch_rows(const Strided& s, int64_t offset, int64_t sr, int rows, int64_t ahead) {
+  static constexpr int kSize[] = {4, 2, 2, 8, 4, 8};  // DType's element sizes
+  const int64_t E = kSize[static_cast<int>(s.dtype)];
+  const char* base = static_cast<const char*>(s.data) + offset * E + ahead;
+  for (int r = 0; r < rows; ++r) __builtin_prefetch(base + r * sr * E);
 }
 
 int64_t read_slot(const Strided& s, int64_t b) {
@@ -358,16 +400,24 @@ struct Math<float> {
                     c3 = 0.05550733953714371f, c4 = 0.009671509265899658f,
                     c5 = 0.0013264698209241033f;
     typedef int32_t VI __attribute__((vector_size(kVectorBytes)));
-    // Clamp so 2^n is a normal float or inf; comparisons keep NaN (both false).
+    // Clamp so 2^n is a normal float or inf, NaN passing through.
+#if defined(__AVX2__)
+    // One vmaxps and one vminps, where GCC makes a compare and a blend of each comparison
+    // below; they return their second operand when either is NaN.
+    t = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-126.0f), t));
+#else
+    // Comparisons are false for NaN.
     t = t < -126.0f ? -126.0f : t;
     t = t > 128.0f ? 128.0f : t;
-    // Adding 1.5 * 2^23 rounds t to an integer that lands in the low mantissa bits.
-    constexpr float kShift = 12582912.0f;
+#endif
+    // Adding 1.5 * 2^23 + 127 rounds t to an integer whose low mantissa bits hold n + 127, the
+    // biased exponent of 2^n: shifted into the exponent field, they are 2^n.
+    constexpr float kShift = 12582912.0f + 127.0f;
     const V s = t + kShift;
     const V n = s - kShift;
     const V f = t - n;
     const V p = (((((c5 * f + c4) * f + c3) * f + c2) * f + c1) * f + 1.0f);
-    const VI bits = ((VI)s - (0x4B400000 - 127)) << 23;
+    const VI bits = (VI)s << 23;
     return p * (V)bits;
   }
 #endif
@@ -470,12 +520,12 @@ void discretize(const ScanProblem& p, int count, typename Lanes<T>::V* dt,
   }
 }
 
-// 64-byte aligned scratch, zero-filled.
+// Cache-line aligned scratch, zero-filled.
 class Scratch {
  public:
   explicit Scratch(size_t bytes) {
-    const size_t rounded = (bytes + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
-    mem_ = std::aligned_alloc(kVectorBytes, rounded);
+    const size_t rounded = (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+    mem_ = std::aligned_alloc(kScratchAlign, rounded);
     if (mem_ == nullptr) throw std::bad_alloc();
     std::memset(mem_, 0, rounded);
   }
@@ -491,7 +541,7 @@ class Scratch {
   }
   template <typename U>
   static int64_t bytes(int64_t count) {
-    return (count * static_cast<int64_t>(sizeof(U)) + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
+    return (count * static_cast<int64_t>(sizeof(U)) + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
   }
 
  private:
@@ -531,24 +581,32 @@ void recur_chunk(int steps, int64_t N, const typename Lanes<T>::V* __restrict A,
   }
 }
 
-// Items are ordered block-major (item = block * batch + b), so a thread's consecutive items
-// share a block and its A, D, dt_bias are prepared once. h is kept as [state][channel lanes]:
+// With 64-byte vectors items are ordered block-major (item = block * batch + b), so a thread's
+// consecutive items share a block and its A, D, dt_bias are prepared once. With narrower ones
+// (kRowMajor) a cache line of x, dt, z and y holds several blocks' channels, and items are
+// ordered row-major (item = b * blocks + block), as in step mode: consecutive items walk a
+// batch row's lines in order, each line read once, and every block's A, D, dt_bias is prepared
+// once per thread. h is kept as [state][channel lanes]:
 // each timestep is then pure multiply-adds with B and C broadcast, and loading and storing h
 // transposes it once per item.
 template <typename T>
 class SequenceRunner {
   using V = typename Lanes<T>::V;
   static constexpr int W = Lanes<T>::W;
+  static constexpr bool kRowMajor = kVectorBytes < kScratchAlign;
 
  public:
   explicit SequenceRunner(const ScanProblem& p)
       : p_(p), blocks_(p), N_(p.state), N_int_(static_cast<int>(p.state)),
-        scratch_(2 * Scratch::bytes<V>(p.state) + 2 * Scratch::bytes<V>(1) +
-                 5 * Scratch::bytes<V>(kTimeChunk) + 2 * Scratch::bytes<T>(kTimeChunk * p.state)) {
-    A_ = scratch_.take<V>(N_);
+        slots_(kRowMajor ? blocks_.count : 1),
+        scratch_(Scratch::bytes<V>(slots_ * p.state) + Scratch::bytes<V>(p.state) +
+                 2 * Scratch::bytes<V>(slots_) + 5 * Scratch::bytes<V>(kTimeChunk) +
+                 2 * Scratch::bytes<T>(kTimeChunk * p.state)),
+        prepared_block_(slots_, -1) {
+    A_ = scratch_.take<V>(slots_ * N_);
     h_ = scratch_.take<V>(N_);
-    D_ = scratch_.take<V>(1);
-    bias_ = scratch_.take<V>(1);
+    D_ = scratch_.take<V>(slots_);
+    bias_ = scratch_.take<V>(slots_);
     xs_ = scratch_.take<V>(kTimeChunk);
     dts_ = scratch_.take<V>(kTimeChunk);
     dtx_ = scratch_.take<V>(kTimeChunk);
@@ -563,15 +621,17 @@ class SequenceRunner {
   }
 
   void run(int64_t item) {
-    const int64_t b = item % p_.batch;
-    const int64_t block = item / p_.batch;
+    const int64_t b = kRowMajor ? item / blocks_.count : item % p_.batch;
+    const int64_t block = kRowMajor ? item % blocks_.count : item / p_.batch;
     const int64_t g = blocks_.group(block);
     const int64_t d0 = blocks_.first_channel(block);
     const int lanes = blocks_.lanes(block);
-    if (block != prepared_block_) {
-      prepare_block(d0, lanes);
-      prepared_block_ = block;
+    const int64_t slot = kRowMajor ? block : 0;
+    if (block != prepared_block_[slot]) {
+      prepare_block(slot, d0, lanes);
+      prepared_block_[slot] = block;
     }
+    slot_ = slot;
     if (p_.h0.data == nullptr || lanes < W) std::memset(static_cast<void*>(h_), 0, N_ * sizeof(V));
     if (p_.h0.data != nullptr) {
       const auto& s = p_.h0.stride;
@@ -580,7 +640,7 @@ class SequenceRunner {
     for (int64_t t0 = 0; t0 < p_.seq; t0 += kTimeChunk) {
       const int steps = static_cast<int>(std::min<int64_t>(kTimeChunk, p_.seq - t0));
       pack_chunk(b, g, t0, steps, d0, lanes);
-      recur_chunk<T>(steps, N_, A_, h_, dts_, dtx_, Bs_, Cs_, ys_);
+      recur_chunk<T>(steps, N_, A_ + slot * N_, h_, dts_, dtx_, Bs_, Cs_, ys_);
       finish_chunk(b, t0, steps, d0, lanes);
     }
     if (p_.state_out.data != nullptr) {
@@ -591,18 +651,19 @@ class SequenceRunner {
   }
 
  private:
-  // A as [state][lanes]; D and dt_bias as lanes.
-  void prepare_block(int64_t d0, int lanes) {
-    std::memset(static_cast<void*>(A_), 0, N_ * sizeof(V));
+  // A as [state][lanes]; D and dt_bias as lanes; in the block's slot.
+  void prepare_block(int64_t slot, int64_t d0, int lanes) {
+    V* A = A_ + slot * N_;
+    std::memset(static_cast<void*>(A), 0, N_ * sizeof(V));
     const auto& sa = p_.A.stride;
-    load_2d(p_.A, d0 * sa[0], sa[1], sa[0], N_int_, lanes, reinterpret_cast<T*>(A_), W);
-    *D_ = V{};
+    load_2d(p_.A, d0 * sa[0], sa[1], sa[0], N_int_, lanes, reinterpret_cast<T*>(A), W);
+    D_[slot] = V{};
     if (p_.D.data != nullptr)
-      load_2d(p_.D, d0 * p_.D.stride[0], 0, p_.D.stride[0], 1, lanes, reinterpret_cast<T*>(D_), W);
-    *bias_ = V{};
+      load_2d(p_.D, d0 * p_.D.stride[0], 0, p_.D.stride[0], 1, lanes, reinterpret_cast<T*>(D_ + slot), W);
+    bias_[slot] = V{};
     if (p_.dt_bias.data != nullptr)
       load_2d(p_.dt_bias, d0 * p_.dt_bias.stride[0], 0, p_.dt_bias.stride[0], 1, lanes,
-              reinterpret_cast<T*>(bias_), W);
+              reinterpret_cast<T*>(bias_ + slot), W);
   }
 
   // x, discretized dt, dt * x and silu(z) as [t][channel lanes] tiles, and B, C as [t][state]
@@ -618,7 +679,16 @@ class SequenceRunner {
     const auto& sd = p_.dt.stride;
     load_2d(p_.dt, b * sd[0] + t0 * sd[1] + d0 * sd[2], sd[1], sd[2], steps, lanes,
             reinterpret_cast<T*>(dts_), W);
-    discretize<T>(p_, steps, dts_, xs_, dtx_, bias_, 0);
+    if (kRowMajor && sx[2] == 1 && sd[2] == 1) {
+      // The next line of these rows ("bld": channels contiguous), which the next blocks of the
+      // row read.
+      prefetch_rows(p_.x, b * sx[0] + t0 * sx[1] + d0, sx[1], steps, kScratchAlign);
+      prefetch_rows(p_.dt, b * sd[0] + t0 * sd[1] + d0, sd[1], steps, kScratchAlign);
+      const auto& sz = p_.z.stride;
+      if (p_.z.data != nullptr && sz[2] == 1)
+        prefetch_rows(p_.z, b * sz[0] + t0 * sz[1] + d0, sz[1], steps, kScratchAlign);
+    }
+    discretize<T>(p_, steps, dts_, xs_, dtx_, bias_ + slot_, 0);
     if (p_.z.data != nullptr) {
       const auto& sz = p_.z.stride;
       load_2d(p_.z, b * sz[0] + t0 * sz[1] + d0 * sz[2], sz[1], sz[2], steps, lanes,
@@ -633,7 +703,7 @@ class SequenceRunner {
 
   void finish_chunk(int64_t b, int64_t t0, int steps, int64_t d0, int lanes) {
     if (p_.D.data != nullptr) {
-      const V D = *D_;
+      const V D = D_[slot_];
       for (int t = 0; t < steps; ++t) ys_[t] += D * xs_[t];
     }
     if (p_.z.data != nullptr)
@@ -641,14 +711,23 @@ class SequenceRunner {
     const auto& sy = p_.y.stride;
     store_2d(p_.y, b * sy[0] + t0 * sy[1] + d0 * sy[2], sy[1], sy[2], steps, lanes,
              reinterpret_cast<const T*>(ys_), W);
+    if (kRowMajor && sy[2] == 1) {
+      // The next line of these rows of y, which the next blocks of the row write: fetched for
+      // writing now rather than when the store reaches it.
+      const char* next = static_cast<const char*>(p_.y.data) + (b * sy[0] + t0 * sy[1] + d0) * sizeof(T) +
+                         kScratchAlign;
+      for (int r = 0; r < steps; ++r) __builtin_prefetch(next + r * sy[1] * sizeof(T), 1);
+    }
   }
 
   const ScanProblem& p_;
   const Blocks<T> blocks_;
   const int64_t N_;
   const int N_int_;
+  const int64_t slots_;  // blocks whose A, D, dt_bias are kept: every one (kRowMajor) or one
   Scratch scratch_;
-  int64_t prepared_block_ = -1;
+  std::vector<int64_t> prepared_block_;  // per slot: the block whose A, D, dt_bias it holds
+  int64_t slot_ = 0;                     // the running item's
   V *A_, *h_, *D_, *bias_, *xs_, *dts_, *dtx_, *gate_, *ys_;
   T *Bs_, *Cs_;
 };
@@ -728,9 +807,9 @@ struct LaneSums {
 // h + c * h_stride and its A row `vecs` vectors at A + c * A_stride (any alignment), padded
 // with zeros in A, B, C (and h) past the state size;
 // dt[c] (as discretize leaves it) and dtx[c] are its scalars (read as broadcast operands). Returns y (before D and z)
-// with channel c in lane c. kFull instantiates the common full block of W channels whose state
-// is one vector (state == W), fully unrolled so the W accumulators stay in registers.
-template <typename T, bool kFull>
+// with channel c in lane c. kFullVecs > 0 instantiates the common full block of W channels whose
+// state is kFullVecs vectors, fully unrolled so the W accumulators stay in registers.
+template <typename T, int kFullVecs>
 typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, int64_t A_stride,
                                 T* __restrict h, int64_t h_stride, const T* __restrict dt,
                                 const T* __restrict dtx, const typename Lanes<T>::V* __restrict B,
@@ -738,7 +817,7 @@ typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, 
   using V = typename Lanes<T>::V;
   using VU = typename Lanes<T>::Unaligned;
   constexpr int W = Lanes<T>::W;
-  if constexpr (kFull) vecs = 1;
+  if constexpr (kFullVecs > 0) vecs = kFullVecs;
   V acc[W];
   for (int c = 0; c < W; ++c) acc[c] = V{};
   auto channel = [&](int c) __attribute__((always_inline)) {
@@ -753,7 +832,7 @@ typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, 
       sum += hk * C[k];
     }
   };
-  if constexpr (kFull) {
+  if constexpr (kFullVecs > 0) {
 #pragma GCC unroll 16
     for (int c = 0; c < W; ++c) channel(c);
   } else {
@@ -772,6 +851,9 @@ class StepRunner {
   using V = typename Lanes<T>::V;
   static constexpr int W = Lanes<T>::W;
   static constexpr DType kDType = sizeof(T) == 4 ? DType::f32 : DType::f64;
+  // Vectors per state row of the unrolled path: 64 bytes (fp32 state 16) with AVX-512 and AVX2;
+  // the baseline's sixteen registers hold one vector a row (unrolled over four, it was slower).
+  static constexpr int kFullVecs = kVectorBytes == 32 ? 2 : 1;
 
  public:
   explicit StepRunner(const ScanProblem& p)
@@ -861,9 +943,9 @@ class StepRunner {
     const T* dtx = reinterpret_cast<const T*>(dtx_ + block);
     const V* Bg = Bs_ + g * vecs_;
     const V* Cg = Cs_ + g * vecs_;
-    V y = lanes == W && vecs_ == 1
-              ? step_block<T, true>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg)
-              : step_block<T, false>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
+    V y = lanes == W && vecs_ == kFullVecs
+              ? step_block<T, kFullVecs>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg)
+              : step_block<T, 0>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
     if (!in_place_ && p_.state_out.data != nullptr) {
       const auto& so = p_.state_out.stride;
       store_2d(p_.state_out, row * so[0] + d0 * so[1], so[1], so[2], lanes, N_int_, h,
@@ -962,11 +1044,11 @@ const char* simd_description() {
 #if defined(__AVX512F__)
   return "avx512 (64-byte vectors)";
 #elif defined(__AVX2__)
-  return "avx2 (64-byte vectors as 2 x 32 bytes)";
+  return "avx2 (32-byte vectors)";
 #elif defined(__ARM_NEON)
-  return "neon (64-byte vectors as 4 x 16 bytes)";
+  return "baseline (16-byte vectors, neon)";
 #else
-  return "generic (64-byte vectors lowered by the compiler)";
+  return "baseline (16-byte vectors, generic)";
 #endif
 }
 
