@@ -39,6 +39,7 @@ def expected_skip(reason: str) -> bool:
         return reason.startswith((TRITON_NOT_SERVING.format(device="cpu"), CUDA_COMPILES_EVERY_KERNEL))
     return reason in (NO_CUDA, INTERPRETER_OTHER_SPLIT)
 
+
 def _simd_variant_not_executable(reason: str) -> bool:
     """A SIMD variant's skip stands only when this CPU cannot execute that variant: the reason is
     the one kernels.cpu.build gives for it now."""
