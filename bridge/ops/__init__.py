@@ -1,9 +1,10 @@
 """Op handlers, registered by op name and reply codec (protocol.codecs).
 
 A handler is `handler(server, call) -> result dict`. One module per family of ops, each with
-its table of handlers, registered in `REGISTRY` below. Handlers that are `bridge.batcher.BatchedOp`s (step, scan) are
-batched by the dispatcher; an op with a fast path for requests it can serve straight from their
-frame (the native step) offers it through `fast_path(server)` (see bridge.dispatcher).
+its table of handlers, registered in `REGISTRY` below. Handlers that are
+`bridge.batcher.BatchedOp`s (step, scan) are batched by the dispatcher; an op with a fast path
+for requests it can serve straight from their frame (the native step) offers it through
+`fast_path(server)` (see bridge.dispatcher).
 
 A new op: its arguments in protocol/schema.py's OPS, one handler in a module here, registered.
 """
@@ -55,8 +56,11 @@ class Registry:
     def fast_path(self, server):
         """The fast path an op offers for `server` (`handler.fast_path(server)`), or None: the
         dispatcher hands it every frame first, so there is one at most."""
-        offered = [path for table in self._tables.values() for handler in table.values()
-                   if (path := getattr(handler, "fast_path", lambda server: None)(server)) is not None]
+        offered = []
+        for table in self._tables.values():
+            for handler in table.values():
+                if hasattr(handler, "fast_path") and (path := handler.fast_path(server)) is not None:
+                    offered.append(path)
         if len(offered) > 1:
             raise ValueError(f"fast paths: expected one at most, got {len(offered)}")
         return offered[0] if offered else None
