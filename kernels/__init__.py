@@ -2,22 +2,38 @@
 
     selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
-                   backend=None) -> y | (y, state)
+                   cu_seqlens=None, backend=None) -> y | (y, state)
     selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
                            dt_softplus=False, dt_min=None, dt_max=None, slots=None,
                            backend=None) -> y      (state updated in place)
     capture_state_update(state, x, dt, A, B, C, *, ..., slots, backend=None)
                         -> a replayable state update (a CUDA graph) | None
+    ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
+             dt_max=None, h0=None, return_state=False, cu_seqlens=None, chunk_size=None,
+             backend=None) -> y | (y, state)
+    ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     dt_min=None, dt_max=None, slots=None, backend=None) -> y   (state in place)
 
 Math (mamba_ssm's selective_scan_ref / selective_state_update_ref): dt += dt_bias; dt =
 softplus(dt) if dt_softplus; dt = clamp(dt, dt_min, dt_max); h_t = exp(dt_t A) h_{t-1} +
 dt_t B_t x_t; y_t = C_t . h_t + D x_t; y *= silu(z). State and accumulation in fp32 (fp64 for
 fp64 inputs); y in x's dtype; the returned state is fp32 (fp64 for fp64 inputs).
+
+Mamba-2 (SSD, mamba_ssm's mamba_chunk_scan_combined / selective_state_update with heads): the
+same recurrence with a scalar decay per head, h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t over
+a [headdim, state] state per head; x, z [batch, seq, heads, headdim], dt [batch, seq, heads],
+A, dt_bias [heads], B, C [batch, seq, groups, state] (group g serves heads g*H/G .. (g+1)*H/G - 1),
+D [heads] or [heads, headdim], state [batch, heads, headdim, state]. `chunk_size` tunes the
+chunked backends only (torch, triton); every backend computes the same y.
+
+cu_seqlens (both scans): an int32/int64 tensor [n + 1] of boundaries of n sequences packed
+along seq of a batch-1 input; each starts from h0[i] (h0 then has n rows) or zeros, and the
+returned state has one row per sequence (kernels/_varlen.py).
 """
 
 from __future__ import annotations
 
-from . import _args
+from . import _args, _varlen
 from ._args import FLOAT_DTYPES
 from ._registry import available_backends, backend_details, get_backend, unavailable_backends
 from .errors import BackendUnavailable, DtypeNotAllowed, KernelInputError, ShapeMismatch, UnknownBackend
@@ -25,7 +41,8 @@ from .errors import BackendUnavailable, DtypeNotAllowed, KernelInputError, Shape
 __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends", "backend_details",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
-    "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update",
+    "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update", "ssd_scan",
+    "ssd_state_update",
 ]
 
 
@@ -45,7 +62,23 @@ def reads_unaligned(backend: str, device_type: str) -> bool:
 
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
-                   backend=None):
+                   cu_seqlens=None, backend=None):
+    if cu_seqlens is not None:
+        # Checked whole first, so a shape error names the packed input, not a slice of it.
+        _args.check_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                         dt_min=dt_min, dt_max=dt_max, layout=layout)
+        seq_axis = 1 if layout == "bld" else 2
+        bc_axis = 1 if layout == "bld" else B.dim() - 1
+
+        def one(**kw):
+            return selective_scan(A=A, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
+                                  dt_max=dt_max, layout=layout, backend=backend, **kw)
+
+        packed = dict(x=(x, seq_axis), dt=(dt, seq_axis), z=(z, seq_axis), B=(B, bc_axis), C=(C, bc_axis))
+        return _varlen.run_packed(one, x=x, seq_axis=seq_axis, packed=packed, h0=h0,
+                                  return_state=return_state, cu_seqlens=cu_seqlens,
+                                  state_shape=(x.shape[2 if layout == "bld" else 1], A.shape[1]),
+                                  state_meaning="dim, state")
     args = _args.check_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                             dt_min=dt_min, dt_max=dt_max, h0=h0, return_state=return_state,
                             layout=layout)
@@ -62,6 +95,39 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
     impl = get_backend(backend, args.x.device.type)
     return impl.state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
                              **args.backend_kwargs())
+
+
+def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
+             dt_max=None, h0=None, return_state=False, cu_seqlens=None, chunk_size=None, backend=None):
+    if cu_seqlens is not None:
+        _args.check_ssd_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                             dt_min=dt_min, dt_max=dt_max, chunk_size=chunk_size)
+
+        def one(**kw):
+            return ssd_scan(A=A, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
+                            dt_max=dt_max, chunk_size=chunk_size, backend=backend, **kw)
+
+        packed = dict(x=(x, 1), dt=(dt, 1), z=(z, 1), B=(B, 1), C=(C, 1))
+        return _varlen.run_packed(one, x=x, seq_axis=1, packed=packed, h0=h0,
+                                  return_state=return_state, cu_seqlens=cu_seqlens,
+                                  state_shape=(x.shape[2], x.shape[3], B.shape[3]),
+                                  state_meaning="heads, headdim, state")
+    args = _args.check_ssd_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                dt_min=dt_min, dt_max=dt_max, h0=h0, return_state=return_state,
+                                chunk_size=chunk_size)
+    impl = get_backend(backend, args.x.device.type)
+    y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+    return (y, state) if args.return_state else y
+
+
+def ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     dt_min=None, dt_max=None, slots=None, backend=None):
+    args = _args.check_ssd_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                                        dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
+                                        slots=slots)
+    impl = get_backend(backend, args.x.device.type)
+    return impl.ssd_state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
+                                 **args.backend_kwargs())
 
 
 def capture_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,

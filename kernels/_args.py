@@ -229,11 +229,7 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     pool, dim, n = state.shape
     if dim == 0 or n == 0:
         raise ShapeMismatch("state", "non-empty dim and state axes", f"shape {_shape(state)}")
-    # The update writes the state in place: rows sharing memory (a broadcast pool, from expand)
-    # would each read what another row wrote, whatever order a backend takes them in.
-    if any(stride == 0 and size > 1 for size, stride in zip(state.shape, state.stride())):
-        raise KernelInputError("state", "a tensor whose elements do not share memory (no stride 0 on an "
-                               "axis of size > 1)", f"strides {list(state.stride())} for shape {_shape(state)}")
+    _require_no_shared_rows(state)
     x = _require_tensor("x", x)
     if x.dim() != 2 or x.shape[1] != dim:
         raise ShapeMismatch("x", f"shape [batch, {dim}] ([batch, dim])", f"shape {_shape(x)}")
@@ -247,23 +243,36 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     if C.shape[1] != B.shape[1]:
         raise ShapeMismatch("C", f"{B.shape[1]} groups (as B)", f"{C.shape[1]} groups")
     D, dt_bias, z = _check_options(D, dt_bias, z, dim, x)
-    if slots is None:
-        if pool != batch:
-            raise ShapeMismatch("state", f"{batch} rows (batch of x) when no slots are given",
-                                   f"{pool} rows")
-    else:
-        if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
-            raise KernelInputError("slots", "an int32/int64 tensor", getattr(slots, "dtype", type(slots).__name__).__str__())
-        _require_shape("slots", slots, (batch,), "[batch]")
-        # int() of the max is a host sync on CUDA (one per step); kept, since an index past the
-        # pool would make the Triton kernel write outside `state`.
-        top = int(slots.max()) if slots.numel() else -1
-        if top >= pool:
-            raise ShapeMismatch("slots", f"indices < {pool} (pool rows) or negative for padding",
-                                f"max index {top}")
+    slots = _check_slots(slots, pool, batch)
     dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
     _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
     return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, slots)
+
+
+def _require_no_shared_rows(state: torch.Tensor) -> None:
+    # The update writes the state in place: rows sharing memory (a broadcast pool, from expand)
+    # would each read what another row wrote, whatever order a backend takes them in.
+    if any(stride == 0 and size > 1 for size, stride in zip(state.shape, state.stride())):
+        raise KernelInputError("state", "a tensor whose elements do not share memory (no stride 0 on an "
+                               "axis of size > 1)", f"strides {list(state.stride())} for shape {_shape(state)}")
+
+
+def _check_slots(slots, pool: int, batch: int):
+    if slots is None:
+        if pool != batch:
+            raise ShapeMismatch("state", f"{batch} rows (batch of x) when no slots are given",
+                                f"{pool} rows")
+        return None
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
+        raise KernelInputError("slots", "an int32/int64 tensor", str(getattr(slots, "dtype", type(slots).__name__)))
+    _require_shape("slots", slots, (batch,), "[batch]")
+    # int() of the max is a host sync on CUDA (one per step); kept, since an index past the
+    # pool would make the Triton kernel write outside `state`.
+    top = int(slots.max()) if slots.numel() else -1
+    if top >= pool:
+        raise ShapeMismatch("slots", f"indices < {pool} (pool rows) or negative for padding",
+                            f"max index {top}")
+    return slots
 
 
 def _norm_bc_update(name, t, batch, n, dim) -> torch.Tensor:
@@ -276,3 +285,165 @@ def _norm_bc_update(name, t, batch, n, dim) -> torch.Tensor:
     else:
         raise ShapeMismatch(name, "[batch, state] or [batch, groups, state]", f"shape {_shape(t)}")
     return _check_groups(name, t, t.shape[1], dim)
+
+
+# --- Mamba-2 (SSD) --------------------------------------------------------------------------
+#
+# ssd scan:      x, z [batch, seq, heads, headdim]; dt [batch, seq, heads]; A, dt_bias [heads];
+#                B, C [batch, seq, groups, state]; D [heads, headdim] (a [heads] D is given that
+#                axis as a stride-0 view); h0 [batch, heads, headdim, state] or None
+# ssd update:    state [pool, heads, headdim, state]; x, z [batch, heads, headdim]; dt [batch, heads];
+#                B, C [batch, groups, state]; slots [batch] or None (then pool == batch)
+
+
+@dataclass(frozen=True)
+class SsdDims:
+    batch: int
+    seq: int
+    heads: int
+    headdim: int
+    state: int
+    groups: int
+
+
+@dataclass
+class SsdScanArgs:
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    D: torch.Tensor | None
+    z: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    dt_softplus: bool
+    dt_min: float | None
+    dt_max: float | None
+    h0: torch.Tensor | None
+    return_state: bool
+    chunk_size: int | None
+    dims: SsdDims
+
+    def backend_kwargs(self) -> dict:
+        return dict(D=self.D, z=self.z, dt_bias=self.dt_bias, dt_softplus=self.dt_softplus,
+                    dt_min=self.dt_min, dt_max=self.dt_max, h0=self.h0,
+                    return_state=self.return_state, chunk_size=self.chunk_size)
+
+
+def _check_heads_options(D, dt_bias, heads: int, headdim: int):
+    """D ([heads] or [heads, headdim], returned as [heads, headdim]) and dt_bias [heads]."""
+    if dt_bias is not None:
+        _require_shape("dt_bias", _require_tensor("dt_bias", dt_bias), (heads,), "[heads]")
+    if D is not None:
+        D = _require_tensor("D", D)
+        if D.dim() == 1 and D.shape[0] == heads:
+            D = D.unsqueeze(1).expand(heads, headdim)
+        elif tuple(D.shape) != (heads, headdim):
+            raise ShapeMismatch("D", f"shape [{heads}] or [{heads}, {headdim}] ([heads] or [heads, headdim])",
+                                f"shape {_shape(D)}")
+    return D, dt_bias
+
+
+def _check_ssd_groups(name: str, t: torch.Tensor, heads: int) -> None:
+    groups = t.shape[-2]
+    if groups == 0 or heads % groups != 0:
+        raise ShapeMismatch(name, f"a group count dividing heads ({heads})", f"{groups} groups")
+
+
+def _check_chunk_size(chunk_size) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise KernelInputError("chunk_size", "a positive integer or None", repr(chunk_size))
+    return int(chunk_size)
+
+
+def check_ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_min=None, dt_max=None, h0=None, return_state=False,
+                   chunk_size=None) -> SsdScanArgs:
+    x = _require_tensor("x", x)
+    if x.dim() != 4:
+        raise ShapeMismatch("x", "4 dimensions ([batch, seq, heads, headdim])", f"shape {_shape(x)}")
+    batch, seq, heads, headdim = x.shape
+    if 0 in x.shape:
+        raise ShapeMismatch("x", "non-empty batch, seq, heads and headdim", f"shape {_shape(x)}")
+    dt = _require_tensor("dt", dt)
+    _require_shape("dt", dt, (batch, seq, heads), "[batch, seq, heads]")
+    A = _require_tensor("A", A)
+    _require_shape("A", A, (heads,), "[heads]")
+    B = _require_tensor("B", B)
+    if B.dim() != 4 or (B.shape[0], B.shape[1]) != (batch, seq) or B.shape[3] == 0:
+        raise ShapeMismatch("B", f"shape [{batch}, {seq}, groups, state] ([batch, seq, groups, state])",
+                            f"shape {_shape(B)}")
+    _check_ssd_groups("B", B, heads)
+    groups, n = B.shape[2], B.shape[3]
+    C = _require_tensor("C", C)
+    _require_shape("C", C, tuple(B.shape), "same as B")
+    D, dt_bias = _check_heads_options(D, dt_bias, heads, headdim)
+    if z is not None:
+        _require_shape("z", _require_tensor("z", z), tuple(x.shape), "same as x")
+    if h0 is not None:
+        h0 = _require_tensor("h0", h0)
+        _require_shape("h0", h0, (batch, heads, headdim, n), "[batch, heads, headdim, state]")
+    dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
+    chunk_size = _check_chunk_size(chunk_size)
+    _check_devices(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0))
+    return SsdScanArgs(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, h0,
+                       bool(return_state), chunk_size, SsdDims(batch, seq, heads, headdim, n, groups))
+
+
+def check_ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           dt_min=None, dt_max=None, slots=None) -> UpdateArgs:
+    state = _require_tensor("state", state)
+    if state.dim() != 4:
+        raise ShapeMismatch("state", "4 dimensions ([pool, heads, headdim, state])", f"shape {_shape(state)}")
+    pool, heads, headdim, n = state.shape
+    if 0 in (heads, headdim, n):
+        raise ShapeMismatch("state", "non-empty heads, headdim and state axes", f"shape {_shape(state)}")
+    _require_no_shared_rows(state)
+    x = _require_tensor("x", x)
+    if x.dim() != 3 or tuple(x.shape[1:]) != (heads, headdim):
+        raise ShapeMismatch("x", f"shape [batch, {heads}, {headdim}] ([batch, heads, headdim])", f"shape {_shape(x)}")
+    batch = x.shape[0]
+    dt = _require_tensor("dt", dt)
+    _require_shape("dt", dt, (batch, heads), "[batch, heads]")
+    A = _require_tensor("A", A)
+    _require_shape("A", A, (heads,), "[heads]")
+    B = _require_tensor("B", B)
+    if B.dim() != 3 or B.shape[0] != batch or B.shape[2] != n:
+        raise ShapeMismatch("B", f"shape [{batch}, groups, {n}] ([batch, groups, state])", f"shape {_shape(B)}")
+    _check_ssd_groups("B", B, heads)
+    C = _require_tensor("C", C)
+    _require_shape("C", C, tuple(B.shape), "same as B")
+    D, dt_bias = _check_heads_options(D, dt_bias, heads, headdim)
+    if z is not None:
+        _require_shape("z", _require_tensor("z", z), tuple(x.shape), "same as x")
+    slots = _check_slots(slots, pool, batch)
+    dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
+    _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
+    return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, slots)
+
+
+# --- variable-length batches ----------------------------------------------------------------
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, seq: int) -> list[int]:
+    """cu_seqlens: an int32/int64 tensor [n + 1] of sequence boundaries along seq: 0 first, seq
+    last, strictly increasing (no empty sequence); the batch must be 1. Returns the boundaries."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise KernelInputError("cu_seqlens", "an int32/int64 tensor",
+                               str(getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__)))
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ShapeMismatch("cu_seqlens", "shape [n + 1] with n >= 1 sequences", f"shape {_shape(cu_seqlens)}")
+    if batch != 1:
+        raise ShapeMismatch("x", "batch 1 (sequences are packed along seq when cu_seqlens is given)",
+                            f"batch {batch}")
+    bounds = [int(v) for v in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != seq:
+        raise KernelInputError("cu_seqlens", f"boundaries from 0 to seq ({seq})",
+                               f"{bounds[0]} .. {bounds[-1]}")
+    for i in range(1, len(bounds)):
+        if bounds[i] <= bounds[i - 1]:
+            raise KernelInputError("cu_seqlens", "strictly increasing boundaries (no empty sequence)",
+                                   f"{bounds[i - 1]} then {bounds[i]} at index {i}")
+    return bounds

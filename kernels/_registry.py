@@ -10,6 +10,9 @@ Backend call signatures (arguments already validated and normalised by `kernels.
     scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state, layout)
         -> (y, state_or_None)
     state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots) -> y
+    ssd_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
+             chunk_size) -> (y, state_or_None)            (D already [heads, headdim])
+    ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots) -> y
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ class Backend:
     # frame may sit at any offset); callers then need no aligned copy of their inputs.
     reads_unaligned: bool = False
     details: dict = field(default_factory=dict)
+    # Mamba-2 (SSD): the scan over [batch, seq, heads, headdim] and the one-step update.
+    ssd_scan: Callable | None = None
+    ssd_state_update: Callable | None = None
     # A PyCapsule "scan_bridge.run_problem" running the backend's kernel on a ScanProblem
     # (kernels/cpu/scan_kernel.h) that a native caller in this process fills itself (the
     # bridge's native step path); None for backends without one.

@@ -106,10 +106,70 @@ def selective_state_update_ref(state, x, dt, A, B, C, *, D=None, z=None, dt_bias
     return y
 
 
+def ssd_scan_ref(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
+                 dt_max=None, h0=None, return_state=False, chunk_size=None, compute_dtype=None):
+    """Mamba-2 (SSD): x, z [b, l, h, p]; dt [b, l, h]; A, dt_bias [h]; B, C [b, l, g, n]; D [h]
+    or [h, p]; h0 [b, h, p, n]. The recurrence one timestep at a time (chunk_size changes
+    nothing here). Returns (y, state) where state is None unless return_state."""
+    f = _compute_dtype(x, compute_dtype)
+    batch, seq, heads, headdim = x.shape
+    per_group = heads // B.shape[2]
+    xf = x.to(f)
+    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)  # [b, l, h]
+    Af = A.to(f)
+    Bf = B.to(f).repeat_interleave(per_group, dim=2)  # [b, l, h, n]
+    Cf = C.to(f).repeat_interleave(per_group, dim=2)
+    h = (torch.zeros(batch, heads, headdim, B.shape[3], dtype=f, device=x.device) if h0 is None
+         else h0.to(f).clone())
+    ys = []
+    for t in range(seq):
+        dt_t = dtf[:, t, :, None, None]  # [b, h, 1, 1]
+        h = torch.exp(dt_t * Af[:, None, None]) * h + dt_t * xf[:, t, :, :, None] * Bf[:, t, :, None, :]
+        ys.append((h * Cf[:, t, :, None, :]).sum(-1))
+    y = torch.stack(ys, dim=1)  # [b, l, h, p]
+    if D is not None:
+        y = y + xf * (D.to(f) if D.dim() == 2 else D.to(f)[:, None])
+    if z is not None:
+        y = y * F.silu(z.to(f))
+    return y.to(x.dtype), (h if return_state else None)
+
+
+def ssd_state_update_ref(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                         dt_min=None, dt_max=None, slots=None, compute_dtype=None):
+    """state [pool, h, p, n] updated in place at rows `slots` (or rows 0..batch-1); x, z
+    [batch, h, p]; dt [batch, h]; B, C [batch, g, n]. A negative slot is a padding row: y is 0
+    there and no state row is touched."""
+    f = _compute_dtype(x, compute_dtype)
+    batch, heads, headdim = x.shape
+    per_group = heads // B.shape[1]
+    rows = torch.arange(batch, device=x.device) if slots is None else slots.to(torch.int64)
+    live = rows >= 0
+    y = torch.zeros_like(x)
+    if not bool(live.any()):
+        return y
+    idx = rows[live]
+    h = state[idx].to(f)
+    xf = x[live].to(f)
+    dtf = _discretize_dt(dt[live], dt_bias, dt_softplus, dt_min, dt_max, f)[:, :, None, None]
+    Bf = B[live].to(f).repeat_interleave(per_group, dim=1)[:, :, None, :]  # [r, h, 1, n]
+    Cf = C[live].to(f).repeat_interleave(per_group, dim=1)[:, :, None, :]
+    h = torch.exp(dtf * A.to(f)[:, None, None]) * h + dtf * xf[..., None] * Bf
+    out = (h * Cf).sum(-1)
+    if D is not None:
+        out = out + xf * (D.to(f) if D.dim() == 2 else D.to(f)[:, None])
+    if z is not None:
+        out = out * F.silu(z[live].to(f))
+    state[idx] = h.to(state.dtype)
+    y[live] = out.to(x.dtype)
+    return y
+
+
 def load_backend() -> Backend:
     return Backend(
         name="reference",
         scan=selective_scan_ref,
         state_update=selective_state_update_ref,
+        ssd_scan=ssd_scan_ref,
+        ssd_state_update=ssd_state_update_ref,
         device_types=frozenset({"cpu", "cuda"}),
     )

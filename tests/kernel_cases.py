@@ -285,9 +285,11 @@ def assert_scan_matches_reference(backend: str, case, dtype, seed: int, what: st
     assert_scan_outputs_match_reference(case, dtype, inputs, y, state, what)
 
 
-def assert_scan_outputs_match_reference(case, dtype, inputs: dict, y, state, what: str) -> None:
-    """A scan's outputs on `inputs`, however it was called, against the float64 reference."""
-    y_ref, state_ref = reference_scan(inputs)
+def assert_scan_outputs_match_reference(case, dtype, inputs: dict, y, state, what: str,
+                                        reference=reference_scan) -> None:
+    """A scan's outputs on `inputs`, however it was called, against the float64 reference
+    (`reference_ssd_scan` for a Mamba-2 scan)."""
+    y_ref, state_ref = reference(inputs)
     assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
     assert_close(y, y_ref, dtype, f"{what} y")
     if case.return_state:
@@ -306,10 +308,12 @@ def assert_update_matches_reference(backend: str, case, dtype, seed: int, what: 
     assert_update_outputs_match_reference(case, dtype, inputs, before, y, what)
 
 
-def assert_update_outputs_match_reference(case, dtype, inputs: dict, before, y, what: str) -> None:
+def assert_update_outputs_match_reference(case, dtype, inputs: dict, before, y, what: str,
+                                          reference=reference_update) -> None:
     """A state update's y and pool (`inputs["state"]`, updated in place from `before`), however
-    it was called, against the float64 reference run on `before`."""
-    y_ref, state_ref = reference_update({**inputs, "state": before})
+    it was called, against the float64 reference run on `before` (`reference_ssd_update` for a
+    Mamba-2 update)."""
+    y_ref, state_ref = reference({**inputs, "state": before})
     state = inputs["state"]
     assert y.dtype == dtype, f"{what}: y dtype {y.dtype}, expected {dtype}"
     assert_close(y, y_ref, dtype, f"{what} y")
@@ -324,3 +328,180 @@ def assert_update_outputs_match_reference(case, dtype, inputs: dict, before, y, 
     # The tolerance of the pool's own dtype: fp32 (make_update_inputs) or a float64 pool.
     assert_close(state[touched], state_ref[touched], dtype, f"{what} updated rows", state_tolerance(state.dtype))
     assert torch.equal(state[~touched], before[~touched]), f"{what}: rows outside the live slots changed"
+
+
+# -- Mamba-2 (SSD) ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SsdCase:
+    batch: int
+    seq: int
+    heads: int
+    headdim: int
+    state: int
+    groups: int = 1
+    chunk_size: int | None = None
+    D: bool = False
+    D_per_channel: bool = False  # D [heads, headdim] rather than [heads]
+    z: bool = False
+    dt_bias: bool = False
+    dt_softplus: bool = False
+    clamp: bool = False
+    h0: bool = False
+    return_state: bool = True
+
+
+# Named cases: odd sizes, groups, seq 1, seq shorter than the chunk and seq not a multiple of it,
+# each option alone and all together.
+SSD_SCAN_CASES = [
+    pytest.param(SsdCase(1, 1, 1, 1, 1), id="tiny-1x1x1x1x1"),
+    pytest.param(SsdCase(2, 1, 3, 5, 4, chunk_size=4), id="seq1"),
+    pytest.param(SsdCase(2, 3, 2, 4, 3, chunk_size=8), id="seq-lt-chunk"),
+    pytest.param(SsdCase(2, 13, 4, 3, 5, groups=2, chunk_size=4), id="groups2-seq13-chunk4"),
+    pytest.param(SsdCase(1, 16, 6, 2, 7, groups=3, chunk_size=8), id="groups3-seq-eq-2chunks"),
+    pytest.param(SsdCase(2, 9, 2, 6, 5, D=True), id="D-per-head"),
+    pytest.param(SsdCase(2, 9, 2, 6, 5, D=True, D_per_channel=True), id="D-per-channel"),
+    pytest.param(SsdCase(2, 9, 2, 6, 5, z=True), id="z"),
+    pytest.param(SsdCase(2, 9, 2, 6, 5, dt_bias=True, dt_softplus=True), id="bias-softplus"),
+    pytest.param(SsdCase(2, 9, 2, 6, 5, clamp=True), id="clamp"),
+    pytest.param(SsdCase(2, 9, 2, 6, 5, h0=True, chunk_size=4), id="h0"),
+    pytest.param(SsdCase(2, 9, 2, 6, 5, return_state=False), id="no-state"),
+    pytest.param(SsdCase(3, 37, 4, 10, 16, groups=2, chunk_size=16, D=True, z=True, dt_bias=True,
+                         dt_softplus=True, clamp=True, h0=True), id="all-options"),
+    pytest.param(SsdCase(1, 70, 3, 17, 9, chunk_size=32, D=True, dt_softplus=True), id="long-odd"),
+]
+
+# Larger: a Mamba-2-like head (headdim 64, state 128) over several chunks, and a long sequence.
+LARGE_SSD_SCAN_CASES = [
+    pytest.param(SsdCase(1, 300, 4, 64, 128, chunk_size=64, D=True, z=True, dt_bias=True,
+                         dt_softplus=True, h0=True), id="mamba2-head-300"),
+    pytest.param(SsdCase(2, 601, 6, 16, 16, groups=3, chunk_size=128, D=True, dt_softplus=True,
+                         clamp=True, h0=True), id="long-601"),
+]
+
+
+@dataclass(frozen=True)
+class SsdUpdateCase:
+    batch: int
+    heads: int
+    headdim: int
+    state: int
+    groups: int = 1
+    pool: int | None = None
+    padding_rows: int = 0
+    D: bool = False
+    D_per_channel: bool = False
+    z: bool = False
+    dt_bias: bool = False
+    dt_softplus: bool = False
+    clamp: bool = False
+
+
+SSD_UPDATE_CASES = [
+    pytest.param(SsdUpdateCase(1, 1, 1, 1), id="tiny"),
+    pytest.param(SsdUpdateCase(3, 4, 3, 5, groups=2), id="odd-groups2"),
+    pytest.param(SsdUpdateCase(2, 2, 6, 5, D=True, z=True), id="D-z"),
+    pytest.param(SsdUpdateCase(2, 2, 6, 5, D=True, D_per_channel=True), id="D-per-channel"),
+    pytest.param(SsdUpdateCase(2, 2, 6, 5, dt_bias=True, dt_softplus=True, clamp=True), id="bias-softplus-clamp"),
+    pytest.param(SsdUpdateCase(5, 8, 16, 16, pool=9), id="slots"),
+    pytest.param(SsdUpdateCase(7, 6, 10, 32, groups=3, pool=11, padding_rows=3, D=True, z=True,
+                               dt_bias=True, dt_softplus=True, clamp=True), id="slots-padding-all"),
+]
+
+
+def _add_ssd_options(args: dict, case, x_shape, dtype, device, gen) -> None:
+    h, p = case.heads, case.headdim
+    if case.D:
+        args["D"] = _rand((h, p) if case.D_per_channel else (h,), torch.float32, device, gen)
+    if case.z:
+        args["z"] = _rand(x_shape, dtype, device, gen, -2.0, 2.0)
+    if case.dt_bias:
+        args["dt_bias"] = _rand((h,), torch.float32, device, gen, -0.5, 0.5)
+    if case.dt_softplus:
+        args["dt_softplus"] = True
+    if case.clamp:
+        args["dt_min"], args["dt_max"] = 0.05, 0.3
+
+
+def make_ssd_inputs(case: SsdCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """Keyword arguments for `kernels.ssd_scan` (without backend)."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    b, l, h, p, n, g = case.batch, case.seq, case.heads, case.headdim, case.state, case.groups
+    xs = (b, l, h, p)
+    args = dict(
+        x=_rand(xs, dtype, device, gen),
+        dt=(_rand((b, l, h), dtype, device, gen, -1.0, 1.0) if case.dt_softplus
+            else _rand((b, l, h), dtype, device, gen, 0.01, 0.5)),
+        A=_rand((h,), torch.float32, device, gen, -2.0, -0.1),
+        B=_rand((b, l, g, n), dtype, device, gen),
+        C=_rand((b, l, g, n), dtype, device, gen),
+        return_state=case.return_state,
+    )
+    if case.chunk_size is not None:
+        args["chunk_size"] = case.chunk_size
+    _add_ssd_options(args, case, xs, dtype, device, gen)
+    if case.h0:
+        args["h0"] = _rand((b, h, p, n), torch.float32, device, gen)
+    return args
+
+
+def make_ssd_update_inputs(case: SsdUpdateCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
+    """Keyword arguments for `kernels.ssd_state_update` (without backend); `state` is a fresh
+    random fp32 pool."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    b, h, p, n, g = case.batch, case.heads, case.headdim, case.state, case.groups
+    pool = case.pool if case.pool is not None else b
+    args = dict(
+        state=_rand((pool, h, p, n), torch.float32, device, gen),
+        x=_rand((b, h, p), dtype, device, gen),
+        dt=(_rand((b, h), dtype, device, gen, -1.0, 1.0) if case.dt_softplus
+            else _rand((b, h), dtype, device, gen, 0.01, 0.5)),
+        A=_rand((h,), torch.float32, device, gen, -2.0, -0.1),
+        B=_rand((b, g, n), dtype, device, gen),
+        C=_rand((b, g, n), dtype, device, gen),
+    )
+    if case.pool is not None:
+        perm = torch.randperm(pool, generator=gen)[:b]
+        if case.padding_rows:
+            perm[torch.randperm(b, generator=gen)[: case.padding_rows]] = -1
+        args["slots"] = perm.to(device=device, dtype=torch.int64)
+    _add_ssd_options(args, case, (b, h, p), dtype, device, gen)
+    return args
+
+
+def reference_ssd_scan(inputs: dict):
+    """(y, state) from the float64 reference for the same inputs."""
+    from kernels import _args
+    from kernels.reference import ssd_scan_ref
+
+    a = _args.check_ssd_scan(**{**inputs, "return_state": True})
+    return ssd_scan_ref(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs(), compute_dtype=torch.float64)
+
+
+def reference_ssd_update(inputs: dict):
+    """(y, new_state) from the float64 reference applied to a float64 copy of inputs["state"]."""
+    from kernels.reference import ssd_state_update_ref
+
+    state = inputs["state"].clone().to(torch.float64)
+    kw = {k: v for k, v in inputs.items() if k != "state"}
+    y = ssd_state_update_ref(state, compute_dtype=torch.float64, **kw)
+    return y, state
+
+
+def assert_ssd_matches_reference(backend: str, case, dtype, seed: int, what: str, device="cpu") -> None:
+    """kernels.ssd_scan on `backend` against the float64 reference: y and, with return_state,
+    the state."""
+    inputs = make_ssd_inputs(case, dtype, device, seed=seed)
+    out = kernels.ssd_scan(**inputs, backend=backend)
+    y, state = out if isinstance(out, tuple) else (out, None)
+    assert_scan_outputs_match_reference(case, dtype, inputs, y, state, what, reference=reference_ssd_scan)
+
+
+def assert_ssd_update_matches_reference(backend: str, case, dtype, seed: int, what: str, device="cpu") -> None:
+    """kernels.ssd_state_update on `backend` against the float64 reference: y, padding rows'
+    y zero, the live slots' state rows updated and every other pool row untouched."""
+    inputs = make_ssd_update_inputs(case, dtype, device, seed=seed)
+    before = inputs["state"].clone()
+    y = kernels.ssd_state_update(**inputs, backend=backend)
+    assert_update_outputs_match_reference(case, dtype, inputs, before, y, what, reference=reference_ssd_update)
