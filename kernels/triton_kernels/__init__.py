@@ -7,6 +7,7 @@ machine without a GPU; far too slow to serve). Nothing here imports triton until
 
     scan.py          forward scan: chunked associative scan, sequence segments with carries
     state_update.py  one timestep for many rows, state in place, slots into a state pool
+    ssd.py           Mamba-2 (SSD): the chunked scan (tl.dot tiles) and its one-step update
     graphs.py        the state update captured as a CUDA graph, for calls that repeat one problem
     common.py        math and host helpers both kernels share
     configs.py       the block-size table and the sequence split (no autotuning)
@@ -26,7 +27,7 @@ def load_backend() -> Backend:
         raise BackendUnavailable(f"triton is not importable: {exc}") from exc
     import torch
 
-    from . import scan, state_update
+    from . import scan, ssd, state_update
     from .common import interpreter_active
     from .graphs import CapturedStateUpdate
     from .warmup import warmup
@@ -45,6 +46,8 @@ def load_backend() -> Backend:
         name="triton",
         scan=scan.selective_scan,
         state_update=state_update.selective_state_update,
+        ssd_scan=ssd.ssd_scan,
+        ssd_state_update=ssd.ssd_state_update,
         device_types=frozenset(device_types),
         warmup=warmup,
         details={"triton": triton.__version__, "interpreter": interpreted},

@@ -130,3 +130,74 @@ def tiles_per_segment(n_tiles: int, programs_per_segment: int, sm_count: int) ->
     wanted = triton.cdiv(SEGMENT_WAVES * sm_count, programs_per_segment)
     segments = max(1, min(wanted, MAX_SEGMENTS, n_tiles // MIN_SEGMENT_TILES))
     return triton.cdiv(n_tiles, segments)
+
+
+# --- Mamba-2 (SSD) -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SsdBlocks:
+    block_m: int  # chunk positions per program: rows of y and of C.B^T
+    block_k: int  # timesteps per step of the loops over a chunk: the dots' inner axis over time
+    block_p: int  # headdim channels per program
+    block_n: int  # state entries per program (chunk states) or per step (the dots over the state)
+    num_warps: int
+
+
+# The chunk the scan takes when the caller names none: mamba_ssm's default, where the quadratic
+# intra-chunk work (chunk x chunk per head) and the sequential pass over chunk states balance.
+SSD_CHUNK = 256
+# Larger chunks are run at this size (the result does not depend on it): the chunk cumsum holds
+# a whole chunk in one block, and the C.B^T buffer grows as batch x seq x groups x chunk.
+SSD_MAX_CHUNK = 1024
+# tl.dot on a GPU needs every block dimension >= 16, so each is padded (masked) to at least this.
+MIN_DOT_BLOCK = 16
+# Keyed by the dtype the dots multiply in (ssd.py). 16-bit operands go to tensor cores: 64 x 64
+# output tiles over 4 warps, time steps of 32 (64 made ptxas spill the chunk scan at headdim
+# <= 32). fp32 (IEEE, no tf32) and fp64 dots run on FMA units, where each thread holds its rows
+# and columns of both operands across the whole inner axis: 32 x 32 tiles keep every kernel
+# under 255 registers without spills. Checked by compiling for sm_90 (no GPU); not timed.
+SSD_BLOCKS = {
+    torch.float16: SsdBlocks(block_m=64, block_k=32, block_p=64, block_n=64, num_warps=4),
+    torch.bfloat16: SsdBlocks(block_m=64, block_k=32, block_p=64, block_n=64, num_warps=4),
+    torch.float32: SsdBlocks(block_m=32, block_k=32, block_p=32, block_n=32, num_warps=4),
+    torch.float64: SsdBlocks(block_m=32, block_k=32, block_p=32, block_n=32, num_warps=4),
+}
+# Elements per program of the chunk cumsum and of the state passing (no dots: plain registers).
+SSD_ELEMENTWISE_BLOCK = 2048
+
+
+def _dot_block(limit: int, size: int) -> int:
+    return max(MIN_DOT_BLOCK, min(limit, triton.next_power_of_2(size)))
+
+
+def ssd_blocks(headdim: int, state: int, chunk: int, dot: torch.dtype, blocks: SsdBlocks | None = None) -> SsdBlocks:
+    """The table's blocks for dots in `dot` (or `blocks`, which tests shrink), each cut down to
+    its axis rounded up to a power of two, but never below MIN_DOT_BLOCK, so no program is mostly
+    padding."""
+    blocks = blocks or SSD_BLOCKS[dot]
+    return SsdBlocks(block_m=_dot_block(blocks.block_m, chunk), block_k=_dot_block(blocks.block_k, chunk),
+                     block_p=_dot_block(blocks.block_p, headdim), block_n=_dot_block(blocks.block_n, state),
+                     num_warps=blocks.num_warps)
+
+
+@dataclass(frozen=True)
+class SsdUpdateBlocks:
+    block_p: int  # headdim channels per program (power of two)
+    block_n: int  # state entries per step of the program's loop over the state (power of two)
+    num_warps: int
+
+
+# One decode step streams each head's [headdim, state] state in and out once, so it is bound by
+# memory like the Mamba-1 update and takes its budget (UPDATE_TABLE): ~512 state values per
+# program over 4 warps, many programs in flight at small batch. The state axis is whole up to
+# 256 (one step of the program's loop), headdim cut to fit.
+SSD_UPDATE_VALUES = 512
+SSD_UPDATE_MAX_BLOCK_N = 256
+SSD_UPDATE_WARPS = 4
+
+
+def ssd_update_blocks(headdim: int, state: int) -> SsdUpdateBlocks:
+    block_n = min(triton.next_power_of_2(state), SSD_UPDATE_MAX_BLOCK_N)
+    block_p = min(triton.next_power_of_2(headdim), max(1, SSD_UPDATE_VALUES // block_n))
+    return SsdUpdateBlocks(block_p, block_n, SSD_UPDATE_WARPS)

@@ -1,0 +1,593 @@
+"""Mamba-2 (SSD) in Triton: the chunked scan and the one-step state update.
+
+The scan cuts the sequence into chunks of `chunk` timesteps and runs these launches in order
+(3 only where some chunk's end state is used: more than one chunk, or return_state; 4 also
+where h0 is given):
+
+  1. `_ssd_cumsum_kernel`   dt discretised (bias, softplus, clamp; 0 past the sequence end) and
+                            cs_t = sum_{s <= t} dt_s A within each chunk    -> dt_d, cs [b, c, h, chunk]
+  2. `_ssd_cb_kernel`       C_m . B_k for k <= m within each chunk, once per group (the heads of
+                            a group share it)                                -> cb [b, c, g, chunk, chunk]
+  3. `_ssd_chunk_state_kernel`  each chunk's end state from a zero state and its own inputs:
+                            S_c = sum_k exp(cs_last - cs_k) dt_k x_k (x) B_k -> states [b, c, h, p, n]
+  4. `_ssd_state_passing_kernel`  H_c = exp(cs_last of c-1) H_{c-1} + S_{c-1}, from H_0 = h0 (or
+                            0), sequential over chunks: `states` is overwritten with the state
+                            entering each chunk, and the state after the last chunk is the final state
+  5. `_ssd_chunk_scan_kernel`  y_m = exp(cs_m) C_m . H_c + sum_{k <= m} (C_m . B_k)
+                            exp(cs_m - cs_k) dt_k x_k, + D x_m, * silu(z_m)
+
+Every exponent is a difference cs_m - cs_k with k <= m (or cs itself), so with A < 0 and dt >= 0
+no exp exceeds 1; the causal mask is applied to the exponent, before exp, so that the masked
+upper triangle cannot overflow. The cumsums restart at every chunk, which bounds their magnitude
+and so the rounding of their differences. A NaN dt makes y NaN from its step on and the final
+state NaN, for its head only, as the recurrence does.
+
+Dots. The contractions (C.B^T, the masked scores times x, C times the entering state, x^T times
+the decayed B) are tl.dot tiles, each block dimension at least 16 (configs.MIN_DOT_BLOCK) as a
+GPU's tl.dot requires; smaller heads, states and chunks are padded and masked. When x, B and C
+are all fp16 (or all bf16) the dots run on 16-bit operands with fp32 accumulation: the inputs
+themselves are exact in that dtype, and an operand computed in fp32 (scores, decayed B,
+entering state) is split into hi + lo 16-bit halves and multiplied twice, which keeps it to ~2^-17
+of its value (bf16; fp16 2^-22), so the state meets fp32 tolerances. That split assumes the
+computed operands lie within fp16's range (|v| < 65504) in the fp16 path. Other dtypes (fp32,
+mixed, fp64) multiply in IEEE fp32 (no tf32) or fp64.
+
+Offsets: the batch row, the chunk and the head are int64 scalars in every base pointer; offsets
+within a chunk tile are int32 unless an input's per-row extent reaches 2^31 elements (the
+WIDE_OFFSETS variant, common.wide_offsets). Inputs are read through strides; y is stored in x's
+dtype and the state in the accumulation dtype (fp32, fp64 for fp64 x).
+
+The state update is one timestep for many rows (`_ssd_update_kernel`), state in place, rows
+mapped to pool slots; a negative slot is padding: y 0, no state row read or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .common import (
+    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, interpreter_active, offset_index,
+    run_on_device_of, silu, triton_dtype, wide_offsets,
+)
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b, both operands in the dot dtype: 16-bit operands multiply exactly into the
+    fp32 accumulator (tensor cores), fp32 and fp64 ones in IEEE precision (no tf32). UPCAST (the
+    interpreter, bf16 only): its dot reads bf16 data as integers, so the bf16 values are widened
+    to fp32 first, which gives the same exact products."""
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype.primitive_bitwidth == 16:
+        acc = tl.dot(a, b, acc)
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _dot_computed_left(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b where a was computed in the accumulation dtype and b is an input in the dot
+    dtype: with a 16-bit b, a goes in as hi + lo halves (see the module docstring)."""
+    if b.dtype.primitive_bitwidth == 16:
+        hi = a.to(b.dtype)
+        acc = _mma(hi, b, acc, UPCAST)
+        acc = _mma((a - hi.to(a.dtype)).to(b.dtype), b, acc, UPCAST)
+    else:
+        acc = _mma(a.to(b.dtype), b, acc, UPCAST)
+    return acc
+
+
+@triton.jit
+def _dot_computed_right(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b where a is an input in the dot dtype and b was computed (the mirror of
+    `_dot_computed_left`)."""
+    if a.dtype.primitive_bitwidth == 16:
+        hi = b.to(a.dtype)
+        acc = _mma(a, hi, acc, UPCAST)
+        acc = _mma(a, (b - hi.to(b.dtype)).to(a.dtype), acc, UPCAST)
+    else:
+        acc = _mma(a, b.to(a.dtype), acc, UPCAST)
+    return acc
+
+
+@triton.jit
+def _chunk_coords(pid, nchunks, chunk, seq):
+    """(batch row, chunk index, first timestep, timesteps in this chunk) of the chunk that a
+    program's (batch x chunks) index names, as int64."""
+    pid = pid.to(tl.int64)
+    c = pid % nchunks
+    b = pid // nchunks
+    t0 = c * chunk
+    return b, c, t0, tl.minimum(chunk, seq - t0)
+
+
+@triton.jit
+def _block_coords(pid, n_inner, n_middle):
+    """(inner, middle, rest) block indices of a program index over rest x middle x inner."""
+    return pid % n_inner, (pid // n_inner) % n_middle, pid // (n_inner * n_middle)
+
+
+@triton.jit
+def _span(start, BLOCK: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+    """Indices start .. start + BLOCK - 1 as `offset_index` has them."""
+    return offset_index(start + tl.arange(0, BLOCK), WIDE_OFFSETS)
+
+
+@triton.jit
+def _load_tile(base, rows, s_rows, mask_rows, cols, s_cols, mask_cols, dtype: tl.constexpr):
+    """The [rows, cols] tile at `base` through the two strides, 0 where masked, in `dtype`."""
+    return tl.load(base + rows[:, None] * s_rows + cols[None, :] * s_cols,
+                   mask=mask_rows[:, None] & mask_cols[None, :], other=0.0).to(dtype)
+
+
+# Sequence and chunk counts change with every call: not specialising on them keeps one compiled
+# variant per option set and block choice.
+_UNSPECIALISED = ["seq", "nchunks", "chunk", "n_local"]
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def _ssd_cumsum_kernel(
+    dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr,
+    seq, nchunks, chunk, heads,
+    dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
+    s_dt_b, s_dt_l, s_dt_h, s_A, s_bias,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+):
+    """dt_out = discretised dt (0 past the sequence end), cs = its running sum times A within
+    the chunk, for BLOCK_H heads of one chunk; both [batch, chunks, heads, chunk]."""
+    pid = tl.program_id(0)
+    n_hblocks = tl.cdiv(heads, BLOCK_H)
+    b, c, t0, chunk_len = _chunk_coords(pid // n_hblocks, nchunks, chunk, seq)
+    hh = _span((pid % n_hblocks) * BLOCK_H, BLOCK_H, WIDE_OFFSETS)
+    t = _span(0, BLOCK_T, WIDE_OFFSETS)
+    mask_h = hh < heads
+    mask = (t < chunk_len)[:, None] & mask_h[None, :]
+    dt = _load_tile(dt_ptr + b * s_dt_b + t0 * s_dt_l, t, s_dt_l, t < chunk_len, hh, s_dt_h, mask_h, ACC)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + hh * s_bias, mask=mask_h, other=0.0).to(ACC)[None, :]
+    dt = discretize_dt(dt, mask, DT_SOFTPLUS, HAS_CLAMP, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo)
+    A = tl.load(A_ptr + hh * s_A, mask=mask_h, other=0.0).to(ACC)
+    # Past the end dt is 0, so cs holds its last value there: cs[chunk - 1] is the chunk's total.
+    cs = tl.cumsum(dt * A[None, :], axis=0)
+    out = (b * nchunks + c) * heads * chunk + hh[None, :] * chunk + t[:, None]
+    store_mask = (t < chunk)[:, None] & mask_h[None, :]
+    tl.store(dt_out_ptr + out, dt, mask=store_mask)
+    tl.store(cs_ptr + out, cs, mask=store_mask)
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def _ssd_cb_kernel(
+    B_ptr, C_ptr, cb_ptr,
+    seq, nchunks, chunk, groups, nstate,
+    s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
+    DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+):
+    """cb[b, c, g, m, k] = C_m . B_k for the block (m block, k block) of one chunk and group;
+    only blocks holding some k <= m are computed (the rest is never read)."""
+    pid = tl.program_id(0)
+    kb, mb, rest = _block_coords(pid, tl.cdiv(chunk, BLOCK_K), tl.cdiv(chunk, BLOCK_M))
+    g = (rest % groups).to(tl.int64)
+    b, c, t0, chunk_len = _chunk_coords(rest // groups, nchunks, chunk, seq)
+    m0 = mb * BLOCK_M
+    k0 = kb * BLOCK_K
+    if (k0 < m0 + BLOCK_M) & (m0 < chunk_len):
+        m = _span(m0, BLOCK_M, WIDE_OFFSETS)
+        k = _span(k0, BLOCK_K, WIDE_OFFSETS)
+        mask_m = m < chunk_len
+        mask_k = k < chunk_len
+        C_base = C_ptr + b * s_C_b + t0 * s_C_l + g * s_C_g
+        B_base = B_ptr + b * s_B_b + t0 * s_B_l + g * s_B_g
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=ACC)
+        for n0 in range(0, nstate, BLOCK_N):
+            n = _span(n0, BLOCK_N, WIDE_OFFSETS)
+            mask_n = n < nstate
+            C_tile = _load_tile(C_base, m, s_C_l, mask_m, n, s_C_n, mask_n, DOT)
+            B_tile = _load_tile(B_base, n, s_B_n, mask_n, k, s_B_l, mask_k, DOT)
+            acc = _mma(C_tile, B_tile, acc, UPCAST)
+        out = ((b * nchunks + c) * groups + g) * chunk * chunk
+        tl.store(cb_ptr + out + m[:, None] * chunk + k[None, :], acc,
+                 mask=(m < chunk)[:, None] & (k < chunk)[None, :])
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def _ssd_chunk_state_kernel(
+    x_ptr, B_ptr, dt_d_ptr, cs_ptr, states_ptr,
+    seq, nchunks, chunk, n_local, heads, heads_per_group, headdim, nstate,
+    s_x_b, s_x_l, s_x_h, s_x_p, s_B_b, s_B_l, s_B_g, s_B_n,
+    DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+):
+    """states[b, c, h] = sum_k exp(cs_last - cs_k) dt_k x_k (x) B_k over chunk c (from a zero
+    state), a [BLOCK_P, BLOCK_N] block per program, for the first n_local chunks."""
+    pid = tl.program_id(0)
+    nb, pb, rest = _block_coords(pid, tl.cdiv(nstate, BLOCK_N), tl.cdiv(headdim, BLOCK_P))
+    h = (rest % heads).to(tl.int64)
+    b, c, t0, chunk_len = _chunk_coords(rest // heads, n_local, chunk, seq)
+    g = h // heads_per_group
+    p = _span(pb * BLOCK_P, BLOCK_P, WIDE_OFFSETS)
+    n = _span(nb * BLOCK_N, BLOCK_N, WIDE_OFFSETS)
+    mask_p = p < headdim
+    mask_n = n < nstate
+    row = ((b * nchunks + c) * heads + h) * chunk  # this chunk and head in dt_d and cs
+    cs_last = tl.load(cs_ptr + row + chunk - 1)
+    x_base = x_ptr + b * s_x_b + t0 * s_x_l + h * s_x_h
+    B_base = B_ptr + b * s_B_b + t0 * s_B_l + g * s_B_g
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=ACC)
+    for k0 in range(0, chunk_len, BLOCK_K):
+        k = _span(k0, BLOCK_K, WIDE_OFFSETS)
+        mask_k = k < chunk_len
+        x_t = _load_tile(x_base, p, s_x_p, mask_p, k, s_x_l, mask_k, DOT)
+        B_tile = _load_tile(B_base, k, s_B_l, mask_k, n, s_B_n, mask_n, ACC)
+        cs_k = tl.load(cs_ptr + row + k, mask=mask_k, other=0.0)
+        dt_k = tl.load(dt_d_ptr + row + k, mask=mask_k, other=0.0)
+        weight = tl.where(mask_k, tl.exp(cs_last - cs_k) * dt_k, 0.0)
+        acc = _dot_computed_right(x_t, B_tile * weight[:, None], acc, UPCAST)
+    out = ((b * nchunks + c) * heads + h) * headdim * nstate
+    tl.store(states_ptr + out + p[:, None] * nstate + n[None, :], acc,
+             mask=mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def _ssd_state_passing_kernel(
+    states_ptr, cs_ptr, h0_ptr, state_out_ptr,
+    nchunks, chunk, n_local, heads, headdim, nstate,
+    s_h0_b, s_h0_h, s_h0_p, s_h0_n, s_st_b, s_st_h, s_st_p, s_st_n,
+    HAS_H0: tl.constexpr, STORE_STATE: tl.constexpr, ACC: tl.constexpr, BLOCK_E: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+):
+    """Walks the chunks of one head in order, BLOCK_E of its headdim x state entries per program:
+    states[c] (chunk c's own end state, for c < n_local) is replaced by the state entering chunk
+    c; the state after the last chunk goes to state_out (then n_local is every chunk)."""
+    pid = tl.program_id(0)
+    n_eblocks = tl.cdiv(headdim * nstate, BLOCK_E)
+    e = (pid % n_eblocks) * BLOCK_E + tl.arange(0, BLOCK_E)
+    bh = (pid // n_eblocks).to(tl.int64)
+    h = bh % heads
+    b = bh // heads
+    mask = e < headdim * nstate
+    p = offset_index(e // nstate, WIDE_OFFSETS)
+    n = offset_index(e % nstate, WIDE_OFFSETS)
+    if HAS_H0:
+        running = tl.load(h0_ptr + b * s_h0_b + h * s_h0_h + p * s_h0_p + n * s_h0_n,
+                          mask=mask, other=0.0).to(ACC)
+    else:
+        running = tl.zeros([BLOCK_E], dtype=ACC)
+    for c in range(0, n_local):
+        block = states_ptr + ((b * nchunks + c) * heads + h) * headdim * nstate + e
+        local = tl.load(block, mask=mask, other=0.0)
+        tl.store(block, running, mask=mask)
+        decay = tl.exp(tl.load(cs_ptr + ((b * nchunks + c) * heads + h) * chunk + chunk - 1))
+        running = decay * running + local
+    if n_local < nchunks:
+        # The last chunk's own end state was not computed (no final state asked for): only the
+        # state entering it is needed.
+        tl.store(states_ptr + ((b * nchunks + nchunks - 1) * heads + h) * headdim * nstate + e, running, mask=mask)
+    if STORE_STATE:
+        tl.store(state_out_ptr + b * s_st_b + h * s_st_h + p * s_st_p + n * s_st_n,
+                 running.to(state_out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def _ssd_chunk_scan_kernel(
+    x_ptr, z_ptr, C_ptr, D_ptr, cb_ptr, dt_d_ptr, cs_ptr, states_ptr, y_ptr,
+    seq, nchunks, chunk, heads, heads_per_group, groups, headdim, nstate,
+    s_x_b, s_x_l, s_x_h, s_x_p, s_z_b, s_z_l, s_z_h, s_z_p, s_y_b, s_y_l, s_y_h, s_y_p,
+    s_C_b, s_C_l, s_C_g, s_C_n, s_D_h, s_D_p,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_STATES: tl.constexpr,
+    DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+):
+    """y for BLOCK_M positions x BLOCK_P channels of one chunk and head: the entering state's
+    part (HAS_STATES: `states` holds the entering states; without it there is one chunk and
+    no h0, so the state enters at zero), the causal part within the chunk, D and the gate."""
+    pid = tl.program_id(0)
+    pb, mb, rest = _block_coords(pid, tl.cdiv(headdim, BLOCK_P), tl.cdiv(chunk, BLOCK_M))
+    h = (rest % heads).to(tl.int64)
+    b, c, t0, chunk_len = _chunk_coords(rest // heads, nchunks, chunk, seq)
+    g = h // heads_per_group
+    m0 = mb * BLOCK_M
+    if m0 < chunk_len:
+        m = _span(m0, BLOCK_M, WIDE_OFFSETS)
+        p = _span(pb * BLOCK_P, BLOCK_P, WIDE_OFFSETS)
+        mask_m = m < chunk_len
+        mask_p = p < headdim
+        mask_mp = mask_m[:, None] & mask_p[None, :]
+        row = ((b * nchunks + c) * heads + h) * chunk
+        cs_m = tl.load(cs_ptr + row + m, mask=mask_m, other=0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=ACC)
+
+        if HAS_STATES:
+            C_base = C_ptr + b * s_C_b + t0 * s_C_l + g * s_C_g
+            state_base = states_ptr + ((b * nchunks + c) * heads + h) * headdim * nstate
+            for n0 in range(0, nstate, BLOCK_N):
+                n = _span(n0, BLOCK_N, WIDE_OFFSETS)
+                mask_n = n < nstate
+                C_tile = _load_tile(C_base, m, s_C_l, mask_m, n, s_C_n, mask_n, DOT)
+                entering = _load_tile(state_base, n, 1, mask_n, p, nstate, mask_p, ACC)
+                acc = _dot_computed_right(C_tile, entering, acc, UPCAST)
+            acc *= tl.exp(cs_m)[:, None]
+
+        cb_base = cb_ptr + ((b * nchunks + c) * groups + g) * chunk * chunk
+        x_base = x_ptr + b * s_x_b + t0 * s_x_l + h * s_x_h
+        # Columns past this block's last row are all above the diagonal.
+        for k0 in range(0, tl.minimum(m0 + BLOCK_M, chunk_len), BLOCK_K):
+            k = _span(k0, BLOCK_K, WIDE_OFFSETS)
+            mask_k = k < chunk_len
+            causal = (k[None, :] <= m[:, None]) & mask_m[:, None] & mask_k[None, :]
+            # Masked loads: the C.B^T kernel never wrote above the diagonal.
+            cb = tl.load(cb_base + m[:, None] * chunk + k[None, :], mask=causal, other=0.0)
+            cs_k = tl.load(cs_ptr + row + k, mask=mask_k, other=0.0)
+            dt_k = tl.load(dt_d_ptr + row + k, mask=mask_k, other=0.0)
+            # Masked twice: in the exponent, since above the diagonal cs_m - cs_k may be large
+            # and positive (exp would overflow), and on the product, so that a NaN dt at step k
+            # reaches no row before k (as in the recurrence).
+            decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], 0.0))
+            scores = tl.where(causal, cb * decay * dt_k[None, :], 0.0)
+            x_k = _load_tile(x_base, k, s_x_l, mask_k, p, s_x_p, mask_p, DOT)
+            acc = _dot_computed_left(scores, x_k, acc, UPCAST)
+
+        if HAS_D:
+            x_m = _load_tile(x_base, m, s_x_l, mask_m, p, s_x_p, mask_p, ACC)
+            acc += x_m * tl.load(D_ptr + h * s_D_h + p * s_D_p, mask=mask_p, other=0.0).to(ACC)[None, :]
+        if HAS_Z:
+            z_base = z_ptr + b * s_z_b + t0 * s_z_l + h * s_z_h
+            acc *= silu(_load_tile(z_base, m, s_z_l, mask_m, p, s_z_p, mask_p, ACC))
+        tl.store(y_ptr + b * s_y_b + t0 * s_y_l + h * s_y_h + m[:, None] * s_y_l + p[None, :] * s_y_p,
+                 acc.to(y_ptr.dtype.element_ty), mask=mask_mp)
+
+
+@dataclass(frozen=True)
+class SsdPlan:
+    """How one scan is cut up."""
+    chunk: int
+    nchunks: int
+    blocks: configs.SsdBlocks
+    dot: torch.dtype  # the dtype the dots multiply in
+
+
+def _dot_dtype(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, acc: torch.dtype) -> torch.dtype:
+    """16-bit when x, B and C share that dtype (their values are then exact operands); else the
+    accumulation dtype."""
+    if acc == torch.float32 and x.dtype == B.dtype == C.dtype and x.dtype in (torch.float16, torch.bfloat16):
+        return x.dtype
+    return acc
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+              torch.float64: tl.float64}
+
+
+def plan_ssd_scan(x, B, C, chunk_size: int | None, blocks: configs.SsdBlocks | None = None) -> SsdPlan:
+    """The chunk (the caller's, the default, at most configs.SSD_MAX_CHUNK and never longer
+    than the sequence: one chunk of the whole sequence is the same computation) and the blocks
+    (the table's, or `blocks`, which tests shrink to reach several blocks per axis)."""
+    _, seq, _, headdim = x.shape
+    chunk = min(chunk_size or configs.SSD_CHUNK, configs.SSD_MAX_CHUNK, seq)
+    dot = _dot_dtype(x, B, C, accumulation_dtype(x))
+    return SsdPlan(chunk, triton.cdiv(seq, chunk), configs.ssd_blocks(headdim, B.shape[3], chunk, dot, blocks), dot)
+
+
+def _grid(*counts: int) -> tuple[int]:
+    total = 1
+    for count in counts:
+        total *= count
+    return (total,)
+
+
+def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
+             dt_max=None, h0=None, return_state=False, chunk_size=None, out=None, state_out=None,
+             blocks=None):
+    """The "triton" backend's SSD scan; arguments as normalised by `kernels._args.check_ssd_scan`
+    (D [heads, headdim]). Returns (y in x's dtype, the final state or None).
+
+    Internal keywords: `out` / `state_out` receive y / the final state instead of fresh tensors
+    (tests pass NaN-filled ones, so that an element no program writes shows up); `blocks`
+    overrides the table (configs.SsdBlocks)."""
+    out, state_out, launches = ssd_scan_launches(
+        x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
+        dt_max=dt_max, h0=h0, return_state=return_state, chunk_size=chunk_size, out=out,
+        state_out=state_out, blocks=blocks)
+    run_on_device_of(x, launches)
+    return out, state_out
+
+
+def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
+                      chunk_size, out, state_out, blocks):
+    """(y, state or None, the launches that fill them), outputs and buffers allocated, nothing run."""
+    batch, seq, heads, headdim = x.shape
+    groups, nstate = B.shape[2], B.shape[3]
+    device = x.device
+    acc = accumulation_dtype(x)
+    plan = plan_ssd_scan(x, B, C, chunk_size, blocks)
+    chunk, nchunks, bl = plan.chunk, plan.nchunks, plan.blocks
+
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    else:
+        check_out("out", out, x.shape, x.dtype, device)
+    if return_state:
+        if state_out is None:
+            state_out = torch.empty((batch, heads, headdim, nstate), dtype=acc, device=device)
+        else:
+            check_out("state_out", state_out, (batch, heads, headdim, nstate), acc, device)
+    else:
+        state_out = None
+
+    dt_d = torch.empty((batch, nchunks, heads, chunk), dtype=acc, device=device)
+    cs = torch.empty_like(dt_d)
+    cb = torch.empty((batch, nchunks, groups, chunk, chunk), dtype=acc, device=device)
+    # The chunks whose own end state is used: all but the last, and the last for the final state.
+    n_local = nchunks if return_state else nchunks - 1
+    has_states = n_local > 0 or h0 is not None
+    states = torch.empty((batch, nchunks, heads, headdim, nstate), dtype=acc, device=device) if has_states else None
+
+    has_clamp, bounds = clamp_bounds(dt_min, dt_max)
+    wide = wide_offsets(per_row=(x, dt, z, out, B, C, h0, state_out), whole=(A, D, dt_bias))
+    acc_tl, dot_tl = triton_dtype(acc), _TL_DTYPES[plan.dot]
+    # The interpreter's dot reads bf16 operands as integers (see _mma).
+    upcast = plan.dot == torch.bfloat16 and interpreter_active()
+    dots = dict(DOT=dot_tl, UPCAST=upcast, WIDE_OFFSETS=wide)
+    warps = bl.num_warps
+    heads_per_group = heads // groups
+    s_x, s_B, s_C = x.stride(), B.stride(), C.stride()
+    launches = []
+
+    block_t = triton.next_power_of_2(chunk)
+    block_h = min(triton.next_power_of_2(heads), max(1, configs.SSD_ELEMENTWISE_BLOCK // block_t))
+    launches.append(Launch(
+        _ssd_cumsum_kernel, _grid(batch, nchunks, triton.cdiv(heads, block_h)),
+        (dt, A, dt_bias, dt_d, cs, seq, nchunks, chunk, heads, *bounds, *dt.stride(), A.stride(0),
+         dt_bias.stride(0) if dt_bias is not None else 0),
+        dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp,
+             ACC=acc_tl, BLOCK_T=block_t, BLOCK_H=block_h, WIDE_OFFSETS=wide),
+        warps))
+    launches.append(Launch(
+        _ssd_cb_kernel,
+        _grid(batch, nchunks, groups, triton.cdiv(chunk, bl.block_m), triton.cdiv(chunk, bl.block_k)),
+        (B, C, cb, seq, nchunks, chunk, groups, nstate, *s_B, *s_C),
+        dict(ACC=acc_tl, BLOCK_M=bl.block_m, BLOCK_K=bl.block_k, BLOCK_N=bl.block_n, **dots),
+        warps))
+    if n_local:
+        launches.append(Launch(
+            _ssd_chunk_state_kernel,
+            _grid(batch, n_local, heads, triton.cdiv(headdim, bl.block_p), triton.cdiv(nstate, bl.block_n)),
+            (x, B, dt_d, cs, states, seq, nchunks, chunk, n_local, heads, heads_per_group, headdim, nstate,
+             *s_x, *s_B),
+            dict(ACC=acc_tl, BLOCK_K=bl.block_k, BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
+            warps))
+    if has_states:
+        block_e = min(triton.next_power_of_2(headdim * nstate), configs.SSD_ELEMENTWISE_BLOCK)
+        launches.append(Launch(
+            _ssd_state_passing_kernel, _grid(batch, heads, triton.cdiv(headdim * nstate, block_e)),
+            (states, cs, h0, state_out, nchunks, chunk, n_local, heads, headdim, nstate,
+             *(h0.stride() if h0 is not None else (0, 0, 0, 0)),
+             *(state_out.stride() if state_out is not None else (0, 0, 0, 0))),
+            dict(HAS_H0=h0 is not None, STORE_STATE=state_out is not None, ACC=acc_tl, BLOCK_E=block_e,
+                 WIDE_OFFSETS=wide),
+            warps))
+    launches.append(Launch(
+        _ssd_chunk_scan_kernel,
+        _grid(batch, nchunks, heads, triton.cdiv(chunk, bl.block_m), triton.cdiv(headdim, bl.block_p)),
+        (x, z, C, D, cb, dt_d, cs, states, out, seq, nchunks, chunk, heads, heads_per_group, groups,
+         headdim, nstate, *s_x, *(z.stride() if z is not None else (0, 0, 0, 0)), *out.stride(), *s_C,
+         *(D.stride() if D is not None else (0, 0))),
+        dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_STATES=has_states, ACC=acc_tl,
+             BLOCK_M=bl.block_m, BLOCK_K=bl.block_k, BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
+        warps))
+    return out, state_out, launches
+
+
+# --- one timestep ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ssd_update_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slots_ptr, y_ptr,
+    heads, heads_per_group, headdim, nstate,
+    dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
+    s_st_r, s_st_h, s_st_p, s_st_n, s_x_b, s_x_h, s_x_p, s_dt_b, s_dt_h, s_z_b, s_z_h, s_z_p,
+    s_y_b, s_y_h, s_y_p, s_B_b, s_B_g, s_B_n, s_C_b, s_C_g, s_C_n, s_A, s_D_h, s_D_p, s_bias, s_slots,
+    HAS_SLOTS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+):
+    """BLOCK_P channels of one head of one row: h = exp(dt A) h + dt x (x) B over the state in
+    BLOCK_N steps, written back in place, and y = C . h (+ D x) (* silu(z))."""
+    pid = tl.program_id(0)
+    n_pblocks = tl.cdiv(headdim, BLOCK_P)
+    p = _span((pid % n_pblocks) * BLOCK_P, BLOCK_P, WIDE_OFFSETS)
+    rest = (pid // n_pblocks).to(tl.int64)
+    h = rest % heads
+    row = rest // heads
+    g = h // heads_per_group
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + row * s_slots).to(tl.int64)
+    else:
+        slot = row
+    live = slot >= 0
+    mask_p = p < headdim
+    # A padding row reads and writes nothing: its masks admit no channel and no state entry.
+    mask_live_p = tl.where(live, mask_p, False)
+    nstate_live = tl.where(live, nstate, 0)
+
+    x = tl.load(x_ptr + row * s_x_b + h * s_x_h + p * s_x_p, mask=mask_live_p, other=0.0).to(ACC)
+    dt = tl.load(dt_ptr + row * s_dt_b + h * s_dt_h, mask=live, other=0.0).to(ACC)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + h * s_bias, mask=live, other=0.0).to(ACC)
+    dt = discretize_dt(dt, live, DT_SOFTPLUS, HAS_CLAMP, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo)
+    decay = tl.exp(dt * tl.load(A_ptr + h * s_A, mask=live, other=0.0).to(ACC))
+    dt_x = dt * x
+    B_base = B_ptr + row * s_B_b + g * s_B_g
+    C_base = C_ptr + row * s_C_b + g * s_C_g
+    state_base = state_ptr + slot * s_st_r + h * s_st_h
+    y = tl.zeros([BLOCK_P], dtype=ACC)
+    for n0 in range(0, nstate, BLOCK_N):
+        n = _span(n0, BLOCK_N, WIDE_OFFSETS)
+        mask_n = n < nstate_live
+        mask_pn = mask_live_p[:, None] & mask_n[None, :]
+        B = tl.load(B_base + n * s_B_n, mask=mask_n, other=0.0).to(ACC)
+        C = tl.load(C_base + n * s_C_n, mask=mask_n, other=0.0).to(ACC)
+        state_ptrs = state_base + p[:, None] * s_st_p + n[None, :] * s_st_n
+        hs = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(ACC)
+        hs = decay * hs + dt_x[:, None] * B[None, :]
+        tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=mask_pn)
+        y += tl.sum(hs * C[None, :], axis=1)
+    if HAS_D:
+        y += x * tl.load(D_ptr + h * s_D_h + p * s_D_p, mask=mask_live_p, other=0.0).to(ACC)
+    if HAS_Z:
+        y *= silu(tl.load(z_ptr + row * s_z_b + h * s_z_h + p * s_z_p, mask=mask_live_p, other=0.0).to(ACC))
+    # A padding row loaded every input as 0, so its y is exactly 0; it is still stored.
+    tl.store(y_ptr + row * s_y_b + h * s_y_h + p * s_y_p, y.to(y_ptr.dtype.element_ty), mask=mask_p)
+
+
+def ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     dt_min=None, dt_max=None, slots=None, out=None, blocks=None):
+    """The "triton" backend's SSD state update; arguments as normalised by
+    `kernels._args.check_ssd_state_update`. Returns y [batch, heads, headdim] in x's dtype;
+    `state` rows are updated in place. Rows must name distinct slots (two rows on one slot
+    would race on its state).
+
+    Internal keywords: `out` receives y instead of a fresh tensor; `blocks` overrides the
+    table (configs.SsdUpdateBlocks)."""
+    out, launch = ssd_update_launch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                                    dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
+                                    slots=slots, out=out, blocks=blocks)
+    run_on_device_of(x, [launch])
+    return out
+
+
+def ssd_update_launch(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots,
+                      out, blocks):
+    """(y, the launch that fills it and updates `state`), y allocated, nothing run."""
+    batch, heads, headdim = x.shape
+    groups, nstate = B.shape[1], B.shape[2]
+    bl = blocks or configs.ssd_update_blocks(headdim, nstate)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        check_out("out", out, x.shape, x.dtype, x.device)
+    has_clamp, bounds = clamp_bounds(dt_min, dt_max)
+    return out, Launch(
+        _ssd_update_kernel, _grid(batch, heads, triton.cdiv(headdim, bl.block_p)),
+        (state, x, dt, A, B, C, D, z, dt_bias, slots, out,
+         heads, heads // groups, headdim, nstate,
+         *bounds,
+         *state.stride(), *x.stride(), *dt.stride(),
+         *(z.stride() if z is not None else (0, 0, 0)), *out.stride(), *B.stride(), *C.stride(),
+         A.stride(0), *(D.stride() if D is not None else (0, 0)),
+         dt_bias.stride(0) if dt_bias is not None else 0, slots.stride(0) if slots is not None else 0),
+        dict(HAS_SLOTS=slots is not None, HAS_D=D is not None, HAS_Z=z is not None,
+             HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp,
+             ACC=triton_dtype(accumulation_dtype(x)), BLOCK_P=bl.block_p, BLOCK_N=bl.block_n,
+             WIDE_OFFSETS=wide_offsets(per_row=(state, x, dt, z, out, B, C), whole=(A, D, dt_bias))),
+        bl.num_warps)

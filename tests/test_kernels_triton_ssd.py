@@ -1,0 +1,510 @@
+"""The Triton backend's Mamba-2 (SSD) kernels against the float64 reference.
+
+Without a GPU every kernel runs on Triton's CPU interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1) with blocks of 16, the smallest a GPU's tl.dot takes, so that the shared
+cases cross several chunks, position blocks, headdim blocks and state steps and leave remainders
+in each. The interpreter is slow, so the dtypes are a chosen subset: every SSD_SCAN_CASES case
+runs in fp32, and fp16, bf16 and fp64 on one case that crosses chunks with every option (the
+interpreter runs the 16-bit dots through the same hi/lo split a GPU does); the state update runs
+every SSD_UPDATE_CASES case in fp32 and a small one with every option in each other dtype. With
+CUDA the same tests run on the GPU with the production block table, plus real sizes in every
+dtype; without one, the kernels are compiled for sm_90 to prove what the interpreter cannot
+check (block shapes tl.dot accepts, lowering, no spills).
+
+Outputs are NaN-filled before the launch (the launchers take `out=` / `state_out=`), so an
+element no program writes fails the comparison. Inputs are fresh random draws; the seed is in
+every failure message.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot be tested")
+
+import kernels  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    CUDA_COMPILES_EVERY_KERNEL, DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES,
+    TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_scan_outputs_match_reference,
+    assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
+    make_ssd_inputs, make_ssd_update_inputs, random_seed, reference_ssd_scan, reference_ssd_update, state_dtype,
+)
+from kernels import _args  # noqa: E402
+from kernels._registry import get_backend  # noqa: E402
+from kernels.triton_kernels import common, configs  # noqa: E402
+from kernels.triton_kernels import ssd  # noqa: E402
+from kernels.triton_kernels.common import run_on_device_of  # noqa: E402
+from process_runs import BackgroundRun  # noqa: E402
+from test_kernels_triton import _assert_same_nans_and_close  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+DEVICES = [
+    pytest.param("cpu", id="interpreter"),
+    pytest.param("cuda", id="cuda", marks=ON_CUDA),
+]
+
+# Interpreter blocks: every dot dimension at the GPU's minimum of 16 (configs.MIN_DOT_BLOCK), so
+# the cases below reach several blocks per axis. The update has no dots: 8 x 16 blocks give the
+# larger update cases several headdim blocks and state steps. On CUDA the tests use the
+# production tables.
+INTERPRETER_SSD_BLOCKS = configs.SsdBlocks(block_m=16, block_k=16, block_p=16, block_n=16, num_warps=1)
+INTERPRETER_UPDATE_BLOCKS = configs.SsdUpdateBlocks(block_p=8, block_n=16, num_warps=1)
+
+
+def _backend(device: str):
+    try:
+        return get_backend("triton", device)
+    except kernels.BackendUnavailable as exc:
+        pytest.skip(f"{TRITON_NOT_SERVING.format(device=device)}: {exc}")
+
+
+def _scan_blocks(device: str):
+    return INTERPRETER_SSD_BLOCKS if device == "cpu" else None
+
+
+def _update_blocks(device: str):
+    return INTERPRETER_UPDATE_BLOCKS if device == "cpu" else None
+
+
+def _poisoned(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _run_scan(inputs: dict, blocks=None):
+    """The backend's launcher on validated inputs, writing into NaN-filled outputs."""
+    args = _args.check_ssd_scan(**inputs)
+    d = args.dims
+    y = _poisoned(args.x.shape, args.x.dtype, args.x.device)
+    state = (_poisoned((d.batch, d.heads, d.headdim, d.state), state_dtype(args.x.dtype), args.x.device)
+             if args.return_state else None)
+    return ssd.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(), out=y,
+                        state_out=state, blocks=blocks)
+
+
+def _check_scan(case: SsdCase, dtype, device, blocks=None, what=""):
+    seed = random_seed()
+    inputs = make_ssd_inputs(case, dtype, device, seed=seed)
+    y, state = _run_scan(inputs, blocks)
+    assert_scan_outputs_match_reference(case, dtype, inputs, y, state, f"{what} seed={seed}",
+                                        reference=reference_ssd_scan)
+
+
+def _run_update(inputs: dict, blocks=None):
+    args = _args.check_ssd_state_update(**inputs)
+    y = _poisoned(args.x.shape, args.x.dtype, args.x.device)
+    return ssd.ssd_state_update(args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
+                                out=y, blocks=blocks)
+
+
+def _check_update(case: SsdUpdateCase, dtype, device, blocks=None):
+    seed = random_seed()
+    inputs = make_ssd_update_inputs(case, dtype, device, seed=seed)
+    before = inputs["state"].clone()
+    y = _run_update(inputs, blocks)
+    assert_update_outputs_match_reference(case, dtype, inputs, before, y, f"seed={seed}",
+                                          reference=reference_ssd_update)
+
+
+# --- the scan -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", SSD_SCAN_CASES)
+def test_ssd_scan_matches_reference(case, device):
+    _backend(device)
+    _check_scan(case, torch.float32, device, _scan_blocks(device))
+
+
+# Three chunks, the last partial, two groups, odd headdim and state, every option: the 16-bit
+# dots (hi/lo split of the computed operand) and the fp64 ones.
+DTYPE_CASE = SsdCase(2, 21, 4, 5, 6, groups=2, chunk_size=8, D=True, z=True, dt_bias=True, dt_softplus=True,
+                     clamp=True, h0=True)
+NON_F32_DTYPES = [p for p in DTYPES if p.values[0] != torch.float32]
+
+
+@pytest.mark.parametrize("dtype", NON_F32_DTYPES)
+def test_ssd_scan_dtypes_on_interpreter(dtype):
+    _backend("cpu")
+    _check_scan(DTYPE_CASE, dtype, "cpu", INTERPRETER_SSD_BLOCKS)
+
+
+# The chunk against the sequence: one step a chunk (state passing over every step), a partial
+# last chunk, a last chunk of one step, a chunk of exactly the sequence, one longer than it, and
+# one longer than the position blocks and not a power of two (several m and k blocks a chunk).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seq, chunk_size", [
+    pytest.param(7, 1, id="chunk-1"),
+    pytest.param(19, 6, id="partial-last"),
+    pytest.param(19, 18, id="last-of-one-step"),
+    pytest.param(19, 19, id="chunk-eq-seq"),
+    pytest.param(19, 40, id="chunk-gt-seq"),
+    pytest.param(37, 17, id="chunk-17-two-position-blocks"),
+])
+def test_ssd_scan_chunk_boundaries(seq, chunk_size, device):
+    _backend(device)
+    case = SsdCase(2, seq, 3, 5, 7, chunk_size=chunk_size, D=True, h0=True)
+    _check_scan(case, torch.float32, device, _scan_blocks(device), what=f"seq {seq} chunk {chunk_size}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [pytest.param(8, id="at-a-chunk-boundary"), pytest.param(11, id="mid-chunk")])
+def test_ssd_scan_chains_through_h0(split, device):
+    """A scan of the first `split` steps, then one of the rest from its final state (h0), gives
+    the y and the final state of one scan over the whole sequence."""
+    _backend(device)
+    seed = random_seed()
+    case = SsdCase(2, 17, 2, 5, 6, groups=2, chunk_size=4, D=True, z=True, dt_bias=True, dt_softplus=True,
+                   h0=True)
+    inputs = make_ssd_inputs(case, torch.float32, device, seed=seed)
+    y_ref, state_ref = reference_ssd_scan(inputs)
+    seq_inputs = ("x", "dt", "z", "B", "C")
+    head = {**inputs, **{k: inputs[k][:, :split] for k in seq_inputs}}
+    y_head, state_head = _run_scan(head, _scan_blocks(device))
+    tail = {**inputs, **{k: inputs[k][:, split:] for k in seq_inputs}, "h0": state_head}
+    y_tail, state = _run_scan(tail, _scan_blocks(device))
+    assert_close(torch.cat([y_head, y_tail], dim=1), y_ref, torch.float32, f"chained y seed={seed}")
+    assert_close(state, state_ref, torch.float32, f"chained state seed={seed}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ssd_scan_then_steps_continue_the_sequence(device):
+    """A scan's final state fed to state updates gives the y of one longer scan."""
+    _backend(device)
+    seed = random_seed()
+    case = SsdCase(2, 11, 4, 3, 5, groups=2, chunk_size=4, D=True, z=True, dt_bias=True, dt_softplus=True)
+    inputs = make_ssd_inputs(case, torch.float32, device, seed=seed)
+    y_ref, _ = reference_ssd_scan(inputs)
+    prefix = 6
+    seq_inputs = ("x", "dt", "z", "B", "C")
+    head = {**inputs, **{k: inputs[k][:, :prefix] for k in seq_inputs}}
+    _, state = _run_scan(head, _scan_blocks(device))
+    for t in range(prefix, case.seq):
+        step = {k: inputs[k][:, t] for k in seq_inputs}
+        y_t = _run_update(dict(state=state, **step, A=inputs["A"], D=inputs["D"], dt_bias=inputs["dt_bias"],
+                               dt_softplus=True), _update_blocks(device))
+        assert_close(y_t, y_ref[:, t], torch.float32, f"y at step {t} seed={seed}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ssd_scan_reads_strided_views(device):
+    """Non-contiguous views of larger buffers, a per-head D (a stride-0 view once normalised) and
+    a non-contiguous y: the kernels follow strides and write only y's elements."""
+    _backend(device)
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    b, l, h, p, n, g = 2, 10, 4, 3, 5, 2
+
+    def rand(*shape):
+        return (torch.rand(shape, generator=gen) * 2 - 1).to(device)
+
+    x = rand(b, l, h, 2 * p)[..., ::2]
+    dt = rand(b, h, l).transpose(1, 2).abs() * 0.5 + 0.01
+    B = rand(b, n, g, l).permute(0, 3, 2, 1)  # state axis not innermost
+    C = rand(b, l, g, n + 2)[..., 1:-1]
+    A = -rand(2 * h)[::2].abs() - 0.1
+    D = rand(h)
+    h0 = rand(b, h, n, p).transpose(2, 3)
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, h0=h0, return_state=True, chunk_size=4)
+    args = _args.check_ssd_scan(**inputs)
+    y_buffer = _poisoned((b, l, h, 2 * p), torch.float32, device)
+    y, state = ssd.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
+                            out=y_buffer[..., 1::2], blocks=_scan_blocks(device))
+    y_ref, state_ref = reference_ssd_scan(inputs)
+    assert_close(y, y_ref, torch.float32, f"y seed={seed}")
+    assert_close(state, state_ref, torch.float32, f"state seed={seed}")
+    assert torch.isnan(y_buffer[..., ::2]).all(), "wrote outside the strided y view"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ssd_through_public_api(device):
+    """`kernels.ssd_scan` / `kernels.ssd_state_update` with backend="triton" reach these
+    kernels, with the production blocks."""
+    _backend(device)
+    seed = random_seed()
+    scan_case = SsdCase(2, 21, 3, 6, 5, groups=3, chunk_size=8, D=True, z=True, h0=True)
+    assert_ssd_matches_reference("triton", scan_case, torch.float32, seed, f"scan seed={seed}", device)
+    update_case = SsdUpdateCase(3, 4, 6, 5, groups=2, pool=5, padding_rows=1, D=True)
+    assert_ssd_update_matches_reference("triton", update_case, torch.float32, seed, f"update seed={seed}", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nan_dt_spreads_as_in_the_recurrence(device):
+    """A NaN dt under a clamp makes y NaN from its step on, and the final state NaN, for its head
+    only, as in the reference: not earlier rows of its chunk (the intra-chunk matmul sums over
+    every column), not the other heads."""
+    _backend(device)
+    seed = random_seed()
+    case = SsdCase(1, 13, 3, 2, 4, chunk_size=8, clamp=True)
+    inputs = make_ssd_inputs(case, torch.float32, device, seed=seed)
+    inputs["dt"][0, 5, 1] = float("nan")
+    y_ref, state_ref = reference_ssd_scan(inputs)
+    y, state = _run_scan(inputs, _scan_blocks(device))
+    _assert_same_nans_and_close(y, y_ref, f"scan y seed={seed}")
+    _assert_same_nans_and_close(state, state_ref, f"scan state seed={seed}")
+
+    update = make_ssd_update_inputs(SsdUpdateCase(2, 3, 2, 4, pool=3, clamp=True), torch.float32, device, seed=seed)
+    update["dt"][0, 1] = float("nan")
+    y_ref, state_ref = reference_ssd_update(update)
+    y = _run_update(update, _update_blocks(device))
+    _assert_same_nans_and_close(y, y_ref, f"update y seed={seed}")
+    _assert_same_nans_and_close(update["state"], state_ref, f"update state seed={seed}")
+
+
+# --- the state update -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", SSD_UPDATE_CASES)
+def test_ssd_state_update_matches_reference(case, device):
+    _backend(device)
+    _check_update(case, torch.float32, device, _update_blocks(device))
+
+
+# Every option, padding rows, two headdim blocks and two state steps of the interpreter's blocks.
+UPDATE_DTYPE_CASE = SsdUpdateCase(3, 4, 10, 20, groups=2, pool=5, padding_rows=1, D=True, z=True, dt_bias=True,
+                                  dt_softplus=True, clamp=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", NON_F32_DTYPES)
+def test_ssd_state_update_dtypes(dtype, device):
+    _backend(device)
+    _check_update(UPDATE_DTYPE_CASE, dtype, device, _update_blocks(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ssd_state_update_table_blocks(device):
+    """The production blocks: the state axis in one step, headdim cut to the budget."""
+    _backend(device)
+    _check_update(SsdUpdateCase(5, 4, 40, 24, groups=2, pool=8, padding_rows=2, D=True, z=True), torch.float32, device)
+
+
+# --- element offsets past 2^31: the WIDE_OFFSETS variant -------------------------------------------
+
+
+@pytest.fixture
+def wide_offsets_everywhere(monkeypatch):
+    """Every launch takes the WIDE_OFFSETS variant, whatever its size."""
+    monkeypatch.setattr(common, "INT32_OFFSET_LIMIT", 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ssd_int64_offsets_variant_matches_reference(device, wide_offsets_everywhere):
+    _backend(device)
+    seed = random_seed()
+    case = SsdCase(2, 21, 4, 5, 6, groups=2, chunk_size=8, D=True, z=True, dt_bias=True, dt_softplus=True,
+                   h0=True)
+    inputs = make_ssd_inputs(case, torch.float32, device, seed=seed)
+    args = _args.check_ssd_scan(**inputs)
+    y, state, launches = ssd.ssd_scan_launches(
+        args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
+        out=_poisoned(args.x.shape, torch.float32, device), state_out=_poisoned((2, 4, 5, 6), torch.float32, device),
+        blocks=_scan_blocks(device))
+    assert len(launches) == 5 and all(launch.constexprs["WIDE_OFFSETS"] for launch in launches)
+    run_on_device_of(args.x, launches)
+    assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"int64 offsets seed={seed}",
+                                        reference=reference_ssd_scan)
+
+    update_case = SsdUpdateCase(3, 4, 6, 5, groups=2, pool=5, padding_rows=1, D=True, z=True, dt_bias=True)
+    update = make_ssd_update_inputs(update_case, torch.float32, device, seed=seed)
+    before = update["state"].clone()
+    args = _args.check_ssd_state_update(**update)
+    y, launch = ssd.ssd_update_launch(args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
+                                      out=_poisoned(args.x.shape, torch.float32, device), blocks=_update_blocks(device))
+    assert launch.constexprs["WIDE_OFFSETS"]
+    run_on_device_of(args.x, [launch])
+    assert_update_outputs_match_reference(update_case, torch.float32, update, before, y, f"int64 offsets seed={seed}",
+                                          reference=reference_ssd_update)
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("seq, chunk_size, chunk", [
+    pytest.param(1000, None, configs.SSD_CHUNK, id="default"),
+    pytest.param(100, None, 100, id="default-longer-than-seq"),
+    pytest.param(1000, 7, 7, id="as-asked"),
+    pytest.param(10, 64, 10, id="longer-than-seq"),
+    pytest.param(5000, 4096, configs.SSD_MAX_CHUNK, id="capped"),
+])
+def test_ssd_plan_chunk(seq, chunk_size, chunk):
+    bc = _meta(1, seq, 1, 16)
+    plan = ssd.plan_ssd_scan(_meta(1, seq, 2, 8), bc, bc, chunk_size)
+    assert (plan.chunk, plan.nchunks) == (chunk, -(-seq // chunk))
+
+
+@pytest.mark.parametrize("x_dtype, bc_dtype, dot", [
+    pytest.param(torch.bfloat16, torch.bfloat16, torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, torch.float16, torch.float16, id="f16"),
+    pytest.param(torch.bfloat16, torch.float32, torch.float32, id="mixed-bf16-f32"),
+    pytest.param(torch.float16, torch.bfloat16, torch.float32, id="mixed-f16-bf16"),
+    pytest.param(torch.float32, torch.float32, torch.float32, id="f32"),
+    pytest.param(torch.float64, torch.float64, torch.float64, id="f64"),
+    pytest.param(torch.float64, torch.bfloat16, torch.float64, id="f64-x"),
+])
+def test_ssd_dots_multiply_in_16_bits_only_when_x_B_C_share_it(x_dtype, bc_dtype, dot):
+    bc = _meta(1, 40, 1, 16, dtype=bc_dtype)
+    assert ssd.plan_ssd_scan(_meta(1, 40, 2, 8, dtype=x_dtype), bc, bc, None).dot == dot
+
+
+@pytest.mark.parametrize("dot", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("headdim, state, chunk",
+                         [(1, 1, 1), (5, 3, 7), (17, 33, 100), (64, 128, 256), (80, 512, 1024)])
+def test_ssd_dot_blocks_fit_a_gpu_dot(dot, headdim, state, chunk):
+    """Every block a tl.dot sees is a power of two of at least 16 (what a GPU's tl.dot takes),
+    and no larger than its axis needs or the table allows."""
+    blocks = configs.ssd_blocks(headdim, state, chunk, dot)
+    table = configs.SSD_BLOCKS[dot]
+    for name, size in (("block_m", chunk), ("block_k", chunk), ("block_p", headdim), ("block_n", state)):
+        value = getattr(blocks, name)
+        assert value >= configs.MIN_DOT_BLOCK and value & (value - 1) == 0, (name, value)
+        needed = min(getattr(table, name), triton.next_power_of_2(size))
+        assert value <= max(configs.MIN_DOT_BLOCK, needed), (name, value)
+
+
+# --- real sizes on a GPU ----------------------------------------------------------------------------
+
+REAL_SSD_SCAN_CASES = [
+    pytest.param(SsdCase(2, 1000, 24, 64, 128, D=True, z=True, dt_bias=True, dt_softplus=True, h0=True),
+                 id="mamba2-heads-1000"),
+    pytest.param(SsdCase(1, 2048, 16, 64, 64, groups=8, chunk_size=128, clamp=True), id="groups8-chunk128"),
+    pytest.param(SsdCase(3, 333, 8, 48, 96, groups=2, chunk_size=100, D=True, D_per_channel=True), id="odd-chunk100"),
+    *LARGE_SSD_SCAN_CASES,
+]
+REAL_SSD_UPDATE_CASES = [
+    pytest.param(SsdUpdateCase(32, 80, 64, 128, pool=100, padding_rows=5, D=True, z=True, dt_bias=True,
+                               dt_softplus=True), id="batch32-heads80-pool100"),
+    pytest.param(SsdUpdateCase(3, 8, 64, 384, groups=2, clamp=True), id="state384-two-steps"),
+]
+
+
+@ON_CUDA
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", REAL_SSD_SCAN_CASES)
+def test_ssd_scan_real_sizes_on_gpu(case, dtype):
+    _backend("cuda")
+    _check_scan(case, dtype, "cuda", what="table blocks")
+
+
+@ON_CUDA
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", REAL_SSD_UPDATE_CASES)
+def test_ssd_state_update_real_sizes_on_gpu(case, dtype):
+    _backend("cuda")
+    _check_update(case, dtype, "cuda")
+
+
+# --- compiled for a GPU that is not here ---------------------------------------------------------
+
+
+def compile_for_sm90() -> int:
+    """Compiles the SSD launches of representative calls for sm_90 as the JIT would specialise
+    them (kernels.triton_kernels.aot_check), printing one line a launch; 1 when one fails to
+    compile or spills. Run without TRITON_INTERPRET, in a child process."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    from kernels.triton_kernels.aot_check import _ptxas_report, _source
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.rand(shape, generator=gen).to(dtype)
+
+    def scan(dtype, every: bool, headdim=64, state=128):
+        b, l, h, g = 2, 300, 4, 2
+        xs, bcs = (b, l, h, headdim), (b, l, g, state)
+        _, _, launches = ssd.ssd_scan_launches(
+            rand(*xs, dtype=dtype), rand(b, l, h, dtype=dtype), -rand(h), rand(*bcs, dtype=dtype),
+            rand(*bcs, dtype=dtype), D=rand(h, headdim) if every else None, z=rand(*xs, dtype=dtype) if every else None,
+            dt_bias=rand(h) if every else None, dt_softplus=every, dt_min=0.001 if every else None,
+            dt_max=0.1 if every else None, h0=rand(b, h, headdim, state) if every else None, return_state=every,
+            chunk_size=None, out=None, state_out=None, blocks=None)
+        return launches
+
+    def update(dtype, every: bool):
+        b, h, p, n, g = 5, 8, 64, 128, 2
+        _, launch = ssd.ssd_update_launch(
+            rand(b + 3, h, p, n), rand(b, h, p, dtype=dtype), rand(b, h, dtype=dtype), -rand(h),
+            rand(b, g, n, dtype=dtype), rand(b, g, n, dtype=dtype), D=rand(h, p) if every else None,
+            z=rand(b, h, p, dtype=dtype) if every else None, dt_bias=rand(h) if every else None,
+            dt_softplus=every, dt_min=0.001 if every else None, dt_max=0.1 if every else None,
+            slots=torch.arange(b) if every else None, out=None, blocks=None)
+        return [launch]
+
+    # Each dot path (16-bit split, fp32 IEEE, fp64) with every option, small heads (padded
+    # blocks), and the update.
+    calls = {
+        "bf16 every option": scan(torch.bfloat16, True),
+        "f16 plain, headdim 17 state 16": scan(torch.float16, False, headdim=17, state=16),
+        "f32 every option": scan(torch.float32, True),
+        "f64 every option": scan(torch.float64, True),
+        "update bf16 every option": update(torch.bfloat16, True),
+        "update f64 plain": update(torch.float64, False),
+    }
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    failed = False
+    for label, launches in calls.items():
+        for launch in launches:
+            name = f"sm_90 {label} [{launch.kernel.__name__}]"
+            try:
+                compiled = triton.compile(_source(launch, backend), target=target,
+                                          options={"num_warps": launch.num_warps})
+            except Exception as exc:  # report every failing variant, not just the first
+                failed = True
+                print(f"{name}: FAILED {type(exc).__name__}: {exc}")
+                continue
+            summary, spilled = _ptxas_report(compiled.asm["ptx"], 90)
+            failed |= spilled
+            print(f"{name}: ok, {summary or 'ptxas -v unavailable'}{' SPILLS' if spilled else ''}")
+    return 1 if failed else 0
+
+
+def _nvidia_backend_present() -> bool:
+    from triton.backends import backends
+
+    return "nvidia" in backends
+
+
+def _sm90_compile_command():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+    script = (f"import sys; sys.path[:0] = [{ROOT!r}, {TESTS!r}]; "
+              "import test_kernels_triton_ssd as t; sys.exit(t.compile_for_sm90())")
+    return [sys.executable, "-c", script], {"timeout_s": 600, "cwd": ROOT, "env": env}
+
+
+# Tens of seconds of compiling in a child process: started beside the interpreter tests as soon
+# as the tests are collected (tests/conftest.py), judged by the test below.
+SM90_COMPILE = BackgroundRun(_sm90_compile_command)
+SM90_COMPILE_TEST = "test_ssd_kernels_compile_for_sm90_without_spills"
+
+
+def start_background_runs(selected: set[str]) -> None:
+    if SM90_COMPILE_TEST in selected and not CUDA and _nvidia_backend_present():
+        SM90_COMPILE.start()
+
+
+@pytest.mark.skipif(CUDA, reason=CUDA_COMPILES_EVERY_KERNEL)
+def test_ssd_kernels_compile_for_sm90_without_spills():
+    """The interpreter compiles nothing and accepts dots of any block shape: compile each SSD
+    kernel on each dot path for an H100/H200 (sm_90) here and check ptxas reports no spills."""
+    if not _nvidia_backend_present():
+        pytest.skip("this triton build has no NVIDIA backend")
+    run = SM90_COMPILE.result()
+    assert run.failure("the sm_90 compile") is None, run.failure("the sm_90 compile")
+    lines = run.stdout.splitlines()
+    names = ("_ssd_cumsum_kernel", "_ssd_cb_kernel", "_ssd_chunk_state_kernel", "_ssd_state_passing_kernel",
+             "_ssd_chunk_scan_kernel", "_ssd_update_kernel")
+    assert all(any(name in line for line in lines) for name in names), run.stdout
+    assert all(": ok," in line for line in lines), run.stdout
