@@ -6,6 +6,11 @@ reference and the torch backend, all measured in the same run.
                             [--layout bld|bdl] [--threads N] [--runs N [--gap-seconds S]]
                             [--json bench/results/kernels-cpu.json]
 
+Cases: Mamba-1 scans and steps (selective_scan / selective_state_update), and Mamba-2 (SSD)
+scans and steps (ssd_scan / ssd_state_update, named ssd-*) at Mamba-2-130m's layer and at
+ExPhil's window; a backend without the SSD kernels is skipped on those, with the reason printed.
+`--layout` concerns the Mamba-1 scans only (the SSD scan has one layout).
+
 Per (case, backend): kernel time (median, p20, p80) of the backend's own call on arguments
 validated once beforehand (so API validation is not counted); achieved GB/s; the ratio to the
 memory floor; and the speedup over the reference and over the torch backend.
@@ -17,9 +22,10 @@ bandwidth measured in this run: a 64 MiB tensor copy on the CPU, device-to-devic
 
 Timing: on the CPU, perf_counter around repeated calls, within a time budget per measurement;
 on CUDA, triton.testing.do_bench (CUDA events when triton is missing). triton is only imported
-where CUDA is present. The reference materialises [batch, seq, dim, state] tensors and loops
-over time in Python: its repetitions are capped, and above a size it is skipped with the reason
-printed (the speedup over it is then absent).
+where CUDA is present. The reference loops over time in Python and materialises large tensors
+(Mamba-1's [batch, seq, dim, state], the SSD one's B and C repeated per head): its repetitions
+are capped, it is measured once whatever `--rounds`, and above a size it is skipped with the
+reason printed (the speedup over it is then absent).
 
 `--simd` adds the C++ backend built in each named SIMD variant (kernels.cpu.build.SIMD_VARIANTS;
 `all`: every one this CPU executes) as rows `cpu-<variant>`, side by side with the "cpu" backend
@@ -61,21 +67,45 @@ BACKENDS = {"cpu": ("reference", "torch", "cpu"), "cuda": ("reference", "torch",
 @dataclass(frozen=True)
 class KernelCase:
     name: str
-    kind: str  # "scan" or "step" (selective_state_update: one timestep)
+    # "scan" or "step" (selective_state_update: one timestep); "ssd-scan" or "ssd-step" for
+    # Mamba-2 (ssd_scan / ssd_state_update), whose dim is heads x headdim.
+    kind: str
     batch: int
     dim: int
     state: int
     seq: int = 1
     exphil: bool = False  # ExPhil's math: dt clamped to [0.001, 0.1], no bias/softplus/D/z
+    heads: int | None = None  # SSD cases only
+
+    @property
+    def ssd(self) -> bool:
+        return self.kind.startswith("ssd-")
+
+    @property
+    def step(self) -> bool:
+        """One timestep that updates a state pool in place (rather than a scan)."""
+        return self.kind in ("step", "ssd-step")
+
+    @property
+    def headdim(self) -> int:
+        return self.dim // self.heads
 
     @property
     def elements(self) -> int:
-        """batch x seq x dim x state: the size of what the reference materialises."""
+        """The size of the largest tensor the reference materialises: batch x seq x dim x state
+        for Mamba-1; for SSD, B and C repeated per head or the y it stacks (batch x seq x heads x
+        the larger of state and headdim)."""
+        if self.ssd:
+            return self.batch * self.seq * self.heads * max(self.state, self.headdim)
         return self.batch * self.seq * self.dim * self.state
 
 
 def _scan(name, batch, dim, seq, state, **kw):
     return KernelCase(name, "scan", batch=batch, dim=dim, state=state, seq=seq, **kw)
+
+
+def _ssd(name, kind, batch, heads, headdim, state, seq=1, **kw):
+    return KernelCase(name, kind, batch=batch, dim=heads * headdim, state=state, seq=seq, heads=heads, **kw)
 
 
 # Names give batch x dim x seq x state, as in the issue; "exphil" is ExPhil's request
@@ -90,25 +120,40 @@ CASES = [
     _scan("1x768x1024x16", 1, 768, 1024, 16),
     _scan("1x1536x4096x16", 1, 1536, 4096, 16),
     KernelCase("step-32x512x16", "step", batch=32, dim=512, state=16),
+    # Mamba-2: one layer of Mamba-2-130m (24 heads x 64 headdim, state 128, one group) over a
+    # 1024-token prefill, ExPhil's window (batch 32 x seq 60) with 8 heads x 64 (dim 512, as its
+    # Mamba-1 model) and state 16, and one decoding step of each for 32 sessions (pool rows by slot).
+    _ssd("ssd-130m", "ssd-scan", 1, 24, 64, 128, seq=1024),
+    _ssd("ssd-exphil", "ssd-scan", 32, 8, 64, 16, seq=60, exphil=True),
+    _ssd("ssd-step-130m", "ssd-step", 32, 24, 64, 128),
+    _ssd("ssd-step-exphil", "ssd-step", 32, 8, 64, 16, exphil=True),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}
 
 
 # --- inputs --------------------------------------------------------------------------------
 
-def make_inputs(case: KernelCase, layout: str, device: torch.device, seed: int = 0) -> dict:
-    """Keyword arguments for selective_scan / selective_state_update. ExPhil's request as it
-    sends it; the other cases as a Mamba block calls the kernel (S4D-real A = -(1..state),
-    dt through bias and softplus into ~[0.001, 0.1], D, z)."""
-    g = torch.Generator().manual_seed(seed)
-    b, d, n, l = case.batch, case.dim, case.state, case.seq
-
+def _samplers(g: torch.Generator):
+    """randn(*shape) and uniform(lo, hi, *shape), both drawing from g."""
     def randn(*shape):
         return torch.randn(*shape, generator=g)
 
     def uniform(lo, hi, *shape):
         return torch.rand(*shape, generator=g) * (hi - lo) + lo
 
+    return randn, uniform
+
+
+def make_inputs(case: KernelCase, layout: str, device: torch.device, seed: int = 0) -> dict:
+    """Keyword arguments for selective_scan / selective_state_update. ExPhil's request as it
+    sends it; the other cases as a Mamba block calls the kernel (S4D-real A = -(1..state),
+    dt through bias and softplus into ~[0.001, 0.1], D, z). SSD cases: `make_ssd_inputs`."""
+    g = torch.Generator().manual_seed(seed)
+    if case.ssd:
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                for k, v in make_ssd_inputs(case, g).items()}
+    b, d, n, l = case.batch, case.dim, case.state, case.seq
+    randn, uniform = _samplers(g)
     if case.kind == "step":
         args = dict(state=randn(b, d, n), x=randn(b, d), dt=uniform(-4.0, -2.0, b, d),
                     B=randn(b, n), C=randn(b, n), z=randn(b, d))
@@ -126,13 +171,33 @@ def make_inputs(case: KernelCase, layout: str, device: torch.device, seed: int =
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
+def make_ssd_inputs(case: KernelCase, g: torch.Generator) -> dict:
+    """Keyword arguments for ssd_scan / ssd_state_update (on the CPU). ExPhil's math as in its
+    Mamba-1 case (dt drawn within the clamp, no bias/softplus/D/z); otherwise as a Mamba-2 block
+    calls the kernel: A = -[1, 16) per head, dt through bias and softplus into ~[0.001, 0.1],
+    D per head, z. A step updates pool rows by slot (a shuffled pool of `batch` sessions)."""
+    b, h, p, n, l = case.batch, case.heads, case.headdim, case.state, case.seq
+    randn, uniform = _samplers(g)
+    lead = (b,) if case.step else (b, l)
+    args = dict(x=randn(*lead, h, p), B=randn(*lead, 1, n), C=randn(*lead, 1, n))
+    if case.step:
+        args.update(state=randn(b, h, p, n), slots=torch.randperm(b, generator=g))
+    if case.exphil:
+        args.update(dt=uniform(DT_CLAMP["dt_min"], DT_CLAMP["dt_max"], *lead, h), A=-uniform(0.5, 4.0, h),
+                    **DT_CLAMP)
+    else:
+        args.update(dt=uniform(-4.0, -2.0, *lead, h), A=-uniform(1.0, 16.0, h), D=torch.ones(h),
+                    z=randn(*lead, h, p), dt_bias=uniform(-2.5, -0.5, h), dt_softplus=True)
+    return args
+
+
 def moved_bytes(case: KernelCase, inputs: dict) -> int:
     """Inputs read once plus outputs written once (y, same size as x; the state update also
     writes the state it reads)."""
     tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
     read = sum(t.numel() * t.element_size() for t in tensors)
     written = inputs["x"].numel() * inputs["x"].element_size()
-    if case.kind == "step":
+    if case.step:
         written += inputs["state"].numel() * inputs["state"].element_size()
     return read + written
 
@@ -146,6 +211,14 @@ def kernel_call(case: KernelCase, backend: str, inputs: dict, extra: dict | None
 
 def backend_call(case: KernelCase, impl, inputs: dict):
     """`impl`'s (a kernels Backend's) call on arguments validated and normalised once, here."""
+    if case.kind == "ssd-step":
+        a = _args.check_ssd_state_update(**inputs)
+        kw = a.backend_kwargs()
+        return lambda: impl.ssd_state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **kw)
+    if case.kind == "ssd-scan":
+        a = _args.check_ssd_scan(**inputs)
+        kw = a.backend_kwargs()
+        return lambda: impl.ssd_scan(a.x, a.dt, a.A, a.B, a.C, **kw)
     if case.kind == "step":
         a = _args.check_state_update(**inputs)
         kw = a.backend_kwargs()
@@ -251,6 +324,14 @@ def simd_backends(names: list[str]) -> tuple[dict, dict]:
     return loaded, unavailable
 
 
+def lacks_kernel(case: KernelCase, impl) -> str | None:
+    """Why `impl` cannot run `case` (a backend without the SSD kernels), or None."""
+    needed = {"ssd-scan": "ssd_scan", "ssd-step": "ssd_state_update"}.get(case.kind)
+    if needed and getattr(impl, needed) is None:
+        return f"{impl.name} skipped: it has no {needed} (no Mamba-2 kernels)"
+    return None
+
+
 def _over_rounds(measurements: list[dict]) -> dict:
     """One backend's rounds: the median of their medians (and of their p20, p80)."""
     if len(measurements) == 1:
@@ -276,9 +357,13 @@ def run(cases, backends, device: torch.device, layout: str, quick: bool, referen
         rows, calls, measured = {}, {}, {}
         for name in backends:
             row = {"case": case.name, "backend": name, "bytes": nbytes, "floor_us": floor_us}
-            if name == "reference" and case.elements > reference_max_elements:
-                row["skipped"] = (f"reference skipped: batch*seq*dim*state = {case.elements:,} > "
-                                  f"{reference_max_elements:,} (it materialises that many elements)")
+            missing = lacks_kernel(case, (extra or {}).get(name) or get_backend(name, device.type))
+            if missing:
+                row["skipped"] = missing
+                log(f"  {case.name}: {missing}")
+            elif name == "reference" and case.elements > reference_max_elements:
+                row["skipped"] = (f"reference skipped: {case.elements:,} elements in its largest tensor > "
+                                  f"{reference_max_elements:,} (KernelCase.elements)")
                 log(f"  {case.name}: {row['skipped']}")
             else:
                 fresh = make_inputs(case, layout, device)  # in-place state updates stay per backend
@@ -309,8 +394,9 @@ def _us(v: float) -> str:
 
 
 def format_rows(case: KernelCase, rows: list[dict]) -> str:
-    shape = (f"batch {case.batch} x dim {case.dim} x state {case.state}" if case.kind == "step"
-             else f"batch {case.batch} x seq {case.seq} x dim {case.dim} x state {case.state}")
+    channels = (f"heads {case.heads} x headdim {case.headdim}" if case.ssd else f"dim {case.dim}")
+    shape = (f"batch {case.batch} x {channels} x state {case.state}" if case.step
+             else f"batch {case.batch} x seq {case.seq} x {channels} x state {case.state}")
     lines = [f"{case.name} ({case.kind}: {shape}; {rows[0]['bytes'] / 1e6:.2f} MB moved, "
              f"floor {_us(rows[0]['floor_us'])})"]
     for r in rows:
@@ -401,7 +487,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, help="torch.set_num_threads before measuring")
     p.add_argument("--reference-reps", type=int, default=3, help="repetitions of the reference (default 3)")
     p.add_argument("--reference-max-elements", type=int, default=1 << 25,
-                   help="skip the reference above this batch*seq*dim*state (default 2^25)")
+                   help="skip the reference above this size of its largest tensor (batch*seq*dim*state for "
+                   "Mamba-1; default 2^25)")
     p.add_argument("--runs", type=int, default=1, help="repeat the measurement in this many fresh "
                    "processes and summarise over them (default 1: this process only)")
     p.add_argument("--gap-seconds", type=float, default=0.0, help="pause between runs (with --runs)")

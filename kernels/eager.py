@@ -185,10 +185,14 @@ def selective_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus,
 
 
 def load_backend() -> Backend:
+    from . import eager_ssd  # imported here: it takes its dt discretisation from this module
+
     return Backend(
         name="torch",
         scan=selective_scan,
         state_update=selective_state_update,
+        ssd_scan=eager_ssd.ssd_scan,
+        ssd_state_update=eager_ssd.ssd_state_update,
         device_types=frozenset({"cpu", "cuda"}),
         details={"block_bytes": _BLOCK_BYTES},
     )

@@ -252,6 +252,26 @@ def with_option(case, **changes):
     return dataclasses.replace(case, **changes)
 
 
+def with_changes(**changes):
+    """A change to a dict of valid arguments (for the validation tests): each value, or each
+    callable's result on the arguments."""
+    return lambda a: {**a, **{k: (v(a) if callable(v) else v) for k, v in changes.items()}}
+
+
+def nan_gapped(t: torch.Tensor) -> torch.Tensor:
+    """Same values, every stride doubled, NaN in the gaps: a backend that reads (or writes)
+    through the wrong strides shows NaN or leaves NaN behind."""
+    return torch.stack((t, torch.full_like(t, float("nan"))), dim=-1)[..., 0]
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """Same values and shape, last two axes laid out transposed in memory."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() >= 2 else t
+
+
+STRIDED = [pytest.param(nan_gapped, id="nan-gapped"), pytest.param(transposed, id="transposed")]
+
+
 # -- what every backend's tests share ---------------------------------------------------------
 
 DTYPES = [

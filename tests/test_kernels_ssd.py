@@ -1,0 +1,560 @@
+"""The generic Mamba-2 (SSD) suite: every available backend that serves CPU tensors and has the
+SSD kernels (except the reference, which is the oracle, and Triton, which has its own
+interpreter suite) against the float64 reference; chaining, chunk sizes, packed sequences
+(cu_seqlens, for the Mamba-1 scan too), the SSD scan against the Mamba-1 scan of the same
+problem written per channel, and validation.
+
+Inputs are fresh random draws each run; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernel_cases import (
+    DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES, STRIDED, ScanCase, SsdCase,
+    SsdUpdateCase, assert_close, assert_scan_outputs_match_reference, assert_ssd_matches_reference,
+    assert_ssd_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
+    make_ssd_inputs, make_ssd_update_inputs, nan_gapped, random_seed, reference_scan, reference_ssd_scan,
+    reference_ssd_update, state_dtype, state_tolerance,
+)
+from kernel_cases import with_changes as _with
+from kernels._registry import get_backend
+
+
+def _cpu_backends(*, ssd: bool) -> list[str]:
+    """Backends serving CPU tensors, the oracle and Triton left out; with `ssd`, only those that
+    have the SSD scan (a backend gains it when its kernels land)."""
+    names = []
+    for name in kernels.available_backends():
+        if name in ("reference", "triton"):
+            continue
+        try:
+            backend = get_backend(name, "cpu")
+        except kernels.BackendUnavailable:
+            continue  # available, but for other devices only
+        if ssd and backend.ssd_scan is None:
+            continue
+        names.append(name)
+    return names
+
+
+BACKENDS = [pytest.param(name, id=name) for name in _cpu_backends(ssd=True)]
+MAMBA1_BACKENDS = [pytest.param(name, id=name) for name in _cpu_backends(ssd=False)]
+F32 = torch.float32
+
+
+# --- scan and state update against the float64 reference ------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SSD_SCAN_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_scan_matches_reference(backend, case, dtype):
+    seed = random_seed()
+    assert_ssd_matches_reference(backend, case, dtype, seed, f"{backend} seed={seed}")
+
+
+@pytest.mark.parametrize("case", LARGE_SSD_SCAN_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_ssd_scan_matches_reference(backend, case):
+    seed = random_seed()
+    assert_ssd_matches_reference(backend, case, F32, seed, f"{backend} seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SSD_UPDATE_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_state_update_matches_reference(backend, case, dtype):
+    seed = random_seed()
+    assert_ssd_update_matches_reference(backend, case, dtype, seed, f"{backend} seed={seed}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_update_int32_slots(backend):
+    case = SsdUpdateCase(6, 4, 5, 3, groups=2, pool=9, padding_rows=2, D=True, z=True)
+    seed = random_seed()
+    inputs = make_ssd_update_inputs(case, F32, seed=seed)
+    inputs["slots"] = inputs["slots"].to(torch.int32)
+    before = inputs["state"].clone()
+    y = kernels.ssd_state_update(**inputs, backend=backend)
+    assert_update_outputs_match_reference(case, F32, inputs, before, y, f"{backend} seed={seed}",
+                                          reference=reference_ssd_update)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_update_all_padding_rows_touch_nothing(backend):
+    case = SsdUpdateCase(4, 2, 3, 5, pool=6, padding_rows=4, D=True, z=True)
+    inputs = make_ssd_update_inputs(case, F32, seed=random_seed())
+    before = inputs["state"].clone()
+    y = kernels.ssd_state_update(**inputs, backend=backend)
+    assert torch.equal(y, torch.zeros(4, 2, 3))
+    assert torch.equal(inputs["state"], before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_long_strong_decay_stays_finite(backend):
+    """Decays of e^-1 to e^-20 per step, e^-1500 and below over the sequence: a formulation
+    that takes exp of positive sums (a cumulative sum over the whole sequence, or the masked
+    upper triangle of a chunk's decays) overflows here; the true state keeps the latest inputs."""
+    case = SsdCase(1, 1501, 3, 4, 5, chunk_size=64, D=True, dt_bias=True, dt_softplus=True)
+    seed = random_seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    inputs["dt_bias"] = inputs["dt_bias"] + 10.0  # softplus(dt) ~ 10 with A in [-2, -0.1]
+    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    assert torch.isfinite(y).all() and torch.isfinite(state).all(), f"{what}: inf or NaN"
+    assert_scan_outputs_match_reference(case, F32, inputs, y, state, what, reference=reference_ssd_scan)
+
+
+@ON_CUDA
+def test_torch_ssd_on_cuda():
+    """The torch backend on CUDA tensors (the GPU's fallback where Triton is missing): every
+    scan and update case, fp32 and bf16."""
+    for dtype in (F32, torch.bfloat16):
+        for case in SSD_SCAN_CASES + LARGE_SSD_SCAN_CASES:
+            seed = random_seed()
+            assert_ssd_matches_reference("torch", case.values[0], dtype, seed,
+                                         f"cuda {case.id} seed={seed}", device="cuda")
+        for case in SSD_UPDATE_CASES:
+            seed = random_seed()
+            assert_ssd_update_matches_reference("torch", case.values[0], dtype, seed,
+                                                f"cuda {case.id} seed={seed}", device="cuda")
+
+
+# --- chaining and chunking: the split of the sequence changes nothing ------------------------
+
+def _ssd_slice(inputs: dict, start: int, stop: int) -> dict:
+    out = dict(inputs)
+    for name in ("x", "dt", "z", "B", "C"):
+        if name in inputs:
+            out[name] = inputs[name][:, start:stop]
+    return out
+
+
+SSD_CHAIN_CASES = [
+    pytest.param(SsdCase(2, 23, 4, 6, 5, groups=2, chunk_size=8, D=True, z=True, dt_bias=True,
+                         dt_softplus=True, clamp=True, h0=True), 11, id="mid-chunk-all-options"),
+    pytest.param(SsdCase(1, 24, 3, 5, 7, chunk_size=8, D=True, D_per_channel=True), 16,
+                 id="at-chunk-boundary"),
+    pytest.param(SsdCase(2, 40, 2, 3, 4, groups=2, h0=True), 1, id="after-first-step-default-chunk"),
+]
+
+
+@pytest.mark.parametrize("case,split", SSD_CHAIN_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_scan_in_two_calls_equals_one(backend, case, split):
+    seed = random_seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    y_full, state_full = kernels.ssd_scan(**inputs, backend=backend)
+    y1, state1 = kernels.ssd_scan(**_ssd_slice(inputs, 0, split), backend=backend)
+    y2, state2 = kernels.ssd_scan(**{**_ssd_slice(inputs, split, case.seq), "h0": state1}, backend=backend)
+    assert_close(torch.cat([y1, y2], dim=1), y_full, F32, f"{what} y")
+    assert_close(state2, state_full, F32, f"{what} state")
+
+
+CHUNK_SIZES = [1, 2, 5, 8, 13, 64, None]
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(SsdCase(2, 13, 4, 3, 6, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
+                         h0=True), id="seq13"),
+    pytest.param(SsdCase(3, 1, 2, 5, 4, h0=True), id="seq1"),
+    pytest.param(SsdCase(1, 3, 3, 2, 5, D=True, clamp=True), id="seq3"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunk_size_changes_nothing(backend, case):
+    """Chunks of 1, of sizes that divide seq or leave a remainder, of exactly seq and beyond it:
+    each matches the reference, and each the others; y is contiguous however seq was padded."""
+    seed = random_seed()
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    first = None
+    for chunk in CHUNK_SIZES:
+        what = f"{backend} chunk_size={chunk} seed={seed}"
+        y, state = kernels.ssd_scan(**{**inputs, "chunk_size": chunk}, backend=backend)
+        assert y.is_contiguous(), f"{what}: y not contiguous"
+        assert_scan_outputs_match_reference(case, F32, inputs, y, state, what, reference=reference_ssd_scan)
+        if first is None:
+            first = (y, state)
+        else:
+            assert_close(y, first[0], F32, f"{what} y against chunk_size={CHUNK_SIZES[0]}")
+            assert_close(state, first[1], F32, f"{what} state against chunk_size={CHUNK_SIZES[0]}")
+
+
+@pytest.mark.parametrize("steps", [pytest.param(1, id="1-step"), pytest.param(6, id="6-steps")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_prefill_then_state_updates_equals_one_scan(backend, steps):
+    """A session's prefill (ssd_scan) then its decoding steps (ssd_state_update on pool rows by
+    slot, beside other sessions' rows that must stay untouched) give the one scan's y and state."""
+    case = SsdCase(3, 19, 4, 3, 5, groups=2, chunk_size=8, D=True, z=True, dt_bias=True,
+                   dt_softplus=True, clamp=True, h0=True)
+    seed = random_seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    y_full, state_full = kernels.ssd_scan(**inputs, backend=backend)
+    prefill = case.seq - steps
+    _, state = kernels.ssd_scan(**_ssd_slice(inputs, 0, prefill), backend=backend)
+    slots = torch.tensor([4, 0, 2])
+    pool = torch.randn(6, *state.shape[1:], generator=torch.Generator().manual_seed(seed))
+    pool[slots] = state
+    others = pool[[1, 3, 5]].clone()
+    shared = {k: inputs[k] for k in ("A", "D", "dt_bias", "dt_softplus", "dt_min", "dt_max")}
+    for t in range(prefill, case.seq):
+        step = {k: inputs[k][:, t] for k in ("x", "dt", "B", "C", "z")}
+        y_t = kernels.ssd_state_update(pool, **step, **shared, slots=slots, backend=backend)
+        assert_close(y_t, y_full[:, t], F32, f"{what} y at step {t}")
+    assert_close(pool[slots], state_full, F32, f"{what} state")
+    assert torch.equal(pool[[1, 3, 5]], others), f"{what}: other sessions' rows changed"
+
+
+# --- Mamba-2 is Mamba-1 with one decay per head --------------------------------------------------
+
+def _as_mamba1(inputs: dict, headdim: int, head_axis: int) -> dict:
+    """The SSD problem (a scan's inputs, or an update's, whose heads axis is 1 rather than 2) as
+    the Mamba-1 problem over heads x headdim channels: x and z flattened, dt and dt_bias
+    repeated over headdim, A over headdim and state, D per channel, h0 and the pool (copied)
+    flattened; B and C keep their groups (a group's heads are a contiguous run of channels)."""
+    p = headdim
+    out = {k: v for k, v in inputs.items() if k != "chunk_size"}
+    out["x"] = inputs["x"].flatten(head_axis, head_axis + 1)
+    out["dt"] = inputs["dt"].repeat_interleave(p, dim=head_axis)
+    n = inputs["B"].shape[-1]
+    out["A"] = inputs["A"].repeat_interleave(p)[:, None].expand(-1, n).contiguous()
+    if "z" in inputs:
+        out["z"] = inputs["z"].flatten(head_axis, head_axis + 1)
+    if "dt_bias" in inputs:
+        out["dt_bias"] = inputs["dt_bias"].repeat_interleave(p)
+    if "D" in inputs:
+        D = inputs["D"]
+        out["D"] = (D if D.dim() == 2 else D[:, None].expand(-1, p)).flatten()
+    for name in ("h0", "state"):
+        if name in inputs:
+            out[name] = inputs[name].flatten(1, 2).clone()
+    return out
+
+
+CROSS_CASES = [
+    pytest.param(SsdCase(2, 21, 4, 3, 5, groups=2, chunk_size=8, D=True, D_per_channel=True, z=True,
+                         dt_bias=True, dt_softplus=True, clamp=True, h0=True), id="groups2-all-options"),
+    pytest.param(SsdCase(1, 9, 3, 4, 6, D=True), id="D-per-head"),
+]
+WITH_REFERENCE = [*BACKENDS, pytest.param("reference", id="reference")]
+
+
+@pytest.mark.parametrize("case", CROSS_CASES)
+@pytest.mark.parametrize("backend", WITH_REFERENCE)
+def test_ssd_scan_equals_mamba1_scan_per_channel(backend, case):
+    """The tie between the generations, on each backend (the reference too: its two oracles
+    were written apart): y alike, and the state [b, h, p, n] is Mamba-1's [b, h*p, n]."""
+    seed = random_seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    y1, state1 = kernels.selective_scan(**_as_mamba1(inputs, case.headdim, head_axis=2), backend=backend)
+    assert_close(y.flatten(2), y1, F32, f"{what} y")
+    assert_close(state.flatten(1, 2), state1, F32, f"{what} state")
+
+
+@pytest.mark.parametrize("backend", WITH_REFERENCE)
+def test_ssd_update_equals_mamba1_update_per_channel(backend):
+    case = SsdUpdateCase(5, 4, 3, 6, groups=2, pool=7, padding_rows=1, D=True, D_per_channel=True,
+                         z=True, dt_bias=True, dt_softplus=True, clamp=True)
+    seed = random_seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_ssd_update_inputs(case, F32, seed=seed)
+    mamba1 = _as_mamba1(inputs, case.headdim, head_axis=1)
+    y = kernels.ssd_state_update(**inputs, backend=backend)
+    y1 = kernels.selective_state_update(**mamba1, backend=backend)
+    assert_close(y.flatten(1), y1, F32, f"{what} y")
+    assert_close(inputs["state"].flatten(1, 2), mamba1["state"], F32, f"{what} pool")
+
+
+# --- packed sequences (cu_seqlens) -------------------------------------------------------------
+
+# Sequences of 5, 1, 11 and 12 timesteps: one shorter than a chunk of 4, one of a single step,
+# two crossing chunk boundaries at different offsets.
+BOUNDS = [0, 5, 6, 17, 29]
+PACKED_OPTIONS = [
+    pytest.param(True, True, id="h0-state"),
+    pytest.param(False, True, id="state"),
+    pytest.param(True, False, id="h0"),
+    pytest.param(False, False, id="plain"),
+]
+
+
+def _seq_rows(shape, seed: int) -> torch.Tensor:
+    return torch.randn(len(BOUNDS) - 1, *shape, generator=torch.Generator().manual_seed(seed + 1))
+
+
+def _assert_packed_matches_separate(y, state, inputs, h0, return_state, slicer, seq_axis, reference,
+                                    dtype, what):
+    """The packed call's y and states against the float64 reference run on each sequence alone
+    (from its own row of h0, or zeros)."""
+    ys, states = [], []
+    for i in range(len(BOUNDS) - 1):
+        one = slicer(inputs, BOUNDS[i], BOUNDS[i + 1])
+        if h0 is not None:
+            one["h0"] = h0[i:i + 1]
+        y_i, state_i = reference(one)
+        ys.append(y_i)
+        states.append(state_i)
+    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}"
+    assert_close(y, torch.cat(ys, dim=seq_axis), dtype, f"{what} y")
+    if return_state:
+        assert state.dtype == state_dtype(dtype), f"{what}: state dtype {state.dtype}"
+        assert_close(state, torch.cat(states), dtype, f"{what} states", state_tolerance(dtype))
+
+
+@pytest.mark.parametrize("h0,return_state", PACKED_OPTIONS)
+@pytest.mark.parametrize("dtype", [pytest.param(F32, id="f32"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_packed_sequences_are_separate_scans(backend, dtype, h0, return_state):
+    case = SsdCase(1, BOUNDS[-1], 4, 3, 5, groups=2, chunk_size=4, D=True, z=True, dt_bias=True,
+                   dt_softplus=True, return_state=return_state)
+    seed = random_seed()
+    inputs = make_ssd_inputs(case, dtype, seed=seed)
+    rows = _seq_rows((4, 3, 5), seed) if h0 else None
+    out = kernels.ssd_scan(**inputs, h0=rows, cu_seqlens=torch.tensor(BOUNDS), backend=backend)
+    y, state = out if return_state else (out, None)
+    _assert_packed_matches_separate(y, state, inputs, rows, return_state, _ssd_slice, 1, reference_ssd_scan,
+                                    dtype, f"{backend} seed={seed}")
+
+
+def _mamba1_slice(layout):
+    def cut(inputs, start, stop):
+        out = dict(inputs)
+        for name in ("x", "dt", "z", "B", "C"):
+            if name in inputs:
+                out[name] = inputs[name][:, start:stop] if layout == "bld" else inputs[name][..., start:stop]
+        return out
+    return cut
+
+
+@pytest.mark.parametrize("h0,return_state", PACKED_OPTIONS)
+@pytest.mark.parametrize("layout", ["bld", "bdl"])
+@pytest.mark.parametrize("backend", MAMBA1_BACKENDS)
+def test_mamba1_packed_sequences_are_separate_scans(backend, layout, h0, return_state):
+    case = ScanCase(1, BOUNDS[-1], 6, 4, groups=2, layout=layout, D=True, z=True, dt_bias=True,
+                    dt_softplus=True, return_state=return_state)
+    seed = random_seed()
+    inputs = make_scan_inputs(case, F32, seed=seed)
+    rows = _seq_rows((6, 4), seed) if h0 else None
+    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    out = kernels.selective_scan(**inputs, h0=rows, cu_seqlens=cu, backend=backend)
+    y, state = out if return_state else (out, None)
+    _assert_packed_matches_separate(y, state, inputs, rows, return_state, _mamba1_slice(layout),
+                                    1 if layout == "bld" else 2, reference_scan, F32, f"{backend} seed={seed}")
+
+
+# --- strided (non-contiguous) inputs ----------------------------------------------------------
+
+@pytest.mark.parametrize("restride", STRIDED)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_scan_strided_inputs(backend, restride):
+    case = SsdCase(2, 11, 4, 3, 5, groups=2, chunk_size=4, D=True, D_per_channel=True, z=True,
+                   dt_bias=True, h0=True)
+    seed = random_seed()
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    strided = {k: restride(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    assert not strided["x"].is_contiguous()
+    y, state = kernels.ssd_scan(**strided, backend=backend)
+    assert_scan_outputs_match_reference(case, F32, inputs, y, state, f"{backend} seed={seed}",
+                                        reference=reference_ssd_scan)
+
+
+@pytest.mark.parametrize("restride", STRIDED)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_update_strided_inputs_and_state(backend, restride):
+    case = SsdUpdateCase(5, 4, 3, 6, groups=2, pool=8, padding_rows=2, D=True, z=True, dt_bias=True)
+    seed = random_seed()
+    what = f"{backend} seed={seed}"
+    inputs = make_ssd_update_inputs(case, F32, seed=seed)
+    strided = {k: restride(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+               for k, v in inputs.items()}
+    state = strided["state"]
+    assert not state.is_contiguous()
+    before = state.clone()
+    y = kernels.ssd_state_update(**strided, backend=backend)
+    assert_update_outputs_match_reference(case, F32, strided, before, y, what, reference=reference_ssd_update)
+    if restride is nan_gapped:
+        assert torch.isnan(state._base[..., 1]).all(), f"{what}: the update wrote outside the state view"
+
+
+# --- validation --------------------------------------------------------------------------------
+
+def _ssd_base() -> dict:
+    # x [2, 5, 4, 3], dt [2, 5, 4], A [4], B/C [2, 5, 2, 6], D [4], h0 [2, 4, 3, 6]
+    case = SsdCase(2, 5, 4, 3, 6, groups=2, D=True, z=True, dt_bias=True, h0=True)
+    return make_ssd_inputs(case, F32, seed=random_seed())
+
+
+SHAPE, INPUT, DTYPE = kernels.ShapeMismatch, kernels.KernelInputError, kernels.DtypeNotAllowed
+
+SSD_SCAN_ERRORS = [
+    # (change to the valid arguments, error class, field, a fragment of `got`)
+    pytest.param(_with(x=lambda a: a["x"][:, :, 0]), SHAPE, "x", "[2, 5, 3]", id="x-3d"),
+    pytest.param(_with(x=lambda a: a["x"][None]), SHAPE, "x", "[1, 2, 5, 4, 3]", id="x-5d"),
+    pytest.param(_with(x=lambda a: a["x"][:, :0]), SHAPE, "x", "[2, 0, 4, 3]", id="x-empty"),
+    pytest.param(_with(x=lambda a: a["x"].to(torch.int32)), DTYPE, "x", "int32", id="x-int-dtype"),
+    pytest.param(_with(dt=lambda a: a["dt"][..., None]), SHAPE, "dt", "[2, 5, 4, 1]", id="dt-4d"),
+    pytest.param(_with(dt=lambda a: a["dt"][:, :, :3]), SHAPE, "dt", "[2, 5, 3]", id="dt-heads"),
+    pytest.param(_with(A=lambda a: a["A"][:, None]), SHAPE, "A", "[4, 1]", id="A-2d"),
+    pytest.param(_with(A=lambda a: a["A"][:3]), SHAPE, "A", "[3]", id="A-heads"),
+    pytest.param(_with(B=lambda a: a["B"][:, :, 0]), SHAPE, "B", "[2, 5, 6]", id="B-3d"),
+    pytest.param(_with(B=lambda a: a["B"][:, :4]), SHAPE, "B", "[2, 4, 2, 6]", id="B-seq"),
+    pytest.param(_with(B=lambda a: a["B"][..., :0]), SHAPE, "B", "[2, 5, 2, 0]", id="B-no-state"),
+    pytest.param(_with(B=lambda a: torch.rand(2, 5, 3, 6), C=lambda a: torch.rand(2, 5, 3, 6)), SHAPE, "B",
+                 "3 groups", id="heads-not-divisible-by-groups"),
+    pytest.param(_with(C=lambda a: a["C"][:, :, :1]), SHAPE, "C", "[2, 5, 1, 6]", id="C-groups-differ"),
+    pytest.param(_with(D=lambda a: a["D"][:3]), SHAPE, "D", "[3]", id="D-heads"),
+    pytest.param(_with(D=lambda a: torch.rand(4, 2)), SHAPE, "D", "[4, 2]", id="D-headdim"),
+    pytest.param(_with(D=lambda a: torch.rand(4, 3, 1)), SHAPE, "D", "[4, 3, 1]", id="D-3d"),
+    pytest.param(_with(dt_bias=lambda a: a["dt_bias"][None]), SHAPE, "dt_bias", "[1, 4]", id="dt_bias-2d"),
+    pytest.param(_with(z=lambda a: a["z"][:1]), SHAPE, "z", "[1, 5, 4, 3]", id="z-shape"),
+    pytest.param(_with(h0=lambda a: a["h0"][:, :, :2]), SHAPE, "h0", "[2, 4, 2, 6]", id="h0-shape"),
+    pytest.param(_with(chunk_size=0), INPUT, "chunk_size", "0", id="chunk_size-0"),
+    pytest.param(_with(chunk_size=-4), INPUT, "chunk_size", "-4", id="chunk_size-negative"),
+    pytest.param(_with(chunk_size=True), INPUT, "chunk_size", "True", id="chunk_size-bool"),
+    pytest.param(_with(chunk_size=8.0), INPUT, "chunk_size", "8.0", id="chunk_size-float"),
+    pytest.param(_with(dt_min=0.5, dt_max=0.1), INPUT, "dt_max", "0.1", id="dt_min-above-dt_max"),
+]
+
+
+def _assert_rejected(call, args, exc, field, got):
+    with pytest.raises(kernels.KernelInputError) as info:
+        call(**args)
+    err = info.value
+    assert type(err) is exc, f"{type(err).__name__} ({err}), expected {exc.__name__}"
+    assert err.field == field, f"field {err.field!r} ({err}), expected {field!r}"
+    assert got in err.got, f"got {err.got!r} does not mention {got!r}"
+    assert err.expected and err.expected in str(err)
+
+
+@pytest.mark.parametrize("change,exc,field,got", SSD_SCAN_ERRORS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_scan_rejects_malformed_arguments(backend, change, exc, field, got):
+    _assert_rejected(lambda **a: kernels.ssd_scan(**a, backend=backend), change(_ssd_base()), exc, field, got)
+
+
+def _ssd_update_base() -> dict:
+    # state [5, 4, 3, 6], x [3, 4, 3], dt [3, 4], B/C [3, 2, 6], slots [3] into 5 rows
+    case = SsdUpdateCase(3, 4, 3, 6, groups=2, pool=5, padding_rows=1, D=True, z=True, dt_bias=True)
+    return make_ssd_update_inputs(case, F32, seed=random_seed())
+
+
+SSD_UPDATE_ERRORS = [
+    pytest.param(_with(state=lambda a: a["state"][:, 0]), SHAPE, "state", "[5, 3, 6]", id="state-3d"),
+    pytest.param(_with(state=lambda a: a["state"][:, :, :, :0]), SHAPE, "state", "[5, 4, 3, 0]",
+                 id="state-no-state-axis"),
+    pytest.param(_with(state=lambda a: a["state"].to(torch.int64)), DTYPE, "state", "int64", id="state-int-dtype"),
+    pytest.param(_with(state=lambda a: a["state"][:1].expand(5, 4, 3, 6)), INPUT, "state", "strides [0,",
+                 id="state-rows-share-memory"),
+    pytest.param(_with(x=lambda a: a["x"].flatten(1)), SHAPE, "x", "[3, 12]", id="x-2d"),
+    pytest.param(_with(x=lambda a: a["x"][:, :, :2]), SHAPE, "x", "[3, 4, 2]", id="x-headdim"),
+    pytest.param(_with(dt=lambda a: a["dt"][..., None]), SHAPE, "dt", "[3, 4, 1]", id="dt-3d"),
+    pytest.param(_with(A=lambda a: a["A"][:, None]), SHAPE, "A", "[4, 1]", id="A-2d"),
+    pytest.param(_with(B=lambda a: a["B"][:, 0]), SHAPE, "B", "[3, 6]", id="B-2d"),
+    pytest.param(_with(B=lambda a: torch.rand(3, 3, 6), C=lambda a: torch.rand(3, 3, 6)), SHAPE, "B",
+                 "3 groups", id="heads-not-divisible-by-groups"),
+    pytest.param(_with(C=lambda a: a["C"][:, :, :5]), SHAPE, "C", "[3, 2, 5]", id="C-shape"),
+    pytest.param(_with(D=lambda a: torch.rand(4, 3, 2)), SHAPE, "D", "[4, 3, 2]", id="D-3d"),
+    pytest.param(_with(D=lambda a: torch.rand(2)), SHAPE, "D", "[2]", id="D-heads"),
+    pytest.param(_with(z=lambda a: a["z"][:, :1]), SHAPE, "z", "[3, 1, 3]", id="z-shape"),
+    pytest.param(_with(slots=lambda a: torch.tensor([0, 5, -1])), SHAPE, "slots", "5", id="slots-beyond-pool"),
+    pytest.param(_with(slots=lambda a: a["slots"].float()), INPUT, "slots", "float32", id="slots-float"),
+    pytest.param(_with(slots=lambda a: a["slots"][:2]), SHAPE, "slots", "[2]", id="slots-shape"),
+    pytest.param(_with(slots=None), SHAPE, "state", "5 rows", id="pool-differs-without-slots"),
+]
+
+
+@pytest.mark.parametrize("change,exc,field,got", SSD_UPDATE_ERRORS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_update_rejects_malformed_arguments(backend, change, exc, field, got):
+    args = change(_ssd_update_base())
+    before = args["state"].clone()
+    _assert_rejected(lambda **a: kernels.ssd_state_update(**a, backend=backend), args, exc, field, got)
+    assert torch.equal(args["state"], before), "a rejected call changed the state"
+
+
+def _packed_base(kind: str) -> dict:
+    """Batch-1 inputs of seq 7 cut [0, 3, 7], with h0 rows for the two sequences."""
+    seed = random_seed()
+    if kind == "ssd":
+        inputs = make_ssd_inputs(SsdCase(1, 7, 4, 3, 6, groups=2, D=True, z=True), F32, seed=seed)
+        rows = (4, 3, 6)
+    else:
+        inputs = make_scan_inputs(ScanCase(1, 7, 6, 4, groups=2, layout=kind, D=True, z=True), F32, seed=seed)
+        rows = (6, 4)
+    return {**inputs, "h0": _seq_rows(rows, seed)[:2], "cu_seqlens": torch.tensor([0, 3, 7])}
+
+
+def _batch_doubled(a: dict) -> dict:
+    return {**a, **{k: torch.cat([a[k], a[k]]) for k in ("x", "dt", "z", "B", "C")}}
+
+
+PACKED_ERRORS = [
+    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([0, 3, 3, 7])), INPUT, "cu_seqlens", "3 then 3",
+                 id="empty-sequence"),
+    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([0, 5, 4, 7])), INPUT, "cu_seqlens", "5 then 4",
+                 id="decreasing"),
+    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([0, 3, 6])), INPUT, "cu_seqlens", "0 .. 6",
+                 id="not-ending-at-seq"),
+    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([1, 3, 7])), INPUT, "cu_seqlens", "1 .. 7",
+                 id="not-starting-at-0"),
+    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([0.0, 3.0, 7.0])), INPUT, "cu_seqlens", "float32",
+                 id="float-dtype"),
+    pytest.param(_with(cu_seqlens=[0, 3, 7]), INPUT, "cu_seqlens", "list", id="a-list"),
+    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([7])), SHAPE, "cu_seqlens", "[1]", id="no-sequence"),
+    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([[0, 3, 7]])), SHAPE, "cu_seqlens", "[1, 3]", id="2d"),
+    pytest.param(_batch_doubled, SHAPE, "x", "batch 2", id="batch-not-1"),
+    pytest.param(_with(h0=lambda a: torch.cat([a["h0"], a["h0"][:1]])), SHAPE, "h0", "[3, ",
+                 id="h0-rows-not-sequences"),
+]
+
+
+@pytest.mark.parametrize("change,exc,field,got", PACKED_ERRORS)
+@pytest.mark.parametrize("kind", ["ssd", "bld", "bdl"])
+def test_packed_scans_reject_malformed_boundaries(kind, change, exc, field, got):
+    """Both scans, Mamba-1 in both layouts; the checks come before any backend runs, so the
+    first backend of each scan is enough."""
+    args = change(_packed_base(kind))
+    if kind == "ssd":
+        _assert_rejected(kernels.ssd_scan, {**args, "backend": BACKENDS[0].values[0]}, exc, field, got)
+    else:
+        _assert_rejected(kernels.selective_scan, {**args, "backend": MAMBA1_BACKENDS[0].values[0]}, exc, field, got)
+
+
+def test_torch_backend_has_the_ssd_kernels():
+    """So the suite above always runs on at least one backend."""
+    assert "torch" in _cpu_backends(ssd=True), kernels.unavailable_backends().get("torch")
+
+
+# --- the SSD cases of bench.kernels ------------------------------------------------------------
+
+def test_bench_times_ssd_cases_and_skips_a_backend_without_them():
+    """bench.kernels on small SSD cases (a scan, an ExPhil-style step by slot): the torch
+    backend's timed call computes the reference's y, its rows carry the speedup over the
+    reference, and a backend without the SSD kernels is skipped with the reason."""
+    from bench import kernels as bench_kernels
+    from kernels._registry import Backend
+
+    cpu = torch.device("cpu")
+    eager = get_backend("torch", "cpu")
+    no_ssd = Backend(name="no-ssd", scan=eager.scan, state_update=eager.state_update, device_types=frozenset({"cpu"}))
+    cases = [bench_kernels.KernelCase("ssd-tiny", "ssd-scan", batch=2, dim=24, state=16, seq=37, heads=3),
+             bench_kernels.KernelCase("ssd-step-tiny", "ssd-step", batch=5, dim=24, state=16, heads=3, exphil=True)]
+    for case in cases:
+        y = {}
+        for name in ("torch", "reference"):
+            out = bench_kernels.kernel_call(case, name, bench_kernels.make_inputs(case, "bld", cpu))()
+            y[name] = out[0] if isinstance(out, tuple) else out
+        assert_close(y["torch"], y["reference"], F32, f"{case.name} y")
+    report = bench_kernels.run(cases, ["reference", "torch", "no-ssd"], cpu, "bld", True, 1, 1 << 25,
+                               log=lambda *_: None, extra={"no-ssd": no_ssd})
+    rows = {(r["case"], r["backend"]): r for r in report["results"]}
+    assert "ssd_scan" in rows[("ssd-tiny", "no-ssd")]["skipped"]
+    assert "ssd_state_update" in rows[("ssd-step-tiny", "no-ssd")]["skipped"]
+    for case in ("ssd-tiny", "ssd-step-tiny"):
+        assert rows[(case, "torch")]["speedup_vs_reference"] > 0 and "median_us" not in rows[(case, "no-ssd")]
