@@ -27,7 +27,9 @@ where CUDA is present. The reference loops over time in Python and materialises 
 are capped, it is measured once whatever `--rounds`, and above a size it is skipped with the
 reason printed (the speedup over it is then absent).
 
-`--simd` adds the C++ backend built in each named SIMD variant (kernels.cpu.build.SIMD_VARIANTS;
+`--simd` also measures each variant's exp throughput (bench.exp_rate) in the run and gives its
+Mamba-1 rows their exp bound: one decay per state element at that rate. `--simd` adds the C++
+backend built in each named SIMD variant (kernels.cpu.build.SIMD_VARIANTS;
 `all`: every one this CPU executes) as rows `cpu-<variant>`, side by side with the "cpu" backend
 (the variant that serves by default, or SCAN_BRIDGE_SIMD's; `backend_details` names it) and the
 baselines. `--rounds N` measures every backend of a case N times, in alternating order (the
@@ -49,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 import torch
@@ -324,6 +327,23 @@ def simd_backends(names: list[str]) -> tuple[dict, dict]:
     return loaded, unavailable
 
 
+def measure_exp_rates(extra: dict, details: dict, available: list[str]) -> dict:
+    """{backend: decays a second} for each SIMD variant's row and for "cpu" (the variant that
+    serves), measured now by bench.exp_rate's probe on as many threads as the kernels use."""
+    from kernels.cpu import build
+
+    from . import exp_rate
+
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in [*extra, *(["cpu"] if "cpu" in available else [])]:
+            variant = build.variant_named(name.removeprefix("cpu-") if name != "cpu" else details["cpu"]["simd"])
+            binary = exp_rate.compile_probe(variant, Path(tmp))
+            rates[name], _ = exp_rate.measure(binary, torch.get_num_threads(), 0.5)
+            print(f"exp rate {name}: {rates[name] / 1e9:.2f} G decays/s on {torch.get_num_threads()} threads")
+    return rates
+
+
 def lacks_kernel(case: KernelCase, impl) -> str | None:
     """Why `impl` cannot run `case` (a backend without the SSD kernels), or None."""
     needed = {"ssd-scan": "ssd_scan", "ssd-step": "ssd_state_update"}.get(case.kind)
@@ -344,7 +364,10 @@ def _over_rounds(measurements: list[dict]) -> dict:
 
 
 def run(cases, backends, device: torch.device, layout: str, quick: bool, reference_reps: int,
-        reference_max_elements: int, log=print, extra: dict | None = None, rounds: int = 1) -> dict:
+        reference_max_elements: int, log=print, extra: dict | None = None, rounds: int = 1,
+        exp_rates: dict | None = None) -> dict:
+    """exp_rates: {backend: decays a second} (bench.exp_rate) for the C++ rows; Mamba-1 rows of
+    those backends then get their exp bound (one decay per state element) and their ratio to it."""
     budget = Budget(0.15, 3, 200) if quick else Budget(0.6, 5, 2000)
     ref_budget = Budget(0.0, reference_reps, reference_reps)
     bandwidth = copy_bandwidth(device, budget)
@@ -380,6 +403,9 @@ def run(cases, backends, device: torch.device, layout: str, quick: bool, referen
             row.update(_over_rounds(measurements))
             row["GBps"] = nbytes / (row["median_us"] * 1e-6) / 1e9
             row["over_floor"] = row["median_us"] / floor_us
+            if exp_rates and name in exp_rates and not case.ssd:
+                row["exp_bound_us"] = case.batch * case.seq * case.dim * case.state / exp_rates[name] * 1e6
+                row["over_exp_bound"] = row["median_us"] / row["exp_bound_us"]
         for row in rows.values():
             for base in BASELINES:
                 if "median_us" in row and "median_us" in rows.get(base, {}):
@@ -406,7 +432,8 @@ def format_rows(case: KernelCase, rows: list[dict]) -> str:
         speedups = "  ".join(f"{r[k]:7.1f}x vs {k[11:]}" for k in ("speedup_vs_reference", "speedup_vs_torch")
                              if k in r)
         lines.append(f"  {r['backend']:<12} {_us(r['median_us']):>10}  ({_us(r['p20_us'])} - {_us(r['p80_us'])})"
-                     f"  {r['GBps']:6.2f} GB/s  {r['over_floor']:6.1f}x floor  {speedups}")
+                     f"  {r['GBps']:6.2f} GB/s  {r['over_floor']:6.1f}x floor  {speedups}"
+                     + (f"  {r['over_exp_bound']:5.2f}x exp bound" if "over_exp_bound" in r else ""))
     return "\n".join(lines)
 
 
@@ -525,15 +552,17 @@ def main(argv=None) -> int:
     print(f"device {device}, torch threads {torch.get_num_threads()}, backends {', '.join(available)}"
           + "".join(f"; {n}: {d}" for n, d in details.items() if d))
 
+    exp_rates = measure_exp_rates(extra, details, available) if args.simd else None
     start = time.perf_counter()
     report = run(cases, available, device, args.layout, args.quick, args.reference_reps,
-                 args.reference_max_elements, extra=extra, rounds=args.rounds)
+                 args.reference_max_elements, extra=extra, rounds=args.rounds, exp_rates=exp_rates)
     print(f"total {time.perf_counter() - start:.0f} s")
     if args.json:
         write_results(args.json, "kernels", {
             "device": str(device), "torch_threads": torch.get_num_threads(), "layout": args.layout,
             "quick": args.quick, "rounds": args.rounds, "backend_details": details,
-            "unavailable_backends": unavailable, "cases": [asdict(c) for c in cases], **report})
+            "unavailable_backends": unavailable, "cases": [asdict(c) for c in cases],
+            "exp_decays_per_s": exp_rates, **report})
     return 0
 
 

@@ -483,3 +483,15 @@ def test_soak_round_check_names_what_broke():
     for gauge in ("sessions", "pool_bytes", "handles", "handle_bytes"):
         with pytest.raises(RuntimeError, match=f"round 2: still held .*'{gauge}': 1"):
             check_round(2, state, state, _soak_stats(**{gauge: 1}))
+
+
+def test_exp_rate_probe_times_the_kernels_exp(tmp_path):
+    """bench.exp_rate builds its probe from the kernels' own source, in the baseline variant
+    (every x86-64 and aarch64 CPU executes it), and reports a positive rate naming that variant."""
+    from bench import exp_rate
+    from kernels.cpu import build
+
+    variant = build.variant_named("baseline")
+    rate, description = exp_rate.measure(exp_rate.compile_probe(variant, tmp_path), 1, 0.05)
+    assert rate > 1e6, rate
+    assert description.startswith("baseline"), description
