@@ -15,7 +15,7 @@ import msgspec
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind, payload
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
-from .schema import KIND_EXPECTED, LAYOUTS
+from .schema import KIND_EXPECTED, LAYOUTS, SESSION_KINDS
 from .tensors import DTYPES, MAX_DIM, MAX_EXTENT_BYTES, MAX_NDIM, HandleRef, WireTensor, extent_bytes
 
 _TENSOR_KEYS = ("dtype", "shape", "data")
@@ -158,6 +158,26 @@ class Reader:
             if 0 < value <= MAX_DIM:
                 return value
         self.fail(InvalidArgument, field, KIND_EXPECTED["size"], describe(encoded))
+
+    def limits(self, raw: msgspec.Raw, field: str) -> tuple[float, float]:
+        encoded = memoryview(raw)
+        if kind(encoded) == "array":
+            items = ANY_DECODER.decode(raw)
+            if len(items) == 2 and all(type(v) in (int, float) for v in items):
+                try:
+                    low, high = float(items[0]), float(items[1])
+                except OverflowError:  # an int beyond the float range
+                    low = high = math.nan
+                if not (math.isnan(low) or math.isnan(high)):
+                    return low, high
+        self.fail(InvalidArgument, field, KIND_EXPECTED["limits"], describe(encoded))
+
+    def session_kind(self, raw: msgspec.Raw, field: str) -> str:
+        expected = KIND_EXPECTED["kind"]
+        value = self.string(raw, field, expected=expected)
+        if value not in SESSION_KINDS:
+            self.fail(InvalidArgument, field, expected, describe(memoryview(raw)))
+        return value
 
     def layout(self, raw: msgspec.Raw, field: str) -> str:
         expected = KIND_EXPECTED["layout"]

@@ -21,7 +21,7 @@ from .codecs import V1
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
-from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, OPS, PROTOCOL_VERSION,
+from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, OPS, PROTOCOL_VERSION, SESSION_KINDS,
                      SUPPORTED_VERSIONS, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
@@ -31,7 +31,7 @@ _ID_EXPECTED = "a uint or a non-empty str"
 # Schema kind -> the Reader method that checks a value of that kind.
 _CHECKS = {"tensor": Reader.tensor, "tensor_data": Reader.tensor_data, "bool": Reader.boolean,
            "number": Reader.number, "str": Reader.string, "size": Reader.size,
-           "layout": Reader.layout}
+           "layout": Reader.layout, "limits": Reader.limits, "kind": Reader.session_kind}
 
 
 @dataclass(slots=True)
@@ -95,7 +95,11 @@ _SCALAR_TYPES = {
     "str": Annotated[str, msgspec.Meta(min_length=1)],
     "size": Annotated[int, msgspec.Meta(gt=0, le=MAX_DIM)],
     "layout": Literal[LAYOUTS],
+    "kind": Literal[SESSION_KINDS],
 }
+# Kinds no msgspec constraint expresses (a pair of possibly infinite numbers, not NaN): a request
+# giving one is checked argument by argument.
+_CHECKED_ONLY_KINDS = ("limits",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +108,12 @@ class _ArgPlan:
     required: bool
     tensor: bool
     allow_handle: bool
+    checked_only: bool
 
 
 def _args_decoder(op: str, spec: dict[str, Arg]) -> msgspec.msgpack.Decoder:
     # An absent tensor is an empty Raw, an absent scalar UNSET; nil decodes as nil / None.
-    fields = [(name, msgspec.Raw, msgspec.Raw(b"")) if arg.kind in _TENSOR_KINDS
+    fields = [(name, msgspec.Raw, msgspec.Raw(b"")) if arg.kind in _TENSOR_KINDS + _CHECKED_ONLY_KINDS
               else (name, Union[_SCALAR_TYPES[arg.kind], None, msgspec.UnsetType], msgspec.UNSET)
               for name, arg in spec.items()]
     struct = msgspec.defstruct(f"_{op}_args", fields, forbid_unknown_fields=True)
@@ -117,7 +122,8 @@ def _args_decoder(op: str, spec: dict[str, Arg]) -> msgspec.msgpack.Decoder:
 
 _ARGS_DECODERS = {
     op: (_args_decoder(op, spec),
-         tuple(_ArgPlan(name, arg.required, arg.kind in _TENSOR_KINDS, arg.kind == "tensor")
+         tuple(_ArgPlan(name, arg.required, arg.kind in _TENSOR_KINDS, arg.kind == "tensor",
+                        arg.kind in _CHECKED_ONLY_KINDS)
                for name, arg in spec.items()))
     for op, spec in OPS.items()}
 
@@ -146,6 +152,10 @@ def _decode_valid_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...
     args, given, used = {}, 0, set()
     for plan in plans:
         value = getattr(decoded, plan.name)
+        if plan.checked_only:
+            if memoryview(value).nbytes:
+                return None
+            continue
         if plan.tensor:
             encoded = memoryview(value)
             if not encoded.nbytes:

@@ -9,6 +9,8 @@ Each argument has a kind, checked by the decoder one value at a time:
     str          a non-empty str
     size         a positive int
     layout       "bld" or "bdl"
+    limits       a pair [low, high] of numbers, each finite or an infinity (mamba_ssm's dt_limit)
+    kind         "mamba" or "ssd" (a session's model generation)
 
 Consistency between arguments (shapes agreeing, a session existing) is checked further in.
 """
@@ -43,11 +45,16 @@ KIND_EXPECTED = {
     "str": "a non-empty str",
     "size": "a positive int",
     "layout": '"bld" or "bdl"',
+    "limits": "a pair [low, high] of numbers (finite or infinite, not NaN)",
+    "kind": '"mamba" or "ssd"',
 }
 LAYOUTS = ("bld", "bdl")
+SESSION_KINDS = ("mamba", "ssd")
 
-# alias -> canonical name; accepted by every op that has the canonical argument.
-ALIASES = {"u": "x", "delta": "dt", "delta_bias": "dt_bias"}
+# alias -> canonical name; accepted by every op that has the canonical argument, so that a
+# mamba_ssm call (selective_scan_fn, mamba_chunk_scan_combined) maps over one to one.
+ALIASES = {"u": "x", "delta": "dt", "delta_bias": "dt_bias", "delta_softplus": "dt_softplus",
+           "return_last_state": "return_state", "initial_states": "h0"}
 
 _DT_TRANSFORM = {
     "D": Arg("tensor"),
@@ -71,6 +78,21 @@ OPS: dict[str, dict[str, Arg]] = {
         "h0": Arg("tensor"),
         "return_state": Arg("bool"),
         "layout": Arg("layout"),
+        "cu_seqlens": Arg("tensor"),
+        "session": Arg("str"),
+    },
+    "ssd_scan": {
+        "x": Arg("tensor", True),
+        "dt": Arg("tensor", True),
+        "A": Arg("tensor", True),
+        "B": Arg("tensor", True),
+        "C": Arg("tensor", True),
+        **_DT_TRANSFORM,
+        "dt_limit": Arg("limits"),
+        "h0": Arg("tensor"),
+        "return_state": Arg("bool"),
+        "cu_seqlens": Arg("tensor"),
+        "chunk_size": Arg("size"),
         "session": Arg("str"),
     },
     "step": {
@@ -81,10 +103,15 @@ OPS: dict[str, dict[str, Arg]] = {
         "B": Arg("tensor", True),
         "C": Arg("tensor", True),
         **_DT_TRANSFORM,
+        "dt_limit": Arg("limits"),
     },
+    # kind "mamba" (the default) takes dim; "ssd" takes heads and headdim (checked further in).
     "session_open": {
+        "kind": Arg("kind"),
         "batch": Arg("size", True),
-        "dim": Arg("size", True),
+        "dim": Arg("size"),
+        "heads": Arg("size"),
+        "headdim": Arg("size"),
         "state": Arg("size", True),
     },
     "session_close": {"session": Arg("str", True)},

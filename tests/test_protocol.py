@@ -156,12 +156,13 @@ def test_request_ids_and_optional_v_and_args(request_id):
 
 def _minimal_value(kind):
     return {"tensor": tensor_map("f32", (3, 1)), "tensor_data": tensor_map("i64", (5,)), "bool": True,
-            "number": 0.25, "str": "name-1", "size": 3, "layout": "bld"}[kind]
+            "number": 0.25, "str": "name-1", "size": 3, "layout": "bld", "limits": [0.0, float("inf")],
+            "kind": "ssd"}[kind]
 
 
 def _wrong_value(kind):
     return {"tensor": [1, 2], "tensor_data": {"handle": "h"}, "bool": 1, "number": "0.5", "str": 7,
-            "size": 0, "layout": "dbl"}[kind]
+            "size": 0, "layout": "dbl", "limits": [0.1, float("nan")], "kind": "mamba2"}[kind]
 
 
 @pytest.mark.parametrize("op", list(OPS))

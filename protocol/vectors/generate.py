@@ -139,6 +139,16 @@ def _scan_args(dtype, batch, seq, dim, state, seed, layout="bld", as_str=False):
     }
 
 
+def _ssd_args(dtype, batch, seq, heads, headdim, state, groups, seed):
+    return {
+        "x": tensor(dtype, (batch, seq, heads, headdim), seed),
+        "dt": tensor(dtype, (batch, seq, heads), seed + 1),
+        "A": tensor(dtype, (heads,), seed + 2),
+        "B": tensor(dtype, (batch, seq, groups, state), seed + 3),
+        "C": tensor(dtype, (batch, seq, groups, state), seed + 4),
+    }
+
+
 def build_vectors() -> list[tuple[str, bytes, dict]]:
     """(name, frame bytes, json document) for every vector, in a fixed order."""
     vectors = [
@@ -181,6 +191,34 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
     vectors.append(_request("session_open", "open a session for batch 2, dim 4, state 3",
                             {"v": 1, "id": 9, "op": "session_open",
                              "args": {"batch": 2, "dim": 4, "state": 3}}))
+    vectors.append(_request("ssd_scan_f32", "Mamba-2 scan with every optional argument, f32, 2 groups",
+                            {"v": 1, "id": 10, "op": "ssd_scan", "args": {
+                                **_ssd_args("f32", 1, 4, 2, 2, 3, 2, seed=160),
+                                "D": tensor("f32", (2,), 166), "z": tensor("f32", (1, 4, 2, 2), 167),
+                                "dt_bias": tensor("f32", (2,), 168), "dt_softplus": True, "dt_min": 0.001,
+                                "dt_max": 0.5, "h0": tensor("f32", (1, 2, 2, 3), 169), "return_state": True,
+                                "chunk_size": 2}}))
+    vectors.append(_request("ssd_scan_mamba_ssm_names",
+                            "Mamba-2 scan named as mamba_ssm does: initial_states, dt_limit, return_last_state, "
+                            "D per channel",
+                            {"v": 1, "id": 11, "op": "ssd_scan", "args": {
+                                **_ssd_args("f32", 1, 3, 2, 2, 2, 1, seed=170),
+                                "D": tensor("f32", (2, 2), 176), "initial_states": tensor("f32", (1, 2, 2, 2), 177),
+                                "dt_limit": [0.001, 0.1], "return_last_state": True}}))
+    vectors.append(_request("scan_varlen", "scan of two sequences packed along seq (cu_seqlens i32)",
+                            {"v": 1, "id": 12, "op": "scan", "args": {
+                                **_scan_args("f32", 1, 5, 3, 2, seed=180),
+                                "cu_seqlens": {"dtype": "i32", "shape": [3], "data": Binary("i32", [0, 2, 5])},
+                                "h0": tensor("f32", (2, 3, 2), 185), "return_state": True}}))
+    vectors.append(_request("session_open_ssd", "open a Mamba-2 session: batch 2, 2 heads x 2, state 3",
+                            {"v": 1, "id": 13, "op": "session_open",
+                             "args": {"kind": "ssd", "batch": 2, "heads": 2, "headdim": 2, "state": 3}}))
+    vectors.append(_request("step_ssd", "one step against a Mamba-2 session",
+                            {"v": 1, "id": 14, "op": "step",
+                             "args": {"session": "s-2", "x": tensor("f32", (2, 2, 2), 190),
+                                      "dt": tensor("f32", (2, 2), 191), "A": tensor("f32", (2,), 192),
+                                      "B": tensor("f32", (2, 1, 3), 193), "C": tensor("f32", (2, 1, 3), 194),
+                                      "D": tensor("f32", (2,), 195), "dt_softplus": True}}))
     for i, (dtype, shape) in enumerate((("i32", (3, 5)), ("i64", (7,)), ("u8", (2, 2, 3)))):
         vectors.append(_request(f"put_{dtype}", f"put an {dtype} tensor",
                                 {"v": 1, "id": 20 + i, "op": "put",
@@ -260,6 +298,10 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
     vectors.append(_invalid("invalid_missing_argument", "scan without C",
                             {"v": 1, "id": 33, "op": "scan", "args": missing},
                             "missing_argument", "args.C", 33))
+    vectors.append(_invalid("invalid_session_kind", "session_open of a kind that does not exist",
+                            {"v": 1, "id": 35, "op": "session_open",
+                             "args": {"kind": "mamba3", "batch": 1, "dim": 2, "state": 2}},
+                            "invalid_argument", "args.kind", 35))
     vectors.append(_invalid("invalid_unsupported_version", "protocol version 2",
                             {"v": 2, "id": 34, "op": "ping", "args": {}}, "unsupported_version", "v", 34))
     vectors.append(_invalid("invalid_not_a_map", "the body is a msgpack array, not a map",
