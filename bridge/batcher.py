@@ -20,6 +20,7 @@ Rules a batch keeps:
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch
 import kernels
 from protocol import OutTensor, WireTensor
 
+from .errors import OpError
 from .sessions import Session, unknown_session
 from .tensors import TORCH_DTYPES, host_view, to_wire
 from .timing import now_ns
@@ -71,9 +73,21 @@ class BatchedOp(abc.ABC):
 
 def dt_options(args: dict) -> dict:
     """The kernel's dt options of a request, as the kernels API takes them (requests share a
-    launch only when these are equal)."""
-    return {"dt_softplus": bool(args.get("dt_softplus", False)), "dt_min": args.get("dt_min"),
-            "dt_max": args.get("dt_max")}
+    launch only when these are equal). mamba_ssm's `dt_limit` pair becomes dt_min, dt_max: its
+    default (0, inf) clamps nothing, an infinite side is no bound."""
+    dt_min, dt_max = args.get("dt_min"), args.get("dt_max")
+    if "dt_limit" in args:
+        if dt_min is not None or dt_max is not None:
+            given = "dt_min" if dt_min is not None else "dt_max"
+            raise OpError("invalid_argument",
+                          f"args.dt_limit: expected either dt_limit or dt_min/dt_max, got both dt_limit and {given}",
+                          {"field": "args.dt_limit", "expected": "either dt_limit or dt_min/dt_max",
+                           "got": f"both dt_limit and {given}"})
+        low, high = args["dt_limit"]
+        if (low, high) != (0.0, math.inf):
+            dt_min = low if math.isfinite(low) else None
+            dt_max = high if math.isfinite(high) else None
+    return {"dt_softplus": bool(args.get("dt_softplus", False)), "dt_min": dt_min, "dt_max": dt_max}
 
 
 # Arguments every member of a launch must share (the same handle or equal values): the launch

@@ -298,6 +298,13 @@ class FramedClient:
         """Reply to a scan; `reply.unwrap()["y"]` (and "state" with return_state=True)."""
         return self.request("scan", {"x": x, "dt": dt, "A": A, "B": B, "C": C, **options}, timeout)
 
+    def ssd_scan(self, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+        """Reply to a Mamba-2 (SSD) scan (x [batch, seq, heads, headdim], dt [batch, seq, heads],
+        A [heads], B, C [batch, seq, groups, state]); `reply.unwrap()["y"]` (and "state"
+        [batch, heads, headdim, state] with return_state=True). mamba_ssm's option names
+        (initial_states, dt_limit, ...) are taken as they are."""
+        return self.request("ssd_scan", {"x": x, "dt": dt, "A": A, "B": B, "C": C, **options}, timeout)
+
     # -- sessions and handles (state and constants that stay on the server) ---------------
 
     def open_session(self, batch: int, dim: int, state: int) -> str:
@@ -305,14 +312,21 @@ class FramedClient:
         `scan(..., session=id)`, then `step` it one timestep at a time."""
         return self.call("session_open", batch=batch, dim=dim, state=state)["session"]
 
+    def open_ssd_session(self, batch: int, heads: int, headdim: int, state: int) -> str:
+        """A new Mamba-2 session with a zero [batch, heads, headdim, state] state; returns its id.
+        Prefill it with `ssd_scan(..., session=id)`, then `step` it."""
+        return self.call("session_open", kind="ssd", batch=batch, heads=heads, headdim=headdim,
+                         state=state)["session"]
+
     def step(self, session: str, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
-        """Reply to one timestep of `session` (x, dt, z [batch, dim]; B, C [batch, state]);
-        `reply.unwrap()["y"]`. Tensor arguments may be handles from `put`."""
+        """Reply to one timestep of `session` (x, dt, z [batch, dim]; B, C [batch, state]; a
+        Mamba-2 session: x, z [batch, heads, headdim], dt [batch, heads], B, C [batch, groups,
+        state], A [heads]); `reply.unwrap()["y"]`. Tensor arguments may be handles from `put`."""
         return self.request("step", {"session": session, "x": x, "dt": dt, "A": A, "B": B, "C": C,
                                      **options}, timeout)
 
     def session_state(self, session: str):
-        """The session's state [batch, dim, state] (fp32)."""
+        """The session's state [batch, dim, state] ([batch, heads, headdim, state] for Mamba-2; fp32)."""
         return self.call("session_state", session=session)["state"]
 
     def close_session(self, session: str) -> None:

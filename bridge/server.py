@@ -116,8 +116,8 @@ class Server:
         """The session `session_id` opened by `conn`."""
         return self.sessions.get(conn.id, session_id, field)
 
-    def open_session(self, conn, batch: int, dim: int, state: int) -> Session:
-        session = self.sessions.open(conn.id, batch, dim, state)
+    def open_session(self, conn, batch: int, kind: str, shape: tuple[int, ...]) -> Session:
+        session = self.sessions.open(conn.id, batch, kind, shape)
         self._watch(conn)
         return session
 

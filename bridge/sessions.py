@@ -1,10 +1,11 @@
 """Sessions: SSM state kept on the server's device between requests, so that a client steps one
 timestep at a time instead of resending its whole window.
 
-State lives in pools, one per (dim, state) class: a [capacity, dim, state] fp32 tensor on the
-device whose rows are handed out as slots. A session of `batch` rows owns `batch` slots (any
+State lives in pools, one per class -- a kind and its row shape: Mamba-1's [dim, state], Mamba-2's
+(kind "ssd") [heads, headdim, state] -- each a [capacity, *row shape] fp32 tensor on the device
+whose rows are handed out as slots. A session of `batch` rows owns `batch` slots (any
 rows of its class's pool, not necessarily contiguous), and a step passes them to
-`kernels.selective_state_update(..., slots=...)`; that is what lets steps of many sessions of one
+`kernels.selective_state_update(..., slots=...)` (`kernels.ssd_state_update` for "ssd"); that is what lets steps of many sessions of one
 class share a kernel launch (bridge.batcher).
 
 A pool grows by doubling (one device copy of its rows; slot numbers stay valid) as far as the
@@ -13,6 +14,8 @@ the connection that opened it (bridge.owned).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -24,9 +27,13 @@ from .owned import OwnedTable
 STATE_DTYPE = torch.float32
 
 
-def state_row_bytes(dim: int, state: int) -> int:
-    """Bytes of one [dim, state] row of state."""
-    return dim * state * STATE_DTYPE.itemsize
+# A session's kind -> the names of its state row's axes (session_open's arguments).
+ROW_AXES = {"mamba": ("dim", "state"), "ssd": ("heads", "headdim", "state")}
+
+
+def state_row_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of one row of state of that shape."""
+    return math.prod(shape) * STATE_DTYPE.itemsize
 
 
 def unknown_session(session_id: str, field: str) -> OpError:
@@ -37,13 +44,13 @@ def unknown_session(session_id: str, field: str) -> OpError:
 
 
 class StatePool:
-    """The rows of one (dim, state) class on the device, and which of them are free."""
+    """The rows of one class (kind, row shape) on the device, and which of them are free."""
 
-    def __init__(self, dim: int, state: int, device: torch.device):
-        self.dim = dim
-        self.state = state
-        self.row_bytes = state_row_bytes(dim, state)
-        self.rows = torch.empty((0, dim, state), dtype=STATE_DTYPE, device=device)
+    def __init__(self, kind: str, shape: tuple[int, ...], device: torch.device):
+        self.kind = kind
+        self.shape = shape
+        self.row_bytes = state_row_bytes(shape)
+        self.rows = torch.empty((0, *shape), dtype=STATE_DTYPE, device=device)
         self._free: list[int] = []  # kept sorted: low rows first, so sessions sit close together
 
     @property
@@ -60,7 +67,7 @@ class StatePool:
 
     def grow(self, capacity: int) -> None:
         old = self.rows
-        self.rows = torch.empty((capacity, self.dim, self.state), dtype=STATE_DTYPE, device=old.device)
+        self.rows = torch.empty((capacity, *self.shape), dtype=STATE_DTYPE, device=old.device)
         self.rows[: old.shape[0]].copy_(old)
         self._free.extend(range(old.shape[0], capacity))
 
@@ -94,19 +101,29 @@ class Session:
         self.closed = False
 
     @property
+    def kind(self) -> str:
+        return self.pool.kind
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """One row's state shape: [dim, state], or [heads, headdim, state] for kind "ssd"."""
+        return self.pool.shape
+
+    @property
     def dim(self) -> int:
-        return self.pool.dim
+        """Mamba-1's channels (the first axis of a row)."""
+        return self.pool.shape[0]
 
     @property
     def state(self) -> int:
-        return self.pool.state
+        return self.pool.shape[-1]
 
     def read(self) -> torch.Tensor:
-        """A copy of the state, [batch, dim, state] fp32."""
+        """A copy of the state, [batch, *shape] fp32."""
         return self.pool.rows.index_select(0, self.slots)
 
     def write(self, state: torch.Tensor) -> None:
-        """Replace the state with `state` [batch, dim, state] (any float dtype; stored as fp32)."""
+        """Replace the state with `state` [batch, *shape] (any float dtype; stored as fp32)."""
         self.pool.rows.index_copy_(0, self.slots, state.to(STATE_DTYPE))
 
 
@@ -116,9 +133,9 @@ class SessionTable(OwnedTable[Session]):
         self.device = device
         self.max_sessions = max_sessions
         self.max_pool_bytes = max_pool_bytes
-        self._pools: dict[tuple[int, int], StatePool] = {}
+        self._pools: dict[tuple, StatePool] = {}
 
-    def open(self, owner: str, batch: int, dim: int, state: int) -> Session:
+    def open(self, owner: str, batch: int, kind: str, shape: tuple[int, ...]) -> Session:
         """A new session of `batch` rows whose state is zero. Limits are checked before anything
         is allocated."""
         with self._lock:
@@ -127,8 +144,8 @@ class SessionTable(OwnedTable[Session]):
                               f"session_open: at most {self.max_sessions} sessions may be open at once "
                               f"(--max-sessions), {len(self)} are",
                               {"limit": "max_sessions", "max": self.max_sessions, "open": len(self)})
-            pool = self._pools.get((dim, state))
-            row_bytes = state_row_bytes(dim, state)
+            pool = self._pools.get((kind, shape))
+            row_bytes = state_row_bytes(shape)
             missing = batch - (pool.free_rows if pool else 0)
             if missing > 0:
                 in_use = self._pool_bytes()
@@ -140,16 +157,16 @@ class SessionTable(OwnedTable[Session]):
                         detail["requested"] = requested
                     raise OpError(
                         "limit_exceeded",
-                        f"session_open: {batch} rows of [{dim}, {state}] fp32 state need "
+                        f"session_open: {batch} rows of {list(shape)} fp32 state need "
                         f"{requested} more bytes of state pool; {in_use} of "
                         f"{self.max_pool_bytes} are in use (--max-pool-bytes)", detail)
-                grown = pool if pool is not None else StatePool(dim, state, self.device)
+                grown = pool if pool is not None else StatePool(kind, shape, self.device)
                 # Double when the budget allows, so that n opens cost O(log n) pool copies.
                 with allocation("session_open"):
                     grown.grow(grown.capacity + max(missing, min(grown.capacity, room)))
                 # Kept only once it holds rows: a pool whose growth failed would hold no session
                 # that could ever close it.
-                pool = self._pools[(dim, state)] = grown
+                pool = self._pools[(kind, shape)] = grown
             slots = pool.take(batch)
             try:
                 with allocation("session_open"):
@@ -167,7 +184,7 @@ class SessionTable(OwnedTable[Session]):
     def _give_back(self, pool: StatePool, slots: list[int]) -> None:
         pool.give_back(slots)
         if pool.free_rows == pool.capacity:  # its last session: give the device memory back
-            del self._pools[(pool.dim, pool.state)]
+            del self._pools[(pool.kind, pool.shape)]
 
     def _pool_bytes(self) -> int:
         return sum(pool.nbytes for pool in self._pools.values())
@@ -179,6 +196,6 @@ class SessionTable(OwnedTable[Session]):
                 "max_sessions": self.max_sessions,
                 "pool_bytes": self._pool_bytes(),
                 "max_pool_bytes": self.max_pool_bytes,
-                "pools": [{"dim": p.dim, "state": p.state, "capacity": p.capacity,
+                "pools": [{"kind": p.kind, **dict(zip(ROW_AXES[p.kind], p.shape)), "capacity": p.capacity,
                            "rows_in_use": p.capacity - p.free_rows} for p in self._pools.values()],
             }

@@ -110,7 +110,8 @@ class NativeStep:
         its session or a handle is not this connection's or not usable here (nothing touched).
         `queued_ns`: how long it waited to be served, its queue_us."""
         session = self.server.sessions.find(conn.id, request.session)
-        if session is None or session.closed:
+        # Mamba-2 sessions' steps have no native path yet: the general path serves them.
+        if session is None or session.closed or session.kind != "mamba":
             return None
         # The kernel gets the handles' addresses only: their tensors are held here until it is
         # done, whatever frees the handles meanwhile.

@@ -1,6 +1,7 @@
-"""scan: the full selective scan over a window (protocol/SPEC.md §6), batched with other scans of the same
-shape; with `session`, a prefill: the session's state is the initial state and the last state is
-written back to it."""
+"""scan and ssd_scan: the full Mamba-1 / Mamba-2 scan over a window (protocol/SPEC.md §6); a scan is
+batched with other scans of the same shape. With `session`, a prefill: the session's state is the
+initial state and the last state is written back to it. With `cu_seqlens`, packed sequences, run
+alone."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from protocol import WireTensor
 from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, shared_args, shared_tensors,
                        signature, split_rows, stack_rows, wire_rows)
 from ..errors import OpError
-from ..tensors import to_wire
+from ..tensors import host_view, to_wire
 from ..timing import now_ns
-from .sessions import check_rows
+from .sessions import check_rows, session_of_kind
 
 ROW_ARGS = ("x", "dt", "B", "C", "z", "h0")
 # A request whose x is bigger runs alone: stacking it with others copies every input once more,
@@ -39,6 +40,26 @@ def _check_session_dims(session, x, A, layout: str) -> None:
                       {"field": "args.A", "expected": f"state {session.state}", "got": str(list(A.shape))})
 
 
+def prefilled_session(server, call, kind: str, op: str):
+    """The session a scan prefills (of `kind`), or None; a session excludes h0 and cu_seqlens."""
+    args = call.args
+    if args.get("session") is None:
+        return None
+    session = session_of_kind(server, call, kind, op)
+    for name, why in (("h0", "the session's state is the initial state"),
+                      ("cu_seqlens", "a session holds one state per row, not per packed sequence")):
+        if name in args:
+            raise OpError("invalid_argument", f"args.{name}: expected no {name} with a session ({why}), got a tensor",
+                          {"field": f"args.{name}", "expected": "nothing", "got": "a tensor"})
+    return session
+
+
+def cu_seqlens_arg(server, call):
+    """cu_seqlens as a host tensor: the kernels read its boundaries on the host in any case."""
+    value = server.tensor_arg(call, "cu_seqlens")
+    return host_view(value) if isinstance(value, WireTensor) else value.cpu()
+
+
 def _nbytes(value) -> int:
     return value.data.nbytes if isinstance(value, WireTensor) else value.numel() * value.element_size()
 
@@ -49,14 +70,7 @@ class ScanOp(BatchedOp):
     def prepare(self, server, call) -> Item:
         args = call.args
         layout = args.get("layout", "bld")
-        session = None
-        if args.get("session") is not None:
-            session = server.session(call.conn, args["session"], "args.session")
-            if "h0" in args:
-                raise OpError("invalid_argument",
-                              "args.h0: expected no h0 with a session (the session's state is the "
-                              "initial state), got a tensor",
-                              {"field": "args.h0", "expected": "nothing", "got": "a tensor"})
+        session = prefilled_session(server, call, "mamba", "scan")
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS if name != "h0"}
         shared = shared_args(server, call)
         if session is not None:
@@ -68,10 +82,12 @@ class ScanOp(BatchedOp):
         x = own["x"]
         options = dt_options(args)
         key = None
+        if "cu_seqlens" in args:
+            options["cu_seqlens"] = cu_seqlens_arg(server, call)
         # Only requests whose per-row values all have x's rows share a launch (else one request's
         # extra row could make up for another's missing one); a malformed request runs alone, and
         # the kernel's error names its own shapes.
-        if len(x.shape) == 3 and _nbytes(x) <= BATCH_MAX_X_BYTES and \
+        elif len(x.shape) == 3 and _nbytes(x) <= BATCH_MAX_X_BYTES and \
                 all(v is None or (len(v.shape) >= 1 and v.shape[0] == x.shape[0]) for v in own.values()):
             key = ("scan", layout, *(row_signature(own[name]) for name in ("x", "dt", "B", "C", "z")),
                    h0_signature, *(signature(t) for t in shared.values()), *options.values())
@@ -96,7 +112,12 @@ class ScanOp(BatchedOp):
                 h0=stacked["h0"], return_state=need_state, layout=lead.call.args.get("layout", "bld"),
                 backend=server.backend)
             y, state = out if need_state else (out, None)
-            states = split_rows(state, items) if need_state else [None] * len(items)
+            if not need_state:
+                states = [None] * len(items)
+            elif len(items) == 1:  # alone: with cu_seqlens, one state row per packed sequence
+                states = [state]
+            else:
+                states = split_rows(state, items)
             for item, item_state in zip(items, states):
                 if item.session is not None:
                     item.session.write(item_state)
@@ -109,6 +130,55 @@ class ScanOp(BatchedOp):
         return results
 
 
-scan = ScanOp()
+class SsdScanOp(BatchedOp):
+    """The Mamba-2 (SSD) scan of a window, run alone; with a session of kind "ssd", its state in
+    and out."""
 
-HANDLERS = {"scan": scan}
+    def prepare(self, server, call) -> Item:
+        args = call.args
+        session = prefilled_session(server, call, "ssd", "ssd_scan")
+        own = {name: server.tensor_arg(call, name) for name in ROW_ARGS}
+        if session is not None:
+            check_rows(session, {"x": own["x"]})
+            if len(own["x"].shape) == 4 and tuple(own["x"].shape[2:]) != session.shape[:2]:
+                raise OpError("shape_mismatch",
+                              f"args.x: expected heads and headdim {list(session.shape[:2])} (the session's), "
+                              f"got shape {list(own['x'].shape)}",
+                              {"field": "args.x", "expected": f"[batch, seq, {session.shape[0]}, {session.shape[1]}]",
+                               "got": str(list(own["x"].shape))})
+        options = dt_options(args)
+        for name in ("cu_seqlens", "chunk_size"):
+            if name in args:
+                options[name] = cu_seqlens_arg(server, call) if name == "cu_seqlens" else args[name]
+        rows = own["x"].shape[0] if len(own["x"].shape) else 1
+        return Item(call, None, rows, own, shared_args(server, call), session, options)
+
+    def run(self, server, items: list[Item]) -> list[dict]:
+        (item,) = items
+        start = now_ns()
+        rows = {name: stack_rows(server, [item.tensors[name]]) for name in ROW_ARGS}
+        if item.session is not None:
+            rows["h0"] = item.session.read()
+        shared = shared_tensors(server, item)
+        charge(items, "h2d", now_ns() - start)
+        need_state = item.session is not None or bool(item.call.args.get("return_state"))
+        with server.kernel_timer(item.call):
+            out = kernels.ssd_scan(
+                rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"], D=shared["D"], z=rows["z"],
+                dt_bias=shared["dt_bias"], h0=rows["h0"], return_state=need_state, backend=server.backend,
+                **item.options)
+            y, state = out if need_state else (out, None)
+            if item.session is not None:
+                item.session.write(state)
+        result = {"y": to_wire(y)}
+        start = now_ns()
+        if item.call.args.get("return_state"):
+            result["state"] = to_wire(state)
+        charge(items, "d2h", now_ns() - start)
+        return [result]
+
+
+scan = ScanOp()
+ssd_scan = SsdScanOp()
+
+HANDLERS = {"scan": scan, "ssd_scan": ssd_scan}

@@ -10,6 +10,7 @@ from ..batcher import (BatchedOp, Item, charge, dt_options, member_rows, row_sig
                        shared_tensors, signature, stack_rows, wire_rows)
 from ..errors import OpError
 from ..native import NativeStep
+from ..sessions import ROW_AXES
 from ..tensors import to_wire
 from ..timing import now_ns
 
@@ -19,8 +20,33 @@ ROW_ARGS = ("x", "dt", "B", "C", "z")
 
 def session_open(server, call) -> dict:
     args = call.args
-    session = server.open_session(call.conn, args["batch"], args["dim"], args["state"])
+    kind = args.get("kind", "mamba")
+    axes = ROW_AXES[kind]
+    for other_kind, other_axes in ROW_AXES.items():
+        for name in other_axes:
+            if name not in axes and name in args:
+                raise OpError("invalid_argument",
+                              f"args.{name}: expected only {', '.join(axes)} for kind {kind!r}, got {name} "
+                              f"(an argument of kind {other_kind!r})",
+                              {"field": f"args.{name}", "expected": f"the axes of kind {kind!r}: {', '.join(axes)}",
+                               "got": name})
+    for name in axes:
+        if name not in args:
+            raise OpError("missing_argument", f"args.{name}: expected a positive int (kind {kind!r}), got nothing",
+                          {"field": f"args.{name}", "op": "session_open"})
+    session = server.open_session(call.conn, args["batch"], kind, tuple(args[name] for name in axes))
     return {"session": session.id}
+
+
+def session_of_kind(server, call, kind: str, op: str):
+    """The request's session, which must be of `kind` (a Mamba-1 session takes no Mamba-2 work,
+    nor the other way round)."""
+    session = server.session(call.conn, call.args["session"], "args.session")
+    if session.kind != kind:
+        raise OpError("invalid_argument",
+                      f"args.session: expected a session of kind {kind!r} for {op}, got one of kind {session.kind!r}",
+                      {"field": "args.session", "expected": f"kind {kind!r}", "got": f"kind {session.kind!r}"})
+    return session
 
 
 def session_close(server, call) -> dict:
@@ -73,14 +99,16 @@ class StepOp(BatchedOp):
         shared = shared_args(server, call)
         check_rows(session, own)
         options = dt_options(args)
-        # One pool per (dim, state): its class names the pool and the state's shape.
-        key = ("step", session.dim, session.state, *(row_signature(t) for t in own.values()),
+        # One pool per class (kind, row shape): it names the pool and the state's shape.
+        key = ("step", session.kind, session.shape, *(row_signature(t) for t in own.values()),
                *(signature(t) for t in shared.values()), *options.values())
         return Item(call, key, session.batch, own, shared, session, options)
 
     def run(self, server, items: list[Item]) -> list[dict]:
         lead = items[0]
-        if server.step_graphs is not None:
+        # Captured steps (CUDA graphs) replay Mamba-1 state updates only.
+        mamba2 = lead.session.kind == "ssd"
+        if server.step_graphs is not None and not mamba2:
             y = server.step_graphs.run(items, lead.shared)
             if y is not None:  # on the host already, its copy charged as d2h
                 return [{"y": y_rows} for y_rows in member_rows(to_wire(y), items)]
@@ -90,7 +118,8 @@ class StepOp(BatchedOp):
         shared = shared_tensors(server, lead)
         charge(items, "h2d", now_ns() - start)
         with server.kernel_timer(*(item.call for item in items)):
-            y = kernels.selective_state_update(
+            update = kernels.ssd_state_update if mamba2 else kernels.selective_state_update
+            y = update(
                 lead.session.pool.rows, rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"],
                 D=shared["D"], z=rows["z"], dt_bias=shared["dt_bias"], **lead.options,
                 slots=slots, backend=server.backend)
