@@ -248,6 +248,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"{what} ({dtype}): {m}")
 
 
+def assert_same_nans_and_close(actual, expected, what: str) -> None:
+    """NaN exactly where the reference has it (which must have some), fp32-close elsewhere."""
+    nan, got = torch.isnan(expected).cpu(), torch.isnan(actual).cpu()
+    assert nan.any(), f"{what}: the reference has no NaN to compare"
+    assert torch.equal(got, nan), f"{what}: NaN at {got.nonzero().tolist()}, the reference's at {nan.nonzero().tolist()}"
+    assert_close(actual.cpu()[~nan], expected.cpu()[~nan], torch.float32, what)
+
+
 def with_option(case, **changes):
     return dataclasses.replace(case, **changes)
 

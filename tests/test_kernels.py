@@ -16,7 +16,7 @@ from kernel_cases import (
     DTYPES, LARGE_SCAN_CASES, SCAN_CASES, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference,
     assert_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
-    make_update_inputs, random_seed, reference_scan,
+    make_update_inputs, random_seed, reference_scan, STRIDED, nan_gapped, with_changes,
 )
 
 
@@ -131,18 +131,6 @@ def test_prefill_then_state_updates_equals_one_scan(backend, steps):
 
 # --- strided (non-contiguous) inputs --------------------------------------------------------
 
-def _nan_gapped(t: torch.Tensor) -> torch.Tensor:
-    """Same values, every stride doubled, NaN in the gaps: a backend that reads (or writes)
-    through the wrong strides shows NaN or leaves NaN behind."""
-    return torch.stack((t, torch.full_like(t, float("nan"))), dim=-1)[..., 0]
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    """Same values and shape, last two axes laid out transposed in memory."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() >= 2 else t
-
-
-STRIDED = [pytest.param(_nan_gapped, id="nan-gapped"), pytest.param(_transposed, id="transposed")]
 STRIDED_SCAN_CASES = [
     pytest.param(ScanCase(2, 11, 12, 4, groups=2, D=True, z=True, dt_bias=True, h0=True), id="bld"),
     pytest.param(ScanCase(2, 11, 12, 4, groups=3, layout="bdl", D=True, z=True, dt_bias=True,
@@ -176,7 +164,7 @@ def test_state_update_strided_inputs_and_state(backend, restride):
     before = state.clone()
     y = kernels.selective_state_update(**strided, backend=backend)
     assert_update_outputs_match_reference(case, torch.float32, strided, before, y, what)
-    if restride is _nan_gapped:
+    if restride is nan_gapped:
         gaps = state._base[..., 1]
         assert torch.isnan(gaps).all(), f"{what}: the update wrote outside the state view"
 
@@ -231,35 +219,31 @@ def _scan_base() -> dict:
     return make_scan_inputs(case, torch.float32, seed=random_seed())
 
 
-def _with(**changes):
-    return lambda a: {**a, **{k: (v(a) if callable(v) else v) for k, v in changes.items()}}
-
-
 SCAN_ERRORS = [
     # (change to the valid arguments, field, a fragment of `got`)
-    pytest.param(_with(x=lambda a: a["x"].tolist()), "x", "list", id="x-not-a-tensor"),
-    pytest.param(_with(x=lambda a: a["x"].to(torch.int32)), "x", "int32", id="x-int-dtype"),
-    pytest.param(_with(x=lambda a: a["x"][0]), "x", "[5, 6]", id="x-2d"),
-    pytest.param(_with(x=lambda a: a["x"][:, :0]), "x", "[2, 0, 6]", id="x-empty"),
-    pytest.param(_with(layout="lbd"), "layout", "lbd", id="layout-unknown"),
-    pytest.param(_with(dt=lambda a: a["dt"][:, :4]), "dt", "[2, 4, 6]", id="dt-shape"),
-    pytest.param(_with(A=lambda a: a["A"][:5]), "A", "[5, 3]", id="A-shape"),
-    pytest.param(_with(A=lambda a: a["A"][:, :0]), "A", "[6, 0]", id="A-no-state"),
-    pytest.param(_with(B=lambda a: a["B"][:, :4]), "B", "[2, 4, 2, 3]", id="B-shape"),
-    pytest.param(_with(B=lambda a: a["B"][None]), "B", "[1, 2, 5, 2, 3]", id="B-5d"),
-    pytest.param(_with(B=lambda a: torch.rand(2, 5, 4, 3), C=lambda a: torch.rand(2, 5, 4, 3)),
+    pytest.param(with_changes(x=lambda a: a["x"].tolist()), "x", "list", id="x-not-a-tensor"),
+    pytest.param(with_changes(x=lambda a: a["x"].to(torch.int32)), "x", "int32", id="x-int-dtype"),
+    pytest.param(with_changes(x=lambda a: a["x"][0]), "x", "[5, 6]", id="x-2d"),
+    pytest.param(with_changes(x=lambda a: a["x"][:, :0]), "x", "[2, 0, 6]", id="x-empty"),
+    pytest.param(with_changes(layout="lbd"), "layout", "lbd", id="layout-unknown"),
+    pytest.param(with_changes(dt=lambda a: a["dt"][:, :4]), "dt", "[2, 4, 6]", id="dt-shape"),
+    pytest.param(with_changes(A=lambda a: a["A"][:5]), "A", "[5, 3]", id="A-shape"),
+    pytest.param(with_changes(A=lambda a: a["A"][:, :0]), "A", "[6, 0]", id="A-no-state"),
+    pytest.param(with_changes(B=lambda a: a["B"][:, :4]), "B", "[2, 4, 2, 3]", id="B-shape"),
+    pytest.param(with_changes(B=lambda a: a["B"][None]), "B", "[1, 2, 5, 2, 3]", id="B-5d"),
+    pytest.param(with_changes(B=lambda a: torch.rand(2, 5, 4, 3), C=lambda a: torch.rand(2, 5, 4, 3)),
                  "B", "4 groups", id="groups-not-dividing-dim"),
-    pytest.param(_with(C=lambda a: torch.rand(2, 5, 3, 3)), "C", "3 groups", id="C-groups-differ"),
-    pytest.param(_with(D=lambda a: a["D"][:5]), "D", "[5]", id="D-shape"),
-    pytest.param(_with(z=lambda a: a["z"][:1]), "z", "[1, 5, 6]", id="z-shape"),
-    pytest.param(_with(dt_bias=lambda a: a["dt_bias"][None]), "dt_bias", "[1, 6]", id="dt_bias-shape"),
-    pytest.param(_with(h0=lambda a: a["h0"][:, :, :2]), "h0", "[2, 6, 2]", id="h0-shape"),
-    pytest.param(_with(dt_min="0.1"), "dt_min", "str", id="dt_min-not-a-number"),
-    pytest.param(_with(dt_max=True), "dt_max", "bool", id="dt_max-bool"),
-    pytest.param(_with(dt_min=float("nan")), "dt_min", "nan", id="dt_min-nan"),
-    pytest.param(_with(dt_max=float("inf")), "dt_max", "inf", id="dt_max-inf"),
-    pytest.param(_with(dt_min=10**400), "dt_min", "int beyond the float range", id="dt_min-int-beyond-float"),
-    pytest.param(_with(dt_min=0.5, dt_max=0.1), "dt_max", "0.1", id="dt_min-above-dt_max"),
+    pytest.param(with_changes(C=lambda a: torch.rand(2, 5, 3, 3)), "C", "3 groups", id="C-groups-differ"),
+    pytest.param(with_changes(D=lambda a: a["D"][:5]), "D", "[5]", id="D-shape"),
+    pytest.param(with_changes(z=lambda a: a["z"][:1]), "z", "[1, 5, 6]", id="z-shape"),
+    pytest.param(with_changes(dt_bias=lambda a: a["dt_bias"][None]), "dt_bias", "[1, 6]", id="dt_bias-shape"),
+    pytest.param(with_changes(h0=lambda a: a["h0"][:, :, :2]), "h0", "[2, 6, 2]", id="h0-shape"),
+    pytest.param(with_changes(dt_min="0.1"), "dt_min", "str", id="dt_min-not-a-number"),
+    pytest.param(with_changes(dt_max=True), "dt_max", "bool", id="dt_max-bool"),
+    pytest.param(with_changes(dt_min=float("nan")), "dt_min", "nan", id="dt_min-nan"),
+    pytest.param(with_changes(dt_max=float("inf")), "dt_max", "inf", id="dt_max-inf"),
+    pytest.param(with_changes(dt_min=10**400), "dt_min", "int beyond the float range", id="dt_min-int-beyond-float"),
+    pytest.param(with_changes(dt_min=0.5, dt_max=0.1), "dt_max", "0.1", id="dt_min-above-dt_max"),
 ]
 
 
@@ -281,27 +265,27 @@ def _update_base() -> dict:
 
 
 UPDATE_ERRORS = [
-    pytest.param(_with(state=lambda a: a["state"][0]), "state", "[6, 3]", id="state-2d"),
-    pytest.param(_with(state=lambda a: a["state"].to(torch.int64)), "state", "int64",
+    pytest.param(with_changes(state=lambda a: a["state"][0]), "state", "[6, 3]", id="state-2d"),
+    pytest.param(with_changes(state=lambda a: a["state"].to(torch.int64)), "state", "int64",
                  id="state-int-dtype"),
-    pytest.param(_with(state=lambda a: a["state"][:, :0]), "state", "[5, 0, 3]", id="state-no-dim"),
-    pytest.param(_with(state=lambda a: a["state"][:, :, :0]), "state", "[5, 6, 0]", id="state-no-state-axis"),
-    pytest.param(_with(state=lambda a: a["state"][:1].expand(5, 6, 3)), "state", "strides [0, 3, 1]",
+    pytest.param(with_changes(state=lambda a: a["state"][:, :0]), "state", "[5, 0, 3]", id="state-no-dim"),
+    pytest.param(with_changes(state=lambda a: a["state"][:, :, :0]), "state", "[5, 6, 0]", id="state-no-state-axis"),
+    pytest.param(with_changes(state=lambda a: a["state"][:1].expand(5, 6, 3)), "state", "strides [0, 3, 1]",
                  id="state-rows-share-memory"),
-    pytest.param(_with(x=lambda a: a["x"][:, :5]), "x", "[3, 5]", id="x-dim-differs"),
-    pytest.param(_with(dt=lambda a: a["dt"][:2]), "dt", "[2, 6]", id="dt-shape"),
-    pytest.param(_with(A=lambda a: a["A"][:, :2]), "A", "[6, 2]", id="A-shape"),
-    pytest.param(_with(B=lambda a: a["B"][:, :, :2]), "B", "[3, 2, 2]", id="B-shape"),
-    pytest.param(_with(B=lambda a: torch.rand(3, 4, 3), C=lambda a: torch.rand(3, 4, 3)),
+    pytest.param(with_changes(x=lambda a: a["x"][:, :5]), "x", "[3, 5]", id="x-dim-differs"),
+    pytest.param(with_changes(dt=lambda a: a["dt"][:2]), "dt", "[2, 6]", id="dt-shape"),
+    pytest.param(with_changes(A=lambda a: a["A"][:, :2]), "A", "[6, 2]", id="A-shape"),
+    pytest.param(with_changes(B=lambda a: a["B"][:, :, :2]), "B", "[3, 2, 2]", id="B-shape"),
+    pytest.param(with_changes(B=lambda a: torch.rand(3, 4, 3), C=lambda a: torch.rand(3, 4, 3)),
                  "B", "4 groups", id="groups-not-dividing-dim"),
-    pytest.param(_with(C=lambda a: torch.rand(3, 3, 3)), "C", "3 groups", id="C-groups-differ"),
-    pytest.param(_with(z=lambda a: a["z"][:, :1]), "z", "[3, 1]", id="z-shape"),
-    pytest.param(_with(slots=lambda a: a["slots"].float()), "slots", "float32", id="slots-float"),
-    pytest.param(_with(slots=lambda a: a["slots"][:2]), "slots", "[2]", id="slots-shape"),
-    pytest.param(_with(slots=lambda a: torch.tensor([0, 5, -1])), "slots", "5", id="slots-beyond-pool"),
-    pytest.param(_with(slots=None), "state", "5 rows", id="pool-differs-without-slots"),
-    pytest.param(_with(dt_min=0.3, dt_max=0.2), "dt_max", "0.2", id="dt_min-above-dt_max"),
-    pytest.param(_with(dt_max=float("nan")), "dt_max", "nan", id="dt_max-nan"),
+    pytest.param(with_changes(C=lambda a: torch.rand(3, 3, 3)), "C", "3 groups", id="C-groups-differ"),
+    pytest.param(with_changes(z=lambda a: a["z"][:, :1]), "z", "[3, 1]", id="z-shape"),
+    pytest.param(with_changes(slots=lambda a: a["slots"].float()), "slots", "float32", id="slots-float"),
+    pytest.param(with_changes(slots=lambda a: a["slots"][:2]), "slots", "[2]", id="slots-shape"),
+    pytest.param(with_changes(slots=lambda a: torch.tensor([0, 5, -1])), "slots", "5", id="slots-beyond-pool"),
+    pytest.param(with_changes(slots=None), "state", "5 rows", id="pool-differs-without-slots"),
+    pytest.param(with_changes(dt_min=0.3, dt_max=0.2), "dt_max", "0.2", id="dt_min-above-dt_max"),
+    pytest.param(with_changes(dt_max=float("nan")), "dt_max", "nan", id="dt_max-nan"),
 ]
 
 
@@ -321,8 +305,8 @@ def test_state_update_rejects_malformed_arguments(backend, change, field, got):
 
 
 @pytest.mark.parametrize("change", [
-    pytest.param(_with(x=lambda a: a["x"].tolist()), id="x-not-a-tensor"),
-    pytest.param(_with(dt_min="0.1"), id="dt_min-not-a-number"),
+    pytest.param(with_changes(x=lambda a: a["x"].tolist()), id="x-not-a-tensor"),
+    pytest.param(with_changes(dt_min="0.1"), id="dt_min-not-a-number"),
 ])
 def test_an_argument_of_the_wrong_type_is_an_invalid_argument_on_the_wire(change):
     """Not a shape mismatch: the bridge answers ShapeMismatch as shape_mismatch, every other

@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
     CUDA_COMPILES_EVERY_KERNEL, DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, ON_CUDA, SCAN_CASES,
-    TOLERANCES, TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
+    TOLERANCES, TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_same_nans_and_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference, assert_update_outputs_match_reference,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, reference_update, state_dtype,
 )
@@ -317,13 +317,6 @@ def test_softplus_keeps_its_relative_precision_far_below_zero(device, dtype):
     assert_close(inputs["state"], state_ref, dtype, f"state seed={seed}", relative_only)
 
 
-def _assert_same_nans_and_close(actual, expected, what):
-    nan, got = torch.isnan(expected).cpu(), torch.isnan(actual).cpu()
-    assert nan.any(), f"{what}: the reference has no NaN to compare"
-    assert torch.equal(got, nan), f"{what}: NaN at {got.nonzero().tolist()}, the reference's at {nan.nonzero().tolist()}"
-    assert_close(actual.cpu()[~nan], expected.cpu()[~nan], torch.float32, what)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_clamp_keeps_a_nan_dt_nan(device):
     """A NaN dt (an upstream overflow, say) under dt_min/dt_max stays NaN in y and the state, as
@@ -335,15 +328,15 @@ def test_clamp_keeps_a_nan_dt_nan(device):
     inputs["dt"][0, 3, 0] = float("nan")
     y_ref, state_ref = reference_scan(inputs)
     y, state = kernels.selective_scan(**inputs, backend="triton")
-    _assert_same_nans_and_close(y, y_ref, f"scan y seed={seed}")
-    _assert_same_nans_and_close(state, state_ref, f"scan state seed={seed}")
+    assert_same_nans_and_close(y, y_ref, f"scan y seed={seed}")
+    assert_same_nans_and_close(state, state_ref, f"scan state seed={seed}")
 
     update = make_update_inputs(UpdateCase(2, 4, 3, pool=3, clamp=True), torch.float32, device, seed=seed)
     update["dt"][0, 1] = float("nan")
     y_ref, state_ref = reference_update(update)
     y = kernels.selective_state_update(**update, backend="triton")
-    _assert_same_nans_and_close(y, y_ref, f"update y seed={seed}")
-    _assert_same_nans_and_close(update["state"], state_ref, f"update state seed={seed}")
+    assert_same_nans_and_close(y, y_ref, f"update y seed={seed}")
+    assert_same_nans_and_close(update["state"], state_ref, f"update state seed={seed}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

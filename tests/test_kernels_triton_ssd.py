@@ -29,7 +29,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
     CUDA_COMPILES_EVERY_KERNEL, DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES,
-    TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_scan_outputs_match_reference,
+    TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_same_nans_and_close, assert_scan_outputs_match_reference,
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
     make_ssd_inputs, make_ssd_update_inputs, random_seed, reference_ssd_scan, reference_ssd_update, state_dtype,
 )
@@ -39,7 +39,6 @@ from kernels.triton_kernels import common, configs  # noqa: E402
 from kernels.triton_kernels import ssd  # noqa: E402
 from kernels.triton_kernels.common import run_on_device_of  # noqa: E402
 from process_runs import BackgroundRun  # noqa: E402
-from test_kernels_triton import _assert_same_nans_and_close  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -245,15 +244,15 @@ def test_a_nan_dt_spreads_as_in_the_recurrence(device):
     inputs["dt"][0, 5, 1] = float("nan")
     y_ref, state_ref = reference_ssd_scan(inputs)
     y, state = _run_scan(inputs, _scan_blocks(device))
-    _assert_same_nans_and_close(y, y_ref, f"scan y seed={seed}")
-    _assert_same_nans_and_close(state, state_ref, f"scan state seed={seed}")
+    assert_same_nans_and_close(y, y_ref, f"scan y seed={seed}")
+    assert_same_nans_and_close(state, state_ref, f"scan state seed={seed}")
 
     update = make_ssd_update_inputs(SsdUpdateCase(2, 3, 2, 4, pool=3, clamp=True), torch.float32, device, seed=seed)
     update["dt"][0, 1] = float("nan")
     y_ref, state_ref = reference_ssd_update(update)
     y = _run_update(update, _update_blocks(device))
-    _assert_same_nans_and_close(y, y_ref, f"update y seed={seed}")
-    _assert_same_nans_and_close(update["state"], state_ref, f"update state seed={seed}")
+    assert_same_nans_and_close(y, y_ref, f"update y seed={seed}")
+    assert_same_nans_and_close(update["state"], state_ref, f"update state seed={seed}")
 
 
 # --- the state update -----------------------------------------------------------------------------
