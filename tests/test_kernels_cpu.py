@@ -36,7 +36,8 @@ from kernels import _args
 from kernel_cases import (
     DTYPES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
     assert_scan_outputs_match_reference, assert_update_matches_reference, assert_update_outputs_match_reference,
-    make_scan_inputs, make_update_inputs, random_seed, reference_scan,
+    make_scan_inputs, make_update_inputs, random_seed, reference_scan, SsdCase, SsdUpdateCase, make_ssd_inputs,
+    make_ssd_update_inputs, reference_ssd_scan, reference_ssd_update,
 )
 from waiting import poll_until
 
@@ -446,6 +447,58 @@ def test_simd_variant_state_update_matches_reference(simd_backend, case, dtype):
     y = simd_backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
     assert_update_outputs_match_reference(case, dtype, inputs, before, y,
                                           f"{simd_backend.details['simd']} build update {case} seed={seed}")
+
+
+# Mamba-2 per variant: headdim full and partial vectors and blocks (16, 8 or 4 fp32 lanes, two
+# vectors a block), groups, every option, each dtype's conversion path.
+SIMD_SSD_SCAN_CASES = [
+    pytest.param(SsdCase(1, 21, 3, 40, 16, D=True, z=True, dt_bias=True, dt_softplus=True, h0=True), torch.float32,
+                 id="blocks-full-and-partial-f32"),
+    pytest.param(SsdCase(2, 9, 4, 5, 7, groups=2, D=True, D_per_channel=True, clamp=True, h0=True),
+                 torch.bfloat16, id="groups-odd-bf16"),
+    pytest.param(SsdCase(1, 11, 2, 17, 9, D=True, z=True, h0=True), torch.float64, id="f64"),
+]
+SIMD_SSD_UPDATE_CASES = [
+    pytest.param(SsdUpdateCase(6, 4, 20, 19, groups=2, pool=9, padding_rows=2, D=True, z=True, dt_bias=True,
+                               dt_softplus=True), torch.float32, id="pool-padding-odd-state-f32"),
+    pytest.param(SsdUpdateCase(3, 2, 8, 16, D=True), torch.float16, id="f16"),
+]
+
+
+@pytest.mark.parametrize("case, dtype", SIMD_SSD_SCAN_CASES)
+def test_simd_variant_ssd_scan_matches_reference(simd_backend, case, dtype):
+    seed = random_seed()
+    inputs = make_ssd_inputs(case, dtype, seed=seed)
+    a = _args.check_ssd_scan(**inputs)
+    y, state = simd_backend.ssd_scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    assert_scan_outputs_match_reference(case, dtype, inputs, y, state,
+                                        f"{simd_backend.details['simd']} build ssd {case} seed={seed}",
+                                        reference=reference_ssd_scan)
+
+
+@pytest.mark.parametrize("case, dtype", SIMD_SSD_UPDATE_CASES)
+def test_simd_variant_ssd_state_update_matches_reference(simd_backend, case, dtype):
+    seed = random_seed()
+    inputs = make_ssd_update_inputs(case, dtype, seed=seed)
+    before = inputs["state"].clone()
+    a = _args.check_ssd_state_update(**inputs)
+    y = simd_backend.ssd_state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    assert_update_outputs_match_reference(case, dtype, inputs, before, y,
+                                          f"{simd_backend.details['simd']} build ssd update {case} seed={seed}",
+                                          reference=reference_ssd_update)
+
+
+def test_ssd_results_do_not_depend_on_the_thread_count():
+    inputs = make_ssd_inputs(SsdCase(2, 17, 5, 40, 24, D=True, h0=True))
+    outputs = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outputs.append(kernels.ssd_scan(**inputs, backend="cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
 
 
 def test_default_variant_is_the_best_the_cpu_executes(monkeypatch):

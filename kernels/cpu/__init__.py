@@ -10,7 +10,11 @@ BackendUnavailable with the reason and the registry falls back to the "torch" ba
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
 from .._registry import Backend
+from ..eager import _discretize_dt
 
 
 def load_backend() -> Backend:
@@ -33,6 +37,46 @@ def backend_from(ext) -> Backend:
         return ext.state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min,
                                 dt_max, slots)
 
+    def ssd_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
+                 chunk_size):
+        # chunk_size tunes chunked backends; this recurrent kernel has none to tune.
+        f = _compute_dtype(x)
+        xf = x.to(f).contiguous()
+        batch, _, heads, headdim = x.shape
+        y = torch.empty(x.shape, dtype=f)
+        state = torch.empty((batch, heads, headdim, B.shape[3]), dtype=f) if return_state else None
+        ext.ssd_scan(xf, _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f).contiguous(),
+                     A.to(f).contiguous(), B.to(f).contiguous(), C.to(f).contiguous(),
+                     None if h0 is None else h0.to(f).contiguous(), y, state)
+        _gate(y, xf, D, z, f)
+        return y.to(x.dtype), state
+
+    def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots):
+        f = _compute_dtype(x)
+        batch = x.shape[0]
+        rows = torch.arange(batch) if slots is None else slots.to(torch.int64)
+        # The server's pools (contiguous fp32) are updated where they lie; any other pool through
+        # a packed copy of its live rows.
+        in_place = state.dtype == f and state.is_contiguous()
+        if in_place:
+            pool, kernel_rows = state, rows.contiguous()
+        else:
+            live = torch.nonzero(rows >= 0).squeeze(1)
+            pool_rows = rows.index_select(0, live)
+            pool = state.index_select(0, pool_rows).to(f).contiguous()
+            kernel_rows = torch.full((batch,), -1, dtype=torch.int64)
+            kernel_rows[live] = torch.arange(live.numel())
+        xf = x.to(f).contiguous()
+        y = torch.empty(x.shape, dtype=f)
+        ext.ssd_state_update(pool, kernel_rows, xf,
+                             _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f).contiguous(),
+                             A.to(f).contiguous(), B.to(f).contiguous(), C.to(f).contiguous(), y)
+        if not in_place:
+            state.index_copy_(0, pool_rows, pool.to(state.dtype))
+        _gate(y, xf, D, z, f)
+        y[kernel_rows < 0] = 0  # padding rows: whatever D x and the gate made of them
+        return y.to(x.dtype)
+
     return Backend(
         name="cpu",
         scan=scan,
@@ -45,4 +89,18 @@ def backend_from(ext) -> Backend:
         # word), with its description and library.
         details={"simd": ext.simd().split(" ", 1)[0], "simd_description": ext.simd(), "library": ext.__file__},
         run_problem=ext.run_problem,
+        ssd_scan=ssd_scan,
+        ssd_state_update=ssd_state_update,
     )
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gate(y: torch.Tensor, x: torch.Tensor, D, z, f: torch.dtype) -> None:
+    """y += D x, then y *= silu(z), in place (D [heads, headdim] broadcasts over the rows)."""
+    if D is not None:
+        y.addcmul_(x, D.to(f))
+    if z is not None:
+        y.mul_(F.silu(z.to(f)))

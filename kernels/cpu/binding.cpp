@@ -25,6 +25,7 @@
 
 #include "helper_pool.h"
 #include "scan_kernel.h"
+#include "ssd_kernel.h"
 
 namespace py = pybind11;
 using scan_bridge::DType;
@@ -196,10 +197,100 @@ int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t e
 
 }  // namespace
 
+// --- Mamba-2 (SSD) --------------------------------------------------------------------------
+// kernels/cpu/__init__.py discretizes dt, applies D and the z gate, and hands these contiguous
+// tensors of one compute dtype; what is checked here is that contract, not the user's input.
+
+void require_operand(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  if (!t.is_contiguous() || t.scalar_type() != dtype || t.device().type() != at::kCPU)
+    throw std::invalid_argument(std::string("ssd ") + name + ": expected a contiguous CPU tensor of " +
+                                std::string(c10::toString(dtype)) + ", got " + std::string(c10::toString(t.scalar_type())) +
+                                (t.is_contiguous() ? "" : " (not contiguous)"));
+}
+
+template <typename T>
+const T* data_of(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+// Items are whole recurrences (over a sequence, or one step of a head): each a grain of its own.
+template <typename Problem, typename Run>
+void run_ssd_items(const Problem& p, int64_t items, Run run_items) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) { run_items(p, begin, end); });
+}
+
+template <typename T>
+void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                    const at::Tensor& C, const std::optional<at::Tensor>& h0, at::Tensor& y,
+                    const std::optional<at::Tensor>& state_out) {
+  scan_bridge::SsdScanProblem<T> p;
+  p.batch = x.size(0);
+  p.seq = x.size(1);
+  p.heads = x.size(2);
+  p.headdim = x.size(3);
+  p.state = B.size(3);
+  p.groups = B.size(2);
+  p.x = x.data_ptr<T>();
+  p.dt = dt.data_ptr<T>();
+  p.A = A.data_ptr<T>();
+  p.B = B.data_ptr<T>();
+  p.C = C.data_ptr<T>();
+  p.h0 = data_of<T>(h0);
+  p.y = y.data_ptr<T>();
+  p.state_out = state_out.has_value() ? state_out->data_ptr<T>() : nullptr;
+  run_ssd_items(p, scan_bridge::ssd_scan_item_count(p), scan_bridge::ssd_scan_items<T>);
+}
+
+void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+              const at::Tensor& C, const std::optional<at::Tensor>& h0, at::Tensor y,
+              const std::optional<at::Tensor>& state_out) {
+  const auto dtype = x.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble) throw std::invalid_argument("ssd x: expected float32 or float64");
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&A, "A"}, {&B, "B"}, {&C, "C"}, {&y, "y"}})
+    require_operand(*t, name, dtype);
+  if (h0.has_value()) require_operand(*h0, "h0", dtype);
+  if (state_out.has_value()) require_operand(*state_out, "state", dtype);
+  if (dtype == at::kFloat) ssd_scan_typed<float>(x, dt, A, B, C, h0, y, state_out);
+  else ssd_scan_typed<double>(x, dt, A, B, C, h0, y, state_out);
+}
+
+template <typename T>
+void ssd_update_typed(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
+                      const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, at::Tensor& y) {
+  scan_bridge::SsdUpdateProblem<T> p;
+  p.batch = x.size(0);
+  p.heads = x.size(1);
+  p.headdim = x.size(2);
+  p.state = B.size(2);
+  p.groups = B.size(1);
+  p.pool = pool.data_ptr<T>();
+  p.rows = rows.data_ptr<int64_t>();
+  p.x = x.data_ptr<T>();
+  p.dt = dt.data_ptr<T>();
+  p.A = A.data_ptr<T>();
+  p.B = B.data_ptr<T>();
+  p.C = C.data_ptr<T>();
+  p.y = y.data_ptr<T>();
+  run_ssd_items(p, p.batch * p.heads, scan_bridge::ssd_update_items<T>);
+}
+
+void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
+                      const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, at::Tensor y) {
+  const auto dtype = x.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble) throw std::invalid_argument("ssd x: expected float32 or float64");
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&pool, "state"}, {&x, "x"}, {&dt, "dt"}, {&A, "A"}, {&B, "B"}, {&C, "C"}, {&y, "y"}})
+    require_operand(*t, name, dtype);
+  require_operand(rows, "rows", at::kLong);
+  if (dtype == at::kFloat) ssd_update_typed<float>(pool, rows, x, dt, A, B, C, y);
+  else ssd_update_typed<double>(pool, rows, x, dt, A, B, C, y);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "scan-bridge CPU selective-scan kernels";
   m.def("scan", &scan, py::call_guard<py::gil_scoped_release>());
   m.def("state_update", &state_update, py::call_guard<py::gil_scoped_release>());
+  m.def("ssd_scan", &ssd_scan, py::call_guard<py::gil_scoped_release>());
+  m.def("ssd_state_update", &ssd_state_update, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
   static_assert(std::is_same_v<decltype(&run_problem), scan_bridge::RunProblemFn>);
   m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), scan_bridge::kRunProblemCapsule);
