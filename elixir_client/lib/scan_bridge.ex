@@ -169,6 +169,31 @@ defmodule ScanBridge do
     end
   end
 
+  @doc """
+  The Mamba-2 (SSD) scan over a window (SPEC §6 `ssd_scan`, mamba_ssm's
+  `mamba_chunk_scan_combined`).
+
+  `inputs`: `:x` `[batch, seq, heads, headdim]`, `:dt` `[batch, seq, heads]`, `:A` `[heads]`,
+  `:B`, `:C` `[batch, seq, groups, state]` (required); `:D` (`[heads]` or `[heads, headdim]`),
+  `:z`, `:dt_bias`, `:h0` (tensors); `:dt_softplus`, `:return_state`; `:dt_min`, `:dt_max`
+  (numbers) or `:dt_limit` (`[low, high]`); `:cu_seqlens` (packed sequences); `:chunk_size`;
+  `:session` (a session opened with `kind: :ssd`). mamba_ssm's names (`:initial_states`,
+  `:return_last_state`) are accepted.
+
+  Returns `y` (in x's dtype), `state` (`[batch, heads, headdim, state]` f32 with
+  `return_state: true`, else nil) and the server's `timing`.
+  """
+  @spec ssd_scan(server, inputs, call_opts) ::
+          {:ok, %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}} | error
+  def ssd_scan(server, inputs, opts \\ []) do
+    with {:ok, result, timing} <-
+           request(server, "ssd_scan", Protocol.wire_args!(inputs, "ssd_scan"), opts),
+         {:ok, y} <- result_tensor(result, "y"),
+         {:ok, state} <- optional_result_tensor(result, "state") do
+      {:ok, %{y: y, state: state, timing: timing}}
+    end
+  end
+
   @doc "Like `scan/3`, raising `ScanBridge.Error` on failure."
   @spec scan!(server, inputs, call_opts) :: %{
           y: Tensor.t(),
@@ -213,12 +238,24 @@ defmodule ScanBridge do
 
   @doc """
   Opens a session: a `[batch, dim, state]` f32 state kept on the server's device, zero at
-  first. `dims` is a map or keyword list with `:batch`, `:dim`, `:state`. Returns its id.
+  first. `dims` is a map or keyword list with `:batch`, `:dim`, `:state`; or, for Mamba-2,
+  `kind: :ssd` with `:batch`, `:heads`, `:headdim`, `:state` (a `[batch, heads, headdim,
+  state]` state, prefilled by `ssd_scan/3` with `:session`, stepped by `step/4`). Returns its id.
   """
   @spec open_session(server, map | keyword, call_opts) :: {:ok, String.t()} | error
   def open_session(server, dims, opts \\ []) do
     dims = Map.new(dims)
-    args = Map.new([:batch, :dim, :state], fn key -> {key, Map.get(dims, key)} end)
+
+    args =
+      case Map.get(dims, :kind, :mamba) do
+        :ssd ->
+          [:batch, :heads, :headdim, :state]
+          |> Map.new(fn key -> {key, Map.get(dims, key)} end)
+          |> Map.put(:kind, "ssd")
+
+        _mamba ->
+          Map.new([:batch, :dim, :state], fn key -> {key, Map.get(dims, key)} end)
+      end
 
     with {:ok, result, _timing} <- request(server, "session_open", args, opts),
          do: result_string(result, "session")
@@ -231,7 +268,7 @@ defmodule ScanBridge do
          do: :ok
   end
 
-  @doc "A copy of a session's current state, `[batch, dim, state]` f32."
+  @doc "A copy of a session's current state, `[batch, dim, state]` (`[batch, heads, headdim, state]` for `kind: :ssd`) f32."
   @spec session_state(server, String.t(), call_opts) :: {:ok, Tensor.t()} | error
   def session_state(server, session, opts \\ []) when is_binary(session) do
     with {:ok, result, _timing} <- request(server, "session_state", %{session: session}, opts),

@@ -73,11 +73,13 @@ defmodule ScanBridge.Protocol do
 
   defp wire_value!(value, _what) when is_atom(value), do: Atom.to_string(value)
   defp wire_value!({:handle, id}, _what) when is_binary(id), do: %{handle: id}
+  # A pair of bounds (ssd_scan's dt_limit).
+  defp wire_value!([low, high], _what) when is_number(low) and is_number(high), do: [low, high]
   defp wire_value!(%_{} = tensor, what), do: Tensor.cast!(tensor, what)
 
   defp wire_value!(value, what) do
     raise ArgumentError,
-          "#{what}: expected a tensor, a {:handle, id}, a boolean, a number or a string, got #{inspect(value, limit: 5)}"
+          "#{what}: expected a tensor, a {:handle, id}, a boolean, a number, a [low, high] pair or a string, got #{inspect(value, limit: 5)}"
   end
 
   @doc "The `\"id\": <uint 64>` entry that completes a request head."
