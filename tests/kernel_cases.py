@@ -153,17 +153,29 @@ def _rand(shape, dtype, device, gen, low=-1.0, high=1.0):
 def _add_options(args: dict, case, x_shape, dtype, device, gen) -> None:
     """The options a ScanCase and an UpdateCase share (D, z, dt_bias, softplus, clamp), drawn
     in that order from `gen`."""
-    d = case.dim
+    _add_dt_options(args, case, (case.dim,), (case.dim,), x_shape, dtype, device, gen)
+
+
+def _add_dt_options(args: dict, case, d_shape, bias_shape, x_shape, dtype, device, gen) -> None:
+    """D, z, dt_bias, softplus and clamp as `case` asks, drawn in that order from `gen`."""
     if case.D:
-        args["D"] = _rand((d,), torch.float32, device, gen)
+        args["D"] = _rand(d_shape, torch.float32, device, gen)
     if case.z:
         args["z"] = _rand(x_shape, dtype, device, gen, -2.0, 2.0)
     if case.dt_bias:
-        args["dt_bias"] = _rand((d,), torch.float32, device, gen, -0.5, 0.5)
+        args["dt_bias"] = _rand(bias_shape, torch.float32, device, gen, -0.5, 0.5)
     if case.dt_softplus:
         args["dt_softplus"] = True
     if case.clamp:
         args["dt_min"], args["dt_max"] = 0.05, 0.3
+
+
+def _draw_slots(pool: int, batch: int, padding_rows: int, device, gen) -> torch.Tensor:
+    """Distinct pool rows for `batch` rows in random order, `padding_rows` of them -1 (padding)."""
+    slots = torch.randperm(pool, generator=gen)[:batch]
+    if padding_rows:
+        slots[torch.randperm(batch, generator=gen)[:padding_rows]] = -1
+    return slots.to(device=device, dtype=torch.int64)
 
 
 def make_scan_inputs(case: ScanCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
@@ -207,10 +219,7 @@ def make_update_inputs(case: UpdateCase, dtype=torch.float32, device="cpu", seed
         C=_rand(bcs, dtype, device, gen),
     )
     if case.pool is not None:
-        perm = torch.randperm(pool, generator=gen)[:b]
-        if case.padding_rows:
-            perm[torch.randperm(b, generator=gen)[: case.padding_rows]] = -1
-        args["slots"] = perm.to(device=device, dtype=torch.int64)
+        args["slots"] = _draw_slots(pool, b, case.padding_rows, device, gen)
     _add_options(args, case, (b, d), dtype, device, gen)
     return args
 
@@ -440,16 +449,7 @@ SSD_UPDATE_CASES = [
 
 def _add_ssd_options(args: dict, case, x_shape, dtype, device, gen) -> None:
     h, p = case.heads, case.headdim
-    if case.D:
-        args["D"] = _rand((h, p) if case.D_per_channel else (h,), torch.float32, device, gen)
-    if case.z:
-        args["z"] = _rand(x_shape, dtype, device, gen, -2.0, 2.0)
-    if case.dt_bias:
-        args["dt_bias"] = _rand((h,), torch.float32, device, gen, -0.5, 0.5)
-    if case.dt_softplus:
-        args["dt_softplus"] = True
-    if case.clamp:
-        args["dt_min"], args["dt_max"] = 0.05, 0.3
+    _add_dt_options(args, case, (h, p) if case.D_per_channel else (h,), (h,), x_shape, dtype, device, gen)
 
 
 def make_ssd_inputs(case: SsdCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
@@ -490,10 +490,7 @@ def make_ssd_update_inputs(case: SsdUpdateCase, dtype=torch.float32, device="cpu
         C=_rand((b, g, n), dtype, device, gen),
     )
     if case.pool is not None:
-        perm = torch.randperm(pool, generator=gen)[:b]
-        if case.padding_rows:
-            perm[torch.randperm(b, generator=gen)[: case.padding_rows]] = -1
-        args["slots"] = perm.to(device=device, dtype=torch.int64)
+        args["slots"] = _draw_slots(pool, b, case.padding_rows, device, gen)
     _add_ssd_options(args, case, (b, h, p), dtype, device, gen)
     return args
 
