@@ -16,6 +16,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <optional>
 #include <stdexcept>
@@ -213,10 +214,15 @@ const T* data_of(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-// Items are whole recurrences (over a sequence, or one step of a head): each a grain of its own.
+// Items are whole recurrences (over a sequence, or one step of a head), handed out one at a
+// time to the calling thread and the kernels' helper threads.
 template <typename Problem, typename Run>
 void run_ssd_items(const Problem& p, int64_t items, Run run_items) {
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) { run_items(p, begin, end); });
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  std::atomic<int64_t> next{0};
+  scan_bridge::HelperPool::shared().run(threads - 1, [&](int) {
+    for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) run_items(p, item, item + 1);
+  });
 }
 
 template <typename T>
