@@ -14,6 +14,10 @@ defmodule ScanBridge do
       {:ok, %{y: y, state: state, timing: timing}} =
         ScanBridge.scan(MyApp.Scan, %{x: x, dt: dt, A: a, B: b, C: c, D: d, return_state: true})
 
+  Mamba-2 (SSD) has its own scan, `ssd_scan/3`, and sessions of its own
+  (`open_session(server, kind: :ssd, batch: b, heads: h, headdim: p, state: n)`), stepped by
+  the same `step/4`.
+
   Inputs are maps of the protocol's argument names (atoms; SPEC §6) to tensors
   (`ScanBridge.Tensor`, or `Nx.Tensor` when Nx is loaded), handles returned by `put/2`, and
   options (`dt_softplus: true`, `dt_min: 0.001`, `layout: :bdl`, ...). Every reply's `timing`
@@ -152,11 +156,14 @@ defmodule ScanBridge do
   `inputs`: `:x`, `:dt`, `:A`, `:B`, `:C` (required tensors); `:D`, `:z`, `:dt_bias`, `:h0`
   (tensors); `:dt_softplus`, `:return_state` (booleans); `:dt_min`, `:dt_max` (numbers);
   `:layout` (`:bld`, the default, or `:bdl`); `:session` (a session id: the scan continues
-  from and leaves its final state in that session). The aliases `:u`, `:delta`,
-  `:delta_bias` are accepted.
+  from and leaves its final state in that session); `:cu_seqlens` (an i32 or i64 tensor
+  `[n + 1]` of the boundaries of n sequences packed along seq of a batch-1 input, each started
+  from its own row of h0 or from zeros; not with `:session`). mamba_ssm's names are accepted:
+  `:u`, `:delta`, `:delta_bias`, `:delta_softplus`, `:return_last_state`, `:initial_states`.
 
   Returns `y` (in x's dtype), `state` (`[batch, dim, state]` f32 with `return_state: true`,
-  else nil) and the server's `timing`.
+  else nil; with `:cu_seqlens`, `[n, dim, state]`, one row per sequence) and the server's
+  `timing`.
   """
   @spec scan(server, inputs, call_opts) ::
           {:ok, %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}} | error
@@ -174,14 +181,19 @@ defmodule ScanBridge do
   `mamba_chunk_scan_combined`).
 
   `inputs`: `:x` `[batch, seq, heads, headdim]`, `:dt` `[batch, seq, heads]`, `:A` `[heads]`,
-  `:B`, `:C` `[batch, seq, groups, state]` (required); `:D` (`[heads]` or `[heads, headdim]`),
-  `:z`, `:dt_bias`, `:h0` (tensors); `:dt_softplus`, `:return_state`; `:dt_min`, `:dt_max`
-  (numbers) or `:dt_limit` (`[low, high]`); `:cu_seqlens` (packed sequences); `:chunk_size`;
-  `:session` (a session opened with `kind: :ssd`). mamba_ssm's names (`:initial_states`,
-  `:return_last_state`) are accepted.
+  `:B`, `:C` `[batch, seq, groups, state]` (required; group g serves heads
+  `g·heads/groups ..< (g + 1)·heads/groups`); `:D` (`[heads]` or `[heads, headdim]`), `:z` (x's
+  shape), `:dt_bias` (`[heads]`), `:h0` (`[batch, heads, headdim, state]`) (tensors);
+  `:dt_softplus`, `:return_state` (booleans); `:dt_min`, `:dt_max` (numbers) or `:dt_limit`
+  (mamba_ssm's `[low, high]`, `:infinity` for an open side: `[0.0, :infinity]` clamps nothing);
+  `:cu_seqlens` (packed sequences, as for `scan/3`); `:chunk_size` (tunes the chunked backends
+  only); `:session` (a session opened with `kind: :ssd`, which the scan continues and leaves its
+  final state in). mamba_ssm's names are accepted: `:initial_states`, `:return_last_state`,
+  `:delta_softplus`, `:delta_bias`.
 
   Returns `y` (in x's dtype), `state` (`[batch, heads, headdim, state]` f32 with
-  `return_state: true`, else nil) and the server's `timing`.
+  `return_state: true`, else nil; with `:cu_seqlens`, one row per sequence) and the server's
+  `timing`.
   """
   @spec ssd_scan(server, inputs, call_opts) ::
           {:ok, %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}} | error
@@ -200,19 +212,28 @@ defmodule ScanBridge do
           state: Tensor.t() | nil,
           timing: timing
         }
-  def scan!(server, inputs, opts \\ []) do
-    case scan(server, inputs, opts) do
-      {:ok, result} -> result
-      {:error, error} -> raise error
-    end
-  end
+  def scan!(server, inputs, opts \\ []), do: ok!(scan(server, inputs, opts))
+
+  @doc "Like `ssd_scan/3`, raising `ScanBridge.Error` on failure."
+  @spec ssd_scan!(server, inputs, call_opts) :: %{
+          y: Tensor.t(),
+          state: Tensor.t() | nil,
+          timing: timing
+        }
+  def ssd_scan!(server, inputs, opts \\ []), do: ok!(ssd_scan(server, inputs, opts))
+
+  defp ok!({:ok, result}), do: result
+  defp ok!({:error, error}), do: raise(error)
 
   @doc """
   One timestep against a session's state, which is updated in place on the server
   (SPEC §6 `step`). `inputs`: `:x`, `:dt`, `:A`, `:B`, `:C`, optionally `:z`, `:D`,
-  `:dt_bias`, `:dt_softplus`, `:dt_min`, `:dt_max`; x, dt, z are `[batch, dim]`, B and C
-  `[batch, state]` or `[batch, groups, state]`. Returns `y` `[batch, dim]`. The session is
-  the second argument only: `inputs` that name one too raise `ArgumentError`.
+  `:dt_bias`, `:dt_softplus`, `:dt_min`, `:dt_max`, `:dt_limit`. For a session of `dim`: x, dt,
+  z are `[batch, dim]`, B and C `[batch, state]` or `[batch, groups, state]`; returns `y`
+  `[batch, dim]`. For a `kind: :ssd` session: x, z `[batch, heads, headdim]`, dt
+  `[batch, heads]`, A `[heads]`, B and C `[batch, groups, state]`, D and dt_bias as for
+  `ssd_scan/3`; returns `y` `[batch, heads, headdim]`. The session is the second argument only:
+  `inputs` that name one too raise `ArgumentError`.
 
   A step that timed out (`{:error, %ScanBridge.Error{reason: :timeout}}`) may still have been
   done by the server, leaving the session one timestep further on; read it with
@@ -238,27 +259,36 @@ defmodule ScanBridge do
 
   @doc """
   Opens a session: a `[batch, dim, state]` f32 state kept on the server's device, zero at
-  first. `dims` is a map or keyword list with `:batch`, `:dim`, `:state`; or, for Mamba-2,
-  `kind: :ssd` with `:batch`, `:heads`, `:headdim`, `:state` (a `[batch, heads, headdim,
-  state]` state, prefilled by `ssd_scan/3` with `:session`, stepped by `step/4`). Returns its id.
+  first. `dims` is a map or keyword list with `:batch`, `:dim`, `:state` (Mamba-1, prefilled by
+  `scan/3` with `:session`); or `kind: :ssd` with `:batch`, `:heads`, `:headdim`, `:state`
+  (Mamba-2: a `[batch, heads, headdim, state]` state, prefilled by `ssd_scan/3` with
+  `:session`). Both are stepped by `step/4`. Returns its id.
+
+  The server checks `dims` (SPEC §6.1): a kind other than `:mamba` or `:ssd`, or a size of the
+  other kind (`:dim` with `kind: :ssd`), is `{:error, %ScanBridge.Error{reason:
+  :invalid_argument}}`, a missing size `:missing_argument`.
   """
   @spec open_session(server, map | keyword, call_opts) :: {:ok, String.t()} | error
   def open_session(server, dims, opts \\ []) do
-    dims = Map.new(dims)
-
-    args =
-      case Map.get(dims, :kind, :mamba) do
-        :ssd ->
-          [:batch, :heads, :headdim, :state]
-          |> Map.new(fn key -> {key, Map.get(dims, key)} end)
-          |> Map.put(:kind, "ssd")
-
-        _mamba ->
-          Map.new([:batch, :dim, :state], fn key -> {key, Map.get(dims, key)} end)
-      end
+    args = Protocol.wire_args!(session_dims!(dims), "open_session")
 
     with {:ok, result, _timing} <- request(server, "session_open", args, opts),
          do: result_string(result, "session")
+  end
+
+  defp session_dims!(dims) do
+    cond do
+      is_map(dims) ->
+        dims
+
+      is_list(dims) and Keyword.keyword?(dims) ->
+        Map.new(dims)
+
+      true ->
+        raise ArgumentError,
+              "open_session dims: expected a map or keyword list (batch:, dim:, state:, or " <>
+                "kind: :ssd, batch:, heads:, headdim:, state:), got #{inspect(dims, limit: 5)}"
+    end
   end
 
   @doc "Closes a session and frees its state."
@@ -268,7 +298,10 @@ defmodule ScanBridge do
          do: :ok
   end
 
-  @doc "A copy of a session's current state, `[batch, dim, state]` (`[batch, heads, headdim, state]` for `kind: :ssd`) f32."
+  @doc """
+  A copy of a session's current state, f32: `[batch, dim, state]`, or `[batch, heads, headdim,
+  state]` for a `kind: :ssd` session.
+  """
   @spec session_state(server, String.t(), call_opts) :: {:ok, Tensor.t()} | error
   def session_state(server, session, opts \\ []) when is_binary(session) do
     with {:ok, result, _timing} <- request(server, "session_state", %{session: session}, opts),

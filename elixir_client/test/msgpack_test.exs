@@ -133,6 +133,13 @@ defmodule ScanBridge.MsgpackTest do
            }
   end
 
+  test "the atoms for the IEEE values Erlang floats cannot hold encode as those floats" do
+    assert pack(:infinity) == <<0xCB, 0x7FF0000000000000::64>>
+    assert pack(:neg_infinity) == <<0xCB, 0xFFF0000000000000::64>>
+    assert pack(:nan) == <<0xCB, 0x7FF8000000000000::64>>
+    assert roundtrip([0.0, :infinity, :neg_infinity, :nan]) == [0.0, :infinity, :neg_infinity, :nan]
+  end
+
   test "unencodable terms are refused with what came" do
     assert_raise ArgumentError, ~r/got \{1, 2\}/, fn -> pack({1, 2}) end
     assert_raise ArgumentError, ~r/got a URI struct/, fn -> pack(URI.parse("http://x")) end

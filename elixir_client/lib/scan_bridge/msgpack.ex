@@ -9,6 +9,7 @@ defmodule ScanBridge.Msgpack do
   | `nil`, `true`, `false` | nil, true, false |
   | integer in −2^63 … 2^64 − 1 | the smallest int format |
   | float | float 64 |
+  | `:infinity`, `:neg_infinity`, `:nan` | float 64 (what `decode/1` gives for them) |
   | binary | str (the protocol's strings; they are not checked for UTF-8) |
   | `{:bin, binary}` | bin |
   | other atom | str of its name |
@@ -110,6 +111,13 @@ defmodule ScanBridge.Msgpack do
   end
 
   defp enc(f, pos) when is_float(f), do: {<<0xCB, f::float-64>>, pos + 9}
+
+  # Erlang floats hold no infinity or NaN, so these atoms stand for them (as in decoding): a
+  # mamba_ssm dt_limit of (0.0, inf) is [0.0, :infinity].
+  defp enc(special, pos) when special in [:infinity, :neg_infinity, :nan] do
+    bits = :binary.decode_unsigned(IEEE.encode(special, :f64), :little)
+    {<<0xCB, bits::64>>, pos + 9}
+  end
 
   defp enc(s, pos) when is_binary(s) do
     head = str_header(byte_size(s))

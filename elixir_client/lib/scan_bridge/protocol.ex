@@ -34,8 +34,8 @@ defmodule ScanBridge.Protocol do
 
   @doc """
   The arguments of a request as the public API takes them (names as atoms or strings; tensors,
-  `Nx.Tensor`s, `{:handle, id}`, booleans, numbers, strings, atoms such as `:bdl`, nil for
-  absent) → the terms `request_head/2` encodes, named by strings. Tensor data is not copied.
+  `Nx.Tensor`s, `{:handle, id}`, booleans, numbers, strings, atoms such as `:bdl`, `[low, high]`
+  bounds with `:infinity`/`:neg_infinity` for an open side, nil for absent) → the terms `request_head/2` encodes, named by strings. Tensor data is not copied.
   Raises `ArgumentError` naming the argument for a value that cannot be sent, or for a name
   given twice (as an atom and as a string), which would be a duplicate key on the wire; `op`
   is for messages.
@@ -67,19 +67,23 @@ defmodule ScanBridge.Protocol do
           "#{op} inputs: expected argument names as atoms or strings, got #{inspect(name)}"
   end
 
+  defguardp bound?(value) when is_number(value) or value in [:infinity, :neg_infinity]
+
   defp wire_value!(value, _what)
        when is_nil(value) or is_boolean(value) or is_number(value) or is_binary(value),
        do: value
 
   defp wire_value!(value, _what) when is_atom(value), do: Atom.to_string(value)
   defp wire_value!({:handle, id}, _what) when is_binary(id), do: %{handle: id}
-  # A pair of bounds (ssd_scan's dt_limit).
-  defp wire_value!([low, high], _what) when is_number(low) and is_number(high), do: [low, high]
+  # A pair of bounds (dt_limit), a side of which may be unbounded: Erlang floats hold no
+  # infinity, so the atoms stand for it and Msgpack sends them as float infinities.
+  defp wire_value!([low, high] = pair, _what) when bound?(low) and bound?(high), do: pair
   defp wire_value!(%_{} = tensor, what), do: Tensor.cast!(tensor, what)
 
   defp wire_value!(value, what) do
     raise ArgumentError,
-          "#{what}: expected a tensor, a {:handle, id}, a boolean, a number, a [low, high] pair or a string, got #{inspect(value, limit: 5)}"
+          "#{what}: expected a tensor, a {:handle, id}, a boolean, a number, a string, or a " <>
+            "[low, high] pair of numbers, :neg_infinity or :infinity, got #{inspect(value, limit: 5)}"
   end
 
   @doc "The `\"id\": <uint 64>` entry that completes a request head."

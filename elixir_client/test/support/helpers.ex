@@ -48,6 +48,7 @@ defmodule ScanBridge.TestSupport do
 
   @features %{
     sessions: ~w(session_open session_close session_state step),
+    ssd: ~w(ssd_scan session_open session_close session_state step),
     handles: ~w(put free)
   }
 
@@ -252,8 +253,8 @@ defmodule ScanBridge.TestSupport do
     for bi <- 0..(b - 1), t <- 0..(l - 1), di <- 0..(d - 1), do: elem(v, (t * b + bi) * d + di)
   end
 
-  # Timesteps [from, from + count) of every per-timestep tensor ([batch, seq, ...], layout bld).
-  defp time_slice(inputs, from, count) do
+  @doc "Timesteps [from, from + count) of every per-timestep tensor ([batch, seq, ...], layout bld)."
+  def time_slice(inputs, from, count) do
     seq = elem(inputs.x.shape, 1)
 
     Map.new(inputs, fn
@@ -273,7 +274,8 @@ defmodule ScanBridge.TestSupport do
     end)
   end
 
-  defp squeeze_time(inputs) do
+  @doc "The per-timestep tensors of a one-timestep slice without their seq axis, as a step takes them."
+  def squeeze_time(inputs) do
     Map.new(inputs, fn
       {key, %Tensor{shape: shape} = t} when key in [:x, :dt, :z, :B, :C] ->
         [batch, 1 | rest] = Tuple.to_list(shape)

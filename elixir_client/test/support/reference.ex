@@ -54,11 +54,98 @@ defmodule ScanBridge.TestSupport.Reference do
     {y, Enum.flat_map(results, &elem(&1, 1))}
   end
 
+  @doc """
+  The Mamba-2 (SSD) scan, head by head: `inputs` as given to `ScanBridge.ssd_scan/3`, by their
+  canonical names (x, dt, A, B, C; D, z, dt_bias, h0, dt_softplus, dt_min, dt_max, dt_limit,
+  cu_seqlens). Returns `{y, state}` as flat float lists: y `[batch, seq, heads, headdim]`, state
+  `[rows, heads, headdim, state]`, a row per batch row or, with cu_seqlens, per sequence.
+  """
+  def ssd_scan(inputs) do
+    {batch, len, heads, p} = inputs.x.shape
+    {_, _, groups, n} = inputs."B".shape
+    [x, dt, a, b_mat, c_mat] = Enum.map([:x, :dt, :A, :B, :C], &values(inputs[&1]))
+    [d, z, bias, h0] = Enum.map([:D, :z, :dt_bias, :h0], &optional(inputs, &1))
+    # D is [heads] or [heads, headdim]
+    d_at =
+      if inputs[:D] && tuple_size(inputs[:D].shape) == 2,
+        do: fn hi, pi -> hi * p + pi end,
+        else: fn hi, _pi -> hi end
+
+    results =
+      for {{bi, from, to}, row} <- Enum.with_index(sequences(inputs, batch, len)),
+          hi <- 0..(heads - 1) do
+        g = div(hi, div(heads, groups))
+
+        start =
+          for pi <- 0..(p - 1),
+              do: for(ni <- 0..(n - 1), do: h0_at(h0, ((row * heads + hi) * p + pi) * n + ni))
+
+        Enum.map_reduce(from..(to - 1)//1, start, fn t, h ->
+          at = (bi * len + t) * heads + hi
+          delta = time_step(elem(dt, at), bias && elem(bias, hi), inputs)
+          decay = :math.exp(delta * elem(a, hi))
+          bs = for ni <- 0..(n - 1), do: elem(b_mat, ((bi * len + t) * groups + g) * n + ni)
+          cs = for ni <- 0..(n - 1), do: elem(c_mat, ((bi * len + t) * groups + g) * n + ni)
+          xs = for pi <- 0..(p - 1), do: elem(x, at * p + pi)
+
+          h =
+            for {h_p, xv} <- Enum.zip(h, xs),
+                do: for({h_pn, bv} <- Enum.zip(h_p, bs), do: decay * h_pn + delta * xv * bv)
+
+          ys =
+            for {{h_p, xv}, pi} <- Enum.with_index(Enum.zip(h, xs)) do
+              y = Enum.sum(for {h_pn, cv} <- Enum.zip(h_p, cs), do: h_pn * cv)
+              y = if d, do: y + elem(d, d_at.(hi, pi)) * xv, else: y
+              y = if z, do: gate(y, elem(z, at * p + pi)), else: y
+              {at * p + pi, y}
+            end
+
+          {ys, h}
+        end)
+      end
+
+    # ys are {index into y, value}; the final states come in [row, head] order already.
+    y =
+      results
+      |> Enum.flat_map(&elem(&1, 0))
+      |> List.flatten()
+      |> Enum.sort()
+      |> Enum.map(&elem(&1, 1))
+
+    {y, results |> Enum.map(&elem(&1, 1)) |> List.flatten()}
+  end
+
+  # {batch row, first timestep, end} of each sequence: whole rows, or cu_seqlens' spans of row 0.
+  defp sequences(inputs, batch, len) do
+    case inputs[:cu_seqlens] do
+      nil ->
+        for bi <- 0..(batch - 1), do: {bi, 0, len}
+
+      cu ->
+        bounds = Tensor.to_list(cu)
+        for [from, to] <- Enum.chunk_every(bounds, 2, 1, :discard), do: {0, from, to}
+    end
+  end
+
+  defp h0_at(nil, _index), do: 0.0
+  defp h0_at(h0, index), do: elem(h0, index)
+
   defp time_step(dt, bias, inputs) do
     dt = if bias, do: dt + bias, else: dt
     dt = if inputs[:dt_softplus], do: softplus(dt), else: dt
-    dt = if inputs[:dt_min], do: max(dt, inputs[:dt_min]), else: dt
-    if inputs[:dt_max], do: min(dt, inputs[:dt_max]), else: dt
+    {low, high} = dt_bounds(inputs)
+    dt = if is_number(low), do: max(dt, low), else: dt
+    if is_number(high), do: min(dt, high), else: dt
+  end
+
+  # dt_min/dt_max, or mamba_ssm's dt_limit: its default [0, inf] clamps nothing, and neither
+  # does an infinite side (:neg_infinity, :infinity) of another pair.
+  defp dt_bounds(inputs) do
+    case inputs[:dt_limit] do
+      nil -> {inputs[:dt_min], inputs[:dt_max]}
+      [low, :infinity] when low == 0 -> {nil, nil}
+      [low, high] -> {low, high}
+    end
   end
 
   # torch's softplus (threshold 20: linear above it)
