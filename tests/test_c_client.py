@@ -1,6 +1,7 @@
 """The C client (examples/c_client), built under AddressSanitizer and UndefinedBehaviorSanitizer
 (`make scan_client-sanitized`), run against a live server over zmq ipc and tcp: it decodes every
-golden vector, pings, and checks an inline and a multipart scan against its own C reference.
+golden vector, pings, and checks an inline and a multipart scan, and an inline Mamba-2 ssd_scan,
+against its own C references.
 Then the same client against replies a proxy alters (other ids, a nil id, too many parts, an
 error reply, wrong types), against vectors of our own (sizes that overflow), and with a
 preloaded shim that sees who frees its zero-copy send buffers. Without
@@ -119,6 +120,11 @@ def endpoints(scan_client, tmp_path_factory):
     assert srv.stop() == 0, srv.log()
 
 
+def vector_names() -> list[str]:
+    return [name[:-len(".frame")] for d in (VECTORS, os.path.join(VECTORS, "multipart"))
+            for name in os.listdir(d) if name.endswith(".frame")]
+
+
 def count_vectors() -> int:
     return sum(name.endswith(".frame") for d in (VECTORS, os.path.join(VECTORS, "multipart"))
                for name in os.listdir(d))
@@ -130,7 +136,9 @@ def test_the_c_client_checks_vectors_ping_and_scans(scan_client, endpoints, lane
     print(run.stdout)
     assert run.returncode == 0, run.stderr
     assert f"golden vectors: {count_vectors()} checked" in run.stdout
-    for line in ("ping ", "scan inline ", "scan multipart ", "all checks passed"):
+    for name in vector_names():  # the Mamba-2 ones among them
+        assert f"vector {name} " in run.stdout
+    for line in ("ping ", "scan inline ", "ssd_scan ", "scan multipart ", "all checks passed"):
         assert line in run.stdout
     assert "kernel_us=" in run.stdout and "ipc " in run.stdout
 
@@ -149,7 +157,7 @@ def test_the_c_client_exits_non_zero_on_a_bad_vector(scan_client, endpoints, tmp
 #
 # A proxy between the compiled client and the live server: a ROUTER that forwards each request
 # and sends back what a scenario makes of it. The client keeps one request in flight, so the
-# proxy serves one at a time. The client's ids: ping 1, scan inline 2, scan multipart 3.
+# proxy serves one at a time. The client's ids: ping 1, scan inline 2, ssd_scan 3, scan multipart 4.
 
 @contextlib.contextmanager
 def proxy(server: str, directory, scenario):
@@ -215,6 +223,23 @@ def test_a_reply_to_another_id_is_dropped_not_taken_for_the_awaited_one(scan_cli
     assert "scan inline: dropped a reply to id 1, not this request's id 2" in run.stderr
     assert "scan inline: dropped a reply to id \"other\", not this request's id 2" in run.stderr
     assert "scan inline " in run.stdout and "all checks passed" in run.stdout
+
+
+def test_the_ssd_scan_check_fails_when_the_server_clamps_dt_otherwise(scan_client, endpoints, tmp_path):
+    # The ssd_scan's dt_limit [0.05, inf] swapped for mamba_ssm's default [0, inf], which clamps
+    # nothing, on its way to the server: y then differs from the client's reference.
+    def scenario(request_id, frames, forward):
+        if request_id != 3:
+            return [forward(frames)]
+        request = msgpack.unpackb(frames[0])
+        assert request["args"]["dt_limit"] == [0.05, float("inf")]
+        request["args"]["dt_limit"] = [0.0, float("inf")]
+        return [forward([msgpack.packb(request)])]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 1
+    assert "FAIL: ssd_scan: " in run.stderr and " values of y differ from the reference" in run.stderr
+    assert "1 failure(s)" in run.stderr and "scan multipart " in run.stdout
 
 
 def test_a_reply_with_a_nil_id_is_reported(scan_client, endpoints, tmp_path):

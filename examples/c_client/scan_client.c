@@ -7,8 +7,9 @@
  * 2. Connects a DEALER socket to ENDPOINT (e.g. ipc:///tmp/bridge.ipc, tcp://127.0.0.1:5555)
  *    and sends `ping`.
  * 3. Sends a `scan` on fresh random data twice: tensors inline in the msgpack body, then as raw
- *    buffers of a multipart message (zero copy both ways); checks y against a scalar C
- *    reference and prints the server's timing split beside the client's round trip.
+ *    buffers of a multipart message (zero copy both ways); between them, a Mamba-2 `ssd_scan`
+ *    (inline). Checks each y against a scalar C reference and prints the server's timing split
+ *    beside the client's round trip.
  *
  * Exits 0 when everything matched, 1 on any mismatch or failure, 2 on bad usage.
  * Assumes a little-endian host (the wire's byte order for tensor data).
@@ -518,6 +519,39 @@ static void reference_scan(int b, int l, int d, int n, const float *x, const flo
     free(h);
 }
 
+/* Checks the y of an ok reply (exchange checked its tensors already) against the reference's
+ * `count` values, and prints the timing when they agree. 1 when they do, else 0 (fail). */
+static int check_y(const char *what, const reply_t *reply, const double *expected, size_t count) {
+    const msgpack_object *y = get(get(&reply->body.data, "result"), "y");
+    const char *why;
+    tensor_t t;
+    if (!y) {
+        fail("%s: the reply has no y", what);
+        return 0;
+    }
+    if ((why = read_tensor(y, &reply->parts, NULL, &t)) != NULL || t.elements != count ||
+        !is_str(get(y, "dtype"), "f32")) {
+        fail("%s: y is not %zu f32 values (%s)", what, count, why ? why : "wrong size or dtype");
+        return 0;
+    }
+    size_t bad = 0, worst_at = 0;
+    double worst = 0;
+    for (size_t i = 0; i < count; i++) {
+        float got;
+        memcpy(&got, t.bytes + i * 4, 4);  /* payloads need not be aligned */
+        double error = fabs(got - expected[i]);
+        if (error > ATOL + RTOL * fabs(expected[i])) bad++;
+        if (error > worst) worst = error, worst_at = i;
+    }
+    if (bad) {
+        fail("%s: %zu of %zu values of y differ from the reference (worst: %g at %zu, expected %g)",
+             what, bad, count, worst, worst_at, expected[worst_at]);
+        return 0;
+    }
+    print_timing(what, &reply->body.data, reply->round_trip_us);
+    return 1;
+}
+
 static int run_scan(void *sock, int multipart) {
     enum { BATCH = 2, SEQ = 37, DIM = 12, STATE = 5 };
     size_t xn = (size_t)BATCH * SEQ * DIM, bn = (size_t)BATCH * SEQ * STATE;
@@ -537,7 +571,7 @@ static int run_scan(void *sock, int multipart) {
     parts_t buffers = {.count = 0};
     parts_t *raw = multipart ? &buffers : NULL;
     const int xs[] = {BATCH, SEQ, DIM}, bs[] = {BATCH, SEQ, STATE}, as[] = {DIM, STATE}, ds[] = {DIM};
-    const uint64_t id = multipart ? 3 : 2;
+    const uint64_t id = multipart ? 4 : 2;
     pack_envelope(&pk, id, "scan", 8);
     pack_tensor(&pk, "x", x, xs, 3, raw);
     pack_tensor(&pk, "dt", dt, xs, 3, raw);
@@ -552,41 +586,102 @@ static int run_scan(void *sock, int multipart) {
     reply_t reply;
     int ok = 0;
     const char *what = multipart ? "scan multipart" : "scan inline";
-    if (!exchange(sock, what, id, &body, &buffers, &reply)) goto done;
-    /* exchange checked every tensor of the reply already: read_tensor below finds y's bytes */
-    const msgpack_object *y = get(get(&reply.body.data, "result"), "y");
-    const char *why;
-    tensor_t t;
-    if (!y) {
-        fail("%s: the reply has no y", what);
-    } else if ((why = read_tensor(y, &reply.parts, NULL, &t)) != NULL || t.elements != xn) {
-        fail("%s: y is not [%d, %d, %d] f32 (%s)", what, BATCH, SEQ, DIM, why ? why : "wrong size");
-    } else if (multipart != (reply.parts.count > 1)) {
-        fail("%s: the reply should %suse raw buffers", what, multipart ? "" : "not ");
-    } else {
-        size_t bad = 0, worst_at = 0;
-        double worst = 0;
-        for (size_t i = 0; i < xn; i++) {
-            float got;
-            memcpy(&got, t.bytes + i * 4, 4);  /* payloads need not be aligned */
-            double error = fabs(got - expected[i]);
-            if (error > ATOL + RTOL * fabs(expected[i])) bad++;
-            if (error > worst) worst = error, worst_at = i;
-        }
-        if (bad) {
-            fail("%s: %zu of %zu values of y differ from the reference (worst: %g at %zu, expected %g)",
-                 what, bad, xn, worst, worst_at, expected[worst_at]);
-        } else {
-            ok = 1;
-            print_timing(what, &reply.body.data, reply.round_trip_us);
-        }
+    if (exchange(sock, what, id, &body, &buffers, &reply)) {
+        if (multipart != (reply.parts.count > 1))
+            fail("%s: the reply should %suse raw buffers", what, multipart ? "" : "not ");
+        else
+            ok = check_y(what, &reply, expected, xn);
+        close_reply(&reply);
     }
-    close_reply(&reply);
-done:
     msgpack_sbuffer_destroy(&body);
     /* Sent as raw buffers, the inputs are ZeroMQ's now (send_request); inline, the body had copies. */
     if (!multipart) free(x), free(dt), free(z), free(A), free(B), free(C), free(D);
     free(expected);
+    return ok;
+}
+
+/* The reference of ssd_scan (SPEC §6, Mamba-2) in double, with D per head, z, dt_softplus and
+ * a lower dt bound: per head, h = exp(dt·A)·h + dt·(x ⊗ B), y = h·C + D·x, then y·silu(z); group
+ * g of B and C serves heads [g·heads/groups, (g + 1)·heads/groups). */
+static void reference_ssd_scan(int b, int l, int heads, int p, int groups, int n, double dt_low, const float *x,
+                               const float *dt, const float *A, const float *B, const float *C, const float *D,
+                               const float *z, double *y) {
+    double *h = calloc((size_t)heads * p * n, sizeof *h);
+    for (int bi = 0; bi < b; bi++) {
+        memset(h, 0, (size_t)heads * p * n * sizeof *h);
+        for (int t = 0; t < l; t++) {
+            size_t row = ((size_t)bi * l + t);
+            for (int hd = 0; hd < heads; hd++) {
+                const float *Bt = &B[(row * groups + hd / (heads / groups)) * n];
+                const float *Ct = &C[(row * groups + hd / (heads / groups)) * n];
+                double delta = dt[row * heads + hd];
+                delta = delta > 20 ? delta : log1p(exp(delta));  /* softplus */
+                delta = delta < dt_low ? dt_low : delta;
+                double decay = exp(delta * A[hd]);
+                for (int c = 0; c < p; c++) {
+                    size_t at = (row * heads + hd) * p + c;
+                    double xv = x[at], acc = 0;
+                    for (int s = 0; s < n; s++) {
+                        double *hs = &h[((size_t)hd * p + c) * n + s];
+                        *hs = decay * *hs + delta * xv * Bt[s];
+                        acc += Ct[s] * *hs;
+                    }
+                    acc += D[hd] * xv;
+                    y[at] = acc * z[at] / (1 + exp(-z[at]));  /* y * silu(z) */
+                }
+            }
+        }
+    }
+    free(h);
+}
+
+/* A Mamba-2 scan, tensors inline: x, z [batch, seq, heads, headdim], dt [batch, seq, heads],
+ * A, D [heads], B, C [batch, seq, groups, state], and mamba_ssm's dt_limit (low, inf), sent as
+ * a msgpack array of two floats. */
+static int run_ssd_scan(void *sock) {
+    enum { BATCH = 2, SEQ = 9, HEADS = 4, HEADDIM = 3, GROUPS = 2, STATE = 5 };
+    const double dt_low = 0.05;
+    size_t xn = (size_t)BATCH * SEQ * HEADS * HEADDIM, tn = (size_t)BATCH * SEQ * HEADS;
+    size_t bn = (size_t)BATCH * SEQ * GROUPS * STATE;
+    float *x = malloc(xn * 4), *z = malloc(xn * 4), *dt = malloc(tn * 4), *A = malloc(HEADS * 4);
+    float *D = malloc(HEADS * 4), *B = malloc(bn * 4), *C = malloc(bn * 4);
+    double *expected = malloc(xn * sizeof *expected);
+    for (size_t i = 0; i < xn; i++) x[i] = uniform(-1, 1), z[i] = uniform(-2, 2);
+    for (size_t i = 0; i < tn; i++) dt[i] = uniform(-4, 1);  /* softplus below dt_low now and then */
+    for (size_t i = 0; i < bn; i++) B[i] = uniform(-1, 1), C[i] = uniform(-1, 1);
+    for (int i = 0; i < HEADS; i++) A[i] = uniform(-2, -0.1f), D[i] = uniform(-1, 1);
+    reference_ssd_scan(BATCH, SEQ, HEADS, HEADDIM, GROUPS, STATE, dt_low, x, dt, A, B, C, D, z, expected);
+
+    msgpack_sbuffer body;
+    msgpack_sbuffer_init(&body);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &body, msgpack_sbuffer_write);
+    const int xs[] = {BATCH, SEQ, HEADS, HEADDIM}, ts[] = {BATCH, SEQ, HEADS}, hs[] = {HEADS},
+              bs[] = {BATCH, SEQ, GROUPS, STATE};
+    pack_envelope(&pk, 3, "ssd_scan", 9);
+    pack_tensor(&pk, "x", x, xs, 4, NULL);
+    pack_tensor(&pk, "dt", dt, ts, 3, NULL);
+    pack_tensor(&pk, "A", A, hs, 1, NULL);
+    pack_tensor(&pk, "B", B, bs, 4, NULL);
+    pack_tensor(&pk, "C", C, bs, 4, NULL);
+    pack_tensor(&pk, "D", D, hs, 1, NULL);
+    pack_tensor(&pk, "z", z, xs, 4, NULL);
+    pack_string(&pk, "dt_softplus");
+    msgpack_pack_true(&pk);
+    pack_string(&pk, "dt_limit");
+    msgpack_pack_array(&pk, 2);
+    msgpack_pack_double(&pk, dt_low);
+    msgpack_pack_double(&pk, INFINITY);
+
+    parts_t none = {.count = 0};
+    reply_t reply;
+    int ok = 0;
+    if (exchange(sock, "ssd_scan", 3, &body, &none, &reply)) {
+        ok = check_y("ssd_scan", &reply, expected, xn);
+        close_reply(&reply);
+    }
+    msgpack_sbuffer_destroy(&body);
+    free(x), free(z), free(dt), free(A), free(D), free(B), free(C), free(expected);
     return ok;
 }
 
@@ -635,7 +730,8 @@ int main(int argc, char **argv) {
         fail("connect %s: %s", argv[1], zmq_strerror(zmq_errno()));
     } else if (run_ping(sock)) {
         run_scan(sock, 0);
-        run_scan(sock, 1);
+        run_ssd_scan(sock);
+        run_scan(sock, 1);  /* last: the only request with raw buffers (see send_request) */
     }
     zmq_close(sock);
     zmq_ctx_term(context);
