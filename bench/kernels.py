@@ -344,14 +344,6 @@ def measure_exp_rates(extra: dict, details: dict, available: list[str]) -> dict:
     return rates
 
 
-def lacks_kernel(case: KernelCase, impl) -> str | None:
-    """Why `impl` cannot run `case` (a backend without the SSD kernels), or None."""
-    needed = {"ssd-scan": "ssd_scan", "ssd-step": "ssd_state_update"}.get(case.kind)
-    if needed and getattr(impl, needed) is None:
-        return f"{impl.name} skipped: it has no {needed} (no Mamba-2 kernels)"
-    return None
-
-
 def _over_rounds(measurements: list[dict]) -> dict:
     """One backend's rounds: the median of their medians (and of their p20, p80)."""
     if len(measurements) == 1:
@@ -380,11 +372,7 @@ def run(cases, backends, device: torch.device, layout: str, quick: bool, referen
         rows, calls, measured = {}, {}, {}
         for name in backends:
             row = {"case": case.name, "backend": name, "bytes": nbytes, "floor_us": floor_us}
-            missing = lacks_kernel(case, (extra or {}).get(name) or get_backend(name, device.type))
-            if missing:
-                row["skipped"] = missing
-                log(f"  {case.name}: {missing}")
-            elif name == "reference" and case.elements > reference_max_elements:
+            if name == "reference" and case.elements > reference_max_elements:
                 row["skipped"] = (f"reference skipped: {case.elements:,} elements in its largest tensor > "
                                   f"{reference_max_elements:,} (KernelCase.elements)")
                 log(f"  {case.name}: {row['skipped']}")

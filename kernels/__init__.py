@@ -63,27 +63,24 @@ def reads_unaligned(backend: str, device_type: str) -> bool:
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
                    cu_seqlens=None, backend=None):
-    if cu_seqlens is not None:
-        # Checked whole first, so a shape error names the packed input, not a slice of it.
-        _args.check_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                         dt_min=dt_min, dt_max=dt_max, layout=layout)
-        seq_axis = 1 if layout == "bld" else 2
-        bc_axis = 1 if layout == "bld" else B.dim() - 1
-
-        def one(**kw):
-            return selective_scan(A=A, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
-                                  dt_max=dt_max, layout=layout, backend=backend, **kw)
-
-        packed = dict(x=(x, seq_axis), dt=(dt, seq_axis), z=(z, seq_axis), B=(B, bc_axis), C=(C, bc_axis))
-        return _varlen.run_packed(one, x=x, seq_axis=seq_axis, packed=packed, h0=h0,
-                                  return_state=return_state, cu_seqlens=cu_seqlens,
-                                  state_shape=(x.shape[2 if layout == "bld" else 1], A.shape[1]),
-                                  state_meaning="dim, state")
+    packed = cu_seqlens is not None
+    # Packed sequences: checked whole (h0 then has a row per sequence: _varlen checks it).
     args = _args.check_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                            dt_min=dt_min, dt_max=dt_max, h0=h0, return_state=return_state,
-                            layout=layout)
+                            dt_min=dt_min, dt_max=dt_max, h0=None if packed else h0,
+                            return_state=return_state, layout=layout)
     impl = get_backend(backend, args.x.device.type)
-    y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+    if packed:
+        kwargs = args.backend_kwargs()
+
+        def one(x, dt, B, C, z, h0, return_state):
+            return impl.scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state})
+
+        bld = layout == "bld"
+        y, state = _varlen.run_packed(one, args, seq_axis=1 if bld else 2, bc_axis=1 if bld else 3, h0=h0,
+                                      cu_seqlens=cu_seqlens, state_shape=(args.dims.dim, args.dims.state),
+                                      state_meaning="dim, state")
+    else:
+        y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
     return (y, state) if args.return_state else y
 
 
@@ -99,24 +96,23 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
 
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
              dt_max=None, h0=None, return_state=False, cu_seqlens=None, chunk_size=None, backend=None):
-    if cu_seqlens is not None:
-        _args.check_ssd_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                             dt_min=dt_min, dt_max=dt_max, chunk_size=chunk_size)
-
-        def one(**kw):
-            return ssd_scan(A=A, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
-                            dt_max=dt_max, chunk_size=chunk_size, backend=backend, **kw)
-
-        packed = dict(x=(x, 1), dt=(dt, 1), z=(z, 1), B=(B, 1), C=(C, 1))
-        return _varlen.run_packed(one, x=x, seq_axis=1, packed=packed, h0=h0,
-                                  return_state=return_state, cu_seqlens=cu_seqlens,
-                                  state_shape=(x.shape[2], x.shape[3], B.shape[3]),
-                                  state_meaning="heads, headdim, state")
+    packed = cu_seqlens is not None
     args = _args.check_ssd_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                dt_min=dt_min, dt_max=dt_max, h0=h0, return_state=return_state,
-                                chunk_size=chunk_size)
+                                dt_min=dt_min, dt_max=dt_max, h0=None if packed else h0,
+                                return_state=return_state, chunk_size=chunk_size)
     impl = get_backend(backend, args.x.device.type)
-    y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+    if packed:
+        kwargs = args.backend_kwargs()
+
+        def one(x, dt, B, C, z, h0, return_state):
+            return impl.ssd_scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state})
+
+        d = args.dims
+        y, state = _varlen.run_packed(one, args, seq_axis=1, bc_axis=1, h0=h0, cu_seqlens=cu_seqlens,
+                                      state_shape=(d.heads, d.headdim, d.state),
+                                      state_meaning="heads, headdim, state")
+    else:
+        y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
     return (y, state) if args.return_state else y
 
 

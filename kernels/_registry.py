@@ -50,6 +50,9 @@ class Backend:
     name: str
     scan: Callable
     state_update: Callable
+    # Mamba-2 (SSD): the scan over [batch, seq, heads, headdim] and the one-step update.
+    ssd_scan: Callable
+    ssd_state_update: Callable
     device_types: frozenset
     # Compiles kernels for the given shape buckets ahead of the first request; returns a list
     # of human-readable descriptions of what was compiled. None: nothing to compile.
@@ -58,9 +61,6 @@ class Backend:
     # frame may sit at any offset); callers then need no aligned copy of their inputs.
     reads_unaligned: bool = False
     details: dict = field(default_factory=dict)
-    # Mamba-2 (SSD): the scan over [batch, seq, heads, headdim] and the one-step update.
-    ssd_scan: Callable | None = None
-    ssd_state_update: Callable | None = None
     # A PyCapsule "scan_bridge.run_problem" running the backend's kernel on a ScanProblem
     # (kernels/cpu/scan_kernel.h) that a native caller in this process fills itself (the
     # bridge's native step path); None for backends without one.

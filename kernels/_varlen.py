@@ -1,39 +1,42 @@
 """Variable-length batches: n sequences packed along seq (batch 1), cut at `cu_seqlens`.
 
-Every backend serves them the same way: the checked call is split into one call per sequence
-(views, no copies of the inputs), each starting from its own row of h0, and the outputs are
-joined again (y along seq, the final states stacked). A sequence never sees another's state.
+Every backend serves them the same way: the call, checked once as a whole, is split into one
+backend call per sequence (views, no copies of the inputs), each starting from its own row of
+h0, and the outputs are joined again (y along seq, the final states stacked). A sequence never
+sees another's state.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._args import _require_shape, _require_tensor, check_cu_seqlens
+from ._args import _check_devices, _require_shape, _require_tensor, check_cu_seqlens
 
 
-def run_packed(scan_one, *, x, seq_axis: int, packed: dict, h0, return_state: bool, cu_seqlens,
-               state_shape: tuple[int, ...], state_meaning: str):
-    """Runs `scan_one(h0=..., return_state=..., **packed sliced)` once per sequence.
+def run_packed(scan_one, args, *, seq_axis: int, bc_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...],
+               state_meaning: str):
+    """(y, state or None) of `args` (checked, h0 left out) scanned once per packed sequence by
+    `scan_one(x, dt, B, C, z, h0, return_state)`, a backend's scan with the other arguments bound.
 
-    packed: the tensors (or None) cut along seq; each maps to its seq axis. x is among them.
-    state_shape: one sequence's state shape, without the leading row axis (h0 is [n, *it])."""
+    seq_axis: the time axis of x, dt and z; bc_axis: that of B and C (with their groups axis);
+    state_shape: one sequence's state (h0 is [sequences, *state_shape])."""
+    x = args.x
     bounds = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[seq_axis])
     count = len(bounds) - 1
     if h0 is not None:
         h0 = _require_tensor("h0", h0)
         _require_shape("h0", h0, (count, *state_shape), f"[sequences, {state_meaning}]")
+        _check_devices(dict(x=x, h0=h0))
     ys, states = [], []
     for i in range(count):
-        begin, end = bounds[i], bounds[i + 1]
-        sliced = {name: (None if t is None else t.narrow(axis, begin, end - begin))
-                  for name, (t, axis) in packed.items()}
-        out = scan_one(h0=None if h0 is None else h0[i:i + 1], return_state=return_state, **sliced)
-        if return_state:
-            ys.append(out[0])
-            states.append(out[1])
-        else:
-            ys.append(out)
-    y = torch.cat(ys, dim=seq_axis)
-    return (y, torch.cat(states, dim=0)) if return_state else y
+        begin, length = bounds[i], bounds[i + 1] - bounds[i]
+
+        def cut(t, axis):
+            return None if t is None else t.narrow(axis, begin, length)
+
+        y, state = scan_one(cut(x, seq_axis), cut(args.dt, seq_axis), cut(args.B, bc_axis), cut(args.C, bc_axis),
+                            cut(args.z, seq_axis), None if h0 is None else h0[i:i + 1], args.return_state)
+        ys.append(y)
+        states.append(state)
+    return torch.cat(ys, dim=seq_axis), (torch.cat(states, dim=0) if args.return_state else None)
 

@@ -299,6 +299,21 @@ DTYPES = [
 ]
 
 
+def cpu_backends() -> list[str]:
+    """The backends the generic suites test: every available one serving CPU tensors but the
+    reference (the oracle) and Triton (its own interpreter suite)."""
+    names = []
+    for name in kernels.available_backends():
+        if name in ("reference", "triton"):
+            continue
+        try:
+            kernels.select_backend("cpu", name)
+        except kernels.BackendUnavailable:
+            continue  # available, but for other devices only
+        names.append(name)
+    return names
+
+
 def random_seed() -> int:
     """A fresh seed per test (printed in failure messages, so a failure can be replayed)."""
     return random.randrange(2**31)

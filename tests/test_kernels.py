@@ -16,24 +16,11 @@ from kernel_cases import (
     DTYPES, LARGE_SCAN_CASES, SCAN_CASES, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference,
     assert_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
-    make_update_inputs, random_seed, reference_scan, STRIDED, nan_gapped, with_changes,
+    make_update_inputs, random_seed, reference_scan, STRIDED, nan_gapped, with_changes, cpu_backends,
 )
 
 
-def _cpu_backends() -> list[str]:
-    names = []
-    for name in kernels.available_backends():
-        if name in ("reference", "triton"):
-            continue
-        try:
-            kernels.select_backend("cpu", name)
-        except kernels.BackendUnavailable:
-            continue  # available, but for other devices only
-        names.append(name)
-    return names
-
-
-BACKENDS = [pytest.param(name, id=name) for name in _cpu_backends()]
+BACKENDS = [pytest.param(name, id=name) for name in cpu_backends()]
 # --- scan and state update against the float64 reference ------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

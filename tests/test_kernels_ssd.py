@@ -1,5 +1,4 @@
-"""The generic Mamba-2 (SSD) suite: every available backend that serves CPU tensors and has the
-SSD kernels (except the reference, which is the oracle, and Triton, which has its own
+"""The generic Mamba-2 (SSD) suite: every available backend that serves CPU tensors (except the reference, which is the oracle, and Triton, which has its own
 interpreter suite) against the float64 reference; chaining, chunk sizes, packed sequences
 (cu_seqlens, for the Mamba-1 scan too), the SSD scan against the Mamba-1 scan of the same
 problem written per channel, and validation.
@@ -18,31 +17,12 @@ from kernel_cases import (
     SsdUpdateCase, assert_close, assert_scan_outputs_match_reference, assert_ssd_matches_reference,
     assert_ssd_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
     make_ssd_inputs, make_ssd_update_inputs, nan_gapped, random_seed, reference_scan, reference_ssd_scan,
-    reference_ssd_update, state_dtype, state_tolerance,
+    reference_ssd_update, state_dtype, state_tolerance, cpu_backends,
 )
 from kernel_cases import with_changes as _with
-from kernels._registry import get_backend
 
 
-def _cpu_backends(*, ssd: bool) -> list[str]:
-    """Backends serving CPU tensors, the oracle and Triton left out; with `ssd`, only those that
-    have the SSD scan (a backend gains it when its kernels land)."""
-    names = []
-    for name in kernels.available_backends():
-        if name in ("reference", "triton"):
-            continue
-        try:
-            backend = get_backend(name, "cpu")
-        except kernels.BackendUnavailable:
-            continue  # available, but for other devices only
-        if ssd and backend.ssd_scan is None:
-            continue
-        names.append(name)
-    return names
-
-
-BACKENDS = [pytest.param(name, id=name) for name in _cpu_backends(ssd=True)]
-MAMBA1_BACKENDS = [pytest.param(name, id=name) for name in _cpu_backends(ssd=False)]
+BACKENDS = [pytest.param(name, id=name) for name in cpu_backends()]
 F32 = torch.float32
 
 
@@ -334,7 +314,7 @@ def _mamba1_slice(layout):
 
 @pytest.mark.parametrize("h0,return_state", PACKED_OPTIONS)
 @pytest.mark.parametrize("layout", ["bld", "bdl"])
-@pytest.mark.parametrize("backend", MAMBA1_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mamba1_packed_sequences_are_separate_scans(backend, layout, h0, return_state):
     case = ScanCase(1, BOUNDS[-1], 6, 4, groups=2, layout=layout, D=True, z=True, dt_bias=True,
                     dt_softplus=True, return_state=return_state)
@@ -523,26 +503,23 @@ def test_packed_scans_reject_malformed_boundaries(kind, change, exc, field, got)
     if kind == "ssd":
         _assert_rejected(kernels.ssd_scan, {**args, "backend": BACKENDS[0].values[0]}, exc, field, got)
     else:
-        _assert_rejected(kernels.selective_scan, {**args, "backend": MAMBA1_BACKENDS[0].values[0]}, exc, field, got)
+        _assert_rejected(kernels.selective_scan, {**args, "backend": BACKENDS[0].values[0]}, exc, field, got)
 
 
 def test_torch_backend_has_the_ssd_kernels():
     """So the suite above always runs on at least one backend."""
-    assert "torch" in _cpu_backends(ssd=True), kernels.unavailable_backends().get("torch")
+    assert "torch" in cpu_backends(), kernels.unavailable_backends().get("torch")
 
 
 # --- the SSD cases of bench.kernels ------------------------------------------------------------
 
-def test_bench_times_ssd_cases_and_skips_a_backend_without_them():
+def test_bench_times_ssd_cases():
     """bench.kernels on small SSD cases (a scan, an ExPhil-style step by slot): the torch
-    backend's timed call computes the reference's y, its rows carry the speedup over the
-    reference, and a backend without the SSD kernels is skipped with the reason."""
+    backend's timed call computes the reference's y, and its rows carry the speedup over the
+    reference."""
     from bench import kernels as bench_kernels
-    from kernels._registry import Backend
 
     cpu = torch.device("cpu")
-    eager = get_backend("torch", "cpu")
-    no_ssd = Backend(name="no-ssd", scan=eager.scan, state_update=eager.state_update, device_types=frozenset({"cpu"}))
     cases = [bench_kernels.KernelCase("ssd-tiny", "ssd-scan", batch=2, dim=24, state=16, seq=37, heads=3),
              bench_kernels.KernelCase("ssd-step-tiny", "ssd-step", batch=5, dim=24, state=16, heads=3, exphil=True)]
     for case in cases:
@@ -551,10 +528,7 @@ def test_bench_times_ssd_cases_and_skips_a_backend_without_them():
             out = bench_kernels.kernel_call(case, name, bench_kernels.make_inputs(case, "bld", cpu))()
             y[name] = out[0] if isinstance(out, tuple) else out
         assert_close(y["torch"], y["reference"], F32, f"{case.name} y")
-    report = bench_kernels.run(cases, ["reference", "torch", "no-ssd"], cpu, "bld", True, 1, 1 << 25,
-                               log=lambda *_: None, extra={"no-ssd": no_ssd})
+    report = bench_kernels.run(cases, ["reference", "torch"], cpu, "bld", True, 1, 1 << 25, log=lambda *_: None)
     rows = {(r["case"], r["backend"]): r for r in report["results"]}
-    assert "ssd_scan" in rows[("ssd-tiny", "no-ssd")]["skipped"]
-    assert "ssd_state_update" in rows[("ssd-step-tiny", "no-ssd")]["skipped"]
     for case in ("ssd-tiny", "ssd-step-tiny"):
-        assert rows[(case, "torch")]["speedup_vs_reference"] > 0 and "median_us" not in rows[(case, "no-ssd")]
+        assert rows[(case, "torch")]["speedup_vs_reference"] > 0
