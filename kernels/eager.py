@@ -137,6 +137,40 @@ def selective_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max
     return y.to(x.dtype), state
 
 
+class LiveRows:
+    """The pool rows a state update touches: rows 0..batch-1 without slots; else the rows the
+    non-negative slots name (a negative slot is padding: its y is 0 and no pool row is read or
+    written). Selecting them is data-dependent, a host sync per call on CUDA: acceptable for
+    this fallback backend, and the only way to leave padding rows' slots untouched."""
+
+    def __init__(self, state: torch.Tensor, slots: torch.Tensor | None):
+        self.state = state
+        self.live = None if slots is None else torch.nonzero(slots >= 0).squeeze(1)
+        self.pool = None if slots is None else slots.index_select(0, self.live).to(torch.int64)
+
+    def state_rows(self, f: torch.dtype) -> torch.Tensor:
+        """The touched rows in the compute dtype: the caller's tensor itself where it can be."""
+        return self.state.to(f) if self.pool is None else self.state.index_select(0, self.pool).to(f)
+
+    def select(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A per-row argument's live rows."""
+        return t if t is None or self.live is None else t.index_select(0, self.live)
+
+    def write_back(self, h: torch.Tensor) -> None:
+        if self.pool is not None:
+            self.state.index_copy_(0, self.pool, h.to(self.state.dtype))
+        elif h is not self.state:
+            self.state.copy_(h)
+
+    def full_rows(self, out: torch.Tensor, batch: int) -> torch.Tensor:
+        """y for every batch row from the live rows' `out`: zeros at padding rows."""
+        if self.live is None:
+            return out
+        y = out.new_zeros((batch, *out.shape[1:]))
+        y.index_copy_(0, self.live, out)
+        return y
+
+
 def selective_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
                            slots):
     """Arguments as normalised by `kernels._args.check_state_update` (B, C with a groups axis).
@@ -147,18 +181,9 @@ def selective_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus,
     groups = B.shape[1]
     per_group = dim // groups
 
-    if slots is None:
-        pool_rows = None
-        # Computed directly in the caller's tensor when it already has the compute dtype.
-        h = state.to(f)
-    else:
-        # Data-dependent row selection; on CUDA this costs one host sync per call, acceptable
-        # for this fallback path and the only way to leave padding rows' slots untouched.
-        live_rows = torch.nonzero(slots >= 0).squeeze(1)
-        pool_rows = slots.index_select(0, live_rows).to(torch.int64)
-        x, dt, B, C = (t.index_select(0, live_rows) for t in (x, dt, B, C))
-        z = None if z is None else z.index_select(0, live_rows)
-        h = state.index_select(0, pool_rows).to(f)
+    rows = LiveRows(state, slots)
+    h = rows.state_rows(f)
+    x, dt, B, C, z = (rows.select(t) for t in (x, dt, B, C, z))
 
     dt_f = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)
     h4 = h.unflatten(1, (groups, per_group))  # [r, g, dg, n], a view: updates land in h
@@ -174,14 +199,8 @@ def selective_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus,
     if z is not None:
         out.mul_(F.silu(z.to(f)))
 
-    if pool_rows is None:
-        if h is not state:
-            state.copy_(h)
-        return out.to(x.dtype)
-    state.index_copy_(0, pool_rows, h.to(state.dtype))
-    y = torch.zeros(batch, dim, dtype=x.dtype, device=x.device)
-    y.index_copy_(0, live_rows, out.to(x.dtype))
-    return y
+    rows.write_back(h)
+    return rows.full_rows(out.to(x.dtype), batch)
 
 
 def load_backend() -> Backend:

@@ -42,7 +42,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .eager import _compute_dtype, _discretize_dt
+from .eager import LiveRows, _compute_dtype, _discretize_dt
 
 # Timesteps per chunk when the caller names none. The decay and score matrices hold
 # seq x heads x Q numbers, the chunk states seq x heads x headdim x state / Q: the two balance
@@ -176,16 +176,9 @@ def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_mi
     groups = B.shape[1]
     per_group = heads // groups
 
-    if slots is None:
-        pool_rows = None
-        h = state.to(f)  # the caller's tensor itself when it already has the compute dtype
-    else:
-        # Data-dependent row selection (a host sync on CUDA): it leaves padding rows' slots untouched.
-        live_rows = torch.nonzero(slots >= 0).squeeze(1)
-        pool_rows = slots.index_select(0, live_rows).to(torch.int64)
-        x, dt, B, C = (t.index_select(0, live_rows) for t in (x, dt, B, C))
-        z = None if z is None else z.index_select(0, live_rows)
-        h = state.index_select(0, pool_rows).to(f)
+    rows = LiveRows(state, slots)
+    h = rows.state_rows(f)
+    x, dt, B, C, z = (rows.select(t) for t in (x, dt, B, C, z))
 
     dt_f = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)  # [r, h]
     h.mul_(_exp(torch.mul(dt_f, A.to(f)), _exp_bound(f))[..., None, None])  # clamped as in the scan
@@ -194,11 +187,5 @@ def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_mi
                 B.to(f)[:, :, None, None, :])
     out = _skip_and_gate(torch.einsum("rgkpn,rgn->rgkp", h5, C.to(f)).flatten(1, 2), x, D, z, f)  # [r, h, p]
 
-    if pool_rows is None:
-        if h is not state:
-            state.copy_(h)
-        return out.to(x.dtype)
-    state.index_copy_(0, pool_rows, h.to(state.dtype))
-    y = torch.zeros(batch, heads, headdim, dtype=x.dtype, device=x.device)
-    y.index_copy_(0, live_rows, out.to(x.dtype))
-    return y
+    rows.write_back(h)
+    return rows.full_rows(out.to(x.dtype), batch)

@@ -11,10 +11,10 @@ BackendUnavailable with the reason and the registry falls back to the "torch" ba
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .._registry import Backend
-from ..eager import _discretize_dt
+from ..eager import _compute_dtype, _discretize_dt
+from ..eager_ssd import _skip_and_gate
 
 
 def load_backend() -> Backend:
@@ -48,8 +48,7 @@ def backend_from(ext) -> Backend:
         ext.ssd_scan(xf, _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f).contiguous(),
                      A.to(f).contiguous(), B.to(f).contiguous(), C.to(f).contiguous(),
                      None if h0 is None else h0.to(f).contiguous(), y, state)
-        _gate(y, xf, D, z, f)
-        return y.to(x.dtype), state
+        return _skip_and_gate(y, xf, D, z, f).to(x.dtype), state
 
     def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots):
         f = _compute_dtype(x)
@@ -73,8 +72,9 @@ def backend_from(ext) -> Backend:
                              A.to(f).contiguous(), B.to(f).contiguous(), C.to(f).contiguous(), y)
         if not in_place:
             state.index_copy_(0, pool_rows, pool.to(state.dtype))
-        _gate(y, xf, D, z, f)
-        y[kernel_rows < 0] = 0  # padding rows: whatever D x and the gate made of them
+        _skip_and_gate(y, xf, D, z, f)
+        if slots is not None:
+            y[kernel_rows < 0] = 0  # padding rows: the kernel's zeros, whatever D x made of them
         return y.to(x.dtype)
 
     return Backend(
@@ -93,14 +93,3 @@ def backend_from(ext) -> Backend:
         ssd_state_update=ssd_state_update,
     )
 
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _gate(y: torch.Tensor, x: torch.Tensor, D, z, f: torch.dtype) -> None:
-    """y += D x, then y *= silu(z), in place (D [heads, headdim] broadcasts over the rows)."""
-    if D is not None:
-        y.addcmul_(x, D.to(f))
-    if z is not None:
-        y.mul_(F.silu(z.to(f)))
