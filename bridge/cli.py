@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions open at once, over all connections")
     p.add_argument("--max-pool-bytes", type=_count, default=defaults.max_pool_bytes,
                    help="device bytes of session state pools")
+    p.add_argument("--model-dir", dest="model_dirs", action="append", type=_directory, default=[],
+                   help="a directory model_load may read checkpoints under (repeatable; relative paths in "
+                        "requests are taken under the first); without one, model_load reads no files and "
+                        "takes only a config and weights sent in the request")
     p.add_argument("--max-handles", type=_count, default=defaults.max_handles,
                    help="tensor handles held at once, over all connections")
     p.add_argument("--max-handle-bytes", type=_count, default=defaults.max_handle_bytes,
@@ -97,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
                    help="unix connections served at once; another is answered overloaded and closed")
     return p
+
+
+def _directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected an existing directory, got {text!r}")
+    return text
 
 
 def _count(text: str) -> int:
@@ -221,6 +231,7 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
         log.error("%s", exc)
         return 2
     # Every ServerConfig field is an option of the same name.
+    args.model_dirs = tuple(args.model_dirs)
     config = ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
     if config.threads is not None:  # before any thread calls into torch: each keeps what it read
         import torch

@@ -78,8 +78,10 @@ class Reply:
 def to_wire(value):
     """numpy array / torch tensor → protocol.OutTensor (data is a zero-copy view when the
     array is little-endian and C-contiguous, else a copy that is); numpy scalars → Python
-    numbers, as options such as dt_min take them (np.asarray(x) makes a 0-d tensor); other
-    values pass through."""
+    numbers, as options such as dt_min take them (np.asarray(x) makes a 0-d tensor); a dict's
+    values each (a model's weights or state); other values pass through."""
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
@@ -117,6 +119,84 @@ def result_from_wire(value, *, as_torch: bool = False):
     if isinstance(value, list):
         return [result_from_wire(v, as_torch=as_torch) for v in value]
     return value
+
+
+class RemoteModel:
+    """A model loaded on the server (`Client.load_model`); `info` is model_load's reply."""
+
+    def __init__(self, client, info: dict):
+        self.client = client
+        self.info = info
+        self.id = info["model"]
+
+    def open_session(self, batch: int = 1, state: dict | None = None) -> ModelSession:
+        """A session of `batch` rows: zero state, or `state` as `ModelSession.state()` gave it."""
+        args = {"model": self.id, "batch": batch}
+        if state is not None:
+            args["state"] = state
+        return ModelSession(self.client, self.client.call("session_open", **args)["session"], batch)
+
+    def free(self) -> None:
+        self.client.call("model_free", model=self.id)
+
+
+class ModelSession:
+    """Every layer's state of `batch` rows of a model, kept on the server."""
+
+    def __init__(self, client, session_id: str, batch: int):
+        self.client = client
+        self.id = session_id
+        self.batch = batch
+
+    @staticmethod
+    def _input(tokens, embeds) -> dict:
+        if (tokens is None) == (embeds is None):
+            raise ValueError("expected exactly one of tokens and embeds")
+        return {"tokens": tokens} if tokens is not None else {"embeds": embeds}
+
+    def forward(self, tokens=None, *, embeds=None, output: str | None = None, last_only: bool = False):
+        """Prefill tokens [batch, seq] (or embeds [batch, seq, d_model]) from the current
+        state, leaving the state at the end; the logits (or hidden states) [batch, seq, ...]."""
+        args = {"session": self.id, **self._input(tokens, embeds)}
+        if output is not None:
+            args["output"] = output
+        if last_only:
+            args["last_only"] = True
+        result = self.client.call("model_forward", **args)
+        return next(iter(result.values()))
+
+    def step_reply(self, tokens=None, *, embeds=None, output: str | None = None,
+                   timeout: float | None = 60.0) -> Reply:
+        """The Reply to one frame (its timing too)."""
+        args = {"session": self.id, **self._input(tokens, embeds)}
+        if output is not None:
+            args["output"] = output
+        return self.client.request("model_step", args, timeout)
+
+    def step(self, tokens=None, *, embeds=None, output: str | None = None):
+        """One frame: tokens [batch] (or embeds [batch, d_model]) -> logits (or hidden) [batch, ...]."""
+        return next(iter(self.step_reply(tokens, embeds=embeds, output=output).unwrap().values()))
+
+    def snapshot(self) -> str:
+        """A copy of the whole state, kept on the server; its id, for `restore`."""
+        return self.client.call("session_snapshot", session=self.id)["snapshot"]
+
+    def restore(self, snapshot: str) -> None:
+        self.client.call("session_restore", session=self.id, snapshot=snapshot)
+
+    def free_snapshot(self, snapshot: str) -> None:
+        self.client.call("snapshot_free", snapshot=snapshot)
+
+    def fork(self) -> ModelSession:
+        """A new session holding a copy of this one's state, stepped independently."""
+        return ModelSession(self.client, self.client.call("session_fork", session=self.id)["session"], self.batch)
+
+    def state(self) -> dict:
+        """Every layer's state by name (layers.<i>.conv, layers.<i>.ssm), fp32."""
+        return self.client.call("session_state", session=self.id)["state"]
+
+    def close(self) -> None:
+        self.client.call("session_close", session=self.id)
 
 
 def settle(future: Future, outcome) -> None:
@@ -331,6 +411,17 @@ class FramedClient:
 
     def close_session(self, session: str) -> None:
         self.call("session_close", session=session)
+
+    # -- whole models (SPEC §6.4) -----------------------------------------------------------
+
+    def load_model(self, path: str | None = None, *, config: dict | None = None, weights: dict | None = None,
+                   dtype: str | None = None, name: str | None = None) -> RemoteModel:
+        """A model loaded on the server: from a checkpoint directory `path` under the server's
+        --model-dir, or from a `config` map and `weights` (name -> array or handle) sent here.
+        `dtype`: "f32" (default), "bf16" or "f16" for the weights; state is always fp32."""
+        args = {"path": path, "config": config, "weights": weights, "dtype": dtype, "name": name}
+        info = self.call("model_load", **{k: v for k, v in args.items() if v is not None})
+        return RemoteModel(self, info)
 
     def put(self, tensor) -> protocol.HandleRef:
         """Upload `tensor` once; pass the returned handle wherever a tensor argument goes."""

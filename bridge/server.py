@@ -1,5 +1,5 @@
 """The state every op handler sees: configuration, device, backend, counters, stop signal, and
-what lives on the device between requests (sessions, tensor handles) with their owners."""
+what lives on the device between requests (sessions, snapshots, models, tensor handles) with their owners."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import protocol
 from .device import DeviceChoice
 from .errors import allocation
 from .handles import HandleTable
-from .sessions import Session, SessionTable
+from .models import allowed_dirs
+from .models.table import LoadedModel, ModelTable
+from .sessions import Session, SessionTable, SnapshotTable, StateLayout
 from .step_graphs import StepGraphs
 from .stats import Stats
 from .tensors import host_view, to_device
@@ -59,6 +61,8 @@ class ServerConfig:
     # cores leaves cores to clients on the same machine, trading throughput for their tail
     # latency (docs/performance.md, "threads default").
     threads: int | None = None
+    # Directories model_load may read checkpoints under (--model-dir); none: it reads no files.
+    model_dirs: tuple[str, ...] = ()
 
 
 # The limits `info` reports: every max_* setting.
@@ -85,6 +89,9 @@ class Server:
         self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
                                      max_pool_bytes=config.max_pool_bytes)
         self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)
+        self.snapshots = SnapshotTable(self.sessions)
+        self.models = ModelTable(self.sessions)
+        self.model_dirs = allowed_dirs(config.model_dirs)
         # The one op fast path that serves requests straight from their frames (the step op's
         # native path; bridge.dispatcher says when), or None: every request goes the general way.
         self.fast_path = registry.fast_path(self)
@@ -116,10 +123,30 @@ class Server:
         """The session `session_id` opened by `conn`."""
         return self.sessions.get(conn.id, session_id, field)
 
-    def open_session(self, conn, batch: int, kind: str, shape: tuple[int, ...]) -> Session:
-        session = self.sessions.open(conn.id, batch, kind, shape)
+    def open_session(self, conn, batch: int, layout: StateLayout) -> Session:
+        session = self.sessions.open(conn.id, batch, layout)
         self._watch(conn)
         return session
+
+    def model(self, conn, model_id: str, field: str) -> LoadedModel:
+        """The model `model_id` loaded by `conn`."""
+        return self.models.get(conn.id, model_id, field)
+
+    def load_model(self, conn, load, name: str | None) -> LoadedModel:
+        """A model built by `load(hold)` (bridge.models.table), owned by `conn`."""
+        loaded = self.models.load(conn.id, load, name)
+        self._watch(conn)
+        return loaded
+
+    def free_model(self, conn, loaded: LoadedModel) -> None:
+        """Free a model no session uses, and its sessions' snapshots."""
+        self.models.free(conn.id, loaded.id, "args.model")
+        self.snapshots.drop_model(loaded.id)
+
+    def take_snapshot(self, conn, session: Session) -> str:
+        snapshot = self.snapshots.take(conn.id, session)
+        self._watch(conn)
+        return snapshot
 
     def put_tensor(self, call, name: str) -> str:
         """Copy the request's tensor argument `name` to the device as a handle of the caller's."""
@@ -146,10 +173,14 @@ class Server:
     def _release_connection(self, conn) -> None:
         with self._watched_lock:
             self._watched.discard(conn.id)
+        # Sessions before the models whose state they hold.
         sessions = self.sessions.release_owner(conn.id)
+        snapshots = self.snapshots.release_owner(conn.id)
+        models = self.models.release_owner(conn.id)
         handles = self.handles.release_owner(conn.id)
-        if sessions or handles:
-            log.info("%s closed: freed %d sessions and %d tensor handles", conn.id, sessions, handles)
+        if sessions or snapshots or models or handles:
+            log.info("%s closed: freed %d sessions, %d snapshots, %d models and %d tensor handles",
+                     conn.id, sessions, snapshots, models, handles)
 
     @contextmanager
     def kernel_timer(self, *calls):

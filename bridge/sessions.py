@@ -1,9 +1,10 @@
 """Sessions: SSM state kept on the server's device between requests, so that a client steps one
 timestep at a time instead of resending its whole window.
 
-State lives in pools, one per class -- a kind and its row shape: Mamba-1's [dim, state], Mamba-2's
-(kind "ssd") [heads, headdim, state] -- each a [capacity, *row shape] fp32 tensor on the device
-whose rows are handed out as slots. A session of `batch` rows owns `batch` slots (any
+State lives in pools, one per class of session (a `StateLayout`): Mamba-1's kind "mamba" holds
+one part [dim, state] a row, Mamba-2's "ssd" one part [heads, headdim, state], and a model's
+sessions (kind "model", one class per loaded model) every layer's conv and ssm state. Each part is
+a [capacity, *part shape] fp32 tensor on the device whose rows are handed out as slots. A session of `batch` rows owns `batch` slots (any
 rows of its class's pool, not necessarily contiguous), and a step passes them to
 `kernels.selective_state_update(..., slots=...)` (`kernels.ssd_state_update` for "ssd"); that is what lets steps of many sessions of one
 class share a kernel launch (bridge.batcher).
@@ -11,11 +12,15 @@ class share a kernel launch (bridge.batcher).
 A pool grows by doubling (one device copy of its rows; slot numbers stay valid) as far as the
 pool-bytes limit allows, and is dropped when its last session closes. Every session belongs to
 the connection that opened it (bridge.owned).
+
+Snapshots are copies of a session's rows (every part), kept on the device and owned like
+sessions; they, and loaded models' weights, are held against the same pool-bytes budget.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,6 +41,35 @@ def state_row_bytes(shape: tuple[int, ...]) -> int:
     return math.prod(shape) * STATE_DTYPE.itemsize
 
 
+# The part of a one-part layout (kinds "mamba" and "ssd").
+STATE_PART = "state"
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What one row of a class of sessions holds: named fp32 parts, each of a shape. Sessions of
+    equal layouts share a pool (and steps of them a launch); `model` keeps two models' pools
+    apart even where their shapes agree."""
+
+    kind: str
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    model: str | None = None
+
+    @classmethod
+    def single(cls, kind: str, shape: tuple[int, ...]) -> StateLayout:
+        return cls(kind, ((STATE_PART, tuple(shape)),))
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(state_row_bytes(shape) for _, shape in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The row shape of a one-part layout."""
+        (_, shape), = self.parts
+        return shape
+
+
 def unknown_session(session_id: str, field: str) -> OpError:
     """The one error for a session that is not open on the asking connection (never issued,
     closed, or another connection's)."""
@@ -44,18 +78,27 @@ def unknown_session(session_id: str, field: str) -> OpError:
 
 
 class StatePool:
-    """The rows of one class (kind, row shape) on the device, and which of them are free."""
+    """The rows of one class (a StateLayout) on the device, and which of them are free."""
 
-    def __init__(self, kind: str, shape: tuple[int, ...], device: torch.device):
-        self.kind = kind
-        self.shape = shape
-        self.row_bytes = state_row_bytes(shape)
-        self.rows = torch.empty((0, *shape), dtype=STATE_DTYPE, device=device)
+    def __init__(self, layout: StateLayout, device: torch.device):
+        self.layout = layout
+        self.kind = layout.kind
+        self.row_bytes = layout.row_bytes
+        self.device = device
+        self.parts = {name: torch.empty((0, *shape), dtype=STATE_DTYPE, device=device)
+                      for name, shape in layout.parts}
+        self.capacity = 0
         self._free: list[int] = []  # kept sorted: low rows first, so sessions sit close together
 
     @property
-    def capacity(self) -> int:
-        return self.rows.shape[0]
+    def shape(self) -> tuple[int, ...]:
+        """One row's shape in a one-part pool (kinds "mamba", "ssd")."""
+        return self.layout.shape
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The one part of a one-part pool, [capacity, *shape]; replaced when the pool grows."""
+        return self.parts[STATE_PART]
 
     @property
     def free_rows(self) -> int:
@@ -66,10 +109,13 @@ class StatePool:
         return self.capacity * self.row_bytes
 
     def grow(self, capacity: int) -> None:
-        old = self.rows
-        self.rows = torch.empty((capacity, *self.shape), dtype=STATE_DTYPE, device=old.device)
-        self.rows[: old.shape[0]].copy_(old)
-        self._free.extend(range(old.shape[0], capacity))
+        grown = {}
+        for name, old in self.parts.items():
+            grown[name] = torch.empty((capacity, *old.shape[1:]), dtype=STATE_DTYPE, device=self.device)
+            grown[name][: old.shape[0]].copy_(old)
+        self.parts = grown  # replaced whole only once every part is allocated
+        self._free.extend(range(self.capacity, capacity))
+        self.capacity = capacity
 
     def take(self, count: int) -> list[int]:
         taken, self._free = self._free[:count], self._free[count:]
@@ -93,7 +139,7 @@ class Session:
         self.pool = pool
         self.slot_list = slot_list
         # The kernel's view of the same rows: [batch] int64 on the device, built once.
-        self.slots = torch.tensor(slot_list, dtype=torch.int64, device=pool.rows.device)
+        self.slots = torch.tensor(slot_list, dtype=torch.int64, device=pool.device)
         # And as int64 bytes on the host, which a captured step stages (bridge.step_graphs).
         self.slot_bytes = np.asarray(slot_list, dtype=np.int64).tobytes()
         # Set (under the table's lock) when closed; a batch already holding the session checks it
@@ -103,6 +149,10 @@ class Session:
     @property
     def kind(self) -> str:
         return self.pool.kind
+
+    @property
+    def layout(self) -> StateLayout:
+        return self.pool.layout
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -126,6 +176,15 @@ class Session:
         """Replace the state with `state` [batch, *shape] (any float dtype; stored as fp32)."""
         self.pool.rows.index_copy_(0, self.slots, state.to(STATE_DTYPE))
 
+    def read_parts(self) -> dict[str, torch.Tensor]:
+        """A copy of every part, [batch, *part shape] fp32 each."""
+        return {name: part.index_select(0, self.slots) for name, part in self.pool.parts.items()}
+
+    def write_parts(self, parts: dict[str, torch.Tensor]) -> None:
+        """Replace every part (shapes already checked; any float dtype, stored as fp32)."""
+        for name, part in self.pool.parts.items():
+            part.index_copy_(0, self.slots, parts[name].to(STATE_DTYPE))
+
 
 class SessionTable(OwnedTable[Session]):
     def __init__(self, device: torch.device, *, max_sessions: int, max_pool_bytes: int):
@@ -133,9 +192,12 @@ class SessionTable(OwnedTable[Session]):
         self.device = device
         self.max_sessions = max_sessions
         self.max_pool_bytes = max_pool_bytes
-        self._pools: dict[tuple, StatePool] = {}
+        self._pools: dict[StateLayout, StatePool] = {}
+        # Bytes held against the same budget by what is not a pool: loaded models' weights,
+        # session snapshots.
+        self._held = {"models": 0, "snapshots": 0}
 
-    def open(self, owner: str, batch: int, kind: str, shape: tuple[int, ...]) -> Session:
+    def open(self, owner: str, batch: int, layout: StateLayout) -> Session:
         """A new session of `batch` rows whose state is zero. Limits are checked before anything
         is allocated."""
         with self._lock:
@@ -144,29 +206,22 @@ class SessionTable(OwnedTable[Session]):
                               f"session_open: at most {self.max_sessions} sessions may be open at once "
                               f"(--max-sessions), {len(self)} are",
                               {"limit": "max_sessions", "max": self.max_sessions, "open": len(self)})
-            pool = self._pools.get((kind, shape))
-            row_bytes = state_row_bytes(shape)
+            pool = self._pools.get(layout)
+            row_bytes = layout.row_bytes
             missing = batch - (pool.free_rows if pool else 0)
             if missing > 0:
-                in_use = self._pool_bytes()
-                room = (self.max_pool_bytes - in_use) // row_bytes  # rows the budget still allows
+                room = (self.max_pool_bytes - self._pool_bytes()) // row_bytes  # rows the budget still allows
                 if missing > room:
-                    requested = missing * row_bytes
-                    detail = {"limit": "max_pool_bytes", "max": self.max_pool_bytes, "in_use": in_use}
-                    if requested < 2**64:  # what a msgpack uint holds; the message has it anyway
-                        detail["requested"] = requested
-                    raise OpError(
-                        "limit_exceeded",
-                        f"session_open: {batch} rows of {list(shape)} fp32 state need "
-                        f"{requested} more bytes of state pool; {in_use} of "
-                        f"{self.max_pool_bytes} are in use (--max-pool-bytes)", detail)
-                grown = pool if pool is not None else StatePool(kind, shape, self.device)
+                    what = (f"{list(layout.shape)} fp32 state" if len(layout.parts) == 1
+                            else f"{row_bytes}-byte model state")
+                    self._refuse("session_open", f"{batch} rows of {what}", missing * row_bytes)
+                grown = pool if pool is not None else StatePool(layout, self.device)
                 # Double when the budget allows, so that n opens cost O(log n) pool copies.
                 with allocation("session_open"):
                     grown.grow(grown.capacity + max(missing, min(grown.capacity, room)))
                 # Kept only once it holds rows: a pool whose growth failed would hold no session
                 # that could ever close it.
-                pool = self._pools[(kind, shape)] = grown
+                pool = self._pools[layout] = grown
             slots = pool.take(batch)
             try:
                 with allocation("session_open"):
@@ -174,8 +229,35 @@ class SessionTable(OwnedTable[Session]):
             except BaseException:
                 self._give_back(pool, slots)
                 raise
-            pool.rows.index_fill_(0, session.slots, 0.0)
+            for part in pool.parts.values():
+                part.index_fill_(0, session.slots, 0.0)
             return session
+
+    def hold(self, what: str, nbytes: int, op: str) -> None:
+        """Count `nbytes` of `what` ("models", "snapshots") against --max-pool-bytes, or raise
+        limit_exceeded when they do not fit; called before they are allocated."""
+        with self._lock:
+            if nbytes > self.max_pool_bytes - self._pool_bytes():
+                self._refuse(op, f"{what} of", nbytes)
+            self._held[what] += nbytes
+
+    def unhold(self, what: str, nbytes: int) -> None:
+        with self._lock:
+            self._held[what] -= nbytes
+
+    def _refuse(self, op: str, what: str, requested: int):
+        in_use = self._pool_bytes()
+        detail = {"limit": "max_pool_bytes", "max": self.max_pool_bytes, "in_use": in_use}
+        if requested < 2**64:  # what a msgpack uint holds; the message has it anyway
+            detail["requested"] = requested
+        raise OpError("limit_exceeded",
+                      f"{op}: {what} need {requested} more bytes of state pool; {in_use} of "
+                      f"{self.max_pool_bytes} are in use (--max-pool-bytes)", detail)
+
+    def of_model(self, model_id: str) -> int:
+        """How many open sessions hold a model's state."""
+        with self._lock:
+            return sum(1 for _, session in self._entries.values() if session.layout.model == model_id)
 
     def _released(self, session: Session) -> None:
         session.closed = True
@@ -184,10 +266,10 @@ class SessionTable(OwnedTable[Session]):
     def _give_back(self, pool: StatePool, slots: list[int]) -> None:
         pool.give_back(slots)
         if pool.free_rows == pool.capacity:  # its last session: give the device memory back
-            del self._pools[(pool.kind, pool.shape)]
+            del self._pools[pool.layout]
 
     def _pool_bytes(self) -> int:
-        return sum(pool.nbytes for pool in self._pools.values())
+        return sum(pool.nbytes for pool in self._pools.values()) + sum(self._held.values())
 
     def usage(self) -> dict:
         with self._lock:
@@ -196,6 +278,76 @@ class SessionTable(OwnedTable[Session]):
                 "max_sessions": self.max_sessions,
                 "pool_bytes": self._pool_bytes(),
                 "max_pool_bytes": self.max_pool_bytes,
-                "pools": [{"kind": p.kind, **dict(zip(ROW_AXES[p.kind], p.shape)), "capacity": p.capacity,
-                           "rows_in_use": p.capacity - p.free_rows} for p in self._pools.values()],
+                "model_bytes": self._held["models"],
+                "snapshot_bytes": self._held["snapshots"],
+                "pools": [_pool_usage(p) for p in self._pools.values()],
             }
+
+
+def _pool_usage(pool: StatePool) -> dict:
+    shape = (dict(zip(ROW_AXES[pool.kind], pool.shape)) if pool.kind in ROW_AXES
+             else {"model": pool.layout.model, "row_bytes": pool.row_bytes})
+    return {"kind": pool.kind, **shape, "capacity": pool.capacity, "rows_in_use": pool.capacity - pool.free_rows}
+
+
+def unknown_snapshot(snapshot_id: str, field: str) -> OpError:
+    return OpError("unknown_snapshot", f"{field}: no snapshot {snapshot_id!r} is held for this connection",
+                   {"field": field, "snapshot": snapshot_id})
+
+
+class Snapshot:
+    """A copy of a session's every part at one moment: restorable into any session of the same
+    layout and batch (the session it came from, or a fork of it)."""
+
+    __slots__ = ("layout", "batch", "parts", "nbytes")
+
+    def __init__(self, session: Session):
+        self.layout = session.layout
+        self.batch = session.batch
+        self.parts = session.read_parts()
+        self.nbytes = session.batch * self.layout.row_bytes
+
+
+class SnapshotTable(OwnedTable[Snapshot]):
+    """Snapshots, each held against the sessions' pool budget."""
+
+    def __init__(self, sessions: SessionTable):
+        super().__init__(unknown_snapshot)
+        self.sessions = sessions
+
+    def take(self, owner: str, session: Session) -> str:
+        nbytes = session.batch * session.layout.row_bytes
+        self.sessions.hold("snapshots", nbytes, "session_snapshot")
+        try:
+            with allocation("session_snapshot"):
+                snapshot = Snapshot(session)
+            with self._lock:
+                snapshot_id, _ = self._add(owner, lambda _: snapshot)
+        except BaseException:
+            self.sessions.unhold("snapshots", nbytes)
+            raise
+        return snapshot_id
+
+    def restore(self, owner: str, snapshot_id: str, session: Session, field: str) -> None:
+        snapshot = self.get(owner, snapshot_id, field)
+        if snapshot.layout != session.layout or snapshot.batch != session.batch:
+            raise OpError("invalid_argument",
+                          f"{field}: expected a snapshot of a session like args.session (its model or state "
+                          f"shape, batch {session.batch}), got one of another",
+                          {"field": field, "expected": f"a snapshot of {_describe(session.layout, session.batch)}",
+                           "got": f"a snapshot of {_describe(snapshot.layout, snapshot.batch)}"})
+        session.write_parts(snapshot.parts)
+
+    def drop_model(self, model_id: str) -> None:
+        """Free every snapshot of a model's sessions (the model is being freed)."""
+        with self._lock:
+            for snapshot_id in [i for i, (_, s) in self._entries.items() if s.layout.model == model_id]:
+                self._remove(snapshot_id)
+
+    def _released(self, snapshot: Snapshot) -> None:
+        self.sessions.unhold("snapshots", snapshot.nbytes)
+
+
+def _describe(layout: StateLayout, batch: int) -> str:
+    what = f"model {layout.model}" if layout.model is not None else f"kind {layout.kind} {list(layout.shape)}"
+    return f"{what}, batch {batch}"

@@ -15,7 +15,7 @@ import msgspec
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind, payload
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
-from .schema import KIND_EXPECTED, LAYOUTS, SESSION_KINDS
+from .schema import KIND_EXPECTED, LAYOUTS, OUTPUTS, SESSION_KINDS, WEIGHTS_DTYPES
 from .tensors import DTYPES, MAX_DIM, MAX_EXTENT_BYTES, MAX_NDIM, HandleRef, WireTensor, extent_bytes
 
 _TENSOR_KEYS = ("dtype", "shape", "data")
@@ -151,13 +151,14 @@ class Reader:
                 return value
         self.fail(InvalidArgument, field, KIND_EXPECTED["number"], describe(encoded))
 
-    def size(self, raw: msgspec.Raw, field: str) -> int:
+    def size(self, raw: msgspec.Raw, field: str, arg_kind: str = "size") -> int:
+        """A size; `arg_kind` names what an error says was expected."""
         encoded = memoryview(raw)
         if kind(encoded) == "int":
             value = ANY_DECODER.decode(raw)
             if 0 < value <= MAX_DIM:
                 return value
-        self.fail(InvalidArgument, field, KIND_EXPECTED["size"], describe(encoded))
+        self.fail(InvalidArgument, field, KIND_EXPECTED[arg_kind], describe(encoded))
 
     def limits(self, raw: msgspec.Raw, field: str) -> tuple[float, float]:
         encoded = memoryview(raw)
@@ -178,6 +179,40 @@ class Reader:
         if value not in SESSION_KINDS:
             self.fail(InvalidArgument, field, expected, describe(memoryview(raw)))
         return value
+
+    def output(self, raw: msgspec.Raw, field: str) -> str:
+        return self._one_of(raw, field, "output", OUTPUTS)
+
+    def weights_dtype(self, raw: msgspec.Raw, field: str) -> str:
+        return self._one_of(raw, field, "weights_dtype", WEIGHTS_DTYPES)
+
+    def _one_of(self, raw: msgspec.Raw, field: str, arg_kind: str, allowed: tuple[str, ...]) -> str:
+        expected = KIND_EXPECTED[arg_kind]
+        value = self.string(raw, field, expected=expected)
+        if value not in allowed:
+            self.fail(InvalidArgument, field, expected, describe(memoryview(raw)))
+        return value
+
+    def any_map(self, raw: msgspec.Raw, field: str) -> dict:
+        """A map with str keys (nested ones too), its values decoded as they are."""
+        entries = self.map(raw, field, KIND_EXPECTED["map"], InvalidArgument)
+        decoded = {}
+        for key, value in entries.items():
+            if kind(memoryview(value)) == "map":
+                decoded[key] = self.any_map(value, f"{field}.{key}")
+            else:
+                decoded[key] = self._decode(ANY_DECODER, value, f"{field}.{key}", "a msgpack value")
+        return decoded
+
+    def tensors(self, raw: msgspec.Raw, field: str) -> dict:
+        """A map of names to tensors (or handles), each checked as a tensor argument is."""
+        entries = self.map(raw, field, KIND_EXPECTED["tensors"], InvalidArgument)
+        return {key: self.tensor(value, f"{field}.{key}") for key, value in entries.items()}
+
+    def size_or_tensors(self, raw: msgspec.Raw, field: str) -> int | dict:
+        if kind(memoryview(raw)) == "map":
+            return self.tensors(raw, field)
+        return self.size(raw, field, "size_or_tensors")
 
     def layout(self, raw: msgspec.Raw, field: str) -> str:
         expected = KIND_EXPECTED["layout"]

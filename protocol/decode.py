@@ -21,8 +21,8 @@ from .codecs import V1
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
-from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, OPS, PROTOCOL_VERSION, SESSION_KINDS,
-                     SUPPORTED_VERSIONS, Arg, valid_request_id)
+from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, OPS, OUTPUTS, PROTOCOL_VERSION, SESSION_KINDS,
+                     SUPPORTED_VERSIONS, WEIGHTS_DTYPES, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
 _ENVELOPE_KEYS = frozenset(("v", "id", "op", "args"))
@@ -31,7 +31,9 @@ _ID_EXPECTED = "a uint or a non-empty str"
 # Schema kind -> the Reader method that checks a value of that kind.
 _CHECKS = {"tensor": Reader.tensor, "tensor_data": Reader.tensor_data, "bool": Reader.boolean,
            "number": Reader.number, "str": Reader.string, "size": Reader.size,
-           "layout": Reader.layout, "limits": Reader.limits, "kind": Reader.session_kind}
+           "layout": Reader.layout, "limits": Reader.limits, "kind": Reader.session_kind,
+           "output": Reader.output, "weights_dtype": Reader.weights_dtype, "map": Reader.any_map,
+           "tensors": Reader.tensors, "size_or_tensors": Reader.size_or_tensors}
 
 
 @dataclass(slots=True)
@@ -96,10 +98,12 @@ _SCALAR_TYPES = {
     "size": Annotated[int, msgspec.Meta(gt=0, le=MAX_DIM)],
     "layout": Literal[LAYOUTS],
     "kind": Literal[SESSION_KINDS],
+    "output": Literal[OUTPUTS],
+    "weights_dtype": Literal[WEIGHTS_DTYPES],
 }
-# Kinds no msgspec constraint expresses (a pair of possibly infinite numbers, not NaN): a request
-# giving one is checked argument by argument.
-_CHECKED_ONLY_KINDS = ("limits",)
+# Kinds no msgspec constraint expresses (a pair of possibly infinite numbers, not NaN; maps of
+# any values or of tensors): a request giving one is checked argument by argument.
+_CHECKED_ONLY_KINDS = ("limits", "map", "tensors", "size_or_tensors")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,12 @@ Each argument has a kind, checked by the decoder one value at a time:
     layout       "bld" or "bdl"
     limits       a pair [low, high] of numbers, each finite or an infinity (mamba_ssm's dt_limit)
     kind         "mamba" or "ssd" (a session's model generation)
+    output       "logits" or "hidden" (what a model op returns)
+    weights_dtype  "f32", "bf16" or "f16" (what a model's weights are kept in)
+    map          a map with str keys, values any msgpack (a model's config)
+    tensors      a map of str names to tensors or handle references (weights, a model's state)
+    size_or_tensors  a size, or a map as `tensors` (session_open's state: a plain session's
+                 state size, or a model session's saved state)
 
 Consistency between arguments (shapes agreeing, a session existing) is checked further in.
 """
@@ -47,9 +53,16 @@ KIND_EXPECTED = {
     "layout": '"bld" or "bdl"',
     "limits": "a pair [low, high] of numbers (finite or infinite, not NaN)",
     "kind": '"mamba" or "ssd"',
+    "output": '"logits" or "hidden"',
+    "weights_dtype": '"f32", "bf16" or "f16"',
+    "map": "a map with str keys",
+    "tensors": "a map of str names to tensor maps or handle maps",
+    "size_or_tensors": "a positive int, or a map of str names to tensor maps or handle maps",
 }
 LAYOUTS = ("bld", "bdl")
 SESSION_KINDS = ("mamba", "ssd")
+OUTPUTS = ("logits", "hidden")
+WEIGHTS_DTYPES = ("f32", "bf16", "f16")
 
 # alias -> canonical name; accepted by every op that has the canonical argument, so that a
 # mamba_ssm call (selective_scan_fn, mamba_chunk_scan_combined) maps over one to one.
@@ -105,17 +118,46 @@ OPS: dict[str, dict[str, Arg]] = {
         **_DT_TRANSFORM,
         "dt_limit": Arg("limits"),
     },
-    # kind "mamba" (the default) takes dim; "ssd" takes heads and headdim (checked further in).
+    # kind "mamba" (the default) takes dim and state (a size); "ssd" heads, headdim and state;
+    # a model's session takes model, and a saved state (tensors) or none (checked further in).
     "session_open": {
         "kind": Arg("kind"),
         "batch": Arg("size", True),
         "dim": Arg("size"),
         "heads": Arg("size"),
         "headdim": Arg("size"),
-        "state": Arg("size", True),
+        "state": Arg("size_or_tensors"),
+        "model": Arg("str"),
     },
     "session_close": {"session": Arg("str", True)},
     "session_state": {"session": Arg("str", True)},
+    "session_snapshot": {"session": Arg("str", True)},
+    "session_restore": {"session": Arg("str", True), "snapshot": Arg("str", True)},
+    "session_fork": {"session": Arg("str", True)},
+    "snapshot_free": {"snapshot": Arg("str", True)},
+    # Either path (a checkpoint under --model-dir) or config and weights (checked further in).
+    "model_load": {
+        "path": Arg("str"),
+        "config": Arg("map"),
+        "weights": Arg("tensors"),
+        "dtype": Arg("weights_dtype"),
+        "name": Arg("str"),
+    },
+    "model_free": {"model": Arg("str", True)},
+    # Exactly one of tokens and embeds (checked further in).
+    "model_forward": {
+        "session": Arg("str", True),
+        "tokens": Arg("tensor"),
+        "embeds": Arg("tensor"),
+        "output": Arg("output"),
+        "last_only": Arg("bool"),
+    },
+    "model_step": {
+        "session": Arg("str", True),
+        "tokens": Arg("tensor"),
+        "embeds": Arg("tensor"),
+        "output": Arg("output"),
+    },
     "put": {"tensor": Arg("tensor_data", True)},
     "free": {"handle": Arg("str", True)},
     "stats": {},

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from protocol import (ALIASES, DTYPES, OPS, FrameAssembler, FrameTooLarge, HandleRef, ProtocolError, TruncatedFrame,
                       WireTensor, decode_reply, decode_request, encode_frame)
 from protocol._reader import Reader, buffer_views, decode_top_map
-from protocol.decode import _decode_v1_checked, _decode_valid_v1
+from protocol.decode import _CHECKED_ONLY_KINDS, _decode_v1_checked, _decode_valid_v1
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -116,6 +116,11 @@ KIND_VALID = {
     "limits": st.tuples(st.floats(allow_nan=False) | st.integers(-2**63, 2**63 - 1),
                         st.floats(allow_nan=False)).map(list),
     "kind": st.sampled_from(["mamba", "ssd"]),
+    "output": st.sampled_from(["logits", "hidden"]),
+    "weights_dtype": st.sampled_from(["f32", "bf16", "f16"]),
+    "map": st.dictionaries(st.text(max_size=4), scalars, max_size=3),
+    "tensors": st.dictionaries(st.text(max_size=4), valid_tensor_maps() | handle_maps, max_size=3),
+    "size_or_tensors": st.integers(1, 2**63 - 1) | st.dictionaries(st.text(max_size=4), valid_tensor_maps(), max_size=2),
 }
 KIND_NEAR_MISS = {
     "tensor": tensor_maps() | st.fixed_dictionaries({"handle": st.just("")}) | st.none(),
@@ -128,6 +133,11 @@ KIND_NEAR_MISS = {
     "limits": (st.lists(st.floats(), max_size=3) | st.tuples(st.booleans(), st.floats()).map(list)
                | st.floats() | st.none()),
     "kind": st.sampled_from(["mamba2", "", "SSD"]) | st.none(),
+    "output": st.sampled_from(["logit", "", "Hidden"]) | st.none(),
+    "weights_dtype": st.sampled_from(["f64", "i32", ""]) | st.none(),
+    "map": st.lists(scalars, max_size=2) | st.text(max_size=2) | st.none(),
+    "tensors": st.dictionaries(st.text(max_size=4), tensor_maps(), min_size=1, max_size=2) | st.none(),
+    "size_or_tensors": st.integers(-1, 0) | st.text(max_size=2) | st.none(),
 }
 
 
@@ -239,7 +249,7 @@ def test_whole_request_path_accepts_only_what_the_checks_accept():
         if fast is None:
             names = msgpack.unpackb(bytes(top["args"]))
             # Only an alias, or a kind no msgspec constraint expresses, leaves a valid request to the checks.
-            checked_only = {name for name, arg in OPS[fast_op(top)].items() if arg.kind == "limits"}
+            checked_only = {name for name, arg in OPS[fast_op(top)].items() if arg.kind in _CHECKED_ONLY_KINDS}
             assert any(name in ALIASES or name in checked_only for name in names), \
                 f"a valid request without an alias left to the checks: {names}"
             return
@@ -284,29 +294,29 @@ def test_whole_request_path_leaves_each_near_miss_to_the_checks(spoil, field):
     assert exc.value.detail["field"] == field
 
 
-_SESSION_ARGS = [("batch", 1), ("dim", 4), ("state", 2)]
+_SSD_ARGS = [("x", _F32), ("dt", _F32), ("A", _F32), ("B", _F32), ("C", _F32), ("chunk_size", 2)]
 _SCAN_ARGS = [("x", _F32), ("dt", _F32), ("A", _F32), ("B", _F32), ("C", _F32), ("layout", "bld")]
 _PUT_ARGS = [("tensor", {"dtype": "u8", "shape": [3], "buf": 0})]
 # Each op's unspoiled request (envelope, arguments, raw buffers), which the fast path takes.
-_VALID = {"session_open": ([("v", 1), ("id", 5), ("op", "session_open")], _SESSION_ARGS, ()),
+_VALID = {"ssd_scan": ([("v", 1), ("id", 5), ("op", "ssd_scan")], _SSD_ARGS, ()),
           "step": ([("v", 1), ("id", 5), ("op", "step")], _STEP_ARGS, ()),
           "scan": ([("id", 5), ("op", "scan")], _SCAN_ARGS, ()),
           "put": ([("id", 5), ("op", "put")], _PUT_ARGS, (b"abc",))}
 
 
 @pytest.mark.parametrize("valid, head, args, buffers, field", [
-    pytest.param("session_open", [("v", 2), ("id", 5), ("op", "session_open")], None, (), "v", id="version"),
-    pytest.param("session_open", [("v", 1), ("id", -1), ("op", "session_open")], None, (), "id", id="id-negative"),
-    pytest.param("session_open", [("v", 1), ("id", True), ("op", "session_open")], None, (), "id", id="id-bool"),
-    pytest.param("session_open", [("v", 1), ("id", ""), ("op", "session_open")], None, (), "id", id="id-empty"),
-    pytest.param("session_open", [("v", 1), ("id", 5), ("op", "sesion_open")], None, (), "op", id="op-unknown"),
-    pytest.param("session_open", [("v", 1), ("op", "session_open")], None, (), "id", id="id-missing"),
-    pytest.param("session_open", [("id", 5), ("op", "session_open"), ("x", 1)], None, (), "x",
+    pytest.param("ssd_scan", [("v", 2), ("id", 5), ("op", "ssd_scan")], None, (), "v", id="version"),
+    pytest.param("ssd_scan", [("v", 1), ("id", -1), ("op", "ssd_scan")], None, (), "id", id="id-negative"),
+    pytest.param("ssd_scan", [("v", 1), ("id", True), ("op", "ssd_scan")], None, (), "id", id="id-bool"),
+    pytest.param("ssd_scan", [("v", 1), ("id", ""), ("op", "ssd_scan")], None, (), "id", id="id-empty"),
+    pytest.param("ssd_scan", [("v", 1), ("id", 5), ("op", "ssd_scn")], None, (), "op", id="op-unknown"),
+    pytest.param("ssd_scan", [("v", 1), ("op", "ssd_scan")], None, (), "id", id="id-missing"),
+    pytest.param("ssd_scan", [("id", 5), ("op", "ssd_scan"), ("x", 1)], None, (), "x",
                  id="envelope-extra-key"),
-    pytest.param("session_open", None, [("batch", 0), ("dim", 4), ("state", 2)], (), "args.batch", id="size-zero"),
-    pytest.param("session_open", None, [("batch", 2**63), ("dim", 4), ("state", 2)], (), "args.batch",
+    pytest.param("ssd_scan", None, [*_SSD_ARGS[:-1], ("chunk_size", 0)], (), "args.chunk_size", id="size-zero"),
+    pytest.param("ssd_scan", None, [*_SSD_ARGS[:-1], ("chunk_size", 2**63)], (), "args.chunk_size",
                  id="size-too-big"),
-    pytest.param("session_open", None, [*_SESSION_ARGS, ("dim", 4)], (), "args", id="key-twice"),
+    pytest.param("ssd_scan", None, [*_SSD_ARGS, ("chunk_size", 4)], (), "args", id="key-twice"),
     pytest.param("step", None, [(k, v) for k, v in _STEP_ARGS if k != "x"], (), "args.x", id="required-missing"),
     pytest.param("scan", None, [*_SCAN_ARGS[:-1], ("layout", "bl")], (), "args.layout", id="layout"),
     pytest.param("put", None, [("tensor", {"handle": "h"})], (), "args.tensor", id="put-a-handle"),

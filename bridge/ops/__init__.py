@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import protocol
 
-from . import core, legacy, scan, sessions
+from . import core, legacy, models, scan, sessions
 
 
 class Registry:
@@ -67,7 +67,7 @@ class Registry:
 
 
 REGISTRY = Registry()
-for _op, _handler in {**core.HANDLERS, **scan.HANDLERS, **sessions.HANDLERS}.items():
+for _op, _handler in {**core.HANDLERS, **scan.HANDLERS, **sessions.HANDLERS, **models.HANDLERS}.items():
     REGISTRY.register(_op, _handler)
 for _op, _handler in legacy.HANDLERS.items():
     REGISTRY.register(_op, _handler, protocol.LEGACY)

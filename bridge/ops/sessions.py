@@ -5,12 +5,13 @@ put, free. What they manage lives in bridge.sessions and bridge.handles; step is
 from __future__ import annotations
 
 import kernels
+import protocol
 
 from ..batcher import (BatchedOp, Item, charge, dt_options, member_rows, row_signature, shared_args,
                        shared_tensors, signature, stack_rows, wire_rows)
 from ..errors import OpError
 from ..native import NativeStep
-from ..sessions import ROW_AXES
+from ..sessions import ROW_AXES, StateLayout
 from ..tensors import to_wire
 from ..timing import now_ns
 
@@ -20,6 +21,8 @@ ROW_ARGS = ("x", "dt", "B", "C", "z")
 
 def session_open(server, call) -> dict:
     args = call.args
+    if "model" in args:
+        return {"session": open_model_session(server, call).id}
     kind = args.get("kind", "mamba")
     axes = ROW_AXES[kind]
     for other_kind, other_axes in ROW_AXES.items():
@@ -34,8 +37,59 @@ def session_open(server, call) -> dict:
         if name not in args:
             raise OpError("missing_argument", f"args.{name}: expected a positive int (kind {kind!r}), got nothing",
                           {"field": f"args.{name}", "op": "session_open"})
-    session = server.open_session(call.conn, args["batch"], kind, tuple(args[name] for name in axes))
-    return {"session": session.id}
+    if isinstance(args["state"], dict):
+        raise OpError("invalid_argument",
+                      f"args.state: expected a positive int (the state size of kind {kind!r}), got a map of tensors "
+                      "(a model session's state, which needs args.model)",
+                      {"field": "args.state", "expected": "a positive int", "got": "a map of tensors"})
+    layout = StateLayout.single(kind, tuple(args[name] for name in axes))
+    return {"session": server.open_session(call.conn, args["batch"], layout).id}
+
+
+def open_model_session(server, call):
+    """A session of a model's: zero state, or the state given (as session_state returned it)."""
+    args = call.args
+    for name in ("kind", *{axis for axes in ROW_AXES.values() for axis in axes} - {"state"}):
+        if name in args:
+            raise OpError("invalid_argument", f"args.{name}: expected no {name} with a model (its layers fix the "
+                          f"state's shape), got one",
+                          {"field": f"args.{name}", "expected": "no " + name + " with args.model", "got": name})
+    loaded = server.model(call.conn, args["model"], "args.model")
+    saved = args.get("state")
+    if saved is not None and not isinstance(saved, dict):
+        raise OpError("invalid_argument",
+                      "args.state: expected a map of the model's state tensors by name, got an int",
+                      {"field": "args.state", "expected": "a map of state tensors by name", "got": "an int"})
+    parts = None if saved is None else state_parts(server, call, loaded.layout, args["batch"], saved)
+    session = server.open_session(call.conn, args["batch"], loaded.layout)
+    if parts is not None:
+        session.write_parts(parts)
+    return session
+
+
+def state_parts(server, call, layout, batch: int, saved: dict) -> dict:
+    """A saved state's tensors, every part of `layout` present with `batch` rows, floating."""
+    expected = {name: (batch, *shape) for name, shape in layout.parts}
+    for name in saved:
+        if name not in expected:
+            raise OpError("invalid_argument", f"args.state.{name}: expected only the model's state parts "
+                          f"(layers.<i>.conv, layers.<i>.ssm), got {name!r}",
+                          {"field": f"args.state.{name}", "expected": "a state part of the model", "got": name})
+    parts = {}
+    for name, shape in expected.items():
+        field = f"args.state.{name}"
+        if name not in saved:
+            raise OpError("missing_argument", f"{field}: expected a tensor of shape {list(shape)}, got nothing",
+                          {"field": field, "op": "session_open"})
+        value = saved[name]
+        tensor = (server.resolve_handle(call.conn, value.handle, field) if isinstance(value, protocol.HandleRef)
+                  else server.device_tensor(value))
+        if tuple(tensor.shape) != shape or not tensor.is_floating_point():
+            raise OpError("shape_mismatch", f"{field}: expected a float tensor of shape {list(shape)}, got "
+                          f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}",
+                          {"field": field, "expected": f"shape {list(shape)}", "got": str(list(tensor.shape))})
+        parts[name] = tensor
+    return parts
 
 
 def session_of_kind(server, call, kind: str, op: str):
@@ -55,11 +109,39 @@ def session_close(server, call) -> dict:
 
 
 def session_state(server, call) -> dict:
+    """A plain session's state tensor; a model session's every part, by name."""
     session = server.session(call.conn, call.args["session"], "args.session")
     start = now_ns()
-    state = to_wire(session.read())
+    if session.kind == "model":
+        state = {name: to_wire(part) for name, part in session.read_parts().items()}
+    else:
+        state = to_wire(session.read())
     call.timing.add("d2h", now_ns() - start)
     return {"state": state}
+
+
+def session_snapshot(server, call) -> dict:
+    session = server.session(call.conn, call.args["session"], "args.session")
+    return {"snapshot": server.take_snapshot(call.conn, session)}
+
+
+def session_restore(server, call) -> dict:
+    session = server.session(call.conn, call.args["session"], "args.session")
+    server.snapshots.restore(call.conn.id, call.args["snapshot"], session, "args.snapshot")
+    return {"restored": True}
+
+
+def session_fork(server, call) -> dict:
+    """A new session of the same class and batch holding a copy of the session's state."""
+    session = server.session(call.conn, call.args["session"], "args.session")
+    fork = server.open_session(call.conn, session.batch, session.layout)
+    fork.write_parts(session.read_parts())
+    return {"session": fork.id}
+
+
+def snapshot_free(server, call) -> dict:
+    server.snapshots.remove(call.conn.id, call.args["snapshot"], "args.snapshot")
+    return {"freed": True}
 
 
 def put(server, call) -> dict:
@@ -95,6 +177,12 @@ class StepOp(BatchedOp):
     def prepare(self, server, call) -> Item:
         args = call.args
         session = server.session(call.conn, args["session"], "args.session")
+        if session.kind not in ROW_AXES:
+            raise OpError("invalid_argument",
+                          f"args.session: expected a session of kind {' or '.join(map(repr, ROW_AXES))} for step, "
+                          f"got a model's session (model_step steps it)",
+                          {"field": "args.session", "expected": "a session of kind " + " or ".join(ROW_AXES),
+                           "got": "a model's session"})
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS}
         shared = shared_args(server, call)
         check_rows(session, own)
@@ -132,6 +220,10 @@ HANDLERS = {
     "session_open": session_open,
     "session_close": session_close,
     "session_state": session_state,
+    "session_snapshot": session_snapshot,
+    "session_restore": session_restore,
+    "session_fork": session_fork,
+    "snapshot_free": snapshot_free,
     "step": step,
     "put": put,
     "free": free,

@@ -1,0 +1,70 @@
+"""Whole Mamba and Mamba-2 models hosted on the server: a checkpoint (or a client's own config
+and weights) in, a stack run a sequence or a timestep at a time over state kept in the server's
+pool (bridge.sessions). The runtime builds on the kernels API and knows nothing of the wire.
+
+    config.py      the architecture, from transformers', mamba_ssm's or this server's config
+    weights.py     which tensors a config has, and the check of a checkpoint's against them
+    checkpoint.py  where the server may read, and which files hold the tensors
+    runtime.py     the forward pass and the step
+    table.py       loaded models, owned by connections and held against the pool budget
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from .checkpoint import CONFIG, TensorSource, allowed_dirs, read_json, resolve_checkpoint
+from .config import ARCHS, ModelConfig, checkpoint_error, parse_config
+from .runtime import Model, param_dtype
+from .weights import canonical_name, check_weights
+
+__all__ = ["ARCHS", "Model", "ModelConfig", "allowed_dirs", "load_checkpoint", "load_weights", "parse_config"]
+
+
+def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, device: torch.device,
+                    hold: Callable[[int], None]) -> Model:
+    """The model in checkpoint directory `path` (under `model_dirs`), its weights in `dtype` on
+    `device`. `hold(nbytes)` is called with the bytes the weights will take before any is read:
+    it raises to refuse them."""
+    directory = resolve_checkpoint(path, model_dirs)
+    config = parse_config(read_json(os.path.join(directory, CONFIG), CONFIG), CONFIG)
+    source = TensorSource(directory)
+    wanted = check_weights(config, source.shapes, "weights")
+    hold(planned_bytes(source.shapes, wanted, dtype))
+    return _build(config, source.tensors(wanted), dtype, device)
+
+
+def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 hold: Callable[[int], None]) -> Model:
+    """The model a client sends: a config map and its tensors by name (on any device)."""
+    config = parse_config(raw_config, "args.config")
+    shapes = {name: tuple(t.shape) for name, t in weights.items()}
+    wanted = check_weights(config, shapes, "args.weights")
+    hold(planned_bytes(shapes, wanted, dtype))
+    return _build(config, ((name, weights[name]) for name in wanted), dtype, device)
+
+
+def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: torch.dtype) -> int:
+    """The bytes a model's weights take once converted (see runtime.param_dtype)."""
+    total = 0
+    for name in wanted:
+        numel = 1
+        for d in shapes[name]:
+            numel *= d
+        total += numel * param_dtype(canonical_name(name), dtype).itemsize
+    return total
+
+
+def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device) -> Model:
+    tensors = {}
+    for name, tensor in named:
+        canonical = canonical_name(name)
+        # Always a copy: a file's mapping or a request's frame does not outlive the load.
+        tensors[canonical] = tensor.to(device=device, dtype=param_dtype(canonical, dtype), copy=True).contiguous()
+    for canonical, tensor in tensors.items():
+        if not torch.isfinite(tensor).all():
+            raise checkpoint_error(f"weights.{canonical}", "finite values", "NaN or infinity", tensor=canonical)
+    return Model(config, tensors)

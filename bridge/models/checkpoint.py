@@ -1,0 +1,154 @@
+"""Reading a checkpoint: where the server may read (the operator's --model-dir), which files
+hold the weights, and their tensors' names and shapes before any data is read.
+
+A checkpoint is a directory holding config.json and one of: model.safetensors;
+model.safetensors.index.json and its shards (transformers' sharded layout); pytorch_model.bin
+(mamba_ssm's, read with torch.load(weights_only=True)). Every file opened is resolved, symlinks
+followed, and must lie under an allowed directory, so that no request -- a relative path, a
+symlink, a shard name in an index -- makes the server read anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..errors import OpError
+from .config import checkpoint_error
+
+CONFIG = "config.json"
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+# A config.json or an index bigger than this is not one.
+MAX_JSON_BYTES = 16 << 20
+
+
+def path_not_allowed(path: str, model_dirs: tuple[str, ...]) -> OpError:
+    expected = ("a checkpoint directory under one of the server's --model-dir directories" if model_dirs
+                else "no path: this server was started without --model-dir, so it reads no checkpoint files")
+    return OpError("path_not_allowed", f"args.path: expected {expected}, got {path!r}",
+                   {"field": "args.path", "expected": expected, "got": path})
+
+
+def resolve_checkpoint(path: str, model_dirs: tuple[str, ...]) -> str:
+    """The real path of a checkpoint directory under an allowed one (relative paths are taken
+    under the first). The same error for a path outside as for one that does not exist there
+    would tell a client which files exist; outside, nothing is looked at but the path."""
+    if not model_dirs:
+        raise path_not_allowed(path, model_dirs)
+    real = os.path.realpath(os.path.join(model_dirs[0], path))
+    if not any(_under(real, root) for root in model_dirs):
+        raise path_not_allowed(path, model_dirs)
+    if not os.path.isfile(os.path.join(real, CONFIG)):
+        raise checkpoint_error("args.path", f"a checkpoint directory holding {CONFIG}", f"{path!r} (none there)")
+    return real
+
+
+def allowed_dirs(dirs) -> tuple[str, ...]:
+    """The operator's --model-dir list, resolved once at start."""
+    return tuple(os.path.realpath(d) for d in dirs)
+
+
+def _under(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _inside(directory: str, name: str, field: str) -> str:
+    """A file named by the checkpoint itself (an index's shard), which must stay in its directory."""
+    real = os.path.realpath(os.path.join(directory, name))
+    if os.path.dirname(real) != directory:
+        raise checkpoint_error(field, "a file name in the checkpoint's directory", repr(name))
+    return real
+
+
+def read_json(path: str, field: str):
+    try:
+        if os.path.getsize(path) > MAX_JSON_BYTES:
+            raise checkpoint_error(field, f"at most {MAX_JSON_BYTES} bytes of JSON", f"{os.path.getsize(path)} bytes")
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise checkpoint_error(field, "a readable JSON file", f"{type(e).__name__}: {e}") from None
+
+
+class TensorSource:
+    """A checkpoint's tensors: names and shapes from the headers, data read on demand."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._files: dict[str, str] = {}  # tensor name -> file
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._bin: dict[str, torch.Tensor] | None = None
+        names = os.listdir(directory)
+        if SAFETENSORS_INDEX in names:
+            index = read_json(os.path.join(directory, SAFETENSORS_INDEX), SAFETENSORS_INDEX)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise checkpoint_error(f"{SAFETENSORS_INDEX}.weight_map", "a map of tensor name to shard file",
+                                       type(weight_map).__name__)
+            for shard in sorted(set(weight_map.values())):
+                self._read_header(_inside(directory, shard, f"{SAFETENSORS_INDEX}.weight_map"), shard)
+            missing = set(weight_map) - set(self.shapes)
+            if missing:
+                name = min(missing)
+                raise checkpoint_error(f"{weight_map[name]}.{name}", "the tensor its index names", "nothing",
+                                       tensor=name)
+        elif SAFETENSORS in names:
+            self._read_header(_inside(directory, SAFETENSORS, SAFETENSORS), SAFETENSORS)
+        elif TORCH_BIN in names:
+            self._read_bin(_inside(directory, TORCH_BIN, TORCH_BIN))
+        else:
+            raise checkpoint_error("args.path", f"{SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} in the directory",
+                                   "none of them")
+
+    def _read_header(self, path: str, shown: str) -> None:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, "pt") as f:
+                for name in f.keys():
+                    sliced = f.get_slice(name)
+                    if not sliced.get_dtype().startswith(("F", "BF")):
+                        raise checkpoint_error(f"{shown}.{name}", "a floating tensor", sliced.get_dtype(), tensor=name)
+                    if name in self.shapes:
+                        raise checkpoint_error(f"{shown}.{name}", "each tensor in one shard", "it in two", tensor=name)
+                    self.shapes[name] = tuple(sliced.get_shape())
+                    self._files[name] = path
+        except OpError:
+            raise
+        except Exception as e:  # safetensors' own errors: a corrupt or lying header, a short file
+            raise checkpoint_error(shown, "a valid safetensors file", f"{type(e).__name__}: {e}") from None
+
+    def _read_bin(self, path: str) -> None:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise checkpoint_error(TORCH_BIN, "a torch state dict (weights only)", f"{type(e).__name__}: {e}") from None
+        if not isinstance(state, dict):
+            raise checkpoint_error(TORCH_BIN, "a state dict", type(state).__name__)
+        for name, tensor in state.items():
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise checkpoint_error(f"{TORCH_BIN}.{name}", "a floating tensor", type(tensor).__name__, tensor=str(name))
+            self.shapes[name] = tuple(tensor.shape)
+        self._bin = state
+
+    def tensors(self, names: set[str]):
+        """(name, tensor) of each of `names`, read one file at a time."""
+        if self._bin is not None:
+            yield from ((name, self._bin[name]) for name in sorted(names))
+            return
+        from safetensors import safe_open
+
+        for path in sorted({self._files[name] for name in names}):
+            shown = os.path.basename(path)
+            try:
+                with safe_open(path, "pt") as f:
+                    for name in sorted(n for n in names if self._files[n] == path):
+                        yield name, f.get_tensor(name)
+            except OpError:
+                raise
+            except Exception as e:
+                raise checkpoint_error(shown, "a readable safetensors file", f"{type(e).__name__}: {e}") from None

@@ -1,0 +1,214 @@
+"""A loaded Mamba or Mamba-2 model, run a sequence (prefill) or a timestep at a time over state
+rows kept elsewhere (the server's pool): every layer's conv window and ssm state.
+
+Each block is transformers' MambaBlock / Mamba2Block: RMSNorm, the mixer, the residual added
+(kept in fp32 where the config says); the mixer is in_proj, a causal depthwise conv1d and SiLU,
+then Mamba-1's x_proj/dt_proj and selective scan, or Mamba-2's split of x, B, C, dt, its SSD
+scan and gated RMSNorm; out_proj last. Every scan and state update goes through `kernels`, so a
+model runs on whichever backend the server serves. Nothing here knows of the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+from .config import ModelConfig
+from .weights import EMBEDDINGS, LM_HEAD
+
+# Per-channel constants and the conv kept in fp32 whatever the weights' dtype: the kernels take
+# them so, and the conv's window is fp32 state. A is -exp(A_log), computed once at load.
+FP32_TENSORS = ("A_log", "D", "dt_bias", "dt_proj.bias", "conv1d.weight", "conv1d.bias")
+
+
+def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is kept in when a model is loaded in `dtype` (f64, for tests, keeps all)."""
+    if dtype != torch.float64 and name.rsplit(".mixer.", 1)[-1] in FP32_TENSORS:
+        return torch.float32
+    return dtype
+
+
+@dataclass
+class Layer:
+    norm: torch.Tensor
+    in_proj: torch.Tensor
+    in_proj_bias: torch.Tensor | None
+    conv: torch.Tensor  # [conv_dim, d_conv], at least fp32
+    conv_bias: torch.Tensor | None
+    A: torch.Tensor  # fp32: [d_inner, d_state] or [nheads]
+    D: torch.Tensor  # fp32
+    dt_bias: torch.Tensor  # fp32: dt_proj.bias (Mamba-1) or dt_bias (Mamba-2)
+    out_proj: torch.Tensor
+    out_proj_bias: torch.Tensor | None
+    x_proj: torch.Tensor | None = None  # Mamba-1
+    dt_proj: torch.Tensor | None = None  # Mamba-1
+    gate_norm: torch.Tensor | None = None  # Mamba-2
+
+
+class Model:
+    """Weights on a device in one dtype (f32, bf16, f16; f64 for tests), state in fp32."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor]):
+        """`tensors`: by canonical name (bridge.models.weights), already converted and on the device."""
+        self.config = config
+        self.nbytes = sum(t.nbytes for t in tensors.values())
+        self.dtype = tensors["norm_f.weight"].dtype
+        self.device = tensors["norm_f.weight"].device
+        self.norm_f = tensors["norm_f.weight"]
+        self.embeddings = tensors.get(EMBEDDINGS)
+        self.lm_head = self.embeddings if config.lm_head == "tied" else tensors.get(LM_HEAD)
+        self.layers = [self._layer(tensors, f"layers.{i}.") for i in range(config.n_layer)]
+
+    def _layer(self, t: dict, prefix: str) -> Layer:
+        m = prefix + "mixer."
+        mamba1 = self.config.arch == "mamba"
+        return Layer(
+            norm=t[prefix + "norm.weight"], in_proj=t[m + "in_proj.weight"], in_proj_bias=t.get(m + "in_proj.bias"),
+            conv=_wide(t[m + "conv1d.weight"][:, 0, :]), conv_bias=_wide(t.get(m + "conv1d.bias")),
+            A=-torch.exp(_wide(t[m + "A_log"])), D=t[m + "D"],
+            dt_bias=t[m + ("dt_proj.bias" if mamba1 else "dt_bias")],
+            out_proj=t[m + "out_proj.weight"], out_proj_bias=t.get(m + "out_proj.bias"),
+            x_proj=t.get(m + "x_proj.weight"), dt_proj=t.get(m + "dt_proj.weight"),
+            gate_norm=t.get(m + "norm.weight"))
+
+    @property
+    def arch(self) -> str:
+        return self.config.arch
+
+    # -- the stack ----------------------------------------------------------------------
+
+    def forward(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
+                output: str, last_only: bool = False, backend: str | None = None) -> torch.Tensor:
+        """A prefill of `inputs` (tokens [b, l] or embeddings [b, l, d_model]) from the state in
+        rows `slots` of `parts`, which are left holding the state at the end; the chunked scan
+        runs once per layer over the whole sequence."""
+        hidden = self._embed(inputs)
+        for i, layer in enumerate(self.layers):
+            conv, ssm = parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]
+            hidden = self._block(layer, hidden, lambda h, layer=layer, conv=conv, ssm=ssm:
+                                 self._mixer_seq(layer, h, conv, ssm, slots, backend))
+        if last_only:
+            hidden = hidden[:, -1:]
+        return self._output(hidden, output)
+
+    def step(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
+             output: str, backend: str | None = None) -> torch.Tensor:
+        """One timestep of `inputs` (tokens [b] or embeddings [b, d_model]) for rows `slots`,
+        their state updated in place."""
+        hidden = self._embed(inputs)
+        for i, layer in enumerate(self.layers):
+            conv, ssm = parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]
+            hidden = self._block(layer, hidden, lambda h, layer=layer, conv=conv, ssm=ssm:
+                                 self._mixer_step(layer, h, conv, ssm, slots, backend))
+        return self._output(hidden, output)
+
+    def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.is_floating_point():
+            return inputs.to(self.dtype)
+        return F.embedding(inputs.to(torch.int64), self.embeddings)
+
+    def _block(self, layer: Layer, hidden: torch.Tensor, mixer) -> torch.Tensor:
+        residual = _wide(hidden) if self.config.residual_in_fp32 else hidden
+        return residual + mixer(_rms_norm(hidden.to(self.dtype), layer.norm, self.config.eps))
+
+    def _output(self, hidden: torch.Tensor, output: str) -> torch.Tensor:
+        hidden = _rms_norm(hidden, self.norm_f, self.config.eps)
+        if output == "hidden":
+            return _wide(hidden)
+        return _wide(F.linear(hidden.to(self.lm_head.dtype), self.lm_head))
+
+    # -- mixers -------------------------------------------------------------------------
+
+    def _mixer_seq(self, layer, h, conv, ssm, slots, backend):
+        c = self.config
+        projected = F.linear(h, layer.in_proj, layer.in_proj_bias)
+        h0 = ssm.index_select(0, slots)
+        if c.arch == "mamba":
+            x, z = projected.split(c.d_inner, dim=-1)
+            x = _conv_seq(layer, x, conv, slots)
+            dt, B, C = F.linear(x, layer.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
+            y, state = kernels.selective_scan(
+                x, F.linear(dt, layer.dt_proj), layer.A, B, C, D=layer.D, z=z, dt_bias=layer.dt_bias,
+                dt_softplus=True, h0=h0, return_state=True, backend=backend)
+        else:
+            z, xBC, dt = projected.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
+            x, B, C = _conv_seq(layer, xBC, conv, slots).split(
+                [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+            y, state = kernels.ssd_scan(
+                x.unflatten(-1, (c.nheads, c.headdim)), dt, layer.A, B.unflatten(-1, (c.ngroups, c.d_state)),
+                C.unflatten(-1, (c.ngroups, c.d_state)), D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True,
+                **self._dt_limits(), h0=h0, return_state=True, backend=backend)
+            y = _gated_rms_norm(y.flatten(-2), z, layer.gate_norm, c.ngroups, c.eps)
+        ssm.index_copy_(0, slots, state.to(ssm.dtype))
+        return F.linear(y.to(self.dtype), layer.out_proj, layer.out_proj_bias)
+
+    def _mixer_step(self, layer, h, conv, ssm, slots, backend):
+        c = self.config
+        projected = F.linear(h, layer.in_proj, layer.in_proj_bias)
+        if c.arch == "mamba":
+            x, z = projected.split(c.d_inner, dim=-1)
+            x = _conv_step(layer, x, conv, slots)
+            dt, B, C = F.linear(x, layer.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
+            y = kernels.selective_state_update(
+                ssm, x, F.linear(dt, layer.dt_proj), layer.A, B, C, D=layer.D, z=z, dt_bias=layer.dt_bias,
+                dt_softplus=True, slots=slots, backend=backend)
+        else:
+            z, xBC, dt = projected.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
+            x, B, C = _conv_step(layer, xBC, conv, slots).split(
+                [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+            y = kernels.ssd_state_update(
+                ssm, x.unflatten(-1, (c.nheads, c.headdim)), dt, layer.A, B.unflatten(-1, (c.ngroups, c.d_state)),
+                C.unflatten(-1, (c.ngroups, c.d_state)), D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True,
+                **self._dt_limits(), slots=slots, backend=backend)
+            y = _gated_rms_norm(y.flatten(-2), z, layer.gate_norm, c.ngroups, c.eps)
+        return F.linear(y.to(self.dtype), layer.out_proj, layer.out_proj_bias)
+
+    def _dt_limits(self) -> dict:
+        """mamba_ssm's dt_limit as the kernels' bounds: (0, inf) clamps nothing."""
+        low, high = self.config.dt_limit
+        if (low, high) == (0.0, float("inf")):
+            return {"dt_min": None, "dt_max": None}
+        return {"dt_min": low if low > float("-inf") else None, "dt_max": high if high < float("inf") else None}
+
+
+def _wide(t: torch.Tensor | None) -> torch.Tensor | None:
+    """At least fp32 (f64 stays f64): what the conv and A are computed in."""
+    return t if t is None or t.dtype == torch.float64 else t.float()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' MambaRMSNorm: normalised in fp32, cast back to x's dtype, then scaled."""
+    x32 = _wide(x)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """Mamba-2's norm: y * silu(z), normalised per group of channels (gate before the norm)."""
+    gated = (_wide(y) * F.silu(_wide(z))).unflatten(-1, (groups, -1))
+    normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.flatten(-2).to(y.dtype)
+
+
+def _conv_seq(layer: Layer, x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise conv and SiLU over x [b, l, channels], continuing from the windows in
+    rows `slots` of `conv` [pool, channels, d_conv], which are left holding the last d_conv inputs."""
+    width = conv.shape[-1]
+    window = torch.cat([conv.index_select(0, slots), x.transpose(1, 2).to(conv.dtype)], dim=2)
+    conv.index_copy_(0, slots, window[:, :, -width:].contiguous())
+    out = F.conv1d(window[:, :, 1:].to(layer.conv.dtype), layer.conv[:, None, :], layer.conv_bias,
+                   groups=layer.conv.shape[0])
+    return F.silu(out).transpose(1, 2).to(x.dtype)
+
+
+def _conv_step(layer: Layer, x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One timestep of the conv and SiLU for x [b, channels]."""
+    window = torch.cat([conv.index_select(0, slots)[:, :, 1:], x.to(conv.dtype)[:, :, None]], dim=2)
+    conv.index_copy_(0, slots, window)
+    out = (window.to(layer.conv.dtype) * layer.conv).sum(-1)
+    if layer.conv_bias is not None:
+        out = out + layer.conv_bias
+    return F.silu(out).to(x.dtype)

@@ -1,0 +1,168 @@
+"""Whole models (protocol/SPEC.md §6.4): model_load, model_free, model_forward, model_step.
+
+The models themselves live in bridge.models; a model's sessions are ordinary sessions
+(bridge.sessions) whose state rows hold every layer's conv window and ssm state, opened,
+snapshotted, restored and forked by the session ops (bridge.ops.sessions). model_step is
+batched: steps of sessions of one model share one pass through the stack.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import protocol
+
+from .. import models
+from ..batcher import BatchedOp, Item, charge, dtype_of, row_signature, stack_rows, wire_rows
+from ..errors import OpError
+from ..tensors import TORCH_DTYPES, WIRE_DTYPES, host_view, to_wire
+from ..timing import now_ns
+from .sessions import session_of_kind
+
+
+def model_load(server, call) -> dict:
+    args = call.args
+    dtype = TORCH_DTYPES[args.get("dtype", "f32")]
+    from_path = "path" in args
+    sent = [name for name in ("config", "weights") if name in args]
+    if from_path == bool(sent) or (sent and len(sent) != 2):
+        got = ", ".join((["path"] if from_path else []) + sent) or "none of them"
+        raise OpError("invalid_argument",
+                      f"args: expected either path, or config and weights, got {got}",
+                      {"field": "args", "expected": "either path, or config and weights", "got": got})
+    if from_path:
+        def load(hold):
+            return models.load_checkpoint(args["path"], server.model_dirs, dtype, server.device, hold)
+    else:
+        weights = {name: server.device_tensor(value) if isinstance(value, protocol.WireTensor) else
+                   server.resolve_handle(call.conn, value.handle, f"args.weights.{name}")
+                   for name, value in args["weights"].items()}
+
+        def load(hold):
+            return models.load_weights(args["config"], weights, dtype, server.device, hold)
+    start = now_ns()
+    loaded = server.load_model(call.conn, load, args.get("name"))
+    call.timing.add("h2d", now_ns() - start)
+    return loaded.describe()
+
+
+def model_free(server, call) -> dict:
+    loaded = server.model(call.conn, call.args["model"], "args.model")
+    server.free_model(call.conn, loaded)
+    return {"freed": True}
+
+
+def model_session(server, call):
+    """The request's session and its model."""
+    session = session_of_kind(server, call, "model", call.op)
+    # The model is the session's connection's, and cannot be freed while the session is open.
+    return session, server.model(call.conn, session.layout.model, "args.session")
+
+
+def model_input(server, call, session, loaded, step: bool) -> tuple[str, object]:
+    """("tokens" | "embeds", the value as it came), checked against the session and model:
+    tokens [batch] (a step) or [batch, seq], integer ids in the vocabulary; embeds the same
+    with d_model after them, floating."""
+    args = call.args
+    given = [name for name in ("tokens", "embeds") if name in args]
+    if len(given) != 1:
+        got = " and ".join(given) or "neither"
+        raise OpError("invalid_argument", f"args: expected exactly one of tokens and embeds, got {got}",
+                      {"field": "args", "expected": "exactly one of tokens and embeds", "got": got})
+    name = given[0]
+    value = server.tensor_arg(call, name)
+    config = loaded.model.config
+    field = f"args.{name}"
+    want = [session.batch] if step else [session.batch, "seq"]
+    if name == "embeds":
+        want.append(config.d_model)
+    shape = list(value.shape)
+    if len(shape) != len(want) or any(s != w if w != "seq" else s == 0 for w, s in zip(want, shape)):
+        raise OpError("shape_mismatch", f"{field}: expected shape {want} (the session's batch), got {shape}",
+                      {"field": field, "expected": f"shape {want}", "got": str(shape)})
+    dtype = dtype_of(value)
+    if name == "embeds":
+        if not dtype.is_floating_point:
+            _invalid(field, "a floating tensor (f32, bf16, f16, f64)", _wire_name(dtype))
+        return name, value
+    if not config.has_embeddings:
+        _invalid(field, "embeds, not tokens: this model has no embedding", "tokens")
+    if dtype not in TOKEN_DTYPES:
+        _invalid(field, "an integer tensor (i32, i64, u8)", _wire_name(dtype))
+    tokens = host_view(value) if isinstance(value, protocol.WireTensor) else value
+    if tokens.numel():
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= config.vocab_size:
+            _invalid(field, f"token ids in [0, {config.vocab_size})", str(low if low < 0 else high))
+    return name, value
+
+
+TOKEN_DTYPES = (torch.int32, torch.int64, torch.uint8)
+
+
+def _wire_name(dtype: torch.dtype) -> str:
+    return WIRE_DTYPES.get(dtype, str(dtype))
+
+
+def _invalid(field: str, expected: str, got: str):
+    raise OpError("invalid_argument", f"{field}: expected {expected}, got {got}",
+                  {"field": field, "expected": expected, "got": got})
+
+
+def output_of(call, loaded) -> str:
+    """What the request asks for: logits by default where the model has a head, else hidden."""
+    has_logits = loaded.model.config.has_logits
+    output = call.args.get("output", "logits" if has_logits else "hidden")
+    if output == "logits" and not has_logits:
+        _invalid("args.output", '"hidden": this model has no head', '"logits"')
+    return output
+
+
+def model_forward(server, call) -> dict:
+    session, loaded = model_session(server, call)
+    _, value = model_input(server, call, session, loaded, step=False)
+    output = output_of(call, loaded)
+    start = now_ns()
+    inputs = server.device_tensor(value) if isinstance(value, protocol.WireTensor) else value
+    call.timing.add("h2d", now_ns() - start)
+    with server.kernel_timer(call):
+        out = loaded.model.forward(session.pool.parts, session.slots, inputs, output=output,
+                                   last_only=bool(call.args.get("last_only", False)), backend=server.backend)
+    start = now_ns()
+    wire = to_wire(out)
+    call.timing.add("d2h", now_ns() - start)
+    return {output: wire}
+
+
+class ModelStepOp(BatchedOp):
+    """One frame through the whole stack for every row of a session; steps of sessions of one
+    model (and one input kind, dtype and output) share the pass."""
+
+    def prepare(self, server, call) -> Item:
+        session, loaded = model_session(server, call)
+        name, value = model_input(server, call, session, loaded, step=True)
+        output = output_of(call, loaded)
+        key = ("model_step", loaded.id, name, row_signature(value), output)
+        return Item(call, key, session.batch, {name: value}, {}, session, {"output": output, "model": loaded})
+
+    def run(self, server, items: list[Item]) -> list[dict]:
+        lead = items[0]
+        loaded, output = lead.options["model"], lead.options["output"]
+        (name,) = lead.tensors
+        start = now_ns()
+        inputs = stack_rows(server, [item.tensors[name] for item in items])
+        slots = stack_rows(server, [item.session.slots for item in items])
+        charge(items, "h2d", now_ns() - start)
+        with server.kernel_timer(*(item.call for item in items)):
+            out = loaded.model.step(lead.session.pool.parts, slots, inputs, output=output, backend=server.backend)
+        return [{output: rows} for rows in wire_rows(out, items)]
+
+
+model_step = ModelStepOp()
+
+HANDLERS = {
+    "model_load": model_load,
+    "model_free": model_free,
+    "model_forward": model_forward,
+    "model_step": model_step,
+}

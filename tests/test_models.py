@@ -1,0 +1,597 @@
+"""Whole models on the server (bridge.models, SPEC §6.4): parity with transformers' own Mamba
+and Mamba-2 (a prefill, then steps with its cache) on tiny random models this test builds and
+saves, in each public layout; snapshots, restores and forks; a model's state saved and given
+back; the long-run drift of fp32 against float64; and a structured error, leaving nothing held,
+for every bad checkpoint and request.
+
+transformers is the external oracle (a test dependency only); the server runs in-process on
+each CPU kernels backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from bridge.client import BridgeError
+from bridge.models import load_weights
+from bridge_fakes import RecordingConnection
+from kernel_cases import cpu_backends, random_seed
+
+transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+from safetensors.torch import save_file  # noqa: E402  (a dependency of transformers and of the server)
+
+VOCAB = 37
+PREFIX = 9
+STEPS = 20
+
+
+def tiny_mamba(seed: int, **overrides):
+    cfg = dict(vocab_size=VOCAB, hidden_size=12, state_size=5, num_hidden_layers=2, expand=2, conv_kernel=4,
+               time_step_rank=3)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    return transformers.MambaConfig(**cfg)
+
+
+def tiny_mamba2(seed: int, **overrides):
+    cfg = dict(vocab_size=VOCAB, hidden_size=12, state_size=6, num_hidden_layers=2, expand=2, head_dim=6,
+               num_heads=4, n_groups=2, conv_kernel=3, chunk_size=8)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    return transformers.Mamba2Config(**cfg)
+
+
+def randomized(model):
+    """transformers initialises norms to ones and D to ones: every weight is made random (A_log
+    and dt kept in their working ranges), so that a wrong norm or skip would show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-1.0, 1.5)
+            elif name.endswith(("dt_bias", "dt_proj.bias")):
+                p.uniform_(-3.0, 0.0)
+            else:
+                p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if name.endswith("norm.weight") else 0.0))
+    return model.eval()
+
+
+# (id, config maker, model class, the output a client asks for)
+ARCHS = {
+    "mamba-lm-tied": (tiny_mamba, "MambaForCausalLM", "logits"),
+    "mamba-lm-untied": (lambda seed: tiny_mamba(seed, tie_word_embeddings=False), "MambaForCausalLM", "logits"),
+    "mamba-backbone": (tiny_mamba, "MambaModel", "hidden"),
+    "mamba2-lm": (tiny_mamba2, "Mamba2ForCausalLM", "logits"),
+    "mamba2-backbone": (tiny_mamba2, "Mamba2Model", "hidden"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each ARCHS model saved by transformers under one model directory, with the model itself."""
+    root = tmp_path_factory.mktemp("models")
+    built = {}
+    for i, (name, (make_config, cls, output)) in enumerate(ARCHS.items()):
+        seed = random_seed()
+        model = randomized(getattr(transformers, cls)(make_config(seed)))
+        model.save_pretrained(root / name)
+        built[name] = (model, output, seed)
+    return root, built
+
+
+def oracle_outputs(model, tokens, output):
+    """transformers' own: a prefill of PREFIX tokens with its cache, then one token at a time."""
+    def pick(out):
+        return out.logits if output == "logits" else out.last_hidden_state
+
+    with torch.no_grad():
+        out = model(tokens[:, :PREFIX], use_cache=True)
+        results, cache = [pick(out)], out.cache
+        for t in range(PREFIX, tokens.shape[1]):
+            out = model(tokens[:, t:t + 1], cache=cache, use_cache=True)
+            results.append(pick(out))
+            cache = out.cache
+    return torch.cat(results, dim=1)
+
+
+def rel_close(actual, expected, rtol, what):
+    """Close relative to the largest magnitude (logits of random models span orders)."""
+    actual, expected = torch.as_tensor(actual).double(), expected.double()
+    assert actual.shape == expected.shape, what
+    scale = expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol} x {scale:.3g}"
+
+
+@pytest.fixture
+def serve(inproc, checkpoints):
+    def make(backend="torch", **config):
+        return inproc(backend=backend, model_dirs=(str(checkpoints[0]),), **config)
+    return make
+
+
+def call(srv, conn, op, **args):
+    return srv.call(conn, op, **args)
+
+
+def error_of(srv, conn, op, **args) -> dict:
+    reply = srv.request(conn, op, **args)
+    assert not reply.ok, f"{op} succeeded"
+    return reply.error
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_prefill_then_steps_match_transformers_with_its_cache(serve, checkpoints, arch, backend):
+    model, output, seed = checkpoints[1][arch]
+    srv, conn = serve(backend), RecordingConnection()
+    info = call(srv, conn, "model_load", path=arch)
+    assert (info["arch"], info["layers"], info["d_model"]) == (
+        "mamba" if arch.startswith("mamba-") else "mamba2", 2, 12)
+    session = call(srv, conn, "session_open", model=info["model"], batch=3)["session"]
+    torch.manual_seed(seed + 1)
+    tokens = torch.randint(0, VOCAB, (3, PREFIX + STEPS))
+    got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX], output=output)[output]]
+    for t in range(PREFIX, PREFIX + STEPS):
+        got.append(call(srv, conn, "model_step", session=session, tokens=tokens[:, t].to(torch.int32),
+                        output=output)[output][:, None])
+    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, f"{arch} on {backend} (seed {seed})")
+
+
+@pytest.mark.parametrize("arch", ["mamba-lm-tied", "mamba2-lm"])
+def test_bf16_weights_follow_transformers_in_bf16_loosely(serve, checkpoints, arch):
+    model, output, seed = checkpoints[1][arch]
+    srv, conn = serve(), RecordingConnection()
+    info = call(srv, conn, "model_load", path=arch, dtype="bf16")
+    assert info["dtype"] == "bfloat16"
+    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
+    torch.manual_seed(seed + 2)
+    tokens = torch.randint(0, VOCAB, (2, PREFIX + 4))
+    got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX])["logits"]]
+    got += [call(srv, conn, "model_step", session=session, tokens=tokens[:, t])["logits"][:, None]
+            for t in range(PREFIX, PREFIX + 4)]
+    with torch.no_grad():
+        expected = copy.deepcopy(model).to(torch.bfloat16)(tokens).logits.float()
+    rel_close(torch.cat(got, dim=1), expected, 5e-2, f"{arch} bf16 (seed {seed})")
+
+
+def mamba_ssm_layout(model, arch: str, vocab: int) -> tuple[dict, dict]:
+    """(config, weights) of a transformers model as mamba_ssm's MambaLMHeadModel saves it."""
+    c = model.config
+    ssm_cfg = {"d_state": c.state_size, "d_conv": c.conv_kernel, "expand": c.expand}
+    if arch == "mamba2":
+        ssm_cfg.update(layer="Mamba2", headdim=c.head_dim, ngroups=c.n_groups, chunk_size=c.chunk_size)
+    else:
+        ssm_cfg.update(dt_rank=c.time_step_rank)
+    config = {"d_model": c.hidden_size, "d_intermediate": 0, "n_layer": c.num_hidden_layers, "vocab_size": vocab,
+              "ssm_cfg": ssm_cfg, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
+              "pad_vocab_size_multiple": 8, "tie_embeddings": c.tie_word_embeddings}
+    weights = {name.replace("backbone.embeddings.", "backbone.embedding."): p.detach().clone()
+               for name, p in model.state_dict().items()}
+    return config, weights
+
+
+@pytest.mark.parametrize("arch, fmt", [("mamba", "bin"), ("mamba2", "safetensors")])
+def test_a_mamba_ssm_checkpoint_with_a_padded_vocabulary(serve, checkpoints, arch, fmt):
+    """mamba_ssm pads the embedding to a multiple of pad_vocab_size_multiple: a vocabulary of 37
+    has 40 rows, and logits come back 40 wide, as from mamba_ssm."""
+    seed = random_seed()
+    make = tiny_mamba if arch == "mamba" else tiny_mamba2
+    model = randomized(getattr(transformers, "MambaForCausalLM" if arch == "mamba" else "Mamba2ForCausalLM")(
+        make(seed, vocab_size=40, tie_word_embeddings=True)))
+    config, weights = mamba_ssm_layout(model, arch, vocab=VOCAB)
+    directory = checkpoints[0] / f"mamba-ssm-{arch}"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    if fmt == "bin":
+        torch.save(weights, directory / "pytorch_model.bin")
+    else:
+        weights.pop("lm_head.weight", None)  # tied: safetensors holds one copy
+        save_file(weights, str(directory / "model.safetensors"))
+    srv, conn = serve(), RecordingConnection()
+    info = call(srv, conn, "model_load", path=directory.name)
+    assert info["vocab_size"] == 40
+    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
+    tokens = torch.randint(0, VOCAB, (2, PREFIX + 3))
+    got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX])["logits"]]
+    got += [call(srv, conn, "model_step", session=session, tokens=tokens[:, t])["logits"][:, None]
+            for t in range(PREFIX, PREFIX + 3)]
+    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, "logits"), 1e-4, f"{arch} (seed {seed})")
+
+
+def test_a_sharded_checkpoint_loads_like_the_whole_one(serve, checkpoints, tmp_path):
+    model, _, seed = checkpoints[1]["mamba2-lm"]
+    sharded = checkpoints[0] / "mamba2-sharded"
+    model.save_pretrained(sharded, max_shard_size="8KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    srv, conn = serve(), RecordingConnection()
+    tokens = torch.randint(0, VOCAB, (1, 6))
+    outputs = []
+    for path in ("mamba2-lm", "mamba2-sharded"):
+        info = call(srv, conn, "model_load", path=path)
+        session = call(srv, conn, "session_open", model=info["model"], batch=1)["session"]
+        outputs.append(call(srv, conn, "model_forward", session=session, tokens=tokens)["logits"])
+    assert torch.equal(*outputs)
+
+
+def backbone_request(model) -> tuple[dict, dict]:
+    """ExPhil's case: a Mamba-2 backbone's config and weights held by the client, no embedding."""
+    c = model.config
+    config = {"arch": "mamba2", "d_model": c.hidden_size, "n_layer": c.num_hidden_layers, "d_state": c.state_size,
+              "d_conv": c.conv_kernel, "expand": c.expand, "headdim": c.head_dim, "ngroups": c.n_groups,
+              "residual_in_fp32": True}
+    weights = {name: p.detach().clone() for name, p in model.state_dict().items() if not name.startswith("embeddings")}
+    return config, weights
+
+
+def test_a_backbone_sent_by_the_client_takes_embeddings_and_gives_hidden_states(serve, checkpoints):
+    model, _, seed = checkpoints[1]["mamba2-backbone"]
+    config, weights = backbone_request(model)
+    srv, conn = serve(), RecordingConnection()
+    handle = call(srv, conn, "put", tensor=weights.pop("norm_f.weight"))["handle"]
+    info = call(srv, conn, "model_load", config=config, weights={**weights, "norm_f.weight": {"handle": handle}})
+    assert "vocab_size" not in info and info["outputs"] == ["hidden"]
+    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
+    embeds = torch.randn(2, PREFIX + 5, 12)
+    got = [call(srv, conn, "model_forward", session=session, embeds=embeds[:, :PREFIX])["hidden"]]
+    got += [call(srv, conn, "model_step", session=session, embeds=embeds[:, t])["hidden"][:, None]
+            for t in range(PREFIX, PREFIX + 5)]
+    with torch.no_grad():
+        expected = model(inputs_embeds=embeds).last_hidden_state
+    rel_close(torch.cat(got, dim=1), expected, 1e-4, f"backbone (seed {seed})")
+    assert error_of(srv, conn, "model_step", session=session, tokens=torch.zeros(2, dtype=torch.int64))["detail"][
+        "field"] == "args.tokens"
+
+
+@pytest.fixture
+def stepped(serve):
+    """A Mamba-2 LM session prefilled and stepped a few frames on the C++ backend where built."""
+    srv, conn = serve(cpu_backends()[-1]), RecordingConnection()
+    info = call(srv, conn, "model_load", path="mamba2-lm")
+    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
+    call(srv, conn, "model_forward", session=session, tokens=torch.randint(0, VOCAB, (2, PREFIX)))
+    for _ in range(3):
+        call(srv, conn, "model_step", session=session, tokens=torch.randint(0, VOCAB, (2,)))
+    return srv, conn, info, session
+
+
+def run_frames(srv, conn, session, frames):
+    return torch.stack([call(srv, conn, "model_step", session=session, tokens=f)["logits"] for f in frames])
+
+
+def test_rollback_restores_the_state_exactly(stepped):
+    """Netcode: snapshot at frame N, run M frames, restore, run the same M: identical outputs;
+    re-simulating the M frames with one model_forward instead agrees to rounding."""
+    srv, conn, _, session = stepped
+    snapshot = call(srv, conn, "session_snapshot", session=session)["snapshot"]
+    frames = torch.randint(0, VOCAB, (7, 2))
+    first = run_frames(srv, conn, session, frames)
+    call(srv, conn, "session_restore", session=session, snapshot=snapshot)
+    assert torch.equal(run_frames(srv, conn, session, frames), first)
+    call(srv, conn, "session_restore", session=session, snapshot=snapshot)
+    resimulated = call(srv, conn, "model_forward", session=session, tokens=frames.T)["logits"]
+    rel_close(resimulated.transpose(0, 1), first, 1e-5, "re-simulated window")
+    call(srv, conn, "snapshot_free", snapshot=snapshot)
+    assert error_of(srv, conn, "session_restore", session=session, snapshot=snapshot)["code"] == "unknown_snapshot"
+    assert srv.server.sessions.usage()["snapshot_bytes"] == 0
+
+
+def test_a_fork_diverges_independently(stepped):
+    srv, conn, _, session = stepped
+    state_before = call(srv, conn, "session_state", session=session)["state"]
+    fork = call(srv, conn, "session_fork", session=session)["session"]
+    ours, theirs = torch.randint(0, VOCAB, (4, 2)), torch.randint(0, VOCAB, (4, 2))
+    forked = run_frames(srv, conn, fork, theirs)
+    original = run_frames(srv, conn, session, ours)
+    # The original saw nothing of the fork's frames: a session restored from its state agrees.
+    again = call(srv, conn, "session_open", model=srv_model(srv, conn, session), batch=2, state=state_before)["session"]
+    assert torch.equal(run_frames(srv, conn, again, ours), original)
+    again_fork = call(srv, conn, "session_open", model=srv_model(srv, conn, session), batch=2, state=state_before)["session"]
+    assert torch.equal(run_frames(srv, conn, again_fork, theirs), forked)
+
+
+def srv_model(srv, conn, session_id: str) -> str:
+    return srv.server.session(conn, session_id, "test").layout.model
+
+
+def test_session_state_names_every_layer_part(stepped):
+    srv, conn, info, session = stepped
+    state = call(srv, conn, "session_state", session=session)["state"]
+    assert sorted(state) == ["layers.0.conv", "layers.0.ssm", "layers.1.conv", "layers.1.ssm"]
+    assert tuple(state["layers.0.ssm"].shape) == (2, 4, 6, 6) and tuple(state["layers.1.conv"].shape) == (2, 48, 3)
+    assert sum(t.numel() * 4 for t in state.values()) == 2 * info["state_bytes_per_row"]
+
+
+def test_steps_of_sessions_of_one_model_share_a_pass(stepped):
+    srv, conn, info, session = stepped
+    other = call(srv, conn, "session_fork", session=session)["session"]
+    tokens = torch.randint(0, VOCAB, (2,))
+    alone = call(srv, conn, "model_step", session=call(srv, conn, "session_fork", session=session)["session"],
+                 tokens=tokens)["logits"]
+    srv.hold(conn)
+    ids = [srv.submit(conn, "model_step", session=s, tokens=tokens) for s in (session, other)]
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert [r.timing["batch_rows"] for r in replies] == [4, 4]
+    from bridge.client import result_from_wire
+    for reply in replies:
+        assert torch.equal(result_from_wire(reply.result, as_torch=True)["logits"], alone)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_ten_thousand_fp32_steps_stay_near_a_float64_run(arch, checkpoints):
+    """The state accumulates in fp32 over a long game: after 10,000 frames the fp32 stack still
+    agrees with the same stack in float64."""
+    model = checkpoints[1]["mamba-lm-tied" if arch == "mamba" else "mamba2-lm"][0]
+    weights = {name: p.detach() for name, p in model.state_dict().items()}
+    config = json.loads(model.config.to_json_string())
+    runs = {}
+    for dtype in (torch.float32, torch.float64):
+        m = load_weights(config, weights, dtype, torch.device("cpu"), lambda n: None)
+        parts = {name: torch.zeros((1, *shape), dtype=dtype) for name, shape in m.config.state_parts()}
+        runs[dtype] = (m, parts)
+    slots = torch.zeros(1, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(random_seed())
+    tokens = torch.randint(0, VOCAB, (10_000, 1), generator=generator)
+    worst = 0.0
+    with torch.no_grad():
+        for t, token in enumerate(tokens):
+            out = {dtype: m.step(parts, slots, token, output="logits", backend="torch") for dtype, (m, parts) in runs.items()}
+            if t % 500 == 499:
+                scale = out[torch.float64].abs().max().item()
+                worst = max(worst, (out[torch.float32].double() - out[torch.float64]).abs().max().item() / scale)
+    assert worst < 1e-4, f"fp32 drifted {worst:.3g} (relative) from float64"
+
+
+# -- bad checkpoints and requests: a structured error each, nothing held, the server serves on --
+
+def corrupt(directory, how: str) -> None:
+    path = directory / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    if how == "truncated":
+        path.write_bytes(data[: header_len + 8 + 10])
+    elif how == "lying-header":
+        header = json.loads(data[8:8 + header_len])
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["data_offsets"][1] += 4096
+        encoded = json.dumps(header).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + bytes(data[8 + header_len:]))
+    elif how == "garbage":
+        path.write_bytes(b"\xff" * 64)
+
+
+def edited_copy(root, source: str, name: str, *, config=None, weights=None):
+    """A copy of checkpoint `source` with its config edited by `config(dict)` or its tensors by
+    `weights(dict)`."""
+    from safetensors.torch import load_file
+
+    directory = root / name
+    directory.mkdir()
+    cfg = json.loads((root / source / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config(cfg) if config else cfg))
+    tensors = load_file(str(root / source / "model.safetensors"))
+    save_file(weights(tensors) if weights else tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def _drop(name):
+    def edit(t):
+        del t[name]
+        return t
+    return edit
+
+
+def _reshape(name):
+    def edit(t):
+        t[name] = t[name][:-1].clone()
+        return t
+    return edit
+
+
+def _add(name):
+    def edit(t):
+        t[name] = torch.zeros(3)
+        return t
+    return edit
+
+
+def _nan(name):
+    def edit(t):
+        t[name] = t[name].clone()
+        t[name].view(-1)[0] = float("nan")
+        return t
+    return edit
+
+
+BAD_CHECKPOINTS = [
+    # id, edit (config / weights / corrupt), error code, field
+    ("missing-tensor", dict(weights=_drop("backbone.layers.1.mixer.dt_bias")), "invalid_checkpoint",
+     "weights.layers.1.mixer.dt_bias"),
+    ("mis-shaped", dict(weights=_reshape("backbone.layers.0.mixer.conv1d.weight")), "invalid_checkpoint",
+     "weights.backbone.layers.0.mixer.conv1d.weight"),
+    ("unexpected", dict(weights=_add("backbone.layers.0.mixer.extra")), "invalid_checkpoint",
+     "weights.backbone.layers.0.mixer.extra"),
+    ("not-finite", dict(weights=_nan("backbone.layers.0.mixer.out_proj.weight")), "invalid_checkpoint",
+     "weights.layers.0.mixer.out_proj.weight"),
+    ("unknown-arch", dict(config=lambda c: {**c, "model_type": "llama"}), "invalid_checkpoint",
+     "config.json.model_type"),
+    ("layernorm", dict(config=lambda c: {**c, "rms_norm": False}), "invalid_checkpoint", "config.json.rms_norm"),
+    ("heads-disagree", dict(config=lambda c: {**c, "num_heads": 5}), "invalid_checkpoint", "config.json.num_heads"),
+]
+
+
+@pytest.mark.parametrize("name, edit, code, field", [pytest.param(*case, id=case[0]) for case in BAD_CHECKPOINTS])
+def test_a_bad_checkpoint_is_named_and_nothing_is_kept(serve, checkpoints, name, edit, code, field):
+    root = checkpoints[0]
+    edited_copy(root, "mamba2-lm", f"bad-{name}", **edit)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=f"bad-{name}")
+    assert (error["code"], error["detail"]["field"]) == (code, field), error
+    assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
+    assert call(srv, conn, "model_load", path="mamba2-lm")["layers"] == 2  # serves on
+
+
+@pytest.mark.parametrize("how", ["truncated", "lying-header", "garbage"])
+def test_a_corrupt_safetensors_file_is_refused(serve, checkpoints, how):
+    directory = edited_copy(checkpoints[0], "mamba-lm-tied", f"corrupt-{how}")
+    corrupt(directory, how)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "model.safetensors"), error
+    assert srv.server.sessions.usage()["model_bytes"] == 0
+
+
+def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve, checkpoints, tmp_path, inproc):
+    root = checkpoints[0]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    os.symlink(outside, root / "escape")
+    srv, conn = serve(), RecordingConnection()
+    for path in (str(outside), "../" + outside.name, "escape", "/etc", str(root / ".." / "outside")):
+        error = error_of(srv, conn, "model_load", path=path)
+        assert (error["code"], error["detail"]["field"]) == ("path_not_allowed", "args.path"), path
+    assert error_of(srv, conn, "model_load", path="no-such-model")["code"] == "invalid_checkpoint"
+    unconfigured = inproc(backend="torch")
+    error = error_of(unconfigured, conn, "model_load", path=str(root / "mamba2-lm"))
+    assert error["code"] == "path_not_allowed" and "without --model-dir" in error["message"]
+
+
+def test_a_model_over_the_pool_budget_is_refused_before_it_is_read(serve):
+    srv, conn = serve(max_pool_bytes=4096), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path="mamba2-lm")
+    assert (error["code"], error["detail"]["limit"]) == ("limit_exceeded", "max_pool_bytes")
+    assert srv.server.sessions.usage()["pool_bytes"] == 0
+
+
+def test_weights_snapshots_and_sessions_share_the_pool_budget(serve):
+    srv, conn = serve(), RecordingConnection()
+    info = call(srv, conn, "model_load", path="mamba2-lm")
+    used = srv.server.sessions.usage()
+    assert used["model_bytes"] == info["weight_bytes"] == used["pool_bytes"]
+    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
+    call(srv, conn, "session_snapshot", session=session)
+    assert srv.server.sessions.usage()["snapshot_bytes"] == 2 * info["state_bytes_per_row"]
+    budget = info["weight_bytes"] + 3 * info["state_bytes_per_row"]  # the model, its session, one row more
+    tight = serve(max_pool_bytes=budget)
+    info = call(tight, conn, "model_load", path="mamba2-lm")
+    session = call(tight, conn, "session_open", model=info["model"], batch=2)["session"]
+    assert error_of(tight, conn, "session_snapshot", session=session)["detail"]["limit"] == "max_pool_bytes"
+    assert error_of(tight, conn, "session_fork", session=session)["detail"]["limit"] == "max_pool_bytes"
+
+
+def test_closing_the_connection_frees_models_sessions_and_snapshots(serve):
+    srv, conn = serve(), RecordingConnection()
+    info = call(srv, conn, "model_load", path="mamba-lm-tied")
+    session = call(srv, conn, "session_open", model=info["model"], batch=1)["session"]
+    call(srv, conn, "session_snapshot", session=session)
+    conn.mark_closed()
+    usage = srv.server.sessions.usage()
+    assert (usage["sessions"], usage["pool_bytes"], len(srv.server.models), len(srv.server.snapshots)) == (0, 0, 0, 0)
+
+
+def test_model_free_refuses_a_model_in_use_then_frees_it_and_its_snapshots(serve):
+    srv, conn = serve(), RecordingConnection()
+    info = call(srv, conn, "model_load", path="mamba-lm-tied", name="agent")
+    assert info["name"] == "agent"
+    session = call(srv, conn, "session_open", model=info["model"], batch=1)["session"]
+    call(srv, conn, "session_snapshot", session=session)
+    assert error_of(srv, conn, "model_free", model=info["model"])["detail"]["field"] == "args.model"
+    call(srv, conn, "session_close", session=session)
+    assert call(srv, conn, "model_free", model=info["model"]) == {"freed": True}
+    assert srv.server.sessions.usage()["pool_bytes"] == 0
+    assert error_of(srv, conn, "model_free", model=info["model"])["code"] == "unknown_model"
+
+
+BAD_REQUESTS = [
+    # id, op, args (MODEL / SESSION / PLAIN stand for ids), code, field
+    ("both-path-and-config", "model_load", dict(path="mamba-lm-tied", config={"arch": "mamba"}), "invalid_argument", "args"),
+    ("config-without-weights", "model_load", dict(config={"arch": "mamba"}), "invalid_argument", "args"),
+    ("sent-config-unknown", "model_load", dict(config={"d_model": 4}, weights={}), "invalid_checkpoint", "args.config"),
+    ("weights-dtype", "model_load", dict(path="mamba-lm-tied", dtype="f64"), "invalid_argument", "args.dtype"),
+    ("unknown-model", "session_open", dict(model="nope", batch=1), "unknown_model", "args.model"),
+    ("model-and-dim", "session_open", dict(model="MODEL", batch=1, dim=4), "invalid_argument", "args.dim"),
+    ("state-part-missing", "session_open", dict(model="MODEL", batch=1, state={}), "missing_argument",
+     "args.state.layers.0.conv"),
+    ("plain-state-map", "session_open", dict(batch=1, dim=4, state={}), "invalid_argument", "args.state"),
+    ("tokens-and-embeds", "model_step", dict(session="SESSION", tokens=torch.zeros(1, dtype=torch.int64),
+                                              embeds=torch.zeros(1, 12)), "invalid_argument", "args"),
+    ("neither", "model_step", dict(session="SESSION"), "invalid_argument", "args"),
+    ("token-out-of-range", "model_step", dict(session="SESSION", tokens=torch.tensor([VOCAB])), "invalid_argument",
+     "args.tokens"),
+    ("negative-token", "model_forward", dict(session="SESSION", tokens=torch.tensor([[1, -1]])), "invalid_argument",
+     "args.tokens"),
+    ("float-tokens", "model_step", dict(session="SESSION", tokens=torch.zeros(1)), "invalid_argument", "args.tokens"),
+    ("wrong-batch", "model_step", dict(session="SESSION", tokens=torch.zeros(2, dtype=torch.int64)), "shape_mismatch",
+     "args.tokens"),
+    ("embeds-width", "model_step", dict(session="SESSION", embeds=torch.zeros(1, 11)), "shape_mismatch", "args.embeds"),
+    ("empty-window", "model_forward", dict(session="SESSION", tokens=torch.zeros(1, 0, dtype=torch.int64)),
+     "shape_mismatch", "args.tokens"),
+    ("logits-of-backbone", "model_step", dict(session="BACKBONE", embeds=torch.zeros(1, 12), output="logits"),
+     "invalid_argument", "args.output"),
+    ("plain-session-model-step", "model_step", dict(session="PLAIN", tokens=torch.zeros(1, dtype=torch.int64)),
+     "invalid_argument", "args.session"),
+    ("model-session-plain-step", "step", dict(session="SESSION", x=torch.zeros(1, 4), dt=torch.zeros(1, 4),
+                                              A=torch.zeros(4, 2), B=torch.zeros(1, 2), C=torch.zeros(1, 2)),
+     "invalid_argument", "args.session"),
+    ("restore-other-kind", "session_restore", dict(session="PLAIN", snapshot="SNAPSHOT"), "invalid_argument",
+     "args.snapshot"),
+]
+
+
+@pytest.mark.parametrize("name, op, args, code, field", [pytest.param(*case, id=case[0]) for case in BAD_REQUESTS])
+def test_every_bad_model_request_is_named_and_the_session_survives(serve, name, op, args, code, field):
+    srv, conn = serve(), RecordingConnection()
+    lm = call(srv, conn, "model_load", path="mamba-lm-tied")["model"]
+    backbone = call(srv, conn, "model_load", path="mamba2-backbone")["model"]
+    ids = {"MODEL": lm, "SESSION": call(srv, conn, "session_open", model=lm, batch=1)["session"],
+           "BACKBONE": call(srv, conn, "session_open", model=backbone, batch=1)["session"],
+           "PLAIN": call(srv, conn, "session_open", batch=1, dim=4, state=2)["session"]}
+    ids["SNAPSHOT"] = call(srv, conn, "session_snapshot", session=ids["SESSION"])["snapshot"]
+    args = {k: ids.get(v, v) if isinstance(v, str) else v for k, v in args.items()}
+    error = error_of(srv, conn, op, **args)
+    assert (error["code"], error["detail"].get("field")) == (code, field), error
+    logits = call(srv, conn, "model_step", session=ids["SESSION"], tokens=torch.tensor([3]))["logits"]
+    assert logits.shape == (1, VOCAB)
+
+
+def test_another_connections_model_and_snapshot_are_unknown(serve):
+    srv, mine, theirs = serve(), RecordingConnection(), RecordingConnection()
+    model = call(srv, mine, "model_load", path="mamba-lm-tied")["model"]
+    session = call(srv, mine, "session_open", model=model, batch=1)["session"]
+    snapshot = call(srv, mine, "session_snapshot", session=session)["snapshot"]
+    other = call(srv, theirs, "session_open", batch=1, dim=4, state=2)["session"]
+    assert error_of(srv, theirs, "session_open", model=model, batch=1)["code"] == "unknown_model"
+    assert error_of(srv, theirs, "session_restore", session=other, snapshot=snapshot)["code"] == "unknown_snapshot"
+    assert error_of(srv, theirs, "model_free", model=model)["code"] == "unknown_model"
+
+
+def test_a_client_loads_steps_and_rolls_back_through_a_server_process(checkpoints):
+    """End to end over the Port, on the server's default backend, with the Python client's
+    model objects."""
+    from bridge.client import PortClient, server_env
+
+    model, _, seed = checkpoints[1]["mamba-lm-tied"]
+    tokens = torch.randint(0, VOCAB, (1, PREFIX + 6))
+    with PortClient(["--model-dir", str(checkpoints[0])], env=server_env()) as client:
+        remote = client.load_model("mamba-lm-tied")
+        session = remote.open_session(batch=1)
+        got = [torch.as_tensor(session.forward(tokens[:, :PREFIX].numpy()))]
+        snapshot = session.snapshot()
+        steps = [torch.as_tensor(session.step(tokens[:, t].numpy())) for t in range(PREFIX, PREFIX + 6)]
+        session.restore(snapshot)
+        again = [torch.as_tensor(session.step(tokens[:, t].numpy())) for t in range(PREFIX, PREFIX + 6)]
+        assert all(torch.equal(a, b) for a, b in zip(steps, again))
+        fork = session.fork()
+        assert set(fork.state()) == set(session.state())
+        with pytest.raises(BridgeError) as exc:
+            client.load_model("/etc")
+        assert exc.value.code == "path_not_allowed"
+    got += [s[:, None] for s in steps]
+    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, "logits"), 1e-4, f"over the Port (seed {seed})")
