@@ -181,16 +181,19 @@ def _wide(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' MambaRMSNorm: normalised in fp32, cast back to x's dtype, then scaled."""
-    x32 = _wide(x)
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """transformers' MambaRMSNorm: normalised in fp32, cast back to x's dtype, then scaled (one
+    fused op where x and the weight are already the compute dtype: each op costs a dispatch,
+    which dominates a step, docs/performance.md "model step")."""
+    if x.dtype == weight.dtype == _wide(x).dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(_wide(x), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     """Mamba-2's norm: y * silu(z), normalised per group of channels (gate before the norm)."""
     gated = (_wide(y) * F.silu(_wide(z))).unflatten(-1, (groups, -1))
-    normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.flatten(-2).to(y.dtype)
+    normed = F.rms_norm(gated, (gated.shape[-1],), eps=eps).flatten(-2)
+    return weight * normed.to(y.dtype)
 
 
 def _conv_seq(layer: Layer, x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -208,7 +211,7 @@ def _conv_step(layer: Layer, x: torch.Tensor, conv: torch.Tensor, slots: torch.T
     """One timestep of the conv and SiLU for x [b, channels]."""
     window = torch.cat([conv.index_select(0, slots)[:, :, 1:], x.to(conv.dtype)[:, :, None]], dim=2)
     conv.index_copy_(0, slots, window)
-    out = (window.to(layer.conv.dtype) * layer.conv).sum(-1)
+    out = torch.linalg.vecdot(window.to(layer.conv.dtype), layer.conv)
     if layer.conv_bias is not None:
-        out = out + layer.conv_bias
+        out += layer.conv_bias
     return F.silu(out).to(x.dtype)
