@@ -54,9 +54,9 @@ def backend_from(ext) -> Backend:
         f = _compute_dtype(x)
         batch = x.shape[0]
         rows = torch.arange(batch) if slots is None else slots.to(torch.int64)
-        # The server's pools (contiguous fp32) are updated where they lie; any other pool through
-        # a packed copy of its live rows.
-        in_place = state.dtype == f and state.is_contiguous()
+        # The server's pools (fp32, each row contiguous) are updated where they lie; any other pool
+        # through a packed copy of its live rows.
+        in_place = state.dtype == f and (state.shape[0] == 0 or state[0].is_contiguous())
         if in_place:
             pool, kernel_rows = state, rows.contiguous()
         else:

@@ -270,6 +270,7 @@ void ssd_update_typed(at::Tensor& pool, const at::Tensor& rows, const at::Tensor
   p.state = B.size(2);
   p.groups = B.size(1);
   p.pool = pool.data_ptr<T>();
+  p.pool_row_stride = pool.stride(0);
   p.rows = rows.data_ptr<int64_t>();
   p.x = x.data_ptr<T>();
   p.dt = dt.data_ptr<T>();
@@ -284,8 +285,10 @@ void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor&
                       const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, at::Tensor y) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble) throw std::invalid_argument("ssd x: expected float32 or float64");
-  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&pool, "state"}, {&x, "x"}, {&dt, "dt"}, {&A, "A"}, {&B, "B"}, {&C, "C"}, {&y, "y"}})
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&A, "A"}, {&B, "B"}, {&C, "C"}, {&y, "y"}})
     require_operand(*t, name, dtype);
+  // The pool's rows may lie apart (parts of a model's state between them); each row is contiguous.
+  require_operand(pool.size(0) ? pool.select(0, 0) : pool, "state", dtype);
   require_operand(rows, "rows", at::kLong);
   if (dtype == at::kFloat) ssd_update_typed<float>(pool, rows, x, dt, A, B, C, y);
   else ssd_update_typed<double>(pool, rows, x, dt, A, B, C, y);

@@ -136,7 +136,7 @@ void ssd_update_items(const SsdUpdateProblem<T>& p, int64_t begin, int64_t end) 
     const T* __restrict x = p.x + (b * H + h) * P;
     const T* __restrict Bb = p.B + (b * G + g) * N;
     const T* __restrict Cb = p.C + (b * G + g) * N;
-    T* __restrict S = p.pool + (row * H + h) * P * N;
+    T* __restrict S = p.pool + row * p.pool_row_stride + h * P * N;
     for (int64_t i = 0; i < P; ++i) {
       const T u = dt * x[i];
       T* __restrict s = S + i * N;

@@ -33,6 +33,7 @@ template <typename T>
 struct SsdUpdateProblem {
   int64_t batch = 0, heads = 0, headdim = 0, state = 0, groups = 1;
   T* pool = nullptr;            // [pool rows, heads, headdim, state], updated in place
+  int64_t pool_row_stride = 0;  // elements from one pool row to the next (a model's pool holds other parts between)
   const int64_t* rows = nullptr;  // [batch]: the pool row of each batch row, < 0 = padding
   const T* x = nullptr;         // [batch, heads, headdim]
   const T* dt = nullptr;        // [batch, heads], discretized
