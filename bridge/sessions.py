@@ -78,17 +78,27 @@ def unknown_session(session_id: str, field: str) -> OpError:
 
 
 class StatePool:
-    """The rows of one class (a StateLayout) on the device, and which of them are free."""
+    """The rows of one class (a StateLayout) on the device, and which of them are free. All parts
+    of a row lie together in one [capacity, row floats] tensor, each part a view of its columns,
+    so that copying a session's whole state (a snapshot, a restore, a fork) is one op."""
 
     def __init__(self, layout: StateLayout, device: torch.device):
         self.layout = layout
         self.kind = layout.kind
         self.row_bytes = layout.row_bytes
         self.device = device
-        self.parts = {name: torch.empty((0, *shape), dtype=STATE_DTYPE, device=device)
-                      for name, shape in layout.parts}
-        self.capacity = 0
+        self._set_rows(torch.empty((0, layout.row_bytes // STATE_DTYPE.itemsize), dtype=STATE_DTYPE, device=device))
         self._free: list[int] = []  # kept sorted: low rows first, so sessions sit close together
+
+    def _set_rows(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self.capacity = flat.shape[0]
+        self.parts = {}
+        offset = 0
+        for name, shape in self.layout.parts:
+            size = math.prod(shape)
+            self.parts[name] = flat[:, offset:offset + size].unflatten(1, shape)
+            offset += size
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,7 +107,8 @@ class StatePool:
 
     @property
     def rows(self) -> torch.Tensor:
-        """The one part of a one-part pool, [capacity, *shape]; replaced when the pool grows."""
+        """The one part of a one-part pool, [capacity, *shape] (contiguous); replaced when the
+        pool grows."""
         return self.parts[STATE_PART]
 
     @property
@@ -109,13 +120,11 @@ class StatePool:
         return self.capacity * self.row_bytes
 
     def grow(self, capacity: int) -> None:
-        grown = {}
-        for name, old in self.parts.items():
-            grown[name] = torch.empty((capacity, *old.shape[1:]), dtype=STATE_DTYPE, device=self.device)
-            grown[name][: old.shape[0]].copy_(old)
-        self.parts = grown  # replaced whole only once every part is allocated
-        self._free.extend(range(self.capacity, capacity))
-        self.capacity = capacity
+        old = self.flat
+        flat = torch.empty((capacity, old.shape[1]), dtype=STATE_DTYPE, device=self.device)
+        flat[: old.shape[0]].copy_(old)
+        self._free.extend(range(old.shape[0], capacity))
+        self._set_rows(flat)
 
     def take(self, count: int) -> list[int]:
         taken, self._free = self._free[:count], self._free[count:]
@@ -131,7 +140,7 @@ class Session:
 
     # __weakref__: the native step path (bridge.native) forgets what it kept of a session when
     # the session goes.
-    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "slot_bytes", "closed", "__weakref__")
+    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "slot_bytes", "span", "closed", "__weakref__")
 
     def __init__(self, session_id: str, batch: int, pool: StatePool, slot_list: list[int]):
         self.id = session_id
@@ -142,6 +151,10 @@ class Session:
         self.slots = torch.tensor(slot_list, dtype=torch.int64, device=pool.device)
         # And as int64 bytes on the host, which a captured step stages (bridge.step_graphs).
         self.slot_bytes = np.asarray(slot_list, dtype=np.int64).tobytes()
+        # Consecutive rows (the usual case) as a slice: copying a slice of the pool is a plain
+        # memory copy, where index_select / index_copy_ go element by element.
+        first = slot_list[0] if slot_list else 0
+        self.span = slice(first, first + batch) if slot_list == list(range(first, first + batch)) else None
         # Set (under the table's lock) when closed; a batch already holding the session checks it
         # before its launch.
         self.closed = False
@@ -176,9 +189,27 @@ class Session:
         """Replace the state with `state` [batch, *shape] (any float dtype; stored as fp32)."""
         self.pool.rows.index_copy_(0, self.slots, state.to(STATE_DTYPE))
 
+    def read_rows(self) -> torch.Tensor:
+        """A copy of the whole state, [batch, row floats] fp32 (every part, as the pool lays them out)."""
+        if self.span is not None:
+            return self.pool.flat[self.span].clone()
+        return self.pool.flat.index_select(0, self.slots)
+
+    def write_rows(self, rows: torch.Tensor) -> None:
+        """Replace the whole state with what read_rows gave (of a session of the same layout)."""
+        if self.span is not None:
+            self.pool.flat[self.span].copy_(rows)
+        else:
+            self.pool.flat.index_copy_(0, self.slots, rows)
+
     def read_parts(self) -> dict[str, torch.Tensor]:
-        """A copy of every part, [batch, *part shape] fp32 each."""
-        return {name: part.index_select(0, self.slots) for name, part in self.pool.parts.items()}
+        """A copy of every part, [batch, *part shape] fp32 each (views of one copy)."""
+        rows, parts, offset = self.read_rows(), {}, 0
+        for name, shape in self.layout.parts:
+            size = math.prod(shape)
+            parts[name] = rows[:, offset:offset + size].unflatten(1, shape)
+            offset += size
+        return parts
 
     def write_parts(self, parts: dict[str, torch.Tensor]) -> None:
         """Replace every part (shapes already checked; any float dtype, stored as fp32)."""
@@ -229,8 +260,7 @@ class SessionTable(OwnedTable[Session]):
             except BaseException:
                 self._give_back(pool, slots)
                 raise
-            for part in pool.parts.values():
-                part.index_fill_(0, session.slots, 0.0)
+            pool.flat.index_fill_(0, session.slots, 0.0)
             return session
 
     def hold(self, what: str, nbytes: int, op: str) -> None:
@@ -299,12 +329,12 @@ class Snapshot:
     """A copy of a session's every part at one moment: restorable into any session of the same
     layout and batch (the session it came from, or a fork of it)."""
 
-    __slots__ = ("layout", "batch", "parts", "nbytes")
+    __slots__ = ("layout", "batch", "rows", "nbytes")
 
     def __init__(self, session: Session):
         self.layout = session.layout
         self.batch = session.batch
-        self.parts = session.read_parts()
+        self.rows = session.read_rows()
         self.nbytes = session.batch * self.layout.row_bytes
 
 
@@ -336,7 +366,7 @@ class SnapshotTable(OwnedTable[Snapshot]):
                           f"shape, batch {session.batch}), got one of another",
                           {"field": field, "expected": f"a snapshot of {_describe(session.layout, session.batch)}",
                            "got": f"a snapshot of {_describe(snapshot.layout, snapshot.batch)}"})
-        session.write_parts(snapshot.parts)
+        session.write_rows(snapshot.rows)
 
     def drop_model(self, model_id: str) -> None:
         """Free every snapshot of a model's sessions (the model is being freed)."""

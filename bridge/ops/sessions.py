@@ -135,7 +135,7 @@ def session_fork(server, call) -> dict:
     """A new session of the same class and batch holding a copy of the session's state."""
     session = server.session(call.conn, call.args["session"], "args.session")
     fork = server.open_session(call.conn, session.batch, session.layout)
-    fork.write_parts(session.read_parts())
+    fork.write_rows(session.read_rows())
     return {"session": fork.id}
 
 
