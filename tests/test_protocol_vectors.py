@@ -90,6 +90,10 @@ def assert_same_value(decoded, described):
         assert described == {"handle": decoded.handle}
     elif isinstance(decoded, tuple):  # a limits pair, an array on the wire
         assert list(decoded) == described
+    elif isinstance(decoded, dict):  # a map of tensors (weights, a model's state) or a config
+        assert set(decoded) == set(described)
+        for key, value in decoded.items():
+            assert_same_value(value, described[key])
     else:
         assert decoded == described
 
@@ -159,9 +163,20 @@ def test_request_vectors_with_bin_data_are_what_encode_request_writes():
         if doc["kind"] != "request" or name == "scan_str_data" or set(doc["message"]) != {"v", "id", "op", "args"}:
             continue
         message = from_json(doc["message"])
-        args = {k: OutTensor(v["dtype"], v["shape"], v["data"]) if isinstance(v, dict) and "dtype" in v
-                else HandleRef(v["handle"]) if isinstance(v, dict) else v for k, v in message["args"].items()}
+        args = {k: as_encoder_arg(v) for k, v in message["args"].items()}
         assert b"".join(frame_parts(encode_request(message["id"], message["op"], args))) == frame, name
+
+
+def as_encoder_arg(value):
+    """A described argument as encode_request takes it: tensor and handle maps (nested in a map
+    of tensors too) as OutTensor / HandleRef."""
+    if isinstance(value, dict):
+        if "dtype" in value:
+            return OutTensor(value["dtype"], value["shape"], value["data"])
+        if set(value) == {"handle"}:
+            return HandleRef(value["handle"])
+        return {k: as_encoder_arg(v) for k, v in value.items()}
+    return value
 
 
 # -- SPEC.md ----------------------------------------------------------------------------------

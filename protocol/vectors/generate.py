@@ -219,6 +219,35 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                                       "dt": tensor("f32", (2, 2), 191), "A": tensor("f32", (2,), 192),
                                       "B": tensor("f32", (2, 1, 3), 193), "C": tensor("f32", (2, 1, 3), 194),
                                       "D": tensor("f32", (2,), 195), "dt_softplus": True}}))
+    vectors.append(_request("model_load_path", "load a checkpoint under --model-dir, weights in bf16",
+                            {"v": 1, "id": 15, "op": "model_load",
+                             "args": {"path": "exphil/agent-v3", "dtype": "bf16", "name": "agent"}}))
+    vectors.append(_request("model_load_weights", "load a Mamba-2 backbone the client holds (one layer, d_model 2)",
+                            {"v": 1, "id": 16, "op": "model_load",
+                             "args": {"config": {"arch": "mamba2", "d_model": 2, "n_layer": 1, "d_state": 2,
+                                                 "d_conv": 2, "expand": 2, "headdim": 2, "ngroups": 1},
+                                      "weights": {"layers.0.norm.weight": tensor("f32", (2,), 196),
+                                                  "layers.0.mixer.in_proj.weight": tensor("f32", (14, 2), 197),
+                                                  "layers.0.mixer.conv1d.weight": tensor("f32", (8, 1, 2), 198),
+                                                  "layers.0.mixer.conv1d.bias": tensor("f32", (8,), 199),
+                                                  "layers.0.mixer.dt_bias": tensor("f32", (2,), 200),
+                                                  "layers.0.mixer.A_log": tensor("f32", (2,), 201),
+                                                  "layers.0.mixer.D": tensor("f32", (2,), 202),
+                                                  "layers.0.mixer.norm.weight": tensor("f32", (4,), 203),
+                                                  "layers.0.mixer.out_proj.weight": tensor("f32", (2, 4), 204),
+                                                  "norm_f.weight": {"handle": "h-norm"}}}}))
+    vectors.append(_request("session_open_model", "open a session of a model: batch 2",
+                            {"v": 1, "id": 17, "op": "session_open", "args": {"model": "m-1", "batch": 2}}))
+    vectors.append(_request("model_forward_tokens", "prefill a model session with 3 tokens a row, last logits only",
+                            {"v": 1, "id": 18, "op": "model_forward",
+                             "args": {"session": "s-3", "tokens": {"dtype": "i64", "shape": [2, 3],
+                                                                   "data": Binary("i64", [5, 1, 4, 1, 5, 9])},
+                                      "last_only": True}}))
+    vectors.append(_request("model_step_embeds", "one frame of embeddings through a model, hidden states out",
+                            {"v": 1, "id": 19, "op": "model_step",
+                             "args": {"session": "s-3", "embeds": tensor("f32", (2, 2), 205), "output": "hidden"}}))
+    vectors.append(_request("session_restore", "roll a session back to a snapshot",
+                            {"v": 1, "id": 24, "op": "session_restore", "args": {"session": "s-3", "snapshot": "p-1"}}))
     for i, (dtype, shape) in enumerate((("i32", (3, 5)), ("i64", (7,)), ("u8", (2, 2, 3)))):
         vectors.append(_request(f"put_{dtype}", f"put an {dtype} tensor",
                                 {"v": 1, "id": 20 + i, "op": "put",
@@ -302,6 +331,15 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                             {"v": 1, "id": 35, "op": "session_open",
                              "args": {"kind": "mamba3", "batch": 1, "dim": 2, "state": 2}},
                             "invalid_argument", "args.kind", 35))
+    vectors.append(_invalid("invalid_model_output", "model_step asking for an output that does not exist",
+                            {"v": 1, "id": 36, "op": "model_step",
+                             "args": {"session": "s-3", "tokens": {"dtype": "i64", "shape": [1], "data": Binary("i64", [2])},
+                                      "output": "probabilities"}},
+                            "invalid_argument", "args.output", 36))
+    vectors.append(_invalid("invalid_weights_entry", "model_load whose weights map holds a list, not a tensor",
+                            {"v": 1, "id": 37, "op": "model_load",
+                             "args": {"config": {"arch": "mamba"}, "weights": {"norm_f.weight": [1.0, 2.0]}}},
+                            "invalid_argument", "args.weights.norm_f.weight", 37))
     vectors.append(_invalid("invalid_unsupported_version", "protocol version 2",
                             {"v": 2, "id": 34, "op": "ping", "args": {}}, "unsupported_version", "v", 34))
     vectors.append(_invalid("invalid_not_a_map", "the body is a msgpack array, not a map",
