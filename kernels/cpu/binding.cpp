@@ -215,14 +215,20 @@ const T* data_of(const std::optional<at::Tensor>& t) {
 }
 
 // Items are whole recurrences (over a sequence, or one step of a head), handed out one at a
-// time to the calling thread and the kernels' helper threads.
+// time to the calling thread and the kernels' helper threads, under the Mamba-1 kernels' policy:
+// a thread for each kMinWorkPerThread state-element updates (`work` in all), sleeping helpers
+// woken only for kMinWorkToWake. A small step left to helpers would leave them polling beside
+// the caller's next torch op (a model step's matrix product), which then waits for its threads.
 template <typename Problem, typename Run>
-void run_ssd_items(const Problem& p, int64_t items, Run run_items) {
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+void run_ssd_items(const Problem& p, int64_t items, int64_t work, Run run_items) {
+  const int64_t by_work = std::max<int64_t>(1, work / kMinWorkPerThread);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min({int64_t{at::get_num_threads()}, items, by_work})));
+  const auto wake = work >= kMinWorkToWake ? scan_bridge::HelperPool::Wake::always
+                                           : scan_bridge::HelperPool::Wake::if_calls_close;
   std::atomic<int64_t> next{0};
   scan_bridge::HelperPool::shared().run(threads - 1, [&](int) {
     for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) run_items(p, item, item + 1);
-  });
+  }, wake);
 }
 
 template <typename T>
@@ -244,7 +250,8 @@ void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor&
   p.h0 = data_of<T>(h0);
   p.y = y.data_ptr<T>();
   p.state_out = state_out.has_value() ? state_out->data_ptr<T>() : nullptr;
-  run_ssd_items(p, scan_bridge::ssd_scan_item_count(p), scan_bridge::ssd_scan_items<T>);
+  run_ssd_items(p, scan_bridge::ssd_scan_item_count(p), p.batch * p.seq * p.heads * p.headdim * p.state,
+                scan_bridge::ssd_scan_items<T>);
 }
 
 void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
@@ -278,7 +285,7 @@ void ssd_update_typed(at::Tensor& pool, const at::Tensor& rows, const at::Tensor
   p.B = B.data_ptr<T>();
   p.C = C.data_ptr<T>();
   p.y = y.data_ptr<T>();
-  run_ssd_items(p, p.batch * p.heads, scan_bridge::ssd_update_items<T>);
+  run_ssd_items(p, p.batch * p.heads, p.batch * p.heads * p.headdim * p.state, scan_bridge::ssd_update_items<T>);
 }
 
 void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
