@@ -42,7 +42,7 @@ __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends", "backend_details",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update", "ssd_scan",
-    "ssd_state_update",
+    "ssd_state_update", "model_step_kernel",
 ]
 
 
@@ -124,6 +124,13 @@ def ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_
     impl = get_backend(backend, args.x.device.type)
     return impl.ssd_state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
                                  **args.backend_kwargs())
+
+
+def model_step_kernel(device_type: str, backend: str | None = None):
+    """The backend's fused step of a whole Mamba / Mamba-2 stack (fp32, weights and state as
+    bridge.models lays them out; see kernels/cpu/binding.cpp `model_step`), or None where it has
+    none. Its math is bridge.models.runtime's, which tests hold it to."""
+    return get_backend(backend, device_type).model_step
 
 
 def capture_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,

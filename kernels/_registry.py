@@ -67,6 +67,9 @@ class Backend:
     run_problem: object | None = None
     # Captures a state update for replay (kernels.capture_state_update); None: nothing to capture.
     capture_state_update: Callable | None = None
+    # One frame through a whole Mamba / Mamba-2 stack in one call (kernels.model_step_kernel);
+    # None: the caller composes the step from the ops above.
+    model_step: Callable | None = None
 
 
 _lock = threading.Lock()

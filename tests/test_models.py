@@ -17,6 +17,8 @@ import os
 import pytest
 import torch
 
+import kernels
+
 from bridge.client import BridgeError
 from bridge.models import load_weights
 from bridge_fakes import RecordingConnection
@@ -330,6 +332,8 @@ def test_ten_thousand_fp32_steps_stay_near_a_float64_run(arch, checkpoints):
     weights = {name: p.detach() for name, p in model.state_dict().items()}
     config = json.loads(model.config.to_json_string())
     runs = {}
+    # fp32 on the C++ backend's fused step where it is built (the server's path), float64 composed.
+    backends = {torch.float32: cpu_backends()[-1], torch.float64: "torch"}
     for dtype in (torch.float32, torch.float64):
         m = load_weights(config, weights, dtype, torch.device("cpu"), lambda n: None)
         parts = {name: torch.zeros((1, *shape), dtype=dtype) for name, shape in m.config.state_parts()}
@@ -340,11 +344,36 @@ def test_ten_thousand_fp32_steps_stay_near_a_float64_run(arch, checkpoints):
     worst = 0.0
     with torch.no_grad():
         for t, token in enumerate(tokens):
-            out = {dtype: m.step(parts, slots, token, output="logits", backend="torch") for dtype, (m, parts) in runs.items()}
+            out = {dtype: m.step(parts, slots, token, output="logits", backend=backends[dtype])
+                   for dtype, (m, parts) in runs.items()}
             if t % 500 == 499:
                 scale = out[torch.float64].abs().max().item()
                 worst = max(worst, (out[torch.float32].double() - out[torch.float64]).abs().max().item() / scale)
     assert worst < 1e-4, f"fp32 drifted {worst:.3g} (relative) from float64"
+
+
+@pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm"])
+def test_the_fused_step_is_the_composed_one(checkpoints, arch):
+    """The C++ backend's one-call model step against the same step composed of torch ops and
+    kernels calls: outputs and every state part, rows in scattered pool slots, random state."""
+    if kernels.model_step_kernel("cpu", cpu_backends()[-1]) is None:
+        pytest.skip("no fused model step: the C++ backend is not built here (make kernels)")
+    model = checkpoints[1][arch][0]
+    config = json.loads(model.config.to_json_string())
+    m = load_weights(config, {k: v.detach() for k, v in model.state_dict().items()}, torch.float32,
+                     torch.device("cpu"), lambda n: None)
+    generator = torch.Generator().manual_seed(random_seed())
+    fused = {name: torch.randn((6, *shape), generator=generator) * 0.3 for name, shape in m.config.state_parts()}
+    composed = {name: t.clone() for name, t in fused.items()}
+    slots = torch.tensor([5, 0, 3])
+    with torch.no_grad():
+        for _ in range(6):
+            tokens = torch.randint(0, VOCAB, (3,), generator=generator)
+            a = m.step(fused, slots, tokens, output="logits", backend="cpu")
+            b = m.step(composed, slots, tokens, output="logits", backend="cpu", fused=False)
+            rel_close(a, b, 1e-5, f"{arch} logits")
+    for name in fused:
+        rel_close(fused[name], composed[name], 1e-5, f"{arch} {name}")
 
 
 # -- bad checkpoints and requests: a structured error each, nothing held, the server serves on --

@@ -96,15 +96,41 @@ class Model:
         return self._output(hidden, output)
 
     def step(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
-             output: str, backend: str | None = None) -> torch.Tensor:
+             output: str, backend: str | None = None, fused: bool = True) -> torch.Tensor:
         """One timestep of `inputs` (tokens [b] or embeddings [b, d_model]) for rows `slots`,
-        their state updated in place."""
+        their state updated in place: in one call where the backend has a fused model step and
+        everything is fp32 (`fused=False` composes it from torch ops and the kernels API)."""
+        kernel = self._fused_step(parts, backend) if fused else None
+        if kernel is not None:
+            hidden = kernel(self._embed(inputs).to(torch.float32, copy=True).contiguous(), slots.to(torch.int64),
+                            self._fused_layers(parts), self.norm_f, self._fused_dims, self.config.eps,
+                            *self._dt_limits().values())
+            return hidden if output == "hidden" else F.linear(hidden, self.lm_head)
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
             conv, ssm = parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]
             hidden = self._block(layer, hidden, lambda h, layer=layer, conv=conv, ssm=ssm:
                                  self._mixer_step(layer, h, conv, ssm, slots, backend))
         return self._output(hidden, output)
+
+    def _fused_step(self, parts: dict[str, torch.Tensor], backend: str | None):
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            return None
+        if any(p.dtype != torch.float32 for p in parts.values()):
+            return None
+        return kernels.model_step_kernel(self.device.type, backend)
+
+    @property
+    def _fused_dims(self) -> list[int]:
+        c = self.config
+        return [0 if c.arch == "mamba" else 1, c.d_inner, c.d_state, c.dt_rank, c.nheads, c.headdim, c.ngroups]
+
+    def _fused_layers(self, parts: dict[str, torch.Tensor]) -> list[list]:
+        """Each layer's tensors in the order the fused step takes them (the pool's parts are
+        looked up per call: they are replaced when the pool grows)."""
+        return [[layer.norm, layer.in_proj, layer.in_proj_bias, layer.conv, layer.conv_bias, layer.A, layer.D,
+                 layer.dt_bias, layer.out_proj, layer.out_proj_bias, layer.x_proj, layer.dt_proj, layer.gate_norm,
+                 parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]] for i, layer in enumerate(self.layers)]
 
     def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.is_floating_point():

@@ -91,5 +91,6 @@ def backend_from(ext) -> Backend:
         run_problem=ext.run_problem,
         ssd_scan=ssd_scan,
         ssd_state_update=ssd_state_update,
+        model_step=ext.model_step,
     )
 

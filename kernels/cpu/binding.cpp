@@ -13,10 +13,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
 #include <atomic>
+#include <cmath>
+#include <vector>
 #include <cstdio>
 #include <optional>
 #include <stdexcept>
@@ -301,12 +304,156 @@ void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor&
   else ssd_update_typed<double>(pool, rows, x, dt, A, B, C, y);
 }
 
+// --- A whole model's step -------------------------------------------------------------------
+// One frame through a stack of Mamba or Mamba-2 blocks (bridge/models/runtime.py is the same
+// math in torch, and the reference it is tested against): the norms, the conv window, SiLU,
+// dt's softplus, Mamba-2's skip and gated norm and the residuals as plain loops, the matrix
+// products as at::linear, the state updates as the kernels above. A step of a small model is
+// dozens of torch ops a layer, each costing more than its arithmetic (docs/performance.md,
+// "model step"); here they are a few. fp32 throughout; the state is updated in the pool.
+
+// One layer's tensors, in this order (None where the model has none).
+enum LayerTensor {
+  kNorm, kInProj, kInProjBias, kConv, kConvBias, kA, kD, kDtBias, kOutProj, kOutProjBias,
+  kXProj, kDtProj, kGateNorm, kConvState, kSsmState, kLayerTensors
+};
+
+const at::Tensor& need(const std::vector<std::optional<at::Tensor>>& layer, LayerTensor i) {
+  if (!layer[i].has_value()) throw std::invalid_argument("model_step: layer tensor " + std::to_string(i) + " missing");
+  return *layer[i];
+}
+
+const float* fdata(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+// out[r] = weight * x[r] / rms(x[r]) for rows of width n.
+void rms_norm_rows(const float* x, const float* weight, float* out, int64_t rows, int64_t n, double eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    double ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * xr[i];
+    const float scale = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = weight[i] * (xr[i] * scale);
+  }
+}
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// The causal conv of one timestep: each row's window (in its pool row) shifted left, the new
+// input appended, then the dot product with the weights, the bias and SiLU into out.
+void conv_step(const float* in, int64_t in_stride, const at::Tensor& state, const int64_t* slots, int64_t rows,
+               const float* w, const float* bias, float* out) {
+  const int64_t channels = state.size(1), width = state.size(2);
+  const int64_t row_stride = state.stride(0), channel_stride = state.stride(1);
+  float* base = state.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* window = base + slots[r] * row_stride;
+    for (int64_t c = 0; c < channels; ++c) {
+      float* wc = window + c * channel_stride;
+      const float* kc = w + c * width;
+      float acc = bias ? bias[c] : 0.0f;
+      for (int64_t j = 0; j + 1 < width; ++j) {
+        wc[j] = wc[j + 1];
+        acc += wc[j] * kc[j];
+      }
+      wc[width - 1] = in[r * in_stride + c];
+      acc += wc[width - 1] * kc[width - 1];
+      out[r * channels + c] = silu(acc);
+    }
+  }
+}
+
+inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+// dims: arch (0 Mamba-1, 1 Mamba-2), d_inner, d_state, dt_rank, heads, headdim, groups.
+at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
+                      const std::vector<std::vector<std::optional<at::Tensor>>>& layers, const at::Tensor& norm_f,
+                      const std::vector<int64_t>& dims, double eps, std::optional<double> dt_min,
+                      std::optional<double> dt_max) {
+  if (dims.size() != 7) throw std::invalid_argument("model_step: expected 7 dims");
+  const bool mamba2 = dims[0] == 1;
+  const int64_t di = dims[1], n = dims[2], rank = dims[3], heads = dims[4], headdim = dims[5], groups = dims[6];
+  require_operand(hidden, "hidden", at::kFloat);
+  require_operand(slots, "slots", at::kLong);
+  const int64_t rows = hidden.size(0), d = hidden.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* h = hidden.data_ptr<float>();
+  at::Tensor normed = at::empty({rows, d}, hidden.options());
+  for (const auto& layer : layers) {
+    if (layer.size() != kLayerTensors) throw std::invalid_argument("model_step: expected 15 tensors a layer");
+    rms_norm_rows(h, need(layer, kNorm).data_ptr<float>(), normed.data_ptr<float>(), rows, d, eps);
+    at::Tensor projected = at::linear(normed, need(layer, kInProj), layer[kInProjBias]);
+    const int64_t width = projected.size(1);
+    const float* pr = projected.data_ptr<float>();
+    const at::Tensor& conv_state = need(layer, kConvState);
+    at::Tensor conv_out = at::empty({rows, conv_state.size(1)}, hidden.options());
+    at::Tensor y;
+    if (!mamba2) {
+      // in_proj: [x | z]; x through the conv, then x_proj: [dt | B | C], dt through dt_proj.
+      conv_step(pr, width, conv_state, slot, rows, need(layer, kConv).data_ptr<float>(), fdata(layer[kConvBias]),
+                conv_out.data_ptr<float>());
+      at::Tensor xdb = at::linear(conv_out, need(layer, kXProj));
+      at::Tensor dt = at::linear(xdb.narrow(1, 0, rank), need(layer, kDtProj));
+      at::Tensor B = xdb.narrow(1, rank, n).unsqueeze(1), C = xdb.narrow(1, rank + n, n).unsqueeze(1);
+      y = state_update(need(layer, kSsmState), conv_out, dt, need(layer, kA), B, C, layer[kD],
+                       projected.narrow(1, di, di), layer[kDtBias], true, std::nullopt, std::nullopt, slots);
+    } else {
+      // in_proj: [z | x B C | dt]; x B C through the conv; dt through softplus and the limits.
+      const int64_t conv_dim = conv_state.size(1), gn = groups * n;
+      conv_step(pr + di, width, conv_state, slot, rows, need(layer, kConv).data_ptr<float>(), fdata(layer[kConvBias]),
+                conv_out.data_ptr<float>());
+      at::Tensor x = at::empty({rows, heads, headdim}, hidden.options());
+      at::Tensor B = at::empty({rows, groups, n}, hidden.options()), C = at::empty({rows, groups, n}, hidden.options());
+      at::Tensor dt = at::empty({rows, heads}, hidden.options());
+      const float* co = conv_out.data_ptr<float>();
+      const float* dt_bias = need(layer, kDtBias).data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        std::copy(co + r * conv_dim, co + r * conv_dim + di, x.data_ptr<float>() + r * di);
+        std::copy(co + r * conv_dim + di, co + r * conv_dim + di + gn, B.data_ptr<float>() + r * gn);
+        std::copy(co + r * conv_dim + di + gn, co + r * conv_dim + di + 2 * gn, C.data_ptr<float>() + r * gn);
+        for (int64_t hd = 0; hd < heads; ++hd) {
+          float v = softplus(pr[r * width + di + conv_dim + hd] + dt_bias[hd]);
+          if (dt_min) v = std::max(v, static_cast<float>(*dt_min));
+          if (dt_max) v = std::min(v, static_cast<float>(*dt_max));
+          dt.data_ptr<float>()[r * heads + hd] = v;
+        }
+      }
+      y = at::empty({rows, heads, headdim}, hidden.options());
+      ssd_state_update(need(layer, kSsmState), slots, x, dt, need(layer, kA), B, C, y);
+      // y + D x, gated by silu(z), normalised per group of channels, scaled.
+      const float* D = need(layer, kD).data_ptr<float>();
+      const float* gate_w = need(layer, kGateNorm).data_ptr<float>();
+      float* yp = y.data_ptr<float>();
+      const float* xp = x.data_ptr<float>();
+      const int64_t per_group = di / groups;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* yr = yp + r * di;
+        for (int64_t c = 0; c < di; ++c) yr[c] = (yr[c] + D[c / headdim] * xp[r * di + c]) * silu(pr[r * width + c]);
+        for (int64_t g = 0; g < groups; ++g) {
+          float* yg = yr + g * per_group;
+          double ss = 0;
+          for (int64_t c = 0; c < per_group; ++c) ss += double(yg[c]) * yg[c];
+          const float scale = static_cast<float>(1.0 / std::sqrt(ss / per_group + eps));
+          for (int64_t c = 0; c < per_group; ++c) yg[c] = gate_w[g * per_group + c] * (yg[c] * scale);
+        }
+      }
+      y = y.view({rows, di});
+    }
+    at::Tensor out = at::linear(y, need(layer, kOutProj), layer[kOutProjBias]);
+    const float* op = out.data_ptr<float>();
+    for (int64_t i = 0; i < rows * d; ++i) h[i] += op[i];
+  }
+  at::Tensor result = at::empty({rows, d}, hidden.options());
+  rms_norm_rows(h, norm_f.data_ptr<float>(), result.data_ptr<float>(), rows, d, eps);
+  return result;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "scan-bridge CPU selective-scan kernels";
   m.def("scan", &scan, py::call_guard<py::gil_scoped_release>());
   m.def("state_update", &state_update, py::call_guard<py::gil_scoped_release>());
   m.def("ssd_scan", &ssd_scan, py::call_guard<py::gil_scoped_release>());
   m.def("ssd_state_update", &ssd_state_update, py::call_guard<py::gil_scoped_release>());
+  m.def("model_step", &model_step, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
   static_assert(std::is_same_v<decltype(&run_problem), scan_bridge::RunProblemFn>);
   m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), scan_bridge::kRunProblemCapsule);
