@@ -332,6 +332,25 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
     assert (sweep["max_delay_us"], sweep["callers"], sweep["rows"]) == (0, 3, 1) and sweep["median_steps_per_s"] > 0
 
 
+def test_models_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.models` (issue 34's benchmark), tiny: every comparison runs in one run
+    and the ratios are of its own numbers."""
+    pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+    out = tmp_path / "models.json"
+    proc = run_marked([sys.executable, "-m", "bench.models", "--frames", "25", "--batches", "1", "--archs", "mamba2",
+                       "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["arch"], case["batch"], case["model_step"]["n"]) == ("mamba2", 1, 25)
+    for part in ("transformers_step", "old_way", "window_forward", "snapshot_restore_round_trips"):
+        assert case[part]["p50_us"] > 0, part
+    assert set(case["floors"]) == {"torch_op", "matrix_products", "stack_step_in_process"}
+    assert case["ratios"]["step_over_transformers"] == pytest.approx(
+        case["model_step"]["p50_us"] / case["transformers_step"]["p50_us"])
+    assert case["ratios"]["old_way_over_step"] == pytest.approx(case["old_way"]["p50_us"] / case["model_step"]["p50_us"])
+    assert "echo" in case or "echo_skipped" in case
+
+
 def test_transports_bench_runs_end_to_end(tmp_path):
     """`python -m bench.transports`, tiny: every lane's rows and the many-clients runs come back
     whole (nothing lost, duplicated or misrouted), with ratios and a throughput from this run's

@@ -1,0 +1,329 @@
+"""Whole models on the server (issue 34): one frame of an ExPhil-sized model (4 layers, d_model
+256, expand 2, d_conv 4; Mamba-1 with state 16, Mamba-2 with headdim 64 and state 64), embeddings
+in and hidden states out, at batch 1 and 32, over the Port (stdio), frames paced 1/60 s apart.
+In the same run, for the same model and frames:
+
+(a) transformers' own cached step in this process (MambaModel / Mamba2Model with its cache), the
+    in-process reference a client would otherwise run;
+(b) the old way: norms, projections and the conv in the client (this process, torch), one `step`
+    round trip per layer on a plain session of that layer's shape;
+(c) re-running the last 60-frame window through `model_forward` every frame (a restore of a zero
+    snapshot, then the window, last position only);
+(d) a C pipe echo answering the model_step request with a reply of its size: moving the bytes alone.
+
+And what bounds a step here, in this process: one torch op's dispatch, the stack's matrix
+products alone, and the runtime's whole step without IPC (`floors`).
+
+Also snapshot + restore round trips at batch 1, and the server's own time for them. The bridge
+and the echo are driven by the same lean client (pre-encoded frames, the reply read whole), one
+request a frame. The server's weights are sent by the client (`model_load {config, weights}`), as
+ExPhil's live in Elixir; frames are embeddings (`embeds`), as ExPhil's are.
+
+    python -m bench.models [--frames 300] [--batches 1,32] [--archs mamba,mamba2]
+                           [--json bench/results/models.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import protocol
+from bridge.bench.floors import BridgeProcess, EchoUnavailable, encode_request, exchange, open_floor
+from bridge.bench.machine import summarize_us, write_results
+from bridge.bench.measure import FRAME_BUDGET_60FPS_US
+from bridge.models import load_weights
+
+FRAME_SECONDS = FRAME_BUDGET_60FPS_US / 1e6
+WARMUP = 20
+WINDOW = 60
+D_MODEL = 256
+GOALS = {"step_over_transformers": 0.1, "step_over_echo": 3.0, "old_way_over_step": 4.0, "snapshot_restore_us": 50.0}
+
+
+def exphil_model(arch: str, seed: int):
+    """A random ExPhil-sized transformers backbone, and the config and weights a client sends."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if arch == "mamba":
+        config = transformers.MambaConfig(vocab_size=8, hidden_size=D_MODEL, state_size=16, num_hidden_layers=4,
+                                          expand=2, conv_kernel=4)
+        model = transformers.MambaModel(config)
+    else:
+        config = transformers.Mamba2Config(vocab_size=8, hidden_size=D_MODEL, state_size=64, num_hidden_layers=4,
+                                           expand=2, head_dim=64, num_heads=8, n_groups=1, conv_kernel=4)
+        model = transformers.Mamba2Model(config)
+    model.eval()
+    sent = json.loads(config.to_json_string())
+    sent["architectures"] = [type(model).__name__]
+    weights = {name: p.detach().contiguous() for name, p in model.state_dict().items()}
+    return model, sent, weights
+
+
+def wait_for_frame(start: float, frame: float) -> None:
+    delay = start + frame * FRAME_SECONDS - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def transformers_steps(model, frames: list[torch.Tensor]) -> list[float]:
+    """(a): transformers' cached step, one a frame, paced like the bridge's."""
+    times = []
+    with torch.no_grad():
+        out = model(inputs_embeds=torch.stack(frames[:WINDOW], dim=1), use_cache=True)
+        cache = out.cache
+        start = time.perf_counter()
+        for i, frame in enumerate(frames):
+            wait_for_frame(start, i)
+            t0 = time.perf_counter_ns()
+            model(inputs_embeds=frame[:, None], cache=cache, use_cache=True)
+            times.append((time.perf_counter_ns() - t0) / 1000)
+    return times[WARMUP:]
+
+
+class OldWay:
+    """(b): the client runs every layer's norm, projections and conv; the server one `step` a layer."""
+
+    def __init__(self, bridge: BridgeProcess, arch: str, config: dict, weights: dict, batch: int):
+        self.model = load_weights(config, weights, torch.float32, torch.device("cpu"), lambda n: None)
+        self.bridge, self.arch, self.batch = bridge, arch, batch
+        c = self.model.config
+        self.conv = [torch.zeros(batch, c.conv_dim, c.d_conv) for _ in self.model.layers]
+        self.sessions, self.constants = [], []
+        for layer in self.model.layers:
+            if arch == "mamba":
+                opened = bridge.call("session_open", batch=batch, dim=c.d_inner, state=c.d_state)
+            else:
+                opened = bridge.call("session_open", kind="ssd", batch=batch, heads=c.nheads, headdim=c.headdim,
+                                     state=c.d_state)
+            self.sessions.append(opened["session"])
+            self.constants.append({name: protocol.HandleRef(bridge.call("put", tensor=t)["handle"])
+                                   for name, t in (("A", layer.A), ("D", layer.D), ("dt_bias", layer.dt_bias))})
+        self.slots = torch.arange(batch)
+
+    def frame(self, embeds: torch.Tensor) -> float:
+        """One frame's wall time, µs: the client's work and the layers' round trips."""
+        from bridge.models.runtime import _conv_step, _gated_rms_norm, _rms_norm
+
+        t0 = time.perf_counter_ns()
+        c, lane = self.model.config, self.bridge.lane
+        hidden = embeds
+        with torch.no_grad():
+            for i, layer in enumerate(self.model.layers):
+                h = _rms_norm(hidden, layer.norm, c.eps)
+                projected = F.linear(h, layer.in_proj)
+                if self.arch == "mamba":
+                    x, z = projected.split(c.d_inner, dim=-1)
+                    x = _conv_step(layer, x, self.conv[i], self.slots)
+                    dt, B, C = F.linear(x, layer.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
+                    args = {"x": x, "dt": F.linear(dt, layer.dt_proj), "B": B, "C": C, "z": z}
+                else:
+                    z, xBC, dt = projected.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
+                    x, B, C = _conv_step(layer, xBC, self.conv[i], self.slots).split(
+                        [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+                    args = {"x": x.unflatten(-1, (c.nheads, c.headdim)), "dt": dt,
+                            "B": B.unflatten(-1, (c.ngroups, c.d_state)), "C": C.unflatten(-1, (c.ngroups, c.d_state))}
+                request = lane.frame(encode_request(i, "step", {"session": self.sessions[i], **self.constants[i],
+                                                                "dt_softplus": True,
+                                                                **{k: v.contiguous() for k, v in args.items()}}))
+                _, reply = exchange(lane, request, "old-way step")
+                y = torch.from_numpy(np.array(reply.result["y"].data, copy=True).view(np.float32)).view(
+                    self.batch, -1)
+                if self.arch == "mamba2":
+                    y = _gated_rms_norm(y, z, layer.gate_norm, c.ngroups, c.eps)
+                hidden = hidden + F.linear(y, layer.out_proj)
+            _rms_norm(hidden, self.model.norm_f, c.eps)
+        return (time.perf_counter_ns() - t0) / 1000
+
+
+def timed_us(fn, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1000)
+    return times
+
+
+def floors(config: dict, weights: dict, frames: list[torch.Tensor], batch: int) -> dict:
+    """What bounds a model step on this machine, in this process, back to back: one torch op's
+    dispatch (a [1, 256] add), the stack's matrix products alone (its weights streamed once), and
+    the runtime's whole step (bridge.models on the cpu backend, no IPC)."""
+    m = load_weights(config, weights, torch.float32, torch.device("cpu"), lambda n: None)
+    parts = {name: torch.zeros((batch, *shape)) for name, shape in m.config.state_parts()}
+    slots, x = torch.arange(batch), frames[0]
+    small = torch.randn(1, D_MODEL)
+    products = []
+    for layer in m.layers:
+        width = layer.in_proj.shape[1]
+        products.append((torch.randn(batch, width), layer.in_proj))
+        products.append((torch.randn(batch, layer.out_proj.shape[1]), layer.out_proj))
+        for w in (layer.x_proj, layer.dt_proj):
+            if w is not None:
+                products.append((torch.randn(batch, w.shape[1]), w))
+
+    def all_products():
+        for a, w in products:
+            F.linear(a, w)
+
+    with torch.no_grad():
+        for fn in (lambda: small + 1, all_products, lambda: m.step(parts, slots, x, output="hidden", backend="cpu")):
+            timed_us(fn, 20)
+        return {"torch_op": summarize_us(timed_us(lambda: small + 1, 2000)),
+                "matrix_products": summarize_us(timed_us(all_products, 200)),
+                "stack_step_in_process": summarize_us(timed_us(
+                    lambda: m.step(parts, slots, x, output="hidden", backend="cpu"), 200))}
+
+
+def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> dict:
+    model, config, weights = exphil_model(arch, seed=batch)
+    g = torch.Generator().manual_seed(7)
+    frames = [torch.randn(batch, D_MODEL, generator=g) for _ in range(frames_n + WINDOW)]
+    result = {"arch": arch, "batch": batch, "layers": 4, "d_model": D_MODEL, "frames": frames_n}
+
+    result["transformers_step"] = summarize_us(transformers_steps(model, frames))
+    result["floors"] = floors(config, weights, frames, batch)
+
+    bridge = BridgeProcess(server_args)
+    lane = bridge.lane
+    try:
+        info = bridge.call("model_load", config=config, weights=weights)
+        result["backend"] = bridge.call("info")["backend"]
+        session = bridge.call("session_open", model=info["model"], batch=batch)["session"]
+        bridge.call("model_forward", session=session, embeds=torch.stack(frames[:WINDOW], dim=1), output="hidden")
+        steps = [lane.frame(encode_request(i, "model_step", {"session": session, "embeds": f, "output": "hidden"}))
+                 for i, f in enumerate(frames[WINDOW:])]
+        for request in steps[:WARMUP]:
+            exchange(lane, request)
+        try:
+            echo = open_floor("stdio", lane.reply_sizes())
+            for request in steps[:WARMUP]:
+                echo.round_trip_us(request)
+        except EchoUnavailable as exc:
+            echo, result["echo_skipped"] = None, str(exc)
+        step_us, echo_us, kernel_us, server_us = [], [], [], []
+        start = time.perf_counter()
+        for i, request in enumerate(steps):
+            wait_for_frame(start, i)
+            us, reply = exchange(lane, request)
+            step_us.append(us)
+            kernel_us.append(reply.timing.get("kernel_us", 0.0))
+            server_us.append(reply.timing.get("server_us", 0.0))
+            if echo is not None:
+                wait_for_frame(start, i + 0.5)
+                echo_us.append(echo.round_trip_us(request))
+        if echo is not None:
+            echo.close()
+        result["model_step"] = summarize_us(step_us)
+        result["model_step_server"] = summarize_us(server_us)
+        result["model_step_kernel"] = summarize_us(kernel_us)
+        result["request_bytes"] = sum(memoryview(p).nbytes for p in steps[0])
+        if echo_us:
+            result["echo"] = summarize_us(echo_us)
+
+        # (c) the window re-run every frame, from a zero state.
+        blank = bridge.call("session_open", model=info["model"], batch=batch)["session"]
+        zero = bridge.call("session_snapshot", session=blank)["snapshot"]
+        window_us = []
+        start = time.perf_counter()
+        for i in range(min(frames_n, 60)):
+            wait_for_frame(start, i)
+            window = torch.stack(frames[i + 1:i + 1 + WINDOW], dim=1)
+            t0 = time.perf_counter_ns()
+            exchange(lane, lane.frame(encode_request("r", "session_restore", {"session": blank, "snapshot": zero})))
+            exchange(lane, lane.frame(encode_request("w", "model_forward", {
+                "session": blank, "embeds": window, "output": "hidden", "last_only": True})))
+            window_us.append((time.perf_counter_ns() - t0) / 1000)
+        result["window_forward"] = summarize_us(window_us)
+
+        # Snapshot + restore, the rollback's own cost.
+        pair_us, pair_server_us = [], []
+        for i in range(100):
+            t0 = time.perf_counter_ns()
+            _, taken = exchange(lane, lane.frame(encode_request("s", "session_snapshot", {"session": session})))
+            snapshot = taken.result["snapshot"]
+            _, restored = exchange(lane, lane.frame(encode_request("r", "session_restore",
+                                                                   {"session": session, "snapshot": snapshot})))
+            pair_us.append((time.perf_counter_ns() - t0) / 1000)
+            pair_server_us.append(taken.timing["server_us"] + restored.timing["server_us"])
+            exchange(lane, lane.frame(encode_request("f", "snapshot_free", {"snapshot": snapshot})))
+        result["snapshot_restore_round_trips"] = summarize_us(pair_us[10:])
+        result["snapshot_restore_server"] = summarize_us(pair_server_us[10:])
+
+        # (b) the old way: a round trip per layer.
+        old = OldWay(bridge, arch, config, weights, batch)
+        for f in frames[:WARMUP]:
+            old.frame(f)
+        old_us = []
+        start = time.perf_counter()
+        for i, f in enumerate(frames[WINDOW:WINDOW + min(frames_n, 120)]):
+            wait_for_frame(start, i)
+            old_us.append(old.frame(f))
+        result["old_way"] = summarize_us(old_us)
+    finally:
+        bridge.close()
+
+    p50 = result["model_step"]["p50_us"]
+    result["ratios"] = {
+        "step_over_transformers": p50 / result["transformers_step"]["p50_us"],
+        "old_way_over_step": result["old_way"]["p50_us"] / p50,
+        "window_over_step": result["window_forward"]["p50_us"] / p50,
+    }
+    if "echo" in result:
+        result["ratios"]["step_over_echo"] = p50 / result["echo"]["p50_us"]
+    return result
+
+
+def report(r: dict) -> None:
+    def line(name, s):
+        return f"    {name:<34} p50 {s['p50_us']:9.1f} µs  p99 {s['p99_us']:9.1f} µs"
+
+    print(f"{r['arch']} batch {r['batch']} (backend {r.get('backend')}):")
+    print(line("model_step over the Port", r["model_step"]))
+    for name, floor in r["floors"].items():
+        print(line(f"  floor: {name}", floor))
+    print(line("  of which the server", r["model_step_server"]))
+    print(line("  of which the stack (kernel_us)", r["model_step_kernel"]))
+    print(line("(a) transformers cached step", r["transformers_step"]))
+    print(line("(b) old way, a step a layer", r["old_way"]))
+    print(line("(c) 60-frame window re-run", r["window_forward"]))
+    if "echo" in r:
+        print(line("(d) echo of the same bytes", r["echo"]))
+    print(line("snapshot + restore round trips", r["snapshot_restore_round_trips"]))
+    print(line("  of which the server", r["snapshot_restore_server"]))
+    ratios = r["ratios"]
+    print(f"    step / transformers {ratios['step_over_transformers']:.3f} (goal ≤ {GOALS['step_over_transformers']}),"
+          f" old way / step {ratios['old_way_over_step']:.2f}× (goal ≥ {GOALS['old_way_over_step']}),"
+          + (f" step / echo {ratios['step_over_echo']:.2f}× (goal ≤ {GOALS['step_over_echo']})"
+             if "step_over_echo" in ratios else " echo skipped"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, default=300)
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--archs", default="mamba,mamba2")
+    p.add_argument("--server-arg", action="append", default=[])
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    load_before = os.getloadavg()
+    cases = []
+    for arch in args.archs.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            cases.append(run_case(arch, batch, args.frames, args.server_arg))
+            report(cases[-1])
+    if args.json:
+        write_results(args.json, "models", {"goals": GOALS, "cases": cases, "load_before": load_before,
+                                            "load_after": os.getloadavg(), "torch_threads": torch.get_num_threads()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
