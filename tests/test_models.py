@@ -482,7 +482,13 @@ def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve,
     outside.mkdir()
     (outside / "config.json").write_text("{}")
     os.symlink(outside, root / "escape")
+    # Inside, but its files are links out: nothing outside is read through them either.
+    linked = root / "linked-config"
+    linked.mkdir()
+    os.symlink(outside / "config.json", linked / "config.json")
     srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path="linked-config")
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "config.json"), error
     for path in (str(outside), "../" + outside.name, "escape", "/etc", str(root / ".." / "outside")):
         error = error_of(srv, conn, "model_load", path=path)
         assert (error["code"], error["detail"]["field"]) == ("path_not_allowed", "args.path"), path

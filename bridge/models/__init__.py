@@ -11,12 +11,11 @@ pool (bridge.sessions). The runtime builds on the kernels API and knows nothing 
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
-from .checkpoint import CONFIG, TensorSource, allowed_dirs, read_json, resolve_checkpoint
+from .checkpoint import CONFIG, TensorSource, allowed_dirs, checkpoint_file, read_json, resolve_checkpoint
 from .config import ARCHS, ModelConfig, checkpoint_error, parse_config
 from .runtime import Model, param_dtype
 from .weights import canonical_name, check_weights
@@ -30,7 +29,7 @@ def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, 
     `device`. `hold(nbytes)` is called with the bytes the weights will take before any is read:
     it raises to refuse them."""
     directory = resolve_checkpoint(path, model_dirs)
-    config = parse_config(read_json(os.path.join(directory, CONFIG), CONFIG), CONFIG)
+    config = parse_config(read_json(checkpoint_file(directory, CONFIG, CONFIG), CONFIG), CONFIG)
     source = TensorSource(directory)
     wanted = check_weights(config, source.shapes, "weights")
     hold(planned_bytes(source.shapes, wanted, dtype))

@@ -56,7 +56,7 @@ def _under(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
-def _inside(directory: str, name: str, field: str) -> str:
+def checkpoint_file(directory: str, name: str, field: str) -> str:
     """A file named by the checkpoint itself (an index's shard), which must stay in its directory."""
     real = os.path.realpath(os.path.join(directory, name))
     if os.path.dirname(real) != directory:
@@ -90,16 +90,16 @@ class TensorSource:
                 raise checkpoint_error(f"{SAFETENSORS_INDEX}.weight_map", "a map of tensor name to shard file",
                                        type(weight_map).__name__)
             for shard in sorted(set(weight_map.values())):
-                self._read_header(_inside(directory, shard, f"{SAFETENSORS_INDEX}.weight_map"), shard)
+                self._read_header(checkpoint_file(directory, shard, f"{SAFETENSORS_INDEX}.weight_map"), shard)
             missing = set(weight_map) - set(self.shapes)
             if missing:
                 name = min(missing)
                 raise checkpoint_error(f"{weight_map[name]}.{name}", "the tensor its index names", "nothing",
                                        tensor=name)
         elif SAFETENSORS in names:
-            self._read_header(_inside(directory, SAFETENSORS, SAFETENSORS), SAFETENSORS)
+            self._read_header(checkpoint_file(directory, SAFETENSORS, SAFETENSORS), SAFETENSORS)
         elif TORCH_BIN in names:
-            self._read_bin(_inside(directory, TORCH_BIN, TORCH_BIN))
+            self._read_bin(checkpoint_file(directory, TORCH_BIN, TORCH_BIN))
         else:
             raise checkpoint_error("args.path", f"{SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} in the directory",
                                    "none of them")
