@@ -18,6 +18,20 @@ defmodule ScanBridge do
   (`open_session(server, kind: :ssd, batch: b, heads: h, headdim: p, state: n)`), stepped by
   the same `step/4`.
 
+  Whole models (SPEC §6.4) run every layer of a Mamba or Mamba-2 stack on the server, each
+  layer's state kept there, so that a frame is one round trip: `load_model/3` (a checkpoint
+  path under the server's `--model-dir`, or a config and weights sent from here), sessions of
+  it (`open_session(server, model: model, batch: b)`), `model_forward/4` over a window and
+  `model_step/4` one frame at a time; `snapshot/3`, `restore/4` and `fork/3` roll a session
+  back or branch it:
+
+      {:ok, model} = ScanBridge.load_model(MyApp.Scan, "exphil/agent-v3", dtype: :bf16)
+      {:ok, session} = ScanBridge.open_session(MyApp.Scan, model: model, batch: 1)
+      {:ok, _logits} = ScanBridge.model_forward(MyApp.Scan, session, {:tokens, prefix})
+      {:ok, snapshot} = ScanBridge.snapshot(MyApp.Scan, session)
+      {:ok, logits} = ScanBridge.model_step(MyApp.Scan, session, {:tokens, frame})
+      :ok = ScanBridge.restore(MyApp.Scan, session, snapshot)
+
   Inputs are maps of the protocol's argument names (atoms; SPEC §6) to tensors
   (`ScanBridge.Tensor`, or `Nx.Tensor` when Nx is loaded), handles returned by `put/2`, and
   options (`dt_softplus: true`, `dt_min: 0.001`, `layout: :bdl`, ...). Every reply's `timing`
@@ -30,9 +44,10 @@ defmodule ScanBridge do
   `ArgumentError` in the calling process; the client process goes on serving the others.
 
   A call that times out is not taken back from the server, which may still carry it out: its
-  late reply is dropped, a late `put/3`'s handle or `open_session/3`'s session is freed by the
-  client as soon as that reply comes, and a timed-out `step/4` (or `scan/3` with `:session`)
-  may still have advanced its session.
+  late reply is dropped, a late `put/3`'s handle, `open_session/3`'s or `fork/3`'s session,
+  `snapshot/3`'s snapshot or `load_model/3`'s model is freed by the client as soon as that
+  reply comes, and a timed-out `step/4`, `model_step/4` or `model_forward/4` (or `scan/3` with
+  `:session`) may still have advanced its session.
 
   ## Lanes
 
@@ -264,13 +279,24 @@ defmodule ScanBridge do
   (Mamba-2: a `[batch, heads, headdim, state]` state, prefilled by `ssd_scan/3` with
   `:session`). Both are stepped by `step/4`. Returns its id.
 
+  A model's session (SPEC §6.4): `model:` (the id `load_model/3` returned, its info's
+  `"model"`, or that info map itself) and `:batch`, no sizes (the model's layers fix them):
+  every layer's conv window and ssm state for each row, zero; or, with `state:`, the map
+  `session_state/3` returned for a session of that model and batch (names to tensors).
+  Stepped by `model_step/4`, prefilled by `model_forward/4`.
+
+      {:ok, session} = ScanBridge.open_session(server, model: model, batch: 2)
+      {:ok, copy} = ScanBridge.open_session(server, model: model, batch: 2, state: saved)
+
   The server checks `dims` (SPEC §6.1): a kind other than `:mamba` or `:ssd`, or a size of the
-  other kind (`:dim` with `kind: :ssd`), is `{:error, %ScanBridge.Error{reason:
-  :invalid_argument}}`, a missing size `:missing_argument`.
+  other kind (`:dim` with `kind: :ssd`, any size with `:model`), is `{:error,
+  %ScanBridge.Error{reason: :invalid_argument}}`, a missing size `:missing_argument`, a model
+  this client did not load `:unknown_model`, and a saved state of another shape
+  `:shape_mismatch`.
   """
   @spec open_session(server, map | keyword, call_opts) :: {:ok, String.t()} | error
   def open_session(server, dims, opts \\ []) do
-    args = Protocol.wire_args!(session_dims!(dims), "open_session")
+    args = dims |> session_dims!() |> session_model!() |> Protocol.wire_args!("open_session")
 
     with {:ok, result, _timing} <- request(server, "session_open", args, opts),
          do: result_string(result, "session")
@@ -287,8 +313,20 @@ defmodule ScanBridge do
       true ->
         raise ArgumentError,
               "open_session dims: expected a map or keyword list (batch:, dim:, state:, or " <>
-                "kind: :ssd, batch:, heads:, headdim:, state:), got #{inspect(dims, limit: 5)}"
+                "kind: :ssd, batch:, heads:, headdim:, state:, or model:, batch:), got " <>
+                inspect(dims, limit: 5)
     end
+  end
+
+  # A model given as load_model's info map is sent as its id.
+  defp session_model!(dims) do
+    Map.new(dims, fn
+      {name, model} when name in [:model, "model"] and not is_nil(model) ->
+        {name, model_id!(model, "open_session model")}
+
+      entry ->
+        entry
+    end)
   end
 
   @doc "Closes a session and frees its state."
@@ -300,12 +338,21 @@ defmodule ScanBridge do
 
   @doc """
   A copy of a session's current state, f32: `[batch, dim, state]`, or `[batch, heads, headdim,
-  state]` for a `kind: :ssd` session.
+  state]` for a `kind: :ssd` session. For a model's session, a map of every part by name:
+  `"layers.<i>.conv"` (`[batch, conv channels, d_conv]`, the last d_conv conv inputs, newest
+  last) and `"layers.<i>.ssm"` (`[batch, d_inner, state]`, or `[batch, heads, headdim, state]`
+  for Mamba-2), which `open_session/3` takes back as `state:`.
   """
-  @spec session_state(server, String.t(), call_opts) :: {:ok, Tensor.t()} | error
+  @spec session_state(server, String.t(), call_opts) ::
+          {:ok, Tensor.t() | %{String.t() => Tensor.t()}} | error
   def session_state(server, session, opts \\ []) when is_binary(session) do
-    with {:ok, result, _timing} <- request(server, "session_state", %{session: session}, opts),
-         do: result_tensor(result, "state")
+    with {:ok, result, _timing} <- request(server, "session_state", %{session: session}, opts) do
+      case Map.get(result, "state") do
+        # a model session's parts by name; a tensor map has its dtype code there
+        %{} = parts when not is_map_key(parts, "dtype") -> result_tensors(parts, "state")
+        _tensor -> result_tensor(result, "state")
+      end
+    end
   end
 
   @doc """
@@ -327,6 +374,292 @@ defmodule ScanBridge do
     with {:ok, _result, _timing} <- request(server, "free", %{handle: id}, opts), do: :ok
   end
 
+  ## Whole models (SPEC §6.4)
+
+  @typedoc """
+  Where `load_model/3` takes a model from: a checkpoint directory under one of the server's
+  `--model-dir`s (a relative path is taken under the first), or a config and weights this
+  client holds.
+  """
+  @type model_source ::
+          Path.t() | %{config: map, weights: %{optional(atom | String.t()) => tensor_input}}
+  @typedoc "A model's id (`load_model/3`'s info `\"model\"`), or that info map itself."
+  @type model :: String.t() | %{String.t() => term}
+  @typedoc "A model's input: token ids (an integer tensor) or embeddings (a float tensor)."
+  @type model_input ::
+          {:tokens, tensor_input}
+          | {:embeds, tensor_input}
+          | %{required(:tokens) => tensor_input}
+          | %{required(:embeds) => tensor_input}
+
+  @doc """
+  Loads a Mamba (`"mamba"`) or Mamba-2 (`"mamba2"`) stack on the server (SPEC §6.4
+  `model_load`), so that a frame through every layer is one round trip and every layer's state
+  stays there. It belongs to this client (its connection) until `free_model/3`.
+
+  `source` is either
+
+    * a path (a string): a checkpoint directory under one of the directories the server was
+      started with (`args: ["--model-dir", dir]`; a relative path is taken under the first),
+      holding `config.json` and `model.safetensors` (or an index and its shards, or
+      `pytorch_model.bin`), saved by transformers or mamba_ssm. Without `--model-dir`, or for a
+      path outside those directories: `:path_not_allowed`.
+    * `%{config: config, weights: weights}`: a model this client holds. `config` is a map of
+      transformers', mamba_ssm's or the server's own keys, e.g. a backbone
+      `%{"arch" => "mamba2", "d_model" => 256, "n_layer" => 4, "d_state" => 64,
+      "d_conv" => 4, "expand" => 2, "headdim" => 64, "ngroups" => 1}` (with `"vocab_size"`
+      it has an embedding and a tied head; without, it takes embeddings in and gives hidden
+      states out). `weights` maps each tensor's name (`"layers.0.mixer.in_proj.weight"`, ...,
+      `"norm_f.weight"`, as either library names them, with or without `backbone.`) to a
+      tensor or a `{:handle, id}` from `put/3`.
+
+  Options: `:dtype` (`:f32`, the default, `:bf16` or `:f16`, or their strings: what the weights
+  are kept in; the state is always f32), `:name` (a string the server reports back),
+  `:timeout`.
+
+  Returns the model's description: `"model"` (its id), `"arch"`, `"layers"`, `"d_model"`,
+  `"vocab_size"` (with an embedding), `"outputs"`, `"state_bytes_per_row"`,
+  `"weight_bytes"`, `"dtype"`, `"name"`. A config or weights the server cannot use (a tensor
+  missing, mis-shaped, unexpected or not finite; an unknown architecture or setting) is
+  `:invalid_checkpoint`, its `detail["field"]` naming the key or tensor (e.g.
+  `"args.weights.norm_f.weight"`).
+  """
+  @spec load_model(server, model_source, keyword) :: {:ok, map} | error
+  def load_model(server, source, opts \\ []) do
+    opts = opts!(opts, [:dtype, :name, :timeout], "load_model")
+    args = Map.merge(model_source!(source), load_options!(opts))
+
+    with {:ok, result, _timing} <- request(server, "model_load", args, opts),
+         {:ok, _id} <- result_string(result, "model"),
+         do: {:ok, result}
+  end
+
+  @doc "Like `load_model/3`, raising `ScanBridge.Error` on failure."
+  @spec load_model!(server, model_source, keyword) :: map
+  def load_model!(server, source, opts \\ []), do: ok!(load_model(server, source, opts))
+
+  defp model_source!(path) when is_binary(path) and path != "", do: %{"path" => path}
+
+  defp model_source!(%{config: config, weights: weights} = source) when map_size(source) == 2 do
+    %{
+      "config" => Protocol.wire_config!(config, "load_model config"),
+      "weights" => Protocol.wire_tensors!(weights, "load_model weights")
+    }
+  end
+
+  defp model_source!(other) do
+    raise ArgumentError,
+          "load_model source: expected a checkpoint path (a non-empty string) or " <>
+            "%{config: map, weights: %{name => tensor}}, got #{inspect(other, limit: 5)}"
+  end
+
+  @weights_dtypes ~w(f32 bf16 f16)
+
+  defp load_options!(opts) do
+    Enum.reduce(opts, %{}, fn
+      {:dtype, dtype}, args when dtype in [:f32, :bf16, :f16] ->
+        Map.put(args, "dtype", Atom.to_string(dtype))
+
+      {:dtype, dtype}, args when dtype in @weights_dtypes ->
+        Map.put(args, "dtype", dtype)
+
+      {:dtype, other}, _args ->
+        raise ArgumentError,
+              "load_model :dtype: expected :f32, :bf16 or :f16, got #{inspect(other)}"
+
+      {:name, name}, args when is_binary(name) and name != "" ->
+        Map.put(args, "name", name)
+
+      {:name, other}, _args ->
+        raise ArgumentError, "load_model :name: expected a non-empty string, got #{inspect(other)}"
+
+      {:timeout, _}, args ->
+        args
+    end)
+  end
+
+  @doc """
+  Frees a model `load_model/3` loaded, and the snapshots of its sessions. A model with
+  sessions still open is refused (`:invalid_argument`): close them first.
+  """
+  @spec free_model(server, model, call_opts) :: :ok | error
+  def free_model(server, model, opts \\ []) do
+    args = %{model: model_id!(model, "free_model model")}
+    with {:ok, _result, _timing} <- request(server, "model_free", args, opts), do: :ok
+  end
+
+  @doc """
+  Runs a window through a model's session (SPEC §6.4 `model_forward`): a prefill through every
+  layer starting from the session's state and leaving it at the end, so it also re-simulates
+  frames after a `restore/4`.
+
+  `input`: `{:tokens, ids}` (an i64, i32 or u8 tensor `[batch, seq]` of ids below the model's
+  vocabulary) or `{:embeds, x}` (a float tensor `[batch, seq, d_model]`), or a map with one of
+  `:tokens` and `:embeds`; a `{:handle, id}` may stand for the tensor. `batch` is the
+  session's (else `:shape_mismatch`).
+
+  Options: `:output`, `:logits` (`[batch, seq, vocab]`, the default for a model with a head) or
+  `:hidden` (`[batch, seq, d_model]`, after the final norm; the default and the only output of a
+  backbone, which answers `:logits` with `:invalid_argument`), or their strings;
+  `:last_only` (`true`: only the last position, `[batch, 1, ...]`); `:timeout`.
+
+  Returns the output tensor, f32.
+  """
+  @spec model_forward(server, String.t(), model_input, keyword) :: {:ok, Tensor.t()} | error
+  def model_forward(server, session, input, opts \\ []) do
+    opts = opts!(opts, [:output, :last_only, :timeout], "model_forward")
+    args = model_args!(session, input, opts, "model_forward")
+
+    with {:ok, result, _timing} <- request(server, "model_forward", args, opts),
+         do: model_output(result)
+  end
+
+  @doc "Like `model_forward/4`, raising `ScanBridge.Error` on failure."
+  @spec model_forward!(server, String.t(), model_input, keyword) :: Tensor.t()
+  def model_forward!(server, session, input, opts \\ []),
+    do: ok!(model_forward(server, session, input, opts))
+
+  @doc """
+  One frame through a model's session (SPEC §6.4 `model_step`), its every layer's state
+  updated in place on the server. `input` as for `model_forward/4` without the seq axis:
+  `{:tokens, ids}` `[batch]` or `{:embeds, x}` `[batch, d_model]`. Options: `:output`,
+  `:timeout`. Returns `[batch, vocab]` logits or `[batch, d_model]` hidden states, f32.
+
+  Steps of sessions of one model (the same input kind and dtype, the same output) from any
+  callers share one pass through the stack on the server. A step that timed out may still
+  have been done, as for `step/4`.
+  """
+  @spec model_step(server, String.t(), model_input, keyword) :: {:ok, Tensor.t()} | error
+  def model_step(server, session, input, opts \\ []) do
+    opts = opts!(opts, [:output, :timeout], "model_step")
+    args = model_args!(session, input, opts, "model_step")
+
+    with {:ok, result, _timing} <- request(server, "model_step", args, opts),
+         do: model_output(result)
+  end
+
+  @doc "Like `model_step/4`, raising `ScanBridge.Error` on failure."
+  @spec model_step!(server, String.t(), model_input, keyword) :: Tensor.t()
+  def model_step!(server, session, input, opts \\ []),
+    do: ok!(model_step(server, session, input, opts))
+
+  defp model_args!(session, input, opts, op) do
+    args = %{"session" => id!(session, "#{op} session")}
+    {name, value} = model_input!(input, op)
+    args = Map.put(args, name, tensor_arg!(value, "#{op} #{name}"))
+
+    Enum.reduce(opts, args, fn
+      {:output, output}, args when output in [:logits, :hidden] ->
+        Map.put(args, "output", Atom.to_string(output))
+
+      {:output, output}, args when output in ["logits", "hidden"] ->
+        Map.put(args, "output", output)
+
+      {:output, other}, _args ->
+        raise ArgumentError, "#{op} :output: expected :logits or :hidden, got #{inspect(other)}"
+
+      {:last_only, last_only}, args when is_boolean(last_only) ->
+        Map.put(args, "last_only", last_only)
+
+      {:last_only, other}, _args ->
+        raise ArgumentError, "#{op} :last_only: expected a boolean, got #{inspect(other)}"
+
+      {:timeout, _}, args ->
+        args
+    end)
+  end
+
+  defp model_input!({name, value}, _op) when name in [:tokens, :embeds],
+    do: {Atom.to_string(name), value}
+
+  defp model_input!(%{} = input, op) when not is_struct(input) do
+    case Map.to_list(input) do
+      [{name, value}] when name in [:tokens, :embeds] -> model_input!({name, value}, op)
+      _ -> model_input!(:not_one, op, input)
+    end
+  end
+
+  defp model_input!(input, op), do: model_input!(:not_one, op, input)
+
+  defp model_input!(:not_one, op, input) do
+    raise ArgumentError,
+          "#{op} input: expected {:tokens, tensor} or {:embeds, tensor} (or a map with one of " <>
+            ":tokens and :embeds), got #{inspect(input, limit: 5)}"
+  end
+
+  defp tensor_arg!({:handle, id}, _what) when is_binary(id), do: %{handle: id}
+  defp tensor_arg!(value, what), do: Tensor.cast!(value, what)
+
+  # The one output a model op answers with: "logits" or "hidden".
+  defp model_output(result) do
+    case Map.keys(result) do
+      [key] when key in ["logits", "hidden"] ->
+        result_tensor(result, key)
+
+      _ ->
+        {:error,
+         Error.client(
+           :decode_error,
+           "result: expected one of logits and hidden, got #{inspect(result, limit: 5)}"
+         )}
+    end
+  end
+
+  @doc """
+  A copy of every part of a session's state, kept on the server's device (SPEC §6.4
+  `session_snapshot`); its id, for `restore/4`, until `free_snapshot/3` (or `free_model/3`,
+  or the client's end). Works on plain sessions too.
+  """
+  @spec snapshot(server, String.t(), call_opts) :: {:ok, String.t()} | error
+  def snapshot(server, session, opts \\ []) do
+    args = %{session: id!(session, "snapshot session")}
+
+    with {:ok, result, _timing} <- request(server, "session_snapshot", args, opts),
+         do: result_string(result, "snapshot")
+  end
+
+  @doc "Like `snapshot/3`, raising `ScanBridge.Error` on failure."
+  @spec snapshot!(server, String.t(), call_opts) :: String.t()
+  def snapshot!(server, session, opts \\ []), do: ok!(snapshot(server, session, opts))
+
+  @doc """
+  Puts a snapshot back (SPEC §6.4 `session_restore`): into the session it was taken of, or any
+  session of the same model (or state shape) and batch, a fork say (else `:invalid_argument`).
+  The snapshot stays, for restoring again.
+  """
+  @spec restore(server, String.t(), String.t(), call_opts) :: :ok | error
+  def restore(server, session, snapshot, opts \\ []) do
+    args = %{
+      session: id!(session, "restore session"),
+      snapshot: id!(snapshot, "restore snapshot")
+    }
+
+    with {:ok, _result, _timing} <- request(server, "session_restore", args, opts), do: :ok
+  end
+
+  @doc """
+  A new session of the same model (or kind) and batch holding a copy of the session's state
+  (SPEC §6.4 `session_fork`), stepped independently; its id. Close it with `close_session/3`.
+  """
+  @spec fork(server, String.t(), call_opts) :: {:ok, String.t()} | error
+  def fork(server, session, opts \\ []) do
+    args = %{session: id!(session, "fork session")}
+
+    with {:ok, result, _timing} <- request(server, "session_fork", args, opts),
+         do: result_string(result, "session")
+  end
+
+  @doc "Like `fork/3`, raising `ScanBridge.Error` on failure."
+  @spec fork!(server, String.t(), call_opts) :: String.t()
+  def fork!(server, session, opts \\ []), do: ok!(fork(server, session, opts))
+
+  @doc "Frees a snapshot `snapshot/3` took."
+  @spec free_snapshot(server, String.t(), call_opts) :: :ok | error
+  def free_snapshot(server, snapshot, opts \\ []) do
+    args = %{snapshot: id!(snapshot, "free_snapshot snapshot")}
+    with {:ok, _result, _timing} <- request(server, "snapshot_free", args, opts), do: :ok
+  end
+
   @doc "The OS pid of the server process this client runs."
   @spec os_pid(server) :: {:ok, pos_integer} | error
   defdelegate os_pid(server), to: Server
@@ -341,6 +674,54 @@ defmodule ScanBridge do
     case Tensor.from_wire(Map.get(result, key)) do
       {:ok, tensor} -> {:ok, tensor}
       {:error, message} -> {:error, Error.client(:decode_error, "result #{key}: #{message}")}
+    end
+  end
+
+  defp result_tensors(%{} = tensors, key) do
+    Enum.reduce_while(tensors, {:ok, %{}}, fn {name, wire}, {:ok, acc} ->
+      case Tensor.from_wire(wire) do
+        {:ok, tensor} ->
+          {:cont, {:ok, Map.put(acc, name, tensor)}}
+
+        {:error, message} ->
+          {:halt, {:error, Error.client(:decode_error, "result #{key}.#{name}: #{message}")}}
+      end
+    end)
+  end
+
+  # A session, snapshot or model id given to the public API.
+  defp id!(id, _what) when is_binary(id) and id != "", do: id
+
+  defp id!(other, what),
+    do:
+      raise(
+        ArgumentError,
+        "#{what}: expected an id (a non-empty string), got #{inspect(other, limit: 5)}"
+      )
+
+  defp model_id!(%{"model" => id}, what), do: id!(id, what)
+  defp model_id!(id, what) when is_binary(id) and id != "", do: id!(id, what)
+
+  defp model_id!(other, what) do
+    raise ArgumentError,
+          "#{what}: expected a model id (a non-empty string) or load_model/3's info map, got " <>
+            inspect(other, limit: 5)
+  end
+
+  # The options of a call that takes more than :timeout: a keyword list of `known` keys.
+  defp opts!(opts, known, fun) do
+    unless is_list(opts) and Keyword.keyword?(opts) do
+      raise ArgumentError, "#{fun} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
+    end
+
+    case Keyword.keys(opts) -- known do
+      [] ->
+        opts
+
+      unknown ->
+        raise ArgumentError,
+              "#{fun} options: expected only #{Enum.map_join(known, ", ", &inspect/1)}, got " <>
+                Enum.map_join(unknown, ", ", &inspect/1)
     end
   end
 

@@ -13,7 +13,9 @@ defmodule ScanBridge.Error do
       protocol, or a frame the client could not decode), `:frame_too_large` (the request is
       bigger than the server accepts; it was not sent);
     * the server's error codes (protocol SPEC §7), e.g. `:shape_mismatch`, `:unknown_session`,
-      `:overloaded`. A code this client does not know becomes `:internal_error`, as the
+      `:overloaded`; whole models add `:unknown_model`, `:unknown_snapshot`,
+      `:invalid_checkpoint` (its `detail["field"]` names the key or tensor at fault) and
+      `:path_not_allowed`. A code this client does not know becomes `:internal_error`, as the
       specification requires; `code` keeps the string the server sent.
 
   `detail` is the server's `detail` map (string keys, e.g. `"field"`, `"expected"`, `"got"`)
@@ -22,8 +24,9 @@ defmodule ScanBridge.Error do
 
   @server_codes ~w(frame_too_large decode_error invalid_request unsupported_version unknown_op
                    missing_argument invalid_argument unknown_dtype tensor_size_mismatch
-                   shape_mismatch unknown_session unknown_handle limit_exceeded unsupported
-                   overloaded shutting_down internal_error)
+                   shape_mismatch unknown_session unknown_handle unknown_model unknown_snapshot
+                   invalid_checkpoint path_not_allowed limit_exceeded unsupported overloaded
+                   shutting_down internal_error)
   @reason_of_code Map.new(@server_codes, fn code -> {code, String.to_atom(code)} end)
 
   @type server_reason ::
@@ -39,6 +42,10 @@ defmodule ScanBridge.Error do
           | :shape_mismatch
           | :unknown_session
           | :unknown_handle
+          | :unknown_model
+          | :unknown_snapshot
+          | :invalid_checkpoint
+          | :path_not_allowed
           | :limit_exceeded
           | :unsupported
           | :overloaded

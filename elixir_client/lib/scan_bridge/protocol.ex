@@ -35,7 +35,9 @@ defmodule ScanBridge.Protocol do
   @doc """
   The arguments of a request as the public API takes them (names as atoms or strings; tensors,
   `Nx.Tensor`s, `{:handle, id}`, booleans, numbers, strings, atoms such as `:bdl`, `[low, high]`
-  bounds with `:infinity`/`:neg_infinity` for an open side, nil for absent) → the terms `request_head/2` encodes, named by strings. Tensor data is not copied.
+  bounds with `:infinity`/`:neg_infinity` for an open side, maps of names to tensors as
+  `wire_tensors!/2` takes them, nil for absent) → the terms `request_head/2` encodes, named by
+  strings. Tensor data is not copied.
   Raises `ArgumentError` naming the argument for a value that cannot be sent, or for a name
   given twice (as an atom and as a string), which would be a duplicate key on the wire; `op`
   is for messages.
@@ -79,11 +81,93 @@ defmodule ScanBridge.Protocol do
   # infinity, so the atoms stand for it and Msgpack sends them as float infinities.
   defp wire_value!([low, high] = pair, _what) when bound?(low) and bound?(high), do: pair
   defp wire_value!(%_{} = tensor, what), do: Tensor.cast!(tensor, what)
+  # A map of names to tensors (SPEC §6 *tensors*: a model session's saved state).
+  defp wire_value!(%{} = tensors, what), do: wire_tensors!(tensors, what)
 
   defp wire_value!(value, what) do
     raise ArgumentError,
-          "#{what}: expected a tensor, a {:handle, id}, a boolean, a number, a string, or a " <>
-            "[low, high] pair of numbers, :neg_infinity or :infinity, got #{inspect(value, limit: 5)}"
+          "#{what}: expected a tensor, a {:handle, id}, a map of names to tensors, a boolean, " <>
+            "a number, a string, or a [low, high] pair of numbers, :neg_infinity or :infinity, " <>
+            "got #{inspect(value, limit: 5)}"
+  end
+
+  @doc """
+  A map of names (atoms or strings) to tensors or `{:handle, id}` (SPEC §6 *tensors*: a model's
+  weights, a model session's saved state) → the terms `request_head/2` encodes. Raises
+  `ArgumentError` naming the entry (`what.name`) that cannot be sent, or a name given twice.
+  """
+  @spec wire_tensors!(term, String.t()) :: %{String.t() => Tensor.t() | %{handle: String.t()}}
+  def wire_tensors!(%{} = tensors, what) when not is_struct(tensors) do
+    wire_map!(tensors, what, fn
+      {:handle, id}, _what when is_binary(id) -> %{handle: id}
+      value, what -> Tensor.cast!(value, what)
+    end)
+  end
+
+  def wire_tensors!(other, what) do
+    raise ArgumentError,
+          "#{what}: expected a map of names to tensors or {:handle, id}, got #{inspect(other, limit: 5)}"
+  end
+
+  @doc """
+  A plain map (SPEC §6 *map*: a model's config) → the terms `request_head/2` encodes: keys
+  atoms or strings (sent as strings), values nil, booleans, numbers, strings, atoms (sent as
+  strings, but `:infinity`, `:neg_infinity` and `:nan`, sent as floats), and lists and maps
+  of them. Raises `ArgumentError` naming the entry that cannot be sent.
+  """
+  @spec wire_config!(term, String.t()) :: %{String.t() => term}
+  def wire_config!(%{} = config, what) when not is_struct(config),
+    do: wire_map!(config, what, &config_value!/2)
+
+  def wire_config!(other, what) do
+    raise ArgumentError,
+          "#{what}: expected a map of names to values, got #{inspect(other, limit: 5)}"
+  end
+
+  defp config_value!(value, _what)
+       when is_nil(value) or is_boolean(value) or is_number(value) or is_binary(value) or
+              value in [:infinity, :neg_infinity, :nan],
+       do: value
+
+  defp config_value!(value, _what) when is_atom(value), do: Atom.to_string(value)
+
+  defp config_value!(list, what) when is_list(list) do
+    list
+    |> Enum.with_index()
+    |> Enum.map(fn {value, i} -> config_value!(value, "#{what}[#{i}]") end)
+  end
+
+  defp config_value!(%{} = map, what) when not is_struct(map),
+    do: wire_map!(map, what, &config_value!/2)
+
+  defp config_value!(value, what) do
+    raise ArgumentError,
+          "#{what}: expected nil, a boolean, a number, a string, an atom, or a list or map of " <>
+            "them, got #{inspect(value, limit: 5)}"
+  end
+
+  # `map`'s keys as strings (each once), its values through `value!`.
+  defp wire_map!(map, what, value!) do
+    Enum.reduce(map, %{}, fn {name, value}, acc ->
+      key =
+        cond do
+          is_binary(name) ->
+            name
+
+          is_atom(name) ->
+            Atom.to_string(name)
+
+          true ->
+            raise ArgumentError, "#{what}: expected names as atoms or strings, got #{inspect(name)}"
+        end
+
+      if Map.has_key?(acc, key) do
+        raise ArgumentError,
+              "#{what}: expected each name once, got #{key} both as an atom and as a string"
+      end
+
+      Map.put(acc, key, value!.(value, "#{what}.#{key}"))
+    end)
   end
 
   @doc "The `\"id\": <uint 64>` entry that completes a request head."

@@ -7,14 +7,15 @@ defmodule ScanBridge.Server do
   in `pending` (id → caller) while this process goes on; each reply is matched by its id and
   answered with `GenServer.reply/2`. Every call has a deadline kept here: when it passes, the
   caller gets `{:error, %ScanBridge.Error{reason: :timeout}}` and the server's late reply is
-  dropped, but what a late `put` or `session_open` made (which no caller will ever learn of)
-  is freed here at once, so that timeouts leave no handles or sessions on the server.
+  dropped, but what a late `put`, `session_open`, `session_fork`, `session_snapshot` or
+  `model_load` made (which no caller will ever learn of) is freed here at once, so that timeouts
+  leave no handles, sessions, snapshots or models on the server.
 
   At most `:max_in_flight` requests are at the server at once; more wait here, in order,
   under their own deadlines. A queued request whose deadline passes, or whose caller exits, is
   dropped, never sent: while the server does not answer, the queue holds only the requests of
   callers still waiting. A caller that exits while its request is at the server is treated as
-  one whose deadline passed: a `put` or `session_open` it made is freed when the reply comes.
+  one whose deadline passed: what it made is freed when the reply comes.
 
   Sending never suspends this process, even while the server reads nothing: the Port is opened
   with `busy_limits_port: :disabled` and the socket with the highest `high_watermark`, so the
@@ -409,8 +410,8 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # A late reply's caller was told :timeout and will never learn of the handle or session the
-  # server made for it: free it now, without a caller (its answer is dropped in turn). It takes
+  # A late reply's caller was told :timeout and will never learn of the handle, session (opened
+  # or forked), snapshot or model the server made for it: free it now, without a caller (its answer is dropped in turn). It takes
   # the in-flight place the late reply has just left.
   defp release(state, "put", {:ok, %{"handle" => handle}, _timing}) when is_binary(handle),
     do: send_uncalled(state, "free", %{handle: handle})
@@ -418,6 +419,17 @@ defmodule ScanBridge.Server do
   defp release(state, "session_open", {:ok, %{"session" => session}, _timing})
        when is_binary(session),
        do: send_uncalled(state, "session_close", %{session: session})
+
+  defp release(state, "session_fork", {:ok, %{"session" => session}, _timing})
+       when is_binary(session),
+       do: send_uncalled(state, "session_close", %{session: session})
+
+  defp release(state, "session_snapshot", {:ok, %{"snapshot" => snapshot}, _timing})
+       when is_binary(snapshot),
+       do: send_uncalled(state, "snapshot_free", %{snapshot: snapshot})
+
+  defp release(state, "model_load", {:ok, %{"model" => model}, _timing}) when is_binary(model),
+    do: send_uncalled(state, "model_free", %{model: model})
 
   defp release(state, _op, _outcome), do: state
 

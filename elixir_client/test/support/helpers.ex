@@ -49,7 +49,10 @@ defmodule ScanBridge.TestSupport do
   @features %{
     sessions: ~w(session_open session_close session_state step),
     ssd: ~w(ssd_scan session_open session_close session_state step),
-    handles: ~w(put free)
+    handles: ~w(put free),
+    models:
+      ~w(model_load model_free model_forward model_step session_open session_close session_state
+         session_snapshot session_restore session_fork snapshot_free)
   }
 
   @doc "nil when the server supports `feature`, else why the tests that need it are skipped."
