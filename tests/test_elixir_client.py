@@ -85,3 +85,17 @@ def test_roundtrip_benchmark_runs(tmp_path):
             parts = r[key]
             assert set(parts) == {"encode_us", "decode_us", "process_hop_us"}, (key, parts)
             assert all(us > 0 for us in parts.values()), (r["case"], key, parts)
+
+
+def test_models_benchmark_runs(tmp_path):
+    """`mix run bench/models.exs` (a whole model's paced step from Elixir against the echo),
+    tiny: it runs end to end and its ratios are of its own numbers."""
+    out = tmp_path / "elixir-models.json"
+    run = run_mix(["run", "bench/models.exs", "--frames", "25", "--batches", "1", "--archs", "mamba2",
+                   "--out", str(out)])
+    if failure := run.failure("the Elixir models benchmark"):
+        pytest.fail(failure)
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["arch"], case["batch"]) == ("mamba2", 1)
+    for part in ("model_step", "echo", "snapshot_restore_round_trips"):
+        assert case[part]["p50_us"] > 0, part
