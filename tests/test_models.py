@@ -374,6 +374,9 @@ def test_the_fused_step_is_the_composed_one(checkpoints, arch):
             rel_close(a, b, 1e-5, f"{arch} logits")
     for name in fused:
         rel_close(fused[name], composed[name], 1e-5, f"{arch} {name}")
+    # Slots come from the server's sessions; one outside the pool is refused, not written past.
+    with pytest.raises(ValueError, match="outside the pool"):
+        m.step(fused, torch.tensor([6]), tokens[:1], output="logits", backend="cpu")
 
 
 # -- bad checkpoints and requests: a structured error each, nothing held, the server serves on --

@@ -376,10 +376,18 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
   require_operand(slots, "slots", at::kLong);
   const int64_t rows = hidden.size(0), d = hidden.size(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
+  if (slots.numel() != rows) throw std::invalid_argument("model_step: expected a slot for each row of hidden");
+  for (const auto& layer : layers) {
+    if (layer.size() != kLayerTensors) throw std::invalid_argument("model_step: expected 15 tensors a layer");
+    const int64_t pool = std::min(need(layer, kConvState).size(0), need(layer, kSsmState).size(0));
+    for (int64_t r = 0; r < rows; ++r)
+      if (slot[r] < 0 || slot[r] >= pool)
+        throw std::invalid_argument("model_step: slot " + std::to_string(slot[r]) + " outside the pool's " +
+                                    std::to_string(pool) + " rows");
+  }
   float* h = hidden.data_ptr<float>();
   at::Tensor normed = at::empty({rows, d}, hidden.options());
   for (const auto& layer : layers) {
-    if (layer.size() != kLayerTensors) throw std::invalid_argument("model_step: expected 15 tensors a layer");
     rms_norm_rows(h, need(layer, kNorm).data_ptr<float>(), normed.data_ptr<float>(), rows, d, eps);
     at::Tensor projected = at::linear(normed, need(layer, kInProj), layer[kInProjBias]);
     const int64_t width = projected.size(1);
