@@ -408,6 +408,8 @@ class Dispatcher:
             parts = codec.error(request_id, code, message, detail)
         except (TypeError, ValueError):  # a detail msgpack cannot carry must not cost the reply
             log.exception("error detail of %s cannot be encoded", code)
+            if code not in protocol.ERROR_CODES:  # a server bug, but the request is still answered
+                code, message = "internal_error", f"unregistered error code {code!r}: {message}"
             parts = codec.error(request_id, code, message, {})
         try:
             self._send(conn, parts)

@@ -591,3 +591,18 @@ def test_concurrent_callers_over_stdio_each_get_their_rows(device, flags, native
             assert natively == 0
             # Some launch took rows of several callers: a reply's launch had more rows than its own.
             assert any(total > own for own, total, _ in seen), seen
+
+
+def test_an_unregistered_error_code_is_still_answered(inproc):
+    """A handler raising a code ERROR_CODES lacks is a server bug; its request is answered all
+    the same (internal_error, the code named), and the server serves on."""
+    from bridge.errors import OpError
+
+    def broken(server, call):
+        raise OpError("not_a_code", "the handler's own words", {"field": "args"})
+
+    srv = inproc(handlers={"stats": broken})
+    conn = RecordingConnection()
+    error = srv.request(conn, "stats").error
+    assert error["code"] == "internal_error" and "'not_a_code'" in error["message"]
+    assert srv.call(conn, "ping") == {"pong": True}
