@@ -112,6 +112,13 @@ class Server:
             return self.resolve_handle(call.conn, value.handle, f"args.{name}")
         return value
 
+    def tensor_in_map(self, call, value: protocol.WireTensor | protocol.HandleRef, field: str) -> torch.Tensor:
+        """A tensor given inside a map argument (a model's weights or state) as a device tensor:
+        a handle's tensor, or the wire bytes as device_tensor makes them."""
+        if isinstance(value, protocol.HandleRef):
+            return self.resolve_handle(call.conn, value.handle, field)
+        return self.device_tensor(value)
+
     def device_tensor(self, wire: protocol.WireTensor) -> torch.Tensor:
         """Wire bytes as a tensor on the device (a view of them where the device is the CPU)."""
         return to_device(wire, self.device, unaligned_ok=self.unaligned_ok)

@@ -34,8 +34,7 @@ def model_load(server, call) -> dict:
         def load(hold):
             return models.load_checkpoint(args["path"], server.model_dirs, dtype, server.device, hold)
     else:
-        weights = {name: server.device_tensor(value) if isinstance(value, protocol.WireTensor) else
-                   server.resolve_handle(call.conn, value.handle, f"args.weights.{name}")
+        weights = {name: server.tensor_in_map(call, value, f"args.weights.{name}")
                    for name, value in args["weights"].items()}
 
         def load(hold):

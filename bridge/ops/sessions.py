@@ -5,7 +5,6 @@ put, free. What they manage lives in bridge.sessions and bridge.handles; step is
 from __future__ import annotations
 
 import kernels
-import protocol
 
 from ..batcher import (BatchedOp, Item, charge, dt_options, member_rows, row_signature, shared_args,
                        shared_tensors, signature, stack_rows, wire_rows)
@@ -81,9 +80,7 @@ def state_parts(server, call, layout, batch: int, saved: dict) -> dict:
         if name not in saved:
             raise OpError("missing_argument", f"{field}: expected a tensor of shape {list(shape)}, got nothing",
                           {"field": field, "op": "session_open"})
-        value = saved[name]
-        tensor = (server.resolve_handle(call.conn, value.handle, field) if isinstance(value, protocol.HandleRef)
-                  else server.device_tensor(value))
+        tensor = server.tensor_in_map(call, saved[name], field)
         if tuple(tensor.shape) != shape or not tensor.is_floating_point():
             raise OpError("shape_mismatch", f"{field}: expected a float tensor of shape {list(shape)}, got "
                           f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}",
