@@ -53,7 +53,7 @@ def model_free(server, call) -> dict:
 
 def model_session(server, call):
     """The request's session and its model."""
-    session = session_of_kind(server, call, "model", call.op)
+    session = session_of_kind(server, call, ("model",), call.op)
     # The model is the session's connection's, and cannot be freed while the session is open.
     return session, server.model(call.conn, session.layout.model, "args.session")
 

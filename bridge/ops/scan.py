@@ -45,7 +45,7 @@ def prefilled_session(server, call, kind: str, op: str):
     args = call.args
     if args.get("session") is None:
         return None
-    session = session_of_kind(server, call, kind, op)
+    session = session_of_kind(server, call, (kind,), op)
     for name, why in (("h0", "the session's state is the initial state"),
                       ("cu_seqlens", "a session holds one state per row, not per packed sequence")):
         if name in args:

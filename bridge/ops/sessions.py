@@ -89,14 +89,15 @@ def state_parts(server, call, layout, batch: int, saved: dict) -> dict:
     return parts
 
 
-def session_of_kind(server, call, kind: str, op: str):
-    """The request's session, which must be of `kind` (a Mamba-1 session takes no Mamba-2 work,
-    nor the other way round)."""
+def session_of_kind(server, call, kinds: tuple[str, ...], op: str):
+    """The request's session, which must be of one of `kinds`: a Mamba-1 session takes no
+    Mamba-2 work, nor the other way round, and a model's session only the model ops."""
     session = server.session(call.conn, call.args["session"], "args.session")
-    if session.kind != kind:
+    if session.kind not in kinds:
+        wanted = " or ".join(map(repr, kinds))
         raise OpError("invalid_argument",
-                      f"args.session: expected a session of kind {kind!r} for {op}, got one of kind {session.kind!r}",
-                      {"field": "args.session", "expected": f"kind {kind!r}", "got": f"kind {session.kind!r}"})
+                      f"args.session: expected a session of kind {wanted} for {op}, got one of kind {session.kind!r}",
+                      {"field": "args.session", "expected": f"kind {wanted}", "got": f"kind {session.kind!r}"})
     return session
 
 
@@ -173,13 +174,7 @@ class StepOp(BatchedOp):
 
     def prepare(self, server, call) -> Item:
         args = call.args
-        session = server.session(call.conn, args["session"], "args.session")
-        if session.kind not in ROW_AXES:
-            raise OpError("invalid_argument",
-                          f"args.session: expected a session of kind {' or '.join(map(repr, ROW_AXES))} for step, "
-                          f"got a model's session (model_step steps it)",
-                          {"field": "args.session", "expected": "a session of kind " + " or ".join(ROW_AXES),
-                           "got": "a model's session"})
+        session = session_of_kind(server, call, tuple(ROW_AXES), "step")
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS}
         shared = shared_args(server, call)
         check_rows(session, own)
