@@ -20,7 +20,6 @@ Rules a batch keeps:
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,10 +82,7 @@ def dt_options(args: dict) -> dict:
                           f"args.dt_limit: expected either dt_limit or dt_min/dt_max, got both dt_limit and {given}",
                           {"field": "args.dt_limit", "expected": "either dt_limit or dt_min/dt_max",
                            "got": f"both dt_limit and {given}"})
-        low, high = args["dt_limit"]
-        if (low, high) != (0.0, math.inf):
-            dt_min = low if math.isfinite(low) else None
-            dt_max = high if math.isfinite(high) else None
+        dt_min, dt_max = kernels.dt_limit_bounds(args["dt_limit"])
     return {"dt_softplus": bool(args.get("dt_softplus", False)), "dt_min": dt_min, "dt_max": dt_max}
 
 

@@ -33,6 +33,8 @@ returned state has one row per sequence (kernels/_varlen.py).
 
 from __future__ import annotations
 
+import math
+
 from . import _args, _varlen
 from ._args import FLOAT_DTYPES
 from ._registry import available_backends, backend_details, get_backend, unavailable_backends
@@ -42,7 +44,7 @@ __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends", "backend_details",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update", "ssd_scan",
-    "ssd_state_update", "model_step_kernel",
+    "ssd_state_update", "model_step_kernel", "dt_limit_bounds",
 ]
 
 
@@ -124,6 +126,15 @@ def ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_
     impl = get_backend(backend, args.x.device.type)
     return impl.ssd_state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
                                  **args.backend_kwargs())
+
+
+def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float | None]:
+    """mamba_ssm's `dt_limit` pair as this API's (dt_min, dt_max): its default (0, inf) clamps
+    nothing; otherwise each finite side is a bound and an infinite side none."""
+    low, high = dt_limit
+    if (low, high) == (0.0, math.inf):
+        return None, None
+    return (low if math.isfinite(low) else None), (high if math.isfinite(high) else None)
 
 
 def model_step_kernel(device_type: str, backend: str | None = None):

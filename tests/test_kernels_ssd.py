@@ -8,6 +8,8 @@ Inputs are fresh random draws each run; the seed is in every failure message.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -532,3 +534,14 @@ def test_bench_times_ssd_cases():
     rows = {(r["case"], r["backend"]): r for r in report["results"]}
     for case in ("ssd-tiny", "ssd-step-tiny"):
         assert rows[(case, "torch")]["speedup_vs_reference"] > 0
+
+
+@pytest.mark.parametrize("dt_limit, bounds", [
+    pytest.param((0.0, math.inf), (None, None), id="default-clamps-nothing"),
+    pytest.param((0.0, 0.5), (0.0, 0.5), id="zero-low-is-a-bound-beside-a-finite-high"),
+    pytest.param((1e-3, 0.1), (1e-3, 0.1), id="both"),
+    pytest.param((-math.inf, 2.0), (None, 2.0), id="infinite-low"),
+    pytest.param((0.25, math.inf), (0.25, None), id="infinite-high"),
+])
+def test_dt_limit_bounds_maps_mamba_ssm_pairs(dt_limit, bounds):
+    assert kernels.dt_limit_bounds(dt_limit) == bounds

@@ -62,6 +62,15 @@ class Model:
         self.embeddings = tensors.get(EMBEDDINGS)
         self.lm_head = self.embeddings if config.lm_head == "tied" else tensors.get(LM_HEAD)
         self.layers = [self._layer(tensors, f"layers.{i}.") for i in range(config.n_layer)]
+        dt_min, dt_max = kernels.dt_limit_bounds(config.dt_limit)
+        self.dt_limits = {"dt_min": dt_min, "dt_max": dt_max}
+        # What the backend's fused step takes that never changes: the sizes, and each layer's
+        # weights in its order (the pool's parts follow them per call: they move when it grows).
+        self._fused_dims = [0 if config.arch == "mamba" else 1, config.d_inner, config.d_state, config.dt_rank,
+                            config.nheads, config.headdim, config.ngroups]
+        self._fused_weights = [[layer.norm, layer.in_proj, layer.in_proj_bias, layer.conv, layer.conv_bias, layer.A,
+                                layer.D, layer.dt_bias, layer.out_proj, layer.out_proj_bias, layer.x_proj,
+                                layer.dt_proj, layer.gate_norm] for layer in self.layers]
 
     def _layer(self, t: dict, prefix: str) -> Layer:
         m = prefix + "mixer."
@@ -102,9 +111,13 @@ class Model:
         everything is fp32 (`fused=False` composes it from torch ops and the kernels API)."""
         kernel = self._fused_step(parts, backend) if fused else None
         if kernel is not None:
-            hidden = kernel(self._embed(inputs).to(torch.float32, copy=True).contiguous(), slots.to(torch.int64),
-                            self._fused_layers(parts), self.norm_f, self._fused_dims, self.config.eps,
-                            *self._dt_limits().values())
+            # The kernel adds the residuals into `hidden` in place: never the caller's embeddings.
+            hidden = (inputs.to(torch.float32, copy=True) if inputs.is_floating_point()
+                      else self._embed(inputs)).contiguous()
+            layers = [weights + [parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]]
+                      for i, weights in enumerate(self._fused_weights)]
+            hidden = kernel(hidden, slots.to(torch.int64), layers, self.norm_f, self._fused_dims, self.config.eps,
+                            self.dt_limits["dt_min"], self.dt_limits["dt_max"])
             return hidden if output == "hidden" else F.linear(hidden, self.lm_head)
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
@@ -119,18 +132,6 @@ class Model:
         if any(p.dtype != torch.float32 for p in parts.values()):
             return None
         return kernels.model_step_kernel(self.device.type, backend)
-
-    @property
-    def _fused_dims(self) -> list[int]:
-        c = self.config
-        return [0 if c.arch == "mamba" else 1, c.d_inner, c.d_state, c.dt_rank, c.nheads, c.headdim, c.ngroups]
-
-    def _fused_layers(self, parts: dict[str, torch.Tensor]) -> list[list]:
-        """Each layer's tensors in the order the fused step takes them (the pool's parts are
-        looked up per call: they are replaced when the pool grows)."""
-        return [[layer.norm, layer.in_proj, layer.in_proj_bias, layer.conv, layer.conv_bias, layer.A, layer.D,
-                 layer.dt_bias, layer.out_proj, layer.out_proj_bias, layer.x_proj, layer.dt_proj, layer.gate_norm,
-                 parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]] for i, layer in enumerate(self.layers)]
 
     def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.is_floating_point():
@@ -167,7 +168,7 @@ class Model:
             y, state = kernels.ssd_scan(
                 x.unflatten(-1, (c.nheads, c.headdim)), dt, layer.A, B.unflatten(-1, (c.ngroups, c.d_state)),
                 C.unflatten(-1, (c.ngroups, c.d_state)), D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True,
-                **self._dt_limits(), h0=h0, return_state=True, backend=backend)
+                **self.dt_limits, h0=h0, return_state=True, backend=backend)
             y = _gated_rms_norm(y.flatten(-2), z, layer.gate_norm, c.ngroups, c.eps)
         ssm.index_copy_(0, slots, state.to(ssm.dtype))
         return F.linear(y.to(self.dtype), layer.out_proj, layer.out_proj_bias)
@@ -189,16 +190,10 @@ class Model:
             y = kernels.ssd_state_update(
                 ssm, x.unflatten(-1, (c.nheads, c.headdim)), dt, layer.A, B.unflatten(-1, (c.ngroups, c.d_state)),
                 C.unflatten(-1, (c.ngroups, c.d_state)), D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True,
-                **self._dt_limits(), slots=slots, backend=backend)
+                **self.dt_limits, slots=slots, backend=backend)
             y = _gated_rms_norm(y.flatten(-2), z, layer.gate_norm, c.ngroups, c.eps)
         return F.linear(y.to(self.dtype), layer.out_proj, layer.out_proj_bias)
 
-    def _dt_limits(self) -> dict:
-        """mamba_ssm's dt_limit as the kernels' bounds: (0, inf) clamps nothing."""
-        low, high = self.config.dt_limit
-        if (low, high) == (0.0, float("inf")):
-            return {"dt_min": None, "dt_max": None}
-        return {"dt_min": low if low > float("-inf") else None, "dt_max": high if high < float("inf") else None}
 
 
 def _wide(t: torch.Tensor | None) -> torch.Tensor | None:
