@@ -63,6 +63,15 @@ class StateLayout:
     def row_bytes(self) -> int:
         return sum(state_row_bytes(shape) for _, shape in self.parts)
 
+    def split(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each part of `rows` [n, row floats] laid out this way, as a view [n, *part shape]."""
+        parts, offset = {}, 0
+        for name, shape in self.parts:
+            size = math.prod(shape)
+            parts[name] = rows[:, offset:offset + size].unflatten(1, shape)
+            offset += size
+        return parts
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The row shape of a one-part layout."""
@@ -93,12 +102,7 @@ class StatePool:
     def _set_rows(self, flat: torch.Tensor) -> None:
         self.flat = flat
         self.capacity = flat.shape[0]
-        self.parts = {}
-        offset = 0
-        for name, shape in self.layout.parts:
-            size = math.prod(shape)
-            self.parts[name] = flat[:, offset:offset + size].unflatten(1, shape)
-            offset += size
+        self.parts = self.layout.split(flat)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -168,6 +172,11 @@ class Session:
         return self.pool.layout
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the whole state (every part of its rows)."""
+        return self.batch * self.pool.row_bytes
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """One row's state shape: [dim, state], or [heads, headdim, state] for kind "ssd"."""
         return self.pool.shape
@@ -204,12 +213,7 @@ class Session:
 
     def read_parts(self) -> dict[str, torch.Tensor]:
         """A copy of every part, [batch, *part shape] fp32 each (views of one copy)."""
-        rows, parts, offset = self.read_rows(), {}, 0
-        for name, shape in self.layout.parts:
-            size = math.prod(shape)
-            parts[name] = rows[:, offset:offset + size].unflatten(1, shape)
-            offset += size
-        return parts
+        return self.layout.split(self.read_rows())
 
     def write_parts(self, parts: dict[str, torch.Tensor]) -> None:
         """Replace every part (shapes already checked; any float dtype, stored as fp32)."""
@@ -335,7 +339,7 @@ class Snapshot:
         self.layout = session.layout
         self.batch = session.batch
         self.rows = session.read_rows()
-        self.nbytes = session.batch * self.layout.row_bytes
+        self.nbytes = session.nbytes
 
 
 class SnapshotTable(OwnedTable[Snapshot]):
@@ -346,7 +350,7 @@ class SnapshotTable(OwnedTable[Snapshot]):
         self.sessions = sessions
 
     def take(self, owner: str, session: Session) -> str:
-        nbytes = session.batch * session.layout.row_bytes
+        nbytes = session.nbytes
         self.sessions.hold("snapshots", nbytes, "session_snapshot")
         try:
             with allocation("session_snapshot"):
