@@ -35,8 +35,7 @@
 # info) to the git-ignored ../bench/out/elixir-models.json by default; to record a reference,
 # `--out ../bench/results/elixir-models.json`.
 
-unless Code.ensure_loaded?(ScanBridge.TestSupport.JSON),
-  do: Code.require_file("../test/support/json.ex", __DIR__)
+Code.require_file("support.exs", __DIR__)
 
 # compiled in already under MIX_ENV=test (elixirc_paths); its backbone/2 and stack_frames/1 need
 # nothing else of the test support
@@ -44,7 +43,7 @@ unless Code.ensure_loaded?(ScanBridge.TestSupport.Models),
   do: Code.require_file("../test/support/models.ex", __DIR__)
 
 defmodule ModelsBench do
-  alias ScanBridge.{Msgpack, Protocol, Server, Tensor}
+  alias ScanBridge.{Protocol, Server, Tensor}
   alias ScanBridge.TestSupport.{JSON, Models}
 
   @root Path.expand("../..", __DIR__)
@@ -100,7 +99,7 @@ defmodule ModelsBench do
 
     python = System.get_env("PYTHON") || Path.join(@root, ".venv/bin/python")
     env = [{"PYTHONPATH", System.get_env("PYTHONPATH") || @root}, {"SCAN_BRIDGE_LOG", "WARNING"}]
-    echo = build_echo(python, env)
+    echo = BenchSupport.build_echo(python, env)
     load_before = load_avg()
     erl_options = System.get_env("ELIXIR_ERL_OPTIONS") || ""
 
@@ -120,8 +119,8 @@ defmodule ModelsBench do
 
     doc = %{
       "benchmark" => "elixir-models",
-      "machine" => machine(python, env),
-      "commit" => commit(),
+      "machine" => BenchSupport.machine(python, env),
+      "commit" => BenchSupport.commit(),
       "settings" => %{
         "frames" => frames,
         "frame_us" => @frame_us,
@@ -204,7 +203,7 @@ defmodule ModelsBench do
 
       {:ok, first, first_timing} = Server.request(client, "model_step", args.(hd(steps)), 30_000)
       {:ok, first_hidden} = Tensor.from_wire(first["hidden"])
-      reply_bytes = reply_size(first, first_timing)
+      reply_bytes = BenchSupport.reply_size(first, first_timing)
       echo_requests = Enum.map(steps, echo_request)
       echo = start_echo(echo_path, reply_bytes)
 
@@ -223,10 +222,10 @@ defmodule ModelsBench do
 
           step =
             if rem(i, 2) == 0 do
-              {{:ok, _hidden}, us} = timed(fn -> api.(x) end)
+              {{:ok, _hidden}, us} = BenchSupport.timed(fn -> api.(x) end)
               {:api, us, nil}
             else
-              {{_hidden, timing}, us} = timed(fn -> request.(x) end)
+              {{_hidden, timing}, us} = BenchSupport.timed(fn -> request.(x) end)
               {:request, us, timing}
             end
 
@@ -271,13 +270,15 @@ defmodule ModelsBench do
         "snapshot_restore_round_trips" => summarize(pairs),
         "snapshot_restore_server" => summarize(pairs_server),
         "ratios" => %{
-          "step_over_echo" => median(api_us) / median(echo_us),
-          "step_request_over_echo" => median(request_us) / median(echo_us),
-          "step_all_frames_over_echo" => median(all_us) / median(echo_us),
+          "step_over_echo" => BenchSupport.median(api_us) / BenchSupport.median(echo_us),
+          "step_request_over_echo" =>
+            BenchSupport.median(request_us) / BenchSupport.median(echo_us),
+          "step_all_frames_over_echo" => BenchSupport.median(all_us) / BenchSupport.median(echo_us),
           # what the round trip spends beyond the server's own part, over the echo
           "step_minus_server_over_echo" =>
-            (median(request_us) - median(for t <- timings, do: t["server_us"] || 0)) /
-              median(echo_us)
+            (BenchSupport.median(request_us) -
+               BenchSupport.median(for t <- timings, do: t["server_us"] || 0)) /
+              BenchSupport.median(echo_us)
         }
       }
 
@@ -291,7 +292,7 @@ defmodule ModelsBench do
     times =
       for _ <- 1..@pairs do
         {{:ok, snapshot}, us} =
-          timed(fn ->
+          BenchSupport.timed(fn ->
             {:ok, snapshot} = ScanBridge.snapshot(client, session)
             :ok = ScanBridge.restore(client, session, snapshot)
             {:ok, snapshot}
@@ -329,7 +330,7 @@ defmodule ModelsBench do
     timings
     |> Enum.flat_map(&Map.keys/1)
     |> Enum.uniq()
-    |> Map.new(fn k -> {k, median(for t <- timings, is_number(t[k]), do: t[k])} end)
+    |> Map.new(fn k -> {k, BenchSupport.median(for t <- timings, is_number(t[k]), do: t[k])} end)
   end
 
   ## Inputs
@@ -338,17 +339,6 @@ defmodule ModelsBench do
     count = shape |> Tuple.to_list() |> Enum.product()
     data = for _ <- 1..count, into: <<>>, do: <<2.0 * :rand.uniform_real() - 1.0::float-32-little>>
     Tensor.new(data, :f32, shape)
-  end
-
-  # The server's reply body size for this result (same keys; timing values vary by a few bytes).
-  defp reply_size(result, timing) do
-    {_io, size} =
-      Msgpack.encode_at(
-        %{"v" => 1, "id" => 1, "ok" => true, "result" => result, "timing" => timing},
-        0
-      )
-
-    size
   end
 
   ## Pacing and timing
@@ -360,20 +350,7 @@ defmodule ModelsBench do
     if delay > 0, do: Process.sleep(div(delay + 999, 1000))
   end
 
-  # `fun`'s result and how long it took, in microseconds.
-  defp timed(fun) do
-    t0 = System.monotonic_time(:nanosecond)
-    result = fun.()
-    {result, (System.monotonic_time(:nanosecond) - t0) / 1000}
-  end
-
   ## The echo (as bench/roundtrip.exs builds and runs it, on the Port lane)
-
-  defp build_echo(python, env) do
-    code = "from bridge.bench.floors import build_echo; print(build_echo('pipe_echo'))"
-    {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
-    String.trim(out)
-  end
 
   defp start_echo(echo, bytes) do
     Port.open({:spawn_executable, echo}, [
@@ -388,7 +365,7 @@ defmodule ModelsBench do
 
   defp echo_round_trip(port, request) do
     {:ok, us} =
-      timed(fn ->
+      BenchSupport.timed(fn ->
         Port.command(port, request)
         receive do: ({^port, {:data, _}} -> :ok)
       end)
@@ -402,24 +379,13 @@ defmodule ModelsBench do
     sorted = Enum.sort(values)
 
     %{
-      "p50_us" => percentile(sorted, 50),
-      "p90_us" => percentile(sorted, 90),
-      "p99_us" => percentile(sorted, 99),
+      "p50_us" => BenchSupport.percentile(sorted, 50),
+      "p90_us" => BenchSupport.percentile(sorted, 90),
+      "p99_us" => BenchSupport.percentile(sorted, 99),
       "min_us" => hd(sorted) * 1.0,
       "max_us" => List.last(sorted) * 1.0,
       "n" => length(sorted)
     }
-  end
-
-  defp median(values), do: values |> Enum.sort() |> percentile(50)
-
-  # linear interpolation between closest ranks (numpy's default)
-  defp percentile(sorted, p) do
-    pos = (length(sorted) - 1) * p / 100
-    lo = floor(pos)
-    hi = min(lo + 1, length(sorted) - 1)
-    a = Enum.at(sorted, lo)
-    (a + (Enum.at(sorted, hi) - a) * (pos - lo)) * 1.0
   end
 
   defp report(r) do
@@ -459,38 +425,6 @@ defmodule ModelsBench do
       _ ->
         nil
     end
-  end
-
-  defp machine(python, env) do
-    code =
-      "import json; from bridge.bench.machine import machine_info; print(json.dumps(machine_info()))"
-
-    {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
-
-    out
-    |> JSON.decode!()
-    |> Map.merge(%{
-      "otp_release" => to_string(:erlang.system_info(:otp_release)),
-      "erts" => to_string(:erlang.system_info(:version)),
-      "elixir" => System.version(),
-      "schedulers" => :erlang.system_info(:schedulers_online),
-      "elixir_erl_options" => System.get_env("ELIXIR_ERL_OPTIONS")
-    })
-  end
-
-  defp commit do
-    git = fn args ->
-      case System.cmd("git", args, cd: @root, stderr_to_stdout: true) do
-        {out, 0} -> String.trim(out)
-        _ -> ""
-      end
-    end
-
-    %{
-      "commit" => git.(["rev-parse", "HEAD"]),
-      "dirty" => git.(["status", "--porcelain"]) != "",
-      "branch" => git.(["rev-parse", "--abbrev-ref", "HEAD"])
-    }
   end
 end
 

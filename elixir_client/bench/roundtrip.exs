@@ -24,7 +24,7 @@
 # info) to the git-ignored ../bench/out/elixir-roundtrip.json by default; to record the
 # reference the docs cite, `--out ../bench/results/elixir-roundtrip.json`.
 
-Code.require_file("../test/support/json.ex", __DIR__)
+Code.require_file("support.exs", __DIR__)
 
 # Stands in for ScanBridge.Server when timing the hop alone: takes a request like the client's
 # handle_call (no reply yet) and answers it from handle_info with a decoded reply of the case,
@@ -70,7 +70,7 @@ defmodule RoundtripBench do
     out = Keyword.get(opts, :out, Path.join(@root, "bench/out/elixir-roundtrip.json"))
     python = System.get_env("PYTHON") || Path.join(@root, ".venv/bin/python")
     env = [{"PYTHONPATH", System.get_env("PYTHONPATH") || @root}, {"SCAN_BRIDGE_LOG", "WARNING"}]
-    echo = build_echo(python, env)
+    echo = BenchSupport.build_echo(python, env)
     :rand.seed(:exsss, {1, 2, 3})
     exphil = exphil_inputs()
 
@@ -121,8 +121,8 @@ defmodule RoundtripBench do
 
     doc = %{
       "benchmark" => "elixir-roundtrip",
-      "machine" => machine(python, env),
-      "commit" => commit(),
+      "machine" => BenchSupport.machine(python, env),
+      "commit" => BenchSupport.commit(),
       "results" => results,
       "goals" => summary
     }
@@ -207,7 +207,7 @@ defmodule RoundtripBench do
       {{:ok, first}, reply_body} = with_reply_body(client, call)
       {head, size} = Protocol.request_head(op, Protocol.wire_args!(inputs, op))
       request = [head, Protocol.id_entry(1)]
-      reply_bytes = reply_size(%{"y" => first.y}, first.timing)
+      reply_bytes = BenchSupport.reply_size(%{"y" => first.y}, first.timing)
       echo = start_echo(lane, echo_path, python, reply_bytes)
       {:reply, _id, outcome} = Protocol.decode_reply(reply_body)
       {:ok, hop} = GenServer.start_link(HopStandIn, outcome)
@@ -235,12 +235,12 @@ defmodule RoundtripBench do
           Process.sleep(@settle_ms)
           echo_us = echo_round_trip(echo, request)
           Process.sleep(@settle_ms)
-          {{:ok, result}, round_trip} = timed(call)
+          {{:ok, result}, round_trip} = BenchSupport.timed(call)
 
           client_parts =
             Map.new(parts, fn {part, f} ->
               Process.sleep(@settle_ms)
-              {part, f |> timed() |> elem(1)}
+              {part, f |> BenchSupport.timed() |> elem(1)}
             end)
 
           {round_trip, echo_us, result.timing, client_parts}
@@ -249,7 +249,7 @@ defmodule RoundtripBench do
       # The client's parts again back to back, for how much of their time the pause makes.
       back_to_back =
         Map.new(parts, fn {part, f} ->
-          {"#{part}_us", median(for _ <- 1..iterations, do: f |> timed() |> elem(1))}
+          {"#{part}_us", BenchSupport.median(for _ <- 1..iterations, do: f |> BenchSupport.timed() |> elem(1))}
         end)
 
       stop_echo(echo)
@@ -291,7 +291,7 @@ defmodule RoundtripBench do
 
     client =
       Map.new([:encode, :decode, :process_hop], fn part ->
-        {"#{part}_us", median(for {_, _, _, c} <- samples, do: c[part])}
+        {"#{part}_us", BenchSupport.median(for {_, _, _, c} <- samples, do: c[part])}
       end)
 
     %{
@@ -304,9 +304,9 @@ defmodule RoundtripBench do
       "echo_floor" => summarize(echoes),
       "bridge_cost" => summarize(bridge_cost),
       "ipc" => summarize(ipc),
-      "kernel_us_p50" => median(kernel),
-      "server_us_p50" => median(server),
-      "stages_p50_us" => Map.new(stages, fn k -> {k, median(for t <- timings, do: t[k] || 0)} end),
+      "kernel_us_p50" => BenchSupport.median(kernel),
+      "server_us_p50" => BenchSupport.median(server),
+      "stages_p50_us" => Map.new(stages, fn k -> {k, BenchSupport.median(for t <- timings, do: t[k] || 0)} end),
       "client_parts_p50_us" => client,
       # What the medians leave of the round trip once the echo, the server's part and the
       # client's parts are taken out: the lane's cost beyond the echo's (e.g. the server's
@@ -314,54 +314,30 @@ defmodule RoundtripBench do
       # no split at all where the transfer dwarfs the rest (the ExPhil request's came out
       # negative).
       "rest_p50_us" =>
-        median(round_trips) - median(echoes) - median(server) -
+        BenchSupport.median(round_trips) - BenchSupport.median(echoes) - BenchSupport.median(server) -
           (client |> Map.values() |> Enum.sum()),
-      "round_trip_over_echo" => median(round_trips) / median(echoes),
-      "bridge_cost_over_echo" => median(bridge_cost) / median(echoes)
+      "round_trip_over_echo" => BenchSupport.median(round_trips) / BenchSupport.median(echoes),
+      "bridge_cost_over_echo" => BenchSupport.median(bridge_cost) / BenchSupport.median(echoes)
     }
   end
 
-  # The server's reply body size for this result (same keys; timing values vary by a few bytes).
-  defp reply_size(result, timing) do
-    {_io, size} =
-      ScanBridge.Msgpack.encode_at(
-        %{"v" => 1, "id" => 1, "ok" => true, "result" => result, "timing" => timing},
-        0
-      )
-
-    size
-  end
 
   defp summarize(values) do
     sorted = Enum.sort(values)
 
     %{
-      "p50_us" => percentile(sorted, 50),
-      "p20_us" => percentile(sorted, 20),
-      "p80_us" => percentile(sorted, 80),
-      "p90_us" => percentile(sorted, 90),
+      "p50_us" => BenchSupport.percentile(sorted, 50),
+      "p20_us" => BenchSupport.percentile(sorted, 20),
+      "p80_us" => BenchSupport.percentile(sorted, 80),
+      "p90_us" => BenchSupport.percentile(sorted, 90),
       "min_us" => hd(sorted)
     }
   end
 
-  defp median(values), do: values |> Enum.sort() |> percentile(50)
 
-  # linear interpolation between closest ranks (numpy's default)
-  defp percentile(sorted, p) do
-    pos = (length(sorted) - 1) * p / 100
-    lo = floor(pos)
-    hi = min(lo + 1, length(sorted) - 1)
-    a = Enum.at(sorted, lo)
-    (a + (Enum.at(sorted, hi) - a) * (pos - lo)) * 1.0
-  end
 
   ## The echo
 
-  defp build_echo(python, env) do
-    code = "from bridge.bench.floors import build_echo; print(build_echo('pipe_echo'))"
-    {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
-    String.trim(out)
-  end
 
   defp unix_lane?(python, env) do
     {help, 0} = System.cmd(python, ["-m", "bridge", "--help"], env: env, stderr_to_stdout: true)
@@ -426,7 +402,7 @@ defmodule RoundtripBench do
 
   defp echo_round_trip(echo, request) do
     {:ok, us} =
-      timed(fn ->
+      BenchSupport.timed(fn ->
         case echo do
           {:port, port} ->
             Port.command(port, request)
@@ -441,12 +417,6 @@ defmodule RoundtripBench do
     us
   end
 
-  # `fun`'s result and how long it took, in microseconds.
-  defp timed(fun) do
-    t0 = System.monotonic_time(:nanosecond)
-    result = fun.()
-    {result, (System.monotonic_time(:nanosecond) - t0) / 1000}
-  end
 
   ## Goals (issue 7) and the report
 
@@ -458,7 +428,7 @@ defmodule RoundtripBench do
     medians =
       for key <- per_round |> hd() |> Map.keys(), into: %{} do
         values = for r <- per_round, r[key] != nil, do: r[key]
-        {key, if(values == [], do: nil, else: median(values))}
+        {key, if(values == [], do: nil, else: BenchSupport.median(values))}
       end
 
     Map.merge(medians, %{
@@ -522,39 +492,6 @@ defmodule RoundtripBench do
 
   defp fmt(us) when us >= 1000, do: "#{Float.round(us / 1000, 2)} ms"
   defp fmt(us), do: "#{Float.round(us * 1.0, 1)} µs"
-
-  ## Where and what was measured
-
-  defp machine(python, env) do
-    code = "import json; from bridge.bench.machine import machine_info; print(json.dumps(machine_info()))"
-    {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
-
-    out
-    |> JSON.decode!()
-    |> Map.merge(%{
-      "otp_release" => to_string(:erlang.system_info(:otp_release)),
-      "erts" => to_string(:erlang.system_info(:version)),
-      "elixir" => System.version(),
-      "schedulers" => :erlang.system_info(:schedulers_online),
-      # e.g. "+sbwt none ...": scheduler busy-waiting competes with the server for the cores
-      "elixir_erl_options" => System.get_env("ELIXIR_ERL_OPTIONS")
-    })
-  end
-
-  defp commit do
-    git = fn args ->
-      case System.cmd("git", args, cd: @root, stderr_to_stdout: true) do
-        {out, 0} -> String.trim(out)
-        _ -> ""
-      end
-    end
-
-    %{
-      "commit" => git.(["rev-parse", "HEAD"]),
-      "dirty" => git.(["status", "--porcelain"]) != "",
-      "branch" => git.(["rev-parse", "--abbrev-ref", "HEAD"])
-    }
-  end
 end
 
 RoundtripBench.main(System.argv())

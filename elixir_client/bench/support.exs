@@ -1,0 +1,82 @@
+# What the Elixir benchmarks (roundtrip.exs, models.exs) share: where and what was measured,
+# timing, percentiles, the C pipe echo's build, and a reply's encoded size.
+
+unless Code.ensure_loaded?(ScanBridge.TestSupport.JSON),
+  do: Code.require_file("../test/support/json.ex", __DIR__)
+
+defmodule BenchSupport do
+  alias ScanBridge.TestSupport.JSON
+
+  @root Path.expand("../..", __DIR__)
+
+  def root, do: @root
+
+  @doc "{result, microseconds} of calling `fun`."
+  def timed(fun) do
+    t0 = System.monotonic_time(:nanosecond)
+    result = fun.()
+    {result, (System.monotonic_time(:nanosecond) - t0) / 1000}
+  end
+
+  def median(values), do: values |> Enum.sort() |> percentile(50)
+
+  @doc "Linear interpolation between closest ranks (numpy's default) of a sorted list."
+  def percentile(sorted, p) do
+    pos = (length(sorted) - 1) * p / 100
+    lo = floor(pos)
+    hi = min(lo + 1, length(sorted) - 1)
+    a = Enum.at(sorted, lo)
+    (a + (Enum.at(sorted, hi) - a) * (pos - lo)) * 1.0
+  end
+
+  @doc "The bytes of a v1 reply body carrying `result` and `timing`."
+  def reply_size(result, timing) do
+    {_io, size} =
+      ScanBridge.Msgpack.encode_at(
+        %{"v" => 1, "id" => 1, "ok" => true, "result" => result, "timing" => timing},
+        0
+      )
+
+    size
+  end
+
+  @doc "The path of the C pipe echo, built by the server's own bench helpers."
+  def build_echo(python, env) do
+    code = "from bridge.bench.floors import build_echo; print(build_echo('pipe_echo'))"
+    {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
+    String.trim(out)
+  end
+
+  def machine(python, env) do
+    code =
+      "import json; from bridge.bench.machine import machine_info; print(json.dumps(machine_info()))"
+
+    {out, 0} = System.cmd(python, ["-c", code], env: env, cd: @root)
+
+    out
+    |> JSON.decode!()
+    |> Map.merge(%{
+      "otp_release" => to_string(:erlang.system_info(:otp_release)),
+      "erts" => to_string(:erlang.system_info(:version)),
+      "elixir" => System.version(),
+      "schedulers" => :erlang.system_info(:schedulers_online),
+      # e.g. "+sbwt none ...": scheduler busy-waiting competes with the server for the cores
+      "elixir_erl_options" => System.get_env("ELIXIR_ERL_OPTIONS")
+    })
+  end
+
+  def commit do
+    git = fn args ->
+      case System.cmd("git", args, cd: @root, stderr_to_stdout: true) do
+        {out, 0} -> String.trim(out)
+        _ -> ""
+      end
+    end
+
+    %{
+      "commit" => git.(["rev-parse", "HEAD"]),
+      "dirty" => git.(["status", "--porcelain"]) != "",
+      "branch" => git.(["rev-parse", "--abbrev-ref", "HEAD"])
+    }
+  end
+end
