@@ -11,6 +11,7 @@ pool (bridge.sessions). The runtime builds on the kernels API and knows nothing 
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -48,13 +49,7 @@ def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtyp
 
 def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: torch.dtype) -> int:
     """The bytes a model's weights take once converted (see runtime.param_dtype)."""
-    total = 0
-    for name in wanted:
-        numel = 1
-        for d in shapes[name]:
-            numel *= d
-        total += numel * param_dtype(canonical_name(name), dtype).itemsize
-    return total
+    return sum(math.prod(shapes[name]) * param_dtype(canonical_name(name), dtype).itemsize for name in wanted)
 
 
 def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device) -> Model:
