@@ -66,8 +66,9 @@ def checkpoint_file(directory: str, name: str, field: str) -> str:
 
 def read_json(path: str, field: str):
     try:
-        if os.path.getsize(path) > MAX_JSON_BYTES:
-            raise checkpoint_error(field, f"at most {MAX_JSON_BYTES} bytes of JSON", f"{os.path.getsize(path)} bytes")
+        size = os.path.getsize(path)
+        if size > MAX_JSON_BYTES:
+            raise checkpoint_error(field, f"at most {MAX_JSON_BYTES} bytes of JSON", f"{size} bytes")
         with open(path, "rb") as f:
             return json.loads(f.read())
     except (OSError, ValueError) as e:
