@@ -26,6 +26,10 @@ A, dt_bias [heads], B, C [batch, seq, groups, state] (group g serves heads g*H/G
 D [heads] or [heads, headdim], state [batch, heads, headdim, state]. `chunk_size` tunes the
 chunked backends only (torch, triton); every backend computes the same y.
 
+Gradients (kernels/backward.py): selective_scan_backward(dy, x, dt, A, B, C, *, ..., h0, dstate,
+layout, cu_seqlens, backend) and ssd_scan_backward(...) -> {input name: gradient}; with grad
+mode on and an input that requires grad, selective_scan and ssd_scan are differentiable.
+
 cu_seqlens (both scans): an int32/int64 tensor [n + 1] of boundaries of n sequences packed
 along seq of a batch-1 input; each starts from h0[i] (h0 then has n rows) or zeros, and the
 returned state has one row per sequence (kernels/_varlen.py).
@@ -36,6 +40,7 @@ from __future__ import annotations
 import math
 
 from . import _args, _varlen
+from .backward import ScanFunction, ScanSpec, selective_scan_backward, ssd_scan_backward, wants_grad
 from ._args import FLOAT_DTYPES
 from ._registry import available_backends, backend_details, get_backend, unavailable_backends
 from .errors import BackendUnavailable, DtypeNotAllowed, KernelInputError, ShapeMismatch, UnknownBackend
@@ -44,7 +49,7 @@ __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends", "backend_details",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update", "ssd_scan",
-    "ssd_state_update", "model_step_kernel", "dt_limit_bounds",
+    "ssd_state_update", "model_step_kernel", "dt_limit_bounds", "selective_scan_backward", "ssd_scan_backward",
 ]
 
 
@@ -65,6 +70,11 @@ def reads_unaligned(backend: str, device_type: str) -> bool:
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
                    cu_seqlens=None, backend=None):
+    if wants_grad(x, dt, A, B, C, D, z, dt_bias, h0):
+        spec = ScanSpec(False, (("dt_softplus", dt_softplus), ("dt_min", dt_min), ("dt_max", dt_max),
+                                ("layout", layout)), cu_seqlens, backend)
+        y, state = ScanFunction.apply(spec, x, dt, A, B, C, D, z, dt_bias, h0)
+        return (y, state) if return_state else y
     packed = cu_seqlens is not None
     # Packed sequences: checked whole (h0 then has a row per sequence: _varlen checks it).
     args = _args.check_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
@@ -98,6 +108,11 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
 
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
              dt_max=None, h0=None, return_state=False, cu_seqlens=None, chunk_size=None, backend=None):
+    if wants_grad(x, dt, A, B, C, D, z, dt_bias, h0):
+        spec = ScanSpec(True, (("dt_softplus", dt_softplus), ("dt_min", dt_min), ("dt_max", dt_max),
+                               ("chunk_size", chunk_size)), cu_seqlens, backend)
+        y, state = ScanFunction.apply(spec, x, dt, A, B, C, D, z, dt_bias, h0)
+        return (y, state) if return_state else y
     packed = cu_seqlens is not None
     args = _args.check_ssd_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                 dt_min=dt_min, dt_max=dt_max, h0=None if packed else h0,

@@ -13,6 +13,10 @@ Backend call signatures (arguments already validated and normalised by `kernels.
     ssd_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
              chunk_size) -> (y, state_or_None)            (D already [heads, headdim])
     ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots) -> y
+    scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
+                  layout) -> {input name: gradient in the compute dtype}   (kernels/backward.py)
+    ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0,
+                      dstate, chunk_size) -> {input name: gradient}
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ class Backend:
     # One frame through a whole Mamba / Mamba-2 stack in one call (kernels.model_step_kernel);
     # None: the caller composes the step from the ops above.
     model_step: Callable | None = None
+    # Gradients of the two scans (kernels/backward.py); None: this backend has no backward pass.
+    scan_backward: Callable | None = None
+    ssd_scan_backward: Callable | None = None
 
 
 _lock = threading.Lock()
@@ -115,13 +122,18 @@ def backend_details() -> dict[str, dict]:
             if (backend := _load(name)) is not None and backend.details}
 
 
-def get_backend(name: str | None, device_type: str) -> Backend:
+def get_backend(name: str | None, device_type: str, capability: str | None = None) -> Backend:
+    """The backend `name` (None: the preferred one for `device_type`). `capability`: a Backend
+    field that may be None (a backward pass); None picks the first preferred backend that has
+    it, and a named backend without it is refused."""
     if name is None:
         for candidate in PREFERENCE.get(device_type, ("torch", "reference")):
             backend = _load(candidate)
-            if backend is not None and device_type in backend.device_types:
+            if (backend is not None and device_type in backend.device_types
+                    and (capability is None or getattr(backend, capability) is not None)):
                 return backend
-        raise BackendUnavailable(f"no backend serves device type {device_type!r}")
+        what = f"{capability} on" if capability else "device type"
+        raise BackendUnavailable(f"no backend serves {what} {device_type!r}")
     if name not in BACKEND_MODULES:
         raise UnknownBackend("backend", "one of " + ", ".join(repr(n) for n in BACKEND_MODULES), repr(name))
     backend = _load(name)
@@ -130,4 +142,6 @@ def get_backend(name: str | None, device_type: str) -> Backend:
     if device_type not in backend.device_types:
         raise BackendUnavailable(
             f"backend {name!r} serves {sorted(backend.device_types)}, not {device_type!r} tensors")
+    if capability is not None and getattr(backend, capability) is None:
+        raise BackendUnavailable(f"backend {name!r} has no {capability}")
     return backend

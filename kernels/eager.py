@@ -203,8 +203,20 @@ def selective_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus,
     return rows.full_rows(out.to(x.dtype), batch)
 
 
+def _autograd_backward(ref_backward):
+    """The compact autograd form: torch.autograd through the step-by-step transcription
+    (kernels/reference.py) in the compute dtype rather than float64. Autograd keeps every step's
+    state: memory grows with batch x seq x dim x state, unlike the cpu backend's."""
+
+    def backward(dy, x, *args, **kwargs):
+        return ref_backward(dy, x, *args, **kwargs, compute_dtype=_compute_dtype(x))
+
+    return backward
+
+
 def load_backend() -> Backend:
     from . import eager_ssd  # imported here: it takes its dt discretisation from this module
+    from .reference import selective_scan_backward_ref, ssd_scan_backward_ref
 
     return Backend(
         name="torch",
@@ -214,4 +226,6 @@ def load_backend() -> Backend:
         ssd_state_update=eager_ssd.ssd_state_update,
         device_types=frozenset({"cpu", "cuda"}),
         details={"block_bytes": _BLOCK_BYTES},
+        scan_backward=_autograd_backward(selective_scan_backward_ref),
+        ssd_scan_backward=_autograd_backward(ssd_scan_backward_ref),
     )

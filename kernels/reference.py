@@ -54,10 +54,12 @@ def selective_scan_ref(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softp
     Cf = C.to(f).repeat_interleave(per_group, dim=2)
     h = torch.zeros(batch, dim, state_size, dtype=f, device=x.device) if h0 is None else h0.to(f).clone()
     ys = []
-    for t in range(seq):
-        dt_t = dtf[:, t, :, None]
-        h = torch.exp(dt_t * Af) * h + dt_t * Bf[:, t] * xf[:, t, :, None]
-        ys.append((h * Cf[:, t]).sum(-1))
+    # Per-step operands by unbind rather than indexing: under autograd (the reference and torch
+    # backward passes) an indexed slice's gradient is a whole zero-filled tensor per step.
+    for dt_t, B_t, C_t, x_t in zip(dtf.unbind(1), Bf.unbind(1), Cf.unbind(1), xf.unbind(1)):
+        dt_t = dt_t[:, :, None]
+        h = torch.exp(dt_t * Af) * h + dt_t * B_t * x_t[:, :, None]
+        ys.append((h * C_t).sum(-1))
     y = torch.stack(ys, dim=1)
     if D is not None:
         y = y + xf * D.to(f)
@@ -122,10 +124,10 @@ def ssd_scan_ref(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=Fa
     h = (torch.zeros(batch, heads, headdim, B.shape[3], dtype=f, device=x.device) if h0 is None
          else h0.to(f).clone())
     ys = []
-    for t in range(seq):
-        dt_t = dtf[:, t, :, None, None]  # [b, h, 1, 1]
-        h = torch.exp(dt_t * Af[:, None, None]) * h + dt_t * xf[:, t, :, :, None] * Bf[:, t, :, None, :]
-        ys.append((h * Cf[:, t, :, None, :]).sum(-1))
+    for dt_t, B_t, C_t, x_t in zip(dtf.unbind(1), Bf.unbind(1), Cf.unbind(1), xf.unbind(1)):  # as above
+        dt_t = dt_t[:, :, None, None]  # [b, h, 1, 1]
+        h = torch.exp(dt_t * Af[:, None, None]) * h + dt_t * x_t[:, :, :, None] * B_t[:, :, None, :]
+        ys.append((h * C_t[:, :, None, :]).sum(-1))
     y = torch.stack(ys, dim=1)  # [b, l, h, p]
     if D is not None:
         y = y + xf * (D.to(f) if D.dim() == 2 else D.to(f)[:, None])
@@ -164,6 +166,26 @@ def ssd_state_update_ref(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
     return y
 
 
+def selective_scan_backward_ref(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0,
+                                dstate, layout, compute_dtype=torch.float64):
+    """Gradients by autograd through `selective_scan_ref` in float64: the oracle."""
+    from .backward import autograd_backward
+
+    return autograd_backward(selective_scan_ref, compute_dtype, dy, dstate,
+                             dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0),
+                             dict(dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max, layout=layout))
+
+
+def ssd_scan_backward_ref(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
+                          chunk_size, compute_dtype=torch.float64):
+    """Gradients by autograd through `ssd_scan_ref` in float64: the oracle."""
+    from .backward import autograd_backward
+
+    return autograd_backward(ssd_scan_ref, compute_dtype, dy, dstate,
+                             dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0),
+                             dict(dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max))
+
+
 def load_backend() -> Backend:
     return Backend(
         name="reference",
@@ -172,4 +194,6 @@ def load_backend() -> Backend:
         ssd_scan=ssd_scan_ref,
         ssd_state_update=ssd_state_update_ref,
         device_types=frozenset({"cpu", "cuda"}),
+        scan_backward=selective_scan_backward_ref,
+        ssd_scan_backward=ssd_scan_backward_ref,
     )

@@ -545,3 +545,46 @@ def assert_ssd_update_matches_reference(backend: str, case, dtype, seed: int, wh
     before = inputs["state"].clone()
     y = kernels.ssd_state_update(**inputs, backend=backend)
     assert_update_outputs_match_reference(case, dtype, inputs, before, y, what, reference=reference_ssd_update)
+
+
+# -- gradients (kernels.selective_scan_backward / ssd_scan_backward) -----------------------------
+
+# Gradients sum many products (dA and dB over a whole sequence), so each is compared with an
+# absolute tolerance scaled by the reference gradient's largest magnitude; the relative part is
+# the forward's. Half-precision inputs are rounded once, and the reference is fed the same
+# rounded values; their gradients are rounded once more on the way out.
+GRAD_TOLERANCES = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-3, 1e-4),
+    torch.float16: (1e-2, 5e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def make_cotangents(inputs: dict, x_shape, state_shape, with_dstate: bool, seed: int):
+    """(dy like x, dstate fp32 [*state_shape] or None), fresh random values."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = inputs["x"]
+    dy = _rand(x_shape, x.dtype, x.device, gen)
+    dstate = _rand(state_shape, torch.float32, x.device, gen) if with_dstate else None
+    return dy, dstate
+
+
+def backward_inputs(inputs: dict) -> dict:
+    """A forward's keyword arguments as the backward takes them (no return_state)."""
+    return {k: v for k, v in inputs.items() if k != "return_state"}
+
+
+def assert_grads_close(actual: dict, expected: dict, given: dict, dtype, what: str) -> None:
+    """Every gradient present exactly for the inputs given, in its input's shape and the
+    promised dtype (A, D, dt_bias: fp32, or fp64 for fp64 x), and close to `expected`."""
+    tensor_inputs = {k for k, v in given.items() if isinstance(v, torch.Tensor) and k != "cu_seqlens"}
+    assert set(actual) == tensor_inputs, f"{what}: gradients {sorted(actual)}, inputs {sorted(tensor_inputs)}"
+    compute = torch.float64 if given["x"].dtype == torch.float64 else torch.float32
+    rtol, atol = GRAD_TOLERANCES[dtype]
+    for name, g in actual.items():
+        want_dtype = compute if name in ("A", "D", "dt_bias") else given[name].dtype
+        assert g.dtype == want_dtype, f"{what}: d{name} dtype {g.dtype}, expected {want_dtype}"
+        e = expected[name]
+        scale = float(e.detach().abs().max()) or 1.0
+        assert_close(g, e, dtype, f"{what}: d{name}", tolerance=(rtol, atol * scale))

@@ -34,7 +34,7 @@ import torch
 import kernels
 from kernels import _args
 from kernel_cases import (
-    DTYPES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
+    DTYPES, GRAD_TOLERANCES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
     assert_scan_outputs_match_reference, assert_update_matches_reference, assert_update_outputs_match_reference,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, SsdCase, SsdUpdateCase, make_ssd_inputs,
     make_ssd_update_inputs, reference_ssd_scan, reference_ssd_update,
@@ -486,6 +486,45 @@ def test_simd_variant_ssd_state_update_matches_reference(simd_backend, case, dty
     assert_update_outputs_match_reference(case, dtype, inputs, before, y,
                                           f"{simd_backend.details['simd']} build ssd update {case} seed={seed}",
                                           reference=reference_ssd_update)
+
+
+# The backward pass per variant: full and partial channel blocks, state 16 and odd states (the
+# lane-sum tree's padding), groups, both layouts, Mamba-2's scalar decay, fp64.
+SIMD_BACKWARD_CASES = [
+    pytest.param("scan", ScanCase(2, 45, 37, 16, groups=1, **ALL), torch.float32, id="partial-blocks-2-chunks-f32"),
+    pytest.param("scan", ScanCase(1, 33, 40, 5, groups=2, layout="bdl", **ALL), torch.float32, id="bdl-state-5-f32"),
+    pytest.param("scan", ScanCase(2, 9, 20, 16, D=True, z=True, h0=True), torch.float64, id="f64"),
+    pytest.param("ssd", SsdCase(1, 40, 3, 20, 16, groups=3, D=True, z=True, dt_bias=True, dt_softplus=True, h0=True),
+                 torch.float32, id="ssd-f32"),
+]
+
+
+@pytest.mark.parametrize("kind, case, dtype", SIMD_BACKWARD_CASES)
+def test_simd_variant_backward_matches_reference(simd_backend, kind, case, dtype):
+    from kernels.reference import selective_scan_backward_ref, ssd_scan_backward_ref
+
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "ssd":
+        inputs = make_ssd_inputs(case, dtype, seed=seed)
+        a = _args.check_ssd_scan(**inputs)
+        state_shape = (case.batch, case.heads, case.headdim, case.state)
+        backward, reference, extra = simd_backend.ssd_scan_backward, ssd_scan_backward_ref, dict(chunk_size=None)
+    else:
+        inputs = make_scan_inputs(case, dtype, seed=seed)
+        a = _args.check_scan(**inputs)
+        state_shape = (case.batch, case.dim, case.state)
+        backward, reference, extra = simd_backend.scan_backward, selective_scan_backward_ref, dict(layout=a.layout)
+    dy = torch.randn(a.x.shape, generator=gen).to(dtype)
+    dstate = torch.randn(state_shape, generator=gen)
+    kwargs = dict(D=a.D, z=a.z, dt_bias=a.dt_bias, dt_softplus=a.dt_softplus, dt_min=a.dt_min, dt_max=a.dt_max,
+                  h0=a.h0, dstate=dstate, **extra)
+    got = backward(dy, a.x, a.dt, a.A, a.B, a.C, **kwargs)
+    expected = reference(dy, a.x, a.dt, a.A, a.B, a.C, **kwargs)
+    rtol, atol = GRAD_TOLERANCES[dtype]
+    for name, e in expected.items():
+        assert_close(got[name], e, dtype, f"{simd_backend.details['simd']} build {kind} d{name} {case} seed={seed}",
+                     tolerance=(rtol, atol * float(e.abs().max())))
 
 
 def test_ssd_results_do_not_depend_on_the_thread_count():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._registry import Backend
+from ..backward import discretize_backward
 from ..eager import _compute_dtype, _discretize_dt
 from ..eager_ssd import _skip_and_gate
 
@@ -77,6 +78,60 @@ def backend_from(ext) -> Backend:
             y[kernel_rows < 0] = 0  # padding rows: the kernel's zeros, whatever D x made of them
         return y.to(x.dtype)
 
+    def run_backward(dy, x, delta, A, B, C, D, z, h0, dstate, scalar_decay, f):
+        """The C++ reverse scan over "bld" [batch, seq, channel] operands: every gradient, with
+        that of the discretized dt for its caller to take back through the discretization."""
+        operands = [t if t is None else t.to(f).contiguous() for t in (x, dy, A, B, C, D, z, h0, dstate)]
+        x, dy, A, B, C, D, z, h0, dstate = operands
+        dx, ddelta = torch.empty_like(x), torch.empty_like(x)
+        dz = None if z is None else torch.empty_like(z)
+        dh0 = None if h0 is None else torch.empty_like(h0)
+        dA, dD, dB, dC = ext.scan_backward(x, delta, z, dy, A, B, C, D, h0, dstate, scalar_decay, dx, ddelta, dz, dh0)
+        return dict(x=dx, delta=ddelta, A=dA, B=dB, C=dC, D=dD, z=dz, h0=dh0)
+
+    def scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, layout):
+        f = _compute_dtype(x)
+        bdl = layout == "bdl"
+        if bdl:  # read as "bld"; the gradients are handed back as views in the caller's layout
+            x, dt, dy = x.transpose(1, 2), dt.transpose(1, 2), dy.transpose(1, 2)
+            z = None if z is None else z.transpose(1, 2)
+            B, C = B.permute(0, 3, 1, 2), C.permute(0, 3, 1, 2)
+        delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f).contiguous()
+        g = run_backward(dy, x, delta, A, B, C, D, z, h0, dstate, False, f)
+        del delta
+        ddt, ddt_bias = discretize_backward(g.pop("delta"), dt, dt_bias, dt_softplus, dt_min, dt_max, f)
+        grads = dict(x=g["x"], dt=ddt, A=g["A"], B=g["B"], C=g["C"], D=g["D"], z=g["z"], dt_bias=ddt_bias,
+                     h0=g["h0"])
+        if bdl:
+            for name in ("x", "dt", "z"):
+                if grads[name] is not None:
+                    grads[name] = grads[name].transpose(1, 2)
+            grads["B"], grads["C"] = grads["B"].permute(0, 2, 3, 1), grads["C"].permute(0, 2, 3, 1)
+        return grads
+
+    def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
+                          chunk_size):
+        # Heads x headdim as channels of the Mamba-1 reverse scan, each with its head's dt and A
+        # (one decay per channel: scalar_decay); the per-channel gradients of dt and A are
+        # summed back over headdim.
+        f = _compute_dtype(x)
+        batch, seq, heads, headdim = x.shape
+        channels = heads * headdim
+
+        delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)
+        delta = delta.unsqueeze(-1).expand(batch, seq, heads, headdim).reshape(batch, seq, channels).contiguous()
+        A_rows = A.to(f).repeat_interleave(headdim).unsqueeze(1).expand(channels, B.shape[3])
+        states = [None if t is None else t.reshape(batch, channels, B.shape[3]) for t in (h0, dstate)]
+        g = run_backward(dy.reshape(batch, seq, channels), x.reshape(batch, seq, channels), delta, A_rows, B, C,
+                         None if D is None else D.reshape(channels), None if z is None else z.reshape(batch, seq, channels),
+                         states[0], states[1], True, f)
+        del delta
+        ddelta = g["delta"].view(batch, seq, heads, headdim).sum(-1)
+        ddt, ddt_bias = discretize_backward(ddelta, dt, dt_bias, dt_softplus, dt_min, dt_max, f)
+        return dict(x=g["x"].view(x.shape), dt=ddt, A=g["A"][:, 0].view(heads, headdim).sum(1), B=g["B"], C=g["C"],
+                    D=g["D"].view(heads, headdim), z=None if z is None else g["z"].view(x.shape), dt_bias=ddt_bias,
+                    h0=None if h0 is None else g["h0"].view(h0.shape))
+
     return Backend(
         name="cpu",
         scan=scan,
@@ -92,5 +147,7 @@ def backend_from(ext) -> Backend:
         ssd_scan=ssd_scan,
         ssd_state_update=ssd_state_update,
         model_step=ext.model_step,
+        scan_backward=scan_backward,
+        ssd_scan_backward=ssd_scan_backward,
     )
 

@@ -14,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
@@ -28,6 +30,7 @@
 #include <type_traits>
 
 #include "helper_pool.h"
+#include "scan_backward.h"
 #include "scan_kernel.h"
 #include "ssd_kernel.h"
 
@@ -77,21 +80,31 @@ Strided strided(const std::optional<at::Tensor>& t, const char* name, const std:
   return t.has_value() ? strided(*t, name, axes) : Strided{};
 }
 
-// The items go through a queue in ranges of about 1/kRangesPerThread of a thread's share, to
-// the calling thread and to as many helpers as have kMinWorkPerThread each to do, up to
-// torch.get_num_threads() threads in all.
-void run(const ScanProblem& p) {
-  constexpr int64_t kRangesPerThread = 8;
-  const int64_t items = scan_bridge::work_items(p);
-  const int64_t per_item = std::max<int64_t>(1, scan_bridge::work_per_item(p));
+// The threads a call of `items` items of `per_item` state-element updates each runs on: the
+// calling thread and as many helpers as have kMinWorkPerThread each to do, up to
+// torch.get_num_threads() in all.
+int64_t threads_for(int64_t items, int64_t per_item) {
   const int64_t min_items = (kMinWorkPerThread + per_item - 1) / per_item;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items / min_items));
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items / min_items));
+}
+
+// Runs `work(queue, seat)` on `threads` threads, the items going through the queue in ranges of
+// about 1/kRangesPerThread of a thread's share.
+template <typename Work>
+void run_on(int64_t threads, int64_t items, int64_t per_item, Work work) {
+  constexpr int64_t kRangesPerThread = 8;
   scan_bridge::WorkQueue queue(items, std::max<int64_t>(1, items / (threads * kRangesPerThread)),
                                static_cast<int>(threads));
   const auto wake = items * per_item >= kMinWorkToWake ? scan_bridge::HelperPool::Wake::always
                                                        : scan_bridge::HelperPool::Wake::if_calls_close;
-  scan_bridge::HelperPool::shared().run(static_cast<int>(threads - 1),
-                                        [&](int seat) { scan_bridge::run_items(p, queue, seat); }, wake);
+  scan_bridge::HelperPool::shared().run(static_cast<int>(threads - 1), [&](int seat) { work(queue, seat); }, wake);
+}
+
+void run(const ScanProblem& p) {
+  const int64_t items = scan_bridge::work_items(p);
+  const int64_t per_item = std::max<int64_t>(1, scan_bridge::work_per_item(p));
+  run_on(threads_for(items, per_item), items, per_item,
+         [&](scan_bridge::WorkQueue& queue, int seat) { scan_bridge::run_items(p, queue, seat); });
 }
 
 // What both entry points fill alike: the sizes and the operands x, dt, z (read as batch,
@@ -205,9 +218,9 @@ int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t e
 // kernels/cpu/__init__.py discretizes dt, applies D and the z gate, and hands these contiguous
 // tensors of one compute dtype; what is checked here is that contract, not the user's input.
 
-void require_operand(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+void require_operand(const at::Tensor& t, const char* name, at::ScalarType dtype, const char* op = "ssd") {
   if (!t.is_contiguous() || t.scalar_type() != dtype || t.device().type() != at::kCPU)
-    throw std::invalid_argument(std::string("ssd ") + name + ": expected a contiguous CPU tensor of " +
+    throw std::invalid_argument(std::string(op) + " " + name + ": expected a contiguous CPU tensor of " +
                                 std::string(c10::toString(dtype)) + ", got " + std::string(c10::toString(t.scalar_type())) +
                                 (t.is_contiguous() ? "" : " (not contiguous)"));
 }
@@ -302,6 +315,79 @@ void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor&
   require_operand(rows, "rows", at::kLong);
   if (dtype == at::kFloat) ssd_update_typed<float>(pool, rows, x, dt, A, B, C, y);
   else ssd_update_typed<double>(pool, rows, x, dt, A, B, C, y);
+}
+
+// --- The scan's backward pass -----------------------------------------------------------------
+// kernels/cpu/__init__.py discretizes dt (and differentiates through that itself) and hands
+// contiguous [batch, seq, channel] tensors of one compute dtype ("bld"; Mamba-2's heads x headdim
+// as channels, with scalar_decay). Items are shared out as the forward's are; each thread sums
+// into its own seat's slice of dA, dD, dB and dC, and the slices are added here.
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_backward_typed(
+    const at::Tensor& x, const at::Tensor& delta, const std::optional<at::Tensor>& z, const at::Tensor& dy,
+    const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
+    const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& dstate, bool scalar_decay,
+    at::Tensor& dx, at::Tensor& ddelta, const std::optional<at::Tensor>& dz, const std::optional<at::Tensor>& dh0) {
+  scan_bridge::ScanBackwardProblem<T> p;
+  p.batch = x.size(0);
+  p.seq = x.size(1);
+  p.dim = x.size(2);
+  p.state = A.size(1);
+  p.groups = B.size(2);
+  p.scalar_decay = scalar_decay;
+  p.x = x.data_ptr<T>();
+  p.delta = delta.data_ptr<T>();
+  p.z = data_of<T>(z);
+  p.dy = dy.data_ptr<T>();
+  p.A = A.data_ptr<T>();
+  p.B = B.data_ptr<T>();
+  p.C = C.data_ptr<T>();
+  p.D = data_of<T>(D);
+  p.h0 = data_of<T>(h0);
+  p.dstate = data_of<T>(dstate);
+  p.dx = dx.data_ptr<T>();
+  p.ddelta = ddelta.data_ptr<T>();
+  p.dz = dz.has_value() ? dz->data_ptr<T>() : nullptr;
+  p.dh0 = dh0.has_value() ? dh0->data_ptr<T>() : nullptr;
+
+  const int64_t items = scan_bridge::scan_backward_items(p);
+  const int64_t per_item = std::max<int64_t>(1, scan_bridge::scan_backward_work_per_item(p));
+  const int64_t threads = threads_for(items, per_item);
+  const auto options = x.options();
+  at::Tensor dA = at::zeros({threads, p.dim, p.state}, options);
+  at::Tensor dD = at::zeros({threads, p.dim}, options);
+  at::Tensor dB = at::zeros({threads, p.batch, p.seq, p.groups, p.state}, options);
+  at::Tensor dC = at::zeros({threads, p.batch, p.seq, p.groups, p.state}, options);
+  p.dA = dA.data_ptr<T>();
+  p.dD = dD.data_ptr<T>();
+  p.dB = dB.data_ptr<T>();
+  p.dC = dC.data_ptr<T>();
+  run_on(threads, items, per_item,
+         [&](scan_bridge::WorkQueue& queue, int seat) { scan_bridge::scan_backward_run(p, queue, seat); });
+  return {dA.sum(0), dD.sum(0), dB.sum(0), dC.sum(0)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_backward(
+    const at::Tensor& x, const at::Tensor& delta, const std::optional<at::Tensor>& z, const at::Tensor& dy,
+    const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
+    const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& dstate, bool scalar_decay,
+    at::Tensor dx, at::Tensor ddelta, const std::optional<at::Tensor>& dz, const std::optional<at::Tensor>& dh0) {
+  const auto dtype = x.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble)
+    throw std::invalid_argument("scan_backward x: expected float32 or float64");
+  if (x.dim() != 3 || B.dim() != 4 || C.dim() != 4 || A.dim() != 2)
+    throw std::invalid_argument("scan_backward: expected x 3-D, B and C 4-D, A 2-D");
+  if (z.has_value() != dz.has_value()) throw std::invalid_argument("scan_backward: dz is given exactly with z");
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&delta, "delta"}, {&dy, "dy"},
+                         {&A, "A"}, {&B, "B"}, {&C, "C"}, {&dx, "dx"}, {&ddelta, "ddelta"}})
+    require_operand(*t, name, dtype, "scan_backward");
+  for (auto [t, name] : {std::pair<const std::optional<at::Tensor>*, const char*>{&z, "z"}, {&D, "D"}, {&h0, "h0"},
+                         {&dstate, "dstate"}, {&dz, "dz"}, {&dh0, "dh0"}})
+    if (t->has_value()) require_operand(**t, name, dtype, "scan_backward");
+  if (dtype == at::kFloat)
+    return scan_backward_typed<float>(x, delta, z, dy, A, B, C, D, h0, dstate, scalar_decay, dx, ddelta, dz, dh0);
+  return scan_backward_typed<double>(x, delta, z, dy, A, B, C, D, h0, dstate, scalar_decay, dx, ddelta, dz, dh0);
 }
 
 // --- A whole model's step -------------------------------------------------------------------
@@ -462,6 +548,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_scan", &ssd_scan, py::call_guard<py::gil_scoped_release>());
   m.def("ssd_state_update", &ssd_state_update, py::call_guard<py::gil_scoped_release>());
   m.def("model_step", &model_step, py::call_guard<py::gil_scoped_release>());
+  m.def("scan_backward", &scan_backward, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
   static_assert(std::is_same_v<decltype(&run_problem), scan_bridge::RunProblemFn>);
   m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), scan_bridge::kRunProblemCapsule);

@@ -4,6 +4,8 @@
 // sums; the update works on the pool in place along the state axis.
 #include "ssd_kernel.h"
 
+#include "simd.h"  // kVectorBytes: the vector the variant executes whole
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,14 +16,6 @@ namespace scan_bridge {
 // Partial sums of a dot product along the state axis: a multiple of every variant's lane count.
 constexpr int kLanes = 16;
 
-// The vector the variant executes whole (as scan_kernel.cpp chooses it).
-#if defined(__AVX512F__)
-constexpr int kVectorBytes = 64;
-#elif defined(__AVX2__)
-constexpr int kVectorBytes = 32;
-#else
-constexpr int kVectorBytes = 16;
-#endif
 // A typedef inside a class: on an alias template GCC drops the attribute (T is dependent).
 template <typename T>
 struct VectorOf {

@@ -1,0 +1,256 @@
+"""Gradients of the selective scan (Mamba-1) and of the SSD scan (Mamba-2).
+
+    selective_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                            dt_min=None, dt_max=None, h0=None, dstate=None, layout="bld",
+                            cu_seqlens=None, backend=None) -> {"x": dx, "dt": ddt, ...}
+    ssd_scan_backward(dy, x, dt, A, B, C, *, ..., h0=None, dstate=None, cu_seqlens=None,
+                      chunk_size=None, backend=None) -> {"x": dx, ...}
+
+dy is the gradient of the loss with respect to y (x's shape), dstate (optional) that with respect
+to the final state the forward returns. The result holds one gradient per input given, keyed by
+the input's name: x, dt, A, B, C always, D, z, dt_bias and h0 when they were given. Each has its
+input's shape (a 3-D B gets a 3-D dB, a [heads] D a [heads] dD); A's, D's and dt_bias's are in the
+compute dtype (fp32; fp64 for fp64 x), the others in their inputs' dtypes. softplus and the
+clamp differentiate as torch's do: the clamp passes no gradient where dt lies outside it.
+
+`kernels.selective_scan` and `kernels.ssd_scan` go through `ScanFunction` (a
+torch.autograd.Function) when grad mode is on and an input requires grad, so their outputs
+(y and the returned state) backpropagate through these functions.
+
+Backends implement `scan_backward` / `ssd_scan_backward` over arguments normalised by
+kernels._args (4-D B and C; D [heads, headdim] for SSD) and return every gradient in the compute
+dtype: "reference" by autograd through the float64 transcription (the oracle), "torch" by
+autograd through the same step-by-step form in the compute dtype, "cpu" by its C++ reverse scan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import _args
+from ._args import _check_devices, _require_shape, _require_tensor, check_cu_seqlens
+from ._registry import get_backend
+
+# The inputs that take gradients, in the order of the forward's positional arguments and then
+# its optional tensors.
+GRAD_INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
+# Gradients kept in the compute dtype rather than their input's (weights accumulated over the
+# whole batch and sequence).
+COMPUTE_DTYPE_GRADS = ("A", "D", "dt_bias")
+
+
+def _check_cotangent(name: str, t, like: torch.Tensor, meaning: str) -> torch.Tensor:
+    t = _require_tensor(name, t)
+    _require_shape(name, t, tuple(like.shape), meaning)
+    _check_devices({"x": like, name: t})
+    return t
+
+
+def _finish(grads: dict, given: dict, compute: torch.dtype) -> dict:
+    """Backend gradients (compute dtype, normalised shapes) as the public result: each present
+    exactly when its input was given, in its input's shape and the promised dtype."""
+    out = {}
+    for name in GRAD_INPUTS:
+        original = given.get(name)
+        if original is None:
+            continue
+        g = grads[name]
+        if g.shape != original.shape:
+            # A [heads] D was normalised to [heads, headdim]; a 3-D B or C got a groups axis.
+            g = g.sum(1) if name == "D" else g.reshape(original.shape)
+        out[name] = g.to(compute if name in COMPUTE_DTYPE_GRADS else original.dtype)
+    return out
+
+
+def _run_packed(one, args, dy, *, h0, dstate, cu_seqlens, seq_axis: int, bc_axis: int,
+                state_shape: tuple[int, ...], state_meaning: str) -> dict:
+    """The gradients of a packed call (kernels/_varlen.py): one backend backward per sequence,
+    its slices of x, dt, z, B, C and dy with its rows of h0 and dstate, joined as the forward
+    joins y (weights' gradients summed over the sequences)."""
+    x = args.x
+    bounds = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[seq_axis])
+    count = len(bounds) - 1
+    for name, t in (("h0", h0), ("dstate", dstate)):
+        if t is not None:
+            _require_shape(name, _require_tensor(name, t), (count, *state_shape), f"[sequences, {state_meaning}]")
+            _check_devices(dict(x=x, **{name: t}))
+    parts = []
+    for i in range(count):
+        begin, length = bounds[i], bounds[i + 1] - bounds[i]
+
+        def cut(t, axis):
+            return None if t is None else t.narrow(axis, begin, length)
+
+        parts.append(one(cut(dy, seq_axis), cut(x, seq_axis), cut(args.dt, seq_axis), cut(args.B, bc_axis),
+                         cut(args.C, bc_axis), cut(args.z, seq_axis), None if h0 is None else h0[i:i + 1],
+                         None if dstate is None else dstate[i:i + 1]))
+    joined = {}
+    for name in parts[0]:
+        pieces = [p[name] for p in parts]
+        if pieces[0] is None:  # an input not given
+            continue
+        if name in ("x", "dt", "z"):
+            joined[name] = torch.cat(pieces, dim=seq_axis)
+        elif name in ("B", "C"):
+            joined[name] = torch.cat(pieces, dim=bc_axis)
+        elif name == "h0":
+            joined[name] = torch.cat(pieces, dim=0)
+        else:
+            joined[name] = torch.stack(pieces).sum(0)
+    return joined
+
+
+def selective_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                            dt_min=None, dt_max=None, h0=None, dstate=None, layout="bld",
+                            cu_seqlens=None, backend=None) -> dict:
+    packed = cu_seqlens is not None
+    args = _args.check_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                            dt_min=dt_min, dt_max=dt_max, h0=None if packed else h0, layout=layout)
+    dy = _check_cotangent("dy", dy, args.x, "same as x")
+    d = args.dims
+    impl = get_backend(backend, args.x.device.type, capability="scan_backward")
+    options = dict(D=args.D, dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_min=args.dt_min,
+                   dt_max=args.dt_max, layout=args.layout)
+
+    def one(dy, x, dt, B, C, z, h0, dstate):
+        return impl.scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options)
+
+    if packed:
+        bld = layout == "bld"
+        grads = _run_packed(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens, seq_axis=1 if bld else 2,
+                            bc_axis=1 if bld else 3, state_shape=(d.dim, d.state), state_meaning="dim, state")
+    else:
+        if dstate is not None:
+            _require_shape("dstate", _require_tensor("dstate", dstate), (d.batch, d.dim, d.state),
+                           "[batch, dim, state]")
+            _check_devices(dict(x=args.x, dstate=dstate))
+        grads = one(dy, args.x, args.dt, args.B, args.C, args.z, args.h0, dstate)
+    given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0)
+    return _finish(grads, given, _compute_dtype(args.x))
+
+
+def ssd_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
+                      dt_max=None, h0=None, dstate=None, cu_seqlens=None, chunk_size=None, backend=None) -> dict:
+    packed = cu_seqlens is not None
+    args = _args.check_ssd_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                dt_min=dt_min, dt_max=dt_max, h0=None if packed else h0, chunk_size=chunk_size)
+    dy = _check_cotangent("dy", dy, args.x, "same as x")
+    d = args.dims
+    impl = get_backend(backend, args.x.device.type, capability="ssd_scan_backward")
+    options = dict(D=args.D, dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_min=args.dt_min,
+                   dt_max=args.dt_max, chunk_size=args.chunk_size)
+
+    def one(dy, x, dt, B, C, z, h0, dstate):
+        return impl.ssd_scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options)
+
+    state_shape = (d.heads, d.headdim, d.state)
+    if packed:
+        grads = _run_packed(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens, seq_axis=1, bc_axis=1,
+                            state_shape=state_shape, state_meaning="heads, headdim, state")
+    else:
+        if dstate is not None:
+            _require_shape("dstate", _require_tensor("dstate", dstate), (d.batch, *state_shape),
+                           "[batch, heads, headdim, state]")
+            _check_devices(dict(x=args.x, dstate=dstate))
+        grads = one(dy, args.x, args.dt, args.B, args.C, args.z, args.h0, dstate)
+    given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0)
+    return _finish(grads, given, _compute_dtype(args.x))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# --- autograd through a differentiable forward (the reference and torch backends) -----------
+
+
+def autograd_backward(forward, compute: torch.dtype, dy, dstate, tensors: dict, options: dict) -> dict:
+    """Gradients of `forward(**tensors, **options, return_state=..., compute_dtype=compute)`
+    (a reference-style function returning (y, state)) by torch.autograd, every input taken as
+    a `compute` leaf: the gradients come out in `compute`. An input the output does not depend
+    on gets zeros."""
+    leaves = {name: t.detach().to(compute).requires_grad_(True) for name, t in tensors.items() if t is not None}
+    with torch.enable_grad():
+        y, state = forward(**{name: leaves.get(name) for name in tensors}, **options,
+                           return_state=dstate is not None, compute_dtype=compute)
+        outputs, cotangents = [y], [dy.to(compute)]
+        if dstate is not None:
+            outputs.append(state)
+            cotangents.append(dstate.to(compute))
+        got = torch.autograd.grad(outputs, list(leaves.values()), cotangents, allow_unused=True)
+    return {name: torch.zeros_like(leaves[name]) if g is None else g for name, g in zip(leaves, got)}
+
+
+# --- what the C++ and Triton backward passes share -----------------------------------------
+
+
+def discretize_backward(ddelta, dt, dt_bias, dt_softplus, dt_min, dt_max, f):
+    """(ddt, ddt_bias or None) from `ddelta`, the gradient with respect to the discretized dt
+    (compute dtype f, overwritten: it becomes ddt), through dt + bias, softplus (threshold 20)
+    and the clamp as torch differentiates them: the clamp passes the gradient only where its
+    input lies within the bounds (NaN: nowhere)."""
+    raw = dt.to(f)
+    if dt_bias is not None:
+        raw = raw + dt_bias.to(f)
+    grad = ddelta
+    if dt_min is not None or dt_max is not None:
+        clamped_input = F.softplus(raw) if dt_softplus else raw
+        if dt_min is not None:
+            grad.masked_fill_(~(clamped_input >= dt_min), 0)
+        if dt_max is not None:
+            grad.masked_fill_(~(clamped_input <= dt_max), 0)
+        del clamped_input
+    if dt_softplus:
+        grad.mul_(torch.sigmoid(raw).masked_fill_(raw > 20, 1))
+    dbias = None if dt_bias is None else grad.sum(dim=tuple(range(grad.dim() - 1)))
+    return grad, dbias
+
+
+# --- kernels.selective_scan / kernels.ssd_scan under autograd --------------------------------
+
+
+@dataclass(frozen=True)
+class ScanSpec:
+    """What a differentiable call needs besides its tensors: which scan, and its options."""
+
+    ssd: bool
+    options: tuple  # (name, value) pairs: dt_softplus, dt_min, dt_max, layout or chunk_size, ...
+    cu_seqlens: torch.Tensor | None
+    backend: str | None
+
+    def kwargs(self) -> dict:
+        return dict(self.options, cu_seqlens=self.cu_seqlens, backend=self.backend)
+
+
+def wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+class ScanFunction(torch.autograd.Function):
+    """y and the final state of a scan, differentiable in every tensor input."""
+
+    @staticmethod
+    def forward(ctx, spec: ScanSpec, x, dt, A, B, C, D, z, dt_bias, h0):
+        from . import selective_scan, ssd_scan  # the public forward, run without autograd here
+
+        scan = ssd_scan if spec.ssd else selective_scan
+        y, state = scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, h0=h0, return_state=True, **spec.kwargs())
+        ctx.spec = spec
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, h0)
+        ctx.set_materialize_grads(False)
+        return y, state
+
+    @staticmethod
+    def backward(ctx, dy, dstate):
+        x, dt, A, B, C, D, z, dt_bias, h0 = ctx.saved_tensors
+        spec = ctx.spec
+        if dy is None:
+            dy = torch.zeros_like(x)
+        backward = ssd_scan_backward if spec.ssd else selective_scan_backward
+        grads = backward(dy, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, h0=h0, dstate=dstate, **spec.kwargs())
+        tensors = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0)
+        return (None, *(grads.get(name) if needed and tensors[name] is not None else None
+                        for name, needed in zip(GRAD_INPUTS, ctx.needs_input_grad[1:])))

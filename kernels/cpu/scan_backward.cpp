@@ -1,0 +1,314 @@
+// The selective scan's backward pass for the CPU (see scan_backward.h for the contract).
+//
+// Lanes run over channels, as in the forward's sequence mode: h, its gradient dh and A are
+// [state] vectors of W channel lanes, and B_t, C_t are broadcast. With g_t the gradient of the
+// gated output, walking t backwards:
+//   dy_t = g_t silu(z_t);  dz_t = g_t (C_t . h_t + D x_t) silu'(z_t)      (without z: dy_t = g_t)
+//   dh  += dy_t C_t                                                    (dh carried from t + 1)
+//   dC_t += dy_t h_t;  dB_t += dh (delta_t x_t);  dD += dy_t x_t
+//   dx_t = dy_t D + delta_t (dh . B_t);  q = dh a_t h_{t-1} (a_t = exp(delta_t A))
+//   ddelta_t = x_t (dh . B_t) + q . A;  dA += delta_t q;  dh <- a_t dh
+// dB and dC sum over a group's channels: each chunk's per-lane terms go through one lane-sum
+// tree per W state elements into the seat's accumulators.
+
+#include "scan_backward.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace scan_bridge {
+namespace {
+
+template <typename T>
+class BackwardRunner {
+  using V = typename Lanes<T>::V;
+  static constexpr int W = Lanes<T>::W;
+  static constexpr int K = kBackwardChunk;
+
+ public:
+  explicit BackwardRunner(const ScanBackwardProblem<T>& p)
+      : p_(p),
+        N_(p.state),
+        Npad_((p.state + W - 1) / W * W),
+        per_group_(p.dim / p.groups),
+        per_group_blocks_((per_group_ + W - 1) / W),
+        chunks_((p.seq + K - 1) / K),
+        decays_per_step_(p.scalar_decay ? 1 : p.state),
+        scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 2 * Scratch::bytes<V>(1) +
+                 9 * Scratch::bytes<V>(K) + 2 * Scratch::bytes<T>(K * N_) +
+                 Scratch::bytes<V>((K + 1) * N_) + Scratch::bytes<V>(K * decays_per_step_) +
+                 2 * Scratch::bytes<V>(Npad_)) {
+    ckpt_ = scratch_.take<V>(chunks_ * N_);
+    A_ = scratch_.take<V>(N_);
+    dh_ = scratch_.take<V>(N_);
+    dA_ = scratch_.take<V>(N_);
+    D_ = scratch_.take<V>(1);
+    dD_ = scratch_.take<V>(1);
+    xs_ = scratch_.take<V>(K);
+    dls_ = scratch_.take<V>(K);
+    dts_ = scratch_.take<V>(K);
+    dtx_ = scratch_.take<V>(K);
+    gs_ = scratch_.take<V>(K);
+    zs_ = scratch_.take<V>(K);
+    dxs_ = scratch_.take<V>(K);
+    dds_ = scratch_.take<V>(K);
+    dzs_ = scratch_.take<V>(K);
+    Bs_ = scratch_.take<T>(K * N_);
+    Cs_ = scratch_.take<T>(K * N_);
+    hist_ = scratch_.take<V>((K + 1) * N_);
+    decay_ = scratch_.take<V>(K * decays_per_step_);
+    dBp_ = scratch_.take<V>(Npad_);
+    dCp_ = scratch_.take<V>(Npad_);
+  }
+
+  void run_range(int64_t begin, int64_t end, int seat) {
+    for (int64_t item = begin; item < end; ++item) run(item, seat);
+  }
+
+ private:
+  // Block-major items: consecutive items share a block, whose A and D are loaded once.
+  void run(int64_t item, int seat) {
+    const int64_t b = item % p_.batch;
+    const int64_t block = item / p_.batch;
+    const int64_t g = block / per_group_blocks_;
+    const int64_t d0 = g * per_group_ + (block % per_group_blocks_) * W;
+    const int lanes = static_cast<int>(std::min<int64_t>(W, per_group_ - (block % per_group_blocks_) * W));
+    if (block != prepared_block_) {
+      prepare_block(d0, lanes);
+      prepared_block_ = block;
+    }
+    checkpoint_pass(b, g, d0, lanes);
+    reverse_pass(b, g, d0, lanes, seat);
+  }
+
+  void prepare_block(int64_t d0, int lanes) {
+    std::memset(static_cast<void*>(A_), 0, N_ * sizeof(V));
+    const int64_t n_read = p_.scalar_decay ? 1 : N_;
+    for (int l = 0; l < lanes; ++l)
+      for (int64_t n = 0; n < n_read; ++n) A_[n][l] = p_.A[(d0 + l) * N_ + n];
+    D_[0] = V{};
+    if (p_.D != nullptr)
+      for (int l = 0; l < lanes; ++l) D_[0][l] = p_.D[d0 + l];
+  }
+
+  // tile[t][l] = src[b, t0 + t, d0 + l]; lanes past `lanes` are zero.
+  void load_tile(const T* src, int64_t b, int64_t t0, int steps, int64_t d0, int lanes, V* tile) const {
+    for (int t = 0; t < steps; ++t) {
+      tile[t] = V{};
+      std::memcpy(static_cast<void*>(tile + t), src + (b * p_.seq + t0 + t) * p_.dim + d0, lanes * sizeof(T));
+    }
+  }
+
+  void store_tile(T* dst, int64_t b, int64_t t0, int steps, int64_t d0, int lanes, const V* tile) const {
+    for (int t = 0; t < steps; ++t)
+      std::memcpy(dst + (b * p_.seq + t0 + t) * p_.dim + d0, static_cast<const void*>(tile + t), lanes * sizeof(T));
+  }
+
+  // x, delta (raw and as Math<T>::decay takes it), delta x and B (with C when `with_c`) for a chunk.
+  void pack(int64_t b, int64_t g, int64_t t0, int steps, int64_t d0, int lanes, bool with_c) {
+    load_tile(p_.x, b, t0, steps, d0, lanes, xs_);
+    load_tile(p_.delta, b, t0, steps, d0, lanes, dls_);
+    for (int t = 0; t < steps; ++t) {
+      dtx_[t] = dls_[t] * xs_[t];
+      dts_[t] = dls_[t] * Math<T>::kDecayScale;
+    }
+    const int64_t row = p_.groups * N_;
+    for (int t = 0; t < steps; ++t) {
+      std::memcpy(Bs_ + t * N_, p_.B + (b * p_.seq + t0 + t) * row + g * N_, N_ * sizeof(T));
+      if (with_c) std::memcpy(Cs_ + t * N_, p_.C + (b * p_.seq + t0 + t) * row + g * N_, N_ * sizeof(T));
+    }
+  }
+
+  // The states entering each chunk, from h0.
+  void checkpoint_pass(int64_t b, int64_t g, int64_t d0, int lanes) {
+    V* h = hist_;
+    load_state(p_.h0, b, d0, lanes, h);
+    for (int64_t c = 0; c < chunks_; ++c) {
+      const int64_t t0 = c * K;
+      const int steps = static_cast<int>(std::min<int64_t>(K, p_.seq - t0));
+      std::memcpy(static_cast<void*>(ckpt_ + c * N_), static_cast<const void*>(h), N_ * sizeof(V));
+      pack(b, g, t0, steps, d0, lanes, false);
+      for (int t = 0; t < steps; ++t) {
+        const V u = dtx_[t];
+        const T* Bt = Bs_ + t * N_;
+        if (p_.scalar_decay) {
+          const V a = Math<T>::decay(dts_[t], A_[0]);
+          for (int64_t n = 0; n < N_; ++n) h[n] = a * h[n] + u * Bt[n];
+        } else {
+          for (int64_t n = 0; n < N_; ++n) h[n] = Math<T>::decay(dts_[t], A_[n]) * h[n] + u * Bt[n];
+        }
+      }
+    }
+  }
+
+  // state[b, d0 + l, n] as [n][lanes] (zeros where absent or past `lanes`).
+  void load_state(const T* src, int64_t b, int64_t d0, int lanes, V* out) const {
+    std::memset(static_cast<void*>(out), 0, N_ * sizeof(V));
+    if (src == nullptr) return;
+    for (int l = 0; l < lanes; ++l)
+      for (int64_t n = 0; n < N_; ++n) out[n][l] = src[(b * p_.dim + d0 + l) * N_ + n];
+  }
+
+  void reverse_pass(int64_t b, int64_t g, int64_t d0, int lanes, int seat) {
+    load_state(p_.dstate, b, d0, lanes, dh_);
+    std::memset(static_cast<void*>(dA_), 0, N_ * sizeof(V));
+    dD_[0] = V{};
+    for (int64_t c = chunks_ - 1; c >= 0; --c) {
+      const int64_t t0 = c * K;
+      const int steps = static_cast<int>(std::min<int64_t>(K, p_.seq - t0));
+      pack(b, g, t0, steps, d0, lanes, true);
+      load_tile(p_.dy, b, t0, steps, d0, lanes, gs_);
+      if (p_.z != nullptr) load_tile(p_.z, b, t0, steps, d0, lanes, zs_);
+      recompute(c, steps);
+      const int64_t row = p_.groups * N_;
+      const int64_t seat_offset = static_cast<int64_t>(seat) * p_.batch * p_.seq * row;
+      for (int t = steps - 1; t >= 0; --t) {
+        reverse_step(t);
+        // This step's dB and dC terms are summed over the lanes at once, while in L1.
+        const int64_t at = seat_offset + (b * p_.seq + t0 + t) * row + g * N_;
+        add_lane_sums(dBp_, p_.dB + at);
+        add_lane_sums(dCp_, p_.dC + at);
+      }
+      store_tile(p_.dx, b, t0, steps, d0, lanes, dxs_);
+      store_tile(p_.ddelta, b, t0, steps, d0, lanes, dds_);
+      if (p_.z != nullptr) store_tile(p_.dz, b, t0, steps, d0, lanes, dzs_);
+    }
+    if (p_.dh0 != nullptr)
+      for (int l = 0; l < lanes; ++l)
+        for (int64_t n = 0; n < N_; ++n) p_.dh0[(b * p_.dim + d0 + l) * N_ + n] = dh_[n][l];
+    T* dA = p_.dA + static_cast<int64_t>(seat) * p_.dim * N_;
+    const int64_t n_kept = p_.scalar_decay ? 1 : N_;
+    for (int l = 0; l < lanes; ++l)
+      for (int64_t n = 0; n < n_kept; ++n) dA[(d0 + l) * N_ + n] += dA_[n][l];
+    T* dD = p_.dD + static_cast<int64_t>(seat) * p_.dim;
+    for (int l = 0; l < lanes; ++l) dD[d0 + l] += dD_[0][l];
+  }
+
+  // hist_[t + 1] = h_t for the chunk's steps (hist_[0]: its checkpoint), with the decays.
+  void recompute(int64_t c, int steps) {
+    std::memcpy(static_cast<void*>(hist_), static_cast<const void*>(ckpt_ + c * N_), N_ * sizeof(V));
+    for (int t = 0; t < steps; ++t) {
+      const V u = dtx_[t];
+      const T* Bt = Bs_ + t * N_;
+      const V* prev = hist_ + t * N_;
+      V* cur = hist_ + (t + 1) * N_;
+      if (p_.scalar_decay) {
+        const V a = Math<T>::decay(dts_[t], A_[0]);
+        decay_[t] = a;
+        for (int64_t n = 0; n < N_; ++n) cur[n] = a * prev[n] + u * Bt[n];
+      } else {
+        V* a = decay_ + t * N_;
+        for (int64_t n = 0; n < N_; ++n) {
+          a[n] = Math<T>::decay(dts_[t], A_[n]);
+          cur[n] = a[n] * prev[n] + u * Bt[n];
+        }
+      }
+    }
+  }
+
+  void reverse_step(int t) {
+    const V x = xs_[t];
+    const V* h = hist_ + (t + 1) * N_;
+    const V* h_prev = hist_ + t * N_;
+    const T* Bt = Bs_ + t * N_;
+    const T* Ct = Cs_ + t * N_;
+    V dy = gs_[t];
+    if (p_.z != nullptr) {
+      V y = D_[0] * x;
+      for (int64_t n = 0; n < N_; ++n) y += h[n] * Ct[n];
+      const V z = zs_[t];
+      const V sg = Math<T>::sigmoid(z);
+      dzs_[t] = dy * y * sg * (static_cast<T>(1) + z * (static_cast<T>(1) - sg));
+      dy = dy * z * sg;
+    }
+    dD_[0] += dy * x;
+    const V u = dtx_[t];
+    const V dl = dls_[t];
+    V* dB = dBp_;
+    V* dC = dCp_;
+    V dhB = {}, qA = {};
+    if (p_.scalar_decay) {
+      const V a = decay_[t];
+      V q = {};
+      for (int64_t n = 0; n < N_; ++n) {
+        const V dh = dh_[n] + dy * Ct[n];
+        dC[n] = dy * h[n];
+        dB[n] = dh * u;
+        dhB += dh * Bt[n];
+        q += dh * h_prev[n];
+        dh_[n] = a * dh;
+      }
+      q *= a;
+      dA_[0] += q * dl;
+      qA = q * A_[0];
+    } else {
+      const V* a = decay_ + t * N_;
+      for (int64_t n = 0; n < N_; ++n) {
+        const V dh = dh_[n] + dy * Ct[n];
+        dC[n] = dy * h[n];
+        dB[n] = dh * u;
+        dhB += dh * Bt[n];
+        const V q = dh * a[n] * h_prev[n];
+        dA_[n] += q * dl;
+        qA += q * A_[n];
+        dh_[n] = a[n] * dh;
+      }
+    }
+    dxs_[t] = dy * D_[0] + dl * dhB;
+    dds_[t] = x * dhB + qA;
+  }
+
+  // out[n] += the sum of the lanes of v[n], for n < state.
+  void add_lane_sums(const V* v, T* out) {
+    for (int64_t n0 = 0; n0 < N_; n0 += W) {
+      V tmp[W];
+      for (int i = 0; i < W; ++i) tmp[i] = n0 + i < N_ ? v[n0 + i] : V{};
+      const V s = LaneSums<T>::of(tmp);
+      for (int c = 0; c < W; ++c) {
+        const int64_t n = n0 + LaneSums<T>::kSlot[c];
+        if (n < N_) out[n] += s[c];
+      }
+    }
+  }
+
+  const ScanBackwardProblem<T>& p_;
+  const int64_t N_, Npad_, per_group_, per_group_blocks_, chunks_, decays_per_step_;
+  Scratch scratch_;
+  int64_t prepared_block_ = -1;
+  V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *xs_, *dls_, *dts_, *dtx_, *gs_, *zs_, *dxs_, *dds_, *dzs_;
+  T *Bs_, *Cs_;
+  V *hist_, *decay_, *dBp_, *dCp_;
+};
+
+}  // namespace
+
+template <typename T>
+int64_t scan_backward_items(const ScanBackwardProblem<T>& p) {
+  constexpr int W = Lanes<T>::W;
+  const int64_t per_group = p.dim / p.groups;
+  return p.groups * ((per_group + W - 1) / W) * p.batch;
+}
+
+template <typename T>
+int64_t scan_backward_work_per_item(const ScanBackwardProblem<T>& p) {
+  return p.seq * Lanes<T>::W * p.state;
+}
+
+template <typename T>
+void scan_backward_run(const ScanBackwardProblem<T>& p, WorkQueue& queue, int seat) {
+  BackwardRunner<T> runner(p);
+  int64_t begin, end;
+  while (queue.take(seat, &begin, &end)) runner.run_range(begin, end, seat);
+}
+
+template int64_t scan_backward_items<float>(const ScanBackwardProblem<float>&);
+template int64_t scan_backward_items<double>(const ScanBackwardProblem<double>&);
+template int64_t scan_backward_work_per_item<float>(const ScanBackwardProblem<float>&);
+template int64_t scan_backward_work_per_item<double>(const ScanBackwardProblem<double>&);
+template void scan_backward_run<float>(const ScanBackwardProblem<float>&, WorkQueue&, int);
+template void scan_backward_run<double>(const ScanBackwardProblem<double>&, WorkQueue&, int);
+
+}  // namespace scan_bridge

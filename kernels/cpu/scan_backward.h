@@ -1,0 +1,59 @@
+// The selective scan's backward pass over contiguous operands in the compute dtype (float or
+// double), torch-free like scan_kernel.h. The binding (binding.cpp) hands it dt already
+// discretized (bias, softplus, clamp; their chain rule is elementwise and stays in torch) and
+// sums the per-seat accumulators afterwards.
+//
+// Memory: no [batch, seq, dim, state] history. Each item (a block of W channels of one batch
+// row) walks its sequence once to keep the state at every kBackwardChunk-th step, then walks it
+// backwards a chunk at a time, recomputing that chunk's states from its checkpoint. A seat's
+// scratch is (seq / kBackwardChunk + 2 kBackwardChunk) x state vectors of W lanes.
+//
+// Mamba-2 (SSD) runs through the same loops with its heads' channels (head x headdim) as
+// channels and `scalar_decay` set: A is then one value per channel (its row's first element),
+// so a timestep costs one exp per channel instead of one per state element.
+#pragma once
+
+#include <cstdint>
+
+#include "scan_kernel.h"
+
+namespace scan_bridge {
+
+inline constexpr int kBackwardChunk = 32;
+
+template <typename T>
+struct ScanBackwardProblem {
+  int64_t batch = 0, seq = 0, dim = 0, state = 0, groups = 1;
+  bool scalar_decay = false;
+  const T* x = nullptr;       // [batch, seq, dim]
+  const T* delta = nullptr;   // [batch, seq, dim], discretized dt
+  const T* z = nullptr;       // [batch, seq, dim] or nullptr
+  const T* dy = nullptr;      // [batch, seq, dim]
+  const T* A = nullptr;       // [dim, state]
+  const T* B = nullptr;       // [batch, seq, groups, state]
+  const T* C = nullptr;       // [batch, seq, groups, state]
+  const T* D = nullptr;       // [dim] or nullptr
+  const T* h0 = nullptr;      // [batch, dim, state] or nullptr (zeros)
+  const T* dstate = nullptr;  // [batch, dim, state] or nullptr (zeros): the final state's gradient
+  T* dx = nullptr;            // [batch, seq, dim], written
+  T* ddelta = nullptr;        // [batch, seq, dim], written
+  T* dz = nullptr;            // [batch, seq, dim], written where z is given
+  T* dh0 = nullptr;           // [batch, dim, state], written, or nullptr
+  // Accumulated (+=) into the slice of the running seat; zero-filled by the caller:
+  T* dA = nullptr;            // [seats, dim, state]
+  T* dD = nullptr;            // [seats, dim]
+  T* dB = nullptr;            // [seats, batch, seq, groups, state]
+  T* dC = nullptr;            // [seats, batch, seq, groups, state]
+};
+
+// Items are (channel block, batch row) pairs; a seat's accumulators take the sums of the items
+// it ran, so the totals are the same for any split up to the order of fp additions.
+template <typename T>
+int64_t scan_backward_items(const ScanBackwardProblem<T>& p);
+// State-element updates one item performs (for the split between threads).
+template <typename T>
+int64_t scan_backward_work_per_item(const ScanBackwardProblem<T>& p);
+template <typename T>
+void scan_backward_run(const ScanBackwardProblem<T>& p, WorkQueue& queue, int seat);
+
+}  // namespace scan_bridge
