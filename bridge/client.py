@@ -385,6 +385,19 @@ class FramedClient:
         (initial_states, dt_limit, ...) are taken as they are."""
         return self.request("ssd_scan", {"x": x, "dt": dt, "A": A, "B": B, "C": C, **options}, timeout)
 
+    def scan_backward(self, dy, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+        """Reply to a scan's backward pass: the forward's arguments (as `scan` takes them, no
+        session) plus dy, the gradient of y, and optionally dstate, that of the final state;
+        `reply.unwrap()` holds "dx", "ddt", "dA", "dB", "dC" and "dD", "dz", "ddt_bias", "dh0"
+        for the options given."""
+        return self.request("scan_backward", {"dy": dy, "x": x, "dt": dt, "A": A, "B": B, "C": C, **options},
+                            timeout)
+
+    def ssd_scan_backward(self, dy, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+        """Reply to a Mamba-2 (SSD) scan's backward pass, as `scan_backward` for `ssd_scan`."""
+        return self.request("ssd_scan_backward", {"dy": dy, "x": x, "dt": dt, "A": A, "B": B, "C": C, **options},
+                            timeout)
+
     # -- sessions and handles (state and constants that stay on the server) ---------------
 
     def open_session(self, batch: int, dim: int, state: int) -> str:

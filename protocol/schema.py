@@ -69,6 +69,9 @@ WEIGHTS_DTYPES = ("f32", "bf16", "f16")
 ALIASES = {"u": "x", "delta": "dt", "delta_bias": "dt_bias", "delta_softplus": "dt_softplus",
            "return_last_state": "return_state", "initial_states": "h0"}
 
+# The operands every scan, step and backward takes.
+_OPERANDS = {name: Arg("tensor", True) for name in ("x", "dt", "A", "B", "C")}
+
 _DT_TRANSFORM = {
     "D": Arg("tensor"),
     "z": Arg("tensor"),
@@ -82,11 +85,7 @@ OPS: dict[str, dict[str, Arg]] = {
     "ping": {},
     "info": {},
     "scan": {
-        "x": Arg("tensor", True),
-        "dt": Arg("tensor", True),
-        "A": Arg("tensor", True),
-        "B": Arg("tensor", True),
-        "C": Arg("tensor", True),
+        **_OPERANDS,
         **_DT_TRANSFORM,
         "h0": Arg("tensor"),
         "return_state": Arg("bool"),
@@ -95,11 +94,7 @@ OPS: dict[str, dict[str, Arg]] = {
         "session": Arg("str"),
     },
     "ssd_scan": {
-        "x": Arg("tensor", True),
-        "dt": Arg("tensor", True),
-        "A": Arg("tensor", True),
-        "B": Arg("tensor", True),
-        "C": Arg("tensor", True),
+        **_OPERANDS,
         **_DT_TRANSFORM,
         "dt_limit": Arg("limits"),
         "h0": Arg("tensor"),
@@ -108,13 +103,30 @@ OPS: dict[str, dict[str, Arg]] = {
         "chunk_size": Arg("size"),
         "session": Arg("str"),
     },
+    # The forward's arguments (no session, no return_state) plus the gradient of y, dy, and
+    # optionally that of the final state, dstate.
+    "scan_backward": {
+        "dy": Arg("tensor", True),
+        **_OPERANDS,
+        **_DT_TRANSFORM,
+        "h0": Arg("tensor"),
+        "dstate": Arg("tensor"),
+        "layout": Arg("layout"),
+        "cu_seqlens": Arg("tensor"),
+    },
+    "ssd_scan_backward": {
+        "dy": Arg("tensor", True),
+        **_OPERANDS,
+        **_DT_TRANSFORM,
+        "dt_limit": Arg("limits"),
+        "h0": Arg("tensor"),
+        "dstate": Arg("tensor"),
+        "cu_seqlens": Arg("tensor"),
+        "chunk_size": Arg("size"),
+    },
     "step": {
         "session": Arg("str", True),
-        "x": Arg("tensor", True),
-        "dt": Arg("tensor", True),
-        "A": Arg("tensor", True),
-        "B": Arg("tensor", True),
-        "C": Arg("tensor", True),
+        **_OPERANDS,
         **_DT_TRANSFORM,
         "dt_limit": Arg("limits"),
     },

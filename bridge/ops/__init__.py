@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import protocol
 
-from . import core, legacy, models, scan, sessions
+from . import core, grad, legacy, models, scan, sessions
 
 
 class Registry:
@@ -67,7 +67,8 @@ class Registry:
 
 
 REGISTRY = Registry()
-for _op, _handler in {**core.HANDLERS, **scan.HANDLERS, **sessions.HANDLERS, **models.HANDLERS}.items():
+for _op, _handler in {**core.HANDLERS, **scan.HANDLERS, **grad.HANDLERS, **sessions.HANDLERS,
+                     **models.HANDLERS}.items():
     REGISTRY.register(_op, _handler)
 for _op, _handler in legacy.HANDLERS.items():
     REGISTRY.register(_op, _handler, protocol.LEGACY)

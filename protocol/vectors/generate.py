@@ -248,6 +248,16 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                              "args": {"session": "s-3", "embeds": tensor("f32", (2, 2), 205), "output": "hidden"}}))
     vectors.append(_request("session_restore", "roll a session back to a snapshot",
                             {"v": 1, "id": 24, "op": "session_restore", "args": {"session": "s-3", "snapshot": "p-1"}}))
+    vectors.append(_request("scan_backward_f32", "gradients of a scan with D, dt_bias, softplus, h0 and dstate",
+                            {"v": 1, "id": 25, "op": "scan_backward", "args": {
+                                "dy": tensor("f32", (1, 3, 2), 190), **_scan_args("f32", 1, 3, 2, 2, seed=191),
+                                "D": tensor("f32", (2,), 197), "dt_bias": tensor("f32", (2,), 198),
+                                "dt_softplus": True, "h0": tensor("f32", (1, 2, 2), 199),
+                                "dstate": tensor("f32", (1, 2, 2), 200)}}))
+    vectors.append(_request("ssd_scan_backward_f32", "gradients of a Mamba-2 scan with z and dt_limit",
+                            {"v": 1, "id": 26, "op": "ssd_scan_backward", "args": {
+                                "dy": tensor("f32", (1, 3, 2, 2), 210), **_ssd_args("f32", 1, 3, 2, 2, 2, 1, seed=211),
+                                "z": tensor("f32", (1, 3, 2, 2), 217), "dt_limit": [0.001, 0.1]}}))
     for i, (dtype, shape) in enumerate((("i32", (3, 5)), ("i64", (7,)), ("u8", (2, 2, 3)))):
         vectors.append(_request(f"put_{dtype}", f"put an {dtype} tensor",
                                 {"v": 1, "id": 20 + i, "op": "put",
