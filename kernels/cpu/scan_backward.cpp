@@ -122,14 +122,15 @@ class BackwardRunner {
     }
   }
 
-  // The states entering each chunk, from h0.
+  // The states entering each chunk, from h0 (the last chunk's own steps are not needed).
   void checkpoint_pass(int64_t b, int64_t g, int64_t d0, int lanes) {
-    V* h = hist_;
+    V* h = ckpt_;
     load_state(p_.h0, b, d0, lanes, h);
-    for (int64_t c = 0; c < chunks_; ++c) {
+    for (int64_t c = 0; c + 1 < chunks_; ++c) {
       const int64_t t0 = c * K;
-      const int steps = static_cast<int>(std::min<int64_t>(K, p_.seq - t0));
-      std::memcpy(static_cast<void*>(ckpt_ + c * N_), static_cast<const void*>(h), N_ * sizeof(V));
+      const int steps = K;
+      std::memcpy(static_cast<void*>(h + N_), static_cast<const void*>(h), N_ * sizeof(V));
+      h += N_;
       pack(b, g, t0, steps, d0, lanes, false);
       for (int t = 0; t < steps; ++t) {
         const V u = dtx_[t];

@@ -19,7 +19,7 @@
 
 namespace scan_bridge {
 
-inline constexpr int kBackwardChunk = 32;
+inline constexpr int kBackwardChunk = 16;
 
 template <typename T>
 struct ScanBackwardProblem {
