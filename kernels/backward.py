@@ -198,11 +198,11 @@ def discretize_backward(ddelta, dt, dt_bias, dt_softplus, dt_min, dt_max, f):
     grad = ddelta
     if dt_min is not None or dt_max is not None:
         clamped_input = F.softplus(raw) if dt_softplus else raw
-        if dt_min is not None:
-            grad.masked_fill_(~(clamped_input >= dt_min), 0)
+        inside = clamped_input >= dt_min if dt_min is not None else None
         if dt_max is not None:
-            grad.masked_fill_(~(clamped_input <= dt_max), 0)
-        del clamped_input
+            inside = clamped_input <= dt_max if inside is None else inside.logical_and_(clamped_input <= dt_max)
+        grad.mul_(inside)
+        del clamped_input, inside
     if dt_softplus:
         grad.mul_(torch.sigmoid(raw).masked_fill_(raw > 20, 1))
     dbias = None if dt_bias is None else grad.sum(dim=tuple(range(grad.dim() - 1)))

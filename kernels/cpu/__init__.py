@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from .._registry import Backend
-from ..backward import discretize_backward
 from ..eager import _compute_dtype, _discretize_dt
 from ..eager_ssd import _skip_and_gate
 
@@ -78,16 +77,18 @@ def backend_from(ext) -> Backend:
             y[kernel_rows < 0] = 0  # padding rows: the kernel's zeros, whatever D x made of them
         return y.to(x.dtype)
 
-    def run_backward(dy, x, delta, A, B, C, D, z, h0, dstate, scalar_decay, f):
-        """The C++ reverse scan over "bld" [batch, seq, channel] operands: every gradient, with
-        that of the discretized dt for its caller to take back through the discretization."""
-        operands = [t if t is None else t.to(f).contiguous() for t in (x, dy, A, B, C, D, z, h0, dstate)]
-        x, dy, A, B, C, D, z, h0, dstate = operands
-        dx, ddelta = torch.empty_like(x), torch.empty_like(x)
+    def run_backward(dy, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, scalar_decay, f):
+        """The C++ reverse scan over "bld" [batch, seq, channel] operands: every gradient, that of
+        dt through its bias, softplus and clamp included."""
+        operands = [t if t is None else t.to(f).contiguous() for t in (x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate)]
+        x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate = operands
+        dx, ddt = torch.empty_like(x), torch.empty_like(x)
         dz = None if z is None else torch.empty_like(z)
         dh0 = None if h0 is None else torch.empty_like(h0)
-        dA, dD, dB, dC = ext.scan_backward(x, delta, z, dy, A, B, C, D, h0, dstate, scalar_decay, dx, ddelta, dz, dh0)
-        return dict(x=dx, delta=ddelta, A=dA, B=dB, C=dC, D=dD, z=dz, h0=dh0)
+        dA, dD, ddt_bias, dB, dC = ext.scan_backward(x, dt, z, dy, A, B, C, D, dt_bias, dt_softplus, dt_min, dt_max,
+                                                     h0, dstate, scalar_decay, dx, ddt, dz, dh0)
+        return dict(x=dx, dt=ddt, A=dA, B=dB, C=dC, D=None if D is None else dD, z=dz,
+                    dt_bias=None if dt_bias is None else ddt_bias, h0=dh0)
 
     def scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, layout):
         f = _compute_dtype(x)
@@ -96,12 +97,7 @@ def backend_from(ext) -> Backend:
             x, dt, dy = x.transpose(1, 2), dt.transpose(1, 2), dy.transpose(1, 2)
             z = None if z is None else z.transpose(1, 2)
             B, C = B.permute(0, 3, 1, 2), C.permute(0, 3, 1, 2)
-        delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f).contiguous()
-        g = run_backward(dy, x, delta, A, B, C, D, z, h0, dstate, False, f)
-        del delta
-        ddt, ddt_bias = discretize_backward(g.pop("delta"), dt, dt_bias, dt_softplus, dt_min, dt_max, f)
-        grads = dict(x=g["x"], dt=ddt, A=g["A"], B=g["B"], C=g["C"], D=g["D"], z=g["z"], dt_bias=ddt_bias,
-                     h0=g["h0"])
+        grads = run_backward(dy, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, False, f)
         if bdl:
             for name in ("x", "dt", "z"):
                 if grads[name] is not None:
@@ -111,25 +107,26 @@ def backend_from(ext) -> Backend:
 
     def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
                           chunk_size):
-        # Heads x headdim as channels of the Mamba-1 reverse scan, each with its head's dt and A
-        # (one decay per channel: scalar_decay); the per-channel gradients of dt and A are
-        # summed back over headdim.
+        # Heads x headdim as channels of the Mamba-1 reverse scan, each with its head's dt, dt_bias
+        # and A (one decay per channel: scalar_decay); the per-channel gradients of dt, dt_bias
+        # and A are summed back over headdim.
         f = _compute_dtype(x)
         batch, seq, heads, headdim = x.shape
-        channels = heads * headdim
+        channels, state = heads * headdim, B.shape[3]
 
-        delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)
-        delta = delta.unsqueeze(-1).expand(batch, seq, heads, headdim).reshape(batch, seq, channels).contiguous()
-        A_rows = A.to(f).repeat_interleave(headdim).unsqueeze(1).expand(channels, B.shape[3])
-        states = [None if t is None else t.reshape(batch, channels, B.shape[3]) for t in (h0, dstate)]
-        g = run_backward(dy.reshape(batch, seq, channels), x.reshape(batch, seq, channels), delta, A_rows, B, C,
-                         None if D is None else D.reshape(channels), None if z is None else z.reshape(batch, seq, channels),
-                         states[0], states[1], True, f)
-        del delta
-        ddelta = g["delta"].view(batch, seq, heads, headdim).sum(-1)
-        ddt, ddt_bias = discretize_backward(ddelta, dt, dt_bias, dt_softplus, dt_min, dt_max, f)
-        return dict(x=g["x"].view(x.shape), dt=ddt, A=g["A"][:, 0].view(heads, headdim).sum(1), B=g["B"], C=g["C"],
-                    D=g["D"].view(heads, headdim), z=None if z is None else g["z"].view(x.shape), dt_bias=ddt_bias,
+        def per_channel(t):  # [..., heads] -> [..., heads * headdim]
+            return None if t is None else t.unsqueeze(-1).expand(*t.shape, headdim).flatten(-2)
+
+        A_rows = per_channel(A.to(f)).unsqueeze(1).expand(channels, state)
+        h0_rows, dstate_rows = (None if t is None else t.reshape(batch, channels, state) for t in (h0, dstate))
+        g = run_backward(dy.reshape(batch, seq, channels), x.reshape(batch, seq, channels), per_channel(dt), A_rows,
+                         B, C, None if D is None else D.reshape(channels),
+                         None if z is None else z.reshape(batch, seq, channels), per_channel(dt_bias), dt_softplus,
+                         dt_min, dt_max, h0_rows, dstate_rows, True, f)
+        return dict(x=g["x"].view(x.shape), dt=g["dt"].view(batch, seq, heads, headdim).sum(-1),
+                    A=g["A"][:, 0].view(heads, headdim).sum(1), B=g["B"], C=g["C"],
+                    D=None if D is None else g["D"].view(heads, headdim), z=None if z is None else g["z"].view(x.shape),
+                    dt_bias=None if dt_bias is None else g["dt_bias"].view(heads, headdim).sum(1),
                     h0=None if h0 is None else g["h0"].view(h0.shape))
 
     return Backend(

@@ -318,36 +318,48 @@ void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor&
 }
 
 // --- The scan's backward pass -----------------------------------------------------------------
-// kernels/cpu/__init__.py discretizes dt (and differentiates through that itself) and hands
-// contiguous [batch, seq, channel] tensors of one compute dtype ("bld"; Mamba-2's heads x headdim
-// as channels, with scalar_decay). Items are shared out as the forward's are; each thread sums
-// into its own seat's slice of dA, dD, dB and dC, and the slices are added here.
+// kernels/cpu/__init__.py hands contiguous [batch, seq, channel] tensors of one compute dtype
+// ("bld"; Mamba-2's heads x headdim as channels, with scalar_decay). Items are shared out as the
+// forward's are; each thread sums into its own seat's slice of dA, dD, ddt_bias, dB and dC, and
+// the slices are added here.
+
+struct BackwardOptions {
+  bool dt_softplus, scalar_decay;
+  std::optional<double> dt_min, dt_max;
+};
 
 template <typename T>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_backward_typed(
-    const at::Tensor& x, const at::Tensor& delta, const std::optional<at::Tensor>& z, const at::Tensor& dy,
+std::vector<at::Tensor> scan_backward_typed(
+    const at::Tensor& x, const at::Tensor& dt, const std::optional<at::Tensor>& z, const at::Tensor& dy,
     const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
-    const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& dstate, bool scalar_decay,
-    at::Tensor& dx, at::Tensor& ddelta, const std::optional<at::Tensor>& dz, const std::optional<at::Tensor>& dh0) {
+    const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& h0,
+    const std::optional<at::Tensor>& dstate, const BackwardOptions& o, at::Tensor& dx, at::Tensor& ddt,
+    const std::optional<at::Tensor>& dz, const std::optional<at::Tensor>& dh0) {
   scan_bridge::ScanBackwardProblem<T> p;
   p.batch = x.size(0);
   p.seq = x.size(1);
   p.dim = x.size(2);
   p.state = A.size(1);
   p.groups = B.size(2);
-  p.scalar_decay = scalar_decay;
+  p.scalar_decay = o.scalar_decay;
   p.x = x.data_ptr<T>();
-  p.delta = delta.data_ptr<T>();
+  p.dt = dt.data_ptr<T>();
   p.z = data_of<T>(z);
   p.dy = dy.data_ptr<T>();
   p.A = A.data_ptr<T>();
   p.B = B.data_ptr<T>();
   p.C = C.data_ptr<T>();
   p.D = data_of<T>(D);
+  p.dt_bias = data_of<T>(dt_bias);
+  p.dt_softplus = o.dt_softplus;
+  p.has_dt_min = o.dt_min.has_value();
+  p.has_dt_max = o.dt_max.has_value();
+  p.dt_min = o.dt_min.value_or(0.0);
+  p.dt_max = o.dt_max.value_or(0.0);
   p.h0 = data_of<T>(h0);
   p.dstate = data_of<T>(dstate);
   p.dx = dx.data_ptr<T>();
-  p.ddelta = ddelta.data_ptr<T>();
+  p.ddt = ddt.data_ptr<T>();
   p.dz = dz.has_value() ? dz->data_ptr<T>() : nullptr;
   p.dh0 = dh0.has_value() ? dh0->data_ptr<T>() : nullptr;
 
@@ -357,37 +369,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_backward_typed(
   const auto options = x.options();
   at::Tensor dA = at::zeros({threads, p.dim, p.state}, options);
   at::Tensor dD = at::zeros({threads, p.dim}, options);
+  at::Tensor dbias = at::zeros({threads, p.dim}, options);
   at::Tensor dB = at::zeros({threads, p.batch, p.seq, p.groups, p.state}, options);
   at::Tensor dC = at::zeros({threads, p.batch, p.seq, p.groups, p.state}, options);
   p.dA = dA.data_ptr<T>();
   p.dD = dD.data_ptr<T>();
+  p.ddt_bias = dbias.data_ptr<T>();
   p.dB = dB.data_ptr<T>();
   p.dC = dC.data_ptr<T>();
   run_on(threads, items, per_item,
          [&](scan_bridge::WorkQueue& queue, int seat) { scan_bridge::scan_backward_run(p, queue, seat); });
-  return {dA.sum(0), dD.sum(0), dB.sum(0), dC.sum(0)};
+  return {dA.sum(0), dD.sum(0), dbias.sum(0), dB.sum(0), dC.sum(0)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_backward(
-    const at::Tensor& x, const at::Tensor& delta, const std::optional<at::Tensor>& z, const at::Tensor& dy,
+// -> [dA, dD, ddt_bias, dB, dC]; dx, ddt, dz, dh0 are written where they are given.
+std::vector<at::Tensor> scan_backward(
+    const at::Tensor& x, const at::Tensor& dt, const std::optional<at::Tensor>& z, const at::Tensor& dy,
     const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
-    const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& dstate, bool scalar_decay,
-    at::Tensor dx, at::Tensor ddelta, const std::optional<at::Tensor>& dz, const std::optional<at::Tensor>& dh0) {
+    const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
+    std::optional<double> dt_max, const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& dstate,
+    bool scalar_decay, at::Tensor dx, at::Tensor ddt, const std::optional<at::Tensor>& dz,
+    const std::optional<at::Tensor>& dh0) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble)
     throw std::invalid_argument("scan_backward x: expected float32 or float64");
   if (x.dim() != 3 || B.dim() != 4 || C.dim() != 4 || A.dim() != 2)
     throw std::invalid_argument("scan_backward: expected x 3-D, B and C 4-D, A 2-D");
   if (z.has_value() != dz.has_value()) throw std::invalid_argument("scan_backward: dz is given exactly with z");
-  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&delta, "delta"}, {&dy, "dy"},
-                         {&A, "A"}, {&B, "B"}, {&C, "C"}, {&dx, "dx"}, {&ddelta, "ddelta"}})
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&dy, "dy"},
+                         {&A, "A"}, {&B, "B"}, {&C, "C"}, {&dx, "dx"}, {&ddt, "ddt"}})
     require_operand(*t, name, dtype, "scan_backward");
-  for (auto [t, name] : {std::pair<const std::optional<at::Tensor>*, const char*>{&z, "z"}, {&D, "D"}, {&h0, "h0"},
-                         {&dstate, "dstate"}, {&dz, "dz"}, {&dh0, "dh0"}})
+  for (auto [t, name] : {std::pair<const std::optional<at::Tensor>*, const char*>{&z, "z"}, {&D, "D"},
+                         {&dt_bias, "dt_bias"}, {&h0, "h0"}, {&dstate, "dstate"}, {&dz, "dz"}, {&dh0, "dh0"}})
     if (t->has_value()) require_operand(**t, name, dtype, "scan_backward");
+  const BackwardOptions o{dt_softplus, scalar_decay, dt_min, dt_max};
   if (dtype == at::kFloat)
-    return scan_backward_typed<float>(x, delta, z, dy, A, B, C, D, h0, dstate, scalar_decay, dx, ddelta, dz, dh0);
-  return scan_backward_typed<double>(x, delta, z, dy, A, B, C, D, h0, dstate, scalar_decay, dx, ddelta, dz, dh0);
+    return scan_backward_typed<float>(x, dt, z, dy, A, B, C, D, dt_bias, h0, dstate, o, dx, ddt, dz, dh0);
+  return scan_backward_typed<double>(x, dt, z, dy, A, B, C, D, dt_bias, h0, dstate, o, dx, ddt, dz, dh0);
 }
 
 // --- A whole model's step -------------------------------------------------------------------

@@ -8,6 +8,8 @@
 //   dC_t += dy_t h_t;  dB_t += dh (delta_t x_t);  dD += dy_t x_t
 //   dx_t = dy_t D + delta_t (dh . B_t);  q = dh a_t h_{t-1} (a_t = exp(delta_t A))
 //   ddelta_t = x_t (dh . B_t) + q . A;  dA += delta_t q;  dh <- a_t dh
+// and ddt_t = ddelta_t d(delta_t)/d(dt_t): 0 where the clamp holds delta (torch.clamp's
+// gradient), times softplus' derivative sigmoid(dt_t + bias) (1 past its threshold, 20).
 // dB and dC sum over a group's channels: each chunk's per-lane terms go through one lane-sum
 // tree per W state elements into the seat's accumulators.
 
@@ -37,8 +39,8 @@ class BackwardRunner {
         per_group_blocks_((per_group_ + W - 1) / W),
         chunks_((p.seq + K - 1) / K),
         decays_per_step_(p.scalar_decay ? 1 : p.state),
-        scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 2 * Scratch::bytes<V>(1) +
-                 9 * Scratch::bytes<V>(K) + 2 * Scratch::bytes<T>(K * N_) +
+        scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
+                 10 * Scratch::bytes<V>(K) + 2 * Scratch::bytes<T>(K * N_) +
                  Scratch::bytes<V>((K + 1) * N_) + Scratch::bytes<V>(K * decays_per_step_) +
                  2 * Scratch::bytes<V>(Npad_)) {
     ckpt_ = scratch_.take<V>(chunks_ * N_);
@@ -47,8 +49,11 @@ class BackwardRunner {
     dA_ = scratch_.take<V>(N_);
     D_ = scratch_.take<V>(1);
     dD_ = scratch_.take<V>(1);
+    bias_ = scratch_.take<V>(1);
+    dbias_ = scratch_.take<V>(1);
     xs_ = scratch_.take<V>(K);
     dls_ = scratch_.take<V>(K);
+    slope_ = scratch_.take<V>(K);
     dts_ = scratch_.take<V>(K);
     dtx_ = scratch_.take<V>(K);
     gs_ = scratch_.take<V>(K);
@@ -92,6 +97,9 @@ class BackwardRunner {
     D_[0] = V{};
     if (p_.D != nullptr)
       for (int l = 0; l < lanes; ++l) D_[0][l] = p_.D[d0 + l];
+    bias_[0] = V{};
+    if (p_.dt_bias != nullptr)
+      for (int l = 0; l < lanes; ++l) bias_[0][l] = p_.dt_bias[d0 + l];
   }
 
   // tile[t][l] = src[b, t0 + t, d0 + l]; lanes past `lanes` are zero.
@@ -107,13 +115,34 @@ class BackwardRunner {
       std::memcpy(dst + (b * p_.seq + t0 + t) * p_.dim + d0, static_cast<const void*>(tile + t), lanes * sizeof(T));
   }
 
-  // x, delta (raw and as Math<T>::decay takes it), delta x and B (with C when `with_c`) for a chunk.
+  // x, delta (plain and as Math<T>::decay takes it), d(delta)/d(dt), delta x and B (with C when
+  // `with_c`) for a chunk.
   void pack(int64_t b, int64_t g, int64_t t0, int steps, int64_t d0, int lanes, bool with_c) {
     load_tile(p_.x, b, t0, steps, d0, lanes, xs_);
-    load_tile(p_.delta, b, t0, steps, d0, lanes, dls_);
+    load_tile(p_.dt, b, t0, steps, d0, lanes, dls_);
+    const T lo = static_cast<T>(p_.dt_min), hi = static_cast<T>(p_.dt_max);
+    const V one = Lanes<T>::splat(static_cast<T>(1)), zero = V{};
     for (int t = 0; t < steps; ++t) {
-      dtx_[t] = dls_[t] * xs_[t];
-      dts_[t] = dls_[t] * Math<T>::kDecayScale;
+      const V v = dls_[t] + bias_[0];
+      V d = v, slope = one;
+      if (p_.dt_softplus) {
+        d = Math<T>::softplus(v);
+        slope = v > static_cast<T>(20) ? one : Math<T>::sigmoid(v);
+      }
+      // The forward's clamp lets NaN through; torch.clamp's gradient is 0 for it (its
+      // comparisons are false), so the slope's test is written the other way round.
+      if (p_.has_dt_min) {
+        slope = d >= lo ? slope : zero;
+        d = d < lo ? lo : d;
+      }
+      if (p_.has_dt_max) {
+        slope = d <= hi ? slope : zero;
+        d = d > hi ? hi : d;
+      }
+      dls_[t] = d;
+      slope_[t] = slope;
+      dtx_[t] = d * xs_[t];
+      dts_[t] = d * Math<T>::kDecayScale;
     }
     const int64_t row = p_.groups * N_;
     for (int t = 0; t < steps; ++t) {
@@ -156,7 +185,7 @@ class BackwardRunner {
   void reverse_pass(int64_t b, int64_t g, int64_t d0, int lanes, int seat) {
     load_state(p_.dstate, b, d0, lanes, dh_);
     std::memset(static_cast<void*>(dA_), 0, N_ * sizeof(V));
-    dD_[0] = V{};
+    dD_[0] = dbias_[0] = V{};
     for (int64_t c = chunks_ - 1; c >= 0; --c) {
       const int64_t t0 = c * K;
       const int steps = static_cast<int>(std::min<int64_t>(K, p_.seq - t0));
@@ -174,7 +203,7 @@ class BackwardRunner {
         add_lane_sums(dCp_, p_.dC + at);
       }
       store_tile(p_.dx, b, t0, steps, d0, lanes, dxs_);
-      store_tile(p_.ddelta, b, t0, steps, d0, lanes, dds_);
+      store_tile(p_.ddt, b, t0, steps, d0, lanes, dds_);
       if (p_.z != nullptr) store_tile(p_.dz, b, t0, steps, d0, lanes, dzs_);
     }
     if (p_.dh0 != nullptr)
@@ -186,6 +215,8 @@ class BackwardRunner {
       for (int64_t n = 0; n < n_kept; ++n) dA[(d0 + l) * N_ + n] += dA_[n][l];
     T* dD = p_.dD + static_cast<int64_t>(seat) * p_.dim;
     for (int l = 0; l < lanes; ++l) dD[d0 + l] += dD_[0][l];
+    T* dbias = p_.ddt_bias + static_cast<int64_t>(seat) * p_.dim;
+    for (int l = 0; l < lanes; ++l) dbias[d0 + l] += dbias_[0][l];
   }
 
   // hist_[t + 1] = h_t for the chunk's steps (hist_[0]: its checkpoint), with the decays.
@@ -259,18 +290,30 @@ class BackwardRunner {
       }
     }
     dxs_[t] = dy * D_[0] + dl * dhB;
-    dds_[t] = x * dhB + qA;
+    dds_[t] = (x * dhB + qA) * slope_[t];
+    dbias_[0] += dds_[t];
   }
 
-  // out[n] += the sum of the lanes of v[n], for n < state.
+  // The lane of a LaneSums result that holds input i's sum.
+  struct SumOfInput {
+    static constexpr int lane(int i) {
+      for (int c = 0; c < W; ++c)
+        if (LaneSums<T>::kSlot[c] == i) return c;
+      return 0;
+    }
+  };
+
+  // out[n] += the sum of the lanes of v[n], for n < state: W sums at a time, put back in input
+  // order by one shuffle and added to `out` as one vector where W of them fit.
   void add_lane_sums(const V* v, T* out) {
     for (int64_t n0 = 0; n0 < N_; n0 += W) {
       V tmp[W];
       for (int i = 0; i < W; ++i) tmp[i] = n0 + i < N_ ? v[n0 + i] : V{};
-      const V s = LaneSums<T>::of(tmp);
-      for (int c = 0; c < W; ++c) {
-        const int64_t n = n0 + LaneSums<T>::kSlot[c];
-        if (n < N_) out[n] += s[c];
+      const V sums = Shuffles<T>::template apply<SumOfInput>(LaneSums<T>::of(tmp), V{});
+      if (n0 + W <= N_) {
+        *reinterpret_cast<typename Lanes<T>::Unaligned*>(out + n0) += sums;
+      } else {
+        for (int64_t n = n0; n < N_; ++n) out[n] += sums[n - n0];
       }
     }
   }
@@ -279,7 +322,8 @@ class BackwardRunner {
   const int64_t N_, Npad_, per_group_, per_group_blocks_, chunks_, decays_per_step_;
   Scratch scratch_;
   int64_t prepared_block_ = -1;
-  V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *xs_, *dls_, *dts_, *dtx_, *gs_, *zs_, *dxs_, *dds_, *dzs_;
+  V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *dts_, *dtx_, *gs_, *zs_, *dxs_,
+      *dds_, *dzs_;
   T *Bs_, *Cs_;
   V *hist_, *decay_, *dBp_, *dCp_;
 };

@@ -1,7 +1,8 @@
 // The selective scan's backward pass over contiguous operands in the compute dtype (float or
-// double), torch-free like scan_kernel.h. The binding (binding.cpp) hands it dt already
-// discretized (bias, softplus, clamp; their chain rule is elementwise and stays in torch) and
-// sums the per-seat accumulators afterwards.
+// double), torch-free like scan_kernel.h. dt is discretized here as the forward does it (bias,
+// softplus, clamp), and its gradient goes back through that chain per (time, channel), so no
+// discretized copy of dt is ever made. The binding (binding.cpp) sums the per-seat accumulators
+// afterwards.
 //
 // Memory: no [batch, seq, dim, state] history. Each item (a block of W channels of one batch
 // row) walks its sequence once to keep the state at every kBackwardChunk-th step, then walks it
@@ -26,22 +27,27 @@ struct ScanBackwardProblem {
   int64_t batch = 0, seq = 0, dim = 0, state = 0, groups = 1;
   bool scalar_decay = false;
   const T* x = nullptr;       // [batch, seq, dim]
-  const T* delta = nullptr;   // [batch, seq, dim], discretized dt
+  const T* dt = nullptr;      // [batch, seq, dim], before bias, softplus and clamp
   const T* z = nullptr;       // [batch, seq, dim] or nullptr
   const T* dy = nullptr;      // [batch, seq, dim]
   const T* A = nullptr;       // [dim, state]
   const T* B = nullptr;       // [batch, seq, groups, state]
   const T* C = nullptr;       // [batch, seq, groups, state]
   const T* D = nullptr;       // [dim] or nullptr
+  const T* dt_bias = nullptr; // [dim] or nullptr
+  bool dt_softplus = false;
+  bool has_dt_min = false, has_dt_max = false;
+  double dt_min = 0.0, dt_max = 0.0;
   const T* h0 = nullptr;      // [batch, dim, state] or nullptr (zeros)
   const T* dstate = nullptr;  // [batch, dim, state] or nullptr (zeros): the final state's gradient
   T* dx = nullptr;            // [batch, seq, dim], written
-  T* ddelta = nullptr;        // [batch, seq, dim], written
+  T* ddt = nullptr;           // [batch, seq, dim], written
   T* dz = nullptr;            // [batch, seq, dim], written where z is given
   T* dh0 = nullptr;           // [batch, dim, state], written, or nullptr
   // Accumulated (+=) into the slice of the running seat; zero-filled by the caller:
   T* dA = nullptr;            // [seats, dim, state]
   T* dD = nullptr;            // [seats, dim]
+  T* ddt_bias = nullptr;      // [seats, dim]
   T* dB = nullptr;            // [seats, batch, seq, groups, state]
   T* dC = nullptr;            // [seats, batch, seq, groups, state]
 };
