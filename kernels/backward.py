@@ -209,6 +209,15 @@ def discretize_backward(ddelta, dt, dt_bias, dt_softplus, dt_min, dt_max, f):
     return grad, dbias
 
 
+def bdl_layout(grads: dict) -> dict:
+    """Gradients computed over "bld" views of "bdl" inputs, as views in the "bdl" layout."""
+    for name in ("x", "dt", "z"):
+        if grads[name] is not None:
+            grads[name] = grads[name].transpose(1, 2)
+    grads["B"], grads["C"] = grads["B"].permute(0, 2, 3, 1), grads["C"].permute(0, 2, 3, 1)
+    return grads
+
+
 # --- kernels.selective_scan / kernels.ssd_scan under autograd --------------------------------
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._registry import Backend
+from ..backward import bdl_layout
 from ..eager import _compute_dtype, _discretize_dt
 from ..eager_ssd import _skip_and_gate
 
@@ -98,12 +99,7 @@ def backend_from(ext) -> Backend:
             z = None if z is None else z.transpose(1, 2)
             B, C = B.permute(0, 3, 1, 2), C.permute(0, 3, 1, 2)
         grads = run_backward(dy, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, False, f)
-        if bdl:
-            for name in ("x", "dt", "z"):
-                if grads[name] is not None:
-                    grads[name] = grads[name].transpose(1, 2)
-            grads["B"], grads["C"] = grads["B"].permute(0, 2, 3, 1), grads["C"].permute(0, 2, 3, 1)
-        return grads
+        return bdl_layout(grads) if bdl else grads
 
     def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
                           chunk_size):

@@ -8,6 +8,7 @@ machine without a GPU; far too slow to serve). Nothing here imports triton until
     scan.py          forward scan: chunked associative scan, sequence segments with carries
     state_update.py  one timestep for many rows, state in place, slots into a state pool
     ssd.py           Mamba-2 (SSD): the chunked scan (tl.dot tiles) and its one-step update
+    backward.py      gradients of both scans: checkpoints every tile, tiles recomputed in reverse
     graphs.py        the state update captured as a CUDA graph, for calls that repeat one problem
     common.py        math and host helpers both kernels share
     configs.py       the block-size table and the sequence split (no autotuning)
@@ -27,7 +28,7 @@ def load_backend() -> Backend:
         raise BackendUnavailable(f"triton is not importable: {exc}") from exc
     import torch
 
-    from . import scan, ssd, state_update
+    from . import backward, scan, ssd, state_update
     from .common import interpreter_active
     from .graphs import CapturedStateUpdate
     from .warmup import warmup
@@ -53,4 +54,6 @@ def load_backend() -> Backend:
         details={"triton": triton.__version__, "interpreter": interpreted},
         # A CUDA graph holds a compiled kernel; the interpreter compiles none.
         capture_state_update=None if interpreted else CapturedStateUpdate,
+        scan_backward=backward.selective_scan_backward,
+        ssd_scan_backward=backward.ssd_scan_backward,
     )

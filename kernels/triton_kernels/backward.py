@@ -1,0 +1,430 @@
+"""Gradients of the selective scan (Mamba-1) and of the SSD scan (Mamba-2) in Triton.
+
+The cpu backend's design (kernels/cpu/scan_backward.cpp) on the GPU. Storing the state history
+would take [batch, seq, dim, state] values, `state` times the size of x, so it is never stored.
+A program owns (batch row, BLOCK_D channels of one group), as in the forward, and two launches
+run over the same grid:
+
+  1. `_checkpoint_kernel` walks the sequence forward once and stores the state entering every
+     tile of CHUNK steps: [batch, ceil(seq / CHUNK), dim, state] in the accumulation dtype,
+     CHUNK times smaller than the history.
+  2. `_reverse_kernel` walks the tiles backward. Each tile's states are recomputed from its
+     checkpoint in registers (the forward's associative scan), then the reverse recurrence
+     G_t = dy_t C_t + a_{t+1} G_{t+1} (G: the gradient of the loss with respect to h_t) is one
+     more associative scan over the tile read back to front, and every gradient of the tile
+     follows element-wise from h_t and G_t (formulas at `_reverse_kernel`).
+
+Reductions. dB and dC sum over the channels of a group, i.e. over programs: each program sums
+its BLOCK_D channels (tl.sum) and adds the [CHUNK, state] result into fp32 (fp64) dB / dC with
+tl.atomic_add, since per-program partials would be [channel blocks] times the size of B. dA and
+dD sum over the batch only: each program writes its row's sums once to [batch, dim(, state)]
+partials that torch adds up, which keeps them deterministic.
+
+dt's discretisation (bias, softplus, clamp) and its chain rule stay in torch
+(kernels.eager._discretize_dt, kernels.backward.discretize_backward): the kernels take
+the discretised dt ("delta") and return its gradient. Mamba-2 runs on the same kernels with
+heads x headdim as channels, one decay per channel (SCALAR_DECAY) and each head's dt shared by
+its headdim channels; the per-channel gradients of dt and A are summed back over headdim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backward import bdl_layout, discretize_backward
+from ..eager import _discretize_dt
+from ..errors import KernelInputError
+from . import configs
+from .common import (
+    Launch, accumulation_dtype, offset_index, program_coords, run_on_device_of, triton_dtype, wide_offsets,
+)
+from .scan import _combine
+
+# BLOCK_N -> blocks. The reverse pass keeps several [CHUNK, BLOCK_D, BLOCK_N] tiles live at once
+# (the states, their reversed copy, G, two decays, q) besides the tile's loads, so a row holds a
+# quarter of the forward table's tile (configs.SCAN_TABLE): 1024 values over 8 warps, 4 per
+# thread per tile. Compiled for sm_90 (ptxas -v, as kernels.triton_kernels.aot_check does) every
+# row fits the registers without spilling in fp32 and in fp64, which twice the tile did not.
+# CHUNK is also the checkpoint interval (the checkpoints are the state history / CHUNK), so it
+# stays 16 while the channels can shrink and gives way only past BLOCK_N 64, down to 2 (at 1024
+# that is 2048 values, which still fit). Not timed on a GPU.
+#             BLOCK_N  block_d  chunk  warps
+BACKWARD_TABLE = (
+    (4, configs.ScanBlocks(16, 16, 8)),
+    (8, configs.ScanBlocks(8, 16, 8)),
+    (16, configs.ScanBlocks(4, 16, 8)),
+    (32, configs.ScanBlocks(2, 16, 8)),
+    (64, configs.ScanBlocks(1, 16, 8)),
+    (128, configs.ScanBlocks(1, 8, 8)),
+    (256, configs.ScanBlocks(1, 4, 8)),
+    (512, configs.ScanBlocks(1, 2, 8)),
+    (1024, configs.ScanBlocks(1, 2, 8)),
+)
+# On the CPU the kernels run on Triton's interpreter, which exists to test them: the smallest
+# tiles, so that small shapes already cross several tiles and channel blocks with remainders
+# (the interpreter's cost follows the elements computed, not the number of programs).
+INTERPRETER_BLOCKS = configs.ScanBlocks(block_d=4, chunk=4, num_warps=1)
+
+
+@triton.jit
+def _decay_rates(A_ptr, d, mask_d, n, mask_n, per_decay, s_A_d, s_A_n, SCALAR_DECAY: tl.constexpr,
+                 ACC: tl.constexpr):
+    """A as [BLOCK_D, BLOCK_N] (0 where masked, so padded state entries never decay), or with
+    SCALAR_DECAY one rate per channel, A[d // per_decay], as [BLOCK_D, 1]."""
+    if SCALAR_DECAY:
+        A = tl.load(A_ptr + (d // per_decay) * s_A_d, mask=mask_d, other=0.0).to(ACC)[:, None]
+    else:
+        A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n,
+                    mask=mask_d[:, None] & mask_n[None, :], other=0.0).to(ACC)
+    return A
+
+
+@triton.jit
+def _load_td(base, t, mask_t, cols, mask_cols, s_l, s_c, ACC: tl.constexpr):
+    """base[t, cols] as [CHUNK, len(cols)] in ACC, 0 where masked."""
+    return tl.load(base + t[:, None] * s_l + cols[None, :] * s_c,
+                   mask=mask_t[:, None] & mask_cols[None, :], other=0.0).to(ACC)
+
+
+@triton.jit
+def _tile_states(h_in, delta, x, A, B_tile):
+    """States after each step of a tile in time order, [CHUNK, BLOCK_D, BLOCK_N], and the
+    state after its last step; delta and x are 0 on padded steps, which then keep the state."""
+    decay = tl.exp(delta[:, :, None] * A[None, :, :])
+    inputs = (delta * x)[:, :, None] * B_tile[:, None, :]
+    decay, inputs = tl.broadcast(decay, inputs)  # SCALAR_DECAY: one decay for the whole state
+    step = tl.arange(0, inputs.shape[0])[:, None, None]
+    inputs = tl.where(step == 0, decay * h_in[None, :, :] + inputs, inputs)
+    _, states = tl.associative_scan((decay, inputs), 0, _combine)
+    h_out = tl.sum(tl.where(step == inputs.shape[0] - 1, states, 0.0), axis=0)
+    return states, h_out
+
+
+# Loop bounds: not specialising on them keeps one compiled variant whatever the sequence length.
+_UNSPECIALISED = ["seq", "n_chunks"]
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def _checkpoint_kernel(
+    x_ptr, delta_ptr, A_ptr, B_ptr, h0_ptr, ckpt_ptr,
+    seq, dim, nstate, groups, dim_per_group, per_decay, n_chunks,
+    s_x_b, s_x_l, s_x_d, s_dl_b, s_dl_l, s_dl_d, s_B_b, s_B_l, s_B_g, s_B_n, s_A_d, s_A_n,
+    s_h0_b, s_h0_d, s_h0_n,
+    HAS_H0: tl.constexpr, SCALAR_DECAY: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+):
+    """ckpt[row, c] = the state entering tile c (c = 0: h0, or zeros)."""
+    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
+    n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
+    mask_n = n < nstate
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    A = _decay_rates(A_ptr, d, mask_d, n, mask_n, per_decay, s_A_d, s_A_n, SCALAR_DECAY, ACC)
+    d_delta = d // per_decay
+    if HAS_H0:
+        h = tl.load(h0_ptr + row * s_h0_b + d[:, None] * s_h0_d + n[None, :] * s_h0_n,
+                    mask=mask_dn, other=0.0).to(ACC)
+    else:
+        h = tl.zeros([BLOCK_D, BLOCK_N], dtype=ACC)
+    x_base = x_ptr + row * s_x_b
+    delta_base = delta_ptr + row * s_dl_b
+    B_base = B_ptr + row * s_B_b + group * s_B_g
+    in_ckpt = d[:, None] * nstate + n[None, :]
+    tl.store(ckpt_ptr + row * n_chunks * dim * nstate + in_ckpt, h, mask=mask_dn)
+    for c in range(1, n_chunks):  # the last tile's states are never needed here
+        t = offset_index((c - 1) * CHUNK + tl.arange(0, CHUNK), WIDE_OFFSETS)
+        mask_t = t < seq
+        x = _load_td(x_base, t, mask_t, d, mask_d, s_x_l, s_x_d, ACC)
+        delta = _load_td(delta_base, t, mask_t, d_delta, mask_d, s_dl_l, s_dl_d, ACC)
+        B_tile = _load_td(B_base, t, mask_t, n, mask_n, s_B_l, s_B_n, ACC)
+        _, h = _tile_states(h, delta, x, A, B_tile)
+        tl.store(ckpt_ptr + (row * n_chunks + c) * dim * nstate + in_ckpt, h, mask=mask_dn)
+
+
+@triton.jit(do_not_specialize=_UNSPECIALISED)
+def _reverse_kernel(
+    x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dy_ptr, ckpt_ptr, dstate_ptr,
+    dx_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dh0_ptr,
+    seq, dim, nstate, groups, dim_per_group, per_decay, n_chunks,
+    s_x_b, s_x_l, s_x_d, s_dl_b, s_dl_l, s_dl_d, s_z_b, s_z_l, s_z_d, s_dy_b, s_dy_l, s_dy_d,
+    s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
+    s_A_d, s_A_n, s_D, s_ds_b, s_ds_d, s_ds_n,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DSTATE: tl.constexpr, STORE_DH0: tl.constexpr,
+    SCALAR_DECAY: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+):
+    """The tiles from last to first, each read back to front (row i of a tile is step
+    t0 + CHUNK - 1 - i), so the reverse recurrence is an ordinary (forward) associative scan:
+    Triton's reverse=True scan is not relied on (triton-lang/triton#4362). With g = dy input:
+
+        dy_t = g_t silu(z_t);  dz_t = g_t (C_t . h_t + D x_t) silu'(z_t)   (without z: dy_t = g_t)
+        G_t = dy_t C_t + a_{t+1} G_{t+1}   (a_t = exp(delta_t A); at the last step a G is dstate)
+        dC_t = sum_d dy_t h_t;  dB_t = sum_d G_t delta_t x_t;  dD = sum_t dy_t x_t
+        dx_t = dy_t D + delta_t (G_t . B_t);  q_t = G_t a_t h_{t-1} = G_t (h_t - delta_t x_t B_t)
+        ddelta_t = x_t (G_t . B_t) + q_t . A;  dA = sum_t delta_t q_t;  dh0 = a_0 G_0
+
+    a_t h_{t-1} is taken as h_t minus the step's input, which needs no shifted copy of the
+    states and differs from it only by a rounding at h_t's magnitude."""
+    row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
+    n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
+    mask_n = n < nstate
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    A = _decay_rates(A_ptr, d, mask_d, n, mask_n, per_decay, s_A_d, s_A_n, SCALAR_DECAY, ACC)
+    d_delta = d // per_decay
+    if HAS_D:
+        D = tl.load(D_ptr + d * s_D, mask=mask_d, other=0.0).to(ACC)
+
+    # carry: the gradient with respect to the state entering the tile after this one, times
+    # that tile's first decay (a_{t+1} G_{t+1} for the tile's last step t).
+    if HAS_DSTATE:
+        carry = tl.load(dstate_ptr + row * s_ds_b + d[:, None] * s_ds_d + n[None, :] * s_ds_n,
+                        mask=mask_dn, other=0.0).to(ACC)
+    else:
+        carry = tl.zeros([BLOCK_D, BLOCK_N], dtype=ACC)
+    dA = tl.zeros(A.shape, dtype=ACC)
+    dD = tl.zeros([BLOCK_D], dtype=ACC)
+
+    x_base = x_ptr + row * s_x_b
+    delta_base = delta_ptr + row * s_dl_b
+    dy_base = dy_ptr + row * s_dy_b
+    B_base = B_ptr + row * s_B_b + group * s_B_g
+    C_base = C_ptr + row * s_C_b + group * s_C_g
+    # The gradients' own buffers are contiguous: dx, ddelta, dz [batch, seq, dim] share one
+    # offset tile, dB and dC [batch, seq, groups, state] another (fewer live registers).
+    out_row = row * seq * dim
+    bc_row = row * seq * groups * nstate + group * nstate
+    in_ckpt = d[:, None] * nstate + n[None, :]
+    i = tl.arange(0, CHUNK)
+    first = i[:, None, None] == 0
+    for k in range(0, n_chunks):
+        c = n_chunks - 1 - k
+        # The tile's states in time order, from its checkpoint, then read back to front.
+        t_fwd = offset_index(c * CHUNK + i, WIDE_OFFSETS)
+        mask_fwd = t_fwd < seq
+        h_in = tl.load(ckpt_ptr + (row * n_chunks + c) * dim * nstate + in_ckpt, mask=mask_dn, other=0.0)
+        states, _ = _tile_states(
+            h_in,
+            _load_td(delta_base, t_fwd, mask_fwd, d_delta, mask_d, s_dl_l, s_dl_d, ACC),
+            _load_td(x_base, t_fwd, mask_fwd, d, mask_d, s_x_l, s_x_d, ACC), A,
+            _load_td(B_base, t_fwd, mask_fwd, n, mask_n, s_B_l, s_B_n, ACC))
+        h = tl.flip(states, 0)
+
+        t = offset_index(c * CHUNK + (CHUNK - 1) - i, WIDE_OFFSETS)
+        mask_t = t < seq
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        mask_tn = mask_t[:, None] & mask_n[None, :]
+        t_d = t[:, None] * dim + d[None, :]
+        x = _load_td(x_base, t, mask_t, d, mask_d, s_x_l, s_x_d, ACC)
+        delta = _load_td(delta_base, t, mask_t, d_delta, mask_d, s_dl_l, s_dl_d, ACC)
+        # delta_{t+1} within the tile (row i - 1); 0, i.e. decay 1, past the tile or the sequence.
+        delta_next = _load_td(delta_base, t + 1, (i > 0) & (t + 1 < seq), d_delta, mask_d, s_dl_l, s_dl_d, ACC)
+        g = _load_td(dy_base, t, mask_t, d, mask_d, s_dy_l, s_dy_d, ACC)
+        B_tile = _load_td(B_base, t, mask_t, n, mask_n, s_B_l, s_B_n, ACC)
+        C_tile = _load_td(C_base, t, mask_t, n, mask_n, s_C_l, s_C_n, ACC)
+
+        if HAS_Z:
+            z = _load_td(z_ptr + row * s_z_b, t, mask_t, d, mask_d, s_z_l, s_z_d, ACC)
+            y = tl.sum(h * C_tile[:, None, :], axis=2)
+            if HAS_D:
+                y += x * D[None, :]
+            sg = tl.sigmoid(z)
+            dz = g * y * sg * (1.0 + z * (1.0 - sg))
+            tl.store(dz_ptr + out_row + t_d, dz, mask=mask_td)
+            dy = g * z * sg
+        else:
+            dy = g
+
+        # G over the tile back to front; the carry enters at the tile's last step (row 0).
+        # Padded steps past the sequence end have dy = 0 and decay 1, so the carry (dstate)
+        # passes through them unchanged to the last real step.
+        v = dy[:, :, None] * C_tile[:, None, :]
+        v = tl.where(first, v + carry[None, :, :], v)
+        decay_next = tl.exp(delta_next[:, :, None] * A[None, :, :])
+        decay_next, v = tl.broadcast(decay_next, v)
+        _, G = tl.associative_scan((decay_next, v), 0, _combine)
+
+        u = delta * x
+        dB_tile = tl.sum(G * u[:, :, None], axis=1)
+        dC_tile = tl.sum(dy[:, :, None] * h, axis=1)
+        t_n = bc_row + t[:, None] * (groups * nstate) + n[None, :]
+        tl.atomic_add(dB_ptr + t_n, dB_tile, mask=mask_tn)
+        tl.atomic_add(dC_ptr + t_n, dC_tile, mask=mask_tn)
+
+        dhB = tl.sum(G * B_tile[:, None, :], axis=2)
+        q = G * (h - u[:, :, None] * B_tile[:, None, :])
+        ddelta = x * dhB + tl.sum(q * A[None, :, :], axis=2)
+        dx = delta * dhB
+        if HAS_D:
+            dx += dy * D[None, :]
+            dD += tl.sum(dy * x, axis=0)
+        dq = tl.sum(delta[:, :, None] * q, axis=0)
+        if SCALAR_DECAY:
+            dA += tl.sum(dq, axis=1)[:, None]
+        else:
+            dA += dq
+        tl.store(dx_ptr + out_row + t_d, dx, mask=mask_td)
+        tl.store(ddelta_ptr + out_row + t_d, ddelta, mask=mask_td)
+
+        # The next carry, a_{t0} G_{t0}: the tile's first step is its last row.
+        G_first = tl.sum(tl.where(i[:, None, None] == CHUNK - 1, G, 0.0), axis=0)
+        delta_first = tl.sum(tl.where(i[:, None] == CHUNK - 1, delta, 0.0), axis=0)
+        carry = tl.exp(delta_first[:, None] * A) * G_first
+
+    if STORE_DH0:
+        tl.store(dh0_ptr + (row * dim * nstate) + in_ckpt, carry, mask=mask_dn)
+    if SCALAR_DECAY:
+        tl.store(dA_ptr + row * dim + d, tl.sum(dA, axis=1), mask=mask_d)
+    else:
+        tl.store(dA_ptr + row * dim * nstate + in_ckpt, dA, mask=mask_dn)
+    if HAS_D:
+        tl.store(dD_ptr + row * dim + d, dD, mask=mask_d)
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How one backward call is cut up."""
+    block_n: int
+    blocks: configs.ScanBlocks
+    n_chunks: int  # tiles of blocks.chunk steps, and so checkpoints per row
+    programs: int  # the grid of both launches
+
+
+def backward_blocks(state: int, dim_per_group: int) -> tuple[int, configs.ScanBlocks]:
+    """(BLOCK_N, blocks) from BACKWARD_TABLE; block_d shrinks to a group's channels when a
+    group is narrower than the table's block."""
+    block_n = triton.next_power_of_2(state)
+    for limit, blocks in BACKWARD_TABLE:
+        if block_n <= limit:
+            block_d = min(blocks.block_d, triton.next_power_of_2(dim_per_group))
+            return block_n, configs.ScanBlocks(block_d, blocks.chunk, blocks.num_warps)
+    raise KernelInputError("A", f"a state size <= {BACKWARD_TABLE[-1][0]} (Triton backend)", f"state size {state}")
+
+
+def plan_backward(batch: int, seq: int, channels: int, state: int, groups: int, device: torch.device,
+                  blocks: configs.ScanBlocks | None = None) -> BackwardPlan:
+    """Blocks from the table on CUDA, INTERPRETER_BLOCKS on the CPU, or `blocks`; block_d never
+    wider than a group's channels rounded up to a power of two."""
+    dim_per_group = channels // groups
+    block_n, table_blocks = backward_blocks(state, dim_per_group)
+    if blocks is None:
+        blocks = table_blocks if device.type == "cuda" else INTERPRETER_BLOCKS
+    blocks = configs.ScanBlocks(min(blocks.block_d, triton.next_power_of_2(dim_per_group)), blocks.chunk,
+                                blocks.num_warps)
+    programs = batch * groups * triton.cdiv(dim_per_group, blocks.block_d)
+    return BackwardPlan(block_n, blocks, triton.cdiv(seq, blocks.chunk), programs)
+
+
+def checkpoint_shape(plan: BackwardPlan, batch: int, channels: int, state: int) -> tuple[int, int, int, int]:
+    """The checkpoint buffer's shape: the only [batch, ..., channels, state] tensor a call
+    allocates besides the state-sized dh0 and dA partials (never [batch, seq, channels, state])."""
+    return (batch, plan.n_chunks, channels, state)
+
+
+def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int, scalar_decay: bool,
+                      blocks: configs.ScanBlocks | None = None) -> tuple[dict, list[Launch]]:
+    """(gradient buffers, the two launches that fill them), allocated, nothing run.
+
+    Operands as "bld" [batch, seq, channels] tensors of any strides (x, dy, z), delta with
+    channels // per_decay columns (one per `per_decay` channels), B and C [batch, seq, groups,
+    state], A [channels, state] or, with scalar_decay, [channels // per_decay], D [channels],
+    h0 and dstate [batch, channels, state]. Buffers, contiguous, in the accumulation dtype:
+    "x", "delta" (per channel) and "z" [batch, seq, channels]; "B" and "C" [batch, seq, groups,
+    state]; "A" [batch, channels(, state)] and "D" [batch, channels]: each batch row's sums;
+    "h0" [batch, channels, state]; "checkpoints" (checkpoint_shape)."""
+    batch, seq, channels = x.shape
+    groups, nstate = B.shape[2], B.shape[3]
+    device = x.device
+    acc = accumulation_dtype(x)
+    plan = plan_backward(batch, seq, channels, nstate, groups, device, blocks)
+
+    grads = dict(
+        x=torch.empty((batch, seq, channels), dtype=acc, device=device),
+        delta=torch.empty((batch, seq, channels), dtype=acc, device=device),
+        z=None if z is None else torch.empty((batch, seq, channels), dtype=acc, device=device),
+        B=torch.zeros((batch, seq, groups, nstate), dtype=acc, device=device),
+        C=torch.zeros((batch, seq, groups, nstate), dtype=acc, device=device),
+        A=torch.empty((batch, channels) if scalar_decay else (batch, channels, nstate), dtype=acc, device=device),
+        D=None if D is None else torch.empty((batch, channels), dtype=acc, device=device),
+        h0=None if h0 is None else torch.empty((batch, channels, nstate), dtype=acc, device=device),
+        checkpoints=torch.empty(checkpoint_shape(plan, batch, channels, nstate), dtype=acc, device=device),
+    )
+    ckpt = grads["checkpoints"]
+    wide = wide_offsets(per_row=(x, delta, dy, z, B, C, h0, dstate, *(g for g in grads.values())),
+                        whole=(A, D))
+    s_A = (A.stride(0), 0) if scalar_decay else (A.stride(0), A.stride(1))
+    s_x, s_dl = x.stride(), delta.stride()
+    s_B = B.stride()
+    common = (seq, channels, nstate, groups, channels // groups, per_decay, plan.n_chunks)
+    constexprs = dict(SCALAR_DECAY=scalar_decay, ACC=triton_dtype(acc), BLOCK_D=plan.blocks.block_d,
+                      BLOCK_N=plan.block_n, CHUNK=plan.blocks.chunk, WIDE_OFFSETS=wide)
+
+    def strides(t):  # of a 3-D operand that may be absent
+        return t.stride() if t is not None else (0, 0, 0)
+
+    checkpoints = Launch(
+        _checkpoint_kernel, (plan.programs,),
+        (x, delta, A, B, h0, ckpt, *common, *s_x, *s_dl, *s_B, *s_A, *strides(h0)),
+        dict(HAS_H0=h0 is not None, **constexprs), plan.blocks.num_warps)
+    reverse = Launch(
+        _reverse_kernel, (plan.programs,),
+        (x, delta, A, B, C, D, z, dy, ckpt, dstate,
+         grads["x"], grads["delta"], grads["z"], grads["B"], grads["C"], grads["A"], grads["D"], grads["h0"],
+         *common,
+         *s_x, *s_dl, *strides(z), *dy.stride(), *s_B, *C.stride(),
+         *s_A, D.stride(0) if D is not None else 0, *strides(dstate)),
+        dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_DSTATE=dstate is not None, STORE_DH0=h0 is not None,
+             **constexprs),
+        plan.blocks.num_warps)
+    return grads, [checkpoints, reverse]
+
+
+def selective_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
+                            layout, blocks=None):
+    """The "triton" backend's scan_backward (kernels/_registry.py); `blocks` overrides the
+    block table (tests)."""
+    f = accumulation_dtype(x)
+    if layout == "bdl":  # read through "bld" views; the gradients go back as "bdl" views
+        x, dt, dy = x.transpose(1, 2), dt.transpose(1, 2), dy.transpose(1, 2)
+        z = None if z is None else z.transpose(1, 2)
+        B, C = B.permute(0, 3, 1, 2), C.permute(0, 3, 1, 2)
+    delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)
+    g, launches = backward_launches(dy, x, delta, A, B, C, D=D, z=z, h0=h0, dstate=dstate, per_decay=1,
+                                    scalar_decay=False, blocks=blocks)
+    run_on_device_of(x, launches)
+    del delta, launches, g["checkpoints"]  # freed before the chain rule's temporaries
+    ddt, ddt_bias = discretize_backward(g["delta"], dt, dt_bias, dt_softplus, dt_min, dt_max, f)
+    grads = dict(x=g["x"], dt=ddt, A=g["A"].sum(0), B=g["B"], C=g["C"], D=None if D is None else g["D"].sum(0),
+                 z=g["z"], dt_bias=ddt_bias, h0=g["h0"])
+    return bdl_layout(grads) if layout == "bdl" else grads
+
+
+def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
+                      chunk_size, blocks=None):
+    """The "triton" backend's ssd_scan_backward: heads x headdim as the channels of the
+    Mamba-1 kernels, each head's dt and A shared by its headdim channels (chunk_size tunes the
+    chunked forward; this recurrent backward has none to tune)."""
+    f = accumulation_dtype(x)
+    batch, seq, heads, headdim = x.shape
+    channels, nstate = heads * headdim, B.shape[3]
+
+    def flat(t, *shape):
+        return None if t is None else t.reshape(*shape)
+
+    delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)
+    g, launches = backward_launches(
+        flat(dy, batch, seq, channels), flat(x, batch, seq, channels), delta, A, B, C,
+        D=flat(D, channels), z=flat(z, batch, seq, channels), h0=flat(h0, batch, channels, nstate),
+        dstate=flat(dstate, batch, channels, nstate), per_decay=headdim, scalar_decay=True, blocks=blocks)
+    run_on_device_of(x, launches)
+    del delta, launches, g["checkpoints"]  # freed before the chain rule's temporaries
+    ddelta = g["delta"].reshape(batch, seq, heads, headdim).sum(-1)
+    ddt, ddt_bias = discretize_backward(ddelta, dt, dt_bias, dt_softplus, dt_min, dt_max, f)
+    return dict(x=g["x"].reshape(x.shape), dt=ddt, A=g["A"].sum(0).reshape(heads, headdim).sum(1), B=g["B"],
+                C=g["C"], D=None if D is None else g["D"].sum(0).reshape(heads, headdim),
+                z=None if z is None else g["z"].reshape(x.shape), dt_bias=ddt_bias,
+                h0=None if h0 is None else g["h0"].reshape(h0.shape))
