@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kernels
 from bridge.bench import plot as plot_mod
 from bridge.bench.baseline import run_baseline
 from bridge.bench.cases import Case, parse_sizes
@@ -349,6 +350,26 @@ def test_models_bench_runs_end_to_end(tmp_path):
         case["model_step"]["p50_us"] / case["transformers_step"]["p50_us"])
     assert case["ratios"]["old_way_over_step"] == pytest.approx(case["old_way"]["p50_us"] / case["model_step"]["p50_us"])
     assert "echo" in case or "echo_skipped" in case
+
+
+def test_backward_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.backward` (issue 35's benchmark) on its tiny case: every SIMD variant this
+    CPU executes, torch autograd and the peak memory in one run, the ratios of its own numbers."""
+    if "cpu" not in kernels.available_backends():
+        pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    out = tmp_path / "backward.json"
+    proc = run_marked([sys.executable, "-m", "bench.backward", "--cases", "2x64x32x16", "--reps", "2",
+                       "--torch-reps", "1", "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    (case,) = json.loads(out.read_text())["cases"]
+    from kernels.cpu import build
+
+    assert set(case["variants"]) == {"cpu", *(f"cpu-{v.name}" for v in build.executable_variants())}
+    cpu = case["variants"]["cpu"]
+    assert cpu["backward_over_forward"] == pytest.approx(cpu["backward_ms"] / cpu["forward_ms"])
+    assert case["ratios"]["torch_autograd_over_backward"] == pytest.approx(
+        case["torch_autograd"]["backward_ms"] / cpu["backward_ms"])
+    assert case["cpu_peak_extra_bytes"] > 0 and case["torch_autograd"]["peak_extra_bytes"] > 0
 
 
 def test_transports_bench_runs_end_to_end(tmp_path):

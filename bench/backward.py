@@ -1,0 +1,237 @@
+"""The scans' backward pass on the CPU (issue 35): the C++ reverse scan against torch autograd.
+
+For each case, in one run: the cpu backend's backward (kernels.selective_scan_backward /
+ssd_scan_backward) in every SIMD variant this CPU executes, its forward in the same variant,
+and torch autograd through the "torch" backend's step-by-step form (the forward under autograd,
+then `.backward()`, each timed). Ratios: torch autograd's `.backward()` alone over the C++
+backward (goal >= 5x), and the C++ backward over its own forward (goal <= 3x). Peak memory:
+the growth of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs)
+during one C++ backward, and during torch autograd's forward + backward, over the inputs'
+bytes (goal: the C++ backward's <= 2x the inputs').
+
+    python -m bench.backward [--cases exphil,1x768x1024x16,ssd-1x1024x8x64x64] [--reps N] [--torch-reps N]
+                             [--json bench/results/backward.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+import kernels
+from bench.kernels import simd_backends
+from bridge.bench.cases import DT_CLAMP
+from bridge.bench.machine import write_results
+from kernels import _args
+
+GOALS = {"torch_autograd_over_backward": 5.0, "backward_over_forward": 3.0, "peak_extra_over_inputs": 2.0}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str  # "scan" or "ssd"
+    batch: int
+    seq: int
+    dim: int  # channels; for "ssd": heads
+    state: int
+    headdim: int = 0
+    exphil: bool = False  # ExPhil's math: dt clamped, no bias/softplus/D/z
+
+
+# Names give batch x dim x seq x state, as bench.kernels does.
+CASES = {c.name: c for c in (
+    Case("exphil", "scan", 32, 60, 512, 16, exphil=True),
+    Case("1x768x1024x16", "scan", 1, 1024, 768, 16),
+    Case("ssd-1x1024x8x64x64", "ssd", 1, 1024, 8, 64, headdim=64),
+    Case("2x64x32x16", "scan", 2, 32, 64, 16),  # seconds in all: the end-to-end test's
+)}
+DEFAULT_CASES = ("exphil", "1x768x1024x16", "ssd-1x1024x8x64x64")
+
+
+def inputs_of(case: Case, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    b, l, n = case.batch, case.seq, case.state
+    if case.kind == "ssd":
+        h, p = case.dim, case.headdim
+        x_shape, dt_shape, A, bc = (b, l, h, p), (b, l, h), -torch.rand(h, generator=g) - 0.5, (b, l, 1, n)
+        extra = dict(D=torch.randn(h, generator=g), dt_bias=torch.randn(h, generator=g) * 0.5, dt_softplus=True)
+    else:
+        x_shape = dt_shape = (b, l, case.dim)
+        A, bc = -torch.rand(case.dim, n, generator=g) - 0.5, (b, l, 1, n)
+        extra = dict(D=torch.randn(case.dim, generator=g), dt_bias=torch.randn(case.dim, generator=g) * 0.5,
+                     dt_softplus=True)
+    args = dict(x=torch.randn(x_shape, generator=g), dt=torch.rand(dt_shape, generator=g) * 0.1, A=A,
+                B=torch.randn(bc, generator=g), C=torch.randn(bc, generator=g))
+    if case.exphil:
+        args.update(DT_CLAMP)
+    else:
+        args.update(extra, z=torch.randn(x_shape, generator=g))
+    return args
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def peaks_in_fresh_process(case_name: str) -> dict:
+    """{"cpu": bytes, "torch_autograd": bytes} measured by `--peaks CASE` in a new process: in
+    this one, memory freed by earlier cases stays resident and hides the growth."""
+    # A fixed mmap threshold: glibc then maps every large block and unmaps it when freed, so
+    # the warm-up's freed blocks do not stay resident and absorb the measured call's.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    run = subprocess.run([sys.executable, "-m", "bench.backward", "--peaks", case_name], capture_output=True,
+                         text=True, timeout=600, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"--peaks {case_name}: {run.stderr.strip()}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def measure_peaks(case: Case) -> dict:
+    args = inputs_of(case)
+    dy = torch.randn(args["x"].shape, generator=torch.Generator().manual_seed(1))
+    _, backward = backward_call(case, kernels._registry.get_backend("cpu", "cpu"), args, dy)
+    backward()  # loads the library and starts the helper threads
+    cpu = peak_extra_bytes(backward)
+    return {"cpu": cpu, "torch_autograd": torch_autograd(case, args, dy, reps=0, peak=True)["peak_extra_bytes"]}
+
+
+def peak_extra_bytes(fn) -> int | None:
+    """How far the peak resident set rises above the current one while fn runs (None where
+    /proc/self/clear_refs cannot reset the peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    before = _status_bytes("VmRSS")
+    fn()
+    return _status_bytes("VmHWM") - before
+
+
+def backward_call(case: Case, backend, args: dict, dy: torch.Tensor):
+    """(forward, backward) closures on a Backend object (the registry's or a SIMD variant's
+    build), over arguments normalised as the public API normalises them."""
+    if case.kind == "ssd":
+        a = _args.check_ssd_scan(**args)
+        kw = dict(D=a.D, z=a.z, dt_bias=a.dt_bias, dt_softplus=a.dt_softplus, dt_min=a.dt_min, dt_max=a.dt_max,
+                  h0=None, chunk_size=None)
+        return (lambda: backend.ssd_scan(a.x, a.dt, a.A, a.B, a.C, **kw, return_state=False),
+                lambda: backend.ssd_scan_backward(dy, a.x, a.dt, a.A, a.B, a.C, **kw, dstate=None))
+    a = _args.check_scan(**args)
+    kw = dict(D=a.D, z=a.z, dt_bias=a.dt_bias, dt_softplus=a.dt_softplus, dt_min=a.dt_min, dt_max=a.dt_max,
+              h0=None, layout="bld")
+    return (lambda: backend.scan(a.x, a.dt, a.A, a.B, a.C, **kw, return_state=False),
+            lambda: backend.scan_backward(dy, a.x, a.dt, a.A, a.B, a.C, **kw, dstate=None))
+
+
+def torch_autograd(case: Case, args: dict, dy: torch.Tensor, reps: int, peak: bool = False) -> dict:
+    """Forward under autograd through the torch backend's differentiable form, then .backward()."""
+    from kernels.reference import selective_scan_ref, ssd_scan_ref
+
+    trained = [k for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias") if k in args]
+    forward_ref = ssd_scan_ref if case.kind == "ssd" else selective_scan_ref
+    normalized = (_args.check_ssd_scan(**args) if case.kind == "ssd" else _args.check_scan(**args))
+    base = {k: getattr(normalized, k) for k in trained}
+
+    def forward():
+        leaves = {k: v.detach().requires_grad_(True) for k, v in base.items()}
+        options = dict(dt_softplus=normalized.dt_softplus, dt_min=normalized.dt_min, dt_max=normalized.dt_max)
+        if case.kind == "scan":
+            options["layout"] = "bld"
+        y, _ = forward_ref(**{**{k: None for k in ("D", "z", "dt_bias")}, **leaves}, **options,
+                           compute_dtype=torch.float32)
+        return y
+
+    if peak:
+        return {"peak_extra_bytes": peak_extra_bytes(lambda: forward().backward(dy))}
+    forward_times, backward_times = [], []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        y = forward()
+        middle = time.perf_counter()
+        y.backward(dy)
+        end = time.perf_counter()
+        forward_times.append((middle - start) * 1e3)
+        backward_times.append((end - middle) * 1e3)
+    return {"forward_ms": statistics.median(forward_times[1:]), "backward_ms": statistics.median(backward_times[1:])}
+
+
+def run_case(case: Case, variants: dict, reps: int, torch_reps: int) -> dict:
+    args = inputs_of(case)
+    dy = torch.randn(args["x"].shape, generator=torch.Generator().manual_seed(1))
+    inputs_bytes = sum(t.numel() * t.element_size() for t in [*args.values(), dy] if isinstance(t, torch.Tensor))
+    rows = {}
+    for name, backend in variants.items():
+        forward, backward = backward_call(case, backend, args, dy)
+        fwd, bwd = median_ms(forward, reps), median_ms(backward, reps)
+        rows[name] = {"forward_ms": fwd, "backward_ms": bwd, "backward_over_forward": bwd / fwd,
+                      "simd": backend.details.get("simd")}
+        print(f"  {case.name:>20} {name:>12}: forward {fwd:8.2f} ms  backward {bwd:8.2f} ms  ({bwd / fwd:.2f}x)")
+    peaks = peaks_in_fresh_process(case.name)
+    peak = peaks["cpu"]
+    reference = {**torch_autograd(case, args, dy, torch_reps), "peak_extra_bytes": peaks["torch_autograd"]}
+    cpu = rows["cpu"]
+    ratios = {"torch_autograd_over_backward": reference["backward_ms"] / cpu["backward_ms"],
+              "torch_autograd_total_over_backward": (reference["forward_ms"] + reference["backward_ms"])
+              / cpu["backward_ms"],
+              "backward_over_forward": cpu["backward_over_forward"]}
+    if peak is not None:
+        ratios["peak_extra_over_inputs"] = peak / inputs_bytes
+    print(f"  {case.name:>20} torch autograd: forward {reference['forward_ms']:.1f} ms, backward "
+          f"{reference['backward_ms']:.1f} ms -> {ratios['torch_autograd_over_backward']:.1f}x the C++ backward "
+          f"(goal >= {GOALS['torch_autograd_over_backward']}); C++ peak extra "
+          + (f"{peak / 2**20:.1f} MiB = {ratios['peak_extra_over_inputs']:.2f}x the inputs' {inputs_bytes / 2**20:.1f} MiB"
+             if peak is not None else "not measurable here")
+          + (f", torch autograd's {reference['peak_extra_bytes'] / 2**20:.0f} MiB"
+             if reference["peak_extra_bytes"] is not None else ""))
+    return {"case": asdict(case), "inputs_bytes": inputs_bytes, "cpu_peak_extra_bytes": peak, "variants": rows,
+            "torch_autograd": reference, "ratios": ratios}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--torch-reps", type=int, default=3)
+    p.add_argument("--json")
+    p.add_argument("--peaks", metavar="CASE", help=argparse.SUPPRESS)  # one case's peak memory, as JSON
+    args = p.parse_args(argv)
+    if args.peaks:
+        print(json.dumps(measure_peaks(CASES[args.peaks])))
+        return 0
+    if "cpu" not in kernels.available_backends():
+        raise SystemExit(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    variants = {"cpu": kernels._registry.get_backend("cpu", "cpu")}
+    extra, unavailable = simd_backends(["all"])
+    variants.update(extra)
+    load_before = os.getloadavg()
+    cases = [run_case(CASES[name], variants, args.reps, args.torch_reps) for name in args.cases.split(",")]
+    if args.json:
+        write_results(args.json, "backward", {"goals": GOALS, "cases": cases, "unavailable_variants": unavailable,
+                                              "load_before": load_before, "load_after": os.getloadavg(),
+                                              "torch_threads": torch.get_num_threads()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
