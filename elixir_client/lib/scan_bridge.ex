@@ -16,7 +16,8 @@ defmodule ScanBridge do
 
   Mamba-2 (SSD) has its own scan, `ssd_scan/3`, and sessions of its own
   (`open_session(server, kind: :ssd, batch: b, heads: h, headdim: p, state: n)`), stepped by
-  the same `step/4`.
+  the same `step/4`. `scan_backward/3` and `ssd_scan_backward/3` give a scan's gradients (SPEC
+  §6.5), for training on the client's side.
 
   Whole models (SPEC §6.4) run every layer of a Mamba or Mamba-2 stack on the server, each
   layer's state kept there, so that a frame is one round trip: `load_model/3` (a checkpoint
@@ -95,6 +96,23 @@ defmodule ScanBridge do
   @type call_opts :: [timeout: timeout]
   @type timing :: %{optional(String.t()) => number}
   @type error :: {:error, Error.t()}
+
+  @typedoc """
+  The gradients `scan_backward/3` and `ssd_scan_backward/3` return: one per tensor input, named
+  `d` + its name; `dD`, `dz`, `ddt_bias`, `dh0` are nil when D, z, dt_bias, h0 were not given.
+  """
+  @type gradients :: %{
+          dx: Tensor.t(),
+          ddt: Tensor.t(),
+          dA: Tensor.t(),
+          dB: Tensor.t(),
+          dC: Tensor.t(),
+          dD: Tensor.t() | nil,
+          dz: Tensor.t() | nil,
+          ddt_bias: Tensor.t() | nil,
+          dh0: Tensor.t() | nil,
+          timing: timing
+        }
 
   @doc """
   Starts a client: spawns `python -m bridge` and returns once it answers a ping.
@@ -239,6 +257,70 @@ defmodule ScanBridge do
 
   defp ok!({:ok, result}), do: result
   defp ok!({:error, error}), do: raise(error)
+
+  @doc """
+  The gradients of a `scan/3` (SPEC §6.5 `scan_backward`).
+
+  `inputs`: `scan/3`'s (without `:session` and `:return_state`) plus `:dy`, the loss's gradient
+  with respect to y (x's shape and layout), and optionally `:dstate`, its gradient with respect
+  to the final state (`[batch, dim, state]`; with `:cu_seqlens`, `[n, dim, state]`).
+
+  Returns `dx`, `ddt`, `dA`, `dB`, `dC`, and `dD`, `dz`, `ddt_bias`, `dh0` when D, z, dt_bias,
+  h0 were given (else nil), each in its input's shape; `dA`, `dD`, `ddt_bias` are f32 (f64 for
+  f64 x), the others in their inputs' dtypes. Where dt (after bias and softplus) lies outside
+  `[dt_min, dt_max]`, `ddt` is 0.
+  """
+  @spec scan_backward(server, inputs, call_opts) :: {:ok, gradients} | error
+  def scan_backward(server, inputs, opts \\ []) do
+    with {:ok, result, timing} <-
+           request(server, "scan_backward", Protocol.wire_args!(inputs, "scan_backward"), opts),
+         do: gradients(result, timing)
+  end
+
+  @doc """
+  The gradients of an `ssd_scan/3` (SPEC §6.5 `ssd_scan_backward`).
+
+  `inputs`: `ssd_scan/3`'s (without `:session` and `:return_state`) plus `:dy` (x's shape,
+  `[batch, seq, heads, headdim]`) and optionally `:dstate` (`[batch, heads, headdim, state]`).
+  Returns the gradients as `scan_backward/3` does (a `[heads]` D gets a `[heads]` dD).
+  """
+  @spec ssd_scan_backward(server, inputs, call_opts) :: {:ok, gradients} | error
+  def ssd_scan_backward(server, inputs, opts \\ []) do
+    with {:ok, result, timing} <-
+           request(
+             server,
+             "ssd_scan_backward",
+             Protocol.wire_args!(inputs, "ssd_scan_backward"),
+             opts
+           ),
+         do: gradients(result, timing)
+  end
+
+  @doc "Like `scan_backward/3`, raising `ScanBridge.Error` on failure."
+  @spec scan_backward!(server, inputs, call_opts) :: gradients
+  def scan_backward!(server, inputs, opts \\ []), do: ok!(scan_backward(server, inputs, opts))
+
+  @doc "Like `ssd_scan_backward/3`, raising `ScanBridge.Error` on failure."
+  @spec ssd_scan_backward!(server, inputs, call_opts) :: gradients
+  def ssd_scan_backward!(server, inputs, opts \\ []),
+    do: ok!(ssd_scan_backward(server, inputs, opts))
+
+  # The reply's gradients: the required ones must be there, the optional ones nil when absent.
+  @required_gradients [dx: "dx", ddt: "ddt", dA: "dA", dB: "dB", dC: "dC"]
+  @optional_gradients [dD: "dD", dz: "dz", ddt_bias: "ddt_bias", dh0: "dh0"]
+
+  defp gradients(result, timing) do
+    required = for gradient <- @required_gradients, do: {gradient, &result_tensor/2}
+    optional = for gradient <- @optional_gradients, do: {gradient, &optional_result_tensor/2}
+
+    Enum.reduce_while(required ++ optional, {:ok, %{timing: timing}}, fn
+      {{key, name}, read}, {:ok, acc} ->
+        case read.(result, name) do
+          {:ok, tensor} -> {:cont, {:ok, Map.put(acc, key, tensor)}}
+          error -> {:halt, error}
+        end
+    end)
+  end
 
   @doc """
   One timestep against a session's state, which is updated in place on the server
