@@ -190,6 +190,8 @@ def run_case(case: Case, variants: dict, reps: int, torch_reps: int) -> dict:
     peaks = peaks_in_fresh_process(case.name)
     peak = peaks["cpu"]
     reference = {**torch_autograd(case, args, dy, torch_reps), "peak_extra_bytes": peaks["torch_autograd"]}
+    for row in rows.values():
+        row["torch_autograd_over_backward"] = reference["backward_ms"] / row["backward_ms"]
     cpu = rows["cpu"]
     ratios = {"torch_autograd_over_backward": reference["backward_ms"] / cpu["backward_ms"],
               "torch_autograd_total_over_backward": (reference["forward_ms"] + reference["backward_ms"])
@@ -204,6 +206,8 @@ def run_case(case: Case, variants: dict, reps: int, torch_reps: int) -> dict:
              if peak is not None else "not measurable here")
           + (f", torch autograd's {reference['peak_extra_bytes'] / 2**20:.0f} MiB"
              if reference["peak_extra_bytes"] is not None else ""))
+    print("  " + ", ".join(f"{name} {row['torch_autograd_over_backward']:.1f}x" for name, row in rows.items())
+          + " torch autograd's backward")
     return {"case": asdict(case), "inputs_bytes": inputs_bytes, "cpu_peak_extra_bytes": peak, "variants": rows,
             "torch_autograd": reference, "ratios": ratios}
 
