@@ -59,16 +59,16 @@ DEFAULT_CASES = ("exphil", "1x768x1024x16", "ssd-1x1024x8x64x64")
 
 def inputs_of(case: Case, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    b, l, n = case.batch, case.seq, case.state
+    b, l, n, channels = case.batch, case.seq, case.state, case.dim  # for "ssd", heads
     if case.kind == "ssd":
-        h, p = case.dim, case.headdim
-        x_shape, dt_shape, A, bc = (b, l, h, p), (b, l, h), -torch.rand(h, generator=g) - 0.5, (b, l, 1, n)
-        extra = dict(D=torch.randn(h, generator=g), dt_bias=torch.randn(h, generator=g) * 0.5, dt_softplus=True)
+        x_shape, dt_shape = (b, l, channels, case.headdim), (b, l, channels)
+        A = -torch.rand(channels, generator=g) - 0.5
     else:
-        x_shape = dt_shape = (b, l, case.dim)
-        A, bc = -torch.rand(case.dim, n, generator=g) - 0.5, (b, l, 1, n)
-        extra = dict(D=torch.randn(case.dim, generator=g), dt_bias=torch.randn(case.dim, generator=g) * 0.5,
-                     dt_softplus=True)
+        x_shape = dt_shape = (b, l, channels)
+        A = -torch.rand(channels, n, generator=g) - 0.5
+    bc = (b, l, 1, n)
+    extra = dict(D=torch.randn(channels, generator=g), dt_bias=torch.randn(channels, generator=g) * 0.5,
+                 dt_softplus=True)
     args = dict(x=torch.randn(x_shape, generator=g), dt=torch.rand(dt_shape, generator=g) * 0.1, A=A,
                 B=torch.randn(bc, generator=g), C=torch.randn(bc, generator=g))
     if case.exphil:

@@ -40,3 +40,40 @@ def run_packed(scan_one, args, *, seq_axis: int, bc_axis: int, h0, cu_seqlens, s
         states.append(state)
     return torch.cat(ys, dim=seq_axis), (torch.cat(states, dim=0) if args.return_state else None)
 
+
+def run_packed_backward(one, args, dy, *, h0, dstate, cu_seqlens, seq_axis: int, bc_axis: int,
+                state_shape: tuple[int, ...], state_meaning: str) -> dict:
+    """The gradients of a packed call: one backend backward per sequence,
+    its slices of x, dt, z, B, C and dy with its rows of h0 and dstate, joined as the forward
+    joins y (weights' gradients summed over the sequences)."""
+    x = args.x
+    bounds = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[seq_axis])
+    count = len(bounds) - 1
+    for name, t in (("h0", h0), ("dstate", dstate)):
+        if t is not None:
+            _require_shape(name, _require_tensor(name, t), (count, *state_shape), f"[sequences, {state_meaning}]")
+            _check_devices(dict(x=x, **{name: t}))
+    parts = []
+    for i in range(count):
+        begin, length = bounds[i], bounds[i + 1] - bounds[i]
+
+        def cut(t, axis):
+            return None if t is None else t.narrow(axis, begin, length)
+
+        parts.append(one(cut(dy, seq_axis), cut(x, seq_axis), cut(args.dt, seq_axis), cut(args.B, bc_axis),
+                         cut(args.C, bc_axis), cut(args.z, seq_axis), None if h0 is None else h0[i:i + 1],
+                         None if dstate is None else dstate[i:i + 1]))
+    joined = {}
+    for name in parts[0]:
+        pieces = [p[name] for p in parts]
+        if pieces[0] is None:  # an input not given
+            continue
+        if name in ("x", "dt", "z"):
+            joined[name] = torch.cat(pieces, dim=seq_axis)
+        elif name in ("B", "C"):
+            joined[name] = torch.cat(pieces, dim=bc_axis)
+        elif name == "h0":
+            joined[name] = torch.cat(pieces, dim=0)
+        else:
+            joined[name] = torch.stack(pieces).sum(0)
+    return joined

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import _args
-from ._args import _check_devices, _require_shape, _require_tensor, check_cu_seqlens
+from . import _args, _varlen
+from ._args import _check_devices, _require_shape, _require_tensor
 from ._registry import get_backend
 
 # The inputs that take gradients, in the order of the forward's positional arguments and then
@@ -65,42 +65,21 @@ def _finish(grads: dict, given: dict, compute: torch.dtype) -> dict:
     return out
 
 
-def _run_packed(one, args, dy, *, h0, dstate, cu_seqlens, seq_axis: int, bc_axis: int,
-                state_shape: tuple[int, ...], state_meaning: str) -> dict:
-    """The gradients of a packed call (kernels/_varlen.py): one backend backward per sequence,
-    its slices of x, dt, z, B, C and dy with its rows of h0 and dstate, joined as the forward
-    joins y (weights' gradients summed over the sequences)."""
-    x = args.x
-    bounds = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[seq_axis])
-    count = len(bounds) - 1
-    for name, t in (("h0", h0), ("dstate", dstate)):
-        if t is not None:
-            _require_shape(name, _require_tensor(name, t), (count, *state_shape), f"[sequences, {state_meaning}]")
-            _check_devices(dict(x=x, **{name: t}))
-    parts = []
-    for i in range(count):
-        begin, length = bounds[i], bounds[i + 1] - bounds[i]
-
-        def cut(t, axis):
-            return None if t is None else t.narrow(axis, begin, length)
-
-        parts.append(one(cut(dy, seq_axis), cut(x, seq_axis), cut(args.dt, seq_axis), cut(args.B, bc_axis),
-                         cut(args.C, bc_axis), cut(args.z, seq_axis), None if h0 is None else h0[i:i + 1],
-                         None if dstate is None else dstate[i:i + 1]))
-    joined = {}
-    for name in parts[0]:
-        pieces = [p[name] for p in parts]
-        if pieces[0] is None:  # an input not given
-            continue
-        if name in ("x", "dt", "z"):
-            joined[name] = torch.cat(pieces, dim=seq_axis)
-        elif name in ("B", "C"):
-            joined[name] = torch.cat(pieces, dim=bc_axis)
-        elif name == "h0":
-            joined[name] = torch.cat(pieces, dim=0)
-        else:
-            joined[name] = torch.stack(pieces).sum(0)
-    return joined
+def _gradients(one, args, dy, *, h0, dstate, cu_seqlens, given: dict, seq_axis: int, bc_axis: int,
+               state_shape: tuple[int, ...], state_meaning: str) -> dict:
+    """`one(dy, x, dt, B, C, z, h0, dstate)` (a backend's backward, the rest bound) over the
+    whole call, or once per packed sequence, as the public result."""
+    if cu_seqlens is not None:
+        grads = _varlen.run_packed_backward(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
+                                            seq_axis=seq_axis, bc_axis=bc_axis, state_shape=state_shape,
+                                            state_meaning=state_meaning)
+    else:
+        if dstate is not None:
+            _require_shape("dstate", _require_tensor("dstate", dstate), (args.dims.batch, *state_shape),
+                           f"[batch, {state_meaning}]")
+            _check_devices(dict(x=args.x, dstate=dstate))
+        grads = one(dy, args.x, args.dt, args.B, args.C, args.z, args.h0, dstate)
+    return _finish(grads, given, _compute_dtype(args.x))
 
 
 def selective_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -118,18 +97,11 @@ def selective_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
     def one(dy, x, dt, B, C, z, h0, dstate):
         return impl.scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options)
 
-    if packed:
-        bld = layout == "bld"
-        grads = _run_packed(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens, seq_axis=1 if bld else 2,
-                            bc_axis=1 if bld else 3, state_shape=(d.dim, d.state), state_meaning="dim, state")
-    else:
-        if dstate is not None:
-            _require_shape("dstate", _require_tensor("dstate", dstate), (d.batch, d.dim, d.state),
-                           "[batch, dim, state]")
-            _check_devices(dict(x=args.x, dstate=dstate))
-        grads = one(dy, args.x, args.dt, args.B, args.C, args.z, args.h0, dstate)
-    given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0)
-    return _finish(grads, given, _compute_dtype(args.x))
+    bld = layout == "bld"
+    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
+                      given=dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0),
+                      seq_axis=1 if bld else 2, bc_axis=1 if bld else 3, state_shape=(d.dim, d.state),
+                      state_meaning="dim, state")
 
 
 def ssd_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
@@ -146,18 +118,10 @@ def ssd_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_so
     def one(dy, x, dt, B, C, z, h0, dstate):
         return impl.ssd_scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options)
 
-    state_shape = (d.heads, d.headdim, d.state)
-    if packed:
-        grads = _run_packed(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens, seq_axis=1, bc_axis=1,
-                            state_shape=state_shape, state_meaning="heads, headdim, state")
-    else:
-        if dstate is not None:
-            _require_shape("dstate", _require_tensor("dstate", dstate), (d.batch, *state_shape),
-                           "[batch, heads, headdim, state]")
-            _check_devices(dict(x=args.x, dstate=dstate))
-        grads = one(dy, args.x, args.dt, args.B, args.C, args.z, args.h0, dstate)
-    given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0)
-    return _finish(grads, given, _compute_dtype(args.x))
+    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
+                      given=dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0),
+                      seq_axis=1, bc_axis=1, state_shape=(d.heads, d.headdim, d.state),
+                      state_meaning="heads, headdim, state")
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
