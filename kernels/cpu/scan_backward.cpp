@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "simd.h"
 
@@ -34,7 +33,6 @@ class BackwardRunner {
   explicit BackwardRunner(const ScanBackwardProblem<T>& p)
       : p_(p),
         N_(p.state),
-        Npad_((p.state + W - 1) / W * W),
         per_group_(p.dim / p.groups),
         per_group_blocks_((per_group_ + W - 1) / W),
         chunks_((p.seq + K - 1) / K),
@@ -42,7 +40,7 @@ class BackwardRunner {
         scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
                  10 * Scratch::bytes<V>(K) + 2 * Scratch::bytes<T>(K * N_) +
                  Scratch::bytes<V>((K + 1) * N_) + Scratch::bytes<V>(K * decays_per_step_) +
-                 2 * Scratch::bytes<V>(Npad_)) {
+                 2 * Scratch::bytes<V>(N_)) {
     ckpt_ = scratch_.take<V>(chunks_ * N_);
     A_ = scratch_.take<V>(N_);
     dh_ = scratch_.take<V>(N_);
@@ -65,8 +63,8 @@ class BackwardRunner {
     Cs_ = scratch_.take<T>(K * N_);
     hist_ = scratch_.take<V>((K + 1) * N_);
     decay_ = scratch_.take<V>(K * decays_per_step_);
-    dBp_ = scratch_.take<V>(Npad_);
-    dCp_ = scratch_.take<V>(Npad_);
+    dBp_ = scratch_.take<V>(N_);
+    dCp_ = scratch_.take<V>(N_);
   }
 
   void run_range(int64_t begin, int64_t end, int seat) {
@@ -161,16 +159,7 @@ class BackwardRunner {
       std::memcpy(static_cast<void*>(h + N_), static_cast<const void*>(h), N_ * sizeof(V));
       h += N_;
       pack(b, g, t0, steps, d0, lanes, false);
-      for (int t = 0; t < steps; ++t) {
-        const V u = dtx_[t];
-        const T* Bt = Bs_ + t * N_;
-        if (p_.scalar_decay) {
-          const V a = Math<T>::decay(dts_[t], A_[0]);
-          for (int64_t n = 0; n < N_; ++n) h[n] = a * h[n] + u * Bt[n];
-        } else {
-          for (int64_t n = 0; n < N_; ++n) h[n] = Math<T>::decay(dts_[t], A_[n]) * h[n] + u * Bt[n];
-        }
-      }
+      for (int t = 0; t < steps; ++t) advance(t, h, h, nullptr);
     }
   }
 
@@ -222,21 +211,24 @@ class BackwardRunner {
   // hist_[t + 1] = h_t for the chunk's steps (hist_[0]: its checkpoint), with the decays.
   void recompute(int64_t c, int steps) {
     std::memcpy(static_cast<void*>(hist_), static_cast<const void*>(ckpt_ + c * N_), N_ * sizeof(V));
-    for (int t = 0; t < steps; ++t) {
-      const V u = dtx_[t];
-      const T* Bt = Bs_ + t * N_;
-      const V* prev = hist_ + t * N_;
-      V* cur = hist_ + (t + 1) * N_;
-      if (p_.scalar_decay) {
-        const V a = Math<T>::decay(dts_[t], A_[0]);
-        decay_[t] = a;
-        for (int64_t n = 0; n < N_; ++n) cur[n] = a * prev[n] + u * Bt[n];
-      } else {
-        V* a = decay_ + t * N_;
-        for (int64_t n = 0; n < N_; ++n) {
-          a[n] = Math<T>::decay(dts_[t], A_[n]);
-          cur[n] = a[n] * prev[n] + u * Bt[n];
-        }
+    for (int t = 0; t < steps; ++t) advance(t, hist_ + t * N_, hist_ + (t + 1) * N_, decay_ + t * decays_per_step_);
+  }
+
+  // cur = a_t prev + (delta_t x_t) B_t for step t of the packed chunk (cur may be prev); the
+  // decays a_t go to `decays` where it is given (one vector with scalar_decay, else one per
+  // state element).
+  void advance(int t, const V* prev, V* cur, V* decays) {
+    const V u = dtx_[t];
+    const T* Bt = Bs_ + t * N_;
+    if (p_.scalar_decay) {
+      const V a = Math<T>::decay(dts_[t], A_[0]);
+      if (decays != nullptr) decays[0] = a;
+      for (int64_t n = 0; n < N_; ++n) cur[n] = a * prev[n] + u * Bt[n];
+    } else {
+      for (int64_t n = 0; n < N_; ++n) {
+        const V a = Math<T>::decay(dts_[t], A_[n]);
+        if (decays != nullptr) decays[n] = a;
+        cur[n] = a * prev[n] + u * Bt[n];
       }
     }
   }
@@ -319,7 +311,7 @@ class BackwardRunner {
   }
 
   const ScanBackwardProblem<T>& p_;
-  const int64_t N_, Npad_, per_group_, per_group_blocks_, chunks_, decays_per_step_;
+  const int64_t N_, per_group_, per_group_blocks_, chunks_, decays_per_step_;
   Scratch scratch_;
   int64_t prepared_block_ = -1;
   V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *dts_, *dtx_, *gs_, *zs_, *dxs_,
