@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     defaults = ServerConfig()
     p = argparse.ArgumentParser(prog="python -m bridge", description=__doc__)
-    p.add_argument("--device", default=defaults.device, choices=("auto", "cpu", "cuda"),
-                   help="where tensors live and kernels run (auto: CUDA when available)")
+    p.add_argument("--device", default=defaults.device, type=device_request, metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where tensors live and kernels run (auto: CUDA when available; cuda:N: GPU N as torch "
+                        "numbers them, for one server per GPU on a host)")
     p.add_argument("--backend", default=defaults.backend,
                    help="kernels backend by name (reference, torch, cpu, triton); default: the best for the device")
     p.add_argument("--max-frame-size", type=_positive, default=defaults.max_frame_size,
@@ -101,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
                    help="unix connections served at once; another is answered overloaded and closed")
     return p
+
+
+def device_request(text: str) -> str:
+    """A --device value as given, once bridge.device can tell which device it names."""
+    from .device import parse_device
+
+    try:
+        parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _directory(text: str) -> str:

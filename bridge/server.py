@@ -197,10 +197,13 @@ class Server:
         checks, Triton's launch path), which for a step's microseconds-long kernel may be most of
         it (docs/performance.md, "GPU kernel timing")."""
         if self.device.type == "cuda":
+            # The server's device's stream, named: the current device is per thread, and ops run on
+            # reader threads as well as the worker, where it is GPU 0 whatever --device cuda:N said.
+            stream = torch.cuda.current_stream(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             end.synchronize()
             elapsed = int(start.elapsed_time(end) * 1e6)
         else:
