@@ -130,8 +130,9 @@ OPS: dict[str, dict[str, Arg]] = {
         **_DT_TRANSFORM,
         "dt_limit": Arg("limits"),
     },
-    # kind "mamba" (the default) takes dim and state (a size); "ssd" heads, headdim and state;
-    # a model's session takes model, and a saved state (tensors) or none (checked further in).
+    # kind "mamba" (the default) takes dim and state (a size), "ssd" heads, headdim and state,
+    # and either an initial state h0 or none (zero); a model's session takes model, and a saved
+    # state (tensors) or none (checked further in).
     "session_open": {
         "kind": Arg("kind"),
         "batch": Arg("size", True),
@@ -139,6 +140,7 @@ OPS: dict[str, dict[str, Arg]] = {
         "heads": Arg("size"),
         "headdim": Arg("size"),
         "state": Arg("size_or_tensors"),
+        "h0": Arg("tensor"),
         "model": Arg("str"),
     },
     "session_close": {"session": Arg("str", True)},

@@ -20,8 +20,8 @@ import protocol
 from bridge.client import BridgeError, PortClient, server_env
 from bridge.errors import error_fields
 from bridge_fakes import RecordingConnection
-from kernel_cases import (SERVER_DEVICES, STATE_TOLERANCE, ScanCase, assert_close, make_scan_inputs,
-                          reference_scan)
+from kernel_cases import (SERVER_DEVICES, STATE_TOLERANCE, ScanCase, SsdCase, assert_close, make_scan_inputs,
+                          make_ssd_inputs, reference_scan)
 
 
 # -- prefill by scan, then steps: one reference scan over the whole sequence -------------------
@@ -210,6 +210,82 @@ def test_bad_session_requests_name_the_field(client, op, args, code, field):
         assert isinstance(detail["expected"], str) and isinstance(detail["got"], str), reply.error
     assert torch.equal(client.session_state(session), kept)  # a refused request leaves the state alone
     client.close_session(session)
+
+
+# -- a plain session opened from a given state (h0): failover from a session_state export ----
+
+
+def reopen_cases():
+    return [
+        pytest.param(dict(batch=2, dim=5, state=3),
+                     make_scan_inputs(ScanCase(2, 6, 5, 3, D=True, dt_softplus=True)), id="mamba"),
+        pytest.param(dict(kind="ssd", batch=2, heads=4, headdim=3, state=5),
+                     make_ssd_inputs(SsdCase(2, 6, 4, 3, 5, groups=2, D=True)), id="ssd"),
+    ]
+
+
+def step_args(inputs: dict, t: int) -> dict:
+    """Timestep t of Mamba-1 or Mamba-2 inputs (time on axis 1 in both) as step takes it."""
+    return timestep({"layout": "bld", **inputs}, t)
+
+
+@pytest.mark.parametrize("shape, inputs", reopen_cases())
+def test_a_session_reopened_on_another_server_from_its_state_continues_it(inproc, shape, inputs):
+    first, second = inproc(), inproc()
+    conn = RecordingConnection()
+    original = first.call(conn, "session_open", **shape)["session"]
+    for t in range(3):
+        first.call(conn, "step", session=original, **step_args(inputs, t))
+    exported = first.call(conn, "session_state", session=original)["state"]
+    reopened = second.call(conn, "session_open", **shape, h0=exported)["session"]
+    assert torch.equal(second.call(conn, "session_state", session=reopened)["state"], exported)
+    for t in range(3, 6):
+        y_original = first.call(conn, "step", session=original, **step_args(inputs, t))["y"]
+        y_reopened = second.call(conn, "step", session=reopened, **step_args(inputs, t))["y"]
+        assert torch.equal(y_original, y_reopened), f"step {t}"
+    assert torch.equal(first.call(conn, "session_state", session=original)["state"],
+                       second.call(conn, "session_state", session=reopened)["state"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_h0_of_another_float_dtype_is_kept_as_fp32(inproc, dtype):
+    srv, conn = inproc(), RecordingConnection()
+    h0 = torch.randn(2, 4, 3, dtype=dtype)
+    session = srv.call(conn, "session_open", batch=2, dim=4, state=3, h0=h0)["session"]
+    state = srv.call(conn, "session_state", session=session)["state"]
+    assert state.dtype == torch.float32 and torch.equal(state, h0.float())
+
+
+def test_h0_may_be_a_handle(inproc):
+    srv, conn = inproc(), RecordingConnection()
+    h0 = torch.randn(1, 2, 3, 4)
+    handle = srv.call(conn, "put", tensor=h0)["handle"]
+    session = srv.call(conn, "session_open", kind="ssd", batch=1, heads=2, headdim=3, state=4,
+                       h0=protocol.HandleRef(handle))["session"]
+    assert torch.equal(srv.call(conn, "session_state", session=session)["state"], h0)
+
+
+@pytest.mark.parametrize("args, code, expected, got", [
+    pytest.param(dict(batch=2, dim=4, state=3, h0=torch.zeros(2, 4, 5)), "shape_mismatch",
+                 "shape [2, 4, 3] ([batch, dim, state])", "shape [2, 4, 5]", id="mamba-state-size"),
+    pytest.param(dict(batch=2, dim=4, state=3, h0=torch.zeros(4, 3)), "shape_mismatch",
+                 "shape [2, 4, 3] ([batch, dim, state])", "shape [4, 3]", id="mamba-no-batch-axis"),
+    pytest.param(dict(kind="ssd", batch=1, heads=2, headdim=3, state=4, h0=torch.zeros(2, 2, 3, 4)),
+                 "shape_mismatch", "shape [1, 2, 3, 4] ([batch, heads, headdim, state])", "shape [2, 2, 3, 4]",
+                 id="ssd-rows"),
+    pytest.param(dict(batch=2, dim=4, state=3, h0=torch.zeros(2, 4, 3, dtype=torch.int32)), "invalid_argument",
+                 "a floating dtype (f32, f16, bf16, f64)", "i32", id="integer-dtype"),
+    pytest.param(dict(model="m-1", batch=1, h0=torch.zeros(1, 4, 3)), "invalid_argument",
+                 "no h0 with args.model (a model session's saved state goes in args.state)", "h0",
+                 id="with-a-model"),
+])
+def test_a_bad_h0_is_refused_and_opens_nothing(inproc, args, code, expected, got):
+    srv, conn = inproc(), RecordingConnection()
+    error = srv.request(conn, "session_open", **args).error
+    assert error["code"] == code, error
+    assert error["detail"] == {"field": "args.h0", "expected": expected, "got": got}
+    assert error["message"] == f"args.h0: expected {expected}, got {got}"
+    assert srv.server.sessions.usage()["sessions"] == 0
 
 
 # -- ownership: two connections on one server ------------------------------------------------

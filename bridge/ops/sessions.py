@@ -5,13 +5,14 @@ put, free. What they manage lives in bridge.sessions and bridge.handles; step is
 from __future__ import annotations
 
 import kernels
+import torch
 
-from ..batcher import (BatchedOp, Item, charge, dt_options, member_rows, row_signature, shared_args,
+from ..batcher import (BatchedOp, Item, charge, dt_options, dtype_of, member_rows, row_signature, shared_args,
                        shared_tensors, signature, stack_rows, wire_rows)
 from ..errors import OpError
 from ..native import NativeStep
 from ..sessions import ROW_AXES, StateLayout
-from ..tensors import to_wire
+from ..tensors import WIRE_DTYPES, to_wire
 from ..timing import now_ns
 
 # Arguments with one row per session row, stacked when steps share a launch.
@@ -42,7 +43,31 @@ def session_open(server, call) -> dict:
                       "(a model session's state, which needs args.model)",
                       {"field": "args.state", "expected": "a positive int", "got": "a map of tensors"})
     layout = StateLayout.single(kind, tuple(args[name] for name in axes))
-    return {"session": server.open_session(call.conn, args["batch"], layout).id}
+    h0 = initial_state(server, call, kind, (args["batch"], *layout.shape))
+    session = server.open_session(call.conn, args["batch"], layout)
+    if h0 is not None:
+        session.write(h0)
+    return {"session": session.id}
+
+
+def initial_state(server, call, kind: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """args.h0 as a device tensor of the plain session's state shape (any float dtype; the
+    session keeps it as fp32), or None when it is not given: what a client that exported a
+    session with session_state sends to reopen it elsewhere."""
+    value = server.tensor_arg(call, "h0")
+    if value is None:
+        return None
+    dtype = dtype_of(value)
+    if dtype not in kernels.FLOAT_DTYPES:
+        expected = f"a floating dtype ({', '.join(WIRE_DTYPES[d] for d in kernels.FLOAT_DTYPES)})"
+        got = WIRE_DTYPES[dtype]
+        raise OpError("invalid_argument", f"args.h0: expected {expected}, got {got}",
+                      {"field": "args.h0", "expected": expected, "got": got})
+    if tuple(value.shape) != shape:
+        expected = f"shape {list(shape)} ([batch, {', '.join(ROW_AXES[kind])}])"
+        raise OpError("shape_mismatch", f"args.h0: expected {expected}, got shape {list(value.shape)}",
+                      {"field": "args.h0", "expected": expected, "got": f"shape {list(value.shape)}"})
+    return value if isinstance(value, torch.Tensor) else server.device_tensor(value)
 
 
 def open_model_session(server, call):
@@ -53,6 +78,10 @@ def open_model_session(server, call):
             raise OpError("invalid_argument", f"args.{name}: expected no {name} with a model (its layers fix the "
                           f"state's shape), got one",
                           {"field": f"args.{name}", "expected": "no " + name + " with args.model", "got": name})
+    if "h0" in args:
+        expected = "no h0 with args.model (a model session's saved state goes in args.state)"
+        raise OpError("invalid_argument", f"args.h0: expected {expected}, got h0",
+                      {"field": "args.h0", "expected": expected, "got": "h0"})
     loaded = server.model(call.conn, args["model"], "args.model")
     saved = args.get("state")
     if saved is not None and not isinstance(saved, dict):

@@ -213,6 +213,10 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
     vectors.append(_request("session_open_ssd", "open a Mamba-2 session: batch 2, 2 heads x 2, state 3",
                             {"v": 1, "id": 13, "op": "session_open",
                              "args": {"kind": "ssd", "batch": 2, "heads": 2, "headdim": 2, "state": 3}}))
+    vectors.append(_request("session_open_h0", "reopen a session elsewhere from its exported state: batch 2, "
+                            "dim 2, state 3, starting at h0",
+                            {"v": 1, "id": 27, "op": "session_open",
+                             "args": {"batch": 2, "dim": 2, "state": 3, "h0": tensor("f32", (2, 2, 3), 220)}}))
     vectors.append(_request("step_ssd", "one step against a Mamba-2 session",
                             {"v": 1, "id": 14, "op": "step",
                              "args": {"session": "s-2", "x": tensor("f32", (2, 2, 2), 190),
