@@ -16,7 +16,7 @@ defmodule ScanBridge.MixProject do
   end
 
   def application do
-    [extra_applications: [:logger]]
+    [extra_applications: [:logger], mod: {ScanBridge.Application, []}]
   end
 
   defp elixirc_paths(:test), do: ["lib", "test/support"]

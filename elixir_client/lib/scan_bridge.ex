@@ -33,6 +33,10 @@ defmodule ScanBridge do
       {:ok, logits} = ScanBridge.model_step(MyApp.Scan, session, {:tokens, frame})
       :ok = ScanBridge.restore(MyApp.Scan, session, snapshot)
 
+  Many servers across the nodes of a BEAM cluster serve as one group: start each client with
+  `group: name` and call the group from any node through `ScanBridge.Cluster` (least-loaded
+  routing, sticky sessions that survive their server's death, models loaded on every member).
+
   Inputs are maps of the protocol's argument names (atoms; SPEC §6) to tensors
   (`ScanBridge.Tensor`, or `Nx.Tensor` when Nx is loaded), handles returned by `put/2`, and
   options (`dt_softplus: true`, `dt_min: 0.001`, `layout: :bdl`, ...). Every reply's `timing`
@@ -126,7 +130,10 @@ defmodule ScanBridge do
       value unsets a variable.
     * `:name` - register the client process under this name.
     * `:transport` - `:port` (default) or `{:unix, path}`; see "Lanes".
-    * `:max_in_flight` - requests at the server at once (default 256); more wait in order. On
+    * `:group` - serve this group of a cluster (`ScanBridge.Cluster`): a name (atoms, strings,
+      numbers, tuples and lists of them) callers on any node of the cluster reach it by.
+    * `:max_in_flight` - requests at the server at once (default 256); more wait in order, and
+      one whose deadline passes before it is sent is answered `:overloaded`. On
       the unix lane the server's own cap on one connection's requests in flight
       (`--max-in-flight-per-peer`, read from its `info`'s `limits` at start-up) caps it: the
       server leaves requests past it unread in the socket.
@@ -509,7 +516,7 @@ defmodule ScanBridge do
   @spec load_model(server, model_source, keyword) :: {:ok, map} | error
   def load_model(server, source, opts \\ []) do
     opts = opts!(opts, [:dtype, :name, :timeout], "load_model")
-    args = Map.merge(model_source!(source), load_options!(opts))
+    args = model_load_args!(source, opts)
 
     with {:ok, result, _timing} <- request(server, "model_load", args, opts),
          {:ok, _id} <- result_string(result, "model"),
@@ -519,6 +526,10 @@ defmodule ScanBridge do
   @doc "Like `load_model/3`, raising `ScanBridge.Error` on failure."
   @spec load_model!(server, model_source, keyword) :: map
   def load_model!(server, source, opts \\ []), do: ok!(load_model(server, source, opts))
+
+  @doc false
+  # The model_load arguments of a source and options, raising ArgumentError for bad ones.
+  def model_load_args!(source, opts), do: Map.merge(model_source!(source), load_options!(opts))
 
   defp model_source!(path) when is_binary(path) and path != "", do: %{"path" => path}
 
@@ -790,8 +801,9 @@ defmodule ScanBridge do
             inspect(other, limit: 5)
   end
 
+  @doc false
   # The options of a call that takes more than :timeout: a keyword list of `known` keys.
-  defp opts!(opts, known, fun) do
+  def opts!(opts, known, fun) do
     unless is_list(opts) and Keyword.keyword?(opts) do
       raise ArgumentError, "#{fun} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
     end

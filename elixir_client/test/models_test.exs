@@ -665,7 +665,7 @@ defmodule ScanBridge.ModelRequestsTest do
 
   defp fake_loop(test) do
     receive do
-      {:"$gen_call", from, {:request, op, head, size, _timeout}} ->
+      {:"$gen_call", from, {:request, op, head, size, _timeout, _closes}} ->
         body = IO.iodata_to_binary(head)
         assert byte_size(body) + 12 == size
         send(test, {:sent, IO.iodata_to_binary([head, Protocol.id_entry(0)])})

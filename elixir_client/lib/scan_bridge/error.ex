@@ -11,7 +11,12 @@ defmodule ScanBridge.Error do
       request was pending), `:not_running` (no client process under that name or pid),
       `:startup_failed`, `:startup_timeout`, `:decode_error` (a reply that is not valid
       protocol, or a frame the client could not decode), `:frame_too_large` (the request is
-      bigger than the server accepts; it was not sent);
+      bigger than the server accepts; it was not sent), `:overloaded` (the deadline passed
+      while `:max_in_flight` requests were at the server: this one was never sent);
+    * a cluster's (`ScanBridge.Cluster`): `:node_down` (the node of the server went down
+      while the call was pending), `:no_members` (the group has no server), `:session_lost`
+      (a cluster session's server went away with its state, which could not be rebuilt
+      elsewhere);
     * the server's error codes (protocol SPEC §7), e.g. `:shape_mismatch`, `:unknown_session`,
       `:overloaded`; whole models add `:unknown_model`, `:unknown_snapshot`,
       `:invalid_checkpoint` (its `detail["field"]` names the key or tensor at fault) and
@@ -52,7 +57,15 @@ defmodule ScanBridge.Error do
           | :shutting_down
           | :internal_error
   @type client_reason ::
-          :timeout | :server_exited | :not_running | :startup_failed | :startup_timeout
+          :timeout
+          | :server_exited
+          | :not_running
+          | :startup_failed
+          | :startup_timeout
+          | :overloaded
+          | :node_down
+          | :no_members
+          | :session_lost
   @type reason :: server_reason | client_reason
 
   @type t :: %__MODULE__{
@@ -95,7 +108,12 @@ defmodule ScanBridge.Error do
   defp message(_other, code), do: "server error #{inspect(code)}"
 
   @doc "An error found by the client itself (no server code)."
-  @spec client(client_reason | :decode_error | :frame_too_large, String.t(), map) :: t
+  @spec client(
+          client_reason | :decode_error | :frame_too_large | :invalid_argument,
+          String.t(),
+          map
+        ) ::
+          t
   def client(reason, message, detail \\ %{}) do
     %__MODULE__{reason: reason, message: message, detail: detail}
   end

@@ -13,7 +13,8 @@ defmodule ScanBridge.Server do
 
   At most `:max_in_flight` requests are at the server at once; more wait here, in order,
   under their own deadlines. A queued request whose deadline passes, or whose caller exits, is
-  dropped, never sent: while the server does not answer, the queue holds only the requests of
+  dropped, never sent (the first answered `:overloaded`, which unlike `:timeout` says that the
+  server surely did not do it): while the server does not answer, the queue holds only the requests of
   callers still waiting. A caller that exits while its request is at the server is treated as
   one whose deadline passed: what it made is freed when the reply comes.
 
@@ -38,6 +39,12 @@ defmodule ScanBridge.Server do
 
   The server's stderr (its log) is inherited from the BEAM, never mixed into the frames.
 
+  Started with `group:`, once its server answers this process links a
+  `ScanBridge.Cluster.Member`, which loads the group's models and then puts this process in the
+  group's `:pg` group; if either stops, so does the other. Such a server also closes the
+  sessions a process opened (`session_open`, `session_fork`) when that process exits: a cluster
+  session's keeper may sit on another node and go down with it, leaving nobody to close them.
+
   Use it through `ScanBridge`.
   """
 
@@ -55,7 +62,8 @@ defmodule ScanBridge.Server do
     max_in_flight: 256,
     max_frame_size: 256 * 1024 * 1024,
     startup_timeout: 60_000,
-    exit_grace: 2_000
+    exit_grace: 2_000,
+    group: nil
   ]
   # Socket and driver buffers of the unix lane: the size the server gives its side
   # (bridge/transports/unix.py), chosen from a sweep while developing that was not recorded.
@@ -70,6 +78,10 @@ defmodule ScanBridge.Server do
   @stop_margin_ms 2_000
   # The longest timer (Process.send_after) and receive timeout the BEAM takes: 2^32 - 1 ms.
   @max_timeout_ms 0xFFFFFFFF
+  # How long past a request's deadline its caller waits for this process's answer (which comes
+  # at the deadline) before giving up on it: this process may sit on a node that has frozen or
+  # been cut off, where nothing answers until the distribution notices, seconds later.
+  @answer_grace_ms 50
   # What check!/4 says a timeout must be, built once at compile time (every request checks one).
   @timeout_expected ":infinity or an integer of milliseconds in 0..#{@max_timeout_ms}"
 
@@ -84,6 +96,7 @@ defmodule ScanBridge.Server do
           | {:max_frame_size, pos_integer}
           | {:startup_timeout, timeout}
           | {:exit_grace, non_neg_integer}
+          | {:group, term}
 
   defstruct [
     :port,
@@ -92,7 +105,16 @@ defmodule ScanBridge.Server do
     :max_in_flight,
     :max_frame_size,
     :exit_grace,
+    :group,
+    # the group's membership (ScanBridge.Cluster.Member), linked, when started with :group
+    :member,
     next_id: 0,
+    # the group's model names (ScanBridge.Cluster.load_model/4) => this server's model ids
+    models: %{},
+    # with :group, the processes that opened sessions => {monitor, their sessions' ids}, and
+    # each session's opener, to close what an opener leaves when it exits
+    openers: %{},
+    opener_of: %{},
     # id => {from, deadline timer, monitor of the caller}: callers waiting for an answer
     pending: %{},
     # id => op of the requests sent to the server and not yet answered by it (including
@@ -135,8 +157,16 @@ defmodule ScanBridge.Server do
   def request(server, op, args, timeout) do
     check!(:timeout, timeout, @timeout_expected, &valid_timeout?/1)
     {head, size} = Protocol.request_head(op, args)
-    call(server, {:request, op, head, size, timeout})
+
+    wait =
+      if timeout == :infinity, do: :infinity, else: min(timeout + @answer_grace_ms, @max_timeout_ms)
+
+    call(server, {:request, op, head, size, timeout, closed_session(op, args)}, wait)
   end
+
+  # The session a session_close names, for a group's server to stop watching its opener.
+  defp closed_session("session_close", args), do: args[:session] || args["session"]
+  defp closed_session(_op, _args), do: nil
 
   @doc """
   The `:gen_tcp` options of the unix lane: binaries, packet 4, active, and a send that does
@@ -158,16 +188,43 @@ defmodule ScanBridge.Server do
 
   @doc "The OS pid of the server process."
   @spec os_pid(GenServer.server()) :: {:ok, pos_integer} | {:error, Error.t()}
-  def os_pid(server), do: call(server, :os_pid)
+  def os_pid(server), do: call(server, :os_pid, :infinity)
 
-  defp call(server, message) do
-    # The deadline is ours (answered in handle_info), so the call itself waits as long as it
-    # takes; if this process dies meanwhile, the call exits and that becomes an error.
-    GenServer.call(server, message, :infinity)
+  @doc """
+  The id on this server of the group's model `name` (`ScanBridge.Cluster.load_model/4`), or
+  nil when it has not loaded it.
+  """
+  @spec model_named(GenServer.server(), String.t()) :: {:ok, String.t() | nil} | {:error, Error.t()}
+  def model_named(server, name), do: call(server, {:model_named, name}, :infinity)
+
+  @doc false
+  # Told by the group's membership process when it has loaded (or freed: nil) a group model.
+  def name_model(server, name, id), do: GenServer.cast(server, {:name_model, name, id})
+
+  defp call(server, message, wait) do
+    # The deadline is this process's (answered in handle_info); the caller waits a little past
+    # it, for a process that cannot answer at all. If this process dies meanwhile, the call
+    # exits, and that becomes an error naming what happened.
+    GenServer.call(server, message, wait)
   catch
     :exit, {:noproc, _call} ->
       {:error,
        Error.client(:not_running, "no scan-bridge client process is running as #{inspect(server)}")}
+
+    :exit, {{:nodedown, node}, _call} ->
+      {:error,
+       Error.client(:node_down, "the node #{node} of the scan-bridge client went down", %{
+         "node" => Atom.to_string(node)
+       })}
+
+    :exit, {:timeout, _call} ->
+      {:error,
+       Error.client(
+         :timeout,
+         "no answer from the scan-bridge client #{inspect(server)} before the deadline " <>
+           "(#{@answer_grace_ms} ms past it): its node may be cut off or frozen",
+         %{"node" => server_node(server)}
+       )}
 
     :exit, {reason, _call} ->
       {:error,
@@ -175,6 +232,10 @@ defmodule ScanBridge.Server do
          "exit_reason" => inspect(reason)
        })}
   end
+
+  defp server_node(server) when is_pid(server), do: Atom.to_string(node(server))
+  defp server_node({_name, node}) when is_atom(node), do: Atom.to_string(node)
+  defp server_node(_local), do: Atom.to_string(node())
 
   ## Callbacks
 
@@ -186,14 +247,15 @@ defmodule ScanBridge.Server do
     state = %__MODULE__{
       max_in_flight: opts[:max_in_flight],
       max_frame_size: opts[:max_frame_size],
-      exit_grace: opts[:exit_grace]
+      exit_grace: opts[:exit_grace],
+      group: opts[:group]
     }
 
     with {:ok, state} <- open_port(state, opts),
          {:ok, state} <- handshake(state, :port, deadline),
          {:ok, state} <- connect_lane(state, opts[:transport], deadline),
          {:ok, state} <- adopt_limits(state, deadline) do
-      {:ok, state}
+      if state.group == nil, do: {:ok, state}, else: {:ok, state, {:continue, :join}}
     else
       {:error, %Error{} = error, state} ->
         stop_server(state)
@@ -202,7 +264,11 @@ defmodule ScanBridge.Server do
   end
 
   @impl true
-  def handle_call({:request, _op, _head, size, _timeout}, _from, %{max_frame_size: limit} = state)
+  def handle_call(
+        {:request, _op, _head, size, _timeout, _closes},
+        _from,
+        %{max_frame_size: limit} = state
+      )
       when size > limit do
     error =
       Error.client(
@@ -217,8 +283,9 @@ defmodule ScanBridge.Server do
     {:reply, {:error, error}, state}
   end
 
-  def handle_call({:request, op, head, _size, timeout}, {caller, _tag} = from, state) do
+  def handle_call({:request, op, head, _size, timeout, closes}, {caller, _tag} = from, state) do
     {id, frame, state} = numbered(state, head)
+    op = if closes, do: {op, closes}, else: op
 
     timer =
       if timeout == :infinity, do: nil, else: Process.send_after(self(), {:deadline, id}, timeout)
@@ -240,6 +307,23 @@ defmodule ScanBridge.Server do
 
   def handle_call(:os_pid, _from, state), do: {:reply, {:ok, state.os_pid}, state}
 
+  def handle_call({:model_named, name}, _from, state),
+    do: {:reply, {:ok, Map.get(state.models, name)}, state}
+
+  @impl true
+  def handle_cast({:name_model, name, nil}, state),
+    do: {:noreply, %{state | models: Map.delete(state.models, name)}}
+
+  def handle_cast({:name_model, name, id}, state),
+    do: {:noreply, %{state | models: Map.put(state.models, name, id)}}
+
+  # Started once this server answers, so that the group never routes to one that does not.
+  @impl true
+  def handle_continue(:join, state) do
+    {:ok, member} = ScanBridge.Cluster.Member.start_link(server: self(), group: state.group)
+    {:noreply, %{state | member: member}}
+  end
+
   @impl true
   def handle_info({port, {:data, body}}, %{port: port} = state),
     do: {:noreply, on_reply(body, state)}
@@ -248,8 +332,26 @@ defmodule ScanBridge.Server do
     do: {:noreply, on_reply(body, state)}
 
   def handle_info({:deadline, id}, state) do
+    queued? = :gb_trees.is_defined(id, state.queue)
+
     case abandon(state, id) do
       {nil, state} ->
+        {:noreply, state}
+
+      {from, state} when queued? ->
+        # Never sent: the server had :max_in_flight requests the whole time. Unlike a timeout,
+        # this one surely did nothing, so it may be sent again as it is.
+        GenServer.reply(
+          from,
+          {:error,
+           Error.client(
+             :overloaded,
+             "no place at the server before the deadline: #{state.max_in_flight} requests " <>
+               "were in flight the whole time, and this one was never sent",
+             %{"id" => id, "max_in_flight" => state.max_in_flight}
+           )}
+        )
+
         {:noreply, state}
 
       {from, state} ->
@@ -260,6 +362,21 @@ defmodule ScanBridge.Server do
 
         {:noreply, state}
     end
+  end
+
+  # A group's session opener is gone: its sessions are closed (watch_opener/4).
+  def handle_info({:DOWN, monitor, :process, pid, _reason}, state)
+      when is_map_key(state.openers, pid) and
+             elem(:erlang.map_get(pid, state.openers), 0) == monitor do
+    {{_monitor, sessions}, openers} = Map.pop(state.openers, pid)
+
+    state = %{
+      state
+      | openers: openers,
+        opener_of: Map.drop(state.opener_of, MapSet.to_list(sessions))
+    }
+
+    {:noreply, Enum.reduce(sessions, state, &send_uncalled(&2, "session_close", %{session: &1}))}
   end
 
   # The caller is gone: nobody will take the answer. As with a passed deadline, a queued
@@ -284,6 +401,12 @@ defmodule ScanBridge.Server do
   def handle_info({:tcp_closed, socket}, %{socket: socket} = state) do
     state = fail_all(%{state | socket: nil}, "the server closed the unix socket", %{})
     {:stop, {:shutdown, :lane_closed}, state}
+  end
+
+  # The group membership went down: a server out of its group is not what was started.
+  def handle_info({:EXIT, member, reason}, %{member: member} = state) when member != nil do
+    state = fail_all(state, "the server's group membership stopped: #{inspect(reason)}", %{})
+    {:stop, {:shutdown, {:member_exited, reason}}, state}
   end
 
   def handle_info({:tcp_error, socket, reason}, %{socket: socket} = state) do
@@ -395,11 +518,53 @@ defmodule ScanBridge.Server do
 
         {from, state} ->
           GenServer.reply(from, outcome)
-          state
+          watch_opener(state, op, from, outcome)
       end
 
     send_queued(state)
   end
+
+  # A group's server closes a session when the process that opened it exits: a cluster
+  # session's keeper may live on another node, and die with it, where nobody would close it.
+  defp watch_opener(%{group: nil} = state, _op, _from, _outcome), do: state
+
+  defp watch_opener(state, op, {pid, _tag}, {:ok, %{"session" => session}, _timing})
+       when op in ["session_open", "session_fork"] and is_binary(session) do
+    {monitor, sessions} =
+      case state.openers do
+        %{^pid => watched} -> watched
+        _ -> {Process.monitor(pid), MapSet.new()}
+      end
+
+    %{
+      state
+      | openers: Map.put(state.openers, pid, {monitor, MapSet.put(sessions, session)}),
+        opener_of: Map.put(state.opener_of, session, pid)
+    }
+  end
+
+  defp watch_opener(state, {"session_close", session}, _from, {:ok, _result, _timing}) do
+    case Map.pop(state.opener_of, session) do
+      {nil, _} ->
+        state
+
+      {pid, opener_of} ->
+        {monitor, sessions} = state.openers[pid]
+        sessions = MapSet.delete(sessions, session)
+
+        openers =
+          if MapSet.size(sessions) == 0 do
+            Process.demonitor(monitor, [:flush])
+            Map.delete(state.openers, pid)
+          else
+            Map.put(state.openers, pid, {monitor, sessions})
+          end
+
+        %{state | openers: openers, opener_of: opener_of}
+    end
+  end
+
+  defp watch_opener(state, _op, _from, _outcome), do: state
 
   # A reply that names no request is the answer of the only one in flight, if there is one
   # (its in-flight place is freed with it); with more in flight it is dropped.
@@ -762,6 +927,14 @@ defmodule ScanBridge.Server do
     check!(:startup_timeout, opts[:startup_timeout], @timeout_expected, &valid_timeout?/1)
 
     check!(:exit_grace, opts[:exit_grace], "a non-negative integer", &(is_integer(&1) and &1 >= 0))
+    # a pid or reference would name nothing on another node
+    check!(
+      :group,
+      opts[:group],
+      "nil or a group name (atoms, strings, numbers, and tuples and lists of them)",
+      &valid_group?/1
+    )
+
     Keyword.put(opts, :python, python)
   end
 
@@ -776,6 +949,11 @@ defmodule ScanBridge.Server do
   end
 
   defp valid_env?(_), do: false
+
+  defp valid_group?(group) when is_atom(group) or is_binary(group) or is_number(group), do: true
+  defp valid_group?(group) when is_tuple(group), do: valid_group?(Tuple.to_list(group))
+  defp valid_group?(group) when is_list(group), do: Enum.all?(group, &valid_group?/1)
+  defp valid_group?(_), do: false
 
   defp check!(key, value, expected, valid?) do
     unless valid?.(value),

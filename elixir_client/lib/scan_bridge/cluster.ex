@@ -1,0 +1,367 @@
+defmodule ScanBridge.Cluster do
+  @moduledoc """
+  Many scan-bridge servers across the nodes of a BEAM cluster, called as one: a group.
+
+  A server joins a group when its client is started with `group:` (one server per device; the
+  server takes `--device cuda:N`):
+
+      children = [{ScanBridge, name: MyApp.Gpu0, group: :agents, args: ["--device", "cuda:0"]}]
+
+  Membership is `:pg` (scope `#{inspect(__MODULE__)}`, started by the `:scan_bridge`
+  application) over Erlang distribution: any node of the cluster that runs the application
+  calls the group, with no broker and no registry. A server leaves the group when it or its
+  node goes away.
+
+    * Stateless calls (`scan/3`, `ssd_scan/3`, `scan_backward/3`, `ssd_scan_backward/3`) go to
+      the member with the fewest calls in flight from this node (this node's members first on
+      ties). With `retry: true` a call whose server went away is sent once more, to another
+      member, within the same deadline.
+    * `open_session/3` opens a session on the member with the fewest of this node's sessions
+      and returns a handle to a process on this node that keeps it (`ScanBridge.Cluster.Session`):
+      its calls go to that member directly, with no lookup per frame. With `checkpoint: n`, the
+      session's state is copied here every n frames and the frames since are kept, so that when
+      its server goes away the session is rebuilt on another member and the frames replayed:
+      the caller gets the right answer or `{:error, %ScanBridge.Error{reason: :session_lost}}`,
+      never a wrong one.
+    * `load_model/4` loads a model, by a name of the group's, on every member, and on every
+      member that joins later; `open_session(group, model: name, batch: b)` opens its sessions.
+    * A member takes `:max_in_flight` requests at once (`ScanBridge.start_link/1`); past it
+      calls wait, and a call whose deadline passes before it could be sent gets
+      `{:error, %ScanBridge.Error{reason: :overloaded}}`.
+
+  Every call is answered by its deadline (`:timeout`, default 30 000 ms) and a grace of at most
+  100 ms, even when a member's node is cut off or frozen. What each failure loses is in
+  docs/cluster.md.
+  """
+
+  alias ScanBridge.{Error, Tensor}
+  alias ScanBridge.Cluster.{Balancer, Member, Session}
+
+  @default_timeout 30_000
+  # The errors that mean the server that had the call is gone (or going): its process, its
+  # OS process or its node; a call it had may be sent to another member.
+  @gone [:server_exited, :not_running, :node_down, :shutting_down]
+
+  @type group :: term
+  @type session :: Session.t()
+
+  @doc false
+  def scope, do: __MODULE__
+
+  @doc false
+  def group_key(group), do: {:servers, group}
+
+  @doc "The servers (client processes, `ScanBridge.Server`) serving `group`, on every node."
+  @spec members(group) :: [pid]
+  def members(group), do: :pg.get_members(scope(), group_key(group))
+
+  @doc """
+  This node's load on each member of `group`: `%{member => %{calls: n, sessions: n}}`, the
+  calls in flight and the sessions kept from this node.
+  """
+  @spec loads(group) :: %{pid => %{calls: non_neg_integer, sessions: non_neg_integer}}
+  defdelegate loads(group), to: Balancer
+
+  @doc false
+  def gone?(%Error{reason: reason}), do: reason in @gone
+
+  ## Stateless calls
+
+  @doc """
+  `ScanBridge.scan/3` on a member of `group`. Options: `:timeout`, `:retry` (`true`: when the
+  member goes away with the call, send it once more to another member, within the deadline).
+  Inputs must not name a `:session` or hold `{:handle, id}`s: those belong to one server (use
+  a cluster session, or send the tensors).
+  """
+  @spec scan(group, ScanBridge.inputs(), keyword) :: {:ok, map} | ScanBridge.error()
+  def scan(group, inputs, opts \\ []), do: stateless(group, :scan, inputs, opts)
+
+  @doc "`ScanBridge.ssd_scan/3` on a member of `group`; options as for `scan/3`."
+  @spec ssd_scan(group, ScanBridge.inputs(), keyword) :: {:ok, map} | ScanBridge.error()
+  def ssd_scan(group, inputs, opts \\ []), do: stateless(group, :ssd_scan, inputs, opts)
+
+  @doc "`ScanBridge.scan_backward/3` on a member of `group`; options as for `scan/3`."
+  @spec scan_backward(group, ScanBridge.inputs(), keyword) ::
+          {:ok, ScanBridge.gradients()} | ScanBridge.error()
+  def scan_backward(group, inputs, opts \\ []),
+    do: stateless(group, :scan_backward, inputs, opts)
+
+  @doc "`ScanBridge.ssd_scan_backward/3` on a member of `group`; options as for `scan/3`."
+  @spec ssd_scan_backward(group, ScanBridge.inputs(), keyword) ::
+          {:ok, ScanBridge.gradients()} | ScanBridge.error()
+  def ssd_scan_backward(group, inputs, opts \\ []),
+    do: stateless(group, :ssd_scan_backward, inputs, opts)
+
+  defp stateless(group, fun, inputs, opts) do
+    opts = ScanBridge.opts!(opts, [:timeout, :retry], "#{fun}")
+    stateless_inputs!(inputs, fun)
+    deadline = deadline(Keyword.get(opts, :timeout, @default_timeout))
+    retries = if Keyword.get(opts, :retry, false), do: 1, else: 0
+    attempt(group, fun, inputs, deadline, retries, [])
+  end
+
+  defp attempt(group, fun, inputs, deadline, retries, tried) do
+    case Balancer.checkout(group, :call, tried) do
+      :no_members ->
+        {:error, no_members(group, tried)}
+
+      {:ok, member, token} ->
+        outcome =
+          try do
+            apply(ScanBridge, fun, [member, inputs, [timeout: remaining(deadline)]])
+          after
+            Balancer.checkin(token)
+          end
+
+        case outcome do
+          # a member that had gone before the call reached it (:pg had yet to drop it): the
+          # call was never delivered, so it goes to another member, retry or not
+          {:error, %Error{reason: :not_running}} ->
+            attempt(group, fun, inputs, deadline, retries, [member | tried])
+
+          {:error, %Error{} = error} when retries > 0 ->
+            if gone?(error) and remaining(deadline) != 0,
+              do: attempt(group, fun, inputs, deadline, retries - 1, [member | tried]),
+              else: outcome
+
+          outcome ->
+            outcome
+        end
+    end
+  end
+
+  defp no_members(group, []),
+    do: Error.client(:no_members, "no server serves group #{inspect(group)}", %{})
+
+  defp no_members(group, tried) do
+    Error.client(
+      :no_members,
+      "no other server serves group #{inspect(group)} to retry on (#{length(tried)} tried)",
+      %{"tried" => length(tried)}
+    )
+  end
+
+  defp stateless_inputs!(inputs, fun) when is_map(inputs) do
+    Enum.each(inputs, fn
+      {name, _} when name in [:session, "session"] ->
+        raise ArgumentError,
+              "#{fun} inputs: expected no :session in a group call (a session is one " <>
+                "server's: use a cluster session), got one"
+
+      {name, {:handle, _}} ->
+        raise ArgumentError,
+              "#{fun} input #{name}: expected a tensor, got a {:handle, id} (a handle is one " <>
+                "server's; a group call may go to any)"
+
+      _ ->
+        :ok
+    end)
+  end
+
+  # ScanBridge's own check names what it expected.
+  defp stateless_inputs!(_inputs, _fun), do: :ok
+
+  ## Models
+
+  @doc """
+  Loads a model on every member of `group` under `name` (a non-empty string), and on every
+  member that joins the group later; `source` and `opts` (`:dtype`, `:timeout`) as for
+  `ScanBridge.load_model/3`. A path must name a checkpoint on every member's host (under its
+  `--model-dir`); a model sent as config and weights is kept by every member's node, for the
+  members that join later.
+
+  `{:ok, %{members: n, info: info}}` (one member's description), or the first error with
+  `detail["member"]` naming the member's node. A name already given to a different model is
+  `:invalid_argument`; loading the same again is a no-op.
+  """
+  @spec load_model(group, String.t(), ScanBridge.model_source(), keyword) ::
+          {:ok, %{members: pos_integer, info: map}} | ScanBridge.error()
+  def load_model(group, name, source, opts \\ []) do
+    name = name!(name, "load_model name")
+    opts = ScanBridge.opts!(opts, [:dtype, :timeout], "load_model")
+    # a bad source or option raises here, in the caller, not in every member
+    _args = ScanBridge.model_load_args!(source, opts)
+    load_everywhere(group, name, source, opts, MapSet.new(), nil)
+  end
+
+  # Load on every catalogue keeper not done yet, then look again until none is new (see
+  # ScanBridge.Cluster.Member).
+  defp load_everywhere(group, name, source, opts, done, info) do
+    case Member.keepers(group) |> Enum.reject(&MapSet.member?(done, &1)) do
+      [] when info == nil ->
+        {:error, Error.client(:no_members, "no server serves group #{inspect(group)}", %{})}
+
+      [] ->
+        {:ok, %{members: MapSet.size(done), info: info}}
+
+      keepers ->
+        results =
+          keepers
+          |> Enum.map(&{&1, load_on(&1, name, source, opts)})
+
+        case Enum.find(results, &match?({_, {:error, _}}, &1)) do
+          {keeper, {:error, error}} ->
+            {:error, %{error | detail: Map.put(error.detail, "member", "#{node(keeper)}")}}
+
+          nil ->
+            {_, {:ok, info}} = hd(results)
+            done = Enum.reduce(keepers, done, &MapSet.put(&2, &1))
+            load_everywhere(group, name, source, opts, done, info)
+        end
+    end
+  end
+
+  defp load_on(keeper, name, source, opts) do
+    timeout = Keyword.get(opts, :timeout, @default_timeout)
+    GenServer.call(keeper, {:load, name, source, opts}, timeout + 1_000)
+  catch
+    :exit, reason ->
+      {:error,
+       Error.client(
+         :server_exited,
+         "the member on #{node(keeper)} did not load the model: #{inspect(reason, limit: 5)}",
+         %{}
+       )}
+  end
+
+  @doc """
+  Frees the group's model `name` on every member (and takes it out of what later members
+  load). A member with sessions of it open refuses (`:invalid_argument`): close them first.
+  """
+  @spec free_model(group, String.t(), keyword) :: :ok | ScanBridge.error()
+  def free_model(group, name, opts \\ []) do
+    name = name!(name, "free_model name")
+    opts = ScanBridge.opts!(opts, [:timeout], "free_model")
+    timeout = Keyword.get(opts, :timeout, @default_timeout)
+
+    group
+    |> Member.keepers()
+    |> Enum.map(fn keeper ->
+      try do
+        GenServer.call(keeper, {:free, name, opts}, timeout + 1_000)
+      catch
+        :exit, _gone -> :ok
+      end
+    end)
+    |> Enum.find(:ok, &match?({:error, _}, &1))
+  end
+
+  ## Sessions
+
+  @doc """
+  Opens a session on a member of `group` (the one with the fewest sessions kept from this
+  node) and returns its handle, for `step/4`, `model_step/4`, `model_forward/4`, `scan/3` and
+  `ssd_scan/3` with `:session`, `session_state/2` and `close_session/2` of this module.
+
+  `dims` as for `ScanBridge.open_session/3`, with `model:` a name given to `load_model/4`.
+  Options:
+
+    * `:checkpoint` - `n`, a positive integer: every n frames (calls that advance the state)
+      the session's state is copied to this node, after the caller has had its answer, and
+      the frames since are kept here. When the session's server goes away, the session is
+      rebuilt on another member from the copy and the kept frames are run again there; the
+      call in flight is then answered from the new server. Without it (the default) a session
+      whose server goes away is lost: its calls answer `:session_lost`.
+    * `:timeout` - ms for opening.
+
+  The session belongs to the calling process: it is closed when that process exits.
+  """
+  @spec open_session(group, map | keyword, keyword) :: {:ok, session} | ScanBridge.error()
+  def open_session(group, dims, opts \\ []) do
+    opts = ScanBridge.opts!(opts, [:checkpoint, :timeout], "open_session")
+
+    case Keyword.get(opts, :checkpoint) do
+      nil ->
+        :ok
+
+      n when is_integer(n) and n > 0 ->
+        :ok
+
+      other ->
+        raise ArgumentError,
+              "open_session :checkpoint: expected a positive integer, got #{inspect(other)}"
+    end
+
+    Session.open(group, session_dims!(dims), opts)
+  end
+
+  defp session_dims!(dims) do
+    dims = if is_list(dims) and Keyword.keyword?(dims), do: Map.new(dims), else: dims
+
+    unless is_map(dims) and not is_struct(dims) do
+      raise ArgumentError,
+            "open_session dims: expected a map or keyword list, got #{inspect(dims, limit: 5)}"
+    end
+
+    Map.new(dims, fn
+      {key, model} when key in [:model, "model"] ->
+        {:model, name!(model, "open_session model")}
+
+      {key, _value} when key in [:state, "state"] and is_map_key(dims, :model) ->
+        raise ArgumentError,
+              "open_session: expected no state: for a cluster session (its checkpoints are the " <>
+                "client's), got one"
+
+      entry ->
+        entry
+    end)
+  end
+
+  @doc "`ScanBridge.step/4` on a cluster session. Options: `:timeout`."
+  @spec step(session, ScanBridge.inputs(), keyword) :: {:ok, map} | ScanBridge.error()
+  def step(%Session{} = session, inputs, opts \\ []), do: Session.call(session, :step, inputs, opts)
+
+  @doc "`ScanBridge.model_step/4` on a cluster session. Options: `:output`, `:timeout`."
+  @spec model_step(session, ScanBridge.model_input(), keyword) ::
+          {:ok, Tensor.t()} | ScanBridge.error()
+  def model_step(%Session{} = session, input, opts \\ []),
+    do: Session.call(session, :model_step, input, opts)
+
+  @doc "`ScanBridge.model_forward/4` on a cluster session; options as there."
+  @spec model_forward(session, ScanBridge.model_input(), keyword) ::
+          {:ok, Tensor.t()} | ScanBridge.error()
+  def model_forward(%Session{} = session, input, opts \\ []),
+    do: Session.call(session, :model_forward, input, opts)
+
+  @doc "The session's state, as `ScanBridge.session_state/3` gives it. Options: `:timeout`."
+  @spec session_state(session, keyword) :: {:ok, Tensor.t() | map} | ScanBridge.error()
+  def session_state(%Session{} = session, opts \\ []),
+    do: Session.call(session, :session_state, nil, opts)
+
+  @doc "Closes the session on its server and stops its keeper."
+  @spec close_session(session, keyword) :: :ok | ScanBridge.error()
+  def close_session(%Session{} = session, opts \\ []), do: Session.close(session, opts)
+
+  @doc """
+  Where a session is and how it fares: `%{member: pid, node: node, session: id, failovers: n,
+  frames_since_checkpoint: n, status: status}`: `member` the server that keeps it (nil between
+  its server's end and its rebuild), `session` its id there, `status` `:ok`, `:unsure` (a frame
+  timed out), `:tainted` (a frame was answered after that: no failover until the next
+  checkpoint) or `:lost`.
+  """
+  @spec session_info(session) :: {:ok, map} | ScanBridge.error()
+  defdelegate session_info(session), to: Session, as: :info
+
+  ## Helpers
+
+  defp name!(name, _what) when is_binary(name) and name != "", do: name
+
+  defp name!(other, what),
+    do:
+      raise(ArgumentError, "#{what}: expected a non-empty string, got #{inspect(other, limit: 5)}")
+
+  @doc false
+  def deadline(:infinity), do: :infinity
+  def deadline(ms) when is_integer(ms) and ms >= 0, do: System.monotonic_time(:millisecond) + ms
+
+  def deadline(other),
+    do:
+      raise(
+        ArgumentError,
+        ":timeout: expected :infinity or a non-negative integer of ms, got #{inspect(other)}"
+      )
+
+  @doc false
+  def remaining(:infinity), do: :infinity
+  def remaining(deadline), do: max(deadline - System.monotonic_time(:millisecond), 0)
+end

@@ -1,0 +1,129 @@
+defmodule ScanBridge.Cluster.Balancer do
+  @moduledoc false
+  # This node's view of the load it puts on each server of a group: the calls it has in flight
+  # at each member and the cluster sessions it keeps there. One per node, started by the
+  # application; callers check a member out and back in, and a caller that exits without
+  # checking in (killed mid-call) is checked in by its monitor, so the counts never drift.
+  #
+  # The counts are this node's only: callers on other nodes are balanced by their own nodes'
+  # balancers, each spreading its share (docs/cluster.md, "Routing").
+
+  use GenServer
+
+  alias ScanBridge.Cluster
+
+  defstruct calls: %{}, sessions: %{}, holders: %{}, members: %{}
+
+  def start_link(_opts), do: GenServer.start_link(__MODULE__, :ok, name: __MODULE__)
+
+  @doc """
+  A member of `group` for a call (`:call`, the fewest calls in flight) or a session
+  (`:session`, the fewest sessions), leaving out `exclude`; ties go to this node's members, then
+  to chance. `{:ok, member, token}`, the token for `checkin/1`, or `:no_members`.
+  """
+  @spec checkout(term, :call | :session, [pid]) :: {:ok, pid, reference} | :no_members
+  def checkout(group, kind, exclude \\ []) do
+    GenServer.call(__MODULE__, {:checkout, group, kind, exclude, self()})
+  end
+
+  @doc "Gives back what `checkout/3` took."
+  @spec checkin(reference) :: :ok
+  def checkin(token), do: GenServer.cast(__MODULE__, {:checkin, token})
+
+  @doc "This node's counts for `group`'s members: `%{member => %{calls: n, sessions: n}}`."
+  @spec loads(term) :: %{pid => %{calls: non_neg_integer, sessions: non_neg_integer}}
+  def loads(group), do: GenServer.call(__MODULE__, {:loads, group})
+
+  @impl true
+  def init(:ok), do: {:ok, %__MODULE__{}}
+
+  @impl true
+  def handle_call({:checkout, group, kind, exclude, holder}, _from, state) do
+    case Cluster.members(group) -- exclude do
+      [] ->
+        {:reply, :no_members, state}
+
+      members ->
+        member = Enum.min_by(members, &rank(state, kind, &1))
+        token = Process.monitor(holder)
+        counts = counts(kind)
+
+        state =
+          state
+          |> Map.update!(counts, &Map.update(&1, member, 1, fn n -> n + 1 end))
+          |> Map.update!(:holders, &Map.put(&1, token, {counts, member}))
+          |> watch(member)
+
+        {:reply, {:ok, member, token}, state}
+    end
+  end
+
+  def handle_call({:loads, group}, _from, state) do
+    loads =
+      Map.new(Cluster.members(group), fn member ->
+        {member,
+         %{calls: Map.get(state.calls, member, 0), sessions: Map.get(state.sessions, member, 0)}}
+      end)
+
+    {:reply, loads, state}
+  end
+
+  @impl true
+  def handle_cast({:checkin, token}, state) do
+    Process.demonitor(token, [:flush])
+    {:noreply, release(state, token)}
+  end
+
+  @impl true
+  def handle_info({:DOWN, ref, :process, _pid, _reason}, state) do
+    case Map.pop(state.members, ref) do
+      {nil, _} ->
+        {:noreply, release(state, ref)}
+
+      {member, members} ->
+        # A member gone: its counts go with it (its holders' check-ins then find nothing).
+        {:noreply,
+         %{
+           state
+           | members: members,
+             calls: Map.delete(state.calls, member),
+             sessions: Map.delete(state.sessions, member)
+         }}
+    end
+  end
+
+  defp release(state, token) do
+    case Map.pop(state.holders, token) do
+      {nil, _} ->
+        state
+
+      {{counts, member}, holders} ->
+        state = %{state | holders: holders}
+
+        Map.update!(state, counts, fn by_member ->
+          case by_member do
+            %{^member => 1} -> Map.delete(by_member, member)
+            %{^member => n} -> Map.put(by_member, member, n - 1)
+            _gone -> by_member
+          end
+        end)
+    end
+  end
+
+  defp watch(state, member) do
+    if member in Map.values(state.members),
+      do: state,
+      else: %{state | members: Map.put(state.members, Process.monitor(member), member)}
+  end
+
+  defp counts(:call), do: :calls
+  defp counts(:session), do: :sessions
+
+  # Fewest of what is checked out, then fewest of the other kind, then this node's, then chance.
+  defp rank(state, kind, member) do
+    calls = Map.get(state.calls, member, 0)
+    sessions = Map.get(state.sessions, member, 0)
+    {first, second} = if kind == :call, do: {calls, sessions}, else: {sessions, calls}
+    {first, second, if(node(member) == node(), do: 0, else: 1), :rand.uniform()}
+  end
+end

@@ -1,0 +1,471 @@
+defmodule ScanBridge.Cluster.Session do
+  @moduledoc """
+  A cluster session (`ScanBridge.Cluster.open_session/3`): a process on the opener's node that
+  keeps one session on one member of a group — its owner — and sends the session's calls there.
+
+  With `checkpoint: n` it also keeps, on this node, the session's state as of its latest
+  checkpoint (taken every n frames, after the frame's caller has had its answer) and the frames
+  answered since. When the owner goes away (its server, its OS process or its node) the session
+  is rebuilt on another member: opened there from the checkpoint, the kept frames run again, and
+  the call in flight, if any, sent there. The owner going away is noticed by a monitor, so the
+  rebuild starts at once, not at the next frame.
+
+  The rebuilt session is exactly the one the caller has seen, or the session is given up
+  (`:session_lost`): a frame that timed out may or may not have been done by the owner, so once a
+  later frame has been answered by it, the kept frames no longer say what the state is, and until
+  the next checkpoint a failover is refused. What is lost in each case is in docs/cluster.md.
+  """
+
+  use GenServer, restart: :temporary
+  require Logger
+
+  alias ScanBridge.{Cluster, Error}
+  alias ScanBridge.Cluster.Balancer
+
+  @enforce_keys [:pid]
+  defstruct [:pid, :group]
+
+  @type t :: %__MODULE__{pid: pid, group: term}
+
+  # What a checkpoint may take: the owner answers it at once unless it is gone or frozen.
+  @checkpoint_timeout_ms 2_000
+  # A rebuild started by the monitor has no caller's deadline; it gets this long.
+  @rebuild_timeout_ms 10_000
+  # How long past a call's deadline its caller waits for this process (which answers by it).
+  @answer_grace_ms 100
+  # The calls that advance the session's state, and so are kept for a rebuild.
+  @advancing [:step, :model_step, :model_forward, :scan, :ssd_scan]
+
+  @doc false
+  def open(group, dims, opts) do
+    timeout = Keyword.get(opts, :timeout, 30_000)
+    deadline = Cluster.deadline(timeout)
+
+    args = %{
+      group: group,
+      dims: dims,
+      every: Keyword.get(opts, :checkpoint),
+      opener: self(),
+      deadline: deadline
+    }
+
+    case DynamicSupervisor.start_child(ScanBridge.Cluster.Sessions, {__MODULE__, args}) do
+      {:ok, pid} -> {:ok, %__MODULE__{pid: pid, group: group}}
+      {:error, {%Error{} = error, _}} -> {:error, error}
+      {:error, %Error{} = error} -> {:error, error}
+    end
+  end
+
+  @doc false
+  def start_link(args), do: GenServer.start_link(__MODULE__, args)
+
+  @doc false
+  def call(%__MODULE__{pid: pid}, kind, input, opts) do
+    deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
+    opts = Keyword.delete(opts, :timeout)
+
+    case request(pid, {:call, kind, input, opts, deadline}, wait(deadline)) do
+      {:raise, exception} -> raise exception
+      outcome -> outcome
+    end
+  end
+
+  @doc false
+  def close(%__MODULE__{pid: pid}, opts) do
+    deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
+
+    case request(pid, {:close, deadline}, wait(deadline)) do
+      {:error, %Error{reason: :not_running}} -> :ok
+      outcome -> outcome
+    end
+  end
+
+  @doc false
+  def info(%__MODULE__{pid: pid}), do: request(pid, :info, 5_000)
+
+  defp wait(:infinity), do: :infinity
+  # capped at the longest receive timeout the BEAM takes, 2^32 - 1 ms
+  defp wait(deadline), do: min(Cluster.remaining(deadline) + @answer_grace_ms, 0xFFFFFFFF)
+
+  defp request(pid, message, wait) do
+    GenServer.call(pid, message, wait)
+  catch
+    :exit, {:noproc, _} ->
+      {:error, Error.client(:not_running, "the cluster session is closed", %{})}
+
+    :exit, {:timeout, _} ->
+      {:error, Error.client(:timeout, "no answer from the cluster session before the deadline")}
+
+    :exit, {reason, _} ->
+      {:error,
+       Error.client(:session_lost, "the cluster session's process exited: #{inspect(reason)}", %{})}
+  end
+
+  ## Callbacks
+
+  @impl true
+  def init(args) do
+    Process.flag(:trap_exit, true)
+
+    state = %{
+      group: args.group,
+      dims: args.dims,
+      every: args.every,
+      opener: Process.monitor(args.opener),
+      owner: nil,
+      owner_monitor: nil,
+      remote: nil,
+      token: nil,
+      # the state as of the latest checkpoint (nil: zero, as opened)
+      checkpoint: nil,
+      # the frames answered since the checkpoint, newest first: {kind, input, opts}
+      log: [],
+      # :ok; :unsure after a timeout (the owner may have done it); :tainted once a frame is
+      # answered after that (a rebuild could not reproduce it); {:lost, error}
+      status: :ok,
+      failovers: 0,
+      # members passed over: gone while keeping it (pg may list a cut-off one for a while), or
+      # without its model
+      skipped: []
+    }
+
+    case place(state, args.deadline) do
+      {:ok, state} -> {:ok, state}
+      {:error, error, _state} -> {:stop, error}
+    end
+  end
+
+  @impl true
+  def handle_call({:call, kind, input, opts, deadline}, from, state) do
+    cond do
+      expired?(deadline) ->
+        # its caller has given up already: doing it now would be doing it behind its back
+        {:noreply, state}
+
+      match?({:lost, _}, state.status) ->
+        {:reply, {:error, elem(state.status, 1)}, state}
+
+      true ->
+        serve(state, from, kind, input, opts, deadline)
+    end
+  end
+
+  def handle_call({:close, deadline}, _from, state) do
+    outcome = if state.owner, do: close_remote(state, deadline), else: :ok
+    {:stop, :normal, outcome, release(state)}
+  end
+
+  def handle_call(:info, _from, state) do
+    info = %{
+      member: state.owner,
+      node: state.owner && node(state.owner),
+      session: state.remote,
+      failovers: state.failovers,
+      frames_since_checkpoint: length(state.log),
+      status: (match?({:lost, _}, state.status) && :lost) || state.status
+    }
+
+    {:reply, {:ok, info}, state}
+  end
+
+  @impl true
+  def handle_info({:DOWN, ref, :process, _pid, _reason}, %{opener: ref} = state) do
+    if state.owner, do: close_remote(state, Cluster.deadline(@checkpoint_timeout_ms))
+    {:stop, :normal, release(state)}
+  end
+
+  def handle_info({:DOWN, ref, :process, _pid, reason}, %{owner_monitor: ref} = state) do
+    state = owner_gone(state, "its server went away: #{inspect(reason, limit: 5)}")
+    {:noreply, rebuild(state, Cluster.deadline(@rebuild_timeout_ms))}
+  end
+
+  def handle_info(_stale, state), do: {:noreply, state}
+
+  ## Calls
+
+  defp serve(state, from, kind, input, opts, deadline) do
+    state = if state.owner, do: state, else: rebuild(state, deadline)
+
+    case state.status do
+      {:lost, error} ->
+        {:reply, {:error, error}, state}
+
+      _ok_or_unsure when state.owner == nil ->
+        {:reply, {:error, no_owner(state)}, state}
+
+      _ok_or_unsure ->
+        case run(state, kind, input, opts, deadline) do
+          {:raise, _exception} = raised ->
+            {:reply, raised, state}
+
+          {:error, %Error{} = error} = outcome ->
+            cond do
+              Cluster.gone?(error) ->
+                state = owner_gone(state, error.message)
+                retry(rebuild(state, deadline), from, kind, input, opts, deadline, outcome)
+
+              error.reason == :timeout and kind in @advancing ->
+                {:reply, outcome, %{state | status: unsure(state.status)}}
+
+              true ->
+                {:reply, outcome, state}
+            end
+
+          {:ok, _} = outcome ->
+            GenServer.reply(from, outcome)
+            {:noreply, advanced(state, kind, input, opts)}
+        end
+    end
+  end
+
+  # The call in flight when the owner went away, sent to the rebuilt session (once).
+  defp retry(state, from, kind, input, opts, deadline, first_outcome) do
+    cond do
+      match?({:lost, _}, state.status) ->
+        {:reply, {:error, elem(state.status, 1)}, state}
+
+      state.owner == nil or expired?(deadline) ->
+        {:reply, first_outcome, state}
+
+      true ->
+        case run(state, kind, input, opts, deadline) do
+          {:ok, _} = outcome ->
+            GenServer.reply(from, outcome)
+            {:noreply, advanced(state, kind, input, opts)}
+
+          {:error, %Error{} = error} = outcome ->
+            state = if Cluster.gone?(error), do: owner_gone(state, error.message), else: state
+
+            {:reply, outcome, state}
+
+          raised ->
+            {:reply, raised, state}
+        end
+    end
+  end
+
+  defp unsure(:ok), do: :unsure
+  defp unsure(status), do: status
+
+  # A frame answered: kept for a rebuild, and a checkpoint taken when one is due.
+  defp advanced(state, kind, input, opts) when kind in @advancing do
+    status = if state.status == :unsure, do: :tainted, else: state.status
+
+    cond do
+      state.every == nil ->
+        %{state | status: status}
+
+      length(state.log) + 1 >= state.every ->
+        checkpoint(%{state | status: status, log: [{kind, input, opts} | state.log]})
+
+      true ->
+        %{state | status: status, log: [{kind, input, opts} | state.log]}
+    end
+  end
+
+  defp advanced(state, _kind, _input, _opts), do: state
+
+  defp checkpoint(state) do
+    case ScanBridge.session_state(state.owner, state.remote, timeout: @checkpoint_timeout_ms) do
+      {:ok, saved} ->
+        %{state | checkpoint: saved, log: [], status: :ok}
+
+      {:error, error} ->
+        # kept frames stay; a gone owner is rebuilt by its monitor
+        Logger.debug("scan-bridge: cluster session checkpoint failed: #{error.message}")
+        state
+    end
+  end
+
+  defp run(state, kind, input, opts, deadline) do
+    opts = Keyword.put(opts, :timeout, Cluster.remaining(deadline))
+    send_to(state.owner, state.remote, kind, input, opts)
+  rescue
+    exception in ArgumentError -> {:raise, exception}
+  end
+
+  defp send_to(owner, remote, :step, input, opts), do: ScanBridge.step(owner, remote, input, opts)
+
+  defp send_to(owner, remote, :model_step, input, opts),
+    do: ScanBridge.model_step(owner, remote, input, opts)
+
+  defp send_to(owner, remote, :model_forward, input, opts),
+    do: ScanBridge.model_forward(owner, remote, input, opts)
+
+  defp send_to(owner, remote, :scan, input, opts),
+    do: ScanBridge.scan(owner, with_session!(input, remote, "scan"), opts)
+
+  defp send_to(owner, remote, :ssd_scan, input, opts),
+    do: ScanBridge.ssd_scan(owner, with_session!(input, remote, "ssd_scan"), opts)
+
+  defp send_to(owner, remote, :session_state, nil, opts),
+    do: ScanBridge.session_state(owner, remote, opts)
+
+  defp with_session!(inputs, remote, op) when is_map(inputs) do
+    if Map.has_key?(inputs, :session) or Map.has_key?(inputs, "session") do
+      raise ArgumentError,
+            "#{op} inputs: expected no :session (the cluster session is the first argument), got one"
+    end
+
+    Map.put(inputs, :session, remote)
+  end
+
+  defp with_session!(inputs, _remote, op), do: ScanBridge.Protocol.wire_args!(inputs, op)
+
+  ## Placing and rebuilding
+
+  # Open the session on a member: from the checkpoint, with the kept frames run again.
+  defp place(state, deadline) do
+    case Balancer.checkout(state.group, :session, state.skipped) do
+      :no_members ->
+        {:error, no_owner(state), state}
+
+      {:ok, member, token} ->
+        case open_on(state, member, deadline) do
+          {:ok, remote} ->
+            {:ok,
+             %{
+               state
+               | owner: member,
+                 owner_monitor: Process.monitor(member),
+                 remote: remote,
+                 token: token
+             }}
+
+          {:next, _why} ->
+            # this member lacks the model, or went away: try the others
+            Balancer.checkin(token)
+
+            if expired?(deadline),
+              do: {:error, no_owner(state), state},
+              else: place(%{state | skipped: [member | state.skipped]}, deadline)
+
+          {:error, error} ->
+            Balancer.checkin(token)
+            {:error, error, state}
+        end
+    end
+  end
+
+  defp open_on(state, member, deadline) do
+    with {:ok, dims} <- member_dims(state, member),
+         {:ok, remote} <- open_remote(member, dims, deadline) do
+      case replay(member, remote, Enum.reverse(state.log), deadline) do
+        :ok ->
+          {:ok, remote}
+
+        {:error, error} ->
+          ScanBridge.close_session(member, remote, timeout: @checkpoint_timeout_ms)
+          if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
+      end
+    else
+      {:error, error} -> if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
+      {:next, _} = next -> next
+    end
+  end
+
+  defp open_remote(member, dims, deadline) do
+    ScanBridge.open_session(member, dims, timeout: Cluster.remaining(deadline))
+  rescue
+    exception in ArgumentError ->
+      {:error, Error.client(:invalid_argument, Exception.message(exception), %{})}
+  end
+
+  # The dims for this member: a group model's name becomes its id there; the checkpoint, if
+  # any, is where the session starts.
+  defp member_dims(%{dims: %{model: name}} = state, member) do
+    case ScanBridge.Server.model_named(member, name) do
+      {:ok, nil} ->
+        {:next, :model_missing}
+
+      {:ok, id} ->
+        dims = %{state.dims | model: id}
+        {:ok, if(state.checkpoint, do: Map.put(dims, :state, state.checkpoint), else: dims)}
+
+      {:error, _} = error ->
+        error
+    end
+  end
+
+  defp member_dims(state, _member),
+    do:
+      {:ok, if(state.checkpoint, do: Map.put(state.dims, :h0, state.checkpoint), else: state.dims)}
+
+  defp replay(_member, _remote, [], _deadline), do: :ok
+
+  defp replay(member, remote, [{kind, input, opts} | rest], deadline) do
+    opts = Keyword.put(opts, :timeout, Cluster.remaining(deadline))
+
+    case send_to(member, remote, kind, input, opts) do
+      {:ok, _} -> replay(member, remote, rest, deadline)
+      {:error, _} = error -> error
+    end
+  end
+
+  defp owner_gone(state, why) do
+    if state.owner_monitor, do: Process.demonitor(state.owner_monitor, [:flush])
+    if state.token, do: Balancer.checkin(state.token)
+    skipped = if state.owner, do: [state.owner | state.skipped], else: state.skipped
+    state = %{state | owner: nil, owner_monitor: nil, remote: nil, token: nil, skipped: skipped}
+
+    cond do
+      state.every == nil ->
+        lose(state, "the session's server went away (#{why}) and it keeps no checkpoint")
+
+      state.status == :tainted ->
+        lose(
+          state,
+          "the session's server went away (#{why}) after answering a frame that followed a " <>
+            "timed-out one, which the kept frames cannot reproduce"
+        )
+
+      true ->
+        state
+    end
+  end
+
+  defp rebuild(%{status: {:lost, _}} = state, _deadline), do: state
+
+  defp rebuild(state, deadline) do
+    case place(state, deadline) do
+      {:ok, state} ->
+        # a frame that timed out on the old owner is not in the rebuilt state: undone
+        %{state | failovers: state.failovers + 1, status: :ok}
+
+      {:error, %Error{reason: :no_members}, state} ->
+        # no member now; the next call tries again
+        state
+
+      {:error, error, state} ->
+        lose(state, "it could not be rebuilt: #{error.message}")
+    end
+  end
+
+  defp lose(state, why) do
+    %{
+      state
+      | status: {:lost, Error.client(:session_lost, "the cluster session is lost: #{why}", %{})}
+    }
+  end
+
+  defp no_owner(state) do
+    Error.client(
+      :no_members,
+      "no server of group #{inspect(state.group)} can keep the session now " <>
+        "(#{length(state.skipped)} passed over: gone, or without its model)",
+      %{"skipped" => length(state.skipped)}
+    )
+  end
+
+  defp close_remote(state, deadline) do
+    ScanBridge.close_session(state.owner, state.remote, timeout: Cluster.remaining(deadline))
+  end
+
+  defp release(state) do
+    if state.token, do: Balancer.checkin(state.token)
+    %{state | token: nil}
+  end
+
+  defp expired?(:infinity), do: false
+  defp expired?(deadline), do: Cluster.remaining(deadline) == 0
+end

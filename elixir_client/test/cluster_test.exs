@@ -1,0 +1,343 @@
+defmodule ScanBridge.ClusterTest do
+  # A group of servers on this node: routing, sessions, failover, back-pressure. The same across
+  # nodes is in cluster_peers_test.exs.
+  use ExUnit.Case, async: false
+
+  import ScanBridge.TestSupport, only: [eventually: 1, freeze: 1, thaw: 1]
+  alias ScanBridge.{Cluster, Error, TestSupport}
+  alias ScanBridge.TestSupport.Models
+
+  defp start_member(group, extra \\ []), do: hd(start_members(group, 1, extra))
+
+  # Servers take seconds to start (the interpreter loads torch): start them side by side, each
+  # stopped when the test (or module, from setup_all) ends.
+  defp start_members(group, n, extra \\ []) do
+    opts = TestSupport.server_opts([group: group] ++ extra)
+
+    members =
+      Task.async_stream(1..n, fn _ -> start_unlinked(opts) end, timeout: 60_000, ordered: false)
+      |> Enum.map(fn {:ok, pid} -> pid end)
+
+    ExUnit.Callbacks.on_exit(fn -> Enum.each(members, &stop_quietly/1) end)
+    Enum.each(members, &await_member(group, &1))
+    members
+  end
+
+  defp start_unlinked(opts) do
+    {:ok, pid} = ScanBridge.start_link(opts)
+    Process.unlink(pid)
+    pid
+  end
+
+  defp stop_quietly(pid) do
+    GenServer.stop(pid)
+  catch
+    :exit, _already_gone -> :ok
+  end
+
+  # A member serves once its catalogue is copied; wait for it in the group.
+  defp await_member(group, pid, tries \\ 200) do
+    cond do
+      pid in Cluster.members(group) -> :ok
+      tries == 0 -> flunk("#{inspect(pid)} never joined #{inspect(group)}")
+      true -> Process.sleep(10) && await_member(group, pid, tries - 1)
+    end
+  end
+
+  defp group, do: {:test, System.unique_integer([:positive])}
+
+  defp kill_server!(member) do
+    {:ok, os_pid} = ScanBridge.os_pid(member)
+    ref = Process.monitor(member)
+    System.cmd("kill", ["-9", "#{os_pid}"])
+    assert_receive {:DOWN, ^ref, :process, _, _}, 5_000
+  end
+
+  # The tests that stop no server share one group of two, with the model "tiny" loaded.
+  setup_all do
+    g = group()
+    members = start_members(g, 2)
+    {:ok, %{members: 2}} = Cluster.load_model(g, "tiny", Models.backbone(Models.config(:mamba2), 7))
+    %{shared: g, members: members}
+  end
+
+  test "stateless calls spread over the members and are right", %{shared: g, members: members} do
+    inputs = TestSupport.scan_inputs(%{batch: 1, seq: 64, dim: 64, state: 8})
+    {:ok, direct} = ScanBridge.scan(hd(members), inputs)
+
+    before = Enum.map(members, &ops_done/1)
+
+    outcomes =
+      Task.async_stream(1..40, fn _ -> Cluster.scan(g, inputs) end, max_concurrency: 8)
+      |> Enum.map(fn {:ok, o} -> o end)
+
+    for {:ok, %{y: y}} <- outcomes, do: assert(y.data == direct.y.data)
+    assert Enum.all?(outcomes, &match?({:ok, _}, &1))
+    served = Enum.zip_with(Enum.map(members, &ops_done/1), before, &(&1 - &2))
+    assert Enum.sum(served) == 40
+    assert Enum.all?(served, &(&1 >= 8)), "load spread #{inspect(served)}"
+  end
+
+  defp ops_done(member) do
+    {:ok, stats} = ScanBridge.stats(member)
+    get_in(stats, ["ops", "scan", "success_count"]) || 0
+  end
+
+  test "a model session fails over with a checkpoint and answers as an uninterrupted run" do
+    g = group()
+    start_members(g, 2)
+    backbone = Models.backbone(Models.config(:mamba2), 7)
+    assert {:ok, %{members: 2}} = Cluster.load_model(g, "tiny", backbone)
+    embeds = Models.embeds(1, 12, 8)
+
+    {:ok, plain} = Cluster.open_session(g, model: "tiny", batch: 1)
+
+    expected =
+      for t <- 0..11, do: ok!(Cluster.model_step(plain, {:embeds, Models.frame(embeds, t)}))
+
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+    first = for t <- 0..6, do: ok!(Cluster.model_step(s, {:embeds, Models.frame(embeds, t)}))
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+    kill_server!(owner)
+    rest = for t <- 7..11, do: ok!(Cluster.model_step(s, {:embeds, Models.frame(embeds, t)}))
+    {:ok, info} = Cluster.session_info(s)
+    assert info.failovers == 1 and info.member != owner
+
+    for {got, want} <- Enum.zip(first ++ rest, expected),
+        do: Models.assert_rel_close(got, want, 1.0e-5, "frame")
+  end
+
+  defp os_pid!(member), do: ok!(ScanBridge.os_pid(member))
+
+  defp model_group(members) do
+    g = group()
+    start_members(g, members)
+
+    assert {:ok, %{members: ^members}} =
+             Cluster.load_model(g, "tiny", Models.backbone(Models.config(:mamba2), 7))
+
+    g
+  end
+
+  defp step!(session, embeds, t, opts \\ []),
+    do: ok!(Cluster.model_step(session, {:embeds, Models.frame(embeds, t)}, opts))
+
+  test "a plain Mamba-2 session fails over from its checkpoint" do
+    g = group()
+    start_members(g, 2)
+    sizes = %{batch: 2, heads: 2, headdim: 4, state: 3}
+    dims = [kind: :ssd] ++ Map.to_list(sizes)
+    frames = for _ <- 1..7, do: ssd_frame(sizes)
+    {:ok, reference} = Cluster.open_session(g, dims)
+    expected = for f <- frames, do: ok!(Cluster.step(reference, f)).y
+    {:ok, s} = Cluster.open_session(g, dims, checkpoint: 2)
+    first = for f <- Enum.take(frames, 3), do: ok!(Cluster.step(s, f)).y
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+    kill_server!(owner)
+    rest = for f <- Enum.drop(frames, 3), do: ok!(Cluster.step(s, f)).y
+    assert {:ok, %{failovers: 1}} = Cluster.session_info(s)
+    for {a, e} <- Enum.zip(first ++ rest, expected), do: Models.assert_rel_close(a, e, 1.0e-6, "y")
+    {:ok, state} = Cluster.session_state(s)
+    {:ok, reference_state} = Cluster.session_state(reference)
+    Models.assert_rel_close(state, reference_state, 1.0e-6, "state")
+  end
+
+  defp ssd_frame(%{batch: b, heads: h, headdim: p, state: n}) do
+    %{
+      x: TestSupport.random(:f32, {b, h, p}),
+      dt: TestSupport.random(:f32, {b, h}, 0.01, 0.5),
+      A: TestSupport.random(:f32, {h}, -2.0, -0.1),
+      B: TestSupport.random(:f32, {b, 1, n}),
+      C: TestSupport.random(:f32, {b, 1, n})
+    }
+  end
+
+  describe "stateless calls" do
+    test "with retry: true, a call whose server goes away is answered by another member" do
+      g = group()
+      first = start_member(g)
+      inputs = TestSupport.scan_inputs(%{batch: 1, seq: 16, dim: 8, state: 4})
+      {:ok, expected} = ScanBridge.scan(first, inputs)
+      freeze(os_pid!(first))
+      call = Task.async(fn -> Cluster.scan(g, inputs, retry: true, timeout: 20_000) end)
+      assert eventually(fn -> map_size(:sys.get_state(first).outstanding) == 1 end)
+      start_member(g)
+      kill_server!(first)
+      assert {:ok, %{y: y}} = Task.await(call, 25_000)
+      assert y.data == expected.y.data
+    end
+
+    test "without retry the caller is told its server went away" do
+      g = group()
+      member = start_member(g)
+      inputs = TestSupport.scan_inputs(%{batch: 1, seq: 16, dim: 8, state: 4})
+      freeze(os_pid!(member))
+      call = Task.async(fn -> Cluster.scan(g, inputs) end)
+      assert eventually(fn -> map_size(:sys.get_state(member).outstanding) == 1 end)
+      kill_server!(member)
+      assert {:error, %Error{reason: :server_exited}} = Task.await(call)
+      assert {:error, %Error{reason: :no_members}} = Cluster.scan(g, inputs)
+    end
+
+    test "a full member makes callers wait to their deadline, then answers :overloaded" do
+      g = group()
+      member = start_member(g, max_in_flight: 1)
+      freeze(os_pid!(member))
+
+      _held =
+        Task.async(fn ->
+          Cluster.scan(g, TestSupport.scan_inputs(%{batch: 1, seq: 4, dim: 2, state: 2}))
+        end)
+
+      assert eventually(fn -> map_size(:sys.get_state(member).outstanding) == 1 end)
+      inputs = TestSupport.scan_inputs(%{batch: 1, seq: 4, dim: 2, state: 2})
+      t0 = System.monotonic_time(:millisecond)
+      assert {:error, %Error{reason: :overloaded}} = Cluster.scan(g, inputs, timeout: 100)
+      elapsed = System.monotonic_time(:millisecond) - t0
+      assert elapsed >= 100 and elapsed < 250, "answered after #{elapsed} ms"
+    end
+
+    test "inputs that belong to one server are refused in the caller", %{shared: g} do
+      inputs = TestSupport.scan_inputs(%{batch: 1, seq: 4, dim: 2, state: 2})
+
+      assert_raise ArgumentError, ~r/expected no :session/, fn ->
+        Cluster.scan(g, Map.put(inputs, :session, "s1"))
+      end
+
+      assert_raise ArgumentError, ~r/got a \{:handle, id\}/, fn ->
+        Cluster.scan(g, %{inputs | A: {:handle, "h1"}})
+      end
+
+      assert_raise ArgumentError, ~r/expected only :timeout, :retry/, fn ->
+        Cluster.scan(g, inputs, retries: 1)
+      end
+    end
+  end
+
+  describe "models and sessions" do
+    test "a member that joins later loads the group's models before it serves" do
+      g = model_group(1)
+      late = start_member(g)
+      assert {:ok, id} = ScanBridge.Server.model_named(late, "tiny")
+      assert is_binary(id)
+      {:ok, models} = ScanBridge.info(late)
+      assert is_map(models)
+      assert :ok = Cluster.free_model(g, "tiny")
+      assert {:ok, nil} = ScanBridge.Server.model_named(late, "tiny")
+    end
+
+    test "a model name given to another model is refused", %{shared: g} do
+      other = Models.backbone(Models.config(:mamba), 3)
+      assert {:error, %Error{reason: :invalid_argument}} = Cluster.load_model(g, "tiny", other)
+
+      assert {:ok, %{members: 2}} =
+               Cluster.load_model(g, "tiny", Models.backbone(Models.config(:mamba2), 7))
+    end
+
+    test "without a checkpoint, a session whose server goes away is lost, plainly" do
+      g = model_group(2)
+      embeds = Models.embeds(1, 4, 8)
+      {:ok, s} = Cluster.open_session(g, model: "tiny", batch: 1)
+      step!(s, embeds, 0)
+      {:ok, %{member: owner}} = Cluster.session_info(s)
+      kill_server!(owner)
+
+      for t <- 1..2 do
+        assert {:error, %Error{reason: :session_lost}} =
+                 Cluster.model_step(s, {:embeds, Models.frame(embeds, t)})
+      end
+
+      assert :ok = Cluster.close_session(s)
+    end
+
+    test "a frame in flight when the server goes away is answered from the rebuilt session" do
+      g = model_group(2)
+      embeds = Models.embeds(1, 6, 8)
+      {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+      expected = for t <- 0..5, do: step!(reference, embeds, t)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      got = for t <- 0..2, do: step!(s, embeds, t)
+      {:ok, %{member: owner}} = Cluster.session_info(s)
+      freeze(os_pid!(owner))
+      frame = Task.async(fn -> step!(s, embeds, 3) end)
+      assert eventually(fn -> map_size(:sys.get_state(owner).outstanding) == 1 end)
+      kill_server!(owner)
+      got = got ++ [Task.await(frame)] ++ for(t <- 4..5, do: step!(s, embeds, t))
+      for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+      assert {:ok, %{failovers: 1, status: :ok}} = Cluster.session_info(s)
+    end
+
+    test "after a frame times out and a later one is answered, a failover is refused" do
+      g = model_group(2)
+      embeds = Models.embeds(1, 4, 8)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 10)
+      step!(s, embeds, 0)
+      {:ok, %{member: owner}} = Cluster.session_info(s)
+      os_pid = os_pid!(owner)
+      freeze(os_pid)
+
+      assert {:error, %Error{reason: :timeout}} =
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 1)}, timeout: 100)
+
+      assert {:ok, %{status: :unsure}} = Cluster.session_info(s)
+      thaw(os_pid)
+      step!(s, embeds, 2)
+      assert {:ok, %{status: :tainted}} = Cluster.session_info(s)
+      kill_server!(owner)
+
+      assert {:error, %Error{reason: :session_lost}} =
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 3)})
+    end
+
+    test "a session is closed on its server when the process that opened it exits", %{shared: g} do
+      test = self()
+
+      opener =
+        spawn(fn ->
+          {:ok, s} = Cluster.open_session(g, model: "tiny", batch: 1)
+          {:ok, info} = Cluster.session_info(s)
+          send(test, {:opened, info.member, info.session})
+          Process.sleep(:infinity)
+        end)
+
+      assert_receive {:opened, member, remote}, 10_000
+      assert {:ok, _} = ScanBridge.session_state(member, remote)
+      Process.exit(opener, :kill)
+
+      assert eventually(fn ->
+               match?(
+                 {:error, %Error{reason: :unknown_session}},
+                 ScanBridge.session_state(member, remote)
+               )
+             end)
+
+      assert eventually(fn -> Cluster.loads(g)[member].sessions == 0 end)
+    end
+
+    test "bad inputs raise in the caller and leave the session serving", %{shared: g} do
+      embeds = Models.embeds(1, 2, 8)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 1)
+
+      assert_raise ArgumentError, fn ->
+        Cluster.model_step(s, {:pixels, Models.frame(embeds, 0)})
+      end
+
+      assert_raise ArgumentError, fn ->
+        Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 0)
+      end
+
+      assert {:error, %Error{reason: :shape_mismatch}} = Cluster.model_step(s, {:embeds, embeds})
+      step!(s, embeds, 0)
+      assert {:ok, %{frames_since_checkpoint: 0}} = Cluster.session_info(s)
+    end
+
+    test "opening a session of a model no member holds is refused by name", %{shared: g} do
+      assert {:error, %Error{reason: :no_members, message: message}} =
+               Cluster.open_session(g, model: "absent", batch: 1, timeout: 2_000)
+
+      assert message =~ "without its model"
+    end
+  end
+
+  defp ok!({:ok, v}), do: v
+end
