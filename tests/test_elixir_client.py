@@ -99,3 +99,43 @@ def test_models_benchmark_runs(tmp_path):
     assert (case["arch"], case["batch"]) == ("mamba2", 1)
     for part in ("model_step", "echo", "snapshot_restore_round_trips"):
         assert case[part]["p50_us"] > 0, part
+
+
+def test_cluster_benchmark_runs(tmp_path):
+    """`mix run bench/cluster.exs --quick` (three peer nodes, one server each: throughput by
+    member count, failover of a killed server and of a stopped node, checkpoint cost) end to end;
+    its structure is checked here, not its numbers."""
+    out = tmp_path / "cluster.json"
+    run = run_mix(["run", "bench/cluster.exs", "--quick", "--out", str(out)])
+    if failure := run.failure("the Elixir cluster benchmark"):
+        pytest.fail(failure)
+    doc = json.loads(out.read_text())
+    assert {"machine", "commit", "settings", "method", "note", "results", "goals"} <= set(doc)
+    assert doc["settings"]["quick"] is True and doc["settings"]["schedulers_online"] > 0
+    results = doc["results"]
+    rows = results["throughput"]["by_members"]
+    assert [row["members"] for row in rows] == [1, 2, 3]
+    assert all(row["calls_per_s"] > 0 and row["ratio_vs_1"] > 0 for row in rows), rows
+    assert results["throughput"]["single_call"]["p50_us"] > 0
+    for key in ("failover_kill", "failover_node_stop"):
+        failover = results[key]
+        assert failover["correct"] is True, key
+        assert failover["samples"] > 0 and failover["failover"]["p99_us"] > 0, key
+        assert failover["since_kill"]["detected"]["p50_us"] > 0, key
+        assert failover["since_kill"]["rebuilt"]["p50_us"] > 0, key
+        assert failover["replayed_frames"]["max"] >= 0 and failover["rerun_frames"]["max"] >= 0, key
+        assert failover["others_latency_before"]["p50_us"] > 0, key
+        for sample in (s for r in failover["rounds"] for s in r["samples"]):
+            assert sample["failover_us"] > 0 and sample["replayed_from"] == "trace", (key, sample)
+    assert results["exit_floor"]["p50_us"] > 0
+    cost = results["checkpoint_cost"]
+    for setting in ("nil", "10", "2"):
+        assert cost["by_setting"][setting]["p50_us"] > 0 and cost["by_setting"][setting]["mean_us"] > 0
+    for setting in ("10", "2"):
+        assert cost["cost_vs_nil"][setting]["mean_ratio"] > 0, setting
+    assert cost["export_round_trip"]["p50_us"] > 0 and cost["open_with_state"]["p50_us"] > 0
+    hop = cost["keeper_hop"]
+    assert hop["cluster_model_step"]["p50_us"] > 0 and hop["direct_model_step"]["p50_us"] > 0
+    assert all(n > 0 for n in results["trace_patterns_matched"].values()), results["trace_patterns_matched"]
+    for name, goal in doc["goals"].items():
+        assert {"measured", "target", "met"} <= set(goal) and isinstance(goal["met"], bool), name

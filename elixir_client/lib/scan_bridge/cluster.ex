@@ -195,9 +195,11 @@ defmodule ScanBridge.Cluster do
         {:ok, %{members: MapSet.size(done), info: info}}
 
       keepers ->
+        # every member at once: each loads on its own device
         results =
           keepers
-          |> Enum.map(&{&1, load_on(&1, name, source, opts)})
+          |> Task.async_stream(&{&1, load_on(&1, name, source, opts)}, timeout: :infinity)
+          |> Enum.map(fn {:ok, result} -> result end)
 
         case Enum.find(results, &match?({_, {:error, _}}, &1)) do
           {keeper, {:error, error}} ->
