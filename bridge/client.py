@@ -366,6 +366,11 @@ class FramedClient:
     def ping(self) -> dict:
         return self.call("ping")
 
+    def health(self) -> dict:
+        """`{"live", "ready", "device", "checks"}`: ready when the device answered a tiny kernel
+        launch lately (SPEC §6)."""
+        return self.call("health")
+
     def info(self) -> dict:
         info = self.call("info")
         self.max_frame_size = info.get("limits", {}).get("max_frame_size", self.max_frame_size)

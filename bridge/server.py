@@ -16,6 +16,7 @@ import protocol
 from .device import DeviceChoice
 from .errors import allocation
 from .handles import HandleTable
+from .health import DeviceProbe
 from .models import allowed_dirs
 from .models.table import LoadedModel, ModelTable
 from .sessions import Session, SessionTable, SnapshotTable, StateLayout
@@ -82,6 +83,7 @@ class Server:
         self.backend = kernels.select_backend(self.device.type, config.backend)
         self.stats = Stats()
         self.stop_requested = threading.Event()
+        self.probe = DeviceProbe(self.device, self.backend)
         self.transports: list[str] = []
         self.compiled: list[str] = []
         # Backends that read unaligned memory themselves need no aligned copy of inputs.

@@ -83,6 +83,7 @@ _DT_TRANSFORM = {
 
 OPS: dict[str, dict[str, Arg]] = {
     "ping": {},
+    "health": {},
     "info": {},
     "scan": {
         **_OPERANDS,

@@ -19,6 +19,15 @@ def ping(server, call) -> dict:
     return {"pong": True}
 
 
+def health(server, call) -> dict:
+    """Live (it answers); ready when its device answered a tiny kernel launch lately and it is
+    not stopping (bridge.health)."""
+    kernel = server.probe.check()
+    accepting = not server.stop_requested.is_set()
+    return {"live": True, "ready": kernel["ok"] and accepting, "device": str(server.device),
+            "checks": {"kernel": kernel, "accepting": accepting}}
+
+
 def info(server, call) -> dict:
     try:
         import triton
@@ -70,4 +79,4 @@ def shutdown(server, call) -> dict:
     return {"stopping": True}
 
 
-HANDLERS = {"ping": ping, "info": info, "stats": stats, "shutdown": shutdown}
+HANDLERS = {"ping": ping, "health": health, "info": info, "stats": stats, "shutdown": shutdown}
