@@ -130,6 +130,11 @@ defmodule ScanBridge do
       value unsets a variable.
     * `:name` - register the client process under this name.
     * `:transport` - `:port` (default) or `{:unix, path}`; see "Lanes".
+    * `:health_check` - `[interval: ms, timeout: ms]`: ask the server's `health` every
+      `interval` ms once the last answer came; when an answer takes more than `timeout` ms, or
+      says it is not ready, the client stops (`{:shutdown, {:unhealthy, why}}`, its callers
+      answered `:server_exited`) and its server with it, for its supervisor to start a fresh
+      one. Off by default.
     * `:group` - serve this group of a cluster (`ScanBridge.Cluster`): a name (atoms, strings,
       numbers, tuples and lists of them) callers on any node of the cluster reach it by.
     * `:max_in_flight` - requests at the server at once (default 256); more wait in order, and
@@ -173,6 +178,17 @@ defmodule ScanBridge do
   @spec ping(server, call_opts) :: :ok | error
   def ping(server, opts \\ []) do
     with {:ok, _result, _timing} <- request(server, "ping", %{}, opts), do: :ok
+  end
+
+  @doc """
+  Whether the server can work (SPEC §6 `health`): `%{"live" => true, "ready" => bool,
+  "device" => str, "checks" => %{"kernel" => %{"ok", "latency_us", "age_ms"}, "accepting"}}`,
+  ready when a tiny scan on its device succeeded within the last few seconds and it is not
+  stopping.
+  """
+  @spec health(server, call_opts) :: {:ok, map} | error
+  def health(server, opts \\ []) do
+    with {:ok, result, _timing} <- request(server, "health", %{}, opts), do: {:ok, result}
   end
 
   @doc """

@@ -10,6 +10,7 @@ defmodule ScanBridge.LifecycleTest do
       scan_inputs: 2,
       assert_scan_matches: 2,
       eventually: 1,
+      eventually: 2,
       os_process_gone?: 1,
       freeze: 1,
       thaw: 1
@@ -142,6 +143,47 @@ defmodule ScanBridge.LifecycleTest do
     assert length > 4096
     assert ScanBridge.ping(client) == :ok
     GenServer.stop(client)
+  end
+
+  test "health: a serving server is live and ready" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts())
+
+    assert {:ok, %{"live" => true, "ready" => true, "device" => "cpu", "checks" => checks}} =
+             ScanBridge.health(client)
+
+    assert %{"kernel" => %{"ok" => true}, "accepting" => true} = checks
+    GenServer.stop(client)
+  end
+
+  test "health_check: a server that stops answering is stopped, for its supervisor to restart" do
+    name = :lifecycle_unhealthy
+    opts = TestSupport.server_opts(name: name, health_check: [interval: 50, timeout: 300])
+    {:ok, supervisor} = Supervisor.start_link([{ScanBridge, opts}], strategy: :one_for_one)
+    client = Process.whereis(name)
+    {:ok, os_pid} = ScanBridge.os_pid(name)
+    ref = Process.monitor(client)
+    # answered checks keep it up
+    Process.sleep(400)
+    assert Process.alive?(client)
+    freeze(os_pid)
+    # the check's 300 ms, then the frozen server's :exit_grace (2 s) before it is killed
+    assert_receive {:DOWN, ^ref, :process, ^client, {:shutdown, {:unhealthy, why}}}, 5_000
+    assert why =~ "did not answer its health check within 300 ms"
+    # the frozen server is killed when it does not exit; a fresh one serves
+    assert eventually(fn -> os_process_gone?(os_pid) end)
+    assert eventually(fn -> (pid = Process.whereis(name)) && pid != client end, 60_000)
+    assert ScanBridge.ping(name, timeout: 60_000) == :ok
+    Supervisor.stop(supervisor)
+  end
+
+  test "health_check options are checked" do
+    for bad <- [[interval: 0, timeout: 10], [interval: 10], 5, [interval: 10, timeout: 10, x: 1]] do
+      assert_raise ArgumentError,
+                   ~r/:health_check: expected nil or \[interval: ms, timeout: ms\]/,
+                   fn ->
+                     ScanBridge.start_link(TestSupport.server_opts(health_check: bad))
+                   end
+    end
   end
 
   describe "behind a frozen server, one ping outstanding (max_in_flight: 1)" do

@@ -63,7 +63,8 @@ defmodule ScanBridge.Server do
     max_frame_size: 256 * 1024 * 1024,
     startup_timeout: 60_000,
     exit_grace: 2_000,
-    group: nil
+    group: nil,
+    health_check: nil
   ]
   # Socket and driver buffers of the unix lane: the size the server gives its side
   # (bridge/transports/unix.py), chosen from a sweep while developing that was not recorded.
@@ -97,6 +98,7 @@ defmodule ScanBridge.Server do
           | {:startup_timeout, timeout}
           | {:exit_grace, non_neg_integer}
           | {:group, term}
+          | {:health_check, nil | [interval: pos_integer, timeout: pos_integer]}
 
   defstruct [
     :port,
@@ -106,8 +108,12 @@ defmodule ScanBridge.Server do
     :max_frame_size,
     :exit_grace,
     :group,
+    # [interval: ms, timeout: ms] of the periodic health check, or nil
+    :health_check,
     # the group's membership (ScanBridge.Cluster.Member), linked, when started with :group
     :member,
+    # the id of the health check the server has yet to answer, or nil
+    health_pending: nil,
     next_id: 0,
     # the group's model names (ScanBridge.Cluster.load_model/4) => this server's model ids
     models: %{},
@@ -248,13 +254,16 @@ defmodule ScanBridge.Server do
       max_in_flight: opts[:max_in_flight],
       max_frame_size: opts[:max_frame_size],
       exit_grace: opts[:exit_grace],
-      group: opts[:group]
+      group: opts[:group],
+      health_check: opts[:health_check]
     }
 
     with {:ok, state} <- open_port(state, opts),
          {:ok, state} <- handshake(state, :port, deadline),
          {:ok, state} <- connect_lane(state, opts[:transport], deadline),
          {:ok, state} <- adopt_limits(state, deadline) do
+      if state.health_check, do: send(self(), :health_check)
+
       if state.group == nil, do: {:ok, state}, else: {:ok, state, {:continue, :join}}
     else
       {:error, %Error{} = error, state} ->
@@ -362,6 +371,26 @@ defmodule ScanBridge.Server do
 
         {:noreply, state}
     end
+  end
+
+  def handle_info(:health_check, state) do
+    {head, _size} = Protocol.request_head("health", %{})
+    {id, frame, state} = numbered(state, head)
+    Process.send_after(self(), {:health_deadline, id}, state.health_check[:timeout])
+    {:noreply, %{transmit(state, id, :health_check, frame) | health_pending: id}}
+  end
+
+  def handle_info({:health_deadline, id}, %{health_pending: id} = state) when id != nil do
+    why = "the server did not answer its health check within #{state.health_check[:timeout]} ms"
+    handle_info({:unhealthy, why}, state)
+  end
+
+  # Stopped for the supervisor to start a fresh server: this one's OS process is stopped too
+  # (killed when it does not exit within :exit_grace).
+  def handle_info({:unhealthy, why}, state) do
+    Logger.error("scan-bridge: #{why}; stopping it")
+    state = fail_all(state, "the server was stopped as unhealthy: #{why}", %{})
+    {:stop, {:shutdown, {:unhealthy, why}}, state}
   end
 
   # A group's session opener is gone: its sessions are closed (watch_opener/4).
@@ -596,6 +625,21 @@ defmodule ScanBridge.Server do
   defp release(state, "model_load", {:ok, %{"model" => model}, _timing}) when is_binary(model),
     do: send_uncalled(state, "model_free", %{model: model})
 
+  # The periodic health check's answer (it has no caller): ready, the next one in :interval.
+  defp release(state, :health_check, {:ok, %{"ready" => true}, _timing}) do
+    Process.send_after(self(), :health_check, state.health_check[:interval])
+    %{state | health_pending: nil}
+  end
+
+  defp release(state, :health_check, outcome) do
+    send(
+      self(),
+      {:unhealthy, "the server answered its health check with #{inspect(outcome, limit: 6)}"}
+    )
+
+    %{state | health_pending: nil}
+  end
+
   defp release(state, _op, _outcome), do: state
 
   defp send_uncalled(state, op, args) do
@@ -723,7 +767,16 @@ defmodule ScanBridge.Server do
           do: cap(state, :max_in_flight, limits["max_in_flight_per_peer"]),
           else: state
 
-      {:ok, state}
+      ops = get_in(info, ["protocol", "ops"]) || []
+
+      if state.health_check && "health" not in ops,
+        do:
+          {:error,
+           Error.client(
+             :startup_failed,
+             ":health_check needs a server with the health op; its info lists #{inspect(ops)}"
+           ), state},
+        else: {:ok, state}
     end
   end
 
@@ -935,8 +988,24 @@ defmodule ScanBridge.Server do
       &valid_group?/1
     )
 
+    check!(
+      :health_check,
+      opts[:health_check],
+      "nil or [interval: ms, timeout: ms] (positive integers)",
+      &valid_health_check?/1
+    )
+
     Keyword.put(opts, :python, python)
   end
+
+  defp valid_health_check?(nil), do: true
+
+  defp valid_health_check?(check) when is_list(check) do
+    Keyword.keyword?(check) and Enum.sort(Keyword.keys(check)) == [:interval, :timeout] and
+      Enum.all?(Keyword.values(check), &(is_integer(&1) and &1 > 0 and &1 <= @max_timeout_ms))
+  end
+
+  defp valid_health_check?(_other), do: false
 
   defp valid_timeout?(timeout),
     do: timeout == :infinity or (is_integer(timeout) and timeout in 0..@max_timeout_ms)
