@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a directory model_load may read checkpoints under (repeatable; relative paths in "
                         "requests are taken under the first); without one, model_load reads no files and "
                         "takes only a config and weights sent in the request")
+    p.add_argument("--metrics-port", type=_port, default=defaults.metrics_port,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, which info and the "
+                        "log name); off by default")
+    p.add_argument("--metrics-host", default=defaults.metrics_host,
+                   help="the address the metrics endpoint binds (default 127.0.0.1: this machine only)")
     p.add_argument("--max-handles", type=_count, default=defaults.max_handles,
                    help="tensor handles held at once, over all connections")
     p.add_argument("--max-handle-bytes", type=_count, default=defaults.max_handle_bytes,
@@ -128,6 +133,13 @@ def _count(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _count(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
     return value
 
 
@@ -268,6 +280,16 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
             return 2
         log.info("warmed up %d kernels for %d shape buckets (backend %s)", len(server.compiled),
                  len(args.warmup), server.backend)
+    if config.metrics_port is not None:
+        from .metrics import serve_metrics
+
+        try:
+            port = serve_metrics(server, config.metrics_host, config.metrics_port)
+        except OSError as exc:  # an address in use or not this machine's
+            log.error("cannot start: --metrics-port: %s", exc)
+            return 2
+        server.metrics_endpoint = f"http://{config.metrics_host}:{port}/metrics"
+        log.info("metrics at %s", server.metrics_endpoint)
     dispatcher = Dispatcher(server)
 
     try:

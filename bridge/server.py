@@ -64,6 +64,10 @@ class ServerConfig:
     threads: int | None = None
     # Directories model_load may read checkpoints under (--model-dir); none: it reads no files.
     model_dirs: tuple[str, ...] = ()
+    # The Prometheus endpoint (--metrics-port; 0 takes a free port; None: no endpoint, and no
+    # histograms kept) and the address it binds.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
 
 # The limits `info` reports: every max_* setting.
@@ -81,7 +85,9 @@ class Server:
         self.device_choice = device
         self.device = device.device
         self.backend = kernels.select_backend(self.device.type, config.backend)
-        self.stats = Stats()
+        self.stats = Stats(histograms=config.metrics_port is not None)
+        # http://host:port/metrics once bridge.metrics serves it (info reports it)
+        self.metrics_endpoint: str | None = None
         self.stop_requested = threading.Event()
         self.probe = DeviceProbe(self.device, self.backend)
         self.transports: list[str] = []

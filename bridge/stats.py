@@ -6,6 +6,7 @@ of what the server holds now (sessions, tensor handles)."""
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import Counter, defaultdict
@@ -14,11 +15,38 @@ from .timing import STAGE_KEYS
 
 # The timing keys added up per op: each stage's, then the whole server time.
 TOTALLED_KEYS = STAGE_KEYS + ("server_us",)
+# Upper bounds of the histograms the metrics endpoint exports (bridge.metrics): a stage's
+# microseconds, from a step's few to a big scan's second, and the rows a launch served.
+LATENCY_BUCKETS_US = (10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000,
+                      100_000, 250_000, 500_000, 1_000_000)
+BATCH_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Histogram:
+    """Counts per bucket (the last one past every bound) and the sum of what was observed."""
+
+    def __init__(self, bounds: tuple):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def copy(self) -> Histogram:
+        other = Histogram(self.bounds)
+        other.counts, other.sum = list(self.counts), self.sum
+        return other
 
 
 class Stats:
-    def __init__(self):
+    def __init__(self, histograms: bool = False):
+        """`histograms`: also count each op's stage times and batch rows into buckets (what the
+        metrics endpoint exports; off, recording skips it)."""
         self._lock = threading.Lock()
+        # op -> timing key -> Histogram, or None when not kept
+        self._histograms: dict | None = {} if histograms else None
         self.started = time.time()
         self.frames_in = 0
         self.bytes_in = 0
@@ -69,8 +97,27 @@ class Stats:
             if timing:
                 for key in TOTALLED_KEYS:
                     entry[key] += timing.get(key, 0.0)
+                if self._histograms is not None:
+                    self._observe(op, timing)
             if error_code:
                 self.errors[error_code] += 1
+
+    def _observe(self, op: str, timing: dict) -> None:
+        histograms = self._histograms.get(op)
+        if histograms is None:
+            histograms = self._histograms[op] = {key: Histogram(LATENCY_BUCKETS_US) for key in TOTALLED_KEYS}
+            histograms["batch_rows"] = Histogram(BATCH_ROWS_BUCKETS)
+        for key, value in timing.items():
+            histogram = histograms.get(key)
+            if histogram is not None:
+                histogram.observe(value)
+
+    def histograms(self) -> dict:
+        """A copy of every histogram that has counted something, by (op, timing key); empty when
+        they are not kept."""
+        with self._lock:
+            return {(op, key): h.copy() for op, by_key in (self._histograms or {}).items()
+                    for key, h in by_key.items() if any(h.counts)}
 
     def record_error(self, code: str) -> None:
         with self._lock:

@@ -63,6 +63,7 @@ def info(server, call) -> dict:
             "compiled": list(server.compiled),
         },
         "transports": list(server.transports),
+        "metrics": server.metrics_endpoint,
         "limits": {name: getattr(server.config, name) for name in LIMITS},
         "pid": os.getpid(),
         "platform": sys.platform,

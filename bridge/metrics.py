@@ -1,0 +1,93 @@
+"""The Prometheus endpoint (`--metrics-port`): the server's counters, histograms and holdings in
+the text exposition format, read from `Server.stats` and its tables when scraped, so that serving
+pays nothing for it but the histograms' bucket counts (bridge.stats)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from .stats import TOTALLED_KEYS
+
+
+def serve_metrics(server, host: str, port: int) -> int:
+    """Serves `server`'s metrics at http://host:port/metrics from a daemon thread; the port bound
+    (`port` 0 takes a free one)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(server))
+    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    return httpd.server_port
+
+
+class ServerCollector:
+    def __init__(self, server):
+        self.server = server
+
+    def collect(self):
+        stats = self.server.stats.snapshot()
+        yield from _requests(stats["ops"])
+        yield from _histograms(self.server.stats.histograms())
+        errors = CounterMetricFamily("scan_bridge_errors", "Error replies by code (SPEC §7).",
+                                     labels=["code"])
+        for code, count in sorted(stats["errors"].items()):
+            errors.add_metric([code], count)
+        yield errors
+        for name, key, what in (("frames_in", "frames_in", "Request frames read."),
+                                ("replies_out", "replies_out", "Replies sent."),
+                                ("request_bytes", "bytes_in", "Bytes of request bodies read."),
+                                ("reply_bytes", "bytes_out", "Bytes of reply bodies sent.")):
+            yield CounterMetricFamily(f"scan_bridge_{name}", what, value=stats[key])
+        yield from _holdings(self.server, stats)
+
+
+def _requests(ops: dict):
+    requests = CounterMetricFamily("scan_bridge_requests", "Requests answered, by op and outcome.",
+                                   labels=["op", "outcome"])
+    launches = CounterMetricFamily("scan_bridge_kernel_launches",
+                                   "Kernel launches (a batch of requests is one), by op.", labels=["op"])
+    for op, entry in sorted(ops.items()):
+        requests.add_metric([op, "success"], entry["success_count"])
+        requests.add_metric([op, "failure"], entry["failure_count"])
+        launches.add_metric([op], entry["execution_count"])
+    yield requests
+    yield launches
+
+
+def _histograms(histograms: dict):
+    stages = HistogramMetricFamily("scan_bridge_stage_seconds",
+                                   "Time of each stage of a request (timing keys, server_us the whole), by op.",
+                                   labels=["op", "stage"])
+    rows = HistogramMetricFamily("scan_bridge_batch_rows", "Rows a kernel launch served, by op.",
+                                 labels=["op"])
+    for (op, key), histogram in sorted(histograms.items()):
+        if key in TOTALLED_KEYS:
+            stages.add_metric([op, key.removesuffix("_us")], _buckets(histogram, 1e-6),
+                              histogram.sum * 1e-6)
+        else:
+            rows.add_metric([op], _buckets(histogram, 1), histogram.sum)
+    yield stages
+    yield rows
+
+
+def _buckets(histogram, scale: float) -> list:
+    """Prometheus's cumulative buckets, `le` in the exported unit, +Inf last."""
+    buckets, seen = [], 0
+    for bound, count in zip((*histogram.bounds, float("inf")), histogram.counts):
+        seen += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound * scale), seen))
+    return buckets
+
+
+def _holdings(server, stats: dict):
+    sessions, handles = stats["sessions"], stats["handles"]
+    for name, value, what in (
+            ("sessions", sessions["sessions"], "Sessions open (plain and models')."),
+            ("session_pool_bytes", sessions["pool_bytes"], "Device bytes of session state pools, models and snapshots."),
+            ("model_bytes", sessions["model_bytes"], "Device bytes of loaded models' weights."),
+            ("snapshot_bytes", sessions["snapshot_bytes"], "Device bytes of session snapshots."),
+            ("models", len(server.models), "Models loaded."),
+            ("snapshots", len(server.snapshots), "Snapshots held."),
+            ("handles", handles["handles"], "Tensors held as handles."),
+            ("handle_bytes", handles["handle_bytes"], "Bytes of tensors held as handles."),
+            ("uptime_seconds", stats["uptime_s"], "Seconds since the server started.")):
+        yield GaugeMetricFamily(f"scan_bridge_{name}", what, value=value)

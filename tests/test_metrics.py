@@ -1,0 +1,108 @@
+"""The Prometheus endpoint (`--metrics-port`, bridge.metrics): off by default; on, it exports the
+server's counters, stage and batch histograms and holdings, agreeing with `stats`."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bridge.client import BridgeError, PortClient, server_env
+from bridge.stats import LATENCY_BUCKETS_US, Histogram, Stats
+
+
+def scrape(url: str) -> dict:
+    """Every sample by (name, sorted labels)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def scan_inputs(rng, batch=2, seq=5, dim=3, state=2) -> dict:
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    return {"x": f32(batch, seq, dim), "dt": np.abs(f32(batch, seq, dim)), "A": -np.abs(f32(dim, state)),
+            "B": f32(batch, seq, state), "C": f32(batch, seq, state)}
+
+
+def test_the_endpoint_agrees_with_stats_while_serving():
+    rng = np.random.default_rng()
+    with PortClient(["--device", "cpu", "--metrics-port", "0"]) as client:
+        url = client.info()["metrics"]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        for _ in range(3):
+            client.scan(**scan_inputs(rng)).unwrap()
+        bad = scan_inputs(rng)
+        bad["A"] = bad["A"][:, :1]
+        with pytest.raises(BridgeError):
+            client.scan(**bad).unwrap()
+        session = client.call("session_open", batch=1, dim=3, state=2)["session"]
+        samples = scrape(url)
+        stats = client.stats()
+        client.call("session_close", session=session)
+
+    scan = stats["ops"]["scan"]
+    assert samples[("scan_bridge_requests_total", (("op", "scan"), ("outcome", "success")))] == scan["success_count"] == 3
+    assert samples[("scan_bridge_requests_total", (("op", "scan"), ("outcome", "failure")))] == scan["failure_count"] == 1
+    assert samples[("scan_bridge_kernel_launches_total", (("op", "scan"),))] == scan["execution_count"]
+    assert samples[("scan_bridge_errors_total", (("code", "shape_mismatch"),))] == stats["errors"]["shape_mismatch"]
+    assert samples[("scan_bridge_sessions", ())] == 1
+    assert samples[("scan_bridge_frames_in_total", ())] >= 6
+    server = (("op", "scan"), ("stage", "server"))
+    assert samples[("scan_bridge_stage_seconds_count", server)] == 3
+    assert samples[("scan_bridge_stage_seconds_bucket", (("le", "+Inf"),) + server)] == 3
+    assert samples[("scan_bridge_stage_seconds_sum", server)] == pytest.approx(scan["server_us"] * 1e-6, rel=1e-6)
+    assert samples[("scan_bridge_batch_rows_count", (("op", "scan"),))] == 3
+
+
+def test_off_by_default():
+    with PortClient(["--device", "cpu"]) as client:
+        assert client.info()["metrics"] is None
+    assert Stats().histograms() == {}
+
+
+@pytest.mark.parametrize("value, bucket", [
+    pytest.param(0.0, 0, id="zero"),
+    pytest.param(LATENCY_BUCKETS_US[0], 0, id="on_the_first_bound"),
+    pytest.param(LATENCY_BUCKETS_US[0] + 0.5, 1, id="past_it"),
+    pytest.param(LATENCY_BUCKETS_US[-1] * 2, len(LATENCY_BUCKETS_US), id="past_every_bound"),
+])
+def test_a_value_counts_in_the_first_bucket_it_fits(value, bucket):
+    histogram = Histogram(LATENCY_BUCKETS_US)
+    histogram.observe(value)
+    assert histogram.counts.index(1) == bucket and histogram.sum == value
+
+
+def test_stats_keep_histograms_only_when_asked():
+    stats = Stats(histograms=True)
+    stats.record("step", {"server_us": 120.0, "kernel_us": 30.0, "batch_rows": 4}, ok=True)
+    histograms = stats.histograms()
+    assert histograms[("step", "server_us")].sum == 120.0
+    assert histograms[("step", "batch_rows")].counts[2] == 1  # 4 rows: the bucket of 4
+    assert ("step", "decode_us") not in histograms
+
+
+@pytest.mark.parametrize("args, message", [
+    pytest.param(["--metrics-port", "70000"], "expected a port in 0..65535", id="past_65535"),
+    pytest.param(["--metrics-port", "-1"], "expected an int >= 0", id="negative"),
+])
+def test_a_bad_port_is_a_usage_error(args, message):
+    run = subprocess.run([sys.executable, "-m", "bridge", *args], capture_output=True, text=True,
+                         env=server_env(), timeout=120, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2 and message in run.stderr
+
+
+def test_a_port_in_use_stops_the_start_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "bridge", "--metrics-port", str(port)], capture_output=True,
+                             text=True, env=server_env(), timeout=120, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2 and "--metrics-port" in run.stderr
