@@ -372,6 +372,20 @@ def test_backward_bench_runs_end_to_end(tmp_path):
     assert case["cpu_peak_extra_bytes"] > 0 and case["torch_autograd"]["peak_extra_bytes"] > 0
 
 
+def test_metrics_cost_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.metrics_cost` (issue 37's endpoint), tiny: both record timings, a served
+    step and a scrape in one run, the ratio of its own numbers."""
+    out = tmp_path / "metrics_cost.json"
+    proc = run_marked([sys.executable, "-m", "bench.metrics_cost", "--records", "2000", "--rounds", "2", "--steps", "20",
+                       "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    results = json.loads(out.read_text())["results"]
+    assert len(results["record_ns"]["off"]) == len(results["record_ns"]["on"]) == 2
+    assert results["extra_over_step_server_us_p50"] == pytest.approx(
+        results["extra_per_request_us"] / results["step_server_us"]["p50_us"])
+    assert results["step_server_us"]["n"] == 20 and results["scrape"]["n"] == 2
+
+
 def test_transports_bench_runs_end_to_end(tmp_path):
     """`python -m bench.transports`, tiny: every lane's rows and the many-clients runs come back
     whole (nothing lost, duplicated or misrouted), with ratios and a throughput from this run's
