@@ -64,6 +64,9 @@ defmodule ScanBridge.ClusterTest do
   test "stateless calls spread over the members and are right", %{shared: g, members: members} do
     inputs = TestSupport.scan_inputs(%{batch: 1, seq: 64, dim: 64, state: 8})
     {:ok, direct} = ScanBridge.scan(hd(members), inputs)
+    # sessions an earlier test left closing would break the calls' ties (balancer: fewest calls,
+    # then fewest sessions)
+    assert eventually(fn -> Enum.all?(Cluster.loads(g), fn {_, load} -> load.sessions == 0 end) end)
 
     before = Enum.map(members, &ops_done/1)
 
@@ -194,7 +197,8 @@ defmodule ScanBridge.ClusterTest do
       t0 = System.monotonic_time(:millisecond)
       assert {:error, %Error{reason: :overloaded}} = Cluster.scan(g, inputs, timeout: 100)
       elapsed = System.monotonic_time(:millisecond) - t0
-      assert elapsed >= 100 and elapsed < 250, "answered after #{elapsed} ms"
+      # its deadline, and scheduling on a loaded 2-core box
+      assert elapsed >= 100 and elapsed < 100 + 400, "answered after #{elapsed} ms"
     end
 
     test "inputs that belong to one server are refused in the caller", %{shared: g} do

@@ -157,18 +157,18 @@ defmodule ScanBridge.LifecycleTest do
 
   test "health_check: a server that stops answering is stopped, for its supervisor to restart" do
     name = :lifecycle_unhealthy
-    opts = TestSupport.server_opts(name: name, health_check: [interval: 50, timeout: 300])
+    opts = TestSupport.server_opts(name: name, health_check: [interval: 100, timeout: 1_500])
     {:ok, supervisor} = Supervisor.start_link([{ScanBridge, opts}], strategy: :one_for_one)
     client = Process.whereis(name)
     {:ok, os_pid} = ScanBridge.os_pid(name)
     ref = Process.monitor(client)
     # answered checks keep it up
-    Process.sleep(400)
+    Process.sleep(600)
     assert Process.alive?(client)
     freeze(os_pid)
-    # the check's 300 ms, then the frozen server's :exit_grace (2 s) before it is killed
-    assert_receive {:DOWN, ^ref, :process, ^client, {:shutdown, {:unhealthy, why}}}, 5_000
-    assert why =~ "did not answer its health check within 300 ms"
+    # the check's 1.5 s, then the frozen server's :exit_grace (2 s) before it is killed
+    assert_receive {:DOWN, ^ref, :process, ^client, {:shutdown, {:unhealthy, why}}}, 8_000
+    assert why =~ "did not answer its health check within 1500 ms"
     # the frozen server is killed when it does not exit; a fresh one serves
     assert eventually(fn -> os_process_gone?(os_pid) end)
     assert eventually(fn -> (pid = Process.whereis(name)) && pid != client end, 60_000)
