@@ -1108,50 +1108,15 @@ defmodule ClusterBench do
   end
 
   defp start_peer!(prefix) do
-    name = "#{prefix}_#{System.pid()}_#{System.unique_integer([:positive])}"
-
-    env = [
-      {"SCAN_BRIDGE_PYTHON", TestSupport.python()},
-      {"PYTHONPATH", System.get_env("PYTHONPATH") || @root},
-      {"SCAN_BRIDGE_LOG", System.get_env("SCAN_BRIDGE_LOG", "WARNING")}
-    ]
-
-    args =
-      ["-setcookie", Atom.to_string(Node.get_cookie())] ++
-        ["-kernel", "net_ticktime", Integer.to_string(:net_kernel.get_net_ticktime())] ++
-        @peer_erl_flags
-
-    {:ok, pid, node} =
-      :peer.start(%{
-        name: String.to_charlist(name),
-        host: ~c"127.0.0.1",
-        longnames: true,
-        args: Enum.map(args, &String.to_charlist/1),
-        env: Enum.map(env, fn {k, v} -> {String.to_charlist(k), String.to_charlist(v)} end)
-      })
-
-    os_pid =
-      try do
-        :erpc.call(node, :os, :getpid, [], 10_000) |> List.to_integer()
-      catch
-        kind, reason ->
-          safe_peer_stop(%{peer: pid})
-          raise "peer #{node} started but does not answer: #{inspect({kind, reason})}"
-      end
-
-    peer = %{node: node, peer: pid, os_pid: os_pid}
-    :ets.insert(@pids, {:peer, peer})
-    :ok = :erpc.call(node, :code, :add_pathsa, [Enum.reverse(:code.get_path())], 10_000)
-    Enum.each(env, fn {k, v} -> :ok = :erpc.call(node, System, :put_env, [k, v], 10_000) end)
-
-    for app <- [:logger, :elixir, :scan_bridge] do
-      {:ok, _} = :erpc.call(node, Application, :ensure_all_started, [app], 30_000)
-    end
+    peer =
+      Peers.launch!(prefix, [args: @peer_erl_flags], fn peer ->
+        :ets.insert(@pids, {:peer, peer})
+      end)
 
     binary = :persistent_term.get({__MODULE__, :remote_binary})
 
     {:module, _} =
-      :erpc.call(node, :code, :load_binary, [ClusterBench.Remote, ~c"cluster.exs", binary])
+      :erpc.call(peer.node, :code, :load_binary, [ClusterBench.Remote, ~c"cluster.exs", binary])
 
     peer
   end
@@ -1428,19 +1393,8 @@ defmodule ClusterBench do
 
   defp summarize([]), do: %{"n" => 0}
 
-  defp summarize(values) do
-    sorted = Enum.sort(values)
-
-    %{
-      "p50_us" => BenchSupport.percentile(sorted, 50),
-      "p90_us" => BenchSupport.percentile(sorted, 90),
-      "p99_us" => BenchSupport.percentile(sorted, 99),
-      "min_us" => hd(sorted) * 1.0,
-      "max_us" => List.last(sorted) * 1.0,
-      "mean_us" => mean(values),
-      "n" => length(sorted)
-    }
-  end
+  defp summarize(values),
+    do: values |> BenchSupport.summary_us() |> Map.put("mean_us", mean(values))
 
   defp mean([]), do: nil
   defp mean(values), do: Enum.sum(values) / length(values)

@@ -375,18 +375,7 @@ defmodule ModelsBench do
 
   ## Summaries
 
-  defp summarize(values) do
-    sorted = Enum.sort(values)
-
-    %{
-      "p50_us" => BenchSupport.percentile(sorted, 50),
-      "p90_us" => BenchSupport.percentile(sorted, 90),
-      "p99_us" => BenchSupport.percentile(sorted, 99),
-      "min_us" => hd(sorted) * 1.0,
-      "max_us" => List.last(sorted) * 1.0,
-      "n" => length(sorted)
-    }
-  end
+  defp summarize(values), do: BenchSupport.summary_us(values)
 
   defp report(r) do
     line = fn name, s ->

@@ -20,6 +20,20 @@ defmodule BenchSupport do
 
   def median(values), do: values |> Enum.sort() |> percentile(50)
 
+  @doc "p50, p90, p99, min, max (µs, floats) and the count of timings in µs."
+  def summary_us(values) do
+    sorted = Enum.sort(values)
+
+    %{
+      "p50_us" => percentile(sorted, 50),
+      "p90_us" => percentile(sorted, 90),
+      "p99_us" => percentile(sorted, 99),
+      "min_us" => hd(sorted) * 1.0,
+      "max_us" => List.last(sorted) * 1.0,
+      "n" => length(sorted)
+    }
+  end
+
   @doc "Linear interpolation between closest ranks (numpy's default) of a sorted list."
   def percentile(sorted, p) do
     pos = (length(sorted) - 1) * p / 100

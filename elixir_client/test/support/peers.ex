@@ -91,6 +91,15 @@ defmodule ScanBridge.TestSupport.Peers do
   Options: `:args`, more `erl` arguments (strings).
   """
   def start_peer!(name_prefix, opts \\ []) do
+    launch!(name_prefix, opts, fn peer -> ExUnit.Callbacks.on_exit(fn -> cleanup!(peer) end) end)
+  end
+
+  @doc """
+  `start_peer!/2` without ExUnit: `started.(peer)` is called as soon as the peer's OS pid is
+  known, before anything that may fail, for the caller to register its own cleanup (a
+  benchmark's, say).
+  """
+  def launch!(name_prefix, opts, started) do
     ensure_distributed!()
     ensure_registry()
     name = "#{name_prefix}_#{System.pid()}_#{System.unique_integer([:positive])}"
@@ -110,18 +119,9 @@ defmodule ScanBridge.TestSupport.Peers do
         env: Enum.map(env, fn {k, v} -> {String.to_charlist(k), String.to_charlist(v)} end)
       })
 
-    # Before anything that may fail: the cleanup needs the OS pid.
-    os_pid =
-      try do
-        :erpc.call(node, :os, :getpid, [], 10_000) |> List.to_integer()
-      catch
-        kind, reason ->
-          safe_stop(%{peer: pid, os_pid: nil})
-          flunk("peer #{node} started but does not answer: #{inspect({kind, reason})}")
-      end
-
+    os_pid = :erpc.call(node, :os, :getpid, [], 10_000) |> List.to_integer()
     peer = %{node: node, peer: pid, os_pid: os_pid}
-    ExUnit.Callbacks.on_exit(fn -> cleanup!(peer) end)
+    started.(peer)
 
     :ok = :erpc.call(node, :code, :add_pathsa, [Enum.reverse(:code.get_path())], 10_000)
     Enum.each(env, fn {k, v} -> :ok = :erpc.call(node, System, :put_env, [k, v], 10_000) end)
