@@ -12,6 +12,7 @@ defmodule ScanBridge.Cluster.Balancer do
 
   alias ScanBridge.Cluster
 
+  # members: the members seen, each with its monitor
   defstruct calls: %{}, sessions: %{}, holders: %{}, members: %{}
 
   def start_link(_opts), do: GenServer.start_link(__MODULE__, :ok, name: __MODULE__)
@@ -75,20 +76,20 @@ defmodule ScanBridge.Cluster.Balancer do
   end
 
   @impl true
-  def handle_info({:DOWN, ref, :process, _pid, _reason}, state) do
-    case Map.pop(state.members, ref) do
-      {nil, _} ->
-        {:noreply, release(state, ref)}
-
-      {member, members} ->
+  def handle_info({:DOWN, ref, :process, member, _reason}, state) do
+    case state.members do
+      %{^member => ^ref} ->
         # A member gone: its counts go with it (its holders' check-ins then find nothing).
         {:noreply,
          %{
            state
-           | members: members,
+           | members: Map.delete(state.members, member),
              calls: Map.delete(state.calls, member),
              sessions: Map.delete(state.sessions, member)
          }}
+
+      _holder ->
+        {:noreply, release(state, ref)}
     end
   end
 
@@ -111,9 +112,9 @@ defmodule ScanBridge.Cluster.Balancer do
   end
 
   defp watch(state, member) do
-    if member in Map.values(state.members),
+    if is_map_key(state.members, member),
       do: state,
-      else: %{state | members: Map.put(state.members, Process.monitor(member), member)}
+      else: %{state | members: Map.put(state.members, member, Process.monitor(member))}
   end
 
   defp counts(:call), do: :calls
