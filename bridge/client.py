@@ -273,14 +273,20 @@ class FramedClient:
 
     # -- requests -------------------------------------------------------------------------
 
-    def submit(self, op: str, args: dict | None = None, *, request_id=None) -> Future:
+    def submit(self, op: str, args: dict | None = None, *, request_id=None,
+               deadline_s: float | None = None) -> Future:
         """Send one request now; the Future resolves to its Reply. `request_id` (a uint or a
         non-empty str) must not be one in flight (SPEC §1): that is a ValueError. By default
-        the client numbers requests 1, 2, ..., passing over ids that callers chose."""
+        the client numbers requests 1, 2, ..., passing over ids that callers chose.
+        `deadline_s`: the request's budget on the server (SPEC §4 `deadline_us`): still waiting
+        to run when it is spent, it is answered `deadline_exceeded` without running. Give up on
+        it sooner with `cancel(future)`."""
         entry = InFlight(Future(), time.perf_counter_ns())
+        deadline_us = None if deadline_s is None else int(deadline_s * 1e6)
         with self._in_flight(request_id, entry) as request_id:
+            entry.future.request_id = request_id  # what cancel() names
             wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
-            parts = self._encode(request_id, op, wire_args)
+            parts = self._encode(request_id, op, wire_args, deadline_us)
             entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
@@ -323,9 +329,9 @@ class FramedClient:
             raise BridgeError("frame_too_large", f"a request of {length} bytes exceeds the server's limit of "
                               f"{limit} bytes (max_frame_size); it was not sent", {"length": length, "limit": limit})
 
-    def _encode(self, request_id, op: str, wire_args: dict) -> list:
+    def _encode(self, request_id, op: str, wire_args: dict, deadline_us: int | None = None) -> list:
         """The buffers that carry one request."""
-        return protocol.frame_parts(protocol.encode_request(request_id, op, wire_args))
+        return protocol.frame_parts(protocol.encode_request(request_id, op, wire_args, deadline_us=deadline_us))
 
     def _send(self, parts: list) -> None:
         """Write one frame. A write that fails or is interrupted (KeyboardInterrupt) may have
@@ -357,7 +363,28 @@ class FramedClient:
             self._refusal = self._refusal or reason
 
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
-        return self.submit(op, args).result(timeout)
+        """Send a request and wait at most `timeout` seconds (None: for ever) for its reply.
+        The timeout is its deadline on the server too; when it passes the request is cancelled
+        (`cancel`) and TimeoutError raised."""
+        future = self.submit(op, args, deadline_s=timeout)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if self.cancel(future):
+                raise
+            return future.result()  # its reply came meanwhile
+
+    def cancel(self, future: Future) -> bool:
+        """Give up on a submitted request: its Future is cancelled (its late reply is dropped)
+        and the server asked to drop it if it has not started (SPEC §6 `cancel`; its answer is
+        not waited for). False when its reply has come already."""
+        if not future.cancel():
+            return False
+        try:
+            self.submit("cancel", {"id": future.request_id})
+        except ServerExited:
+            pass  # nothing left to drop it from
+        return True
 
     def call(self, op: str, timeout: float | None = 60.0, **args) -> dict:
         """The result map; raises BridgeError on an error reply."""
@@ -706,10 +733,10 @@ class ZmqClient(FramedClient):
     # A ZeroMQ message has no length prefix: its body and buffers count against the limit.
     _frame_overhead = 0
 
-    def _encode(self, request_id, op: str, wire_args: dict) -> list:
+    def _encode(self, request_id, op: str, wire_args: dict, deadline_us: int | None = None) -> list:
         """The message's frames: the body, then (multipart) the tensors' raw buffers."""
         buffers = [] if self.multipart else None
-        parts = protocol.encode_request(request_id, op, wire_args, buffers=buffers)
+        parts = protocol.encode_request(request_id, op, wire_args, buffers=buffers, deadline_us=deadline_us)
         return [parts[0] if len(parts) == 1 else b"".join(parts), *(buffers or ())]
 
     def _send(self, frames: list) -> None:

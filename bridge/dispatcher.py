@@ -9,12 +9,15 @@ dispatcher is the one place that decides how a request is served:
   * decode: the body becomes a request that carries its reply codec (protocol.codecs: v1, or
     ExPhil's legacy form), so every later step answers it the same way.
   * admission: one count of requests in flight, under one lock, with the `--max-pending` cap
-    (`overloaded`) and shutdown (`shutting_down`); drain() waits until it is 0.
+    (`overloaded`) and shutdown (`shutting_down`); drain() waits until it is 0. An op marked
+    `immediate` (cancel) is served at once on the reader thread, never refused for the cap.
   * execution: an idle server (nothing in flight, nothing more waiting on the transport)
     serves the request at once on the reader thread; otherwise it queues for the worker, which
     serves queued requests in arrival order, gathering batchable ones (bridge.batcher) that
     can share a kernel launch.
   * the op's handler (bridge.ops) runs; its result is encoded by the request's codec and sent.
+    A request whose `deadline_us` ran out before it started is answered `deadline_exceeded`
+    instead; a queued one a cancel dropped was answered `cancelled` and is passed over.
 
 One lock (`_serving`) lets one thread at a time run ops, so ops never run concurrently, and a
 request never overtakes one admitted before it: a fast-path request is served only when nothing
@@ -41,7 +44,7 @@ from .timing import Timing, now_ns
 log = logging.getLogger("bridge")
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
     """One request in flight."""
 
@@ -53,6 +56,7 @@ class Call:
     enqueued_ns: int = 0
     after_reply: Callable | None = None  # run once the reply is written (the shutdown op's)
     prepared: object = None  # the batcher's Item, once prepared
+    dropped: bool = False  # a cancel took it from the queue and answered it (bridge.queued)
 
     @property
     def op(self) -> str:
@@ -78,6 +82,20 @@ class Call:
 
 
 _STOP = object()
+
+
+def deadline_error(request, received_ns: int) -> OpError | None:
+    """`deadline_exceeded` when the request's budget (deadline_us, from when its frame was
+    complete) has run out; None while it has not, or when it has none (SPEC §4)."""
+    budget_us = request.deadline_us
+    if budget_us is None:
+        return None
+    waited_us = (now_ns() - received_ns) // 1000
+    if waited_us <= budget_us:
+        return None
+    return OpError("deadline_exceeded",
+                   f"deadline_us: expected the request to start within {budget_us} µs, it waited {waited_us} µs",
+                   {"deadline_us": budget_us, "waited_us": waited_us})
 
 
 def reply_too_large(exc: protocol.FrameTooLarge) -> OpError:
@@ -142,23 +160,30 @@ class Dispatcher:
                 release()
             return
         timing.add("decode", now_ns() - received_ns)
-        admitted = self._admit()
+        handler = self.registry.handler(request)
+        immediate = getattr(handler, "immediate", False)
+        admitted = self._admit(immediate=immediate)
         if isinstance(admitted, OpError):
             self._reply_error(conn, request.codec, request.reply_id, admitted)
             if release:
                 release()
             return
-        call = Call(conn, request, timing, self.registry.handler(request), release, enqueued_ns=now_ns())
+        call = Call(conn, request, timing, handler, release, enqueued_ns=now_ns())
+        if immediate:  # runs beside the ops in flight, not under the serving lock
+            self._serve(call)
+            return
         # An idle server serves the request on this thread, unless it is to be batched with
         # others (see _serve_on); nothing it could be queued behind exists, so order is kept.
         if not (admitted and not (more_input() if callable(more_input) else more_input)
                 and self._serve_on(call, reader=True)):
+            self.server.queued.add(call, self._fail)
             self._queue.put(call)
 
-    def _admit(self, fast: bool = False) -> bool | OpError | None:
+    def _admit(self, fast: bool = False, immediate: bool = False) -> bool | OpError | None:
         """Count a request in flight. Returns whether the server was idle (nothing in flight);
-        the refusal to answer instead (past --max-pending, or once drain() began); for the fast
-        path, None where it must not take the request (then the general way decides).
+        the refusal to answer instead (past --max-pending, or once drain() began; an
+        `immediate` request is past the cap too); for the fast path, None where it must not take
+        the request (then the general way decides).
 
         Checked where the request is counted, under the lock drain() waits under: checked
         before, drain could find nothing in flight between the two and report all answered
@@ -166,7 +191,7 @@ class Dispatcher:
         with self._pending_lock:
             if not self.accepting:
                 refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
-            elif self._pending >= self.max_pending:
+            elif self._pending >= self.max_pending and not immediate:
                 refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
                                   {"limit": self.max_pending})
             elif fast and self._pending != self._pending_fast:
@@ -194,6 +219,10 @@ class Dispatcher:
         try:
             waiting_since = now_ns()
             with self._serving:
+                late = deadline_error(request, received_ns)
+                if late is not None:
+                    self._reply_error(conn, protocol.V1, request.id, late, stats_op="step")
+                    return True
                 try:
                     outcome = self.fast_path.serve(conn, request, received_ns, now_ns() - waiting_since)
                 except NativeStepError as exc:  # its kernel ran, or may have: never served twice
@@ -268,18 +297,25 @@ class Dispatcher:
         return True
 
     def _next_call(self, block: bool = True, timeout: float | None = None):
-        """The held request if any, else the next queued one; None when nothing came in time."""
+        """The held request if any, else the next queued one a cancel has not dropped; None when
+        nothing came in time."""
         if self._held is not None:
             call, self._held = self._held, None
             return call
-        try:
-            return self._queue.get(block, timeout)
-        except queue.Empty:
-            return None
+        while True:
+            try:
+                call = self._queue.get(block, timeout)
+            except queue.Empty:
+                return None
+            if call is _STOP or self.server.queued.take(call):
+                return call
 
     def _serve(self, call: Call) -> None:
         call.timing.add("queue", now_ns() - call.enqueued_ns)
         try:
+            late = deadline_error(call.request, call.timing.received_ns)
+            if late is not None:
+                raise late
             result = call.handler(self.server, call)
         except Exception as exc:  # every failure is answered; the worker lives on
             self._fail(call, exc)
@@ -332,6 +368,9 @@ class Dispatcher:
         """The request's batch item; None when it cannot run (it has been answered)."""
         if call.prepared is None:
             try:
+                late = deadline_error(call.request, call.timing.received_ns)
+                if late is not None:
+                    raise late
                 call.prepared = prepare(op, self.server, call)
             except Exception as exc:
                 self._fail(call, exc)

@@ -19,6 +19,7 @@ from .handles import HandleTable
 from .health import DeviceProbe
 from .models import allowed_dirs
 from .models.table import LoadedModel, ModelTable
+from .queued import QueuedRequests
 from .sessions import Session, SessionTable, SnapshotTable, StateLayout
 from .step_graphs import StepGraphs
 from .stats import Stats
@@ -89,6 +90,8 @@ class Server:
         # http://host:port/metrics once bridge.metrics serves it (info reports it)
         self.metrics_endpoint: str | None = None
         self.stop_requested = threading.Event()
+        # Requests waiting for the dispatcher's worker, which a cancel may drop (bridge.queued).
+        self.queued = QueuedRequests()
         self.probe = DeviceProbe(self.device, self.backend)
         self.transports: list[str] = []
         self.compiled: list[str] = []

@@ -15,7 +15,7 @@ import msgspec
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind, payload
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
-from .schema import KIND_EXPECTED, LAYOUTS, OUTPUTS, SESSION_KINDS, WEIGHTS_DTYPES
+from .schema import KIND_EXPECTED, LAYOUTS, OUTPUTS, SESSION_KINDS, WEIGHTS_DTYPES, valid_request_id
 from .tensors import DTYPES, MAX_DIM, MAX_EXTENT_BYTES, MAX_NDIM, HandleRef, WireTensor, extent_bytes
 
 _TENSOR_KEYS = ("dtype", "shape", "data")
@@ -23,6 +23,7 @@ _TENSOR_KEYS = ("dtype", "shape", "data")
 # where "data" would.
 _BUFFER_TENSOR_KEYS = ("dtype", "shape", "buf")
 _ABSENT = msgspec.Raw(b"")
+DEADLINE_EXPECTED = "a uint of microseconds, or nil"
 
 
 class _TensorFields(msgspec.Struct, forbid_unknown_fields=True):
@@ -136,6 +137,30 @@ class Reader:
         if not value and not allow_empty:
             self.fail(cls, field, expected, "an empty str")
         return value
+
+    def request_ref(self, raw: msgspec.Raw, field: str, cls=InvalidArgument) -> int | str:
+        """A request id: the envelope's own, or the one a cancel names."""
+        expected = KIND_EXPECTED["request_id"]
+        encoded = memoryview(raw)
+        if kind(encoded) == "int":
+            value = ANY_DECODER.decode(raw)
+            if valid_request_id(value):
+                return value
+        elif kind(encoded) == "str":
+            return self.string(raw, field, cls, expected)
+        self.fail(cls, field, expected, describe(encoded))
+
+    def deadline(self, raw: msgspec.Raw) -> int | None:
+        """The envelope's deadline_us: a uint of microseconds, or nil (none)."""
+        encoded = memoryview(raw)
+        what = kind(encoded)
+        if what == "nil":
+            return None
+        if what == "int":
+            value = ANY_DECODER.decode(raw)
+            if value >= 0:  # msgpack ints stop at 2^64 - 1
+                return value
+        self.fail(InvalidRequest, "deadline_us", DEADLINE_EXPECTED, describe(encoded))
 
     def boolean(self, raw: msgspec.Raw, field: str) -> bool:
         encoded = memoryview(raw)

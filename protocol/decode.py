@@ -25,15 +25,16 @@ from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, OPS, OUTPUTS, PROTOCOL_VER
                      SUPPORTED_VERSIONS, WEIGHTS_DTYPES, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
-_ENVELOPE_KEYS = frozenset(("v", "id", "op", "args"))
+_ENVELOPE_KEYS = frozenset(("v", "id", "op", "args", "deadline_us"))
 _ARRAY_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_ID_EXPECTED = "a uint or a non-empty str"
+_ID_EXPECTED = KIND_EXPECTED["request_id"]
 # Schema kind -> the Reader method that checks a value of that kind.
 _CHECKS = {"tensor": Reader.tensor, "tensor_data": Reader.tensor_data, "bool": Reader.boolean,
            "number": Reader.number, "str": Reader.string, "size": Reader.size,
            "layout": Reader.layout, "limits": Reader.limits, "kind": Reader.session_kind,
            "output": Reader.output, "weights_dtype": Reader.weights_dtype, "map": Reader.any_map,
-           "tensors": Reader.tensors, "size_or_tensors": Reader.size_or_tensors}
+           "tensors": Reader.tensors, "size_or_tensors": Reader.size_or_tensors,
+           "request_id": Reader.request_ref}
 
 
 @dataclass(slots=True)
@@ -41,13 +42,15 @@ class Request:
     """A v1 request. `args` maps canonical argument names (aliases resolved) to checked values:
     WireTensor / HandleRef for tensors, bool, float, str, int. Optional arguments that were
     absent (or nil) are not in `args`. `multipart`: the request came with raw buffers (its
-    tensors refer to them by index), so its reply may carry its tensors the same way."""
+    tensors refer to them by index), so its reply may carry its tensors the same way.
+    `deadline_us`: its budget from when its frame was complete, or None (SPEC §4)."""
 
     id: int | str
     op: str
     args: dict
     version: int = PROTOCOL_VERSION
     multipart: bool = False
+    deadline_us: int | None = None
 
     # How this request is answered (protocol.codecs).
     codec: ClassVar = V1
@@ -103,7 +106,7 @@ _SCALAR_TYPES = {
 }
 # Kinds no msgspec constraint expresses (a pair of possibly infinite numbers, not NaN; maps of
 # any values or of tensors): a request giving one is checked argument by argument.
-_CHECKED_ONLY_KINDS = ("limits", "map", "tensors", "size_or_tensors")
+_CHECKED_ONLY_KINDS = ("limits", "map", "tensors", "size_or_tensors", "request_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +144,12 @@ def _decode_valid_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...
         request_id = ANY_DECODER.decode(top["id"])
         version = ANY_DECODER.decode(top["v"]) if "v" in top else PROTOCOL_VERSION
         op = ANY_DECODER.decode(top["op"])
+        deadline_us = ANY_DECODER.decode(top["deadline_us"]) if "deadline_us" in top else None
     except DECODE_FAILURES:
         return None
     if not valid_request_id(request_id) or type(version) is not int or version not in SUPPORTED_VERSIONS:
+        return None
+    if deadline_us is not None and not (type(deadline_us) is int and deadline_us >= 0):
         return None
     entry = _ARGS_DECODERS.get(op) if type(op) is str else None
     if entry is None:
@@ -157,7 +163,7 @@ def _decode_valid_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...
     for plan in plans:
         value = getattr(decoded, plan.name)
         if plan.checked_only:
-            if memoryview(value).nbytes:
+            if memoryview(value).nbytes or plan.required:
                 return None
             continue
         if plan.tensor:
@@ -183,7 +189,7 @@ def _decode_valid_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...
     # A key given twice decodes as one: only the map's own count tells.
     if given != count(memoryview(top["args"])) or len(used) != len(buffers):
         return None
-    return Request(request_id, op, args, multipart=bool(buffers))
+    return Request(request_id, op, args, multipart=bool(buffers), deadline_us=deadline_us)
 
 
 # -- any request, one argument at a time ------------------------------------------------------
@@ -195,8 +201,9 @@ def _decode_v1_checked(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, .
         _check_version(reader, top["v"])
     for key in top:
         if key not in _ENVELOPE_KEYS:
-            reader.fail(InvalidRequest, key, "only the envelope keys v, id, op, args",
+            reader.fail(InvalidRequest, key, "only the envelope keys v, id, op, args, deadline_us",
                         f"unknown key {key!r}")
+    deadline_us = reader.deadline(top["deadline_us"]) if "deadline_us" in top else None
     if "op" not in top:
         reader.fail(InvalidRequest, "op", "a str naming the operation", "nothing")
     op = reader.string(top["op"], "op", InvalidRequest, "a str naming the operation", allow_empty=True)
@@ -207,20 +214,13 @@ def _decode_v1_checked(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, .
                if "args" in top else {})
     args = _read_args(reader, op, spec, entries)
     reader.check_buffers_used()
-    return Request(reader.request_id, op, args, multipart=bool(buffers))
+    return Request(reader.request_id, op, args, multipart=bool(buffers), deadline_us=deadline_us)
 
 
 def _request_id(reader: Reader, raw: msgspec.Raw | None) -> int | str:
     if raw is None:
         reader.fail(InvalidRequest, "id", _ID_EXPECTED, "nothing")
-    encoded = memoryview(raw)
-    if kind(encoded) == "int":
-        value = ANY_DECODER.decode(raw)
-        if valid_request_id(value):
-            return value
-    elif kind(encoded) == "str":
-        return reader.string(raw, "id", InvalidRequest, _ID_EXPECTED)
-    reader.fail(InvalidRequest, "id", _ID_EXPECTED, describe(encoded))
+    return reader.request_ref(raw, "id", InvalidRequest)
 
 
 def _check_version(reader: Reader, raw: msgspec.Raw) -> None:

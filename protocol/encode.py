@@ -193,20 +193,26 @@ def encode_error(request_id, code: str, message: str, detail: dict | None = None
     return packer.finish()
 
 
-def encode_request(request_id, op: str, args: dict | None = None, *, buffers: list | None = None) -> list:
-    """`{"v": 1, "id", "op", "args"}` as a list of buffers, for Python clients and tests.
-    Tensor arguments are OutTensor (or HandleRef); the server checks everything else. With
-    `buffers`, in the multipart form (tensor data appended to `buffers`)."""
+def encode_request(request_id, op: str, args: dict | None = None, *, buffers: list | None = None,
+                   deadline_us: int | None = None) -> list:
+    """`{"v": 1, "id", "op", "args"}` (and `deadline_us` when given) as a list of buffers, for
+    Python clients and tests. Tensor arguments are OutTensor (or HandleRef); the server checks
+    everything else. With `buffers`, in the multipart form (tensor data appended to `buffers`)."""
     _check_request_id(request_id, allow_none=False)
+    if deadline_us is not None and not (type(deadline_us) is int and 0 <= deadline_us < 2**64):
+        raise ValueError(f"deadline_us: expected an int of microseconds in 0 .. 2^64 - 1, got {deadline_us!r}")
     if not isinstance(op, str) or not op:
         raise ValueError(f"op: expected a non-empty str, got {op!r}")
     args = {} if args is None else args
     if not isinstance(args, dict):
         raise TypeError(f"args: expected a dict, got {type(args).__name__}")
     packer = Packer(buffers)
-    _envelope(packer, 4, request_id)
+    _envelope(packer, 4 if deadline_us is None else 5, request_id)
     packer.small += b"\xa2op"
     packer.value(op, "op")
     packer.small += b"\xa4args"
     packer.value(args, "args")
+    if deadline_us is not None:
+        packer.small += b"\xabdeadline_us"
+        packer.value(deadline_us, "deadline_us")
     return packer.finish()

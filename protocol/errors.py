@@ -47,6 +47,8 @@ ERROR_CODES: dict[str, str] = {
     "unsupported": "a valid request this server cannot serve here (e.g. a kernels backend it has no device for)",
     "overloaded": "the server is too busy to accept the request now; retry later",
     "shutting_down": "the server is shutting down and accepts no new work",
+    "deadline_exceeded": "the request's deadline_us ran out before it ran; it was not run",
+    "cancelled": "a cancel request dropped this request before it ran; it was not run",
     "internal_error": "the server failed in a way that is not the client's fault",
 }
 

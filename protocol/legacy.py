@@ -66,9 +66,10 @@ class LegacyRequest:
 
     op: str
     args: dict
-    # Legacy requests come in one frame: no raw buffers, no id to answer with.
+    # Legacy requests come in one frame: no raw buffers, no id to answer with, no deadline.
     multipart: ClassVar = False
     reply_id: ClassVar = None
+    deadline_us: ClassVar = None
     codec: ClassVar = LEGACY
 
 

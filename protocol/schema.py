@@ -17,6 +17,7 @@ Each argument has a kind, checked by the decoder one value at a time:
     tensors      a map of str names to tensors or handle references (weights, a model's state)
     size_or_tensors  a size, or a map as `tensors` (session_open's state: a plain session's
                  state size, or a model session's saved state)
+    request_id   a request id: a uint or a non-empty str (what cancel names)
 
 Consistency between arguments (shapes agreeing, a session existing) is checked further in.
 """
@@ -58,6 +59,7 @@ KIND_EXPECTED = {
     "map": "a map with str keys",
     "tensors": "a map of str names to tensor maps or handle maps",
     "size_or_tensors": "a positive int, or a map of str names to tensor maps or handle maps",
+    "request_id": "a uint or a non-empty str",
 }
 LAYOUTS = ("bld", "bdl")
 SESSION_KINDS = ("mamba", "ssd")
@@ -85,6 +87,8 @@ OPS: dict[str, dict[str, Arg]] = {
     "ping": {},
     "health": {},
     "info": {},
+    # Drops the same connection's queued request `id` before it runs (served at once, never queued).
+    "cancel": {"id": Arg("request_id", True)},
     "scan": {
         **_OPERANDS,
         **_DT_TRANSFORM,

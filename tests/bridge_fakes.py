@@ -32,10 +32,12 @@ class RecordingConnection(Connection):
         super().__init__("test")
         self._replies: dict = {}
         self._arrived = threading.Condition()
+        self.answered: list = []  # the id of every reply sent, in order, repeats included
 
     def send(self, parts: list, buffers: list | None = None) -> None:
         reply = protocol.decode_reply(b"".join(parts), buffers or ())
         with self._arrived:
+            self.answered.append(reply.id)
             self._replies[reply.id] = reply
             self._arrived.notify_all()
 
@@ -83,13 +85,15 @@ class InProcessServer:
         conn, request_id = self._held_ping
         assert conn.reply(request_id).ok
 
-    def submit(self, conn: RecordingConnection, op: str, *, more_input=True, **args) -> int:
+    def submit(self, conn: RecordingConnection, op: str, *, more_input=True, deadline_us: int | None = None,
+               age_ns: int = 0, **args) -> int:
         """Hand a request to the dispatcher as a transport would; `more_input=False` (or a
         function returning False) says that nothing else waits on the connection (an idle
-        server then serves it on this thread)."""
+        server then serves it on this thread). `age_ns`: how long ago its frame was complete."""
         request_id = next(self._ids)
-        body = b"".join(protocol.encode_request(request_id, op, {k: to_wire(v) for k, v in args.items()}))
-        self.dispatcher.on_frame(conn, bytearray(body), now_ns(), more_input=more_input)
+        body = b"".join(protocol.encode_request(request_id, op, {k: to_wire(v) for k, v in args.items()},
+                                                deadline_us=deadline_us))
+        self.dispatcher.on_frame(conn, bytearray(body), now_ns() - age_ns, more_input=more_input)
         return request_id
 
     def request(self, conn: RecordingConnection, op: str, **args) -> protocol.Reply:

@@ -240,6 +240,12 @@ def test_a_long_queue_of_requests_answered_on_the_io_thread_is_worked_off_in_tur
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
+class FakeStepRequest(bytes):
+    """What FakeNativeStep parses a body into: the body, with no deadline."""
+
+    deadline_us = None
+
+
 class FakeNativeStep:
     """A native step path for a real Dispatcher: it takes bodies that start with b"step" and
     answers b"native " + body; b"step-fail" fails after its kernel would have run
@@ -252,7 +258,7 @@ class FakeNativeStep:
     def parse(self, body):
         body = bytes(body)
         self.before_parsing(body)
-        return body if body.startswith(b"step") else None
+        return FakeStepRequest(body) if body.startswith(b"step") else None
 
     def serve(self, conn, request, received_ns, queued_ns):
         if request == b"step-fail":
@@ -529,3 +535,4 @@ def reused_descriptor_round(ipc_path: str) -> bool:
     finally:
         context.destroy(linger=0)
         transport.close()
+

@@ -121,6 +121,7 @@ KIND_VALID = {
     "map": st.dictionaries(st.text(max_size=4), scalars, max_size=3),
     "tensors": st.dictionaries(st.text(max_size=4), valid_tensor_maps() | handle_maps, max_size=3),
     "size_or_tensors": st.integers(1, 2**63 - 1) | st.dictionaries(st.text(max_size=4), valid_tensor_maps(), max_size=2),
+    "request_id": st.integers(0, 2**64 - 1) | st.text(min_size=1, max_size=3),
 }
 KIND_NEAR_MISS = {
     "tensor": tensor_maps() | st.fixed_dictionaries({"handle": st.just("")}) | st.none(),
@@ -138,6 +139,7 @@ KIND_NEAR_MISS = {
     "map": st.lists(scalars, max_size=2) | st.text(max_size=2) | st.none(),
     "tensors": st.dictionaries(st.text(max_size=4), tensor_maps(), min_size=1, max_size=2) | st.none(),
     "size_or_tensors": st.integers(-1, 0) | st.text(max_size=2) | st.none(),
+    "request_id": st.just("") | st.integers(-2**63, -1) | st.booleans() | st.floats(0, 4) | st.none(),
 }
 
 
@@ -200,7 +202,7 @@ def op_requests(draw):
     args = _packed_map(pairs, packer)
     # At most one envelope field is spoiled, so that each of their checks meets its own.
     # Half the requests keep their envelope whole, so that their arguments' near misses get tries.
-    spoiled = draw(st.sampled_from([None] * 6 + ["v", "id", "op", "no op", "no id", "extra key"]))
+    spoiled = draw(st.sampled_from([None] * 6 + ["v", "id", "op", "no op", "no id", "extra key", "deadline"]))
     envelope = {"v": draw(st.sampled_from([0, 2, 1.0, None])) if spoiled == "v" else 1,
                 "id": draw(st.sampled_from([-1, "", True, 1.5]) if spoiled == "id"
                            else st.integers(0, 9) | st.text(min_size=1)),
@@ -213,6 +215,10 @@ def op_requests(draw):
         del envelope["id"]
     if spoiled == "extra key":
         envelope["idd"] = 1
+    if spoiled == "deadline":
+        envelope["deadline_us"] = draw(st.sampled_from([-1, 1.5, "10", True, [1]]))
+    elif draw(st.booleans()):
+        envelope["deadline_us"] = draw(st.integers(0, 2**64 - 1) | st.none())
     return _packed_map([*envelope.items(), ("args", args)], packer), buffers
 
 
@@ -254,7 +260,8 @@ def test_whole_request_path_accepts_only_what_the_checks_accept():
                 f"a valid request without an alias left to the checks: {names}"
             return
         accepted["fast"] += 1
-        assert (fast.id, fast.op, fast.multipart) == (careful.id, careful.op, careful.multipart)
+        assert ((fast.id, fast.op, fast.multipart, fast.deadline_us)
+                == (careful.id, careful.op, careful.multipart, careful.deadline_us))
         assert {k: arg_key(v) for k, v in fast.args.items()} == {k: arg_key(v) for k, v in careful.args.items()}
 
     check()

@@ -104,6 +104,7 @@ def test_request_vectors_decode_as_described(frame, doc):
     assert independent_decode(only_body(frame)) == as_raw(message)
     req = decode_request(only_body(frame))
     assert isinstance(req, Request) and (req.id, req.op) == (message["id"], message["op"])
+    assert req.deadline_us == message.get("deadline_us")
     described = {ALIASES.get(k, k): v for k, v in message.get("args", {}).items()}
     assert set(req.args) == set(described)
     for name, value in req.args.items():
@@ -160,11 +161,13 @@ def test_frame_vectors_are_reported_by_the_frame_assembler(frame, doc):
 def test_request_vectors_with_bin_data_are_what_encode_request_writes():
     """The client-side writer of the generator and the package's encoder agree byte for byte."""
     for name, frame, doc in VECTORS:
-        if doc["kind"] != "request" or name == "scan_str_data" or set(doc["message"]) != {"v", "id", "op", "args"}:
+        if (doc["kind"] != "request" or name == "scan_str_data"
+                or not {"v", "id", "op", "args"} <= set(doc["message"]) <= {"v", "id", "op", "args", "deadline_us"}):
             continue
         message = from_json(doc["message"])
         args = {k: as_encoder_arg(v) for k, v in message["args"].items()}
-        assert b"".join(frame_parts(encode_request(message["id"], message["op"], args))) == frame, name
+        encoded = encode_request(message["id"], message["op"], args, deadline_us=message.get("deadline_us"))
+        assert b"".join(frame_parts(encoded)) == frame, name
 
 
 def as_encoder_arg(value):

@@ -78,9 +78,10 @@ class NativeStep:
             raise BackendUnavailable(f"native step path: its replies' stages {tuple(module.STAGE_KEYS)}, "
                                      f"expected bridge.timing's {STAGE_KEYS}")
         self.server = server
-        # parse(frame): the plain step request in `frame`, read where it lies (valid while the
-        # frame is), or None for any other request. Pure: the dispatcher asks before any
-        # bookkeeping. The module's own function, with no Python call around it.
+        # parse(frame): the plain step request in `frame` (its id, session, handles and
+        # deadline_us, read where it lies: valid while the frame is), or None for any other
+        # request. Pure: the dispatcher asks before any bookkeeping. The module's own function,
+        # with no Python call around it.
         self.parse = module.parse
         self._native = module.Stepper(run_problem)
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from

@@ -236,6 +236,7 @@ struct StepRequest {
   std::optional<std::string> handles[kOperands];
   bool dt_softplus = false;
   std::optional<double> dt_min, dt_max;
+  std::optional<uint64_t> deadline_us;  // the envelope's budget (SPEC §4); the caller checks it
 
   bool given(Operand o) const { return operands[o].data != nullptr || handles[o].has_value(); }
 };
@@ -345,10 +346,10 @@ py::object parse(py::buffer frame) {
   const py::buffer_info info = frame.request();
   Reader r(static_cast<const uint8_t*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
   uint32_t keys;
-  if (!r.map(&keys) || keys < 3 || keys > 4) return py::none();
+  if (!r.map(&keys) || keys < 3 || keys > 5) return py::none();
   auto req = std::make_unique<StepRequest>();
   req->frame = frame;
-  bool seen_v = false, seen_id = false, seen_op = false, seen_args = false;
+  bool seen_v = false, seen_id = false, seen_op = false, seen_args = false, seen_deadline = false;
   for (uint32_t i = 0; i < keys; ++i) {
     std::string_view key;
     if (!r.str(&key)) return py::none();
@@ -374,6 +375,11 @@ py::object parse(py::buffer frame) {
     } else if (key == "args" && !seen_args) {
       if (!read_args(r, req.get())) return py::none();
       seen_args = true;
+    } else if (key == "deadline_us" && !seen_deadline) {
+      uint64_t budget;
+      if (!r.uint(&budget)) return py::none();  // nil too: the general path reads that
+      req->deadline_us = budget;
+      seen_deadline = true;
     } else {
       return py::none();
     }
@@ -657,6 +663,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StepRequest>(m, "StepRequest")
       .def_readonly("session", &StepRequest::session)
       .def_property_readonly("id", [](const StepRequest& r) { return r.id; })
+      .def_property_readonly("deadline_us", [](const StepRequest& r) -> py::object {
+        return r.deadline_us ? py::object(py::int_(*r.deadline_us)) : py::object(py::none());
+      })
       .def_property_readonly("handles", &handles_of);
   m.def("parse", &parse, py::arg("frame"));
   // The stage keys the replies' timing holds, for bridge.native to check against bridge/timing.py.

@@ -1,4 +1,4 @@
-"""ping, info, stats, shutdown."""
+"""ping, health, info, cancel, stats, shutdown."""
 
 from __future__ import annotations
 
@@ -70,6 +70,14 @@ def info(server, call) -> dict:
     }
 
 
+def cancel(server, call) -> dict:
+    return {"cancelled": server.queued.cancel(call.conn.id, call.args["id"], call.request.reply_id)}
+
+
+# Served as it arrives, on the thread that read it: queued, it would wait behind what it cancels.
+cancel.immediate = True
+
+
 def stats(server, call) -> dict:
     return server.stats.snapshot()
 
@@ -80,4 +88,5 @@ def shutdown(server, call) -> dict:
     return {"stopping": True}
 
 
-HANDLERS = {"ping": ping, "health": health, "info": info, "stats": stats, "shutdown": shutdown}
+HANDLERS = {"ping": ping, "health": health, "info": info, "cancel": cancel, "stats": stats,
+            "shutdown": shutdown}

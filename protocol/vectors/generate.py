@@ -126,6 +126,12 @@ def _reply(name, description, parts, message, kind="reply"):
         "name": name, "kind": kind, "description": description, "message": to_json(message)}
 
 
+def _error(name, description, request_id, code, message, detail):
+    return _reply(name, description, encode_error(request_id, code, message, detail),
+                  {"v": 1, "id": request_id, "ok": False, "error": {"code": code, "message": message, "detail": detail}},
+                  kind="error")
+
+
 def _scan_args(dtype, batch, seq, dim, state, seed, layout="bld", as_str=False):
     bld = layout == "bld"
     x_shape = (batch, seq, dim) if bld else (batch, dim, seq)
@@ -154,6 +160,9 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
     vectors = [
         _request("ping", "ping with an empty args map", {"v": 1, "id": 1, "op": "ping", "args": {}}),
         _request("info", "info with a str id and no args key", {"v": 1, "id": "info-1", "op": "info"}),
+        _request("ping_deadline", "ping with a budget of one 60 FPS frame (deadline_us)",
+                 {"v": 1, "id": "frame-42", "op": "ping", "args": {}, "deadline_us": 16_667}),
+        _request("cancel", "cancel the queued request 7", {"v": 1, "id": 8, "op": "cancel", "args": {"id": 7}}),
     ]
 
     full = _scan_args("f32", 2, 3, 4, 2, seed=10)
@@ -281,18 +290,16 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                           {"v": 1, "id": 1, "ok": True, "result": {"pong": True}, "timing": ping_timing}))
     detail = {"field": "args.B.shape", "expected": "[2, 3, 2] ([batch, seq, state])", "got": "[2, 4, 2]"}
     message = "args.B.shape: expected [2, 3, 2] ([batch, seq, state]), got [2, 4, 2]"
-    vectors.append(_reply("reply_error", "error reply with a detail map",
-                          encode_error(2, "shape_mismatch", message, detail),
-                          {"v": 1, "id": 2, "ok": False,
-                           "error": {"code": "shape_mismatch", "message": message, "detail": detail}},
-                          kind="error"))
+    vectors.append(_error("reply_error", "error reply with a detail map", 2, "shape_mismatch", message, detail))
     too_large = {"length": DEFAULT_MAX_FRAME_SIZE + 1, "limit": DEFAULT_MAX_FRAME_SIZE}
     message = f"frame of {too_large['length']} bytes exceeds the limit of {too_large['limit']} bytes"
-    vectors.append(_reply("reply_error_no_id", "error reply to a frame whose id could not be read",
-                          encode_error(None, "frame_too_large", message, too_large),
-                          {"v": 1, "id": None, "ok": False,
-                           "error": {"code": "frame_too_large", "message": message, "detail": too_large}},
-                          kind="error"))
+    vectors.append(_error("reply_error_no_id", "error reply to a frame whose id could not be read", None,
+                          "frame_too_large", message, too_large))
+
+    cancelled = {"cancelled_by": 8}
+    message = "request 7 was cancelled by request 8 before it ran"
+    vectors.append(_error("reply_error_cancelled", "the answer to request 7, which the cancel dropped", 7,
+                          "cancelled", message, cancelled))
 
     batch, seq, hidden, state = 2, 3, 4, 2
     legacy = {"A": Binary("f32", values("f32", hidden * state, 102), True),

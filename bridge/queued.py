@@ -1,0 +1,68 @@
+"""Requests waiting for the dispatcher's worker, by connection and id, so that a `cancel` can
+drop one before it runs (SPEC §6).
+
+Each waiting request is taken exactly once: by the worker, which then runs it, or by a cancel,
+which has it answered `cancelled` at once through the answer function it was queued with (the
+worker then passes over it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from .errors import OpError
+
+
+class QueuedRequests:
+    def __init__(self):
+        self._lock = threading.Lock()
+        # (connection id, request id) -> [(call, answer)] waiting, oldest first (ids may repeat)
+        self._waiting: dict[tuple, list] = {}
+
+    def add(self, call, answer: Callable[[object, OpError], None]) -> None:
+        """`call` waits to run; a cancel answers it with `answer(call, error)`. Requests without
+        an id (legacy ones) cannot be named, so they are not listed."""
+        request_id = call.request.reply_id
+        if request_id is None:
+            return
+        with self._lock:
+            self._waiting.setdefault((call.conn.id, request_id), []).append((call, answer))
+
+    def take(self, call) -> bool:
+        """The worker takes `call` to run it: False when a cancel took it first (it has been
+        answered)."""
+        request_id = call.request.reply_id
+        if request_id is None:
+            return True
+        with self._lock:
+            if call.dropped:
+                return False
+            key = (call.conn.id, request_id)
+            entries = self._waiting.get(key, [])
+            for i, (waiting, _) in enumerate(entries):
+                if waiting is call:
+                    del entries[i]
+                    break
+            if not entries:
+                self._waiting.pop(key, None)
+            return True
+
+    def cancel(self, conn_id: str, request_id, by) -> bool:
+        """Drop `conn_id`'s oldest waiting request `request_id` and have it answered
+        `cancelled`; False when none waits. `by`: the cancel request's own id."""
+        with self._lock:
+            entries = self._waiting.get((conn_id, request_id))
+            if not entries:
+                return False
+            call, answer = entries.pop(0)
+            if not entries:
+                del self._waiting[(conn_id, request_id)]
+            call.dropped = True
+        answer(call, OpError("cancelled", f"request {request_id!r} was cancelled by request {by!r} before it ran",
+                             {"cancelled_by": by}))
+        return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(entries) for entries in self._waiting.values())

@@ -1,0 +1,215 @@
+"""Deadlines (a request's `deadline_us`) and `cancel` (SPEC §4, §6): a request whose budget ran out,
+or that a cancel dropped, is answered without running -- on the general path, in a batch, and on
+the native step path -- and everything else is served as before."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import protocol
+from bridge.timing import now_ns
+from bridge_fakes import RecordingConnection, served_natively
+from test_batcher import open_prefilled, shared_constants, state_of, step_inputs
+
+DIM, STATE = 6, 4
+
+
+def errors_counted(srv) -> dict:
+    """The server's error counts, read in-process: a stats request would queue behind a held worker."""
+    return srv.server.stats.snapshot()["errors"]
+
+
+def test_a_request_whose_budget_ran_out_while_queued_is_not_run(inproc):
+    srv = inproc()
+    conn = RecordingConnection()
+    session = open_prefilled(srv, conn, 2, DIM, STATE)
+    before = state_of(srv, conn, session)
+    inputs = step_inputs(2, DIM, STATE, shared_constants(DIM, STATE, {}), {})
+    srv.hold(conn)
+    late = srv.submit(conn, "step", session=session, deadline_us=2_000, **inputs)
+    time.sleep(0.02)
+    srv.go()
+    reply = conn.reply(late)
+    assert not reply.ok and reply.error["code"] == "deadline_exceeded", reply.error
+    assert reply.error["detail"]["deadline_us"] == 2_000
+    assert reply.error["detail"]["waited_us"] >= 20_000
+    assert torch.equal(state_of(srv, conn, session), before), "an expired step changed its session"
+    assert errors_counted(srv)["deadline_exceeded"] == 1
+
+
+def test_a_request_within_its_budget_is_served(inproc):
+    srv = inproc()
+    conn = RecordingConnection()
+    session = open_prefilled(srv, conn, 2, DIM, STATE)
+    before = state_of(srv, conn, session)
+    srv.hold(conn)
+    on_time = srv.submit(conn, "step", session=session, deadline_us=60_000_000,
+                         **step_inputs(2, DIM, STATE, shared_constants(DIM, STATE, {}), {}))
+    srv.go()
+    assert conn.reply(on_time).ok
+    assert not torch.equal(state_of(srv, conn, session), before)
+
+
+def test_expired_members_of_a_batch_are_left_out_and_the_others_share_the_launch(inproc):
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    shared = shared_constants(DIM, STATE, {})
+    sessions = [open_prefilled(srv, conn, 2, DIM, STATE) for _ in range(3)]
+    before = [state_of(srv, conn, s) for s in sessions]
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=sessions[0], deadline_us=1_000, **step_inputs(2, DIM, STATE, shared, {})),
+           srv.submit(conn, "step", session=sessions[1], **step_inputs(2, DIM, STATE, shared, {})),
+           srv.submit(conn, "step", session=sessions[2], deadline_us=1_000, **step_inputs(2, DIM, STATE, shared, {}))]
+    time.sleep(0.01)
+    srv.go()
+    replies = [conn.reply(i) for i in ids]
+    assert [r.ok for r in replies] == [False, True, False]
+    assert {r.error["code"] for r in (replies[0], replies[2])} == {"deadline_exceeded"}
+    assert replies[1].timing["batch_rows"] == 2
+    after = [state_of(srv, conn, s) for s in sessions]
+    assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
+    assert not torch.equal(after[1], before[1])
+
+
+def test_a_native_step_past_its_budget_is_not_run(inproc):
+    srv = inproc()
+    if srv.server.fast_path is None:
+        pytest.skip("the native step path is not built here (python -m bridge.native says why)")
+    conn = RecordingConnection()
+    session = open_prefilled(srv, conn, 2, DIM, STATE)
+    shared = shared_constants(DIM, STATE, {})
+    before = state_of(srv, conn, session)
+    # The native path takes a request carrying a deadline (served natively within it) ...
+    on_time = conn.reply(srv.submit(conn, "step", session=session, deadline_us=60_000_000, more_input=False,
+                                    **step_inputs(2, DIM, STATE, shared, {})))
+    assert on_time.ok and served_natively(on_time)
+    stepped = state_of(srv, conn, session)
+    assert not torch.equal(stepped, before)
+    # ... and answers one whose frame was complete longer ago than its budget without running it.
+    late = conn.reply(srv.submit(conn, "step", session=session, deadline_us=1_000, age_ns=50_000_000,
+                                 more_input=False, **step_inputs(2, DIM, STATE, shared, {})))
+    assert not late.ok and late.error["code"] == "deadline_exceeded"
+    assert late.error["detail"]["waited_us"] >= 50_000
+    assert torch.equal(state_of(srv, conn, session), stepped)
+
+
+def test_cancel_drops_a_queued_request_and_answers_both_at_once(inproc):
+    srv = inproc()
+    conn = RecordingConnection()
+    session = open_prefilled(srv, conn, 2, DIM, STATE)
+    before = state_of(srv, conn, session)
+    srv.hold(conn)
+    queued = srv.submit(conn, "step", session=session,
+                        **step_inputs(2, DIM, STATE, shared_constants(DIM, STATE, {}), {}))
+    cancel = srv.submit(conn, "cancel", id=queued)
+    # Both answered while the worker is still held: the cancel did not wait behind anything.
+    assert conn.reply(cancel, timeout=5).result == {"cancelled": True}
+    dropped = conn.reply(queued, timeout=5)
+    assert not dropped.ok and dropped.error["code"] == "cancelled"
+    assert dropped.error["detail"] == {"cancelled_by": cancel}
+    srv.go()
+    assert torch.equal(state_of(srv, conn, session), before), "a cancelled step ran"
+    assert conn.answered.count(queued) == 1, "a cancelled request was answered twice"
+    assert errors_counted(srv)["cancelled"] == 1
+
+
+def test_cancel_finds_nothing_to_drop_when_the_request_is_not_waiting(inproc):
+    srv = inproc()
+    conn, other = RecordingConnection(), RecordingConnection()
+    done = srv.submit(conn, "info")
+    assert conn.reply(done).ok
+    assert srv.call(conn, "cancel", id=done) == {"cancelled": False}  # already answered
+    assert srv.call(conn, "cancel", id="never-sent") == {"cancelled": False}
+    srv.hold(conn)
+    queued = srv.submit(conn, "info")
+    # Another connection cannot cancel it, even by its id.
+    assert srv.call(other, "cancel", id=queued) == {"cancelled": False}
+    srv.go()
+    assert conn.reply(queued).ok
+
+
+def test_cancel_is_served_past_the_pending_cap(inproc):
+    srv = inproc(max_pending=2)
+    conn = RecordingConnection()
+    srv.hold(conn)
+    queued = srv.submit(conn, "info")
+    refused = conn.reply(srv.submit(conn, "info"), timeout=5)
+    assert refused.error["code"] == "overloaded"
+    cancel = conn.reply(srv.submit(conn, "cancel", id=queued), timeout=5)
+    assert cancel.ok and cancel.result == {"cancelled": True}
+    srv.go()
+    assert conn.reply(queued).error["code"] == "cancelled"
+
+
+def test_cancel_drops_the_oldest_of_requests_sharing_an_id(inproc):
+    srv = inproc()
+    conn = RecordingConnection()
+    srv.hold(conn)
+    first = srv.submit(conn, "info")
+    srv.dispatcher.on_frame(conn, bytearray(b"".join(protocol.encode_request(first, "stats"))), now_ns())
+    assert srv.call(conn, "cancel", id=first) == {"cancelled": True}
+    assert conn.reply(first, timeout=5).error["code"] == "cancelled"
+    srv.go()
+    assert "uptime_s" in conn.reply(first).result, "the later request with that id should have run"
+    assert len(srv.server.queued) == 0
+
+
+def test_the_python_client_cancels_a_request_whose_timeout_passed(tmp_path, inproc):
+    """`request(timeout=...)` sends its timeout as the deadline and, when it passes, cancels the
+    request on the server; the late `cancelled` answer is dropped, not left unmatched."""
+    from bridge.client import UnixClient
+    from test_lane_unix import unix_lane
+
+    srv = inproc()
+    with unix_lane(tmp_path, srv.dispatcher) as transport:
+        transport.start()
+        with UnixClient(transport.path) as client:
+            srv.hold(RecordingConnection())
+            with pytest.raises(TimeoutError):
+                client.request("info", timeout=0.05)
+            counted = {}
+            for _ in range(100):  # the cancel is answered at once, the worker still held
+                counted = errors_counted(srv)
+                if counted.get("cancelled"):
+                    break
+                time.sleep(0.01)
+            assert counted.get("cancelled") == 1
+            srv.go()
+            assert client.call("ping") == {"pong": True}
+            assert not client.unmatched and not client._pending
+
+
+def test_the_python_client_sends_its_deadline(tmp_path, inproc):
+    from bridge.client import UnixClient
+    from test_lane_unix import unix_lane
+
+    srv = inproc()
+    with unix_lane(tmp_path, srv.dispatcher) as transport:
+        transport.start()
+        with UnixClient(transport.path) as client:
+            # A budget of 0 µs is spent before any request can start.
+            reply = client.submit("info", deadline_s=0).result(10)
+            assert reply.error["code"] == "deadline_exceeded"
+            assert client.request("info", timeout=10).ok
+
+
+def test_the_native_parser_reads_deadline_us_and_leaves_a_nil_one_to_the_general_path(inproc):
+    import msgpack
+
+    from bridge.client import to_wire
+
+    srv = inproc()
+    if srv.server.fast_path is None:
+        pytest.skip("the native step path is not built here (python -m bridge.native says why)")
+    parse = srv.server.fast_path.parse
+    args = {k: to_wire(v) for k, v in step_inputs(2, DIM, STATE, shared_constants(DIM, STATE, {}), {}).items()}
+    args["session"] = "s"
+    with_budget = b"".join(protocol.encode_request(1, "step", args, deadline_us=2**64 - 1))
+    assert parse(bytearray(with_budget)).deadline_us == 2**64 - 1
+    assert parse(bytearray(b"".join(protocol.encode_request(1, "step", args)))).deadline_us is None
+    plain = msgpack.unpackb(b"".join(protocol.encode_request(1, "step", args)))
+    assert parse(bytearray(msgpack.packb({**plain, "deadline_us": None}))) is None
+    assert parse(bytearray(msgpack.packb({**plain, "deadline_us": -1}))) is None
