@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zmq-hwm", type=_positive, default=1000,
                    help="ZeroMQ high-water mark: messages queued per peer each way, and requests a peer may "
                         "have waiting beyond its in-flight cap before it is answered overloaded")
+    p.add_argument("--idle-timeout-s", type=_positive_seconds, default=defaults.idle_timeout_s, metavar="SECONDS",
+                   help="free what a ZeroMQ peer owns (sessions, handles, models, snapshots) once it has sent "
+                        "nothing for SECONDS with nothing in flight: a peer whose end is never seen counts as "
+                        "gone (default: never)")
     p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
                    help="unix connections served at once; another is answered overloaded and closed")
     return p
@@ -150,6 +154,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def open_lanes(args, dispatcher) -> list:
     """The unix and ZeroMQ transports the arguments name, bound and ready to start."""
     from .transports.unix import UnixTransport
@@ -170,7 +184,7 @@ def open_lanes(args, dispatcher) -> list:
             curve = CurveKeys.load(args.curve_secret_key, args.curve_clients) if args.curve_secret_key else None
             lanes.append(ZmqTransport(dispatcher, args.zmq, max_frame_size=args.max_frame_size,
                                       max_in_flight=args.max_in_flight_per_peer, hwm=args.zmq_hwm,
-                                      curve=curve))
+                                      curve=curve, idle_timeout_s=args.idle_timeout_s))
     except Exception:
         for lane in lanes:
             lane.close()

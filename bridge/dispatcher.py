@@ -139,7 +139,8 @@ class Dispatcher:
         already be waiting for the thread that read this frame, or a function that tells it,
         asked only where the answer matters; only a transport that can tell that none is
         (stdio, unix) lets it be False, and so an idle server serve the request on this thread."""
-        self.server.stats.frame_in(len(body) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0))
+        self.server.stats.frame_in(len(body) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0),
+                                   conn.lane)
         if self.fast_path is not None and not buffers and self._serve_fast(conn, body, received_ns):
             if release:
                 release()
@@ -244,7 +245,7 @@ class Dispatcher:
     def on_frame_error(self, conn, exc: protocol.FrameTooLarge) -> None:
         """An oversized frame, already drained by the transport: read, as the stats count it
         (its announced bytes), and answered."""
-        self.server.stats.frame_in(exc.length)
+        self.server.stats.frame_in(exc.length, conn.lane)
         self._reply_error(conn, protocol.V1, None, exc)
 
     # -- shutdown -------------------------------------------------------------------------
@@ -468,4 +469,4 @@ class Dispatcher:
         except OSError as exc:
             log.warning("could not reply to %s: %s", getattr(conn, "id", conn), exc)
             return
-        self.server.stats.reply_out(parts, buffers or ())
+        self.server.stats.reply_out(parts, buffers or (), lane=conn.lane)

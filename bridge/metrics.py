@@ -32,11 +32,21 @@ class ServerCollector:
         for code, count in sorted(stats["errors"].items()):
             errors.add_metric([code], count)
         yield errors
-        for name, key, what in (("frames_in", "frames_in", "Request frames read."),
-                                ("replies_out", "replies_out", "Replies sent."),
-                                ("request_bytes", "bytes_in", "Bytes of request bodies read."),
-                                ("reply_bytes", "bytes_out", "Bytes of reply bodies sent.")):
-            yield CounterMetricFamily(f"scan_bridge_{name}", what, value=stats[key])
+        for name, key, what in (("frames_in", "frames_in", "Request frames read, by lane."),
+                                ("replies_out", "replies_out", "Replies sent, by lane."),
+                                ("request_bytes", "bytes_in", "Bytes of request bodies read, by lane."),
+                                ("reply_bytes", "bytes_out", "Bytes of reply bodies sent, by lane.")):
+            family = CounterMetricFamily(f"scan_bridge_{name}", what, labels=["lane"])
+            for lane, counts in sorted(stats["lanes"].items()):
+                family.add_metric([lane], counts[key])
+            yield family
+        released = CounterMetricFamily(
+            "scan_bridge_released", "What connections that went away owned, freed: by reason (closed, or idle "
+            "past --idle-timeout-s) and kind (peers: the connections themselves).", labels=["reason", "kind"])
+        for reason, kinds in sorted(stats["released"].items()):
+            for kind, count in sorted(kinds.items()):
+                released.add_metric([reason, kind], count)
+        yield released
         yield from _holdings(self.server, stats)
 
 

@@ -53,6 +53,9 @@ class ServerConfig:
     # in-flight bound within the first.
     max_in_flight_per_peer: int = 64
     max_connections: int = 256
+    # Seconds a ZeroMQ peer owning something may stay silent before it counts as gone and what
+    # it owns is freed (ZeroMQ does not always tell when a peer leaves); None: never.
+    idle_timeout_s: float | None = None
     # Serve plain steps that find nothing but native steps in flight in C++ (bridge.native), where it can.
     native_step: bool = True
     # On CUDA, replay captured state updates for steps like ones seen before (bridge.step_graphs).
@@ -71,8 +74,8 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
 
 
-# The limits `info` reports: every max_* setting.
-LIMITS = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name.startswith("max_"))
+# The limits `info` reports: every max_* setting, and the idle timeout.
+LIMITS = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name.startswith("max_")) + ("idle_timeout_s",)
 
 
 class Server:
@@ -196,9 +199,13 @@ class Server:
         snapshots = self.snapshots.release_owner(conn.id)
         models = self.models.release_owner(conn.id)
         handles = self.handles.release_owner(conn.id)
+        reason = getattr(conn, "close_reason", "closed")
+        self.stats.record_release(reason, {"sessions": sessions, "snapshots": snapshots, "models": models,
+                                           "handles": handles})
         if sessions or snapshots or models or handles:
-            log.info("%s closed: freed %d sessions, %d snapshots, %d models and %d tensor handles",
-                     conn.id, sessions, snapshots, models, handles)
+            log.info("%s %s: freed %d sessions, %d snapshots, %d models and %d tensor handles",
+                     conn.id, "closed" if reason == "closed" else f"went {reason}", sessions, snapshots,
+                     models, handles)
 
     @contextmanager
     def kernel_timer(self, *calls):

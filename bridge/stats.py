@@ -2,7 +2,8 @@
 extension: per op, `inference_count` (requests served successfully, as Triton counts them) and
 `execution_count` (kernel launches; their ratio is the mean batch in requests: a failed request
 is counted for no launch), successes, failures and cumulative microseconds per stage; plus gauges
-of what the server holds now (sessions, tensor handles)."""
+of what the server holds now (sessions, tensor handles). Frames and bytes are counted per lane
+too (stdio, unix, zmq), and what connections that went away left behind, freed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ TOTALLED_KEYS = STAGE_KEYS + ("server_us",)
 LATENCY_BUCKETS_US = (10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000,
                       100_000, 250_000, 500_000, 1_000_000)
 BATCH_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# What is counted per lane.
+LANE_COUNTERS = ("frames_in", "bytes_in", "replies_out", "bytes_out")
 
 
 class Histogram:
@@ -52,6 +55,11 @@ class Stats:
         self.bytes_in = 0
         self.replies_out = 0
         self.bytes_out = 0
+        self.lanes = defaultdict(lambda: dict.fromkeys(LANE_COUNTERS, 0))
+        # (reason, kind) -> entries freed for connections that went away: reason "closed" (seen
+        # leaving) or "idle" (a ZeroMQ peer silent past --idle-timeout-s); kind "peers" counts
+        # the connections themselves.
+        self.released = Counter()
         self.errors = Counter()
         self.ops = defaultdict(self._new_op)
         self._gauges: dict = {}  # name -> callable returning a JSON-able dict
@@ -68,18 +76,32 @@ class Stats:
 
     # bytes_in and bytes_out count requests' and replies' bodies with their raw buffers (ZeroMQ),
     # not the length prefix a stream lane adds: the same on every lane.
-    def frame_in(self, nbytes: int) -> None:
+    def frame_in(self, nbytes: int, lane: str) -> None:
         with self._lock:
             self.frames_in += 1
             self.bytes_in += nbytes
+            counts = self.lanes[lane]
+            counts["frames_in"] += 1
+            counts["bytes_in"] += nbytes
 
-    def reply_out(self, parts, buffers=()) -> None:
-        """One reply sent: its body's `parts` and a multipart reply's raw `buffers`, counted as
-        frame_in counts a request (no length prefix)."""
+    def reply_out(self, parts, buffers=(), *, lane: str) -> None:
+        """One reply sent on `lane`: its body's `parts` and a multipart reply's raw `buffers`,
+        counted as frame_in counts a request (no length prefix)."""
         nbytes = sum(memoryview(p).nbytes for p in parts) + sum(memoryview(b).nbytes for b in buffers)
         with self._lock:
             self.replies_out += 1
             self.bytes_out += nbytes
+            counts = self.lanes[lane]
+            counts["replies_out"] += 1
+            counts["bytes_out"] += nbytes
+
+    def record_release(self, reason: str, freed: dict) -> None:
+        """A connection went away (`reason`: "closed" or "idle") and `freed` ({kind: count}) of
+        what it owned was freed."""
+        with self._lock:
+            self.released[(reason, "peers")] += 1
+            for kind, count in freed.items():
+                self.released[(reason, kind)] += count
 
     def record_launch(self, op: str) -> None:
         """One kernel launch that served a batch of `op` requests, counted apart from them."""
@@ -131,6 +153,9 @@ class Stats:
                 "bytes_in": self.bytes_in,
                 "replies_out": self.replies_out,
                 "bytes_out": self.bytes_out,
+                "lanes": {lane: dict(counts) for lane, counts in self.lanes.items()},
+                "released": {reason: {kind: count for (r, kind), count in self.released.items() if r == reason}
+                             for reason in sorted({r for r, _ in self.released})},
                 "errors": dict(self.errors),
                 "ops": {op: dict(entry) for op, entry in self.ops.items()},
             }

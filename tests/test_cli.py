@@ -26,6 +26,24 @@ def test_lane_options_that_cannot_work_are_refused(argv, message):
         open_lanes(build_parser().parse_args(argv), dispatcher=None)
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_an_idle_timeout_must_be_a_positive_number_of_seconds(value, capsys):
+    from bridge.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--idle-timeout-s", value])
+    assert f"expected a number of seconds > 0, got {value!r}" in capsys.readouterr().err
+
+
+def test_the_idle_timeout_is_reported_with_the_limits():
+    from bridge.client import PortClient
+
+    with PortClient(["--device", "cpu", "--idle-timeout-s", "2.5"]) as client:
+        assert client.info()["limits"]["idle_timeout_s"] == 2.5
+    with PortClient(["--device", "cpu"]) as client:
+        assert client.info()["limits"]["idle_timeout_s"] is None
+
+
 def test_a_socket_only_server_ignores_stdin_and_stops_on_sigterm(tmp_path):
     unix_path = str(tmp_path / "s.sock")
     srv = ServerProcess(str(tmp_path), "--unix", unix_path, "--zmq", f"ipc://{tmp_path}/z.ipc",

@@ -268,13 +268,13 @@ class FakeNativeStep:
 
 @contextlib.contextmanager
 def zmq_lane_with_dispatcher(tmp_path, native_step, max_in_flight: int, handlers: dict | None = None,
-                             hwm: int = 16):
+                             hwm: int = 16, idle_timeout_s: float | None = None):
     """A ZeroMQ lane in front of a real Dispatcher whose native step path is `native_step`,
     started; closed after."""
     srv = InProcessServer(native_step=False, handlers=handlers)
     srv.dispatcher.fast_path = native_step
     transport = ZmqTransport(srv.dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
-                             max_in_flight=max_in_flight, hwm=hwm)
+                             max_in_flight=max_in_flight, hwm=hwm, idle_timeout_s=idle_timeout_s)
     transport.start()
     try:
         yield srv.dispatcher, transport
@@ -536,3 +536,29 @@ def reused_descriptor_round(ipc_path: str) -> bool:
         context.destroy(linger=0)
         transport.close()
 
+
+def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
+    """--idle-timeout-s: a peer that stays connected but sends nothing for longer than the
+    timeout counts as gone, and what it owns is freed (counted as released "idle"); a peer
+    that keeps talking keeps its own, and the silent one's late request finds unknown_session."""
+    def call(sock, request_id, op, args=None) -> dict:
+        sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
+        assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
+        return msgpack.unpackb(sock.recv())
+
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=0.3) as (dispatcher, transport), \
+            dealers(transport, 2) as (silent, chatty):
+        server = dispatcher.server
+        shape = {"batch": 1, "dim": 2, "state": 2}
+        silent_session = call(silent, 1, "session_open", shape)["result"]["session"]
+        chatty_session = call(chatty, 1, "session_open", shape)["result"]["session"]
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while server.sessions.usage()["sessions"] == 2 and time.monotonic() < deadline:
+            assert call(chatty, 2, "ping")["ok"]
+            time.sleep(0.05)
+        assert server.sessions.usage()["sessions"] == 1, "the silent peer's session was never freed"
+        late = call(silent, 3, "session_state", {"session": silent_session})
+        assert late["error"]["code"] == "unknown_session"
+        assert call(chatty, 4, "session_state", {"session": chatty_session})["ok"]
+        assert server.stats.snapshot()["released"] == {
+            "idle": {"peers": 1, "sessions": 1, "snapshots": 0, "models": 0, "handles": 0}}

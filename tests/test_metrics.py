@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import numpy as np
@@ -53,12 +54,41 @@ def test_the_endpoint_agrees_with_stats_while_serving():
     assert samples[("scan_bridge_kernel_launches_total", (("op", "scan"),))] == scan["execution_count"]
     assert samples[("scan_bridge_errors_total", (("code", "shape_mismatch"),))] == stats["errors"]["shape_mismatch"]
     assert samples[("scan_bridge_sessions", ())] == 1
-    assert samples[("scan_bridge_frames_in_total", ())] >= 6
+    assert samples[("scan_bridge_frames_in_total", (("lane", "stdio"),))] >= 6
     server = (("op", "scan"), ("stage", "server"))
     assert samples[("scan_bridge_stage_seconds_count", server)] == 3
     assert samples[("scan_bridge_stage_seconds_bucket", (("le", "+Inf"),) + server)] == 3
     assert samples[("scan_bridge_stage_seconds_sum", server)] == pytest.approx(scan["server_us"] * 1e-6, rel=1e-6)
     assert samples[("scan_bridge_batch_rows_count", (("op", "scan"),))] == 3
+
+
+def test_lanes_and_what_closed_connections_left_are_counted_apart(tmp_path):
+    """Frames and bytes per lane add up to the totals; a unix connection that closes owning a
+    session and a handle shows in scan_bridge_released_total."""
+    from bridge.client import UnixClient
+
+    path = str(tmp_path / "bridge.sock")
+    with PortClient(["--device", "cpu", "--metrics-port", "0", "--stdio", "--unix", path]) as client:
+        url = client.info()["metrics"]
+        with UnixClient(path) as unix:
+            unix.call("session_open", batch=1, dim=3, state=2)
+            unix.put(np.ones(4, np.float32))
+            unix.ping()
+        stats = {}
+        for _ in range(500):  # the lane frees the connection's state once it sees it close
+            stats = client.stats()
+            if stats["released"]:
+                break
+            time.sleep(0.01)
+        samples = scrape(url)
+    lanes = stats["lanes"]
+    assert set(lanes) == {"stdio", "unix"} and lanes["unix"]["frames_in"] == lanes["unix"]["replies_out"] == 3
+    for key in ("frames_in", "bytes_in", "replies_out", "bytes_out"):
+        assert sum(counts[key] for counts in lanes.values()) == stats[key], key
+    assert samples[("scan_bridge_request_bytes_total", (("lane", "unix"),))] == lanes["unix"]["bytes_in"]
+    assert stats["released"] == {"closed": {"peers": 1, "sessions": 1, "snapshots": 0, "models": 0, "handles": 1}}
+    for kind, count in stats["released"]["closed"].items():
+        assert samples[("scan_bridge_released_total", (("kind", kind), ("reason", "closed")))] == count
 
 
 def test_off_by_default():

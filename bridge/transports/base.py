@@ -20,7 +20,9 @@ class Connection:
 
     def __init__(self, kind: str):
         self.id = f"{kind}:{next(_ids)}"
+        self.lane = kind  # what the stats count its frames and bytes under
         self.closed = False
+        self.close_reason = "closed"  # or "idle": a ZeroMQ peer silent past --idle-timeout-s
         self._close_callbacks = []
         self._close_lock = threading.Lock()
 
@@ -43,11 +45,12 @@ class Connection:
             else:
                 self._close_callbacks.append(callback)
 
-    def mark_closed(self) -> None:
+    def mark_closed(self, reason: str = "closed") -> None:
         with self._close_lock:
             if self.closed:
                 return
             self.closed = True
+            self.close_reason = reason
             callbacks, self._close_callbacks = self._close_callbacks, []
         for callback in callbacks:
             callback(self)

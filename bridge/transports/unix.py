@@ -335,7 +335,7 @@ class UnixTransport:
         except OSError:
             pass  # the peer is already gone
         else:
-            stats.reply_out(parts)  # a reply that answers no frame read (SPEC §4)
+            stats.reply_out(parts, lane=conn.lane)  # a reply that answers no frame read (SPEC §4)
         conn.sock.close()
 
     def _read(self, conn: UnixConnection, others_waiting: bool) -> None:

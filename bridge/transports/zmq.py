@@ -29,6 +29,11 @@ descriptor it came in on (ZMQ_SRCFD). The peers seen on a descriptor whose conne
 gone: their sessions and handles are freed at once, as when a unix connection closes. The
 monitor is read whenever it has news, and before a message is first attributed to a
 descriptor, so that a descriptor reused by a new connection is never mistaken for the old one.
+What no event reports -- a peer behind a proxy that stays connected, a process frozen with its
+socket open, a libzmq that does not say which descriptor a message came on -- `idle_timeout_s`
+covers: a peer that owns something and has sent nothing for that long, with nothing in flight,
+counts as gone ("idle") and what it owns is freed; a late request of its finds `unknown_session`
+(or the like), as for any id it does not own.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class ZmqPeer(Connection):
         self.key = key  # (index of its socket, routing id)
         self.socket = transport.sockets[key[0]]
         self.fd: int | None = None  # the descriptor of the connection its messages come in on
+        self.last_seen = time.monotonic()  # when its latest message came
         # Requests with the dispatcher or answered but not yet sent; requests waiting for one of
         # those to finish; replies waiting for room in the peer's pipe (ZeroMQ frames, in order).
         self.in_flight = 0
@@ -132,6 +138,7 @@ class ZmqReplyTarget:
     empty delimiter when the request had one."""
 
     __slots__ = ("peer", "envelope", "id")
+    lane = "zmq"
 
     def __init__(self, peer: ZmqPeer, envelope: list):
         self.peer = peer
@@ -149,8 +156,13 @@ class ZmqTransport:
     """One ROUTER socket per endpoint, all served by one io thread."""
 
     def __init__(self, dispatcher, endpoints: list[str], *, max_frame_size: int, max_in_flight: int,
-                 hwm: int, curve: CurveKeys | None = None):
+                 hwm: int, curve: CurveKeys | None = None, idle_timeout_s: float | None = None):
         self.dispatcher = dispatcher
+        self.idle_timeout_s = idle_timeout_s
+        # How often peers are looked at for idleness: a fraction of the timeout, so one is
+        # freed at most a quarter of it late.
+        self._idle_check_s = None if idle_timeout_s is None else min(idle_timeout_s / 4, 1.0)
+        self._next_idle_check = 0.0
         self.max_frame_size = max_frame_size
         self.max_in_flight = max_in_flight
         self.hwm = hwm
@@ -258,7 +270,11 @@ class ZmqTransport:
         while not self._stop.is_set():
             try:
                 # Replies left queued by a fault are tried again like a full pipe's.
-                ready = dict(poller.poll(RETRY_MS if self._backlogged or self._replies else None))
+                timeout_ms = RETRY_MS if self._backlogged or self._replies else None
+                if self._idle_check_s is not None:
+                    wait_ms = max(0, int((self._next_idle_check - time.monotonic()) * 1000))
+                    timeout_ms = wait_ms if timeout_ms is None else min(timeout_ms, wait_ms)
+                ready = dict(poller.poll(timeout_ms))
                 for index, monitor in enumerate(self.monitors):
                     if monitor in ready:
                         self._connection_events(index)
@@ -267,6 +283,8 @@ class ZmqTransport:
                         self._receive(index, sock)
                 # The eventfd is read only when set: reading it unset costs a failing syscall.
                 self._flush(take_posted=self.outbox.fd in ready or self.outbox.pending)
+                if self._idle_check_s is not None and time.monotonic() >= self._next_idle_check:
+                    self._free_idle_peers()
             except Exception:
                 # A fault in one message or event (a bug) costs that one, not the lane: every
                 # peer's requests would go unanswered while the server runs on.
@@ -279,6 +297,7 @@ class ZmqTransport:
             except zmq.Again:
                 return
             received_ns = now_ns()
+            received_at = time.monotonic()
             envelope, message = split_envelope(frames)
             routing_id = envelope[0].bytes
             key = (index, routing_id)
@@ -295,6 +314,7 @@ class ZmqTransport:
                     self._unlist(peer)
                     peer.fd = fd
                     self._on_fd.setdefault((index, fd), set()).add(peer)
+            peer.last_seen = received_at
             # A REQ peer's replies need its delimiter; a DEALER's must have one only when its
             # request had one.
             target = ZmqReplyTarget(peer, [routing_id, b""] if len(envelope) == 2 else [routing_id])
@@ -361,9 +381,9 @@ class ZmqTransport:
                                          "overloaded", text, {"limit": self.hwm})
         # Read and answered as the dispatcher counts a request and its reply.
         stats = self.dispatcher.server.stats
-        stats.frame_in(sum(len(frame) for frame in message))
+        stats.frame_in(sum(len(frame) for frame in message), target.lane)
         stats.record_error("overloaded")
-        stats.reply_out(parts)
+        stats.reply_out(parts, lane=target.lane)
         peer.in_flight += 1  # answered like any other request: _answered gives it back
         # Queued like a reply made here (behind replies the worker posted for this peer before,
         # which an id-less legacy client tells apart by order alone) and sent at once: the
@@ -468,13 +488,23 @@ class ZmqTransport:
             self._answered(peer)
         self._backlogged.discard(peer)
 
+    def _free_idle_peers(self) -> None:
+        """Peers that own something, have nothing in flight and sent nothing for idle_timeout_s
+        are gone: what they own is freed."""
+        now = time.monotonic()
+        self._next_idle_check = now + self._idle_check_s
+        for peer in list(self._peers.values()):
+            if (now - peer.last_seen > self.idle_timeout_s and peer.in_flight == 0 and not peer.waiting
+                    and peer.has_close_callbacks):
+                self._gone(peer, "idle")
+
     def _gone(self, peer: ZmqPeer, how: str = "vanished") -> None:
         log.info("%s %s; %d replies and %d requests of its dropped", peer.id, how, len(peer.unsent),
                  len(peer.waiting))
         peer.waiting.clear()
         self._backlogged.discard(peer)
         self._forget(peer)
-        peer.mark_closed()
+        peer.mark_closed("idle" if how == "idle" else "closed")
         for _ in range(len(peer.unsent)):
             peer.unsent.popleft()
             self._answered(peer)
