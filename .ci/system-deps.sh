@@ -10,6 +10,7 @@ PACKAGES=(
   "gcc  gcc"
   "g++  g++"
   "elixir  mix"
+  "erlang-dialyzer  dialyzer"
   "make  make"
   "libzmq3-dev  /usr/include/zmq.h"
   "libmsgpack-dev  /usr/include/msgpack.h"

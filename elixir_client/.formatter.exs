@@ -1,1 +1,1 @@
-[inputs: ["{mix,.formatter}.exs", "{lib,test,bench}/**/*.{ex,exs}"], line_length: 100]
+[inputs: ["{mix,.formatter}.exs", "{lib,test,bench,scripts}/**/*.{ex,exs}"], line_length: 100]

@@ -44,15 +44,21 @@ defmodule ScanBridge do
 
   Failures are values: `{:error, %ScanBridge.Error{reason: reason}}` with a typed `reason`
   (`:timeout`, `:server_exited`, `:shape_mismatch`, ...). Each call has a deadline (`:timeout`
-  option, default 30 000 ms) kept by the client process. Inputs that cannot be sent, a
+  option, default 30 000 ms) kept by the client process and, on a server that takes them
+  (SPEC §4 `deadline_us`; its info lists the `cancel` op), by the server too: each request
+  carries what is left of its deadline when it is sent, and the server answers one that could
+  not start within it `:deadline_exceeded` without running it. Inputs that cannot be sent, a
   `:timeout` included (it must be `:infinity` or an integer of ms in 0..2^32 - 1), raise
   `ArgumentError` in the calling process; the client process goes on serving the others.
 
-  A call that times out is not taken back from the server, which may still carry it out: its
-  late reply is dropped, a late `put/3`'s handle, `open_session/3`'s or `fork/3`'s session,
-  `snapshot/3`'s snapshot or `load_model/3`'s model is freed by the client as soon as that
-  reply comes, and a timed-out `step/4`, `model_step/4` or `model_forward/4` (or `scan/3` with
-  `:session`) may still have advanced its session.
+  A call that times out, or whose calling process exits before its answer, is cancelled: the
+  client sends the server `cancel` (SPEC §6), which drops the request if it has not started
+  (it is then answered `cancelled`, never run). One that has started runs to its end, so a
+  timed-out call may still have been carried out: its late reply is dropped, a late `put/3`'s
+  handle, `open_session/3`'s or `fork/3`'s session, `snapshot/3`'s snapshot or
+  `load_model/3`'s model is freed by the client as soon as that reply comes, and a timed-out
+  `step/4`, `model_step/4` or `model_forward/4` (or `scan/3` with `:session`) may still have
+  advanced its session. Late replies never reach the caller.
 
   ## Lanes
 
@@ -87,19 +93,38 @@ defmodule ScanBridge do
 
   @default_timeout 30_000
 
+  @typedoc "A client: its pid or name (`:name` of `start_link/1`), as `GenServer` takes them."
   @type server :: GenServer.server()
   @typedoc "A tensor kept by the server (`put/2`); valid on the client that made it."
   @type handle :: {:handle, String.t()}
   @typedoc "A tensor: a `ScanBridge.Tensor`, or an `Nx.Tensor` when Nx is compiled in."
   @type tensor :: Tensor.t() | struct
   @type tensor_input :: tensor | handle
-  @typedoc "Argument names (SPEC §6) to tensors, handles, booleans, numbers or strings/atoms."
+  @typedoc """
+  Argument names (SPEC §6) to tensors, handles, booleans, numbers, strings or atoms (sent as
+  strings), `[low, high]` bounds (`:infinity`/`:neg_infinity` for an open side) or maps of
+  names to tensors (a model session's saved `state:`).
+  """
   @type inputs :: %{
-          optional(atom | String.t()) => tensor_input | boolean | number | atom | String.t() | nil
+          optional(atom | String.t()) =>
+            tensor_input
+            | boolean
+            | number
+            | atom
+            | String.t()
+            | nil
+            | [number | :infinity | :neg_infinity]
+            | %{optional(atom | String.t()) => tensor_input}
         }
+  @typedoc "The options every call takes: its deadline in ms (default 30 000), or `:infinity`."
   @type call_opts :: [timeout: timeout]
+  @typedoc "The server's time split of a request, in microseconds (`\"kernel_us\"`, ...)."
   @type timing :: %{optional(String.t()) => number}
   @type error :: {:error, Error.t()}
+  @typedoc "What `scan/3` and `ssd_scan/3` return: `state` is nil without `return_state: true`."
+  @type scan_result :: %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}
+  @typedoc "What `step/4` returns."
+  @type step_result :: %{y: Tensor.t(), timing: timing}
 
   @typedoc """
   The gradients `scan_backward/3` and `ssd_scan_backward/3` return: one per tensor input, named
@@ -117,6 +142,17 @@ defmodule ScanBridge do
           dh0: Tensor.t() | nil,
           timing: timing
         }
+
+  # The `!` variants' unwrapping: a macro rather than a shared function, so that each `!`
+  # function's result has its own type (dialyzer checks their specs against it).
+  defmacrop ok!(call) do
+    quote do
+      case unquote(call) do
+        {:ok, result} -> result
+        {:error, error} -> raise error
+      end
+    end
+  end
 
   @doc """
   Starts a client: spawns `python -m bridge` and returns once it answers a ping.
@@ -221,8 +257,7 @@ defmodule ScanBridge do
   else nil; with `:cu_seqlens`, `[n, dim, state]`, one row per sequence) and the server's
   `timing`.
   """
-  @spec scan(server, inputs, call_opts) ::
-          {:ok, %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}} | error
+  @spec scan(server, inputs, call_opts) :: {:ok, scan_result} | error
   def scan(server, inputs, opts \\ []) do
     with {:ok, result, timing} <-
            request(server, "scan", Protocol.wire_args!(inputs, "scan"), opts),
@@ -251,8 +286,7 @@ defmodule ScanBridge do
   `return_state: true`, else nil; with `:cu_seqlens`, one row per sequence) and the server's
   `timing`.
   """
-  @spec ssd_scan(server, inputs, call_opts) ::
-          {:ok, %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}} | error
+  @spec ssd_scan(server, inputs, call_opts) :: {:ok, scan_result} | error
   def ssd_scan(server, inputs, opts \\ []) do
     with {:ok, result, timing} <-
            request(server, "ssd_scan", Protocol.wire_args!(inputs, "ssd_scan"), opts),
@@ -263,23 +297,12 @@ defmodule ScanBridge do
   end
 
   @doc "Like `scan/3`, raising `ScanBridge.Error` on failure."
-  @spec scan!(server, inputs, call_opts) :: %{
-          y: Tensor.t(),
-          state: Tensor.t() | nil,
-          timing: timing
-        }
+  @spec scan!(server, inputs, call_opts) :: scan_result
   def scan!(server, inputs, opts \\ []), do: ok!(scan(server, inputs, opts))
 
   @doc "Like `ssd_scan/3`, raising `ScanBridge.Error` on failure."
-  @spec ssd_scan!(server, inputs, call_opts) :: %{
-          y: Tensor.t(),
-          state: Tensor.t() | nil,
-          timing: timing
-        }
+  @spec ssd_scan!(server, inputs, call_opts) :: scan_result
   def ssd_scan!(server, inputs, opts \\ []), do: ok!(ssd_scan(server, inputs, opts))
-
-  defp ok!({:ok, result}), do: result
-  defp ok!({:error, error}), do: raise(error)
 
   @doc """
   The gradients of a `scan/3` (SPEC §6.5 `scan_backward`).
@@ -359,8 +382,7 @@ defmodule ScanBridge do
   done by the server, leaving the session one timestep further on; read it with
   `session_state/3` before going on when that matters.
   """
-  @spec step(server, String.t(), inputs, call_opts) ::
-          {:ok, %{y: Tensor.t(), timing: timing}} | error
+  @spec step(server, String.t(), inputs, call_opts) :: {:ok, step_result} | error
   def step(server, session, inputs, opts \\ []) when is_binary(session) do
     args = Protocol.wire_args!(inputs, "step")
 
@@ -490,6 +512,14 @@ defmodule ScanBridge do
           Path.t() | %{config: map, weights: %{optional(atom | String.t()) => tensor_input}}
   @typedoc "A model's id (`load_model/3`'s info `\"model\"`), or that info map itself."
   @type model :: String.t() | %{String.t() => term}
+  @typedoc "`load_model/3`'s options."
+  @type load_opts :: [dtype: :f32 | :bf16 | :f16 | String.t(), name: String.t(), timeout: timeout]
+  @typedoc "What a model op answers with: logits (the default with a head) or hidden states."
+  @type model_output :: :logits | :hidden | String.t()
+  @typedoc "`model_forward/4`'s options."
+  @type model_forward_opts :: [output: model_output, last_only: boolean, timeout: timeout]
+  @typedoc "`model_step/4`'s options."
+  @type model_step_opts :: [output: model_output, timeout: timeout]
   @typedoc "A model's input: token ids (an integer tensor) or embeddings (a float tensor)."
   @type model_input ::
           {:tokens, tensor_input}
@@ -529,7 +559,7 @@ defmodule ScanBridge do
   `:invalid_checkpoint`, its `detail["field"]` naming the key or tensor (e.g.
   `"args.weights.norm_f.weight"`).
   """
-  @spec load_model(server, model_source, keyword) :: {:ok, map} | error
+  @spec load_model(server, model_source, load_opts) :: {:ok, map} | error
   def load_model(server, source, opts \\ []) do
     opts = opts!(opts, [:dtype, :name, :timeout], "load_model")
     args = model_load_args!(source, opts)
@@ -540,11 +570,12 @@ defmodule ScanBridge do
   end
 
   @doc "Like `load_model/3`, raising `ScanBridge.Error` on failure."
-  @spec load_model!(server, model_source, keyword) :: map
+  @spec load_model!(server, model_source, load_opts) :: map
   def load_model!(server, source, opts \\ []), do: ok!(load_model(server, source, opts))
 
   @doc false
   # The model_load arguments of a source and options, raising ArgumentError for bad ones.
+  @spec model_load_args!(model_source, load_opts) :: %{String.t() => term}
   def model_load_args!(source, opts), do: Map.merge(model_source!(source), load_options!(opts))
 
   defp model_source!(path) when is_binary(path) and path != "", do: %{"path" => path}
@@ -614,7 +645,8 @@ defmodule ScanBridge do
 
   Returns the output tensor, f32.
   """
-  @spec model_forward(server, String.t(), model_input, keyword) :: {:ok, Tensor.t()} | error
+  @spec model_forward(server, String.t(), model_input, model_forward_opts) ::
+          {:ok, Tensor.t()} | error
   def model_forward(server, session, input, opts \\ []) do
     opts = opts!(opts, [:output, :last_only, :timeout], "model_forward")
     args = model_args!(session, input, opts, "model_forward")
@@ -624,7 +656,7 @@ defmodule ScanBridge do
   end
 
   @doc "Like `model_forward/4`, raising `ScanBridge.Error` on failure."
-  @spec model_forward!(server, String.t(), model_input, keyword) :: Tensor.t()
+  @spec model_forward!(server, String.t(), model_input, model_forward_opts) :: Tensor.t()
   def model_forward!(server, session, input, opts \\ []),
     do: ok!(model_forward(server, session, input, opts))
 
@@ -638,7 +670,7 @@ defmodule ScanBridge do
   callers share one pass through the stack on the server. A step that timed out may still
   have been done, as for `step/4`.
   """
-  @spec model_step(server, String.t(), model_input, keyword) :: {:ok, Tensor.t()} | error
+  @spec model_step(server, String.t(), model_input, model_step_opts) :: {:ok, Tensor.t()} | error
   def model_step(server, session, input, opts \\ []) do
     opts = opts!(opts, [:output, :timeout], "model_step")
     args = model_args!(session, input, opts, "model_step")
@@ -648,7 +680,7 @@ defmodule ScanBridge do
   end
 
   @doc "Like `model_step/4`, raising `ScanBridge.Error` on failure."
-  @spec model_step!(server, String.t(), model_input, keyword) :: Tensor.t()
+  @spec model_step!(server, String.t(), model_input, model_step_opts) :: Tensor.t()
   def model_step!(server, session, input, opts \\ []),
     do: ok!(model_step(server, session, input, opts))
 
@@ -819,6 +851,7 @@ defmodule ScanBridge do
 
   @doc false
   # The options of a call that takes more than :timeout: a keyword list of `known` keys.
+  @spec opts!(term, [atom], String.t()) :: keyword
   def opts!(opts, known, fun) do
     unless is_list(opts) and Keyword.keyword?(opts) do
       raise ArgumentError, "#{fun} options: expected a keyword list, got #{inspect(opts, limit: 5)}"

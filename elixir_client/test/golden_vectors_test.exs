@@ -65,6 +65,15 @@ defmodule ScanBridge.GoldenVectorsTest do
     end
   end
 
+  test "a request with a budget carries it as deadline_us, as ping_deadline does" do
+    # its id is a str, which this client never sends: the rest is compared under an int id
+    {%{"message" => %{"deadline_us" => budget} = message}, _frame} = load("ping_deadline")
+    {head, size} = Protocol.request_head(message["op"], message["args"])
+    body = IO.iodata_to_binary(Protocol.request_body(head, 42, budget))
+    assert byte_size(body) == size + Protocol.deadline_entry_size()
+    assert Msgpack.decode(body) == {:ok, %{message | "id" => 42}}
+  end
+
   test "replies read as outcomes" do
     assert {:reply, 2, {:ok, %{"y" => y, "state" => state}, %{"server_us" => _}}} =
              reply("reply_scan")
@@ -80,6 +89,10 @@ defmodule ScanBridge.GoldenVectorsTest do
 
     assert {:reply, nil, {:error, %ScanBridge.Error{reason: :frame_too_large}}} =
              reply("reply_error_no_id")
+
+    assert {:reply, 7,
+            {:error, %ScanBridge.Error{reason: :cancelled, detail: %{"cancelled_by" => 8}}}} =
+             reply("reply_error_cancelled")
   end
 
   defp reply(name) do

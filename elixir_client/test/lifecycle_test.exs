@@ -361,8 +361,12 @@ defmodule ScanBridge.LifecycleTest do
   end
 
   describe "a call given up leaves nothing on the server" do
+    # What a late reply made is freed: these requests are left to run, as by a server without
+    # cancel or when the cancel comes after the request started (test/deadlines_test.exs has
+    # the client's cancels).
     setup do
       client = start_supervised!({ScanBridge, TestSupport.server_opts()})
+      TestSupport.without_cancel(client)
       {:ok, os_pid} = ScanBridge.os_pid(client)
       %{client: client, os_pid: os_pid}
     end
@@ -471,6 +475,11 @@ defmodule ScanBridge.LifecycleTest do
     # the grace, the wait for the killed server, and room to close the port
     assert ScanBridge.child_spec([]).shutdown == 5_000
     assert ScanBridge.child_spec(exit_grace: 10_000).shutdown == 13_000
+
+    # checked here too: a supervisor reads the spec before start_link checks the options
+    assert_raise ArgumentError, ~r/:exit_grace: expected a non-negative integer, got 1.5$/, fn ->
+      ScanBridge.child_spec(exit_grace: 1.5)
+    end
   end
 
   # How many handles or sessions (`gauge`) the server holds once it has done `op` once; nil

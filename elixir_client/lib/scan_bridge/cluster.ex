@@ -42,13 +42,32 @@ defmodule ScanBridge.Cluster do
   # OS process or its node; a call it had may be sent to another member.
   @gone [:server_exited, :not_running, :node_down, :shutting_down]
 
+  @typedoc "A group's name: atoms, strings, numbers, and tuples and lists of them."
   @type group :: term
+  @typedoc "A cluster session's handle (`open_session/3`)."
   @type session :: Session.t()
+  @typedoc "The options of the stateless calls (`scan/3`, ...)."
+  @type call_opts :: [timeout: timeout, retry: boolean]
+  @typedoc "`open_session/3`'s options."
+  @type session_opts :: [checkpoint: pos_integer, timeout: timeout]
+  @typedoc "Where a cluster session is and how it fares (`session_info/1`)."
+  @type session_info :: %{
+          member: pid | nil,
+          node: node | nil,
+          session: String.t() | nil,
+          failovers: non_neg_integer,
+          frames_since_checkpoint: non_neg_integer,
+          status: :ok | :unsure | :tainted | :lost
+        }
+  @typedoc "A deadline: a `System.monotonic_time(:millisecond)` instant, or `:infinity`."
+  @type deadline :: integer | :infinity
 
   @doc false
+  @spec scope() :: module
   def scope, do: __MODULE__
 
   @doc false
+  @spec group_key(group) :: {:servers, group}
   def group_key(group), do: {:servers, group}
 
   @doc "The servers (client processes, `ScanBridge.Server`) serving `group`, on every node."
@@ -63,6 +82,7 @@ defmodule ScanBridge.Cluster do
   defdelegate loads(group), to: Balancer
 
   @doc false
+  @spec gone?(Error.t()) :: boolean
   def gone?(%Error{reason: reason}), do: reason in @gone
 
   ## Stateless calls
@@ -73,21 +93,23 @@ defmodule ScanBridge.Cluster do
   Inputs must not name a `:session` or hold `{:handle, id}`s: those belong to one server (use
   a cluster session, or send the tensors).
   """
-  @spec scan(group, ScanBridge.inputs(), keyword) :: {:ok, map} | ScanBridge.error()
+  @spec scan(group, ScanBridge.inputs(), call_opts) ::
+          {:ok, ScanBridge.scan_result()} | ScanBridge.error()
   def scan(group, inputs, opts \\ []), do: stateless(group, :scan, inputs, opts)
 
   @doc "`ScanBridge.ssd_scan/3` on a member of `group`; options as for `scan/3`."
-  @spec ssd_scan(group, ScanBridge.inputs(), keyword) :: {:ok, map} | ScanBridge.error()
+  @spec ssd_scan(group, ScanBridge.inputs(), call_opts) ::
+          {:ok, ScanBridge.scan_result()} | ScanBridge.error()
   def ssd_scan(group, inputs, opts \\ []), do: stateless(group, :ssd_scan, inputs, opts)
 
   @doc "`ScanBridge.scan_backward/3` on a member of `group`; options as for `scan/3`."
-  @spec scan_backward(group, ScanBridge.inputs(), keyword) ::
+  @spec scan_backward(group, ScanBridge.inputs(), call_opts) ::
           {:ok, ScanBridge.gradients()} | ScanBridge.error()
   def scan_backward(group, inputs, opts \\ []),
     do: stateless(group, :scan_backward, inputs, opts)
 
   @doc "`ScanBridge.ssd_scan_backward/3` on a member of `group`; options as for `scan/3`."
-  @spec ssd_scan_backward(group, ScanBridge.inputs(), keyword) ::
+  @spec ssd_scan_backward(group, ScanBridge.inputs(), call_opts) ::
           {:ok, ScanBridge.gradients()} | ScanBridge.error()
   def ssd_scan_backward(group, inputs, opts \\ []),
     do: stateless(group, :ssd_scan_backward, inputs, opts)
@@ -174,7 +196,10 @@ defmodule ScanBridge.Cluster do
   `detail["member"]` naming the member's node. A name already given to a different model is
   `:invalid_argument`; loading the same again is a no-op.
   """
-  @spec load_model(group, String.t(), ScanBridge.model_source(), keyword) ::
+  @spec load_model(group, String.t(), ScanBridge.model_source(),
+          dtype: :f32 | :bf16 | :f16 | String.t(),
+          timeout: timeout
+        ) ::
           {:ok, %{members: pos_integer, info: map}} | ScanBridge.error()
   def load_model(group, name, source, opts \\ []) do
     name = name!(name, "load_model name")
@@ -230,7 +255,7 @@ defmodule ScanBridge.Cluster do
   Frees the group's model `name` on every member (and takes it out of what later members
   load). A member with sessions of it open refuses (`:invalid_argument`): close them first.
   """
-  @spec free_model(group, String.t(), keyword) :: :ok | ScanBridge.error()
+  @spec free_model(group, String.t(), ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def free_model(group, name, opts \\ []) do
     name = name!(name, "free_model name")
     opts = ScanBridge.opts!(opts, [:timeout], "free_model")
@@ -268,7 +293,7 @@ defmodule ScanBridge.Cluster do
 
   The session belongs to the calling process: it is closed when that process exits.
   """
-  @spec open_session(group, map | keyword, keyword) :: {:ok, session} | ScanBridge.error()
+  @spec open_session(group, map | keyword, session_opts) :: {:ok, session} | ScanBridge.error()
   def open_session(group, dims, opts \\ []) do
     opts = ScanBridge.opts!(opts, [:checkpoint, :timeout], "open_session")
 
@@ -310,28 +335,30 @@ defmodule ScanBridge.Cluster do
   end
 
   @doc "`ScanBridge.step/4` on a cluster session. Options: `:timeout`."
-  @spec step(session, ScanBridge.inputs(), keyword) :: {:ok, map} | ScanBridge.error()
+  @spec step(session, ScanBridge.inputs(), ScanBridge.call_opts()) ::
+          {:ok, ScanBridge.step_result()} | ScanBridge.error()
   def step(%Session{} = session, inputs, opts \\ []), do: Session.call(session, :step, inputs, opts)
 
   @doc "`ScanBridge.model_step/4` on a cluster session. Options: `:output`, `:timeout`."
-  @spec model_step(session, ScanBridge.model_input(), keyword) ::
+  @spec model_step(session, ScanBridge.model_input(), ScanBridge.model_step_opts()) ::
           {:ok, Tensor.t()} | ScanBridge.error()
   def model_step(%Session{} = session, input, opts \\ []),
     do: Session.call(session, :model_step, input, opts)
 
   @doc "`ScanBridge.model_forward/4` on a cluster session; options as there."
-  @spec model_forward(session, ScanBridge.model_input(), keyword) ::
+  @spec model_forward(session, ScanBridge.model_input(), ScanBridge.model_forward_opts()) ::
           {:ok, Tensor.t()} | ScanBridge.error()
   def model_forward(%Session{} = session, input, opts \\ []),
     do: Session.call(session, :model_forward, input, opts)
 
   @doc "The session's state, as `ScanBridge.session_state/3` gives it. Options: `:timeout`."
-  @spec session_state(session, keyword) :: {:ok, Tensor.t() | map} | ScanBridge.error()
+  @spec session_state(session, ScanBridge.call_opts()) ::
+          {:ok, Tensor.t() | %{String.t() => Tensor.t()}} | ScanBridge.error()
   def session_state(%Session{} = session, opts \\ []),
     do: Session.call(session, :session_state, nil, opts)
 
   @doc "Closes the session on its server and stops its keeper."
-  @spec close_session(session, keyword) :: :ok | ScanBridge.error()
+  @spec close_session(session, ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def close_session(%Session{} = session, opts \\ []), do: Session.close(session, opts)
 
   @doc """
@@ -341,7 +368,7 @@ defmodule ScanBridge.Cluster do
   timed out), `:tainted` (a frame was answered after that: no failover until the next
   checkpoint) or `:lost`.
   """
-  @spec session_info(session) :: {:ok, map} | ScanBridge.error()
+  @spec session_info(session) :: {:ok, session_info} | ScanBridge.error()
   defdelegate session_info(session), to: Session, as: :info
 
   ## Helpers
@@ -353,6 +380,7 @@ defmodule ScanBridge.Cluster do
       raise(ArgumentError, "#{what}: expected a non-empty string, got #{inspect(other, limit: 5)}")
 
   @doc false
+  @spec deadline(timeout) :: deadline
   def deadline(:infinity), do: :infinity
   def deadline(ms) when is_integer(ms) and ms >= 0, do: System.monotonic_time(:millisecond) + ms
 
@@ -364,6 +392,9 @@ defmodule ScanBridge.Cluster do
       )
 
   @doc false
+  @spec remaining(deadline) :: timeout
   def remaining(:infinity), do: :infinity
-  def remaining(deadline), do: max(deadline - System.monotonic_time(:millisecond), 0)
+
+  def remaining(deadline) when is_integer(deadline),
+    do: max(deadline - System.monotonic_time(:millisecond), 0)
 end

@@ -10,7 +10,10 @@ defmodule ScanBridge.Protocol do
 
   The id comes last and always as a uint 64 (a non-minimal encoding the specification
   allows), so the head's bytes, and the alignment of the tensor payloads inside it, do not
-  depend on the id.
+  depend on the id. `request_body/3` completes a head with its id and, when the request has a
+  budget, its `deadline_us` (SPEC §4), likewise a uint 64 after the id: the connection owner
+  adds both when it sends the request, the budget being what is left of the call's deadline
+  then.
   """
 
   alias ScanBridge.{Error, Msgpack, Tensor}
@@ -18,8 +21,13 @@ defmodule ScanBridge.Protocol do
   @version 1
   # fixmap 4, "v": 1, "op"
   @head_prefix <<0x84, 0xA1, "v", @version, 0xA2, "op">>
+  # the same with a fifth entry, deadline_us (one byte either way: the payloads stay aligned)
+  @head_prefix_with_deadline <<0x85, 0xA1, "v", @version, 0xA2, "op">>
   @args_key <<0xA4, "args">>
   @id_entry_size 1 + 2 + 9
+  @deadline_entry_size 1 + 11 + 9
+  # the most a uint 64 holds: a budget past it (centuries) is sent as it
+  @max_uint64 0xFFFFFFFFFFFFFFFF
 
   @doc """
   The request body without its id entry, and the body's size once the id entry is added.
@@ -173,6 +181,39 @@ defmodule ScanBridge.Protocol do
   @doc "The `\"id\": <uint 64>` entry that completes a request head."
   @spec id_entry(non_neg_integer) :: binary
   def id_entry(id) when is_integer(id) and id >= 0, do: <<0xA2, "id", 0xCF, id::64>>
+
+  @doc """
+  The request body of a `request_head/2` head: the head and its id entry, and with a budget
+  (`deadline_us`, microseconds from when the server has the frame; nil: none) a
+  `"deadline_us": <uint 64>` entry after it. The body is `deadline_entry_size/0` bytes longer
+  with a budget than `request_head/2`'s size.
+  """
+  @spec request_body(iodata, non_neg_integer, non_neg_integer | nil) :: iolist
+  def request_body(head, id, nil), do: [head, id_entry(id)]
+
+  def request_body([@head_prefix | rest], id, deadline_us)
+      when is_integer(deadline_us) and deadline_us >= 0 do
+    [
+      @head_prefix_with_deadline,
+      rest,
+      id_entry(id),
+      <<0xAB, "deadline_us", 0xCF, min(deadline_us, @max_uint64)::64>>
+    ]
+  end
+
+  def request_body(head, _id, deadline_us) when is_integer(deadline_us) and deadline_us >= 0 do
+    raise ArgumentError,
+          "request head: expected one request_head/2 made, got #{inspect(head, limit: 5)}"
+  end
+
+  def request_body(_head, _id, other) do
+    raise ArgumentError,
+          "deadline_us: expected nil or a non-negative integer of microseconds, got #{inspect(other)}"
+  end
+
+  @doc "How many bytes a budget adds to a request body (`request_body/3`)."
+  @spec deadline_entry_size() :: pos_integer
+  def deadline_entry_size, do: @deadline_entry_size
 
   @doc """
   Read a reply body. `{:reply, id, outcome}` for a well-formed v1 reply (`id` is nil when the

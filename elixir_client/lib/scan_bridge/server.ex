@@ -11,12 +11,22 @@ defmodule ScanBridge.Server do
   `model_load` made (which no caller will ever learn of) is freed here at once, so that timeouts
   leave no handles, sessions, snapshots or models on the server.
 
+  A server that takes deadlines (its info lists the `cancel` op, which came with
+  `deadline_us`, SPEC §4, §6) is told each request's budget: what is left of its deadline when
+  it is sent, as `deadline_us`; it answers one that could not start within it
+  `deadline_exceeded` without running it. And when a caller gives up on a request at the
+  server (its deadline passed, or it exited), this process sends `cancel` for it at once, past
+  `:max_in_flight`: a request that has not started is dropped (answered `cancelled`, an answer
+  dropped here like any late one), so that the server's time goes to callers still waiting; one
+  that has started runs to its end, and its late reply is dropped and released as above. An
+  older server gets neither (it would refuse the envelope key as `invalid_request`).
+
   At most `:max_in_flight` requests are at the server at once; more wait here, in order,
   under their own deadlines. A queued request whose deadline passes, or whose caller exits, is
   dropped, never sent (the first answered `:overloaded`, which unlike `:timeout` says that the
   server surely did not do it): while the server does not answer, the queue holds only the requests of
   callers still waiting. A caller that exits while its request is at the server is treated as
-  one whose deadline passed: what it made is freed when the reply comes.
+  one whose deadline passed: it is cancelled, and what it made is freed when the reply comes.
 
   Sending never suspends this process, even while the server reads nothing: the Port is opened
   with `busy_limits_port: :disabled` and the socket with the highest `high_watermark`, so the
@@ -114,6 +124,9 @@ defmodule ScanBridge.Server do
     :member,
     # the id of the health check the server has yet to answer, or nil
     health_pending: nil,
+    # whether the server takes deadline_us and cancel (SPEC §4, §6: its info lists cancel); an
+    # older one would refuse a request with deadline_us as invalid
+    deadlines: false,
     next_id: 0,
     # the group's model names (ScanBridge.Cluster.load_model/4) => this server's model ids
     models: %{},
@@ -126,9 +139,10 @@ defmodule ScanBridge.Server do
     # id => op of the requests sent to the server and not yet answered by it (including
     # timed-out ones, whose late replies may name something to free)
     outstanding: %{},
-    # id => {op, iodata} not yet sent because :max_in_flight requests are outstanding; ids
-    # grow with arrival, so the smallest is the oldest, and a deadline or the caller's exit
-    # drops its request in O(log n)
+    # id => {op, head, deadline} not yet sent because :max_in_flight requests are outstanding
+    # (head: Protocol.request_head/2's; deadline: its monotonic µs, or nil); ids grow with
+    # arrival, so the smallest is the oldest, and a deadline or the caller's exit drops its
+    # request in O(log n)
     queue: :gb_trees.empty(),
     # monitor => id of a pending request, to find the request when its caller exits
     callers: %{}
@@ -149,7 +163,15 @@ defmodule ScanBridge.Server do
   """
   @spec stop_time_ms([option]) :: pos_integer
   def stop_time_ms(opts) do
-    Keyword.get(opts, :exit_grace, @defaults[:exit_grace]) + @kill_wait_ms + @stop_margin_ms
+    # checked here too: a supervisor reads the child spec (ScanBridge.child_spec/1) before
+    # start_link/1 checks the options
+    case Keyword.get(opts, :exit_grace, @defaults[:exit_grace]) do
+      grace when is_integer(grace) and grace >= 0 ->
+        grace + @kill_wait_ms + @stop_margin_ms
+
+      other ->
+        raise ArgumentError, ":exit_grace: expected a non-negative integer, got #{inspect(other)}"
+    end
   end
 
   @doc """
@@ -205,6 +227,7 @@ defmodule ScanBridge.Server do
 
   @doc false
   # Told by the group's membership process when it has loaded (or freed: nil) a group model.
+  @spec name_model(GenServer.server(), String.t(), String.t() | nil) :: :ok
   def name_model(server, name, id), do: GenServer.cast(server, {:name_model, name, id})
 
   defp call(server, message, wait) do
@@ -267,50 +290,29 @@ defmodule ScanBridge.Server do
       if state.group == nil, do: {:ok, state}, else: {:ok, state, {:continue, :join}}
     else
       {:error, %Error{} = error, state} ->
-        stop_server(state)
+        _state = stop_server(state)
         {:stop, error}
     end
   end
 
   @impl true
-  def handle_call(
-        {:request, _op, _head, size, _timeout, _closes},
-        _from,
-        %{max_frame_size: limit} = state
-      )
-      when size > limit do
-    error =
-      Error.client(
-        :frame_too_large,
-        "request of #{size} bytes exceeds the limit of #{limit} bytes",
-        %{
-          "length" => size,
-          "limit" => limit
-        }
-      )
+  def handle_call({:request, op, head, size, timeout, closes}, {caller, _tag} = from, state) do
+    # the budget's entry is added when there is one to send
+    size = if budget?(state, timeout), do: size + Protocol.deadline_entry_size(), else: size
 
-    {:reply, {:error, error}, state}
-  end
+    if size > state.max_frame_size do
+      limit = state.max_frame_size
 
-  def handle_call({:request, op, head, _size, timeout, closes}, {caller, _tag} = from, state) do
-    {id, frame, state} = numbered(state, head)
-    op = if closes, do: {op, closes}, else: op
+      error =
+        Error.client(
+          :frame_too_large,
+          "request of #{size} bytes exceeds the limit of #{limit} bytes",
+          %{"length" => size, "limit" => limit}
+        )
 
-    timer =
-      if timeout == :infinity, do: nil, else: Process.send_after(self(), {:deadline, id}, timeout)
-
-    monitor = Process.monitor(caller)
-
-    state = %{
-      state
-      | pending: Map.put(state.pending, id, {from, timer, monitor}),
-        callers: Map.put(state.callers, monitor, id)
-    }
-
-    if map_size(state.outstanding) < state.max_in_flight do
-      {:noreply, transmit(state, id, op, frame)}
+      {:reply, {:error, error}, state}
     else
-      {:noreply, %{state | queue: :gb_trees.insert(id, {op, frame}, state.queue)}}
+      {:noreply, accept(state, op, head, timeout, closes, from, caller)}
     end
   end
 
@@ -341,13 +343,11 @@ defmodule ScanBridge.Server do
     do: {:noreply, on_reply(body, state)}
 
   def handle_info({:deadline, id}, state) do
-    queued? = :gb_trees.is_defined(id, state.queue)
-
-    case abandon(state, id) do
-      {nil, state} ->
+    case give_up(state, id) do
+      {nil, _where, state} ->
         {:noreply, state}
 
-      {from, state} when queued? ->
+      {from, :queued, state} ->
         # Never sent: the server had :max_in_flight requests the whole time. Unlike a timeout,
         # this one surely did nothing, so it may be sent again as it is.
         GenServer.reply(
@@ -363,12 +363,13 @@ defmodule ScanBridge.Server do
 
         {:noreply, state}
 
-      {from, state} ->
-        GenServer.reply(
-          from,
-          {:error, Error.client(:timeout, "no reply before the deadline", %{"id" => id})}
-        )
+      {from, :sent, state} ->
+        message =
+          if state.deadlines,
+            do: "no reply before the deadline (the server was asked to drop it if not started)",
+            else: "no reply before the deadline"
 
+        GenServer.reply(from, {:error, Error.client(:timeout, message, %{"id" => id})})
         {:noreply, state}
     end
   end
@@ -409,10 +410,11 @@ defmodule ScanBridge.Server do
   end
 
   # The caller is gone: nobody will take the answer. As with a passed deadline, a queued
-  # request is dropped and a late reply's handle or session is freed.
+  # request is dropped, one at the server cancelled, and a late reply's handle or session is
+  # freed.
   def handle_info({:DOWN, monitor, :process, _caller, _reason}, state)
       when is_map_key(state.callers, monitor) do
-    {_from, state} = abandon(state, state.callers[monitor])
+    {_from, _where, state} = give_up(state, state.callers[monitor])
     {:noreply, state}
   end
 
@@ -477,14 +479,66 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # Give request `id` up (its deadline passed, or its caller exited): its caller is taken out of
-  # `pending` (`{from, state}`, or `{nil, state}` when answered already), a request still queued
-  # is never sent, its data going with it, and one at the server stays outstanding, for its late
-  # reply to be released.
-  defp abandon(state, id) do
-    {from, state} = take_pending(state, id)
-    {from, unqueue(state, id)}
+  # A request a caller has just made: numbered, under its deadline (a timer, and its caller
+  # watched), then sent, or queued while :max_in_flight requests are at the server.
+  defp accept(state, op, head, timeout, closes, from, caller) do
+    id = state.next_id
+    state = %{state | next_id: id + 1}
+    op = if closes, do: {op, closes}, else: op
+
+    {timer, deadline} =
+      if timeout == :infinity,
+        do: {nil, nil},
+        else:
+          {Process.send_after(self(), {:deadline, id}, timeout),
+           System.monotonic_time(:microsecond) + timeout * 1000}
+
+    monitor = Process.monitor(caller)
+
+    state = %{
+      state
+      | pending: Map.put(state.pending, id, {from, timer, monitor}),
+        callers: Map.put(state.callers, monitor, id)
+    }
+
+    if map_size(state.outstanding) < state.max_in_flight,
+      do: transmit(state, id, op, request_body(state, head, id, deadline)),
+      else: %{state | queue: :gb_trees.insert(id, {op, head, deadline}, state.queue)}
   end
+
+  defp budget?(state, timeout), do: state.deadlines and timeout != :infinity
+
+  # The body of request `id` as it is sent now: with what is left of its deadline as its
+  # budget on the server (deadline_us), which then drops it if it cannot start in time.
+  defp request_body(%{deadlines: true}, head, id, deadline) when deadline != nil do
+    left_us = max(deadline - System.monotonic_time(:microsecond), 0)
+    Protocol.request_body(head, id, left_us)
+  end
+
+  defp request_body(_state, head, id, _deadline), do: Protocol.request_body(head, id, nil)
+
+  # Give request `id` up (its deadline passed, or its caller exited): its caller is taken out
+  # of `pending` (`{from, where, state}`, or `{nil, nil, state}` when answered already). A
+  # request still queued here (`:queued`) is never sent, its data going with it. One at the
+  # server (`:sent`) stays outstanding, for its late reply to be dropped (and what it made
+  # released), and the server is asked to drop it if it has not started (`cancel`): it is then
+  # answered `cancelled`, not run, instead of taking the server's time after its caller left.
+  defp give_up(state, id) do
+    queued? = :gb_trees.is_defined(id, state.queue)
+
+    case take_pending(state, id) do
+      {nil, state} -> {nil, nil, state}
+      {from, state} when queued? -> {from, :queued, unqueue(state, id)}
+      {from, state} -> {from, :sent, cancel_at_server(state, id)}
+    end
+  end
+
+  # Sent at once, past :max_in_flight (the server serves a cancel as it arrives, and the
+  # request it drops leaves its place then); with no caller, its answer is dropped.
+  defp cancel_at_server(%{deadlines: true} = state, id) when is_map_key(state.outstanding, id),
+    do: send_uncalled(state, "cancel", %{id: id})
+
+  defp cancel_at_server(state, _id), do: state
 
   # Take request `id`'s caller out of `pending`, its deadline and monitor with it:
   # `{from, state}`, or `{nil, state}` when the caller was answered (or gone) already.
@@ -648,20 +702,21 @@ defmodule ScanBridge.Server do
     transmit(state, id, op, frame)
   end
 
-  # The next request id, and the frame of the request `head` under it (the id goes last, as a
-  # fixed-size uint64, so that the head's payload offsets stay as encoded).
+  # The next request id, and the body of the request `head` (without a budget) under it (the
+  # id goes last, as a fixed-size uint64, so that the head's payload offsets stay as encoded).
   defp numbered(state, head) do
     id = state.next_id
-    {id, [head, Protocol.id_entry(id)], %{state | next_id: id + 1}}
+    {id, Protocol.request_body(head, id, nil), %{state | next_id: id + 1}}
   end
 
   defp send_queued(state) do
     if map_size(state.outstanding) < state.max_in_flight and
          not :gb_trees.is_empty(state.queue) do
-      {id, {op, frame}, queue} = :gb_trees.take_smallest(state.queue)
+      {id, {op, head, deadline}, queue} = :gb_trees.take_smallest(state.queue)
+      state = %{state | queue: queue}
 
-      %{state | queue: queue}
-      |> transmit(id, op, frame)
+      state
+      |> transmit(id, op, request_body(state, head, id, deadline))
       |> send_queued()
     else
       state
@@ -691,7 +746,12 @@ defmodule ScanBridge.Server do
   defp exited(message, detail), do: Error.client(:server_exited, message, detail)
 
   defp cancel(nil), do: :ok
-  defp cancel(timer), do: Process.cancel_timer(timer)
+
+  # A deadline that fired already is in the mailbox; handle_info finds its request answered.
+  defp cancel(timer) do
+    _left_ms = Process.cancel_timer(timer)
+    :ok
+  end
 
   ## Start-up
 
@@ -768,6 +828,7 @@ defmodule ScanBridge.Server do
           else: state
 
       ops = get_in(info, ["protocol", "ops"]) || []
+      state = %{state | deadlines: "cancel" in ops}
 
       if state.health_check && "health" not in ops,
         do:
@@ -918,7 +979,7 @@ defmodule ScanBridge.Server do
         "scan-bridge: server #{os_pid} still running after its stdin closed; killing it"
       )
 
-      :os.cmd(~c"kill -KILL #{os_pid}")
+      _output = :os.cmd(~c"kill -KILL #{os_pid}")
       # SIGKILL is not synchronous: wait (briefly) for it to land, so that a stopped client
       # has surely stopped its server.
       unless gone_within?(os_pid, @kill_wait_ms) do

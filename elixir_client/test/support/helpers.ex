@@ -50,6 +50,8 @@ defmodule ScanBridge.TestSupport do
     sessions: ~w(session_open session_close session_state step),
     ssd: ~w(ssd_scan session_open session_close session_state step),
     handles: ~w(put free),
+    # deadline_us came with the cancel op (SPEC §4, §6)
+    deadlines: ~w(cancel),
     models:
       ~w(model_load model_free model_forward model_step session_open session_close session_state
          session_snapshot session_restore session_fork snapshot_free)
@@ -322,7 +324,8 @@ defmodule ScanBridge.TestSupport do
   Freeze `client`'s server and send it a put of `bytes` (more than its lane holds unread) and
   then a ping, each with a 100 ms deadline: both callers get `:timeout` in time, which a client
   process suspended in sending could not give. Thawed, the server answers again, and the late
-  put's handle is freed.
+  put leaves no handle: done late, its handle is freed; cancelled before it started (the
+  client cancels what its callers gave up), it made none.
   """
   def assert_deadlines_hold_while_frozen(client, bytes) do
     {:ok, os_pid} = ScanBridge.os_pid(client)
@@ -349,13 +352,29 @@ defmodule ScanBridge.TestSupport do
     thaw(os_pid)
     assert ScanBridge.ping(client, timeout: 10_000) == :ok
 
-    # the put was served late, and its handle freed
+    # the put was answered late, and left no handle
     assert eventually(fn ->
              {:ok, stats} = ScanBridge.stats(client)
-             served = get_in(stats, ["ops", "put", "success_count"]) || 0
-             served_before = get_in(before, ["ops", "put", "success_count"]) || 0
-             served == served_before + 1 and get_in(stats, ["handles", "handles"]) == 0
+
+             answered(stats, "put") == answered(before, "put") + 1 and
+               get_in(stats, ["handles", "handles"]) == 0
            end)
+  end
+
+  @doc """
+  Make `client` treat its server as one without `deadline_us` and `cancel` (an older one): a
+  request its caller gives up is left to run, and what its late reply made is freed, which
+  these tests need to be sure of without racing a cancel.
+  """
+  def without_cancel(client), do: :sys.replace_state(client, &%{&1 | deadlines: false})
+
+  @doc """
+  How many `op` requests the server has answered (its `stats`): done, or failed, which
+  includes those a cancel dropped before they started.
+  """
+  def answered(stats, op) do
+    counts = get_in(stats, ["ops", op]) || %{}
+    Map.get(counts, "success_count", 0) + Map.get(counts, "failure_count", 0)
   end
 
   @doc "Kill the OS process `os_pid` (SIGKILL)."

@@ -15,6 +15,7 @@ defmodule ScanBridge.Cluster.Balancer do
   # members: the members seen, each with its monitor
   defstruct calls: %{}, sessions: %{}, holders: %{}, members: %{}
 
+  @spec start_link(term) :: GenServer.on_start()
   def start_link(_opts), do: GenServer.start_link(__MODULE__, :ok, name: __MODULE__)
 
   @doc """

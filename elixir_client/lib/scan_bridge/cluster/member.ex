@@ -18,6 +18,7 @@ defmodule ScanBridge.Cluster.Member do
 
   defstruct [:server, :group, catalogue: %{}]
 
+  @spec start_link(server: pid, group: term) :: GenServer.on_start()
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts)
 
   @doc "The group's catalogue keepers (one per member)."

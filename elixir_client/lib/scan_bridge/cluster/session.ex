@@ -37,6 +37,7 @@ defmodule ScanBridge.Cluster.Session do
   @advancing [:step, :model_step, :model_forward, :scan, :ssd_scan]
 
   @doc false
+  @spec open(Cluster.group(), map, Cluster.session_opts()) :: {:ok, t} | {:error, Error.t()}
   def open(group, dims, opts) do
     timeout = Keyword.get(opts, :timeout, 30_000)
     deadline = Cluster.deadline(timeout)
@@ -57,9 +58,11 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   @doc false
+  @spec start_link(map) :: GenServer.on_start()
   def start_link(args), do: GenServer.start_link(__MODULE__, args)
 
   @doc false
+  @spec call(t, atom, term, keyword) :: {:ok, term} | {:error, Error.t()}
   def call(%__MODULE__{pid: pid}, kind, input, opts) do
     deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
     opts = Keyword.delete(opts, :timeout)
@@ -71,6 +74,7 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   @doc false
+  @spec close(t, ScanBridge.call_opts()) :: :ok | {:error, Error.t()}
   def close(%__MODULE__{pid: pid}, opts) do
     deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
 
@@ -81,6 +85,7 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   @doc false
+  @spec info(t) :: {:ok, Cluster.session_info()} | {:error, Error.t()}
   def info(%__MODULE__{pid: pid}), do: request(pid, :info, 5_000)
 
   defp wait(:infinity), do: :infinity
@@ -170,7 +175,9 @@ defmodule ScanBridge.Cluster.Session do
 
   @impl true
   def handle_info({:DOWN, ref, :process, _pid, _reason}, %{opener: ref} = state) do
-    if state.owner, do: close_remote(state, Cluster.deadline(@checkpoint_timeout_ms))
+    # nobody is left to tell if closing fails; a group's server also closes the sessions of an
+    # opener (this keeper) that exits
+    _closed = if state.owner, do: close_remote(state, Cluster.deadline(@checkpoint_timeout_ms))
     {:stop, :normal, release(state)}
   end
 
@@ -355,7 +362,9 @@ defmodule ScanBridge.Cluster.Session do
           {:ok, remote}
 
         {:error, error} ->
-          ScanBridge.close_session(member, remote, timeout: @checkpoint_timeout_ms)
+          # the replay's error is the one to report; a session a failed close leaves is
+          # closed by its server when this keeper exits (a group's server watches openers)
+          _closed = ScanBridge.close_session(member, remote, timeout: @checkpoint_timeout_ms)
           if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
       end
     else
