@@ -17,7 +17,9 @@
 Math (mamba_ssm's selective_scan_ref / selective_state_update_ref): dt += dt_bias; dt =
 softplus(dt) if dt_softplus; dt = clamp(dt, dt_min, dt_max); h_t = exp(dt_t A) h_{t-1} +
 dt_t B_t x_t; y_t = C_t . h_t + D x_t; y *= silu(z). State and accumulation in fp32 (fp64 for
-fp64 inputs); y in x's dtype; the returned state is fp32 (fp64 for fp64 inputs).
+fp64 inputs); y in x's dtype; the returned state is fp32 (fp64 for fp64 inputs). `slots` picks
+each row's state row; two rows of one launch naming the same slot race (the bridge, which runs
+one step per session in a launch, never makes them).
 
 Mamba-2 (SSD, mamba_ssm's mamba_chunk_scan_combined / selective_state_update with heads): the
 same recurrence with a scalar decay per head, h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t over
