@@ -14,6 +14,8 @@ PACKAGES=(
   "make  make"
   "libzmq3-dev  /usr/include/zmq.h"
   "libmsgpack-dev  /usr/include/msgpack.h"
+  "clang  clang++"
+  "libclang-rt-14-dev  /usr/lib/llvm-14/lib/clang/14.0.6/lib/linux/libclang_rt.asan_static-x86_64.a"
 )
 # The CPU kernels' aarch64 compile check (tests/test_kernels_cpu.py) on x86-64 hosts.
 if [[ "$(uname -m)" == "x86_64" ]]; then

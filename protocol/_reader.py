@@ -188,7 +188,7 @@ class Reader:
     def limits(self, raw: msgspec.Raw, field: str) -> tuple[float, float]:
         encoded = memoryview(raw)
         if kind(encoded) == "array":
-            items = ANY_DECODER.decode(raw)
+            items = self._decode(ANY_DECODER, raw, field, KIND_EXPECTED["limits"])
             if len(items) == 2 and all(type(v) in (int, float) for v in items):
                 try:
                     low, high = float(items[0]), float(items[1])

@@ -1,0 +1,294 @@
+"""Harness: the native step path's parser, `parse(frame)` of bridge/native/step.cpp, and the
+step it then runs (`Stepper.run`: the shape checks against the session, the kernel reading the
+operands where they lie in the frame, the reply written around y).
+
+An input is one frame body (no length prefix). It is placed twice in memory, flush against an
+inaccessible page after it and then before it, so a read past either end faults even in the
+gcc build, where no sanitizer watches. The module is the sanitized clang build of
+fuzz.native_build when the runner could make one (ASan + UBSan, libFuzzer's coverage of the
+parser), else the server's own gcc build (bridge.native), which the runner says.
+
+What must hold, beyond "no crash, no sanitizer report":
+- both placements parse alike;
+- a request `parse` takes is one the Python decoder takes too, as a step with the same id,
+  session and handles, and within the native path's documented form (bridge/native/__init__.py:
+  session, x, dt, B, C, z inline f32; A, D, dt_bias inline f32 or handles; the dt options);
+- `run` steps only a request whose shapes fit the session (batch, dim, state) and its handles'
+  tensors, and its reply reads back as a v1 reply with y of [batch, dim] f32.
+The session's dims come from the request's own shapes, now and then off by one (by a hash of
+the input, so a finding replays), so that both the accepting and the refusing checks run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import random
+import time
+import zlib
+
+from protocol import HandleRef, ProtocolError, Request, WireTensor, decode_reply, decode_request
+
+from . import HarnessUnavailable, structure
+from .checks import Finding, vector_frames
+from .native_build import PLAN_ENV
+from .tally import Tally
+
+MAX_LEN = 4096
+INLINE_ONLY = ("x", "dt", "B", "C", "z")
+MAY_BE_HANDLES = ("A", "D", "dt_bias")
+NATIVE_ARGS = frozenset(("session", *INLINE_ONLY, *MAY_BE_HANDLES, "dt_softplus", "dt_min", "dt_max"))
+# The state pool the harness allocates per step is bounded (the frame bounds batch and dim, but a
+# handle's A could name any state size).
+MAX_POOL_FLOATS = 1 << 20
+
+_CAPSULE_NAME = b"scan_bridge.run_problem"
+_PROT_NONE = 0  # mprotect's: no access (Python's mmap module has no name for it)
+
+
+class GuardedPlacement:
+    """Bytes placed flush against an inaccessible page: `after(data)` ends where the page
+    begins, `before(data)` starts where one ends. Any read beyond them faults. The two share
+    the space between the pages: a view of one is overwritten by the other."""
+
+    def __init__(self, capacity: int):
+        page = mmap.PAGESIZE
+        self._inner = -(-max(capacity, 1) // page) * page
+        self._map = mmap.mmap(-1, self._inner + 2 * page)
+        # An export of the map, for its address; while it lives the map cannot be closed.
+        self._anchor = ctypes.c_char.from_buffer(self._map)
+        base = ctypes.addressof(self._anchor)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        for address in (base, base + page + self._inner):
+            if libc.mprotect(address, page, _PROT_NONE) != 0:
+                raise OSError(ctypes.get_errno(), "mprotect of a guard page failed")
+        self._view = memoryview(self._map)
+        self._start, self._end = page, page + self._inner
+
+    def after(self, data: bytes) -> memoryview:
+        start = self._end - len(data)
+        self._view[start:self._end] = data
+        return self._view[start:self._end].toreadonly()
+
+    def before(self, data: bytes) -> memoryview:
+        end = self._start + len(data)
+        self._view[self._start:end] = data
+        return self._view[self._start:end].toreadonly()
+
+
+class _Target:
+    module = None
+    run_problem = None
+    stepper = None
+    # Two placements, so that the frame the first parse keeps views of stays as it was.
+    placements = ()
+    sanitized = False
+
+
+_target = _Target()
+_stats = Tally()
+
+
+def _capsule_of(library: str):
+    """A PyCapsule named as the kernels' export, holding the sanitized build's shim."""
+    function = ctypes.CDLL(library).scan_bridge_fuzz_run_problem
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    return new(ctypes.cast(function, ctypes.c_void_p), _CAPSULE_NAME, None)
+
+
+def setup() -> dict:
+    plan = os.environ.get(PLAN_ENV, "")
+    info = {"target": "bridge/native/step.cpp parse(frame), Stepper.run"}
+    if plan.startswith("asan:"):
+        library = plan.removeprefix("asan:")
+        if not hasattr(ctypes.CDLL(None), "__asan_init"):
+            raise HarnessUnavailable(f"{PLAN_ENV} names a sanitized build, but no ASan runtime is preloaded")
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("scan_bridge_native_step_fuzz", library)
+        _target.module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_target.module)
+        _target.run_problem = _capsule_of(library)
+        _target.sanitized = True
+        info.update(build="clang, sanitized", library=library, asan=True, ubsan=True, cpp_coverage=True,
+                    kernel="kernels/cpu/scan_kernel.cpp (g++, ASan + UBSan) on one thread")
+    else:
+        from kernels.errors import BackendUnavailable
+
+        try:
+            import kernels
+            import torch
+
+            from bridge import native
+
+            torch.set_num_threads(1)  # the kernel's helper threads: one core, as the sanitized build
+
+            _target.module = native._module()
+            _target.run_problem = kernels.get_backend("cpu", "cpu").run_problem
+        except BackendUnavailable as exc:
+            raise HarnessUnavailable(f"the gcc build of the native step path is unavailable: {exc}") from exc
+        info.update(build="gcc (bridge.native, the server's own)", library=_target.module.__file__, asan=False,
+                    ubsan=False, cpp_coverage=False, kernel="the cpu backend's (kernels/cpu, gcc)",
+                    fallback=plan.removeprefix("gcc:") or "no sanitized build was planned")
+    _target.stepper = _target.module.Stepper(_target.run_problem)
+    _target.placements = (GuardedPlacement(MAX_LEN), GuardedPlacement(MAX_LEN))
+    return info
+
+
+def seeds() -> list[bytes]:
+    return [frame[4:] for _, frame in vector_frames(multipart=False)]
+
+
+def check_against_decoder(parsed, data: bytes) -> Request:
+    """The Python decoder's reading of a frame `parse` took: the same step."""
+    try:
+        request = decode_request(data)
+    except ProtocolError as exc:
+        raise Finding(f"parse took a frame the decoder refuses: {exc.code}: {exc}") from exc
+    if not isinstance(request, Request) or request.op != "step" or request.multipart:
+        raise Finding(f"parse took a frame the decoder reads as {request!r}")
+    if type(request.id) is not type(parsed.id) or request.id != parsed.id:
+        raise Finding(f"parse read id {parsed.id!r}, the decoder {request.id!r}")
+    if request.args.get("session") != parsed.session:
+        raise Finding(f"parse read session {parsed.session!r}, the decoder {request.args.get('session')!r}")
+    handles = {name: value.handle for name, value in request.args.items() if isinstance(value, HandleRef)}
+    if handles != dict(parsed.handles):
+        raise Finding(f"parse read handles {dict(parsed.handles)!r}, the decoder {handles!r}")
+    if not set(request.args) <= NATIVE_ARGS:
+        raise Finding(f"parse took arguments outside its form: {sorted(set(request.args) - NATIVE_ARGS)}")
+    for name, value in request.args.items():
+        if name in INLINE_ONLY + MAY_BE_HANDLES and not isinstance(value, HandleRef):
+            if not isinstance(value, WireTensor) or value.dtype != "f32" or not 1 <= len(value.shape) <= 3:
+                raise Finding(f"parse took {name} as {value!r}")
+    for name in ("deadline_us",):
+        if hasattr(parsed, name) and getattr(parsed, name) != getattr(request, name, None):
+            raise Finding(f"parse read {name} {getattr(parsed, name)!r}, the decoder {getattr(request, name, None)!r}")
+    return request
+
+
+def _session_dims(request: Request, data: bytes) -> tuple[int, int, int, int]:
+    """(batch, dim, state, hash) for the session: the request's own, one of them off by one for
+    3 inputs in 8."""
+    x, a, b = request.args["x"], request.args.get("A"), request.args.get("B")
+    batch, dim = x.shape[0], x.shape[-1]
+    if isinstance(a, WireTensor) and len(a.shape) == 2:
+        state = a.shape[1]
+    elif isinstance(b, WireTensor):
+        state = b.shape[-1]
+    else:
+        state = 1
+    h = zlib.crc32(data)
+    batch += h % 8 == 0
+    dim += h % 8 == 1
+    state += h % 8 == 2
+    return batch, dim, state, h
+
+
+def _fits(request: Request, batch: int, dim: int, state: int, handle_shapes: dict) -> bool:
+    """Whether the step's operands fit the session and the handles' tensors (what `run` must
+    check before the kernel reads anything)."""
+    def shape(name):
+        value = request.args.get(name)
+        return handle_shapes.get(name) if isinstance(value, HandleRef) else value.shape
+
+    for name in ("x", "dt", "z"):
+        if name in request.args and shape(name) != (batch, dim):
+            return False
+    groups = set()
+    for name in ("B", "C"):
+        s = shape(name)
+        if len(s) == 2 and s == (batch, state):
+            groups.add(1)
+        elif len(s) == 3 and s[0] == batch and s[2] == state:
+            groups.add(s[1])
+        else:
+            return False
+    if len(groups) != 1 or dim % groups.pop():
+        return False
+    if shape("A") != (dim, state):
+        return False
+    for name in ("D", "dt_bias"):
+        if name in request.args and shape(name) != (dim,):
+            return False
+    low, high = request.args.get("dt_min"), request.args.get("dt_max")
+    return low is None or high is None or low <= high
+
+
+def step(parsed, request: Request, data: bytes) -> None:
+    batch, dim, state, h = _session_dims(request, data)
+    if batch * dim * state > MAX_POOL_FLOATS:
+        _stats["pool too large"] += 1
+        return
+    keep, handle_tensors, handle_shapes = [], {}, {}
+    for i, name in enumerate(sorted(parsed.handles)):
+        wanted = (dim, state) if name == "A" else (dim,)
+        pick = (h >> (3 + 2 * i)) % 8
+        if pick == 0:
+            wanted = wanted[:-1] + (wanted[-1] + 1,)
+        elif pick == 1:
+            wanted = (1, *wanted)
+        array = (ctypes.c_float * max(1, math.prod(wanted)))()
+        keep.append(array)
+        handle_tensors[name] = (ctypes.addressof(array), wanted)
+        handle_shapes[name] = wanted
+    pool = (ctypes.c_float * (batch * dim * state))()
+    slots = (ctypes.c_int64 * batch)(*reversed(range(batch)))
+    result = _target.stepper.run(request=parsed, received_ns=time.monotonic_ns(), queued_ns=0,
+                                 pool=ctypes.addressof(pool), batch=batch, dim=dim, state=state,
+                                 slots=ctypes.addressof(slots), handle_tensors=handle_tensors)
+    fits = _fits(request, batch, dim, state, handle_shapes)
+    if result is None:
+        _stats["refused by run (fits)" if fits else "refused by run"] += 1
+        return
+    if not fits:
+        raise Finding(f"run stepped a request that does not fit session [{batch}, {dim}, {state}] "
+                      f"and handles {handle_shapes}")
+    _stats["stepped"] += 1
+    body, timing = result
+    reply = decode_reply(body)
+    y = reply.result.get("y") if reply.ok and isinstance(reply.result, dict) else None
+    if (reply.id != request.id or not isinstance(y, WireTensor) or y.dtype != "f32"
+            or y.shape != (batch, dim)):
+        raise Finding(f"the native reply reads back as {reply!r}")
+    if dict(reply.timing) != dict(timing):
+        raise Finding(f"the reply's timing {reply.timing!r} differs from the one returned {timing!r}")
+
+
+def one_input(data: bytes) -> None:
+    _stats.execution()
+    if len(data) > MAX_LEN:  # longer than the placements (libFuzzer's -max_len keeps it shorter)
+        _stats["too long"] += 1
+        return
+    parsed = _target.module.parse(_target.placements[0].after(data))
+    again = _target.module.parse(_target.placements[1].before(data))
+    if (parsed is None) != (again is None):
+        raise Finding(f"parse depends on where the frame lies: {parsed!r} vs {again!r}")
+    del again
+    if parsed is None:
+        return
+    _stats["parsed"] += 1
+    request = check_against_decoder(parsed, data)
+    step(parsed, request, data)
+
+
+def mutator(data: bytes, max_size: int, seed: int, mutate_bytes=None) -> bytes:
+    if mutate_bytes is None:
+        import atheris
+
+        mutate_bytes = atheris.Mutate
+    rng = random.Random(seed)
+    pick = rng.random()
+    if pick < 0.2:
+        out = mutate_bytes(data, min(max_size, len(data) + 64))
+    elif pick < 0.8:
+        message = structure.Message(data)
+        out = structure.mutate_body(data, rng, message, lambda b: mutate_bytes(b, len(b) + 16),
+                                    structure.step_request)
+    else:
+        out = structure.step_request(rng)
+    return out if len(out) <= max_size else mutate_bytes(data, max_size)
