@@ -52,10 +52,11 @@ def decode_top_map(body) -> dict[str, msgspec.Raw]:
         raise DecodeError(f"body: expected one msgpack map, got {got}",
                           detail={"expected": "one msgpack map", "got": got}) from None
     except DECODE_FAILURES as e:
-        if isinstance(e, msgspec.DecodeError) and _one_map(body):
+        if isinstance(e, msgspec.DecodeError) and "hashable" in str(e) and _one_map(body):
             # msgspec calls a key it cannot hash (a map, an ext, an array holding one)
             # malformed; in a well-formed map it is one more non-str key (SPEC §3). Its keys
-            # cannot be read, so neither can whether it is a legacy request.
+            # cannot be read, so neither can whether it is a legacy request. Its other
+            # DecodeErrors are malformed bodies: since msgspec 0.23 an invalid UTF-8 key is one.
             raise InvalidRequest("body", "a map with str keys",
                                  "a map or ext key (or an array key holding one)") from None
         raise DecodeError(f"body: not one msgpack value: {e}",
