@@ -157,8 +157,17 @@ def test_bf16_weights_follow_transformers_in_bf16_loosely(serve, checkpoints, ar
     got += [call(srv, conn, "model_step", session=session, tokens=tokens[:, t])["logits"][:, None]
             for t in range(PREFIX, PREFIX + 4)]
     with torch.no_grad():
-        expected = copy.deepcopy(model).to(torch.bfloat16)(tokens).logits.float()
-    rel_close(torch.cat(got, dim=1), expected, 5e-2, f"{arch} bf16 (seed {seed})")
+        exact = model(tokens).logits.double()
+        theirs = copy.deepcopy(model).to(torch.bfloat16)(tokens).logits.double()
+    # Two bf16 computations that round in different places drift apart over the sequence by
+    # what bf16 loses, which for some random models is most of the logits' range: measured
+    # against the fp32 model, ours must stay within three times transformers' own bf16 error (plus 1 %
+    # of the logits' range, for models where that error is near nothing).
+    ours_err = (torch.cat(got, dim=1).double() - exact).abs().max().item()
+    theirs_err = (theirs - exact).abs().max().item()
+    bound = 3 * theirs_err + 0.01 * exact.abs().max().item()
+    assert ours_err <= bound, f"{arch} bf16 (seed {seed}): max error {ours_err:.3g} against fp32 > {bound:.3g} " \
+                              f"(transformers in bf16: {theirs_err:.3g})"
 
 
 def mamba_ssm_layout(model, arch: str, vocab: int) -> tuple[dict, dict]:
