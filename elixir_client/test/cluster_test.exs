@@ -78,7 +78,36 @@ defmodule ScanBridge.ClusterTest do
     assert Enum.all?(outcomes, &match?({:ok, _}, &1))
     served = Enum.zip_with(Enum.map(members, &ops_done/1), before, &(&1 - &2))
     assert Enum.sum(served) == 40
-    assert Enum.all?(served, &(&1 >= 8)), "load spread #{inspect(served)}"
+    # a member slowed by a busy machine rightly gets fewer calls: an even split is the
+    # balancer's to show (next test), here only that both members serve
+    assert Enum.all?(served, &(&1 >= 1)), "load spread #{inspect(served)}"
+  end
+
+  test "calls in flight are spread evenly and given back when their callers exit",
+       %{shared: g, members: members} do
+    assert eventually(fn -> Enum.all?(Cluster.loads(g), fn {_, load} -> load.calls == 0 end) end)
+    parent = self()
+
+    holders =
+      for _ <- 1..8 do
+        spawn(fn ->
+          {:ok, member, _token} = ScanBridge.Cluster.Balancer.checkout(g, :call)
+          send(parent, {:checked_out, member})
+          Process.sleep(:infinity)
+        end)
+      end
+
+    chosen =
+      for _ <- holders do
+        assert_receive {:checked_out, member}, 5_000
+        member
+      end
+
+    assert Enum.frequencies(chosen) == Map.new(members, &{&1, 4})
+    assert Enum.all?(Cluster.loads(g), fn {_, load} -> load.calls == 4 end)
+
+    Enum.each(holders, &Process.exit(&1, :kill))
+    assert eventually(fn -> Enum.all?(Cluster.loads(g), fn {_, load} -> load.calls == 0 end) end)
   end
 
   defp ops_done(member) do
