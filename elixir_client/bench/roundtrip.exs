@@ -249,7 +249,8 @@ defmodule RoundtripBench do
       # The client's parts again back to back, for how much of their time the pause makes.
       back_to_back =
         Map.new(parts, fn {part, f} ->
-          {"#{part}_us", BenchSupport.median(for _ <- 1..iterations, do: f |> BenchSupport.timed() |> elem(1))}
+          {"#{part}_us",
+           BenchSupport.median(for _ <- 1..iterations, do: f |> BenchSupport.timed() |> elem(1))}
         end)
 
       stop_echo(echo)
@@ -306,7 +307,8 @@ defmodule RoundtripBench do
       "ipc" => summarize(ipc),
       "kernel_us_p50" => BenchSupport.median(kernel),
       "server_us_p50" => BenchSupport.median(server),
-      "stages_p50_us" => Map.new(stages, fn k -> {k, BenchSupport.median(for t <- timings, do: t[k] || 0)} end),
+      "stages_p50_us" =>
+        Map.new(stages, fn k -> {k, BenchSupport.median(for t <- timings, do: t[k] || 0)} end),
       "client_parts_p50_us" => client,
       # What the medians leave of the round trip once the echo, the server's part and the
       # client's parts are taken out: the lane's cost beyond the echo's (e.g. the server's
@@ -321,7 +323,6 @@ defmodule RoundtripBench do
     }
   end
 
-
   defp summarize(values) do
     sorted = Enum.sort(values)
 
@@ -334,10 +335,7 @@ defmodule RoundtripBench do
     }
   end
 
-
-
   ## The echo
-
 
   defp unix_lane?(python, env) do
     {help, 0} = System.cmd(python, ["-m", "bridge", "--help"], env: env, stderr_to_stdout: true)
@@ -416,7 +414,6 @@ defmodule RoundtripBench do
 
     us
   end
-
 
   ## Goals (issue 7) and the report
 
