@@ -148,34 +148,45 @@ class ModelSession:
         self.id = session_id
         self.batch = batch
 
-    @staticmethod
-    def _input(tokens, embeds) -> dict:
+    def _args(self, tokens, embeds, output: str | None, return_state: bool) -> dict:
         if (tokens is None) == (embeds is None):
             raise ValueError("expected exactly one of tokens and embeds")
-        return {"tokens": tokens} if tokens is not None else {"embeds": embeds}
-
-    def forward(self, tokens=None, *, embeds=None, output: str | None = None, last_only: bool = False):
-        """Prefill tokens [batch, seq] (or embeds [batch, seq, d_model]) from the current
-        state, leaving the state at the end; the logits (or hidden states) [batch, seq, ...]."""
-        args = {"session": self.id, **self._input(tokens, embeds)}
+        args = {"session": self.id, **({"tokens": tokens} if tokens is not None else {"embeds": embeds})}
         if output is not None:
             args["output"] = output
+        if return_state:
+            args["return_state"] = True
+        return args
+
+    @staticmethod
+    def _answer(result: dict, return_state: bool):
+        """A model op's one output (logits or hidden), and beside it the state when asked for."""
+        state = result.get("state")
+        (out,) = (value for key, value in result.items() if key != "state")
+        return (out, state) if return_state else out
+
+    def forward(self, tokens=None, *, embeds=None, output: str | None = None, last_only: bool = False,
+                return_state: bool = False):
+        """Prefill tokens [batch, seq] (or embeds [batch, seq, d_model]) from the current
+        state, leaving the state at the end; the logits (or hidden states) [batch, seq, ...].
+        With return_state, (output, state): the state after the window as `state()` gives it,
+        with no round trip of its own."""
+        args = self._args(tokens, embeds, output, return_state)
         if last_only:
             args["last_only"] = True
-        result = self.client.call("model_forward", **args)
-        return next(iter(result.values()))
+        return self._answer(self.client.call("model_forward", **args), return_state)
 
-    def step_reply(self, tokens=None, *, embeds=None, output: str | None = None,
+    def step_reply(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False,
                    timeout: float | None = 60.0) -> Reply:
-        """The Reply to one frame (its timing too)."""
-        args = {"session": self.id, **self._input(tokens, embeds)}
-        if output is not None:
-            args["output"] = output
-        return self.client.request("model_step", args, timeout)
+        """The Reply to one frame (its timing too); with return_state, its result holds "state"
+        beside the output, as a scan's does."""
+        return self.client.request("model_step", self._args(tokens, embeds, output, return_state), timeout)
 
-    def step(self, tokens=None, *, embeds=None, output: str | None = None):
-        """One frame: tokens [batch] (or embeds [batch, d_model]) -> logits (or hidden) [batch, ...]."""
-        return next(iter(self.step_reply(tokens, embeds=embeds, output=output).unwrap().values()))
+    def step(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False):
+        """One frame: tokens [batch] (or embeds [batch, d_model]) -> logits (or hidden) [batch, ...];
+        with return_state, (output, state) as `forward` gives them."""
+        reply = self.step_reply(tokens, embeds=embeds, output=output, return_state=return_state)
+        return self._answer(reply.unwrap(), return_state)
 
     def snapshot(self) -> str:
         """A copy of the whole state, kept on the server; its id, for `restore`."""
@@ -446,7 +457,9 @@ class FramedClient:
     def step(self, session: str, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to one timestep of `session` (x, dt, z [batch, dim]; B, C [batch, state]; a
         Mamba-2 session: x, z [batch, heads, headdim], dt [batch, heads], B, C [batch, groups,
-        state], A [heads]); `reply.unwrap()["y"]`. Tensor arguments may be handles from `put`."""
+        state], A [heads]); `reply.unwrap()["y"]`, and with return_state=True "state", the
+        session's state after the step (as `session_state` gives it, without its round trip).
+        Tensor arguments may be handles from `put`."""
         return self.request("step", {"session": session, "x": x, "dt": dt, "A": A, "B": B, "C": C,
                                      **options}, timeout)
 

@@ -129,11 +129,14 @@ OPS: dict[str, dict[str, Arg]] = {
         "cu_seqlens": Arg("tensor"),
         "chunk_size": Arg("size"),
     },
+    # return_state (here and on the model ops): the reply also carries the session's state
+    # after this frame, as session_state gives it.
     "step": {
         "session": Arg("str", True),
         **_OPERANDS,
         **_DT_TRANSFORM,
         "dt_limit": Arg("limits"),
+        "return_state": Arg("bool"),
     },
     # kind "mamba" (the default) takes dim and state (a size), "ssd" heads, headdim and state,
     # and either an initial state h0 or none (zero); a model's session takes model, and a saved
@@ -170,12 +173,14 @@ OPS: dict[str, dict[str, Arg]] = {
         "embeds": Arg("tensor"),
         "output": Arg("output"),
         "last_only": Arg("bool"),
+        "return_state": Arg("bool"),
     },
     "model_step": {
         "session": Arg("str", True),
         "tokens": Arg("tensor"),
         "embeds": Arg("tensor"),
         "output": Arg("output"),
+        "return_state": Arg("bool"),
     },
     "put": {"tensor": Arg("tensor_data", True)},
     "free": {"handle": Arg("str", True)},

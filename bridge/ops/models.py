@@ -17,7 +17,7 @@ from ..batcher import BatchedOp, Item, charge, dtype_of, row_signature, stack_ro
 from ..errors import OpError
 from ..tensors import TORCH_DTYPES, WIRE_DTYPES, host_view, to_wire
 from ..timing import now_ns
-from .sessions import session_of_kind
+from .sessions import session_of_kind, wire_state, with_states
 
 
 def model_load(server, call) -> dict:
@@ -128,9 +128,11 @@ def model_forward(server, call) -> dict:
         out = loaded.model.forward(session.pool.parts, session.slots, inputs, output=output,
                                    last_only=bool(call.args.get("last_only", False)), backend=server.backend)
     start = now_ns()
-    wire = to_wire(out)
+    result = {output: to_wire(out)}
+    if call.args.get("return_state"):
+        result["state"] = wire_state(session)
     call.timing.add("d2h", now_ns() - start)
-    return {output: wire}
+    return result
 
 
 class ModelStepOp(BatchedOp):
@@ -154,7 +156,7 @@ class ModelStepOp(BatchedOp):
         charge(items, "h2d", now_ns() - start)
         with server.kernel_timer(*(item.call for item in items)):
             out = loaded.model.step(lead.session.pool.parts, slots, inputs, output=output, backend=server.backend)
-        return [{output: rows} for rows in wire_rows(out, items)]
+        return with_states(items, [{output: rows} for rows in wire_rows(out, items)])
 
 
 model_step = ModelStepOp()

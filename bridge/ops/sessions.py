@@ -136,15 +136,31 @@ def session_close(server, call) -> dict:
 
 
 def session_state(server, call) -> dict:
-    """A plain session's state tensor; a model session's every part, by name."""
     session = server.session(call.conn, call.args["session"], "args.session")
     start = now_ns()
-    if session.kind == "model":
-        state = {name: to_wire(part) for name, part in session.read_parts().items()}
-    else:
-        state = to_wire(session.read())
+    state = wire_state(session)
     call.timing.add("d2h", now_ns() - start)
     return {"state": state}
+
+
+def wire_state(session):
+    """A plain session's state tensor; a model session's every part, by name."""
+    if session.kind == "model":
+        return {name: to_wire(part) for name, part in session.read_parts().items()}
+    return to_wire(session.read())
+
+
+def with_states(items: list[Item], results: list[dict]) -> list[dict]:
+    """`results` of a launch, those of the requests that asked for return_state with their
+    session's state after it (as session_state gives it). The copies are the launch's d2h,
+    charged to every member as its other shared stages are (SPEC §6.3)."""
+    asking = [(item, result) for item, result in zip(items, results) if item.call.args.get("return_state")]
+    if asking:
+        start = now_ns()
+        for item, result in asking:
+            result["state"] = wire_state(item.session)
+        charge(items, "d2h", now_ns() - start)
+    return results
 
 
 def session_snapshot(server, call) -> dict:
@@ -220,7 +236,7 @@ class StepOp(BatchedOp):
         if server.step_graphs is not None and not mamba2:
             y = server.step_graphs.run(items, lead.shared)
             if y is not None:  # on the host already, its copy charged as d2h
-                return [{"y": y_rows} for y_rows in member_rows(to_wire(y), items)]
+                return with_states(items, [{"y": y_rows} for y_rows in member_rows(to_wire(y), items)])
         start = now_ns()
         rows = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
         slots = stack_rows(server, [item.session.slots for item in items])
@@ -232,7 +248,7 @@ class StepOp(BatchedOp):
                 lead.session.pool.rows, rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"],
                 D=shared["D"], z=rows["z"], dt_bias=shared["dt_bias"], **lead.options,
                 slots=slots, backend=server.backend)
-        return [{"y": y_rows} for y_rows in wire_rows(y, items)]
+        return with_states(items, [{"y": y_rows} for y_rows in wire_rows(y, items)])
 
 
 step = StepOp()

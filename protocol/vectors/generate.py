@@ -259,6 +259,13 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
     vectors.append(_request("model_step_embeds", "one frame of embeddings through a model, hidden states out",
                             {"v": 1, "id": 19, "op": "model_step",
                              "args": {"session": "s-3", "embeds": tensor("f32", (2, 2), 205), "output": "hidden"}}))
+    vectors.append(_request("model_step_return_state",
+                            "one frame of tokens through a model, the session's state after it in the reply "
+                            "(a checkpoint without a session_state round trip)",
+                            {"v": 1, "id": 28, "op": "model_step",
+                             "args": {"session": "s-3", "tokens": {"dtype": "i32", "shape": [2],
+                                                                   "data": Binary("i32", [3, 7])},
+                                      "return_state": True}}))
     vectors.append(_request("session_restore", "roll a session back to a snapshot",
                             {"v": 1, "id": 24, "op": "session_restore", "args": {"session": "s-3", "snapshot": "p-1"}}))
     vectors.append(_request("scan_backward_f32", "gradients of a scan with D, dt_bias, softplus, h0 and dstate",
