@@ -123,8 +123,18 @@ defmodule ScanBridge do
   @type error :: {:error, Error.t()}
   @typedoc "What `scan/3` and `ssd_scan/3` return: `state` is nil without `return_state: true`."
   @type scan_result :: %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}
-  @typedoc "What `step/4` returns."
-  @type step_result :: %{y: Tensor.t(), timing: timing}
+  @typedoc "What `step/4` returns: `state` is nil without `return_state: true`."
+  @type step_result :: %{y: Tensor.t(), state: Tensor.t() | nil, timing: timing}
+  @typedoc """
+  A model session's state: every part by name (`"layers.<i>.conv"`, `"layers.<i>.ssm"`), as
+  `session_state/3` returns it and `open_session/3` takes it back as `state:`.
+  """
+  @type model_state :: %{String.t() => Tensor.t()}
+  @typedoc """
+  What `model_forward/4` and `model_step/4` return: the output tensor; with `return_state: true`,
+  `{output, state}`, the session's state after the call (nil from a server that sent none).
+  """
+  @type model_result :: Tensor.t() | {Tensor.t(), model_state | nil}
 
   @typedoc """
   The gradients `scan_backward/3` and `ssd_scan_backward/3` return: one per tensor input, named
@@ -378,6 +388,10 @@ defmodule ScanBridge do
   `ssd_scan/3`; returns `y` `[batch, heads, headdim]`. The session is the second argument only:
   `inputs` that name one too raise `ArgumentError`.
 
+  With `return_state: true` in `inputs` (as for `scan/3`), `state` is the session's state after
+  this step, f32, exactly what `session_state/3` would return right after, without its round
+  trip; else nil.
+
   A step that timed out (`{:error, %ScanBridge.Error{reason: :timeout}}`) may still have been
   done by the server, leaving the session one timestep further on; read it with
   `session_state/3` before going on when that matters.
@@ -394,8 +408,9 @@ defmodule ScanBridge do
     args = Map.put(args, "session", session)
 
     with {:ok, result, timing} <- request(server, "step", args, opts),
-         {:ok, y} <- result_tensor(result, "y") do
-      {:ok, %{y: y, timing: timing}}
+         {:ok, y} <- result_tensor(result, "y"),
+         {:ok, state} <- optional_result_tensor(result, "state") do
+      {:ok, %{y: y, state: state, timing: timing}}
     end
   end
 
@@ -470,15 +485,18 @@ defmodule ScanBridge do
   last) and `"layers.<i>.ssm"` (`[batch, d_inner, state]`, or `[batch, heads, headdim, state]`
   for Mamba-2), which `open_session/3` takes back as `state:`.
   """
-  @spec session_state(server, String.t(), call_opts) ::
-          {:ok, Tensor.t() | %{String.t() => Tensor.t()}} | error
+  @spec session_state(server, String.t(), call_opts) :: {:ok, Tensor.t() | model_state} | error
   def session_state(server, session, opts \\ []) when is_binary(session) do
-    with {:ok, result, _timing} <- request(server, "session_state", %{session: session}, opts) do
-      case Map.get(result, "state") do
-        # a model session's parts by name; a tensor map has its dtype code there
-        %{} = parts when not is_map_key(parts, "dtype") -> result_tensors(parts, "state")
-        _tensor -> result_tensor(result, "state")
-      end
+    with {:ok, result, _timing} <- request(server, "session_state", %{session: session}, opts),
+         do: result_state(result)
+  end
+
+  # A reply's state: a model session's parts by name, or a plain session's tensor.
+  defp result_state(result) do
+    case Map.get(result, "state") do
+      # a tensor map has its dtype code there
+      %{} = parts when not is_map_key(parts, "dtype") -> result_tensors(parts, "state")
+      _tensor -> result_tensor(result, "state")
     end
   end
 
@@ -517,9 +535,14 @@ defmodule ScanBridge do
   @typedoc "What a model op answers with: logits (the default with a head) or hidden states."
   @type model_output :: :logits | :hidden | String.t()
   @typedoc "`model_forward/4`'s options."
-  @type model_forward_opts :: [output: model_output, last_only: boolean, timeout: timeout]
+  @type model_forward_opts :: [
+          output: model_output,
+          last_only: boolean,
+          return_state: boolean,
+          timeout: timeout
+        ]
   @typedoc "`model_step/4`'s options."
-  @type model_step_opts :: [output: model_output, timeout: timeout]
+  @type model_step_opts :: [output: model_output, return_state: boolean, timeout: timeout]
   @typedoc "A model's input: token ids (an integer tensor) or embeddings (a float tensor)."
   @type model_input ::
           {:tokens, tensor_input}
@@ -641,22 +664,25 @@ defmodule ScanBridge do
   Options: `:output`, `:logits` (`[batch, seq, vocab]`, the default for a model with a head) or
   `:hidden` (`[batch, seq, d_model]`, after the final norm; the default and the only output of a
   backbone, which answers `:logits` with `:invalid_argument`), or their strings;
-  `:last_only` (`true`: only the last position, `[batch, 1, ...]`); `:timeout`.
+  `:last_only` (`true`: only the last position, `[batch, 1, ...]`); `:return_state` (see
+  below); `:timeout`.
 
-  Returns the output tensor, f32.
+  Returns the output tensor, f32. With `return_state: true`, `{output, state}`: `state` is the
+  session's state after the window, every part by name as `session_state/3` returns it (and
+  exactly what it would return right after), without that call's round trip.
   """
   @spec model_forward(server, String.t(), model_input, model_forward_opts) ::
-          {:ok, Tensor.t()} | error
+          {:ok, model_result} | error
   def model_forward(server, session, input, opts \\ []) do
-    opts = opts!(opts, [:output, :last_only, :timeout], "model_forward")
+    opts = opts!(opts, [:output, :last_only, :return_state, :timeout], "model_forward")
     args = model_args!(session, input, opts, "model_forward")
 
     with {:ok, result, _timing} <- request(server, "model_forward", args, opts),
-         do: model_output(result)
+         do: model_answer(result, Keyword.get(opts, :return_state, false))
   end
 
   @doc "Like `model_forward/4`, raising `ScanBridge.Error` on failure."
-  @spec model_forward!(server, String.t(), model_input, model_forward_opts) :: Tensor.t()
+  @spec model_forward!(server, String.t(), model_input, model_forward_opts) :: model_result
   def model_forward!(server, session, input, opts \\ []),
     do: ok!(model_forward(server, session, input, opts))
 
@@ -664,23 +690,26 @@ defmodule ScanBridge do
   One frame through a model's session (SPEC §6.4 `model_step`), its every layer's state
   updated in place on the server. `input` as for `model_forward/4` without the seq axis:
   `{:tokens, ids}` `[batch]` or `{:embeds, x}` `[batch, d_model]`. Options: `:output`,
-  `:timeout`. Returns `[batch, vocab]` logits or `[batch, d_model]` hidden states, f32.
+  `:return_state`, `:timeout`. Returns `[batch, vocab]` logits or `[batch, d_model]` hidden
+  states, f32; with `return_state: true`, `{output, state}` as for `model_forward/4`, the state
+  after this frame (a checkpoint without a `session_state/3` round trip).
 
   Steps of sessions of one model (the same input kind and dtype, the same output) from any
   callers share one pass through the stack on the server. A step that timed out may still
   have been done, as for `step/4`.
   """
-  @spec model_step(server, String.t(), model_input, model_step_opts) :: {:ok, Tensor.t()} | error
+  @spec model_step(server, String.t(), model_input, model_step_opts) ::
+          {:ok, model_result} | error
   def model_step(server, session, input, opts \\ []) do
-    opts = opts!(opts, [:output, :timeout], "model_step")
+    opts = opts!(opts, [:output, :return_state, :timeout], "model_step")
     args = model_args!(session, input, opts, "model_step")
 
     with {:ok, result, _timing} <- request(server, "model_step", args, opts),
-         do: model_output(result)
+         do: model_answer(result, Keyword.get(opts, :return_state, false))
   end
 
   @doc "Like `model_step/4`, raising `ScanBridge.Error` on failure."
-  @spec model_step!(server, String.t(), model_input, model_step_opts) :: Tensor.t()
+  @spec model_step!(server, String.t(), model_input, model_step_opts) :: model_result
   def model_step!(server, session, input, opts \\ []),
     do: ok!(model_step(server, session, input, opts))
 
@@ -704,6 +733,12 @@ defmodule ScanBridge do
 
       {:last_only, other}, _args ->
         raise ArgumentError, "#{op} :last_only: expected a boolean, got #{inspect(other)}"
+
+      {:return_state, return_state}, args when is_boolean(return_state) ->
+        Map.put(args, "return_state", return_state)
+
+      {:return_state, other}, _args ->
+        raise ArgumentError, "#{op} :return_state: expected a boolean, got #{inspect(other)}"
 
       {:timeout, _}, args ->
         args
@@ -731,9 +766,22 @@ defmodule ScanBridge do
   defp tensor_arg!({:handle, id}, _what) when is_binary(id), do: %{handle: id}
   defp tensor_arg!(value, what), do: Tensor.cast!(value, what)
 
-  # The one output a model op answers with: "logits" or "hidden".
+  # A model op's answer: its output, and with return_state the state beside it.
+  defp model_answer(result, false), do: model_output(result)
+
+  defp model_answer(result, true) do
+    with {:ok, output} <- model_output(result),
+         {:ok, state} <- optional_result_state(result),
+         do: {:ok, {output, state}}
+  end
+
+  defp optional_result_state(result) do
+    if Map.has_key?(result, "state"), do: result_state(result), else: {:ok, nil}
+  end
+
+  # The one output a model op answers with: "logits" or "hidden" (beside a state it asked for).
   defp model_output(result) do
-    case Map.keys(result) do
+    case result |> Map.delete("state") |> Map.keys() do
       [key] when key in ["logits", "hidden"] ->
         result_tensor(result, key)
 

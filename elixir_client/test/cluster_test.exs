@@ -4,7 +4,7 @@ defmodule ScanBridge.ClusterTest do
   use ExUnit.Case, async: false
 
   import ScanBridge.TestSupport, only: [eventually: 1, freeze: 1, thaw: 1]
-  alias ScanBridge.{Cluster, Error, TestSupport}
+  alias ScanBridge.{Cluster, Error, Tensor, TestSupport}
   alias ScanBridge.TestSupport.Models
 
   defp start_member(group, extra \\ []), do: hd(start_members(group, 1, extra))
@@ -110,10 +110,15 @@ defmodule ScanBridge.ClusterTest do
     assert eventually(fn -> Enum.all?(Cluster.loads(g), fn {_, load} -> load.calls == 0 end) end)
   end
 
-  defp ops_done(member) do
+  defp ops_done(member, op \\ "scan") do
     {:ok, stats} = ScanBridge.stats(member)
-    get_in(stats, ["ops", "scan", "success_count"]) || 0
+    get_in(stats, ["ops", op, "success_count"]) || 0
   end
+
+  # The session_state requests each of `members` has served (those of `reads`: those still
+  # there of the members it counted).
+  defp state_reads(%{} = reads, gone), do: state_reads(Map.keys(reads) -- [gone])
+  defp state_reads(members), do: Map.new(members, &{&1, ops_done(&1, "session_state")})
 
   test "a model session fails over with a checkpoint and answers as an uninterrupted run" do
     g = group()
@@ -159,19 +164,146 @@ defmodule ScanBridge.ClusterTest do
     start_members(g, 2)
     sizes = %{batch: 2, heads: 2, headdim: 4, state: 3}
     dims = [kind: :ssd] ++ Map.to_list(sizes)
+    window = ssd_window(sizes, 5)
     frames = for _ <- 1..7, do: ssd_frame(sizes)
     {:ok, reference} = Cluster.open_session(g, dims)
+    prefilled = ok!(Cluster.ssd_scan(reference, window)).y
     expected = for f <- frames, do: ok!(Cluster.step(reference, f)).y
     {:ok, s} = Cluster.open_session(g, dims, checkpoint: 2)
+    reads = state_reads(Cluster.members(g))
+    # the prefill is a frame like the steps: the first checkpoint comes with the first step
+    assert ok!(Cluster.ssd_scan(s, window)).y.data == prefilled.data
     first = for f <- Enum.take(frames, 3), do: ok!(Cluster.step(s, f)).y
     {:ok, %{member: owner}} = Cluster.session_info(s)
+    # the checkpoints rode on the frames' replies
+    assert state_reads(Cluster.members(g)) == reads
     kill_server!(owner)
     rest = for f <- Enum.drop(frames, 3), do: ok!(Cluster.step(s, f)).y
     assert {:ok, %{failovers: 1}} = Cluster.session_info(s)
+    assert state_reads(reads, owner) == Map.delete(reads, owner)
     for {a, e} <- Enum.zip(first ++ rest, expected), do: Models.assert_rel_close(a, e, 1.0e-6, "y")
     {:ok, state} = Cluster.session_state(s)
     {:ok, reference_state} = Cluster.session_state(reference)
     Models.assert_rel_close(state, reference_state, 1.0e-6, "state")
+  end
+
+  test "checkpoints ride on the frames' replies, the caller's own asks answered as asked" do
+    g = model_group(2)
+    embeds = Models.embeds(1, 12, 8)
+    window = {:embeds, Models.frames(embeds, 0, 3)}
+    {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+
+    expected =
+      [ok!(Cluster.model_forward(reference, window))] ++
+        for(t <- 3..6, do: step!(reference, embeds, t))
+
+    # no checkpoint: the state is only passed on to the caller
+    {expected_7, expected_state} = step!(reference, embeds, 7, return_state: true)
+    expected = expected ++ [expected_7] ++ for(t <- 8..11, do: step!(reference, embeds, t))
+
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+    reads = state_reads(Cluster.members(g))
+    # checkpoints after frames 3 and 5 (the window is the first frame), then 7, whose caller
+    # asks for the state too; 8's caller asks between checkpoints
+    got = [ok!(Cluster.model_forward(s, window))] ++ for(t <- 3..6, do: step!(s, embeds, t))
+    assert Enum.all?(got, &match?(%Tensor{}, &1))
+    {got_7, state_7} = step!(s, embeds, 7, return_state: true)
+    {got_8, state_8} = step!(s, embeds, 8, return_state: true)
+    assert {:ok, %{frames_since_checkpoint: 1, member: owner}} = Cluster.session_info(s)
+    assert state_reads(Cluster.members(g)) == reads
+
+    for {name, part} <- expected_state,
+        do: Models.assert_rel_close(state_7[name], part, 1.0e-5, "state #{name}")
+
+    assert map_size(state_8) == map_size(state_7)
+    # rebuilt from the checkpoint after frame 7, frame 8 replayed (as its caller sent it)
+    kill_server!(owner)
+    got = got ++ [got_7, got_8] ++ for(t <- 9..11, do: step!(s, embeds, t))
+    assert {:ok, %{failovers: 1, frames_since_checkpoint: 0}} = Cluster.session_info(s)
+    assert state_reads(reads, owner) == Map.delete(reads, owner)
+    for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+  end
+
+  # Python run at a member's start (sitecustomize) that makes it a server without return_state:
+  # one that refuses it by name, as a server from before it does (its decoder refuses any
+  # argument it does not know), or one that answers without the state.
+  @old_servers [
+    refusing: """
+    from bridge.errors import OpError
+    from bridge.ops.sessions import StepOp
+
+    prepare = StepOp.prepare
+
+
+    def refusing(self, server, call):
+        if "return_state" in call.args:
+            raise OpError("invalid_argument", "args.return_state: unknown argument 'return_state'",
+                          {"field": "args.return_state"})
+        return prepare(self, server, call)
+
+
+    StepOp.prepare = refusing
+    """,
+    silent: """
+    import bridge.ops.sessions
+
+    bridge.ops.sessions.with_states = lambda items, results: results
+    """
+  ]
+
+  for {name, python} <- @old_servers do
+    test "with a server #{name} the state, checkpoints are read with session_state" do
+      dir = Models.tmp_dir!()
+      File.write!(Path.join(dir, "sitecustomize.py"), unquote(python))
+      env = TestSupport.server_opts()[:env]
+      {_, path} = List.keyfind(env, "PYTHONPATH", 0)
+      g = group()
+
+      member =
+        start_member(g, env: List.keystore(env, "PYTHONPATH", 0, {"PYTHONPATH", dir <> ":" <> path}))
+
+      dims = [batch: 2, dim: 3, state: 2]
+      frames = for _ <- 1..4, do: plain_frame(2, 3, 2)
+      {:ok, reference} = Cluster.open_session(g, dims)
+      expected = for f <- frames, do: ok!(Cluster.step(reference, f)).y
+      {:ok, s} = Cluster.open_session(g, dims, checkpoint: 2)
+      reads = ops_done(member, "session_state")
+
+      for {f, e} <- Enum.zip(frames, expected) do
+        assert {:ok, %{y: y, state: nil}} = Cluster.step(s, f)
+        assert y.data == e.data
+      end
+
+      assert ops_done(member, "session_state") == reads + 2
+      assert {:ok, %{frames_since_checkpoint: 0}} = Cluster.session_info(s)
+      # what a caller asking itself gets: the server's own answer
+      asked = Cluster.step(s, Map.put(hd(frames), :return_state, true))
+
+      case unquote(name) do
+        :refusing -> assert {:error, %Error{reason: :invalid_argument}} = asked
+        :silent -> assert {:ok, %{state: nil}} = asked
+      end
+    end
+  end
+
+  defp plain_frame(b, d, n) do
+    %{
+      x: TestSupport.random(:f32, {b, d}),
+      dt: TestSupport.random(:f32, {b, d}, 0.01, 0.5),
+      A: TestSupport.random(:f32, {d, n}, -2.0, -0.1),
+      B: TestSupport.random(:f32, {b, n}),
+      C: TestSupport.random(:f32, {b, n})
+    }
+  end
+
+  defp ssd_window(%{batch: b, heads: h, headdim: p, state: n}, seq) do
+    %{
+      x: TestSupport.random(:f32, {b, seq, h, p}),
+      dt: TestSupport.random(:f32, {b, seq, h}, 0.01, 0.5),
+      A: TestSupport.random(:f32, {h}, -2.0, -0.1),
+      B: TestSupport.random(:f32, {b, seq, 1, n}),
+      C: TestSupport.random(:f32, {b, seq, 1, n})
+    }
   end
 
   defp ssd_frame(%{batch: b, heads: h, headdim: p, state: n}) do

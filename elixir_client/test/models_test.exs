@@ -102,6 +102,39 @@ defmodule ScanBridge.ModelsTest do
         close_and_free(server, info, [whole, parts])
       end
 
+      test "#{arch}: return_state: true answers the state after the call, as session_state would",
+           %{server: server} do
+        {info, asking} = load_and_open(server, @arch, 2)
+        assert {:ok, twin} = ScanBridge.open_session(server, model: info, batch: 2)
+        embeds = Models.embeds(2, 5, 8)
+        window = {:embeds, Models.frames(embeds, 0, 3)}
+
+        assert {:ok, {hidden, state}} =
+                 ScanBridge.model_forward(server, asking, window, return_state: true)
+
+        assert {:ok, %Tensor{} = twin_hidden} =
+                 ScanBridge.model_forward(server, twin, window, return_state: false)
+
+        assert hidden.data == twin_hidden.data
+        assert {:ok, ^state} = ScanBridge.session_state(server, asking)
+        assert map_size(state) == 4
+
+        for t <- 3..4 do
+          frame = {:embeds, Models.frame(embeds, t)}
+
+          assert {:ok, {hidden, state}} =
+                   ScanBridge.model_step(server, asking, frame, return_state: true, output: :hidden)
+
+          assert {:ok, %Tensor{} = twin_hidden} = ScanBridge.model_step(server, twin, frame)
+          assert hidden.data == twin_hidden.data
+          assert {:ok, ^state} = ScanBridge.session_state(server, asking)
+          assert {:ok, ^state} = ScanBridge.session_state(server, twin)
+        end
+
+        refute state |> Map.values() |> Enum.flat_map(&Tensor.to_list/1) |> Enum.all?(&(&1 == 0.0))
+        close_and_free(server, info, [asking, twin])
+      end
+
       test "#{arch}: a restored snapshot replays 4 frames exactly", %{server: server} do
         {info, session} = load_and_open(server, @arch, 2)
         embeds = Models.embeds(2, 7, 8)
@@ -388,7 +421,12 @@ defmodule ScanBridge.ModelsTest do
             {fn -> ScanBridge.model_forward(server, session, {:embeds, embeds}, last_only: 1) end,
              ~r/model_forward :last_only: expected a boolean, got 1/},
             {fn -> ScanBridge.model_step(server, session, {:embeds, embeds}, last_only: true) end,
-             ~r/model_step options: expected only :output, :timeout, got :last_only/},
+             ~r/model_step options: expected only :output, :return_state, :timeout, got :last_only/},
+            {fn -> ScanBridge.model_step(server, session, {:embeds, embeds}, return_state: 1) end,
+             ~r/model_step :return_state: expected a boolean, got 1/},
+            {fn ->
+               ScanBridge.model_forward(server, session, {:embeds, embeds}, return_state: "yes")
+             end, ~r/model_forward :return_state: expected a boolean, got "yes"/},
             {fn -> ScanBridge.model_step(server, nil, {:embeds, embeds}) end,
              ~r/model_step session: expected an id \(a non-empty string\), got nil/},
             {fn -> ScanBridge.load_model(server, %{config: %{}}) end,

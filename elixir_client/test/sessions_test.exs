@@ -59,6 +59,50 @@ defmodule ScanBridge.SessionsTest do
     assert ScanBridge.close_session(server, session) == :ok
   end
 
+  test "a step with return_state: true answers the state after it, as session_state would", %{
+    server: server
+  } do
+    f32 = fn shape -> TestSupport.random(:f32, shape) end
+
+    plain = fn ->
+      %{x: f32.({2, 3}), dt: f32.({2, 3}), A: f32.({3, 2}), B: f32.({2, 2}), C: f32.({2, 2})}
+    end
+
+    ssd = fn ->
+      %{
+        x: f32.({2, 2, 3}),
+        dt: TestSupport.random(:f32, {2, 2}, 0.05, 0.5),
+        A: TestSupport.random(:f32, {2}, -2.0, -0.1),
+        B: f32.({2, 1, 4}),
+        C: f32.({2, 1, 4})
+      }
+    end
+
+    for {dims, frame} <- [
+          {[batch: 2, dim: 3, state: 2], plain},
+          {[kind: :ssd, batch: 2, heads: 2, headdim: 3, state: 4], ssd}
+        ] do
+      assert {:ok, asking} = ScanBridge.open_session(server, dims)
+      assert {:ok, twin} = ScanBridge.open_session(server, dims)
+
+      for _ <- 1..3 do
+        inputs = frame.()
+
+        assert {:ok, %{y: y, state: %ScanBridge.Tensor{dtype: :f32} = state}} =
+                 ScanBridge.step(server, asking, Map.put(inputs, :return_state, true))
+
+        assert {:ok, %{y: twin_y, state: nil}} = ScanBridge.step(server, twin, inputs)
+        assert y.data == twin_y.data
+        assert {:ok, ^state} = ScanBridge.session_state(server, asking)
+        assert {:ok, ^state} = ScanBridge.session_state(server, twin)
+        refute Enum.all?(ScanBridge.Tensor.to_list(state), &(&1 == 0.0))
+      end
+
+      assert ScanBridge.close_session(server, asking) == :ok
+      assert ScanBridge.close_session(server, twin) == :ok
+    end
+  end
+
   test "sessions are the client's: an unknown id is :unknown_session", %{server: server} do
     assert {:error, %ScanBridge.Error{reason: :unknown_session}} =
              ScanBridge.session_state(server, "no-such-session")

@@ -92,15 +92,29 @@ defmodule ScanBridge.Cluster do
   member goes away with the call, send it once more to another member, within the deadline).
   Inputs must not name a `:session` or hold `{:handle, id}`s: those belong to one server (use
   a cluster session, or send the tensors).
-  """
-  @spec scan(group, ScanBridge.inputs(), call_opts) ::
-          {:ok, ScanBridge.scan_result()} | ScanBridge.error()
-  def scan(group, inputs, opts \\ []), do: stateless(group, :scan, inputs, opts)
 
-  @doc "`ScanBridge.ssd_scan/3` on a member of `group`; options as for `scan/3`."
-  @spec ssd_scan(group, ScanBridge.inputs(), call_opts) ::
+  Given a cluster session (of a plain Mamba-1 session) instead of a group, the scan is a
+  prefill of that session, as `ScanBridge.scan/3` with `:session`: sent to its owner and kept
+  for a rebuild like a step. Options: `:timeout`.
+  """
+  @spec scan(group | session, ScanBridge.inputs(), call_opts) ::
           {:ok, ScanBridge.scan_result()} | ScanBridge.error()
-  def ssd_scan(group, inputs, opts \\ []), do: stateless(group, :ssd_scan, inputs, opts)
+  def scan(group_or_session, inputs, opts \\ [])
+  def scan(%Session{} = session, inputs, opts), do: Session.call(session, :scan, inputs, opts)
+  def scan(group, inputs, opts), do: stateless(group, :scan, inputs, opts)
+
+  @doc """
+  `ScanBridge.ssd_scan/3` on a member of `group`, or a prefill of a Mamba-2 cluster session;
+  options as for `scan/3`.
+  """
+  @spec ssd_scan(group | session, ScanBridge.inputs(), call_opts) ::
+          {:ok, ScanBridge.scan_result()} | ScanBridge.error()
+  def ssd_scan(group_or_session, inputs, opts \\ [])
+
+  def ssd_scan(%Session{} = session, inputs, opts),
+    do: Session.call(session, :ssd_scan, inputs, opts)
+
+  def ssd_scan(group, inputs, opts), do: stateless(group, :ssd_scan, inputs, opts)
 
   @doc "`ScanBridge.scan_backward/3` on a member of `group`; options as for `scan/3`."
   @spec scan_backward(group, ScanBridge.inputs(), call_opts) ::
@@ -284,8 +298,9 @@ defmodule ScanBridge.Cluster do
   Options:
 
     * `:checkpoint` - `n`, a positive integer: every n frames (calls that advance the state)
-      the session's state is copied to this node, after the caller has had its answer, and
-      the frames since are kept here. When the session's server goes away, the session is
+      the session's state is copied to this node, and the frames since are kept here. The
+      copy rides on the n-th frame's reply (`return_state`), so it costs no round trip of its
+      own; the caller gets the reply it asked for, without the state unless it asked too. When the session's server goes away, the session is
       rebuilt on another member from the copy and the kept frames are run again there; the
       call in flight is then answered from the new server. Without it (the default) a session
       whose server goes away is lost: its calls answer `:session_lost`.
@@ -339,21 +354,24 @@ defmodule ScanBridge.Cluster do
           {:ok, ScanBridge.step_result()} | ScanBridge.error()
   def step(%Session{} = session, inputs, opts \\ []), do: Session.call(session, :step, inputs, opts)
 
-  @doc "`ScanBridge.model_step/4` on a cluster session. Options: `:output`, `:timeout`."
+  @doc """
+  `ScanBridge.model_step/4` on a cluster session. Options: `:output`, `:return_state`,
+  `:timeout`.
+  """
   @spec model_step(session, ScanBridge.model_input(), ScanBridge.model_step_opts()) ::
-          {:ok, Tensor.t()} | ScanBridge.error()
+          {:ok, ScanBridge.model_result()} | ScanBridge.error()
   def model_step(%Session{} = session, input, opts \\ []),
     do: Session.call(session, :model_step, input, opts)
 
   @doc "`ScanBridge.model_forward/4` on a cluster session; options as there."
   @spec model_forward(session, ScanBridge.model_input(), ScanBridge.model_forward_opts()) ::
-          {:ok, Tensor.t()} | ScanBridge.error()
+          {:ok, ScanBridge.model_result()} | ScanBridge.error()
   def model_forward(%Session{} = session, input, opts \\ []),
     do: Session.call(session, :model_forward, input, opts)
 
   @doc "The session's state, as `ScanBridge.session_state/3` gives it. Options: `:timeout`."
   @spec session_state(session, ScanBridge.call_opts()) ::
-          {:ok, Tensor.t() | %{String.t() => Tensor.t()}} | ScanBridge.error()
+          {:ok, Tensor.t() | ScanBridge.model_state()} | ScanBridge.error()
   def session_state(%Session{} = session, opts \\ []),
     do: Session.call(session, :session_state, nil, opts)
 

@@ -4,11 +4,13 @@ defmodule ScanBridge.Cluster.Session do
   keeps one session on one member of a group — its owner — and sends the session's calls there.
 
   With `checkpoint: n` it also keeps, on this node, the session's state as of its latest
-  checkpoint (taken every n frames, after the frame's caller has had its answer) and the frames
-  answered since. When the owner goes away (its server, its OS process or its node) the session
-  is rebuilt on another member: opened there from the checkpoint, the kept frames run again, and
-  the call in flight, if any, sent there. The owner going away is noticed by a monitor, so the
-  rebuild starts at once, not at the next frame.
+  checkpoint and the frames answered since. A checkpoint is taken every n frames from the n-th
+  frame's own reply, which is sent asking for the state after it (`return_state`), so it costs
+  no round trip; where the reply carries none, the state is read with `session_state` after the
+  frame's caller has had its answer. When the owner goes away (its server, its OS process or its
+  node) the session is rebuilt on another member: opened there from the checkpoint, the kept
+  frames run again, and the call in flight, if any, sent there. The owner going away is noticed
+  by a monitor, so the rebuild starts at once, not at the next frame.
 
   The rebuilt session is exactly the one the caller has seen, or the session is given up
   (`:session_lost`): a frame that timed out may or may not have been done by the owner, so once a
@@ -35,6 +37,10 @@ defmodule ScanBridge.Cluster.Session do
   @answer_grace_ms 100
   # The calls that advance the session's state, and so are kept for a rebuild.
   @advancing [:step, :model_step, :model_forward, :scan, :ssd_scan]
+  # The calls whose return_state is an option rather than one of the inputs.
+  @state_option [:model_step, :model_forward]
+  # How an input map asks for the state (return_last_state is mamba_ssm's name for it).
+  @state_inputs [:return_state, "return_state", :return_last_state, "return_last_state"]
 
   @doc false
   @spec open(Cluster.group(), map, Cluster.session_opts()) :: {:ok, t} | {:error, Error.t()}
@@ -201,11 +207,11 @@ defmodule ScanBridge.Cluster.Session do
         {:reply, {:error, no_owner(state)}, state}
 
       _ok_or_unsure ->
-        case run(state, kind, input, opts, deadline) do
-          {:raise, _exception} = raised ->
+        case run_frame(state, kind, input, opts, deadline) do
+          {{:raise, _exception} = raised, _saved} ->
             {:reply, raised, state}
 
-          {:error, %Error{} = error} = outcome ->
+          {{:error, %Error{} = error} = outcome, _saved} ->
             cond do
               Cluster.gone?(error) ->
                 state = owner_gone(state, error.message)
@@ -218,9 +224,9 @@ defmodule ScanBridge.Cluster.Session do
                 {:reply, outcome, state}
             end
 
-          {:ok, _} = outcome ->
+          {{:ok, _} = outcome, saved} ->
             GenServer.reply(from, outcome)
-            {:noreply, advanced(state, kind, input, opts)}
+            {:noreply, advanced(state, kind, input, opts, saved)}
         end
     end
   end
@@ -235,17 +241,17 @@ defmodule ScanBridge.Cluster.Session do
         {:reply, first_outcome, state}
 
       true ->
-        case run(state, kind, input, opts, deadline) do
-          {:ok, _} = outcome ->
+        case run_frame(state, kind, input, opts, deadline) do
+          {{:ok, _} = outcome, saved} ->
             GenServer.reply(from, outcome)
-            {:noreply, advanced(state, kind, input, opts)}
+            {:noreply, advanced(state, kind, input, opts, saved)}
 
-          {:error, %Error{} = error} = outcome ->
+          {{:error, %Error{} = error} = outcome, _saved} ->
             state = if Cluster.gone?(error), do: owner_gone(state, error.message), else: state
 
             {:reply, outcome, state}
 
-          raised ->
+          {raised, _saved} ->
             {:reply, raised, state}
         end
     end
@@ -254,23 +260,31 @@ defmodule ScanBridge.Cluster.Session do
   defp unsure(:ok), do: :unsure
   defp unsure(status), do: status
 
-  # A frame answered: kept for a rebuild, and a checkpoint taken when one is due.
-  defp advanced(state, kind, input, opts) when kind in @advancing do
+  # A frame answered: kept for a rebuild, and a checkpoint taken when one is due: `saved`, the
+  # state after this frame that its reply carried, or else the state read now. Either is the
+  # state after this very frame, so no kept frame precedes it.
+  defp advanced(state, kind, input, opts, saved) when kind in @advancing do
     status = if state.status == :unsure, do: :tainted, else: state.status
 
     cond do
       state.every == nil ->
         %{state | status: status}
 
-      length(state.log) + 1 >= state.every ->
-        checkpoint(%{state | status: status, log: [{kind, input, opts} | state.log]})
+      not checkpoint_due?(state) ->
+        %{state | status: status, log: [{kind, input, opts} | state.log]}
+
+      saved != nil ->
+        %{state | checkpoint: saved, log: [], status: :ok}
 
       true ->
-        %{state | status: status, log: [{kind, input, opts} | state.log]}
+        checkpoint(%{state | status: status, log: [{kind, input, opts} | state.log]})
     end
   end
 
-  defp advanced(state, _kind, _input, _opts), do: state
+  defp advanced(state, _kind, _input, _opts, _saved), do: state
+
+  # Whether the next frame answered completes a checkpoint.
+  defp checkpoint_due?(state), do: state.every != nil and length(state.log) + 1 >= state.every
 
   defp checkpoint(state) do
     case ScanBridge.session_state(state.owner, state.remote, timeout: @checkpoint_timeout_ms) do
@@ -283,6 +297,64 @@ defmodule ScanBridge.Cluster.Session do
         state
     end
   end
+
+  # A call sent to the owner: {its outcome for the caller, the state after it or nil}. A frame
+  # that completes a checkpoint asks for the state after it; its caller gets the reply as it
+  # would have without that (with the state only when it asked for it itself).
+  defp run_frame(state, kind, input, opts, deadline) do
+    asking =
+      if kind in @advancing and checkpoint_due?(state),
+        do: asking_for_state(kind, input, opts),
+        else: :as_given
+
+    case asking do
+      :as_given ->
+        {run(state, kind, input, opts, deadline), nil}
+
+      {:ask, sent_input, sent_opts, caller_asked} ->
+        case run(state, kind, sent_input, sent_opts, deadline) do
+          {:ok, reply} ->
+            {answer, saved} = take_state(kind, reply, caller_asked)
+            {{:ok, answer}, saved}
+
+          {:error, %Error{reason: :invalid_argument, detail: %{"field" => "args.return_state"}}}
+          when not caller_asked ->
+            # a server from before return_state refuses it, running nothing: sent as given, the
+            # checkpoint is read after it
+            {run(state, kind, input, opts, deadline), nil}
+
+          outcome ->
+            {outcome, nil}
+        end
+    end
+  end
+
+  # The frame asking for the state after it: {:ask, input, opts, whether its caller asked
+  # too}; or :as_given where the caller's own ask is not one to rewrite (not a boolean, or
+  # given twice), so that it is sent, and answered or refused, as it is.
+  defp asking_for_state(kind, input, opts) when kind in @state_option do
+    given = Keyword.get_values(opts, :return_state)
+    ask_unless_odd(given, input, Keyword.put(opts, :return_state, true))
+  end
+
+  defp asking_for_state(_kind, input, opts) when is_map(input) and not is_struct(input) do
+    given = for key <- @state_inputs, is_map_key(input, key), do: Map.fetch!(input, key)
+    ask_unless_odd(given, input |> Map.drop(@state_inputs) |> Map.put(:return_state, true), opts)
+  end
+
+  defp asking_for_state(_kind, _input, _opts), do: :as_given
+
+  defp ask_unless_odd(given, input, opts) when given in [[], [false], [true]],
+    do: {:ask, input, opts, given == [true]}
+
+  defp ask_unless_odd(_given, _input, _opts), do: :as_given
+
+  # The caller's answer from a reply that carries the state, and that state.
+  defp take_state(kind, {output, saved}, caller_asked) when kind in @state_option,
+    do: {if(caller_asked, do: {output, saved}, else: output), saved}
+
+  defp take_state(_kind, %{state: saved} = result, caller_asked),
+    do: {if(caller_asked, do: result, else: %{result | state: nil}), saved}
 
   defp run(state, kind, input, opts, deadline) do
     opts = Keyword.put(opts, :timeout, Cluster.remaining(deadline))
