@@ -1,9 +1,9 @@
 """`python -m fuzz <harness|all> [--runs N | --seconds S] [--corpus DIR] [--json PATH]`
 `python -m fuzz <harness> --replay FILE...`
 
-Runs the harnesses one after another (one process, so one core, at a time) and prints, for
-each, its executions, how long it ran and its findings; exits 1 when there was a finding, 2
-when a harness could not run here (it says why).
+Runs the harnesses one after another (one process, so one core, at a time; `--jobs N`: N at
+once) and prints, for each, its executions, how long it ran and its findings; exits 1 when there
+was a finding, 2 when a harness could not run here (it says why).
 See docs/fuzzing.md.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from . import HARNESSES
 from .runner import ROOT, replay, run_harness
@@ -34,6 +36,8 @@ def main(argv=None) -> int:
                              "the coverage of the committed corpus and this run's")
     parser.add_argument("--json", help="write the results (machine, commit, per harness) to this file")
     parser.add_argument("--verbose", action="store_true", help="print libFuzzer's output")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="harnesses fuzzed at once, each a process of its own on a core (default 1)")
     parser.add_argument("--replay", nargs="+", metavar="FILE",
                         help="run the harness once on each input (a finding's, say) and print what happens")
     args = parser.parse_args(argv)
@@ -43,15 +47,16 @@ def main(argv=None) -> int:
         return replay(args.harness, args.replay, say=_say)
     if args.runs is None and args.seconds is None:
         parser.error("give --runs or --seconds (an unbounded run ends only at a finding)")
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected a count of 1 or more, got {args.jobs}")
     names = list(HARNESSES) if args.harness == "all" else [args.harness]
-    results = []
-    for name in names:
+
+    def fuzz(name: str) -> dict:
         corpus = None
         if args.corpus:
             corpus = os.path.join(args.corpus, name) if args.harness == "all" else args.corpus
         result = run_harness(name, runs=args.runs, seconds=args.seconds, corpus=corpus, seed=args.seed,
                              minimize=args.minimize, verbose=args.verbose, say=_say)
-        results.append(result)
         _say(f"{name}: {result['executions']} executions in {result['seconds']} s ({result['exec_per_s']}/s), "
              f"{len(result['findings'])} findings")
         for finding in result["findings"]:
@@ -59,20 +64,27 @@ def main(argv=None) -> int:
         for key, count in result["stats"].items():
             if key.startswith("known "):
                 _say(f"  {count}+ inputs hit {key.removeprefix('known ')} (fuzz.known, not fixed yet)")
+        return result
+
+    started = time.monotonic()
+    # Each harness is a child process: threads here only wait on them.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(fuzz, names))
+    wall_seconds = round(time.monotonic() - started, 1)
     total = sum(r["executions"] for r in results)
     findings = sum(len(r["findings"]) for r in results)
     _say(f"all: {total} executions, {findings} findings")
     if args.json:
         from bridge.bench.machine import write_results
 
-        write_results(args.json, "fuzz", {"results": summary(results)})
+        write_results(args.json, "fuzz", {"results": summary(results, jobs=args.jobs, wall_seconds=wall_seconds)})
     if findings:
         return 1
     # A harness that could not run is not a clean run.
     return 2 if any(r.get("unavailable") for r in results) else 0
 
 
-def summary(results: list[dict]) -> dict:
+def summary(results: list[dict], jobs: int = 1, wall_seconds: float | None = None) -> dict:
     """The results document's body: per harness, what ran against what, and the totals."""
     harnesses = {}
     for r in results:
@@ -93,7 +105,7 @@ def summary(results: list[dict]) -> dict:
             "cwd": str(ROOT), "harnesses": harnesses,
             "total_executions": sum(r["executions"] for r in results),
             "total_findings": sum(len(r["findings"]) for r in results),
-            "seconds": round(sum(r["seconds"] for r in results), 1)}
+            "seconds": round(sum(r["seconds"] for r in results), 1), "jobs": jobs, "wall_seconds": wall_seconds}
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ so that zero findings means something. The findings' regression tests feed the e
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import textwrap
@@ -70,6 +71,30 @@ def test_a_bounded_run_of_the_harness_finds_nothing(name):
         assert sum(accepted.values()) > 0, f"{name} accepted no request in {stats}"
     else:
         assert stats.get("bodies", 0) > 0 and stats.get("too large", 0) > 0, stats
+
+
+def test_the_command_fuzzes_harnesses_side_by_side_and_records_each(tmp_path, capsys):
+    """`python -m fuzz all --jobs 2`: every harness runs, in the results' usual order, and the
+    record says how it was run."""
+    from fuzz.__main__ import main
+
+    out = tmp_path / "fuzz.json"
+    status = main(["all", "--runs", "200", "--jobs", "2", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    available = [name for name, h in results["harnesses"].items() if not h.get("unavailable")]
+    assert status == (0 if len(available) == len(HARNESSES) else 2), capsys.readouterr().out
+    assert list(results["harnesses"]) == list(HARNESSES)
+    assert results["jobs"] == 2 and results["wall_seconds"] > 0
+    assert results["total_executions"] == sum(h["executions"] for h in results["harnesses"].values())
+    assert all(results["harnesses"][name]["executions"] >= 200 for name in available), results
+
+
+def test_the_command_refuses_a_job_count_below_one(capsys):
+    from fuzz.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["all", "--runs", "10", "--jobs", "0"])
+    assert "--jobs: expected a count of 1 or more, got 0" in capsys.readouterr().err
 
 
 def test_the_native_step_parser_is_fuzzed_under_asan_ubsan_and_libfuzzer():
