@@ -1,4 +1,4 @@
-"""`python -m fuzz <harness|all> [--runs N | --seconds S] [--corpus DIR] [--json PATH]`
+"""`python -m fuzz <harness[,harness...]|all> [--runs N | --seconds S] [--jobs N] [--corpus DIR] [--json PATH]`
 `python -m fuzz <harness> --replay FILE...`
 
 Runs the harnesses one after another (one process, so one core, at a time; `--jobs N`: N at
@@ -25,11 +25,12 @@ def _say(line: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.splitlines()[0])
-    parser.add_argument("harness", choices=[*HARNESSES, "all"])
+    parser.add_argument("harness", help=f"one of {', '.join(HARNESSES)}; several joined by commas, started in that "
+                                        "order; or all")
     bound = parser.add_mutually_exclusive_group()
     bound.add_argument("--runs", type=int, help="executions per harness")
     bound.add_argument("--seconds", type=int, help="seconds of fuzzing per harness")
-    parser.add_argument("--corpus", help="where new inputs go (DIR/<harness> with 'all'); default: a scratch dir")
+    parser.add_argument("--corpus", help="where new inputs go (DIR/<harness> with several); default: a scratch dir")
     parser.add_argument("--seed", type=int, help="libFuzzer's random seed (default: from the clock)")
     parser.add_argument("--minimize", action="store_true",
                         help="afterwards, rewrite fuzz/corpus/<harness>/ as the smallest set of inputs that keeps "
@@ -41,20 +42,25 @@ def main(argv=None) -> int:
     parser.add_argument("--replay", nargs="+", metavar="FILE",
                         help="run the harness once on each input (a finding's, say) and print what happens")
     args = parser.parse_args(argv)
+    names = list(HARNESSES) if args.harness == "all" else args.harness.split(",")
+    for name in names:
+        if name not in HARNESSES:
+            parser.error(f"harness: expected {', '.join(HARNESSES)} or all, got {name!r}")
+    if len(set(names)) != len(names):
+        parser.error(f"harness: expected each harness once, got {args.harness!r}")
     if args.replay:
-        if args.harness == "all":
+        if len(names) != 1:
             parser.error("--replay takes one harness")
-        return replay(args.harness, args.replay, say=_say)
+        return replay(names[0], args.replay, say=_say)
     if args.runs is None and args.seconds is None:
         parser.error("give --runs or --seconds (an unbounded run ends only at a finding)")
     if args.jobs < 1:
         parser.error(f"--jobs: expected a count of 1 or more, got {args.jobs}")
-    names = list(HARNESSES) if args.harness == "all" else [args.harness]
 
     def fuzz(name: str) -> dict:
         corpus = None
         if args.corpus:
-            corpus = os.path.join(args.corpus, name) if args.harness == "all" else args.corpus
+            corpus = os.path.join(args.corpus, name) if len(names) > 1 else args.corpus
         result = run_harness(name, runs=args.runs, seconds=args.seconds, corpus=corpus, seed=args.seed,
                              minimize=args.minimize, verbose=args.verbose, say=_say)
         _say(f"{name}: {result['executions']} executions in {result['seconds']} s ({result['exec_per_s']}/s), "
