@@ -115,6 +115,11 @@ defmodule ScanBridge.ClusterTest do
     get_in(stats, ["ops", op, "success_count"]) || 0
   end
 
+  defp ops_refused(member, op) do
+    {:ok, stats} = ScanBridge.stats(member)
+    get_in(stats, ["ops", op, "failure_count"]) || 0
+  end
+
   # The session_state requests each of `members` has served (those of `reads`: those still
   # there of the members it counted).
   defp state_reads(%{} = reads, gone), do: state_reads(Map.keys(reads) -- [gone])
@@ -268,6 +273,7 @@ defmodule ScanBridge.ClusterTest do
       expected = for f <- frames, do: ok!(Cluster.step(reference, f)).y
       {:ok, s} = Cluster.open_session(g, dims, checkpoint: 2)
       reads = ops_done(member, "session_state")
+      refused = ops_refused(member, "step")
 
       for {f, e} <- Enum.zip(frames, expected) do
         assert {:ok, %{y: y, state: nil}} = Cluster.step(s, f)
@@ -275,6 +281,8 @@ defmodule ScanBridge.ClusterTest do
       end
 
       assert ops_done(member, "session_state") == reads + 2
+      # the first checkpoint's ask only: an owner that refused is not asked again
+      assert ops_refused(member, "step") - refused == if(unquote(name) == :refusing, do: 1, else: 0)
       assert {:ok, %{frames_since_checkpoint: 0}} = Cluster.session_info(s)
       # what a caller asking itself gets: the server's own answer
       asked = Cluster.step(s, Map.put(hd(frames), :return_state, true))

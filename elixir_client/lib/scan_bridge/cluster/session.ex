@@ -131,6 +131,9 @@ defmodule ScanBridge.Cluster.Session do
       checkpoint: nil,
       # the frames answered since the checkpoint, newest first: {kind, input, opts}
       log: [],
+      # whether checkpoints are asked of the owner on a frame's reply: false once it refused
+      # return_state or answered without the state (a server from before it), until a new owner
+      state_on_reply: true,
       # :ok; :unsure after a timeout (the owner may have done it); :tainted once a frame is
       # answered after that (a rebuild could not reproduce it); {:lost, error}
       status: :ok,
@@ -208,10 +211,10 @@ defmodule ScanBridge.Cluster.Session do
 
       _ok_or_unsure ->
         case run_frame(state, kind, input, opts, deadline) do
-          {{:raise, _exception} = raised, _saved} ->
+          {{:raise, _exception} = raised, _saved, state} ->
             {:reply, raised, state}
 
-          {{:error, %Error{} = error} = outcome, _saved} ->
+          {{:error, %Error{} = error} = outcome, _saved, state} ->
             cond do
               Cluster.gone?(error) ->
                 state = owner_gone(state, error.message)
@@ -224,7 +227,7 @@ defmodule ScanBridge.Cluster.Session do
                 {:reply, outcome, state}
             end
 
-          {{:ok, _} = outcome, saved} ->
+          {{:ok, _} = outcome, saved, state} ->
             GenServer.reply(from, outcome)
             {:noreply, advanced(state, kind, input, opts, saved)}
         end
@@ -242,16 +245,16 @@ defmodule ScanBridge.Cluster.Session do
 
       true ->
         case run_frame(state, kind, input, opts, deadline) do
-          {{:ok, _} = outcome, saved} ->
+          {{:ok, _} = outcome, saved, state} ->
             GenServer.reply(from, outcome)
             {:noreply, advanced(state, kind, input, opts, saved)}
 
-          {{:error, %Error{} = error} = outcome, _saved} ->
+          {{:error, %Error{} = error} = outcome, _saved, state} ->
             state = if Cluster.gone?(error), do: owner_gone(state, error.message), else: state
 
             {:reply, outcome, state}
 
-          {raised, _saved} ->
+          {raised, _saved, state} ->
             {:reply, raised, state}
         end
     end
@@ -298,33 +301,34 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # A call sent to the owner: {its outcome for the caller, the state after it or nil}. A frame
-  # that completes a checkpoint asks for the state after it; its caller gets the reply as it
-  # would have without that (with the state only when it asked for it itself).
+  # A call sent to the owner: {its outcome for the caller, the state after it or nil, the
+  # keeper's state}. A frame that completes a checkpoint asks for the state after it; its caller
+  # gets the reply as it would have without that (with the state only when it asked for it
+  # itself). An owner that refused or ignored the ask is not asked again.
   defp run_frame(state, kind, input, opts, deadline) do
     asking =
-      if kind in @advancing and checkpoint_due?(state),
+      if kind in @advancing and state.state_on_reply and checkpoint_due?(state),
         do: asking_for_state(kind, input, opts),
         else: :as_given
 
     case asking do
       :as_given ->
-        {run(state, kind, input, opts, deadline), nil}
+        {run(state, kind, input, opts, deadline), nil, state}
 
       {:ask, sent_input, sent_opts, caller_asked} ->
         case run(state, kind, sent_input, sent_opts, deadline) do
           {:ok, reply} ->
             {answer, saved} = take_state(kind, reply, caller_asked)
-            {{:ok, answer}, saved}
+            {{:ok, answer}, saved, %{state | state_on_reply: saved != nil}}
 
           {:error, %Error{reason: :invalid_argument, detail: %{"field" => "args.return_state"}}}
           when not caller_asked ->
             # a server from before return_state refuses it, running nothing: sent as given, the
             # checkpoint is read after it
-            {run(state, kind, input, opts, deadline), nil}
+            {run(state, kind, input, opts, deadline), nil, %{state | state_on_reply: false}}
 
           outcome ->
-            {outcome, nil}
+            {outcome, nil, state}
         end
     end
   end
@@ -408,7 +412,8 @@ defmodule ScanBridge.Cluster.Session do
                | owner: member,
                  owner_monitor: Process.monitor(member),
                  remote: remote,
-                 token: token
+                 token: token,
+                 state_on_reply: true
              }}
 
           {:next, _why} ->
