@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     return 2 if any(r.get("unavailable") for r in results) else 0
 
 
-def summary(results: list[dict], jobs: int = 1, wall_seconds: float | None = None) -> dict:
+def summary(results: list[dict], jobs: int, wall_seconds: float) -> dict:
     """The results document's body: per harness, what ran against what, and the totals."""
     harnesses = {}
     for r in results:
