@@ -44,8 +44,12 @@ def test_a_connection_turned_away_counts_its_answer_as_sent(tmp_path, inproc):
         transport.start()
         kept = raw_unix(transport.path)
         kept_reader = kept.makefile("rb", buffering=0)
+        initial = stats.snapshot()
         kept.sendall(request_frame(1, "ping"))
         assert read_reply(kept_reader).ok
+        # A reply is counted once written, which can be after its peer has read it.
+        wait_until(lambda: stats.snapshot()["replies_out"] > initial["replies_out"],
+                   "the first ping's reply was never counted")
         before = stats.snapshot()
         turned_away = raw_unix(transport.path)
         body = read_frame(turned_away.makefile("rb", buffering=0))
@@ -54,7 +58,6 @@ def test_a_connection_turned_away_counts_its_answer_as_sent(tmp_path, inproc):
         kept.sendall(request_frame(2, "ping"))
         pong = read_frame(kept_reader)
         assert protocol.decode_reply(pong).ok
-        # A reply is counted once written, which can be after its peer has read it.
         wait_until(lambda: stats.snapshot()["replies_out"] - before["replies_out"] >= 2,
                    "the turn-away's answer and the ping's reply were never both counted")
         after = stats.snapshot()
