@@ -732,29 +732,47 @@ def test_kernel_ab_times_two_builds_of_one_revision(tmp_path):
         assert 0 < row["ratio_paired_median"] < float("inf")
 
 
-def test_each_copy_of_the_sources_loads_as_a_module_of_its_own(tmp_path):
+# A Python extension in the C API alone (pybind11's headers would triple each copy's build time).
+DESCRIBE_CPP = r"""#include <Python.h>
+#include "description.h"
+#define SCAN_BRIDGE_CONCAT(a, b) a##b
+#define SCAN_BRIDGE_INIT(name) SCAN_BRIDGE_CONCAT(PyInit_, name)
+static PyObject* simd(PyObject*, PyObject*) { return PyUnicode_FromString(kDescription); }
+static PyMethodDef methods[] = {{"simd", simd, METH_NOARGS, nullptr}, {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef definition = {PyModuleDef_HEAD_INIT, "copy", nullptr, -1, methods};
+extern "C" __attribute__((visibility("default"))) PyObject* SCAN_BRIDGE_INIT(TORCH_EXTENSION_NAME)() {
+  return PyModule_Create(&definition);
+}
+"""
+
+
+def test_each_copy_of_the_sources_loads_as_a_module_of_its_own(tmp_path, monkeypatch):
     """build.load_sources: within one process the same sources loaded again give the same
     module, and other sources under the same prefix -- even MODULE_NAME's, beside the loaded
     default extension -- give a module running their own code (here: a marked `simd`
-    description), never the one first loaded under a name."""
+    description), never the one first loaded under a name. The copies are of a one-function
+    extension standing in for the kernels' sources: the naming is under test, not the kernels,
+    and each copy of those costs a whole build (kernel_ab's test builds them)."""
     from kernels.cpu import build
+
+    default = build.load_extension()
+    monkeypatch.setattr(build, "SOURCES", ("describe.cpp",))
+    monkeypatch.setattr(build, "HEADERS", ("description.h",))
 
     def copy_marked(directory, mark):
         directory.mkdir()
-        for name in build.SOURCES + build.HEADERS:
-            text = (build.SOURCE_DIR / name).read_text()
-            (directory / name).write_text(text.replace("-byte vectors", "-byte vectors" + mark))
+        (directory / "description.h").write_text(f'constexpr const char* kDescription = "a copy{mark}";\n')
+        (directory / "describe.cpp").write_text(DESCRIBE_CPP)
         return directory
 
-    default = build.load_extension()
-    plain = copy_marked(tmp_path / "plain", "")
-    first = build.load_sources(plain, "scan_bridge_cpu_test")
+    first = build.load_sources(copy_marked(tmp_path / "plain", ""), "scan_bridge_cpu_test")
+    assert first.simd() == "a copy"
     assert build.load_sources(copy_marked(tmp_path / "again", ""), "scan_bridge_cpu_test") is first
-    marked = build.load_sources(copy_marked(tmp_path / "marked", ", another copy"), "scan_bridge_cpu_test")
-    assert marked.simd() == first.simd().replace("-byte vectors", "-byte vectors, another copy")
+    marked = build.load_sources(copy_marked(tmp_path / "marked", ", marked"), "scan_bridge_cpu_test")
+    assert (marked.simd(), first.simd()) == ("a copy, marked", "a copy")
     beside_default = build.load_sources(copy_marked(tmp_path / "beside", ", beside"), build.MODULE_NAME)
-    assert beside_default.simd() == default.simd().replace("-byte vectors", "-byte vectors, beside")
-    assert default.simd() == first.simd()
+    assert beside_default.simd() == "a copy, beside"
+    assert default.simd().startswith(build.selected_variant().name) and beside_default is not default
 
 
 def test_kernel_ab_sleeps_past_the_helper_pools_spin():
