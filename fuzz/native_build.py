@@ -18,6 +18,7 @@ the server's own gcc build (bridge.native, -O3, no sanitizers, no C++ coverage),
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -134,6 +135,16 @@ def build(verbose: bool = False) -> Path:
     if library.is_file():
         return library
     directory.mkdir(parents=True, exist_ok=True)
+    # Processes building this digest at once (test workers, fuzz jobs) take turns: the first
+    # compiles, the others find its library.
+    with open(directory / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.is_file():
+            _compile(directory, library, compiler, kernel_compiler, verbose)
+    return library
+
+
+def _compile(directory: Path, library: Path, compiler: str, kernel_compiler: str, verbose: bool) -> None:
     includes = _includes()
     define = f"-DTORCH_EXTENSION_NAME={MODULE_NAME}"
     # The parser gets libFuzzer's coverage instrumentation; the kernel and the shim only the
@@ -160,7 +171,6 @@ def build(verbose: bool = False) -> Path:
             raise BuildUnavailable(f"clang build of the native step parser failed: {first[:300]} "
                                    f"(full log: {directory / 'build.log'})")
     os.replace(partial, library)
-    return library
 
 
 def plan(verbose: bool = False) -> Plan:
