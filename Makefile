@@ -5,6 +5,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test files run on this many pytest-xdist workers, a file to a worker (tests/conftest.py says
+# in which order); 0 runs them in this process, one after another. More workers than cores: much
+# of the suite waits on servers, peer nodes and child suites rather than computing.
+TEST_WORKERS ?= 4
 
 .PHONY: all test bench bench-record setup kernels system-deps clean
 
@@ -37,7 +41,7 @@ kernels: $(STAMP)
 	@$(PY) -m bridge.native || echo "make: native step path not built (see above); steps take the general path"
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The main job: where the time goes, per transport and payload size, against each lane's echo floor.
 # Writes into the git-ignored bench/out/, so a run leaves the tracked tree as it was; compare
