@@ -80,8 +80,12 @@ defmodule ScanBridge.UnixLaneTest do
         ScanBridge.start_link(opts)
       end)
 
-    # the socket error comes while the client waits for its ping's answer
-    assert socket = eventually(fn -> (client = Process.whereis(:errs)) && socket_of(client) end)
+    # the socket error comes while the client waits for its ping's answer; the client connects
+    # once the server has started, which on a loaded machine takes longer than eventually/1's
+    # default
+    assert socket =
+             eventually(fn -> (client = Process.whereis(:errs)) && socket_of(client) end, 20_000)
+
     send(Process.whereis(:errs), {:tcp_error, socket, :econnreset})
 
     assert {:error, %Error{reason: :startup_failed, message: message}} =
