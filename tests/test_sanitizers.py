@@ -38,8 +38,10 @@ SUITES = ["tests/test_native_step.py", "tests/test_kernels_cpu.py"]
 # sources (kernel_ab's loading; 159 s). The SIMD variants' tests stay: they are the only ones
 # that run the AVX2 and baseline vector code here. Also left out: the helper-wake test, which
 # asserts that two calls come within the pool's spin of each other, a timing the sanitizers'
-# slowdown breaks on a busy machine (it runs unsanitized in the main suite).
-DESELECT = "not bench_runner and not kernel_ab and not each_copy_of_the_sources and not helpers_are_woken"
+# slowdown breaks on a busy machine (it runs unsanitized in the main suite); and the aarch64
+# cross-compile, which builds without the sanitizers and loads nothing.
+DESELECT = ("not bench_runner and not kernel_ab and not each_copy_of_the_sources and not helpers_are_woken "
+            "and not kernels_compile_for_aarch64")
 SANITIZERS = "address,undefined"
 # Python allocates for its lifetime without freeing at exit: leak reports would be its own.
 ASAN_OPTIONS = "detect_leaks=0:abort_on_error=1:print_summary=1"
