@@ -10,6 +10,7 @@ defmodule ScanBridge.UnixLaneTest do
       assert_scan_matches: 2,
       assert_concurrent_scans: 2,
       eventually: 1,
+      eventually: 2,
       os_process_gone?: 1
     ]
 
