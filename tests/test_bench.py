@@ -370,7 +370,10 @@ def test_backward_bench_runs_end_to_end(tmp_path):
     assert cpu["backward_over_forward"] == pytest.approx(cpu["backward_ms"] / cpu["forward_ms"])
     assert case["ratios"]["torch_autograd_over_backward"] == pytest.approx(
         case["torch_autograd"]["backward_ms"] / cpu["backward_ms"])
-    assert case["cpu_peak_extra_bytes"] > 0 and case["torch_autograd"]["peak_extra_bytes"] > 0
+    # The tiny case's C++ backward can rise no higher than its warm-up call did (its buffers come
+    # back from the allocator), so only torch autograd's growth must show here.
+    assert isinstance(case["cpu_peak_extra_bytes"], int) and case["cpu_peak_extra_bytes"] >= 0
+    assert case["torch_autograd"]["peak_extra_bytes"] > 0
 
 
 def test_metrics_cost_bench_runs_end_to_end(tmp_path):
