@@ -64,17 +64,12 @@ def pytest_xdist_make_scheduler(config, log):
     return FileScheduling(config, log)
 
 
-def _start_background_runs(items, module=None) -> None:
-    """Starts the child suites of `items`' modules (or of `module` alone) whose judging tests
-    are among `items`: a test module offers `start_background_runs(selected test names)`."""
-    selected: dict = {}
-    for item in items:
-        if getattr(item, "module", None) is not None and module in (None, item.module):
-            selected.setdefault(item.module, set()).add(item.originalname)
-    for owner, names in selected.items():
-        start = getattr(owner, "start_background_runs", None)
-        if start is not None:
-            start(names)
+def _start_background_runs(module, items) -> None:
+    """Starts `module`'s child suites whose judging tests are among `items`: a test module
+    offers `start_background_runs(selected test names)`."""
+    start = getattr(module, "start_background_runs", None)
+    if start is not None:
+        start({item.originalname for item in items if getattr(item, "module", None) is module})
 
 
 def pytest_collection_finish(session):
@@ -82,13 +77,14 @@ def pytest_collection_finish(session):
     tests are collected, beside the rest of the session rather than after it. xdist's workers
     each collect every test: there a child starts when its module's first test runs on one."""
     if not session.config.option.collectonly and not os.environ.get("PYTEST_XDIST_WORKER"):
-        _start_background_runs(session.items)
+        for module in {getattr(item, "module", None) for item in session.items} - {None}:
+            _start_background_runs(module, session.items)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _background_runs_on_a_worker(request):
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        _start_background_runs(request.session.items, request.module)
+        _start_background_runs(request.module, request.session.items)
     yield
 
 

@@ -5,8 +5,8 @@ is missing the suite is skipped with the reason — except in CI (CI=true), wher
 A server that outlives `mix` (a test left it frozen, say) fails the run by name (tests/process_runs.py).
 
 `mix test` is mostly waiting (servers and peer nodes starting, timeouts running out): it runs as a
-child started when the tests are collected, beside the rest of the session (tests/conftest.py),
-in a build path of its own outside the project (the other `mix` runs here never compile into
+child suite beside the rest of the session, started early (tests/conftest.py says when), in a
+build path of its own outside the project (the other `mix` runs here never compile into
 the same files, and test_elixir_dependency sees the project's tree unchanged).
 """
 
@@ -160,7 +160,7 @@ def test_cluster_benchmark_runs(tmp_path):
         assert {"measured", "target", "met"} <= set(goal) and isinstance(goal["met"], bool), name
 
 
-# Last in the file: by then the child started at collection has had the others' time to run.
+# Last in the file: by then the child suite has had the others' time to run.
 def test_exunit_suite_passes():
     find_mix()
     try:
