@@ -459,6 +459,11 @@ SSD_UPDATE_CASES = [
     pytest.param(SsdUpdateCase(5, 8, 16, 16, pool=9), id="slots"),
     pytest.param(SsdUpdateCase(7, 6, 10, 32, groups=3, pool=11, padding_rows=3, D=True, z=True,
                                dt_bias=True, dt_softplus=True, clamp=True), id="slots-padding-all"),
+    # The C++ update's whole-vector path (state a multiple of every variant's lanes) with rows
+    # of headdim past its last block of W.
+    pytest.param(SsdUpdateCase(4, 3, 21, 16, D=True, D_per_channel=True), id="rows-past-a-vector-block"),
+    pytest.param(SsdUpdateCase(3, 4, 64, 128, groups=2, pool=5, padding_rows=1, D=True, z=True, dt_bias=True,
+                               dt_softplus=True, clamp=True), id="mamba2-head-all-options"),
 ]
 
 

@@ -462,6 +462,13 @@ SIMD_SSD_UPDATE_CASES = [
     pytest.param(SsdUpdateCase(6, 4, 20, 19, groups=2, pool=9, padding_rows=2, D=True, z=True, dt_bias=True,
                                dt_softplus=True), torch.float32, id="pool-padding-odd-state-f32"),
     pytest.param(SsdUpdateCase(3, 2, 8, 16, D=True), torch.float16, id="f16"),
+    # State 32: whole vectors in every variant, blocks of W rows of headdim and a tail past them.
+    pytest.param(SsdUpdateCase(5, 3, 37, 32, groups=3, pool=8, padding_rows=1, D=True, D_per_channel=True, z=True,
+                               dt_bias=True, dt_softplus=True, clamp=True), torch.float32,
+                 id="vector-rows-and-tail-all-options-f32"),
+    pytest.param(SsdUpdateCase(5, 3, 37, 32, groups=3, pool=8, padding_rows=1, D=True, D_per_channel=True, z=True,
+                               dt_bias=True, dt_softplus=True, clamp=True), torch.float64,
+                 id="vector-rows-and-tail-all-options-f64"),
 ]
 
 

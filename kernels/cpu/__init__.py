@@ -14,8 +14,7 @@ import torch
 
 from .._registry import Backend
 from ..backward import bdl_layout
-from ..eager import _compute_dtype, _discretize_dt
-from ..eager_ssd import _skip_and_gate
+from ..eager import _compute_dtype
 
 
 def load_backend() -> Backend:
@@ -23,6 +22,12 @@ def load_backend() -> Backend:
     from . import build
 
     return backend_from(build.load_extension())
+
+
+def _in_dtype(f, *tensors):
+    """Each tensor contiguous in the compute dtype f (a copy only where it is not already); None
+    stays None."""
+    return [None if t is None else t.to(f).contiguous() for t in tensors]
 
 
 def backend_from(ext) -> Backend:
@@ -42,14 +47,12 @@ def backend_from(ext) -> Backend:
                  chunk_size):
         # chunk_size tunes chunked backends; this recurrent kernel has none to tune.
         f = _compute_dtype(x)
-        xf = x.to(f).contiguous()
         batch, _, heads, headdim = x.shape
         y = torch.empty(x.shape, dtype=f)
         state = torch.empty((batch, heads, headdim, B.shape[3]), dtype=f) if return_state else None
-        ext.ssd_scan(xf, _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f).contiguous(),
-                     A.to(f).contiguous(), B.to(f).contiguous(), C.to(f).contiguous(),
-                     None if h0 is None else h0.to(f).contiguous(), y, state)
-        return _skip_and_gate(y, xf, D, z, f).to(x.dtype), state
+        ext.ssd_scan(*_in_dtype(f, x, dt, A, B, C, D, z, dt_bias), dt_softplus, dt_min, dt_max,
+                     *_in_dtype(f, h0), y, state)
+        return y.to(x.dtype), state
 
     def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots):
         f = _compute_dtype(x)
@@ -66,23 +69,17 @@ def backend_from(ext) -> Backend:
             pool = state.index_select(0, pool_rows).to(f).contiguous()
             kernel_rows = torch.full((batch,), -1, dtype=torch.int64)
             kernel_rows[live] = torch.arange(live.numel())
-        xf = x.to(f).contiguous()
         y = torch.empty(x.shape, dtype=f)
-        ext.ssd_state_update(pool, kernel_rows, xf,
-                             _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f).contiguous(),
-                             A.to(f).contiguous(), B.to(f).contiguous(), C.to(f).contiguous(), y)
+        ext.ssd_state_update(pool, kernel_rows, *_in_dtype(f, x, dt, A, B, C, D, z, dt_bias), dt_softplus, dt_min,
+                             dt_max, y)
         if not in_place:
             state.index_copy_(0, pool_rows, pool.to(state.dtype))
-        _skip_and_gate(y, xf, D, z, f)
-        if slots is not None:
-            y[kernel_rows < 0] = 0  # padding rows: the kernel's zeros, whatever D x made of them
         return y.to(x.dtype)
 
     def run_backward(dy, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, scalar_decay, f):
         """The C++ reverse scan over "bld" [batch, seq, channel] operands: every gradient, that of
         dt through its bias, softplus and clamp included."""
-        operands = [t if t is None else t.to(f).contiguous() for t in (x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate)]
-        x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate = operands
+        x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate = _in_dtype(f, x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate)
         dx, ddt = torch.empty_like(x), torch.empty_like(x)
         dz = None if z is None else torch.empty_like(z)
         dh0 = None if h0 is None else torch.empty_like(h0)

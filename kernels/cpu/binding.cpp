@@ -215,8 +215,8 @@ int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t e
 }  // namespace
 
 // --- Mamba-2 (SSD) --------------------------------------------------------------------------
-// kernels/cpu/__init__.py discretizes dt, applies D and the z gate, and hands these contiguous
-// tensors of one compute dtype; what is checked here is that contract, not the user's input.
+// kernels/cpu/__init__.py hands contiguous tensors of one compute dtype (D as [heads, headdim]);
+// what is checked here is that contract, not the user's input.
 
 void require_operand(const at::Tensor& t, const char* name, at::ScalarType dtype, const char* op = "ssd") {
   if (!t.is_contiguous() || t.scalar_type() != dtype || t.device().type() != at::kCPU)
@@ -230,27 +230,49 @@ const T* data_of(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-// Items are whole recurrences (over a sequence, or one step of a head), handed out one at a
-// time to the calling thread and the kernels' helper threads, under the Mamba-1 kernels' policy:
-// a thread for each kMinWorkPerThread state-element updates (`work` in all), sleeping helpers
-// woken only for kMinWorkToWake. A small step left to helpers would leave them polling beside
-// the caller's next torch op (a model step's matrix product), which then waits for its threads.
+// The operands and options the SSD kernels apply around their recurrence.
+struct SsdExtras {
+  const std::optional<at::Tensor>& D;
+  const std::optional<at::Tensor>& z;
+  const std::optional<at::Tensor>& dt_bias;
+  bool dt_softplus;
+  std::optional<double> dt_min, dt_max;
+
+  void require(at::ScalarType dtype) const {
+    for (auto [t, name] : {std::pair<const std::optional<at::Tensor>*, const char*>{&D, "D"}, {&z, "z"}, {&dt_bias, "dt_bias"}})
+      if (t->has_value()) require_operand(**t, name, dtype);
+  }
+  template <typename T>
+  scan_bridge::SsdOptions<T> options() const {
+    scan_bridge::SsdOptions<T> o;
+    o.dt_bias = data_of<T>(dt_bias);
+    o.dt_softplus = dt_softplus;
+    o.has_dt_min = dt_min.has_value();
+    o.has_dt_max = dt_max.has_value();
+    o.dt_min = static_cast<T>(dt_min.value_or(0.0));
+    o.dt_max = static_cast<T>(dt_max.value_or(0.0));
+    o.D = data_of<T>(D);
+    o.z = data_of<T>(z);
+    return o;
+  }
+};
+
+// Items are whole recurrences (over a sequence, or one step of a head) of `per_item`
+// state-element updates each, run as the Mamba-1 kernels' are (run_on): the same threads and
+// wake policy, and ranges from per-seat spans, so that a step's thread meets the same pool rows
+// call after call and they stay in its core's L2; taken one at a time from one shared counter,
+// the rows moved between the cores on every step and two threads were slower than one.
 template <typename Problem, typename Run>
-void run_ssd_items(const Problem& p, int64_t items, int64_t work, Run run_items) {
-  const int64_t by_work = std::max<int64_t>(1, work / kMinWorkPerThread);
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min({int64_t{at::get_num_threads()}, items, by_work})));
-  const auto wake = work >= kMinWorkToWake ? scan_bridge::HelperPool::Wake::always
-                                           : scan_bridge::HelperPool::Wake::if_calls_close;
-  std::atomic<int64_t> next{0};
-  scan_bridge::HelperPool::shared().run(threads - 1, [&](int) {
-    for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) run_items(p, item, item + 1);
-  }, wake);
+void run_ssd_items(const Problem& p, int64_t items, int64_t per_item, Run run_items) {
+  run_on(threads_for(items, per_item), items, per_item, [&](scan_bridge::WorkQueue& queue, int seat) {
+    for (int64_t begin, end; queue.take(seat, &begin, &end);) run_items(p, begin, end);
+  });
 }
 
 template <typename T>
 void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
-                    const at::Tensor& C, const std::optional<at::Tensor>& h0, at::Tensor& y,
-                    const std::optional<at::Tensor>& state_out) {
+                    const at::Tensor& C, const SsdExtras& extras, const std::optional<at::Tensor>& h0,
+                    at::Tensor& y, const std::optional<at::Tensor>& state_out) {
   scan_bridge::SsdScanProblem<T> p;
   p.batch = x.size(0);
   p.seq = x.size(1);
@@ -264,28 +286,34 @@ void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor&
   p.B = B.data_ptr<T>();
   p.C = C.data_ptr<T>();
   p.h0 = data_of<T>(h0);
+  p.options = extras.options<T>();
   p.y = y.data_ptr<T>();
   p.state_out = state_out.has_value() ? state_out->data_ptr<T>() : nullptr;
-  run_ssd_items(p, scan_bridge::ssd_scan_item_count(p), p.batch * p.seq * p.heads * p.headdim * p.state,
-                scan_bridge::ssd_scan_items<T>);
+  const int64_t items = scan_bridge::ssd_scan_item_count(p);
+  run_ssd_items(p, items, p.batch * p.seq * p.heads * p.headdim * p.state / items, scan_bridge::ssd_scan_items<T>);
 }
 
 void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
-              const at::Tensor& C, const std::optional<at::Tensor>& h0, at::Tensor y,
+              const at::Tensor& C, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
+              const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
+              std::optional<double> dt_max, const std::optional<at::Tensor>& h0, at::Tensor y,
               const std::optional<at::Tensor>& state_out) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble) throw std::invalid_argument("ssd x: expected float32 or float64");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&A, "A"}, {&B, "B"}, {&C, "C"}, {&y, "y"}})
     require_operand(*t, name, dtype);
+  const SsdExtras extras{D, z, dt_bias, dt_softplus, dt_min, dt_max};
+  extras.require(dtype);
   if (h0.has_value()) require_operand(*h0, "h0", dtype);
   if (state_out.has_value()) require_operand(*state_out, "state", dtype);
-  if (dtype == at::kFloat) ssd_scan_typed<float>(x, dt, A, B, C, h0, y, state_out);
-  else ssd_scan_typed<double>(x, dt, A, B, C, h0, y, state_out);
+  if (dtype == at::kFloat) ssd_scan_typed<float>(x, dt, A, B, C, extras, h0, y, state_out);
+  else ssd_scan_typed<double>(x, dt, A, B, C, extras, h0, y, state_out);
 }
 
 template <typename T>
 void ssd_update_typed(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
-                      const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, at::Tensor& y) {
+                      const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const SsdExtras& extras,
+                      at::Tensor& y) {
   scan_bridge::SsdUpdateProblem<T> p;
   p.batch = x.size(0);
   p.heads = x.size(1);
@@ -300,21 +328,27 @@ void ssd_update_typed(at::Tensor& pool, const at::Tensor& rows, const at::Tensor
   p.A = A.data_ptr<T>();
   p.B = B.data_ptr<T>();
   p.C = C.data_ptr<T>();
+  p.options = extras.options<T>();
   p.y = y.data_ptr<T>();
-  run_ssd_items(p, p.batch * p.heads, p.batch * p.heads * p.headdim * p.state, scan_bridge::ssd_update_items<T>);
+  run_ssd_items(p, p.batch * p.heads, p.headdim * p.state, scan_bridge::ssd_update_items<T>);
 }
 
 void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
-                      const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, at::Tensor y) {
+                      const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+                      const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
+                      const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
+                      std::optional<double> dt_max, at::Tensor y) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble) throw std::invalid_argument("ssd x: expected float32 or float64");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&A, "A"}, {&B, "B"}, {&C, "C"}, {&y, "y"}})
     require_operand(*t, name, dtype);
+  const SsdExtras extras{D, z, dt_bias, dt_softplus, dt_min, dt_max};
+  extras.require(dtype);
   // The pool's rows may lie apart (parts of a model's state between them); each row is contiguous.
   require_operand(pool.size(0) ? pool.select(0, 0) : pool, "state", dtype);
   require_operand(rows, "rows", at::kLong);
-  if (dtype == at::kFloat) ssd_update_typed<float>(pool, rows, x, dt, A, B, C, y);
-  else ssd_update_typed<double>(pool, rows, x, dt, A, B, C, y);
+  if (dtype == at::kFloat) ssd_update_typed<float>(pool, rows, x, dt, A, B, C, extras, y);
+  else ssd_update_typed<double>(pool, rows, x, dt, A, B, C, extras, y);
 }
 
 // --- The scan's backward pass -----------------------------------------------------------------
@@ -530,7 +564,8 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
         }
       }
       y = at::empty({rows, heads, headdim}, hidden.options());
-      ssd_state_update(need(layer, kSsmState), slots, x, dt, need(layer, kA), B, C, y);
+      ssd_state_update(need(layer, kSsmState), slots, x, dt, need(layer, kA), B, C, std::nullopt, std::nullopt,
+                       std::nullopt, false, std::nullopt, std::nullopt, y);
       // y + D x, gated by silu(z), normalised per group of channels, scaled.
       const float* D = need(layer, kD).data_ptr<float>();
       const float* gate_w = need(layer, kGateNorm).data_ptr<float>();

@@ -1,10 +1,10 @@
-// Mamba-2 (SSD) scan and state update (ssd_kernel.h). Written as plain loops over contiguous
-// rows that GCC vectorizes for whichever SIMD variant build.py compiles: the scan keeps a head's
-// state transposed, [state][headdim], so its inner loop runs along headdim with no horizontal
-// sums; the update works on the pool in place along the state axis.
+// Mamba-2 (SSD) scan and state update (ssd_kernel.h). The scan keeps a head's state
+// transposed, [state][headdim], so its inner loop runs along headdim with no horizontal sums; the
+// update works on the pool in place along the state axis, W rows of headdim at a time, their
+// sums over the state folded into one vector by LaneSums.
 #include "ssd_kernel.h"
 
-#include "simd.h"  // kVectorBytes: the vector the variant executes whole
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,21 +13,50 @@
 
 namespace scan_bridge {
 
-// Partial sums of a dot product along the state axis: a multiple of every variant's lane count.
+// Partial sums of a dot product along the state axis where it is no multiple of the vector:
+// a multiple of every variant's lane count.
 constexpr int kLanes = 16;
 
-// A typedef inside a class: on an alias template GCC drops the attribute (T is dependent).
 template <typename T>
-struct VectorOf {
-  typedef T type __attribute__((vector_size(kVectorBytes)));
-};
+using Vec = typename Lanes<T>::V;
 template <typename T>
-using Vec = typename VectorOf<T>::type;
-template <typename T>
-constexpr int kWidth = kVectorBytes / sizeof(T);
+constexpr int kWidth = Lanes<T>::W;
 // Vectors of headdim one item carries through the whole sequence: its [state][block] slice of the
 // state stays in L1 (state 128: 16 KiB of fp32 with AVX-512), where a whole head's would not.
 constexpr int kBlockVectors = 2;
+
+// dt <- clamp(softplus(dt + bias)) for head h; softplus with torch's threshold 20.
+template <typename T>
+inline T discretized_dt(T dt, const SsdOptions<T>& o, int64_t h) {
+  if (o.dt_bias != nullptr) dt += o.dt_bias[h];
+  if (o.dt_softplus) dt = dt > T(20) ? dt : std::log1p(std::exp(dt));
+  if (o.has_dt_min) dt = dt < o.dt_min ? o.dt_min : dt;
+  if (o.has_dt_max) dt = dt > o.dt_max ? o.dt_max : dt;
+  return dt;
+}
+
+// y[i] <- (y[i] + D[i] x[i]) silu(z[i]) for i < n, each factor where given.
+template <typename T>
+inline void skip_and_gate(T* __restrict y, const T* __restrict x, const T* __restrict D, const T* __restrict z,
+                          int64_t n) {
+  using V = Vec<T>;
+  using VU = typename Lanes<T>::Unaligned;
+  constexpr int W = kWidth<T>;
+  if (D == nullptr && z == nullptr) return;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    V v = *reinterpret_cast<VU*>(y + i);
+    if (D != nullptr) v += V(*reinterpret_cast<const VU*>(D + i)) * V(*reinterpret_cast<const VU*>(x + i));
+    if (z != nullptr) v *= Math<T>::silu(*reinterpret_cast<const VU*>(z + i));
+    *reinterpret_cast<VU*>(y + i) = v;
+  }
+  for (; i < n; ++i) {
+    T v = y[i];
+    if (D != nullptr) v += D[i] * x[i];
+    if (z != nullptr) v *= z[i] / (T(1) + std::exp(-z[i]));
+    y[i] = v;
+  }
+}
 
 // One timestep of K vectors of headdim: h[n, :] = decay h[n, :] + B[n] u; y = sum_n C[n] h[n, :],
 // the sums kept in registers across the whole state axis.
@@ -87,10 +116,11 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
         for (int64_t n = 0; n < N; ++n) flat[n * kBlockLanes + i] = h0[(first + i) * N + n];
     }
     const T A = p.A[h];
+    const T* D = p.options.D == nullptr ? nullptr : p.options.D + h * P + first;
     Vec<T> u[kBlockVectors], acc[kBlockVectors];
     for (int64_t t = 0; t < p.seq; ++t) {
       const int64_t bt = b * p.seq + t;
-      const T dt = p.dt[bt * H + h];
+      const T dt = discretized_dt(p.dt[bt * H + h], p.options, h);
       const T decay = std::exp(dt * A);
       const T* x = p.x + (bt * H + h) * P + first;
       T* ul = reinterpret_cast<T*>(u);
@@ -98,12 +128,12 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
       const T* Bt = p.B + (bt * G + g) * N;
       const T* Ct = p.C + (bt * G + g) * N;
       switch (vectors) {
-        case 4: ssd_scan_block<T, 4>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
-        case 3: ssd_scan_block<T, 3>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
         case 2: ssd_scan_block<T, 2>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
         default: ssd_scan_block<T, 1>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
       }
-      std::memcpy(p.y + (bt * H + h) * P + first, acc, sizeof(T) * static_cast<size_t>(lanes));
+      T* y = p.y + (bt * H + h) * P + first;
+      std::memcpy(y, acc, sizeof(T) * static_cast<size_t>(lanes));
+      skip_and_gate(y, x, D, p.options.z == nullptr ? nullptr : p.options.z + (bt * H + h) * P + first, lanes);
     }
     if (p.state_out != nullptr) {
       T* out = p.state_out + (b * H + h) * P * N;
@@ -113,10 +143,66 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
   }
 }
 
+// W rows of headdim (rows c of S, N apart; x[c] their inputs) one timestep on: the state
+// axis in `vecs` vectors, B and C as such; y[0 .. W) = C . h of each row, the W sums folded
+// into one vector at the end.
+template <typename T>
+inline void ssd_update_rows(T* __restrict S, int64_t N, int64_t vecs, T decay, T dt, const T* __restrict x,
+                            const T* __restrict B, const T* __restrict C, T* __restrict y) {
+  using V = Vec<T>;
+  using VU = typename Lanes<T>::Unaligned;
+  constexpr int W = kWidth<T>;
+  const V a = Lanes<T>::splat(decay);
+  V acc[W];
+  for (int c = 0; c < W; ++c) acc[c] = V{};
+#pragma GCC unroll 16
+  for (int c = 0; c < W; ++c) {
+    const V u = Lanes<T>::splat(dt * x[c]);
+    V& sum = acc[LaneSums<T>::kSlot[c]];
+    T* row = S + c * N;
+    for (int64_t k = 0; k < vecs; ++k) {
+      VU* s = reinterpret_cast<VU*>(row + k * W);
+      const V v = a * V(*s) + V(*reinterpret_cast<const VU*>(B + k * W)) * u;
+      *s = v;
+      sum += v * V(*reinterpret_cast<const VU*>(C + k * W));
+    }
+  }
+  const V out = LaneSums<T>::of(acc);
+  std::memcpy(y, &out, sizeof(V));
+}
+
+// One row of headdim, any state size: C . h in kLanes partial sums, so the compiler vectorizes
+// the loop (a single running sum is an ordered reduction it must keep scalar).
+template <typename T>
+inline T ssd_update_row(T* __restrict s, int64_t N, T decay, T u, const T* __restrict B, const T* __restrict C) {
+  T part[kLanes] = {};
+  int64_t n = 0;
+  for (; n + kLanes <= N; n += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const T v = decay * s[n + k] + B[n + k] * u;
+      s[n + k] = v;
+      part[k] += C[n + k] * v;
+    }
+  }
+  for (int k = 0; n < N; ++n, ++k) {
+    const T v = decay * s[n] + B[n] * u;
+    s[n] = v;
+    part[k] += C[n] * v;
+  }
+  T sum = T(0);
+  for (int k = 0; k < kLanes; ++k) sum += part[k];
+  return sum;
+}
+
 template <typename T>
 void ssd_update_items(const SsdUpdateProblem<T>& p, int64_t begin, int64_t end) {
+  constexpr int W = kWidth<T>;
   const int64_t H = p.heads, P = p.headdim, N = p.state, G = p.groups;
   const int64_t heads_per_group = H / G;
+  const SsdOptions<T>& o = p.options;
+  // Whole vectors along the state axis (every state size that is a multiple of W): W rows of
+  // headdim at a time; other rows one by one.
+  const int64_t vecs = N % W == 0 ? N / W : 0;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / H, h = item % H, g = h / heads_per_group;
     T* __restrict y = p.y + (b * H + h) * P;
@@ -125,35 +211,17 @@ void ssd_update_items(const SsdUpdateProblem<T>& p, int64_t begin, int64_t end) 
       std::memset(y, 0, sizeof(T) * static_cast<size_t>(P));
       continue;
     }
-    const T dt = p.dt[b * H + h];
+    const T dt = discretized_dt(p.dt[b * H + h], o, h);
     const T decay = std::exp(dt * p.A[h]);
     const T* __restrict x = p.x + (b * H + h) * P;
     const T* __restrict Bb = p.B + (b * G + g) * N;
     const T* __restrict Cb = p.C + (b * G + g) * N;
     T* __restrict S = p.pool + row * p.pool_row_stride + h * P * N;
-    for (int64_t i = 0; i < P; ++i) {
-      const T u = dt * x[i];
-      T* __restrict s = S + i * N;
-      // C . h in kLanes partial sums, so the compiler vectorizes the loop (a single running sum
-      // is an ordered reduction it must keep scalar).
-      T part[kLanes] = {};
-      int64_t n = 0;
-      for (; n + kLanes <= N; n += kLanes) {
-        for (int k = 0; k < kLanes; ++k) {
-          const T v = decay * s[n + k] + Bb[n + k] * u;
-          s[n + k] = v;
-          part[k] += Cb[n + k] * v;
-        }
-      }
-      for (int k = 0; n < N; ++n, ++k) {
-        const T v = decay * s[n] + Bb[n] * u;
-        s[n] = v;
-        part[k] += Cb[n] * v;
-      }
-      T sum = T(0);
-      for (int k = 0; k < kLanes; ++k) sum += part[k];
-      y[i] = sum;
-    }
+    int64_t i = 0;
+    if (vecs > 0)
+      for (; i + W <= P; i += W) ssd_update_rows(S + i * N, N, vecs, decay, dt, x + i, Bb, Cb, y + i);
+    for (; i < P; ++i) y[i] = ssd_update_row(S + i * N, N, decay, dt * x[i], Bb, Cb);
+    skip_and_gate(y, x, o.D == nullptr ? nullptr : o.D + h * P, o.z == nullptr ? nullptr : o.z + (b * H + h) * P, P);
   }
 }
 

@@ -1,24 +1,38 @@
 // Mamba-2 (SSD) recurrences over contiguous operands in the compute dtype (float or double),
-// torch-free like scan_kernel.h. The binding (binding.cpp) hands them contiguous tensors whose
-// dt is already discretized (bias, softplus, clamp) and applies D and the z gate itself, so these
-// loops hold only the per-state-element work: one decay per (time, head), two multiply-adds per
-// state element.
+// torch-free like scan_kernel.h. The binding (binding.cpp) hands them contiguous tensors; the
+// kernels do the whole per-element work: dt's discretization once per (time, head), one decay
+// per (time, head), two multiply-adds per state element, then D and the z gate on y. Doing
+// the last in torch after the call left the parallel torch op waiting for a core the kernels'
+// still-polling helper held (docs/performance.md, "SSD CPU kernel").
 #pragma once
 
 #include <cstdint>
 
 namespace scan_bridge {
 
+// What the kernels apply around the recurrence: dt <- clamp(softplus(dt + bias)) per (time,
+// head), and y <- (y + D x) silu(z) per element; absent parts are skipped.
+template <typename T>
+struct SsdOptions {
+  const T* dt_bias = nullptr;  // [heads] or nullptr
+  bool dt_softplus = false;
+  bool has_dt_min = false, has_dt_max = false;
+  T dt_min = 0, dt_max = 0;
+  const T* D = nullptr;  // [heads, headdim] or nullptr
+  const T* z = nullptr;  // shaped like x, or nullptr
+};
+
 template <typename T>
 struct SsdScanProblem {
   int64_t batch = 0, seq = 0, heads = 0, headdim = 0, state = 0, groups = 1;
   const T* x = nullptr;   // [batch, seq, heads, headdim]
-  const T* dt = nullptr;  // [batch, seq, heads], discretized
+  const T* dt = nullptr;  // [batch, seq, heads], as the caller gave it
   const T* A = nullptr;   // [heads]
   const T* B = nullptr;   // [batch, seq, groups, state]
   const T* C = nullptr;   // [batch, seq, groups, state]
   const T* h0 = nullptr;  // [batch, heads, headdim, state] or nullptr (zeros)
-  T* y = nullptr;         // [batch, seq, heads, headdim], written: C . h only
+  SsdOptions<T> options;
+  T* y = nullptr;         // [batch, seq, heads, headdim], written
   T* state_out = nullptr; // [batch, heads, headdim, state] or nullptr
 };
 
@@ -36,11 +50,12 @@ struct SsdUpdateProblem {
   int64_t pool_row_stride = 0;  // elements from one pool row to the next (a model's pool holds other parts between)
   const int64_t* rows = nullptr;  // [batch]: the pool row of each batch row, < 0 = padding
   const T* x = nullptr;         // [batch, heads, headdim]
-  const T* dt = nullptr;        // [batch, heads], discretized
+  const T* dt = nullptr;        // [batch, heads], as the caller gave it
   const T* A = nullptr;         // [heads]
   const T* B = nullptr;         // [batch, groups, state]
   const T* C = nullptr;         // [batch, groups, state]
-  T* y = nullptr;               // [batch, heads, headdim], written (C . h; 0 for padding rows)
+  SsdOptions<T> options;
+  T* y = nullptr;               // [batch, heads, headdim], written (0 for padding rows)
 };
 
 // Items are (batch row, head) pairs.
