@@ -108,23 +108,9 @@ def game_loop(steps: int, windows: int, server_args: list[str], device: str = "c
         for i in range(WARMUP):
             exchange(lane, step_frames[i % len(step_frames)])
         echo, echo_missing = open_step_echo(lane.reply_sizes(), step_frames)
-        step_rows, step_bytes, step_timing, echo_rows = [], [], [], []
-        try:
-            # Bridge and echo take turns within each frame, so that both see the same machine.
-            start = time.perf_counter()
-            for i in range(steps):
-                request = step_frames[i % len(step_frames)]
-                wait_for_frame(start, i)
-                us, reply = exchange(lane, request)
-                step_rows.append(us)
-                step_bytes.append(round_trip_bytes(lane, request))
-                step_timing.append(reply.timing)
-                if echo is not None:
-                    wait_for_frame(start, i + 0.5)
-                    echo_rows.append(echo.round_trip_us(request))
-        finally:
-            if echo is not None:
-                echo.close()
+        step_bytes = []
+        step_rows, step_timing, echo_rows = paced_exchanges(
+            lane, step_frames, steps, echo, lambda request: step_bytes.append(round_trip_bytes(lane, request)))
         # The same steps back to back: a server kept busy (many agents) rather than a frame's
         # lone step; the bridge alone, this series is not held against a floor.
         back_to_back_rows, back_to_back_timing = [], []
@@ -216,6 +202,32 @@ def game_loop_runs(repeats: int, steps: int, windows: int, server_args: list[str
         "goals": runs[0]["goals"],
         "runs": runs,
     }
+
+
+def paced_exchanges(lane, frames: list, steps: int, echo, on_reply=None) -> tuple[list, list, list]:
+    """`steps` requests of `frames` (cycled) to `lane`, one at each 60 FPS frame's start, and,
+    where `echo` is a lane, the same request to it half a frame later: bridge and echo take
+    turns within each frame, so that both see the same machine. (round trips in µs, the
+    replies' timings, the echo's round trips); `on_reply(request)` is called after each reply.
+    Closes the echo."""
+    rows, timings, echo_rows = [], [], []
+    try:
+        start = time.perf_counter()
+        for i in range(steps):
+            request = frames[i % len(frames)]
+            wait_for_frame(start, i)
+            us, reply = exchange(lane, request)
+            rows.append(us)
+            timings.append(reply.timing)
+            if on_reply is not None:
+                on_reply(request)
+            if echo is not None:
+                wait_for_frame(start, i + 0.5)
+                echo_rows.append(echo.round_trip_us(request))
+    finally:
+        if echo is not None:
+            echo.close()
+    return rows, timings, echo_rows
 
 
 def open_step_echo(reply_sizes: list[int], step_frames: list):

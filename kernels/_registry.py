@@ -69,6 +69,9 @@ class Backend:
     # (kernels/cpu/scan_kernel.h) that a native caller in this process fills itself (the
     # bridge's native step path); None for backends without one.
     run_problem: object | None = None
+    # Likewise "scan_bridge.run_ssd_update", the Mamba-2 state update on an SsdUpdateProblem
+    # (kernels/cpu/ssd_kernel.h).
+    run_ssd_update: object | None = None
     # Captures a state update for replay (kernels.capture_state_update); None: nothing to capture.
     capture_state_update: Callable | None = None
     # One frame through a whole Mamba / Mamba-2 stack in one call (kernels.model_step_kernel);

@@ -376,6 +376,23 @@ def test_backward_bench_runs_end_to_end(tmp_path):
     assert case["torch_autograd"]["peak_extra_bytes"] > 0
 
 
+def test_ssd_step_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.ssd_step` (Mamba-2 steps, native path against --no-native-step), tiny:
+    both servers in one run, each stepping the way its mode says, the ratios of its own numbers."""
+    if "cpu" not in kernels.available_backends():
+        pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    out = tmp_path / "ssd_step.json"
+    proc = run_marked([sys.executable, "-m", "bench.ssd_step", "--steps", "20", "--rounds", "1", "--json", str(out)],
+                      timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    results = json.loads(out.read_text())
+    assert [r["served_natively"] for r in (results["runs"]["native"][0], results["runs"]["general"][0])] == [True, False]
+    summary = results["summary"]
+    assert results["runs"]["native"][0]["paced"]["n"] == results["runs"]["general"][0]["back_to_back"]["n"] == 20
+    assert summary["general_over_native_paced_p50"] == pytest.approx(
+        summary["general"]["paced_p50_us"] / summary["native"]["paced_p50_us"])
+
+
 def test_metrics_cost_bench_runs_end_to_end(tmp_path):
     """`python -m bench.metrics_cost` (issue 37's endpoint), tiny: both record timings, a served
     step and a scrape in one run, the ratio of its own numbers."""

@@ -315,6 +315,30 @@ def test_state_update_pool_at_odd_byte_offset(state_size):
     assert_update_outputs_match_reference(case, torch.float32, odd, before, y, f"cpu seed={seed}")
 
 
+def test_ssd_scan_inputs_at_odd_byte_offsets():
+    case = SsdCase(2, 19, 4, 20, 16, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True, clamp=True,
+                   h0=True)
+    seed = random_seed()
+    inputs = make_ssd_inputs(case, torch.float32, seed=seed)
+    keep = []
+    odd = {k: _at_odd_offset(v, keep) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    y_aligned, state_aligned = kernels.ssd_scan(**inputs, backend="cpu")
+    y, state = kernels.ssd_scan(**odd, backend="cpu")
+    assert torch.equal(y, y_aligned) and torch.equal(state, state_aligned), f"seed={seed}"
+
+
+def test_ssd_state_update_pool_and_inputs_at_odd_byte_offsets():
+    case = SsdUpdateCase(5, 3, 20, 16, pool=8, padding_rows=1, D=True, z=True, dt_bias=True, dt_softplus=True)
+    seed = random_seed()
+    inputs = make_ssd_update_inputs(case, torch.float32, seed=seed)
+    before = inputs["state"].clone()
+    keep = []
+    odd = {k: _at_odd_offset(v, keep) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    y = kernels.ssd_state_update(**odd, backend="cpu")
+    assert_update_outputs_match_reference(case, torch.float32, odd, before, y, f"cpu ssd seed={seed}",
+                                          reference=reference_ssd_update)
+
+
 # --- the build ---------------------------------------------------------------------------------
 
 def test_second_process_reuses_the_built_library():

@@ -204,6 +204,12 @@ def test_what_the_native_path_does_not_take_is_answered_as_before(inproc, name, 
         outcomes.append((reply, state))
         if native:
             assert served.taken == 0, f"seed={seed}: the native path took a {name} request"
+    assert_answered_alike(outcomes, code, seed)
+
+
+def assert_answered_alike(outcomes: list, code: str | None, seed: int) -> None:
+    """(reply, state after) from the native server, then from the general one: the same y or the
+    same error (`code`; None: a success), and the same state."""
     (native_reply, native_state), (general_reply, general_state) = outcomes
     assert native_reply.ok == general_reply.ok == (code is None), (native_reply.error, general_reply.error)
     if code is None:
@@ -513,3 +519,176 @@ def test_what_the_native_path_keeps_goes_with_its_session_and_handle(inproc):
             conn.mark_closed()
         assert (native._pools, native._handles) == ({}, {}), f"seed={seed}: {ending} left entries"
     assert served.taken == 2 and kept == [(1, 3), (1, 3)], (served.taken, kept)
+
+
+# --- Mamba-2 ("ssd") sessions -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SsdStepCase:
+    batch: int
+    heads: int
+    headdim: int
+    state: int
+    groups: int = 1
+    options: bool = False  # z, dt_bias, softplus, clamp, and D (per channel unless D_per_head)
+    D_per_head: bool = False
+    handles: bool = False  # A (and D, dt_bias) as handles
+    steps: int = 3
+
+
+SSD_CASES = [
+    pytest.param(SsdStepCase(1, 1, 1, 1), id="1x1x1x1"),
+    pytest.param(SsdStepCase(3, 4, 21, 16, groups=2, options=True), id="vector-rows-and-tail-all-options"),
+    pytest.param(SsdStepCase(2, 3, 5, 7, options=True, D_per_head=True, handles=True), id="odd-state-D-per-head-handles"),
+    pytest.param(SsdStepCase(32, 8, 64, 16, handles=True, steps=2), id="exphil-32x8x64x16"),
+]
+
+
+def ssd_step_inputs(case: SsdStepCase, gen: torch.Generator) -> dict:
+    b, h, p, n, g = case.batch, case.heads, case.headdim, case.state, case.groups
+
+    def rand(*shape, lo=-1.0, hi=1.0):
+        return torch.rand(*shape, generator=gen) * (hi - lo) + lo
+
+    args = {"x": rand(b, h, p), "dt": rand(b, h, lo=0.01, hi=0.5), "B": rand(b, g, n), "C": rand(b, g, n)}
+    if case.options:
+        args.update(z=rand(b, h, p), dt=rand(b, h, lo=-3.0, hi=1.0), dt_softplus=True, dt_min=0.005, dt_max=0.3)
+    return args
+
+
+def ssd_constants(case: SsdStepCase, gen: torch.Generator) -> dict:
+    out = {"A": -(torch.rand(case.heads, generator=gen) * 4 + 0.5)}
+    if case.options:
+        D_shape = (case.heads,) if case.D_per_head else (case.heads, case.headdim)
+        out.update(D=torch.rand(*D_shape, generator=gen), dt_bias=torch.rand(case.heads, generator=gen) - 0.5)
+    return out
+
+
+def open_ssd_session(srv, conn, case: SsdStepCase, consts: dict) -> tuple[str, dict]:
+    session = submit(srv, conn, "session_open", kind="ssd", batch=case.batch, heads=case.heads,
+                     headdim=case.headdim, state=case.state).result["session"]
+    if not case.handles:
+        return session, dict(consts)
+    return session, {name: protocol.HandleRef(submit(srv, conn, "put", tensor=t).result["handle"])
+                     for name, t in consts.items()}
+
+
+def steps_both_ways(inproc, open_one, frames_for) -> tuple[list, Served]:
+    """The same steps on a server with the native path and on one without: per server, (the
+    replies, the state after them)."""
+    native_srv, general_srv = inproc(), inproc(native_step=False)
+    served = Served(native_srv)
+    results = []
+    for srv in (native_srv, general_srv):
+        conn = RecordingConnection()
+        session, shared = open_one(srv, conn)
+        replies = [submit(srv, conn, "step", **frame(session, shared)) for frame in frames_for]
+        state = submit(srv, conn, "session_state", session=session).result["state"]
+        results.append((replies, wire_array(state)))
+    return results, served
+
+
+@pytest.mark.parametrize("case", SSD_CASES)
+def test_native_ssd_steps_equal_the_general_path(inproc, case):
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    consts = ssd_constants(case, gen)
+    inputs = [ssd_step_inputs(case, gen) for _ in range(case.steps)]
+    frames = [lambda session, shared, f=f: {"session": session, **shared, **f} for f in inputs]
+    results, served = steps_both_ways(inproc, lambda srv, conn: open_ssd_session(srv, conn, case, consts), frames)
+    (native_replies, native_state), (general_replies, general_state) = results
+    assert all(r.ok for r in native_replies + general_replies), (seed, [r.error for r in native_replies])
+    assert served.taken == case.steps, (seed, served.__dict__)
+    for t, (a, b) in enumerate(zip(native_replies, general_replies)):
+        ya, yb = wire_array(a.result["y"]), wire_array(b.result["y"])
+        assert ya.shape == (case.batch, case.heads, case.headdim), ya.shape
+        assert np.array_equal(ya, yb), f"seed={seed}: y of step {t} differs by {np.abs(ya - yb).max()}"
+        assert (a.id, list(a.result), set(a.timing)) == (b.id, list(b.result), set(b.timing))
+        assert a.timing["h2d_us"] == 0 and a.timing["kernel_us"] > 0, a.timing
+    assert np.array_equal(native_state, general_state), f"seed={seed}: the state after the steps differs"
+    assert not np.all(native_state == 0), f"seed={seed}: the steps left the state zero"
+
+
+# Keys that change nothing here, placed before the operands so that every operand's bytes move:
+# a prefix of 0, 1, 2 and 3 bytes modulo 4 (`dt_softplus` false: 13 bytes; `dt_max` 1000, an
+# int 16: 10 bytes).
+OFFSET_PREFIXES = [{}, {"dt_softplus": False}, {"dt_max": 1000}, {"dt_softplus": False, "dt_max": 1000}]
+
+
+def test_native_ssd_steps_read_operands_at_every_byte_offset(inproc):
+    """Tensor bytes in a frame lie at whatever offset the keys before them leave: the Mamba-2
+    kernel reads typed pointers, so the native path reads such operands from aligned copies and
+    still answers exactly what the general path does."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = SsdStepCase(2, 3, 20, 16, groups=3, options=True)
+    consts = ssd_constants(case, gen)
+    inputs = ssd_step_inputs(case, gen)
+    del inputs["dt_softplus"], inputs["dt_max"]
+    frames = [lambda session, shared, p=p: {**p, "session": session, **shared, **inputs} for p in OFFSET_PREFIXES]
+    x_offsets = set()
+    for prefix in OFFSET_PREFIXES:
+        args = {**prefix, "session": "s", **consts, **inputs}
+        body = b"".join(protocol.encode_request(1, "step", {k: to_wire(v) if isinstance(v, torch.Tensor) else v
+                                                            for k, v in args.items()}))
+        x_offsets.add(body.index(inputs["x"].numpy().tobytes()) % 4)
+    assert x_offsets == {0, 1, 2, 3}, x_offsets
+    results, served = steps_both_ways(inproc, lambda srv, conn: open_ssd_session(srv, conn, case, consts), frames)
+    (native_replies, native_state), (general_replies, general_state) = results
+    assert served.taken == len(OFFSET_PREFIXES), (seed, served.__dict__)
+    for a, b in zip(native_replies, general_replies):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert np.array_equal(wire_array(a.result["y"]), wire_array(b.result["y"])), f"seed={seed}"
+    assert np.array_equal(native_state, general_state), f"seed={seed}"
+
+
+def ssd_declined_cases():
+    """(id, how the request differs from a plain Mamba-2 step, the error the general path gives or None)."""
+    return [
+        pytest.param(lambda a: {**a, "x": a["x"].half()}, None, id="f16-x"),
+        pytest.param(lambda a: {**a, "x": a["x"].reshape(2, -1)}, "shape_mismatch", id="x-2d"),
+        pytest.param(lambda a: {**a, "dt": a["dt"][:, :2]}, "shape_mismatch", id="dt-heads"),
+        pytest.param(lambda a: {**a, "B": a["B"][:, 0]}, "shape_mismatch", id="B-without-groups"),
+        pytest.param(lambda a: {**a, "B": a["B"][:, :, :3]}, "shape_mismatch", id="B-state"),
+        pytest.param(lambda a: {**a, "B": torch.rand(2, 2, 4), "C": torch.rand(2, 2, 4)}, "shape_mismatch",
+                     id="heads-not-divisible-by-groups"),
+        pytest.param(lambda a: {**a, "A": -torch.rand(3, 4) - 0.1}, "shape_mismatch", id="A-per-state"),
+        pytest.param(lambda a: {**a, "D": torch.rand(3, 2)}, "shape_mismatch", id="D-shape"),
+        pytest.param(lambda a: {**a, "dt_min": 0.5, "dt_max": 0.1}, "invalid_argument", id="dt-min-above-max"),
+        pytest.param(lambda a: {**a, "dt_limit": [0.001, 0.1]}, None, id="mamba-ssm-name"),
+    ]
+
+
+@pytest.mark.parametrize("change,code", ssd_declined_cases())
+def test_what_the_native_path_does_not_take_of_ssd_steps_is_answered_as_before(inproc, change, code):
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = SsdStepCase(2, 3, 5, 4)
+    consts = ssd_constants(case, gen)
+    frame = ssd_step_inputs(case, gen)
+    outcomes = []
+    for native in (True, False):
+        srv = inproc(native_step=native)
+        served = Served(srv) if native else None
+        conn = RecordingConnection()
+        session, _ = open_ssd_session(srv, conn, case, consts)
+        reply = submit(srv, conn, "step", **change({**frame, **consts, "session": session}))
+        state = wire_array(submit(srv, conn, "session_state", session=session).result["state"])
+        outcomes.append((reply, state))
+        if native:
+            assert served.taken == 0, f"seed={seed}: the native path took it"
+    assert_answered_alike(outcomes, code, seed)
+
+
+def test_the_ssd_kernel_capsule_refuses_another_problem_layout():
+    import kernels
+
+    capsule = kernels.get_backend("cpu", "cpu").run_ssd_update
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(
+        get_pointer(capsule, b"scan_bridge.run_ssd_update"))
+    error = ctypes.create_string_buffer(256)
+    problem = ctypes.create_string_buffer(4096)
+    assert run(ctypes.cast(problem, ctypes.c_void_p), 3, error, 256) == 1
+    assert b"SsdUpdateProblem size 3, expected" in error.value, error.value

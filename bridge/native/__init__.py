@@ -1,5 +1,5 @@
 """The native step path: a plain `step` request served from its frame to its reply in one C++
-call (step.cpp), on the CPU with the "cpu" backend.
+call (step.cpp), on the CPU with the "cpu" backend, for Mamba-1 and Mamba-2 ("ssd") sessions.
 
 A step long after the last -- a 60 FPS game loop's frame -- spent much of its round trip in the
 server's Python per-request work, which a pause makes several times slower than back to back
@@ -9,8 +9,9 @@ frame, the kernel reads its operands there and writes y straight into the reply.
 What it takes -- anything else goes the general way (bridge.dispatcher), which answers every
 error: a v1 request in one frame (no raw buffers: a stream lane's, or a one-part ZeroMQ message)
 whose args are the session (this connection's), x, dt, B, C and optionally z inline as f32 (B
-and C [batch, state] or [batch, groups, state]), A and optionally D and dt_bias inline as f32 or
-as handles to contiguous f32 tensors, and the dt options; request and session ids in ASCII. The
+and C [batch, state] or [batch, groups, state]; for a Mamba-2 session the shapes of its
+`step`, B and C with their groups axis), A and optionally D and dt_bias inline as f32 or as
+handles to contiguous f32 tensors, and the dt options; request and session ids in ASCII. The
 dispatcher hands it every request without raw buffers that finds nothing in flight but other
 native steps, on any lane and under load too (the step op offers it as its fast path,
 bridge.ops.sessions.StepOp.fast_path). Its replies are the general path's, but for the timing:
@@ -44,7 +45,8 @@ def sources():
     """What the module is built from (kernels.cpu.build.Sources)."""
     from kernels.cpu import build
 
-    return build.Sources(NATIVE_DIR, files=("step.cpp",), headers=(build.SOURCE_DIR / "scan_kernel.h",),
+    return build.Sources(NATIVE_DIR, files=("step.cpp",),
+                         headers=(build.SOURCE_DIR / "scan_kernel.h", build.SOURCE_DIR / "ssd_kernel.h"),
                          include_dirs=(build.SOURCE_DIR,))
 
 
@@ -73,7 +75,7 @@ class NativeStepError(RuntimeError):
 class NativeStep:
     """Serves plain step requests for `server` (see the module docstring)."""
 
-    def __init__(self, server, module, run_problem):
+    def __init__(self, server, module, backend):
         if tuple(module.STAGE_KEYS) != STAGE_KEYS:
             raise BackendUnavailable(f"native step path: its replies' stages {tuple(module.STAGE_KEYS)}, "
                                      f"expected bridge.timing's {STAGE_KEYS}")
@@ -83,7 +85,7 @@ class NativeStep:
         # request. Pure: the dispatcher asks before any bookkeeping. The module's own function,
         # with no Python call around it.
         self.parse = module.parse
-        self._native = module.Stepper(run_problem)
+        self._native = module.Stepper(backend.run_problem, backend.run_ssd_update)
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
         # torch once rather than on every step (Python-level work, which a pause makes several
         # times slower). An entry holds a weak reference to the tensor it was read from (valid
@@ -101,7 +103,7 @@ class NativeStep:
         if server.device.type != "cpu" or server.backend != "cpu":
             return None
         try:
-            return cls(server, _module(), kernels.get_backend("cpu", "cpu").run_problem)
+            return cls(server, _module(), kernels.get_backend("cpu", "cpu"))
         except BackendUnavailable as exc:
             log.warning("native step path unavailable, steps take the general path: %s", exc)
             return None
@@ -111,8 +113,7 @@ class NativeStep:
         its session or a handle is not this connection's or not usable here (nothing touched).
         `queued_ns`: how long it waited to be served, its queue_us."""
         session = self.server.sessions.find(conn.id, request.session)
-        # Mamba-2 sessions' steps have no native path yet: the general path serves them.
-        if session is None or session.closed or session.kind != "mamba":
+        if session is None or session.closed or session.kind not in ("mamba", "ssd"):
             return None
         # The kernel gets the handles' addresses only: their tensors are held here until it is
         # done, whatever frees the handles meanwhile.
@@ -128,6 +129,9 @@ class NativeStep:
             held.append(tensor)
         pool_address, slots_address = self._pool_addresses(session)
         try:
+            if session.kind == "ssd":
+                return self._native.run_ssd(request, received_ns, queued_ns, pool_address, session.batch,
+                                            *session.shape, slots_address, handle_tensors)
             return self._native.run(request, received_ns, queued_ns, pool_address, session.batch, session.dim,
                                     session.state, slots_address, handle_tensors)
         except Exception as exc:

@@ -1,10 +1,10 @@
 // The native step path: a `step` request served from its frame to its reply frame in one C++
-// call, for the CPU kernels.
+// call, for the CPU kernels, Mamba-1 and Mamba-2 sessions alike.
 //
 // Why: a paced step spent much of its round trip in the server's Python per-request work
 // (docs/performance.md, "native step path"). Here the request is read where it lies in the
 // frame, the kernel reads its operands there and writes y straight into the reply, and the reply
-// is built around it: no tensors and no copies.
+// is built around it: no tensors, and no copies but of a Mamba-2 operand that lies unaligned.
 //
 // It serves only the plain form of a step (bridge/native/__init__.py says which); for anything
 // else `parse` returns None and the request takes the general path, which gives every error
@@ -12,11 +12,13 @@
 // handed on untouched, and a request it takes is known to be valid before the state is touched
 // (only a failing kernel is raised, and answered as internal_error by the dispatcher).
 //
-// The kernel is the CPU backend's, called through the capsule its extension exports
-// (kernels/cpu/binding.cpp, "scan_bridge.run_problem") with the ScanProblem of
-// kernels/cpu/scan_kernel.h: this file knows the wire, the kernels do not.
+// The kernels are the CPU backend's, called through the capsules its extension exports
+// (kernels/cpu/binding.cpp, "scan_bridge.run_problem" with the ScanProblem of
+// kernels/cpu/scan_kernel.h, "scan_bridge.run_ssd_update" with the SsdUpdateProblem of
+// kernels/cpu/ssd_kernel.h): this file knows the wire, the kernels do not.
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,8 +30,10 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "scan_kernel.h"
+#include "ssd_kernel.h"
 
 namespace py = pybind11;
 using scan_bridge::DType;
@@ -219,6 +223,14 @@ struct F32Array {
 
   bool is(int64_t d0) const { return ndim == 1 && shape[0] == d0; }
   bool is(int64_t d0, int64_t d1) const { return ndim == 2 && shape[0] == d0 && shape[1] == d1; }
+  bool is(int64_t d0, int64_t d1, int64_t d2) const {
+    return ndim == 3 && shape[0] == d0 && shape[1] == d1 && shape[2] == d2;
+  }
+  int64_t elements() const {
+    int64_t n = 1;
+    for (int d = 0; d < ndim; ++d) n *= shape[d];
+    return n;
+  }
 };
 
 enum Operand { kX, kDt, kB, kC, kZ, kA, kD, kDtBias, kOperands };
@@ -509,30 +521,26 @@ Strided f32(const void* data, int64_t s0, int64_t s1 = 0, int64_t s2 = 0, int64_
 
 class Stepper {
  public:
-  explicit Stepper(py::capsule run_problem)
-      : run_problem_(reinterpret_cast<scan_bridge::RunProblemFn>(run_problem.get_pointer())), keep_(run_problem) {
-    if (std::string(run_problem.name()) != scan_bridge::kRunProblemCapsule)
-      throw py::value_error(std::string("expected the cpu backend's ") + scan_bridge::kRunProblemCapsule + " capsule");
-  }
+  // The kernels' capsules: the Mamba-1 state update (always) and the Mamba-2 one (None: Mamba-2
+  // steps are not taken).
+  Stepper(py::capsule run_problem, std::optional<py::capsule> run_ssd_update)
+      : run_problem_(capsule_function<scan_bridge::RunProblemFn>(run_problem, scan_bridge::kRunProblemCapsule)),
+        run_ssd_update_(run_ssd_update ? capsule_function<scan_bridge::RunSsdUpdateFn>(
+                                             *run_ssd_update, scan_bridge::kRunSsdUpdateCapsule)
+                                       : nullptr),
+        keep_{run_problem, run_ssd_update.value_or(py::capsule())} {}
 
-  // One step of the session whose state rows are `pool` rows `slots` (`batch` of them, each
-  // [dim, state] f32, the pool contiguous), with A, D, dt_bias from handles where the request
-  // named them (`handle_tensors`: name -> (data_ptr, shape) of a contiguous f32 CPU tensor);
-  // `queued_ns` of the time since `received_ns` the request waited to be served (queue_us).
-  // Returns (reply body, timing) -- y written into the reply by the kernel -- or None when the
-  // request does not fit the session or its handles (nothing touched; the general path then
-  // answers it).
+  // One Mamba-1 step of the session whose state rows are `pool` rows `slots` (`batch` of them,
+  // each [dim, state] f32, the pool contiguous), with A, D, dt_bias from handles where the
+  // request named them (`handle_tensors`: name -> (data_ptr, shape) of a contiguous f32 CPU
+  // tensor); `queued_ns` of the time since `received_ns` the request waited to be served
+  // (queue_us). Returns (reply body, timing) -- y written into the reply by the kernel -- or
+  // None when the request does not fit the session or its handles (nothing touched; the general
+  // path then answers it).
   py::object run(const StepRequest& req, int64_t received_ns, int64_t queued_ns, uintptr_t pool, int64_t batch,
                  int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors) {
-    // The operands, with A, D and dt_bias from their handles where the request named them.
     F32Array op[kOperands];
-    std::copy(std::begin(req.operands), std::end(req.operands), op);
-    for (int o = kA; o <= kDtBias; ++o) {
-      if (!req.handles[o]) continue;
-      auto found = handle_array(handle_tensors.attr("get")(kOperandNames[o]));
-      if (!found) return py::none();
-      op[o] = *found;
-    }
+    if (!resolve(req, handle_tensors, op)) return py::none();
     if (!op[kX].is(batch, dim) || !op[kDt].is(batch, dim) || (req.given(kZ) && !op[kZ].is(batch, dim)))
       return py::none();
     // B, C: [batch, state] or [batch, groups, state], the same groups, dividing dim.
@@ -580,15 +588,131 @@ class Stepper {
     p.has_dt_max = req.dt_max.has_value();
     p.dt_min = req.dt_min.value_or(0.0);
     p.dt_max = req.dt_max.value_or(0.0);
+    // The kernel reads and writes through strides at any byte offset: y goes straight into the
+    // reply.
+    return reply(req, received_ns, queued_ns, {batch, dim}, [&](void* y, char* error, size_t error_size) {
+      p.y = f32(y, dim, 0, 1);
+      return run_problem_(&p, sizeof(ScanProblem), error, error_size);
+    });
+  }
 
-    // The reply: {"v": 1, "id", "ok": true, "result": {"y": tensor}, "timing": {...}}, sized
-    // before it is written (the id, the shape and the payload are the only variable parts).
+  // One Mamba-2 step, as `run` but for a session of [heads, headdim, state] rows: x and z
+  // [batch, heads, headdim], dt [batch, heads], B and C [batch, groups, state], A and dt_bias
+  // [heads], D [heads] or [heads, headdim]. None also when no Mamba-2 kernel was given.
+  py::object run_ssd(const StepRequest& req, int64_t received_ns, int64_t queued_ns, uintptr_t pool, int64_t batch,
+                     int64_t heads, int64_t headdim, int64_t state, uintptr_t slots, py::dict handle_tensors) {
+    if (run_ssd_update_ == nullptr) return py::none();
+    F32Array op[kOperands];
+    if (!resolve(req, handle_tensors, op)) return py::none();
+    if (!op[kX].is(batch, heads, headdim) || !op[kDt].is(batch, heads) ||
+        (req.given(kZ) && !op[kZ].is(batch, heads, headdim)))
+      return py::none();
+    int64_t groups = 0;
+    for (Operand o : {kB, kC}) {
+      const F32Array& t = op[o];
+      if (t.ndim != 3 || t.shape[0] != batch || t.shape[2] != state || (groups != 0 && t.shape[1] != groups))
+        return py::none();
+      groups = t.shape[1];
+    }
+    if (heads % groups != 0 || !op[kA].is(heads)) return py::none();
+    if (req.given(kD) && !op[kD].is(heads) && !op[kD].is(heads, headdim)) return py::none();
+    if (req.given(kDtBias) && !op[kDtBias].is(heads)) return py::none();
+    if (req.dt_min && req.dt_max && *req.dt_min > *req.dt_max) return py::none();
+
+    // This kernel reads typed pointers: an operand not aligned to its floats (bytes in a frame
+    // lie anywhere) is read from an aligned copy, and D per head is spread over headdim.
+    std::vector<float> copies[kOperands];
+    const float* data[kOperands] = {};
+    for (int o = 0; o < kOperands; ++o) {
+      const F32Array& t = op[o];
+      if (t.data == nullptr) continue;
+      if (reinterpret_cast<uintptr_t>(t.data) % alignof(float) == 0) {
+        data[o] = static_cast<const float*>(t.data);
+        continue;
+      }
+      copies[o].resize(static_cast<size_t>(t.elements()));
+      std::memcpy(copies[o].data(), t.data, copies[o].size() * sizeof(float));
+      data[o] = copies[o].data();
+    }
+    std::vector<float> D_per_channel;
+    if (data[kD] != nullptr && op[kD].ndim == 1) {
+      D_per_channel.resize(static_cast<size_t>(heads * headdim));
+      for (int64_t h = 0; h < heads; ++h)
+        std::fill_n(D_per_channel.begin() + h * headdim, headdim, data[kD][h]);
+      data[kD] = D_per_channel.data();
+    }
+
+    scan_bridge::SsdUpdateProblem<float> p;
+    p.batch = batch;
+    p.heads = heads;
+    p.headdim = headdim;
+    p.state = state;
+    p.groups = groups;
+    p.pool = reinterpret_cast<float*>(pool);
+    p.pool_row_stride = heads * headdim * state;
+    p.rows = reinterpret_cast<const int64_t*>(slots);
+    p.x = data[kX];
+    p.dt = data[kDt];
+    p.A = data[kA];
+    p.B = data[kB];
+    p.C = data[kC];
+    p.options.dt_bias = data[kDtBias];
+    p.options.dt_softplus = req.dt_softplus;
+    p.options.has_dt_min = req.dt_min.has_value();
+    p.options.has_dt_max = req.dt_max.has_value();
+    p.options.dt_min = static_cast<float>(req.dt_min.value_or(0.0));
+    p.options.dt_max = static_cast<float>(req.dt_max.value_or(0.0));
+    p.options.D = data[kD];
+    p.options.z = data[kZ];
+    const size_t y_floats = static_cast<size_t>(batch * heads * headdim);
+    return reply(req, received_ns, queued_ns, {batch, heads, headdim}, [&](void* y, char* error, size_t error_size) {
+      // y straight into the reply where it lies aligned, else through an aligned buffer.
+      const bool aligned = reinterpret_cast<uintptr_t>(y) % alignof(float) == 0;
+      std::vector<float> staged(aligned ? 0 : y_floats);
+      p.y = aligned ? static_cast<float*>(y) : staged.data();
+      const int status = run_ssd_update_(&p, sizeof(p), error, error_size);
+      if (!aligned) std::memcpy(y, staged.data(), y_floats * sizeof(float));
+      return status;
+    });
+  }
+
+ private:
+  template <typename Fn>
+  static Fn capsule_function(const py::capsule& capsule, const char* name) {
+    if (capsule.name() == nullptr || std::string(capsule.name()) != name)
+      throw py::value_error(std::string("expected the cpu backend's ") + name + " capsule");
+    return reinterpret_cast<Fn>(capsule.get_pointer());
+  }
+
+  // The operands, with A, D and dt_bias from their handles where the request named them; false
+  // when a named handle is not usable here.
+  static bool resolve(const StepRequest& req, const py::dict& handle_tensors, F32Array* op) {
+    std::copy(std::begin(req.operands), std::end(req.operands), op);
+    for (int o = kA; o <= kDtBias; ++o) {
+      if (!req.handles[o]) continue;
+      auto found = handle_array(handle_tensors.attr("get")(kOperandNames[o]));
+      if (!found) return false;
+      op[o] = *found;
+    }
+    return true;
+  }
+
+  // The reply {"v": 1, "id", "ok": true, "result": {"y": f32 tensor of `shape`}, "timing"},
+  // sized before it is written (the id, the shape and the payload are its only variable parts),
+  // with `kernel(y, error, error_size)` (0 on success) writing y's bytes in place, the GIL
+  // released; the rows of `shape`'s first axis are the reply's batch_rows.
+  template <typename Kernel>
+  py::object reply(const StepRequest& req, int64_t received_ns, int64_t queued_ns,
+                   std::initializer_list<int64_t> shape, Kernel kernel) {
     const bool id_is_str = py::isinstance<py::str>(req.id);
     const std::string id_text = id_is_str ? req.id.cast<std::string>() : std::string();
     const uint64_t id_number = id_is_str ? 0 : req.id.cast<uint64_t>();
-    const uint64_t y_bytes = static_cast<uint64_t>(batch) * dim * 4;
-    // Envelope and tensor map at most 96 bytes besides the id; each timing entry at most 21.
-    const size_t size = 96 + id_text.size() + y_bytes + 8 + 21 * kTimingEntries;
+    uint64_t y_bytes = 4;
+    for (int64_t d : shape) y_bytes *= static_cast<uint64_t>(d);
+    const int64_t batch = *shape.begin();
+    // Envelope and tensor map at most 96 bytes besides the id and the shape (9 bytes an axis at
+    // most); each timing entry at most 21.
+    const size_t size = 96 + id_text.size() + 9 * shape.size() + y_bytes + 8 + 21 * kTimingEntries;
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
     if (raw == nullptr) throw py::error_already_set();
     py::object reply = py::reinterpret_steal<py::object>(raw);
@@ -599,12 +723,13 @@ class Stepper {
     } else {
       w.uint(id_number);
     }
-    w.raw("\xa2ok\xc3\xa6result\x81\xa1y\x83\xa5""dtype\xa3""f32\xa5shape\x92");
-    w.uint(static_cast<uint64_t>(batch));
-    w.uint(static_cast<uint64_t>(dim));
+    w.raw("\xa2ok\xc3\xa6result\x81\xa1y\x83\xa5""dtype\xa3""f32\xa5shape");
+    *w.position() = static_cast<uint8_t>(0x90 | shape.size());
+    w.skip(1);
+    for (int64_t d : shape) w.uint(static_cast<uint64_t>(d));
     w.raw("\xa4""data");
     w.bin_header(y_bytes);
-    p.y = f32(w.position(), dim, 0, 1);
+    void* y = w.position();
     w.skip(y_bytes);
 
     const int64_t kernel_start = now_ns();
@@ -612,7 +737,7 @@ class Stepper {
     int status;
     {
       py::gil_scoped_release unlocked;
-      status = run_problem_(&p, sizeof(ScanProblem), error, sizeof(error));
+      status = kernel(y, error, sizeof(error));
     }
     if (status != 0) throw std::runtime_error(std::string("native step kernel: ") + error);
     const int64_t kernel_end = now_ns();
@@ -651,9 +776,9 @@ class Stepper {
     return py::make_tuple(reply, timing);
   }
 
- private:
   scan_bridge::RunProblemFn run_problem_;
-  py::capsule keep_;
+  scan_bridge::RunSsdUpdateFn run_ssd_update_;
+  py::capsule keep_[2];
 };
 
 }  // namespace
@@ -673,8 +798,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (size_t k = 0; k < std::size(kStageKeys); ++k) stage_keys[k] = kStageKeys[k];
   m.attr("STAGE_KEYS") = stage_keys;
   py::class_<Stepper>(m, "Stepper")
-      .def(py::init<py::capsule>())
+      .def(py::init<py::capsule, std::optional<py::capsule>>(), py::arg("run_problem"),
+           py::arg("run_ssd_update") = py::none())
       .def("run", &Stepper::run, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("dim"), py::arg("state"), py::arg("slots"),
-           py::arg("handle_tensors"));
+           py::arg("handle_tensors"))
+      .def("run_ssd", &Stepper::run_ssd, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
+           py::arg("pool"), py::arg("batch"), py::arg("heads"), py::arg("headdim"), py::arg("state"),
+           py::arg("slots"), py::arg("handle_tensors"));
 }

@@ -25,9 +25,14 @@ def load_backend() -> Backend:
 
 
 def _in_dtype(f, *tensors):
-    """Each tensor contiguous in the compute dtype f (a copy only where it is not already); None
-    stays None."""
-    return [None if t is None else t.to(f).contiguous() for t in tensors]
+    """Each tensor contiguous in the compute dtype f and aligned to its element (a copy only
+    where it is not already: the SSD kernels read typed pointers, and tensors decoded from a
+    frame may start at any byte); None stays None."""
+    return [None if t is None else _aligned(t.to(f).contiguous()) for t in tensors]
+
+
+def _aligned(t):
+    return t.clone() if t.data_ptr() % t.element_size() else t
 
 
 def backend_from(ext) -> Backend:
@@ -60,7 +65,8 @@ def backend_from(ext) -> Backend:
         rows = torch.arange(batch) if slots is None else slots.to(torch.int64)
         # The server's pools (fp32, each row contiguous) are updated where they lie; any other pool
         # through a packed copy of its live rows.
-        in_place = state.dtype == f and (state.shape[0] == 0 or state[0].is_contiguous())
+        in_place = (state.dtype == f and (state.shape[0] == 0 or state[0].is_contiguous())
+                    and state.data_ptr() % state.element_size() == 0)
         if in_place:
             pool, kernel_rows = state, rows.contiguous()
         else:
@@ -134,6 +140,7 @@ def backend_from(ext) -> Backend:
         # word), with its description and library.
         details={"simd": ext.simd().split(" ", 1)[0], "simd_description": ext.simd(), "library": ext.__file__},
         run_problem=ext.run_problem,
+        run_ssd_update=ext.run_ssd_update,
         ssd_scan=ssd_scan,
         ssd_state_update=ssd_state_update,
         model_step=ext.model_step,

@@ -190,18 +190,18 @@ at::Tensor state_update(const at::Tensor& state, const at::Tensor& x, const at::
   return y;
 }
 
-// The kernel run on a ScanProblem filled elsewhere in this process -- the bridge's native step
-// path (bridge/native/step.cpp), which points it at operands where they lie in a request
-// frame -- behind a C signature, exported as the capsule "scan_bridge.run_problem".
-// `problem_size` is sizeof(ScanProblem) as the caller was compiled, so that a caller built
-// against another scan_kernel.h is refused instead of misread. 0 on success, else the error's
-// message is in `error`.
-int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t error_size) {
+// `run()` behind a C signature, for callers in this process that fill a problem struct
+// themselves: `problem_size` is the struct's size as the caller was compiled (`expected` as
+// this module was), so that a caller built against another header is refused instead of
+// misread. 0 on success, else the error's message is in `error`.
+template <typename Run>
+int call_from_c(const char* problem, const char* header, size_t problem_size, size_t expected, Run run,
+                char* error, size_t error_size) {
   try {
-    if (problem_size != sizeof(ScanProblem))
-      throw std::invalid_argument("ScanProblem size " + std::to_string(problem_size) + ", expected " +
-                                  std::to_string(sizeof(ScanProblem)) + " (built against another scan_kernel.h)");
-    run(*p);
+    if (problem_size != expected)
+      throw std::invalid_argument(std::string(problem) + " size " + std::to_string(problem_size) + ", expected " +
+                                  std::to_string(expected) + " (built against another " + header + ")");
+    run();
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(error, error_size, "%s", e.what());
@@ -210,6 +210,14 @@ int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t e
     std::snprintf(error, error_size, "the kernel raised something other than a std::exception");
     return 1;
   }
+}
+
+// The kernel run on a ScanProblem filled elsewhere in this process -- the bridge's native step
+// path (bridge/native/step.cpp), which points it at operands where they lie in a request
+// frame -- exported as the capsule "scan_bridge.run_problem".
+int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t error_size) {
+  return call_from_c("ScanProblem", "scan_kernel.h", problem_size, sizeof(ScanProblem), [&] { run(*p); }, error,
+                     error_size);
 }
 
 }  // namespace
@@ -308,6 +316,15 @@ void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, co
   if (state_out.has_value()) require_operand(*state_out, "state", dtype);
   if (dtype == at::kFloat) ssd_scan_typed<float>(x, dt, A, B, C, extras, h0, y, state_out);
   else ssd_scan_typed<double>(x, dt, A, B, C, extras, h0, y, state_out);
+}
+
+// The Mamba-2 steps of the bridge's native step path, exported as the capsule
+// "scan_bridge.run_ssd_update" (ssd_kernel.h).
+int run_ssd_update(const scan_bridge::SsdUpdateProblem<float>* p, size_t problem_size, char* error,
+                   size_t error_size) {
+  return call_from_c("SsdUpdateProblem", "ssd_kernel.h", problem_size, sizeof(*p), [&] {
+    run_ssd_items(*p, p->batch * p->heads, p->headdim * p->state, scan_bridge::ssd_update_items<float>);
+  }, error, error_size);
 }
 
 template <typename T>
@@ -605,4 +622,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd", &scan_bridge::simd_description);
   static_assert(std::is_same_v<decltype(&run_problem), scan_bridge::RunProblemFn>);
   m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), scan_bridge::kRunProblemCapsule);
+  static_assert(std::is_same_v<decltype(&run_ssd_update), scan_bridge::RunSsdUpdateFn>);
+  m.attr("run_ssd_update") = py::capsule(reinterpret_cast<void*>(&run_ssd_update), scan_bridge::kRunSsdUpdateCapsule);
 }

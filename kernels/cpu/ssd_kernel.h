@@ -6,6 +6,7 @@
 // still-polling helper held (docs/performance.md, "SSD CPU kernel").
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace scan_bridge {
@@ -61,5 +62,13 @@ struct SsdUpdateProblem {
 // Items are (batch row, head) pairs.
 template <typename T>
 void ssd_update_items(const SsdUpdateProblem<T>& p, int64_t begin, int64_t end);
+
+// The fp32 state update run for native callers in this process (kernels/cpu/binding.cpp
+// exports it; the bridge's native step path calls it for Mamba-2 sessions), as RunProblemFn
+// for Mamba-1: `problem_size` is sizeof(SsdUpdateProblem<float>) as the caller was compiled;
+// 0 on success, else the error's message is in `error`. Every pointer is aligned to its type.
+using RunSsdUpdateFn = int (*)(const SsdUpdateProblem<float>* problem, size_t problem_size, char* error,
+                               size_t error_size);
+inline constexpr char kRunSsdUpdateCapsule[] = "scan_bridge.run_ssd_update";
 
 }  // namespace scan_bridge
