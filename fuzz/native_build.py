@@ -1,8 +1,8 @@
 """The native step parser's fuzzing build: bridge/native/step.cpp compiled with clang under
 AddressSanitizer and UndefinedBehaviorSanitizer, with libFuzzer's coverage instrumentation
-(-fsanitize=fuzzer-no-link), into a Python module of its own, beside the CPU kernel it calls
-(kernels/cpu/scan_kernel.cpp behind fuzz/native/run_problem_shim.cpp), sanitized too. The
-kernel is compiled by g++, as the server's is: clang 14 has no _Float16 on x86 without
+(-fsanitize=fuzzer-no-link), into a Python module of its own, beside the CPU kernels it calls
+(kernels/cpu/scan_kernel.cpp and ssd_kernel.cpp behind fuzz/native/run_problem_shim.cpp),
+sanitized too. The kernels are compiled by g++, as the server's is: clang 14 has no _Float16 on x86 without
 AVX512-FP16, which the kernel's half-precision paths use. Both compilers' ASan and UBSan emit
 calls into the same runtime interface (compiler-rt's), which the preloaded runtime serves.
 
@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STEP_SOURCE = ROOT / "bridge" / "native" / "step.cpp"
 KERNEL_DIR = ROOT / "kernels" / "cpu"
+KERNEL_SOURCES = ("scan_kernel.cpp", "ssd_kernel.cpp")
 SHIM_SOURCE = Path(__file__).resolve().parent / "native" / "run_problem_shim.cpp"
 MUTATOR_SHIM_SOURCE = Path(__file__).resolve().parent / "native" / "custom_mutator_shim.c"
 MUTATOR_SHIM_NAME = "libfuzz_custom_mutator.so"
@@ -107,7 +108,7 @@ def _includes() -> list[str]:
 
 def _sources() -> list[Path]:
     headers = sorted(KERNEL_DIR.glob("*.h"))
-    return [STEP_SOURCE, KERNEL_DIR / "scan_kernel.cpp", SHIM_SOURCE, MUTATOR_SHIM_SOURCE, *headers]
+    return [STEP_SOURCE, *(KERNEL_DIR / name for name in KERNEL_SOURCES), SHIM_SOURCE, MUTATOR_SHIM_SOURCE, *headers]
 
 
 def _digest(compilers: tuple[str, ...]) -> str:
@@ -151,8 +152,8 @@ def _compile(directory: Path, library: Path, compiler: str, kernel_compiler: str
     # sanitizers (their edges say nothing about the input's structure).
     steps = [
         [compiler, *CFLAGS, *PARSER_FLAGS, define, *includes, "-c", str(STEP_SOURCE), "-o", str(directory / "step.o")],
-        [kernel_compiler, *CFLAGS, *KERNEL_FLAGS, f"-I{KERNEL_DIR}", "-c", str(KERNEL_DIR / "scan_kernel.cpp"),
-         "-o", str(directory / "kernel.o")],
+        *([kernel_compiler, *CFLAGS, *KERNEL_FLAGS, f"-I{KERNEL_DIR}", "-c", str(KERNEL_DIR / name),
+           "-o", str(directory / Path(name).with_suffix(".o"))] for name in KERNEL_SOURCES),
         [kernel_compiler, *CFLAGS, *KERNEL_FLAGS, f"-I{KERNEL_DIR}", "-c", str(SHIM_SOURCE),
          "-o", str(directory / "shim.o")],
     ]
@@ -160,7 +161,8 @@ def _compile(directory: Path, library: Path, compiler: str, kernel_compiler: str
     steps.append([compiler, "-x", "c", "-O2", "-fPIC", "-shared", str(MUTATOR_SHIM_SOURCE),
                   "-o", str(directory / MUTATOR_SHIM_NAME)])
     steps.append([compiler, "-shared", *CLANG_SANITIZE, "-fsanitize=fuzzer-no-link", str(directory / "step.o"),
-                  str(directory / "kernel.o"), str(directory / "shim.o"), "-o", str(partial)])
+                  *(str(directory / Path(name).with_suffix(".o")) for name in KERNEL_SOURCES),
+                  str(directory / "shim.o"), "-o", str(partial)])
     for command in steps:
         if verbose:
             print(" ".join(command), flush=True)

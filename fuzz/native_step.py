@@ -1,6 +1,7 @@
 """Harness: the native step path's parser, `parse(frame)` of bridge/native/step.cpp, and the
-step it then runs (`Stepper.run`: the shape checks against the session, the kernel reading the
-operands where they lie in the frame, the reply written around y).
+step it then runs (`Stepper.run` for a Mamba-1 session, `Stepper.run_ssd` for a Mamba-2 one: the
+shape checks against the session, the kernel reading the operands from the frame, the reply
+written around y).
 
 An input is one frame body (no length prefix). It is placed twice in memory, flush against an
 inaccessible page after it and then before it, so a read past either end faults even in the
@@ -13,10 +14,12 @@ What must hold, beyond "no crash, no sanitizer report":
 - a request `parse` takes is one the Python decoder takes too, as a step with the same id,
   session and handles, and within the native path's documented form (bridge/native/__init__.py:
   session, x, dt, B, C, z inline f32; A, D, dt_bias inline f32 or handles; the dt options);
-- `run` steps only a request whose shapes fit the session (batch, dim, state) and its handles'
-  tensors, and its reply reads back as a v1 reply with y of [batch, dim] f32.
-The session's dims come from the request's own shapes, now and then off by one (by a hash of
-the input, so a finding replays), so that both the accepting and the refusing checks run.
+- `run` and `run_ssd` step only a request whose shapes fit the session (batch, dim, state; or
+  batch, heads, headdim, state) and its handles' tensors, and the reply reads back as a v1 reply
+  with y of [batch, dim] (or [batch, heads, headdim]) f32.
+The session's kind follows x's rank, and its dims the request's own shapes, now and then the
+other kind or a dim off by one (by a hash of the input, so a finding replays), so that both the
+accepting and the refusing checks run.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ NATIVE_ARGS = frozenset(("session", *INLINE_ONLY, *MAY_BE_HANDLES, "dt_softplus"
 # handle's A could name any state size).
 MAX_POOL_FLOATS = 1 << 20
 
-_CAPSULE_NAME = b"scan_bridge.run_problem"
+# The kernels' capsules as the extension names them, and the sanitized build's shims behind them.
+_CAPSULES = {"run_problem": (b"scan_bridge.run_problem", "scan_bridge_fuzz_run_problem"),
+             "run_ssd_update": (b"scan_bridge.run_ssd_update", "scan_bridge_fuzz_run_ssd_update")}
 _PROT_NONE = 0  # mprotect's: no access (Python's mmap module has no name for it)
 
 
@@ -81,7 +86,6 @@ class GuardedPlacement:
 
 class _Target:
     module = None
-    run_problem = None
     stepper = None
     # Two placements, so that the frame the first parse keeps views of stays as it was.
     placements = ()
@@ -92,18 +96,19 @@ _target = _Target()
 _stats = Tally()
 
 
-def _capsule_of(library: str):
-    """A PyCapsule named as the kernels' export, holding the sanitized build's shim."""
-    function = ctypes.CDLL(library).scan_bridge_fuzz_run_problem
+def _capsule_of(library: str, kernel: str):
+    """A PyCapsule named as the kernels' export `kernel`, holding the sanitized build's shim."""
+    name, symbol = _CAPSULES[kernel]
+    function = getattr(ctypes.CDLL(library), symbol)
     new = ctypes.pythonapi.PyCapsule_New
     new.restype = ctypes.py_object
     new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-    return new(ctypes.cast(function, ctypes.c_void_p), _CAPSULE_NAME, None)
+    return new(ctypes.cast(function, ctypes.c_void_p), name, None)
 
 
 def setup() -> dict:
     plan = os.environ.get(PLAN_ENV, "")
-    info = {"target": "bridge/native/step.cpp parse(frame), Stepper.run"}
+    info = {"target": "bridge/native/step.cpp parse(frame), Stepper.run and run_ssd"}
     if plan.startswith("asan:"):
         library = plan.removeprefix("asan:")
         if not hasattr(ctypes.CDLL(None), "__asan_init"):
@@ -113,10 +118,10 @@ def setup() -> dict:
         spec = importlib.util.spec_from_file_location("scan_bridge_native_step_fuzz", library)
         _target.module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_target.module)
-        _target.run_problem = _capsule_of(library)
+        capsules = [_capsule_of(library, kernel) for kernel in _CAPSULES]
         _target.sanitized = True
         info.update(build="clang, sanitized", library=library, asan=True, ubsan=True, cpp_coverage=True,
-                    kernel="kernels/cpu/scan_kernel.cpp (g++, ASan + UBSan) on one thread")
+                    kernel="kernels/cpu/scan_kernel.cpp and ssd_kernel.cpp (g++, ASan + UBSan) on one thread")
     else:
         from kernels.errors import BackendUnavailable
 
@@ -129,13 +134,14 @@ def setup() -> dict:
             torch.set_num_threads(1)  # the kernel's helper threads: one core, as the sanitized build
 
             _target.module = native._module()
-            _target.run_problem = kernels.get_backend("cpu", "cpu").run_problem
+            backend = kernels.get_backend("cpu", "cpu")
+            capsules = [getattr(backend, kernel) for kernel in _CAPSULES]
         except BackendUnavailable as exc:
             raise HarnessUnavailable(f"the gcc build of the native step path is unavailable: {exc}") from exc
         info.update(build="gcc (bridge.native, the server's own)", library=_target.module.__file__, asan=False,
                     ubsan=False, cpp_coverage=False, kernel="the cpu backend's (kernels/cpu, gcc)",
                     fallback=plan.removeprefix("gcc:") or "no sanitized build was planned")
-    _target.stepper = _target.module.Stepper(_target.run_problem)
+    _target.stepper = _target.module.Stepper(*capsules)
     _target.placements = (GuardedPlacement(MAX_LEN), GuardedPlacement(MAX_LEN))
     return info
 
@@ -171,63 +177,81 @@ def check_against_decoder(parsed, data: bytes) -> Request:
     return request
 
 
-def _session_dims(request: Request, data: bytes) -> tuple[int, int, int, int]:
-    """(batch, dim, state, hash) for the session: the request's own, one of them off by one for
-    3 inputs in 8."""
+def _session_dims(request: Request, h: int) -> tuple[bool, tuple[int, ...]]:
+    """(whether the session is Mamba-2, its dims): the kind x's rank says (the other for 1 input
+    in 16), the dims the request's own (batch, dim, state; or batch, heads, headdim, state), one of
+    them off by one for 3 inputs in 8."""
     x, a, b = request.args["x"], request.args.get("A"), request.args.get("B")
-    batch, dim = x.shape[0], x.shape[-1]
-    if isinstance(a, WireTensor) and len(a.shape) == 2:
-        state = a.shape[1]
-    elif isinstance(b, WireTensor):
-        state = b.shape[-1]
+    ssd = (len(x.shape) == 3) != (h % 16 == 5)
+    state = b.shape[-1] if isinstance(b, WireTensor) else 1
+    if ssd:
+        dims = [*(tuple(x.shape) + (1, 1))[:3], state]
     else:
-        state = 1
-    h = zlib.crc32(data)
-    batch += h % 8 == 0
-    dim += h % 8 == 1
-    state += h % 8 == 2
-    return batch, dim, state, h
+        if isinstance(a, WireTensor) and len(a.shape) == 2:
+            state = a.shape[1]
+        dims = [x.shape[0], x.shape[-1], state]
+    if (h >> 4) % 8 < 3:
+        dims[(h >> 7) % len(dims)] += 1
+    return ssd, tuple(dims)
 
 
-def _fits(request: Request, batch: int, dim: int, state: int, handle_shapes: dict) -> bool:
-    """Whether the step's operands fit the session and the handles' tensors (what `run` must
-    check before the kernel reads anything)."""
+def _handle_shapes(ssd: bool, dims: tuple[int, ...], h: int) -> dict:
+    """The shapes each handle's tensor must have to fit the session."""
+    if ssd:
+        heads, headdim = dims[1], dims[2]
+        return {"A": (heads,), "D": (heads, headdim) if (h >> 9) & 1 else (heads,), "dt_bias": (heads,)}
+    dim, state = dims[1], dims[2]
+    return {"A": (dim, state), "D": (dim,), "dt_bias": (dim,)}
+
+
+def _fits(request: Request, ssd: bool, dims: tuple[int, ...], handle_shapes: dict) -> bool:
+    """Whether the step's operands fit the session and the handles' tensors (what `run` and
+    `run_ssd` must check before the kernel reads anything)."""
     def shape(name):
         value = request.args.get(name)
         return handle_shapes.get(name) if isinstance(value, HandleRef) else value.shape
 
-    for name in ("x", "dt", "z"):
-        if name in request.args and shape(name) != (batch, dim):
+    batch, state = dims[0], dims[-1]
+    rows = dims[:3] if ssd else dims[:2]
+    for name in ("x", "z"):
+        if name in request.args and shape(name) != rows:
             return False
+    if shape("dt") != (dims[:2] if ssd else rows):
+        return False
     groups = set()
     for name in ("B", "C"):
         s = shape(name)
-        if len(s) == 2 and s == (batch, state):
+        if len(s) == 2 and s == (batch, state) and not ssd:
             groups.add(1)
         elif len(s) == 3 and s[0] == batch and s[2] == state:
             groups.add(s[1])
         else:
             return False
-    if len(groups) != 1 or dim % groups.pop():
+    if len(groups) != 1 or dims[1] % groups.pop():
         return False
-    if shape("A") != (dim, state):
+    per_head = (dims[1],)
+    if shape("A") != (per_head if ssd else dims[1:3]):
         return False
-    for name in ("D", "dt_bias"):
-        if name in request.args and shape(name) != (dim,):
-            return False
+    if "D" in request.args and shape("D") not in ((per_head, dims[1:3]) if ssd else (per_head,)):
+        return False
+    if "dt_bias" in request.args and shape("dt_bias") != per_head:
+        return False
     low, high = request.args.get("dt_min"), request.args.get("dt_max")
     return low is None or high is None or low <= high
 
 
 def step(parsed, request: Request, data: bytes) -> None:
-    batch, dim, state, h = _session_dims(request, data)
-    if batch * dim * state > MAX_POOL_FLOATS:
+    h = zlib.crc32(data)
+    ssd, dims = _session_dims(request, h)
+    kind = "ssd " if ssd else ""
+    if math.prod(dims) > MAX_POOL_FLOATS:
         _stats["pool too large"] += 1
         return
     keep, handle_tensors, handle_shapes = [], {}, {}
+    fitting = _handle_shapes(ssd, dims, h)
     for i, name in enumerate(sorted(parsed.handles)):
-        wanted = (dim, state) if name == "A" else (dim,)
-        pick = (h >> (3 + 2 * i)) % 8
+        wanted = fitting[name]
+        pick = (h >> (10 + 2 * i)) % 8
         if pick == 0:
             wanted = wanted[:-1] + (wanted[-1] + 1,)
         elif pick == 1:
@@ -236,24 +260,25 @@ def step(parsed, request: Request, data: bytes) -> None:
         keep.append(array)
         handle_tensors[name] = (ctypes.addressof(array), wanted)
         handle_shapes[name] = wanted
-    pool = (ctypes.c_float * (batch * dim * state))()
+    batch = dims[0]
+    pool = (ctypes.c_float * math.prod(dims))()
     slots = (ctypes.c_int64 * batch)(*reversed(range(batch)))
-    result = _target.stepper.run(request=parsed, received_ns=time.monotonic_ns(), queued_ns=0,
-                                 pool=ctypes.addressof(pool), batch=batch, dim=dim, state=state,
-                                 slots=ctypes.addressof(slots), handle_tensors=handle_tensors)
-    fits = _fits(request, batch, dim, state, handle_shapes)
+    run = _target.stepper.run_ssd if ssd else _target.stepper.run
+    result = run(parsed, time.monotonic_ns(), 0, ctypes.addressof(pool), *dims, ctypes.addressof(slots),
+                 handle_tensors)
+    fits = _fits(request, ssd, dims, handle_shapes)
     if result is None:
-        _stats["refused by run (fits)" if fits else "refused by run"] += 1
+        _stats[f"{kind}refused by run (fits)" if fits else f"{kind}refused by run"] += 1
         return
     if not fits:
-        raise Finding(f"run stepped a request that does not fit session [{batch}, {dim}, {state}] "
+        raise Finding(f"run stepped a request that does not fit {'Mamba-2 ' if ssd else ''}session {list(dims)} "
                       f"and handles {handle_shapes}")
-    _stats["stepped"] += 1
+    _stats[f"{kind}stepped"] += 1
     body, timing = result
     reply = decode_reply(body)
     y = reply.result.get("y") if reply.ok and isinstance(reply.result, dict) else None
     if (reply.id != request.id or not isinstance(y, WireTensor) or y.dtype != "f32"
-            or y.shape != (batch, dim)):
+            or y.shape != (dims[:3] if ssd else dims[:2])):
         raise Finding(f"the native reply reads back as {reply!r}")
     if dict(reply.timing) != dict(timing):
         raise Finding(f"the reply's timing {reply.timing!r} differs from the one returned {timing!r}")

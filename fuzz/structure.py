@@ -203,12 +203,21 @@ def request(rng: random.Random, op: str | None = None, *, multipart: bool = Fals
 
 
 def step_request(rng: random.Random) -> bytes:
-    """A plain step request (the native path's form, bridge/native): f32 operands of one
-    consistent set of shapes, A, D and dt_bias sometimes as handles, the dt options."""
-    batch, dim, state = rng.choice((1, 1, 2, 3)), rng.choice((1, 2, 4, 6)), rng.choice((1, 2, 3, 4))
-    groups = rng.choice([g for g in (1, 2, 3) if dim % g == 0])
-    shapes = {"x": [batch, dim], "dt": [batch, dim], "z": [batch, dim], "A": [dim, state], "D": [dim],
-              "dt_bias": [dim], "B": [batch, state] if groups == 1 and rng.random() < 0.5 else [batch, groups, state]}
+    """A plain step request (the native path's form, bridge/native) of a Mamba-1 or a Mamba-2
+    session: f32 operands of one consistent set of shapes, A, D and dt_bias sometimes as
+    handles, the dt options."""
+    batch, state = rng.choice((1, 1, 2, 3)), rng.choice((1, 2, 3, 4))
+    if rng.random() < 0.5:
+        dim = rng.choice((1, 2, 4, 6))
+        groups = rng.choice([g for g in (1, 2, 3) if dim % g == 0])
+        shapes = {"x": [batch, dim], "dt": [batch, dim], "z": [batch, dim], "A": [dim, state], "D": [dim],
+                  "dt_bias": [dim],
+                  "B": [batch, state] if groups == 1 and rng.random() < 0.5 else [batch, groups, state]}
+    else:  # Mamba-2: heads x headdim, one decay per head
+        heads, headdim = rng.choice((1, 2, 4, 6)), rng.choice((1, 2, 3))
+        groups = rng.choice([g for g in (1, 2, 3) if heads % g == 0])
+        shapes = {"x": [batch, heads, headdim], "dt": [batch, heads], "z": [batch, heads, headdim], "A": [heads],
+                  "D": rng.choice(([heads], [heads, headdim])), "dt_bias": [heads], "B": [batch, groups, state]}
     shapes["C"] = list(shapes["B"])
     args = Pairs([("session", "s" * rng.randrange(1, 30))])
     for name in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias"):

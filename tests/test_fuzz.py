@@ -63,8 +63,8 @@ def test_a_bounded_run_of_the_harness_finds_nothing(name):
     assert result["executions"] >= MIN_EXECUTIONS, result
     stats = result["stats"]
     if name == "native_step":
-        # The run reached the step itself, not only the parser's refusals.
-        assert stats.get("parsed", 0) > 0 and stats.get("stepped", 0) > 0, stats
+        # The run reached the step itself, of both kinds of session, not only the parser's refusals.
+        assert stats.get("parsed", 0) > 0 and stats.get("stepped", 0) > 0 and stats.get("ssd stepped", 0) > 0, stats
         assert result["info"]["asan"] == result["sanitized"], result["info"]
     elif name in ("decoder", "legacy"):
         accepted = {k: v for k, v in stats.items() if k != "executions" and not k.startswith(("error", "legacy error",
