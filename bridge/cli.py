@@ -203,7 +203,8 @@ def warmup_dtypes() -> dict:
 
 
 def warmup_shape(text: str) -> dict:
-    """`32x60x512x16:D,z,dtype=bf16` → the shape dict `kernels.warmup` takes."""
+    """`32x60x512x16:D,z,dtype=bf16` → the shape dict `kernels.warmup` takes; five dims,
+    `32x60x8x64x16`, name a Mamba-2 bucket (heads 8, headdim 64)."""
     from kernels import WARMUP_OPTIONS
     from protocol.schema import LAYOUTS
 
@@ -211,10 +212,18 @@ def warmup_shape(text: str) -> dict:
 
     dims, _, opts = text.partition(":")
     try:
-        batch, seq, dim, state = (int(v) for v in dims.lower().split("x"))
+        values = [int(v) for v in dims.lower().split("x")]
+        if len(values) not in (4, 5):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BATCHxSEQxDIMxSTATE[:OPTIONS], got {text!r}") from None
-    shape = {"batch": batch, "seq": seq, "dim": dim, "state": state}
+        raise argparse.ArgumentTypeError("expected BATCHxSEQxDIMxSTATE or, for Mamba-2, "
+                                         f"BATCHxSEQxHEADSxHEADDIMxSTATE[:OPTIONS], got {text!r}") from None
+    if len(values) == 5:
+        batch, seq, heads, headdim, state = values
+        shape = {"batch": batch, "seq": seq, "dim": heads, "headdim": headdim, "state": state}
+    else:
+        batch, seq, dim, state = values
+        shape = {"batch": batch, "seq": seq, "dim": dim, "state": state}
     for opt in filter(None, opts.split(",")):
         name, is_setting, value = opt.partition("=")
         if not is_setting and name in WARMUP_OPTIONS:

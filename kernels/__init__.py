@@ -185,7 +185,8 @@ def capture_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
 
 def warmup(shapes, *, device="cpu", dtype=None, backend=None) -> list[str]:
     """Compile ahead of time the kernels for `shapes`, an iterable of dicts with keys batch,
-    seq, dim, state (and optionally groups, layout, dtype (`dtype` where absent), and the
+    seq, dim, state (and optionally headdim: a Mamba-2 bucket of `dim` heads; groups, layout,
+    dtype (`dtype` where absent), and the
     options the server will use: booleans D, z, dt_bias, dt_softplus, clamp, h0, return_state,
     slots — each option set is a separate compiled kernel). Returns what was compiled (for `info`); an empty list where the
     chosen backend compiles nothing."""

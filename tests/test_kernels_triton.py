@@ -503,15 +503,21 @@ def test_warmup_runs_each_bucket_and_describes_it(device):
         dict(batch=1, seq=9, dim=4, state=2, groups=2, layout="bdl", D=True, z=True, clamp=True,
              h0=True, return_state=True, slots=False),
         dict(batch=1, seq=40, dim=4, state=2),  # long enough to split: both forms are warmed
+        dict(batch=2, seq=7, dim=4, headdim=3, state=5, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
+             clamp=True, h0=True, return_state=True),  # Mamba-2
     ]
     described = kernels.warmup(shapes, device=device, dtype=torch.float32, backend="triton")
-    assert len(described) == 6
+    assert len(described) == 8
     assert described[0].startswith("triton scan bld batch=2 seq=5 dim=6 state=3 groups=1 float32")
     assert described[1].startswith("triton state_update batch=2 dim=6 state=3 groups=1 float32 slots=True")
     assert "options=['D', 'z', 'clamp', 'h0', 'return_state']" in described[2]
     assert "slots=False options=['D', 'z', 'clamp']" in described[3]
     assert "(1 launch)" in described[4] and "; also " in described[4] and "(2 launches)" in described[4]
     assert "; also " not in described[0]  # seq 5 fits one chunk: there is no other form
+    assert described[6].startswith("triton ssd_scan batch=2 seq=7 heads=4 headdim=3 state=5 groups=2 float32 "
+                                   "options=['D', 'z', 'dt_bias', 'dt_softplus', 'clamp', 'h0', 'return_state']")
+    assert described[7].startswith("triton ssd_state_update batch=2 heads=4 headdim=3 state=5 groups=2 float32 "
+                                   "slots=True options=['D', 'z', 'dt_bias', 'dt_softplus', 'clamp']")
     suffix = "(interpreted, nothing compiled)" if device == "cpu" else "(compiled)"
     assert all(line.endswith(suffix) for line in described)
 
@@ -523,6 +529,11 @@ def test_warmup_runs_each_bucket_and_describes_it(device):
     pytest.param(dict(batch=1, seq=2, dim=3, state=2, groups=2), "shapes.groups", id="groups-not-dividing"),
     pytest.param(dict(batch=1, seq=2, dim=4, state=2, layout="lbd"), "shapes.layout", id="bad-layout"),
     pytest.param(dict(batch=1, seq=2, dim=4, state=2, dtype=torch.int32), "shapes.dtype", id="integer-dtype"),
+    pytest.param(dict(batch=1, seq=2, dim=4, headdim=0, state=2), "shapes.headdim", id="zero-headdim"),
+    pytest.param(dict(batch=1, seq=2, dim=3, headdim=4, state=2, groups=2), "shapes.groups",
+                 id="groups-not-dividing-heads"),
+    pytest.param(dict(batch=1, seq=2, dim=4, headdim=4, state=2, layout="bdl"), "shapes.layout",
+                 id="ssd-bdl-layout"),
 ])
 def test_warmup_rejects_bad_buckets(shape, field):
     _backend("cpu" if not CUDA else "cuda")
@@ -560,9 +571,11 @@ def test_kernels_compile_for_sm90_without_spills():
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    kernels_seen = {name for name in ("_scan_output_kernel", "_segment_state_kernel", "_state_update_kernel")
-                    if any(name in line for line in lines)}
-    assert len(kernels_seen) == 3, done.stdout
+    names = ("_scan_output_kernel", "_segment_state_kernel", "_state_update_kernel", "_ssd_cumsum_kernel",
+             "_ssd_cb_kernel", "_ssd_chunk_state_kernel", "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel",
+             "_ssd_update_kernel")
+    missing = [name for name in names if not any(name in line for line in lines)]
+    assert not missing, (missing, done.stdout)
     assert all(": ok," in line for line in lines), done.stdout
 
 

@@ -8,8 +8,9 @@ runs in fp32, and fp16, bf16 and fp64 on one case that crosses chunks with every
 interpreter runs the 16-bit dots through the same hi/lo split a GPU does); the state update runs
 every SSD_UPDATE_CASES case in fp32 and a small one with every option in each other dtype. With
 CUDA the same tests run on the GPU with the production block table, plus real sizes in every
-dtype; without one, the kernels are compiled for sm_90 to prove what the interpreter cannot
-check (block shapes tl.dot accepts, lowering, no spills).
+dtype; without one, tests/test_kernels_triton.py compiles them for sm_90
+(kernels.triton_kernels.aot_check) to prove what the interpreter cannot check (block shapes
+tl.dot accepts, lowering, no spills).
 
 Outputs are NaN-filled before the launch (the launchers take `out=` / `state_out=`), so an
 element no program writes fails the comparison. Inputs are fresh random draws; the seed is in
@@ -18,9 +19,6 @@ every failure message.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -28,7 +26,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    CUDA_COMPILES_EVERY_KERNEL, DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES,
+    DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES,
     TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_same_nans_and_close, assert_scan_outputs_match_reference,
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
     make_ssd_inputs, make_ssd_update_inputs, random_seed, reference_ssd_scan, reference_ssd_update, state_dtype,
@@ -38,11 +36,8 @@ from kernels._registry import get_backend  # noqa: E402
 from kernels.triton_kernels import common, configs  # noqa: E402
 from kernels.triton_kernels import ssd  # noqa: E402
 from kernels.triton_kernels.common import run_on_device_of  # noqa: E402
-from process_runs import BackgroundRun  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
 DEVICES = [
     pytest.param("cpu", id="interpreter"),
     pytest.param("cuda", id="cuda", marks=ON_CUDA),
@@ -402,108 +397,3 @@ def test_ssd_state_update_real_sizes_on_gpu(case, dtype):
     _check_update(case, dtype, "cuda")
 
 
-# --- compiled for a GPU that is not here ---------------------------------------------------------
-
-
-def compile_for_sm90() -> int:
-    """Compiles the SSD launches of representative calls for sm_90 as the JIT would specialise
-    them (kernels.triton_kernels.aot_check), printing one line a launch; 1 when one fails to
-    compile or spills. Run without TRITON_INTERPRET, in a child process."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-
-    from kernels.triton_kernels.aot_check import _ptxas_report, _source
-
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*shape, dtype=torch.float32):
-        return torch.rand(shape, generator=gen).to(dtype)
-
-    def scan(dtype, every: bool, headdim=64, state=128):
-        b, l, h, g = 2, 300, 4, 2
-        xs, bcs = (b, l, h, headdim), (b, l, g, state)
-        _, _, launches = ssd.ssd_scan_launches(
-            rand(*xs, dtype=dtype), rand(b, l, h, dtype=dtype), -rand(h), rand(*bcs, dtype=dtype),
-            rand(*bcs, dtype=dtype), D=rand(h, headdim) if every else None, z=rand(*xs, dtype=dtype) if every else None,
-            dt_bias=rand(h) if every else None, dt_softplus=every, dt_min=0.001 if every else None,
-            dt_max=0.1 if every else None, h0=rand(b, h, headdim, state) if every else None, return_state=every,
-            chunk_size=None, out=None, state_out=None, blocks=None)
-        return launches
-
-    def update(dtype, every: bool):
-        b, h, p, n, g = 5, 8, 64, 128, 2
-        _, launch = ssd.ssd_update_launch(
-            rand(b + 3, h, p, n), rand(b, h, p, dtype=dtype), rand(b, h, dtype=dtype), -rand(h),
-            rand(b, g, n, dtype=dtype), rand(b, g, n, dtype=dtype), D=rand(h, p) if every else None,
-            z=rand(b, h, p, dtype=dtype) if every else None, dt_bias=rand(h) if every else None,
-            dt_softplus=every, dt_min=0.001 if every else None, dt_max=0.1 if every else None,
-            slots=torch.arange(b) if every else None, out=None, blocks=None)
-        return [launch]
-
-    # Each dot path (16-bit split, fp32 IEEE, fp64) with every option, small heads (padded
-    # blocks), and the update.
-    calls = {
-        "bf16 every option": scan(torch.bfloat16, True),
-        "f16 plain, headdim 17 state 16": scan(torch.float16, False, headdim=17, state=16),
-        "f32 every option": scan(torch.float32, True),
-        "f64 every option": scan(torch.float64, True),
-        "update bf16 every option": update(torch.bfloat16, True),
-        "update f64 plain": update(torch.float64, False),
-    }
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    failed = False
-    for label, launches in calls.items():
-        for launch in launches:
-            name = f"sm_90 {label} [{launch.kernel.__name__}]"
-            try:
-                compiled = triton.compile(_source(launch, backend), target=target,
-                                          options={"num_warps": launch.num_warps})
-            except Exception as exc:  # report every failing variant, not just the first
-                failed = True
-                print(f"{name}: FAILED {type(exc).__name__}: {exc}")
-                continue
-            summary, spilled = _ptxas_report(compiled.asm["ptx"], 90)
-            failed |= spilled
-            print(f"{name}: ok, {summary or 'ptxas -v unavailable'}{' SPILLS' if spilled else ''}")
-    return 1 if failed else 0
-
-
-def _nvidia_backend_present() -> bool:
-    from triton.backends import backends
-
-    return "nvidia" in backends
-
-
-def _sm90_compile_command():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
-    script = (f"import sys; sys.path[:0] = [{ROOT!r}, {TESTS!r}]; "
-              "import test_kernels_triton_ssd as t; sys.exit(t.compile_for_sm90())")
-    return [sys.executable, "-c", script], {"timeout_s": 600, "cwd": ROOT, "env": env}
-
-
-# Tens of seconds of compiling in a child process: started beside the interpreter tests as soon
-# as the tests are collected (tests/conftest.py), judged by the test below.
-SM90_COMPILE = BackgroundRun(_sm90_compile_command)
-SM90_COMPILE_TEST = "test_ssd_kernels_compile_for_sm90_without_spills"
-
-
-def start_background_runs(selected: set[str]) -> None:
-    if SM90_COMPILE_TEST in selected and not CUDA and _nvidia_backend_present():
-        SM90_COMPILE.start()
-
-
-@pytest.mark.skipif(CUDA, reason=CUDA_COMPILES_EVERY_KERNEL)
-def test_ssd_kernels_compile_for_sm90_without_spills():
-    """The interpreter compiles nothing and accepts dots of any block shape: compile each SSD
-    kernel on each dot path for an H100/H200 (sm_90) here and check ptxas reports no spills."""
-    if not _nvidia_backend_present():
-        pytest.skip("this triton build has no NVIDIA backend")
-    run = SM90_COMPILE.result()
-    assert run.failure("the sm_90 compile") is None, run.failure("the sm_90 compile")
-    lines = run.stdout.splitlines()
-    names = ("_ssd_cumsum_kernel", "_ssd_cb_kernel", "_ssd_chunk_state_kernel", "_ssd_state_passing_kernel",
-             "_ssd_chunk_scan_kernel", "_ssd_update_kernel")
-    assert all(any(name in line for line in lines) for name in names), run.stdout
-    assert all(": ok," in line for line in lines), run.stdout

@@ -354,13 +354,15 @@ def test_warmup_compiles_before_serving_and_info_lists_it():
     device, env = ("cuda", {}) if torch.cuda.is_available() else ("cpu", {"TRITON_INTERPRET": "1"})
     cmd = [sys.executable, "-m", "bridge", "--device", device, "--backend", "triton",
            "--warmup", "2x5x4x3:D,z", "--warmup", "1x3x4x2",
-           "--warmup", "1x3x4x2:groups=2,layout=bdl,dtype=bf16"]
+           "--warmup", "1x3x4x2:groups=2,layout=bdl,dtype=bf16", "--warmup", "2x5x4x3x2:D,dt_softplus"]
     c = PortClient(command=cmd, env=env, stderr=subprocess.DEVNULL)
     wait_ready(c)
     compiled = c.info()["kernels"]["compiled"]
-    assert len(compiled) == 6 and all(line.startswith("triton ") for line in compiled), compiled
-    assert sum("float32" in line for line in compiled) == 4
+    assert len(compiled) == 8 and all(line.startswith("triton ") for line in compiled), compiled
+    assert sum("float32" in line for line in compiled) == 6
     assert any(line.startswith("triton scan bdl batch=1 seq=3 dim=4 state=2 groups=2 bfloat16") for line in compiled)
+    assert any(line.startswith("triton ssd_scan batch=2 seq=5 heads=4 headdim=3 state=2 groups=1 float32")
+               for line in compiled), compiled
     c.close()
 
 
@@ -382,6 +384,7 @@ def test_a_warmup_that_fails_to_compile_stops_the_server_with_its_traceback(monk
 
 @pytest.mark.parametrize("bucket, expected", [
     pytest.param("2x5x4", "BATCHxSEQxDIMxSTATE", id="three-dims"),
+    pytest.param("2x5x4x3x2x1", "BATCHxSEQxHEADSxHEADDIMxSTATE", id="six-dims"),
     pytest.param("2x5x4x3:dtype=i32", "dtype=f32|f16|bf16|f64, got 'dtype=i32'", id="integer-dtype"),
     pytest.param("2x5x4x3:groups=0", "groups=<a positive int>", id="zero-groups"),
     pytest.param("2x5x4x3:layout=lbd", "layout=bld|bdl", id="bad-layout"),

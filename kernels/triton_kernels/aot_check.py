@@ -30,6 +30,7 @@ def _representative_launches():
     from .. import WARMUP_OPTIONS
     from . import configs
     from .scan import scan_launches
+    from .ssd import ssd_scan_launches, ssd_update_launch
     from .state_update import update_launch
 
     gen = torch.Generator().manual_seed(0)
@@ -66,6 +67,27 @@ def _representative_launches():
             slots=torch.arange(batch) if on("slots") else None, out=None, blocks=None)
         return [(f"{label} [{launch.kernel.__name__}]", launch)]
 
+    def ssd_scan_call(label, dtype, every: bool, headdim=64, state=128):
+        b, l, h, g = 2, 300, 4, 2
+        xs, bcs = (b, l, h, headdim), (b, l, g, state)
+        _, _, launches = ssd_scan_launches(
+            rand(*xs, dtype=dtype), rand(b, l, h, dtype=dtype), -rand(h), rand(*bcs, dtype=dtype),
+            rand(*bcs, dtype=dtype), D=rand(h, headdim) if every else None, z=rand(*xs, dtype=dtype) if every else None,
+            dt_bias=rand(h) if every else None, dt_softplus=every, dt_min=0.001 if every else None,
+            dt_max=0.1 if every else None, h0=rand(b, h, headdim, state) if every else None, return_state=every,
+            chunk_size=None, out=None, state_out=None, blocks=None)
+        return [(f"{label} [{launch.kernel.__name__}]", launch) for launch in launches]
+
+    def ssd_update_call(label, dtype, every: bool):
+        b, h, p, n, g = 5, 8, 64, 128, 2
+        _, launch = ssd_update_launch(
+            rand(b + 3, h, p, n), rand(b, h, p, dtype=dtype), rand(b, h, dtype=dtype), -rand(h),
+            rand(b, g, n, dtype=dtype), rand(b, g, n, dtype=dtype), D=rand(h, p) if every else None,
+            z=rand(b, h, p, dtype=dtype) if every else None, dt_bias=rand(h) if every else None,
+            dt_softplus=every, dt_min=0.001 if every else None, dt_max=0.1 if every else None,
+            slots=torch.arange(b) if every else None, out=None, blocks=None)
+        return [(f"{label} [{launch.kernel.__name__}]", launch)]
+
     def int64_offsets(calls):
         """The same launches in the variant for inputs of 2^31 elements and more (too large to
         allocate here)."""
@@ -91,6 +113,14 @@ def _representative_launches():
     found += update_call("update f64 clamp, slots", torch.float64, 16, ("clamp", "slots"))
     for limit, _ in configs.UPDATE_TABLE:
         found += update_call(f"update f32 state {limit}", torch.float32, limit, ("slots",), dim=64, groups=1)
+    # Mamba-2: each dot path of the scan (16-bit split, fp32 IEEE, fp64) with every option, small
+    # heads (padded blocks), and the update.
+    found += ssd_scan_call("ssd_scan bf16 every option", torch.bfloat16, True)
+    found += ssd_scan_call("ssd_scan f16 plain, headdim 17 state 16", torch.float16, False, headdim=17, state=16)
+    found += ssd_scan_call("ssd_scan f32 every option", torch.float32, True)
+    found += ssd_scan_call("ssd_scan f64 every option", torch.float64, True)
+    found += ssd_update_call("ssd_update bf16 every option", torch.bfloat16, True)
+    found += ssd_update_call("ssd_update f64 plain", torch.float64, False)
     return found
 
 

@@ -16,7 +16,7 @@ import triton
 
 from .._args import FLOAT_DTYPES, FLOAT_DTYPES_EXPECTED, LAYOUTS, LAYOUTS_EXPECTED
 from ..errors import KernelInputError
-from . import scan, state_update
+from . import configs, scan, ssd, state_update
 from .common import interpreter_active
 
 
@@ -24,6 +24,8 @@ from .common import interpreter_active
 class WarmupShape:
     """One bucket. batch/seq/dim/state/groups/layout give the scan's shape; the flags name the
     options the server's requests use (each option is a compile-time switch of the kernels).
+    `headdim`: a Mamba-2 (SSD) bucket instead, of `dim` heads of `headdim` channels each (its
+    scan has the one layout, "bld"; D is per head, as mamba_ssm's blocks hold it).
     `slots`: the state update is warmed with int64 slot indices into a pool (the bridge's
     sessions) rather than one state row per batch row.
 
@@ -47,6 +49,7 @@ class WarmupShape:
     return_state: bool = False
     slots: bool = True
     dtype: torch.dtype | None = None  # of x, dt, B, C, z; None: the warmup call's
+    headdim: int | None = None
 
     @classmethod
     def parse(cls, shape) -> "WarmupShape":
@@ -60,17 +63,23 @@ class WarmupShape:
         if missing:
             raise KernelInputError("shapes", "keys batch, seq, dim, state", f"missing {missing} in {shape}")
         spec = cls(**shape)
-        for name in ("batch", "seq", "dim", "state", "groups"):
+        for name in ("batch", "seq", "dim", "state", "groups") + (("headdim",) if spec.ssd else ()):
             value = getattr(spec, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise KernelInputError(f"shapes.{name}", "a positive int", repr(value))
         if spec.dim % spec.groups:
-            raise KernelInputError("shapes.groups", f"a divisor of dim ({spec.dim})", str(spec.groups))
-        if spec.layout not in LAYOUTS:
-            raise KernelInputError("shapes.layout", LAYOUTS_EXPECTED, repr(spec.layout))
+            axis = "heads" if spec.ssd else "dim"
+            raise KernelInputError("shapes.groups", f"a divisor of {axis} ({spec.dim})", str(spec.groups))
+        if spec.layout not in LAYOUTS or (spec.ssd and spec.layout != "bld"):
+            expected = '"bld" (the SSD scan\'s one layout)' if spec.ssd else LAYOUTS_EXPECTED
+            raise KernelInputError("shapes.layout", expected, repr(spec.layout))
         if spec.dtype is not None and spec.dtype not in FLOAT_DTYPES:
             raise KernelInputError("shapes.dtype", FLOAT_DTYPES_EXPECTED, str(spec.dtype))
         return spec
+
+    @property
+    def ssd(self) -> bool:
+        return self.headdim is not None
 
     def options(self) -> list[str]:
         from .. import WARMUP_OPTIONS
@@ -142,12 +151,52 @@ def _warm_state_update(spec: WarmupShape, device, dtype) -> str:
             f"slots={spec.slots} options={options}: {plan.describe()}")
 
 
+def _warm_ssd_scan(spec: WarmupShape, device, dtype) -> str:
+    b, l, h, p, n, g = spec.batch, spec.seq, spec.dim, spec.headdim, spec.state, spec.groups
+    x_shape, bc_shape = (b, l, h, p), (b, l, g, n)
+    inputs = (_uniform(x_shape, dtype, device, -1, 1), _uniform((b, l, h), dtype, device, 0.01, 0.5),
+              _uniform((h,), torch.float32, device, -2, -0.1),
+              _uniform(bc_shape, dtype, device, -1, 1), _uniform(bc_shape, dtype, device, -1, 1))
+    ssd.ssd_scan(*inputs, **_ssd_options(spec, device, dtype, x_shape),
+                 h0=_uniform((b, h, p, n), torch.float32, device, -1, 1) if spec.h0 else None,
+                 return_state=spec.return_state)
+    plan = ssd.plan_ssd_scan(inputs[0], inputs[3], inputs[4], None)
+    return (f"ssd_scan batch={b} seq={l} heads={h} headdim={p} state={n} groups={g} {_name(dtype)} "
+            f"options={spec.options()}: chunk {plan.chunk} x {plan.nchunks}, {plan.blocks}")
+
+
+def _warm_ssd_state_update(spec: WarmupShape, device, dtype) -> str:
+    b, h, p, n, g = spec.batch, spec.dim, spec.headdim, spec.state, spec.groups
+    ssd.ssd_state_update(
+        _uniform((b, h, p, n), torch.float32, device, -1, 1),
+        _uniform((b, h, p), dtype, device, -1, 1), _uniform((b, h), dtype, device, 0.01, 0.5),
+        _uniform((h,), torch.float32, device, -2, -0.1),
+        _uniform((b, g, n), dtype, device, -1, 1), _uniform((b, g, n), dtype, device, -1, 1),
+        **_ssd_options(spec, device, dtype, (b, h, p)),
+        slots=torch.arange(b, device=device) if spec.slots else None)
+    options = [o for o in spec.options() if o not in ("h0", "return_state")]
+    return (f"ssd_state_update batch={b} heads={h} headdim={p} state={n} groups={g} {_name(dtype)} "
+            f"slots={spec.slots} options={options}: {configs.ssd_update_blocks(p, n)}")
+
+
+def _ssd_options(spec: WarmupShape, device, dtype, x_shape) -> dict:
+    """D (per head, spread over headdim as kernels._args leaves it), z, dt_bias and the dt
+    options of a Mamba-2 bucket."""
+    h, p = spec.dim, spec.headdim
+    return dict(D=_uniform((h,), torch.float32, device, -0.5, 0.5).unsqueeze(1).expand(h, p) if spec.D else None,
+                z=_uniform(x_shape, dtype, device, -1, 1) if spec.z else None,
+                dt_bias=_uniform((h,), torch.float32, device, -0.5, 0.5) if spec.dt_bias else None,
+                dt_softplus=spec.dt_softplus,
+                dt_min=0.001 if spec.clamp else None, dt_max=0.1 if spec.clamp else None)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def warmup(shapes, *, device, dtype) -> list[str]:
-    """Run the scan and the state update once per bucket so that their kernels are compiled
+    """Run the scan and the state update (Mamba-1's, or Mamba-2's for a bucket with `headdim`)
+    once per bucket so that their kernels are compiled
     (on the interpreter nothing compiles and the runs only check the buckets). Returns one
     line per kernel warmed, for the server's `info`."""
     if dtype not in FLOAT_DTYPES:
@@ -158,8 +207,10 @@ def warmup(shapes, *, device, dtype) -> list[str]:
     described = []
     for spec in specs:
         spec_dtype = spec.dtype or dtype
-        described.append("triton " + _warm_scan(spec, device, spec_dtype) + suffix)
-        described.append("triton " + _warm_state_update(spec, device, spec_dtype) + suffix)
+        warm_scan, warm_update = ((_warm_ssd_scan, _warm_ssd_state_update) if spec.ssd
+                                  else (_warm_scan, _warm_state_update))
+        described.append("triton " + warm_scan(spec, device, spec_dtype) + suffix)
+        described.append("triton " + warm_update(spec, device, spec_dtype) + suffix)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return described
