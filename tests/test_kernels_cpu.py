@@ -481,6 +481,11 @@ SIMD_SSD_SCAN_CASES = [
     pytest.param(SsdCase(2, 9, 4, 5, 7, groups=2, D=True, D_per_channel=True, clamp=True, h0=True),
                  torch.bfloat16, id="groups-odd-bf16"),
     pytest.param(SsdCase(1, 11, 2, 17, 9, D=True, z=True, h0=True), torch.float64, id="f64"),
+    # Blocks whose last one holds 2, 3 or 4 vectors in one variant or another (a block is 2
+    # vectors with AVX-512, 4 with the narrower ones).
+    pytest.param(SsdCase(2, 13, 3, 27, 16, z=True, dt_bias=True, dt_softplus=True, clamp=True), torch.float32,
+                 id="headdim-27-f32"),
+    pytest.param(SsdCase(1, 7, 2, 52, 8, D=True, return_state=True), torch.float32, id="headdim-52-f32"),
 ]
 SIMD_SSD_UPDATE_CASES = [
     pytest.param(SsdUpdateCase(6, 4, 20, 19, groups=2, pool=9, padding_rows=2, D=True, z=True, dt_bias=True,

@@ -23,7 +23,10 @@ template <typename T>
 constexpr int kWidth = Lanes<T>::W;
 // Vectors of headdim one item carries through the whole sequence: its [state][block] slice of the
 // state stays in L1 (state 128: 16 KiB of fp32 with AVX-512), where a whole head's would not.
-constexpr int kBlockVectors = 2;
+// Narrower vectors take four, so that a timestep's own work (its decay, inputs and y) is shared
+// by as many state elements: with two, the AVX2 build ran the scan at about half the speed
+// (docs/performance.md, "SSD CPU kernel"); four are what the baseline's sixteen registers hold.
+constexpr int kBlockVectors = kVectorBytes == 64 ? 2 : 4;
 
 // dt <- clamp(softplus(dt + bias)) for head h; softplus with torch's threshold 20.
 template <typename T>
@@ -128,6 +131,8 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
       const T* Bt = p.B + (bt * G + g) * N;
       const T* Ct = p.C + (bt * G + g) * N;
       switch (vectors) {
+        case 4: ssd_scan_block<T, 4>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
+        case 3: ssd_scan_block<T, 3>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
         case 2: ssd_scan_block<T, 2>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
         default: ssd_scan_block<T, 1>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
       }
