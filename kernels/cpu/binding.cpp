@@ -80,10 +80,18 @@ Strided strided(const std::optional<at::Tensor>& t, const char* name, const std:
   return t.has_value() ? strided(*t, name, axes) : Strided{};
 }
 
+// Set on a thread while a fused model step (model_step below) runs: its state updates then run
+// on that thread alone. The step's matrix products run on torch's OpenMP threads; with helpers,
+// each update woke a helper that then polled beside the next product, and the two pools took
+// each other's cores: at 32 rows a step took twice as long on two threads as on one
+// (docs/performance.md, "model step").
+thread_local bool t_calling_thread_only = false;
+
 // The threads a call of `items` items of `per_item` state-element updates each runs on: the
 // calling thread and as many helpers as have kMinWorkPerThread each to do, up to
 // torch.get_num_threads() in all.
 int64_t threads_for(int64_t items, int64_t per_item) {
+  if (t_calling_thread_only) return 1;
   const int64_t min_items = (kMinWorkPerThread + per_item - 1) / per_item;
   return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items / min_items));
 }
@@ -491,7 +499,6 @@ void rms_norm_rows(const float* x, const float* weight, float* out, int64_t rows
   }
 }
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 // The causal conv of one timestep: each row's window (in its pool row) shifted left, the new
 // input appended, then the dot product with the weights, the bias and SiLU into out.
@@ -512,9 +519,11 @@ void conv_step(const float* in, int64_t in_stride, const at::Tensor& state, cons
       }
       wc[width - 1] = in[r * in_stride + c];
       acc += wc[width - 1] * kc[width - 1];
-      out[r * channels + c] = silu(acc);
+      out[r * channels + c] = acc;
     }
   }
+  // One vector pass: a scalar exp per channel cost more than the rest of the step's loops.
+  scan_bridge::silu_in_place(out, rows * channels);
 }
 
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
@@ -525,6 +534,10 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
                       const std::vector<int64_t>& dims, double eps, std::optional<double> dt_min,
                       std::optional<double> dt_max) {
   if (dims.size() != 7) throw std::invalid_argument("model_step: expected 7 dims");
+  struct CallingThreadOnly {
+    CallingThreadOnly() { t_calling_thread_only = true; }
+    ~CallingThreadOnly() { t_calling_thread_only = false; }
+  } calling_thread_only;
   const bool mamba2 = dims[0] == 1;
   const int64_t di = dims[1], n = dims[2], rank = dims[3], heads = dims[4], headdim = dims[5], groups = dims[6];
   require_operand(hidden, "hidden", at::kFloat);
@@ -584,6 +597,9 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
       ssd_state_update(need(layer, kSsmState), slots, x, dt, need(layer, kA), B, C, std::nullopt, std::nullopt,
                        std::nullopt, false, std::nullopt, std::nullopt, y);
       // y + D x, gated by silu(z), normalised per group of channels, scaled.
+      std::vector<float> gate(static_cast<size_t>(rows * di));
+      for (int64_t r = 0; r < rows; ++r) std::copy(pr + r * width, pr + r * width + di, gate.data() + r * di);
+      scan_bridge::silu_in_place(gate.data(), rows * di);
       const float* D = need(layer, kD).data_ptr<float>();
       const float* gate_w = need(layer, kGateNorm).data_ptr<float>();
       float* yp = y.data_ptr<float>();
@@ -591,7 +607,7 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
       const int64_t per_group = di / groups;
       for (int64_t r = 0; r < rows; ++r) {
         float* yr = yp + r * di;
-        for (int64_t c = 0; c < di; ++c) yr[c] = (yr[c] + D[c / headdim] * xp[r * di + c]) * silu(pr[r * width + c]);
+        for (int64_t c = 0; c < di; ++c) yr[c] = (yr[c] + D[c / headdim] * xp[r * di + c]) * gate[r * di + c];
         for (int64_t g = 0; g < groups; ++g) {
           float* yg = yr + g * per_group;
           double ss = 0;

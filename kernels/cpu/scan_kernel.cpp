@@ -758,6 +758,18 @@ void run_items(const ScanProblem& p, WorkQueue& queue, int seat) {
   }
 }
 
+void silu_in_place(float* values, int64_t count) {
+  using V = Lanes<float>::V;
+  using VU = Lanes<float>::Unaligned;
+  constexpr int W = Lanes<float>::W;
+  int64_t i = 0;
+  for (; i + W <= count; i += W) {
+    VU* v = reinterpret_cast<VU*>(values + i);
+    *v = Math<float>::silu(V(*v));
+  }
+  for (; i < count; ++i) values[i] = values[i] / (1.0f + std::exp(-values[i]));
+}
+
 const char* simd_description() {
 #if defined(__AVX512F__)
   return "avx512 (64-byte vectors)";

@@ -98,6 +98,10 @@ void run_items(const ScanProblem& p, WorkQueue& queue, int seat);
 // The instruction set the kernels were compiled for, for `info` and benchmark reports.
 const char* simd_description();
 
+// values[i] <- silu(values[i]) = values[i] sigmoid(values[i]) for i < count, with the kernels'
+// vector exp (simd.h): for the fused model step's conv outputs and gates (binding.cpp).
+void silu_in_place(float* values, int64_t count);
+
 // The kernel run for native callers in this process (kernels/cpu/binding.cpp exports it, the
 // bridge's native step path calls it): `problem_size` is sizeof(ScanProblem) as the caller was
 // compiled; 0 on success, else the error's message is in `error`.
