@@ -83,8 +83,8 @@ Strided strided(const std::optional<at::Tensor>& t, const char* name, const std:
 // Set on a thread while a fused model step (model_step below) runs: its state updates then run
 // on that thread alone. The step's matrix products run on torch's OpenMP threads; with helpers,
 // each update woke a helper that then polled beside the next product, and the two pools took
-// each other's cores: at 32 rows a step took twice as long on two threads as on one
-// (docs/performance.md, "model step").
+// each other's cores: a 32-row step was slower on two threads than on one (docs/performance.md,
+// "model step").
 thread_local bool t_calling_thread_only = false;
 
 // The threads a call of `items` items of `per_item` state-element updates each runs on: the
@@ -522,7 +522,7 @@ void conv_step(const float* in, int64_t in_stride, const at::Tensor& state, cons
       out[r * channels + c] = acc;
     }
   }
-  // One vector pass: a scalar exp per channel cost more than the rest of the step's loops.
+  // One vector pass, not a scalar exp per channel (docs/performance.md, "model step").
   scan_bridge::silu_in_place(out, rows * channels);
 }
 

@@ -24,7 +24,7 @@ constexpr int kWidth = Lanes<T>::W;
 // Vectors of headdim one item carries through the whole sequence: its [state][block] slice of the
 // state stays in L1 (state 128: 16 KiB of fp32 with AVX-512), where a whole head's would not.
 // Narrower vectors take four, so that a timestep's own work (its decay, inputs and y) is shared
-// by as many state elements: with two, the AVX2 build ran the scan at about half the speed
+// by as many state elements: with two, the AVX2 and baseline scans were slower
 // (docs/performance.md, "SSD CPU kernel"); four are what the baseline's sixteen registers hold.
 constexpr int kBlockVectors = kVectorBytes == 64 ? 2 : 4;
 
