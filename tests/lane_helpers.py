@@ -130,11 +130,24 @@ def read_reply(reader) -> protocol.Reply:
 
 
 def raw_unix(path: str) -> socket.socket:
-    """A raw connection whose reads and writes fail rather than hang when the server is stuck."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(REPLY_TIMEOUT_S)
-    sock.connect(path)
-    return sock
+    """A raw connection whose reads and writes fail rather than hang when the server is stuck.
+    A refused connect is tried again for a while: the server's socket file appears when it binds,
+    a moment before it listens, and wait_for_path may see it in between."""
+    made = []
+
+    def connected() -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(REPLY_TIMEOUT_S)
+        try:
+            sock.connect(path)
+        except ConnectionRefusedError:
+            sock.close()
+            return False
+        made.append(sock)
+        return True
+
+    wait_until(connected, f"the server at {path} refused every connection", START_TIMEOUT_S, interval=0.01)
+    return made[0]
 
 
 class RecordingDispatcher:
