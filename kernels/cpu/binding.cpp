@@ -326,13 +326,18 @@ void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, co
   else ssd_scan_typed<double>(x, dt, A, B, C, extras, h0, y, state_out);
 }
 
+// Items are (batch row, head) pairs of headdim x state updates each.
+template <typename T>
+void run_ssd_update_problem(const scan_bridge::SsdUpdateProblem<T>& p) {
+  run_ssd_items(p, p.batch * p.heads, p.headdim * p.state, scan_bridge::ssd_update_items<T>);
+}
+
 // The Mamba-2 steps of the bridge's native step path, exported as the capsule
 // "scan_bridge.run_ssd_update" (ssd_kernel.h).
 int run_ssd_update(const scan_bridge::SsdUpdateProblem<float>* p, size_t problem_size, char* error,
                    size_t error_size) {
-  return call_from_c("SsdUpdateProblem", "ssd_kernel.h", problem_size, sizeof(*p), [&] {
-    run_ssd_items(*p, p->batch * p->heads, p->headdim * p->state, scan_bridge::ssd_update_items<float>);
-  }, error, error_size);
+  return call_from_c("SsdUpdateProblem", "ssd_kernel.h", problem_size, sizeof(*p),
+                     [&] { run_ssd_update_problem(*p); }, error, error_size);
 }
 
 template <typename T>
@@ -355,7 +360,7 @@ void ssd_update_typed(at::Tensor& pool, const at::Tensor& rows, const at::Tensor
   p.C = C.data_ptr<T>();
   p.options = extras.options<T>();
   p.y = y.data_ptr<T>();
-  run_ssd_items(p, p.batch * p.heads, p.headdim * p.state, scan_bridge::ssd_update_items<T>);
+  run_ssd_update_problem(p);
 }
 
 void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
@@ -555,6 +560,7 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
   }
   float* h = hidden.data_ptr<float>();
   at::Tensor normed = at::empty({rows, d}, hidden.options());
+  std::vector<float> gate(mamba2 ? static_cast<size_t>(rows * di) : 0);  // Mamba-2's silu(z), layer by layer
   for (const auto& layer : layers) {
     rms_norm_rows(h, need(layer, kNorm).data_ptr<float>(), normed.data_ptr<float>(), rows, d, eps);
     at::Tensor projected = at::linear(normed, need(layer, kInProj), layer[kInProjBias]);
@@ -597,7 +603,6 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
       ssd_state_update(need(layer, kSsmState), slots, x, dt, need(layer, kA), B, C, std::nullopt, std::nullopt,
                        std::nullopt, false, std::nullopt, std::nullopt, y);
       // y + D x, gated by silu(z), normalised per group of channels, scaled.
-      std::vector<float> gate(static_cast<size_t>(rows * di));
       for (int64_t r = 0; r < rows; ++r) std::copy(pr + r * width, pr + r * width + di, gate.data() + r * di);
       scan_bridge::silu_in_place(gate.data(), rows * di);
       const float* D = need(layer, kD).data_ptr<float>();
