@@ -63,6 +63,7 @@ the first broken rule, so a written result means every round kept every one.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import itertools
 import json
@@ -857,6 +858,19 @@ def open_fds(pid: int) -> dict[str, str]:
     return found
 
 
+def thread_names(pid: int) -> collections.Counter:
+    """How many of process `pid`'s threads bear each name (the kernels' helpers and ZeroMQ's
+    threads are named; Python's all read "python")."""
+    names = collections.Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names[f.read().strip()] += 1
+        except OSError:
+            pass  # ended meanwhile
+    return names
+
+
 def process_usage(pid: int) -> dict:
     """Resident memory and its peak (kB), open file descriptors and threads of process `pid`
     (Linux /proc)."""
@@ -923,11 +937,12 @@ def check_released(r: int, left: dict) -> None:
                      f"long-lived ones closed, and those freed what they opened: {left}")
 
 
-def flat_usage(r: int, pid: int, warm: dict, warm_fds: dict, rss_bound_kib: int,
-               settle_s: float = RELEASE_TIMEOUT_S) -> dict:
+def flat_usage(r: int, pid: int, warm: dict, warm_fds: dict, warm_threads: collections.Counter,
+               rss_bound_kib: int, settle_s: float = RELEASE_TIMEOUT_S) -> dict:
     """Round `r`'s usage after warm-up; raises unless it kept the warm-up's end's memory (within
-    the bound), descriptors and threads. Descriptors and threads are given `settle_s` to come
-    back: a connection's socket may close after its sessions are freed."""
+    the bound), descriptors and threads (`warm_fds`, `warm_threads`: what they were). Descriptors
+    and threads are given `settle_s` to come back: a connection's socket may close after its
+    sessions are freed."""
     deadline = time.monotonic() + settle_s
     while True:
         usage = process_usage(pid)
@@ -942,9 +957,11 @@ def flat_usage(r: int, pid: int, warm: dict, warm_fds: dict, rss_bound_kib: int,
     if over:
         now = open_fds(pid)
         new = sorted(f"{fd} -> {what}" for fd, what in now.items() if warm_fds.get(fd) != what)
+        new_threads = dict(thread_names(pid) - warm_threads)
         raise Broken(f"round {r}: " + ", ".join(f"{usage[k]} {k}" for k in over) + " after "
                      f"{settle_s:.0f} s, more than at the end of warm-up (round {warm['round']}: "
-                     + ", ".join(f"{warm[k]} {k}" for k in over) + f"); descriptors new since then: {new}")
+                     + ", ".join(f"{warm[k]} {k}" for k in over) + f"); descriptors new since then: {new}, "
+                     f"threads by name: {new_threads}")
     return usage
 
 
@@ -973,7 +990,7 @@ def soak(rounds: int | None, minutes: float | None, steps: int, connections: int
                            "--max-frame-size", str(MAX_FRAME_SIZE), "--model-dir", model_dir, "--metrics-port", "0"],
                           stderr=log)
         samples: list[dict] = []
-        warm, warm_fds = None, {}
+        warm, warm_fds, warm_threads = None, {}, collections.Counter()
         started = time.monotonic()
         try:
             metrics_url = port.info()["metrics"]
@@ -1005,12 +1022,12 @@ def soak(rounds: int | None, minutes: float | None, steps: int, connections: int
                     if warming or warm is None:
                         usage = process_usage(port.proc.pid)
                     else:
-                        usage = flat_usage(r, port.proc.pid, warm, warm_fds, rss_bound_kib)
+                        usage = flat_usage(r, port.proc.pid, warm, warm_fds, warm_threads, rss_bound_kib)
                     sample = {"round": r, "elapsed_s": round(elapsed, 1), "requests": requests_served(stats), **usage}
                     samples.append(sample)
                     if warming or warm is None:
                         # The mark the rounds after warm-up are held to: the warm-up's last round.
-                        warm, warm_fds = sample, open_fds(port.proc.pid)
+                        warm, warm_fds, warm_threads = sample, open_fds(port.proc.pid), thread_names(port.proc.pid)
                     print(f"round {r} ({elapsed:.0f} s): {sample['requests']} requests, rss {sample['rss_kB']} kB "
                           f"(peak {sample['rss_peak_kB']}), {sample['fds']} fds, {sample['threads']} threads"
                           f"{' (warm-up)' if warming else ''}", flush=True)

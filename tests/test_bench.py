@@ -6,6 +6,7 @@ package boundary holds: nothing installed imports the top-level `bench`, which i
 from __future__ import annotations
 
 import ast
+import collections
 import importlib.util
 import json
 import os
@@ -568,21 +569,25 @@ def test_soak_release_check_names_what_is_still_held():
 def test_soak_flat_rule_names_what_grew():
     """After warm-up: resident memory within the bound of the warm-up's end, descriptors and
     threads no more than then (this process stands in for the server)."""
-    from bench.soak import Broken, flat_usage, open_fds, process_usage
+    from bench.soak import Broken, flat_usage, open_fds, process_usage, thread_names
 
     pid = os.getpid()
     now = process_usage(pid)
     warm = {**now, "round": 4}
-    flat_usage(7, pid, {**warm, "rss_kB": now["rss_kB"] + 100}, open_fds(pid), 1024, settle_s=0)
+    threads = thread_names(pid)
+    flat_usage(7, pid, {**warm, "rss_kB": now["rss_kB"] + 100}, open_fds(pid), threads, 1024, settle_s=0)
     with pytest.raises(Broken, match=r"round 7: resident memory .* above the end of warm-up \(round 4\); "
                                      r"the bound is 1024 kB"):
-        flat_usage(7, pid, {**warm, "rss_kB": now["rss_kB"] - 4096}, open_fds(pid), 1024, settle_s=0)
+        flat_usage(7, pid, {**warm, "rss_kB": now["rss_kB"] - 4096}, open_fds(pid), threads, 1024, settle_s=0)
     before = open_fds(pid)
     with open(os.devnull):
         with pytest.raises(Broken, match=r"round 7: .* fds .*more than at the end of warm-up.*-> /dev/null"):
-            flat_usage(7, pid, {**warm, "threads": 1 << 20}, before, 1 << 20, settle_s=0)
-    with pytest.raises(Broken, match="threads"):
-        flat_usage(7, pid, {**warm, "threads": now["threads"] - 1, "fds": 1 << 20}, {}, 1 << 20, settle_s=0)
+            flat_usage(7, pid, {**warm, "threads": 1 << 20}, before, threads, 1 << 20, settle_s=0)
+    # One thread fewer at the end of warm-up: the message names the kind that grew.
+    name = next(iter(threads))
+    with pytest.raises(Broken, match=rf"threads.*threads by name: \{{'{name}': 1\}}"):
+        flat_usage(7, pid, {**warm, "threads": now["threads"] - 1, "fds": 1 << 20}, {},
+                   threads - collections.Counter([name]), 1 << 20, settle_s=0)
 
 
 def test_soak_results_must_repeat_bit_for_bit():

@@ -233,30 +233,40 @@ def test_forked_child_computes_without_the_parents_helpers(restore_threads):
     assert os.waitstatus_to_exitcode(statuses[0]) == 0
 
 
-# Run in a fresh process: how many threads it has before and after its kernel calls, made back
-# to back with nothing between them (a helper stays awake for kSpin, 1 ms, after a call; a
-# thread count taken between two calls could outlast that on a loaded machine). Helper threads
-# start the first time a call offers them work, so a new thread shows that a call did.
+# Run in a fresh process: how often the pool's helper threads (named scan-helper-N, started when
+# the backend loads) have gone to sleep, before and after its kernel calls. A helper offered work
+# runs it, polls for kSpin (1 ms) and sleeps again, a voluntary context switch; one never offered
+# any sleeps throughout. The calls run back to back, nothing between them.
 HELPER_PROBE = """
 import json, os, sys, time
-import torch, kernels
-from kernel_cases import UpdateCase, make_update_inputs
+import torch
 torch.set_num_threads(2)
-def threads():
-    return len(os.listdir("/proc/self/task"))
+import kernels
+from kernel_cases import UpdateCase, make_update_inputs
+def helper_sleeps():
+    tasks = "/proc/self/task"
+    counts = {}
+    for tid in os.listdir(tasks):
+        with open(f"{tasks}/{tid}/comm") as f:
+            name = f.read().strip()
+        if name.startswith("scan-helper-"):
+            with open(f"{tasks}/{tid}/status") as f:
+                counts[name] = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    return counts
 rows = [int(r) for r in sys.argv[1:]]
 inputs = [make_update_inputs(UpdateCase(r, 512, 16), seed=k) for k, r in enumerate(rows)]
 tiny = make_update_inputs(UpdateCase(1, 16, 16), seed=len(rows))  # below one thread's share
-kernels.selective_state_update(**tiny, backend="cpu")  # imports, allocations; offers no work
-time.sleep(0.01)  # not synchronisation: past the pool's spin (kSpin), so the next call comes alone
-before = threads()
+kernels.selective_state_update(**tiny, backend="cpu")  # loads the backend; offers no work
+time.sleep(0.05)  # not synchronisation: past the pool's spin (kSpin), so the helpers sleep
+before = helper_sleeps()
 for args in inputs:
     kernels.selective_state_update(**args, backend="cpu")
-print(json.dumps([before, threads()]))
+time.sleep(0.05)  # past kSpin again: a helper that was offered work has gone back to sleep
+print(json.dumps([before, helper_sleeps()]))
 """
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads' names and sleeps in /proc/self/task (Linux)")
 @pytest.mark.parametrize("rows, wakes", [
     pytest.param((32,), False, id="small-lone-call-wakes-none"),
     pytest.param((32, 32), True, id="small-call-right-after-another-wakes-helpers"),
@@ -265,13 +275,14 @@ print(json.dumps([before, threads()]))
 def test_helpers_are_woken_for_big_or_close_calls_only(rows, wakes):
     """A call below kMinWorkToWake (32x512x16: 2^18 state-element updates) long after the last
     runs on the calling thread alone; one right after another, or one of 2^20 (128x512x16),
-    offers work to a helper (whose thread then starts)."""
+    offers work to the helper."""
     proc = subprocess.run([sys.executable, "-c", HELPER_PROBE, *map(str, rows)], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     before, after = json.loads(proc.stdout)
-    assert (after > before) == wakes, f"threads before and after calls of rows {rows}: {before}, {after}"
+    assert list(before) == ["scan-helper-1"], f"helper threads after the backend loaded: {before}"
+    assert (after != before) == wakes, f"helpers' sleeps before and after calls of rows {rows}: {before}, {after}"
 
 
 # --- inputs at odd byte offsets ----------------------------------------------------------------

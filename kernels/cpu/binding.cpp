@@ -641,6 +641,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("model_step", &model_step, py::call_guard<py::gil_scoped_release>());
   m.def("scan_backward", &scan_backward, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
+  m.def("start_helpers", [] { scan_bridge::HelperPool::shared().start(at::get_num_threads() - 1); },
+        "Starts the helper threads torch.get_num_threads() allows, before any call needs them.");
   static_assert(std::is_same_v<decltype(&run_problem), scan_bridge::RunProblemFn>);
   m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), scan_bridge::kRunProblemCapsule);
   static_assert(std::is_same_v<decltype(&run_ssd_update), scan_bridge::RunSsdUpdateFn>);

@@ -28,6 +28,7 @@
 // stay in the parent).
 #pragma once
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -39,6 +40,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -63,6 +65,15 @@ class HelperPool {
     if_calls_close,  // only when the previous call ended less than kSpin ago
   };
 
+  // Starts helper threads 1 .. `helpers` now rather than at the first call that offers work to
+  // them: a long-lived server then holds all its threads from the start, and its thread count
+  // does not grow with the load it happens to meet.
+  void start(int helpers) {
+    if (getpid() != owner_pid_) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    spawn_up_to(helpers);
+  }
+
   void run(int helpers, const std::function<void(int)>& work, Wake wake = Wake::always) {
     const bool calls_close = now_us() - last_end_.load(std::memory_order_relaxed) < kSpin.count();
     const EndRecorder end_recorder{last_end_};
@@ -75,7 +86,7 @@ class HelperPool {
     job->helpers = helpers;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      while (threads_ < helpers) std::thread(&HelperPool::helper_loop, this, ++threads_).detach();
+      spawn_up_to(helpers);
       job_ = job;
       generation_.fetch_add(1);
     }
@@ -139,7 +150,16 @@ class HelperPool {
 
   HelperPool() : owner_pid_(getpid()) {}
 
+  // Called with mutex_ held.
+  void spawn_up_to(int helpers) {
+    while (threads_ < helpers) std::thread(&HelperPool::helper_loop, this, ++threads_).detach();
+  }
+
   void helper_loop(int seat) {
+#if defined(__linux__)
+    // Named, so that `top -H` and /proc/PID/task/*/comm tell the kernel helpers apart.
+    pthread_setname_np(pthread_self(), ("scan-helper-" + std::to_string(seat)).c_str());
+#endif
     uint64_t seen = generation_.load();
     for (;;) {
       const auto spin_until = std::chrono::steady_clock::now() + kSpin;
