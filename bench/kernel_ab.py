@@ -59,9 +59,9 @@ class RevisionError(Exception):
 
 
 def sources_at(revision: str, destination: Path) -> str:
-    """Writes the kernel sources (build.SOURCES and HEADERS) of `revision`, or of the working
-    tree for WORKING_TREE, into `destination`; returns the revision's commit hash (or
-    WORKING_TREE)."""
+    """Writes the kernel sources (build.SOURCES and HEADERS, those the revision has) of
+    `revision`, or of the working tree for WORKING_TREE, into `destination`; returns the
+    revision's commit hash (or WORKING_TREE)."""
     destination.mkdir(parents=True, exist_ok=True)
     names = build.SOURCES + build.HEADERS
     if revision == WORKING_TREE:
@@ -69,8 +69,11 @@ def sources_at(revision: str, destination: Path) -> str:
             (destination / name).write_bytes((build.SOURCE_DIR / name).read_bytes())
         return WORKING_TREE
     commit = _git("rev-parse", "--verify", f"{revision}^{{commit}}", revision=revision).decode().strip()
+    # A revision older than a source file builds without it (its binding does not use it).
+    present = set(_git("ls-tree", "--name-only", f"{commit}:{SOURCE_PATH}", revision=revision).decode().split())
     for name in names:
-        (destination / name).write_bytes(_git("show", f"{commit}:{SOURCE_PATH}/{name}", revision=revision))
+        if name in present:
+            (destination / name).write_bytes(_git("show", f"{commit}:{SOURCE_PATH}/{name}", revision=revision))
     return commit
 
 

@@ -19,7 +19,10 @@ and the echo are driven by the same lean client (pre-encoded frames, the reply r
 request a frame. The server's weights are sent by the client (`model_load {config, weights}`), as
 ExPhil's live in Elixir; frames are embeddings (`embeds`), as ExPhil's are.
 
-    python -m bench.models [--frames 300] [--batches 1,32] [--archs mamba,mamba2]
+With `--neighbour`, a process spins on one core for the whole run: a game, or a BEAM scheduler
+busy-waiting, on the same 2-core machine. Everything above then shares the machine with it.
+
+    python -m bench.models [--frames 300] [--batches 1,32] [--archs mamba,mamba2] [--neighbour]
                            [--json bench/results/models.json]
 """
 
@@ -28,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -311,17 +316,25 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,32")
     p.add_argument("--archs", default="mamba,mamba2")
     p.add_argument("--server-arg", action="append", default=[])
+    p.add_argument("--neighbour", action="store_true", help="keep one core busy with another process throughout")
     p.add_argument("--json")
     args = p.parse_args(argv)
     load_before = os.getloadavg()
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.neighbour else None
     cases = []
-    for arch in args.archs.split(","):
-        for batch in (int(b) for b in args.batches.split(",")):
-            cases.append(run_case(arch, batch, args.frames, args.server_arg))
-            report(cases[-1])
+    try:
+        for arch in args.archs.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                cases.append(run_case(arch, batch, args.frames, args.server_arg))
+                report(cases[-1])
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
     if args.json:
         write_results(args.json, "models", {"goals": GOALS, "cases": cases, "load_before": load_before,
-                                            "load_after": os.getloadavg(), "torch_threads": torch.get_num_threads()})
+                                            "load_after": os.getloadavg(), "torch_threads": torch.get_num_threads(),
+                                            "neighbour": args.neighbour})
     return 0
 
 

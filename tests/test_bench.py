@@ -336,14 +336,16 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
 
 
 def test_models_bench_runs_end_to_end(tmp_path):
-    """`python -m bench.models` (issue 34's benchmark), tiny: every comparison runs in one run
-    and the ratios are of its own numbers."""
+    """`python -m bench.models` (issue 34's benchmark), tiny, beside a busy core: every comparison
+    runs in one run and the ratios are of its own numbers."""
     pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
     out = tmp_path / "models.json"
     proc = run_marked([sys.executable, "-m", "bench.models", "--frames", "25", "--batches", "1", "--archs", "mamba2",
-                       "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+                       "--neighbour", "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
     assert proc.failure() is None, proc.failure()
-    (case,) = json.loads(out.read_text())["cases"]
+    result = json.loads(out.read_text())
+    assert result["neighbour"] is True
+    (case,) = result["cases"]
     assert (case["arch"], case["batch"], case["model_step"]["n"]) == ("mamba2", 1, 25)
     for part in ("transformers_step", "old_way", "window_forward", "snapshot_restore_round_trips"):
         assert case[part]["p50_us"] > 0, part
@@ -352,6 +354,29 @@ def test_models_bench_runs_end_to_end(tmp_path):
         case["model_step"]["p50_us"] / case["transformers_step"]["p50_us"])
     assert case["ratios"]["old_way_over_step"] == pytest.approx(case["old_way"]["p50_us"] / case["model_step"]["p50_us"])
     assert "echo" in case or "echo_skipped" in case
+
+
+def test_model_step_ab_times_two_builds_of_one_revision(tmp_path):
+    """`python -m bench.model_step_ab`, HEAD against HEAD, tiny, beside a busy core: both builds'
+    steps of the same model agree bit for bit, each pacing has both builds' times and the ratios
+    are of its own numbers."""
+    if "cpu" not in kernels.available_backends():
+        pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    from bench import model_step_ab
+
+    out = tmp_path / "ab.json"
+    assert model_step_ab.main(["--base", "HEAD", "--other", "HEAD", "--frames", "6", "--archs", "mamba,mamba2",
+                               "--batches", "2", "--neighbour", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["neighbour"] is True
+    assert report["base"]["details"]["library"] != report["other"]["details"]["library"]
+    assert [(c["arch"], c["batch"]) for c in report["cases"]] == [("mamba", 2), ("mamba2", 2)]
+    for case in report["cases"]:
+        assert case["max_relative_difference"] == 0.0
+        for pacing in ("paced", "back_to_back"):
+            timed = case[pacing]
+            assert timed["base"]["n"] == timed["other"]["n"] == 6
+            assert timed["ratio_p50"] == pytest.approx(timed["base"]["p50_us"] / timed["other"]["p50_us"])
 
 
 def test_backward_bench_runs_end_to_end(tmp_path):

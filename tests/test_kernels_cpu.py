@@ -574,6 +574,51 @@ def test_simd_variant_backward_matches_reference(simd_backend, kind, case, dtype
                      tolerance=(rtol, atol * float(e.abs().max())))
 
 
+# The model step's matrix products (kernels/cpu/linear_kernel.h): rows, in, features, bias, and
+# the input's row stride past `in` (a column slice, as the Mamba-1 step's dt is).
+LINEAR_CASES = [
+    pytest.param(1, 256, 1152, True, 0, id="exphil-in-proj-one-row"),
+    pytest.param(32, 512, 256, True, 0, id="exphil-out-proj-32-rows"),
+    pytest.param(3, 37, 41, False, 0, id="odd-in-odd-features"),
+    pytest.param(5, 16, 520, False, 48, id="strided-rows-features-past-blocks"),
+    pytest.param(2, 7, 3, True, 0, id="smaller-than-a-vector"),
+    pytest.param(4, 1, 17, True, 0, id="in-of-one"),
+]
+
+
+@pytest.mark.parametrize("rows, width, features, bias, row_gap", LINEAR_CASES)
+def test_simd_variant_linear_matches_reference(simd_backend, rows, width, features, bias, row_gap):
+    from kernels.cpu import build
+
+    ext = build.load_extension(variant=build.variant_named(simd_backend.details["simd"]))
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width + row_gap, generator=gen)[:, :width]
+    w = torch.randn(features, width, generator=gen)
+    b = torch.randn(features, generator=gen) if bias else None
+    got = ext.linear(x, w, b)
+    expected = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    # fp32 sums of `width` products, in another order than the float64 reference's
+    tolerance = 1e-5 * width ** 0.5 * float(expected.abs().max())
+    assert got.shape == (rows, features) and got.dtype == torch.float32
+    assert float((got.double() - expected).abs().max()) <= tolerance, \
+        f"{simd_backend.details['simd']} linear {rows}x{width} -> {features} seed={seed}"
+
+
+def test_linear_refuses_operands_that_do_not_fit():
+    from kernels.cpu import build
+
+    ext = build.load_extension()
+    with pytest.raises(ValueError, match=r"weight \[3, 5\]"):
+        ext.linear(torch.randn(2, 4), torch.randn(3, 5), None)
+    with pytest.raises(ValueError, match="weight: expected a contiguous CPU tensor of Float, got Double"):
+        ext.linear(torch.randn(2, 4), torch.randn(3, 4, dtype=torch.float64), None)
+    with pytest.raises(ValueError, match="input: expected a 2-d CPU tensor of Float, got 2-d Half"):
+        ext.linear(torch.randn(2, 4, dtype=torch.float16), torch.randn(3, 4), None)
+    with pytest.raises(ValueError, match="not contiguous"):
+        ext.linear(torch.randn(2, 4), torch.randn(4, 3).t(), None)
+
+
 def test_ssd_results_do_not_depend_on_the_thread_count():
     inputs = make_ssd_inputs(SsdCase(2, 17, 5, 40, 24, D=True, h0=True))
     outputs = []

@@ -10,6 +10,7 @@ model runs on whichever backend the server serves. Nothing here knows of the wir
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,11 +106,16 @@ class Model:
         return self._output(hidden, output)
 
     def step(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
-             output: str, backend: str | None = None, fused: bool = True) -> torch.Tensor:
+             output: str, backend: str | None = None, fused: bool | Callable = True) -> torch.Tensor:
         """One timestep of `inputs` (tokens [b] or embeddings [b, d_model]) for rows `slots`,
         their state updated in place: in one call where the backend has a fused model step and
-        everything is fp32 (`fused=False` composes it from torch ops and the kernels API)."""
-        kernel = self._fused_step(parts, backend) if fused else None
+        everything is fp32 (`fused=False` composes it from torch ops and the kernels API; a
+        callable is the fused step to call instead of the backend's, as bench.model_step_ab
+        times two builds')."""
+        if callable(fused):
+            kernel = fused
+        else:
+            kernel = self._fused_step(parts, backend) if fused else None
         if kernel is not None:
             # The kernel adds the residuals into `hidden` in place: never the caller's embeddings.
             hidden = (inputs.to(torch.float32, copy=True) if inputs.is_floating_point()

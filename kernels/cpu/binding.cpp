@@ -13,7 +13,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
@@ -30,6 +29,7 @@
 #include <type_traits>
 
 #include "helper_pool.h"
+#include "linear_kernel.h"
 #include "scan_backward.h"
 #include "scan_kernel.h"
 #include "ssd_kernel.h"
@@ -476,7 +476,7 @@ std::vector<at::Tensor> scan_backward(
 // One frame through a stack of Mamba or Mamba-2 blocks (bridge/models/runtime.py is the same
 // math in torch, and the reference it is tested against): the norms, the conv window, SiLU,
 // dt's softplus, Mamba-2's skip and gated norm and the residuals as plain loops, the matrix
-// products as at::linear, the state updates as the kernels above. A step of a small model is
+// products by `linear` (linear_kernel.h), the state updates as the kernels above. A step of a small model is
 // dozens of torch ops a layer, each costing more than its arithmetic (docs/performance.md,
 // "model step"); here they are a few. fp32 throughout; the state is updated in the pool.
 
@@ -531,6 +531,36 @@ void conv_step(const float* in, int64_t in_stride, const at::Tensor& state, cons
   scan_bridge::silu_in_place(out, rows * channels);
 }
 
+// x [rows, in] (rows any stride apart, each contiguous) times w [features, in]^T plus bias, fp32:
+// the features split over the calling thread and the helpers that get a core in time, as the
+// kernels' items are (run_on), whatever t_calling_thread_only says: no OpenMP pool runs beside.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.device().is_cpu())
+    throw std::invalid_argument("model_step: a product's input: expected a 2-d CPU tensor of Float, got " +
+                                std::to_string(x.dim()) + "-d " + std::string(c10::toString(x.scalar_type())));
+  require_operand(w, "weight", at::kFloat, "model_step");
+  if (bias.has_value()) require_operand(*bias, "bias", at::kFloat, "model_step");
+  if (x.stride(1) != 1 || x.size(1) != w.size(1) || (bias.has_value() && bias->numel() != w.size(0)))
+    throw std::invalid_argument("model_step: a product's operands do not fit: input [" + std::to_string(x.size(0)) +
+                                ", " + std::to_string(x.size(1)) + "], weight [" + std::to_string(w.size(0)) + ", " +
+                                std::to_string(w.size(1)) + "]");
+  const int64_t rows = x.size(0), features = w.size(0);
+  at::Tensor out = at::empty({rows, features}, x.options());
+  const scan_bridge::LinearProblem p{x.data_ptr<float>(), rows, x.size(1), x.stride(0), w.data_ptr<float>(),
+                                     fdata(bias), features, out.data_ptr<float>()};
+  const int64_t blocks = (features + scan_bridge::kLinearBlock - 1) / scan_bridge::kLinearBlock;
+  const int64_t per_block = std::max<int64_t>(1, scan_bridge::kLinearBlock * rows * p.in);
+  const int64_t min_blocks = (kMinWorkPerThread + per_block - 1) / per_block;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / min_blocks));
+  run_on(threads, blocks, per_block, [&](scan_bridge::WorkQueue& queue, int seat) {
+    int64_t begin, end;
+    while (queue.take(seat, &begin, &end))
+      scan_bridge::linear_features(p, begin * scan_bridge::kLinearBlock,
+                                   std::min(end * scan_bridge::kLinearBlock, features));
+  });
+  return out;
+}
+
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
 // dims: arch (0 Mamba-1, 1 Mamba-2), d_inner, d_state, dt_rank, heads, headdim, groups.
@@ -563,7 +593,7 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
   std::vector<float> gate(mamba2 ? static_cast<size_t>(rows * di) : 0);  // Mamba-2's silu(z), layer by layer
   for (const auto& layer : layers) {
     rms_norm_rows(h, need(layer, kNorm).data_ptr<float>(), normed.data_ptr<float>(), rows, d, eps);
-    at::Tensor projected = at::linear(normed, need(layer, kInProj), layer[kInProjBias]);
+    at::Tensor projected = linear(normed, need(layer, kInProj), layer[kInProjBias]);
     const int64_t width = projected.size(1);
     const float* pr = projected.data_ptr<float>();
     const at::Tensor& conv_state = need(layer, kConvState);
@@ -573,8 +603,8 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
       // in_proj: [x | z]; x through the conv, then x_proj: [dt | B | C], dt through dt_proj.
       conv_step(pr, width, conv_state, slot, rows, need(layer, kConv).data_ptr<float>(), fdata(layer[kConvBias]),
                 conv_out.data_ptr<float>());
-      at::Tensor xdb = at::linear(conv_out, need(layer, kXProj));
-      at::Tensor dt = at::linear(xdb.narrow(1, 0, rank), need(layer, kDtProj));
+      at::Tensor xdb = linear(conv_out, need(layer, kXProj), std::nullopt);
+      at::Tensor dt = linear(xdb.narrow(1, 0, rank), need(layer, kDtProj), std::nullopt);
       at::Tensor B = xdb.narrow(1, rank, n).unsqueeze(1), C = xdb.narrow(1, rank + n, n).unsqueeze(1);
       y = state_update(need(layer, kSsmState), conv_out, dt, need(layer, kA), B, C, layer[kD],
                        projected.narrow(1, di, di), layer[kDtBias], true, std::nullopt, std::nullopt, slots);
@@ -623,7 +653,7 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
       }
       y = y.view({rows, di});
     }
-    at::Tensor out = at::linear(y, need(layer, kOutProj), layer[kOutProjBias]);
+    at::Tensor out = linear(y, need(layer, kOutProj), layer[kOutProjBias]);
     const float* op = out.data_ptr<float>();
     for (int64_t i = 0; i < rows * d; ++i) h[i] += op[i];
   }
@@ -639,6 +669,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_scan", &ssd_scan, py::call_guard<py::gil_scoped_release>());
   m.def("ssd_state_update", &ssd_state_update, py::call_guard<py::gil_scoped_release>());
   m.def("model_step", &model_step, py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, py::call_guard<py::gil_scoped_release>());
   m.def("scan_backward", &scan_backward, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
   m.def("start_helpers", [] { scan_bridge::HelperPool::shared().start(at::get_num_threads() - 1); },

@@ -41,8 +41,8 @@ log = logging.getLogger("kernels")
 # to be loaded beside this one. Each SIMD variant's module is MODULE_NAME + "_" + its name.
 MODULE_NAME = "scan_bridge_cpu"
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("scan_kernel.cpp", "ssd_kernel.cpp", "scan_backward.cpp", "binding.cpp")
-HEADERS = ("scan_kernel.h", "ssd_kernel.h", "scan_backward.h", "simd.h", "helper_pool.h")
+SOURCES = ("scan_kernel.cpp", "ssd_kernel.cpp", "scan_backward.cpp", "linear_kernel.cpp", "binding.cpp")
+HEADERS = ("scan_kernel.h", "ssd_kernel.h", "scan_backward.h", "linear_kernel.h", "simd.h", "helper_pool.h")
 # -fvisibility=hidden: only the module's init function is exported, so two builds loaded in
 # one process (tests load every SIMD variant side by side) never bind to each other's code.
 # -Wno-psabi: GCC notes that vectors wider than the target's are passed differently; only
@@ -337,7 +337,9 @@ def load_sources(source_dir: Path, name_prefix: str):
     caches extension modules by name, and under a name already taken it hands back the module
     first loaded, so copies of different sources need different names, while the same sources
     loaded again give the same module."""
-    sources = _kernel_sources(source_dir)
+    # Only the files that copy has: a revision older than one of them builds without it.
+    sources = Sources(source_dir, tuple(n for n in SOURCES if (source_dir / n).is_file()),
+                      tuple(n for n in HEADERS if (source_dir / n).is_file()))
     h = hashlib.sha256()
     _hash_sources(h, sources)
     return load_module(sources, f"{name_prefix}_{h.hexdigest()[:12]}", "other")

@@ -1,0 +1,30 @@
+// The matrix products of a model's step (binding.cpp, model_step): out = x w^T + bias for the
+// few rows of one frame, torch-free like scan_kernel.h. A call computes the output features
+// [begin, end), so that the calling thread and the pool's helpers can split the features
+// between them (HelperPool: a helper that has no core yet is never waited for). Under
+// at::linear every product was an OpenMP fork/join, which waits for each team thread: paced,
+// each woke a sleeping thread, and with the other core busy each waited for a time slice
+// (docs/performance.md, "model step").
+#pragma once
+
+#include <cstdint>
+
+namespace scan_bridge {
+
+struct LinearProblem {
+  const float* x = nullptr;    // [rows, in], rows x_stride apart
+  int64_t rows = 0, in = 0, x_stride = 0;
+  const float* w = nullptr;    // [features, in], contiguous
+  const float* bias = nullptr; // [features] or nullptr
+  int64_t features = 0;
+  float* out = nullptr;        // [rows, features], contiguous
+};
+
+// The features callers split at: a multiple of every target's vector lanes, so that each part
+// but the last runs whole vectors.
+constexpr int64_t kLinearBlock = 16;
+
+// out[r, j] for every row r and feature j in [begin, end).
+void linear_features(const LinearProblem& p, int64_t begin, int64_t end);
+
+}  // namespace scan_bridge
