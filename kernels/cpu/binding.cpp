@@ -80,18 +80,10 @@ Strided strided(const std::optional<at::Tensor>& t, const char* name, const std:
   return t.has_value() ? strided(*t, name, axes) : Strided{};
 }
 
-// Set on a thread while a fused model step (model_step below) runs: its state updates then run
-// on that thread alone. The step's matrix products run on torch's OpenMP threads; with helpers,
-// each update woke a helper that then polled beside the next product, and the two pools took
-// each other's cores: a 32-row step was slower on two threads than on one (docs/performance.md,
-// "model step").
-thread_local bool t_calling_thread_only = false;
-
 // The threads a call of `items` items of `per_item` state-element updates each runs on: the
 // calling thread and as many helpers as have kMinWorkPerThread each to do, up to
 // torch.get_num_threads() in all.
 int64_t threads_for(int64_t items, int64_t per_item) {
-  if (t_calling_thread_only) return 1;
   const int64_t min_items = (kMinWorkPerThread + per_item - 1) / per_item;
   return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items / min_items));
 }
@@ -533,7 +525,7 @@ void conv_step(const float* in, int64_t in_stride, const at::Tensor& state, cons
 
 // x [rows, in] (rows any stride apart, each contiguous) times w [features, in]^T plus bias, fp32:
 // the features split over the calling thread and the helpers that get a core in time, as the
-// kernels' items are (run_on), whatever t_calling_thread_only says: no OpenMP pool runs beside.
+// kernels' items are (run_on).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.device().is_cpu())
     throw std::invalid_argument("model_step: a product's input: expected a 2-d CPU tensor of Float, got " +
@@ -569,10 +561,6 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
                       const std::vector<int64_t>& dims, double eps, std::optional<double> dt_min,
                       std::optional<double> dt_max) {
   if (dims.size() != 7) throw std::invalid_argument("model_step: expected 7 dims");
-  struct CallingThreadOnly {
-    CallingThreadOnly() { t_calling_thread_only = true; }
-    ~CallingThreadOnly() { t_calling_thread_only = false; }
-  } calling_thread_only;
   const bool mamba2 = dims[0] == 1;
   const int64_t di = dims[1], n = dims[2], rank = dims[3], heads = dims[4], headdim = dims[5], groups = dims[6];
   require_operand(hidden, "hidden", at::kFloat);
