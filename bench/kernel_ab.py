@@ -98,6 +98,12 @@ def load_build(revision: str, side: str, scratch: Path):
     return backend, commit
 
 
+def load_builds(base: str, other: str) -> tuple[tuple, tuple]:
+    """load_build of both sides, (backend, commit) each; RevisionError when either cannot be read."""
+    with tempfile.TemporaryDirectory(prefix="kernel_ab_") as scratch:
+        return load_build(base, "base", Path(scratch)), load_build(other, "other", Path(scratch))
+
+
 def max_relative_difference(case, backends) -> float:
     """The largest |a - b| / max(|a|, |b|, 1e-30) over y (and the updated state) when both
     backends run one call on the same fresh inputs."""
@@ -179,13 +185,11 @@ def main(argv=None) -> int:
     if not (args.seconds >= 0 and math.isfinite(args.seconds)):
         p.error(f"--seconds: expected a finite number of 0 or more, got {args.seconds}")
 
-    with tempfile.TemporaryDirectory(prefix="kernel_ab_") as scratch:
-        try:
-            base, base_commit = load_build(args.base, "base", Path(scratch))
-            other, other_commit = load_build(args.other, "other", Path(scratch))
-        except RevisionError as exc:
-            print(f"bench.kernel_ab: {exc}", file=sys.stderr)
-            return 2
+    try:
+        (base, base_commit), (other, other_commit) = load_builds(args.base, args.other)
+    except RevisionError as exc:
+        print(f"bench.kernel_ab: {exc}", file=sys.stderr)
+        return 2
     rows = []
     for case in cases:
         difference = max_relative_difference(case, (base, other))

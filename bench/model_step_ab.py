@@ -18,19 +18,16 @@ different things shows it.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from bridge.bench.machine import summarize_us, write_results
 from bridge.models import load_weights
 
-from .kernel_ab import WORKING_TREE, RevisionError, load_build
-from .models import D_MODEL, FRAME_SECONDS, exphil_model
+from .kernel_ab import WORKING_TREE, RevisionError, load_builds
+from .models import D_MODEL, FRAME_SECONDS, busy_neighbour, exphil_model
 
 ROUNDS = 6  # alternations per (model, batch, pacing); --frames is split over them
 
@@ -107,27 +104,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.frames < ROUNDS:
         p.error(f"--frames: expected at least {ROUNDS} (one a round), got {args.frames}")
-    with tempfile.TemporaryDirectory(prefix="model_step_ab_") as scratch:
-        try:
-            base, base_commit = load_build(args.base, "base", Path(scratch))
-            other, other_commit = load_build(args.other, "other", Path(scratch))
-        except RevisionError as exc:
-            print(f"bench.model_step_ab: {exc}", file=sys.stderr)
-            return 2
-    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.neighbour else None
     cases = []
     try:
-        for arch in args.archs.split(","):
-            for batch in (int(b) for b in args.batches.split(",")):
-                cases.append(run_case(arch, batch, args.frames, (base, other)))
-                report(cases[-1])
+        (base, base_commit), (other, other_commit) = load_builds(args.base, args.other)
+        with busy_neighbour(args.neighbour):
+            for arch in args.archs.split(","):
+                for batch in (int(b) for b in args.batches.split(",")):
+                    cases.append(run_case(arch, batch, args.frames, (base, other)))
+                    report(cases[-1])
     except RevisionError as exc:
         print(f"bench.model_step_ab: {exc}", file=sys.stderr)
         return 2
-    finally:
-        if neighbour is not None:
-            neighbour.kill()
-            neighbour.wait()
     if args.json:
         write_results(args.json, "model-step-ab", {
             "base": {"revision": args.base, "commit": base_commit, "details": base.details},

@@ -29,6 +29,7 @@ busy-waiting, on the same 2-core machine. Everything above then shares the machi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -310,6 +311,18 @@ def report(r: dict) -> None:
              if "step_over_echo" in ratios else " echo skipped"))
 
 
+@contextlib.contextmanager
+def busy_neighbour(enabled: bool):
+    """While the block runs, a process spinning on one core (`--neighbour`) where `enabled`."""
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if enabled else None
+    try:
+        yield
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=300)
@@ -320,17 +333,12 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     load_before = os.getloadavg()
-    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.neighbour else None
     cases = []
-    try:
+    with busy_neighbour(args.neighbour):
         for arch in args.archs.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 cases.append(run_case(arch, batch, args.frames, args.server_arg))
                 report(cases[-1])
-    finally:
-        if neighbour is not None:
-            neighbour.kill()
-            neighbour.wait()
     if args.json:
         write_results(args.json, "models", {"goals": GOALS, "cases": cases, "load_before": load_before,
                                             "load_after": os.getloadavg(), "torch_threads": torch.get_num_threads(),
