@@ -468,9 +468,10 @@ std::vector<at::Tensor> scan_backward(
 // One frame through a stack of Mamba or Mamba-2 blocks (bridge/models/runtime.py is the same
 // math in torch, and the reference it is tested against): the norms, the conv window, SiLU,
 // dt's softplus, Mamba-2's skip and gated norm and the residuals as plain loops, the matrix
-// products by `linear` (linear_kernel.h), the state updates as the kernels above. A step of a small model is
-// dozens of torch ops a layer, each costing more than its arithmetic (docs/performance.md,
-// "model step"); here they are a few. fp32 throughout; the state is updated in the pool.
+// products by `linear` (linear_kernel.h), the state updates as the kernels above. A step of a
+// small model is dozens of torch ops a layer, each costing more than its arithmetic
+// (docs/performance.md, "model step"); here they are a few. fp32 throughout; the state is
+// updated in the pool.
 
 // One layer's tensors, in this order (None where the model has none).
 enum LayerTensor {
