@@ -34,12 +34,20 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 import protocol
 
 from .batcher import Batch, BatchedOp, BatchPolicy, prepare, run_batch
 from .errors import OpError, error_fields
 from .native import NativeStepError
 from .timing import Timing, now_ns
+
+# Which threads have started their OpenMP team (Dispatcher._prepare_thread).
+_thread_state = threading.local()
+# Elements of the op that starts a team: above ATen's parallel grain size (32768), so it runs as
+# a parallel region.
+PARALLEL_OP_ELEMENTS = 1 << 17
 
 log = logging.getLogger("bridge")
 
@@ -132,6 +140,20 @@ class Dispatcher:
     def start(self) -> None:
         self._worker.start()
 
+    @staticmethod
+    def _prepare_thread() -> None:
+        """Start the calling thread's OpenMP team, once per thread, before it serves anything.
+        OpenMP gives each thread that runs a parallel torch op a team of its own, born at its
+        first such op; which thread serves a request (a reader when idle, the worker when busy)
+        depends on timing, so teams born on first use made a long-lived server's thread count
+        grow after warm-up. Prepared here, every thread that can serve has its team from its
+        first frame (bench.soak checks the count stays flat)."""
+        if getattr(_thread_state, "prepared", False):
+            return
+        _thread_state.prepared = True
+        if torch.get_num_threads() > 1:
+            torch.ones(PARALLEL_OP_ELEMENTS).mul_(2)  # above ATen's grain: runs as a parallel region
+
     def on_frame(self, conn, body, received_ns: int, release: Callable | None = None,
                  buffers=(), *, more_input: bool | Callable[[], bool] = True) -> None:
         """Serve the request in `body` (and the raw `buffers` after it, ZeroMQ's); `release`
@@ -139,6 +161,7 @@ class Dispatcher:
         already be waiting for the thread that read this frame, or a function that tells it,
         asked only where the answer matters; only a transport that can tell that none is
         (stdio, unix) lets it be False, and so an idle server serve the request on this thread."""
+        self._prepare_thread()
         self.server.stats.frame_in(len(body) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0),
                                    conn.lane)
         if self.fast_path is not None and not buffers and self._serve_fast(conn, body, received_ns):
@@ -263,6 +286,7 @@ class Dispatcher:
     # Every request taken from the queue ends in exactly one of _answer or _fail.
 
     def _work(self) -> None:
+        self._prepare_thread()
         while True:
             call = self._next_call()
             if call is _STOP:
