@@ -33,8 +33,8 @@ ROUNDS = 6  # alternations per (model, batch, pacing); --frames is split over th
 
 
 def step_call(model, backend, batch: int):
-    """A step of `model` on `backend`'s fused kernel over a state of its own: (call(frame) ->
-    hidden, the state parts)."""
+    """A step of `model` on `backend`'s fused kernel over a state of its own: call(frame) ->
+    hidden."""
     parts = {name: torch.zeros((batch, *shape)) for name, shape in model.config.state_parts()}
     slots = torch.arange(batch)
     fused = backend.model_step
@@ -45,7 +45,7 @@ def step_call(model, backend, batch: int):
         with torch.no_grad():
             return model.step(parts, slots, frame, output="hidden", backend="cpu", fused=fused)
 
-    return call, parts
+    return call
 
 
 def time_pair(calls, frames, paced: bool) -> list[list[float]]:
@@ -70,13 +70,13 @@ def run_case(arch: str, batch: int, frames_n: int, backends) -> dict:
     g = torch.Generator().manual_seed(7)
     frames = [torch.randn(batch, D_MODEL, generator=g) for _ in range(frames_n)]
     steps = [step_call(model, b, batch) for b in backends]
-    outputs = [[call(f) for f in frames[:8]] for call, _ in steps]  # also the warm-up
+    outputs = [[call(f) for f in frames[:8]] for call in steps]  # also the warm-up
     difference = 0.0
     for a, b in zip(*outputs):
         difference = max(difference, float((a - b).abs().max() / torch.maximum(a.abs().max(), b.abs().max())))
     result = {"arch": arch, "batch": batch, "max_relative_difference": difference}
     for pacing, paced in (("paced", True), ("back_to_back", False)):
-        base, other = time_pair([call for call, _ in steps], frames, paced)
+        base, other = time_pair(steps, frames, paced)
         result[pacing] = {"base": summarize_us(base), "other": summarize_us(other)}
         result[pacing]["ratio_p50"] = result[pacing]["base"]["p50_us"] / result[pacing]["other"]["p50_us"]
         result[pacing]["ratio_p99"] = result[pacing]["base"]["p99_us"] / result[pacing]["other"]["p99_us"]
