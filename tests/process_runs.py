@@ -147,6 +147,10 @@ class BackgroundRun:
         self._thread = threading.Thread(target=run, name="background-run", daemon=True)
         self._thread.start()
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def result(self) -> ProcessRun:
         self.start()
         self._thread.join()

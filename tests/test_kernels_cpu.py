@@ -39,6 +39,7 @@ from kernel_cases import (
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, SsdCase, SsdUpdateCase, make_ssd_inputs,
     make_ssd_update_inputs, reference_ssd_scan, reference_ssd_update,
 )
+from process_runs import BackgroundRun
 from waiting import poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -436,6 +437,17 @@ SIMD_UPDATE_CASES = [
 ]
 
 
+# Every SIMD variant built at once, beside this file's first tests, rather than one after another
+# when the variants' tests come to each (and before the other files' benches that load them all).
+VARIANT_BUILDS = BackgroundRun(lambda: ([sys.executable, "-m", "kernels.cpu.build", "--all"],
+                                        {"timeout_s": 1200, "cwd": ROOT}))
+
+
+def start_background_runs(selected: set[str]) -> None:
+    if any("simd_variant" in name for name in selected):
+        VARIANT_BUILDS.start()
+
+
 def _simd_variant_names():
     from kernels.cpu import build
 
@@ -454,6 +466,8 @@ def simd_backend(request):
     reason = build.unsupported_reason(variant)
     if reason is not None:
         pytest.skip(reason)
+    if VARIANT_BUILDS.started and (failure := VARIANT_BUILDS.result().failure("the variants' builds")):
+        pytest.fail(failure)
     try:
         backend = backend_from(build.load_extension(variant=variant))
     except kernels.BackendUnavailable as exc:

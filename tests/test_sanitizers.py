@@ -17,6 +17,7 @@ the run, tests/conftest.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -69,40 +70,54 @@ def asan_preload() -> list[str | None]:
 REPORTS_DIR = Path(tempfile.gettempdir()) / f"scan-bridge-sanitizer-reports-{os.getpid()}"
 
 
-def sanitized_suites_command():
+@functools.cache
+def sanitized_env() -> dict:
+    """The environment of every sanitized child (made once: the reports directory emptied)."""
     shutil.rmtree(REPORTS_DIR, ignore_errors=True)
     REPORTS_DIR.mkdir()
     reports = REPORTS_DIR / "report"
     # PYTHONMALLOC=malloc: each Python object its own malloc block, so that ASan's bounds
     # around it catch a read past a frame's bytes (pymalloc's pools would hide most).
-    env = {**os.environ, build.SANITIZE_ENV: SANITIZERS, "LD_PRELOAD": " ".join(asan_preload()),
-           "PYTHONMALLOC": "malloc",
-           "ASAN_OPTIONS": f"{ASAN_OPTIONS}:log_path={reports}",
-           "UBSAN_OPTIONS": f"print_stacktrace=1:log_path={reports}"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", DESELECT, *SUITES]
-    return command, {"timeout_s": TIMEOUT_S, "cwd": ROOT, "env": env}
+    return {**os.environ, build.SANITIZE_ENV: SANITIZERS, "LD_PRELOAD": " ".join(asan_preload()),
+            "PYTHONMALLOC": "malloc",
+            "ASAN_OPTIONS": f"{ASAN_OPTIONS}:log_path={reports}",
+            "UBSAN_OPTIONS": f"print_stacktrace=1:log_path={reports}"}
+
+
+def sanitized_child(*command: str):
+    return [sys.executable, *command], {"timeout_s": TIMEOUT_S, "cwd": ROOT, "env": sanitized_env()}
 
 
 # The longest suite of all, a child process: started beside the rest of the session as soon as
-# the tests are collected (tests/conftest.py), judged by the test below.
-SANITIZED_SUITES = BackgroundRun(sanitized_suites_command)
+# the tests are collected (tests/conftest.py), judged by the test below. Its sanitized builds
+# start with it, all at once: built one after another as its tests came to need them, they were
+# most of its time. A test that needs a library still being built waits for that build (the
+# build directory's lock), then loads it.
+SANITIZED_BUILDS = {
+    "the sanitized builds of the kernels": BackgroundRun(lambda: sanitized_child("-m", "kernels.cpu.build", "--all")),
+    "the sanitized build of the native step module": BackgroundRun(lambda: sanitized_child("-m", "bridge.native")),
+}
+SANITIZED_SUITES = BackgroundRun(lambda: sanitized_child("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", DESELECT,
+                                                         *SUITES))
 SANITIZED_SUITES_TEST = "test_cpp_extensions_pass_their_suites_under_address_and_undefined_sanitizers"
 
 
 def start_background_runs(selected: set[str]) -> None:
     if SANITIZED_SUITES_TEST in selected and None not in asan_preload():
-        SANITIZED_SUITES.start()
+        for run in (*SANITIZED_BUILDS.values(), SANITIZED_SUITES):
+            run.start()
 
 
 def test_cpp_extensions_pass_their_suites_under_address_and_undefined_sanitizers(monkeypatch):
     if None in asan_preload():
         pytest.skip("no ASan runtime (libasan) or libstdc++ for the C++ compiler here: the sanitizer pass needs them")
-    run = SANITIZED_SUITES.result()
+    runs = {**SANITIZED_BUILDS, "the sanitized suites": SANITIZED_SUITES}
+    failures = [run.result().failure(name) for name, run in runs.items()]
     found = "".join(f"\n{path.name}:\n{path.read_text(errors='replace')[:6000]}"
                     for path in sorted(REPORTS_DIR.iterdir()))
     shutil.rmtree(REPORTS_DIR, ignore_errors=True)
     assert not found, f"sanitizer reports:{found}"
-    assert run.failure("the sanitized suites") is None, run.failure("the sanitized suites")
+    assert failures == [None] * len(runs), "\n".join(f for f in failures if f)
     # The libraries the sanitizer setting selects (a digest of their own, which the child could
     # only load or build) exist and are linked to the ASan runtime: a pass against the ordinary
     # builds would prove nothing.

@@ -1,6 +1,7 @@
 """Build and load the C++ extension behind the "cpu" backend.
 
-`python -m kernels.cpu.build` compiles it ahead of time (the Makefile's `kernels` target);
+`python -m kernels.cpu.build` compiles it ahead of time (the Makefile's `kernels` target; with
+`--all`, every SIMD variant the CPU executes, at once);
 `load_extension()` imports the built library, compiling it first only when no library matches.
 
 Each build lives in a directory named by a digest of everything that determines the binary
@@ -379,13 +380,42 @@ def _load(directory: Path, sources: Sources, module_name: str, verbose: bool, va
     return _compile(directory, verbose, sources, module_name, variant or selected_variant())
 
 
+def _build_all(verbose: bool) -> int:
+    """Every executable variant built concurrently: a build spends much of its time in one long
+    compile (binding.cpp's), so side by side they take little longer than one alone."""
+    import subprocess
+
+    command = [sys.executable, "-m", "kernels.cpu.build", *(["--verbose"] if verbose else [])]
+    builds = [(variant, subprocess.Popen(command, env={**os.environ, SIMD_ENV: variant.name}))
+              for variant in executable_variants()]
+    failed = [variant.name for variant, build in builds if build.wait() != 0]
+    if failed:
+        print(f"kernels.cpu: variants not built: {', '.join(failed)} (see above)", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m kernels.cpu.build", description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     parser.add_argument("--print-dir", action="store_true", help="print the build directory and exit")
+    parser.add_argument("--all", action="store_true",
+                        help="build every SIMD variant this CPU executes, each in a process of its own, at once")
+    parser.add_argument("--sources", type=Path, metavar="DIR",
+                        help="build another copy of the sources instead (load_sources: bench.kernel_ab's revisions)")
+    parser.add_argument("--module-prefix", default=MODULE_NAME, help="with --sources: its module's name prefix")
     args = parser.parse_args(argv)
+    if args.all:
+        return _build_all(args.verbose)
+    if args.sources is not None:
+        try:
+            ext = load_sources(args.sources, args.module_prefix)
+        except BackendUnavailable as exc:
+            print(f"kernels.cpu: {args.sources} not built: {exc}", file=sys.stderr)
+            return 1
+        print(f"kernels.cpu: {ext.__file__} ready ({ext.simd()})")
+        return 0
     try:
         variant = selected_variant()
     except BackendUnavailable as exc:
