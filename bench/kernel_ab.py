@@ -85,23 +85,37 @@ def _git(*args, revision: str) -> bytes:
     return done.stdout
 
 
-def load_build(revision: str, side: str, scratch: Path):
-    """(the Backend over `revision`'s build, its commit), its module named for `side` (and,
-    by load_sources, for its sources), so that both sides load side by side even when their
-    sources are the same."""
-    source_dir = scratch / side
-    commit = sources_at(revision, source_dir)
+def module_prefix(side: str) -> str:
+    return f"{build.MODULE_NAME}_ab_{side}"
+
+
+def load_build(source_dir: Path, revision: str, commit: str, side: str):
+    """The Backend over the sources in `source_dir` (`revision`'s), its module named for `side`
+    (and, by load_sources, for its sources), so that both sides load side by side even when
+    their sources are the same."""
     started = time.perf_counter()
-    backend = backend_from(build.load_sources(source_dir, f"{build.MODULE_NAME}_ab_{side}"))
+    backend = backend_from(build.load_sources(source_dir, module_prefix(side)))
     print(f"{side}: {revision} ({commit[:12]}) {backend.details['library']} "
           f"ready in {time.perf_counter() - started:.1f} s", flush=True)
-    return backend, commit
+    return backend
 
 
 def load_builds(base: str, other: str) -> tuple[tuple, tuple]:
-    """load_build of both sides, (backend, commit) each; RevisionError when either cannot be read."""
+    """(backend, commit) of both sides; RevisionError when either cannot be read. The other
+    side compiles in a process of its own while this one compiles the base: a build is mostly
+    one long compile, so side by side the two take little longer than one."""
     with tempfile.TemporaryDirectory(prefix="kernel_ab_") as scratch:
-        return load_build(base, "base", Path(scratch)), load_build(other, "other", Path(scratch))
+        sides = {"base": (base, Path(scratch) / "base"), "other": (other, Path(scratch) / "other")}
+        commits = {side: sources_at(revision, directory) for side, (revision, directory) in sides.items()}
+        # A failure there is reported when this process loads that side (and builds it again).
+        beside = subprocess.Popen([sys.executable, "-m", "kernels.cpu.build", "--sources", str(sides["other"][1]),
+                                   "--module-prefix", module_prefix("other")], cwd=REPO)
+        try:
+            loaded = {"base": load_build(sides["base"][1], base, commits["base"], "base")}
+        finally:
+            beside.wait()
+        loaded["other"] = load_build(sides["other"][1], other, commits["other"], "other")
+        return tuple((loaded[side], commits[side]) for side in ("base", "other"))
 
 
 def max_relative_difference(case, backends) -> float:
