@@ -150,28 +150,32 @@ def _compile(directory: Path, library: Path, compiler: str, kernel_compiler: str
     define = f"-DTORCH_EXTENSION_NAME={MODULE_NAME}"
     # The parser gets libFuzzer's coverage instrumentation; the kernel and the shim only the
     # sanitizers (their edges say nothing about the input's structure).
-    steps = [
+    compiles = [
         [compiler, *CFLAGS, *PARSER_FLAGS, define, *includes, "-c", str(STEP_SOURCE), "-o", str(directory / "step.o")],
         *([kernel_compiler, *CFLAGS, *KERNEL_FLAGS, f"-I{KERNEL_DIR}", "-c", str(KERNEL_DIR / name),
            "-o", str(directory / Path(name).with_suffix(".o"))] for name in KERNEL_SOURCES),
         [kernel_compiler, *CFLAGS, *KERNEL_FLAGS, f"-I{KERNEL_DIR}", "-c", str(SHIM_SOURCE),
          "-o", str(directory / "shim.o")],
+        [compiler, "-x", "c", "-O2", "-fPIC", "-shared", str(MUTATOR_SHIM_SOURCE),
+         "-o", str(directory / MUTATOR_SHIM_NAME)],
     ]
     partial = directory / (library.name + ".partial")
-    steps.append([compiler, "-x", "c", "-O2", "-fPIC", "-shared", str(MUTATOR_SHIM_SOURCE),
-                  "-o", str(directory / MUTATOR_SHIM_NAME)])
-    steps.append([compiler, "-shared", *CLANG_SANITIZE, "-fsanitize=fuzzer-no-link", str(directory / "step.o"),
-                  *(str(directory / Path(name).with_suffix(".o")) for name in KERNEL_SOURCES),
-                  str(directory / "shim.o"), "-o", str(partial)])
-    for command in steps:
+    link = [compiler, "-shared", *CLANG_SANITIZE, "-fsanitize=fuzzer-no-link", str(directory / "step.o"),
+            *(str(directory / Path(name).with_suffix(".o")) for name in KERNEL_SOURCES),
+            str(directory / "shim.o"), "-o", str(partial)]
+    # The compiles at once (they are independent), then the link.
+    for commands in (compiles, [link]):
         if verbose:
-            print(" ".join(command), flush=True)
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            (directory / "build.log").write_text(done.stdout + done.stderr)
-            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[-300:])
-            raise BuildUnavailable(f"clang build of the native step parser failed: {first[:300]} "
-                                   f"(full log: {directory / 'build.log'})")
+            for command in commands:
+                print(" ".join(command), flush=True)
+        running = [(command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                   for command in commands]
+        for command, process, (stdout, stderr) in [(c, p, p.communicate()) for c, p in running]:
+            if process.returncode != 0:
+                (directory / "build.log").write_text(" ".join(command) + "\n" + stdout + stderr)
+                first = next((ln for ln in stderr.splitlines() if "error" in ln), stderr.strip()[-300:])
+                raise BuildUnavailable(f"clang build of the native step parser failed: {first[:300]} "
+                                       f"(full log: {directory / 'build.log'})")
     os.replace(partial, library)
 
 
