@@ -852,6 +852,17 @@ extern "C" __attribute__((visibility("default"))) PyObject* SCAN_BRIDGE_INIT(TOR
 """
 
 
+def test_a_copy_without_sources_is_refused_by_name(tmp_path, capsys):
+    """A directory holding none of the sources (a wrong --sources): a one-line refusal naming it,
+    in the API and from the command, not the build tool's own error."""
+    from kernels.cpu import build
+
+    with pytest.raises(kernels.BackendUnavailable, match=f"{tmp_path}: expected the kernel sources"):
+        build.load_sources(tmp_path, "scan_bridge_cpu_test")
+    assert build.main(["--sources", str(tmp_path), "--module-prefix", "scan_bridge_cpu_test"]) == 1
+    assert f"{tmp_path} not built: {tmp_path}: expected the kernel sources" in capsys.readouterr().err
+
+
 def test_each_copy_of_the_sources_loads_as_a_module_of_its_own(tmp_path, monkeypatch):
     """build.load_sources: within one process the same sources loaded again give the same
     module, and other sources under the same prefix -- even MODULE_NAME's, beside the loaded

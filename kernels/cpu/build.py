@@ -341,6 +341,8 @@ def load_sources(source_dir: Path, name_prefix: str):
     # Only the files that copy has: a revision older than one of them builds without it.
     sources = Sources(source_dir, tuple(n for n in SOURCES if (source_dir / n).is_file()),
                       tuple(n for n in HEADERS if (source_dir / n).is_file()))
+    if not sources.files:
+        raise BackendUnavailable(f"{source_dir}: expected the kernel sources ({', '.join(SOURCES)}), found none")
     h = hashlib.sha256()
     _hash_sources(h, sources)
     return load_module(sources, f"{name_prefix}_{h.hexdigest()[:12]}", "other")
