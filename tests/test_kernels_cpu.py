@@ -600,15 +600,18 @@ LINEAR_CASES = [
 ]
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["f32-weights", "bf16-weights"])
 @pytest.mark.parametrize("rows, width, features, bias, row_gap", LINEAR_CASES)
-def test_simd_variant_linear_matches_reference(simd_backend, rows, width, features, bias, row_gap):
+def test_simd_variant_linear_matches_reference(simd_backend, rows, width, features, bias, row_gap, weight_dtype):
+    """bf16 weights (a model loaded in bf16) are widened exactly, so against the float64 product
+    of the same bf16 values the tolerance is fp32's, as for fp32 weights."""
     from kernels.cpu import build
 
     ext = build.load_extension(variant=build.variant_named(simd_backend.details["simd"]))
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width + row_gap, generator=gen)[:, :width]
-    w = torch.randn(features, width, generator=gen)
+    w = torch.randn(features, width, generator=gen).to(weight_dtype)
     b = torch.randn(features, generator=gen) if bias else None
     got = ext.linear(x, w, b)
     expected = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
@@ -616,7 +619,7 @@ def test_simd_variant_linear_matches_reference(simd_backend, rows, width, featur
     tolerance = 1e-5 * width ** 0.5 * float(expected.abs().max())
     assert got.shape == (rows, features) and got.dtype == torch.float32
     assert float((got.double() - expected).abs().max()) <= tolerance, \
-        f"{simd_backend.details['simd']} linear {rows}x{width} -> {features} seed={seed}"
+        f"{simd_backend.details['simd']} linear {rows}x{width} -> {features} {weight_dtype} weights seed={seed}"
 
 
 def test_linear_refuses_operands_that_do_not_fit():
@@ -631,6 +634,10 @@ def test_linear_refuses_operands_that_do_not_fit():
         ext.linear(torch.randn(2, 4, dtype=torch.float16), torch.randn(3, 4), None)
     with pytest.raises(ValueError, match="not contiguous"):
         ext.linear(torch.randn(2, 4), torch.randn(4, 3).t(), None)
+    with pytest.raises(ValueError, match="weight: expected a contiguous CPU tensor of Float, got Half"):
+        ext.linear(torch.randn(2, 4), torch.randn(3, 4, dtype=torch.float16), None)
+    with pytest.raises(ValueError, match="bias: expected a contiguous CPU tensor of Float, got BFloat16"):
+        ext.linear(torch.randn(2, 4), torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(3, dtype=torch.bfloat16))
 
 
 def test_ssd_results_do_not_depend_on_the_thread_count():

@@ -388,6 +388,40 @@ def test_the_fused_step_is_the_composed_one(checkpoints, arch):
         m.step(fused, torch.tensor([6]), tokens[:1], output="logits", backend="cpu")
 
 
+@pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm"])
+def test_a_bf16_models_fused_step_is_the_float64_step_of_its_weights(checkpoints, arch):
+    """A model loaded in bf16 steps in the fused kernel too: its matrices read as bf16, widened
+    exactly, everything else fp32. So it equals, to fp32's error, a float64 model holding the
+    very values the bf16 model holds (each weight rounded as param_dtype keeps it), the state
+    included; the rounding to bf16 itself is not this test's business. The head stays a bf16
+    product (as a bf16 model's prefill ends), hence its looser bound."""
+    from bridge.models.runtime import param_dtype
+
+    if kernels.model_step_kernel("cpu", cpu_backends()[-1]) is None:
+        pytest.skip("no fused model step: the C++ backend is not built here (make kernels)")
+    model = checkpoints[1][arch][0]
+    config = json.loads(model.config.to_json_string())
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    bf16 = load_weights(config, weights, torch.bfloat16, torch.device("cpu"), lambda n: None)
+    held = {k: v.to(param_dtype(k, torch.bfloat16)).double() for k, v in weights.items()}
+    oracle = load_weights(config, held, torch.float64, torch.device("cpu"), lambda n: None)
+    generator = torch.Generator().manual_seed(random_seed())
+    ours = {name: torch.randn((4, *shape), generator=generator) * 0.3 for name, shape in bf16.config.state_parts()}
+    assert bf16._fused_step(ours, "cpu") is not None, "a bf16 model's step must take the fused kernel"
+    theirs = {name: t.double() for name, t in ours.items()}
+    slots = torch.tensor([3, 1])
+    with torch.no_grad():
+        for t in range(6):
+            tokens = torch.randint(0, VOCAB, (2,), generator=generator)
+            output = "hidden" if t % 2 else "logits"
+            a = bf16.step(ours, slots, tokens, output=output, backend="cpu")
+            b = oracle.step(theirs, slots, tokens, output=output, backend="torch", fused=False)
+            assert a.dtype == torch.float32
+            rel_close(a, b, 1e-4 if output == "hidden" else 2e-2, f"{arch} bf16 {output}")
+    for name in ours:
+        rel_close(ours[name], theirs[name], 1e-4, f"{arch} bf16 {name}")
+
+
 # -- bad checkpoints and requests: a structured error each, nothing held, the server serves on --
 
 def corrupt(directory, how: str) -> None:

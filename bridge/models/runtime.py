@@ -24,6 +24,9 @@ from .weights import EMBEDDINGS, LM_HEAD
 # Per-channel constants and the conv kept in fp32 whatever the weights' dtype: the kernels take
 # them so, and the conv's window is fp32 state. A is -exp(A_log), computed once at load.
 FP32_TENSORS = ("A_log", "D", "dt_bias", "dt_proj.bias", "conv1d.weight", "conv1d.bias")
+# The weight dtypes the backends' fused model step reads (kernels.model_step_kernel); state and
+# activations are fp32 in it whatever they are.
+FUSED_STEP_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -67,11 +70,17 @@ class Model:
         self.dt_limits = {"dt_min": dt_min, "dt_max": dt_max}
         # What the backend's fused step takes that never changes: the sizes, and each layer's
         # weights in its order (the pool's parts follow them per call: they move when it grows).
+        # It reads the matrices as they are, fp32 or bf16 (half the bytes a paced step streams),
+        # and the norms and biases in fp32: copies, for a bf16 model.
         self._fused_dims = [0 if config.arch == "mamba" else 1, config.d_inner, config.d_state, config.dt_rank,
                             config.nheads, config.headdim, config.ngroups]
-        self._fused_weights = [[layer.norm, layer.in_proj, layer.in_proj_bias, layer.conv, layer.conv_bias, layer.A,
-                                layer.D, layer.dt_bias, layer.out_proj, layer.out_proj_bias, layer.x_proj,
-                                layer.dt_proj, layer.gate_norm] for layer in self.layers]
+        self._fused = self.dtype in FUSED_STEP_DTYPES
+        if self._fused:
+            self._fused_weights = [[_wide(layer.norm), layer.in_proj, _wide(layer.in_proj_bias), layer.conv,
+                                    layer.conv_bias, layer.A, layer.D, layer.dt_bias, layer.out_proj,
+                                    _wide(layer.out_proj_bias), layer.x_proj, layer.dt_proj, _wide(layer.gate_norm)]
+                                   for layer in self.layers]
+            self._fused_norm_f = _wide(self.norm_f)
 
     def _layer(self, t: dict, prefix: str) -> Layer:
         m = prefix + "mixer."
@@ -108,10 +117,10 @@ class Model:
     def step(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
              output: str, backend: str | None = None, fused: bool | Callable = True) -> torch.Tensor:
         """One timestep of `inputs` (tokens [b] or embeddings [b, d_model]) for rows `slots`,
-        their state updated in place: in one call where the backend has a fused model step and
-        everything is fp32 (`fused=False` composes it from torch ops and the kernels API; a
-        callable is the fused step to call instead of the backend's, as bench.model_step_ab
-        times two builds')."""
+        their state updated in place: in one call where the backend has a fused model step, the
+        weights are fp32 or bf16 and the state fp32 (`fused=False` composes it from torch ops and
+        the kernels API; a callable is the fused step to call instead of the backend's, as
+        bench.model_step_ab times two builds')."""
         if callable(fused):
             kernel = fused
         else:
@@ -119,12 +128,12 @@ class Model:
         if kernel is not None:
             # The kernel adds the residuals into `hidden` in place: never the caller's embeddings.
             hidden = (inputs.to(torch.float32, copy=True) if inputs.is_floating_point()
-                      else self._embed(inputs)).contiguous()
+                      else self._embed(inputs).float()).contiguous()
             layers = [weights + [parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]]
                       for i, weights in enumerate(self._fused_weights)]
-            hidden = kernel(hidden, slots.to(torch.int64), layers, self.norm_f, self._fused_dims, self.config.eps,
-                            self.dt_limits["dt_min"], self.dt_limits["dt_max"])
-            return hidden if output == "hidden" else F.linear(hidden, self.lm_head)
+            hidden = kernel(hidden, slots.to(torch.int64), layers, self._fused_norm_f, self._fused_dims,
+                            self.config.eps, self.dt_limits["dt_min"], self.dt_limits["dt_max"])
+            return hidden if output == "hidden" else _wide(F.linear(hidden.to(self.lm_head.dtype), self.lm_head))
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
             conv, ssm = parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]
@@ -133,7 +142,7 @@ class Model:
         return self._output(hidden, output)
 
     def _fused_step(self, parts: dict[str, torch.Tensor], backend: str | None):
-        if self.dtype != torch.float32 or self.device.type != "cpu":
+        if not self._fused or self.device.type != "cpu":
             return None
         if any(p.dtype != torch.float32 for p in parts.values()):
             return None

@@ -524,14 +524,15 @@ void conv_step(const float* in, int64_t in_stride, const at::Tensor& state, cons
   scan_bridge::silu_in_place(out, rows * channels);
 }
 
-// x [rows, in] (rows any stride apart, each contiguous) times w [features, in]^T plus bias, fp32:
-// the features split over the calling thread and the helpers that get a core in time, as the
-// kernels' items are (run_on).
+// x [rows, in] (rows any stride apart, each contiguous) times w [features, in]^T plus bias, fp32
+// (w fp32 or bfloat16): the features split over the calling thread and the helpers that get a
+// core in time, as the kernels' items are (run_on).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.device().is_cpu())
     throw std::invalid_argument("model_step: a product's input: expected a 2-d CPU tensor of Float, got " +
                                 std::to_string(x.dim()) + "-d " + std::string(c10::toString(x.scalar_type())));
-  require_operand(w, "weight", at::kFloat, "model_step");
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  require_operand(w, "weight", bf16 ? at::kBFloat16 : at::kFloat, "model_step");
   if (bias.has_value()) require_operand(*bias, "bias", at::kFloat, "model_step");
   if (x.stride(1) != 1 || x.size(1) != w.size(1) || (bias.has_value() && bias->numel() != w.size(0)))
     throw std::invalid_argument("model_step: a product's operands do not fit: input [" + std::to_string(x.size(0)) +
@@ -539,8 +540,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
                                 std::to_string(w.size(1)) + "]");
   const int64_t rows = x.size(0), features = w.size(0);
   at::Tensor out = at::empty({rows, features}, x.options());
-  const scan_bridge::LinearProblem p{x.data_ptr<float>(), rows, x.size(1), x.stride(0), w.data_ptr<float>(),
-                                     fdata(bias), features, out.data_ptr<float>()};
+  scan_bridge::LinearProblem p;
+  p.x = x.data_ptr<float>();
+  p.rows = rows;
+  p.in = x.size(1);
+  p.x_stride = x.stride(0);
+  if (bf16)
+    p.w_bf16 = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  else
+    p.w = w.data_ptr<float>();
+  p.bias = fdata(bias);
+  p.features = features;
+  p.out = out.data_ptr<float>();
   const int64_t blocks = (features + scan_bridge::kLinearBlock - 1) / scan_bridge::kLinearBlock;
   const int64_t per_block = std::max<int64_t>(1, scan_bridge::kLinearBlock * rows * p.in);
   const int64_t min_blocks = (kMinWorkPerThread + per_block - 1) / per_block;

@@ -14,7 +14,8 @@ namespace scan_bridge {
 struct LinearProblem {
   const float* x = nullptr;    // [rows, in], rows x_stride apart
   int64_t rows = 0, in = 0, x_stride = 0;
-  const float* w = nullptr;    // [features, in], contiguous
+  const float* w = nullptr;    // [features, in], contiguous; or, instead,
+  const uint16_t* w_bf16 = nullptr;  // the same in bfloat16 (the top half of each fp32 value)
   const float* bias = nullptr; // [features] or nullptr
   int64_t features = 0;
   float* out = nullptr;        // [rows, features], contiguous
