@@ -356,6 +356,27 @@ def test_models_bench_runs_end_to_end(tmp_path):
     assert "echo" in case or "echo_skipped" in case
 
 
+def test_model_dtype_ab_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.model_dtype_ab`, tiny: both dtypes' steps over the Port and the three
+    in-process steps timed in one run, the ratios of its own numbers, and the bf16 model's outputs
+    near the fp32 one's but not equal to them (two models were served, not one twice)."""
+    pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+    out = tmp_path / "dtype_ab.json"
+    proc = run_marked([sys.executable, "-m", "bench.model_dtype_ab", "--frames", "24", "--batches", "2",
+                       "--archs", "mamba2", "--json", str(out)], timeout_s=300,
+                      cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["arch"], case["batch"]) == ("mamba2", 2)
+    port, local = case["over_the_port"], case["in_process"]
+    for pacing in ("paced", "back_to_back"):
+        assert port[pacing]["f32"]["n"] == port[pacing]["bf16"]["n"] == 4
+        assert port[pacing]["ratio_p50"] == pytest.approx(port[pacing]["f32"]["p50_us"] / port[pacing]["bf16"]["p50_us"])
+    assert 0 < port["bf16_max_relative_difference"] < 5e-2
+    assert local["ratios_p50"]["bf16_composed_over_bf16_fused"] == pytest.approx(
+        local["bf16_composed"]["p50_us"] / local["bf16_fused"]["p50_us"])
+
+
 def test_model_step_ab_times_two_builds_of_one_revision(tmp_path):
     """`python -m bench.model_step_ab`, HEAD against HEAD, tiny, beside a busy core: both builds'
     steps of the same model agree bit for bit, each pacing has both builds' times and the ratios
