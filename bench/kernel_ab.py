@@ -103,7 +103,7 @@ def load_build(source_dir: Path, revision: str, commit: str, side: str):
 def load_builds(base: str, other: str) -> tuple[tuple, tuple]:
     """(backend, commit) of both sides; RevisionError when either cannot be read. The other
     side compiles in a process of its own while this one compiles the base: a build is mostly
-    one long compile, so side by side the two take little longer than one."""
+    one long compile, which leaves a core idle that the other build can use."""
     with tempfile.TemporaryDirectory(prefix="kernel_ab_") as scratch:
         sides = {"base": (base, Path(scratch) / "base"), "other": (other, Path(scratch) / "other")}
         commits = {side: sources_at(revision, directory) for side, (revision, directory) in sides.items()}

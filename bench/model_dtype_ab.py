@@ -7,10 +7,10 @@ half a frame apart, the order swapped each frame, paced 1/60 s (`paced`) and the
 (`back_to_back`). A paced step's time is mostly its weights coming back from memory
 (docs/performance.md, "model step"); bf16 halves those bytes.
 
-In this process too, without IPC (`in_process`, paced, a third of a frame apart, the order
-rotated each frame): both models' fused steps, and the bf16 model's step composed of torch ops
-and `kernels` calls (`fused=False`), the path every bf16 model took before the fused step read
-bf16 weights.
+In this process too, without IPC (`in_process`, a frame's sleep before each step, alternated in
+rounds as bench.model_step_ab alternates two builds): both models' fused steps, and the bf16
+model's step composed of torch ops and `kernels` calls (`fused=False`), the path every bf16
+model took before the fused step read bf16 weights.
 
 Outputs are compared as well: each bf16 step's hidden state against the f32 one's (the error
 bf16 weights cost).
@@ -24,20 +24,17 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 
 from bridge.bench.floors import BridgeProcess, encode_request, exchange
 from bridge.bench.machine import summarize_us, write_results
 from bridge.models import load_weights
+from bridge.tensors import host_view
 
+from .model_step_ab import time_pair
 from .models import D_MODEL, FRAME_SECONDS, WARMUP, WINDOW, exphil_model, wait_for_frame
 
 DTYPES = ("f32", "bf16")
-
-
-def _hidden(reply, batch: int) -> torch.Tensor:
-    return torch.from_numpy(np.array(reply.result["hidden"].data, copy=True).view(np.float32)).view(batch, -1)
 
 
 def over_the_port(config: dict, weights: dict, frames: list[torch.Tensor], batch: int) -> dict:
@@ -64,7 +61,7 @@ def over_the_port(config: dict, weights: dict, frames: list[torch.Tensor], batch
                         wait_for_frame(start, i + k / 2)
                     us, reply = exchange(lane, steps[dtype][i])
                     times[dtype].append(us)
-                    hidden[dtype] = _hidden(reply, batch)  # a copy: the reply's bytes are the lane's buffer
+                    hidden[dtype] = host_view(reply.result["hidden"]).clone()  # the reply's bytes are the lane's buffer
                 if pacing == "paced":
                     f32, bf16 = hidden["f32"], hidden["bf16"]
                     worst = max(worst, float((bf16 - f32).abs().max() / f32.abs().max()))
@@ -82,26 +79,27 @@ IN_PROCESS = {"f32_fused": (torch.float32, True), "bf16_fused": (torch.bfloat16,
 
 
 def in_process(config: dict, weights: dict, frames: list[torch.Tensor], batch: int) -> dict:
-    """The fp32 and bf16 models' fused steps and the bf16 model's composed one, a third of a
-    frame apart, the order rotated each frame, paced; each its own state."""
+    """The fp32 and bf16 models' fused steps and the bf16 model's composed one, each over a state
+    of its own, paced and alternated as bench.model_step_ab alternates two builds."""
     models = {dtype: load_weights(config, weights, dtype, torch.device("cpu"), lambda n: None)
               for dtype in (torch.float32, torch.bfloat16)}
-    parts = {how: {name: torch.zeros((batch, *shape)) for name, shape in models[dtype].config.state_parts()}
-             for how, (dtype, _) in IN_PROCESS.items()}
     slots = torch.arange(batch)
-    hows = list(IN_PROCESS)
-    times = {how: [] for how in hows}
-    with torch.no_grad():
-        start = time.perf_counter()
-        for i, frame in enumerate(frames):
-            order = hows[i % 3:] + hows[:i % 3]
-            for k, how in enumerate(order):
-                dtype, fused = IN_PROCESS[how]
-                wait_for_frame(start, i + k / 3)
-                t0 = time.perf_counter_ns()
-                models[dtype].step(parts[how], slots, frame, output="hidden", backend="cpu", fused=fused)
-                times[how].append((time.perf_counter_ns() - t0) / 1000)
-    result = {how: summarize_us(t[WARMUP:]) for how, t in times.items()}
+
+    def step_call(dtype, fused):
+        parts = {name: torch.zeros((batch, *shape)) for name, shape in models[dtype].config.state_parts()}
+
+        def call(frame):
+            with torch.no_grad():
+                return models[dtype].step(parts, slots, frame, output="hidden", backend="cpu", fused=fused)
+
+        return call
+
+    calls = [step_call(*how) for how in IN_PROCESS.values()]
+    for call in calls:
+        for frame in frames[:WARMUP]:
+            call(frame)
+    times = time_pair(calls, frames[WARMUP:], paced=True)
+    result = {how: summarize_us(t) for how, t in zip(IN_PROCESS, times)}
     fused = result["bf16_fused"]["p50_us"]
     result["ratios_p50"] = {"f32_fused_over_bf16_fused": result["f32_fused"]["p50_us"] / fused,
                             "bf16_composed_over_bf16_fused": result["bf16_composed"]["p50_us"] / fused}

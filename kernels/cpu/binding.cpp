@@ -470,8 +470,8 @@ std::vector<at::Tensor> scan_backward(
 // dt's softplus, Mamba-2's skip and gated norm and the residuals as plain loops, the matrix
 // products by `linear` (linear_kernel.h), the state updates as the kernels above. A step of a
 // small model is dozens of torch ops a layer, each costing more than its arithmetic
-// (docs/performance.md, "model step"); here they are a few. fp32 throughout; the state is
-// updated in the pool.
+// (docs/performance.md, "model step"); here they are a few. Activations and state fp32, the
+// matrices fp32 or bfloat16 (a model loaded in bf16); the state is updated in the pool.
 
 // One layer's tensors, in this order (None where the model has none).
 enum LayerTensor {

@@ -384,7 +384,8 @@ def _load(directory: Path, sources: Sources, module_name: str, verbose: bool, va
 
 def _build_all(verbose: bool) -> int:
     """Every executable variant built concurrently: a build spends much of its time in one long
-    compile (binding.cpp's), so side by side they take little longer than one alone."""
+    compile (binding.cpp's), which leaves a core idle that another build can use
+    (docs/performance.md, "make test time")."""
     import subprocess
 
     command = [sys.executable, "-m", "kernels.cpu.build", *(["--verbose"] if verbose else [])]
