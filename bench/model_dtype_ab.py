@@ -21,18 +21,17 @@ bf16 weights cost).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from bridge.bench.floors import BridgeProcess, encode_request, exchange
-from bridge.bench.machine import summarize_us, write_results
+from bridge.bench.machine import summarize_us
 from bridge.models import load_weights
 from bridge.tensors import host_view
 
 from .model_step_ab import time_pair
-from .models import D_MODEL, FRAME_SECONDS, WARMUP, WINDOW, exphil_model, wait_for_frame
+from .models import D_MODEL, WARMUP, WINDOW, case_main, exphil_model, wait_for_frame
 
 DTYPES = ("f32", "bf16")
 
@@ -131,22 +130,7 @@ def report(case: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.model_dtype_ab", description=__doc__.splitlines()[0])
-    p.add_argument("--frames", type=int, default=300)
-    p.add_argument("--batches", default="1,32")
-    p.add_argument("--archs", default="mamba,mamba2")
-    p.add_argument("--json")
-    args = p.parse_args(argv)
-    if args.frames <= WARMUP:
-        p.error(f"--frames: expected more than the {WARMUP} warm-up frames, got {args.frames}")
-    cases = []
-    for arch in args.archs.split(","):
-        for batch in (int(b) for b in args.batches.split(",")):
-            cases.append(run_case(arch, batch, args.frames))
-            report(cases[-1])
-    if args.json:
-        write_results(args.json, "model_dtype_ab", {"frame_seconds": FRAME_SECONDS, "cases": cases})
-    return 0
+    return case_main("python -m bench.model_dtype_ab", __doc__, "model_dtype_ab", run_case, report, argv)
 
 
 if __name__ == "__main__":

@@ -323,6 +323,27 @@ def busy_neighbour(enabled: bool):
             neighbour.wait()
 
 
+def case_main(prog: str, doc: str, benchmark: str, run_case, report, argv=None) -> int:
+    """The command line of a bench over bench.models' ExPhil-sized cases: `run_case(arch, batch,
+    frames)` for each arch and batch asked for, each reported, all written as `benchmark`."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    p.add_argument("--frames", type=int, default=300)
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--archs", default="mamba,mamba2")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.frames <= WARMUP:
+        p.error(f"--frames: expected more than the {WARMUP} warm-up frames, got {args.frames}")
+    cases = []
+    for arch in args.archs.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            cases.append(run_case(arch, batch, args.frames))
+            report(cases[-1])
+    if args.json:
+        write_results(args.json, benchmark, {"frame_seconds": FRAME_SECONDS, "cases": cases})
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=300)

@@ -8,11 +8,13 @@ Per block and server:
   * the ExPhil request (32×60×512×16 f32 scan), each after the settle pause: bridge cost =
     round trip − kernel_us, as bench.transports reports it;
   * the paced game loop's step (a 32×512×16 session, A a handle, one step per 60 FPS frame):
-    round trip p50, as bench.game_loop part (a) reports it.
+    round trip p50, as bench.game_loop part (a) reports it;
+  * with `--model-steps N`, N paced steps of bench.models' ExPhil-sized Mamba-2 model at batch
+    1 (embeddings in, hidden out): round trip p50.
 Reports each figure's median over the blocks per server, and this checkout's over the
 baseline's; the goal is each within 5 %.
 
-    python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--json PATH]
+    python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--model-steps 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def paced_steps(server: TreeServer, steps: int) -> list[float]:
     handle = protocol.HandleRef(server.call("put", tensor=constant_A(0))["handle"])
     session = server.call("session_open", batch=BATCH, dim=DIM, state=STATE)["session"]
     frames = [server.lane.frame(step_request(i, session, handle, frame_inputs(BATCH, 1 + i))) for i in range(32)]
+    return paced_round_trips(server, frames, steps)
+
+
+def paced_round_trips(server: TreeServer, frames: list, steps: int) -> list[float]:
+    """`steps` round trips of `frames` (cycled) after the warm-up, one a 60 FPS frame (µs)."""
     for i in range(WARMUP):
         exchange(server.lane, frames[i % len(frames)])
     rows = []
@@ -82,9 +89,28 @@ def paced_steps(server: TreeServer, steps: int) -> list[float]:
     return rows
 
 
-def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: list[str]) -> dict:
+def paced_model_steps(server: TreeServer, steps: int) -> list[float]:
+    import torch
+
+    from .models import D_MODEL, exphil_model
+
+    _, config, weights = exphil_model("mamba2", seed=1)
+    model = server.call("model_load", config=config, weights=weights)["model"]
+    session = server.call("session_open", model=model, batch=1)["session"]
+    g = torch.Generator().manual_seed(7)
+    frames = [server.lane.frame(encode_request(i, "model_step", {"session": session, "output": "hidden",
+                                                                 "embeds": torch.randn(1, D_MODEL, generator=g)}))
+              for i in range(32)]
+    return paced_round_trips(server, frames, steps)
+
+
+def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: list[str],
+        model_steps: int = 0) -> dict:
     trees = {"baseline": os.path.abspath(baseline), "this": ROOT}
     per_block = {name: {"exphil_bridge_cost_p50_us": [], "step_p50_us": []} for name in trees}
+    if model_steps:
+        for figures in per_block.values():
+            figures["model_step_p50_us"] = []
     for block in range(blocks):
         order = list(trees) if block % 2 == 0 else list(reversed(trees))
         for name in order:
@@ -92,18 +118,24 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
             try:
                 cost = exphil_bridge_cost(server, iterations)
                 step = paced_steps(server, steps)
+                model_step = paced_model_steps(server, model_steps) if model_steps else None
             finally:
                 server.close()
             per_block[name]["exphil_bridge_cost_p50_us"].append(statistics.median(cost))
             per_block[name]["step_p50_us"].append(statistics.median(step))
-            print(f"block {block + 1}/{blocks} {name:8s}: ExPhil bridge cost {statistics.median(cost):8.0f} µs, "
-                  f"paced step p50 {statistics.median(step):6.0f} µs", flush=True)
+            line = (f"block {block + 1}/{blocks} {name:8s}: ExPhil bridge cost {statistics.median(cost):8.0f} µs, "
+                    f"paced step p50 {statistics.median(step):6.0f} µs")
+            if model_step:
+                per_block[name]["model_step_p50_us"].append(statistics.median(model_step))
+                line += f", paced model step p50 {statistics.median(model_step):6.0f} µs"
+            print(line, flush=True)
     medians = {name: {key: statistics.median(values) for key, values in figures.items()}
                for name, figures in per_block.items()}
     ratios = {key: medians["this"][key] / medians["baseline"][key] for key in medians["this"]}
     return {
         "case": f"ExPhil scan 32x60x512x16 f32 ({iterations} a block, settle pause before each) and a paced "
-                f"{BATCH}x{DIM}x{STATE} step ({steps} a block, one per 60 FPS frame), over stdio",
+                f"{BATCH}x{DIM}x{STATE} step ({steps} a block, one per 60 FPS frame), over stdio"
+                + (f"; a paced ExPhil-sized Mamba-2 model step at batch 1 ({model_steps} a block)" if model_steps else ""),
         "trees": {name: subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True,
                                        text=True).stdout.strip() for name, tree in trees.items()},
         "blocks": blocks,
@@ -123,12 +155,14 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--iterations", type=int, default=10, help="ExPhil requests a block")
     p.add_argument("--steps", type=int, default=200, help="paced steps a block")
+    p.add_argument("--model-steps", type=int, default=0,
+                   help="paced model steps a block (0: none; needs transformers to build the model)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
     p.add_argument("--json", help="write the results (with machine and commit info) to this file")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.baseline, "bridge", "__main__.py")):
         p.error(f"--baseline: expected a checkout of this project (with bridge/__main__.py), got {args.baseline!r}")
-    results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg)
+    results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg, args.model_steps)
     for key, ratio in results["this_over_baseline"].items():
         print(f"{key}: baseline {results['medians']['baseline'][key]:.0f} µs, this {results['medians']['this'][key]:.0f} µs, "
               f"ratio {ratio:.3f} (goal ≤ {GOAL_RATIO})")

@@ -245,13 +245,13 @@ class Dispatcher:
             with self._serving:
                 late = deadline_error(request, received_ns)
                 if late is not None:
-                    self._reply_error(conn, protocol.V1, request.id, late, stats_op="step")
+                    self._reply_error(conn, protocol.V1, request.id, late, stats_op=request.op)
                     return True
                 try:
                     outcome = self.fast_path.serve(conn, request, received_ns, now_ns() - waiting_since)
                 except NativeStepError as exc:  # its kernel ran, or may have: never served twice
                     log.error("fast path failed", exc_info=exc.__cause__)
-                    self._reply_error(conn, protocol.V1, exc.request_id, exc, stats_op="step")
+                    self._reply_error(conn, protocol.V1, exc.request_id, exc, stats_op=request.op)
                     return True
                 except Exception:  # before its kernel: nothing touched, the general path answers
                     log.exception("fast path failed before taking a request")
@@ -260,7 +260,7 @@ class Dispatcher:
                 return False
             reply, timing = outcome
             self._send(conn, [reply])
-            self.server.stats.record("step", timing, ok=True)
+            self.server.stats.record(request.op, timing, ok=True)
             return True
         finally:
             self._leave(fast=True)

@@ -13,7 +13,9 @@ What must hold, beyond "no crash, no sanitizer report":
 - both placements parse alike;
 - a request `parse` takes is one the Python decoder takes too, as a step with the same id,
   session and handles, and within the native path's documented form (bridge/native/__init__.py:
-  session, x, dt, B, C, z inline f32; A, D, dt_bias inline f32 or handles; the dt options);
+  session, x, dt, B, C, z inline f32; A, D, dt_bias inline f32 or handles; the dt options), or
+  as a model step with the same id and session, its embeds inline 2-d f32 and its output
+  "hidden" or absent (what a model step runs is not fuzzed here: this build has no model kernel);
 - `run` and `run_ssd` step only a request whose shapes fit the session (batch, dim, state; or
   batch, heads, headdim, state) and its handles' tensors, and the reply reads back as a v1 reply
   with y of [batch, dim] (or [batch, heads, headdim]) f32.
@@ -43,6 +45,7 @@ MAX_LEN = 4096
 INLINE_ONLY = ("x", "dt", "B", "C", "z")
 MAY_BE_HANDLES = ("A", "D", "dt_bias")
 NATIVE_ARGS = frozenset(("session", *INLINE_ONLY, *MAY_BE_HANDLES, "dt_softplus", "dt_min", "dt_max"))
+NATIVE_MODEL_ARGS = frozenset(("session", "embeds", "output"))
 # The state pool the harness allocates per step is bounded (the frame bounds batch and dim, but a
 # handle's A could name any state size).
 MAX_POOL_FLOATS = 1 << 20
@@ -156,12 +159,15 @@ def check_against_decoder(parsed, data: bytes) -> Request:
         request = decode_request(data)
     except ProtocolError as exc:
         raise Finding(f"parse took a frame the decoder refuses: {exc.code}: {exc}") from exc
-    if not isinstance(request, Request) or request.op != "step" or request.multipart:
-        raise Finding(f"parse took a frame the decoder reads as {request!r}")
+    if not isinstance(request, Request) or request.op != parsed.op or request.multipart:
+        raise Finding(f"parse took a frame the decoder reads as {request!r}, as a {parsed.op}")
     if type(request.id) is not type(parsed.id) or request.id != parsed.id:
         raise Finding(f"parse read id {parsed.id!r}, the decoder {request.id!r}")
     if request.args.get("session") != parsed.session:
         raise Finding(f"parse read session {parsed.session!r}, the decoder {request.args.get('session')!r}")
+    if request.op == "model_step":
+        check_model_step(parsed, request)
+        return request
     handles = {name: value.handle for name, value in request.args.items() if isinstance(value, HandleRef)}
     if handles != dict(parsed.handles):
         raise Finding(f"parse read handles {dict(parsed.handles)!r}, the decoder {handles!r}")
@@ -175,6 +181,19 @@ def check_against_decoder(parsed, data: bytes) -> Request:
         if hasattr(parsed, name) and getattr(parsed, name) != getattr(request, name, None):
             raise Finding(f"parse read {name} {getattr(parsed, name)!r}, the decoder {getattr(request, name, None)!r}")
     return request
+
+
+def check_model_step(parsed, request: Request) -> None:
+    args = request.args
+    if not set(args) <= NATIVE_MODEL_ARGS:
+        raise Finding(f"parse took model step arguments outside its form: {sorted(set(args) - NATIVE_MODEL_ARGS)}")
+    embeds = args.get("embeds")
+    if not isinstance(embeds, WireTensor) or embeds.dtype != "f32" or len(embeds.shape) != 2:
+        raise Finding(f"parse took embeds as {embeds!r}")
+    if args.get("output") not in (None, "hidden") or parsed.output != args.get("output"):
+        raise Finding(f"parse read output {parsed.output!r}, the decoder {args.get('output')!r}")
+    if dict(parsed.handles) or parsed.deadline_us != getattr(request, "deadline_us", None):
+        raise Finding(f"parse read handles {dict(parsed.handles)!r}, deadline {parsed.deadline_us!r}")
 
 
 def _session_dims(request: Request, h: int) -> tuple[bool, tuple[int, ...]]:
@@ -298,6 +317,9 @@ def one_input(data: bytes) -> None:
         return
     _stats["parsed"] += 1
     request = check_against_decoder(parsed, data)
+    if request.op == "model_step":
+        _stats["model steps parsed"] += 1
+        return
     step(parsed, request, data)
 
 

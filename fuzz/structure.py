@@ -205,8 +205,16 @@ def request(rng: random.Random, op: str | None = None, *, multipart: bool = Fals
 def step_request(rng: random.Random) -> bytes:
     """A plain step request (the native path's form, bridge/native) of a Mamba-1 or a Mamba-2
     session: f32 operands of one consistent set of shapes, A, D and dt_bias sometimes as
-    handles, the dt options."""
+    handles, the dt options; or, one in five, a model step of f32 embeddings."""
     batch, state = rng.choice((1, 1, 2, 3)), rng.choice((1, 2, 3, 4))
+    if rng.random() < 0.2:
+        args = Pairs([("session", "s" * rng.randrange(1, 30)),
+                      ("embeds", tensor(rng, None, allow_handle=False, dtype="f32",
+                                        shape=[batch, rng.choice((1, 4, 12))], exact=True))])
+        if rng.random() < 0.5:
+            args.append(("output", rng.choice(("hidden", "hidden", "logits", None))))
+        rng.shuffle(args)
+        return _envelope(rng, "model_step", args)
     if rng.random() < 0.5:
         dim = rng.choice((1, 2, 4, 6))
         groups = rng.choice([g for g in (1, 2, 3) if dim % g == 0])
@@ -231,7 +239,12 @@ def step_request(rng: random.Random) -> bytes:
         if rng.random() < 0.3:
             args.append((name, True if name == "dt_softplus" else rng.choice((0.001, 0.1, 1, None))))
     rng.shuffle(args)
-    top = Pairs([("v", 1), ("id", request_id(rng)), ("op", "step"), ("args", args)])
+    return _envelope(rng, "step", args)
+
+
+def _envelope(rng: random.Random, op: str, args: Pairs) -> bytes:
+    """A v1 request of `op` and `args`, envelope keys now and then, in any order."""
+    top = Pairs([("v", 1), ("id", request_id(rng)), ("op", op), ("args", args)])
     for key in ENVELOPE_KEYS:
         if key not in ("v", "id", "op", "args") and rng.random() < 0.3:
             top.append((key, envelope_value(key, rng)))

@@ -77,6 +77,11 @@ class Backend:
     # One frame through a whole Mamba / Mamba-2 stack in one call (kernels.model_step_kernel);
     # None: the caller composes the step from the ops above.
     model_step: Callable | None = None
+    # For native callers' model steps (kernels/cpu/model_step.h): prepare_model(layers' weights,
+    # norm_f, dims, eps, dt_min, dt_max) -> a "scan_bridge.fused_model" capsule, and the capsule
+    # "scan_bridge.run_model_step" that steps one; None for backends without them.
+    prepare_model: Callable | None = None
+    run_model_step: object | None = None
     # Gradients of the two scans (kernels/backward.py); None: this backend has no backward pass.
     scan_backward: Callable | None = None
     ssd_scan_backward: Callable | None = None

@@ -377,6 +377,27 @@ def test_model_dtype_ab_bench_runs_end_to_end(tmp_path):
         local["bf16_composed"]["p50_us"] / local["bf16_fused"]["p50_us"])
 
 
+def test_model_native_ab_bench_runs_end_to_end(tmp_path):
+    """`python -m bench.model_native_ab`, tiny: both servers' steps timed in one run (the bench
+    itself fails when their hidden states differ or a default server's step was not served
+    natively), the ratios of its own numbers."""
+    pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+    out = tmp_path / "native_ab.json"
+    proc = run_marked([sys.executable, "-m", "bench.model_native_ab", "--frames", "24", "--batches", "2",
+                       "--archs", "mamba", "--json", str(out)], timeout_s=300,
+                      cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["arch"], case["batch"]) == ("mamba", 2)
+    for pacing in ("paced", "back_to_back"):
+        r = case[pacing]
+        assert r["native"]["round_trip"]["n"] == r["general"]["round_trip"]["n"] == 4
+        assert r["general_over_native_p50"] == pytest.approx(
+            r["general"]["round_trip"]["p50_us"] / r["native"]["round_trip"]["p50_us"])
+        assert r["native"]["server"]["p50_us"] >= r["native"]["kernel"]["p50_us"] > 0
+    assert "echo" in case["paced"] or "echo_skipped" in case
+
+
 def test_model_step_ab_times_two_builds_of_one_revision(tmp_path):
     """`python -m bench.model_step_ab`, HEAD against HEAD, tiny, beside a busy core: both builds'
     steps of the same model agree bit for bit, each pacing has both builds' times and the ratios

@@ -347,11 +347,16 @@ def test_the_native_harness_catches_a_parse_the_decoder_disagrees_with():
     request = protocol.decode_request(body)
 
     class Parsed:
+        op = "step"
         id = request.id
         session = "another session"
         handles = {}
 
     with pytest.raises(Finding, match="session"):
+        native_harness.check_against_decoder(Parsed(), body)
+    Parsed.session = request.args["session"]
+    Parsed.op = "model_step"
+    with pytest.raises(Finding, match="as a model_step"):
         native_harness.check_against_decoder(Parsed(), body)
 
 

@@ -421,20 +421,29 @@ def test_a_missing_source_leaves_the_general_path_serving(monkeypatch, tmp_path,
         caplog.text
 
 
-def test_the_kernel_capsule_refuses_another_problem_layout():
-    """A caller compiled against another scan_kernel.h passes another ScanProblem size: refused
-    with the sizes named, nothing run."""
+# (the backend's capsule attribute, its name, the problem struct it takes)
+CAPSULES = [
+    pytest.param("run_problem", b"scan_bridge.run_problem", b"ScanProblem", id="mamba-1-step"),
+    pytest.param("run_ssd_update", b"scan_bridge.run_ssd_update", b"SsdUpdateProblem", id="mamba-2-step"),
+    pytest.param("run_model_step", b"scan_bridge.run_model_step", b"ModelStepProblem", id="model-step"),
+]
+
+
+@pytest.mark.parametrize("attribute,name,problem_type", CAPSULES)
+def test_the_kernel_capsules_refuse_another_problem_layout(attribute, name, problem_type):
+    """A caller compiled against another header passes another problem size: refused with the
+    sizes named, nothing run."""
     import kernels
 
-    capsule = kernels.get_backend("cpu", "cpu").run_problem
+    capsule = getattr(kernels.get_backend("cpu", "cpu"), attribute)
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(
-        get_pointer(capsule, b"scan_bridge.run_problem"))
+        get_pointer(capsule, name))
     error = ctypes.create_string_buffer(256)
     problem = ctypes.create_string_buffer(4096)  # zeros: a problem with no work, were it run
     assert run(ctypes.cast(problem, ctypes.c_void_p), 3, error, 256) == 1
-    assert b"ScanProblem size 3, expected" in error.value, error.value
+    assert problem_type + b" size 3, expected" in error.value, error.value
 
 
 @pytest.mark.parametrize("args, native", [([], True), (["--no-native-step"], False)], ids=["default", "flag-off"])
@@ -682,15 +691,193 @@ def test_what_the_native_path_does_not_take_of_ssd_steps_is_answered_as_before(i
     assert_answered_alike(outcomes, code, seed)
 
 
-def test_the_ssd_kernel_capsule_refuses_another_problem_layout():
-    import kernels
 
-    capsule = kernels.get_backend("cpu", "cpu").run_ssd_update
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(
-        get_pointer(capsule, b"scan_bridge.run_ssd_update"))
-    error = ctypes.create_string_buffer(256)
-    problem = ctypes.create_string_buffer(4096)
-    assert run(ctypes.cast(problem, ctypes.c_void_p), 3, error, 256) == 1
-    assert b"SsdUpdateProblem size 3, expected" in error.value, error.value
+# --- model sessions ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelCase:
+    arch: str
+    batch: int
+    dtype: str = "f32"
+    head: bool = False  # a language model: its steps ask for "hidden" by name
+    steps: int = 3
+
+
+MODEL_CASES = [
+    pytest.param(ModelCase("mamba", 1), id="mamba-backbone-1-row"),
+    pytest.param(ModelCase("mamba", 3, dtype="bf16"), id="mamba-backbone-3-rows-bf16"),
+    pytest.param(ModelCase("mamba", 2, head=True), id="mamba-lm-2-rows-hidden"),
+    pytest.param(ModelCase("mamba2", 1), id="mamba2-backbone-1-row"),
+    pytest.param(ModelCase("mamba2", 5, head=True), id="mamba2-lm-5-rows-hidden"),
+    pytest.param(ModelCase("mamba2", 2, dtype="bf16"), id="mamba2-backbone-2-rows-bf16"),
+]
+D_MODEL = 12
+
+
+def tiny_model(arch: str, head: bool, seed: int) -> tuple[dict, dict]:
+    """A random transformers Mamba or Mamba-2 model (test_models' `randomized`: a wrong norm or
+    skip shows): the config and weights a client sends."""
+    import json
+
+    transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+    torch.manual_seed(seed)
+    if arch == "mamba":
+        config = transformers.MambaConfig(vocab_size=11, hidden_size=D_MODEL, state_size=5, num_hidden_layers=2,
+                                          expand=2, conv_kernel=4, time_step_rank=3)
+        model = (transformers.MambaForCausalLM if head else transformers.MambaModel)(config)
+    else:
+        config = transformers.Mamba2Config(vocab_size=11, hidden_size=D_MODEL, state_size=6, num_hidden_layers=2,
+                                           expand=2, head_dim=6, num_heads=4, n_groups=2, conv_kernel=3)
+        model = (transformers.Mamba2ForCausalLM if head else transformers.Mamba2Model)(config)
+    from test_models import randomized
+
+    randomized(model)
+    sent = json.loads(config.to_json_string())
+    sent["architectures"] = [type(model).__name__]
+    return sent, {name: p.detach().contiguous() for name, p in model.state_dict().items()}
+
+
+def open_model_session(srv, conn, config: dict, weights: dict, batch: int, dtype: str = "f32") -> str:
+    model = srv.call(conn, "model_load", config=config, weights=weights, dtype=dtype)["model"]
+    return srv.call(conn, "session_open", model=model, batch=batch)["session"]
+
+
+def model_state(srv, conn, session: str) -> dict:
+    return {name: t.numpy() for name, t in srv.call(conn, "session_state", session=session)["state"].items()}
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_native_model_steps_equal_the_general_path(inproc, case):
+    """Bit for bit: the hidden states and every layer's state after, after a prefill, with the
+    output named or left to the model, the embeddings' bytes at two offsets in the frame, and the
+    pool grown between two steps (its rows move)."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    config, weights = tiny_model(case.arch, case.head, seed)
+    prefix = torch.randn(case.batch, 4, D_MODEL, generator=gen)
+    frames = [torch.randn(case.batch, D_MODEL, generator=gen) for _ in range(case.steps)]
+    results = []
+    for native in (True, False):
+        srv = inproc(native_step=native)
+        served = Served(srv) if native else None
+        conn = RecordingConnection()
+        session = open_model_session(srv, conn, config, weights, case.batch, case.dtype)
+        srv.call(conn, "model_forward", session=session, embeds=prefix, output="hidden")
+        replies = []
+        for t, frame in enumerate(frames):
+            if t == 1:  # a second session of the model: the pool grows and its rows move
+                pool = srv.server.sessions.find(conn.id, session).pool
+                capacity = pool.capacity
+                srv.call(conn, "session_open", model=srv_model_of(srv, conn, session), batch=9)
+                assert pool.capacity > capacity, (capacity, pool.capacity)
+            # "output" before the embeddings moves their bytes (the frame's offset changes by 14).
+            args = ({"output": "hidden", "embeds": frame} if t % 2 else
+                    {"embeds": frame, "output": "hidden"} if case.head else {"embeds": frame})
+            replies.append(submit(srv, conn, "model_step", session=session, **args))
+        results.append((replies, model_state(srv, conn, session)))
+        if native:
+            assert served.taken == case.steps, (seed, served.__dict__)
+    (native_replies, native_state), (general_replies, general_state) = results
+    for t, (a, b) in enumerate(zip(native_replies, general_replies)):
+        assert a.ok and b.ok, (seed, a.error, b.error)
+        ha, hb = wire_array(a.result["hidden"]), wire_array(b.result["hidden"])
+        assert ha.shape == (case.batch, D_MODEL), ha.shape
+        assert np.array_equal(ha, hb), f"seed={seed}: hidden of step {t} differs by {np.abs(ha - hb).max()}"
+        assert (a.id, list(a.result), set(a.timing)) == (b.id, list(b.result), set(b.timing))
+        assert served_natively(a) and a.timing["kernel_us"] > 0 and a.timing["batch_rows"] == case.batch, a.timing
+    assert native_state.keys() == general_state.keys()
+    for name in native_state:
+        assert np.array_equal(native_state[name], general_state[name]), f"seed={seed}: {name} differs"
+        assert not np.all(native_state[name] == 0), f"seed={seed}: {name} left zero"
+
+
+def srv_model_of(srv, conn, session: str) -> str:
+    return srv.server.session(conn, session, "test").layout.model
+
+
+def model_declined_cases():
+    """(id, the model (arch, head, dtype), how the request differs from a plain model step, the
+    error the general path gives or None)."""
+    return [
+        pytest.param(("mamba2", True, "f32"), lambda a, other: {"session": a["session"], "embeds": a["embeds"]},
+                     None, id="lm-logits-by-default"),
+        pytest.param(("mamba2", True, "f32"), lambda a, other: {**a, "output": "logits"}, None, id="lm-logits"),
+        pytest.param(("mamba", True, "f32"),
+                     lambda a, other: {"session": a["session"], "tokens": torch.tensor([3, 7])}, None,
+                     id="tokens"),
+        pytest.param(("mamba", False, "f32"), lambda a, other: {**a, "return_state": True}, None, id="return-state"),
+        pytest.param(("mamba", False, "f16"), lambda a, other: a, None, id="f16-model-composed-step"),
+        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "embeds": a["embeds"].half()}, None,
+                     id="f16-embeds"),
+        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "embeds": a["embeds"][:1]}, "shape_mismatch",
+                     id="embeds-rows"),
+        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "embeds": a["embeds"][:, :5]}, "shape_mismatch",
+                     id="embeds-width"),
+        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "embeds": a["embeds"][:, None]},
+                     "shape_mismatch", id="embeds-3d"),
+        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "output": "logits"}, "invalid_argument",
+                     id="backbone-logits"),
+        pytest.param(("mamba", False, "f32"), lambda a, other: {**a, "session": other}, "unknown_session",
+                     id="another-connections-session"),
+        pytest.param(("mamba", False, "f32"), lambda a, other: {**a, "x": a["embeds"]}, "invalid_argument",
+                     id="a-steps-argument"),
+    ]
+
+
+@pytest.mark.parametrize("model,change,code", model_declined_cases())
+def test_what_the_native_path_does_not_take_of_model_steps_is_answered_as_before(inproc, model, change, code):
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    arch, head, dtype = model
+    config, weights = tiny_model(arch, head, seed)
+    frame = torch.randn(2, D_MODEL, generator=gen)
+    outcomes = []
+    for native in (True, False):
+        srv = inproc(native_step=native)
+        served = Served(srv) if native else None
+        conn, other = RecordingConnection(), RecordingConnection()
+        session = open_model_session(srv, conn, config, weights, 2, dtype)
+        others = open_model_session(srv, other, config, weights, 2, dtype)
+        reply = submit(srv, conn, "model_step", **change({"session": session, "embeds": frame, "output": "hidden"},
+                                                         others))
+        outcomes.append((reply, model_state(srv, conn, session)))
+        if native:
+            assert served.taken == 0, f"seed={seed}: the native path took it"
+    (native_reply, native_state), (general_reply, general_state) = outcomes
+    assert native_reply.ok == general_reply.ok == (code is None), (native_reply.error, general_reply.error)
+    if code is None:
+        for name, a in native_reply.result.items():
+            b = general_reply.result[name]
+            if isinstance(a, dict):  # return_state: every layer's part
+                a, b = a["layers.0.ssm"], b["layers.0.ssm"]
+            assert (a.dtype, a.shape, bytes(a.data)) == (b.dtype, b.shape, bytes(b.data)), f"seed={seed}: {name}"
+    else:
+        assert native_reply.error["code"] == general_reply.error["code"] == code, native_reply.error
+        assert native_reply.error["detail"].get("field") == general_reply.error["detail"].get("field")
+    for name in native_state:
+        assert np.array_equal(native_state[name], general_state[name]), f"seed={seed}: {name}"
+
+
+def test_what_the_native_path_keeps_of_models_goes_with_them(inproc):
+    """A model's prepared weights leave when the model is freed, a session's addresses when it
+    closes; both when their connection goes."""
+    seed = random_seed()
+    config, weights = tiny_model("mamba2", False, seed)
+    srv = inproc()
+    native = srv.server.fast_path
+    served = Served(srv)
+    for ending in ("close-and-free", "connection-goes"):
+        conn = RecordingConnection()
+        session = open_model_session(srv, conn, config, weights, 2)
+        assert submit(srv, conn, "model_step", session=session, embeds=torch.randn(2, D_MODEL)).ok
+        assert (len(native._models), len(native._model_rows)) == (1, 1), ending
+        if ending == "close-and-free":
+            model = srv_model_of(srv, conn, session)
+            submit(srv, conn, "session_close", session=session)
+            assert native._model_rows == {}, ending
+            submit(srv, conn, "model_free", model=model)
+        else:
+            conn.mark_closed()
+        assert (native._models, native._model_rows) == ({}, {}), f"seed={seed}: {ending} left entries"
+    assert served.taken == 2
+

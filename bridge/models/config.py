@@ -71,9 +71,15 @@ class ModelConfig:
         as mamba_ssm and transformers keep it) and its ssm state."""
         parts = []
         for i in range(self.n_layer):
-            parts.append((f"layers.{i}.conv", (self.conv_dim, self.d_conv)))
-            parts.append((f"layers.{i}.ssm", self.ssm_shape()))
+            conv, ssm = layer_state_names(i)
+            parts.append((conv, (self.conv_dim, self.d_conv)))
+            parts.append((ssm, self.ssm_shape()))
         return tuple(parts)
+
+
+def layer_state_names(i: int) -> tuple[str, str]:
+    """The names of layer i's conv window and ssm state among a row's state parts."""
+    return f"layers.{i}.conv", f"layers.{i}.ssm"
 
 
 class _Keys:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import kernels
 
-from .config import ModelConfig
+from .config import ModelConfig, layer_state_names
 from .weights import EMBEDDINGS, LM_HEAD
 
 # Per-channel constants and the conv kept in fp32 whatever the weights' dtype: the kernels take
@@ -107,7 +107,7 @@ class Model:
         runs once per layer over the whole sequence."""
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
-            conv, ssm = parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]
+            conv, ssm = (parts[name] for name in layer_state_names(i))
             hidden = self._block(layer, hidden, lambda h, layer=layer, conv=conv, ssm=ssm:
                                  self._mixer_seq(layer, h, conv, ssm, slots, backend))
         if last_only:
@@ -129,17 +129,26 @@ class Model:
             # The kernel adds the residuals into `hidden` in place: never the caller's embeddings.
             hidden = (inputs.to(torch.float32, copy=True) if inputs.is_floating_point()
                       else self._embed(inputs).float()).contiguous()
-            layers = [weights + [parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]]
+            layers = [weights + [parts[name] for name in layer_state_names(i)]
                       for i, weights in enumerate(self._fused_weights)]
             hidden = kernel(hidden, slots.to(torch.int64), layers, self._fused_norm_f, self._fused_dims,
                             self.config.eps, self.dt_limits["dt_min"], self.dt_limits["dt_max"])
             return hidden if output == "hidden" else _wide(F.linear(hidden.to(self.lm_head.dtype), self.lm_head))
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
-            conv, ssm = parts[f"layers.{i}.conv"], parts[f"layers.{i}.ssm"]
+            conv, ssm = (parts[name] for name in layer_state_names(i))
             hidden = self._block(layer, hidden, lambda h, layer=layer, conv=conv, ssm=ssm:
                                  self._mixer_step(layer, h, conv, ssm, slots, backend))
         return self._output(hidden, output)
+
+    def fused_arguments(self) -> tuple | None:
+        """What a backend's fused step reads of this model, for a native caller to prepare once
+        (kernels/cpu/model_step.h): (each layer's weights, norm_f, dims, eps, dt_min, dt_max);
+        None where the model composes its step (weights in another dtype, or not on the CPU)."""
+        if not self._fused or self.device.type != "cpu":
+            return None
+        return (self._fused_weights, self._fused_norm_f, self._fused_dims, self.config.eps,
+                self.dt_limits["dt_min"], self.dt_limits["dt_max"])
 
     def _fused_step(self, parts: dict[str, torch.Tensor], backend: str | None):
         if not self._fused or self.device.type != "cpu":

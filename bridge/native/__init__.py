@@ -1,5 +1,7 @@
-"""The native step path: a plain `step` request served from its frame to its reply in one C++
-call (step.cpp), on the CPU with the "cpu" backend, for Mamba-1 and Mamba-2 ("ssd") sessions.
+"""The native step path: a plain `step` request, or a `model_step` of embeddings to hidden
+states, served from its frame to its reply in one C++ call (step.cpp), on the CPU with the "cpu"
+backend, for Mamba-1 and Mamba-2 ("ssd") sessions and for sessions of models whose step the
+backend fuses (fp32 or bf16 weights).
 
 A step long after the last -- a 60 FPS game loop's frame -- spent much of its round trip in the
 server's Python per-request work, which a pause makes several times slower than back to back
@@ -11,10 +13,12 @@ error: a v1 request in one frame (no raw buffers: a stream lane's, or a one-part
 whose args are the session (this connection's), x, dt, B, C and optionally z inline as f32 (B
 and C [batch, state] or [batch, groups, state]; for a Mamba-2 session the shapes of its
 `step`, B and C with their groups axis), A and optionally D and dt_bias inline as f32 or as
-handles to contiguous f32 tensors, and the dt options; request and session ids in ASCII. The
+handles to contiguous f32 tensors, and the dt options; or a model step's session, its `embeds`
+inline as f32 [batch, d_model] and `output` "hidden" (or no output where the model has no
+head: logits, tokens and `return_state` go the general way); request and session ids in ASCII. The
 dispatcher hands it every request without raw buffers that finds nothing in flight but other
 native steps, on any lane and under load too (the step op offers it as its fast path,
-bridge.ops.sessions.StepOp.fast_path). Its replies are the general path's, but for the timing:
+bridge.ops.sessions.StepOp.fast_path; docs/performance.md, "native model step"). Its replies are the general path's, but for the timing:
 `queue_us` is the wait for the serving lock (behind other connections' native steps),
 `decode_us` everything else before the kernel (parsing, the session and handle lookups, the
 checks), and h2d and d2h are 0 (the kernel reads the frame and writes the reply).
@@ -32,6 +36,7 @@ import torch
 import kernels
 from kernels.errors import BackendUnavailable
 
+from ..models.config import layer_state_names
 from ..timing import STAGE_KEYS
 
 log = logging.getLogger("bridge")
@@ -46,7 +51,8 @@ def sources():
     from kernels.cpu import build
 
     return build.Sources(NATIVE_DIR, files=("step.cpp",),
-                         headers=(build.SOURCE_DIR / "scan_kernel.h", build.SOURCE_DIR / "ssd_kernel.h"),
+                         headers=(build.SOURCE_DIR / "scan_kernel.h", build.SOURCE_DIR / "ssd_kernel.h",
+                                  build.SOURCE_DIR / "model_step.h"),
                          include_dirs=(build.SOURCE_DIR,))
 
 
@@ -85,7 +91,8 @@ class NativeStep:
         # request. Pure: the dispatcher asks before any bookkeeping. The module's own function,
         # with no Python call around it.
         self.parse = module.parse
-        self._native = module.Stepper(backend.run_problem, backend.run_ssd_update)
+        self._native = module.Stepper(backend.run_problem, backend.run_ssd_update, backend.run_model_step)
+        self._prepare_model = backend.prepare_model
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
         # torch once rather than on every step (Python-level work, which a pause makes several
         # times slower). An entry holds a weak reference to the tensor it was read from (valid
@@ -94,26 +101,37 @@ class NativeStep:
         # gone.
         self._pools: dict[str, tuple] = {}
         self._handles: dict[str, tuple] = {}
+        # The same for a model session's rows (every layer's parts), and a loaded model's
+        # weights as the kernel prepared them (its capsule, or None where its step is not fused).
+        self._model_rows: dict[str, tuple] = {}
+        self._models: dict[str, tuple] = {}
 
     @classmethod
     def for_server(cls, server) -> NativeStep | None:
-        """The native path when the server runs the "cpu" backend on the CPU, else None; also
-        None, with the reason logged, when its extension cannot be built. It runs the kernel of
-        the backend the server already loaded."""
+        """The server's native path (one, whichever op asks: the step and model step ops both
+        offer it) when the server runs the "cpu" backend on the CPU, else None; also None, with
+        the reason logged, when its extension cannot be built. It runs the kernel of the backend
+        the server already loaded."""
         if server.device.type != "cpu" or server.backend != "cpu":
             return None
-        try:
-            return cls(server, _module(), kernels.get_backend("cpu", "cpu"))
-        except BackendUnavailable as exc:
-            log.warning("native step path unavailable, steps take the general path: %s", exc)
-            return None
+        if server not in _PATHS:
+            try:
+                _PATHS[server] = cls(server, _module(), kernels.get_backend("cpu", "cpu"))
+            except BackendUnavailable as exc:
+                log.warning("native step path unavailable, steps take the general path: %s", exc)
+                _PATHS[server] = None
+        return _PATHS[server]
 
     def serve(self, conn, request, received_ns: int, queued_ns: int) -> tuple[bytes, dict] | None:
         """(reply body, timing) of a parsed plain step, the session's state stepped; None when
         its session or a handle is not this connection's or not usable here (nothing touched).
         `queued_ns`: how long it waited to be served, its queue_us."""
         session = self.server.sessions.find(conn.id, request.session)
-        if session is None or session.closed or session.kind not in ("mamba", "ssd"):
+        if session is None or session.closed:
+            return None
+        if request.op == "model_step":
+            return self._serve_model(conn, request, session, received_ns, queued_ns)
+        if session.kind not in ("mamba", "ssd"):
             return None
         # The kernel gets the handles' addresses only: their tensors are held here until it is
         # done, whatever frees the handles meanwhile.
@@ -137,6 +155,49 @@ class NativeStep:
         except Exception as exc:
             raise NativeStepError(request.id, exc) from exc
 
+    def _serve_model(self, conn, request, session, received_ns: int, queued_ns: int):
+        if session.kind != "model":
+            return None
+        loaded = self.server.models.find(conn.id, session.layout.model)
+        if loaded is None:
+            return None
+        config = loaded.model.config
+        if request.output is None and config.has_logits:  # logits by default: the general path's
+            return None
+        prepared = self._prepared(loaded)
+        if prepared is None:
+            return None
+        try:
+            return self._native.run_model(request, received_ns, queued_ns, prepared, session.batch, config.d_model,
+                                          *self._model_row_addresses(session, config.n_layer))
+        except Exception as exc:
+            raise NativeStepError(request.id, exc) from exc
+
+    def _prepared(self, loaded):
+        """The kernel's prepared weights of a loaded model, or None where its step is not fused."""
+        cached = self._models.get(loaded.id)
+        if cached is None or cached[0]() is not loaded.model:
+            arguments = loaded.model.fused_arguments() if self._prepare_model is not None else None
+            gone = functools.partial(_forget, self._models, loaded.id)
+            cached = (weakref.ref(loaded.model, gone), None if arguments is None else self._prepare_model(*arguments))
+            self._models[loaded.id] = cached
+        return cached[1]
+
+    def _model_row_addresses(self, session, layers: int) -> tuple:
+        """(slots, pool rows, each layer's conv and ssm part of row 0, the row stride in floats) of
+        a model session: what run_model takes after the model."""
+        flat = session.pool.flat  # replaced when the pool grows
+        cached = self._model_rows.get(session.id)
+        if cached is None or cached[1]() is not flat:
+            parts = session.pool.parts
+            conv, ssm = zip(*((parts[c].data_ptr(), parts[s].data_ptr())
+                              for c, s in map(layer_state_names, range(layers))))
+            gone = functools.partial(_forget, self._model_rows, session.id)
+            cached = (weakref.ref(session, gone), weakref.ref(flat),
+                      (session.slots.data_ptr(), flat.shape[0], list(conv), list(ssm), flat.stride(0)))
+            self._model_rows[session.id] = cached
+        return cached[2]
+
     def _pool_addresses(self, session) -> tuple[int, int]:
         """The addresses of the session's pool rows (contiguous fp32) and of its slots (int64)."""
         rows = session.pool.rows  # replaced when the pool grows
@@ -156,6 +217,10 @@ class NativeStep:
             cached = (weakref.ref(tensor, gone), (tensor.data_ptr(), tuple(tensor.shape)) if usable else None)
             self._handles[handle] = cached
         return cached[1]
+
+
+# Each server's native path (or None where it could not be made), while the server lives.
+_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _forget(cache: dict, key: str, _dead_reference) -> None:

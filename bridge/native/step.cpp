@@ -32,6 +32,7 @@
 #include <string_view>
 #include <vector>
 
+#include "model_step.h"
 #include "scan_kernel.h"
 #include "ssd_kernel.h"
 
@@ -238,14 +239,18 @@ constexpr const char* kOperandNames[kOperands] = {"x", "dt", "B", "C", "z", "A",
 // Per-row operands must come inline; the shared ones (A, D, dt_bias) may be handles.
 constexpr bool kMayBeHandle[kOperands] = {false, false, false, false, false, true, true, true};
 
-// A plain step request read from a frame, which it keeps alive: its inline operands point
-// into it.
+// A plain step or model step request read from a frame, which it keeps alive: its inline
+// operands point into it.
 struct StepRequest {
   py::object frame;
   py::object id;  // int or str, echoed in the reply
+  bool model_step = false;  // the op: "model_step", else "step"
   std::string session;
   F32Array operands[kOperands];
   std::optional<std::string> handles[kOperands];
+  F32Array embeds;  // a model step's input
+  bool output_given = false;  // a model step's "output" (only "hidden" is taken)
+  uint32_t args_seen = 0;  // a bit per argument given (read_args)
   bool dt_softplus = false;
   std::optional<double> dt_min, dt_max;
   std::optional<uint64_t> deadline_us;  // the envelope's budget (SPEC §4); the caller checks it
@@ -332,6 +337,16 @@ bool read_args(Reader& r, StepRequest* req) {
         if (!r.number(&v)) return false;
         (key == "dt_min" ? req->dt_min : req->dt_max) = v;
       }
+    } else if (key == "embeds") {
+      bit = 4 + kOperands;
+      if (!read_operand(r, false, &req->embeds, nullptr) || req->embeds.ndim != 2) return false;
+    } else if (key == "output") {
+      bit = 5 + kOperands;
+      std::string_view output;
+      if (!r.nil()) {
+        if (!r.str(&output) || output != "hidden") return false;
+        req->output_given = true;
+      }
     } else {
       bit = -1;
       for (int o = 0; o < kOperands; ++o) {
@@ -347,13 +362,22 @@ bool read_args(Reader& r, StepRequest* req) {
     if (seen & (1u << bit)) return false;
     seen |= 1u << bit;
   }
-  return !req->session.empty() && req->given(kX) && req->given(kDt) && req->given(kA) &&
-         req->given(kB) && req->given(kC);
+  req->args_seen = seen;
+  return !req->session.empty();
 }
 
-// The request when `frame` is a plain step request, else None. Its `id`, `session` and
-// `handles` (name -> handle id, for A, D and dt_bias given as handles) are for the caller to
-// resolve; `run` does the rest.
+// Whether the args read are those of the request's op: a step's operands (x, dt, A, B, C at
+// least), or a model step's embeds (and output) alone.
+bool args_fit_op(const StepRequest& req) {
+  constexpr uint32_t kModelArgs = 1u | 1u << (4 + kOperands) | 1u << (5 + kOperands);  // session, embeds, output
+  if (req.model_step) return req.embeds.data != nullptr && (req.args_seen & ~kModelArgs) == 0;
+  return (req.args_seen & kModelArgs & ~1u) == 0 && req.given(kX) && req.given(kDt) && req.given(kA) &&
+         req.given(kB) && req.given(kC);
+}
+
+// The request when `frame` is a plain step or model step request, else None. Its `id`,
+// `session` and `handles` (name -> handle id, for A, D and dt_bias given as handles) are for the
+// caller to resolve; `run`, `run_ssd` and `run_model` do the rest.
 py::object parse(py::buffer frame) {
   const py::buffer_info info = frame.request();
   Reader r(static_cast<const uint8_t*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
@@ -382,7 +406,8 @@ py::object parse(py::buffer frame) {
       seen_id = true;
     } else if (key == "op" && !seen_op) {
       std::string_view op;
-      if (!r.str(&op) || op != "step") return py::none();
+      if (!r.str(&op) || (op != "step" && op != "model_step")) return py::none();
+      req->model_step = op == "model_step";
       seen_op = true;
     } else if (key == "args" && !seen_args) {
       if (!read_args(r, req.get())) return py::none();
@@ -396,7 +421,7 @@ py::object parse(py::buffer frame) {
       return py::none();
     }
   }
-  if (!seen_id || !seen_op || !seen_args || !r.done()) return py::none();
+  if (!seen_id || !seen_op || !seen_args || !r.done() || !args_fit_op(*req)) return py::none();
   return py::cast(req.release(), py::return_value_policy::take_ownership);
 }
 
@@ -521,14 +546,18 @@ Strided f32(const void* data, int64_t s0, int64_t s1 = 0, int64_t s2 = 0, int64_
 
 class Stepper {
  public:
-  // The kernels' capsules: the Mamba-1 state update (always) and the Mamba-2 one (None: Mamba-2
-  // steps are not taken).
-  Stepper(py::capsule run_problem, std::optional<py::capsule> run_ssd_update)
+  // The kernels' capsules: the Mamba-1 state update (always), the Mamba-2 one and a model's
+  // step (None: those steps are not taken).
+  Stepper(py::capsule run_problem, std::optional<py::capsule> run_ssd_update,
+          std::optional<py::capsule> run_model_step)
       : run_problem_(capsule_function<scan_bridge::RunProblemFn>(run_problem, scan_bridge::kRunProblemCapsule)),
         run_ssd_update_(run_ssd_update ? capsule_function<scan_bridge::RunSsdUpdateFn>(
                                              *run_ssd_update, scan_bridge::kRunSsdUpdateCapsule)
                                        : nullptr),
-        keep_{run_problem, run_ssd_update.value_or(py::capsule())} {}
+        run_model_step_(run_model_step ? capsule_function<scan_bridge::RunModelStepFn>(
+                                             *run_model_step, scan_bridge::kRunModelStepCapsule)
+                                       : nullptr),
+        keep_{run_problem, run_ssd_update.value_or(py::capsule()), run_model_step.value_or(py::capsule())} {}
 
   // One Mamba-1 step of the session whose state rows are `pool` rows `slots` (`batch` of them,
   // each [dim, state] f32, the pool contiguous), with A, D, dt_bias from handles where the
@@ -590,7 +619,7 @@ class Stepper {
     p.dt_max = req.dt_max.value_or(0.0);
     // The kernel reads and writes through strides at any byte offset: y goes straight into the
     // reply.
-    return reply(req, received_ns, queued_ns, {batch, dim}, [&](void* y, char* error, size_t error_size) {
+    return reply(req, received_ns, queued_ns, "y", {batch, dim}, [&](void* y, char* error, size_t error_size) {
       p.y = f32(y, dim, 0, 1);
       return run_problem_(&p, sizeof(ScanProblem), error, error_size);
     });
@@ -665,7 +694,8 @@ class Stepper {
     p.options.D = data[kD];
     p.options.z = data[kZ];
     const size_t y_floats = static_cast<size_t>(batch * heads * headdim);
-    return reply(req, received_ns, queued_ns, {batch, heads, headdim}, [&](void* y, char* error, size_t error_size) {
+    return reply(req, received_ns, queued_ns, "y", {batch, heads, headdim},
+                 [&](void* y, char* error, size_t error_size) {
       // y straight into the reply where it lies aligned, else through an aligned buffer.
       const bool aligned = reinterpret_cast<uintptr_t>(y) % alignof(float) == 0;
       std::vector<float> staged(aligned ? 0 : y_floats);
@@ -674,6 +704,33 @@ class Stepper {
       if (!aligned) std::memcpy(y, staged.data(), y_floats * sizeof(float));
       return status;
     });
+  }
+
+  // One frame of a model session: the embeds [batch, d_model] through `model` (a
+  // "scan_bridge.fused_model" capsule) on the session's state rows, which lie in `pool_rows`
+  // rows `row_stride` floats apart (each layer's conv and ssm part of row 0 at the addresses in
+  // `conv`, `ssm`), `slots` (int64, `batch` of them) naming its rows. Returns as `run`; the
+  // reply's result is {"hidden"}. None also when no model step kernel was given.
+  py::object run_model(const StepRequest& req, int64_t received_ns, int64_t queued_ns, py::capsule model,
+                       int64_t batch, int64_t d_model, uintptr_t slots, int64_t pool_rows,
+                       std::vector<uintptr_t> conv, std::vector<uintptr_t> ssm, int64_t row_stride) {
+    if (run_model_step_ == nullptr || !req.model_step || !req.embeds.is(batch, d_model) || conv.size() != ssm.size())
+      return py::none();
+    scan_bridge::ModelStepProblem p;
+    p.model = capsule_function<void*>(model, scan_bridge::kFusedModelCapsule);
+    p.rows = batch;
+    p.hidden = req.embeds.data;
+    p.slots = reinterpret_cast<const int64_t*>(slots);
+    p.pool_rows = pool_rows;
+    p.conv = conv.data();
+    p.ssm = ssm.data();
+    p.layers = static_cast<int64_t>(conv.size());
+    p.row_stride = row_stride;
+    return reply(req, received_ns, queued_ns, "hidden", {batch, d_model},
+                 [&](void* out, char* error, size_t error_size) {
+                   p.out = out;
+                   return run_model_step_(&p, sizeof(p), error, error_size);
+                 });
   }
 
  private:
@@ -697,12 +754,12 @@ class Stepper {
     return true;
   }
 
-  // The reply {"v": 1, "id", "ok": true, "result": {"y": f32 tensor of `shape`}, "timing"},
+  // The reply {"v": 1, "id", "ok": true, "result": {result_key: f32 tensor of `shape`}, "timing"},
   // sized before it is written (the id, the shape and the payload are its only variable parts),
   // with `kernel(y, error, error_size)` (0 on success) writing y's bytes in place, the GIL
   // released; the rows of `shape`'s first axis are the reply's batch_rows.
   template <typename Kernel>
-  py::object reply(const StepRequest& req, int64_t received_ns, int64_t queued_ns,
+  py::object reply(const StepRequest& req, int64_t received_ns, int64_t queued_ns, const char* result_key,
                    std::initializer_list<int64_t> shape, Kernel kernel) {
     const bool id_is_str = py::isinstance<py::str>(req.id);
     const std::string id_text = id_is_str ? req.id.cast<std::string>() : std::string();
@@ -712,7 +769,8 @@ class Stepper {
     const int64_t batch = *shape.begin();
     // Envelope and tensor map at most 96 bytes besides the id and the shape (9 bytes an axis at
     // most); each timing entry at most 21.
-    const size_t size = 96 + id_text.size() + 9 * shape.size() + y_bytes + 8 + 21 * kTimingEntries;
+    const size_t size = 96 + std::strlen(result_key) + id_text.size() + 9 * shape.size() + y_bytes + 8 +
+                        21 * kTimingEntries;
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
     if (raw == nullptr) throw py::error_already_set();
     py::object reply = py::reinterpret_steal<py::object>(raw);
@@ -723,7 +781,9 @@ class Stepper {
     } else {
       w.uint(id_number);
     }
-    w.raw("\xa2ok\xc3\xa6result\x81\xa1y\x83\xa5""dtype\xa3""f32\xa5shape");
+    w.raw("\xa2ok\xc3\xa6result\x81");
+    w.fixstr(result_key);
+    w.raw("\x83\xa5""dtype\xa3""f32\xa5shape");
     *w.position() = static_cast<uint8_t>(0x90 | shape.size());
     w.skip(1);
     for (int64_t d : shape) w.uint(static_cast<uint64_t>(d));
@@ -778,7 +838,8 @@ class Stepper {
 
   scan_bridge::RunProblemFn run_problem_;
   scan_bridge::RunSsdUpdateFn run_ssd_update_;
-  py::capsule keep_[2];
+  scan_bridge::RunModelStepFn run_model_step_;
+  py::capsule keep_[3];
 };
 
 }  // namespace
@@ -787,6 +848,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "scan-bridge native step path (bridge/native)";
   py::class_<StepRequest>(m, "StepRequest")
       .def_readonly("session", &StepRequest::session)
+      .def_property_readonly("op", [](const StepRequest& r) { return r.model_step ? "model_step" : "step"; })
+      .def_property_readonly("output", [](const StepRequest& r) -> py::object {
+        return r.output_given ? py::object(py::str("hidden")) : py::object(py::none());
+      })
       .def_property_readonly("id", [](const StepRequest& r) { return r.id; })
       .def_property_readonly("deadline_us", [](const StepRequest& r) -> py::object {
         return r.deadline_us ? py::object(py::int_(*r.deadline_us)) : py::object(py::none());
@@ -798,12 +863,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (size_t k = 0; k < std::size(kStageKeys); ++k) stage_keys[k] = kStageKeys[k];
   m.attr("STAGE_KEYS") = stage_keys;
   py::class_<Stepper>(m, "Stepper")
-      .def(py::init<py::capsule, std::optional<py::capsule>>(), py::arg("run_problem"),
-           py::arg("run_ssd_update") = py::none())
+      .def(py::init<py::capsule, std::optional<py::capsule>, std::optional<py::capsule>>(), py::arg("run_problem"),
+           py::arg("run_ssd_update") = py::none(), py::arg("run_model_step") = py::none())
       .def("run", &Stepper::run, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("dim"), py::arg("state"), py::arg("slots"),
            py::arg("handle_tensors"))
       .def("run_ssd", &Stepper::run_ssd, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("heads"), py::arg("headdim"), py::arg("state"),
-           py::arg("slots"), py::arg("handle_tensors"));
+           py::arg("slots"), py::arg("handle_tensors"))
+      .def("run_model", &Stepper::run_model, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
+           py::arg("model"), py::arg("batch"), py::arg("d_model"), py::arg("slots"), py::arg("pool_rows"),
+           py::arg("conv"), py::arg("ssm"), py::arg("row_stride"));
 }

@@ -54,12 +54,14 @@ class Registry:
         return self._tables[request.codec.name][request.op]
 
     def fast_path(self, server):
-        """The fast path an op offers for `server` (`handler.fast_path(server)`), or None: the
-        dispatcher hands it every frame first, so there is one at most."""
+        """The fast path ops offer for `server` (`handler.fast_path(server)`), or None: the
+        dispatcher hands it every frame first, so there is one at most (several ops may offer
+        the same one: the native path serves steps and model steps)."""
         offered = []
         for table in self._tables.values():
             for handler in table.values():
-                if hasattr(handler, "fast_path") and (path := handler.fast_path(server)) is not None:
+                path = handler.fast_path(server) if hasattr(handler, "fast_path") else None
+                if path is not None and not any(path is other for other in offered):
                     offered.append(path)
         if len(offered) > 1:
             raise ValueError(f"fast paths: expected one at most, got {len(offered)}")

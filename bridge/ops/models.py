@@ -3,7 +3,8 @@
 The models themselves live in bridge.models; a model's sessions are ordinary sessions
 (bridge.sessions) whose state rows hold every layer's conv window and ssm state, opened,
 snapshotted, restored and forked by the session ops (bridge.ops.sessions). model_step is
-batched: steps of sessions of one model share one pass through the stack.
+batched: steps of sessions of one model share one pass through the stack; a lone step of
+embeddings to hidden states takes the native path (bridge.native) where the server has it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import protocol
 from .. import models
 from ..batcher import BatchedOp, Item, charge, dtype_of, row_signature, stack_rows, wire_rows
 from ..errors import OpError
+from ..native import NativeStep
 from ..tensors import TORCH_DTYPES, WIRE_DTYPES, host_view, to_wire
 from ..timing import now_ns
 from .sessions import session_of_kind, wire_state, with_states
@@ -138,6 +140,12 @@ def model_forward(server, call) -> dict:
 class ModelStepOp(BatchedOp):
     """One frame through the whole stack for every row of a session; steps of sessions of one
     model (and one input kind, dtype and output) share the pass."""
+
+    def fast_path(self, server) -> NativeStep | None:
+        """Steps of embeddings to hidden states served from frame to reply in C++ (bridge.native,
+        the path plain steps take too), where the server runs the CPU kernels and its config
+        allows it; None: every model step goes the general way."""
+        return NativeStep.for_server(server) if server.config.native_step else None
 
     def prepare(self, server, call) -> Item:
         session, loaded = model_session(server, call)

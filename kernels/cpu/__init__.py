@@ -148,6 +148,9 @@ def backend_from(ext) -> Backend:
         ssd_scan=ssd_scan,
         ssd_state_update=ssd_state_update,
         model_step=ext.model_step,
+        # A build of a revision before them (bench.kernel_ab loads such) has neither.
+        prepare_model=getattr(ext, "prepare_model", None),
+        run_model_step=getattr(ext, "run_model_step", None),
         scan_backward=scan_backward,
         ssd_scan_backward=ssd_scan_backward,
     )

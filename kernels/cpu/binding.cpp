@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
@@ -22,6 +23,8 @@
 #include <cmath>
 #include <vector>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -30,6 +33,7 @@
 
 #include "helper_pool.h"
 #include "linear_kernel.h"
+#include "model_step.h"
 #include "scan_backward.h"
 #include "scan_kernel.h"
 #include "ssd_kernel.h"
@@ -473,15 +477,57 @@ std::vector<at::Tensor> scan_backward(
 // (docs/performance.md, "model step"); here they are a few. Activations and state fp32, the
 // matrices fp32 or bfloat16 (a model loaded in bf16); the state is updated in the pool.
 
-// One layer's tensors, in this order (None where the model has none).
+// One layer's tensors, in this order (None where the model has none): its weights, then (for
+// `model_step`) its state.
 enum LayerTensor {
   kNorm, kInProj, kInProjBias, kConv, kConvBias, kA, kD, kDtBias, kOutProj, kOutProjBias,
-  kXProj, kDtProj, kGateNorm, kConvState, kSsmState, kLayerTensors
+  kXProj, kDtProj, kGateNorm, kLayerWeights, kConvState = kLayerWeights, kSsmState, kLayerTensors
 };
 
-const at::Tensor& need(const std::vector<std::optional<at::Tensor>>& layer, LayerTensor i) {
-  if (!layer[i].has_value()) throw std::invalid_argument("model_step: layer tensor " + std::to_string(i) + " missing");
-  return *layer[i];
+using LayerList = std::vector<std::vector<std::optional<at::Tensor>>>;
+
+// A model's weights and sizes as its step reads them, checked once.
+struct FusedModel {
+  LayerList layers;  // each its kLayerWeights weights
+  at::Tensor norm_f;
+  bool mamba2;
+  int64_t d, di, n, rank, heads, headdim, groups;
+  double eps;
+  std::optional<double> dt_min, dt_max;
+
+  // `layers`: each with its weights first (what follows them is not kept).
+  // dims: arch (0 Mamba-1, 1 Mamba-2), d_inner, d_state, dt_rank, heads, headdim, groups.
+  FusedModel(const LayerList& all, const at::Tensor& norm, const std::vector<int64_t>& dims, double eps_,
+             std::optional<double> min, std::optional<double> max)
+      : norm_f(norm), eps(eps_), dt_min(min), dt_max(max) {
+    if (dims.size() != 7) throw std::invalid_argument("model_step: expected 7 dims");
+    mamba2 = dims[0] == 1;
+    di = dims[1], n = dims[2], rank = dims[3], heads = dims[4], headdim = dims[5], groups = dims[6];
+    require_operand(norm_f, "norm_f", at::kFloat, "model_step");
+    d = norm_f.numel();
+    const std::vector<LayerTensor> needed =
+        mamba2 ? std::vector<LayerTensor>{kNorm, kInProj, kConv, kA, kD, kDtBias, kOutProj, kGateNorm}
+               : std::vector<LayerTensor>{kNorm, kInProj, kConv, kA, kD, kDtBias, kOutProj, kXProj, kDtProj};
+    for (const auto& layer : all) {
+      if (layer.size() < kLayerWeights)
+        throw std::invalid_argument("model_step: expected " + std::to_string(int(kLayerWeights)) +
+                                    " weights a layer, got " + std::to_string(layer.size()));
+      for (LayerTensor i : needed)
+        if (!layer[i].has_value())
+          throw std::invalid_argument("model_step: layer tensor " + std::to_string(int(i)) + " missing");
+      layers.emplace_back(layer.begin(), layer.begin() + kLayerWeights);
+    }
+  }
+
+  const at::Tensor& weight(size_t layer, LayerTensor i) const { return *layers[layer][i]; }
+};
+
+// Every row's slot below `pool`.
+void check_slots(const int64_t* slot, int64_t rows, int64_t pool) {
+  for (int64_t r = 0; r < rows; ++r)
+    if (slot[r] < 0 || slot[r] >= pool)
+      throw std::invalid_argument("model_step: slot " + std::to_string(slot[r]) + " outside the pool's " +
+                                  std::to_string(pool) + " rows");
 }
 
 const float* fdata(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
@@ -567,76 +613,66 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
-// dims: arch (0 Mamba-1, 1 Mamba-2), d_inner, d_state, dt_rank, heads, headdim, groups.
-at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
-                      const std::vector<std::vector<std::optional<at::Tensor>>>& layers, const at::Tensor& norm_f,
-                      const std::vector<int64_t>& dims, double eps, std::optional<double> dt_min,
-                      std::optional<double> dt_max) {
-  if (dims.size() != 7) throw std::invalid_argument("model_step: expected 7 dims");
-  const bool mamba2 = dims[0] == 1;
-  const int64_t di = dims[1], n = dims[2], rank = dims[3], heads = dims[4], headdim = dims[5], groups = dims[6];
-  require_operand(hidden, "hidden", at::kFloat);
-  require_operand(slots, "slots", at::kLong);
+// One frame of `m` for the rows of `hidden` (added into in place: the residual stream), whose
+// states are rows `slots` of `conv` and `ssm` (one of each a layer, checked by the caller);
+// returns the final norm's output.
+at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor& slots,
+                      const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm) {
+  const bool mamba2 = m.mamba2;
+  const int64_t di = m.di, n = m.n, rank = m.rank, heads = m.heads, headdim = m.headdim, groups = m.groups;
+  const double eps = m.eps;
   const int64_t rows = hidden.size(0), d = hidden.size(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  if (slots.numel() != rows) throw std::invalid_argument("model_step: expected a slot for each row of hidden");
-  for (const auto& layer : layers) {
-    if (layer.size() != kLayerTensors) throw std::invalid_argument("model_step: expected 15 tensors a layer");
-    const int64_t pool = std::min(need(layer, kConvState).size(0), need(layer, kSsmState).size(0));
-    for (int64_t r = 0; r < rows; ++r)
-      if (slot[r] < 0 || slot[r] >= pool)
-        throw std::invalid_argument("model_step: slot " + std::to_string(slot[r]) + " outside the pool's " +
-                                    std::to_string(pool) + " rows");
-  }
   float* h = hidden.data_ptr<float>();
   at::Tensor normed = at::empty({rows, d}, hidden.options());
   std::vector<float> gate(mamba2 ? static_cast<size_t>(rows * di) : 0);  // Mamba-2's silu(z), layer by layer
-  for (const auto& layer : layers) {
-    rms_norm_rows(h, need(layer, kNorm).data_ptr<float>(), normed.data_ptr<float>(), rows, d, eps);
-    at::Tensor projected = linear(normed, need(layer, kInProj), layer[kInProjBias]);
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const auto& layer = m.layers[l];
+    rms_norm_rows(h, m.weight(l, kNorm).data_ptr<float>(), normed.data_ptr<float>(), rows, d, eps);
+    at::Tensor projected = linear(normed, m.weight(l, kInProj), layer[kInProjBias]);
     const int64_t width = projected.size(1);
     const float* pr = projected.data_ptr<float>();
-    const at::Tensor& conv_state = need(layer, kConvState);
+    const at::Tensor& conv_state = conv[l];
     at::Tensor conv_out = at::empty({rows, conv_state.size(1)}, hidden.options());
     at::Tensor y;
     if (!mamba2) {
       // in_proj: [x | z]; x through the conv, then x_proj: [dt | B | C], dt through dt_proj.
-      conv_step(pr, width, conv_state, slot, rows, need(layer, kConv).data_ptr<float>(), fdata(layer[kConvBias]),
+      conv_step(pr, width, conv_state, slot, rows, m.weight(l, kConv).data_ptr<float>(), fdata(layer[kConvBias]),
                 conv_out.data_ptr<float>());
-      at::Tensor xdb = linear(conv_out, need(layer, kXProj), std::nullopt);
-      at::Tensor dt = linear(xdb.narrow(1, 0, rank), need(layer, kDtProj), std::nullopt);
+      at::Tensor xdb = linear(conv_out, m.weight(l, kXProj), std::nullopt);
+      at::Tensor dt = linear(xdb.narrow(1, 0, rank), m.weight(l, kDtProj), std::nullopt);
       at::Tensor B = xdb.narrow(1, rank, n).unsqueeze(1), C = xdb.narrow(1, rank + n, n).unsqueeze(1);
-      y = state_update(need(layer, kSsmState), conv_out, dt, need(layer, kA), B, C, layer[kD],
+      y = state_update(ssm[l], conv_out, dt, m.weight(l, kA), B, C, layer[kD],
                        projected.narrow(1, di, di), layer[kDtBias], true, std::nullopt, std::nullopt, slots);
     } else {
       // in_proj: [z | x B C | dt]; x B C through the conv; dt through softplus and the limits.
       const int64_t conv_dim = conv_state.size(1), gn = groups * n;
-      conv_step(pr + di, width, conv_state, slot, rows, need(layer, kConv).data_ptr<float>(), fdata(layer[kConvBias]),
+      conv_step(pr + di, width, conv_state, slot, rows, m.weight(l, kConv).data_ptr<float>(), fdata(layer[kConvBias]),
                 conv_out.data_ptr<float>());
       at::Tensor x = at::empty({rows, heads, headdim}, hidden.options());
       at::Tensor B = at::empty({rows, groups, n}, hidden.options()), C = at::empty({rows, groups, n}, hidden.options());
       at::Tensor dt = at::empty({rows, heads}, hidden.options());
       const float* co = conv_out.data_ptr<float>();
-      const float* dt_bias = need(layer, kDtBias).data_ptr<float>();
+      const float* dt_bias = m.weight(l, kDtBias).data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r) {
         std::copy(co + r * conv_dim, co + r * conv_dim + di, x.data_ptr<float>() + r * di);
         std::copy(co + r * conv_dim + di, co + r * conv_dim + di + gn, B.data_ptr<float>() + r * gn);
         std::copy(co + r * conv_dim + di + gn, co + r * conv_dim + di + 2 * gn, C.data_ptr<float>() + r * gn);
         for (int64_t hd = 0; hd < heads; ++hd) {
           float v = softplus(pr[r * width + di + conv_dim + hd] + dt_bias[hd]);
-          if (dt_min) v = std::max(v, static_cast<float>(*dt_min));
-          if (dt_max) v = std::min(v, static_cast<float>(*dt_max));
+          if (m.dt_min) v = std::max(v, static_cast<float>(*m.dt_min));
+          if (m.dt_max) v = std::min(v, static_cast<float>(*m.dt_max));
           dt.data_ptr<float>()[r * heads + hd] = v;
         }
       }
       y = at::empty({rows, heads, headdim}, hidden.options());
-      ssd_state_update(need(layer, kSsmState), slots, x, dt, need(layer, kA), B, C, std::nullopt, std::nullopt,
+      ssd_state_update(ssm[l], slots, x, dt, m.weight(l, kA), B, C, std::nullopt, std::nullopt,
                        std::nullopt, false, std::nullopt, std::nullopt, y);
       // y + D x, gated by silu(z), normalised per group of channels, scaled.
       for (int64_t r = 0; r < rows; ++r) std::copy(pr + r * width, pr + r * width + di, gate.data() + r * di);
       scan_bridge::silu_in_place(gate.data(), rows * di);
-      const float* D = need(layer, kD).data_ptr<float>();
-      const float* gate_w = need(layer, kGateNorm).data_ptr<float>();
+      const float* D = m.weight(l, kD).data_ptr<float>();
+      const float* gate_w = m.weight(l, kGateNorm).data_ptr<float>();
       float* yp = y.data_ptr<float>();
       const float* xp = x.data_ptr<float>();
       const int64_t per_group = di / groups;
@@ -653,13 +689,84 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots,
       }
       y = y.view({rows, di});
     }
-    at::Tensor out = linear(y, need(layer, kOutProj), layer[kOutProjBias]);
+    at::Tensor out = linear(y, m.weight(l, kOutProj), layer[kOutProjBias]);
     const float* op = out.data_ptr<float>();
     for (int64_t i = 0; i < rows * d; ++i) h[i] += op[i];
   }
   at::Tensor result = at::empty({rows, d}, hidden.options());
-  rms_norm_rows(h, norm_f.data_ptr<float>(), result.data_ptr<float>(), rows, d, eps);
+  rms_norm_rows(h, m.norm_f.data_ptr<float>(), result.data_ptr<float>(), rows, d, eps);
   return result;
+}
+
+// The step as Python calls it: `layers` each with its weights then its conv and ssm state
+// (pool tensors, a row per slot), the model's weights checked on every call.
+at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots, const LayerList& layers, const at::Tensor& norm_f,
+                      const std::vector<int64_t>& dims, double eps, std::optional<double> dt_min,
+                      std::optional<double> dt_max) {
+  const FusedModel model(layers, norm_f, dims, eps, dt_min, dt_max);
+  require_operand(hidden, "hidden", at::kFloat);
+  require_operand(slots, "slots", at::kLong);
+  if (hidden.dim() != 2 || hidden.size(1) != model.d)
+    throw std::invalid_argument("model_step: expected hidden [rows, " + std::to_string(model.d) + "]");
+  if (slots.numel() != hidden.size(0)) throw std::invalid_argument("model_step: expected a slot for each row of hidden");
+  std::vector<at::Tensor> conv, ssm;
+  for (const auto& layer : layers) {
+    if (layer.size() != kLayerTensors || !layer[kConvState] || !layer[kSsmState])
+      throw std::invalid_argument("model_step: expected 15 tensors a layer, its state last");
+    conv.push_back(*layer[kConvState]);
+    ssm.push_back(*layer[kSsmState]);
+    check_slots(slots.data_ptr<int64_t>(), slots.numel(), std::min(conv.back().size(0), ssm.back().size(0)));
+  }
+  return step_model(model, hidden, slots, conv, ssm);
+}
+
+// A model's weights checked and kept for native callers' steps: a "scan_bridge.fused_model"
+// capsule (model_step.h) that owns them; `layers` each its weights alone.
+py::capsule prepare_model(const LayerList& layers, const at::Tensor& norm_f, const std::vector<int64_t>& dims,
+                          double eps, std::optional<double> dt_min, std::optional<double> dt_max) {
+  for (const auto& layer : layers)
+    if (layer.size() != kLayerWeights)
+      throw std::invalid_argument("prepare_model: expected " + std::to_string(int(kLayerWeights)) +
+                                  " weights a layer, got " + std::to_string(layer.size()));
+  auto model = std::make_unique<FusedModel>(layers, norm_f, dims, eps, dt_min, dt_max);
+  py::capsule owner(model.get(), scan_bridge::kFusedModelCapsule,
+                    [](PyObject* capsule) {
+                      delete static_cast<FusedModel*>(PyCapsule_GetPointer(capsule, scan_bridge::kFusedModelCapsule));
+                    });
+  model.release();
+  return owner;
+}
+
+// A step of a prepared model on state rows that native callers address themselves, exported as
+// the capsule "scan_bridge.run_model_step": the rows' parts are viewed where they lie, the
+// input and output copied from and to wherever the caller's bytes are (a request frame, a reply).
+int run_model_step(const scan_bridge::ModelStepProblem* p, size_t problem_size, char* error, size_t error_size) {
+  return call_from_c("ModelStepProblem", "model_step.h", problem_size, sizeof(*p), [&] {
+    const auto& model = *static_cast<const FusedModel*>(p->model);
+    if (p->layers != static_cast<int64_t>(model.layers.size()))
+      throw std::invalid_argument("model_step: expected the state of " + std::to_string(model.layers.size()) +
+                                  " layers, got " + std::to_string(p->layers));
+    const int64_t rows = p->rows, d = model.d;
+    check_slots(p->slots, rows, p->pool_rows);
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor hidden = at::empty({rows, d}, f32);
+    std::memcpy(hidden.data_ptr<float>(), p->hidden, static_cast<size_t>(rows * d) * sizeof(float));
+    at::Tensor slots = at::from_blob(const_cast<int64_t*>(p->slots), {rows}, at::TensorOptions().dtype(at::kLong));
+    std::vector<at::Tensor> conv, ssm;
+    for (size_t l = 0; l < model.layers.size(); ++l) {
+      const at::Tensor& w = model.weight(l, kConv);  // [channels, d_conv]
+      conv.push_back(at::from_blob(reinterpret_cast<float*>(p->conv[l]), {p->pool_rows, w.size(0), w.size(1)},
+                                   {p->row_stride, w.size(1), 1}, f32));
+      const int64_t n = model.n;
+      ssm.push_back(model.mamba2
+                        ? at::from_blob(reinterpret_cast<float*>(p->ssm[l]), {p->pool_rows, model.heads, model.headdim, n},
+                                        {p->row_stride, model.headdim * n, n, 1}, f32)
+                        : at::from_blob(reinterpret_cast<float*>(p->ssm[l]), {p->pool_rows, model.di, n},
+                                        {p->row_stride, n, 1}, f32));
+    }
+    const at::Tensor out = step_model(model, hidden, slots, conv, ssm);
+    std::memcpy(p->out, out.data_ptr<float>(), static_cast<size_t>(rows * d) * sizeof(float));
+  }, error, error_size);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -669,6 +776,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_scan", &ssd_scan, py::call_guard<py::gil_scoped_release>());
   m.def("ssd_state_update", &ssd_state_update, py::call_guard<py::gil_scoped_release>());
   m.def("model_step", &model_step, py::call_guard<py::gil_scoped_release>());
+  m.def("prepare_model", &prepare_model);
   m.def("linear", &linear, py::call_guard<py::gil_scoped_release>());
   m.def("scan_backward", &scan_backward, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
@@ -678,4 +786,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("run_problem") = py::capsule(reinterpret_cast<void*>(&run_problem), scan_bridge::kRunProblemCapsule);
   static_assert(std::is_same_v<decltype(&run_ssd_update), scan_bridge::RunSsdUpdateFn>);
   m.attr("run_ssd_update") = py::capsule(reinterpret_cast<void*>(&run_ssd_update), scan_bridge::kRunSsdUpdateCapsule);
+  static_assert(std::is_same_v<decltype(&run_model_step), scan_bridge::RunModelStepFn>);
+  m.attr("run_model_step") = py::capsule(reinterpret_cast<void*>(&run_model_step), scan_bridge::kRunModelStepCapsule);
 }
