@@ -135,6 +135,10 @@ class HelperPool {
   // too). Sleeping at once made the game loop's kernel calls slower (docs/performance.md,
   // "helper spin").
   static constexpr std::chrono::microseconds kSpin{1000};
+  // Past this much of the spin it yields its core on each poll: a reply's reader (a client on
+  // the same cores) would otherwise wait up to the rest of kSpin for a core (docs/performance.md,
+  // "helper yield").
+  static constexpr std::chrono::microseconds kPauseSpin{50};
 
   static int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -162,9 +166,14 @@ class HelperPool {
 #endif
     uint64_t seen = generation_.load();
     for (;;) {
-      const auto spin_until = std::chrono::steady_clock::now() + kSpin;
-      while (generation_.load() == seen && std::chrono::steady_clock::now() < spin_until)
-        SCAN_BRIDGE_CPU_RELAX();
+      const auto spin_start = std::chrono::steady_clock::now();
+      for (auto now = spin_start; generation_.load() == seen && now < spin_start + kSpin;
+           now = std::chrono::steady_clock::now()) {
+        if (now < spin_start + kPauseSpin)
+          SCAN_BRIDGE_CPU_RELAX();
+        else
+          std::this_thread::yield();
+      }
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
