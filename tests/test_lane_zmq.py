@@ -241,8 +241,9 @@ def test_a_long_queue_of_requests_answered_on_the_io_thread_is_worked_off_in_tur
 
 
 class FakeStepRequest(bytes):
-    """What FakeNativeStep parses a body into: the body, with no deadline."""
+    """What FakeNativeStep parses a body into: the body, a step with no deadline."""
 
+    op = "step"
     deadline_us = None
 
 
