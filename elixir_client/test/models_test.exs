@@ -102,6 +102,26 @@ defmodule ScanBridge.ModelsTest do
         close_and_free(server, info, [whole, parts])
       end
 
+      test "#{arch}: a step of embeddings to hidden states takes the native path where there is one",
+           %{server: server} do
+        # The Elixir client's frames (its ids, its tensors' encoding) are read by the server's
+        # C++ model step path: no tensors are made of the wire bytes, so h2d and d2h are 0.
+        assert {:ok, %{"native_step" => native, "backend" => backend}} = ScanBridge.info(server)
+        # The server builds its native path beside the cpu backend's kernels.
+        assert native == (backend == "cpu")
+        {info, session} = load_and_open(server, @arch, 2)
+        frame = Models.frame(Models.embeds(2, 1, 8), 0)
+        args = %{"session" => session, "embeds" => frame, "output" => "hidden"}
+
+        assert {:ok, %{"hidden" => _}, timing} =
+                 ScanBridge.Server.request(server, "model_step", args, 30_000)
+
+        served_natively = timing["h2d_us"] == 0 and timing["d2h_us"] == 0
+        assert served_natively == native, "native path #{native}, timing #{inspect(timing)}"
+
+        close_and_free(server, info, [session])
+      end
+
       test "#{arch}: return_state: true answers the state after the call, as session_state would",
            %{server: server} do
         {info, asking} = load_and_open(server, @arch, 2)
