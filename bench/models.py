@@ -12,7 +12,8 @@ In the same run, for the same model and frames:
 (d) a C pipe echo answering the model_step request with a reply of its size: moving the bytes alone.
 
 And what bounds a step here, in this process: one torch op's dispatch, the stack's matrix
-products alone, and the runtime's whole step without IPC (`floors`).
+products alone, and the runtime's whole step without IPC; for a paced step, the step's matrices
+read once from memory after the caches were flushed (`floors`).
 
 Also snapshot + restore round trips at batch 1, and the server's own time for them. The bridge
 and the echo are driven by the same lean client (pre-encoded frames, the reply read whole), one
@@ -50,6 +51,8 @@ FRAME_SECONDS = FRAME_BUDGET_60FPS_US / 1e6
 WARMUP = 20
 WINDOW = 60
 D_MODEL = 256
+# Written before each read of the matrices from memory: several times any cache here.
+EVICT_BYTES = 64 << 20
 GOALS = {"step_over_transformers": 0.1, "step_over_echo": 3.0, "old_way_over_step": 4.0, "snapshot_restore_us": 50.0}
 
 
@@ -161,7 +164,9 @@ def timed_us(fn, n: int) -> list[float]:
 def floors(config: dict, weights: dict, frames: list[torch.Tensor], batch: int) -> dict:
     """What bounds a model step on this machine, in this process, back to back: one torch op's
     dispatch (a [1, 256] add), the stack's matrix products alone (its weights streamed once), and
-    the runtime's whole step (bridge.models on the cpu backend, no IPC)."""
+    the runtime's whole step (bridge.models on the cpu backend, no IPC); and what bounds a paced
+    one: the step's matrices read once from memory, after a write of EVICT_BYTES has pushed them
+    out of the caches (as a frame's wait does: docs/performance.md, "model step")."""
     m = load_weights(config, weights, torch.float32, torch.device("cpu"), lambda n: None)
     parts = {name: torch.zeros((batch, *shape)) for name, shape in m.config.state_parts()}
     slots, x = torch.arange(batch), frames[0]
@@ -179,13 +184,24 @@ def floors(config: dict, weights: dict, frames: list[torch.Tensor], batch: int) 
         for a, w in products:
             F.linear(a, w)
 
+    matrices = torch.cat([w.flatten() for _, w in products])
+    scratch = torch.zeros(EVICT_BYTES // 4)
+
+    def matrices_from_memory() -> float:
+        scratch.add_(1.0)
+        t0 = time.perf_counter_ns()
+        matrices.sum()
+        return (time.perf_counter_ns() - t0) / 1000
+
     with torch.no_grad():
         for fn in (lambda: small + 1, all_products, lambda: m.step(parts, slots, x, output="hidden", backend="cpu")):
             timed_us(fn, 20)
         return {"torch_op": summarize_us(timed_us(lambda: small + 1, 2000)),
                 "matrix_products": summarize_us(timed_us(all_products, 200)),
                 "stack_step_in_process": summarize_us(timed_us(
-                    lambda: m.step(parts, slots, x, output="hidden", backend="cpu"), 200))}
+                    lambda: m.step(parts, slots, x, output="hidden", backend="cpu"), 200)),
+                "matrices_from_memory": {**summarize_us([matrices_from_memory() for _ in range(50)]),
+                                         "bytes": matrices.nbytes}}
 
 
 def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> dict:

@@ -349,7 +349,8 @@ def test_models_bench_runs_end_to_end(tmp_path):
     assert (case["arch"], case["batch"], case["model_step"]["n"]) == ("mamba2", 1, 25)
     for part in ("transformers_step", "old_way", "window_forward", "snapshot_restore_round_trips"):
         assert case[part]["p50_us"] > 0, part
-    assert set(case["floors"]) == {"torch_op", "matrix_products", "stack_step_in_process"}
+    assert set(case["floors"]) == {"torch_op", "matrix_products", "stack_step_in_process", "matrices_from_memory"}
+    assert case["floors"]["matrices_from_memory"]["bytes"] > 0
     assert case["ratios"]["step_over_transformers"] == pytest.approx(
         case["model_step"]["p50_us"] / case["transformers_step"]["p50_us"])
     assert case["ratios"]["old_way_over_step"] == pytest.approx(case["old_way"]["p50_us"] / case["model_step"]["p50_us"])
