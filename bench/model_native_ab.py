@@ -7,7 +7,10 @@ is served from its frame to its reply in C++, bridge/native) and one with `--no-
 from the same window; every frame then steps both with the same embeddings, a third of a frame
 apart, the order swapped each frame, and a C pipe echo answers the same bytes with a reply of the
 same size in the last third (what moving the bytes alone costs), paced 1/60 s (`paced`), then
-all three back to back (`back_to_back`). Both servers' hidden states must agree bit for bit.
+all three back to back (`back_to_back`). Both servers' hidden states must agree to fp32's
+error: their steps are the same kernel (tests/test_native_step.py holds them to bit equality in
+one process), but each process's prefill runs torch's matrix products, whose last bits may
+differ between two processes on a loaded machine.
 
     python -m bench.model_native_ab [--frames 300] [--batches 1,32] [--archs mamba,mamba2]
                                     [--json bench/results/model_native_ab.json]
@@ -26,6 +29,7 @@ from bridge.tensors import host_view
 from .models import D_MODEL, WARMUP, WINDOW, case_main, exphil_model, wait_for_frame
 
 MODES = {"native": [], "general": ["--no-native-step"]}
+MAX_RELATIVE_DIFFERENCE = 1e-4
 
 
 def run_case(arch: str, batch: int, frames_n: int) -> dict:
@@ -50,7 +54,7 @@ def run_case(arch: str, batch: int, frames_n: int) -> dict:
             echo = open_floor("stdio", bridges["native"].lane.reply_sizes())
         except EchoUnavailable as exc:
             result["echo_skipped"] = str(exc)
-        served_natively = True
+        served_natively, worst = True, 0.0
         for pacing in ("paced", "back_to_back"):
             times = {mode: {"round_trip": [], "server": [], "kernel": []} for mode in MODES}
             echo_us = []
@@ -71,8 +75,11 @@ def run_case(arch: str, batch: int, frames_n: int) -> dict:
                     if mode == "native":
                         served_natively &= reply.timing["h2d_us"] == reply.timing["d2h_us"] == 0
                     hidden[mode] = host_view(reply.result["hidden"]).clone()  # the reply's bytes are the lane's buffer
-                if not torch.equal(hidden["native"], hidden["general"]):
-                    raise RuntimeError(f"frame {i}: the two servers' hidden states differ")
+                scale = float(hidden["general"].abs().max())
+                worst = max(worst, float((hidden["native"] - hidden["general"]).abs().max()) / scale)
+                if worst > MAX_RELATIVE_DIFFERENCE:
+                    raise RuntimeError(f"frame {i}: the two servers' hidden states differ by {worst:.2e} of the "
+                                       f"largest, more than {MAX_RELATIVE_DIFFERENCE}")
                 if echo is not None:
                     if pacing == "paced":
                         wait_for_frame(start, i + 2 / 3)
@@ -87,6 +94,7 @@ def run_case(arch: str, batch: int, frames_n: int) -> dict:
             result[pacing] = out
         if not served_natively:
             raise RuntimeError("the default server did not serve every model step natively")
+        result["max_relative_difference"] = worst
         return result
     finally:
         if echo is not None:

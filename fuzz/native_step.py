@@ -14,8 +14,9 @@ What must hold, beyond "no crash, no sanitizer report":
 - a request `parse` takes is one the Python decoder takes too, as a step with the same id,
   session and handles, and within the native path's documented form (bridge/native/__init__.py:
   session, x, dt, B, C, z inline f32; A, D, dt_bias inline f32 or handles; the dt options), or
-  as a model step with the same id and session, its embeds inline 2-d f32 and its output
-  "hidden" or absent (what a model step runs is not fuzzed here: this build has no model kernel);
+  as a model step with the same id and session, its embeds inline 2-d f32 or its tokens inline
+  1-d i32, i64 or u8, and its output as given (what a model step runs is not fuzzed here: this
+  build has no model kernel);
 - `run` and `run_ssd` step only a request whose shapes fit the session (batch, dim, state; or
   batch, heads, headdim, state) and its handles' tensors, and the reply reads back as a v1 reply
   with y of [batch, dim] (or [batch, heads, headdim]) f32.
@@ -45,7 +46,7 @@ MAX_LEN = 4096
 INLINE_ONLY = ("x", "dt", "B", "C", "z")
 MAY_BE_HANDLES = ("A", "D", "dt_bias")
 NATIVE_ARGS = frozenset(("session", *INLINE_ONLY, *MAY_BE_HANDLES, "dt_softplus", "dt_min", "dt_max"))
-NATIVE_MODEL_ARGS = frozenset(("session", "embeds", "output"))
+NATIVE_MODEL_ARGS = frozenset(("session", "embeds", "tokens", "output"))
 # The state pool the harness allocates per step is bounded (the frame bounds batch and dim, but a
 # handle's A could name any state size).
 MAX_POOL_FLOATS = 1 << 20
@@ -187,10 +188,15 @@ def check_model_step(parsed, request: Request) -> None:
     args = request.args
     if not set(args) <= NATIVE_MODEL_ARGS:
         raise Finding(f"parse took model step arguments outside its form: {sorted(set(args) - NATIVE_MODEL_ARGS)}")
-    embeds = args.get("embeds")
-    if not isinstance(embeds, WireTensor) or embeds.dtype != "f32" or len(embeds.shape) != 2:
+    embeds, tokens = args.get("embeds"), args.get("tokens")
+    if (embeds is None) == (tokens is None):
+        raise Finding(f"parse took a model step with embeds {embeds!r} and tokens {tokens!r}")
+    if embeds is not None and (not isinstance(embeds, WireTensor) or embeds.dtype != "f32" or len(embeds.shape) != 2):
         raise Finding(f"parse took embeds as {embeds!r}")
-    if args.get("output") not in (None, "hidden") or parsed.output != args.get("output"):
+    if tokens is not None and (not isinstance(tokens, WireTensor) or tokens.dtype not in ("i32", "i64", "u8")
+                               or len(tokens.shape) != 1):
+        raise Finding(f"parse took tokens as {tokens!r}")
+    if args.get("output") not in (None, "hidden", "logits") or parsed.output != args.get("output"):
         raise Finding(f"parse read output {parsed.output!r}, the decoder {args.get('output')!r}")
     if dict(parsed.handles) or parsed.deadline_us != getattr(request, "deadline_us", None):
         raise Finding(f"parse read handles {dict(parsed.handles)!r}, deadline {parsed.deadline_us!r}")

@@ -205,12 +205,16 @@ def request(rng: random.Random, op: str | None = None, *, multipart: bool = Fals
 def step_request(rng: random.Random) -> bytes:
     """A plain step request (the native path's form, bridge/native) of a Mamba-1 or a Mamba-2
     session: f32 operands of one consistent set of shapes, A, D and dt_bias sometimes as
-    handles, the dt options; or, one in five, a model step of f32 embeddings."""
+    handles, the dt options; or, one in five, a model step of f32 embeddings or token ids."""
     batch, state = rng.choice((1, 1, 2, 3)), rng.choice((1, 2, 3, 4))
     if rng.random() < 0.2:
-        args = Pairs([("session", "s" * rng.randrange(1, 30)),
-                      ("embeds", tensor(rng, None, allow_handle=False, dtype="f32",
-                                        shape=[batch, rng.choice((1, 4, 12))], exact=True))])
+        if rng.random() < 0.5:
+            model_input = ("embeds", tensor(rng, None, allow_handle=False, dtype="f32",
+                                            shape=[batch, rng.choice((1, 4, 12))], exact=True))
+        else:
+            model_input = ("tokens", tensor(rng, None, allow_handle=False, dtype=rng.choice(("i32", "i64", "u8")),
+                                            shape=[batch], exact=True))
+        args = Pairs([("session", "s" * rng.randrange(1, 30)), model_input])
         if rng.random() < 0.5:
             args.append(("output", rng.choice(("hidden", "hidden", "logits", None))))
         rng.shuffle(args)

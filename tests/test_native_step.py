@@ -699,39 +699,55 @@ class ModelCase:
     arch: str
     batch: int
     dtype: str = "f32"
-    head: bool = False  # a language model: its steps ask for "hidden" by name
+    head: bool = False  # a language model (an embedding and a head)
+    tokens: bool = False  # token ids in, each step's in another integer dtype; else embeddings
+    output: str | None = None  # named in the request; None: the model's default
     steps: int = 3
+
+    @property
+    def result(self) -> str:
+        return self.output or ("logits" if self.head else "hidden")
 
 
 MODEL_CASES = [
     pytest.param(ModelCase("mamba", 1), id="mamba-backbone-1-row"),
     pytest.param(ModelCase("mamba", 3, dtype="bf16"), id="mamba-backbone-3-rows-bf16"),
-    pytest.param(ModelCase("mamba", 2, head=True), id="mamba-lm-2-rows-hidden"),
+    pytest.param(ModelCase("mamba", 2, tokens=True, dtype="bf16"), id="mamba-backbone-2-rows-tokens-bf16"),
+    pytest.param(ModelCase("mamba", 2, head=True, output="hidden"), id="mamba-lm-2-rows-embeds-to-hidden"),
+    pytest.param(ModelCase("mamba", 2, head=True, tokens=True), id="mamba-lm-2-rows-tokens-to-logits"),
     pytest.param(ModelCase("mamba2", 1), id="mamba2-backbone-1-row"),
-    pytest.param(ModelCase("mamba2", 5, head=True), id="mamba2-lm-5-rows-hidden"),
+    pytest.param(ModelCase("mamba2", 5, head=True, output="hidden"), id="mamba2-lm-5-rows-embeds-to-hidden"),
+    pytest.param(ModelCase("mamba2", 3, head=True, tokens=True, output="logits", dtype="bf16"),
+                 id="mamba2-lm-3-rows-tokens-to-logits-bf16"),
+    pytest.param(ModelCase("mamba2", 1, head=True, output="logits"), id="mamba2-lm-1-row-embeds-to-logits"),
     pytest.param(ModelCase("mamba2", 2, dtype="bf16"), id="mamba2-backbone-2-rows-bf16"),
 ]
+TOKEN_DTYPES = (torch.int64, torch.int32, torch.uint8)
+VOCAB = 11
 D_MODEL = 12
 
 
-def tiny_model(arch: str, head: bool, seed: int) -> tuple[dict, dict]:
+def tiny_model(arch: str, head: bool, seed: int, embedding: bool = True) -> tuple[dict, dict]:
     """A random transformers Mamba or Mamba-2 model (test_models' `randomized`: a wrong norm or
-    skip shows): the config and weights a client sends."""
+    skip shows): the config and weights a client sends; without `embedding`, a Mamba-2 backbone
+    sent as ExPhil sends one, with no embedding (test_models' `backbone_request`)."""
     import json
 
     transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
     torch.manual_seed(seed)
     if arch == "mamba":
-        config = transformers.MambaConfig(vocab_size=11, hidden_size=D_MODEL, state_size=5, num_hidden_layers=2,
+        config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=D_MODEL, state_size=5, num_hidden_layers=2,
                                           expand=2, conv_kernel=4, time_step_rank=3)
         model = (transformers.MambaForCausalLM if head else transformers.MambaModel)(config)
     else:
-        config = transformers.Mamba2Config(vocab_size=11, hidden_size=D_MODEL, state_size=6, num_hidden_layers=2,
+        config = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=D_MODEL, state_size=6, num_hidden_layers=2,
                                            expand=2, head_dim=6, num_heads=4, n_groups=2, conv_kernel=3)
         model = (transformers.Mamba2ForCausalLM if head else transformers.Mamba2Model)(config)
-    from test_models import randomized
+    from test_models import backbone_request, randomized
 
     randomized(model)
+    if not embedding:
+        return backbone_request(model)
     sent = json.loads(config.to_json_string())
     sent["architectures"] = [type(model).__name__]
     return sent, {name: p.detach().contiguous() for name, p in model.state_dict().items()}
@@ -748,21 +764,27 @@ def model_state(srv, conn, session: str) -> dict:
 
 @pytest.mark.parametrize("case", MODEL_CASES)
 def test_native_model_steps_equal_the_general_path(inproc, case):
-    """Bit for bit: the hidden states and every layer's state after, after a prefill, with the
-    output named or left to the model, the embeddings' bytes at two offsets in the frame, and the
-    pool grown between two steps (its rows move)."""
+    """Bit for bit: the outputs and every layer's state after, after a prefill, with the output
+    named or left to the model, embeddings or token ids of each integer dtype, the inputs' bytes
+    at two offsets in the frame, and the pool grown between two steps (its rows move)."""
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
     config, weights = tiny_model(case.arch, case.head, seed)
-    prefix = torch.randn(case.batch, 4, D_MODEL, generator=gen)
-    frames = [torch.randn(case.batch, D_MODEL, generator=gen) for _ in range(case.steps)]
+    if case.tokens:
+        prefix = {"tokens": torch.randint(0, VOCAB, (case.batch, 4), generator=gen)}
+        frames = [torch.randint(0, VOCAB, (case.batch,), generator=gen).to(TOKEN_DTYPES[t % len(TOKEN_DTYPES)])
+                  for t in range(case.steps)]
+    else:
+        prefix = {"embeds": torch.randn(case.batch, 4, D_MODEL, generator=gen)}
+        frames = [torch.randn(case.batch, D_MODEL, generator=gen) for _ in range(case.steps)]
+    name = "tokens" if case.tokens else "embeds"
     results = []
     for native in (True, False):
         srv = inproc(native_step=native)
         served = Served(srv) if native else None
         conn = RecordingConnection()
         session = open_model_session(srv, conn, config, weights, case.batch, case.dtype)
-        srv.call(conn, "model_forward", session=session, embeds=prefix, output="hidden")
+        srv.call(conn, "model_forward", session=session, output="hidden", **prefix)
         replies = []
         for t, frame in enumerate(frames):
             if t == 1:  # a second session of the model: the pool grows and its rows move
@@ -770,19 +792,20 @@ def test_native_model_steps_equal_the_general_path(inproc, case):
                 capacity = pool.capacity
                 srv.call(conn, "session_open", model=srv_model_of(srv, conn, session), batch=9)
                 assert pool.capacity > capacity, (capacity, pool.capacity)
-            # "output" before the embeddings moves their bytes (the frame's offset changes by 14).
-            args = ({"output": "hidden", "embeds": frame} if t % 2 else
-                    {"embeds": frame, "output": "hidden"} if case.head else {"embeds": frame})
+            # "output" before the input moves its bytes (the frame's offset changes).
+            named = {"output": case.output} if case.output else {}
+            args = {**named, name: frame} if t % 2 else {name: frame, **named}
             replies.append(submit(srv, conn, "model_step", session=session, **args))
         results.append((replies, model_state(srv, conn, session)))
         if native:
             assert served.taken == case.steps, (seed, served.__dict__)
     (native_replies, native_state), (general_replies, general_state) = results
+    width = VOCAB if case.result == "logits" else D_MODEL
     for t, (a, b) in enumerate(zip(native_replies, general_replies)):
         assert a.ok and b.ok, (seed, a.error, b.error)
-        ha, hb = wire_array(a.result["hidden"]), wire_array(b.result["hidden"])
-        assert ha.shape == (case.batch, D_MODEL), ha.shape
-        assert np.array_equal(ha, hb), f"seed={seed}: hidden of step {t} differs by {np.abs(ha - hb).max()}"
+        ya, yb = wire_array(a.result[case.result]), wire_array(b.result[case.result])
+        assert ya.shape == (case.batch, width), ya.shape
+        assert np.array_equal(ya, yb), f"seed={seed}: {case.result} of step {t} differs by {np.abs(ya - yb).max()}"
         assert (a.id, list(a.result), set(a.timing)) == (b.id, list(b.result), set(b.timing))
         assert served_natively(a) and a.timing["kernel_us"] > 0 and a.timing["batch_rows"] == case.batch, a.timing
     assert native_state.keys() == general_state.keys()
@@ -796,30 +819,36 @@ def srv_model_of(srv, conn, session: str) -> str:
 
 
 def model_declined_cases():
-    """(id, the model (arch, head, dtype), how the request differs from a plain model step, the
-    error the general path gives or None)."""
+    """(id, the model (arch; "lm", "backbone" or "bare": a backbone without an embedding;
+    dtype), how the request differs from a model step of embeddings, the error the general path
+    gives or None)."""
+    def tokens(values, dtype=torch.int64):
+        return lambda a, other: {"session": a["session"], "tokens": torch.tensor(values, dtype=dtype)}
+
     return [
-        pytest.param(("mamba2", True, "f32"), lambda a, other: {"session": a["session"], "embeds": a["embeds"]},
-                     None, id="lm-logits-by-default"),
-        pytest.param(("mamba2", True, "f32"), lambda a, other: {**a, "output": "logits"}, None, id="lm-logits"),
-        pytest.param(("mamba", True, "f32"),
-                     lambda a, other: {"session": a["session"], "tokens": torch.tensor([3, 7])}, None,
-                     id="tokens"),
-        pytest.param(("mamba", False, "f32"), lambda a, other: {**a, "return_state": True}, None, id="return-state"),
-        pytest.param(("mamba", False, "f16"), lambda a, other: a, None, id="f16-model-composed-step"),
-        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "embeds": a["embeds"].half()}, None,
+        pytest.param(("mamba", "backbone", "f32"), lambda a, other: {**a, "return_state": True}, None, id="return-state"),
+        pytest.param(("mamba", "backbone", "f16"), lambda a, other: a, None, id="f16-model-composed-step"),
+        pytest.param(("mamba2", "backbone", "f32"), lambda a, other: {**a, "embeds": a["embeds"].half()}, None,
                      id="f16-embeds"),
-        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "embeds": a["embeds"][:1]}, "shape_mismatch",
+        pytest.param(("mamba2", "backbone", "f32"), lambda a, other: {**a, "embeds": a["embeds"][:1]}, "shape_mismatch",
                      id="embeds-rows"),
-        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "embeds": a["embeds"][:, :5]}, "shape_mismatch",
+        pytest.param(("mamba2", "backbone", "f32"), lambda a, other: {**a, "embeds": a["embeds"][:, :5]}, "shape_mismatch",
                      id="embeds-width"),
-        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "embeds": a["embeds"][:, None]},
+        pytest.param(("mamba2", "backbone", "f32"), lambda a, other: {**a, "embeds": a["embeds"][:, None]},
                      "shape_mismatch", id="embeds-3d"),
-        pytest.param(("mamba2", False, "f32"), lambda a, other: {**a, "output": "logits"}, "invalid_argument",
+        pytest.param(("mamba2", "backbone", "f32"), lambda a, other: {**a, "output": "logits"}, "invalid_argument",
                      id="backbone-logits"),
-        pytest.param(("mamba", False, "f32"), lambda a, other: {**a, "session": other}, "unknown_session",
+        pytest.param(("mamba2", "bare", "f32"), tokens([1, 2]), "invalid_argument", id="tokens-without-an-embedding"),
+        pytest.param(("mamba", "lm", "f32"), tokens([1, VOCAB]), "invalid_argument", id="token-past-the-vocabulary"),
+        pytest.param(("mamba", "lm", "f32"), tokens([-1, 2]), "invalid_argument", id="negative-token"),
+        pytest.param(("mamba", "lm", "f32"), tokens([1]), "shape_mismatch", id="tokens-rows"),
+        pytest.param(("mamba", "lm", "f32"), tokens([[1], [2]]), "shape_mismatch", id="tokens-2d"),
+        pytest.param(("mamba", "lm", "f32"), tokens([1.0, 2.0], torch.float32), "invalid_argument", id="float-tokens"),
+        pytest.param(("mamba", "lm", "f32"), lambda a, other: {**a, "tokens": torch.tensor([1, 2])}, "invalid_argument",
+                     id="tokens-and-embeds"),
+        pytest.param(("mamba", "backbone", "f32"), lambda a, other: {**a, "session": other}, "unknown_session",
                      id="another-connections-session"),
-        pytest.param(("mamba", False, "f32"), lambda a, other: {**a, "x": a["embeds"]}, "invalid_argument",
+        pytest.param(("mamba", "backbone", "f32"), lambda a, other: {**a, "x": a["embeds"]}, "invalid_argument",
                      id="a-steps-argument"),
     ]
 
@@ -828,8 +857,8 @@ def model_declined_cases():
 def test_what_the_native_path_does_not_take_of_model_steps_is_answered_as_before(inproc, model, change, code):
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
-    arch, head, dtype = model
-    config, weights = tiny_model(arch, head, seed)
+    arch, kind, dtype = model
+    config, weights = tiny_model(arch, kind == "lm", seed, embedding=kind != "bare")
     frame = torch.randn(2, D_MODEL, generator=gen)
     outcomes = []
     for native in (True, False):

@@ -131,9 +131,10 @@ class Model:
                       else self._embed(inputs).float()).contiguous()
             layers = [weights + [parts[name] for name in layer_state_names(i)]
                       for i, weights in enumerate(self._fused_weights)]
-            hidden = kernel(hidden, slots.to(torch.int64), layers, self._fused_norm_f, self._fused_dims,
-                            self.config.eps, self.dt_limits["dt_min"], self.dt_limits["dt_max"])
-            return hidden if output == "hidden" else _wide(F.linear(hidden.to(self.lm_head.dtype), self.lm_head))
+            # The head too, for logits: fp32 products of the fp32 or bf16 head, as the native path's.
+            head = (self.lm_head,) if output == "logits" else ()
+            return kernel(hidden, slots.to(torch.int64), layers, self._fused_norm_f, self._fused_dims,
+                          self.config.eps, self.dt_limits["dt_min"], self.dt_limits["dt_max"], *head)
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
             conv, ssm = (parts[name] for name in layer_state_names(i))
@@ -143,12 +144,13 @@ class Model:
 
     def fused_arguments(self) -> tuple | None:
         """What a backend's fused step reads of this model, for a native caller to prepare once
-        (kernels/cpu/model_step.h): (each layer's weights, norm_f, dims, eps, dt_min, dt_max);
-        None where the model composes its step (weights in another dtype, or not on the CPU)."""
+        (kernels/cpu/model_step.h): (each layer's weights, norm_f, dims, eps, dt_min, dt_max,
+        the embedding, the head), the last two None where the model has none; None where the
+        model composes its step (weights in another dtype, or not on the CPU)."""
         if not self._fused or self.device.type != "cpu":
             return None
         return (self._fused_weights, self._fused_norm_f, self._fused_dims, self.config.eps,
-                self.dt_limits["dt_min"], self.dt_limits["dt_max"])
+                self.dt_limits["dt_min"], self.dt_limits["dt_max"], self.embeddings, self.lm_head)
 
     def _fused_step(self, parts: dict[str, torch.Tensor], backend: str | None):
         if not self._fused or self.device.type != "cpu":

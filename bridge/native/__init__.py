@@ -1,7 +1,6 @@
-"""The native step path: a plain `step` request, or a `model_step` of embeddings to hidden
-states, served from its frame to its reply in one C++ call (step.cpp), on the CPU with the "cpu"
-backend, for Mamba-1 and Mamba-2 ("ssd") sessions and for sessions of models whose step the
-backend fuses (fp32 or bf16 weights).
+"""The native step path: a plain `step` request, or a `model_step`, served from its frame to its
+reply in one C++ call (step.cpp), on the CPU with the "cpu" backend, for Mamba-1 and Mamba-2
+("ssd") sessions and for sessions of models whose step the backend fuses (fp32 or bf16 weights).
 
 A step long after the last -- a 60 FPS game loop's frame -- spent much of its round trip in the
 server's Python per-request work, which a pause makes several times slower than back to back
@@ -14,11 +13,13 @@ whose args are the session (this connection's), x, dt, B, C and optionally z inl
 and C [batch, state] or [batch, groups, state]; for a Mamba-2 session the shapes of its
 `step`, B and C with their groups axis), A and optionally D and dt_bias inline as f32 or as
 handles to contiguous f32 tensors, and the dt options; or a model step's session, its `embeds`
-inline as f32 [batch, d_model] and `output` "hidden" (or no output where the model has no
-head: logits, tokens and `return_state` go the general way); request and session ids in ASCII. The
-dispatcher hands it every request without raw buffers that finds nothing in flight but other
-native steps, on any lane and under load too (the step op offers it as its fast path,
-bridge.ops.sessions.StepOp.fast_path; docs/performance.md, "native model step"). Its replies are the general path's, but for the timing:
+inline as f32 [batch, d_model] or its `tokens` inline as i32, i64 or u8 [batch], and its
+`output` ("hidden", "logits", or none: the model's default); `return_state` goes the general way;
+request and session ids in ASCII. The dispatcher hands it every request without raw buffers that
+finds nothing in flight but other native steps, on any lane and under load too (the step and
+model step ops offer it as their fast path, bridge.ops.sessions.StepOp.fast_path and
+bridge.ops.models.ModelStepOp.fast_path; docs/performance.md, "native model step"). Its replies
+are the general path's, but for the timing:
 `queue_us` is the wait for the serving lock (behind other connections' native steps),
 `decode_us` everything else before the kernel (parsing, the session and handle lookups, the
 checks), and h2d and d2h are 0 (the kernel reads the frame and writes the reply).
@@ -162,13 +163,12 @@ class NativeStep:
         if loaded is None:
             return None
         config = loaded.model.config
-        if request.output is None and config.has_logits:  # logits by default: the general path's
-            return None
         prepared = self._prepared(loaded)
         if prepared is None:
             return None
         try:
             return self._native.run_model(request, received_ns, queued_ns, prepared, session.batch, config.d_model,
+                                          config.vocab_size or 0, config.has_logits,
                                           *self._model_row_addresses(session, config.n_layer))
         except Exception as exc:
             raise NativeStepError(request.id, exc) from exc

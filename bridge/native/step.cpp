@@ -239,6 +239,29 @@ constexpr const char* kOperandNames[kOperands] = {"x", "dt", "B", "C", "z", "A",
 // Per-row operands must come inline; the shared ones (A, D, dt_bias) may be handles.
 constexpr bool kMayBeHandle[kOperands] = {false, false, false, false, false, true, true, true};
 
+// A model step's token ids inline: [n] i32, i64 or u8.
+struct TokenIds {
+  const void* data = nullptr;  // nullptr: not given
+  scan_bridge::TokenType type = scan_bridge::TokenType::none;
+  int64_t n = 0;
+
+  int64_t at(int64_t i) const {
+    const auto* bytes = static_cast<const uint8_t*>(data);
+    if (type == scan_bridge::TokenType::u8) return bytes[i];
+    if (type == scan_bridge::TokenType::i32) {
+      int32_t v;
+      std::memcpy(&v, bytes + 4 * i, 4);
+      return v;
+    }
+    int64_t v;
+    std::memcpy(&v, bytes + 8 * i, 8);
+    return v;
+  }
+};
+
+// A model step's "output": unnamed (the model's default: logits where it has a head).
+enum class Output { unnamed, hidden, logits };
+
 // A plain step or model step request read from a frame, which it keeps alive: its inline
 // operands point into it.
 struct StepRequest {
@@ -248,8 +271,9 @@ struct StepRequest {
   std::string session;
   F32Array operands[kOperands];
   std::optional<std::string> handles[kOperands];
-  F32Array embeds;  // a model step's input
-  bool output_given = false;  // a model step's "output" (only "hidden" is taken)
+  F32Array embeds;  // a model step's input: embeddings, or
+  TokenIds tokens;  // token ids
+  Output output = Output::unnamed;  // a model step's "output"
   uint32_t args_seen = 0;  // a bit per argument given (read_args)
   bool dt_softplus = false;
   std::optional<double> dt_min, dt_max;
@@ -264,8 +288,49 @@ bool ascii(std::string_view s) {
   return true;
 }
 
+// The three entries of an inline tensor map, {"dtype", "shape", "data"} in any order: the
+// element width `width_of(dtype)` gives (0: a dtype not taken), at most 3 axes, each in
+// [1, 2^30], and the data's length checked against them.
+template <typename WidthOf>
+bool read_inline(Reader& r, WidthOf width_of, int* ndim, int64_t* shape, const void** data) {
+  bool seen_dtype = false, seen_shape = false;
+  uint64_t nbytes = 0, width = 0;
+  for (int i = 0; i < 3; ++i) {
+    std::string_view key;
+    if (!r.str(&key)) return false;
+    if (key == "dtype" && !seen_dtype) {
+      std::string_view dtype;
+      if (!r.str(&dtype) || (width = width_of(dtype)) == 0) return false;
+      seen_dtype = true;
+    } else if (key == "shape" && !seen_shape) {
+      uint32_t n;
+      if (!r.array(&n) || n < 1 || n > 3) return false;
+      *ndim = static_cast<int>(n);
+      for (uint32_t d = 0; d < n; ++d) {
+        uint64_t size;
+        if (!r.uint(&size) || size == 0 || size > (1u << 30)) return false;
+        shape[d] = static_cast<int64_t>(size);
+      }
+      seen_shape = true;
+    } else if (key == "data" && *data == nullptr) {
+      const uint8_t* bytes;
+      if (!r.bytes(&bytes, &nbytes)) return false;
+      *data = bytes;
+    } else {
+      return false;
+    }
+  }
+  if (!seen_dtype || !seen_shape || *data == nullptr) return false;
+  // Each axis is at most 2^30, so three of them could wrap the product: checked multiplies.
+  uint64_t elements = 1;
+  for (int d = 0; d < *ndim; ++d)
+    if (__builtin_mul_overflow(elements, static_cast<uint64_t>(shape[d]), &elements)) return false;
+  uint64_t expected;
+  return !__builtin_mul_overflow(elements, width, &expected) && nbytes == expected;
+}
+
 // {"dtype": "f32", "shape": [...], "data": ...} with at most 3 dims, or {"handle": str} where
-// `may_be_handle`. The data's length is checked against the shape here.
+// `may_be_handle`.
 bool read_operand(Reader& r, bool may_be_handle, F32Array* t, std::optional<std::string>* handle) {
   uint32_t keys;
   if (!r.map(&keys)) return false;
@@ -276,41 +341,25 @@ bool read_operand(Reader& r, bool may_be_handle, F32Array* t, std::optional<std:
     handle->emplace(value);
     return true;
   }
-  if (keys != 3) return false;
-  bool seen_dtype = false, seen_shape = false;
-  uint64_t nbytes = 0;
-  for (uint32_t i = 0; i < keys; ++i) {
-    std::string_view key;
-    if (!r.str(&key)) return false;
-    if (key == "dtype" && !seen_dtype) {
-      std::string_view dtype;
-      if (!r.str(&dtype) || dtype != "f32") return false;
-      seen_dtype = true;
-    } else if (key == "shape" && !seen_shape) {
-      uint32_t ndim;
-      if (!r.array(&ndim) || ndim < 1 || ndim > 3) return false;
-      t->ndim = static_cast<int>(ndim);
-      for (uint32_t d = 0; d < ndim; ++d) {
-        uint64_t size;
-        if (!r.uint(&size) || size == 0 || size > (1u << 30)) return false;
-        t->shape[d] = static_cast<int64_t>(size);
-      }
-      seen_shape = true;
-    } else if (key == "data" && t->data == nullptr) {
-      const uint8_t* data;
-      if (!r.bytes(&data, &nbytes)) return false;
-      t->data = data;
-    } else {
-      return false;
-    }
-  }
-  if (!seen_dtype || !seen_shape || t->data == nullptr) return false;
-  // Each axis is at most 2^30, so three of them could wrap the product: checked multiplies.
-  uint64_t elements = 1;
-  for (int d = 0; d < t->ndim; ++d)
-    if (__builtin_mul_overflow(elements, static_cast<uint64_t>(t->shape[d]), &elements)) return false;
-  uint64_t expected;
-  return !__builtin_mul_overflow(elements, uint64_t{4}, &expected) && nbytes == expected;
+  return keys == 3 && read_inline(r, [](std::string_view dtype) { return dtype == "f32" ? 4 : 0; }, &t->ndim,
+                                  t->shape, &t->data);
+}
+
+// {"dtype": "i32" | "i64" | "u8", "shape": [n], "data": ...}.
+bool read_tokens(Reader& r, TokenIds* t) {
+  uint32_t keys;
+  if (!r.map(&keys) || keys != 3) return false;
+  int ndim = 0;
+  int64_t shape[3] = {0, 0, 0};
+  const auto width_of = [t](std::string_view dtype) {
+    using scan_bridge::TokenType;
+    t->type = dtype == "i32" ? TokenType::i32 : dtype == "i64" ? TokenType::i64 : dtype == "u8" ? TokenType::u8
+                                                                                                 : TokenType::none;
+    return t->type == TokenType::i32 ? 4 : t->type == TokenType::i64 ? 8 : t->type == TokenType::u8 ? 1 : 0;
+  };
+  if (!read_inline(r, width_of, &ndim, shape, &t->data) || ndim != 1) return false;
+  t->n = shape[0];
+  return true;
 }
 
 // nil for an optional argument is "absent" (SPEC §3).
@@ -340,12 +389,15 @@ bool read_args(Reader& r, StepRequest* req) {
     } else if (key == "embeds") {
       bit = 4 + kOperands;
       if (!read_operand(r, false, &req->embeds, nullptr) || req->embeds.ndim != 2) return false;
+    } else if (key == "tokens") {
+      bit = 6 + kOperands;
+      if (!read_tokens(r, &req->tokens)) return false;
     } else if (key == "output") {
       bit = 5 + kOperands;
       std::string_view output;
       if (!r.nil()) {
-        if (!r.str(&output) || output != "hidden") return false;
-        req->output_given = true;
+        if (!r.str(&output) || (output != "hidden" && output != "logits")) return false;
+        req->output = output == "hidden" ? Output::hidden : Output::logits;
       }
     } else {
       bit = -1;
@@ -369,8 +421,10 @@ bool read_args(Reader& r, StepRequest* req) {
 // Whether the args read are those of the request's op: a step's operands (x, dt, A, B, C at
 // least), or a model step's embeds (and output) alone.
 bool args_fit_op(const StepRequest& req) {
-  constexpr uint32_t kModelArgs = 1u | 1u << (4 + kOperands) | 1u << (5 + kOperands);  // session, embeds, output
-  if (req.model_step) return req.embeds.data != nullptr && (req.args_seen & ~kModelArgs) == 0;
+  // session, embeds, output, tokens
+  constexpr uint32_t kModelArgs = 1u | 1u << (4 + kOperands) | 1u << (5 + kOperands) | 1u << (6 + kOperands);
+  if (req.model_step)
+    return (req.embeds.data != nullptr) != (req.tokens.data != nullptr) && (req.args_seen & ~kModelArgs) == 0;
   return (req.args_seen & kModelArgs & ~1u) == 0 && req.given(kX) && req.given(kDt) && req.given(kA) &&
          req.given(kB) && req.given(kC);
 }
@@ -706,27 +760,41 @@ class Stepper {
     });
   }
 
-  // One frame of a model session: the embeds [batch, d_model] through `model` (a
+  // One frame of a model session: the embeds [batch, d_model] or token ids [batch] (each below
+  // `vocab`, the model's embedding rows: 0 where it has none) through `model` (a
   // "scan_bridge.fused_model" capsule) on the session's state rows, which lie in `pool_rows`
   // rows `row_stride` floats apart (each layer's conv and ssm part of row 0 at the addresses in
-  // `conv`, `ssm`), `slots` (int64, `batch` of them) naming its rows. Returns as `run`; the
-  // reply's result is {"hidden"}. None also when no model step kernel was given.
+  // `conv`, `ssm`), `slots` (int64, `batch` of them) naming its rows; logits [batch, vocab] where
+  // asked for or unnamed and the model `has_head`, else hidden states. Returns as `run`, the
+  // reply's result {"hidden"} or {"logits"}. None also when no model step kernel was given.
   py::object run_model(const StepRequest& req, int64_t received_ns, int64_t queued_ns, py::capsule model,
-                       int64_t batch, int64_t d_model, uintptr_t slots, int64_t pool_rows,
-                       std::vector<uintptr_t> conv, std::vector<uintptr_t> ssm, int64_t row_stride) {
-    if (run_model_step_ == nullptr || !req.model_step || !req.embeds.is(batch, d_model) || conv.size() != ssm.size())
+                       int64_t batch, int64_t d_model, int64_t vocab, bool has_head, uintptr_t slots,
+                       int64_t pool_rows, std::vector<uintptr_t> conv, std::vector<uintptr_t> ssm, int64_t row_stride) {
+    if (run_model_step_ == nullptr || !req.model_step || conv.size() != ssm.size()) return py::none();
+    if (req.tokens.data != nullptr) {
+      if (req.tokens.n != batch) return py::none();
+      for (int64_t r = 0; r < batch; ++r) {
+        const int64_t id = req.tokens.at(r);
+        if (id < 0 || id >= vocab) return py::none();
+      }
+    } else if (!req.embeds.is(batch, d_model)) {
       return py::none();
+    }
+    const bool logits = req.output == Output::logits || (req.output == Output::unnamed && has_head);
+    if (logits && !has_head) return py::none();
     scan_bridge::ModelStepProblem p;
     p.model = capsule_function<void*>(model, scan_bridge::kFusedModelCapsule);
     p.rows = batch;
-    p.hidden = req.embeds.data;
+    p.hidden = req.tokens.data != nullptr ? req.tokens.data : req.embeds.data;
+    p.token_type = req.tokens.data != nullptr ? req.tokens.type : scan_bridge::TokenType::none;
+    p.logits = logits;
     p.slots = reinterpret_cast<const int64_t*>(slots);
     p.pool_rows = pool_rows;
     p.conv = conv.data();
     p.ssm = ssm.data();
     p.layers = static_cast<int64_t>(conv.size());
     p.row_stride = row_stride;
-    return reply(req, received_ns, queued_ns, "hidden", {batch, d_model},
+    return reply(req, received_ns, queued_ns, logits ? "logits" : "hidden", {batch, logits ? vocab : d_model},
                  [&](void* out, char* error, size_t error_size) {
                    p.out = out;
                    return run_model_step_(&p, sizeof(p), error, error_size);
@@ -850,7 +918,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("session", &StepRequest::session)
       .def_property_readonly("op", [](const StepRequest& r) { return r.model_step ? "model_step" : "step"; })
       .def_property_readonly("output", [](const StepRequest& r) -> py::object {
-        return r.output_given ? py::object(py::str("hidden")) : py::object(py::none());
+        return r.output == Output::unnamed ? py::object(py::none())
+                                           : py::object(py::str(r.output == Output::hidden ? "hidden" : "logits"));
       })
       .def_property_readonly("id", [](const StepRequest& r) { return r.id; })
       .def_property_readonly("deadline_us", [](const StepRequest& r) -> py::object {
@@ -872,6 +941,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("pool"), py::arg("batch"), py::arg("heads"), py::arg("headdim"), py::arg("state"),
            py::arg("slots"), py::arg("handle_tensors"))
       .def("run_model", &Stepper::run_model, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
-           py::arg("model"), py::arg("batch"), py::arg("d_model"), py::arg("slots"), py::arg("pool_rows"),
+           py::arg("model"), py::arg("batch"), py::arg("d_model"), py::arg("vocab"), py::arg("has_head"),
+           py::arg("slots"), py::arg("pool_rows"),
            py::arg("conv"), py::arg("ssm"), py::arg("row_stride"));
 }

@@ -3,8 +3,8 @@
 The models themselves live in bridge.models; a model's sessions are ordinary sessions
 (bridge.sessions) whose state rows hold every layer's conv window and ssm state, opened,
 snapshotted, restored and forked by the session ops (bridge.ops.sessions). model_step is
-batched: steps of sessions of one model share one pass through the stack; a lone step of
-embeddings to hidden states takes the native path (bridge.native) where the server has it.
+batched: steps of sessions of one model share one pass through the stack; a lone step takes
+the native path (bridge.native) where the server has it.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ class ModelStepOp(BatchedOp):
     model (and one input kind, dtype and output) share the pass."""
 
     def fast_path(self, server) -> NativeStep | None:
-        """Steps of embeddings to hidden states served from frame to reply in C++ (bridge.native,
-        the path plain steps take too), where the server runs the CPU kernels and its config
-        allows it; None: every model step goes the general way."""
+        """Model steps served from frame to reply in C++ (bridge.native, the path plain steps
+        take too), where the server runs the CPU kernels and its config allows it; None: every
+        model step goes the general way."""
         return NativeStep.for_server(server) if server.config.native_step else None
 
     def prepare(self, server, call) -> Item:

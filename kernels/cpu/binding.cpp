@@ -490,6 +490,7 @@ using LayerList = std::vector<std::vector<std::optional<at::Tensor>>>;
 struct FusedModel {
   LayerList layers;  // each its kLayerWeights weights
   at::Tensor norm_f;
+  std::optional<at::Tensor> embeddings, lm_head;  // [vocab, d], fp32 or bf16, where the model has them
   bool mamba2;
   int64_t d, di, n, rank, heads, headdim, groups;
   double eps;
@@ -498,13 +499,23 @@ struct FusedModel {
   // `layers`: each with its weights first (what follows them is not kept).
   // dims: arch (0 Mamba-1, 1 Mamba-2), d_inner, d_state, dt_rank, heads, headdim, groups.
   FusedModel(const LayerList& all, const at::Tensor& norm, const std::vector<int64_t>& dims, double eps_,
-             std::optional<double> min, std::optional<double> max)
-      : norm_f(norm), eps(eps_), dt_min(min), dt_max(max) {
+             std::optional<double> min, std::optional<double> max,
+             const std::optional<at::Tensor>& embedding = std::nullopt,
+             const std::optional<at::Tensor>& head = std::nullopt)
+      : norm_f(norm), embeddings(embedding), lm_head(head), eps(eps_), dt_min(min), dt_max(max) {
     if (dims.size() != 7) throw std::invalid_argument("model_step: expected 7 dims");
     mamba2 = dims[0] == 1;
     di = dims[1], n = dims[2], rank = dims[3], heads = dims[4], headdim = dims[5], groups = dims[6];
     require_operand(norm_f, "norm_f", at::kFloat, "model_step");
     d = norm_f.numel();
+    for (const auto* t : {&embeddings, &lm_head}) {
+      if (!t->has_value()) continue;
+      const auto& w = **t;
+      require_operand(w, t == &embeddings ? "embeddings" : "lm_head",
+                      w.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat, "model_step");
+      if (w.dim() != 2 || w.size(1) != d)
+        throw std::invalid_argument("model_step: expected [vocab, " + std::to_string(d) + "] embeddings and head");
+    }
     const std::vector<LayerTensor> needed =
         mamba2 ? std::vector<LayerTensor>{kNorm, kInProj, kConv, kA, kD, kDtBias, kOutProj, kGateNorm}
                : std::vector<LayerTensor>{kNorm, kInProj, kConv, kA, kD, kDtBias, kOutProj, kXProj, kDtProj};
@@ -699,11 +710,12 @@ at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor&
 }
 
 // The step as Python calls it: `layers` each with its weights then its conv and ssm state
-// (pool tensors, a row per slot), the model's weights checked on every call.
+// (pool tensors, a row per slot), the model's weights checked on every call; with `head`, the
+// logits (the final norm's output times head^T) instead of the final norm's output.
 at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots, const LayerList& layers, const at::Tensor& norm_f,
                       const std::vector<int64_t>& dims, double eps, std::optional<double> dt_min,
-                      std::optional<double> dt_max) {
-  const FusedModel model(layers, norm_f, dims, eps, dt_min, dt_max);
+                      std::optional<double> dt_max, const std::optional<at::Tensor>& head) {
+  const FusedModel model(layers, norm_f, dims, eps, dt_min, dt_max, std::nullopt, head);
   require_operand(hidden, "hidden", at::kFloat);
   require_operand(slots, "slots", at::kLong);
   if (hidden.dim() != 2 || hidden.size(1) != model.d)
@@ -717,24 +729,62 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots, const LayerLis
     ssm.push_back(*layer[kSsmState]);
     check_slots(slots.data_ptr<int64_t>(), slots.numel(), std::min(conv.back().size(0), ssm.back().size(0)));
   }
-  return step_model(model, hidden, slots, conv, ssm);
+  const at::Tensor out = step_model(model, hidden, slots, conv, ssm);
+  return head.has_value() ? linear(out, *head, std::nullopt) : out;
 }
 
 // A model's weights checked and kept for native callers' steps: a "scan_bridge.fused_model"
-// capsule (model_step.h) that owns them; `layers` each its weights alone.
+// capsule (model_step.h) that owns them; `layers` each its weights alone; the embedding and the
+// head where the model has them.
 py::capsule prepare_model(const LayerList& layers, const at::Tensor& norm_f, const std::vector<int64_t>& dims,
-                          double eps, std::optional<double> dt_min, std::optional<double> dt_max) {
+                          double eps, std::optional<double> dt_min, std::optional<double> dt_max,
+                          const std::optional<at::Tensor>& embeddings, const std::optional<at::Tensor>& lm_head) {
   for (const auto& layer : layers)
     if (layer.size() != kLayerWeights)
       throw std::invalid_argument("prepare_model: expected " + std::to_string(int(kLayerWeights)) +
                                   " weights a layer, got " + std::to_string(layer.size()));
-  auto model = std::make_unique<FusedModel>(layers, norm_f, dims, eps, dt_min, dt_max);
+  auto model = std::make_unique<FusedModel>(layers, norm_f, dims, eps, dt_min, dt_max, embeddings, lm_head);
   py::capsule owner(model.get(), scan_bridge::kFusedModelCapsule,
                     [](PyObject* capsule) {
                       delete static_cast<FusedModel*>(PyCapsule_GetPointer(capsule, scan_bridge::kFusedModelCapsule));
                     });
   model.release();
   return owner;
+}
+
+// The embedding rows of `rows` token ids (of `type`, at any byte offset) into `out` [rows, d]
+// fp32: every id is checked first, so a bad one changes nothing.
+void embed_tokens(const FusedModel& model, const void* ids, scan_bridge::TokenType type, int64_t rows, float* out) {
+  if (!model.embeddings) throw std::invalid_argument("model_step: tokens given to a model without an embedding");
+  const at::Tensor& table = *model.embeddings;
+  const int64_t vocab = table.size(0), d = model.d;
+  std::vector<int64_t> id(static_cast<size_t>(rows));
+  const auto* bytes = static_cast<const uint8_t*>(ids);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (type == scan_bridge::TokenType::i32) {
+      int32_t v;
+      std::memcpy(&v, bytes + 4 * r, 4);
+      id[r] = v;
+    } else if (type == scan_bridge::TokenType::i64) {
+      std::memcpy(&id[r], bytes + 8 * r, 8);
+    } else {
+      id[r] = bytes[r];
+    }
+    if (id[r] < 0 || id[r] >= vocab)
+      throw std::invalid_argument("model_step: token " + std::to_string(id[r]) + " outside the vocabulary of " +
+                                  std::to_string(vocab));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (table.scalar_type() == at::kFloat) {
+      std::memcpy(out + r * d, table.data_ptr<float>() + id[r] * d, static_cast<size_t>(d) * sizeof(float));
+    } else {  // bfloat16: the high half of an fp32, widened exactly
+      const auto* row = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>()) + id[r] * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(row[i]) << 16;
+        std::memcpy(out + r * d + i, &bits, 4);
+      }
+    }
+  }
 }
 
 // A step of a prepared model on state rows that native callers address themselves, exported as
@@ -748,9 +798,13 @@ int run_model_step(const scan_bridge::ModelStepProblem* p, size_t problem_size, 
                                   " layers, got " + std::to_string(p->layers));
     const int64_t rows = p->rows, d = model.d;
     check_slots(p->slots, rows, p->pool_rows);
+    if (p->logits && !model.lm_head) throw std::invalid_argument("model_step: logits asked of a model without a head");
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     at::Tensor hidden = at::empty({rows, d}, f32);
-    std::memcpy(hidden.data_ptr<float>(), p->hidden, static_cast<size_t>(rows * d) * sizeof(float));
+    if (p->token_type == scan_bridge::TokenType::none)
+      std::memcpy(hidden.data_ptr<float>(), p->hidden, static_cast<size_t>(rows * d) * sizeof(float));
+    else
+      embed_tokens(model, p->hidden, p->token_type, rows, hidden.data_ptr<float>());
     at::Tensor slots = at::from_blob(const_cast<int64_t*>(p->slots), {rows}, at::TensorOptions().dtype(at::kLong));
     std::vector<at::Tensor> conv, ssm;
     for (size_t l = 0; l < model.layers.size(); ++l) {
@@ -764,8 +818,9 @@ int run_model_step(const scan_bridge::ModelStepProblem* p, size_t problem_size, 
                         : at::from_blob(reinterpret_cast<float*>(p->ssm[l]), {p->pool_rows, model.di, n},
                                         {p->row_stride, n, 1}, f32));
     }
-    const at::Tensor out = step_model(model, hidden, slots, conv, ssm);
-    std::memcpy(p->out, out.data_ptr<float>(), static_cast<size_t>(rows * d) * sizeof(float));
+    at::Tensor out = step_model(model, hidden, slots, conv, ssm);
+    if (p->logits) out = linear(out, *model.lm_head, std::nullopt);
+    std::memcpy(p->out, out.data_ptr<float>(), static_cast<size_t>(out.numel()) * sizeof(float));
   }, error, error_size);
 }
 
@@ -775,8 +830,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("state_update", &state_update, py::call_guard<py::gil_scoped_release>());
   m.def("ssd_scan", &ssd_scan, py::call_guard<py::gil_scoped_release>());
   m.def("ssd_state_update", &ssd_state_update, py::call_guard<py::gil_scoped_release>());
-  m.def("model_step", &model_step, py::call_guard<py::gil_scoped_release>());
-  m.def("prepare_model", &prepare_model);
+  m.def("model_step", &model_step, py::arg("hidden"), py::arg("slots"), py::arg("layers"), py::arg("norm_f"),
+        py::arg("dims"), py::arg("eps"), py::arg("dt_min"), py::arg("dt_max"), py::arg("head") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("prepare_model", &prepare_model, py::arg("layers"), py::arg("norm_f"), py::arg("dims"), py::arg("eps"),
+        py::arg("dt_min"), py::arg("dt_max"), py::arg("embeddings") = py::none(), py::arg("lm_head") = py::none());
   m.def("linear", &linear, py::call_guard<py::gil_scoped_release>());
   m.def("scan_backward", &scan_backward, py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);

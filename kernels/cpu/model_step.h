@@ -9,11 +9,20 @@
 
 namespace scan_bridge {
 
+// A step's token ids, when its input is tokens (each below the model's embedding rows).
+enum class TokenType : int32_t { none = 0, i32 = 1, i64 = 2, u8 = 3 };
+
 struct ModelStepProblem {
   const void* model = nullptr;  // the pointer in a "scan_bridge.fused_model" capsule
   int64_t rows = 0;
-  const void* hidden = nullptr;  // [rows, d_model] f32 in, at any byte offset (read, not written)
-  void* out = nullptr;           // [rows, d_model] f32, the final norm's output, at any byte offset
+  // The input: [rows, d_model] f32 embeddings (token_type none), or [rows] token ids looked up
+  // in the model's embedding; at any byte offset, read, not written.
+  const void* hidden = nullptr;
+  TokenType token_type = TokenType::none;
+  // [rows, d_model] f32, the final norm's output, or with `logits` the head's [rows, vocab] f32;
+  // at any byte offset.
+  void* out = nullptr;
+  bool logits = false;
   const int64_t* slots = nullptr;  // [rows] state rows, each below pool_rows
   int64_t pool_rows = 0;
   // Per layer, the address of state row 0's conv windows ([conv channels, d_conv] f32) and of
