@@ -339,13 +339,15 @@ defmodule ScanBridge.TestSupport do
       )
 
     freeze(os_pid)
-    put = Task.async(fn -> ScanBridge.put(client, big, timeout: 100) end)
+    # The put's deadline leaves time to see it outstanding on a loaded machine: with 100 ms, a
+    # clean-clone CI run never saw it so (given up, most likely, before the first look).
+    put = Task.async(fn -> ScanBridge.put(client, big, timeout: 1_000) end)
     # the put is in the lane (a client suspended in sending it would not answer this)
     assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
     ping = Task.async(fn -> ScanBridge.ping(client, timeout: 100) end)
 
     assert [{^put, {:ok, put_outcome}}, {^ping, {:ok, ping_outcome}}] =
-             Task.yield_many([put, ping], 2_000)
+             Task.yield_many([put, ping], 5_000)
 
     assert {:error, %ScanBridge.Error{reason: :timeout}} = put_outcome
     assert {:error, %ScanBridge.Error{reason: :timeout}} = ping_outcome
