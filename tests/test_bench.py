@@ -357,18 +357,24 @@ def test_models_bench_runs_end_to_end(tmp_path):
     assert "echo" in case or "echo_skipped" in case
 
 
+def model_bench_case(tmp_path, module: str, arch: str) -> dict:
+    """The one case of `python -m MODULE` (a bench.models.case_main bench) run tiny on `arch`:
+    24 frames at batch 2."""
+    pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
+    out = tmp_path / "cases.json"
+    proc = run_marked([sys.executable, "-m", module, "--frames", "24", "--batches", "2", "--archs", arch,
+                       "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["arch"], case["batch"]) == (arch, 2)
+    return case
+
+
 def test_model_dtype_ab_bench_runs_end_to_end(tmp_path):
     """`python -m bench.model_dtype_ab`, tiny: both dtypes' steps over the Port and the three
     in-process steps timed in one run, the ratios of its own numbers, and the bf16 model's outputs
     near the fp32 one's but not equal to them (two models were served, not one twice)."""
-    pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
-    out = tmp_path / "dtype_ab.json"
-    proc = run_marked([sys.executable, "-m", "bench.model_dtype_ab", "--frames", "24", "--batches", "2",
-                       "--archs", "mamba2", "--json", str(out)], timeout_s=300,
-                      cwd=Path(__file__).resolve().parent.parent)
-    assert proc.failure() is None, proc.failure()
-    (case,) = json.loads(out.read_text())["cases"]
-    assert (case["arch"], case["batch"]) == ("mamba2", 2)
+    case = model_bench_case(tmp_path, "bench.model_dtype_ab", "mamba2")
     port, local = case["over_the_port"], case["in_process"]
     for pacing in ("paced", "back_to_back"):
         assert port[pacing]["f32"]["n"] == port[pacing]["bf16"]["n"] == 4
@@ -382,14 +388,7 @@ def test_model_native_ab_bench_runs_end_to_end(tmp_path):
     """`python -m bench.model_native_ab`, tiny: both servers' steps timed in one run (the bench
     itself fails when their hidden states differ past fp32's error or a default server's step was
     not served natively), the ratios of its own numbers."""
-    pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
-    out = tmp_path / "native_ab.json"
-    proc = run_marked([sys.executable, "-m", "bench.model_native_ab", "--frames", "24", "--batches", "2",
-                       "--archs", "mamba", "--json", str(out)], timeout_s=300,
-                      cwd=Path(__file__).resolve().parent.parent)
-    assert proc.failure() is None, proc.failure()
-    (case,) = json.loads(out.read_text())["cases"]
-    assert (case["arch"], case["batch"]) == ("mamba", 2)
+    case = model_bench_case(tmp_path, "bench.model_native_ab", "mamba")
     for pacing in ("paced", "back_to_back"):
         r = case[pacing]
         assert r["native"]["round_trip"]["n"] == r["general"]["round_trip"]["n"] == 4

@@ -75,6 +75,7 @@ class Model:
         self._fused_dims = [0 if config.arch == "mamba" else 1, config.d_inner, config.d_state, config.dt_rank,
                             config.nheads, config.headdim, config.ngroups]
         self._fused = self.dtype in FUSED_STEP_DTYPES
+        self._steps_fused = self._fused and self.device.type == "cpu"  # the fused kernel is the CPU's
         if self._fused:
             self._fused_weights = [[_wide(layer.norm), layer.in_proj, _wide(layer.in_proj_bias), layer.conv,
                                     layer.conv_bias, layer.A, layer.D, layer.dt_bias, layer.out_proj,
@@ -147,13 +148,13 @@ class Model:
         (kernels/cpu/model_step.h): (each layer's weights, norm_f, dims, eps, dt_min, dt_max,
         the embedding, the head), the last two None where the model has none; None where the
         model composes its step (weights in another dtype, or not on the CPU)."""
-        if not self._fused or self.device.type != "cpu":
+        if not self._steps_fused:
             return None
         return (self._fused_weights, self._fused_norm_f, self._fused_dims, self.config.eps,
                 self.dt_limits["dt_min"], self.dt_limits["dt_max"], self.embeddings, self.lm_head)
 
     def _fused_step(self, parts: dict[str, torch.Tensor], backend: str | None):
-        if not self._fused or self.device.type != "cpu":
+        if not self._steps_fused:
             return None
         if any(p.dtype != torch.float32 for p in parts.values()):
             return None

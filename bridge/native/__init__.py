@@ -175,52 +175,51 @@ class NativeStep:
 
     def _prepared(self, loaded):
         """The kernel's prepared weights of a loaded model, or None where its step is not fused."""
-        cached = self._models.get(loaded.id)
-        if cached is None or cached[0]() is not loaded.model:
+        def prepare():
             arguments = loaded.model.fused_arguments() if self._prepare_model is not None else None
-            gone = functools.partial(_forget, self._models, loaded.id)
-            cached = (weakref.ref(loaded.model, gone), None if arguments is None else self._prepare_model(*arguments))
-            self._models[loaded.id] = cached
-        return cached[1]
+            return None if arguments is None else self._prepare_model(*arguments)
+
+        return _cached(self._models, loaded.id, loaded.model, loaded.model, prepare)
 
     def _model_row_addresses(self, session, layers: int) -> tuple:
         """(slots, pool rows, each layer's conv and ssm part of row 0, the row stride in floats) of
         a model session: what run_model takes after the model."""
         flat = session.pool.flat  # replaced when the pool grows
-        cached = self._model_rows.get(session.id)
-        if cached is None or cached[1]() is not flat:
+
+        def addresses():
             parts = session.pool.parts
             conv, ssm = zip(*((parts[c].data_ptr(), parts[s].data_ptr())
                               for c, s in map(layer_state_names, range(layers))))
-            gone = functools.partial(_forget, self._model_rows, session.id)
-            cached = (weakref.ref(session, gone), weakref.ref(flat),
-                      (session.slots.data_ptr(), flat.shape[0], list(conv), list(ssm), flat.stride(0)))
-            self._model_rows[session.id] = cached
-        return cached[2]
+            return session.slots.data_ptr(), flat.shape[0], list(conv), list(ssm), flat.stride(0)
+
+        return _cached(self._model_rows, session.id, session, flat, addresses)
 
     def _pool_addresses(self, session) -> tuple[int, int]:
         """The addresses of the session's pool rows (contiguous fp32) and of its slots (int64)."""
         rows = session.pool.rows  # replaced when the pool grows
-        cached = self._pools.get(session.id)
-        if cached is None or cached[1]() is not rows:
-            gone = functools.partial(_forget, self._pools, session.id)
-            cached = (weakref.ref(session, gone), weakref.ref(rows), (rows.data_ptr(), session.slots.data_ptr()))
-            self._pools[session.id] = cached
-        return cached[2]
+        return _cached(self._pools, session.id, session, rows, lambda: (rows.data_ptr(), session.slots.data_ptr()))
 
     def _handle_ref(self, handle: str, tensor: torch.Tensor) -> tuple | None:
         """(address, shape) of a handle's tensor when it is contiguous fp32 on the CPU, else None."""
-        cached = self._handles.get(handle)
-        if cached is None or cached[0]() is not tensor:
+        def reference():
             usable = tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
-            gone = functools.partial(_forget, self._handles, handle)
-            cached = (weakref.ref(tensor, gone), (tensor.data_ptr(), tuple(tensor.shape)) if usable else None)
-            self._handles[handle] = cached
-        return cached[1]
+            return (tensor.data_ptr(), tuple(tensor.shape)) if usable else None
+
+        return _cached(self._handles, handle, tensor, tensor, reference)
 
 
 # Each server's native path (or None where it could not be made), while the server lives.
 _PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cached(cache: dict, key: str, owner, source, make):
+    """`make()`, kept in `cache` under `key` while `source` is still the object in use, and
+    dropped when `owner` goes (weak references to both: the cache keeps nothing alive)."""
+    entry = cache.get(key)
+    if entry is None or entry[1]() is not source:
+        entry = (weakref.ref(owner, functools.partial(_forget, cache, key)), weakref.ref(source), make())
+        cache[key] = entry
+    return entry[2]
 
 
 def _forget(cache: dict, key: str, _dead_reference) -> None:

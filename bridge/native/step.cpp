@@ -245,18 +245,7 @@ struct TokenIds {
   scan_bridge::TokenType type = scan_bridge::TokenType::none;
   int64_t n = 0;
 
-  int64_t at(int64_t i) const {
-    const auto* bytes = static_cast<const uint8_t*>(data);
-    if (type == scan_bridge::TokenType::u8) return bytes[i];
-    if (type == scan_bridge::TokenType::i32) {
-      int32_t v;
-      std::memcpy(&v, bytes + 4 * i, 4);
-      return v;
-    }
-    int64_t v;
-    std::memcpy(&v, bytes + 8 * i, 8);
-    return v;
-  }
+  int64_t at(int64_t i) const { return scan_bridge::token_at(data, type, i); }
 };
 
 // A model step's "output": unnamed (the model's default: logits where it has a head).

@@ -759,17 +759,8 @@ void embed_tokens(const FusedModel& model, const void* ids, scan_bridge::TokenTy
   const at::Tensor& table = *model.embeddings;
   const int64_t vocab = table.size(0), d = model.d;
   std::vector<int64_t> id(static_cast<size_t>(rows));
-  const auto* bytes = static_cast<const uint8_t*>(ids);
   for (int64_t r = 0; r < rows; ++r) {
-    if (type == scan_bridge::TokenType::i32) {
-      int32_t v;
-      std::memcpy(&v, bytes + 4 * r, 4);
-      id[r] = v;
-    } else if (type == scan_bridge::TokenType::i64) {
-      std::memcpy(&id[r], bytes + 8 * r, 8);
-    } else {
-      id[r] = bytes[r];
-    }
+    id[r] = scan_bridge::token_at(ids, type, r);
     if (id[r] < 0 || id[r] >= vocab)
       throw std::invalid_argument("model_step: token " + std::to_string(id[r]) + " outside the vocabulary of " +
                                   std::to_string(vocab));

@@ -6,11 +6,26 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace scan_bridge {
 
 // A step's token ids, when its input is tokens (each below the model's embedding rows).
 enum class TokenType : int32_t { none = 0, i32 = 1, i64 = 2, u8 = 3 };
+
+// Token id i of `ids` (of `type`, at any byte offset).
+inline int64_t token_at(const void* ids, TokenType type, int64_t i) {
+  const auto* bytes = static_cast<const uint8_t*>(ids);
+  if (type == TokenType::u8) return bytes[i];
+  if (type == TokenType::i32) {
+    int32_t v;
+    std::memcpy(&v, bytes + 4 * i, 4);
+    return v;
+  }
+  int64_t v;
+  std::memcpy(&v, bytes + 8 * i, 8);
+  return v;
+}
 
 struct ModelStepProblem {
   const void* model = nullptr;  // the pointer in a "scan_bridge.fused_model" capsule
