@@ -5,6 +5,9 @@ another revision, on bench.kernels' cases and inputs.
     python -m bench.kernel_ab [--base REV] [--other REV] [--cases step-32x512x16,exphil]
                               [--threads 1] [--seconds 20] [--json FILE]
 
+A case is one of bench.kernels' (a forward call) or "backward-" and one of bench.backward's
+(the backward pass on that bench's inputs, e.g. backward-exphil).
+
 Why one process: on a shared machine one process's speed for the same build drifts by more
 than a kernel change is worth (docs/performance.md, "CPU kernels": the runs' spread), so an A/B
 of separate processes needs many of them and still blurs small differences. Here each build is
@@ -24,7 +27,7 @@ scheduler puts the woken helper still varies from block to block, so there the p
 paired ratio are the steadier figures.
 
 Before timing, both builds run the same inputs once: the largest relative difference of their
-outputs (y; and the state for the state update) is reported, so an A/B of builds that compute
+outputs (y; the state for the state update; every gradient for a backward case) is reported, so an A/B of builds that compute
 different things shows it.
 """
 
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +48,7 @@ import torch
 from bridge.bench.machine import write_results
 from kernels.cpu import backend_from, build
 
+from . import backward
 from .kernels import CASES_BY_NAME, backend_call, make_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +61,41 @@ WARM_SECONDS = 0.002
 
 class RevisionError(Exception):
     """A revision whose kernel sources cannot be read."""
+
+
+BACKWARD_PREFIX = "backward-"
+
+
+@dataclass(frozen=True)
+class BackwardCase:
+    """bench.backward's case, its backward pass timed."""
+    case: backward.Case
+
+    @property
+    def name(self) -> str:
+        return BACKWARD_PREFIX + self.case.name
+
+
+def case_named(name: str):
+    """bench.kernels' case of that name, or a BackwardCase for "backward-<bench.backward case>";
+    KeyError for any other name."""
+    if name.startswith(BACKWARD_PREFIX) and name.removeprefix(BACKWARD_PREFIX) in backward.CASES:
+        return BackwardCase(backward.CASES[name.removeprefix(BACKWARD_PREFIX)])
+    return CASES_BY_NAME[name]
+
+
+def known_cases() -> list[str]:
+    return [*CASES_BY_NAME, *(BACKWARD_PREFIX + name for name in backward.CASES)]
+
+
+def calls_on_one_input(case, backends, seed: int = 0) -> list:
+    """Each backend's call of `case`, all on one set of inputs."""
+    if isinstance(case, BackwardCase):
+        args = backward.inputs_of(case.case, seed)
+        dy = torch.randn(args["x"].shape, generator=torch.Generator().manual_seed(seed + 1))
+        return [backward.backward_call(case.case, b, args, dy)[1] for b in backends]
+    inputs = make_inputs(case, "bld", torch.device("cpu"), seed=seed)
+    return [backend_call(case, b, inputs) for b in backends]
 
 
 def sources_at(revision: str, destination: Path) -> str:
@@ -118,20 +158,33 @@ def load_builds(base: str, other: str) -> tuple[tuple, tuple]:
         return tuple((loaded[side], commits[side]) for side in ("base", "other"))
 
 
+def outputs_of(case, backend) -> torch.Tensor:
+    """One call's outputs on fresh inputs, flattened into one float64 vector: y (and the updated
+    state), or every gradient of a backward case."""
+    if isinstance(case, BackwardCase):
+        grads = calls_on_one_input(case, [backend], seed=1)[0]()
+        return torch.cat([grads[k].double().flatten() for k in sorted(grads) if grads[k] is not None])
+    inputs = make_inputs(case, "bld", torch.device("cpu"), seed=1)
+    y = backend_call(case, backend, inputs)()
+    if isinstance(y, tuple):
+        y = y[0]
+    parts = [y.double().flatten()]
+    if case.kind == "step":
+        parts.append(inputs["state"].double().flatten())
+    return torch.cat(parts)
+
+
 def max_relative_difference(case, backends) -> float:
-    """The largest |a - b| / max(|a|, |b|, 1e-30) over y (and the updated state) when both
-    backends run one call on the same fresh inputs."""
-    outputs = []
-    for backend in backends:
-        inputs = make_inputs(case, "bld", torch.device("cpu"), seed=1)
-        y = backend_call(case, backend, inputs)()
-        if isinstance(y, tuple):
-            y = y[0]
-        parts = [y.double().flatten()]
-        if case.kind == "step":
-            parts.append(inputs["state"].double().flatten())
-        outputs.append(torch.cat(parts))
-    a, b = outputs
+    """The largest |a - b| / max(|a|, |b|, 1e-30) over the outputs (outputs_of) when both
+    backends run one call on the same fresh inputs, on one thread: at more, the backward's dB and
+    dC sum the threads' parts in the order the threads took their items, so two runs of one
+    build can differ in the last bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = (outputs_of(case, backend) for backend in backends)
+    finally:
+        torch.set_num_threads(threads)
     scale = torch.maximum(a.abs(), b.abs()).clamp_min(1e-30)
     return float(((a - b).abs() / scale).max())
 
@@ -140,8 +193,7 @@ def time_pair(case, backends, seconds: float, min_rounds: int = 10) -> list[list
     """Per backend, the mean call time (us) of each of its blocks, in alternated rounds."""
     # One set of inputs for both: tensors placed differently (their offsets within pages) can
     # time differently, which would pass for a difference between the builds.
-    inputs = make_inputs(case, "bld", torch.device("cpu"))
-    calls = [backend_call(case, b, inputs) for b in backends]
+    calls = calls_on_one_input(case, backends)
     for call in calls:
         call()
     started = time.perf_counter()
@@ -179,17 +231,16 @@ def main(argv=None) -> int:
     p.add_argument("--other", default=WORKING_TREE,
                    help="git revision of the other build (default: the working tree's sources)")
     p.add_argument("--cases", default="step-32x512x16",
-                   help="comma-separated bench.kernels case names (default step-32x512x16): "
-                   + ", ".join(CASES_BY_NAME))
+                   help="comma-separated case names (default step-32x512x16): " + ", ".join(known_cases()))
     p.add_argument("--threads", default="1", help="comma-separated thread counts (default 1)")
     p.add_argument("--seconds", type=float, default=20.0,
                    help="timing per (case, thread count), both builds together (default 20)")
     p.add_argument("--json", help="write results with machine and commit info to this file")
     args = p.parse_args(argv)
     try:
-        cases = [CASES_BY_NAME[n] for n in args.cases.split(",")]
+        cases = [case_named(n) for n in args.cases.split(",")]
     except KeyError as exc:
-        p.error(f"--cases: unknown case {exc}; known: {', '.join(CASES_BY_NAME)}")
+        p.error(f"--cases: unknown case {exc}; known: {', '.join(known_cases())}")
     try:
         threads = [int(t) for t in args.threads.split(",")]
     except ValueError:

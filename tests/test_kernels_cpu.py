@@ -831,13 +831,14 @@ def test_kernel_ab_times_two_builds_of_one_revision(tmp_path):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
     out = tmp_path / "ab.json"
-    assert kernel_ab.main(["--base", "HEAD", "--other", "HEAD", "--cases", "1x4x16x4,step-32x512x16",
-                           "--threads", "1,2", "--seconds", "0", "--json", str(out)]) == 0
+    assert kernel_ab.main(["--base", "HEAD", "--other", "HEAD", "--cases",
+                           "1x4x16x4,step-32x512x16,backward-2x64x32x16", "--threads", "1,2", "--seconds", "0",
+                           "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["base"]["commit"] == report["other"]["commit"] == head
     assert report["base"]["details"]["library"] != report["other"]["details"]["library"]
     assert [(r["case"], r["threads"]) for r in report["results"]] == [
-        ("1x4x16x4", 1), ("1x4x16x4", 2), ("step-32x512x16", 1), ("step-32x512x16", 2)]
+        (case, threads) for case in ("1x4x16x4", "step-32x512x16", "backward-2x64x32x16") for threads in (1, 2)]
     for row in report["results"]:
         assert row["max_relative_difference"] == 0.0
         assert row["base"]["blocks"] == row["other"]["blocks"] >= 10
@@ -912,13 +913,12 @@ def test_kernel_ab_sleeps_past_the_helper_pools_spin():
 
 def test_kernel_ab_reports_builds_that_compute_differently():
     """The outputs check sees a difference where there is one: the cpu backend against the
-    torch backend (same math, other rounding) on both kinds of case."""
+    torch backend (same math, other rounding) on every kind of case."""
     from bench import kernel_ab
-    from bench.kernels import CASES_BY_NAME
 
     pair = (kernels.get_backend("cpu", "cpu"), kernels.get_backend("torch", "cpu"))
-    for name in ("1x4x16x4", "step-32x512x16"):
-        difference = kernel_ab.max_relative_difference(CASES_BY_NAME[name], pair)
+    for name in ("1x4x16x4", "step-32x512x16", "backward-2x64x32x16"):
+        difference = kernel_ab.max_relative_difference(kernel_ab.case_named(name), pair)
         # Relative per element, so an output that cancels to near zero sets it, and the step's
         # varies with the CPU the kernels are built for; a kernel computing something else
         # differs by ~1.
