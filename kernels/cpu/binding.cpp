@@ -14,10 +14,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -388,6 +387,18 @@ struct BackwardOptions {
   std::optional<double> dt_min, dt_max;
 };
 
+// [threads, *shape] accumulators at `seats`, summed over the threads into a tensor of `shape`.
+template <typename T>
+at::Tensor sum_over_seats(const T* seats, int64_t threads, at::IntArrayRef shape, const at::TensorOptions& options) {
+  at::Tensor out = at::empty(shape, options);
+  T* sum = out.data_ptr<T>();
+  const int64_t n = out.numel();
+  std::copy(seats, seats + n, sum);
+  for (int64_t seat = 1; seat < threads; ++seat)
+    for (int64_t i = 0; i < n; ++i) sum[i] += seats[seat * n + i];
+  return out;
+}
+
 template <typename T>
 std::vector<at::Tensor> scan_backward_typed(
     const at::Tensor& x, const at::Tensor& dt, const std::optional<at::Tensor>& z, const at::Tensor& dy,
@@ -426,20 +437,23 @@ std::vector<at::Tensor> scan_backward_typed(
   const int64_t items = scan_bridge::scan_backward_items(p);
   const int64_t per_item = std::max<int64_t>(1, scan_bridge::scan_backward_work_per_item(p));
   const int64_t threads = threads_for(items, per_item);
-  const auto options = x.options();
-  at::Tensor dA = at::zeros({threads, p.dim, p.state}, options);
-  at::Tensor dD = at::zeros({threads, p.dim}, options);
-  at::Tensor dbias = at::zeros({threads, p.dim}, options);
-  at::Tensor dB = at::zeros({threads, p.batch, p.seq, p.groups, p.state}, options);
-  at::Tensor dC = at::zeros({threads, p.batch, p.seq, p.groups, p.state}, options);
-  p.dA = dA.data_ptr<T>();
-  p.dD = dD.data_ptr<T>();
-  p.ddt_bias = dbias.data_ptr<T>();
-  p.dB = dB.data_ptr<T>();
-  p.dC = dC.data_ptr<T>();
+  // The seats' accumulators are zeroed and summed here, not by torch ops: those would run on
+  // torch's OpenMP team, whose threads then spin on the cores the next call's helpers need.
+  const int64_t bc = p.batch * p.seq * p.groups * p.state;
+  std::vector<T> seats(threads * (p.dim * p.state + 2 * p.dim + 2 * bc), T{0});
+  p.dA = seats.data();
+  p.dD = p.dA + threads * p.dim * p.state;
+  p.ddt_bias = p.dD + threads * p.dim;
+  p.dB = p.ddt_bias + threads * p.dim;
+  p.dC = p.dB + threads * bc;
   run_on(threads, items, per_item,
          [&](scan_bridge::WorkQueue& queue, int seat) { scan_bridge::scan_backward_run(p, queue, seat); });
-  return {dA.sum(0), dD.sum(0), dbias.sum(0), dB.sum(0), dC.sum(0)};
+  const auto options = x.options();
+  return {sum_over_seats(p.dA, threads, {p.dim, p.state}, options),
+          sum_over_seats(p.dD, threads, {p.dim}, options),
+          sum_over_seats(p.ddt_bias, threads, {p.dim}, options),
+          sum_over_seats(p.dB, threads, {p.batch, p.seq, p.groups, p.state}, options),
+          sum_over_seats(p.dC, threads, {p.batch, p.seq, p.groups, p.state}, options)};
 }
 
 // -> [dA, dD, ddt_bias, dB, dC]; dx, ddt, dz, dh0 are written where they are given.

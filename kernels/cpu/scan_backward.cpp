@@ -26,6 +26,7 @@ namespace {
 template <typename T>
 class BackwardRunner {
   using V = typename Lanes<T>::V;
+  using Unaligned = typename Lanes<T>::Unaligned;
   static constexpr int W = Lanes<T>::W;
   static constexpr int K = kBackwardChunk;
 
@@ -33,13 +34,13 @@ class BackwardRunner {
   explicit BackwardRunner(const ScanBackwardProblem<T>& p)
       : p_(p),
         N_(p.state),
+        bc_stride_(p.groups * p.state),
         per_group_(p.dim / p.groups),
         per_group_blocks_((per_group_ + W - 1) / W),
         chunks_((p.seq + K - 1) / K),
         decays_per_step_(p.scalar_decay ? 1 : p.state),
         scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
-                 10 * Scratch::bytes<V>(K) + 2 * Scratch::bytes<T>(K * N_) +
-                 Scratch::bytes<V>((K + 1) * N_) + Scratch::bytes<V>(K * decays_per_step_) +
+                 10 * Scratch::bytes<V>(K) + Scratch::bytes<V>((K + 1) * N_) + Scratch::bytes<V>(K * decays_per_step_) +
                  2 * Scratch::bytes<V>(N_)) {
     ckpt_ = scratch_.take<V>(chunks_ * N_);
     A_ = scratch_.take<V>(N_);
@@ -59,8 +60,6 @@ class BackwardRunner {
     dxs_ = scratch_.take<V>(K);
     dds_ = scratch_.take<V>(K);
     dzs_ = scratch_.take<V>(K);
-    Bs_ = scratch_.take<T>(K * N_);
-    Cs_ = scratch_.take<T>(K * N_);
     hist_ = scratch_.take<V>((K + 1) * N_);
     decay_ = scratch_.take<V>(K * decays_per_step_);
     dBp_ = scratch_.take<V>(N_);
@@ -100,22 +99,33 @@ class BackwardRunner {
       for (int l = 0; l < lanes; ++l) bias_[0][l] = p_.dt_bias[d0 + l];
   }
 
-  // tile[t][l] = src[b, t0 + t, d0 + l]; lanes past `lanes` are zero.
+  // tile[t][l] = src[b, t0 + t, d0 + l]; lanes past `lanes` are zero. A full block moves as one
+  // unaligned vector: a memcpy of a run-time length is a library call per row.
   void load_tile(const T* src, int64_t b, int64_t t0, int steps, int64_t d0, int lanes, V* tile) const {
-    for (int t = 0; t < steps; ++t) {
-      tile[t] = V{};
-      std::memcpy(static_cast<void*>(tile + t), src + (b * p_.seq + t0 + t) * p_.dim + d0, lanes * sizeof(T));
+    const T* row = src + (b * p_.seq + t0) * p_.dim + d0;
+    for (int t = 0; t < steps; ++t, row += p_.dim) {
+      if (lanes == W) {
+        tile[t] = *reinterpret_cast<const Unaligned*>(row);
+      } else {
+        tile[t] = V{};
+        std::memcpy(static_cast<void*>(tile + t), row, lanes * sizeof(T));
+      }
     }
   }
 
   void store_tile(T* dst, int64_t b, int64_t t0, int steps, int64_t d0, int lanes, const V* tile) const {
-    for (int t = 0; t < steps; ++t)
-      std::memcpy(dst + (b * p_.seq + t0 + t) * p_.dim + d0, static_cast<const void*>(tile + t), lanes * sizeof(T));
+    T* row = dst + (b * p_.seq + t0) * p_.dim + d0;
+    for (int t = 0; t < steps; ++t, row += p_.dim) {
+      if (lanes == W)
+        *reinterpret_cast<Unaligned*>(row) = tile[t];
+      else
+        std::memcpy(row, static_cast<const void*>(tile + t), lanes * sizeof(T));
+    }
   }
 
-  // x, delta (plain and as Math<T>::decay takes it), d(delta)/d(dt), delta x and B (with C when
-  // `with_c`) for a chunk.
-  void pack(int64_t b, int64_t g, int64_t t0, int steps, int64_t d0, int lanes, bool with_c) {
+  // x, delta (plain and as Math<T>::decay takes it), d(delta)/d(dt) and delta x for a chunk, and
+  // where its B and C rows start (read in place: a row is `bc_stride_` apart).
+  void pack(int64_t b, int64_t g, int64_t t0, int steps, int64_t d0, int lanes) {
     load_tile(p_.x, b, t0, steps, d0, lanes, xs_);
     load_tile(p_.dt, b, t0, steps, d0, lanes, dls_);
     const T lo = static_cast<T>(p_.dt_min), hi = static_cast<T>(p_.dt_max);
@@ -142,11 +152,9 @@ class BackwardRunner {
       dtx_[t] = d * xs_[t];
       dts_[t] = d * Math<T>::kDecayScale;
     }
-    const int64_t row = p_.groups * N_;
-    for (int t = 0; t < steps; ++t) {
-      std::memcpy(Bs_ + t * N_, p_.B + (b * p_.seq + t0 + t) * row + g * N_, N_ * sizeof(T));
-      if (with_c) std::memcpy(Cs_ + t * N_, p_.C + (b * p_.seq + t0 + t) * row + g * N_, N_ * sizeof(T));
-    }
+    const int64_t first = (b * p_.seq + t0) * bc_stride_ + g * N_;
+    Bs_ = p_.B + first;
+    Cs_ = p_.C + first;
   }
 
   // The states entering each chunk, from h0 (the last chunk's own steps are not needed).
@@ -158,7 +166,7 @@ class BackwardRunner {
       const int steps = K;
       std::memcpy(static_cast<void*>(h + N_), static_cast<const void*>(h), N_ * sizeof(V));
       h += N_;
-      pack(b, g, t0, steps, d0, lanes, false);
+      pack(b, g, t0, steps, d0, lanes);
       for (int t = 0; t < steps; ++t) advance(t, h, h, nullptr);
     }
   }
@@ -178,16 +186,15 @@ class BackwardRunner {
     for (int64_t c = chunks_ - 1; c >= 0; --c) {
       const int64_t t0 = c * K;
       const int steps = static_cast<int>(std::min<int64_t>(K, p_.seq - t0));
-      pack(b, g, t0, steps, d0, lanes, true);
+      pack(b, g, t0, steps, d0, lanes);
       load_tile(p_.dy, b, t0, steps, d0, lanes, gs_);
       if (p_.z != nullptr) load_tile(p_.z, b, t0, steps, d0, lanes, zs_);
       recompute(c, steps);
-      const int64_t row = p_.groups * N_;
-      const int64_t seat_offset = static_cast<int64_t>(seat) * p_.batch * p_.seq * row;
+      const int64_t seat_offset = static_cast<int64_t>(seat) * p_.batch * p_.seq * bc_stride_;
       for (int t = steps - 1; t >= 0; --t) {
         reverse_step(t);
         // This step's dB and dC terms are summed over the lanes at once, while in L1.
-        const int64_t at = seat_offset + (b * p_.seq + t0 + t) * row + g * N_;
+        const int64_t at = seat_offset + (b * p_.seq + t0 + t) * bc_stride_ + g * N_;
         add_lane_sums(dBp_, p_.dB + at);
         add_lane_sums(dCp_, p_.dC + at);
       }
@@ -219,7 +226,7 @@ class BackwardRunner {
   // state element).
   void advance(int t, const V* prev, V* cur, V* decays) {
     const V u = dtx_[t];
-    const T* Bt = Bs_ + t * N_;
+    const T* Bt = Bs_ + t * bc_stride_;
     if (p_.scalar_decay) {
       const V a = Math<T>::decay(dts_[t], A_[0]);
       if (decays != nullptr) decays[0] = a;
@@ -237,8 +244,8 @@ class BackwardRunner {
     const V x = xs_[t];
     const V* h = hist_ + (t + 1) * N_;
     const V* h_prev = hist_ + t * N_;
-    const T* Bt = Bs_ + t * N_;
-    const T* Ct = Cs_ + t * N_;
+    const T* Bt = Bs_ + t * bc_stride_;
+    const T* Ct = Cs_ + t * bc_stride_;
     V dy = gs_[t];
     if (p_.z != nullptr) {
       V y = D_[0] * x;
@@ -311,12 +318,12 @@ class BackwardRunner {
   }
 
   const ScanBackwardProblem<T>& p_;
-  const int64_t N_, per_group_, per_group_blocks_, chunks_, decays_per_step_;
+  const int64_t N_, bc_stride_, per_group_, per_group_blocks_, chunks_, decays_per_step_;
   Scratch scratch_;
   int64_t prepared_block_ = -1;
   V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *dts_, *dtx_, *gs_, *zs_, *dxs_,
       *dds_, *dzs_;
-  T *Bs_, *Cs_;
+  const T *Bs_ = nullptr, *Cs_ = nullptr;  // the packed chunk's first B and C rows
   V *hist_, *decay_, *dBp_, *dCp_;
 };
 
