@@ -550,9 +550,12 @@ def test_simd_variant_ssd_state_update_matches_reference(simd_backend, case, dty
 
 
 # The backward pass per variant: full and partial channel blocks, state 16 and odd states (the
-# lane-sum tree's padding), groups, both layouts, Mamba-2's scalar decay, fp64.
+# lane-sum tree's padding), groups, both layouts, Mamba-2's scalar decay, fp64; a sequence walked
+# back as one chunk and one past kWholeSequenceBytes at every vector width (checkpoints, then
+# chunks of 16 steps, the last one partial).
 SIMD_BACKWARD_CASES = [
-    pytest.param("scan", ScanCase(2, 45, 37, 16, groups=1, **ALL), torch.float32, id="partial-blocks-2-chunks-f32"),
+    pytest.param("scan", ScanCase(2, 45, 37, 16, groups=1, **ALL), torch.float32, id="partial-blocks-one-chunk-f32"),
+    pytest.param("scan", ScanCase(1, 333, 19, 16, groups=1, **ALL), torch.float32, id="checkpointed-333-steps-f32"),
     pytest.param("scan", ScanCase(1, 33, 40, 5, groups=2, layout="bdl", **ALL), torch.float32, id="bdl-state-5-f32"),
     pytest.param("scan", ScanCase(2, 9, 20, 16, D=True, z=True, h0=True), torch.float64, id="f64"),
     pytest.param("ssd", SsdCase(1, 40, 3, 20, 16, groups=3, D=True, z=True, dt_bias=True, dt_softplus=True, h0=True),

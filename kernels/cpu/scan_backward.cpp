@@ -28,7 +28,6 @@ class BackwardRunner {
   using V = typename Lanes<T>::V;
   using Unaligned = typename Lanes<T>::Unaligned;
   static constexpr int W = Lanes<T>::W;
-  static constexpr int K = kBackwardChunk;
 
  public:
   explicit BackwardRunner(const ScanBackwardProblem<T>& p)
@@ -37,10 +36,11 @@ class BackwardRunner {
         bc_stride_(p.groups * p.state),
         per_group_(p.dim / p.groups),
         per_group_blocks_((per_group_ + W - 1) / W),
-        chunks_((p.seq + K - 1) / K),
         decays_per_step_(p.scalar_decay ? 1 : p.state),
+        chunk_(chunk_steps(p)),
+        chunks_((p.seq + chunk_ - 1) / chunk_),
         scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
-                 10 * Scratch::bytes<V>(K) + Scratch::bytes<V>((K + 1) * N_) + Scratch::bytes<V>(K * decays_per_step_) +
+                 10 * Scratch::bytes<V>(chunk_) + Scratch::bytes<V>((chunk_ + 1) * N_) + Scratch::bytes<V>(chunk_ * decays_per_step_) +
                  2 * Scratch::bytes<V>(N_)) {
     ckpt_ = scratch_.take<V>(chunks_ * N_);
     A_ = scratch_.take<V>(N_);
@@ -50,20 +50,28 @@ class BackwardRunner {
     dD_ = scratch_.take<V>(1);
     bias_ = scratch_.take<V>(1);
     dbias_ = scratch_.take<V>(1);
-    xs_ = scratch_.take<V>(K);
-    dls_ = scratch_.take<V>(K);
-    slope_ = scratch_.take<V>(K);
-    dts_ = scratch_.take<V>(K);
-    dtx_ = scratch_.take<V>(K);
-    gs_ = scratch_.take<V>(K);
-    zs_ = scratch_.take<V>(K);
-    dxs_ = scratch_.take<V>(K);
-    dds_ = scratch_.take<V>(K);
-    dzs_ = scratch_.take<V>(K);
-    hist_ = scratch_.take<V>((K + 1) * N_);
-    decay_ = scratch_.take<V>(K * decays_per_step_);
+    xs_ = scratch_.take<V>(chunk_);
+    dls_ = scratch_.take<V>(chunk_);
+    slope_ = scratch_.take<V>(chunk_);
+    dts_ = scratch_.take<V>(chunk_);
+    dtx_ = scratch_.take<V>(chunk_);
+    gs_ = scratch_.take<V>(chunk_);
+    zs_ = scratch_.take<V>(chunk_);
+    dxs_ = scratch_.take<V>(chunk_);
+    dds_ = scratch_.take<V>(chunk_);
+    dzs_ = scratch_.take<V>(chunk_);
+    hist_ = scratch_.take<V>((chunk_ + 1) * N_);
+    decay_ = scratch_.take<V>(chunk_ * decays_per_step_);
     dBp_ = scratch_.take<V>(N_);
     dCp_ = scratch_.take<V>(N_);
+  }
+
+  // The steps of a chunk: the whole sequence where its states and decays fit in
+  // kWholeSequenceBytes, which spares the checkpoint walk, else kBackwardChunk.
+  static int64_t chunk_steps(const ScanBackwardProblem<T>& p) {
+    const int64_t decays = p.scalar_decay ? 1 : p.state;
+    const int64_t bytes = static_cast<int64_t>(sizeof(V)) * ((p.seq + 1) * p.state + p.seq * decays);
+    return bytes <= kWholeSequenceBytes ? std::max<int64_t>(p.seq, 1) : kBackwardChunk;
   }
 
   void run_range(int64_t begin, int64_t end, int seat) {
@@ -162,8 +170,8 @@ class BackwardRunner {
     V* h = ckpt_;
     load_state(p_.h0, b, d0, lanes, h);
     for (int64_t c = 0; c + 1 < chunks_; ++c) {
-      const int64_t t0 = c * K;
-      const int steps = K;
+      const int64_t t0 = c * chunk_;
+      const int steps = static_cast<int>(chunk_);
       std::memcpy(static_cast<void*>(h + N_), static_cast<const void*>(h), N_ * sizeof(V));
       h += N_;
       pack(b, g, t0, steps, d0, lanes);
@@ -184,8 +192,8 @@ class BackwardRunner {
     std::memset(static_cast<void*>(dA_), 0, N_ * sizeof(V));
     dD_[0] = dbias_[0] = V{};
     for (int64_t c = chunks_ - 1; c >= 0; --c) {
-      const int64_t t0 = c * K;
-      const int steps = static_cast<int>(std::min<int64_t>(K, p_.seq - t0));
+      const int64_t t0 = c * chunk_;
+      const int steps = static_cast<int>(std::min<int64_t>(chunk_, p_.seq - t0));
       pack(b, g, t0, steps, d0, lanes);
       load_tile(p_.dy, b, t0, steps, d0, lanes, gs_);
       if (p_.z != nullptr) load_tile(p_.z, b, t0, steps, d0, lanes, zs_);
@@ -318,7 +326,9 @@ class BackwardRunner {
   }
 
   const ScanBackwardProblem<T>& p_;
-  const int64_t N_, bc_stride_, per_group_, per_group_blocks_, chunks_, decays_per_step_;
+  const int64_t N_, bc_stride_, per_group_, per_group_blocks_, decays_per_step_;
+  const int64_t chunk_;  // steps in a chunk
+  const int64_t chunks_;
   Scratch scratch_;
   int64_t prepared_block_ = -1;
   V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *dts_, *dtx_, *gs_, *zs_, *dxs_,

@@ -7,7 +7,8 @@
 // Memory: no [batch, seq, dim, state] history. Each item (a block of W channels of one batch
 // row) walks its sequence once to keep the state at every kBackwardChunk-th step, then walks it
 // backwards a chunk at a time, recomputing that chunk's states from its checkpoint. A seat's
-// scratch is (seq / kBackwardChunk + 2 kBackwardChunk) x state vectors of W lanes.
+// scratch is (seq / kBackwardChunk + 2 kBackwardChunk) x state vectors of W lanes. A sequence
+// whose states and decays fit in kWholeSequenceBytes is one chunk: no checkpoint walk.
 //
 // Mamba-2 (SSD) runs through the same loops with its heads' channels (head x headdim) as
 // channels and `scalar_decay` set: A is then one value per channel (its row's first element),
@@ -21,6 +22,9 @@
 namespace scan_bridge {
 
 inline constexpr int kBackwardChunk = 16;
+// A seat's states and decays for a whole sequence, at most: walked from L2 instead of L1, they
+// spare the checkpoint walk, which costs about one forward pass (docs/performance.md).
+inline constexpr int64_t kWholeSequenceBytes = 160 * 1024;
 
 template <typename T>
 struct ScanBackwardProblem {
