@@ -79,10 +79,13 @@ class BackwardRunner {
   }
 
  private:
-  // Block-major items: consecutive items share a block, whose A and D are loaded once.
+  // Row-major items (item = b * blocks + block), as the forward orders them with vectors
+  // narrower than a cache line: a line of x, dt, dy then holds several blocks' channels, and
+  // consecutive items read it while it is in cache.
   void run(int64_t item, int seat) {
-    const int64_t b = item % p_.batch;
-    const int64_t block = item / p_.batch;
+    const int64_t blocks = p_.groups * per_group_blocks_;
+    const int64_t b = item / blocks;
+    const int64_t block = item % blocks;
     const int64_t g = block / per_group_blocks_;
     const int64_t d0 = g * per_group_ + (block % per_group_blocks_) * W;
     const int lanes = static_cast<int>(std::min<int64_t>(W, per_group_ - (block % per_group_blocks_) * W));
