@@ -78,14 +78,20 @@ def inputs_of(case: Case, seed: int = 0) -> dict:
     return args
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def alternated_medians_ms(fns, rounds: int, block: int = 2) -> list[float]:
+    """Each function's median call time over `rounds` rounds. A round times a block of calls of
+    each function in turn, after one untimed call: each is timed in its own steady state (a
+    forward right after a backward runs slower, its caches and allocations disturbed), while
+    the ratio of two of them compares calls that met the same state of the shared machine."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, times):
+            fn()
+            start = time.perf_counter()
+            for _ in range(block):
+                fn()
+            out.append((time.perf_counter() - start) * 1e3 / block)
+    return [statistics.median(t) for t in times]
 
 
 def _status_bytes(key: str) -> int:
@@ -183,7 +189,7 @@ def run_case(case: Case, variants: dict, reps: int, torch_reps: int) -> dict:
     rows = {}
     for name, backend in variants.items():
         forward, backward = backward_call(case, backend, args, dy)
-        fwd, bwd = median_ms(forward, reps), median_ms(backward, reps)
+        fwd, bwd = alternated_medians_ms((forward, backward), reps)
         rows[name] = {"forward_ms": fwd, "backward_ms": bwd, "backward_over_forward": bwd / fwd,
                       "simd": backend.details.get("simd")}
         print(f"  {case.name:>20} {name:>12}: forward {fwd:8.2f} ms  backward {bwd:8.2f} ms  ({bwd / fwd:.2f}x)")
@@ -215,7 +221,7 @@ def run_case(case: Case, variants: dict, reps: int, torch_reps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--reps", type=int, default=30)
     p.add_argument("--torch-reps", type=int, default=3)
     p.add_argument("--json")
     p.add_argument("--peaks", metavar="CASE", help=argparse.SUPPRESS)  # one case's peak memory, as JSON
