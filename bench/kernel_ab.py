@@ -6,7 +6,9 @@ another revision, on bench.kernels' cases and inputs.
                               [--threads 1] [--seconds 20] [--json FILE]
 
 A case is one of bench.kernels' (a forward call) or "backward-" and one of bench.backward's
-(the backward pass on that bench's inputs, e.g. backward-exphil).
+(the backward pass on that bench's inputs, e.g. backward-exphil). Both builds are called through
+the working tree's kernels/cpu/__init__.py, so two revisions whose bindings take other arguments
+cannot be compared here.
 
 Why one process: on a shared machine one process's speed for the same build drifts by more
 than a kernel change is worth (docs/performance.md, "CPU kernels": the runs' spread), so an A/B

@@ -378,25 +378,35 @@ void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor&
 
 // --- The scan's backward pass -----------------------------------------------------------------
 // kernels/cpu/__init__.py hands contiguous [batch, seq, channel] tensors of one compute dtype
-// ("bld"; Mamba-2's heads x headdim as channels, with scalar_decay). Items are shared out as the
-// forward's are; each thread sums into its own seat's slice of dA, dD, ddt_bias, dB and dC, and
-// the slices are added here.
+// ("bld"; Mamba-2's heads x headdim as channels, with scalar_decay, and dt, dt_bias, A per head:
+// channels_per_dt = headdim). Items are shared out as the forward's are; each thread sums into
+// its own seat's slice of dA, dD, ddt_bias, dB and dC, and the slices are added here, with ddt,
+// dA and ddt_bias summed over each dt column's channels. These sums are plain loops, not torch
+// ops: those would run on torch's OpenMP team, whose threads then spin on the cores the next
+// call's helpers need.
 
 struct BackwardOptions {
   bool dt_softplus, scalar_decay;
+  int64_t channels_per_dt;
   std::optional<double> dt_min, dt_max;
 };
 
-// [threads, *shape] accumulators at `seats`, summed over the threads into a tensor of `shape`.
+// out[r, d / per, k] = the sum over seats s < threads and channels d of
+// seats[s, r, d, k], for k < kept of the `width` stored: per-channel accumulators summed over the
+// threads and over each dt column's `per` channels.
 template <typename T>
-at::Tensor sum_over_seats(const T* seats, int64_t threads, at::IntArrayRef shape, const at::TensorOptions& options) {
-  at::Tensor out = at::empty(shape, options);
-  T* sum = out.data_ptr<T>();
-  const int64_t n = out.numel();
-  std::copy(seats, seats + n, sum);
-  for (int64_t seat = 1; seat < threads; ++seat)
-    for (int64_t i = 0; i < n; ++i) sum[i] += seats[seat * n + i];
-  return out;
+void sum_into_columns(const T* seats, int64_t threads, int64_t rows, int64_t dim, int64_t width, int64_t kept,
+                      int64_t per, T* out) {
+  const int64_t columns = dim / per;
+  std::fill(out, out + rows * columns * kept, T{0});
+  for (int64_t seat = 0; seat < threads; ++seat)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* in = seats + (seat * rows + r) * dim * width;
+      T* row = out + r * columns * kept;
+      for (int64_t c = 0; c < columns; ++c)
+        for (int64_t d = c * per; d < (c + 1) * per; ++d)
+          for (int64_t k = 0; k < kept; ++k) row[c * kept + k] += in[d * width + k];
+    }
 }
 
 template <typename T>
@@ -410,9 +420,10 @@ std::vector<at::Tensor> scan_backward_typed(
   p.batch = x.size(0);
   p.seq = x.size(1);
   p.dim = x.size(2);
-  p.state = A.size(1);
+  p.state = B.size(3);
   p.groups = B.size(2);
   p.scalar_decay = o.scalar_decay;
+  p.channels_per_dt = o.channels_per_dt;
   p.x = x.data_ptr<T>();
   p.dt = dt.data_ptr<T>();
   p.z = data_of<T>(z);
@@ -430,15 +441,15 @@ std::vector<at::Tensor> scan_backward_typed(
   p.h0 = data_of<T>(h0);
   p.dstate = data_of<T>(dstate);
   p.dx = dx.data_ptr<T>();
-  p.ddt = ddt.data_ptr<T>();
+  // ddt per channel, summed over each dt column's channels after the run where they share one.
+  std::vector<T> ddt_per_channel(o.channels_per_dt > 1 ? p.batch * p.seq * p.dim : 0);
+  p.ddt = o.channels_per_dt > 1 ? ddt_per_channel.data() : ddt.data_ptr<T>();
   p.dz = dz.has_value() ? dz->data_ptr<T>() : nullptr;
   p.dh0 = dh0.has_value() ? dh0->data_ptr<T>() : nullptr;
 
   const int64_t items = scan_bridge::scan_backward_items(p);
   const int64_t per_item = std::max<int64_t>(1, scan_bridge::scan_backward_work_per_item(p));
   const int64_t threads = threads_for(items, per_item);
-  // The seats' accumulators are zeroed and summed here, not by torch ops: those would run on
-  // torch's OpenMP team, whose threads then spin on the cores the next call's helpers need.
   const int64_t bc = p.batch * p.seq * p.groups * p.state;
   std::vector<T> seats(threads * (p.dim * p.state + 2 * p.dim + 2 * bc), T{0});
   p.dA = seats.data();
@@ -448,27 +459,38 @@ std::vector<at::Tensor> scan_backward_typed(
   p.dC = p.dB + threads * bc;
   run_on(threads, items, per_item,
          [&](scan_bridge::WorkQueue& queue, int seat) { scan_bridge::scan_backward_run(p, queue, seat); });
+  const int64_t per = o.channels_per_dt, columns = p.dim / per, kept = p.scalar_decay ? 1 : p.state;
+  if (per > 1) sum_into_columns(ddt_per_channel.data(), 1, p.batch * p.seq, p.dim, 1, 1, per, ddt.data_ptr<T>());
   const auto options = x.options();
-  return {sum_over_seats(p.dA, threads, {p.dim, p.state}, options),
-          sum_over_seats(p.dD, threads, {p.dim}, options),
-          sum_over_seats(p.ddt_bias, threads, {p.dim}, options),
-          sum_over_seats(p.dB, threads, {p.batch, p.seq, p.groups, p.state}, options),
-          sum_over_seats(p.dC, threads, {p.batch, p.seq, p.groups, p.state}, options)};
+  at::Tensor dA = p.scalar_decay ? at::empty({columns}, options) : at::empty({columns, p.state}, options);
+  at::Tensor dD = at::empty({p.dim}, options), dbias = at::empty({columns}, options);
+  at::Tensor dB = at::empty({p.batch, p.seq, p.groups, p.state}, options);
+  at::Tensor dC = at::empty({p.batch, p.seq, p.groups, p.state}, options);
+  sum_into_columns(p.dA, threads, 1, p.dim, p.state, kept, per, dA.data_ptr<T>());
+  sum_into_columns(p.dD, threads, 1, p.dim, 1, 1, 1, dD.data_ptr<T>());
+  sum_into_columns(p.ddt_bias, threads, 1, p.dim, 1, 1, per, dbias.data_ptr<T>());
+  sum_into_columns(p.dB, threads, 1, bc, 1, 1, 1, dB.data_ptr<T>());
+  sum_into_columns(p.dC, threads, 1, bc, 1, 1, 1, dC.data_ptr<T>());
+  return {dA, dD, dbias, dB, dC};
 }
 
-// -> [dA, dD, ddt_bias, dB, dC]; dx, ddt, dz, dh0 are written where they are given.
+// -> [dA, dD, ddt_bias, dB, dC]; dx, ddt, dz, dh0 are written where they are given. dt, dt_bias
+// and A have a column per `channels_per_dt` channels, and so do ddt, dA and ddt_bias.
 std::vector<at::Tensor> scan_backward(
     const at::Tensor& x, const at::Tensor& dt, const std::optional<at::Tensor>& z, const at::Tensor& dy,
     const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
     const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
     std::optional<double> dt_max, const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& dstate,
-    bool scalar_decay, at::Tensor dx, at::Tensor ddt, const std::optional<at::Tensor>& dz,
+    bool scalar_decay, int64_t channels_per_dt, at::Tensor dx, at::Tensor ddt, const std::optional<at::Tensor>& dz,
     const std::optional<at::Tensor>& dh0) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble)
     throw std::invalid_argument("scan_backward x: expected float32 or float64");
-  if (x.dim() != 3 || B.dim() != 4 || C.dim() != 4 || A.dim() != 2)
-    throw std::invalid_argument("scan_backward: expected x 3-D, B and C 4-D, A 2-D");
+  if (x.dim() != 3 || B.dim() != 4 || C.dim() != 4 || A.dim() != (scalar_decay ? 1 : 2))
+    throw std::invalid_argument("scan_backward: expected x 3-D, B and C 4-D, A 2-D (1-D with scalar_decay)");
+  if (channels_per_dt < 1 || x.size(2) % channels_per_dt != 0)
+    throw std::invalid_argument("scan_backward: expected channels_per_dt to divide x's " +
+                                std::to_string(x.size(2)) + " channels, got " + std::to_string(channels_per_dt));
   if (z.has_value() != dz.has_value()) throw std::invalid_argument("scan_backward: dz is given exactly with z");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&dy, "dy"},
                          {&A, "A"}, {&B, "B"}, {&C, "C"}, {&dx, "dx"}, {&ddt, "ddt"}})
@@ -476,7 +498,7 @@ std::vector<at::Tensor> scan_backward(
   for (auto [t, name] : {std::pair<const std::optional<at::Tensor>*, const char*>{&z, "z"}, {&D, "D"},
                          {&dt_bias, "dt_bias"}, {&h0, "h0"}, {&dstate, "dstate"}, {&dz, "dz"}, {&dh0, "dh0"}})
     if (t->has_value()) require_operand(**t, name, dtype, "scan_backward");
-  const BackwardOptions o{dt_softplus, scalar_decay, dt_min, dt_max};
+  const BackwardOptions o{dt_softplus, scalar_decay, channels_per_dt, dt_min, dt_max};
   if (dtype == at::kFloat)
     return scan_backward_typed<float>(x, dt, z, dy, A, B, C, D, dt_bias, h0, dstate, o, dx, ddt, dz, dh0);
   return scan_backward_typed<double>(x, dt, z, dy, A, B, C, D, dt_bias, h0, dstate, o, dx, ddt, dz, dh0);

@@ -101,13 +101,35 @@ class BackwardRunner {
     std::memset(static_cast<void*>(A_), 0, N_ * sizeof(V));
     const int64_t n_read = p_.scalar_decay ? 1 : N_;
     for (int l = 0; l < lanes; ++l)
-      for (int64_t n = 0; n < n_read; ++n) A_[n][l] = p_.A[(d0 + l) * N_ + n];
+      for (int64_t n = 0; n < n_read; ++n) A_[n][l] = p_.A[column(d0 + l) * n_read + n];
     D_[0] = V{};
     if (p_.D != nullptr)
       for (int l = 0; l < lanes; ++l) D_[0][l] = p_.D[d0 + l];
     bias_[0] = V{};
     if (p_.dt_bias != nullptr)
-      for (int l = 0; l < lanes; ++l) bias_[0][l] = p_.dt_bias[d0 + l];
+      for (int l = 0; l < lanes; ++l) bias_[0][l] = p_.dt_bias[column(d0 + l)];
+    for (int l = 0; l < W; ++l) dt_columns_[l] = column(d0 + std::min(l, lanes - 1));
+    one_dt_column_ = lanes == W && dt_columns_[0] == dt_columns_[W - 1];
+  }
+
+  // Channel d's column of dt, dt_bias and A.
+  int64_t column(int64_t d) const { return d / p_.channels_per_dt; }
+
+  // dt's tile, dt[b, t0 + t, column(d0 + l)]: a tile like x's where each channel has its own
+  // column, a broadcast where the block's channels share one (a head's), else gathered.
+  void load_dt_tile(int64_t b, int64_t t0, int steps, int64_t d0, int lanes, V* tile) const {
+    if (p_.channels_per_dt == 1) return load_tile(p_.dt, b, t0, steps, d0, lanes, tile);
+    const int64_t columns = p_.dim / p_.channels_per_dt;
+    const T* row = p_.dt + (b * p_.seq + t0) * columns;
+    for (int t = 0; t < steps; ++t, row += columns) {
+      if (one_dt_column_) {
+        tile[t] = Lanes<T>::splat(row[dt_columns_[0]]);
+      } else {
+        V v = {};
+        for (int l = 0; l < lanes; ++l) v[l] = row[dt_columns_[l]];
+        tile[t] = v;
+      }
+    }
   }
 
   // tile[t][l] = src[b, t0 + t, d0 + l]; lanes past `lanes` are zero. A full block moves as one
@@ -138,7 +160,7 @@ class BackwardRunner {
   // where its B and C rows start (read in place: a row is `bc_stride_` apart).
   void pack(int64_t b, int64_t g, int64_t t0, int steps, int64_t d0, int lanes) {
     load_tile(p_.x, b, t0, steps, d0, lanes, xs_);
-    load_tile(p_.dt, b, t0, steps, d0, lanes, dls_);
+    load_dt_tile(b, t0, steps, d0, lanes, dls_);
     const T lo = static_cast<T>(p_.dt_min), hi = static_cast<T>(p_.dt_max);
     const V one = Lanes<T>::splat(static_cast<T>(1)), zero = V{};
     for (int t = 0; t < steps; ++t) {
@@ -334,6 +356,8 @@ class BackwardRunner {
   const int64_t chunks_;
   Scratch scratch_;
   int64_t prepared_block_ = -1;
+  int64_t dt_columns_[W] = {};  // the prepared block's lanes' columns of dt
+  bool one_dt_column_ = false;  // every lane of the prepared block in one column
   V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *dts_, *dtx_, *gs_, *zs_, *dxs_,
       *dds_, *dzs_;
   const T *Bs_ = nullptr, *Cs_ = nullptr;  // the packed chunk's first B and C rows

@@ -11,8 +11,8 @@
 // whose states and decays fit in kWholeSequenceBytes is one chunk: no checkpoint walk.
 //
 // Mamba-2 (SSD) runs through the same loops with its heads' channels (head x headdim) as
-// channels and `scalar_decay` set: A is then one value per channel (its row's first element),
-// so a timestep costs one exp per channel instead of one per state element.
+// channels, `scalar_decay` set and `channels_per_dt` = headdim: A, dt and dt_bias are then read
+// per head, so a timestep costs one exp per channel instead of one per state element.
 #pragma once
 
 #include <cstdint>
@@ -29,27 +29,30 @@ inline constexpr int64_t kWholeSequenceBytes = 160 * 1024;
 template <typename T>
 struct ScanBackwardProblem {
   int64_t batch = 0, seq = 0, dim = 0, state = 0, groups = 1;
-  bool scalar_decay = false;
+  bool scalar_decay = false;  // one decay per channel: A holds one value per dt column
+  // Consecutive channels sharing a column of dt, dt_bias and A (a Mamba-2 head's headdim); the
+  // column of channel d is d / channels_per_dt, of `dt_columns` = dim / channels_per_dt.
+  int64_t channels_per_dt = 1;
   const T* x = nullptr;       // [batch, seq, dim]
-  const T* dt = nullptr;      // [batch, seq, dim], before bias, softplus and clamp
+  const T* dt = nullptr;      // [batch, seq, dt_columns], before bias, softplus and clamp
   const T* z = nullptr;       // [batch, seq, dim] or nullptr
   const T* dy = nullptr;      // [batch, seq, dim]
-  const T* A = nullptr;       // [dim, state]
+  const T* A = nullptr;       // [dt_columns, state], or [dt_columns] with scalar_decay
   const T* B = nullptr;       // [batch, seq, groups, state]
   const T* C = nullptr;       // [batch, seq, groups, state]
   const T* D = nullptr;       // [dim] or nullptr
-  const T* dt_bias = nullptr; // [dim] or nullptr
+  const T* dt_bias = nullptr; // [dt_columns] or nullptr
   bool dt_softplus = false;
   bool has_dt_min = false, has_dt_max = false;
   double dt_min = 0.0, dt_max = 0.0;
   const T* h0 = nullptr;      // [batch, dim, state] or nullptr (zeros)
   const T* dstate = nullptr;  // [batch, dim, state] or nullptr (zeros): the final state's gradient
   T* dx = nullptr;            // [batch, seq, dim], written
-  T* ddt = nullptr;           // [batch, seq, dim], written
+  T* ddt = nullptr;           // [batch, seq, dim], written: per channel, whatever channels_per_dt
   T* dz = nullptr;            // [batch, seq, dim], written where z is given
   T* dh0 = nullptr;           // [batch, dim, state], written, or nullptr
   // Accumulated (+=) into the slice of the running seat; zero-filled by the caller:
-  T* dA = nullptr;            // [seats, dim, state]
+  T* dA = nullptr;            // [seats, dim, state] (with scalar_decay, [seats, dim, 0] only)
   T* dD = nullptr;            // [seats, dim]
   T* ddt_bias = nullptr;      // [seats, dim]
   T* dB = nullptr;            // [seats, batch, seq, groups, state]
