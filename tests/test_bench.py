@@ -155,6 +155,28 @@ def test_plot_says_why_without_matplotlib(monkeypatch, tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize("start, end, fraction", [
+    pytest.param("cpu  500 0 100 390 0 0 0 10 0 0", "cpu  800 0 200 790 0 0 0 210 0 0", 0.2, id="a fifth stolen"),
+    pytest.param("cpu  500 0 100 390 0 0 0 10 0 0", "cpu  900 0 200 890 0 0 0 10 0 0", 0.0, id="none stolen"),
+    pytest.param("cpu  500 0 100 390 0 0 0 10", "cpu  500 0 100 390 0 0 0 10", None, id="no time between"),
+    pytest.param("cpu0 1 2 3 4 5 6 7 8", "cpu  1 2 3 4 5 6 7 8", None, id="not the cpu line"),
+    pytest.param("cpu  1 2 3", "cpu  1 2 3 4 5 6 7 8", None, id="no steal field"),
+])
+def test_results_say_how_much_cpu_time_the_hypervisor_took(tmp_path, start, end, fraction):
+    """machine_info's cpu_time_stolen: the steal share of the machine's CPU time between two
+    readings of /proc/stat (the module's import and the results' writing)."""
+    from bridge.bench import machine
+
+    readings = []
+    for name, line in (("start", start), ("end", end)):
+        (tmp_path / name).write_text(line + "\nintr 1 2 3\n")
+        readings.append(machine.cpu_times(str(tmp_path / name)))
+    assert machine.stolen_fraction(*readings) == fraction
+    assert machine.cpu_times(str(tmp_path / "absent")) is None
+    stolen = machine.machine_info()["cpu_time_stolen"]
+    assert stolen is None or 0.0 <= stolen <= 1.0
+
+
 def test_quick_end_to_end(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = run_marked([sys.executable, "-m", "bridge.bench", "--quick", "--device", "cpu",

@@ -22,6 +22,33 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
+    """(all, stolen): the machine's CPU time since boot and the part of it the hypervisor gave to
+    others (steal), in clock ticks, from /proc/stat's first line; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already within user and nice)
+    ticks = [int(v) for v in fields[1:9]]
+    return sum(ticks), ticks[7]
+
+
+def stolen_fraction(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """The share of the CPU time between two cpu_times readings that was stolen."""
+    if start is None or end is None or end[0] <= start[0]:
+        return None
+    return (end[1] - start[1]) / (end[0] - start[0])
+
+
+# Read when a benchmark imports this module, so that its results say how much of the machine the
+# hypervisor took while it ran: on a shared VM the same code's timings move with that.
+_TIMES_AT_IMPORT = cpu_times()
+
+
 def machine_info() -> dict:
     import torch
 
@@ -34,6 +61,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu_time_stolen": stolen_fraction(_TIMES_AT_IMPORT, cpu_times()),
     }
     # The installed version, without importing triton (slow, and irrelevant on CPU runs).
     try:
