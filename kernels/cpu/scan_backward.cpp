@@ -40,8 +40,8 @@ class BackwardRunner {
         chunk_(chunk_steps(p)),
         chunks_((p.seq + chunk_ - 1) / chunk_),
         scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
-                 10 * Scratch::bytes<V>(chunk_) + Scratch::bytes<V>((chunk_ + 1) * N_) + Scratch::bytes<V>(chunk_ * decays_per_step_) +
-                 2 * Scratch::bytes<V>(N_)) {
+                 10 * Scratch::bytes<V>(chunk_) + Scratch::bytes<V>((chunk_ + 1) * N_) +
+                 Scratch::bytes<V>(chunk_ * decays_per_step_) + 2 * Scratch::bytes<V>(N_)) {
     ckpt_ = scratch_.take<V>(chunks_ * N_);
     A_ = scratch_.take<V>(N_);
     dh_ = scratch_.take<V>(N_);
