@@ -7,12 +7,15 @@ is served from its frame to its reply in C++, bridge/native) and one with `--no-
 from the same window; every frame then steps both with the same embeddings, a third of a frame
 apart, the order swapped each frame, and a C pipe echo answers the same bytes with a reply of the
 same size in the last third (what moving the bytes alone costs), paced 1/60 s (`paced`), then
-all three back to back (`back_to_back`). Both servers' hidden states must agree to fp32's
+all three back to back (`back_to_back`). The archs "mamba-lm" and "mamba2-lm" are the same
+backbones as causal LMs (bench.models.LM_VOCAB tokens, the head tied to the embeddings), stepped
+from token ids (int64 [batch]) to logits. Both servers' outputs must agree to fp32's
 error: their steps are the same kernel (tests/test_native_step.py holds them to bit equality in
 one process), but each process's prefill runs torch's matrix products, whose last bits may
 differ between two processes on a loaded machine.
 
-    python -m bench.model_native_ab [--frames 300] [--batches 1,32] [--archs mamba,mamba2]
+    python -m bench.model_native_ab [--frames 300] [--batches 1,32]
+                                    [--archs mamba,mamba2 | mamba-lm,mamba2-lm]
                                     [--json bench/results/model_native_ab.json]
 """
 
@@ -26,16 +29,25 @@ from bridge.bench.floors import BridgeProcess, EchoUnavailable, encode_request, 
 from bridge.bench.machine import summarize_us
 from bridge.tensors import host_view
 
-from .models import D_MODEL, WARMUP, WINDOW, case_main, exphil_model, wait_for_frame
+from .models import D_MODEL, LM_VOCAB, WARMUP, WINDOW, case_main, exphil_model, wait_for_frame
 
 MODES = {"native": [], "general": ["--no-native-step"]}
 MAX_RELATIVE_DIFFERENCE = 1e-4
 
 
+LM_SUFFIX = "-lm"
+
+
 def run_case(arch: str, batch: int, frames_n: int) -> dict:
-    _, config, weights = exphil_model(arch, seed=batch)
+    lm = arch.endswith(LM_SUFFIX)
+    _, config, weights = exphil_model(arch.removesuffix(LM_SUFFIX), seed=batch, lm=lm)
     g = torch.Generator().manual_seed(7)
-    frames = [torch.randn(batch, D_MODEL, generator=g) for _ in range(frames_n + WINDOW)]
+    if lm:
+        given, output = "tokens", "logits"
+        frames = [torch.randint(LM_VOCAB, (batch,), generator=g) for _ in range(frames_n + WINDOW)]
+    else:
+        given, output = "embeds", "hidden"
+        frames = [torch.randn(batch, D_MODEL, generator=g) for _ in range(frames_n + WINDOW)]
     bridges = {mode: BridgeProcess(args) for mode, args in MODES.items()}
     echo = None
     try:
@@ -43,11 +55,11 @@ def run_case(arch: str, batch: int, frames_n: int) -> dict:
         for mode, bridge in bridges.items():
             model = bridge.call("model_load", config=config, weights=weights)["model"]
             session = bridge.call("session_open", model=model, batch=batch)["session"]
-            bridge.call("model_forward", session=session, embeds=torch.stack(frames[:WINDOW], dim=1), output="hidden")
+            bridge.call("model_forward", session=session, output=output, **{given: torch.stack(frames[:WINDOW], dim=1)})
             steps[mode] = [bridge.lane.frame(encode_request(i, "model_step",
-                                                            {"session": session, "embeds": f, "output": "hidden"}))
+                                                            {"session": session, given: f, "output": output}))
                            for i, f in enumerate(frames[WINDOW:])]
-        result = {"arch": arch, "batch": batch, "frames": frames_n}
+        result = {"arch": arch, "batch": batch, "frames": frames_n, "input": given, "output": output}
         for mode, bridge in bridges.items():  # both states advance alike; the reply sizes the echo's
             exchange(bridge.lane, steps[mode][0])
         try:
@@ -61,7 +73,7 @@ def run_case(arch: str, batch: int, frames_n: int) -> dict:
             start = time.perf_counter()
             for i in range(frames_n):
                 order = list(MODES) if i % 2 == 0 else list(MODES)[::-1]
-                hidden = {}
+                outputs = {}
                 for k, mode in enumerate(order):
                     if pacing == "paced":
                         wait_for_frame(start, i + k / 3)
@@ -74,11 +86,11 @@ def run_case(arch: str, batch: int, frames_n: int) -> dict:
                     t["kernel"].append(reply.timing["kernel_us"])
                     if mode == "native":
                         served_natively &= reply.timing["h2d_us"] == reply.timing["d2h_us"] == 0
-                    hidden[mode] = host_view(reply.result["hidden"]).clone()  # the reply's bytes are the lane's buffer
-                scale = float(hidden["general"].abs().max())
-                worst = max(worst, float((hidden["native"] - hidden["general"]).abs().max()) / scale)
+                    outputs[mode] = host_view(reply.result[output]).clone()  # the reply's bytes are the lane's buffer
+                scale = float(outputs["general"].abs().max())
+                worst = max(worst, float((outputs["native"] - outputs["general"]).abs().max()) / scale)
                 if worst > MAX_RELATIVE_DIFFERENCE:
-                    raise RuntimeError(f"frame {i}: the two servers' hidden states differ by {worst:.2e} of the "
+                    raise RuntimeError(f"frame {i}: the two servers' {output} differ by {worst:.2e} of the "
                                        f"largest, more than {MAX_RELATIVE_DIFFERENCE}")
                 if echo is not None:
                     if pacing == "paced":
@@ -104,7 +116,7 @@ def run_case(arch: str, batch: int, frames_n: int) -> dict:
 
 
 def report(case: dict) -> None:
-    print(f"{case['arch']} batch {case['batch']}:")
+    print(f"{case['arch']} batch {case['batch']} ({case['input']} -> {case['output']}):")
     for pacing in ("paced", "back_to_back"):
         r = case[pacing]
         line = f"  {pacing:13s}"

@@ -51,24 +51,27 @@ FRAME_SECONDS = FRAME_BUDGET_60FPS_US / 1e6
 WARMUP = 20
 WINDOW = 60
 D_MODEL = 256
+LM_VOCAB = 512  # the causal LMs' tokens: a game agent's action vocabulary, say
 # Written before each read of the matrices from memory: several times any cache here.
 EVICT_BYTES = 64 << 20
 GOALS = {"step_over_transformers": 0.1, "step_over_echo": 3.0, "old_way_over_step": 4.0, "snapshot_restore_us": 50.0}
 
 
-def exphil_model(arch: str, seed: int):
-    """A random ExPhil-sized transformers backbone, and the config and weights a client sends."""
+def exphil_model(arch: str, seed: int, lm: bool = False):
+    """A random ExPhil-sized transformers backbone, or with `lm` a causal LM of LM_VOCAB tokens
+    (its head tied to its embeddings), and the config and weights a client sends."""
     import transformers
 
     torch.manual_seed(seed)
+    vocab = LM_VOCAB if lm else 8
     if arch == "mamba":
-        config = transformers.MambaConfig(vocab_size=8, hidden_size=D_MODEL, state_size=16, num_hidden_layers=4,
+        config = transformers.MambaConfig(vocab_size=vocab, hidden_size=D_MODEL, state_size=16, num_hidden_layers=4,
                                           expand=2, conv_kernel=4)
-        model = transformers.MambaModel(config)
+        model = (transformers.MambaForCausalLM if lm else transformers.MambaModel)(config)
     else:
-        config = transformers.Mamba2Config(vocab_size=8, hidden_size=D_MODEL, state_size=64, num_hidden_layers=4,
+        config = transformers.Mamba2Config(vocab_size=vocab, hidden_size=D_MODEL, state_size=64, num_hidden_layers=4,
                                            expand=2, head_dim=64, num_heads=8, n_groups=1, conv_kernel=4)
-        model = transformers.Mamba2Model(config)
+        model = (transformers.Mamba2ForCausalLM if lm else transformers.Mamba2Model)(config)
     model.eval()
     sent = json.loads(config.to_json_string())
     sent["architectures"] = [type(model).__name__]

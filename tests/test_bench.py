@@ -406,11 +406,16 @@ def test_model_dtype_ab_bench_runs_end_to_end(tmp_path):
         local["bf16_composed"]["p50_us"] / local["bf16_fused"]["p50_us"])
 
 
-def test_model_native_ab_bench_runs_end_to_end(tmp_path):
+@pytest.mark.parametrize("arch, given, output", [
+    pytest.param("mamba", "embeds", "hidden", id="backbone-embeds-to-hidden"),
+    pytest.param("mamba2-lm", "tokens", "logits", id="lm-tokens-to-logits"),
+])
+def test_model_native_ab_bench_runs_end_to_end(tmp_path, arch, given, output):
     """`python -m bench.model_native_ab`, tiny: both servers' steps timed in one run (the bench
-    itself fails when their hidden states differ past fp32's error or a default server's step was
-    not served natively), the ratios of its own numbers."""
-    case = model_bench_case(tmp_path, "bench.model_native_ab", "mamba")
+    itself fails when their outputs differ past fp32's error or a default server's step was not
+    served natively), the ratios of its own numbers; a backbone and a causal LM."""
+    case = model_bench_case(tmp_path, "bench.model_native_ab", arch)
+    assert (case["input"], case["output"]) == (given, output)
     for pacing in ("paced", "back_to_back"):
         r = case[pacing]
         assert r["native"]["round_trip"]["n"] == r["general"]["round_trip"]["n"] == 4
