@@ -804,12 +804,9 @@ void embed_tokens(const FusedModel& model, const void* ids, scan_bridge::TokenTy
   for (int64_t r = 0; r < rows; ++r) {
     if (table.scalar_type() == at::kFloat) {
       std::memcpy(out + r * d, table.data_ptr<float>() + id[r] * d, static_cast<size_t>(d) * sizeof(float));
-    } else {  // bfloat16: the high half of an fp32, widened exactly
+    } else {
       const auto* row = reinterpret_cast<const uint16_t*>(table.data_ptr<at::BFloat16>()) + id[r] * d;
-      for (int64_t i = 0; i < d; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(row[i]) << 16;
-        std::memcpy(out + r * d + i, &bits, 4);
-      }
+      for (int64_t i = 0; i < d; ++i) out[r * d + i] = scan_bridge::widen_bf16(row[i]);
     }
   }
 }

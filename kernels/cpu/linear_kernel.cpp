@@ -36,12 +36,7 @@ inline V load(const uint16_t* p) {
 }
 
 inline float widen(float w) { return w; }
-inline float widen(uint16_t w) {
-  const uint32_t bits = uint32_t(w) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float widen(uint16_t w) { return widen_bf16(w); }
 
 // Features j .. j + W of one row x: out[0 .. W).
 template <typename Weight>

@@ -8,8 +8,17 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace scan_bridge {
+
+// A bfloat16 value (its bits) as the fp32 value whose top half it is: exact.
+inline float widen_bf16(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
 
 struct LinearProblem {
   const float* x = nullptr;    // [rows, in], rows x_stride apart
