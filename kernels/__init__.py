@@ -34,12 +34,15 @@ mode on and an input that requires grad, selective_scan and ssd_scan are differe
 
 cu_seqlens (both scans): an int32/int64 tensor [n + 1] of boundaries of n sequences packed
 along seq of a batch-1 input; each starts from h0[i] (h0 then has n rows) or zeros, and the
-returned state has one row per sequence (kernels/_varlen.py).
+returned state has one row per sequence. The cpu backend runs them in one kernel call, the others
+one call a sequence (kernels/_varlen.py); the backward is one call a sequence on every backend.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 from . import _args, _varlen
 from .backward import ScanFunction, ScanSpec, selective_scan_backward, ssd_scan_backward, wants_grad
@@ -85,14 +88,19 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=
     impl = get_backend(backend, args.x.device.type)
     if packed:
         kwargs = args.backend_kwargs()
-
-        def one(x, dt, B, C, z, h0, return_state):
-            return impl.scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state})
-
         bld = layout == "bld"
-        y, state = _varlen.run_packed(one, args, seq_axis=1 if bld else 2, bc_axis=1 if bld else 3, h0=h0,
-                                      cu_seqlens=cu_seqlens, state_shape=(args.dims.dim, args.dims.state),
-                                      state_meaning="dim, state")
+        where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=(args.dims.dim, args.dims.state),
+                     state_meaning="dim, state")
+        if impl.packs_sequences:
+            bounds, h0 = _varlen.check_packed(args, seq_axis=1 if bld else 2, **where)
+            y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C,
+                                 **{**kwargs, "h0": h0, "cu_seqlens": torch.tensor(bounds, dtype=torch.int64)})
+        else:
+
+            def one(x, dt, B, C, z, h0, return_state):
+                return impl.scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state})
+
+            y, state = _varlen.run_packed(one, args, seq_axis=1 if bld else 2, bc_axis=1 if bld else 3, **where)
     else:
         y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
     return (y, state) if args.return_state else y
@@ -122,14 +130,19 @@ def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
     impl = get_backend(backend, args.x.device.type)
     if packed:
         kwargs = args.backend_kwargs()
-
-        def one(x, dt, B, C, z, h0, return_state):
-            return impl.ssd_scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state})
-
         d = args.dims
-        y, state = _varlen.run_packed(one, args, seq_axis=1, bc_axis=1, h0=h0, cu_seqlens=cu_seqlens,
-                                      state_shape=(d.heads, d.headdim, d.state),
-                                      state_meaning="heads, headdim, state")
+        where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=(d.heads, d.headdim, d.state),
+                     state_meaning="heads, headdim, state")
+        if impl.packs_sequences:
+            bounds, h0 = _varlen.check_packed(args, seq_axis=1, **where)
+            y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C,
+                                     **{**kwargs, "h0": h0, "cu_seqlens": torch.tensor(bounds, dtype=torch.int64)})
+        else:
+
+            def one(x, dt, B, C, z, h0, return_state):
+                return impl.ssd_scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state})
+
+            y, state = _varlen.run_packed(one, args, seq_axis=1, bc_axis=1, **where)
     else:
         y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
     return (y, state) if args.return_state else y

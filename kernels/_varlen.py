@@ -1,6 +1,7 @@
 """Variable-length batches: n sequences packed along seq (batch 1), cut at `cu_seqlens`.
 
-Every backend serves them the same way: the call, checked once as a whole, is split into one
+A backend that packs sequences itself (`Backend.packs_sequences`: the C++ one) takes the whole
+call with its boundaries. For the others the call, checked once as a whole, is split into one
 backend call per sequence (views, no copies of the inputs), each starting from its own row of
 h0, and the outputs are joined again (y along seq, the final states stacked). A sequence never
 sees another's state.
@@ -13,6 +14,18 @@ import torch
 from ._args import _check_devices, _require_shape, _require_tensor, check_cu_seqlens
 
 
+def check_packed(args, *, seq_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...], state_meaning: str):
+    """(boundaries as a list, h0) of a packed call whose other inputs `args` holds, checked:
+    cu_seqlens against x's time axis `seq_axis`, h0 a row of `state_shape` per sequence."""
+    x = args.x
+    bounds = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[seq_axis])
+    if h0 is not None:
+        h0 = _require_tensor("h0", h0)
+        _require_shape("h0", h0, (len(bounds) - 1, *state_shape), f"[sequences, {state_meaning}]")
+        _check_devices(dict(x=x, h0=h0))
+    return bounds, h0
+
+
 def run_packed(scan_one, args, *, seq_axis: int, bc_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...],
                state_meaning: str):
     """(y, state or None) of `args` (checked, h0 left out) scanned once per packed sequence by
@@ -21,12 +34,9 @@ def run_packed(scan_one, args, *, seq_axis: int, bc_axis: int, h0, cu_seqlens, s
     seq_axis: the time axis of x, dt and z; bc_axis: that of B and C (with their groups axis);
     state_shape: one sequence's state (h0 is [sequences, *state_shape])."""
     x = args.x
-    bounds = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[seq_axis])
+    bounds, h0 = check_packed(args, seq_axis=seq_axis, h0=h0, cu_seqlens=cu_seqlens, state_shape=state_shape,
+                              state_meaning=state_meaning)
     count = len(bounds) - 1
-    if h0 is not None:
-        h0 = _require_tensor("h0", h0)
-        _require_shape("h0", h0, (count, *state_shape), f"[sequences, {state_meaning}]")
-        _check_devices(dict(x=x, h0=h0))
     ys, states = [], []
     for i in range(count):
         begin, length = bounds[i], bounds[i + 1] - bounds[i]

@@ -593,3 +593,34 @@ def assert_grads_close(actual: dict, expected: dict, given: dict, dtype, what: s
         e = expected[name]
         scale = float(e.detach().abs().max()) or 1.0
         assert_close(g, e, dtype, f"{what}: d{name}", tolerance=(rtol, atol * scale))
+
+
+# --- packed sequences (cu_seqlens) -------------------------------------------------------------
+
+def packed_slice(inputs: dict, kind: str, start: int, stop: int) -> dict:
+    """One packed sequence's inputs: times start .. stop of x, dt, z, B and C. kind: "bld" or
+    "bdl" (Mamba-1 layouts) or "ssd" (time on axis 1)."""
+    out = dict(inputs)
+    for name in ("x", "dt", "z", "B", "C"):
+        if name in inputs:
+            out[name] = inputs[name][..., start:stop] if kind == "bdl" else inputs[name][:, start:stop]
+    return out
+
+
+def assert_packed_matches_each_sequence(y, state, inputs: dict, h0, bounds, kind: str, dtype, what: str) -> None:
+    """A packed call's y and states (state None without return_state) against the float64
+    reference run on each sequence alone, from its own row of h0 (or zeros)."""
+    reference = reference_ssd_scan if kind == "ssd" else reference_scan
+    ys, states = [], []
+    for i in range(len(bounds) - 1):
+        one = packed_slice(inputs, kind, bounds[i], bounds[i + 1])
+        if h0 is not None:
+            one["h0"] = h0[i:i + 1]
+        y_i, state_i = reference(one)
+        ys.append(y_i)
+        states.append(state_i)
+    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}"
+    assert_close(y, torch.cat(ys, dim=2 if kind == "bdl" else 1), dtype, f"{what} y")
+    if state is not None:
+        assert state.dtype == state_dtype(dtype), f"{what}: state dtype {state.dtype}"
+        assert_close(state, torch.cat(states), dtype, f"{what} states", state_tolerance(dtype))

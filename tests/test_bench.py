@@ -472,6 +472,25 @@ def test_backward_bench_runs_end_to_end(tmp_path):
     assert case["torch_autograd"]["peak_extra_bytes"] > 0
 
 
+def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
+    """`python -m bench.varlen` on its tiny case, in this process: the packed call, the
+    per-sequence calls and the padded batch timed, their ratios of its own numbers, and the
+    packed and per-sequence outputs within float32 rounding of each other."""
+    if "cpu" not in kernels.available_backends():
+        pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    from bench import varlen
+
+    out = tmp_path / "varlen.json"
+    assert varlen.main(["--cases", "tiny", "--reps", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (case,) = report["cases"]
+    assert report["benchmark"] == "varlen" and report["simd"] == kernels.backend_details()["cpu"]["simd"]
+    assert case["steps"] == sum(case["lengths"]) and len(case["lengths"]) == case["case"]["sequences"]
+    assert case["ratios"]["per_sequence_over_packed"] == pytest.approx(case["per_sequence_ms"] / case["packed_ms"])
+    assert case["ratios"]["padded_over_packed"] == pytest.approx(case["padded_ms"] / case["packed_ms"])
+    assert 0 <= case["max_abs_difference"] < 1e-4
+
+
 def test_ssd_step_bench_runs_end_to_end(tmp_path):
     """`python -m bench.ssd_step` (Mamba-2 steps, native path against --no-native-step), tiny:
     both servers in one run, each stepping the way its mode says, the ratios of its own numbers."""

@@ -37,7 +37,7 @@ from kernel_cases import (
     DTYPES, GRAD_TOLERANCES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
     assert_scan_outputs_match_reference, assert_update_matches_reference, assert_update_outputs_match_reference,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, SsdCase, SsdUpdateCase, make_ssd_inputs,
-    make_ssd_update_inputs, reference_ssd_scan, reference_ssd_update,
+    make_ssd_update_inputs, reference_ssd_scan, reference_ssd_update, assert_packed_matches_each_sequence,
 )
 from process_runs import BackgroundRun
 from waiting import poll_until
@@ -547,6 +547,64 @@ def test_simd_variant_ssd_state_update_matches_reference(simd_backend, case, dty
     assert_update_outputs_match_reference(case, dtype, inputs, before, y,
                                           f"{simd_backend.details['simd']} build ssd update {case} seed={seed}",
                                           reference=reference_ssd_update)
+
+
+# Packed sequences per variant, taken by the kernels in one call: a sequence of one step, ones
+# crossing the 32-step time chunk, partial channel blocks (headdim blocks for Mamba-2), each
+# starting from its own row of h0 and leaving its own state.
+SIMD_PACKED_BOUNDS = [0, 1, 34, 41, 105, 107]
+SIMD_PACKED_CASES = [
+    pytest.param("bld", ScanCase(1, 107, 38, 16, groups=2, **ALL), torch.float32, id="bld-partial-blocks-f32"),
+    pytest.param("bdl", ScanCase(1, 107, 20, 5, layout="bdl", D=True, z=True, dt_softplus=True),
+                 torch.float16, id="bdl-state-5-f16"),
+    pytest.param("bld", ScanCase(1, 107, 13, 16, D=True, dt_softplus=True, clamp=True), torch.float64, id="f64"),
+    pytest.param("ssd", SsdCase(1, 107, 3, 27, 16, groups=3, D=True, z=True, dt_bias=True, dt_softplus=True,
+                                return_state=True), torch.float32, id="ssd-headdim-27-f32"),
+    pytest.param("ssd", SsdCase(1, 107, 2, 8, 7, D=True, clamp=True, return_state=True), torch.bfloat16,
+                 id="ssd-bf16"),
+]
+
+
+@pytest.mark.parametrize("kind, case, dtype", SIMD_PACKED_CASES)
+def test_simd_variant_packed_sequences_match_each_sequence(simd_backend, kind, case, dtype):
+    seed = random_seed()
+    ssd = kind == "ssd"
+    inputs = (make_ssd_inputs if ssd else make_scan_inputs)(case, dtype, seed=seed)
+    state_shape = (case.heads, case.headdim, case.state) if ssd else (case.dim, case.state)
+    h0 = torch.randn(len(SIMD_PACKED_BOUNDS) - 1, *state_shape, generator=torch.Generator().manual_seed(seed + 1))
+    a = (_args.check_ssd_scan if ssd else _args.check_scan)(**inputs)
+    scan = simd_backend.ssd_scan if ssd else simd_backend.scan
+    y, state = scan(a.x, a.dt, a.A, a.B, a.C, **{**a.backend_kwargs(), "h0": h0,
+                                                  "cu_seqlens": torch.tensor(SIMD_PACKED_BOUNDS)})
+    assert_packed_matches_each_sequence(y, state if case.return_state else None, inputs, h0, SIMD_PACKED_BOUNDS, kind,
+                                        dtype, f"{simd_backend.details['simd']} build packed {case} seed={seed}")
+
+
+@pytest.mark.parametrize("cu_seqlens, batch, message", [
+    pytest.param([0, 5, 3, 7], 1, "rising strictly from 0 to 7", id="falling"),
+    pytest.param([0, 3, 6], 1, "rising strictly from 0 to 7", id="short-of-seq"),
+    pytest.param([0, 3, 3, 7], 1, "rising strictly", id="empty-sequence"),
+    pytest.param([0, 3, 7], 2, "batch 1, got 2", id="batch-2"),
+    pytest.param(torch.tensor([0, 3, 7], dtype=torch.int32), 1, "int64", id="int32"),
+])
+@pytest.mark.parametrize("op", ["scan", "ssd_scan"])
+def test_the_binding_refuses_malformed_packed_bounds(op, cu_seqlens, batch, message):
+    """The kernels index with the boundaries unchecked, so the binding checks them itself: a
+    caller that bypasses kernels._args gets an error, not a read past the operands."""
+    from kernels.cpu import build
+
+    ext = build.load_extension()
+    bounds = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens)
+    B = torch.randn(batch, 7, 1, 4)
+    if op == "scan":
+        args = (torch.randn(batch, 7, 8), torch.rand(batch, 7, 8), -torch.rand(8, 4), B, B, None, None, None, False,
+                None, None, None, False, "bld", bounds)
+    else:
+        x = torch.randn(batch, 7, 2, 4)
+        args = (x, torch.rand(batch, 7, 2), -torch.rand(2), B, B, None, None, None, False, None, None, None,
+                torch.empty_like(x), None, bounds)
+    with pytest.raises(ValueError, match=message):
+        getattr(ext, op)(*args)
 
 
 # The backward pass per variant: full and partial channel blocks, state 16 and odd states (the

@@ -16,10 +16,10 @@ import torch
 import kernels
 from kernel_cases import (
     DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES, STRIDED, ScanCase, SsdCase,
-    SsdUpdateCase, assert_close, assert_scan_outputs_match_reference, assert_ssd_matches_reference,
-    assert_ssd_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
-    make_ssd_inputs, make_ssd_update_inputs, nan_gapped, random_seed, reference_scan, reference_ssd_scan,
-    reference_ssd_update, state_dtype, state_tolerance, cpu_backends,
+    SsdUpdateCase, assert_close, assert_packed_matches_each_sequence, assert_scan_outputs_match_reference,
+    assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
+    make_scan_inputs, make_ssd_inputs, make_ssd_update_inputs, nan_gapped, packed_slice, random_seed,
+    reference_ssd_scan, reference_ssd_update, cpu_backends,
 )
 from kernel_cases import with_changes as _with
 
@@ -107,14 +107,6 @@ def test_torch_ssd_on_cuda():
 
 # --- chaining and chunking: the split of the sequence changes nothing ------------------------
 
-def _ssd_slice(inputs: dict, start: int, stop: int) -> dict:
-    out = dict(inputs)
-    for name in ("x", "dt", "z", "B", "C"):
-        if name in inputs:
-            out[name] = inputs[name][:, start:stop]
-    return out
-
-
 SSD_CHAIN_CASES = [
     pytest.param(SsdCase(2, 23, 4, 6, 5, groups=2, chunk_size=8, D=True, z=True, dt_bias=True,
                          dt_softplus=True, clamp=True, h0=True), 11, id="mid-chunk-all-options"),
@@ -131,8 +123,8 @@ def test_ssd_scan_in_two_calls_equals_one(backend, case, split):
     what = f"{backend} seed={seed}"
     inputs = make_ssd_inputs(case, F32, seed=seed)
     y_full, state_full = kernels.ssd_scan(**inputs, backend=backend)
-    y1, state1 = kernels.ssd_scan(**_ssd_slice(inputs, 0, split), backend=backend)
-    y2, state2 = kernels.ssd_scan(**{**_ssd_slice(inputs, split, case.seq), "h0": state1}, backend=backend)
+    y1, state1 = kernels.ssd_scan(**packed_slice(inputs, "ssd", 0, split), backend=backend)
+    y2, state2 = kernels.ssd_scan(**{**packed_slice(inputs, "ssd", split, case.seq), "h0": state1}, backend=backend)
     assert_close(torch.cat([y1, y2], dim=1), y_full, F32, f"{what} y")
     assert_close(state2, state_full, F32, f"{what} state")
 
@@ -177,7 +169,7 @@ def test_ssd_prefill_then_state_updates_equals_one_scan(backend, steps):
     inputs = make_ssd_inputs(case, F32, seed=seed)
     y_full, state_full = kernels.ssd_scan(**inputs, backend=backend)
     prefill = case.seq - steps
-    _, state = kernels.ssd_scan(**_ssd_slice(inputs, 0, prefill), backend=backend)
+    _, state = kernels.ssd_scan(**packed_slice(inputs, "ssd", 0, prefill), backend=backend)
     slots = torch.tensor([4, 0, 2])
     pool = torch.randn(6, *state.shape[1:], generator=torch.Generator().manual_seed(seed))
     pool[slots] = state
@@ -270,25 +262,6 @@ def _seq_rows(shape, seed: int) -> torch.Tensor:
     return torch.randn(len(BOUNDS) - 1, *shape, generator=torch.Generator().manual_seed(seed + 1))
 
 
-def _assert_packed_matches_separate(y, state, inputs, h0, return_state, slicer, seq_axis, reference,
-                                    dtype, what):
-    """The packed call's y and states against the float64 reference run on each sequence alone
-    (from its own row of h0, or zeros)."""
-    ys, states = [], []
-    for i in range(len(BOUNDS) - 1):
-        one = slicer(inputs, BOUNDS[i], BOUNDS[i + 1])
-        if h0 is not None:
-            one["h0"] = h0[i:i + 1]
-        y_i, state_i = reference(one)
-        ys.append(y_i)
-        states.append(state_i)
-    assert y.dtype == dtype, f"{what}: y dtype {y.dtype}"
-    assert_close(y, torch.cat(ys, dim=seq_axis), dtype, f"{what} y")
-    if return_state:
-        assert state.dtype == state_dtype(dtype), f"{what}: state dtype {state.dtype}"
-        assert_close(state, torch.cat(states), dtype, f"{what} states", state_tolerance(dtype))
-
-
 @pytest.mark.parametrize("h0,return_state", PACKED_OPTIONS)
 @pytest.mark.parametrize("dtype", [pytest.param(F32, id="f32"), pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -300,18 +273,7 @@ def test_ssd_packed_sequences_are_separate_scans(backend, dtype, h0, return_stat
     rows = _seq_rows((4, 3, 5), seed) if h0 else None
     out = kernels.ssd_scan(**inputs, h0=rows, cu_seqlens=torch.tensor(BOUNDS), backend=backend)
     y, state = out if return_state else (out, None)
-    _assert_packed_matches_separate(y, state, inputs, rows, return_state, _ssd_slice, 1, reference_ssd_scan,
-                                    dtype, f"{backend} seed={seed}")
-
-
-def _mamba1_slice(layout):
-    def cut(inputs, start, stop):
-        out = dict(inputs)
-        for name in ("x", "dt", "z", "B", "C"):
-            if name in inputs:
-                out[name] = inputs[name][:, start:stop] if layout == "bld" else inputs[name][..., start:stop]
-        return out
-    return cut
+    assert_packed_matches_each_sequence(y, state, inputs, rows, BOUNDS, "ssd", dtype, f"{backend} seed={seed}")
 
 
 @pytest.mark.parametrize("h0,return_state", PACKED_OPTIONS)
@@ -326,8 +288,7 @@ def test_mamba1_packed_sequences_are_separate_scans(backend, layout, h0, return_
     cu = torch.tensor(BOUNDS, dtype=torch.int32)
     out = kernels.selective_scan(**inputs, h0=rows, cu_seqlens=cu, backend=backend)
     y, state = out if return_state else (out, None)
-    _assert_packed_matches_separate(y, state, inputs, rows, return_state, _mamba1_slice(layout),
-                                    1 if layout == "bld" else 2, reference_scan, F32, f"{backend} seed={seed}")
+    assert_packed_matches_each_sequence(y, state, inputs, rows, BOUNDS, layout, F32, f"{backend} seed={seed}")
 
 
 # --- strided (non-contiguous) inputs ----------------------------------------------------------

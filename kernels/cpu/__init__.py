@@ -43,9 +43,10 @@ def backend_from(ext) -> Backend:
     """The Backend over a loaded extension module (tests also load differently built ones)."""
 
     def scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
-             layout):
+             layout, cu_seqlens=None):
+        packed = () if cu_seqlens is None else (cu_seqlens,)  # as builds before it take them
         return ext.scan(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0,
-                        return_state, layout)
+                        return_state, layout, *packed)
 
     def state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
                      slots):
@@ -53,14 +54,16 @@ def backend_from(ext) -> Backend:
                                 dt_max, slots)
 
     def ssd_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
-                 chunk_size):
+                 chunk_size, cu_seqlens=None):
         # chunk_size tunes chunked backends; this recurrent kernel has none to tune.
         f = _compute_dtype(x)
         batch, _, heads, headdim = x.shape
+        rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
         y = torch.empty(x.shape, dtype=f)
-        state = torch.empty((batch, heads, headdim, B.shape[3]), dtype=f) if return_state else None
+        state = torch.empty((rows, heads, headdim, B.shape[3]), dtype=f) if return_state else None
+        packed = () if cu_seqlens is None else (cu_seqlens,)
         ext.ssd_scan(*_in_dtype(f, x, dt, A, B, C, D, z, dt_bias), dt_softplus, dt_min, dt_max,
-                     *_in_dtype(f, h0), y, state)
+                     *_in_dtype(f, h0), y, state, *packed)
         return y.to(x.dtype), state
 
     def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots):
@@ -134,6 +137,7 @@ def backend_from(ext) -> Backend:
         # It reads every input at whatever byte offset it lies (unaligned loads, or packed
         # into aligned tiles), so the bridge makes no aligned copy.
         reads_unaligned=True,
+        packs_sequences=True,
         # "simd": the variant that serves (build.SIMD_VARIANTS' name, the description's first
         # word), with its description and library.
         details={"simd": ext.simd().split(" ", 1)[0], "simd_description": ext.simd(), "library": ext.__file__},

@@ -141,12 +141,32 @@ ScanProblem problem_from(const at::Tensor& x, const at::Tensor& dt, const at::Te
   return p;
 }
 
+// The boundaries of sequences packed along `seq` time steps of one batch row, checked here
+// too (kernels._args checks them for callers; the kernels index with them unchecked): an int64
+// CPU tensor [n + 1] rising strictly from 0 to seq. Null when absent.
+const int64_t* packed_bounds(const std::optional<at::Tensor>& cu_seqlens, int64_t batch, int64_t seq,
+                             const char* op) {
+  if (!cu_seqlens.has_value()) return nullptr;
+  const at::Tensor& cu = *cu_seqlens;
+  const std::string what = std::string(op) + " cu_seqlens: ";
+  if (cu.scalar_type() != at::kLong || cu.device().type() != at::kCPU || !cu.is_contiguous() || cu.dim() != 1 ||
+      cu.size(0) < 2)
+    throw std::invalid_argument(what + "expected a contiguous 1-D CPU int64 tensor of n + 1 >= 2 boundaries");
+  if (batch != 1) throw std::invalid_argument(what + "expected batch 1, got " + std::to_string(batch));
+  const int64_t* bounds = cu.data_ptr<int64_t>();
+  const int64_t n = cu.size(0) - 1;
+  bool rising = bounds[0] == 0 && bounds[n] == seq;
+  for (int64_t i = 0; rising && i < n; ++i) rising = bounds[i] < bounds[i + 1];
+  if (!rising) throw std::invalid_argument(what + "expected boundaries rising strictly from 0 to " + std::to_string(seq));
+  return bounds;
+}
+
 std::tuple<at::Tensor, std::optional<at::Tensor>> scan(
     const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
     const at::Tensor& C, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
     const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
     std::optional<double> dt_max, const std::optional<at::Tensor>& h0, bool return_state,
-    const std::string& layout) {
+    const std::string& layout, const std::optional<at::Tensor>& cu_seqlens) {
   TORCH_CHECK(layout == "bld" || layout == "bdl", "layout: expected \"bld\" or \"bdl\", got ", layout);
   TORCH_CHECK(x.dim() == 3 && B.dim() == 4 && C.dim() == 4 && A.dim() == 2,
               "scan: expected x 3-D, B and C 4-D (with a groups axis), A 2-D");
@@ -157,6 +177,11 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> scan(
 
   ScanProblem p = problem_from(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, btd, btgn);
   p.h0 = strided(h0, "h0", std::array<int, 3>{0, 1, 2});
+  if (const int64_t* bounds = packed_bounds(cu_seqlens, p.batch, p.seq, "scan")) {
+    // One sequence of one step is a plain step (step mode); more are batch rows of their own.
+    p.batch = cu_seqlens->size(0) - 1;
+    if (p.seq > 1) p.cu_seqlens = bounds;
+  }
 
   at::Tensor y = at::empty(x.sizes(), x.options());
   p.y = strided(y, "y", btd);
@@ -283,10 +308,15 @@ void run_ssd_items(const Problem& p, int64_t items, int64_t per_item, Run run_it
 template <typename T>
 void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
                     const at::Tensor& C, const SsdExtras& extras, const std::optional<at::Tensor>& h0,
-                    at::Tensor& y, const std::optional<at::Tensor>& state_out) {
+                    at::Tensor& y, const std::optional<at::Tensor>& state_out,
+                    const std::optional<at::Tensor>& cu_seqlens) {
   scan_bridge::SsdScanProblem<T> p;
   p.batch = x.size(0);
   p.seq = x.size(1);
+  if (const int64_t* bounds = packed_bounds(cu_seqlens, p.batch, p.seq, "ssd_scan")) {
+    p.batch = cu_seqlens->size(0) - 1;
+    p.cu_seqlens = bounds;
+  }
   p.heads = x.size(2);
   p.headdim = x.size(3);
   p.state = B.size(3);
@@ -301,14 +331,15 @@ void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor&
   p.y = y.data_ptr<T>();
   p.state_out = state_out.has_value() ? state_out->data_ptr<T>() : nullptr;
   const int64_t items = scan_bridge::ssd_scan_item_count(p);
-  run_ssd_items(p, items, p.batch * p.seq * p.heads * p.headdim * p.state / items, scan_bridge::ssd_scan_items<T>);
+  const int64_t rows = p.cu_seqlens == nullptr ? p.batch : 1;
+  run_ssd_items(p, items, rows * p.seq * p.heads * p.headdim * p.state / items, scan_bridge::ssd_scan_items<T>);
 }
 
 void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
               const at::Tensor& C, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
               const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
               std::optional<double> dt_max, const std::optional<at::Tensor>& h0, at::Tensor y,
-              const std::optional<at::Tensor>& state_out) {
+              const std::optional<at::Tensor>& state_out, const std::optional<at::Tensor>& cu_seqlens) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble) throw std::invalid_argument("ssd x: expected float32 or float64");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&A, "A"}, {&B, "B"}, {&C, "C"}, {&y, "y"}})
@@ -317,8 +348,8 @@ void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, co
   extras.require(dtype);
   if (h0.has_value()) require_operand(*h0, "h0", dtype);
   if (state_out.has_value()) require_operand(*state_out, "state", dtype);
-  if (dtype == at::kFloat) ssd_scan_typed<float>(x, dt, A, B, C, extras, h0, y, state_out);
-  else ssd_scan_typed<double>(x, dt, A, B, C, extras, h0, y, state_out);
+  if (dtype == at::kFloat) ssd_scan_typed<float>(x, dt, A, B, C, extras, h0, y, state_out, cu_seqlens);
+  else ssd_scan_typed<double>(x, dt, A, B, C, extras, h0, y, state_out, cu_seqlens);
 }
 
 // Items are (batch row, head) pairs of headdim x state updates each.
@@ -850,9 +881,16 @@ int run_model_step(const scan_bridge::ModelStepProblem* p, size_t problem_size, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "scan-bridge CPU selective-scan kernels";
-  m.def("scan", &scan, py::call_guard<py::gil_scoped_release>());
+  // cu_seqlens last and optional: the Python side passes it only for a packed call, so that it
+  // also drives builds of revisions before it (bench.kernel_ab).
+  m.def("scan", &scan, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
+        py::arg("z"), py::arg("dt_bias"), py::arg("dt_softplus"), py::arg("dt_min"), py::arg("dt_max"), py::arg("h0"),
+        py::arg("return_state"), py::arg("layout"), py::arg("cu_seqlens") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("state_update", &state_update, py::call_guard<py::gil_scoped_release>());
-  m.def("ssd_scan", &ssd_scan, py::call_guard<py::gil_scoped_release>());
+  m.def("ssd_scan", &ssd_scan, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
+        py::arg("z"), py::arg("dt_bias"), py::arg("dt_softplus"), py::arg("dt_min"), py::arg("dt_max"), py::arg("h0"),
+        py::arg("y"), py::arg("state"), py::arg("cu_seqlens") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("ssd_state_update", &ssd_state_update, py::call_guard<py::gil_scoped_release>());
   m.def("model_step", &model_step, py::arg("hidden"), py::arg("slots"), py::arg("layers"), py::arg("norm_f"),
         py::arg("dims"), py::arg("eps"), py::arg("dt_min"), py::arg("dt_max"), py::arg("head") = py::none(),

@@ -4,7 +4,8 @@
 // lanes of fp32 (fp64) in one vector of the target's width, and h is laid out per mode:
 //  - sequence mode (seq > 1): lanes run over channels and h is [state][lanes] in L1. Each
 //    timestep is then multiply-adds with B_t,n and C_t,n broadcast and no horizontal sum; an
-//    item walks its whole sequence in one pass.
+//    item walks its whole sequence in one pass. Packed sequences (cu_seqlens) are batch rows
+//    of their own, each walked from its first time in the one packed row.
 //  - step mode (seq == 1, the state update): lanes run over the state and h keeps the pool's
 //    own [channel][state] layout, updated where it lies; y takes one lane-sum tree per block.
 //
@@ -423,11 +424,15 @@ class SequenceRunner {
       const auto& s = p_.h0.stride;
       load_2d(p_.h0, b * s[0] + d0 * s[1], s[2], s[1], N_int_, lanes, reinterpret_cast<T*>(h_), W);
     }
-    for (int64_t t0 = 0; t0 < p_.seq; t0 += kTimeChunk) {
-      const int steps = static_cast<int>(std::min<int64_t>(kTimeChunk, p_.seq - t0));
-      pack_chunk(b, g, t0, steps, d0, lanes);
+    // Packed sequences share row 0 of the operands, each from its own first time.
+    const int64_t row = p_.cu_seqlens == nullptr ? b : 0;
+    const int64_t first = p_.cu_seqlens == nullptr ? 0 : p_.cu_seqlens[b];
+    const int64_t end = p_.cu_seqlens == nullptr ? p_.seq : p_.cu_seqlens[b + 1];
+    for (int64_t t0 = first; t0 < end; t0 += kTimeChunk) {
+      const int steps = static_cast<int>(std::min<int64_t>(kTimeChunk, end - t0));
+      pack_chunk(row, g, t0, steps, d0, lanes);
       recur_chunk<T>(steps, N_, A_ + slot * N_, h_, dts_, dtx_, Bs_, Cs_, ys_);
-      finish_chunk(b, t0, steps, d0, lanes);
+      finish_chunk(row, t0, steps, d0, lanes);
     }
     if (p_.state_out.data != nullptr) {
       const auto& s = p_.state_out.stride;
@@ -747,7 +752,9 @@ int64_t work_items(const ScanProblem& p) {
 }
 
 int64_t work_per_item(const ScanProblem& p) {
-  return p.seq * (p.compute_f64 ? Lanes<double>::W : Lanes<float>::W) * p.state;
+  // Packed sequences: an item walks one of them, on average seq / batch steps.
+  const int64_t steps = p.cu_seqlens == nullptr ? p.seq : std::max<int64_t>(1, p.seq / std::max<int64_t>(1, p.batch));
+  return steps * (p.compute_f64 ? Lanes<double>::W : Lanes<float>::W) * p.state;
 }
 
 void run_items(const ScanProblem& p, WorkQueue& queue, int seat) {

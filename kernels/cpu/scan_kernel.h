@@ -36,6 +36,11 @@ struct ScanProblem {
   Strided h0;           // (row, channel, state); absent = zeros
   Strided y;            // (batch, time, channel), written
   Strided state_out;    // (row, channel, state), written; may alias h0 (in-place update)
+  // Sequence mode, or null: `batch` + 1 boundaries of as many sequences packed along the time
+  // axis of one row of x, dt, z, B, C and y (varlen); sequence b runs over the times
+  // cu_seqlens[b] .. cu_seqlens[b + 1] from row b of h0 and leaves its state in row b of
+  // state_out, and `seq` is the packed length.
+  const int64_t* cu_seqlens = nullptr;
   bool dt_softplus = false;
   bool has_dt_min = false, has_dt_max = false;
   double dt_min = 0.0, dt_max = 0.0;

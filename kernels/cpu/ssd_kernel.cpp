@@ -121,8 +121,10 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
     const T A = p.A[h];
     const T* D = p.options.D == nullptr ? nullptr : p.options.D + h * P + first;
     Vec<T> u[kBlockVectors], acc[kBlockVectors];
-    for (int64_t t = 0; t < p.seq; ++t) {
-      const int64_t bt = b * p.seq + t;
+    // Packed sequences share one row of the operands, each from its own first time.
+    const int64_t first_time = p.cu_seqlens == nullptr ? b * p.seq : p.cu_seqlens[b];
+    const int64_t end_time = p.cu_seqlens == nullptr ? first_time + p.seq : p.cu_seqlens[b + 1];
+    for (int64_t bt = first_time; bt < end_time; ++bt) {
       const T dt = discretized_dt(p.dt[bt * H + h], p.options, h);
       const T decay = std::exp(dt * A);
       const T* x = p.x + (bt * H + h) * P + first;

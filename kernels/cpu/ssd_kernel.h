@@ -35,6 +35,10 @@ struct SsdScanProblem {
   SsdOptions<T> options;
   T* y = nullptr;         // [batch, seq, heads, headdim], written
   T* state_out = nullptr; // [batch, heads, headdim, state] or nullptr
+  // Or null: `batch` + 1 boundaries of as many sequences packed along seq in one row of x, dt,
+  // B, C, z and y (varlen); sequence b runs over cu_seqlens[b] .. cu_seqlens[b + 1] from row b
+  // of h0 into row b of state_out.
+  const int64_t* cu_seqlens = nullptr;
 };
 
 // Items are (batch row, head, block of headdim) triples, independent of each other: any split of
