@@ -294,6 +294,10 @@ def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str,
     except ImportError as exc:  # torch builds without the extension tooling
         raise BackendUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
     path_before = os.environ.get("PATH", "")
+    # A sanitized build's process has the ASan runtime preloaded for the library it loads, not
+    # for its compiler: a compiler under it allocates through ASan's allocator, a quarter slower
+    # (docs/performance.md, "make test time").
+    preload_before = os.environ.pop("LD_PRELOAD", None) if _requested_sanitizers() else None
     venv_bin = os.path.dirname(sys.executable)
     if shutil.which("ninja") is None and os.path.exists(os.path.join(venv_bin, "ninja")):
         # A venv's pip-installed ninja is only on PATH when the venv is activated.
@@ -317,6 +321,8 @@ def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str,
             f"C++ build failed: {_first_error_line(text)} (full log: {directory / 'build.log'})") from exc
     finally:
         os.environ["PATH"] = path_before
+        if preload_before is not None:
+            os.environ["LD_PRELOAD"] = preload_before
 
 
 def load_extension(*, verbose: bool = False, variant: SimdVariant | None = None):
