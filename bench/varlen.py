@@ -7,7 +7,9 @@ sequence padded to the longest, one call: what a caller without varlen sends, mo
 the others). Each sequence starts from its own row of h0 and its final state is returned.
 Ratios: per-sequence calls over the packed call, and the padded batch over the packed call;
 the packed and per-sequence outputs are compared (they differ by float32 rounding at most: a
-one-step sequence called alone takes the step path, whose sums run in another order).
+one-step sequence called alone takes the step path, whose sums run in another order). The
+backward likewise: the packed call's gradients in one C++ call against one call a sequence
+(kernels/_varlen.py's split of the backward), its gradients compared relative to the largest.
 
     python -m bench.varlen [--cases exphil-agents,many-short,ssd-exphil-agents,1x768-4-long] [--reps N]
                            [--json bench/results/varlen.json]
@@ -107,17 +109,44 @@ def run_case(case: Case, reps: int) -> dict:
     def padded_call():
         return scan(**padded, h0=h0, return_state=True, backend="cpu")
 
+    dy = torch.randn(packed["x"].shape, generator=torch.Generator().manual_seed(4))
+    gradients = kernels.ssd_scan_backward if ssd else kernels.selective_scan_backward
+    backend_backward = cpu.ssd_scan_backward if ssd else cpu.scan_backward
+
+    def backward_one_call():
+        return gradients(dy, **packed, h0=h0, cu_seqlens=bounds, backend="cpu")
+
+    def backward_per_sequence():
+        a = (_args.check_ssd_scan if ssd else _args.check_scan)(**packed)
+        options = dict(D=a.D, dt_bias=a.dt_bias, dt_softplus=a.dt_softplus, dt_min=a.dt_min, dt_max=a.dt_max,
+                       **({"chunk_size": None} if ssd else {"layout": "bld"}))
+
+        def one(dy, x, dt, B, C, z, h0_row, dstate):
+            return backend_backward(dy, x, dt, a.A, B, C, z=z, h0=h0_row, dstate=dstate, **options)
+
+        return _varlen.run_packed_backward(one, a, dy, h0=h0, dstate=None, cu_seqlens=bounds, seq_axis=1, bc_axis=1,
+                                           state_shape=state_shape(case), state_meaning="state")
+
     (y_one, state_one), (y_split, state_split) = one_call(), per_sequence()
     difference = max(float((y_one - y_split).abs().max()), float((state_one - state_split).abs().max()))
-    one_ms, split_ms, padded_ms = alternated_medians_ms((one_call, per_sequence, padded_call), reps)
-    ratios = {"per_sequence_over_packed": split_ms / one_ms, "padded_over_packed": padded_ms / one_ms}
+    grads_one, grads_split = backward_one_call(), backward_per_sequence()
+    # Relative: dA and dB sum over many terms, in another order across the seats of one call.
+    gradient_difference = max(float((grads_one[k] - grads_split[k]).abs().max() / grads_split[k].abs().max())
+                              for k in grads_split if grads_split[k] is not None)
+    one_ms, split_ms, padded_ms, backward_ms, backward_split_ms = alternated_medians_ms(
+        (one_call, per_sequence, padded_call, backward_one_call, backward_per_sequence), reps)
+    ratios = {"per_sequence_over_packed": split_ms / one_ms, "padded_over_packed": padded_ms / one_ms,
+              "backward_per_sequence_over_packed": backward_split_ms / backward_ms}
     print(f"  {case.name:>18}: {len(lengths)} sequences of {case.shortest}-{case.longest} steps ({total} in all): "
           f"packed {one_ms:.3f} ms, per sequence {split_ms:.3f} ms ({ratios['per_sequence_over_packed']:.2f}x), "
           f"padded to {max(lengths)} {padded_ms:.3f} ms ({ratios['padded_over_packed']:.2f}x); "
-          f"outputs differ by {difference:.3g}")
+          f"backward packed {backward_ms:.3f} ms, per sequence {backward_split_ms:.3f} ms "
+          f"({ratios['backward_per_sequence_over_packed']:.2f}x); outputs differ by {difference:.3g}, "
+          f"gradients by {gradient_difference:.3g} of their largest")
     return {"case": asdict(case), "lengths": lengths, "steps": total, "packed_ms": one_ms,
-            "per_sequence_ms": split_ms, "padded_ms": padded_ms, "ratios": ratios,
-            "max_abs_difference": difference}
+            "per_sequence_ms": split_ms, "padded_ms": padded_ms, "backward_packed_ms": backward_ms,
+            "backward_per_sequence_ms": backward_split_ms, "ratios": ratios, "max_abs_difference": difference,
+            "max_gradient_difference": gradient_difference}
 
 
 def main(argv=None) -> int:

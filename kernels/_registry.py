@@ -64,7 +64,7 @@ class Backend:
     # True when the backend reads inputs at any byte offset itself (tensor bytes decoded from a
     # frame may sit at any offset); callers then need no aligned copy of their inputs.
     reads_unaligned: bool = False
-    # True when scan and ssd_scan take `cu_seqlens` (int64 [n + 1]) themselves: sequences packed
+    # True when scan and ssd_scan (and their backwards) take `cu_seqlens` (int64 [n + 1]) themselves: sequences packed
     # along seq in one call; otherwise kernels/_varlen.py makes one call per sequence.
     packs_sequences: bool = False
     details: dict = field(default_factory=dict)

@@ -14,16 +14,20 @@ import torch
 from ._args import _check_devices, _require_shape, _require_tensor, check_cu_seqlens
 
 
-def check_packed(args, *, seq_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...], state_meaning: str):
-    """(boundaries as a list, h0) of a packed call whose other inputs `args` holds, checked:
-    cu_seqlens against x's time axis `seq_axis`, h0 a row of `state_shape` per sequence."""
+def check_packed(args, *, seq_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...], state_meaning: str,
+                 dstate=None):
+    """(boundaries as a list, h0, dstate) of a packed call whose other inputs `args` holds,
+    checked: cu_seqlens against x's time axis `seq_axis`, h0 and dstate (a backward's) a row of
+    `state_shape` per sequence."""
     x = args.x
     bounds = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[seq_axis])
-    if h0 is not None:
-        h0 = _require_tensor("h0", h0)
-        _require_shape("h0", h0, (len(bounds) - 1, *state_shape), f"[sequences, {state_meaning}]")
-        _check_devices(dict(x=x, h0=h0))
-    return bounds, h0
+    rows = {"h0": h0, "dstate": dstate}
+    for name, t in rows.items():
+        if t is not None:
+            rows[name] = _require_tensor(name, t)
+            _require_shape(name, rows[name], (len(bounds) - 1, *state_shape), f"[sequences, {state_meaning}]")
+            _check_devices(dict(x=x, **{name: rows[name]}))
+    return bounds, rows["h0"], rows["dstate"]
 
 
 def run_packed(scan_one, args, *, seq_axis: int, bc_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...],
@@ -34,8 +38,8 @@ def run_packed(scan_one, args, *, seq_axis: int, bc_axis: int, h0, cu_seqlens, s
     seq_axis: the time axis of x, dt and z; bc_axis: that of B and C (with their groups axis);
     state_shape: one sequence's state (h0 is [sequences, *state_shape])."""
     x = args.x
-    bounds, h0 = check_packed(args, seq_axis=seq_axis, h0=h0, cu_seqlens=cu_seqlens, state_shape=state_shape,
-                              state_meaning=state_meaning)
+    bounds, h0, _ = check_packed(args, seq_axis=seq_axis, h0=h0, cu_seqlens=cu_seqlens, state_shape=state_shape,
+                                 state_meaning=state_meaning)
     count = len(bounds) - 1
     ys, states = [], []
     for i in range(count):
@@ -57,12 +61,9 @@ def run_packed_backward(one, args, dy, *, h0, dstate, cu_seqlens, seq_axis: int,
     its slices of x, dt, z, B, C and dy with its rows of h0 and dstate, joined as the forward
     joins y (weights' gradients summed over the sequences)."""
     x = args.x
-    bounds = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[seq_axis])
+    bounds, h0, dstate = check_packed(args, seq_axis=seq_axis, h0=h0, cu_seqlens=cu_seqlens, state_shape=state_shape,
+                                      state_meaning=state_meaning, dstate=dstate)
     count = len(bounds) - 1
-    for name, t in (("h0", h0), ("dstate", dstate)):
-        if t is not None:
-            _require_shape(name, _require_tensor(name, t), (count, *state_shape), f"[sequences, {state_meaning}]")
-            _check_devices(dict(x=x, **{name: t}))
     parts = []
     for i in range(count):
         begin, length = bounds[i], bounds[i + 1] - bounds[i]

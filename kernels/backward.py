@@ -65,11 +65,17 @@ def _finish(grads: dict, given: dict, compute: torch.dtype) -> dict:
     return out
 
 
-def _gradients(one, args, dy, *, h0, dstate, cu_seqlens, given: dict, seq_axis: int, bc_axis: int,
+def _gradients(one, args, dy, *, h0, dstate, cu_seqlens, packs: bool, given: dict, seq_axis: int, bc_axis: int,
                state_shape: tuple[int, ...], state_meaning: str) -> dict:
     """`one(dy, x, dt, B, C, z, h0, dstate)` (a backend's backward, the rest bound) over the
-    whole call, or once per packed sequence, as the public result."""
-    if cu_seqlens is not None:
+    whole call, packed sequences and their boundaries (`cu_seqlens=` int64) included where the
+    backend `packs` them, else once per packed sequence, as the public result."""
+    if cu_seqlens is not None and packs:
+        bounds, h0, dstate = _varlen.check_packed(args, seq_axis=seq_axis, h0=h0, cu_seqlens=cu_seqlens,
+                                                  state_shape=state_shape, state_meaning=state_meaning, dstate=dstate)
+        grads = one(dy, args.x, args.dt, args.B, args.C, args.z, h0, dstate,
+                    cu_seqlens=torch.tensor(bounds, dtype=torch.int64))
+    elif cu_seqlens is not None:
         grads = _varlen.run_packed_backward(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
                                             seq_axis=seq_axis, bc_axis=bc_axis, state_shape=state_shape,
                                             state_meaning=state_meaning)
@@ -94,11 +100,11 @@ def selective_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
     options = dict(D=args.D, dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_min=args.dt_min,
                    dt_max=args.dt_max, layout=args.layout)
 
-    def one(dy, x, dt, B, C, z, h0, dstate):
-        return impl.scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options)
+    def one(dy, x, dt, B, C, z, h0, dstate, **packed):
+        return impl.scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options, **packed)
 
     bld = layout == "bld"
-    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
+    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens, packs=impl.packs_sequences,
                       given=dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0),
                       seq_axis=1 if bld else 2, bc_axis=1 if bld else 3, state_shape=(d.dim, d.state),
                       state_meaning="dim, state")
@@ -115,10 +121,10 @@ def ssd_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_so
     options = dict(D=args.D, dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_min=args.dt_min,
                    dt_max=args.dt_max, chunk_size=args.chunk_size)
 
-    def one(dy, x, dt, B, C, z, h0, dstate):
-        return impl.ssd_scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options)
+    def one(dy, x, dt, B, C, z, h0, dstate, **packed):
+        return impl.ssd_scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options, **packed)
 
-    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
+    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens, packs=impl.packs_sequences,
                       given=dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0),
                       seq_axis=1, bc_axis=1, state_shape=(d.heads, d.headdim, d.state),
                       state_meaning="heads, headdim, state")

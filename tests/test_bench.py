@@ -474,8 +474,8 @@ def test_backward_bench_runs_end_to_end(tmp_path):
 
 def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
     """`python -m bench.varlen` on its tiny case, in this process: the packed call, the
-    per-sequence calls and the padded batch timed, their ratios of its own numbers, and the
-    packed and per-sequence outputs within float32 rounding of each other."""
+    per-sequence calls and the padded batch timed, and both ways of the backward, their ratios
+    of its own numbers, and the two ways' outputs and gradients within float32 rounding."""
     if "cpu" not in kernels.available_backends():
         pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
     from bench import varlen
@@ -488,7 +488,9 @@ def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
     assert case["steps"] == sum(case["lengths"]) and len(case["lengths"]) == case["case"]["sequences"]
     assert case["ratios"]["per_sequence_over_packed"] == pytest.approx(case["per_sequence_ms"] / case["packed_ms"])
     assert case["ratios"]["padded_over_packed"] == pytest.approx(case["padded_ms"] / case["packed_ms"])
-    assert 0 <= case["max_abs_difference"] < 1e-4
+    assert case["ratios"]["backward_per_sequence_over_packed"] == pytest.approx(
+        case["backward_per_sequence_ms"] / case["backward_packed_ms"])
+    assert 0 <= case["max_abs_difference"] < 1e-4 and 0 <= case["max_gradient_difference"] < 1e-4
 
 
 def test_ssd_step_bench_runs_end_to_end(tmp_path):

@@ -649,6 +649,64 @@ def test_simd_variant_backward_matches_reference(simd_backend, kind, case, dtype
                      tolerance=(rtol, atol * float(e.abs().max())))
 
 
+# Packed sequences through the backward per variant: a sequence of one step, ones crossing the
+# 16-step chunk, and (first case) a longest one of 333 steps, past the whole-sequence budget, so
+# every sequence of that call takes the checkpointed path.
+SIMD_PACKED_BACKWARD_CASES = [
+    pytest.param("scan", [0, 1, 18, 351], ScanCase(1, 351, 37, 16, groups=1, **ALL), torch.float32,
+                 id="checkpointed-longest-f32"),
+    pytest.param("scan", [0, 9, 10, 45], ScanCase(1, 45, 20, 5, groups=2, layout="bdl", **ALL), torch.float32,
+                 id="bdl-state-5-f32"),
+    pytest.param("scan", [0, 3, 20], ScanCase(1, 20, 13, 16, D=True, z=True, h0=True), torch.float64, id="f64"),
+    pytest.param("ssd", [0, 4, 40], SsdCase(1, 40, 3, 20, 16, groups=3, D=True, z=True, dt_bias=True,
+                                             dt_softplus=True, h0=True), torch.float32, id="ssd-f32"),
+]
+
+
+@pytest.mark.parametrize("kind, bounds, case, dtype", SIMD_PACKED_BACKWARD_CASES)
+def test_simd_variant_packed_backward_matches_each_sequence(simd_backend, kind, bounds, case, dtype):
+    """The packed call's gradients against the reference's of each sequence alone, joined as
+    the packed call joins them (the weights' summed over the sequences)."""
+    from kernels.reference import selective_scan_backward_ref, ssd_scan_backward_ref
+
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    ssd = kind == "ssd"
+    inputs = (make_ssd_inputs if ssd else make_scan_inputs)(case, dtype, seed=seed)
+    a = (_args.check_ssd_scan if ssd else _args.check_scan)(**inputs)
+    state_shape = (case.heads, case.headdim, case.state) if ssd else (case.dim, case.state)
+    h0 = torch.randn(len(bounds) - 1, *state_shape, generator=gen).to(a.x.dtype)
+    dstate = torch.randn(len(bounds) - 1, *state_shape, generator=gen).to(a.x.dtype)
+    dy = torch.randn(a.x.shape, generator=gen).to(dtype)
+    if ssd:
+        backward, reference, extra, seq_axis, bc_axis = (simd_backend.ssd_scan_backward, ssd_scan_backward_ref,
+                                                         dict(chunk_size=None), 1, 1)
+    else:
+        bdl = a.layout == "bdl"
+        backward, reference, extra, seq_axis, bc_axis = (simd_backend.scan_backward, selective_scan_backward_ref,
+                                                         dict(layout=a.layout), 2 if bdl else 1, 3 if bdl else 1)
+    options = dict(D=a.D, dt_bias=a.dt_bias, dt_softplus=a.dt_softplus, dt_min=a.dt_min, dt_max=a.dt_max, **extra)
+    got = backward(dy, a.x, a.dt, a.A, a.B, a.C, z=a.z, h0=h0, dstate=dstate, **options,
+                   cu_seqlens=torch.tensor(bounds))
+    parts = []
+    for i in range(len(bounds) - 1):
+        def cut(t, axis):
+            return None if t is None else t.narrow(axis, bounds[i], bounds[i + 1] - bounds[i])
+        parts.append(reference(cut(dy, seq_axis), cut(a.x, seq_axis), cut(a.dt, seq_axis), a.A, cut(a.B, bc_axis),
+                               cut(a.C, bc_axis), z=cut(a.z, seq_axis), h0=h0[i:i + 1], dstate=dstate[i:i + 1],
+                               **options))
+    rtol, atol = GRAD_TOLERANCES[dtype]
+    for name, e in parts[0].items():
+        pieces = [p[name] for p in parts]
+        if e is None:
+            continue
+        axis = {"x": seq_axis, "dt": seq_axis, "z": seq_axis, "B": bc_axis, "C": bc_axis, "h0": 0}.get(name)
+        expected = torch.cat(pieces, axis) if axis is not None else sum(pieces)
+        assert_close(got[name], expected, dtype,
+                     f"{simd_backend.details['simd']} build packed {kind} d{name} {bounds} seed={seed}",
+                     tolerance=(rtol, atol * float(expected.abs().max())))
+
+
 # The model step's matrix products (kernels/cpu/linear_kernel.h): rows, in, features, bias, and
 # the input's row stride past `in` (a column slice, as the Mamba-1 step's dt is).
 LINEAR_CASES = [

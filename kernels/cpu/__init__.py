@@ -89,42 +89,47 @@ def backend_from(ext) -> Backend:
             state.index_copy_(0, pool_rows, pool.to(state.dtype))
         return y.to(x.dtype)
 
-    def run_backward(dy, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, f, headdim=None):
+    def run_backward(dy, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, f, headdim=None,
+                     cu_seqlens=None):
         """The C++ reverse scan over "bld" [batch, seq, channel] operands: every gradient, that of
         dt through its bias, softplus and clamp included. With `headdim`, Mamba-2's heads of that
-        many channels: one decay per channel, and dt, dt_bias, A and their gradients per head."""
+        many channels: one decay per channel, and dt, dt_bias, A and their gradients per head.
+        With `cu_seqlens`, sequences packed along seq, h0 and dstate a row for each."""
         x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate = _in_dtype(f, x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate)
         dx, ddt = torch.empty_like(x), torch.empty_like(dt)
         dz = None if z is None else torch.empty_like(z)
         dh0 = None if h0 is None else torch.empty_like(h0)
+        packed = () if cu_seqlens is None else (cu_seqlens,)  # as builds before it take them
         dA, dD, ddt_bias, dB, dC = ext.scan_backward(x, dt, z, dy, A, B, C, D, dt_bias, dt_softplus, dt_min, dt_max,
                                                      h0, dstate, headdim is not None, headdim or 1, dx, ddt, dz,
-                                                     dh0)
+                                                     dh0, *packed)
         return dict(x=dx, dt=ddt, A=dA, B=dB, C=dC, D=None if D is None else dD, z=dz,
                     dt_bias=None if dt_bias is None else ddt_bias, h0=dh0)
 
-    def scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, layout):
+    def scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, layout,
+                      cu_seqlens=None):
         f = _compute_dtype(x)
         bdl = layout == "bdl"
         if bdl:  # read as "bld"; the gradients are handed back as views in the caller's layout
             x, dt, dy = x.transpose(1, 2), dt.transpose(1, 2), dy.transpose(1, 2)
             z = None if z is None else z.transpose(1, 2)
             B, C = B.permute(0, 3, 1, 2), C.permute(0, 3, 1, 2)
-        grads = run_backward(dy, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, f)
+        grads = run_backward(dy, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate, f,
+                             cu_seqlens=cu_seqlens)
         return bdl_layout(grads) if bdl else grads
 
     def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
-                          chunk_size):
+                          chunk_size, cu_seqlens=None):
         # Heads x headdim as channels of the Mamba-1 reverse scan, one decay per channel; dt, dt_bias
         # and A are read per head, and their gradients come back per head.
         f = _compute_dtype(x)
         batch, seq, heads, headdim = x.shape
         channels = heads * headdim
-        h0_rows, dstate_rows = (None if t is None else t.reshape(batch, channels, -1) for t in (h0, dstate))
+        h0_rows, dstate_rows = (None if t is None else t.reshape(t.shape[0], channels, -1) for t in (h0, dstate))
         g = run_backward(dy.reshape(batch, seq, channels), x.reshape(batch, seq, channels), dt, A, B, C,
                          None if D is None else D.reshape(channels),
                          None if z is None else z.reshape(batch, seq, channels), dt_bias, dt_softplus, dt_min,
-                         dt_max, h0_rows, dstate_rows, f, headdim=headdim)
+                         dt_max, h0_rows, dstate_rows, f, headdim=headdim, cu_seqlens=cu_seqlens)
         return dict(x=g["x"].view(x.shape), dt=g["dt"], A=g["A"], B=g["B"], C=g["C"],
                     D=None if D is None else g["D"].view(heads, headdim), z=None if z is None else g["z"].view(x.shape),
                     dt_bias=g["dt_bias"], h0=None if h0 is None else g["h0"].view(h0.shape))

@@ -446,10 +446,17 @@ std::vector<at::Tensor> scan_backward_typed(
     const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
     const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& h0,
     const std::optional<at::Tensor>& dstate, const BackwardOptions& o, at::Tensor& dx, at::Tensor& ddt,
-    const std::optional<at::Tensor>& dz, const std::optional<at::Tensor>& dh0) {
+    const std::optional<at::Tensor>& dz, const std::optional<at::Tensor>& dh0,
+    const std::optional<at::Tensor>& cu_seqlens) {
   scan_bridge::ScanBackwardProblem<T> p;
   p.batch = x.size(0);
   p.seq = x.size(1);
+  // The operands' [row, time] positions: batch x seq, or one row of packed sequences.
+  const int64_t positions = p.batch * p.seq;
+  if (const int64_t* bounds = packed_bounds(cu_seqlens, p.batch, p.seq, "scan_backward")) {
+    p.batch = cu_seqlens->size(0) - 1;
+    p.cu_seqlens = bounds;
+  }
   p.dim = x.size(2);
   p.state = B.size(3);
   p.groups = B.size(2);
@@ -473,7 +480,7 @@ std::vector<at::Tensor> scan_backward_typed(
   p.dstate = data_of<T>(dstate);
   p.dx = dx.data_ptr<T>();
   // ddt per channel, summed over each dt column's channels after the run where they share one.
-  std::vector<T> ddt_per_channel(o.channels_per_dt > 1 ? p.batch * p.seq * p.dim : 0);
+  std::vector<T> ddt_per_channel(o.channels_per_dt > 1 ? positions * p.dim : 0);
   p.ddt = o.channels_per_dt > 1 ? ddt_per_channel.data() : ddt.data_ptr<T>();
   p.dz = dz.has_value() ? dz->data_ptr<T>() : nullptr;
   p.dh0 = dh0.has_value() ? dh0->data_ptr<T>() : nullptr;
@@ -481,7 +488,7 @@ std::vector<at::Tensor> scan_backward_typed(
   const int64_t items = scan_bridge::scan_backward_items(p);
   const int64_t per_item = std::max<int64_t>(1, scan_bridge::scan_backward_work_per_item(p));
   const int64_t threads = threads_for(items, per_item);
-  const int64_t bc = p.batch * p.seq * p.groups * p.state;
+  const int64_t bc = positions * p.groups * p.state;
   std::vector<T> seats(threads * (p.dim * p.state + 2 * p.dim + 2 * bc), T{0});
   p.dA = seats.data();
   p.dD = p.dA + threads * p.dim * p.state;
@@ -491,12 +498,12 @@ std::vector<at::Tensor> scan_backward_typed(
   run_on(threads, items, per_item,
          [&](scan_bridge::WorkQueue& queue, int seat) { scan_bridge::scan_backward_run(p, queue, seat); });
   const int64_t per = o.channels_per_dt, columns = p.dim / per, kept = p.scalar_decay ? 1 : p.state;
-  if (per > 1) sum_into_columns(ddt_per_channel.data(), 1, p.batch * p.seq, p.dim, 1, 1, per, ddt.data_ptr<T>());
+  if (per > 1) sum_into_columns(ddt_per_channel.data(), 1, positions, p.dim, 1, 1, per, ddt.data_ptr<T>());
   const auto options = x.options();
   at::Tensor dA = p.scalar_decay ? at::empty({columns}, options) : at::empty({columns, p.state}, options);
   at::Tensor dD = at::empty({p.dim}, options), dbias = at::empty({columns}, options);
-  at::Tensor dB = at::empty({p.batch, p.seq, p.groups, p.state}, options);
-  at::Tensor dC = at::empty({p.batch, p.seq, p.groups, p.state}, options);
+  at::Tensor dB = at::empty(B.sizes(), options);
+  at::Tensor dC = at::empty(C.sizes(), options);
   sum_into_columns(p.dA, threads, 1, p.dim, p.state, kept, per, dA.data_ptr<T>());
   sum_into_columns(p.dD, threads, 1, p.dim, 1, 1, 1, dD.data_ptr<T>());
   sum_into_columns(p.ddt_bias, threads, 1, p.dim, 1, 1, per, dbias.data_ptr<T>());
@@ -506,14 +513,15 @@ std::vector<at::Tensor> scan_backward_typed(
 }
 
 // -> [dA, dD, ddt_bias, dB, dC]; dx, ddt, dz, dh0 are written where they are given. dt, dt_bias
-// and A have a column per `channels_per_dt` channels, and so do ddt, dA and ddt_bias.
+// and A have a column per `channels_per_dt` channels, and so do ddt, dA and ddt_bias. With
+// cu_seqlens, batch-1 operands hold packed sequences, and h0, dstate, dh0 a row for each.
 std::vector<at::Tensor> scan_backward(
     const at::Tensor& x, const at::Tensor& dt, const std::optional<at::Tensor>& z, const at::Tensor& dy,
     const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
     const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
     std::optional<double> dt_max, const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& dstate,
     bool scalar_decay, int64_t channels_per_dt, at::Tensor dx, at::Tensor ddt, const std::optional<at::Tensor>& dz,
-    const std::optional<at::Tensor>& dh0) {
+    const std::optional<at::Tensor>& dh0, const std::optional<at::Tensor>& cu_seqlens) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble)
     throw std::invalid_argument("scan_backward x: expected float32 or float64");
@@ -531,8 +539,8 @@ std::vector<at::Tensor> scan_backward(
     if (t->has_value()) require_operand(**t, name, dtype, "scan_backward");
   const BackwardOptions o{dt_softplus, scalar_decay, channels_per_dt, dt_min, dt_max};
   if (dtype == at::kFloat)
-    return scan_backward_typed<float>(x, dt, z, dy, A, B, C, D, dt_bias, h0, dstate, o, dx, ddt, dz, dh0);
-  return scan_backward_typed<double>(x, dt, z, dy, A, B, C, D, dt_bias, h0, dstate, o, dx, ddt, dz, dh0);
+    return scan_backward_typed<float>(x, dt, z, dy, A, B, C, D, dt_bias, h0, dstate, o, dx, ddt, dz, dh0, cu_seqlens);
+  return scan_backward_typed<double>(x, dt, z, dy, A, B, C, D, dt_bias, h0, dstate, o, dx, ddt, dz, dh0, cu_seqlens);
 }
 
 // --- A whole model's step -------------------------------------------------------------------
@@ -898,7 +906,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prepare_model", &prepare_model, py::arg("layers"), py::arg("norm_f"), py::arg("dims"), py::arg("eps"),
         py::arg("dt_min"), py::arg("dt_max"), py::arg("embeddings") = py::none(), py::arg("lm_head") = py::none());
   m.def("linear", &linear, py::call_guard<py::gil_scoped_release>());
-  m.def("scan_backward", &scan_backward, py::call_guard<py::gil_scoped_release>());
+  m.def("scan_backward", &scan_backward, py::arg("x"), py::arg("dt"), py::arg("z"), py::arg("dy"), py::arg("A"),
+        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("dt_bias"), py::arg("dt_softplus"), py::arg("dt_min"),
+        py::arg("dt_max"), py::arg("h0"), py::arg("dstate"), py::arg("scalar_decay"), py::arg("channels_per_dt"),
+        py::arg("dx"), py::arg("ddt"), py::arg("dz"), py::arg("dh0"), py::arg("cu_seqlens") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("simd", &scan_bridge::simd_description);
   m.def("start_helpers", [] { scan_bridge::HelperPool::shared().start(at::get_num_threads() - 1); },
         "Starts the helper threads torch.get_num_threads() allows, before any call needs them.");

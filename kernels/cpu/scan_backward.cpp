@@ -37,8 +37,9 @@ class BackwardRunner {
         per_group_(p.dim / p.groups),
         per_group_blocks_((per_group_ + W - 1) / W),
         decays_per_step_(p.scalar_decay ? 1 : p.state),
-        chunk_(chunk_steps(p)),
-        chunks_((p.seq + chunk_ - 1) / chunk_),
+        longest_(longest_sequence(p)),
+        chunk_(chunk_steps(p, longest_)),
+        chunks_((longest_ + chunk_ - 1) / chunk_),
         scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
                  10 * Scratch::bytes<V>(chunk_) + Scratch::bytes<V>((chunk_ + 1) * N_) +
                  Scratch::bytes<V>(chunk_ * decays_per_step_) + 2 * Scratch::bytes<V>(N_)) {
@@ -66,12 +67,19 @@ class BackwardRunner {
     dCp_ = scratch_.take<V>(N_);
   }
 
-  // The steps of a chunk: the whole sequence where its states and decays fit in
+  static int64_t longest_sequence(const ScanBackwardProblem<T>& p) {
+    if (p.cu_seqlens == nullptr) return p.seq;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, p.cu_seqlens[b + 1] - p.cu_seqlens[b]);
+    return longest;
+  }
+
+  // The steps of a chunk: the whole (longest) sequence where its states and decays fit in
   // kWholeSequenceBytes, which spares the checkpoint walk, else kBackwardChunk.
-  static int64_t chunk_steps(const ScanBackwardProblem<T>& p) {
+  static int64_t chunk_steps(const ScanBackwardProblem<T>& p, int64_t longest) {
     const int64_t decays = p.scalar_decay ? 1 : p.state;
-    const int64_t bytes = static_cast<int64_t>(sizeof(V)) * ((p.seq + 1) * p.state + p.seq * decays);
-    return bytes <= kWholeSequenceBytes ? std::max<int64_t>(p.seq, 1) : kBackwardChunk;
+    const int64_t bytes = static_cast<int64_t>(sizeof(V)) * ((longest + 1) * p.state + longest * decays);
+    return bytes <= kWholeSequenceBytes ? std::max<int64_t>(longest, 1) : kBackwardChunk;
   }
 
   void run_range(int64_t begin, int64_t end, int seat) {
@@ -93,6 +101,11 @@ class BackwardRunner {
       prepare_block(d0, lanes);
       prepared_block_ = block;
     }
+    // Where the item's sequence starts among the operands' [row, time] positions, its length
+    // and chunks: packed sequences share one row, each from its own first time.
+    first_ = p_.cu_seqlens == nullptr ? b * p_.seq : p_.cu_seqlens[b];
+    length_ = p_.cu_seqlens == nullptr ? p_.seq : p_.cu_seqlens[b + 1] - first_;
+    item_chunks_ = (length_ + chunk_ - 1) / chunk_;
     checkpoint_pass(b, g, d0, lanes);
     reverse_pass(b, g, d0, lanes, seat);
   }
@@ -115,12 +128,13 @@ class BackwardRunner {
   // Channel d's column of dt, dt_bias and A.
   int64_t column(int64_t d) const { return d / p_.channels_per_dt; }
 
-  // dt's tile, dt[b, t0 + t, column(d0 + l)]: a tile like x's where each channel has its own
-  // column, a broadcast where the block's channels share one (a head's), else gathered.
-  void load_dt_tile(int64_t b, int64_t t0, int steps, int64_t d0, int lanes, V* tile) const {
-    if (p_.channels_per_dt == 1) return load_tile(p_.dt, b, t0, steps, d0, lanes, tile);
+  // dt's tile at the item's times t0 .. t0 + steps, column(d0 + l): a tile like x's where each
+  // channel has its own column, a broadcast where the block's channels share one (a head's),
+  // else gathered.
+  void load_dt_tile(int64_t t0, int steps, int64_t d0, int lanes, V* tile) const {
+    if (p_.channels_per_dt == 1) return load_tile(p_.dt, t0, steps, d0, lanes, tile);
     const int64_t columns = p_.dim / p_.channels_per_dt;
-    const T* row = p_.dt + (b * p_.seq + t0) * columns;
+    const T* row = p_.dt + (first_ + t0) * columns;
     for (int t = 0; t < steps; ++t, row += columns) {
       if (one_dt_column_) {
         tile[t] = Lanes<T>::splat(row[dt_columns_[0]]);
@@ -132,10 +146,11 @@ class BackwardRunner {
     }
   }
 
-  // tile[t][l] = src[b, t0 + t, d0 + l]; lanes past `lanes` are zero. A full block moves as one
-  // unaligned vector: a memcpy of a run-time length is a library call per row.
-  void load_tile(const T* src, int64_t b, int64_t t0, int steps, int64_t d0, int lanes, V* tile) const {
-    const T* row = src + (b * p_.seq + t0) * p_.dim + d0;
+  // tile[t][l] = src at the item's time t0 + t, channel d0 + l; lanes past `lanes` are zero. A
+  // full block moves as one unaligned vector: a memcpy of a run-time length is a library call
+  // per row.
+  void load_tile(const T* src, int64_t t0, int steps, int64_t d0, int lanes, V* tile) const {
+    const T* row = src + (first_ + t0) * p_.dim + d0;
     for (int t = 0; t < steps; ++t, row += p_.dim) {
       if (lanes == W) {
         tile[t] = *reinterpret_cast<const Unaligned*>(row);
@@ -146,8 +161,8 @@ class BackwardRunner {
     }
   }
 
-  void store_tile(T* dst, int64_t b, int64_t t0, int steps, int64_t d0, int lanes, const V* tile) const {
-    T* row = dst + (b * p_.seq + t0) * p_.dim + d0;
+  void store_tile(T* dst, int64_t t0, int steps, int64_t d0, int lanes, const V* tile) const {
+    T* row = dst + (first_ + t0) * p_.dim + d0;
     for (int t = 0; t < steps; ++t, row += p_.dim) {
       if (lanes == W)
         *reinterpret_cast<Unaligned*>(row) = tile[t];
@@ -158,9 +173,9 @@ class BackwardRunner {
 
   // x, delta (plain and as Math<T>::decay takes it), d(delta)/d(dt) and delta x for a chunk, and
   // where its B and C rows start (read in place: a row is `bc_stride_` apart).
-  void pack(int64_t b, int64_t g, int64_t t0, int steps, int64_t d0, int lanes) {
-    load_tile(p_.x, b, t0, steps, d0, lanes, xs_);
-    load_dt_tile(b, t0, steps, d0, lanes, dls_);
+  void pack(int64_t g, int64_t t0, int steps, int64_t d0, int lanes) {
+    load_tile(p_.x, t0, steps, d0, lanes, xs_);
+    load_dt_tile(t0, steps, d0, lanes, dls_);
     const T lo = static_cast<T>(p_.dt_min), hi = static_cast<T>(p_.dt_max);
     const V one = Lanes<T>::splat(static_cast<T>(1)), zero = V{};
     for (int t = 0; t < steps; ++t) {
@@ -185,7 +200,7 @@ class BackwardRunner {
       dtx_[t] = d * xs_[t];
       dts_[t] = d * Math<T>::kDecayScale;
     }
-    const int64_t first = (b * p_.seq + t0) * bc_stride_ + g * N_;
+    const int64_t first = (first_ + t0) * bc_stride_ + g * N_;
     Bs_ = p_.B + first;
     Cs_ = p_.C + first;
   }
@@ -194,12 +209,12 @@ class BackwardRunner {
   void checkpoint_pass(int64_t b, int64_t g, int64_t d0, int lanes) {
     V* h = ckpt_;
     load_state(p_.h0, b, d0, lanes, h);
-    for (int64_t c = 0; c + 1 < chunks_; ++c) {
+    for (int64_t c = 0; c + 1 < item_chunks_; ++c) {
       const int64_t t0 = c * chunk_;
       const int steps = static_cast<int>(chunk_);
       std::memcpy(static_cast<void*>(h + N_), static_cast<const void*>(h), N_ * sizeof(V));
       h += N_;
-      pack(b, g, t0, steps, d0, lanes);
+      pack(g, t0, steps, d0, lanes);
       for (int t = 0; t < steps; ++t) advance(t, h, h, nullptr);
     }
   }
@@ -216,24 +231,24 @@ class BackwardRunner {
     load_state(p_.dstate, b, d0, lanes, dh_);
     std::memset(static_cast<void*>(dA_), 0, N_ * sizeof(V));
     dD_[0] = dbias_[0] = V{};
-    for (int64_t c = chunks_ - 1; c >= 0; --c) {
+    for (int64_t c = item_chunks_ - 1; c >= 0; --c) {
       const int64_t t0 = c * chunk_;
-      const int steps = static_cast<int>(std::min<int64_t>(chunk_, p_.seq - t0));
-      pack(b, g, t0, steps, d0, lanes);
-      load_tile(p_.dy, b, t0, steps, d0, lanes, gs_);
-      if (p_.z != nullptr) load_tile(p_.z, b, t0, steps, d0, lanes, zs_);
+      const int steps = static_cast<int>(std::min<int64_t>(chunk_, length_ - t0));
+      pack(g, t0, steps, d0, lanes);
+      load_tile(p_.dy, t0, steps, d0, lanes, gs_);
+      if (p_.z != nullptr) load_tile(p_.z, t0, steps, d0, lanes, zs_);
       recompute(c, steps);
-      const int64_t seat_offset = static_cast<int64_t>(seat) * p_.batch * p_.seq * bc_stride_;
+      const int64_t seat_offset = static_cast<int64_t>(seat) * positions_ * bc_stride_;
       for (int t = steps - 1; t >= 0; --t) {
         reverse_step(t);
         // This step's dB and dC terms are summed over the lanes at once, while in L1.
-        const int64_t at = seat_offset + (b * p_.seq + t0 + t) * bc_stride_ + g * N_;
+        const int64_t at = seat_offset + (first_ + t0 + t) * bc_stride_ + g * N_;
         add_lane_sums(dBp_, p_.dB + at);
         add_lane_sums(dCp_, p_.dC + at);
       }
-      store_tile(p_.dx, b, t0, steps, d0, lanes, dxs_);
-      store_tile(p_.ddt, b, t0, steps, d0, lanes, dds_);
-      if (p_.z != nullptr) store_tile(p_.dz, b, t0, steps, d0, lanes, dzs_);
+      store_tile(p_.dx, t0, steps, d0, lanes, dxs_);
+      store_tile(p_.ddt, t0, steps, d0, lanes, dds_);
+      if (p_.z != nullptr) store_tile(p_.dz, t0, steps, d0, lanes, dzs_);
     }
     if (p_.dh0 != nullptr)
       for (int l = 0; l < lanes; ++l)
@@ -352,10 +367,14 @@ class BackwardRunner {
 
   const ScanBackwardProblem<T>& p_;
   const int64_t N_, bc_stride_, per_group_, per_group_blocks_, decays_per_step_;
-  const int64_t chunk_;  // steps in a chunk
-  const int64_t chunks_;
+  const int64_t longest_;  // steps of the longest sequence
+  const int64_t chunk_;    // steps in a chunk
+  const int64_t chunks_;   // of the longest sequence: the checkpoints' room
+  // [row, time] positions of the [batch, seq, ...] operands: each seat's dB and dC hold as many.
+  const int64_t positions_ = p_.cu_seqlens == nullptr ? p_.batch * p_.seq : p_.seq;
   Scratch scratch_;
   int64_t prepared_block_ = -1;
+  int64_t first_ = 0, length_ = 0, item_chunks_ = 0;  // the running item's sequence (run())
   int64_t dt_columns_[W] = {};  // the prepared block's lanes' columns of dt
   bool one_dt_column_ = false;  // every lane of the prepared block in one column
   V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *dts_, *dtx_, *gs_, *zs_, *dxs_,
@@ -375,7 +394,9 @@ int64_t scan_backward_items(const ScanBackwardProblem<T>& p) {
 
 template <typename T>
 int64_t scan_backward_work_per_item(const ScanBackwardProblem<T>& p) {
-  return p.seq * Lanes<T>::W * p.state;
+  // Packed sequences: an item walks one of them, on average seq / batch steps.
+  const int64_t steps = p.cu_seqlens == nullptr ? p.seq : std::max<int64_t>(1, p.seq / std::max<int64_t>(1, p.batch));
+  return steps * Lanes<T>::W * p.state;
 }
 
 template <typename T>

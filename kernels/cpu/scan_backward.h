@@ -57,6 +57,10 @@ struct ScanBackwardProblem {
   T* ddt_bias = nullptr;      // [seats, dim]
   T* dB = nullptr;            // [seats, batch, seq, groups, state]
   T* dC = nullptr;            // [seats, batch, seq, groups, state]
+  // Or null: `batch` + 1 boundaries of as many sequences packed along seq in one row of the
+  // [batch, seq, ...] operands above (which then have one row); sequence b runs over times
+  // cu_seqlens[b] .. cu_seqlens[b + 1] with row b of h0, dstate and dh0.
+  const int64_t* cu_seqlens = nullptr;
 };
 
 // Items are (channel block, batch row) pairs; a seat's accumulators take the sums of the items
