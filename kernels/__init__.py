@@ -34,8 +34,9 @@ mode on and an input that requires grad, selective_scan and ssd_scan are differe
 
 cu_seqlens (both scans): an int32/int64 tensor [n + 1] of boundaries of n sequences packed
 along seq of a batch-1 input; each starts from h0[i] (h0 then has n rows) or zeros, and the
-returned state has one row per sequence. The cpu backend runs them in one kernel call (its
-backward too), the others one call a sequence (kernels/_varlen.py).
+returned state has one row per sequence. Backends run them in one call where they can
+(`Backend.packs_sequences`: the cpu backend's scans and backwards, the triton Mamba-1 scan), else
+one call a sequence (kernels/_varlen.py).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=
         bld = layout == "bld"
         where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=(args.dims.dim, args.dims.state),
                      state_meaning="dim, state")
-        if impl.packs_sequences:
+        if "scan" in impl.packs_sequences:
             bounds, h0, _ = _varlen.check_packed(args, seq_axis=1 if bld else 2, **where)
             y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C,
                                  **{**kwargs, "h0": h0, "cu_seqlens": torch.tensor(bounds, dtype=torch.int64)})
@@ -133,7 +134,7 @@ def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
         d = args.dims
         where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=(d.heads, d.headdim, d.state),
                      state_meaning="heads, headdim, state")
-        if impl.packs_sequences:
+        if "ssd_scan" in impl.packs_sequences:
             bounds, h0, _ = _varlen.check_packed(args, seq_axis=1, **where)
             y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C,
                                      **{**kwargs, "h0": h0, "cu_seqlens": torch.tensor(bounds, dtype=torch.int64)})

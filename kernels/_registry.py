@@ -64,9 +64,10 @@ class Backend:
     # True when the backend reads inputs at any byte offset itself (tensor bytes decoded from a
     # frame may sit at any offset); callers then need no aligned copy of their inputs.
     reads_unaligned: bool = False
-    # True when scan and ssd_scan (and their backwards) take `cu_seqlens` (int64 [n + 1]) themselves: sequences packed
-    # along seq in one call; otherwise kernels/_varlen.py makes one call per sequence.
-    packs_sequences: bool = False
+    # The ops ("scan", "ssd_scan", "scan_backward", "ssd_scan_backward") that take `cu_seqlens`
+    # (a CPU int64 tensor [n + 1]) themselves: sequences packed along seq in one call; for the
+    # others kernels/_varlen.py makes one call per sequence.
+    packs_sequences: frozenset = frozenset()
     details: dict = field(default_factory=dict)
     # A PyCapsule "scan_bridge.run_problem" running the backend's kernel on a ScanProblem
     # (kernels/cpu/scan_kernel.h) that a native caller in this process fills itself (the

@@ -1,7 +1,7 @@
 """Variable-length batches: n sequences packed along seq (batch 1), cut at `cu_seqlens`.
 
-A backend that packs sequences itself (`Backend.packs_sequences`: the C++ one) takes the whole
-call with its boundaries. For the others the call, checked once as a whole, is split into one
+A backend that packs an op's sequences itself (`Backend.packs_sequences`) takes the whole call
+with its boundaries. For the others the call, checked once as a whole, is split into one
 backend call per sequence (views, no copies of the inputs), each starting from its own row of
 h0, and the outputs are joined again (y along seq, the final states stacked). A sequence never
 sees another's state.

@@ -104,7 +104,8 @@ def selective_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
         return impl.scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options, **packed)
 
     bld = layout == "bld"
-    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens, packs=impl.packs_sequences,
+    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
+                      packs="scan_backward" in impl.packs_sequences,
                       given=dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0),
                       seq_axis=1 if bld else 2, bc_axis=1 if bld else 3, state_shape=(d.dim, d.state),
                       state_meaning="dim, state")
@@ -124,7 +125,8 @@ def ssd_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_so
     def one(dy, x, dt, B, C, z, h0, dstate, **packed):
         return impl.ssd_scan_backward(dy, x, dt, args.A, B, C, z=z, h0=h0, dstate=dstate, **options, **packed)
 
-    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens, packs=impl.packs_sequences,
+    return _gradients(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
+                      packs="ssd_scan_backward" in impl.packs_sequences,
                       given=dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0),
                       seq_axis=1, bc_axis=1, state_shape=(d.heads, d.headdim, d.state),
                       state_meaning="heads, headdim, state")

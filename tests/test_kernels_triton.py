@@ -29,6 +29,7 @@ from kernel_cases import (  # noqa: E402
     TOLERANCES, TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_same_nans_and_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference, assert_update_outputs_match_reference,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, reference_update, state_dtype,
+    assert_packed_matches_each_sequence,
 )
 from kernels import _args  # noqa: E402
 from kernels._registry import get_backend  # noqa: E402
@@ -103,6 +104,49 @@ def test_scan_matches_reference(case, split, interpreter_slow, device):
     blocks = INTERPRETER_SCAN_BLOCKS if device == "cpu" else None
     segment_len = case.seq if split == "whole" else 2 * _chunk(case, blocks)
     _check_scan(case, torch.float32, device, blocks, segment_len, what=split)
+
+
+# Packed sequences (cu_seqlens) in one launch: sequences of 1, 5 and 11 steps, so with
+# segments of two 4-step tiles the longest takes two segments (carries), one ends mid-tile and
+# one ends before the second segment starts.
+PACKED_BOUNDS = [0, 1, 6, 17]
+
+
+@pytest.mark.parametrize("layout", ["bld", "bdl"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_scan_matches_each_sequence(device, layout):
+    _backend(device)
+    seed = random_seed()
+    case = ScanCase(1, PACKED_BOUNDS[-1], 12, 4, groups=2, layout=layout, D=True, z=True, dt_bias=True,
+                    dt_softplus=True, clamp=True)
+    inputs = make_scan_inputs(case, torch.float32, device, seed=seed)
+    h0 = torch.randn(len(PACKED_BOUNDS) - 1, 12, 4, generator=torch.Generator().manual_seed(seed)).to(device)
+    args = _args.check_scan(**inputs)
+    y = _poisoned(args.x.shape, args.x.dtype, args.x.device)
+    state = _poisoned(tuple(h0.shape), torch.float32, args.x.device)
+    blocks = INTERPRETER_SCAN_BLOCKS if device == "cpu" else None
+    triton_scan.selective_scan(args.x, args.dt, args.A, args.B, args.C, **{**args.backend_kwargs(), "h0": h0},
+                               cu_seqlens=torch.tensor(PACKED_BOUNDS), out=y, state_out=state, blocks=blocks,
+                               segment_len=2 * _chunk(case, blocks))
+    assert_packed_matches_each_sequence(y, state, inputs, h0, PACKED_BOUNDS, layout, torch.float32,
+                                        f"{device} packed seed={seed}")
+
+
+def test_the_public_api_hands_packed_sequences_to_the_kernels_whole(monkeypatch):
+    """kernels.selective_scan gives the backend the packed call with its boundaries: one set of
+    launches, not one a sequence (kernels/_varlen.py's split)."""
+    _backend("cpu")
+    seen = []
+    launches = triton_scan.scan_launches
+
+    def counted(*args, **kwargs):
+        seen.append(kwargs["cu_seqlens"])
+        return launches(*args, **kwargs)
+
+    monkeypatch.setattr(triton_scan, "scan_launches", counted)
+    inputs = make_scan_inputs(ScanCase(1, PACKED_BOUNDS[-1], 4, 4), torch.float32, "cpu", seed=random_seed())
+    kernels.selective_scan(**inputs, cu_seqlens=torch.tensor(PACKED_BOUNDS, dtype=torch.int32), backend="triton")
+    assert [None if b is None else b.tolist() for b in seen] == [PACKED_BOUNDS]
 
 
 # Reduced-precision and fp64 inputs on the interpreter: small cases that still cross tiles,

@@ -142,7 +142,7 @@ def backend_from(ext) -> Backend:
         # It reads every input at whatever byte offset it lies (unaligned loads, or packed
         # into aligned tiles), so the bridge makes no aligned copy.
         reads_unaligned=True,
-        packs_sequences=True,
+        packs_sequences=frozenset({"scan", "ssd_scan", "scan_backward", "ssd_scan_backward"}),
         # "simd": the variant that serves (build.SIMD_VARIANTS' name, the description's first
         # word), with its description and library.
         details={"simd": ext.simd().split(" ", 1)[0], "simd_description": ext.simd(), "library": ext.__file__},

@@ -100,20 +100,35 @@ def _load_tile(x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
 _UNSPECIALISED = ["seq", "segment_len", "n_carries"]
 
 
+@triton.jit
+def _sequence_of(row, cu_seqlens_ptr, seq, PACKED: tl.constexpr):
+    """(first timestep, length) of a program's sequence: with PACKED, sequence `row` of those
+    packed along one batch row at cu_seqlens (the operands' batch stride then passed as 0);
+    else the whole of batch row `row`."""
+    if PACKED:
+        first = tl.load(cu_seqlens_ptr + row)
+        length = (tl.load(cu_seqlens_ptr + row + 1) - first).to(tl.int32)
+    else:
+        first = row * 0
+        length = seq
+    return first, length
+
+
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _segment_state_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr, carry_h_ptr, carry_dt_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr, carry_h_ptr, carry_dt_ptr, cu_seqlens_ptr,
     seq, dim, nstate, groups, dim_per_group, segment_len, n_carries,
     dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
     s_x_b, s_x_l, s_x_d, s_dt_b, s_dt_l, s_dt_d,
     s_B_b, s_B_l, s_B_g, s_B_n, s_A_d, s_A_n, s_bias,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr, PACKED: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
     """Pass 1: carry_h[row, seg] = state after segment `seg` from a zero state;
     carry_dt[row, seg] = the segment's summed (discretised) dt."""
     row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
+    first, length = _sequence_of(row, cu_seqlens_ptr, seq, PACKED)
     seg = tl.program_id(1)
     n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
     mask_n = n < nstate
@@ -122,13 +137,13 @@ def _segment_state_kernel(
     bias = tl.zeros([BLOCK_D], dtype=ACC)  # read only when HAS_DT_BIAS
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(ACC)
-    x_base = x_ptr + row * s_x_b
-    dt_base = dt_ptr + row * s_dt_b
-    B_base = B_ptr + row * s_B_b + group * s_B_g
+    x_base = x_ptr + row * s_x_b + first * s_x_l
+    dt_base = dt_ptr + row * s_dt_b + first * s_dt_l
+    B_base = B_ptr + row * s_B_b + first * s_B_l + group * s_B_g
     h = tl.zeros([BLOCK_D, BLOCK_N], dtype=ACC)
     dt_total = tl.zeros([BLOCK_D], dtype=ACC)
     t_start = seg * segment_len
-    t_end = tl.minimum(t_start + segment_len, seq)
+    t_end = tl.minimum(t_start + segment_len, length)
     for t0 in range(t_start, t_end, CHUNK):
         _, _, _, x, dt, B_tile = _load_tile(
             x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
@@ -144,7 +159,7 @@ def _segment_state_kernel(
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _scan_output_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, h0_ptr,
-    carry_h_ptr, carry_dt_ptr, y_ptr, state_ptr,
+    carry_h_ptr, carry_dt_ptr, y_ptr, state_ptr, cu_seqlens_ptr,
     seq, dim, nstate, groups, dim_per_group, segment_len, n_carries,
     dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
     s_x_b, s_x_l, s_x_d, s_dt_b, s_dt_l, s_dt_d, s_z_b, s_z_l, s_z_d, s_y_b, s_y_l, s_y_d,
@@ -152,13 +167,14 @@ def _scan_output_kernel(
     s_A_d, s_A_n, s_D, s_bias, s_h0_b, s_h0_d, s_h0_n, s_st_b, s_st_d, s_st_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_H0: tl.constexpr,
-    HAS_CARRIES: tl.constexpr, STORE_STATE: tl.constexpr,
+    HAS_CARRIES: tl.constexpr, STORE_STATE: tl.constexpr, PACKED: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
     """Pass 2 (the only pass when there is one segment): y for one segment, and the final state
     from the last segment."""
     row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
+    first, length = _sequence_of(row, cu_seqlens_ptr, seq, PACKED)
     seg = tl.program_id(1)
     n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
     mask_n = n < nstate
@@ -183,13 +199,13 @@ def _scan_output_kernel(
             h_k = tl.load(carry_h_ptr + carry[:, None] * nstate + n[None, :], mask=mask_dn, other=0.0)
             h = tl.exp(dt_sum[:, None] * A) * h + h_k
 
-    x_base = x_ptr + row * s_x_b
-    dt_base = dt_ptr + row * s_dt_b
-    y_base = y_ptr + row * s_y_b
-    B_base = B_ptr + row * s_B_b + group * s_B_g
-    C_base = C_ptr + row * s_C_b + group * s_C_g
+    x_base = x_ptr + row * s_x_b + first * s_x_l
+    dt_base = dt_ptr + row * s_dt_b + first * s_dt_l
+    y_base = y_ptr + row * s_y_b + first * s_y_l
+    B_base = B_ptr + row * s_B_b + first * s_B_l + group * s_B_g
+    C_base = C_ptr + row * s_C_b + first * s_C_l + group * s_C_g
     t_start = seg * segment_len
-    t_end = tl.minimum(t_start + segment_len, seq)
+    t_end = tl.minimum(t_start + segment_len, length)
     for t0 in range(t_start, t_end, CHUNK):
         t, mask_td, mask_tn, x, dt, B_tile = _load_tile(
             x_base, dt_base, B_base, t0, t_end, d, mask_d, n, mask_n, bias,
@@ -201,7 +217,8 @@ def _scan_output_kernel(
         if HAS_D:
             y += x * D[None, :]
         if HAS_Z:
-            z = tl.load(z_ptr + row * s_z_b + t[:, None] * s_z_l + d[None, :] * s_z_d, mask=mask_td, other=0.0).to(ACC)
+            z_base = z_ptr + row * s_z_b + first * s_z_l
+            z = tl.load(z_base + t[:, None] * s_z_l + d[None, :] * s_z_d, mask=mask_td, other=0.0).to(ACC)
             y *= silu(z)
         tl.store(y_base + t[:, None] * s_y_l + d[None, :] * s_y_d, y.to(y_ptr.dtype.element_ty), mask=mask_td)
 
@@ -268,10 +285,17 @@ def _bc_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     return t.stride(0), t.stride(3), t.stride(1), t.stride(2)
 
 
+def _row_strides(strides: tuple[int, ...], packed: bool) -> tuple[int, ...]:
+    """Strides with the batch row's (the first) as 0 for packed sequences, whose programs'
+    rows are sequences in the one batch row."""
+    return (0, *strides[1:]) if packed else strides
+
+
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
-                   out=None, state_out=None, blocks=None, segment_len=None):
-    """The "triton" backend's scan; arguments as normalised by `kernels._args.check_scan`.
+                   cu_seqlens=None, out=None, state_out=None, blocks=None, segment_len=None):
+    """The "triton" backend's scan; arguments as normalised by `kernels._args.check_scan`, and
+    `cu_seqlens` (int64 [n + 1], checked) for sequences packed along a batch-1 input's seq.
 
     Internal keywords: `out` / `state_out` receive y / the final state instead of fresh
     tensors (tests pass NaN-filled ones so that an element the kernels never write shows up);
@@ -279,14 +303,18 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=
     out, state_out, launches = scan_launches(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
         dt_max=dt_max, h0=h0, return_state=return_state, layout=layout, out=out,
-        state_out=state_out, blocks=blocks, segment_len=segment_len)
+        state_out=state_out, blocks=blocks, segment_len=segment_len, cu_seqlens=cu_seqlens)
     run_on_device_of(x, launches)
     return out, state_out
 
 
 def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0,
-                  return_state, layout, out, state_out, blocks, segment_len):
-    """(y, state or None, the launches that fill them), outputs allocated, nothing run."""
+                  return_state, layout, out, state_out, blocks, segment_len, cu_seqlens=None):
+    """(y, state or None, the launches that fill them), outputs allocated, nothing run.
+
+    With `cu_seqlens` (a CPU int64 tensor of n + 1 boundaries along a batch-1 input's seq), the
+    n sequences are the launches' rows: each program reads its sequence's boundaries, the
+    operands' batch stride is passed as 0, and the split into segments follows the longest."""
     if layout == "bld":
         batch, seq, dim = x.shape
         groups = B.shape[2]
@@ -296,7 +324,14 @@ def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
     nstate = A.shape[1]
     device = x.device
     acc = accumulation_dtype(x)
-    plan = plan_scan(batch, seq, dim, nstate, groups, device, blocks, segment_len)
+    packed = cu_seqlens is not None
+    if packed:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        rows, longest = lengths.numel(), int(lengths.max())
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    else:
+        rows, longest = batch, seq
+    plan = plan_scan(rows, longest, dim, nstate, groups, device, blocks, segment_len)
 
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=device)
@@ -304,17 +339,17 @@ def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
         check_out("out", out, x.shape, x.dtype, device)
     if return_state:
         if state_out is None:
-            state_out = torch.empty((batch, dim, nstate), dtype=acc, device=device)
+            state_out = torch.empty((rows, dim, nstate), dtype=acc, device=device)
         else:
-            check_out("state_out", state_out, (batch, dim, nstate), acc, device)
+            check_out("state_out", state_out, (rows, dim, nstate), acc, device)
     else:
         state_out = None
 
     has_clamp, bounds = clamp_bounds(dt_min, dt_max)
     dim_per_group = dim // groups
     n_carries = plan.n_segments - 1
-    s_x, s_dt = _seq_strides(x, layout), _seq_strides(dt, layout)
-    s_B = _bc_strides(B, layout)
+    s_x, s_dt = _row_strides(_seq_strides(x, layout), packed), _row_strides(_seq_strides(dt, layout), packed)
+    s_B, s_C = _row_strides(_bc_strides(B, layout), packed), _row_strides(_bc_strides(C, layout), packed)
     s_bias = dt_bias.stride(0) if dt_bias is not None else 0
     wide = wide_offsets(per_row=(x, dt, z, out, B, C, h0, state_out), whole=(A, D, dt_bias))
     blocks_constexprs = dict(ACC=triton_dtype(acc), BLOCK_D=plan.blocks.block_d,
@@ -323,30 +358,30 @@ def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
 
     carry_h = carry_dt = None
     if n_carries:
-        carry_h = torch.empty((batch, n_carries, dim, nstate), dtype=acc, device=device)
-        carry_dt = torch.empty((batch, n_carries, dim), dtype=acc, device=device)
+        carry_h = torch.empty((rows, n_carries, dim, nstate), dtype=acc, device=device)
+        carry_dt = torch.empty((rows, n_carries, dim), dtype=acc, device=device)
         launches.append(Launch(
             _segment_state_kernel, (plan.programs_per_segment, n_carries),
-            (x, dt, A, B, dt_bias, carry_h, carry_dt,
+            (x, dt, A, B, dt_bias, carry_h, carry_dt, cu_seqlens,
              seq, dim, nstate, groups, dim_per_group, plan.segment_len, n_carries,
              *bounds,
              *s_x, *s_dt, *s_B, A.stride(0), A.stride(1), s_bias),
             dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp,
-                 **blocks_constexprs),
+                 PACKED=packed, **blocks_constexprs),
             plan.blocks.num_warps))
 
-    s_z = _seq_strides(z, layout) if z is not None else (0, 0, 0)
+    s_z = _row_strides(_seq_strides(z, layout), packed) if z is not None else (0, 0, 0)
     s_h0 = h0.stride() if h0 is not None else (0, 0, 0)
     s_st = state_out.stride() if state_out is not None else (0, 0, 0)
     launches.append(Launch(
         _scan_output_kernel, (plan.programs_per_segment, plan.n_segments),
-        (x, dt, A, B, C, D, z, dt_bias, h0, carry_h, carry_dt, out, state_out,
+        (x, dt, A, B, C, D, z, dt_bias, h0, carry_h, carry_dt, out, state_out, cu_seqlens,
          seq, dim, nstate, groups, dim_per_group, plan.segment_len, n_carries,
          *bounds,
-         *s_x, *s_dt, *s_z, *_seq_strides(out, layout), *s_B, *_bc_strides(C, layout),
+         *s_x, *s_dt, *s_z, *_row_strides(_seq_strides(out, layout), packed), *s_B, *s_C,
          A.stride(0), A.stride(1), D.stride(0) if D is not None else 0, s_bias, *s_h0, *s_st),
         dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
              DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp, HAS_H0=h0 is not None,
-             HAS_CARRIES=n_carries > 0, STORE_STATE=state_out is not None, **blocks_constexprs),
+             HAS_CARRIES=n_carries > 0, STORE_STATE=state_out is not None, PACKED=packed, **blocks_constexprs),
         plan.blocks.num_warps))
     return out, state_out, launches
