@@ -30,6 +30,7 @@ from kernel_cases import (  # noqa: E402
     TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_same_nans_and_close, assert_scan_outputs_match_reference,
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
     make_ssd_inputs, make_ssd_update_inputs, random_seed, reference_ssd_scan, reference_ssd_update, state_dtype,
+    assert_packed_matches_each_sequence,
 )
 from kernels import _args  # noqa: E402
 from kernels._registry import get_backend  # noqa: E402
@@ -106,6 +107,31 @@ def _check_update(case: SsdUpdateCase, dtype, device, blocks=None):
 
 
 # --- the scan -----------------------------------------------------------------------------------
+
+# Packed sequences (cu_seqlens) in one set of launches: with chunks of 16, sequences of 1, 20 and
+# 34 steps, so the longest takes three chunks, one ends within its second chunk, and the one-step
+# sequence's chunks past its first (and the 20-step one's third) hold nothing. With and without
+# the final states (without them the last chunk's own state is not computed).
+PACKED_BOUNDS = [0, 1, 21, 55]
+
+
+@pytest.mark.parametrize("return_state", [True, False], ids=["state", "no-state"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_ssd_scan_matches_each_sequence(device, return_state):
+    _backend(device)
+    seed = random_seed()
+    case = SsdCase(1, PACKED_BOUNDS[-1], 3, 20, 18, groups=3, chunk_size=16, D=True, z=True, dt_bias=True,
+                   dt_softplus=True, clamp=True, return_state=return_state)
+    inputs = make_ssd_inputs(case, torch.float32, device, seed=seed)
+    h0 = torch.randn(len(PACKED_BOUNDS) - 1, 3, 20, 18, generator=torch.Generator().manual_seed(seed)).to(device)
+    args = _args.check_ssd_scan(**inputs)
+    y = _poisoned(args.x.shape, args.x.dtype, args.x.device)
+    state = _poisoned(tuple(h0.shape), torch.float32, args.x.device) if return_state else None
+    ssd.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **{**args.backend_kwargs(), "h0": h0},
+                 cu_seqlens=torch.tensor(PACKED_BOUNDS), out=y, state_out=state, blocks=_scan_blocks(device))
+    assert_packed_matches_each_sequence(y, state, inputs, h0, PACKED_BOUNDS, "ssd", torch.float32,
+                                        f"{device} packed seed={seed}")
+
 
 
 @pytest.mark.parametrize("device", DEVICES)

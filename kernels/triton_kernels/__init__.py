@@ -46,9 +46,8 @@ def load_backend() -> Backend:
     return Backend(
         name="triton",
         scan=scan.selective_scan,
-        # The Mamba-1 scan's programs read their sequence's boundaries; the chunked SSD scan and
-        # the backwards run a sequence a call.
-        packs_sequences=frozenset({"scan"}),
+        # The scans' programs read their sequence's boundaries; the backwards run a sequence a call.
+        packs_sequences=frozenset({"scan", "ssd_scan"}),
         state_update=state_update.selective_state_update,
         ssd_scan=ssd.ssd_scan,
         ssd_state_update=ssd.ssd_state_update,

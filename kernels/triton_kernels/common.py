@@ -155,6 +155,12 @@ def wide_offsets(per_row, whole) -> bool:
     return max(extents, default=0) >= INT32_OFFSET_LIMIT
 
 
+def row_strides(strides: tuple[int, ...], packed: bool) -> tuple[int, ...]:
+    """Strides with the batch row's (the first) as 0 for packed sequences, whose programs' rows
+    are the sequences in the one batch row."""
+    return (0, *strides[1:]) if packed else tuple(strides)
+
+
 def interpreter_active() -> bool:
     """Whether Triton runs kernels on its CPU interpreter (TRITON_INTERPRET=1 when the kernels
     were defined) instead of compiling them."""

@@ -46,7 +46,7 @@ from ..errors import KernelInputError
 from . import configs
 from .common import (
     Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
-    run_on_device_of, silu, triton_dtype, wide_offsets,
+    row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
 
@@ -285,12 +285,6 @@ def _bc_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     return t.stride(0), t.stride(3), t.stride(1), t.stride(2)
 
 
-def _row_strides(strides: tuple[int, ...], packed: bool) -> tuple[int, ...]:
-    """Strides with the batch row's (the first) as 0 for packed sequences, whose programs'
-    rows are sequences in the one batch row."""
-    return (0, *strides[1:]) if packed else strides
-
-
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
                    cu_seqlens=None, out=None, state_out=None, blocks=None, segment_len=None):
@@ -348,8 +342,8 @@ def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
     has_clamp, bounds = clamp_bounds(dt_min, dt_max)
     dim_per_group = dim // groups
     n_carries = plan.n_segments - 1
-    s_x, s_dt = _row_strides(_seq_strides(x, layout), packed), _row_strides(_seq_strides(dt, layout), packed)
-    s_B, s_C = _row_strides(_bc_strides(B, layout), packed), _row_strides(_bc_strides(C, layout), packed)
+    s_x, s_dt = row_strides(_seq_strides(x, layout), packed), row_strides(_seq_strides(dt, layout), packed)
+    s_B, s_C = row_strides(_bc_strides(B, layout), packed), row_strides(_bc_strides(C, layout), packed)
     s_bias = dt_bias.stride(0) if dt_bias is not None else 0
     wide = wide_offsets(per_row=(x, dt, z, out, B, C, h0, state_out), whole=(A, D, dt_bias))
     blocks_constexprs = dict(ACC=triton_dtype(acc), BLOCK_D=plan.blocks.block_d,
@@ -370,7 +364,7 @@ def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
                  PACKED=packed, **blocks_constexprs),
             plan.blocks.num_warps))
 
-    s_z = _row_strides(_seq_strides(z, layout), packed) if z is not None else (0, 0, 0)
+    s_z = row_strides(_seq_strides(z, layout), packed) if z is not None else (0, 0, 0)
     s_h0 = h0.stride() if h0 is not None else (0, 0, 0)
     s_st = state_out.stride() if state_out is not None else (0, 0, 0)
     launches.append(Launch(
@@ -378,7 +372,7 @@ def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
         (x, dt, A, B, C, D, z, dt_bias, h0, carry_h, carry_dt, out, state_out, cu_seqlens,
          seq, dim, nstate, groups, dim_per_group, plan.segment_len, n_carries,
          *bounds,
-         *s_x, *s_dt, *s_z, *_row_strides(_seq_strides(out, layout), packed), *s_B, *s_C,
+         *s_x, *s_dt, *s_z, *row_strides(_seq_strides(out, layout), packed), *s_B, *s_C,
          A.stride(0), A.stride(1), D.stride(0) if D is not None else 0, s_bias, *s_h0, *s_st),
         dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
              DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp, HAS_H0=h0 is not None,

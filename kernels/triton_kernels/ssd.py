@@ -52,7 +52,7 @@ import triton.language as tl
 from . import configs
 from .common import (
     Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, interpreter_active, offset_index,
-    run_on_device_of, silu, triton_dtype, wide_offsets,
+    row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
 
@@ -98,14 +98,21 @@ def _dot_computed_right(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _chunk_coords(pid, nchunks, chunk, seq):
+def _chunk_coords(pid, nchunks, chunk, seq, cu_seqlens_ptr, PACKED: tl.constexpr):
     """(batch row, chunk index, first timestep, timesteps in this chunk) of the chunk that a
-    program's (batch x chunks) index names, as int64."""
+    program's (batch x chunks) index names, as int64. With PACKED the rows are the sequences
+    packed at cu_seqlens along one batch row (whose stride the launch passes as 0): the first
+    timestep counts from that row's start, and a chunk past its sequence's end has none."""
     pid = pid.to(tl.int64)
     c = pid % nchunks
     b = pid // nchunks
-    t0 = c * chunk
-    return b, c, t0, tl.minimum(chunk, seq - t0)
+    if PACKED:
+        first = tl.load(cu_seqlens_ptr + b)
+        length = tl.load(cu_seqlens_ptr + b + 1) - first
+    else:
+        first = b * 0
+        length = seq + b * 0
+    return b, c, first + c * chunk, tl.minimum(chunk, length - c * chunk)
 
 
 @triton.jit
@@ -134,18 +141,18 @@ _UNSPECIALISED = ["seq", "nchunks", "chunk", "n_local"]
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _ssd_cumsum_kernel(
-    dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr,
+    dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, heads,
     dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
     s_dt_b, s_dt_l, s_dt_h, s_A, s_bias,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr, PACKED: tl.constexpr,
     ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """dt_out = discretised dt (0 past the sequence end), cs = its running sum times A within
     the chunk, for BLOCK_H heads of one chunk; both [batch, chunks, heads, chunk]."""
     pid = tl.program_id(0)
     n_hblocks = tl.cdiv(heads, BLOCK_H)
-    b, c, t0, chunk_len = _chunk_coords(pid // n_hblocks, nchunks, chunk, seq)
+    b, c, t0, chunk_len = _chunk_coords(pid // n_hblocks, nchunks, chunk, seq, cu_seqlens_ptr, PACKED)
     hh = _span((pid % n_hblocks) * BLOCK_H, BLOCK_H, WIDE_OFFSETS)
     t = _span(0, BLOCK_T, WIDE_OFFSETS)
     mask_h = hh < heads
@@ -165,10 +172,10 @@ def _ssd_cumsum_kernel(
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _ssd_cb_kernel(
-    B_ptr, C_ptr, cb_ptr,
+    B_ptr, C_ptr, cb_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, groups, nstate,
     s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
-    DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """cb[b, c, g, m, k] = C_m . B_k for the block (m block, k block) of one chunk and group;
@@ -176,7 +183,7 @@ def _ssd_cb_kernel(
     pid = tl.program_id(0)
     kb, mb, rest = _block_coords(pid, tl.cdiv(chunk, BLOCK_K), tl.cdiv(chunk, BLOCK_M))
     g = (rest % groups).to(tl.int64)
-    b, c, t0, chunk_len = _chunk_coords(rest // groups, nchunks, chunk, seq)
+    b, c, t0, chunk_len = _chunk_coords(rest // groups, nchunks, chunk, seq, cu_seqlens_ptr, PACKED)
     m0 = mb * BLOCK_M
     k0 = kb * BLOCK_K
     if (k0 < m0 + BLOCK_M) & (m0 < chunk_len):
@@ -200,10 +207,10 @@ def _ssd_cb_kernel(
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _ssd_chunk_state_kernel(
-    x_ptr, B_ptr, dt_d_ptr, cs_ptr, states_ptr,
+    x_ptr, B_ptr, dt_d_ptr, cs_ptr, states_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, n_local, heads, heads_per_group, headdim, nstate,
     s_x_b, s_x_l, s_x_h, s_x_p, s_B_b, s_B_l, s_B_g, s_B_n,
-    DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """states[b, c, h] = sum_k exp(cs_last - cs_k) dt_k x_k (x) B_k over chunk c (from a zero
@@ -211,7 +218,7 @@ def _ssd_chunk_state_kernel(
     pid = tl.program_id(0)
     nb, pb, rest = _block_coords(pid, tl.cdiv(nstate, BLOCK_N), tl.cdiv(headdim, BLOCK_P))
     h = (rest % heads).to(tl.int64)
-    b, c, t0, chunk_len = _chunk_coords(rest // heads, n_local, chunk, seq)
+    b, c, t0, chunk_len = _chunk_coords(rest // heads, n_local, chunk, seq, cu_seqlens_ptr, PACKED)
     g = h // heads_per_group
     p = _span(pb * BLOCK_P, BLOCK_P, WIDE_OFFSETS)
     n = _span(nb * BLOCK_N, BLOCK_N, WIDE_OFFSETS)
@@ -278,11 +285,11 @@ def _ssd_state_passing_kernel(
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _ssd_chunk_scan_kernel(
-    x_ptr, z_ptr, C_ptr, D_ptr, cb_ptr, dt_d_ptr, cs_ptr, states_ptr, y_ptr,
+    x_ptr, z_ptr, C_ptr, D_ptr, cb_ptr, dt_d_ptr, cs_ptr, states_ptr, y_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, heads, heads_per_group, groups, headdim, nstate,
     s_x_b, s_x_l, s_x_h, s_x_p, s_z_b, s_z_l, s_z_h, s_z_p, s_y_b, s_y_l, s_y_h, s_y_p,
     s_C_b, s_C_l, s_C_g, s_C_n, s_D_h, s_D_p,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_STATES: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_STATES: tl.constexpr, PACKED: tl.constexpr,
     DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
@@ -293,7 +300,7 @@ def _ssd_chunk_scan_kernel(
     pid = tl.program_id(0)
     pb, mb, rest = _block_coords(pid, tl.cdiv(headdim, BLOCK_P), tl.cdiv(chunk, BLOCK_M))
     h = (rest % heads).to(tl.int64)
-    b, c, t0, chunk_len = _chunk_coords(rest // heads, nchunks, chunk, seq)
+    b, c, t0, chunk_len = _chunk_coords(rest // heads, nchunks, chunk, seq, cu_seqlens_ptr, PACKED)
     g = h // heads_per_group
     m0 = mb * BLOCK_M
     if m0 < chunk_len:
@@ -367,11 +374,14 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
               torch.float64: tl.float64}
 
 
-def plan_ssd_scan(x, B, C, chunk_size: int | None, blocks: configs.SsdBlocks | None = None) -> SsdPlan:
+def plan_ssd_scan(x, B, C, chunk_size: int | None, blocks: configs.SsdBlocks | None = None,
+                  seq: int | None = None) -> SsdPlan:
     """The chunk (the caller's, the default, at most configs.SSD_MAX_CHUNK and never longer
-    than the sequence: one chunk of the whole sequence is the same computation) and the blocks
-    (the table's, or `blocks`, which tests shrink to reach several blocks per axis)."""
-    _, seq, _, headdim = x.shape
+    than the sequence, `seq` or x's: one chunk of the whole sequence is the same computation)
+    and the blocks (the table's, or `blocks`, which tests shrink to reach several blocks per
+    axis)."""
+    headdim = x.shape[3]
+    seq = seq or x.shape[1]
     chunk = min(chunk_size or configs.SSD_CHUNK, configs.SSD_MAX_CHUNK, seq)
     dot = _dot_dtype(x, B, C, accumulation_dtype(x))
     return SsdPlan(chunk, triton.cdiv(seq, chunk), configs.ssd_blocks(headdim, B.shape[3], chunk, dot, blocks), dot)
@@ -385,10 +395,11 @@ def _grid(*counts: int) -> tuple[int]:
 
 
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
-             dt_max=None, h0=None, return_state=False, chunk_size=None, out=None, state_out=None,
-             blocks=None):
+             dt_max=None, h0=None, return_state=False, chunk_size=None, cu_seqlens=None, out=None,
+             state_out=None, blocks=None):
     """The "triton" backend's SSD scan; arguments as normalised by `kernels._args.check_ssd_scan`
-    (D [heads, headdim]). Returns (y in x's dtype, the final state or None).
+    (D [heads, headdim]), and `cu_seqlens` (int64 [n + 1], checked) for sequences packed along a
+    batch-1 input's seq. Returns (y in x's dtype, the final state or None).
 
     Internal keywords: `out` / `state_out` receive y / the final state instead of fresh tensors
     (tests pass NaN-filled ones, so that an element no program writes shows up); `blocks`
@@ -396,19 +407,30 @@ def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
     out, state_out, launches = ssd_scan_launches(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
         dt_max=dt_max, h0=h0, return_state=return_state, chunk_size=chunk_size, out=out,
-        state_out=state_out, blocks=blocks)
+        state_out=state_out, blocks=blocks, cu_seqlens=cu_seqlens)
     run_on_device_of(x, launches)
     return out, state_out
 
 
 def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
-                      chunk_size, out, state_out, blocks):
-    """(y, state or None, the launches that fill them), outputs and buffers allocated, nothing run."""
+                      chunk_size, out, state_out, blocks, cu_seqlens=None):
+    """(y, state or None, the launches that fill them), outputs and buffers allocated, nothing run.
+
+    With `cu_seqlens` (a CPU int64 tensor of n + 1 boundaries along a batch-1 input's seq), the
+    n sequences are the launches' rows, each cut into chunks of its own (as many as the longest
+    needs; those past a sequence's end hold nothing and pass its state on unchanged), and the
+    operands' batch stride is passed as 0."""
     batch, seq, heads, headdim = x.shape
     groups, nstate = B.shape[2], B.shape[3]
     device = x.device
     acc = accumulation_dtype(x)
-    plan = plan_ssd_scan(x, B, C, chunk_size, blocks)
+    packed = cu_seqlens is not None
+    longest = seq
+    if packed:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        batch, longest = lengths.numel(), int(lengths.max())
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    plan = plan_ssd_scan(x, B, C, chunk_size, blocks, seq=longest)
     chunk, nchunks, bl = plan.chunk, plan.nchunks, plan.blocks
 
     if out is None:
@@ -439,31 +461,31 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
     dots = dict(DOT=dot_tl, UPCAST=upcast, WIDE_OFFSETS=wide)
     warps = bl.num_warps
     heads_per_group = heads // groups
-    s_x, s_B, s_C = x.stride(), B.stride(), C.stride()
+    s_x, s_B, s_C, s_dt = (row_strides(t.stride(), packed) for t in (x, B, C, dt))
     launches = []
 
     block_t = triton.next_power_of_2(chunk)
     block_h = min(triton.next_power_of_2(heads), max(1, configs.SSD_ELEMENTWISE_BLOCK // block_t))
     launches.append(Launch(
         _ssd_cumsum_kernel, _grid(batch, nchunks, triton.cdiv(heads, block_h)),
-        (dt, A, dt_bias, dt_d, cs, seq, nchunks, chunk, heads, *bounds, *dt.stride(), A.stride(0),
+        (dt, A, dt_bias, dt_d, cs, cu_seqlens, seq, nchunks, chunk, heads, *bounds, *s_dt, A.stride(0),
          dt_bias.stride(0) if dt_bias is not None else 0),
-        dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp,
+        dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp, PACKED=packed,
              ACC=acc_tl, BLOCK_T=block_t, BLOCK_H=block_h, WIDE_OFFSETS=wide),
         warps))
     launches.append(Launch(
         _ssd_cb_kernel,
         _grid(batch, nchunks, groups, triton.cdiv(chunk, bl.block_m), triton.cdiv(chunk, bl.block_k)),
-        (B, C, cb, seq, nchunks, chunk, groups, nstate, *s_B, *s_C),
-        dict(ACC=acc_tl, BLOCK_M=bl.block_m, BLOCK_K=bl.block_k, BLOCK_N=bl.block_n, **dots),
+        (B, C, cb, cu_seqlens, seq, nchunks, chunk, groups, nstate, *s_B, *s_C),
+        dict(PACKED=packed, ACC=acc_tl, BLOCK_M=bl.block_m, BLOCK_K=bl.block_k, BLOCK_N=bl.block_n, **dots),
         warps))
     if n_local:
         launches.append(Launch(
             _ssd_chunk_state_kernel,
             _grid(batch, n_local, heads, triton.cdiv(headdim, bl.block_p), triton.cdiv(nstate, bl.block_n)),
-            (x, B, dt_d, cs, states, seq, nchunks, chunk, n_local, heads, heads_per_group, headdim, nstate,
-             *s_x, *s_B),
-            dict(ACC=acc_tl, BLOCK_K=bl.block_k, BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
+            (x, B, dt_d, cs, states, cu_seqlens, seq, nchunks, chunk, n_local, heads, heads_per_group, headdim,
+             nstate, *s_x, *s_B),
+            dict(PACKED=packed, ACC=acc_tl, BLOCK_K=bl.block_k, BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
             warps))
     if has_states:
         block_e = min(triton.next_power_of_2(headdim * nstate), configs.SSD_ELEMENTWISE_BLOCK)
@@ -478,10 +500,10 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
     launches.append(Launch(
         _ssd_chunk_scan_kernel,
         _grid(batch, nchunks, heads, triton.cdiv(chunk, bl.block_m), triton.cdiv(headdim, bl.block_p)),
-        (x, z, C, D, cb, dt_d, cs, states, out, seq, nchunks, chunk, heads, heads_per_group, groups,
-         headdim, nstate, *s_x, *(z.stride() if z is not None else (0, 0, 0, 0)), *out.stride(), *s_C,
-         *(D.stride() if D is not None else (0, 0))),
-        dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_STATES=has_states, ACC=acc_tl,
+        (x, z, C, D, cb, dt_d, cs, states, out, cu_seqlens, seq, nchunks, chunk, heads, heads_per_group, groups,
+         headdim, nstate, *s_x, *(row_strides(z.stride(), packed) if z is not None else (0, 0, 0, 0)),
+         *row_strides(out.stride(), packed), *s_C, *(D.stride() if D is not None else (0, 0))),
+        dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_STATES=has_states, PACKED=packed, ACC=acc_tl,
              BLOCK_M=bl.block_m, BLOCK_K=bl.block_k, BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
         warps))
     return out, state_out, launches
