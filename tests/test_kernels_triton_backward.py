@@ -293,3 +293,30 @@ def test_backward_kernels_compile_for_sm90():
     # The int64-offset variant (inputs of 2^31 elements and more) may spill a few bytes.
     assert all("SPILLS" not in line for line in lines if "int64" not in line), done.stdout
 
+
+
+# Packed sequences (cu_seqlens) in one pair of launches: with 4-step tiles, sequences of 1, 5 and
+# 11 steps (one tile, two with a short last one, three), each from its own h0 row, against the
+# reference's gradients of the same packed call (which it takes a sequence at a time).
+PACKED_BOUNDS = [0, 1, 6, 17]
+PACKED_CASES = [
+    pytest.param("scan", ScanCase(1, 17, 6, 3, groups=2, **ALL), id="scan-bld"),
+    pytest.param("scan", ScanCase(1, 17, 6, 3, groups=2, layout="bdl", **ALL), id="scan-bdl"),
+    pytest.param("ssd", SsdCase(1, 17, 4, 3, 3, groups=2, **ALL), id="ssd"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind, case", PACKED_CASES)
+def test_packed_backward_matches_reference(kind, case, device):
+    _backend(device)
+    seed = random_seed()
+    inputs = (make_ssd_inputs if kind == "ssd" else make_scan_inputs)(case, torch.float32, device, seed=seed)
+    rows = (len(PACKED_BOUNDS) - 1, *_state_shape(kind, inputs)[1:])
+    inputs["h0"] = torch.randn(rows, generator=torch.Generator().manual_seed(seed)).to(device)
+    dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), rows, True, seed)
+    backward = kernels.ssd_scan_backward if kind == "ssd" else kernels.selective_scan_backward
+    cu = torch.tensor(PACKED_BOUNDS)
+    got = backward(dy, **backward_inputs(inputs), dstate=dstate, cu_seqlens=cu, backend="triton")
+    expected = backward(dy, **backward_inputs(inputs), dstate=dstate, cu_seqlens=cu, backend="reference")
+    assert_grads_close(got, expected, backward_inputs(inputs), torch.float32, f"triton packed {kind} seed={seed}")

@@ -46,8 +46,8 @@ def load_backend() -> Backend:
     return Backend(
         name="triton",
         scan=scan.selective_scan,
-        # The scans' programs read their sequence's boundaries; the backwards run a sequence a call.
-        packs_sequences=frozenset({"scan", "ssd_scan"}),
+        # Every op's programs read their packed sequence's boundaries themselves.
+        packs_sequences=frozenset({"scan", "ssd_scan", "scan_backward", "ssd_scan_backward"}),
         state_update=state_update.selective_state_update,
         ssd_scan=ssd.ssd_scan,
         ssd_state_update=ssd.ssd_state_update,

@@ -40,9 +40,10 @@ from ..eager import _discretize_dt
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, offset_index, program_coords, run_on_device_of, triton_dtype, wide_offsets,
+    Launch, accumulation_dtype, offset_index, program_coords, row_strides, run_on_device_of, triton_dtype,
+    wide_offsets,
 )
-from .scan import _combine
+from .scan import _combine, _sequence_of
 
 # BLOCK_N -> blocks. The reverse pass keeps several [CHUNK, BLOCK_D, BLOCK_N] tiles live at once
 # (the states, their reversed copy, G, two decays, q) besides the tile's loads, so a row holds a
@@ -110,16 +111,18 @@ _UNSPECIALISED = ["seq", "n_chunks"]
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _checkpoint_kernel(
-    x_ptr, delta_ptr, A_ptr, B_ptr, h0_ptr, ckpt_ptr,
+    x_ptr, delta_ptr, A_ptr, B_ptr, h0_ptr, ckpt_ptr, cu_seqlens_ptr,
     seq, dim, nstate, groups, dim_per_group, per_decay, n_chunks,
     s_x_b, s_x_l, s_x_d, s_dl_b, s_dl_l, s_dl_d, s_B_b, s_B_l, s_B_g, s_B_n, s_A_d, s_A_n,
     s_h0_b, s_h0_d, s_h0_n,
-    HAS_H0: tl.constexpr, SCALAR_DECAY: tl.constexpr,
+    HAS_H0: tl.constexpr, SCALAR_DECAY: tl.constexpr, PACKED: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
-    """ckpt[row, c] = the state entering tile c (c = 0: h0, or zeros)."""
+    """ckpt[row, c] = the state entering tile c (c = 0: h0, or zeros). With PACKED a row is a
+    sequence packed at cu_seqlens (the operands' batch strides passed as 0), with its own tiles."""
     row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
+    first, length = _sequence_of(row, cu_seqlens_ptr, seq, PACKED)
     n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
     mask_n = n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
@@ -130,14 +133,14 @@ def _checkpoint_kernel(
                     mask=mask_dn, other=0.0).to(ACC)
     else:
         h = tl.zeros([BLOCK_D, BLOCK_N], dtype=ACC)
-    x_base = x_ptr + row * s_x_b
-    delta_base = delta_ptr + row * s_dl_b
-    B_base = B_ptr + row * s_B_b + group * s_B_g
+    x_base = x_ptr + row * s_x_b + first * s_x_l
+    delta_base = delta_ptr + row * s_dl_b + first * s_dl_l
+    B_base = B_ptr + row * s_B_b + first * s_B_l + group * s_B_g
     in_ckpt = d[:, None] * nstate + n[None, :]
     tl.store(ckpt_ptr + row * n_chunks * dim * nstate + in_ckpt, h, mask=mask_dn)
-    for c in range(1, n_chunks):  # the last tile's states are never needed here
+    for c in range(1, tl.cdiv(length, CHUNK)):  # the last tile's states are never needed here
         t = offset_index((c - 1) * CHUNK + tl.arange(0, CHUNK), WIDE_OFFSETS)
-        mask_t = t < seq
+        mask_t = t < length
         x = _load_td(x_base, t, mask_t, d, mask_d, s_x_l, s_x_d, ACC)
         delta = _load_td(delta_base, t, mask_t, d_delta, mask_d, s_dl_l, s_dl_d, ACC)
         B_tile = _load_td(B_base, t, mask_t, n, mask_n, s_B_l, s_B_n, ACC)
@@ -148,13 +151,13 @@ def _checkpoint_kernel(
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _reverse_kernel(
     x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dy_ptr, ckpt_ptr, dstate_ptr,
-    dx_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dh0_ptr,
+    dx_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dh0_ptr, cu_seqlens_ptr,
     seq, dim, nstate, groups, dim_per_group, per_decay, n_chunks,
     s_x_b, s_x_l, s_x_d, s_dl_b, s_dl_l, s_dl_d, s_z_b, s_z_l, s_z_d, s_dy_b, s_dy_l, s_dy_d,
     s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
     s_A_d, s_A_n, s_D, s_ds_b, s_ds_d, s_ds_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DSTATE: tl.constexpr, STORE_DH0: tl.constexpr,
-    SCALAR_DECAY: tl.constexpr,
+    SCALAR_DECAY: tl.constexpr, PACKED: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
@@ -169,8 +172,9 @@ def _reverse_kernel(
         ddelta_t = x_t (G_t . B_t) + q_t . A;  dA = sum_t delta_t q_t;  dh0 = a_0 G_0
 
     a_t h_{t-1} is taken as h_t minus the step's input, which needs no shifted copy of the
-    states and differs from it only by a rounding at h_t's magnitude."""
+    states and differs from it only by a rounding at h_t's magnitude. PACKED: as the checkpoints."""
     row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
+    first, length = _sequence_of(row, cu_seqlens_ptr, seq, PACKED)
     n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
     mask_n = n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
@@ -189,23 +193,29 @@ def _reverse_kernel(
     dA = tl.zeros(A.shape, dtype=ACC)
     dD = tl.zeros([BLOCK_D], dtype=ACC)
 
-    x_base = x_ptr + row * s_x_b
-    delta_base = delta_ptr + row * s_dl_b
-    dy_base = dy_ptr + row * s_dy_b
-    B_base = B_ptr + row * s_B_b + group * s_B_g
-    C_base = C_ptr + row * s_C_b + group * s_C_g
+    x_base = x_ptr + row * s_x_b + first * s_x_l
+    delta_base = delta_ptr + row * s_dl_b + first * s_dl_l
+    dy_base = dy_ptr + row * s_dy_b + first * s_dy_l
+    B_base = B_ptr + row * s_B_b + first * s_B_l + group * s_B_g
+    C_base = C_ptr + row * s_C_b + first * s_C_l + group * s_C_g
     # The gradients' own buffers are contiguous: dx, ddelta, dz [batch, seq, dim] share one
-    # offset tile, dB and dC [batch, seq, groups, state] another (fewer live registers).
-    out_row = row * seq * dim
-    bc_row = row * seq * groups * nstate + group * nstate
+    # offset tile, dB and dC [batch, seq, groups, state] another (fewer live registers). A
+    # packed sequence's positions start at its first step in the one batch row.
+    if PACKED:
+        start = first
+    else:
+        start = row * seq
+    out_row = start * dim
+    bc_row = start * groups * nstate + group * nstate
     in_ckpt = d[:, None] * nstate + n[None, :]
     i = tl.arange(0, CHUNK)
-    first = i[:, None, None] == 0
-    for k in range(0, n_chunks):
-        c = n_chunks - 1 - k
+    first_row = i[:, None, None] == 0
+    tiles = tl.cdiv(length, CHUNK)
+    for k in range(0, tiles):
+        c = tiles - 1 - k
         # The tile's states in time order, from its checkpoint, then read back to front.
         t_fwd = offset_index(c * CHUNK + i, WIDE_OFFSETS)
-        mask_fwd = t_fwd < seq
+        mask_fwd = t_fwd < length
         h_in = tl.load(ckpt_ptr + (row * n_chunks + c) * dim * nstate + in_ckpt, mask=mask_dn, other=0.0)
         states, _ = _tile_states(
             h_in,
@@ -215,20 +225,20 @@ def _reverse_kernel(
         h = tl.flip(states, 0)
 
         t = offset_index(c * CHUNK + (CHUNK - 1) - i, WIDE_OFFSETS)
-        mask_t = t < seq
+        mask_t = t < length
         mask_td = mask_t[:, None] & mask_d[None, :]
         mask_tn = mask_t[:, None] & mask_n[None, :]
         t_d = t[:, None] * dim + d[None, :]
         x = _load_td(x_base, t, mask_t, d, mask_d, s_x_l, s_x_d, ACC)
         delta = _load_td(delta_base, t, mask_t, d_delta, mask_d, s_dl_l, s_dl_d, ACC)
         # delta_{t+1} within the tile (row i - 1); 0, i.e. decay 1, past the tile or the sequence.
-        delta_next = _load_td(delta_base, t + 1, (i > 0) & (t + 1 < seq), d_delta, mask_d, s_dl_l, s_dl_d, ACC)
+        delta_next = _load_td(delta_base, t + 1, (i > 0) & (t + 1 < length), d_delta, mask_d, s_dl_l, s_dl_d, ACC)
         g = _load_td(dy_base, t, mask_t, d, mask_d, s_dy_l, s_dy_d, ACC)
         B_tile = _load_td(B_base, t, mask_t, n, mask_n, s_B_l, s_B_n, ACC)
         C_tile = _load_td(C_base, t, mask_t, n, mask_n, s_C_l, s_C_n, ACC)
 
         if HAS_Z:
-            z = _load_td(z_ptr + row * s_z_b, t, mask_t, d, mask_d, s_z_l, s_z_d, ACC)
+            z = _load_td(z_ptr + row * s_z_b + first * s_z_l, t, mask_t, d, mask_d, s_z_l, s_z_d, ACC)
             y = tl.sum(h * C_tile[:, None, :], axis=2)
             if HAS_D:
                 y += x * D[None, :]
@@ -243,7 +253,7 @@ def _reverse_kernel(
         # Padded steps past the sequence end have dy = 0 and decay 1, so the carry (dstate)
         # passes through them unchanged to the last real step.
         v = dy[:, :, None] * C_tile[:, None, :]
-        v = tl.where(first, v + carry[None, :, :], v)
+        v = tl.where(first_row, v + carry[None, :, :], v)
         decay_next = tl.exp(delta_next[:, :, None] * A[None, :, :])
         decay_next, v = tl.broadcast(decay_next, v)
         _, G = tl.associative_scan((decay_next, v), 0, _combine)
@@ -326,7 +336,7 @@ def checkpoint_shape(plan: BackwardPlan, batch: int, channels: int, state: int) 
 
 
 def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int, scalar_decay: bool,
-                      blocks: configs.ScanBlocks | None = None) -> tuple[dict, list[Launch]]:
+                      blocks: configs.ScanBlocks | None = None, cu_seqlens=None) -> tuple[dict, list[Launch]]:
     """(gradient buffers, the two launches that fill them), allocated, nothing run.
 
     Operands as "bld" [batch, seq, channels] tensors of any strides (x, dy, z), delta with
@@ -335,12 +345,20 @@ def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int
     h0 and dstate [batch, channels, state]. Buffers, contiguous, in the accumulation dtype:
     "x", "delta" (per channel) and "z" [batch, seq, channels]; "B" and "C" [batch, seq, groups,
     state]; "A" [batch, channels(, state)] and "D" [batch, channels]: each batch row's sums;
-    "h0" [batch, channels, state]; "checkpoints" (checkpoint_shape)."""
+    "h0" [batch, channels, state]; "checkpoints" (checkpoint_shape). With `cu_seqlens` (a CPU
+    int64 tensor of n + 1 boundaries along a batch-1 input's seq) the n packed sequences are the
+    rows: of the launches, of h0, dstate and the "A", "D", "h0" and checkpoint buffers."""
     batch, seq, channels = x.shape
     groups, nstate = B.shape[2], B.shape[3]
     device = x.device
     acc = accumulation_dtype(x)
-    plan = plan_backward(batch, seq, channels, nstate, groups, device, blocks)
+    packed = cu_seqlens is not None
+    rows, longest = batch, seq
+    if packed:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        rows, longest = lengths.numel(), int(lengths.max())
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    plan = plan_backward(rows, longest, channels, nstate, groups, device, blocks)
 
     grads = dict(
         x=torch.empty((batch, seq, channels), dtype=acc, device=device),
@@ -348,17 +366,16 @@ def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int
         z=None if z is None else torch.empty((batch, seq, channels), dtype=acc, device=device),
         B=torch.zeros((batch, seq, groups, nstate), dtype=acc, device=device),
         C=torch.zeros((batch, seq, groups, nstate), dtype=acc, device=device),
-        A=torch.empty((batch, channels) if scalar_decay else (batch, channels, nstate), dtype=acc, device=device),
-        D=None if D is None else torch.empty((batch, channels), dtype=acc, device=device),
-        h0=None if h0 is None else torch.empty((batch, channels, nstate), dtype=acc, device=device),
-        checkpoints=torch.empty(checkpoint_shape(plan, batch, channels, nstate), dtype=acc, device=device),
+        A=torch.empty((rows, channels) if scalar_decay else (rows, channels, nstate), dtype=acc, device=device),
+        D=None if D is None else torch.empty((rows, channels), dtype=acc, device=device),
+        h0=None if h0 is None else torch.empty((rows, channels, nstate), dtype=acc, device=device),
+        checkpoints=torch.empty(checkpoint_shape(plan, rows, channels, nstate), dtype=acc, device=device),
     )
     ckpt = grads["checkpoints"]
     wide = wide_offsets(per_row=(x, delta, dy, z, B, C, h0, dstate, *(g for g in grads.values())),
                         whole=(A, D))
     s_A = (A.stride(0), 0) if scalar_decay else (A.stride(0), A.stride(1))
-    s_x, s_dl = x.stride(), delta.stride()
-    s_B = B.stride()
+    s_x, s_dl, s_B = (row_strides(t.stride(), packed) for t in (x, delta, B))
     common = (seq, channels, nstate, groups, channels // groups, per_decay, plan.n_chunks)
     constexprs = dict(SCALAR_DECAY=scalar_decay, ACC=triton_dtype(acc), BLOCK_D=plan.blocks.block_d,
                       BLOCK_N=plan.block_n, CHUNK=plan.blocks.chunk, WIDE_OFFSETS=wide)
@@ -368,25 +385,25 @@ def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int
 
     checkpoints = Launch(
         _checkpoint_kernel, (plan.programs,),
-        (x, delta, A, B, h0, ckpt, *common, *s_x, *s_dl, *s_B, *s_A, *strides(h0)),
-        dict(HAS_H0=h0 is not None, **constexprs), plan.blocks.num_warps)
+        (x, delta, A, B, h0, ckpt, cu_seqlens, *common, *s_x, *s_dl, *s_B, *s_A, *strides(h0)),
+        dict(HAS_H0=h0 is not None, PACKED=packed, **constexprs), plan.blocks.num_warps)
     reverse = Launch(
         _reverse_kernel, (plan.programs,),
         (x, delta, A, B, C, D, z, dy, ckpt, dstate,
          grads["x"], grads["delta"], grads["z"], grads["B"], grads["C"], grads["A"], grads["D"], grads["h0"],
-         *common,
-         *s_x, *s_dl, *strides(z), *dy.stride(), *s_B, *C.stride(),
-         *s_A, D.stride(0) if D is not None else 0, *strides(dstate)),
+         cu_seqlens, *common,
+         *s_x, *s_dl, *row_strides(strides(z), packed), *row_strides(dy.stride(), packed), *s_B,
+         *row_strides(C.stride(), packed), *s_A, D.stride(0) if D is not None else 0, *strides(dstate)),
         dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_DSTATE=dstate is not None, STORE_DH0=h0 is not None,
-             **constexprs),
+             PACKED=packed, **constexprs),
         plan.blocks.num_warps)
     return grads, [checkpoints, reverse]
 
 
 def selective_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
-                            layout, blocks=None):
-    """The "triton" backend's scan_backward (kernels/_registry.py); `blocks` overrides the
-    block table (tests)."""
+                            layout, cu_seqlens=None, blocks=None):
+    """The "triton" backend's scan_backward (kernels/_registry.py), packed sequences whole;
+    `blocks` overrides the block table (tests)."""
     f = accumulation_dtype(x)
     if layout == "bdl":  # read through "bld" views; the gradients go back as "bdl" views
         x, dt, dy = x.transpose(1, 2), dt.transpose(1, 2), dy.transpose(1, 2)
@@ -394,7 +411,7 @@ def selective_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, d
         B, C = B.permute(0, 3, 1, 2), C.permute(0, 3, 1, 2)
     delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)
     g, launches = backward_launches(dy, x, delta, A, B, C, D=D, z=z, h0=h0, dstate=dstate, per_decay=1,
-                                    scalar_decay=False, blocks=blocks)
+                                    scalar_decay=False, blocks=blocks, cu_seqlens=cu_seqlens)
     run_on_device_of(x, launches)
     del delta, launches, g["checkpoints"]  # freed before the chain rule's temporaries
     ddt, ddt_bias = discretize_backward(g["delta"], dt, dt_bias, dt_softplus, dt_min, dt_max, f)
@@ -404,13 +421,13 @@ def selective_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, d
 
 
 def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
-                      chunk_size, blocks=None):
+                      chunk_size, cu_seqlens=None, blocks=None):
     """The "triton" backend's ssd_scan_backward: heads x headdim as the channels of the
     Mamba-1 kernels, each head's dt and A shared by its headdim channels (chunk_size tunes the
     chunked forward; this recurrent backward has none to tune)."""
     f = accumulation_dtype(x)
     batch, seq, heads, headdim = x.shape
-    channels, nstate = heads * headdim, B.shape[3]
+    channels = heads * headdim
 
     def flat(t, *shape):
         return None if t is None else t.reshape(*shape)
@@ -418,8 +435,9 @@ def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min,
     delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)
     g, launches = backward_launches(
         flat(dy, batch, seq, channels), flat(x, batch, seq, channels), delta, A, B, C,
-        D=flat(D, channels), z=flat(z, batch, seq, channels), h0=flat(h0, batch, channels, nstate),
-        dstate=flat(dstate, batch, channels, nstate), per_decay=headdim, scalar_decay=True, blocks=blocks)
+        D=flat(D, channels), z=flat(z, batch, seq, channels), h0=None if h0 is None else h0.flatten(1, 2),
+        dstate=None if dstate is None else dstate.flatten(1, 2), per_decay=headdim, scalar_decay=True, blocks=blocks,
+        cu_seqlens=cu_seqlens)
     run_on_device_of(x, launches)
     del delta, launches, g["checkpoints"]  # freed before the chain rule's temporaries
     ddelta = g["delta"].reshape(batch, seq, heads, headdim).sum(-1)
