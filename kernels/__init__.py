@@ -35,7 +35,7 @@ mode on and an input that requires grad, selective_scan and ssd_scan are differe
 cu_seqlens (both scans): an int32/int64 tensor [n + 1] of boundaries of n sequences packed
 along seq of a batch-1 input; each starts from h0[i] (h0 then has n rows) or zeros, and the
 returned state has one row per sequence. Backends run them in one call where they can
-(`Backend.packs_sequences`: the cpu backend's scans and backwards, the triton scans), else
+(`Backend.packs_sequences`: the cpu and triton backends' scans and backwards), else
 one call a sequence (kernels/_varlen.py).
 """
 
