@@ -229,6 +229,64 @@ defmodule ScanBridge.ClusterTest do
     for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
   end
 
+  defp snapshot_bytes(member), do: ok!(ScanBridge.stats(member))["sessions"]["snapshot_bytes"]
+
+  test "a snapshot rolls back on its server, and after a failover from the kept checkpoint" do
+    g = model_group(2)
+    embeds = Models.embeds(1, 12, 8)
+    mispredicted = Models.embeds(1, 12, 8)
+    {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+    expected = for t <- 0..11, do: step!(reference, embeds, t)
+
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+    first = for t <- 0..4, do: step!(s, embeds, t)
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+    held = snapshot_bytes(owner)
+    {:ok, snap} = Cluster.snapshot(s)
+    assert snapshot_bytes(owner) > held
+    # frames 5-7 mispredicted, rolled back on the owner, run again
+    for t <- 5..7, do: step!(s, mispredicted, t)
+    assert :ok = Cluster.restore(s, snap)
+    again = for t <- 5..7, do: step!(s, embeds, t)
+
+    # the snapshot's copy goes with its server: restored from the checkpoint after frame 2 (the
+    # checkpoints come every 3 frames) and frames 3 and 4, on the member that rebuilt the session
+    kill_server!(owner)
+    for t <- 5..6, do: step!(s, mispredicted, t)
+    assert {:ok, %{failovers: 1, member: new_owner}} = Cluster.session_info(s)
+    assert new_owner != owner
+    assert :ok = Cluster.restore(s, snap)
+    rest = for t <- 5..11, do: step!(s, embeds, t)
+
+    for {a, e} <- Enum.zip(first ++ again, Enum.take(expected, 8)),
+        do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+
+    for {a, e} <- Enum.zip(rest, Enum.drop(expected, 5)),
+        do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+
+    assert :ok = Cluster.free_snapshot(s, snap)
+    assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.restore(s, snap)
+    assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.free_snapshot(s, snap)
+  end
+
+  test "without checkpoints a snapshot lives on its server, and closing frees its copies" do
+    g = model_group(1)
+    [member] = Cluster.members(g)
+    embeds = Models.embeds(1, 6, 8)
+    {:ok, s} = Cluster.open_session(g, model: "tiny", batch: 1)
+    held = snapshot_bytes(member)
+    for t <- 0..2, do: step!(s, embeds, t)
+    {:ok, snap} = Cluster.snapshot(s)
+    {:ok, _another} = Cluster.snapshot(s)
+    after_snap = for t <- 3..5, do: step!(s, embeds, t)
+    assert :ok = Cluster.restore(s, snap)
+    again = for t <- 3..5, do: step!(s, embeds, t)
+    for {a, e} <- Enum.zip(again, after_snap), do: Models.assert_rel_close(a, e, 1.0e-6, "frame")
+    assert snapshot_bytes(member) > held
+    assert :ok = Cluster.close_session(s)
+    assert snapshot_bytes(member) == held
+  end
+
   # Python run at a member's start (sitecustomize) that makes it a server without return_state:
   # one that refuses it by name, as a server from before it does (its decoder refuses any
   # argument it does not know), or one that answers without the state.

@@ -22,7 +22,8 @@ defmodule ScanBridge.Cluster do
       session's state is copied here every n frames and the frames since are kept, so that when
       its server goes away the session is rebuilt on another member and the frames replayed:
       the caller gets the right answer or `{:error, %ScanBridge.Error{reason: :session_lost}}`,
-      never a wrong one.
+      never a wrong one. `snapshot/2` and `restore/3` roll a session back, on its server or,
+      with checkpoints, after a failover.
     * `load_model/4` loads a model, by a name of the group's, on every member, and on every
       member that joins later; `open_session(group, model: name, batch: b)` opens its sessions.
     * A member takes `:max_in_flight` requests at once (`ScanBridge.start_link/1`); past it
@@ -292,7 +293,8 @@ defmodule ScanBridge.Cluster do
   @doc """
   Opens a session on a member of `group` (the one with the fewest sessions kept from this
   node) and returns its handle, for `step/4`, `model_step/4`, `model_forward/4`, `scan/3` and
-  `ssd_scan/3` with `:session`, `session_state/2` and `close_session/2` of this module.
+  `ssd_scan/3` with `:session`, `session_state/2`, `snapshot/2`, `restore/3` and
+  `close_session/2` of this module.
 
   `dims` as for `ScanBridge.open_session/3`, with `model:` a name given to `load_model/4`.
   Options:
@@ -378,6 +380,34 @@ defmodule ScanBridge.Cluster do
   @doc "Closes the session on its server and stops its keeper."
   @spec close_session(session, ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def close_session(%Session{} = session, opts \\ []), do: Session.close(session, opts)
+
+  @doc """
+  A snapshot of the session's whole state, for `restore/3` (rollback netcode): a reference that
+  this session's keeper holds. The state is copied on its server (`ScanBridge.snapshot/3`), and,
+  when the session keeps checkpoints, the keeper also keeps the checkpoint and the frames
+  answered since, so the snapshot survives its server: after a failover it is restored by
+  opening the session afresh from them. Without `:checkpoint` a snapshot goes with its server.
+  Options: `:timeout`.
+  """
+  @spec snapshot(session, ScanBridge.call_opts()) :: {:ok, reference} | ScanBridge.error()
+  def snapshot(%Session{} = session, opts \\ []), do: Session.snapshot(session, opts)
+
+  @doc """
+  Puts `snapshot` (of this session, `snapshot/2`) back: on the server that holds its copy in one
+  round trip, else (after a failover) by reopening the session from its checkpoint and running
+  its kept frames again. The snapshot stays, for restoring again. A snapshot this session does
+  not hold, or one that went with its server, answers `:unknown_snapshot`; a session that
+  cannot be reopened from the snapshot is lost (`:session_lost` from then on). Options:
+  `:timeout`.
+  """
+  @spec restore(session, reference, ScanBridge.call_opts()) :: :ok | ScanBridge.error()
+  def restore(%Session{} = session, snapshot, opts \\ []),
+    do: Session.restore(session, snapshot, opts)
+
+  @doc "Frees a snapshot `snapshot/2` took (closing the session frees them all). Options: `:timeout`."
+  @spec free_snapshot(session, reference, ScanBridge.call_opts()) :: :ok | ScanBridge.error()
+  def free_snapshot(%Session{} = session, snapshot, opts \\ []),
+    do: Session.free_snapshot(session, snapshot, opts)
 
   @doc """
   Where a session is and how it fares: `%{member: pid, node: node, session: id, failovers: n,

@@ -114,7 +114,7 @@ defmodule ScanBridge.Error do
 
   @doc "An error found by the client itself (no server code)."
   @spec client(
-          client_reason | :decode_error | :frame_too_large | :invalid_argument,
+          client_reason | :decode_error | :frame_too_large | :invalid_argument | :unknown_snapshot,
           String.t(),
           map
         ) ::

@@ -12,6 +12,10 @@ defmodule ScanBridge.Cluster.Session do
   frames run again, and the call in flight, if any, sent there. The owner going away is noticed
   by a monitor, so the rebuild starts at once, not at the next frame.
 
+  A snapshot (for rollback) is the owner's own (`session_snapshot`, restored there in one round
+  trip) and, with checkpoints, the checkpoint and kept frames of the moment it was taken: after
+  a failover it is restored by opening the session afresh from them, as a rebuild does.
+
   The rebuilt session is exactly the one the caller has seen, or the session is given up
   (`:session_lost`): a frame that timed out may or may not have been done by the owner, so once a
   later frame has been answered by it, the kept frames no longer say what the state is, and until
@@ -94,6 +98,25 @@ defmodule ScanBridge.Cluster.Session do
   @spec info(t) :: {:ok, Cluster.session_info()} | {:error, Error.t()}
   def info(%__MODULE__{pid: pid}), do: request(pid, :info, 5_000)
 
+  @doc false
+  @spec snapshot(t, ScanBridge.call_opts()) :: {:ok, reference} | {:error, Error.t()}
+  def snapshot(%__MODULE__{pid: pid}, opts), do: timed(pid, opts, &{:snapshot, &1})
+
+  @doc false
+  @spec restore(t, reference, ScanBridge.call_opts()) :: :ok | {:error, Error.t()}
+  def restore(%__MODULE__{pid: pid}, snapshot, opts),
+    do: timed(pid, opts, &{:restore, snapshot, &1})
+
+  @doc false
+  @spec free_snapshot(t, reference, ScanBridge.call_opts()) :: :ok | {:error, Error.t()}
+  def free_snapshot(%__MODULE__{pid: pid}, snapshot, opts),
+    do: timed(pid, opts, &{:free_snapshot, snapshot, &1})
+
+  defp timed(pid, opts, message) do
+    deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
+    request(pid, message.(deadline), wait(deadline))
+  end
+
   defp wait(:infinity), do: :infinity
   # capped at the longest receive timeout the BEAM takes, 2^32 - 1 ms
   defp wait(deadline), do: min(Cluster.remaining(deadline) + @answer_grace_ms, 0xFFFFFFFF)
@@ -140,7 +163,11 @@ defmodule ScanBridge.Cluster.Session do
       failovers: 0,
       # members passed over: gone while keeping it (pg may list a cut-off one for a while), or
       # without its model
-      skipped: []
+      skipped: [],
+      # snapshot ref => %{owner: the member that holds its copy, remote: that copy's id there,
+      # replay: {checkpoint, log} of the moment it was taken, or nil where those could not
+      # reproduce it (no checkpoints kept, or a frame in doubt)}
+      snapshots: %{}
     }
 
     case place(state, args.deadline) do
@@ -167,6 +194,66 @@ defmodule ScanBridge.Cluster.Session do
   def handle_call({:close, deadline}, _from, state) do
     outcome = if state.owner, do: close_remote(state, deadline), else: :ok
     {:stop, :normal, outcome, release(state)}
+  end
+
+  def handle_call({:snapshot, deadline}, _from, state) do
+    state = if state.owner, do: state, else: rebuild(state, deadline)
+
+    cond do
+      match?({:lost, _}, state.status) ->
+        {:reply, {:error, elem(state.status, 1)}, state}
+
+      state.owner == nil ->
+        {:reply, {:error, no_owner(state)}, state}
+
+      true ->
+        case ScanBridge.snapshot(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
+          {:ok, remote} ->
+            replay =
+              if state.every != nil and state.status == :ok, do: {state.checkpoint, state.log}
+
+            id = make_ref()
+            snapshot = %{owner: state.owner, remote: remote, replay: replay}
+            {:reply, {:ok, id}, %{state | snapshots: Map.put(state.snapshots, id, snapshot)}}
+
+          {:error, _} = error ->
+            # a gone owner is rebuilt by its monitor
+            {:reply, error, state}
+        end
+    end
+  end
+
+  def handle_call({:restore, id, deadline}, _from, state) do
+    case Map.fetch(state.snapshots, id) do
+      :error ->
+        {:reply, {:error, not_a_snapshot("restore", id)}, state}
+
+      {:ok, snapshot} ->
+        case {restore_in_place(state, snapshot, deadline), snapshot.replay} do
+          {:ok, _replay} ->
+            {:reply, :ok, restored(state, snapshot)}
+
+          {{:error, _} = error, nil} ->
+            {:reply, error, state}
+
+          {:elsewhere, nil} ->
+            {:reply, {:error, snapshot_gone(id)}, state}
+
+          {_elsewhere_or_failed, replay} ->
+            restore_by_replay(state, replay, deadline)
+        end
+    end
+  end
+
+  def handle_call({:free_snapshot, id, deadline}, _from, state) do
+    case Map.pop(state.snapshots, id) do
+      {nil, _} ->
+        {:reply, {:error, not_a_snapshot("free_snapshot", id)}, state}
+
+      {snapshot, snapshots} ->
+        free_remote_snapshots(state, [snapshot], deadline)
+        {:reply, :ok, %{state | snapshots: snapshots}}
+    end
   end
 
   def handle_call(:info, _from, state) do
@@ -547,9 +634,94 @@ defmodule ScanBridge.Cluster.Session do
     ScanBridge.close_session(state.owner, state.remote, timeout: Cluster.remaining(deadline))
   end
 
+  # What this keeper holds on its members, given back: the snapshots' copies on the owner (those
+  # on a member gone since went with it), then the owner's place in the balancer.
   defp release(state) do
+    free_remote_snapshots(
+      state,
+      Map.values(state.snapshots),
+      Cluster.deadline(@checkpoint_timeout_ms)
+    )
+
     if state.token, do: Balancer.checkin(state.token)
-    %{state | token: nil}
+    %{state | token: nil, snapshots: %{}}
+  end
+
+  ## Snapshots
+
+  # The snapshot's copy put back on the owner that took it, if it still owns the session.
+  defp restore_in_place(%{owner: owner} = state, %{owner: owner, remote: remote}, deadline)
+       when owner != nil do
+    if match?({:lost, _}, state.status),
+      do: :elsewhere,
+      else: ScanBridge.restore(owner, state.remote, remote, timeout: Cluster.remaining(deadline))
+  end
+
+  defp restore_in_place(_state, _snapshot, _deadline), do: :elsewhere
+
+  # After a restore the keeper's checkpoint and frames are the snapshot's, or, where it kept
+  # none that reproduce it, a failover is refused until the next checkpoint.
+  defp restored(state, %{replay: {checkpoint, log}}),
+    do: %{state | checkpoint: checkpoint, log: log, status: :ok}
+
+  defp restored(%{every: nil} = state, _snapshot), do: state
+  defp restored(state, _snapshot), do: %{state | status: :tainted}
+
+  # The session opened afresh from the snapshot's checkpoint with its frames run again, on the
+  # least loaded member; the session as it was is closed. A session that cannot be placed so is
+  # lost: it is neither the snapshot's nor, with its remote gone, what it was.
+  defp restore_by_replay(state, {checkpoint, log}, deadline) do
+    if state.owner do
+      _closed = close_remote(state, deadline)
+      Process.demonitor(state.owner_monitor, [:flush])
+      Balancer.checkin(state.token)
+    end
+
+    fresh = %{
+      state
+      | owner: nil,
+        owner_monitor: nil,
+        remote: nil,
+        token: nil,
+        checkpoint: checkpoint,
+        log: log,
+        status: :ok,
+        skipped: []
+    }
+
+    case place(fresh, deadline) do
+      {:ok, state} ->
+        {:reply, :ok, state}
+
+      {:error, error, state} ->
+        state = lose(state, "restoring a snapshot failed: #{error.message}")
+        {:reply, {:error, error}, state}
+    end
+  end
+
+  defp free_remote_snapshots(state, snapshots, deadline) do
+    for %{owner: owner, remote: remote} <- snapshots, owner != nil and owner == state.owner do
+      _freed = ScanBridge.free_snapshot(owner, remote, timeout: Cluster.remaining(deadline))
+    end
+
+    :ok
+  end
+
+  defp not_a_snapshot(op, id) do
+    Error.client(
+      :unknown_snapshot,
+      "#{op}: expected a snapshot of this session, got #{inspect(id)}",
+      %{}
+    )
+  end
+
+  defp snapshot_gone(id) do
+    Error.client(
+      :unknown_snapshot,
+      "restore: snapshot #{inspect(id)} was kept by a server that went away, and the session " <>
+        "kept no checkpoint that could rebuild it",
+      %{}
+    )
   end
 
   defp expired?(:infinity), do: false
