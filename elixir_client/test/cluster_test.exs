@@ -287,6 +287,39 @@ defmodule ScanBridge.ClusterTest do
     assert snapshot_bytes(member) == held
   end
 
+  test "a fork continues from the session's state, stepped apart from it and surviving failover" do
+    g = model_group(2)
+    embeds = Models.embeds(1, 9, 8)
+    other = Models.embeds(1, 9, 8)
+    {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+    {:ok, forked_reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+    expected = for t <- 0..8, do: step!(reference, embeds, t)
+    for t <- 0..4, do: step!(forked_reference, embeds, t)
+    expected_fork = for t <- 5..8, do: step!(forked_reference, other, t)
+
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+    first = for t <- 0..4, do: step!(s, embeds, t)
+    {:ok, f} = Cluster.fork(s)
+    got = for t <- 5..6, do: step!(s, embeds, t)
+    got_fork = for t <- 5..6, do: step!(f, other, t)
+    # the fork keeps checkpoints as its session did: its server's death loses nothing
+    {:ok, %{member: fork_owner}} = Cluster.session_info(f)
+    kill_server!(fork_owner)
+    got = got ++ for t <- 7..8, do: step!(s, embeds, t)
+    got_fork = got_fork ++ for t <- 7..8, do: step!(f, other, t)
+    assert {:ok, %{failovers: 1}} = Cluster.session_info(f)
+
+    for {a, e} <- Enum.zip(first ++ got, expected),
+        do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+
+    for {a, e} <- Enum.zip(got_fork, expected_fork),
+        do: Models.assert_rel_close(a, e, 1.0e-5, "fork")
+
+    assert_raise ArgumentError, ~r/fork :checkpoint: expected a positive integer/, fn ->
+      Cluster.fork(s, checkpoint: 0)
+    end
+  end
+
   # Python run at a member's start (sitecustomize) that makes it a server without return_state:
   # one that refuses it by name, as a server from before it does (its decoder refuses any
   # argument it does not know), or one that answers without the state.

@@ -23,7 +23,7 @@ defmodule ScanBridge.Cluster do
       its server goes away the session is rebuilt on another member and the frames replayed:
       the caller gets the right answer or `{:error, %ScanBridge.Error{reason: :session_lost}}`,
       never a wrong one. `snapshot/2` and `restore/3` roll a session back, on its server or,
-      with checkpoints, after a failover.
+      with checkpoints, after a failover; `fork/2` copies one.
     * `load_model/4` loads a model, by a name of the group's, on every member, and on every
       member that joins later; `open_session(group, model: name, batch: b)` opens its sessions.
     * A member takes `:max_in_flight` requests at once (`ScanBridge.start_link/1`); past it
@@ -312,21 +312,23 @@ defmodule ScanBridge.Cluster do
   """
   @spec open_session(group, map | keyword, session_opts) :: {:ok, session} | ScanBridge.error()
   def open_session(group, dims, opts \\ []) do
-    opts = ScanBridge.opts!(opts, [:checkpoint, :timeout], "open_session")
+    opts = session_opts!(opts, "open_session")
+    Session.open(group, session_dims!(dims), opts)
+  end
+
+  defp session_opts!(opts, op) do
+    opts = ScanBridge.opts!(opts, [:checkpoint, :timeout], op)
 
     case Keyword.get(opts, :checkpoint) do
       nil ->
-        :ok
+        opts
 
       n when is_integer(n) and n > 0 ->
-        :ok
+        opts
 
       other ->
-        raise ArgumentError,
-              "open_session :checkpoint: expected a positive integer, got #{inspect(other)}"
+        raise ArgumentError, "#{op} :checkpoint: expected a positive integer, got #{inspect(other)}"
     end
-
-    Session.open(group, session_dims!(dims), opts)
   end
 
   defp session_dims!(dims) do
@@ -403,6 +405,15 @@ defmodule ScanBridge.Cluster do
   @spec restore(session, reference, ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def restore(%Session{} = session, snapshot, opts \\ []),
     do: Session.restore(session, snapshot, opts)
+
+  @doc """
+  A new cluster session holding a copy of `session`'s state, stepped independently (speculative
+  simulation): the state is read from the session's server and the fork opened from it on the
+  least loaded member, as its first checkpoint. It belongs to the calling process. Options:
+  `:checkpoint` (default: the session's), `:timeout`.
+  """
+  @spec fork(session, session_opts) :: {:ok, session} | ScanBridge.error()
+  def fork(%Session{} = session, opts \\ []), do: Session.fork(session, session_opts!(opts, "fork"))
 
   @doc "Frees a snapshot `snapshot/2` took (closing the session frees them all). Options: `:timeout`."
   @spec free_snapshot(session, reference, ScanBridge.call_opts()) :: :ok | ScanBridge.error()

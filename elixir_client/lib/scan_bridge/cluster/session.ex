@@ -57,7 +57,9 @@ defmodule ScanBridge.Cluster.Session do
       dims: dims,
       every: Keyword.get(opts, :checkpoint),
       opener: self(),
-      deadline: deadline
+      deadline: deadline,
+      # a fork's: the state it starts from, as its first checkpoint
+      from: Keyword.get(opts, :from)
     }
 
     case DynamicSupervisor.start_child(ScanBridge.Cluster.Sessions, {__MODULE__, args}) do
@@ -108,6 +110,23 @@ defmodule ScanBridge.Cluster.Session do
     do: timed(pid, opts, &{:restore, snapshot, &1})
 
   @doc false
+  @spec fork(t, keyword) :: {:ok, t} | {:error, Error.t()}
+  def fork(%__MODULE__{pid: pid, group: group}, opts) do
+    deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
+
+    with {:ok, %{dims: dims, every: every, state: saved}} <-
+           request(pid, {:fork, deadline}, wait(deadline)) do
+      opts = Keyword.merge([checkpoint: every], opts)
+
+      open(group, dims,
+        checkpoint: opts[:checkpoint],
+        timeout: Cluster.remaining(deadline),
+        from: saved
+      )
+    end
+  end
+
+  @doc false
   @spec free_snapshot(t, reference, ScanBridge.call_opts()) :: :ok | {:error, Error.t()}
   def free_snapshot(%__MODULE__{pid: pid}, snapshot, opts),
     do: timed(pid, opts, &{:free_snapshot, snapshot, &1})
@@ -150,8 +169,8 @@ defmodule ScanBridge.Cluster.Session do
       owner_monitor: nil,
       remote: nil,
       token: nil,
-      # the state as of the latest checkpoint (nil: zero, as opened)
-      checkpoint: nil,
+      # the state as of the latest checkpoint (nil: zero, as opened; a fork's: the state forked)
+      checkpoint: args.from,
       # the frames answered since the checkpoint, newest first: {kind, input, opts}
       log: [],
       # whether checkpoints are asked of the owner on a frame's reply: false once it refused
@@ -197,30 +216,20 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   def handle_call({:snapshot, deadline}, _from, state) do
-    state = if state.owner, do: state, else: rebuild(state, deadline)
+    on_owner(state, deadline, fn state ->
+      case ScanBridge.snapshot(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
+        {:ok, remote} ->
+          replay = if state.every != nil and state.status == :ok, do: {state.checkpoint, state.log}
 
-    cond do
-      match?({:lost, _}, state.status) ->
-        {:reply, {:error, elem(state.status, 1)}, state}
+          id = make_ref()
+          snapshot = %{owner: state.owner, remote: remote, replay: replay}
+          {:reply, {:ok, id}, %{state | snapshots: Map.put(state.snapshots, id, snapshot)}}
 
-      state.owner == nil ->
-        {:reply, {:error, no_owner(state)}, state}
-
-      true ->
-        case ScanBridge.snapshot(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
-          {:ok, remote} ->
-            replay =
-              if state.every != nil and state.status == :ok, do: {state.checkpoint, state.log}
-
-            id = make_ref()
-            snapshot = %{owner: state.owner, remote: remote, replay: replay}
-            {:reply, {:ok, id}, %{state | snapshots: Map.put(state.snapshots, id, snapshot)}}
-
-          {:error, _} = error ->
-            # a gone owner is rebuilt by its monitor
-            {:reply, error, state}
-        end
-    end
+        {:error, _} = error ->
+          # a gone owner is rebuilt by its monitor
+          {:reply, error, state}
+      end
+    end)
   end
 
   def handle_call({:restore, id, deadline}, _from, state) do
@@ -243,6 +252,19 @@ defmodule ScanBridge.Cluster.Session do
             restore_by_replay(state, replay, deadline)
         end
     end
+  end
+
+  # What a fork opens from: this session's dims, checkpoint interval and state now.
+  def handle_call({:fork, deadline}, _from, state) do
+    on_owner(state, deadline, fn state ->
+      case ScanBridge.session_state(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
+        {:ok, saved} ->
+          {:reply, {:ok, %{dims: state.dims, every: state.every, state: saved}}, state}
+
+        {:error, _} = error ->
+          {:reply, error, state}
+      end
+    end)
   end
 
   def handle_call({:free_snapshot, id, deadline}, _from, state) do
@@ -647,7 +669,19 @@ defmodule ScanBridge.Cluster.Session do
     %{state | token: nil, snapshots: %{}}
   end
 
-  ## Snapshots
+  ## Snapshots and forks
+
+  # `call` run with the owner (a snapshot, a fork's read of the state): rebuilt first if it is
+  # gone; refused if the session is lost or no member can keep it.
+  defp on_owner(state, deadline, call) do
+    state = if state.owner, do: state, else: rebuild(state, deadline)
+
+    cond do
+      match?({:lost, _}, state.status) -> {:reply, {:error, elem(state.status, 1)}, state}
+      state.owner == nil -> {:reply, {:error, no_owner(state)}, state}
+      true -> call.(state)
+    end
+  end
 
   # The snapshot's copy put back on the owner that took it, if it still owns the session.
   defp restore_in_place(%{owner: owner} = state, %{owner: owner, remote: remote}, deadline)
