@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from . import _args, _varlen
 from .backward import ScanFunction, ScanSpec, selective_scan_backward, ssd_scan_backward, wants_grad
 from ._args import FLOAT_DTYPES
@@ -93,9 +91,8 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=
         where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=(args.dims.dim, args.dims.state),
                      state_meaning="dim, state")
         if "scan" in impl.packs_sequences:
-            bounds, h0, _ = _varlen.check_packed(args, seq_axis=1 if bld else 2, **where)
             y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C,
-                                 **{**kwargs, "h0": h0, "cu_seqlens": torch.tensor(bounds, dtype=torch.int64)})
+                                 **{**kwargs, **_varlen.packed_arguments(args, seq_axis=1 if bld else 2, **where)})
         else:
 
             def one(x, dt, B, C, z, h0, return_state):
@@ -135,9 +132,8 @@ def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
         where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=(d.heads, d.headdim, d.state),
                      state_meaning="heads, headdim, state")
         if "ssd_scan" in impl.packs_sequences:
-            bounds, h0, _ = _varlen.check_packed(args, seq_axis=1, **where)
             y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C,
-                                     **{**kwargs, "h0": h0, "cu_seqlens": torch.tensor(bounds, dtype=torch.int64)})
+                                     **{**kwargs, **_varlen.packed_arguments(args, seq_axis=1, **where)})
         else:
 
             def one(x, dt, B, C, z, h0, return_state):

@@ -30,6 +30,17 @@ def check_packed(args, *, seq_axis: int, h0, cu_seqlens, state_shape: tuple[int,
     return bounds, rows["h0"], rows["dstate"]
 
 
+def packed_arguments(args, *, seq_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...], state_meaning: str,
+                     dstate=None) -> dict:
+    """The keywords of a packed call for a backend that packs the op itself: h0 (and a
+    backward's dstate, where given) checked as check_packed checks them, and the boundaries as
+    the CPU int64 tensor backends take."""
+    bounds, h0, checked_dstate = check_packed(args, seq_axis=seq_axis, h0=h0, cu_seqlens=cu_seqlens,
+                                              state_shape=state_shape, state_meaning=state_meaning, dstate=dstate)
+    packed = {"h0": h0, "cu_seqlens": torch.tensor(bounds, dtype=torch.int64)}
+    return packed if dstate is None else {**packed, "dstate": checked_dstate}
+
+
 def run_packed(scan_one, args, *, seq_axis: int, bc_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...],
                state_meaning: str):
     """(y, state or None) of `args` (checked, h0 left out) scanned once per packed sequence by

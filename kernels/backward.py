@@ -71,10 +71,10 @@ def _gradients(one, args, dy, *, h0, dstate, cu_seqlens, packs: bool, given: dic
     whole call, packed sequences and their boundaries (`cu_seqlens=` int64) included where the
     backend `packs` them, else once per packed sequence, as the public result."""
     if cu_seqlens is not None and packs:
-        bounds, h0, dstate = _varlen.check_packed(args, seq_axis=seq_axis, h0=h0, cu_seqlens=cu_seqlens,
-                                                  state_shape=state_shape, state_meaning=state_meaning, dstate=dstate)
-        grads = one(dy, args.x, args.dt, args.B, args.C, args.z, h0, dstate,
-                    cu_seqlens=torch.tensor(bounds, dtype=torch.int64))
+        packed = _varlen.packed_arguments(args, seq_axis=seq_axis, h0=h0, cu_seqlens=cu_seqlens,
+                                          state_shape=state_shape, state_meaning=state_meaning, dstate=dstate)
+        grads = one(dy, args.x, args.dt, args.B, args.C, args.z, packed["h0"], packed.get("dstate"),
+                    cu_seqlens=packed["cu_seqlens"])
     elif cu_seqlens is not None:
         grads = _varlen.run_packed_backward(one, args, dy, h0=h0, dstate=dstate, cu_seqlens=cu_seqlens,
                                             seq_axis=seq_axis, bc_axis=bc_axis, state_shape=state_shape,

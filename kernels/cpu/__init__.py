@@ -39,14 +39,19 @@ def _aligned(t):
     return t.clone() if t.data_ptr() % t.element_size() else t
 
 
+def _packed(cu_seqlens) -> tuple:
+    """The bindings' trailing cu_seqlens, passed only for a packed call: builds of revisions
+    before it (bench.kernel_ab loads them) take one argument fewer."""
+    return () if cu_seqlens is None else (cu_seqlens,)
+
+
 def backend_from(ext) -> Backend:
     """The Backend over a loaded extension module (tests also load differently built ones)."""
 
     def scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
              layout, cu_seqlens=None):
-        packed = () if cu_seqlens is None else (cu_seqlens,)  # as builds before it take them
         return ext.scan(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0,
-                        return_state, layout, *packed)
+                        return_state, layout, *_packed(cu_seqlens))
 
     def state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
                      slots):
@@ -61,9 +66,8 @@ def backend_from(ext) -> Backend:
         rows = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
         y = torch.empty(x.shape, dtype=f)
         state = torch.empty((rows, heads, headdim, B.shape[3]), dtype=f) if return_state else None
-        packed = () if cu_seqlens is None else (cu_seqlens,)
         ext.ssd_scan(*_in_dtype(f, x, dt, A, B, C, D, z, dt_bias), dt_softplus, dt_min, dt_max,
-                     *_in_dtype(f, h0), y, state, *packed)
+                     *_in_dtype(f, h0), y, state, *_packed(cu_seqlens))
         return y.to(x.dtype), state
 
     def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots):
@@ -99,10 +103,9 @@ def backend_from(ext) -> Backend:
         dx, ddt = torch.empty_like(x), torch.empty_like(dt)
         dz = None if z is None else torch.empty_like(z)
         dh0 = None if h0 is None else torch.empty_like(h0)
-        packed = () if cu_seqlens is None else (cu_seqlens,)  # as builds before it take them
         dA, dD, ddt_bias, dB, dC = ext.scan_backward(x, dt, z, dy, A, B, C, D, dt_bias, dt_softplus, dt_min, dt_max,
                                                      h0, dstate, headdim is not None, headdim or 1, dx, ddt, dz,
-                                                     dh0, *packed)
+                                                     dh0, *_packed(cu_seqlens))
         return dict(x=dx, dt=ddt, A=dA, B=dB, C=dC, D=None if D is None else dD, z=dz,
                     dt_bias=None if dt_bias is None else ddt_bias, h0=dh0)
 

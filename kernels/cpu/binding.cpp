@@ -331,8 +331,8 @@ void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor&
   p.y = y.data_ptr<T>();
   p.state_out = state_out.has_value() ? state_out->data_ptr<T>() : nullptr;
   const int64_t items = scan_bridge::ssd_scan_item_count(p);
-  const int64_t rows = p.cu_seqlens == nullptr ? p.batch : 1;
-  run_ssd_items(p, items, rows * p.seq * p.heads * p.headdim * p.state / items, scan_bridge::ssd_scan_items<T>);
+  // x's rows, one whatever the sequences packed in it
+  run_ssd_items(p, items, x.size(0) * p.seq * p.heads * p.headdim * p.state / items, scan_bridge::ssd_scan_items<T>);
 }
 
 void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,

@@ -295,8 +295,8 @@ def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str,
         raise BackendUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
     path_before = os.environ.get("PATH", "")
     # A sanitized build's process has the ASan runtime preloaded for the library it loads, not
-    # for its compiler: a compiler under it allocates through ASan's allocator, a quarter slower
-    # (docs/performance.md, "make test time").
+    # for its compiler: a compiler under it allocates through ASan's allocator, and is slower
+    # for it (docs/performance.md, "make test time").
     preload_before = os.environ.pop("LD_PRELOAD", None) if _requested_sanitizers() else None
     venv_bin = os.path.dirname(sys.executable)
     if shutil.which("ninja") is None and os.path.exists(os.path.join(venv_bin, "ninja")):

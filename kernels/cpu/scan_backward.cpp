@@ -394,9 +394,7 @@ int64_t scan_backward_items(const ScanBackwardProblem<T>& p) {
 
 template <typename T>
 int64_t scan_backward_work_per_item(const ScanBackwardProblem<T>& p) {
-  // Packed sequences: an item walks one of them, on average seq / batch steps.
-  const int64_t steps = p.cu_seqlens == nullptr ? p.seq : std::max<int64_t>(1, p.seq / std::max<int64_t>(1, p.batch));
-  return steps * Lanes<T>::W * p.state;
+  return steps_per_row(p.seq, p.batch, p.cu_seqlens) * Lanes<T>::W * p.state;
 }
 
 template <typename T>

@@ -752,9 +752,7 @@ int64_t work_items(const ScanProblem& p) {
 }
 
 int64_t work_per_item(const ScanProblem& p) {
-  // Packed sequences: an item walks one of them, on average seq / batch steps.
-  const int64_t steps = p.cu_seqlens == nullptr ? p.seq : std::max<int64_t>(1, p.seq / std::max<int64_t>(1, p.batch));
-  return steps * (p.compute_f64 ? Lanes<double>::W : Lanes<float>::W) * p.state;
+  return steps_per_row(p.seq, p.batch, p.cu_seqlens) * (p.compute_f64 ? Lanes<double>::W : Lanes<float>::W) * p.state;
 }
 
 void run_items(const ScanProblem& p, WorkQueue& queue, int seat) {

@@ -47,6 +47,14 @@ struct ScanProblem {
   bool compute_f64 = false;  // float64 math (x is float64); float32 otherwise
 };
 
+// The steps one batch row's items walk: `seq`, or for `rows` sequences packed at `cu_seqlens`,
+// their mean (for sizing the threads' shares).
+inline int64_t steps_per_row(int64_t seq, int64_t rows, const int64_t* cu_seqlens) {
+  if (cu_seqlens == nullptr) return seq;
+  const int64_t mean = seq / (rows > 0 ? rows : 1);
+  return mean > 0 ? mean : 1;
+}
+
 // Items are independent (channel block, batch row) pairs; any split of [0, work_items) across
 // threads gives bit-identical results. Consecutive items share a channel block (or a batch
 // row, for seq == 1), so a thread taking contiguous ranges prepares shared data once.

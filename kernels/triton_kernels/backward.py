@@ -40,8 +40,8 @@ from ..eager import _discretize_dt
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, offset_index, program_coords, row_strides, run_on_device_of, triton_dtype,
-    wide_offsets,
+    Launch, accumulation_dtype, offset_index, packed_rows, program_coords, row_strides, run_on_device_of,
+    triton_dtype, wide_offsets,
 )
 from .scan import _combine, _sequence_of
 
@@ -353,11 +353,7 @@ def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int
     device = x.device
     acc = accumulation_dtype(x)
     packed = cu_seqlens is not None
-    rows, longest = batch, seq
-    if packed:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        rows, longest = lengths.numel(), int(lengths.max())
-        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    rows, longest, cu_seqlens = packed_rows(cu_seqlens, batch, seq, device)
     plan = plan_backward(rows, longest, channels, nstate, groups, device, blocks)
 
     grads = dict(

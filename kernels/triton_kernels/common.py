@@ -155,6 +155,16 @@ def wide_offsets(per_row, whole) -> bool:
     return max(extents, default=0) >= INT32_OFFSET_LIMIT
 
 
+def packed_rows(cu_seqlens, batch: int, seq: int, device) -> tuple[int, int, torch.Tensor | None]:
+    """(program rows, longest sequence, boundaries on `device` as int64 or None) of a launch:
+    `batch` rows of `seq` steps, or the sequences packed at `cu_seqlens` (a CPU tensor [n + 1]),
+    each a row of its own."""
+    if cu_seqlens is None:
+        return batch, seq, None
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return lengths.numel(), int(lengths.max()), cu_seqlens.to(device=device, dtype=torch.int64)
+
+
 def row_strides(strides: tuple[int, ...], packed: bool) -> tuple[int, ...]:
     """Strides with the batch row's (the first) as 0 for packed sequences, whose programs' rows
     are the sequences in the one batch row."""

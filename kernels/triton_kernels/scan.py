@@ -46,7 +46,7 @@ from ..errors import KernelInputError
 from . import configs
 from .common import (
     Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
-    row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
+    packed_rows, row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
 
@@ -319,12 +319,7 @@ def scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
     device = x.device
     acc = accumulation_dtype(x)
     packed = cu_seqlens is not None
-    if packed:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        rows, longest = lengths.numel(), int(lengths.max())
-        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
-    else:
-        rows, longest = batch, seq
+    rows, longest, cu_seqlens = packed_rows(cu_seqlens, batch, seq, device)
     plan = plan_scan(rows, longest, dim, nstate, groups, device, blocks, segment_len)
 
     if out is None:

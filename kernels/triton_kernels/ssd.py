@@ -52,7 +52,7 @@ import triton.language as tl
 from . import configs
 from .common import (
     Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, interpreter_active, offset_index,
-    row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
+    packed_rows, row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
 
@@ -425,11 +425,7 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
     device = x.device
     acc = accumulation_dtype(x)
     packed = cu_seqlens is not None
-    longest = seq
-    if packed:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        batch, longest = lengths.numel(), int(lengths.max())
-        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    batch, longest, cu_seqlens = packed_rows(cu_seqlens, batch, seq, device)  # batch: the programs' rows
     plan = plan_ssd_scan(x, B, C, chunk_size, blocks, seq=longest)
     chunk, nchunks, bl = plan.chunk, plan.nchunks, plan.blocks
 
