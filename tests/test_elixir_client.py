@@ -178,6 +178,10 @@ def test_cluster_benchmark_runs(tmp_path):
     assert cost["export_round_trip"]["p50_us"] > 0 and cost["open_with_state"]["p50_us"] > 0
     hop = cost["keeper_hop"]
     assert hop["cluster_model_step"]["p50_us"] > 0 and hop["direct_model_step"]["p50_us"] > 0
+    rollback = results["rollback"]
+    for op in ("snapshot", "restore", "fork"):
+        for way in ("cluster", "direct"):
+            assert rollback[f"{way}_{op}"]["p50_us"] > 0, (way, op)
     assert all(n > 0 for n in results["trace_patterns_matched"].values()), results["trace_patterns_matched"]
     for name, goal in doc["goals"].items():
         assert {"measured", "target", "met"} <= set(goal) and isinstance(goal["met"], bool), name

@@ -265,6 +265,9 @@ defmodule ClusterBench do
       checkpoint = checkpoint_cost(group, cfg)
       light = checkpoint_cost(group, %{cfg | sessions: cfg.light_sessions}, false)
 
+      # 3b. rollback on a cluster session: snapshot, restore, fork
+      rollback = rollback_costs(group, cfg)
+
       # 2b. failover: a whole node stopped (last: the group keeps two members after it)
       victim = pick_victim(group, members, cfg.kills + 2)
       peer = Enum.find(peers, &(&1.node == node(victim)))
@@ -282,6 +285,7 @@ defmodule ClusterBench do
         "failover_node_stop" => failover_summary([node_round]),
         "checkpoint_cost" => checkpoint,
         "checkpoint_cost_light" => light,
+        "rollback" => rollback,
         "exit_floor" => floor,
         "trace_patterns_matched" =>
           Map.new(tracing.matched, fn {{m, f, a}, n} -> {"#{inspect(m)}.#{f}/#{a}", n} end)
@@ -1016,6 +1020,62 @@ defmodule ClusterBench do
     end
   end
 
+  ## Rollback
+
+  # Unpaced, one session with `checkpoint: 10` (whose snapshots survive a failover): a frame,
+  # Cluster.snapshot, a frame, Cluster.restore (then the snapshot freed), Cluster.fork (then
+  # closed), each alternated with the same op straight to the member's client on the keeper's
+  # remote session (ScanBridge.snapshot/restore/fork): what the keeper adds to each.
+  defp rollback_costs(group, cfg) do
+    n = cfg.hop_frames
+    warm = max(div(n, 10), 5)
+    s = ok!(Cluster.open_session(group, [model: @model, batch: 1], checkpoint: 10))
+
+    try do
+      %{member: member, session: remote} = ok!(Cluster.session_info(s))
+      frames = frames_of(Models.embeds(1, n + warm, 8), n + warm)
+
+      rounds =
+        for x <- frames do
+          {:ok, _} = Cluster.model_step(s, {:embeds, x})
+          {{:ok, snap}, snapshot} = BenchSupport.timed(fn -> Cluster.snapshot(s) end)
+          {:ok, _} = Cluster.model_step(s, {:embeds, x})
+          {:ok, restore} = BenchSupport.timed(fn -> Cluster.restore(s, snap) end)
+          :ok = Cluster.free_snapshot(s, snap)
+          {{:ok, fork}, forked} = BenchSupport.timed(fn -> Cluster.fork(s) end)
+          :ok = Cluster.close_session(fork)
+
+          {{:ok, id}, direct_snapshot} =
+            BenchSupport.timed(fn -> ScanBridge.snapshot(member, remote) end)
+
+          {:ok, direct_restore} =
+            BenchSupport.timed(fn -> ScanBridge.restore(member, remote, id) end)
+
+          :ok = ScanBridge.free_snapshot(member, id)
+
+          {{:ok, copy}, direct_fork} = BenchSupport.timed(fn -> ScanBridge.fork(member, remote) end)
+
+          :ok = ScanBridge.close_session(member, copy)
+          [snapshot, restore, forked, direct_snapshot, direct_restore, direct_fork]
+        end
+
+      columns =
+        rounds
+        |> Enum.drop(warm)
+        |> Enum.zip_with(& &1)
+        |> Enum.map(&summarize/1)
+
+      Enum.zip(
+        ~w(cluster_snapshot cluster_restore cluster_fork direct_snapshot direct_restore direct_fork),
+        columns
+      )
+      |> Map.new()
+      |> Map.merge(%{"frames" => n, "checkpoint" => 10})
+    after
+      Cluster.close_session(s)
+    end
+  end
+
   ## Tracing a victim's keeper
 
   # The keeper's steps in a rebuild, timestamped: the DOWN it receives, the calls place/2 makes
@@ -1375,6 +1435,13 @@ defmodule ClusterBench do
         "unpaced, alternating on one session (no checkpoint): Cluster.model_step (caller -> " <>
           "keeper -> client on the member's node -> server) and ScanBridge.model_step on the " <>
           "member's client with the keeper's remote session id (caller -> client -> server)",
+      "rollback" =>
+        "unpaced, one session with checkpoint: 10, `hop_frames` rounds after a tenth as " <>
+          "warm-up: a frame, Cluster.snapshot, a frame, Cluster.restore of that snapshot " <>
+          "(then freed, untimed), Cluster.fork (then closed, untimed); then the same on the " <>
+          "member's client with the keeper's remote session id: ScanBridge.snapshot, restore, " <>
+          "fork (a server-side copy each). cluster_fork reads the state from the server and " <>
+          "opens the fork from it on the least loaded member (two round trips and a keeper)",
       "throughput" =>
         "Cluster.scan of one fixed input set from `callers` processes back to back for " <>
           "`seconds` (after a warm-up), the group at 1, 2, 3 members (servers started one at " <>
@@ -1494,6 +1561,13 @@ defmodule ClusterBench do
     IO.puts(line.("Cluster.model_step (keeper)", c["keeper_hop"]["cluster_model_step"]))
     IO.puts(line.("ScanBridge.model_step (direct)", c["keeper_hop"]["direct_model_step"]))
     IO.puts("    keeper hop overhead p50 #{ms.(c["keeper_hop"]["overhead_p50_us"])} ms")
+    rb = r["rollback"]
+    IO.puts("rollback, one session with checkpoint: #{rb["checkpoint"]}, #{rb["frames"]} rounds")
+
+    for op <- ~w(snapshot restore fork) do
+      IO.puts(line.("Cluster.#{op}", rb["cluster_" <> op]))
+      IO.puts(line.("ScanBridge.#{op} (direct)", rb["direct_" <> op]))
+    end
 
     IO.puts("goals:")
 
