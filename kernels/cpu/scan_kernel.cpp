@@ -543,23 +543,33 @@ typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, 
   if constexpr (kFullVecs > 0) vecs = kFullVecs;
   V acc[W];
   for (int c = 0; c < W; ++c) acc[c] = V{};
-  auto channel = [&](int c) __attribute__((always_inline)) {
-    const T* Ac = A + c * A_stride;
-    T* hc = h + c * h_stride;
-    V& sum = acc[LaneSums<T>::kSlot[c]];
-    for (int64_t k = 0; k < vecs; ++k) {
-      VU* hp = reinterpret_cast<VU*>(hc + k * W);
-      const V a = *reinterpret_cast<const VU*>(Ac + k * W);
-      const V hk = Math<T>::decay(Lanes<T>::splat(dt[c]), a) * V(*hp) + B[k] * dtx[c];
-      *hp = hk;
-      sum += hk * C[k];
-    }
+  auto decay = [&](int c, int64_t k) __attribute__((always_inline)) {
+    return Math<T>::decay(Lanes<T>::splat(dt[c]), *reinterpret_cast<const VU*>(A + c * A_stride + k * W));
   };
-  if constexpr (kFullVecs > 0) {
+  // Channel c's state vector k decayed and given its input; y's sum for the channel.
+  auto update = [&](int c, int64_t k, V a) __attribute__((always_inline)) {
+    VU* hp = reinterpret_cast<VU*>(h + c * h_stride + k * W);
+    const V hk = a * V(*hp) + B[k] * dtx[c];
+    *hp = hk;
+    acc[LaneSums<T>::kSlot[c]] += hk * C[k];
+  };
+  if constexpr (kFullVecs > 0 && kVectorBytes == 32) {
+    // AVX2's sixteen registers cannot hold exp's constants and the W accumulators at once (the
+    // accumulators, B and C spilled): every decay of the block first, then the updates.
+    V decays[W * kFullVecs];
 #pragma GCC unroll 16
-    for (int c = 0; c < W; ++c) channel(c);
+    for (int c = 0; c < W; ++c)
+      for (int k = 0; k < kFullVecs; ++k) decays[c * kFullVecs + k] = decay(c, k);
+#pragma GCC unroll 16
+    for (int c = 0; c < W; ++c)
+      for (int k = 0; k < kFullVecs; ++k) update(c, k, decays[c * kFullVecs + k]);
+  } else if constexpr (kFullVecs > 0) {
+#pragma GCC unroll 16
+    for (int c = 0; c < W; ++c)
+      for (int k = 0; k < kFullVecs; ++k) update(c, k, decay(c, k));
   } else {
-    for (int c = 0; c < lanes; ++c) channel(c);
+    for (int c = 0; c < lanes; ++c)
+      for (int64_t k = 0; k < vecs; ++k) update(c, k, decay(c, k));
   }
   return LaneSums<T>::of(acc);
 }
