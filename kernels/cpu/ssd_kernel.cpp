@@ -96,6 +96,7 @@ int64_t ssd_scan_item_count(const SsdScanProblem<T>& p) {
 
 template <typename T>
 void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
+  using VU = typename Lanes<T>::Unaligned;
   constexpr int W = kWidth<T>;
   constexpr int64_t kBlockLanes = kBlockVectors * W;
   const int64_t H = p.heads, P = p.headdim, N = p.state, G = p.groups;
@@ -128,8 +129,15 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
       const T dt = discretized_dt(p.dt[bt * H + h], p.options, h);
       const T decay = std::exp(dt * A);
       const T* x = p.x + (bt * H + h) * P + first;
-      T* ul = reinterpret_cast<T*>(u);
-      for (int64_t i = 0; i < kBlockLanes; ++i) ul[i] = i < lanes ? dt * x[i] : T(0);
+      // A full block's inputs as whole vectors: written lane by lane, they were read back as
+      // vectors before the stores had left the store buffer, a stall on every step.
+      if (lanes == kBlockLanes) {
+        const Vec<T> dtv = Lanes<T>::splat(dt);
+        for (int k = 0; k < kBlockVectors; ++k) u[k] = dtv * Vec<T>(*reinterpret_cast<const VU*>(x + k * W));
+      } else {
+        T* ul = reinterpret_cast<T*>(u);
+        for (int64_t i = 0; i < kBlockLanes; ++i) ul[i] = i < lanes ? dt * x[i] : T(0);
+      }
       const T* Bt = p.B + (bt * G + g) * N;
       const T* Ct = p.C + (bt * G + g) * N;
       switch (vectors) {
@@ -139,7 +147,11 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
         default: ssd_scan_block<T, 1>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
       }
       T* y = p.y + (bt * H + h) * P + first;
-      std::memcpy(y, acc, sizeof(T) * static_cast<size_t>(lanes));
+      if (lanes == kBlockLanes) {
+        for (int k = 0; k < kBlockVectors; ++k) *reinterpret_cast<VU*>(y + k * W) = acc[k];
+      } else {
+        std::memcpy(y, acc, sizeof(T) * static_cast<size_t>(lanes));
+      }
       skip_and_gate(y, x, D, p.options.z == nullptr ? nullptr : p.options.z + (bt * H + h) * P + first, lanes);
     }
     if (p.state_out != nullptr) {
