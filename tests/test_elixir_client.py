@@ -187,7 +187,7 @@ def test_cluster_benchmark_runs(tmp_path):
         assert {"measured", "target", "met"} <= set(goal) and isinstance(goal["met"], bool), name
 
 
-# Last in the file: by then the child suite has had the others' time to run.
+# Last in the file: by then the child suites have had the others' time to run.
 def test_exunit_suite_passes():
     find_mix()
     failures = []
