@@ -85,22 +85,20 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=
                             dt_min=dt_min, dt_max=dt_max, h0=None if packed else h0,
                             return_state=return_state, layout=layout)
     impl = get_backend(backend, args.x.device.type)
+    kwargs = args.backend_kwargs()
     if packed:
-        kwargs = args.backend_kwargs()
+
+        def one(x, dt, B, C, z, h0, return_state, **bounds):
+            return impl.scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state},
+                             **bounds)
+
         bld = layout == "bld"
-        where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=(args.dims.dim, args.dims.state),
-                     state_meaning="dim, state")
-        if "scan" in impl.packs_sequences:
-            y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C,
-                                 **{**kwargs, **_varlen.packed_arguments(args, seq_axis=1 if bld else 2, **where)})
-        else:
-
-            def one(x, dt, B, C, z, h0, return_state):
-                return impl.scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state})
-
-            y, state = _varlen.run_packed(one, args, seq_axis=1 if bld else 2, bc_axis=1 if bld else 3, **where)
+        y, state = _varlen.scan_sequences(one, args, packs="scan" in impl.packs_sequences,
+                                          seq_axis=1 if bld else 2, bc_axis=1 if bld else 3, h0=h0,
+                                          cu_seqlens=cu_seqlens, state_shape=(args.dims.dim, args.dims.state),
+                                          state_meaning="dim, state")
     else:
-        y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+        y, state = impl.scan(args.x, args.dt, args.A, args.B, args.C, **kwargs)
     return (y, state) if args.return_state else y
 
 
@@ -126,22 +124,20 @@ def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                                 dt_min=dt_min, dt_max=dt_max, h0=None if packed else h0,
                                 return_state=return_state, chunk_size=chunk_size)
     impl = get_backend(backend, args.x.device.type)
+    kwargs = args.backend_kwargs()
     if packed:
-        kwargs = args.backend_kwargs()
+
+        def one(x, dt, B, C, z, h0, return_state, **bounds):
+            return impl.ssd_scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state},
+                                 **bounds)
+
         d = args.dims
-        where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=(d.heads, d.headdim, d.state),
-                     state_meaning="heads, headdim, state")
-        if "ssd_scan" in impl.packs_sequences:
-            y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C,
-                                     **{**kwargs, **_varlen.packed_arguments(args, seq_axis=1, **where)})
-        else:
-
-            def one(x, dt, B, C, z, h0, return_state):
-                return impl.ssd_scan(x, dt, args.A, B, C, **{**kwargs, "z": z, "h0": h0, "return_state": return_state})
-
-            y, state = _varlen.run_packed(one, args, seq_axis=1, bc_axis=1, **where)
+        y, state = _varlen.scan_sequences(one, args, packs="ssd_scan" in impl.packs_sequences, seq_axis=1,
+                                          bc_axis=1, h0=h0, cu_seqlens=cu_seqlens,
+                                          state_shape=(d.heads, d.headdim, d.state),
+                                          state_meaning="heads, headdim, state")
     else:
-        y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+        y, state = impl.ssd_scan(args.x, args.dt, args.A, args.B, args.C, **kwargs)
     return (y, state) if args.return_state else y
 
 

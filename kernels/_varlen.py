@@ -41,6 +41,19 @@ def packed_arguments(args, *, seq_axis: int, h0, cu_seqlens, state_shape: tuple[
     return packed if dstate is None else {**packed, "dstate": checked_dstate}
 
 
+def scan_sequences(one, args, *, packs: bool, seq_axis: int, bc_axis: int, h0, cu_seqlens,
+                   state_shape: tuple[int, ...], state_meaning: str):
+    """(y, state or None) of a packed call: `one(x, dt, B, C, z, h0, return_state)` (a
+    backend's scan, the rest bound) over the whole call with its boundaries (`cu_seqlens=` int64)
+    where the backend `packs` the op, else once per packed sequence (run_packed)."""
+    where = dict(h0=h0, cu_seqlens=cu_seqlens, state_shape=state_shape, state_meaning=state_meaning)
+    if packs:
+        packed = packed_arguments(args, seq_axis=seq_axis, **where)
+        return one(args.x, args.dt, args.B, args.C, args.z, packed["h0"], args.return_state,
+                   cu_seqlens=packed["cu_seqlens"])
+    return run_packed(one, args, seq_axis=seq_axis, bc_axis=bc_axis, **where)
+
+
 def run_packed(scan_one, args, *, seq_axis: int, bc_axis: int, h0, cu_seqlens, state_shape: tuple[int, ...],
                state_meaning: str):
     """(y, state or None) of `args` (checked, h0 left out) scanned once per packed sequence by
