@@ -24,9 +24,9 @@ import torch
 
 import kernels
 from kernels import _registry
-from kernel_cases import (DTYPES, LARGE_SCAN_CASES, SCAN_CASES, SSD_SCAN_CASES, ScanCase, SsdCase,
-                                assert_grads_close, backward_inputs, cpu_backends, make_cotangents,
-                                make_scan_inputs, make_ssd_inputs, random_seed)
+from kernel_cases import (DTYPES, LARGE_SCAN_CASES, LARGE_SSD_SCAN_CASES, SCAN_CASES, SSD_SCAN_CASES, ScanCase,
+                          SsdCase, assert_grads_close, backward_inputs, cpu_backends, make_cotangents,
+                          make_scan_inputs, make_ssd_inputs, random_seed)
 
 GRAD_INPUT_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
 
@@ -125,6 +125,13 @@ def test_ssd_scan_backward_matches_reference(backend, case, dtype):
 @pytest.mark.parametrize("case", LARGE_SCAN_CASES)
 def test_cpu_scan_backward_large_cases(case):
     _check_backend("scan", "cpu", case, torch.float32, random_seed())
+
+
+@pytest.mark.parametrize("case", LARGE_SSD_SCAN_CASES)
+def test_cpu_ssd_scan_backward_large_cases(case):
+    """States of a whole head (headdim 64, state 128) and long sequences: too many to keep, so
+    the backward walks them in chunks from checkpoints."""
+    _check_backend("ssd", "cpu", case, torch.float32, random_seed())
 
 
 def test_cpu_backward_does_not_depend_on_the_thread_count():

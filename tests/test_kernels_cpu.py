@@ -608,9 +608,10 @@ def test_the_binding_refuses_malformed_packed_bounds(op, cu_seqlens, batch, mess
 
 
 # The backward pass per variant: full and partial channel blocks, state 16 and odd states (the
-# lane-sum tree's padding), groups, both layouts, Mamba-2's scalar decay, fp64; a sequence walked
-# back as one chunk and one past kWholeSequenceBytes at every vector width (checkpoints, then
-# chunks of 16 steps, the last one partial).
+# lane-sum tree's padding), groups, both layouts, fp64; a sequence walked back as one chunk and
+# one past kWholeSequenceBytes at every vector width (checkpoints, then chunks of 16 steps, the
+# last one partial); Mamba-2's runner likewise, with a partial block of rows and a state that
+# leaves a partial vector and a short sweep at every width.
 SIMD_BACKWARD_CASES = [
     pytest.param("scan", ScanCase(2, 45, 37, 16, groups=1, **ALL), torch.float32, id="partial-blocks-one-chunk-f32"),
     pytest.param("scan", ScanCase(1, 333, 19, 16, groups=1, **ALL), torch.float32, id="checkpointed-333-steps-f32"),
@@ -618,6 +619,9 @@ SIMD_BACKWARD_CASES = [
     pytest.param("scan", ScanCase(2, 9, 20, 16, D=True, z=True, h0=True), torch.float64, id="f64"),
     pytest.param("ssd", SsdCase(1, 40, 3, 20, 16, groups=3, D=True, z=True, dt_bias=True, dt_softplus=True, h0=True),
                  torch.float32, id="ssd-f32"),
+    pytest.param("ssd", SsdCase(1, 200, 2, 40, 20, D=True, D_per_channel=True, z=True, dt_bias=True, dt_softplus=True,
+                                clamp=True, h0=True), torch.float32, id="ssd-checkpointed-partial-block-state-20-f32"),
+    pytest.param("ssd", SsdCase(2, 9, 2, 6, 5, D=True, z=True, h0=True), torch.float64, id="ssd-f64"),
 ]
 
 

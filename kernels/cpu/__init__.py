@@ -97,7 +97,7 @@ def backend_from(ext) -> Backend:
                      cu_seqlens=None):
         """The C++ reverse scan over "bld" [batch, seq, channel] operands: every gradient, that of
         dt through its bias, softplus and clamp included. With `headdim`, Mamba-2's heads of that
-        many channels: one decay per channel, and dt, dt_bias, A and their gradients per head.
+        many channels: one decay per head, and dt, dt_bias, A and their gradients per head.
         With `cu_seqlens`, sequences packed along seq, h0 and dstate a row for each."""
         x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate = _in_dtype(f, x, dt, dy, A, B, C, D, z, dt_bias, h0, dstate)
         dx, ddt = torch.empty_like(x), torch.empty_like(dt)
@@ -123,8 +123,8 @@ def backend_from(ext) -> Backend:
 
     def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
                           chunk_size, cu_seqlens=None):
-        # Heads x headdim as channels of the Mamba-1 reverse scan, one decay per channel; dt, dt_bias
-        # and A are read per head, and their gradients come back per head.
+        # Heads x headdim as channels, through the binding's Mamba-2 runner (one decay per head); dt,
+        # dt_bias and A are read per head, and their gradients come back per head.
         f = _compute_dtype(x)
         batch, seq, heads, headdim = x.shape
         channels = heads * headdim

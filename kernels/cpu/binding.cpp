@@ -485,8 +485,10 @@ std::vector<at::Tensor> scan_backward_typed(
   p.dz = dz.has_value() ? dz->data_ptr<T>() : nullptr;
   p.dh0 = dh0.has_value() ? dh0->data_ptr<T>() : nullptr;
 
-  const int64_t items = scan_bridge::scan_backward_items(p);
-  const int64_t per_item = std::max<int64_t>(1, scan_bridge::scan_backward_work_per_item(p));
+  const bool ssd = p.scalar_decay;
+  const int64_t items = ssd ? scan_bridge::ssd_backward_items(p) : scan_bridge::scan_backward_items(p);
+  const int64_t per_item = std::max<int64_t>(
+      1, ssd ? scan_bridge::ssd_backward_work_per_item(p) : scan_bridge::scan_backward_work_per_item(p));
   const int64_t threads = threads_for(items, per_item);
   const int64_t bc = positions * p.groups * p.state;
   std::vector<T> seats(threads * (p.dim * p.state + 2 * p.dim + 2 * bc), T{0});
@@ -496,7 +498,10 @@ std::vector<at::Tensor> scan_backward_typed(
   p.dB = p.ddt_bias + threads * p.dim;
   p.dC = p.dB + threads * bc;
   run_on(threads, items, per_item,
-         [&](scan_bridge::WorkQueue& queue, int seat) { scan_bridge::scan_backward_run(p, queue, seat); });
+         [&](scan_bridge::WorkQueue& queue, int seat) {
+           if (ssd) scan_bridge::ssd_backward_run(p, queue, seat);
+           else scan_bridge::scan_backward_run(p, queue, seat);
+         });
   const int64_t per = o.channels_per_dt, columns = p.dim / per, kept = p.scalar_decay ? 1 : p.state;
   if (per > 1) sum_into_columns(ddt_per_channel.data(), 1, positions, p.dim, 1, 1, per, ddt.data_ptr<T>());
   const auto options = x.options();

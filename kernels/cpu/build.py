@@ -42,7 +42,8 @@ log = logging.getLogger("kernels")
 # to be loaded beside this one. Each SIMD variant's module is MODULE_NAME + "_" + its name.
 MODULE_NAME = "scan_bridge_cpu"
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("scan_kernel.cpp", "ssd_kernel.cpp", "scan_backward.cpp", "linear_kernel.cpp", "binding.cpp")
+SOURCES = ("scan_kernel.cpp", "ssd_kernel.cpp", "scan_backward.cpp", "ssd_backward.cpp", "linear_kernel.cpp",
+           "binding.cpp")
 HEADERS = ("scan_kernel.h", "ssd_kernel.h", "scan_backward.h", "linear_kernel.h", "model_step.h", "simd.h",
            "helper_pool.h")
 # -fvisibility=hidden: only the module's init function is exported, so two builds loaded in

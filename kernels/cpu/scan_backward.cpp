@@ -36,13 +36,12 @@ class BackwardRunner {
         bc_stride_(p.groups * p.state),
         per_group_(p.dim / p.groups),
         per_group_blocks_((per_group_ + W - 1) / W),
-        decays_per_step_(p.scalar_decay ? 1 : p.state),
         longest_(longest_sequence(p)),
         chunk_(chunk_steps(p, longest_)),
         chunks_((longest_ + chunk_ - 1) / chunk_),
         scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
                  10 * Scratch::bytes<V>(chunk_) + Scratch::bytes<V>((chunk_ + 1) * N_) +
-                 Scratch::bytes<V>(chunk_ * decays_per_step_) + 2 * Scratch::bytes<V>(N_)) {
+                 Scratch::bytes<V>(chunk_ * N_) + 2 * Scratch::bytes<V>(N_)) {
     ckpt_ = scratch_.take<V>(chunks_ * N_);
     A_ = scratch_.take<V>(N_);
     dh_ = scratch_.take<V>(N_);
@@ -62,23 +61,15 @@ class BackwardRunner {
     dds_ = scratch_.take<V>(chunk_);
     dzs_ = scratch_.take<V>(chunk_);
     hist_ = scratch_.take<V>((chunk_ + 1) * N_);
-    decay_ = scratch_.take<V>(chunk_ * decays_per_step_);
+    decay_ = scratch_.take<V>(chunk_ * N_);
     dBp_ = scratch_.take<V>(N_);
     dCp_ = scratch_.take<V>(N_);
-  }
-
-  static int64_t longest_sequence(const ScanBackwardProblem<T>& p) {
-    if (p.cu_seqlens == nullptr) return p.seq;
-    int64_t longest = 0;
-    for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, p.cu_seqlens[b + 1] - p.cu_seqlens[b]);
-    return longest;
   }
 
   // The steps of a chunk: the whole (longest) sequence where its states and decays fit in
   // kWholeSequenceBytes, which spares the checkpoint walk, else kBackwardChunk.
   static int64_t chunk_steps(const ScanBackwardProblem<T>& p, int64_t longest) {
-    const int64_t decays = p.scalar_decay ? 1 : p.state;
-    const int64_t bytes = static_cast<int64_t>(sizeof(V)) * ((longest + 1) * p.state + longest * decays);
+    const int64_t bytes = static_cast<int64_t>(sizeof(V)) * (2 * longest + 1) * p.state;
     return bytes <= kWholeSequenceBytes ? std::max<int64_t>(longest, 1) : kBackwardChunk;
   }
 
@@ -112,38 +103,14 @@ class BackwardRunner {
 
   void prepare_block(int64_t d0, int lanes) {
     std::memset(static_cast<void*>(A_), 0, N_ * sizeof(V));
-    const int64_t n_read = p_.scalar_decay ? 1 : N_;
     for (int l = 0; l < lanes; ++l)
-      for (int64_t n = 0; n < n_read; ++n) A_[n][l] = p_.A[column(d0 + l) * n_read + n];
+      for (int64_t n = 0; n < N_; ++n) A_[n][l] = p_.A[(d0 + l) * N_ + n];
     D_[0] = V{};
     if (p_.D != nullptr)
       for (int l = 0; l < lanes; ++l) D_[0][l] = p_.D[d0 + l];
     bias_[0] = V{};
     if (p_.dt_bias != nullptr)
-      for (int l = 0; l < lanes; ++l) bias_[0][l] = p_.dt_bias[column(d0 + l)];
-    for (int l = 0; l < W; ++l) dt_columns_[l] = column(d0 + std::min(l, lanes - 1));
-    one_dt_column_ = lanes == W && dt_columns_[0] == dt_columns_[W - 1];
-  }
-
-  // Channel d's column of dt, dt_bias and A.
-  int64_t column(int64_t d) const { return d / p_.channels_per_dt; }
-
-  // dt's tile at the item's times t0 .. t0 + steps, column(d0 + l): a tile like x's where each
-  // channel has its own column, a broadcast where the block's channels share one (a head's),
-  // else gathered.
-  void load_dt_tile(int64_t t0, int steps, int64_t d0, int lanes, V* tile) const {
-    if (p_.channels_per_dt == 1) return load_tile(p_.dt, t0, steps, d0, lanes, tile);
-    const int64_t columns = p_.dim / p_.channels_per_dt;
-    const T* row = p_.dt + (first_ + t0) * columns;
-    for (int t = 0; t < steps; ++t, row += columns) {
-      if (one_dt_column_) {
-        tile[t] = Lanes<T>::splat(row[dt_columns_[0]]);
-      } else {
-        V v = {};
-        for (int l = 0; l < lanes; ++l) v[l] = row[dt_columns_[l]];
-        tile[t] = v;
-      }
-    }
+      for (int l = 0; l < lanes; ++l) bias_[0][l] = p_.dt_bias[d0 + l];
   }
 
   // tile[t][l] = src at the item's time t0 + t, channel d0 + l; lanes past `lanes` are zero. A
@@ -175,7 +142,7 @@ class BackwardRunner {
   // where its B and C rows start (read in place: a row is `bc_stride_` apart).
   void pack(int64_t g, int64_t t0, int steps, int64_t d0, int lanes) {
     load_tile(p_.x, t0, steps, d0, lanes, xs_);
-    load_dt_tile(t0, steps, d0, lanes, dls_);
+    load_tile(p_.dt, t0, steps, d0, lanes, dls_);
     const T lo = static_cast<T>(p_.dt_min), hi = static_cast<T>(p_.dt_max);
     const V one = Lanes<T>::splat(static_cast<T>(1)), zero = V{};
     for (int t = 0; t < steps; ++t) {
@@ -254,9 +221,8 @@ class BackwardRunner {
       for (int l = 0; l < lanes; ++l)
         for (int64_t n = 0; n < N_; ++n) p_.dh0[(b * p_.dim + d0 + l) * N_ + n] = dh_[n][l];
     T* dA = p_.dA + static_cast<int64_t>(seat) * p_.dim * N_;
-    const int64_t n_kept = p_.scalar_decay ? 1 : N_;
     for (int l = 0; l < lanes; ++l)
-      for (int64_t n = 0; n < n_kept; ++n) dA[(d0 + l) * N_ + n] += dA_[n][l];
+      for (int64_t n = 0; n < N_; ++n) dA[(d0 + l) * N_ + n] += dA_[n][l];
     T* dD = p_.dD + static_cast<int64_t>(seat) * p_.dim;
     for (int l = 0; l < lanes; ++l) dD[d0 + l] += dD_[0][l];
     T* dbias = p_.ddt_bias + static_cast<int64_t>(seat) * p_.dim;
@@ -266,25 +232,18 @@ class BackwardRunner {
   // hist_[t + 1] = h_t for the chunk's steps (hist_[0]: its checkpoint), with the decays.
   void recompute(int64_t c, int steps) {
     std::memcpy(static_cast<void*>(hist_), static_cast<const void*>(ckpt_ + c * N_), N_ * sizeof(V));
-    for (int t = 0; t < steps; ++t) advance(t, hist_ + t * N_, hist_ + (t + 1) * N_, decay_ + t * decays_per_step_);
+    for (int t = 0; t < steps; ++t) advance(t, hist_ + t * N_, hist_ + (t + 1) * N_, decay_ + t * N_);
   }
 
   // cur = a_t prev + (delta_t x_t) B_t for step t of the packed chunk (cur may be prev); the
-  // decays a_t go to `decays` where it is given (one vector with scalar_decay, else one per
-  // state element).
+  // decays a_t go to `decays` where it is given (one per state element).
   void advance(int t, const V* prev, V* cur, V* decays) {
     const V u = dtx_[t];
     const T* Bt = Bs_ + t * bc_stride_;
-    if (p_.scalar_decay) {
-      const V a = Math<T>::decay(dts_[t], A_[0]);
-      if (decays != nullptr) decays[0] = a;
-      for (int64_t n = 0; n < N_; ++n) cur[n] = a * prev[n] + u * Bt[n];
-    } else {
-      for (int64_t n = 0; n < N_; ++n) {
-        const V a = Math<T>::decay(dts_[t], A_[n]);
-        if (decays != nullptr) decays[n] = a;
-        cur[n] = a * prev[n] + u * Bt[n];
-      }
+    for (int64_t n = 0; n < N_; ++n) {
+      const V a = Math<T>::decay(dts_[t], A_[n]);
+      if (decays != nullptr) decays[n] = a;
+      cur[n] = a * prev[n] + u * Bt[n];
     }
   }
 
@@ -309,32 +268,16 @@ class BackwardRunner {
     V* dB = dBp_;
     V* dC = dCp_;
     V dhB = {}, qA = {};
-    if (p_.scalar_decay) {
-      const V a = decay_[t];
-      V q = {};
-      for (int64_t n = 0; n < N_; ++n) {
-        const V dh = dh_[n] + dy * Ct[n];
-        dC[n] = dy * h[n];
-        dB[n] = dh * u;
-        dhB += dh * Bt[n];
-        q += dh * h_prev[n];
-        dh_[n] = a * dh;
-      }
-      q *= a;
-      dA_[0] += q * dl;
-      qA = q * A_[0];
-    } else {
-      const V* a = decay_ + t * N_;
-      for (int64_t n = 0; n < N_; ++n) {
-        const V dh = dh_[n] + dy * Ct[n];
-        dC[n] = dy * h[n];
-        dB[n] = dh * u;
-        dhB += dh * Bt[n];
-        const V q = dh * a[n] * h_prev[n];
-        dA_[n] += q * dl;
-        qA += q * A_[n];
-        dh_[n] = a[n] * dh;
-      }
+    const V* a = decay_ + t * N_;
+    for (int64_t n = 0; n < N_; ++n) {
+      const V dh = dh_[n] + dy * Ct[n];
+      dC[n] = dy * h[n];
+      dB[n] = dh * u;
+      dhB += dh * Bt[n];
+      const V q = dh * a[n] * h_prev[n];
+      dA_[n] += q * dl;
+      qA += q * A_[n];
+      dh_[n] = a[n] * dh;
     }
     dxs_[t] = dy * D_[0] + dl * dhB;
     dds_[t] = (x * dhB + qA) * slope_[t];
@@ -366,7 +309,7 @@ class BackwardRunner {
   }
 
   const ScanBackwardProblem<T>& p_;
-  const int64_t N_, bc_stride_, per_group_, per_group_blocks_, decays_per_step_;
+  const int64_t N_, bc_stride_, per_group_, per_group_blocks_;
   const int64_t longest_;  // steps of the longest sequence
   const int64_t chunk_;    // steps in a chunk
   const int64_t chunks_;   // of the longest sequence: the checkpoints' room
@@ -375,8 +318,6 @@ class BackwardRunner {
   Scratch scratch_;
   int64_t prepared_block_ = -1;
   int64_t first_ = 0, length_ = 0, item_chunks_ = 0;  // the running item's sequence (run())
-  int64_t dt_columns_[W] = {};  // the prepared block's lanes' columns of dt
-  bool one_dt_column_ = false;  // every lane of the prepared block in one column
   V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *dts_, *dtx_, *gs_, *zs_, *dxs_,
       *dds_, *dzs_;
   const T *Bs_ = nullptr, *Cs_ = nullptr;  // the packed chunk's first B and C rows

@@ -10,9 +10,9 @@
 // scratch is (seq / kBackwardChunk + 2 kBackwardChunk) x state vectors of W lanes. A sequence
 // whose states and decays fit in kWholeSequenceBytes is one chunk: no checkpoint walk.
 //
-// Mamba-2 (SSD) runs through the same loops with its heads' channels (head x headdim) as
-// channels, `scalar_decay` set and `channels_per_dt` = headdim: A, dt and dt_bias are then read
-// per head, so a timestep costs one exp per channel instead of one per state element.
+// Mamba-2 (SSD) has a runner of its own (ssd_backward.cpp), given its heads' channels (head x
+// headdim) as channels, `scalar_decay` set and `channels_per_dt` = headdim: A, dt and dt_bias
+// are then read per head.
 #pragma once
 
 #include <cstdint>
@@ -63,6 +63,16 @@ struct ScanBackwardProblem {
   const int64_t* cu_seqlens = nullptr;
 };
 
+// Steps of the longest sequence: seq, or the longest of the packed ones.
+template <typename T>
+inline int64_t longest_sequence(const ScanBackwardProblem<T>& p) {
+  if (p.cu_seqlens == nullptr) return p.seq;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < p.batch; ++b)
+    longest = p.cu_seqlens[b + 1] - p.cu_seqlens[b] > longest ? p.cu_seqlens[b + 1] - p.cu_seqlens[b] : longest;
+  return longest;
+}
+
 // Items are (channel block, batch row) pairs; a seat's accumulators take the sums of the items
 // it ran, so the totals are the same for any split up to the order of fp additions.
 template <typename T>
@@ -72,5 +82,15 @@ template <typename T>
 int64_t scan_backward_work_per_item(const ScanBackwardProblem<T>& p);
 template <typename T>
 void scan_backward_run(const ScanBackwardProblem<T>& p, WorkQueue& queue, int seat);
+
+// The same for Mamba-2 (scalar_decay, channels_per_dt = headdim): items are (batch row, head,
+// block of headdim rows); ddt is written at each block's first channel, zero elsewhere, and dA
+// and ddt_bias accumulated there.
+template <typename T>
+int64_t ssd_backward_items(const ScanBackwardProblem<T>& p);
+template <typename T>
+int64_t ssd_backward_work_per_item(const ScanBackwardProblem<T>& p);
+template <typename T>
+void ssd_backward_run(const ScanBackwardProblem<T>& p, WorkQueue& queue, int seat);
 
 }  // namespace scan_bridge
