@@ -90,6 +90,37 @@ def test_ssd_long_strong_decay_stays_finite(backend):
     assert_scan_outputs_match_reference(case, F32, inputs, y, state, what, reference=reference_ssd_scan)
 
 
+# Decay regimes at the edges of the recurrence: a memory that barely fades over a long
+# sequence, the product of the decays falling a millionfold every few dozen steps, a decay that
+# underflows to zero, and a state that grows (A > 0) a millionfold.
+DECAY_REGIMES = [
+    pytest.param(1e-3, (0.01, 0.02), 400, id="long-memory"),
+    pytest.param(2.0, (0.3, 0.6), 300, id="strong-decay"),
+    pytest.param(2.0, (100.0, 120.0), 20, id="decay-underflows"),
+    pytest.param(-0.05, (0.4, 0.5), 700, id="state-grows"),
+]
+
+
+@pytest.mark.parametrize("minus_A, dt_range, seq", DECAY_REGIMES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_scan_decay_regimes(backend, minus_A, dt_range, seq):
+    case = SsdCase(2, seq, 2, 20, 5, D=True, h0=True)
+    seed = random_seed()
+    what = f"{backend} A={-minus_A} dt in {dt_range} seed={seed}"
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = dt_range
+    inputs["dt"] = lo + (hi - lo) * torch.rand(inputs["dt"].shape, generator=gen)
+    inputs["A"] = torch.full_like(inputs["A"], -minus_A)
+    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    y_ref, state_ref = reference_ssd_scan(inputs)
+    # Against the largest magnitude (at least 1): where the state grows a millionfold, entries
+    # of y that cancel to near zero carry fp32 rounding of that size in any formulation.
+    for got, expected, name in ((y, y_ref, "y"), (state, state_ref, "state")):
+        scale = max(1.0, float(expected.abs().max()))
+        assert_close(got.double() / scale, expected.double() / scale, F32, f"{what} {name} / {scale:.3g}")
+
+
 @ON_CUDA
 def test_torch_ssd_on_cuda():
     """The torch backend on CUDA tensors (the GPU's fallback where Triton is missing): every
