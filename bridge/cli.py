@@ -13,6 +13,8 @@ import signal
 import sys
 import time
 
+from . import exit_guard
+
 # Drain budget after EOF/SIGTERM: in-flight requests get this long to be answered; replies
 # still on their way then get transports.base.FLUSH_SECONDS more, one deadline for every lane.
 DRAIN_SECONDS = 0.8
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on CUDA, launch every step through the kernels API instead of replaying a captured "
                         "state update (a CUDA graph) for steps shaped like ones seen before")
+    p.add_argument("--no-exit-guard", dest="exit_guard", action="store_false",
+                   help="run without the exit guard (bridge.exit_guard), a process sharing the server's memory "
+                        "so that a killed server's pipes and sockets close before its memory is freed")
     p.add_argument("--no-native-step", dest="native_step", action="store_false",
                    help="serve every step through the general (Python) path, never the native C++ one "
                         "(bridge.native), which by default serves each plain step that finds nothing but native steps in flight, "
@@ -264,6 +269,8 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
                         format="%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("bridge")
     tune_malloc()
+    if args.exit_guard:
+        exit_guard.start()
 
     from .device import DeviceUnavailable, choose_device
     from .dispatcher import Dispatcher
@@ -359,6 +366,7 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     log.info("%s; %s in %.0f ms; exiting", why,
              "all requests answered" if drained else "gave up waiting for requests in flight",
              (time.monotonic() - started) * 1000)
+    exit_guard.stop()  # os._exit below runs no atexit handler
     logging.shutdown()
     sys.stderr.flush()
     # os._exit: interpreter teardown (torch, thread joins) can take longer than the shutdown

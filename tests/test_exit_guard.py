@@ -1,0 +1,128 @@
+"""bridge.exit_guard: the process that shares a server's memory so that a killed server's pipes
+close before that memory is freed. What it is (one child of the server, on the server's memory,
+holding one pipe, blocking signals, under SCHED_IDLE), that it ends with the server however the
+server ends, and that --no-exit-guard runs none. How much sooner a kill is noticed is
+bench.exit_guard's to measure (docs/performance.md, "exit guard")."""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bridge import exit_guard
+from bridge.client import PortClient, ServerExited
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux" or platform.machine() not in exit_guard.MACHINES,
+                                reason=f"the exit guard runs on Linux on {' and '.join(exit_guard.MACHINES)} only")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as status:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in status if ":\t" in line)
+
+
+def _gone_or_zombie(pid: int) -> bool:
+    try:
+        return _status(pid)["State"].startswith("Z")
+    except (OSError, KeyError):
+        return True
+
+
+def _ready_server(*extra) -> PortClient:
+    client = PortClient(["--device", "cpu", *extra], stderr=subprocess.DEVNULL)
+    assert client.request("ping", timeout=120).unwrap() == {"pong": True}
+    return client
+
+
+def _the_guard(server_pid: int) -> int:
+    (guard,) = _children(server_pid)
+    return guard
+
+
+def test_a_server_runs_one_guard_on_its_memory_holding_one_pipe():
+    client = _ready_server()
+    try:
+        server = client.proc.pid
+        guard = _the_guard(server)
+        with open(f"/proc/{server}/maps") as a, open(f"/proc/{guard}/maps") as b:
+            assert a.read() == b.read(), "the guard does not share the server's memory"
+        (fd,) = os.listdir(f"/proc/{guard}/fd")
+        assert os.readlink(f"/proc/{guard}/fd/{fd}").startswith("pipe:"), "the guard holds more than its pipe"
+        blocked = int(_status(guard)["SigBlk"], 16)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            assert blocked >> (sig - 1) & 1, f"the guard does not block {sig.name}"
+        assert os.sched_getscheduler(guard) == os.SCHED_IDLE, "the guard's freeing would compete for the cores"
+        assert client.request("ping", timeout=30).unwrap() == {"pong": True}
+    finally:
+        client.close()
+
+
+def test_a_killed_server_closes_its_pipe_and_its_guard_ends():
+    client = _ready_server()
+    guard = _the_guard(client.proc.pid)
+    os.kill(client.proc.pid, signal.SIGSTOP)  # the ping below stays unanswered until the kill
+    pending = client.submit("ping")
+    os.kill(client.proc.pid, signal.SIGKILL)
+    with pytest.raises(ServerExited):
+        pending.result(30)  # the pipe's end of file fails what was in flight
+    client.proc.wait(30)
+    deadline = time.monotonic() + 30
+    while not _gone_or_zombie(guard) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _gone_or_zombie(guard), "the guard outlived its killed server"
+
+
+def test_a_server_that_exits_reaps_its_guard():
+    client = _ready_server()
+    guard = _the_guard(client.proc.pid)
+    assert client.close() == 0
+    assert not os.path.exists(f"/proc/{guard}"), "the guard was left behind (running or unreaped)"
+
+
+def test_no_exit_guard_runs_none():
+    client = _ready_server("--no-exit-guard")
+    try:
+        assert _children(client.proc.pid) == []
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("compiler, call", [pytest.param("cc", None, id="this-machine"),
+                                            pytest.param("aarch64-linux-gnu-gcc", "svc", id="aarch64")])
+def test_the_guard_compiles_without_warnings(tmp_path, compiler, call):
+    """guard.c for this machine and cross-compiled for aarch64 (its system calls by `svc`), with
+    every warning an error."""
+    import shutil
+
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler} (the aarch64 one: Debian package gcc-aarch64-linux-gnu)")
+    library = tmp_path / "guard.so"
+    proc = subprocess.run([compiler, "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(library),
+                           str(exit_guard.SOURCE)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if call is not None:
+        objdump = shutil.which(compiler.replace("gcc", "objdump"))
+        if objdump is None:
+            pytest.skip(f"no objdump beside {compiler}")
+        disassembly = subprocess.run([objdump, "-d", str(library)], capture_output=True, text=True, timeout=60).stdout
+        assert f"\t{call}\t" in disassembly, f"no {call} in the guard's aarch64 code"
