@@ -736,3 +736,19 @@ def test_exp_rate_probe_times_the_kernels_exp(tmp_path):
     rate, description = exp_rate.measure(exp_rate.compile_probe(variant, tmp_path), 1, 0.05)
     assert rate > 1e6, rate
     assert description.startswith("baseline"), description
+
+
+def test_exit_guard_bench_times_kills_of_each_variant(tmp_path):
+    """`python -m bench.exit_guard` for one round: a server with the guard, one without and a bare
+    torch process each started, made ready, killed, its stdout's end of file timed."""
+    out = tmp_path / "exit_guard.json"
+    proc = run_marked([sys.executable, "-m", "bench.exit_guard", "--rounds", "1", "--json", str(out)],
+                      timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.failure() is None, proc.failure()
+    doc = json.loads(out.read_text())
+    variants = doc["variants"]
+    assert set(variants) == {"server with the exit guard", "server --no-exit-guard", "import torch (no guard)"}
+    for name, times in variants.items():
+        assert times["n"] == 1 and len(times["ms"]) == 1 and times["ms"][0] > 0, name
+    assert doc["median_ratio_without_over_with"] == pytest.approx(
+        variants["server --no-exit-guard"]["ms"][0] / variants["server with the exit guard"]["ms"][0])

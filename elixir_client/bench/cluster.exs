@@ -23,7 +23,8 @@
 #      `ScanBridge.model_step/4` on the same member and session).
 #
 #   MIX_ENV=test mix run bench/cluster.exs [--quick] [--sessions 32] [--warmup 60] [--after 60]
-#       [--kills 3] [--frames 300] [--hop-frames 300] [--seconds 3] [--callers 8] [--out PATH]
+#       [--kills 3] [--frames 300] [--hop-frames 300] [--seconds 3] [--callers 8] [--no-exit-guard]
+#       [--out PATH]
 #
 # MIX_ENV=test: the peers and models come from the test support (test/support). Run the BEAM
 # as docs/operations.md ("BEAM scheduler setting") says, ELIXIR_ERL_OPTIONS="+sbwt none
@@ -137,6 +138,7 @@ defmodule ClusterBench do
           callers: :integer,
           light_sessions: :integer,
           seed: :integer,
+          exit_guard: :boolean,
           out: :string
         ]
       )
@@ -151,6 +153,7 @@ defmodule ClusterBench do
       |> Map.merge(Map.new(Keyword.take(opts, Map.keys(@defaults))))
       |> Map.put(:quick, quick)
       |> Map.put(:seed, Keyword.get(opts, :seed, 1))
+      |> Map.put(:exit_guard, Keyword.get(opts, :exit_guard, true))
 
     for key <- [:sessions, :warmup, :after, :kills, :frames, :hop_frames, :callers, :light_sessions],
         cfg[key] < 1,
@@ -167,6 +170,12 @@ defmodule ClusterBench do
           "note: this node's schedulers busy-wait (ELIXIR_ERL_OPTIONS has no \"+sbwt none\"): " <>
             "they take cores from the servers; see docs/operations.md, BEAM scheduler setting"
         )
+
+    # --no-exit-guard: servers without bridge.exit_guard, to time failover against the guard's
+    :persistent_term.put(
+      {__MODULE__, :server_args},
+      if(cfg.exit_guard, do: [], else: ["--no-exit-guard"])
+    )
 
     :rand.seed(:exsss, {cfg.seed, 17, 29})
     t_run = System.monotonic_time(:millisecond)
@@ -1182,7 +1191,8 @@ defmodule ClusterBench do
   end
 
   defp start_server!(peer, group) do
-    opts = TestSupport.server_opts(group: group)
+    extra = :persistent_term.get({__MODULE__, :server_args})
+    opts = TestSupport.server_opts(group: group) |> Keyword.update!(:args, &(&1 ++ extra))
 
     result =
       try do
@@ -1338,6 +1348,7 @@ defmodule ClusterBench do
       "throughput_seconds" => cfg.seconds,
       "throughput_callers" => cfg.callers,
       "seed" => cfg.seed,
+      "exit_guard" => cfg.exit_guard,
       "frame_us" => @frame_us,
       "frame_timeout_ms" => @frame_timeout,
       "failover_checkpoint" => 2,
