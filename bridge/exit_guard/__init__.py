@@ -10,8 +10,9 @@ on to closing its descriptors; the guard then reads its pipe's end of file, exit
 memory is freed by its exit instead.
 
 The guard holds no descriptor but the read end of that pipe (the server holds the only write
-end, non-inheritable), blocks every signal (SIGKILL still ends it), calls no libc function, and
-runs under SCHED_IDLE: the freeing, at its exit, waits for cores nothing else wants.
+end, non-inheritable), blocks every signal (SIGKILL still ends it), and calls no libc function.
+It runs at the server's priority: under SCHED_IDLE it was no faster to fail over, and on a busy
+machine a normal exit, which waits for it, waited longer (docs/performance.md, "exit guard").
 A server that exits normally ends and reaps it first (atexit). After a kill, it is reaped by
 whatever adopts orphans (init, a subreaper); where that reaps nothing, it stays a zombie. `ps`
 lists it as a second process with the server's command line. Linux on x86-64 and aarch64 with

@@ -58,10 +58,6 @@ static int guard_main(void* arg) {
   const uint64_t all = ~(uint64_t)0;
   guard_syscall(SYS_rt_sigprocmask, SIG_SETMASK, (long)&all, 0, sizeof all);
   close_all_but(fd);
-  // Freeing the memory at its exit is background work: it runs when no other thread of the
-  // machine wants the core, not beside the clients that are taking the death in.
-  const struct sched_param idle = {0};
-  guard_syscall(SYS_sched_setscheduler, 0, SCHED_IDLE, (long)&idle, 0);
   char byte;
   for (;;) {
     const long n = guard_syscall(SYS_read, fd, (long)&byte, 1, 0);
