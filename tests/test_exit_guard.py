@@ -48,6 +48,23 @@ def _gone_or_zombie(pid: int) -> bool:
         return True
 
 
+def _wait_until_stopped(pid: int, timeout: float = 30.0) -> None:
+    """Until every thread of `pid` is stopped: a signal lands a little after kill() returns."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} not stopped after {timeout} s")
+
+
 def _ready_server(*extra) -> PortClient:
     client = PortClient(["--device", "cpu", *extra], stderr=subprocess.DEVNULL)
     assert client.request("ping", timeout=120).unwrap() == {"pong": True}
@@ -80,6 +97,7 @@ def test_a_killed_server_closes_its_pipe_and_its_guard_ends():
     client = _ready_server()
     guard = _the_guard(client.proc.pid)
     os.kill(client.proc.pid, signal.SIGSTOP)  # the ping below stays unanswered until the kill
+    _wait_until_stopped(client.proc.pid)
     pending = client.submit("ping")
     os.kill(client.proc.pid, signal.SIGKILL)
     with pytest.raises(ServerExited):
