@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import time
 from typing import Callable
 
 import protocol
+from bridge.c_build import c_compiler, compile_c
 from bridge.client import server_env, stop_piped_server, to_wire
 from bridge.streams import read_exact, write_all
 from bridge.transports.unix import SOCKET_BUFFER_BYTES
@@ -65,19 +65,12 @@ def build_echo(name: str, libs: tuple[str, ...] = ()) -> str:
     inputs = [source, *glob.glob(os.path.join(ECHO_SOURCES, "*.h"))]
     if os.path.exists(binary) and os.path.getmtime(binary) >= max(map(os.path.getmtime, inputs)):
         return binary
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
+    if c_compiler() is None:
         raise EchoUnavailable(f"no C compiler (cc/gcc) on PATH to build the {name} echo")
-    os.makedirs(build_dir, exist_ok=True)
-    # Built under a name of its own, then renamed: a process starting the echo meanwhile (another
-    # bench, a parallel test) runs the old binary or the new one, never a half-written file.
-    partial = f"{binary}.{os.getpid()}.partial"
-    result = subprocess.run([cc, "-O2", "-o", partial, source, *libs], capture_output=True, text=True)
-    if result.returncode != 0:
-        if os.path.exists(partial):
-            os.unlink(partial)
-        raise EchoUnavailable(f"building the {name} echo failed: {result.stderr.strip()}")
-    os.replace(partial, binary)
+    try:
+        compile_c(binary, source, libs=libs)
+    except OSError as exc:
+        raise EchoUnavailable(f"building the {name} echo failed: {exc}") from exc
     return binary
 
 

@@ -28,12 +28,11 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from ..c_build import c_compiler, compile_c
 
 log = logging.getLogger("bridge.exit_guard")
 
@@ -45,36 +44,13 @@ STOP_TIMEOUT_S = 1.0
 _running: tuple[int, int] | None = None  # (the guard's pid, the pipe's write end)
 
 
-def _compiler() -> str:
-    return os.environ.get("CC", "cc")
-
-
 def library_path() -> Path:
     """Where the guard's library is built: beside the kernels' builds, by the digest of its source
     and compiler."""
     from kernels.cpu.build import build_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + _compiler().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + str(c_compiler()).encode()).hexdigest()[:16]
     return build_root() / "exit_guard" / digest / "libexit_guard.so"
-
-
-def _build(path: Path) -> None:
-    compiler = _compiler()
-    if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler ({compiler!r} not found)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Servers started at once each build a file of their own and rename it into place.
-    handle, partial = tempfile.mkstemp(dir=path.parent, suffix=".so")
-    os.close(handle)
-    try:
-        subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", partial, str(SOURCE)],
-                       check=True, capture_output=True, text=True)
-        os.replace(partial, path)
-    except subprocess.CalledProcessError as exc:
-        raise OSError(f"{compiler} failed on {SOURCE.name}: {exc.stderr.strip()}") from exc
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
 
 
 def start() -> int | None:
@@ -88,7 +64,7 @@ def start() -> int | None:
     try:
         path = library_path()
         if not path.is_file():
-            _build(path)
+            compile_c(path, SOURCE, flags=("-shared", "-fPIC"))
         library = ctypes.CDLL(str(path))
     except OSError as exc:
         log.warning("no exit guard: %s", exc)

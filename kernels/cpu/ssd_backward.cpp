@@ -34,6 +34,12 @@ constexpr int64_t kSsdRows = 32;
 // State vectors one sweep over the rows keeps in registers, with their B, C, dB and dC.
 constexpr int kSweepVectors = kVectorBytes == 64 ? 4 : 2;
 
+// Rows of headdim in an item's block.
+template <typename T>
+int64_t block_rows(const ScanBackwardProblem<T>& p) {
+  return std::min<int64_t>(p.channels_per_dt, kSsdRows);
+}
+
 template <typename T>
 class SsdBackwardRunner {
   using V = typename Lanes<T>::V;
@@ -48,7 +54,7 @@ class SsdBackwardRunner {
         N_(p.state),
         NV_((p.state + W - 1) / W),
         heads_per_group_(H_ / p.groups),
-        rows_(std::min<int64_t>(p.channels_per_dt, kSsdRows)),
+        rows_(block_rows(p)),
         RV_((rows_ + W - 1) / W),
         blocks_((P_ + rows_ - 1) / rows_),
         row_vectors_(rows_ * NV_),
@@ -117,7 +123,8 @@ class SsdBackwardRunner {
     reverse_pass(seat);
   }
 
-  // The block's rows of `src` at `at` (a [.., dim] row) as RV_ vectors, zero past the block.
+  // The block's rows of `src`, one [.., dim] row (or nullptr: zeros), as RV_ vectors, zero past
+  // the block.
   void load_row_vectors(const T* src, V* out) const {
     if (src == nullptr) {
       std::memset(static_cast<void*>(out), 0, RV_ * sizeof(V));
@@ -441,13 +448,13 @@ class SsdBackwardRunner {
 
 template <typename T>
 int64_t ssd_backward_items(const ScanBackwardProblem<T>& p) {
-  const int64_t rows = std::min<int64_t>(p.channels_per_dt, kSsdRows);
+  const int64_t rows = block_rows(p);
   return p.batch * (p.dim / p.channels_per_dt) * ((p.channels_per_dt + rows - 1) / rows);
 }
 
 template <typename T>
 int64_t ssd_backward_work_per_item(const ScanBackwardProblem<T>& p) {
-  return steps_per_row(p.seq, p.batch, p.cu_seqlens) * std::min<int64_t>(p.channels_per_dt, kSsdRows) * p.state;
+  return steps_per_row(p.seq, p.batch, p.cu_seqlens) * block_rows(p) * p.state;
 }
 
 template <typename T>
