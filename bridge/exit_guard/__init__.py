@@ -3,7 +3,7 @@ by a signal closes its pipes and sockets before the kernel frees that memory, no
 
 A client learns that the server died when its pipe or socket to it closes. The kernel closes a
 killed process's descriptors only after it has freed the process's memory, and a server's
-(torch's libraries alone are about 200 MiB resident) took 14-27 ms to free here
+(torch's libraries alone are about 200 MiB resident) took 25 ms at the median to free here
 (docs/performance.md, "exit guard"): every Port owner and the cluster's failover waited that
 long to notice a kill -9. While the guard shares the memory, a killed server's exit goes straight
 on to closing its descriptors; the guard then reads its pipe's end of file, exits, and the

@@ -84,8 +84,8 @@ template <typename T>
 void scan_backward_run(const ScanBackwardProblem<T>& p, WorkQueue& queue, int seat);
 
 // The same for Mamba-2 (scalar_decay, channels_per_dt = headdim): items are (batch row, head,
-// block of headdim rows); ddt is written at each block's first channel, zero elsewhere, and dA
-// and ddt_bias accumulated there.
+// block of headdim rows); ddt is written at each block's first channel (the rest of its row left
+// as the caller zeroed it), and dA and ddt_bias accumulated there.
 template <typename T>
 int64_t ssd_backward_items(const ScanBackwardProblem<T>& p);
 template <typename T>
