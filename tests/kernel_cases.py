@@ -424,6 +424,17 @@ SSD_SCAN_CASES = [
     pytest.param(SsdCase(1, 70, 3, 17, 9, chunk_size=32, D=True, dt_softplus=True), id="long-odd"),
 ]
 
+# Mamba-2 decay regimes (minus A, dt's range, seq) at the edges of the recurrence: a memory that barely fades over a long
+# sequence, the product of the decays falling a millionfold every few dozen steps, a decay that
+# underflows to zero, and a state that grows (A > 0) a millionfold.
+SSD_DECAY_REGIMES = [
+    pytest.param(1e-3, (0.01, 0.02), 400, id="long-memory"),
+    pytest.param(2.0, (0.3, 0.6), 300, id="strong-decay"),
+    pytest.param(2.0, (100.0, 120.0), 20, id="decay-underflows"),
+    pytest.param(-0.05, (0.4, 0.5), 700, id="state-grows"),
+]
+
+
 # Larger: a Mamba-2-like head (headdim 64, state 128) over several chunks, and a long sequence.
 LARGE_SSD_SCAN_CASES = [
     pytest.param(SsdCase(1, 300, 4, 64, 128, chunk_size=64, D=True, z=True, dt_bias=True,

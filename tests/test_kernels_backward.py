@@ -24,9 +24,9 @@ import torch
 
 import kernels
 from kernels import _registry
-from kernel_cases import (DTYPES, LARGE_SCAN_CASES, LARGE_SSD_SCAN_CASES, SCAN_CASES, SSD_SCAN_CASES, ScanCase,
-                          SsdCase, assert_grads_close, backward_inputs, cpu_backends, make_cotangents,
-                          make_scan_inputs, make_ssd_inputs, random_seed)
+from kernel_cases import (DTYPES, LARGE_SCAN_CASES, LARGE_SSD_SCAN_CASES, SCAN_CASES, SSD_DECAY_REGIMES,
+                          SSD_SCAN_CASES, ScanCase, SsdCase, assert_grads_close, backward_inputs, cpu_backends,
+                          make_cotangents, make_scan_inputs, make_ssd_inputs, random_seed)
 
 GRAD_INPUT_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
 
@@ -132,6 +132,32 @@ def test_cpu_ssd_scan_backward_large_cases(case):
     """States of a whole head (headdim 64, state 128) and long sequences: too many to keep, so
     the backward walks them in chunks from checkpoints."""
     _check_backend("ssd", "cpu", case, torch.float32, random_seed())
+
+
+# The C++ Mamba-2 backward walks chunks of 32 steps (16 in the baseline build): sequences that end
+# one step short of a chunk's end, on it, and one step past it.
+@pytest.mark.parametrize("seq", [31, 32, 33, 64, 65])
+def test_cpu_ssd_scan_backward_at_chunk_boundaries(seq):
+    case = SsdCase(2, seq, 3, 10, 12, groups=3, D=True, z=True, dt_bias=True, dt_softplus=True, h0=True)
+    _check_backend("ssd", "cpu", case, torch.float32, random_seed())
+
+
+@pytest.mark.parametrize("minus_A, dt_range, seq", SSD_DECAY_REGIMES)
+def test_cpu_ssd_scan_backward_decay_regimes(minus_A, dt_range, seq):
+    """The chunked form takes exps of differences of a chunk's summed log decays: at the edges
+    of the recurrence its gradients still meet the float64 reference's."""
+    case = SsdCase(2, seq, 2, 20, 5, D=True, z=True, h0=True)
+    seed = random_seed()
+    inputs = make_ssd_inputs(case, torch.float32, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = dt_range
+    inputs["dt"] = lo + (hi - lo) * torch.rand(inputs["dt"].shape, generator=gen)
+    inputs["A"] = torch.full_like(inputs["A"], -minus_A)
+    dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), _ssd_state_shape(inputs), True, seed)
+    got = _grads("ssd", inputs, dy, dstate, "cpu")
+    expected = _grads("ssd", inputs, dy, dstate, "reference")
+    assert_grads_close(got, expected, backward_inputs(inputs), torch.float32,
+                       f"cpu A={-minus_A} dt in {dt_range} seed={seed}")
 
 
 def test_cpu_backward_does_not_depend_on_the_thread_count():

@@ -610,8 +610,9 @@ def test_the_binding_refuses_malformed_packed_bounds(op, cu_seqlens, batch, mess
 # The backward pass per variant: full and partial channel blocks, state 16 and odd states (the
 # lane-sum tree's padding), groups, both layouts, fp64; a sequence walked back as one chunk and
 # one past kWholeSequenceBytes at every vector width (checkpoints, then chunks of 16 steps, the
-# last one partial); Mamba-2's runner likewise, with a partial block of rows and a state that
-# leaves a partial vector and a short sweep at every width.
+# last one partial); Mamba-2's chunked runner over one chunk and over several (of 16 or 32
+# steps, the last one partial), with a headdim and a state that leave partial vectors (and
+# partial W x W blocks to transpose) at every width.
 SIMD_BACKWARD_CASES = [
     pytest.param("scan", ScanCase(2, 45, 37, 16, groups=1, **ALL), torch.float32, id="partial-blocks-one-chunk-f32"),
     pytest.param("scan", ScanCase(1, 333, 19, 16, groups=1, **ALL), torch.float32, id="checkpointed-333-steps-f32"),

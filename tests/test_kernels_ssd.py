@@ -15,7 +15,7 @@ import torch
 
 import kernels
 from kernel_cases import (
-    DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES, STRIDED, ScanCase, SsdCase,
+    DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_DECAY_REGIMES, SSD_SCAN_CASES, SSD_UPDATE_CASES, STRIDED, ScanCase, SsdCase,
     SsdUpdateCase, assert_close, assert_packed_matches_each_sequence, assert_scan_outputs_match_reference,
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
     make_scan_inputs, make_ssd_inputs, make_ssd_update_inputs, nan_gapped, packed_slice, random_seed,
@@ -90,18 +90,7 @@ def test_ssd_long_strong_decay_stays_finite(backend):
     assert_scan_outputs_match_reference(case, F32, inputs, y, state, what, reference=reference_ssd_scan)
 
 
-# Decay regimes at the edges of the recurrence: a memory that barely fades over a long
-# sequence, the product of the decays falling a millionfold every few dozen steps, a decay that
-# underflows to zero, and a state that grows (A > 0) a millionfold.
-DECAY_REGIMES = [
-    pytest.param(1e-3, (0.01, 0.02), 400, id="long-memory"),
-    pytest.param(2.0, (0.3, 0.6), 300, id="strong-decay"),
-    pytest.param(2.0, (100.0, 120.0), 20, id="decay-underflows"),
-    pytest.param(-0.05, (0.4, 0.5), 700, id="state-grows"),
-]
-
-
-@pytest.mark.parametrize("minus_A, dt_range, seq", DECAY_REGIMES)
+@pytest.mark.parametrize("minus_A, dt_range, seq", SSD_DECAY_REGIMES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ssd_scan_decay_regimes(backend, minus_A, dt_range, seq):
     case = SsdCase(2, seq, 2, 20, 5, D=True, h0=True)

@@ -479,9 +479,10 @@ std::vector<at::Tensor> scan_backward_typed(
   p.h0 = data_of<T>(h0);
   p.dstate = data_of<T>(dstate);
   p.dx = dx.data_ptr<T>();
-  // ddt per channel, summed over each dt column's channels after the run where they share one.
-  std::vector<T> ddt_per_channel(o.channels_per_dt > 1 ? positions * p.dim : 0);
-  p.ddt = o.channels_per_dt > 1 ? ddt_per_channel.data() : ddt.data_ptr<T>();
+  // Mamba-1's ddt per channel, summed over each dt column's channels after the run where they
+  // share one; Mamba-2's runner writes it per head.
+  std::vector<T> ddt_per_channel(o.channels_per_dt > 1 && !o.scalar_decay ? positions * p.dim : 0);
+  p.ddt = ddt_per_channel.empty() ? ddt.data_ptr<T>() : ddt_per_channel.data();
   p.dz = dz.has_value() ? dz->data_ptr<T>() : nullptr;
   p.dh0 = dh0.has_value() ? dh0->data_ptr<T>() : nullptr;
 
@@ -503,7 +504,8 @@ std::vector<at::Tensor> scan_backward_typed(
            else scan_bridge::scan_backward_run(p, queue, seat);
          });
   const int64_t per = o.channels_per_dt, columns = p.dim / per, kept = p.scalar_decay ? 1 : p.state;
-  if (per > 1) sum_into_columns(ddt_per_channel.data(), 1, positions, p.dim, 1, 1, per, ddt.data_ptr<T>());
+  if (!ddt_per_channel.empty())
+    sum_into_columns(ddt_per_channel.data(), 1, positions, p.dim, 1, 1, per, ddt.data_ptr<T>());
   const auto options = x.options();
   at::Tensor dA = p.scalar_decay ? at::empty({columns}, options) : at::empty({columns, p.state}, options);
   at::Tensor dD = at::empty({p.dim}, options), dbias = at::empty({columns}, options);

@@ -10,9 +10,9 @@
 // scratch is (seq / kBackwardChunk + 2 kBackwardChunk) x state vectors of W lanes. A sequence
 // whose states and decays fit in kWholeSequenceBytes is one chunk: no checkpoint walk.
 //
-// Mamba-2 (SSD) has a runner of its own (ssd_backward.cpp), given its heads' channels (head x
-// headdim) as channels, `scalar_decay` set and `channels_per_dt` = headdim: A, dt and dt_bias
-// are then read per head.
+// Mamba-2 (SSD) has a runner of its own (ssd_backward.cpp, the chunked matrix form), given its
+// heads' channels (head x headdim) as channels, `scalar_decay` set and `channels_per_dt` =
+// headdim: A, dt and dt_bias are then read per head.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +48,8 @@ struct ScanBackwardProblem {
   const T* h0 = nullptr;      // [batch, dim, state] or nullptr (zeros)
   const T* dstate = nullptr;  // [batch, dim, state] or nullptr (zeros): the final state's gradient
   T* dx = nullptr;            // [batch, seq, dim], written
-  T* ddt = nullptr;           // [batch, seq, dim], written: per channel, whatever channels_per_dt
+  T* ddt = nullptr;           // [batch, seq, dim], written per channel whatever channels_per_dt;
+                              // with scalar_decay, [batch, seq, dt_columns]
   T* dz = nullptr;            // [batch, seq, dim], written where z is given
   T* dh0 = nullptr;           // [batch, dim, state], written, or nullptr
   // Accumulated (+=) into the slice of the running seat; zero-filled by the caller:
@@ -83,9 +84,8 @@ int64_t scan_backward_work_per_item(const ScanBackwardProblem<T>& p);
 template <typename T>
 void scan_backward_run(const ScanBackwardProblem<T>& p, WorkQueue& queue, int seat);
 
-// The same for Mamba-2 (scalar_decay, channels_per_dt = headdim): items are (batch row, head,
-// block of headdim rows); ddt is written at each block's first channel (the rest of its row left
-// as the caller zeroed it), and dA and ddt_bias accumulated there.
+// The same for Mamba-2 (scalar_decay, channels_per_dt = headdim): items are (batch row, head);
+// ddt is written per head, and dA and ddt_bias accumulated at the head's first channel.
 template <typename T>
 int64_t ssd_backward_items(const ScanBackwardProblem<T>& p);
 template <typename T>

@@ -1,25 +1,29 @@
-// Mamba-2's (SSD) backward pass for the CPU: scan_backward.h's contract with `scalar_decay` set
-// and a head's headdim as `channels_per_dt`.
+// Mamba-2's (SSD) backward pass for the CPU, in the chunked matrix form: scan_backward.h's
+// contract with `scalar_decay` set and a head's headdim as `channels_per_dt`.
 //
-// Lanes run along the state axis, as the state is stored ([head, headdim, state]): each row of
-// headdim keeps its state as ceil(state / W) vectors, and B_t, C_t are vectors too. With one
-// decay a_t per head and step, walking t backwards through a row p (g: the gradient of the gated
-// output, dy the ungated one, u = delta_t x_t[p]):
-//   dh[p]  += dy[p] C_t;   dC_t += dy[p] h_t[p];   dB_t += u dh[p]
-//   dx_t[p] = dy[p] D[p] + delta_t (dh[p] . B_t);  q_t += dh[p] . h_{t-1}[p];  dh[p] <- a_t dh[p]
-//   ddelta_t = sum_p x_t[p] (dh[p] . B_t) + A a_t q_t;  dA += delta_t a_t q_t
-// so dB and dC sum over rows in registers, and only the dot products with B_t and h_{t-1} are
-// sums across lanes: a vector per row and step, folded W at a time after each chunk (with z,
-// y_t[p] = C_t . h_t[p] likewise, in the chunk's recompute). The Mamba-1 runner
-// (scan_backward.cpp) puts lanes on channels instead, where every state element has its own
-// decay; for a head, that is two sums across lanes per state element and step.
+// Within a chunk, with a_t = delta_t A (the log decay), cs_t = a_0 + ... + a_t,
+// E[t, s] = exp(cs_t - cs_s) for s <= t (else 0), w_s = exp(cs_last - cs_s), u_s = delta_s x_s
+// and h_in the state entering the chunk, a head's ungated output and final state are
+//   y_t = sum_s E[t, s] (C_t . B_s) u_s + exp(cs_t) h_in C_t + D x_t,
+//   h_out = exp(cs_last) h_in + sum_s w_s u_s (x) B_s,
+// and given gy (the ungated output's gradient) and dH (h_out's), their adjoints are products of
+// [Q, Q], [Q, headdim], [Q, state] and [headdim, state] matrices:
+//   du_s = sum_t E[t, s] (C_t . B_s) gy_t + w_s dH B_s
+//   dB_s = sum_t E[t, s] (gy_t . u_s) C_t + w_s dH^T u_s
+//   dC_t = sum_s E[t, s] (gy_t . u_s) B_s + exp(cs_t) h_in^T gy_t
+//   dh_in = exp(cs_last) dH + sum_t exp(cs_t) gy_t (x) C_t
+// with cs's gradient gathered from the same terms and summed backwards into each step's a_t.
+// A reverse scan stores and reloads every state element several times a step; here a chunk's
+// work is a dozen products done in registers by a small tiled product (docs/performance.md,
+// "backward pass").
 //
-// Items are (batch row, head, block of rows). An item keeps its states at chunk boundaries and
-// recomputes a chunk's states before walking it back, as the Mamba-1 runner does.
+// Items are (batch row, head). An item walks its chunks forwards once, keeping the state that
+// enters each (one [headdim, state] matrix a chunk, not the whole history), then backwards.
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "scan_backward.h"
 #include "simd.h"
@@ -27,24 +31,99 @@
 namespace scan_bridge {
 namespace {
 
-// Rows of headdim an item walks: a step's own work (its decay, B_t, C_t, the sums of dB_t and
-// dC_t, the rows' loads from x and dy) is shared by as many rows, and a chunk's states stay in
-// L2 (docs/performance.md, "backward pass").
-constexpr int64_t kSsdRows = 32;
-// State vectors one sweep over the rows keeps in registers, with their B, C, dB and dC.
-constexpr int kSweepVectors = kVectorBytes == 64 ? 4 : 2;
-
-// Rows of headdim in an item's block.
+// Head `head` of `heads` at times first .. first + length of the packed operands: delta_t (dt
+// through bias, softplus and clamp, as ssd_kernel.cpp takes it) and d(delta)/d(dt).
 template <typename T>
-int64_t block_rows(const ScanBackwardProblem<T>& p) {
-  return std::min<int64_t>(p.channels_per_dt, kSsdRows);
+void discretize_head(const ScanBackwardProblem<T>& p, int64_t head, int64_t heads, int64_t first, int64_t length,
+                     T* deltas, T* slopes) {
+  const T lo = static_cast<T>(p.dt_min), hi = static_cast<T>(p.dt_max);
+  const T bias = p.dt_bias == nullptr ? T(0) : p.dt_bias[head];
+  for (int64_t t = 0; t < length; ++t) {
+    const T v = p.dt[(first + t) * heads + head] + bias;
+    T d = v, slope = 1;
+    if (p.dt_softplus && v <= T(20)) {
+      d = std::log1p(std::exp(v));
+      slope = T(1) / (T(1) + std::exp(-v));
+    }
+    // torch.clamp's gradient is 0 outside the range and for NaN (its comparisons are false).
+    if (p.has_dt_min) {
+      slope = d >= lo ? slope : T(0);
+      d = d < lo ? lo : d;
+    }
+    if (p.has_dt_max) {
+      slope = d <= hi ? slope : T(0);
+      d = d > hi ? hi : d;
+    }
+    deltas[t] = d;
+    slopes[t] = slope;
+  }
 }
+
+
+// out[i, :] (+)= sum_k a(i, k) b[k, :] for i < m over nv vectors of columns. `out` and `b` are
+// row-major in whole vectors (their row strides ldo, ldb counted in vectors); a(i, k) =
+// a[i * ars + k * acs], so a stored matrix serves as `a` either way round.
+// Steps a chunk: the [step, step] products grow with it, the per-chunk work shrinks. Sixteen
+// with 16-byte vectors, whose products are slower (docs/performance.md, "backward pass").
+constexpr int64_t kChunk = kVectorBytes >= 32 ? 32 : 16;
+
+template <typename T>
+struct Product {
+  using V = typename Lanes<T>::V;
+  // A tile of rows x vectors stays in registers with its row of b and a broadcast of a.
+  static constexpr int kRows = 6;
+  static constexpr int kCols = 2;
+
+  static void run(int64_t m, int64_t nv, int64_t k, const T* a, int64_t ars, int64_t acs, const V* b,
+                  int64_t ldb, V* out, int64_t ldo, bool add) {
+    for (int64_t j = 0; j < nv; j += kCols)
+      for (int64_t i = 0; i < m; i += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, m - i);
+        if (nv - j >= 2) tile_rows<2>(rows, k, a + i * ars, ars, acs, b + j, ldb, out + i * ldo + j, ldo, add);
+        else tile_rows<1>(rows, k, a + i * ars, ars, acs, b + j, ldb, out + i * ldo + j, ldo, add);
+      }
+  }
+
+ private:
+  template <int NR, int MR = kRows>
+  static void tile_rows(int64_t rows, int64_t k, const T* a, int64_t ars, int64_t acs, const V* b, int64_t ldb,
+                        V* out, int64_t ldo, bool add) {
+    if constexpr (MR > 1) {
+      if (rows < MR) {
+        tile_rows<NR, MR - 1>(rows, k, a, ars, acs, b, ldb, out, ldo, add);
+        return;
+      }
+    }
+    tile<MR, NR>(k, a, ars, acs, b, ldb, out, ldo, add);
+  }
+
+  template <int MR, int NR>
+  static void tile(int64_t k, const T* a, int64_t ars, int64_t acs, const V* b, int64_t ldb, V* out, int64_t ldo,
+                   bool add) {
+    V acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = add ? out[i * ldo + j] : V{};
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const V* bk = b + kk * ldb;
+      const T* ak = a + kk * acs;
+      V bv[NR];
+      for (int j = 0; j < NR; ++j) bv[j] = bk[j];
+      for (int i = 0; i < MR; ++i) {
+        const V ai = Lanes<T>::splat(ak[i * ars]);
+        for (int j = 0; j < NR; ++j) acc[i][j] += ai * bv[j];
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) out[i * ldo + j] = acc[i][j];
+  }
+};
 
 template <typename T>
 class SsdBackwardRunner {
   using V = typename Lanes<T>::V;
-  using Unaligned = typename Lanes<T>::Unaligned;
   static constexpr int W = Lanes<T>::W;
+  using Unaligned = typename Lanes<T>::Unaligned;
+  using Mul = Product<T>;
 
  public:
   explicit SsdBackwardRunner(const ScanBackwardProblem<T>& p)
@@ -52,48 +131,39 @@ class SsdBackwardRunner {
         P_(p.channels_per_dt),
         H_(p.dim / p.channels_per_dt),
         N_(p.state),
-        NV_((p.state + W - 1) / W),
+        PV_((P_ + W - 1) / W),
+        NV_((N_ + W - 1) / W),
+        Q_(kChunk),
+        QV_((Q_ + W - 1) / W),
         heads_per_group_(H_ / p.groups),
-        rows_(block_rows(p)),
-        RV_((rows_ + W - 1) / W),
-        blocks_((P_ + rows_ - 1) / rows_),
-        row_vectors_(rows_ * NV_),
         longest_(longest_sequence(p)),
-        chunk_(chunk_steps(longest_, row_vectors_)),
-        chunks_(std::max<int64_t>(1, (longest_ + chunk_ - 1) / chunk_)),  // h0 has room with no steps
-        scratch_(Scratch::bytes<V>(chunks_ * row_vectors_) + Scratch::bytes<V>((chunk_ + 1) * row_vectors_) +
-                 Scratch::bytes<V>(row_vectors_) + 2 * Scratch::bytes<V>(chunk_ * NV_) +
-                 Scratch::bytes<V>(chunk_ * RV_ * W) + 2 * Scratch::bytes<V>(chunk_) +
-                 7 * Scratch::bytes<V>(chunk_ * RV_) + 2 * Scratch::bytes<V>(RV_) + Scratch::bytes<T>(chunk_) +
-                 3 * Scratch::bytes<T>(longest_)) {
-    ckpt_ = scratch_.take<V>(chunks_ * row_vectors_);
-    hist_ = scratch_.take<V>((chunk_ + 1) * row_vectors_);
-    dh_ = scratch_.take<V>(row_vectors_);
-    Bs_ = scratch_.take<V>(chunk_ * NV_);
-    Cs_ = scratch_.take<V>(chunk_ * NV_);
-    parts_ = scratch_.take<V>(chunk_ * RV_ * W);
-    qparts_ = scratch_.take<V>(chunk_);
-    dtparts_ = scratch_.take<V>(chunk_);
-    xs_ = scratch_.take<V>(chunk_ * RV_);
-    us_ = scratch_.take<V>(chunk_ * RV_);
-    gs_ = scratch_.take<V>(chunk_ * RV_);
-    zs_ = scratch_.take<V>(chunk_ * RV_);
-    dzs_ = scratch_.take<V>(chunk_ * RV_);
-    dxs_ = scratch_.take<V>(chunk_ * RV_);
-    sums_ = scratch_.take<V>(chunk_ * RV_);
-    D_ = scratch_.take<V>(RV_);
-    dD_ = scratch_.take<V>(RV_);
-    qs_ = scratch_.take<T>(chunk_);
-    head_deltas_ = scratch_.take<T>(longest_);
-    head_slopes_ = scratch_.take<T>(longest_);
-    head_decays_ = scratch_.take<T>(longest_);
-  }
-
-  // The whole (longest) sequence where its states fit in kWholeSequenceBytes, which spares the
-  // checkpoint walk, else kBackwardChunk steps.
-  static int64_t chunk_steps(int64_t longest, int64_t row_vectors) {
-    const int64_t bytes = static_cast<int64_t>(sizeof(V)) * (longest + 1) * row_vectors;
-    return bytes <= kWholeSequenceBytes ? std::max<int64_t>(longest, 1) : kBackwardChunk;
+        chunks_(std::max<int64_t>(1, (longest_ + Q_ - 1) / Q_)),
+        scratch_(Scratch::bytes<V>(chunks_ * PV_ * W * NV_) + 8 * Scratch::bytes<V>(QV_ * W * PV_) +
+                 7 * Scratch::bytes<V>(QV_ * W * NV_) + 4 * Scratch::bytes<V>(QV_ * W * QV_) +
+                 Scratch::bytes<V>(NV_ * W * QV_) + Scratch::bytes<V>(PV_ * W * QV_) +
+                 2 * Scratch::bytes<V>(PV_ * W * NV_) + 2 * Scratch::bytes<V>(NV_ * W * PV_) +
+                 2 * Scratch::bytes<V>(PV_) + Scratch::bytes<V>(QV_) + 2 * Scratch::bytes<double>(Q_) +
+                 3 * Scratch::bytes<T>(QV_ * W) + 2 * Scratch::bytes<T>(longest_)) {
+    // Matrices have whole vectors of rows as well as of columns, for transposing W x W blocks;
+    // their padding rows and lanes stay zero.
+    hin_ = scratch_.take<V>(chunks_ * PV_ * W * NV_);
+    for (V** m : {&x_, &u_, &uw_, &g_, &z_, &gy_, &y_, &du_}) *m = scratch_.take<V>(QV_ * W * PV_);
+    for (V** m : {&b_, &c_, &bw_, &ce_, &db_, &dc_, &zc_}) *m = scratch_.take<V>(QV_ * W * NV_);
+    for (V** m : {&gm_, &eg_, &er_, &rr_}) *m = scratch_.take<V>(QV_ * W * QV_);
+    bt_ = scratch_.take<V>(NV_ * W * QV_);
+    ut_ = scratch_.take<V>(PV_ * W * QV_);
+    dh_ = scratch_.take<V>(PV_ * W * NV_);
+    dhn_ = scratch_.take<V>(PV_ * W * NV_);
+    dht_ = scratch_.take<V>(NV_ * W * PV_);
+    hint_ = scratch_.take<V>(NV_ * W * PV_);
+    D_ = scratch_.take<V>(PV_);
+    dD_ = scratch_.take<V>(PV_);
+    colsums_ = scratch_.take<V>(QV_);
+    cs_ = scratch_.take<double>(Q_);
+    dcs_ = scratch_.take<double>(Q_);
+    for (T** v : {&ecs_, &w_, &dots_}) *v = scratch_.take<T>(QV_ * W);
+    deltas_ = scratch_.take<T>(longest_);
+    slopes_ = scratch_.take<T>(longest_);
   }
 
   void run_range(int64_t begin, int64_t end, int seat) {
@@ -101,360 +171,307 @@ class SsdBackwardRunner {
   }
 
  private:
+  static T* lanes(V* v) { return reinterpret_cast<T*>(v); }
+  static const T* lanes(const V* v) { return reinterpret_cast<const T*>(v); }
+  // exp of each lane (the decays' own exp: the vector one in fp32, libm's in fp64).
+  static V exp_of(V v) { return Math<T>::decay(v * Math<T>::kDecayScale, Lanes<T>::splat(T(1))); }
+
   void run(int64_t item, int seat) {
-    const int64_t bh = item / blocks_;
-    b_ = bh / H_;
-    h_ = bh % H_;
-    g_ = h_ / heads_per_group_;
-    r0_ = (item % blocks_) * rows_;
-    rows_here_ = std::min(rows_, P_ - r0_);
-    channel0_ = h_ * P_ + r0_;
+    b_index_ = item / H_;
+    h_ = item % H_;
+    g_index_ = h_ / heads_per_group_;
     A_ = p_.A[h_];
-    first_ = p_.cu_seqlens == nullptr ? b_ * p_.seq : p_.cu_seqlens[b_];
-    length_ = p_.cu_seqlens == nullptr ? p_.seq : p_.cu_seqlens[b_ + 1] - first_;
-    item_chunks_ = (length_ + chunk_ - 1) / chunk_;
-    // A head's blocks are consecutive items, and a seat takes consecutive items.
-    if (bh != prepared_head_) {
-      discretize_head();
-      prepared_head_ = bh;
-    }
-    load_row_vectors(p_.D, D_);
-    checkpoint_pass();
+    first_ = p_.cu_seqlens == nullptr ? b_index_ * p_.seq : p_.cu_seqlens[b_index_];
+    length_ = p_.cu_seqlens == nullptr ? p_.seq : p_.cu_seqlens[b_index_ + 1] - first_;
+    item_chunks_ = (length_ + Q_ - 1) / Q_;
+    discretize_head(p_, h_, H_, first_, length_, deltas_, slopes_);
+    std::memset(static_cast<void*>(D_), 0, PV_ * sizeof(V));
+    if (p_.D != nullptr) std::memcpy(static_cast<void*>(D_), p_.D + h_ * P_, P_ * sizeof(T));
+    chunk_states();
     reverse_pass(seat);
   }
 
-  // The block's rows of `src`, one [.., dim] row (or nullptr: zeros), as RV_ vectors, zero past
-  // the block.
-  void load_row_vectors(const T* src, V* out) const {
-    if (src == nullptr) {
-      std::memset(static_cast<void*>(out), 0, RV_ * sizeof(V));
-      return;
+  // n values from src to dst, whole vectors inline: GCC turns a loop that only moves values into
+  // a call to memcpy, which costs more than a row of a few vectors, unless the value is opaque.
+  static void copy(T* dst, const T* src, int64_t n) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      V v = *reinterpret_cast<const Unaligned*>(src + i);
+#if defined(__x86_64__)
+      asm("" : "+x"(v));
+#elif defined(__aarch64__)
+      asm("" : "+w"(v));
+#endif
+      *reinterpret_cast<Unaligned*>(dst + i) = v;
     }
-    src += channel0_;
-    if (rows_here_ == RV_ * W) {
-      for (int64_t j = 0; j < RV_; ++j) out[j] = *reinterpret_cast<const Unaligned*>(src + j * W);
-      return;
-    }
-    T* lanes = reinterpret_cast<T*>(out);
-    for (int64_t r = 0; r < RV_ * W; ++r) lanes[r] = r < rows_here_ ? src[r] : T(0);
+    for (; i < n; ++i) dst[i] = src[i];
   }
 
-  void store_row_vectors(const V* in, T* dst) const {
-    dst += channel0_;
-    if (rows_here_ == RV_ * W) {
-      for (int64_t j = 0; j < RV_; ++j) *reinterpret_cast<Unaligned*>(dst + j * W) = in[j];
-      return;
+  // Rows t0 .. t0 + steps of a [.., seq, dim] operand's head columns into `out` (PV_ vectors a
+  // row; the lanes past headdim stay zero, as every buffer's padding does).
+  void load_head_rows(const T* src, int64_t t0, int64_t steps, V* out) const {
+    for (int64_t t = 0; t < steps; ++t) copy(lanes(out + t * PV_), src + (first_ + t0 + t) * p_.dim + h_ * P_, P_);
+  }
+
+  void store_head_rows(const V* in, int64_t t0, int64_t steps, T* dst) const {
+    for (int64_t t = 0; t < steps; ++t) copy(dst + (first_ + t0 + t) * p_.dim + h_ * P_, lanes(in + t * PV_), P_);
+  }
+
+  // The head's [headdim, state] rows of a [batch, dim, state] tensor (zeros for nullptr).
+  void load_state(const T* src, V* out) const {
+    for (int64_t r = 0; r < P_; ++r) {
+      T* row = lanes(out + r * NV_);
+      if (src == nullptr) std::fill(row, row + N_, T(0));
+      else std::memcpy(row, src + ((b_index_ * H_ + h_) * P_ + r) * N_, N_ * sizeof(T));
     }
-    const T* lanes = reinterpret_cast<const T*>(in);
-    for (int64_t r = 0; r < rows_here_; ++r) dst[r] = lanes[r];
   }
 
-  // The block's rows of a [batch, dim, state] tensor as padded state vectors (zeros where absent).
-  void load_rows(const T* src, V* out) const {
-    std::memset(static_cast<void*>(out), 0, row_vectors_ * sizeof(V));
-    if (src == nullptr) return;
-    for (int64_t r = 0; r < rows_here_; ++r)
-      std::memcpy(static_cast<void*>(out + r * NV_), src + (b_ * p_.dim + channel0_ + r) * N_, N_ * sizeof(T));
-  }
-
-  // The head's delta at every step (dt through bias, softplus and clamp, as ssd_kernel.cpp
-  // takes it), d(delta)/d(dt) and the decay.
-  void discretize_head() {
-    const T lo = static_cast<T>(p_.dt_min), hi = static_cast<T>(p_.dt_max);
-    const T bias = p_.dt_bias == nullptr ? T(0) : p_.dt_bias[h_];
-    for (int64_t t = 0; t < length_; ++t) {
-      const T v = p_.dt[(first_ + t) * H_ + h_] + bias;
-      T d = v, slope = 1;
-      if (p_.dt_softplus && v <= T(20)) {
-        d = std::log1p(std::exp(v));
-        slope = T(1) / (T(1) + std::exp(-v));
+  // dst[c][r] = src[r][c] for the W x W blocks covering rows < rows and every one of src's
+  // `src_ld` vectors of columns (dst has `dst_ld` vectors a row).
+  static void transpose(const V* src, int64_t rows, int64_t src_ld, V* dst, int64_t dst_ld) {
+    for (int64_t rb = 0; rb < (rows + W - 1) / W; ++rb)
+      for (int64_t cb = 0; cb < src_ld; ++cb) {
+        V m[W];
+        for (int i = 0; i < W; ++i) m[i] = src[(rb * W + i) * src_ld + cb];
+        Shuffles<T>::transpose(m);
+        for (int i = 0; i < W; ++i) dst[(cb * W + i) * dst_ld + rb] = m[i];
       }
-      // torch.clamp's gradient is 0 outside the range and for NaN (its comparisons are false).
-      if (p_.has_dt_min) {
-        slope = d >= lo ? slope : T(0);
-        d = d < lo ? lo : d;
-      }
-      if (p_.has_dt_max) {
-        slope = d <= hi ? slope : T(0);
-        d = d > hi ? hi : d;
-      }
-      head_deltas_[t] = d;
-      head_slopes_[t] = slope;
-      head_decays_[t] = std::exp(d * A_);
-    }
   }
 
-  // The block's rows of `src` ([.., seq, dim]) at times t0 .. t0 + steps of the sequence
-  // (those within it) on their way to the cache: a block's rows are a dim apart, too far for the
-  // hardware's prefetcher to follow.
-  void prefetch_rows(const T* src, int64_t t0, int64_t steps) const {
-    const int64_t begin = std::max<int64_t>(t0, 0), end = std::min(t0 + steps, length_);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* row = src + (first_ + t) * p_.dim + channel0_;
-      __builtin_prefetch(row);
-      __builtin_prefetch(row + rows_here_ - 1);
-    }
-  }
-
-  // A chunk's per-step values: x and delta x per row, B_t and C_t as padded vectors.
-  void pack(int64_t t0, int64_t steps) {
-    deltas_ = head_deltas_ + t0;
-    slopes_ = head_slopes_ + t0;
-    decays_ = head_decays_ + t0;
+  // Chunk c's operands (x, u, B, C and their weighted copies) and its cumulative log decays;
+  // returns its steps.
+  int64_t prepare(int64_t c) {
+    const int64_t t0 = c * Q_, steps = std::min(Q_, length_ - t0);
+    load_head_rows(p_.x, t0, steps, x_);
+    // Summed in fp64: cs_t - cs_s then loses nothing to the sums' rounding.
+    double sum = 0;
     for (int64_t t = 0; t < steps; ++t) {
-      const int64_t at = first_ + t0 + t;
-      load_row_vectors(p_.x + at * p_.dim, xs_ + t * RV_);
-      const V d = Lanes<T>::splat(deltas_[t]);
-      for (int64_t j = 0; j < RV_; ++j) us_[t * RV_ + j] = d * xs_[t * RV_ + j];
-      const T* B = p_.B + (at * p_.groups + g_) * N_;
-      const T* C = p_.C + (at * p_.groups + g_) * N_;
-      T* Bt = reinterpret_cast<T*>(Bs_ + t * NV_);
-      T* Ct = reinterpret_cast<T*>(Cs_ + t * NV_);
-      for (int64_t n = 0; n < N_; ++n) {
-        Bt[n] = B[n];
-        Ct[n] = C[n];
-      }
+      sum += static_cast<double>(deltas_[t0 + t]) * static_cast<double>(A_);
+      cs_[t] = sum;
     }
+    for (int64_t t = 0; t < QV_ * W; ++t) {
+      w_[t] = t < steps ? static_cast<T>(sum - cs_[t]) : T(0);
+      ecs_[t] = t < steps ? static_cast<T>(cs_[t]) : T(0);
+    }
+    for (int64_t j = 0; j < QV_; ++j) {
+      reinterpret_cast<V*>(w_)[j] = exp_of(reinterpret_cast<V*>(w_)[j]);
+      reinterpret_cast<V*>(ecs_)[j] = exp_of(reinterpret_cast<V*>(ecs_)[j]);
+    }
+    for (int64_t t = 0; t < steps; ++t) {
+      const int64_t at = (first_ + t0 + t) * p_.groups + g_index_;
+      copy(lanes(b_ + t * NV_), p_.B + at * N_, N_);
+      copy(lanes(c_ + t * NV_), p_.C + at * N_, N_);
+      const V delta = Lanes<T>::splat(deltas_[t0 + t]), w = Lanes<T>::splat(w_[t]);
+      for (int64_t j = 0; j < PV_; ++j) {
+        u_[t * PV_ + j] = delta * x_[t * PV_ + j];
+        uw_[t * PV_ + j] = w * u_[t * PV_ + j];
+      }
+      for (int64_t j = 0; j < NV_; ++j) bw_[t * NV_ + j] = w * b_[t * NV_ + j];
+    }
+    return steps;
   }
 
-  // Row r's delta x at step t, in every lane.
-  V u_of(int64_t t, int64_t r) const { return Lanes<T>::splat(reinterpret_cast<const T*>(us_ + t * RV_)[r]); }
-
-  // h_t = a_t h_{t-1} + u_t[p] B_t for every row, from `prev` into `cur` (which may be `prev`);
-  // with `ys`, C_t . h_t[p] per row as a vector of partial sums.
-  void advance(int64_t t, const V* prev, V* cur, V* ys) {
-    if (ys != nullptr) std::memset(static_cast<void*>(ys + t * RV_ * W), 0, RV_ * W * sizeof(V));
-    for (int64_t k0 = 0; k0 < NV_; k0 += kSweepVectors) {
-      switch (std::min<int64_t>(kSweepVectors, NV_ - k0)) {
-        case 4: advance_sweep<4>(t, k0, prev, cur, ys); break;
-        case 3: advance_sweep<3>(t, k0, prev, cur, ys); break;
-        case 2: advance_sweep<2>(t, k0, prev, cur, ys); break;
-        default: advance_sweep<1>(t, k0, prev, cur, ys); break;
-      }
-    }
-  }
-
-  // advance() over K state vectors from k0: a fixed count, so the rows' loop keeps them in
-  // registers.
-  template <int K>
-  void advance_sweep(int64_t t, int64_t k0, const V* prev, V* cur, V* ys) const {
-    const V a = Lanes<T>::splat(decays_[t]);
-    V b[K], c[K];
-    for (int k = 0; k < K; ++k) {
-      b[k] = Bs_[t * NV_ + k0 + k];
-      c[k] = Cs_[t * NV_ + k0 + k];
-    }
-    for (int64_t r = 0; r < rows_here_; ++r) {
-      const V u = u_of(t, r);
-      const V* from = prev + r * NV_ + k0;
-      V* to = cur + r * NV_ + k0;
-      V s[K];
-      for (int k = 0; k < K; ++k) s[k] = a * from[k] + u * b[k];
-      for (int k = 0; k < K; ++k) to[k] = s[k];
-      if (ys != nullptr) {
-        V y = {};
-        for (int k = 0; k < K; ++k) y += c[k] * s[k];
-        ys[t * RV_ * W + r] += y;
-      }
-    }
-  }
-
-  // The states entering each chunk, from h0 (the last chunk's own steps are not needed).
-  void checkpoint_pass() {
-    V* h = ckpt_;
-    load_rows(p_.h0, h);
+  // hin_[c] = the state entering chunk c, from h0 (the last chunk's end is not needed).
+  void chunk_states() {
+    load_state(p_.h0, hin_);
+    const int64_t size = PV_ * W * NV_;
     for (int64_t c = 0; c + 1 < item_chunks_; ++c) {
-      std::memcpy(static_cast<void*>(h + row_vectors_), static_cast<const void*>(h), row_vectors_ * sizeof(V));
-      h += row_vectors_;
-      prefetch_rows(p_.x, (c + 1) * chunk_, chunk_);
-      pack(c * chunk_, chunk_);
-      for (int64_t t = 0; t < chunk_; ++t) advance(t, h, h, nullptr);
+      const int64_t steps = prepare(c);
+      const V decay = Lanes<T>::splat(ecs_[steps - 1]);
+      V* next = hin_ + (c + 1) * size;
+      for (int64_t i = 0; i < size; ++i) next[i] = decay * hin_[c * size + i];
+      Mul::run(P_, NV_, steps, lanes(uw_), 1, PV_ * W, b_, NV_, next, NV_, true);
     }
   }
 
-  // out[i] = the sum of v[i]'s lanes, i < count: W at a time through one lane-sum tree.
-  static void lane_sums(const V* v, int64_t count, T* out) {
-    for (int64_t i0 = 0; i0 < count; i0 += W) {
-      const int64_t n = std::min<int64_t>(W, count - i0);
-      V tmp[W];
-      for (int i = 0; i < W; ++i) tmp[i] = i < n ? v[i0 + i] : V{};
-      const V sums = LaneSums<T>::of(tmp);
-      for (int c = 0; c < W; ++c)
-        if (LaneSums<T>::kSlot[c] < n) out[i0 + LaneSums<T>::kSlot[c]] = sums[c];
+  // er_[t, s] = E[t, s], eg_[t, s] = E[t, s] G[t, s], both zero for s > t.
+  void decay_matrices(int64_t steps) {
+    for (int64_t t = 0; t < steps; ++t) {
+      T* e = lanes(er_ + t * QV_);
+      for (int64_t s = 0; s < QV_ * W; ++s) e[s] = s <= t ? static_cast<T>(cs_[t] - cs_[s]) : T(0);
+      for (int64_t j = 0; j <= t / W; ++j) {
+        er_[t * QV_ + j] = exp_of(er_[t * QV_ + j]);
+        eg_[t * QV_ + j] = er_[t * QV_ + j] * gm_[t * QV_ + j];
+      }
+      T* eg = lanes(eg_ + t * QV_);
+      for (int64_t s = t + 1; s < QV_ * W; ++s) e[s] = eg[s] = T(0);
     }
   }
 
-  // hist_[t + 1] = h_t over the chunk (hist_[0]: its checkpoint). With z, the ungated output's
-  // gradient replaces g in gs_, and dz is found.
-  void recompute(int64_t c, int64_t steps) {
-    std::memcpy(static_cast<void*>(hist_), static_cast<const void*>(ckpt_ + c * row_vectors_),
-                row_vectors_ * sizeof(V));
-    V* ys = p_.z != nullptr ? parts_ : nullptr;
-    for (int64_t t = 0; t < steps; ++t) advance(t, hist_ + t * row_vectors_, hist_ + (t + 1) * row_vectors_, ys);
-    if (ys == nullptr) return;
-    lane_sums(parts_, steps * RV_ * W, reinterpret_cast<T*>(sums_));
+  // gy_ from dy (and z: then y is recomputed, dz written, and gy is the gated output's).
+  void output_gradient(int64_t t0, int64_t steps, const V* hin) {
+    if (p_.z == nullptr) {
+      load_head_rows(p_.dy, t0, steps, gy_);
+      return;
+    }
+    load_head_rows(p_.dy, t0, steps, g_);
+    load_head_rows(p_.z, t0, steps, z_);
+    transpose(hin, P_, NV_, hint_, PV_);
+    Mul::run(steps, PV_, steps, lanes(eg_), QV_ * W, 1, u_, PV_, y_, PV_, false);
+    Mul::run(steps, PV_, N_, lanes(ce_), NV_ * W, 1, hint_, PV_, y_, PV_, true);
     const V one = Lanes<T>::splat(T(1));
-    for (int64_t i = 0; i < steps * RV_; ++i) {
-      const V y = sums_[i] + D_[i % RV_] * xs_[i];
-      const V z = zs_[i], sg = Math<T>::sigmoid(z);
-      dzs_[i] = gs_[i] * y * sg * (one + z * (one - sg));
-      gs_[i] *= z * sg;
-    }
+    for (int64_t t = 0; t < steps; ++t)
+      for (int64_t j = 0; j < PV_; ++j) {
+        const int64_t i = t * PV_ + j;
+        const V y = y_[i] + D_[j] * x_[i];
+        const V z = z_[i], sg = Math<T>::sigmoid(z);
+        y_[i] = g_[i] * y * sg * (one + z * (one - sg));  // dz
+        gy_[i] = g_[i] * z * sg;
+      }
+    if (p_.dz != nullptr) store_head_rows(y_, t0, steps, p_.dz);
   }
 
-  // Step t's adjoint over K state vectors from k0, every row: dh updated in place, dB_t and dC_t
-  // summed over the rows in registers and added into the seat's, the rows' dh . B_t partial
-  // sums into parts_ and dh . h_{t-1} into q.
-  template <int K>
-  void adjoint_sweep(int64_t t, int64_t k0, V& q, T* dB, T* dC) {
-    // q in K sums: one would chain every row's multiply-adds, each waiting on the last.
-    V b[K], c[K], dBs[K], dCs[K], qs[K];
-    for (int k = 0; k < K; ++k) {
-      b[k] = Bs_[t * NV_ + k0 + k];
-      c[k] = Cs_[t * NV_ + k0 + k];
-      dBs[k] = dCs[k] = qs[k] = V{};
-    }
-    const V a = Lanes<T>::splat(decays_[t]);
-    const V* h = hist_ + (t + 1) * row_vectors_ + k0;
-    const V* h_prev = hist_ + t * row_vectors_ + k0;
-    const T* dys = reinterpret_cast<const T*>(gs_ + t * RV_);
-    for (int64_t r = 0; r < rows_here_; ++r) {
-      const V dy = Lanes<T>::splat(dys[r]);
-      const V u = u_of(t, r);
-      V* dh = dh_ + r * NV_ + k0;
-      V part = {};
-      for (int k = 0; k < K; ++k) {
-        const V g = dh[k] + dy * c[k];
-        dCs[k] += dy * h[r * NV_ + k];
-        dBs[k] += u * g;
-        part += g * b[k];
-        qs[k] += g * h_prev[r * NV_ + k];
-        dh[k] = a * g;
-      }
-      parts_[t * RV_ * W + r] += part;
-    }
-    for (int k = 0; k < K; ++k) q += qs[k];
-    for (int k = 0; k < K; ++k) {
-      const int64_t n0 = (k0 + k) * W;
-      if (n0 + W <= N_) {
-        *reinterpret_cast<Unaligned*>(dB + n0) += dBs[k];
-        *reinterpret_cast<Unaligned*>(dC + n0) += dCs[k];
-      } else {
-        for (int64_t n = n0; n < N_; ++n) {
-          dB[n] += dBs[k][n - n0];
-          dC[n] += dCs[k][n - n0];
-        }
-      }
+  static T lane_sum(V v) {
+    T sum = 0;
+    for (int l = 0; l < W; ++l) sum += v[l];
+    return sum;
+  }
+
+  // Row dot products of two [steps, vectors] matrices into dots_.
+  void row_dots(const V* a, const V* b, int64_t steps, int64_t vectors) {
+    for (int64_t t = 0; t < steps; ++t) {
+      V s = {};
+      for (int64_t j = 0; j < vectors; ++j) s += a[t * vectors + j] * b[t * vectors + j];
+      dots_[t] = lane_sum(s);
     }
   }
 
   void reverse_pass(int seat) {
-    load_rows(p_.dstate, dh_);
-    std::memset(static_cast<void*>(dD_), 0, RV_ * sizeof(V));
+    load_state(p_.dstate, dh_);
+    std::memset(static_cast<void*>(dD_), 0, PV_ * sizeof(V));
     T dA = 0, dbias = 0;
     const int64_t positions = p_.cu_seqlens == nullptr ? p_.batch * p_.seq : p_.seq;
     T* dB_seat = p_.dB + static_cast<int64_t>(seat) * positions * p_.groups * N_;
     T* dC_seat = p_.dC + static_cast<int64_t>(seat) * positions * p_.groups * N_;
+    const int64_t channel0 = h_ * P_;
     for (int64_t c = item_chunks_ - 1; c >= 0; --c) {
-      const int64_t t0 = c * chunk_;
-      const int64_t steps = std::min(chunk_, length_ - t0);
-      prefetch_rows(p_.x, t0 - chunk_, chunk_);
-      prefetch_rows(p_.dy, t0 - chunk_, chunk_);
-      if (p_.z != nullptr) prefetch_rows(p_.z, t0 - chunk_, chunk_);
-      pack(t0, steps);
+      const int64_t t0 = c * Q_;
+      const int64_t steps = prepare(c);
+      const int64_t last = steps - 1;
+      const V* hin = hin_ + c * PV_ * W * NV_;
       for (int64_t t = 0; t < steps; ++t) {
-        const int64_t at = (first_ + t0 + t) * p_.dim;
-        load_row_vectors(p_.dy + at, gs_ + t * RV_);
-        if (p_.z != nullptr) load_row_vectors(p_.z + at, zs_ + t * RV_);
+        const V e = Lanes<T>::splat(ecs_[t]);
+        for (int64_t j = 0; j < NV_; ++j) ce_[t * NV_ + j] = e * c_[t * NV_ + j];
       }
-      recompute(c, steps);
-      std::memset(static_cast<void*>(parts_), 0, steps * RV_ * W * sizeof(V));
-      for (int64_t t = steps - 1; t >= 0; --t) {
-        const int64_t bc = ((first_ + t0 + t) * p_.groups + g_) * N_;
-        V q = {};
-        for (int64_t k0 = 0; k0 < NV_; k0 += kSweepVectors) {
-          switch (std::min<int64_t>(kSweepVectors, NV_ - k0)) {
-            case 4: adjoint_sweep<4>(t, k0, q, dB_seat + bc, dC_seat + bc); break;
-            case 3: adjoint_sweep<3>(t, k0, q, dB_seat + bc, dC_seat + bc); break;
-            case 2: adjoint_sweep<2>(t, k0, q, dB_seat + bc, dC_seat + bc); break;
-            default: adjoint_sweep<1>(t, k0, q, dB_seat + bc, dC_seat + bc); break;
-          }
+      transpose(b_, steps, NV_, bt_, QV_);
+      transpose(u_, steps, PV_, ut_, QV_);
+      transpose(dh_, P_, NV_, dht_, PV_);
+      // G = C B^T, then the decay-weighted E and E o G.
+      Mul::run(steps, QV_, N_, lanes(c_), NV_ * W, 1, bt_, QV_, gm_, QV_, false);
+      decay_matrices(steps);
+      output_gradient(t0, steps, hin);
+      // R = gy u^T; er_ becomes E o R, and M = E o G o R gives cs its share from the outputs:
+      // + its row sums at t, - its column sums at s.
+      Mul::run(steps, QV_, P_, lanes(gy_), PV_ * W, 1, ut_, QV_, rr_, QV_, false);
+      std::memset(static_cast<void*>(colsums_), 0, QV_ * sizeof(V));
+      for (int64_t t = 0; t < steps; ++t) {
+        V row = {};
+        for (int64_t j = 0; j <= t / W; ++j) {
+          const int64_t i = t * QV_ + j;
+          er_[i] *= rr_[i];
+          const V m = er_[i] * gm_[i];
+          row += m;
+          colsums_[j] += m;
         }
-        qparts_[t] = q;
+        dcs_[t] = lane_sum(row);
       }
-      // Per row: dh . B_t, then dx and dD; x . (dh . B_t) summed over the rows is delta's
-      // share from the inputs, q its share from the decay.
-      lane_sums(parts_, steps * RV_ * W, reinterpret_cast<T*>(sums_));
-      for (int64_t t = 0; t < steps; ++t) {
-        const V delta = Lanes<T>::splat(deltas_[t]);
-        V ddelta = {};
-        for (int64_t j = 0; j < RV_; ++j) {
-          const int64_t i = t * RV_ + j;
-          dxs_[i] = gs_[i] * D_[j] + delta * sums_[i];
-          dD_[j] += gs_[i] * xs_[i];
-          ddelta += xs_[i] * sums_[i];
-        }
-        dtparts_[t] = ddelta;
+      for (int64_t t = 0; t < steps; ++t) dcs_[t] -= lanes(colsums_)[t];
+      // du from dH first: its dot with u is cs's share from the final state.
+      Mul::run(steps, PV_, N_, lanes(bw_), NV_ * W, 1, dht_, PV_, du_, PV_, false);
+      row_dots(u_, du_, steps, PV_);
+      double through_state = 0;
+      for (int64_t s = 0; s < steps; ++s) {
+        dcs_[s] -= dots_[s];
+        through_state += dots_[s];
       }
-      lane_sums(qparts_, steps, qs_);
-      T* ddeltas = reinterpret_cast<T*>(parts_);  // the partial sums are spent
-      lane_sums(dtparts_, steps, ddeltas);
+      V hd = {};
+      for (int64_t i = 0; i < P_ * NV_; ++i) hd += dh_[i] * hin[i];
+      dcs_[last] += through_state + static_cast<double>(ecs_[last]) * lane_sum(hd);
+      Mul::run(steps, PV_, steps, lanes(eg_), 1, QV_ * W, gy_, PV_, du_, PV_, true);
+      // dB and dC.
+      Mul::run(steps, NV_, steps, lanes(er_), 1, QV_ * W, c_, NV_, db_, NV_, false);
+      Mul::run(steps, NV_, P_, lanes(uw_), PV_ * W, 1, dh_, NV_, db_, NV_, true);
+      Mul::run(steps, NV_, steps, lanes(er_), QV_ * W, 1, b_, NV_, dc_, NV_, false);
+      Mul::run(steps, NV_, P_, lanes(gy_), PV_ * W, 1, hin, NV_, zc_, NV_, false);
+      row_dots(c_, zc_, steps, NV_);
       for (int64_t t = 0; t < steps; ++t) {
-        const int64_t at = (first_ + t0 + t) * p_.dim;
-        const T delta = deltas_[t];
-        const T q = qs_[t] * decays_[t];
-        dA += q * delta;
-        const T ddt = (ddeltas[t] + q * A_) * slopes_[t];
+        dcs_[t] += static_cast<double>(ecs_[t]) * dots_[t];
+        const V e = Lanes<T>::splat(ecs_[t]);
+        for (int64_t j = 0; j < NV_; ++j) dc_[t * NV_ + j] += e * zc_[t * NV_ + j];
+      }
+      // The state entering the chunk.
+      const V decay = Lanes<T>::splat(ecs_[last]);
+      for (int64_t i = 0; i < P_ * NV_; ++i) dhn_[i] = decay * dh_[i];
+      Mul::run(P_, NV_, steps, lanes(gy_), 1, PV_ * W, ce_, NV_, dhn_, NV_, true);
+      std::swap(dh_, dhn_);
+      // Per step: a_t's gradient (cs's summed from t on), then delta's, dt's, dx and dD.
+      row_dots(x_, du_, steps, PV_);
+      double da = 0;
+      for (int64_t t = last; t >= 0; --t) {
+        da += dcs_[t];
+        const T delta = deltas_[t0 + t];
+        dA += static_cast<T>(da) * delta;
+        const T ddt = (static_cast<T>(da) * A_ + dots_[t]) * slopes_[t0 + t];
         dbias += ddt;
-        // The block's share of the head's ddt, summed over the blocks by the binding.
-        p_.ddt[at + channel0_] = ddt;
-        store_row_vectors(dxs_ + t * RV_, p_.dx + at);
-        if (p_.z != nullptr) store_row_vectors(dzs_ + t * RV_, p_.dz + at);
+        p_.ddt[(first_ + t0 + t) * H_ + h_] = ddt;
+        const V d = Lanes<T>::splat(delta);
+        for (int64_t j = 0; j < PV_; ++j) {
+          const int64_t i = t * PV_ + j;
+          du_[i] = d * du_[i] + D_[j] * gy_[i];
+          dD_[j] += gy_[i] * x_[i];
+        }
+      }
+      store_head_rows(du_, t0, steps, p_.dx);
+      for (int64_t t = 0; t < steps; ++t) {
+        const int64_t at = ((first_ + t0 + t) * p_.groups + g_index_) * N_;
+        const T* db = lanes(db_ + t * NV_);
+        const T* dc = lanes(dc_ + t * NV_);
+        for (int64_t n = 0; n < N_; ++n) {
+          dB_seat[at + n] += db[n];
+          dC_seat[at + n] += dc[n];
+        }
       }
     }
     if (p_.dh0 != nullptr)
-      for (int64_t r = 0; r < rows_here_; ++r)
-        std::memcpy(p_.dh0 + (b_ * p_.dim + channel0_ + r) * N_, static_cast<const void*>(dh_ + r * NV_),
-                    N_ * sizeof(T));
-    p_.dA[(static_cast<int64_t>(seat) * p_.dim + channel0_) * N_] += dA;
-    p_.ddt_bias[static_cast<int64_t>(seat) * p_.dim + channel0_] += dbias;
-    const T* dD = reinterpret_cast<const T*>(dD_);
-    for (int64_t r = 0; r < rows_here_; ++r) p_.dD[static_cast<int64_t>(seat) * p_.dim + channel0_ + r] += dD[r];
+      for (int64_t r = 0; r < P_; ++r)
+        std::memcpy(p_.dh0 + ((b_index_ * H_ + h_) * P_ + r) * N_, lanes(dh_ + r * NV_), N_ * sizeof(T));
+    p_.dA[(static_cast<int64_t>(seat) * p_.dim + channel0) * N_] += dA;
+    p_.ddt_bias[static_cast<int64_t>(seat) * p_.dim + channel0] += dbias;
+    const T* dD = lanes(dD_);
+    for (int64_t r = 0; r < P_; ++r) p_.dD[static_cast<int64_t>(seat) * p_.dim + channel0 + r] += dD[r];
   }
 
   const ScanBackwardProblem<T>& p_;
-  const int64_t P_, H_, N_, NV_, heads_per_group_;
-  const int64_t rows_;         // rows of headdim in a block
-  const int64_t RV_;           // vectors of a block's rows (per-row values of a step)
-  const int64_t blocks_;       // blocks of a head
-  const int64_t row_vectors_;  // a block's state: rows_ x NV_ vectors
-  const int64_t longest_, chunk_, chunks_;
+  const int64_t P_, H_, N_, PV_, NV_, Q_, QV_, heads_per_group_, longest_, chunks_;
   Scratch scratch_;
   // The running item (run()).
-  int64_t b_ = 0, h_ = 0, g_ = 0, r0_ = 0, rows_here_ = 0, channel0_ = 0;
-  int64_t first_ = 0, length_ = 0, item_chunks_ = 0;
-  int64_t prepared_head_ = -1;  // batch row x heads + head of the discretized steps
+  int64_t b_index_ = 0, h_ = 0, g_index_ = 0, first_ = 0, length_ = 0, item_chunks_ = 0;
   T A_ = 0;
-  // State-sized: checkpoints, the chunk's states, dh; B_t and C_t; per row (a vector each):
-  // parts_; per step: qparts_, dtparts_.
-  V *ckpt_, *hist_, *dh_, *Bs_, *Cs_, *parts_, *qparts_, *dtparts_;
-  // Per step, the block's rows as RV_ vectors; D_ and dD_ likewise.
-  V *xs_, *us_, *gs_, *zs_, *dzs_, *dxs_, *sums_, *D_, *dD_;
-  T *qs_, *head_deltas_, *head_slopes_, *head_decays_;
-  const T *deltas_ = nullptr, *slopes_ = nullptr, *decays_ = nullptr;  // the packed chunk's
+  // The states entering the item's chunks: [chunk, headdim (padded), NV_].
+  V* hin_;
+  // A chunk's [step, headdim] matrices: x, u = delta x, w u, dy (g), z, gy, y (then dz), du
+  // (then dx).
+  V *x_, *u_, *uw_, *g_, *z_, *gy_, *y_, *du_;
+  // Its [step, state] matrices: B, C, w B, exp(cs) C, dB, dC, gy h_in.
+  V *b_, *c_, *bw_, *ce_, *db_, *dc_, *zc_;
+  // Its [step, step] matrices: G = C B^T, E o G, E (then E o R), R = gy u^T.
+  V *gm_, *eg_, *er_, *rr_;
+  // B^T, u^T; dH and the next one; dH^T and h_in^T; D and dD; the column sums of E o G o R.
+  V *bt_, *ut_, *dh_, *dhn_, *dht_, *hint_, *D_, *dD_, *colsums_;
+  double *cs_, *dcs_;
+  T *ecs_, *w_, *dots_, *deltas_, *slopes_;
 };
 
 }  // namespace
 
 template <typename T>
 int64_t ssd_backward_items(const ScanBackwardProblem<T>& p) {
-  const int64_t rows = block_rows(p);
-  return p.batch * (p.dim / p.channels_per_dt) * ((p.channels_per_dt + rows - 1) / rows);
+  return p.batch * (p.dim / p.channels_per_dt);
 }
 
 template <typename T>
 int64_t ssd_backward_work_per_item(const ScanBackwardProblem<T>& p) {
-  return steps_per_row(p.seq, p.batch, p.cu_seqlens) * block_rows(p) * p.state;
+  return steps_per_row(p.seq, p.batch, p.cu_seqlens) * p.channels_per_dt * p.state;
 }
 
 template <typename T>
