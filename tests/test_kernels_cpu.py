@@ -607,6 +607,19 @@ def test_the_binding_refuses_malformed_packed_bounds(op, cu_seqlens, batch, mess
         getattr(ext, op)(*args)
 
 
+def test_the_backward_binding_refuses_shared_dt_columns_without_scalar_decay():
+    """The Mamba-1 runner reads dt, dt_bias and A per channel: dt columns shared by several
+    channels (a Mamba-2 head's) come with scalar_decay only, else it would read past dt."""
+    from kernels.cpu import build
+
+    ext = build.load_extension()
+    x = torch.randn(1, 5, 8)
+    dt, B = torch.rand(1, 5, 2), torch.randn(1, 5, 1, 4)
+    with pytest.raises(ValueError, match="channels_per_dt 1 without scalar_decay, got 4"):
+        ext.scan_backward(x, dt, None, torch.randn_like(x), -torch.rand(2, 4), B, B, None, None, False, None, None,
+                          None, None, False, 4, torch.empty_like(x), torch.empty_like(dt), None, None)
+
+
 # The backward pass per variant: full and partial channel blocks, state 16 and odd states (the
 # lane-sum tree's padding), groups, both layouts, fp64; a sequence walked back as one chunk and
 # one past kWholeSequenceBytes at every vector width (checkpoints, then chunks of 16 steps, the

@@ -411,8 +411,8 @@ void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor&
 // kernels/cpu/__init__.py hands contiguous [batch, seq, channel] tensors of one compute dtype
 // ("bld"; Mamba-2's heads x headdim as channels, with scalar_decay, and dt, dt_bias, A per head:
 // channels_per_dt = headdim). Items are shared out as the forward's are; each thread sums into
-// its own seat's slice of dA, dD, ddt_bias, dB and dC, and the slices are added here, with ddt,
-// dA and ddt_bias summed over each dt column's channels. These sums are plain loops, not torch
+// its own seat's slice of dA, dD, ddt_bias, dB and dC, and the slices are added here, with dA
+// and ddt_bias summed over each dt column's channels. These sums are plain loops, not torch
 // ops: those would run on torch's OpenMP team, whose threads then spin on the cores the next
 // call's helpers need.
 
@@ -479,10 +479,7 @@ std::vector<at::Tensor> scan_backward_typed(
   p.h0 = data_of<T>(h0);
   p.dstate = data_of<T>(dstate);
   p.dx = dx.data_ptr<T>();
-  // Mamba-1's ddt per channel, summed over each dt column's channels after the run where they
-  // share one; Mamba-2's runner writes it per head.
-  std::vector<T> ddt_per_channel(o.channels_per_dt > 1 && !o.scalar_decay ? positions * p.dim : 0);
-  p.ddt = ddt_per_channel.empty() ? ddt.data_ptr<T>() : ddt_per_channel.data();
+  p.ddt = ddt.data_ptr<T>();
   p.dz = dz.has_value() ? dz->data_ptr<T>() : nullptr;
   p.dh0 = dh0.has_value() ? dh0->data_ptr<T>() : nullptr;
 
@@ -504,8 +501,6 @@ std::vector<at::Tensor> scan_backward_typed(
            else scan_bridge::scan_backward_run(p, queue, seat);
          });
   const int64_t per = o.channels_per_dt, columns = p.dim / per, kept = p.scalar_decay ? 1 : p.state;
-  if (!ddt_per_channel.empty())
-    sum_into_columns(ddt_per_channel.data(), 1, positions, p.dim, 1, 1, per, ddt.data_ptr<T>());
   const auto options = x.options();
   at::Tensor dA = p.scalar_decay ? at::empty({columns}, options) : at::empty({columns, p.state}, options);
   at::Tensor dD = at::empty({p.dim}, options), dbias = at::empty({columns}, options);
@@ -537,6 +532,10 @@ std::vector<at::Tensor> scan_backward(
   if (channels_per_dt < 1 || x.size(2) % channels_per_dt != 0)
     throw std::invalid_argument("scan_backward: expected channels_per_dt to divide x's " +
                                 std::to_string(x.size(2)) + " channels, got " + std::to_string(channels_per_dt));
+  // The Mamba-1 runner reads dt, dt_bias and A per channel.
+  if (!scalar_decay && channels_per_dt != 1)
+    throw std::invalid_argument("scan_backward: expected channels_per_dt 1 without scalar_decay, got " +
+                                std::to_string(channels_per_dt));
   if (z.has_value() != dz.has_value()) throw std::invalid_argument("scan_backward: dz is given exactly with z");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&dy, "dy"},
                          {&A, "A"}, {&B, "B"}, {&C, "C"}, {&dx, "dx"}, {&ddt, "ddt"}})

@@ -30,8 +30,9 @@ template <typename T>
 struct ScanBackwardProblem {
   int64_t batch = 0, seq = 0, dim = 0, state = 0, groups = 1;
   bool scalar_decay = false;  // one decay per channel: A holds one value per dt column
-  // Consecutive channels sharing a column of dt, dt_bias and A (a Mamba-2 head's headdim); the
-  // column of channel d is d / channels_per_dt, of `dt_columns` = dim / channels_per_dt.
+  // Consecutive channels sharing a column of dt, dt_bias and A: a Mamba-2 head's headdim with
+  // scalar_decay, else 1. The column of channel d is d / channels_per_dt, of `dt_columns` =
+  // dim / channels_per_dt.
   int64_t channels_per_dt = 1;
   const T* x = nullptr;       // [batch, seq, dim]
   const T* dt = nullptr;      // [batch, seq, dt_columns], before bias, softplus and clamp
@@ -48,8 +49,7 @@ struct ScanBackwardProblem {
   const T* h0 = nullptr;      // [batch, dim, state] or nullptr (zeros)
   const T* dstate = nullptr;  // [batch, dim, state] or nullptr (zeros): the final state's gradient
   T* dx = nullptr;            // [batch, seq, dim], written
-  T* ddt = nullptr;           // [batch, seq, dim], written per channel whatever channels_per_dt;
-                              // with scalar_decay, [batch, seq, dt_columns]
+  T* ddt = nullptr;           // [batch, seq, dt_columns], written
   T* dz = nullptr;            // [batch, seq, dim], written where z is given
   T* dh0 = nullptr;           // [batch, dim, state], written, or nullptr
   // Accumulated (+=) into the slice of the running seat; zero-filled by the caller:
