@@ -426,12 +426,16 @@ SSD_SCAN_CASES = [
 
 # Mamba-2 decay regimes (minus A, dt's range, seq) at the edges of the recurrence: a memory that barely fades over a long
 # sequence, the product of the decays falling a millionfold every few dozen steps, a decay that
-# underflows to zero, and a state that grows (A > 0) a millionfold.
+# underflows to zero, a state that grows (A > 0) a millionfold, steps of every decay from none to
+# underflow mixed over an odd length, and a state that grows past e^30 (where the C++ scan,
+# which keeps its state scaled by the decay since a recent step, rescales it: both last ones).
 SSD_DECAY_REGIMES = [
     pytest.param(1e-3, (0.01, 0.02), 400, id="long-memory"),
     pytest.param(2.0, (0.3, 0.6), 300, id="strong-decay"),
     pytest.param(2.0, (100.0, 120.0), 20, id="decay-underflows"),
     pytest.param(-0.05, (0.4, 0.5), 700, id="state-grows"),
+    pytest.param(2.0, (0.001, 20.0), 301, id="decay-mixed"),
+    pytest.param(-0.5, (0.1, 0.12), 601, id="state-grows-far"),
 ]
 
 

@@ -1,6 +1,7 @@
 // Mamba-2 (SSD) scan and state update (ssd_kernel.h). The scan keeps a head's state
-// transposed, [state][headdim], so its inner loop runs along headdim with no horizontal sums; the
-// update works on the pool in place along the state axis, W rows of headdim at a time, their
+// transposed, [state][headdim], so its inner loop runs along headdim with no horizontal sums, and
+// scaled by the decay since a recent step (ScaledSteps), so a step adds to it without first
+// multiplying it; the update works on the pool in place along the state axis, W rows of headdim at a time, their
 // sums over the state folded into one vector by LaneSums.
 #include "ssd_kernel.h"
 
@@ -61,27 +62,120 @@ inline void skip_and_gate(T* __restrict y, const T* __restrict x, const T* __res
   }
 }
 
-// One timestep of K vectors of headdim: h[n, :] = decay h[n, :] + B[n] u; y = sum_n C[n] h[n, :],
-// the sums kept in registers across the whole state axis.
-template <typename T, int K>
-inline void ssd_scan_block(Vec<T>* __restrict S, int64_t stride, int64_t N, T decay, const Vec<T>* u,
-                           const T* __restrict Bt, const T* __restrict Ct, Vec<T>* acc) {
-  Vec<T> in[K], sum[K];
-  for (int k = 0; k < K; ++k) {
-    in[k] = u[k];
-    sum[k] = Vec<T>{};
-  }
+// Timesteps a pass over a block's state: each element is loaded and stored once for them all.
+// With one a pass the loop ran well short of its multiply-adds' rate, with or without the
+// multiply that the scaled state drops (docs/performance.md, "SSD CPU kernel").
+constexpr int kStepsPerPass = 2;
+
+// M timesteps of K vectors of headdim on the scaled state (see ScaledSteps): for each,
+// h[n, :] = decay h[n, :] + B[n] u, or with `rescale` false h[n, :] += B[n] u, a multiply fewer a
+// state element; y = sum_n C[n] h[n, :], the sums kept in registers across the whole state axis.
+template <typename T, int M, int K, bool rescale>
+inline void ssd_scan_block(Vec<T>* __restrict S, int64_t stride, int64_t N, const T* decay,
+                           const Vec<T> (*u)[kBlockVectors], const T* const* Bt, const T* const* Ct,
+                           Vec<T> (*acc)[kBlockVectors]) {
+  Vec<T> in[M][K], sum[M][K];
+  for (int m = 0; m < M; ++m)
+    for (int k = 0; k < K; ++k) {
+      in[m][k] = u[m][k];
+      sum[m][k] = Vec<T>{};
+    }
   for (int64_t n = 0; n < N; ++n) {
     Vec<T>* __restrict row = S + n * stride;
-    const T bn = Bt[n], cn = Ct[n];
-    for (int k = 0; k < K; ++k) {
-      const Vec<T> s = decay * row[k] + bn * in[k];
-      row[k] = s;
-      sum[k] += cn * s;
+    Vec<T> s[K];
+    for (int k = 0; k < K; ++k) s[k] = row[k];
+    for (int m = 0; m < M; ++m) {
+      const T bn = Bt[m][n], cn = Ct[m][n];
+      for (int k = 0; k < K; ++k) {
+        s[k] = rescale ? decay[m] * s[k] + bn * in[m][k] : s[k] + bn * in[m][k];
+        sum[m][k] += cn * s[k];
+      }
     }
+    for (int k = 0; k < K; ++k) row[k] = s[k];
   }
-  for (int k = 0; k < K; ++k) acc[k] = sum[k];
+  for (int m = 0; m < M; ++m)
+    for (int k = 0; k < K; ++k) acc[m][k] = sum[m][k];
 }
+
+template <typename T, int M, bool rescale>
+inline void ssd_scan_block(int vectors, Vec<T>* __restrict S, int64_t stride, int64_t N, const T* decay,
+                           const Vec<T> (*u)[kBlockVectors], const T* const* Bt, const T* const* Ct,
+                           Vec<T> (*acc)[kBlockVectors]) {
+  switch (vectors) {
+    case 4: ssd_scan_block<T, M, 4, rescale>(S, stride, N, decay, u, Bt, Ct, acc); break;
+    case 3: ssd_scan_block<T, M, 3, rescale>(S, stride, N, decay, u, Bt, Ct, acc); break;
+    case 2: ssd_scan_block<T, M, 2, rescale>(S, stride, N, decay, u, Bt, Ct, acc); break;
+    default: ssd_scan_block<T, M, 1, rescale>(S, stride, N, decay, u, Bt, Ct, acc); break;
+  }
+}
+
+// Steps ahead whose x, z and y lines are fetched: a block's lines of one step lie a whole
+// [heads, headdim] row apart from the next step's, too far for the hardware's prefetchers.
+constexpr int64_t kPrefetchSteps = 8;
+
+template <typename T>
+inline void prefetch_block(const SsdScanProblem<T>& p, int64_t row, int64_t first, int64_t lanes) {
+  const int64_t at = row * p.headdim + first;
+  for (int64_t i = 0; i < lanes; i += kScratchAlign / static_cast<int64_t>(sizeof(T))) {
+    __builtin_prefetch(p.x + at + i);
+    if (p.options.z != nullptr) __builtin_prefetch(p.options.z + at + i);
+    __builtin_prefetch(p.y + at + i, 1);
+  }
+}
+
+// How far the scaled state may drift from the true one, as a log: e^30 leaves fp32 over 10^25
+// of headroom above the state's own magnitude.
+constexpr double kMaxLogScale = 30;
+
+// One sequence's per-step factors for a head: the kernel keeps g_t = h_t / exp(cs_t - cs_r),
+// cs the cumulative log decay and r the last rescaled step, so that a step is
+// g_t = g_(t-1) + exp(cs_r - cs_t) delta_t x_t (x) B_t and y_t = exp(cs_t - cs_r) C_t . g_t.
+// Where |cs_t - cs_r| would pass kMaxLogScale the step rescales instead (g_t = h_t, the plain
+// recurrence with decay exp(cs_t - cs_r)) and r = t.
+template <typename T>
+struct ScaledSteps {
+  using V = Vec<T>;
+  static constexpr int W = kWidth<T>;
+  // Per step t, in whole vectors of steps: exp(cs_r - cs_t) delta_t (delta_t where the step
+  // rescales), exp(cs_t - cs_r) (1 where it rescales) and, where it rescales, its decay
+  // exp(cs_t - cs_r) with the r before.
+  std::vector<V> input, output, decay;
+  std::vector<uint8_t> rescales;
+
+  T in(int64_t t) const { return reinterpret_cast<const T*>(input.data())[t]; }
+  T out(int64_t t) const { return reinterpret_cast<const T*>(output.data())[t]; }
+  T decay_at(int64_t t) const { return reinterpret_cast<const T*>(decay.data())[t]; }
+
+  void compute(const SsdScanProblem<T>& p, int64_t h, int64_t first_time, int64_t length) {
+    const int64_t vectors = (length + W - 1) / W;
+    for (auto* v : {&input, &output, &decay}) v->assign(static_cast<size_t>(vectors), V{});
+    rescales.resize(static_cast<size_t>(length));
+    T* deltas = reinterpret_cast<T*>(input.data());
+    T* log_scales = reinterpret_cast<T*>(output.data());
+    const double A = static_cast<double>(p.A[h]);
+    double since = 0;  // cs_t - cs_r, summed in fp64 so that no rounding accumulates
+    for (int64_t t = 0; t < length; ++t) {
+      const T dt = discretized_dt(p.dt[(first_time + t) * p.heads + h], p.options, h);
+      since += static_cast<double>(dt) * A;
+      rescales[t] = since > kMaxLogScale || since < -kMaxLogScale;
+      deltas[t] = dt;
+      log_scales[t] = static_cast<T>(since);
+      if (rescales[t]) since = 0;
+    }
+    const V one = Lanes<T>::splat(T(1));
+    for (int64_t j = 0; j < vectors; ++j) {
+      const V log_scale = output[j] * Math<T>::kDecayScale;
+      decay[j] = Math<T>::decay(log_scale, one);
+      output[j] = decay[j];
+      input[j] *= Math<T>::decay(-log_scale, one);
+    }
+    for (int64_t t = 0; t < length; ++t)
+      if (rescales[t]) {
+        log_scales[t] = T(1);
+        deltas[t] = discretized_dt(p.dt[(first_time + t) * p.heads + h], p.options, h);
+      }
+  }
+};
 
 template <typename T>
 int64_t ssd_scan_blocks(int64_t headdim) {
@@ -107,11 +201,21 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
   state_buffer.resize(static_cast<size_t>(N * kBlockVectors));
   Vec<T>* S = state_buffer.data();
   T* flat = reinterpret_cast<T*>(S);
+  // A head's factors serve each of its blocks: items of one head are consecutive.
+  thread_local ScaledSteps<T> steps;
+  int64_t steps_of = -1;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t bh = item / blocks, b = bh / H, h = bh % H, g = h / heads_per_group;
     const int64_t first = (item % blocks) * kBlockLanes;
     const int64_t lanes = std::min<int64_t>(kBlockLanes, P - first);
     const int64_t vectors = (lanes + W - 1) / W;
+    // Packed sequences share one row of the operands, each from its own first time.
+    const int64_t first_time = p.cu_seqlens == nullptr ? b * p.seq : p.cu_seqlens[b];
+    const int64_t length = (p.cu_seqlens == nullptr ? first_time + p.seq : p.cu_seqlens[b + 1]) - first_time;
+    if (steps_of != bh) {
+      steps.compute(p, h, first_time, length);
+      steps_of = bh;
+    }
     // Lanes past headdim stay zero: their u is zero throughout.
     std::memset(flat, 0, sizeof(T) * static_cast<size_t>(N * kBlockLanes));
     if (p.h0 != nullptr) {
@@ -119,45 +223,61 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
       for (int64_t i = 0; i < lanes; ++i)
         for (int64_t n = 0; n < N; ++n) flat[n * kBlockLanes + i] = h0[(first + i) * N + n];
     }
-    const T A = p.A[h];
     const T* D = p.options.D == nullptr ? nullptr : p.options.D + h * P + first;
-    Vec<T> u[kBlockVectors], acc[kBlockVectors];
-    // Packed sequences share one row of the operands, each from its own first time.
-    const int64_t first_time = p.cu_seqlens == nullptr ? b * p.seq : p.cu_seqlens[b];
-    const int64_t end_time = p.cu_seqlens == nullptr ? first_time + p.seq : p.cu_seqlens[b + 1];
-    for (int64_t bt = first_time; bt < end_time; ++bt) {
-      const T dt = discretized_dt(p.dt[bt * H + h], p.options, h);
-      const T decay = std::exp(dt * A);
-      const T* x = p.x + (bt * H + h) * P + first;
-      // A full block's inputs as whole vectors: written lane by lane, they were read back as
-      // vectors before the stores had left the store buffer, a stall on every step.
-      if (lanes == kBlockLanes) {
-        const Vec<T> dtv = Lanes<T>::splat(dt);
-        for (int k = 0; k < kBlockVectors; ++k) u[k] = dtv * Vec<T>(*reinterpret_cast<const VU*>(x + k * W));
+    Vec<T> u[kStepsPerPass][kBlockVectors], acc[kStepsPerPass][kBlockVectors];
+    T decay[kStepsPerPass];
+    const T* Bt[kStepsPerPass];
+    const T* Ct[kStepsPerPass];
+    for (int64_t t0 = 0; t0 < length; t0 += kStepsPerPass) {
+      const int count = static_cast<int>(std::min<int64_t>(kStepsPerPass, length - t0));
+      bool rescale = false;
+      for (int m = 0; m < count; ++m) {
+        const int64_t t = t0 + m, bt = first_time + t;
+        const T scale = steps.in(t);
+        const T* x = p.x + (bt * H + h) * P + first;
+        if (t + kPrefetchSteps < length) prefetch_block(p, (bt + kPrefetchSteps) * H + h, first, lanes);
+        // A full block's inputs as whole vectors: written lane by lane, they were read back as
+        // vectors before the stores had left the store buffer, a stall on every step.
+        if (lanes == kBlockLanes) {
+          const Vec<T> scales = Lanes<T>::splat(scale);
+          for (int k = 0; k < kBlockVectors; ++k)
+            u[m][k] = scales * Vec<T>(*reinterpret_cast<const VU*>(x + k * W));
+        } else {
+          T* ul = reinterpret_cast<T*>(u[m]);
+          for (int64_t i = 0; i < kBlockLanes; ++i) ul[i] = i < lanes ? scale * x[i] : T(0);
+        }
+        Bt[m] = p.B + (bt * G + g) * N;
+        Ct[m] = p.C + (bt * G + g) * N;
+        rescale |= steps.rescales[t] != 0;
+        decay[m] = steps.rescales[t] ? steps.decay_at(t) : T(1);
+      }
+      if (count == kStepsPerPass) {
+        if (rescale) ssd_scan_block<T, kStepsPerPass, true>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
+        else ssd_scan_block<T, kStepsPerPass, false>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
       } else {
-        T* ul = reinterpret_cast<T*>(u);
-        for (int64_t i = 0; i < kBlockLanes; ++i) ul[i] = i < lanes ? dt * x[i] : T(0);
+        if (rescale) ssd_scan_block<T, 1, true>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
+        else ssd_scan_block<T, 1, false>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
       }
-      const T* Bt = p.B + (bt * G + g) * N;
-      const T* Ct = p.C + (bt * G + g) * N;
-      switch (vectors) {
-        case 4: ssd_scan_block<T, 4>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
-        case 3: ssd_scan_block<T, 3>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
-        case 2: ssd_scan_block<T, 2>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
-        default: ssd_scan_block<T, 1>(S, kBlockVectors, N, decay, u, Bt, Ct, acc); break;
+      for (int m = 0; m < count; ++m) {
+        const int64_t t = t0 + m, bt = first_time + t;
+        const Vec<T> out = Lanes<T>::splat(steps.out(t));
+        const T* x = p.x + (bt * H + h) * P + first;
+        T* y = p.y + (bt * H + h) * P + first;
+        if (lanes == kBlockLanes) {
+          for (int k = 0; k < kBlockVectors; ++k) *reinterpret_cast<VU*>(y + k * W) = out * acc[m][k];
+        } else {
+          for (int k = 0; k < kBlockVectors; ++k) acc[m][k] *= out;
+          std::memcpy(y, acc[m], sizeof(T) * static_cast<size_t>(lanes));
+        }
+        skip_and_gate(y, x, D, p.options.z == nullptr ? nullptr : p.options.z + (bt * H + h) * P + first, lanes);
       }
-      T* y = p.y + (bt * H + h) * P + first;
-      if (lanes == kBlockLanes) {
-        for (int k = 0; k < kBlockVectors; ++k) *reinterpret_cast<VU*>(y + k * W) = acc[k];
-      } else {
-        std::memcpy(y, acc, sizeof(T) * static_cast<size_t>(lanes));
-      }
-      skip_and_gate(y, x, D, p.options.z == nullptr ? nullptr : p.options.z + (bt * H + h) * P + first, lanes);
     }
     if (p.state_out != nullptr) {
+      // The scaled state back to the true one.
+      const T scale = length > 0 ? steps.out(length - 1) : T(1);
       T* out = p.state_out + (b * H + h) * P * N;
       for (int64_t i = 0; i < lanes; ++i)
-        for (int64_t n = 0; n < N; ++n) out[(first + i) * N + n] = flat[n * kBlockLanes + i];
+        for (int64_t n = 0; n < N; ++n) out[(first + i) * N + n] = scale * flat[n * kBlockLanes + i];
     }
   }
 }
