@@ -97,16 +97,18 @@ inline void ssd_scan_block(Vec<T>* __restrict S, int64_t stride, int64_t N, cons
     for (int k = 0; k < K; ++k) acc[m][k] = sum[m][k];
 }
 
-template <typename T, int M, bool rescale>
-inline void ssd_scan_block(int vectors, Vec<T>* __restrict S, int64_t stride, int64_t N, const T* decay,
-                           const Vec<T> (*u)[kBlockVectors], const T* const* Bt, const T* const* Ct,
-                           Vec<T> (*acc)[kBlockVectors]) {
-  switch (vectors) {
-    case 4: ssd_scan_block<T, M, 4, rescale>(S, stride, N, decay, u, Bt, Ct, acc); break;
-    case 3: ssd_scan_block<T, M, 3, rescale>(S, stride, N, decay, u, Bt, Ct, acc); break;
-    case 2: ssd_scan_block<T, M, 2, rescale>(S, stride, N, decay, u, Bt, Ct, acc); break;
-    default: ssd_scan_block<T, M, 1, rescale>(S, stride, N, decay, u, Bt, Ct, acc); break;
+// The pass over a block of `vectors` vectors (at most K = kBlockVectors).
+template <typename T, int M, bool rescale, int K = kBlockVectors>
+inline void ssd_scan_pass(int vectors, Vec<T>* __restrict S, int64_t stride, int64_t N, const T* decay,
+                          const Vec<T> (*u)[kBlockVectors], const T* const* Bt, const T* const* Ct,
+                          Vec<T> (*acc)[kBlockVectors]) {
+  if constexpr (K > 1) {
+    if (vectors < K) {
+      ssd_scan_pass<T, M, rescale, K - 1>(vectors, S, stride, N, decay, u, Bt, Ct, acc);
+      return;
+    }
   }
+  ssd_scan_block<T, M, K, rescale>(S, stride, N, decay, u, Bt, Ct, acc);
 }
 
 // Steps ahead whose x, z and y lines are fetched: a block's lines of one step lie a whole
@@ -252,11 +254,11 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
         decay[m] = steps.rescales[t] ? steps.decay_at(t) : T(1);
       }
       if (count == kStepsPerPass) {
-        if (rescale) ssd_scan_block<T, kStepsPerPass, true>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
-        else ssd_scan_block<T, kStepsPerPass, false>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
+        if (rescale) ssd_scan_pass<T, kStepsPerPass, true>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
+        else ssd_scan_pass<T, kStepsPerPass, false>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
       } else {
-        if (rescale) ssd_scan_block<T, 1, true>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
-        else ssd_scan_block<T, 1, false>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
+        if (rescale) ssd_scan_pass<T, 1, true>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
+        else ssd_scan_pass<T, 1, false>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
       }
       for (int m = 0; m < count; ++m) {
         const int64_t t = t0 + m, bt = first_time + t;
