@@ -509,6 +509,17 @@ def make_ssd_inputs(case: SsdCase, dtype=torch.float32, device="cpu", seed=None)
     return args
 
 
+def make_decay_regime_inputs(case: SsdCase, minus_A: float, dt_range: tuple[float, float], seed: int) -> dict:
+    """make_ssd_inputs (float32) with one A for every head, -minus_A, and dt drawn uniformly in
+    dt_range: an SSD_DECAY_REGIMES regime."""
+    inputs = make_ssd_inputs(case, torch.float32, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = dt_range
+    inputs["dt"] = lo + (hi - lo) * torch.rand(inputs["dt"].shape, generator=gen)
+    inputs["A"] = torch.full_like(inputs["A"], -minus_A)
+    return inputs
+
+
 def make_ssd_update_inputs(case: SsdUpdateCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
     """Keyword arguments for `kernels.ssd_state_update` (without backend); `state` is a fresh
     random fp32 pool."""

@@ -26,7 +26,7 @@ import kernels
 from kernels import _registry
 from kernel_cases import (DTYPES, LARGE_SCAN_CASES, LARGE_SSD_SCAN_CASES, SCAN_CASES, SSD_DECAY_REGIMES,
                           SSD_SCAN_CASES, ScanCase, SsdCase, assert_grads_close, backward_inputs, cpu_backends,
-                          make_cotangents, make_scan_inputs, make_ssd_inputs, random_seed)
+                          make_cotangents, make_decay_regime_inputs, make_scan_inputs, make_ssd_inputs, random_seed)
 
 GRAD_INPUT_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
 
@@ -148,11 +148,7 @@ def test_cpu_ssd_scan_backward_decay_regimes(minus_A, dt_range, seq):
     of the recurrence its gradients still meet the float64 reference's."""
     case = SsdCase(2, seq, 2, 20, 5, D=True, z=True, h0=True)
     seed = random_seed()
-    inputs = make_ssd_inputs(case, torch.float32, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    lo, hi = dt_range
-    inputs["dt"] = lo + (hi - lo) * torch.rand(inputs["dt"].shape, generator=gen)
-    inputs["A"] = torch.full_like(inputs["A"], -minus_A)
+    inputs = make_decay_regime_inputs(case, minus_A, dt_range, seed)
     dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), _ssd_state_shape(inputs), True, seed)
     got = _grads("ssd", inputs, dy, dstate, "cpu")
     expected = _grads("ssd", inputs, dy, dstate, "reference")

@@ -18,7 +18,8 @@ from kernel_cases import (
     DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_DECAY_REGIMES, SSD_SCAN_CASES, SSD_UPDATE_CASES, STRIDED, ScanCase, SsdCase,
     SsdUpdateCase, assert_close, assert_packed_matches_each_sequence, assert_scan_outputs_match_reference,
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
-    make_scan_inputs, make_ssd_inputs, make_ssd_update_inputs, nan_gapped, packed_slice, random_seed,
+    make_decay_regime_inputs, make_scan_inputs, make_ssd_inputs, make_ssd_update_inputs, nan_gapped, packed_slice,
+    random_seed,
     reference_ssd_scan, reference_ssd_update, cpu_backends,
 )
 from kernel_cases import with_changes as _with
@@ -96,11 +97,7 @@ def test_ssd_scan_decay_regimes(backend, minus_A, dt_range, seq):
     case = SsdCase(2, seq, 2, 20, 5, D=True, h0=True)
     seed = random_seed()
     what = f"{backend} A={-minus_A} dt in {dt_range} seed={seed}"
-    inputs = make_ssd_inputs(case, F32, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    lo, hi = dt_range
-    inputs["dt"] = lo + (hi - lo) * torch.rand(inputs["dt"].shape, generator=gen)
-    inputs["A"] = torch.full_like(inputs["A"], -minus_A)
+    inputs = make_decay_regime_inputs(case, minus_A, dt_range, seed)
     y, state = kernels.ssd_scan(**inputs, backend=backend)
     y_ref, state_ref = reference_ssd_scan(inputs)
     # Against the largest magnitude (at least 1): where the state grows a millionfold, entries

@@ -217,6 +217,12 @@ struct Math<double> {
   }
 };
 
+// exp of each lane, through the decays' own exp (the vector one in fp32, libm's in fp64).
+template <typename T>
+inline typename Lanes<T>::V exp_lanes(typename Lanes<T>::V v) {
+  return Math<T>::decay(v * Math<T>::kDecayScale, Lanes<T>::splat(T(1)));
+}
+
 // Cache-line aligned scratch, zero-filled.
 class Scratch {
  public:

@@ -173,8 +173,6 @@ class SsdBackwardRunner {
  private:
   static T* lanes(V* v) { return reinterpret_cast<T*>(v); }
   static const T* lanes(const V* v) { return reinterpret_cast<const T*>(v); }
-  // exp of each lane (the decays' own exp: the vector one in fp32, libm's in fp64).
-  static V exp_of(V v) { return Math<T>::decay(v * Math<T>::kDecayScale, Lanes<T>::splat(T(1))); }
 
   void run(int64_t item, int seat) {
     b_index_ = item / H_;
@@ -254,8 +252,8 @@ class SsdBackwardRunner {
       ecs_[t] = t < steps ? static_cast<T>(cs_[t]) : T(0);
     }
     for (int64_t j = 0; j < QV_; ++j) {
-      reinterpret_cast<V*>(w_)[j] = exp_of(reinterpret_cast<V*>(w_)[j]);
-      reinterpret_cast<V*>(ecs_)[j] = exp_of(reinterpret_cast<V*>(ecs_)[j]);
+      reinterpret_cast<V*>(w_)[j] = exp_lanes<T>(reinterpret_cast<V*>(w_)[j]);
+      reinterpret_cast<V*>(ecs_)[j] = exp_lanes<T>(reinterpret_cast<V*>(ecs_)[j]);
     }
     for (int64_t t = 0; t < steps; ++t) {
       const int64_t at = (first_ + t0 + t) * p_.groups + g_index_;
@@ -290,7 +288,7 @@ class SsdBackwardRunner {
       T* e = lanes(er_ + t * QV_);
       for (int64_t s = 0; s < QV_ * W; ++s) e[s] = s <= t ? static_cast<T>(cs_[t] - cs_[s]) : T(0);
       for (int64_t j = 0; j <= t / W; ++j) {
-        er_[t * QV_ + j] = exp_of(er_[t * QV_ + j]);
+        er_[t * QV_ + j] = exp_lanes<T>(er_[t * QV_ + j]);
         eg_[t * QV_ + j] = er_[t * QV_ + j] * gm_[t * QV_ + j];
       }
       T* eg = lanes(eg_ + t * QV_);

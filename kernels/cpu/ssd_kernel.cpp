@@ -139,8 +139,8 @@ struct ScaledSteps {
   using V = Vec<T>;
   static constexpr int W = kWidth<T>;
   // Per step t, in whole vectors of steps: exp(cs_r - cs_t) delta_t (delta_t where the step
-  // rescales), exp(cs_t - cs_r) (1 where it rescales) and, where it rescales, its decay
-  // exp(cs_t - cs_r) with the r before.
+  // rescales), exp(cs_t - cs_r) (1 where it rescales), and the decay the step multiplies the
+  // state by: exp(cs_t - cs_r) with the r before where it rescales, else 1.
   std::vector<V> input, output, decay;
   std::vector<uint8_t> rescales;
 
@@ -152,30 +152,28 @@ struct ScaledSteps {
     const int64_t vectors = (length + W - 1) / W;
     for (auto* v : {&input, &output, &decay}) v->assign(static_cast<size_t>(vectors), V{});
     rescales.resize(static_cast<size_t>(length));
+    // Logs first, each vector's exps after: cs_t - cs_r (0 where the step rescales) and the
+    // rescaling steps' log decays.
     T* deltas = reinterpret_cast<T*>(input.data());
     T* log_scales = reinterpret_cast<T*>(output.data());
+    T* log_decays = reinterpret_cast<T*>(decay.data());
     const double A = static_cast<double>(p.A[h]);
     double since = 0;  // cs_t - cs_r, summed in fp64 so that no rounding accumulates
     for (int64_t t = 0; t < length; ++t) {
-      const T dt = discretized_dt(p.dt[(first_time + t) * p.heads + h], p.options, h);
-      since += static_cast<double>(dt) * A;
+      deltas[t] = discretized_dt(p.dt[(first_time + t) * p.heads + h], p.options, h);
+      since += static_cast<double>(deltas[t]) * A;
       rescales[t] = since > kMaxLogScale || since < -kMaxLogScale;
-      deltas[t] = dt;
-      log_scales[t] = static_cast<T>(since);
-      if (rescales[t]) since = 0;
-    }
-    const V one = Lanes<T>::splat(T(1));
-    for (int64_t j = 0; j < vectors; ++j) {
-      const V log_scale = output[j] * Math<T>::kDecayScale;
-      decay[j] = Math<T>::decay(log_scale, one);
-      output[j] = decay[j];
-      input[j] *= Math<T>::decay(-log_scale, one);
-    }
-    for (int64_t t = 0; t < length; ++t)
       if (rescales[t]) {
-        log_scales[t] = T(1);
-        deltas[t] = discretized_dt(p.dt[(first_time + t) * p.heads + h], p.options, h);
+        log_decays[t] = static_cast<T>(since);
+        since = 0;
       }
+      log_scales[t] = static_cast<T>(since);
+    }
+    for (int64_t j = 0; j < vectors; ++j) {
+      decay[j] = exp_lanes<T>(decay[j]);
+      input[j] *= exp_lanes<T>(-output[j]);
+      output[j] = exp_lanes<T>(output[j]);
+    }
   }
 };
 
@@ -251,7 +249,7 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
         Bt[m] = p.B + (bt * G + g) * N;
         Ct[m] = p.C + (bt * G + g) * N;
         rescale |= steps.rescales[t] != 0;
-        decay[m] = steps.rescales[t] ? steps.decay_at(t) : T(1);
+        decay[m] = steps.decay_at(t);
       }
       if (count == kStepsPerPass) {
         if (rescale) ssd_scan_pass<T, kStepsPerPass, true>(vectors, S, kBlockVectors, N, decay, u, Bt, Ct, acc);
