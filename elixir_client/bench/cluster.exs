@@ -55,25 +55,41 @@ unless Code.ensure_loaded?(ScanBridge.TestSupport.Peers),
     end
 
     # Tells `reply_to` when the client's Port reports its server's exit ({:exit_status, _}
-    # received, traced on this node), as OS time (µs): comparable across the nodes of one host.
+    # received) and when the client process itself exits, both traced on this node, as OS time
+    # (µs): comparable across the nodes of one host.
     def watch_exit(client, reply_to) do
       me = self()
 
       spawn(fn ->
         :erlang.trace_pattern(:receive, [{[:_, :_, {:_, {:exit_status, :_}}], [], []}], [])
-        :erlang.trace(client, true, [:receive, :monotonic_timestamp, {:tracer, self()}])
+        :erlang.trace(client, true, [:receive, :procs, :monotonic_timestamp, {:tracer, self()}])
         send(me, :watching)
-
-        receive do
-          {:trace_ts, ^client, :receive, {_port, {:exit_status, status}}, ts} ->
-            lag = System.convert_time_unit(System.monotonic_time() - ts, :native, :microsecond)
-            send(reply_to, {:exit_seen, client, System.os_time(:microsecond) - lag, status})
-        after
-          60_000 -> :ok
-        end
+        report_exit(client, reply_to, nil)
       end)
 
       receive(do: (:watching -> :ok))
+    end
+
+    # Until the client exits: the exit status it received, if any (a client whose write into
+    # the dead server failed first gets none), then its exit.
+    defp report_exit(client, reply_to, exit_status_at) do
+      receive do
+        {:trace_ts, ^client, :receive, {_port, {:exit_status, _}}, ts} ->
+          report_exit(client, reply_to, os_time(ts))
+
+        {:trace_ts, ^client, :exit, _reason, ts} ->
+          send(reply_to, {:client_exited, client, exit_status_at, os_time(ts)})
+
+        {:trace_ts, ^client, _event, _info, _ts} ->
+          report_exit(client, reply_to, exit_status_at)
+      after
+        60_000 -> :ok
+      end
+    end
+
+    defp os_time(monotonic) do
+      lag = System.convert_time_unit(System.monotonic_time() - monotonic, :native, :microsecond)
+      System.os_time(:microsecond) - lag
     end
   end
 
@@ -433,6 +449,8 @@ defmodule ClusterBench do
       kept = Map.new(on_victim, &{&1, ok!(Cluster.session_info(&1)).frames_since_checkpoint})
       keepers = Enum.map(on_victim, & &1.pid)
       trace_on(tracing, keepers)
+      # modules loaded on the spot (interactive mode) would hold the keepers' failover up
+      loaded = MapSet.new(:code.all_loaded(), &elem(&1, 0))
       {t_kill, crash_info} = crash.()
       :atomics.put(kill_at, 1, t_kill)
 
@@ -443,6 +461,7 @@ defmodule ClusterBench do
         |> Map.new()
 
       trace_off(keepers)
+      loaded_here = MapSet.new(:code.all_loaded(), &elem(&1, 0)) |> MapSet.difference(loaded)
       events = trace_events(tracing)
       failovers = Map.new(sessions, &{&1, ok!(Cluster.session_info(&1)).failovers})
 
@@ -474,6 +493,7 @@ defmodule ClusterBench do
         "sessions" => n,
         "sessions_on_victim" => length(on_victim),
         "crash" => crash_info,
+        "code_loaded_here" => loaded_here |> Enum.map(&inspect/1) |> Enum.sort(),
         "samples" => samples,
         "others_latency_before" => window.(t_kill - @window_before_us, t_kill),
         "others_latency_during" => window.(t_kill, t_kill + @window_during_us),
@@ -679,6 +699,7 @@ defmodule ClusterBench do
       "in_flight_frames" => Enum.count(samples, & &1["in_flight"]),
       "crash_seen" => %{
         "exit_status_on_peer" => crash.("exit_status_on_peer_us"),
+        "client_exit_on_peer" => crash.("client_exit_on_peer_us"),
         "client_down_here" => crash.("client_down_here_us")
       },
       "rerun_frames" => %{"max" => Enum.max(rerun), "mean" => Enum.sum(rerun) / length(rerun)},
@@ -741,11 +762,12 @@ defmodule ClusterBench do
     if Peers.await_gone([os_pid], 5_000) != [],
       do: raise("server #{os_pid} still running after SIGKILL")
 
-    exit_seen =
+    {exit_seen, client_exited} =
       receive do
-        {:exit_seen, ^member, t, _status} -> t - t_kill_os
+        {:client_exited, ^member, status_at, exit_at} ->
+          {status_at && status_at - t_kill_os, exit_at - t_kill_os}
       after
-        5_000 -> nil
+        5_000 -> {nil, nil}
       end
 
     down_seen = down_seen(watcher, t_kill)
@@ -755,6 +777,7 @@ defmodule ClusterBench do
        "how" => "kill -9 of the server (Python) process",
        "kill_command_us" => t_sent - t_kill,
        "exit_status_on_peer_us" => exit_seen,
+       "client_exit_on_peer_us" => client_exited,
        "client_down_here_us" => down_seen
      }}
   end
@@ -1421,8 +1444,12 @@ defmodule ClusterBench do
       "crash_seen" =>
         "kill -9: exit_status_on_peer = when the victim's client process (on its peer node) " <>
           "received its Port's {:exit_status, _}, traced there, as OS time against the OS " <>
-          "time taken with t_kill; client_down_here = when a process of this node monitoring " <>
-          "that client got its DOWN (node stop: the DOWN, noconnection)",
+          "time taken with t_kill (none when a request's write into the dead server closed " <>
+          "the Port first, :epipe); client_exit_on_peer = when that client process exited, " <>
+          "traced likewise; client_down_here = when a process of this node monitoring " <>
+          "that client got its DOWN (node stop: the DOWN, noconnection). Each round's " <>
+          "code_loaded_here: the modules this node (the keepers') loaded during the round, " <>
+          "which in interactive mode hold the failover up while they load",
       "checkpoint_cost_light" =>
         "as checkpoint_cost with light_sessions sessions (the machine not saturated)",
       "failover_kill_light" =>
@@ -1524,6 +1551,7 @@ defmodule ClusterBench do
 
       for {k, label} <- [
             {"exit_status_on_peer", "  server exit reported on its node"},
+            {"client_exit_on_peer", "  its client exited there"},
             {"client_down_here", "  its client's DOWN on this node"}
           ],
           s = f["crash_seen"][k],

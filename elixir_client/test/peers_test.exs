@@ -3,6 +3,7 @@ defmodule ScanBridge.PeersTest do
   # crashed, stopped, frozen and thawed, and nothing left running afterwards.
   use ExUnit.Case, async: false
 
+  alias ScanBridge.TestSupport
   alias ScanBridge.TestSupport.Peers
 
   @moduletag :cluster
@@ -110,5 +111,46 @@ defmodule ScanBridge.PeersTest do
     Agent.update(left_behind, fn _ -> [peer.os_pid, os_pid] end)
     Peers.freeze_peer(peer)
     assert Peers.os_alive?(peer.os_pid)
+  end
+
+  # A client's way out (its server killed, its pipe broken) runs code a healthy client never
+  # ran. Modules loaded on the spot there, under load, held the client's exit, and with it a
+  # cluster's failover, up to tens of milliseconds; the application loads them when it starts.
+  test "a client whose server dies exits without loading code" do
+    peer = Peers.start_peer!("peer_failure_path")
+    [killed, broken] = Peers.start_servers!([peer, peer])
+    assert ScanBridge.ping(killed) == :ok and ScanBridge.ping(broken) == :ok
+    remote = fn m, f, a -> :erpc.call(peer.node, m, f, a, 5_000) end
+    port = remote.(:sys, :get_state, [broken]).port
+    loaded = fn -> MapSet.new(remote.(:code, :all_loaded, []), &elem(&1, 0)) end
+    before = loaded.()
+
+    # its server killed: the port reports the exit status
+    monitor = Process.monitor(killed)
+    Peers.kill_server!(killed)
+    assert_receive {:DOWN, ^monitor, :process, ^killed, {:shutdown, {:server_exited, 137}}}, 5_000
+    # a call to the client that is gone, as a cluster session's next frame would make
+    assert {:error, %ScanBridge.Error{reason: :not_running}} = remote.(ScanBridge, :ping, [killed])
+
+    # a request written into a server that died: the port closes with the write's error and
+    # reports no status. Which of the two a client sees first depends on the machine's timing,
+    # so the error is queued (by hand) ahead of the exit while the client is suspended.
+    monitor = Process.monitor(broken)
+    {:ok, os_pid} = Peers.server_os_pid(broken)
+    :ok = remote.(:sys, :suspend, [broken])
+    send(broken, {:EXIT, port, :epipe})
+
+    assert TestSupport.eventually(fn ->
+             remote.(Process, :info, [broken, :message_queue_len]) == {:message_queue_len, 1}
+           end)
+
+    TestSupport.kill!(os_pid)
+    assert Peers.await_gone([os_pid], 5_000) == []
+    :ok = remote.(:sys, :resume, [broken])
+
+    assert_receive {:DOWN, ^monitor, :process, ^broken, {:shutdown, {:server_exited, :epipe}}},
+                   5_000
+
+    assert MapSet.difference(loaded.(), before) |> Enum.sort() == []
   end
 end

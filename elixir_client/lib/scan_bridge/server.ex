@@ -43,7 +43,9 @@ defmodule ScanBridge.Server do
 
   When the server's OS process exits or its lane closes, every waiting caller gets
   `{:error, %ScanBridge.Error{reason: :server_exited}}` and this process stops, for its
-  supervisor to start a fresh one. When this process stops, the server's stdin closes and the
+  supervisor to start a fresh one (where the Port closed with no exit status, a broken pipe
+  say, a process of its own sees the server gone, killing it after `:exit_grace` ms, so that
+  this one's exit does not wait). When this process stops, the server's stdin closes and the
   server exits (within a second); if it is still there after `:exit_grace` ms it is killed. If
   this process is killed, the BEAM closes the Port and the server exits on its own.
 
@@ -420,13 +422,18 @@ defmodule ScanBridge.Server do
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
     message = "the server exited with status #{status}"
-    state = fail_all(%{state | port: nil}, message, %{"exit_status" => status})
+    # an exit status means the OS process is gone (reaped): there is nothing to wait for
+    state = fail_all(%{state | port: nil, os_pid: nil}, message, %{"exit_status" => status})
     {:stop, {:shutdown, {:server_exited, status}}, state}
   end
 
   def handle_info({:EXIT, port, reason}, %{port: port} = state) do
     state = fail_all(%{state | port: nil}, "the server's port closed: #{inspect(reason)}", %{})
-    {:stop, {:shutdown, {:server_exited, reason}}, state}
+    # No exit status: typically a write found the server's stdin closed (:epipe), so it is
+    # exiting or gone. A process of its own makes sure of that, so that this client's exit,
+    # which its callers and a cluster's failover wait for, does not wait on the file system.
+    _watcher = if state.os_pid, do: spawn(fn -> await_os_exit(state.os_pid, state.exit_grace) end)
+    {:stop, {:shutdown, {:server_exited, reason}}, %{state | os_pid: nil}}
   end
 
   def handle_info({:tcp_closed, socket}, %{socket: socket} = state) do
@@ -973,8 +980,9 @@ defmodule ScanBridge.Server do
   end
 
   defp await_os_exit(os_pid, grace) do
-    # Without /proc (not Linux) there is nothing cheap to poll: rely on stdin EOF.
-    if File.dir?("/proc") and not gone_within?(os_pid, grace) do
+    # Without /proc (not Linux) there is nothing cheap to poll, and the pid's entry is never
+    # there: rely on stdin EOF.
+    unless gone_within?(os_pid, grace) do
       Logger.warning(
         "scan-bridge: server #{os_pid} still running after its stdin closed; killing it"
       )
