@@ -141,7 +141,8 @@ defmodule ScanBridge.PeersTest do
     send(broken, {:EXIT, port, :epipe})
 
     assert TestSupport.eventually(fn ->
-             remote.(Process, :info, [broken, :message_queue_len]) == {:message_queue_len, 1}
+             {:messages, queued} = remote.(Process, :info, [broken, :messages])
+             {:EXIT, port, :epipe} in queued
            end)
 
     TestSupport.kill!(os_pid)

@@ -432,7 +432,9 @@ defmodule ScanBridge.Server do
     # No exit status: typically a write found the server's stdin closed (:epipe), so it is
     # exiting or gone. A process of its own makes sure of that, so that this client's exit,
     # which its callers and a cluster's failover wait for, does not wait on the file system.
-    _watcher = if state.os_pid, do: spawn(fn -> await_os_exit(state.os_pid, state.exit_grace) end)
+    # (its fields bound first: a closure over `state` would copy all of it into the watcher)
+    %{os_pid: os_pid, exit_grace: grace} = state
+    _watcher = if os_pid, do: spawn(fn -> await_os_exit(os_pid, grace) end)
     {:stop, {:shutdown, {:server_exited, reason}}, %{state | os_pid: nil}}
   end
 
