@@ -1111,9 +1111,10 @@ defmodule ClusterBench do
   ## Tracing a victim's keeper
 
   # The keeper's steps in a rebuild, timestamped: the DOWN it receives, the calls place/2 makes
-  # (Balancer.checkout/3, Server.model_named/2, ScanBridge.open_session/3, replay/4) and its
-  # model steps. Only the victim's keepers are traced, from just before the kill to the round's
-  # end; a pattern that matches no function (renamed) leaves its times out (null).
+  # (Balancer.checkout/3, Server.model_named/2 where called, ScanBridge.open_session/3,
+  # replay/4) and its model steps. Only the victim's keepers are traced, from just before the
+  # kill to the round's end; a pattern that matches no function (renamed) leaves its times out
+  # (null).
   @traced [
     {Session, :place, 2},
     {Session, :replay, 4},
@@ -1418,8 +1419,9 @@ defmodule ClusterBench do
           "received); " <>
           "rebuild_started = ScanBridge.Cluster.Session.place/2 called; checked_out = " <>
           "Balancer.checkout/3 returned; model_named = ScanBridge.Server.model_named/2 " <>
-          "returned (a call to the new member); opened = ScanBridge.open_session/3 with the " <>
-          "checkpoint's state returned; rebuilt = place/2 returned (kept frames replayed); " <>
+          "returned (a call to the new member, made only where this node had not learnt the " <>
+          "model's id there: durations.model_named_call's n counts them); opened = " <>
+          "ScanBridge.open_session/3 with the checkpoint's state returned; rebuilt = place/2 returned (kept frames replayed); " <>
           "answered = the failover time",
       "replayed_frames" =>
         "the length of the kept-frame log the rebuild replayed (the first replay/4 call's " <>

@@ -5,6 +5,7 @@ defmodule ScanBridge.ClusterTest do
 
   import ScanBridge.TestSupport, only: [eventually: 1, freeze: 1, thaw: 1]
   alias ScanBridge.{Cluster, Error, Tensor, TestSupport}
+  alias ScanBridge.Cluster.Balancer
   alias ScanBridge.TestSupport.Models
 
   defp start_member(group, extra \\ []), do: hd(start_members(group, 1, extra))
@@ -488,6 +489,44 @@ defmodule ScanBridge.ClusterTest do
       assert is_map(models)
       assert :ok = Cluster.free_model(g, "tiny")
       assert {:ok, nil} = ScanBridge.Server.model_named(late, "tiny")
+    end
+
+    test "a node asks a member for a model's id once, and again when the model is loaded anew" do
+      g = model_group(1)
+      [member] = Cluster.members(g)
+      {:ok, first_id} = ScanBridge.Server.model_named(member, "tiny")
+      named = {ScanBridge.Server, :model_named, 2}
+      :erlang.trace_pattern(named, true, [:call_count])
+      on_exit(fn -> :erlang.trace_pattern(named, false, [:call_count]) end)
+
+      sessions = for _ <- 1..3, do: ok!(Cluster.open_session(g, model: "tiny", batch: 1))
+      assert {:call_count, 1} = :erlang.trace_info(named, :call_count)
+      assert eventually(fn -> Balancer.model_id(member, "tiny") == first_id end)
+      Enum.each(sessions, &Cluster.close_session/1)
+
+      # freed and loaded again under its name: the id this node knew is stale
+      assert :ok = Cluster.free_model(g, "tiny")
+      other = Models.backbone(Models.config(:mamba2), 8)
+      {:ok, %{info: %{"model" => new_id}}} = Cluster.load_model(g, "tiny", other)
+      refute new_id == first_id
+      embeds = Models.embeds(1, 2, 8)
+      {:ok, s} = Cluster.open_session(g, model: "tiny", batch: 1)
+      {:ok, direct} = ScanBridge.open_session(member, model: new_id, batch: 1)
+      frame = {:embeds, Models.frame(embeds, 0)}
+
+      Models.assert_rel_close(
+        step!(s, embeds, 0),
+        ok!(ScanBridge.model_step(member, direct, frame)),
+        1.0e-6,
+        "frame"
+      )
+
+      assert {:call_count, 2} = :erlang.trace_info(named, :call_count)
+      assert eventually(fn -> Balancer.model_id(member, "tiny") == new_id end)
+
+      # a member gone takes what this node learnt of it along
+      kill_server!(member)
+      assert eventually(fn -> Balancer.model_id(member, "tiny") == nil end)
     end
 
     test "a model name given to another model is refused", %{shared: g} do

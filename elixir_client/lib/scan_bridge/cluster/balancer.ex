@@ -7,6 +7,12 @@ defmodule ScanBridge.Cluster.Balancer do
   #
   # The counts are this node's only: callers on other nodes are balanced by their own nodes'
   # balancers, each spreading its share (docs/cluster.md, "Routing").
+  #
+  # It also keeps the ids of group models on members that this node's keepers have learnt, so
+  # that opening a session (a failover's rebuild above all) asks the member for its model's id
+  # once per node, not once per session. Read without a message (a protected table), written
+  # by this process only, a member's entries dropped when it goes; an id stale because its
+  # model was freed since is refused by the member (`:unknown_model`) and asked again.
 
   use GenServer
 
@@ -14,6 +20,8 @@ defmodule ScanBridge.Cluster.Balancer do
 
   # members: the members seen, each with its monitor
   defstruct calls: %{}, sessions: %{}, holders: %{}, members: %{}
+
+  @model_ids __MODULE__.ModelIds
 
   @spec start_link(term) :: GenServer.on_start()
   def start_link(_opts), do: GenServer.start_link(__MODULE__, :ok, name: __MODULE__)
@@ -36,8 +44,31 @@ defmodule ScanBridge.Cluster.Balancer do
   @spec loads(term) :: %{pid => %{calls: non_neg_integer, sessions: non_neg_integer}}
   def loads(group), do: GenServer.call(__MODULE__, {:loads, group})
 
+  @doc "The id on `member` of the group model `name` as this node learnt it, or nil."
+  @spec model_id(pid, String.t()) :: String.t() | nil
+  def model_id(member, name) do
+    case :ets.lookup(@model_ids, {member, name}) do
+      [{_key, id}] -> id
+      [] -> nil
+    end
+  rescue
+    # no table: this node's balancer is restarting; the member is asked instead
+    ArgumentError -> nil
+  end
+
+  @doc """
+  Records the id on `member` (checked out here) of the group model `name`, as the member told
+  it; nil forgets it.
+  """
+  @spec learn_model_id(pid, String.t(), String.t() | nil) :: :ok
+  def learn_model_id(member, name, id),
+    do: GenServer.cast(__MODULE__, {:learn_model_id, member, name, id})
+
   @impl true
-  def init(:ok), do: {:ok, %__MODULE__{}}
+  def init(:ok) do
+    :ets.new(@model_ids, [:named_table, :protected, read_concurrency: true])
+    {:ok, %__MODULE__{}}
+  end
 
   @impl true
   def handle_call({:checkout, group, kind, exclude, holder}, _from, state) do
@@ -76,11 +107,25 @@ defmodule ScanBridge.Cluster.Balancer do
     {:noreply, release(state, token)}
   end
 
+  def handle_cast({:learn_model_id, member, name, nil}, state) do
+    :ets.delete(@model_ids, {member, name})
+    {:noreply, state}
+  end
+
+  # A member not watched now is gone (its DOWN came first): nothing to learn of it.
+  def handle_cast({:learn_model_id, member, name, id}, state) do
+    if is_map_key(state.members, member), do: :ets.insert(@model_ids, {{member, name}, id})
+    {:noreply, state}
+  end
+
   @impl true
   def handle_info({:DOWN, ref, :process, member, _reason}, state) do
     case state.members do
       %{^member => ^ref} ->
-        # A member gone: its counts go with it (its holders' check-ins then find nothing).
+        # A member gone: its counts and model ids go with it (its holders' check-ins then find
+        # nothing).
+        :ets.match_delete(@model_ids, {{member, :_}, :_})
+
         {:noreply,
          %{
            state

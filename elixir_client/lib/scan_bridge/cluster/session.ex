@@ -541,50 +541,71 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   defp open_on(state, member, deadline) do
-    with {:ok, dims} <- member_dims(state, member),
-         {:ok, remote} <- open_remote(member, dims, deadline) do
-      case replay(member, remote, Enum.reverse(state.log), deadline) do
-        :ok ->
-          {:ok, remote}
+    case open_remote(state, member, deadline) do
+      {:ok, remote} ->
+        case replay(member, remote, Enum.reverse(state.log), deadline) do
+          :ok ->
+            {:ok, remote}
 
-        {:error, error} ->
-          # the replay's error is the one to report; a session a failed close leaves is
-          # closed by its server when this keeper exits (a group's server watches openers)
-          _closed = ScanBridge.close_session(member, remote, timeout: @checkpoint_timeout_ms)
-          if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
-      end
-    else
-      {:error, error} -> if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
-      {:next, _} = next -> next
+          {:error, error} ->
+            # the replay's error is the one to report; a session a failed close leaves is
+            # closed by its server when this keeper exits (a group's server watches openers)
+            _closed = ScanBridge.close_session(member, remote, timeout: @checkpoint_timeout_ms)
+            if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
+        end
+
+      {:error, error} ->
+        if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
+
+      {:next, _} = next ->
+        next
     end
   end
 
-  defp open_remote(member, dims, deadline) do
-    ScanBridge.open_session(member, dims, timeout: Cluster.remaining(deadline))
-  rescue
-    exception in ArgumentError ->
-      {:error, Error.client(:invalid_argument, Exception.message(exception), %{})}
+  # The session opened on `member` from the checkpoint, if any. A group model's name becomes
+  # its id there: as this node learnt it (Balancer), else, or when that id was freed since,
+  # as the member tells it.
+  defp open_remote(%{dims: %{model: name}} = state, member, deadline) do
+    case Balancer.model_id(member, name) do
+      nil ->
+        open_named(state, member, name, deadline)
+
+      id ->
+        case open_with_model(state, member, id, deadline) do
+          {:error, %Error{reason: :unknown_model}} -> open_named(state, member, name, deadline)
+          result -> result
+        end
+    end
   end
 
-  # The dims for this member: a group model's name becomes its id there; the checkpoint, if
-  # any, is where the session starts.
-  defp member_dims(%{dims: %{model: name}} = state, member) do
-    case ScanBridge.Server.model_named(member, name) do
-      {:ok, nil} ->
-        {:next, :model_missing}
+  defp open_remote(state, member, deadline) do
+    dims = if state.checkpoint, do: Map.put(state.dims, :h0, state.checkpoint), else: state.dims
+    request_open(member, dims, deadline)
+  end
 
+  defp open_named(state, member, name, deadline) do
+    case ScanBridge.Server.model_named(member, name) do
       {:ok, id} ->
-        dims = %{state.dims | model: id}
-        {:ok, if(state.checkpoint, do: Map.put(dims, :state, state.checkpoint), else: dims)}
+        Balancer.learn_model_id(member, name, id)
+        if id, do: open_with_model(state, member, id, deadline), else: {:next, :model_missing}
 
       {:error, _} = error ->
         error
     end
   end
 
-  defp member_dims(state, _member),
-    do:
-      {:ok, if(state.checkpoint, do: Map.put(state.dims, :h0, state.checkpoint), else: state.dims)}
+  defp open_with_model(state, member, id, deadline) do
+    dims = %{state.dims | model: id}
+    dims = if state.checkpoint, do: Map.put(dims, :state, state.checkpoint), else: dims
+    request_open(member, dims, deadline)
+  end
+
+  defp request_open(member, dims, deadline) do
+    ScanBridge.open_session(member, dims, timeout: Cluster.remaining(deadline))
+  rescue
+    exception in ArgumentError ->
+      {:error, Error.client(:invalid_argument, Exception.message(exception), %{})}
+  end
 
   defp replay(_member, _remote, [], _deadline), do: :ok
 
