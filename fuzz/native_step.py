@@ -19,7 +19,8 @@ What must hold, beyond "no crash, no sanitizer report":
   build has no model kernel);
 - `run` and `run_ssd` step only a request whose shapes fit the session (batch, dim, state; or
   batch, heads, headdim, state) and its handles' tensors, and the reply reads back as a v1 reply
-  with y of [batch, dim] (or [batch, heads, headdim]) f32.
+  with y of [batch, dim] (or [batch, heads, headdim]) f32, and, with return_state, the state:
+  the session's rows after the step, as they lie in the pool.
 The session's kind follows x's rank, and its dims the request's own shapes, now and then the
 other kind or a dim off by one (by a hash of the input, so a finding replays), so that both the
 accepting and the refusing checks run.
@@ -45,8 +46,8 @@ from .tally import Tally
 MAX_LEN = 4096
 INLINE_ONLY = ("x", "dt", "B", "C", "z")
 MAY_BE_HANDLES = ("A", "D", "dt_bias")
-NATIVE_ARGS = frozenset(("session", *INLINE_ONLY, *MAY_BE_HANDLES, "dt_softplus", "dt_min", "dt_max"))
-NATIVE_MODEL_ARGS = frozenset(("session", "embeds", "tokens", "output"))
+NATIVE_ARGS = frozenset(("session", *INLINE_ONLY, *MAY_BE_HANDLES, "dt_softplus", "dt_min", "dt_max", "return_state"))
+NATIVE_MODEL_ARGS = frozenset(("session", "embeds", "tokens", "output", "return_state"))
 # The state pool the harness allocates per step is bounded (the frame bounds batch and dim, but a
 # handle's A could name any state size).
 MAX_POOL_FLOATS = 1 << 20
@@ -166,6 +167,10 @@ def check_against_decoder(parsed, data: bytes) -> Request:
         raise Finding(f"parse read id {parsed.id!r}, the decoder {request.id!r}")
     if request.args.get("session") != parsed.session:
         raise Finding(f"parse read session {parsed.session!r}, the decoder {request.args.get('session')!r}")
+    if request.args.get("return_state") not in (None, True, False) or \
+            parsed.return_state != bool(request.args.get("return_state")):
+        raise Finding(f"parse read return_state {parsed.return_state!r}, the decoder "
+                      f"{request.args.get('return_state')!r}")
     if request.op == "model_step":
         check_model_step(parsed, request)
         return request
@@ -288,9 +293,13 @@ def step(parsed, request: Request, data: bytes) -> None:
     batch = dims[0]
     pool = (ctypes.c_float * math.prod(dims))()
     slots = (ctypes.c_int64 * batch)(*reversed(range(batch)))
+    for i in range(len(pool)):  # rows told apart, so that a state copied from the wrong row shows
+        pool[i] = float(i)
+    # asked for, the state goes in the reply: the pool's one part, a row of the dims after batch
+    state_out = (ctypes.addressof(pool), math.prod(dims[1:]), False, (("state", dims[1:], 0),))
     run = _target.stepper.run_ssd if ssd else _target.stepper.run
     result = run(parsed, time.monotonic_ns(), 0, ctypes.addressof(pool), *dims, ctypes.addressof(slots),
-                 handle_tensors)
+                 handle_tensors, state_out if parsed.return_state else None)
     fits = _fits(request, ssd, dims, handle_shapes)
     if result is None:
         _stats[f"{kind}refused by run (fits)" if fits else f"{kind}refused by run"] += 1
@@ -307,6 +316,16 @@ def step(parsed, request: Request, data: bytes) -> None:
         raise Finding(f"the native reply reads back as {reply!r}")
     if dict(reply.timing) != dict(timing):
         raise Finding(f"the reply's timing {reply.timing!r} differs from the one returned {timing!r}")
+    state = reply.result.get("state")
+    if parsed.return_state:
+        row = math.prod(dims[1:])
+        rows = [pool[slot * row:(slot + 1) * row] for slot in slots]
+        expected = b"".join(bytes((ctypes.c_float * row)(*values)) for values in rows)
+        if not isinstance(state, WireTensor) or state.dtype != "f32" or state.shape != dims or \
+                bytes(state.data) != expected:
+            raise Finding(f"the native reply's state reads back as {state!r}, not the session's rows {list(dims)}")
+    elif state is not None:
+        raise Finding(f"the native reply holds a state it was not asked for: {state!r}")
 
 
 def one_input(data: bytes) -> None:

@@ -21,8 +21,10 @@ from bridge.transports.base import Connection
 
 def served_natively(reply) -> bool:
     """Whether a step's reply came from the native step path, by its timing: it makes no
-    tensors of the wire bytes, so its h2d and d2h stages are 0."""
-    return reply.timing["h2d_us"] == reply.timing["d2h_us"] == 0
+    tensors of the wire bytes, so its h2d stage is 0, and so is its d2h unless it copied the
+    state into the reply (return_state)."""
+    timing = reply.timing
+    return timing["h2d_us"] == 0 and (timing["d2h_us"] == 0 or "state" in (reply.result or {}))
 
 
 class RecordingConnection(Connection):

@@ -142,7 +142,9 @@ def test_native_steps_equal_the_general_path(inproc, case):
     for srv in (native_srv, general_srv):
         conn = RecordingConnection()
         session, shared = open_session(srv, conn, case, consts)
-        replies = [submit(srv, conn, "step", session=session, **shared, **frame) for frame in frames]
+        # the last step returns the state it leaves (a checkpoint riding on the frame)
+        replies = [submit(srv, conn, "step", session=session, **shared, **frame, return_state=t == case.steps - 1)
+                   for t, frame in enumerate(frames)]
         assert all(r.ok for r in replies), (seed, [r.error for r in replies if not r.ok])
         state = submit(srv, conn, "session_state", session=session).result["state"]
         results.append(([wire_array(r.result["y"]) for r in replies], wire_array(state), replies))
@@ -152,6 +154,8 @@ def test_native_steps_equal_the_general_path(inproc, case):
         assert np.array_equal(a, b), f"seed={seed}: y of step {t} differs by {np.abs(a - b).max()}"
     assert np.array_equal(native_state, general_state), f"seed={seed}: the state after the steps differs"
     assert not np.all(native_state == 0), f"seed={seed}: the steps left the state zero"
+    returned = native_replies[-1].result["state"]
+    assert returned.dtype == "f32" and np.array_equal(wire_array(returned), native_state), f"seed={seed}"
     for a, b in zip(native_replies, general_replies):
         assert (a.id, a.ok, list(a.result)) == (b.id, b.ok, list(b.result))
         assert a.result["y"].dtype == "f32" and tuple(a.result["y"].shape) == (case.batch, case.dim)
@@ -605,9 +609,13 @@ def test_native_ssd_steps_equal_the_general_path(inproc, case):
     gen = torch.Generator().manual_seed(seed)
     consts = ssd_constants(case, gen)
     inputs = [ssd_step_inputs(case, gen) for _ in range(case.steps)]
-    frames = [lambda session, shared, f=f: {"session": session, **shared, **f} for f in inputs]
+    # the last step returns the state it leaves
+    frames = [lambda session, shared, f=f, t=t: {"session": session, **shared, **f, "return_state": t == case.steps - 1}
+              for t, f in enumerate(inputs)]
     results, served = steps_both_ways(inproc, lambda srv, conn: open_ssd_session(srv, conn, case, consts), frames)
     (native_replies, native_state), (general_replies, general_state) = results
+    returned = native_replies[-1].result["state"]
+    assert returned.dtype == "f32" and np.array_equal(wire_array(returned), native_state), f"seed={seed}"
     assert all(r.ok for r in native_replies + general_replies), (seed, [r.error for r in native_replies])
     assert served.taken == case.steps, (seed, served.__dict__)
     for t, (a, b) in enumerate(zip(native_replies, general_replies)):
@@ -778,6 +786,10 @@ def test_native_model_steps_equal_the_general_path(inproc, case):
         prefix = {"embeds": torch.randn(case.batch, 4, D_MODEL, generator=gen)}
         frames = [torch.randn(case.batch, D_MODEL, generator=gen) for _ in range(case.steps)]
     name = "tokens" if case.tokens else "embeds"
+
+    def returns_state(t: int) -> bool:  # the step after the pool grew among them
+        return t % 2 == 1 or t == case.steps - 1
+
     results = []
     for native in (True, False):
         srv = inproc(native_step=native)
@@ -795,6 +807,8 @@ def test_native_model_steps_equal_the_general_path(inproc, case):
             # "output" before the input moves its bytes (the frame's offset changes).
             named = {"output": case.output} if case.output else {}
             args = {**named, name: frame} if t % 2 else {name: frame, **named}
+            if returns_state(t):
+                args["return_state"] = True
             replies.append(submit(srv, conn, "model_step", session=session, **args))
         results.append((replies, model_state(srv, conn, session)))
         if native:
@@ -808,6 +822,14 @@ def test_native_model_steps_equal_the_general_path(inproc, case):
         assert np.array_equal(ya, yb), f"seed={seed}: {case.result} of step {t} differs by {np.abs(ya - yb).max()}"
         assert (a.id, list(a.result), set(a.timing)) == (b.id, list(b.result), set(b.timing))
         assert served_natively(a) and a.timing["kernel_us"] > 0 and a.timing["batch_rows"] == case.batch, a.timing
+        if returns_state(t):
+            assert list(a.result["state"]) == list(b.result["state"]), f"seed={seed}: the parts or their order"
+            for part, tensor in a.result["state"].items():
+                other = b.result["state"][part]
+                assert (tensor.dtype, tensor.shape) == (other.dtype, other.shape), f"seed={seed}: {part}"
+                assert bytes(tensor.data) == bytes(other.data), f"seed={seed}: {part} after step {t} differs"
+    last = native_replies[-1].result["state"]  # the state the session keeps
+    assert all(np.array_equal(wire_array(last[n]), native_state[n]) for n in native_state), f"seed={seed}"
     assert native_state.keys() == general_state.keys()
     for name in native_state:
         assert np.array_equal(native_state[name], general_state[name]), f"seed={seed}: {name} differs"
@@ -826,7 +848,8 @@ def model_declined_cases():
         return lambda a, other: {"session": a["session"], "tokens": torch.tensor(values, dtype=dtype)}
 
     return [
-        pytest.param(("mamba", "backbone", "f32"), lambda a, other: {**a, "return_state": True}, None, id="return-state"),
+        pytest.param(("mamba", "backbone", "f16"), lambda a, other: {**a, "return_state": True}, None,
+                     id="f16-model-composed-step-returning-state"),
         pytest.param(("mamba", "backbone", "f16"), lambda a, other: a, None, id="f16-model-composed-step"),
         pytest.param(("mamba2", "backbone", "f32"), lambda a, other: {**a, "embeds": a["embeds"].half()}, None,
                      id="f16-embeds"),

@@ -14,21 +14,25 @@ and C [batch, state] or [batch, groups, state]; for a Mamba-2 session the shapes
 `step`, B and C with their groups axis), A and optionally D and dt_bias inline as f32 or as
 handles to contiguous f32 tensors, and the dt options; or a model step's session, its `embeds`
 inline as f32 [batch, d_model] or its `tokens` inline as i32, i64 or u8 [batch], and its
-`output` ("hidden", "logits", or none: the model's default); `return_state` goes the general way;
-request and session ids in ASCII. The dispatcher hands it every request without raw buffers that
-finds nothing in flight but other native steps, on any lane and under load too (the step and
+`output` ("hidden", "logits", or none: the model's default); either with `return_state`, whose
+state the reply carries as the general path's does (copied from the session's rows into the
+reply after the kernel: its d2h); request and session ids in ASCII. The dispatcher hands it
+every request without raw buffers that finds nothing in flight but other native steps, on any
+lane and under load too (the step and
 model step ops offer it as their fast path, bridge.ops.sessions.StepOp.fast_path and
 bridge.ops.models.ModelStepOp.fast_path; docs/performance.md, "native model step"). Its replies
 are the general path's, but for the timing:
 `queue_us` is the wait for the serving lock (behind other connections' native steps),
 `decode_us` everything else before the kernel (parsing, the session and handle lookups, the
-checks), and h2d and d2h are 0 (the kernel reads the frame and writes the reply).
+checks), h2d is 0 (the kernel reads the frame and writes the reply), and so is d2h but for the
+state's copy into the reply of a step that asked for it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from pathlib import Path
 
@@ -106,6 +110,8 @@ class NativeStep:
         # weights as the kernel prepared them (its capsule, or None where its step is not fused).
         self._model_rows: dict[str, tuple] = {}
         self._models: dict[str, tuple] = {}
+        # And where a session's state lies, for the steps that return it.
+        self._states: dict[str, tuple] = {}
 
     @classmethod
     def for_server(cls, server) -> NativeStep | None:
@@ -147,12 +153,13 @@ class NativeStep:
             handle_tensors[name] = ref
             held.append(tensor)
         pool_address, slots_address = self._pool_addresses(session)
+        state_out = self._state_out(session) if request.return_state else None
         try:
             if session.kind == "ssd":
                 return self._native.run_ssd(request, received_ns, queued_ns, pool_address, session.batch,
-                                            *session.shape, slots_address, handle_tensors)
+                                            *session.shape, slots_address, handle_tensors, state_out)
             return self._native.run(request, received_ns, queued_ns, pool_address, session.batch, session.dim,
-                                    session.state, slots_address, handle_tensors)
+                                    session.state, slots_address, handle_tensors, state_out)
         except Exception as exc:
             raise NativeStepError(request.id, exc) from exc
 
@@ -166,10 +173,11 @@ class NativeStep:
         prepared = self._prepared(loaded)
         if prepared is None:
             return None
+        state_out = self._state_out(session) if request.return_state else None
         try:
             return self._native.run_model(request, received_ns, queued_ns, prepared, session.batch, config.d_model,
                                           config.vocab_size or 0, config.has_logits,
-                                          *self._model_row_addresses(session, config.n_layer))
+                                          *self._model_row_addresses(session, config.n_layer), state_out)
         except Exception as exc:
             raise NativeStepError(request.id, exc) from exc
 
@@ -193,6 +201,21 @@ class NativeStep:
             return session.slots.data_ptr(), flat.shape[0], list(conv), list(ssm), flat.stride(0)
 
         return _cached(self._model_rows, session.id, session, flat, addresses)
+
+    def _state_out(self, session) -> tuple:
+        """Where the session's state lies, for a reply that returns it: (the pool's address, its row
+        floats, whether the parts go by name (a model's), each part's (name, row shape, column
+        offset)), the parts in the order session_state gives them."""
+        flat = session.pool.flat  # replaced when the pool grows
+
+        def describe():
+            parts, offset = [], 0
+            for name, shape in session.layout.parts:
+                parts.append((name, tuple(shape), offset))
+                offset += math.prod(shape)
+            return flat.data_ptr(), flat.shape[1], session.kind == "model", tuple(parts)
+
+        return _cached(self._states, session.id, session, flat, describe)
 
     def _pool_addresses(self, session) -> tuple[int, int]:
         """The addresses of the session's pool rows (contiguous fp32) and of its slots (int64)."""

@@ -264,6 +264,7 @@ struct StepRequest {
   TokenIds tokens;  // token ids
   Output output = Output::unnamed;  // a model step's "output"
   uint32_t args_seen = 0;  // a bit per argument given (read_args)
+  bool return_state = false;  // the reply carries the session's state after the step
   bool dt_softplus = false;
   std::optional<double> dt_min, dt_max;
   std::optional<uint64_t> deadline_us;  // the envelope's budget (SPEC §4); the caller checks it
@@ -381,6 +382,9 @@ bool read_args(Reader& r, StepRequest* req) {
     } else if (key == "tokens") {
       bit = 6 + kOperands;
       if (!read_tokens(r, &req->tokens)) return false;
+    } else if (key == "return_state") {
+      bit = 7 + kOperands;
+      if (!r.nil() && !r.boolean(&req->return_state)) return false;
     } else if (key == "output") {
       bit = 5 + kOperands;
       std::string_view output;
@@ -408,12 +412,14 @@ bool read_args(Reader& r, StepRequest* req) {
 }
 
 // Whether the args read are those of the request's op: a step's operands (x, dt, A, B, C at
-// least), or a model step's embeds (and output) alone.
+// least), or a model step's embeds (and output) alone; return_state for either.
 bool args_fit_op(const StepRequest& req) {
   // session, embeds, output, tokens
   constexpr uint32_t kModelArgs = 1u | 1u << (4 + kOperands) | 1u << (5 + kOperands) | 1u << (6 + kOperands);
+  constexpr uint32_t kReturnState = 1u << (7 + kOperands);
   if (req.model_step)
-    return (req.embeds.data != nullptr) != (req.tokens.data != nullptr) && (req.args_seen & ~kModelArgs) == 0;
+    return (req.embeds.data != nullptr) != (req.tokens.data != nullptr) &&
+           (req.args_seen & ~(kModelArgs | kReturnState)) == 0;
   return (req.args_seen & kModelArgs & ~1u) == 0 && req.given(kX) && req.given(kDt) && req.given(kA) &&
          req.given(kB) && req.given(kC);
 }
@@ -540,6 +546,27 @@ class Writer {
       be(n, 4);
     }
   }
+  void map_header(size_t n) {
+    if (n < 16) {
+      *p_++ = static_cast<uint8_t>(0x80 | n);
+    } else {
+      *p_++ = 0xde;
+      be(n, 2);
+    }
+  }
+  // An f32 tensor map {"dtype", "shape": [rows, *axes], "data"}, its `nbytes` of data left to
+  // the caller to fill: returns where they go.
+  void* tensor_f32(uint64_t rows, const int64_t* axes, const int64_t* axes_end, uint64_t nbytes) {
+    raw("\x83\xa5""dtype\xa3""f32\xa5shape");
+    *p_++ = static_cast<uint8_t>(0x90 | (1 + (axes_end - axes)));
+    uint(rows);
+    for (const int64_t* d = axes; d != axes_end; ++d) uint(static_cast<uint64_t>(*d));
+    raw("\xa4""data");
+    bin_header(nbytes);
+    void* data = p_;
+    p_ += nbytes;
+    return data;
+  }
   void f64(double v) {
     uint64_t bits;
     std::memcpy(&bits, &v, 8);
@@ -587,6 +614,49 @@ Strided f32(const void* data, int64_t s0, int64_t s1 = 0, int64_t s2 = 0, int64_
   return s;
 }
 
+// Where a session's state lies, for a reply that returns it (`return_state`): its rows in a
+// pool of `row_floats` f32 a row, named by `slots`, each part at its column `offset`. A model's
+// state goes on the wire as a map of its parts by name, a plain session's as its one part.
+struct StateOut {
+  struct Part {
+    std::string name;
+    std::vector<int64_t> shape;  // one row's
+    int64_t offset = 0;
+    int64_t floats = 0;
+  };
+  const float* pool = nullptr;
+  int64_t row_floats = 0;
+  const int64_t* slots = nullptr;
+  bool named = false;
+  std::vector<Part> parts;
+};
+
+// The state to return, from what bridge.native describes: (pool address, row floats, named,
+// ((name, row shape, column offset), ...)); nullopt for None (the request did not ask).
+std::optional<StateOut> state_out_of(const py::object& described, uintptr_t slots) {
+  if (described.is_none()) return std::nullopt;
+  auto t = described.cast<py::tuple>();
+  StateOut out;
+  out.pool = reinterpret_cast<const float*>(t[0].cast<uintptr_t>());
+  out.row_floats = t[1].cast<int64_t>();
+  out.named = t[2].cast<bool>();
+  out.slots = reinterpret_cast<const int64_t*>(slots);
+  for (auto item : t[3].cast<py::tuple>()) {
+    auto part = item.cast<py::tuple>();
+    StateOut::Part p;
+    p.name = part[0].cast<std::string>();
+    p.offset = part[2].cast<int64_t>();
+    p.floats = 1;
+    for (auto d : part[1].cast<py::tuple>()) {
+      p.shape.push_back(d.cast<int64_t>());
+      p.floats *= p.shape.back();
+    }
+    out.parts.push_back(std::move(p));
+  }
+  if (!out.named && out.parts.size() != 1) throw std::invalid_argument("native step: a plain state has one part");
+  return out;
+}
+
 class Stepper {
  public:
   // The kernels' capsules: the Mamba-1 state update (always), the Mamba-2 one and a model's
@@ -606,11 +676,12 @@ class Stepper {
   // each [dim, state] f32, the pool contiguous), with A, D, dt_bias from handles where the
   // request named them (`handle_tensors`: name -> (data_ptr, shape) of a contiguous f32 CPU
   // tensor); `queued_ns` of the time since `received_ns` the request waited to be served
-  // (queue_us). Returns (reply body, timing) -- y written into the reply by the kernel -- or
-  // None when the request does not fit the session or its handles (nothing touched; the general
-  // path then answers it).
+  // (queue_us); `state_out`, for a request that asked for return_state, where the session's
+  // state lies (state_out_of), else None. Returns (reply body, timing) -- y written into the
+  // reply by the kernel -- or None when the request does not fit the session or its handles
+  // (nothing touched; the general path then answers it).
   py::object run(const StepRequest& req, int64_t received_ns, int64_t queued_ns, uintptr_t pool, int64_t batch,
-                 int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors) {
+                 int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors, py::object state_out) {
     F32Array op[kOperands];
     if (!resolve(req, handle_tensors, op)) return py::none();
     if (!op[kX].is(batch, dim) || !op[kDt].is(batch, dim) || (req.given(kZ) && !op[kZ].is(batch, dim)))
@@ -662,17 +733,19 @@ class Stepper {
     p.dt_max = req.dt_max.value_or(0.0);
     // The kernel reads and writes through strides at any byte offset: y goes straight into the
     // reply.
-    return reply(req, received_ns, queued_ns, "y", {batch, dim}, [&](void* y, char* error, size_t error_size) {
-      p.y = f32(y, dim, 0, 1);
-      return run_problem_(&p, sizeof(ScanProblem), error, error_size);
-    });
+    return reply(req, received_ns, queued_ns, "y", {batch, dim}, state_out_of(state_out, slots),
+                 [&](void* y, char* error, size_t error_size) {
+                   p.y = f32(y, dim, 0, 1);
+                   return run_problem_(&p, sizeof(ScanProblem), error, error_size);
+                 });
   }
 
   // One Mamba-2 step, as `run` but for a session of [heads, headdim, state] rows: x and z
   // [batch, heads, headdim], dt [batch, heads], B and C [batch, groups, state], A and dt_bias
   // [heads], D [heads] or [heads, headdim]. None also when no Mamba-2 kernel was given.
   py::object run_ssd(const StepRequest& req, int64_t received_ns, int64_t queued_ns, uintptr_t pool, int64_t batch,
-                     int64_t heads, int64_t headdim, int64_t state, uintptr_t slots, py::dict handle_tensors) {
+                     int64_t heads, int64_t headdim, int64_t state, uintptr_t slots, py::dict handle_tensors,
+                     py::object state_out) {
     if (run_ssd_update_ == nullptr) return py::none();
     F32Array op[kOperands];
     if (!resolve(req, handle_tensors, op)) return py::none();
@@ -737,7 +810,7 @@ class Stepper {
     p.options.D = data[kD];
     p.options.z = data[kZ];
     const size_t y_floats = static_cast<size_t>(batch * heads * headdim);
-    return reply(req, received_ns, queued_ns, "y", {batch, heads, headdim},
+    return reply(req, received_ns, queued_ns, "y", {batch, heads, headdim}, state_out_of(state_out, slots),
                  [&](void* y, char* error, size_t error_size) {
       // y straight into the reply where it lies aligned, else through an aligned buffer.
       const bool aligned = reinterpret_cast<uintptr_t>(y) % alignof(float) == 0;
@@ -758,7 +831,8 @@ class Stepper {
   // reply's result {"hidden"} or {"logits"}. None also when no model step kernel was given.
   py::object run_model(const StepRequest& req, int64_t received_ns, int64_t queued_ns, py::capsule model,
                        int64_t batch, int64_t d_model, int64_t vocab, bool has_head, uintptr_t slots,
-                       int64_t pool_rows, std::vector<uintptr_t> conv, std::vector<uintptr_t> ssm, int64_t row_stride) {
+                       int64_t pool_rows, std::vector<uintptr_t> conv, std::vector<uintptr_t> ssm, int64_t row_stride,
+                       py::object state_out) {
     if (run_model_step_ == nullptr || !req.model_step || conv.size() != ssm.size()) return py::none();
     if (req.tokens.data != nullptr) {
       if (req.tokens.n != batch) return py::none();
@@ -784,7 +858,7 @@ class Stepper {
     p.layers = static_cast<int64_t>(conv.size());
     p.row_stride = row_stride;
     return reply(req, received_ns, queued_ns, logits ? "logits" : "hidden", {batch, logits ? vocab : d_model},
-                 [&](void* out, char* error, size_t error_size) {
+                 state_out_of(state_out, slots), [&](void* out, char* error, size_t error_size) {
                    p.out = out;
                    return run_model_step_(&p, sizeof(p), error, error_size);
                  });
@@ -812,12 +886,14 @@ class Stepper {
   }
 
   // The reply {"v": 1, "id", "ok": true, "result": {result_key: f32 tensor of `shape`}, "timing"},
-  // sized before it is written (the id, the shape and the payload are its only variable parts),
+  // sized before it is written (the id, the shapes and the payloads are its only variable parts),
   // with `kernel(y, error, error_size)` (0 on success) writing y's bytes in place, the GIL
-  // released; the rows of `shape`'s first axis are the reply's batch_rows.
+  // released; the rows of `shape`'s first axis are the reply's batch_rows. With `state`, the
+  // result also holds "state": the session's rows after the kernel, copied into the reply as the
+  // general path's session_state gives them (its d2h stage).
   template <typename Kernel>
   py::object reply(const StepRequest& req, int64_t received_ns, int64_t queued_ns, const char* result_key,
-                   std::initializer_list<int64_t> shape, Kernel kernel) {
+                   std::initializer_list<int64_t> shape, const std::optional<StateOut>& state, Kernel kernel) {
     const bool id_is_str = py::isinstance<py::str>(req.id);
     const std::string id_text = id_is_str ? req.id.cast<std::string>() : std::string();
     const uint64_t id_number = id_is_str ? 0 : req.id.cast<uint64_t>();
@@ -825,9 +901,15 @@ class Stepper {
     for (int64_t d : shape) y_bytes *= static_cast<uint64_t>(d);
     const int64_t batch = *shape.begin();
     // Envelope and tensor map at most 96 bytes besides the id and the shape (9 bytes an axis at
-    // most); each timing entry at most 21.
-    const size_t size = 96 + std::strlen(result_key) + id_text.size() + 9 * shape.size() + y_bytes + 8 +
-                        21 * kTimingEntries;
+    // most); each timing entry at most 21; each state part's tensor map at most 40 besides its
+    // name (5 bytes of header at most), its shape and its bytes.
+    size_t size = 96 + std::strlen(result_key) + id_text.size() + 9 * shape.size() + y_bytes + 8 +
+                  21 * kTimingEntries;
+    if (state) {
+      size += 16;
+      for (const auto& part : state->parts)
+        size += 45 + part.name.size() + 9 * (part.shape.size() + 1) + 4 * batch * part.floats;
+    }
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
     if (raw == nullptr) throw py::error_already_set();
     py::object reply = py::reinterpret_steal<py::object>(raw);
@@ -838,16 +920,23 @@ class Stepper {
     } else {
       w.uint(id_number);
     }
-    w.raw("\xa2ok\xc3\xa6result\x81");
-    w.fixstr(result_key);
-    w.raw("\x83\xa5""dtype\xa3""f32\xa5shape");
-    *w.position() = static_cast<uint8_t>(0x90 | shape.size());
+    w.raw("\xa2ok\xc3\xa6result");
+    *w.position() = static_cast<uint8_t>(state ? 0x82 : 0x81);
     w.skip(1);
-    for (int64_t d : shape) w.uint(static_cast<uint64_t>(d));
-    w.raw("\xa4""data");
-    w.bin_header(y_bytes);
-    void* y = w.position();
-    w.skip(y_bytes);
+    w.fixstr(result_key);
+    void* y = w.tensor_f32(static_cast<uint64_t>(batch), shape.begin() + 1, shape.end(), y_bytes);
+    // Where each state part's rows go, written once the kernel has moved them.
+    std::vector<uint8_t*> state_at;
+    if (state) {
+      w.fixstr("state");
+      if (state->named) w.map_header(state->parts.size());
+      for (const auto& part : state->parts) {
+        if (state->named) w.str(part.name);
+        state_at.push_back(static_cast<uint8_t*>(w.tensor_f32(static_cast<uint64_t>(batch), part.shape.data(),
+                                                              part.shape.data() + part.shape.size(),
+                                                              4 * static_cast<uint64_t>(batch * part.floats))));
+      }
+    }
 
     const int64_t kernel_start = now_ns();
     char error[256] = {0};
@@ -858,16 +947,27 @@ class Stepper {
     }
     if (status != 0) throw std::runtime_error(std::string("native step kernel: ") + error);
     const int64_t kernel_end = now_ns();
+    if (state) {
+      for (size_t k = 0; k < state->parts.size(); ++k) {
+        const auto& part = state->parts[k];
+        const size_t row_bytes = 4 * static_cast<size_t>(part.floats);
+        for (int64_t r = 0; r < batch; ++r)
+          std::memcpy(state_at[k] + r * row_bytes, state->pool + state->slots[r] * state->row_floats + part.offset,
+                      row_bytes);
+      }
+    }
+    const int64_t state_end = now_ns();
 
     // Everything before the kernel but the wait to be served -- parsing, the caller's session
     // and handle lookups, these checks -- is the request's decode; the kernel wrote y into the
-    // reply, so there is no host copy either way.
+    // reply, so there is no host copy of it; the state's copy into the reply is the d2h.
     double stages[std::size(kStageKeys)] = {(kernel_start - received_ns - queued_ns) / 1e3, queued_ns / 1e3, 0.0,
-                                            (kernel_end - kernel_start) / 1e3, 0.0, 0.0};
+                                            (kernel_end - kernel_start) / 1e3,
+                                            state ? (state_end - kernel_end) / 1e3 : 0.0, 0.0};
     w.raw("\xa6timing");
     *w.position() = static_cast<uint8_t>(0x80 | kTimingEntries);
     w.skip(1);
-    stages[5] = (now_ns() - kernel_end) / 1e3;  // encode_us: the reply up to here
+    stages[5] = (now_ns() - state_end) / 1e3;  // encode_us: the reply up to here
     for (size_t k = 0; k < std::size(kStageKeys); ++k) {
       w.fixstr(kStageKeys[k]);
       w.f64(stages[k]);
@@ -911,6 +1011,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                            : py::object(py::str(r.output == Output::hidden ? "hidden" : "logits"));
       })
       .def_property_readonly("id", [](const StepRequest& r) { return r.id; })
+      .def_readonly("return_state", &StepRequest::return_state)
       .def_property_readonly("deadline_us", [](const StepRequest& r) -> py::object {
         return r.deadline_us ? py::object(py::int_(*r.deadline_us)) : py::object(py::none());
       })
@@ -925,12 +1026,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("run_ssd_update") = py::none(), py::arg("run_model_step") = py::none())
       .def("run", &Stepper::run, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("dim"), py::arg("state"), py::arg("slots"),
-           py::arg("handle_tensors"))
+           py::arg("handle_tensors"), py::arg("state_out") = py::none())
       .def("run_ssd", &Stepper::run_ssd, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("heads"), py::arg("headdim"), py::arg("state"),
-           py::arg("slots"), py::arg("handle_tensors"))
+           py::arg("slots"), py::arg("handle_tensors"), py::arg("state_out") = py::none())
       .def("run_model", &Stepper::run_model, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("model"), py::arg("batch"), py::arg("d_model"), py::arg("vocab"), py::arg("has_head"),
            py::arg("slots"), py::arg("pool_rows"),
-           py::arg("conv"), py::arg("ssm"), py::arg("row_stride"));
+           py::arg("conv"), py::arg("ssm"), py::arg("row_stride"), py::arg("state_out") = py::none());
 }
