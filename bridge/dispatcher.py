@@ -11,10 +11,11 @@ dispatcher is the one place that decides how a request is served:
   * admission: one count of requests in flight, under one lock, with the `--max-pending` cap
     (`overloaded`) and shutdown (`shutting_down`); drain() waits until it is 0. An op marked
     `immediate` (cancel) is served at once on the reader thread, never refused for the cap.
-  * execution: an idle server (nothing in flight, nothing more waiting on the transport)
-    serves the request at once on the reader thread; otherwise it queues for the worker, which
-    serves queued requests in arrival order, gathering batchable ones (bridge.batcher) that
-    can share a kernel launch.
+  * execution: an idle server (nothing in flight, and nothing more waiting on the transport,
+    or, on a thread that reads one connection, a request the batcher never gathers) serves the
+    request at once on the reader thread; otherwise it queues for the worker, which serves
+    queued requests in arrival order, gathering batchable ones (bridge.batcher) that can share
+    a kernel launch.
   * the op's handler (bridge.ops) runs; its result is encoded by the request's codec and sent.
     A request whose `deadline_us` ran out before it started is answered `deadline_exceeded`
     instead; a queued one a cancel dropped was answered `cancelled` and is passed over.
@@ -198,8 +199,15 @@ class Dispatcher:
             return
         # An idle server serves the request on this thread, unless it is to be batched with
         # others (see _serve_on); nothing it could be queued behind exists, so order is kept.
-        if not (admitted and not (more_input() if callable(more_input) else more_input)
-                and self._serve_on(call, reader=True)):
+        # On a thread that reads one connection (a function tells of its input), a request the
+        # batcher never gathers is served so even when more input waits: queued, it would send
+        # the native steps read behind it the general way until it is answered. A thread that
+        # reads for many (True: ZeroMQ's, a unix reader with others waiting) is not held up so.
+        if callable(more_input):
+            inline = call.batched_op is None or not more_input()
+        else:
+            inline = not more_input
+        if not (admitted and inline and self._serve_on(call, reader=True)):
             self.server.queued.add(call, self._fail)
             self._queue.put(call)
 

@@ -428,8 +428,17 @@ def test_an_idle_server_serves_a_request_on_the_thread_that_read_it(inproc):
     request_id = srv.submit(conn, "ping", more_input=False)
     # Served before submit returned: the reply is already there, written by this thread.
     assert conn.reply(request_id, timeout=0).ok and srv.ping_threads == [me]
-    srv.request(conn, "ping")  # more input may be waiting: the worker serves it
+    srv.request(conn, "ping")  # more input may be waiting, the transport cannot tell: the worker
     assert srv.ping_threads == [me, "bridge-worker"]
+    # One that can tell (a function: its thread reads this connection only): a request the
+    # batcher never gathers is served on the reading thread even when more input waits.
+    assert conn.reply(srv.submit(conn, "ping", more_input=lambda: True), timeout=0).ok
+    assert srv.ping_threads[-1] == me
+    # One that finds another in flight is queued: the worker serves it.
+    srv.hold(conn)
+    queued = srv.submit(conn, "ping", more_input=lambda: False)
+    srv.go()
+    assert conn.reply(queued).ok and srv.ping_threads[-1] == "bridge-worker"
     # A failure on this thread is answered like any other, and the server serves on.
     bad = conn.reply(srv.submit(conn, "step", session="nope", more_input=False,
                                 **step_inputs(1, 4, 2, shared_constants(4, 2, {}), {})), timeout=0)
@@ -439,8 +448,6 @@ def test_an_idle_server_serves_a_request_on_the_thread_that_read_it(inproc):
     # A transport may pass a function that tells, asked only for an idle server's request.
     assert conn.reply(srv.submit(conn, "ping", more_input=lambda: False), timeout=0).ok
     assert srv.ping_threads[-1] == me
-    assert conn.reply(srv.submit(conn, "ping", more_input=lambda: True)).ok
-    assert srv.ping_threads[-1] == "bridge-worker"
 
 
 def test_drain_does_not_report_all_answered_before_a_request_admitted_meanwhile_is(inproc):
