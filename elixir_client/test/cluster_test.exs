@@ -323,29 +323,41 @@ defmodule ScanBridge.ClusterTest do
 
   # Python run at a member's start (sitecustomize) that makes it a server without return_state:
   # one that refuses it by name, as a server from before it does (its decoder refuses any
-  # argument it does not know), or one that answers without the state.
+  # argument it does not know), or one that answers without the state. Either sends such a
+  # step the general way, as its native path would not take it.
+  @general_return_state """
+  import bridge.native
+
+  serve = bridge.native.NativeStep.serve
+  bridge.native.NativeStep.serve = (
+      lambda self, conn, request, *timings: None if request.return_state else serve(self, conn, request, *timings))
+  """
   @old_servers [
-    refusing: """
-    from bridge.errors import OpError
-    from bridge.ops.sessions import StepOp
+    refusing:
+      @general_return_state <>
+        """
+        from bridge.errors import OpError
+        from bridge.ops.sessions import StepOp
 
-    prepare = StepOp.prepare
-
-
-    def refusing(self, server, call):
-        if "return_state" in call.args:
-            raise OpError("invalid_argument", "args.return_state: unknown argument 'return_state'",
-                          {"field": "args.return_state"})
-        return prepare(self, server, call)
+        prepare = StepOp.prepare
 
 
-    StepOp.prepare = refusing
-    """,
-    silent: """
-    import bridge.ops.sessions
+        def refusing(self, server, call):
+            if "return_state" in call.args:
+                raise OpError("invalid_argument", "args.return_state: unknown argument 'return_state'",
+                              {"field": "args.return_state"})
+            return prepare(self, server, call)
 
-    bridge.ops.sessions.with_states = lambda items, results: results
-    """
+
+        StepOp.prepare = refusing
+        """,
+    silent:
+      @general_return_state <>
+        """
+        import bridge.ops.sessions
+
+        bridge.ops.sessions.with_states = lambda items, results: results
+        """
   ]
 
   for {name, python} <- @old_servers do

@@ -66,7 +66,7 @@ defmodule ScanBridge.Cluster.Balancer do
 
   @impl true
   def init(:ok) do
-    :ets.new(@model_ids, [:named_table, :protected, read_concurrency: true])
+    @model_ids = :ets.new(@model_ids, [:named_table, :protected, read_concurrency: true])
     {:ok, %__MODULE__{}}
   end
 
