@@ -28,6 +28,7 @@ accepting and the refusing checks run.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import math
 import mmap
@@ -286,20 +287,23 @@ def step(parsed, request: Request, data: bytes) -> None:
             wanted = wanted[:-1] + (wanted[-1] + 1,)
         elif pick == 1:
             wanted = (1, *wanted)
-        array = (ctypes.c_float * max(1, math.prod(wanted)))()
-        keep.append(array)
-        handle_tensors[name] = (ctypes.addressof(array), wanted)
+        tensor = (ctypes.c_float * max(1, math.prod(wanted)))()
+        keep.append(tensor)
+        handle_tensors[name] = (ctypes.addressof(tensor), wanted)
         handle_shapes[name] = wanted
     batch = dims[0]
-    pool = (ctypes.c_float * math.prod(dims))()
+    row = math.prod(dims[1:])
+    pool = (ctypes.c_float * (batch * row))()
     slots = (ctypes.c_int64 * batch)(*reversed(range(batch)))
-    for i in range(len(pool)):  # rows told apart, so that a state copied from the wrong row shows
-        pool[i] = float(i)
-    # asked for, the state goes in the reply: the pool's one part, a row of the dims after batch
-    state_out = (ctypes.addressof(pool), math.prod(dims[1:]), False, (("state", dims[1:], 0),))
+    state_out = None
+    if parsed.return_state:
+        # The state goes in the reply: the pool's one part. Its floats differ, so that a copy
+        # from the wrong row or column shows.
+        ctypes.memmove(pool, array.array("f", range(batch * row)).tobytes(), batch * row * 4)
+        state_out = _target.module.StateOut(ctypes.addressof(pool), row, False, (("state", dims[1:], 0),))
     run = _target.stepper.run_ssd if ssd else _target.stepper.run
     result = run(parsed, time.monotonic_ns(), 0, ctypes.addressof(pool), *dims, ctypes.addressof(slots),
-                 handle_tensors, state_out if parsed.return_state else None)
+                 handle_tensors, state_out)
     fits = _fits(request, ssd, dims, handle_shapes)
     if result is None:
         _stats[f"{kind}refused by run (fits)" if fits else f"{kind}refused by run"] += 1
@@ -318,9 +322,8 @@ def step(parsed, request: Request, data: bytes) -> None:
         raise Finding(f"the reply's timing {reply.timing!r} differs from the one returned {timing!r}")
     state = reply.result.get("state")
     if parsed.return_state:
-        row = math.prod(dims[1:])
-        rows = [pool[slot * row:(slot + 1) * row] for slot in slots]
-        expected = b"".join(bytes((ctypes.c_float * row)(*values)) for values in rows)
+        rows = memoryview(pool).cast("B")
+        expected = b"".join(rows[slot * row * 4:(slot + 1) * row * 4] for slot in slots)
         if not isinstance(state, WireTensor) or state.dtype != "f32" or state.shape != dims or \
                 bytes(state.data) != expected:
             raise Finding(f"the native reply's state reads back as {state!r}, not the session's rows {list(dims)}")

@@ -97,6 +97,7 @@ class NativeStep:
         # with no Python call around it.
         self.parse = module.parse
         self._native = module.Stepper(backend.run_problem, backend.run_ssd_update, backend.run_model_step)
+        self._state_out_type = module.StateOut
         self._prepare_model = backend.prepare_model
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
         # torch once rather than on every step (Python-level work, which a pause makes several
@@ -202,10 +203,10 @@ class NativeStep:
 
         return _cached(self._model_rows, session.id, session, flat, addresses)
 
-    def _state_out(self, session) -> tuple:
-        """Where the session's state lies, for a reply that returns it: (the pool's address, its row
-        floats, whether the parts go by name (a model's), each part's (name, row shape, column
-        offset)), the parts in the order session_state gives them."""
+    def _state_out(self, session):
+        """Where the session's state lies, for a reply that returns it (step.cpp's StateOut: the
+        pool's address, its row floats, whether the parts go by name (a model's), each part's
+        name, row shape and column offset), the parts in the order session_state gives them."""
         flat = session.pool.flat  # replaced when the pool grows
 
         def describe():
@@ -213,7 +214,7 @@ class NativeStep:
             for name, shape in session.layout.parts:
                 parts.append((name, tuple(shape), offset))
                 offset += math.prod(shape)
-            return flat.data_ptr(), flat.shape[1], session.kind == "model", tuple(parts)
+            return self._state_out_type(flat.data_ptr(), flat.shape[1], session.kind == "model", tuple(parts))
 
         return _cached(self._states, session.id, session, flat, describe)
 

@@ -615,47 +615,39 @@ Strided f32(const void* data, int64_t s0, int64_t s1 = 0, int64_t s2 = 0, int64_
 }
 
 // Where a session's state lies, for a reply that returns it (`return_state`): its rows in a
-// pool of `row_floats` f32 a row, named by `slots`, each part at its column `offset`. A model's
-// state goes on the wire as a map of its parts by name, a plain session's as its one part.
+// pool of `row_floats` f32 a row, each part at its column `offset`; the step names the rows (its
+// slots). A model's state goes on the wire as a map of its parts by name, a plain session's as
+// its one part. Made once per session and pool by bridge.native, from (pool address, row
+// floats, named, ((name, row shape, column offset), ...)).
 struct StateOut {
   struct Part {
     std::string name;
     std::vector<int64_t> shape;  // one row's
     int64_t offset = 0;
-    int64_t floats = 0;
+    int64_t floats = 1;
   };
-  const float* pool = nullptr;
-  int64_t row_floats = 0;
-  const int64_t* slots = nullptr;
-  bool named = false;
+
+  StateOut(uintptr_t pool_address, int64_t row_floats_, bool named_, const py::tuple& described)
+      : pool(reinterpret_cast<const float*>(pool_address)), row_floats(row_floats_), named(named_) {
+    for (auto item : described) {
+      auto part = item.cast<py::tuple>();
+      Part p;
+      p.name = part[0].cast<std::string>();
+      p.offset = part[2].cast<int64_t>();
+      for (auto d : part[1].cast<py::tuple>()) {
+        p.shape.push_back(d.cast<int64_t>());
+        p.floats *= p.shape.back();
+      }
+      parts.push_back(std::move(p));
+    }
+    if (!named && parts.size() != 1) throw std::invalid_argument("native step: a plain state has one part");
+  }
+
+  const float* pool;
+  int64_t row_floats;
+  bool named;
   std::vector<Part> parts;
 };
-
-// The state to return, from what bridge.native describes: (pool address, row floats, named,
-// ((name, row shape, column offset), ...)); nullopt for None (the request did not ask).
-std::optional<StateOut> state_out_of(const py::object& described, uintptr_t slots) {
-  if (described.is_none()) return std::nullopt;
-  auto t = described.cast<py::tuple>();
-  StateOut out;
-  out.pool = reinterpret_cast<const float*>(t[0].cast<uintptr_t>());
-  out.row_floats = t[1].cast<int64_t>();
-  out.named = t[2].cast<bool>();
-  out.slots = reinterpret_cast<const int64_t*>(slots);
-  for (auto item : t[3].cast<py::tuple>()) {
-    auto part = item.cast<py::tuple>();
-    StateOut::Part p;
-    p.name = part[0].cast<std::string>();
-    p.offset = part[2].cast<int64_t>();
-    p.floats = 1;
-    for (auto d : part[1].cast<py::tuple>()) {
-      p.shape.push_back(d.cast<int64_t>());
-      p.floats *= p.shape.back();
-    }
-    out.parts.push_back(std::move(p));
-  }
-  if (!out.named && out.parts.size() != 1) throw std::invalid_argument("native step: a plain state has one part");
-  return out;
-}
 
 class Stepper {
  public:
@@ -677,11 +669,11 @@ class Stepper {
   // request named them (`handle_tensors`: name -> (data_ptr, shape) of a contiguous f32 CPU
   // tensor); `queued_ns` of the time since `received_ns` the request waited to be served
   // (queue_us); `state_out`, for a request that asked for return_state, where the session's
-  // state lies (state_out_of), else None. Returns (reply body, timing) -- y written into the
+  // state lies, else None. Returns (reply body, timing) -- y written into the
   // reply by the kernel -- or None when the request does not fit the session or its handles
   // (nothing touched; the general path then answers it).
   py::object run(const StepRequest& req, int64_t received_ns, int64_t queued_ns, uintptr_t pool, int64_t batch,
-                 int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors, py::object state_out) {
+                 int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors, const StateOut* state_out) {
     F32Array op[kOperands];
     if (!resolve(req, handle_tensors, op)) return py::none();
     if (!op[kX].is(batch, dim) || !op[kDt].is(batch, dim) || (req.given(kZ) && !op[kZ].is(batch, dim)))
@@ -733,7 +725,7 @@ class Stepper {
     p.dt_max = req.dt_max.value_or(0.0);
     // The kernel reads and writes through strides at any byte offset: y goes straight into the
     // reply.
-    return reply(req, received_ns, queued_ns, "y", {batch, dim}, state_out_of(state_out, slots),
+    return reply(req, received_ns, queued_ns, "y", {batch, dim}, state_out, reinterpret_cast<const int64_t*>(slots),
                  [&](void* y, char* error, size_t error_size) {
                    p.y = f32(y, dim, 0, 1);
                    return run_problem_(&p, sizeof(ScanProblem), error, error_size);
@@ -745,7 +737,7 @@ class Stepper {
   // [heads], D [heads] or [heads, headdim]. None also when no Mamba-2 kernel was given.
   py::object run_ssd(const StepRequest& req, int64_t received_ns, int64_t queued_ns, uintptr_t pool, int64_t batch,
                      int64_t heads, int64_t headdim, int64_t state, uintptr_t slots, py::dict handle_tensors,
-                     py::object state_out) {
+                     const StateOut* state_out) {
     if (run_ssd_update_ == nullptr) return py::none();
     F32Array op[kOperands];
     if (!resolve(req, handle_tensors, op)) return py::none();
@@ -810,7 +802,7 @@ class Stepper {
     p.options.D = data[kD];
     p.options.z = data[kZ];
     const size_t y_floats = static_cast<size_t>(batch * heads * headdim);
-    return reply(req, received_ns, queued_ns, "y", {batch, heads, headdim}, state_out_of(state_out, slots),
+    return reply(req, received_ns, queued_ns, "y", {batch, heads, headdim}, state_out, reinterpret_cast<const int64_t*>(slots),
                  [&](void* y, char* error, size_t error_size) {
       // y straight into the reply where it lies aligned, else through an aligned buffer.
       const bool aligned = reinterpret_cast<uintptr_t>(y) % alignof(float) == 0;
@@ -832,7 +824,7 @@ class Stepper {
   py::object run_model(const StepRequest& req, int64_t received_ns, int64_t queued_ns, py::capsule model,
                        int64_t batch, int64_t d_model, int64_t vocab, bool has_head, uintptr_t slots,
                        int64_t pool_rows, std::vector<uintptr_t> conv, std::vector<uintptr_t> ssm, int64_t row_stride,
-                       py::object state_out) {
+                       const StateOut* state_out) {
     if (run_model_step_ == nullptr || !req.model_step || conv.size() != ssm.size()) return py::none();
     if (req.tokens.data != nullptr) {
       if (req.tokens.n != batch) return py::none();
@@ -858,7 +850,7 @@ class Stepper {
     p.layers = static_cast<int64_t>(conv.size());
     p.row_stride = row_stride;
     return reply(req, received_ns, queued_ns, logits ? "logits" : "hidden", {batch, logits ? vocab : d_model},
-                 state_out_of(state_out, slots), [&](void* out, char* error, size_t error_size) {
+                 state_out, reinterpret_cast<const int64_t*>(slots), [&](void* out, char* error, size_t error_size) {
                    p.out = out;
                    return run_model_step_(&p, sizeof(p), error, error_size);
                  });
@@ -889,11 +881,12 @@ class Stepper {
   // sized before it is written (the id, the shapes and the payloads are its only variable parts),
   // with `kernel(y, error, error_size)` (0 on success) writing y's bytes in place, the GIL
   // released; the rows of `shape`'s first axis are the reply's batch_rows. With `state`, the
-  // result also holds "state": the session's rows after the kernel, copied into the reply as the
-  // general path's session_state gives them (its d2h stage).
+  // result also holds "state": the session's rows (`slots`) after the kernel, copied into the
+  // reply as the general path's session_state gives them (its d2h stage).
   template <typename Kernel>
   py::object reply(const StepRequest& req, int64_t received_ns, int64_t queued_ns, const char* result_key,
-                   std::initializer_list<int64_t> shape, const std::optional<StateOut>& state, Kernel kernel) {
+                   std::initializer_list<int64_t> shape, const StateOut* state, const int64_t* slots,
+                   Kernel kernel) {
     const bool id_is_str = py::isinstance<py::str>(req.id);
     const std::string id_text = id_is_str ? req.id.cast<std::string>() : std::string();
     const uint64_t id_number = id_is_str ? 0 : req.id.cast<uint64_t>();
@@ -952,7 +945,7 @@ class Stepper {
         const auto& part = state->parts[k];
         const size_t row_bytes = 4 * static_cast<size_t>(part.floats);
         for (int64_t r = 0; r < batch; ++r)
-          std::memcpy(state_at[k] + r * row_bytes, state->pool + state->slots[r] * state->row_floats + part.offset,
+          std::memcpy(state_at[k] + r * row_bytes, state->pool + slots[r] * state->row_floats + part.offset,
                       row_bytes);
       }
     }
@@ -1021,6 +1014,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::tuple stage_keys(std::size(kStageKeys));
   for (size_t k = 0; k < std::size(kStageKeys); ++k) stage_keys[k] = kStageKeys[k];
   m.attr("STAGE_KEYS") = stage_keys;
+  py::class_<StateOut>(m, "StateOut")
+      .def(py::init<uintptr_t, int64_t, bool, const py::tuple&>(), py::arg("pool"), py::arg("row_floats"),
+           py::arg("named"), py::arg("parts"));
   py::class_<Stepper>(m, "Stepper")
       .def(py::init<py::capsule, std::optional<py::capsule>, std::optional<py::capsule>>(), py::arg("run_problem"),
            py::arg("run_ssd_update") = py::none(), py::arg("run_model_step") = py::none())
