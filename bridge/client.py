@@ -79,9 +79,12 @@ def to_wire(value):
     """numpy array / torch tensor → protocol.OutTensor (data is a zero-copy view when the
     array is little-endian and C-contiguous, else a copy that is); numpy scalars → Python
     numbers, as options such as dt_min take them (np.asarray(x) makes a 0-d tensor); a dict's
-    values each (a model's weights or state); other values pass through."""
+    values each (a model's weights or state), and a list's items (session_open's frames); other
+    values pass through."""
     if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_wire(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):

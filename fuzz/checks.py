@@ -15,6 +15,7 @@ from protocol import (DTYPES, ERROR_CODES, LEGACY, MAX_NDIM, OPS, V1, HandleRef,
 from protocol import decode as _decode
 from protocol._reader import buffer_views, decode_top_map
 from protocol.legacy import LEGACY_OPS
+from protocol.schema import FRAME_OPS
 
 VECTORS_DIR = Path(__file__).resolve().parents[1] / "protocol" / "vectors"
 _TENSOR_KINDS = {"tensor": (WireTensor, HandleRef), "tensor_data": (WireTensor,)}
@@ -51,6 +52,23 @@ def _check_value(value, kind: str, where: str) -> None:
     elif kind in ("tensors", "size_or_tensors") and isinstance(value, dict):
         for name, item in value.items():
             _check_value(item, "tensor", f"{where}.{name}")
+    elif kind == "frames":
+        for i, frame in enumerate(value):
+            if frame.op not in FRAME_OPS:
+                raise Finding(f"{where}[{i}]: a frame of {frame.op!r} accepted")
+            own = {name: arg for name, arg in OPS[frame.op].items() if name != "session"}
+            _check_args(frame.args, frame.op, f"{where}[{i}].args.", own)
+
+
+def _check_args(args: dict, op: str, prefix: str, spec: dict | None = None) -> None:
+    spec = OPS[op] if spec is None else spec
+    for name, value in args.items():
+        if name not in spec:
+            raise Finding(f"argument {prefix}{name} accepted for {op}")
+        _check_value(value, spec[name].kind, prefix + name)
+    for name, arg in spec.items():
+        if arg.required and name not in args:
+            raise Finding(f"{op} accepted without its required {prefix}{name}")
 
 
 def check_request(request: Request, body, buffers) -> None:
@@ -58,16 +76,9 @@ def check_request(request: Request, body, buffers) -> None:
     they say, and the fast path (one typed decode) accepted nothing that the argument-by-
     argument path does not accept the same way (decode.py: "this path only ever accepts, and
     accepts exactly what that one does")."""
-    spec = OPS.get(request.op)
-    if spec is None:
+    if request.op not in OPS:
         raise Finding(f"op {request.op!r} accepted")
-    for name, value in request.args.items():
-        if name not in spec:
-            raise Finding(f"argument {name!r} accepted for {request.op}")
-        _check_value(value, spec[name].kind, f"args.{name}")
-    for name, arg in spec.items():
-        if arg.required and name not in request.args:
-            raise Finding(f"{request.op} accepted without its required {name!r}")
+    _check_args(request.args, request.op, "args.")
     if request.multipart != bool(buffers):
         raise Finding(f"multipart {request.multipart} for {len(buffers)} raw buffers")
     top = decode_top_map(body)

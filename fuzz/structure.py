@@ -46,7 +46,7 @@ INTERESTING_FLOATS = (0.0, -0.0, 0.5, 1.0, -1.0, 1e-3, 0.1, 1e308, -1e308, 5e-32
                       math.nan, 3.4028235e38, 2.0**64)
 
 _KNOWN_KINDS = ("tensor", "tensor_data", "bool", "number", "str", "size", "layout", "limits", "kind", "output",
-                "weights_dtype", "map", "tensors", "size_or_tensors", "request_id")
+                "weights_dtype", "map", "tensors", "size_or_tensors", "request_id", "frames")
 
 
 def unknown_kinds() -> list[str]:
@@ -157,6 +157,9 @@ def value_of_kind(kind: str, rng: random.Random, message: Message | None):
         return value_of_kind("size" if rng.random() < 0.6 else "tensors", rng, message)
     if kind == "request_id":
         return rng.choice((0, 7, 2**64 - 1, "r1", "x" * rng.randrange(1, 40)))
+    if kind == "frames":
+        return [Pairs([("op", op), ("args", op_args(op, rng, message, exclude=("session",)))])
+                for op in (rng.choice(_schema.FRAME_OPS) for _ in range(rng.randrange(3)))]
     return any_value(rng)
 
 
@@ -174,20 +177,26 @@ def envelope_value(key: str, rng: random.Random):
     return rng.choice((0, 1, 1000, 2**32, 2**64 - 1, None))
 
 
+def op_args(op: str, rng: random.Random, message: Message | None, exclude: tuple[str, ...] = ()) -> Pairs:
+    """`op`'s required arguments and some of its optional ones, under their names or aliases, in
+    any order; none of `exclude` (a frame's session is the one being opened)."""
+    args = Pairs()
+    aliases = {name: alias for alias, name in ALIASES.items()}
+    for name, arg in OPS.get(op, {}).items():
+        if name not in exclude and (arg.required or rng.random() < 0.4):
+            key = aliases[name] if name in aliases and rng.random() < 0.2 else name
+            value = None if not arg.required and rng.random() < 0.05 else value_of_kind(arg.kind, rng, message)
+            args.append((key, value))
+    rng.shuffle(args)
+    return args
+
+
 def request(rng: random.Random, op: str | None = None, *, multipart: bool = False) -> Message:
     """A v1 request of `op` (a random one by default): its required arguments and some of its
     optional ones, under their names or aliases, and every envelope key now and then."""
     message = Message(b"")
     op = op or rng.choice(tuple(OPS))
-    args = Pairs()
-    aliases = {name: alias for alias, name in ALIASES.items()}
-    for name, arg in OPS.get(op, {}).items():
-        if arg.required or rng.random() < 0.4:
-            key = aliases[name] if name in aliases and rng.random() < 0.2 else name
-            value = None if not arg.required and rng.random() < 0.05 else value_of_kind(
-                arg.kind, rng, message if multipart else None)
-            args.append((key, value))
-    rng.shuffle(args)
+    args = op_args(op, rng, message if multipart else None)
     top = Pairs()
     for key in ENVELOPE_KEYS:
         if key == "op":

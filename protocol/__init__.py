@@ -17,7 +17,7 @@ SPEC.md (next to this file) is the language-neutral contract; vectors/ holds gol
 """
 
 from .codecs import CODECS, LEGACY, V1, error_reply_for
-from .decode import Reply, Request, decode_reply, decode_request
+from .decode import Frame, Reply, Request, decode_reply, decode_request
 from .encode import BIG_PAYLOAD, encode_error, encode_reply, encode_request
 from .errors import (ERROR_CODES, DecodeError, FrameError, FrameTooLarge, InvalidArgument,
                      InvalidRequest, MissingArgument, ProtocolError, TensorSizeMismatch,
@@ -32,7 +32,7 @@ __all__ = [
     "FrameAssembler", "FrameTooLarge", "DEFAULT_MAX_FRAME_SIZE", "parse_frame_header", "encode_frame",
     "frame_parts",
     # messages
-    "decode_request", "Request", "LegacyRequest", "decode_reply", "Reply", "WireTensor", "HandleRef",
+    "decode_request", "Request", "Frame", "LegacyRequest", "decode_reply", "Reply", "WireTensor", "HandleRef",
     "OutTensor", "encode_reply", "encode_error", "encode_request", "encode_legacy_reply", "DTYPES", "MAX_NDIM",
     "CODECS", "V1", "LEGACY", "error_reply_for", "ERROR_CODES", "OPS", "ALIASES", "PROTOCOL_VERSION", "BIG_PAYLOAD",
     # exceptions

@@ -38,6 +38,7 @@ class _TensorFields(msgspec.Struct, forbid_unknown_fields=True):
 
 _TENSOR_FIELDS = msgspec.msgpack.Decoder(_TensorFields)
 _RAW_DECODER = msgspec.msgpack.Decoder(msgspec.Raw)
+_ARRAY_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
 # msgpack names of what msgspec decodes values (and map keys: arrays become tuples) into.
 _PY_TO_MSGPACK = {int: "int", float: "float", bool: "bool", type(None): "nil", bytes: "bin",
                   tuple: "array", list: "array", dict: "map", str: "str"}
@@ -116,6 +117,12 @@ class Reader:
         entries = self._decode(MAP_DECODER, raw, field, expected, cls)
         self.check_keys(entries, encoded, field, cls)
         return entries
+
+    def array(self, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument) -> list[msgspec.Raw]:
+        encoded = memoryview(raw)
+        if kind(encoded) != "array":
+            self.fail(cls, field, expected, describe(encoded))
+        return self._decode(_ARRAY_DECODER, raw, field, expected, cls)
 
     def _decode(self, decoder, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument):
         # The enclosing decode only skipped over this value: keys and strings inside it were

@@ -16,17 +16,16 @@ from typing import Annotated, ClassVar, Literal, NoReturn, Union
 import msgspec
 
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind
-from ._reader import Reader, buffer_views, decode_top_map
+from ._reader import _ARRAY_DECODER, Reader, buffer_views, decode_top_map
 from .codecs import V1
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
-from .schema import (ALIASES, KIND_EXPECTED, LAYOUTS, OPS, OUTPUTS, PROTOCOL_VERSION, SESSION_KINDS,
+from .schema import (ALIASES, FRAME_OPS, KIND_EXPECTED, LAYOUTS, OPS, OUTPUTS, PROTOCOL_VERSION, SESSION_KINDS,
                      SUPPORTED_VERSIONS, WEIGHTS_DTYPES, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
 _ENVELOPE_KEYS = frozenset(("v", "id", "op", "args", "deadline_us"))
-_ARRAY_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ID_EXPECTED = KIND_EXPECTED["request_id"]
 # Schema kind -> the Reader method that checks a value of that kind.
 _CHECKS = {"tensor": Reader.tensor, "tensor_data": Reader.tensor_data, "bool": Reader.boolean,
@@ -106,7 +105,7 @@ _SCALAR_TYPES = {
 }
 # Kinds no msgspec constraint expresses (a pair of possibly infinite numbers, not NaN; maps of
 # any values or of tensors): a request giving one is checked argument by argument.
-_CHECKED_ONLY_KINDS = ("limits", "map", "tensors", "size_or_tensors", "request_id")
+_CHECKED_ONLY_KINDS = ("limits", "map", "tensors", "size_or_tensors", "request_id", "frames")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,12 +231,12 @@ def _check_version(reader: Reader, raw: msgspec.Raw) -> None:
                     describe(encoded), supported=list(SUPPORTED_VERSIONS))
 
 
-def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict) -> dict:
+def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, prefix: str = "args.") -> dict:
     args = {}
     given_as = {}
     for key, raw in entries.items():
         name = ALIASES.get(key, key)
-        field = "args." + key
+        field = prefix + key
         arg = spec.get(name)
         if arg is None:
             expected = (f"an argument of {op}: " + ", ".join(spec)) if spec else f"no arguments for {op}"
@@ -253,8 +252,47 @@ def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict) -> 
         args[name] = _CHECKS[arg.kind](reader, raw, field)
     for name, arg in spec.items():
         if arg.required and name not in args:
-            reader.fail(MissingArgument, "args." + name, KIND_EXPECTED[arg.kind], "nothing", op=op)
+            reader.fail(MissingArgument, prefix + name, KIND_EXPECTED[arg.kind], "nothing", op=op)
     return args
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One call of session_open's `frames`: an op of FRAME_OPS and its checked arguments, which
+    name no session (the one being opened is theirs)."""
+
+    op: str
+    args: dict
+
+
+# Each frame op's arguments: its own but the session, which is the one being opened.
+_FRAME_SPECS = {op: {name: arg for name, arg in OPS[op].items() if name != "session"} for op in FRAME_OPS}
+_FRAME_KEYS = ("op", "args")
+
+
+def _read_frames(reader: Reader, raw: msgspec.Raw, field: str) -> tuple[Frame, ...]:
+    items = reader.array(raw, field, KIND_EXPECTED["frames"])
+    frames = []
+    for i, item in enumerate(items):
+        at = f"{field}[{i}]"
+        entries = reader.map(item, at, "a map {op, args}", InvalidArgument)
+        for key in entries:
+            if key not in _FRAME_KEYS:
+                reader.fail(InvalidArgument, f"{at}.{key}", "only the keys op and args", f"unknown key {key!r}")
+        if "op" not in entries:
+            reader.fail(MissingArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS), "nothing")
+        op = reader.string(entries["op"], f"{at}.op", expected="one of " + ", ".join(FRAME_OPS))
+        if op not in FRAME_OPS:
+            reader.fail(InvalidArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS) + " (the ops that advance a session)",
+                        f"str {op!r}")
+        spec = _FRAME_SPECS[op]
+        args_raw = entries.get("args")
+        call_args = {} if args_raw is None else reader.map(args_raw, f"{at}.args", "a map of arguments", InvalidArgument)
+        frames.append(Frame(op, _read_args(reader, op, spec, call_args, f"{at}.args.")))
+    return tuple(frames)
+
+
+_CHECKS["frames"] = _read_frames
 
 
 @dataclass(slots=True)

@@ -18,6 +18,8 @@ Each argument has a kind, checked by the decoder one value at a time:
     size_or_tensors  a size, or a map as `tensors` (session_open's state: a plain session's
                  state size, or a model session's saved state)
     request_id   a request id: a uint or a non-empty str (what cancel names)
+    frames       an array of maps {op, args}: calls of an op in FRAME_OPS on the session
+                 session_open opens, each args that op's own but session (checked as they are)
 
 Consistency between arguments (shapes agreeing, a session existing) is checked further in.
 """
@@ -60,11 +62,16 @@ KIND_EXPECTED = {
     "tensors": "a map of str names to tensor maps or handle maps",
     "size_or_tensors": "a positive int, or a map of str names to tensor maps or handle maps",
     "request_id": "a uint or a non-empty str",
+    "frames": "an array of maps {op, args}",
 }
 LAYOUTS = ("bld", "bdl")
 SESSION_KINDS = ("mamba", "ssd")
 OUTPUTS = ("logits", "hidden")
 WEIGHTS_DTYPES = ("f32", "bf16", "f16")
+
+# The ops a session_open's frames may call: those that advance a session's state, which a
+# client that reopens a session from a saved state runs again.
+FRAME_OPS = ("step", "scan", "ssd_scan", "model_step", "model_forward")
 
 # alias -> canonical name; accepted by every op that has the canonical argument, so that a
 # mamba_ssm call (selective_scan_fn, mamba_chunk_scan_combined) maps over one to one.
@@ -140,7 +147,8 @@ OPS: dict[str, dict[str, Arg]] = {
     },
     # kind "mamba" (the default) takes dim and state (a size), "ssd" heads, headdim and state,
     # and either an initial state h0 or none (zero); a model's session takes model, and a saved
-    # state (tensors) or none (checked further in).
+    # state (tensors) or none (checked further in). frames: calls run on the new session, in
+    # order, before the reply.
     "session_open": {
         "kind": Arg("kind"),
         "batch": Arg("size", True),
@@ -150,6 +158,7 @@ OPS: dict[str, dict[str, Arg]] = {
         "state": Arg("size_or_tensors"),
         "h0": Arg("tensor"),
         "model": Arg("str"),
+        "frames": Arg("frames"),
     },
     "session_close": {"session": Arg("str", True)},
     "session_state": {"session": Arg("str", True)},

@@ -159,14 +159,15 @@ def _minimal_value(kind):
             "number": 0.25, "str": "name-1", "size": 3, "layout": "bld", "limits": [0.0, float("inf")],
             "kind": "ssd", "output": "hidden", "weights_dtype": "bf16", "map": {"arch": "mamba", "n": [1, 2]},
             "tensors": {"w": tensor_map("f32", (2,)), "h": {"handle": "h1"}},
-            "size_or_tensors": {"layers.0.ssm": tensor_map("f32", (1, 2))}, "request_id": 7}[kind]
+            "size_or_tensors": {"layers.0.ssm": tensor_map("f32", (1, 2))}, "request_id": 7,
+            "frames": [{"op": "model_step", "args": {"tokens": tensor_map("i64", (1,))}}]}[kind]
 
 
 def _wrong_value(kind):
     return {"tensor": [1, 2], "tensor_data": {"handle": "h"}, "bool": 1, "number": "0.5", "str": 7,
             "size": 0, "layout": "dbl", "limits": [0.1, float("nan")], "kind": "mamba2", "output": "logit",
             "weights_dtype": "f64", "map": [1, 2], "tensors": "weights", "size_or_tensors": -3,
-            "request_id": -1}[kind]
+            "request_id": -1, "frames": {"op": "step"}}[kind]
 
 
 @pytest.mark.parametrize("op", list(OPS))

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from protocol import (DTYPES, ERROR_CODES, OPS, FrameAssembler, FrameTooLarge, HandleRef, LegacyRequest,
+from protocol import (DTYPES, ERROR_CODES, OPS, Frame, FrameAssembler, FrameTooLarge, HandleRef, LegacyRequest,
                       OutTensor, ProtocolError, Request, WireTensor, decode_reply, decode_request,
                       encode_reply, encode_request, frame_parts)
 from protocol.schema import ALIASES
@@ -88,8 +88,13 @@ def assert_same_value(decoded, described):
         assert bytes(decoded.data) == described["data"]
     elif isinstance(decoded, HandleRef):
         assert described == {"handle": decoded.handle}
-    elif isinstance(decoded, tuple):  # a limits pair, an array on the wire
-        assert list(decoded) == described
+    elif isinstance(decoded, Frame):  # one of session_open's frames
+        assert set(described) == {"op", "args"} and decoded.op == described["op"]
+        assert_same_value(decoded.args, described["args"])
+    elif isinstance(decoded, tuple):  # an array on the wire: a limits pair, session_open's frames
+        assert len(decoded) == len(described)
+        for item, expected in zip(decoded, described):
+            assert_same_value(item, expected)
     elif isinstance(decoded, dict):  # a map of tensors (weights, a model's state) or a config
         assert set(decoded) == set(described)
         for key, value in decoded.items():

@@ -7,9 +7,12 @@ from __future__ import annotations
 import kernels
 import torch
 
+import protocol
+
 from ..batcher import (BatchedOp, Item, charge, dt_options, dtype_of, member_rows, row_signature, shared_args,
                        shared_tensors, signature, stack_rows, wire_rows)
-from ..errors import OpError
+from ..dispatcher import Call
+from ..errors import OpError, error_fields
 from ..native import NativeStep
 from ..sessions import ROW_AXES, StateLayout
 from ..tensors import WIRE_DTYPES, to_wire
@@ -20,9 +23,43 @@ ROW_ARGS = ("x", "dt", "B", "C", "z")
 
 
 def session_open(server, call) -> dict:
+    session = open_model_session(server, call) if "model" in call.args else open_plain_session(server, call)
+    if "frames" not in call.args:
+        return {"session": session.id}
+    return {"session": session.id, "frames": run_frames(server, call, session)}
+
+
+def run_frames(server, call, session) -> list[dict]:
+    """Each frame's result, in order. A frame that fails closes the session, so that the request
+    leaves nothing behind, and its error names the frame: what a client reopening a session
+    from a saved state needs is all of it or a clear refusal."""
+    results = []
+    for i, frame in enumerate(call.args["frames"]):
+        request = protocol.Request(call.request.id, frame.op, {**frame.args, "session": session.id})
+        handler = server.registry.handler(request)
+        try:
+            # on the opening request's connection, its times added to that request's
+            results.append(handler(server, Call(call.conn, request, call.timing, handler)))
+        except Exception as exc:
+            server.sessions.remove(call.conn.id, session.id, "args.session")
+            raise frame_error(exc, i) from exc
+    return results
+
+
+def frame_error(exc: BaseException, index: int) -> OpError:
+    """The frame's own error, its field named within session_open's arguments."""
+    code, message, detail = error_fields(exc)
+    field = detail.get("field")
+    if isinstance(field, str) and field.startswith("args."):
+        detail["field"] = f"args.frames[{index}].{field}"
+        if message.startswith(field):
+            message = detail["field"] + message[len(field):]
+    detail["frame"] = index
+    return OpError(code, message, detail)
+
+
+def open_plain_session(server, call):
     args = call.args
-    if "model" in args:
-        return {"session": open_model_session(server, call).id}
     kind = args.get("kind", "mamba")
     axes = ROW_AXES[kind]
     for other_kind, other_axes in ROW_AXES.items():
@@ -47,7 +84,7 @@ def session_open(server, call) -> dict:
     session = server.open_session(call.conn, args["batch"], layout)
     if h0 is not None:
         session.write(h0)
-    return {"session": session.id}
+    return session
 
 
 def initial_state(server, call, kind: str, shape: tuple[int, ...]) -> torch.Tensor | None:

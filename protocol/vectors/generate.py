@@ -226,6 +226,16 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                             "dim 2, state 3, starting at h0",
                             {"v": 1, "id": 27, "op": "session_open",
                              "args": {"batch": 2, "dim": 2, "state": 3, "h0": tensor("f32", (2, 2, 3), 220)}}))
+    vectors.append(_request("session_open_frames", "reopen a session from its exported state and run the frame "
+                            "answered since in the same request: batch 1, dim 2, state 3",
+                            {"v": 1, "id": 51, "op": "session_open",
+                             "args": {"batch": 1, "dim": 2, "state": 3, "h0": tensor("f32", (1, 2, 3), 230),
+                                      "frames": [{"op": "step",
+                                                  "args": {"x": tensor("f32", (1, 2), 231),
+                                                           "dt": tensor("f32", (1, 2), 232),
+                                                           "A": tensor("f32", (2, 3), 233),
+                                                           "B": tensor("f32", (1, 3), 234),
+                                                           "C": tensor("f32", (1, 3), 235)}}]}}))
     vectors.append(_request("step_ssd", "one step against a Mamba-2 session",
                             {"v": 1, "id": 14, "op": "step",
                              "args": {"session": "s-2", "x": tensor("f32", (2, 2, 2), 190),

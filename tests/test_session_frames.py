@@ -1,0 +1,152 @@
+"""session_open's `frames` (SPEC §6.1): a session opened from a saved state with the frames since
+run on it in the same request, as a client rebuilding a session elsewhere does.
+
+- on named cases (plain Mamba-1 and Mamba-2 sessions stepped and prefilled, a Mamba and a Mamba-2
+  model's session stepped and prefilled): the frames' results and the state they leave equal
+  those of the same frames sent one by one to a session opened from the same state, bit for bit;
+  return_state inside a frame returns the state after it;
+- a frame that fails closes the session (no session is left open) and its error names the frame's
+  field within session_open's arguments; the server serves on;
+- a malformed frame (an op that does not advance a session, a session of its own, an unknown
+  key, a missing argument) is refused by name before anything is opened.
+
+Servers run in-process (tests/bridge_fakes.py); inputs are fresh random values, the seed in every
+failure message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import random_seed
+from test_return_state import CASES, Case, Scene, assert_same_state, is_zero, output_of
+
+def saved_state(scene: Scene, frames: int):
+    """The state of a session stepped `frames` times, as session_state returns it."""
+    session = scene.open()
+    for _ in range(frames):
+        scene.call(scene.case.op, session=session, **scene.frame())
+    state = scene.state(session)
+    scene.call("session_close", session=session)
+    return state
+
+
+def open_args(scene: Scene, state) -> dict:
+    """session_open's arguments for the scene's session, starting from `state`."""
+    b = scene.case.batch
+    if scene.model is not None:
+        return {"model": scene.model, "batch": b, "state": state}
+    if scene.case.kind == "ssd":
+        from test_return_state import HEADDIM, HEADS, STATE
+        return {"kind": "ssd", "batch": b, "heads": HEADS, "headdim": HEADDIM, "state": STATE, "h0": state}
+    from test_return_state import DIM, STATE
+    return {"batch": b, "dim": DIM, "state": STATE, "h0": state}
+
+
+def open_sessions(scene: Scene) -> int:
+    return scene.call("stats")["sessions"]["sessions"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_frames_run_on_the_opened_session_as_calls_one_by_one_would(inproc, case):
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    state = saved_state(scene, 2)
+    frames = [scene.frame() for _ in range(3)]
+    opened = scene.call("session_open", **open_args(scene, state),
+                        frames=[{"op": case.op, "args": frame} for frame in frames])
+    twin = scene.call("session_open", **open_args(scene, state))["session"]
+    assert len(opened["frames"]) == len(frames), f"seed={seed}: {len(opened['frames'])} results"
+    for i, (frame, result) in enumerate(zip(frames, opened["frames"])):
+        expected = scene.call(case.op, session=twin, **frame)
+        assert "state" not in result, f"seed={seed}: frame {i} carries the state unasked"
+        assert torch.equal(output_of(result), output_of(expected)), f"seed={seed}: frame {i}'s output"
+    after = scene.state(opened["session"])
+    assert not is_zero(after), f"seed={seed}: the frames left the state zero"
+    assert_same_state(after, scene.state(twin), f"seed={seed}, the twin's")
+
+
+@pytest.mark.parametrize("case", [pytest.param(Case("ssd", "step"), id="plain-ssd-step"),
+                                  pytest.param(Case("mamba2", "model_step"), id="mamba2-model-step")])
+def test_a_frame_asking_for_the_state_gets_the_state_after_it(inproc, case):
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    frames = [scene.frame(), {**scene.frame(), "return_state": True}]
+    opened = scene.call("session_open", **open_args(scene, saved_state(scene, 1)),
+                        frames=[{"op": case.op, "args": frame} for frame in frames])
+    assert "state" not in opened["frames"][0], f"seed={seed}"
+    assert_same_state(opened["frames"][1]["state"], scene.state(opened["session"]), f"seed={seed}")
+
+
+def test_no_frames_is_an_open_that_says_so(inproc):
+    seed = random_seed()
+    scene = Scene(inproc(), Case("mamba", "step"), seed)
+    opened = scene.call("session_open", **open_args(scene, saved_state(scene, 1)), frames=[])
+    assert opened["frames"] == [], f"seed={seed}: {opened}"
+    assert "frames" not in scene.call("session_open", batch=2, dim=6, state=4), "asked for none, got frames"
+
+
+@pytest.mark.parametrize("case", [pytest.param(Case("mamba", "step"), id="plain-mamba-step"),
+                                  pytest.param(Case("mamba2", "model_step"), id="mamba2-model-step")])
+def test_a_failing_frame_closes_the_session_and_is_named(inproc, case):
+    """The second frame's input has a row too many: refused further in (shapes against the
+    session), after the first frame ran."""
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    state = saved_state(scene, 1)
+    bad = scene.frame()
+    name = "embeds" if case.op == "model_step" else "x"
+    bad[name] = torch.cat([bad[name], bad[name][:1]])
+    before = open_sessions(scene)
+    reply = scene.srv.request(scene.conn, "session_open", **open_args(scene, state),
+                              frames=[{"op": case.op, "args": scene.frame()}, {"op": case.op, "args": bad}])
+    assert not reply.ok and reply.error["code"] == "shape_mismatch", f"seed={seed}: {reply.error}"
+    field = reply.error["detail"]["field"]
+    assert field == f"args.frames[1].args.{name}", f"seed={seed}: {reply.error}"
+    assert reply.error["message"].startswith(field), f"seed={seed}: {reply.error['message']}"
+    assert reply.error["detail"]["frame"] == 1, f"seed={seed}: {reply.error}"
+    assert open_sessions(scene) == before, f"seed={seed}: the failed request left a session open"
+    # the server serves on
+    assert scene.call("session_open", **open_args(scene, state))["session"]
+
+
+@pytest.mark.parametrize("frame, field, code", [
+    pytest.param({"op": "session_state", "args": {}}, "args.frames[0].op", "invalid_argument", id="not-advancing"),
+    pytest.param({"op": "step", "args": {"session": "x"}}, "args.frames[0].args.session", "invalid_argument",
+                 id="own-session"),
+    pytest.param({"op": "step", "args": {}, "then": 1}, "args.frames[0].then", "invalid_argument", id="unknown-key"),
+    pytest.param({"args": {}}, "args.frames[0].op", "missing_argument", id="no-op"),
+    pytest.param({"op": "step", "args": {"dt": 1}}, "args.frames[0].args.dt", "invalid_argument",
+                 id="wrong-kind"),
+    pytest.param({"op": "step", "args": {}}, "args.frames[0].args.x", "missing_argument", id="missing-arg"),
+    pytest.param("step", "args.frames[0]", "invalid_argument", id="not-a-map"),
+])
+def test_a_malformed_frame_is_refused_by_name_before_anything_opens(inproc, frame, field, code):
+    scene = Scene(inproc(), Case("mamba", "step"), random_seed())
+    before = open_sessions(scene)
+    reply = scene.srv.request(scene.conn, "session_open", batch=2, dim=6, state=4, frames=[frame])
+    assert not reply.ok and reply.error["code"] == code, reply.error
+    assert reply.error["detail"]["field"] == field, reply.error
+    assert open_sessions(scene) == before
+    reply = scene.srv.request(scene.conn, "session_open", batch=2, dim=6, state=4, frames={"op": "step"})
+    assert not reply.ok and reply.error["detail"]["field"] == "args.frames", reply.error
+
+
+def test_a_prefill_frame_then_steps_on_a_plain_session(inproc):
+    """scan with the session (a prefill) among the frames, as a kept log may hold one."""
+    from test_return_state import DIM, STATE, uniform
+    seed = random_seed()
+    scene = Scene(inproc(), Case("mamba", "step"), seed)
+    b, seq, gen = scene.case.batch, 5, scene.gen
+    prefill = {"x": torch.randn(b, seq, DIM, generator=gen), "dt": uniform(gen, (b, seq, DIM), 0.05, 0.5),
+               "A": scene.A, "B": torch.randn(b, seq, STATE, generator=gen),
+               "C": torch.randn(b, seq, STATE, generator=gen)}
+    frames = [("scan", prefill), ("step", scene.frame())]
+    state = saved_state(scene, 1)
+    opened = scene.call("session_open", **open_args(scene, state),
+                        frames=[{"op": op, "args": args} for op, args in frames])
+    twin = scene.call("session_open", **open_args(scene, state))["session"]
+    for i, ((op, args), result) in enumerate(zip(frames, opened["frames"])):
+        assert torch.equal(result["y"], scene.call(op, session=twin, **args)["y"]), f"seed={seed}: frame {i}"
+    assert_same_state(scene.state(opened["session"]), scene.state(twin), f"seed={seed}")
