@@ -598,14 +598,33 @@ defmodule ClusterBench do
         _ -> false
       end)
 
+    # place/3 where the rebuild may run the frame in flight on the open (place/2 before that)
     place_call = at.(&match?({:call, {Session, :place, _}}, &1))
     after_place = Enum.filter(after_kill, fn {t, _} -> place_call != nil and t >= place_call end)
     at_place = fn pred -> Enum.find_value(after_place, fn {t, e} -> if pred.(e), do: t end) end
     checked_out = at_place.(&match?({:return, {Balancer, :checkout, 3}, _}, &1))
     named = at_place.(&match?({:return, {ScanBridge.Server, :model_named, 2}, _}, &1))
-    open_call = at_place.(&match?({:call, {ScanBridge, :open_session, [_, _, _]}}, &1))
-    opened = at_place.(&match?({:return, {ScanBridge, :open_session, 3}, {:ok, _}}, &1))
-    rebuilt = at_place.(&match?({:return, {Session, :place, 2}, {:ok, _}}, &1))
+
+    open_call =
+      at_place.(fn
+        {:call, {ScanBridge, :open_session, [_, _, _]}} -> true
+        {:call, {ScanBridge, :open_session_with_frames, [_, _, _, _]}} -> true
+        _ -> false
+      end)
+
+    opened =
+      at_place.(fn
+        {:return, {ScanBridge, :open_session, 3}, {:ok, _}} -> true
+        {:return, {ScanBridge, :open_session_with_frames, 4}, {:ok, _, _}} -> true
+        _ -> false
+      end)
+
+    rebuilt =
+      at_place.(fn
+        {:return, {Session, :place, 2}, {:ok, _}} -> true
+        {:return, {Session, :place, 3}, {:ok, _, _}} -> true
+        _ -> false
+      end)
 
     # a frame the keeper sent to the gone server (answered with an error, then sent again)
     retried =
@@ -614,10 +633,18 @@ defmodule ClusterBench do
           (place_call == nil or t <= place_call)
       end)
 
+    # the kept frames: replay/4's log, or the frames of the open that ran them, less the one in
+    # flight where the rebuild followed its error (place/3 runs it last)
     replayed =
       Enum.find_value(after_place, fn
-        {_, {:call, {Session, :replay, [_, _, log, _]}}} -> length(log)
-        _ -> nil
+        {_, {:call, {Session, :replay, [_, _, log, _]}}} ->
+          length(log)
+
+        {_, {:call, {ScanBridge, :open_session_with_frames, [_, _, frames, _]}}} ->
+          length(frames) - if(retried, do: 1, else: 0)
+
+        _ ->
+          nil
       end)
 
     # the first frame answered by the new owner: after the rebuild when traced, else the first
@@ -1110,17 +1137,19 @@ defmodule ClusterBench do
 
   ## Tracing a victim's keeper
 
-  # The keeper's steps in a rebuild, timestamped: the DOWN it receives, the calls place/2 makes
-  # (Balancer.checkout/3, Server.model_named/2 where called, ScanBridge.open_session/3,
-  # replay/4) and its model steps. Only the victim's keepers are traced, from just before the
+  # The keeper's steps in a rebuild, timestamped: the DOWN it receives, the calls place/2 or
+  # place/3 makes (Balancer.checkout/3, Server.model_named/2 where called,
+  # ScanBridge.open_session/3 and replay/4, or open_session_with_frames/4) and its model steps. Only the victim's keepers are traced, from just before the
   # kill to the round's end; a pattern that matches no function (renamed) leaves its times out
   # (null).
   @traced [
     {Session, :place, 2},
+    {Session, :place, 3},
     {Session, :replay, 4},
     {Balancer, :checkout, 3},
     {ScanBridge.Server, :model_named, 2},
     {ScanBridge, :open_session, 3},
+    {ScanBridge, :open_session_with_frames, 4},
     {ScanBridge, :model_step, 4}
   ]
 
@@ -1406,7 +1435,9 @@ defmodule ClusterBench do
           "(builtin kill), or :peer.stop/1 called. For each session that was on the victim " <>
           "(session_info before the kill): failover = (the answer time of its first frame " <>
           "answered by the new owner) - t_kill, where 'by the new owner' means answered after " <>
-          "the keeper's rebuild (place/2) returned, from a trace of the keeper. It includes " <>
+          "the keeper's rebuild (place/3, place/2 before frames on the open) returned, from a " <>
+          "trace of the keeper; where the rebuild ran the frame in flight on its open, that " <>
+          "frame's answer. It includes " <>
           "the wait for the session's next paced frame (up to one frame, 16.7 ms) when the " <>
           "rebuild is done before that frame is due: since_kill.first_frame_started and " <>
           "durations.rebuilt_to_answer show it",
@@ -1417,15 +1448,19 @@ defmodule ClusterBench do
           "in-flight model_step's error return, or the rebuild's start (a call sent before " <>
           "the trace began has no return traced, and a DOWN that demonitor flushes is never " <>
           "received); " <>
-          "rebuild_started = ScanBridge.Cluster.Session.place/2 called; checked_out = " <>
+          "rebuild_started = ScanBridge.Cluster.Session.place/3 (or /2) called; checked_out = " <>
           "Balancer.checkout/3 returned; model_named = ScanBridge.Server.model_named/2 " <>
           "returned (a call to the new member, made only where this node had not learnt the " <>
           "model's id there: durations.model_named_call's n counts them); opened = " <>
-          "ScanBridge.open_session/3 with the checkpoint's state returned; rebuilt = place/2 returned (kept frames replayed); " <>
+          "ScanBridge.open_session/3 with the checkpoint's state returned, or " <>
+          "open_session_with_frames/4 (the open with the kept frames and the frame in flight, " <>
+          "one request; durations.open_session_with_state then holds them, and replay is " <>
+          "nothing); rebuilt = place/3 (or /2) returned (kept frames replayed); " <>
           "answered = the failover time",
       "replayed_frames" =>
         "the length of the kept-frame log the rebuild replayed (the first replay/4 call's " <>
-          "argument, traced; else frames_since_checkpoint from session_info just before the " <>
+          "argument, or open_session_with_frames/4's frames less the one in flight, traced; " <>
+          "else frames_since_checkpoint from session_info just before the " <>
           "kill); in_flight: the keeper had sent a frame to the gone server (its model_step " <>
           "returned an error after t_kill, traced; else: the frame was called before t_kill), " <>
           "which is sent again to the new owner; rerun_frames = replayed + in_flight",

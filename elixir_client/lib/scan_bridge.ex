@@ -271,10 +271,7 @@ defmodule ScanBridge do
   def scan(server, inputs, opts \\ []) do
     with {:ok, result, timing} <-
            request(server, "scan", Protocol.wire_args!(inputs, "scan"), opts),
-         {:ok, y} <- result_tensor(result, "y"),
-         {:ok, state} <- optional_result_tensor(result, "state") do
-      {:ok, %{y: y, state: state, timing: timing}}
-    end
+         do: scan_answer(result, timing)
   end
 
   @doc """
@@ -300,7 +297,12 @@ defmodule ScanBridge do
   def ssd_scan(server, inputs, opts \\ []) do
     with {:ok, result, timing} <-
            request(server, "ssd_scan", Protocol.wire_args!(inputs, "ssd_scan"), opts),
-         {:ok, y} <- result_tensor(result, "y"),
+         do: scan_answer(result, timing)
+  end
+
+  # What scan/3, ssd_scan/3 and step/4 return, from the result of their op.
+  defp scan_answer(result, timing) do
+    with {:ok, y} <- result_tensor(result, "y"),
          {:ok, state} <- optional_result_tensor(result, "state") do
       {:ok, %{y: y, state: state, timing: timing}}
     end
@@ -398,20 +400,22 @@ defmodule ScanBridge do
   """
   @spec step(server, String.t(), inputs, call_opts) :: {:ok, step_result} | error
   def step(server, session, inputs, opts \\ []) when is_binary(session) do
-    args = Protocol.wire_args!(inputs, "step")
+    args =
+      inputs
+      |> Protocol.wire_args!("step")
+      |> no_session!("step", "step/4 takes it as its second argument")
 
+    with {:ok, result, timing} <- request(server, "step", Map.put(args, "session", session), opts),
+         do: scan_answer(result, timing)
+  end
+
+  defp no_session!(args, op, why) do
     if Map.has_key?(args, "session") do
       raise ArgumentError,
-            "step inputs: expected no session (step/4 takes it as its second argument), got #{inspect(args["session"], limit: 5)}"
+            "#{op} inputs: expected no session (#{why}), got #{inspect(args["session"], limit: 5)}"
     end
 
-    args = Map.put(args, "session", session)
-
-    with {:ok, result, timing} <- request(server, "step", args, opts),
-         {:ok, y} <- result_tensor(result, "y"),
-         {:ok, state} <- optional_result_tensor(result, "state") do
-      {:ok, %{y: y, state: state, timing: timing}}
-    end
+    args
   end
 
   @doc """
@@ -442,6 +446,113 @@ defmodule ScanBridge do
 
     with {:ok, result, _timing} <- request(server, "session_open", args, opts),
          do: result_string(result, "session")
+  end
+
+  @doc """
+  Opens a session as `open_session/3` does and runs `frames` on it in the same request (SPEC
+  §6.1 `session_open`'s `frames`): what a client that reopens a session elsewhere from a saved
+  state does with the frames answered since, and the one in flight, in one round trip.
+
+  Each frame is `{call, input}` or `{call, input, opts}`: `call` one of `:step`, `:scan`,
+  `:ssd_scan`, `:model_step`, `:model_forward`, and `input` and `opts` what that function takes
+  after its session (`scan/3`'s and `ssd_scan/3`'s inputs without `:session`; `opts` only the
+  model calls' `:output`, `:last_only`, `:return_state`). Returns the session's id and each
+  frame's result, in order, as that function returns it (their `timing`, the request's).
+
+  A frame that fails fails the call with its own error, its field named
+  `args.frames[i].args.<name>` and `detail["frame"]` i, and leaves no session open. A server
+  from before frames refuses them (`:invalid_argument`, field `args.frames`) and opens nothing.
+  """
+  @spec open_session_with_frames(server, map | keyword, [frame], call_opts) ::
+          {:ok, String.t(), [term]} | error
+  def open_session_with_frames(server, dims, frames, opts \\ []) when is_list(frames) do
+    args = dims |> session_dims!() |> session_model!() |> Protocol.wire_args!("open_session")
+    calls = Enum.map(frames, &frame!/1)
+
+    args =
+      Map.put(
+        args,
+        "frames",
+        Enum.map(calls, fn {op, frame_args, _} -> %{"op" => op, "args" => frame_args} end)
+      )
+
+    with {:ok, result, timing} <- request(server, "session_open", args, opts),
+         {:ok, session} <- result_string(result, "session"),
+         {:ok, results} <- frame_results(Map.get(result, "frames"), calls, timing),
+         do: {:ok, session, results}
+  end
+
+  # A frame: its op, its arguments (no session: the frame's is the one being opened) and how
+  # its result reads, as the call's own function reads it.
+  defp frame!({call, input}), do: frame!({call, input, []})
+
+  defp frame!({:step, inputs, []}) do
+    args =
+      inputs
+      |> Protocol.wire_args!("step")
+      |> no_session!("step", "a frame's is the session opened")
+
+    {"step", args, &scan_answer/2}
+  end
+
+  defp frame!({call, inputs, []}) when call in [:scan, :ssd_scan] do
+    op = Atom.to_string(call)
+    args = inputs |> Protocol.wire_args!(op) |> no_session!(op, "a frame's is the session opened")
+    {op, args, &scan_answer/2}
+  end
+
+  defp frame!({call, input, opts}) when call in [:model_step, :model_forward] do
+    op = Atom.to_string(call)
+
+    allowed =
+      if call == :model_step,
+        do: [:output, :return_state],
+        else: [:output, :last_only, :return_state]
+
+    opts = opts!(opts, allowed, op)
+    return_state = Keyword.get(opts, :return_state, false)
+
+    {op, model_frame_args!(input, opts, op),
+     fn result, _timing -> model_answer(result, return_state) end}
+  end
+
+  defp frame!(other) do
+    raise ArgumentError,
+          "open_session_with_frames frame: expected {call, input} or {call, input, opts} with call " <>
+            ":step, :scan, :ssd_scan (no opts), :model_step or :model_forward, got #{inspect(other, limit: 5)}"
+  end
+
+  defp frame_results(results, calls, timing)
+       when is_list(results) and length(results) == length(calls) do
+    results
+    |> Enum.zip(calls)
+    |> Enum.reduce_while({:ok, []}, fn
+      {%{} = result, {_op, _args, answer}}, {:ok, acc} ->
+        case answer.(result, timing) do
+          {:ok, value} -> {:cont, {:ok, [value | acc]}}
+          error -> {:halt, error}
+        end
+
+      {other, {op, _args, _answer}}, _acc ->
+        {:halt,
+         {:error,
+          Error.client(
+            :decode_error,
+            "result frames: expected #{op}'s result map, got #{inspect(other, limit: 5)}"
+          )}}
+    end)
+    |> case do
+      {:ok, values} -> {:ok, Enum.reverse(values)}
+      error -> error
+    end
+  end
+
+  defp frame_results(results, calls, _timing) do
+    {:error,
+     Error.client(
+       :decode_error,
+       "result frames: expected a list of #{length(calls)} results, got #{inspect(results, limit: 5)}"
+     )}
   end
 
   defp session_dims!(dims) do
@@ -530,6 +641,14 @@ defmodule ScanBridge do
           Path.t() | %{config: map, weights: %{optional(atom | String.t()) => tensor_input}}
   @typedoc "A model's id (`load_model/3`'s info `\"model\"`), or that info map itself."
   @type model :: String.t() | %{String.t() => term}
+  @typedoc """
+  One of `open_session_with_frames/4`'s frames: a call that advances the session and what it
+  takes after its session.
+  """
+  @type frame ::
+          {:step | :scan | :ssd_scan, inputs}
+          | {:model_step | :model_forward, model_input}
+          | {:model_step | :model_forward, model_input, keyword}
   @typedoc "`load_model/3`'s options."
   @type load_opts :: [dtype: :f32 | :bf16 | :f16 | String.t(), name: String.t(), timeout: timeout]
   @typedoc "What a model op answers with: logits (the default with a head) or hidden states."
@@ -713,10 +832,13 @@ defmodule ScanBridge do
   def model_step!(server, session, input, opts \\ []),
     do: ok!(model_step(server, session, input, opts))
 
-  defp model_args!(session, input, opts, op) do
-    args = %{"session" => id!(session, "#{op} session")}
+  defp model_args!(session, input, opts, op),
+    do: input |> model_frame_args!(opts, op) |> Map.put("session", id!(session, "#{op} session"))
+
+  # A model op's arguments but its session.
+  defp model_frame_args!(input, opts, op) do
     {name, value} = model_input!(input, op)
-    args = Map.put(args, name, tensor_arg!(value, "#{op} #{name}"))
+    args = %{name => tensor_arg!(value, "#{op} #{name}")}
 
     Enum.reduce(opts, args, fn
       {:output, output}, args when output in [:logits, :hidden] ->

@@ -360,6 +360,20 @@ defmodule ScanBridge.ClusterTest do
         """
   ]
 
+  # A server from before session_open's frames: it refuses them by name, opening nothing.
+  @refusing_frames """
+  import bridge.ops.sessions
+  from bridge.errors import OpError
+
+
+  def refusing(server, call, session):
+      server.sessions.remove(call.conn.id, session.id, "args.session")
+      raise OpError("invalid_argument", "args.frames: unknown argument 'frames'", {"field": "args.frames"})
+
+
+  bridge.ops.sessions.run_frames = refusing
+  """
+
   for {name, python} <- @old_servers do
     test "with a server #{name} the state, checkpoints are read with session_state" do
       dir = Models.tmp_dir!()
@@ -573,13 +587,43 @@ defmodule ScanBridge.ClusterTest do
       {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
       got = for t <- 0..2, do: step!(s, embeds, t)
       {:ok, %{member: owner}} = Cluster.session_info(s)
+      [other] = Cluster.members(g) -- [owner]
+      opens = ops_done(other, "session_open")
+      steps = ops_done(other, "model_step")
       freeze(os_pid!(owner))
       frame = Task.async(fn -> step!(s, embeds, 3) end)
       assert eventually(fn -> map_size(:sys.get_state(owner).outstanding) == 1 end)
       kill_server!(owner)
-      got = got ++ [Task.await(frame)] ++ for(t <- 4..5, do: step!(s, embeds, t))
+      got = got ++ [Task.await(frame)]
+      # one request rebuilt it: the open ran the kept frame and then the one in flight
+      assert {ops_done(other, "session_open"), ops_done(other, "model_step")} == {opens + 1, steps}
+      assert {:ok, %{frames_since_checkpoint: 0}} = Cluster.session_info(s)
+      got = got ++ for(t <- 4..5, do: step!(s, embeds, t))
       for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
       assert {:ok, %{failovers: 1, status: :ok}} = Cluster.session_info(s)
+    end
+
+    test "a member from before frames on the open is rebuilt on by an open and a replay" do
+      dir = Models.tmp_dir!()
+      File.write!(Path.join(dir, "sitecustomize.py"), @refusing_frames)
+      env = TestSupport.server_opts()[:env]
+      {_, path} = List.keyfind(env, "PYTHONPATH", 0)
+      g = model_group(1)
+      embeds = Models.embeds(1, 6, 8)
+      {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+      expected = for t <- 0..5, do: step!(reference, embeds, t)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+      got = for t <- 0..4, do: step!(s, embeds, t)
+      {:ok, %{member: owner}} = Cluster.session_info(s)
+      env = List.keystore(env, "PYTHONPATH", 0, {"PYTHONPATH", dir <> ":" <> path})
+      old = start_member(g, env: env)
+      kill_server!(owner)
+      got = got ++ [step!(s, embeds, 5)]
+      for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+      assert {:ok, %{failovers: 1, member: ^old}} = Cluster.session_info(s)
+      # the open with frames refused, then the open and the kept frames one by one
+      assert ops_refused(old, "session_open") == 1
+      assert ops_done(old, "session_open") >= 1
     end
 
     test "after a frame times out and a later one is answered, a failover is refused" do

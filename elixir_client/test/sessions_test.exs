@@ -103,6 +103,98 @@ defmodule ScanBridge.SessionsTest do
     end
   end
 
+  describe "open_session_with_frames" do
+    defp plain_frame do
+      f32 = fn shape -> TestSupport.random(:f32, shape) end
+      %{x: f32.({2, 3}), dt: f32.({2, 3}), A: f32.({3, 2}), B: f32.({2, 2}), C: f32.({2, 2})}
+    end
+
+    test "runs the frames on the session it opens, as steps one by one would", %{server: server} do
+      dims = [batch: 2, dim: 3, state: 2]
+      {:ok, source} = ScanBridge.open_session(server, dims)
+      for _ <- 1..2, do: {:ok, _} = ScanBridge.step(server, source, plain_frame())
+      {:ok, saved} = ScanBridge.session_state(server, source)
+      window = TestSupport.scan_inputs(%{batch: 2, seq: 4, dim: 3, state: 2})
+      steps = [plain_frame(), Map.put(plain_frame(), :return_state, true)]
+      frames = [{:scan, window} | Enum.map(steps, &{:step, &1})]
+      dims = dims ++ [h0: saved]
+
+      assert {:ok, session, [prefill, first, second]} =
+               ScanBridge.open_session_with_frames(server, dims, frames)
+
+      {:ok, twin} = ScanBridge.open_session(server, dims)
+      assert prefill.y.data == ok!(ScanBridge.scan(server, Map.put(window, :session, twin))).y.data
+
+      for {got, inputs} <- Enum.zip([first, second], steps) do
+        assert got.y.data == ok!(ScanBridge.step(server, twin, inputs)).y.data
+      end
+
+      assert first.state == nil
+      assert {:ok, state} = ScanBridge.session_state(server, session)
+      assert second.state == state
+      assert {:ok, ^state} = ScanBridge.session_state(server, twin)
+    end
+
+    test "a model session's frames answer as model_step and model_forward do", %{server: server} do
+      alias ScanBridge.TestSupport.Models
+      config = Models.config(:mamba2)
+      {:ok, %{"model" => model}} = ScanBridge.load_model(server, Models.backbone(config, 3))
+      embeds = Models.embeds(1, 5, config["d_model"])
+      window = {:embeds, Models.frames(embeds, 0, 3)}
+      {:ok, twin} = ScanBridge.open_session(server, model: model, batch: 1)
+
+      assert {:ok, session, [prefill, {out, state}]} =
+               ScanBridge.open_session_with_frames(server, [model: model, batch: 1], [
+                 {:model_forward, window, last_only: true},
+                 {:model_step, {:embeds, Models.frame(embeds, 3)}, return_state: true}
+               ])
+
+      assert prefill == ok!(ScanBridge.model_forward(server, twin, window, last_only: true))
+      assert out == ok!(ScanBridge.model_step(server, twin, {:embeds, Models.frame(embeds, 3)}))
+      assert {:ok, ^state} = ScanBridge.session_state(server, session)
+    end
+
+    test "a failing frame is named and leaves no session open", %{server: server} do
+      {:ok, %{"sessions" => %{"sessions" => open}}} = ScanBridge.stats(server)
+      bad = %{plain_frame() | x: TestSupport.random(:f32, {3, 3})}
+
+      assert {:error, %ScanBridge.Error{reason: :shape_mismatch, detail: detail}} =
+               ScanBridge.open_session_with_frames(server, [batch: 2, dim: 3, state: 2], [
+                 {:step, plain_frame()},
+                 {:step, bad}
+               ])
+
+      assert %{"field" => "args.frames[1].args.x", "frame" => 1} = detail
+      assert {:ok, %{"sessions" => %{"sessions" => ^open}}} = ScanBridge.stats(server)
+    end
+
+    test "a frame it cannot send raises before anything is sent", %{server: server} do
+      dims = [batch: 2, dim: 3, state: 2]
+
+      assert_raise ArgumentError,
+                   ~r/step inputs: expected no session \(a frame's is the session opened\)/,
+                   fn ->
+                     ScanBridge.open_session_with_frames(server, dims, [
+                       {:step, Map.put(plain_frame(), :session, "s")}
+                     ])
+                   end
+
+      assert_raise ArgumentError, ~r/open_session_with_frames frame: expected/, fn ->
+        ScanBridge.open_session_with_frames(server, dims, [{:session_state, %{}}])
+      end
+
+      assert_raise ArgumentError,
+                   ~r/model_step options: expected only :output, :return_state/,
+                   fn ->
+                     ScanBridge.open_session_with_frames(server, [model: "m", batch: 1], [
+                       {:model_step, {:embeds, TestSupport.random(:f32, {1, 8})}, timeout: 5}
+                     ])
+                   end
+    end
+  end
+
+  defp ok!({:ok, value}), do: value
+
   test "sessions are the client's: an unknown id is :unknown_session", %{server: server} do
     assert {:error, %ScanBridge.Error{reason: :unknown_session}} =
              ScanBridge.session_state(server, "no-such-session")

@@ -327,7 +327,7 @@ defmodule ScanBridge.Cluster.Session do
             cond do
               Cluster.gone?(error) ->
                 state = owner_gone(state, error.message)
-                retry(rebuild(state, deadline), from, kind, input, opts, deadline, outcome)
+                retry(state, from, kind, input, opts, deadline, outcome)
 
               error.reason == :timeout and kind in @advancing ->
                 {:reply, outcome, %{state | status: unsure(state.status)}}
@@ -343,11 +343,21 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # The call in flight when the owner went away, sent to the rebuilt session (once).
+  # The call in flight when the owner went away, sent to the rebuilt session (once): on the
+  # rebuild's open, after the kept frames, where the new owner takes frames there; else after it.
   defp retry(state, from, kind, input, opts, deadline, first_outcome) do
+    # a new owner is asked for the state on a frame's reply (place/3)
+    asking = asking(%{state | state_on_reply: true}, kind, input, opts)
+    {state, ran} = rebuild(state, deadline, sent_frame(kind, input, opts, asking))
+
     cond do
       match?({:lost, _}, state.status) ->
         {:reply, {:error, elem(state.status, 1)}, state}
+
+      ran != :not_run ->
+        {outcome, saved, state} = answered(state, kind, asking, ran)
+        GenServer.reply(from, outcome)
+        {:noreply, advanced(state, kind, input, opts, saved)}
 
       state.owner == nil or expired?(deadline) ->
         {:reply, first_outcome, state}
@@ -415,20 +425,14 @@ defmodule ScanBridge.Cluster.Session do
   # gets the reply as it would have without that (with the state only when it asked for it
   # itself). An owner that refused or ignored the ask is not asked again.
   defp run_frame(state, kind, input, opts, deadline) do
-    asking =
-      if kind in @advancing and state.state_on_reply and checkpoint_due?(state),
-        do: asking_for_state(kind, input, opts),
-        else: :as_given
-
-    case asking do
+    case asking(state, kind, input, opts) do
       :as_given ->
         {run(state, kind, input, opts, deadline), nil, state}
 
-      {:ask, sent_input, sent_opts, caller_asked} ->
+      {:ask, sent_input, sent_opts, caller_asked} = asking ->
         case run(state, kind, sent_input, sent_opts, deadline) do
           {:ok, reply} ->
-            {answer, saved} = take_state(kind, reply, caller_asked)
-            {{:ok, answer}, saved, %{state | state_on_reply: saved != nil}}
+            answered(state, kind, asking, reply)
 
           {:error, %Error{reason: :invalid_argument, detail: %{"field" => "args.return_state"}}}
           when not caller_asked ->
@@ -440,6 +444,24 @@ defmodule ScanBridge.Cluster.Session do
             {outcome, nil, state}
         end
     end
+  end
+
+  # How the frame is sent: asking for the state after it when it completes a checkpoint.
+  defp asking(state, kind, input, opts) do
+    if kind in @advancing and state.state_on_reply and checkpoint_due?(state),
+      do: asking_for_state(kind, input, opts),
+      else: :as_given
+  end
+
+  defp sent_frame(kind, input, opts, :as_given), do: {kind, input, opts}
+  defp sent_frame(kind, _input, _opts, {:ask, input, opts, _caller_asked}), do: {kind, input, opts}
+
+  # A sent frame's reply: {the caller's outcome, the state it carried or nil, the keeper's state}.
+  defp answered(state, _kind, :as_given, reply), do: {{:ok, reply}, nil, state}
+
+  defp answered(state, kind, {:ask, _input, _opts, caller_asked}, reply) do
+    {answer, saved} = take_state(kind, reply, caller_asked)
+    {{:ok, answer}, saved, %{state | state_on_reply: saved != nil}}
   end
 
   # The frame asking for the state after it: {:ask, input, opts, whether its caller asked
@@ -506,15 +528,22 @@ defmodule ScanBridge.Cluster.Session do
 
   ## Placing and rebuilding
 
-  # Open the session on a member: from the checkpoint, with the kept frames run again.
   defp place(state, deadline) do
+    with {:ok, state, :not_run} <- place(state, deadline, nil), do: {:ok, state}
+  end
+
+  # Open the session on a member: from the checkpoint, with the kept frames run again, and then
+  # `pending` ({kind, input, opts}, or nil), the call in flight when the owner went away, where
+  # the member runs them all on the open itself: {:ok, state, its outcome}; else :not_run, and
+  # the caller sends it.
+  defp place(state, deadline, pending) do
     case Balancer.checkout(state.group, :session, state.skipped) do
       :no_members ->
         {:error, no_owner(state), state}
 
       {:ok, member, token} ->
-        case open_on(state, member, deadline) do
-          {:ok, remote} ->
+        case open_on(state, member, deadline, pending) do
+          {:ok, remote, ran} ->
             {:ok,
              %{
                state
@@ -523,7 +552,7 @@ defmodule ScanBridge.Cluster.Session do
                  remote: remote,
                  token: token,
                  state_on_reply: true
-             }}
+             }, ran}
 
           {:next, _why} ->
             # this member lacks the model, or went away: try the others
@@ -531,7 +560,7 @@ defmodule ScanBridge.Cluster.Session do
 
             if expired?(deadline),
               do: {:error, no_owner(state), state},
-              else: place(%{state | skipped: [member | state.skipped]}, deadline)
+              else: place(%{state | skipped: [member | state.skipped]}, deadline, pending)
 
           {:error, error} ->
             Balancer.checkin(token)
@@ -540,12 +569,36 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  defp open_on(state, member, deadline) do
-    case open_remote(state, member, deadline) do
-      {:ok, remote} ->
+  # One request where there are frames to run: the open with the kept frames and the pending
+  # one. Any error but the member's going away is left to the open and replay one by one,
+  # which a server from before frames needs, and which answers a frame's error as that frame's
+  # own call does (the member closed the session it opened).
+  defp open_on(state, member, deadline, pending) do
+    frames =
+      for {kind, input, opts} <- Enum.reverse(state.log) ++ List.wrap(pending),
+          do: {kind, input, Keyword.delete(opts, :timeout)}
+
+    case frames != [] and open_remote(state, member, deadline, frames) do
+      {:ok, remote, results} ->
+        {:ok, remote, if(pending, do: List.last(results), else: :not_run)}
+
+      {:next, _} = next ->
+        next
+
+      {:error, error} ->
+        if Cluster.gone?(error), do: {:next, error}, else: open_then_replay(state, member, deadline)
+
+      false ->
+        open_then_replay(state, member, deadline)
+    end
+  end
+
+  defp open_then_replay(state, member, deadline) do
+    case open_remote(state, member, deadline, []) do
+      {:ok, remote, []} ->
         case replay(member, remote, Enum.reverse(state.log), deadline) do
           :ok ->
-            {:ok, remote}
+            {:ok, remote, :not_run}
 
           {:error, error} ->
             # the replay's error is the one to report; a session a failed close leaves is
@@ -562,50 +615,66 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # The session opened on `member` from the checkpoint, if any. A group model's name becomes
-  # its id there: as this node learnt it (Balancer), else, or when that id was freed since,
-  # as the member tells it.
-  defp open_remote(%{dims: %{model: name}} = state, member, deadline) do
+  # The session opened on `member` from the checkpoint, if any, and `frames` run on it:
+  # {:ok, its id there, their results}. A group model's name becomes its id there: as this
+  # node learnt it (Balancer), else, or when that id was freed since, as the member tells it.
+  defp open_remote(%{dims: %{model: name}} = state, member, deadline, frames) do
     case Balancer.model_id(member, name) do
       nil ->
-        open_named(state, member, name, deadline)
+        open_named(state, member, name, deadline, frames)
 
       id ->
-        case open_with_model(state, member, id, deadline) do
-          {:error, %Error{reason: :unknown_model}} -> open_named(state, member, name, deadline)
-          result -> result
+        case open_with_model(state, member, id, deadline, frames) do
+          {:error, %Error{reason: :unknown_model}} ->
+            open_named(state, member, name, deadline, frames)
+
+          result ->
+            result
         end
     end
   end
 
-  defp open_remote(state, member, deadline) do
+  defp open_remote(state, member, deadline, frames) do
     dims = if state.checkpoint, do: Map.put(state.dims, :h0, state.checkpoint), else: state.dims
-    request_open(member, dims, deadline)
+    request_open(member, dims, deadline, frames)
   end
 
-  defp open_named(state, member, name, deadline) do
+  defp open_named(state, member, name, deadline, frames) do
     case ScanBridge.Server.model_named(member, name) do
       {:ok, id} ->
         Balancer.learn_model_id(member, name, id)
-        if id, do: open_with_model(state, member, id, deadline), else: {:next, :model_missing}
+
+        if id,
+          do: open_with_model(state, member, id, deadline, frames),
+          else: {:next, :model_missing}
 
       {:error, _} = error ->
         error
     end
   end
 
-  defp open_with_model(state, member, id, deadline) do
+  defp open_with_model(state, member, id, deadline, frames) do
     dims = %{state.dims | model: id}
     dims = if state.checkpoint, do: Map.put(dims, :state, state.checkpoint), else: dims
-    request_open(member, dims, deadline)
+    request_open(member, dims, deadline, frames)
   end
 
-  defp request_open(member, dims, deadline) do
-    ScanBridge.open_session(member, dims, timeout: Cluster.remaining(deadline))
+  defp request_open(member, dims, deadline, []) do
+    with {:ok, remote} <-
+           ScanBridge.open_session(member, dims, timeout: Cluster.remaining(deadline)),
+         do: {:ok, remote, []}
   rescue
-    exception in ArgumentError ->
-      {:error, Error.client(:invalid_argument, Exception.message(exception), %{})}
+    exception in ArgumentError -> {:error, client_error(exception)}
   end
+
+  defp request_open(member, dims, deadline, frames) do
+    ScanBridge.open_session_with_frames(member, dims, frames, timeout: Cluster.remaining(deadline))
+  rescue
+    exception in ArgumentError -> {:error, client_error(exception)}
+  end
+
+  defp client_error(exception),
+    do: Error.client(:invalid_argument, Exception.message(exception), %{})
 
   defp replay(_member, _remote, [], _deadline), do: :ok
 
@@ -640,20 +709,23 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  defp rebuild(%{status: {:lost, _}} = state, _deadline), do: state
+  defp rebuild(state, deadline), do: state |> rebuild(deadline, nil) |> elem(0)
 
-  defp rebuild(state, deadline) do
-    case place(state, deadline) do
-      {:ok, state} ->
+  # {the keeper's state, `pending`'s outcome where the rebuild ran it, else :not_run}
+  defp rebuild(%{status: {:lost, _}} = state, _deadline, _pending), do: {state, :not_run}
+
+  defp rebuild(state, deadline, pending) do
+    case place(state, deadline, pending) do
+      {:ok, state, ran} ->
         # a frame that timed out on the old owner is not in the rebuilt state: undone
-        %{state | failovers: state.failovers + 1, status: :ok}
+        {%{state | failovers: state.failovers + 1, status: :ok}, ran}
 
       {:error, %Error{reason: :no_members}, state} ->
         # no member now; the next call tries again
-        state
+        {state, :not_run}
 
       {:error, error, state} ->
-        lose(state, "it could not be rebuilt: #{error.message}")
+        {lose(state, "it could not be rebuilt: #{error.message}"), :not_run}
     end
   end
 
