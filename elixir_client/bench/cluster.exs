@@ -24,12 +24,13 @@
 #
 #   MIX_ENV=test mix run bench/cluster.exs [--quick] [--sessions 32] [--warmup 60] [--after 60]
 #       [--kills 3] [--frames 300] [--hop-frames 300] [--seconds 3] [--callers 8] [--no-exit-guard]
-#       [--out PATH]
+#       [--neighbours 0] [--out PATH]
 #
 # MIX_ENV=test: the peers and models come from the test support (test/support). Run the BEAM
 # as docs/operations.md ("BEAM scheduler setting") says, ELIXIR_ERL_OPTIONS="+sbwt none
 # +sbwtdcpu none +sbwtdio none"; the peers are started with those flags whatever this node has.
-# `--quick`: a smoke run of tiny sizes (well under a minute). Writes JSON (machine and commit
+# `--neighbours N`: N shell processes that each keep a core busy throughout, as another tenant of
+# the box would. `--quick`: a smoke run of tiny sizes (well under a minute). Writes JSON (machine and commit
 # info) to the git-ignored ../bench/out/cluster.json by default; to record a reference,
 # `--out ../bench/results/cluster.json`. Every peer node and server it starts is stopped, and
 # checked gone by OS pid, before it exits, whether it fails or not.
@@ -155,6 +156,7 @@ defmodule ClusterBench do
           light_sessions: :integer,
           seed: :integer,
           exit_guard: :boolean,
+          neighbours: :integer,
           out: :string
         ]
       )
@@ -170,6 +172,10 @@ defmodule ClusterBench do
       |> Map.put(:quick, quick)
       |> Map.put(:seed, Keyword.get(opts, :seed, 1))
       |> Map.put(:exit_guard, Keyword.get(opts, :exit_guard, true))
+      |> Map.put(:neighbours, Keyword.get(opts, :neighbours, 0))
+
+    if cfg.neighbours < 0,
+      do: raise(ArgumentError, "--neighbours: expected 0 or more, got #{cfg.neighbours}")
 
     for key <- [:sessions, :warmup, :after, :kills, :frames, :hop_frames, :callers, :light_sessions],
         cfg[key] < 1,
@@ -196,7 +202,15 @@ defmodule ClusterBench do
     :rand.seed(:exsss, {cfg.seed, 17, 29})
     t_run = System.monotonic_time(:millisecond)
     load_before = load_avg()
-    results = with_cleanup(fn -> run(cfg) end)
+    neighbours = start_neighbours(cfg.neighbours)
+
+    results =
+      try do
+        with_cleanup(fn -> run(cfg) end)
+      after
+        Enum.each(neighbours, &System.cmd("kill", ["-9", Integer.to_string(&1)]))
+      end
+
     run_s = (System.monotonic_time(:millisecond) - t_run) / 1000
 
     doc = %{
@@ -221,6 +235,15 @@ defmodule ClusterBench do
     File.write!(out, JSON.encode!(doc) <> "\n")
     report(doc)
     IO.puts("wrote #{out} (#{Float.round(run_s, 1)} s)")
+  end
+
+  # Processes that spin on a core each (OS pids), for --neighbours.
+  defp start_neighbours(n) do
+    Enum.map(List.duplicate(:busy, n), fn :busy ->
+      port = Port.open({:spawn_executable, "/bin/sh"}, args: ["-c", "while :; do :; done"])
+      {:os_pid, os_pid} = Port.info(port, :os_pid)
+      os_pid
+    end)
   end
 
   ## The run
@@ -1402,6 +1425,7 @@ defmodule ClusterBench do
       "throughput_callers" => cfg.callers,
       "seed" => cfg.seed,
       "exit_guard" => cfg.exit_guard,
+      "neighbours" => cfg.neighbours,
       "frame_us" => @frame_us,
       "frame_timeout_ms" => @frame_timeout,
       "failover_checkpoint" => 2,
@@ -1464,6 +1488,9 @@ defmodule ClusterBench do
           "kill); in_flight: the keeper had sent a frame to the gone server (its model_step " <>
           "returned an error after t_kill, traced; else: the frame was called before t_kill), " <>
           "which is sent again to the new owner; rerun_frames = replayed + in_flight",
+      "neighbours" =>
+        "settings.neighbours processes (sh, an empty loop) started before the run and killed " <>
+          "after it, each keeping a core busy throughout, as another tenant of the box would",
       "correctness" =>
         "every output of every victim session (warm-up and after the kill) compared with a " <>
           "fresh session (no checkpoint) stepped through the same inputs afterwards: largest " <>
