@@ -41,9 +41,18 @@ def run_frames(server, call, session) -> list[dict]:
             # on the opening request's connection, its times added to that request's
             results.append(handler(server, Call(call.conn, request, call.timing, handler)))
         except Exception as exc:
-            server.sessions.remove(call.conn.id, session.id, "args.session")
+            close_quietly(server, call.conn, session)
             raise frame_error(exc, i) from exc
     return results
+
+
+def close_quietly(server, conn, session) -> None:
+    """Close `session` unless its connection's going away released it first: the frame's own
+    error is the one to report."""
+    try:
+        server.sessions.remove(conn.id, session.id, "args.session")
+    except OpError:
+        pass
 
 
 def frame_error(exc: BaseException, index: int) -> OpError:

@@ -570,9 +570,9 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   # One request where there are frames to run: the open with the kept frames and the pending
-  # one. Any error but the member's going away is left to the open and replay one by one,
-  # which a server from before frames needs, and which answers a frame's error as that frame's
-  # own call does (the member closed the session it opened).
+  # one. A refusal is left to the open and replay one by one, which a server from before frames
+  # needs, and which answers a frame's error as that frame's own call does (the member closed
+  # the session it opened); a request that timed out or was never sent is not sent again.
   defp open_on(state, member, deadline, pending) do
     frames =
       for {kind, input, opts} <- Enum.reverse(state.log) ++ List.wrap(pending),
@@ -584,6 +584,9 @@ defmodule ScanBridge.Cluster.Session do
 
       {:next, _} = next ->
         next
+
+      {:error, %Error{reason: reason} = error} when reason in [:timeout, :overloaded] ->
+        {:error, error}
 
       {:error, error} ->
         if Cluster.gone?(error), do: {:next, error}, else: open_then_replay(state, member, deadline)
