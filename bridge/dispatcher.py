@@ -290,13 +290,17 @@ class Dispatcher:
     def stop(self) -> None:
         self._queue.put(_STOP)
 
+    def queue_length(self) -> int:
+        """Requests queued that the worker has not taken yet (approximate, as Queue.qsize)."""
+        return self._queue.qsize()
+
     # -- worker side ----------------------------------------------------------------------
     # Every request taken from the queue ends in exactly one of _answer or _fail.
 
     def _work(self) -> None:
         self._prepare_thread()
         while True:
-            call = self._next_call()
+            call = self._next_call(take=False)
             if call is _STOP:
                 return
             self._serve_on(call, reader=False)
@@ -308,6 +312,10 @@ class Dispatcher:
         request with those that arrive meanwhile (waiting for them as the batch policy says)."""
         op = call.batched_op
         with self._serving:
+            # The worker takes a request from the cancellable set only once it may run it: while
+            # it waits here for a thread serving inline, a cancel can still drop the request.
+            if not reader and not self.server.queued.take(call):
+                return True
             try:
                 if op is None:
                     self._serve(call)
@@ -329,9 +337,10 @@ class Dispatcher:
             self._run_batch(op, Batch(item))
         return True
 
-    def _next_call(self, block: bool = True, timeout: float | None = None):
+    def _next_call(self, block: bool = True, timeout: float | None = None, take: bool = True):
         """The held request if any, else the next queued one a cancel has not dropped; None when
-        nothing came in time."""
+        nothing came in time. `take`: taken from the cancellable set (under the serving lock);
+        else the caller takes it when it has the lock."""
         if self._held is not None:
             call, self._held = self._held, None
             return call
@@ -340,7 +349,7 @@ class Dispatcher:
                 call = self._queue.get(block, timeout)
             except queue.Empty:
                 return None
-            if call is _STOP or self.server.queued.take(call):
+            if call is _STOP or (self.server.queued.take(call) if take else not call.dropped):
                 return call
 
     def _serve(self, call: Call) -> None:

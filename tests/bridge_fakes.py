@@ -82,9 +82,25 @@ class InProcessServer:
         if not self._parked.wait(60):
             raise TimeoutError("the worker did not reach the held ping")
 
+    def hold_on_reader(self, conn: RecordingConnection) -> None:
+        """As hold(), but the ping is served inline by a reader thread of its own (the server
+        idle, nothing more waiting on its connection), which holds the serving lock while the
+        worker is free to take queued requests."""
+        self._gate.clear()
+        self._parked.clear()
+        ids: list = []
+        reader = threading.Thread(target=lambda: ids.append(self.submit(conn, "ping", more_input=False)))
+        reader.start()
+        if not self._parked.wait(60):
+            raise TimeoutError("the reader thread did not reach the held ping")
+        self._held_ping = (conn, ids, reader)
+
     def go(self) -> None:
         self._gate.set()
-        conn, request_id = self._held_ping
+        conn, request_id, *reader = self._held_ping
+        if reader:  # held on a reader thread: its id is known once it returns
+            reader[0].join(60)
+            (request_id,) = request_id
         assert conn.reply(request_id).ok
 
     def submit(self, conn: RecordingConnection, op: str, *, more_input=True, deadline_us: int | None = None,

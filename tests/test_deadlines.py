@@ -13,6 +13,7 @@ import protocol
 from bridge.timing import now_ns
 from bridge_fakes import RecordingConnection, served_natively
 from test_batcher import open_prefilled, shared_constants, state_of, step_inputs
+from waiting import wait_until
 
 DIM, STATE = 6, 4
 
@@ -114,6 +115,25 @@ def test_cancel_drops_a_queued_request_and_answers_both_at_once(inproc):
     assert torch.equal(state_of(srv, conn, session), before), "a cancelled step ran"
     assert conn.answered.count(queued) == 1, "a cancelled request was answered twice"
     assert errors_counted(srv)["cancelled"] == 1
+
+
+def test_cancel_drops_a_request_the_worker_took_while_another_thread_serves(inproc):
+    """The worker has taken the step from the queue but waits for the serving lock, which a
+    reader thread holds: the step has not started, so a cancel still drops it."""
+    srv = inproc()
+    conn = RecordingConnection()
+    session = open_prefilled(srv, conn, 2, DIM, STATE)
+    before = state_of(srv, conn, session)
+    srv.hold_on_reader(conn)
+    queued = srv.submit(conn, "step", session=session,
+                        **step_inputs(2, DIM, STATE, shared_constants(DIM, STATE, {}), {}))
+    wait_until(lambda: srv.dispatcher.queue_length() == 0, "the worker never took the step")
+    cancel = srv.submit(conn, "cancel", id=queued)
+    assert conn.reply(cancel, timeout=5).result == {"cancelled": True}
+    assert conn.reply(queued, timeout=5).error["code"] == "cancelled"
+    srv.go()
+    assert torch.equal(state_of(srv, conn, session), before), "a cancelled step ran"
+    assert conn.answered.count(queued) == 1, "a cancelled request was answered twice"
 
 
 def test_cancel_finds_nothing_to_drop_when_the_request_is_not_waiting(inproc):
