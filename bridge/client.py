@@ -446,16 +446,27 @@ class FramedClient:
 
     # -- sessions and handles (state and constants that stay on the server) ---------------
 
-    def open_session(self, batch: int, dim: int, state: int) -> str:
-        """A new session with a zero [batch, dim, state] state; returns its id. Prefill it with
+    def open_session(self, batch: int, dim: int, state: int, h0=None) -> str:
+        """A new session with a zero [batch, dim, state] state, or `h0` (what `session_state`
+        returned, here or on another server); returns its id. Prefill it with
         `scan(..., session=id)`, then `step` it one timestep at a time."""
-        return self.call("session_open", batch=batch, dim=dim, state=state)["session"]
+        return self.call("session_open", batch=batch, dim=dim, state=state, h0=h0)["session"]
 
-    def open_ssd_session(self, batch: int, heads: int, headdim: int, state: int) -> str:
-        """A new Mamba-2 session with a zero [batch, heads, headdim, state] state; returns its id.
-        Prefill it with `ssd_scan(..., session=id)`, then `step` it."""
+    def open_ssd_session(self, batch: int, heads: int, headdim: int, state: int, h0=None) -> str:
+        """A new Mamba-2 session with a zero [batch, heads, headdim, state] state, or `h0`;
+        returns its id. Prefill it with `ssd_scan(..., session=id)`, then `step` it."""
         return self.call("session_open", kind="ssd", batch=batch, heads=heads, headdim=headdim,
-                         state=state)["session"]
+                         state=state, h0=h0)["session"]
+
+    def open_session_with_frames(self, frames, **dims) -> tuple[str, list[dict]]:
+        """A session opened as session_open's `dims` say (batch, dim, state; kind="ssd", heads,
+        headdim; model; h0 or a model's saved `state`) with `frames` run on it in the same
+        request: (op, args) pairs, op one of step, scan, ssd_scan, model_step, model_forward and
+        args that op's own but the session. Returns its id and each frame's result. What a
+        client reopening a session from a saved state runs: the frames answered since, in one
+        round trip (SPEC §6.1)."""
+        result = self.call("session_open", frames=[{"op": op, "args": args} for op, args in frames], **dims)
+        return result["session"], result["frames"]
 
     def step(self, session: str, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to one timestep of `session` (x, dt, z [batch, dim]; B, C [batch, state]; a

@@ -116,6 +116,27 @@ def test_a_new_session_starts_from_zero(client):
     client.close_session(session)
 
 
+def test_the_python_client_reopens_a_session_from_its_state_with_frames(client):
+    """open_session(h0=) and open_session_with_frames over the Port: a copy of a prefilled
+    session, with the rest of the window as a prefill frame and steps, ends where the original
+    does after the same calls."""
+    s = ScanCase(2, 9, 5, 3, D=True)
+    inputs = make_scan_inputs(s)
+    original = client.open_session(2, 5, 3)
+    client.scan(**window(inputs, 0, 4), session=original).unwrap()
+    saved = client.session_state(original)
+    frames = [("scan", window(inputs, 4, 3))] + [("step", timestep(inputs, t)) for t in (7, 8)]
+    copy, results = client.open_session_with_frames(frames, batch=2, dim=5, state=3, h0=saved)
+    twin = client.open_session(2, 5, 3, h0=saved)
+    for i, ((op, args), result) in enumerate(zip(frames, results)):
+        call = client.scan(**args, session=twin) if op == "scan" else client.step(twin, **args)
+        assert torch.equal(result["y"], call.unwrap()["y"]), f"frame {i}"
+    assert torch.equal(client.session_state(copy), client.session_state(twin))
+    assert_close(client.session_state(copy), reference_scan(inputs)[1], torch.float32, "state", STATE_TOLERANCE)
+    for session in (original, copy, twin):
+        client.close_session(session)
+
+
 def test_sessions_do_not_share_state(client):
     s = ScanCase(2, 4, 6, 3)
     first, second = make_scan_inputs(s), make_scan_inputs(s)
