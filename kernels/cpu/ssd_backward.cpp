@@ -367,7 +367,10 @@ class SsdBackwardRunner {
         for (int64_t j = 0; j <= t / W; ++j) {
           const int64_t i = t * QV_ + j;
           er_[i] *= rr_[i];
-          const V m = er_[i] * gm_[i];
+          V m = er_[i] * gm_[i];
+          // M[t, t] is in both t's row and its column and cancels; summed, it could dwarf the
+          // rest of both where the decay is strong, and their difference lost it all.
+          if (j == t / W) m[t % W] = T(0);
           row += m;
           colsums_[j] += m;
         }
