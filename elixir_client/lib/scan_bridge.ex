@@ -486,16 +486,7 @@ defmodule ScanBridge do
   # its result reads, as the call's own function reads it.
   defp frame!({call, input}), do: frame!({call, input, []})
 
-  defp frame!({:step, inputs, []}) do
-    args =
-      inputs
-      |> Protocol.wire_args!("step")
-      |> no_session!("step", "a frame's is the session opened")
-
-    {"step", args, &scan_answer/2}
-  end
-
-  defp frame!({call, inputs, []}) when call in [:scan, :ssd_scan] do
+  defp frame!({call, inputs, []}) when call in [:step, :scan, :ssd_scan] do
     op = Atom.to_string(call)
     args = inputs |> Protocol.wire_args!(op) |> no_session!(op, "a frame's is the session opened")
     {op, args, &scan_answer/2}
