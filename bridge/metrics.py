@@ -53,13 +53,18 @@ class ServerCollector:
 def _requests(ops: dict):
     requests = CounterMetricFamily("scan_bridge_requests", "Requests answered, by op and outcome.",
                                    labels=["op", "outcome"])
+    inferences = CounterMetricFamily("scan_bridge_inferences",
+                                     "Requests served successfully and frames run inside session_open, by op.",
+                                     labels=["op"])
     launches = CounterMetricFamily("scan_bridge_kernel_launches",
                                    "Kernel launches (a batch of requests is one), by op.", labels=["op"])
     for op, entry in sorted(ops.items()):
         requests.add_metric([op, "success"], entry["success_count"])
         requests.add_metric([op, "failure"], entry["failure_count"])
+        inferences.add_metric([op], entry["inference_count"])
         launches.add_metric([op], entry["execution_count"])
     yield requests
+    yield inferences
     yield launches
 
 

@@ -15,7 +15,7 @@ from protocol import (DTYPES, ERROR_CODES, LEGACY, MAX_NDIM, OPS, V1, HandleRef,
 from protocol import decode as _decode
 from protocol._reader import buffer_views, decode_top_map
 from protocol.legacy import LEGACY_OPS
-from protocol.schema import FRAME_OPS
+from protocol.schema import FRAME_ARGS
 
 VECTORS_DIR = Path(__file__).resolve().parents[1] / "protocol" / "vectors"
 _TENSOR_KINDS = {"tensor": (WireTensor, HandleRef), "tensor_data": (WireTensor,)}
@@ -54,10 +54,9 @@ def _check_value(value, kind: str, where: str) -> None:
             _check_value(item, "tensor", f"{where}.{name}")
     elif kind == "frames":
         for i, frame in enumerate(value):
-            if frame.op not in FRAME_OPS:
+            if frame.op not in FRAME_ARGS:
                 raise Finding(f"{where}[{i}]: a frame of {frame.op!r} accepted")
-            own = {name: arg for name, arg in OPS[frame.op].items() if name != "session"}
-            _check_args(frame.args, frame.op, f"{where}[{i}].args.", own)
+            _check_args(frame.args, frame.op, f"{where}[{i}].args.", FRAME_ARGS[frame.op])
 
 
 def _check_args(args: dict, op: str, prefix: str, spec: dict | None = None) -> None:

@@ -21,8 +21,8 @@ from .codecs import V1
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
-from .schema import (ALIASES, FRAME_OPS, KIND_EXPECTED, LAYOUTS, OPS, OUTPUTS, PROTOCOL_VERSION, SESSION_KINDS,
-                     SUPPORTED_VERSIONS, WEIGHTS_DTYPES, Arg, valid_request_id)
+from .schema import (ALIASES, FRAME_ARGS, FRAME_OPS, KIND_EXPECTED, LAYOUTS, OPS, OUTPUTS, PROTOCOL_VERSION,
+                     SESSION_KINDS, SUPPORTED_VERSIONS, WEIGHTS_DTYPES, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
 _ENVELOPE_KEYS = frozenset(("v", "id", "op", "args", "deadline_us"))
@@ -265,8 +265,6 @@ class Frame:
     args: dict
 
 
-# Each frame op's arguments: its own but the session, which is the one being opened.
-_FRAME_SPECS = {op: {name: arg for name, arg in OPS[op].items() if name != "session"} for op in FRAME_OPS}
 _FRAME_KEYS = ("op", "args")
 
 
@@ -285,7 +283,7 @@ def _read_frames(reader: Reader, raw: msgspec.Raw, field: str) -> tuple[Frame, .
         if op not in FRAME_OPS:
             reader.fail(InvalidArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS) + " (the ops that advance a session)",
                         f"str {op!r}")
-        spec = _FRAME_SPECS[op]
+        spec = FRAME_ARGS[op]
         args_raw = entries.get("args")
         call_args = {} if args_raw is None else reader.map(args_raw, f"{at}.args", "a map of arguments", InvalidArgument)
         frames.append(Frame(op, _read_args(reader, op, spec, call_args, f"{at}.args.")))

@@ -196,3 +196,6 @@ OPS: dict[str, dict[str, Arg]] = {
     "stats": {},
     "shutdown": {},
 }
+
+# Each frame op's arguments: its own but the session, which is the one being opened.
+FRAME_ARGS = {op: {name: arg for name, arg in OPS[op].items() if name != "session"} for op in FRAME_OPS}

@@ -52,6 +52,7 @@ def test_the_endpoint_agrees_with_stats_while_serving():
     assert samples[("scan_bridge_requests_total", (("op", "scan"), ("outcome", "success")))] == scan["success_count"] == 3
     assert samples[("scan_bridge_requests_total", (("op", "scan"), ("outcome", "failure")))] == scan["failure_count"] == 1
     assert samples[("scan_bridge_kernel_launches_total", (("op", "scan"),))] == scan["execution_count"]
+    assert samples[("scan_bridge_inferences_total", (("op", "scan"),))] == scan["inference_count"] == 3
     assert samples[("scan_bridge_errors_total", (("code", "shape_mismatch"),))] == stats["errors"]["shape_mismatch"]
     assert samples[("scan_bridge_sessions", ())] == 1
     assert samples[("scan_bridge_frames_in_total", (("lane", "stdio"),))] >= 6

@@ -7,6 +7,8 @@ run on it in the same request, as a client rebuilding a session elsewhere does.
   return_state inside a frame returns the state after it;
 - a frame that fails closes the session (no session is left open) and its error names the frame's
   field within session_open's arguments; the server serves on;
+- each frame that ran counts in `stats` as one inference and one launch of its own op, the
+  request once, as session_open's success or failure;
 - a malformed frame (an op that does not advance a session, a session of its own, an unknown
   key, a missing argument) is refused by name before anything is opened.
 
@@ -48,6 +50,16 @@ def open_sessions(scene: Scene) -> int:
     return scene.call("stats")["sessions"]["sessions"]
 
 
+def op_counts(scene: Scene, op: str) -> dict:
+    entry = scene.call("stats")["ops"].get(op, {})
+    return {key: entry.get(key, 0)
+            for key in ("inference_count", "execution_count", "success_count", "failure_count")}
+
+
+def counted_since(before: dict, after: dict) -> dict:
+    return {key: after[key] - before[key] for key in before}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_frames_run_on_the_opened_session_as_calls_one_by_one_would(inproc, case):
     seed = random_seed()
@@ -65,6 +77,20 @@ def test_frames_run_on_the_opened_session_as_calls_one_by_one_would(inproc, case
     after = scene.state(opened["session"])
     assert not is_zero(after), f"seed={seed}: the frames left the state zero"
     assert_same_state(after, scene.state(twin), f"seed={seed}, the twin's")
+
+
+@pytest.mark.parametrize("case", [pytest.param(Case("mamba", "step"), id="plain-mamba-step"),
+                                  pytest.param(Case("mamba2", "model_step"), id="mamba2-model-step")])
+def test_each_frame_counts_as_an_inference_and_a_launch_of_its_op(inproc, case):
+    scene = Scene(inproc(), case, random_seed())
+    state = saved_state(scene, 1)
+    op_before, open_before = op_counts(scene, case.op), op_counts(scene, "session_open")
+    scene.call("session_open", **open_args(scene, state),
+               frames=[{"op": case.op, "args": scene.frame()} for _ in range(3)])
+    assert counted_since(op_before, op_counts(scene, case.op)) == {
+        "inference_count": 3, "execution_count": 3, "success_count": 0, "failure_count": 0}
+    assert counted_since(open_before, op_counts(scene, "session_open")) == {
+        "inference_count": 1, "execution_count": 1, "success_count": 1, "failure_count": 0}
 
 
 @pytest.mark.parametrize("case", [pytest.param(Case("ssd", "step"), id="plain-ssd-step"),
@@ -99,6 +125,7 @@ def test_a_failing_frame_closes_the_session_and_is_named(inproc, case):
     name = "embeds" if case.op == "model_step" else "x"
     bad[name] = torch.cat([bad[name], bad[name][:1]])
     before = open_sessions(scene)
+    op_before, open_before = op_counts(scene, case.op), op_counts(scene, "session_open")
     reply = scene.srv.request(scene.conn, "session_open", **open_args(scene, state),
                               frames=[{"op": case.op, "args": scene.frame()}, {"op": case.op, "args": bad}])
     assert not reply.ok and reply.error["code"] == "shape_mismatch", f"seed={seed}: {reply.error}"
@@ -107,6 +134,9 @@ def test_a_failing_frame_closes_the_session_and_is_named(inproc, case):
     assert reply.error["message"].startswith(field), f"seed={seed}: {reply.error['message']}"
     assert reply.error["detail"]["frame"] == 1, f"seed={seed}: {reply.error}"
     assert open_sessions(scene) == before, f"seed={seed}: the failed request left a session open"
+    # the frame that ran is counted; the request once, failed
+    assert counted_since(op_before, op_counts(scene, case.op))["inference_count"] == 1
+    assert counted_since(open_before, op_counts(scene, "session_open"))["failure_count"] == 1
     # the server serves on
     assert scene.call("session_open", **open_args(scene, state))["session"]
 

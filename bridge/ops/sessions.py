@@ -43,6 +43,7 @@ def run_frames(server, call, session) -> list[dict]:
         except Exception as exc:
             close_quietly(server, call.conn, session)
             raise frame_error(exc, i) from exc
+        server.stats.record_frame(frame.op)
     return results
 
 
