@@ -603,7 +603,7 @@ defmodule ScanBridge.ClusterTest do
       assert {:ok, %{failovers: 1, status: :ok}} = Cluster.session_info(s)
     end
 
-    test "a member from before frames on the open is rebuilt on by an open and a replay" do
+    test "a member from before frames is rebuilt on by an open and a replay, and remembered" do
       dir = Models.tmp_dir!()
       File.write!(Path.join(dir, "sitecustomize.py"), @refusing_frames)
       env = TestSupport.server_opts()[:env]
@@ -624,6 +624,16 @@ defmodule ScanBridge.ClusterTest do
       # the open with frames refused, then the open and the kept frames one by one
       assert ops_refused(old, "session_open") == 1
       assert ops_done(old, "session_open") >= 1
+      # a second rebuild there opens and replays at once: the refusal was remembered
+      other = start_member(g)
+      {:ok, s2} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+      assert {:ok, %{member: ^other}} = Cluster.session_info(s2)
+      got = for t <- 0..4, do: step!(s2, embeds, t)
+      kill_server!(other)
+      got = got ++ [step!(s2, embeds, 5)]
+      for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+      assert {:ok, %{failovers: 1, member: ^old}} = Cluster.session_info(s2)
+      assert ops_refused(old, "session_open") == 1
     end
 
     test "after a frame times out and a later one is answered, a failover is refused" do

@@ -8,11 +8,13 @@ defmodule ScanBridge.Cluster.Balancer do
   # The counts are this node's only: callers on other nodes are balanced by their own nodes'
   # balancers, each spreading its share (docs/cluster.md, "Routing").
   #
-  # It also keeps the ids of group models on members that this node's keepers have learnt, so
-  # that opening a session (a failover's rebuild above all) asks the member for its model's id
-  # once per node, not once per session. Read without a message (a protected table), written
-  # by this process only, a member's entries dropped when it goes; an id stale because its
-  # model was freed since is refused by the member (`:unknown_model`) and asked again.
+  # It also keeps what this node's keepers have learnt of members: the ids of group models on
+  # them, so that opening a session (a failover's rebuild above all) asks the member for its
+  # model's id once per node, not once per session; and which members refuse session_open's
+  # frames (servers from before them), so that a rebuild there opens and replays at once rather
+  # than being refused first each time. Read without a message (a protected table), written by
+  # this process only, a member's entries dropped when it goes; an id stale because its model
+  # was freed since is refused by the member (`:unknown_model`) and asked again.
 
   use GenServer
 
@@ -21,7 +23,7 @@ defmodule ScanBridge.Cluster.Balancer do
   # members: the members seen, each with its monitor
   defstruct calls: %{}, sessions: %{}, holders: %{}, members: %{}
 
-  @model_ids __MODULE__.ModelIds
+  @facts __MODULE__.MemberFacts
 
   @spec start_link(term) :: GenServer.on_start()
   def start_link(_opts), do: GenServer.start_link(__MODULE__, :ok, name: __MODULE__)
@@ -47,7 +49,7 @@ defmodule ScanBridge.Cluster.Balancer do
   @doc "The id on `member` of the group model `name` as this node learnt it, or nil."
   @spec model_id(pid, String.t()) :: String.t() | nil
   def model_id(member, name) do
-    case :ets.lookup(@model_ids, {member, name}) do
+    case :ets.lookup(@facts, {member, name}) do
       [{_key, id}] -> id
       [] -> nil
     end
@@ -64,9 +66,23 @@ defmodule ScanBridge.Cluster.Balancer do
   def learn_model_id(member, name, id),
     do: GenServer.cast(__MODULE__, {:learn_model_id, member, name, id})
 
+  @doc "Whether `member` takes session_open's frames, as far as this node has learnt."
+  @spec takes_frames?(pid) :: boolean
+  def takes_frames?(member) do
+    :ets.lookup(@facts, {member, :refuses_frames}) == []
+  rescue
+    # no table: this node's balancer is restarting; the member is asked
+    ArgumentError -> true
+  end
+
+  @doc "Records that `member` (checked out here) refused session_open's frames by name."
+  @spec learn_refuses_frames(pid) :: :ok
+  def learn_refuses_frames(member),
+    do: GenServer.cast(__MODULE__, {:learn_refuses_frames, member})
+
   @impl true
   def init(:ok) do
-    @model_ids = :ets.new(@model_ids, [:named_table, :protected, read_concurrency: true])
+    @facts = :ets.new(@facts, [:named_table, :protected, read_concurrency: true])
     {:ok, %__MODULE__{}}
   end
 
@@ -108,13 +124,18 @@ defmodule ScanBridge.Cluster.Balancer do
   end
 
   def handle_cast({:learn_model_id, member, name, nil}, state) do
-    :ets.delete(@model_ids, {member, name})
+    :ets.delete(@facts, {member, name})
     {:noreply, state}
   end
 
   # A member not watched now is gone (its DOWN came first): nothing to learn of it.
   def handle_cast({:learn_model_id, member, name, id}, state) do
-    if is_map_key(state.members, member), do: :ets.insert(@model_ids, {{member, name}, id})
+    if is_map_key(state.members, member), do: :ets.insert(@facts, {{member, name}, id})
+    {:noreply, state}
+  end
+
+  def handle_cast({:learn_refuses_frames, member}, state) do
+    if is_map_key(state.members, member), do: :ets.insert(@facts, {{member, :refuses_frames}, true})
     {:noreply, state}
   end
 
@@ -122,9 +143,9 @@ defmodule ScanBridge.Cluster.Balancer do
   def handle_info({:DOWN, ref, :process, member, _reason}, state) do
     case state.members do
       %{^member => ^ref} ->
-        # A member gone: its counts and model ids go with it (its holders' check-ins then find
-        # nothing).
-        :ets.match_delete(@model_ids, {{member, :_}, :_})
+        # A member gone: its counts and what was learnt of it go with it (its holders'
+        # check-ins then find nothing).
+        :ets.match_delete(@facts, {{member, :_}, :_})
 
         {:noreply,
          %{

@@ -571,14 +571,16 @@ defmodule ScanBridge.Cluster.Session do
 
   # One request where there are frames to run: the open with the kept frames and the pending
   # one. A refusal is left to the open and replay one by one, which a server from before frames
-  # needs, and which answers a frame's error as that frame's own call does (the member closed
-  # the session it opened); a request that timed out or was never sent is not sent again.
+  # needs (its refusal names args.frames, and is remembered for the member), and which answers
+  # a frame's error as that frame's own call does (the member closed the session it opened); a
+  # request that timed out or was never sent is not sent again.
   defp open_on(state, member, deadline, pending) do
     frames =
       for {kind, input, opts} <- Enum.reverse(state.log) ++ List.wrap(pending),
           do: {kind, input, Keyword.delete(opts, :timeout)}
 
-    case frames != [] and open_remote(state, member, deadline, frames) do
+    case frames != [] and Balancer.takes_frames?(member) and
+           open_remote(state, member, deadline, frames) do
       {:ok, remote, results} ->
         {:ok, remote, if(pending, do: List.last(results), else: :not_run)}
 
@@ -587,6 +589,10 @@ defmodule ScanBridge.Cluster.Session do
 
       {:error, %Error{reason: reason} = error} when reason in [:timeout, :overloaded] ->
         {:error, error}
+
+      {:error, %Error{reason: :invalid_argument, detail: %{"field" => "args.frames"}}} ->
+        Balancer.learn_refuses_frames(member)
+        open_then_replay(state, member, deadline)
 
       {:error, error} ->
         if Cluster.gone?(error), do: {:next, error}, else: open_then_replay(state, member, deadline)
