@@ -169,14 +169,17 @@ class ModelSession:
         return (out, state) if return_state else out
 
     def forward(self, tokens=None, *, embeds=None, output: str | None = None, last_only: bool = False,
-                return_state: bool = False):
+                return_state: bool = False, lengths=None):
         """Prefill tokens [batch, seq] (or embeds [batch, seq, d_model]) from the current
         state, leaving the state at the end; the logits (or hidden states) [batch, seq, ...].
-        With return_state, (output, state): the state after the window as `state()` gives it,
-        with no round trip of its own."""
+        With lengths ([batch] ints, at most seq), row i runs only its first lengths[i]
+        positions (its outputs past them zero). With return_state, (output, state): the state
+        after the window as `state()` gives it, with no round trip of its own."""
         args = self._args(tokens, embeds, output, return_state)
         if last_only:
             args["last_only"] = True
+        if lengths is not None:
+            args["lengths"] = lengths
         return self._answer(self.client.call("model_forward", **args), return_state)
 
     def step_reply(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False,

@@ -183,6 +183,8 @@ OPS: dict[str, dict[str, Arg]] = {
         "output": Arg("output"),
         "last_only": Arg("bool"),
         "return_state": Arg("bool"),
+        # [batch] ints: the positions each row runs (checked further in).
+        "lengths": Arg("tensor"),
     },
     "model_step": {
         "session": Arg("str", True),

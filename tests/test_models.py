@@ -14,6 +14,7 @@ import copy
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,15 +86,15 @@ def checkpoints(tmp_path_factory):
     return root, built
 
 
-def oracle_outputs(model, tokens, output):
-    """transformers' own: a prefill of PREFIX tokens with its cache, then one token at a time."""
+def oracle_outputs(model, tokens, output, prefix=PREFIX):
+    """transformers' own: a prefill of `prefix` tokens with its cache, then one token at a time."""
     def pick(out):
         return out.logits if output == "logits" else out.last_hidden_state
 
     with torch.no_grad():
-        out = model(tokens[:, :PREFIX], use_cache=True)
+        out = model(tokens[:, :prefix], use_cache=True)
         results, cache = [pick(out)], out.cache
-        for t in range(PREFIX, tokens.shape[1]):
+        for t in range(prefix, tokens.shape[1]):
             out = model(tokens[:, t:t + 1], cache=cache, use_cache=True)
             results.append(pick(out))
             cache = out.cache
@@ -142,6 +143,51 @@ def test_prefill_then_steps_match_transformers_with_its_cache(serve, checkpoints
         got.append(call(srv, conn, "model_step", session=session, tokens=tokens[:, t].to(torch.int32),
                         output=output)[output][:, None])
     rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, f"{arch} on {backend} (seed {seed})")
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("arch", ["mamba-lm-tied", "mamba2-lm", "mamba2-backbone"])
+def test_rows_of_a_window_run_their_own_lengths_as_transformers_runs_each_alone(serve, checkpoints, arch, backend):
+    """`lengths`: each row prefills only its own first positions, then the rows step together;
+    every row equals transformers' run of that row alone, and its outputs past its length are
+    zero."""
+    model, output, seed = checkpoints[1][arch]
+    srv, conn = serve(backend), RecordingConnection()
+    info = call(srv, conn, "model_load", path=arch)
+    session = call(srv, conn, "session_open", model=info["model"], batch=3)["session"]
+    torch.manual_seed(seed + 2)
+    lengths, steps = [PREFIX, 4, 1], 3
+    tokens = torch.randint(0, VOCAB, (3, PREFIX + steps))
+    window = call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX], output=output,
+                  lengths=torch.tensor(lengths, dtype=torch.int32))[output]
+    stepped = torch.stack([call(srv, conn, "model_step", session=session, tokens=tokens[:, t], output=output)[output]
+                           for t in range(PREFIX, PREFIX + steps)], dim=1)
+    for i, n in enumerate(lengths):
+        what = f"{arch} on {backend}, row {i} of length {n} (seed {seed})"
+        alone = oracle_outputs(model, torch.cat([tokens[i:i + 1, :n], tokens[i:i + 1, PREFIX:]], dim=1), output, n)
+        rel_close(window[i:i + 1, :n], alone[:, :n], 1e-4, what + ", its window")
+        assert not window[i, n:].any(), what + ": outputs past its length"
+        rel_close(stepped[i:i + 1], alone[:, n:], 1e-4, what + ", the steps after")
+
+
+def test_a_row_of_length_zero_keeps_its_state_and_last_only_gives_each_rows_last(serve, checkpoints):
+    srv, conn = serve("cpu"), RecordingConnection()
+    model = call(srv, conn, "model_load", path="mamba2-lm")["model"]
+    ragged, whole = (call(srv, conn, "session_open", model=model, batch=2)["session"] for _ in range(2))
+    tokens = torch.randint(0, VOCAB, (2, 5))
+    for session in (ragged, whole):
+        call(srv, conn, "model_forward", session=session, tokens=tokens[:, 3:])
+    before = call(srv, conn, "session_state", session=ragged)["state"]
+    last = call(srv, conn, "model_forward", session=ragged, tokens=tokens, last_only=True,
+                lengths=torch.tensor([3, 0]))["logits"]
+    full = call(srv, conn, "model_forward", session=whole, tokens=tokens[:1, :3].expand(2, 3))["logits"]
+    assert last.shape == (2, 1, VOCAB)
+    rel_close(last[0], full[0, 2:3], 1e-5, "row 0's last position")
+    assert not last[1].any(), "a row of length 0 has no output"
+    after = call(srv, conn, "session_state", session=ragged)["state"]
+    for name, part in after.items():
+        assert torch.equal(part[1], before[name][1]), f"{name}: the row of length 0 moved"
+        assert not torch.equal(part[0], before[name][0]), f"{name}: row 0 did not move"
 
 
 @pytest.mark.parametrize("arch", ["mamba-lm-tied", "mamba2-lm"])
@@ -614,6 +660,14 @@ BAD_REQUESTS = [
     ("embeds-width", "model_step", dict(session="SESSION", embeds=torch.zeros(1, 11)), "shape_mismatch", "args.embeds"),
     ("empty-window", "model_forward", dict(session="SESSION", tokens=torch.zeros(1, 0, dtype=torch.int64)),
      "shape_mismatch", "args.tokens"),
+    ("lengths-of-other-rows", "model_forward", dict(session="SESSION", tokens=torch.zeros(1, 2, dtype=torch.int64),
+                                                    lengths=torch.tensor([1, 1])), "shape_mismatch", "args.lengths"),
+    ("length-past-window", "model_forward", dict(session="SESSION", tokens=torch.zeros(1, 2, dtype=torch.int64),
+                                                 lengths=torch.tensor([3])), "invalid_argument", "args.lengths"),
+    ("negative-length", "model_forward", dict(session="SESSION", tokens=torch.zeros(1, 2, dtype=torch.int64),
+                                              lengths=torch.tensor([-1])), "invalid_argument", "args.lengths"),
+    ("float-lengths", "model_forward", dict(session="SESSION", tokens=torch.zeros(1, 2, dtype=torch.int64),
+                                            lengths=torch.tensor([1.0])), "invalid_argument", "args.lengths"),
     ("logits-of-backbone", "model_step", dict(session="BACKBONE", embeds=torch.zeros(1, 12), output="logits"),
      "invalid_argument", "args.output"),
     ("plain-session-model-step", "model_step", dict(session="PLAIN", tokens=torch.zeros(1, dtype=torch.int64)),
@@ -671,6 +725,11 @@ def test_a_client_loads_steps_and_rolls_back_through_a_server_process(checkpoint
         assert all(torch.equal(a, b) for a, b in zip(steps, again))
         fork = session.fork()
         assert set(fork.state()) == set(session.state())
+        short = remote.open_session(batch=1)
+        ragged = torch.as_tensor(short.forward(tokens[:, :PREFIX].numpy(), lengths=np.array([3], np.int32)))
+        rel_close(ragged[:, :3], torch.as_tensor(remote.open_session(batch=1).forward(tokens[:, :3].numpy())), 1e-5,
+                  "a row of length 3 against a window of 3")
+        assert not ragged[:, 3:].any()
         with pytest.raises(BridgeError) as exc:
             client.load_model("/etc")
         assert exc.value.code == "path_not_allowed"

@@ -102,10 +102,16 @@ class Model:
     # -- the stack ----------------------------------------------------------------------
 
     def forward(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
-                output: str, last_only: bool = False, backend: str | None = None) -> torch.Tensor:
+                output: str, last_only: bool = False, backend: str | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill of `inputs` (tokens [b, l] or embeddings [b, l, d_model]) from the state in
         rows `slots` of `parts`, which are left holding the state at the end; the chunked scan
-        runs once per layer over the whole sequence."""
+        runs once per layer over the whole sequence. `lengths` ([b] ints in 0 .. l, on the
+        host): row i runs only its first lengths[i] positions, its state left after them, its
+        outputs past them zero; with `last_only`, its output is its own last position's."""
+        if lengths is not None and bool((lengths != inputs.shape[1]).any()):
+            return self._forward_ragged(parts, slots, inputs, lengths, output=output, last_only=last_only,
+                                        backend=backend)
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
             conv, ssm = (parts[name] for name in layer_state_names(i))
@@ -114,6 +120,21 @@ class Model:
         if last_only:
             hidden = hidden[:, -1:]
         return self._output(hidden, output)
+
+    def _forward_ragged(self, parts, slots, inputs, lengths, *, output, last_only, backend) -> torch.Tensor:
+        """forward() with rows of several lengths: one prefill for the rows of each length (a
+        window's rows usually share a few), their outputs placed in one zeroed tensor."""
+        width = self.config.d_model if output == "hidden" else self.lm_head.shape[0]
+        positions = 1 if last_only else inputs.shape[1]
+        dtype = torch.float64 if self.dtype == torch.float64 else torch.float32  # as _output's
+        out = torch.zeros((inputs.shape[0], positions, width), dtype=dtype, device=inputs.device)
+        for length in sorted(set(lengths.tolist()) - {0}):
+            rows = (lengths == length).nonzero().flatten()
+            part = self.forward(parts, slots.index_select(0, rows.to(slots.device)),
+                                inputs.index_select(0, rows.to(inputs.device))[:, :length], output=output,
+                                last_only=last_only, backend=backend)
+            out.index_copy_(0, rows.to(out.device), F.pad(part, (0, 0, 0, positions - part.shape[1])))
+        return out
 
     def step(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
              output: str, backend: str | None = None, fused: bool | Callable = True) -> torch.Tensor:

@@ -101,6 +101,28 @@ def model_input(server, call, session, loaded, step: bool) -> tuple[str, object]
 TOKEN_DTYPES = (torch.int32, torch.int64, torch.uint8)
 
 
+def window_lengths(server, call, session, seq: int) -> torch.Tensor | None:
+    """`lengths`, how many of the window's positions each row runs (0 .. seq), as int64 on the
+    host; None where not given. Checked before anything runs, so a bad one changes no state."""
+    if "lengths" not in call.args:
+        return None
+    value = server.tensor_arg(call, "lengths")
+    field = "args.lengths"
+    shape = list(value.shape)
+    if shape != [session.batch]:
+        raise OpError("shape_mismatch", f"{field}: expected shape [{session.batch}] (the session's batch), got {shape}",
+                      {"field": field, "expected": f"shape [{session.batch}]", "got": str(shape)})
+    dtype = dtype_of(value)
+    if dtype not in TOKEN_DTYPES:
+        _invalid(field, "an integer tensor (i32, i64, u8)", _wire_name(dtype))
+    lengths = (host_view(value) if isinstance(value, protocol.WireTensor) else value).to("cpu", torch.int64)
+    if lengths.numel():
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 0 or high > seq:
+            _invalid(field, f"lengths in [0, {seq}] (the window's positions)", str(low if low < 0 else high))
+    return lengths
+
+
 def _wire_name(dtype: torch.dtype) -> str:
     return WIRE_DTYPES.get(dtype, str(dtype))
 
@@ -122,13 +144,15 @@ def output_of(call, loaded) -> str:
 def model_forward(server, call) -> dict:
     session, loaded = model_session(server, call)
     _, value = model_input(server, call, session, loaded, step=False)
+    lengths = window_lengths(server, call, session, seq=value.shape[1])
     output = output_of(call, loaded)
     start = now_ns()
     inputs = server.device_tensor(value) if isinstance(value, protocol.WireTensor) else value
     call.timing.add("h2d", now_ns() - start)
     with server.kernel_timer(call):
         out = loaded.model.forward(session.pool.parts, session.slots, inputs, output=output,
-                                   last_only=bool(call.args.get("last_only", False)), backend=server.backend)
+                                   last_only=bool(call.args.get("last_only", False)), backend=server.backend,
+                                   lengths=lengths)
     start = now_ns()
     result = {output: to_wire(out)}
     if call.args.get("return_state"):

@@ -649,6 +649,7 @@ defmodule ScanBridge do
           output: model_output,
           last_only: boolean,
           return_state: boolean,
+          lengths: [non_neg_integer] | tensor_input,
           timeout: timeout
         ]
   @typedoc "`model_step/4`'s options."
@@ -774,8 +775,10 @@ defmodule ScanBridge do
   Options: `:output`, `:logits` (`[batch, seq, vocab]`, the default for a model with a head) or
   `:hidden` (`[batch, seq, d_model]`, after the final norm; the default and the only output of a
   backbone, which answers `:logits` with `:invalid_argument`), or their strings;
-  `:last_only` (`true`: only the last position, `[batch, 1, ...]`); `:return_state` (see
-  below); `:timeout`.
+  `:last_only` (`true`: only the last position, `[batch, 1, ...]`); `:lengths` (one
+  non-negative integer a row, at most `seq`, as a list or an integer tensor: row i runs only its
+  first `lengths[i]` positions, its state left after them, its outputs past them zero; with
+  `:last_only`, its own last position); `:return_state` (see below); `:timeout`.
 
   Returns the output tensor, f32. With `return_state: true`, `{output, state}`: `state` is the
   session's state after the window, every part by name as `session_state/3` returns it (and
@@ -784,7 +787,7 @@ defmodule ScanBridge do
   @spec model_forward(server, String.t(), model_input, model_forward_opts) ::
           {:ok, model_result} | error
   def model_forward(server, session, input, opts \\ []) do
-    opts = opts!(opts, [:output, :last_only, :return_state, :timeout], "model_forward")
+    opts = opts!(opts, [:output, :last_only, :return_state, :lengths, :timeout], "model_forward")
     args = model_args!(session, input, opts, "model_forward")
 
     with {:ok, result, _timing} <- request(server, "model_forward", args, opts),
@@ -853,10 +856,25 @@ defmodule ScanBridge do
       {:return_state, other}, _args ->
         raise ArgumentError, "#{op} :return_state: expected a boolean, got #{inspect(other)}"
 
+      {:lengths, lengths}, args ->
+        Map.put(args, "lengths", lengths_arg!(lengths, op))
+
       {:timeout, _}, args ->
         args
     end)
   end
+
+  # A list of non-negative integers becomes an i32 tensor; a tensor goes as it is.
+  defp lengths_arg!(lengths, op) when is_list(lengths) do
+    unless Enum.all?(lengths, &(is_integer(&1) and &1 >= 0)) do
+      raise ArgumentError,
+            "#{op} :lengths: expected non-negative integers, got #{inspect(lengths, limit: 5)}"
+    end
+
+    Tensor.from_list(lengths, :i32, {length(lengths)})
+  end
+
+  defp lengths_arg!(lengths, op), do: tensor_arg!(lengths, "#{op} :lengths")
 
   defp model_input!({name, value}, _op) when name in [:tokens, :embeds],
     do: {Atom.to_string(name), value}

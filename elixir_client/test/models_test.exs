@@ -72,6 +72,38 @@ defmodule ScanBridge.ModelsTest do
         close_and_free(server, info, [session])
       end
 
+      test "#{arch}: with :lengths a row runs only its own first positions", %{server: server} do
+        {info, whole} = load_and_open(server, @arch, 2)
+        assert {:ok, ragged} = ScanBridge.open_session(server, model: info["model"], batch: 2)
+        embeds = Models.embeds(2, 6, 8)
+        assert {:ok, expected} = ScanBridge.model_forward(server, whole, {:embeds, embeds})
+
+        assert {:ok, %Tensor{shape: {2, 6, 8}} = got} =
+                 ScanBridge.model_forward(server, ragged, {:embeds, embeds}, lengths: [6, 3])
+
+        # row 0 whole; row 1 its first 3 positions (a prefix's outputs are the whole's), then zeros
+        {want, have} = {Tensor.to_list(expected), Tensor.to_list(got)}
+        row = fn values, r, from, count -> Enum.slice(values, (r * 6 + from) * 8, count * 8) end
+
+        for {a, e} <- [
+              {row.(have, 0, 0, 6), row.(want, 0, 0, 6)},
+              {row.(have, 1, 0, 3), row.(want, 1, 0, 3)}
+            ],
+            {x, y} <- Enum.zip(a, e),
+            do: assert(abs(x - y) <= 1.0e-4 * max(1.0, abs(y)))
+
+        assert Enum.all?(row.(have, 1, 3, 3), &(&1 == 0.0))
+
+        assert_raise ArgumentError, ~r/:lengths/, fn ->
+          ScanBridge.model_forward(server, ragged, {:embeds, embeds}, lengths: [6, -1])
+        end
+
+        assert {:error, %Error{code: "invalid_argument", detail: %{"field" => "args.lengths"}}} =
+                 ScanBridge.model_forward(server, ragged, {:embeds, embeds}, lengths: [7, 3])
+
+        close_and_free(server, info, [whole, ragged])
+      end
+
       test "#{arch}: a 6-frame window equals 3 frames then 3 steps", %{server: server} do
         {info, whole} = load_and_open(server, @arch, 2)
         assert {:ok, parts} = ScanBridge.open_session(server, model: info["model"], batch: 2)
