@@ -456,7 +456,7 @@ defmodule ScanBridge do
   Each frame is `{call, input}` or `{call, input, opts}`: `call` one of `:step`, `:scan`,
   `:ssd_scan`, `:model_step`, `:model_forward`, and `input` and `opts` what that function takes
   after its session (`scan/3`'s and `ssd_scan/3`'s inputs without `:session`; `opts` only the
-  model calls' `:output`, `:last_only`, `:return_state`). Returns the session's id and each
+  model calls' `:output`, `:last_only`, `:lengths`, `:return_state`). Returns the session's id and each
   frame's result, in order, as that function returns it (their `timing`, the request's).
 
   A frame that fails fails the call with its own error, its field named
@@ -498,7 +498,7 @@ defmodule ScanBridge do
     allowed =
       if call == :model_step,
         do: [:output, :return_state],
-        else: [:output, :last_only, :return_state]
+        else: [:output, :last_only, :lengths, :return_state]
 
     opts = opts!(opts, allowed, op)
     return_state = Keyword.get(opts, :return_state, false)

@@ -145,11 +145,13 @@ defmodule ScanBridge.SessionsTest do
 
       assert {:ok, session, [prefill, {out, state}]} =
                ScanBridge.open_session_with_frames(server, [model: model, batch: 1], [
-                 {:model_forward, window, last_only: true},
+                 {:model_forward, window, last_only: true, lengths: [2]},
                  {:model_step, {:embeds, Models.frame(embeds, 3)}, return_state: true}
                ])
 
-      assert prefill == ok!(ScanBridge.model_forward(server, twin, window, last_only: true))
+      assert prefill ==
+               ok!(ScanBridge.model_forward(server, twin, window, last_only: true, lengths: [2]))
+
       assert out == ok!(ScanBridge.model_step(server, twin, {:embeds, Models.frame(embeds, 3)}))
       assert {:ok, ^state} = ScanBridge.session_state(server, session)
     end
