@@ -266,6 +266,13 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                              "args": {"session": "s-3", "tokens": {"dtype": "i64", "shape": [2, 3],
                                                                    "data": Binary("i64", [5, 1, 4, 1, 5, 9])},
                                       "last_only": True}}))
+    vectors.append(_request("model_forward_lengths", "prefill a model session's rows with windows of their own "
+                            "lengths (3 and 1 of 3 tokens), each row's last logits",
+                            {"v": 1, "id": 52, "op": "model_forward",
+                             "args": {"session": "s-3", "tokens": {"dtype": "i64", "shape": [2, 3],
+                                                                   "data": Binary("i64", [5, 1, 4, 2, 6, 0])},
+                                      "lengths": {"dtype": "i32", "shape": [2], "data": Binary("i32", [3, 1])},
+                                      "last_only": True}}))
     vectors.append(_request("model_step_embeds", "one frame of embeddings through a model, hidden states out",
                             {"v": 1, "id": 19, "op": "model_step",
                              "args": {"session": "s-3", "embeds": tensor("f32", (2, 2), 205), "output": "hidden"}}))
