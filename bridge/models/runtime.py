@@ -122,8 +122,10 @@ class Model:
         return self._output(hidden, output)
 
     def _forward_ragged(self, parts, slots, inputs, lengths, *, output, last_only, backend) -> torch.Tensor:
-        """forward() with rows of several lengths: one prefill for the rows of each length (a
-        window's rows usually share a few), their outputs placed in one zeroed tensor."""
+        """forward() with rows of several lengths: one prefill for the rows of each length, their
+        outputs placed in one zeroed tensor. Each prefill runs only its rows' own positions, so
+        even rows of all different lengths cost about what the whole window would
+        (docs/performance.md, "model step")."""
         width = self.config.d_model if output == "hidden" else self.lm_head.shape[0]
         positions = 1 if last_only else inputs.shape[1]
         dtype = torch.float64 if self.dtype == torch.float64 else torch.float32  # as _output's
