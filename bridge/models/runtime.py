@@ -122,20 +122,18 @@ class Model:
         return self._output(hidden, output)
 
     def _forward_ragged(self, parts, slots, inputs, lengths, *, output, last_only, backend) -> torch.Tensor:
-        """forward() with rows of several lengths: one prefill for the rows of each length, their
-        outputs placed in one zeroed tensor. Each prefill runs only its rows' own positions, so
-        even rows of all different lengths cost about what the whole window would
-        (docs/performance.md, "model step")."""
+        """forward() with rows of several lengths: one prefill for the rows of each length, each
+        running only its rows' own positions, their outputs placed in one zeroed tensor."""
         width = self.config.d_model if output == "hidden" else self.lm_head.shape[0]
         positions = 1 if last_only else inputs.shape[1]
-        dtype = torch.float64 if self.dtype == torch.float64 else torch.float32  # as _output's
-        out = torch.zeros((inputs.shape[0], positions, width), dtype=dtype, device=inputs.device)
+        out = torch.zeros((inputs.shape[0], positions, width), device=inputs.device,
+                          dtype=torch.promote_types(self.dtype, torch.float32))  # as _output's
         for length in sorted(set(lengths.tolist()) - {0}):
-            rows = (lengths == length).nonzero().flatten()
+            rows = (lengths == length).nonzero().flatten().to(inputs.device)
             part = self.forward(parts, slots.index_select(0, rows.to(slots.device)),
-                                inputs.index_select(0, rows.to(inputs.device))[:, :length], output=output,
-                                last_only=last_only, backend=backend)
-            out.index_copy_(0, rows.to(out.device), F.pad(part, (0, 0, 0, positions - part.shape[1])))
+                                inputs[:, :length].index_select(0, rows), output=output, last_only=last_only,
+                                backend=backend)
+            out[rows, :part.shape[1]] = part
         return out
 
     def step(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,

@@ -81,24 +81,32 @@ def model_input(server, call, session, loaded, step: bool) -> tuple[str, object]
     if len(shape) != len(want) or any(s != w if w != "seq" else s == 0 for w, s in zip(want, shape)):
         raise OpError("shape_mismatch", f"{field}: expected shape {want} (the session's batch), got {shape}",
                       {"field": field, "expected": f"shape {want}", "got": str(shape)})
-    dtype = dtype_of(value)
     if name == "embeds":
+        dtype = dtype_of(value)
         if not dtype.is_floating_point:
             _invalid(field, "a floating tensor (f32, bf16, f16, f64)", _wire_name(dtype))
         return name, value
     if not config.has_embeddings:
         _invalid(field, "embeds, not tokens: this model has no embedding", "tokens")
-    if dtype not in TOKEN_DTYPES:
-        _invalid(field, "an integer tensor (i32, i64, u8)", _wire_name(dtype))
-    tokens = host_view(value) if isinstance(value, protocol.WireTensor) else value
-    if tokens.numel():
-        low, high = int(tokens.min()), int(tokens.max())
-        if low < 0 or high >= config.vocab_size:
-            _invalid(field, f"token ids in [0, {config.vocab_size})", str(low if low < 0 else high))
+    checked_ints(value, field, config.vocab_size, f"token ids in [0, {config.vocab_size})")
     return name, value
 
 
 TOKEN_DTYPES = (torch.int32, torch.int64, torch.uint8)
+
+
+def checked_ints(value, field: str, limit: int, expected: str) -> torch.Tensor:
+    """`value` (wire bytes or a handle's tensor) as a tensor of integers each in [0, limit),
+    read where it lies; else invalid_argument naming `field`, `expected` saying the range."""
+    dtype = dtype_of(value)
+    if dtype not in TOKEN_DTYPES:
+        _invalid(field, "an integer tensor (i32, i64, u8)", _wire_name(dtype))
+    ints = host_view(value) if isinstance(value, protocol.WireTensor) else value
+    if ints.numel():
+        low, high = int(ints.min()), int(ints.max())
+        if low < 0 or high >= limit:
+            _invalid(field, expected, str(low if low < 0 else high))
+    return ints
 
 
 def window_lengths(server, call, session, seq: int) -> torch.Tensor | None:
@@ -112,15 +120,8 @@ def window_lengths(server, call, session, seq: int) -> torch.Tensor | None:
     if shape != [session.batch]:
         raise OpError("shape_mismatch", f"{field}: expected shape [{session.batch}] (the session's batch), got {shape}",
                       {"field": field, "expected": f"shape [{session.batch}]", "got": str(shape)})
-    dtype = dtype_of(value)
-    if dtype not in TOKEN_DTYPES:
-        _invalid(field, "an integer tensor (i32, i64, u8)", _wire_name(dtype))
-    lengths = (host_view(value) if isinstance(value, protocol.WireTensor) else value).to("cpu", torch.int64)
-    if lengths.numel():
-        low, high = int(lengths.min()), int(lengths.max())
-        if low < 0 or high > seq:
-            _invalid(field, f"lengths in [0, {seq}] (the window's positions)", str(low if low < 0 else high))
-    return lengths
+    lengths = checked_ints(value, field, seq + 1, f"lengths in [0, {seq}] (the window's positions)")
+    return lengths.to("cpu", torch.int64)
 
 
 def _wire_name(dtype: torch.dtype) -> str:
