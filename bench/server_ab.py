@@ -10,11 +10,15 @@ Per block and server:
   * the paced game loop's step (a 32×512×16 session, A a handle, one step per 60 FPS frame):
     round trip p50, as bench.game_loop part (a) reports it;
   * with `--model-steps N`, N paced steps of bench.models' ExPhil-sized Mamba-2 model at batch
-    1 (embeddings in, hidden out): round trip p50.
+    1 (embeddings in, hidden out): round trip p50;
+  * with `--snapshots N`, N snapshot + restore pairs (two round trips, back to back) on a batch-1
+    session of that model and of its Mamba-1 twin, as bench.models times them: the pair's round
+    trips and the server's time for it (the two replies' `server_us`), p50.
 Reports each figure's median over the blocks per server, and this checkout's over the
 baseline's; the goal is each within 5 %.
 
-    python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--model-steps 0] [--json PATH]
+    python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--model-steps 0] [--snapshots 0]
+                              [--json PATH]
 """
 
 from __future__ import annotations
@@ -104,13 +108,44 @@ def paced_model_steps(server: TreeServer, steps: int) -> list[float]:
     return paced_round_trips(server, frames, steps)
 
 
+def snapshot_restore_pairs(server: TreeServer, arch: str, pairs: int) -> tuple[list[float], list[float]]:
+    """`pairs` snapshot + restore pairs on a batch-1 session of bench.models' ExPhil-sized `arch`
+    model, after a warm-up: each pair's two round trips and the server's time for them (µs)."""
+    from .models import exphil_model
+
+    _, config, weights = exphil_model(arch, seed=1)
+    model = server.call("model_load", config=config, weights=weights)["model"]
+    session = server.call("session_open", model=model, batch=1)["session"]
+    lane = server.lane
+    round_trips, server_us = [], []
+    for i in range(WARMUP + pairs):
+        start = time.perf_counter_ns()
+        _, taken = exchange(lane, lane.frame(encode_request("s", "session_snapshot", {"session": session})))
+        snapshot = taken.result["snapshot"]
+        _, restored = exchange(lane, lane.frame(encode_request("r", "session_restore",
+                                                               {"session": session, "snapshot": snapshot})))
+        if i >= WARMUP:
+            round_trips.append((time.perf_counter_ns() - start) / 1000)
+            server_us.append(taken.timing["server_us"] + restored.timing["server_us"])
+        exchange(lane, lane.frame(encode_request("f", "snapshot_free", {"snapshot": snapshot})))
+    return round_trips, server_us
+
+
+SNAPSHOT_ARCHS = ("mamba", "mamba2")
+
+
 def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: list[str],
-        model_steps: int = 0) -> dict:
+        model_steps: int = 0, snapshots: int = 0) -> dict:
     trees = {"baseline": os.path.abspath(baseline), "this": ROOT}
     per_block = {name: {"exphil_bridge_cost_p50_us": [], "step_p50_us": []} for name in trees}
     if model_steps:
         for figures in per_block.values():
             figures["model_step_p50_us"] = []
+    if snapshots:
+        for figures in per_block.values():
+            for arch in SNAPSHOT_ARCHS:
+                figures[f"snapshot_restore_{arch}_p50_us"] = []
+                figures[f"snapshot_restore_{arch}_server_p50_us"] = []
     for block in range(blocks):
         order = list(trees) if block % 2 == 0 else list(reversed(trees))
         for name in order:
@@ -119,6 +154,7 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
                 cost = exphil_bridge_cost(server, iterations)
                 step = paced_steps(server, steps)
                 model_step = paced_model_steps(server, model_steps) if model_steps else None
+                pairs = {arch: snapshot_restore_pairs(server, arch, snapshots) for arch in SNAPSHOT_ARCHS} if snapshots else {}
             finally:
                 server.close()
             per_block[name]["exphil_bridge_cost_p50_us"].append(statistics.median(cost))
@@ -128,6 +164,11 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
             if model_step:
                 per_block[name]["model_step_p50_us"].append(statistics.median(model_step))
                 line += f", paced model step p50 {statistics.median(model_step):6.0f} µs"
+            for arch, (round_trips, server_us) in pairs.items():
+                per_block[name][f"snapshot_restore_{arch}_p50_us"].append(statistics.median(round_trips))
+                per_block[name][f"snapshot_restore_{arch}_server_p50_us"].append(statistics.median(server_us))
+                line += (f", {arch} snapshot + restore p50 {statistics.median(round_trips):5.0f} µs "
+                         f"(server {statistics.median(server_us):4.0f})")
             print(line, flush=True)
     medians = {name: {key: statistics.median(values) for key, values in figures.items()}
                for name, figures in per_block.items()}
@@ -135,7 +176,9 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
     return {
         "case": f"ExPhil scan 32x60x512x16 f32 ({iterations} a block, settle pause before each) and a paced "
                 f"{BATCH}x{DIM}x{STATE} step ({steps} a block, one per 60 FPS frame), over stdio"
-                + (f"; a paced ExPhil-sized Mamba-2 model step at batch 1 ({model_steps} a block)" if model_steps else ""),
+                + (f"; a paced ExPhil-sized Mamba-2 model step at batch 1 ({model_steps} a block)" if model_steps else "")
+                + (f"; snapshot + restore pairs back to back on batch-1 sessions of the ExPhil-sized Mamba-1 and "
+                   f"Mamba-2 models ({snapshots} a block)" if snapshots else ""),
         "trees": {name: subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True,
                                        text=True).stdout.strip() for name, tree in trees.items()},
         "blocks": blocks,
@@ -157,12 +200,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200, help="paced steps a block")
     p.add_argument("--model-steps", type=int, default=0,
                    help="paced model steps a block (0: none; needs transformers to build the model)")
+    p.add_argument("--snapshots", type=int, default=0,
+                   help="snapshot + restore pairs a block and model (0: none; needs transformers to build the models)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
     p.add_argument("--json", help="write the results (with machine and commit info) to this file")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.baseline, "bridge", "__main__.py")):
         p.error(f"--baseline: expected a checkout of this project (with bridge/__main__.py), got {args.baseline!r}")
-    results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg, args.model_steps)
+    results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg, args.model_steps,
+                  args.snapshots)
     for key, ratio in results["this_over_baseline"].items():
         print(f"{key}: baseline {results['medians']['baseline'][key]:.0f} µs, this {results['medians']['this'][key]:.0f} µs, "
               f"ratio {ratio:.3f} (goal ≤ {GOAL_RATIO})")

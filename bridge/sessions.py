@@ -140,7 +140,11 @@ class StatePool:
 
 
 class Session:
-    """`batch` rows of state in `pool`, stepped together."""
+    """`batch` rows of state in `pool`, stepped together.
+
+    Whole-state copies (snapshot, restore, fork) on the CPU go through numpy, on the calling
+    thread: for a session's few rows, waking ATen's thread team, asleep between requests, costs
+    several times the copy (docs/performance.md, "state copies")."""
 
     # __weakref__: the native step path (bridge.native) forgets what it kept of a session when
     # the session goes.
@@ -200,16 +204,24 @@ class Session:
 
     def read_rows(self) -> torch.Tensor:
         """A copy of the whole state, [batch, row floats] fp32 (every part, as the pool lays them out)."""
+        flat = self.pool.flat
+        if flat.device.type == "cpu":
+            host = flat.numpy()
+            rows = host[self.span].copy() if self.span is not None else host.take(self.slot_list, axis=0)
+            return torch.from_numpy(rows)
         if self.span is not None:
-            return self.pool.flat[self.span].clone()
-        return self.pool.flat.index_select(0, self.slots)
+            return flat[self.span].clone()
+        return flat.index_select(0, self.slots)
 
     def write_rows(self, rows: torch.Tensor) -> None:
         """Replace the whole state with what read_rows gave (of a session of the same layout)."""
-        if self.span is not None:
-            self.pool.flat[self.span].copy_(rows)
+        flat = self.pool.flat
+        if flat.device.type == "cpu":
+            flat.numpy()[self.span if self.span is not None else self.slot_list] = rows.numpy()
+        elif self.span is not None:
+            flat[self.span].copy_(rows)
         else:
-            self.pool.flat.index_copy_(0, self.slots, rows)
+            flat.index_copy_(0, self.slots, rows)
 
     def read_parts(self) -> dict[str, torch.Tensor]:
         """A copy of every part, [batch, *part shape] fp32 each (views of one copy)."""
