@@ -54,7 +54,8 @@ def _requests(ops: dict):
     requests = CounterMetricFamily("scan_bridge_requests", "Requests answered, by op and outcome.",
                                    labels=["op", "outcome"])
     inferences = CounterMetricFamily("scan_bridge_inferences",
-                                     "Requests served successfully and frames run inside session_open, by op.",
+                                     "Requests served successfully and frames run inside session_open or "
+                                     "session_restore, by op.",
                                      labels=["op"])
     launches = CounterMetricFamily("scan_bridge_kernel_launches",
                                    "Kernel launches (a batch of requests is one), by op.", labels=["op"])

@@ -1,10 +1,11 @@
 """Cumulative counters for the `stats` op, modelled on Triton Inference Server's statistics
 extension: per op, `inference_count` (requests served successfully, as Triton counts them, and
-frames run inside session_open) and `execution_count` (kernel launches; their ratio is the mean
-batch in requests: a failed request is counted for no launch), successes and failures (of
-requests: a frame is part of session_open's), and cumulative microseconds per stage; plus gauges
-of what the server holds now (sessions, tensor handles). Frames and bytes are counted per lane
-too (stdio, unix, zmq), and what connections that went away left behind, freed."""
+frames run inside session_open or session_restore) and `execution_count` (kernel launches;
+their ratio is the mean batch in requests: a failed request is counted for no launch),
+successes and failures (of requests: a frame is part of its request's), and cumulative
+microseconds per stage; plus gauges of what the server holds now (sessions, tensor handles).
+Frames and bytes are counted per lane too (stdio, unix, zmq), and what connections that went
+away left behind, freed."""
 
 from __future__ import annotations
 
@@ -110,8 +111,9 @@ class Stats:
             self.ops[op]["execution_count"] += 1
 
     def record_frame(self, op: str) -> None:
-        """A frame of `op` that ran inside a session_open request: one inference and its own
-        launch (frames run unbatched), its time and outcome counted with that request's."""
+        """A frame of `op` that ran inside a session_open or session_restore request: one
+        inference and its own launch (frames run unbatched), its time and outcome counted with
+        that request's."""
         with self._lock:
             entry = self.ops[op]
             entry["inference_count"] += 1

@@ -258,8 +258,8 @@ def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, pre
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """One call of session_open's `frames`: an op of FRAME_OPS and its checked arguments, which
-    name no session (the one being opened is theirs)."""
+    """One call of `frames` (session_open's, session_restore's): an op of FRAME_OPS and its
+    checked arguments, which name no session (the one being opened or restored is theirs)."""
 
     op: str
     args: dict

@@ -19,7 +19,8 @@ Each argument has a kind, checked by the decoder one value at a time:
                  state size, or a model session's saved state)
     request_id   a request id: a uint or a non-empty str (what cancel names)
     frames       an array of maps {op, args}: calls of an op in FRAME_OPS on the session
-                 session_open opens, each args that op's own but session (checked as they are)
+                 session_open opens (or session_restore restores), each args that op's own but
+                 session (checked as they are)
 
 Consistency between arguments (shapes agreeing, a session existing) is checked further in.
 """
@@ -69,8 +70,8 @@ SESSION_KINDS = ("mamba", "ssd")
 OUTPUTS = ("logits", "hidden")
 WEIGHTS_DTYPES = ("f32", "bf16", "f16")
 
-# The ops a session_open's frames may call: those that advance a session's state, which a
-# client that reopens a session from a saved state runs again.
+# The ops `frames` may call: those that advance a session's state, which a client that reopens
+# a session from a saved state, or rolls one back to a snapshot, runs again.
 FRAME_OPS = ("step", "scan", "ssd_scan", "model_step", "model_forward")
 
 # alias -> canonical name; accepted by every op that has the canonical argument, so that a
@@ -163,7 +164,9 @@ OPS: dict[str, dict[str, Arg]] = {
     "session_close": {"session": Arg("str", True)},
     "session_state": {"session": Arg("str", True)},
     "session_snapshot": {"session": Arg("str", True)},
-    "session_restore": {"session": Arg("str", True), "snapshot": Arg("str", True)},
+    # frames: calls run on the restored session, in order, before the reply (a rollback's
+    # re-simulation in the same request).
+    "session_restore": {"session": Arg("str", True), "snapshot": Arg("str", True), "frames": Arg("frames")},
     "session_fork": {"session": Arg("str", True)},
     "snapshot_free": {"snapshot": Arg("str", True)},
     # Either path (a checkpoint under --model-dir) or config and weights (checked further in).

@@ -10,7 +10,11 @@ run on it in the same request, as a client rebuilding a session elsewhere does.
 - each frame that ran counts in `stats` as one inference and one launch of its own op, the
   request once, as session_open's success or failure;
 - a malformed frame (an op that does not advance a session, a session of its own, an unknown
-  key, a missing argument) is refused by name before anything is opened.
+  key, a missing argument) is refused by name before anything is opened;
+- session_restore's `frames` (SPEC §6.4), a rollback's re-simulation: they run on the restored
+  session as calls one by one after a plain restore would, bit for bit; a frame that fails puts
+  back the state the request found, and the snapshot stays; an unknown snapshot or a malformed
+  frame runs nothing.
 
 Servers run in-process (tests/bridge_fakes.py); inputs are fresh random values, the seed in every
 failure message.
@@ -180,3 +184,83 @@ def test_a_prefill_frame_then_steps_on_a_plain_session(inproc):
     for i, ((op, args), result) in enumerate(zip(frames, opened["frames"])):
         assert torch.equal(result["y"], scene.call(op, session=twin, **args)["y"]), f"seed={seed}: frame {i}"
     assert_same_state(scene.state(opened["session"]), scene.state(twin), f"seed={seed}")
+
+
+# -- session_restore's frames: a rollback and its re-simulation in one request ---------------
+
+
+def stepped_with_snapshot(scene: Scene, frames_after: int):
+    """A session stepped twice, a snapshot of it and the state it holds, then `frames_after`
+    more steps."""
+    session = scene.open()
+    for _ in range(2):
+        scene.call(scene.case.op, session=session, **scene.frame())
+    snapshot = scene.call("session_snapshot", session=session)["snapshot"]
+    at_snapshot = scene.state(session)
+    for _ in range(frames_after):
+        scene.call(scene.case.op, session=session, **scene.frame())
+    return session, snapshot, at_snapshot
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_restore_frames_run_as_a_restore_then_calls_one_by_one_would(inproc, case):
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    session, snapshot, _ = stepped_with_snapshot(scene, 2)
+    twin = scene.call("session_fork", session=session)["session"]
+    frames = [scene.frame() for _ in range(3)]
+    restored = scene.call("session_restore", session=session, snapshot=snapshot,
+                          frames=[{"op": case.op, "args": frame} for frame in frames])
+    assert restored["restored"] is True and len(restored["frames"]) == len(frames), f"seed={seed}: {restored}"
+    scene.call("session_restore", session=twin, snapshot=snapshot)
+    for i, (frame, result) in enumerate(zip(frames, restored["frames"])):
+        expected = scene.call(case.op, session=twin, **frame)
+        assert torch.equal(output_of(result), output_of(expected)), f"seed={seed}: frame {i}'s output"
+    assert_same_state(scene.state(session), scene.state(twin), f"seed={seed}, the twin's")
+    assert "frames" not in scene.call("session_restore", session=twin, snapshot=snapshot), "asked for none"
+
+
+@pytest.mark.parametrize("case", [pytest.param(Case("mamba", "step"), id="plain-mamba-step"),
+                                  pytest.param(Case("mamba2", "model_step"), id="mamba2-model-step")])
+def test_a_failing_restore_frame_puts_back_the_state_found_and_is_named(inproc, case):
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    session, snapshot, at_snapshot = stepped_with_snapshot(scene, 1)
+    found = scene.state(session)
+    bad = scene.frame()
+    name = "embeds" if case.op == "model_step" else "x"
+    bad[name] = torch.cat([bad[name], bad[name][:1]])
+    op_before, restore_before = op_counts(scene, case.op), op_counts(scene, "session_restore")
+    reply = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=snapshot,
+                              frames=[{"op": case.op, "args": scene.frame()}, {"op": case.op, "args": bad}])
+    assert not reply.ok and reply.error["code"] == "shape_mismatch", f"seed={seed}: {reply.error}"
+    assert reply.error["detail"]["field"] == f"args.frames[1].args.{name}", f"seed={seed}: {reply.error}"
+    assert reply.error["detail"]["frame"] == 1, f"seed={seed}: {reply.error}"
+    assert_same_state(scene.state(session), found, f"seed={seed}, after the failed request")
+    assert counted_since(op_before, op_counts(scene, case.op))["inference_count"] == 1
+    assert counted_since(restore_before, op_counts(scene, "session_restore"))["failure_count"] == 1
+    # the snapshot stays, and restores as ever
+    scene.call("session_restore", session=session, snapshot=snapshot)
+    assert_same_state(scene.state(session), at_snapshot, f"seed={seed}, restored after the failure")
+
+
+@pytest.mark.parametrize("args, field, code", [
+    pytest.param({"snapshot": "p-404"}, "args.snapshot", "unknown_snapshot", id="unknown-snapshot"),
+    pytest.param({"frames": [{"op": "session_state", "args": {}}]}, "args.frames[0].op", "invalid_argument",
+                 id="not-advancing"),
+    pytest.param({"frames": [{"op": "step", "args": {"session": "x"}}]}, "args.frames[0].args.session",
+                 "invalid_argument", id="own-session"),
+])
+def test_a_restore_refused_runs_no_frame_and_changes_nothing(inproc, args, field, code):
+    seed = random_seed()
+    scene = Scene(inproc(), Case("mamba", "step"), seed)
+    session, snapshot, _ = stepped_with_snapshot(scene, 1)
+    found = scene.state(session)
+    step_before = op_counts(scene, "step")
+    request = {"session": session, "snapshot": snapshot,
+               "frames": [{"op": "step", "args": scene.frame()}], **args}
+    reply = scene.srv.request(scene.conn, "session_restore", **request)
+    assert not reply.ok and reply.error["code"] == code, f"seed={seed}: {reply.error}"
+    assert reply.error["detail"]["field"] == field, f"seed={seed}: {reply.error}"
+    assert counted_since(step_before, op_counts(scene, "step"))["inference_count"] == 0
+    assert_same_state(scene.state(session), found, f"seed={seed}")

@@ -26,22 +26,24 @@ def session_open(server, call) -> dict:
     session = open_model_session(server, call) if "model" in call.args else open_plain_session(server, call)
     if "frames" not in call.args:
         return {"session": session.id}
-    return {"session": session.id, "frames": run_frames(server, call, session)}
+    # A frame that fails closes the session: the request leaves nothing behind.
+    frames = run_frames(server, call, session, undo=lambda: close_quietly(server, call.conn, session))
+    return {"session": session.id, "frames": frames}
 
 
-def run_frames(server, call, session) -> list[dict]:
-    """Each frame's result, in order. A frame that fails closes the session, so that the request
-    leaves nothing behind, and its error names the frame: what a client reopening a session
-    from a saved state needs is all of it or a clear refusal."""
+def run_frames(server, call, session, undo) -> list[dict]:
+    """Each frame's result, in order. A frame that fails calls `undo`, which takes back what the
+    request did, and its error names the frame: what a client reopening a session from a saved
+    state, or rolling one back, needs is all of it or a clear refusal."""
     results = []
     for i, frame in enumerate(call.args["frames"]):
         request = protocol.Request(call.request.id, frame.op, {**frame.args, "session": session.id})
         handler = server.registry.handler(request)
         try:
-            # on the opening request's connection, its times added to that request's
+            # on the request's connection, its times added to that request's
             results.append(handler(server, Call(call.conn, request, call.timing, handler)))
         except Exception as exc:
-            close_quietly(server, call.conn, session)
+            undo()
             raise frame_error(exc, i) from exc
         server.stats.record_frame(frame.op)
     return results
@@ -57,7 +59,7 @@ def close_quietly(server, conn, session) -> None:
 
 
 def frame_error(exc: BaseException, index: int) -> OpError:
-    """The frame's own error, its field named within session_open's arguments."""
+    """The frame's own error, its field named within the request's arguments."""
     code, message, detail = error_fields(exc)
     field = detail.get("field")
     if isinstance(field, str) and field.startswith("args."):
@@ -217,8 +219,19 @@ def session_snapshot(server, call) -> dict:
 
 def session_restore(server, call) -> dict:
     session = server.session(call.conn, call.args["session"], "args.session")
+    if "frames" not in call.args:
+        server.snapshots.restore(call.conn.id, call.args["snapshot"], session, "args.snapshot")
+        return {"restored": True}
+    # A rollback and its re-simulation in one request; a frame that fails puts the state the
+    # request found back, so that a failed request changes nothing.
+    before = session.read_rows()
     server.snapshots.restore(call.conn.id, call.args["snapshot"], session, "args.snapshot")
-    return {"restored": True}
+
+    def undo():
+        if not session.closed:
+            session.write_rows(before)
+
+    return {"restored": True, "frames": run_frames(server, call, session, undo)}
 
 
 def session_fork(server, call) -> dict:

@@ -285,6 +285,14 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                                       "return_state": True}}))
     vectors.append(_request("session_restore", "roll a session back to a snapshot",
                             {"v": 1, "id": 24, "op": "session_restore", "args": {"session": "s-3", "snapshot": "p-1"}}))
+    vectors.append(_request("session_restore_frames", "roll a model session back to a snapshot and re-simulate "
+                            "the two frames since in the same request, the last one's logits",
+                            {"v": 1, "id": 53, "op": "session_restore",
+                             "args": {"session": "s-3", "snapshot": "p-1",
+                                      "frames": [{"op": "model_forward",
+                                                  "args": {"tokens": {"dtype": "i32", "shape": [2, 2],
+                                                                      "data": Binary("i32", [3, 7, 2, 5])},
+                                                           "last_only": True}}]}}))
     vectors.append(_request("scan_backward_f32", "gradients of a scan with D, dt_bias, softplus, h0 and dstate",
                             {"v": 1, "id": 25, "op": "scan_backward", "args": {
                                 "dy": tensor("f32", (1, 3, 2), 190), **_scan_args("f32", 1, 3, 2, 2, seed=191),
