@@ -201,6 +201,15 @@ class ModelSession:
     def restore(self, snapshot: str) -> None:
         self.client.call("session_restore", session=self.id, snapshot=snapshot)
 
+    def restore_with_frames(self, snapshot: str, frames) -> list:
+        """A rollback in one round trip: restore `snapshot`, then run `frames` on this session,
+        (op, args) pairs with op "model_step" or "model_forward" and args that op's own but the
+        session; each frame's output (and state, with return_state) as step and forward return
+        them. A frame that fails leaves the state as it was before the call."""
+        frames = list(frames)
+        results = self.client.restore_with_frames(self.id, snapshot, frames)
+        return [self._answer(result, bool(args.get("return_state"))) for (_, args), result in zip(frames, results)]
+
     def free_snapshot(self, snapshot: str) -> None:
         self.client.call("snapshot_free", snapshot=snapshot)
 
@@ -470,6 +479,15 @@ class FramedClient:
         round trip (SPEC §6.1)."""
         result = self.call("session_open", frames=[{"op": op, "args": args} for op, args in frames], **dims)
         return result["session"], result["frames"]
+
+    def restore_with_frames(self, session: str, snapshot: str, frames) -> list[dict]:
+        """Restore `snapshot` into `session` and run `frames` on it in the same request, as
+        `open_session_with_frames` runs its own: each frame's result. A rollback and its
+        re-simulation in one round trip; a frame that fails puts the state back as it was
+        (SPEC §6.4)."""
+        result = self.call("session_restore", session=session, snapshot=snapshot,
+                           frames=[{"op": op, "args": args} for op, args in frames])
+        return result["frames"]
 
     def step(self, session: str, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to one timestep of `session` (x, dt, z [batch, dim]; B, C [batch, state]; a

@@ -723,6 +723,13 @@ def test_a_client_loads_steps_and_rolls_back_through_a_server_process(checkpoint
         session.restore(snapshot)
         again = [torch.as_tensor(session.step(tokens[:, t].numpy())) for t in range(PREFIX, PREFIX + 6)]
         assert all(torch.equal(a, b) for a, b in zip(steps, again))
+        # the rollback in one round trip: the frames since, as a step and a two-frame window
+        frames = [("model_step", {"tokens": tokens[:, PREFIX].numpy()}),
+                  ("model_forward", {"tokens": tokens[:, PREFIX + 1:PREFIX + 3].numpy(), "return_state": True})]
+        first, (window, state) = session.restore_with_frames(snapshot, frames)
+        assert torch.equal(torch.as_tensor(first), steps[0])
+        rel_close(torch.as_tensor(window).transpose(0, 1), torch.stack(steps[1:3]), 1e-5, "re-simulated window")
+        assert all(torch.equal(torch.as_tensor(state[k]), torch.as_tensor(v)) for k, v in session.state().items())
         fork = session.fork()
         assert set(fork.state()) == set(session.state())
         short = remote.open_session(batch=1)

@@ -488,7 +488,7 @@ defmodule ScanBridge do
 
   defp frame!({call, inputs, []}) when call in [:step, :scan, :ssd_scan] do
     op = Atom.to_string(call)
-    args = inputs |> Protocol.wire_args!(op) |> no_session!(op, "a frame's is the session opened")
+    args = inputs |> Protocol.wire_args!(op) |> no_session!(op, "a frame's is the call's session")
     {op, args, &scan_answer/2}
   end
 
@@ -509,7 +509,7 @@ defmodule ScanBridge do
 
   defp frame!(other) do
     raise ArgumentError,
-          "open_session_with_frames frame: expected {call, input} or {call, input, opts} with call " <>
+          "frame: expected {call, input} or {call, input, opts} with call " <>
             ":step, :scan, :ssd_scan (no opts), :model_step or :model_forward, got #{inspect(other, limit: 5)}"
   end
 
@@ -633,8 +633,8 @@ defmodule ScanBridge do
   @typedoc "A model's id (`load_model/3`'s info `\"model\"`), or that info map itself."
   @type model :: String.t() | %{String.t() => term}
   @typedoc """
-  One of `open_session_with_frames/4`'s frames: a call that advances the session and what it
-  takes after its session.
+  One of `open_session_with_frames/4`'s or `restore_with_frames/5`'s frames: a call that
+  advances the session and what it takes after its session.
   """
   @type frame ::
           {:step | :scan | :ssd_scan, inputs}
@@ -955,6 +955,32 @@ defmodule ScanBridge do
     }
 
     with {:ok, _result, _timing} <- request(server, "session_restore", args, opts), do: :ok
+  end
+
+  @doc """
+  Puts a snapshot back as `restore/4` does and runs `frames` on the session in the same request
+  (SPEC §6.4 `session_restore`'s `frames`): a rollback and its re-simulation, restore frame N's
+  state and run the frames since with their corrected inputs, in one round trip. Frames are
+  `open_session_with_frames/4`'s; returns each one's result, in order, as that function does.
+
+  A frame that fails fails the call with its own error, its field named
+  `args.frames[i].args.<name>` and `detail["frame"]` i, and the session keeps the state it had
+  before the call. The snapshot stays either way. A server from before these frames refuses them
+  (`:invalid_argument`, field `args.frames`) and restores nothing.
+  """
+  @spec restore_with_frames(server, String.t(), String.t(), [frame], call_opts) ::
+          {:ok, [term]} | error
+  def restore_with_frames(server, session, snapshot, frames, opts \\ []) when is_list(frames) do
+    calls = Enum.map(frames, &frame!/1)
+
+    args = %{
+      session: id!(session, "restore_with_frames session"),
+      snapshot: id!(snapshot, "restore_with_frames snapshot"),
+      frames: Enum.map(calls, fn {op, frame_args, _} -> %{"op" => op, "args" => frame_args} end)
+    }
+
+    with {:ok, result, timing} <- request(server, "session_restore", args, opts),
+         do: frame_results(Map.get(result, "frames"), calls, timing)
   end
 
   @doc """

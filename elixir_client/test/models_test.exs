@@ -217,6 +217,40 @@ defmodule ScanBridge.ModelsTest do
         close_and_free(server, info, [session])
       end
 
+      test "#{arch}: a rollback re-simulates its frames in the restore's request",
+           %{server: server} do
+        {info, session} = load_and_open(server, @arch, 2)
+        embeds = Models.embeds(2, 7, 8)
+
+        assert {:ok, _} =
+                 ScanBridge.model_forward(server, session, {:embeds, Models.frames(embeds, 0, 3)})
+
+        assert {:ok, snapshot} = ScanBridge.snapshot(server, session)
+        first = steps(server, session, embeds, 3..6)
+
+        frames = [
+          {:model_step, {:embeds, Models.frame(embeds, 3)}},
+          {:model_forward, {:embeds, Models.frames(embeds, 4, 3)}, [return_state: true]}
+        ]
+
+        assert {:ok, [step, {window, state}]} =
+                 ScanBridge.restore_with_frames(server, session, snapshot, frames)
+
+        assert step.data == hd(first).data
+        Models.assert_rel_close(window, Models.stack_frames(tl(first)), 1.0e-4, "the window")
+        assert {:ok, ^state} = ScanBridge.session_state(server, session)
+
+        # a frame that fails names itself, and leaves the state the call found
+        bad = {:model_step, {:embeds, Models.frame(Models.embeds(3, 1, 8), 0)}}
+
+        assert {:error, %Error{reason: :shape_mismatch, detail: detail}} =
+                 ScanBridge.restore_with_frames(server, session, snapshot, [hd(frames), bad])
+
+        assert detail["field"] == "args.frames[1].args.embeds" and detail["frame"] == 1
+        assert {:ok, ^state} = ScanBridge.session_state(server, session)
+        close_and_free(server, info, [session])
+      end
+
       test "#{arch}: a fork and its original go their own ways", %{server: server} do
         {info, original} = load_and_open(server, @arch, 2)
         embeds = Models.embeds(2, 3, 8)

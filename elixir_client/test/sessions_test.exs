@@ -174,14 +174,14 @@ defmodule ScanBridge.SessionsTest do
       dims = [batch: 2, dim: 3, state: 2]
 
       assert_raise ArgumentError,
-                   ~r/step inputs: expected no session \(a frame's is the session opened\)/,
+                   ~r/step inputs: expected no session \(a frame's is the call's session\)/,
                    fn ->
                      ScanBridge.open_session_with_frames(server, dims, [
                        {:step, Map.put(plain_frame(), :session, "s")}
                      ])
                    end
 
-      assert_raise ArgumentError, ~r/open_session_with_frames frame: expected/, fn ->
+      assert_raise ArgumentError, ~r/frame: expected/, fn ->
         ScanBridge.open_session_with_frames(server, dims, [{:session_state, %{}}])
       end
 

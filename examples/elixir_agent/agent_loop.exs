@@ -8,8 +8,9 @@
 # steps one frame at a time at 60 FPS, sleeping to each frame's deadline. Before each frame it
 # takes a snapshot, keeping a ring of the last 7 (older ones freed). Every 60 frames it plays a
 # misprediction: the last 7 frames' inputs were wrong, so it restores the snapshot taken before
-# them and re-simulates them, corrected, with one model_forward, then goes on. At the end it
-# prints the step latency (p50/p99), the snapshot latency and the rollbacks' cost.
+# them and re-simulates them, corrected, with one model_forward run in the restore's request (one
+# round trip), then goes on. At the end it prints the step latency (p50/p99), the snapshot
+# latency and the rollbacks' cost.
 #
 # Options (defaults in brackets):
 #   --frames N          frames stepped after the warm-up [180]
@@ -155,18 +156,16 @@ defmodule AgentLoop do
   end
 
   # A misprediction: the inputs of the frames since the oldest snapshot in the ring were wrong.
-  # Back to the state before them, and the corrected frames re-simulated in one window. The
-  # snapshots taken after it hold mispredicted states: freed.
+  # Back to the state before them, and the corrected frames re-simulated in one window, in the
+  # same request. The snapshots taken after it hold mispredicted states: freed.
   defp rollback(server, session, input, stats) do
     [{first, snapshot} | newer] = Enum.reverse(stats.ring)
     [{last, _} | _] = stats.ring
     frames = last - first + 1
+    resimulate = {:model_forward, window(input, frames), [last_only: true]}
 
-    {us, _out} =
-      :timer.tc(fn ->
-        :ok = ScanBridge.restore(server, session, snapshot)
-        ScanBridge.model_forward!(server, session, window(input, frames), last_only: true)
-      end)
+    {us, {:ok, [_out]}} =
+      :timer.tc(fn -> ScanBridge.restore_with_frames(server, session, snapshot, [resimulate]) end)
 
     Enum.each(newer, fn {_frame, newer} -> :ok = ScanBridge.free_snapshot(server, newer) end)
     %{stats | ring: [{first, snapshot}], rollbacks: [{frames, us} | stats.rollbacks]}
@@ -296,8 +295,8 @@ defmodule AgentLoop do
         costs = Enum.map(rollbacks, &elem(&1, 1))
 
         IO.puts(
-          "rollbacks: #{length(rollbacks)} of #{frames} frames, each a restore and one " <>
-            "#{frames}-frame model_forward: p50 #{ms(percentile(costs, 50))} ms, " <>
+          "rollbacks: #{length(rollbacks)} of #{frames} frames, each a restore with one " <>
+            "#{frames}-frame model_forward in its request: p50 #{ms(percentile(costs, 50))} ms, " <>
             "max #{ms(Enum.max(costs))} ms"
         )
     end
