@@ -15,7 +15,9 @@ And what bounds a step here, in this process: one torch op's dispatch, the stack
 products alone, and the runtime's whole step without IPC; for a paced step, the step's matrices
 read once from memory after the caches were flushed (`floors`).
 
-Also snapshot + restore round trips at batch 1, and the server's own time for them. The bridge
+Also snapshot + restore round trips at batch 1, and the server's own time for them; and a
+rollback of ROLLBACK frames (restore, then the corrected frames re-simulated as one window) sent
+as two requests and as one (session_restore with frames), alternated. The bridge
 and the echo are driven by the same lean client (pre-encoded frames, the reply read whole), one
 request a frame. The server's weights are sent by the client (`model_load {config, weights}`), as
 ExPhil's live in Elixir; frames are embeddings (`embeds`), as ExPhil's are.
@@ -50,6 +52,7 @@ from bridge.models import load_weights
 FRAME_SECONDS = FRAME_BUDGET_60FPS_US / 1e6
 WARMUP = 20
 WINDOW = 60
+ROLLBACK = 7  # frames a misprediction rolls back: the agent example's default
 D_MODEL = 256
 LM_VOCAB = 512  # the causal LMs' tokens: a game agent's action vocabulary, say
 # Written before each read of the matrices from memory: several times any cache here.
@@ -282,6 +285,27 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
         result["snapshot_restore_round_trips"] = summarize_us(pair_us[10:])
         result["snapshot_restore_server"] = summarize_us(pair_server_us[10:])
 
+        # A rollback: restore and re-simulate ROLLBACK frames, in two requests and in one.
+        snapshot = bridge.call("session_snapshot", session=session)["snapshot"]
+        resimulate = {"embeds": torch.stack(frames[WINDOW:WINDOW + ROLLBACK], dim=1), "output": "hidden",
+                      "last_only": True}
+        restore = lane.frame(encode_request("r", "session_restore", {"session": session, "snapshot": snapshot}))
+        forward = lane.frame(encode_request("w", "model_forward", {"session": session, **resimulate}))
+        in_one = lane.frame(encode_request("o", "session_restore", {
+            "session": session, "snapshot": snapshot, "frames": [{"op": "model_forward", "args": resimulate}]}))
+        two_us, one_us = [], []
+        for i in range(110):
+            t0 = time.perf_counter_ns()
+            exchange(lane, restore)
+            exchange(lane, forward)
+            t1 = time.perf_counter_ns()
+            exchange(lane, in_one)
+            if i >= 10:
+                two_us.append((t1 - t0) / 1000)
+                one_us.append((time.perf_counter_ns() - t1) / 1000)
+        result["rollback_two_requests"] = summarize_us(two_us)
+        result["rollback_one_request"] = summarize_us(one_us)
+
         # (b) the old way: a round trip per layer.
         old = OldWay(bridge, arch, config, weights, batch)
         for f in frames[:WARMUP]:
@@ -300,6 +324,7 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
         "step_over_transformers": p50 / result["transformers_step"]["p50_us"],
         "old_way_over_step": result["old_way"]["p50_us"] / p50,
         "window_over_step": result["window_forward"]["p50_us"] / p50,
+        "rollback_two_over_one": result["rollback_two_requests"]["p50_us"] / result["rollback_one_request"]["p50_us"],
     }
     if "echo" in result:
         result["ratios"]["step_over_echo"] = p50 / result["echo"]["p50_us"]
@@ -323,6 +348,8 @@ def report(r: dict) -> None:
         print(line("(d) echo of the same bytes", r["echo"]))
     print(line("snapshot + restore round trips", r["snapshot_restore_round_trips"]))
     print(line("  of which the server", r["snapshot_restore_server"]))
+    print(line(f"rollback of {ROLLBACK}: two requests", r["rollback_two_requests"]))
+    print(line(f"rollback of {ROLLBACK}: one request", r["rollback_one_request"]))
     ratios = r["ratios"]
     print(f"    step / transformers {ratios['step_over_transformers']:.3f} (goal ≤ {GOALS['step_over_transformers']}),"
           f" old way / step {ratios['old_way_over_step']:.2f}× (goal ≥ {GOALS['old_way_over_step']}),"

@@ -369,7 +369,8 @@ def test_models_bench_runs_end_to_end(tmp_path):
     assert result["neighbour"] is True
     (case,) = result["cases"]
     assert (case["arch"], case["batch"], case["model_step"]["n"]) == ("mamba2", 1, 25)
-    for part in ("transformers_step", "old_way", "window_forward", "snapshot_restore_round_trips"):
+    for part in ("transformers_step", "old_way", "window_forward", "snapshot_restore_round_trips",
+                 "rollback_two_requests", "rollback_one_request"):
         assert case[part]["p50_us"] > 0, part
     assert set(case["floors"]) == {"torch_op", "matrix_products", "stack_step_in_process", "matrices_from_memory"}
     assert case["floors"]["matrices_from_memory"]["bytes"] > 0
