@@ -11,6 +11,9 @@ Per block and server:
     round trip p50, as bench.game_loop part (a) reports it;
   * with `--model-steps N`, N paced steps of bench.models' ExPhil-sized Mamba-2 model at batch
     1 (embeddings in, hidden out): round trip p50;
+  * with `--windows N`, N `model_forward` calls back to back (embeddings in, the last position's
+    hidden state out) at each of WINDOW_CASES (batch, window length) on sessions of that model
+    and of its Mamba-1 twin: p50;
   * with `--snapshots N`, N snapshot + restore pairs (two round trips, back to back) on a batch-1
     session of that model and of its Mamba-1 twin, as bench.models times them: the pair's round
     trips and the server's time for it (the two replies' `server_us`), p50.
@@ -18,7 +21,7 @@ Reports each figure's median over the blocks per server, and this checkout's ove
 baseline's; the goal is each within 5 %.
 
     python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--model-steps 0] [--snapshots 0]
-                              [--json PATH]
+                              [--windows 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -132,10 +135,35 @@ def snapshot_restore_pairs(server: TreeServer, arch: str, pairs: int) -> tuple[l
 
 
 SNAPSHOT_ARCHS = ("mamba", "mamba2")
+# (batch, length) of the windows `--windows` times: a rollback's re-simulation, the 60-frame
+# window a session warms up from.
+WINDOW_CASES = ((1, 7), (1, 60), (32, 7), (32, 60))
+
+
+def window_forwards(server: TreeServer, arch: str, calls: int) -> dict[str, list[float]]:
+    """`calls` model_forward round trips at each of WINDOW_CASES on bench.models' ExPhil-sized
+    `arch` model, after a warm-up of 3, by "b<batch>_l<length>" (µs)."""
+    import torch
+
+    from .models import D_MODEL, exphil_model
+
+    _, config, weights = exphil_model(arch, seed=1)
+    model = server.call("model_load", config=config, weights=weights)["model"]
+    g = torch.Generator().manual_seed(7)
+    times = {}
+    for batch, length in WINDOW_CASES:
+        session = server.call("session_open", model=model, batch=batch)["session"]
+        request = server.lane.frame(encode_request("w", "model_forward", {
+            "session": session, "embeds": torch.randn(batch, length, D_MODEL, generator=g) * 0.1,
+            "output": "hidden", "last_only": True}))
+        rows = [exchange(server.lane, request)[0] for _ in range(3 + calls)]
+        times[f"b{batch}_l{length}"] = rows[3:]
+        server.call("session_close", session=session)
+    return times
 
 
 def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: list[str],
-        model_steps: int = 0, snapshots: int = 0) -> dict:
+        model_steps: int = 0, snapshots: int = 0, windows: int = 0) -> dict:
     trees = {"baseline": os.path.abspath(baseline), "this": ROOT}
     per_block = {name: {"exphil_bridge_cost_p50_us": [], "step_p50_us": []} for name in trees}
     if model_steps:
@@ -146,6 +174,11 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
             for arch in SNAPSHOT_ARCHS:
                 figures[f"snapshot_restore_{arch}_p50_us"] = []
                 figures[f"snapshot_restore_{arch}_server_p50_us"] = []
+    if windows:
+        for figures in per_block.values():
+            for arch in SNAPSHOT_ARCHS:
+                for batch, length in WINDOW_CASES:
+                    figures[f"forward_{arch}_b{batch}_l{length}_p50_us"] = []
     for block in range(blocks):
         order = list(trees) if block % 2 == 0 else list(reversed(trees))
         for name in order:
@@ -155,6 +188,7 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
                 step = paced_steps(server, steps)
                 model_step = paced_model_steps(server, model_steps) if model_steps else None
                 pairs = {arch: snapshot_restore_pairs(server, arch, snapshots) for arch in SNAPSHOT_ARCHS} if snapshots else {}
+                forwards = {arch: window_forwards(server, arch, windows) for arch in SNAPSHOT_ARCHS} if windows else {}
             finally:
                 server.close()
             per_block[name]["exphil_bridge_cost_p50_us"].append(statistics.median(cost))
@@ -169,6 +203,11 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
                 per_block[name][f"snapshot_restore_{arch}_server_p50_us"].append(statistics.median(server_us))
                 line += (f", {arch} snapshot + restore p50 {statistics.median(round_trips):5.0f} µs "
                          f"(server {statistics.median(server_us):4.0f})")
+            for arch, cases in forwards.items():
+                for case, rows in cases.items():
+                    per_block[name][f"forward_{arch}_{case}_p50_us"].append(statistics.median(rows))
+                line += f", {arch} forwards " + " ".join(f"{case} {statistics.median(rows):5.0f}"
+                                                          for case, rows in cases.items())
             print(line, flush=True)
     medians = {name: {key: statistics.median(values) for key, values in figures.items()}
                for name, figures in per_block.items()}
@@ -177,6 +216,9 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
         "case": f"ExPhil scan 32x60x512x16 f32 ({iterations} a block, settle pause before each) and a paced "
                 f"{BATCH}x{DIM}x{STATE} step ({steps} a block, one per 60 FPS frame), over stdio"
                 + (f"; a paced ExPhil-sized Mamba-2 model step at batch 1 ({model_steps} a block)" if model_steps else "")
+                + (f"; model_forward back to back at (batch, length) {list(WINDOW_CASES)} on the ExPhil-sized "
+                   f"Mamba-1 and Mamba-2 models, the last position's hidden state out ({windows} a case and "
+                   f"block)" if windows else "")
                 + (f"; snapshot + restore pairs back to back on batch-1 sessions of the ExPhil-sized Mamba-1 and "
                    f"Mamba-2 models ({snapshots} a block)" if snapshots else ""),
         "trees": {name: subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True,
@@ -202,13 +244,15 @@ def main(argv=None) -> int:
                    help="paced model steps a block (0: none; needs transformers to build the model)")
     p.add_argument("--snapshots", type=int, default=0,
                    help="snapshot + restore pairs a block and model (0: none; needs transformers to build the models)")
+    p.add_argument("--windows", type=int, default=0,
+                   help="model_forward calls a block, model and window case (0: none; needs transformers)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
     p.add_argument("--json", help="write the results (with machine and commit info) to this file")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.baseline, "bridge", "__main__.py")):
         p.error(f"--baseline: expected a checkout of this project (with bridge/__main__.py), got {args.baseline!r}")
     results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg, args.model_steps,
-                  args.snapshots)
+                  args.snapshots, args.windows)
     for key, ratio in results["this_over_baseline"].items():
         print(f"{key}: baseline {results['medians']['baseline'][key]:.0f} µs, this {results['medians']['this'][key]:.0f} µs, "
               f"ratio {ratio:.3f} (goal ≤ {GOAL_RATIO})")

@@ -53,7 +53,7 @@ __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends", "backend_details",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update", "ssd_scan",
-    "ssd_state_update", "model_step_kernel", "dt_limit_bounds", "selective_scan_backward", "ssd_scan_backward",
+    "ssd_state_update", "model_step_kernel", "linear_kernel", "dt_limit_bounds", "selective_scan_backward", "ssd_scan_backward",
 ]
 
 
@@ -165,6 +165,13 @@ def model_step_kernel(device_type: str, backend: str | None = None):
     bridge.models lays them out; see kernels/cpu/binding.cpp `model_step`), or None where it has
     none. Its math is bridge.models.runtime's, which tests hold it to."""
     return get_backend(backend, device_type).model_step
+
+
+def linear_kernel(device_type: str, backend: str | None = None):
+    """The backend's matrix product, the one its fused model step runs (x [rows, in] fp32 times
+    w [features, in]^T, w fp32 or bf16, plus an optional fp32 bias, fp32 out; kernels/cpu/
+    binding.cpp `linear`), or None where it has none and torch's serves."""
+    return get_backend(backend, device_type).linear
 
 
 def capture_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,

@@ -81,6 +81,10 @@ class Backend:
     # One frame through a whole Mamba / Mamba-2 stack in one call (kernels.model_step_kernel);
     # None: the caller composes the step from the ops above.
     model_step: Callable | None = None
+    # That step's matrix product, for callers that compose a sequence from the ops above
+    # (kernels.linear_kernel): x [rows, in] fp32 times w [features, in]^T (fp32 or bf16) plus an
+    # fp32 bias -> [rows, features] fp32; None: the caller uses torch's.
+    linear: Callable | None = None
     # For native callers' model steps (kernels/cpu/model_step.h): prepare_model(layers' weights,
     # norm_f, dims, eps, dt_min, dt_max) -> a "scan_bridge.fused_model" capsule, and the capsule
     # "scan_bridge.run_model_step" that steps one; None for backends without them.

@@ -434,6 +434,37 @@ def test_the_fused_step_is_the_composed_one(checkpoints, arch):
         m.step(fused, torch.tensor([6]), tokens[:1], output="logits", backend="cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm"])
+def test_the_prefill_takes_the_backends_products_and_agrees_with_torchs(checkpoints, arch, dtype, monkeypatch):
+    """On the C++ backend the prefill's matrix products are the fused step's (kernels.
+    linear_kernel): every one of them, and the outputs and every state part agree with the same
+    prefill through F.linear; rows in scattered pool slots, random state."""
+    product = kernels.linear_kernel("cpu", cpu_backends()[-1])
+    if product is None:
+        pytest.skip("no backend product: the C++ backend is not built here (make kernels)")
+    model = checkpoints[1][arch][0]
+    m = load_weights(json.loads(model.config.to_json_string()), {k: v.detach() for k, v in model.state_dict().items()},
+                     dtype, torch.device("cpu"), lambda n: None)
+    generator = torch.Generator().manual_seed(random_seed())
+    ours = {name: torch.randn((6, *shape), generator=generator) * 0.3 for name, shape in m.config.state_parts()}
+    theirs = {name: t.clone() for name, t in ours.items()}
+    slots = torch.tensor([5, 0, 3])
+    tokens = torch.randint(0, VOCAB, (3, 9), generator=generator)
+    calls = []
+    monkeypatch.setattr(kernels, "linear_kernel", lambda *a: lambda *x: calls.append(1) or product(*x))
+    with torch.no_grad():
+        a = m.forward(ours, slots, tokens, output="logits", backend="cpu")
+        per_layer = 4 if m.arch == "mamba" else 2  # in_proj, (x_proj, dt_proj,) out_proj
+        assert len(calls) == per_layer * m.config.n_layer, f"{len(calls)} products by the backend's kernel"
+        monkeypatch.setattr(kernels, "linear_kernel", lambda *a: None)
+        b = m.forward(theirs, slots, tokens, output="logits", backend="cpu")
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: torch rounds each product's output
+    rel_close(a, b, tolerance, f"{arch} {dtype} logits")
+    for name in ours:
+        rel_close(ours[name], theirs[name], tolerance, f"{arch} {dtype} {name}")
+
+
 @pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm"])
 def test_a_bf16_models_fused_step_is_the_float64_step_of_its_weights(checkpoints, arch):
     """A model loaded in bf16 steps in the fused kernel too: its matrices read as bf16, widened

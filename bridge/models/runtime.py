@@ -112,11 +112,12 @@ class Model:
         if lengths is not None and bool((lengths != inputs.shape[1]).any()):
             return self._forward_ragged(parts, slots, inputs, lengths, output=output, last_only=last_only,
                                         backend=backend)
+        product = self._product(backend)
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
             conv, ssm = (parts[name] for name in layer_state_names(i))
             hidden = self._block(layer, hidden, lambda h, layer=layer, conv=conv, ssm=ssm:
-                                 self._mixer_seq(layer, h, conv, ssm, slots, backend))
+                                 self._mixer_seq(layer, h, conv, ssm, slots, backend, product))
         if last_only:
             hidden = hidden[:, -1:]
         return self._output(hidden, output)
@@ -174,6 +175,22 @@ class Model:
         return (self._fused_weights, self._fused_norm_f, self._fused_dims, self.config.eps,
                 self.dt_limits["dt_min"], self.dt_limits["dt_max"], self.embeddings, self.lm_head)
 
+    def _product(self, backend: str | None) -> Callable:
+        """F.linear's work for the prefill: by the backend's own product where it has one and
+        takes these weights (the fused step's, fp32 products of fp32 or bf16 weights), since
+        torch's CPU products of a few rows cost several times it (docs/performance.md,
+        "model forward"); else F.linear."""
+        kernel = kernels.linear_kernel(self.device.type, backend) if self._fused else None
+        if kernel is None:
+            return F.linear
+
+        def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+            out = kernel(rows, weight, None if bias is None else bias.to(torch.float32))
+            return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+        return product
+
     def _fused_step(self, parts: dict[str, torch.Tensor], backend: str | None):
         if not self._steps_fused:
             return None
@@ -198,16 +215,16 @@ class Model:
 
     # -- mixers -------------------------------------------------------------------------
 
-    def _mixer_seq(self, layer, h, conv, ssm, slots, backend):
+    def _mixer_seq(self, layer, h, conv, ssm, slots, backend, product):
         c = self.config
-        projected = F.linear(h, layer.in_proj, layer.in_proj_bias)
+        projected = product(h, layer.in_proj, layer.in_proj_bias)
         h0 = ssm.index_select(0, slots)
         if c.arch == "mamba":
             x, z = projected.split(c.d_inner, dim=-1)
             x = _conv_seq(layer, x, conv, slots)
-            dt, B, C = F.linear(x, layer.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
+            dt, B, C = product(x, layer.x_proj, None).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
             y, state = kernels.selective_scan(
-                x, F.linear(dt, layer.dt_proj), layer.A, B, C, D=layer.D, z=z, dt_bias=layer.dt_bias,
+                x, product(dt, layer.dt_proj, None), layer.A, B, C, D=layer.D, z=z, dt_bias=layer.dt_bias,
                 dt_softplus=True, h0=h0, return_state=True, backend=backend)
         else:
             z, xBC, dt = projected.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
@@ -219,7 +236,7 @@ class Model:
                 **self.dt_limits, h0=h0, return_state=True, backend=backend)
             y = _gated_rms_norm(y.flatten(-2), z, layer.gate_norm, c.ngroups, c.eps)
         ssm.index_copy_(0, slots, state.to(ssm.dtype))
-        return F.linear(y.to(self.dtype), layer.out_proj, layer.out_proj_bias)
+        return product(y.to(self.dtype), layer.out_proj, layer.out_proj_bias)
 
     def _mixer_step(self, layer, h, conv, ssm, slots, backend):
         c = self.config
@@ -267,12 +284,19 @@ def _gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, grou
 
 def _conv_seq(layer: Layer, x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The causal depthwise conv and SiLU over x [b, l, channels], continuing from the windows in
-    rows `slots` of `conv` [pool, channels, d_conv], which are left holding the last d_conv inputs."""
-    width = conv.shape[-1]
+    rows `slots` of `conv` [pool, channels, d_conv], which are left holding the last d_conv inputs.
+    Summed tap by tap (d_conv multiply-adds over the window): inside a prefill, F.conv1d's grouped
+    CPU kernel cost more than that (docs/performance.md, "model forward")."""
+    width, length = conv.shape[-1], x.shape[1]
     window = torch.cat([conv.index_select(0, slots), x.transpose(1, 2).to(conv.dtype)], dim=2)
     conv.index_copy_(0, slots, window[:, :, -width:].contiguous())
-    out = F.conv1d(window[:, :, 1:].to(layer.conv.dtype), layer.conv[:, None, :], layer.conv_bias,
-                   groups=layer.conv.shape[0])
+    taps = window[:, :, 1:].to(layer.conv.dtype)
+    weight = layer.conv
+    out = taps[:, :, :length] * weight[:, :1]
+    for k in range(1, width):
+        out.addcmul_(taps[:, :, k:k + length], weight[:, k:k + 1])
+    if layer.conv_bias is not None:
+        out += layer.conv_bias[:, None]
     return F.silu(out).transpose(1, 2).to(x.dtype)
 
 

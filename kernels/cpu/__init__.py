@@ -154,6 +154,7 @@ def backend_from(ext) -> Backend:
         ssd_scan=ssd_scan,
         ssd_state_update=ssd_state_update,
         model_step=ext.model_step,
+        linear=ext.linear,
         # A build of a revision before them (bench.kernel_ab loads such) has neither.
         prepare_model=getattr(ext, "prepare_model", None),
         run_model_step=getattr(ext, "run_model_step", None),
