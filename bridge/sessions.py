@@ -32,6 +32,11 @@ from .owned import OwnedTable
 STATE_DTYPE = torch.float32
 
 
+# The largest whole-state copy on the CPU made on the serving thread (numpy) rather than by
+# torch's thread team: below it waking the team costs more than it saves, above it two threads
+# copy faster (docs/performance.md, "state copies").
+ONE_THREAD_COPY_BYTES = 1 << 20
+
 # A session's kind -> the names of its state row's axes (session_open's arguments).
 ROW_AXES = {"mamba": ("dim", "state"), "ssd": ("heads", "headdim", "state")}
 
@@ -142,9 +147,9 @@ class StatePool:
 class Session:
     """`batch` rows of state in `pool`, stepped together.
 
-    Whole-state copies (snapshot, restore, fork) on the CPU go through numpy, on the calling
-    thread: for a session's few rows, waking ATen's thread team, asleep between requests, costs
-    several times the copy (docs/performance.md, "state copies")."""
+    Whole-state copies (snapshot, restore, fork) on the CPU of at most ONE_THREAD_COPY_BYTES go
+    through numpy, on the calling thread: for a session's few rows, waking ATen's thread team,
+    asleep between requests, costs several times the copy (docs/performance.md, "state copies")."""
 
     # __weakref__: the native step path (bridge.native) forgets what it kept of a session when
     # the session goes.
@@ -205,7 +210,7 @@ class Session:
     def read_rows(self) -> torch.Tensor:
         """A copy of the whole state, [batch, row floats] fp32 (every part, as the pool lays them out)."""
         flat = self.pool.flat
-        if flat.device.type == "cpu":
+        if self._one_thread_copy:
             host = flat.numpy()
             rows = host[self.span].copy() if self.span is not None else host.take(self.slot_list, axis=0)
             return torch.from_numpy(rows)
@@ -216,12 +221,16 @@ class Session:
     def write_rows(self, rows: torch.Tensor) -> None:
         """Replace the whole state with what read_rows gave (of a session of the same layout)."""
         flat = self.pool.flat
-        if flat.device.type == "cpu":
+        if self._one_thread_copy:
             flat.numpy()[self.span if self.span is not None else self.slot_list] = rows.numpy()
         elif self.span is not None:
             flat[self.span].copy_(rows)
         else:
             flat.index_copy_(0, self.slots, rows)
+
+    @property
+    def _one_thread_copy(self) -> bool:
+        return self.pool.device.type == "cpu" and self.nbytes <= ONE_THREAD_COPY_BYTES
 
     def read_parts(self) -> dict[str, torch.Tensor]:
         """A copy of every part, [batch, *part shape] fp32 each (views of one copy)."""

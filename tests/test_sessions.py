@@ -268,25 +268,29 @@ def test_a_session_reopened_on_another_server_from_its_state_continues_it(inproc
                        second.call(conn, "session_state", session=reopened)["state"])
 
 
+@pytest.mark.parametrize("dim", [5, 1100], ids=["one-thread-copy", "torch-copy"])
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-rows", "scattered-rows"])
-def test_snapshot_restore_and_fork_copy_exactly_the_sessions_rows(inproc, scattered):
+def test_snapshot_restore_and_fork_copy_exactly_the_sessions_rows(inproc, scattered, dim):
     """A snapshot, a restore and a fork copy the session's own rows, wherever they lie in the
-    pool, and no neighbour's."""
+    pool, and no neighbour's; a state of at most ONE_THREAD_COPY_BYTES by numpy, a larger one by
+    torch."""
     srv, conn = inproc(), RecordingConnection()
-    shape = dict(batch=1, dim=5, state=3)
-    first, second, third = (srv.call(conn, "session_open", **shape, h0=torch.randn(1, 5, 3))["session"]
+    state = 128
+    assert (2 * dim * state * 4 <= bridge.sessions.ONE_THREAD_COPY_BYTES) == (dim == 5)
+    shape = dict(batch=1, dim=dim, state=state)
+    first, second, third = (srv.call(conn, "session_open", **shape, h0=torch.randn(1, dim, state))["session"]
                             for _ in range(3))
     if scattered:  # rows 0 and 2 are taken: the new session gets row 1 and a row past them
         srv.call(conn, "session_close", session=second)
-    h0 = torch.randn(2, 5, 3)
-    session = srv.call(conn, "session_open", batch=2, dim=5, state=3, h0=h0)["session"]
+    h0 = torch.randn(2, dim, state)
+    session = srv.call(conn, "session_open", batch=2, dim=dim, state=state, h0=h0)["session"]
     assert (srv.server.session(conn, session, "test").span is None) == scattered
     neighbours = {s: srv.call(conn, "session_state", session=s)["state"]
                   for s in ((first, third) if scattered else (first, second, third))}
     snapshot = srv.call(conn, "session_snapshot", session=session)["snapshot"]
-    srv.call(conn, "session_open", batch=1, dim=5, state=3)  # the pool's free rows change meanwhile
-    step = dict(x=torch.randn(2, 5), dt=torch.rand(2, 5), A=-torch.rand(5, 3), B=torch.randn(2, 3),
-                C=torch.randn(2, 3))
+    srv.call(conn, "session_open", batch=1, dim=dim, state=state)  # the pool's free rows change meanwhile
+    step = dict(x=torch.randn(2, dim), dt=torch.rand(2, dim), A=-torch.rand(dim, state), B=torch.randn(2, state),
+                C=torch.randn(2, state))
     srv.call(conn, "step", session=session, **step)
     assert not torch.equal(srv.call(conn, "session_state", session=session)["state"], h0)
     srv.call(conn, "session_restore", session=session, snapshot=snapshot)
