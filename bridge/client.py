@@ -205,7 +205,7 @@ class ModelSession:
         """A rollback in one round trip: restore `snapshot`, then run `frames` on this session,
         (op, args) pairs with op "model_step" or "model_forward" and args that op's own but the
         session; each frame's output (and state, with return_state) as step and forward return
-        them. A frame that fails leaves the state as it was before the call."""
+        them. A frame that fails leaves the session holding the snapshot's state."""
         frames = list(frames)
         results = self.client.restore_with_frames(self.id, snapshot, frames)
         return [self._answer(result, bool(args.get("return_state"))) for (_, args), result in zip(frames, results)]
@@ -483,7 +483,7 @@ class FramedClient:
     def restore_with_frames(self, session: str, snapshot: str, frames) -> list[dict]:
         """Restore `snapshot` into `session` and run `frames` on it in the same request, as
         `open_session_with_frames` runs its own: each frame's result. A rollback and its
-        re-simulation in one round trip; a frame that fails puts the state back as it was
+        re-simulation in one round trip; a frame that fails leaves the snapshot's state
         (SPEC §6.4)."""
         result = self.call("session_restore", session=session, snapshot=snapshot,
                            frames=[{"op": op, "args": args} for op, args in frames])

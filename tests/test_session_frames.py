@@ -12,9 +12,9 @@ run on it in the same request, as a client rebuilding a session elsewhere does.
 - a malformed frame (an op that does not advance a session, a session of its own, an unknown
   key, a missing argument) is refused by name before anything is opened;
 - session_restore's `frames` (SPEC §6.4), a rollback's re-simulation: they run on the restored
-  session as calls one by one after a plain restore would, bit for bit; a frame that fails puts
-  back the state the request found, and the snapshot stays; an unknown snapshot or a malformed
-  frame runs nothing.
+  session as calls one by one after a plain restore would, bit for bit; a frame that fails leaves
+  the snapshot's state, and the snapshot stays; an unknown snapshot or a malformed frame runs
+  nothing and changes nothing.
 
 Servers run in-process (tests/bridge_fakes.py); inputs are fresh random values, the seed in every
 failure message.
@@ -222,11 +222,10 @@ def test_restore_frames_run_as_a_restore_then_calls_one_by_one_would(inproc, cas
 
 @pytest.mark.parametrize("case", [pytest.param(Case("mamba", "step"), id="plain-mamba-step"),
                                   pytest.param(Case("mamba2", "model_step"), id="mamba2-model-step")])
-def test_a_failing_restore_frame_puts_back_the_state_found_and_is_named(inproc, case):
+def test_a_failing_restore_frame_leaves_the_snapshots_state_and_is_named(inproc, case):
     seed = random_seed()
     scene = Scene(inproc(), case, seed)
     session, snapshot, at_snapshot = stepped_with_snapshot(scene, 1)
-    found = scene.state(session)
     bad = scene.frame()
     name = "embeds" if case.op == "model_step" else "x"
     bad[name] = torch.cat([bad[name], bad[name][:1]])
@@ -236,12 +235,16 @@ def test_a_failing_restore_frame_puts_back_the_state_found_and_is_named(inproc, 
     assert not reply.ok and reply.error["code"] == "shape_mismatch", f"seed={seed}: {reply.error}"
     assert reply.error["detail"]["field"] == f"args.frames[1].args.{name}", f"seed={seed}: {reply.error}"
     assert reply.error["detail"]["frame"] == 1, f"seed={seed}: {reply.error}"
-    assert_same_state(scene.state(session), found, f"seed={seed}, after the failed request")
+    # the first frame ran and was undone
+    assert_same_state(scene.state(session), at_snapshot, f"seed={seed}, after the failed request")
     assert counted_since(op_before, op_counts(scene, case.op))["inference_count"] == 1
     assert counted_since(restore_before, op_counts(scene, "session_restore"))["failure_count"] == 1
-    # the snapshot stays, and restores as ever
-    scene.call("session_restore", session=session, snapshot=snapshot)
-    assert_same_state(scene.state(session), at_snapshot, f"seed={seed}, restored after the failure")
+    # the snapshot stays, and restores with frames as ever
+    frame = scene.frame()
+    twin = scene.call("session_fork", session=session)["session"]
+    again = scene.call("session_restore", session=session, snapshot=snapshot,
+                       frames=[{"op": case.op, "args": frame}])["frames"][0]
+    assert torch.equal(output_of(again), output_of(scene.call(case.op, session=twin, **frame))), f"seed={seed}"
 
 
 @pytest.mark.parametrize("args, field, code", [

@@ -964,8 +964,8 @@ defmodule ScanBridge do
   `open_session_with_frames/4`'s; returns each one's result, in order, as that function does.
 
   A frame that fails fails the call with its own error, its field named
-  `args.frames[i].args.<name>` and `detail["frame"]` i, and the session keeps the state it had
-  before the call. The snapshot stays either way. A server from before these frames refuses them
+  `args.frames[i].args.<name>` and `detail["frame"]` i, and leaves the session holding the
+  snapshot's state, as `restore/4` would. The snapshot stays either way. A server from before these frames refuses them
   (`:invalid_argument`, field `args.frames`) and restores nothing.
   """
   @spec restore_with_frames(server, String.t(), String.t(), [frame], call_opts) ::

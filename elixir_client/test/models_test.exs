@@ -240,15 +240,19 @@ defmodule ScanBridge.ModelsTest do
         Models.assert_rel_close(window, Models.stack_frames(tl(first)), 1.0e-4, "the window")
         assert {:ok, ^state} = ScanBridge.session_state(server, session)
 
-        # a frame that fails names itself, and leaves the state the call found
+        # a frame that fails names itself, and leaves the snapshot's state
         bad = {:model_step, {:embeds, Models.frame(Models.embeds(3, 1, 8), 0)}}
 
         assert {:error, %Error{reason: :shape_mismatch, detail: detail}} =
                  ScanBridge.restore_with_frames(server, session, snapshot, [hd(frames), bad])
 
         assert detail["field"] == "args.frames[1].args.embeds" and detail["frame"] == 1
-        assert {:ok, ^state} = ScanBridge.session_state(server, session)
-        close_and_free(server, info, [session])
+        assert {:ok, twin} = ScanBridge.fork(server, session)
+        assert ScanBridge.restore(server, twin, snapshot) == :ok
+        assert {:ok, at_snapshot} = ScanBridge.session_state(server, twin)
+        assert {:ok, ^at_snapshot} = ScanBridge.session_state(server, session)
+        refute at_snapshot == state
+        close_and_free(server, info, [session, twin])
       end
 
       test "#{arch}: a fork and its original go their own ways", %{server: server} do
