@@ -16,7 +16,7 @@ defmodule ScanBridge.Cluster.Member do
 
   alias ScanBridge.Cluster
 
-  defstruct [:server, :group, catalogue: %{}]
+  defstruct [:server, :group, :syncing, catalogue: %{}]
 
   @spec start_link(server: pid, group: term) :: GenServer.on_start()
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts)
@@ -32,12 +32,22 @@ defmodule ScanBridge.Cluster.Member do
     {:ok, state, {:continue, :sync}}
   end
 
+  # The other keepers' catalogues are read by a task, so that this keeper answers theirs
+  # meanwhile: two members starting together each asked the other from here, neither could
+  # answer, and both waited out the call's timeout and joined without the other's catalogue.
   @impl true
   def handle_continue(:sync, state) do
+    others = keepers(state.group) -- [self()]
+    task = Task.async(fn -> Enum.flat_map(others, &catalogue_of/1) end)
+    {:noreply, %{state | syncing: task.ref}}
+  end
+
+  @impl true
+  def handle_info({ref, catalogues}, %{syncing: ref} = state) do
+    Process.demonitor(ref, [:flush])
+
     state =
-      (keepers(state.group) -- [self()])
-      |> Enum.flat_map(&catalogue_of/1)
-      |> Enum.reduce(state, fn {name, {source, opts}}, state ->
+      Enum.reduce(catalogues, %{state | syncing: nil}, fn {name, {source, opts}}, state ->
         case adopt(state, name, source, opts) do
           {:ok, _info, state} ->
             state
@@ -55,6 +65,8 @@ defmodule ScanBridge.Cluster.Member do
     :ok = :pg.join(Cluster.scope(), Cluster.group_key(state.group), state.server)
     {:noreply, state}
   end
+
+  def handle_info(_stale, state), do: {:noreply, state}
 
   @impl true
   def handle_call(:catalogue, _from, state), do: {:reply, state.catalogue, state}

@@ -1,0 +1,53 @@
+defmodule ScanBridge.Cluster.MemberTest do
+  # A group member's catalogue keeper on its own, with no server behind it (its catalogue is
+  # empty, so it loads nothing): it answers the other keepers while it copies their catalogues.
+  use ExUnit.Case, async: true
+
+  alias ScanBridge.Cluster
+  alias ScanBridge.Cluster.Member
+
+  # A keeper that, asked for its catalogue, first asks the asker for its own (as a member that
+  # started at the same moment does while it syncs), reports how that went, then answers.
+  defp asking_back_keeper(group, test) do
+    spawn_link(fn ->
+      :ok = :pg.join(Cluster.scope(), {:catalogue, group}, self())
+      send(test, :joined)
+
+      receive do
+        {:"$gen_call", from, :catalogue} ->
+          [other] = Member.keepers(group) -- [self()]
+
+          outcome =
+            try do
+              {:answered, GenServer.call(other, :catalogue, 1_000)}
+            catch
+              :exit, {:timeout, _} -> :timed_out
+            end
+
+          send(test, {:asked_back, outcome})
+          GenServer.reply(from, %{})
+      end
+
+      Process.sleep(:infinity)
+    end)
+  end
+
+  test "a keeper answers another keeper's call while it copies the catalogues" do
+    group = {:member_test, System.unique_integer([:positive])}
+    asking_back_keeper(group, self())
+    assert_receive :joined
+    server = spawn_link(fn -> Process.sleep(:infinity) end)
+    {:ok, _member} = Member.start_link(server: server, group: group)
+    assert_receive {:asked_back, {:answered, %{}}}, 5_000
+    # and it then offers its server to the group
+    assert eventually_member(group, server)
+  end
+
+  defp eventually_member(group, server, tries \\ 100) do
+    cond do
+      server in Cluster.members(group) -> true
+      tries == 0 -> false
+      true -> Process.sleep(10) && eventually_member(group, server, tries - 1)
+    end
+  end
+end
