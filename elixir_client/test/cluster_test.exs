@@ -366,7 +366,7 @@ defmodule ScanBridge.ClusterTest do
   from bridge.errors import OpError
 
 
-  def refusing(server, call, session):
+  def refusing(server, call, session, undo):
       server.sessions.remove(call.conn.id, session.id, "args.session")
       raise OpError("invalid_argument", "args.frames: unknown argument 'frames'", {"field": "args.frames"})
 
