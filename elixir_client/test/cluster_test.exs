@@ -270,6 +270,47 @@ defmodule ScanBridge.ClusterTest do
     assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.free_snapshot(s, snap)
   end
 
+  test "a rollback re-simulates in the restore's request, on its server and after a failover" do
+    g = model_group(2)
+    embeds = Models.embeds(1, 12, 8)
+    mispredicted = Models.embeds(1, 12, 8)
+    {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+    expected = for t <- 0..11, do: step!(reference, embeds, t)
+    close = fn got, from -> Enum.zip(got, Enum.drop(expected, from)) end
+
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+    for t <- 0..4, do: step!(s, embeds, t)
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+    {:ok, snap} = Cluster.snapshot(s)
+    for t <- 5..7, do: step!(s, mispredicted, t)
+    frames = for t <- 5..7, do: {:model_step, {:embeds, Models.frame(embeds, t)}}
+    restores = ops_done(owner, "session_restore")
+    assert {:ok, again} = Cluster.restore_with_frames(s, snap, frames)
+    assert ops_done(owner, "session_restore") == restores + 1
+    for {a, e} <- close.(again, 5), do: Models.assert_rel_close(a, e, 1.0e-5, "re-simulated")
+    # frames 3-4 kept with the snapshot, then 5-7: a checkpoint read after frame 7
+    assert {:ok, %{frames_since_checkpoint: 0}} = Cluster.session_info(s)
+    kill_server!(owner)
+    rest = for t <- 8..9, do: step!(s, embeds, t)
+    assert {:ok, %{failovers: 1, member: new_owner}} = Cluster.session_info(s)
+    assert new_owner != owner
+    for {a, e} <- close.(rest, 8), do: Models.assert_rel_close(a, e, 1.0e-5, "after the failover")
+
+    # the snapshot's copy went with its server: reopened from its checkpoint, then the frames
+    assert {:ok, again} = Cluster.restore_with_frames(s, snap, frames)
+    rest = for t <- 8..11, do: step!(s, embeds, t)
+    for {a, e} <- close.(again ++ rest, 5), do: Models.assert_rel_close(a, e, 1.0e-5, "replayed")
+
+    # a frame that fails leaves the snapshot's state
+    bad = {:model_step, {:embeds, Models.frame(Models.embeds(2, 1, 8), 0)}}
+
+    assert {:error, %Error{reason: :shape_mismatch}} =
+             Cluster.restore_with_frames(s, snap, [hd(frames), bad])
+
+    again = for t <- 5..7, do: step!(s, embeds, t)
+    for {a, e} <- close.(again, 5), do: Models.assert_rel_close(a, e, 1.0e-5, "after the failure")
+  end
+
   test "without checkpoints a snapshot lives on its server, and closing frees its copies" do
     g = model_group(1)
     [member] = Cluster.members(g)

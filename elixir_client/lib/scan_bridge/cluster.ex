@@ -407,6 +407,19 @@ defmodule ScanBridge.Cluster do
     do: Session.restore(session, snapshot, opts)
 
   @doc """
+  Puts `snapshot` back as `restore/3` does and runs `frames` on the session
+  (`ScanBridge.restore_with_frames/5`'s): a rollback and its re-simulation, in one round trip
+  on the server that holds the snapshot's copy. After a failover the session is reopened from
+  the snapshot's checkpoint and kept frames first, and `frames` run there after. They are kept
+  for a rebuild as the session's own calls are. Returns each frame's result, in order. A frame
+  that fails leaves the session holding the snapshot's state. Options: `:timeout`.
+  """
+  @spec restore_with_frames(session, reference, [ScanBridge.frame()], ScanBridge.call_opts()) ::
+          {:ok, [term]} | ScanBridge.error()
+  def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ []) when is_list(frames),
+    do: Session.restore_with_frames(session, snapshot, frames, opts)
+
+  @doc """
   A new cluster session holding a copy of `session`'s state, stepped independently (speculative
   simulation): the state is read from the session's server and the fork opened from it on the
   least loaded member, as its first checkpoint. It belongs to the calling process. Options:

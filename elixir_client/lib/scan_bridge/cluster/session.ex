@@ -110,6 +110,16 @@ defmodule ScanBridge.Cluster.Session do
     do: timed(pid, opts, &{:restore, snapshot, &1})
 
   @doc false
+  @spec restore_with_frames(t, reference, [ScanBridge.frame()], ScanBridge.call_opts()) ::
+          {:ok, [term]} | {:error, Error.t()}
+  def restore_with_frames(%__MODULE__{pid: pid}, snapshot, frames, opts) do
+    case timed(pid, opts, &{:restore, snapshot, frames, &1}) do
+      {:raise, exception} -> raise exception
+      outcome -> outcome
+    end
+  end
+
+  @doc false
   @spec fork(t, keyword) :: {:ok, t} | {:error, Error.t()}
   def fork(%__MODULE__{pid: pid, group: group}, opts) do
     deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
@@ -232,15 +242,27 @@ defmodule ScanBridge.Cluster.Session do
     end)
   end
 
-  def handle_call({:restore, id, deadline}, _from, state) do
+  def handle_call({:restore, id, deadline}, from, state),
+    do: handle_call({:restore, id, [], deadline}, from, state)
+
+  # A restore, with `frames` (a rollback's re-simulation) run on the session after it: in one
+  # request on the owner that holds the snapshot's copy. A frame that fails there leaves the
+  # snapshot's state, so the keeper's checkpoint and frames become the snapshot's all the same.
+  def handle_call({:restore, id, frames, deadline}, _from, state) do
     case Map.fetch(state.snapshots, id) do
       :error ->
         {:reply, {:error, not_a_snapshot("restore", id)}, state}
 
       {:ok, snapshot} ->
-        case {restore_in_place(state, snapshot, deadline), snapshot.replay} do
-          {:ok, _replay} ->
-            {:reply, :ok, restored(state, snapshot)}
+        case {restore_in_place(state, snapshot, frames, deadline), snapshot.replay} do
+          {{:ok, results}, _replay} ->
+            {:reply, restore_answer(results), kept(restored(state, snapshot), frames)}
+
+          {{:raise, _exception} = raised, _replay} ->
+            {:reply, raised, state}
+
+          {{:error, %Error{detail: %{"frame" => _}}} = error, _replay} ->
+            {:reply, error, restored(state, snapshot)}
 
           {{:error, _} = error, nil} ->
             {:reply, error, state}
@@ -249,7 +271,7 @@ defmodule ScanBridge.Cluster.Session do
             {:reply, {:error, snapshot_gone(id)}, state}
 
           {_elsewhere_or_failed, replay} ->
-            restore_by_replay(state, replay, deadline)
+            restore_by_replay(state, replay, frames, deadline)
         end
     end
   end
@@ -785,15 +807,47 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # The snapshot's copy put back on the owner that took it, if it still owns the session.
-  defp restore_in_place(%{owner: owner} = state, %{owner: owner, remote: remote}, deadline)
+  # The snapshot's copy put back on the owner that took it, if it still owns the session, and
+  # `frames` run there in the same request: {:ok, their results, nil for none}, an error, or
+  # :elsewhere.
+  defp restore_in_place(%{owner: owner} = state, %{owner: owner, remote: remote}, frames, deadline)
        when owner != nil do
-    if match?({:lost, _}, state.status),
-      do: :elsewhere,
-      else: ScanBridge.restore(owner, state.remote, remote, timeout: Cluster.remaining(deadline))
+    cond do
+      match?({:lost, _}, state.status) ->
+        :elsewhere
+
+      frames == [] ->
+        with :ok <-
+               ScanBridge.restore(owner, state.remote, remote, timeout: Cluster.remaining(deadline)),
+             do: {:ok, nil}
+
+      true ->
+        ScanBridge.restore_with_frames(owner, state.remote, remote, frames,
+          timeout: Cluster.remaining(deadline)
+        )
+    end
+  rescue
+    exception in ArgumentError -> {:raise, exception}
   end
 
-  defp restore_in_place(_state, _snapshot, _deadline), do: :elsewhere
+  defp restore_in_place(_state, _snapshot, _frames, _deadline), do: :elsewhere
+
+  defp restore_answer(nil), do: :ok
+  defp restore_answer(results), do: {:ok, results}
+
+  # The frames a restore ran, kept for a rebuild after the snapshot's; a checkpoint taken when
+  # they complete one (read after the last of them, so that none is kept twice).
+  defp kept(state, []), do: state
+  defp kept(%{every: nil} = state, _frames), do: state
+
+  defp kept(state, frames) do
+    log = Enum.reduce(frames, state.log, fn frame, log -> [kept_frame(frame) | log] end)
+    state = %{state | log: log}
+    if length(log) >= state.every, do: checkpoint(state), else: state
+  end
+
+  defp kept_frame({kind, input}), do: {kind, input, []}
+  defp kept_frame({kind, input, opts}), do: {kind, input, Keyword.delete(opts, :timeout)}
 
   # After a restore the keeper's checkpoint and frames are the snapshot's, or, where it kept
   # none that reproduce it, a failover is refused until the next checkpoint.
@@ -806,6 +860,42 @@ defmodule ScanBridge.Cluster.Session do
   # The session opened afresh from the snapshot's checkpoint with its frames run again, on the
   # least loaded member; the session as it was is closed. A session that cannot be placed so is
   # lost: it is neither the snapshot's nor, with its remote gone, what it was.
+  defp restore_by_replay(state, replay, [], deadline),
+    do: restore_by_replay(state, replay, deadline)
+
+  defp restore_by_replay(state, replay, frames, deadline) do
+    case restore_by_replay(state, replay, deadline) do
+      {:reply, :ok, state} -> frames_after_replay(state, frames, deadline)
+      failed -> failed
+    end
+  end
+
+  # The frames of a restore that went by replay, run on the session's new owner as a restore
+  # with frames runs them: from a copy taken there first and freed after, so that a frame that
+  # fails leaves the snapshot's state there too.
+  defp frames_after_replay(state, frames, deadline) do
+    timeout = fn -> [timeout: Cluster.remaining(deadline)] end
+
+    case ScanBridge.snapshot(state.owner, state.remote, timeout.()) do
+      {:ok, copy} ->
+        outcome =
+          ScanBridge.restore_with_frames(state.owner, state.remote, copy, frames, timeout.())
+
+        _freed = ScanBridge.free_snapshot(state.owner, copy, timeout.())
+
+        case outcome do
+          {:ok, results} -> {:reply, {:ok, results}, kept(state, frames)}
+          {:error, %Error{reason: :timeout}} = error -> {:reply, error, %{state | status: :unsure}}
+          {:error, _} = error -> {:reply, error, state}
+        end
+
+      {:error, _} = error ->
+        {:reply, error, state}
+    end
+  rescue
+    exception in ArgumentError -> {:reply, {:raise, exception}, state}
+  end
+
   defp restore_by_replay(state, {checkpoint, log}, deadline) do
     if state.owner do
       _closed = close_remote(state, deadline)
