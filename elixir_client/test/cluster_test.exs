@@ -232,12 +232,19 @@ defmodule ScanBridge.ClusterTest do
 
   defp snapshot_bytes(member), do: ok!(ScanBridge.stats(member))["sessions"]["snapshot_bytes"]
 
-  test "a snapshot rolls back on its server, and after a failover from the kept checkpoint" do
+  # A group of two with the model; a game's frames, mispredicted ones, and the outputs of a
+  # session stepped through the game's.
+  defp rollback_game(frames) do
     g = model_group(2)
-    embeds = Models.embeds(1, 12, 8)
-    mispredicted = Models.embeds(1, 12, 8)
+    embeds = Models.embeds(1, frames, 8)
+    mispredicted = Models.embeds(1, frames, 8)
     {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
-    expected = for t <- 0..11, do: step!(reference, embeds, t)
+    expected = for t <- 0..(frames - 1), do: step!(reference, embeds, t)
+    {g, embeds, mispredicted, expected}
+  end
+
+  test "a snapshot rolls back on its server, and after a failover from the kept checkpoint" do
+    {g, embeds, mispredicted, expected} = rollback_game(12)
 
     {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
     first = for t <- 0..4, do: step!(s, embeds, t)
@@ -271,11 +278,7 @@ defmodule ScanBridge.ClusterTest do
   end
 
   test "a rollback re-simulates in the restore's request, on its server and after a failover" do
-    g = model_group(2)
-    embeds = Models.embeds(1, 12, 8)
-    mispredicted = Models.embeds(1, 12, 8)
-    {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
-    expected = for t <- 0..11, do: step!(reference, embeds, t)
+    {g, embeds, mispredicted, expected} = rollback_game(12)
     close = fn got, from -> Enum.zip(got, Enum.drop(expected, from)) end
 
     {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
