@@ -158,6 +158,24 @@ class OldWay:
         return (time.perf_counter_ns() - t0) / 1000
 
 
+def snapshot_restore_pairs(lane, session: str, pairs: int, warmup: int) -> tuple[list[float], list[float]]:
+    """`pairs` snapshot + restore pairs on `session` over `lane`, back to back after `warmup`
+    more, each snapshot freed after: each pair's two round trips and the server's time for them,
+    the two replies' `server_us` (µs)."""
+    round_trips, server_us = [], []
+    for i in range(warmup + pairs):
+        start = time.perf_counter_ns()
+        _, taken = exchange(lane, lane.frame(encode_request("s", "session_snapshot", {"session": session})))
+        snapshot = taken.result["snapshot"]
+        _, restored = exchange(lane, lane.frame(encode_request("r", "session_restore",
+                                                               {"session": session, "snapshot": snapshot})))
+        if i >= warmup:
+            round_trips.append((time.perf_counter_ns() - start) / 1000)
+            server_us.append(taken.timing["server_us"] + restored.timing["server_us"])
+        exchange(lane, lane.frame(encode_request("f", "snapshot_free", {"snapshot": snapshot})))
+    return round_trips, server_us
+
+
 def timed_us(fn, n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -272,18 +290,9 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
         result["window_forward"] = summarize_us(window_us)
 
         # Snapshot + restore, the rollback's own cost.
-        pair_us, pair_server_us = [], []
-        for i in range(100):
-            t0 = time.perf_counter_ns()
-            _, taken = exchange(lane, lane.frame(encode_request("s", "session_snapshot", {"session": session})))
-            snapshot = taken.result["snapshot"]
-            _, restored = exchange(lane, lane.frame(encode_request("r", "session_restore",
-                                                                   {"session": session, "snapshot": snapshot})))
-            pair_us.append((time.perf_counter_ns() - t0) / 1000)
-            pair_server_us.append(taken.timing["server_us"] + restored.timing["server_us"])
-            exchange(lane, lane.frame(encode_request("f", "snapshot_free", {"snapshot": snapshot})))
-        result["snapshot_restore_round_trips"] = summarize_us(pair_us[10:])
-        result["snapshot_restore_server"] = summarize_us(pair_server_us[10:])
+        pair_us, pair_server_us = snapshot_restore_pairs(lane, session, 90, warmup=10)
+        result["snapshot_restore_round_trips"] = summarize_us(pair_us)
+        result["snapshot_restore_server"] = summarize_us(pair_server_us)
 
         # A rollback: restore and re-simulate ROLLBACK frames, in two requests and in one.
         snapshot = bridge.call("session_snapshot", session=session)["snapshot"]

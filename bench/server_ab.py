@@ -111,30 +111,18 @@ def paced_model_steps(server: TreeServer, steps: int) -> list[float]:
     return paced_round_trips(server, frames, steps)
 
 
-def snapshot_restore_pairs(server: TreeServer, arch: str, pairs: int) -> tuple[list[float], list[float]]:
-    """`pairs` snapshot + restore pairs on a batch-1 session of bench.models' ExPhil-sized `arch`
-    model, after a warm-up: each pair's two round trips and the server's time for them (µs)."""
-    from .models import exphil_model
+def model_session_pairs(server: TreeServer, arch: str, pairs: int) -> tuple[list[float], list[float]]:
+    """`pairs` snapshot + restore pairs (bench.models.snapshot_restore_pairs) on a batch-1 session
+    of bench.models' ExPhil-sized `arch` model, after a warm-up."""
+    from .models import exphil_model, snapshot_restore_pairs
 
     _, config, weights = exphil_model(arch, seed=1)
     model = server.call("model_load", config=config, weights=weights)["model"]
     session = server.call("session_open", model=model, batch=1)["session"]
-    lane = server.lane
-    round_trips, server_us = [], []
-    for i in range(WARMUP + pairs):
-        start = time.perf_counter_ns()
-        _, taken = exchange(lane, lane.frame(encode_request("s", "session_snapshot", {"session": session})))
-        snapshot = taken.result["snapshot"]
-        _, restored = exchange(lane, lane.frame(encode_request("r", "session_restore",
-                                                               {"session": session, "snapshot": snapshot})))
-        if i >= WARMUP:
-            round_trips.append((time.perf_counter_ns() - start) / 1000)
-            server_us.append(taken.timing["server_us"] + restored.timing["server_us"])
-        exchange(lane, lane.frame(encode_request("f", "snapshot_free", {"snapshot": snapshot})))
-    return round_trips, server_us
+    return snapshot_restore_pairs(server.lane, session, pairs, warmup=WARMUP)
 
 
-SNAPSHOT_ARCHS = ("mamba", "mamba2")
+MODEL_ARCHS = ("mamba", "mamba2")
 # (batch, length) of the windows `--windows` times: a rollback's re-simulation, the 60-frame
 # window a session warms up from.
 WINDOW_CASES = ((1, 7), (1, 60), (32, 7), (32, 60))
@@ -171,12 +159,12 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
             figures["model_step_p50_us"] = []
     if snapshots:
         for figures in per_block.values():
-            for arch in SNAPSHOT_ARCHS:
+            for arch in MODEL_ARCHS:
                 figures[f"snapshot_restore_{arch}_p50_us"] = []
                 figures[f"snapshot_restore_{arch}_server_p50_us"] = []
     if windows:
         for figures in per_block.values():
-            for arch in SNAPSHOT_ARCHS:
+            for arch in MODEL_ARCHS:
                 for batch, length in WINDOW_CASES:
                     figures[f"forward_{arch}_b{batch}_l{length}_p50_us"] = []
     for block in range(blocks):
@@ -187,8 +175,8 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
                 cost = exphil_bridge_cost(server, iterations)
                 step = paced_steps(server, steps)
                 model_step = paced_model_steps(server, model_steps) if model_steps else None
-                pairs = {arch: snapshot_restore_pairs(server, arch, snapshots) for arch in SNAPSHOT_ARCHS} if snapshots else {}
-                forwards = {arch: window_forwards(server, arch, windows) for arch in SNAPSHOT_ARCHS} if windows else {}
+                pairs = {arch: model_session_pairs(server, arch, snapshots) for arch in MODEL_ARCHS if snapshots}
+                forwards = {arch: window_forwards(server, arch, windows) for arch in MODEL_ARCHS if windows}
             finally:
                 server.close()
             per_block[name]["exphil_bridge_cost_p50_us"].append(statistics.median(cost))
