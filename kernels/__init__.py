@@ -53,7 +53,7 @@ __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends", "backend_details",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update", "ssd_scan",
-    "ssd_state_update", "model_step_kernel", "linear_kernel", "dt_limit_bounds", "selective_scan_backward",
+    "ssd_state_update", "model_step_kernel", "model_forward_kernel", "linear_kernel", "dt_limit_bounds", "selective_scan_backward",
     "ssd_scan_backward",
 ]
 
@@ -166,6 +166,14 @@ def model_step_kernel(device_type: str, backend: str | None = None):
     bridge.models lays them out; see kernels/cpu/binding.cpp `model_step`), or None where it has
     none. Its math is bridge.models.runtime's, which tests hold it to."""
     return get_backend(backend, device_type).model_step
+
+
+def model_forward_kernel(device_type: str, backend: str | None = None):
+    """The backend's fused prefill of such a stack (hidden [rows, seq, d_model], the states in pool
+    rows read and left after the last timestep; kernels/cpu/binding.cpp `model_forward`), or None
+    where it has none. Its math is bridge.models.runtime's composed prefill, which tests hold it
+    to."""
+    return get_backend(backend, device_type).model_forward
 
 
 def linear_kernel(device_type: str, backend: str | None = None):

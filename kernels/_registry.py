@@ -81,6 +81,8 @@ class Backend:
     # One frame through a whole Mamba / Mamba-2 stack in one call (kernels.model_step_kernel);
     # None: the caller composes the step from the ops above.
     model_step: Callable | None = None
+    # A prefill of such a stack in one call (kernels.model_forward_kernel); None: composed.
+    model_forward: Callable | None = None
     # That step's matrix product, for callers that compose a sequence from the ops above
     # (kernels.linear_kernel): x [rows, in] fp32 times w [features, in]^T (fp32 or bf16) plus an
     # fp32 bias -> [rows, features] fp32; None: the caller uses torch's.

@@ -437,7 +437,7 @@ def test_the_fused_step_is_the_composed_one(checkpoints, arch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm"])
 def test_the_prefill_takes_the_backends_products_and_agrees_with_torchs(checkpoints, arch, dtype, monkeypatch):
-    """On the C++ backend the prefill's matrix products are the fused step's (kernels.
+    """On the C++ backend the composed prefill's matrix products are the fused step's (kernels.
     linear_kernel): every one of them, and the outputs and every state part agree with the same
     prefill through F.linear; rows in scattered pool slots, random state."""
     product = kernels.linear_kernel("cpu", cpu_backends()[-1])
@@ -454,28 +454,89 @@ def test_the_prefill_takes_the_backends_products_and_agrees_with_torchs(checkpoi
     calls = []
     monkeypatch.setattr(kernels, "linear_kernel", lambda *a: lambda *x: calls.append(1) or product(*x))
     with torch.no_grad():
-        a = m.forward(ours, slots, tokens, output="logits", backend="cpu")
+        a = m.forward(ours, slots, tokens, output="logits", backend="cpu", fused=False)
         per_layer = 4 if m.arch == "mamba" else 2  # in_proj, (x_proj, dt_proj,) out_proj
         assert len(calls) == per_layer * m.config.n_layer, f"{len(calls)} products by the backend's kernel"
         monkeypatch.setattr(kernels, "linear_kernel", lambda *a: None)
-        b = m.forward(theirs, slots, tokens, output="logits", backend="cpu")
+        b = m.forward(theirs, slots, tokens, output="logits", backend="cpu", fused=False)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: torch rounds each product's output
     rel_close(a, b, tolerance, f"{arch} {dtype} logits")
     for name in ours:
         rel_close(ours[name], theirs[name], tolerance, f"{arch} {dtype} {name}")
 
 
+FUSED_PREFILLS = {  # (rows, seq, output, last_only): a window, one position, two, logits of the last
+    "window-hidden": (3, 9, "hidden", False),
+    "one-position": (2, 1, "logits", False),
+    "two-positions": (1, 2, "hidden", False),
+    "window-last-logits": (3, 7, "logits", True),
+}
+
+
+@pytest.mark.parametrize("case", FUSED_PREFILLS)
 @pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm"])
-def test_a_bf16_models_fused_step_is_the_float64_step_of_its_weights(checkpoints, arch):
-    """A model loaded in bf16 steps in the fused kernel too: its matrices read as bf16, widened
-    exactly, everything else fp32. So it equals, to fp32's error, a float64 model holding the
-    very values the bf16 model holds (each weight rounded as param_dtype keeps it), the state
-    included, and the logits (the fused step's head is an fp32 product of the bf16 head); the
+def test_the_fused_prefill_is_the_composed_one(checkpoints, arch, case):
+    """The C++ backend's one-call prefill (kernels.model_forward_kernel) against the same prefill
+    composed of torch ops and kernels calls: outputs and every state part, rows in scattered pool
+    slots, random state, then a second window from the state the first left."""
+    if kernels.model_forward_kernel("cpu", cpu_backends()[-1]) is None:
+        pytest.skip("no fused prefill: the C++ backend is not built here (make kernels)")
+    rows, seq, output, last_only = FUSED_PREFILLS[case]
+    model = checkpoints[1][arch][0]
+    m = load_weights(json.loads(model.config.to_json_string()), {k: v.detach() for k, v in model.state_dict().items()},
+                     torch.float32, torch.device("cpu"), lambda n: None)
+    generator = torch.Generator().manual_seed(random_seed())
+    fused = {name: torch.randn((7, *shape), generator=generator) * 0.3 for name, shape in m.config.state_parts()}
+    composed = {name: t.clone() for name, t in fused.items()}
+    slots = torch.randperm(7, generator=generator)[:rows]
+    with torch.no_grad():
+        for window in range(2):
+            tokens = torch.randint(0, VOCAB, (rows, seq), generator=generator)
+            a = m.forward(fused, slots, tokens, output=output, last_only=last_only, backend="cpu")
+            b = m.forward(composed, slots, tokens, output=output, last_only=last_only, backend="cpu", fused=False)
+            assert a.shape == b.shape
+            rel_close(a, b, 1e-5, f"{arch} {case} window {window} {output}")
+    for name in fused:
+        rel_close(fused[name], composed[name], 1e-5, f"{arch} {case} {name}")
+    # Slots come from the server's sessions; one outside the pool is refused, not written past.
+    with pytest.raises(ValueError, match="outside the pool"):
+        m.forward(fused, torch.tensor([7]), tokens[:1], output=output, backend="cpu")
+
+
+def _bf16_step_frames(model, parts, slots, generator, oracle=False):
+    """Six steps, hidden and logits in turn: (output, the step's output) each."""
+    for t in range(6):
+        tokens = torch.randint(0, VOCAB, (2,), generator=generator)
+        output = "hidden" if t % 2 else "logits"
+        yield output, model.step(parts, slots, tokens, output=output, backend="torch" if oracle else "cpu",
+                                 fused=not oracle)
+
+
+def _bf16_prefill_frames(model, parts, slots, generator, oracle=False):
+    """Two windows of 8 positions, logits then the last position's hidden state."""
+    for output, last_only in (("logits", False), ("hidden", True)):
+        tokens = torch.randint(0, VOCAB, (2, 8), generator=generator)
+        yield output, model.forward(parts, slots, tokens, output=output, last_only=last_only,
+                                    backend="torch" if oracle else "cpu", fused=not oracle)
+
+
+BF16_FUSED = {"step": (kernels.model_step_kernel, _bf16_step_frames),
+              "prefill": (kernels.model_forward_kernel, _bf16_prefill_frames)}
+
+
+@pytest.mark.parametrize("call", BF16_FUSED)
+@pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm"])
+def test_a_bf16_models_fused_kernels_are_the_float64_model_of_its_weights(checkpoints, arch, call):
+    """A model loaded in bf16 steps and prefills in the fused kernels too: its matrices read as
+    bf16, widened exactly, everything else fp32. So it equals, to fp32's error, a float64 model
+    holding the very values the bf16 model holds (each weight rounded as param_dtype keeps it),
+    the state included, and the logits (the fused head is an fp32 product of the bf16 head); the
     rounding to bf16 itself is not this test's business."""
     from bridge.models.runtime import param_dtype
 
-    if kernels.model_step_kernel("cpu", cpu_backends()[-1]) is None:
-        pytest.skip("no fused model step: the C++ backend is not built here (make kernels)")
+    kernel, frames = BF16_FUSED[call]
+    if kernel("cpu", cpu_backends()[-1]) is None:
+        pytest.skip(f"no fused {call}: the C++ backend is not built here (make kernels)")
     model = checkpoints[1][arch][0]
     config = json.loads(model.config.to_json_string())
     weights = {k: v.detach() for k, v in model.state_dict().items()}
@@ -484,19 +545,18 @@ def test_a_bf16_models_fused_step_is_the_float64_step_of_its_weights(checkpoints
     oracle = load_weights(config, held, torch.float64, torch.device("cpu"), lambda n: None)
     generator = torch.Generator().manual_seed(random_seed())
     ours = {name: torch.randn((4, *shape), generator=generator) * 0.3 for name, shape in bf16.config.state_parts()}
-    assert bf16._fused_step(ours, "cpu") is not None, "a bf16 model's step must take the fused kernel"
+    assert bf16._fused_kernel(ours, "cpu", kernel) is not None, f"a bf16 model's {call} must take the fused kernel"
     theirs = {name: t.double() for name, t in ours.items()}
     slots = torch.tensor([3, 1])
+    seed = random_seed()
     with torch.no_grad():
-        for t in range(6):
-            tokens = torch.randint(0, VOCAB, (2,), generator=generator)
-            output = "hidden" if t % 2 else "logits"
-            a = bf16.step(ours, slots, tokens, output=output, backend="cpu")
-            b = oracle.step(theirs, slots, tokens, output=output, backend="torch", fused=False)
+        got = frames(bf16, ours, slots, torch.Generator().manual_seed(seed))
+        want = frames(oracle, theirs, slots, torch.Generator().manual_seed(seed), oracle=True)
+        for (output, a), (_, b) in zip(got, want, strict=True):
             assert a.dtype == torch.float32
-            rel_close(a, b, 1e-4, f"{arch} bf16 {output}")
+            rel_close(a, b, 1e-4, f"{arch} bf16 {call} {output}")
     for name in ours:
-        rel_close(ours[name], theirs[name], 1e-4, f"{arch} bf16 {name}")
+        rel_close(ours[name], theirs[name], 1e-4, f"{arch} bf16 {call} {name}")
 
 
 # -- bad checkpoints and requests: a structured error each, nothing held, the server serves on --

@@ -103,15 +103,19 @@ class Model:
 
     def forward(self, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
                 output: str, last_only: bool = False, backend: str | None = None,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
+                lengths: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
         """A prefill of `inputs` (tokens [b, l] or embeddings [b, l, d_model]) from the state in
-        rows `slots` of `parts`, which are left holding the state at the end; the chunked scan
-        runs once per layer over the whole sequence. `lengths` ([b] ints in 0 .. l, on the
-        host): row i runs only its first lengths[i] positions, its state left after them, its
-        outputs past them zero; with `last_only`, its output is its own last position's."""
+        rows `slots` of `parts`, which are left holding the state at the end; the scan runs once
+        per layer over the whole sequence. `lengths` ([b] ints in 0 .. l, on the host): row i
+        runs only its first lengths[i] positions, its state left after them, its outputs past
+        them zero; with `last_only`, its output is its own last position's. In one call where
+        the backend has a fused prefill (as `step`'s fused step; `fused=False` composes it)."""
         if lengths is not None and bool((lengths != inputs.shape[1]).any()):
             return self._forward_ragged(parts, slots, inputs, lengths, output=output, last_only=last_only,
-                                        backend=backend)
+                                        backend=backend, fused=fused)
+        kernel = self._fused_kernel(parts, backend, kernels.model_forward_kernel) if fused else None
+        if kernel is not None:
+            return self._call_fused(kernel, parts, slots, inputs, output, copy=False, last_only=last_only)
         product = self._product(backend)
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
@@ -122,7 +126,7 @@ class Model:
             hidden = hidden[:, -1:]
         return self._output(hidden, output)
 
-    def _forward_ragged(self, parts, slots, inputs, lengths, *, output, last_only, backend) -> torch.Tensor:
+    def _forward_ragged(self, parts, slots, inputs, lengths, *, output, last_only, backend, fused) -> torch.Tensor:
         """forward() with rows of several lengths: one prefill for the rows of each length, each
         running only its rows' own positions, their outputs placed in one zeroed tensor."""
         width = self.config.d_model if output == "hidden" else self.lm_head.shape[0]
@@ -133,7 +137,7 @@ class Model:
             rows = (lengths == length).nonzero().flatten().to(inputs.device)
             part = self.forward(parts, slots.index_select(0, rows.to(slots.device)),
                                 inputs[:, :length].index_select(0, rows), output=output, last_only=last_only,
-                                backend=backend)
+                                backend=backend, fused=fused)
             out[rows, :part.shape[1]] = part
         return out
 
@@ -147,17 +151,9 @@ class Model:
         if callable(fused):
             kernel = fused
         else:
-            kernel = self._fused_step(parts, backend) if fused else None
+            kernel = self._fused_kernel(parts, backend, kernels.model_step_kernel) if fused else None
         if kernel is not None:
-            # The kernel adds the residuals into `hidden` in place: never the caller's embeddings.
-            hidden = (inputs.to(torch.float32, copy=True) if inputs.is_floating_point()
-                      else self._embed(inputs).float()).contiguous()
-            layers = [weights + [parts[name] for name in layer_state_names(i)]
-                      for i, weights in enumerate(self._fused_weights)]
-            # The head too, for logits: fp32 products of the fp32 or bf16 head, as the native path's.
-            head = (self.lm_head,) if output == "logits" else ()
-            return kernel(hidden, slots.to(torch.int64), layers, self._fused_norm_f, self._fused_dims,
-                          self.config.eps, self.dt_limits["dt_min"], self.dt_limits["dt_max"], *head)
+            return self._call_fused(kernel, parts, slots, inputs, output)
         hidden = self._embed(inputs)
         for i, layer in enumerate(self.layers):
             conv, ssm = (parts[name] for name in layer_state_names(i))
@@ -191,12 +187,27 @@ class Model:
 
         return product
 
-    def _fused_step(self, parts: dict[str, torch.Tensor], backend: str | None):
+    def _fused_kernel(self, parts: dict[str, torch.Tensor], backend: str | None, which: Callable):
+        """`which` (kernels.model_step_kernel or model_forward_kernel) for this model, or None where
+        its step or prefill is composed."""
         if not self._steps_fused:
             return None
         if any(p.dtype != torch.float32 for p in parts.values()):
             return None
-        return kernels.model_step_kernel(self.device.type, backend)
+        return which(self.device.type, backend)
+
+    def _call_fused(self, kernel: Callable, parts, slots, inputs, output: str, *, copy: bool = True,
+                    **options) -> torch.Tensor:
+        # The step adds the residuals into `hidden` in place: never the caller's embeddings. The
+        # prefill copies them itself (`copy=False`).
+        hidden = (inputs.to(torch.float32, copy=copy) if inputs.is_floating_point()
+                  else self._embed(inputs).float()).contiguous()
+        layers = [weights + [parts[name] for name in layer_state_names(i)]
+                  for i, weights in enumerate(self._fused_weights)]
+        # The head too, for logits: fp32 products of the fp32 or bf16 head, as the native path's.
+        head = (self.lm_head,) if output == "logits" else ()
+        return kernel(hidden, slots.to(torch.int64), layers, self._fused_norm_f, self._fused_dims,
+                      self.config.eps, self.dt_limits["dt_min"], self.dt_limits["dt_max"], *head, **options)
 
     def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.is_floating_point():

@@ -155,7 +155,8 @@ def backend_from(ext) -> Backend:
         ssd_state_update=ssd_state_update,
         model_step=ext.model_step,
         linear=ext.linear,
-        # A build of a revision before them (bench.kernel_ab loads such) has neither.
+        # A build of a revision before them (bench.kernel_ab loads such) lacks these.
+        model_forward=getattr(ext, "model_forward", None),
         prepare_model=getattr(ext, "prepare_model", None),
         run_model_step=getattr(ext, "run_model_step", None),
         scan_backward=scan_backward,

@@ -662,6 +662,43 @@ void conv_step(const float* in, int64_t in_stride, const at::Tensor& state, cons
   scan_bridge::silu_in_place(out, rows * channels);
 }
 
+// The causal conv of `seq` timesteps for each row: in [rows * seq, channels] (rows in_stride
+// apart), continuing from each row's window in its pool row, which is left holding the last
+// `width` inputs; then the bias and SiLU into out [rows * seq, channels]. Time-major, so that the
+// sums over the taps run along the channels in vectors.
+void conv_seq(const float* in, int64_t in_stride, const at::Tensor& state, const int64_t* slots, int64_t rows,
+              int64_t seq, const float* w, const float* bias, float* out) {
+  const int64_t channels = state.size(1), width = state.size(2);
+  const int64_t row_stride = state.stride(0), channel_stride = state.stride(1);
+  float* base = state.data_ptr<float>();
+  std::vector<float> taps(static_cast<size_t>(width * channels));  // [tap][channel]
+  for (int64_t c = 0; c < channels; ++c)
+    for (int64_t k = 0; k < width; ++k) taps[k * channels + c] = w[c * width + k];
+  // A row's inputs in time order: the window's last width - 1, then the row's seq.
+  std::vector<float> xs(static_cast<size_t>((width - 1 + seq) * channels));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* window = base + slots[r] * row_stride;
+    for (int64_t c = 0; c < channels; ++c)
+      for (int64_t j = 1; j < width; ++j) xs[(j - 1) * channels + c] = window[c * channel_stride + j];
+    for (int64_t t = 0; t < seq; ++t)
+      std::copy(in + (r * seq + t) * in_stride, in + (r * seq + t) * in_stride + channels,
+                xs.data() + (width - 1 + t) * channels);
+    for (int64_t t = 0; t < seq; ++t) {
+      float* o = out + (r * seq + t) * channels;
+      for (int64_t c = 0; c < channels; ++c) o[c] = bias ? bias[c] : 0.0f;
+      for (int64_t k = 0; k < width; ++k) {
+        const float* x = xs.data() + (t + k) * channels;
+        const float* tk = taps.data() + k * channels;
+        for (int64_t c = 0; c < channels; ++c) o[c] += tk[c] * x[c];
+      }
+    }
+    // The last `width` inputs (seq >= 1): xs[seq - 1 .. seq - 1 + width).
+    for (int64_t c = 0; c < channels; ++c)
+      for (int64_t j = 0; j < width; ++j) window[c * channel_stride + j] = xs[(seq - 1 + j) * channels + c];
+  }
+  scan_bridge::silu_in_place(out, rows * seq * channels);
+}
+
 // x [rows, in] (rows any stride apart, each contiguous) times w [features, in]^T plus bias, fp32
 // (w fp32 or bfloat16): the features split over the calling thread and the helpers that get a
 // core in time, as the kernels' items are (run_on).
@@ -705,6 +742,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
+// Mamba-2's mixer output for `rows` rows of d_inner channels, in place in y: (y + D x) silu(z),
+// normalised per group of channels, scaled by layer l's gate norm; z's rows z_stride apart.
+void gate_and_norm(const FusedModel& m, size_t l, float* y, const float* x, const float* z, int64_t z_stride,
+                   int64_t rows, std::vector<float>& gate) {
+  const int64_t di = m.di, headdim = m.headdim, groups = m.groups, per_group = di / groups;
+  gate.resize(static_cast<size_t>(rows * di));
+  for (int64_t r = 0; r < rows; ++r) std::copy(z + r * z_stride, z + r * z_stride + di, gate.data() + r * di);
+  scan_bridge::silu_in_place(gate.data(), rows * di);
+  const float* D = m.weight(l, kD).data_ptr<float>();
+  const float* weight = m.weight(l, kGateNorm).data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* yr = y + r * di;
+    for (int64_t c = 0; c < di; ++c) yr[c] = (yr[c] + D[c / headdim] * x[r * di + c]) * gate[r * di + c];
+    for (int64_t g = 0; g < groups; ++g) {
+      float* yg = yr + g * per_group;
+      double ss = 0;
+      for (int64_t c = 0; c < per_group; ++c) ss += double(yg[c]) * yg[c];
+      const float scale = static_cast<float>(1.0 / std::sqrt(ss / per_group + m.eps));
+      for (int64_t c = 0; c < per_group; ++c) yg[c] = weight[g * per_group + c] * (yg[c] * scale);
+    }
+  }
+}
+
 // One frame of `m` for the rows of `hidden` (added into in place: the residual stream), whose
 // states are rows `slots` of `conv` and `ssm` (one of each a layer, checked by the caller);
 // returns the final norm's output.
@@ -717,7 +777,7 @@ at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor&
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* h = hidden.data_ptr<float>();
   at::Tensor normed = at::empty({rows, d}, hidden.options());
-  std::vector<float> gate(mamba2 ? static_cast<size_t>(rows * di) : 0);  // Mamba-2's silu(z), layer by layer
+  std::vector<float> gate;  // Mamba-2's silu(z), layer by layer
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const auto& layer = m.layers[l];
     rms_norm_rows(h, m.weight(l, kNorm).data_ptr<float>(), normed.data_ptr<float>(), rows, d, eps);
@@ -760,25 +820,7 @@ at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor&
       y = at::empty({rows, heads, headdim}, hidden.options());
       ssd_state_update(ssm[l], slots, x, dt, m.weight(l, kA), B, C, std::nullopt, std::nullopt,
                        std::nullopt, false, std::nullopt, std::nullopt, y);
-      // y + D x, gated by silu(z), normalised per group of channels, scaled.
-      for (int64_t r = 0; r < rows; ++r) std::copy(pr + r * width, pr + r * width + di, gate.data() + r * di);
-      scan_bridge::silu_in_place(gate.data(), rows * di);
-      const float* D = m.weight(l, kD).data_ptr<float>();
-      const float* gate_w = m.weight(l, kGateNorm).data_ptr<float>();
-      float* yp = y.data_ptr<float>();
-      const float* xp = x.data_ptr<float>();
-      const int64_t per_group = di / groups;
-      for (int64_t r = 0; r < rows; ++r) {
-        float* yr = yp + r * di;
-        for (int64_t c = 0; c < di; ++c) yr[c] = (yr[c] + D[c / headdim] * xp[r * di + c]) * gate[r * di + c];
-        for (int64_t g = 0; g < groups; ++g) {
-          float* yg = yr + g * per_group;
-          double ss = 0;
-          for (int64_t c = 0; c < per_group; ++c) ss += double(yg[c]) * yg[c];
-          const float scale = static_cast<float>(1.0 / std::sqrt(ss / per_group + eps));
-          for (int64_t c = 0; c < per_group; ++c) yg[c] = gate_w[g * per_group + c] * (yg[c] * scale);
-        }
-      }
+      gate_and_norm(m, l, y.data_ptr<float>(), x.data_ptr<float>(), pr, width, rows, gate);
       y = y.view({rows, di});
     }
     at::Tensor out = linear(y, m.weight(l, kOutProj), layer[kOutProjBias]);
@@ -787,6 +829,126 @@ at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor&
   }
   at::Tensor result = at::empty({rows, d}, hidden.options());
   rms_norm_rows(h, m.norm_f.data_ptr<float>(), result.data_ptr<float>(), rows, d, eps);
+  return result;
+}
+
+// Each layer's conv and ssm state (the last two of its tensors), every slot checked against them.
+void layer_states(const char* op, const LayerList& layers, const at::Tensor& slots, int64_t rows,
+                  std::vector<at::Tensor>& conv, std::vector<at::Tensor>& ssm) {
+  if (slots.numel() != rows) throw std::invalid_argument(std::string(op) + ": expected a slot for each input row");
+  for (const auto& layer : layers) {
+    if (layer.size() != kLayerTensors || !layer[kConvState] || !layer[kSsmState])
+      throw std::invalid_argument(std::string(op) + ": expected 15 tensors a layer, its state last");
+    conv.push_back(*layer[kConvState]);
+    ssm.push_back(*layer[kSsmState]);
+    check_slots(slots.data_ptr<int64_t>(), slots.numel(), std::min(conv.back().size(0), ssm.back().size(0)));
+  }
+}
+
+Strided f32_operand(const float* data, std::array<int64_t, 4> strides) {
+  Strided s;
+  s.data = const_cast<float*>(data);
+  s.dtype = scan_bridge::DType::f32;
+  std::copy(strides.begin(), strides.end(), s.stride);
+  return s;
+}
+
+// A prefill of `m` over hidden [rows, seq, d] (seq >= 1; added into in place: the residual
+// stream) from the states in rows `slots` of `conv` and `ssm`, which are left holding the states
+// after the last timestep: each layer's products over all rows * seq tokens at once, the conv
+// over the window, the backend's scan kernels reading and writing the pool rows in place. No
+// torch op runs inside: one would wake torch's OpenMP team, whose threads then spin on the core
+// the kernels' helper needs (docs/performance.md, "model forward"). The math of
+// bridge.models.runtime's composed prefill; returns the final norm's output.
+at::Tensor forward_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor& slots,
+                         const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm) {
+  const int64_t di = m.di, n = m.n, rank = m.rank, heads = m.heads, headdim = m.headdim, groups = m.groups;
+  const int64_t rows = hidden.size(0), seq = hidden.size(1), d = hidden.size(2), tokens = rows * seq;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const auto options = hidden.options();
+  float* h = hidden.data_ptr<float>();
+  at::Tensor normed = at::empty({tokens, d}, options);
+  std::vector<float> gate;
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const auto& layer = m.layers[l];
+    rms_norm_rows(h, m.weight(l, kNorm).data_ptr<float>(), normed.data_ptr<float>(), tokens, d, m.eps);
+    const at::Tensor projected = linear(normed, m.weight(l, kInProj), layer[kInProjBias]);
+    const int64_t width = projected.size(1);
+    const float* pr = projected.data_ptr<float>();
+    const int64_t conv_dim = conv[l].size(1);
+    at::Tensor conv_out = at::empty({tokens, conv_dim}, options);
+    at::Tensor y = at::empty({tokens, di}, options);
+    const at::Tensor& state = ssm[l];
+    if (!m.mamba2) {
+      // in_proj: [x | z]; x through the conv, then x_proj: [dt | B | C], dt through dt_proj.
+      conv_seq(pr, width, conv[l], slot, rows, seq, m.weight(l, kConv).data_ptr<float>(), fdata(layer[kConvBias]),
+               conv_out.data_ptr<float>());
+      const at::Tensor xdb = linear(conv_out, m.weight(l, kXProj), std::nullopt);
+      const at::Tensor dt = linear(xdb.narrow(1, 0, rank), m.weight(l, kDtProj), std::nullopt);
+      const int64_t xw = xdb.size(1);
+      const float* xd = xdb.data_ptr<float>();
+      const at::Tensor& A = m.weight(l, kA);
+      ScanProblem p;
+      p.batch = rows, p.seq = seq, p.dim = di, p.state = n, p.groups = 1;
+      p.x = f32_operand(conv_out.data_ptr<float>(), {seq * conv_dim, conv_dim, 1, 0});
+      p.dt = f32_operand(dt.data_ptr<float>(), {seq * di, di, 1, 0});
+      p.z = f32_operand(pr + di, {seq * width, width, 1, 0});
+      p.B = f32_operand(xd + rank, {seq * xw, xw, 0, 1});
+      p.C = f32_operand(xd + rank + n, {seq * xw, xw, 0, 1});
+      p.A = f32_operand(A.data_ptr<float>(), {A.stride(0), A.stride(1), 0, 0});
+      p.D = f32_operand(m.weight(l, kD).data_ptr<float>(), {1, 0, 0, 0});
+      p.dt_bias = f32_operand(m.weight(l, kDtBias).data_ptr<float>(), {1, 0, 0, 0});
+      p.slots.data = const_cast<int64_t*>(slot);
+      p.slots.dtype = scan_bridge::DType::i64;
+      p.slots.stride[0] = 1;
+      p.h0 = f32_operand(state.data_ptr<float>(), {state.stride(0), state.stride(1), state.stride(2), 0});
+      p.state_out = p.h0;
+      p.y = f32_operand(y.data_ptr<float>(), {seq * di, di, 1, 0});
+      p.dt_softplus = true;
+      run(p);
+    } else {
+      // in_proj: [z | x B C | dt]; x B C through the conv; dt's bias, softplus and limits in the scan.
+      const int64_t gn = groups * n;
+      conv_seq(pr + di, width, conv[l], slot, rows, seq, m.weight(l, kConv).data_ptr<float>(),
+               fdata(layer[kConvBias]), conv_out.data_ptr<float>());
+      at::Tensor x = at::empty({tokens, di}, options), dt = at::empty({tokens, heads}, options);
+      at::Tensor B = at::empty({tokens, gn}, options), C = at::empty({tokens, gn}, options);
+      const float* co = conv_out.data_ptr<float>();
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* row = co + t * conv_dim;
+        std::copy(row, row + di, x.data_ptr<float>() + t * di);
+        std::copy(row + di, row + di + gn, B.data_ptr<float>() + t * gn);
+        std::copy(row + di + gn, row + di + 2 * gn, C.data_ptr<float>() + t * gn);
+        const float* raw = pr + t * width + di + conv_dim;
+        std::copy(raw, raw + heads, dt.data_ptr<float>() + t * heads);
+      }
+      scan_bridge::SsdScanProblem<float> p;
+      p.batch = rows, p.seq = seq, p.heads = heads, p.headdim = headdim, p.state = n, p.groups = groups;
+      p.x = x.data_ptr<float>();
+      p.dt = dt.data_ptr<float>();
+      p.A = m.weight(l, kA).data_ptr<float>();
+      p.B = B.data_ptr<float>();
+      p.C = C.data_ptr<float>();
+      p.options.dt_bias = m.weight(l, kDtBias).data_ptr<float>();
+      p.options.dt_softplus = true;
+      p.options.has_dt_min = m.dt_min.has_value();
+      p.options.has_dt_max = m.dt_max.has_value();
+      p.options.dt_min = static_cast<float>(m.dt_min.value_or(0.0));
+      p.options.dt_max = static_cast<float>(m.dt_max.value_or(0.0));
+      p.y = y.data_ptr<float>();
+      p.h0 = p.state_out = state.data_ptr<float>();
+      p.state_rows = slot;
+      p.state_row_stride = state.stride(0);
+      const int64_t items = scan_bridge::ssd_scan_item_count(p);
+      run_ssd_items(p, items, std::max<int64_t>(1, tokens * di * n / items), scan_bridge::ssd_scan_items<float>);
+      gate_and_norm(m, l, y.data_ptr<float>(), x.data_ptr<float>(), pr, width, tokens, gate);
+    }
+    const at::Tensor out = linear(y, m.weight(l, kOutProj), layer[kOutProjBias]);
+    const float* op = out.data_ptr<float>();
+    for (int64_t i = 0; i < tokens * d; ++i) h[i] += op[i];
+  }
+  at::Tensor result = at::empty({rows, seq, d}, options);
+  rms_norm_rows(h, m.norm_f.data_ptr<float>(), result.data_ptr<float>(), tokens, d, m.eps);
   return result;
 }
 
@@ -801,17 +963,37 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots, const LayerLis
   require_operand(slots, "slots", at::kLong);
   if (hidden.dim() != 2 || hidden.size(1) != model.d)
     throw std::invalid_argument("model_step: expected hidden [rows, " + std::to_string(model.d) + "]");
-  if (slots.numel() != hidden.size(0)) throw std::invalid_argument("model_step: expected a slot for each row of hidden");
   std::vector<at::Tensor> conv, ssm;
-  for (const auto& layer : layers) {
-    if (layer.size() != kLayerTensors || !layer[kConvState] || !layer[kSsmState])
-      throw std::invalid_argument("model_step: expected 15 tensors a layer, its state last");
-    conv.push_back(*layer[kConvState]);
-    ssm.push_back(*layer[kSsmState]);
-    check_slots(slots.data_ptr<int64_t>(), slots.numel(), std::min(conv.back().size(0), ssm.back().size(0)));
-  }
+  layer_states("model_step", layers, slots, hidden.size(0), conv, ssm);
   const at::Tensor out = step_model(model, hidden, slots, conv, ssm);
   return head.has_value() ? linear(out, *head, std::nullopt) : out;
+}
+
+// The prefill as Python calls it: as model_step, with embeddings [rows, seq, d] (read, not
+// written) and, with `last_only`, the output of each row's last timestep alone.
+at::Tensor model_forward(const at::Tensor& embeddings, const at::Tensor& slots, const LayerList& layers,
+                         const at::Tensor& norm_f, const std::vector<int64_t>& dims, double eps,
+                         std::optional<double> dt_min, std::optional<double> dt_max,
+                         const std::optional<at::Tensor>& head, bool last_only) {
+  const FusedModel model(layers, norm_f, dims, eps, dt_min, dt_max, std::nullopt, head);
+  require_operand(embeddings, "embeddings", at::kFloat, "model_forward");
+  require_operand(slots, "slots", at::kLong, "model_forward");
+  if (embeddings.dim() != 3 || embeddings.size(1) < 1 || embeddings.size(2) != model.d)
+    throw std::invalid_argument("model_forward: expected embeddings [rows, seq >= 1, " + std::to_string(model.d) + "]");
+  // The residual stream, copied here: a torch copy of this many elements would wake torch's
+  // OpenMP team, whose threads then spin on the core the kernels' helper needs.
+  at::Tensor hidden = at::empty(embeddings.sizes(), embeddings.options());
+  std::copy(embeddings.data_ptr<float>(), embeddings.data_ptr<float>() + embeddings.numel(), hidden.data_ptr<float>());
+  std::vector<at::Tensor> conv, ssm;
+  layer_states("model_forward", layers, slots, embeddings.size(0), conv, ssm);
+  if (model.mamba2)
+    for (const auto& state : ssm)
+      if (state.stride(3) != 1 || state.stride(2) != model.n || state.stride(1) != model.headdim * model.n)
+        throw std::invalid_argument("model_forward: expected each pool row's ssm state contiguous");
+  at::Tensor out = forward_model(model, hidden, slots, conv, ssm);
+  if (last_only) out = out.narrow(1, out.size(1) - 1, 1).contiguous();
+  if (!head.has_value()) return out;
+  return linear(out.view({-1, model.d}), *head, std::nullopt).view({out.size(0), out.size(1), head->size(0)});
 }
 
 // A model's weights checked and kept for native callers' steps: a "scan_bridge.fused_model"
@@ -909,6 +1091,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("model_step", &model_step, py::arg("hidden"), py::arg("slots"), py::arg("layers"), py::arg("norm_f"),
         py::arg("dims"), py::arg("eps"), py::arg("dt_min"), py::arg("dt_max"), py::arg("head") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("model_forward", &model_forward, py::arg("embeddings"), py::arg("slots"), py::arg("layers"), py::arg("norm_f"),
+        py::arg("dims"), py::arg("eps"), py::arg("dt_min"), py::arg("dt_max"), py::arg("head") = py::none(),
+        py::arg("last_only") = false, py::call_guard<py::gil_scoped_release>());
   m.def("prepare_model", &prepare_model, py::arg("layers"), py::arg("norm_f"), py::arg("dims"), py::arg("eps"),
         py::arg("dt_min"), py::arg("dt_max"), py::arg("embeddings") = py::none(), py::arg("lm_head") = py::none());
   m.def("linear", &linear, py::call_guard<py::gil_scoped_release>());

@@ -419,10 +419,11 @@ class SequenceRunner {
       prepared_block_[slot] = block;
     }
     slot_ = slot;
+    const int64_t state_row = p_.slots.data != nullptr ? read_slot(p_.slots, b) : b;
     if (p_.h0.data == nullptr || lanes < W) std::memset(static_cast<void*>(h_), 0, N_ * sizeof(V));
     if (p_.h0.data != nullptr) {
       const auto& s = p_.h0.stride;
-      load_2d(p_.h0, b * s[0] + d0 * s[1], s[2], s[1], N_int_, lanes, reinterpret_cast<T*>(h_), W);
+      load_2d(p_.h0, state_row * s[0] + d0 * s[1], s[2], s[1], N_int_, lanes, reinterpret_cast<T*>(h_), W);
     }
     // Packed sequences share row 0 of the operands, each from its own first time.
     const int64_t row = p_.cu_seqlens == nullptr ? b : 0;
@@ -436,7 +437,7 @@ class SequenceRunner {
     }
     if (p_.state_out.data != nullptr) {
       const auto& s = p_.state_out.stride;
-      store_2d(p_.state_out, b * s[0] + d0 * s[1], s[2], s[1], N_int_, lanes,
+      store_2d(p_.state_out, state_row * s[0] + d0 * s[1], s[2], s[1], N_int_, lanes,
                reinterpret_cast<const T*>(h_), W);
     }
   }

@@ -218,8 +218,9 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
     }
     // Lanes past headdim stay zero: their u is zero throughout.
     std::memset(flat, 0, sizeof(T) * static_cast<size_t>(N * kBlockLanes));
+    const int64_t state_at = p.state_rows != nullptr ? p.state_rows[b] * p.state_row_stride : b * H * P * N;
     if (p.h0 != nullptr) {
-      const T* h0 = p.h0 + (b * H + h) * P * N;
+      const T* h0 = p.h0 + state_at + h * P * N;
       for (int64_t i = 0; i < lanes; ++i)
         for (int64_t n = 0; n < N; ++n) flat[n * kBlockLanes + i] = h0[(first + i) * N + n];
     }
@@ -275,7 +276,7 @@ void ssd_scan_items(const SsdScanProblem<T>& p, int64_t begin, int64_t end) {
     if (p.state_out != nullptr) {
       // The scaled state back to the true one.
       const T scale = length > 0 ? steps.out(length - 1) : T(1);
-      T* out = p.state_out + (b * H + h) * P * N;
+      T* out = p.state_out + state_at + h * P * N;
       for (int64_t i = 0; i < lanes; ++i)
         for (int64_t n = 0; n < N; ++n) out[(first + i) * N + n] = scale * flat[n * kBlockLanes + i];
     }

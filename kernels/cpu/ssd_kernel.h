@@ -35,6 +35,10 @@ struct SsdScanProblem {
   SsdOptions<T> options;
   T* y = nullptr;         // [batch, seq, heads, headdim], written
   T* state_out = nullptr; // [batch, heads, headdim, state] or nullptr
+  // Or null: the row of h0 and state_out of each batch row, rows state_row_stride elements
+  // apart (a model's prefill, its states in pool rows; h0 may then alias state_out).
+  const int64_t* state_rows = nullptr;
+  int64_t state_row_stride = 0;
   // Or null: `batch` + 1 boundaries of as many sequences packed along seq in one row of x, dt,
   // B, C, z and y (varlen); sequence b runs over cu_seqlens[b] .. cu_seqlens[b + 1] from row b
   // of h0 into row b of state_out.
