@@ -734,6 +734,8 @@ LINEAR_CASES = [
     pytest.param(5, 16, 520, False, 48, id="strided-rows-features-past-blocks"),
     pytest.param(2, 7, 3, True, 0, id="smaller-than-a-vector"),
     pytest.param(4, 1, 17, True, 0, id="in-of-one"),
+    pytest.param(7, 37, 41, True, 24, id="row-tiles-and-rows-past-them-odd-in-strided"),
+    pytest.param(224, 256, 1032, True, 0, id="prefill-window-224-rows"),
 ]
 
 
