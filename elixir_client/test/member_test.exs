@@ -43,6 +43,54 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert eventually_member(group, server)
   end
 
+  # A server whose model_load answers only when told: {:loading, self()} to the test, then
+  # the model "m1" after :go. Counts nothing else.
+  defp slow_loading_server(test) do
+    receive do
+      {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->
+        send(test, {:loading, self()})
+
+        receive do
+          :go -> GenServer.reply(from, {:ok, %{"model" => "m1"}, %{}})
+        end
+
+      {:"$gen_call", from, {:request, "model_free", _head, _size, _timeout, _closes}} ->
+        send(test, :freed)
+        GenServer.reply(from, {:ok, %{}, %{}})
+
+      {:"$gen_cast", _naming} ->
+        :ok
+    end
+
+    slow_loading_server(test)
+  end
+
+  test "a keeper answers while its server loads; callers of that load share it; a free waits for it" do
+    group = {:member_test, System.unique_integer([:positive])}
+    test = self()
+    server = spawn_link(fn -> slow_loading_server(test) end)
+    {:ok, member} = Member.start_link(server: server, group: group)
+    assert eventually_member(group, server)
+
+    first = Task.async(fn -> GenServer.call(member, {:load, "m", "/models/m", []}, 5_000) end)
+    assert_receive {:loading, ^server}, 5_000
+    # the catalogue while the model loads: recorded, not yet loaded
+    assert GenServer.call(member, :catalogue, 1_000) == %{"m" => {"/models/m", [], nil}}
+    second = Task.async(fn -> GenServer.call(member, {:load, "m", "/models/m", []}, 5_000) end)
+    other = GenServer.call(member, {:load, "m", "/models/other", []}, 1_000)
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument}} = other
+    free = Task.async(fn -> GenServer.call(member, {:free, "m", []}, 5_000) end)
+    Process.sleep(50)
+    send(server, :go)
+
+    assert {:ok, %{"model" => "m1"}} = Task.await(first)
+    assert {:ok, %{"model" => "m1"}} = Task.await(second)
+    assert :ok = Task.await(free)
+    assert_receive :freed
+    refute_received {:loading, _}
+    assert GenServer.call(member, :catalogue, 1_000) == %{}
+  end
+
   defp eventually_member(group, server, tries \\ 100) do
     cond do
       server in Cluster.members(group) -> true

@@ -10,13 +10,20 @@ defmodule ScanBridge.Cluster.Member do
   # lacks, and only then offers its server for work. `load_model/4` records a model on every
   # keeper it finds, then looks again until no new keeper has appeared, so that a member that
   # joined meanwhile either was found or copied a catalogue that already had the model.
+  #
+  # A model loads in a task, so that the keeper answers the others meanwhile (a load can take
+  # seconds; a member joining would have waited out its call and joined without this keeper's
+  # catalogue). Callers asking for a model already loading wait for that load; a free of it
+  # waits for it to end.
 
   use GenServer
   require Logger
 
   alias ScanBridge.Cluster
 
-  defstruct [:server, :group, :syncing, catalogue: %{}]
+  # loads: the models loading, by name: %{ref:, source:, opts:, waiters:} (callers, `:sync`,
+  # or `{:free, caller, opts}`); sync_left: the loads the join waits for.
+  defstruct [:server, :group, :syncing, catalogue: %{}, loads: %{}, sync_left: 0]
 
   @spec start_link(server: pid, group: term) :: GenServer.on_start()
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts)
@@ -48,22 +55,24 @@ defmodule ScanBridge.Cluster.Member do
 
     state =
       Enum.reduce(catalogues, %{state | syncing: nil}, fn {name, {source, opts}}, state ->
-        case adopt(state, name, source, opts) do
-          {:ok, _info, state} ->
-            state
-
-          {:error, error, state} ->
-            Logger.warning(
-              "scan-bridge: #{inspect(state.group)} member on #{node()} cannot load model " <>
-                "#{inspect(name)}: #{Exception.message(error)}"
-            )
-
-            state
+        case adopt(state, name, source, opts, :sync) do
+          {:done, reply, state} -> answer(state, :sync, name, reply)
+          {:waiting, state} -> %{state | sync_left: state.sync_left + 1}
         end
       end)
 
-    :ok = :pg.join(Cluster.scope(), Cluster.group_key(state.group), state.server)
-    {:noreply, state}
+    {:noreply, join_when_synced(state)}
+  end
+
+  def handle_info({ref, result}, state) when is_reference(ref) do
+    case Enum.find(state.loads, fn {_name, load} -> load.ref == ref end) do
+      nil ->
+        {:noreply, state}
+
+      {name, load} ->
+        Process.demonitor(ref, [:flush])
+        {:noreply, loaded(%{state | loads: Map.delete(state.loads, name)}, name, load, result)}
+    end
   end
 
   def handle_info(_stale, state), do: {:noreply, state}
@@ -71,63 +80,135 @@ defmodule ScanBridge.Cluster.Member do
   @impl true
   def handle_call(:catalogue, _from, state), do: {:reply, state.catalogue, state}
 
-  def handle_call({:load, name, source, opts}, _from, state) do
-    case adopt(state, name, source, opts) do
-      {:ok, info, state} -> {:reply, {:ok, info}, state}
-      {:error, error, state} -> {:reply, {:error, error}, state}
+  def handle_call({:load, name, source, opts}, from, state) do
+    case adopt(state, name, source, opts, from) do
+      {:done, reply, state} -> {:reply, reply, state}
+      {:waiting, state} -> {:noreply, state}
     end
   end
 
-  def handle_call({:free, name, opts}, _from, state) do
+  def handle_call({:free, name, opts}, from, state) do
+    case state.loads do
+      %{^name => load} ->
+        {:noreply,
+         put_in(state.loads[name], %{load | waiters: [{:free, from, opts} | load.waiters]})}
+
+      _idle ->
+        {reply, state} = free(state, name, opts)
+        {:reply, reply, state}
+    end
+  end
+
+  defp free(state, name, opts) do
     case Map.pop(state.catalogue, name) do
       {nil, _} ->
-        {:reply, :ok, state}
+        {:ok, state}
 
       {{_source, _opts, nil}, catalogue} ->
-        {:reply, :ok, %{state | catalogue: catalogue}}
+        {:ok, %{state | catalogue: catalogue}}
 
       {{_source, _opts, info}, catalogue} ->
         case ScanBridge.free_model(state.server, info, opts) do
           :ok ->
             ScanBridge.Server.name_model(state.server, name, nil)
-            {:reply, :ok, %{state | catalogue: catalogue}}
+            {:ok, %{state | catalogue: catalogue}}
 
           {:error, _} = error ->
-            {:reply, error, state}
+            {error, state}
         end
     end
   end
 
   # The model `name` on this member's server: recorded in the catalogue whether or not it
-  # loads here (members joining later copy it), loaded unless it is already.
-  defp adopt(state, name, source, opts) do
-    case state.catalogue do
-      %{^name => {^source, ^opts, info}} when info != nil ->
-        {:ok, info, state}
+  # loads here (members joining later copy it), loaded unless it is already or is loading.
+  # {:done, reply, state}, or {:waiting, state} with `waiter` answered when the load ends.
+  defp adopt(state, name, source, opts, waiter) do
+    case {state.catalogue, state.loads} do
+      {%{^name => {^source, ^opts, info}}, _} when info != nil ->
+        {:done, {:ok, info}, state}
 
-      %{^name => {_other, _opts, info}} when info != nil ->
-        error =
-          ScanBridge.Error.client(
-            :invalid_argument,
-            "model name #{inspect(name)} is taken by another model in group #{inspect(state.group)}",
-            %{"field" => "name"}
-          )
+      {%{^name => {_other, _opts, info}}, _} when info != nil ->
+        {:done, {:error, taken(state, name)}, state}
 
-        {:error, error, state}
+      {_, %{^name => %{source: ^source, opts: ^opts} = load}} ->
+        {:waiting, put_in(state.loads[name], %{load | waiters: [waiter | load.waiters]})}
+
+      {_, %{^name => _another}} ->
+        {:done, {:error, taken(state, name)}, state}
 
       _absent_or_unloaded ->
+        server = state.server
+
+        task =
+          Task.async(fn -> ScanBridge.load_model(server, source, Keyword.put(opts, :name, name)) end)
+
+        load = %{ref: task.ref, source: source, opts: opts, waiters: [waiter]}
         state = put_in(state.catalogue[name], {source, opts, nil})
-
-        case ScanBridge.load_model(state.server, source, Keyword.put(opts, :name, name)) do
-          {:ok, info} ->
-            ScanBridge.Server.name_model(state.server, name, info["model"])
-            {:ok, info, put_in(state.catalogue[name], {source, opts, info})}
-
-          {:error, error} ->
-            {:error, error, state}
-        end
+        {:waiting, put_in(state.loads[name], load)}
     end
   end
+
+  defp taken(state, name) do
+    ScanBridge.Error.client(
+      :invalid_argument,
+      "model name #{inspect(name)} is taken by another model in group #{inspect(state.group)}",
+      %{"field" => "name"}
+    )
+  end
+
+  # A load ended: the catalogue holds what it loaded, its waiters are answered in the order
+  # they came (a free after the loads it waited for).
+  defp loaded(state, name, load, result) do
+    state =
+      case result do
+        {:ok, info} ->
+          ScanBridge.Server.name_model(state.server, name, info["model"])
+          put_in(state.catalogue[name], {load.source, load.opts, info})
+
+        {:error, _error} ->
+          state
+      end
+
+    load.waiters
+    |> Enum.reverse()
+    |> Enum.reduce(state, fn
+      {:free, from, opts}, state ->
+        {reply, state} = free(state, name, opts)
+        GenServer.reply(from, reply)
+        state
+
+      :sync, state ->
+        state = answer(state, :sync, name, result)
+        join_when_synced(%{state | sync_left: state.sync_left - 1})
+
+      from, state ->
+        answer(state, from, name, result)
+    end)
+  end
+
+  defp answer(state, :sync, name, reply) do
+    with {:error, error} <- reply do
+      Logger.warning(
+        "scan-bridge: #{inspect(state.group)} member on #{node()} cannot load model " <>
+          "#{inspect(name)}: #{Exception.message(error)}"
+      )
+    end
+
+    state
+  end
+
+  defp answer(state, from, _name, reply) do
+    GenServer.reply(from, reply)
+    state
+  end
+
+  # The server is offered to the group once the catalogues are copied and what they list loaded.
+  defp join_when_synced(%{syncing: nil, sync_left: 0} = state) do
+    :ok = :pg.join(Cluster.scope(), Cluster.group_key(state.group), state.server)
+    %{state | sync_left: nil}
+  end
+
+  defp join_when_synced(state), do: state
 
   defp catalogue_of(keeper) do
     keeper
