@@ -450,6 +450,30 @@ def test_the_kernel_capsules_refuse_another_problem_layout(attribute, name, prob
     assert problem_type + b" size 3, expected" in error.value, error.value
 
 
+def test_run_problem_refuses_slots_past_a_step():
+    """Slots choose pool rows for a step (seq 1); past it they are the binding's own (a model's
+    prefill, whose slots it checks), so a native caller's ScanProblem with both is refused."""
+    import kernels
+
+    capsule = kernels.get_backend("cpu", "cpu").run_problem
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(
+        get_pointer(capsule, b"scan_bridge.run_problem"))
+    error = ctypes.create_string_buffer(256)
+    problem = ctypes.create_string_buffer(4096)
+    assert run(ctypes.cast(problem, ctypes.c_void_p), 3, error, 256) == 1
+    size = int(error.value.split(b"expected ")[1].split()[0])
+    # ScanProblem (scan_kernel.h): five int64 sizes, then 48-byte Strided operands x, dt, z, B,
+    # C, A, D, dt_bias, slots: slots' data pointer lies at 40 + 8 * 48.
+    slot = ctypes.c_int64(0)
+    for offset, value in ((8, 2), (16, 1), (24, 1), (32, 1)):  # seq, dim, state, groups; batch 0
+        ctypes.c_int64.from_buffer(problem, offset).value = value
+    ctypes.c_void_p.from_buffer(problem, 40 + 8 * 48).value = ctypes.addressof(slot)
+    assert run(ctypes.cast(problem, ctypes.c_void_p), size, error, 256) == 1
+    assert b"slots are for a step" in error.value, error.value
+
+
 @pytest.mark.parametrize("args, native", [([], True), (["--no-native-step"], False)], ids=["default", "flag-off"])
 def test_a_piped_server_steps_natively_unless_told_not_to(args, native):
     """Over stdio, as a Port client steps: `info` says whether the native path is on, and the

@@ -244,8 +244,14 @@ int call_from_c(const char* problem, const char* header, size_t problem_size, si
 // path (bridge/native/step.cpp), which points it at operands where they lie in a request
 // frame -- exported as the capsule "scan_bridge.run_problem".
 int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t error_size) {
-  return call_from_c("ScanProblem", "scan_kernel.h", problem_size, sizeof(ScanProblem), [&] { run(*p); }, error,
-                     error_size);
+  return call_from_c("ScanProblem", "scan_kernel.h", problem_size, sizeof(ScanProblem),
+                     [&] {
+                       // slots past a step are this module's own (a model's prefill, checked there)
+                       if (p->seq != 1 && p->slots.data != nullptr)
+                         throw std::invalid_argument("ScanProblem: slots are for a step (seq 1)");
+                       run(*p);
+                     },
+                     error, error_size);
 }
 
 }  // namespace

@@ -33,7 +33,7 @@ struct ScanProblem {
   Strided D, dt_bias;   // (channel)
   Strided slots;        // (batch) i32/i64 or absent: the row of h0 and state_out of each batch
                         // row; seq == 1: < 0 = padding row (y = 0, no state touched); seq > 1
-                        // (a model's prefill): each >= 0, checked by the caller
+                        // (the binding's model prefill only; run_problem refuses it): each >= 0
   Strided h0;           // (row, channel, state); absent = zeros
   Strided y;            // (batch, time, channel), written
   Strided state_out;    // (row, channel, state), written; may alias h0 (in-place update)
