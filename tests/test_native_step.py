@@ -433,33 +433,46 @@ CAPSULES = [
 ]
 
 
-@pytest.mark.parametrize("attribute,name,problem_type", CAPSULES)
-def test_the_kernel_capsules_refuse_another_problem_layout(attribute, name, problem_type):
-    """A caller compiled against another header passes another problem size: refused with the
-    sizes named, nothing run."""
+def capsule_function(attribute: str, name: bytes):
+    """The cpu backend's capsule `attribute` as a callable: (problem, its size, error buffer,
+    the buffer's size) -> 0, or 1 with the error's message in the buffer."""
     import kernels
 
     capsule = getattr(kernels.get_backend("cpu", "cpu"), attribute)
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(
+    return ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(
         get_pointer(capsule, name))
+
+
+@pytest.mark.parametrize("attribute,name,problem_type", CAPSULES)
+def test_the_kernel_capsules_refuse_another_problem_layout(attribute, name, problem_type):
+    """A caller compiled against another header passes another problem size: refused with the
+    sizes named, nothing run."""
+    run = capsule_function(attribute, name)
     error = ctypes.create_string_buffer(256)
     problem = ctypes.create_string_buffer(4096)  # zeros: a problem with no work, were it run
     assert run(ctypes.cast(problem, ctypes.c_void_p), 3, error, 256) == 1
     assert problem_type + b" size 3, expected" in error.value, error.value
 
 
+@pytest.mark.parametrize("attribute,name,problem_type", CAPSULES)
+def test_the_kernel_capsules_refuse_a_problem_of_zeros(attribute, name, problem_type):
+    """A problem of the right layout but no sizes (a caller's bug) is refused with an error,
+    not run: a zero group count was a division by zero that killed the process."""
+    run = capsule_function(attribute, name)
+    error = ctypes.create_string_buffer(256)
+    problem = ctypes.create_string_buffer(4096)
+    assert run(ctypes.cast(problem, ctypes.c_void_p), 3, error, 256) == 1
+    size = int(error.value.split(b"expected ")[1].split()[0])
+    assert run(ctypes.cast(problem, ctypes.c_void_p), size, error, 256) == 1
+    assert problem_type in error.value, error.value
+
+
 def test_run_problem_refuses_slots_past_a_step():
     """Slots choose pool rows for a step (seq 1); past it they are the binding's own (a model's
     prefill, whose slots it checks), so a native caller's ScanProblem with both is refused."""
-    import kernels
-
-    capsule = kernels.get_backend("cpu", "cpu").run_problem
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(
-        get_pointer(capsule, b"scan_bridge.run_problem"))
+    run = capsule_function("run_problem", b"scan_bridge.run_problem")
     error = ctypes.create_string_buffer(256)
     problem = ctypes.create_string_buffer(4096)
     assert run(ctypes.cast(problem, ctypes.c_void_p), 3, error, 256) == 1

@@ -23,6 +23,7 @@
 #include <vector>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -240,12 +241,25 @@ int call_from_c(const char* problem, const char* header, size_t problem_size, si
   }
 }
 
+// A native caller's problem sizes: rows >= 0, every other size >= 1, `grouped` split evenly
+// into `groups` (a zero there was a division by zero, which no exception reports).
+void require_sizes(const char* problem, int64_t rows, std::initializer_list<int64_t> sizes, int64_t grouped,
+                   int64_t groups) {
+  bool ok = rows >= 0;
+  for (int64_t size : sizes) ok = ok && size >= 1;
+  if (!ok || grouped % groups != 0)
+    throw std::invalid_argument(std::string(problem) + ": expected rows >= 0, every other size >= 1 and the " +
+                                "groups dividing their axis");
+}
+
 // The kernel run on a ScanProblem filled elsewhere in this process -- the bridge's native step
 // path (bridge/native/step.cpp), which points it at operands where they lie in a request
 // frame -- exported as the capsule "scan_bridge.run_problem".
 int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t error_size) {
   return call_from_c("ScanProblem", "scan_kernel.h", problem_size, sizeof(ScanProblem),
                      [&] {
+                       require_sizes("ScanProblem", p->batch, {p->seq, p->dim, p->state, p->groups}, p->dim,
+                                     p->groups);
                        // slots past a step are this module's own (a model's prefill, checked there)
                        if (p->seq != 1 && p->slots.data != nullptr)
                          throw std::invalid_argument("ScanProblem: slots are for a step (seq 1)");
@@ -369,7 +383,12 @@ void run_ssd_update_problem(const scan_bridge::SsdUpdateProblem<T>& p) {
 int run_ssd_update(const scan_bridge::SsdUpdateProblem<float>* p, size_t problem_size, char* error,
                    size_t error_size) {
   return call_from_c("SsdUpdateProblem", "ssd_kernel.h", problem_size, sizeof(*p),
-                     [&] { run_ssd_update_problem(*p); }, error, error_size);
+                     [&] {
+                       require_sizes("SsdUpdateProblem", p->batch, {p->heads, p->headdim, p->state, p->groups},
+                                     p->heads, p->groups);
+                       run_ssd_update_problem(*p);
+                     },
+                     error, error_size);
 }
 
 template <typename T>
@@ -1049,6 +1068,8 @@ void embed_tokens(const FusedModel& model, const void* ids, scan_bridge::TokenTy
 // input and output copied from and to wherever the caller's bytes are (a request frame, a reply).
 int run_model_step(const scan_bridge::ModelStepProblem* p, size_t problem_size, char* error, size_t error_size) {
   return call_from_c("ModelStepProblem", "model_step.h", problem_size, sizeof(*p), [&] {
+    if (p->model == nullptr || p->rows < 0)
+      throw std::invalid_argument("ModelStepProblem: expected a prepared model and rows >= 0");
     const auto& model = *static_cast<const FusedModel*>(p->model);
     if (p->layers != static_cast<int64_t>(model.layers.size()))
       throw std::invalid_argument("model_step: expected the state of " + std::to_string(model.layers.size()) +
