@@ -881,9 +881,10 @@ Strided f32_operand(const float* data, std::array<int64_t, 4> strides) {
 // A prefill of `m` over hidden [rows, seq, d] (seq >= 1; added into in place: the residual
 // stream) from the states in rows `slots` of `conv` and `ssm`, which are left holding the states
 // after the last timestep: each layer's products over all rows * seq tokens at once, the conv
-// over the window, the backend's scan kernels reading and writing the pool rows in place. No
-// torch op runs inside: one would wake torch's OpenMP team, whose threads then spin on the core
-// the kernels' helper needs (docs/performance.md, "model forward"). The math of
+// over the window, the backend's scan kernels reading and writing the pool rows in place.
+// Nothing runs on torch's OpenMP team (its calls here only allocate): a parallel torch op wakes
+// the team, whose threads then spin on the core the kernels' helper needs (docs/performance.md,
+// "model forward"). The math of
 // bridge.models.runtime's composed prefill; returns the final norm's output.
 at::Tensor forward_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor& slots,
                          const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm) {
