@@ -53,8 +53,8 @@ __all__ = [
     "selective_scan", "selective_state_update", "available_backends", "unavailable_backends", "backend_details",
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update", "ssd_scan",
-    "ssd_state_update", "model_step_kernel", "model_forward_kernel", "linear_kernel", "dt_limit_bounds", "selective_scan_backward",
-    "ssd_scan_backward",
+    "ssd_state_update", "model_step_kernel", "model_forward_kernel", "linear_kernel", "dt_limit_bounds",
+    "selective_scan_backward", "ssd_scan_backward",
 ]
 
 

@@ -767,6 +767,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
+// Mamba-2's conv output [rows, x | B | C] split into contiguous x [rows, d_inner] and B, C
+// [rows, groups * state] (`gn`), as its state update and scan read them.
+void split_xbc(const at::Tensor& conv_out, int64_t di, int64_t gn, float* x, float* B, float* C) {
+  const int64_t rows = conv_out.size(0), width = conv_out.size(1);
+  const float* co = conv_out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = co + r * width;
+    std::copy(row, row + di, x + r * di);
+    std::copy(row + di, row + di + gn, B + r * gn);
+    std::copy(row + di + gn, row + di + 2 * gn, C + r * gn);
+  }
+}
+
 // Mamba-2's mixer output for `rows` rows of d_inner channels, in place in y: (y + D x) silu(z),
 // normalised per group of channels, scaled by layer l's gate norm; z's rows z_stride apart.
 void gate_and_norm(const FusedModel& m, size_t l, float* y, const float* x, const float* z, int64_t z_stride,
@@ -829,12 +842,9 @@ at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor&
       at::Tensor x = at::empty({rows, heads, headdim}, hidden.options());
       at::Tensor B = at::empty({rows, groups, n}, hidden.options()), C = at::empty({rows, groups, n}, hidden.options());
       at::Tensor dt = at::empty({rows, heads}, hidden.options());
-      const float* co = conv_out.data_ptr<float>();
+      split_xbc(conv_out, di, gn, x.data_ptr<float>(), B.data_ptr<float>(), C.data_ptr<float>());
       const float* dt_bias = m.weight(l, kDtBias).data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r) {
-        std::copy(co + r * conv_dim, co + r * conv_dim + di, x.data_ptr<float>() + r * di);
-        std::copy(co + r * conv_dim + di, co + r * conv_dim + di + gn, B.data_ptr<float>() + r * gn);
-        std::copy(co + r * conv_dim + di + gn, co + r * conv_dim + di + 2 * gn, C.data_ptr<float>() + r * gn);
         for (int64_t hd = 0; hd < heads; ++hd) {
           float v = softplus(pr[r * width + di + conv_dim + hd] + dt_bias[hd]);
           if (m.dt_min) v = std::max(v, static_cast<float>(*m.dt_min));
@@ -870,22 +880,14 @@ void layer_states(const char* op, const LayerList& layers, const at::Tensor& slo
   }
 }
 
-Strided f32_operand(const float* data, std::array<int64_t, 4> strides) {
-  Strided s;
-  s.data = const_cast<float*>(data);
-  s.dtype = scan_bridge::DType::f32;
-  std::copy(strides.begin(), strides.end(), s.stride);
-  return s;
-}
-
 // A prefill of `m` over hidden [rows, seq, d] (seq >= 1; added into in place: the residual
 // stream) from the states in rows `slots` of `conv` and `ssm`, which are left holding the states
 // after the last timestep: each layer's products over all rows * seq tokens at once, the conv
 // over the window, the backend's scan kernels reading and writing the pool rows in place.
 // Nothing runs on torch's OpenMP team (its calls here only allocate): a parallel torch op wakes
 // the team, whose threads then spin on the core the kernels' helper needs (docs/performance.md,
-// "model forward"). The math of
-// bridge.models.runtime's composed prefill; returns the final norm's output.
+// "model forward"). The math of bridge.models.runtime's composed prefill; returns the final
+// norm's output.
 at::Tensor forward_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor& slots,
                          const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm) {
   const int64_t di = m.di, n = m.n, rank = m.rank, heads = m.heads, headdim = m.headdim, groups = m.groups;
@@ -911,26 +913,17 @@ at::Tensor forward_model(const FusedModel& m, at::Tensor& hidden, const at::Tens
                conv_out.data_ptr<float>());
       const at::Tensor xdb = linear(conv_out, m.weight(l, kXProj), std::nullopt);
       const at::Tensor dt = linear(xdb.narrow(1, 0, rank), m.weight(l, kDtProj), std::nullopt);
-      const int64_t xw = xdb.size(1);
-      const float* xd = xdb.data_ptr<float>();
-      const at::Tensor& A = m.weight(l, kA);
-      ScanProblem p;
-      p.batch = rows, p.seq = seq, p.dim = di, p.state = n, p.groups = 1;
-      p.x = f32_operand(conv_out.data_ptr<float>(), {seq * conv_dim, conv_dim, 1, 0});
-      p.dt = f32_operand(dt.data_ptr<float>(), {seq * di, di, 1, 0});
-      p.z = f32_operand(pr + di, {seq * width, width, 1, 0});
-      p.B = f32_operand(xd + rank, {seq * xw, xw, 0, 1});
-      p.C = f32_operand(xd + rank + n, {seq * xw, xw, 0, 1});
-      p.A = f32_operand(A.data_ptr<float>(), {A.stride(0), A.stride(1), 0, 0});
-      p.D = f32_operand(m.weight(l, kD).data_ptr<float>(), {1, 0, 0, 0});
-      p.dt_bias = f32_operand(m.weight(l, kDtBias).data_ptr<float>(), {1, 0, 0, 0});
-      p.slots.data = const_cast<int64_t*>(slot);
-      p.slots.dtype = scan_bridge::DType::i64;
-      p.slots.stride[0] = 1;
-      p.h0 = f32_operand(state.data_ptr<float>(), {state.stride(0), state.stride(1), state.stride(2), 0});
+      // Token rows read as [rows, seq, ...] (views); B and C with their one group.
+      const auto by_row = [&](const at::Tensor& t) { return t.view({rows, seq, t.size(1)}); };
+      const std::optional<at::Tensor> z = by_row(projected.narrow(1, di, di));
+      ScanProblem p = problem_from(by_row(conv_out), by_row(dt), m.weight(l, kA),
+                                   by_row(xdb.narrow(1, rank, n)).unsqueeze(2),
+                                   by_row(xdb.narrow(1, rank + n, n)).unsqueeze(2), layer[kD], z, layer[kDtBias],
+                                   true, std::nullopt, std::nullopt, {0, 1, 2}, {0, 1, 2, 3});
+      p.slots = strided(slots, "slots", std::array<int, 1>{0});
+      p.h0 = strided(state, "state", std::array<int, 3>{0, 1, 2});
       p.state_out = p.h0;
-      p.y = f32_operand(y.data_ptr<float>(), {seq * di, di, 1, 0});
-      p.dt_softplus = true;
+      p.y = strided(by_row(y), "y", std::array<int, 3>{0, 1, 2});
       run(p);
     } else {
       // in_proj: [z | x B C | dt]; x B C through the conv; dt's bias, softplus and limits in the scan.
@@ -939,15 +932,12 @@ at::Tensor forward_model(const FusedModel& m, at::Tensor& hidden, const at::Tens
                fdata(layer[kConvBias]), conv_out.data_ptr<float>());
       at::Tensor x = at::empty({tokens, di}, options), dt = at::empty({tokens, heads}, options);
       at::Tensor B = at::empty({tokens, gn}, options), C = at::empty({tokens, gn}, options);
-      const float* co = conv_out.data_ptr<float>();
+      split_xbc(conv_out, di, gn, x.data_ptr<float>(), B.data_ptr<float>(), C.data_ptr<float>());
       for (int64_t t = 0; t < tokens; ++t) {
-        const float* row = co + t * conv_dim;
-        std::copy(row, row + di, x.data_ptr<float>() + t * di);
-        std::copy(row + di, row + di + gn, B.data_ptr<float>() + t * gn);
-        std::copy(row + di + gn, row + di + 2 * gn, C.data_ptr<float>() + t * gn);
         const float* raw = pr + t * width + di + conv_dim;
         std::copy(raw, raw + heads, dt.data_ptr<float>() + t * heads);
       }
+      const std::optional<at::Tensor> none;
       scan_bridge::SsdScanProblem<float> p;
       p.batch = rows, p.seq = seq, p.heads = heads, p.headdim = headdim, p.state = n, p.groups = groups;
       p.x = x.data_ptr<float>();
@@ -955,12 +945,7 @@ at::Tensor forward_model(const FusedModel& m, at::Tensor& hidden, const at::Tens
       p.A = m.weight(l, kA).data_ptr<float>();
       p.B = B.data_ptr<float>();
       p.C = C.data_ptr<float>();
-      p.options.dt_bias = m.weight(l, kDtBias).data_ptr<float>();
-      p.options.dt_softplus = true;
-      p.options.has_dt_min = m.dt_min.has_value();
-      p.options.has_dt_max = m.dt_max.has_value();
-      p.options.dt_min = static_cast<float>(m.dt_min.value_or(0.0));
-      p.options.dt_max = static_cast<float>(m.dt_max.value_or(0.0));
+      p.options = SsdExtras{none, none, layer[kDtBias], true, m.dt_min, m.dt_max}.options<float>();
       p.y = y.data_ptr<float>();
       p.h0 = p.state_out = state.data_ptr<float>();
       p.state_rows = slot;
