@@ -9,8 +9,11 @@ Per block and server:
     round trip − kernel_us, as bench.transports reports it;
   * the paced game loop's step (a 32×512×16 session, A a handle, one step per 60 FPS frame):
     round trip p50, as bench.game_loop part (a) reports it;
-  * with `--model-steps N`, N paced steps of bench.models' ExPhil-sized Mamba-2 model at batch
-    1 (embeddings in, hidden out): round trip p50;
+  * with `--model-steps N`, apart from the blocks, N paced frames of bench.models' ExPhil-sized
+    models (embeddings in, hidden out) for each of `--model-step-cases` (arch:batch; the Mamba-2
+    model at batch 1 by default), both servers up at once and each frame stepping both, a third
+    of a frame apart, the order swapped every frame (a paced step's time drifts with the box
+    within seconds, more than a change moves it): round trip p50 and p99;
   * with `--windows N`, N `model_forward` calls back to back (embeddings in, the last position's
     hidden state out) at each of WINDOW_CASES (batch, window length) on sessions of that model
     and of its Mamba-1 twin: p50;
@@ -20,8 +23,8 @@ Per block and server:
 Reports each figure's median over the blocks per server, and this checkout's over the
 baseline's; the goal is each within 5 %.
 
-    python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--model-steps 0] [--snapshots 0]
-                              [--windows 0] [--json PATH]
+    python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--model-steps 0]
+                              [--model-step-cases mamba2:1,mamba:32] [--snapshots 0] [--windows 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -96,19 +99,51 @@ def paced_round_trips(server: TreeServer, frames: list, steps: int) -> list[floa
     return rows
 
 
-def paced_model_steps(server: TreeServer, steps: int) -> list[float]:
+def interleaved_model_steps(trees: dict, server_args: list[str], frames_n: int, arch: str,
+                            batch: int) -> dict[str, list[float]]:
+    """Round trips (µs) of `frames_n` paced frames of the `arch` model at `batch` rows on each
+    tree's server, both stepped every frame (after a warm-up), a third of a frame apart, the
+    order swapped every frame."""
     import torch
 
     from .models import D_MODEL, exphil_model
 
-    _, config, weights = exphil_model("mamba2", seed=1)
-    model = server.call("model_load", config=config, weights=weights)["model"]
-    session = server.call("session_open", model=model, batch=1)["session"]
+    _, config, weights = exphil_model(arch, seed=1)
     g = torch.Generator().manual_seed(7)
-    frames = [server.lane.frame(encode_request(i, "model_step", {"session": session, "output": "hidden",
-                                                                 "embeds": torch.randn(1, D_MODEL, generator=g)}))
-              for i in range(32)]
-    return paced_round_trips(server, frames, steps)
+    embeds = [torch.randn(batch, D_MODEL, generator=g) for _ in range(32)]
+    servers = {name: TreeServer(tree, server_args) for name, tree in trees.items()}
+    try:
+        requests = {}
+        for name, server in servers.items():
+            model = server.call("model_load", config=config, weights=weights)["model"]
+            session = server.call("session_open", model=model, batch=batch)["session"]
+            requests[name] = [server.lane.frame(encode_request(i, "model_step", {
+                "session": session, "output": "hidden", "embeds": e})) for i, e in enumerate(embeds)]
+        times = {name: [] for name in servers}
+        start = time.perf_counter()
+        for i in range(WARMUP + frames_n):
+            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
+            for k, name in enumerate(order):
+                wait_for_frame(start, i + k / 3)
+                us = exchange(servers[name].lane, requests[name][i % len(embeds)], "model_step")[0]
+                if i >= WARMUP:
+                    times[name].append(us)
+        return times
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def model_step_cases(text: str) -> list[tuple[str, int]]:
+    """`--model-step-cases`: "arch:batch,..." -> [(arch, batch)]."""
+    cases = []
+    for item in text.split(","):
+        arch, _, batch = item.partition(":")
+        if arch not in MODEL_ARCHS or not batch.isdigit() or int(batch) < 1:
+            raise argparse.ArgumentTypeError(f"expected arch:batch with arch one of {MODEL_ARCHS} and batch >= 1, "
+                                             f"got {item!r}")
+        cases.append((arch, int(batch)))
+    return cases
 
 
 def model_session_pairs(server: TreeServer, arch: str, pairs: int) -> tuple[list[float], list[float]]:
@@ -151,12 +186,10 @@ def window_forwards(server: TreeServer, arch: str, calls: int) -> dict[str, list
 
 
 def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: list[str],
-        model_steps: int = 0, snapshots: int = 0, windows: int = 0) -> dict:
+        model_steps: int = 0, snapshots: int = 0, windows: int = 0,
+        step_cases: list[tuple[str, int]] = (("mamba2", 1),)) -> dict:
     trees = {"baseline": os.path.abspath(baseline), "this": ROOT}
     per_block = {name: {"exphil_bridge_cost_p50_us": [], "step_p50_us": []} for name in trees}
-    if model_steps:
-        for figures in per_block.values():
-            figures["model_step_p50_us"] = []
     if snapshots:
         for figures in per_block.values():
             for arch in MODEL_ARCHS:
@@ -174,7 +207,6 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
             try:
                 cost = exphil_bridge_cost(server, iterations)
                 step = paced_steps(server, steps)
-                model_step = paced_model_steps(server, model_steps) if model_steps else None
                 pairs = {arch: model_session_pairs(server, arch, snapshots) for arch in MODEL_ARCHS if snapshots}
                 forwards = {arch: window_forwards(server, arch, windows) for arch in MODEL_ARCHS if windows}
             finally:
@@ -183,9 +215,6 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
             per_block[name]["step_p50_us"].append(statistics.median(step))
             line = (f"block {block + 1}/{blocks} {name:8s}: ExPhil bridge cost {statistics.median(cost):8.0f} µs, "
                     f"paced step p50 {statistics.median(step):6.0f} µs")
-            if model_step:
-                per_block[name]["model_step_p50_us"].append(statistics.median(model_step))
-                line += f", paced model step p50 {statistics.median(model_step):6.0f} µs"
             for arch, (round_trips, server_us) in pairs.items():
                 per_block[name][f"snapshot_restore_{arch}_p50_us"].append(statistics.median(round_trips))
                 per_block[name][f"snapshot_restore_{arch}_server_p50_us"].append(statistics.median(server_us))
@@ -197,13 +226,23 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
                 line += f", {arch} forwards " + " ".join(f"{case} {statistics.median(rows):5.0f}"
                                                           for case, rows in cases.items())
             print(line, flush=True)
-    medians = {name: {key: statistics.median(values) for key, values in figures.items()}
+    medians = {name: {key: statistics.median(values) for key, values in figures.items() if values}
                for name, figures in per_block.items()}
+    model_step_spread = {}
+    for arch, batch in step_cases if model_steps else ():
+        times = interleaved_model_steps(trees, server_args, model_steps, arch, batch)
+        key = f"model_step_{arch}_b{batch}"
+        model_step_spread[key] = {name: summarize_us(rows) for name, rows in times.items()}
+        for name, rows in times.items():
+            medians[name][f"{key}_p50_us"] = statistics.median(rows)
+        print(f"paced {arch} model step at batch {batch}: " + ", ".join(
+            f"{name} p50 {statistics.median(rows):6.0f} µs" for name, rows in times.items()), flush=True)
     ratios = {key: medians["this"][key] / medians["baseline"][key] for key in medians["this"]}
     return {
         "case": f"ExPhil scan 32x60x512x16 f32 ({iterations} a block, settle pause before each) and a paced "
                 f"{BATCH}x{DIM}x{STATE} step ({steps} a block, one per 60 FPS frame), over stdio"
-                + (f"; a paced ExPhil-sized Mamba-2 model step at batch 1 ({model_steps} a block)" if model_steps else "")
+                + (f"; paced ExPhil-sized model steps ({model_steps} frames a case, both servers stepped each "
+                   f"frame) at (arch, batch) {list(step_cases)}" if model_steps else "")
                 + (f"; model_forward back to back at (batch, length) {list(WINDOW_CASES)} on the ExPhil-sized "
                    f"Mamba-1 and Mamba-2 models, the last position's hidden state out ({windows} a case and "
                    f"block)" if windows else "")
@@ -213,8 +252,9 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
                                        text=True).stdout.strip() for name, tree in trees.items()},
         "blocks": blocks,
         "per_block": per_block,
-        "spread": {name: {key: summarize_us(values, (50,)) for key, values in figures.items()}
+        "spread": {name: {key: summarize_us(values, (50,)) for key, values in figures.items() if values}
                    for name, figures in per_block.items()},
+        "model_steps": model_step_spread,
         "medians": medians,
         "this_over_baseline": ratios,
         "goal_ratio_at_most": GOAL_RATIO,
@@ -225,11 +265,14 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", required=True, help="the other checkout, whose server is the baseline")
-    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--blocks", type=int, default=6, help="blocks of the ExPhil request and paced steps (0: none)")
     p.add_argument("--iterations", type=int, default=10, help="ExPhil requests a block")
     p.add_argument("--steps", type=int, default=200, help="paced steps a block")
     p.add_argument("--model-steps", type=int, default=0,
-                   help="paced model steps a block (0: none; needs transformers to build the model)")
+                   help="paced model step frames a case, both servers stepped each frame (0: none; needs "
+                        "transformers to build the model)")
+    p.add_argument("--model-step-cases", type=model_step_cases, default=[("mamba2", 1)],
+                   help="arch:batch of the paced model steps, comma-separated (default mamba2:1)")
     p.add_argument("--snapshots", type=int, default=0,
                    help="snapshot + restore pairs a block and model (0: none; needs transformers to build the models)")
     p.add_argument("--windows", type=int, default=0,
@@ -240,7 +283,7 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(args.baseline, "bridge", "__main__.py")):
         p.error(f"--baseline: expected a checkout of this project (with bridge/__main__.py), got {args.baseline!r}")
     results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg, args.model_steps,
-                  args.snapshots, args.windows)
+                  args.snapshots, args.windows, args.model_step_cases)
     for key, ratio in results["this_over_baseline"].items():
         print(f"{key}: baseline {results['medians']['baseline'][key]:.0f} µs, this {results['medians']['this'][key]:.0f} µs, "
               f"ratio {ratio:.3f} (goal ≤ {GOAL_RATIO})")

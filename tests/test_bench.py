@@ -450,6 +450,33 @@ def test_model_step_ab_times_two_builds_of_one_revision(tmp_path):
             assert timed["ratio_p50"] == pytest.approx(timed["base"]["p50_us"] / timed["other"]["p50_us"])
 
 
+def test_server_ab_steps_both_servers_of_each_model_case_in_turns(tmp_path):
+    """`python -m bench.server_ab`, this checkout against itself, no blocks: each model-step case
+    has both servers' paced round trips, as many as asked, and ratios of its own medians."""
+    pytest.importorskip("transformers")
+    from bench import server_ab
+
+    out = tmp_path / "ab.json"
+    assert server_ab.main(["--baseline", str(ROOT), "--blocks", "0", "--model-steps", "4",
+                           "--model-step-cases", "mamba:1,mamba2:3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["model_steps"]) == {"model_step_mamba_b1", "model_step_mamba2_b3"}
+    for key, servers in report["model_steps"].items():
+        assert servers["baseline"]["n"] == servers["this"]["n"] == 4
+        assert report["this_over_baseline"][f"{key}_p50_us"] == pytest.approx(
+            servers["this"]["p50_us"] / servers["baseline"]["p50_us"])
+    assert "exphil_bridge_cost_p50_us" not in report["medians"]["this"]
+
+
+@pytest.mark.parametrize("text", ["mamba3:1", "mamba:0", "mamba", "mamba:x"])
+def test_server_ab_says_what_a_model_step_case_is(text, capsys):
+    from bench import server_ab
+
+    with pytest.raises(SystemExit):
+        server_ab.main(["--baseline", str(ROOT), "--model-step-cases", text])
+    assert "expected arch:batch" in capsys.readouterr().err
+
+
 def test_backward_bench_runs_end_to_end(tmp_path):
     """`python -m bench.backward` (issue 35's benchmark) on its tiny case: every SIMD variant this
     CPU executes, torch autograd and the peak memory in one run, the ratios of its own numbers."""
