@@ -867,6 +867,17 @@ at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor&
   return result;
 }
 
+// Rows at or below which a step that finds the helpers asleep runs on the calling thread alone.
+// Otherwise its first product, run alone, ends, the next finds the helpers' last call close and
+// wakes them, and on two cores a woken helper's arrival and its spin afterwards cost a paced
+// frame more than its share of the step saves (docs/performance.md, "paced step alone").
+constexpr int64_t kAloneRows = 8;
+
+// Where a step (and its head) of `rows` rows runs alone: held for the step's whole length.
+scan_bridge::HelperPool::Alone alone_if_paced(int64_t rows) {
+  return scan_bridge::HelperPool::Alone(rows <= kAloneRows && !scan_bridge::HelperPool::shared().polling());
+}
+
 // Each layer's conv and ssm state (the last two of its tensors), every slot checked against them.
 void layer_states(const char* op, const LayerList& layers, const at::Tensor& slots, int64_t rows,
                   std::vector<at::Tensor>& conv, std::vector<at::Tensor>& ssm) {
@@ -976,6 +987,7 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots, const LayerLis
     throw std::invalid_argument("model_step: expected hidden [rows, " + std::to_string(model.d) + "]");
   std::vector<at::Tensor> conv, ssm;
   layer_states("model_step", layers, slots, hidden.size(0), conv, ssm);
+  const auto alone = alone_if_paced(hidden.size(0));
   const at::Tensor out = step_model(model, hidden, slots, conv, ssm);
   return head.has_value() ? linear(out, *head, std::nullopt) : out;
 }
@@ -1082,6 +1094,7 @@ int run_model_step(const scan_bridge::ModelStepProblem* p, size_t problem_size, 
                         : at::from_blob(reinterpret_cast<float*>(p->ssm[l]), {p->pool_rows, model.di, n},
                                         {p->row_stride, n, 1}, f32));
     }
+    const auto alone = alone_if_paced(rows);
     at::Tensor out = step_model(model, hidden, slots, conv, ssm);
     if (p->logits) out = linear(out, *model.lm_head, std::nullopt);
     std::memcpy(p->out, out.data_ptr<float>(), static_cast<size_t>(out.numel()) * sizeof(float));

@@ -74,10 +74,27 @@ class HelperPool {
     spawn_up_to(helpers);
   }
 
+  // While one is alive (and made `on`), run() on its thread offers nothing to the helpers: a
+  // caller that makes several calls in a row (a model's step) decides once for all of them.
+  class Alone {
+   public:
+    explicit Alone(bool on) : on_(on) { depth_ += on_; }
+    ~Alone() { depth_ -= on_; }
+    Alone(const Alone&) = delete;
+    Alone& operator=(const Alone&) = delete;
+
+   private:
+    const bool on_;
+  };
+
+  // Whether a call starting now would find the helpers still polling: the last call ended less
+  // than kSpin ago.
+  bool polling() const { return now_us() - last_end_.load(std::memory_order_relaxed) < kSpin.count(); }
+
   void run(int helpers, const std::function<void(int)>& work, Wake wake = Wake::always) {
-    const bool calls_close = now_us() - last_end_.load(std::memory_order_relaxed) < kSpin.count();
+    const bool calls_close = polling();
     const EndRecorder end_recorder{last_end_};
-    if (helpers <= 0 || getpid() != owner_pid_ || (wake == Wake::if_calls_close && !calls_close)) {
+    if (helpers <= 0 || depth_ > 0 || getpid() != owner_pid_ || (wake == Wake::if_calls_close && !calls_close)) {
       work(0);
       return;
     }
@@ -194,6 +211,8 @@ class HelperPool {
     }
   }
 
+  // Alone scopes alive on this thread.
+  static inline thread_local int depth_ = 0;
   const pid_t owner_pid_;
   std::mutex mutex_;
   std::condition_variable wake_;

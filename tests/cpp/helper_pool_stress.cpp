@@ -1,7 +1,8 @@
 // HelperPool (kernels/cpu/helper_pool.h) under load, for ThreadSanitizer: several threads call
 // run() at once, many times, each call summing an array split among the caller and the helpers
 // through a shared range counter, and every call's sum is checked. Some calls throw, from the
-// caller's share or from a helper's, and run() must hand the error back; a forked child calls
+// caller's share or from a helper's, and run() must hand the error back; calls inside a
+// HelperPool::Alone scope (some nested in a second) must get no help; a forked child calls
 // run() too. Exits 0 when every check held (tests/test_helper_pool_threads.py builds and runs it).
 #include <sys/wait.h>
 #include <unistd.h>
@@ -81,8 +82,11 @@ int main(int argc, char** argv) {
       const int helpers = (c + index) % 4;
       const auto wake = c % 3 == 0 ? HelperPool::Wake::if_calls_close : HelperPool::Wake::always;
       const int throwing_seat = c % 7 == 0 ? (c / 7) % (helpers + 1) : -1;
+      const bool alone = c % 5 == 1;
+      const HelperPool::Alone scope(alone), nested(alone && c % 2 == 0), off(false);
       const Outcome got = one_call(data, helpers, wake, throwing_seat);
       const std::string call = "caller " + std::to_string(index) + " call " + std::to_string(c);
+      if (alone && got.helped) fail(call + ": a helper took part inside an Alone scope");
       helped_calls += got.helped;
       helper_errors += throwing_seat > 0 && got.threw;
       if (throwing_seat == 0) {
