@@ -871,7 +871,7 @@ at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor&
 // Otherwise its first product, run alone, ends, the next finds the helpers' last call close and
 // wakes them, and on two cores a woken helper's arrival and its spin afterwards cost a paced
 // frame more than its share of the step saves (docs/performance.md, "paced step alone").
-constexpr int64_t kAloneRows = 8;
+constexpr int64_t kAloneRows = 16;
 
 // Where a step (and its head) of `rows` rows runs alone: held for the step's whole length.
 scan_bridge::HelperPool::Alone alone_if_paced(int64_t rows) {
