@@ -13,7 +13,9 @@ Per block and server:
     models (embeddings in, hidden out) for each of `--model-step-cases` (arch:batch; the Mamba-2
     model at batch 1 by default), both servers up at once and each frame stepping both, a third
     of a frame apart, the order swapped every frame (a paced step's time drifts with the box
-    within seconds, more than a change moves it): round trip p50 and p99;
+    within seconds, more than a change moves it): round trip p50 and p99; with
+    `--rollback-frames K`, each frame a rollback instead (`session_restore` of a snapshot with
+    K frames re-simulated as one `model_forward`, the last position out);
   * with `--windows N`, N `model_forward` calls back to back (embeddings in, the last position's
     hidden state out) at each of WINDOW_CASES (batch, window length) on sessions of that model
     and of its Mamba-1 twin: p50;
@@ -24,7 +26,8 @@ Reports each figure's median over the blocks per server, and this checkout's ove
 baseline's; the goal is each within 5 %.
 
     python -m bench.server_ab --baseline ../base-checkout [--blocks 6] [--model-steps 0]
-                              [--model-step-cases mamba2:1,mamba:32] [--snapshots 0] [--windows 0] [--json PATH]
+                              [--model-step-cases mamba2:1,mamba:32] [--rollback-frames 0]
+                              [--snapshots 0] [--windows 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -100,10 +103,10 @@ def paced_round_trips(server: TreeServer, frames: list, steps: int) -> list[floa
 
 
 def interleaved_model_steps(trees: dict, server_args: list[str], frames_n: int, arch: str,
-                            batch: int) -> dict[str, list[float]]:
+                            batch: int, rollback: int = 0) -> dict[str, list[float]]:
     """Round trips (µs) of `frames_n` paced frames of the `arch` model at `batch` rows on each
     tree's server, both stepped every frame (after a warm-up), a third of a frame apart, the
-    order swapped every frame."""
+    order swapped every frame; with `rollback` frames, each a rollback of that many."""
     import torch
 
     from .models import D_MODEL, exphil_model
@@ -117,15 +120,24 @@ def interleaved_model_steps(trees: dict, server_args: list[str], frames_n: int, 
         for name, server in servers.items():
             model = server.call("model_load", config=config, weights=weights)["model"]
             session = server.call("session_open", model=model, batch=batch)["session"]
-            requests[name] = [server.lane.frame(encode_request(i, "model_step", {
-                "session": session, "output": "hidden", "embeds": e})) for i, e in enumerate(embeds)]
+            if rollback:
+                snapshot = server.call("session_snapshot", session=session)["snapshot"]
+                window = torch.stack(embeds[:rollback], dim=1)
+                requests[name] = [server.lane.frame(encode_request(i, "session_restore", {
+                    "session": session, "snapshot": snapshot, "frames": [{"op": "model_forward", "args": {
+                        "embeds": window.roll(i, dims=1), "output": "hidden", "last_only": True}}]}))
+                    for i in range(len(embeds))]
+            else:
+                requests[name] = [server.lane.frame(encode_request(i, "model_step", {
+                    "session": session, "output": "hidden", "embeds": e})) for i, e in enumerate(embeds)]
         times = {name: [] for name in servers}
         start = time.perf_counter()
         for i in range(WARMUP + frames_n):
             order = list(servers) if i % 2 == 0 else list(servers)[::-1]
             for k, name in enumerate(order):
                 wait_for_frame(start, i + k / 3)
-                us = exchange(servers[name].lane, requests[name][i % len(embeds)], "model_step")[0]
+                us = exchange(servers[name].lane, requests[name][i % len(embeds)],
+                              "session_restore" if rollback else "model_step")[0]
                 if i >= WARMUP:
                     times[name].append(us)
         return times
@@ -187,7 +199,7 @@ def window_forwards(server: TreeServer, arch: str, calls: int) -> dict[str, list
 
 def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: list[str],
         model_steps: int = 0, snapshots: int = 0, windows: int = 0,
-        step_cases: list[tuple[str, int]] = (("mamba2", 1),)) -> dict:
+        step_cases: list[tuple[str, int]] = (("mamba2", 1),), rollback: int = 0) -> dict:
     trees = {"baseline": os.path.abspath(baseline), "this": ROOT}
     per_block = {name: {"exphil_bridge_cost_p50_us": [], "step_p50_us": []} for name in trees}
     if snapshots:
@@ -230,19 +242,20 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
                for name, figures in per_block.items()}
     model_step_spread = {}
     for arch, batch in step_cases if model_steps else ():
-        times = interleaved_model_steps(trees, server_args, model_steps, arch, batch)
-        key = f"model_step_{arch}_b{batch}"
+        times = interleaved_model_steps(trees, server_args, model_steps, arch, batch, rollback)
+        key = f"rollback{rollback}_{arch}_b{batch}" if rollback else f"model_step_{arch}_b{batch}"
         model_step_spread[key] = {name: summarize_us(rows) for name, rows in times.items()}
         for name, rows in times.items():
             medians[name][f"{key}_p50_us"] = statistics.median(rows)
-        print(f"paced {arch} model step at batch {batch}: " + ", ".join(
+        print(f"paced {arch} {f'rollback of {rollback}' if rollback else 'model step'} at batch {batch}: " + ", ".join(
             f"{name} p50 {statistics.median(rows):6.0f} µs" for name, rows in times.items()), flush=True)
     ratios = {key: medians["this"][key] / medians["baseline"][key] for key in medians["this"]}
     return {
         "case": f"ExPhil scan 32x60x512x16 f32 ({iterations} a block, settle pause before each) and a paced "
                 f"{BATCH}x{DIM}x{STATE} step ({steps} a block, one per 60 FPS frame), over stdio"
-                + (f"; paced ExPhil-sized model steps ({model_steps} frames a case, both servers stepped each "
-                   f"frame) at (arch, batch) {list(step_cases)}" if model_steps else "")
+                + (f"; paced ExPhil-sized model {f'rollbacks of {rollback} frames' if rollback else 'steps'} "
+                   f"({model_steps} frames a case, both servers stepped each frame) at (arch, batch) "
+                   f"{list(step_cases)}" if model_steps else "")
                 + (f"; model_forward back to back at (batch, length) {list(WINDOW_CASES)} on the ExPhil-sized "
                    f"Mamba-1 and Mamba-2 models, the last position's hidden state out ({windows} a case and "
                    f"block)" if windows else "")
@@ -273,6 +286,8 @@ def main(argv=None) -> int:
                         "transformers to build the model)")
     p.add_argument("--model-step-cases", type=model_step_cases, default=[("mamba2", 1)],
                    help="arch:batch of the paced model steps, comma-separated (default mamba2:1)")
+    p.add_argument("--rollback-frames", type=int, default=0,
+                   help="with --model-steps, each frame a rollback re-simulating this many frames (0: a step)")
     p.add_argument("--snapshots", type=int, default=0,
                    help="snapshot + restore pairs a block and model (0: none; needs transformers to build the models)")
     p.add_argument("--windows", type=int, default=0,
@@ -283,7 +298,7 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(args.baseline, "bridge", "__main__.py")):
         p.error(f"--baseline: expected a checkout of this project (with bridge/__main__.py), got {args.baseline!r}")
     results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg, args.model_steps,
-                  args.snapshots, args.windows, args.model_step_cases)
+                  args.snapshots, args.windows, args.model_step_cases, args.rollback_frames)
     for key, ratio in results["this_over_baseline"].items():
         print(f"{key}: baseline {results['medians']['baseline'][key]:.0f} µs, this {results['medians']['this'][key]:.0f} µs, "
               f"ratio {ratio:.3f} (goal ≤ {GOAL_RATIO})")

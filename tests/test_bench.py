@@ -450,17 +450,19 @@ def test_model_step_ab_times_two_builds_of_one_revision(tmp_path):
             assert timed["ratio_p50"] == pytest.approx(timed["base"]["p50_us"] / timed["other"]["p50_us"])
 
 
-def test_server_ab_steps_both_servers_of_each_model_case_in_turns(tmp_path):
+@pytest.mark.parametrize("rollback, kind", [(0, "model_step"), (3, "rollback3")])
+def test_server_ab_steps_both_servers_of_each_model_case_in_turns(tmp_path, rollback, kind):
     """`python -m bench.server_ab`, this checkout against itself, no blocks: each model-step case
-    has both servers' paced round trips, as many as asked, and ratios of its own medians."""
+    (each a rollback of 3 frames with --rollback-frames 3) has both servers' paced round trips, as
+    many as asked, and ratios of its own medians."""
     pytest.importorskip("transformers")
     from bench import server_ab
 
     out = tmp_path / "ab.json"
-    assert server_ab.main(["--baseline", str(ROOT), "--blocks", "0", "--model-steps", "4",
-                           "--model-step-cases", "mamba:1,mamba2:3", "--json", str(out)]) == 0
+    assert server_ab.main(["--baseline", str(ROOT), "--blocks", "0", "--model-steps", "4", "--rollback-frames",
+                           str(rollback), "--model-step-cases", "mamba:1,mamba2:3", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["model_steps"]) == {"model_step_mamba_b1", "model_step_mamba2_b3"}
+    assert set(report["model_steps"]) == {f"{kind}_mamba_b1", f"{kind}_mamba2_b3"}
     for key, servers in report["model_steps"].items():
         assert servers["baseline"]["n"] == servers["this"]["n"] == 4
         assert report["this_over_baseline"][f"{key}_p50_us"] == pytest.approx(
