@@ -803,15 +803,23 @@ void gate_and_norm(const FusedModel& m, size_t l, float* y, const float* x, cons
   }
 }
 
+// Rows at or below which a step that finds the helpers asleep runs on the calling thread alone.
+// Otherwise its first product, run alone, ends, the next finds the helpers' last call close and
+// wakes them, and on two cores a woken helper's arrival and its spin afterwards cost a paced
+// frame more than its share of the step saves (docs/performance.md, "paced step alone").
+constexpr int64_t kAloneRows = 16;
+
 // One frame of `m` for the rows of `hidden` (added into in place: the residual stream), whose
 // states are rows `slots` of `conv` and `ssm` (one of each a layer, checked by the caller);
-// returns the final norm's output.
+// returns the final norm's output, or with `logits` that times the model's head^T. A step of at
+// most kAloneRows rows that finds the helpers asleep runs alone, head included.
 at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor& slots,
-                      const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm) {
+                      const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm, bool logits) {
   const bool mamba2 = m.mamba2;
   const int64_t di = m.di, n = m.n, rank = m.rank, heads = m.heads, headdim = m.headdim, groups = m.groups;
   const double eps = m.eps;
   const int64_t rows = hidden.size(0), d = hidden.size(1);
+  const scan_bridge::HelperPool::Alone alone(rows <= kAloneRows && !scan_bridge::HelperPool::shared().polling());
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* h = hidden.data_ptr<float>();
   at::Tensor normed = at::empty({rows, d}, hidden.options());
@@ -864,18 +872,7 @@ at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor&
   }
   at::Tensor result = at::empty({rows, d}, hidden.options());
   rms_norm_rows(h, m.norm_f.data_ptr<float>(), result.data_ptr<float>(), rows, d, eps);
-  return result;
-}
-
-// Rows at or below which a step that finds the helpers asleep runs on the calling thread alone.
-// Otherwise its first product, run alone, ends, the next finds the helpers' last call close and
-// wakes them, and on two cores a woken helper's arrival and its spin afterwards cost a paced
-// frame more than its share of the step saves (docs/performance.md, "paced step alone").
-constexpr int64_t kAloneRows = 16;
-
-// Where a step (and its head) of `rows` rows runs alone: held for the step's whole length.
-scan_bridge::HelperPool::Alone alone_if_paced(int64_t rows) {
-  return scan_bridge::HelperPool::Alone(rows <= kAloneRows && !scan_bridge::HelperPool::shared().polling());
+  return logits ? linear(result, *m.lm_head, std::nullopt) : result;
 }
 
 // Each layer's conv and ssm state (the last two of its tensors), every slot checked against them.
@@ -987,9 +984,7 @@ at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots, const LayerLis
     throw std::invalid_argument("model_step: expected hidden [rows, " + std::to_string(model.d) + "]");
   std::vector<at::Tensor> conv, ssm;
   layer_states("model_step", layers, slots, hidden.size(0), conv, ssm);
-  const auto alone = alone_if_paced(hidden.size(0));
-  const at::Tensor out = step_model(model, hidden, slots, conv, ssm);
-  return head.has_value() ? linear(out, *head, std::nullopt) : out;
+  return step_model(model, hidden, slots, conv, ssm, head.has_value());
 }
 
 // The prefill as Python calls it: as model_step, with embeddings [rows, seq, d] (read, not
@@ -1094,9 +1089,7 @@ int run_model_step(const scan_bridge::ModelStepProblem* p, size_t problem_size, 
                         : at::from_blob(reinterpret_cast<float*>(p->ssm[l]), {p->pool_rows, model.di, n},
                                         {p->row_stride, n, 1}, f32));
     }
-    const auto alone = alone_if_paced(rows);
-    at::Tensor out = step_model(model, hidden, slots, conv, ssm);
-    if (p->logits) out = linear(out, *model.lm_head, std::nullopt);
+    const at::Tensor out = step_model(model, hidden, slots, conv, ssm, p->logits);
     std::memcpy(p->out, out.data_ptr<float>(), static_cast<size_t>(out.numel()) * sizeof(float));
   }, error, error_size);
 }

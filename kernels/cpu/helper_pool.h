@@ -23,6 +23,8 @@
 // on the other one, waking the helper for every step made the paced game loop's kernel stage
 // slower (docs/performance.md, "helper wake"); no recording separates which of the woken
 // helper's costs weighed most.
+// A caller that makes several calls in a row (a model's step) decides once for all of them
+// with an Alone scope: inside it every call runs on the calling thread.
 //
 // After fork() the child runs everything on the calling thread (the pool's threads and lock
 // stay in the parent).
