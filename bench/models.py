@@ -15,9 +15,10 @@ And what bounds a step here, in this process: one torch op's dispatch, the stack
 products alone, and the runtime's whole step without IPC; for a paced step, the step's matrices
 read once from memory after the caches were flushed (`floors`).
 
-Also snapshot + restore round trips at batch 1, and the server's own time for them; and a
+Also snapshot + restore round trips at batch 1, and the server's own time for them; a
 rollback of ROLLBACK frames (restore, then the corrected frames re-simulated as one window) sent
-as two requests and as one (session_restore with frames), alternated. The bridge
+as two requests and as one (session_restore with frames), alternated; and paced frames that
+keep a ring of ROLLBACK snapshots, by requests of their own and by the step's `snapshot_into`. The bridge
 and the echo are driven by the same lean client (pre-encoded frames, the reply read whole), one
 request a frame. The server's weights are sent by the client (`model_load {config, weights}`), as
 ExPhil's live in Elixir; frames are embeddings (`embeds`), as ExPhil's are.
@@ -176,6 +177,51 @@ def snapshot_restore_pairs(lane, session: str, pairs: int, warmup: int) -> tuple
     return round_trips, server_us
 
 
+def rollback_ring_frames(bridge, model: str, batch: int, frames: list[torch.Tensor], count: int) -> dict:
+    """A netcode client's frame: the state before it kept in a ring of ROLLBACK snapshots, then
+    the step. Two sessions, prefilled alike, paced a frame apart and half a frame from each
+    other, which goes first swapped each frame: one keeps its ring with requests of its own (a
+    snapshot before the step, the snapshot ROLLBACK frames old freed after it), the other with
+    `snapshot_into` on the step (one request). Each frame's round trips together (µs)."""
+    lane = bridge.lane
+    window = torch.stack(frames[:WINDOW], dim=1)
+    own, into = (bridge.call("session_open", model=model, batch=batch)["session"] for _ in range(2))
+    for session in (own, into):
+        bridge.call("model_forward", session=session, embeds=window, output="hidden", last_only=True)
+    ring = [bridge.call("session_snapshot", session=into)["snapshot"] for _ in range(ROLLBACK)]
+    kept: list[str] = []
+
+    def with_requests(i: int, embeds: torch.Tensor) -> float:
+        t0 = time.perf_counter_ns()
+        _, taken = exchange(lane, lane.frame(encode_request("s", "session_snapshot", {"session": own})))
+        exchange(lane, lane.frame(encode_request(i, "model_step", {"session": own, "embeds": embeds,
+                                                                   "output": "hidden"})))
+        kept.append(taken.result["snapshot"])
+        if len(kept) > ROLLBACK:
+            exchange(lane, lane.frame(encode_request("f", "snapshot_free", {"snapshot": kept.pop(0)})))
+        return (time.perf_counter_ns() - t0) / 1000
+
+    def with_snapshot_into(i: int, embeds: torch.Tensor) -> float:
+        request = lane.frame(encode_request(i, "model_step", {"session": into, "embeds": embeds, "output": "hidden",
+                                                              "snapshot_into": ring[i % ROLLBACK]}))
+        return exchange(lane, request)[0]
+
+    times = {with_requests: [], with_snapshot_into: []}
+    start = time.perf_counter()
+    for i, embeds in enumerate(frames[WINDOW:WINDOW + WARMUP + count]):
+        for half, run in enumerate((with_requests, with_snapshot_into)[::1 if i % 2 else -1]):
+            wait_for_frame(start, i + 0.5 * half)
+            us = run(i, embeds)
+            if i >= WARMUP:
+                times[run].append(us)
+    for snapshot in kept + ring:
+        bridge.call("snapshot_free", snapshot=snapshot)
+    for session in (own, into):
+        bridge.call("session_close", session=session)
+    return {"ring_frame_own_requests": summarize_us(times[with_requests]),
+            "ring_frame_snapshot_into": summarize_us(times[with_snapshot_into])}
+
+
 def timed_us(fn, n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -314,6 +360,7 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
                 one_us.append((time.perf_counter_ns() - t1) / 1000)
         result["rollback_two_requests"] = summarize_us(two_us)
         result["rollback_one_request"] = summarize_us(one_us)
+        result.update(rollback_ring_frames(bridge, info["model"], batch, frames, min(frames_n, 120)))
 
         # (b) the old way: a round trip per layer.
         old = OldWay(bridge, arch, config, weights, batch)
@@ -334,6 +381,8 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
         "old_way_over_step": result["old_way"]["p50_us"] / p50,
         "window_over_step": result["window_forward"]["p50_us"] / p50,
         "rollback_two_over_one": result["rollback_two_requests"]["p50_us"] / result["rollback_one_request"]["p50_us"],
+        "ring_own_requests_over_snapshot_into": (result["ring_frame_own_requests"]["p50_us"]
+                                                 / result["ring_frame_snapshot_into"]["p50_us"]),
     }
     if "echo" in result:
         result["ratios"]["step_over_echo"] = p50 / result["echo"]["p50_us"]
@@ -359,6 +408,8 @@ def report(r: dict) -> None:
     print(line("  of which the server", r["snapshot_restore_server"]))
     print(line(f"rollback of {ROLLBACK}: two requests", r["rollback_two_requests"]))
     print(line(f"rollback of {ROLLBACK}: one request", r["rollback_one_request"]))
+    print(line(f"ring of {ROLLBACK}: own requests a frame", r["ring_frame_own_requests"]))
+    print(line(f"ring of {ROLLBACK}: snapshot_into", r["ring_frame_snapshot_into"]))
     ratios = r["ratios"]
     print(f"    step / transformers {ratios['step_over_transformers']:.3f} (goal ≤ {GOALS['step_over_transformers']}),"
           f" old way / step {ratios['old_way_over_step']:.2f}× (goal ≥ {GOALS['old_way_over_step']}),"

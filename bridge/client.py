@@ -183,15 +183,22 @@ class ModelSession:
         return self._answer(self.client.call("model_forward", **args), return_state)
 
     def step_reply(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False,
-                   timeout: float | None = 60.0) -> Reply:
+                   snapshot_into: str | None = None, timeout: float | None = 60.0) -> Reply:
         """The Reply to one frame (its timing too); with return_state, its result holds "state"
         beside the output, as a scan's does."""
-        return self.client.request("model_step", self._args(tokens, embeds, output, return_state), timeout)
+        args = self._args(tokens, embeds, output, return_state)
+        if snapshot_into is not None:
+            args["snapshot_into"] = snapshot_into
+        return self.client.request("model_step", args, timeout)
 
-    def step(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False):
+    def step(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False,
+             snapshot_into: str | None = None):
         """One frame: tokens [batch] (or embeds [batch, d_model]) -> logits (or hidden) [batch, ...];
-        with return_state, (output, state) as `forward` gives them."""
-        reply = self.step_reply(tokens, embeds=embeds, output=output, return_state=return_state)
+        with return_state, (output, state) as `forward` gives them. With snapshot_into (a
+        snapshot's id, from `snapshot`), that snapshot takes the state as it was before this frame,
+        in the same round trip: a rollback ring kept without requests of its own."""
+        reply = self.step_reply(tokens, embeds=embeds, output=output, return_state=return_state,
+                                snapshot_into=snapshot_into)
         return self._answer(reply.unwrap(), return_state)
 
     def snapshot(self) -> str:

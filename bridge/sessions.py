@@ -218,6 +218,22 @@ class Session:
             return flat[self.span].clone()
         return flat.index_select(0, self.slots)
 
+    def read_rows_into(self, rows: torch.Tensor) -> None:
+        """Copy the whole state into `rows`, a tensor read_rows gave (of a session of the same
+        layout and batch): a snapshot taken again without a new allocation."""
+        flat = self.pool.flat
+        if self._one_thread_copy:
+            host = flat.numpy()
+            out = rows.numpy()
+            if self.span is not None:
+                np.copyto(out, host[self.span])
+            else:
+                host.take(self.slot_list, axis=0, out=out)
+        elif self.span is not None:
+            rows.copy_(flat[self.span])
+        else:
+            torch.index_select(flat, 0, self.slots, out=rows)
+
     def write_rows(self, rows: torch.Tensor) -> None:
         """Replace the whole state with what read_rows gave (of a session of the same layout)."""
         flat = self.pool.flat
@@ -362,6 +378,11 @@ class Snapshot:
         self.rows = session.read_rows()
         self.nbytes = session.nbytes
 
+    def take_again(self, session: Session) -> None:
+        """Hold `session`'s state now, in the same memory (a session like the one it came from:
+        SnapshotTable.of_session_like)."""
+        session.read_rows_into(self.rows)
+
 
 class SnapshotTable(OwnedTable[Snapshot]):
     """Snapshots, each held against the sessions' pool budget."""
@@ -384,6 +405,11 @@ class SnapshotTable(OwnedTable[Snapshot]):
         return snapshot_id
 
     def restore(self, owner: str, snapshot_id: str, session: Session, field: str) -> None:
+        session.write_rows(self.of_session_like(owner, snapshot_id, session, field).rows)
+
+    def of_session_like(self, owner: str, snapshot_id: str, session: Session, field: str) -> Snapshot:
+        """The owner's snapshot `snapshot_id`, checked to be one of a session like `session` (its
+        model or state shape, and batch): one it can be restored into, or taken again from."""
         snapshot = self.get(owner, snapshot_id, field)
         if snapshot.layout != session.layout or snapshot.batch != session.batch:
             raise OpError("invalid_argument",
@@ -391,7 +417,7 @@ class SnapshotTable(OwnedTable[Snapshot]):
                           f"shape, batch {session.batch}), got one of another",
                           {"field": field, "expected": f"a snapshot of {_describe(session.layout, session.batch)}",
                            "got": f"a snapshot of {_describe(snapshot.layout, snapshot.batch)}"})
-        session.write_rows(snapshot.rows)
+        return snapshot
 
     def drop_model(self, model_id: str) -> None:
         """Free every snapshot of a model's sessions (the model is being freed)."""

@@ -195,6 +195,8 @@ OPS: dict[str, dict[str, Arg]] = {
         "embeds": Arg("tensor"),
         "output": Arg("output"),
         "return_state": Arg("bool"),
+        # a snapshot of this connection's that takes the session's state before the frame
+        "snapshot_into": Arg("str"),
     },
     "put": {"tensor": Arg("tensor_data", True)},
     "free": {"handle": Arg("str", True)},

@@ -823,6 +823,11 @@ def test_a_client_loads_steps_and_rolls_back_through_a_server_process(checkpoint
         assert all(torch.equal(torch.as_tensor(state[k]), torch.as_tensor(v)) for k, v in session.state().items())
         fork = session.fork()
         assert set(fork.state()) == set(session.state())
+        # a frame that also keeps the state before it, for a later rollback, in one round trip
+        before = session.state()
+        session.step(tokens[:, PREFIX + 3].numpy(), snapshot_into=snapshot)
+        fork.restore(snapshot)
+        assert all(torch.equal(torch.as_tensor(fork.state()[k]), torch.as_tensor(v)) for k, v in before.items())
         short = remote.open_session(batch=1)
         ragged = torch.as_tensor(short.forward(tokens[:, :PREFIX].numpy(), lengths=np.array([3], np.int32)))
         rel_close(ragged[:, :3], torch.as_tensor(remote.open_session(batch=1).forward(tokens[:, :3].numpy())), 1e-5,

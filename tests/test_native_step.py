@@ -811,7 +811,8 @@ def model_state(srv, conn, session: str) -> dict:
 def test_native_model_steps_equal_the_general_path(inproc, case):
     """Bit for bit: the outputs and every layer's state after, after a prefill, with the output
     named or left to the model, embeddings or token ids of each integer dtype, the inputs' bytes
-    at two offsets in the frame, and the pool grown between two steps (its rows move)."""
+    at two offsets in the frame, and the pool grown between two steps (its rows move); the last
+    step also copies the state before it into a snapshot (`snapshot_into`)."""
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
     config, weights = tiny_model(case.arch, case.head, seed)
@@ -834,6 +835,7 @@ def test_native_model_steps_equal_the_general_path(inproc, case):
         conn = RecordingConnection()
         session = open_model_session(srv, conn, config, weights, case.batch, case.dtype)
         srv.call(conn, "model_forward", session=session, output="hidden", **prefix)
+        snapshot = srv.call(conn, "session_snapshot", session=session)["snapshot"]
         replies = []
         for t, frame in enumerate(frames):
             if t == 1:  # a second session of the model: the pool grows and its rows move
@@ -846,11 +848,19 @@ def test_native_model_steps_equal_the_general_path(inproc, case):
             args = {**named, name: frame} if t % 2 else {name: frame, **named}
             if returns_state(t):
                 args["return_state"] = True
+            if t == case.steps - 1:
+                args["snapshot_into"] = snapshot
             replies.append(submit(srv, conn, "model_step", session=session, **args))
-        results.append((replies, model_state(srv, conn, session)))
+        results.append((replies, model_state(srv, conn, session), snapshot_rows(srv, conn, snapshot)))
         if native:
             assert served.taken == case.steps, (seed, served.__dict__)
-    (native_replies, native_state), (general_replies, general_state) = results
+    (native_replies, native_state, native_snapshot), (general_replies, general_state, general_snapshot) = results
+    assert np.array_equal(native_snapshot, general_snapshot), f"seed={seed}: the snapshots differ"
+    assert returns_state(case.steps - 2)
+    before_last = native_replies[-2].result["state"]
+    assert np.array_equal(native_snapshot, np.concatenate(
+        [wire_array(before_last[name]).reshape(case.batch, -1) for name in before_last], axis=1)), \
+        f"seed={seed}: the snapshot is not the state before the last step"
     width = VOCAB if case.result == "logits" else D_MODEL
     for t, (a, b) in enumerate(zip(native_replies, general_replies)):
         assert a.ok and b.ok, (seed, a.error, b.error)
@@ -871,6 +881,88 @@ def test_native_model_steps_equal_the_general_path(inproc, case):
     for name in native_state:
         assert np.array_equal(native_state[name], general_state[name]), f"seed={seed}: {name} differs"
         assert not np.all(native_state[name] == 0), f"seed={seed}: {name} left zero"
+
+
+def snapshot_rows(srv, conn, snapshot: str) -> np.ndarray:
+    """A snapshot's rows as the server holds them, [batch, row floats] (every part in order)."""
+    return srv.server.snapshots.get(conn.id, snapshot, "test").rows.numpy().copy()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-path", "general-path"])
+def test_steps_into_a_ring_of_snapshots_roll_back_exactly(inproc, native):
+    """Netcode at one round trip a frame: each step copies the state before it into the next
+    snapshot of a ring; restoring any of them and re-running the frames since gives the same
+    outputs bit for bit, and the ring holds no more bytes than when it was made."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    config, weights = tiny_model("mamba2", True, seed)
+    srv, conn = inproc(native_step=native), RecordingConnection()
+    served = Served(srv) if native else None
+    session = open_model_session(srv, conn, config, weights, 2)
+    srv.call(conn, "model_forward", session=session, tokens=torch.randint(0, VOCAB, (2, 4), generator=gen))
+    ring = [srv.call(conn, "session_snapshot", session=session)["snapshot"] for _ in range(3)]
+    held = srv.server.sessions.usage()["snapshot_bytes"]
+    frames = torch.randint(0, VOCAB, (7, 2), generator=gen)
+    states, outputs = [], []
+    for t, tokens in enumerate(frames):
+        states.append(model_state(srv, conn, session))
+        reply = submit(srv, conn, "model_step", session=session, tokens=tokens, snapshot_into=ring[t % 3])
+        assert reply.ok, (seed, reply.error)
+        outputs.append(wire_array(reply.result["logits"]))
+    if native:
+        assert served.taken == len(frames), f"seed={seed}: {served.taken} taken"
+    assert srv.server.sessions.usage()["snapshot_bytes"] == held
+    for t in range(len(frames) - 3, len(frames)):  # what the ring holds now: the last three frames'
+        srv.call(conn, "session_restore", session=session, snapshot=ring[t % 3])
+        restored = model_state(srv, conn, session)
+        assert all(np.array_equal(restored[n], states[t][n]) for n in restored), f"seed={seed}: frame {t}"
+        for again, tokens in enumerate(frames[t:]):
+            reply = submit(srv, conn, "model_step", session=session, tokens=tokens)
+            assert np.array_equal(wire_array(reply.result["logits"]), outputs[t + again]), f"seed={seed}: {t}"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-path", "general-path"])
+def test_a_step_into_a_snapshot_it_cannot_take_is_refused_and_runs_nothing(inproc, native):
+    """An unknown snapshot, another connection's, one of a session of another batch or model, a
+    freed one, or an id that is not a string: a named error, the session's state and the
+    snapshot untouched, the server serving on."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    config, weights = tiny_model("mamba", False, seed)
+    other_config, other_weights = tiny_model("mamba2", False, seed + 1)
+    srv, conn, other_conn = inproc(native_step=native), RecordingConnection(), RecordingConnection()
+    served = Served(srv) if native else None
+    session = open_model_session(srv, conn, config, weights, 2)
+    srv.call(conn, "model_forward", session=session, embeds=torch.randn(2, 3, D_MODEL, generator=gen))
+    model = srv_model_of(srv, conn, session)
+    one_row = srv.call(conn, "session_open", model=model, batch=1)["session"]
+    other_model = open_model_session(srv, conn, other_config, other_weights, 2)
+    freed = srv.call(conn, "session_snapshot", session=session)["snapshot"]
+    srv.call(conn, "snapshot_free", snapshot=freed)
+    theirs = open_model_session(srv, other_conn, config, weights, 2)
+    snapshots = {
+        "unknown": ("p-404", "unknown_snapshot"),
+        "freed": (freed, "unknown_snapshot"),
+        "another-connections": (srv.call(other_conn, "session_snapshot", session=theirs)["snapshot"],
+                                "unknown_snapshot"),
+        "another-batch": (srv.call(conn, "session_snapshot", session=one_row)["snapshot"], "invalid_argument"),
+        "another-model": (srv.call(conn, "session_snapshot", session=other_model)["snapshot"], "invalid_argument"),
+        "not-a-string": (7, "invalid_argument"),
+    }
+    before = model_state(srv, conn, session)
+    for name, (snapshot, code) in snapshots.items():
+        held = snapshot_rows(srv, conn, snapshot) if name in ("another-batch", "another-model") else None
+        reply = submit(srv, conn, "model_step", session=session, embeds=torch.randn(2, D_MODEL, generator=gen),
+                       snapshot_into=snapshot)
+        assert not reply.ok and reply.error["code"] == code, (name, seed, reply.error)
+        assert reply.error["detail"]["field"] == "args.snapshot_into", (name, reply.error)
+        if held is not None:
+            assert np.array_equal(snapshot_rows(srv, conn, snapshot), held), name
+    after = model_state(srv, conn, session)
+    assert all(np.array_equal(after[n], before[n]) for n in before), f"seed={seed}: a refused step ran"
+    if native:
+        assert served.taken == 0, f"seed={seed}: the native path took a step it cannot serve"
+    assert submit(srv, conn, "model_step", session=session, embeds=torch.randn(2, D_MODEL, generator=gen)).ok
 
 
 def srv_model_of(srv, conn, session: str) -> str:

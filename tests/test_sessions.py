@@ -271,9 +271,9 @@ def test_a_session_reopened_on_another_server_from_its_state_continues_it(inproc
 @pytest.mark.parametrize("dim", [5, 1100], ids=["one-thread-copy", "torch-copy"])
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive-rows", "scattered-rows"])
 def test_snapshot_restore_and_fork_copy_exactly_the_sessions_rows(inproc, scattered, dim):
-    """A snapshot, a restore and a fork copy the session's own rows, wherever they lie in the
-    pool, and no neighbour's; a state of at most ONE_THREAD_COPY_BYTES by numpy, a larger one by
-    torch."""
+    """A snapshot, a restore, a fork and a snapshot taken again copy the session's own rows,
+    wherever they lie in the pool, and no neighbour's; a state of at most ONE_THREAD_COPY_BYTES
+    by numpy, a larger one by torch."""
     srv, conn = inproc(), RecordingConnection()
     state = 128
     assert (2 * dim * state * 4 <= bridge.sessions.ONE_THREAD_COPY_BYTES) == (dim == 5)
@@ -299,6 +299,12 @@ def test_snapshot_restore_and_fork_copy_exactly_the_sessions_rows(inproc, scatte
     assert torch.equal(srv.call(conn, "session_state", session=fork)["state"], h0)
     srv.call(conn, "session_restore", session=fork, snapshot=snapshot)
     assert torch.equal(srv.call(conn, "session_state", session=fork)["state"], h0)
+    # Taken again into its own memory (what a model step's snapshot_into does) after a step.
+    srv.call(conn, "step", session=session, **step)
+    stepped = srv.call(conn, "session_state", session=session)["state"]
+    srv.server.snapshots.get(conn.id, snapshot, "test").take_again(srv.server.session(conn, session, "test"))
+    srv.call(conn, "session_restore", session=fork, snapshot=snapshot)
+    assert torch.equal(srv.call(conn, "session_state", session=fork)["state"], stepped)
     for neighbour, state in neighbours.items():
         assert torch.equal(srv.call(conn, "session_state", session=neighbour)["state"], state), neighbour
 

@@ -14,7 +14,9 @@ and C [batch, state] or [batch, groups, state]; for a Mamba-2 session the shapes
 `step`, B and C with their groups axis), A and optionally D and dt_bias inline as f32 or as
 handles to contiguous f32 tensors, and the dt options; or a model step's session, its `embeds`
 inline as f32 [batch, d_model] or its `tokens` inline as i32, i64 or u8 [batch], and its
-`output` ("hidden", "logits", or none: the model's default); either with `return_state`, whose
+`output` ("hidden", "logits", or none: the model's default) and `snapshot_into` (a snapshot of
+this connection's, of a session like it, which takes the state before the frame, copied in C++
+before the kernel); either with `return_state`, whose
 state the reply carries as the general path's does (copied from the session's rows into the
 reply after the kernel: its d2h); request and session ids in ASCII. The dispatcher hands it
 every request without raw buffers that finds nothing in flight but other native steps, on any
@@ -175,10 +177,19 @@ class NativeStep:
         if prepared is None:
             return None
         state_out = self._state_out(session) if request.return_state else None
+        snapshot = None
+        if request.snapshot_into is not None:
+            # The general path names an unknown or unlike snapshot in its error.
+            snapshot = self.server.snapshots.find(conn.id, request.snapshot_into)
+            if snapshot is None or snapshot.layout != session.layout or snapshot.batch != session.batch:
+                return None
         try:
+            # `snapshot` is held here while the kernel writes into its rows.
             return self._native.run_model(request, received_ns, queued_ns, prepared, session.batch, config.d_model,
                                           config.vocab_size or 0, config.has_logits,
-                                          *self._model_row_addresses(session, config.n_layer), state_out)
+                                          *self._model_row_addresses(session, config.n_layer), state_out,
+                                          snapshot.rows.data_ptr() if snapshot is not None else 0,
+                                          self._state_out(session) if snapshot is not None else None)
         except Exception as exc:
             raise NativeStepError(request.id, exc) from exc
 

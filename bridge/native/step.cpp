@@ -265,6 +265,7 @@ struct StepRequest {
   Output output = Output::unnamed;  // a model step's "output"
   uint32_t args_seen = 0;  // a bit per argument given (read_args)
   bool return_state = false;  // the reply carries the session's state after the step
+  std::optional<std::string> snapshot_into;  // a model step's: the snapshot that takes the state before it
   bool dt_softplus = false;
   std::optional<double> dt_min, dt_max;
   std::optional<uint64_t> deadline_us;  // the envelope's budget (SPEC §4); the caller checks it
@@ -385,6 +386,13 @@ bool read_args(Reader& r, StepRequest* req) {
     } else if (key == "return_state") {
       bit = 7 + kOperands;
       if (!r.nil() && !r.boolean(&req->return_state)) return false;
+    } else if (key == "snapshot_into") {
+      bit = 8 + kOperands;
+      std::string_view snapshot;
+      if (!r.nil()) {
+        if (!r.str(&snapshot) || snapshot.empty() || !ascii(snapshot)) return false;
+        req->snapshot_into.emplace(snapshot);
+      }
     } else if (key == "output") {
       bit = 5 + kOperands;
       std::string_view output;
@@ -412,10 +420,11 @@ bool read_args(Reader& r, StepRequest* req) {
 }
 
 // Whether the args read are those of the request's op: a step's operands (x, dt, A, B, C at
-// least), or a model step's embeds (and output) alone; return_state for either.
+// least), or a model step's embeds (and output, snapshot_into) alone; return_state for either.
 bool args_fit_op(const StepRequest& req) {
-  // session, embeds, output, tokens
-  constexpr uint32_t kModelArgs = 1u | 1u << (4 + kOperands) | 1u << (5 + kOperands) | 1u << (6 + kOperands);
+  // session, embeds, output, tokens, snapshot_into
+  constexpr uint32_t kModelArgs = 1u | 1u << (4 + kOperands) | 1u << (5 + kOperands) | 1u << (6 + kOperands) |
+                                  1u << (8 + kOperands);
   constexpr uint32_t kReturnState = 1u << (7 + kOperands);
   if (req.model_step)
     return (req.embeds.data != nullptr) != (req.tokens.data != nullptr) &&
@@ -821,10 +830,12 @@ class Stepper {
   // `conv`, `ssm`), `slots` (int64, `batch` of them) naming its rows; logits [batch, vocab] where
   // asked for or unnamed and the model `has_head`, else hidden states. Returns as `run`, the
   // reply's result {"hidden"} or {"logits"}. None also when no model step kernel was given.
+  // `snapshot_into`, for a request that names one: the snapshot's rows ([batch, row floats],
+  // contiguous), which take the session's rows as `state` describes them before the kernel.
   py::object run_model(const StepRequest& req, int64_t received_ns, int64_t queued_ns, py::capsule model,
                        int64_t batch, int64_t d_model, int64_t vocab, bool has_head, uintptr_t slots,
                        int64_t pool_rows, std::vector<uintptr_t> conv, std::vector<uintptr_t> ssm, int64_t row_stride,
-                       const StateOut* state_out) {
+                       const StateOut* state_out, uintptr_t snapshot_into, const StateOut* state) {
     if (run_model_step_ == nullptr || !req.model_step || conv.size() != ssm.size()) return py::none();
     if (req.tokens.data != nullptr) {
       if (req.tokens.n != batch) return py::none();
@@ -837,6 +848,8 @@ class Stepper {
     }
     const bool logits = req.output == Output::logits || (req.output == Output::unnamed && has_head);
     if (logits && !has_head) return py::none();
+    if (req.snapshot_into.has_value() != (snapshot_into != 0) || (snapshot_into != 0 && state == nullptr))
+      return py::none();
     scan_bridge::ModelStepProblem p;
     p.model = capsule_function<void*>(model, scan_bridge::kFusedModelCapsule);
     p.rows = batch;
@@ -851,6 +864,13 @@ class Stepper {
     p.row_stride = row_stride;
     return reply(req, received_ns, queued_ns, logits ? "logits" : "hidden", {batch, logits ? vocab : d_model},
                  state_out, reinterpret_cast<const int64_t*>(slots), [&](void* out, char* error, size_t error_size) {
+                   if (snapshot_into != 0) {
+                     // The state before the frame: whole rows, every part, as read_rows lays them out.
+                     const size_t row_bytes = 4 * static_cast<size_t>(state->row_floats);
+                     auto* to = reinterpret_cast<uint8_t*>(snapshot_into);
+                     for (int64_t r = 0; r < batch; ++r)
+                       std::memcpy(to + r * row_bytes, state->pool + p.slots[r] * state->row_floats, row_bytes);
+                   }
                    p.out = out;
                    return run_model_step_(&p, sizeof(p), error, error_size);
                  });
@@ -1005,6 +1025,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       })
       .def_property_readonly("id", [](const StepRequest& r) { return r.id; })
       .def_readonly("return_state", &StepRequest::return_state)
+      .def_readonly("snapshot_into", &StepRequest::snapshot_into)
       .def_property_readonly("deadline_us", [](const StepRequest& r) -> py::object {
         return r.deadline_us ? py::object(py::int_(*r.deadline_us)) : py::object(py::none());
       })
@@ -1029,5 +1050,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run_model", &Stepper::run_model, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("model"), py::arg("batch"), py::arg("d_model"), py::arg("vocab"), py::arg("has_head"),
            py::arg("slots"), py::arg("pool_rows"),
-           py::arg("conv"), py::arg("ssm"), py::arg("row_stride"), py::arg("state_out") = py::none());
+           py::arg("conv"), py::arg("ssm"), py::arg("row_stride"), py::arg("state_out") = py::none(),
+           py::arg("snapshot_into") = 0, py::arg("state") = py::none());
 }

@@ -177,7 +177,11 @@ class ModelStepOp(BatchedOp):
         name, value = model_input(server, call, session, loaded, step=True)
         output = output_of(call, loaded)
         key = ("model_step", loaded.id, name, row_signature(value), output)
-        return Item(call, key, session.batch, {name: value}, {}, session, {"output": output, "model": loaded})
+        options = {"output": output, "model": loaded}
+        if "snapshot_into" in call.args:
+            options["snapshot_into"] = server.snapshots.of_session_like(call.conn.id, call.args["snapshot_into"],
+                                                                        session, "args.snapshot_into")
+        return Item(call, key, session.batch, {name: value}, {}, session, options)
 
     def run(self, server, items: list[Item]) -> list[dict]:
         lead = items[0]
@@ -188,6 +192,11 @@ class ModelStepOp(BatchedOp):
         slots = stack_rows(server, [item.session.slots for item in items])
         charge(items, "h2d", now_ns() - start)
         with server.kernel_timer(*(item.call for item in items)):
+            # The state before the frame, into the snapshots asked for (a rollback's point
+            # without a round trip of its own); part of the frame's device work.
+            for item in items:
+                if "snapshot_into" in item.options:
+                    item.options["snapshot_into"].take_again(item.session)
             out = loaded.model.step(lead.session.pool.parts, slots, inputs, output=output, backend=server.backend)
         return with_states(items, [{output: rows} for rows in wire_rows(out, items)])
 

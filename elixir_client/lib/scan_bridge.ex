@@ -497,7 +497,7 @@ defmodule ScanBridge do
 
     allowed =
       if call == :model_step,
-        do: [:output, :return_state],
+        do: [:output, :return_state, :snapshot_into],
         else: [:output, :last_only, :lengths, :return_state]
 
     opts = opts!(opts, allowed, op)
@@ -653,7 +653,12 @@ defmodule ScanBridge do
           timeout: timeout
         ]
   @typedoc "`model_step/4`'s options."
-  @type model_step_opts :: [output: model_output, return_state: boolean, timeout: timeout]
+  @type model_step_opts :: [
+          output: model_output,
+          return_state: boolean,
+          snapshot_into: String.t(),
+          timeout: timeout
+        ]
   @typedoc "A model's input: token ids (an integer tensor) or embeddings (a float tensor)."
   @type model_input ::
           {:tokens, tensor_input}
@@ -803,9 +808,12 @@ defmodule ScanBridge do
   One frame through a model's session (SPEC §6.4 `model_step`), its every layer's state
   updated in place on the server. `input` as for `model_forward/4` without the seq axis:
   `{:tokens, ids}` `[batch]` or `{:embeds, x}` `[batch, d_model]`. Options: `:output`,
-  `:return_state`, `:timeout`. Returns `[batch, vocab]` logits or `[batch, d_model]` hidden
-  states, f32; with `return_state: true`, `{output, state}` as for `model_forward/4`, the state
-  after this frame (a checkpoint without a `session_state/3` round trip).
+  `:return_state`, `:snapshot_into`, `:timeout`. Returns `[batch, vocab]` logits or
+  `[batch, d_model]` hidden states, f32; with `return_state: true`, `{output, state}` as for
+  `model_forward/4`, the state after this frame (a checkpoint without a `session_state/3`
+  round trip). With `snapshot_into: snapshot` (an id from `snapshot/2` of this session or one
+  like it), that snapshot first takes the state as it is before this frame, in the same round
+  trip: a ring of snapshots for rollback kept at one request a frame.
 
   Steps of sessions of one model (the same input kind and dtype, the same output) from any
   callers share one pass through the stack on the server. A step that timed out may still
@@ -814,7 +822,7 @@ defmodule ScanBridge do
   @spec model_step(server, String.t(), model_input, model_step_opts) ::
           {:ok, model_result} | error
   def model_step(server, session, input, opts \\ []) do
-    opts = opts!(opts, [:output, :return_state, :timeout], "model_step")
+    opts = opts!(opts, [:output, :return_state, :snapshot_into, :timeout], "model_step")
     args = model_args!(session, input, opts, "model_step")
 
     with {:ok, result, _timing} <- request(server, "model_step", args, opts),
@@ -855,6 +863,9 @@ defmodule ScanBridge do
 
       {:return_state, other}, _args ->
         raise ArgumentError, "#{op} :return_state: expected a boolean, got #{inspect(other)}"
+
+      {:snapshot_into, snapshot}, args ->
+        Map.put(args, "snapshot_into", id!(snapshot, "#{op} :snapshot_into"))
 
       {:lengths, lengths}, args ->
         Map.put(args, "lengths", lengths_arg!(lengths, op))

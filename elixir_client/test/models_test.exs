@@ -511,7 +511,7 @@ defmodule ScanBridge.ModelsTest do
             {fn -> ScanBridge.model_forward(server, session, {:embeds, embeds}, last_only: 1) end,
              ~r/model_forward :last_only: expected a boolean, got 1/},
             {fn -> ScanBridge.model_step(server, session, {:embeds, embeds}, last_only: true) end,
-             ~r/model_step options: expected only :output, :return_state, :timeout, got :last_only/},
+             ~r/model_step options: expected only :output, :return_state, :snapshot_into, :timeout, got :last_only/},
             {fn -> ScanBridge.model_step(server, session, {:embeds, embeds}, return_state: 1) end,
              ~r/model_step :return_state: expected a boolean, got 1/},
             {fn ->

@@ -5,12 +5,13 @@
 # It starts the server as a Port (through the client library), loads a model -- by default a
 # random Mamba-2 backbone built here and sent (d_model 256, 4 layers, ExPhil-sized), or a
 # checkpoint under --model-dir -- warms up from a 60-frame prefix with one model_forward, then
-# steps one frame at a time at 60 FPS, sleeping to each frame's deadline. Before each frame it
-# takes a snapshot, keeping a ring of the last 7 (older ones freed). Every 60 frames it plays a
+# steps one frame at a time at 60 FPS, sleeping to each frame's deadline. It keeps a ring of 7
+# snapshots, taken once: each frame's step copies the state before the frame into the ring's
+# next one (`snapshot_into`), so a frame is one round trip. Every 60 frames it plays a
 # misprediction: the last 7 frames' inputs were wrong, so it restores the snapshot taken before
 # them and re-simulates them, corrected, with one model_forward run in the restore's request (one
-# round trip), then goes on. At the end it prints the step latency (p50/p99), the snapshot
-# latency and the rollbacks' cost.
+# round trip), then goes on. At the end it prints the step latency (p50/p99) and the rollbacks'
+# cost.
 #
 # Options (defaults in brackets):
 #   --frames N          frames stepped after the warm-up [180]
@@ -107,11 +108,10 @@ defmodule AgentLoop do
 
     IO.puts("warm-up: a #{opts[:prefix]}-frame prefix in #{ms(prefix_us)} ms (one model_forward)")
 
-    stats = loop(server, session, input, opts)
-
-    Enum.each(stats.ring, fn {_frame, snapshot} ->
-      :ok = ScanBridge.free_snapshot(server, snapshot)
-    end)
+    # The rollback ring: its snapshots are taken again frame by frame, never freed meanwhile.
+    ring = for _ <- 1..opts[:rollback], do: ScanBridge.snapshot!(server, session)
+    stats = loop(server, session, input, List.to_tuple(ring), opts)
+    Enum.each(ring, &(:ok = ScanBridge.free_snapshot(server, &1)))
 
     :ok = ScanBridge.close_session(server, session)
     :ok = ScanBridge.free_model(server, model)
@@ -120,26 +120,33 @@ defmodule AgentLoop do
 
   ## The loop
 
-  defp loop(server, session, input, opts) do
+  # `ring`: the snapshots frame f's step takes the state before f into, at f mod its size;
+  # `held`: the frames whose state before them the ring still holds, frame => snapshot.
+  defp loop(server, session, input, ring, opts) do
     frame_us = 1_000_000 / opts[:fps]
     start = System.monotonic_time(:microsecond)
-    initial = %{ring: [], steps: [], snapshots: [], rollbacks: [], missed: 0}
+    initial = %{held: %{}, steps: [], rollbacks: [], missed: 0}
 
     Enum.reduce(1..opts[:frames]//1, initial, fn frame, stats ->
       deadline = start + round(frame * frame_us)
 
-      # the state before this frame, for a rollback to come back to
-      {snapshot_us, snapshot} = :timer.tc(fn -> ScanBridge.snapshot!(server, session) end)
-      stats = %{stats | ring: keep(server, [{frame, snapshot} | stats.ring], opts[:rollback])}
+      # One request: the state before this frame into the ring, for a rollback to come back to,
+      # then the frame.
+      snapshot = elem(ring, rem(frame, tuple_size(ring)))
 
       {step_us, _out} =
-        :timer.tc(fn -> ScanBridge.model_step!(server, session, frame_input(input)) end)
+        :timer.tc(fn ->
+          ScanBridge.model_step!(server, session, frame_input(input), snapshot_into: snapshot)
+        end)
 
-      stats = %{stats | steps: [step_us | stats.steps], snapshots: [snapshot_us | stats.snapshots]}
+      held =
+        stats.held |> Map.reject(fn {_frame, s} -> s == snapshot end) |> Map.put(frame, snapshot)
+
+      stats = %{stats | held: held, steps: [step_us | stats.steps]}
 
       stats =
         if rem(frame, opts[:rollback_every]) == 0,
-          do: rollback(server, session, input, stats),
+          do: rollback(server, session, input, frame, stats),
           else: stats
 
       late = System.monotonic_time(:microsecond) - deadline
@@ -148,27 +155,19 @@ defmodule AgentLoop do
     end)
   end
 
-  # The ring of snapshots, newest first: the last `count` kept, older ones freed.
-  defp keep(server, ring, count) do
-    {kept, old} = Enum.split(ring, count)
-    Enum.each(old, fn {_frame, snapshot} -> :ok = ScanBridge.free_snapshot(server, snapshot) end)
-    kept
-  end
-
-  # A misprediction: the inputs of the frames since the oldest snapshot in the ring were wrong.
+  # A misprediction: the inputs of the frames since the oldest state the ring holds were wrong.
   # Back to the state before them, and the corrected frames re-simulated in one window, in the
-  # same request. The snapshots taken after it hold mispredicted states: freed.
-  defp rollback(server, session, input, stats) do
-    [{first, snapshot} | newer] = Enum.reverse(stats.ring)
-    [{last, _} | _] = stats.ring
+  # same request. The ring's states after it were mispredicted: no longer held.
+  defp rollback(server, session, input, last, stats) do
+    first = stats.held |> Map.keys() |> Enum.min()
+    snapshot = stats.held[first]
     frames = last - first + 1
     resimulate = {:model_forward, window(input, frames), [last_only: true]}
 
     {us, {:ok, [_out]}} =
       :timer.tc(fn -> ScanBridge.restore_with_frames(server, session, snapshot, [resimulate]) end)
 
-    Enum.each(newer, fn {_frame, newer} -> :ok = ScanBridge.free_snapshot(server, newer) end)
-    %{stats | ring: [{first, snapshot}], rollbacks: [{frames, us} | stats.rollbacks]}
+    %{stats | held: %{first => snapshot}, rollbacks: [{frames, us} | stats.rollbacks]}
   end
 
   ## Inputs: token ids for a model with an embedding, else embeddings
@@ -272,16 +271,11 @@ defmodule AgentLoop do
 
   defp report(stats, opts) do
     steps = stats.steps
-    snapshots = stats.snapshots
 
     IO.puts(
       "step latency: p50 #{ms(percentile(steps, 50))} ms, p99 #{ms(percentile(steps, 99))} ms " <>
-        "over #{length(steps)} steps"
-    )
-
-    IO.puts(
-      "snapshot latency: p50 #{ms(percentile(snapshots, 50))} ms, " <>
-        "p99 #{ms(percentile(snapshots, 99))} ms over #{length(snapshots)} snapshots"
+        "over #{length(steps)} steps, each taking the state before it into the rollback ring " <>
+        "(one request a frame)"
     )
 
     case stats.rollbacks do

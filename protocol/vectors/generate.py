@@ -283,6 +283,12 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                              "args": {"session": "s-3", "tokens": {"dtype": "i32", "shape": [2],
                                                                    "data": Binary("i32", [3, 7])},
                                       "return_state": True}}))
+    vectors.append(_request("model_step_snapshot_into",
+                            "one frame of embeddings through a model, the session's state before it copied into "
+                            "snapshot p-1 (a rollback ring kept without requests of its own)",
+                            {"v": 1, "id": 54, "op": "model_step",
+                             "args": {"session": "s-3", "embeds": tensor("f32", (2, 2), 206),
+                                      "snapshot_into": "p-1"}}))
     vectors.append(_request("session_restore", "roll a session back to a snapshot",
                             {"v": 1, "id": 24, "op": "session_restore", "args": {"session": "s-3", "snapshot": "p-1"}}))
     vectors.append(_request("session_restore_frames", "roll a model session back to a snapshot and re-simulate "
