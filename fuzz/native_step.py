@@ -15,8 +15,8 @@ What must hold, beyond "no crash, no sanitizer report":
   session and handles, and within the native path's documented form (bridge/native/__init__.py:
   session, x, dt, B, C, z inline f32; A, D, dt_bias inline f32 or handles; the dt options), or
   as a model step with the same id and session, its embeds inline 2-d f32 or its tokens inline
-  1-d i32, i64 or u8, and its output as given (what a model step runs is not fuzzed here: this
-  build has no model kernel);
+  1-d i32, i64 or u8, its output and snapshot_into as given (what a model step runs is not
+  fuzzed here: this build has no model kernel);
 - `run` and `run_ssd` step only a request whose shapes fit the session (batch, dim, state; or
   batch, heads, headdim, state) and its handles' tensors, and the reply reads back as a v1 reply
   with y of [batch, dim] (or [batch, heads, headdim]) f32, and, with return_state, the state:
@@ -48,7 +48,7 @@ MAX_LEN = 4096
 INLINE_ONLY = ("x", "dt", "B", "C", "z")
 MAY_BE_HANDLES = ("A", "D", "dt_bias")
 NATIVE_ARGS = frozenset(("session", *INLINE_ONLY, *MAY_BE_HANDLES, "dt_softplus", "dt_min", "dt_max", "return_state"))
-NATIVE_MODEL_ARGS = frozenset(("session", "embeds", "tokens", "output", "return_state"))
+NATIVE_MODEL_ARGS = frozenset(("session", "embeds", "tokens", "output", "return_state", "snapshot_into"))
 # The state pool the harness allocates per step is bounded (the frame bounds batch and dim, but a
 # handle's A could name any state size).
 MAX_POOL_FLOATS = 1 << 20
@@ -204,6 +204,9 @@ def check_model_step(parsed, request: Request) -> None:
         raise Finding(f"parse took tokens as {tokens!r}")
     if args.get("output") not in (None, "hidden", "logits") or parsed.output != args.get("output"):
         raise Finding(f"parse read output {parsed.output!r}, the decoder {args.get('output')!r}")
+    snapshot = args.get("snapshot_into")
+    if parsed.snapshot_into != snapshot or not (snapshot is None or isinstance(snapshot, str) and snapshot):
+        raise Finding(f"parse read snapshot_into {parsed.snapshot_into!r}, the decoder {snapshot!r}")
     if dict(parsed.handles) or parsed.deadline_us != getattr(request, "deadline_us", None):
         raise Finding(f"parse read handles {dict(parsed.handles)!r}, deadline {parsed.deadline_us!r}")
 
