@@ -9,13 +9,17 @@ In the same run, for the same model and frames:
     round trip per layer on a plain session of that layer's shape;
 (c) re-running the last 60-frame window through `model_forward` every frame (a restore of a zero
     snapshot, then the window, last position only);
-(d) a C pipe echo answering the model_step request with a reply of its size: moving the bytes alone.
+(d) a C pipe echo answering the model_step request with a reply of its size: moving the bytes alone;
+(e) the same echo reading as many bytes of its own memory as the step's matrices hold before each
+    reply (paced, so from memory, as the step's weights are): the floor of any server that must
+    read the weights to answer, over the same lane.
 
 And what bounds a step here, in this process: one torch op's dispatch, the stack's matrix
 products alone, and the runtime's whole step without IPC; for a paced step, the step's matrices
 read once from memory after the caches were flushed (`floors`).
 
-Also snapshot + restore round trips at batch 1, and the server's own time for them; a
+Also snapshot + restore round trips at batch 1, and the server's own time for them, and the same
+with the snapshot taken inside a step (`snapshot_into`: its copy's cost in the step's kernel_us); a
 rollback of ROLLBACK frames (restore, then the corrected frames re-simulated as one window) sent
 as two requests and as one (session_restore with frames), alternated; and paced frames that
 keep a ring of ROLLBACK snapshots, by requests of their own and by the step's `snapshot_into`. The bridge
@@ -45,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 import protocol
-from bridge.bench.floors import BridgeProcess, EchoUnavailable, encode_request, exchange, open_floor
+from bridge.bench.floors import BridgeProcess, EchoUnavailable, encode_request, exchange, lane_call, open_floor
 from bridge.bench.machine import summarize_us, write_results
 from bridge.bench.measure import FRAME_BUDGET_60FPS_US
 from bridge.models import load_weights
@@ -222,6 +226,34 @@ def rollback_ring_frames(bridge, model: str, batch: int, frames: list[torch.Tens
             "ring_frame_snapshot_into": summarize_us(times[with_snapshot_into])}
 
 
+def snapshot_into_restores(lane, session: str, frame: torch.Tensor, rounds: int, warmup: int) -> dict:
+    """The snapshot taken inside a step (`snapshot_into`) and the restore back to it, back to back
+    after `warmup` more rounds: each round a step without it and one with it, in turns first, and
+    a restore of that snapshot. The copy's cost is the difference of the two steps' `kernel_us`
+    medians (the native path counts the copy there); with the restore's `server_us` median, the
+    server's part of a snapshot + restore taken this way (µs)."""
+    snapshot = lane_call(lane, "session_snapshot", {"session": session})["snapshot"]
+    args = {"session": session, "embeds": frame, "output": "hidden"}
+    plain = lane.frame(encode_request("p", "model_step", args))
+    into = lane.frame(encode_request("i", "model_step", {**args, "snapshot_into": snapshot}))
+    restore = lane.frame(encode_request("r", "session_restore", {"session": session, "snapshot": snapshot}))
+    kernel = {"plain": [], "into": []}
+    restore_us = []
+    for i in range(warmup + rounds):
+        for name, request in (("plain", plain), ("into", into))[::1 if i % 2 else -1]:
+            _, reply = exchange(lane, request)
+            if i >= warmup:
+                kernel[name].append(reply.timing["kernel_us"])
+        _, restored = exchange(lane, restore)
+        if i >= warmup:
+            restore_us.append(restored.timing["server_us"])
+    lane_call(lane, "snapshot_free", {"snapshot": snapshot})
+    copy_us = float(np.median(kernel["into"]) - np.median(kernel["plain"]))
+    return {"step_kernel_plain": summarize_us(kernel["plain"]), "step_kernel_snapshot_into": summarize_us(kernel["into"]),
+            "restore_server": summarize_us(restore_us), "snapshot_into_copy_us": copy_us,
+            "snapshot_into_restore_server_us": copy_us + float(np.median(restore_us))}
+
+
 def timed_us(fn, n: int) -> list[float]:
     times = []
     for _ in range(n):
@@ -296,11 +328,14 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
             exchange(lane, request)
         try:
             echo = open_floor("stdio", lane.reply_sizes())
+            # (e) the echo that first reads as many bytes as the step's matrices hold
+            reading = open_floor("stdio", lane.reply_sizes(), read_bytes=result["floors"]["matrices_from_memory"]["bytes"])
             for request in steps[:WARMUP]:
                 echo.round_trip_us(request)
+                reading.round_trip_us(request)
         except EchoUnavailable as exc:
-            echo, result["echo_skipped"] = None, str(exc)
-        step_us, echo_us, kernel_us, server_us = [], [], [], []
+            echo, reading, result["echo_skipped"] = None, None, str(exc)
+        step_us, echo_us, reading_us, kernel_us, server_us = [], [], [], [], []
         start = time.perf_counter()
         for i, request in enumerate(steps):
             wait_for_frame(start, i)
@@ -311,14 +346,18 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
             if echo is not None:
                 wait_for_frame(start, i + 0.5)
                 echo_us.append(echo.round_trip_us(request))
+                wait_for_frame(start, i + 0.75)
+                reading_us.append(reading.round_trip_us(request))
         if echo is not None:
             echo.close()
+            reading.close()
         result["model_step"] = summarize_us(step_us)
         result["model_step_server"] = summarize_us(server_us)
         result["model_step_kernel"] = summarize_us(kernel_us)
         result["request_bytes"] = sum(memoryview(p).nbytes for p in steps[0])
         if echo_us:
             result["echo"] = summarize_us(echo_us)
+            result["echo_reading_matrices"] = summarize_us(reading_us)
 
         # (c) the window re-run every frame, from a zero state.
         blank = bridge.call("session_open", model=info["model"], batch=batch)["session"]
@@ -339,6 +378,7 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
         pair_us, pair_server_us = snapshot_restore_pairs(lane, session, 90, warmup=10)
         result["snapshot_restore_round_trips"] = summarize_us(pair_us)
         result["snapshot_restore_server"] = summarize_us(pair_server_us)
+        result["snapshot_into_restore"] = snapshot_into_restores(lane, session, frames[WINDOW], 90, warmup=10)
 
         # A rollback: restore and re-simulate ROLLBACK frames, in two requests and in one.
         snapshot = bridge.call("session_snapshot", session=session)["snapshot"]
@@ -386,6 +426,10 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
     }
     if "echo" in result:
         result["ratios"]["step_over_echo"] = p50 / result["echo"]["p50_us"]
+        # What any server that reads the matrices to answer would give, over the goals' baselines
+        reading = result["echo_reading_matrices"]["p50_us"]
+        result["ratios"]["echo_reading_matrices_over_transformers"] = reading / result["transformers_step"]["p50_us"]
+        result["ratios"]["echo_reading_matrices_over_echo"] = reading / result["echo"]["p50_us"]
     return result
 
 
@@ -404,8 +448,13 @@ def report(r: dict) -> None:
     print(line("(c) 60-frame window re-run", r["window_forward"]))
     if "echo" in r:
         print(line("(d) echo of the same bytes", r["echo"]))
+        print(line("(e) echo reading the matrices", r["echo_reading_matrices"]))
     print(line("snapshot + restore round trips", r["snapshot_restore_round_trips"]))
     print(line("  of which the server", r["snapshot_restore_server"]))
+    into = r["snapshot_into_restore"]
+    print(f"    snapshot_into's copy {into['snapshot_into_copy_us']:.1f} µs (step kernel_us p50 "
+          f"{into['step_kernel_snapshot_into']['p50_us']:.1f} against {into['step_kernel_plain']['p50_us']:.1f}), "
+          f"with the restore's server part {into['snapshot_into_restore_server_us']:.1f} µs")
     print(line(f"rollback of {ROLLBACK}: two requests", r["rollback_two_requests"]))
     print(line(f"rollback of {ROLLBACK}: one request", r["rollback_one_request"]))
     print(line(f"ring of {ROLLBACK}: own requests a frame", r["ring_frame_own_requests"]))

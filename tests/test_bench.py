@@ -381,6 +381,15 @@ def test_models_bench_runs_end_to_end(tmp_path):
     assert case["ratios"]["ring_own_requests_over_snapshot_into"] == pytest.approx(
         case["ring_frame_own_requests"]["p50_us"] / case["ring_frame_snapshot_into"]["p50_us"])
     assert "echo" in case or "echo_skipped" in case
+    into = case["snapshot_into_restore"]
+    assert into["snapshot_into_copy_us"] == pytest.approx(
+        into["step_kernel_snapshot_into"]["p50_us"] - into["step_kernel_plain"]["p50_us"])
+    assert into["snapshot_into_restore_server_us"] == pytest.approx(
+        into["snapshot_into_copy_us"] + into["restore_server"]["p50_us"])
+    if "echo" in case:
+        assert case["echo_reading_matrices"]["p50_us"] > 0
+        assert case["ratios"]["echo_reading_matrices_over_transformers"] == pytest.approx(
+            case["echo_reading_matrices"]["p50_us"] / case["transformers_step"]["p50_us"])
 
 
 def model_bench_case(tmp_path, module: str, arch: str) -> dict:

@@ -297,9 +297,9 @@ def _stopper(proc: subprocess.Popen, scratch: tempfile.TemporaryDirectory | None
     return stop
 
 
-def _stdio_floor(reply_sizes: list[int]) -> StreamLane:
+def _stdio_floor(reply_sizes: list[int], read_bytes: int = 0) -> StreamLane:
     (size,) = reply_sizes
-    proc = subprocess.Popen([build_echo("pipe_echo"), str(size)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([build_echo("pipe_echo"), str(size), str(read_bytes)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, bufsize=0)
 
     def stop():
@@ -347,10 +347,16 @@ def floor_missing(transport: str) -> str | None:
     return None
 
 
-def open_floor(transport: str, reply_sizes: list[int]):
+def open_floor(transport: str, reply_sizes: list[int], read_bytes: int = 0):
     """A connected lane to a fresh echo for `transport` answering every request with a reply
     of `reply_sizes`: on a stream transport one item, the reply body's bytes (without the
-    length prefix); on ZeroMQ the bytes of each reply frame (body, then raw buffers)."""
+    length prefix); on ZeroMQ the bytes of each reply frame (body, then raw buffers). With
+    `read_bytes` (stdio only), the echo reads that many bytes of its own memory before each
+    reply: the floor of a server that must read them (a model's weights) to answer."""
     if transport not in FLOORS:
         raise ValueError(f"transport: expected one of {', '.join(FLOORS)}, got {transport!r}")
+    if read_bytes:
+        if transport != "stdio":
+            raise ValueError(f"read_bytes: only the stdio echo reads before replying, got transport {transport!r}")
+        return _stdio_floor(list(reply_sizes), read_bytes)
     return FLOORS[transport](list(reply_sizes))

@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -55,9 +56,12 @@ static uint8_t *receive_buffer(size_t n) {
 }
 
 /* Answer every 4-byte big-endian length-prefixed frame read from in_fd with one frame on out_fd:
- * a body of reply_bytes from `reply`, or (reply_bytes 0) the request body itself.
+ * a body of reply_bytes from `reply`, or (reply_bytes 0) the request body itself; before each
+ * reply, read all must_read_bytes of `must_read` (a buffer holding no zero byte), as a server
+ * that must read that much (a model's weights, say) before it can answer would.
  * 0: the peer closed between frames; 1: read/write error or a truncated frame; 2: out of memory. */
-static int echo_frames(int in_fd, int out_fd, size_t reply_bytes, const uint8_t *reply) {
+static int echo_frames(int in_fd, int out_fd, size_t reply_bytes, const uint8_t *reply, const uint8_t *must_read,
+                       size_t must_read_bytes) {
     size_t cap = 1 << 20;
     uint8_t *body = receive_buffer(cap);
     if (!body) return 2;
@@ -78,6 +82,11 @@ static int echo_frames(int in_fd, int out_fd, size_t reply_bytes, const uint8_t 
             if (!body) return 2;
         }
         if (read_exact(in_fd, body, len) <= 0) {
+            status = 1;
+            break;
+        }
+        /* libc's memchr reads at the machine's full vector width; finding nothing, it reads every byte */
+        if (must_read_bytes && memchr(must_read, 0, must_read_bytes) != NULL) {
             status = 1;
             break;
         }

@@ -59,7 +59,7 @@ int main(int argc, char **argv) {
             perror("unix_echo: setsockopt");
             return 1;
         }
-        echo_frames(fd, fd, reply_bytes, reply);  /* until the peer closes it */
+        echo_frames(fd, fd, reply_bytes, reply, NULL, 0);  /* until the peer closes it */
         close(fd);
     }
 }
