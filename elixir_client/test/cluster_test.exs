@@ -252,6 +252,20 @@ defmodule ScanBridge.ClusterTest do
     held = snapshot_bytes(owner)
     {:ok, snap} = Cluster.snapshot(s)
     assert snapshot_bytes(owner) > held
+
+    # a step into a snapshot is the server's own, not a cluster session's: refused before sending
+    frame = {:embeds, Models.frame(embeds, 5)}
+
+    assert_raise ArgumentError,
+                 ~r/Cluster.model_step :snapshot_into: not on a cluster session/,
+                 fn ->
+                   Cluster.model_step(s, frame, snapshot_into: snap)
+                 end
+
+    assert_raise ArgumentError, ~r/Cluster.restore_with_frames :snapshot_into/, fn ->
+      Cluster.restore_with_frames(s, snap, [{:model_step, frame, [snapshot_into: "p-1"]}])
+    end
+
     # frames 5-7 mispredicted, rolled back on the owner, run again
     for t <- 5..7, do: step!(s, mispredicted, t)
     assert :ok = Cluster.restore(s, snap)

@@ -360,12 +360,15 @@ defmodule ScanBridge.Cluster do
 
   @doc """
   `ScanBridge.model_step/4` on a cluster session. Options: `:output`, `:return_state`,
-  `:timeout`.
+  `:timeout`. Not `:snapshot_into`: a cluster session's snapshots are its keeper's
+  (`snapshot/2`), which a rebuild on another member must be able to bring back.
   """
   @spec model_step(session, ScanBridge.model_input(), ScanBridge.model_step_opts()) ::
           {:ok, ScanBridge.model_result()} | ScanBridge.error()
-  def model_step(%Session{} = session, input, opts \\ []),
-    do: Session.call(session, :model_step, input, opts)
+  def model_step(%Session{} = session, input, opts \\ []) do
+    no_snapshot_into!(opts, "model_step")
+    Session.call(session, :model_step, input, opts)
+  end
 
   @doc "`ScanBridge.model_forward/4` on a cluster session; options as there."
   @spec model_forward(session, ScanBridge.model_input(), ScanBridge.model_forward_opts()) ::
@@ -416,8 +419,21 @@ defmodule ScanBridge.Cluster do
   """
   @spec restore_with_frames(session, reference, [ScanBridge.frame()], ScanBridge.call_opts()) ::
           {:ok, [term]} | ScanBridge.error()
-  def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ []) when is_list(frames),
-    do: Session.restore_with_frames(session, snapshot, frames, opts)
+  def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ [])
+      when is_list(frames) do
+    for {:model_step, _input, frame_opts} when is_list(frame_opts) <- frames,
+        do: no_snapshot_into!(frame_opts, "restore_with_frames")
+
+    Session.restore_with_frames(session, snapshot, frames, opts)
+  end
+
+  defp no_snapshot_into!(opts, op) do
+    if Keyword.keyword?(opts) and Keyword.has_key?(opts, :snapshot_into) do
+      raise ArgumentError,
+            "Cluster.#{op} :snapshot_into: not on a cluster session (its snapshots are its " <>
+              "keeper's: take them with Cluster.snapshot/2)"
+    end
+  end
 
   @doc """
   A new cluster session holding a copy of `session`'s state, stepped independently (speculative
