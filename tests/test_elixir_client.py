@@ -143,8 +143,11 @@ def test_models_benchmark_runs(tmp_path):
         pytest.fail(failure)
     (case,) = json.loads(out.read_text())["cases"]
     assert (case["arch"], case["batch"]) == ("mamba2", 1)
-    for part in ("model_step", "echo", "snapshot_restore_round_trips"):
+    for part in ("model_step", "echo", "snapshot_restore_round_trips", "ring_frame_own_requests",
+                 "ring_frame_snapshot_into"):
         assert case[part]["p50_us"] > 0, part
+    assert case["ratios"]["ring_own_requests_over_snapshot_into"] == pytest.approx(
+        case["ring_frame_own_requests"]["p50_us"] / case["ring_frame_snapshot_into"]["p50_us"])
 
 
 def test_cluster_benchmark_runs(tmp_path):

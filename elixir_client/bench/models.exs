@@ -19,7 +19,12 @@
 #     which also returns the server's `timing` (`kernel_us`, `server_us`) that `model_step/4`
 #     drops. Same request bytes, same processes; the two are reported apart and together;
 #   * 100 snapshot + restore pairs back to back through the public API (the first 10 dropped),
-#     then 100 more one level down for the server's part of them.
+#     then 100 more one level down for the server's part of them;
+#   * a netcode client's frames, the state before each kept in a ring of 7 snapshots: two more
+#     sessions prefilled alike, paced a frame apart and half a frame from each other (which goes
+#     first swapped each frame), one keeping its ring by requests of its own (`snapshot/3` before
+#     the step, `free_snapshot/3` of the one 7 frames old after it), the other by the step's
+#     `snapshot_into:` (one request); 20 warm-up frames, then up to 120, public API.
 #
 #   mix run bench/models.exs [--frames 300] [--batches 1,32] [--archs mamba,mamba2]
 #                            [--device cpu] [--out PATH]
@@ -52,6 +57,8 @@ defmodule ModelsBench do
   @window 60
   @pairs 100
   @pairs_dropped 10
+  @ring 7
+  @ring_frames 120
   @d_model 256
   @configs %{
     "mamba" => %{
@@ -128,6 +135,8 @@ defmodule ModelsBench do
         "prefill_frames" => @window,
         "snapshot_restore_pairs" => @pairs,
         "snapshot_restore_dropped" => @pairs_dropped,
+        "ring_snapshots" => @ring,
+        "ring_frames" => @ring_frames,
         "device" => device,
         "lane" => "port",
         "configs" => Map.take(@configs, archs)
@@ -146,7 +155,12 @@ defmodule ModelsBench do
         "step_over_echo" => "model_step_api p50 / echo p50",
         "snapshot_restore" =>
           "snapshot/3 + restore/4 back to back, public API; the server's part from as many " <>
-            "pairs again through ScanBridge.Server.request/4 (the public calls drop timing)"
+            "pairs again through ScanBridge.Server.request/4 (the public calls drop timing)",
+        "ring_frames" =>
+          "two more sessions paced a frame apart, half a frame from each other, order swapped " <>
+            "each frame: snapshot/3 + model_step/4 + free_snapshot/3 of the snapshot #{@ring} " <>
+            "frames old (ring_frame_own_requests) against model_step/4 with snapshot_into: " <>
+            "(ring_frame_snapshot_into), public API"
       },
       "load_before" => load_before,
       "load_after" => load_avg(),
@@ -243,6 +257,7 @@ defmodule ModelsBench do
 
       pairs = snapshot_restore(client, session)
       pairs_server = snapshot_restore_server(client, session)
+      {ring_own, ring_into} = ring_frames(client, model, batch, prefill, steps)
 
       :ok = ScanBridge.close_session(client, session)
       :ok = ScanBridge.free_model(client, model)
@@ -269,7 +284,11 @@ defmodule ModelsBench do
         "echo" => summarize(echo_us),
         "snapshot_restore_round_trips" => summarize(pairs),
         "snapshot_restore_server" => summarize(pairs_server),
+        "ring_frame_own_requests" => summarize(ring_own),
+        "ring_frame_snapshot_into" => summarize(ring_into),
         "ratios" => %{
+          "ring_own_requests_over_snapshot_into" =>
+            BenchSupport.median(ring_own) / BenchSupport.median(ring_into),
           "step_over_echo" => BenchSupport.median(api_us) / BenchSupport.median(echo_us),
           "step_request_over_echo" =>
             BenchSupport.median(request_us) / BenchSupport.median(echo_us),
@@ -303,6 +322,84 @@ defmodule ModelsBench do
       end
 
     Enum.drop(times, @pairs_dropped)
+  end
+
+  # {the frames keeping their ring by requests of their own, those keeping it by snapshot_into}:
+  # each frame's round trips together (µs), the warm-up dropped.
+  defp ring_frames(client, model, batch, prefill, steps) do
+    [own, into] =
+      for _ <- 1..2 do
+        {:ok, session} = ScanBridge.open_session(client, model: model, batch: batch)
+        window = {:embeds, Models.stack_frames(prefill)}
+
+        {:ok, _} =
+          ScanBridge.model_forward(client, session, window, output: :hidden, last_only: true)
+
+        session
+      end
+
+    ring = List.to_tuple(for _ <- 1..@ring, do: ScanBridge.snapshot!(client, into))
+    frames = Enum.take(steps, @warmup + @ring_frames)
+
+    with_requests = fn x, kept ->
+      BenchSupport.timed(fn ->
+        {:ok, snapshot} = ScanBridge.snapshot(client, own)
+        {:ok, _} = ScanBridge.model_step(client, own, {:embeds, x}, output: :hidden)
+        kept = kept ++ [snapshot]
+
+        if length(kept) > @ring do
+          [oldest | rest] = kept
+          :ok = ScanBridge.free_snapshot(client, oldest)
+          rest
+        else
+          kept
+        end
+      end)
+    end
+
+    into_ring = fn x, i ->
+      snapshot = elem(ring, rem(i, @ring))
+
+      {{:ok, _}, us} =
+        BenchSupport.timed(fn ->
+          ScanBridge.model_step(client, into, {:embeds, x}, output: :hidden, snapshot_into: snapshot)
+        end)
+
+      us
+    end
+
+    start = System.monotonic_time(:microsecond)
+
+    {samples, kept} =
+      frames
+      |> Enum.with_index()
+      |> Enum.map_reduce([], fn {x, i}, kept ->
+        order = if rem(i, 2) == 0, do: [:into, :own], else: [:own, :into]
+
+        {times, kept} =
+          order
+          |> Enum.with_index()
+          |> Enum.map_reduce(kept, fn {which, half}, kept ->
+            wait_for_frame(start, i + 0.5 * half)
+
+            case which do
+              :own ->
+                {kept, us} = with_requests.(x, kept)
+                {{:own, us}, kept}
+
+              :into ->
+                {{:into, into_ring.(x, i)}, kept}
+            end
+          end)
+
+        {{i, times}, kept}
+      end)
+
+    Enum.each(kept ++ Tuple.to_list(ring), &(:ok = ScanBridge.free_snapshot(client, &1)))
+    :ok = ScanBridge.close_session(client, own)
+    :ok = ScanBridge.close_session(client, into)
+    measured = for {i, times} <- samples, i >= @warmup, time <- times, do: time
+    {for({:own, us} <- measured, do: us), for({:into, us} <- measured, do: us)}
   end
 
   defp snapshot_restore_server(client, session) do
@@ -394,6 +491,8 @@ defmodule ModelsBench do
     IO.puts(line.("echo of the same bytes (Port)", r["echo"]))
     IO.puts(line.("snapshot + restore round trips", r["snapshot_restore_round_trips"]))
     IO.puts(line.("  of which the server", r["snapshot_restore_server"]))
+    IO.puts(line.("ring of #{@ring}: own requests a frame", r["ring_frame_own_requests"]))
+    IO.puts(line.("ring of #{@ring}: snapshot_into", r["ring_frame_snapshot_into"]))
     ratios = r["ratios"]
 
     IO.puts(
