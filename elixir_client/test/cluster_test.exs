@@ -253,19 +253,6 @@ defmodule ScanBridge.ClusterTest do
     {:ok, snap} = Cluster.snapshot(s)
     assert snapshot_bytes(owner) > held
 
-    # a step into a snapshot is the server's own, not a cluster session's: refused before sending
-    frame = {:embeds, Models.frame(embeds, 5)}
-
-    assert_raise ArgumentError,
-                 ~r/Cluster.model_step :snapshot_into: not on a cluster session/,
-                 fn ->
-                   Cluster.model_step(s, frame, snapshot_into: snap)
-                 end
-
-    assert_raise ArgumentError, ~r/Cluster.restore_with_frames :snapshot_into/, fn ->
-      Cluster.restore_with_frames(s, snap, [{:model_step, frame, [snapshot_into: "p-1"]}])
-    end
-
     # frames 5-7 mispredicted, rolled back on the owner, run again
     for t <- 5..7, do: step!(s, mispredicted, t)
     assert :ok = Cluster.restore(s, snap)
@@ -289,6 +276,48 @@ defmodule ScanBridge.ClusterTest do
     assert :ok = Cluster.free_snapshot(s, snap)
     assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.restore(s, snap)
     assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.free_snapshot(s, snap)
+  end
+
+  test "steps into a ring of snapshots roll back, on their server and after a failover" do
+    {g, embeds, mispredicted, expected} = rollback_game(12)
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+    ring = for _ <- 1..2, do: ok!(Cluster.snapshot(s))
+    into = fn t -> [snapshot_into: Enum.at(ring, rem(t, 2))] end
+    first = for t <- 0..4, do: step!(s, embeds, t, into.(t))
+    # frame 5 mispredicted (the ring's other snapshot takes the state before it); back to the
+    # state before frame 4, restored from the owner's copy, and frames 4-6 run again
+    step!(s, mispredicted, 5, into.(5))
+    assert :ok = Cluster.restore(s, Enum.at(ring, 0))
+    again = for t <- 4..6, do: step!(s, embeds, t)
+
+    # after a failover the ring's snapshots are kept by checkpoint and frames alone
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+    kill_server!(owner)
+    more = for t <- 7..8, do: step!(s, embeds, t, into.(t))
+    assert {:ok, %{failovers: 1, member: new_owner}} = Cluster.session_info(s)
+    assert new_owner != owner
+    for t <- 9..10, do: step!(s, mispredicted, t)
+    assert :ok = Cluster.restore(s, Enum.at(ring, rem(7, 2)))
+    rest = for t <- 7..11, do: step!(s, embeds, t)
+    wanted = Enum.take(expected, 5) ++ Enum.slice(expected, 4..8) ++ Enum.slice(expected, 7..11)
+
+    for {a, e} <- Enum.zip(first ++ again ++ more ++ rest, wanted),
+        do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+
+    frame = {:embeds, Models.frame(embeds, 11)}
+
+    assert {:error, %Error{reason: :unknown_snapshot}} =
+             Cluster.model_step(s, frame, snapshot_into: make_ref())
+
+    assert_raise ArgumentError, ~r/Cluster.model_step :snapshot_into: expected a snapshot/, fn ->
+      Cluster.model_step(s, frame, snapshot_into: "p-1")
+    end
+
+    assert_raise ArgumentError, ~r/Cluster.restore_with_frames :snapshot_into: not in/, fn ->
+      Cluster.restore_with_frames(s, hd(ring), [{:model_step, frame, [snapshot_into: hd(ring)]}])
+    end
+
+    Enum.each(ring, &(:ok = Cluster.free_snapshot(s, &1)))
   end
 
   test "a rollback re-simulates in the restore's request, on its server and after a failover" do
@@ -659,6 +688,38 @@ defmodule ScanBridge.ClusterTest do
       got = got ++ for(t <- 4..5, do: step!(s, embeds, t))
       for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
       assert {:ok, %{failovers: 1, status: :ok}} = Cluster.session_info(s)
+    end
+
+    test "a frame into a snapshot in flight when the server goes away: answered, and restorable" do
+      g = model_group(2)
+      embeds = Models.embeds(1, 6, 8)
+      mispredicted = Models.embeds(1, 6, 8)
+      {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+      expected = for t <- 0..5, do: step!(reference, embeds, t)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      got = for t <- 0..1, do: step!(s, embeds, t)
+      # taken before frame 2; frame 3's step is to make it the state before frame 3
+      {:ok, snap} = Cluster.snapshot(s)
+      got = got ++ [step!(s, embeds, 2)]
+      {:ok, %{member: owner}} = Cluster.session_info(s)
+      freeze(os_pid!(owner))
+      frame = Task.async(fn -> step!(s, embeds, 3, snapshot_into: snap) end)
+      assert eventually(fn -> map_size(:sys.get_state(owner).outstanding) == 1 end)
+      kill_server!(owner)
+      got = got ++ [Task.await(frame)]
+      # the snapshot holds the state before frame 3, from the keeper's checkpoint and frames;
+      # restored twice, after mispredicted frames and after the corrected ones
+      for t <- 4..5, do: step!(s, mispredicted, t)
+      assert :ok = Cluster.restore(s, snap)
+      again = for t <- 3..5, do: step!(s, embeds, t)
+      assert :ok = Cluster.restore(s, snap)
+      again = again ++ for(t <- 3..5, do: step!(s, embeds, t))
+      wanted = Enum.take(expected, 4) ++ Enum.slice(expected, 3..5) ++ Enum.slice(expected, 3..5)
+
+      for {a, e} <- Enum.zip(got ++ again, wanted),
+          do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+
+      assert {:ok, %{failovers: 1}} = Cluster.session_info(s)
     end
 
     test "a member from before frames is rebuilt on by an open and a replay, and remembered" do

@@ -360,14 +360,26 @@ defmodule ScanBridge.Cluster do
 
   @doc """
   `ScanBridge.model_step/4` on a cluster session. Options: `:output`, `:return_state`,
-  `:timeout`. Not `:snapshot_into`: a cluster session's snapshots are its keeper's
-  (`snapshot/2`), which a rebuild on another member must be able to bring back.
+  `:snapshot_into`, `:timeout`.
+
+  `snapshot_into: snapshot` (a snapshot of this session from `snapshot/2`) makes it the state
+  before this frame, in the frame's own request: the server's copy is taken there, and with
+  `checkpoint:` the keeper keeps, as for `snapshot/2`, the checkpoint and frames that reproduce
+  it. After a failover the snapshot is kept by those alone (no copy on the new server), and
+  `restore/3` reopens the session from them as it does for any snapshot taken before one.
   """
-  @spec model_step(session, ScanBridge.model_input(), ScanBridge.model_step_opts()) ::
+  @spec model_step(session, ScanBridge.model_input(), keyword) ::
           {:ok, ScanBridge.model_result()} | ScanBridge.error()
   def model_step(%Session{} = session, input, opts \\ []) do
-    no_snapshot_into!(opts, "model_step")
-    Session.call(session, :model_step, input, opts)
+    case Keyword.fetch(opts, :snapshot_into) do
+      {:ok, snapshot} when not is_reference(snapshot) ->
+        raise ArgumentError,
+              "Cluster.model_step :snapshot_into: expected a snapshot of this session " <>
+                "(Cluster.snapshot/2), got #{inspect(snapshot, limit: 5)}"
+
+      _ok ->
+        Session.call(session, :model_step, input, opts)
+    end
   end
 
   @doc "`ScanBridge.model_forward/4` on a cluster session; options as there."
@@ -430,8 +442,8 @@ defmodule ScanBridge.Cluster do
   defp no_snapshot_into!(opts, op) do
     if Keyword.keyword?(opts) and Keyword.has_key?(opts, :snapshot_into) do
       raise ArgumentError,
-            "Cluster.#{op} :snapshot_into: not on a cluster session (its snapshots are its " <>
-              "keeper's: take them with Cluster.snapshot/2)"
+            "Cluster.#{op} :snapshot_into: not in a rollback's frames (step into snapshots " <>
+              "with Cluster.model_step/3)"
     end
   end
 

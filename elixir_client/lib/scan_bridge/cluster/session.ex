@@ -215,6 +215,9 @@ defmodule ScanBridge.Cluster.Session do
       match?({:lost, _}, state.status) ->
         {:reply, {:error, elem(state.status, 1)}, state}
 
+      unknown_snapshot_into?(state, opts) ->
+        {:reply, {:error, not_a_snapshot("model_step snapshot_into", opts[:snapshot_into])}, state}
+
       true ->
         serve(state, from, kind, input, opts, deadline)
     end
@@ -352,6 +355,7 @@ defmodule ScanBridge.Cluster.Session do
                 retry(state, from, kind, input, opts, deadline, outcome)
 
               error.reason == :timeout and kind in @advancing ->
+                state = doubt_snapshot_into(state, opts)
                 {:reply, outcome, %{state | status: unsure(state.status)}}
 
               true ->
@@ -369,7 +373,7 @@ defmodule ScanBridge.Cluster.Session do
   # rebuild's open, after the kept frames, where the new owner takes frames there; else after it.
   defp retry(state, from, kind, input, opts, deadline, first_outcome) do
     # a new owner is asked for the state on a frame's reply (place/3)
-    asking = asking(%{state | state_on_reply: true}, kind, input, opts)
+    asking = asking(%{state | state_on_reply: true}, kind, input, without_snapshot_into(opts))
     {state, ran} = rebuild(state, deadline, sent_frame(kind, input, opts, asking))
 
     cond do
@@ -408,6 +412,8 @@ defmodule ScanBridge.Cluster.Session do
   # state after this frame that its reply carried, or else the state read now. Either is the
   # state after this very frame, so no kept frame precedes it.
   defp advanced(state, kind, input, opts, saved) when kind in @advancing do
+    state = took_snapshot_into(state, opts)
+    opts = without_snapshot_into(opts)
     status = if state.status == :unsure, do: :tainted, else: state.status
 
     cond do
@@ -475,7 +481,7 @@ defmodule ScanBridge.Cluster.Session do
       else: :as_given
   end
 
-  defp sent_frame(kind, input, opts, :as_given), do: {kind, input, opts}
+  defp sent_frame(kind, input, opts, :as_given), do: {kind, input, without_snapshot_into(opts)}
   defp sent_frame(kind, _input, _opts, {:ask, input, opts, _caller_asked}), do: {kind, input, opts}
 
   # A sent frame's reply: {the caller's outcome, the state it carried or nil, the keeper's state}.
@@ -514,7 +520,7 @@ defmodule ScanBridge.Cluster.Session do
     do: {if(caller_asked, do: result, else: %{result | state: nil}), saved}
 
   defp run(state, kind, input, opts, deadline) do
-    opts = Keyword.put(opts, :timeout, Cluster.remaining(deadline))
+    opts = opts |> snapshot_into_here(state) |> Keyword.put(:timeout, Cluster.remaining(deadline))
     send_to(state.owner, state.remote, kind, input, opts)
   rescue
     exception in ArgumentError -> {:raise, exception}
@@ -924,6 +930,57 @@ defmodule ScanBridge.Cluster.Session do
         {:reply, {:error, error}, state}
     end
   end
+
+  ## A model step into a snapshot (`snapshot_into:`, a snapshot reference of this keeper's)
+
+  defp unknown_snapshot_into?(state, opts) do
+    case Keyword.fetch(opts, :snapshot_into) do
+      {:ok, id} -> not is_map_key(state.snapshots, id)
+      :error -> false
+    end
+  end
+
+  # Sent to the owner: the owner's copy of the snapshot named, where the owner holds it; else
+  # (taken on a server that went away since) no copy is made there, and the snapshot is kept
+  # by its checkpoint and frames alone (took_snapshot_into/2), restored as after a failover.
+  defp snapshot_into_here(opts, state) do
+    with {:ok, id} <- Keyword.fetch(opts, :snapshot_into),
+         %{owner: owner, remote: remote} when owner == state.owner <- state.snapshots[id] do
+      Keyword.put(opts, :snapshot_into, remote)
+    else
+      :error -> opts
+      _elsewhere -> without_snapshot_into(opts)
+    end
+  end
+
+  # The frame answered: the snapshot holds the state before it, which the checkpoint and the
+  # frames kept until now reproduce (`state` is the keeper's before the frame is kept).
+  defp took_snapshot_into(state, opts) do
+    case Keyword.fetch(opts, :snapshot_into) do
+      {:ok, id} when is_map_key(state.snapshots, id) ->
+        replay = if state.every != nil and state.status == :ok, do: {state.checkpoint, state.log}
+        snapshots = Map.update!(state.snapshots, id, &%{&1 | replay: replay})
+        %{state | snapshots: snapshots}
+
+      _none ->
+        state
+    end
+  end
+
+  # A frame that timed out may or may not have copied the state into the snapshot, as it may or
+  # may not have been done: the owner's copy is the snapshot's alone from then on, as for a
+  # snapshot taken while a frame is in doubt (its checkpoint and frames no longer say).
+  defp doubt_snapshot_into(state, opts) do
+    case Keyword.fetch(opts, :snapshot_into) do
+      {:ok, id} when is_map_key(state.snapshots, id) ->
+        %{state | snapshots: Map.update!(state.snapshots, id, &%{&1 | replay: nil})}
+
+      _none ->
+        state
+    end
+  end
+
+  defp without_snapshot_into(opts), do: Keyword.delete(opts, :snapshot_into)
 
   defp free_remote_snapshots(state, snapshots, deadline) do
     for %{owner: owner, remote: remote} <- snapshots, owner != nil and owner == state.owner do
