@@ -15,8 +15,9 @@ driven for `--rounds` rounds or `--minutes` minutes. Each round runs at once, in
       - Mamba-2: an `ssd_scan` with every option, and an ssd session prefilled and stepped;
       - two tiny models (Mamba-1 loaded from weights sent with the request, one of them a
         handle; Mamba-2 from the checkpoint under --model-dir): a session prefilled by
-        `model_forward` and stepped by `model_step`, snapshotted, restored and stepped again,
-        forked; `model_free` refused while a session is open, then done;
+        `model_forward` and stepped by `model_step`, snapshotted, restored and stepped again
+        (once with a step into the snapshot, restored to that), forked; `model_free` refused
+        while a session is open, then done;
       - put and free of a tensor of every wire dtype, a scan with handle arguments;
       - session churn: 16 sessions opened and closed, all requests sent before any reply read;
       - malformed frames of every kind the protocol names (`stream_cases`, `zmq_cases`): decode
@@ -709,6 +710,14 @@ class LaneScript:
             refs.check(f"{arch} {part}", value, f"{name}: the session's {part} after its steps")
         conn.call("session_restore", session=session, snapshot=snapshot)
         same_bits(self.model_steps(conn, session), logits, f"{name}: steps again after a restore")
+        # The second step takes the state before it into the snapshot (a rollback ring's frame);
+        # restored to that, the steps from the second on come out as before.
+        conn.call("session_restore", session=session, snapshot=snapshot)
+        same_bits(self.model_steps(conn, session, into={1: snapshot}), logits,
+                  f"{name}: steps, the second into the snapshot")
+        conn.call("session_restore", session=session, snapshot=snapshot)
+        same_bits(self.model_steps(conn, session, first=1), logits[:, 1:],
+                  f"{name}: steps again from the state the second step took into the snapshot")
         fork = conn.call("session_fork", session=session)["session"]
         fork_state = conn.call("session_state", session=fork)["state"]
         for part, value in state.items():
@@ -720,9 +729,13 @@ class LaneScript:
         conn.call("model_free", model=model)
         conn.refused("session_open", {"model": model, "batch": 1}, "unknown_model", "a session of a freed model")
 
-    def model_steps(self, conn: Conn, session: str) -> np.ndarray:
-        return np.stack([np.array(conn.call("model_step", session=session, tokens=self.tokens[:, t])["logits"])
-                         for t in range(MODEL_PREFILL, MODEL_PREFILL + MODEL_STEPS)], axis=1)
+    def model_steps(self, conn: Conn, session: str, first: int = 0, into: dict | None = None) -> np.ndarray:
+        """The logits of the steps from the `first` on; `into`: step index → the snapshot it
+        takes the state before it into."""
+        into = into or {}
+        return np.stack([np.array(conn.call("model_step", session=session, tokens=self.tokens[:, MODEL_PREFILL + t],
+                                            **({"snapshot_into": into[t]} if t in into else {}))["logits"])
+                         for t in range(first, MODEL_STEPS)], axis=1)
 
     def put_free(self, conn: Conn) -> None:
         """A tensor of every wire dtype held and freed; a scan whose constants are handles."""
