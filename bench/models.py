@@ -18,14 +18,15 @@ And what bounds a step here, in this process: one torch op's dispatch, the stack
 products alone, and the runtime's whole step without IPC; for a paced step, the step's matrices
 read once from memory after the caches were flushed (`floors`).
 
-Also snapshot + restore round trips at batch 1, and the server's own time for them, and the same
-with the snapshot taken inside a step (`snapshot_into`: its copy's cost in the step's kernel_us); a
-rollback of ROLLBACK frames (restore, then the corrected frames re-simulated as one window) sent
-as two requests and as one (session_restore with frames), alternated; and paced frames that
-keep a ring of ROLLBACK snapshots, by requests of their own and by the step's `snapshot_into`. The bridge
-and the echo are driven by the same lean client (pre-encoded frames, the reply read whole), one
-request a frame. The server's weights are sent by the client (`model_load {config, weights}`), as
-ExPhil's live in Elixir; frames are embeddings (`embeds`), as ExPhil's are.
+Also snapshot + restore round trips at batch 1, and the server's own time for them, and the
+same with the snapshot taken inside a step (`snapshot_into`: its copy's cost in the step's
+kernel_us); a rollback of ROLLBACK frames (restore, then the corrected frames re-simulated as
+one window) sent as two requests and as one (session_restore with frames), alternated; and
+paced frames that keep a ring of ROLLBACK snapshots, by requests of their own and by the step's
+`snapshot_into`. The bridge and the echo are driven by the same lean client (pre-encoded frames,
+the reply read whole), one request a frame. The server's weights are sent by the client
+(`model_load {config, weights}`), as ExPhil's live in Elixir; frames are embeddings (`embeds`),
+as ExPhil's are.
 
 With `--neighbour`, a process spins on one core for the whole run: a game, or a BEAM scheduler
 busy-waiting, on the same 2-core machine. Everything above then shares the machine with it.

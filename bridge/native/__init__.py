@@ -13,21 +13,20 @@ whose args are the session (this connection's), x, dt, B, C and optionally z inl
 and C [batch, state] or [batch, groups, state]; for a Mamba-2 session the shapes of its
 `step`, B and C with their groups axis), A and optionally D and dt_bias inline as f32 or as
 handles to contiguous f32 tensors, and the dt options; or a model step's session, its `embeds`
-inline as f32 [batch, d_model] or its `tokens` inline as i32, i64 or u8 [batch], and its
-`output` ("hidden", "logits", or none: the model's default) and `snapshot_into` (a snapshot of
-this connection's, of a session like it, which takes the state before the frame, copied in C++
-before the kernel); either with `return_state`, whose
-state the reply carries as the general path's does (copied from the session's rows into the
-reply after the kernel: its d2h); request and session ids in ASCII. The dispatcher hands it
-every request without raw buffers that finds nothing in flight but other native steps, on any
-lane and under load too (the step and
-model step ops offer it as their fast path, bridge.ops.sessions.StepOp.fast_path and
+inline as f32 [batch, d_model] or its `tokens` inline as i32, i64 or u8 [batch], its `output`
+("hidden", "logits", or none: the model's default) and `snapshot_into` (a snapshot of this
+connection's, of a session like it, which takes the state before the frame, copied in C++
+before the kernel); either with `return_state`, whose state the reply carries as the general
+path's does (copied from the session's rows into the reply after the kernel: its d2h); request
+and session ids in ASCII. The dispatcher hands it every request without raw buffers that finds
+nothing in flight but other native steps, on any lane and under load too (the step and model
+step ops offer it as their fast path, bridge.ops.sessions.StepOp.fast_path and
 bridge.ops.models.ModelStepOp.fast_path; docs/performance.md, "native model step"). Its replies
-are the general path's, but for the timing:
-`queue_us` is the wait for the serving lock (behind other connections' native steps),
-`decode_us` everything else before the kernel (parsing, the session and handle lookups, the
-checks), h2d is 0 (the kernel reads the frame and writes the reply), and so is d2h but for the
-state's copy into the reply of a step that asked for it.
+are the general path's, but for the timing: `queue_us` is the wait for the serving lock (behind
+other connections' native steps), `decode_us` everything else before the kernel (parsing, the
+session and handle lookups, the checks), h2d is 0 (the kernel reads the frame and writes the
+reply), and so is d2h but for the state's copy into the reply of a step that asked for it; a
+`snapshot_into`'s copy counts in `kernel_us`.
 """
 
 from __future__ import annotations
