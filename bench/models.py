@@ -94,6 +94,23 @@ def wait_for_frame(start: float, frame: float) -> None:
         time.sleep(delay)
 
 
+def paced_in_turns(contenders: dict, frames: int, warmup: int, apart: float) -> dict[str, list[float]]:
+    """Each of `contenders` (name -> run(frame index) -> µs) once a 60 FPS frame, `apart` of a
+    frame after the one before, the order reversed every other frame (a paced time drifts with
+    the box within seconds, more than the difference measured): each one's times after the first
+    `warmup` frames."""
+    names = list(contenders)
+    times = {name: [] for name in names}
+    start = time.perf_counter()
+    for i in range(warmup + frames):
+        for k, name in enumerate(names if i % 2 == 0 else names[::-1]):
+            wait_for_frame(start, i + k * apart)
+            us = contenders[name](i)
+            if i >= warmup:
+                times[name].append(us)
+    return times
+
+
 def transformers_steps(model, frames: list[torch.Tensor]) -> list[float]:
     """(a): transformers' cached step, one a frame, paced like the bridge's."""
     times = []
@@ -211,20 +228,16 @@ def rollback_ring_frames(bridge, model: str, batch: int, frames: list[torch.Tens
                                                               "snapshot_into": ring[i % ROLLBACK]}))
         return exchange(lane, request)[0]
 
-    times = {with_requests: [], with_snapshot_into: []}
-    start = time.perf_counter()
-    for i, embeds in enumerate(frames[WINDOW:WINDOW + WARMUP + count]):
-        for half, run in enumerate((with_requests, with_snapshot_into)[::1 if i % 2 else -1]):
-            wait_for_frame(start, i + 0.5 * half)
-            us = run(i, embeds)
-            if i >= WARMUP:
-                times[run].append(us)
+    inputs = frames[WINDOW:WINDOW + WARMUP + count]
+    times = paced_in_turns({"own": lambda i: with_requests(i, inputs[i]),
+                            "into": lambda i: with_snapshot_into(i, inputs[i])},
+                           len(inputs) - WARMUP, WARMUP, apart=0.5)
     for snapshot in kept + ring:
         bridge.call("snapshot_free", snapshot=snapshot)
     for session in (own, into):
         bridge.call("session_close", session=session)
-    return {"ring_frame_own_requests": summarize_us(times[with_requests]),
-            "ring_frame_snapshot_into": summarize_us(times[with_snapshot_into])}
+    return {"ring_frame_own_requests": summarize_us(times["own"]),
+            "ring_frame_snapshot_into": summarize_us(times["into"])}
 
 
 def snapshot_into_restores(lane, session: str, frame: torch.Tensor, rounds: int, warmup: int) -> dict:

@@ -109,7 +109,7 @@ def interleaved_model_steps(trees: dict, server_args: list[str], frames_n: int, 
     order swapped every frame; with `rollback` frames, each a rollback of that many."""
     import torch
 
-    from .models import D_MODEL, exphil_model
+    from .models import D_MODEL, exphil_model, paced_in_turns
 
     _, config, weights = exphil_model(arch, seed=1)
     g = torch.Generator().manual_seed(7)
@@ -130,17 +130,12 @@ def interleaved_model_steps(trees: dict, server_args: list[str], frames_n: int, 
             else:
                 requests[name] = [server.lane.frame(encode_request(i, "model_step", {
                     "session": session, "output": "hidden", "embeds": e})) for i, e in enumerate(embeds)]
-        times = {name: [] for name in servers}
-        start = time.perf_counter()
-        for i in range(WARMUP + frames_n):
-            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
-            for k, name in enumerate(order):
-                wait_for_frame(start, i + k / 3)
-                us = exchange(servers[name].lane, requests[name][i % len(embeds)],
-                              "session_restore" if rollback else "model_step")[0]
-                if i >= WARMUP:
-                    times[name].append(us)
-        return times
+        verb = "session_restore" if rollback else "model_step"
+
+        def round_trip(name: str):
+            return lambda i: exchange(servers[name].lane, requests[name][i % len(embeds)], verb)[0]
+
+        return paced_in_turns({name: round_trip(name) for name in servers}, frames_n, WARMUP, apart=1 / 3)
     finally:
         for server in servers.values():
             server.close()

@@ -220,7 +220,8 @@ class Session:
 
     def read_rows_into(self, rows: torch.Tensor) -> None:
         """Copy the whole state into `rows`, a tensor read_rows gave (of a session of the same
-        layout and batch): a snapshot taken again without a new allocation."""
+        layout and batch): a snapshot taken again without a new allocation. (read_rows does not
+        call this: its numpy allocation is cheaper than a torch one filled through a view.)"""
         flat = self.pool.flat
         if self._one_thread_copy:
             host = flat.numpy()

@@ -373,7 +373,7 @@ defmodule ScanBridge.Cluster.Session do
   # rebuild's open, after the kept frames, where the new owner takes frames there; else after it.
   defp retry(state, from, kind, input, opts, deadline, first_outcome) do
     # a new owner is asked for the state on a frame's reply (place/3)
-    asking = asking(%{state | state_on_reply: true}, kind, input, without_snapshot_into(opts))
+    asking = asking(%{state | state_on_reply: true}, kind, input, opts)
     {state, ran} = rebuild(state, deadline, sent_frame(kind, input, opts, asking))
 
     cond do
@@ -481,8 +481,12 @@ defmodule ScanBridge.Cluster.Session do
       else: :as_given
   end
 
+  # A frame as a rebuild sends it (the call in flight): never into a snapshot, whose copy was
+  # the gone owner's.
   defp sent_frame(kind, input, opts, :as_given), do: {kind, input, without_snapshot_into(opts)}
-  defp sent_frame(kind, _input, _opts, {:ask, input, opts, _caller_asked}), do: {kind, input, opts}
+
+  defp sent_frame(kind, _input, _opts, {:ask, input, opts, _caller_asked}),
+    do: {kind, input, without_snapshot_into(opts)}
 
   # A sent frame's reply: {the caller's outcome, the state it carried or nil, the keeper's state}.
   defp answered(state, _kind, :as_given, reply), do: {{:ok, reply}, nil, state}
