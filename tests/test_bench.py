@@ -552,6 +552,27 @@ def test_ssd_step_bench_runs_end_to_end(tmp_path):
         summary["general"]["paced_p50_us"] / summary["native"]["paced_p50_us"])
 
 
+def test_triton_host_bench_times_both_trees_and_counts_launches(tmp_path):
+    """`python -m bench.triton_host` with this checkout as its own baseline, tiny: each tree's
+    child ran, every case has a host time of its own, and the launches are the ones
+    ssd.py's plan makes (3 for one chunk, 5 with h0 and the final state or several chunks)."""
+    pytest.importorskip("triton", reason="triton is not installed: the Triton backend's host time cannot be timed")
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "triton_host.json"
+    proc = run_marked([sys.executable, "-m", "bench.triton_host", "--baseline", str(root), "--rounds", "1",
+                       "--calls", "5", "--json", str(out)], timeout_s=300, cwd=root)
+    assert proc.failure() is None, proc.failure()
+    cases = {case["case"]: case for case in json.loads(out.read_text())["cases"]}
+    launches = {name: case["this"]["launches"] for name, case in cases.items()}
+    assert launches == {"scan exphil": 1, "state_update 32x512x16": 1, "ssd_scan exphil": 3,
+                        "ssd_scan exphil, h0 and state": 5, "ssd_scan 130m": 5, "ssd_state_update 32x8x64x16": 1}
+    for case in cases.values():
+        assert case["baseline"]["launches"] == case["this"]["launches"]
+        assert all(us > 0 for side in ("this", "baseline") for us in case[side]["rounds_us"])
+        assert len(case["this"]["rounds_us"]) == len(case["baseline"]["rounds_us"]) == 1
+        assert case["baseline_over_this"] == pytest.approx(case["baseline"]["host_us"] / case["this"]["host_us"])
+
+
 def test_metrics_cost_bench_runs_end_to_end(tmp_path):
     """`python -m bench.metrics_cost` (issue 37's endpoint), tiny: both record timings, a served
     step and a scrape in one run, the ratio of its own numbers."""

@@ -640,6 +640,17 @@ def test_sequence_split_plan(shape, segments):
     assert triton.cdiv(n_tiles, tiles) == segments
 
 
+def test_host_integer_helpers_agree_with_tritons():
+    """The launchers plan with common.cdiv and common.next_power_of_2 (plain ints, no constexpr
+    wrapper): the same values as Triton's own, over sizes and block widths a plan meets."""
+    from kernels.triton_kernels import common
+
+    sizes = [*range(1, 1100), 4095, 4096, 4097, (1 << 31) - 1, 1 << 31, (1 << 31) + 1]
+    assert [common.next_power_of_2(n) for n in sizes] == [triton.next_power_of_2(n) for n in sizes]
+    for block in (1, 3, 16, 32, 64, 128, 1000):
+        assert [common.cdiv(n, block) for n in sizes] == [triton.cdiv(n, block) for n in sizes]
+
+
 def test_state_beyond_the_table_is_refused():
     with pytest.raises(kernels.KernelInputError) as info:
         configs.scan_blocks(configs.MAX_STATE + 1, 8)

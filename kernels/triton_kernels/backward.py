@@ -40,8 +40,8 @@ from ..eager import _discretize_dt
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, offset_index, packed_rows, program_coords, row_strides, run_on_device_of,
-    triton_dtype, wide_offsets,
+    Launch, accumulation_dtype, cdiv, next_power_of_2, offset_index, packed_rows, program_coords, row_strides,
+    run_on_device_of, triton_dtype, wide_offsets,
 )
 from .scan import _combine, _sequence_of
 
@@ -307,10 +307,10 @@ class BackwardPlan:
 def backward_blocks(state: int, dim_per_group: int) -> tuple[int, configs.ScanBlocks]:
     """(BLOCK_N, blocks) from BACKWARD_TABLE; block_d shrinks to a group's channels when a
     group is narrower than the table's block."""
-    block_n = triton.next_power_of_2(state)
+    block_n = next_power_of_2(state)
     for limit, blocks in BACKWARD_TABLE:
         if block_n <= limit:
-            block_d = min(blocks.block_d, triton.next_power_of_2(dim_per_group))
+            block_d = min(blocks.block_d, next_power_of_2(dim_per_group))
             return block_n, configs.ScanBlocks(block_d, blocks.chunk, blocks.num_warps)
     raise KernelInputError("A", f"a state size <= {BACKWARD_TABLE[-1][0]} (Triton backend)", f"state size {state}")
 
@@ -323,10 +323,10 @@ def plan_backward(batch: int, seq: int, channels: int, state: int, groups: int, 
     block_n, table_blocks = backward_blocks(state, dim_per_group)
     if blocks is None:
         blocks = table_blocks if device.type == "cuda" else INTERPRETER_BLOCKS
-    blocks = configs.ScanBlocks(min(blocks.block_d, triton.next_power_of_2(dim_per_group)), blocks.chunk,
+    blocks = configs.ScanBlocks(min(blocks.block_d, next_power_of_2(dim_per_group)), blocks.chunk,
                                 blocks.num_warps)
-    programs = batch * groups * triton.cdiv(dim_per_group, blocks.block_d)
-    return BackwardPlan(block_n, blocks, triton.cdiv(seq, blocks.chunk), programs)
+    programs = batch * groups * cdiv(dim_per_group, blocks.block_d)
+    return BackwardPlan(block_n, blocks, cdiv(seq, blocks.chunk), programs)
 
 
 def checkpoint_shape(plan: BackwardPlan, batch: int, channels: int, state: int) -> tuple[int, int, int, int]:

@@ -155,6 +155,18 @@ def wide_offsets(per_row, whole) -> bool:
     return max(extents, default=0) >= INT32_OFFSET_LIMIT
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints. triton.cdiv and triton.next_power_of_2 are constexpr functions
+    that host code may call, but each call goes through their device-side wrapper, which costs
+    a launch's planning more than all of its own arithmetic."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 at least n (n >= 1), for host ints: see cdiv."""
+    return 1 << (n - 1).bit_length()
+
+
 def packed_rows(cu_seqlens, batch: int, seq: int, device) -> tuple[int, int, torch.Tensor | None]:
     """(program rows, longest sequence, boundaries on `device` as int64 or None) of a launch:
     `batch` rows of `seq` steps, or the sequences packed at `cu_seqlens` (a CPU tensor [n + 1]),

@@ -17,9 +17,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..errors import KernelInputError
+from .common import cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ MAX_STATE = SCAN_TABLE[-1][0]
 
 
 def _lookup(table, state: int):
-    block_n = triton.next_power_of_2(state)
+    block_n = next_power_of_2(state)
     for limit, blocks in table:
         if block_n <= limit:
             return block_n, blocks
@@ -89,13 +89,13 @@ def scan_blocks(state: int, dim_per_group: int) -> tuple[int, ScanBlocks]:
     """(BLOCK_N, blocks) for a scan; block_d shrinks to the channels of one group when a group is
     narrower than the table's block, so no program is mostly padding."""
     block_n, blocks = _lookup(SCAN_TABLE, state)
-    block_d = min(blocks.block_d, triton.next_power_of_2(dim_per_group))
+    block_d = min(blocks.block_d, next_power_of_2(dim_per_group))
     return block_n, ScanBlocks(block_d, blocks.chunk, blocks.num_warps)
 
 
 def update_blocks(state: int, dim_per_group: int) -> tuple[int, UpdateBlocks]:
     block_n, blocks = _lookup(UPDATE_TABLE, state)
-    block_d = min(blocks.block_d, triton.next_power_of_2(dim_per_group))
+    block_d = min(blocks.block_d, next_power_of_2(dim_per_group))
     return block_n, UpdateBlocks(block_d, blocks.num_warps)
 
 
@@ -127,9 +127,9 @@ def segment_tiles(n_tiles: int, programs_per_segment: int, device: torch.device)
 
 
 def tiles_per_segment(n_tiles: int, programs_per_segment: int, sm_count: int) -> int:
-    wanted = triton.cdiv(SEGMENT_WAVES * sm_count, programs_per_segment)
+    wanted = cdiv(SEGMENT_WAVES * sm_count, programs_per_segment)
     segments = max(1, min(wanted, MAX_SEGMENTS, n_tiles // MIN_SEGMENT_TILES))
-    return triton.cdiv(n_tiles, segments)
+    return cdiv(n_tiles, segments)
 
 
 # --- Mamba-2 (SSD) -----------------------------------------------------------------------------
@@ -168,7 +168,7 @@ SSD_ELEMENTWISE_BLOCK = 2048
 
 
 def _dot_block(limit: int, size: int) -> int:
-    return max(MIN_DOT_BLOCK, min(limit, triton.next_power_of_2(size)))
+    return max(MIN_DOT_BLOCK, min(limit, next_power_of_2(size)))
 
 
 def ssd_blocks(headdim: int, state: int, chunk: int, dot: torch.dtype, blocks: SsdBlocks | None = None) -> SsdBlocks:
@@ -198,6 +198,6 @@ SSD_UPDATE_WARPS = 4
 
 
 def ssd_update_blocks(headdim: int, state: int) -> SsdUpdateBlocks:
-    block_n = min(triton.next_power_of_2(state), SSD_UPDATE_MAX_BLOCK_N)
-    block_p = min(triton.next_power_of_2(headdim), max(1, SSD_UPDATE_VALUES // block_n))
+    block_n = min(next_power_of_2(state), SSD_UPDATE_MAX_BLOCK_N)
+    block_p = min(next_power_of_2(headdim), max(1, SSD_UPDATE_VALUES // block_n))
     return SsdUpdateBlocks(block_p, block_n, SSD_UPDATE_WARPS)

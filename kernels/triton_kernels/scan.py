@@ -45,7 +45,7 @@ import triton.language as tl
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
+    Launch, accumulation_dtype, cdiv, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
     packed_rows, row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
@@ -256,15 +256,15 @@ def plan_scan(batch: int, seq: int, dim: int, state: int, groups: int, device: t
     dim_per_group = dim // groups
     block_n, table_blocks = configs.scan_blocks(state, dim_per_group)
     blocks = blocks or table_blocks
-    programs = batch * groups * triton.cdiv(dim_per_group, blocks.block_d)
-    n_tiles = triton.cdiv(seq, blocks.chunk)
+    programs = batch * groups * cdiv(dim_per_group, blocks.block_d)
+    n_tiles = cdiv(seq, blocks.chunk)
     if segment_len is None:
         tiles = configs.segment_tiles(n_tiles, programs, device)
     else:
         if segment_len < 1:
             raise KernelInputError("segment_len", "a positive number of timesteps", str(segment_len))
-        tiles = min(n_tiles, triton.cdiv(segment_len, blocks.chunk))
-    n_segments = triton.cdiv(n_tiles, tiles)
+        tiles = min(n_tiles, cdiv(segment_len, blocks.chunk))
+    n_segments = cdiv(n_tiles, tiles)
     if n_segments > _MAX_GRID_Y:
         raise KernelInputError("segment_len", f"a split into at most {_MAX_GRID_Y} segments",
                                f"{n_segments} segments")

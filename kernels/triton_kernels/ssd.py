@@ -51,8 +51,8 @@ import triton.language as tl
 
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, interpreter_active, offset_index,
-    packed_rows, row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
+    Launch, accumulation_dtype, cdiv, check_out, clamp_bounds, discretize_dt, interpreter_active,
+    next_power_of_2, offset_index, packed_rows, row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
 
@@ -384,7 +384,7 @@ def plan_ssd_scan(x, B, C, chunk_size: int | None, blocks: configs.SsdBlocks | N
     seq = seq or x.shape[1]
     chunk = min(chunk_size or configs.SSD_CHUNK, configs.SSD_MAX_CHUNK, seq)
     dot = _dot_dtype(x, B, C, accumulation_dtype(x))
-    return SsdPlan(chunk, triton.cdiv(seq, chunk), configs.ssd_blocks(headdim, B.shape[3], chunk, dot, blocks), dot)
+    return SsdPlan(chunk, cdiv(seq, chunk), configs.ssd_blocks(headdim, B.shape[3], chunk, dot, blocks), dot)
 
 
 def _grid(*counts: int) -> tuple[int]:
@@ -460,10 +460,10 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
     s_x, s_B, s_C, s_dt = (row_strides(t.stride(), packed) for t in (x, B, C, dt))
     launches = []
 
-    block_t = triton.next_power_of_2(chunk)
-    block_h = min(triton.next_power_of_2(heads), max(1, configs.SSD_ELEMENTWISE_BLOCK // block_t))
+    block_t = next_power_of_2(chunk)
+    block_h = min(next_power_of_2(heads), max(1, configs.SSD_ELEMENTWISE_BLOCK // block_t))
     launches.append(Launch(
-        _ssd_cumsum_kernel, _grid(batch, nchunks, triton.cdiv(heads, block_h)),
+        _ssd_cumsum_kernel, _grid(batch, nchunks, cdiv(heads, block_h)),
         (dt, A, dt_bias, dt_d, cs, cu_seqlens, seq, nchunks, chunk, heads, *bounds, *s_dt, A.stride(0),
          dt_bias.stride(0) if dt_bias is not None else 0),
         dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp, PACKED=packed,
@@ -471,22 +471,22 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
         warps))
     launches.append(Launch(
         _ssd_cb_kernel,
-        _grid(batch, nchunks, groups, triton.cdiv(chunk, bl.block_m), triton.cdiv(chunk, bl.block_k)),
+        _grid(batch, nchunks, groups, cdiv(chunk, bl.block_m), cdiv(chunk, bl.block_k)),
         (B, C, cb, cu_seqlens, seq, nchunks, chunk, groups, nstate, *s_B, *s_C),
         dict(PACKED=packed, ACC=acc_tl, BLOCK_M=bl.block_m, BLOCK_K=bl.block_k, BLOCK_N=bl.block_n, **dots),
         warps))
     if n_local:
         launches.append(Launch(
             _ssd_chunk_state_kernel,
-            _grid(batch, n_local, heads, triton.cdiv(headdim, bl.block_p), triton.cdiv(nstate, bl.block_n)),
+            _grid(batch, n_local, heads, cdiv(headdim, bl.block_p), cdiv(nstate, bl.block_n)),
             (x, B, dt_d, cs, states, cu_seqlens, seq, nchunks, chunk, n_local, heads, heads_per_group, headdim,
              nstate, *s_x, *s_B),
             dict(PACKED=packed, ACC=acc_tl, BLOCK_K=bl.block_k, BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
             warps))
     if has_states:
-        block_e = min(triton.next_power_of_2(headdim * nstate), configs.SSD_ELEMENTWISE_BLOCK)
+        block_e = min(next_power_of_2(headdim * nstate), configs.SSD_ELEMENTWISE_BLOCK)
         launches.append(Launch(
-            _ssd_state_passing_kernel, _grid(batch, heads, triton.cdiv(headdim * nstate, block_e)),
+            _ssd_state_passing_kernel, _grid(batch, heads, cdiv(headdim * nstate, block_e)),
             (states, cs, h0, state_out, nchunks, chunk, n_local, heads, headdim, nstate,
              *(h0.stride() if h0 is not None else (0, 0, 0, 0)),
              *(state_out.stride() if state_out is not None else (0, 0, 0, 0))),
@@ -495,7 +495,7 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
             warps))
     launches.append(Launch(
         _ssd_chunk_scan_kernel,
-        _grid(batch, nchunks, heads, triton.cdiv(chunk, bl.block_m), triton.cdiv(headdim, bl.block_p)),
+        _grid(batch, nchunks, heads, cdiv(chunk, bl.block_m), cdiv(headdim, bl.block_p)),
         (x, z, C, D, cb, dt_d, cs, states, out, cu_seqlens, seq, nchunks, chunk, heads, heads_per_group, groups,
          headdim, nstate, *s_x, *(row_strides(z.stride(), packed) if z is not None else (0, 0, 0, 0)),
          *row_strides(out.stride(), packed), *s_C, *(D.stride() if D is not None else (0, 0))),
@@ -596,7 +596,7 @@ def ssd_update_launch(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_m
         check_out("out", out, x.shape, x.dtype, x.device)
     has_clamp, bounds = clamp_bounds(dt_min, dt_max)
     return out, Launch(
-        _ssd_update_kernel, _grid(batch, heads, triton.cdiv(headdim, bl.block_p)),
+        _ssd_update_kernel, _grid(batch, heads, cdiv(headdim, bl.block_p)),
         (state, x, dt, A, B, C, D, z, dt_bias, slots, out,
          heads, heads // groups, headdim, nstate,
          *bounds,

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
+    Launch, accumulation_dtype, cdiv, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
     run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
@@ -89,7 +89,7 @@ def plan_update(batch: int, dim: int, state: int, groups: int,
     per group at sizes the interpreter runs quickly)."""
     block_n, table_blocks = configs.update_blocks(state, dim // groups)
     blocks = blocks or table_blocks
-    return UpdatePlan(block_n, blocks, batch * groups * triton.cdiv(dim // groups, blocks.block_d))
+    return UpdatePlan(block_n, blocks, batch * groups * cdiv(dim // groups, blocks.block_d))
 
 
 def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,

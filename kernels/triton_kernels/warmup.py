@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-import triton
 
 from .._args import FLOAT_DTYPES, FLOAT_DTYPES_EXPECTED, LAYOUTS, LAYOUTS_EXPECTED
 from ..errors import KernelInputError
 from . import configs, scan, ssd, state_update
-from .common import interpreter_active
+from .common import cdiv, interpreter_active
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ def _warm_scan(spec: WarmupShape, device, dtype) -> str:
     other = None
     if l > chunk:
         # The other form: one segment where the plan splits, else the chunks cut in two halves.
-        other_len = l if plan.n_segments > 1 else chunk * triton.cdiv(triton.cdiv(l, chunk), 2)
+        other_len = l if plan.n_segments > 1 else chunk * cdiv(cdiv(l, chunk), 2)
         scan.selective_scan(*inputs, **options, segment_len=other_len)
         other = scan.plan_scan(b, l, d, n, g, device, segment_len=other_len)
     return (f"scan {spec.layout} batch={b} seq={l} dim={d} state={n} groups={g} {_name(dtype)} "

@@ -1,0 +1,143 @@
+"""The host time of the Triton backend's calls: what each kernels API call costs the CPU before
+its kernels run (argument checks, planning, buffers, the launches' arguments), and how many
+launches it makes. On a GPU a small call is bound by this host work (docs/performance.md,
+"triton launch host time"), so it can be measured, and cut, on a machine without one.
+
+The forwards and the state updates are timed; the backwards are not: their host part does
+part of their math in torch ops, which here would run on the CPU instead of being launched.
+Each case runs in a child process of its own tree with Triton's interpreter selected and every
+launch replaced by a counter: nothing runs on a device, Triton's own launch call included (on a
+GPU that comes on top, per launch). With `--baseline TREE` (another checkout, e.g. a
+`git worktree` of the commit before a change) the two trees' children take turns, A B then B A,
+and each case reports both medians and baseline over this tree.
+
+    python -m bench.triton_host [--baseline ../base-checkout] [--rounds 6] [--calls 2000] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from bridge.bench.machine import write_results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Run by each child with its tree first on sys.path: the kernels API only (both trees have it).
+# Inputs are built once per case, outside the timed calls; a call's median over `calls` is its
+# host time.
+CHILD = r"""
+import json, os, sys, time
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import kernels
+from kernels.triton_kernels import common
+
+launches = []
+common.Launch.run = lambda self: launches.append(self.kernel)
+calls = int(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+
+def rand(*shape):
+    return torch.rand(*shape, generator=g)
+
+def mamba1(b, l, d, n):
+    return dict(x=rand(b, l, d), dt=rand(b, l, d), A=-rand(d, n), B=rand(b, l, 1, n), C=rand(b, l, 1, n))
+
+def ssd(b, l, h, p, n):
+    return dict(x=rand(b, l, h, p), dt=rand(b, l, h), A=-rand(h), B=rand(b, l, 1, n), C=rand(b, l, 1, n))
+
+def cases():
+    m = mamba1(32, 60, 512, 16)
+    D = rand(512)
+    yield "scan exphil", lambda: kernels.selective_scan(**m, D=D, dt_softplus=True, backend="triton")
+    state, slots = rand(64, 512, 16), torch.arange(32)
+    step = dict(x=rand(32, 512), dt=rand(32, 512), A=-rand(512, 16), B=rand(32, 1, 16), C=rand(32, 1, 16))
+    yield "state_update 32x512x16", lambda: kernels.selective_state_update(
+        state, **step, D=D, dt_softplus=True, slots=slots, backend="triton")
+    s, D_heads = ssd(32, 60, 8, 64, 16), rand(8)
+    yield "ssd_scan exphil", lambda: kernels.ssd_scan(**s, D=D_heads, dt_softplus=True, backend="triton")
+    h0 = rand(32, 8, 64, 16)
+    yield "ssd_scan exphil, h0 and state", lambda: kernels.ssd_scan(
+        **s, D=D_heads, dt_softplus=True, h0=h0, return_state=True, backend="triton")
+    big, D_big = ssd(1, 1024, 24, 64, 128), rand(24)
+    yield "ssd_scan 130m", lambda: kernels.ssd_scan(**big, D=D_big, dt_softplus=True, backend="triton")
+    ssd_state = rand(64, 8, 64, 16)
+    ssd_step = dict(x=rand(32, 8, 64), dt=rand(32, 8), A=-rand(8), B=rand(32, 1, 16), C=rand(32, 1, 16))
+    yield "ssd_state_update 32x8x64x16", lambda: kernels.ssd_state_update(
+        ssd_state, **ssd_step, D=D_heads, dt_softplus=True, slots=slots, backend="triton")
+
+out = {}
+for name, call in cases():
+    call()
+    launches.clear()
+    call()
+    count = len(launches)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter_ns()
+        call()
+        times.append((time.perf_counter_ns() - start) / 1e3)
+    out[name] = {"median_us": sorted(times)[len(times) // 2], "launches": count}
+print(json.dumps(out))
+"""
+
+
+def child_run(tree: str, calls: int) -> dict:
+    """One child's figures, per case: host µs a call (median) and launches a call."""
+    env = {**os.environ, "PYTHONPATH": tree, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(calls)], capture_output=True, text=True, env=env,
+                          cwd=tree, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the child of {tree} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.triton_host", description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="another checkout of this project to compare with")
+    parser.add_argument("--rounds", type=int, default=6, help="children per tree, the trees taking turns")
+    parser.add_argument("--calls", type=int, default=2000, help="timed calls per case and child")
+    parser.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "triton_host.json"))
+    args = parser.parse_args(argv)
+
+    trees = {"this": ROOT, **({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})}
+    runs: dict[str, list[dict]] = {side: [] for side in trees}
+    for r in range(args.rounds):
+        order = list(trees) if r % 2 == 0 else list(reversed(trees))
+        for side in order:
+            runs[side].append(child_run(trees[side], args.calls))
+            print(f"round {r + 1}/{args.rounds}: {side} done", file=sys.stderr, flush=True)
+
+    cases = []
+    for name in runs["this"][0]:
+        case = {"case": name}
+        for side in trees:
+            medians = [run[name]["median_us"] for run in runs[side]]
+            case[side] = {"host_us": statistics.median(medians), "rounds_us": medians,
+                          "launches": runs[side][0][name]["launches"]}
+        if "baseline" in case:
+            case["baseline_over_this"] = case["baseline"]["host_us"] / case["this"]["host_us"]
+        cases.append(case)
+
+    for case in cases:
+        line = f"{case['case']:32s} {case['this']['host_us']:7.1f} µs, {case['this']['launches']} launches"
+        if "baseline" in case:
+            line += (f"; baseline {case['baseline']['host_us']:7.1f} µs, {case['baseline']['launches']} launches"
+                     f" ({case['baseline_over_this']:.2f}x)")
+        print(line)
+    write_results(args.json, "triton_host", {
+        "rounds": args.rounds, "calls": args.calls,
+        "baseline_tree": trees.get("baseline"),
+        "method": "host µs a call (median of each child's calls, then median over the rounds), Triton's "
+                  "interpreter selected and every launch replaced by a counter: Triton's own launch call excluded",
+        "cases": cases})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
