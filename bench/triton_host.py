@@ -9,7 +9,8 @@ Each case runs in a child process of its own tree with Triton's interpreter sele
 launch replaced by a counter: nothing runs on a device, Triton's own launch call included (on a
 GPU that comes on top, per launch). With `--baseline TREE` (another checkout, e.g. a
 `git worktree` of the commit before a change) the two trees' children take turns, A B then B A,
-and each case reports both medians and baseline over this tree.
+and each case reports both medians, baseline over this tree, and the median of the rounds'
+ratios.
 
     python -m bench.triton_host [--baseline ../base-checkout] [--rounds 6] [--calls 2000] [--json PATH]
 """
@@ -122,13 +123,17 @@ def main(argv=None) -> int:
                           "launches": runs[side][0][name]["launches"]}
         if "baseline" in case:
             case["baseline_over_this"] = case["baseline"]["host_us"] / case["this"]["host_us"]
+            # Each round's two children ran one after the other: their ratio cancels the box's
+            # drift between rounds.
+            case["paired_ratio_median"] = statistics.median(
+                b / t for b, t in zip(case["baseline"]["rounds_us"], case["this"]["rounds_us"]))
         cases.append(case)
 
     for case in cases:
         line = f"{case['case']:32s} {case['this']['host_us']:7.1f} µs, {case['this']['launches']} launches"
         if "baseline" in case:
             line += (f"; baseline {case['baseline']['host_us']:7.1f} µs, {case['baseline']['launches']} launches"
-                     f" ({case['baseline_over_this']:.2f}x)")
+                     f" ({case['baseline_over_this']:.2f}x, paired {case['paired_ratio_median']:.2f}x)")
         print(line)
     write_results(args.json, "triton_host", {
         "rounds": args.rounds, "calls": args.calls,

@@ -571,6 +571,7 @@ def test_triton_host_bench_times_both_trees_and_counts_launches(tmp_path):
         assert all(us > 0 for side in ("this", "baseline") for us in case[side]["rounds_us"])
         assert len(case["this"]["rounds_us"]) == len(case["baseline"]["rounds_us"]) == 1
         assert case["baseline_over_this"] == pytest.approx(case["baseline"]["host_us"] / case["this"]["host_us"])
+        assert case["paired_ratio_median"] == pytest.approx(case["baseline"]["rounds_us"][0] / case["this"]["rounds_us"][0])
 
 
 def test_metrics_cost_bench_runs_end_to_end(tmp_path):
