@@ -52,10 +52,10 @@ import torch.nn.functional as F
 import protocol
 from bridge.bench.floors import BridgeProcess, EchoUnavailable, encode_request, exchange, lane_call, open_floor
 from bridge.bench.machine import summarize_us, write_results
-from bridge.bench.measure import FRAME_BUDGET_60FPS_US
 from bridge.models import load_weights
 
-FRAME_SECONDS = FRAME_BUDGET_60FPS_US / 1e6
+from .game_loop import FRAME_SECONDS, wait_for_frame
+
 WARMUP = 20
 WINDOW = 60
 ROLLBACK = 7  # frames a misprediction rolls back: the agent example's default
@@ -86,12 +86,6 @@ def exphil_model(arch: str, seed: int, lm: bool = False):
     sent["architectures"] = [type(model).__name__]
     weights = {name: p.detach().contiguous() for name, p in model.state_dict().items()}
     return model, sent, weights
-
-
-def wait_for_frame(start: float, frame: float) -> None:
-    delay = start + frame * FRAME_SECONDS - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
 
 
 def paced_in_turns(contenders: dict, frames: int, warmup: int, apart: float) -> dict[str, list[float]]:
