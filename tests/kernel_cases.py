@@ -418,6 +418,9 @@ SSD_SCAN_CASES = [
     pytest.param(SsdCase(2, 9, 2, 6, 5, dt_bias=True, dt_softplus=True), id="bias-softplus"),
     pytest.param(SsdCase(2, 9, 2, 6, 5, clamp=True), id="clamp"),
     pytest.param(SsdCase(2, 9, 2, 6, 5, h0=True, chunk_size=4), id="h0"),
+    # One chunk with h0: the Triton scan reads h0 as the entering state and skips state passing.
+    pytest.param(SsdCase(2, 9, 2, 6, 5, h0=True), id="h0-one-chunk"),
+    pytest.param(SsdCase(2, 9, 2, 6, 5, h0=True, return_state=False), id="h0-one-chunk-no-state"),
     pytest.param(SsdCase(2, 9, 2, 6, 5, return_state=False), id="no-state"),
     pytest.param(SsdCase(3, 37, 4, 10, 16, groups=2, chunk_size=16, D=True, z=True, dt_bias=True,
                          dt_softplus=True, clamp=True, h0=True), id="all-options"),

@@ -615,9 +615,8 @@ def test_kernels_compile_for_sm90_without_spills():
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    names = ("_scan_output_kernel", "_segment_state_kernel", "_state_update_kernel", "_ssd_cumsum_kernel",
-             "_ssd_cb_kernel", "_ssd_chunk_state_kernel", "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel",
-             "_ssd_update_kernel")
+    names = ("_scan_output_kernel", "_segment_state_kernel", "_state_update_kernel", "_ssd_prep_kernel",
+             "_ssd_chunk_state_kernel", "_ssd_state_passing_kernel", "_ssd_chunk_scan_kernel", "_ssd_update_kernel")
     missing = [name for name in names if not any(name in line for line in lines)]
     assert not missing, (missing, done.stdout)
     assert all(": ok," in line for line in lines), done.stdout

@@ -110,17 +110,19 @@ def _check_update(case: SsdUpdateCase, dtype, device, blocks=None):
 
 # Packed sequences (cu_seqlens) in one set of launches: with chunks of 16, sequences of 1, 20 and
 # 34 steps, so the longest takes three chunks, one ends within its second chunk, and the one-step
-# sequence's chunks past its first (and the 20-step one's third) hold nothing. With and without
+# sequence's chunks past its first (and the 20-step one's third) hold nothing; with chunks of 64,
+# one chunk for all (no state passing: each sequence's h0 read where it enters). With and without
 # the final states (without them the last chunk's own state is not computed).
 PACKED_BOUNDS = [0, 1, 21, 55]
 
 
+@pytest.mark.parametrize("chunk_size", [16, 64], ids=["three-chunks", "one-chunk"])
 @pytest.mark.parametrize("return_state", [True, False], ids=["state", "no-state"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_packed_ssd_scan_matches_each_sequence(device, return_state):
+def test_packed_ssd_scan_matches_each_sequence(device, return_state, chunk_size):
     _backend(device)
     seed = random_seed()
-    case = SsdCase(1, PACKED_BOUNDS[-1], 3, 20, 18, groups=3, chunk_size=16, D=True, z=True, dt_bias=True,
+    case = SsdCase(1, PACKED_BOUNDS[-1], 3, 20, 18, groups=3, chunk_size=chunk_size, D=True, z=True, dt_bias=True,
                    dt_softplus=True, clamp=True, return_state=return_state)
     inputs = make_ssd_inputs(case, torch.float32, device, seed=seed)
     h0 = torch.randn(len(PACKED_BOUNDS) - 1, 3, 20, 18, generator=torch.Generator().manual_seed(seed)).to(device)
@@ -325,7 +327,7 @@ def test_ssd_int64_offsets_variant_matches_reference(device, wide_offsets_everyw
         args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
         out=_poisoned(args.x.shape, torch.float32, device), state_out=_poisoned((2, 4, 5, 6), torch.float32, device),
         blocks=_scan_blocks(device))
-    assert len(launches) == 5 and all(launch.constexprs["WIDE_OFFSETS"] for launch in launches)
+    assert len(launches) == 4 and all(launch.constexprs["WIDE_OFFSETS"] for launch in launches)
     run_on_device_of(args.x, launches)
     assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"int64 offsets seed={seed}",
                                         reference=reference_ssd_scan)

@@ -67,8 +67,8 @@ def _representative_launches():
             slots=torch.arange(batch) if on("slots") else None, out=None, blocks=None)
         return [(f"{label} [{launch.kernel.__name__}]", launch)]
 
-    def ssd_scan_call(label, dtype, every: bool, headdim=64, state=128):
-        b, l, h, g = 2, 300, 4, 2
+    def ssd_scan_call(label, dtype, every: bool, headdim=64, state=128, seq=300):
+        b, l, h, g = 2, seq, 4, 2
         xs, bcs = (b, l, h, headdim), (b, l, g, state)
         _, _, launches = ssd_scan_launches(
             rand(*xs, dtype=dtype), rand(b, l, h, dtype=dtype), -rand(h), rand(*bcs, dtype=dtype),
@@ -114,11 +114,13 @@ def _representative_launches():
     for limit, _ in configs.UPDATE_TABLE:
         found += update_call(f"update f32 state {limit}", torch.float32, limit, ("slots",), dim=64, groups=1)
     # Mamba-2: each dot path of the scan (16-bit split, fp32 IEEE, fp64) with every option, small
-    # heads (padded blocks), and the update.
+    # heads (padded blocks), one chunk, and the update.
     found += ssd_scan_call("ssd_scan bf16 every option", torch.bfloat16, True)
     found += ssd_scan_call("ssd_scan f16 plain, headdim 17 state 16", torch.float16, False, headdim=17, state=16)
     found += ssd_scan_call("ssd_scan f32 every option", torch.float32, True)
     found += ssd_scan_call("ssd_scan f64 every option", torch.float64, True)
+    # One chunk (ExPhil's window): h0 read as the entering state, the final state written by step 3.
+    found += ssd_scan_call("ssd_scan f32 one chunk, every option", torch.float32, True, seq=60)
     found += ssd_update_call("ssd_update bf16 every option", torch.bfloat16, True)
     found += ssd_update_call("ssd_update f64 plain", torch.float64, False)
     return found

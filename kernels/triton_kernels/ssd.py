@@ -1,12 +1,10 @@
 """Mamba-2 (SSD) in Triton: the chunked scan and the one-step state update.
 
-The scan cuts the sequence into chunks of `chunk` timesteps and runs these launches in order
-(3 only where some chunk's end state is used: more than one chunk, or return_state; 4 also
-where h0 is given):
+The scan cuts the sequence into chunks of `chunk` timesteps and runs these steps in order:
 
-  1. `_ssd_cumsum_kernel`   dt discretised (bias, softplus, clamp; 0 past the sequence end) and
+  1. `_ssd_cumsum`          dt discretised (bias, softplus, clamp; 0 past the sequence end) and
                             cs_t = sum_{s <= t} dt_s A within each chunk    -> dt_d, cs [b, c, h, chunk]
-  2. `_ssd_cb_kernel`       C_m . B_k for k <= m within each chunk, once per group (the heads of
+  2. `_ssd_cb`              C_m . B_k for k <= m within each chunk, once per group (the heads of
                             a group share it)                                -> cb [b, c, g, chunk, chunk]
   3. `_ssd_chunk_state_kernel`  each chunk's end state from a zero state and its own inputs:
                             S_c = sum_k exp(cs_last - cs_k) dt_k x_k (x) B_k -> states [b, c, h, p, n]
@@ -15,6 +13,13 @@ where h0 is given):
                             entering each chunk, and the state after the last chunk is the final state
   5. `_ssd_chunk_scan_kernel`  y_m = exp(cs_m) C_m . H_c + sum_{k <= m} (C_m . B_k)
                             exp(cs_m - cs_k) dt_k x_k, + D x_m, * silu(z_m)
+
+On a GPU a small scan is bound by its launches' host time, so they are as few as the steps'
+dependencies allow: 1 and 2 are one launch (`_ssd_prep_kernel`); a scan of one chunk (ExPhil's
+60-frame window) skips 4, h0 being the state entering its chunk and step 3 (run only for the
+final state) adding h0's decay to write the final state itself: 2 launches, 3 with the final
+state. Several chunks take 4 (3 computes every chunk's state but the last's unless the final
+state is asked for).
 
 Every exponent is a difference cs_m - cs_k with k <= m (or cs itself), so with A < 0 and dt >= 0
 no exp exceeds 1; the causal mask is applied to the exponent, before exp, so that the masked
@@ -136,12 +141,36 @@ def _load_tile(base, rows, s_rows, mask_rows, cols, s_cols, mask_cols, dtype: tl
 
 # Sequence and chunk counts change with every call: not specialising on them keeps one compiled
 # variant per option set and block choice.
-_UNSPECIALISED = ["seq", "nchunks", "chunk", "n_local"]
+_UNSPECIALISED = ["seq", "nchunks", "chunk", "n_local", "cumsum_programs"]
 
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
-def _ssd_cumsum_kernel(
-    dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr, cu_seqlens_ptr,
+def _ssd_prep_kernel(
+    dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr, B_ptr, C_ptr, cb_ptr, cu_seqlens_ptr,
+    seq, nchunks, chunk, heads, groups, nstate, cumsum_programs,
+    dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
+    s_dt_b, s_dt_l, s_dt_h, s_A, s_bias, s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr, PACKED: tl.constexpr,
+    DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+):
+    """Steps 1 and 2, which depend on nothing but the inputs, in one launch (on a GPU a small
+    scan is bound by its launches' host time): the first `cumsum_programs` programs run
+    `_ssd_cumsum`, the rest `_ssd_cb`."""
+    pid = tl.program_id(0)
+    if pid < cumsum_programs:
+        _ssd_cumsum(pid, dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr, cu_seqlens_ptr, seq, nchunks, chunk, heads,
+                    dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo, s_dt_b, s_dt_l, s_dt_h, s_A, s_bias,
+                    HAS_DT_BIAS, DT_SOFTPLUS, HAS_CLAMP, PACKED, ACC, BLOCK_T, BLOCK_H, WIDE_OFFSETS)
+    else:
+        _ssd_cb(pid - cumsum_programs, B_ptr, C_ptr, cb_ptr, cu_seqlens_ptr, seq, nchunks, chunk, groups, nstate,
+                s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
+                PACKED, DOT, UPCAST, ACC, BLOCK_M, BLOCK_K, BLOCK_N, WIDE_OFFSETS)
+
+
+@triton.jit
+def _ssd_cumsum(
+    pid, dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, heads,
     dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
     s_dt_b, s_dt_l, s_dt_h, s_A, s_bias,
@@ -149,8 +178,7 @@ def _ssd_cumsum_kernel(
     ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """dt_out = discretised dt (0 past the sequence end), cs = its running sum times A within
-    the chunk, for BLOCK_H heads of one chunk; both [batch, chunks, heads, chunk]."""
-    pid = tl.program_id(0)
+    the chunk, for BLOCK_H heads of one chunk (program `pid`); both [batch, chunks, heads, chunk]."""
     n_hblocks = tl.cdiv(heads, BLOCK_H)
     b, c, t0, chunk_len = _chunk_coords(pid // n_hblocks, nchunks, chunk, seq, cu_seqlens_ptr, PACKED)
     hh = _span((pid % n_hblocks) * BLOCK_H, BLOCK_H, WIDE_OFFSETS)
@@ -170,17 +198,16 @@ def _ssd_cumsum_kernel(
     tl.store(cs_ptr + out, cs, mask=store_mask)
 
 
-@triton.jit(do_not_specialize=_UNSPECIALISED)
-def _ssd_cb_kernel(
-    B_ptr, C_ptr, cb_ptr, cu_seqlens_ptr,
+@triton.jit
+def _ssd_cb(
+    pid, B_ptr, C_ptr, cb_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, groups, nstate,
     s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
     PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
-    """cb[b, c, g, m, k] = C_m . B_k for the block (m block, k block) of one chunk and group;
-    only blocks holding some k <= m are computed (the rest is never read)."""
-    pid = tl.program_id(0)
+    """cb[b, c, g, m, k] = C_m . B_k for the block (m block, k block) of one chunk and group
+    (program `pid`); only blocks holding some k <= m are computed (the rest is never read)."""
     kb, mb, rest = _block_coords(pid, tl.cdiv(chunk, BLOCK_K), tl.cdiv(chunk, BLOCK_M))
     g = (rest % groups).to(tl.int64)
     b, c, t0, chunk_len = _chunk_coords(rest // groups, nchunks, chunk, seq, cu_seqlens_ptr, PACKED)
@@ -207,14 +234,17 @@ def _ssd_cb_kernel(
 
 @triton.jit(do_not_specialize=_UNSPECIALISED)
 def _ssd_chunk_state_kernel(
-    x_ptr, B_ptr, dt_d_ptr, cs_ptr, states_ptr, cu_seqlens_ptr,
+    x_ptr, B_ptr, dt_d_ptr, cs_ptr, h0_ptr, states_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, n_local, heads, heads_per_group, headdim, nstate,
-    s_x_b, s_x_l, s_x_h, s_x_p, s_B_b, s_B_l, s_B_g, s_B_n,
-    PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    s_x_b, s_x_l, s_x_h, s_x_p, s_B_b, s_B_l, s_B_g, s_B_n, s_h0_b, s_h0_h, s_h0_p, s_h0_n,
+    s_st_b, s_st_c, s_st_h, s_st_p, s_st_n,
+    ADD_H0: tl.constexpr, PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """states[b, c, h] = sum_k exp(cs_last - cs_k) dt_k x_k (x) B_k over chunk c (from a zero
-    state), a [BLOCK_P, BLOCK_N] block per program, for the first n_local chunks."""
+    state), a [BLOCK_P, BLOCK_N] block per program, for the first n_local chunks; `states`
+    through its strides. ADD_H0 (a scan of one chunk): plus exp(cs_last) h0, which makes it the
+    final state, so step 4 is not launched."""
     pid = tl.program_id(0)
     nb, pb, rest = _block_coords(pid, tl.cdiv(nstate, BLOCK_N), tl.cdiv(headdim, BLOCK_P))
     h = (rest % heads).to(tl.int64)
@@ -228,7 +258,11 @@ def _ssd_chunk_state_kernel(
     cs_last = tl.load(cs_ptr + row + chunk - 1)
     x_base = x_ptr + b * s_x_b + t0 * s_x_l + h * s_x_h
     B_base = B_ptr + b * s_B_b + t0 * s_B_l + g * s_B_g
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=ACC)
+    if ADD_H0:
+        h0 = _load_tile(h0_ptr + b * s_h0_b + h * s_h0_h, p, s_h0_p, mask_p, n, s_h0_n, mask_n, ACC)
+        acc = tl.exp(cs_last) * h0
+    else:
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=ACC)
     for k0 in range(0, chunk_len, BLOCK_K):
         k = _span(k0, BLOCK_K, WIDE_OFFSETS)
         mask_k = k < chunk_len
@@ -238,8 +272,8 @@ def _ssd_chunk_state_kernel(
         dt_k = tl.load(dt_d_ptr + row + k, mask=mask_k, other=0.0)
         weight = tl.where(mask_k, tl.exp(cs_last - cs_k) * dt_k, 0.0)
         acc = _dot_computed_right(x_t, B_tile * weight[:, None], acc, UPCAST)
-    out = ((b * nchunks + c) * heads + h) * headdim * nstate
-    tl.store(states_ptr + out + p[:, None] * nstate + n[None, :], acc,
+    out = states_ptr + b * s_st_b + c * s_st_c + h * s_st_h
+    tl.store(out + p[:, None] * s_st_p + n[None, :] * s_st_n, acc.to(states_ptr.dtype.element_ty),
              mask=mask_p[:, None] & mask_n[None, :])
 
 
@@ -288,15 +322,16 @@ def _ssd_chunk_scan_kernel(
     x_ptr, z_ptr, C_ptr, D_ptr, cb_ptr, dt_d_ptr, cs_ptr, states_ptr, y_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, heads, heads_per_group, groups, headdim, nstate,
     s_x_b, s_x_l, s_x_h, s_x_p, s_z_b, s_z_l, s_z_h, s_z_p, s_y_b, s_y_l, s_y_h, s_y_p,
-    s_C_b, s_C_l, s_C_g, s_C_n, s_D_h, s_D_p,
+    s_C_b, s_C_l, s_C_g, s_C_n, s_D_h, s_D_p, s_st_b, s_st_c, s_st_h, s_st_p, s_st_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_STATES: tl.constexpr, PACKED: tl.constexpr,
     DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
     """y for BLOCK_M positions x BLOCK_P channels of one chunk and head: the entering state's
-    part (HAS_STATES: `states` holds the entering states; without it there is one chunk and
-    no h0, so the state enters at zero), the causal part within the chunk, D and the gate."""
+    part (HAS_STATES: `states`, through its strides, holds the entering states: step 4's, or h0
+    for a scan of one chunk; without it there is one chunk and no h0, so the state enters at
+    zero), the causal part within the chunk, D and the gate."""
     pid = tl.program_id(0)
     pb, mb, rest = _block_coords(pid, tl.cdiv(headdim, BLOCK_P), tl.cdiv(chunk, BLOCK_M))
     h = (rest % heads).to(tl.int64)
@@ -315,12 +350,12 @@ def _ssd_chunk_scan_kernel(
 
         if HAS_STATES:
             C_base = C_ptr + b * s_C_b + t0 * s_C_l + g * s_C_g
-            state_base = states_ptr + ((b * nchunks + c) * heads + h) * headdim * nstate
+            state_base = states_ptr + b * s_st_b + c * s_st_c + h * s_st_h
             for n0 in range(0, nstate, BLOCK_N):
                 n = _span(n0, BLOCK_N, WIDE_OFFSETS)
                 mask_n = n < nstate
                 C_tile = _load_tile(C_base, m, s_C_l, mask_m, n, s_C_n, mask_n, DOT)
-                entering = _load_tile(state_base, n, 1, mask_n, p, nstate, mask_p, ACC)
+                entering = _load_tile(state_base, n, s_st_n, mask_n, p, s_st_p, mask_p, ACC)
                 acc = _dot_computed_right(C_tile, entering, acc, UPCAST)
             acc *= tl.exp(cs_m)[:, None]
 
@@ -394,6 +429,15 @@ def _grid(*counts: int) -> tuple[int]:
     return (total,)
 
 
+def _state_strides(state: torch.Tensor | None) -> tuple[int, ...]:
+    """A [rows, heads, headdim, state] tensor's strides as the chunk kernels take a state's:
+    (row, chunk, head, headdim, state), the chunk's 0 (one chunk); zeros where there is none."""
+    if state is None:
+        return (0, 0, 0, 0, 0)
+    s_row, s_head, s_p, s_n = state.stride()
+    return (s_row, 0, s_head, s_p, s_n)
+
+
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
              dt_max=None, h0=None, return_state=False, chunk_size=None, cu_seqlens=None, out=None,
              state_out=None, blocks=None):
@@ -446,8 +490,16 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
     cb = torch.empty((batch, nchunks, groups, chunk, chunk), dtype=acc, device=device)
     # The chunks whose own end state is used: all but the last, and the last for the final state.
     n_local = nchunks if return_state else nchunks - 1
-    has_states = n_local > 0 or h0 is not None
-    states = torch.empty((batch, nchunks, heads, headdim, nstate), dtype=acc, device=device) if has_states else None
+    # One chunk needs no state passing: h0 is the state entering it, and its own end state plus
+    # its decay of h0 is the final state, which step 3 then writes where the caller wants it.
+    one_chunk = nchunks == 1
+    if one_chunk:
+        states, state_strides = state_out, _state_strides(state_out)
+        entering, entering_strides = h0, _state_strides(h0)
+    else:
+        states = torch.empty((batch, nchunks, heads, headdim, nstate), dtype=acc, device=device)
+        state_strides = entering_strides = states.stride()
+        entering = states
 
     has_clamp, bounds = clamp_bounds(dt_min, dt_max)
     wide = wide_offsets(per_row=(x, dt, z, out, B, C, h0, state_out), whole=(A, D, dt_bias))
@@ -458,37 +510,35 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
     warps = bl.num_warps
     heads_per_group = heads // groups
     s_x, s_B, s_C, s_dt = (row_strides(t.stride(), packed) for t in (x, B, C, dt))
+    s_h0 = h0.stride() if h0 is not None else (0, 0, 0, 0)
     launches = []
 
     block_t = next_power_of_2(chunk)
     block_h = min(next_power_of_2(heads), max(1, configs.SSD_ELEMENTWISE_BLOCK // block_t))
+    cumsum_programs = batch * nchunks * cdiv(heads, block_h)
+    cb_programs = batch * nchunks * groups * cdiv(chunk, bl.block_m) * cdiv(chunk, bl.block_k)
     launches.append(Launch(
-        _ssd_cumsum_kernel, _grid(batch, nchunks, cdiv(heads, block_h)),
-        (dt, A, dt_bias, dt_d, cs, cu_seqlens, seq, nchunks, chunk, heads, *bounds, *s_dt, A.stride(0),
-         dt_bias.stride(0) if dt_bias is not None else 0),
+        _ssd_prep_kernel, (cumsum_programs + cb_programs,),
+        (dt, A, dt_bias, dt_d, cs, B, C, cb, cu_seqlens, seq, nchunks, chunk, heads, groups, nstate, cumsum_programs,
+         *bounds, *s_dt, A.stride(0), dt_bias.stride(0) if dt_bias is not None else 0, *s_B, *s_C),
         dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_CLAMP=has_clamp, PACKED=packed,
-             ACC=acc_tl, BLOCK_T=block_t, BLOCK_H=block_h, WIDE_OFFSETS=wide),
-        warps))
-    launches.append(Launch(
-        _ssd_cb_kernel,
-        _grid(batch, nchunks, groups, cdiv(chunk, bl.block_m), cdiv(chunk, bl.block_k)),
-        (B, C, cb, cu_seqlens, seq, nchunks, chunk, groups, nstate, *s_B, *s_C),
-        dict(PACKED=packed, ACC=acc_tl, BLOCK_M=bl.block_m, BLOCK_K=bl.block_k, BLOCK_N=bl.block_n, **dots),
+             ACC=acc_tl, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_M=bl.block_m, BLOCK_K=bl.block_k,
+             BLOCK_N=bl.block_n, **dots),
         warps))
     if n_local:
         launches.append(Launch(
             _ssd_chunk_state_kernel,
             _grid(batch, n_local, heads, cdiv(headdim, bl.block_p), cdiv(nstate, bl.block_n)),
-            (x, B, dt_d, cs, states, cu_seqlens, seq, nchunks, chunk, n_local, heads, heads_per_group, headdim,
-             nstate, *s_x, *s_B),
-            dict(PACKED=packed, ACC=acc_tl, BLOCK_K=bl.block_k, BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
+            (x, B, dt_d, cs, h0, states, cu_seqlens, seq, nchunks, chunk, n_local, heads, heads_per_group, headdim,
+             nstate, *s_x, *s_B, *s_h0, *state_strides),
+            dict(ADD_H0=one_chunk and h0 is not None, PACKED=packed, ACC=acc_tl, BLOCK_K=bl.block_k,
+                 BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
             warps))
-    if has_states:
+    if not one_chunk:
         block_e = min(next_power_of_2(headdim * nstate), configs.SSD_ELEMENTWISE_BLOCK)
         launches.append(Launch(
             _ssd_state_passing_kernel, _grid(batch, heads, cdiv(headdim * nstate, block_e)),
-            (states, cs, h0, state_out, nchunks, chunk, n_local, heads, headdim, nstate,
-             *(h0.stride() if h0 is not None else (0, 0, 0, 0)),
+            (states, cs, h0, state_out, nchunks, chunk, n_local, heads, headdim, nstate, *s_h0,
              *(state_out.stride() if state_out is not None else (0, 0, 0, 0))),
             dict(HAS_H0=h0 is not None, STORE_STATE=state_out is not None, ACC=acc_tl, BLOCK_E=block_e,
                  WIDE_OFFSETS=wide),
@@ -496,10 +546,10 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
     launches.append(Launch(
         _ssd_chunk_scan_kernel,
         _grid(batch, nchunks, heads, cdiv(chunk, bl.block_m), cdiv(headdim, bl.block_p)),
-        (x, z, C, D, cb, dt_d, cs, states, out, cu_seqlens, seq, nchunks, chunk, heads, heads_per_group, groups,
+        (x, z, C, D, cb, dt_d, cs, entering, out, cu_seqlens, seq, nchunks, chunk, heads, heads_per_group, groups,
          headdim, nstate, *s_x, *(row_strides(z.stride(), packed) if z is not None else (0, 0, 0, 0)),
-         *row_strides(out.stride(), packed), *s_C, *(D.stride() if D is not None else (0, 0))),
-        dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_STATES=has_states, PACKED=packed, ACC=acc_tl,
+         *row_strides(out.stride(), packed), *s_C, *(D.stride() if D is not None else (0, 0)), *entering_strides),
+        dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_STATES=entering is not None, PACKED=packed, ACC=acc_tl,
              BLOCK_M=bl.block_m, BLOCK_K=bl.block_k, BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
         warps))
     return out, state_out, launches
