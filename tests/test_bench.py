@@ -514,6 +514,47 @@ def test_backward_bench_runs_end_to_end(tmp_path):
     assert case["torch_autograd"]["peak_extra_bytes"] > 0
 
 
+def test_backward_bench_times_the_triton_backward_as_on_a_gpu(tmp_path):
+    """`python -m bench.backward --backends triton` (the path its `--device cuda` run takes) on
+    Triton's interpreter, both kinds' smallest cases: the triton backward and forward timed,
+    torch autograd beside them, the ratios of its own numbers, the run's device and backends
+    recorded."""
+    if "triton" not in kernels.available_backends():
+        pytest.skip(f"the triton backend is unavailable: {kernels.unavailable_backends().get('triton')}")
+    out = tmp_path / "backward.json"
+    proc = run_marked([sys.executable, "-m", "bench.backward", "--backends", "triton", "--cases",
+                       "1x8x16x4,ssd-1x16x2x8x4", "--reps", "1", "--torch-reps", "1", "--json", str(out)],
+                      timeout_s=300, cwd=Path(__file__).resolve().parent.parent,
+                      env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.failure() is None, proc.failure()
+    document = json.loads(out.read_text())
+    assert (document["device"], document["backends"]) == ("cpu", ["triton"])
+    assert [case["case"]["kind"] for case in document["cases"]] == ["scan", "ssd"]
+    for case in document["cases"]:
+        (name,) = case["variants"]
+        row = case["variants"]["triton"]
+        assert name == "triton" and row["forward_ms"] > 0 and row["backward_ms"] > 0
+        assert case["ratios"]["torch_autograd_over_backward"] == pytest.approx(
+            case["torch_autograd"]["backward_ms"] / row["backward_ms"])
+        assert case["ratios"]["backward_over_forward"] == pytest.approx(row["backward_ms"] / row["forward_ms"])
+
+
+def test_gpu_checks_script_parses_and_refuses_a_machine_without_a_gpu(tmp_path):
+    """bench/gpu_checks.sh, the one run a lent GPU is given: bash reads all of it, and without a
+    CUDA device it stops before any part, saying why (exit 2). With one, only the parse is
+    checked here: the script's parts are the GPU run itself."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_checks.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                          cwd=script.parent.parent, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 2 and "no torch that sees a CUDA device" in done.stderr, done.stderr
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
     """`python -m bench.varlen` on its tiny case, in this process: the packed call, the
     per-sequence calls and the padded batch timed, and both ways of the backward, their ratios
