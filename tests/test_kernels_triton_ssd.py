@@ -306,6 +306,17 @@ def test_ssd_state_update_table_blocks(device):
     _check_update(SsdUpdateCase(5, 4, 40, 24, groups=2, pool=8, padding_rows=2, D=True, z=True), torch.float32, device)
 
 
+def test_ssd_scan_refuses_a_final_state_in_h0s_memory():
+    """A scan of one chunk writes the final state before its chunk scan reads h0: the two in one
+    storage would give y from the wrong state, so the launcher refuses it, naming state_out."""
+    inputs = make_ssd_inputs(SsdCase(1, 5, 2, 4, 3, h0=True), torch.float32, "cpu", seed=random_seed())
+    args = _args.check_ssd_scan(**inputs)
+    with pytest.raises(kernels.KernelInputError) as info:
+        ssd.ssd_scan_launches(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(), out=None,
+                              state_out=args.h0, blocks=INTERPRETER_SSD_BLOCKS)
+    assert info.value.field == "state_out"
+
+
 # --- element offsets past 2^31: the WIDE_OFFSETS variant -------------------------------------------
 
 

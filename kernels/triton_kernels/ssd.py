@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import KernelInputError
 from . import configs
 from .common import (
     Launch, accumulation_dtype, cdiv, check_out, clamp_bounds, discretize_dt, interpreter_active,
@@ -446,8 +447,9 @@ def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
     batch-1 input's seq. Returns (y in x's dtype, the final state or None).
 
     Internal keywords: `out` / `state_out` receive y / the final state instead of fresh tensors
-    (tests pass NaN-filled ones, so that an element no program writes shows up); `blocks`
-    overrides the table (configs.SsdBlocks)."""
+    (tests pass NaN-filled ones, so that an element no program writes shows up; `state_out`
+    must not share memory with h0, which a scan of one chunk reads after writing the final
+    state); `blocks` overrides the table (configs.SsdBlocks)."""
     out, state_out, launches = ssd_scan_launches(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min,
         dt_max=dt_max, h0=h0, return_state=return_state, chunk_size=chunk_size, out=out,
@@ -482,6 +484,8 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
             state_out = torch.empty((batch, heads, headdim, nstate), dtype=acc, device=device)
         else:
             check_out("state_out", state_out, (batch, heads, headdim, nstate), acc, device)
+            if h0 is not None and state_out.untyped_storage().data_ptr() == h0.untyped_storage().data_ptr():
+                raise KernelInputError("state_out", "a tensor of its own (not h0's memory)", "h0's storage")
     else:
         state_out = None
 
