@@ -8,14 +8,16 @@
 #
 #   bash bench/gpu_checks.sh OUT [tests|kernels|backward ...]   (default: all three, in that order)
 #
-# The parts' limits add up to 11 minutes: where one command may run at most 10, run `tests` in
+# The parts' limits add up to 13 minutes: where one command may run at most 10, run `tests` in
 # one and `kernels backward` in the next.
 #
 # Run from the repository root; PYTHON (default python3) is the Python that holds torch with
 # CUDA. Packages the machine lacks (pyzmq, msgspec) are installed first from the wheels in .whl/
 # where that folder exists (`pip download --only-binary=:all:` for that machine's Python).
-# A part that fails is reported and the next one runs; the exit status is the number of parts
-# that failed.
+# BASELINE, where set, is another checkout (its kernels/ is enough: `git archive REV kernels`
+# unpacked into an ignored folder that travels with the tree) whose Triton calls the kernels
+# part times beside this tree's. A part that fails is reported and the next one runs; the exit
+# status is the number of parts that failed.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_checks.sh OUT [tests|kernels|backward ...]}
 shift
@@ -53,10 +55,13 @@ for part in "${parts[@]}"; do
             run tests 300 "$py" -m pytest -q -p no:cacheprovider -n 8 --durations=10 \
                 tests/test_kernels_triton.py tests/test_kernels_triton_ssd.py tests/test_kernels_triton_backward.py \
                 tests/test_kernels_ssd.py tests/test_step_graphs.py tests/test_sessions.py tests/test_batcher.py ;;
-        kernels)  # issue 33's GPU goal: the Triton SSD scan >= 10x torch's chunked form
+        kernels)  # issue 33's GPU goal: the Triton SSD scan >= 10x torch's chunked form; then each
+                  # Triton call's pace with its launches (against BASELINE's kernels where given)
             run kernels 180 "$py" -m bench.kernels --device cuda \
                 --cases ssd-130m,ssd-exphil,ssd-step-130m,ssd-step-exphil,exphil,step-32x512x16 \
-                --json "$out/kernels-cuda-ssd.json" ;;
+                --json "$out/kernels-cuda-ssd.json"
+            run triton_host 120 "$py" -m bench.triton_host --device cuda --rounds 6 --calls 300 \
+                ${BASELINE:+--baseline "$BASELINE"} --json "$out/triton-host-cuda.json" ;;
         backward)  # issue 35's GPU goal: the Triton backward >= 20x torch autograd
             run backward 180 "$py" -m bench.backward --device cuda --reps 20 \
                 --cases exphil,1x768x1024x16,ssd-1x1024x8x64x64 --json "$out/backward-cuda.json" ;;

@@ -7,12 +7,15 @@ The forwards and the state updates are timed; the backwards are not: their host 
 part of their math in torch ops, which here would run on the CPU instead of being launched.
 Each case runs in a child process of its own tree with Triton's interpreter selected and every
 launch replaced by a counter: nothing runs on a device, Triton's own launch call included (on a
-GPU that comes on top, per launch). With `--baseline TREE` (another checkout, e.g. a
+GPU that comes on top, per launch). `--device cuda` (a lent GPU) launches for real, each case's
+calls back to back with the device synchronized once at the end: what a small call costs there,
+its launches included. With `--baseline TREE` (another checkout, e.g. a
 `git worktree` of the commit before a change) the two trees' children take turns, A B then B A,
 and each case reports both medians, baseline over this tree, and the median of the rounds'
 ratios.
 
-    python -m bench.triton_host [--baseline ../base-checkout] [--rounds 6] [--calls 2000] [--json PATH]
+    python -m bench.triton_host [--baseline ../base-checkout] [--rounds 6] [--calls 2000] [--device cpu|cuda]
+                                [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,18 +36,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # host time.
 CHILD = r"""
 import json, os, sys, time
-os.environ["TRITON_INTERPRET"] = "1"
+calls, device = int(sys.argv[1]), sys.argv[2]
+if device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 import torch
 import kernels
 from kernels.triton_kernels import common
 
 launches = []
-common.Launch.run = lambda self: launches.append(self.kernel)
-calls = int(sys.argv[1])
+launch = common.Launch.run
+if device == "cpu":
+    common.Launch.run = lambda self: launches.append(self.kernel)
+else:
+    def counted(self):
+        launches.append(self.kernel)
+        launch(self)
+    common.Launch.run = counted
 g = torch.Generator().manual_seed(0)
 
 def rand(*shape):
-    return torch.rand(*shape, generator=g)
+    return torch.rand(*shape, generator=g).to(device)
 
 def mamba1(b, l, d, n):
     return dict(x=rand(b, l, d), dt=rand(b, l, d), A=-rand(d, n), B=rand(b, l, 1, n), C=rand(b, l, 1, n))
@@ -56,7 +67,7 @@ def cases():
     m = mamba1(32, 60, 512, 16)
     D = rand(512)
     yield "scan exphil", lambda: kernels.selective_scan(**m, D=D, dt_softplus=True, backend="triton")
-    state, slots = rand(64, 512, 16), torch.arange(32)
+    state, slots = rand(64, 512, 16), torch.arange(32, device=device)
     step = dict(x=rand(32, 512), dt=rand(32, 512), A=-rand(512, 16), B=rand(32, 1, 16), C=rand(32, 1, 16))
     yield "state_update 32x512x16", lambda: kernels.selective_state_update(
         state, **step, D=D, dt_softplus=True, slots=slots, backend="triton")
@@ -78,21 +89,35 @@ for name, call in cases():
     launches.clear()
     call()
     count = len(launches)
-    times = []
-    for _ in range(calls):
+    if device == "cpu":
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter_ns()
+            call()
+            times.append((time.perf_counter_ns() - start) / 1e3)
+        us = sorted(times)[len(times) // 2]
+    else:  # back to back, the device's queue drained once at the end: a small call's host-bound pace
+        torch.cuda.synchronize()
         start = time.perf_counter_ns()
-        call()
-        times.append((time.perf_counter_ns() - start) / 1e3)
-    out[name] = {"median_us": sorted(times)[len(times) // 2], "launches": count}
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        us = (time.perf_counter_ns() - start) / 1e3 / calls
+    out[name] = {"median_us": us, "launches": count}
 print(json.dumps(out))
 """
 
 
-def child_run(tree: str, calls: int) -> dict:
-    """One child's figures, per case: host µs a call (median) and launches a call."""
-    env = {**os.environ, "PYTHONPATH": tree, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(calls)], capture_output=True, text=True, env=env,
-                          cwd=tree, timeout=1800)
+def child_run(tree: str, calls: int, device: str) -> dict:
+    """One child's figures, per case: µs a call (on the CPU the host work's median, on CUDA the
+    mean of calls back to back) and launches a call."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(calls), device], capture_output=True, text=True,
+                          env=env, cwd=tree, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"the child of {tree} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -103,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", help="another checkout of this project to compare with")
     parser.add_argument("--rounds", type=int, default=6, help="children per tree, the trees taking turns")
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per case and child")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: real launches on the GPU, each case's calls back to back")
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "triton_host.json"))
     args = parser.parse_args(argv)
 
@@ -111,7 +138,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         order = list(trees) if r % 2 == 0 else list(reversed(trees))
         for side in order:
-            runs[side].append(child_run(trees[side], args.calls))
+            runs[side].append(child_run(trees[side], args.calls, args.device))
             print(f"round {r + 1}/{args.rounds}: {side} done", file=sys.stderr, flush=True)
 
     cases = []
@@ -136,10 +163,14 @@ def main(argv=None) -> int:
                      f" ({case['baseline_over_this']:.2f}x, paired {case['paired_ratio_median']:.2f}x)")
         print(line)
     write_results(args.json, "triton_host", {
-        "rounds": args.rounds, "calls": args.calls,
+        "rounds": args.rounds, "calls": args.calls, "device": args.device,
         "baseline_tree": trees.get("baseline"),
-        "method": "host µs a call (median of each child's calls, then median over the rounds), Triton's "
-                  "interpreter selected and every launch replaced by a counter: Triton's own launch call excluded",
+        "method": ("host µs a call (median of each child's calls, then median over the rounds), Triton's "
+                   "interpreter selected and every launch replaced by a counter: Triton's own launch call excluded"
+                   if args.device == "cpu" else
+                   "µs a call on the GPU: each case's calls back to back, the device synchronized once before and "
+                   "once after (a small call's pace is its host work, Triton's launches included), the median "
+                   "over the rounds"),
         "cases": cases})
     return 0
 
