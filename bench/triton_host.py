@@ -3,7 +3,7 @@ its kernels run (argument checks, planning, buffers, the launches' arguments), a
 launches it makes. On a GPU a small call is bound by this host work (docs/performance.md,
 "triton launch host time"), so it can be measured, and cut, on a machine without one.
 
-The forwards and the state updates are timed; the backwards are not: their host part does
+The forwards and the state updates are timed; the backwards only on CUDA: their host part does
 part of their math in torch ops, which here would run on the CPU instead of being launched.
 Each case runs in a child process of its own tree with Triton's interpreter selected and every
 launch replaced by a counter: nothing runs on a device, Triton's own launch call included (on a
@@ -82,6 +82,12 @@ def cases():
     ssd_step = dict(x=rand(32, 8, 64), dt=rand(32, 8), A=-rand(8), B=rand(32, 1, 16), C=rand(32, 1, 16))
     yield "ssd_state_update 32x8x64x16", lambda: kernels.ssd_state_update(
         ssd_state, **ssd_step, D=D_heads, dt_softplus=True, slots=slots, backend="triton")
+    if device != "cpu":  # their torch ops would run here, on the CPU: timed where they are launched
+        dy, dy_ssd = rand(32, 60, 512), rand(32, 60, 8, 64)
+        yield "scan_backward exphil", lambda: kernels.selective_scan_backward(
+            dy, **m, D=D, dt_softplus=True, backend="triton")
+        yield "ssd_scan_backward exphil", lambda: kernels.ssd_scan_backward(
+            dy_ssd, **s, D=D_heads, dt_softplus=True, backend="triton")
 
 out = {}
 for name, call in cases():
