@@ -109,7 +109,7 @@ for name, call in cases():
             call()
         torch.cuda.synchronize()
         us = (time.perf_counter_ns() - start) / 1e3 / calls
-    out[name] = {"median_us": us, "launches": count}
+    out[name] = {"call_us": us, "launches": count}
 print(json.dumps(out))
 """
 
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     for name in runs["this"][0]:
         case = {"case": name}
         for side in trees:
-            medians = [run[name]["median_us"] for run in runs[side]]
+            medians = [run[name]["call_us"] for run in runs[side]]
             case[side] = {"host_us": statistics.median(medians), "rounds_us": medians,
                           "launches": runs[side][0][name]["launches"]}
         if "baseline" in case:

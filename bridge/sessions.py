@@ -379,6 +379,11 @@ class Snapshot:
         self.rows = session.read_rows()
         self.nbytes = session.nbytes
 
+    def is_like(self, session: Session) -> bool:
+        """Whether `session` has this snapshot's model or state shape, and batch: one it can be
+        restored into, or taken again from."""
+        return self.layout == session.layout and self.batch == session.batch
+
     def take_again(self, session: Session) -> None:
         """Hold `session`'s state now, in the same memory (a session like the one it came from:
         SnapshotTable.of_session_like)."""
@@ -412,7 +417,7 @@ class SnapshotTable(OwnedTable[Snapshot]):
         """The owner's snapshot `snapshot_id`, checked to be one of a session like `session` (its
         model or state shape, and batch): one it can be restored into, or taken again from."""
         snapshot = self.get(owner, snapshot_id, field)
-        if snapshot.layout != session.layout or snapshot.batch != session.batch:
+        if not snapshot.is_like(session):
             raise OpError("invalid_argument",
                           f"{field}: expected a snapshot of a session like args.session (its model or state "
                           f"shape, batch {session.batch}), got one of another",

@@ -180,7 +180,7 @@ class NativeStep:
         if request.snapshot_into is not None:
             # The general path names an unknown or unlike snapshot in its error.
             snapshot = self.server.snapshots.find(conn.id, request.snapshot_into)
-            if snapshot is None or snapshot.layout != session.layout or snapshot.batch != session.batch:
+            if snapshot is None or not snapshot.is_like(session):
                 return None
         try:
             # `snapshot` is held here while the kernel writes into its rows.

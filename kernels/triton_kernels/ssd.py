@@ -14,7 +14,8 @@ The scan cuts the sequence into chunks of `chunk` timesteps and runs these steps
   5. `_ssd_chunk_scan_kernel`  y_m = exp(cs_m) C_m . H_c + sum_{k <= m} (C_m . B_k)
                             exp(cs_m - cs_k) dt_k x_k, + D x_m, * silu(z_m)
 
-On a GPU a small scan is bound by its launches' host time, so they are as few as the steps'
+On a GPU a small call's time is mostly host work, much of it Triton's launch call
+(docs/performance.md, "triton launch host time"), so the launches are as few as the steps'
 dependencies allow: 1 and 2 are one launch (`_ssd_prep_kernel`); a scan of one chunk (ExPhil's
 60-frame window) skips 4, h0 being the state entering its chunk and step 3 (run only for the
 final state) adding h0's decay to write the final state itself: 2 launches, 3 with the final
@@ -155,9 +156,8 @@ def _ssd_prep_kernel(
     DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
-    """Steps 1 and 2, which depend on nothing but the inputs, in one launch (on a GPU a small
-    scan is bound by its launches' host time): the first `cumsum_programs` programs run
-    `_ssd_cumsum`, the rest `_ssd_cb`."""
+    """Steps 1 and 2, which depend on nothing but the inputs, in one launch (see the module
+    docstring): the first `cumsum_programs` programs run `_ssd_cumsum`, the rest `_ssd_cb`."""
     pid = tl.program_id(0)
     if pid < cumsum_programs:
         _ssd_cumsum(pid, dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_ptr, cu_seqlens_ptr, seq, nchunks, chunk, heads,
