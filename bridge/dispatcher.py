@@ -4,8 +4,9 @@ Transports hand every frame they read to `Dispatcher.on_frame`, from their reade
 dispatcher is the one place that decides how a request is served:
 
   * fast path: the one op that offers one (the step op's native C++ path, bridge.native) looks
-    at the frame first; a request it takes that finds nothing in flight but such requests is
-    served on this thread from frame to reply. Anything else goes on untouched.
+    at the frame first; a request it takes that finds nothing in flight but such requests (and
+    general-path ones whose replies are being written) is served on this thread from frame to
+    reply. Anything else goes on untouched.
   * decode: the body becomes a request that carries its reply codec (protocol.codecs: v1, or
     ExPhil's legacy form), so every later step answers it the same way.
   * admission: one count of requests in flight, under one lock, with the `--max-pending` cap
@@ -21,8 +22,8 @@ dispatcher is the one place that decides how a request is served:
     instead; a queued one a cancel dropped was answered `cancelled` and is passed over.
 
 One lock (`_serving`) lets one thread at a time run ops, so ops never run concurrently, and a
-request never overtakes one admitted before it: a fast-path request is served only when nothing
-that went the general way is in flight. Every failure becomes a structured error reply; nothing
+request never overtakes one admitted before it: a fast-path request is served only when every
+request that went the general way has been answered or is having its reply written. Every failure becomes a structured error reply; nothing
 a client sends can stop the serving threads. Why steps take the fast path under load too, and
 why a lone request skips the worker: docs/performance.md (native step path; inline when idle).
 """
@@ -66,6 +67,7 @@ class Call:
     after_reply: Callable | None = None  # run once the reply is written (the shutdown op's)
     prepared: object = None  # the batcher's Item, once prepared
     dropped: bool = False  # a cancel took it from the queue and answered it (bridge.queued)
+    replying: bool = False  # its reply is being written: the fast path may take steps behind it
 
     @property
     def op(self) -> str:
@@ -122,9 +124,10 @@ class Dispatcher:
         self.fast_path = server.fast_path
         self.max_pending = server.config.max_pending
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        # Requests in flight (admitted, not yet answered), and of those the fast path's.
+        # Requests in flight (admitted, not yet answered), and of those the general path's
+        # whose reply is not yet being written (Dispatcher._replying).
         self._pending = 0
-        self._pending_fast = 0
+        self._unanswered_general = 0
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
         self._worker = threading.Thread(target=self._work, name="bridge-worker", daemon=True)
@@ -226,20 +229,20 @@ class Dispatcher:
             elif self._pending >= self.max_pending and not immediate:
                 refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
                                   {"limit": self.max_pending})
-            elif fast and self._pending != self._pending_fast:
+            elif fast and self._unanswered_general:
                 return None  # a general-path request in flight must not be overtaken
             else:
                 idle = self._pending == 0
                 self._pending += 1
-                self._pending_fast += fast
+                self._unanswered_general += not fast
                 return idle
         return None if fast else refusal
 
     def _serve_fast(self, conn, body, received_ns: int) -> bool:
         """Serve the request in `body` through the op fast path on this thread, if that path
-        takes it and nothing is in flight but its own requests (other lanes' readers, each
-        serving one, which only wait for the serving lock: docs/performance.md, "unix callers
-        native"). False: not taken (nothing was touched), it goes the general way, which also
+        takes it and no general-path request in flight is still to be answered (_replying);
+        its own requests may be (other lanes' readers, each serving one, which only wait for
+        the serving lock: docs/performance.md, "unix callers native"). False: not taken (nothing was touched), it goes the general way, which also
         answers every error."""
         try:
             request = self.fast_path.parse(body)
@@ -271,7 +274,7 @@ class Dispatcher:
             self.server.stats.record(request.op, timing, ok=True)
             return True
         finally:
-            self._leave(fast=True)
+            self._leave()
 
     def on_frame_error(self, conn, exc: protocol.FrameTooLarge) -> None:
         """An oversized frame, already drained by the transport: read, as the stats count it
@@ -435,6 +438,7 @@ class Dispatcher:
         except Exception as exc:
             self._fail(call, exc)
             return
+        self._replying(call)
         try:
             self._send(call.conn, parts, out_of_band)
         except protocol.FrameTooLarge as exc:  # nothing was written: the error is the answer
@@ -448,6 +452,7 @@ class Dispatcher:
             self._finish(call)
 
     def _fail(self, call: Call, exc: BaseException) -> None:
+        self._replying(call)
         try:
             code = self._reply_error(call.conn, call.codec, call.request.reply_id, exc, stats_op=call.stats_op)
             # Errors the request itself caused (every code but internal_error, as error_fields
@@ -471,12 +476,21 @@ class Dispatcher:
         finally:
             self._leave()
 
-    def _leave(self, fast: bool = False) -> None:
-        """A request (`fast`: one the fast path took) is no longer in flight (drain waits for
-        none to be)."""
+    def _replying(self, call: Call) -> None:
+        """The general path's `call` has run (or never will) and its reply is about to be
+        written: a step behind it may take the fast path. Said before the write, not after its
+        finish: a client answered at once would otherwise find it still in flight, and its next
+        step would go the general way. Nothing overtakes it: a reply written under the serving
+        lock keeps the fast path waiting on that lock until it is sent."""
+        if not call.replying:
+            call.replying = True
+            with self._pending_lock:
+                self._unanswered_general -= 1
+
+    def _leave(self) -> None:
+        """A request is no longer in flight (drain waits for none to be)."""
         with self._idle:
             self._pending -= 1
-            self._pending_fast -= fast
             if self._pending == 0:
                 self._idle.notify_all()
 

@@ -256,6 +256,37 @@ def test_every_step_that_finds_nothing_in_flight_is_served_natively(inproc):
     assert reply.ok and served.taken == 3 and asked == [], f"seed={seed}"
 
 
+@pytest.mark.parametrize("inline", [pytest.param(False, id="queued-for-the-worker"),
+                                    pytest.param(True, id="served-on-its-reader")])
+def test_a_step_sent_before_the_last_reply_is_finished_is_served_natively(inproc, inline):
+    """A client that steps the moment a general-path reply reaches it can beat that request's
+    finish (its buffer released, its count dropped): the step, admitted while the reply is still
+    being written, is served natively all the same, once the serving lock is free."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(3, 5, 4, handles=True)
+    srv, conn = inproc(), RecordingConnection()
+    session, shared = open_session(srv, conn, case, constants(case, gen))
+    frame = {**shared, **step_inputs(case, gen)}
+    served = Served(srv)
+    step_ids, stepping = [], threading.Event()
+    send = conn.send
+
+    def replying_then_stepping(parts, buffers=None):
+        send(parts, buffers)
+        if not stepping.is_set():
+            stepping.set()
+            threading.Thread(target=lambda: step_ids.append(srv.submit(conn, "step", session=session, **frame)),
+                             daemon=True).start()
+            wait_until(lambda: srv.dispatcher._pending >= 2, "the step was never admitted")
+
+    conn.send = replying_then_stepping
+    assert conn.reply(srv.submit(conn, "session_state", session=session, more_input=not inline)).ok
+    wait_until(lambda: step_ids, "the step was never submitted")
+    reply = conn.reply(step_ids[0])
+    assert reply.ok and served_natively(reply) and served.taken == 1, f"seed={seed}: {reply}"
+
+
 # How long the first step is held once the second is in flight.
 HELD_S = 0.02
 
