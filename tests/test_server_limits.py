@@ -260,16 +260,20 @@ def test_a_stdio_peer_that_reads_nothing_does_not_hold_up_the_other_lanes(tmp_pa
     """A stdio reply is written by the thread that served its request, with the dispatcher's
     serving lock held, which every lane's requests wait for: a Port that stops reading its
     replies must not stop the unix lane. Written blocking, a reply the pipe had no room for held
-    the lock until the Port read. Its replies still come whole and in order when it reads, the
-    last ones after its stdin has closed (the server writes them before it exits)."""
+    the lock until the Port read. Its replies still come whole and in order when it reads, and
+    closing its stdin then stops the server."""
     path = str(tmp_path / "bridge.sock")
     srv = ServerProcess(str(tmp_path), "--stdio", "--unix", path, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         srv.wait_for_path(path)
         inputs = make_scan_inputs(ScanCase(1, 1024, 512, 4))  # 2 MiB replies: more than a pipe holds
         frame = scan_frame(1, inputs)
-        srv.proc.stdin.write(frame + frame)
-        srv.proc.stdin.flush()
+        # From a thread: the server reads no more of a peer's requests while its replies wait for
+        # it, so whether the second frame is taken before the first reply backs up is the
+        # scheduler's choice, and the rest of it may wait until that reply is read.
+        writing = threading.Thread(target=lambda: (srv.proc.stdin.write(frame + frame), srv.proc.stdin.flush()),
+                                   daemon=True)
+        writing.start()
         stdout = srv.proc.stdout.fileno()
         room = fcntl.fcntl(stdout, fcntl.F_GETPIPE_SZ)
         wait_until(lambda: input_bytes(stdout) >= room - 4096, "the stdio replies never filled the pipe")
@@ -279,14 +283,14 @@ def test_a_stdio_peer_that_reads_nothing_does_not_hold_up_the_other_lanes(tmp_pa
                 assert pong.result(REPLY_TIMEOUT_S).result == {"pong": True}
             except TimeoutError:
                 pytest.fail("a unix ping got no answer while the stdio peer read nothing")
-        srv.proc.stdin.close()
-        # The server removes its socket file as it closes its lanes, stdio's last: that one
-        # still writes what the pipe had no room for (until transports.base.FLUSH_SECONDS).
-        wait_until(lambda: not os.path.exists(path), "the server did not stop when its stdin closed")
         replies = [read_reply(srv.proc.stdout) for _ in range(2)]
         for i, reply in enumerate(replies):
             assert_reply_matches_reference(reply, inputs, f"stdio reply {i}")
+        writing.join(REPLY_TIMEOUT_S)
+        assert not writing.is_alive(), "the server never read the second frame"
+        srv.proc.stdin.close()
         assert srv.proc.wait(REPLY_TIMEOUT_S) == 0, srv.log()
+        assert not os.path.exists(path)
     finally:
         srv.stop()
 
