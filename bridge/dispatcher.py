@@ -270,7 +270,11 @@ class Dispatcher:
             if outcome is None:
                 return False
             reply, timing = outcome
-            self._send(conn, [reply])
+            try:
+                self._send(conn, [reply])
+            except protocol.FrameTooLarge as exc:  # nothing was written: the error is the answer
+                self._reply_error(conn, protocol.V1, request.id, reply_too_large(exc), stats_op=request.op)
+                return True
             self.server.stats.record(request.op, timing, ok=True)
             return True
         finally:

@@ -16,7 +16,7 @@ import pytest
 import protocol
 from bridge.streams import read_exact, read_frame
 
-from kernel_cases import ScanCase, make_scan_inputs
+from kernel_cases import ScanCase, UpdateCase, make_scan_inputs, make_update_inputs
 from lane_helpers import REPLY_TIMEOUT_S, RecordingDispatcher, raw_unix, read_reply, request_frame, scan_frame
 from waiting import wait_until
 
@@ -121,6 +121,45 @@ def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection
         assert (detail["limit"], detail["max"]) == ("reply_frame_size", 2048)
         assert detail["requested"] > 64 * 16 * 4
         assert (pong.id, pong.ok, pong.result) == (2, True, {"pong": True})
+        reader.close()
+        conn.close()
+
+
+def test_a_native_step_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection_serves_on(
+        tmp_path, monkeypatch, inproc):
+    """As above for a step the native path serves on the reader thread (its reply here a 4 KiB
+    state): not answered, the error ended the connection's input (on stdio, the server)."""
+    srv = inproc()
+    native = srv.server.fast_path
+    if native is None:
+        pytest.skip("the native step path is not built here (python -m bridge.native says why)")
+    taken = []
+    serve = native.serve
+
+    def recording(*args):
+        outcome = serve(*args)
+        taken.append(outcome is not None)
+        return outcome
+
+    native.serve = recording
+    inputs = make_update_inputs(UpdateCase(1, 64, 16, bc_2d=True))
+    del inputs["state"]
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=1) as transport:
+        transport.start()
+        conn = raw_unix(transport.path)
+        reader = conn.makefile("rb", buffering=0)
+        conn.sendall(request_frame(1, "session_open", {"batch": 1, "dim": 64, "state": 16}))
+        session = read_reply(reader).result["session"]
+        step = {k: protocol.OutTensor("f32", v.shape, v.numpy()) for k, v in inputs.items()}
+        frames = [request_frame(2, "step", {"session": session, "return_state": True, **step}),
+                  request_frame(3, "ping")]  # framed before the limit is lowered
+        monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 2048)
+        conn.sendall(b"".join(frames))
+        refused, pong = read_reply(reader), read_reply(reader)
+        assert (refused.id, refused.ok, refused.error["code"]) == (2, False, "limit_exceeded")
+        assert refused.error["detail"]["limit"] == "reply_frame_size"
+        assert (pong.id, pong.ok) == (3, True)
+        assert taken == [True], "the native path did not serve the step"
         reader.close()
         conn.close()
 
