@@ -345,19 +345,26 @@ class Dispatcher:
         return True
 
     def _next_call(self, block: bool = True, timeout: float | None = None, take: bool = True):
-        """The held request if any, else the next queued one a cancel has not dropped; None when
-        nothing came in time. `take`: taken from the cancellable set (under the serving lock);
-        else the caller takes it when it has the lock."""
-        if self._held is not None:
-            call, self._held = self._held, None
-            return call
+        """The held request if a cancel has not dropped it, else the next queued one a cancel has
+        not dropped; None when nothing came in time. `take`: taken from the cancellable set
+        (under the serving lock); else the caller takes it when it has the lock."""
         while True:
-            try:
-                call = self._queue.get(block, timeout)
-            except queue.Empty:
-                return None
+            if self._held is not None:
+                call, self._held = self._held, None
+            else:
+                try:
+                    call = self._queue.get(block, timeout)
+                except queue.Empty:
+                    return None
             if call is _STOP or (self.server.queued.take(call) if take else not call.dropped):
                 return call
+
+    def _hold(self, call) -> None:
+        """Keep `call`, taken while gathering a batch it cannot join, to be served next; until
+        then it has not started, so a cancel may still drop it."""
+        self._held = call
+        if call is not _STOP:
+            self.server.queued.add(call, self._fail, oldest=True)
 
     def _serve(self, call: Call) -> None:
         call.timing.add("queue", now_ns() - call.enqueued_ns)
@@ -401,29 +408,31 @@ class Dispatcher:
             if call is None:
                 break
             if call is _STOP or call.batched_op is not op:
-                self._held = call
+                self._hold(call)
                 break
             item = self._prepare(op, call)
             if item is None:
                 continue
             if not batch.accepts(item, self.policy.max_batch):
-                self._held = call
+                self._hold(call)
                 break
             batch.add(item)
         self.policy.observe(batch, now_ns())
         return batch
 
     def _prepare(self, op: BatchedOp, call: Call):
-        """The request's batch item; None when it cannot run (it has been answered)."""
-        if call.prepared is None:
-            try:
-                late = deadline_error(call.request, call.timing.received_ns)
-                if late is not None:
-                    raise late
+        """The request's batch item; None when it cannot run (it has been answered). Its deadline
+        is checked each time: one prepared before (served inline, or held behind a launch) may
+        have run out of budget since."""
+        try:
+            late = deadline_error(call.request, call.timing.received_ns)
+            if late is not None:
+                raise late
+            if call.prepared is None:
                 call.prepared = prepare(op, self.server, call)
-            except Exception as exc:
-                self._fail(call, exc)
-                return None
+        except Exception as exc:
+            self._fail(call, exc)
+            return None
         return call.prepared
 
     def _answer(self, call: Call, result: dict) -> None:

@@ -20,14 +20,16 @@ class QueuedRequests:
         # (connection id, request id) -> [(call, answer)] waiting, oldest first (ids may repeat)
         self._waiting: dict[tuple, list] = {}
 
-    def add(self, call, answer: Callable[[object, OpError], None]) -> None:
+    def add(self, call, answer: Callable[[object, OpError], None], *, oldest: bool = False) -> None:
         """`call` waits to run; a cancel answers it with `answer(call, error)`. Requests without
-        an id (legacy ones) cannot be named, so they are not listed."""
+        an id (legacy ones) cannot be named, so they are not listed. `oldest`: it goes before
+        the others with its id (one taken and handed back: they all came after it)."""
         request_id = call.request.reply_id
         if request_id is None:
             return
         with self._lock:
-            self._waiting.setdefault((call.conn.id, request_id), []).append((call, answer))
+            entries = self._waiting.setdefault((call.conn.id, request_id), [])
+            entries.insert(0 if oldest else len(entries), (call, answer))
 
     def take(self, call) -> bool:
         """The worker takes `call` to run it: False when a cancel took it first (it has been

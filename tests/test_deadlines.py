@@ -4,14 +4,17 @@ the native step path -- and everything else is served as before."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
 import protocol
+from bridge.ops.scan import ScanOp
 from bridge.timing import now_ns
 from bridge_fakes import RecordingConnection, served_natively
+from kernel_cases import ScanCase, make_scan_inputs
 from test_batcher import open_prefilled, shared_constants, state_of, step_inputs
 from waiting import wait_until
 
@@ -134,6 +137,73 @@ def test_cancel_drops_a_request_the_worker_took_while_another_thread_serves(inpr
     srv.go()
     assert torch.equal(state_of(srv, conn, session), before), "a cancelled step ran"
     assert conn.answered.count(queued) == 1, "a cancelled request was answered twice"
+
+
+class LaunchHeld(ScanOp):
+    """The scan op, whose launches of `dim`-channel scans wait inside, once there, until the
+    test lets them go."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim, self.inside, self.let_go = dim, threading.Event(), threading.Event()
+
+    def run(self, server, items):
+        if items[0].tensors["x"].shape[-1] == self.dim:
+            self.inside.set()
+            if not self.let_go.wait(60):
+                raise TimeoutError("the test never let the launch go")
+        return super().run(server, items)
+
+
+def scan_of(dim: int) -> dict:
+    return make_scan_inputs(ScanCase(1, 2, dim, 3))
+
+
+# The budget of a request held behind a launch: long enough to be within it when the worker
+# first looks at the request, and run out by the time the launch is let go.
+HELD_BUDGET_US = 300_000
+
+
+def test_a_request_held_behind_a_launch_it_could_not_join_is_checked_for_its_deadline_again(inproc):
+    """Gathering a batch, the worker takes the next request to see whether it can join; one that
+    cannot (another shape) is held, prepared, and served after the launch. A budget that ran out
+    during that launch is answered deadline_exceeded, as a queued request's is."""
+    launch = LaunchHeld(dim=4)
+    srv = inproc(handlers={"scan": launch})
+    conn = RecordingConnection()
+    srv.hold(conn)
+    first = srv.submit(conn, "scan", **scan_of(4))
+    late = srv.submit(conn, "scan", deadline_us=HELD_BUDGET_US, **scan_of(5))
+    srv.go()
+    assert launch.inside.wait(60)
+    # Not synchronisation: the budget under test running out while the launch runs.
+    time.sleep(HELD_BUDGET_US / 1e6)
+    launch.let_go.set()
+    assert conn.reply(first).ok
+    reply = conn.reply(late)
+    assert not reply.ok and reply.error["code"] == "deadline_exceeded", reply
+
+
+def test_cancel_drops_a_request_held_behind_a_launch_it_could_not_join(inproc):
+    """A request the worker took while gathering a batch, and holds until the launch is done,
+    has not started: a cancel still drops it (the oldest of its id: a later one with that id
+    still waits in the queue), and the worker passes over it."""
+    launch = LaunchHeld(dim=4)
+    srv = inproc(handlers={"scan": launch})
+    conn = RecordingConnection()
+    srv.hold(conn)
+    first = srv.submit(conn, "scan", **scan_of(4))
+    behind = srv.submit(conn, "info")
+    srv.dispatcher.on_frame(conn, bytearray(b"".join(protocol.encode_request(behind, "stats"))), now_ns())
+    srv.go()
+    assert launch.inside.wait(60)
+    assert srv.call(conn, "cancel", id=behind) == {"cancelled": True}
+    assert conn.reply(behind, timeout=5).error["code"] == "cancelled"
+    launch.let_go.set()
+    assert conn.reply(first).ok
+    assert "uptime_s" in conn.reply(behind).result, "the later request with that id should have run"
+    assert conn.answered.count(behind) == 2, "a request was answered twice, or not at all"
+    assert len(srv.server.queued) == 0
 
 
 def test_cancel_finds_nothing_to_drop_when_the_request_is_not_waiting(inproc):
