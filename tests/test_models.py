@@ -681,6 +681,44 @@ def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve,
     assert error["code"] == "path_not_allowed" and "without --model-dir" in error["message"]
 
 
+def test_a_checkpoints_own_files_are_read_only_in_its_directory_and_only_if_regular(serve, checkpoints, tmp_path):
+    """The index of a sharded checkpoint, like its config and shards, is refused as a link out of
+    the directory, or as anything but a regular file (a FIFO there would block the serving
+    thread); a pytorch_model.bin keyed by anything but names is refused by name."""
+    root = checkpoints[0]
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"weight_map": {"x": "model.safetensors"}}))
+    for name, make_index in (("index-links-out", lambda p: os.symlink(outside, p)), ("index-is-a-fifo", os.mkfifo)):
+        directory = edited_copy(root, "mamba2-lm", name)
+        (directory / "model.safetensors").unlink()
+        make_index(directory / "model.safetensors.index.json")
+        srv, conn = serve(), RecordingConnection()
+        error = error_of(srv, conn, "model_load", path=name)
+        assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "model.safetensors.index.json"), error
+    numbered = root / "bin-keyed-by-ints"
+    numbered.mkdir()
+    (numbered / "config.json").write_text(json.dumps({"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}))
+    torch.save({0: torch.zeros(3)}, numbered / "pytorch_model.bin")
+    error = error_of(srv, conn, "model_load", path=numbered.name)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "pytorch_model.bin"), error
+
+
+def test_a_config_of_more_layers_than_tensors_is_refused_before_listing_them(serve, monkeypatch):
+    """A client's config may claim any number of layers: listing each layer's expected shapes
+    first took seconds and gigabytes for a million, under the serving lock."""
+    from bridge.models import weights
+
+    listed = []
+    expected_shapes = weights.expected_shapes
+    monkeypatch.setattr(weights, "expected_shapes", lambda config: listed.append(config.n_layer) or
+                        expected_shapes(config))
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", config={"arch": "mamba", "d_model": 16, "n_layer": 10 ** 6},
+                     weights={"norm_f.weight": torch.ones(16), "layers.0.norm.weight": torch.ones(16)})
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "args.weights.layers.1.norm.weight")
+    assert listed == []
+
+
 def test_a_model_over_the_pool_budget_is_refused_before_it_is_read(serve):
     srv, conn = serve(max_pool_bytes=4096), RecordingConnection()
     error = error_of(srv, conn, "model_load", path="mamba2-lm")
@@ -732,6 +770,16 @@ BAD_REQUESTS = [
     ("both-path-and-config", "model_load", dict(path="mamba-lm-tied", config={"arch": "mamba"}), "invalid_argument", "args"),
     ("config-without-weights", "model_load", dict(config={"arch": "mamba"}), "invalid_argument", "args"),
     ("sent-config-unknown", "model_load", dict(config={"d_model": 4}, weights={}), "invalid_checkpoint", "args.config"),
+    ("expand-overflows", "model_load", dict(config={"arch": "mamba", "d_model": 16, "n_layer": 1, "expand": 1e308},
+                                            weights={}), "invalid_checkpoint", "args.config.expand"),
+    ("expand-rounds-to-no-channel", "model_load", dict(config={"arch": "mamba2", "d_model": 4, "n_layer": 1,
+                                                               "expand": 0.1}, weights={}),
+     "invalid_checkpoint", "args.config.expand"),
+    # A null dt rank is "auto", as an absent one: the weights are then checked against it.
+    ("dt-rank-null", "model_load", dict(config={"arch": "mamba", "d_model": 16, "n_layer": 1, "dt_rank": None},
+                                        weights={"norm_f.weight": torch.ones(16)}),
+     "invalid_checkpoint", "args.weights.layers.0.norm.weight"),
+    ("nul-in-path", "model_load", dict(path="mamba-lm-tied\0x"), "path_not_allowed", "args.path"),
     ("weights-dtype", "model_load", dict(path="mamba-lm-tied", dtype="f64"), "invalid_argument", "args.dtype"),
     ("unknown-model", "session_open", dict(model="nope", batch=1), "unknown_model", "args.model"),
     ("model-and-dim", "session_open", dict(model="MODEL", batch=1, dim=4), "invalid_argument", "args.dim"),

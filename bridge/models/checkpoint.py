@@ -37,7 +37,7 @@ def resolve_checkpoint(path: str, model_dirs: tuple[str, ...]) -> str:
     """The real path of a checkpoint directory under an allowed one (relative paths are taken
     under the first). The same error for a path outside as for one that does not exist there
     would tell a client which files exist; outside, nothing is looked at but the path."""
-    if not model_dirs:
+    if not model_dirs or "\0" in path:  # no OS path holds a NUL
         raise path_not_allowed(path, model_dirs)
     real = os.path.realpath(os.path.join(model_dirs[0], path))
     if not any(_under(real, root) for root in model_dirs):
@@ -57,20 +57,24 @@ def _under(path: str, root: str) -> bool:
 
 
 def checkpoint_file(directory: str, name: str, field: str) -> str:
-    """A file named by the checkpoint itself (an index's shard), which must stay in its directory."""
+    """A file of the checkpoint (config.json, the index, a shard the index names), which must
+    stay in its directory and be a regular file: reading a FIFO or a device there (a link to
+    /dev/zero) would block the serving thread or never end."""
     real = os.path.realpath(os.path.join(directory, name))
     if os.path.dirname(real) != directory:
         raise checkpoint_error(field, "a file name in the checkpoint's directory", repr(name))
+    if not os.path.isfile(real):
+        raise checkpoint_error(field, "a regular file in the checkpoint's directory", f"{name!r} (none such)")
     return real
 
 
 def read_json(path: str, field: str):
     try:
-        size = os.path.getsize(path)
-        if size > MAX_JSON_BYTES:
-            raise checkpoint_error(field, f"at most {MAX_JSON_BYTES} bytes of JSON", f"{size} bytes")
         with open(path, "rb") as f:
-            return json.loads(f.read())
+            data = f.read(MAX_JSON_BYTES + 1)  # bounded: the file may have grown since it was checked
+        if len(data) > MAX_JSON_BYTES:
+            raise checkpoint_error(field, f"at most {MAX_JSON_BYTES} bytes of JSON", "more")
+        return json.loads(data)
     except (OSError, ValueError) as e:
         raise checkpoint_error(field, "a readable JSON file", f"{type(e).__name__}: {e}") from None
 
@@ -85,7 +89,7 @@ class TensorSource:
         self._bin: dict[str, torch.Tensor] | None = None
         names = os.listdir(directory)
         if SAFETENSORS_INDEX in names:
-            index = read_json(os.path.join(directory, SAFETENSORS_INDEX), SAFETENSORS_INDEX)
+            index = read_json(checkpoint_file(directory, SAFETENSORS_INDEX, SAFETENSORS_INDEX), SAFETENSORS_INDEX)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise checkpoint_error(f"{SAFETENSORS_INDEX}.weight_map", "a map of tensor name to shard file",
@@ -131,6 +135,8 @@ class TensorSource:
         if not isinstance(state, dict):
             raise checkpoint_error(TORCH_BIN, "a state dict", type(state).__name__)
         for name, tensor in state.items():
+            if not isinstance(name, str):
+                raise checkpoint_error(TORCH_BIN, "a state dict keyed by tensor names", f"a key {name!r}")
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
                 raise checkpoint_error(f"{TORCH_BIN}.{name}", "a floating tensor", type(tensor).__name__, tensor=str(name))
             self.shapes[name] = tuple(tensor.shape)

@@ -174,9 +174,8 @@ def parse_config(raw, field: str = "config") -> ModelConfig:
 
 def _hf_mamba(k: _Keys) -> ModelConfig:
     d_model = k.size("hidden_size", _REQUIRED)
-    d_inner = k.size("intermediate_size", None) or int(k.number("expand", 2) * d_model)
-    dt_rank = k.raw.get("time_step_rank", "auto")
-    dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else k.size("time_step_rank")
+    d_inner = k.size("intermediate_size", None) or _inner(k, d_model)
+    dt_rank = _dt_rank(k, "time_step_rank", d_model)
     k.require("hidden_act", ("silu",), "the activation this runtime runs")
     return ModelConfig(
         arch="mamba", d_model=d_model, n_layer=k.size("num_hidden_layers", _REQUIRED),
@@ -190,7 +189,7 @@ def _hf_mamba(k: _Keys) -> ModelConfig:
 def _hf_mamba2(k: _Keys) -> ModelConfig:
     d_model = k.size("hidden_size", _REQUIRED)
     nheads, headdim = k.size("num_heads", 128), k.size("head_dim", 64)
-    d_inner = int(k.number("expand", 2) * d_model)
+    d_inner = _inner(k, d_model)
     if nheads * headdim != d_inner:
         raise checkpoint_error(f"{k.field}.num_heads", f"num_heads x head_dim = expand x hidden_size ({d_inner})",
                                f"{nheads} x {headdim}")
@@ -218,7 +217,7 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict) -> ModelConfig:
     if vocab is not None:
         multiple = k.size("pad_vocab_size_multiple", 8 if "ssm_cfg" in merged else 1)
         vocab += (-vocab) % multiple  # mamba_ssm's embedding has the padded rows
-    d_inner = int(k.number("expand", 2) * d_model)
+    d_inner = _inner(k, d_model)
     common = dict(d_model=d_model, n_layer=k.size("n_layer", _REQUIRED), vocab_size=vocab,
                   d_conv=k.size("d_conv", 4), d_inner=d_inner, eps=k.number("norm_epsilon", 1e-5),
                   residual_in_fp32=k.flag("residual_in_fp32", False),
@@ -226,8 +225,7 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict) -> ModelConfig:
                   use_bias=k.flag("bias", False),
                   use_conv_bias=k.flag("conv_bias", True))
     if arch == "mamba":
-        dt_rank = merged.get("dt_rank", "auto")
-        dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else k.size("dt_rank")
+        dt_rank = _dt_rank(k, "dt_rank", d_model)
         return ModelConfig(arch="mamba", d_state=k.size("d_state", 16), dt_rank=dt_rank, headdim=1, ngroups=1,
                            dt_limit=(0.0, math.inf), chunk_size=None, **common)
     headdim = k.size("headdim", 64)
@@ -239,6 +237,23 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict) -> ModelConfig:
     return ModelConfig(arch="mamba2", d_state=k.size("d_state", 128), dt_rank=0, headdim=headdim,
                        ngroups=_groups(k, "ngroups", d_inner // headdim), dt_limit=k.limits("dt_limit"),
                        chunk_size=k.size("chunk_size", 256), **common)
+
+
+def _inner(k: _Keys, d_model: int) -> int:
+    """The blocks' channels: expand x d_model, as the libraries round it, at least one."""
+    expand = k.number("expand", 2)
+    channels = expand * d_model
+    if not math.isfinite(channels) or int(channels) < 1:
+        raise checkpoint_error(f"{k.field}.expand", f"a factor that makes expand x d_model ({d_model}) "
+                               "at least 1 channel", repr(k.raw.get("expand")))
+    return int(channels)
+
+
+def _dt_rank(k: _Keys, key: str, d_model: int) -> int:
+    """Mamba-1's dt rank: a positive int, or "auto" (also when absent or null) for d_model / 16."""
+    if k.raw.get(key) in (None, "auto"):
+        return math.ceil(d_model / 16)
+    return k.size(key)
 
 
 def _hf_head(k: _Keys, tied: bool) -> str | None:

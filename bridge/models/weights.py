@@ -61,7 +61,6 @@ def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field
     """Check the checkpoint's tensor shapes (by original name) against the config's; returns the
     original names to load. Raises invalid_checkpoint naming the first tensor missing,
     mis-shaped or unexpected."""
-    expected = expected_shapes(config)
     by_canonical: dict[str, str] = {}
     for name in shapes:
         canonical = canonical_name(name)
@@ -69,6 +68,13 @@ def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field
             raise checkpoint_error(f"{field}.{name}", "each tensor once",
                                    f"{name!r} and {by_canonical[canonical]!r} for one tensor", tensor=canonical)
         by_canonical[canonical] = name
+    # The layer count is the config's (a client's) to say: more layers than tensors cannot all
+    # be there, and the first missing is found without listing every layer's shapes first.
+    if config.n_layer > len(shapes):
+        first = next(i for i in range(len(shapes) + 1) if f"layers.{i}.norm.weight" not in by_canonical)
+        missing = f"layers.{first}.norm.weight"
+        raise checkpoint_error(f"{field}.{missing}", f"a tensor of shape {[config.d_model]}", "nothing", tensor=missing)
+    expected = expected_shapes(config)
     for canonical, shape in expected.items():
         if canonical not in by_canonical:
             raise checkpoint_error(f"{field}.{canonical}", f"a tensor of shape {list(shape)}", "nothing",
