@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -402,9 +403,9 @@ class FramedClient:
         future = self.submit(op, args, deadline_s=timeout)
         try:
             return future.result(timeout)
-        except TimeoutError:
+        except FutureTimeout:  # the builtin TimeoutError from Python 3.11 on, a class of its own before
             if self.cancel(future):
-                raise
+                raise TimeoutError(f"no reply to {op!r} within {timeout} s") from None
             return future.result()  # its reply came meanwhile
 
     def cancel(self, future: Future) -> bool:
