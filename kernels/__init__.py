@@ -19,7 +19,9 @@ softplus(dt) if dt_softplus; dt = clamp(dt, dt_min, dt_max); h_t = exp(dt_t A) h
 dt_t B_t x_t; y_t = C_t . h_t + D x_t; y *= silu(z). State and accumulation in fp32 (fp64 for
 fp64 inputs); y in x's dtype; the returned state is fp32 (fp64 for fp64 inputs). `slots` picks
 each row's state row; two rows of one launch naming the same slot race (the bridge, which runs
-one step per session in a launch, never makes them).
+one step per session in a launch, never makes them). A state updated in place must not overlap
+itself or any other operand, nor require grad; the update counts in its version, as torch's
+in-place ops do.
 
 Mamba-2 (SSD, mamba_ssm's mamba_chunk_scan_combined / selective_state_update with heads): the
 same recurrence with a scalar decay per head, h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t over
@@ -42,6 +44,8 @@ one call a sequence (kernels/_varlen.py).
 from __future__ import annotations
 
 import math
+
+import torch
 
 from . import _args, _varlen
 from .backward import ScanFunction, ScanSpec, selective_scan_backward, ssd_scan_backward, wants_grad
@@ -109,8 +113,9 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
                                     dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
                                     slots=slots)
     impl = get_backend(backend, args.x.device.type)
-    return impl.state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
-                             **args.backend_kwargs())
+    y = impl.state_update(args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+    _written(args.state)
+    return y
 
 
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
@@ -148,8 +153,16 @@ def ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_
                                         dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
                                         slots=slots)
     impl = get_backend(backend, args.x.device.type)
-    return impl.ssd_state_update(args.state, args.x, args.dt, args.A, args.B, args.C,
-                                 **args.backend_kwargs())
+    y = impl.ssd_state_update(args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+    _written(args.state)
+    return y
+
+
+def _written(state: torch.Tensor) -> None:
+    """Count an in-place update of `state` in its version, as torch's own in-place ops do: the
+    cpu and triton backends write it through its address, which autograd does not see, and a
+    graph that saved it would otherwise compute its gradients from the new values."""
+    torch.autograd.graph.increment_version(state)
 
 
 def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float | None]:

@@ -37,6 +37,8 @@ def _shape(t: torch.Tensor) -> str:
 def _require_tensor(name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise KernelInputError(name, "a torch.Tensor", type(t).__name__)
+    if t.layout != torch.strided:
+        raise KernelInputError(name, "a dense (strided) tensor", f"layout {t.layout}")
     if t.dtype not in FLOAT_DTYPES:
         raise DtypeNotAllowed(name, "a floating dtype", FLOAT_DTYPES, t.dtype)
     return t
@@ -229,7 +231,6 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     pool, dim, n = state.shape
     if dim == 0 or n == 0:
         raise ShapeMismatch("state", "non-empty dim and state axes", f"shape {_shape(state)}")
-    _require_no_shared_rows(state)
     x = _require_tensor("x", x)
     if x.dim() != 2 or x.shape[1] != dim:
         raise ShapeMismatch("x", f"shape [batch, {dim}] ([batch, dim])", f"shape {_shape(x)}")
@@ -245,16 +246,47 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     D, dt_bias, z = _check_options(D, dt_bias, z, dim, x)
     slots = _check_slots(slots, pool, batch)
     dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
-    _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
+    operands = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots)
+    _check_devices(operands)
+    _require_writable_state(operands)
     return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, slots)
 
 
-def _require_no_shared_rows(state: torch.Tensor) -> None:
-    # The update writes the state in place: rows sharing memory (a broadcast pool, from expand)
-    # would each read what another row wrote, whatever order a backend takes them in.
-    if any(stride == 0 and size > 1 for size, stride in zip(state.shape, state.stride())):
-        raise KernelInputError("state", "a tensor whose elements do not share memory (no stride 0 on an "
-                               "axis of size > 1)", f"strides {list(state.stride())} for shape {_shape(state)}")
+def _require_writable_state(operands: dict) -> None:
+    """The update writes operands["state"] in place, so what a backend computes must not depend
+    on the order it takes the elements in: none may share memory with another (a broadcast or
+    overlapping pool), nor with any other operand (read after a backend may have written it).
+    A state that requires grad is refused too: writing a leaf in place is an autograd error."""
+    state = operands["state"]
+    if state.requires_grad:
+        raise KernelInputError("state", "a tensor that does not require grad (it is updated in place)",
+                               "requires_grad=True")
+    span = 1  # elements' reach along the axes of smaller stride, checked so far
+    for stride, size in sorted((st, sz) for sz, st in zip(state.shape, state.stride()) if sz > 1):
+        if stride < span:
+            raise KernelInputError("state", "a tensor whose elements do not overlap in memory (each axis' "
+                                   "stride at least the span of the axes of smaller stride)",
+                                   f"strides {list(state.stride())} for shape {_shape(state)}")
+        span = stride * size
+    state_bytes = _byte_range(state)
+    for name, t in operands.items():
+        if name != "state" and t is not None and _overlap(state_bytes, _byte_range(t)):
+            raise KernelInputError(name, "a tensor apart from state (state is updated in place)",
+                                   "one sharing memory with state")
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first, past the last) that `t`'s elements lie in (torch has no negative
+    strides); empty for an empty tensor."""
+    if t.numel() == 0:
+        return 0, 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
 
 def _check_slots(slots, pool: int, batch: int):
@@ -400,7 +432,6 @@ def check_ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
     pool, heads, headdim, n = state.shape
     if 0 in (heads, headdim, n):
         raise ShapeMismatch("state", "non-empty heads, headdim and state axes", f"shape {_shape(state)}")
-    _require_no_shared_rows(state)
     x = _require_tensor("x", x)
     if x.dim() != 3 or tuple(x.shape[1:]) != (heads, headdim):
         raise ShapeMismatch("x", f"shape [batch, {heads}, {headdim}] ([batch, heads, headdim])", f"shape {_shape(x)}")
@@ -420,7 +451,9 @@ def check_ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
         _require_shape("z", _require_tensor("z", z), tuple(x.shape), "same as x")
     slots = _check_slots(slots, pool, batch)
     dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
-    _check_devices(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots))
+    operands = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots)
+    _check_devices(operands)
+    _require_writable_state(operands)
     return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, slots)
 
 

@@ -20,12 +20,13 @@ grows with the square of seq.
 Exponents. Those used are differences cs_m - cs_k with k <= m, cs_last - cs_k, or cs itself:
 all <= 0 when dt >= 0 and A < 0, so no decay exceeds 1 and strong decays shrink towards 0 (the
 true answer) instead of overflowing, which a cumulative sum over the whole sequence would not
-avoid. Every exponent is clamped to [-E, E] before exp, E = `_exp_bound` (exp(-E) is about the
-square root of the dtype's smallest normal number). Below: a decay that small is kept at exp(-E)
+avoid. Every exponent is clamped from below at -E before exp, E = `_exp_bound` (exp(-E) is about
+the square root of the dtype's smallest normal number): a decay that small is kept at exp(-E)
 rather than reaching subnormal numbers or 0 through them, which x86 CPUs compute many times
 slower (exp(-inf) too), and what it keeps lies far below the precision of the terms it is added
-to. Above: the upper triangle's exponents (k > m, positive, unused) stay finite; its zeros come
-from the scores C Bᵀ, masked there, so no inf is ever multiplied by 0.
+to. Not from above: a state that grows (A > 0, or dt < 0) has positive exponents that mean what
+they say. The intra-chunk decays' upper triangle (k > m, unused: the scores C Bᵀ are masked
+there) is zeroed before exp, so that no inf from it is ever multiplied by 0.
 
 Layouts. The heads of a group share B and C: C Bᵀ is computed once per group, and the chunk
 states are kept transposed, [state, heads of the group x headdim] per group, so that the states
@@ -60,13 +61,13 @@ def _chunk_size(chunk_size: int | None, seq: int) -> int:
 
 
 def _exp_bound(f: torch.dtype) -> float:
-    """E: exponents are clamped to [-E, E]; exp(-E) is about sqrt(smallest normal) of dtype f."""
+    """E: exponents are clamped from below at -E; exp(-E) is about sqrt(smallest normal) of dtype f."""
     return -math.log(torch.finfo(f).tiny) / 2
 
 
 def _exp(t: torch.Tensor, bound: float) -> torch.Tensor:
-    """exp(t) in place, t clamped to [-bound, bound] first."""
-    return t.clamp_(-bound, bound).exp_()
+    """exp(t) in place, t clamped from below at -bound first."""
+    return t.clamp_(min=-bound).exp_()
 
 
 def _padded(t: torch.Tensor, length: int, f: torch.dtype) -> torch.Tensor:
@@ -118,7 +119,7 @@ def ssd_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, 
     # Intra-chunk: scores (C Bᵀ per group, 0 above the diagonal) times the decays, per head,
     # times dt·x (head-major, [b, c, h, Q, p]).
     scores = torch.matmul(C_c, B_c.transpose(-1, -2)).tril_()  # [b, c, g, Q, Q]
-    decay = cs.unsqueeze(-1) - cs.unsqueeze(-2)  # [b, c, h, Q, Q]: cs_m - cs_k
+    decay = (cs.unsqueeze(-1) - cs.unsqueeze(-2)).tril_()  # [b, c, h, Q, Q]: cs_m - cs_k, k <= m
     _exp(decay, bound)
     weights = decay.view(batch, chunks, groups, per_group, Q, Q).mul_(scores.unsqueeze(3))
     xdt = torch.empty(batch, chunks, heads, Q, headdim, dtype=f, device=dev)

@@ -17,6 +17,7 @@ from kernel_cases import (
     assert_scan_matches_reference, assert_scan_outputs_match_reference,
     assert_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
     make_update_inputs, random_seed, reference_scan, STRIDED, nan_gapped, with_changes, cpu_backends,
+    SsdUpdateCase, make_ssd_update_inputs,
 )
 
 
@@ -231,6 +232,7 @@ SCAN_ERRORS = [
     pytest.param(with_changes(dt_max=float("inf")), "dt_max", "inf", id="dt_max-inf"),
     pytest.param(with_changes(dt_min=10**400), "dt_min", "int beyond the float range", id="dt_min-int-beyond-float"),
     pytest.param(with_changes(dt_min=0.5, dt_max=0.1), "dt_max", "0.1", id="dt_min-above-dt_max"),
+    pytest.param(with_changes(x=lambda a: a["x"].to_sparse()), "x", "sparse", id="x-sparse"),
 ]
 
 
@@ -259,6 +261,12 @@ UPDATE_ERRORS = [
     pytest.param(with_changes(state=lambda a: a["state"][:, :, :0]), "state", "[5, 6, 0]", id="state-no-state-axis"),
     pytest.param(with_changes(state=lambda a: a["state"][:1].expand(5, 6, 3)), "state", "strides [0, 3, 1]",
                  id="state-rows-share-memory"),
+    pytest.param(with_changes(state=lambda a: a["state"].as_strided((5, 6, 3), (3, 3, 1))), "state",
+                 "strides [3, 3, 1]", id="state-rows-overlap"),
+    pytest.param(with_changes(x=lambda a: a["state"][:3, :, 0]), "x", "sharing memory with state",
+                 id="x-inside-state"),
+    pytest.param(with_changes(state=lambda a: a["state"].clone().requires_grad_(True)), "state", "requires_grad",
+                 id="state-requires-grad"),
     pytest.param(with_changes(x=lambda a: a["x"][:, :5]), "x", "[3, 5]", id="x-dim-differs"),
     pytest.param(with_changes(dt=lambda a: a["dt"][:2]), "dt", "[2, 6]", id="dt-shape"),
     pytest.param(with_changes(A=lambda a: a["A"][:, :2]), "A", "[6, 2]", id="A-shape"),
@@ -289,6 +297,24 @@ def test_state_update_rejects_malformed_arguments(backend, change, field, got):
     assert err.expected and err.expected in str(err)
     if state_before is not None:
         assert torch.equal(args["state"], state_before), "a rejected call changed the state"
+
+
+@pytest.mark.parametrize("update", [pytest.param(kernels.selective_state_update, id="mamba1"),
+                                    pytest.param(kernels.ssd_state_update, id="ssd")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_update_is_an_in_place_write_to_autograd(backend, update):
+    """A graph that saved the state before an update cannot compute its gradients from the
+    values the update wrote: every backend counts the write in the state's version, as torch's
+    in-place ops do (the cpu one writes through its address, which autograd does not see)."""
+    if update is kernels.selective_state_update:
+        args = make_update_inputs(UpdateCase(2, 6, 3), torch.float32, seed=random_seed())
+    else:
+        args = make_ssd_update_inputs(SsdUpdateCase(2, 4, 3, 6), torch.float32, seed=random_seed())
+    weight = torch.ones(1, requires_grad=True)
+    loss = (weight * args["state"]).sum()
+    update(**args, backend=backend)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("change", [

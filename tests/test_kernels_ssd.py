@@ -107,6 +107,34 @@ def test_ssd_scan_decay_regimes(backend, minus_A, dt_range, seq):
         assert_close(got.double() / scale, expected.double() / scale, F32, f"{what} {name} / {scale:.3g}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_growing_past_e44_within_a_chunk_or_a_step(backend):
+    """A > 0: every decay a growth, e^48 or so over one chunk of the scan (the torch form's
+    exponents were capped at the bound that keeps its masked ones finite, about e^43.7 in fp32)
+    and e^50 in one step of the update. The answers fit fp32; each backend's is the reference's."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    seq = 40
+    inputs = dict(x=torch.rand(1, seq, 2, 3, generator=gen), dt=torch.rand(1, seq, 2, generator=gen) * 0.2 + 1.1,
+                  A=torch.ones(2), B=torch.rand(1, seq, 1, 4, generator=gen), C=torch.rand(1, seq, 1, 4, generator=gen),
+                  return_state=True)
+    y, state = kernels.ssd_scan(**inputs, chunk_size=64, backend=backend)
+    y_ref, state_ref = reference_ssd_scan(inputs)
+    for got, expected, name in ((y, y_ref, "y"), (state, state_ref, "state")):
+        scale = float(expected.abs().max())
+        assert scale > math.exp(44), f"seed={seed}: the case grows only to {scale:.3g}"
+        assert_close(got.double() / scale, expected.double() / scale, F32, f"{backend} seed={seed} {name}")
+    step = dict(state=torch.rand(2, 2, 3, 4, generator=gen), x=torch.rand(2, 2, 3, generator=gen),
+                dt=torch.full((2, 2), 50.0), A=torch.ones(2), B=torch.rand(2, 1, 4, generator=gen),
+                C=torch.rand(2, 1, 4, generator=gen))
+    expected = kernels.ssd_state_update(**{**step, "state": step["state"].double(),
+                                           **{k: step[k].double() for k in ("x", "dt", "A", "B", "C")}},
+                                        backend="reference")
+    got = kernels.ssd_state_update(**step, backend=backend)
+    scale = float(expected.abs().max())
+    assert_close(got.double() / scale, expected / scale, F32, f"{backend} seed={seed} one step of e^50")
+
+
 @ON_CUDA
 def test_torch_ssd_on_cuda():
     """The torch backend on CUDA tensors (the GPU's fallback where Triton is missing): every
@@ -411,6 +439,12 @@ SSD_UPDATE_ERRORS = [
     pytest.param(_with(state=lambda a: a["state"].to(torch.int64)), DTYPE, "state", "int64", id="state-int-dtype"),
     pytest.param(_with(state=lambda a: a["state"][:1].expand(5, 4, 3, 6)), INPUT, "state", "strides [0,",
                  id="state-rows-share-memory"),
+    pytest.param(_with(state=lambda a: a["state"].as_strided((5, 4, 3, 6), (6, 18, 6, 1))), INPUT, "state",
+                 "strides [6, 18, 6, 1]", id="state-rows-overlap"),
+    pytest.param(_with(x=lambda a: a["state"][:3, :, :, 0]), INPUT, "x", "sharing memory with state",
+                 id="x-inside-state"),
+    pytest.param(_with(state=lambda a: a["state"].clone().requires_grad_(True)), INPUT, "state", "requires_grad",
+                 id="state-requires-grad"),
     pytest.param(_with(x=lambda a: a["x"].flatten(1)), SHAPE, "x", "[3, 12]", id="x-2d"),
     pytest.param(_with(x=lambda a: a["x"][:, :, :2]), SHAPE, "x", "[3, 4, 2]", id="x-headdim"),
     pytest.param(_with(dt=lambda a: a["dt"][..., None]), SHAPE, "dt", "[3, 4, 1]", id="dt-3d"),
