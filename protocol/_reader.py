@@ -227,15 +227,28 @@ class Reader:
         return value
 
     def any_map(self, raw: msgspec.Raw, field: str) -> dict:
-        """A map with str keys (nested ones too), its values decoded as they are."""
-        entries = self.map(raw, field, KIND_EXPECTED["map"], InvalidArgument)
-        decoded = {}
-        for key, value in entries.items():
-            if kind(memoryview(value)) == "map":
-                decoded[key] = self.any_map(value, f"{field}.{key}")
-            else:
-                decoded[key] = self._decode(ANY_DECODER, value, f"{field}.{key}", "a msgpack value")
-        return decoded
+        """A map with str keys, its values decoded as they are; every map inside it, in arrays
+        too, is held to the same keys (SPEC §3)."""
+        encoded = memoryview(raw)
+        if kind(encoded) != "map":
+            self.fail(InvalidArgument, field, KIND_EXPECTED["map"], describe(encoded))
+        return self._any_value(raw, field)
+
+    def _any_value(self, raw: msgspec.Raw, field: str):
+        # Loops, not comprehensions (each one more Python frame on 3.11): one frame a level, so
+        # that nesting the body's decode accepted does not exhaust Python's stack here.
+        what = kind(memoryview(raw))
+        if what == "map":
+            decoded = {}
+            for key, value in self.map(raw, field, KIND_EXPECTED["map"], InvalidArgument).items():
+                decoded[key] = self._any_value(value, f"{field}.{key}")
+            return decoded
+        if what == "array":
+            items = []
+            for i, item in enumerate(self.array(raw, field, "a msgpack array")):
+                items.append(self._any_value(item, f"{field}[{i}]"))
+            return items
+        return self._decode(ANY_DECODER, raw, field, "a msgpack value")
 
     def tensors(self, raw: msgspec.Raw, field: str) -> dict:
         """A map of names to tensors (or handles), each checked as a tensor argument is."""

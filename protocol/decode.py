@@ -249,7 +249,10 @@ def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, pre
             if arg.required:
                 reader.fail(InvalidArgument, field, KIND_EXPECTED[arg.kind], "nil")
             continue
-        args[name] = _CHECKS[arg.kind](reader, raw, field)
+        if arg.kind == "frames":  # a frame without its op is missing an argument of this op
+            args[name] = _read_frames(reader, raw, field, op)
+        else:
+            args[name] = _CHECKS[arg.kind](reader, raw, field)
     for name, arg in spec.items():
         if arg.required and name not in args:
             reader.fail(MissingArgument, prefix + name, KIND_EXPECTED[arg.kind], "nothing", op=op)
@@ -268,7 +271,8 @@ class Frame:
 _FRAME_KEYS = ("op", "args")
 
 
-def _read_frames(reader: Reader, raw: msgspec.Raw, field: str) -> tuple[Frame, ...]:
+def _read_frames(reader: Reader, raw: msgspec.Raw, field: str, op: str) -> tuple[Frame, ...]:
+    """The frames of `op` (session_open's, session_restore's)."""
     items = reader.array(raw, field, KIND_EXPECTED["frames"])
     frames = []
     for i, item in enumerate(items):
@@ -278,19 +282,15 @@ def _read_frames(reader: Reader, raw: msgspec.Raw, field: str) -> tuple[Frame, .
             if key not in _FRAME_KEYS:
                 reader.fail(InvalidArgument, f"{at}.{key}", "only the keys op and args", f"unknown key {key!r}")
         if "op" not in entries:
-            reader.fail(MissingArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS), "nothing")
-        op = reader.string(entries["op"], f"{at}.op", expected="one of " + ", ".join(FRAME_OPS))
-        if op not in FRAME_OPS:
+            reader.fail(MissingArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS), "nothing", op=op)
+        frame_op = reader.string(entries["op"], f"{at}.op", expected="one of " + ", ".join(FRAME_OPS))
+        if frame_op not in FRAME_OPS:
             reader.fail(InvalidArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS) + " (the ops that advance a session)",
-                        f"str {op!r}")
-        spec = FRAME_ARGS[op]
+                        f"str {frame_op!r}")
         args_raw = entries.get("args")
         call_args = {} if args_raw is None else reader.map(args_raw, f"{at}.args", "a map of arguments", InvalidArgument)
-        frames.append(Frame(op, _read_args(reader, op, spec, call_args, f"{at}.args.")))
+        frames.append(Frame(frame_op, _read_args(reader, frame_op, FRAME_ARGS[frame_op], call_args, f"{at}.args.")))
     return tuple(frames)
-
-
-_CHECKS["frames"] = _read_frames
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ import protocol
 from protocol import (BIG_PAYLOAD, DTYPES, ERROR_CODES, OPS, HandleRef, LegacyRequest, OutTensor,
                       ProtocolError, Request, WireTensor, decode_reply, decode_request,
                       encode_error, encode_legacy_reply, encode_reply, encode_request)
+from protocol.schema import FRAME_OPS
 
 RNG = np.random.default_rng()
 NUMPY = {"f32": "<f4", "f16": "<f2", "f64": "<f8", "i32": "<i4", "i64": "<i8", "u8": "u1"}
@@ -310,6 +311,47 @@ def test_unknown_op_detail_lists_the_known_ops(op):
 def test_unknown_dtype_detail_lists_the_known_dtypes(dtype):
     error = decode_error(pack(request("put", {"tensor": tensor_map("u8", (1,), b"\x01") | {"dtype": dtype}})))
     assert error.detail["known"] == list(DTYPES)
+
+
+# A model_load request up to its config's value, for the config maps below as exact bytes.
+_CONFIG_ARG = b"\x84\xa1v\x01\xa2id\x01\xa2op\xaamodel_load\xa4args\x81\xa6config"
+
+
+@pytest.mark.parametrize("config, field, got", [
+    pytest.param(b"\x81\xa1a\x82\xa1k\x01\xa1k\x02", "args.config.a", "a key given more than once",
+                 id="map-duplicate-key"),
+    pytest.param(b"\x81\xa1a\x81\x01\x01", "args.config.a", "a int key 1", id="map-int-key"),
+    pytest.param(b"\x81\xa1a\x91\x82\xa1k\x01\xa1k\x02", "args.config.a[0]", "a key given more than once",
+                 id="map-in-array-duplicate-key"),
+    pytest.param(b"\x81\xa1a\x91\x81\x01\x01", "args.config.a[0]", "a int key 1", id="map-in-array-int-key"),
+    pytest.param(b"\x81\xa1a\x91\x81\xc4\x01k\x01", "args.config.a[0]", "a bin key b'k'",
+                 id="map-in-array-bin-key"),
+    pytest.param(b"\x81\xa1a\x92\x01\x91\x81\xa1b\x81\x02\x03", "args.config.a[1][0].b", "a int key 2",
+                 id="map-in-array-in-array"),
+])
+def test_every_map_in_a_map_argument_has_distinct_str_keys_arrays_included(config, field, got):
+    # SPEC §3: a map with a non-str or duplicate key is refused wherever it lies.
+    error = decode_error(_CONFIG_ARG + config)
+    assert (error.code, error.request_id, error.detail["field"], error.detail["got"]) == (
+        "invalid_argument", 1, field, got)
+
+
+def test_a_map_argument_keeps_its_arrays_and_scalars_as_they_came():
+    config = {"arch": "mamba2", "sizes": [1, -2.5, None, True, "s", b"\x00\x01", [3, {"k": [4, {}]}], []],
+              "ssm_cfg": {"ngroups": 1, "empty": {}}}
+    assert decode_request(pack(request("model_load", {"config": config}))).args["config"] == config
+
+
+@pytest.mark.parametrize("op, args", [
+    pytest.param("session_open", {"batch": 1, "dim": 2, "state": 3}, id="session_open"),
+    pytest.param("session_restore", {"session": "s-1", "snapshot": "p-1"}, id="session_restore"),
+])
+def test_a_frame_without_its_op_is_a_missing_argument_of_the_op_holding_it(op, args):
+    # SPEC §7: missing_argument adds op; a frame's op key belongs to the op whose frames these are.
+    error = decode_error(pack(request(op, dict(args, frames=[{"args": {}}]))))
+    assert error.code == "missing_argument"
+    assert error.detail | {} == {"field": "args.frames[0].op", "expected": "one of " + ", ".join(FRAME_OPS),
+                                 "got": "nothing", "op": op}
 
 
 def _most_elements(dtype: str) -> int:
