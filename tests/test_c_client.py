@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import threading
@@ -21,11 +22,17 @@ import warnings
 import msgpack
 import pytest
 
-from protocol import encode_frame
+from protocol import OutTensor, encode_frame, encode_reply
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT_DIR = os.path.join(ROOT, "examples", "c_client")
 VECTORS = os.path.join(ROOT, "protocol", "vectors")
+
+
+def c_define(name: str) -> int:
+    """The value of scan_client.c's `#define NAME <int>`."""
+    source = pathlib.Path(CLIENT_DIR, "scan_client.c").read_text()
+    return int(re.search(rf"^#define {name} (\d+)$", source, re.M).group(1))
 
 
 def compiler() -> str | None:
@@ -252,16 +259,42 @@ def test_a_reply_with_a_nil_id_is_reported(scan_client, endpoints, tmp_path):
 
 
 def test_a_reply_of_too_many_parts_is_read_to_its_end_and_dropped(scan_client, endpoints, tmp_path):
-    # The inline scan's reply comes with 16 extra frames (17 parts): it fails, and none of its
-    # frames is taken for the multipart scan's reply.
+    # The inline scan's reply comes with MAX_PARTS extra frames (one part too many): it fails,
+    # and none of its frames is taken for the multipart scan's reply.
+    max_parts = c_define("MAX_PARTS")
+
     def scenario(request_id, frames, forward):
         reply = forward(frames)
-        return [reply + [b"x" * 64] * 16] if request_id == 2 else [reply]
+        return [reply + [b"x"] * max_parts] if request_id == 2 else [reply]
 
     run = run_through(scan_client, endpoints, tmp_path, scenario)
     assert run.returncode == 1
-    assert "scan inline: no reply: a reply of more than 16 parts" in run.stderr
+    assert f"scan inline: no reply: a message of more than {max_parts} parts" in run.stderr
     assert "1 failure(s)" in run.stderr and "scan multipart " in run.stdout
+
+
+def test_a_reply_whose_raw_buffers_belong_to_nested_tensors_is_taken_whole(scan_client, endpoints, tmp_path):
+    # SPEC §5: a multipart reply carries every tensor of its result as a raw buffer, at any depth.
+    # The multipart scan's reply gains a state by name, two tensors a layer for 20 layers, and a
+    # frames array: 42 raw buffers beside y's, every one named by a nested tensor.
+    def scenario(request_id, frames, forward):
+        body, *buffers = forward(frames)
+        if request_id != 4:
+            return [[body, *buffers]]
+        reply = msgpack.unpackb(body)
+        state = {}
+        for layer in range(20):
+            for part in ("conv", "ssm"):
+                state[f"layers.{layer}.{part}"] = {"dtype": "u8", "shape": [1], "buf": len(buffers)}
+                buffers.append(bytes([layer]))
+        reply["result"]["state"] = state
+        reply["result"]["frames"] = [{"y": {"dtype": "u8", "shape": [2], "buf": len(buffers)}}]
+        buffers.append(b"ab")
+        return [[msgpack.packb(reply), *buffers]]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 0, run.stderr
+    assert "scan multipart " in run.stdout and "all checks passed" in run.stdout
 
 
 def test_a_real_error_reply_with_dtype_and_shape_in_its_detail_is_an_error_reply(scan_client, endpoints, tmp_path):
@@ -345,6 +378,54 @@ def test_the_decoder_rejects_tensors_whose_sizes_overflow(scan_client, endpoints
     run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_crafted": encode_frame(body)})
     assert run.returncode == 1
     assert f"FAIL: vector reply_crafted (reply): {why}\n1 failure(s)" in run.stderr
+
+
+def nested(value, levels: int):
+    """`value` inside `levels` maps, one in another."""
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+VALID_Y = {"dtype": "f32", "shape": [2], "data": bytes(8)}
+
+
+@pytest.mark.parametrize("result, why", [
+    pytest.param({"state": {"layers.0.conv": {"dtype": "f32", "shape": [2], "data": bytes(7)}}},
+                 "tensor size mismatch", id="in-a-map"),
+    pytest.param({"frames": [{"y": VALID_Y}, {"y": {"dtype": "f8", "shape": [1], "data": bytes(1)}}]},
+                 "unknown dtype", id="in-an-array"),
+    pytest.param({"frames": [{"y": {"dtype": "f32", "shape": [1], "buf": 0}}]}, "buf names no raw buffer",
+                 id="buf-in-an-array"),
+    pytest.param(nested(VALID_Y, c_define("MAX_DEPTH") + 1),
+                 f"values nested more than {c_define('MAX_DEPTH')} levels below args or result", id="too-deep"),
+])
+def test_the_decoder_checks_tensors_at_any_depth(scan_client, endpoints, tmp_path, result, why):
+    body = msgpack.packb({"v": 1, "id": 9, "ok": True, "result": result, "timing": {}})
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_crafted": encode_frame(body)})
+    assert run.returncode == 1
+    assert f"FAIL: vector reply_crafted (reply): {why}\n1 failure(s)" in run.stderr
+
+
+def test_tensors_as_deep_as_the_decoder_looks_decode(scan_client, endpoints, tmp_path):
+    body = msgpack.packb({"v": 1, "id": 9, "ok": True, "result": nested(VALID_Y, c_define("MAX_DEPTH")),
+                          "timing": {}})
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_deep": encode_frame(body)})
+    assert run.returncode == 0, run.stderr
+    assert "vector reply_deep " in run.stdout
+
+
+def test_a_multipart_vector_of_an_eight_layer_model_state_decodes(scan_client, endpoints, tmp_path):
+    # The logits and 16 state tensors: 18 parts, more than the 16 the client once kept.
+    state = {f"layers.{layer}.{part}": OutTensor("f32", (1, 2), bytes(8))
+             for layer in range(8) for part in ("conv", "ssm")}
+    buffers = []
+    body = b"".join(encode_reply(9, {"logits": OutTensor("f32", (1, 8), bytes(32)), "state": state},
+                                 {"server_us": 1}, buffers=buffers))
+    frame = b"".join(encode_frame(part) for part in [body, *buffers])
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_eight_layers": frame})
+    assert run.returncode == 0, run.stderr
+    assert "vector reply_eight_layers " in run.stdout
 
 
 def test_a_zero_dimension_makes_no_elements_up_to_the_largest_extent(scan_client, endpoints, tmp_path):

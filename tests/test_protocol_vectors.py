@@ -91,7 +91,7 @@ def assert_same_value(decoded, described):
     elif isinstance(decoded, Frame):  # one of session_open's frames
         assert set(described) == {"op", "args"} and decoded.op == described["op"]
         assert_same_value(decoded.args, described["args"])
-    elif isinstance(decoded, tuple):  # an array on the wire: a limits pair, session_open's frames
+    elif isinstance(decoded, (tuple, list)):  # an array: a limits pair, session_open's frames, a reply's frames
         assert len(decoded) == len(described)
         for item, expected in zip(decoded, described):
             assert_same_value(item, expected)
@@ -259,8 +259,18 @@ def test_multipart_vectors_decode_as_described(frame, doc):
         assert (reply.id, reply.ok, reply.timing) == (message["id"], message["ok"], message["timing"])
         tensors = reply.result
     described = message["args"] if doc["kind"] == "multipart_request" else message["result"]
+    assert set(tensors) == set(described)
     for name, value in described.items():
-        if isinstance(value, dict):
-            expected = buffers[value["buf"]] if "buf" in value else value["data"]
-            assert (tensors[name].dtype, list(tensors[name].shape)) == (value["dtype"], value["shape"])
-            assert bytes(tensors[name].data) == bytes(expected)
+        assert_same_value(tensors[name], with_data(value, buffers))
+
+
+def with_data(value, buffers):
+    """A described multipart value with each tensor naming a raw buffer, at any depth, as the
+    tensor map holding that buffer's bytes."""
+    if isinstance(value, dict) and "buf" in value:
+        return {"dtype": value["dtype"], "shape": value["shape"], "data": bytes(buffers[value["buf"]])}
+    if isinstance(value, dict):
+        return {k: with_data(v, buffers) for k, v in value.items()}
+    if isinstance(value, list):
+        return [with_data(v, buffers) for v in value]
+    return value

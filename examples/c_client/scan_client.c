@@ -39,7 +39,15 @@
 /* fp32 against a double reference, as the Python tests compare (mamba_ssm's fp32 tolerances). */
 #define RTOL 3e-4
 #define ATOL 1e-3
-#define MAX_PARTS 16
+/* SPEC §5 bounds a reply's raw buffers by its tensors alone: every tensor of the result, at any
+ * depth (a model's state is two a layer, and each of `frames`' results has its own). So parts are
+ * kept in arrays that grow as they come, up to this cap, which keeps a peer from making the
+ * client hold frames without end: room for a 64-layer model's state in each of 500 frames. */
+#define MAX_PARTS 65536
+/* How deep below args or result check_tensors looks for tensors: one MAX_DEPTH levels down is
+ * checked, anything deeper refused rather than left unchecked (SPEC §3 leaves a decoder its own
+ * nesting limit). The deepest an op nests a tensor is 4: frames, [i], state, then the tensor. */
+#define MAX_DEPTH 16
 #define STRING(x) #x
 #define STRINGIFY(x) STRING(x)  /* a macro's value as a string literal */
 /* SPEC §5: a dimension is at most 2^63 − 1 (an int64 on the server), and so is a shape's
@@ -90,12 +98,41 @@ static size_t itemsize(const msgpack_object *dtype) {
     return 0;
 }
 
-/* A message: the msgpack body and the raw buffers after it (a multipart message). */
+/* One part of a message: its bytes and, in a received message, the ZeroMQ frame holding them
+ * (allocated on its own: a small frame's bytes lie inside its zmq_msg_t, which must not move). */
 typedef struct {
-    const char *data[MAX_PARTS];
-    size_t size[MAX_PARTS];
-    int count;
+    const char *data;
+    size_t size;
+    zmq_msg_t *frame;
+} part_t;
+
+/* A message: the msgpack body and the raw buffers after it (a multipart message); for a request
+ * being built, its raw buffers alone (send_request). */
+typedef struct {
+    part_t *at;
+    int count, capacity;
 } parts_t;
+
+/* Appends a part, growing the array. NULL, or why it could not (the part is then not kept). */
+static const char *add_part(parts_t *parts, const char *data, size_t size, zmq_msg_t *frame) {
+    if (parts->count == MAX_PARTS) return "a message of more than " STRINGIFY(MAX_PARTS) " parts";
+    if (parts->count == parts->capacity) {
+        int capacity = parts->capacity == 0 ? 16 : 2 * parts->capacity;
+        if (capacity > MAX_PARTS) capacity = MAX_PARTS;
+        part_t *at = realloc(parts->at, (size_t)capacity * sizeof *at);
+        if (at == NULL) return "no memory for the message's parts";
+        parts->at = at;
+        parts->capacity = capacity;
+    }
+    parts->at[parts->count++] = (part_t){data, size, frame};
+    return NULL;
+}
+
+/* Frees the array of parts (not what they point to). */
+static void free_parts(parts_t *parts) {
+    free(parts->at);
+    *parts = (parts_t){.count = 0};
+}
 
 /* A decoded tensor: where its bytes are (inside the body, or a raw buffer) and how many. */
 typedef struct {
@@ -106,7 +143,8 @@ typedef struct {
 
 /* Checks a tensor map {dtype, shape, data | buf} against SPEC §5; NULL when valid, else why.
  * `used` (may be NULL) marks the raw buffers it names. */
-static const char *read_tensor(const msgpack_object *map, const parts_t *parts, int *used, tensor_t *out) {
+static const char *read_tensor(const msgpack_object *map, const parts_t *parts, unsigned char *used,
+                               tensor_t *out) {
     const msgpack_object *dtype = get(map, "dtype"), *shape = get(map, "shape");
     const msgpack_object *data = get(map, "data"), *buf = get(map, "buf");
     size_t size = itemsize(dtype);
@@ -134,8 +172,8 @@ static const char *read_tensor(const msgpack_object *map, const parts_t *parts, 
         /* Not `buf + 1 >= count`: buf = 2^64 − 1 would wrap to 0 and name the body. */
         if (buf->type != MSGPACK_OBJECT_POSITIVE_INTEGER || buf->via.u64 >= (uint64_t)parts->count - 1)
             return "buf names no raw buffer";
-        out->bytes = parts->data[buf->via.u64 + 1];
-        out->nbytes = parts->size[buf->via.u64 + 1];
+        out->bytes = parts->at[buf->via.u64 + 1].data;
+        out->nbytes = parts->at[buf->via.u64 + 1].size;
         if (used) used[buf->via.u64 + 1] = 1;
     }
     out->elements = elements;
@@ -146,32 +184,54 @@ static const char *read_tensor(const msgpack_object *map, const parts_t *parts, 
 /* The body of a message: exactly one msgpack map. NULL when it is one, else why not. */
 static const char *unpack_body(const parts_t *parts, msgpack_unpacked *result) {
     size_t offset = 0;
-    if (msgpack_unpack_next(result, parts->data[0], parts->size[0], &offset) != MSGPACK_UNPACK_SUCCESS)
+    if (parts->count == 0) return "no body";
+    if (msgpack_unpack_next(result, parts->at[0].data, parts->at[0].size, &offset) != MSGPACK_UNPACK_SUCCESS)
         return "not one msgpack value";
-    if (offset != parts->size[0]) return "bytes after the msgpack value";
+    if (offset != parts->at[0].size) return "bytes after the msgpack value";
     if (result->data.type != MSGPACK_OBJECT_MAP) return "not a map";
     return NULL;
 }
 
+/* Checks the tensors in `value`, which lies `depth` levels below args or result: a map with a
+ * dtype is a tensor; any other map, and an array, is looked through, since a message carries
+ * tensors at any depth (SPEC §5: a model's state map, each of `frames`' results). `used` marks
+ * the raw buffers they name. NULL when all are valid, else why not. */
+static const char *check_nested(const msgpack_object *value, const parts_t *parts, unsigned char *used,
+                                int depth) {
+    int is_map = value->type == MSGPACK_OBJECT_MAP;
+    if (is_map && get(value, "dtype")) {
+        tensor_t t;
+        return read_tensor(value, parts, used, &t);
+    }
+    uint32_t n = is_map ? value->via.map.size : value->type == MSGPACK_OBJECT_ARRAY ? value->via.array.size : 0;
+    if (n > 0 && depth == MAX_DEPTH)
+        return "values nested more than " STRINGIFY(MAX_DEPTH) " levels below args or result";
+    for (uint32_t i = 0; i < n; i++) {
+        const char *why = check_nested(is_map ? &value->via.map.ptr[i].val : &value->via.array.ptr[i], parts, used,
+                                       depth + 1);
+        if (why) return why;
+    }
+    return NULL;
+}
+
 /* Checks the tensors of an unpacked message, and that each raw buffer is named by one. The
- * tensors are the values of a request's `args` and of a reply's `result` that have a dtype
- * (SPEC §5, §6), and nothing else: an error's `detail` has dtype and shape keys too
- * (tensor_size_mismatch, SPEC §7) and is no tensor. NULL when all are valid, else why not. */
+ * tensors lie under a request's `args` and a reply's `result` (SPEC §5, §6), and nowhere else:
+ * an error's `detail` has dtype and shape keys too (tensor_size_mismatch, SPEC §7) and is no
+ * tensor, and neither is args or result itself, whose dtype is a weights dtype (model_load).
+ * NULL when all are valid, else why not. */
 static const char *check_tensors(const msgpack_object *message, const parts_t *parts) {
     static const char *const holders[] = {"args", "result"};
-    int used[MAX_PARTS] = {0};
-    for (size_t h = 0; h < sizeof holders / sizeof holders[0]; h++) {
+    unsigned char *used = calloc((size_t)parts->count + 1, 1);
+    const char *why = used ? NULL : "no memory to check the raw buffers";
+    for (size_t h = 0; h < sizeof holders / sizeof holders[0] && !why; h++) {
         const msgpack_object *values = get(message, holders[h]);
-        for (uint32_t i = 0; values && values->type == MSGPACK_OBJECT_MAP && i < values->via.map.size; i++) {
-            const msgpack_object *value = &values->via.map.ptr[i].val;
-            tensor_t t;
-            const char *why = get(value, "dtype") ? read_tensor(value, parts, used, &t) : NULL;
-            if (why) return why;
-        }
+        for (uint32_t i = 0; values && values->type == MSGPACK_OBJECT_MAP && i < values->via.map.size && !why; i++)
+            why = check_nested(&values->via.map.ptr[i].val, parts, used, 1);
     }
-    for (int i = 1; i < parts->count; i++)
-        if (!used[i]) return "a raw buffer no tensor names";
-    return NULL;
+    for (int i = 1; i < parts->count && !why; i++)
+        if (!used[i]) why = "a raw buffer no tensor names";
+    free(used);
+    return why;
 }
 
 /* Decodes a message as a client would: one msgpack map filling the body, every tensor valid,
@@ -238,12 +298,11 @@ static void check_vector(const char *dir, const char *name) {
     const char *why = NULL;
     size_t pos = 0;
     while (pos < size && !why) {
-        if (size - pos < 4 || parts.count == MAX_PARTS) { why = "truncated frame header"; break; }
+        if (size - pos < 4) { why = "truncated frame header"; break; }
         const unsigned char *h = (const unsigned char *)frame + pos;
         size_t length = ((size_t)h[0] << 24) | ((size_t)h[1] << 16) | ((size_t)h[2] << 8) | h[3];
         if (length > size - pos - 4) { why = "frame longer than the stream"; break; }
-        parts.data[parts.count] = frame + pos + 4;
-        parts.size[parts.count++] = length;
+        why = add_part(&parts, frame + pos + 4, length, NULL);
         pos += 4 + length;
     }
     msgpack_unpacked result;
@@ -262,6 +321,7 @@ static void check_vector(const char *dir, const char *name) {
     else
         printf("vector %-28s %-18s %s%s\n", name, kind, why ? "rejected: " : "decoded", why ? why : "");
     msgpack_unpacked_destroy(&result);
+    free_parts(&parts);
     free(frame);
     free(json);
 }
@@ -287,17 +347,19 @@ static int check_vectors_in(const char *dir) {
 
 /* -- talking to the server ----------------------------------------------------------------- */
 
-/* A reply: its frames, as ZeroMQ received them, and its body unpacked. */
+/* A reply: its parts, each in the frame ZeroMQ received it in, and its body unpacked. */
 typedef struct {
-    zmq_msg_t frames[MAX_PARTS];
     parts_t parts;
     msgpack_unpacked body;
     double round_trip_us;
 } reply_t;
 
 static void close_frames(reply_t *reply) {
-    for (int i = 0; i < reply->parts.count; i++) zmq_msg_close(&reply->frames[i]);
-    reply->parts.count = 0;
+    for (int i = 0; i < reply->parts.count; i++) {
+        zmq_msg_close(reply->parts.at[i].frame);
+        free(reply->parts.at[i].frame);
+    }
+    free_parts(&reply->parts);
 }
 
 static void close_reply(reply_t *reply) {
@@ -323,9 +385,9 @@ static int send_request(void *sock, const msgpack_sbuffer *body, const parts_t *
     int sent = zmq_send(sock, body->data, body->size, buffers->count > 0 ? ZMQ_SNDMORE : 0) >= 0;
     int error = sent ? 0 : zmq_errno();
     for (int i = 0; i < buffers->count; i++) {
-        void *data = (void *)buffers->data[i];
+        void *data = (void *)buffers->at[i].data;
         zmq_msg_t msg;
-        if (!sent || zmq_msg_init_data(&msg, data, buffers->size[i], free_buffer, NULL) != 0) {
+        if (!sent || zmq_msg_init_data(&msg, data, buffers->at[i].size, free_buffer, NULL) != 0) {
             if (sent) error = zmq_errno(), sent = 0;
             free(data);
         } else if (zmq_msg_send(&msg, sock, i + 1 < buffers->count ? ZMQ_SNDMORE : 0) < 0) {
@@ -337,33 +399,36 @@ static int send_request(void *sock, const msgpack_sbuffer *body, const parts_t *
     return sent ? 0 : -1;
 }
 
-/* Receives one whole message into reply->frames. One of more than MAX_PARTS parts is read to
- * its end and dropped, so that its rest is not taken for the next message. NULL on success,
- * else why not, with no frame left open. */
+/* Receives one whole message into reply->parts. One of more than MAX_PARTS parts, or one memory
+ * runs out for, is read to its end and dropped, so that its rest is not taken for the next
+ * message. NULL on success, else why not, with no frame left open. */
 static const char *receive_message(void *sock, reply_t *reply) {
-    int more = 1, too_many = 0;
-    reply->parts.count = 0;
+    const char *dropped = NULL;  /* why the message is being read to its end and dropped */
+    int more = 1;
+    reply->parts = (parts_t){.count = 0};
     while (more) {
-        zmq_msg_t extra, *msg = too_many ? &extra : &reply->frames[reply->parts.count];
+        zmq_msg_t spare, *msg = dropped ? NULL : malloc(sizeof *msg);
+        if (msg == NULL && !dropped) dropped = "no memory for the message's parts";
+        if (msg == NULL) msg = &spare;
         zmq_msg_init(msg);
         if (zmq_msg_recv(msg, sock, 0) < 0) {
             const char *why = zmq_strerror(zmq_errno());
             zmq_msg_close(msg);
+            if (msg != &spare) free(msg);
             close_frames(reply);
             return why;
         }
         more = zmq_msg_more(msg);
-        if (too_many) {
+        if (msg == &spare) {
             zmq_msg_close(msg);
-            continue;
+        } else if ((dropped = add_part(&reply->parts, zmq_msg_data(msg), zmq_msg_size(msg), msg)) != NULL) {
+            zmq_msg_close(msg);
+            free(msg);
         }
-        reply->parts.data[reply->parts.count] = zmq_msg_data(msg);
-        reply->parts.size[reply->parts.count++] = zmq_msg_size(msg);
-        too_many = more && reply->parts.count == MAX_PARTS;
     }
-    if (too_many) {
+    if (dropped) {
         close_frames(reply);
-        return "a reply of more than " STRINGIFY(MAX_PARTS) " parts";
+        return dropped;
     }
     return NULL;
 }
@@ -463,8 +528,11 @@ static void pack_tensor(msgpack_packer *pk, const char *name, const float *value
     } else {
         pack_string(pk, "buf");
         msgpack_pack_int(pk, buffers->count);
-        buffers->data[buffers->count] = (const char *)values;
-        buffers->size[buffers->count++] = elements * sizeof(float);
+        const char *why = add_part(buffers, (const char *)values, elements * sizeof(float), NULL);
+        if (why) {  /* out of memory for a handful of parts: nothing sensible to go on with */
+            fprintf(stderr, "scan_client: %s\n", why);
+            exit(1);
+        }
     }
 }
 
@@ -594,6 +662,7 @@ static int run_scan(void *sock, int multipart) {
         close_reply(&reply);
     }
     msgpack_sbuffer_destroy(&body);
+    free_parts(&buffers);
     /* Sent as raw buffers, the inputs are ZeroMQ's now (send_request); inline, the body had copies. */
     if (!multipart) free(x), free(dt), free(z), free(A), free(B), free(C), free(D);
     free(expected);

@@ -71,6 +71,27 @@ def out_tensor(t: dict) -> OutTensor:
     return OutTensor(t["dtype"], t["shape"], t["data"].to_bytes())
 
 
+def out_tensors(value):
+    """`value` with every tensor in it, in maps and arrays at any depth, an OutTensor: a result
+    as a server hands it to the encoder."""
+    if isinstance(value, dict):
+        return out_tensor(value) if "dtype" in value else {k: out_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [out_tensors(v) for v in value]
+    return value
+
+
+def model_state(batch: int, layers: int, seed: int) -> dict:
+    """A Mamba-2 model session's state by name (SPEC §6.4), with model_load_weights' layer
+    sizes: per layer, its conv window [batch, 8 conv channels, d_conv 2] and its ssm state
+    [batch, 2 heads, headdim 2, state 2]."""
+    state = {}
+    for layer in range(layers):
+        state[f"layers.{layer}.conv"] = tensor("f32", (batch, 8, 2), seed + 2 * layer)
+        state[f"layers.{layer}.ssm"] = tensor("f32", (batch, 2, 2, 2), seed + 2 * layer + 1)
+    return state
+
+
 # -- the client-side writer ----------------------------------------------------------------
 
 def _header(n: int, fix: int | None, fix_max: int, codes: tuple[int | None, int, int]) -> bytes:
@@ -334,6 +355,16 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
     vectors.append(_error("reply_error_no_id", "error reply to a frame whose id could not be read", None,
                           "frame_too_large", message, too_large))
 
+    # A model_step's logits (vocab 8) and, with return_state, the state in a map of its own.
+    step_result = {"logits": tensor("f32", (2, 8), 240), "state": model_state(2, 1, 241)}
+    step_timing = {"decode_us": 6, "queue_us": 1, "h2d_us": 2, "kernel_us": 88, "d2h_us": 2, "encode_us": 3,
+                   "server_us": 104}
+    vectors.append(_reply("reply_model_step_return_state",
+                          "ok reply to model_step_return_state: the logits, and the session's state by name "
+                          "in a map of its own (tensors nested in the result)",
+                          encode_reply(28, out_tensors(step_result), step_timing),
+                          {"v": 1, "id": 28, "ok": True, "result": step_result, "timing": step_timing}))
+
     cancelled = {"cancelled_by": 8}
     message = "request 7 was cancelled by request 8 before it ran"
     vectors.append(_error("reply_error_cancelled", "the answer to request 7, which the cancel dropped", 7,
@@ -428,6 +459,28 @@ def buffer_tensor(dtype: str, shape, seed: int, buffers: list[Binary]) -> dict:
     return {"dtype": dtype, "shape": list(shape), "buf": len(buffers) - 1}
 
 
+def with_buffers(value, buffers: list[Binary]):
+    """`value` as a multipart body describes it: every tensor in it, at any depth, as
+    {"dtype", "shape", "buf": i}, its data appended to `buffers` as raw buffer i, in the order
+    the tensors appear (the encoder's order, SPEC §5)."""
+    if isinstance(value, dict) and "dtype" in value:
+        buffers.append(value["data"])
+        return {"dtype": value["dtype"], "shape": value["shape"], "buf": len(buffers) - 1}
+    if isinstance(value, dict):
+        return {k: with_buffers(v, buffers) for k, v in value.items()}
+    if isinstance(value, list):
+        return [with_buffers(v, buffers) for v in value]
+    return value
+
+
+def _multipart_reply(name, description, request_id, result, timing) -> tuple[str, bytes, dict]:
+    """The multipart reply the encoder writes for `result` (tensors nested at any depth)."""
+    buffers: list[Binary] = []
+    message = {"v": 1, "id": request_id, "ok": True, "result": with_buffers(result, buffers), "timing": timing}
+    body = b"".join(encode_reply(request_id, out_tensors(result), timing, buffers=[]))
+    return _multipart(name, description, body, buffers, message, "multipart_reply")
+
+
 def build_multipart_vectors() -> list[tuple[str, bytes, dict]]:
     """(name, parts framed one after another, json document) for the multipart form."""
     buffers: list[Binary] = []
@@ -451,6 +504,20 @@ def build_multipart_vectors() -> list[tuple[str, bytes, dict]]:
                         "state": {"dtype": "f32", "shape": [2, 4, 2], "buf": 1}}, "timing": timing}
     vectors.append(_multipart("multipart_reply_scan", "the reply to multipart_scan: y and state as raw buffers",
                               body, [y, state], reply, "multipart_reply"))
+
+    # Every tensor of a reply's result is a raw buffer, however deep it lies (SPEC §5).
+    step_timing = {"decode_us": 5, "kernel_us": 61, "server_us": 80}
+    vectors.append(_multipart_reply("multipart_reply_model_step_state",
+                                    "the reply to a multipart model_step with return_state on a two-layer model: "
+                                    "the logits, then each layer's conv and ssm state inside the state map, raw "
+                                    "buffers 0-4", 60, {"logits": tensor("f32", (1, 8), 250),
+                                                        "state": model_state(1, 2, 251)}, step_timing))
+    frames = [{"logits": tensor("f32", (1, 8), 260 + 3 * i), "state": model_state(1, 1, 261 + 3 * i)}
+              for i in range(2)]
+    vectors.append(_multipart_reply("multipart_reply_session_restore_frames",
+                                    "the reply to a multipart session_restore with two model_step frames, each "
+                                    "with return_state: each frame's logits and state inside the frames array, "
+                                    "raw buffers 0-5", 61, {"restored": True, "frames": frames}, step_timing))
     return vectors
 
 
