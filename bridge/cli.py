@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request in bytes; a bigger stream frame, or ZeroMQ message in several frames, is "
                         "drained and answered with frame_too_large; ZeroMQ drops a peer that sends a single "
                         "frame bigger than this")
-    p.add_argument("--log-level", default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"))
+    p.add_argument("--log-level", type=_log_level, default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"),
+                   help="the log's threshold: " + ", ".join(LOG_LEVELS) + " (default: $SCAN_BRIDGE_LOG, else INFO)")
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
                    help="compile the kernels for this shape bucket before serving (repeatable); OPTS "
                         "is a comma list of the options requests will use: " + ",".join(kernels.WARMUP_OPTIONS) +
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor handles held at once, over all connections")
     p.add_argument("--max-handle-bytes", type=_count, default=defaults.max_handle_bytes,
                    help="device bytes of tensors held as handles")
-    p.add_argument("--threads", type=_positive, default=defaults.threads,
+    p.add_argument("--threads", type=_threads, default=defaults.threads,
                    help="CPU threads one kernel call may use (default: torch's, the machine's cores); fewer "
                         "leaves cores to clients on the same machine, which can cut their tail latency")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -159,6 +160,28 @@ def _positive(text: str) -> int:
     return value
 
 
+# More than any machine this serves on has cores; torch takes a C int.
+MAX_THREADS = 4096
+
+
+def _threads(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {text!r}")
+    return value
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """A logging level's name, any case (from --log-level or $SCAN_BRIDGE_LOG)."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)} (--log-level or "
+                                         f"$SCAN_BRIDGE_LOG), got {text!r}")
+    return text.upper()
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -175,6 +198,8 @@ def open_lanes(args, dispatcher) -> list:
 
     if args.curve_clients and not args.curve_secret_key:
         raise ValueError("--curve-clients: expected --curve-secret-key too (the server's own keys)")
+    if args.curve_secret_key and not any(e.startswith("tcp://") for e in args.zmq):
+        raise ValueError("--curve-secret-key: CURVE secures tcp endpoints, and no --zmq tcp:// is given")
     lanes = []
     try:
         for path in args.unix:
@@ -184,8 +209,6 @@ def open_lanes(args, dispatcher) -> list:
         if args.zmq:
             from .transports.zmq import CurveKeys, ZmqTransport
 
-            if args.curve_secret_key and not any(e.startswith("tcp://") for e in args.zmq):
-                raise ValueError("--curve-secret-key: CURVE secures tcp endpoints, and no --zmq tcp:// is given")
             curve = CurveKeys.load(args.curve_secret_key, args.curve_clients) if args.curve_secret_key else None
             lanes.append(ZmqTransport(dispatcher, args.zmq, max_frame_size=args.max_frame_size,
                                       max_in_flight=args.max_in_flight_per_peer, hwm=args.zmq_hwm,
@@ -265,7 +288,7 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
 
         protocol_fd = claim_protocol_stdout()
     args = build_parser().parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+    logging.basicConfig(stream=sys.stderr, level=args.log_level,
                         format="%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("bridge")
     tune_malloc()

@@ -18,12 +18,38 @@ from lane_helpers import REPLY_TIMEOUT_S, ServerProcess, zmq_endpoint, request_f
 @pytest.mark.parametrize("argv, message", [
     pytest.param(["--zmq", "ipc:///tmp/x.ipc", "--curve-secret-key", "k"], "no --zmq tcp://", id="curve-without-tcp"),
     pytest.param(["--unix", "u.sock", "--curve-clients", "d"], "--curve-secret-key too", id="clients-without-key"),
+    pytest.param(["--unix", "/nonexistent/u.sock", "--curve-secret-key", "k"], "no --zmq tcp://",
+                 id="curve-without-zmq"),
 ])
 def test_lane_options_that_cannot_work_are_refused(argv, message):
     from bridge.cli import build_parser, open_lanes
 
     with pytest.raises(ValueError, match=message):
         open_lanes(build_parser().parse_args(argv), dispatcher=None)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:99999", "tcp://:65536", "tcp://:٣"])
+def test_a_zmq_port_libzmq_would_take_modulo_is_refused(endpoint):
+    from bridge.transports.zmq import resolve_endpoint
+
+    with pytest.raises(ValueError, match="tcp://"):
+        resolve_endpoint(endpoint)
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    pytest.param(["--log-level", "bogus"], {}, "expected one of DEBUG, INFO", id="log-level-unknown"),
+    pytest.param([], {"SCAN_BRIDGE_LOG": "verbose"}, "got 'verbose'", id="log-level-from-the-environment"),
+    pytest.param(["--threads", "100000000000"], {}, "expected at most", id="threads-past-any-machine"),
+])
+def test_a_bad_setting_is_refused_with_a_message_not_a_traceback(argv, env, message, capsys, monkeypatch):
+    from bridge.cli import build_parser
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])

@@ -70,13 +70,14 @@ LOOPBACK = "127.0.0.1"
 def resolve_endpoint(endpoint: str) -> str:
     """The endpoint to bind: `ipc://PATH` as given; `tcp://HOST:PORT` with HOST defaulting to
     the loopback address (a server is reachable from other hosts only when a host, such as *
-    or an interface address, is named). PORT may be * for any free port."""
+    or an interface address, is named). PORT may be * for any free port; a number past 65535,
+    which libzmq would take modulo 2^16, is refused."""
     scheme, _, rest = endpoint.partition("://")
     if scheme == "ipc" and rest:
         return endpoint
     if scheme == "tcp":
         host, sep, port = rest.rpartition(":")
-        if sep and (port == "*" or port.isdigit()):
+        if sep and (port == "*" or (port.isascii() and port.isdigit() and int(port) <= 65535)):
             return f"tcp://{host or LOOPBACK}:{port}"
     raise ValueError(f"--zmq: expected ipc://PATH or tcp://[HOST]:PORT, got {endpoint!r}")
 
