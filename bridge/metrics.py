@@ -4,10 +4,25 @@ pays nothing for it but the histograms' bucket counts (bridge.stats)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, start_http_server
+import errno
+import socket
+import socketserver
+import threading
+import time
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .stats import TOTALLED_KEYS
+
+# A scraper needs one connection and sends its request at once: past these, a connection is
+# closed, so that idle or half-sent ones cannot hold a thread and a descriptor each for ever.
+MAX_CONNECTIONS = 16
+REQUEST_TIMEOUT_S = 10.0
+# Out of descriptors, accept fails at once and the socket stays readable: pause between tries
+# instead of spinning on a core (as the unix lane does).
+ACCEPT_RETRY_S = 0.1
 
 
 def serve_metrics(server, host: str, port: int) -> int:
@@ -15,8 +30,55 @@ def serve_metrics(server, host: str, port: int) -> int:
     (`port` 0 takes a free one)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServerCollector(server))
-    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    httpd = type("MetricsServer", (BoundedServer,), {"address_family": family})(address[:2], QuietHandler)
+    httpd.set_app(make_wsgi_app(registry))
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
     return httpd.server_port
+
+
+class QuietHandler(WSGIRequestHandler):
+    """Answers one request, logging nothing; a connection that has not sent it within
+    REQUEST_TIMEOUT_S is closed (the socket timeout ends its read)."""
+
+    timeout = REQUEST_TIMEOUT_S
+
+    def log_message(self, format, *args):
+        pass
+
+
+class BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A thread a connection, at most MAX_CONNECTIONS at once: one past them is closed unread."""
+
+    daemon_threads = True
+
+    def __init__(self, *args, **kwargs):
+        self._room = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(ACCEPT_RETRY_S)
+            raise
+
+    def process_request(self, request, client_address):
+        if not self._room.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._room.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._room.release()
 
 
 class ServerCollector:

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.client import BridgeError, PortClient, server_env
 from bridge.stats import LATENCY_BUCKETS_US, Histogram, Stats
+from waiting import wait_until
 
 
 def scrape(url: str) -> dict:
@@ -137,3 +138,35 @@ def test_a_port_in_use_stops_the_start_naming_it():
         run = subprocess.run([sys.executable, "-m", "bridge", "--metrics-port", str(port)], capture_output=True,
                              text=True, env=server_env(), timeout=120, stdin=subprocess.DEVNULL)
     assert run.returncode == 2 and "--metrics-port" in run.stderr
+
+
+def test_idle_connections_are_bounded_and_closed_when_their_request_never_comes(monkeypatch):
+    """A connection that sends part of a request and waits held a thread and a descriptor for
+    ever: enough of them took every descriptor, and the endpoint and the lanes stopped
+    accepting. Past the cap one is closed unread; an idle one is closed after its timeout, and
+    scrapes are answered again."""
+    from bridge import metrics
+    from bridge.device import choose_device
+    from bridge.server import Server, ServerConfig
+
+    monkeypatch.setattr(metrics, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(metrics.QuietHandler, "timeout", 0.5)
+    port = metrics.serve_metrics(Server(ServerConfig(device="cpu"), choose_device("cpu")), "127.0.0.1", 0)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    for conn in idle:
+        conn.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+    with socket.create_connection(("127.0.0.1", port)) as turned_away:
+        turned_away.settimeout(10)
+        assert turned_away.recv(1) == b"", "a connection past the cap was kept"
+    for conn in idle:
+        conn.settimeout(10)
+        assert conn.recv(1) == b"", "an idle connection was kept past its timeout"
+        conn.close()
+
+    def answered() -> bool:
+        try:
+            return any(name.startswith("scan_bridge_") for name, _ in scrape(f"http://127.0.0.1:{port}/metrics"))
+        except OSError:  # turned away: the last idle one's thread had not finished yet
+            return False
+
+    wait_until(answered, "no scrape was answered once the idle connections were closed", timeout=10)
