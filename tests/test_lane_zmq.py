@@ -563,3 +563,31 @@ def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
         assert call(chatty, 4, "session_state", {"session": chatty_session})["ok"]
         assert server.stats.snapshot()["released"] == {
             "idle": {"peers": 1, "sessions": 1, "snapshots": 0, "models": 0, "handles": 0}}
+
+
+@pytest.mark.parametrize("extra", [pytest.param(1, id="one-past"), pytest.param(5000, id="thousands-past")])
+def test_a_message_of_more_raw_buffers_than_a_request_may_have_is_turned_away_unkept(tmp_path, monkeypatch, extra):
+    """Parts past the most raw buffers a request may carry are read and dropped, and the request
+    is answered limit_exceeded at once: each part kept cost the io thread a frame object, and a
+    message of a million empty parts (two bytes each) stalled every peer. A request at the limit
+    is served as before, and the peer serves on."""
+    from bridge.transports import zmq as zmq_lane
+
+    monkeypatch.setattr(zmq_lane, "MAX_RAW_BUFFERS", 4)
+    tensor = protocol.OutTensor("f32", (1,), b"\x00\x00\x80\x3f")
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4) as (dispatcher, transport), \
+            dealers(transport, 1) as (client,):
+        at_limit = list(protocol.encode_request(1, "put", {"tensor": tensor}, buffers=(buffers := [])))
+        client.send_multipart([b"".join(at_limit), *buffers, *[b"\x00" * 4] * 3])  # 4 raw buffers: stray ones
+        client.send_multipart([b"".join(protocol.encode_request(2, "ping", {})), *[b""] * (4 + extra)])
+        client.send(b"".join(protocol.encode_request(3, "ping", {})))
+        replies = {}
+        while len(replies) < 3 and client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
+            reply = msgpack.unpackb(client.recv_multipart()[0])
+            replies[reply["id"]] = reply
+        # At the limit the request is read: its stray buffers are its own error.
+        assert replies[1]["error"]["code"] == "invalid_request", replies[1]
+        assert replies[2]["error"]["code"] == "limit_exceeded", replies[2]
+        assert replies[2]["error"]["detail"] == {"limit": "raw_buffers", "max": 4, "requested": 4 + extra}
+        assert replies[3]["result"] == {"pong": True}
+        assert dispatcher.server.stats.snapshot()["errors"]["limit_exceeded"] == 1

@@ -58,6 +58,12 @@ log = logging.getLogger("bridge.zmq")
 
 # Messages read from one socket before replies are flushed again.
 RECEIVE_BATCH = 64
+# Raw buffers a request may carry (SPEC §5): room for every tensor of a big model's weights sent
+# raw. Parts past them are read and dropped unkept: each part held costs the io thread a frame
+# object, and empty ones cost the sender two bytes, so a million of them stalled every peer.
+MAX_RAW_BUFFERS = 4096
+# The routing id, REQ's empty delimiter and the body, before the raw buffers.
+ENVELOPE_AND_BODY = 3
 # How often replies to a peer whose pipe was full are tried again.
 RETRY_MS = 2
 # How long closing waits for queued replies to leave.
@@ -294,7 +300,7 @@ class ZmqTransport:
     def _receive(self, index: int, sock: zmq.Socket) -> None:
         for _ in range(RECEIVE_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames, parts = self._receive_message(sock)
             except zmq.Again:
                 return
             received_ns = now_ns()
@@ -320,12 +326,31 @@ class ZmqTransport:
             # request had one.
             target = ZmqReplyTarget(peer, [routing_id, b""] if len(envelope) == 2 else [routing_id])
             request = (message, received_ns, target)
-            if peer.in_flight < self.max_in_flight:
+            buffers = parts - len(envelope) - 1
+            if buffers > MAX_RAW_BUFFERS:
+                self._turn_away(peer, request, "limit_exceeded", f"buffers: expected at most {MAX_RAW_BUFFERS} raw "
+                                f"buffers after the body, got {buffers}",
+                                {"limit": "raw_buffers", "max": MAX_RAW_BUFFERS, "requested": buffers})
+            elif peer.in_flight < self.max_in_flight:
                 self._dispatch(peer, request)
             elif len(peer.waiting) < self.hwm:
                 peer.waiting.append(request)
             else:
                 self._decline(peer, request)
+
+    @staticmethod
+    def _receive_message(sock: zmq.Socket) -> tuple[list, int]:
+        """The next message's parts, up to the most a request may have (the rest read and
+        dropped), and how many it had; zmq.Again when none waits. A message arrives whole, so
+        only its first part can find none."""
+        frames = [sock.recv(zmq.NOBLOCK, copy=False)]
+        while frames[-1].more and len(frames) < ENVELOPE_AND_BODY + MAX_RAW_BUFFERS + 1:
+            frames.append(sock.recv(copy=False))
+        parts = len(frames)
+        while sock.get(zmq.RCVMORE):
+            sock.recv(copy=True)
+            parts += 1
+        return frames, parts
 
     def _source_fd(self, frame: zmq.Frame) -> int | None:
         """The descriptor a message came in on; None where libzmq no longer tells (its peers'
@@ -376,14 +401,18 @@ class ZmqTransport:
 
     def _decline(self, peer: ZmqPeer, request: tuple) -> None:
         """Answer `overloaded` at once: the peer has `hwm` requests waiting already."""
+        self._turn_away(peer, request, "overloaded", f"more than {self.hwm} requests of this peer waiting; retry later",
+                        {"limit": self.hwm})
+
+    def _turn_away(self, peer: ZmqPeer, request: tuple, code: str, text: str, detail: dict) -> None:
+        """Answer `request` with error `code` at once, unread by the dispatcher."""
         message, _, target = request
-        text = f"more than {self.hwm} requests of this peer waiting; retry later"
         parts = protocol.error_reply_for(message[0].buffer, [frame.buffer for frame in message[1:]],
-                                         "overloaded", text, {"limit": self.hwm})
+                                         code, text, detail)
         # Read and answered as the dispatcher counts a request and its reply.
         stats = self.dispatcher.server.stats
         stats.frame_in(sum(len(frame) for frame in message), target.lane)
-        stats.record_error("overloaded")
+        stats.record_error(code)
         stats.reply_out(parts, lane=target.lane)
         peer.in_flight += 1  # answered like any other request: _answered gives it back
         # Queued like a reply made here (behind replies the worker posted for this peer before,
