@@ -186,8 +186,9 @@ defmodule ScanBridge do
     * `:max_in_flight` - requests at the server at once (default 256); more wait in order, and
       one whose deadline passes before it is sent is answered `:overloaded`. On
       the unix lane the server's own cap on one connection's requests in flight
-      (`--max-in-flight-per-peer`, read from its `info`'s `limits` at start-up) caps it: the
-      server leaves requests past it unread in the socket.
+      (`--max-in-flight-per-peer`, read from its `info`'s `limits` at start-up), less one,
+      caps it: the server leaves requests past its cap unread in the socket, and the place
+      left is for cancels.
     * `:max_frame_size` - largest request body sent (default 256 MiB, the server's default
       limit), capped at start-up by the server's own limit (its `info`'s `limits`); a bigger
       one is answered `:frame_too_large` without being sent.

@@ -97,6 +97,43 @@ defmodule ScanBridge.DeadlinesTest do
     end
   end
 
+  describe "on the unix lane, the connection's cap at the server small" do
+    setup do
+      opts =
+        TestSupport.server_opts(
+          transport: {:unix, TestSupport.socket_path()},
+          args: ["--device", "cpu", "--max-in-flight-per-peer", "3"]
+        )
+
+      client = start_supervised!({ScanBridge, opts})
+      {:ok, os_pid} = ScanBridge.os_pid(client)
+      {:ok, before} = ScanBridge.stats(client)
+      %{client: client, os_pid: os_pid, before: before}
+    end
+
+    # At the server's cap it stops reading the socket: a cancel sent then would wait unread
+    # behind the request it drops, which the worker would take first and run. The client
+    # keeps a slot free, so a third request waits in the client, where giving up drops it.
+    test "a slot of the cap is left for cancels, and a request given up is never run", ctx do
+      client = ctx.client
+      assert :sys.get_state(client).max_in_flight == 2
+      long = hold_server(ctx)
+      waiting = Task.async(fn -> ScanBridge.ping(client, timeout: 60_000) end)
+      assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 2 end)
+      assert {:error, %Error{reason: reason}} = ScanBridge.ping(client, timeout: 100)
+      assert reason in [:overloaded, :timeout]
+      stats = let_server_go(ctx, long)
+      assert :ok = Task.await(waiting, 60_000)
+      count = fn stats, path -> get_in(stats, path) || 0 end
+
+      ran =
+        count.(stats, ["ops", "ping", "success_count"]) -
+          count.(ctx.before, ["ops", "ping", "success_count"])
+
+      assert ran == 1, "#{ran} pings ran: the one given up ran too"
+    end
+  end
+
   # A scan that keeps the server's worker busy for a while (tens of ms of kernel even on a fast
   # CPU) sent to the frozen server, whose reader then has every later request and cancel in
   # hand long before the worker is free: a request behind the scan waits to run, where a

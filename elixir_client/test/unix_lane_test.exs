@@ -119,7 +119,8 @@ defmodule ScanBridge.UnixLaneTest do
       )
 
     client = start_supervised!({ScanBridge, opts}, id: :capped)
-    assert :sys.get_state(client).max_in_flight == 4
+    # one place below the cap: a cancel's (deadlines_test)
+    assert :sys.get_state(client).max_in_flight == 3
     assert_concurrent_scans(client, 40)
   end
 

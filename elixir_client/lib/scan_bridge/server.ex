@@ -37,9 +37,10 @@ defmodule ScanBridge.Server do
   accept and answer one too), so a started client is a ready one. It then reads the server's
   `limits` from `info`: a request bigger than the server's `max_frame_size` is refused here,
   not sent (the server would answer it with an id-less error no caller could be given), and on
-  the unix lane `:max_in_flight` is kept within the server's `max_in_flight_per_peer` (past
+  the unix lane `:max_in_flight` is kept one below the server's `max_in_flight_per_peer` (past
   which the server leaves requests unread in the socket, where more would only wait in the
-  lane's queue instead of this one's, out of reach of their deadlines).
+  lane's queue instead of this one's, out of reach of their deadlines; the place left is for
+  cancels, which go past `:max_in_flight` and must be read to drop what they name).
 
   When the server's OS process exits or its lane closes, every waiting caller gets
   `{:error, %ScanBridge.Error{reason: :server_exited}}` and this process stops, for its
@@ -822,8 +823,10 @@ defmodule ScanBridge.Server do
   # the client's option when smaller: max_frame_size, and on the unix lane the requests one
   # connection may have in flight (max_in_flight_per_peer), past which the server stops reading
   # the socket, so that more would only wait in the lane's queue, where a passed deadline
-  # cannot drop them. A limit the server's info lacks (a server older than it)
-  # leaves the option as it is.
+  # cannot drop them. One slot of that cap is left free: a cancel (as a health check, or a late
+  # reply's free) goes past the client's own cap, and at the server's it would wait unread
+  # behind the very request it is to drop, which would then run. A limit the server's info
+  # lacks (a server older than it) leaves the option as it is.
   defp adopt_limits(state, deadline) do
     lane = if state.socket, do: :socket, else: :port
 
@@ -833,7 +836,7 @@ defmodule ScanBridge.Server do
 
       state =
         if lane == :socket,
-          do: cap(state, :max_in_flight, limits["max_in_flight_per_peer"]),
+          do: cap(state, :max_in_flight, room_for_cancels(limits["max_in_flight_per_peer"])),
           else: state
 
       ops = get_in(info, ["protocol", "ops"]) || []
@@ -854,6 +857,9 @@ defmodule ScanBridge.Server do
     do: Map.update!(state, key, &min(&1, limit))
 
   defp cap(state, _key, _absent), do: state
+
+  defp room_for_cancels(limit) when is_integer(limit) and limit > 1, do: limit - 1
+  defp room_for_cancels(limit), do: limit
 
   # One request without arguments, answered before the deadline, on the given lane.
   defp startup_call(state, lane, op, deadline) do
