@@ -591,3 +591,34 @@ def test_a_message_of_more_raw_buffers_than_a_request_may_have_is_turned_away_un
         assert replies[2]["error"]["detail"] == {"limit": "raw_buffers", "max": 4, "requested": 4 + extra}
         assert replies[3]["result"] == {"pong": True}
         assert dispatcher.server.stats.snapshot()["errors"]["limit_exceeded"] == 1
+
+
+def ipc_lane(path) -> ZmqTransport:
+    """A ZeroMQ lane bound at ipc://path, not started (nothing is dispatched)."""
+    return ZmqTransport(None, [f"ipc://{path}"], max_frame_size=1 << 20, max_in_flight=4, hwm=4)
+
+
+def test_an_ipc_path_is_not_taken_from_a_live_server_and_is_removed_on_close(tmp_path):
+    """libzmq unlinks whatever socket file lies at an ipc path and binds over it: a second
+    server there would leave the first running, unreachable. A live server's path is refused,
+    a dead one's leftover replaced, and the lane removes its own file when it closes (libzmq
+    leaves it)."""
+    path = tmp_path / "lane.ipc"
+    first = ipc_lane(path)
+    try:
+        with pytest.raises(OSError, match="another server is listening there"):
+            ipc_lane(path)
+        assert path.exists()
+    finally:
+        first.close()
+    assert not path.exists(), "the lane left its socket file behind"
+    import socket
+
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # a dead server's leftover: a socket file nobody listens on
+    ipc_lane(path).close()
+    assert not path.exists()
+    path.write_text("not a socket")
+    with pytest.raises(OSError, match="non-socket file"):
+        ipc_lane(path)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import socket
+import stat
 import threading
 
 _ids = itertools.count(1)
@@ -12,6 +15,27 @@ _ids = itertools.count(1)
 # (a peer's requests that waited past its in-flight cap are answered shutting_down as the
 # replies before them go) or waiting for room in a peer's pipe.
 FLUSH_SECONDS = 0.5
+
+
+def claim_socket_path(path: str, option: str) -> None:
+    """Make `path` free for a socket this server binds (`option` names it in errors): a stale
+    socket file a dead server left is removed, but a live server's socket, or any other file,
+    is refused (binding over a live one would leave that server running, unreachable)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"{option} {path}: expected a free path or a stale socket, got an existing non-socket file")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nobody listens: a dead server's leftover
+    else:
+        raise OSError(f"{option} {path}: another server is listening there")
+    finally:
+        probe.close()
 
 
 class Connection:

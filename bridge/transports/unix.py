@@ -25,7 +25,6 @@ import logging
 import os
 import selectors
 import socket
-import stat
 import threading
 import time
 
@@ -33,7 +32,7 @@ import protocol
 
 from ..buffers import BufferPool
 from ..timing import now_ns
-from .base import FLUSH_SECONDS
+from .base import FLUSH_SECONDS, claim_socket_path
 from .framed import IOV_MAX, StreamConnection, WriterThreads, input_waiting
 
 log = logging.getLogger("bridge.unix")
@@ -400,22 +399,7 @@ class UnixTransport:
 def _listen(path: str) -> socket.socket:
     """A listening socket at `path`, replacing a stale socket file left by a dead server but
     never a live server's socket or any other file."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(mode):
-            raise OSError(f"--unix {path}: expected a free path or a stale socket, got an existing non-socket file")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)  # nobody listens: a dead server's leftover
-        else:
-            raise OSError(f"--unix {path}: another server is listening there")
-        finally:
-            probe.close()
+    claim_socket_path(path, "--unix")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(LISTEN_BACKLOG)

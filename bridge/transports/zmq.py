@@ -52,7 +52,7 @@ import protocol
 
 from ..outbox import Outbox
 from ..timing import now_ns
-from .base import FLUSH_SECONDS, Connection
+from .base import FLUSH_SECONDS, Connection, claim_socket_path
 
 log = logging.getLogger("bridge.zmq")
 
@@ -176,6 +176,7 @@ class ZmqTransport:
         self.context = zmq.Context(io_threads=1)
         self.outbox = Outbox()
         self.endpoints: list[str] = []
+        self._ipc_paths: list[str] = []  # the socket files of its ipc endpoints, removed on close
         self.sockets: list[zmq.Socket] = []
         self.monitors: list[zmq.Socket] = []  # one per socket, same index
         self._authenticator = None
@@ -223,8 +224,14 @@ class ZmqTransport:
             sock.curve_publickey = curve.public
             sock.curve_secretkey = curve.secret
         self.monitors.append(sock.get_monitor_socket(CONNECTION_EVENTS))
+        ipc_path = endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else None
+        if ipc_path is not None and ipc_path != "*":
+            # libzmq would unlink a live server's socket there and bind over it.
+            claim_socket_path(ipc_path, "--zmq ipc://")
         sock.bind(endpoint)
         self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        if ipc_path is not None:
+            self._ipc_paths.append(self.endpoints[-1].removeprefix("ipc://"))
 
     def start(self) -> None:
         self._thread.start()
@@ -264,6 +271,11 @@ class ZmqTransport:
             self._authenticator.stop()
         self.context.term()
         self.outbox.close()
+        for path in self._ipc_paths:  # libzmq leaves the socket files of ipc endpoints behind
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     # -- the io thread --------------------------------------------------------------------
 
