@@ -46,10 +46,10 @@ def test_a_stdio_peer_whose_replies_wait_for_it_has_no_more_requests_read_meanwh
     reader_waits = threading.Event()
     real_wait = conn.wait_until_written
 
-    def noting_the_wait():
+    def noting_the_wait(*args):
         if conn._backlog:
             reader_waits.set()
-        real_wait()
+        return real_wait(*args)
 
     conn.wait_until_written = noting_the_wait
     with open(requests_in, "rb", buffering=0) as raw, open(replies_in, "rb", buffering=0) as replies:
@@ -67,3 +67,31 @@ def test_a_stdio_peer_whose_replies_wait_for_it_has_no_more_requests_read_meanwh
         assert not reading.is_alive()
     os.close(replies_out)
     assert writers.join(time.monotonic() + REPLY_TIMEOUT_S) == 0
+
+
+def test_a_peer_that_closes_its_input_and_reads_no_replies_ends_the_readers_wait():
+    """The reader waits for a peer to read its replies before it reads on; a peer that closed
+    its input and reads nothing held it there for ever, and the server, never reading the EOF,
+    never stopped. Once the peer has hung up and HANGUP_GRACE_S passed, its input ends."""
+    from bridge.transports import framed
+    from bridge.transports.framed import FdConnection, WriterThreads, serve_frames
+
+    requests_in, requests_out = os.pipe()
+    replies_in, replies_out = os.pipe()
+    os.set_blocking(replies_out, False)
+    writers = WriterThreads()
+    conn = FdConnection("stdio", replies_out, writers.start)
+    with open(requests_in, "rb", buffering=0) as raw:
+        reading = threading.Thread(target=serve_frames, args=(raw, conn, RecordingDispatcher(), BufferPool(), 1 << 20),
+                                   daemon=True)
+        reading.start()
+        with open(requests_out, "wb", buffering=0) as requests:
+            requests.write(protocol.encode_frame(bytes(256) * 1024))  # echoed: more than the pipe holds
+        wait_until(lambda: conn._backlog, "the reply never waited for its reader")
+        started = time.monotonic()
+        reading.join(REPLY_TIMEOUT_S)
+        assert not reading.is_alive(), "the reader still waits for a peer that closed its input"
+        assert time.monotonic() - started >= framed.HANGUP_GRACE_S * 0.9
+    os.close(replies_in)
+    writers.join(time.monotonic() + REPLY_TIMEOUT_S)
+    os.close(replies_out)

@@ -35,6 +35,14 @@ from .base import Connection
 
 log = logging.getLogger("bridge.transports")
 
+# How long a reader that waits for its peer to read its replies goes on waiting once that peer
+# has closed its input: about the drain a server gives requests in flight at an EOF it reads
+# (cli.DRAIN_SECONDS). A peer that closed its input and reads nothing would otherwise hold the
+# reader for ever, and the server, never reading the EOF, would never stop.
+HANGUP_GRACE_S = 1.0
+# How often such a reader looks for the hang-up.
+HANGUP_POLL_S = 0.05
+
 # How long the replying thread waits for a peer that accepts no byte of a reply before handing
 # the rest to the connection's writer thread. A peer that is reading makes progress far more
 # often than this; the worker is held up this long by a stuck one, once per reply it stalls on.
@@ -164,13 +172,25 @@ class StreamConnection(Connection):
             if not more:
                 return
 
-    def wait_until_written(self) -> None:
-        """Return once no reply waits for the writer thread: a reader that takes no more of a
-        peer's requests meanwhile keeps what a peer that does not read its replies costs bounded
-        (the unix lane bounds it by its cap of requests in flight instead)."""
-        if self._backlog:  # the check without the lock costs a request nearly nothing
-            with self._written:
-                self._written.wait_for(lambda: not self._backlog)
+    def wait_until_written(self, input_fd: int | None = None) -> bool:
+        """Return True once no reply waits for the writer thread: a reader that takes no more of
+        a peer's requests meanwhile keeps what a peer that does not read its replies costs
+        bounded (the unix lane bounds it by its cap of requests in flight instead). False when
+        the peer hung up `input_fd` (closed its end) and its replies were still unwritten
+        HANGUP_GRACE_S later: its input is then at its end."""
+        if not self._backlog:  # the check without the lock costs a request nearly nothing
+            return True
+        hung_up_at = None
+        with self._written:
+            while self._backlog:
+                self._written.wait(HANGUP_POLL_S if input_fd is not None else None)
+                if not self._backlog or input_fd is None:
+                    continue
+                if hung_up_at is None:
+                    hung_up_at = time.monotonic() if hung_up(input_fd) else None
+                elif time.monotonic() - hung_up_at > HANGUP_GRACE_S:
+                    return False
+        return True
 
 
 class WriterThreads:
@@ -211,6 +231,13 @@ class FdConnection(StreamConnection):
         return os.writev(self._stream, views[:IOV_MAX])
 
 
+def hung_up(fd: int) -> bool:
+    """Whether the other end of `fd` (a pipe's writer, a socket's peer) has closed it."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)  # POLLHUP and POLLERR are reported whatever is asked
+    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
+
 def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
     """Read frames from `reader` (blocking, with `readinto`) until EOF and hand each body to the
     dispatcher for `conn`.
@@ -235,4 +262,7 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
             # With nothing more waiting, an idle server may serve this frame on this thread.
             dispatcher.on_frame(conn, body, now_ns(), release, more_input=more_input)
         # A peer whose replies wait for it to read them gets no more requests read meanwhile.
-        conn.wait_until_written()
+        if not conn.wait_until_written(reader.fileno()):
+            log.warning("%s: its peer closed its input and has not read its replies: its input ends here", conn.id)
+            incoming.eof()
+            return
