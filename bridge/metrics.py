@@ -31,7 +31,7 @@ def serve_metrics(server, host: str, port: int) -> int:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServerCollector(server))
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    httpd = type("MetricsServer", (BoundedServer,), {"address_family": family})(address[:2], QuietHandler)
+    httpd = BoundedServer(family, address[:2], QuietHandler)
     httpd.set_app(make_wsgi_app(registry))
     threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
     return httpd.server_port
@@ -52,9 +52,10 @@ class BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, family: int, address, handler):
+        self.address_family = family  # read by the base class's __init__, which binds
         self._room = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(*args, **kwargs)
+        super().__init__(address, handler)
 
     def get_request(self):
         try:

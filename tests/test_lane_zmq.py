@@ -569,8 +569,8 @@ def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
 def test_a_message_of_more_raw_buffers_than_a_request_may_have_is_turned_away_unkept(tmp_path, monkeypatch, extra):
     """Parts past the most raw buffers a request may carry are read and dropped, and the request
     is answered limit_exceeded at once: each part kept cost the io thread a frame object, and a
-    message of a million empty parts (two bytes each) stalled every peer. A request at the limit
-    is served as before, and the peer serves on."""
+    message of very many empty parts stalled every peer. A request at the limit is served as
+    before, and the peer serves on."""
     from bridge.transports import zmq as zmq_lane
 
     monkeypatch.setattr(zmq_lane, "MAX_RAW_BUFFERS", 4)

@@ -705,7 +705,7 @@ def test_a_checkpoints_own_files_are_read_only_in_its_directory_and_only_if_regu
 
 def test_a_config_of_more_layers_than_tensors_is_refused_before_listing_them(serve, monkeypatch):
     """A client's config may claim any number of layers: listing each layer's expected shapes
-    first took seconds and gigabytes for a million, under the serving lock."""
+    before comparing any held the serving lock for as long as that list took to build."""
     from bridge.models import weights
 
     listed = []

@@ -171,8 +171,8 @@ def test_a_zmq_peer_past_its_queue_is_answered_overloaded_and_others_are_served(
     flood.setsockopt(zmq.LINGER, 0)
     flood.connect(limited.ipc)
     # Each takes the server far longer to compute than to receive: they all arrive while the
-    # first are computed (at 1x1000x128x64, 3.6x less compute for 0.6x the bytes, a fast CPU
-    # kept up with the sends about one run in five). Under the fixture's 3 MB frames.
+    # first are computed. Square (dim = state) for the most compute a byte, under the
+    # fixture's 3 MB frames: with a quarter of the state a fast CPU kept up with the sends.
     inputs = make_scan_inputs(ScanCase(1, 800, 192, 192))
     sent = 30
     message = scan_message(inputs, 0, multipart=True)

@@ -172,7 +172,7 @@ class StreamConnection(Connection):
             if not more:
                 return
 
-    def wait_until_written(self, input_fd: int | None = None) -> bool:
+    def wait_until_written(self, input_fd: int) -> bool:
         """Return True once no reply waits for the writer thread: a reader that takes no more of
         a peer's requests meanwhile keeps what a peer that does not read its replies costs
         bounded (the unix lane bounds it by its cap of requests in flight instead). False when
@@ -183,8 +183,8 @@ class StreamConnection(Connection):
         hung_up_at = None
         with self._written:
             while self._backlog:
-                self._written.wait(HANGUP_POLL_S if input_fd is not None else None)
-                if not self._backlog or input_fd is None:
+                self._written.wait(HANGUP_POLL_S)
+                if not self._backlog:
                     continue
                 if hung_up_at is None:
                     hung_up_at = time.monotonic() if hung_up(input_fd) else None

@@ -60,7 +60,8 @@ log = logging.getLogger("bridge.zmq")
 RECEIVE_BATCH = 64
 # Raw buffers a request may carry (SPEC §5): room for every tensor of a big model's weights sent
 # raw. Parts past them are read and dropped unkept: each part held costs the io thread a frame
-# object, and empty ones cost the sender two bytes, so a million of them stalled every peer.
+# object while an empty one costs its sender next to nothing, so a message of very many of them
+# stalled every peer.
 MAX_RAW_BUFFERS = 4096
 # The routing id, REQ's empty delimiter and the body, before the raw buffers.
 ENVELOPE_AND_BODY = 3
