@@ -20,6 +20,7 @@ from . import exit_guard
 DRAIN_SECONDS = 0.8
 # How often the main thread looks for a stop condition (signal, EOF, shutdown op).
 STOP_POLL_SECONDS = 0.02
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,14 +284,40 @@ def tune_malloc() -> None:
 
 
 def main(argv=None, protocol_fd: int | None = None) -> int:
+    """Serves until a stop signal, a shutdown request or (Port mode) stdin's end, then exits the
+    process; returns only when the server did not start (or was stopped while starting), with
+    the process's exit status."""
     if protocol_fd is None:
         from .stdio_guard import claim_protocol_stdout
 
         protocol_fd = claim_protocol_stdout()
+    # Installed before anything slow (importing torch, building or loading the kernels,
+    # warming up): a stop asked for during start-up ends it quietly instead of with
+    # KeyboardInterrupt's traceback. The handler only records the signal: it runs in the main
+    # thread between bytecodes, possibly while that thread holds a lock (Event.wait holds its
+    # Condition's), so taking any lock here — Event.set() included — can deadlock the process.
+    signalled: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: signalled.append(signum))
+                for signum in STOP_SIGNALS}
+    try:
+        return _start_and_serve(argv, protocol_fd, signalled)
+    finally:  # a caller in this process (a test) gets its own handlers back
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=args.log_level,
                         format="%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("bridge")
+    log.debug("starting")
+
+    def stop_requested_while_starting() -> bool:
+        if signalled:
+            log.info("stop requested during start-up (%s); exiting", signal.Signals(signalled[0]).name)
+        return bool(signalled)
+
     tune_malloc()
     if args.exit_guard:
         exit_guard.start()
@@ -302,6 +329,8 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     from .transports.base import FLUSH_SECONDS
     from .transports.stdio import StdioTransport
 
+    if stop_requested_while_starting():
+        return 0
     try:
         device = choose_device(args.device)
     except DeviceUnavailable as exc:
@@ -319,6 +348,8 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
     except Exception as exc:  # e.g. --backend naming an unavailable backend
         log.error("cannot start: %s", exc)
         return 2
+    if stop_requested_while_starting():
+        return 0
     if args.warmup:
         import kernels
 
@@ -333,6 +364,8 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
             return 2
         log.info("warmed up %d kernels for %d shape buckets (backend %s)", len(server.compiled),
                  len(args.warmup), server.backend)
+        if stop_requested_while_starting():
+            return 0
     if config.metrics_port is not None:
         from .metrics import serve_metrics
 
@@ -356,17 +389,6 @@ def main(argv=None, protocol_fd: int | None = None) -> int:
         stdio = StdioTransport(dispatcher, 0, protocol_fd, config.max_frame_size)
         server.transports.append("stdio")
     server.transports.extend(name for lane in lanes for name in lane.names)
-
-    # The handler only records the signal: it runs in the main thread between bytecodes,
-    # possibly while that thread holds a lock (Event.wait holds its Condition's), so taking any
-    # lock here — Event.set() included — can deadlock the process.
-    signalled = []
-
-    def request_stop(signum, frame):
-        signalled.append(signum)
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
 
     # stdio closes last (below): unix removes its socket file before stdio's writer may wait
     # out the flush deadline, so that no new client connects meanwhile.

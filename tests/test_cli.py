@@ -1,10 +1,12 @@
 """The server's command line for its lanes: options that cannot work are refused, a socket-only
 server ignores stdin and stops on SIGTERM or a shutdown request (writing a slow reader's
-replies first), and CURVE admits only the clients whose keys it was given."""
+replies first), a stop signal during start-up ends it quietly, and CURVE admits only the
+clients whose keys it was given."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -13,6 +15,7 @@ import pytest
 from bridge.client import UnixClient, ZmqClient
 
 from lane_helpers import REPLY_TIMEOUT_S, ServerProcess, zmq_endpoint, request_frame, read_reply, raw_unix
+from waiting import wait_until
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -85,6 +88,24 @@ def test_a_socket_only_server_ignores_stdin_and_stops_on_sigterm(tmp_path):
     assert srv.stop() == 0, srv.log()
     assert time.monotonic() - started < 1.0
     assert not os.path.exists(unix_path)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_during_start_up_ends_the_server_quietly(tmp_path, signum):
+    """The debug log's first line comes before start-up's slow part (importing torch, loading
+    the kernels): a stop signal then ends the server with status 0 and a line saying so, where
+    SIGINT gave KeyboardInterrupt's traceback and SIGTERM killed it outright."""
+    srv = ServerProcess(str(tmp_path), "--log-level", "debug", stdin=subprocess.PIPE)
+    try:
+        wait_until(lambda: "DEBUG bridge: starting" in srv.log(), "the server never logged its start", 60,
+                   interval=0.005)
+        srv.proc.send_signal(signum)
+        assert srv.proc.wait(60) == 0, srv.log()
+    finally:
+        srv.stop()
+    log = srv.log()
+    assert f"stop requested during start-up ({signal.Signals(signum).name}); exiting" in log, log
+    assert "Traceback" not in log and "serving" not in log, log
 
 
 def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_path):
