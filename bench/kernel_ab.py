@@ -8,7 +8,8 @@ another revision, on bench.kernels' cases and inputs.
 A case is one of bench.kernels' (a forward call) or "backward-" and one of bench.backward's
 (the backward pass on that bench's inputs, e.g. backward-exphil). Both builds are called through
 the working tree's kernels/cpu/__init__.py, so two revisions whose bindings take other arguments
-cannot be compared here.
+cannot be compared here. The other side, when its sources are the checkout's (the default: the
+working tree), is the checkout's own build, the one `make kernels` made: only the base compiles.
 
 Why one process: on a shared machine one process's speed for the same build drifts by more
 than a kernel change is worth (docs/performance.md, "CPU kernels": the runs' spread), so an A/B
@@ -143,21 +144,38 @@ def load_build(source_dir: Path, revision: str, commit: str, side: str):
     return backend
 
 
+def are_the_checkouts_sources(source_dir: Path) -> bool:
+    """Whether `source_dir` holds the checkout's own kernel sources, byte for byte."""
+    return all((source_dir / name).is_file()
+               and (source_dir / name).read_bytes() == (build.SOURCE_DIR / name).read_bytes()
+               for name in build.SOURCES + build.HEADERS)
+
+
 def load_builds(base: str, other: str) -> tuple[tuple, tuple]:
     """(backend, commit) of both sides; RevisionError when either cannot be read. The other
-    side compiles in a process of its own while this one compiles the base: a build is mostly
-    one long compile, which leaves a core idle that the other build can use."""
+    side, when its sources are the checkout's (the working tree, or a revision equal to it), is
+    the checkout's own build, the one `make kernels` made, with the same flags as a copy's;
+    otherwise it compiles in a process of its own while this one compiles the base: a build is
+    mostly one long compile, which leaves a core idle that the other build can use."""
     with tempfile.TemporaryDirectory(prefix="kernel_ab_") as scratch:
         sides = {"base": (base, Path(scratch) / "base"), "other": (other, Path(scratch) / "other")}
         commits = {side: sources_at(revision, directory) for side, (revision, directory) in sides.items()}
+        checkouts_own = are_the_checkouts_sources(sides["other"][1])
         # A failure there is reported when this process loads that side (and builds it again).
-        beside = subprocess.Popen([sys.executable, "-m", "kernels.cpu.build", "--sources", str(sides["other"][1]),
-                                   "--module-prefix", module_prefix("other")], cwd=REPO)
+        beside = None if checkouts_own else subprocess.Popen(
+            [sys.executable, "-m", "kernels.cpu.build", "--sources", str(sides["other"][1]),
+             "--module-prefix", module_prefix("other")], cwd=REPO)
         try:
             loaded = {"base": load_build(sides["base"][1], base, commits["base"], "base")}
         finally:
-            beside.wait()
-        loaded["other"] = load_build(sides["other"][1], other, commits["other"], "other")
+            if beside is not None:
+                beside.wait()
+        if checkouts_own:
+            loaded["other"] = backend_from(build.load_extension())
+            print(f"other: {other} ({commits['other'][:12]}), the checkout's own build "
+                  f"{loaded['other'].details['library']}", flush=True)
+        else:
+            loaded["other"] = load_build(sides["other"][1], other, commits["other"], "other")
         return tuple((loaded[side], commits[side]) for side in ("base", "other"))
 
 

@@ -961,11 +961,13 @@ def test_bench_runner_refuses_impossible_repeats(argv, message, capsys):
 # --- bench.kernel_ab: two builds in one process ----------------------------------------------
 
 def test_kernel_ab_times_two_builds_of_one_revision(tmp_path):
-    """HEAD against HEAD: two libraries under two module names, loaded side by side, whose
-    outputs agree bit for bit; every (case, threads) row has both builds' blocks."""
+    """HEAD against HEAD: two libraries under two module names (a copy's and, where HEAD's
+    kernels are the checkout's, the checkout's own), loaded side by side, whose outputs agree
+    bit for bit; every (case, threads) row has both builds' blocks."""
     import json
 
     from bench import kernel_ab
+    from kernels.cpu import build
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -976,6 +978,10 @@ def test_kernel_ab_times_two_builds_of_one_revision(tmp_path):
     report = json.loads(out.read_text())
     assert report["base"]["commit"] == report["other"]["commit"] == head
     assert report["base"]["details"]["library"] != report["other"]["details"]["library"]
+    kernel_ab.sources_at("HEAD", tmp_path / "head")
+    if kernel_ab.are_the_checkouts_sources(tmp_path / "head"):
+        # HEAD's kernels are the checkout's (always so in a clean clone): only the base compiled.
+        assert report["other"]["details"]["library"] == str(build.library_path())
     assert [(r["case"], r["threads"]) for r in report["results"]] == [
         (case, threads) for case in ("1x4x16x4", "step-32x512x16", "backward-2x64x32x16") for threads in (1, 2)]
     for row in report["results"]:
@@ -1072,6 +1078,14 @@ def test_kernel_ab_copies_the_working_tree_sources(tmp_path):
     assert kernel_ab.sources_at(kernel_ab.WORKING_TREE, tmp_path) == kernel_ab.WORKING_TREE
     for name in build.SOURCES + build.HEADERS:
         assert (tmp_path / name).read_bytes() == (build.SOURCE_DIR / name).read_bytes()
+    # Such a copy is recognised, and the checkout's own build serves that side; one byte off or
+    # one file short is a copy of other sources.
+    assert kernel_ab.are_the_checkouts_sources(tmp_path)
+    edited = tmp_path / build.SOURCES[0]
+    edited.write_bytes(edited.read_bytes() + b"\n")
+    assert not kernel_ab.are_the_checkouts_sources(tmp_path)
+    edited.unlink()
+    assert not kernel_ab.are_the_checkouts_sources(tmp_path)
 
 
 @pytest.mark.parametrize("argv, status, message", [
