@@ -149,6 +149,9 @@ def test_a_failing_frame_closes_the_session_and_is_named(inproc, case):
     pytest.param({"op": "session_state", "args": {}}, "args.frames[0].op", "invalid_argument", id="not-advancing"),
     pytest.param({"op": "step", "args": {"session": "x"}}, "args.frames[0].args.session", "invalid_argument",
                  id="own-session"),
+    # A failing later frame could not give back a snapshot the frame wrote over.
+    pytest.param({"op": "model_step", "args": {"snapshot_into": "p-1"}},
+                 "args.frames[0].args.snapshot_into", "invalid_argument", id="snapshot-into"),
     pytest.param({"op": "step", "args": {}, "then": 1}, "args.frames[0].then", "invalid_argument", id="unknown-key"),
     pytest.param({"args": {}}, "args.frames[0].op", "missing_argument", id="no-op"),
     pytest.param({"op": "step", "args": {"dt": 1}}, "args.frames[0].args.dt", "invalid_argument",
@@ -253,6 +256,10 @@ def test_a_failing_restore_frame_leaves_the_snapshots_state_and_is_named(inproc,
                  id="not-advancing"),
     pytest.param({"frames": [{"op": "step", "args": {"session": "x"}}]}, "args.frames[0].args.session",
                  "invalid_argument", id="own-session"),
+    # Into the snapshot being restored, say: the undo of a later frame's failure would restore
+    # the frame's state instead of the snapshot's.
+    pytest.param({"frames": [{"op": "model_step", "args": {"snapshot_into": "p-1"}}]},
+                 "args.frames[0].args.snapshot_into", "invalid_argument", id="snapshot-into"),
 ])
 def test_a_restore_refused_runs_no_frame_and_changes_nothing(inproc, args, field, code):
     seed = random_seed()
