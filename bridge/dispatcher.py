@@ -65,6 +65,9 @@ class Call:
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
     after_reply: Callable | None = None  # run once the reply is written (the shutdown op's)
+    # Takes back what the op did when its result cannot be sent (too long to frame): the client
+    # gets an error, and an error must leave what a refused request would.
+    if_unsent: Callable | None = None
     prepared: object = None  # the batcher's Item, once prepared
     dropped: bool = False  # a cancel took it from the queue and answered it (bridge.queued)
     replying: bool = False  # its reply is being written: the fast path may take steps behind it
@@ -449,12 +452,14 @@ class Dispatcher:
         try:
             parts = call.codec.reply(call.request, result, timing, out_of_band)
         except Exception as exc:
+            self._take_back(call)
             self._fail(call, exc)
             return
         self._replying(call)
         try:
             self._send(call.conn, parts, out_of_band)
         except protocol.FrameTooLarge as exc:  # nothing was written: the error is the answer
+            self._take_back(call)
             self._reply_error(call.conn, call.codec, call.request.reply_id, reply_too_large(exc),
                               stats_op=call.stats_op)
         else:
@@ -463,6 +468,14 @@ class Dispatcher:
                                      executions=int(call.batched_op is None))
         finally:
             self._finish(call)
+
+    @staticmethod
+    def _take_back(call: Call) -> None:
+        if call.if_unsent is not None:
+            try:
+                call.if_unsent()
+            except Exception:  # the error about to be sent is still the answer
+                log.exception("%s: taking back what it did, its result unsent, failed", call.op)
 
     def _fail(self, call: Call, exc: BaseException) -> None:
         self._replying(call)

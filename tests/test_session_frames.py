@@ -25,8 +25,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import protocol
+from bridge_fakes import RecordingConnection
 from kernel_cases import random_seed
-from test_return_state import CASES, Case, Scene, assert_same_state, is_zero, output_of
+from test_return_state import CASES, DIM, STATE, Case, Scene, assert_same_state, is_zero, output_of
 
 def saved_state(scene: Scene, frames: int):
     """The state of a session stepped `frames` times, as session_state returns it."""
@@ -274,3 +276,34 @@ def test_a_restore_refused_runs_no_frame_and_changes_nothing(inproc, args, field
     assert reply.error["detail"]["field"] == field, f"seed={seed}: {reply.error}"
     assert counted_since(step_before, op_counts(scene, "step"))["inference_count"] == 0
     assert_same_state(scene.state(session), found, f"seed={seed}")
+
+
+class FramingConnection(RecordingConnection):
+    """Frames each reply as the stream lanes do, so that one too long to frame is not sent."""
+
+    def send(self, parts: list, buffers: list | None = None) -> None:
+        protocol.frame_parts(parts)
+        super().send(parts, buffers)
+
+
+@pytest.mark.parametrize("op", ["session_open", "session_restore"])
+def test_a_result_too_long_to_send_takes_back_what_its_frames_did(inproc, monkeypatch, op):
+    """A stream reply frames at most 2^32 - 1 bytes (SPEC §2; lowered here so that twelve
+    frames' results exceed it): the client gets limit_exceeded, so the request must leave what
+    a failing frame would: no session opened, or the snapshot's state (found in review: the
+    session stayed open, its id never sent)."""
+    seed = random_seed()
+    scene = Scene(inproc(), Case("mamba", "step"), seed)
+    scene.conn = FramingConnection()
+    session, snapshot, at_snapshot = stepped_with_snapshot(scene, 1)
+    before, found = open_sessions(scene), scene.state(session)
+    frames = [{"op": "step", "args": {**scene.frame(), "return_state": True}} for _ in range(12)]
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 1024)
+    args = ({"batch": scene.case.batch, "dim": DIM, "state": STATE} if op == "session_open"
+            else {"session": session, "snapshot": snapshot})
+    reply = scene.srv.request(scene.conn, op, **args, frames=frames)
+    assert not reply.ok and reply.error["detail"]["limit"] == "reply_frame_size", f"seed={seed}: {reply.error}"
+    monkeypatch.undo()
+    assert open_sessions(scene) == before, f"seed={seed}: the request left a session open"
+    assert_same_state(scene.state(session), at_snapshot if op == "session_restore" else found,
+                      f"seed={seed}, after the unsent result")

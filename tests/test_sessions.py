@@ -483,6 +483,32 @@ def test_a_pool_the_machine_cannot_allocate_is_refused_and_leaves_nothing(inproc
     srv.call(conn, "session_open", batch=2, dim=3, state=4)
 
 
+@pytest.mark.parametrize("op, failing, args", [
+    pytest.param("session_fork", "read_rows", {}, id="fork-copying-the-state"),
+    pytest.param("session_open", "write", {"batch": 2, "dim": 3, "state": 4, "h0": torch.zeros(2, 3, 4)},
+                 id="open-writing-h0"),
+])
+def test_a_session_whose_state_fails_to_go_in_is_closed_again(inproc, monkeypatch, op, failing, args):
+    """The new session is open when its state is copied in; an allocation failing there closes
+    it again (found in review: the fork stayed open, counted, its id never sent)."""
+    srv = inproc(max_sessions=2)
+    conn = RecordingConnection()
+    session = srv.call(conn, "session_open", batch=2, dim=3, state=4)["session"]
+    before = srv.server.sessions.usage()
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no room for the copy")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(bridge.sessions.Session, failing, fail)
+        expect_limit(srv, conn, op, "memory", **({"session": session} if op == "session_fork" else args))
+    after = srv.server.sessions.usage()
+    # (the pool may have grown for it and keeps its capacity: its rows are what was given back)
+    assert after["sessions"] == before["sessions"]
+    assert [p["rows_in_use"] for p in after["pools"]] == [p["rows_in_use"] for p in before["pools"]]
+    srv.call(conn, op, **({"session": session} if op == "session_fork" else args))
+
+
 def test_a_session_that_fails_to_open_gives_its_rows_back(inproc, monkeypatch):
     srv = inproc()
     conn = RecordingConnection()

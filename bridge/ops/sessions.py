@@ -26,8 +26,11 @@ def session_open(server, call) -> dict:
     session = open_model_session(server, call) if "model" in call.args else open_plain_session(server, call)
     if "frames" not in call.args:
         return {"session": session.id}
-    # A frame that fails closes the session: the request leaves nothing behind.
-    frames = run_frames(server, call, session, undo=lambda: close_quietly(server, call.conn, session))
+    # A frame that fails closes the session: the request leaves nothing behind; so does a result
+    # too long to send (a frame's logits, say).
+    undo = lambda: close_quietly(server, call.conn, session)  # noqa: E731
+    frames = run_frames(server, call, session, undo)
+    call.if_unsent = undo
     return {"session": session.id, "frames": frames}
 
 
@@ -47,6 +50,19 @@ def run_frames(server, call, session, undo) -> list[dict]:
             raise frame_error(exc, i) from exc
         server.stats.record_frame(frame.op)
     return results
+
+
+def open_filled(server, call, batch: int, layout: StateLayout, fill=None):
+    """A new session of `layout`, `fill(session)` run on it first; a fill that fails (an
+    allocation, say) closes it again, so that a failed request leaves nothing open."""
+    session = server.open_session(call.conn, batch, layout)
+    if fill is not None:
+        try:
+            fill(session)
+        except BaseException:
+            close_quietly(server, call.conn, session)
+            raise
+    return session
 
 
 def close_quietly(server, conn, session) -> None:
@@ -93,10 +109,7 @@ def open_plain_session(server, call):
                       {"field": "args.state", "expected": "a positive int", "got": "a map of tensors"})
     layout = StateLayout.single(kind, tuple(args[name] for name in axes))
     h0 = initial_state(server, call, kind, (args["batch"], *layout.shape))
-    session = server.open_session(call.conn, args["batch"], layout)
-    if h0 is not None:
-        session.write(h0)
-    return session
+    return open_filled(server, call, args["batch"], layout, None if h0 is None else lambda session: session.write(h0))
 
 
 def initial_state(server, call, kind: str, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -138,10 +151,8 @@ def open_model_session(server, call):
                       "args.state: expected a map of the model's state tensors by name, got an int",
                       {"field": "args.state", "expected": "a map of state tensors by name", "got": "an int"})
     parts = None if saved is None else state_parts(server, call, loaded.layout, args["batch"], saved)
-    session = server.open_session(call.conn, args["batch"], loaded.layout)
-    if parts is not None:
-        session.write_parts(parts)
-    return session
+    return open_filled(server, call, args["batch"], loaded.layout,
+                       None if parts is None else lambda session: session.write_parts(parts))
 
 
 def state_parts(server, call, layout, batch: int, saved: dict) -> dict:
@@ -230,14 +241,15 @@ def session_restore(server, call) -> dict:
             server.snapshots.restore(call.conn.id, call.args["snapshot"], session, "args.snapshot")
 
     restore()
-    return {"restored": True, "frames": run_frames(server, call, session, undo=restore)}
+    frames = run_frames(server, call, session, undo=restore)
+    call.if_unsent = restore  # a result too long to send fails the request as a frame would
+    return {"restored": True, "frames": frames}
 
 
 def session_fork(server, call) -> dict:
     """A new session of the same class and batch holding a copy of the session's state."""
     session = server.session(call.conn, call.args["session"], "args.session")
-    fork = server.open_session(call.conn, session.batch, session.layout)
-    fork.write_rows(session.read_rows())
+    fork = open_filled(server, call, session.batch, session.layout, lambda fork: fork.write_rows(session.read_rows()))
     return {"session": fork.id}
 
 
