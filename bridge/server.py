@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from contextlib import contextmanager
 import dataclasses
 
@@ -116,6 +117,7 @@ class Server:
         self.stats.add_gauge("handles", self.handles.usage)
         self._watched: set[str] = set()  # ids of connections whose close frees what they own
         self._watched_lock = threading.Lock()
+        self._released = weakref.WeakSet()  # connections gone, whose release has run
 
     def tensor_arg(self, call, name: str) -> protocol.WireTensor | torch.Tensor | None:
         """The request argument `name` as it came: wire bytes not yet made a tensor, or a
@@ -194,6 +196,9 @@ class Server:
     def _release_connection(self, conn) -> None:
         with self._watched_lock:
             self._watched.discard(conn.id)
+            # Released before: this is what requests it left behind made after it went.
+            gone_now = conn not in self._released
+            self._released.add(conn)
         # Sessions before the models whose state they hold.
         sessions = self.sessions.release_owner(conn.id)
         snapshots = self.snapshots.release_owner(conn.id)
@@ -201,7 +206,7 @@ class Server:
         handles = self.handles.release_owner(conn.id)
         reason = getattr(conn, "close_reason", "closed")
         self.stats.record_release(reason, {"sessions": sessions, "snapshots": snapshots, "models": models,
-                                           "handles": handles})
+                                           "handles": handles}, gone_now)
         if sessions or snapshots or models or handles:
             log.info("%s %s: freed %d sessions, %d snapshots, %d models and %d tensor handles",
                      conn.id, "closed" if reason == "closed" else f"went {reason}", sessions, snapshots,

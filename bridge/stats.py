@@ -97,11 +97,12 @@ class Stats:
             counts["replies_out"] += 1
             counts["bytes_out"] += nbytes
 
-    def record_release(self, reason: str, freed: dict) -> None:
-        """A connection went away (`reason`: "closed" or "idle") and `freed` ({kind: count}) of
-        what it owned was freed."""
+    def record_release(self, reason: str, freed: dict, gone_now: bool = True) -> None:
+        """`freed` ({kind: count}) of what a connection owned was freed because it went away
+        (`reason`: "closed" or "idle"): just now (`gone_now`), or earlier, with this freed from
+        requests that finished after."""
         with self._lock:
-            self.released[(reason, "peers")] += 1
+            self.released[(reason, "peers")] += int(gone_now)
             for kind, count in freed.items():
                 self.released[(reason, kind)] += count
 

@@ -408,6 +408,10 @@ def test_what_a_closed_connection_opens_is_freed_at_once(inproc):
     srv.call(conn, "put", tensor=torch.rand(3) + 0.5)
     assert srv.server.sessions.usage()["sessions"] == 0
     assert srv.server.handles.usage()["handles"] == 0
+    # One peer went away, its three things freed (found in review: each late release counted
+    # the peer again).
+    assert srv.server.stats.snapshot()["released"] == {
+        "closed": {"peers": 1, "sessions": 2, "snapshots": 0, "models": 0, "handles": 1}}
 
 
 # -- limits ----------------------------------------------------------------------------------
