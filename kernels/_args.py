@@ -50,10 +50,23 @@ def _require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], meanin
         raise ShapeMismatch(name, f"shape {want} ({meaning})", f"shape {_shape(t)}")
 
 
+# dt bounds past float32's range: the fp32 kernels (and the Triton fp64 ones, which take the
+# bounds as fp32 pairs) would read them as infinite, and no dt of a real model comes near.
+_BOUND_LIMIT = float(torch.finfo(torch.float32).max)
+
+
+def _flag(name: str, v) -> bool:
+    """A yes-or-no option: a bool (numpy's too), or None for no; never read by truthiness,
+    which would take the string "false" for yes."""
+    if v is None or isinstance(v, bool) or type(v).__name__ == "bool_":
+        return bool(v)
+    raise KernelInputError(name, "a bool", type(v).__name__)
+
+
 def _clamp_bound(name: str, v) -> float | None:
     """dt_min or dt_max as a float, or None. Any real number is taken (numpy's float32 as its
     float64), but not a bool; it must be finite, since NaN compares false with everything and
-    each backend would ignore or propagate it differently."""
+    each backend would ignore or propagate it differently, and within float32's range."""
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -64,6 +77,9 @@ def _clamp_bound(name: str, v) -> float | None:
         raise KernelInputError(name, "a finite number or None", f"{type(v).__name__} beyond the float range") from None
     if not math.isfinite(value):
         raise KernelInputError(name, "a finite number or None", repr(value))
+    if abs(value) > _BOUND_LIMIT:
+        raise KernelInputError(name, f"a number within float32's range (at most {_BOUND_LIMIT:.4g} in magnitude) "
+                                     "or None", repr(value))
     return value
 
 
@@ -172,8 +188,8 @@ def check_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=Fals
         _require_shape("h0", h0, (batch, dim, state), "[batch, dim, state]")
     dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
     _check_devices(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0))
-    return ScanArgs(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, h0,
-                    bool(return_state), layout, ScanDims(batch, seq, dim, state, groups))
+    return ScanArgs(x, dt, A, B, C, D, z, dt_bias, _flag("dt_softplus", dt_softplus), dt_min, dt_max, h0,
+                    _flag("return_state", return_state), layout, ScanDims(batch, seq, dim, state, groups))
 
 
 def _norm_bc_scan(name, t, batch, seq, state, dim, layout) -> torch.Tensor:
@@ -249,7 +265,7 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     operands = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots)
     _check_devices(operands)
     _require_writable_state(operands)
-    return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, slots)
+    return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, _flag("dt_softplus", dt_softplus), dt_min, dt_max, slots)
 
 
 def _require_writable_state(operands: dict) -> None:
@@ -420,8 +436,8 @@ def check_ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=
     dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
     chunk_size = _check_chunk_size(chunk_size)
     _check_devices(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, h0=h0))
-    return SsdScanArgs(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, h0,
-                       bool(return_state), chunk_size, SsdDims(batch, seq, heads, headdim, n, groups))
+    return SsdScanArgs(x, dt, A, B, C, D, z, dt_bias, _flag("dt_softplus", dt_softplus), dt_min, dt_max, h0,
+                       _flag("return_state", return_state), chunk_size, SsdDims(batch, seq, heads, headdim, n, groups))
 
 
 def check_ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -454,7 +470,7 @@ def check_ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
     operands = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots)
     _check_devices(operands)
     _require_writable_state(operands)
-    return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), dt_min, dt_max, slots)
+    return UpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, _flag("dt_softplus", dt_softplus), dt_min, dt_max, slots)
 
 
 # --- variable-length batches ----------------------------------------------------------------

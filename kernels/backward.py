@@ -226,6 +226,11 @@ class ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dstate):
+        # Grad mode is on here only under create_graph=True. The backward kernels build no graph
+        # of their own, so a second derivative through them would silently be zero.
+        if torch.is_grad_enabled():
+            raise RuntimeError("kernels: the scans are differentiable once: their backward pass builds no graph, "
+                               "so create_graph=True (a second derivative through them) is not supported")
         x, dt, A, B, C, D, z, dt_bias, h0 = ctx.saved_tensors
         spec = ctx.spec
         if dy is None:

@@ -232,7 +232,14 @@ SCAN_ERRORS = [
     pytest.param(with_changes(dt_max=float("inf")), "dt_max", "inf", id="dt_max-inf"),
     pytest.param(with_changes(dt_min=10**400), "dt_min", "int beyond the float range", id="dt_min-int-beyond-float"),
     pytest.param(with_changes(dt_min=0.5, dt_max=0.1), "dt_max", "0.1", id="dt_min-above-dt_max"),
+    # Past float32's range: the fp32 kernels would read it as infinite (found in review: the
+    # Triton fp64 kernels gave NaN for it).
+    pytest.param(with_changes(dt_min=1e39), "dt_min", "1e+39", id="dt_min-beyond-float32"),
+    pytest.param(with_changes(dt_max=-1e300), "dt_max", "-1e+300", id="dt_max-beyond-float32"),
     pytest.param(with_changes(x=lambda a: a["x"].to_sparse()), "x", "sparse", id="x-sparse"),
+    # A flag is a bool, not a value read by its truthiness: "false" applied softplus.
+    pytest.param(with_changes(dt_softplus="false"), "dt_softplus", "str", id="dt_softplus-str"),
+    pytest.param(with_changes(return_state=[0]), "return_state", "list", id="return_state-list"),
 ]
 
 
@@ -281,6 +288,7 @@ UPDATE_ERRORS = [
     pytest.param(with_changes(slots=None), "state", "5 rows", id="pool-differs-without-slots"),
     pytest.param(with_changes(dt_min=0.3, dt_max=0.2), "dt_max", "0.2", id="dt_min-above-dt_max"),
     pytest.param(with_changes(dt_max=float("nan")), "dt_max", "nan", id="dt_max-nan"),
+    pytest.param(with_changes(dt_softplus="no"), "dt_softplus", "str", id="dt_softplus-str"),
 ]
 
 

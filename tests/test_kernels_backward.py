@@ -275,6 +275,21 @@ def test_autograd_through_ssd_scan_y_only():
     torch.testing.assert_close(A.grad, expected.float(), rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("scan", ["scan", "ssd"])
+def test_a_second_derivative_is_refused_not_silently_zero(scan):
+    """The backward kernels build no graph: a gradient penalty through them would lose its
+    second-order term without a word (found in review), so differentiating twice raises."""
+    inputs = (make_scan_inputs(ScanCase(1, 5, 3, 2), seed=1) if scan == "scan"
+              else make_ssd_inputs(SsdCase(1, 5, 2, 3, 2), seed=1))
+    x = inputs["x"].detach().requires_grad_(True)
+    forward = kernels.selective_scan if scan == "scan" else kernels.ssd_scan
+    y = forward(**{**inputs, "x": x, "return_state": False})
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad(forward(**{**inputs, "x": x, "return_state": False}).sum(), x)  # once is fine
+    assert gx.shape == x.shape and not gx.requires_grad
+
+
 def test_no_autograd_without_requires_grad_or_under_no_grad():
     inputs = make_scan_inputs(ScanCase(1, 4, 3, 2), seed=1)
     y, _ = kernels.selective_scan(**inputs)  # ScanCase returns the state by default

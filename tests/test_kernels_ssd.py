@@ -407,6 +407,9 @@ SSD_SCAN_ERRORS = [
     pytest.param(_with(chunk_size=True), INPUT, "chunk_size", "True", id="chunk_size-bool"),
     pytest.param(_with(chunk_size=8.0), INPUT, "chunk_size", "8.0", id="chunk_size-float"),
     pytest.param(_with(dt_min=0.5, dt_max=0.1), INPUT, "dt_max", "0.1", id="dt_min-above-dt_max"),
+    pytest.param(_with(dt_min=1e39), INPUT, "dt_min", "1e+39", id="dt_min-beyond-float32"),
+    pytest.param(_with(dt_softplus="false"), INPUT, "dt_softplus", "str", id="dt_softplus-str"),
+    pytest.param(_with(return_state="no"), INPUT, "return_state", "str", id="return_state-str"),
 ]
 
 

@@ -159,6 +159,9 @@ BAD_REQUESTS = [
                  "shape_mismatch", "args.x", id="cu_seqlens-batch-not-1"),
     pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.1, 0.2), dt_max=0.3), "invalid_argument", "args.dt_limit",
                  id="dt_limit-and-dt_max"),
+    # named as sent, not as the dt_max it becomes
+    pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.5, 0.1)), "invalid_argument", "args.dt_limit",
+                 id="dt_limit-reversed"),
     pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.1, math.nan)), "invalid_argument", "args.dt_limit",
                  id="dt_limit-nan"),
     pytest.param("ssd_scan", lambda: _ssd(chunk_size=0), "invalid_argument", "args.chunk_size", id="chunk_size-0"),
