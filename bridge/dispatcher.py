@@ -64,12 +64,11 @@ class Call:
     handler: Callable  # the op's handler, registered for the request's codec
     release: Callable | None = None  # returns the frame buffer to its pool
     enqueued_ns: int = 0
-    after_reply: Callable | None = None  # run once the reply is written (the shutdown op's)
     # Takes back what the op did when its result cannot be sent (too long to frame): the client
     # gets an error, and an error must leave what a refused request would.
     if_unsent: Callable | None = None
     prepared: object = None  # the batcher's Item, once prepared
-    dropped: bool = False  # a cancel took it from the queue and answered it (bridge.queued)
+    dropped: bool = False  # a cancel or the drain took it from the queue and answered it (bridge.queued)
     replying: bool = False  # its reply is being written: the fast path may take steps behind it
 
     @property
@@ -227,7 +226,8 @@ class Dispatcher:
         before, drain could find nothing in flight between the two and report all answered
         (the server then exits) with this request admitted after it."""
         with self._pending_lock:
-            if not self.accepting:
+            # stop_requested: set by the shutdown op as it runs, before the main loop's drain
+            if not self.accepting or self.server.stop_requested.is_set():
                 refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
             elif self._pending >= self.max_pending and not immediate:
                 refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
@@ -292,10 +292,15 @@ class Dispatcher:
     # -- shutdown -------------------------------------------------------------------------
 
     def drain(self, timeout: float) -> bool:
-        """Stop taking requests and wait until those in flight are answered."""
+        """Stop taking requests and wait until those in flight are answered; those that have not
+        started by then are answered `shutting_down` (work still running is not answered)."""
         with self._idle:
             self.accepting = False
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+            if self._idle.wait_for(lambda: self._pending == 0, timeout):
+                return True
+        self.server.queued.drop_all(OpError("shutting_down", "the server is shutting down: the request was still "
+                                            "waiting to run when the time for requests in flight ran out"))
+        return False
 
     def stop(self) -> None:
         self._queue.put(_STOP)
@@ -490,15 +495,13 @@ class Dispatcher:
 
     def _finish(self, call: Call) -> None:
         """The request has been answered: its frame buffer goes back to the pool (its tensors
-        were views into it), its after-reply hook runs, and it is no longer in flight. Its batch
+        were views into it), and it is no longer in flight. Its batch
         item is dropped: item and call refer to each other, and left so, every request (its
         tensors, their frame views) would wait for the cyclic garbage collector to be freed."""
         call.prepared = None
         try:
             if call.release:
                 call.release()
-            if call.after_reply:
-                call.after_reply()
         finally:
             self._leave()
 

@@ -1,9 +1,10 @@
 """Requests waiting for the dispatcher's worker, by connection and id, so that a `cancel` can
-drop one before it runs (SPEC §6).
+drop one before it runs (SPEC §6), and a drain that runs out of time can answer those that never
+started.
 
-Each waiting request is taken exactly once: by the worker, which then runs it, or by a cancel,
-which has it answered `cancelled` at once through the answer function it was queued with (the
-worker then passes over it).
+Each waiting request is taken exactly once: by the worker, which then runs it, or by a cancel
+or the drain, which has it answered (`cancelled`, `shutting_down`) at once through the answer
+function it was queued with (the worker then passes over it).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ class QueuedRequests:
         self._waiting: dict[tuple, list] = {}
 
     def add(self, call, answer: Callable[[object, OpError], None], *, oldest: bool = False) -> None:
-        """`call` waits to run; a cancel answers it with `answer(call, error)`. Requests without
-        an id (legacy ones) cannot be named, so they are not listed. `oldest`: it goes before
-        the others with its id (one taken and handed back: they all came after it)."""
+        """`call` waits to run; a cancel, or the shutdown's drop_all, answers it with
+        `answer(call, error)`. Requests without an id (legacy ones) are listed under None, which
+        no cancel can name. `oldest`: it goes before the others with its id (one taken and
+        handed back: they all came after it)."""
         request_id = call.request.reply_id
-        if request_id is None:
-            return
         with self._lock:
             entries = self._waiting.setdefault((call.conn.id, request_id), [])
             entries.insert(0 if oldest else len(entries), (call, answer))
@@ -35,8 +35,6 @@ class QueuedRequests:
         """The worker takes `call` to run it: False when a cancel took it first (it has been
         answered)."""
         request_id = call.request.reply_id
-        if request_id is None:
-            return True
         with self._lock:
             if call.dropped:
                 return False
@@ -64,6 +62,18 @@ class QueuedRequests:
         answer(call, OpError("cancelled", f"request {request_id!r} was cancelled by request {by!r} before it ran",
                              {"cancelled_by": by}))
         return True
+
+    def drop_all(self, error: OpError) -> int:
+        """Drop every waiting request and have each answered `error` (the server stopping);
+        how many there were."""
+        with self._lock:
+            waiting = [entry for entries in self._waiting.values() for entry in entries]
+            self._waiting.clear()
+            for call, _ in waiting:
+                call.dropped = True
+        for call, answer in waiting:
+            answer(call, error)
+        return len(waiting)
 
     def __len__(self) -> int:
         with self._lock:

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
@@ -461,6 +462,49 @@ def test_drain_does_not_report_all_answered_before_a_request_admitted_meanwhile_
     request_id = srv.submit(conn, "ping")
     assert race.finish() == ["replied", ("drained", True)]
     assert conn.reply(request_id, timeout=0).ok
+
+
+def test_a_drain_out_of_time_answers_what_never_started_shutting_down(inproc):
+    """drain() waits for what is in flight; what is still queued when its time runs out, never
+    started, is answered shutting_down, legacy requests (no id) too (found in review: they got
+    no reply at all, and a ZeroMQ peer waited out its own timeout)."""
+    srv = inproc()
+    conn, other, legacy_peer = RecordingConnection(), RecordingConnection(), LegacyConnection()
+    srv.hold(other)  # the worker parked in a ping: nothing behind it starts
+    queued = [srv.submit(conn, "ping"), srv.submit(conn, "session_open", batch=1, dim=2, state=2)]
+    srv.dispatcher.on_frame(legacy_peer, bytearray(msgspec.msgpack.encode({"op": "ping"})), now_ns())
+    assert srv.dispatcher.drain(0.05) is False
+    for request_id in queued:
+        reply = conn.reply(request_id, timeout=5)
+        assert not reply.ok and reply.error["code"] == "shutting_down", reply.error
+    (legacy,) = legacy_peer.replies
+    assert legacy["status"] == "error" and "shutting down" in legacy["message"], legacy
+    srv.go()  # the parked ping finishes and is answered; the dropped requests never run
+    assert srv.server.sessions.usage()["sessions"] == 0
+    assert srv.dispatcher.drain(1) is True
+
+
+class LegacyConnection(RecordingConnection):
+    """Keeps replies in ExPhil's legacy shape (SPEC §9), decoded as plain msgpack."""
+
+    def __init__(self):
+        super().__init__()
+        self.replies: list = []
+
+    def send(self, parts: list, buffers: list | None = None) -> None:
+        self.replies.append(msgspec.msgpack.decode(b"".join(parts)))
+
+
+def test_after_shutdown_answers_no_new_request_is_taken(inproc):
+    """SPEC §6: after {"stopping": true} the server takes no new request. The stop was asked
+    for only once the reply was written, and the main loop noticed it up to a poll later:
+    requests sent meanwhile were served (found in review)."""
+    srv = inproc()
+    conn = RecordingConnection()
+    assert srv.call(conn, "shutdown") == {"stopping": True}
+    reply = srv.request(conn, "session_open", batch=1, dim=2, state=2)
+    assert not reply.ok and reply.error["code"] == "shutting_down", reply.error
+    assert srv.server.sessions.usage()["sessions"] == 0
 
 
 def test_a_request_behind_one_in_flight_waits_its_turn(inproc):

@@ -83,8 +83,9 @@ def stats(server, call) -> dict:
 
 
 def shutdown(server, call) -> dict:
-    # The reply is written first; the main loop then drains what is in flight and exits.
-    call.after_reply = server.stop_requested.set
+    # From here on requests are refused shutting_down (the dispatcher's admission reads it); the
+    # main loop drains what is in flight, this reply among it, and exits.
+    server.stop_requested.set()
     return {"stopping": True}
 
 
