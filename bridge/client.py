@@ -399,14 +399,20 @@ class FramedClient:
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
         """Send a request and wait at most `timeout` seconds (None: for ever) for its reply.
         The timeout is its deadline on the server too; when it passes the request is cancelled
-        (`cancel`) and TimeoutError raised."""
+        (`cancel`) and TimeoutError raised. It bounds the wait for the reply, not the send: a
+        request larger than what the connection buffers waits for the server to read it (a
+        server past its per-connection cap reads more only as it answers, SPEC §7)."""
         future = self.submit(op, args, deadline_s=timeout)
         try:
-            return future.result(timeout)
+            reply = future.result(timeout)
         except FutureTimeout:  # the builtin TimeoutError from Python 3.11 on, a class of its own before
             if self.cancel(future):
                 raise TimeoutError(f"no reply to {op!r} within {timeout} s") from None
-            return future.result()  # its reply came meanwhile
+            reply = future.result()  # its reply came meanwhile
+        if not reply.ok and reply.error["code"] == "deadline_exceeded":
+            # The deadline is this timeout: the server found it spent before this thread woke.
+            raise TimeoutError(f"no reply to {op!r} within {timeout} s (the server found its deadline passed)")
+        return reply
 
     def cancel(self, future: Future) -> bool:
         """Give up on a submitted request: its Future is cancelled (its late reply is dropped)
@@ -544,6 +550,7 @@ class FramedClient:
             return None
         entry = InFlight(Future(), time.perf_counter_ns(), bytes_out=sum(memoryview(p).nbytes for p in parts))
         with self._in_flight(request_id, entry):
+            entry.future.request_id = request_id  # what cancel() names
             self._send(parts)
         return entry.future
 
@@ -630,6 +637,8 @@ def read_replies(reader, client_ref: weakref.ref) -> None:
             del client  # not held while waiting for the next frame
     except ConnectionResetError:
         pass  # the server closed with our requests unread (a unix peer it turned away): an end like EOF
+    except (OSError, ValueError):
+        pass  # the client closed the stream under this read (close() gave up waiting): an end too
     finally:
         client = client_ref()
         if client is not None:
@@ -737,6 +746,13 @@ class UnixClient(FramedClient):
         # Also ends a write in progress (EPIPE), which the lock below waits for.
         self._end_stream()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            # The server has not closed its end: what is in flight fails now, and the reader,
+            # blocked in recv (which closing the descriptor would not wake), sees its end.
+            self._fail_all(ServerExited(f"the client was closed with requests unanswered after {timeout:g} s"))
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self._thread.join(timeout)
         with self._write_lock:
             self._reader.close()
             self.sock.close()

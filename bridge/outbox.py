@@ -43,6 +43,8 @@ class Outbox:
         return bool(self._items)
 
     def close(self) -> None:
+        """Close the fd, once: a second close would close whatever file took its number since."""
         with self._closing:
-            self._closed = True
-            os.close(self.fd)
+            if not self._closed:
+                self._closed = True
+                os.close(self.fd)

@@ -234,9 +234,9 @@ def test_a_port_client_dropped_without_close_is_collected_and_its_server_stops()
         waiting.result(REPLY_TIMEOUT_S)
 
 
-def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
-    """The server frees what a connection owned when it ends: a client collected without
-    close() must end it (its reader thread, blocked on the socket, would keep it open)."""
+def unix_client_of_a_stand_in(tmp_path):
+    """A UnixClient connected to a listener the test holds: (client, listener, the accepted
+    connection), the server's end for the test to read, answer or leave mute."""
     import socket
 
     path = str(tmp_path / "lane.sock")
@@ -246,6 +246,13 @@ def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
     listener.settimeout(REPLY_TIMEOUT_S)
     client = bridge.client.UnixClient(path)
     served, _ = listener.accept()
+    return client, listener, served
+
+
+def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
+    """The server frees what a connection owned when it ends: a client collected without
+    close() must end it (its reader thread, blocked on the socket, would keep it open)."""
+    client, listener, served = unix_client_of_a_stand_in(tmp_path)
     served.settimeout(REPLY_TIMEOUT_S)
     reader = served.makefile("rb", buffering=0)
     try:
@@ -262,6 +269,68 @@ def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
         reader.close()
         served.close()
         listener.close()
+
+
+def test_closing_a_unix_client_whose_server_never_answers_fails_what_is_in_flight(tmp_path):
+    """close(timeout) against a server that reads but neither answers nor closes (hung, or
+    stopped): past the timeout, what is in flight fails and the reader thread ends (found in
+    review: the reader stayed blocked in recv and the callers waited for ever)."""
+    client, listener, served = unix_client_of_a_stand_in(tmp_path)
+    try:
+        waiting = client.submit("ping")
+        client.close(timeout=0.2)
+        with pytest.raises(ServerExited, match="closed with requests unanswered"):
+            waiting.result(REPLY_TIMEOUT_S)
+        assert not client._thread.is_alive()
+    finally:
+        served.close()
+        listener.close()
+
+
+def test_a_zmq_client_closed_twice_closes_its_files_once(tmp_path):
+    """The second close() closed the outbox eventfd's number again, by then maybe another
+    file's (found in review)."""
+    client = bridge.client.ZmqClient(f"ipc://{tmp_path}/nobody.ipc")
+    outbox_fd = client._outbox.fd
+    client.close()
+    reused_r, reused_w = os.pipe()
+    try:
+        client.close()
+        if outbox_fd in (reused_r, reused_w):  # the usual case: the lowest free number
+            os.fstat(outbox_fd)  # still open
+    finally:
+        os.close(reused_r)
+        os.close(reused_w)
+
+
+def test_a_deadline_exceeded_reply_to_a_timed_request_is_its_timeout(pipe):
+    """The timeout is the request's deadline on the server: when the server's deadline_exceeded
+    comes before the waiting thread wakes, request() still raises TimeoutError, as documented."""
+    done = {}
+    caller = threading.Thread(target=lambda: done.setdefault("outcome", _outcome(pipe.client, 30.0)))
+    caller.start()
+    request = pipe.read_request()
+    assert request.deadline_us == 30_000_000
+    pipe.error(request.id, "deadline_exceeded", {"deadline_us": request.deadline_us})
+    caller.join(REPLY_TIMEOUT_S)
+    assert isinstance(done["outcome"], TimeoutError), done
+
+
+def _outcome(client, timeout):
+    try:
+        return client.request("ping", timeout=timeout)
+    except Exception as exc:
+        return exc
+
+
+def test_cancel_names_a_raw_request_sent_with_an_id(pipe):
+    """send_raw(..., request_id=...)'s Future can be cancelled like submit()'s (it lacked the
+    id cancel() names: AttributeError, found in review)."""
+    future = pipe.client.send_raw(b"".join(protocol.encode_request(7, "ping", {})), request_id=7)
+    pipe.read_request()
+    assert pipe.client.cancel(future) is True
+    cancel = pipe.read_request()
+    assert (cancel.op, cancel.args) == ("cancel", {"id": 7})
 
 
 def test_a_request_submitted_while_close_waits_for_the_server_is_refused(tmp_path):
