@@ -20,7 +20,9 @@ from . import exit_guard
 DRAIN_SECONDS = 0.8
 # How often the main thread looks for a stop condition (signal, EOF, shutdown op).
 STOP_POLL_SECONDS = 0.02
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP too: an operator's terminal closing would otherwise kill the server without its drain,
+# leaving replies unsent and a --unix socket file behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ pays nothing for it but the histograms' bucket counts (bridge.stats)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import socketserver
@@ -38,10 +39,26 @@ def serve_metrics(server, host: str, port: int) -> int:
 
 
 class QuietHandler(WSGIRequestHandler):
-    """Answers one request, logging nothing; a connection that has not sent it within
-    REQUEST_TIMEOUT_S is closed (the socket timeout ends its read)."""
+    """Answers one request, logging nothing; a connection not done within `timeout`
+    (REQUEST_TIMEOUT_S) is closed."""
 
     timeout = REQUEST_TIMEOUT_S
+
+    def setup(self):
+        super().setup()
+        # The socket timeout bounds each read, not the request: one sent a byte at a time would
+        # hold its thread for ever. The whole exchange gets `timeout`.
+        self._deadline = threading.Timer(self.timeout, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self):
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self):
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format, *args):
         pass

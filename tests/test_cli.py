@@ -73,7 +73,9 @@ def test_the_idle_timeout_is_reported_with_the_limits():
         assert client.info()["limits"]["idle_timeout_s"] is None
 
 
-def test_a_socket_only_server_ignores_stdin_and_stops_on_sigterm(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_socket_only_server_ignores_stdin_and_stops_on_a_stop_signal(tmp_path, signum):
+    """SIGHUP as SIGTERM (found in review: it killed the server outright, its socket file left)."""
     unix_path = str(tmp_path / "s.sock")
     srv = ServerProcess(str(tmp_path), "--unix", unix_path, "--zmq", f"ipc://{tmp_path}/z.ipc",
                         stdin=subprocess.PIPE)
@@ -85,12 +87,14 @@ def test_a_socket_only_server_ignores_stdin_and_stops_on_sigterm(tmp_path):
         time.sleep(0.3)
         assert client.ping() == {"pong": True}
     started = time.monotonic()
+    srv.proc.send_signal(signum)
     assert srv.stop() == 0, srv.log()
     assert time.monotonic() - started < 1.0
     assert not os.path.exists(unix_path)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_stop_signal_during_start_up_ends_the_server_quietly(tmp_path, signum):
     """The debug log's first line comes before start-up's slow part (importing torch, loading
     the kernels): a stop signal then ends the server with status 0 and a line saying so, where

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -138,6 +139,41 @@ def test_a_port_in_use_stops_the_start_naming_it():
         run = subprocess.run([sys.executable, "-m", "bridge", "--metrics-port", str(port)], capture_output=True,
                              text=True, env=server_env(), timeout=120, stdin=subprocess.DEVNULL)
     assert run.returncode == 2 and "--metrics-port" in run.stderr
+
+
+def test_a_request_sent_a_byte_at_a_time_is_cut_off_at_the_timeout(monkeypatch):
+    """The timeout bounded each read, not the request: a client sending a byte every so often
+    held its thread for ever, and sixteen of them locked every scrape out (found in review)."""
+    from bridge import metrics
+    from bridge.device import choose_device
+    from bridge.server import Server, ServerConfig
+
+    monkeypatch.setattr(metrics.QuietHandler, "timeout", 0.5)
+    port = metrics.serve_metrics(Server(ServerConfig(device="cpu"), choose_device("cpu")), "127.0.0.1", 0)
+    closed = threading.Event()
+
+    def trickle(conn):
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 100:
+            if closed.is_set():
+                return
+            try:
+                conn.sendall(bytes([byte]))
+            except OSError:
+                return
+            time.sleep(0.05)  # not synchronisation: the trickle's pace, each byte within the read timeout
+
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        sender = threading.Thread(target=trickle, args=(conn,), daemon=True)
+        started = time.monotonic()
+        sender.start()
+        conn.settimeout(30)
+        try:
+            assert conn.recv(1) == b"", "the trickling connection got an answer"
+        except ConnectionResetError:
+            pass  # closed with its bytes unread: closed all the same
+        closed.set()
+        assert time.monotonic() - started < 20, "the trickling connection was kept past its deadline"
+        sender.join(10)
 
 
 def test_idle_connections_are_bounded_and_closed_when_their_request_never_comes(monkeypatch):
