@@ -3,7 +3,8 @@
 golden vector, pings, and checks an inline and a multipart scan, and an inline Mamba-2 ssd_scan,
 against its own C references.
 Then the same client against replies a proxy alters (other ids, a nil id, too many parts, an
-error reply, wrong types), against vectors of our own (sizes that overflow), and with a
+error reply, wrong types, malformed envelopes, element counts past the body's bytes), plain and
+sanitized builds both, against vectors of our own (sizes that overflow), and with a
 preloaded shim that sees who frees its zero-copy send buffers. Without
 libzmq / msgpack-c headers the tests skip and say why, except in CI (CI=true), where that is a
 failure: the CI machine installs them (.ci/system-deps.sh)."""
@@ -22,7 +23,7 @@ import warnings
 import msgpack
 import pytest
 
-from protocol import OutTensor, encode_frame, encode_reply
+from protocol import DecodeError, OutTensor, decode_reply, encode_frame, encode_reply
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT_DIR = os.path.join(ROOT, "examples", "c_client")
@@ -48,12 +49,23 @@ SANITIZER_ENV = {"ASAN_OPTIONS": "exitcode=86", "LSAN_OPTIONS": "exitcode=86",
 
 def run_client(scan_client, endpoint: str, vectors=VECTORS, *, timeout: float = 120, env=None):
     """The built client against `endpoint`, checking the vectors in `vectors` first; fails the
-    test on any sanitizer report, whatever the client's exit status."""
+    test on any sanitizer report, whatever the client's exit status. A plain build runs with its
+    address space capped (cap_memory), so that an allocation gone wild fails rather than
+    reserving memory under overcommit."""
+    sanitized = os.path.basename(scan_client).endswith("-sanitized")  # ASan reserves terabytes of shadow
     run = subprocess.run([scan_client, endpoint, str(vectors)], capture_output=True, text=True, timeout=timeout,
-                         env={**(env or os.environ), **SANITIZER_ENV})
+                         env={**(env or os.environ), **SANITIZER_ENV}, preexec_fn=None if sanitized else cap_memory)
     assert run.returncode != 86 and "Sanitizer" not in run.stderr and "runtime error:" not in run.stderr, \
         f"the sanitized client reported (exit {run.returncode}):\n{run.stderr[-6000:]}"
     return run
+
+
+def cap_memory() -> None:
+    """Caps the address space of the (plain) client about to start at 4 GiB: far more than it
+    needs, far less than a count-sized allocation for a huge array would reserve."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
 
 def unavailable() -> str | None:
@@ -108,6 +120,13 @@ def build_plain_client() -> str:
     build = subprocess.run(["make", "-C", CLIENT_DIR], capture_output=True, text=True)
     assert build.returncode == 0, f"make -C examples/c_client failed:\n{build.stdout}\n{build.stderr}"
     return os.path.join(CLIENT_DIR, "scan_client")
+
+
+@pytest.fixture(params=["sanitized", "plain"])
+def either_client(request) -> str:
+    """Each build in turn: a crafted reply must be refused cleanly by both, the plain one as
+    users build it and the sanitized one with every memory error and leak fatal."""
+    return request.getfixturevalue("scan_client" if request.param == "sanitized" else "plain_client")
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +337,7 @@ def test_an_ok_that_is_not_a_bool_is_a_malformed_reply(scan_client, endpoints, t
 
     run = run_through(scan_client, endpoints, tmp_path, scenario)
     assert run.returncode == 1
-    assert "scan inline: a reply whose ok is not a bool" in run.stderr
+    assert "scan inline: a malformed reply (ok is not a bool)" in run.stderr
 
 
 def test_timing_keys_that_are_not_str_are_not_printed(scan_client, endpoints, tmp_path):
@@ -330,6 +349,85 @@ def test_timing_keys_that_are_not_str_are_not_printed(scan_client, endpoints, tm
     assert run.returncode == 0, run.stderr
     ping = next(line for line in run.stdout.splitlines() if line.startswith("ping "))
     assert ping.endswith("| server_us=7.0 | ipc " + ping.rsplit("| ipc ", 1)[1])
+
+
+# msgpack-c allocates room for an array's or map's elements as soon as it reads their count: the
+# client refuses a count beyond the bytes left before unpacking (scan_body).
+TOO_MANY = "an array or map of more elements than the body has bytes"
+HUGE_COUNTS = [
+    pytest.param(b"\xdd\xff\xff\xff\xff", id="array32-of-2^32-1"),
+    pytest.param(b"\xdf\xff\xff\xff\xff", id="map32-of-2^32-1"),
+]
+
+
+@pytest.mark.parametrize("body", HUGE_COUNTS + [
+    pytest.param(b"\x83\xa1v\x01\xa2id\x01\xa6result\xdd\xff\xff\xff\xff", id="array32-as-a-value"),
+    pytest.param(b"\x81\xa1a\xde\xff\xff" + b"\x00" * 1000, id="map16-past-the-bytes-left"),
+    pytest.param(b"\x82\xa1a\x01\x92\x01", id="array-of-2-with-1-byte-left"),
+])
+def test_a_reply_announcing_more_elements_than_it_has_bytes_is_refused(either_client, endpoints, tmp_path, body):
+    run = run_through(either_client, endpoints, tmp_path, lambda request_id, frames, forward: [[body]])
+    assert run.returncode == 1
+    assert f"FAIL: ping: a reply that does not decode ({TOO_MANY})\n1 failure(s)" in run.stderr
+
+
+def envelope(*entries) -> bytes:
+    """A map of `entries` ((key, value) pairs, repeats kept), packed."""
+    return bytes([0x80 | len(entries)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in entries)
+
+
+PONG = [("v", 1), ("id", 1), ("ok", True), ("result", {"pong": True}), ("timing", {"server_us": 1})]
+ERROR = {"code": "internal_error", "message": "x", "detail": {}}
+
+
+def pong(**changes) -> list:
+    """ping's reply with `changes` (None: the key left out), keys in the usual order."""
+    return [(k, changes.get(k, v)) for k, v in PONG if changes.get(k, v) is not None] + \
+           [(k, v) for k, v in changes.items() if k not in dict(PONG) and v is not None]
+
+
+@pytest.mark.parametrize("entries, why", [
+    pytest.param(pong() + [("ok", False), ("id", 99), ("error", ERROR)], "a key given twice", id="ok-and-id-twice"),
+    pytest.param(pong() + [("timing", {})], "a key given twice", id="timing-twice"),
+    pytest.param(pong(bogus=1), "a key other than v, id, ok, result, error and timing", id="unknown-key"),
+    pytest.param(pong() + [(5, 1)], "a key other than v, id, ok, result, error and timing", id="int-key"),
+    pytest.param(pong(v=7), "v is not 1", id="v-7"),
+    pytest.param(pong(v=True), "v is not 1", id="v-true"),
+    pytest.param(pong(v=1.0), "v is not 1", id="v-float"),
+    pytest.param(pong(v=None), "no v", id="no-v"),
+    pytest.param(pong(id=None), "no id", id="no-id"),
+    pytest.param(pong(ok=None), "no ok", id="no-ok"),
+    pytest.param(pong(id=""), "id neither nil, a uint nor a non-empty str", id="id-empty-str"),
+    pytest.param(pong(id=-1), "id neither nil, a uint nor a non-empty str", id="id-negative"),
+    pytest.param(pong(id=1.0), "id neither nil, a uint nor a non-empty str", id="id-float"),
+    pytest.param(pong(result=[True]), "result is not a map", id="result-not-a-map"),
+    pytest.param(pong(result=None), "result is not a map", id="ok-without-result"),
+    pytest.param(pong(ok=False, result=None, error="boom"), "error is not a map", id="error-not-a-map"),
+    pytest.param(pong(timing=[]), "timing is not a map", id="timing-not-a-map"),
+])
+def test_a_reply_with_a_malformed_envelope_is_refused(either_client, endpoints, tmp_path, entries, why):
+    # As the Python client refuses it (decode_reply), whatever its id. The real reply comes
+    # after it, so that a client taking the bad one for another request's ends at once too.
+    bad = envelope(*entries)
+    with pytest.raises(DecodeError):
+        decode_reply(bad)
+    run = run_through(either_client, endpoints, tmp_path, lambda request_id, frames, forward: [[bad], forward(frames)])
+    assert run.returncode == 1
+    assert f"FAIL: ping: a malformed reply ({why})\n1 failure(s)" in run.stderr
+
+
+@pytest.mark.parametrize("entries", [
+    pytest.param(pong(timing=None), id="ok-without-timing"),
+    pytest.param([("timing", {}), ("result", {"pong": True}), ("ok", True), ("id", 1), ("v", 1)], id="keys-in-any-order"),
+    pytest.param(pong(error="ignored"), id="ok-with-an-error-key"),
+])
+def test_a_reply_envelope_the_python_client_accepts_is_accepted(scan_client, endpoints, tmp_path, entries):
+    good = envelope(*entries)
+    decode_reply(good)
+    run = run_through(scan_client, endpoints, tmp_path,
+                      lambda request_id, frames, forward: [[good] if request_id == 1 else forward(frames)])
+    assert run.returncode == 0, run.stderr
+    assert "ping " in run.stdout and "all checks passed" in run.stdout
 
 
 # -- the client's decoder, on vectors of our own ---------------------------------------------------
@@ -405,6 +503,20 @@ def test_the_decoder_checks_tensors_at_any_depth(scan_client, endpoints, tmp_pat
     run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_crafted": encode_frame(body)})
     assert run.returncode == 1
     assert f"FAIL: vector reply_crafted (reply): {why}\n1 failure(s)" in run.stderr
+
+
+@pytest.mark.parametrize("body", HUGE_COUNTS)
+def test_a_vector_announcing_more_elements_than_it_has_bytes_is_refused(either_client, endpoints, tmp_path, body):
+    run = run_on_vectors(either_client, endpoints, tmp_path, {"reply_crafted": encode_frame(body)})
+    assert run.returncode == 1
+    assert f"FAIL: vector reply_crafted (reply): {TOO_MANY}\n1 failure(s)" in run.stderr
+
+
+def test_a_reply_vector_with_a_malformed_envelope_is_refused(scan_client, endpoints, tmp_path):
+    body = msgpack.packb({"v": 2, "id": 9, "ok": True, "result": {}, "timing": {}})
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_crafted": encode_frame(body)})
+    assert run.returncode == 1
+    assert "FAIL: vector reply_crafted (reply): v is not 1\n1 failure(s)" in run.stderr
 
 
 def test_tensors_as_deep_as_the_decoder_looks_decode(scan_client, endpoints, tmp_path):

@@ -181,10 +181,65 @@ static const char *read_tensor(const msgpack_object *map, const parts_t *parts, 
     return NULL;
 }
 
+/* Walks the msgpack bytes of a body without unpacking them: msgpack-c allocates room for all of
+ * an array's or map's elements as soon as it reads their count, so a 5-byte body announcing
+ * 2^32 − 1 of them would have it reserve room for them all. Every value takes at least one
+ * byte, so a count beyond the bytes left is refused here; so is anything but exactly one value.
+ * It needs no stack: it counts the values still to come. NULL when the body is one value. */
+static const char *scan_body(const unsigned char *p, size_t size) {
+    enum { SCALAR, PAYLOAD, ARRAY, MAP };
+    size_t pos = 0;
+    uint64_t pending = 1;  /* values still to read */
+    while (pending > 0) {
+        if (pos == size) return "not one msgpack value";
+        unsigned char type = p[pos++];
+        pending--;
+        /* After the type byte: a length or count `width` bytes wide (big-endian), then `fixed`
+         * bytes, then the payload of that length (str, bin, ext). */
+        int counted = SCALAR;
+        uint64_t n = 0, fixed = 0, width = 0;
+        if (type <= 0x7f || type >= 0xe0) counted = SCALAR;       /* positive and negative fixint */
+        else if (type <= 0x8f) counted = MAP, n = type & 0x0f;     /* fixmap */
+        else if (type <= 0x9f) counted = ARRAY, n = type & 0x0f;   /* fixarray */
+        else if (type <= 0xbf) counted = PAYLOAD, n = type & 0x1f; /* fixstr */
+        else switch (type) {
+            case 0xc0: case 0xc2: case 0xc3: break;                                   /* nil, false, true */
+            case 0xc4: case 0xc5: case 0xc6: counted = PAYLOAD, width = 1u << (type - 0xc4); break; /* bin */
+            case 0xc7: case 0xc8: case 0xc9:                                          /* ext: + its type */
+                counted = PAYLOAD, width = 1u << (type - 0xc7), fixed = 1; break;
+            case 0xca: fixed = 4; break;                                              /* float 32 */
+            case 0xcb: fixed = 8; break;                                              /* float 64 */
+            case 0xcc: case 0xcd: case 0xce: case 0xcf: fixed = 1u << (type - 0xcc); break;  /* uint */
+            case 0xd0: case 0xd1: case 0xd2: case 0xd3: fixed = 1u << (type - 0xd0); break;  /* int */
+            case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8:                    /* fixext + its type */
+                fixed = 1 + (1u << (type - 0xd4)); break;
+            case 0xd9: case 0xda: case 0xdb: counted = PAYLOAD, width = 1u << (type - 0xd9); break; /* str */
+            case 0xdc: case 0xdd: counted = ARRAY, width = 2u << (type - 0xdc); break;
+            case 0xde: case 0xdf: counted = MAP, width = 2u << (type - 0xde); break;
+            default: return "not one msgpack value";                                 /* 0xc1: never used */
+        }
+        if (width > size - pos) return "not one msgpack value";
+        for (uint64_t i = 0; i < width; i++) n = n << 8 | p[pos++];
+        if (counted == PAYLOAD) fixed += n;
+        if (fixed > size - pos) return "not one msgpack value";
+        pos += fixed;
+        if (counted == ARRAY || counted == MAP) {
+            uint64_t values = counted == MAP ? 2 * n : n;  /* a map entry is a key and a value */
+            if (values > size - pos || pending + values > size - pos)
+                return "an array or map of more elements than the body has bytes";
+            pending += values;
+        }
+    }
+    if (pos != size) return "bytes after the msgpack value";
+    return NULL;
+}
+
 /* The body of a message: exactly one msgpack map. NULL when it is one, else why not. */
 static const char *unpack_body(const parts_t *parts, msgpack_unpacked *result) {
     size_t offset = 0;
     if (parts->count == 0) return "no body";
+    const char *why = scan_body((const unsigned char *)parts->at[0].data, parts->at[0].size);
+    if (why) return why;  /* checked before msgpack-c allocates anything for it */
     if (msgpack_unpack_next(result, parts->at[0].data, parts->at[0].size, &offset) != MSGPACK_UNPACK_SUCCESS)
         return "not one msgpack value";
     if (offset != parts->at[0].size) return "bytes after the msgpack value";
@@ -239,6 +294,40 @@ static const char *check_tensors(const msgpack_object *message, const parts_t *p
 static const char *decode_message(const parts_t *parts, msgpack_unpacked *result) {
     const char *why = unpack_body(parts, result);
     return why ? why : check_tensors(&result->data, parts);
+}
+
+/* Checks a reply's envelope (SPEC §3, §4) by the rules of the Python client (decode_reply in
+ * protocol/decode.py), so that the two accept the same replies: every key one of the six a reply
+ * has, none twice (get() would take the first and ignore the rest); v, id and ok present; v the
+ * version this client speaks; id nil, a uint or a non-empty str; ok a bool; result (when ok) or
+ * error (when not) a map; timing, which an error reply may lack, a map. NULL when valid. */
+static const char *check_envelope(const msgpack_object *message) {
+    enum { V, ID, OK, RESULT, ERROR, TIMING, KEYS };
+    static const char *const names[KEYS] = {"v", "id", "ok", "result", "error", "timing"};
+    const msgpack_object *value[KEYS] = {NULL};
+    for (uint32_t i = 0; i < message->via.map.size; i++) {
+        const msgpack_object_kv *entry = &message->via.map.ptr[i];
+        int k = 0;
+        while (k < KEYS && !key_is(&entry->key, names[k])) k++;
+        if (k == KEYS) return "a key other than v, id, ok, result, error and timing";
+        if (value[k] != NULL) return "a key given twice";
+        value[k] = &entry->val;
+    }
+    const msgpack_object *v = value[V], *id = value[ID], *ok = value[OK];
+    if (v == NULL) return "no v";
+    if (id == NULL) return "no id";
+    if (ok == NULL) return "no ok";
+    if (v->type != MSGPACK_OBJECT_POSITIVE_INTEGER || v->via.u64 != 1) return "v is not 1";
+    if (id->type != MSGPACK_OBJECT_NIL && id->type != MSGPACK_OBJECT_POSITIVE_INTEGER &&
+        (id->type != MSGPACK_OBJECT_STR || id->via.str.size == 0))
+        return "id neither nil, a uint nor a non-empty str";
+    if (ok->type != MSGPACK_OBJECT_BOOLEAN) return "ok is not a bool";
+    if (ok->via.boolean && (value[RESULT] == NULL || value[RESULT]->type != MSGPACK_OBJECT_MAP))
+        return "result is not a map";
+    if (!ok->via.boolean && (value[ERROR] == NULL || value[ERROR]->type != MSGPACK_OBJECT_MAP))
+        return "error is not a map";
+    if (value[TIMING] != NULL && value[TIMING]->type != MSGPACK_OBJECT_MAP) return "timing is not a map";
+    return NULL;
 }
 
 /* -- golden vectors ------------------------------------------------------------------------ */
@@ -308,6 +397,9 @@ static void check_vector(const char *dir, const char *name) {
     msgpack_unpacked result;
     msgpack_unpacked_init(&result);
     if (!why) why = decode_message(&parts, &result);
+    /* A reply's envelope too, as exchange checks it (an error reply's kind is "error"). */
+    int reply = !strcmp(kind, "reply") || !strcmp(kind, "multipart_reply") || !strcmp(kind, "error");
+    if (!why && reply) why = check_envelope(&result.data);
 
     /* Decoding finds malformed bytes and tensors; the server alone finds the rest (an unknown
      * op, a missing argument, a wrong version, legacy key rules). */
@@ -435,10 +527,12 @@ static const char *receive_message(void *sock, reply_t *reply) {
 
 /* Sends a request (see send_request for the buffers) and waits for its reply: the first reply
  * whose id is `id`, an ok one, with valid tensors. 1 when it came, and then the caller closes
- * it (close_reply); else 0, after saying why (fail). Replies are matched by id (SPEC §1): one
- * with another id answers some other request (a late reply to one that timed out, say) and is
- * dropped, never taken for this one's. Each message gets REPLY_TIMEOUT_MS to come: the server
- * answers each request once, so no more replies are dropped than requests were sent. */
+ * it (close_reply); else 0, after saying why (fail). A reply whose envelope is malformed fails,
+ * whatever its id: with a key twice, say, which request it answers is unclear. Replies are
+ * matched by id (SPEC §1): one with another id answers some other request (a late reply to one
+ * that timed out, say) and is dropped, never taken for this one's. Each message gets
+ * REPLY_TIMEOUT_MS to come: the server answers each request once, so no more replies are
+ * dropped than requests were sent. */
 static int exchange(void *sock, const char *what, uint64_t id, const msgpack_sbuffer *body,
                     const parts_t *buffers, reply_t *reply) {
     double start = now_us();
@@ -459,9 +553,13 @@ static int exchange(void *sock, const char *what, uint64_t id, const msgpack_sbu
             fail("%s: a reply that does not decode (%s)", what, why);
             break;
         }
+        if ((why = check_envelope(message)) != NULL) {  /* before its id is trusted to match */
+            fail("%s: a malformed reply (%s)", what, why);
+            break;
+        }
         const msgpack_object *reply_id = get(message, "id"), *ok = get(message, "ok");
         char text[512];
-        if (reply_id == NULL || reply_id->type == MSGPACK_OBJECT_NIL) {
+        if (reply_id->type == MSGPACK_OBJECT_NIL) {
             /* The server could not read some request's id (SPEC §4: undecodable, too large, ...),
              * so this answers no request by name. With one request in flight, as here, it is
              * most likely this one's answer, and waiting on would only end in the timeout; a
@@ -477,9 +575,7 @@ static int exchange(void *sock, const char *what, uint64_t id, const msgpack_sbu
             close_reply(reply);
             continue;
         }
-        if (ok == NULL || ok->type != MSGPACK_OBJECT_BOOLEAN) {
-            fail("%s: a reply whose ok is not a bool", what);
-        } else if (!ok->via.boolean) {
+        if (!ok->via.boolean) {
             const msgpack_object *error = get(message, "error");
             msgpack_object_print_buffer(text, sizeof text, error ? *error : *message);
             fail("%s: an error reply: %s", what, text);
