@@ -369,14 +369,14 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
         if stop_requested_while_starting():
             return 0
     if config.metrics_port is not None:
-        from .metrics import serve_metrics
+        from .metrics import endpoint_url, serve_metrics
 
         try:
             port = serve_metrics(server, config.metrics_host, config.metrics_port)
         except OSError as exc:  # an address in use or not this machine's
             log.error("cannot start: --metrics-port: %s", exc)
             return 2
-        server.metrics_endpoint = f"http://{config.metrics_host}:{port}/metrics"
+        server.metrics_endpoint = endpoint_url(config.metrics_host, port)
         log.info("metrics at %s", server.metrics_endpoint)
     dispatcher = Dispatcher(server)
 

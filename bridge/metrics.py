@@ -38,6 +38,12 @@ def serve_metrics(server, host: str, port: int) -> int:
     return httpd.server_port
 
 
+def endpoint_url(host: str, port: int) -> str:
+    """The endpoint's URL: an IPv6 literal in brackets (RFC 3986), or its colons would read as
+    the port's."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
 class QuietHandler(WSGIRequestHandler):
     """Answers one request, logging nothing; a connection not done within `timeout`
     (REQUEST_TIMEOUT_S) is closed."""
@@ -113,9 +119,10 @@ class ServerCollector:
             errors.add_metric([code], count)
         yield errors
         for name, key, what in (("frames_in", "frames_in", "Request frames read, by lane."),
-                                ("replies_out", "replies_out", "Replies sent, by lane."),
+                                ("replies_out", "replies_out", "Replies handed to the lane to send, by lane."),
                                 ("request_bytes", "bytes_in", "Bytes of request bodies read, by lane."),
-                                ("reply_bytes", "bytes_out", "Bytes of reply bodies sent, by lane.")):
+                                ("reply_bytes", "bytes_out",
+                                 "Bytes of reply bodies handed to the lane to send, by lane.")):
             family = CounterMetricFamily(f"scan_bridge_{name}", what, labels=["lane"])
             for lane, counts in sorted(stats["lanes"].items()):
                 family.add_metric([lane], counts[key])

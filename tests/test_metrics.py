@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -206,3 +207,17 @@ def test_idle_connections_are_bounded_and_closed_when_their_request_never_comes(
             return False
 
     wait_until(answered, "no scrape was answered once the idle connections were closed", timeout=10)
+
+
+@pytest.mark.parametrize("host, url", [
+    pytest.param("127.0.0.1", "http://127.0.0.1:9100/metrics", id="ipv4"),
+    pytest.param("::1", "http://[::1]:9100/metrics", id="ipv6-bracketed"),
+    pytest.param("localhost", "http://localhost:9100/metrics", id="name"),
+])
+def test_the_endpoint_url_is_one_a_client_can_parse(host, url):
+    """`info`'s metrics URL: an IPv6 literal was written bare, http://::1:9100/metrics, which
+    no client parses (found in review)."""
+    from bridge.metrics import endpoint_url
+
+    assert endpoint_url(host, 9100) == url
+    assert urllib.parse.urlsplit(url).port == 9100
