@@ -726,6 +726,26 @@ def test_a_model_over_the_pool_budget_is_refused_before_it_is_read(serve):
     assert srv.server.sessions.usage()["pool_bytes"] == 0
 
 
+def test_weights_sent_over_the_pool_budget_are_refused_before_any_is_copied(serve, monkeypatch):
+    """SPEC §6.4: limit_exceeded before any weight is read. Sent weights were each made a
+    device tensor (a copy on a GPU, or where the backend needs aligned data) before the budget
+    was checked (found in review); now the one copy is the model's own."""
+    from test_return_state import MODEL_CONFIGS, tiny_weights
+
+    weights = tiny_weights("mamba", torch.Generator().manual_seed(random_seed()))
+    srv, conn = serve(max_pool_bytes=4096), RecordingConnection()
+    copied = []
+    device_tensor = srv.server.device_tensor
+    monkeypatch.setattr(srv.server, "device_tensor", lambda wire: copied.append(wire) or device_tensor(wire))
+    error = error_of(srv, conn, "model_load", config=MODEL_CONFIGS["mamba"], weights=weights)
+    assert (error["code"], error["detail"]["limit"]) == ("limit_exceeded", "max_pool_bytes")
+    assert copied == [] and srv.server.sessions.usage()["model_bytes"] == 0
+    roomy = serve()
+    monkeypatch.setattr(roomy.server, "device_tensor", lambda wire: copied.append(wire) or device_tensor(wire))
+    loaded = call(roomy, conn, "model_load", config=MODEL_CONFIGS["mamba"], weights=weights)
+    assert copied == [] and roomy.server.sessions.usage()["model_bytes"] == loaded["weight_bytes"] > 0
+
+
 def test_weights_snapshots_and_sessions_share_the_pool_budget(serve):
     srv, conn = serve(), RecordingConnection()
     info = call(srv, conn, "model_load", path="mamba2-lm")

@@ -36,7 +36,10 @@ def model_load(server, call) -> dict:
         def load(hold):
             return models.load_checkpoint(args["path"], server.model_dirs, dtype, server.device, hold)
     else:
-        weights = {name: server.tensor_in_map(call, value, f"args.weights.{name}")
+        # Wire bytes stay a view of the frame until the budget is checked: the model's own copy
+        # (models._build) is then the only one. A handle's tensor is on the device already.
+        weights = {name: host_view(value) if isinstance(value, protocol.WireTensor)
+                   else server.tensor_in_map(call, value, f"args.weights.{name}")
                    for name, value in args["weights"].items()}
 
         def load(hold):
