@@ -105,8 +105,8 @@ class Reader:
     def check_keys(self, entries: dict, encoded: memoryview, field: str, cls) -> None:
         for key in entries:
             if type(key) is not str:
-                self.fail(cls, field, "a map with str keys",
-                          f"a {_PY_TO_MSGPACK.get(type(key), 'non-str')} key {key!r}")
+                kind = _PY_TO_MSGPACK.get(type(key), "non-str")
+                self.fail(cls, field, "a map with str keys", f"{'an' if kind == 'int' else 'a'} {kind} key {key!r}")
         if len(entries) != count(encoded):
             self.fail(cls, field, "a map with distinct keys", "a key given more than once")
 

@@ -320,13 +320,13 @@ _CONFIG_ARG = b"\x84\xa1v\x01\xa2id\x01\xa2op\xaamodel_load\xa4args\x81\xa6confi
 @pytest.mark.parametrize("config, field, got", [
     pytest.param(b"\x81\xa1a\x82\xa1k\x01\xa1k\x02", "args.config.a", "a key given more than once",
                  id="map-duplicate-key"),
-    pytest.param(b"\x81\xa1a\x81\x01\x01", "args.config.a", "a int key 1", id="map-int-key"),
+    pytest.param(b"\x81\xa1a\x81\x01\x01", "args.config.a", "an int key 1", id="map-int-key"),
     pytest.param(b"\x81\xa1a\x91\x82\xa1k\x01\xa1k\x02", "args.config.a[0]", "a key given more than once",
                  id="map-in-array-duplicate-key"),
-    pytest.param(b"\x81\xa1a\x91\x81\x01\x01", "args.config.a[0]", "a int key 1", id="map-in-array-int-key"),
+    pytest.param(b"\x81\xa1a\x91\x81\x01\x01", "args.config.a[0]", "an int key 1", id="map-in-array-int-key"),
     pytest.param(b"\x81\xa1a\x91\x81\xc4\x01k\x01", "args.config.a[0]", "a bin key b'k'",
                  id="map-in-array-bin-key"),
-    pytest.param(b"\x81\xa1a\x92\x01\x91\x81\xa1b\x81\x02\x03", "args.config.a[1][0].b", "a int key 2",
+    pytest.param(b"\x81\xa1a\x92\x01\x91\x81\xa1b\x81\x02\x03", "args.config.a[1][0].b", "an int key 2",
                  id="map-in-array-in-array"),
 ])
 def test_every_map_in_a_map_argument_has_distinct_str_keys_arrays_included(config, field, got):
