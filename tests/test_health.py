@@ -8,7 +8,7 @@ import torch
 
 import bridge.health
 import kernels
-from bridge.client import PortClient
+from bridge.client import PortClient, result_from_wire
 from bridge.health import DeviceProbe
 from bridge_fakes import RecordingConnection
 
@@ -56,11 +56,19 @@ def test_a_failing_launch_is_not_ready_and_says_why(monkeypatch, failure, messag
 
 
 def test_a_stopping_server_is_live_but_not_ready(inproc):
+    """A health request taken before the stop and run after it says so; one sent after the
+    stop is not taken (shutting_down), as no new request is."""
     srv = inproc()
-    conn = RecordingConnection()
+    conn, other = RecordingConnection(), RecordingConnection()
     assert srv.call(conn, "health")["ready"] is True
+    srv.hold(other)
+    queued = srv.submit(conn, "health")
     srv.server.stop_requested.set()
-    health = srv.call(conn, "health")
+    srv.go()
+    reply = conn.reply(queued)
+    health = result_from_wire(reply.result)
     assert health["live"] is True and health["ready"] is False
     assert health["checks"] == {"kernel": health["checks"]["kernel"], "accepting": False}
     assert health["checks"]["kernel"]["ok"] is True
+    refused = srv.request(conn, "health")
+    assert not refused.ok and refused.error["code"] == "shutting_down"
