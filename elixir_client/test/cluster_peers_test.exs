@@ -184,6 +184,10 @@ defmodule ScanBridge.ClusterPeersTest do
     {:ok, %{member: member, session: remote}} = Cluster.session_info(session)
     assert node(member) != p1.node
     assert {:ok, _state} = ScanBridge.session_state(member, remote)
+    # and its snapshots, which belong to the server's connection, not to the session
+    held = snapshot_bytes(member)
+    {:ok, _snapshot} = Cluster.snapshot(session)
+    assert snapshot_bytes(member) > held
     Peers.stop_peer(p1)
 
     assert TestSupport.eventually(fn ->
@@ -192,6 +196,13 @@ defmodule ScanBridge.ClusterPeersTest do
                ScanBridge.session_state(member, remote)
              )
            end)
+
+    assert TestSupport.eventually(fn -> snapshot_bytes(member) == held end)
+  end
+
+  defp snapshot_bytes(member) do
+    {:ok, stats} = ScanBridge.stats(member)
+    stats["sessions"]["snapshot_bytes"]
   end
 
   defp ok!({:ok, value}), do: value

@@ -357,6 +357,105 @@ defmodule ScanBridge.ClusterTest do
     for {a, e} <- close.(again, 5), do: Models.assert_rel_close(a, e, 1.0e-5, "after the failure")
   end
 
+  # A process holding one session count on `member` in this node's balancer, so that the next
+  # placement goes elsewhere; released, the balancer has seen it go.
+  defp hold(g, member) do
+    test = self()
+    others = Cluster.members(g) -- [member]
+
+    holder =
+      spawn(fn ->
+        send(test, {:held, Balancer.checkout(g, :session, others)})
+        Process.sleep(:infinity)
+      end)
+
+    assert_receive {:held, {:ok, ^member, _token}}, 5_000
+    {holder, member, Cluster.loads(g)[member].sessions}
+  end
+
+  defp release(g, {holder, member, held}) do
+    Process.exit(holder, :kill)
+    assert eventually(fn -> Cluster.loads(g)[member].sessions == held - 1 end)
+  end
+
+  defp owner(s), do: ok!(Cluster.session_info(s)).member
+
+  # A process in group `g` standing for a member whose server never answers in time: every
+  # request answered :timeout at once (told to the test), a group model's id given.
+  defp slow_member(g) do
+    test = self()
+    member = spawn(fn -> slow_member_loop(test) end)
+    on_exit(fn -> Process.exit(member, :kill) end)
+    :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
+    member
+  end
+
+  # A process in group `g` standing for a member that answers nothing: frozen, or its node cut
+  # off.
+  defp silent_member(g) do
+    member = spawn(fn -> Process.sleep(:infinity) end)
+    on_exit(fn -> Process.exit(member, :kill) end)
+    :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
+    member
+  end
+
+  defp slow_member_loop(test) do
+    receive do
+      {:"$gen_call", from, {:model_named, _name}} ->
+        GenServer.reply(from, {:ok, "slow-model"})
+
+      {:"$gen_call", from, {:request, op, _head, _size, _timeout, _closes}} ->
+        send(test, {:slow_member_asked, op})
+        GenServer.reply(from, {:error, Error.client(:timeout, "no reply before the deadline")})
+    end
+
+    slow_member_loop(test)
+  end
+
+  test "a restore that reopens the session elsewhere leaves no copies behind, stale or not" do
+    g = model_group(3)
+    embeds = Models.embeds(1, 16, 8)
+    [x, a, b] = Cluster.members(g)
+    holds = [hold(g, a), hold(g, b)]
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 4)
+    Enum.each(holds, &release(g, &1))
+    assert owner(s) == x
+    for t <- 0..1, do: step!(s, embeds, t)
+    {:ok, p} = Cluster.snapshot(s)
+
+    # x goes: the session is rebuilt on a, where q is taken
+    held = hold(g, b)
+    kill_server!(x)
+    step!(s, embeds, 2)
+    release(g, held)
+    assert owner(s) == a
+    {:ok, q} = Cluster.snapshot(s)
+    %{remote: q_copy} = :sys.get_state(s.pid).snapshots[q]
+    for t <- 3..5, do: step!(s, embeds, t)
+
+    # p (its copy gone with x) is restored by reopening the session on b: a, still serving,
+    # keeps no copy of q
+    held = hold(g, a)
+    assert :ok = Cluster.restore(s, p)
+    release(g, held)
+    assert owner(s) == b
+    assert {:error, %Error{reason: :unknown_snapshot}} = ScanBridge.free_snapshot(a, q_copy)
+
+    # q is made the state before frame 13 on b, which holds no copy of it; restored after the
+    # session went back to a, it is that state
+    for t <- 10..12, do: step!(s, embeds, t)
+    wanted = ok!(Cluster.session_state(s))
+    step!(s, embeds, 13, snapshot_into: q)
+    for t <- 14..15, do: step!(s, embeds, t)
+    held = hold(g, b)
+    assert :ok = Cluster.restore(s, p)
+    release(g, held)
+    assert owner(s) == a
+    assert :ok = Cluster.restore(s, q)
+    got = ok!(Cluster.session_state(s))
+    for {name, part} <- wanted, do: Models.assert_rel_close(got[name], part, 1.0e-6, "#{name}")
+  end
+
   test "without checkpoints a snapshot lives on its server, and closing frees its copies" do
     g = model_group(1)
     [member] = Cluster.members(g)
@@ -608,7 +707,7 @@ defmodule ScanBridge.ClusterTest do
       g = model_group(1)
       [member] = Cluster.members(g)
       {:ok, first_id} = ScanBridge.Server.model_named(member, "tiny")
-      named = {ScanBridge.Server, :model_named, 2}
+      named = {ScanBridge.Server, :model_named, 3}
       :erlang.trace_pattern(named, true, [:call_count])
       on_exit(fn -> :erlang.trace_pattern(named, false, [:call_count]) end)
 
@@ -755,6 +854,28 @@ defmodule ScanBridge.ClusterTest do
       assert ops_refused(old, "session_open") == 1
     end
 
+    test "a rebuild whose open times out keeps the session, rebuilt on another member next" do
+      g = model_group(2)
+      embeds = Models.embeds(1, 6, 8)
+      {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+      expected = for t <- 0..5, do: step!(reference, embeds, t)
+      assert :ok = Cluster.close_session(reference)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      got = for t <- 0..2, do: step!(s, embeds, t)
+      owner = owner(s)
+      [healthy] = Cluster.members(g) -- [owner]
+      slow_member(g)
+      # the rebuild goes to the slow member first: it keeps no session, the healthy one one
+      held = hold(g, healthy)
+      kill_server!(owner)
+      assert_receive {:slow_member_asked, "session_open"}, 15_000
+      assert {:ok, %{member: nil, status: :ok}} = Cluster.session_info(s)
+      release(g, held)
+      got = got ++ for(t <- 3..5, do: step!(s, embeds, t))
+      assert {:ok, %{member: ^healthy, failovers: 1}} = Cluster.session_info(s)
+      for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+    end
+
     test "after a frame times out and a later one is answered, a failover is refused" do
       g = model_group(2)
       embeds = Models.embeds(1, 4, 8)
@@ -775,6 +896,32 @@ defmodule ScanBridge.ClusterTest do
 
       assert {:error, %Error{reason: :session_lost}} =
                Cluster.model_step(s, {:embeds, Models.frame(embeds, 3)})
+    end
+
+    test "a restore that fails on the session's own server keeps the session", %{shared: g} do
+      embeds = Models.embeds(1, 4, 8)
+      # no checkpoint due in this test: a frame answered after one in doubt taints the session
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 10)
+      for t <- 0..1, do: step!(s, embeds, t)
+      {:ok, snap} = Cluster.snapshot(s)
+      step!(s, embeds, 2)
+      {:ok, %{member: owner, session: remote}} = Cluster.session_info(s)
+
+      # no time left: not done (or at most in doubt), never reopened elsewhere
+      assert {:error, %Error{reason: reason}} = Cluster.restore(s, snap, timeout: 0)
+      assert reason in [:timeout, :overloaded, :deadline_exceeded]
+      assert {:ok, %{member: ^owner, session: ^remote, status: status}} = Cluster.session_info(s)
+      assert status in [:ok, :unsure]
+
+      # a server that does not answer in time: in doubt, as a frame that timed out
+      os_pid = os_pid!(owner)
+      freeze(os_pid)
+      assert {:error, %Error{reason: :timeout}} = Cluster.restore(s, snap, timeout: 200)
+      assert {:ok, %{member: ^owner, session: ^remote, status: :unsure}} = Cluster.session_info(s)
+      thaw(os_pid)
+      step!(s, embeds, 3)
+      assert {:ok, %{member: ^owner, session: ^remote, status: :tainted}} = Cluster.session_info(s)
+      assert :ok = Cluster.close_session(s)
     end
 
     test "a session is closed on its server when the process that opened it exits", %{shared: g} do
@@ -802,6 +949,41 @@ defmodule ScanBridge.ClusterTest do
       assert eventually(fn -> Cluster.loads(g)[member].sessions == 0 end)
     end
 
+    test "a keeper that dies without closing leaves neither its session nor its snapshots",
+         %{shared: g} do
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+      {:ok, %{member: member, session: remote}} = Cluster.session_info(s)
+      held = snapshot_bytes(member)
+      {:ok, _snap} = Cluster.snapshot(s)
+      assert snapshot_bytes(member) > held
+      # as when its node goes down: no orderly exit, nothing closed or freed by the keeper
+      ref = Process.monitor(s.pid)
+      Process.exit(s.pid, :kill)
+      assert_receive {:DOWN, ^ref, :process, _, :killed}
+
+      assert eventually(fn ->
+               match?(
+                 {:error, %Error{reason: :unknown_session}},
+                 ScanBridge.session_state(member, remote)
+               )
+             end)
+
+      assert eventually(fn -> snapshot_bytes(member) == held end)
+    end
+
+    test "a call whose deadline passed before its keeper read it is answered at once, unsent",
+         %{shared: g} do
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      frame = {:embeds, Models.frame(Models.embeds(1, 1, 8), 0)}
+      passed = System.monotonic_time(:millisecond) - 1
+      # the keeper's own message, waited for well past its deadline: the keeper answers
+      assert {:error, %Error{reason: :deadline_exceeded}} =
+               GenServer.call(s.pid, {:call, :model_step, frame, [], passed}, 5_000)
+
+      assert {:ok, %{frames_since_checkpoint: 0, status: :ok}} = Cluster.session_info(s)
+      assert :ok = Cluster.close_session(s)
+    end
+
     test "bad inputs raise in the caller and leave the session serving", %{shared: g} do
       embeds = Models.embeds(1, 2, 8)
       {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 1)
@@ -817,6 +999,49 @@ defmodule ScanBridge.ClusterTest do
       assert {:error, %Error{reason: :shape_mismatch}} = Cluster.model_step(s, {:embeds, embeds})
       step!(s, embeds, 0)
       assert {:ok, %{frames_since_checkpoint: 0}} = Cluster.session_info(s)
+    end
+
+    test "opening a group model's session on a member that answers nothing ends by its deadline" do
+      g = group()
+      silent_member(g)
+      # asked for the model's id first: this node has not learnt it
+      opening =
+        Task.async(fn -> Cluster.open_session(g, [model: "tiny", batch: 1], timeout: 300) end)
+
+      assert {:ok, {:error, %Error{reason: :timeout}}} = Task.yield(opening, 5_000)
+    end
+
+    test "a slow open holds up no other open or fork on the node", %{shared: g} do
+      slow_group = group()
+      test = self()
+
+      # a member that takes a session_open and answers it only when the test does
+      holding =
+        spawn(fn ->
+          receive do
+            {:"$gen_call", from, {:request, "session_open", _head, _size, _timeout, _closes}} ->
+              send(test, {:opening, from})
+              Process.sleep(:infinity)
+          end
+        end)
+
+      on_exit(fn -> Process.exit(holding, :kill) end)
+      :ok = :pg.join(Cluster.scope(), Cluster.group_key(slow_group), holding)
+      dims = [kind: :ssd, batch: 1, heads: 2, headdim: 4, state: 3]
+      slow = Task.async(fn -> Cluster.open_session(slow_group, dims, timeout: 20_000) end)
+      assert_receive {:opening, from}, 5_000
+
+      fast =
+        Task.async(fn ->
+          {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], timeout: 5_000)
+          {:ok, f} = Cluster.fork(s, timeout: 5_000)
+          Enum.each([f, s], &Cluster.close_session/1)
+        end)
+
+      assert {:ok, :ok} = Task.yield(fast, 10_000)
+      assert Task.yield(slow, 0) == nil
+      GenServer.reply(from, {:error, Error.client(:invalid_argument, "refused", %{})})
+      assert {:error, %Error{reason: :invalid_argument}} = Task.await(slow, 5_000)
     end
 
     test "opening a session of a model no member holds is refused by name", %{shared: g} do

@@ -91,6 +91,69 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert GenServer.call(member, :catalogue, 1_000) == %{}
   end
 
+  test "a keeper stops when its server stops, GenServer.stop's :normal exit included" do
+    group = {:member_test, System.unique_integer([:positive])}
+    server = spawn(fn -> receive(do: (:stop -> :ok)) end)
+    {:ok, member} = Member.start_link(server: server, group: group)
+    # the test is no server: the keeper's exit is not to take it along
+    Process.unlink(member)
+    assert eventually_member(group, server)
+    keeper = Process.monitor(member)
+    send(server, :stop)
+    assert_receive {:DOWN, ^keeper, :process, ^member, _reason}, 5_000
+    assert eventually(fn -> Member.keepers(group) == [] end)
+  end
+
+  # A keeper left behind by a server that went away: it answers what such a keeper's server
+  # calls answer.
+  defp orphan_keeper(group) do
+    spawn_link(fn ->
+      :ok = :pg.join(Cluster.scope(), {:catalogue, group}, self())
+      orphan_keeper_loop()
+    end)
+  end
+
+  defp orphan_keeper_loop do
+    receive do
+      {:"$gen_call", from, _load_or_free} ->
+        gone = ScanBridge.Error.client(:not_running, "no scan-bridge client process is running")
+        GenServer.reply(from, {:error, gone})
+    end
+
+    orphan_keeper_loop()
+  end
+
+  defp loading_server do
+    receive do
+      {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->
+        GenServer.reply(from, {:ok, %{"model" => "m1"}, %{}})
+
+      {:"$gen_call", from, {:request, "model_free", _head, _size, _timeout, _closes}} ->
+        GenServer.reply(from, {:ok, %{}, %{}})
+
+      {:"$gen_cast", _naming} ->
+        :ok
+    end
+
+    loading_server()
+  end
+
+  test "loading and freeing a group's model pass over a keeper whose server is gone" do
+    group = {:member_test, System.unique_integer([:positive])}
+    server = spawn_link(&loading_server/0)
+    {:ok, _member} = Member.start_link(server: server, group: group)
+    assert eventually_member(group, server)
+    orphan_keeper(group)
+    assert eventually(fn -> length(Member.keepers(group)) == 2 end)
+
+    assert {:ok, %{members: 1, info: %{"model" => "m1"}}} =
+             Cluster.load_model(group, "m", "/models/m")
+
+    assert :ok = Cluster.free_model(group, "m")
+  end
+
+  defp eventually(fun), do: ScanBridge.TestSupport.eventually(fun)
+
   defp eventually_member(group, server, tries \\ 100) do
     cond do
       server in Cluster.members(group) -> true

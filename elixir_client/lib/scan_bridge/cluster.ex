@@ -221,18 +221,19 @@ defmodule ScanBridge.Cluster do
     opts = ScanBridge.opts!(opts, [:dtype, :timeout], "load_model")
     # a bad source or option raises here, in the caller, not in every member
     _args = ScanBridge.model_load_args!(source, opts)
-    load_everywhere(group, name, source, opts, MapSet.new(), nil)
+    load_everywhere(group, name, source, opts, %{}, nil)
   end
 
   # Load on every catalogue keeper not done yet, then look again until none is new (see
-  # ScanBridge.Cluster.Member).
+  # ScanBridge.Cluster.Member). `done`: keeper => whether it loaded the model (false: its server
+  # went away, so it is no member any more).
   defp load_everywhere(group, name, source, opts, done, info) do
-    case Member.keepers(group) |> Enum.reject(&MapSet.member?(done, &1)) do
+    case Member.keepers(group) |> Enum.reject(&is_map_key(done, &1)) do
       [] when info == nil ->
         {:error, Error.client(:no_members, "no server serves group #{inspect(group)}", %{})}
 
       [] ->
-        {:ok, %{members: MapSet.size(done), info: info}}
+        {:ok, %{members: Enum.count(done, fn {_keeper, loaded} -> loaded end), info: info}}
 
       keepers ->
         # every member at once: each loads on its own device
@@ -241,22 +242,41 @@ defmodule ScanBridge.Cluster do
           |> Task.async_stream(&{&1, load_on(&1, name, source, opts)}, timeout: :infinity)
           |> Enum.map(fn {:ok, result} -> result end)
 
-        case Enum.find(results, &match?({_, {:error, _}}, &1)) do
+        case Enum.find(results, fn {_keeper, result} -> failed?(result) end) do
           {keeper, {:error, error}} ->
             {:error, %{error | detail: Map.put(error.detail, "member", "#{node(keeper)}")}}
 
           nil ->
-            {_, {:ok, info}} = hd(results)
-            done = Enum.reduce(keepers, done, &MapSet.put(&2, &1))
+            info = Enum.find_value(results, info, fn {_, result} -> ok_info(result) end)
+            done = Enum.reduce(results, done, fn {k, r}, done -> Map.put(done, k, ok?(r)) end)
             load_everywhere(group, name, source, opts, done, info)
         end
     end
   end
 
+  # A keeper whose server (or the keeper itself) went away meanwhile is passed over: it leaves
+  # the group with its server.
+  defp failed?({:error, %Error{} = error}), do: not gone?(error)
+  defp failed?(_ok), do: false
+
+  defp ok?({:ok, _info}), do: true
+  defp ok?(_gone), do: false
+
+  defp ok_info({:ok, info}), do: info
+  defp ok_info(_gone), do: nil
+
   defp load_on(keeper, name, source, opts) do
     timeout = Keyword.get(opts, :timeout, @default_timeout)
     GenServer.call(keeper, {:load, name, source, opts}, timeout + 1_000)
   catch
+    :exit, {:timeout, _call} ->
+      {:error,
+       Error.client(
+         :timeout,
+         "the member on #{node(keeper)} did not answer before the deadline",
+         %{}
+       )}
+
     :exit, reason ->
       {:error,
        Error.client(
@@ -285,7 +305,8 @@ defmodule ScanBridge.Cluster do
         :exit, _gone -> :ok
       end
     end)
-    |> Enum.find(:ok, &match?({:error, _}, &1))
+    # a member whose server went away has freed it with its server
+    |> Enum.find(:ok, &failed?/1)
   end
 
   ## Sessions
@@ -413,9 +434,11 @@ defmodule ScanBridge.Cluster do
   Puts `snapshot` (of this session, `snapshot/2`) back: on the server that holds its copy in one
   round trip, else (after a failover) by reopening the session from its checkpoint and running
   its kept frames again. The snapshot stays, for restoring again. A snapshot this session does
-  not hold, or one that went with its server, answers `:unknown_snapshot`; a session that
-  cannot be reopened from the snapshot is lost (`:session_lost` from then on). Options:
-  `:timeout`.
+  not hold, or one that went with its server, answers `:unknown_snapshot`. A restore on the
+  session's server that times out leaves the session `:unsure`, as a frame that times out does.
+  Where no member takes the reopened session in time, the error is answered and the next call
+  reopens it; a session that cannot be reopened from the snapshot otherwise is lost
+  (`:session_lost` from then on). Options: `:timeout`.
   """
   @spec restore(session, reference, ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def restore(%Session{} = session, snapshot, opts \\ []),

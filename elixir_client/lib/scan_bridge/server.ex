@@ -55,8 +55,10 @@ defmodule ScanBridge.Server do
   Started with `group:`, once its server answers this process links a
   `ScanBridge.Cluster.Member`, which loads the group's models and then puts this process in the
   group's `:pg` group; if either stops, so does the other. Such a server also closes the
-  sessions a process opened (`session_open`, `session_fork`) when that process exits: a cluster
-  session's keeper may sit on another node and go down with it, leaving nobody to close them.
+  sessions a process opened (`session_open`, `session_fork`) and frees the snapshots it took
+  (`session_snapshot`) when that process exits: a cluster session's keeper may sit on another
+  node and go down with it, leaving nobody to close them (snapshots belong to the connection,
+  not to a session, so closing its sessions would leave them).
 
   Use it through `ScanBridge`.
   """
@@ -133,8 +135,9 @@ defmodule ScanBridge.Server do
     next_id: 0,
     # the group's model names (ScanBridge.Cluster.load_model/4) => this server's model ids
     models: %{},
-    # with :group, the processes that opened sessions => {monitor, their sessions' ids}, and
-    # each session's opener, to close what an opener leaves when it exits
+    # with :group, the processes that opened sessions or took snapshots => {monitor, a set of
+    # {:session, id} and {:snapshot, id}}, and each one's opener, to close or free what an
+    # opener leaves when it exits
     openers: %{},
     opener_of: %{},
     # id => {from, deadline timer, monitor of the caller}: callers waiting for an answer
@@ -192,12 +195,14 @@ defmodule ScanBridge.Server do
     wait =
       if timeout == :infinity, do: :infinity, else: min(timeout + @answer_grace_ms, @max_timeout_ms)
 
-    call(server, {:request, op, head, size, timeout, closed_session(op, args)}, wait)
+    call(server, {:request, op, head, size, timeout, closed(op, args)}, wait)
   end
 
-  # The session a session_close names, for a group's server to stop watching its opener.
-  defp closed_session("session_close", args), do: args[:session] || args["session"]
-  defp closed_session(_op, _args), do: nil
+  # The session a session_close names, or the snapshot a snapshot_free names, for a group's
+  # server to stop watching its opener.
+  defp closed("session_close", args), do: args[:session] || args["session"]
+  defp closed("snapshot_free", args), do: args[:snapshot] || args["snapshot"]
+  defp closed(_op, _args), do: nil
 
   @doc """
   The `:gen_tcp` options of the unix lane: binaries, packet 4, active, and a send that does
@@ -223,10 +228,19 @@ defmodule ScanBridge.Server do
 
   @doc """
   The id on this server of the group's model `name` (`ScanBridge.Cluster.load_model/4`), or
-  nil when it has not loaded it.
+  nil when it has not loaded it. `timeout` (ms, or `:infinity`): past it, and a grace of
+  #{@answer_grace_ms} ms, `:timeout` (this process, or its node, does not answer).
   """
-  @spec model_named(GenServer.server(), String.t()) :: {:ok, String.t() | nil} | {:error, Error.t()}
-  def model_named(server, name), do: call(server, {:model_named, name}, :infinity)
+  @spec model_named(GenServer.server(), String.t(), timeout) ::
+          {:ok, String.t() | nil} | {:error, Error.t()}
+  def model_named(server, name, timeout \\ :infinity) do
+    check!(:timeout, timeout, @timeout_expected, &valid_timeout?/1)
+
+    wait =
+      if timeout == :infinity, do: :infinity, else: min(timeout + @answer_grace_ms, @max_timeout_ms)
+
+    call(server, {:model_named, name}, wait)
+  end
 
   @doc false
   # Told by the group's membership process when it has loaded (or freed: nil) a group model.
@@ -401,15 +415,16 @@ defmodule ScanBridge.Server do
   def handle_info({:DOWN, monitor, :process, pid, _reason}, state)
       when is_map_key(state.openers, pid) and
              elem(:erlang.map_get(pid, state.openers), 0) == monitor do
-    {{_monitor, sessions}, openers} = Map.pop(state.openers, pid)
+    {{_monitor, held}, openers} = Map.pop(state.openers, pid)
+    state = %{state | openers: openers, opener_of: Map.drop(state.opener_of, MapSet.to_list(held))}
 
-    state = %{
-      state
-      | openers: openers,
-        opener_of: Map.drop(state.opener_of, MapSet.to_list(sessions))
-    }
+    state =
+      Enum.reduce(held, state, fn
+        {:session, id}, state -> send_uncalled(state, "session_close", %{session: id})
+        {:snapshot, id}, state -> send_uncalled(state, "snapshot_free", %{snapshot: id})
+      end)
 
-    {:noreply, Enum.reduce(sessions, state, &send_uncalled(&2, "session_close", %{session: &1}))}
+    {:noreply, state}
   end
 
   # The caller is gone: nobody will take the answer. As with a passed deadline, a queued
@@ -617,13 +632,29 @@ defmodule ScanBridge.Server do
     send_queued(state)
   end
 
-  # A group's server closes a session when the process that opened it exits: a cluster
-  # session's keeper may live on another node, and die with it, where nobody would close it.
+  # A group's server closes a session, and frees a snapshot, when the process that opened or
+  # took it exits: a cluster session's keeper may live on another node, and die with it, where
+  # nobody would close it.
   defp watch_opener(%{group: nil} = state, _op, _from, _outcome), do: state
 
   defp watch_opener(state, op, {pid, _tag}, {:ok, %{"session" => session}, _timing})
-       when op in ["session_open", "session_fork"] and is_binary(session) do
-    {monitor, sessions} =
+       when op in ["session_open", "session_fork"] and is_binary(session),
+       do: watch(state, pid, {:session, session})
+
+  defp watch_opener(state, "session_snapshot", {pid, _tag}, {:ok, %{"snapshot" => id}, _timing})
+       when is_binary(id),
+       do: watch(state, pid, {:snapshot, id})
+
+  defp watch_opener(state, {"session_close", session}, _from, {:ok, _result, _timing}),
+    do: unwatch(state, {:session, session})
+
+  defp watch_opener(state, {"snapshot_free", snapshot}, _from, {:ok, _result, _timing}),
+    do: unwatch(state, {:snapshot, snapshot})
+
+  defp watch_opener(state, _op, _from, _outcome), do: state
+
+  defp watch(state, pid, held) do
+    {monitor, all} =
       case state.openers do
         %{^pid => watched} -> watched
         _ -> {Process.monitor(pid), MapSet.new()}
@@ -631,33 +662,31 @@ defmodule ScanBridge.Server do
 
     %{
       state
-      | openers: Map.put(state.openers, pid, {monitor, MapSet.put(sessions, session)}),
-        opener_of: Map.put(state.opener_of, session, pid)
+      | openers: Map.put(state.openers, pid, {monitor, MapSet.put(all, held)}),
+        opener_of: Map.put(state.opener_of, held, pid)
     }
   end
 
-  defp watch_opener(state, {"session_close", session}, _from, {:ok, _result, _timing}) do
-    case Map.pop(state.opener_of, session) do
+  defp unwatch(state, held) do
+    case Map.pop(state.opener_of, held) do
       {nil, _} ->
         state
 
       {pid, opener_of} ->
-        {monitor, sessions} = state.openers[pid]
-        sessions = MapSet.delete(sessions, session)
+        {monitor, all} = state.openers[pid]
+        all = MapSet.delete(all, held)
 
         openers =
-          if MapSet.size(sessions) == 0 do
+          if MapSet.size(all) == 0 do
             Process.demonitor(monitor, [:flush])
             Map.delete(state.openers, pid)
           else
-            Map.put(state.openers, pid, {monitor, sessions})
+            Map.put(state.openers, pid, {monitor, all})
           end
 
         %{state | openers: openers, opener_of: opener_of}
     end
   end
-
-  defp watch_opener(state, _op, _from, _outcome), do: state
 
   # A reply that names no request is the answer of the only one in flight, if there is one
   # (its in-flight place is freed with it); with more in flight it is dropped.

@@ -1,7 +1,8 @@
 defmodule ScanBridge.Cluster.Member do
   @moduledoc false
   # A server's membership of a group: started (and linked) by a `ScanBridge.Server` started with
-  # `group:`, it keeps the group's model catalogue for that server — the models
+  # `group:`, it stops when that server stops, whatever the reason (it watches it: a link
+  # passes on no :normal exit), and keeps the group's model catalogue for that server — the models
   # `ScanBridge.Cluster.load_model/4` loaded, by name, with where each came from — and puts the
   # server in the group once it holds them.
   #
@@ -35,6 +36,8 @@ defmodule ScanBridge.Cluster.Member do
   @impl true
   def init(opts) do
     state = %__MODULE__{server: Keyword.fetch!(opts, :server), group: Keyword.fetch!(opts, :group)}
+    # a keeper left behind would answer loads and frees for a server that is gone
+    _monitor = Process.monitor(state.server)
     :ok = :pg.join(Cluster.scope(), {:catalogue, state.group}, self())
     {:ok, state, {:continue, :sync}}
   end
@@ -74,6 +77,11 @@ defmodule ScanBridge.Cluster.Member do
         {:noreply, loaded(%{state | loads: Map.delete(state.loads, name)}, name, load, result)}
     end
   end
+
+  # Its server stopped (GenServer.stop's :normal included): this keeper goes too, and a load in
+  # progress with it.
+  def handle_info({:DOWN, _monitor, :process, server, _reason}, %{server: server} = state),
+    do: {:stop, :shutdown, state}
 
   def handle_info(_stale, state), do: {:noreply, state}
 

@@ -41,6 +41,9 @@ defmodule ScanBridge.Cluster.Session do
   @answer_grace_ms 100
   # The calls that advance the session's state, and so are kept for a rebuild.
   @advancing [:step, :model_step, :model_forward, :scan, :ssd_scan]
+  # The errors of a placement that leave the session to be placed by the next call: no member
+  # now, or none answered in time (that one is tried after the others next time).
+  @unplaced [:no_members, :timeout, :overloaded, :deadline_exceeded]
   # The calls whose return_state is an option rather than one of the inputs.
   @state_option [:model_step, :model_forward]
   # How an input map asks for the state (return_last_state is mamba_ssm's name for it).
@@ -62,10 +65,35 @@ defmodule ScanBridge.Cluster.Session do
       from: Keyword.get(opts, :from)
     }
 
+    # the keeper starts at once and opens the session after (handle_continue): an open that
+    # waits on a slow member holds up no other start in the node's supervisor
     case DynamicSupervisor.start_child(ScanBridge.Cluster.Sessions, {__MODULE__, args}) do
-      {:ok, pid} -> {:ok, %__MODULE__{pid: pid, group: group}}
-      {:error, {%Error{} = error, _}} -> {:error, error}
-      {:error, %Error{} = error} -> {:error, error}
+      {:ok, pid} ->
+        opened(pid, group, deadline)
+
+      {:error, reason} ->
+        {:error,
+         Error.client(
+           :not_running,
+           "the cluster session's keeper did not start: #{inspect(reason, limit: 5)}",
+           %{}
+         )}
+    end
+  end
+
+  defp opened(pid, group, deadline) do
+    case request(pid, :opened, wait(deadline)) do
+      :ok ->
+        {:ok, %__MODULE__{pid: pid, group: group}}
+
+      {:error, %Error{reason: :timeout}} = timed_out ->
+        # still opening past the deadline, for nobody: what it opened, its server closes when it
+        # goes (a group's server watches openers), and its place in the balancer is given back
+        Process.exit(pid, :kill)
+        timed_out
+
+      {:error, _} = error ->
+        error
     end
   end
 
@@ -193,24 +221,44 @@ defmodule ScanBridge.Cluster.Session do
       # members passed over: gone while keeping it (pg may list a cut-off one for a while), or
       # without its model
       skipped: [],
-      # snapshot ref => %{owner: the member that holds its copy, remote: that copy's id there,
-      # replay: {checkpoint, log} of the moment it was taken, or nil where those could not
-      # reproduce it (no checkpoints kept, or a frame in doubt)}
+      # members whose open did not answer in time: tried only when no other member is left
+      slow: [],
+      # why the session has no owner now, when a placement left it so (for the calls that
+      # find none), or nil
+      unplaced: nil,
+      # why the first open failed, for its opener to be told (:opened), or nil
+      open_failed: nil,
+      # snapshot ref => %{owner: the member that holds its copy (always the session's owner,
+      # or nil: no copy), remote: that copy's id there, replay: {checkpoint, log} of the moment
+      # it was taken, or nil where those could not reproduce it (no checkpoints kept, or a frame
+      # in doubt)}
       snapshots: %{}
     }
 
-    case place(state, args.deadline) do
-      {:ok, state} -> {:ok, state}
-      {:error, error, _state} -> {:stop, error}
+    {:ok, state, {:continue, {:open, args.deadline}}}
+  end
+
+  # The first open, answered to the opener when it asks (:opened, its next call).
+  @impl true
+  def handle_continue({:open, deadline}, state) do
+    case place(state, deadline) do
+      {:ok, state} -> {:noreply, state}
+      {:error, error, state} -> {:noreply, %{state | open_failed: error}}
     end
   end
 
   @impl true
+  def handle_call(:opened, _from, %{open_failed: nil} = state), do: {:reply, :ok, state}
+
+  def handle_call(:opened, _from, state),
+    do: {:stop, :normal, {:error, state.open_failed}, release(state)}
+
   def handle_call({:call, kind, input, opts, deadline}, from, state) do
     cond do
       expired?(deadline) ->
-        # its caller has given up already: doing it now would be doing it behind its back
-        {:noreply, state}
+        # doing it now would be doing it behind its caller's back; its caller still waits (the
+        # grace past the deadline), so it is told at once that nothing was sent
+        {:reply, {:error, deadline_passed(kind)}, state}
 
       match?({:lost, _}, state.status) ->
         {:reply, {:error, elem(state.status, 1)}, state}
@@ -267,13 +315,22 @@ defmodule ScanBridge.Cluster.Session do
           {{:error, %Error{detail: %{"frame" => _}}} = error, _replay} ->
             {:reply, error, restored(state, snapshot)}
 
-          {{:error, _} = error, nil} ->
-            {:reply, error, state}
+          {{:error, %Error{reason: :timeout}} = error, _replay} ->
+            # the owner may or may not have done it, as with a frame that timed out
+            {:reply, error, %{state | status: unsure(state.status)}}
+
+          {{:error, %Error{} = error} = outcome, replay} ->
+            # reopened from the snapshot's checkpoint only when the owner went away with its
+            # copy; any other error (:overloaded, :deadline_exceeded: not run) leaves the
+            # session as it was
+            if replay != nil and Cluster.gone?(error),
+              do: restore_by_replay(state, replay, frames, deadline),
+              else: {:reply, outcome, state}
 
           {:elsewhere, nil} ->
             {:reply, {:error, snapshot_gone(id)}, state}
 
-          {_elsewhere_or_failed, replay} ->
+          {:elsewhere, replay} ->
             restore_by_replay(state, replay, frames, deadline)
         end
     end
@@ -341,7 +398,7 @@ defmodule ScanBridge.Cluster.Session do
         {:reply, {:error, error}, state}
 
       _ok_or_unsure when state.owner == nil ->
-        {:reply, {:error, no_owner(state)}, state}
+        {:reply, {:error, unplaced(state)}, state}
 
       _ok_or_unsure ->
         case run_frame(state, kind, input, opts, deadline) do
@@ -569,7 +626,7 @@ defmodule ScanBridge.Cluster.Session do
   # the member runs them all on the open itself: {:ok, state, its outcome}; else :not_run, and
   # the caller sends it.
   defp place(state, deadline, pending) do
-    case Balancer.checkout(state.group, :session, state.skipped) do
+    case checkout(state) do
       :no_members ->
         {:error, no_owner(state), state}
 
@@ -583,8 +640,16 @@ defmodule ScanBridge.Cluster.Session do
                  owner_monitor: Process.monitor(member),
                  remote: remote,
                  token: token,
-                 state_on_reply: true
+                 state_on_reply: true,
+                 slow: [],
+                 unplaced: nil
              }, ran}
+
+          {:error, %Error{reason: reason} = error} when reason in @unplaced ->
+            # no answer in time (or no place there): the deadline is spent, and the next
+            # placement tries the other members first
+            Balancer.checkin(token)
+            {:error, error, %{state | slow: [member | state.slow]}}
 
           {:next, _why} ->
             # this member lacks the model, or went away: try the others
@@ -598,6 +663,18 @@ defmodule ScanBridge.Cluster.Session do
             Balancer.checkin(token)
             {:error, error, state}
         end
+    end
+  end
+
+  # A member to open the session on: none passed over, and one whose open did not answer in time
+  # only when no other is left.
+  defp checkout(state) do
+    case Balancer.checkout(state.group, :session, state.skipped ++ state.slow) do
+      :no_members when state.slow != [] ->
+        Balancer.checkout(state.group, :session, state.skipped)
+
+      checked_out ->
+        checked_out
     end
   end
 
@@ -681,7 +758,8 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   defp open_named(state, member, name, deadline, frames) do
-    case ScanBridge.Server.model_named(member, name) do
+    # a frozen member (or node) answers nothing: the open's deadline bounds the wait
+    case ScanBridge.Server.model_named(member, name, Cluster.remaining(deadline)) do
       {:ok, id} ->
         Balancer.learn_model_id(member, name, id)
 
@@ -732,6 +810,8 @@ defmodule ScanBridge.Cluster.Session do
     if state.owner_monitor, do: Process.demonitor(state.owner_monitor, [:flush])
     if state.token, do: Balancer.checkin(state.token)
     skipped = if state.owner, do: [state.owner | state.skipped], else: state.skipped
+    # the snapshots' copies there went with it
+    state = forget_copies(state, state.owner, nil)
     state = %{state | owner: nil, owner_monitor: nil, remote: nil, token: nil, skipped: skipped}
 
     cond do
@@ -761,9 +841,10 @@ defmodule ScanBridge.Cluster.Session do
         # a frame that timed out on the old owner is not in the rebuilt state: undone
         {%{state | failovers: state.failovers + 1, status: :ok}, ran}
 
-      {:error, %Error{reason: :no_members}, state} ->
-        # no member now; the next call tries again
-        {state, :not_run}
+      {:error, %Error{reason: reason} = error, state} when reason in @unplaced ->
+        # no member now, or none answered in time: the checkpoint stays, and the next call
+        # tries again
+        {%{state | unplaced: error}, :not_run}
 
       {:error, error, state} ->
         {lose(state, "it could not be rebuilt: #{error.message}"), :not_run}
@@ -776,6 +857,8 @@ defmodule ScanBridge.Cluster.Session do
       | status: {:lost, Error.client(:session_lost, "the cluster session is lost: #{why}", %{})}
     }
   end
+
+  defp unplaced(state), do: state.unplaced || no_owner(state)
 
   defp no_owner(state) do
     Error.client(
@@ -812,7 +895,7 @@ defmodule ScanBridge.Cluster.Session do
 
     cond do
       match?({:lost, _}, state.status) -> {:reply, {:error, elem(state.status, 1)}, state}
-      state.owner == nil -> {:reply, {:error, no_owner(state)}, state}
+      state.owner == nil -> {:reply, {:error, unplaced(state)}, state}
       true -> call.(state)
     end
   end
@@ -868,8 +951,9 @@ defmodule ScanBridge.Cluster.Session do
   defp restored(state, _snapshot), do: %{state | status: :tainted}
 
   # The session opened afresh from the snapshot's checkpoint with its frames run again, on the
-  # least loaded member; the session as it was is closed. A session that cannot be placed so is
-  # lost: it is neither the snapshot's nor, with its remote gone, what it was.
+  # least loaded member; the session as it was is closed. Where no member takes it now (none, or
+  # none in time) it is left to the next call to place; one that fails otherwise is lost: it is
+  # neither the snapshot's nor, with its remote gone, what it was.
   defp restore_by_replay(state, replay, [], deadline),
     do: restore_by_replay(state, replay, deadline)
 
@@ -907,11 +991,17 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   defp restore_by_replay(state, {checkpoint, log}, deadline) do
-    if state.owner do
-      _closed = close_remote(state, deadline)
-      Process.demonitor(state.owner_monitor, [:flush])
-      Balancer.checkin(state.token)
-    end
+    state =
+      if state.owner do
+        _closed = close_remote(state, deadline)
+        Process.demonitor(state.owner_monitor, [:flush])
+        Balancer.checkin(state.token)
+        # the session may reopen elsewhere and come back later: a copy left here would then be
+        # restored in place of the state its snapshot has since been given (snapshot_into)
+        forget_copies(state, state.owner, deadline)
+      else
+        state
+      end
 
     fresh = %{
       state
@@ -928,6 +1018,10 @@ defmodule ScanBridge.Cluster.Session do
     case place(fresh, deadline) do
       {:ok, state} ->
         {:reply, :ok, state}
+
+      {:error, %Error{reason: reason} = error, state} when reason in @unplaced ->
+        # the session is the snapshot's, kept by its checkpoint: the next call reopens it
+        {:reply, {:error, error}, %{state | unplaced: error}}
 
       {:error, error, state} ->
         state = lose(state, "restoring a snapshot failed: #{error.message}")
@@ -963,8 +1057,15 @@ defmodule ScanBridge.Cluster.Session do
     case Keyword.fetch(opts, :snapshot_into) do
       {:ok, id} when is_map_key(state.snapshots, id) ->
         replay = if state.every != nil and state.status == :ok, do: {state.checkpoint, state.log}
-        snapshots = Map.update!(state.snapshots, id, &%{&1 | replay: replay})
-        %{state | snapshots: snapshots}
+        snapshot = %{state.snapshots[id] | replay: replay}
+
+        # a copy on another member (one the frame was not sent into) holds an older state
+        snapshot =
+          if snapshot.owner == state.owner,
+            do: snapshot,
+            else: forget_copy(snapshot, Cluster.deadline(@checkpoint_timeout_ms))
+
+        %{state | snapshots: Map.put(state.snapshots, id, snapshot)}
 
       _none ->
         state
@@ -985,6 +1086,33 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   defp without_snapshot_into(opts), do: Keyword.delete(opts, :snapshot_into)
+
+  # The snapshots whose copies are on `owner`, kept by their checkpoint and frames alone from
+  # now on (restored by reopening, or :unknown_snapshot without them); the copies are freed
+  # unless `deadline` is nil (their server is gone).
+  defp forget_copies(state, nil, _deadline), do: state
+
+  defp forget_copies(state, owner, deadline) do
+    snapshots =
+      Map.new(state.snapshots, fn
+        {id, %{owner: ^owner} = snapshot} -> {id, forget_copy(snapshot, deadline)}
+        other -> other
+      end)
+
+    %{state | snapshots: snapshots}
+  end
+
+  defp forget_copy(%{owner: nil} = snapshot, _deadline), do: snapshot
+
+  defp forget_copy(snapshot, nil), do: %{snapshot | owner: nil, remote: nil}
+
+  defp forget_copy(snapshot, deadline) do
+    # a server that went away meanwhile took the copy along: nothing to tell anyone
+    _freed =
+      ScanBridge.free_snapshot(snapshot.owner, snapshot.remote, timeout: Cluster.remaining(deadline))
+
+    forget_copy(snapshot, nil)
+  end
 
   defp free_remote_snapshots(state, snapshots, deadline) do
     for %{owner: owner, remote: remote} <- snapshots, owner != nil and owner == state.owner do
@@ -1009,6 +1137,14 @@ defmodule ScanBridge.Cluster.Session do
         "kept no checkpoint that could rebuild it",
       %{}
     )
+  end
+
+  defp deadline_passed(kind) do
+    %Error{
+      reason: :deadline_exceeded,
+      message: "#{kind}: the deadline passed before the cluster session could send it; not sent",
+      detail: %{}
+    }
   end
 
   defp expired?(:infinity), do: false
