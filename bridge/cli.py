@@ -1,6 +1,6 @@
-"""`python -m bridge`: serve the scan over stdio (BEAM Port mode) until stdin closes,
-SIGTERM, or a `shutdown` request; or over unix sockets and ZeroMQ (--unix, --zmq; with --stdio
-as well) until SIGTERM or `shutdown`."""
+"""`python -m bridge`: serve the scan over stdio (BEAM Port mode) until stdin closes, a stop
+signal (SIGTERM, SIGINT, SIGHUP) or a `shutdown` request; or over unix sockets and ZeroMQ
+(--unix, --zmq; with --stdio as well) until a stop signal or `shutdown`."""
 
 from __future__ import annotations
 

@@ -496,9 +496,11 @@ defmodule ScanBridge do
   defp frame!({call, input, opts}) when call in [:model_step, :model_forward] do
     op = Atom.to_string(call)
 
+    # No :snapshot_into: the server refuses it in a frame (a failed request could not give the
+    # snapshot back).
     allowed =
       if call == :model_step,
-        do: [:output, :return_state, :snapshot_into],
+        do: [:output, :return_state],
         else: [:output, :last_only, :lengths, :return_state]
 
     opts = opts!(opts, allowed, op)

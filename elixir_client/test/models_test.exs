@@ -247,6 +247,17 @@ defmodule ScanBridge.ModelsTest do
                  ScanBridge.restore_with_frames(server, session, snapshot, [hd(frames), bad])
 
         assert detail["field"] == "args.frames[1].args.embeds" and detail["frame"] == 1
+
+        # the server refuses a snapshot_into in a frame (a failed request could not give the
+        # snapshot back), so the client does not send one
+        assert_raise ArgumentError,
+                     ~r/model_step options: expected only :output, :return_state, got :snapshot_into/,
+                     fn ->
+                       ScanBridge.restore_with_frames(server, session, snapshot, [
+                         {:model_step, elem(hd(frames), 1), [snapshot_into: snapshot]}
+                       ])
+                     end
+
         assert {:ok, twin} = ScanBridge.fork(server, session)
         assert ScanBridge.restore(server, twin, snapshot) == :ok
         assert {:ok, at_snapshot} = ScanBridge.session_state(server, twin)
