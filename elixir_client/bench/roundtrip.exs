@@ -36,7 +36,7 @@ defmodule HopStandIn do
   def init(outcome), do: {:ok, outcome}
 
   @impl true
-  def handle_call({:request, _op, _head, _size, _timeout}, from, state) do
+  def handle_call({:request, _op, _head, _size, _deadline, _closes}, from, state) do
     send(self(), {:answer, from})
     {:noreply, state}
   end
@@ -219,7 +219,7 @@ defmodule RoundtripBench do
           {:ok, _y} = Tensor.from_wire(result["y"])
         end,
         process_hop: fn ->
-          {:ok, _, _} = GenServer.call(hop, {:request, op, head, size, :infinity})
+          {:ok, _, _} = GenServer.call(hop, {:request, op, head, size, :infinity, nil})
         end
       ]
 

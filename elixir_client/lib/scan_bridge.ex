@@ -190,8 +190,9 @@ defmodule ScanBridge do
       caps it: the server leaves requests past its cap unread in the socket, and the place
       left is for cancels.
     * `:max_frame_size` - largest request body sent (default 256 MiB, the server's default
-      limit), capped at start-up by the server's own limit (its `info`'s `limits`); a bigger
-      one is answered `:frame_too_large` without being sent.
+      limit), capped at start-up by the server's own limit (its `info`'s `limits`) and by
+      2^32 - 1 bytes, the most a frame's 4-byte length can say; a bigger one is answered
+      `:frame_too_large` without being sent.
     * `:startup_timeout` - ms to wait for the server to answer (default 60 000).
     * `:exit_grace` - ms the server gets to exit after its stdin closes before it is killed
       (default 2 000).

@@ -36,6 +36,37 @@ defmodule ScanBridge.DeadlinesTest do
     assert budget > 0 and budget <= 5_000_000 - 300_000
   end
 
+  test "a call with no time left when the client takes it is never sent" do
+    client = start_supervised!({ScanBridge, TestSupport.server_opts()})
+    trace_sent(client)
+    assert {:error, %Error{reason: reason}} = ScanBridge.ping(client, timeout: 0)
+    assert reason in [:overloaded, :timeout]
+    # the next ping is the first request sent
+    assert ScanBridge.ping(client, timeout: 5_000) == :ok
+    assert %{"op" => "ping", "deadline_us" => budget} = sent_request()
+    assert budget > 0
+  end
+
+  test "a call that waited in the client's mailbox is sent with what is left of its deadline" do
+    client = start_supervised!({ScanBridge, TestSupport.server_opts()})
+    trace_sent(client)
+    :sys.suspend(client)
+    waited = Task.async(fn -> ScanBridge.ping(client, timeout: 5_000) end)
+    caller = waited.pid
+
+    assert eventually(fn ->
+             {:messages, messages} = Process.info(client, :messages)
+             Enum.any?(messages, &match?({:"$gen_call", {^caller, _tag}, _request}, &1))
+           end)
+
+    # its deadline runs while it waits
+    Process.sleep(300)
+    :sys.resume(client)
+    assert Task.await(waited) == :ok
+    assert %{"op" => "ping", "deadline_us" => budget} = sent_request()
+    assert budget > 0 and budget <= 5_000_000 - 300_000
+  end
+
   test "a request whose budget runs out before it starts is answered :deadline_exceeded" do
     # The client's own deadline passes before the server's budget (which it sends at the
     # deadline's last moment, counted from a later instant), so its callers get :timeout

@@ -354,6 +354,32 @@ defmodule ScanBridge.LifecycleTest do
     GenServer.stop(client)
   end
 
+  test "a :max_frame_size past what a 4-byte length says is held to 2^32 - 1 bytes" do
+    eight_gib = 8 * 1024 * 1024 * 1024
+
+    opts =
+      TestSupport.server_opts(
+        args: ["--device", "cpu", "--max-frame-size", "#{eight_gib}"],
+        max_frame_size: eight_gib
+      )
+
+    {:ok, client} = ScanBridge.start_link(opts)
+    assert :sys.get_state(client).max_frame_size == 0xFFFFFFFF
+
+    # a request that says it is one byte over (standing in for a body of over 4 GiB) is
+    # refused, not sent, and the client goes on
+    {head, _size} = ScanBridge.Protocol.request_head("ping", %{})
+    deadline = {5_000, System.monotonic_time(:microsecond) + 5_000_000}
+    request = {:request, "ping", head, 0x1_0000_0000, deadline, nil}
+
+    assert {:error, %Error{reason: :frame_too_large, detail: %{"limit" => 0xFFFFFFFF}}} =
+             GenServer.call(client, request)
+
+    assert :sys.get_state(client).outstanding == %{}
+    assert ScanBridge.ping(client) == :ok
+    GenServer.stop(client)
+  end
+
   test "deadlines hold while the server reads nothing: sending never suspends the client" do
     {:ok, client} = ScanBridge.start_link(TestSupport.server_opts())
     # 16 MiB: many times what the pipe and the port's queue take before the port is busy
@@ -394,6 +420,44 @@ defmodule ScanBridge.LifecycleTest do
 
       thaw(os_pid)
       assert eventually(fn -> held_after(client, "session_open", "sessions") == 0 end)
+    end
+
+    if reason = TestSupport.skip_reason(:handles), do: @tag(skip: reason)
+
+    test "a put that waits in the busy client's mailbox past its deadline is never sent", ctx do
+      # suspended, the client takes the put only after its caller has stopped waiting
+      :sys.suspend(ctx.client)
+      tensor = TestSupport.random(:f32, {4, 2})
+      assert {:error, %Error{reason: :timeout}} = ScanBridge.put(ctx.client, tensor, timeout: 50)
+      :sys.resume(ctx.client)
+      # a put sent all the same would be outstanding until the server has done it
+      assert eventually(fn -> :sys.get_state(ctx.client).outstanding == %{} end)
+      {:ok, stats} = ScanBridge.stats(ctx.client)
+      assert get_in(stats, ["ops", "put", "success_count"]) in [nil, 0]
+      assert get_in(stats, ["handles", "handles"]) == 0
+    end
+
+    if reason = TestSupport.skip_reason(:handles), do: @tag(skip: reason)
+
+    test "a put's reply taken after its caller stopped waiting: its handle is freed", ctx do
+      %{client: client, os_pid: os_pid} = ctx
+      %{port: port} = :sys.get_state(client)
+      freeze(os_pid)
+      tensor = TestSupport.random(:f32, {4, 2})
+      put = Task.async(fn -> ScanBridge.put(client, tensor, timeout: 2_000) end)
+      assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
+      # the reply comes well before the deadline, but waits in the suspended client's mailbox
+      # until the caller has given up
+      :sys.suspend(client)
+      thaw(os_pid)
+      assert eventually(fn -> match?({:messages, [_ | _]}, Process.info(client, :messages)) end)
+
+      assert {:messages, [{^port, {:data, _reply}} | _]} = Process.info(client, :messages),
+             "the deadline came before the put's reply"
+
+      assert {:error, %Error{reason: :timeout}} = Task.await(put, 10_000)
+      :sys.resume(client)
+      assert eventually(fn -> held_after(client, "put", "handles") == 0 end)
     end
 
     if reason = TestSupport.skip_reason(:handles), do: @tag(skip: reason)

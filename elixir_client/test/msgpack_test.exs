@@ -133,6 +133,26 @@ defmodule ScanBridge.MsgpackTest do
            }
   end
 
+  test "atom keys are str, nil, true, false and the IEEE atoms too" do
+    for key <- [nil, true, false, :infinity, :neg_infinity, :nan] do
+      name = Atom.to_string(key)
+      assert pack(%{key => 1}) == <<0x81, 0xA0 + byte_size(name)>> <> name <> <<1>>
+    end
+  end
+
+  test "utf8: true refuses a str, value or key, that is not UTF-8; a bin is bytes" do
+    for body <- [<<0xA1, 0xFF>>, <<0x81, 0xA1, 0xFF, 1>>, <<0x91, 0xD9, 2, 0xC3, 0x28>>] do
+      assert {:ok, _} = Msgpack.decode(body)
+
+      assert {:error,
+              %ScanBridge.Error{reason: :decode_error, detail: %{"problem" => "invalid_utf8"}}} =
+               Msgpack.decode(body, utf8: true)
+    end
+
+    assert Msgpack.decode(<<0xC4, 1, 0xFF>>, utf8: true) == {:ok, <<0xFF>>}
+    assert Msgpack.decode(<<0xA2, "é">>, utf8: true) == {:ok, "é"}
+  end
+
   test "the atoms for the IEEE values Erlang floats cannot hold encode as those floats" do
     assert pack(:infinity) == <<0xCB, 0x7FF0000000000000::64>>
     assert pack(:neg_infinity) == <<0xCB, 0xFFF0000000000000::64>>

@@ -115,6 +115,22 @@ defmodule ScanBridge.TensorTest do
     assert {:error, _} = Tensor.from_wire(%{"handle" => "h-1"})
   end
 
+  test "from_wire takes exactly dtype, shape and data, and dims an int64 holds" do
+    data = <<1.5::float-32-little>>
+    wire = %{"dtype" => "f32", "shape" => [1], "data" => data}
+    assert {:ok, _} = Tensor.from_wire(wire)
+    assert {:error, _} = Tensor.from_wire(Map.put(wire, "junk", 1))
+    assert {:error, _} = Tensor.from_wire(Map.put(wire, "buf", 0))
+    assert {:error, _} = Tensor.from_wire(wire |> Map.delete("data") |> Map.put("buf", 0))
+    max = 0x7FFFFFFFFFFFFFFF
+    empty = %{wire | "data" => ""}
+    assert {:error, message} = Tensor.from_wire(%{empty | "shape" => [0, max + 1]})
+    assert message =~ "2^63-1"
+    # an empty tensor whose extent (a 0 dim counted as 1) is past what an int64 counts
+    assert {:error, _} = Tensor.from_wire(%{empty | "shape" => [0, max]})
+    assert {:ok, %Tensor{shape: {0, 1024}}} = Tensor.from_wire(%{empty | "shape" => [0, 1024]})
+  end
+
   test "cast! names the argument when given something else" do
     assert_raise ArgumentError, ~r/scan input x: expected a ScanBridge.Tensor.*got \[1.0\]/, fn ->
       Tensor.cast!([1.0], "scan input x")

@@ -12,7 +12,8 @@ defmodule ScanBridge.Error do
       `:startup_failed`, `:startup_timeout`, `:decode_error` (a reply that is not valid
       protocol, or a frame the client could not decode), `:frame_too_large` (the request is
       bigger than the server accepts; it was not sent), `:overloaded` (the deadline passed
-      while `:max_in_flight` requests were at the server: this one was never sent);
+      while `:max_in_flight` requests were at the server, or before the busy or starting
+      client process took the call: this one was never sent);
     * a cluster's (`ScanBridge.Cluster`): `:node_down` (the node of the server went down
       while the call was pending), `:no_members` (the group has no server), `:session_lost`
       (a cluster session's server went away with its state, which could not be rebuilt

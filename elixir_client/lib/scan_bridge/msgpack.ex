@@ -14,7 +14,7 @@ defmodule ScanBridge.Msgpack do
   | `{:bin, binary}` | bin |
   | other atom | str of its name |
   | list | array |
-  | map | map (atom keys become str) |
+  | map | map (atom keys, `nil`, `true` and `false` included, become str) |
   | `%ScanBridge.Tensor{}` | the tensor map `{"dtype", "shape", "data"}` with data as bin |
 
   Binaries are placed in the iodata as they are: a tensor's data is never copied or
@@ -34,7 +34,8 @@ defmodule ScanBridge.Msgpack do
   bin become binaries, which are sub-binaries of the input (no copy); maps have string keys;
   a duplicate key, bytes after the value, a truncated value, the reserved byte 0xC1 and ext
   types are errors. Float NaN and infinities (which Erlang floats cannot hold) decode as
-  `:nan`, `:infinity` and `:neg_infinity`.
+  `:nan`, `:infinity` and `:neg_infinity`. `decode/2` with `utf8: true` also refuses a str
+  (value or key) that is not UTF-8, as the protocol's reference decoder does for a reply.
   """
 
   alias ScanBridge.{Error, IEEE, Tensor}
@@ -80,9 +81,11 @@ defmodule ScanBridge.Msgpack do
       iex> {error.reason, error.detail}
       {:decode_error, %{"problem" => "truncated", "at" => 2}}
   """
-  @spec decode(binary) :: {:ok, term} | {:error, Error.t()}
-  def decode(binary) when is_binary(binary) do
-    case value(binary) do
+  @spec decode(binary, [{:utf8, boolean}]) :: {:ok, term} | {:error, Error.t()}
+  def decode(binary, opts \\ []) when is_binary(binary) do
+    utf8? = Keyword.get(opts, :utf8, false)
+
+    case value(binary, utf8?) do
       {term, <<>>} -> {:ok, term}
       {_term, rest} -> {:error, failure("trailing_bytes", byte_size(binary) - byte_size(rest))}
     end
@@ -160,7 +163,10 @@ defmodule ScanBridge.Msgpack do
     raise ArgumentError, "msgpack: expected an encodable term, got #{inspect(other, limit: 5)}"
   end
 
-  defp enc_key(key, pos) when is_binary(key) or is_atom(key), do: enc(key, pos)
+  # An atom key is its name, even nil, true, false and the float atoms (which as values
+  # are msgpack nil, bool and float).
+  defp enc_key(key, pos) when is_binary(key), do: enc(key, pos)
+  defp enc_key(key, pos) when is_atom(key), do: enc(Atom.to_string(key), pos)
 
   defp enc_key(key, _pos),
     do: raise(ArgumentError, "msgpack: expected a str or atom map key, got #{inspect(key)}")
@@ -243,45 +249,56 @@ defmodule ScanBridge.Msgpack do
     raise ArgumentError, "msgpack: expected a #{kind} of at most 2^32-1 items/bytes, got #{n}"
   end
 
-  ## Decoding: value(binary) -> {term, rest}; failures throw {:msgpack, problem, rest_at_failure}
+  ## Decoding: value(binary, utf8?) -> {term, rest}; failures throw
+  ## {:msgpack, problem, rest_at_failure}; utf8?: a str must be UTF-8
 
-  defp value(<<0xC0, r::binary>>), do: {nil, r}
-  defp value(<<0xC2, r::binary>>), do: {false, r}
-  defp value(<<0xC3, r::binary>>), do: {true, r}
-  defp value(<<n, r::binary>>) when n <= 0x7F, do: {n, r}
-  defp value(<<n, r::binary>>) when n >= 0xE0, do: {n - 0x100, r}
-  defp value(<<0xCC, n, r::binary>>), do: {n, r}
-  defp value(<<0xCD, n::16, r::binary>>), do: {n, r}
-  defp value(<<0xCE, n::32, r::binary>>), do: {n, r}
-  defp value(<<0xCF, n::64, r::binary>>), do: {n, r}
-  defp value(<<0xD0, n::signed-8, r::binary>>), do: {n, r}
-  defp value(<<0xD1, n::signed-16, r::binary>>), do: {n, r}
-  defp value(<<0xD2, n::signed-32, r::binary>>), do: {n, r}
-  defp value(<<0xD3, n::signed-64, r::binary>>), do: {n, r}
-  defp value(<<0xCA, f::float-32, r::binary>>), do: {f, r}
-  defp value(<<0xCA, bits::32, r::binary>>), do: {IEEE.special(bits, :f32), r}
-  defp value(<<0xCB, f::float-64, r::binary>>), do: {f, r}
-  defp value(<<0xCB, bits::64, r::binary>>), do: {IEEE.special(bits, :f64), r}
-  defp value(<<n, r::binary>> = at) when n in 0xA0..0xBF, do: bytes(r, n - 0xA0, at)
-  defp value(<<0xD9, len, r::binary>> = at), do: bytes(r, len, at)
-  defp value(<<0xDA, len::16, r::binary>> = at), do: bytes(r, len, at)
-  defp value(<<0xDB, len::32, r::binary>> = at), do: bytes(r, len, at)
-  defp value(<<0xC4, len, r::binary>> = at), do: bytes(r, len, at)
-  defp value(<<0xC5, len::16, r::binary>> = at), do: bytes(r, len, at)
-  defp value(<<0xC6, len::32, r::binary>> = at), do: bytes(r, len, at)
-  defp value(<<n, r::binary>>) when n in 0x90..0x9F, do: array(r, n - 0x90, [])
-  defp value(<<0xDC, count::16, r::binary>>), do: array(r, count, [])
-  defp value(<<0xDD, count::32, r::binary>>), do: array(r, count, [])
-  defp value(<<n, r::binary>> = at) when n in 0x80..0x8F, do: map(r, n - 0x80, [], n - 0x80, at)
-  defp value(<<0xDE, count::16, r::binary>> = at), do: map(r, count, [], count, at)
-  defp value(<<0xDF, count::32, r::binary>> = at), do: map(r, count, [], count, at)
-  defp value(<<0xC1, _::binary>> = at), do: throw({:msgpack, "reserved_byte_0xc1", at})
+  defp value(<<0xC0, r::binary>>, _u), do: {nil, r}
+  defp value(<<0xC2, r::binary>>, _u), do: {false, r}
+  defp value(<<0xC3, r::binary>>, _u), do: {true, r}
+  defp value(<<n, r::binary>>, _u) when n <= 0x7F, do: {n, r}
+  defp value(<<n, r::binary>>, _u) when n >= 0xE0, do: {n - 0x100, r}
+  defp value(<<0xCC, n, r::binary>>, _u), do: {n, r}
+  defp value(<<0xCD, n::16, r::binary>>, _u), do: {n, r}
+  defp value(<<0xCE, n::32, r::binary>>, _u), do: {n, r}
+  defp value(<<0xCF, n::64, r::binary>>, _u), do: {n, r}
+  defp value(<<0xD0, n::signed-8, r::binary>>, _u), do: {n, r}
+  defp value(<<0xD1, n::signed-16, r::binary>>, _u), do: {n, r}
+  defp value(<<0xD2, n::signed-32, r::binary>>, _u), do: {n, r}
+  defp value(<<0xD3, n::signed-64, r::binary>>, _u), do: {n, r}
+  defp value(<<0xCA, f::float-32, r::binary>>, _u), do: {f, r}
+  defp value(<<0xCA, bits::32, r::binary>>, _u), do: {IEEE.special(bits, :f32), r}
+  defp value(<<0xCB, f::float-64, r::binary>>, _u), do: {f, r}
+  defp value(<<0xCB, bits::64, r::binary>>, _u), do: {IEEE.special(bits, :f64), r}
+  defp value(<<n, r::binary>> = at, u) when n in 0xA0..0xBF, do: str(r, n - 0xA0, at, u)
+  defp value(<<0xD9, len, r::binary>> = at, u), do: str(r, len, at, u)
+  defp value(<<0xDA, len::16, r::binary>> = at, u), do: str(r, len, at, u)
+  defp value(<<0xDB, len::32, r::binary>> = at, u), do: str(r, len, at, u)
+  defp value(<<0xC4, len, r::binary>> = at, _u), do: bytes(r, len, at)
+  defp value(<<0xC5, len::16, r::binary>> = at, _u), do: bytes(r, len, at)
+  defp value(<<0xC6, len::32, r::binary>> = at, _u), do: bytes(r, len, at)
+  defp value(<<n, r::binary>>, u) when n in 0x90..0x9F, do: array(r, n - 0x90, [], u)
+  defp value(<<0xDC, count::16, r::binary>>, u), do: array(r, count, [], u)
+  defp value(<<0xDD, count::32, r::binary>>, u), do: array(r, count, [], u)
 
-  defp value(<<n, _::binary>> = at) when n in 0xC7..0xC9 or n in 0xD4..0xD8,
+  defp value(<<n, r::binary>> = at, u) when n in 0x80..0x8F,
+    do: map(r, n - 0x80, [], n - 0x80, at, u)
+
+  defp value(<<0xDE, count::16, r::binary>> = at, u), do: map(r, count, [], count, at, u)
+  defp value(<<0xDF, count::32, r::binary>> = at, u), do: map(r, count, [], count, at, u)
+  defp value(<<0xC1, _::binary>> = at, _u), do: throw({:msgpack, "reserved_byte_0xc1", at})
+
+  defp value(<<n, _::binary>> = at, _u) when n in 0xC7..0xC9 or n in 0xD4..0xD8,
     do: throw({:msgpack, "ext_type", at})
 
   # Empty input, or a header whose fixed-size part is cut off.
-  defp value(at), do: throw({:msgpack, "truncated", at})
+  defp value(at, _u), do: throw({:msgpack, "truncated", at})
+
+  defp str(r, len, at, false), do: bytes(r, len, at)
+
+  defp str(r, len, at, true) do
+    {s, _rest} = read = bytes(r, len, at)
+    if String.valid?(s), do: read, else: throw({:msgpack, "invalid_utf8", at})
+  end
 
   defp bytes(r, len, at) do
     case r do
@@ -290,23 +307,23 @@ defmodule ScanBridge.Msgpack do
     end
   end
 
-  defp array(r, 0, acc), do: {Enum.reverse(acc), r}
+  defp array(r, 0, acc, _u), do: {Enum.reverse(acc), r}
 
-  defp array(r, count, acc) do
-    {item, r} = value(r)
-    array(r, count - 1, [item | acc])
+  defp array(r, count, acc, u) do
+    {item, r} = value(r, u)
+    array(r, count - 1, [item | acc], u)
   end
 
-  defp map(r, 0, acc, count, at) do
+  defp map(r, 0, acc, count, at, _u) do
     map = :maps.from_list(acc)
     if map_size(map) != count, do: throw({:msgpack, "duplicate_key", at})
     {map, r}
   end
 
-  defp map(r, left, acc, count, at) do
-    {key, r} = value(r)
-    {val, r} = value(r)
-    map(r, left - 1, [{key, val} | acc], count, at)
+  defp map(r, left, acc, count, at, u) do
+    {key, r} = value(r, u)
+    {val, r} = value(r, u)
+    map(r, left - 1, [{key, val} | acc], count, at, u)
   end
 
   defp failure(problem, at) do

@@ -28,6 +28,8 @@ defmodule ScanBridge.Protocol do
   @deadline_entry_size 1 + 11 + 9
   # the most a uint 64 holds: a budget past it (centuries) is sent as it
   @max_uint64 0xFFFFFFFFFFFFFFFF
+  # The keys a reply may have (protocol/decode.py _REPLY_KEYS).
+  @reply_keys ["v", "id", "ok", "result", "error", "timing"]
 
   @doc """
   The request body without its id entry, and the body's size once the id entry is added.
@@ -216,39 +218,105 @@ defmodule ScanBridge.Protocol do
   def deadline_entry_size, do: @deadline_entry_size
 
   @doc """
-  Read a reply body. `{:reply, id, outcome}` for a well-formed v1 reply (`id` is nil when the
-  server could not read the request's id) and for a map with an integer id that is otherwise
-  not one (its outcome a `:decode_error`), `{:error, error}` for any other body.
+  Read a reply body, checked as the protocol's reference decoder (`protocol/decode.py`
+  `decode_reply`) checks one: only the keys v, id, ok, result, error and timing; v 1; id nil,
+  a uint or a non-empty str; ok a bool, with a result (ok) or error map; timing, when there,
+  a map; every str UTF-8; and every map meant as a tensor (shape, and data or buf) exactly
+  dtype, shape and data (`ScanBridge.Tensor.from_wire/1`). `{:reply, id, outcome}` for such a
+  reply (`id` is nil when the server could not read the request's id) and for a map with a
+  uint id that is otherwise not one (its outcome a `:decode_error`), `{:error, error}` for any
+  other body.
   """
   @spec decode_reply(binary) ::
           {:reply, term, {:ok, map, map} | {:error, Error.t()}} | {:error, Error.t()}
   def decode_reply(body) do
-    case Msgpack.decode(body) do
-      {:ok, %{"v" => @version, "id" => id, "ok" => true, "result" => %{} = result} = reply} ->
-        {:reply, id, {:ok, result, timing(reply)}}
+    with {:ok, reply} <- Msgpack.decode(body, utf8: true) do
+      case reply_problem(reply) do
+        nil ->
+          {:reply, reply["id"], outcome(reply)}
 
-      {:ok, %{"v" => @version, "id" => id, "ok" => false, "error" => %{} = error}} ->
-        {:reply, id, {:error, Error.from_server(error)}}
+        problem ->
+          error =
+            Error.client(
+              :decode_error,
+              "reply: expected a v1 reply map (#{problem}), got #{inspect(reply, limit: 8)}"
+            )
 
-      {:ok, other} ->
-        error =
-          Error.client(
-            :decode_error,
-            "reply: expected a v1 reply map, got #{inspect(other, limit: 8)}"
-          )
+          # a reply whose id can be read answers that request, even when the rest is amiss
+          case reply do
+            %{"id" => id} when is_integer(id) and id in 0..@max_uint64 ->
+              {:reply, id, {:error, error}}
 
-        # a reply whose id can be read answers that request, even when the rest is amiss
-        case other do
-          %{"id" => id} when is_integer(id) -> {:reply, id, {:error, error}}
-          _ -> {:error, error}
-        end
-
-      {:error, _} = failure ->
-        failure
+            _ ->
+              {:error, error}
+          end
+      end
     end
   end
 
-  # Every ok reply carries timing; error replies may omit it (SPEC §4).
-  defp timing(%{"timing" => %{} = timing}), do: timing
-  defp timing(_reply), do: %{}
+  defp outcome(%{"ok" => true, "result" => result} = reply),
+    do: {:ok, result, Map.get(reply, "timing", %{})}
+
+  defp outcome(%{"ok" => false, "error" => error}), do: {:error, Error.from_server(error)}
+
+  # What is wrong with a decoded reply, or nil.
+  defp reply_problem(reply) when not is_map(reply), do: "not a map"
+
+  defp reply_problem(reply) do
+    body_key = if reply["ok"] == false, do: "error", else: "result"
+
+    cond do
+      unknown = Enum.find(Map.keys(reply), &(&1 not in @reply_keys)) ->
+        "unknown key #{inspect(unknown)}"
+
+      missing = Enum.find(["v", "id", "ok"], &(not Map.has_key?(reply, &1))) ->
+        "no #{missing}"
+
+      reply["v"] !== @version ->
+        "v is not #{@version}"
+
+      not valid_id?(reply["id"]) ->
+        "id is not nil, a uint or a non-empty str"
+
+      not is_boolean(reply["ok"]) ->
+        "ok is not a bool"
+
+      not is_map(reply[body_key]) ->
+        "#{body_key} is not a map"
+
+      not is_map(Map.get(reply, "timing", %{})) ->
+        "timing is not a map"
+
+      problem = Enum.find_value(reply, fn {key, value} -> tensor_problem(value, key) end) ->
+        problem
+
+      true ->
+        nil
+    end
+  end
+
+  defp valid_id?(id), do: id == nil or id in 0..@max_uint64 or (is_binary(id) and id != "")
+
+  # The first map under `value` meant as a tensor that is not a valid one, as a problem.
+  defp tensor_problem(%{} = map, field) do
+    if Map.has_key?(map, "shape") and (Map.has_key?(map, "data") or Map.has_key?(map, "buf")) do
+      case Tensor.from_wire(map) do
+        {:ok, _tensor} -> nil
+        {:error, message} -> "#{field}: #{message}"
+      end
+    else
+      Enum.find_value(map, fn {key, item} -> tensor_problem(item, "#{field}.#{key_name(key)}") end)
+    end
+  end
+
+  defp tensor_problem(list, field) when is_list(list) do
+    list
+    |> Enum.with_index()
+    |> Enum.find_value(fn {item, i} -> tensor_problem(item, "#{field}[#{i}]") end)
+  end
+
+  defp tensor_problem(_value, _field), do: nil
+
+  defp key_name(key) when is_binary(key), do: key
+  defp key_name(key), do: inspect(key)
 end

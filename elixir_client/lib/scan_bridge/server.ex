@@ -5,11 +5,15 @@ defmodule ScanBridge.Server do
 
   Many callers are served at once. A call is sent as soon as it arrives and the caller waits
   in `pending` (id → caller) while this process goes on; each reply is matched by its id and
-  answered with `GenServer.reply/2`. Every call has a deadline kept here: when it passes, the
-  caller gets `{:error, %ScanBridge.Error{reason: :timeout}}` and the server's late reply is
-  dropped, but what a late `put`, `session_open`, `session_fork`, `session_snapshot` or
+  answered with `GenServer.reply/2`. Every call has a deadline kept here, counted from when
+  its caller made it (a caller on another node: from when this process takes it): when it
+  passes, the caller gets `{:error, %ScanBridge.Error{reason: :timeout}}` and the server's late
+  reply is dropped (as is one that came in time but is taken here after its caller stopped
+  waiting), but what a late `put`, `session_open`, `session_fork`, `session_snapshot` or
   `model_load` made (which no caller will ever learn of) is freed here at once, so that timeouts
-  leave no handles, sessions, snapshots or models on the server.
+  leave no handles, sessions, snapshots or models on the server. A call that waited in this
+  process's mailbox past its deadline (the process busy, or still starting) is never sent: it
+  is answered `:overloaded`, as a queued one is below.
 
   A server that takes deadlines (its info lists the `cancel` op, which came with
   `deadline_us`, SPEC §4, §6) is told each request's budget: what is left of its deadline when
@@ -92,6 +96,9 @@ defmodule ScanBridge.Server do
   @kill_wait_ms 1_000
   # What stopping takes beyond those waits (closing the port and the socket), with room to spare.
   @stop_margin_ms 2_000
+  # The largest body a frame's 4-byte length prefix can say (SPEC §2, the lanes' packet 4):
+  # a bigger one would wrap the prefix and desynchronise the stream.
+  @max_frame_limit 0xFFFFFFFF
   # The longest timer (Process.send_after) and receive timeout the BEAM takes: 2^32 - 1 ms.
   @max_timeout_ms 0xFFFFFFFF
   # How long past a request's deadline its caller waits for this process's answer (which comes
@@ -140,7 +147,8 @@ defmodule ScanBridge.Server do
     # opener leaves when it exits
     openers: %{},
     opener_of: %{},
-    # id => {from, deadline timer, monitor of the caller}: callers waiting for an answer
+    # id => {from, deadline timer, monitor of the caller, deadline (monotonic µs) or nil}:
+    # callers waiting for an answer
     pending: %{},
     # id => op of the requests sent to the server and not yet answered by it (including
     # timed-out ones, whose late replies may name something to free)
@@ -192,10 +200,16 @@ defmodule ScanBridge.Server do
     check!(:timeout, timeout, @timeout_expected, &valid_timeout?/1)
     {head, size} = Protocol.request_head(op, args)
 
-    wait =
-      if timeout == :infinity, do: :infinity, else: min(timeout + @answer_grace_ms, @max_timeout_ms)
+    # The deadline starts here, not where the client process takes the call: a call that waits
+    # in its mailbox (a busy process, or one still starting) must not outlive its caller.
+    {deadline, wait} =
+      if timeout == :infinity,
+        do: {:infinity, :infinity},
+        else:
+          {{timeout, System.monotonic_time(:microsecond) + timeout * 1000},
+           min(timeout + @answer_grace_ms, @max_timeout_ms)}
 
-    call(server, {:request, op, head, size, timeout, closed(op, args)}, wait)
+    call(server, {:request, op, head, size, deadline, closed(op, args)}, wait)
   end
 
   # The session a session_close names, or the snapshot a snapshot_free names, for a group's
@@ -313,23 +327,38 @@ defmodule ScanBridge.Server do
   end
 
   @impl true
-  def handle_call({:request, op, head, size, timeout, closes}, {caller, _tag} = from, state) do
+  def handle_call({:request, op, head, size, deadline, closes}, {caller, _tag} = from, state) do
+    left_us = time_left_us(deadline, caller)
     # the budget's entry is added when there is one to send
-    size = if budget?(state, timeout), do: size + Protocol.deadline_entry_size(), else: size
+    size = if budget?(state, left_us), do: size + Protocol.deadline_entry_size(), else: size
 
-    if size > state.max_frame_size do
-      limit = state.max_frame_size
+    cond do
+      size > state.max_frame_size ->
+        limit = state.max_frame_size
 
-      error =
-        Error.client(
-          :frame_too_large,
-          "request of #{size} bytes exceeds the limit of #{limit} bytes",
-          %{"length" => size, "limit" => limit}
-        )
+        error =
+          Error.client(
+            :frame_too_large,
+            "request of #{size} bytes exceeds the limit of #{limit} bytes",
+            %{"length" => size, "limit" => limit}
+          )
 
-      {:reply, {:error, error}, state}
-    else
-      {:noreply, accept(state, op, head, timeout, closes, from, caller)}
+        {:reply, {:error, error}, state}
+
+      left_us != :infinity and left_us <= 0 ->
+        # Its caller has given up, or is about to: sent, it would run for nobody, and what it
+        # made would never be freed. Like a request queued past its deadline, it was not done.
+        error =
+          Error.client(
+            :overloaded,
+            "the deadline passed before the scan-bridge client process took the request " <>
+              "(it was busy, or starting): it was never sent"
+          )
+
+        {:reply, {:error, error}, state}
+
+      true ->
+        {:noreply, accept(state, op, head, left_us, closes, from, caller)}
     end
   end
 
@@ -381,12 +410,7 @@ defmodule ScanBridge.Server do
         {:noreply, state}
 
       {from, :sent, state} ->
-        message =
-          if state.deadlines,
-            do: "no reply before the deadline (the server was asked to drop it if not started)",
-            else: "no reply before the deadline"
-
-        GenServer.reply(from, {:error, Error.client(:timeout, message, %{"id" => id})})
+        GenServer.reply(from, {:error, timed_out(state, id)})
         {:noreply, state}
     end
   end
@@ -481,6 +505,25 @@ defmodule ScanBridge.Server do
 
   ## Requests and replies
 
+  # The answer of a caller whose request was sent and not answered by its deadline.
+  defp timed_out(state, id) do
+    message =
+      if state.deadlines,
+        do: "no reply before the deadline (the server was asked to drop it if not started)",
+        else: "no reply before the deadline"
+
+    Error.client(:timeout, message, %{"id" => id})
+  end
+
+  # µs left of a call's deadline (:infinity for none). The caller's monotonic clock is this
+  # node's only when the caller runs here; a remote caller's deadline starts here instead.
+  defp time_left_us(:infinity, _caller), do: :infinity
+
+  defp time_left_us({_timeout, deadline_us}, caller) when node(caller) == node(),
+    do: deadline_us - System.monotonic_time(:microsecond)
+
+  defp time_left_us({timeout, _deadline_us}, _caller), do: timeout * 1000
+
   defp transmit(state, id, op, frame) do
     case send_frame(state, frame) do
       :ok ->
@@ -504,25 +547,26 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # A request a caller has just made: numbered, under its deadline (a timer, and its caller
-  # watched), then sent, or queued while :max_in_flight requests are at the server.
-  defp accept(state, op, head, timeout, closes, from, caller) do
+  # A request a caller has just made, `left_us` µs before its deadline: numbered, under that
+  # deadline (a timer, and its caller watched), then sent, or queued while :max_in_flight
+  # requests are at the server.
+  defp accept(state, op, head, left_us, closes, from, caller) do
     id = state.next_id
     state = %{state | next_id: id + 1}
     op = if closes, do: {op, closes}, else: op
 
     {timer, deadline} =
-      if timeout == :infinity,
+      if left_us == :infinity,
         do: {nil, nil},
         else:
-          {Process.send_after(self(), {:deadline, id}, timeout),
-           System.monotonic_time(:microsecond) + timeout * 1000}
+          {Process.send_after(self(), {:deadline, id}, div(left_us + 999, 1000)),
+           System.monotonic_time(:microsecond) + left_us}
 
     monitor = Process.monitor(caller)
 
     state = %{
       state
-      | pending: Map.put(state.pending, id, {from, timer, monitor}),
+      | pending: Map.put(state.pending, id, {from, timer, monitor, deadline}),
         callers: Map.put(state.callers, monitor, id)
     }
 
@@ -531,7 +575,7 @@ defmodule ScanBridge.Server do
       else: %{state | queue: :gb_trees.insert(id, {op, head, deadline}, state.queue)}
   end
 
-  defp budget?(state, timeout), do: state.deadlines and timeout != :infinity
+  defp budget?(state, left_us), do: state.deadlines and left_us != :infinity
 
   # The body of request `id` as it is sent now: with what is left of its deadline as its
   # budget on the server (deadline_us), which then drops it if it cannot start in time.
@@ -572,7 +616,7 @@ defmodule ScanBridge.Server do
       {nil, _} ->
         {nil, state}
 
-      {{from, timer, monitor}, pending} ->
+      {{from, timer, monitor, _deadline}, pending} ->
         cancel(timer)
         Process.demonitor(monitor, [:flush])
         {from, %{state | pending: pending, callers: Map.delete(state.callers, monitor)}}
@@ -612,6 +656,7 @@ defmodule ScanBridge.Server do
   defp answer(state, id, outcome) do
     {op, outstanding} = Map.pop(state.outstanding, id)
     state = %{state | outstanding: outstanding}
+    overdue? = overdue?(state, id)
 
     state =
       case take_pending(state, id) do
@@ -624,12 +669,31 @@ defmodule ScanBridge.Server do
           # dropped, and what it made freed
           release(state, op, outcome)
 
+        {from, state} when overdue? ->
+          # came in time, but taken here after its caller stopped waiting (this process was
+          # busy): a late reply all the same
+          message = "the reply came in time but was taken after the deadline, and dropped"
+          GenServer.reply(from, {:error, Error.client(:timeout, message, %{"id" => id})})
+          release(state, op, outcome)
+
         {from, state} ->
           GenServer.reply(from, outcome)
           watch_opener(state, op, from, outcome)
       end
 
     send_queued(state)
+  end
+
+  # Whether request `id`'s caller may have stopped waiting: its wait ends @answer_grace_ms
+  # past the deadline.
+  defp overdue?(state, id) do
+    case state.pending do
+      %{^id => {_from, _timer, _monitor, deadline}} when deadline != nil ->
+        System.monotonic_time(:microsecond) >= deadline + @answer_grace_ms * 1000
+
+      _ ->
+        false
+    end
   end
 
   # A group's server closes a session, and frees a snapshot, when the process that opened or
@@ -773,7 +837,7 @@ defmodule ScanBridge.Server do
   defp fail_all(state, message, detail) do
     error = exited(message, detail)
 
-    Enum.each(state.pending, fn {_id, {from, timer, monitor}} ->
+    Enum.each(state.pending, fn {_id, {from, timer, monitor, _deadline}} ->
       cancel(timer)
       Process.demonitor(monitor, [:flush])
       GenServer.reply(from, {:error, error})
@@ -882,6 +946,7 @@ defmodule ScanBridge.Server do
     end
   end
 
+  # Only ever lowers a limit: :max_frame_size stays within what a frame can say.
   defp cap(state, key, limit) when is_integer(limit) and limit > 0,
     do: Map.update!(state, key, &min(&1, limit))
 
@@ -1082,6 +1147,8 @@ defmodule ScanBridge.Server do
     for key <- [:max_in_flight, :max_frame_size] do
       check!(key, opts[key], "a positive integer", &(is_integer(&1) and &1 > 0))
     end
+
+    opts = Keyword.update!(opts, :max_frame_size, &min(&1, @max_frame_limit))
 
     check!(:startup_timeout, opts[:startup_timeout], @timeout_expected, &valid_timeout?/1)
 

@@ -24,6 +24,8 @@ defmodule ScanBridge.Tensor do
   # without creating atoms from untrusted input.
   @dtype_of_code Map.new(@dtypes, fn dtype -> {Atom.to_string(dtype), dtype} end)
   @max_rank 8
+  # The largest dim, and the most bytes a shape may span, on the wire (int64, SPEC §5).
+  @max_dim 0x7FFFFFFFFFFFFFFF
 
   @doc """
   A tensor from its raw bytes. Raises `ArgumentError` when the dtype is unknown, the shape is
@@ -131,19 +133,34 @@ defmodule ScanBridge.Tensor do
   end
 
   @doc """
-  A tensor from a decoded wire map `%{"dtype" => code, "shape" => [...], "data" => binary}`,
-  checked like `new/3`. The data stays a sub-binary of the received frame.
+  A tensor from a decoded wire map `%{"dtype" => code, "shape" => [...], "data" => binary}`
+  (exactly those keys), checked like `new/3` and as the protocol's reference decoder checks a
+  reply's tensor: dims up to 2^63 - 1, and the shape's extent (a 0 dim counted as 1) at most
+  2^63 - 1 bytes. The data stays a sub-binary of the received frame.
   """
-  @spec from_wire(map) :: {:ok, t} | {:error, String.t()}
-  def from_wire(%{"dtype" => code, "shape" => shape, "data" => data})
-      when is_binary(code) and is_list(shape) and is_binary(data) do
+  @spec from_wire(term) :: {:ok, t} | {:error, String.t()}
+  def from_wire(%{"dtype" => code, "shape" => shape, "data" => data} = wire)
+      when map_size(wire) == 3 and is_binary(code) and is_list(shape) and is_binary(data) do
+    with {:ok, dtype} <- wire_dtype(code),
+         :ok <- wire_shape(shape, dtype) do
+      try do
+        {:ok, new(data, dtype, List.to_tuple(shape))}
+      rescue
+        e in ArgumentError -> {:error, Exception.message(e)}
+      end
+    end
+  end
+
+  # a raw buffer (buf) belongs to a multipart message, which this client's lanes never carry
+  def from_wire(other),
+    do:
+      {:error,
+       "tensor: expected a map of exactly dtype, shape and data, got #{inspect(other, limit: 5)}"}
+
+  defp wire_dtype(code) do
     case Map.fetch(@dtype_of_code, code) do
       {:ok, dtype} ->
-        try do
-          {:ok, new(data, dtype, List.to_tuple(shape))}
-        rescue
-          e in ArgumentError -> {:error, Exception.message(e)}
-        end
+        {:ok, dtype}
 
       :error ->
         {:error,
@@ -151,9 +168,18 @@ defmodule ScanBridge.Tensor do
     end
   end
 
-  def from_wire(other),
-    do:
-      {:error, "tensor: expected a map with dtype, shape and data, got #{inspect(other, limit: 5)}"}
+  # Dims are int64 on the server; an empty tensor's shape could otherwise claim any extent.
+  defp wire_shape(shape, dtype) do
+    dims_ok? =
+      length(shape) <= @max_rank and Enum.all?(shape, &(is_integer(&1) and &1 in 0..@max_dim))
+
+    if dims_ok? and Enum.reduce(shape, @itemsize[dtype], &(max(&1, 1) * &2)) <= @max_dim,
+      do: :ok,
+      else:
+        {:error,
+         "tensor shape: expected at most #{@max_rank} dims in 0..2^63-1 spanning at most " <>
+           "2^63-1 bytes, got #{inspect(shape, limit: 9)}"}
+  end
 
   if Code.ensure_loaded?(Nx) do
     @nx_types %{

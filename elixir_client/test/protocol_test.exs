@@ -1,0 +1,91 @@
+defmodule ScanBridge.ProtocolTest do
+  # Replies read as the protocol's reference decoder (protocol/decode.py decode_reply) reads
+  # them: what it refuses is a :decode_error here, answering the request its id names.
+  use ExUnit.Case, async: true
+
+  alias ScanBridge.{Error, Msgpack, Protocol}
+
+  defp decode(reply),
+    do: reply |> Msgpack.encode() |> IO.iodata_to_binary() |> Protocol.decode_reply()
+
+  defp ok(extra \\ %{}),
+    do: Map.merge(%{"v" => 1, "id" => 3, "ok" => true, "result" => %{"pong" => true}}, extra)
+
+  defp tensor(extra \\ %{}),
+    do:
+      Map.merge(
+        %{"dtype" => "f32", "shape" => [1], "data" => {:bin, <<1.0::float-32-little>>}},
+        extra
+      )
+
+  test "what the reference decoder takes is read" do
+    assert {:reply, 3, {:ok, %{"pong" => true}, %{}}} = decode(ok())
+
+    assert {:reply, 3, {:ok, _, %{"server_us" => 1}}} =
+             decode(ok(%{"timing" => %{"server_us" => 1}}))
+
+    # keys inside a result are not the envelope's to check: {"v": 1, "id": 3, "ok": true,
+    # "result": {1: 2, "pong": true}, "timing": {}}
+    body =
+      Base.decode16!("85A17601A2696403A26F6BC3A6726573756C74820102A4706F6E67C3A674696D696E6780")
+
+    assert {:reply, 3, {:ok, %{1 => 2, "pong" => true}, %{}}} = Protocol.decode_reply(body)
+    assert {:reply, 3, {:ok, %{"y" => _}, %{}}} = decode(ok(%{"result" => %{"y" => tensor()}}))
+
+    assert {:reply, nil, {:error, %Error{reason: :frame_too_large}}} =
+             decode(%{
+               "v" => 1,
+               "id" => nil,
+               "ok" => false,
+               "error" => %{"code" => "frame_too_large"}
+             })
+
+    assert {:reply, "a", {:ok, _, _}} = decode(ok(%{"id" => "a"}))
+  end
+
+  test "a reply the reference decoder refuses is a :decode_error for the request its id names" do
+    for {what, reply} <- [
+          unknown_key: ok(%{"extra" => 1}),
+          timing_not_a_map: ok(%{"timing" => "late"}),
+          v_a_float: ok(%{"v" => 1.0}),
+          tensor_extra_key: ok(%{"result" => %{"y" => tensor(%{"junk" => 1})}}),
+          tensor_data_and_buf: ok(%{"result" => %{"y" => tensor(%{"buf" => 0})}}),
+          tensor_buf: ok(%{"result" => %{"y" => %{"dtype" => "f32", "shape" => [1], "buf" => 0}}}),
+          nested_tensor_dim_past_int64:
+            ok(%{
+              "result" => %{
+                "a" => [
+                  %{"y" => tensor(%{"shape" => [0, 0xFFFFFFFFFFFFFFFF], "data" => {:bin, ""}})}
+                ]
+              }
+            }),
+          error_tensor: %{
+            "v" => 1,
+            "id" => 3,
+            "ok" => false,
+            "error" => %{"t" => tensor(%{"shape" => [2]})}
+          }
+        ] do
+      assert {:reply, 3, {:error, %Error{reason: :decode_error}}} = decode(reply), "#{what}"
+    end
+  end
+
+  test "a reply whose id is not a request id names no request" do
+    for id <- [-3, "", 1.5, true] do
+      assert {:error, %Error{reason: :decode_error}} = decode(ok(%{"id" => id})), inspect(id)
+    end
+  end
+
+  test "a str that is not UTF-8 makes the reply undecodable" do
+    bad = <<0xA1, 0xFF>>
+
+    body =
+      IO.iodata_to_binary([
+        <<0x84, 0xA1, "v", 1, 0xA2, "id", 3, 0xA2, "ok", 0xC2, 0xA5, "error", 0x82>>,
+        [<<0xA4, "code", 0xA1, "x">>, <<0xA7, "message">>, bad]
+      ])
+
+    assert {:error, %Error{reason: :decode_error, detail: %{"problem" => "invalid_utf8"}}} =
+             Protocol.decode_reply(body)
+  end
+end
