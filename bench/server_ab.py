@@ -42,7 +42,7 @@ import time
 import protocol
 from bridge.bench.cases import BATCH, DIM, STATE
 from bridge.bench.floors import StreamLane, encode_request, exchange, lane_call
-from bridge.bench.machine import summarize_us, write_results
+from bridge.bench.machine import commit_info, summarize_us, write_results
 from bridge.client import stop_piped_server
 
 from .game_loop import WARMUP, constant_A, frame_inputs, step_request, wait_for_frame
@@ -51,6 +51,8 @@ from .transports import SETTLE_SECONDS, exphil_inputs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The most a figure of this checkout may exceed the baseline's by.
 GOAL_RATIO = 1.05
+# The frames a paced model-step case cycles through: a rollback re-simulates at most all of them.
+ROLLBACK_FRAMES_MAX = 32
 
 
 class TreeServer:
@@ -113,7 +115,7 @@ def interleaved_model_steps(trees: dict, server_args: list[str], frames_n: int, 
 
     _, config, weights = exphil_model(arch, seed=1)
     g = torch.Generator().manual_seed(7)
-    embeds = [torch.randn(batch, D_MODEL, generator=g) for _ in range(32)]
+    embeds = [torch.randn(batch, D_MODEL, generator=g) for _ in range(ROLLBACK_FRAMES_MAX)]
     servers = {name: TreeServer(tree, server_args) for name, tree in trees.items()}
     try:
         requests = {}
@@ -256,8 +258,7 @@ def run(baseline: str, blocks: int, iterations: int, steps: int, server_args: li
                    f"block)" if windows else "")
                 + (f"; snapshot + restore pairs back to back on batch-1 sessions of the ExPhil-sized Mamba-1 and "
                    f"Mamba-2 models ({snapshots} a block)" if snapshots else ""),
-        "trees": {name: subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip() for name, tree in trees.items()},
+        "trees": {name: commit_info(tree) for name, tree in trees.items()},
         "blocks": blocks,
         "per_block": per_block,
         "spread": {name: {key: summarize_us(values, (50,)) for key, values in figures.items() if values}
@@ -282,7 +283,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-step-cases", type=model_step_cases, default=[("mamba2", 1)],
                    help="arch:batch of the paced model steps, comma-separated (default mamba2:1)")
     p.add_argument("--rollback-frames", type=int, default=0,
-                   help="with --model-steps, each frame a rollback re-simulating this many frames (0: a step)")
+                   help=f"with --model-steps, each frame a rollback re-simulating this many frames, at most "
+                        f"{ROLLBACK_FRAMES_MAX} (0: a step)")
     p.add_argument("--snapshots", type=int, default=0,
                    help="snapshot + restore pairs a block and model (0: none; needs transformers to build the models)")
     p.add_argument("--windows", type=int, default=0,
@@ -290,6 +292,8 @@ def main(argv=None) -> int:
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
     p.add_argument("--json", help="write the results (with machine and commit info) to this file")
     args = p.parse_args(argv)
+    if not 0 <= args.rollback_frames <= ROLLBACK_FRAMES_MAX:
+        p.error(f"--rollback-frames: expected 0 to {ROLLBACK_FRAMES_MAX}, got {args.rollback_frames}")
     if not os.path.isfile(os.path.join(args.baseline, "bridge", "__main__.py")):
         p.error(f"--baseline: expected a checkout of this project (with bridge/__main__.py), got {args.baseline!r}")
     results = run(args.baseline, args.blocks, args.iterations, args.steps, args.server_arg, args.model_steps,

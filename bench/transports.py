@@ -123,30 +123,32 @@ def measure_row(server: Server, case: str, lane_name: str, multipart: bool, iter
     if python_client is not None:
         rows["python_client_round_trip"] = []
     stages: dict[str, list[float]] = {}
-    for i in range(WARMUP + iterations):
-        time.sleep(SETTLE_SECONDS)
-        echo_us = floor.round_trip_us(frame)
-        time.sleep(SETTLE_SECONDS)
-        round_trip_us, reply = exchange(lane, frame, what)
-        timing = reply.timing
-        if python_client is not None:
+    try:
+        for i in range(WARMUP + iterations):
             time.sleep(SETTLE_SECONDS)
-            start = time.perf_counter_ns()
-            python_client.request(op, args).unwrap()  # timed in the calling thread, as a caller waits
-            python_client_us = (time.perf_counter_ns() - start) / 1000.0
-        if i < WARMUP:
-            continue
-        if python_client is not None:
-            rows["python_client_round_trip"].append(python_client_us)
-        rows["round_trip"].append(round_trip_us)
-        rows["ipc"].append(round_trip_us - timing["server_us"])
-        rows["echo"].append(echo_us)
-        rows["bridge_cost"].append(round_trip_us - timing.get("kernel_us", 0.0))
-        for key, value in timing.items():
-            stages.setdefault(key, []).append(value)
-    floor.close()
-    if lane_name != "stdio":
-        lane.close()
+            echo_us = floor.round_trip_us(frame)
+            time.sleep(SETTLE_SECONDS)
+            round_trip_us, reply = exchange(lane, frame, what)
+            timing = reply.timing
+            if python_client is not None:
+                time.sleep(SETTLE_SECONDS)
+                start = time.perf_counter_ns()
+                python_client.request(op, args).unwrap()  # timed in the calling thread, as a caller waits
+                python_client_us = (time.perf_counter_ns() - start) / 1000.0
+            if i < WARMUP:
+                continue
+            if python_client is not None:
+                rows["python_client_round_trip"].append(python_client_us)
+            rows["round_trip"].append(round_trip_us)
+            rows["ipc"].append(round_trip_us - timing["server_us"])
+            rows["echo"].append(echo_us)
+            rows["bridge_cost"].append(round_trip_us - timing.get("kernel_us", 0.0))
+            for key, value in timing.items():
+                stages.setdefault(key, []).append(value)
+    finally:  # an interrupted row leaves no echo behind
+        floor.close()
+        if lane_name != "stdio":
+            lane.close()
     if not iterations:
         return None
     summary = {name: summarize(values) for name, values in rows.items()}
@@ -351,6 +353,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write results (with machine and commit info) to this file")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for the server")
     args = p.parse_args(argv)
+    for flag, value, least in (("--iterations", args.iterations, 1), ("--clients", args.clients, 0),
+                               ("--requests", args.requests, 1)):
+        if value < least:
+            p.error(f"{flag}: expected {least} or more, got {value}")
     result = run(args)
     report(result)
     if args.json:

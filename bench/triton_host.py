@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 
-from bridge.bench.machine import write_results
+from bridge.bench.machine import commit_info, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,6 +171,7 @@ def main(argv=None) -> int:
     write_results(args.json, "triton_host", {
         "rounds": args.rounds, "calls": args.calls, "device": args.device,
         "baseline_tree": trees.get("baseline"),
+        "baseline_commit": commit_info(trees["baseline"]) if trees.get("baseline") else None,
         "method": ("host µs a call (median of each child's calls, then median over the rounds), Triton's "
                    "interpreter selected and every launch replaced by a counter: Triton's own launch call excluded"
                    if args.device == "cpu" else

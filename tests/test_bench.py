@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -27,7 +28,7 @@ from bridge.bench.lanes import TRANSPORTS, BenchError, SpawnedServer, choose_tra
 from bridge.bench.measure import (STAGES, TimingMissing, fit_latency, make_row, measure_case,
                                   stage_split)
 from bridge.client import Reply
-from process_runs import run_marked
+from process_runs import children_of, gone_or_zombie, run_marked
 from kernel_cases import ON_CUDA
 
 SERVER = [sys.executable, "-m", "bridge", "--device", "cpu"]
@@ -175,6 +176,106 @@ def test_results_say_how_much_cpu_time_the_hypervisor_took(tmp_path, start, end,
     assert machine.cpu_times(str(tmp_path / "absent")) is None
     stolen = machine.machine_info()["cpu_time_stolen"]
     assert stolen is None or 0.0 <= stolen <= 1.0
+
+
+def test_results_tell_machines_of_one_model_name_apart():
+    """A VM's model name ("AMD EPYC") is the same on Zen 3 and Zen 5: the family and model
+    numbers, the SIMD sets and the kernels' variant tell them apart (found in review)."""
+    from bridge.bench import machine
+    from kernels.cpu.build import selected_variant
+
+    info = machine.machine_info()
+    assert set(info["cpu_simd_flags"]) <= set(machine.SIMD_FLAGS)
+    assert info["cpu_kernels_simd"] == selected_variant().name
+    with open("/proc/cpuinfo") as f:
+        listed = f.read()
+    if "cpu family" in listed:
+        assert info["cpu_family"] is not None and info["cpu_model_number"] is not None
+
+
+def test_commit_info_of_another_checkout_says_whether_it_was_edited(tmp_path):
+    """The A/B benches record the baseline tree's commit and whether it was edited, not its
+    HEAD alone (found in review: an edited baseline was recorded as its clean commit)."""
+    from bridge.bench.machine import commit_info
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    assert commit_info(str(tmp_path))["commit"] == head and commit_info(str(tmp_path))["dirty"] is False
+    (tmp_path / "f").write_text("2")
+    assert commit_info(str(tmp_path)) == {"commit": head, "dirty": True, "branch": commit_info(str(tmp_path))["branch"]}
+
+
+def test_a_transport_named_twice_is_refused():
+    """Its samples and echo floor are kept by name: twice, the rows doubled their samples and
+    the first floor was never stopped (found in review)."""
+    with pytest.raises(BenchError, match="stdio more than once"):
+        choose_transports("stdio,unix,stdio")
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--iterations", "0"], "--iterations: expected 1 or more, got 0", id="no-iterations"),
+    pytest.param(["--clients", "-1"], "--clients: expected 0 or more, got -1", id="negative-clients"),
+    pytest.param(["--requests", "0"], "--requests: expected 1 or more, got 0", id="no-requests"),
+])
+def test_the_transports_bench_refuses_counts_it_cannot_run(argv, message, capsys):
+    from bench import transports
+
+    with pytest.raises(SystemExit):
+        transports.main(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("frames", ["40", "-3"])
+def test_server_ab_refuses_rollbacks_past_its_frames(frames, capsys):
+    """A rollback re-simulates at most the 32 frames a case cycles through: 40 ran 32 under
+    the label rollback40, and -3 ran 29 (found in review)."""
+    from bench import server_ab
+
+    with pytest.raises(SystemExit):
+        server_ab.main(["--baseline", str(ROOT), "--model-steps", "2", "--rollback-frames", frames])
+    assert f"--rollback-frames: expected 0 to 32, got {frames}" in capsys.readouterr().err
+
+
+def test_bench_refuses_a_device_for_a_server_it_connects_to():
+    """--connect drives a running server: a --device was ignored, and recorded as if applied."""
+    from bridge.bench.__main__ import main
+
+    assert main(["--connect", "unix:/nonexistent.sock", "--device", "cuda", "--sizes", "step"]) == 2
+
+
+@pytest.mark.parametrize("transport", ["unix", "zmq-ipc"])
+def test_an_echo_floor_goes_with_the_bench_that_started_it(tmp_path, transport):
+    """A bench killed by SIGTERM (timeout, a CI cancel) runs no finally: its unix and ZeroMQ
+    echoes were left running, re-parented (found in review); they now end with it."""
+    from bridge.bench.floors import floor_missing
+    from waiting import wait_until
+
+    if reason := floor_missing(transport):
+        pytest.skip(reason)
+    script = tmp_path / "bench.py"
+    script.write_text("from bridge.bench.floors import open_floor\n"
+                      "import sys, time\n"
+                      "floor = open_floor(sys.argv[1], [8])\n"
+                      "print(flush=True)\n"
+                      "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script), transport], stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        proc.stdout.readline()  # its echo is up
+        (echo,) = children_of(proc.pid)
+        with open(f"/proc/{echo}/cmdline", "rb") as cmdline:
+            where = cmdline.read().split(b"\0")[1].decode()  # the echo's socket, in the bench's scratch
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    try:
+        wait_until(lambda: gone_or_zombie(echo), f"{transport}: the echo outlived its bench", timeout=10)
+    finally:  # the bench's scratch directory, which it had no chance to remove
+        shutil.rmtree(os.path.dirname(where.removeprefix("ipc://")), ignore_errors=True)
 
 
 def test_quick_end_to_end(tmp_path):

@@ -17,35 +17,15 @@ import pytest
 
 from bridge import exit_guard
 from bridge.client import PortClient, ServerExited
+from process_runs import children_of, gone_or_zombie
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or platform.machine() not in exit_guard.MACHINES,
                                 reason=f"the exit guard runs on Linux on {' and '.join(exit_guard.MACHINES)} only")
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 def _status(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status") as status:
         return dict(line.rstrip("\n").split(":\t", 1) for line in status if ":\t" in line)
-
-
-def _gone_or_zombie(pid: int) -> bool:
-    try:
-        return _status(pid)["State"].startswith("Z")
-    except (OSError, KeyError):
-        return True
 
 
 def _wait_until_stopped(pid: int, timeout: float = 30.0) -> None:
@@ -72,7 +52,7 @@ def _ready_server(*extra) -> PortClient:
 
 
 def _the_guard(server_pid: int) -> int:
-    (guard,) = _children(server_pid)
+    (guard,) = children_of(server_pid)
     return guard
 
 
@@ -120,9 +100,9 @@ def test_a_killed_server_closes_its_pipe_and_its_guard_ends():
         pending.result(30)  # the pipe's end of file fails what was in flight
     client.proc.wait(30)
     deadline = time.monotonic() + 30
-    while not _gone_or_zombie(guard) and time.monotonic() < deadline:
+    while not gone_or_zombie(guard) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _gone_or_zombie(guard), "the guard outlived its killed server"
+    assert gone_or_zombie(guard), "the guard outlived its killed server"
 
 
 def test_a_server_that_exits_reaps_its_guard():
@@ -135,7 +115,7 @@ def test_a_server_that_exits_reaps_its_guard():
 def test_no_exit_guard_runs_none():
     client = _ready_server("--no-exit-guard")
     try:
-        assert _children(client.proc.pid) == []
+        assert children_of(client.proc.pid) == []
     finally:
         client.close()
 

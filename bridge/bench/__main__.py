@@ -148,9 +148,9 @@ def main(argv=None) -> int:
         plan = _plan(args)
         backends = _named_backends(args.backends)
         if args.connect:
-            if backends != [None] or args.transports or args.server_arg:
+            if backends != [None] or args.transports or args.server_arg or args.device != "auto":
                 raise BenchError("--connect: the server is already running; expected no --backends, "
-                                 "--transports or --server-arg with it")
+                                 "--transports, --server-arg or --device with it")
             skipped = []
 
             def open_server(backend):
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
                     "machine_info": machine_info(), "commit_info": commit_info(),
                     "config": {"argv": sys.argv[1:] if argv is None else list(argv), "quick": args.quick,
                                "sizes": [c.name for c in cases], "iterations": plan[0], "warmup": plan[1],
-                               "max_seconds": plan[2], "server_args": server_args},
+                               "max_seconds": plan[2], "server_args": None if args.connect else server_args},
                     "rows": rows, "fits": fits,
                     "baseline_command": args.baseline, "baseline": baseline_rows, "skipped": skipped,
                     "failures": failures, "elapsed_s": elapsed}

@@ -102,6 +102,9 @@ def choose_transports(names: str | None) -> tuple[list[TransportSpec], list[dict
     unknown = [n for n in wanted if n not in TRANSPORTS]
     if unknown or not wanted:
         raise BenchError(f"--transports: expected names from {', '.join(TRANSPORTS)}, got {', '.join(unknown) or repr(names)}")
+    repeated = sorted({n for n in wanted if wanted.count(n) > 1})
+    if repeated:  # one lane's samples and floor are kept by its name: twice would mix them
+        raise BenchError(f"--transports: expected each name once, got {', '.join(repeated)} more than once")
     chosen, skipped = [], []
     for name in wanted:
         reason = TRANSPORTS[name].missing()

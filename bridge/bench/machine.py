@@ -12,14 +12,45 @@ import numpy as np
 
 
 def _cpu_model() -> str:
+    return _first_cpu().get("model name") or platform.processor() or "unknown"
+
+
+def _first_cpu() -> dict[str, str]:
+    """The first CPU's /proc/cpuinfo fields (empty where it cannot be read)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return fields
+
+
+# The instruction sets the kernels' SIMD variants need (kernels/cpu/build.py).
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f")
+
+
+def _cpu_identity() -> dict:
+    """What tells machines with one model name apart (a VM's "AMD EPYC" is Zen 3 or Zen 5): the
+    CPU family and model numbers, the SIMD instruction sets present, and the variant the CPU
+    kernels build in here (None where they cannot)."""
+    cpu = _first_cpu()
+    flags = set(cpu.get("flags", "").split())
+    try:
+        from kernels.cpu.build import BackendUnavailable, selected_variant
+    except ImportError:  # a bench run where the kernels package is not installed
+        variant = None
+    else:
+        try:
+            variant = selected_variant().name
+        except BackendUnavailable:  # the environment names a variant this CPU cannot run
+            variant = None
+    return {"cpu_family": cpu.get("cpu family"), "cpu_model_number": cpu.get("model"),
+            "cpu_simd_flags": [f for f in SIMD_FLAGS if f in flags], "cpu_kernels_simd": variant}
 
 
 def cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
@@ -54,6 +85,7 @@ def machine_info() -> dict:
 
     info = {
         "cpu_model": _cpu_model(),
+        **_cpu_identity(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -75,10 +107,12 @@ def machine_info() -> dict:
 COMMIT_VARIABLE = "SCAN_BRIDGE_COMMIT"
 
 
-def commit_info() -> dict:
-    """The checkout's commit, whether its tracked files differ from it, and its branch (empty
+def commit_info(root: str | None = None) -> dict:
+    """The commit of the checkout at `root` (by default this one), whether its files differ
+    from it (tracked files changed, or files git does not ignore added), and its branch (empty
     strings outside a git checkout, as for an installed package)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    this_checkout = root is None
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def git(*args):
         try:
@@ -87,7 +121,7 @@ def commit_info() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
-    if os.environ.get(COMMIT_VARIABLE):
+    if this_checkout and os.environ.get(COMMIT_VARIABLE):
         # A copy of the tree shipped elsewhere (to a GPU machine, say), whose git metadata may be
         # missing or stale: the commit is named by whoever shipped it, and whether the copy
         # matched it is not known here.

@@ -18,6 +18,10 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <signal.h>
+#include <sys/prctl.h>
+#endif
 
 #include "frame_io.h"
 
@@ -26,6 +30,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: unix_echo PATH REPLY_BYTES [BUFFER_BYTES]\n");
         return 2;
     }
+#ifdef __linux__
+    /* A bench killed before it can stop this one (SIGTERM, SIGKILL) takes it along instead of
+     * leaving it running, re-parented; pipe_echo ends with its stdin. */
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+#endif
     size_t reply_bytes = strtoull(argv[2], NULL, 10);
     int buffer_bytes = argc == 4 ? atoi(argv[3]) : 0;
     uint8_t *reply = reply_bytes ? malloc(reply_bytes) : NULL;

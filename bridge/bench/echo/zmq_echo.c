@@ -10,6 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <zmq.h>
+#ifdef __linux__
+#include <signal.h>
+#include <sys/prctl.h>
+#endif
 
 #define MAX_FRAMES 64
 
@@ -18,6 +22,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: zmq_echo ENDPOINT [SIZE...] (at most %d sizes)\n", MAX_FRAMES);
         return 2;
     }
+#ifdef __linux__
+    /* A bench killed before it can stop this one (SIGTERM, SIGKILL) takes it along instead of
+     * leaving it running, re-parented; pipe_echo ends with its stdin. */
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+#endif
     int n_sizes = argc - 2;
     size_t sizes[MAX_FRAMES], largest = 0;
     for (int i = 0; i < n_sizes; i++) {
