@@ -232,6 +232,19 @@ def mamba_ssm_layout(model, arch: str, vocab: int) -> tuple[dict, dict]:
     return config, weights
 
 
+@pytest.mark.parametrize("config", [
+    pytest.param({"d_model": 8, "n_layer": 1}, id="mamba_ssm"),
+    pytest.param({"arch": "mamba", "d_model": 8, "n_layer": 1}, id="arch"),
+])
+def test_a_mamba_ssm_layout_keeps_the_residual_in_fp32_unless_told_not_to(config):
+    """mamba_ssm's MambaConfig defaults residual_in_fp32 to True; absent, it was read as False
+    (found in review: a bf16 model's composed path rounded its residual)."""
+    from bridge.models.config import parse_config
+
+    assert parse_config(config).residual_in_fp32 is True
+    assert parse_config({**config, "residual_in_fp32": False}).residual_in_fp32 is False
+
+
 @pytest.mark.parametrize("arch, fmt", [("mamba", "bin"), ("mamba2", "safetensors")])
 def test_a_mamba_ssm_checkpoint_with_a_padded_vocabulary(serve, checkpoints, arch, fmt):
     """mamba_ssm pads the embedding to a multiple of pad_vocab_size_multiple: a vocabulary of 37
@@ -799,6 +812,14 @@ BAD_REQUESTS = [
     ("dt-rank-null", "model_load", dict(config={"arch": "mamba", "d_model": 16, "n_layer": 1, "dt_rank": None},
                                         weights={"norm_f.weight": torch.ones(16)}),
      "invalid_checkpoint", "args.weights.layers.0.norm.weight"),
+    # This server's flat layout has no nested ssm_cfg: its keys (dt_limit, norm_before_gate) went unread.
+    ("arch-with-ssm-cfg", "model_load", dict(config={"arch": "mamba2", "d_model": 8, "n_layer": 1,
+                                                     "ssm_cfg": {"dt_limit": [0.1, 0.2]}}, weights={}),
+     "invalid_checkpoint", "args.config.ssm_cfg"),
+    # mamba_ssm's Mamba-2 gated norm keeps eps 1e-5 whatever norm_epsilon says; this runtime has one eps.
+    ("mamba-ssm-mamba2-norm-epsilon", "model_load", dict(config={"d_model": 8, "n_layer": 1, "norm_epsilon": 1e-2,
+                                                                 "ssm_cfg": {"layer": "Mamba2", "headdim": 4}},
+                                                         weights={}), "invalid_checkpoint", "args.config.norm_epsilon"),
     ("nul-in-path", "model_load", dict(path="mamba-lm-tied\0x"), "path_not_allowed", "args.path"),
     ("weights-dtype", "model_load", dict(path="mamba-lm-tied", dtype="f64"), "invalid_argument", "args.dtype"),
     ("unknown-model", "session_open", dict(model="nope", batch=1), "unknown_model", "args.model"),

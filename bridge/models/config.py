@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from ..errors import OpError
 
 ARCHS = ("mamba", "mamba2")
+# mamba_ssm's Mamba2 builds its gated RMSNorm with this eps, whatever norm_epsilon says.
+MAMBA_SSM_GATED_EPS = 1e-5
 
 
 def checkpoint_error(field: str, expected: str, got: str, **extra) -> OpError:
@@ -159,6 +161,9 @@ def parse_config(raw, field: str = "config") -> ModelConfig:
     if "arch" in raw:
         if raw["arch"] not in ARCHS:
             raise checkpoint_error(f"{field}.arch", '"mamba" or "mamba2"', repr(raw["arch"]))
+        if "ssm_cfg" in raw:  # its keys would go unread, dt_limit and norm_before_gate among them
+            raise checkpoint_error(f"{field}.ssm_cfg", "no ssm_cfg with arch (this layout has mamba_ssm's keys "
+                                   "at the top level)", "a nested ssm_cfg")
         return _mamba_ssm(keys, raw["arch"], raw)
     if "d_model" in raw and "n_layer" in raw:
         ssm_cfg = raw.get("ssm_cfg") or {}
@@ -220,7 +225,7 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict) -> ModelConfig:
     d_inner = _inner(k, d_model)
     common = dict(d_model=d_model, n_layer=k.size("n_layer", _REQUIRED), vocab_size=vocab,
                   d_conv=k.size("d_conv", 4), d_inner=d_inner, eps=k.number("norm_epsilon", 1e-5),
-                  residual_in_fp32=k.flag("residual_in_fp32", False),
+                  residual_in_fp32=k.flag("residual_in_fp32", True),  # mamba_ssm's default
                   lm_head=None if vocab is None else ("tied" if k.flag("tie_embeddings", True) else "own"),
                   use_bias=k.flag("bias", False),
                   use_conv_bias=k.flag("conv_bias", True))
@@ -234,6 +239,12 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict) -> ModelConfig:
     if merged.get("d_ssm") not in (None, d_inner):
         raise checkpoint_error(f"{k.field}.d_ssm", f"expand x d_model ({d_inner}; no MLP part)", repr(merged["d_ssm"]))
     k.require("norm_before_gate", (False,), "the gate before the norm, as mamba_ssm's default")
+    if "ssm_cfg" in merged and common["eps"] != MAMBA_SSM_GATED_EPS:
+        # mamba_ssm's Mamba-2 gated norm keeps its own eps whatever the blocks' is; this runtime
+        # has one eps for every norm (transformers' rule, and this server's arch layout's).
+        raise checkpoint_error(f"{k.field}.norm_epsilon", f"{MAMBA_SSM_GATED_EPS:g} for a mamba_ssm Mamba-2 config "
+                               "(its gated norm's eps is fixed there; this runtime uses one eps for every norm)",
+                               repr(merged["norm_epsilon"]))
     return ModelConfig(arch="mamba2", d_state=k.size("d_state", 128), dt_rank=0, headdim=headdim,
                        ngroups=_groups(k, "ngroups", d_inner // headdim), dt_limit=k.limits("dt_limit"),
                        chunk_size=k.size("chunk_size", 256), **common)
