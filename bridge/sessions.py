@@ -204,8 +204,9 @@ class Session:
         return self.pool.rows.index_select(0, self.slots)
 
     def write(self, state: torch.Tensor) -> None:
-        """Replace the state with `state` [batch, *shape] (any float dtype; stored as fp32)."""
-        self.pool.rows.index_copy_(0, self.slots, state.to(STATE_DTYPE))
+        """Replace the state with `state` [batch, *shape] (any float dtype, on any device; stored
+        as fp32 on the pool's)."""
+        self.pool.rows.index_copy_(0, self.slots, state.to(device=self.pool.rows.device, dtype=STATE_DTYPE))
 
     def read_rows(self) -> torch.Tensor:
         """A copy of the whole state, [batch, row floats] fp32 (every part, as the pool lays them out)."""
@@ -254,9 +255,10 @@ class Session:
         return self.layout.split(self.read_rows())
 
     def write_parts(self, parts: dict[str, torch.Tensor]) -> None:
-        """Replace every part (shapes already checked; any float dtype, stored as fp32)."""
+        """Replace every part (shapes already checked; any float dtype on any device, stored as
+        fp32 on the pool's)."""
         for name, part in self.pool.parts.items():
-            part.index_copy_(0, self.slots, parts[name].to(STATE_DTYPE))
+            part.index_copy_(0, self.slots, parts[name].to(device=part.device, dtype=STATE_DTYPE))
 
 
 class SessionTable(OwnedTable[Session]):

@@ -513,6 +513,22 @@ def test_a_session_whose_state_fails_to_go_in_is_closed_again(inproc, monkeypatc
     srv.call(conn, op, **({"session": session} if op == "session_fork" else args))
 
 
+def test_an_open_over_the_session_limit_copies_no_state_it_was_sent(inproc, monkeypatch):
+    """h0 was made a device tensor (a copy on a GPU, or where the backend needs aligned data)
+    before the session limits were checked (found in review); the session's own copy, made once
+    it is open, is now the only one. The state comes through whole all the same."""
+    srv = inproc(max_sessions=1)
+    conn = RecordingConnection()
+    copied = []
+    device_tensor = srv.server.device_tensor
+    monkeypatch.setattr(srv.server, "device_tensor", lambda wire: copied.append(wire) or device_tensor(wire))
+    h0 = torch.rand(2, 3, 4, dtype=torch.float64)
+    session = srv.call(conn, "session_open", batch=2, dim=3, state=4, h0=h0)["session"]
+    assert torch.equal(srv.call(conn, "session_state", session=session)["state"], h0.float())
+    expect_limit(srv, conn, "session_open", "max_sessions", batch=2, dim=3, state=4, h0=h0)
+    assert copied == []
+
+
 def test_a_session_that_fails_to_open_gives_its_rows_back(inproc, monkeypatch):
     srv = inproc()
     conn = RecordingConnection()

@@ -15,7 +15,7 @@ from ..dispatcher import Call
 from ..errors import OpError, error_fields
 from ..native import NativeStep
 from ..sessions import ROW_AXES, StateLayout
-from ..tensors import WIRE_DTYPES, to_wire
+from ..tensors import WIRE_DTYPES, host_view, to_wire
 from ..timing import now_ns
 
 # Arguments with one row per session row, stacked when steps share a launch.
@@ -113,8 +113,9 @@ def open_plain_session(server, call):
 
 
 def initial_state(server, call, kind: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """args.h0 as a device tensor of the plain session's state shape (any float dtype; the
-    session keeps it as fp32), or None when it is not given: what a client that exported a
+    """args.h0 of the plain session's state shape (any float dtype; the session keeps it as
+    fp32 on its device; a handle's tensor, else a view of the wire bytes), or None when it is
+    not given: what a client that exported a
     session with session_state sends to reopen it elsewhere."""
     value = server.tensor_arg(call, "h0")
     if value is None:
@@ -129,7 +130,9 @@ def initial_state(server, call, kind: str, shape: tuple[int, ...]) -> torch.Tens
         expected = f"shape {list(shape)} ([batch, {', '.join(ROW_AXES[kind])}])"
         raise OpError("shape_mismatch", f"args.h0: expected {expected}, got shape {list(value.shape)}",
                       {"field": "args.h0", "expected": expected, "got": f"shape {list(value.shape)}"})
-    return value if isinstance(value, torch.Tensor) else server.device_tensor(value)
+    # Wire bytes stay a view of the frame until the session is open (its limits checked):
+    # Session.write makes the one copy, on the device.
+    return value if isinstance(value, torch.Tensor) else host_view(value)
 
 
 def open_model_session(server, call):
@@ -169,7 +172,10 @@ def state_parts(server, call, layout, batch: int, saved: dict) -> dict:
         if name not in saved:
             raise OpError("missing_argument", f"{field}: expected a tensor of shape {list(shape)}, got nothing",
                           {"field": field, "op": "session_open"})
-        tensor = server.tensor_in_map(call, saved[name], field)
+        value = saved[name]
+        # as initial_state's: the session's own copy, made once it is open, is the only one
+        tensor = (host_view(value) if isinstance(value, protocol.WireTensor)
+                  else server.tensor_in_map(call, value, field))
         if tuple(tensor.shape) != shape or not tensor.is_floating_point():
             raise OpError("shape_mismatch", f"{field}: expected a float tensor of shape {list(shape)}, got "
                           f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}",
