@@ -83,11 +83,6 @@ def dt_options(args: dict) -> dict:
                           {"field": "args.dt_limit", "expected": "either dt_limit or dt_min/dt_max",
                            "got": f"both dt_limit and {given}"})
         dt_min, dt_max = kernels.dt_limit_bounds(args["dt_limit"])
-        if dt_min is not None and dt_max is not None and dt_min > dt_max:
-            low, high = args["dt_limit"]
-            raise OpError("invalid_argument", f"args.dt_limit: expected a pair (low, high) with low <= high, got "
-                          f"({low!r}, {high!r})", {"field": "args.dt_limit", "expected": "a pair with low <= high",
-                                                   "got": f"({low!r}, {high!r})"})
     return {"dt_softplus": bool(args.get("dt_softplus", False)), "dt_min": dt_min, "dt_max": dt_max}
 
 

@@ -167,8 +167,11 @@ def _written(state: torch.Tensor) -> None:
 
 def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float | None]:
     """mamba_ssm's `dt_limit` pair as this API's (dt_min, dt_max): its default (0, inf) clamps
-    nothing; otherwise each finite side is a bound and an infinite side none."""
+    nothing; otherwise each finite side is a bound and an infinite side none. A pair whose low
+    side is above its high is a KernelInputError naming dt_limit, as it was given."""
     low, high = dt_limit
+    if low > high:
+        raise KernelInputError("dt_limit", "a pair (low, high) with low <= high", f"({low!r}, {high!r})")
     if (low, high) == (0.0, math.inf):
         return None, None
     return (low if math.isfinite(low) else None), (high if math.isfinite(high) else None)

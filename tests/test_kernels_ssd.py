@@ -560,3 +560,9 @@ def test_bench_times_ssd_cases():
 ])
 def test_dt_limit_bounds_maps_mamba_ssm_pairs(dt_limit, bounds):
     assert kernels.dt_limit_bounds(dt_limit) == bounds
+
+
+def test_dt_limit_bounds_refuses_a_reversed_pair_by_its_own_name():
+    with pytest.raises(kernels.KernelInputError) as info:
+        kernels.dt_limit_bounds((0.5, 0.1))
+    assert info.value.field == "dt_limit" and info.value.got == "(0.5, 0.1)"
