@@ -17,10 +17,12 @@ import sys
 import tomllib
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
 import kernels
+import protocol
 from bridge.bench import plot as plot_mod
 from bridge.bench.baseline import run_baseline
 from bridge.bench.cases import Case, parse_sizes
@@ -325,6 +327,44 @@ def test_baseline_compares_exphil_requests(command, device):
         assert row["results_agree"], row
         assert row["iterations"] == 3
         assert row["baseline_over_bridge_ratio"] == pytest.approx(row["baseline_p50_us"] / row["bridge_p50_us"])
+
+
+def test_baseline_alternates_which_server_goes_first(monkeypatch):
+    """Each timed pair of round trips starts with the other server than the pair before, so
+    neither side always meets what the other just warmed (found in review: the stand-in always
+    went second)."""
+    from bridge.bench import baseline
+
+    order = []
+
+    class RecordingPort:
+        """Answers legacy pings and scans (zeros of the right shape) at once, noting who it is."""
+
+        def __init__(self, command):
+            self.command = command
+            self.who = "bridge" if command[1:3] == ["-m", "bridge"] else "baseline"
+
+        def exchange(self, parts, timeout=None):
+            body = b"".join(bytes(p) for p in parts)[protocol.framing.HEADER_SIZE:]
+            request = msgpack.unpackb(body, raw=True)  # tensors go as str, the way Msgpax packs them
+            reply = {"status": "ok"}
+            if request[b"op"] == b"scan":
+                order.append(self.who)
+                shape = [request[b"batch"], request[b"seq_len"], request[b"hidden"]]
+                reply.update(result=bytes(4 * int(np.prod(shape))), shape=shape)
+            return 1.0, msgpack.packb(reply, use_bin_type=True)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(baseline, "PortProcess", RecordingPort)
+    (row,) = run_baseline("their-server", [Case("scan", 2)], ["--device", "cpu"], iterations=4, warmup=1,
+                          max_seconds=30.0)
+    assert row["results_agree"] and row["iterations"] == 4
+    # The first exchange of each checks the answers; then five timed pairs, alternating.
+    timed = order[2:]
+    assert [timed[i] for i in range(0, len(timed), 2)] == ["bridge", "baseline", "bridge", "baseline", "bridge"]
+    assert sorted(timed) == ["baseline"] * 5 + ["bridge"] * 5
 
 
 def test_baseline_names_a_command_that_does_not_start():

@@ -2,9 +2,10 @@
 
 Both servers get the same bytes: legacy ExPhil scans (protocol/SPEC.md §9: no id, f32 tensors as msgpack
 *str*, the way Msgpax packs binaries), one request at a time over a fresh pair of pipes, the way
-ExPhil's GenServer drives its Port. The round trip is write → whole reply read; both sides share
-the client's encoding (done once, untimed), so the ratio compares servers and their pipes. The
-first reply of each is checked against the other's, so a fast wrong answer cannot pass."""
+ExPhil's GenServer drives its Port, the two servers taking turns at going first. The round trip
+is write → whole reply read; both sides share the client's encoding (done once, untimed), so the
+ratio compares servers and their pipes. The first reply of each is checked against the other's,
+so a fast wrong answer cannot pass."""
 
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ def run_baseline(command: str, cases: list[Case], bridge_args: list[str], *, ite
     except BenchError:
         theirs.close()
         raise
+    servers = (("bridge", ours), ("baseline", theirs))
     rows = []
     try:
         legacy_ping(ours)
@@ -140,11 +142,13 @@ def run_baseline(command: str, cases: list[Case], bridge_args: list[str], *, ite
             times = {"bridge": [], "baseline": []}
             started = time.monotonic()
             for i in range(warmup + iterations):
-                our_us, _ = ours.exchange(frame)
-                their_us, _ = theirs.exchange(frame)
+                # Who goes first alternates: the second of a pair meets caches and a CPU the
+                # first has just warmed (or taken), which would favour one side throughout.
+                pair = servers if i % 2 == 0 else servers[::-1]
+                took = {name: server.exchange(frame)[0] for name, server in pair}
                 if i >= warmup:
-                    times["bridge"].append(our_us)
-                    times["baseline"].append(their_us)
+                    times["bridge"].append(took["bridge"])
+                    times["baseline"].append(took["baseline"])
                 on_iteration()
                 if i + 1 - warmup >= MIN_ITERATIONS and time.monotonic() - started > max_seconds:
                     break
