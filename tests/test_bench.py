@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
@@ -30,7 +31,7 @@ from bridge.bench.lanes import TRANSPORTS, BenchError, SpawnedServer, choose_tra
 from bridge.bench.measure import (STAGES, TimingMissing, fit_latency, make_row, measure_case,
                                   stage_split)
 from bridge.client import Reply
-from process_runs import children_of, gone_or_zombie, run_marked
+from process_runs import children_of, describe_process, gone_or_zombie, run_marked
 from kernel_cases import ON_CUDA
 
 SERVER = [sys.executable, "-m", "bridge", "--device", "cpu"]
@@ -278,6 +279,32 @@ def test_an_echo_floor_goes_with_the_bench_that_started_it(tmp_path, transport):
         wait_until(lambda: gone_or_zombie(echo), f"{transport}: the echo outlived its bench", timeout=10)
     finally:  # the bench's scratch directory, which it had no chance to remove
         shutil.rmtree(os.path.dirname(where.removeprefix("ipc://")), ignore_errors=True)
+
+
+def test_the_main_job_stopped_by_sigterm_leaves_no_scratch_behind(tmp_path):
+    """`python -m bridge.bench` given SIGTERM mid-run (a CI cancel, `timeout`) stops as Ctrl-C
+    does: its servers are stopped and their scratch directories removed (the signal's default
+    action left the unix server's socket directory behind)."""
+    from waiting import wait_until
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "bridge.bench", "--quick", "--transports", "unix", "--sizes",
+                             "step", "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)})
+    try:
+        wait_until(lambda: any(scratch.iterdir()) and children_of(proc.pid), "the bench started no server",
+                   timeout=120)
+        started = children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM, proc.stderr.read().decode()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert list(scratch.iterdir()) == []
+    for pid in started:
+        wait_until(lambda: gone_or_zombie(pid), f"{describe_process(pid)} outlived the bench", timeout=10)
 
 
 def test_quick_end_to_end(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -232,5 +233,17 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
+def exit_on_stop_signals() -> None:
+    """SIGTERM and SIGHUP end the run through every `finally`, as Ctrl-C does: the servers and
+    echoes it started are stopped and their scratch directories removed, where the signals'
+    default action would end the process with none of that done."""
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+
+
 if __name__ == "__main__":
+    exit_on_stop_signals()
     raise SystemExit(main())
