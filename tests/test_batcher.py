@@ -312,6 +312,19 @@ def test_a_batch_member_whose_finishing_fails_leaves_the_others_answered(inproc)
     assert srv.dispatcher.drain(5.0)
 
 
+def test_a_scan_with_no_rows_is_refused_beside_others_as_alone(inproc):
+    """A zero-row x queued behind a scan it could share a launch with is refused as it is alone
+    (found in review: stacked, x was not empty, and it was answered with empty results)."""
+    srv = inproc(max_delay_us=0)
+    conn = RecordingConnection()
+    srv.hold(conn)
+    ids = [srv.submit(conn, "scan", **make_scan_inputs(ScanCase(rows, 3, 4, 2))) for rows in (2, 0)]
+    srv.go()
+    assert conn.reply(ids[0]).ok
+    refused = conn.reply(ids[1])
+    assert not refused.ok and refused.error["detail"]["field"] == "args.x", refused.error
+
+
 @pytest.mark.parametrize("device", SERVER_DEVICES)
 def test_scans_of_equal_shapes_share_a_launch(inproc, device):
     srv = inproc(device=device, max_delay_us=0)

@@ -110,6 +110,16 @@ def test_ssd_prefill_then_steps_equal_one_scan(srv):
     assert_close(state, state_ref, torch.float32, "session state", STATE_TOLERANCE)
 
 
+def test_an_ssd_prefill_returns_the_fp32_state_it_keeps_from_f64_inputs(srv):
+    conn = RecordingConnection()
+    inputs = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+              for k, v in make_ssd_inputs(SsdCase(1, 5, 2, 3, 2)).items() if k not in ("h0", "return_state")}
+    session = srv.call(conn, "session_open", kind="ssd", batch=1, heads=2, headdim=3, state=2)["session"]
+    state = srv.call(conn, "ssd_scan", session=session, return_state=True, **inputs)["state"]
+    assert state.dtype == torch.float32
+    assert torch.equal(state, srv.call(conn, "session_state", session=session)["state"])
+
+
 def test_ssd_steps_of_two_sessions_share_a_launch(srv):
     conn = RecordingConnection()
     constants = make_ssd_update_inputs(SsdUpdateCase(1, 4, 3, 8, D=True))

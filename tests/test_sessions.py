@@ -97,12 +97,17 @@ def test_prefill_then_steps_equal_one_scan(client, case):
     client.close_session(session)
 
 
-def test_prefill_returns_the_state_it_keeps(client):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_prefill_returns_the_state_it_keeps(client, dtype):
+    """SPEC §6.1: the state returned is the one kept, fp32 whatever the inputs' dtype (found in
+    review: f64 inputs got the kernel's f64 state back)."""
     s = ScanCase(2, 6, 5, 3, D=True)
-    inputs = make_scan_inputs(s)
+    inputs = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+              for k, v in make_scan_inputs(s).items()}
     _, state_ref = reference_scan(inputs)
     session = client.open_session(2, 5, 3)
     result = client.scan(**window(inputs, 0, 6), session=session, return_state=True).unwrap()
+    assert result["state"].dtype == torch.float32
     assert_close(result["state"], state_ref, torch.float32, "returned state", STATE_TOLERANCE)
     assert torch.equal(client.session_state(session), result["state"])
     client.close_session(session)

@@ -5,12 +5,15 @@ alone."""
 
 from __future__ import annotations
 
+import torch
+
 import kernels
 from protocol import WireTensor
 
 from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, shared_args, shared_tensors,
                        signature, split_rows, stack_rows, wire_rows)
 from ..errors import OpError
+from ..sessions import STATE_DTYPE
 from ..tensors import host_view, to_wire
 from ..timing import now_ns
 from .sessions import check_rows, session_of_kind
@@ -64,6 +67,12 @@ def _nbytes(value) -> int:
     return value.data.nbytes if isinstance(value, WireTensor) else value.numel() * value.element_size()
 
 
+def kept_state(item: Item, state: torch.Tensor) -> torch.Tensor:
+    """The final state a reply returns: with a session, the one it keeps (SPEC §6.1: fp32 whatever
+    the inputs' dtype), else the kernel's own."""
+    return state.to(STATE_DTYPE) if item.session is not None else state
+
+
 class ScanOp(BatchedOp):
     """The scan of a window for every row; with a session, its state in and out."""
 
@@ -85,9 +94,10 @@ class ScanOp(BatchedOp):
         if "cu_seqlens" in args:
             options["cu_seqlens"] = cu_seqlens_arg(server, call)
         # Only requests whose per-row values all have x's rows share a launch (else one request's
-        # extra row could make up for another's missing one); a malformed request runs alone, and
-        # the kernel's error names its own shapes.
-        elif len(x.shape) == 3 and _nbytes(x) <= BATCH_MAX_X_BYTES and \
+        # extra row could make up for another's missing one), and none of x's sizes is 0 (the
+        # stacked x would not be empty); a malformed request runs alone, and the kernel's error
+        # names its own shapes.
+        elif len(x.shape) == 3 and 0 not in x.shape and _nbytes(x) <= BATCH_MAX_X_BYTES and \
                 all(v is None or (len(v.shape) >= 1 and v.shape[0] == x.shape[0]) for v in own.values()):
             key = ("scan", layout, *(row_signature(own[name]) for name in ("x", "dt", "B", "C", "z")),
                    h0_signature, *(signature(t) for t in shared.values()), *options.values())
@@ -125,7 +135,7 @@ class ScanOp(BatchedOp):
         start = now_ns()
         for item, result, item_state in zip(items, results, states):
             if item.call.args.get("return_state"):
-                result["state"] = to_wire(item_state)
+                result["state"] = to_wire(kept_state(item, item_state))
         charge(items, "d2h", now_ns() - start)
         return results
 
@@ -173,7 +183,7 @@ class SsdScanOp(BatchedOp):
         result = {"y": to_wire(y)}
         start = now_ns()
         if item.call.args.get("return_state"):
-            result["state"] = to_wire(state)
+            result["state"] = to_wire(kept_state(item, state))
         charge(items, "d2h", now_ns() - start)
         return [result]
 
