@@ -36,6 +36,9 @@ from .timing import now_ns
 # How long a batch size is remembered as the company to wait for (see BatchPolicy). Longer than
 # a 60 FPS frame, so that agents stepping once per frame are still expected on the next frame.
 COMPANY_MEMORY_NS = 1_000_000_000
+# A batch stops waiting for company this long before a member's deadline would pass, so that the
+# launch still starts within it.
+DEADLINE_MARGIN_NS = 1_000_000
 
 
 @dataclass(eq=False)
@@ -51,6 +54,7 @@ class Item:
     session: Session | None = None
     options: dict = field(default_factory=dict)  # the kernel's dt options, part of the key
     prepare_ns: int = 0  # time spent preparing; not queueing time
+    start_by_ns: int | None = None  # when its deadline_us runs out (SPEC §4); None: it has none
 
 
 class BatchedOp(abc.ABC):
@@ -125,6 +129,7 @@ class Batch:
         self.rows = first.rows
         self.sessions = {first.session} if first.session is not None else set()
         self.first_enqueued_ns = first.call.enqueued_ns
+        self.start_by_ns = first.start_by_ns  # the earliest member deadline, None if none has one
 
     @property
     def key(self):
@@ -141,6 +146,9 @@ class Batch:
     def add(self, item: Item) -> None:
         self.items.append(item)
         self.rows += item.rows
+        if item.start_by_ns is not None:
+            self.start_by_ns = item.start_by_ns if self.start_by_ns is None else min(self.start_by_ns,
+                                                                                        item.start_by_ns)
         if item.session is not None:
             self.sessions.add(item.session)
 
@@ -149,10 +157,10 @@ class BatchPolicy:
     """How long a batch waits for more requests.
 
     A batch waits for late requests only while it has fewer requests than the largest batch of
-    its key in the last second (its expected company), and never longer than `max_delay_us`
-    after its first request arrived. So a lone caller never waits, while callers that step
-    together are gathered into one launch again each time. `max_delay_us` 0 never waits; what is
-    already queued still joins.
+    its key in the last second (its expected company), never longer than `max_delay_us` after
+    its first request arrived, and never past a member's deadline. So a lone caller never waits,
+    while callers that step together are gathered into one launch again each time.
+    `max_delay_us` 0 never waits; what is already queued still joins.
     """
 
     def __init__(self, max_delay_us: int, max_batch: int):
@@ -164,7 +172,10 @@ class BatchPolicy:
         """Seconds to wait for one more request to join `batch`; None: take only queued ones."""
         if self.max_delay_ns == 0 or batch.key is None or len(batch.items) >= self._expected(batch.key, now):
             return None
-        remaining = batch.first_enqueued_ns + self.max_delay_ns - now
+        end = batch.first_enqueued_ns + self.max_delay_ns
+        if batch.start_by_ns is not None:
+            end = min(end, batch.start_by_ns - DEADLINE_MARGIN_NS)
+        remaining = end - now
         return remaining / 1e9 if remaining > 0 else None
 
     def expects_company(self, key, now: int) -> bool:
@@ -248,7 +259,7 @@ def _launch(server, op: BatchedOp, items: list[Item]) -> list[dict]:
     results = op.run(server, items)
     # The launch is counted here, once, not with any member's reply, which may still fail to go
     # out (inference_count / execution_count = mean batch).
-    server.stats.record_launch(items[0].call.stats_op)
+    server.stats.record_launch(items[0].call.stats_op, rows)
     return results
 
 
@@ -257,6 +268,8 @@ def prepare(op: BatchedOp, server, call) -> Item:
     start = now_ns()
     item = op.prepare(server, call)
     item.prepare_ns = now_ns() - start
+    budget_us = call.request.deadline_us
+    item.start_by_ns = None if budget_us is None else call.timing.received_ns + budget_us * 1000
     return item
 
 

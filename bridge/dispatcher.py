@@ -95,6 +95,8 @@ class Call:
 
 
 _STOP = object()
+# Put on the queue by drain(): a batch waiting for company stops waiting, as none can come.
+_WAKE = object()
 
 
 def deadline_error(request, received_ns: int) -> OpError | None:
@@ -296,6 +298,7 @@ class Dispatcher:
         started by then are answered `shutting_down` (work still running is not answered)."""
         with self._idle:
             self.accepting = False
+            self._queue.put(_WAKE)
             if self._idle.wait_for(lambda: self._pending == 0, timeout):
                 return True
         self.server.queued.drop_all(OpError("shutting_down", "the server is shutting down: the request was still "
@@ -315,10 +318,11 @@ class Dispatcher:
     def _work(self) -> None:
         self._prepare_thread()
         while True:
-            call = self._next_call(take=False)
+            call = self._next_call()
             if call is _STOP:
                 return
-            self._serve_on(call, reader=False)
+            if call is not _WAKE:
+                self._serve_on(call, reader=False)
 
     def _serve_on(self, call: Call, *, reader: bool) -> bool:
         """Serve `call`, one thread at a time. The worker serves a batched request with the
@@ -328,8 +332,9 @@ class Dispatcher:
         op = call.batched_op
         with self._serving:
             # The worker takes a request from the cancellable set only once it may run it: while
-            # it waits here for a thread serving inline, a cancel can still drop the request.
-            if not reader and not self.server.queued.take(call):
+            # it waits here for a thread serving inline, a cancel can still drop the request. A
+            # batched one is taken at its launch (_run_batch): gathering is not running.
+            if not reader and (call.dropped if op is not None else not self.server.queued.take(call)):
                 return True
             try:
                 if op is None:
@@ -352,10 +357,10 @@ class Dispatcher:
             self._run_batch(op, Batch(item))
         return True
 
-    def _next_call(self, block: bool = True, timeout: float | None = None, take: bool = True):
+    def _next_call(self, block: bool = True, timeout: float | None = None):
         """The held request if a cancel has not dropped it, else the next queued one a cancel has
-        not dropped; None when nothing came in time. `take`: taken from the cancellable set
-        (under the serving lock); else the caller takes it when it has the lock."""
+        not dropped; None when nothing came in time. It stays in the cancellable set: whoever
+        runs it takes it from there under the serving lock."""
         while True:
             if self._held is not None:
                 call, self._held = self._held, None
@@ -364,15 +369,12 @@ class Dispatcher:
                     call = self._queue.get(block, timeout)
                 except queue.Empty:
                     return None
-            if call is _STOP or (self.server.queued.take(call) if take else not call.dropped):
+            if call is _STOP or call is _WAKE or not call.dropped:
                 return call
 
     def _hold(self, call) -> None:
-        """Keep `call`, taken while gathering a batch it cannot join, to be served next; until
-        then it has not started, so a cancel may still drop it."""
+        """Keep `call`, met while gathering a batch it cannot join, to be served next."""
         self._held = call
-        if call is not _STOP:
-            self.server.queued.add(call, self._fail, oldest=True)
 
     def _serve(self, call: Call) -> None:
         call.timing.add("queue", now_ns() - call.enqueued_ns)
@@ -393,9 +395,22 @@ class Dispatcher:
 
     def _run_batch(self, op: BatchedOp, batch: Batch) -> None:
         start = now_ns()
+        items = []
         for item in batch.items:
-            item.call.timing.add("queue", start - item.call.enqueued_ns - item.prepare_ns)
-        for item, outcome in run_batch(self.server, op, batch.items):
+            call = item.call
+            # Taken only now: until its launch a gathered request has not started, so a cancel
+            # or the drain may have answered it, and its budget may have run out meanwhile.
+            if not self.server.queued.take(call):
+                continue
+            call.timing.add("queue", start - call.enqueued_ns - item.prepare_ns)
+            late = deadline_error(call.request, call.timing.received_ns)
+            if late is not None:
+                self._fail(call, late)
+            else:
+                items.append(item)
+        if not items:
+            return
+        for item, outcome in run_batch(self.server, op, items):
             try:
                 if isinstance(outcome, BaseException):
                     self._fail(item.call, outcome)
@@ -411,9 +426,10 @@ class Dispatcher:
             return None
         batch = Batch(lead)
         while lead.key is not None and batch.rows < self.policy.max_batch:
-            wait = self.policy.wait_s(batch, now_ns())
+            # Once the server drains, no company can come: only what is queued joins.
+            wait = self.policy.wait_s(batch, now_ns()) if self.accepting else None
             call = self._next_call(block=wait is not None, timeout=wait)
-            if call is None:
+            if call is None or call is _WAKE:
                 break
             if call is _STOP or call.batched_op is not op:
                 self._hold(call)
@@ -439,7 +455,9 @@ class Dispatcher:
             if call.prepared is None:
                 call.prepared = prepare(op, self.server, call)
         except Exception as exc:
-            self._fail(call, exc)
+            # Taken first: one still in the cancellable set must not be answered twice.
+            if self.server.queued.take(call):
+                self._fail(call, exc)
             return None
         return call.prepared
 

@@ -106,10 +106,13 @@ class Stats:
             for kind, count in freed.items():
                 self.released[(reason, kind)] += count
 
-    def record_launch(self, op: str) -> None:
-        """One kernel launch that served a batch of `op` requests, counted apart from them."""
+    def record_launch(self, op: str, rows: int) -> None:
+        """One kernel launch that served a batch of `op` requests (`rows` rows), counted apart
+        from them."""
         with self._lock:
             self.ops[op]["execution_count"] += 1
+            if self._histograms is not None:
+                self._op_histograms(op)["batch_rows"].observe(rows)
 
     def record_frame(self, op: str) -> None:
         """A frame of `op` that ran inside a session_open or session_restore request: one
@@ -132,16 +135,23 @@ class Stats:
                 for key in TOTALLED_KEYS:
                     entry[key] += timing.get(key, 0.0)
                 if self._histograms is not None:
-                    self._observe(op, timing)
+                    self._observe(op, timing, own_launch=executions > 0)
             if error_code:
                 self.errors[error_code] += 1
 
-    def _observe(self, op: str, timing: dict) -> None:
+    def _op_histograms(self, op: str) -> dict:
         histograms = self._histograms.get(op)
         if histograms is None:
             histograms = self._histograms[op] = {key: Histogram(LATENCY_BUCKETS_US) for key in TOTALLED_KEYS}
             histograms["batch_rows"] = Histogram(BATCH_ROWS_BUCKETS)
+        return histograms
+
+    def _observe(self, op: str, timing: dict, own_launch: bool) -> None:
+        histograms = self._op_histograms(op)
         for key, value in timing.items():
+            # A batch member's launch rows are counted once, for the launch (record_launch).
+            if key == "batch_rows" and not own_launch:
+                continue
             histogram = histograms.get(key)
             if histogram is not None:
                 histogram.observe(value)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import protocol
-from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, run_batch
+from bridge.batcher import DEADLINE_MARGIN_NS, Batch, BatchedOp, BatchPolicy, Item, run_batch
 from bridge.client import PortClient, result_from_wire, to_wire
 from bridge.errors import OpError
 from bridge.ops.scan import BATCH_MAX_X_BYTES
@@ -28,6 +28,7 @@ from bridge.timing import Timing, now_ns
 from kernel_cases import (ON_CUDA, SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close,
                           make_scan_inputs, make_update_inputs, reference_scan, reference_update)
 from bridge_fakes import DrainRace, RecordingConnection, served_natively
+from waiting import wait_until
 
 SHARED = ("A", "D", "dt_bias")
 
@@ -225,7 +226,7 @@ def test_no_batching_with_max_batch_one(inproc):
 
 
 def test_stats_add_up(inproc):
-    srv = inproc(max_batch=6, max_delay_us=0)
+    srv = inproc(max_batch=6, max_delay_us=0, metrics_port=0)  # a metrics port: histograms kept
     conn = RecordingConnection()
     shared = shared_constants(5, 3, {})
     rows = (2, 1, 3, 2, 5, 1, 1)
@@ -245,6 +246,10 @@ def test_stats_add_up(inproc):
     assert abs(launches - round(launches)) < 1e-9
     assert step["execution_count"] == round(launches) == len(launches_of(list(rows), 6)) == 4
     assert step["kernel_us"] > 0 and step["queue_us"] > 0
+    # scan_bridge_batch_rows: the rows of each launch, once a launch (found in review: each
+    # member counted its launch's rows again).
+    batch_rows = srv.server.stats.histograms()[("step", "batch_rows")]
+    assert (sum(batch_rows.counts), batch_rows.sum) == (4, sum(rows))
 
 
 def test_an_oversized_frame_counts_as_read_and_its_answer_as_sent(inproc):
@@ -393,6 +398,82 @@ class FakeCall:
 
 def fake_item(key, rows=1, enqueued_ns=0, session=None) -> Item:
     return Item(FakeCall(enqueued_ns, Timing(0)), key, rows, {}, {}, session)
+
+
+def test_policy_waits_no_later_than_a_members_deadline():
+    """A batch waiting for company stops a margin before its earliest member's deadline_us runs
+    out, so that member still starts in time (found in review: it waited out max_delay_us)."""
+    policy = BatchPolicy(max_delay_us=500_000, max_batch=64)
+    company = Batch(fake_item(("k",)))
+    for _ in range(3):
+        company.add(fake_item(("k",)))
+    policy.observe(company, 0)  # four came together: three wait for a fourth
+    batch = Batch(fake_item(("k",), enqueued_ns=1_000))
+    assert policy.wait_s(batch, 1_000) == pytest.approx(0.5, abs=1e-5)
+    late = fake_item(("k",), enqueued_ns=2_000)
+    late.start_by_ns = 30_000_000
+    batch.add(late)
+    soon = fake_item(("k",), enqueued_ns=3_000)
+    soon.start_by_ns = 20_000_000
+    batch.add(soon)
+    assert batch.start_by_ns == 20_000_000
+    assert policy.wait_s(batch, 4_000) == pytest.approx((20_000_000 - DEADLINE_MARGIN_NS - 4_000) / 1e9)
+    assert policy.wait_s(batch, 20_000_000 - DEADLINE_MARGIN_NS) is None
+
+
+def test_a_waiting_batch_starts_its_members_within_their_deadlines(inproc):
+    srv = inproc(max_delay_us=400_000, native_step=False)
+    conn = RecordingConnection()
+    shared = shared_constants(4, 2, {})
+    a, b = open_prefilled(srv, conn, 1, 4, 2), open_prefilled(srv, conn, 1, 4, 2)
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 4, 2, shared, {})) for s in (a, b)]
+    srv.go()
+    assert [conn.reply(i).timing["batch_rows"] for i in ids] == [2, 2]  # company is now expected
+    reply = conn.reply(srv.submit(conn, "step", session=a, deadline_us=50_000, **step_inputs(1, 4, 2, shared, {})))
+    assert reply.ok, reply.error
+    assert reply.timing["queue_us"] < 50_000 and reply.timing["batch_rows"] == 1
+
+
+def test_a_request_gathered_into_a_waiting_batch_can_be_cancelled(inproc):
+    """Gathered is not started: a cancel drops the batch's lead and its member while they wait
+    for company (found in review: `cancelled` false, and both ran)."""
+    srv = inproc(max_delay_us=2_000_000, native_step=False)
+    conn = RecordingConnection()
+    shared = shared_constants(4, 2, {})
+    sessions = [open_prefilled(srv, conn, 1, 4, 2) for _ in range(3)]
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 4, 2, shared, {})) for s in sessions]
+    srv.go()
+    assert [conn.reply(i).timing["batch_rows"] for i in ids] == [3, 3, 3]
+    before = [state_of(srv, conn, s) for s in sessions]
+    lead = srv.submit(conn, "step", session=sessions[0], **step_inputs(1, 4, 2, shared, {}))
+    wait_until(lambda: srv.dispatcher.queue_length() == 0, "the worker took the lead")
+    member = srv.submit(conn, "step", session=sessions[1], **step_inputs(1, 4, 2, shared, {}))
+    wait_until(lambda: srv.dispatcher.queue_length() == 0, "the worker gathered the member")
+    for request_id in (member, lead):
+        assert srv.call(conn, "cancel", id=request_id) == {"cancelled": True}
+        reply = conn.reply(request_id, timeout=1)
+        assert not reply.ok and reply.error["code"] == "cancelled", reply.error
+    assert all(torch.equal(state_of(srv, conn, s), old) for s, old in zip(sessions, before))
+
+
+def test_a_drain_ends_a_batchs_wait_for_company(inproc):
+    """Once the server drains no company can come: a batch waiting for it runs at once and is
+    answered (found in review: it waited out max_delay_us, past the drain's time, unanswered)."""
+    srv = inproc(max_delay_us=3_000_000, native_step=False)
+    conn = RecordingConnection()
+    shared = shared_constants(4, 2, {})
+    a, b = open_prefilled(srv, conn, 1, 4, 2), open_prefilled(srv, conn, 1, 4, 2)
+    srv.hold(conn)
+    ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 4, 2, shared, {})) for s in (a, b)]
+    srv.go()
+    assert [conn.reply(i).timing["batch_rows"] for i in ids] == [2, 2]
+    lone = srv.submit(conn, "step", session=a, **step_inputs(1, 4, 2, shared, {}))
+    wait_until(lambda: srv.dispatcher.queue_length() == 0, "the worker took the step")
+    assert srv.dispatcher.drain(1.0) is True
+    reply = conn.reply(lone, timeout=0)
+    assert reply.ok and reply.timing["batch_rows"] == 1, reply.error
 
 
 def test_policy_waits_only_for_expected_company():
