@@ -643,7 +643,7 @@ BAD_CHECKPOINTS = [
     ("unexpected", dict(weights=_add("backbone.layers.0.mixer.extra")), "invalid_checkpoint",
      "weights.backbone.layers.0.mixer.extra"),
     ("not-finite", dict(weights=_nan("backbone.layers.0.mixer.out_proj.weight")), "invalid_checkpoint",
-     "weights.layers.0.mixer.out_proj.weight"),
+     "weights.backbone.layers.0.mixer.out_proj.weight"),
     ("unknown-arch", dict(config=lambda c: {**c, "model_type": "llama"}), "invalid_checkpoint",
      "config.json.model_type"),
     ("layernorm", dict(config=lambda c: {**c, "rms_norm": False}), "invalid_checkpoint", "config.json.rms_norm"),
@@ -730,6 +730,22 @@ def test_a_config_of_more_layers_than_tensors_is_refused_before_listing_them(ser
                      weights={"norm_f.weight": torch.ones(16), "layers.0.norm.weight": torch.ones(16)})
     assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "args.weights.layers.1.norm.weight")
     assert listed == []
+
+
+def test_a_sent_weight_not_finite_is_named_by_its_path_in_the_request(serve):
+    """SPEC §6.4 and §7: a bad tensor of model_load's `weights` is named by its path in the
+    request, as sent (found in review: a NaN one was "weights.<canonical name>", no "args.")."""
+    from bridge.models.config import parse_config
+    from bridge.models.weights import expected_shapes
+
+    config = {"arch": "mamba", "d_model": 8, "n_layer": 1, "vocab_size": 16}
+    weights = {f"backbone.{name}": torch.rand(shape) for name, shape in
+               expected_shapes(parse_config(config)).items()}
+    weights["backbone.layers.0.mixer.out_proj.weight"][0, 0] = float("nan")
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", config=config, weights=weights)
+    assert (error["code"], error["detail"]["field"]) == (
+        "invalid_checkpoint", "args.weights.backbone.layers.0.mixer.out_proj.weight"), error
 
 
 def test_a_model_over_the_pool_budget_is_refused_before_it_is_read(serve):

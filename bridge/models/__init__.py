@@ -34,7 +34,7 @@ def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, 
     source = TensorSource(directory)
     wanted = check_weights(config, source.shapes, "weights")
     hold(planned_bytes(source.shapes, wanted, dtype))
-    return _build(config, source.tensors(wanted), dtype, device)
+    return _build(config, source.tensors(wanted), dtype, device, "weights")
 
 
 def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
@@ -44,7 +44,7 @@ def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtyp
     shapes = {name: tuple(t.shape) for name, t in weights.items()}
     wanted = check_weights(config, shapes, "args.weights")
     hold(planned_bytes(shapes, wanted, dtype))
-    return _build(config, ((name, weights[name]) for name in wanted), dtype, device)
+    return _build(config, ((name, weights[name]) for name in wanted), dtype, device, "args.weights")
 
 
 def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: torch.dtype) -> int:
@@ -52,13 +52,17 @@ def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: t
     return sum(math.prod(shapes[name]) * param_dtype(canonical_name(name), dtype).itemsize for name in wanted)
 
 
-def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device) -> Model:
-    tensors = {}
+def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device, field: str) -> Model:
+    """The model of `named` (each tensor under its name as given); a tensor that is not finite is
+    invalid_checkpoint, named `field`.<its name as given>, as check_weights names the others."""
+    tensors, given_as = {}, {}
     for name, tensor in named:
         canonical = canonical_name(name)
+        given_as[canonical] = name
         # Always a copy: a file's mapping or a request's frame does not outlive the load.
         tensors[canonical] = tensor.to(device=device, dtype=param_dtype(canonical, dtype), copy=True).contiguous()
     for canonical, tensor in tensors.items():
         if not torch.isfinite(tensor).all():
-            raise checkpoint_error(f"weights.{canonical}", "finite values", "NaN or infinity", tensor=canonical)
+            raise checkpoint_error(f"{field}.{given_as[canonical]}", "finite values", "NaN or infinity",
+                                   tensor=canonical)
     return Model(config, tensors)
