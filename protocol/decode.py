@@ -241,14 +241,15 @@ def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, pre
         if arg is None:
             expected = (f"an argument of {op}: " + ", ".join(spec)) if spec else f"no arguments for {op}"
             reader.fail(InvalidArgument, field, expected, f"unknown argument {key!r}", known=list(spec))
-        if name in given_as:
-            reader.fail(InvalidArgument, field, f"either {name!r} or its alias, not both",
-                        f"both {given_as[name]!r} and {key!r}")
-        given_as[name] = key
+        # nil is absent (SPEC §3): a nil name beside its alias's value is not giving both.
         if kind(memoryview(raw)) == "nil":
             if arg.required:
                 reader.fail(InvalidArgument, field, KIND_EXPECTED[arg.kind], "nil")
             continue
+        if name in given_as:
+            reader.fail(InvalidArgument, field, f"either {name!r} or its alias, not both",
+                        f"both {given_as[name]!r} and {key!r}")
+        given_as[name] = key
         if arg.kind == "frames":  # a frame without its op is missing an argument of this op
             args[name] = _read_frames(reader, raw, field, op)
         else:

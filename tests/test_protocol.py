@@ -133,6 +133,22 @@ def test_aliases_resolve_to_canonical_names():
     assert bytes(req.args["x"].data) == args["u"]["data"]
 
 
+@pytest.mark.parametrize("given", [
+    pytest.param(dict(delta_softplus=True, dt_softplus=None), id="alias-beside-nil-name"),
+    pytest.param(dict(dt_softplus=None, delta_softplus=True), id="nil-name-then-alias"),
+    pytest.param(dict(return_last_state=True, return_state=None), id="return-last-state"),
+    pytest.param(dict(dt_softplus=None, delta_softplus=None), id="both-nil"),
+])
+def test_a_nil_beside_its_alias_is_absent_not_both(given):
+    """SPEC §3: nil means absent, so a nil name beside its alias's value gives one of the two
+    (found in review: refused as giving both)."""
+    req = decode_request(pack(request("scan", dict(scan_args(), **given))))
+    expected = {k: v for k, v in given.items() if v is not None}
+    assert {"dt_softplus": req.args.get("dt_softplus"), "return_state": req.args.get("return_state")} == {
+        "dt_softplus": expected.get("dt_softplus", expected.get("delta_softplus")),
+        "return_state": expected.get("return_state", expected.get("return_last_state"))}
+
+
 def test_handle_reference_in_place_of_a_tensor():
     args = scan_args()
     args["A"] = {"handle": "weights-A"}
