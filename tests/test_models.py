@@ -892,6 +892,20 @@ def test_every_bad_model_request_is_named_and_the_session_survives(serve, name, 
     assert logits.shape == (1, VOCAB)
 
 
+def test_a_saved_state_part_of_an_integer_dtype_is_invalid_not_mis_shaped(serve):
+    """SPEC §6.1: a state of a dtype not floating is invalid_argument, as a plain session's h0
+    is (found in review: shape_mismatch, expected and got the same shape)."""
+    srv, conn = serve(), RecordingConnection()
+    lm = call(srv, conn, "model_load", path="mamba-lm-tied")["model"]
+    session = call(srv, conn, "session_open", model=lm, batch=1)["session"]
+    state = call(srv, conn, "session_state", session=session)["state"]
+    state["layers.0.ssm"] = state["layers.0.ssm"].to(torch.int32)
+    error = error_of(srv, conn, "session_open", model=lm, batch=1, state=state)
+    assert (error["code"], error["detail"]["field"], error["detail"]["got"]) == (
+        "invalid_argument", "args.state.layers.0.ssm", "i32"), error
+    assert srv.server.sessions.usage()["sessions"] == 1
+
+
 def test_another_connections_model_and_snapshot_are_unknown(serve):
     srv, mine, theirs = serve(), RecordingConnection(), RecordingConnection()
     model = call(srv, mine, "model_load", path="mamba-lm-tied")["model"]

@@ -194,7 +194,20 @@ def test_malformed_requests_get_errors_naming_the_field(srv, op, make_args, code
     reply = srv.request(conn, op, **make_args())
     assert not reply.ok, f"{op} accepted"
     assert (reply.error["code"], reply.error["detail"].get("field")) == (code, field), reply.error
+    # SPEC §7: validation errors say what was expected and what came (found in review: a
+    # session's missing axis said neither).
+    assert {"expected", "got"} <= set(reply.error["detail"]), reply.error
     assert srv.call(conn, "ping") == {"pong": True}
+
+
+def test_a_prefill_of_another_state_size_names_b_not_the_h0_it_never_sent(srv):
+    """ssd_scan with a session whose state size B does not have: the state is the scan's h0 behind
+    the scenes, but the client sent B (found in review: the error named args.h0)."""
+    conn = RecordingConnection()
+    session = srv.call(conn, "session_open", kind="ssd", batch=1, heads=4, headdim=3, state=4)["session"]
+    reply = srv.request(conn, "ssd_scan", session=session, **_ssd())
+    assert (reply.error["code"], reply.error["detail"]["field"]) == ("shape_mismatch", "args.B"), reply.error
+    assert "the session's state" in reply.error["message"]
 
 
 def test_sessions_take_only_their_own_generation(srv):

@@ -156,6 +156,12 @@ class SsdScanOp(BatchedOp):
                               f"got shape {list(own['x'].shape)}",
                               {"field": "args.x", "expected": f"[batch, seq, {session.shape[0]}, {session.shape[1]}]",
                                "got": str(list(own["x"].shape))})
+            B = own["B"]
+            if len(B.shape) == 4 and B.shape[3] != session.state:
+                raise OpError("shape_mismatch",
+                              f"args.B: expected {session.state} states (the session's state) on its last axis, "
+                              f"got shape {list(B.shape)}",
+                              {"field": "args.B", "expected": f"state {session.state}", "got": str(list(B.shape))})
         options = dt_options(args)
         for name in ("cu_seqlens", "chunk_size"):
             if name in args:

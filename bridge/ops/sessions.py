@@ -101,7 +101,8 @@ def open_plain_session(server, call):
     for name in axes:
         if name not in args:
             raise OpError("missing_argument", f"args.{name}: expected a positive int (kind {kind!r}), got nothing",
-                          {"field": f"args.{name}", "op": "session_open"})
+                          {"field": f"args.{name}", "expected": "a positive int", "got": "nothing",
+                           "op": "session_open"})
     if isinstance(args["state"], dict):
         raise OpError("invalid_argument",
                       f"args.state: expected a positive int (the state size of kind {kind!r}), got a map of tensors "
@@ -112,6 +113,16 @@ def open_plain_session(server, call):
     return open_filled(server, call, args["batch"], layout, None if h0 is None else lambda session: session.write(h0))
 
 
+def require_float(value, field: str) -> None:
+    """invalid_argument unless `value` (a tensor or WireTensor) has a floating dtype: a state's."""
+    dtype = dtype_of(value)
+    if dtype not in kernels.FLOAT_DTYPES:
+        expected = f"a floating dtype ({', '.join(WIRE_DTYPES[d] for d in kernels.FLOAT_DTYPES)})"
+        got = WIRE_DTYPES[dtype]
+        raise OpError("invalid_argument", f"{field}: expected {expected}, got {got}",
+                      {"field": field, "expected": expected, "got": got})
+
+
 def initial_state(server, call, kind: str, shape: tuple[int, ...]) -> torch.Tensor | None:
     """args.h0 of the plain session's state shape (any float dtype; the session keeps it as
     fp32 on its device; a handle's tensor, else a view of the wire bytes), or None when it is
@@ -120,12 +131,7 @@ def initial_state(server, call, kind: str, shape: tuple[int, ...]) -> torch.Tens
     value = server.tensor_arg(call, "h0")
     if value is None:
         return None
-    dtype = dtype_of(value)
-    if dtype not in kernels.FLOAT_DTYPES:
-        expected = f"a floating dtype ({', '.join(WIRE_DTYPES[d] for d in kernels.FLOAT_DTYPES)})"
-        got = WIRE_DTYPES[dtype]
-        raise OpError("invalid_argument", f"args.h0: expected {expected}, got {got}",
-                      {"field": "args.h0", "expected": expected, "got": got})
+    require_float(value, "args.h0")
     if tuple(value.shape) != shape:
         expected = f"shape {list(shape)} ([batch, {', '.join(ROW_AXES[kind])}])"
         raise OpError("shape_mismatch", f"args.h0: expected {expected}, got shape {list(value.shape)}",
@@ -171,15 +177,16 @@ def state_parts(server, call, layout, batch: int, saved: dict) -> dict:
         field = f"args.state.{name}"
         if name not in saved:
             raise OpError("missing_argument", f"{field}: expected a tensor of shape {list(shape)}, got nothing",
-                          {"field": field, "op": "session_open"})
+                          {"field": field, "expected": f"a tensor of shape {list(shape)}", "got": "nothing",
+                           "op": "session_open"})
         value = saved[name]
         # as initial_state's: the session's own copy, made once it is open, is the only one
         tensor = (host_view(value) if isinstance(value, protocol.WireTensor)
                   else server.tensor_in_map(call, value, field))
-        if tuple(tensor.shape) != shape or not tensor.is_floating_point():
-            raise OpError("shape_mismatch", f"{field}: expected a float tensor of shape {list(shape)}, got "
-                          f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}",
-                          {"field": field, "expected": f"shape {list(shape)}", "got": str(list(tensor.shape))})
+        require_float(tensor, field)
+        if tuple(tensor.shape) != shape:
+            raise OpError("shape_mismatch", f"{field}: expected shape {list(shape)}, got shape {list(tensor.shape)}",
+                          {"field": field, "expected": f"shape {list(shape)}", "got": f"shape {list(tensor.shape)}"})
         parts[name] = tensor
     return parts
 
