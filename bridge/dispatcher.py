@@ -41,7 +41,7 @@ import torch
 import protocol
 
 from .batcher import Batch, BatchedOp, BatchPolicy, prepare, run_batch
-from .errors import OpError, error_fields
+from .errors import OpError, error_fields, reply_too_large
 from .native import NativeStepError
 from .timing import Timing, now_ns
 
@@ -111,14 +111,6 @@ def deadline_error(request, received_ns: int) -> OpError | None:
     return OpError("deadline_exceeded",
                    f"deadline_us: expected the request to start within {budget_us} µs, it waited {waited_us} µs",
                    {"deadline_us": budget_us, "waited_us": waited_us})
-
-
-def reply_too_large(exc: protocol.FrameTooLarge) -> OpError:
-    """The answer to a request whose reply a stream lane's 4-byte length prefix cannot frame
-    (SPEC §2): a result as large as that comes only from a request near --max-frame-size whose
-    result is many times its input (a scan's state beside a short x)."""
-    return OpError("limit_exceeded", f"reply: expected at most {exc.limit} bytes in a frame, got {exc.length}",
-                   {"limit": "reply_frame_size", "max": exc.limit, "requested": exc.length})
 
 
 class Dispatcher:
@@ -476,7 +468,8 @@ class Dispatcher:
             parts = call.codec.reply(call.request, result, timing, out_of_band)
         except Exception as exc:
             self._take_back(call)
-            self._fail(call, exc)
+            # A tensor past msgpack's 4-byte bin length: too large to frame, as a whole reply can be.
+            self._fail(call, reply_too_large(exc) if isinstance(exc, protocol.FrameTooLarge) else exc)
             return
         self._replying(call)
         try:

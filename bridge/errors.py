@@ -21,6 +21,13 @@ class OpError(Exception):
         self.detail = detail or {}
 
 
+def reply_too_large(exc: protocol.FrameTooLarge) -> OpError:
+    """The answer to a request whose reply a stream lane's 4-byte length prefix cannot frame, or
+    one of whose tensors msgpack's 4-byte bin length cannot carry in-band (SPEC §2)."""
+    return OpError("limit_exceeded", f"reply: expected at most {exc.limit} bytes in a frame, got {exc.length}",
+                   {"limit": "reply_frame_size", "max": exc.limit, "requested": exc.length})
+
+
 def out_of_memory(what: str, exc: BaseException) -> OpError:
     first_line = (str(exc).strip() or type(exc).__name__).splitlines()[0]
     return OpError("limit_exceeded", f"{what}: out of memory ({first_line})", {"limit": "memory"})

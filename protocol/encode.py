@@ -20,12 +20,14 @@ from collections.abc import Callable
 
 import msgspec
 
-from .errors import ERROR_CODES
+from .errors import ERROR_CODES, FrameTooLarge
 from .schema import PROTOCOL_VERSION, valid_request_id
 from .tensors import HandleRef, OutTensor, WireTensor
 
 # Payloads from this size on are not copied into the coalesced buffers.
 BIG_PAYLOAD = 16 * 1024
+# msgpack's bin 32 carries its length in 4 bytes.
+MAX_BIN_BYTES = 0xFFFFFFFF
 _SCALAR_ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -57,6 +59,8 @@ class Packer:
 
     def binary(self, view: memoryview) -> None:
         n = view.nbytes
+        if n > MAX_BIN_BYTES:
+            raise FrameTooLarge(n, MAX_BIN_BYTES)
         if n < 0x100:
             self.small += bytes((0xC4, n))
         elif n < 0x10000:

@@ -906,6 +906,31 @@ def test_a_saved_state_part_of_an_integer_dtype_is_invalid_not_mis_shaped(serve)
     assert srv.server.sessions.usage()["sessions"] == 1
 
 
+@pytest.mark.parametrize("args", [
+    pytest.param(dict(), id="logits"),
+    pytest.param(dict(output="hidden", return_state=True), id="hidden-and-state"),
+])
+def test_a_window_whose_output_cannot_be_framed_is_refused_before_it_runs(serve, monkeypatch, args):
+    """A model_forward reply past what a frame carries (SPEC §2; here the limit is lowered, as a
+    long window of a big vocabulary's logits reaches the real one) is refused before the window
+    runs: found in review, the session's state had moved on behind the limit_exceeded, and a
+    client sending the window again ran it twice. last_only's one position still fits."""
+    import protocol
+
+    srv, conn = serve(), RecordingConnection()
+    lm = call(srv, conn, "model_load", path="mamba-lm-tied")["model"]
+    session = call(srv, conn, "session_open", model=lm, batch=2)["session"]
+    before = call(srv, conn, "session_state", session=session)["state"]
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 2 * 4 * max(VOCAB, 12) * 6)
+    error = error_of(srv, conn, "model_forward", session=session, tokens=tokens, **args)
+    assert (error["code"], error["detail"]["limit"]) == ("limit_exceeded", "reply_frame_size"), error
+    assert error["detail"]["requested"] > error["detail"]["max"]
+    after = call(srv, conn, "session_state", session=session)["state"]
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert call(srv, conn, "model_forward", session=session, tokens=tokens, last_only=True)
+
+
 def test_another_connections_model_and_snapshot_are_unknown(serve):
     srv, mine, theirs = serve(), RecordingConnection(), RecordingConnection()
     model = call(srv, mine, "model_load", path="mamba-lm-tied")["model"]

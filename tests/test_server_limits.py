@@ -22,6 +22,7 @@ import zmq
 import protocol
 from bridge.client import UnixClient, ZmqClient
 
+from bridge_fakes import RecordingConnection
 from kernel_cases import ScanCase, make_scan_inputs
 from lane_helpers import (REPLY_TIMEOUT_S, assert_reply_matches_reference, ServerProcess, zmq_exchange,
                           scan_message, request_frame, scan_frame, read_reply, raw_unix)
@@ -372,3 +373,21 @@ def test_frame_headers_alone_commit_no_memory_for_the_bodies_they_announce(tmp_p
         for sock in idle:
             sock.close()
         assert srv.stop() == 0, srv.log()
+
+
+def test_a_reply_tensor_past_msgpacks_bin_length_is_limit_exceeded_not_a_failure(monkeypatch, inproc):
+    """A tensor of 2^32 bytes or more cannot go in-band: msgpack's bin carries a 4-byte length
+    (here lowered). Found in review: the encoder's OverflowError was answered internal_error and
+    logged as the server's failure; it is the reply_frame_size limit (SPEC §2)."""
+    import protocol.encode
+
+    srv, conn = inproc(), RecordingConnection()
+    inputs = make_scan_inputs(ScanCase(1, 1, 64, 16, return_state=True))
+    # A by handle: every tensor the request carries stays under the lowered limit.
+    inputs["A"] = protocol.HandleRef(srv.call(conn, "put", tensor=inputs["A"])["handle"])
+    monkeypatch.setattr(protocol.encode, "MAX_BIN_BYTES", 1024)
+    reply = srv.request(conn, "scan", **inputs)  # its state: 4 KiB
+    assert not reply.ok
+    assert (reply.error["code"], reply.error["detail"]["limit"]) == ("limit_exceeded", "reply_frame_size")
+    assert reply.error["detail"]["requested"] == 64 * 16 * 4
+    assert srv.call(conn, "ping") == {"pong": True}

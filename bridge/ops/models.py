@@ -15,7 +15,7 @@ import protocol
 
 from .. import models
 from ..batcher import BatchedOp, Item, charge, dtype_of, row_signature, stack_rows, wire_rows
-from ..errors import OpError
+from ..errors import OpError, reply_too_large
 from ..native import NativeStep
 from ..tensors import TORCH_DTYPES, WIRE_DTYPES, host_view, to_wire
 from ..timing import now_ns
@@ -145,11 +145,28 @@ def output_of(call, loaded) -> str:
     return output
 
 
+def check_forward_reply_fits(call, session, loaded, rows: int, seq: int, output: str) -> None:
+    """limit_exceeded (reply_frame_size) for a window whose output (logits of a big vocabulary
+    over a long window, say) a reply cannot carry in-band: refused before it runs, since once run
+    the session's state has moved on, and a client told the request failed would send the window
+    again. Multipart replies carry tensors as raw buffers, without the limit."""
+    if call.request.multipart:
+        return
+    config = loaded.model.config
+    width = config.vocab_size if output == "logits" else config.d_model
+    out_seq = 1 if call.args.get("last_only") else seq
+    itemsize = torch.promote_types(loaded.model.dtype, torch.float32).itemsize  # as the runtime's output
+    nbytes = rows * out_seq * width * itemsize + (session.nbytes if call.args.get("return_state") else 0)
+    if nbytes > protocol.framing.MAX_FRAMEABLE:
+        raise reply_too_large(protocol.FrameTooLarge(nbytes, protocol.framing.MAX_FRAMEABLE))
+
+
 def model_forward(server, call) -> dict:
     session, loaded = model_session(server, call)
     _, value = model_input(server, call, session, loaded, step=False)
     lengths = window_lengths(server, call, session, seq=value.shape[1])
     output = output_of(call, loaded)
+    check_forward_reply_fits(call, session, loaded, value.shape[0], value.shape[1], output)
     start = now_ns()
     inputs = server.device_tensor(value) if isinstance(value, protocol.WireTensor) else value
     call.timing.add("h2d", now_ns() - start)
