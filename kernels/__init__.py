@@ -21,7 +21,9 @@ fp64 inputs); y in x's dtype; the returned state is fp32 (fp64 for fp64 inputs).
 each row's state row; two rows of one launch naming the same slot race (the bridge, which runs
 one step per session in a launch, never makes them). A state updated in place must not overlap
 itself or any other operand, nor require grad; the update counts in its version, as torch's
-in-place ops do.
+in-place ops do. State updates are not differentiable: every backend runs them as under
+torch.no_grad(), so an operand that requires grad (A = -exp(A_log) of a Parameter) is read as a
+constant, and neither y nor the state requires grad.
 
 Mamba-2 (SSD, mamba_ssm's mamba_chunk_scan_combined / selective_state_update with heads): the
 same recurrence with a scalar decay per head, h_t = exp(dt_t A) h_{t-1} + dt_t x_t (x) B_t over
@@ -79,6 +81,8 @@ def reads_unaligned(backend: str, device_type: str) -> bool:
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
                    cu_seqlens=None, backend=None):
+    # Checked here: the autograd branch below reads it, ahead of _args' checks.
+    return_state = _args._flag("return_state", return_state)
     if wants_grad(x, dt, A, B, C, D, z, dt_bias, h0):
         spec = ScanSpec(False, (("dt_softplus", dt_softplus), ("dt_min", dt_min), ("dt_max", dt_max),
                                 ("layout", layout)), cu_seqlens, backend)
@@ -113,13 +117,18 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
                                     dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
                                     slots=slots)
     impl = get_backend(backend, args.x.device.type)
-    y = impl.state_update(args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+    # Not differentiable (module docstring): tracked in-place ops would leave the caller's state
+    # requiring grad, and its next update refused.
+    with torch.no_grad():
+        y = impl.state_update(args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
     _written(args.state)
     return y
 
 
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
              dt_max=None, h0=None, return_state=False, cu_seqlens=None, chunk_size=None, backend=None):
+    # Checked here: the autograd branch below reads it, ahead of _args' checks.
+    return_state = _args._flag("return_state", return_state)
     if wants_grad(x, dt, A, B, C, D, z, dt_bias, h0):
         spec = ScanSpec(True, (("dt_softplus", dt_softplus), ("dt_min", dt_min), ("dt_max", dt_max),
                                ("chunk_size", chunk_size)), cu_seqlens, backend)
@@ -153,7 +162,10 @@ def ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_
                                         dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
                                         slots=slots)
     impl = get_backend(backend, args.x.device.type)
-    y = impl.ssd_state_update(args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
+    # Not differentiable (module docstring): tracked in-place ops would leave the caller's state
+    # requiring grad, and its next update refused.
+    with torch.no_grad():
+        y = impl.ssd_state_update(args.state, args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs())
     _written(args.state)
     return y
 

@@ -33,6 +33,14 @@ states are kept transposed, [state, heads of the group x headdim] per group, so 
 (Bᵀ times the decayed dt·x, in x's own order) and C H are each one batched matmul per (batch,
 chunk, group). Y_diag is one matmul per (batch, chunk, head) on dt·x laid out head-major.
 
+Non-finite inputs. The chunked form is exact for finite numbers only: a NaN or inf at step k is
+multiplied by the zeros above the diagonal (0 x NaN = NaN) into the rows of its chunk before k,
+and the form sums C·B over the state before it meets x, where the recurrence sums C_n h_n over
+state entries that are already infinite (it gives NaN for inf - inf where the form gives ±inf).
+So a scan whose y or final state comes out non-finite is computed again by the recurrence
+(kernels/reference.py in the compute dtype), which puts NaN and inf where every other backend
+does; a finite one pays only the sums that find out (on CUDA, a host sync).
+
 Accumulation in fp32 (fp64 for fp64 inputs); y in x's dtype, the state in the compute dtype.
 """
 
@@ -44,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from .eager import LiveRows, _compute_dtype, _discretize_dt
+from .reference import ssd_scan_ref
 
 # Timesteps per chunk when the caller names none. The decay and score matrices hold
 # seq x heads x Q numbers, the chunk states seq x heads x headdim x state / Q: the two balance
@@ -91,9 +100,29 @@ def _skip_and_gate(y, x, D, z, f):
     return y
 
 
+def _all_finite(*tensors) -> bool:
+    """Whether every element of the tensors given (None skipped) is finite, read from their sums:
+    one NaN or inf term makes a sum non-finite. Finite terms whose sum overflows read as not
+    finite too, which costs the caller its slower exact path and nothing else."""
+    return all(bool(torch.isfinite(t.sum())) for t in tensors if t is not None)
+
+
 def ssd_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
              chunk_size):
     """Arguments as normalised by `kernels._args.check_ssd_scan` (D [heads, headdim])."""
+    options = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max, h0=h0,
+                   return_state=return_state)
+    y, final = _chunked_scan(x, dt, A, B, C, **options, chunk_size=chunk_size)
+    if _all_finite(y, final):
+        return y.to(x.dtype).contiguous(), final  # a padded y's slice is not contiguous for batch > 1
+    # The chunked form puts NaN where the recurrence has none (module docstring, "Non-finite inputs").
+    return ssd_scan_ref(x, dt, A, B, C, **options, compute_dtype=_compute_dtype(x))
+
+
+def _chunked_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
+                  chunk_size):
+    """The chunked scan: y [batch, seq, heads, headdim] in the compute dtype (a view of a padded
+    buffer) and the final state (None unless return_state)."""
     f = _compute_dtype(x)
     batch, seq, heads, headdim = x.shape
     groups, n = B.shape[2], B.shape[3]
@@ -164,8 +193,7 @@ def ssd_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, 
         torch.mul(y_off6, scale.unsqueeze(-1), out=y6)
         y6.add_(y_diag6)
 
-    y = _skip_and_gate(y[:, :seq], x, D, z, f)
-    return y.to(x.dtype).contiguous(), final  # a padded y's slice is not contiguous for batch > 1
+    return _skip_and_gate(y[:, :seq], x, D, z, f), final
 
 
 def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots):

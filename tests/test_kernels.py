@@ -325,6 +325,31 @@ def test_an_update_is_an_in_place_write_to_autograd(backend, update):
         loss.backward()
 
 
+@pytest.mark.parametrize("update", [pytest.param(kernels.selective_state_update, id="mamba1"),
+                                    pytest.param(kernels.ssd_state_update, id="ssd")])
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("reference", id="reference")])
+def test_an_update_reads_operands_that_require_grad_as_constants(backend, update):
+    """State updates are not differentiable: with A = -exp(A_log) of a parameter, and x and D
+    requiring grad, neither y nor the pool requires grad, and the pool takes the next update
+    (the torch and reference backends' tracked in-place ops left it requiring grad, so the
+    next call refused it); y and the state are those of the same calls without grad."""
+    seed = random_seed()
+    if update is kernels.selective_state_update:
+        args = make_update_inputs(UpdateCase(2, 6, 3, D=True), torch.float32, seed=seed)
+    else:
+        args = make_ssd_update_inputs(SsdUpdateCase(2, 4, 3, 6, D=True), torch.float32, seed=seed)
+    A_log = torch.log(-args["A"]).requires_grad_(True)
+    tracked = {**args, "A": -torch.exp(A_log), "x": args["x"].clone().requires_grad_(True),
+               "D": args["D"].clone().requires_grad_(True)}
+    untracked = {**args, "state": args["state"].clone()}
+    for call in range(2):
+        what = f"{backend} call {call + 1} seed={seed}"
+        y = update(**tracked, backend=backend)
+        assert not y.requires_grad and not tracked["state"].requires_grad, f"{what}: y or the state requires grad"
+        assert_close(y, update(**untracked, backend=backend), torch.float32, f"{what} y")
+        assert_close(tracked["state"], untracked["state"], torch.float32, f"{what} state")
+
+
 @pytest.mark.parametrize("change", [
     pytest.param(with_changes(x=lambda a: a["x"].tolist()), id="x-not-a-tensor"),
     pytest.param(with_changes(dt_min="0.1"), id="dt_min-not-a-number"),

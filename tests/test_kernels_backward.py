@@ -290,6 +290,22 @@ def test_a_second_derivative_is_refused_not_silently_zero(scan):
     assert gx.shape == x.shape and not gx.requires_grad
 
 
+@pytest.mark.parametrize("value", [pytest.param("false", id="str"), pytest.param(1, id="int"),
+                                   pytest.param(1.0, id="float")])
+@pytest.mark.parametrize("requires_grad", [pytest.param(False, id="no-grad"), pytest.param(True, id="x-requires-grad")])
+@pytest.mark.parametrize("scan", ["scan", "ssd"])
+def test_return_state_is_checked_with_autograd_as_without(scan, requires_grad, value):
+    """return_state is a bool, with grad or without: the autograd path read it by truthiness,
+    so the string "false" returned (y, state)."""
+    inputs = (make_scan_inputs(ScanCase(1, 5, 3, 2), seed=1) if scan == "scan"
+              else make_ssd_inputs(SsdCase(1, 5, 2, 3, 2), seed=1))
+    x = inputs["x"].detach().requires_grad_(requires_grad)
+    forward = kernels.selective_scan if scan == "scan" else kernels.ssd_scan
+    with pytest.raises(kernels.KernelInputError) as info:
+        forward(**{**inputs, "x": x, "return_state": value})
+    assert info.value.field == "return_state", f"field {info.value.field!r} ({info.value})"
+
+
 def test_no_autograd_without_requires_grad_or_under_no_grad():
     inputs = make_scan_inputs(ScanCase(1, 4, 3, 2), seed=1)
     y, _ = kernels.selective_scan(**inputs)  # ScanCase returns the state by default

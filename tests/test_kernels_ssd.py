@@ -135,6 +135,49 @@ def test_a_state_growing_past_e44_within_a_chunk_or_a_step(backend):
     assert_close(got.double() / scale, expected / scale, F32, f"{backend} seed={seed} one step of e^50")
 
 
+def _assert_same_nans_infs_and_close(actual, expected, what: str) -> None:
+    """NaN exactly where `expected` has it; elsewhere fp32-close, an inf equal to an inf of the
+    same sign. (kernel_cases.assert_same_nans_and_close requires some NaN: the state an inf
+    input leaves has none.)"""
+    nan, got = torch.isnan(expected), torch.isnan(actual)
+    assert torch.equal(got, nan), f"{what}: NaN at {got.nonzero().tolist()}, the reference's at {nan.nonzero().tolist()}"
+    assert_close(actual[~nan], expected[~nan], F32, what)
+
+
+# One non-finite value in x or dt (batch row 0, step 5, head 1): step 5 lies inside a chunk for
+# each chunk size below (the second of 4, the first of 8, the only one by default). inf dt is
+# unclamped (the clamp would make it finite); NaN dt clamped, as Mamba's dt_limit clamps it.
+NON_FINITE_INPUTS = [
+    pytest.param("dt", float("nan"), True, id="nan-dt-clamped"),
+    pytest.param("x", float("nan"), False, id="nan-x"),
+    pytest.param("dt", float("inf"), False, id="inf-dt"),
+    pytest.param("x", float("inf"), False, id="inf-x"),
+]
+
+
+@pytest.mark.parametrize("chunk_size", [pytest.param(4, id="chunk4"), pytest.param(8, id="chunk8"),
+                                        pytest.param(None, id="default-chunk")])
+@pytest.mark.parametrize("name, value, clamp", NON_FINITE_INPUTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_finite_input_spreads_as_in_the_recurrence(backend, name, value, clamp, chunk_size):
+    """y and the final state are NaN (and inf) exactly where the reference's are: from the bad
+    step on, in its batch row and head only; never at the earlier steps of its chunk, which the
+    torch backend's intra-chunk matmul reached (0 x NaN above the diagonal)."""
+    seed = random_seed()
+    what = f"{backend} {name}={value} chunk_size={chunk_size} seed={seed}"
+    case = SsdCase(2, 13, 3, 2, 4, chunk_size=chunk_size, D=True, clamp=clamp, h0=True)
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    if name == "x":
+        inputs["x"][0, 5, 1, 0] = value
+    else:
+        inputs["dt"][0, 5, 1] = value
+    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    y_ref, state_ref = reference_ssd_scan(inputs)
+    assert not torch.isfinite(y_ref[0, 5, 1]).all(), f"{what}: the case does not reach y"
+    _assert_same_nans_infs_and_close(y, y_ref, f"{what} y")
+    _assert_same_nans_infs_and_close(state, state_ref, f"{what} state")
+
+
 @ON_CUDA
 def test_torch_ssd_on_cuda():
     """The torch backend on CUDA tensors (the GPU's fallback where Triton is missing): every
