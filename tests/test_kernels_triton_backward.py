@@ -133,8 +133,8 @@ def test_table_blocks_on_the_interpreter():
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
     dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), _state_shape("scan", inputs), True, seed)
     a = _args.check_scan(**backward_inputs(inputs))
-    blocks = triton_backward.backward_blocks(case.state, case.dim // case.groups)[1]
-    assert blocks.chunk == 16 and triton_backward.plan_backward(1, 21, 8, 3, 2, a.x.device, blocks).n_chunks == 2
+    blocks = triton_backward.backward_blocks(case.state, case.dim // case.groups, "A")[1]
+    assert blocks.chunk == 16 and triton_backward.plan_backward(1, 21, 8, 3, 2, a.x.device, "A", blocks).n_chunks == 2
     kw = a.backend_kwargs()
     kw.pop("return_state")
     got = triton_backward.selective_scan_backward(dy, a.x, a.dt, a.A, a.B, a.C, **kw, dstate=dstate, blocks=blocks)
@@ -156,6 +156,26 @@ def test_autograd_through_selective_scan(device):
     expected = _grads("scan", inputs, dy, dstate, "reference")
     assert_grads_close({k: leaves[k].grad for k in ("x", "A", "D")}, expected,
                        {k: inputs[k] for k in ("x", "A", "D")}, torch.float32, f"seed={seed}")
+
+
+@pytest.mark.parametrize("kind, case, field", [
+    pytest.param("scan", ScanCase(1, 2, 2, 1025), "A", id="mamba1-names-A"),
+    pytest.param("ssd", SsdCase(1, 2, 2, 2, 1025), "B", id="mamba2-names-B"),
+])
+def test_a_state_past_the_table_is_refused_first_naming_its_argument(kind, case, field, monkeypatch):
+    """A state size past BACKWARD_TABLE is refused naming the argument it is read from:
+    Mamba-1's A [dim, state], Mamba-2's B (its A is [heads]), before dt is discretised."""
+    _backend("cpu")
+
+    def discretize_called(*args, **kwargs):
+        raise AssertionError("dt was discretised before the refusal")
+
+    monkeypatch.setattr(triton_backward, "_discretize_dt", discretize_called)
+    make = make_ssd_inputs if kind == "ssd" else make_scan_inputs
+    inputs = make(case, torch.float32, seed=random_seed())
+    with pytest.raises(kernels.KernelInputError) as info:
+        _grads(kind, inputs, torch.ones_like(inputs["x"]), None, "triton")
+    assert info.value.field == field and "1024" in str(info.value)
 
 
 # -- what is allocated --------------------------------------------------------------------------
@@ -182,8 +202,8 @@ def test_only_checkpoints_are_of_state_size(ssd):
     blocks = triton_backward.INTERPRETER_BLOCKS
     grads, launches = triton_backward.backward_launches(
         dy, x, delta, A, B, C, D=rand(channels), z=z, h0=h0, dstate=dstate, per_decay=per_decay, scalar_decay=ssd,
-        blocks=blocks)
-    plan = triton_backward.plan_backward(batch, seq, channels, state, groups, x.device, blocks)
+        state_field="B" if ssd else "A", blocks=blocks)
+    plan = triton_backward.plan_backward(batch, seq, channels, state, groups, x.device, "B" if ssd else "A", blocks)
     assert grads["checkpoints"].shape == triton_backward.checkpoint_shape(plan, batch, channels, state)
     assert grads["checkpoints"].shape == (batch, seq // blocks.chunk, channels, state)
     history = batch * seq * channels * state
@@ -255,7 +275,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             rand(b, l, g, state, dtype=dtype), rand(b, l, g, state, dtype=dtype),
             D=rand(c) if everything else None, z=rand(b, l, c, dtype=dtype) if everything else None,
             h0=rand(b, c, state) if everything else None, dstate=rand(b, c, state) if everything else None,
-            per_decay=headdim if ssd else 1, scalar_decay=ssd, blocks=tb.backward_blocks(state, c // g)[1])
+            per_decay=headdim if ssd else 1, scalar_decay=ssd, state_field="B" if ssd else "A",
+            blocks=tb.backward_blocks(state, c // g, "B" if ssd else "A")[1])
         return found
     calls = [("scan f32 all", launches(torch.float32, 16, False, True)),
              ("scan f64 all", launches(torch.float64, 16, False, True)),

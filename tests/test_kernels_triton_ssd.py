@@ -30,6 +30,7 @@ from kernel_cases import (  # noqa: E402
     TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_same_nans_and_close, assert_scan_outputs_match_reference,
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
     make_ssd_inputs, make_ssd_update_inputs, random_seed, reference_ssd_scan, reference_ssd_update, state_dtype,
+    state_tolerance,
     assert_packed_matches_each_sequence,
 )
 from kernels import _args  # noqa: E402
@@ -154,6 +155,64 @@ NON_F32_DTYPES = [p for p in DTYPES if p.values[0] != torch.float32]
 def test_ssd_scan_dtypes_on_interpreter(dtype):
     _backend("cpu")
     _check_scan(DTYPE_CASE, dtype, "cpu", INTERPRETER_SSD_BLOCKS)
+
+
+# fp16 scans whose fp32-computed dot operand passes fp16's largest value (65504), one split dot
+# each: (inputs, that operand's largest magnitude). Each value is its scale times 1 to 1.5; y
+# stays well inside fp16.
+def _h0_past_fp16(around):
+    """A session's fp32 state carried into a one-chunk fp16 prefill: C times h0 of 7e4."""
+    h0 = around(7e4, 1, 2, 3, 4, dtype=torch.float32)
+    return dict(x=around(1.0, 1, 3, 2, 3), dt=around(0.1, 1, 3, 2), B=around(1.0, 1, 3, 1, 4),
+                C=around(1e-3, 1, 3, 1, 4), h0=h0), h0.abs().max()
+
+
+def _entering_state_past_fp16(around):
+    """x B dt of 4e4 a step: the state entering the second and third chunks passes 65504."""
+    x, dt, B = around(200.0, 1, 6, 2, 3), around(1.0, 1, 6, 2), around(200.0, 1, 6, 1, 4)
+    # The second chunk's, without the decay (A is small enough to leave it out).
+    entering = (dt.float()[0, :2, :, None, None] * x.float()[0, :2, :, :, None] * B.float()[0, :2, :, None, :]).sum(0)
+    return dict(x=x, dt=dt, B=B, C=around(1e-3, 1, 6, 1, 4), chunk_size=2), entering.abs().max()
+
+
+def _decayed_B_past_fp16(around):
+    """B dt of 1e5 (the chunk state's operand): y is fine, the final state is what overflows."""
+    dt, B = around(100.0, 1, 3, 2), around(1000.0, 1, 3, 1, 4)
+    decayed_B = dt.float()[..., :1, None] * B.float()  # head 0's; A is small enough to leave out the decay
+    return dict(x=around(0.01, 1, 3, 2, 3), dt=dt, B=B, C=around(1e-3, 1, 3, 1, 4)), decayed_B.abs().max()
+
+
+def _scores_past_fp16(around):
+    """C.B over 8 state entries of 100 each, times dt 1: scores of 8e4 and more."""
+    dt, B, C = around(1.0, 1, 3, 2), around(100.0, 1, 3, 1, 8), around(100.0, 1, 3, 1, 8)
+    scores = C.float()[0, :, 0] @ B.float()[0, :, 0].T * dt.float()[0, None, :, 0]  # head 0's
+    return dict(x=around(0.01, 1, 3, 2, 3), dt=dt, B=B, C=C), scores.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("operands", [
+    pytest.param(_h0_past_fp16, id="h0"),
+    pytest.param(_entering_state_past_fp16, id="entering-state"),
+    pytest.param(_decayed_B_past_fp16, id="B-dt"),
+    pytest.param(_scores_past_fp16, id="C-B-dt"),
+])
+def test_fp16_ssd_scan_dot_operands_past_fp16_range(operands, device):
+    """An fp16 scan whose computed dot operand (entering state or h0, decayed B, scores) passes
+    65504 gives the reference's finite y and state: the split into fp16 halves is scaled."""
+    _backend(device)
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+
+    def around(scale, *shape, dtype=torch.float16):
+        return (scale * (1 + 0.5 * torch.rand(shape, generator=gen))).to(dtype).to(device)
+
+    inputs, largest = operands(around)
+    assert largest > 65504, f"the case stays inside fp16's range ({largest})"
+    inputs = dict(inputs, A=-around(1e-4, 2, dtype=torch.float32), return_state=True)
+    y, state = _run_scan(inputs, _scan_blocks(device))
+    y_ref, state_ref = reference_ssd_scan(inputs)
+    assert_close(y, y_ref, torch.float16, f"y seed={seed}")
+    assert_close(state, state_ref, torch.float16, f"state seed={seed}", state_tolerance(torch.float16))
 
 
 # The chunk against the sequence: one step a chunk (state passing over every step), a partial

@@ -113,9 +113,10 @@ def _representative_launches():
     found += update_call("update f64 clamp, slots", torch.float64, 16, ("clamp", "slots"))
     for limit, _ in configs.UPDATE_TABLE:
         found += update_call(f"update f32 state {limit}", torch.float32, limit, ("slots",), dim=64, groups=1)
-    # Mamba-2: each dot path of the scan (16-bit split, fp32 IEEE, fp64) with every option, small
-    # heads (padded blocks), one chunk, and the update.
+    # Mamba-2: each dot path of the scan (the bf16 split, the fp16 one with its scaling, fp32 IEEE,
+    # fp64) with every option, small heads (padded blocks), one chunk, and the update.
     found += ssd_scan_call("ssd_scan bf16 every option", torch.bfloat16, True)
+    found += ssd_scan_call("ssd_scan f16 every option", torch.float16, True)
     found += ssd_scan_call("ssd_scan f16 plain, headdim 17 state 16", torch.float16, False, headdim=17, state=16)
     found += ssd_scan_call("ssd_scan f32 every option", torch.float32, True)
     found += ssd_scan_call("ssd_scan f64 every option", torch.float64, True)

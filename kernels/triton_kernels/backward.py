@@ -304,23 +304,30 @@ class BackwardPlan:
     programs: int  # the grid of both launches
 
 
-def backward_blocks(state: int, dim_per_group: int) -> tuple[int, configs.ScanBlocks]:
+def check_state_size(state: int, state_field: str) -> None:
+    """Refuses a state size past BACKWARD_TABLE, naming `state_field`: the argument the state
+    size is read from (Mamba-1's A [dim, state]; Mamba-2's B, its A being [heads])."""
+    if next_power_of_2(state) > BACKWARD_TABLE[-1][0]:
+        raise KernelInputError(state_field, f"a state size <= {BACKWARD_TABLE[-1][0]} (Triton backend)",
+                               f"state size {state}")
+
+
+def backward_blocks(state: int, dim_per_group: int, state_field: str) -> tuple[int, configs.ScanBlocks]:
     """(BLOCK_N, blocks) from BACKWARD_TABLE; block_d shrinks to a group's channels when a
-    group is narrower than the table's block."""
+    group is narrower than the table's block. A state past the table is refused (check_state_size)."""
+    check_state_size(state, state_field)
     block_n = next_power_of_2(state)
-    for limit, blocks in BACKWARD_TABLE:
-        if block_n <= limit:
-            block_d = min(blocks.block_d, next_power_of_2(dim_per_group))
-            return block_n, configs.ScanBlocks(block_d, blocks.chunk, blocks.num_warps)
-    raise KernelInputError("A", f"a state size <= {BACKWARD_TABLE[-1][0]} (Triton backend)", f"state size {state}")
+    blocks = next(blocks for limit, blocks in BACKWARD_TABLE if block_n <= limit)
+    block_d = min(blocks.block_d, next_power_of_2(dim_per_group))
+    return block_n, configs.ScanBlocks(block_d, blocks.chunk, blocks.num_warps)
 
 
 def plan_backward(batch: int, seq: int, channels: int, state: int, groups: int, device: torch.device,
-                  blocks: configs.ScanBlocks | None = None) -> BackwardPlan:
+                  state_field: str, blocks: configs.ScanBlocks | None = None) -> BackwardPlan:
     """Blocks from the table on CUDA, INTERPRETER_BLOCKS on the CPU, or `blocks`; block_d never
-    wider than a group's channels rounded up to a power of two."""
+    wider than a group's channels rounded up to a power of two. `state_field`: as backward_blocks."""
     dim_per_group = channels // groups
-    block_n, table_blocks = backward_blocks(state, dim_per_group)
+    block_n, table_blocks = backward_blocks(state, dim_per_group, state_field)
     if blocks is None:
         blocks = table_blocks if device.type == "cuda" else INTERPRETER_BLOCKS
     blocks = configs.ScanBlocks(min(blocks.block_d, next_power_of_2(dim_per_group)), blocks.chunk,
@@ -336,8 +343,10 @@ def checkpoint_shape(plan: BackwardPlan, batch: int, channels: int, state: int) 
 
 
 def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int, scalar_decay: bool,
-                      blocks: configs.ScanBlocks | None = None, cu_seqlens=None) -> tuple[dict, list[Launch]]:
-    """(gradient buffers, the two launches that fill them), allocated, nothing run.
+                      state_field: str, blocks: configs.ScanBlocks | None = None,
+                      cu_seqlens=None) -> tuple[dict, list[Launch]]:
+    """(gradient buffers, the two launches that fill them), allocated, nothing run; a state
+    past the table refused naming `state_field` (backward_blocks).
 
     Operands as "bld" [batch, seq, channels] tensors of any strides (x, dy, z), delta with
     channels // per_decay columns (one per `per_decay` channels), B and C [batch, seq, groups,
@@ -354,7 +363,7 @@ def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int
     acc = accumulation_dtype(x)
     packed = cu_seqlens is not None
     rows, longest, cu_seqlens = packed_rows(cu_seqlens, batch, seq, device)
-    plan = plan_backward(rows, longest, channels, nstate, groups, device, blocks)
+    plan = plan_backward(rows, longest, channels, nstate, groups, device, state_field, blocks)
 
     grads = dict(
         x=torch.empty((batch, seq, channels), dtype=acc, device=device),
@@ -400,6 +409,7 @@ def selective_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, d
                             layout, cu_seqlens=None, blocks=None):
     """The "triton" backend's scan_backward (kernels/_registry.py), packed sequences whole;
     `blocks` overrides the block table (tests)."""
+    check_state_size(A.shape[1], "A")  # refused before any work; A is [dim, state]
     f = accumulation_dtype(x)
     if layout == "bdl":  # read through "bld" views; the gradients go back as "bdl" views
         x, dt, dy = x.transpose(1, 2), dt.transpose(1, 2), dy.transpose(1, 2)
@@ -407,7 +417,7 @@ def selective_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, d
         B, C = B.permute(0, 3, 1, 2), C.permute(0, 3, 1, 2)
     delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)
     g, launches = backward_launches(dy, x, delta, A, B, C, D=D, z=z, h0=h0, dstate=dstate, per_decay=1,
-                                    scalar_decay=False, blocks=blocks, cu_seqlens=cu_seqlens)
+                                    scalar_decay=False, state_field="A", blocks=blocks, cu_seqlens=cu_seqlens)
     run_on_device_of(x, launches)
     del delta, launches, g["checkpoints"]  # freed before the chain rule's temporaries
     ddt, ddt_bias = discretize_backward(g["delta"], dt, dt_bias, dt_softplus, dt_min, dt_max, f)
@@ -420,7 +430,9 @@ def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min,
                       chunk_size, cu_seqlens=None, blocks=None):
     """The "triton" backend's ssd_scan_backward: heads x headdim as the channels of the
     Mamba-1 kernels, each head's dt and A shared by its headdim channels (chunk_size tunes the
-    chunked forward; this recurrent backward has none to tune)."""
+    chunked forward; this recurrent backward has none to tune). A state past the table is refused
+    before any work, naming B: A is [heads] here, the state size is B's."""
+    check_state_size(B.shape[3], "B")
     f = accumulation_dtype(x)
     batch, seq, heads, headdim = x.shape
     channels = heads * headdim
@@ -432,8 +444,8 @@ def ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min,
     g, launches = backward_launches(
         flat(dy, batch, seq, channels), flat(x, batch, seq, channels), delta, A, B, C,
         D=flat(D, channels), z=flat(z, batch, seq, channels), h0=None if h0 is None else h0.flatten(1, 2),
-        dstate=None if dstate is None else dstate.flatten(1, 2), per_decay=headdim, scalar_decay=True, blocks=blocks,
-        cu_seqlens=cu_seqlens)
+        dstate=None if dstate is None else dstate.flatten(1, 2), per_decay=headdim, scalar_decay=True,
+        state_field="B", blocks=blocks, cu_seqlens=cu_seqlens)
     run_on_device_of(x, launches)
     del delta, launches, g["checkpoints"]  # freed before the chain rule's temporaries
     ddelta = g["delta"].reshape(batch, seq, heads, headdim).sum(-1)

@@ -34,9 +34,13 @@ GPU's tl.dot requires; smaller heads, states and chunks are padded and masked. W
 are all fp16 (or all bf16) the dots run on 16-bit operands with fp32 accumulation: the inputs
 themselves are exact in that dtype, and an operand computed in fp32 (scores, decayed B,
 entering state) is split into hi + lo 16-bit halves and multiplied twice, which keeps it to ~2^-17
-of its value (bf16; fp16 2^-22), so the state meets fp32 tolerances. That split assumes the
-computed operands lie within fp16's range (|v| < 65504) in the fp16 path. Other dtypes (fp32,
-mixed, fp64) multiply in IEEE fp32 (no tf32) or fp64.
+of its value (bf16; fp16 2^-22), so the state meets fp32 tolerances. In fp16 each row of the
+scores (each column of the decayed B or entering state) is first divided by the power of two
+that brings its max |v| into [2^14, 2^15), and that row (column) of the product multiplied back,
+both exactly: any finite fp32 operand fits fp16's range (65504) that way, a row's values down to
+2^-17 of its max keep the 2^-22, and smaller ones are off by at most 2^-39 of the max. bf16 has
+fp32's exponent range, so its split is not scaled (only values within 2^-9 of fp32's largest
+would round to inf). Other dtypes (fp32, mixed, fp64) multiply in IEEE fp32 (no tf32) or fp64.
 
 Offsets: the batch row, the chunk and the head are int64 scalars in every base pointer; offsets
 within a chunk tile are int32 unless an input's per-row extent reaches 2^31 elements (the
@@ -79,13 +83,35 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _fp16_scales(a, AXIS: tl.constexpr):
+    """(s, 1 / s) for each row (AXIS 1) or column (AXIS 0) of the fp32 tile `a`: powers of two,
+    read off the exponent of the row's max |a|, that bring that max into [2^14, 2^15)."""
+    # The highest binade fp16 holds whole (the next one's top rounds to inf), which keeps the
+    # row's smaller values clear of fp16's subnormals. The floor keeps s and 1 / s normal for a
+    # row under 2^-112; an inf or NaN max (exponent 255) stays inf or NaN, as unscaled.
+    exponent = tl.maximum(tl.max(tl.abs(a), axis=AXIS).to(tl.int32, bitcast=True) >> 23, 15) - 14
+    return (exponent << 23).to(tl.float32, bitcast=True), ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split(a, dtype: tl.constexpr):
+    """(hi, lo) in `dtype` whose sum is a to twice that dtype's precision."""
+    hi = a.to(dtype)
+    return hi, (a - hi.to(a.dtype)).to(dtype)
+
+
+@triton.jit
 def _dot_computed_left(a, b, acc, UPCAST: tl.constexpr):
     """acc + a @ b where a was computed in the accumulation dtype and b is an input in the dot
-    dtype: with a 16-bit b, a goes in as hi + lo halves (see the module docstring)."""
-    if b.dtype.primitive_bitwidth == 16:
-        hi = a.to(b.dtype)
-        acc = _mma(hi, b, acc, UPCAST)
-        acc = _mma((a - hi.to(a.dtype)).to(b.dtype), b, acc, UPCAST)
+    dtype: with a 16-bit b, a goes in as hi + lo halves, its rows scaled first for fp16 (see the
+    module docstring)."""
+    if b.dtype.is_fp16():
+        scale, inverse = _fp16_scales(a, 1)
+        hi, lo = _split(a * inverse[:, None], b.dtype)
+        acc += _mma(lo, b, _mma(hi, b, tl.zeros_like(acc), UPCAST), UPCAST) * scale[:, None]
+    elif b.dtype.is_bf16():
+        hi, lo = _split(a, b.dtype)
+        acc = _mma(lo, b, _mma(hi, b, acc, UPCAST), UPCAST)
     else:
         acc = _mma(a.to(b.dtype), b, acc, UPCAST)
     return acc
@@ -94,11 +120,14 @@ def _dot_computed_left(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def _dot_computed_right(a, b, acc, UPCAST: tl.constexpr):
     """acc + a @ b where a is an input in the dot dtype and b was computed (the mirror of
-    `_dot_computed_left`)."""
-    if a.dtype.primitive_bitwidth == 16:
-        hi = b.to(a.dtype)
-        acc = _mma(a, hi, acc, UPCAST)
-        acc = _mma(a, (b - hi.to(b.dtype)).to(a.dtype), acc, UPCAST)
+    `_dot_computed_left`: for fp16, b's columns are scaled)."""
+    if a.dtype.is_fp16():
+        scale, inverse = _fp16_scales(b, 0)
+        hi, lo = _split(b * inverse[None, :], a.dtype)
+        acc += _mma(a, lo, _mma(a, hi, tl.zeros_like(acc), UPCAST), UPCAST) * scale[None, :]
+    elif a.dtype.is_bf16():
+        hi, lo = _split(b, a.dtype)
+        acc = _mma(a, lo, _mma(a, hi, acc, UPCAST), UPCAST)
     else:
         acc = _mma(a, b.to(a.dtype), acc, UPCAST)
     return acc
