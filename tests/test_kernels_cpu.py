@@ -34,10 +34,12 @@ import torch
 import kernels
 from kernels import _args
 from kernel_cases import (
-    DTYPES, GRAD_TOLERANCES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close, assert_scan_matches_reference,
-    assert_scan_outputs_match_reference, assert_update_matches_reference, assert_update_outputs_match_reference,
+    DTYPES, GRAD_TOLERANCES, STATE_TOLERANCE, TOLERANCES, ScanCase, UpdateCase, assert_close,
+    assert_scan_matches_reference, assert_scan_outputs_match_reference, assert_update_matches_reference,
+    assert_update_outputs_match_reference,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, SsdCase, SsdUpdateCase, make_ssd_inputs,
     make_ssd_update_inputs, reference_ssd_scan, reference_ssd_update, assert_packed_matches_each_sequence,
+    nan_gapped,
 )
 from process_runs import BackgroundRun
 from waiting import poll_until
@@ -498,6 +500,88 @@ def test_simd_variant_state_update_matches_reference(simd_backend, case, dtype):
                                           f"{simd_backend.details['simd']} build update {case} seed={seed}")
 
 
+# A NaN or inf in one batch row's x or dt, per variant, through the state update and the scan's
+# step mode (seq == 1) where h is stepped in a copy padded to whole vectors: a state no multiple of
+# the vector (3, 5, 6 at every width; 8 with AVX-512's 16 fp32 lanes), alone or in a pool of
+# another dtype or with a strided state axis. The copy's padding lanes took the bad row's NaN into
+# the y of every row the thread stepped after it.
+NONFINITE_ROW, NONFINITE_CHANNEL = 1, 3
+NONFINITE_STEP_PATHS = [
+    pytest.param("update", 3, "f32", id="update-state-3"),
+    pytest.param("update", 8, "f32", id="update-state-8"),
+    pytest.param("update", 5, "bf16-slots", id="update-bf16-pool-slots-state-5"),
+    pytest.param("update", 6, "strided-slots", id="update-strided-pool-slots-state-6"),
+    pytest.param("scan", 3, None, id="scan-seq1-state-3-no-h0"),
+    pytest.param("scan", 5, "f32", id="scan-seq1-state-5-h0"),
+    pytest.param("scan", 8, "f32", id="scan-seq1-state-8-h0"),
+]
+NONFINITE_VALUES = [
+    pytest.param("x", float("nan"), id="x-nan"),
+    pytest.param("x", float("inf"), id="x-inf"),
+    pytest.param("dt", float("nan"), id="dt-nan"),
+    pytest.param("dt", float("inf"), id="dt-inf"),
+]
+
+
+def _step_inputs_with_a_nonfinite_row(kind, state_size, pool, operand, value, seed):
+    """Inputs of a state update (kind "update") or a seq == 1 scan whose row NONFINITE_ROW has
+    `value` in `operand` at channel NONFINITE_CHANNEL; the pool or h0 as `pool` names it."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, dim = 5, 20  # 20 channels: a full and a partial block at every vector width
+    lead = (batch,) if kind == "update" else (batch, 1)
+    inputs = dict(x=torch.randn(*lead, dim, generator=gen), dt=0.01 + 0.5 * torch.rand(*lead, dim, generator=gen),
+                  A=-0.1 - torch.rand(dim, state_size, generator=gen), B=torch.randn(*lead, state_size, generator=gen),
+                  C=torch.randn(*lead, state_size, generator=gen), D=torch.randn(dim, generator=gen))
+    inputs[operand][(NONFINITE_ROW,) + (0,) * (len(lead) - 1) + (NONFINITE_CHANNEL,)] = value
+    rows = batch + 3 if pool is not None and pool.endswith("slots") else batch
+    state = None if pool is None else torch.randn(rows, dim, state_size, generator=gen)
+    if kind == "scan":
+        return {**inputs, "h0": state, "return_state": True}
+    if pool.endswith("slots"):
+        # Padding slot -1 at row 3; the bad row's slot is 0.
+        inputs["slots"] = torch.tensor([5, 0, 6, -1, 2])
+    if pool.startswith("bf16"):
+        state = state.to(torch.bfloat16)
+    elif pool.startswith("strided"):
+        state = nan_gapped(state)
+    return {**inputs, "state": state}
+
+
+@pytest.mark.parametrize("operand, value", NONFINITE_VALUES)
+@pytest.mark.parametrize("kind, state_size, pool", NONFINITE_STEP_PATHS)
+def test_simd_variant_nonfinite_row_leaves_other_rows_y_as_the_reference(simd_backend, restore_threads, kind,
+                                                                          state_size, pool, operand, value):
+    # One thread steps every row after the bad one on the same scratch.
+    torch.set_num_threads(1)
+    seed = random_seed()
+    inputs = _step_inputs_with_a_nonfinite_row(kind, state_size, pool, operand, value, seed)
+    what = f"{simd_backend.details['simd']} build {kind} state {state_size} {pool} {operand}={value} seed={seed}"
+    if kind == "update":
+        before = inputs["state"].clone()
+        a = _args.check_state_update(**inputs)
+        y = simd_backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+        state = inputs["state"]
+        expected_state = before.clone()
+        y_ref = kernels.selective_state_update(**{**inputs, "state": expected_state}, backend="reference")
+        slots = inputs.get("slots")
+        bad_state_row = NONFINITE_ROW if slots is None else int(slots[NONFINITE_ROW])
+    else:
+        a = _args.check_scan(**inputs)
+        y, state = simd_backend.scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+        y_ref, expected_state = kernels.selective_scan(**inputs, backend="reference")
+        bad_state_row = NONFINITE_ROW
+    bad_y = (NONFINITE_ROW,) + (0,) * (y.dim() - 2) + (NONFINITE_CHANNEL,)
+    assert not torch.isfinite(y_ref[bad_y]) and not torch.isfinite(y[bad_y]), f"{what}: the bad channel's y is finite"
+    good_y = torch.ones_like(y, dtype=torch.bool)
+    good_y[bad_y] = False
+    assert_close(y[good_y], y_ref[good_y], torch.float32, f"{what} y outside the bad row's bad channel")
+    good_state = torch.ones_like(state, dtype=torch.bool)
+    good_state[bad_state_row, NONFINITE_CHANNEL] = False
+    tolerance = TOLERANCES[torch.bfloat16] if state.dtype == torch.bfloat16 else STATE_TOLERANCE
+    assert_close(state[good_state], expected_state[good_state], state.dtype,
+                 f"{what} state outside the bad row's bad channel", tolerance)
+
+
 # Mamba-2 per variant: headdim full and partial vectors and blocks (16, 8 or 4 fp32 lanes, two
 # vectors a block), groups, every option, each dtype's conversion path.
 SIMD_SSD_SCAN_CASES = [
@@ -665,6 +749,113 @@ def test_simd_variant_backward_matches_reference(simd_backend, kind, case, dtype
     for name, e in expected.items():
         assert_close(got[name], e, dtype, f"{simd_backend.details['simd']} build {kind} d{name} {case} seed={seed}",
                      tolerance=(rtol, atol * float(e.abs().max())))
+
+
+# A NaN or inf in one (sequence, head)'s x or dt through Mamba-2's chunked backward, per variant:
+# every other (sequence, head)'s gradients as the reference's of its sequence alone. A NaN delta
+# left NaN in dH's padding lanes past the state (3 and 5 leave some at every width), which the
+# next items summed into their dt and A gradients; with packed sequences, the rows of u past a
+# shorter sequence's steps kept the longer one's NaN, which the next item's E o R took where E is 0.
+SSD_NONFINITE_PATHS = [
+    pytest.param(None, 7, 3, id="rows-one-chunk-state-3"),
+    pytest.param(None, 40, 5, id="rows-chunks-state-5"),
+    pytest.param([0, 4, 13, 15, 40], 40, 5, id="packed-state-5"),
+]
+
+
+def _ssd_backward_inputs_with_a_nonfinite_item(bounds, seq, state_size, operand, value, bad_item, seed):
+    """Inputs of ssd_scan_backward (rows of `seq` steps, or one row packed at `bounds`) whose
+    (sequence, head) `bad_item` has `value` in `operand` at its step 3, and each sequence's
+    (row, first step, steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, headdim = 3, 5
+    rows = 4 if bounds is None else 1
+    spans = ([(row, 0, seq) for row in range(rows)] if bounds is None
+             else [(0, first, end - first) for first, end in zip(bounds, bounds[1:])])
+    x = torch.randn(rows, seq, heads, headdim, generator=gen)
+    dt = 0.01 + 0.5 * torch.rand(rows, seq, heads, generator=gen)
+    (row, first, _), bad_head = spans[bad_item[0]], bad_item[1]
+    if operand == "x":
+        x[row, first + 3, bad_head, 0] = value
+    else:
+        dt[row, first + 3, bad_head] = value
+    # A group per head, so that each head's B and C gradients are its own.
+    a = _args.check_ssd_scan(x, dt, -0.1 - torch.rand(heads, generator=gen),
+                             torch.randn(rows, seq, heads, state_size, generator=gen),
+                             torch.randn(rows, seq, heads, state_size, generator=gen),
+                             D=torch.randn(heads, generator=gen))
+    state_shape = (len(spans), heads, headdim, state_size)
+    options = dict(D=a.D, z=None, dt_bias=None, dt_softplus=False, dt_min=None, dt_max=None, chunk_size=None,
+                   h0=torch.randn(state_shape, generator=gen), dstate=torch.randn(state_shape, generator=gen))
+    return (torch.randn(a.x.shape, generator=gen), a.x, a.dt, a.A, a.B, a.C), options, spans
+
+
+def _ssd_gradients_by_sequence(got, tensors, options, spans):
+    """(name, sequence, head axis, got's part, the reference's) for each gradient: the reference run
+    on each sequence alone, its A's and D's summed over the sequences (sequence None)."""
+    from kernels.reference import ssd_scan_backward_ref
+
+    dy, x, dt, A, B, C = tensors
+    sums = {}
+    for sequence, (row, first, steps) in enumerate(spans):
+        def cut(t):
+            return t[row:row + 1, first:first + steps]
+
+        one = {k: options[k][sequence:sequence + 1] for k in ("h0", "dstate")}
+        expected = ssd_scan_backward_ref(cut(dy), cut(x), cut(dt), A, cut(B), cut(C), **{**options, **one})
+        for name, e in expected.items():
+            if name in ("A", "D"):
+                sums[name] = sums.get(name, 0) + e
+            elif name == "h0":
+                yield name, sequence, 1, got[name][sequence:sequence + 1], e
+            else:
+                yield name, sequence, 2, cut(got[name]), e
+    for name, e in sums.items():
+        yield name, None, 0, got[name], e
+
+
+@pytest.mark.parametrize("operand, value", NONFINITE_VALUES)
+@pytest.mark.parametrize("bounds, seq, state_size", SSD_NONFINITE_PATHS)
+def test_simd_variant_ssd_backward_nonfinite_item_leaves_other_items_as_the_reference(
+        simd_backend, restore_threads, bounds, seq, state_size, operand, value):
+    # One thread runs every item after the bad one on the same scratch; the bad one is its
+    # sequence's last head, so the next item is the next (shorter, packed) sequence's first.
+    torch.set_num_threads(1)
+    seed = random_seed()
+    bad_sequence, bad_head = 1, 2
+    tensors, options, spans = _ssd_backward_inputs_with_a_nonfinite_item(
+        bounds, seq, state_size, operand, value, (bad_sequence, bad_head), seed)
+    got = simd_backend.ssd_scan_backward(*tensors, **options,
+                                         cu_seqlens=None if bounds is None else torch.tensor(bounds))
+    rtol, atol = GRAD_TOLERANCES[torch.float32]
+    for name, sequence, head_axis, actual, expected in _ssd_gradients_by_sequence(got, tensors, options, spans):
+        if sequence in (None, bad_sequence):
+            keep = torch.tensor([h for h in range(expected.shape[head_axis]) if h != bad_head])
+            actual, expected = actual.index_select(head_axis, keep), expected.index_select(head_axis, keep)
+        assert_close(actual, expected, torch.float32,
+                     f"{simd_backend.details['simd']} build d{name} of sequence {sequence} outside the bad item, "
+                     f"{operand}={value} seed={seed}", tolerance=(rtol, atol * float(expected.abs().max())))
+
+
+# A NaN x through Mamba-2's chunked backward, per variant: NaN in the gradients exactly where the
+# reference has it. dt's and C's were NaN at the steps before it too: E o R took R's NaN past the
+# diagonal, where E is 0, and a's gradient, gathered as row sums less column sums of E o G o R
+# and as the final state's share less each step's, took a NaN from any step of the chunk.
+@pytest.mark.parametrize("bounds, seq, state_size", SSD_NONFINITE_PATHS)
+def test_simd_variant_ssd_backward_nan_x_spreads_as_in_the_reference(simd_backend, bounds, seq, state_size):
+    seed = random_seed()
+    tensors, options, spans = _ssd_backward_inputs_with_a_nonfinite_item(bounds, seq, state_size, "x",
+                                                                          float("nan"), (1, 2), seed)
+    got = simd_backend.ssd_scan_backward(*tensors, **options,
+                                         cu_seqlens=None if bounds is None else torch.tensor(bounds))
+    rtol, atol = GRAD_TOLERANCES[torch.float32]
+    for name, sequence, _, actual, expected in _ssd_gradients_by_sequence(got, tensors, options, spans):
+        what = f"{simd_backend.details['simd']} build d{name} of sequence {sequence} seed={seed}"
+        nan, got_nan = torch.isnan(expected), torch.isnan(actual)
+        assert torch.equal(got_nan, nan), (f"{what}: NaN at {got_nan.nonzero().tolist()}, "
+                                           f"the reference's at {nan.nonzero().tolist()}")
+        assert_close(actual[~nan], expected[~nan], torch.float32, what,
+                     tolerance=(rtol, atol * float(expected[~nan].abs().max())))
 
 
 # Packed sequences through the backward per variant: a sequence of one step, ones crossing the

@@ -659,10 +659,15 @@ class StepRunner {
     if (in_place_) {
       h = static_cast<T*>(p_.h0.data) + row * si[0] + d0 * si[1];
       h_stride = si[1];
-    } else if (p_.h0.data != nullptr) {
-      load_2d(p_.h0, row * si[0] + d0 * si[1], si[1], si[2], lanes, N_int_, h, static_cast<int>(h_stride));
     } else {
-      for (int c = 0; c < lanes; ++c) std::memset(static_cast<void*>(h + c * h_stride), 0, N_ * sizeof(T));
+      // The copy's padding lanes past the state are zeroed for every item: step_block steps them
+      // too, and a NaN or inf dt x leaves NaN there (0 * NaN), which later items' y would sum.
+      const int64_t loaded = p_.h0.data != nullptr ? N_ : 0;
+      if (loaded < h_stride)
+        for (int c = 0; c < lanes; ++c)
+          std::memset(static_cast<void*>(h + c * h_stride + loaded), 0, (h_stride - loaded) * sizeof(T));
+      if (p_.h0.data != nullptr)
+        load_2d(p_.h0, row * si[0] + d0 * si[1], si[1], si[2], lanes, N_int_, h, static_cast<int>(h_stride));
     }
     const T* A = reinterpret_cast<const T*>(A_ + block * W * vecs_);
     int64_t A_stride = vecs_ * W;

@@ -12,7 +12,8 @@
 //   dB_s = sum_t E[t, s] (gy_t . u_s) C_t + w_s dH^T u_s
 //   dC_t = sum_s E[t, s] (gy_t . u_s) B_s + exp(cs_t) h_in^T gy_t
 //   dh_in = exp(cs_last) dH + sum_t exp(cs_t) gy_t (x) C_t
-// with cs's gradient gathered from the same terms and summed backwards into each step's a_t.
+// with a_t's gradient gathered from the same terms: those of exp(cs_t) as cs_t's, summed backwards
+// into a_0 .. a_t, and those of exp(cs_t - cs_s) (E and w) directly into a_(s+1) .. a_t.
 // A reverse scan stores and reloads every state element several times a step; here a chunk's
 // work is a dozen products done in registers by a small tiled product (docs/performance.md,
 // "backward pass").
@@ -142,7 +143,7 @@ class SsdBackwardRunner {
                  7 * Scratch::bytes<V>(QV_ * W * NV_) + 4 * Scratch::bytes<V>(QV_ * W * QV_) +
                  Scratch::bytes<V>(NV_ * W * QV_) + Scratch::bytes<V>(PV_ * W * QV_) +
                  2 * Scratch::bytes<V>(PV_ * W * NV_) + 2 * Scratch::bytes<V>(NV_ * W * PV_) +
-                 2 * Scratch::bytes<V>(PV_) + Scratch::bytes<V>(QV_) + 2 * Scratch::bytes<double>(Q_) +
+                 2 * Scratch::bytes<V>(PV_) + Scratch::bytes<V>(QV_) + 3 * Scratch::bytes<double>(Q_) +
                  3 * Scratch::bytes<T>(QV_ * W) + 2 * Scratch::bytes<T>(longest_)) {
     // Matrices have whole vectors of rows as well as of columns, for transposing W x W blocks;
     // their padding rows and lanes stay zero.
@@ -161,9 +162,11 @@ class SsdBackwardRunner {
     colsums_ = scratch_.take<V>(QV_);
     cs_ = scratch_.take<double>(Q_);
     dcs_ = scratch_.take<double>(Q_);
+    da_spans_ = scratch_.take<double>(Q_);
     for (T** v : {&ecs_, &w_, &dots_}) *v = scratch_.take<T>(QV_ * W);
     deltas_ = scratch_.take<T>(longest_);
     slopes_ = scratch_.take<T>(longest_);
+    for (int l = 0; l < W; ++l) lane_[l] = static_cast<T>(l);
   }
 
   void run_range(int64_t begin, int64_t end, int seat) {
@@ -215,12 +218,15 @@ class SsdBackwardRunner {
     for (int64_t t = 0; t < steps; ++t) copy(dst + (first_ + t0 + t) * p_.dim + h_ * P_, lanes(in + t * PV_), P_);
   }
 
-  // The head's [headdim, state] rows of a [batch, dim, state] tensor (zeros for nullptr).
+  // The head's [headdim, state] rows of a [batch, dim, state] tensor (zeros for nullptr). The
+  // padding lanes past the state are zeroed too: a NaN or inf delta leaves NaN there in dH
+  // (0 * NaN), which the next item would sum into its own cs gradient.
   void load_state(const T* src, V* out) const {
+    const int64_t loaded = src == nullptr ? 0 : N_;
     for (int64_t r = 0; r < P_; ++r) {
       T* row = lanes(out + r * NV_);
-      if (src == nullptr) std::fill(row, row + N_, T(0));
-      else std::memcpy(row, src + ((b_index_ * H_ + h_) * P_ + r) * N_, N_ * sizeof(T));
+      if (src != nullptr) std::memcpy(row, src + ((b_index_ * H_ + h_) * P_ + r) * N_, N_ * sizeof(T));
+      std::fill(row + loaded, row + NV_ * W, T(0));
     }
   }
 
@@ -358,36 +364,38 @@ class SsdBackwardRunner {
       Mul::run(steps, QV_, N_, lanes(c_), NV_ * W, 1, bt_, QV_, gm_, QV_, false);
       decay_matrices(steps);
       output_gradient(t0, steps, hin);
-      // R = gy u^T; er_ becomes E o R, and M = E o G o R gives cs its share from the outputs:
-      // + its row sums at t, - its column sums at s.
+      // R = gy u^T; er_ becomes E o R, zero past the diagonal, where E's zero would not cancel a
+      // NaN or inf in R (from a later step's u, or from rows past `steps`: an earlier item's).
+      // M = E o G o R gives a_r the sum of M[t, s] over s < r <= t, gathered from the sums of
+      // M's columns over t >= r. (As row sums less column sums, terms that cancel, a NaN or inf
+      // M[t, s] reached a_0 .. a_s too, and M[t, t] could dwarf the rest where the decay is strong.)
       Mul::run(steps, QV_, P_, lanes(gy_), PV_ * W, 1, ut_, QV_, rr_, QV_, false);
       std::memset(static_cast<void*>(colsums_), 0, QV_ * sizeof(V));
-      for (int64_t t = 0; t < steps; ++t) {
-        V row = {};
-        for (int64_t j = 0; j <= t / W; ++j) {
+      std::fill(dcs_, dcs_ + steps, 0.0);
+      for (int64_t t = last; t >= 0; --t) {
+        const int64_t diagonal = t / W;
+        const T lane_t = static_cast<T>(t % W);
+        V before_t = {};
+        for (int64_t j = 0; j <= diagonal; ++j) {
           const int64_t i = t * QV_ + j;
           er_[i] *= rr_[i];
-          V m = er_[i] * gm_[i];
-          // M[t, t] is in both t's row and its column and cancels; summed, it could dwarf the
-          // rest of both where the decay is strong, and their difference lost it all.
-          if (j == t / W) m[t % W] = T(0);
-          row += m;
-          colsums_[j] += m;
+          if (j == diagonal) er_[i] = lane_ <= lane_t ? er_[i] : V{};
+          colsums_[j] += er_[i] * gm_[i];
+          before_t += j < diagonal ? colsums_[j] : (lane_ < lane_t ? colsums_[j] : V{});
         }
-        dcs_[t] = lane_sum(row);
+        da_spans_[t] = lane_sum(before_t);
       }
-      for (int64_t t = 0; t < steps; ++t) dcs_[t] -= lanes(colsums_)[t];
-      // du from dH first: its dot with u is cs's share from the final state.
+      // du from dH first: its dot with u_s, through w_s = exp(cs_last - cs_s), is a_r's for s < r.
       Mul::run(steps, PV_, N_, lanes(bw_), NV_ * W, 1, dht_, PV_, du_, PV_, false);
       row_dots(u_, du_, steps, PV_);
       double through_state = 0;
       for (int64_t s = 0; s < steps; ++s) {
-        dcs_[s] -= dots_[s];
+        da_spans_[s] += through_state;
         through_state += dots_[s];
       }
       V hd = {};
       for (int64_t i = 0; i < P_ * NV_; ++i) hd += dh_[i] * hin[i];
-      dcs_[last] += through_state + static_cast<double>(ecs_[last]) * lane_sum(hd);
+      dcs_[last] += static_cast<double>(ecs_[last]) * lane_sum(hd);
       Mul::run(steps, PV_, steps, lanes(eg_), 1, QV_ * W, gy_, PV_, du_, PV_, true);
       // dB and dC.
       Mul::run(steps, NV_, steps, lanes(er_), 1, QV_ * W, c_, NV_, db_, NV_, false);
@@ -405,14 +413,16 @@ class SsdBackwardRunner {
       for (int64_t i = 0; i < P_ * NV_; ++i) dhn_[i] = decay * dh_[i];
       Mul::run(P_, NV_, steps, lanes(gy_), 1, PV_ * W, ce_, NV_, dhn_, NV_, true);
       std::swap(dh_, dhn_);
-      // Per step: a_t's gradient (cs's summed from t on), then delta's, dt's, dx and dD.
+      // Per step: a_t's gradient (cs's summed from t on, and its spans'), then delta's, dt's, dx
+      // and dD.
       row_dots(x_, du_, steps, PV_);
-      double da = 0;
+      double dcs_from_t = 0;
       for (int64_t t = last; t >= 0; --t) {
-        da += dcs_[t];
+        dcs_from_t += dcs_[t];
+        const T da = static_cast<T>(dcs_from_t + da_spans_[t]);
         const T delta = deltas_[t0 + t];
-        dA += static_cast<T>(da) * delta;
-        const T ddt = (static_cast<T>(da) * A_ + dots_[t]) * slopes_[t0 + t];
+        dA += da * delta;
+        const T ddt = (da * A_ + dots_[t]) * slopes_[t0 + t];
         dbias += ddt;
         p_.ddt[(first_ + t0 + t) * H_ + h_] = ddt;
         const V d = Lanes<T>::splat(delta);
@@ -457,9 +467,12 @@ class SsdBackwardRunner {
   V *b_, *c_, *bw_, *ce_, *db_, *dc_, *zc_;
   // Its [step, step] matrices: G = C B^T, E o G, E (then E o R), R = gy u^T.
   V *gm_, *eg_, *er_, *rr_;
-  // B^T, u^T; dH and the next one; dH^T and h_in^T; D and dD; the column sums of E o G o R.
+  // B^T, u^T; dH and the next one; dH^T and h_in^T; D and dD; the column sums of E o G o R
+  // over the steps from t on.
   V *bt_, *ut_, *dh_, *dhn_, *dht_, *hint_, *D_, *dD_, *colsums_;
-  double *cs_, *dcs_;
+  // cs; cs's gradient from the factors exp(cs_t); a_t's from the factors exp(cs_t - cs_s).
+  double *cs_, *dcs_, *da_spans_;
+  V lane_;  // each lane's index
   T *ecs_, *w_, *dots_, *deltas_, *slopes_;
 };
 
