@@ -190,20 +190,25 @@ def test_concurrent_calls_from_python_threads():
     cases = [ScanCase(3, 50, 40, 16, **ALL), ScanCase(2, 45, 24, 8, layout="bdl", D=True, h0=True)]
     inputs = [make_scan_inputs(c, torch.float32, seed=random_seed()) for c in cases]
     expected = [_scan(i) for i in inputs]
-    errors = []
+    errors, calls = [], []
 
     def worker(k):
-        for _ in range(20):
-            y, state = _scan(inputs[k])
-            if not (torch.equal(y, expected[k][0]) and torch.equal(state, expected[k][1])):
-                errors.append(k)
+        try:
+            for _ in range(20):
+                y, state = _scan(inputs[k])
+                calls.append(k)
+                if not (torch.equal(y, expected[k][0]) and torch.equal(state, expected[k][1])):
+                    errors.append(f"case {k}: results differed")
+        except Exception as exc:  # raised, it would end only this thread
+            errors.append(f"case {k}: {exc!r}")
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1, 0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors, f"results differed under concurrency in cases {sorted(set(errors))}"
+    assert not errors, f"under concurrency: {sorted(set(errors))}"
+    assert len(calls) == 4 * 20
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")

@@ -188,13 +188,18 @@ def test_idle_connections_are_bounded_and_closed_when_their_request_never_comes(
 
     monkeypatch.setattr(metrics, "MAX_CONNECTIONS", 3)
     monkeypatch.setattr(metrics.QuietHandler, "timeout", 0.5)
+    handled = []  # connections given a handler: the cap's refusal gives none (an idle timeout closes one too)
+    setup = metrics.QuietHandler.setup
+    monkeypatch.setattr(metrics.QuietHandler, "setup", lambda handler: handled.append(handler) or setup(handler))
     port = metrics.serve_metrics(Server(ServerConfig(device="cpu"), choose_device("cpu")), "127.0.0.1", 0)
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
     for conn in idle:
         conn.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+    wait_until(lambda: len(handled) == 3, "the idle connections were not handled")
     with socket.create_connection(("127.0.0.1", port)) as turned_away:
         turned_away.settimeout(10)
         assert turned_away.recv(1) == b"", "a connection past the cap was kept"
+    assert len(handled) == 3, "a connection past the cap was given a handler"
     for conn in idle:
         conn.settimeout(10)
         assert conn.recv(1) == b"", "an idle connection was kept past its timeout"

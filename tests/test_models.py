@@ -931,6 +931,27 @@ def test_a_window_whose_output_cannot_be_framed_is_refused_before_it_runs(serve,
     assert call(srv, conn, "model_forward", session=session, tokens=tokens, last_only=True)
 
 
+def test_an_open_over_the_session_limit_copies_no_model_state_it_was_sent(serve, monkeypatch):
+    """A model session's saved state, as a plain session's h0 (tests/test_sessions.py), was made
+    device tensors before the session limits were checked (found in review); the session's own
+    copy, made once it is open, is the only one. The state comes through whole all the same."""
+    srv, conn = serve(max_sessions=1), RecordingConnection()
+    lm = call(srv, conn, "model_load", path="mamba-lm-tied")["model"]
+    session = call(srv, conn, "session_open", model=lm, batch=1)["session"]
+    call(srv, conn, "model_step", session=session, tokens=torch.tensor([3]))
+    state = call(srv, conn, "session_state", session=session)["state"]
+    call(srv, conn, "session_close", session=session)
+    copied = []
+    device_tensor = srv.server.device_tensor
+    monkeypatch.setattr(srv.server, "device_tensor", lambda wire: copied.append(wire) or device_tensor(wire))
+    reopened = call(srv, conn, "session_open", model=lm, batch=1, state=state)["session"]
+    assert all(torch.equal(call(srv, conn, "session_state", session=reopened)["state"][name], part)
+               for name, part in state.items())
+    error = error_of(srv, conn, "session_open", model=lm, batch=1, state=state)
+    assert (error["code"], error["detail"]["limit"]) == ("limit_exceeded", "max_sessions"), error
+    assert copied == []
+
+
 def test_another_connections_model_and_snapshot_are_unknown(serve):
     srv, mine, theirs = serve(), RecordingConnection(), RecordingConnection()
     model = call(srv, mine, "model_load", path="mamba-lm-tied")["model"]

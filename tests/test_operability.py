@@ -22,16 +22,20 @@ from waiting import wait_until
 MAX_FRAME = 1 << 20
 
 
-def traffic(client, stop: threading.Event, counts: dict, name: str) -> None:
-    """Scans and steps until told to stop; every reply must be ok."""
-    rng = np.random.default_rng()
-    session = client.call("session_open", batch=2, dim=3, state=2)["session"]
-    while not stop.is_set():
-        client.scan(**scan_inputs(rng)).unwrap()
-        step = {k: v[:, 0] for k, v in scan_inputs(rng).items() if k not in ("A",)}
-        client.step(session, A=scan_inputs(rng)["A"], **step).unwrap()
-        counts[name] += 2
-    client.close_session(session)
+def traffic(client, stop: threading.Event, counts: dict, failures: list, name: str) -> None:
+    """Scans and steps until told to stop; every reply must be ok (a failure is kept in
+    `failures` for the test to report: raised here, it would end only this thread)."""
+    try:
+        rng = np.random.default_rng()
+        session = client.call("session_open", batch=2, dim=3, state=2)["session"]
+        while not stop.is_set():
+            client.scan(**scan_inputs(rng)).unwrap()
+            step = {k: v[:, 0] for k, v in scan_inputs(rng).items() if k not in ("A",)}
+            client.step(session, A=scan_inputs(rng)["A"], **step).unwrap()
+            counts[name] += 2
+        client.close_session(session)
+    except Exception as exc:
+        failures.append(f"{name}: {exc!r}")
 
 
 def malformed_frames() -> list:
@@ -47,9 +51,9 @@ def test_an_operators_worst_day(tmp_path):
             "--max-frame-size", str(MAX_FRAME)]
     with PortClient(args) as port:
         url = port.info()["metrics"]
-        stop, counts = threading.Event(), {"unix": 0, "zmq": 0}
+        stop, counts, failures = threading.Event(), {"unix": 0, "zmq": 0}, []
         with UnixClient(unix_path) as unix, ZmqClient(zmq_path) as zmq_client:
-            workers = [threading.Thread(target=traffic, args=(c, stop, counts, n), daemon=True)
+            workers = [threading.Thread(target=traffic, args=(c, stop, counts, failures, n), daemon=True)
                        for c, n in ((unix, "unix"), (zmq_client, "zmq"))]
             for w in workers:
                 w.start()
@@ -101,6 +105,7 @@ def test_an_operators_worst_day(tmp_path):
                 for w in workers:
                     w.join(60)
         assert not any(w.is_alive() for w in workers), "a traffic thread never finished"
+        assert not failures, f"traffic beside the rest got errors: {failures}"
         assert counts["unix"] > 0 and counts["zmq"] > 0
 
         def drained() -> bool:
