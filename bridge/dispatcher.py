@@ -99,6 +99,14 @@ _STOP = object()
 _WAKE = object()
 
 
+@dataclass(frozen=True)
+class HandedOver:
+    """A request the fast path admitted, then declined: the general way serves it without
+    admitting it again. `idle`: whether the server was idle when it was admitted."""
+
+    idle: bool
+
+
 def deadline_error(request, received_ns: int) -> OpError | None:
     """`deadline_exceeded` when the request's budget (deadline_us, from when its frame was
     complete) has run out; None while it has not, or when it has none (SPEC §4)."""
@@ -164,10 +172,15 @@ class Dispatcher:
         self._prepare_thread()
         self.server.stats.frame_in(len(body) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0),
                                    conn.lane)
-        if self.fast_path is not None and not buffers and self._serve_fast(conn, body, received_ns):
-            if release:
-                release()
-            return
+        handed_over = None  # a request the fast path admitted, then declined: counted in flight already
+        if self.fast_path is not None and not buffers:
+            taken = self._serve_fast(conn, body, received_ns)
+            if taken is True:
+                if release:
+                    release()
+                return
+            if isinstance(taken, HandedOver):
+                handed_over = taken
         timing = Timing(received_ns)
         try:
             request = protocol.decode_request(body, buffers)
@@ -180,13 +193,18 @@ class Dispatcher:
                 log.exception("decoding a request failed")
                 codec, request_id = protocol.V1, None
             self._reply_error(conn, codec, request_id, exc)
+            if handed_over is not None:
+                self._replying_uncalled()
+                self._leave()
             if release:
                 release()
             return
         timing.add("decode", now_ns() - received_ns)
         handler = self.registry.handler(request)
         immediate = getattr(handler, "immediate", False)
-        admitted = self._admit(immediate=immediate)
+        # Not admitted again: between the two, a drain could find nothing in flight and report
+        # all answered, then refuse the request shutting_down.
+        admitted = handed_over.idle if handed_over is not None else self._admit(immediate=immediate)
         if isinstance(admitted, OpError):
             self._reply_error(conn, request.codec, request.reply_id, admitted)
             if release:
@@ -239,33 +257,42 @@ class Dispatcher:
         """Serve the request in `body` through the op fast path on this thread, if that path
         takes it and no general-path request in flight is still to be answered (_replying);
         its own requests may be (other lanes' readers, each serving one, which only wait for
-        the serving lock: docs/performance.md, "unix callers native"). False: not taken (nothing was touched), it goes the general way, which also
-        answers every error."""
+        the serving lock: docs/performance.md, "unix callers native"). True: answered. False: not
+        taken (nothing was touched, nothing counted), it goes the general way, which also answers
+        every error. HandedOver: declined once admitted (nothing touched): it goes the general
+        way still counted in flight, now as a general-path request."""
         try:
             request = self.fast_path.parse(body)
         except Exception:
             log.exception("fast path failed parsing a request")
             return False
-        if request is None or self._admit(fast=True) is None:
+        idle = None if request is None else self._admit(fast=True)
+        if idle is None:
             return False
+        answered = False
         try:
             waiting_since = now_ns()
             with self._serving:
                 late = deadline_error(request, received_ns)
                 if late is not None:
                     self._reply_error(conn, protocol.V1, request.id, late, stats_op=request.op)
+                    answered = True
                     return True
                 try:
                     outcome = self.fast_path.serve(conn, request, received_ns, now_ns() - waiting_since)
                 except NativeStepError as exc:  # its kernel ran, or may have: never served twice
                     log.error("fast path failed", exc_info=exc.__cause__)
                     self._reply_error(conn, protocol.V1, exc.request_id, exc, stats_op=request.op)
+                    answered = True
                     return True
                 except Exception:  # before its kernel: nothing touched, the general path answers
                     log.exception("fast path failed before taking a request")
-                    return False
+                    outcome = None
             if outcome is None:
-                return False
+                with self._pending_lock:
+                    self._unanswered_general += 1
+                return HandedOver(idle)
+            answered = True
             reply, timing = outcome
             try:
                 self._send(conn, [reply])
@@ -275,7 +302,8 @@ class Dispatcher:
             self.server.stats.record(request.op, timing, ok=True)
             return True
         finally:
-            self._leave()
+            if answered:
+                self._leave()
 
     def on_frame_error(self, conn, exc: protocol.FrameTooLarge) -> None:
         """An oversized frame, already drained by the transport: read, as the stats count it
@@ -515,6 +543,11 @@ class Dispatcher:
                 call.release()
         finally:
             self._leave()
+
+    def _replying_uncalled(self) -> None:
+        """_replying for a request handed over by the fast path that never became a call."""
+        with self._pending_lock:
+            self._unanswered_general -= 1
 
     def _replying(self, call: Call) -> None:
         """The general path's `call` has run (or never will) and its reply is about to be

@@ -629,6 +629,9 @@ def test_answered_requests_leave_no_reference_cycles(inproc):
     shared = shared_constants(5, 3, {})
     sessions = [open_prefilled(srv, conn, 2, 5, 3) for _ in range(2)]
     gc.collect()
+    # Held through the window: nothing made before it (an earlier test's server, let go when its
+    # thread ends, with the cycles its test's stand-ins made) can turn to garbage in it.
+    made_before = gc.get_objects()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         alone = srv.submit(conn, "step", session=sessions[0], more_input=False, **step_inputs(2, 5, 3, shared, {}))
@@ -644,6 +647,7 @@ def test_answered_requests_leave_no_reference_cycles(inproc):
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+        del made_before
     assert ours == []
 
 

@@ -176,6 +176,11 @@ def declined_cases():
                      id="A-shape"),
         pytest.param("clamp", lambda a, s, h, other: {**a, "dt_min": 0.5, "dt_max": 0.1}, "invalid_argument",
                      id="dt-min-above-max"),
+        # Past float32's range the general path refuses a bound (found in review: the native path ran it).
+        pytest.param("bound", lambda a, s, h, other: {**a, "dt_max": 1e39}, "invalid_argument",
+                     id="dt-max-past-float32"),
+        pytest.param("bound", lambda a, s, h, other: {**a, "dt_min": -1e39}, "invalid_argument",
+                     id="dt-min-past-float32"),
         pytest.param("session", lambda a, s, h, other: {**a, "session": other}, "unknown_session",
                      id="another-connections-session"),
         pytest.param("handle", lambda a, s, h, other: {**a, "A": h["freed"]}, "unknown_handle", id="freed-handle"),
@@ -348,6 +353,56 @@ def test_drain_does_not_report_all_answered_before_a_native_step_admitted_meanwh
     assert race.finish() == ["replied", ("drained", True)], f"seed={seed}"
     reply = conn.reply(request_id, timeout=0)
     assert reply.ok and served.taken == 1, f"seed={seed}: {reply}"
+
+
+def test_a_step_the_native_path_declines_during_a_drain_is_served_and_drained_for(inproc):
+    """A step the native path counts in flight, then declines (here an f64 A handle, which it
+    does not read), goes the general way still counted: found in review, it was let go and
+    admitted again, so a drain begun meanwhile reported all answered first and the step was
+    refused shutting_down though in flight when the drain began."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    case = StepCase(1, 4, 2)
+    srv = inproc()
+    conn = RecordingConnection()
+    session, consts = open_session(srv, conn, case, constants(case, gen))
+    consts["A"] = protocol.HandleRef(submit(srv, conn, "put", tensor=consts["A"].double()).result["handle"])
+    dispatcher, native = srv.dispatcher, srv.server.fast_path
+    serve, events, drainer = native.serve, [], []
+
+    def serve_while_a_drain_begins(*args):
+        drainer.append(threading.Thread(target=lambda: events.append(("drained", dispatcher.drain(30)))))
+        drainer[0].start()
+        wait_until(lambda: not dispatcher.accepting, "the drain did not begin")
+        outcome = serve(*args)
+        events.append("declined" if outcome is None else "served natively")
+        return outcome
+
+    native.serve = serve_while_a_drain_begins
+    send = conn.send
+    conn.send = lambda parts, buffers=None: (send(parts, buffers), events.append("replied"))
+    request_id = srv.submit(conn, "step", session=session, more_input=False, **consts, **step_inputs(case, gen))
+    drainer[0].join(30)
+    reply = conn.reply(request_id, timeout=0)
+    assert reply.ok, f"seed={seed}: {reply.error}"
+    assert events == ["declined", "replied", ("drained", True)], f"seed={seed}"
+
+
+def test_a_server_let_go_is_freed_with_its_native_path():
+    """Found in review: the native path held its server, and the module's weak map of each
+    server's path held the path, so no server made in a process was ever freed, with its pools."""
+    import gc
+    import weakref
+
+    from bridge.device import choose_device
+    from bridge.server import Server, ServerConfig
+
+    server = Server(ServerConfig(device="cpu"), choose_device("cpu"))
+    assert server.fast_path is not None
+    freed = weakref.ref(server)
+    del server
+    gc.collect()
+    assert freed() is None, "the server outlived every reference to it"
 
 
 def test_native_steps_keep_to_max_pending(inproc):
@@ -742,6 +797,7 @@ def ssd_declined_cases():
         pytest.param(lambda a: {**a, "A": -torch.rand(3, 4) - 0.1}, "shape_mismatch", id="A-per-state"),
         pytest.param(lambda a: {**a, "D": torch.rand(3, 2)}, "shape_mismatch", id="D-shape"),
         pytest.param(lambda a: {**a, "dt_min": 0.5, "dt_max": 0.1}, "invalid_argument", id="dt-min-above-max"),
+        pytest.param(lambda a: {**a, "dt_max": 1e39}, "invalid_argument", id="dt-max-past-float32"),
         pytest.param(lambda a: {**a, "dt_limit": [0.001, 0.1]}, None, id="mamba-ssm-name"),
     ]
 

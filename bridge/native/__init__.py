@@ -91,7 +91,9 @@ class NativeStep:
         if tuple(module.STAGE_KEYS) != STAGE_KEYS:
             raise BackendUnavailable(f"native step path: its replies' stages {tuple(module.STAGE_KEYS)}, "
                                      f"expected bridge.timing's {STAGE_KEYS}")
-        self.server = server
+        # Weakly: the server keeps its path (server.fast_path, and _PATHS while it lives), and a
+        # path holding it back would keep every server, its pools and models, for good.
+        self._server = weakref.ref(server)
         # parse(frame): the plain step request in `frame` (its id, session, handles and
         # deadline_us, read where it lies: valid while the frame is), or None for any other
         # request. Pure: the dispatcher asks before any bookkeeping. The module's own function,
@@ -130,6 +132,10 @@ class NativeStep:
                 log.warning("native step path unavailable, steps take the general path: %s", exc)
                 _PATHS[server] = None
         return _PATHS[server]
+
+    @property
+    def server(self):
+        return self._server()
 
     def serve(self, conn, request, received_ns: int, queued_ns: int) -> tuple[bytes, dict] | None:
         """(reply body, timing) of a parsed plain step, the session's state stepped; None when

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -374,7 +375,8 @@ bool read_args(Reader& r, StepRequest* req) {
       bit = key == "dt_min" ? 2 : 3;
       if (!r.nil()) {
         double v;
-        if (!r.number(&v)) return false;
+        // Beyond float32's range the general path refuses the bound by name (kernels' checks).
+        if (!r.number(&v) || std::fabs(v) > std::numeric_limits<float>::max()) return false;
         (key == "dt_min" ? req->dt_min : req->dt_max) = v;
       }
     } else if (key == "embeds") {
