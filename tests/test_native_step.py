@@ -129,6 +129,16 @@ def open_session(srv, conn, case: StepCase, consts: dict) -> tuple[str, dict]:
                      for name, t in consts.items()}
 
 
+def seeded_session(inproc, case: StepCase) -> tuple:
+    """(seed, its generator, an in-process server, a connection, a session of `case` on it, the
+    session's constants: handles where the case says so), what a test of one session starts with."""
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    srv, conn = inproc(), RecordingConnection()
+    session, consts = open_session(srv, conn, case, constants(case, gen))
+    return seed, gen, srv, conn, session, consts
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_native_steps_equal_the_general_path(inproc, case):
     seed = random_seed()
@@ -267,11 +277,8 @@ def test_a_step_sent_before_the_last_reply_is_finished_is_served_natively(inproc
     """A client that steps the moment a general-path reply reaches it can beat that request's
     finish (its buffer released, its count dropped): the step, admitted while the reply is still
     being written, is served natively all the same, once the serving lock is free."""
-    seed = random_seed()
-    gen = torch.Generator().manual_seed(seed)
     case = StepCase(3, 5, 4, handles=True)
-    srv, conn = inproc(), RecordingConnection()
-    session, shared = open_session(srv, conn, case, constants(case, gen))
+    seed, gen, srv, conn, session, shared = seeded_session(inproc, case)
     frame = {**shared, **step_inputs(case, gen)}
     served = Served(srv)
     step_ids, stepping = [], threading.Event()
@@ -341,13 +348,9 @@ def test_a_step_behind_only_native_steps_waits_for_them_and_is_served_natively(i
 def test_drain_does_not_report_all_answered_before_a_native_step_admitted_meanwhile_is(inproc):
     """As for the general path (test_batcher): the native path reads whether it may take a step
     where it counts the step in flight, under the lock drain() waits under."""
-    seed = random_seed()
-    gen = torch.Generator().manual_seed(seed)
     case = StepCase(1, 4, 2)
-    srv = inproc()
+    seed, gen, srv, conn, session, consts = seeded_session(inproc, case)
     served = Served(srv)
-    conn = RecordingConnection()
-    session, consts = open_session(srv, conn, case, constants(case, gen))
     race = DrainRace(srv.dispatcher, conn)
     request_id = srv.submit(conn, "step", session=session, more_input=False, **consts, **step_inputs(case, gen))
     assert race.finish() == ["replied", ("drained", True)], f"seed={seed}"
@@ -360,12 +363,8 @@ def test_a_step_the_native_path_declines_during_a_drain_is_served_and_drained_fo
     does not read), goes the general way still counted: found in review, it was let go and
     admitted again, so a drain begun meanwhile reported all answered first and the step was
     refused shutting_down though in flight when the drain began."""
-    seed = random_seed()
-    gen = torch.Generator().manual_seed(seed)
     case = StepCase(1, 4, 2)
-    srv = inproc()
-    conn = RecordingConnection()
-    session, consts = open_session(srv, conn, case, constants(case, gen))
+    seed, gen, srv, conn, session, consts = seeded_session(inproc, case)
     consts["A"] = protocol.HandleRef(submit(srv, conn, "put", tensor=consts["A"].double()).result["handle"])
     dispatcher, native = srv.dispatcher, srv.server.fast_path
     serve, events, drainer = native.serve, [], []
@@ -600,12 +599,8 @@ def test_failures_inside_the_native_path_are_answered(inproc, monkeypatch):
     """Before its kernel, a failure hands the request to the general path, which serves it; at
     the kernel, the request is answered with internal_error and never served again (its state
     may have moved)."""
-    seed = random_seed()
-    gen = torch.Generator().manual_seed(seed)
     case = StepCase(2, 8, 4)
-    srv = inproc()
-    conn = RecordingConnection()
-    session, shared = open_session(srv, conn, case, constants(case, gen))
+    seed, gen, srv, conn, session, shared = seeded_session(inproc, case)
     native = srv.server.fast_path
     served = Served(srv)
 
