@@ -114,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeroMQ high-water mark: messages queued per peer each way, and requests a peer may "
                         "have waiting beyond its in-flight cap before it is answered overloaded")
     p.add_argument("--idle-timeout-s", type=_positive_seconds, default=defaults.idle_timeout_s, metavar="SECONDS",
-                   help="free what a ZeroMQ peer owns (sessions, handles, models, snapshots) once it has sent "
-                        "nothing for SECONDS with nothing in flight: a peer whose end is never seen counts as "
-                        "gone (default: never)")
+                   help="free what a ZeroMQ peer owns (sessions, handles, models, snapshots) once, with nothing "
+                        "in flight, it has neither sent a request nor been answered one for SECONDS: a peer whose "
+                        "end is never seen counts as gone (default: never)")
     p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
                    help="unix connections served at once; another is answered overloaded and closed")
     return p

@@ -565,6 +565,29 @@ def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
             "idle": {"peers": 1, "sessions": 1, "snapshots": 0, "models": 0, "handles": 0}}
 
 
+def test_a_zmq_peer_waiting_on_its_own_long_request_is_not_idle(tmp_path):
+    """Idle time counts from a peer's last message or its last answer: found in review, a
+    request that ran longer than the timeout left its peer counted silent the moment its reply
+    went, and the peer's session was freed while it paused far less than the timeout."""
+    def slow_info(server, call):
+        time.sleep(0.6)
+        return {"info": True}
+
+    def call(sock, request_id, op, args=None) -> dict:
+        sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
+        assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
+        return msgpack.unpackb(sock.recv())
+
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=0.3,
+                                  handlers={"info": slow_info}) as (dispatcher, transport), \
+            dealers(transport, 1) as (client,):
+        session = call(client, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})["result"]["session"]
+        assert call(client, 2, "info")["ok"]  # longer than the timeout
+        time.sleep(0.1)
+        assert call(client, 3, "session_state", {"session": session})["ok"]
+        assert "idle" not in dispatcher.server.stats.snapshot()["released"]
+
+
 @pytest.mark.parametrize("extra", [pytest.param(1, id="one-past"), pytest.param(5000, id="thousands-past")])
 def test_a_message_of_more_raw_buffers_than_a_request_may_have_is_turned_away_unkept(tmp_path, monkeypatch, extra):
     """Parts past the most raw buffers a request may carry are read and dropped, and the request

@@ -131,7 +131,7 @@ class ZmqPeer(Connection):
         self.key = key  # (index of its socket, routing id)
         self.socket = transport.sockets[key[0]]
         self.fd: int | None = None  # the descriptor of the connection its messages come in on
-        self.last_seen = time.monotonic()  # when its latest message came
+        self.last_seen = time.monotonic()  # when its latest message came, or its latest answer left
         # Requests with the dispatcher or answered but not yet sent; requests waiting for one of
         # those to finish; replies waiting for room in the peer's pipe (ZeroMQ frames, in order).
         self.in_flight = 0
@@ -554,6 +554,9 @@ class ZmqTransport:
 
     def _answered(self, peer: ZmqPeer) -> None:
         peer.in_flight -= 1
+        # Idle counts from its last message or its last answer, whichever came later: a peer
+        # waiting on its own long request has not been silent.
+        peer.last_seen = time.monotonic()
         # `overloaded` answers count too, so the peer may still be at its cap.
         if peer.waiting and not peer.closed and peer.in_flight < self.max_in_flight:
             self._dispatch(peer, peer.waiting.popleft())
