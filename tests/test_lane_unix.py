@@ -69,6 +69,38 @@ def test_a_connection_turned_away_counts_its_answer_as_sent(tmp_path, inproc):
     assert after["errors"]["overloaded"] - before["errors"].get("overloaded", 0) == 1
 
 
+def test_connections_already_closed_do_not_keep_a_live_one_out(tmp_path, inproc):
+    """The reading thread accepts a whole backlog before it reads, so probes that connected and
+    closed while it was busy (health checks) each took a place under --max-connections, and a
+    live client behind them was turned away overloaded with two connections open (found in
+    review). At the cap, those whose peers are gone are let go first."""
+    held, inside = threading.Event(), threading.Event()
+
+    def held_info(server, call):
+        inside.set()
+        if not held.wait(REPLY_TIMEOUT_S):
+            raise TimeoutError("the test never let the info be answered")
+        return {"info": True}
+
+    srv = inproc(handlers={"info": held_info})
+    with unix_lane(tmp_path, srv.dispatcher, max_connections=4) as transport:
+        transport.start()
+        busy = raw_unix(transport.path)
+        busy.sendall(request_frame(1, "info"))  # served on the reading thread: the server is idle
+        assert inside.wait(REPLY_TIMEOUT_S)
+        for _ in range(6):
+            probe = raw_unix(transport.path)
+            probe.close()
+        live = raw_unix(transport.path)
+        live.sendall(request_frame(2, "ping"))
+        held.set()
+        reply = read_reply(live.makefile("rb", buffering=0))
+        assert reply.ok and reply.result == {"pong": True}, reply.error
+        assert read_reply(busy.makefile("rb", buffering=0)).ok
+        live.close()
+        busy.close()
+
+
 def test_a_unix_connection_whose_frame_cannot_be_read_ends_there_and_the_lane_serves_on(tmp_path):
     """A failure inside a frame (here: no buffer for its body) must end that connection's input:
     read on, the rest of the body would be taken for frames."""

@@ -316,10 +316,20 @@ class UnixTransport:
             conn = UnixConnection(sock, self.max_in_flight, protocol.FrameAssembler(self.max_frame_size, self.pool.acquire),
                                   self._wake, self._writers.start, self._thread)
             if len(self._connections) >= self.max_connections:
+                self._reap_ended()
+            if len(self._connections) >= self.max_connections:
                 self._turn_away(conn)
                 continue
             self._connections.add(conn)
             self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _reap_ended(self) -> None:
+        """End the input of connections whose peers closed with nothing left to read: this
+        thread accepts a whole backlog before it reads, so connections already gone (a health
+        check's, a probe's) would otherwise fill the cap ahead of live ones."""
+        for conn in list(self._connections):
+            if self._registered(conn.sock) and _peer_closed(conn.sock):
+                self._end_input(conn)
 
     def _turn_away(self, conn: UnixConnection) -> None:
         """Answer a connection over the cap with one `overloaded` error (id nil) and close it."""
@@ -394,6 +404,17 @@ class UnixTransport:
         finally:
             conn.sock.close()
         self._resume_accepting()  # its descriptor is free now
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer closed (or reset) `sock` with nothing left unread: a request it sent
+    before closing is still to be read and answered."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _listen(path: str) -> socket.socket:
