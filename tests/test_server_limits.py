@@ -4,6 +4,7 @@ half-close, running out of descriptors, and headers that announce bodies never s
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -258,43 +259,65 @@ def input_bytes(fd: int) -> int:
     return count[0]
 
 
-def test_a_stdio_peer_that_reads_nothing_does_not_hold_up_the_other_lanes(tmp_path):
+@contextlib.contextmanager
+def stdio_server(tmp_path, kind: str, *args):
+    """A server on `kind` stdio ("pipe", a Port's; "socket", a socketpair's, as a libuv parent
+    or socat gives) beside `args`' lanes: (the server, its stdin to write to, its stdout to read
+    from, the stdout's descriptor here, end(): the stdin closed)."""
+    if kind == "pipe":
+        srv = ServerProcess(str(tmp_path), *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            yield srv, srv.proc.stdin, srv.proc.stdout, srv.proc.stdout.fileno(), srv.proc.stdin.close
+        finally:
+            srv.stop()
+        return
+    ours, theirs = socket.socketpair()
+    srv = ServerProcess(str(tmp_path), *args, stdin=theirs.fileno(), stdout=theirs.fileno())
+    theirs.close()
+    writer, reader = ours.makefile("wb"), ours.makefile("rb", buffering=0)
+    try:
+        yield srv, writer, reader, ours.fileno(), lambda: ours.shutdown(socket.SHUT_WR)
+    finally:
+        srv.stop()
+        writer.close()
+        reader.close()
+        ours.close()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "socket"])
+def test_a_stdio_peer_that_reads_nothing_does_not_hold_up_the_other_lanes(tmp_path, kind):
     """A stdio reply is written by the thread that served its request, with the dispatcher's
     serving lock held, which every lane's requests wait for: a Port that stops reading its
     replies must not stop the unix lane. Written blocking, a reply the pipe had no room for held
-    the lock until the Port read. Its replies still come whole and in order when it reads, and
-    closing its stdin then stops the server."""
+    the lock until the Port read; on a socket it still did (found in review). Its replies still
+    come whole and in order when it reads, and closing its stdin then stops the server."""
     path = str(tmp_path / "bridge.sock")
-    srv = ServerProcess(str(tmp_path), "--stdio", "--unix", path, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
+    with stdio_server(tmp_path, kind, "--stdio", "--unix", path) as (srv, stdin, stdout, stdout_fd, end):
         srv.wait_for_path(path)
         inputs = make_scan_inputs(ScanCase(1, 1024, 512, 4))  # 2 MiB replies: more than a pipe holds
         frame = scan_frame(1, inputs)
         # From a thread: the server reads no more of a peer's requests while its replies wait for
         # it, so whether the second frame is taken before the first reply backs up is the
         # scheduler's choice, and the rest of it may wait until that reply is read.
-        writing = threading.Thread(target=lambda: (srv.proc.stdin.write(frame + frame), srv.proc.stdin.flush()),
-                                   daemon=True)
+        writing = threading.Thread(target=lambda: (stdin.write(frame + frame), stdin.flush()), daemon=True)
         writing.start()
-        stdout = srv.proc.stdout.fileno()
-        room = fcntl.fcntl(stdout, fcntl.F_GETPIPE_SZ)
-        wait_until(lambda: input_bytes(stdout) >= room - 4096, "the stdio replies never filled the pipe")
+        # A pipe's room is its size; a socket's, its buffers' (its reply past them in any case).
+        room = fcntl.fcntl(stdout_fd, fcntl.F_GETPIPE_SZ) - 4096 if kind == "pipe" else 64 * 1024
+        wait_until(lambda: input_bytes(stdout_fd) >= room, "the stdio replies never filled the pipe")
         with UnixClient(path) as other:
             pong = other.submit("ping")
             try:
                 assert pong.result(REPLY_TIMEOUT_S).result == {"pong": True}
             except TimeoutError:
                 pytest.fail("a unix ping got no answer while the stdio peer read nothing")
-        replies = [read_reply(srv.proc.stdout) for _ in range(2)]
+        replies = [read_reply(stdout) for _ in range(2)]
         for i, reply in enumerate(replies):
             assert_reply_matches_reference(reply, inputs, f"stdio reply {i}")
         writing.join(REPLY_TIMEOUT_S)
         assert not writing.is_alive(), "the server never read the second frame"
-        srv.proc.stdin.close()
+        end()
         assert srv.proc.wait(REPLY_TIMEOUT_S) == 0, srv.log()
         assert not os.path.exists(path)
-    finally:
-        srv.stop()
 
 
 def test_a_unix_server_out_of_descriptors_accepts_again_once_a_connection_closes(tmp_path):

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import select
+import socket
 import termios
 import threading
 import time
@@ -229,6 +230,15 @@ class FdConnection(StreamConnection):
 
     def _write_nowait(self, views: list[memoryview]) -> int:
         return os.writev(self._stream, views[:IOV_MAX])
+
+
+class SocketFdConnection(StreamConnection):
+    """As FdConnection where the descriptor is a socket (stdio as a libuv parent, socat or
+    systemd hands it): the stream is a socket on a duplicate of it, and each send is told not to
+    wait, as O_NONBLOCK would be set on a description other processes may share."""
+
+    def _write_nowait(self, views: list[memoryview]) -> int:
+        return self._stream.sendmsg(views[:IOV_MAX], (), socket.MSG_DONTWAIT)
 
 
 def hung_up(fd: int) -> bool:

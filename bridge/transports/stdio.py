@@ -2,32 +2,41 @@
 
 A reader thread reads each frame into a pooled buffer and hands it to the dispatcher
 (`framed.serve_frames`); replies are written with one `os.writev` of the prefix, the msgpack
-header pieces and the tensor views, non-blocking as on the unix lane (framed.StreamConnection):
-a peer that stops reading its replies must not hold up the thread writing one, which may hold
-the dispatcher's serving lock that every lane's requests wait for. Its requests are not read
-meanwhile (serve_frames)."""
+header pieces and the tensor views (one send, where stdout is a socket), non-blocking as on the
+unix lane (framed.StreamConnection): a peer that stops reading its replies must not hold up the
+thread writing one, which may hold the dispatcher's serving lock that every lane's requests wait
+for. Its requests are not read meanwhile (serve_frames)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import threading
 import time
 
 from ..buffers import BufferPool
 from .base import FLUSH_SECONDS
-from .framed import FdConnection, WriterThreads, serve_frames
+from .framed import FdConnection, SocketFdConnection, StreamConnection, WriterThreads, serve_frames
 
 log = logging.getLogger("bridge.stdio")
+
+
+def reply_connection(fd: int, start_writer) -> StreamConnection:
+    """The connection replies go out on: a socket written with sends that never wait, else
+    nonblocking_pipe's descriptor."""
+    if stat.S_ISSOCK(os.fstat(fd).st_mode):
+        return SocketFdConnection("stdio", socket.socket(fileno=os.dup(fd)), start_writer)
+    return FdConnection("stdio", nonblocking_pipe(fd), start_writer)
 
 
 def nonblocking_pipe(fd: int) -> int:
     """Where `fd` is a pipe (a Port's, a client's), a descriptor of that pipe whose writes
     never block, on a file description of its own: O_NONBLOCK belongs to the description, which
     `fd` may share with other processes (a shell's) that expect blocking writes. Anything else
-    (a file, a terminal), or a pipe that cannot be opened anew, is `fd` itself, written as it
-    is."""
+    (a file, a terminal; a socket goes to reply_connection), or a pipe that cannot be opened
+    anew, is `fd` itself, written as it is."""
     if not stat.S_ISFIFO(os.fstat(fd).st_mode):
         return fd
     try:
@@ -43,7 +52,7 @@ class StdioTransport:
         self.dispatcher = dispatcher
         self.reader = open(in_fd, "rb", buffering=0, closefd=False)
         self._writers = WriterThreads()
-        self.conn = FdConnection("stdio", nonblocking_pipe(out_fd), self._writers.start)
+        self.conn = reply_connection(out_fd, self._writers.start)
         self.max_frame_size = max_frame_size
         self.pool = BufferPool()
         self.eof = threading.Event()
