@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import types
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -619,6 +620,27 @@ def test_a_message_of_more_raw_buffers_than_a_request_may_have_is_turned_away_un
 def ipc_lane(path) -> ZmqTransport:
     """A ZeroMQ lane bound at ipc://path, not started (nothing is dispatched)."""
     return ZmqTransport(None, [f"ipc://{path}"], max_frame_size=1 << 20, max_in_flight=4, hwm=4)
+
+
+def test_a_lane_whose_io_thread_does_not_stop_still_removes_its_ipc_file(tmp_path, monkeypatch):
+    """At shutdown an io thread still busy (dropping a message of millions of frames, say) keeps
+    its sockets open, but the lane's ipc socket file goes (found in review: it was left, and a
+    server started next on the path refused it as another server's)."""
+    path = tmp_path / "lane.ipc"
+    srv = InProcessServer(native_step=False)
+    transport = ZmqTransport(srv.dispatcher, [f"ipc://{path}"], max_frame_size=1 << 20, max_in_flight=4, hwm=4)
+    transport.start()
+    io_thread = transport._thread
+    stuck = threading.Event()
+    monkeypatch.setattr(transport, "_thread", types.SimpleNamespace(ident=io_thread.ident, join=stuck.wait,
+                                                                    is_alive=lambda: True))
+    try:
+        transport.close(time.monotonic())
+        assert not path.exists(), "the lane left its socket file behind"
+    finally:
+        io_thread.join(10)  # it saw the stop
+        transport._close_sockets()
+        srv.close()
 
 
 def test_an_ipc_path_is_not_taken_from_a_live_server_and_is_removed_on_close(tmp_path):

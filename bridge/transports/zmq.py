@@ -249,8 +249,10 @@ class ZmqTransport:
             self.outbox.post(None)
             self._thread.join(1.0)
             if self._thread.is_alive():
-                # Its sockets cannot be closed under it (and the context would wait for them).
+                # Its sockets cannot be closed under it (and the context would wait for them);
+                # their files can go, so that a server started next finds the paths free.
                 log.error("the zmq io thread did not stop; replies still queued are lost")
+                self._unlink_ipc_paths()
                 return
             deadline = time.monotonic() + FLUSH_SECONDS if deadline is None else deadline
             self._flush()
@@ -272,6 +274,9 @@ class ZmqTransport:
             self._authenticator.stop()
         self.context.term()
         self.outbox.close()
+        self._unlink_ipc_paths()
+
+    def _unlink_ipc_paths(self) -> None:
         for path in self._ipc_paths:  # libzmq leaves the socket files of ipc endpoints behind
             try:
                 os.unlink(path)
