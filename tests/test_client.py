@@ -293,14 +293,16 @@ def test_a_zmq_client_closed_twice_closes_its_files_once(tmp_path):
     client = bridge.client.ZmqClient(f"ipc://{tmp_path}/nobody.ipc")
     outbox_fd = client._outbox.fd
     client.close()
-    reused_r, reused_w = os.pipe()
+    reused = []  # files opened until one has the outbox's old number (the lowest free comes first)
     try:
+        while not reused or reused[-1] < outbox_fd:
+            reused.append(os.open(os.devnull, os.O_RDONLY))
+        assert outbox_fd in reused, f"the number {outbox_fd} was not free after the first close"
         client.close()
-        if outbox_fd in (reused_r, reused_w):  # the usual case: the lowest free number
-            os.fstat(outbox_fd)  # still open
+        os.fstat(outbox_fd)  # still open: the second close left another file's number alone
     finally:
-        os.close(reused_r)
-        os.close(reused_w)
+        for fd in reused:
+            os.close(fd)
 
 
 def test_a_deadline_exceeded_reply_to_a_timed_request_is_its_timeout(pipe):

@@ -9,6 +9,7 @@ so that zero findings means something. The findings' regression tests feed the e
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import subprocess
@@ -388,6 +389,38 @@ def test_a_dt_limit_holding_a_str_that_is_not_utf8_is_invalid_argument(op):
     with pytest.raises(protocol.InvalidArgument) as raised:
         protocol.decode_request(body)
     assert raised.value.detail["field"] == "args.dt_limit" and raised.value.request_id == 1
+
+
+def _planted_decoder_bug(body, buffers=()):
+    raise KeyError("planted decoder bug")
+
+
+@pytest.mark.parametrize("harness, call", [
+    pytest.param(decoder_harness, lambda: decoder_harness.check_message(b"\x80", []), id="decoder"),
+    pytest.param(legacy_harness, lambda: legacy_harness.one_input(b"\x80"), id="legacy"),
+])
+def test_an_exception_not_a_known_finding_comes_out_of_the_harness(monkeypatch, harness, call):
+    """The filter of known findings lets every other exception through (found in review: with
+    none recorded, a filter that kept them all passed every test, and a run hid every crash)."""
+    monkeypatch.setattr(harness, "decode_request", _planted_decoder_bug)
+    with pytest.raises(KeyError, match="planted decoder bug"):
+        call()
+
+
+def test_a_known_finding_is_counted_only_where_it_was_recorded(monkeypatch):
+    planted = known.KnownFinding("planted", KeyError, "tests/test_fuzz.py", "_planted_decoder_bug", b"", "")
+    monkeypatch.setattr(known, "KNOWN", (planted,))
+    tally = collections.Counter()
+    try:
+        _planted_decoder_bug(b"")
+    except KeyError as exc:
+        known.count_or_raise(exc, tally)
+    assert tally == {"known planted": 1}
+    with pytest.raises(KeyError):  # the same type raised elsewhere is not that finding
+        try:
+            {}["elsewhere"]
+        except KeyError as exc:
+            known.count_or_raise(exc, tally)
 
 
 def test_known_findings_reproduce_as_recorded():

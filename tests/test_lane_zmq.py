@@ -589,6 +589,30 @@ def test_a_zmq_peer_waiting_on_its_own_long_request_is_not_idle(tmp_path):
         assert "idle" not in dispatcher.server.stats.snapshot()["released"]
 
 
+def test_parts_past_the_most_raw_buffers_are_counted_not_kept(tmp_path, monkeypatch):
+    """The reading of such a message itself: every part counted, but past the cap none kept (a
+    frame object each), and the message read off whole (found in review: the test below sees
+    only the reply, the same whether the parts were kept or not)."""
+    from bridge.transports import zmq as zmq_lane
+
+    monkeypatch.setattr(zmq_lane, "MAX_RAW_BUFFERS", 4)
+    context = zmq.Context()
+    server, client = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    try:
+        server.bind(f"ipc://{tmp_path}/parts.ipc")
+        client.connect(f"ipc://{tmp_path}/parts.ipc")
+        client.send_multipart([b"body", *[b""] * 5000])
+        assert server.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN)
+        frames, parts = ZmqTransport._receive_message(server)
+        assert parts == 1 + 1 + 5000  # the routing id, the body, the buffers
+        assert len(frames) == zmq_lane.ENVELOPE_AND_BODY + zmq_lane.MAX_RAW_BUFFERS + 1
+        assert not server.get(zmq.RCVMORE)
+    finally:
+        server.close(linger=0)
+        client.close(linger=0)
+        context.term()
+
+
 @pytest.mark.parametrize("extra", [pytest.param(1, id="one-past"), pytest.param(5000, id="thousands-past")])
 def test_a_message_of_more_raw_buffers_than_a_request_may_have_is_turned_away_unkept(tmp_path, monkeypatch, extra):
     """Parts past the most raw buffers a request may carry are read and dropped, and the request
