@@ -648,6 +648,11 @@ BAD_CHECKPOINTS = [
      "config.json.model_type"),
     ("layernorm", dict(config=lambda c: {**c, "rms_norm": False}), "invalid_checkpoint", "config.json.rms_norm"),
     ("heads-disagree", dict(config=lambda c: {**c, "num_heads": 5}), "invalid_checkpoint", "config.json.num_heads"),
+    # JSON bounds no int: one past a float's range was an OverflowError (internal_error), found in review.
+    ("epsilon-past-floats", dict(config=lambda c: {**c, "layer_norm_epsilon": 10 ** 400}), "invalid_checkpoint",
+     "config.json.layer_norm_epsilon"),
+    ("size-past-floats", dict(config=lambda c: {**c, "hidden_size": 10 ** 400}), "invalid_checkpoint",
+     "config.json.hidden_size"),
 ]
 
 
@@ -670,6 +675,54 @@ def test_a_corrupt_safetensors_file_is_refused(serve, checkpoints, how):
     error = error_of(srv, conn, "model_load", path=directory.name)
     assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "model.safetensors"), error
     assert srv.server.sessions.usage()["model_bytes"] == 0
+
+
+def _own_layout_tensors(config: dict) -> dict:
+    from bridge.models.config import parse_config
+    from bridge.models.weights import expected_shapes
+
+    return {name: torch.rand(shape) for name, shape in expected_shapes(parse_config(config)).items()}
+
+
+def _write_safetensors(path, tensors: dict, packed: str) -> None:
+    """A safetensors file of `tensors` (f32), `packed` declared F4 (two values a byte) with the
+    shape it has: what safetensors writes for torch's float4_e2m1fn_x2."""
+    header, blobs, offset = {}, [], 0
+    for name in sorted(tensors, key=lambda n: n == packed):  # the odd-sized one last: the others stay aligned
+        tensor = tensors[name]
+        if name == packed:
+            dtype, blob = "F4", bytes((tensor.numel() + 1) // 2)
+        else:
+            dtype, blob = "F32", tensor.numpy().tobytes()
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_weight_of_a_packed_float_dtype_is_refused_by_name(serve, checkpoints, fmt):
+    """safetensors' F4 (torch's float4_e2m1fn_x2) is "floating" but packs two values a byte: torch
+    cannot convert it, and the tensor safetensors makes of it is not the header's shape. Found in
+    review: it passed the checks and failed in the conversion as internal_error."""
+    config = {"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}
+    directory = checkpoints[0] / f"packed-float-{fmt}"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = _own_layout_tensors(config)
+    if fmt == "safetensors":
+        _write_safetensors(directory / "model.safetensors", tensors, "norm_f.weight")
+        field = "model.safetensors.norm_f.weight"
+    else:
+        tensors["norm_f.weight"] = torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+        torch.save(tensors, directory / "pytorch_model.bin")
+        field = "pytorch_model.bin.norm_f.weight"
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"].get("field")) == ("invalid_checkpoint", field), error
+    assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
 
 
 def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve, checkpoints, tmp_path, inproc):
@@ -714,6 +767,30 @@ def test_a_checkpoints_own_files_are_read_only_in_its_directory_and_only_if_regu
     torch.save({0: torch.zeros(3)}, numbered / "pytorch_model.bin")
     error = error_of(srv, conn, "model_load", path=numbered.name)
     assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "pytorch_model.bin"), error
+
+
+def test_an_index_naming_a_shard_no_path_can_name_is_refused_by_name(serve, checkpoints):
+    """A shard name the OS cannot take (a NUL in it; JSON writes one as \\u0000) is the index's
+    fault like any other name outside the directory (found in review: os.path raised ValueError,
+    an internal_error)."""
+    directory = edited_copy(checkpoints[0], "mamba2-lm", "index-names-a-nul")
+    (directory / "model.safetensors").rename(directory / "shard.safetensors")
+    with open(directory / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"backbone.norm_f.weight": "shard\0.safetensors"}}, f)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"].get("field")) == (
+        "invalid_checkpoint", "model.safetensors.index.json.weight_map"), error
+
+
+def test_a_config_nested_past_the_json_parsers_depth_is_a_corrupt_file(serve, checkpoints):
+    """json raises RecursionError, not ValueError, for nesting past its depth (found in review: an
+    internal_error where SPEC §6.4 says a corrupt file is invalid_checkpoint)."""
+    directory = edited_copy(checkpoints[0], "mamba-lm-tied", "config-nested-deep")
+    (directory / "config.json").write_text("[" * 200_000)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"].get("field")) == ("invalid_checkpoint", "config.json"), error
 
 
 def test_a_config_of_more_layers_than_tensors_is_refused_before_listing_them(serve, monkeypatch):
@@ -836,6 +913,14 @@ BAD_REQUESTS = [
     ("mamba-ssm-mamba2-norm-epsilon", "model_load", dict(config={"d_model": 8, "n_layer": 1, "norm_epsilon": 1e-2,
                                                                  "ssm_cfg": {"layer": "Mamba2", "headdim": 4}},
                                                          weights={}), "invalid_checkpoint", "args.config.norm_epsilon"),
+    # Values of another type than the key takes were a TypeError (internal_error), found in review.
+    ("architectures-not-a-list", "model_load", dict(config={"model_type": "mamba", "hidden_size": 4,
+                                                            "num_hidden_layers": 1, "vocab_size": 8,
+                                                            "architectures": 5}, weights={}),
+     "invalid_checkpoint", "args.config.architectures"),
+    ("dt-limit-float-of-a-map", "model_load", dict(config={"arch": "mamba2", "d_model": 8, "n_layer": 1, "headdim": 4,
+                                                           "dt_limit": [0, {"__float__": {}}]}, weights={}),
+     "invalid_checkpoint", "args.config.dt_limit"),
     ("nul-in-path", "model_load", dict(path="mamba-lm-tied\0x"), "path_not_allowed", "args.path"),
     ("weights-dtype", "model_load", dict(path="mamba-lm-tied", dtype="f64"), "invalid_argument", "args.dtype"),
     ("unknown-model", "session_open", dict(model="nope", batch=1), "unknown_model", "args.model"),

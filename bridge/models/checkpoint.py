@@ -24,6 +24,13 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"
 # A config.json or an index bigger than this is not one.
 MAX_JSON_BYTES = 16 << 20
+# The floating dtypes a weight may be stored in: one value an element, each converted to the
+# model's dtype. Not the packed ones (safetensors' F4, torch's float4_e2m1fn_x2: two values a
+# byte), which torch cannot convert and whose tensor is not the shape the header declares.
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0")
+TORCH_FLOATS = tuple(getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
+                                                       "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                                       "float8_e8m0fnu") if hasattr(torch, name))
 
 
 def path_not_allowed(path: str, model_dirs: tuple[str, ...]) -> OpError:
@@ -60,6 +67,8 @@ def checkpoint_file(directory: str, name: str, field: str) -> str:
     """A file of the checkpoint (config.json, the index, a shard the index names), which must
     stay in its directory and be a regular file: reading a FIFO or a device there (a link to
     /dev/zero) would block the serving thread or never end."""
+    if "\0" in name:  # no OS path holds a NUL (os.path raises ValueError on one)
+        raise checkpoint_error(field, "a file name in the checkpoint's directory", repr(name))
     real = os.path.realpath(os.path.join(directory, name))
     if os.path.dirname(real) != directory:
         raise checkpoint_error(field, "a file name in the checkpoint's directory", repr(name))
@@ -75,7 +84,7 @@ def read_json(path: str, field: str):
         if len(data) > MAX_JSON_BYTES:
             raise checkpoint_error(field, f"at most {MAX_JSON_BYTES} bytes of JSON", "more")
         return json.loads(data)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting past json's depth
         raise checkpoint_error(field, "a readable JSON file", f"{type(e).__name__}: {e}") from None
 
 
@@ -116,8 +125,9 @@ class TensorSource:
             with safe_open(path, "pt") as f:
                 for name in f.keys():
                     sliced = f.get_slice(name)
-                    if not sliced.get_dtype().startswith(("F", "BF")):
-                        raise checkpoint_error(f"{shown}.{name}", "a floating tensor", sliced.get_dtype(), tensor=name)
+                    if sliced.get_dtype() not in SAFETENSORS_FLOATS:
+                        expected = f"a floating tensor ({', '.join(SAFETENSORS_FLOATS)})"
+                        raise checkpoint_error(f"{shown}.{name}", expected, sliced.get_dtype(), tensor=name)
                     if name in self.shapes:
                         raise checkpoint_error(f"{shown}.{name}", "each tensor in one shard", "it in two", tensor=name)
                     self.shapes[name] = tuple(sliced.get_shape())
@@ -137,8 +147,10 @@ class TensorSource:
         for name, tensor in state.items():
             if not isinstance(name, str):
                 raise checkpoint_error(TORCH_BIN, "a state dict keyed by tensor names", f"a key {name!r}")
-            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-                raise checkpoint_error(f"{TORCH_BIN}.{name}", "a floating tensor", type(tensor).__name__, tensor=str(name))
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype not in TORCH_FLOATS:
+                got = str(tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise checkpoint_error(f"{TORCH_BIN}.{name}", "a floating tensor of one value an element", got,
+                                       tensor=str(name))
             self.shapes[name] = tuple(tensor.shape)
         self._bin = state
 

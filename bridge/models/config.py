@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from ..errors import OpError
 
 ARCHS = ("mamba", "mamba2")
+# The largest size a config may give: a tensor dimension (torch's are int64).
+MAX_SIZE = 2**63 - 1
 # mamba_ssm's Mamba2 builds its gated RMSNorm with this eps, whatever norm_epsilon says.
 MAMBA_SSM_GATED_EPS = 1e-5
 
@@ -102,15 +104,16 @@ class _Keys:
         value = self._get(key, default)
         if value is None:
             return None
-        if type(value) is not int or value <= 0:
-            raise checkpoint_error(f"{self.field}.{key}", "a positive int", repr(value))
+        if type(value) is not int or not 0 < value <= MAX_SIZE:
+            raise checkpoint_error(f"{self.field}.{key}", f"a positive int (at most {MAX_SIZE})", repr(value))
         return value
 
     def number(self, key: str, default) -> float:
         value = self._get(key, default)
-        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        number = _as_float(value)
+        if number is None or not math.isfinite(number) or number <= 0:
             raise checkpoint_error(f"{self.field}.{key}", "a positive finite number", repr(value))
-        return float(value)
+        return number
 
     def flag(self, key: str, default: bool) -> bool:
         value = self._get(key, default)
@@ -120,12 +123,10 @@ class _Keys:
 
     def limits(self, key: str) -> tuple[float, float]:
         value = self._get(key, (0.0, math.inf))
-        if isinstance(value, (list, tuple)):
-            value = [_json_float(v) for v in value]
-        if (not isinstance(value, (list, tuple)) or len(value) != 2
-                or any(type(v) not in (int, float) or math.isnan(v) for v in value) or value[0] > value[1]):
+        pair = [_as_float(_json_float(v)) for v in value] if isinstance(value, (list, tuple)) else None
+        if pair is None or len(pair) != 2 or any(v is None or math.isnan(v) for v in pair) or pair[0] > pair[1]:
             raise checkpoint_error(f"{self.field}.{key}", "a pair [low, high] with low <= high", repr(value))
-        return float(value[0]), float(value[1])
+        return pair[0], pair[1]
 
     def require(self, key: str, allowed: tuple, meaning: str) -> None:
         """A setting this runtime only runs with one of `allowed` values."""
@@ -141,9 +142,21 @@ _JSON_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def _json_float(value):
-    if isinstance(value, dict) and set(value) == {"__float__"} and value["__float__"] in _JSON_FLOATS:
+    if (isinstance(value, dict) and set(value) == {"__float__"} and isinstance(value["__float__"], str)
+            and value["__float__"] in _JSON_FLOATS):
         return _JSON_FLOATS[value["__float__"]]
     return value
+
+
+def _as_float(value) -> float | None:
+    """An int or float as a float; None for any other value, or for an int past a float's range
+    (JSON bounds no int, and float() of one overflows)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def parse_config(raw, field: str = "config") -> ModelConfig:
@@ -271,6 +284,8 @@ def _hf_head(k: _Keys, tied: bool) -> str | None:
     """A transformers checkpoint saved from MambaModel / Mamba2Model (its `architectures` says
     so) has no head; a *ForCausalLM one has the embedding's (tied) or its own."""
     architectures = k.raw.get("architectures") or []
+    if not isinstance(architectures, (list, tuple)):
+        raise checkpoint_error(f"{k.field}.architectures", "a list of class names", repr(architectures))
     if architectures and all(isinstance(a, str) and not a.endswith("ForCausalLM") for a in architectures):
         return None
     return "tied" if tied else "own"
