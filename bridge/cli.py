@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                         " (default 1, bld, f32: each is a kernel of its own); `info` lists what was compiled")
     p.add_argument("--max-pending", type=_positive, default=defaults.max_pending,
                    help="requests in flight before new ones are answered with overloaded")
-    p.add_argument("--max-delay-us", type=_count, default=defaults.max_delay_us,
+    p.add_argument("--max-delay-us", type=_delay_us, default=defaults.max_delay_us,
                    help="how long a batch of step/scan requests may wait for more after its first "
                         "arrived, in microseconds; it waits only for as many as recently came together "
                         "(0: never wait; what is already queued is still batched)")
@@ -139,7 +139,12 @@ def _directory(text: str) -> str:
     return text
 
 
-def _count(text: str) -> int:
+# The largest count: `info` and `stats` report every limit as a msgpack uint, and one past it
+# would make both fail for the server's whole life.
+MAX_COUNT = 2**64 - 1
+
+
+def _whole(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -149,8 +154,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = _whole(text)
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected an int <= 2**64-1 (what info and stats report a limit as), "
+                                         f"got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
-    value = _count(text)
+    value = _whole(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
     return value
@@ -163,15 +176,26 @@ def _positive(text: str) -> int:
     return value
 
 
+# A minute: a batch held longer outlasts any caller's patience, and a wait past the timeout
+# threading takes raised in the gatherer, leaving that batch unanswered.
+MAX_DELAY_US = 60_000_000
+
+
+def _delay_us(text: str) -> int:
+    value = _count(text)
+    if value > MAX_DELAY_US:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_DELAY_US} µs (a minute), got {text!r}")
+    return value
+
+
 # More than any machine this serves on has cores; torch takes a C int.
 MAX_THREADS = 4096
 
 
 def _threads(text: str) -> int:
-    value = _positive(text)
-    if value > MAX_THREADS:
+    if _whole(text) > MAX_THREADS:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {text!r}")
-    return value
+    return _positive(text)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -375,6 +399,9 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
             port = serve_metrics(server, config.metrics_host, config.metrics_port)
         except OSError as exc:  # an address in use or not this machine's
             log.error("cannot start: --metrics-port: %s", exc)
+            return 2
+        except UnicodeError as exc:  # a name the resolver's IDNA encoding refuses (an empty or long label)
+            log.error("cannot start: --metrics-host %r: %s", config.metrics_host, exc)
             return 2
         server.metrics_endpoint = endpoint_url(config.metrics_host, port)
         log.info("metrics at %s", server.metrics_endpoint)

@@ -164,20 +164,23 @@ def _histograms(histograms: dict):
                                  labels=["op"])
     for (op, key), histogram in sorted(histograms.items()):
         if key in TOTALLED_KEYS:
-            stages.add_metric([op, key.removesuffix("_us")], _buckets(histogram, 1e-6),
-                              histogram.sum * 1e-6)
+            stages.add_metric([op, key.removesuffix("_us")], _buckets(histogram, 1e6),
+                              histogram.sum / 1e6)
         else:
             rows.add_metric([op], _buckets(histogram, 1), histogram.sum)
     yield stages
     yield rows
 
 
-def _buckets(histogram, scale: float) -> list:
-    """Prometheus's cumulative buckets, `le` in the exported unit, +Inf last."""
+def _buckets(histogram, per_unit: float) -> list:
+    """Prometheus's cumulative buckets, `le` in the exported unit (`per_unit` of the counted
+    one make one), +Inf last. Divided, not multiplied by the reciprocal: 10 * 1e-6 is
+    9.999999999999999e-06, a bound below the 10 µs its bucket counts, and not the le="1e-05" a
+    query names."""
     buckets, seen = [], 0
     for bound, count in zip((*histogram.bounds, float("inf")), histogram.counts):
         seen += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(bound * scale), seen))
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound / per_unit), seen))
     return buckets
 
 

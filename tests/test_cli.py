@@ -43,6 +43,14 @@ def test_a_zmq_port_libzmq_would_take_modulo_is_refused(endpoint):
     pytest.param(["--log-level", "bogus"], {}, "expected one of DEBUG, INFO", id="log-level-unknown"),
     pytest.param([], {"SCAN_BRIDGE_LOG": "verbose"}, "got 'verbose'", id="log-level-from-the-environment"),
     pytest.param(["--threads", "100000000000"], {}, "expected at most", id="threads-past-any-machine"),
+    # info and stats report every limit: one past a msgpack uint made both internal_error for the
+    # server's whole life (found in review)
+    pytest.param(["--max-pool-bytes", str(2**64)], {}, "--max-pool-bytes: expected an int <= 2**64-1",
+                 id="limit-past-msgpack"),
+    pytest.param(["--max-frame-size", "1" + "0" * 30], {}, "--max-frame-size: expected an int <= 2**64-1",
+                 id="frame-size-past-msgpack"),
+    # a wait past threading's timeout raised in the gatherer and left its batch unanswered (found in review)
+    pytest.param(["--max-delay-us", str(10**16)], {}, "--max-delay-us: expected at most", id="delay-past-a-minute"),
 ])
 def test_a_bad_setting_is_refused_with_a_message_not_a_traceback(argv, env, message, capsys, monkeypatch):
     from bridge.cli import build_parser

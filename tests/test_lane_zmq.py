@@ -566,6 +566,22 @@ def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
             "idle": {"peers": 1, "sessions": 1, "snapshots": 0, "models": 0, "handles": 0}}
 
 
+def test_a_tiny_idle_timeout_polls_no_more_often_than_every_millisecond(tmp_path, monkeypatch):
+    """An idle check due in under a millisecond made the io thread poll with a 0 ms timeout
+    until it was due, over and over: a spinning core (found in review)."""
+    timeouts = []
+
+    class CountingPoller(zmq.Poller):
+        def poll(self, timeout=None):
+            timeouts.append(timeout)
+            return super().poll(timeout)
+
+    monkeypatch.setattr(zmq, "Poller", CountingPoller)
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=1e-5):
+        time.sleep(0.3)
+    assert timeouts and timeouts.count(0) <= len(timeouts) // 2, f"{timeouts.count(0)} of {len(timeouts)} polls were 0 ms"
+
+
 def test_a_zmq_peer_waiting_on_its_own_long_request_is_not_idle(tmp_path):
     """Idle time counts from a peer's last message or its last answer: found in review, a
     request that ran longer than the timeout left its peer counted silent the moment its reply

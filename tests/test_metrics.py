@@ -113,6 +113,19 @@ def test_a_value_counts_in_the_first_bucket_it_fits(value, bucket):
     assert histogram.counts.index(1) == bucket and histogram.sum == value
 
 
+def test_bucket_bounds_are_exported_as_the_seconds_they_stand_for():
+    """10 µs is le="1e-05", not 9.999999999999999e-06 (10 * 1e-6): a bound below the values
+    counted in its bucket, which a query naming le="1e-05" never finds (found in review)."""
+    from bridge.metrics import _histograms
+
+    stats = Stats(histograms=True)
+    stats.record("step", {"server_us": 10.0}, ok=True)
+    stages, _ = _histograms(stats.histograms())
+    bounds = [s.labels["le"] for s in stages.samples if s.name.endswith("_bucket")]
+    assert bounds[0] == "1e-05" and bounds[-1] == "+Inf"
+    assert [float(le) for le in bounds[:-1]] == [bound / 1e6 for bound in LATENCY_BUCKETS_US]
+
+
 def test_stats_keep_histograms_only_when_asked():
     stats = Stats(histograms=True)
     stats.record("step", {"server_us": 120.0, "kernel_us": 30.0, "batch_rows": 4}, ok=True)
@@ -140,6 +153,16 @@ def test_a_port_in_use_stops_the_start_naming_it():
         run = subprocess.run([sys.executable, "-m", "bridge", "--metrics-port", str(port)], capture_output=True,
                              text=True, env=server_env(), timeout=120, stdin=subprocess.DEVNULL)
     assert run.returncode == 2 and "--metrics-port" in run.stderr
+
+
+@pytest.mark.parametrize("host", ["127..0.0.1", "a" * 64 + ".example"], ids=["empty-label", "label-too-long"])
+def test_a_host_no_resolver_takes_stops_the_start_naming_it(host):
+    """A name the resolver's IDNA encoding refuses raises UnicodeError, not OSError: it ended
+    the start with a traceback (found in review)."""
+    run = subprocess.run([sys.executable, "-m", "bridge", "--metrics-port", "0", "--metrics-host", host],
+                         capture_output=True, text=True, env=server_env(), timeout=120, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2, run.stderr
+    assert "cannot start: --metrics-host" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def test_a_request_sent_a_byte_at_a_time_is_cut_off_at_the_timeout(monkeypatch):

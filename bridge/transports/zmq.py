@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -297,7 +298,9 @@ class ZmqTransport:
                 # Replies left queued by a fault are tried again like a full pipe's.
                 timeout_ms = RETRY_MS if self._backlogged or self._replies else None
                 if self._idle_check_s is not None:
-                    wait_ms = max(0, int((self._next_idle_check - time.monotonic()) * 1000))
+                    # Rounded up: a check due in under a millisecond would otherwise poll with 0
+                    # until it is due, spinning a core (a tiny --idle-timeout-s).
+                    wait_ms = max(0, math.ceil((self._next_idle_check - time.monotonic()) * 1000))
                     timeout_ms = wait_ms if timeout_ms is None else min(timeout_ms, wait_ms)
                 ready = dict(poller.poll(timeout_ms))
                 for index, monitor in enumerate(self.monitors):
