@@ -1001,6 +1001,38 @@ defmodule ScanBridge.ClusterTest do
       assert {:ok, %{frames_since_checkpoint: 0}} = Cluster.session_info(s)
     end
 
+    test "a :timeout no call takes raises in the caller and leaves the session serving",
+         %{shared: g} do
+      embeds = Models.embeds(1, 1, 8)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      {:ok, snap} = Cluster.snapshot(s)
+      # past the longest a call may wait (2^32 - 1 ms), as ScanBridge's calls refuse it
+      too_long = 0x100000000
+
+      for call <- [
+            &Cluster.snapshot(&1, timeout: too_long),
+            &Cluster.restore(&1, snap, timeout: too_long),
+            &Cluster.free_snapshot(&1, snap, timeout: too_long),
+            &Cluster.fork(&1, timeout: too_long),
+            &Cluster.session_state(&1, timeout: too_long),
+            &Cluster.model_step(&1, {:embeds, Models.frame(embeds, 0)}, timeout: too_long),
+            &Cluster.close_session(&1, timeout: too_long)
+          ] do
+        assert_raise ArgumentError, ~r/:timeout/, fn -> call.(s) end
+      end
+
+      assert_raise ArgumentError, ~r/:timeout/, fn ->
+        Cluster.scan(g, TestSupport.scan_inputs(%{batch: 1, seq: 2, dim: 4, state: 2}),
+          timeout: too_long
+        )
+      end
+
+      assert {:ok, %{status: :ok, frames_since_checkpoint: 0}} = Cluster.session_info(s)
+      step!(s, embeds, 0)
+      assert :ok = Cluster.restore(s, snap)
+      assert :ok = Cluster.close_session(s)
+    end
+
     test "opening a group model's session on a member that answers nothing ends by its deadline" do
       g = group()
       silent_member(g)

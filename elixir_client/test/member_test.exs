@@ -139,10 +139,7 @@ defmodule ScanBridge.Cluster.MemberTest do
   end
 
   test "loading and freeing a group's model pass over a keeper whose server is gone" do
-    group = {:member_test, System.unique_integer([:positive])}
-    server = spawn_link(&loading_server/0)
-    {:ok, _member} = Member.start_link(server: server, group: group)
-    assert eventually_member(group, server)
+    {group, _member} = loading_member()
     orphan_keeper(group)
     assert eventually(fn -> length(Member.keepers(group)) == 2 end)
 
@@ -150,6 +147,58 @@ defmodule ScanBridge.Cluster.MemberTest do
              Cluster.load_model(group, "m", "/models/m")
 
     assert :ok = Cluster.free_model(group, "m")
+  end
+
+  test "loading and freeing a group's model with timeout: :infinity waits, and answers" do
+    {group, _member} = loading_member()
+
+    assert {:ok, %{members: 1, info: %{"model" => "m1"}}} =
+             Cluster.load_model(group, "m", "/models/m", timeout: :infinity)
+
+    assert :ok = Cluster.free_model(group, "m", timeout: :infinity)
+  end
+
+  test "a bad :timeout of a group's load or free raises in the caller; no member stops" do
+    {group, member} = loading_member()
+
+    for timeout <- [-1, 0x100000000, "5s"] do
+      assert_raise ArgumentError, ~r/:timeout/, fn ->
+        Cluster.load_model(group, "m", "/models/m", timeout: timeout)
+      end
+
+      assert_raise ArgumentError, ~r/:timeout/, fn ->
+        Cluster.free_model(group, "m", timeout: timeout)
+      end
+    end
+
+    assert Process.alive?(member)
+    assert GenServer.call(member, :catalogue, 1_000) == %{}
+  end
+
+  test "loading a group's model again, with another :timeout or the dtype spelt otherwise, is a no-op" do
+    {group, _member} = loading_member()
+
+    assert {:ok, %{members: 1, info: %{"model" => "m1"}}} =
+             Cluster.load_model(group, "m", "/models/m", timeout: 5_000)
+
+    for opts <- [[timeout: 6_000], [], [dtype: :f32], [dtype: "f32", timeout: :infinity]] do
+      assert {:ok, %{members: 1, info: %{"model" => "m1"}}} =
+               Cluster.load_model(group, "m", "/models/m", opts),
+             "load_model with #{inspect(opts)}"
+    end
+
+    # another model under the name is still refused
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument}} =
+             Cluster.load_model(group, "m", "/models/m", dtype: :bf16)
+  end
+
+  # A group of one member whose server answers every load and free.
+  defp loading_member do
+    group = {:member_test, System.unique_integer([:positive])}
+    server = spawn_link(&loading_server/0)
+    {:ok, member} = Member.start_link(server: server, group: group)
+    assert eventually_member(group, server)
+    {group, member}
   end
 
   defp eventually(fun), do: ScanBridge.TestSupport.eventually(fun)

@@ -219,8 +219,10 @@ defmodule ScanBridge.Cluster do
   def load_model(group, name, source, opts \\ []) do
     name = name!(name, "load_model name")
     opts = ScanBridge.opts!(opts, [:dtype, :timeout], "load_model")
-    # a bad source or option raises here, in the caller, not in every member
+    # a bad source or option raises here, in the caller, not in every member (whose load would
+    # stop it, and its server with it)
     _args = ScanBridge.model_load_args!(source, opts)
+    _wait = keeper_wait(opts)
     load_everywhere(group, name, source, opts, %{}, nil)
   end
 
@@ -266,8 +268,7 @@ defmodule ScanBridge.Cluster do
   defp ok_info(_gone), do: nil
 
   defp load_on(keeper, name, source, opts) do
-    timeout = Keyword.get(opts, :timeout, @default_timeout)
-    GenServer.call(keeper, {:load, name, source, opts}, timeout + 1_000)
+    GenServer.call(keeper, {:load, name, source, opts}, keeper_wait(opts))
   catch
     :exit, {:timeout, _call} ->
       {:error,
@@ -286,6 +287,24 @@ defmodule ScanBridge.Cluster do
        )}
   end
 
+  # How long a keeper's load or free is waited for: its server's call's :timeout and a second
+  # (no longer than a receive takes, 2^32 - 1 ms; :infinity as it is). Raises ArgumentError for
+  # a :timeout its server's call would refuse.
+  defp keeper_wait(opts) do
+    case Keyword.get(opts, :timeout, @default_timeout) do
+      :infinity ->
+        :infinity
+
+      timeout when is_integer(timeout) and timeout in 0..0xFFFFFFFF ->
+        min(timeout + 1_000, 0xFFFFFFFF)
+
+      other ->
+        raise ArgumentError,
+              ":timeout: expected :infinity or an integer of milliseconds in 0..4294967295, " <>
+                "got #{inspect(other)}"
+    end
+  end
+
   @doc """
   Frees the group's model `name` on every member (and takes it out of what later members
   load). A member with sessions of it open refuses (`:invalid_argument`): close them first.
@@ -294,13 +313,14 @@ defmodule ScanBridge.Cluster do
   def free_model(group, name, opts \\ []) do
     name = name!(name, "free_model name")
     opts = ScanBridge.opts!(opts, [:timeout], "free_model")
-    timeout = Keyword.get(opts, :timeout, @default_timeout)
+    # a bad :timeout raises here, not in every member
+    wait = keeper_wait(opts)
 
     group
     |> Member.keepers()
     |> Enum.map(fn keeper ->
       try do
-        GenServer.call(keeper, {:free, name, opts}, timeout + 1_000)
+        GenServer.call(keeper, {:free, name, opts}, wait)
       catch
         :exit, _gone -> :ok
       end
@@ -505,13 +525,17 @@ defmodule ScanBridge.Cluster do
   @doc false
   @spec deadline(timeout) :: deadline
   def deadline(:infinity), do: :infinity
-  def deadline(ms) when is_integer(ms) and ms >= 0, do: System.monotonic_time(:millisecond) + ms
+
+  # at most what ScanBridge's calls take (2^32 - 1 ms): a longer one raises here, in the caller,
+  # not in a session's keeper, which it would stop
+  def deadline(ms) when is_integer(ms) and ms in 0..0xFFFFFFFF,
+    do: System.monotonic_time(:millisecond) + ms
 
   def deadline(other),
     do:
       raise(
         ArgumentError,
-        ":timeout: expected :infinity or a non-negative integer of ms, got #{inspect(other)}"
+        ":timeout: expected :infinity or an integer of ms in 0..4294967295, got #{inspect(other)}"
       )
 
   @doc false

@@ -131,18 +131,18 @@ defmodule ScanBridge.Cluster.Member do
   # loads here (members joining later copy it), loaded unless it is already or is loading.
   # {:done, reply, state}, or {:waiting, state} with `waiter` answered when the load ends.
   defp adopt(state, name, source, opts, waiter) do
+    model = model(source, opts)
+
     case {state.catalogue, state.loads} do
-      {%{^name => {^source, ^opts, info}}, _} when info != nil ->
-        {:done, {:ok, info}, state}
+      {%{^name => {loaded_source, loaded_opts, info}}, _} when info != nil ->
+        if model(loaded_source, loaded_opts) == model,
+          do: {:done, {:ok, info}, state},
+          else: {:done, {:error, taken(state, name)}, state}
 
-      {%{^name => {_other, _opts, info}}, _} when info != nil ->
-        {:done, {:error, taken(state, name)}, state}
-
-      {_, %{^name => %{source: ^source, opts: ^opts} = load}} ->
-        {:waiting, put_in(state.loads[name], %{load | waiters: [waiter | load.waiters]})}
-
-      {_, %{^name => _another}} ->
-        {:done, {:error, taken(state, name)}, state}
+      {_, %{^name => load}} ->
+        if model(load.source, load.opts) == model,
+          do: {:waiting, put_in(state.loads[name], %{load | waiters: [waiter | load.waiters]})},
+          else: {:done, {:error, taken(state, name)}, state}
 
       _absent_or_unloaded ->
         server = state.server
@@ -155,6 +155,10 @@ defmodule ScanBridge.Cluster.Member do
         {:waiting, put_in(state.loads[name], load)}
     end
   end
+
+  # What makes a model the same as another: its source and its weights' dtype ("f32" unless
+  # given, as an atom or a string), not the options of the call that loads it (:timeout).
+  defp model(source, opts), do: {source, opts |> Keyword.get(:dtype, "f32") |> to_string()}
 
   defp taken(state, name) do
     ScanBridge.Error.client(
