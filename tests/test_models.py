@@ -852,6 +852,23 @@ def test_weights_sent_over_the_pool_budget_are_refused_before_any_is_copied(serv
     assert copied == [] and roomy.server.sessions.usage()["model_bytes"] == loaded["weight_bytes"] > 0
 
 
+def test_a_freed_model_gives_back_what_its_load_held(serve, monkeypatch):
+    """The load holds its planned bytes before reading; freeing gave back the weights' own
+    count instead, so any difference between the two stayed held for the server's life (found
+    in review)."""
+    import bridge.models
+    from test_return_state import MODEL_CONFIGS, tiny_weights
+
+    planned_bytes = bridge.models.planned_bytes
+    monkeypatch.setattr(bridge.models, "planned_bytes", lambda *args: planned_bytes(*args) + 64)
+    srv, conn = serve(), RecordingConnection()
+    weights = tiny_weights("mamba", torch.Generator().manual_seed(random_seed()))
+    loaded = call(srv, conn, "model_load", config=MODEL_CONFIGS["mamba"], weights=weights)
+    assert srv.server.sessions.usage()["model_bytes"] == loaded["weight_bytes"] + 64
+    call(srv, conn, "model_free", model=loaded["model"])
+    assert srv.server.sessions.usage()["model_bytes"] == 0
+
+
 def test_weights_snapshots_and_sessions_share_the_pool_budget(serve):
     srv, conn = serve(), RecordingConnection()
     info = call(srv, conn, "model_load", path="mamba2-lm")

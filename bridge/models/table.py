@@ -19,12 +19,15 @@ def unknown_model(model_id: str, field: str) -> OpError:
 class LoadedModel:
     """A model as the server holds it: its runtime, its id, and the layout of its sessions' state."""
 
-    __slots__ = ("id", "name", "model", "layout")
+    __slots__ = ("id", "name", "model", "layout", "held_bytes")
 
-    def __init__(self, model_id: str, name: str | None, model: Model):
+    def __init__(self, model_id: str, name: str | None, model: Model, held_bytes: int):
         self.id = model_id
         self.name = name
         self.model = model
+        # What the load held against the pool: given back as it was taken, whatever the
+        # weights' own count comes to.
+        self.held_bytes = held_bytes
         self.layout = StateLayout("model", model.config.state_parts(), model=model_id)
 
     def describe(self) -> dict:
@@ -58,7 +61,7 @@ class ModelTable(OwnedTable[LoadedModel]):
             with allocation("model_load"):
                 model = load(hold)
             with self._lock:
-                _, loaded = self._add(owner, lambda model_id: LoadedModel(model_id, name, model))
+                _, loaded = self._add(owner, lambda model_id: LoadedModel(model_id, name, model, sum(held)))
         except BaseException:
             for nbytes in held:
                 self.sessions.unhold("models", nbytes)
@@ -78,4 +81,4 @@ class ModelTable(OwnedTable[LoadedModel]):
         self.remove(owner, model_id, field)
 
     def _released(self, loaded: LoadedModel) -> None:
-        self.sessions.unhold("models", loaded.model.nbytes)
+        self.sessions.unhold("models", loaded.held_bytes)
