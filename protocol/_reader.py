@@ -129,6 +129,13 @@ class Reader:
         # not checked for UTF-8 or hashability yet.
         try:
             return decoder.decode(raw)
+        except RecursionError as e:
+            # SPEC §3: nesting that exhausts the decoder is decode_error. Reading a value a level
+            # or more down the stack runs out sooner than the body's decode, which skipped it.
+            got = f"{kind(memoryview(raw))} nested too deep to decode ({e})"
+            raise DecodeError(f"{field}: expected {expected}, got {got}",
+                              detail={"field": field, "expected": expected, "got": got},
+                              request_id=self.request_id, legacy=self.legacy) from None
         except DECODE_FAILURES as e:
             self.fail(cls, field, expected, f"an undecodable {kind(memoryview(raw))} ({e})")
 

@@ -356,6 +356,12 @@ def _reply_value(raw: msgspec.Raw, field: str, buffers: tuple[memoryview, ...], 
             if tensor is not None:
                 return tensor
             entries = MAP_DECODER.decode(raw)
+            # SPEC §3: every map's keys are distinct strs, inside the result too. Decoded into
+            # a dict, a key given twice keeps only its last value, unchecked the others.
+            try:
+                Reader().check_keys(entries, encoded, field, InvalidRequest)
+            except ValidationError as e:
+                _bad_reply(field, e.expected, e.got)
             if "shape" in entries and ("data" in entries or "buf" in entries):
                 # Meant as a tensor, which the typed check refused: the careful path reads it,
                 # naming what is wrong (the C client refuses such a reply too).

@@ -352,6 +352,25 @@ def test_every_map_in_a_map_argument_has_distinct_str_keys_arrays_included(confi
         "invalid_argument", 1, field, got)
 
 
+@pytest.mark.parametrize("level", [pytest.param(b"\x81\xa1a", id="maps"), pytest.param(b"\x91", id="arrays")])
+def test_nesting_that_exhausts_the_decoder_is_a_decode_error_at_every_depth(level):
+    # SPEC §3: nesting deep enough to exhaust the decoder is decode_error. The body's decode
+    # skips over a value one level down; reading that value then runs out a few levels sooner,
+    # and so, found in review, a band of depths the body passed was invalid_argument (in the
+    # config) or invalid_request (in args) instead.
+    import sys
+
+    codes = {}
+    for depth in range(sys.getrecursionlimit() // 2, sys.getrecursionlimit() + 10):
+        try:
+            decode_request(_CONFIG_ARG + b"\x81\xa1a" + level * depth + b"\x01")
+        except ProtocolError as error:
+            codes.setdefault(error.code, depth)
+        else:
+            codes.setdefault("ok", depth)
+    assert set(codes) == {"ok", "decode_error"}, codes
+
+
 def test_a_map_argument_keeps_its_arrays_and_scalars_as_they_came():
     config = {"arch": "mamba2", "sizes": [1, -2.5, None, True, "s", b"\x00\x01", [3, {"k": [4, {}]}], []],
               "ssm_cfg": {"ngroups": 1, "empty": {}}}
@@ -664,6 +683,10 @@ def test_legacy_reply_rejects_maps_exphil_would_not_match(reply, exception):
         encode_legacy_reply(reply)
 
 
+# An ok reply up to its result's value, for result maps as exact bytes.
+_REPLY_RESULT = b"\x84\xa1v\x01\xa2id\x01\xa2ok\xc3\xa6result"
+
+
 @pytest.mark.parametrize("body, field", [
     pytest.param(pack({"v": 1, "id": 1}), "ok", id="no-ok"),
     pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": 3}), "result", id="result-not-map"),
@@ -681,6 +704,15 @@ def test_legacy_reply_rejects_maps_exphil_would_not_match(reply, exception):
                  "result.y", id="tensor-shape-too-big"),
     pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": {"y": [tensor_map("f32", (2,), b"\0" * 4)]}}),
                  "result.y[0]", id="tensor-in-a-list"),
+    # SPEC §3 holds every map to distinct str keys, not just the envelope: a key given twice
+    # hid its first value (here a short tensor) from the check, and where both were valid this
+    # took the last one, the C client the first.
+    pytest.param(_REPLY_RESULT + b"\x82\xa1y" + pack(tensor_map("f32", (2,), b"\0" * 7))
+                 + b"\xa1y" + pack(tensor_map("f32", (2,), b"\0" * 8)), "result", id="result-key-twice"),
+    pytest.param(_REPLY_RESULT + b"\x81\xa5state\x82\xa1k\x01\xa1k\x02", "result.state",
+                 id="nested-key-twice"),
+    pytest.param(pack({"v": 1, "id": 1, "ok": True, "result": {"frames": [{1: 2}]}}), "result.frames[0]",
+                 id="int-key-in-a-list"),
 ])
 def test_decode_reply_rejects_what_is_not_a_v1_reply(body, field):
     with pytest.raises(protocol.DecodeError) as info:
