@@ -36,9 +36,17 @@ from .timing import now_ns
 # How long a batch size is remembered as the company to wait for (see BatchPolicy). Longer than
 # a 60 FPS frame, so that agents stepping once per frame are still expected on the next frame.
 COMPANY_MEMORY_NS = 1_000_000_000
-# A batch stops waiting for company this long before a member's deadline would pass, so that the
-# launch still starts within it.
-DEADLINE_MARGIN_NS = 1_000_000
+# A batch stops waiting for company this long before a member's deadline would pass, at least,
+# so that the launch still starts within it: a quarter of the member's budget, since a loaded
+# machine wakes the worker late by more than any fixed margin, and a missed deadline costs the
+# caller its frame where a smaller batch costs a little throughput.
+MIN_LAUNCH_MARGIN_NS = 1_000_000
+
+
+def company_wait_end_ns(received_ns: int, budget_ns: int) -> int:
+    """The latest a batch may wait for company with a member received at `received_ns` whose
+    deadline gives it `budget_ns` to start."""
+    return received_ns + budget_ns - max(MIN_LAUNCH_MARGIN_NS, budget_ns // 4)
 
 
 @dataclass(eq=False)
@@ -54,7 +62,9 @@ class Item:
     session: Session | None = None
     options: dict = field(default_factory=dict)  # the kernel's dt options, part of the key
     prepare_ns: int = 0  # time spent preparing; not queueing time
-    start_by_ns: int | None = None  # when its deadline_us runs out (SPEC §4); None: it has none
+    # the latest a batch may wait for company with it (company_wait_end_ns: its deadline_us,
+    # SPEC §4, less a margin); None: it has no deadline
+    wait_end_ns: int | None = None
 
 
 class BatchedOp(abc.ABC):
@@ -129,7 +139,7 @@ class Batch:
         self.rows = first.rows
         self.sessions = {first.session} if first.session is not None else set()
         self.first_enqueued_ns = first.call.enqueued_ns
-        self.start_by_ns = first.start_by_ns  # the earliest member deadline, None if none has one
+        self.wait_end_ns = first.wait_end_ns  # the earliest member's, None if none has a deadline
 
     @property
     def key(self):
@@ -146,9 +156,9 @@ class Batch:
     def add(self, item: Item) -> None:
         self.items.append(item)
         self.rows += item.rows
-        if item.start_by_ns is not None:
-            self.start_by_ns = item.start_by_ns if self.start_by_ns is None else min(self.start_by_ns,
-                                                                                        item.start_by_ns)
+        if item.wait_end_ns is not None:
+            self.wait_end_ns = item.wait_end_ns if self.wait_end_ns is None else min(self.wait_end_ns,
+                                                                                        item.wait_end_ns)
         if item.session is not None:
             self.sessions.add(item.session)
 
@@ -173,8 +183,8 @@ class BatchPolicy:
         if self.max_delay_ns == 0 or batch.key is None or len(batch.items) >= self._expected(batch.key, now):
             return None
         end = batch.first_enqueued_ns + self.max_delay_ns
-        if batch.start_by_ns is not None:
-            end = min(end, batch.start_by_ns - DEADLINE_MARGIN_NS)
+        if batch.wait_end_ns is not None:
+            end = min(end, batch.wait_end_ns)
         remaining = end - now
         return remaining / 1e9 if remaining > 0 else None
 
@@ -269,7 +279,7 @@ def prepare(op: BatchedOp, server, call) -> Item:
     item = op.prepare(server, call)
     item.prepare_ns = now_ns() - start
     budget_us = call.request.deadline_us
-    item.start_by_ns = None if budget_us is None else call.timing.received_ns + budget_us * 1000
+    item.wait_end_ns = None if budget_us is None else company_wait_end_ns(call.timing.received_ns, budget_us * 1000)
     return item
 
 
