@@ -456,6 +456,85 @@ defmodule ScanBridge.ClusterTest do
     for {name, part} <- wanted, do: Models.assert_rel_close(got[name], part, 1.0e-6, "#{name}")
   end
 
+  # A process in group `g` standing for `server` (a server of no group): every message passed
+  # on to it, but a request of op `held` kept unanswered (told to the test), as a server frozen
+  # while it runs it.
+  defp stand_in(g, server, held) do
+    test = self()
+    member = spawn(fn -> stand_in_loop(test, server, held) end)
+    on_exit(fn -> Process.exit(member, :kill) end)
+    :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
+    member
+  end
+
+  defp stand_in_loop(test, server, held) do
+    receive do
+      {:"$gen_call", _from, {:request, ^held, _head, _size, _timeout, _closes}} ->
+        send(test, {:stand_in_held, held})
+
+      message ->
+        send(server, message)
+    end
+
+    stand_in_loop(test, server, held)
+  end
+
+  # A session of group `g` on its member `x` (checkpoint: 2), stepped, with a snapshot taken
+  # there; then x killed, so that the session is rebuilt on `member` and the snapshot is kept
+  # by its checkpoint and frames alone.
+  defp failed_over_with_snapshot(g, x, member, sizes) do
+    held = hold(g, member)
+    {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 2)
+    release(g, held)
+    assert owner(s) == x
+    for _ <- 1..3, do: ok!(Cluster.step(s, ssd_frame(sizes)))
+    {:ok, snap} = Cluster.snapshot(s)
+    kill_server!(x)
+    assert eventually(fn -> owner(s) == member end)
+    {s, snap}
+  end
+
+  test "a re-simulation after a failover frees its working copy, the caller's deadline spent" do
+    g = group()
+    starting = Task.async(fn -> start_unlinked(TestSupport.server_opts()) end)
+    x = start_member(g)
+    y = Task.await(starting, 60_000)
+    on_exit(fn -> stop_quietly(y) end)
+    # y serves g through a stand-in that never answers a restore
+    member = stand_in(g, y, "session_restore")
+    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+    {s, snap} = failed_over_with_snapshot(g, x, member, sizes)
+    copies = snapshot_bytes(y)
+    frames = for _ <- 1..2, do: {:step, ssd_frame(sizes)}
+
+    # reopened on y from the snapshot's checkpoint, a copy taken there for the frames, which
+    # raise (a bad frame) or take the whole deadline: the copy is freed all the same
+    assert_raise ArgumentError, fn -> Cluster.restore_with_frames(s, snap, [{:bogus, %{}}]) end
+    assert snapshot_bytes(y) == copies
+
+    assert {:error, %Error{reason: :timeout}} =
+             Cluster.restore_with_frames(s, snap, frames, timeout: 1_500)
+
+    assert_received {:stand_in_held, "session_restore"}
+    assert eventually(fn -> snapshot_bytes(y) == copies end)
+  end
+
+  test "a rollback is answered before a checkpoint its frames complete is read" do
+    g = group()
+    y = start_unlinked(TestSupport.server_opts())
+    on_exit(fn -> stop_quietly(y) end)
+    # y serves g through a stand-in that never answers a read of the state
+    stand_in(g, y, "session_state")
+    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+    {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 2)
+    ok!(Cluster.step(s, ssd_frame(sizes)))
+    {:ok, snap} = Cluster.snapshot(s)
+    # the frame kept with the snapshot and these two complete a checkpoint, read after the answer
+    frames = for _ <- 1..2, do: {:step, ssd_frame(sizes)}
+    assert {:ok, [_, _]} = Cluster.restore_with_frames(s, snap, frames, timeout: 1_000)
+    assert_receive {:stand_in_held, "session_state"}, 1_000
+  end
+
   test "without checkpoints a snapshot lives on its server, and closing frees its copies" do
     g = model_group(1)
     [member] = Cluster.members(g)
@@ -1074,6 +1153,24 @@ defmodule ScanBridge.ClusterTest do
       assert Task.yield(slow, 0) == nil
       GenServer.reply(from, {:error, Error.client(:invalid_argument, "refused", %{})})
       assert {:error, %Error{reason: :invalid_argument}} = Task.await(slow, 5_000)
+    end
+
+    test "a state of the user's is refused for a group model's session, its keys atoms or strings",
+         %{shared: g} do
+      {:ok, s} = Cluster.open_session(g, model: "tiny", batch: 1)
+      saved = ok!(Cluster.session_state(s))
+      :ok = Cluster.close_session(s)
+
+      for dims <- [
+            [model: "tiny", batch: 1, state: saved],
+            %{"model" => "tiny", "batch" => 1, "state" => saved},
+            %{"model" => "tiny", :batch => 1, :state => saved},
+            %{:model => "tiny", "batch" => 1, "state" => saved}
+          ] do
+        assert_raise ArgumentError, ~r/expected no state/, fn ->
+          Cluster.open_session(g, dims, checkpoint: 2)
+        end
+      end
     end
 
     test "opening a session of a model no member holds is refused by name", %{shared: g} do

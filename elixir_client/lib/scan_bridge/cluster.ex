@@ -380,11 +380,14 @@ defmodule ScanBridge.Cluster do
             "open_session dims: expected a map or keyword list, got #{inspect(dims, limit: 5)}"
     end
 
+    # a group model's session, its model named by either key (a plain session's :state is a size)
+    model? = is_map_key(dims, :model) or is_map_key(dims, "model")
+
     Map.new(dims, fn
       {key, model} when key in [:model, "model"] ->
         {:model, name!(model, "open_session model")}
 
-      {key, _value} when key in [:state, "state"] and is_map_key(dims, :model) ->
+      {key, _value} when key in [:state, "state"] and model? ->
         raise ArgumentError,
               "open_session: expected no state: for a cluster session (its checkpoints are the " <>
                 "client's), got one"

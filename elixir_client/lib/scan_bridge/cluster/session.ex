@@ -247,6 +247,10 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
+  # A restore's frames kept once its caller has its answer: a checkpoint they complete is read
+  # after it, as a frame's is (advanced/5), and holds up no answer past its deadline.
+  def handle_continue({:kept, frames}, state), do: {:noreply, kept(state, frames)}
+
   @impl true
   def handle_call(:opened, _from, %{open_failed: nil} = state), do: {:reply, :ok, state}
 
@@ -307,7 +311,8 @@ defmodule ScanBridge.Cluster.Session do
       {:ok, snapshot} ->
         case {restore_in_place(state, snapshot, frames, deadline), snapshot.replay} do
           {{:ok, results}, _replay} ->
-            {:reply, restore_answer(results), kept(restored(state, snapshot), frames)}
+            {:reply, restore_answer(results), restored(state, snapshot),
+             {:continue, {:kept, frames}}}
 
           {{:raise, _exception} = raised, _replay} ->
             {:reply, raised, state}
@@ -966,19 +971,23 @@ defmodule ScanBridge.Cluster.Session do
 
   # The frames of a restore that went by replay, run on the session's new owner as a restore
   # with frames runs them: from a copy taken there first and freed after, so that a frame that
-  # fails leaves the snapshot's state there too.
+  # fails leaves the snapshot's state there too. The copy is freed whatever the frames did, with
+  # a deadline of its own: the caller's may be spent by then, and a copy left would stay on the
+  # server (in its pool) until this keeper exits.
   defp frames_after_replay(state, frames, deadline) do
     timeout = fn -> [timeout: Cluster.remaining(deadline)] end
 
     case ScanBridge.snapshot(state.owner, state.remote, timeout.()) do
       {:ok, copy} ->
         outcome =
-          ScanBridge.restore_with_frames(state.owner, state.remote, copy, frames, timeout.())
-
-        _freed = ScanBridge.free_snapshot(state.owner, copy, timeout.())
+          try do
+            ScanBridge.restore_with_frames(state.owner, state.remote, copy, frames, timeout.())
+          after
+            _freed = ScanBridge.free_snapshot(state.owner, copy, timeout: @checkpoint_timeout_ms)
+          end
 
         case outcome do
-          {:ok, results} -> {:reply, {:ok, results}, kept(state, frames)}
+          {:ok, results} -> {:reply, {:ok, results}, state, {:continue, {:kept, frames}}}
           {:error, %Error{reason: :timeout}} = error -> {:reply, error, %{state | status: :unsure}}
           {:error, _} = error -> {:reply, error, state}
         end
