@@ -256,6 +256,17 @@ class InFlight:
     bytes_out: int = 0
 
 
+@dataclass
+class HeldRequest:
+    """A request kept back from the wire while the connection's cap is full: sent, re-encoded
+    with what is left of its deadline, when an earlier reply frees a slot."""
+
+    op: str
+    wire_args: dict
+    parts: list
+    deadline_ns: int | None  # perf_counter_ns when its budget runs out; None: it has none
+
+
 # How many replies to nothing in flight a client keeps (the latest): a long-lived client
 # must not grow without bound.
 UNMATCHED_KEPT = 1000
@@ -300,6 +311,13 @@ class FramedClient:
         self.unmatched: collections.deque = collections.deque(maxlen=UNMATCHED_KEPT)
         self.unmatched_count = 0
         self.max_frame_size: int | None = None
+        # The server's cap on this connection's requests in flight (info's
+        # max_in_flight_per_peer, adopted on the lanes that have one), or None. One slot is left
+        # for cancels: past the cap a request waits unread, and a cancel behind the very request
+        # it names would arrive after it ran. Requests past it are held here, in order, where
+        # cancel drops them unsent.
+        self.max_in_flight: int | None = None
+        self._held: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
@@ -324,8 +342,47 @@ class FramedClient:
             entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
-            self._send(parts)
+            deadline_ns = None if deadline_us is None else entry.start_ns + deadline_us * 1000
+            if not self._held_back(request_id, HeldRequest(op, wire_args, parts, deadline_ns)):
+                self._send(parts)
         return entry.future
+
+    def _held_back(self, request_id, request: HeldRequest) -> bool:
+        """Whether `request` (registered in flight already) is held instead of sent: while this
+        connection has its cap's worth but one on the wire, or others are held before it. A
+        cancel is never held: it takes the slot left for it."""
+        if self.max_in_flight is None or request.op == "cancel":
+            return False
+        with self._lock:
+            on_wire = len(self._pending) - len(self._held) - 1  # not counting this one
+            if not self._held and on_wire < max(self.max_in_flight - 1, 1):
+                return False
+            self._held[request_id] = request
+            return True
+
+    def _send_released(self) -> None:
+        """Send held requests, oldest first, while the cap has room (after a reply freed a
+        slot). A request whose deadline has passed goes with a spent budget, which the server
+        answers deadline_exceeded; a send that fails fails its request."""
+        while True:
+            with self._lock:
+                on_wire = len(self._pending) - len(self._held)
+                if not self._held or self.max_in_flight is None or on_wire >= max(self.max_in_flight - 1, 1):
+                    return
+                request_id, request = self._held.popitem(last=False)
+                entry = self._pending.get(request_id)
+            if entry is None:
+                continue
+            parts = request.parts
+            if request.deadline_ns is not None:
+                left_us = max(0, (request.deadline_ns - time.perf_counter_ns()) // 1000)
+                parts = self._encode(request_id, request.op, request.wire_args, left_us)
+            try:
+                self._send(parts)
+            except Exception as exc:
+                with self._lock:
+                    self._pending.pop(request_id, None)
+                settle(entry.future, exc)
 
     @contextlib.contextmanager
     def _in_flight(self, request_id, entry: InFlight):
@@ -420,6 +477,12 @@ class FramedClient:
         not waited for). False when its reply has come already."""
         if not future.cancel():
             return False
+        with self._lock:
+            held = self._held.pop(future.request_id, None) is not None
+            if held:
+                self._pending.pop(future.request_id, None)
+        if held:
+            return True  # never sent: nothing to drop on the server
         try:
             self.submit("cancel", {"id": future.request_id})
         except ServerExited:
@@ -439,9 +502,19 @@ class FramedClient:
         return self.call("health")
 
     def info(self) -> dict:
+        """The server's `info`; adopts its limits: `max_frame_size` (larger requests are refused
+        unsent) and, on the unix and ZeroMQ lanes, `max_in_flight_per_peer` (requests past it
+        but one are held here until replies free a slot: see `max_in_flight`)."""
         info = self.call("info")
-        self.max_frame_size = info.get("limits", {}).get("max_frame_size", self.max_frame_size)
+        limits = info.get("limits", {})
+        self.max_frame_size = limits.get("max_frame_size", self.max_frame_size)
+        if self._capped_lane and isinstance(limits.get("max_in_flight_per_peer"), int):
+            self.max_in_flight = limits["max_in_flight_per_peer"]
+            self._send_released()
         return info
+
+    # Whether the server caps this lane's requests in flight per connection (SPEC §7).
+    _capped_lane = False
 
     def stats(self) -> dict:
         return self.call("stats")
@@ -593,6 +666,8 @@ class FramedClient:
                       round_trip_us=(done - start) / 1000.0, client_encode_us=entry.encode_us if entry else 0.0,
                       client_decode_us=(done - received_ns) / 1000.0, bytes_out=entry.bytes_out if entry else 0,
                       bytes_in=nbytes)
+        if self._held:
+            self._send_released()
         if entry is None:
             self._keep_unmatched(reply)
         else:
@@ -619,6 +694,7 @@ class FramedClient:
             # Emptied, not replaced: the finalizer (abandon) holds this same dict.
             pending = list(self._pending.values())
             self._pending.clear()
+            self._held.clear()
         for entry in pending:
             settle(entry.future, exc)
 
@@ -740,6 +816,8 @@ class UnixClient(FramedClient):
         super().__init__(self.sock.makefile("rb", buffering=0), self.sock.fileno(), as_torch=as_torch)
         weakref.finalize(self, abandon, functools.partial(shut_sending, self.sock), self._pending)
 
+    _capped_lane = True
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop sending; the server answers what is in flight and closes its end; then close."""
         self._refuse_requests("the client is closed")
@@ -804,6 +882,7 @@ class ZmqClient(FramedClient):
 
     # A ZeroMQ message has no length prefix: its body and buffers count against the limit.
     _frame_overhead = 0
+    _capped_lane = True
 
     def _encode(self, request_id, op: str, wire_args: dict, deadline_us: int | None = None) -> list:
         """The message's frames: the body, then (multipart) the tensors' raw buffers."""

@@ -4,6 +4,7 @@ the native step path -- and everything else is served as before."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -270,6 +271,62 @@ def test_the_python_client_cancels_a_request_whose_timeout_passed(tmp_path, inpr
             srv.go()
             assert client.call("ping") == {"pong": True}
             assert not client.unmatched and not client._pending
+
+
+@pytest.mark.parametrize("lane", ["unix", "zmq"])
+def test_the_python_client_keeps_a_slot_of_the_cap_for_its_cancels(tmp_path, inproc, lane):
+    """Past --max-in-flight-per-peer a request waits unread, and a cancel behind it arrived
+    after it ran. Once `info` told it the cap, the client sends its cap's worth but one and
+    holds the rest in order: a held request is cancelled unsent, and a cancel of a sent one
+    takes the slot left free."""
+    from bridge.client import UnixClient, ZmqClient
+    from bridge.transports.zmq import ZmqTransport
+    from test_lane_unix import unix_lane
+
+    srv = inproc(max_in_flight_per_peer=2)  # what info reports; the lane enforces its own below
+    if lane == "unix":
+        lane_cm = unix_lane(tmp_path, srv.dispatcher, max_in_flight=2)
+    else:
+        lane_cm = contextlib.closing(ZmqTransport(srv.dispatcher, [f"ipc://{tmp_path}/lane.ipc"],
+                                                  max_frame_size=1 << 20, max_in_flight=2, hwm=16))
+    with lane_cm as transport:
+        transport.start()
+        client_cm = UnixClient(transport.path) if lane == "unix" else ZmqClient(transport.endpoints[0])
+        with client_cm as client:
+            assert client.info()["limits"]["max_in_flight_per_peer"] == 2 and client.max_in_flight == 2
+            srv.hold(RecordingConnection())
+            sent, held, later = (client.submit("stats") for _ in range(3))
+            assert client.cancel(held), "a held request is cancelled at once"
+            assert client.cancel(sent)
+            wait_until(lambda: errors_counted(srv).get("cancelled") == 1, "the sent request cancelled on the server")
+            srv.go()
+            assert later.result(10).ok
+            assert held.cancelled()
+            # stats ran once (the later one): the held one never reached the server
+            assert srv.server.stats.snapshot()["ops"]["stats"]["inference_count"] == 1
+            assert not client._pending
+
+
+def test_a_request_the_client_held_goes_with_what_is_left_of_its_deadline(tmp_path, inproc):
+    """Its budget runs from submit, not from when a slot freed: one spent while held is sent
+    spent, and the server answers deadline_exceeded without running it."""
+    from bridge.client import UnixClient
+    from test_lane_unix import unix_lane
+
+    srv = inproc(max_in_flight_per_peer=2)
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=2) as transport:
+        transport.start()
+        with UnixClient(transport.path) as client:
+            client.info()
+            srv.hold(RecordingConnection())
+            sent = client.submit("stats")
+            held = client.submit("stats", deadline_s=0.05)
+            time.sleep(0.1)
+            assert client.cancel(sent)
+            wait_until(lambda: errors_counted(srv).get("cancelled") == 1, "the sent request cancelled on the server")
+            srv.go()
+            assert held.result(10).error["code"] == "deadline_exceeded"
+            assert client.call("ping") == {"pong": True}
 
 
 def test_the_python_client_sends_its_deadline(tmp_path, inproc):
