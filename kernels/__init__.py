@@ -18,9 +18,10 @@ Math (mamba_ssm's selective_scan_ref / selective_state_update_ref): dt += dt_bia
 softplus(dt) if dt_softplus; dt = clamp(dt, dt_min, dt_max); h_t = exp(dt_t A) h_{t-1} +
 dt_t B_t x_t; y_t = C_t . h_t + D x_t; y *= silu(z). State and accumulation in fp32 (fp64 for
 fp64 inputs); y in x's dtype; the returned state is fp32 (fp64 for fp64 inputs). `slots` picks
-each row's state row; two rows of one launch naming the same slot race (the bridge, which runs
-one step per session in a launch, never makes them). A state updated in place must not overlap
-itself or any other operand, nor require grad; the update counts in its version, as torch's
+each row's state row; two rows naming the same slot would race, and are a KernelInputError (a
+capture's replays go unchecked: the bridge runs one step per session in a launch). A state
+updated in place must not overlap itself or any other operand, nor require grad, nor be an
+inference tensor outside torch.inference_mode(); the update counts in its version, as torch's
 in-place ops do. State updates are not differentiable: every backend runs them as under
 torch.no_grad(), so an operand that requires grad (A = -exp(A_log) of a Parameter) is read as a
 constant, and neither y nor the state requires grad.
@@ -115,7 +116,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
                            dt_softplus=False, dt_min=None, dt_max=None, slots=None, backend=None):
     args = _args.check_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                                     dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
-                                    slots=slots)
+                                    slots=slots, distinct_slots=True)
     impl = get_backend(backend, args.x.device.type)
     # Not differentiable (module docstring): tracked in-place ops would leave the caller's state
     # requiring grad, and its next update refused.
@@ -182,6 +183,8 @@ def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float 
     nothing; otherwise each finite side is a bound and an infinite side none. A pair whose low
     side is above its high is a KernelInputError naming dt_limit, as it was given."""
     low, high = dt_limit
+    if math.isnan(low) or math.isnan(high):  # compares false with everything: no bound, silently
+        raise KernelInputError("dt_limit", "a pair (low, high) of numbers, not NaN", f"({low!r}, {high!r})")
     if low > high:
         raise KernelInputError("dt_limit", "a pair (low, high) with low <= high", f"({low!r}, {high!r})")
     if (low, high) == (0.0, math.inf):
@@ -223,6 +226,7 @@ def capture_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
     freed, and then it refuses to run (kernels/triton_kernels/graphs.py)."""
     if slots is None:
         raise KernelInputError("slots", "an int32/int64 tensor (a capture updates pool rows by slot)", "None")
+    # The slots' values are placeholders here (the bridge's are zeros): repeats are not refused.
     args = _args.check_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                                     dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max,
                                     slots=slots)

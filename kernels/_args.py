@@ -240,7 +240,10 @@ class UpdateArgs:
 
 
 def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
-                       dt_min=None, dt_max=None, slots=None) -> UpdateArgs:
+                       dt_min=None, dt_max=None, slots=None, distinct_slots=False) -> UpdateArgs:
+    """`distinct_slots`: refuse two rows naming one pool row, as an update that runs does
+    (kernels.selective_state_update); a capture's slots give a shape and dtype alone, and the
+    bridge's are placeholder zeros (kernels.capture_state_update)."""
     state = _require_tensor("state", state)
     if state.dim() != 3:
         raise ShapeMismatch("state", "3 dimensions ([pool, dim, state])", f"shape {_shape(state)}")
@@ -260,7 +263,7 @@ def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, d
     if C.shape[1] != B.shape[1]:
         raise ShapeMismatch("C", f"{B.shape[1]} groups (as B)", f"{C.shape[1]} groups")
     D, dt_bias, z = _check_options(D, dt_bias, z, dim, x)
-    slots = _check_slots(slots, pool, batch)
+    slots = _check_slots(slots, pool, batch, distinct=distinct_slots)
     dt_min, dt_max = _clamp_bounds(dt_min, dt_max)
     operands = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, slots=slots)
     _check_devices(operands)
@@ -277,6 +280,11 @@ def _require_writable_state(operands: dict) -> None:
     if state.requires_grad:
         raise KernelInputError("state", "a tensor that does not require grad (it is updated in place)",
                                "requires_grad=True")
+    # torch refuses in-place writes to these (the reference's index_put after it has written),
+    # while a backend writing through the state's address would not notice.
+    if state.is_inference() and not torch.is_inference_mode_enabled():
+        raise KernelInputError("state", "a tensor that may be updated in place (an inference tensor only "
+                               "under torch.inference_mode())", "an inference tensor outside inference mode")
     span = 1  # elements' reach along the axes of smaller stride, checked so far
     for stride, size in sorted((st, sz) for sz, st in zip(state.shape, state.stride()) if sz > 1):
         if stride < span:
@@ -305,7 +313,10 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
 
-def _check_slots(slots, pool: int, batch: int):
+def _check_slots(slots, pool: int, batch: int, *, distinct: bool = True):
+    """slots: an int32/int64 tensor [batch] of pool rows below `pool`, negative for padding, and
+    (with `distinct`) no pool row named twice: two rows updating one state row would race (the
+    cpu kernel's second row read the first's update; the reference wrote one of the two)."""
     if slots is None:
         if pool != batch:
             raise ShapeMismatch("state", f"{batch} rows (batch of x) when no slots are given",
@@ -314,12 +325,23 @@ def _check_slots(slots, pool: int, batch: int):
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
         raise KernelInputError("slots", "an int32/int64 tensor", str(getattr(slots, "dtype", type(slots).__name__)))
     _require_shape("slots", slots, (batch,), "[batch]")
-    # int() of the max is a host sync on CUDA (one per step); kept, since an index past the
-    # pool would make the Triton kernel write outside `state`.
-    top = int(slots.max()) if slots.numel() else -1
+    if slots.is_meta:
+        raise KernelInputError("slots", "a tensor with values (its indices are checked against the pool)",
+                               "a tensor on meta")
+    # The slots on the host: a sync on CUDA (one per step), as int() of their max was; kept,
+    # since an index past the pool would make the Triton kernel write outside `state`. A list,
+    # as the bridge's batches are small: cheaper than torch ops on them.
+    values = slots.tolist()
+    top = max(values, default=-1)
     if top >= pool:
         raise ShapeMismatch("slots", f"indices < {pool} (pool rows) or negative for padding",
                             f"max index {top}")
+    if distinct and len(set(values)) != len(values):  # repeats, maybe of padding alone
+        live = [v for v in values if v >= 0]
+        if len(set(live)) != len(live):
+            slot = next(v for v in live if live.count(v) > 1)
+            raise KernelInputError("slots", "distinct pool rows (negative for padding): two rows on one slot race",
+                                   f"slot {slot} named {live.count(slot)} times")
     return slots
 
 
@@ -484,6 +506,8 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq: int) -> list[int]:
                                str(getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__)))
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ShapeMismatch("cu_seqlens", "shape [n + 1] with n >= 1 sequences", f"shape {_shape(cu_seqlens)}")
+    if cu_seqlens.is_meta:
+        raise KernelInputError("cu_seqlens", "a tensor with values (its boundaries are read)", "a tensor on meta")
     if batch != 1:
         raise ShapeMismatch("x", "batch 1 (sequences are packed along seq when cu_seqlens is given)",
                             f"batch {batch}")

@@ -255,6 +255,11 @@ def test_scan_rejects_malformed_arguments(backend, change, field, got):
     assert err.expected and err.expected in str(err)
 
 
+def _inference_tensor(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
 def _update_base() -> dict:
     case = UpdateCase(3, 6, 3, groups=2, pool=5, padding_rows=1, D=True, z=True, dt_bias=True)
     return make_update_inputs(case, torch.float32, seed=random_seed())
@@ -286,6 +291,17 @@ UPDATE_ERRORS = [
     pytest.param(with_changes(slots=lambda a: a["slots"][:2]), "slots", "[2]", id="slots-shape"),
     pytest.param(with_changes(slots=lambda a: torch.tensor([0, 5, -1])), "slots", "5", id="slots-beyond-pool"),
     pytest.param(with_changes(slots=None), "state", "5 rows", id="pool-differs-without-slots"),
+    # Two rows on one slot: the cpu kernel's second row read the first's update, the reference
+    # wrote one of the two (found in review: their y and state differed).
+    pytest.param(with_changes(slots=lambda a: torch.tensor([2, -1, 2])), "slots", "slot 2 named 2 times",
+                 id="slots-duplicated"),
+    pytest.param(with_changes(slots=lambda a: torch.tensor([4, 4, 4], dtype=torch.int32)), "slots",
+                 "slot 4 named 3 times", id="slots-duplicated-int32"),
+    pytest.param(with_changes(slots=lambda a: a["slots"].to("meta")), "slots", "meta", id="slots-on-meta"),
+    # torch refuses in-place writes to these: the reference raised a RuntimeError after writing
+    # the state, the cpu backend wrote it silently (found in review).
+    pytest.param(with_changes(state=lambda a: _inference_tensor(a["state"])), "state", "inference tensor",
+                 id="state-inference-tensor"),
     pytest.param(with_changes(dt_min=0.3, dt_max=0.2), "dt_max", "0.2", id="dt_min-above-dt_max"),
     pytest.param(with_changes(dt_max=float("nan")), "dt_max", "nan", id="dt_max-nan"),
     pytest.param(with_changes(dt_softplus="no"), "dt_softplus", "str", id="dt_softplus-str"),

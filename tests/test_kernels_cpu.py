@@ -957,6 +957,20 @@ def test_simd_variant_linear_matches_reference(simd_backend, rows, width, featur
         f"{simd_backend.details['simd']} linear {rows}x{width} -> {features} {weight_dtype} weights seed={seed}"
 
 
+@pytest.mark.parametrize("weight", [
+    # [3, 4, 2] passed as [features 3, in 4], its product wrong (found in review)
+    pytest.param(lambda: torch.randn(3, 4, 2), id="3d-weight"),
+    pytest.param(lambda: torch.randn(4), id="1d-weight"),  # an IndexError from w.size(1)
+    pytest.param(lambda: torch.tensor(1.0), id="0d-weight"),
+])
+def test_linear_refuses_a_weight_that_is_not_2d(weight):
+    from kernels.cpu import build
+
+    ext = build.load_extension()
+    with pytest.raises(ValueError, match=r"weight: expected a 2-d tensor \[features, in\], got \d-d"):
+        ext.linear(torch.randn(2, 4), weight(), None)
+
+
 def test_linear_refuses_operands_that_do_not_fit():
     from kernels.cpu import build
 

@@ -472,6 +472,11 @@ def test_ssd_scan_rejects_malformed_arguments(backend, change, exc, field, got):
     _assert_rejected(lambda **a: kernels.ssd_scan(**a, backend=backend), change(_ssd_base()), exc, field, got)
 
 
+def _inference_tensor(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
 def _ssd_update_base() -> dict:
     # state [5, 4, 3, 6], x [3, 4, 3], dt [3, 4], B/C [3, 2, 6], slots [3] into 5 rows
     case = SsdUpdateCase(3, 4, 3, 6, groups=2, pool=5, padding_rows=1, D=True, z=True, dt_bias=True)
@@ -506,6 +511,13 @@ SSD_UPDATE_ERRORS = [
     pytest.param(_with(slots=lambda a: a["slots"].float()), INPUT, "slots", "float32", id="slots-float"),
     pytest.param(_with(slots=lambda a: a["slots"][:2]), SHAPE, "slots", "[2]", id="slots-shape"),
     pytest.param(_with(slots=None), SHAPE, "state", "5 rows", id="pool-differs-without-slots"),
+    # Two rows on one slot: the cpu kernel's second row read the first's update, the reference
+    # wrote one of the two (found in review: their y and state differed).
+    pytest.param(_with(slots=lambda a: torch.tensor([3, 3, -1])), INPUT, "slots", "slot 3 named 2 times",
+                 id="slots-duplicated"),
+    pytest.param(_with(slots=lambda a: a["slots"].to("meta")), INPUT, "slots", "meta", id="slots-on-meta"),
+    pytest.param(_with(state=lambda a: _inference_tensor(a["state"])), INPUT, "state", "inference tensor",
+                 id="state-inference-tensor"),
 ]
 
 
@@ -546,6 +558,8 @@ PACKED_ERRORS = [
     pytest.param(_with(cu_seqlens=lambda a: torch.tensor([0.0, 3.0, 7.0])), INPUT, "cu_seqlens", "float32",
                  id="float-dtype"),
     pytest.param(_with(cu_seqlens=[0, 3, 7]), INPUT, "cu_seqlens", "list", id="a-list"),
+    pytest.param(_with(cu_seqlens=lambda a: a["cu_seqlens"].to("meta")), INPUT, "cu_seqlens", "meta",
+                 id="on-meta"),
     pytest.param(_with(cu_seqlens=lambda a: torch.tensor([7])), SHAPE, "cu_seqlens", "[1]", id="no-sequence"),
     pytest.param(_with(cu_seqlens=lambda a: torch.tensor([[0, 3, 7]])), SHAPE, "cu_seqlens", "[1, 3]", id="2d"),
     pytest.param(_batch_doubled, SHAPE, "x", "batch 2", id="batch-not-1"),
@@ -609,3 +623,16 @@ def test_dt_limit_bounds_refuses_a_reversed_pair_by_its_own_name():
     with pytest.raises(kernels.KernelInputError) as info:
         kernels.dt_limit_bounds((0.5, 0.1))
     assert info.value.field == "dt_limit" and info.value.got == "(0.5, 0.1)"
+
+
+@pytest.mark.parametrize("dt_limit", [
+    pytest.param((math.nan, 0.1), id="nan-low"),
+    pytest.param((0.001, math.nan), id="nan-high"),
+    pytest.param((math.nan, math.nan), id="nan-both"),
+])
+def test_dt_limit_bounds_refuses_nan(dt_limit):
+    """NaN compares false with everything: it passed the order check and was dropped as no
+    bound (found in review), where dt_min and dt_max refuse it."""
+    with pytest.raises(kernels.KernelInputError) as info:
+        kernels.dt_limit_bounds(dt_limit)
+    assert info.value.field == "dt_limit" and "nan" in info.value.got

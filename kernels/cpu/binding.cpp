@@ -734,6 +734,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   require_operand(w, "weight", bf16 ? at::kBFloat16 : at::kFloat, "model_step");
   if (bias.has_value()) require_operand(*bias, "bias", at::kFloat, "model_step");
+  // Read as [features, in] below: a 3-d weight of those first two sizes was a silent wrong product.
+  if (w.dim() != 2)
+    throw std::invalid_argument("model_step: a product's weight: expected a 2-d tensor [features, in], got " +
+                                std::to_string(w.dim()) + "-d");
   if (x.stride(1) != 1 || x.size(1) != w.size(1) || (bias.has_value() && bias->numel() != w.size(0)))
     throw std::invalid_argument("model_step: a product's operands do not fit: input [" + std::to_string(x.size(0)) +
                                 ", " + std::to_string(x.size(1)) + "], weight [" + std::to_string(w.size(0)) + ", " +
