@@ -268,6 +268,26 @@ def test_the_ssd_scan_check_fails_when_the_server_clamps_dt_otherwise(scan_clien
     assert "1 failure(s)" in run.stderr and "scan multipart " in run.stdout
 
 
+def test_the_scan_check_fails_when_y_is_not_finite(scan_client, endpoints, tmp_path):
+    # The inline scan's y with one value made NaN and one +inf on its way back: a NaN's error
+    # compares false against any tolerance, so a check written `error > tol` lets it pass.
+    def scenario(request_id, frames, forward):
+        reply = forward(frames)
+        if request_id != 2:
+            return [reply]
+        message = msgpack.unpackb(reply[0])
+        data = bytearray(message["result"]["y"]["data"])
+        data[0:4] = b"\x00\x00\xc0\x7f"  # f32 NaN
+        data[4:8] = b"\x00\x00\x80\x7f"  # f32 +inf
+        message["result"]["y"]["data"] = bytes(data)
+        return [[msgpack.packb(message), *reply[1:]]]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 1, run.stdout
+    assert "FAIL: scan inline: 2 of " in run.stderr and " values of y differ from the reference" in run.stderr
+    assert "1 failure(s)" in run.stderr and "scan multipart " in run.stdout
+
+
 def test_a_reply_with_a_nil_id_is_reported(scan_client, endpoints, tmp_path):
     error = {"code": "decode_error", "message": "body: expected a msgpack map", "detail": {}}
     nil_id = msgpack.packb({"v": 1, "id": None, "ok": False, "error": error})

@@ -704,8 +704,9 @@ static int check_y(const char *what, const reply_t *reply, const double *expecte
         float got;
         memcpy(&got, t.bytes + i * 4, 4);  /* payloads need not be aligned */
         double error = fabs(got - expected[i]);
-        if (error > ATOL + RTOL * fabs(expected[i])) bad++;
-        if (error > worst) worst = error, worst_at = i;
+        /* written so that a NaN fails: it compares false with everything */
+        if (!(error <= ATOL + RTOL * fabs(expected[i]))) bad++;
+        if (!(error <= worst) && !isnan(worst)) worst = error, worst_at = i;
     }
     if (bad) {
         fail("%s: %zu of %zu values of y differ from the reference (worst: %g at %zu, expected %g)",
