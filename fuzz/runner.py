@@ -41,7 +41,8 @@ _ARTIFACT_KINDS = ("crash", "timeout", "oom", "leak")
 # What a failing run prints, to name a finding whose artifact says little.
 _SIGNATURES = (("AddressSanitizer", r"ERROR: AddressSanitizer: [^\n]*"),
                ("UndefinedBehaviorSanitizer", r"runtime error: [^\n]*"),
-               ("Python exception", r"=== Uncaught Python exception: ===\n(?:.*\n)*?(\w+(?:Error|Exception|Finding)[^\n]*)"),
+               # \w*: the harnesses' own Finding, which atheris prints bare ("Finding: ..."), too
+               ("Python exception", r"=== Uncaught Python exception: ===\n(?:.*\n)*?(\w*(?:Error|Exception|Finding)[^\n]*)"),
                ("deadly signal", r"ERROR: libFuzzer: deadly signal"),
                ("timeout", r"ERROR: libFuzzer: timeout[^\n]*"),
                ("out of memory", r"ERROR: libFuzzer: out-of-memory[^\n]*"))

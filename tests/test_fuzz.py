@@ -133,6 +133,25 @@ def one_input(data):
         raise ValueError("planted bug")
 '''
 
+_PLANTED_FINDING = '''
+"""A harness with a planted broken property: a body starting with 0x81 raises the harnesses'
+own Finding, as every check of fuzz.checks does."""
+from fuzz.checks import Finding
+
+MAX_LEN = 64
+mutator = None
+
+def setup():
+    return {"target": "a planted finding"}
+
+def seeds():
+    return [b"\\x80", b"\\x81\\xa2op\\xa4ping"]
+
+def one_input(data):
+    if data[:1] == b"\\x81":
+        raise Finding("planted property broken")
+'''
+
 _PLANTED_OVERREAD = '''
 """A harness with a planted bug: it reads one byte past the frame, as placed for native_step."""
 import ctypes
@@ -211,6 +230,16 @@ def test_a_python_exception_in_a_harness_is_a_finding_with_its_input(tmp_path, m
     with open(finding["input"], "rb") as f:
         assert f.read()[:1] == b"\x81"
     assert any("ValueError: planted bug" in s for s in finding["signatures"]), finding
+
+
+def test_a_broken_property_is_a_finding_named_by_its_message(tmp_path, monkeypatch):
+    """A check's Finding (atheris prints it as "Finding: ...", no module, no Error suffix) is
+    named in the result, as other exceptions are: what property broke, not only an input."""
+    env = _plant(tmp_path, monkeypatch, "planted_finding", _PLANTED_FINDING)
+    result = run_harness("planted_finding", runs=2000, seconds=30, env=env, say=_quiet)
+    finding = _single_finding(result)
+    assert finding["kind"] == "crash"
+    assert any("Finding: planted property broken" in s for s in finding["signatures"]), finding
 
 
 def test_a_read_past_the_frame_faults_on_the_guard_page(tmp_path, monkeypatch):
@@ -340,6 +369,17 @@ def test_the_framer_model_catches_a_lost_frame(monkeypatch):
     monkeypatch.setattr(framing_harness, "FrameAssembler", LosesTheLastFrame)
     with pytest.raises(Finding, match="events"):
         framing_harness.one_input(seed)
+
+
+def test_every_framing_seed_reads_frames_on_its_path():
+    """Each seed's stream starts after its k % 8 read sizes, as one_input reads it: a seed for
+    the feed() path (k odd) must carry its read-size bytes too, or its stream is shifted a byte
+    and not one frame of it is read."""
+    for seed in framing_harness.seeds():
+        max_frame_size, k = seed[0], seed[1]
+        events, _ = framing_harness.model(seed[2 + k % 8:], max_frame_size)
+        assert events, (seed[:8], k)
+    assert any(seed[1] & 1 for seed in framing_harness.seeds()), "no seed for the feed() path"
 
 
 def test_the_native_harness_catches_a_parse_the_decoder_disagrees_with():
