@@ -21,8 +21,10 @@ def claim_protocol_stdout() -> int:
     """Return a private fd carrying what was stdout; fd 1 (and sys.stdout) now go to stderr."""
     protocol_fd = os.dup(1)
     os.set_inheritable(protocol_fd, False)
-    sys.stdout.flush()
     os.dup2(2, 1)
+    # Flushed only once fd 1 is stderr: what is still buffered (printed before the guard ran)
+    # is a stray write too, and flushed before the dup2 it would go into the protocol stream.
+    sys.stdout.flush()
     sys.stdout = sys.stderr
     return protocol_fd
 

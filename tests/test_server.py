@@ -348,6 +348,26 @@ def test_stray_writes_to_fd1_leave_frames_intact():
     c.close()
 
 
+# Output a library buffered in sys.stdout before the guard ran (stdout is a pipe under a Port,
+# so Python buffers it in blocks): claiming stdout must send it to the log, not into the frames.
+BUFFERED_BEFORE_CLAIM = r"""
+import os, sys
+sys.stdout.write("buffered before the guard ran")
+from bridge.stdio_guard import claim_protocol_stdout
+fd = claim_protocol_stdout()
+os.write(fd, b"FRAME")
+"""
+
+
+def test_stdout_buffered_before_the_guard_goes_to_stderr_not_the_protocol():
+    env = server_env()
+    env.pop("PYTHONUNBUFFERED", None)  # as a Port starts it: stdout buffered
+    proc = subprocess.run([sys.executable, "-c", BUFFERED_BEFORE_CLAIM], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"FRAME"
+    assert b"buffered before the guard ran" in proc.stderr
+
+
 def test_warmup_compiles_before_serving_and_info_lists_it():
     # Without a GPU the Triton backend runs on the CPU interpreter (TRITON_INTERPRET=1); with
     # one, the server compiles for real, for CUDA.
