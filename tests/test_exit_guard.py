@@ -139,3 +139,32 @@ def test_the_guard_compiles_without_warnings(tmp_path, compiler, call):
             pytest.skip(f"no objdump beside {compiler}")
         disassembly = subprocess.run([objdump, "-d", str(library)], capture_output=True, text=True, timeout=60).stdout
         assert f"\t{call}\t" in disassembly, f"no {call} in the guard's aarch64 code"
+
+
+def test_a_signal_sent_to_a_guard_just_started_runs_no_handler_of_the_servers():
+    """A guard that has not run yet still has the server's handlers: a signal meant for it (one
+    sent to the process group as it starts) would run one on the server's memory, and the server
+    would act on a signal it never got. It starts with every signal blocked."""
+    import ctypes
+
+    from bridge.c_build import compile_c
+
+    path = exit_guard.library_path()
+    if not path.is_file():
+        compile_c(path, exit_guard.SOURCE, flags=("-shared", "-fPIC"))
+    library = ctypes.CDLL(str(path))
+    handled = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: handled.append(signum))
+    try:
+        for _ in range(20):
+            read_end, write_end = os.pipe()
+            guard = library.exit_guard_start(read_end)
+            os.close(read_end)
+            assert guard > 0
+            os.kill(guard, signal.SIGUSR1)  # before the guard is likely to have run at all
+            os.close(write_end)
+            os.waitpid(guard, 0)
+        time.sleep(0.01)  # not synchronisation: a handler tripped last gets its bytecode boundary
+        assert handled == [], f"{len(handled)} of 20 signals sent to a guard ran the server's handler"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

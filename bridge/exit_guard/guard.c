@@ -74,7 +74,15 @@ int exit_guard_start(int read_fd) {
   const size_t size = 64 * 1024;
   void* stack = mmap(0, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
   if (stack == MAP_FAILED) return -1;
+  // The guard starts with every signal blocked: until its own mask is set it has the server's
+  // handlers, and a signal delivered to it then (one pending when it is first scheduled) would
+  // run one of them on the server's memory, as though the server had received it. Signals
+  // arriving for this thread meanwhile stay pending and are delivered once its mask is back.
+  sigset_t all, previous;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &previous);
   const int pid = clone(guard_main, (char*)stack + size, CLONE_VM | SIGCHLD, (void*)(intptr_t)read_fd);
+  pthread_sigmask(SIG_SETMASK, &previous, 0);
   if (pid < 0) munmap(stack, size);
   return pid;
 #else
