@@ -273,6 +273,63 @@ def test_a_mamba_ssm_checkpoint_with_a_padded_vocabulary(serve, checkpoints, arc
     rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, "logits"), 1e-4, f"{arch} (seed {seed})")
 
 
+@pytest.mark.parametrize("layout", ["transformers-mamba2", "mamba_ssm-mamba"])
+def test_a_config_leaving_a_key_out_takes_its_librarys_default(serve, checkpoints, layout):
+    """A key a config.json leaves out takes the default of its layout's library, as that library
+    reads the config: transformers' Mamba2Config has n_groups 8, mamba_ssm's MambaConfig has
+    pad_vocab_size_multiple 8 with or without an ssm_cfg. Both were read as 1, and the checkpoints
+    refused as mis-shaped (found in review)."""
+    seed = random_seed()
+    directory = checkpoints[0] / f"library-defaults-{layout}"
+    if layout == "transformers-mamba2":
+        model = randomized(transformers.Mamba2ForCausalLM(tiny_mamba2(seed, num_heads=8, head_dim=3, n_groups=8)))
+        model.save_pretrained(directory)
+        config = json.loads((directory / "config.json").read_text())
+        del config["n_groups"]
+        (directory / "config.json").write_text(json.dumps(config))
+        assert transformers.Mamba2Config.from_pretrained(directory).n_groups == 8
+    else:
+        # mamba_ssm's Mamba-1 mixer defaults throughout (d_state 16, d_conv 4, expand 2, dt_rank
+        # "auto"), so no ssm_cfg; its vocabulary of 37 padded to 40 rows.
+        model = randomized(transformers.MambaForCausalLM(
+            tiny_mamba(seed, vocab_size=40, state_size=16, time_step_rank="auto", tie_word_embeddings=True)))
+        config, weights = mamba_ssm_layout(model, "mamba", vocab=VOCAB)
+        del config["ssm_cfg"], config["pad_vocab_size_multiple"]
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+        weights.pop("lm_head.weight", None)  # tied: safetensors holds one copy
+        save_file(weights, str(directory / "model.safetensors"))
+    srv, conn = serve(), RecordingConnection()
+    info = call(srv, conn, "model_load", path=directory.name)
+    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
+    tokens = torch.randint(0, VOCAB, (2, PREFIX + 3))
+    got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX])["logits"]]
+    got += [call(srv, conn, "model_step", session=session, tokens=tokens[:, t])["logits"][:, None]
+            for t in range(PREFIX, PREFIX + 3)]
+    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, "logits"), 1e-4, f"{layout} (seed {seed})")
+
+
+def test_a_mamba2_time_step_limit_clamps_the_prefill_and_the_steps_alike(serve, checkpoints):
+    """time_step_limit clamps dt in the prefill and in every step. transformers clamps it in its
+    chunked prefill but not in its cached step (nor does mamba_ssm's step): the server's prefill
+    then steps equal transformers' prefill of the whole sequence, which its own cached steps do
+    not where the limit bites."""
+    seed = random_seed()
+    model = randomized(transformers.Mamba2ForCausalLM(tiny_mamba2(seed, time_step_limit=(0.05, 0.4))))
+    directory = checkpoints[0] / "mamba2-time-step-limit"
+    model.save_pretrained(directory)
+    srv, conn = serve(cpu_backends()[-1]), RecordingConnection()
+    info = call(srv, conn, "model_load", path=directory.name)
+    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
+    tokens = torch.randint(0, VOCAB, (2, PREFIX + 4))
+    got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX])["logits"]]
+    got += [call(srv, conn, "model_step", session=session, tokens=tokens[:, t])["logits"][:, None]
+            for t in range(PREFIX, PREFIX + 4)]
+    with torch.no_grad():
+        whole = model(tokens).logits
+    rel_close(torch.cat(got, dim=1), whole, 1e-4, f"time_step_limit (seed {seed})")
+
+
 def test_a_sharded_checkpoint_loads_like_the_whole_one(serve, checkpoints, tmp_path):
     model, _, seed = checkpoints[1]["mamba2-lm"]
     sharded = checkpoints[0] / "mamba2-sharded"
@@ -930,6 +987,13 @@ BAD_REQUESTS = [
     ("mamba-ssm-mamba2-norm-epsilon", "model_load", dict(config={"d_model": 8, "n_layer": 1, "norm_epsilon": 1e-2,
                                                                  "ssm_cfg": {"layer": "Mamba2", "headdim": 4}},
                                                          weights={}), "invalid_checkpoint", "args.config.norm_epsilon"),
+    # mamba_ssm settings this runtime cannot run were refused only as a tensor missing, if at all:
+    # attention layers in the stack, a Mamba-2 mixer without its gated norm.
+    ("mamba-ssm-attention-layers", "model_load", dict(config={"d_model": 8, "n_layer": 2, "attn_layer_idx": [1],
+                                                              "ssm_cfg": {"layer": "Mamba2", "headdim": 4}},
+                                                      weights={}), "invalid_checkpoint", "args.config.attn_layer_idx"),
+    ("mamba-ssm-mamba2-without-its-norm", "model_load", dict(config={"d_model": 8, "n_layer": 1, "ssm_cfg": {
+        "layer": "Mamba2", "headdim": 4, "rmsnorm": False}}, weights={}), "invalid_checkpoint", "args.config.rmsnorm"),
     # Values of another type than the key takes were a TypeError (internal_error), found in review.
     ("architectures-not-a-list", "model_load", dict(config={"model_type": "mamba", "hidden_size": 4,
                                                             "num_hidden_layers": 1, "vocab_size": 8,

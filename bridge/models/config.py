@@ -177,7 +177,7 @@ def parse_config(raw, field: str = "config") -> ModelConfig:
         if "ssm_cfg" in raw:  # its keys would go unread, dt_limit and norm_before_gate among them
             raise checkpoint_error(f"{field}.ssm_cfg", "no ssm_cfg with arch (this layout has mamba_ssm's keys "
                                    "at the top level)", "a nested ssm_cfg")
-        return _mamba_ssm(keys, raw["arch"], raw)
+        return _mamba_ssm(keys, raw["arch"], raw, library=False)
     if "d_model" in raw and "n_layer" in raw:
         ssm_cfg = raw.get("ssm_cfg") or {}
         if not isinstance(ssm_cfg, dict):
@@ -185,7 +185,7 @@ def parse_config(raw, field: str = "config") -> ModelConfig:
         layer = ssm_cfg.get("layer", "Mamba1")
         if layer not in ("Mamba1", "Mamba2"):
             raise checkpoint_error(f"{field}.ssm_cfg.layer", '"Mamba1" or "Mamba2"', repr(layer))
-        return _mamba_ssm(keys, "mamba2" if layer == "Mamba2" else "mamba", {**raw, **ssm_cfg})
+        return _mamba_ssm(keys, "mamba2" if layer == "Mamba2" else "mamba", {**raw, **ssm_cfg}, library=True)
     raise checkpoint_error(field, "a Mamba config: transformers' (model_type), mamba_ssm's (d_model, n_layer) "
                            "or this server's (arch)", "keys " + ", ".join(sorted(map(str, raw))[:12]))
 
@@ -217,23 +217,27 @@ def _hf_mamba2(k: _Keys) -> ModelConfig:
         arch="mamba2", d_model=d_model, n_layer=k.size("num_hidden_layers", _REQUIRED),
         vocab_size=k.size("vocab_size", _REQUIRED), d_state=k.size("state_size", 128),
         d_conv=k.size("conv_kernel", 4), d_inner=d_inner, dt_rank=0, headdim=headdim,
-        ngroups=_groups(k, "n_groups", nheads), eps=k.number("layer_norm_epsilon", 1e-5),
+        ngroups=_groups(k, "n_groups", nheads, 8), eps=k.number("layer_norm_epsilon", 1e-5),
         residual_in_fp32=k.flag("residual_in_fp32", True), lm_head=_hf_head(k, k.flag("tie_word_embeddings", False)),
         use_bias=k.flag("use_bias", False), use_conv_bias=k.flag("use_conv_bias", True),
         dt_limit=k.limits("time_step_limit"), chunk_size=k.size("chunk_size", 256))
 
 
-def _mamba_ssm(k: _Keys, arch: str, merged: dict) -> ModelConfig:
-    """mamba_ssm's MambaConfig with its ssm_cfg merged in (or this server's flat config)."""
+def _mamba_ssm(k: _Keys, arch: str, merged: dict, library: bool) -> ModelConfig:
+    """mamba_ssm's MambaConfig with its ssm_cfg (which it may leave out) merged in (`library`), or
+    this server's flat config."""
     k = _Keys(merged, k.field)
     d_model = k.size("d_model", _REQUIRED)
     k.require("rms_norm", (True,), "RMSNorm blocks; this runtime has no LayerNorm")
     if merged.get("d_intermediate", 0):
         raise checkpoint_error(f"{k.field}.d_intermediate", "0 (Mamba blocks only; this runtime has no MLP layers)",
                                repr(merged["d_intermediate"]))
+    if merged.get("attn_layer_idx"):
+        raise checkpoint_error(f"{k.field}.attn_layer_idx", "no layers (Mamba blocks only; this runtime has no "
+                               "attention layers)", repr(merged["attn_layer_idx"]))
     vocab = k.size("vocab_size", None)
     if vocab is not None:
-        multiple = k.size("pad_vocab_size_multiple", 8 if "ssm_cfg" in merged else 1)
+        multiple = k.size("pad_vocab_size_multiple", 8 if library else 1)
         vocab += (-vocab) % multiple  # mamba_ssm's embedding has the padded rows
     d_inner = _inner(k, d_model)
     common = dict(d_model=d_model, n_layer=k.size("n_layer", _REQUIRED), vocab_size=vocab,
@@ -252,7 +256,8 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict) -> ModelConfig:
     if merged.get("d_ssm") not in (None, d_inner):
         raise checkpoint_error(f"{k.field}.d_ssm", f"expand x d_model ({d_inner}; no MLP part)", repr(merged["d_ssm"]))
     k.require("norm_before_gate", (False,), "the gate before the norm, as mamba_ssm's default")
-    if "ssm_cfg" in merged and common["eps"] != MAMBA_SSM_GATED_EPS:
+    k.require("rmsnorm", (True,), "the gated RMSNorm after the scan, as mamba_ssm's default")
+    if library and common["eps"] != MAMBA_SSM_GATED_EPS:
         # mamba_ssm's Mamba-2 gated norm keeps its own eps whatever the blocks' is; this runtime
         # has one eps for every norm (transformers' rule, and this server's arch layout's).
         raise checkpoint_error(f"{k.field}.norm_epsilon", f"{MAMBA_SSM_GATED_EPS:g} for a mamba_ssm Mamba-2 config "
@@ -291,8 +296,9 @@ def _hf_head(k: _Keys, tied: bool) -> str | None:
     return "tied" if tied else "own"
 
 
-def _groups(k: _Keys, key: str, nheads: int) -> int:
-    groups = k.size(key, 1)
+def _groups(k: _Keys, key: str, nheads: int, default: int = 1) -> int:
+    """The B/C groups: transformers' Mamba2Config defaults them to 8, mamba_ssm's Mamba2 to 1."""
+    groups = k.size(key, default)
     if nheads % groups:
         raise checkpoint_error(f"{k.field}.{key}", f"a divisor of the heads ({nheads})", str(groups))
     return groups
