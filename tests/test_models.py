@@ -299,14 +299,21 @@ def test_a_config_leaving_a_key_out_takes_its_librarys_default(serve, checkpoint
         (directory / "config.json").write_text(json.dumps(config))
         weights.pop("lm_head.weight", None)  # tied: safetensors holds one copy
         save_file(weights, str(directory / "model.safetensors"))
-    srv, conn = serve(), RecordingConnection()
-    info = call(srv, conn, "model_load", path=directory.name)
+    tokens, got = prefill_then_step_logits(serve(), directory.name, steps=3)
+    rel_close(got, oracle_outputs(model, tokens, "logits"), 1e-4, f"{layout} (seed {seed})")
+
+
+def prefill_then_step_logits(srv, path: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens [2, PREFIX + steps] and the logits of the checkpoint at `path` for them: a
+    prefill of PREFIX, then a step a token."""
+    conn = RecordingConnection()
+    info = call(srv, conn, "model_load", path=path)
     session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
-    tokens = torch.randint(0, VOCAB, (2, PREFIX + 3))
+    tokens = torch.randint(0, VOCAB, (2, PREFIX + steps))
     got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX])["logits"]]
     got += [call(srv, conn, "model_step", session=session, tokens=tokens[:, t])["logits"][:, None]
-            for t in range(PREFIX, PREFIX + 3)]
-    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, "logits"), 1e-4, f"{layout} (seed {seed})")
+            for t in range(PREFIX, PREFIX + steps)]
+    return tokens, torch.cat(got, dim=1)
 
 
 def test_a_mamba2_time_step_limit_clamps_the_prefill_and_the_steps_alike(serve, checkpoints):
@@ -318,16 +325,10 @@ def test_a_mamba2_time_step_limit_clamps_the_prefill_and_the_steps_alike(serve, 
     model = randomized(transformers.Mamba2ForCausalLM(tiny_mamba2(seed, time_step_limit=(0.05, 0.4))))
     directory = checkpoints[0] / "mamba2-time-step-limit"
     model.save_pretrained(directory)
-    srv, conn = serve(cpu_backends()[-1]), RecordingConnection()
-    info = call(srv, conn, "model_load", path=directory.name)
-    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
-    tokens = torch.randint(0, VOCAB, (2, PREFIX + 4))
-    got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX])["logits"]]
-    got += [call(srv, conn, "model_step", session=session, tokens=tokens[:, t])["logits"][:, None]
-            for t in range(PREFIX, PREFIX + 4)]
+    tokens, got = prefill_then_step_logits(serve(cpu_backends()[-1]), directory.name, steps=4)
     with torch.no_grad():
         whole = model(tokens).logits
-    rel_close(torch.cat(got, dim=1), whole, 1e-4, f"time_step_limit (seed {seed})")
+    rel_close(got, whole, 1e-4, f"time_step_limit (seed {seed})")
 
 
 def test_a_sharded_checkpoint_loads_like_the_whole_one(serve, checkpoints, tmp_path):
