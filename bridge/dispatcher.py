@@ -305,9 +305,9 @@ class Dispatcher:
             if answered:
                 self._leave()
 
-    def on_frame_error(self, conn, exc: protocol.FrameTooLarge) -> None:
-        """An oversized frame, already drained by the transport: read, as the stats count it
-        (its announced bytes), and answered."""
+    def on_frame_error(self, conn, exc: protocol.FrameDropped) -> None:
+        """A frame drained unread by the transport (oversized, or no memory to hold it): read,
+        as the stats count it (its announced bytes), and answered."""
         self.server.stats.frame_in(exc.length, conn.lane)
         self._reply_error(conn, protocol.V1, None, exc)
 

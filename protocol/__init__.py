@@ -6,7 +6,7 @@ SPEC.md (next to this file) is the language-neutral contract; vectors/ holds gol
     frames = FrameAssembler()
     while (n := stream.readinto(frames.space())):    # bodies land in place, no copy
         event = frames.advance(n)                    # None until a frame is whole
-        if isinstance(event, FrameTooLarge):
+        if isinstance(event, FrameDropped):          # too large, or no memory to hold it
             send(frame_parts(encode_error(None, event.code, str(event), event.detail)))
         elif event is not None:
             body, release = event
@@ -19,8 +19,8 @@ SPEC.md (next to this file) is the language-neutral contract; vectors/ holds gol
 from .codecs import CODECS, LEGACY, V1, error_reply_for
 from .decode import Frame, Reply, Request, decode_reply, decode_request
 from .encode import BIG_PAYLOAD, encode_error, encode_reply, encode_request
-from .errors import (ERROR_CODES, DecodeError, FrameError, FrameTooLarge, InvalidArgument,
-                     InvalidRequest, MissingArgument, ProtocolError, TensorSizeMismatch,
+from .errors import (ERROR_CODES, DecodeError, FrameDropped, FrameError, FrameTooLarge, FrameUnbuffered,
+                     InvalidArgument, InvalidRequest, MissingArgument, ProtocolError, TensorSizeMismatch,
                      TruncatedFrame, UnknownDtype, UnknownOp, UnsupportedVersion, ValidationError)
 from .framing import DEFAULT_MAX_FRAME_SIZE, FrameAssembler, encode_frame, frame_parts, parse_frame_header
 from .legacy import LegacyRequest, encode_legacy_reply
@@ -29,8 +29,8 @@ from .tensors import DTYPES, MAX_NDIM, HandleRef, OutTensor, WireTensor
 
 __all__ = [
     # framing
-    "FrameAssembler", "FrameTooLarge", "DEFAULT_MAX_FRAME_SIZE", "parse_frame_header", "encode_frame",
-    "frame_parts",
+    "FrameAssembler", "FrameDropped", "FrameTooLarge", "FrameUnbuffered", "DEFAULT_MAX_FRAME_SIZE",
+    "parse_frame_header", "encode_frame", "frame_parts",
     # messages
     "decode_request", "Request", "Frame", "LegacyRequest", "decode_reply", "Reply", "WireTensor", "HandleRef",
     "OutTensor", "encode_reply", "encode_error", "encode_request", "encode_legacy_reply", "DTYPES", "MAX_NDIM",

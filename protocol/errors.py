@@ -9,7 +9,9 @@ reply, a JSON-able `detail` dict, and what the decoder knew when it failed (`req
 
     ProtocolError
     ├── FrameError                  framing layer (length prefix)
-    │   ├── FrameTooLarge           frame_too_large (also a FrameAssembler event)
+    │   ├── FrameDropped            a frame read whole and dropped (a FrameAssembler event)
+    │   │   ├── FrameTooLarge       frame_too_large (also raised for a reply too large to frame)
+    │   │   └── FrameUnbuffered     limit_exceeded: no memory to hold it
     │   └── TruncatedFrame          stream ended inside a frame (decode_error)
     ├── DecodeError                 decode_error: body is not one msgpack map
     └── ValidationError             the map is not a valid request
@@ -83,7 +85,14 @@ class FrameError(ProtocolError):
     """The byte stream does not split into frames as announced."""
 
 
-class FrameTooLarge(FrameError):
+class FrameDropped(FrameError):
+    """A frame read whole and dropped unread (`FrameAssembler` returns one as an event, and the
+    stream goes on): a server answers it with id null. `length` is its announced body size."""
+
+    length: int
+
+
+class FrameTooLarge(FrameDropped):
     """A length prefix announced more than the limit.
 
     `FrameAssembler` returns an instance as an event (and skips that many bytes); the
@@ -107,6 +116,18 @@ class FrameTooLarge(FrameError):
 
     def __repr__(self):
         return f"FrameTooLarge(length={self.length}, limit={self.limit})"
+
+
+class FrameUnbuffered(FrameDropped):
+    """A frame within the limit for which no buffer could be had (the machine out of memory):
+    read and dropped as an oversized one is, answered limit_exceeded (limit "memory", SPEC §7)."""
+
+    code = "limit_exceeded"
+
+    def __init__(self, length: int, reason: str):
+        self.length = length
+        super().__init__(f"no memory to hold a frame of {length} bytes ({reason}); it was read and dropped",
+                         detail={"limit": "memory", "length": length})
 
 
 class TruncatedFrame(FrameError):

@@ -7,7 +7,7 @@ buffers that `frame_parts` prefixes without joining them, for `os.writev` / `soc
 
 from __future__ import annotations
 
-from .errors import FrameTooLarge, TruncatedFrame
+from .errors import FrameTooLarge, FrameUnbuffered, TruncatedFrame
 
 DEFAULT_MAX_FRAME_SIZE = 256 * 1024 * 1024
 HEADER_SIZE = 4
@@ -58,7 +58,8 @@ class FrameAssembler:
     the body in a buffer from `acquire(length)` (a pool's, or one of its own by default), and
     the callable that gives it back (None for a buffer of its own). A header announcing more
     than `max_frame_size` gives a `FrameTooLarge` event once that many body bytes have been
-    read and discarded: the stream stays usable, so a server answers and serves on.
+    read and discarded, and one for which `acquire` finds no memory a `FrameUnbuffered`: the
+    stream stays usable, so a server answers and serves on.
 
     It never asks for bytes past the end of the frame it is in: a frame not begun stays in the
     socket, so that a server at its cap of requests in flight leaves the rest of its input
@@ -75,8 +76,9 @@ class FrameAssembler:
         self._target = self._header  # the header's or the body's view, or the discard scratch
         self._pos = 0
         self._release = None  # gives the body's buffer back
-        self._discard_left = 0  # bytes of an oversized body still to be discarded
+        self._discard_left = 0  # bytes of an oversized (or unbuffered) body still to be discarded
         self._oversized = 0
+        self._unbuffered: str | None = None  # why the body being discarded had no buffer
 
     @property
     def at_frame_start(self) -> bool:
@@ -96,10 +98,14 @@ class FrameAssembler:
         if self._target is self._header:
             length = parse_frame_header(self._header)
             if length > self.max_frame_size:
-                self._oversized = self._discard_left = length
-                self._target = memoryview(bytearray(min(length, _DISCARD_CHUNK)))
-                return None
-            self._target, self._release = self._acquire(length)
+                return self._discard(length)
+            try:
+                self._target, self._release = self._acquire(length)
+            except (MemoryError, OSError) as exc:  # mmap's ENOMEM: the machine, not the peer, is short
+                if not length:
+                    raise
+                self._unbuffered = f"{type(exc).__name__}: {exc}"
+                return self._discard(length)
             if length:
                 return None
         elif self._discard_left:
@@ -108,14 +114,23 @@ class FrameAssembler:
                 self._target = self._target[:min(self._discard_left, len(self._target))]
                 return None
             self._target = self._header
+            if self._unbuffered is not None:
+                reason, self._unbuffered = self._unbuffered, None
+                return FrameUnbuffered(self._oversized, reason)
             return FrameTooLarge(self._oversized, self.max_frame_size)
         frame = (self._target, self._release)
         self._target, self._release = self._header, None
         return frame
 
+    def _discard(self, length: int) -> None:
+        """Read the next `length` body bytes into scratch, keeping none."""
+        self._oversized = self._discard_left = length
+        self._target = memoryview(bytearray(min(length, _DISCARD_CHUNK)))
+        return None
+
     def feed(self, data) -> list:
         """The events of `data` (bytes already read, split anywhere), in order: each `(body,
-        release)` completed, or a `FrameTooLarge`."""
+        release)` completed, or a `FrameDropped` (`FrameTooLarge`, `FrameUnbuffered`)."""
         view = memoryview(data).cast("B")
         events = []
         while view:
@@ -143,4 +158,5 @@ class FrameAssembler:
         if self._release is not None:
             self._release()
         self._target, self._release, self._pos, self._discard_left = self._header, None, 0, 0
+        self._unbuffered = None
         return TruncatedFrame(got, expected)

@@ -102,15 +102,16 @@ def test_connections_already_closed_do_not_keep_a_live_one_out(tmp_path, inproc)
 
 
 def test_a_unix_connection_whose_frame_cannot_be_read_ends_there_and_the_lane_serves_on(tmp_path):
-    """A failure inside a frame (here: no buffer for its body) must end that connection's input:
-    read on, the rest of the body would be taken for frames."""
+    """A failure inside a frame (here: a fault getting a buffer for its body, not a shortage of
+    memory, which is answered) must end that connection's input: read on, the rest of the body
+    would be taken for frames."""
     dispatcher = RecordingDispatcher()
     with unix_lane(tmp_path, dispatcher) as transport:
         real_acquire = transport.pool.acquire
 
         def acquire(size):
             if size == 1000:
-                raise MemoryError("no buffer for this body")
+                raise RuntimeError("a fault in the buffer pool")
             return real_acquire(size)
 
         transport.pool.acquire = acquire
@@ -130,6 +131,33 @@ def test_a_unix_connection_whose_frame_cannot_be_read_ends_there_and_the_lane_se
         reader.close()
         healthy.close()
         assert dispatcher.bodies == [b"hello"]
+
+
+def test_a_frame_the_machine_has_no_memory_for_is_answered_and_the_connection_serves_on(
+        tmp_path, monkeypatch, inproc):
+    """A request within --max-frame-size whose buffer cannot be had (mmap's ENOMEM) is drained
+    and answered limit_exceeded, limit "memory", id null; the connection reads on. The
+    exception escaped the lane's reader before (found in review)."""
+    big = request_frame(1, "echo", {"pad": b"x" * 4096})
+    with unix_lane(tmp_path, inproc().dispatcher) as transport:
+        acquire = transport.pool.acquire
+
+        def short_of_memory(size):
+            if size > 1024:
+                raise OSError(errno.ENOMEM, "Cannot allocate memory")
+            return acquire(size)
+
+        monkeypatch.setattr(transport.pool, "acquire", short_of_memory)
+        transport.start()
+        conn = raw_unix(transport.path)
+        reader = conn.makefile("rb", buffering=0)
+        conn.sendall(big + request_frame(2, "ping"))
+        dropped, pong = read_reply(reader), read_reply(reader)
+        assert (dropped.id, dropped.ok, dropped.error["code"]) == (None, False, "limit_exceeded"), dropped
+        assert dropped.error["detail"] == {"limit": "memory", "length": len(big) - 4}
+        assert (pong.id, pong.ok, pong.result) == (2, True, {"pong": True})
+        reader.close()
+        conn.close()
 
 
 def test_a_reply_too_large_to_frame_is_answered_with_an_error_and_the_connection_serves_on(

@@ -12,8 +12,8 @@ import pytest
 
 import protocol
 
-from protocol import (DEFAULT_MAX_FRAME_SIZE, FrameAssembler, FrameTooLarge, TruncatedFrame, encode_frame,
-                      frame_parts, parse_frame_header)
+from protocol import (DEFAULT_MAX_FRAME_SIZE, FrameAssembler, FrameTooLarge, FrameUnbuffered, TruncatedFrame,
+                      encode_frame, frame_parts, parse_frame_header)
 
 RNG = np.random.default_rng()
 
@@ -141,6 +141,26 @@ def test_oversized_frame_is_reported_once_then_drained(step):
     assert (too_large.code, too_large.length, too_large.limit) == ("frame_too_large", limit + 9, limit)
     assert too_large.detail == {"length": limit + 9, "limit": limit}
     assert decoder.eof() is None
+
+
+@pytest.mark.parametrize("step", [pytest.param(None, id="whole"), pytest.param(1, id="byte-by-byte")])
+def test_a_frame_no_buffer_can_be_had_for_is_reported_once_then_drained(step):
+    """A frame within the limit whose buffer the machine cannot give (mmap's ENOMEM) is drained
+    and reported, as an oversized one is, and the stream goes on; its exception escaped before,
+    and ended the lane (found in review)."""
+    def acquire(length):
+        if length > 8:
+            raise OSError(12, "Cannot allocate memory")
+        return memoryview(bytearray(length)), None
+
+    before, big, after = random_body(3), random_body(12), random_body(8)
+    data = stream_of([before, big, after])
+    decoder = FrameAssembler(max_frame_size=16, acquire=acquire)
+    events = feed_chunks(decoder, data, [] if step is None else range(step, len(data), step))
+    assert [bytes(e[0]) if isinstance(e, tuple) else type(e) for e in events] == [before, FrameUnbuffered, after]
+    dropped = events[1]
+    assert (dropped.code, dropped.length, dropped.detail) == ("limit_exceeded", 12, {"limit": "memory", "length": 12})
+    assert "Cannot allocate memory" in str(dropped) and decoder.eof() is None
 
 
 def test_oversized_frame_cut_off_by_eof():

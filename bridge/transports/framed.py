@@ -265,7 +265,7 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
         frame = incoming.advance(count)
         if frame is None:
             continue
-        if isinstance(frame, protocol.FrameTooLarge):
+        if isinstance(frame, protocol.FrameDropped):
             dispatcher.on_frame_error(conn, frame)
         else:
             body, release = frame

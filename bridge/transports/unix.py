@@ -375,7 +375,7 @@ class UnixTransport:
                 continue
             frames += 1
             conn.admit()
-            if isinstance(frame, protocol.FrameTooLarge):
+            if isinstance(frame, protocol.FrameDropped):
                 self.dispatcher.on_frame_error(conn, frame)
                 continue
             body, release = frame
