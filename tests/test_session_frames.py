@@ -6,7 +6,8 @@ run on it in the same request, as a client rebuilding a session elsewhere does.
   those of the same frames sent one by one to a session opened from the same state, bit for bit;
   return_state inside a frame returns the state after it;
 - a frame that fails closes the session (no session is left open) and its error names the frame's
-  field within session_open's arguments; the server serves on;
+  field within session_open's arguments (its op, where the op does not fit the session); the
+  server serves on;
 - each frame that ran counts in `stats` as one inference and one launch of its own op, the
   request once, as session_open's success or failure;
 - a malformed frame (an op that does not advance a session, a session of its own, an unknown
@@ -14,7 +15,9 @@ run on it in the same request, as a client rebuilding a session elsewhere does.
 - session_restore's `frames` (SPEC §6.4), a rollback's re-simulation: they run on the restored
   session as calls one by one after a plain restore would, bit for bit; a frame that fails leaves
   the snapshot's state, and the snapshot stays; an unknown snapshot or a malformed frame runs
-  nothing and changes nothing.
+  nothing and changes nothing;
+- a multipart request's frames are answered as raw buffers, as the ops alone are, so a window's
+  output is not held to a frame's length.
 
 Servers run in-process (tests/bridge_fakes.py); inputs are fresh random values, the seed in every
 failure message.
@@ -26,6 +29,8 @@ import pytest
 import torch
 
 import protocol
+from bridge.client import result_from_wire, to_wire
+from bridge.timing import now_ns
 from bridge_fakes import RecordingConnection
 from kernel_cases import random_seed
 from test_return_state import CASES, DIM, STATE, Case, Scene, assert_same_state, is_zero, output_of
@@ -172,6 +177,47 @@ def test_a_malformed_frame_is_refused_by_name_before_anything_opens(inproc, fram
     assert not reply.ok and reply.error["detail"]["field"] == "args.frames", reply.error
 
 
+# Well formed as far as decoding goes; refused on the session the frame runs on.
+NO_SESSION_STEP = {"x": torch.zeros(1, 1, 1), "dt": torch.zeros(1, 1, 1), "A": torch.zeros(1),
+                   "B": torch.zeros(1, 1, 1, 1), "C": torch.zeros(1, 1, 1, 1)}
+
+
+@pytest.mark.parametrize("case, op, frame, field", [
+    # An op of the other generation: alone, it is refused naming args.session, which a frame
+    # does not have.
+    pytest.param(Case("mamba", "step"), "session_open", {"op": "ssd_scan", "args": NO_SESSION_STEP},
+                 "args.frames[0].op", id="open-other-generation"),
+    pytest.param(Case("mamba", "step"), "session_restore", {"op": "ssd_scan", "args": NO_SESSION_STEP},
+                 "args.frames[0].op", id="restore-other-generation"),
+    pytest.param(Case("mamba2", "model_step"), "session_open", {"op": "step", "args": NO_SESSION_STEP},
+                 "args.frames[0].op", id="open-plain-op-on-a-model"),
+    # Neither tokens nor embeds: alone, refused naming args, the request's arguments as a whole.
+    pytest.param(Case("mamba2", "model_step"), "session_restore", {"op": "model_step", "args": {}},
+                 "args.frames[0].args", id="restore-no-input"),
+])
+def test_a_frame_refused_when_it_runs_names_a_field_of_the_frame(inproc, case, op, frame, field):
+    """Found in review: such errors named args.frames[0].args.session, a key no frame may have,
+    or `args`, the arguments of session_open or session_restore themselves."""
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    session, snapshot, at_snapshot = stepped_with_snapshot(scene, 1)
+    if op == "session_restore":
+        args = {"session": session, "snapshot": snapshot}
+    elif scene.model is not None:
+        args = {"model": scene.model, "batch": case.batch}
+    else:
+        args = {"batch": case.batch, "dim": DIM, "state": STATE}
+    before = open_sessions(scene)
+    reply = scene.srv.request(scene.conn, op, **args, frames=[frame])
+    assert not reply.ok and reply.error["code"] == "invalid_argument", f"seed={seed}: {reply.error}"
+    detail = reply.error["detail"]
+    assert (detail["field"], detail["frame"]) == (field, 0), f"seed={seed}: {reply.error}"
+    assert reply.error["message"].startswith(field), f"seed={seed}: {reply.error}"
+    assert open_sessions(scene) == before, f"seed={seed}: the failed request left a session open"
+    if op == "session_restore":
+        assert_same_state(scene.state(session), at_snapshot, f"seed={seed}, after the failed request")
+
+
 def test_a_prefill_frame_then_steps_on_a_plain_session(inproc):
     """scan with the session (a prefill) among the frames, as a kept log may hold one."""
     from test_return_state import DIM, STATE, uniform
@@ -307,3 +353,34 @@ def test_a_result_too_long_to_send_takes_back_what_its_frames_did(inproc, monkey
     assert open_sessions(scene) == before, f"seed={seed}: the request left a session open"
     assert_same_state(scene.state(session), at_snapshot if op == "session_restore" else found,
                       f"seed={seed}, after the unsent result")
+
+
+def multipart_request(scene: Scene, op: str, **args) -> protocol.Reply:
+    """`op` sent as ZeroMQ's multipart form (§5): every tensor a raw buffer, as the reply's."""
+    buffers: list = []
+    body = protocol.encode_request(f"multipart-{op}", op, to_wire(args), buffers=buffers)
+    scene.srv.dispatcher.on_frame(scene.conn, bytearray(b"".join(body)), now_ns(), buffers=buffers)
+    return scene.conn.reply(f"multipart-{op}")
+
+
+@pytest.mark.parametrize("op", ["session_open", "session_restore"])
+def test_a_multipart_requests_window_frame_is_not_held_to_a_frames_length(inproc, monkeypatch, op):
+    """A multipart reply carries its tensors as raw buffers, each result in `frames` too (§5), so
+    a model_forward frame whose output a stream frame could not carry runs, as the op sent alone
+    does (found in review: the frame was refused reply_frame_size, its request taken for a
+    stream's)."""
+    seed = random_seed()
+    scene = Scene(inproc(), Case("mamba", "model_forward"), seed)
+    session, snapshot, at_snapshot = stepped_with_snapshot(scene, 0)
+    window = scene.frame()
+    # below the window's hidden output: refused in-band, carried out of band
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", window["embeds"].numel() * 4 - 1)
+    twin = scene.call("session_fork", session=session)["session"]
+    alone = multipart_request(scene, "model_forward", session=twin, **window)
+    assert alone.ok, f"seed={seed}: {alone.error}"
+    args = ({"session": session, "snapshot": snapshot} if op == "session_restore"
+            else {"model": scene.model, "batch": scene.case.batch, "state": at_snapshot})
+    reply = multipart_request(scene, op, **args, frames=[{"op": "model_forward", "args": window}])
+    assert reply.ok, f"seed={seed}: {reply.error}"
+    (result,) = result_from_wire(reply.result, as_torch=True)["frames"]
+    assert torch.equal(output_of(result), output_of(result_from_wire(alone.result, as_torch=True))), f"seed={seed}"

@@ -40,7 +40,10 @@ def run_frames(server, call, session, undo) -> list[dict]:
     state, or rolling one back, needs is all of it or a clear refusal."""
     results = []
     for i, frame in enumerate(call.args["frames"]):
-        request = protocol.Request(call.request.id, frame.op, {**frame.args, "session": session.id})
+        # multipart as the request: its reply carries the frames' results as raw buffers too, so a
+        # window's output is held to no frame's length (check_forward_reply_fits)
+        request = protocol.Request(call.request.id, frame.op, {**frame.args, "session": session.id},
+                                   multipart=call.request.multipart)
         handler = server.registry.handler(request)
         try:
             # on the request's connection, its times added to that request's
@@ -78,10 +81,16 @@ def frame_error(exc: BaseException, index: int) -> OpError:
     """The frame's own error, its field named within the request's arguments."""
     code, message, detail = error_fields(exc)
     field = detail.get("field")
-    if isinstance(field, str) and field.startswith("args."):
+    if field == "args.session":
+        # A frame has no session of its own (the decoder refuses one): what does not fit the
+        # session (an op of the other generation, a plain op on a model's) is the frame's op.
+        detail["field"] = f"args.frames[{index}].op"
+    elif field == "args":  # the op's arguments as a whole (exactly one of tokens and embeds, say)
+        detail["field"] = f"args.frames[{index}].args"
+    elif isinstance(field, str) and field.startswith("args."):
         detail["field"] = f"args.frames[{index}].{field}"
-        if message.startswith(field):
-            message = detail["field"] + message[len(field):]
+    if detail.get("field") != field and message.startswith(field):
+        message = detail["field"] + message[len(field):]
     detail["frame"] = index
     return OpError(code, message, detail)
 
