@@ -658,6 +658,7 @@ defmodule ScanBridge.ModelCheckpointTest do
       assert status == 0, output
       assert output =~ ~r/step latency: p50 [\d.]+ ms, p99 [\d.]+ ms over 20 steps/
       assert output =~ ~r/rollbacks: 2 of 7 frames/
+      assert_rollback_reproduces(output, 7)
     end
 
     test "runs a checkpoint given by path" do
@@ -673,6 +674,19 @@ defmodule ScanBridge.ModelCheckpointTest do
       assert status == 0, output
       assert output =~ ~r/loaded tiny: mamba, 2 layers, d_model 8/
       assert output =~ ~r/rollbacks: 2 of 3 frames/
+      assert_rollback_reproduces(output, 3)
+    end
+
+    # A restore that left the state as it was would re-simulate from `frames` frames later:
+    # outputs far from the steps'.
+    defp assert_rollback_reproduces(output, frames) do
+      [worst] =
+        Regex.run(~r/rollback check: #{frames} frames .*largest difference ([-+.e\d]+) of/, output,
+          capture: :all_but_first
+        ) || flunk("no rollback check in:\n" <> output)
+
+      {worst, ""} = Float.parse(worst)
+      assert worst < 1.0e-4, output
     end
 
     defp run_example(args) do

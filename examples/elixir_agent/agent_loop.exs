@@ -107,6 +107,7 @@ defmodule AgentLoop do
       end)
 
     IO.puts("warm-up: a #{opts[:prefix]}-frame prefix in #{ms(prefix_us)} ms (one model_forward)")
+    check_rollback(server, session, input, opts[:rollback])
 
     # The rollback ring: its snapshots are taken again frame by frame, never freed meanwhile.
     ring = for _ <- 1..opts[:rollback], do: ScanBridge.snapshot!(server, session)
@@ -168,6 +169,37 @@ defmodule AgentLoop do
       :timer.tc(fn -> ScanBridge.restore_with_frames(server, session, snapshot, [resimulate]) end)
 
     %{stats | held: %{first => snapshot}, rollbacks: [{frames, us} | stats.rollbacks]}
+  end
+
+  # What rollback netcode stands on: frames re-simulated from a snapshot with the same inputs
+  # give the outputs the frames gave. `frames` steps from a snapshot, then the snapshot
+  # restored and the same inputs run again as one window (a chunked scan, so the sums run in
+  # another order: equal to rounding, not bit for bit). The session is left as after the steps.
+  defp check_rollback(server, session, input, frames) do
+    snapshot = ScanBridge.snapshot!(server, session)
+    inputs = for _ <- 1..frames, do: frame_input(input)
+    stepped = Enum.map(inputs, &ScanBridge.model_step!(server, session, &1))
+    {kind, _} = hd(inputs)
+    data = for {_kind, tensor} <- inputs, into: <<>>, do: tensor.data
+    shape = inputs |> hd() |> elem(1) |> Map.fetch!(:shape) |> Tuple.insert_at(1, frames)
+    window = {kind, Tensor.new(data, elem(hd(inputs), 1).dtype, shape)}
+
+    {:ok, [replayed]} =
+      ScanBridge.restore_with_frames(server, session, snapshot, [{:model_forward, window, []}])
+
+    :ok = ScanBridge.free_snapshot(server, snapshot)
+    expected = Enum.flat_map(stepped, &Tensor.to_list/1)
+    scale = expected |> Enum.map(&abs/1) |> Enum.max()
+
+    worst =
+      Enum.zip(expected, Tensor.to_list(replayed))
+      |> Enum.map(fn {a, b} -> abs(a - b) / scale end)
+      |> Enum.max()
+
+    IO.puts(
+      "rollback check: #{frames} frames stepped, restored and re-simulated in one window: " <>
+        "largest difference #{:erlang.float_to_binary(worst, [{:scientific, 1}])} of the largest output"
+    )
   end
 
   ## Inputs: token ids for a model with an embedding, else embeddings
