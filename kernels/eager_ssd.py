@@ -26,7 +26,16 @@ rather than reaching subnormal numbers or 0 through them, which x86 CPUs compute
 slower (exp(-inf) too), and what it keeps lies far below the precision of the terms it is added
 to. Not from above: a state that grows (A > 0, or dt < 0) has positive exponents that mean what
 they say. The intra-chunk decays' upper triangle (k > m, unused: the scores C Bᵀ are masked
-there) is zeroed before exp, so that no inf from it is ever multiplied by 0.
+there) is zero before exp, so that no inf from it is ever multiplied by 0.
+
+The differences cs_m - cs_k and cs_last - cs_k are not taken from cs: each is summed over its
+own steps, dt_(k+1) A + ... + dt_m A, as a cumulative sum down the columns of the masked
+[Q, Q] matrix of each step's dt·A (mamba_ssm's `segsum`). cs rounds at its own magnitude, and
+one large step early in a chunk (dt·A of -8000, whose own input is large too) makes that
+magnitude thousands, so its differences between the small steps after it would be off by 1e-3
+in the exponent, a relative error that the large input's share of y, decaying slowly over those
+steps, carries. cs itself serves only as exp(cs), where a large |cs| is a decay of 0 (or an
+overflow) whatever its rounding.
 
 Layouts. The heads of a group share B and C: C Bᵀ is computed once per group, and the chunk
 states are kept transposed, [state, heads of the group x headdim] per group, so that the states
@@ -139,17 +148,20 @@ def _chunked_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
     B_c, C_c = (_padded(t, length, f).view(batch, chunks, Q, groups, n).transpose(2, 3).contiguous()
                 for t in (B, C))
 
-    # cs [batch, chunk, head, Q]: cumulative dt·A within each chunk.
-    cs = torch.empty(batch, chunks, heads, Q, dtype=f, device=dev)
-    torch.mul(dt_c.transpose(2, 3), A.to(f)[:, None], out=cs)
-    cs.cumsum_(-1)
+    # dtA [batch, chunk, head, Q]: each step's log decay dt·A; cs its cumulative sum within each chunk.
+    dtA = torch.mul(dt_c.transpose(2, 3), A.to(f)[:, None])
+    cs = dtA.cumsum(-1)
 
     bound = _exp_bound(f)
     # Intra-chunk: scores (C Bᵀ per group, 0 above the diagonal) times the decays, per head,
     # times dt·x (head-major, [b, c, h, Q, p]).
     scores = torch.matmul(C_c, B_c.transpose(-1, -2)).tril_()  # [b, c, g, Q, Q]
-    decay = (cs.unsqueeze(-1) - cs.unsqueeze(-2)).tril_()  # [b, c, h, Q, Q]: cs_m - cs_k, k <= m
+    # decay[m, k] = dtA_(k+1) + ... + dtA_m for k < m (0 on and above the diagonal): "segsum",
+    # summed over those steps only (module docstring, "Exponents").
+    decay = dtA.unsqueeze(-1).expand(batch, chunks, heads, Q, Q).tril(-1).cumsum_(-2)
     _exp(decay, bound)
+    # Each step's decay to the chunk's end, exp(cs_last - cs_k): the decays' last row.
+    to_end = torch.mul(dt_c.transpose(2, 3), decay[..., -1, :])  # [b, c, h, Q], dt times it
     weights = decay.view(batch, chunks, groups, per_group, Q, Q).mul_(scores.unsqueeze(3))
     xdt = torch.empty(batch, chunks, heads, Q, headdim, dtype=f, device=dev)
     torch.mul(x_c.transpose(2, 3), dt_c.transpose(2, 3).unsqueeze(-1), out=xdt)
@@ -157,7 +169,6 @@ def _chunked_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
 
     # Each chunk's end state from a zero state, transposed: Bᵀ (dt·x decayed to the chunk's end),
     # [b, c, g, state, h/g x p], the group's heads side by side (x's own order within a group).
-    to_end = torch.mul(dt_c.transpose(2, 3), _exp(cs[..., -1:] - cs, bound))  # [b, c, h, Q]
     x_end = torch.empty(batch, chunks, groups, Q, per_group, headdim, dtype=f, device=dev)
     torch.mul(x_c.view(batch, chunks, Q, groups, per_group, headdim).transpose(2, 3),
               to_end.view(batch, chunks, groups, per_group, Q, 1).transpose(3, 4), out=x_end)

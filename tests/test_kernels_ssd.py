@@ -107,6 +107,30 @@ def test_ssd_scan_decay_regimes(backend, minus_A, dt_range, seq):
         assert_close(got.double() / scale, expected.double() / scale, F32, f"{what} {name} / {scale:.3g}")
 
 
+# One large step early in every chunk (its dt·A in the thousands, its input dt x large too), the
+# others small: minus A, the large dt. The chunk's cumulative log decay then reaches thousands
+# after that step, and decays between the small steps after it, taken as differences of it, were
+# off by its fp32 rounding there (1e-3 in the exponent), which the large input's share of y,
+# decaying slowly over those steps, carried (the torch form did; kernels/eager_ssd.py,
+# "Exponents").
+SSD_LARGE_STEP_REGIMES = [
+    pytest.param(16.0, 500.0, id="dtA-8000"),
+    pytest.param(2.0, 5000.0, id="dtA-10000"),
+]
+
+
+@pytest.mark.parametrize("minus_A, large_dt", SSD_LARGE_STEP_REGIMES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_scan_one_large_step_then_small_ones(backend, minus_A, large_dt):
+    case = SsdCase(2, 100, 2, 8, 5, chunk_size=32, h0=True)
+    seed = random_seed()
+    inputs = make_decay_regime_inputs(case, minus_A, (0.001, 0.05), seed)
+    inputs["dt"][:, 1::32] = large_dt  # the second step of every chunk
+    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    assert_scan_outputs_match_reference(case, F32, inputs, y, state, f"{backend} seed={seed}",
+                                        reference=reference_ssd_scan)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_state_growing_past_e44_within_a_chunk_or_a_step(backend):
     """A > 0: every decay a growth, e^48 or so over one chunk of the scan (the torch form's

@@ -29,7 +29,7 @@ from kernel_cases import (  # noqa: E402
     DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES,
     TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_same_nans_and_close, assert_scan_outputs_match_reference,
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
-    make_ssd_inputs, make_ssd_update_inputs, random_seed, reference_ssd_scan, reference_ssd_update, state_dtype,
+    make_decay_regime_inputs, make_ssd_inputs, make_ssd_update_inputs, random_seed, reference_ssd_scan, reference_ssd_update, state_dtype,
     state_tolerance,
     assert_packed_matches_each_sequence,
 )
@@ -231,6 +231,27 @@ def test_ssd_scan_chunk_boundaries(seq, chunk_size, device):
     _backend(device)
     case = SsdCase(2, seq, 3, 5, 7, chunk_size=chunk_size, D=True, h0=True)
     _check_scan(case, torch.float32, device, _scan_blocks(device), what=f"seq {seq} chunk {chunk_size}")
+
+
+# One large step early in every chunk, small ones after it (as tests/test_kernels_ssd.py's
+# SSD_LARGE_STEP_REGIMES: minus A, the large dt): the chunk kernels took each decay as
+# exp(cs_m - cs_k) of an fp32 cumulative sum, off by its rounding once cs is in the thousands
+# (found in review); cs is kept and differenced in fp64 (kernels/triton_kernels/ssd.py).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("minus_A, large_dt", [
+    pytest.param(16.0, 500.0, id="dtA-8000"),
+    pytest.param(2.0, 5000.0, id="dtA-10000"),
+])
+def test_ssd_scan_one_large_step_then_small_ones(minus_A, large_dt, device):
+    _backend(device)
+    case = SsdCase(1, 40, 2, 4, 4, chunk_size=16, h0=True)
+    seed = random_seed()
+    inputs = make_decay_regime_inputs(case, minus_A, (0.001, 0.05), seed)
+    inputs["dt"][:, 1::16] = large_dt  # the second step of every chunk
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    y, state = _run_scan(inputs, _scan_blocks(device))
+    assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{device} seed={seed}",
+                                        reference=reference_ssd_scan)
 
 
 @pytest.mark.parametrize("device", DEVICES)

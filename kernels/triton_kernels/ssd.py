@@ -24,8 +24,11 @@ state is asked for).
 
 Every exponent is a difference cs_m - cs_k with k <= m (or cs itself), so with A < 0 and dt >= 0
 no exp exceeds 1; the causal mask is applied to the exponent, before exp, so that the masked
-upper triangle cannot overflow. The cumsums restart at every chunk, which bounds their magnitude
-and so the rounding of their differences. A NaN dt makes y NaN from its step on and the final
+upper triangle cannot overflow. The cumsums restart at every chunk, and are kept in fp64 and
+differenced there before the exponent goes back to the accumulation dtype: one step of dt·A in
+the thousands early in a chunk makes cs that large after it, and in fp32 the differences between
+the small steps after it would be off by its rounding (1e-3 in the exponent), an error the large
+step's share of y, decaying slowly over those steps, carries. A NaN dt makes y NaN from its step on and the final
 state NaN, for its head only, as the recurrence does.
 
 Dots. The contractions (C.B^T, the masked scores times x, C times the entering state, x^T times
@@ -221,7 +224,7 @@ def _ssd_cumsum(
     dt = discretize_dt(dt, mask, DT_SOFTPLUS, HAS_CLAMP, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo)
     A = tl.load(A_ptr + hh * s_A, mask=mask_h, other=0.0).to(ACC)
     # Past the end dt is 0, so cs holds its last value there: cs[chunk - 1] is the chunk's total.
-    cs = tl.cumsum(dt * A[None, :], axis=0)
+    cs = tl.cumsum((dt * A[None, :]).to(tl.float64), axis=0)  # fp64: module docstring
     out = (b * nchunks + c) * heads * chunk + hh[None, :] * chunk + t[:, None]
     store_mask = (t < chunk)[:, None] & mask_h[None, :]
     tl.store(dt_out_ptr + out, dt, mask=store_mask)
@@ -290,7 +293,7 @@ def _ssd_chunk_state_kernel(
     B_base = B_ptr + b * s_B_b + t0 * s_B_l + g * s_B_g
     if ADD_H0:
         h0 = _load_tile(h0_ptr + b * s_h0_b + h * s_h0_h, p, s_h0_p, mask_p, n, s_h0_n, mask_n, ACC)
-        acc = tl.exp(cs_last) * h0
+        acc = tl.exp(cs_last.to(ACC)) * h0
     else:
         acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=ACC)
     for k0 in range(0, chunk_len, BLOCK_K):
@@ -300,7 +303,7 @@ def _ssd_chunk_state_kernel(
         B_tile = _load_tile(B_base, k, s_B_l, mask_k, n, s_B_n, mask_n, ACC)
         cs_k = tl.load(cs_ptr + row + k, mask=mask_k, other=0.0)
         dt_k = tl.load(dt_d_ptr + row + k, mask=mask_k, other=0.0)
-        weight = tl.where(mask_k, tl.exp(cs_last - cs_k) * dt_k, 0.0)
+        weight = tl.where(mask_k, tl.exp((cs_last - cs_k).to(ACC)) * dt_k, 0.0)
         acc = _dot_computed_right(x_t, B_tile * weight[:, None], acc, UPCAST)
     out = states_ptr + b * s_st_b + c * s_st_c + h * s_st_h
     tl.store(out + p[:, None] * s_st_p + n[None, :] * s_st_n, acc.to(states_ptr.dtype.element_ty),
@@ -336,7 +339,7 @@ def _ssd_state_passing_kernel(
         block = states_ptr + ((b * nchunks + c) * heads + h) * headdim * nstate + e
         local = tl.load(block, mask=mask, other=0.0)
         tl.store(block, running, mask=mask)
-        decay = tl.exp(tl.load(cs_ptr + ((b * nchunks + c) * heads + h) * chunk + chunk - 1))
+        decay = tl.exp(tl.load(cs_ptr + ((b * nchunks + c) * heads + h) * chunk + chunk - 1).to(ACC))
         running = decay * running + local
     if n_local < nchunks:
         # The last chunk's own end state was not computed (no final state asked for): only the
@@ -387,7 +390,7 @@ def _ssd_chunk_scan_kernel(
                 C_tile = _load_tile(C_base, m, s_C_l, mask_m, n, s_C_n, mask_n, DOT)
                 entering = _load_tile(state_base, n, s_st_n, mask_n, p, s_st_p, mask_p, ACC)
                 acc = _dot_computed_right(C_tile, entering, acc, UPCAST)
-            acc *= tl.exp(cs_m)[:, None]
+            acc *= tl.exp(cs_m.to(ACC))[:, None]
 
         cb_base = cb_ptr + ((b * nchunks + c) * groups + g) * chunk * chunk
         x_base = x_ptr + b * s_x_b + t0 * s_x_l + h * s_x_h
@@ -403,7 +406,7 @@ def _ssd_chunk_scan_kernel(
             # Masked twice: in the exponent, since above the diagonal cs_m - cs_k may be large
             # and positive (exp would overflow), and on the product, so that a NaN dt at step k
             # reaches no row before k (as in the recurrence).
-            decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], 0.0))
+            decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], 0.0).to(ACC))
             scores = tl.where(causal, cb * decay * dt_k[None, :], 0.0)
             x_k = _load_tile(x_base, k, s_x_l, mask_k, p, s_x_p, mask_p, DOT)
             acc = _dot_computed_left(scores, x_k, acc, UPCAST)
@@ -519,7 +522,7 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
         state_out = None
 
     dt_d = torch.empty((batch, nchunks, heads, chunk), dtype=acc, device=device)
-    cs = torch.empty_like(dt_d)
+    cs = torch.empty_like(dt_d, dtype=torch.float64)  # differenced in fp64 (module docstring)
     cb = torch.empty((batch, nchunks, groups, chunk, chunk), dtype=acc, device=device)
     # The chunks whose own end state is used: all but the last, and the last for the final state.
     n_local = nchunks if return_state else nchunks - 1
