@@ -313,9 +313,9 @@ class FramedClient:
         self.max_frame_size: int | None = None
         # The server's cap on this connection's requests in flight (info's
         # max_in_flight_per_peer, adopted on the lanes that have one), or None. One slot is left
-        # for cancels: past the cap a request waits unread, and a cancel behind the very request
-        # it names would arrive after it ran. Requests past it are held here, in order, where
-        # cancel drops them unsent.
+        # for cancels (where the cap has one to spare): past the cap a request waits unread, and
+        # a cancel behind the very request it names would arrive after it ran. Requests past it
+        # are held here, in order, where cancel drops them unsent.
         self.max_in_flight: int | None = None
         self._held: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
         # An `overloaded` reply with id nil: the server turned this connection away and closes
@@ -396,6 +396,9 @@ class FramedClient:
         except BaseException:
             with self._lock:
                 self._pending.pop(request_id, None)
+            # It counted against the cap while registered: what it held back may go now.
+            if self._held:
+                self._send_released()
             raise
 
     def _register(self, request_id, entry: InFlight):
@@ -657,6 +660,8 @@ class FramedClient:
                 entry = self._pending.pop(decoded.id, None)
             elif error.get("code") == "frame_too_large":
                 entry = self._refused_as_too_large(error.get("detail") or {})
+            elif error.get("code") == "limit_exceeded" and (error.get("detail") or {}).get("limit") == "memory":
+                entry = self._dropped_unread(error["detail"])  # a frame the server had no memory to hold
             else:
                 entry = None
         if decoded.id is None and error.get("code") == "overloaded":
@@ -679,6 +684,12 @@ class FramedClient:
         refused). Called with self._lock held."""
         if isinstance(detail.get("limit"), int):
             self.max_frame_size = detail["limit"]
+        return self._dropped_unread(detail)
+
+    def _dropped_unread(self, detail: dict) -> InFlight | None:
+        """The request a reply with id nil answers (the server dropped its frame unread and
+        could not know its id), taken out of flight: the oldest one whose body has the length
+        the reply names. Called with self._lock held."""
         for request_id, entry in self._pending.items():
             if entry.bytes_out - self._frame_overhead == detail.get("length"):
                 return self._pending.pop(request_id)
@@ -703,6 +714,7 @@ def read_replies(reader, client_ref: weakref.ref) -> None:
     """A stream client's reader thread: hands each reply frame to the client. It holds the
     client weakly, so that a client dropped without close() is collected (a PortClient's
     finalizer then stops its server) and the thread ends with the stream."""
+    ended = None
     try:
         while (body := read_frame(reader)) is not None:
             received = time.perf_counter_ns()
@@ -715,10 +727,14 @@ def read_replies(reader, client_ref: weakref.ref) -> None:
         pass  # the server closed with our requests unread (a unix peer it turned away): an end like EOF
     except (OSError, ValueError):
         pass  # the client closed the stream under this read (close() gave up waiting): an end too
+    except MemoryError as exc:
+        # A reply with no memory to hold it is lost, and whose it was cannot be told: every
+        # request fails now rather than one waiting for ever.
+        ended = ServerExited(f"a reply could not be held ({exc}); the connection is no longer used")
     finally:
         client = client_ref()
         if client is not None:
-            client._fail_all(client._turned_away or ServerExited("the server closed its end before replying"))
+            client._fail_all(ended or client._turned_away or ServerExited("the server closed its end before replying"))
 
 
 def server_env(extra: dict | None = None) -> dict:

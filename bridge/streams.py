@@ -50,10 +50,13 @@ def read_exact(reader, view: memoryview) -> bool:
 
 def read_frame(reader) -> memoryview | None:
     """The body of the next frame on `reader` (anything with `readinto`, blocking), read whole
-    into a buffer of its own; None when the stream ends before it is whole."""
+    into a buffer of its own; None when the stream ends before it is whole. MemoryError when
+    no buffer could be had for it (the frame is then read and dropped)."""
     frames = protocol.FrameAssembler(protocol.framing.MAX_FRAMEABLE)
     while count := reader.readinto(frames.space()):
         frame = frames.advance(count)
+        if isinstance(frame, protocol.FrameDropped):
+            raise MemoryError(str(frame))
         if frame is not None:
             return frame[0]
     return None

@@ -79,6 +79,31 @@ def pipe():
     server.close()
 
 
+def test_a_reply_with_no_memory_to_hold_it_fails_every_request_at_once(monkeypatch):
+    """Whose reply was lost cannot be told: every request in flight fails, and later ones are
+    refused, rather than one waiting for ever (the assembler's event escaped the reader as a
+    TypeError before; found in review)."""
+    assembler = protocol.FrameAssembler
+
+    def short_of_memory(size):
+        if size > 64:
+            raise MemoryError("no buffer")
+        return memoryview(bytearray(size)), None
+
+    monkeypatch.setattr(protocol, "FrameAssembler", lambda limit: assembler(limit, short_of_memory))
+    server = PipeServer()
+    try:
+        lost, waiting = server.client.submit("stats"), server.client.submit("ping")
+        server.reply(server.read_request().id, {"pad": "x" * 100})
+        for future in (lost, waiting):
+            with pytest.raises(ServerExited, match="a reply could not be held"):
+                future.result(REPLY_TIMEOUT_S)
+        with pytest.raises(ServerExited):
+            server.client.submit("ping")
+    finally:
+        server.close()
+
+
 def test_a_cancelled_request_leaves_the_client_serving_the_others(pipe):
     cancelled, kept = pipe.client.submit("ping"), pipe.client.submit("ping")
     assert cancelled.cancel()

@@ -8,6 +8,7 @@ import contextlib
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -327,6 +328,57 @@ def test_a_request_the_client_held_goes_with_what_is_left_of_its_deadline(tmp_pa
             srv.go()
             assert held.result(10).error["code"] == "deadline_exceeded"
             assert client.call("ping") == {"pong": True}
+
+
+def test_a_request_that_fails_before_it_is_sent_lets_the_ones_it_held_go(tmp_path, inproc):
+    """A request counts against the cap from when it is registered; one that then fails unsent
+    (its encoding raises here) held the next one back until some later reply came (found in
+    review: with none to come, for ever)."""
+    from bridge.client import UnixClient
+    from test_lane_unix import unix_lane
+
+    srv = inproc(max_in_flight_per_peer=2)
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=2) as transport:
+        transport.start()
+        with UnixClient(transport.path) as client:
+            client.info()
+            encoding, fail = threading.Event(), threading.Event()
+            encode = client._encode
+
+            def failing_encode(request_id, op, *args):
+                if op == "stats":
+                    encoding.set()
+                    fail.wait(10)
+                    raise RuntimeError("cannot encode")
+                return encode(request_id, op, *args)
+
+            client._encode = failing_encode
+            failed = []
+            first = threading.Thread(target=lambda: failed.append(pytest.raises(RuntimeError, client.submit, "stats")))
+            first.start()
+            assert encoding.wait(10)
+            held = client.submit("ping")  # behind the one being encoded: held
+            fail.set()
+            first.join(10)
+            assert failed and held.result(10).ok
+
+
+def test_a_request_the_server_had_no_memory_to_read_fails_at_once(tmp_path, monkeypatch, inproc):
+    """Its answer has id nil (the server dropped the frame unread): the client matches it to
+    the request by length, as a frame_too_large one, instead of leaving it waiting for ever and
+    holding a slot of the cap (found in review)."""
+    from bridge.client import UnixClient
+    from test_lane_unix import short_of_memory_past, unix_lane
+
+    srv = inproc(max_in_flight_per_peer=2)
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=2) as transport:
+        short_of_memory_past(transport, 1024, monkeypatch)
+        transport.start()
+        with UnixClient(transport.path) as client:
+            client.info()
+            reply = client.submit("put", {"tensor": np.zeros(1024, np.float32)}).result(10)
+            assert (reply.ok, reply.error["code"], reply.error["detail"]["limit"]) == (False, "limit_exceeded", "memory")
+            assert [client.call("ping") for _ in range(3)] == [{"pong": True}] * 3 and not client._pending
 
 
 def test_the_python_client_sends_its_deadline(tmp_path, inproc):

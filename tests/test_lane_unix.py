@@ -133,6 +133,18 @@ def test_a_unix_connection_whose_frame_cannot_be_read_ends_there_and_the_lane_se
         assert dispatcher.bodies == [b"hello"]
 
 
+def short_of_memory_past(transport, size: int, monkeypatch) -> None:
+    """The lane's buffer pool fails as mmap does out of memory for bodies past `size` bytes."""
+    acquire = transport.pool.acquire
+
+    def short_of_memory(wanted):
+        if wanted > size:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return acquire(wanted)
+
+    monkeypatch.setattr(transport.pool, "acquire", short_of_memory)
+
+
 def test_a_frame_the_machine_has_no_memory_for_is_answered_and_the_connection_serves_on(
         tmp_path, monkeypatch, inproc):
     """A request within --max-frame-size whose buffer cannot be had (mmap's ENOMEM) is drained
@@ -140,14 +152,7 @@ def test_a_frame_the_machine_has_no_memory_for_is_answered_and_the_connection_se
     exception escaped the lane's reader before (found in review)."""
     big = request_frame(1, "echo", {"pad": b"x" * 4096})
     with unix_lane(tmp_path, inproc().dispatcher) as transport:
-        acquire = transport.pool.acquire
-
-        def short_of_memory(size):
-            if size > 1024:
-                raise OSError(errno.ENOMEM, "Cannot allocate memory")
-            return acquire(size)
-
-        monkeypatch.setattr(transport.pool, "acquire", short_of_memory)
+        short_of_memory_past(transport, 1024, monkeypatch)
         transport.start()
         conn = raw_unix(transport.path)
         reader = conn.makefile("rb", buffering=0)
