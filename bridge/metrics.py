@@ -167,20 +167,21 @@ def _histograms(histograms: dict):
             stages.add_metric([op, key.removesuffix("_us")], _buckets(histogram, 1e6),
                               histogram.sum / 1e6)
         else:
-            rows.add_metric([op], _buckets(histogram, 1), histogram.sum)
+            rows.add_metric([op], _buckets(histogram), histogram.sum)
     yield stages
     yield rows
 
 
-def _buckets(histogram, per_unit: float) -> list:
+def _buckets(histogram, per_unit: float | None = None) -> list:
     """Prometheus's cumulative buckets, `le` in the exported unit (`per_unit` of the counted
-    one make one), +Inf last. Divided, not multiplied by the reciprocal: 10 * 1e-6 is
-    9.999999999999999e-06, a bound below the 10 µs its bucket counts, and not the le="1e-05" a
-    query names."""
+    one make one; None: the counted unit, its bounds as they are), +Inf last. Divided, not
+    multiplied by the reciprocal: 10 * 1e-6 is 9.999999999999999e-06, a bound below the 10 µs
+    its bucket counts, and not the le="1e-05" a query names."""
     buckets, seen = [], 0
     for bound, count in zip((*histogram.bounds, float("inf")), histogram.counts):
         seen += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(bound / per_unit), seen))
+        le = bound if per_unit is None else bound / per_unit
+        buckets.append(("+Inf" if bound == float("inf") else repr(le), seen))
     return buckets
 
 

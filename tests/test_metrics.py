@@ -126,6 +126,17 @@ def test_bucket_bounds_are_exported_as_the_seconds_they_stand_for():
     assert [float(le) for le in bounds[:-1]] == [bound / 1e6 for bound in LATENCY_BUCKETS_US]
 
 
+def test_row_bucket_bounds_are_exported_as_the_ints_they_are():
+    """Rows are counted in rows: le="4", as queries name it, not le="4.0"."""
+    from bridge.metrics import _histograms
+
+    stats = Stats(histograms=True)
+    stats.record("step", {"server_us": 10.0, "batch_rows": 4}, ok=True)
+    _, rows = _histograms(stats.histograms())
+    bounds = [s.labels["le"] for s in rows.samples if s.name.endswith("_bucket")]
+    assert bounds[:3] == ["1", "2", "4"] and bounds[-1] == "+Inf", bounds
+
+
 def test_stats_keep_histograms_only_when_asked():
     stats = Stats(histograms=True)
     stats.record("step", {"server_us": 120.0, "kernel_us": 30.0, "batch_rows": 4}, ok=True)
