@@ -19,6 +19,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import DtypeNotAllowed, KernelInputError, ShapeMismatch
@@ -329,20 +330,40 @@ def _check_slots(slots, pool: int, batch: int, *, distinct: bool = True):
         raise KernelInputError("slots", "a tensor with values (its indices are checked against the pool)",
                                "a tensor on meta")
     # The slots on the host: a sync on CUDA (one per step), as int() of their max was; kept,
-    # since an index past the pool would make the Triton kernel write outside `state`. A list,
-    # as the bridge's batches are small: cheaper than torch ops on them.
-    values = slots.tolist()
-    top = max(values, default=-1)
+    # since an index past the pool would make the Triton kernel write outside `state`.
+    values = slots.tolist() if slots.numel() <= _LISTED_SLOTS else slots.cpu().numpy()
+    top = max(values, default=-1) if isinstance(values, list) else int(values.max())
     if top >= pool:
         raise ShapeMismatch("slots", f"indices < {pool} (pool rows) or negative for padding",
                             f"max index {top}")
-    if distinct and len(set(values)) != len(values):  # repeats, maybe of padding alone
-        live = [v for v in values if v >= 0]
-        if len(set(live)) != len(live):
-            slot = next(v for v in live if live.count(v) > 1)
-            raise KernelInputError("slots", "distinct pool rows (negative for padding): two rows on one slot race",
-                                   f"slot {slot} named {live.count(slot)} times")
+    repeated = _repeated_slot(values) if distinct else None
+    if repeated is not None:
+        slot, count = repeated
+        raise KernelInputError("slots", "distinct pool rows (negative for padding): two rows on one slot race",
+                               f"slot {slot} named {count} times")
     return slots
+
+
+# Up to this many slots are checked as a Python list, more through numpy's sort: each the
+# cheaper at its sizes (the bridge's steps are mostly a few rows, its launches up to --max-batch).
+_LISTED_SLOTS = 64
+
+
+def _repeated_slot(values) -> tuple[int, int] | None:
+    """(slot, times named) of a pool row `values` (a list or a numpy array) names twice or more;
+    None when each is named once (negative padding may repeat)."""
+    if isinstance(values, list):
+        if len(set(values)) == len(values):
+            return None
+        live = [v for v in values if v >= 0]
+        slot = next((v for v in live if live.count(v) > 1), None)
+        return None if slot is None else (slot, live.count(slot))
+    live = np.sort(values[values >= 0])
+    same = np.flatnonzero(live[1:] == live[:-1])
+    if not same.size:
+        return None
+    slot = int(live[same[0]])
+    return slot, int((live == slot).sum())
 
 
 def _norm_bc_update(name, t, batch, n, dim) -> torch.Tensor:
