@@ -31,10 +31,10 @@ there) is zero before exp, so that no inf from it is ever multiplied by 0.
 The differences cs_m - cs_k and cs_last - cs_k are not taken from cs: each is summed over its
 own steps, dt_(k+1) A + ... + dt_m A, as a cumulative sum down the columns of the masked
 [Q, Q] matrix of each step's dt·A (mamba_ssm's `segsum`). cs rounds at its own magnitude, and
-one large step early in a chunk (dt·A of -8000, whose own input is large too) makes that
-magnitude thousands, so its differences between the small steps after it would be off by 1e-3
-in the exponent, a relative error that the large input's share of y, decaying slowly over those
-steps, carries. cs itself serves only as exp(cs), where a large |cs| is a decay of 0 (or an
+one large step early in a chunk (dt·A in the thousands, its own input large too) makes that
+magnitude large, so its differences between the small steps after it would be off by that
+rounding in the exponent, a relative error that the large input's share of y, decaying slowly
+over those steps, carries. cs itself serves only as exp(cs), where a large |cs| is a decay of 0 (or an
 overflow) whatever its rounding.
 
 Layouts. The heads of a group share B and C: C Bᵀ is computed once per group, and the chunk

@@ -27,7 +27,7 @@ no exp exceeds 1; the causal mask is applied to the exponent, before exp, so tha
 upper triangle cannot overflow. The cumsums restart at every chunk, and are kept in fp64 and
 differenced there before the exponent goes back to the accumulation dtype: one step of dt·A in
 the thousands early in a chunk makes cs that large after it, and in fp32 the differences between
-the small steps after it would be off by its rounding (1e-3 in the exponent), an error the large
+the small steps after it would be off by its rounding in the exponent, an error the large
 step's share of y, decaying slowly over those steps, carries. A NaN dt makes y NaN from its step on and the final
 state NaN, for its head only, as the recurrence does.
 
