@@ -2,7 +2,9 @@
 would ({packet, 4}: a 4-byte big-endian length before each msgpack body), pipelines requests by
 id, converts numpy/torch tensors to wire tensors and back, and returns each result with the
 server's timing split plus its own round trip. `UnixClient(path)` and `ZmqClient(endpoint)`
-have the same API for a server started with `--unix PATH` / `--zmq ENDPOINT`.
+have the same API for a server started with `--unix PATH` / `--zmq ENDPOINT`; on those two,
+`info()` also reads the server's per-connection cap, and the client then holds requests past it
+(but one, kept for cancels) until replies free a slot.
 
     with PortClient() as client:
         reply = client.scan(x, dt, A, B, C, return_state=True)
@@ -327,7 +329,8 @@ class FramedClient:
 
     def submit(self, op: str, args: dict | None = None, *, request_id=None,
                deadline_s: float | None = None) -> Future:
-        """Send one request now; the Future resolves to its Reply. `request_id` (a uint or a
+        """Send one request (or, past the cap `info()` read, hold it to send when a reply frees a
+        slot, with what is left of its deadline); the Future resolves to its Reply. `request_id` (a uint or a
         non-empty str) must not be one in flight (SPEC §1): that is a ValueError. By default
         the client numbers requests 1, 2, ..., passing over ids that callers chose.
         `deadline_s`: the request's budget on the server (SPEC §4 `deadline_us`): still waiting
@@ -343,8 +346,14 @@ class FramedClient:
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
             deadline_ns = None if deadline_us is None else entry.start_ns + deadline_us * 1000
-            if not self._held_back(request_id, HeldRequest(op, wire_args, parts, deadline_ns)):
+            held = self._held_back(request_id, HeldRequest(op, wire_args, parts, deadline_ns))
+            if not held:
                 self._send(parts)
+        if held:
+            # While it was being encoded it counted as on the wire, so a reply that came then
+            # released nothing: with nothing left to answer, it and those before it would wait
+            # for ever. Release what the cap has room for now.
+            self._send_released()
         return entry.future
 
     def _held_back(self, request_id, request: HeldRequest) -> bool:
@@ -377,6 +386,8 @@ class FramedClient:
             if request.deadline_ns is not None:
                 left_us = max(0, (request.deadline_ns - time.perf_counter_ns()) // 1000)
                 parts = self._encode(request_id, request.op, request.wire_args, left_us)
+                # Its length may have changed: an id-nil answer to it is matched by length.
+                entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
             try:
                 self._send(parts)
             except Exception as exc:
@@ -477,7 +488,8 @@ class FramedClient:
     def cancel(self, future: Future) -> bool:
         """Give up on a submitted request: its Future is cancelled (its late reply is dropped)
         and the server asked to drop it if it has not started (SPEC §6 `cancel`; its answer is
-        not waited for). False when its reply has come already."""
+        not waited for); one still held here is dropped unsent, nothing asked of the server.
+        False when its reply has come already."""
         if not future.cancel():
             return False
         with self._lock:
@@ -506,8 +518,9 @@ class FramedClient:
 
     def info(self) -> dict:
         """The server's `info`; adopts its limits: `max_frame_size` (larger requests are refused
-        unsent) and, on the unix and ZeroMQ lanes, `max_in_flight_per_peer` (requests past it
-        but one are held here until replies free a slot: see `max_in_flight`)."""
+        unsent) and, on the unix and ZeroMQ lanes, `max_in_flight_per_peer`: beyond the cap less
+        one (at least one) on the wire, requests are held here until replies free a slot (see
+        `max_in_flight`)."""
         info = self.call("info")
         limits = info.get("limits", {})
         self.max_frame_size = limits.get("max_frame_size", self.max_frame_size)
@@ -689,9 +702,9 @@ class FramedClient:
     def _dropped_unread(self, detail: dict) -> InFlight | None:
         """The request a reply with id nil answers (the server dropped its frame unread and
         could not know its id), taken out of flight: the oldest one whose body has the length
-        the reply names. Called with self._lock held."""
+        the reply names, among those sent (a held one was not). Called with self._lock held."""
         for request_id, entry in self._pending.items():
-            if entry.bytes_out - self._frame_overhead == detail.get("length"):
+            if request_id not in self._held and entry.bytes_out - self._frame_overhead == detail.get("length"):
                 return self._pending.pop(request_id)
         return None
 

@@ -330,6 +330,24 @@ def test_a_request_the_client_held_goes_with_what_is_left_of_its_deadline(tmp_pa
             assert client.call("ping") == {"pong": True}
 
 
+def paused_encoding(client, op: str, then: Exception | None = None) -> tuple[threading.Event, threading.Event]:
+    """(started, go): `client`'s requests of `op` stop in their encoding, `started` set, until
+    `go` is; then they are encoded, or raise `then`."""
+    started, go = threading.Event(), threading.Event()
+    encode = client._encode
+
+    def paused(request_id, name, *args):
+        if name == op:
+            started.set()
+            go.wait(10)
+            if then is not None:
+                raise then
+        return encode(request_id, name, *args)
+
+    client._encode = paused
+    return started, go
+
+
 def test_a_request_that_fails_before_it_is_sent_lets_the_ones_it_held_go(tmp_path, inproc):
     """A request counts against the cap from when it is registered; one that then fails unsent
     (its encoding raises here) held the next one back until some later reply came (found in
@@ -342,17 +360,7 @@ def test_a_request_that_fails_before_it_is_sent_lets_the_ones_it_held_go(tmp_pat
         transport.start()
         with UnixClient(transport.path) as client:
             client.info()
-            encoding, fail = threading.Event(), threading.Event()
-            encode = client._encode
-
-            def failing_encode(request_id, op, *args):
-                if op == "stats":
-                    encoding.set()
-                    fail.wait(10)
-                    raise RuntimeError("cannot encode")
-                return encode(request_id, op, *args)
-
-            client._encode = failing_encode
+            encoding, fail = paused_encoding(client, "stats", RuntimeError("cannot encode"))
             failed = []
             first = threading.Thread(target=lambda: failed.append(pytest.raises(RuntimeError, client.submit, "stats")))
             first.start()
@@ -363,10 +371,49 @@ def test_a_request_that_fails_before_it_is_sent_lets_the_ones_it_held_go(tmp_pat
             assert failed and held.result(10).ok
 
 
+def test_a_request_held_while_the_last_reply_came_is_sent(tmp_path, inproc):
+    """A request counts against the cap from when it is registered, before it is held or sent:
+    one still being encoded when the reply to the only request on the wire came kept the held
+    ones back (that reply released nothing), was then held behind them, and nothing was left
+    on the wire to free a slot: all waited for ever (found by a concurrency stress)."""
+    from bridge.client import UnixClient
+    from test_lane_unix import unix_lane
+
+    srv = inproc(max_in_flight_per_peer=2)
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=2) as transport:
+        transport.start()
+        with UnixClient(transport.path) as client:
+            client.info()
+            encoding, go = paused_encoding(client, "ping")
+            srv.hold(RecordingConnection())
+            sent = client.submit("stats")  # the one on the wire, answered once the worker goes
+            late = []
+            encoder = threading.Thread(target=lambda: late.append(client.submit("ping")))
+            encoder.start()
+            assert encoding.wait(10)
+            held = client.submit("stats")  # behind the sent one and the one being encoded: held
+            srv.go()
+            assert sent.result(10).ok
+            go.set()
+            encoder.join(10)
+            assert held.result(10).ok and late[0].result(10).ok
+            assert not client._pending and not client._held
+
+
 def test_a_request_the_server_had_no_memory_to_read_fails_at_once(tmp_path, monkeypatch, inproc):
     """Its answer has id nil (the server dropped the frame unread): the client matches it to
     the request by length, as a frame_too_large one, instead of leaving it waiting for ever and
     holding a slot of the cap (found in review)."""
+    with capped_client_short_of_memory(tmp_path, monkeypatch, inproc) as (_, client):
+        reply = client.submit("put", {"tensor": np.zeros(1024, np.float32)}).result(10)
+        assert_dropped_for_want_of_memory(reply)
+        assert [client.call("ping") for _ in range(3)] == [{"pong": True}] * 3 and not client._pending
+
+
+@contextlib.contextmanager
+def capped_client_short_of_memory(tmp_path, monkeypatch, inproc):
+    """(server, client): a unix lane whose buffer pool has no memory for bodies past 1 KiB, a
+    cap of 2 in flight, and a UnixClient that has read it."""
     from bridge.client import UnixClient
     from test_lane_unix import short_of_memory_past, unix_lane
 
@@ -376,9 +423,27 @@ def test_a_request_the_server_had_no_memory_to_read_fails_at_once(tmp_path, monk
         transport.start()
         with UnixClient(transport.path) as client:
             client.info()
-            reply = client.submit("put", {"tensor": np.zeros(1024, np.float32)}).result(10)
-            assert (reply.ok, reply.error["code"], reply.error["detail"]["limit"]) == (False, "limit_exceeded", "memory")
-            assert [client.call("ping") for _ in range(3)] == [{"pong": True}] * 3 and not client._pending
+            yield srv, client
+
+
+def assert_dropped_for_want_of_memory(reply) -> None:
+    assert (reply.ok, reply.error["code"], reply.error["detail"]["limit"]) == (False, "limit_exceeded", "memory")
+
+
+def test_a_held_request_the_server_had_no_memory_to_read_fails_at_once(tmp_path, monkeypatch, inproc):
+    """Re-encoded with what is left of its deadline when released, a held request's body can be
+    shorter than when it was submitted: the id-nil answer to it, matched by length, found it
+    all the same, rather than leaving it waiting for ever, holding the cap's one slot."""
+    with capped_client_short_of_memory(tmp_path, monkeypatch, inproc) as (srv, client):
+        srv.hold(RecordingConnection())
+        sent = client.submit("stats")
+        # A budget of 200 ms is a 5-byte deadline_us; under 65.536 ms left it takes 3 or 1.
+        held = client.submit("put", {"tensor": np.zeros(1024, np.float32)}, deadline_s=0.2)
+        time.sleep(0.15)
+        srv.go()
+        assert sent.result(10).ok
+        assert_dropped_for_want_of_memory(held.result(10))
+        assert client.call("ping") == {"pong": True} and not client._pending and not client.unmatched
 
 
 def test_the_python_client_sends_its_deadline(tmp_path, inproc):
