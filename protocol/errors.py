@@ -45,7 +45,7 @@ ERROR_CODES: dict[str, str] = {
     "unknown_snapshot": "snapshot names no snapshot held for this connection",
     "invalid_checkpoint": "a model's config or weights (files, or sent) cannot be loaded: a tensor missing, mis-shaped or unexpected, an unknown architecture, a corrupt file",
     "path_not_allowed": "a checkpoint path lies outside every directory the server was given with --model-dir (or it was given none)",
-    "limit_exceeded": "a server limit (sessions, handles, resident bytes, sizes) would be exceeded",
+    "limit_exceeded": "a server limit (sessions, handles, resident bytes, sizes) would be exceeded, or the server ran out of memory",
     "unsupported": "a valid request this server cannot serve here (e.g. a kernels backend it has no device for)",
     "overloaded": "the server is too busy to accept the request now; retry later",
     "shutting_down": "the server is shutting down and accepts no new work",
