@@ -363,11 +363,17 @@ class FramedClient:
         if self.max_in_flight is None or request.op == "cancel":
             return False
         with self._lock:
-            on_wire = len(self._pending) - len(self._held) - 1  # not counting this one
-            if not self._held and on_wire < max(self.max_in_flight - 1, 1):
+            if not self._held and self._wire_room(not_counting=1):
                 return False
             self._held[request_id] = request
             return True
+
+    def _wire_room(self, not_counting: int = 0) -> bool:
+        """Whether the cap, less the slot kept for cancels (where it has one to spare), has room
+        for one more request on the wire: those in flight and not held, less `not_counting`
+        registered but not yet sent or held. Called with self._lock held."""
+        on_wire = len(self._pending) - len(self._held) - not_counting
+        return on_wire < max(self.max_in_flight - 1, 1)
 
     def _send_released(self) -> None:
         """Send held requests, oldest first, while the cap has room (after a reply freed a
@@ -375,8 +381,7 @@ class FramedClient:
         answers deadline_exceeded; a send that fails fails its request."""
         while True:
             with self._lock:
-                on_wire = len(self._pending) - len(self._held)
-                if not self._held or self.max_in_flight is None or on_wire >= max(self.max_in_flight - 1, 1):
+                if not self._held or self.max_in_flight is None or not self._wire_room():
                     return
                 request_id, request = self._held.popitem(last=False)
                 entry = self._pending.get(request_id)

@@ -98,14 +98,16 @@ class FrameAssembler:
         if self._target is self._header:
             length = parse_frame_header(self._header)
             if length > self.max_frame_size:
-                return self._discard(length)
+                self._discard(length)
+                return None
             try:
                 self._target, self._release = self._acquire(length)
             except (MemoryError, OSError) as exc:  # mmap's ENOMEM: the machine, not the peer, is short
                 if not length:
                     raise
                 self._unbuffered = f"{type(exc).__name__}: {exc}"
-                return self._discard(length)
+                self._discard(length)
+                return None
             if length:
                 return None
         elif self._discard_left:
@@ -126,7 +128,6 @@ class FrameAssembler:
         """Read the next `length` body bytes into scratch, keeping none."""
         self._oversized = self._discard_left = length
         self._target = memoryview(bytearray(min(length, _DISCARD_CHUNK)))
-        return None
 
     def feed(self, data) -> list:
         """The events of `data` (bytes already read, split anywhere), in order: each `(body,
