@@ -20,13 +20,18 @@ grows with the square of seq.
 Exponents. Those used are differences cs_m - cs_k with k <= m, cs_last - cs_k, or cs itself:
 all <= 0 when dt >= 0 and A < 0, so no decay exceeds 1 and strong decays shrink towards 0 (the
 true answer) instead of overflowing, which a cumulative sum over the whole sequence would not
-avoid. Every exponent is clamped from below at -E before exp, E = `_exp_bound` (exp(-E) is about
-the square root of the dtype's smallest normal number): a decay that small is kept at exp(-E)
-rather than reaching subnormal numbers or 0 through them, which x86 CPUs compute many times
-slower (exp(-inf) too), and what it keeps lies far below the precision of the terms it is added
-to. Not from above: a state that grows (A > 0, or dt < 0) has positive exponents that mean what
-they say. The intra-chunk decays' upper triangle (k > m, unused: the scores C Bᵀ are masked
-there) is zero before exp, so that no inf from it is ever multiplied by 0.
+avoid. The decays that reach y directly (the intra-chunk L, and exp(cs_m) on the carried state)
+have their exponents clamped from below at -E, E = `_exp_bound` (exp(-E) is about the square root
+of the dtype's smallest normal number): a decay that small is kept at exp(-E) rather than reaching
+subnormal numbers or 0 through them, which torch's exp computes many times slower on x86 CPUs
+(on the [Q, Q] decays of every chunk and head, most of the exps here), and what it adds to y is
+below exp(-E) times the term it decays, a term y met undecayed where it entered. The decays
+carried into the state (exp(cs_last - cs_k), exp(cs_last), and the update's exp(dt·A)) are not
+clamped: a later step that grows the state (A > 0, or dt < 0; in this call or a later one)
+multiplies them back up, a clamped one as much too large as the clamp made it. Not from above
+either: positive exponents mean what they say. The intra-chunk decays' upper triangle (k > m,
+unused: the scores C Bᵀ are masked there) is zero before exp, so that no inf from it is ever
+multiplied by 0.
 
 The differences cs_m - cs_k and cs_last - cs_k are not taken from cs: each is summed over its
 own steps, dt_(k+1) A + ... + dt_m A, as a cumulative sum down the columns of the masked
@@ -159,9 +164,10 @@ def _chunked_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
     # decay[m, k] = dtA_(k+1) + ... + dtA_m for k < m (0 on and above the diagonal): "segsum",
     # summed over those steps only (module docstring, "Exponents").
     decay = dtA.unsqueeze(-1).expand(batch, chunks, heads, Q, Q).tril(-1).cumsum_(-2)
+    # Each step's decay to the chunk's end, exp(cs_last - cs_k): the decays' last row, unclamped
+    # as it goes into the state.
+    to_end = decay[..., -1, :].exp().mul_(dt_c.transpose(2, 3))  # [b, c, h, Q], dt times it
     _exp(decay, bound)
-    # Each step's decay to the chunk's end, exp(cs_last - cs_k): the decays' last row.
-    to_end = torch.mul(dt_c.transpose(2, 3), decay[..., -1, :])  # [b, c, h, Q], dt times it
     weights = decay.view(batch, chunks, groups, per_group, Q, Q).mul_(scores.unsqueeze(3))
     xdt = torch.empty(batch, chunks, heads, Q, headdim, dtype=f, device=dev)
     torch.mul(x_c.transpose(2, 3), dt_c.transpose(2, 3).unsqueeze(-1), out=xdt)
@@ -176,7 +182,7 @@ def _chunked_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
 
     # Across chunks: entering[c] is the state entering chunk c (same transposed layout, viewed
     # [b, c, g, state, h/g, p]); the loop carries it along.
-    chunk_decay = _exp(cs[..., -1].clone(), bound).view(batch, chunks, groups, 1, per_group, 1)
+    chunk_decay = cs[..., -1].exp().view(batch, chunks, groups, 1, per_group, 1)  # unclamped: into the state
     entering = torch.empty_like(states)
     states6, entering6 = (t.view(batch, chunks, groups, n, per_group, headdim) for t in (states, entering))
     if h0 is None:
@@ -221,7 +227,7 @@ def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_mi
     x, dt, B, C, z = (rows.select(t) for t in (x, dt, B, C, z))
 
     dt_f = _discretize_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, f)  # [r, h]
-    h.mul_(_exp(torch.mul(dt_f, A.to(f)), _exp_bound(f))[..., None, None])  # clamped as in the scan
+    h.mul_(torch.mul(dt_f, A.to(f)).exp_()[..., None, None])  # unclamped, as the scan's state decays
     h5 = h.unflatten(1, (groups, per_group))  # [r, g, h/g, p, n], a view: updates land in h
     h5.addcmul_(torch.mul(x, dt_f.unsqueeze(-1)).unflatten(1, (groups, per_group)).unsqueeze(-1),
                 B.to(f)[:, :, None, None, :])

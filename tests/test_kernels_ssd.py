@@ -159,6 +159,35 @@ def test_a_state_growing_past_e44_within_a_chunk_or_a_step(backend):
     assert_close(got.double() / scale, expected / scale, F32, f"{backend} seed={seed} one step of e^50")
 
 
+@pytest.mark.parametrize("chunk_size", [pytest.param(1, id="chunk1"), pytest.param(4, id="chunk4"),
+                                        pytest.param(None, id="default-chunk")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_decayed_past_e44_then_grown_back(backend, chunk_size):
+    """One step decays the state by e^-50 and a later one (dt < 0) grows it by e^50, once in the
+    prefill (ssd_scan, the growth in a later chunk than the decay for chunks of 1 and 4) and once
+    over its decoding steps (ssd_state_update), with no input in between: the state comes back
+    as it was, and y after it. The torch form kept decays below about e^-43.6 at that bound,
+    which the growth then multiplied back up (e^6 too large)."""
+    seed = random_seed()
+    what = f"{backend} chunk_size={chunk_size} seed={seed}"
+    gen = torch.Generator().manual_seed(seed)
+    seq, prefill, heads = 16, 10, 2
+    inputs = dict(x=torch.rand(1, seq, heads, 3, generator=gen), dt=torch.rand(1, seq, heads, generator=gen) * 0.25 + 0.05,
+                  A=-torch.ones(heads), B=torch.rand(1, seq, 1, 4, generator=gen), C=torch.rand(1, seq, 1, 4, generator=gen),
+                  h0=torch.rand(1, heads, 3, 4, generator=gen), return_state=True)
+    for decay_step, growth_step in ((5, 9), (11, 14)):
+        inputs["dt"][:, decay_step], inputs["dt"][:, growth_step] = 50.0, -50.0
+        inputs["x"][:, decay_step:growth_step] = 0.0
+    y_ref, state_ref = reference_ssd_scan(inputs)
+    y, state = kernels.ssd_scan(**{**packed_slice(inputs, "ssd", 0, prefill), "chunk_size": chunk_size}, backend=backend)
+    assert_close(y, y_ref[:, :prefill], F32, f"{what} prefill y")
+    for t in range(prefill, seq):
+        step = {k: inputs[k][:, t] for k in ("x", "dt", "B", "C")}
+        y_t = kernels.ssd_state_update(state, **step, A=inputs["A"], backend=backend)
+        assert_close(y_t, y_ref[:, t], F32, f"{what} y at step {t}")
+    assert_close(state, state_ref, F32, f"{what} state")
+
+
 def _assert_same_nans_infs_and_close(actual, expected, what: str) -> None:
     """NaN exactly where `expected` has it; elsewhere fp32-close, an inf equal to an inf of the
     same sign. (kernel_cases.assert_same_nans_and_close requires some NaN: the state an inf
