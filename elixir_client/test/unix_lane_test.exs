@@ -2,7 +2,7 @@ defmodule ScanBridge.UnixLaneTest do
   # transport: {:unix, path}: the server spawned as a Port, every request over the socket.
   use ExUnit.Case, async: false
 
-  alias ScanBridge.{Error, TestSupport}
+  alias ScanBridge.{Error, Msgpack, Server, TestSupport}
 
   import TestSupport,
     only: [
@@ -165,6 +165,88 @@ defmodule ScanBridge.UnixLaneTest do
 
     assert_receive {:DOWN, ^ref, :process, ^client, {:shutdown, _}}, 5_000
     assert os_process_gone?(os_pid)
+  end
+
+  test "an answer with id nil goes to the oldest request of the length it names, at once" do
+    path = TestSupport.socket_path()
+    # the client's socket lane ends here, at a peer this test plays; the server serves the Port
+    {:ok, listener} =
+      :gen_tcp.listen(0, [:binary, packet: 4, active: false, ifaddr: {:local, path}])
+
+    test = self()
+
+    peer =
+      Task.async(fn ->
+        {:ok, socket} = :gen_tcp.accept(listener, 60_000)
+        # start-up: a ping, then info (no limits, no cancel: only the requests below come)
+        answer!(socket, %{"pong" => true})
+        answer!(socket, %{"protocol" => %{"ops" => ["ping", "info"]}, "limits" => %{}})
+        :ok = :gen_tcp.controlling_process(socket, test)
+        socket
+      end)
+
+    opts =
+      TestSupport.server_opts(python: wrapper(path), transport: {:unix, path}, max_in_flight: 3)
+
+    client = start_supervised!({ScanBridge, opts}, id: :dropped_unread)
+    socket = Task.await(peer, 60_000)
+
+    echo = fn pad ->
+      Task.async(fn ->
+        Server.request(client, "echo", %{pad: String.duplicate("x", pad)}, 30_000)
+      end)
+    end
+
+    # three at the peer, in this order, the second and third as long; a fourth queued behind
+    a = echo.(8)
+    {a_id, _length} = received!(socket)
+    b = echo.(40)
+    {_b_id, length} = received!(socket)
+    c = echo.(40)
+    {c_id, ^length} = received!(socket)
+    d = echo.(1)
+    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
+
+    # the server had no memory for b's frame (SPEC §2): its caller is told so now, not at its
+    # deadline, and its place goes to d
+    reply!(socket, nil, %{
+      "ok" => false,
+      "error" => %{
+        "code" => "limit_exceeded",
+        "message" => "no memory to hold a frame of #{length} bytes; it was read and dropped",
+        "detail" => %{"limit" => "memory", "length" => length}
+      }
+    })
+
+    assert {:ok, {:error, %Error{reason: :limit_exceeded, detail: %{"length" => ^length}}}} =
+             Task.yield(b, 5_000)
+
+    {d_id, _length} = received!(socket)
+
+    for {task, id} <- [{a, a_id}, {c, c_id}, {d, d_id}] do
+      reply!(socket, id, %{"ok" => true, "result" => %{"echo" => id}})
+      assert {:ok, %{"echo" => ^id}, _timing} = Task.await(task, 5_000)
+    end
+
+    state = :sys.get_state(client)
+    assert state.outstanding == %{} and state.pending == %{}
+  end
+
+  # The next request the peer's `socket` receives: {its id, its body's length}.
+  defp received!(socket) do
+    {:ok, body} = :gen_tcp.recv(socket, 0, 5_000)
+    {Msgpack.decode!(body)["id"], byte_size(body)}
+  end
+
+  # Receive the next request on `socket` and answer it with `result`.
+  defp answer!(socket, result) do
+    {id, _length} = received!(socket)
+    reply!(socket, id, %{"ok" => true, "result" => result})
+  end
+
+  defp reply!(socket, id, reply) do
+    body = Msgpack.encode(Map.merge(%{"v" => 1, "id" => id, "timing" => %{}}, reply))
+    :ok = :gen_tcp.send(socket, body)
   end
 
   # An interpreter that runs the server with its --unix PATH moved to PATH.real.

@@ -32,6 +32,12 @@ defmodule ScanBridge.Server do
   callers still waiting. A caller that exits while its request is at the server is treated as
   one whose deadline passed: it is cancelled, and what it made is freed when the reply comes.
 
+  A frame the server had no memory to hold is read and dropped there, its id unread, and
+  answered with an error whose id is nil and whose detail has the frame's body `length`
+  (`limit_exceeded`, `limit: "memory"`: SPEC §2). That answer goes to the oldest request at the
+  server whose body has that length (two as long cannot be told apart), and its in-flight place
+  is freed, as any answered request's is.
+
   Sending never suspends this process, even while the server reads nothing: the Port is opened
   with `busy_limits_port: :disabled` and the socket with the highest `high_watermark`, so the
   frames of the requests in flight wait in the lane's queue, and deadlines and replies are
@@ -40,7 +46,7 @@ defmodule ScanBridge.Server do
   Start-up waits for the server to answer a `ping` (and, on the unix lane, for the socket to
   accept and answer one too), so a started client is a ready one. It then reads the server's
   `limits` from `info`: a request bigger than the server's `max_frame_size` is refused here,
-  not sent (the server would answer it with an id-less error no caller could be given), and on
+  not sent (the server would read it only to drop it, answering `frame_too_large`), and on
   the unix lane `:max_in_flight` is kept one below the server's `max_in_flight_per_peer` (past
   which the server leaves requests unread in the socket, where more would only wait in the
   lane's queue instead of this one's, out of reach of their deadlines; the place left is for
@@ -150,11 +156,12 @@ defmodule ScanBridge.Server do
     # id => {from, deadline timer, monitor of the caller, deadline (monotonic µs) or nil}:
     # callers waiting for an answer
     pending: %{},
-    # id => op of the requests sent to the server and not yet answered by it (including
-    # timed-out ones, whose late replies may name something to free)
+    # id => {op, its body's length} of the requests sent to the server and not yet answered by
+    # it (including timed-out ones, whose late replies may name something to free); the length
+    # says which one an answer with id nil (its frame dropped unread) is for
     outstanding: %{},
-    # id => {op, head, deadline} not yet sent because :max_in_flight requests are outstanding
-    # (head: Protocol.request_head/2's; deadline: its monotonic µs, or nil); ids grow with
+    # id => {op, head, body length, deadline} not yet sent because :max_in_flight requests are
+    # outstanding (head: Protocol.request_head/2's; deadline: its monotonic µs, or nil); ids grow with
     # arrival, so the smallest is the oldest, and a deadline or the caller's exit drops its
     # request in O(log n)
     queue: :gb_trees.empty(),
@@ -358,7 +365,7 @@ defmodule ScanBridge.Server do
         {:reply, {:error, error}, state}
 
       true ->
-        {:noreply, accept(state, op, head, left_us, closes, from, caller)}
+        {:noreply, accept(state, op, {head, size}, left_us, closes, from, caller)}
     end
   end
 
@@ -416,10 +423,10 @@ defmodule ScanBridge.Server do
   end
 
   def handle_info(:health_check, state) do
-    {head, _size} = Protocol.request_head("health", %{})
+    {head, size} = Protocol.request_head("health", %{})
     {id, frame, state} = numbered(state, head)
     Process.send_after(self(), {:health_deadline, id}, state.health_check[:timeout])
-    {:noreply, %{transmit(state, id, :health_check, frame) | health_pending: id}}
+    {:noreply, %{transmit(state, id, :health_check, frame, size) | health_pending: id}}
   end
 
   def handle_info({:health_deadline, id}, %{health_pending: id} = state) when id != nil do
@@ -524,10 +531,12 @@ defmodule ScanBridge.Server do
 
   defp time_left_us({timeout, _deadline_us}, _caller), do: timeout * 1000
 
-  defp transmit(state, id, op, frame) do
+  # Send request `id`'s body, `length` bytes (without the lane's 4-byte prefix, as the server
+  # counts a frame's length: SPEC §2).
+  defp transmit(state, id, op, frame, length) do
     case send_frame(state, frame) do
       :ok ->
-        %{state | outstanding: Map.put(state.outstanding, id, op)}
+        %{state | outstanding: Map.put(state.outstanding, id, {op, length})}
 
       {:error, reason} ->
         # The lane is gone; its exit message follows and answers everyone else.
@@ -547,10 +556,10 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # A request a caller has just made, `left_us` µs before its deadline: numbered, under that
-  # deadline (a timer, and its caller watched), then sent, or queued while :max_in_flight
-  # requests are at the server.
-  defp accept(state, op, head, left_us, closes, from, caller) do
+  # A request a caller has just made (its head, and its body's size as sent), `left_us` µs
+  # before its deadline: numbered, under that deadline (a timer, and its caller watched), then
+  # sent, or queued while :max_in_flight requests are at the server.
+  defp accept(state, op, {head, size}, left_us, closes, from, caller) do
     id = state.next_id
     state = %{state | next_id: id + 1}
     op = if closes, do: {op, closes}, else: op
@@ -571,8 +580,8 @@ defmodule ScanBridge.Server do
     }
 
     if map_size(state.outstanding) < state.max_in_flight,
-      do: transmit(state, id, op, request_body(state, head, id, deadline)),
-      else: %{state | queue: :gb_trees.insert(id, {op, head, deadline}, state.queue)}
+      do: transmit(state, id, op, request_body(state, head, id, deadline), size),
+      else: %{state | queue: :gb_trees.insert(id, {op, head, size, deadline}, state.queue)}
   end
 
   defp budget?(state, left_us), do: state.deadlines and left_us != :infinity
@@ -634,13 +643,20 @@ defmodule ScanBridge.Server do
 
   defp on_reply(body, state) do
     case Protocol.decode_reply(body) do
-      {:reply, nil, {:error, error}} ->
-        # The server could not read a request's id. Requests over the server's max_frame_size
-        # are not sent, and the encoder writes only what the server reads, so no request of
-        # this client should come here; if one does, it is the only one in flight or nobody
-        # can be told which it was (each such caller gets :timeout).
-        Logger.warning("scan-bridge: error reply for id nil: #{error.message}")
-        answer_unattributed(state, {:error, error})
+      {:reply, nil, {:error, error} = outcome} ->
+        # The server could not read a request's id. A frame it drained unread (no memory to
+        # hold it; or over its max_frame_size, which this client does not send) is answered
+        # with the body's length (SPEC §2): the oldest request sent with that length is taken
+        # as the one. Otherwise it is the only one in flight, or nobody can be told which it
+        # was (each such caller gets :timeout).
+        case sent_with_length(state, error.detail["length"]) do
+          nil ->
+            Logger.warning("scan-bridge: error reply for id nil: #{error.message}")
+            answer_unattributed(state, outcome)
+
+          id ->
+            answer(state, id, outcome)
+        end
 
       {:reply, id, outcome} ->
         answer(state, id, outcome)
@@ -654,8 +670,12 @@ defmodule ScanBridge.Server do
   # Reply `id`'s outcome to its caller: any id, this client's (an integer it sent) or one no
   # request had.
   defp answer(state, id, outcome) do
-    {op, outstanding} = Map.pop(state.outstanding, id)
-    state = %{state | outstanding: outstanding}
+    {op, state} =
+      case Map.pop(state.outstanding, id) do
+        {{op, _length}, outstanding} -> {op, %{state | outstanding: outstanding}}
+        {nil, _outstanding} -> {nil, state}
+      end
+
     overdue? = overdue?(state, id)
 
     state =
@@ -752,6 +772,17 @@ defmodule ScanBridge.Server do
     end
   end
 
+  # The oldest request at the server whose body is `length` bytes long, or nil. Looked for only
+  # when an answer's id is nil (rare): replies that name their request cost nothing more.
+  defp sent_with_length(state, length) when is_integer(length) do
+    Enum.reduce(state.outstanding, nil, fn
+      {id, {_op, ^length}}, oldest when oldest == nil or id < oldest -> id
+      _other, oldest -> oldest
+    end)
+  end
+
+  defp sent_with_length(_state, _no_length), do: nil
+
   # A reply that names no request is the answer of the only one in flight, if there is one
   # (its in-flight place is freed with it); with more in flight it is dropped.
   defp answer_unattributed(state, outcome) do
@@ -800,9 +831,9 @@ defmodule ScanBridge.Server do
   defp release(state, _op, _outcome), do: state
 
   defp send_uncalled(state, op, args) do
-    {head, _size} = Protocol.request_head(op, args)
+    {head, size} = Protocol.request_head(op, args)
     {id, frame, state} = numbered(state, head)
-    transmit(state, id, op, frame)
+    transmit(state, id, op, frame, size)
   end
 
   # The next request id, and the body of the request `head` (without a budget) under it (the
@@ -815,11 +846,11 @@ defmodule ScanBridge.Server do
   defp send_queued(state) do
     if map_size(state.outstanding) < state.max_in_flight and
          not :gb_trees.is_empty(state.queue) do
-      {id, {op, head, deadline}, queue} = :gb_trees.take_smallest(state.queue)
+      {id, {op, head, size, deadline}, queue} = :gb_trees.take_smallest(state.queue)
       state = %{state | queue: queue}
 
       state
-      |> transmit(id, op, request_body(state, head, id, deadline))
+      |> transmit(id, op, request_body(state, head, id, deadline), size)
       |> send_queued()
     else
       state
