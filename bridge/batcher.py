@@ -309,6 +309,10 @@ def dtype_of(value: WireTensor | torch.Tensor) -> torch.dtype:
     return TORCH_DTYPES[value.dtype] if isinstance(value, WireTensor) else value.dtype
 
 
+def nbytes_of(value: WireTensor | torch.Tensor) -> int:
+    return value.data.nbytes if isinstance(value, WireTensor) else value.numel() * value.element_size()
+
+
 def row_signature(value: WireTensor | torch.Tensor | None):
     """What must be equal between members' values of one argument so they stack on the batch
     axis: dtype and every axis but the first."""

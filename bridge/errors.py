@@ -28,6 +28,21 @@ def reply_too_large(exc: protocol.FrameTooLarge) -> OpError:
                    {"limit": "reply_frame_size", "max": exc.limit, "requested": exc.length})
 
 
+def check_reply_fits(request, tensor_bytes: list[int]) -> None:
+    """limit_exceeded (reply_frame_size), as reply_too_large, for a request whose reply's tensors
+    (`tensor_bytes`, each known from shapes) an in-band reply cannot carry: refused before it
+    runs, since once run its session's state has moved on, and a client told the request failed
+    would send it again. Multipart replies carry tensors as raw buffers, without either limit."""
+    if request.multipart:
+        return
+    for nbytes in tensor_bytes:
+        if nbytes > protocol.encode.MAX_BIN_BYTES:
+            raise reply_too_large(protocol.FrameTooLarge(nbytes, protocol.encode.MAX_BIN_BYTES))
+    total = sum(tensor_bytes)
+    if total > protocol.framing.MAX_FRAMEABLE:
+        raise reply_too_large(protocol.FrameTooLarge(total, protocol.framing.MAX_FRAMEABLE))
+
+
 def out_of_memory(what: str, exc: BaseException) -> OpError:
     first_line = (str(exc).strip() or type(exc).__name__).splitlines()[0]
     return OpError("limit_exceeded", f"{what}: out of memory ({first_line})", {"limit": "memory"})

@@ -6,6 +6,8 @@ session's state after the frame, exactly what a session_state sent right after r
   asking;
 - a request that asks shares its launch with one that does not, and each gets its own answer;
 - a value that is not a bool is refused by name, and the server serves on;
+- a state that a reply cannot carry (past a tensor's or a frame's limit) is refused before the
+  frame runs (step, scan and ssd_scan prefills, model_step, model_forward; the native path too);
 - a step that asks is declined by the native step path and answered by the general one;
 - a step replayed from a captured state update (CUDA graphs; a stand-in capture on the CPU)
   returns the state too;
@@ -17,6 +19,8 @@ every failure message.
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -61,8 +65,8 @@ def tiny_weights(arch: str, gen: torch.Generator) -> dict:
 
 @dataclass(frozen=True)
 class Case:
-    """`kind`: "mamba" or "ssd" (a plain session stepped with `step`), or a model's arch, whose
-    session gets `op`, model_step or model_forward."""
+    """`kind`: "mamba" or "ssd" (a plain session given `op`: step, or scan or ssd_scan, a
+    prefill), or a model's arch, whose session gets `op`, model_step or model_forward."""
 
     kind: str
     op: str
@@ -78,25 +82,27 @@ CASES = [
     pytest.param(Case("mamba2", "model_forward"), id="mamba2-model-forward"),
 ]
 
-# Plain sessions' sizes: Mamba-1 dim and state; Mamba-2 heads, headdim, groups and state.
+# Plain sessions' sizes: Mamba-1 dim and state; Mamba-2 heads, headdim, groups and state; a
+# window's positions (a prefill's, a model_forward's).
 DIM, STATE = 6, 4
 HEADS, HEADDIM, GROUPS = 4, 3, 2
+SEQ = 3
 
 
 class Scene:
     """One in-process server (None: the inputs only), its connection and the seeded inputs of
     one case's sessions: a model loaded for a model op, one A shared by a plain case's steps."""
 
-    def __init__(self, srv, case: Case, seed: int):
+    def __init__(self, srv, case: Case, seed: int, conn: RecordingConnection | None = None):
         self.srv, self.case, self.seed = srv, case, seed
-        self.conn = RecordingConnection()
+        self.conn = conn or RecordingConnection()
         self.gen = torch.Generator().manual_seed(seed)
         self.model = self.A = None
-        if case.op != "step":
+        if not case.op.startswith("model_"):
+            self.A = -uniform(self.gen, (HEADS,) if case.kind == "ssd" else (DIM, STATE), 0.1, 2.0)
+        elif srv is not None:
             weights = tiny_weights(case.kind, self.gen)
             self.model = self.call("model_load", config=MODEL_CONFIGS[case.kind], weights=weights)["model"]
-        else:
-            self.A = -uniform(self.gen, (HEADS,) if case.kind == "ssd" else (DIM, STATE), 0.1, 2.0)
 
     def call(self, op: str, **args) -> dict:
         return self.srv.call(self.conn, op, **args)
@@ -117,7 +123,17 @@ class Scene:
         if self.case.op == "model_step":
             return {"embeds": torch.randn(b, D_MODEL, generator=self.gen)}
         if self.case.op == "model_forward":
-            return {"embeds": torch.randn(b, 3, D_MODEL, generator=self.gen)}
+            return {"embeds": torch.randn(b, SEQ, D_MODEL, generator=self.gen)}
+        if self.case.op == "scan":
+            return {"x": torch.randn(b, SEQ, DIM, generator=self.gen),
+                    "dt": uniform(self.gen, (b, SEQ, DIM), 0.05, 0.5), "A": self.A,
+                    "B": torch.randn(b, SEQ, STATE, generator=self.gen),
+                    "C": torch.randn(b, SEQ, STATE, generator=self.gen)}
+        if self.case.op == "ssd_scan":
+            return {"x": torch.randn(b, SEQ, HEADS, HEADDIM, generator=self.gen),
+                    "dt": uniform(self.gen, (b, SEQ, HEADS), 0.05, 0.5), "A": self.A,
+                    "B": torch.randn(b, SEQ, GROUPS, STATE, generator=self.gen),
+                    "C": torch.randn(b, SEQ, GROUPS, STATE, generator=self.gen)}
         if self.case.kind == "ssd":
             return {"x": torch.randn(b, HEADS, HEADDIM, generator=self.gen),
                     "dt": uniform(self.gen, (b, HEADS), 0.05, 0.5), "A": self.A,
@@ -221,6 +237,92 @@ def test_a_return_state_that_is_not_a_bool_is_refused_by_name(inproc, op, value)
     assert reply.error["detail"]["field"] == "args.return_state", reply.error
     assert is_zero(scene.state(session)), "the refused frame changed the state"
     assert "state" in scene.call(op, session=session, return_state=True, **frame)
+
+
+class FramingConnection(RecordingConnection):
+    """As a stream lane's: each reply framed, its 4-byte length prefix checked, before it goes."""
+
+    def send(self, parts: list, buffers: list | None = None) -> None:
+        protocol.frame_parts(parts)
+        super().send(parts, buffers)
+
+
+# What a reply carries (SPEC §2), lowered here as a state or reply of 4 GiB reaches the real
+# limit: a tensor's bytes (msgpack's bin length) and a frame's (a stream lane's length prefix).
+REPLY_LIMITS = {"tensor": (protocol.encode, "MAX_BIN_BYTES"), "frame": (protocol.framing, "MAX_FRAMEABLE")}
+
+
+@contextlib.contextmanager
+def lowered(monkeypatch, limit: str, cap: int):
+    with monkeypatch.context() as patch:
+        patch.setattr(*REPLY_LIMITS[limit], cap)
+        yield
+
+
+def state_part_bytes(case: Case) -> list[int]:
+    """The bytes of each tensor of a case's session state, as a reply carries it (f32)."""
+    if case.op.startswith("model_"):
+        shapes = [shape for _, shape in parse_config(MODEL_CONFIGS[case.kind]).state_parts()]
+    else:
+        shapes = [(HEADS, HEADDIM, STATE) if case.kind == "ssd" else (DIM, STATE)]
+    return [case.batch * math.prod(shape) * 4 for shape in shapes]
+
+
+# Batches at which a state outweighs a reply's envelope: the reply without it fits the frame.
+PAST_THE_LIMIT_CASES = [
+    pytest.param(Case("mamba", "step", batch=4), False, id="plain-mamba-step"),
+    pytest.param(Case("mamba", "step", batch=4), True, id="plain-mamba-step-native"),
+    pytest.param(Case("ssd", "step", batch=3), False, id="plain-ssd-step"),
+    pytest.param(Case("ssd", "step", batch=3), True, id="plain-ssd-step-native"),
+    pytest.param(Case("mamba", "scan", batch=4), False, id="mamba-scan-prefill"),
+    pytest.param(Case("ssd", "ssd_scan", batch=3), False, id="ssd-scan-prefill"),
+    pytest.param(Case("mamba", "model_step"), False, id="mamba-model-step"),
+    pytest.param(Case("mamba", "model_step"), True, id="mamba-model-step-native"),
+    pytest.param(Case("mamba2", "model_step", batch=1), True, id="mamba2-model-step-native"),
+    pytest.param(Case("mamba", "model_forward"), False, id="mamba-model-forward"),
+    pytest.param(Case("mamba2", "model_forward"), False, id="mamba2-model-forward"),
+]
+
+
+@pytest.mark.parametrize("limit", list(REPLY_LIMITS))
+@pytest.mark.parametrize(("case", "native"), PAST_THE_LIMIT_CASES)
+def test_a_state_past_what_a_reply_carries_is_refused_before_the_frame_runs(inproc, monkeypatch, case, native,
+                                                                            limit):
+    """A frame whose reply with its state cannot be carried is refused limit_exceeded
+    (reply_frame_size) before it runs, the session's state as it was. Found in review: steps and
+    prefills ran, moved the state on, and only then were refused, so a client sending the frame
+    again ran it twice. The native path declines such a step, for the general one to refuse."""
+    seed = random_seed()
+    parts = state_part_bytes(case)
+    (inputs,) = (v for k, v in Scene(None, case, seed).frame().items() if k in ("x", "embeds"))
+    output_bytes = 4 * inputs.numel()  # y or the hidden states: f32, of x's or the embeds' shape
+    # The least that refuses the reply with the state; the reply without it fits.
+    cap = max(parts) - 1 if limit == "tensor" else output_bytes + sum(parts) - 1
+    with lowered(monkeypatch, limit, cap):
+        srv = inproc(native_step=native)  # the native path takes the limits as it is made
+    if native and srv.server.fast_path is None:
+        pytest.skip("the native step path is unavailable here (not the cpu kernels backend, or not built)")
+    scene = Scene(srv, case, seed, FramingConnection())
+    asking, twin = scene.open(), scene.open()
+    frame = scene.frame()
+    for session in (asking, twin):
+        scene.call(case.op, session=session, **frame)
+    with lowered(monkeypatch, limit, cap):
+        refused = srv.request(scene.conn, case.op, session=asking, return_state=True, **scene.frame())
+    assert not refused.ok, f"seed={seed}: a reply past the limit was sent"
+    error = refused.error
+    assert (error["code"], error["detail"]["limit"], error["detail"]["max"]) == \
+        ("limit_exceeded", "reply_frame_size", cap), error
+    assert_same_state(scene.state(asking), scene.state(twin), f"seed={seed}: the refused frame's")
+    # A tensor past the limit is named by its own bytes, as the codec names it; a frame by its
+    # tensors' bytes (checked before the reply is made, its envelope uncounted).
+    assert error["detail"]["requested"] == (max(parts) if limit == "tensor" else output_bytes + sum(parts)), error
+    frame = scene.frame()
+    following = srv.request(scene.conn, case.op, session=asking, **frame)
+    assert following.ok and (served_natively(following) or not native), f"seed={seed}: {following.error}"
+    expected = scene.call(case.op, session=twin, **frame)
+    assert torch.equal(output_of(result_from_wire(following.result, as_torch=True)), output_of(expected)), \
+        f"seed={seed}: the frame after the refused one"
 
 
 def test_a_step_that_asks_is_served_natively_with_the_general_paths_state(inproc):

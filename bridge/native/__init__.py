@@ -18,7 +18,8 @@ inline as f32 [batch, d_model] or its `tokens` inline as i32, i64 or u8 [batch],
 connection's, of a session like it, which takes the state before the frame, copied in C++
 before the kernel); either with `return_state`, whose state the reply carries as the general
 path's does (copied from the session's rows into the reply after the kernel: its d2h); request
-and session ids in ASCII. The dispatcher hands it every request without raw buffers that finds
+and session ids in ASCII; and a reply a frame can carry (SPEC §2: else the general path refuses
+it before it runs). The dispatcher hands it every request without raw buffers that finds
 nothing in flight but other native steps, on any lane and under load too (the step and model
 step ops offer it as their fast path, bridge.ops.sessions.StepOp.fast_path and
 bridge.ops.models.ModelStepOp.fast_path; docs/performance.md, "native model step"). Its replies
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 import kernels
+import protocol
 from kernels.errors import BackendUnavailable
 
 from ..models.config import layer_state_names
@@ -99,7 +101,10 @@ class NativeStep:
         # request. Pure: the dispatcher asks before any bookkeeping. The module's own function,
         # with no Python call around it.
         self.parse = module.parse
-        self._native = module.Stepper(backend.run_problem, backend.run_ssd_update, backend.run_model_step)
+        # A reply past these is declined, for the general path to refuse before the step runs.
+        self._native = module.Stepper(backend.run_problem, backend.run_ssd_update, backend.run_model_step,
+                                      max_tensor_bytes=protocol.encode.MAX_BIN_BYTES,
+                                      max_reply_bytes=protocol.framing.MAX_FRAMEABLE)
         self._state_out_type = module.StateOut
         self._prepare_model = backend.prepare_model
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from

@@ -663,10 +663,13 @@ struct StateOut {
 class Stepper {
  public:
   // The kernels' capsules: the Mamba-1 state update (always), the Mamba-2 one and a model's
-  // step (None: those steps are not taken).
+  // step (None: those steps are not taken); the largest tensor and reply body a reply may carry
+  // (msgpack's bin length, the frame's length prefix: SPEC 2).
   Stepper(py::capsule run_problem, std::optional<py::capsule> run_ssd_update,
-          std::optional<py::capsule> run_model_step)
-      : run_problem_(capsule_function<scan_bridge::RunProblemFn>(run_problem, scan_bridge::kRunProblemCapsule)),
+          std::optional<py::capsule> run_model_step, uint64_t max_tensor_bytes, uint64_t max_reply_bytes)
+      : max_tensor_bytes_(max_tensor_bytes),
+        max_reply_bytes_(max_reply_bytes),
+        run_problem_(capsule_function<scan_bridge::RunProblemFn>(run_problem, scan_bridge::kRunProblemCapsule)),
         run_ssd_update_(run_ssd_update ? capsule_function<scan_bridge::RunSsdUpdateFn>(
                                              *run_ssd_update, scan_bridge::kRunSsdUpdateCapsule)
                                        : nullptr),
@@ -681,8 +684,8 @@ class Stepper {
   // tensor); `queued_ns` of the time since `received_ns` the request waited to be served
   // (queue_us); `state_out`, for a request that asked for return_state, where the session's
   // state lies, else None. Returns (reply body, timing) -- y written into the
-  // reply by the kernel -- or None when the request does not fit the session or its handles
-  // (nothing touched; the general path then answers it).
+  // reply by the kernel -- or None when the request does not fit the session or its handles,
+  // or its reply a frame (nothing touched; the general path then answers it).
   py::object run(const StepRequest& req, int64_t received_ns, int64_t queued_ns, uintptr_t pool, int64_t batch,
                  int64_t dim, int64_t state, uintptr_t slots, py::dict handle_tensors, const StateOut* state_out) {
     F32Array op[kOperands];
@@ -920,11 +923,18 @@ class Stepper {
     // name (5 bytes of header at most), its shape and its bytes.
     size_t size = 96 + std::strlen(result_key) + id_text.size() + 9 * shape.size() + y_bytes + 8 +
                   21 * kTimingEntries;
+    uint64_t largest_tensor = y_bytes;
     if (state) {
       size += 16;
-      for (const auto& part : state->parts)
-        size += 45 + part.name.size() + 9 * (part.shape.size() + 1) + 4 * batch * part.floats;
+      for (const auto& part : state->parts) {
+        const uint64_t part_bytes = 4 * static_cast<uint64_t>(batch * part.floats);
+        size += 45 + part.name.size() + 9 * (part.shape.size() + 1) + part_bytes;
+        largest_tensor = std::max(largest_tensor, part_bytes);
+      }
     }
+    // A reply that cannot be framed goes the general way, which refuses it before it runs: run
+    // here, the session's state would move on behind the refusal.
+    if (largest_tensor > max_tensor_bytes_ || size > max_reply_bytes_) return py::none();
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
     if (raw == nullptr) throw py::error_already_set();
     py::object reply = py::reinterpret_steal<py::object>(raw);
@@ -1008,6 +1018,8 @@ class Stepper {
     return py::make_tuple(reply, timing);
   }
 
+  uint64_t max_tensor_bytes_;
+  uint64_t max_reply_bytes_;
   scan_bridge::RunProblemFn run_problem_;
   scan_bridge::RunSsdUpdateFn run_ssd_update_;
   scan_bridge::RunModelStepFn run_model_step_;
@@ -1041,8 +1053,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<uintptr_t, int64_t, bool, const py::tuple&>(), py::arg("pool"), py::arg("row_floats"),
            py::arg("named"), py::arg("parts"));
   py::class_<Stepper>(m, "Stepper")
-      .def(py::init<py::capsule, std::optional<py::capsule>, std::optional<py::capsule>>(), py::arg("run_problem"),
-           py::arg("run_ssd_update") = py::none(), py::arg("run_model_step") = py::none())
+      .def(py::init<py::capsule, std::optional<py::capsule>, std::optional<py::capsule>, uint64_t, uint64_t>(),
+           py::arg("run_problem"), py::arg("run_ssd_update") = py::none(), py::arg("run_model_step") = py::none(),
+           py::arg("max_tensor_bytes") = 0xFFFFFFFFull, py::arg("max_reply_bytes") = 0xFFFFFFFFull)
       .def("run", &Stepper::run, py::arg("request"), py::arg("received_ns"), py::arg("queued_ns"),
            py::arg("pool"), py::arg("batch"), py::arg("dim"), py::arg("state"), py::arg("slots"),
            py::arg("handle_tensors"), py::arg("state_out") = py::none())

@@ -15,11 +15,11 @@ import protocol
 
 from .. import models
 from ..batcher import BatchedOp, Item, charge, dtype_of, row_signature, stack_rows, wire_rows
-from ..errors import OpError, reply_too_large
+from ..errors import OpError
 from ..native import NativeStep
 from ..tensors import TORCH_DTYPES, WIRE_DTYPES, host_view, to_wire
 from ..timing import now_ns
-from .sessions import session_of_kind, wire_state, with_states
+from .sessions import check_reply_with_state_fits, session_of_kind, wire_state, with_states
 
 
 def model_load(server, call) -> dict:
@@ -145,20 +145,12 @@ def output_of(call, loaded) -> str:
     return output
 
 
-def check_forward_reply_fits(call, session, loaded, rows: int, seq: int, output: str) -> None:
-    """limit_exceeded (reply_frame_size) for a window whose output (logits of a big vocabulary
-    over a long window, say) a reply cannot carry in-band: refused before it runs, since once run
-    the session's state has moved on, and a client told the request failed would send the window
-    again. Multipart replies carry tensors as raw buffers, without the limit."""
-    if call.request.multipart:
-        return
+def output_bytes(loaded, positions: int, output: str) -> int:
+    """Bytes of a model's output (logits or hidden) of `positions` vectors (its rows times its
+    positions): what a reply carries beside any state."""
     config = loaded.model.config
     width = config.vocab_size if output == "logits" else config.d_model
-    out_seq = 1 if call.args.get("last_only") else seq
-    itemsize = torch.promote_types(loaded.model.dtype, torch.float32).itemsize  # as the runtime's output
-    nbytes = rows * out_seq * width * itemsize + (session.nbytes if call.args.get("return_state") else 0)
-    if nbytes > protocol.framing.MAX_FRAMEABLE:
-        raise reply_too_large(protocol.FrameTooLarge(nbytes, protocol.framing.MAX_FRAMEABLE))
+    return positions * width * torch.promote_types(loaded.model.dtype, torch.float32).itemsize  # as the runtime's
 
 
 def model_forward(server, call) -> dict:
@@ -166,7 +158,9 @@ def model_forward(server, call) -> dict:
     _, value = model_input(server, call, session, loaded, step=False)
     lengths = window_lengths(server, call, session, seq=value.shape[1])
     output = output_of(call, loaded)
-    check_forward_reply_fits(call, session, loaded, value.shape[0], value.shape[1], output)
+    # Logits of a big vocabulary over a long window may be past what a reply carries.
+    positions = value.shape[0] * (1 if call.args.get("last_only") else value.shape[1])
+    check_reply_with_state_fits(call, session, output_bytes(loaded, positions, output))
     start = now_ns()
     inputs = server.device_tensor(value) if isinstance(value, protocol.WireTensor) else value
     call.timing.add("h2d", now_ns() - start)
@@ -196,6 +190,7 @@ class ModelStepOp(BatchedOp):
         session, loaded = model_session(server, call)
         name, value = model_input(server, call, session, loaded, step=True)
         output = output_of(call, loaded)
+        check_reply_with_state_fits(call, session, output_bytes(loaded, session.batch, output))
         key = ("model_step", loaded.id, name, row_signature(value), output)
         options = {"output": output, "model": loaded}
         if "snapshot_into" in call.args:

@@ -10,13 +10,13 @@ import torch
 import kernels
 from protocol import WireTensor
 
-from ..batcher import (BatchedOp, Item, charge, dt_options, row_signature, shared_args, shared_tensors,
+from ..batcher import (BatchedOp, Item, charge, dt_options, nbytes_of, row_signature, shared_args, shared_tensors,
                        signature, split_rows, stack_rows, wire_rows)
 from ..errors import OpError
 from ..sessions import STATE_DTYPE
 from ..tensors import host_view, to_wire
 from ..timing import now_ns
-from .sessions import check_rows, session_of_kind
+from .sessions import check_reply_with_state_fits, check_rows, session_of_kind
 
 ROW_ARGS = ("x", "dt", "B", "C", "z", "h0")
 # A request whose x is bigger runs alone: stacking it with others copies every input once more,
@@ -63,10 +63,6 @@ def cu_seqlens_arg(server, call):
     return host_view(value) if isinstance(value, WireTensor) else value.cpu()
 
 
-def _nbytes(value) -> int:
-    return value.data.nbytes if isinstance(value, WireTensor) else value.numel() * value.element_size()
-
-
 def kept_state(item: Item, state: torch.Tensor) -> torch.Tensor:
     """The final state a reply returns: with a session, the one it keeps (SPEC §6.1: fp32 whatever
     the inputs' dtype), else the kernel's own."""
@@ -84,6 +80,7 @@ class ScanOp(BatchedOp):
         shared = shared_args(server, call)
         if session is not None:
             _check_session_dims(session, own["x"], shared["A"], layout)
+            check_reply_with_state_fits(call, session, nbytes_of(own["x"]))
             h0_signature = (session.pool.rows.dtype, (session.dim, session.state))
         else:
             own["h0"] = server.tensor_arg(call, "h0")
@@ -97,7 +94,7 @@ class ScanOp(BatchedOp):
         # extra row could make up for another's missing one), and none of x's sizes is 0 (the
         # stacked x would not be empty); a malformed request runs alone, and the kernel's error
         # names its own shapes.
-        elif len(x.shape) == 3 and 0 not in x.shape and _nbytes(x) <= BATCH_MAX_X_BYTES and \
+        elif len(x.shape) == 3 and 0 not in x.shape and nbytes_of(x) <= BATCH_MAX_X_BYTES and \
                 all(v is None or (len(v.shape) >= 1 and v.shape[0] == x.shape[0]) for v in own.values()):
             key = ("scan", layout, *(row_signature(own[name]) for name in ("x", "dt", "B", "C", "z")),
                    h0_signature, *(signature(t) for t in shared.values()), *options.values())
@@ -162,6 +159,7 @@ class SsdScanOp(BatchedOp):
                               f"args.B: expected {session.state} states (the session's state) on its last axis, "
                               f"got shape {list(B.shape)}",
                               {"field": "args.B", "expected": f"state {session.state}", "got": str(list(B.shape))})
+            check_reply_with_state_fits(call, session, nbytes_of(own["x"]))
         options = dt_options(args)
         for name in ("cu_seqlens", "chunk_size"):
             if name in args:

@@ -9,12 +9,12 @@ import torch
 
 import protocol
 
-from ..batcher import (BatchedOp, Item, charge, dt_options, dtype_of, member_rows, row_signature, shared_args,
-                       shared_tensors, signature, stack_rows, wire_rows)
+from ..batcher import (BatchedOp, Item, charge, dt_options, dtype_of, member_rows, nbytes_of, row_signature,
+                       shared_args, shared_tensors, signature, stack_rows, wire_rows)
 from ..dispatcher import Call
-from ..errors import OpError, error_fields
+from ..errors import OpError, check_reply_fits, error_fields
 from ..native import NativeStep
-from ..sessions import ROW_AXES, StateLayout
+from ..sessions import ROW_AXES, StateLayout, state_row_bytes
 from ..tensors import WIRE_DTYPES, host_view, to_wire
 from ..timing import now_ns
 
@@ -41,7 +41,7 @@ def run_frames(server, call, session, undo) -> list[dict]:
     results = []
     for i, frame in enumerate(call.args["frames"]):
         # multipart as the request: its reply carries the frames' results as raw buffers too, so a
-        # window's output is held to no frame's length (check_forward_reply_fits)
+        # window's output is held to no frame's length (check_reply_fits)
         request = protocol.Request(call.request.id, frame.op, {**frame.args, "session": session.id},
                                    multipart=call.request.multipart)
         handler = server.registry.handler(request)
@@ -232,6 +232,19 @@ def wire_state(session):
     return to_wire(session.read())
 
 
+def state_tensor_bytes(session) -> list[int]:
+    """The bytes of each tensor of the session's state as wire_state gives it."""
+    return [session.batch * state_row_bytes(shape) for _, shape in session.layout.parts]
+
+
+def check_reply_with_state_fits(call, session, output_bytes: int) -> None:
+    """A step's or a prefill's reply, its output of `output_bytes` (a plain step's or scan's y:
+    x's shape and dtype) and the session's state where it asks for it, checked before it runs
+    (check_reply_fits)."""
+    state = state_tensor_bytes(session) if call.args.get("return_state") else []
+    check_reply_fits(call.request, [output_bytes, *state])
+
+
 def with_states(items: list[Item], results: list[dict]) -> list[dict]:
     """`results` of a launch, those of the requests that asked for return_state with their
     session's state after it (as session_state gives it). The copies are the launch's d2h,
@@ -316,6 +329,7 @@ class StepOp(BatchedOp):
         own = {name: server.tensor_arg(call, name) for name in ROW_ARGS}
         shared = shared_args(server, call)
         check_rows(session, own)
+        check_reply_with_state_fits(call, session, nbytes_of(own["x"]))
         options = dt_options(args)
         # One pool per class (kind, row shape): it names the pool and the state's shape.
         key = ("step", session.kind, session.shape, *(row_signature(t) for t in own.values()),
