@@ -14,15 +14,13 @@ import sys
 import time
 
 from . import exit_guard
+from .stop_signals import record_stop_signals
 
 # Drain budget after EOF/SIGTERM: in-flight requests get this long to be answered; replies
 # still on their way then get transports.base.FLUSH_SECONDS more, one deadline for every lane.
 DRAIN_SECONDS = 0.8
 # How often the main thread looks for a stop condition (signal, EOF, shutdown op).
 STOP_POLL_SECONDS = 0.02
-# SIGHUP too: an operator's terminal closing would otherwise kill the server without its drain,
-# leaving replies unsent and a --unix socket file behind.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,22 +307,19 @@ def tune_malloc() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
 
 
-def main(argv=None, protocol_fd: int | None = None) -> int:
+def main(argv=None, protocol_fd: int | None = None, signalled: list[int] | None = None) -> int:
     """Serves until a stop signal, a shutdown request or (Port mode) stdin's end, then exits the
     process; returns only when the server did not start (or was stopped while starting), with
-    the process's exit status."""
+    the process's exit status. `signalled`: the stop signals recorded before (bridge/__main__.py
+    records them from its first line), and those to come."""
     if protocol_fd is None:
         from .stdio_guard import claim_protocol_stdout
 
         protocol_fd = claim_protocol_stdout()
     # Installed before anything slow (importing torch, building or loading the kernels,
-    # warming up): a stop asked for during start-up ends it quietly instead of with
-    # KeyboardInterrupt's traceback. The handler only records the signal: it runs in the main
-    # thread between bytecodes, possibly while that thread holds a lock (Event.wait holds its
-    # Condition's), so taking any lock here — Event.set() included — can deadlock the process.
-    signalled: list[int] = []
-    previous = {signum: signal.signal(signum, lambda signum, frame: signalled.append(signum))
-                for signum in STOP_SIGNALS}
+    # warming up): a stop asked for during start-up ends it quietly.
+    signalled = [] if signalled is None else signalled
+    previous = record_stop_signals(signalled)
     try:
         return _start_and_serve(argv, protocol_fd, signalled)
     finally:  # a caller in this process (a test) gets its own handlers back

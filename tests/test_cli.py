@@ -1,18 +1,19 @@
 """The server's command line for its lanes: options that cannot work are refused, a socket-only
 server ignores stdin and stops on SIGTERM or a shutdown request (writing a slow reader's
-replies first), a stop signal during start-up ends it quietly, and CURVE admits only the
-clients whose keys it was given."""
+replies first), a stop signal during start-up (its imports too) ends it quietly, and CURVE
+admits only the clients whose keys it was given."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
-from bridge.client import UnixClient, ZmqClient
+from bridge.client import UnixClient, ZmqClient, server_env
 
 from lane_helpers import REPLY_TIMEOUT_S, ServerProcess, zmq_endpoint, request_frame, read_reply, raw_unix
 from waiting import wait_until
@@ -118,6 +119,40 @@ def test_a_stop_signal_during_start_up_ends_the_server_quietly(tmp_path, signum)
     log = srv.log()
     assert f"stop requested during start-up ({signal.Signals(signum).name}); exiting" in log, log
     assert "Traceback" not in log and "serving" not in log, log
+
+
+@pytest.mark.parametrize("signum, delay_s", [
+    pytest.param(signal.SIGINT, 0.0, id="SIGINT-at-once"),
+    pytest.param(signal.SIGTERM, 0.0, id="SIGTERM-at-once"),
+    pytest.param(signal.SIGHUP, 0.0, id="SIGHUP-at-once"),
+    pytest.param(signal.SIGINT, 0.03, id="SIGINT-30ms-on"),
+    pytest.param(signal.SIGTERM, 0.06, id="SIGTERM-60ms-on"),
+])
+def test_a_stop_signal_while_the_server_imports_its_modules_ends_it_quietly(tmp_path, signum, delay_s):
+    """As during the rest of start-up, from the first line `python -m bridge` runs. Found in
+    review: in the tenth of a second or so it took to import its modules, before cli.main's
+    handlers, SIGINT gave KeyboardInterrupt's traceback and SIGTERM or SIGHUP killed it. The
+    interpreter's import log tells when that line has run (the stdio guard's import comes right
+    after it); the signal goes then, or `delay_s` on."""
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu"], stdin=subprocess.PIPE,
+                                stderr=log, env=server_env({"PYTHONPROFILEIMPORTTIME": "1"}))
+    try:
+        wait_until(lambda: "| bridge.stdio_guard\n" in log_path.read_text(errors="replace"),
+                   "the server never imported its stdio guard", 60, interval=0.001)
+        time.sleep(delay_s)
+        proc.send_signal(signum)
+        status = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdin.close()
+    log = log_path.read_text(errors="replace")
+    assert status == 0, log[-3000:]
+    assert f"stop requested during start-up ({signal.Signals(signum).name}); exiting" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
 
 
 def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_path):

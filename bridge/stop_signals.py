@@ -1,0 +1,20 @@
+"""The stop signals, recorded from the first line `python -m bridge` runs (bridge/__main__.py):
+one that comes while the server imports and starts ends start-up quietly (bridge.cli), where
+before its handlers were in place SIGINT gave KeyboardInterrupt's traceback and SIGTERM or
+SIGHUP killed it without a word. Imports nothing but `signal`, to be in place that early."""
+
+from __future__ import annotations
+
+import signal
+
+# SIGHUP too: an operator's terminal closing would otherwise kill the server without its drain,
+# leaving replies unsent and a --unix socket file behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def record_stop_signals(signalled: list[int]) -> dict:
+    """Have every stop signal appended to `signalled`, and nothing more; returns the handlers
+    replaced. The handler only records: it runs in the main thread between bytecodes, possibly
+    while that thread holds a lock (Event.wait holds its Condition's), so taking any lock there
+    (Event.set() included) can deadlock the process."""
+    return {signum: signal.signal(signum, lambda signum, frame: signalled.append(signum)) for signum in STOP_SIGNALS}
