@@ -34,7 +34,7 @@ import torch
 import kernels
 from bench.kernels import simd_backends
 from bridge.bench.cases import DT_CLAMP
-from bridge.bench.machine import write_results
+from bridge.bench.machine import output_path, write_results
 from kernels import _args
 
 GOALS = {"torch_autograd_over_backward": 5.0, "backward_over_forward": 3.0, "peak_extra_over_inputs": 2.0}
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:N) on a GPU")
     p.add_argument("--backends", help="comma-separated backends to time (default: cpu and its SIMD variants on the "
                                       "CPU, triton on CUDA); the first is the one the ratios are of")
-    p.add_argument("--json")
+    p.add_argument("--json", type=output_path)
     p.add_argument("--peaks", metavar="CASE", help=argparse.SUPPRESS)  # one case's peak memory, as JSON
     args = p.parse_args(argv)
     if args.peaks:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bridge.bench.machine import write_results
+from bridge.bench.machine import output_path, write_results
 from kernels.cpu import build
 
 SOURCE = Path(__file__).with_name("exp_rate.cpp")
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--scan-json", type=Path)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     variants = _variants(args.simd)
     rates = {}

@@ -48,7 +48,7 @@ import protocol
 from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.bench.floors import (BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
                                  frame_bytes, lane_call, open_floor)
-from bridge.bench.machine import summarize_us, write_results
+from bridge.bench.machine import output_path, summarize_us, write_results
 from bridge.bench.measure import FRAME_BUDGET_60FPS_US
 from bridge.client import PortClient
 
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip", default="", help="parts to skip, e.g. a or b")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for the servers")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the servers' --device")
-    p.add_argument("--json", help="write the results (with machine and commit info) to this file, "
+    p.add_argument("--json", type=output_path, help="write the results (with machine and commit info) to this file, "
                                    "e.g. bench/results/game_loop.json")
     args = p.parse_args(argv)
     # The machine may be shared: its load is recorded with the results.

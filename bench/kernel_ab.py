@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from bridge.bench.machine import write_results
+from bridge.bench.machine import output_path, write_results
 from kernels.cpu import backend_from, build
 
 from . import backward
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default="1", help="comma-separated thread counts (default 1)")
     p.add_argument("--seconds", type=float, default=20.0,
                    help="timing per (case, thread count), both builds together (default 20)")
-    p.add_argument("--json", help="write results with machine and commit info to this file")
+    p.add_argument("--json", type=output_path, help="write results with machine and commit info to this file")
     args = p.parse_args(argv)
     try:
         cases = [case_named(n) for n in args.cases.split(",")]

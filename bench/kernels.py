@@ -58,7 +58,7 @@ import torch
 
 import kernels
 from bridge.bench.cases import DT_CLAMP
-from bridge.bench.machine import summarize_us, write_results
+from bridge.bench.machine import output_path, summarize_us, write_results
 from kernels import _args
 from kernels._registry import get_backend
 
@@ -507,7 +507,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=1, help="repeat the measurement in this many fresh "
                    "processes and summarise over them (default 1: this process only)")
     p.add_argument("--gap-seconds", type=float, default=0.0, help="pause between runs (with --runs)")
-    p.add_argument("--json", help="write results with machine and commit info to this file")
+    p.add_argument("--json", type=output_path, help="write results with machine and commit info to this file")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     if args.runs < 1:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bridge.bench.machine import summarize_us, write_results
+from bridge.bench.machine import output_path, summarize_us, write_results
 from bridge.models import load_weights
 
 from .kernel_ab import WORKING_TREE, RevisionError, load_builds
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,32")
     p.add_argument("--frames", type=int, default=120, help="steps per build and pacing (default 120)")
     p.add_argument("--neighbour", action="store_true", help="keep one core busy with another process throughout")
-    p.add_argument("--json", help="write results with machine and commit info to this file")
+    p.add_argument("--json", type=output_path, help="write results with machine and commit info to this file")
     args = p.parse_args(argv)
     if args.frames < ROUNDS:
         p.error(f"--frames: expected at least {ROUNDS} (one a round), got {args.frames}")

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 import protocol
 from bridge.bench.floors import BridgeProcess, EchoUnavailable, encode_request, exchange, lane_call, open_floor
-from bridge.bench.machine import summarize_us, write_results
+from bridge.bench.machine import output_path, summarize_us, write_results
 from bridge.models import load_weights
 
 from .game_loop import FRAME_SECONDS, wait_for_frame
@@ -493,7 +493,7 @@ def case_main(prog: str, doc: str, benchmark: str, run_case, report, argv=None) 
     p.add_argument("--frames", type=int, default=300)
     p.add_argument("--batches", default="1,32")
     p.add_argument("--archs", default="mamba,mamba2")
-    p.add_argument("--json")
+    p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     if args.frames <= WARMUP:
         p.error(f"--frames: expected more than the {WARMUP} warm-up frames, got {args.frames}")
@@ -514,7 +514,7 @@ def main(argv=None) -> int:
     p.add_argument("--archs", default="mamba,mamba2")
     p.add_argument("--server-arg", action="append", default=[])
     p.add_argument("--neighbour", action="store_true", help="keep one core busy with another process throughout")
-    p.add_argument("--json")
+    p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     load_before = os.getloadavg()
     cases = []

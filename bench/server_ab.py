@@ -42,7 +42,7 @@ import time
 import protocol
 from bridge.bench.cases import BATCH, DIM, STATE
 from bridge.bench.floors import StreamLane, encode_request, exchange, lane_call
-from bridge.bench.machine import commit_info, summarize_us, write_results
+from bridge.bench.machine import commit_info, output_path, summarize_us, write_results
 from bridge.client import stop_piped_server
 
 from .game_loop import WARMUP, constant_A, frame_inputs, step_request, wait_for_frame
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=0,
                    help="model_forward calls a block, model and window case (0: none; needs transformers)")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for both servers")
-    p.add_argument("--json", help="write the results (with machine and commit info) to this file")
+    p.add_argument("--json", type=output_path, help="write the results (with machine and commit info) to this file")
     args = p.parse_args(argv)
     if not 0 <= args.rollback_frames <= ROLLBACK_FRAMES_MAX:
         p.error(f"--rollback-frames: expected 0 to {ROLLBACK_FRAMES_MAX}, got {args.rollback_frames}")

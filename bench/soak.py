@@ -84,7 +84,7 @@ import numpy as np
 
 from bridge.bench.cases import DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.bench.lanes import TRANSPORTS, log_tail
-from bridge.bench.machine import write_results
+from bridge.bench.machine import output_path, write_results
 from bridge.client import BridgeError, PortClient, ServerExited, UnixClient, ZmqClient, server_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1103,7 +1103,7 @@ def main(argv=None) -> int:
     p.add_argument("--kills", type=int, default=1, help="clients killed mid-request per round on unix and on ZeroMQ")
     p.add_argument("--rss-bound-kib", type=int, default=RSS_BOUND_KIB,
                    help="resident memory allowed above the warm-up's end")
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--json", type=output_path, metavar="FILE")
     p.add_argument("--as-killed-client", nargs=2, metavar=("LANE", "ENDPOINT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.as_killed_client:

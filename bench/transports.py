@@ -46,7 +46,7 @@ from bridge.cli import tune_malloc
 from bridge.bench.cases import EXPHIL_SEQ, Case
 from bridge.bench.floors import (BridgeProcess, encode_request, exchange, floor_missing, frame_bytes,
                                  lane_call, open_floor)
-from bridge.bench.machine import summarize_us, write_results
+from bridge.bench.machine import output_path, summarize_us, write_results
 from bridge.client import PortClient, UnixClient, ZmqClient
 
 GOAL_IPC_OVER_ECHO = 1.3
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=16,
                    help=f"concurrent clients on each of {', '.join(CLIENT_LANES)} measured (0: none)")
     p.add_argument("--requests", type=int, default=10_000, help="requests over all concurrent clients, per lane")
-    p.add_argument("--json", help="write results (with machine and commit info) to this file")
+    p.add_argument("--json", type=output_path, help="write results (with machine and commit info) to this file")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for the server")
     args = p.parse_args(argv)
     for flag, value, least in (("--iterations", args.iterations, 1), ("--clients", args.clients, 0),

@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 
-from bridge.bench.machine import commit_info, write_results
+from bridge.bench.machine import commit_info, output_path, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per case and child")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: real launches on the GPU, each case's calls back to back")
-    parser.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "triton_host.json"))
+    parser.add_argument("--json", type=output_path, default=os.path.join(ROOT, "bench", "out", "triton_host.json"))
     args = parser.parse_args(argv)
 
     trees = {"this": ROOT, **({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})}

@@ -27,7 +27,7 @@ import kernels
 from kernels import _args, _varlen
 from bench.backward import alternated_medians_ms
 from bridge.bench.cases import DT_CLAMP
-from bridge.bench.machine import write_results
+from bridge.bench.machine import output_path, write_results
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--json")
+    p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     if "cpu" not in kernels.available_backends():
         raise SystemExit(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")

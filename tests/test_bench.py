@@ -212,6 +212,25 @@ def test_commit_info_of_another_checkout_says_whether_it_was_edited(tmp_path):
     assert commit_info(str(tmp_path)) == {"commit": head, "dirty": True, "branch": commit_info(str(tmp_path))["branch"]}
 
 
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+@pytest.mark.parametrize("where, message", [
+    pytest.param("directory", "expected a file to write, got the directory", id="a-directory"),
+    pytest.param("under-a-file", "cannot create the directory of", id="under-a-file"),
+])
+def test_an_output_the_run_could_not_write_is_refused_before_it(flag, where, message, tmp_path, capsys):
+    """The results went unwritten (the plot with a traceback) only after the whole run."""
+    from bench import varlen
+    from bridge.bench.__main__ import main
+
+    (tmp_path / "file").write_text("")
+    path = str(tmp_path) if where == "directory" else str(tmp_path / "file" / "out.json")
+    for bench_main in (main, varlen.main) if flag == "--json" else (main,):
+        with pytest.raises(SystemExit) as stopped:
+            bench_main(["--sizes", "step", flag, path] if bench_main is main else [flag, path])
+        assert stopped.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def test_a_transport_named_twice_is_refused():
     """Its samples and echo floor are kept by name: twice, the rows doubled their samples and
     the first floor was never stopped (found in review)."""
@@ -403,6 +422,8 @@ def test_baseline_names_a_command_that_does_not_start():
 @pytest.mark.parametrize("argv, status, message", [
     pytest.param(["--sizes", "step,x"], 2, "expected 'step' or a positive sequence length", id="bad-size"),
     pytest.param(["--iterations", "0"], 2, "expected --iterations >= 1", id="no-iterations"),
+    pytest.param(["--max-seconds", "nan"], 2, "a finite --max-seconds > 0, got 100, 2 and nan", id="nan-seconds"),
+    pytest.param(["--max-seconds", "inf"], 2, "a finite --max-seconds > 0, got 100, 2 and inf", id="endless-seconds"),
     pytest.param(["--transports", "pigeon"], 2, "got pigeon", id="unknown-transport"),
     pytest.param(["--sizes", "step", "--backends", "nosuch"], 1, "got 'nosuch'", id="server-refuses-backend"),
 ])

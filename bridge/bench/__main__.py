@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import signal
 import sys
 import time
@@ -28,7 +28,7 @@ import time
 from . import baseline as baseline_mod
 from .cases import DEFAULT_SIZES, EXPHIL_SEQ, QUICK_SIZES, Case, parse_sizes
 from .lanes import BenchError, ConnectedServer, SpawnedServer, choose_transports
-from .machine import commit_info, machine_info
+from .machine import commit_info, machine_info, output_path
 from .measure import fit_rows, make_row, measure_case
 from .plot import plot
 from .report import Progress, baseline_table, fits_table, frame_budget_table, results_table
@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", metavar="CMD",
                    help="also send ExPhil-format requests to this Port-style server command and to ours, "
                         "and print the ratio (exit 1 where their results differ or it fails)")
-    p.add_argument("--json", metavar="FILE", help="write the rows, machine_info and commit_info here")
-    p.add_argument("--plot", metavar="FILE.png", help="write stacked bars of the stages here (needs matplotlib)")
+    p.add_argument("--json", type=output_path, metavar="FILE", help="write the rows, machine_info and commit_info here")
+    p.add_argument("--plot", type=output_path, metavar="FILE.png", help="write stacked bars of the stages here (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     return p
 
@@ -71,8 +71,8 @@ def _plan(args) -> tuple[int, int, float]:
     iterations = args.iterations if args.iterations is not None else (15 if args.quick else 100)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     max_seconds = args.max_seconds if args.max_seconds is not None else (1.5 if args.quick else 10.0)
-    if iterations < 1 or warmup < 0 or max_seconds <= 0:
-        raise BenchError(f"expected --iterations >= 1, --warmup >= 0 and --max-seconds > 0, got "
+    if iterations < 1 or warmup < 0 or not 0 < max_seconds < math.inf:
+        raise BenchError(f"expected --iterations >= 1, --warmup >= 0 and a finite --max-seconds > 0, got "
                          f"{iterations}, {warmup} and {max_seconds}")
     return iterations, warmup, max_seconds
 
@@ -220,7 +220,6 @@ def main(argv=None) -> int:
                     "rows": rows, "fits": fits,
                     "baseline_command": args.baseline, "baseline": baseline_rows, "skipped": skipped,
                     "failures": failures, "elapsed_s": elapsed}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1)
         print(f"wrote {args.json}")

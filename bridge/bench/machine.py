@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -128,6 +129,23 @@ def commit_info(root: str | None = None) -> dict:
         return {"commit": os.environ[COMMIT_VARIABLE], "dirty": None, "branch": None, "named_by": COMMIT_VARIABLE}
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
             "branch": git("rev-parse", "--abbrev-ref", "HEAD")}
+
+
+def output_path(path: str) -> str:
+    """argparse type of a results file (--json, --plot): a path the run could not write is
+    refused before the run, not after it. Its directory is created; the file is not touched
+    (opening a tracked results file would truncate it, and mark the tree dirty in commit_info)."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise argparse.ArgumentTypeError(f"expected a file to write, got the directory {path!r}")
+    directory = os.path.dirname(target)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot create the directory of {path!r}: {exc.strerror}") from None
+    if not os.access(directory, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {path!r}: permission denied")
+    return path
 
 
 def write_results(path: str, benchmark: str, fields: dict) -> None:

@@ -74,6 +74,10 @@ def plot(rows: list[dict], path: str, labels: dict[str, str], title: str) -> str
     fig.suptitle(title, fontsize=10)
     legend_rows = math.ceil(len(unique) / 3)
     fig.tight_layout(rect=(0, 0.035 * legend_rows + 0.02 / panel_rows, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:  # the path was checked before the run; the disk may have filled since
+        return f"cannot write {path}: {exc.strerror}"
+    finally:
+        plt.close(fig)
     return None
