@@ -371,6 +371,51 @@ def test_timing_keys_that_are_not_str_are_not_printed(scan_client, endpoints, tm
     assert ping.endswith("| server_us=7.0 | ipc " + ping.rsplit("| ipc ", 1)[1])
 
 
+def test_a_timing_key_longer_than_the_client_prints_is_cut_short(scan_client, endpoints, tmp_path):
+    # printf's "%.*s" takes its precision as an int: a key of 2 GiB or more made it negative,
+    # and the key was read to a NUL past its end (found in review). Keys print cut short.
+    limit = c_define("MAX_PRINTED_KEY")
+    keys = {"k" * limit: 1, "l" * (limit + 1): 2, "m" * 300: 3}
+
+    def scenario(request_id, frames, forward):
+        reply = forward(frames)
+        return [[edited(reply[0], timing={**keys, "server_us": 7})]] if request_id == 1 else [reply]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 0, run.stderr
+    ping = next(line for line in run.stdout.splitlines() if line.startswith("ping "))
+    expected = f" {'k' * limit}=1.0 {'l' * limit}...=2.0 {'m' * limit}...=3.0 server_us=7.0 | ipc "
+    assert expected in ping, ping
+
+
+DRIVER = r"""
+/* scan_client.c's printed_length at the int boundary a str's 4-byte size crosses. */
+#define main scan_client_main
+#include "scan_client.c"
+#undef main
+
+int main(void) {
+    const uint32_t sizes[] = {0, MAX_PRINTED_KEY, MAX_PRINTED_KEY + 1, INT32_MAX, (uint32_t)INT32_MAX + 1, UINT32_MAX};
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) printf("%u %d\n", sizes[i], printed_length(sizes[i]));
+    return 0;
+}
+"""
+
+
+def test_the_printed_length_of_a_key_stays_in_range_past_2_gib(tmp_path):
+    require_toolchain()
+    (tmp_path / "driver.c").write_text(DRIVER)
+    build = subprocess.run([compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", CLIENT_DIR, "-o",
+                            str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-lzmq", "-lmsgpackc", "-lm"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    limit = c_define("MAX_PRINTED_KEY")
+    printed = dict(line.split() for line in subprocess.run([str(tmp_path / "driver")], capture_output=True,
+                                                           text=True, check=True).stdout.splitlines())
+    assert printed == {"0": "0", str(limit): str(limit), str(limit + 1): str(limit), str(2**31 - 1): str(limit),
+                       str(2**31): str(limit), str(2**32 - 1): str(limit)}
+
+
 # msgpack-c allocates room for an array's or map's elements as soon as it reads their count: the
 # client refuses a count beyond the bytes left before unpacking (scan_body).
 TOO_MANY = "an array or map of more elements than the body has bytes"

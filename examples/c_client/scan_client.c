@@ -53,6 +53,8 @@
 /* SPEC §5: a dimension is at most 2^63 − 1 (an int64 on the server), and so is a shape's
  * extent in bytes (its dims, each 0 counted as 1, times the itemsize). */
 #define MAX_EXTENT ((uint64_t)INT64_MAX)
+/* The most of a timing key printed: keys name stages (SPEC §8), and a str may be up to 4 GiB. */
+#define MAX_PRINTED_KEY 64
 
 static int failures = 0;
 
@@ -632,6 +634,13 @@ static void pack_tensor(msgpack_packer *pk, const char *name, const float *value
     }
 }
 
+/* How many bytes of a timing key of `size` bytes to print with "%.*s": at most MAX_PRINTED_KEY.
+ * Its precision is an int, and a str of 2 GiB or more cast to one is negative, which printf
+ * takes as no precision: it read the key to a NUL, past its end. */
+static int printed_length(uint32_t size) {
+    return size > MAX_PRINTED_KEY ? MAX_PRINTED_KEY : (int)size;
+}
+
 /* Prints the reply's timing map and the client's view of the same request. */
 static void print_timing(const char *what, const msgpack_object *reply, double round_trip_us) {
     const msgpack_object *timing = get(reply, "timing");
@@ -643,7 +652,8 @@ static void print_timing(const char *what, const msgpack_object *reply, double r
                        : v->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? (double)v->via.u64 : 0;
         if (k->type != MSGPACK_OBJECT_STR) continue;  /* keys are str (SPEC §3): print no other */
         if (key_is(k, "server_us")) server_us = value;
-        printf(" %.*s=%.1f", (int)k->via.str.size, k->via.str.ptr, value);
+        printf(" %.*s%s=%.1f", printed_length(k->via.str.size), k->via.str.ptr,
+               k->via.str.size > MAX_PRINTED_KEY ? "..." : "", value);
     }
     printf(" | ipc %.1f us\n", round_trip_us - server_us);
 }
