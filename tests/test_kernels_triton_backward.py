@@ -59,13 +59,16 @@ def _grads(kind: str, inputs: dict, dy, dstate, backend: str) -> dict:
     return backward(dy, **backward_inputs(inputs), dstate=dstate, backend=backend)
 
 
-def _check(kind: str, case, dtype, device: str, transform=None) -> None:
+def _check(kind: str, case, dtype, device: str, transform=None, overrides=None) -> None:
     """The triton backend's gradients of `case` against the reference's (dstate given exactly
-    when the case returns the state); `transform` rewrites the inputs first (strided views)."""
+    when the case returns the state); `transform` rewrites the inputs first (strided views),
+    `overrides(inputs)` returns replacements for some of them."""
     _backend(device)
     seed = random_seed()
     make = make_ssd_inputs if kind == "ssd" else make_scan_inputs
     inputs = make(case, dtype, device, seed=seed)
+    if overrides is not None:
+        inputs.update(overrides(inputs))
     dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), _state_shape(kind, inputs), case.return_state, seed)
     if transform is not None:
         inputs = {k: transform(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -108,6 +111,26 @@ def test_scan_backward_matches_reference(case, dtype, device):
 @pytest.mark.parametrize("case", SSD_CASES)
 def test_ssd_scan_backward_matches_reference(case, dtype, device):
     _check("ssd", case, dtype, device)
+
+
+# Every step decays the state by e^-20 to e^-24 (dt in [10, 12], A = -2), far below fp32's
+# resolution: dA, a sum of G_t a_t h_(t-1) alone, is then some 1e-7 of the other gradients, and
+# a_t h_(t-1) taken as h_t minus the step's input was rounding only (dA off by its whole size).
+STRONG_DECAY_CASES = [
+    pytest.param("scan", ScanCase(2, 11, 6, 3, groups=2, D=True, z=True, h0=True), id="scan"),
+    pytest.param("ssd", SsdCase(2, 11, 4, 3, 3, groups=2, D=True, z=True, h0=True), id="ssd"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind, case", STRONG_DECAY_CASES)
+def test_gradients_under_decay_below_fp32_resolution(kind, case, device):
+    def strong_decay(inputs):
+        dt, A = inputs["dt"], inputs["A"]
+        return dict(dt=10.0 + 2.0 * torch.rand(dt.shape, generator=torch.Generator().manual_seed(7)).to(dt.device),
+                    A=torch.full_like(A, -2.0))
+
+    _check(kind, case, torch.float32, device, overrides=strong_decay)
 
 
 @pytest.mark.parametrize("device", DEVICES)

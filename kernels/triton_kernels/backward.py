@@ -9,7 +9,7 @@ run over the same grid:
      tile of CHUNK steps: [batch, ceil(seq / CHUNK), dim, state] in the accumulation dtype,
      CHUNK times smaller than the history.
   2. `_reverse_kernel` walks the tiles backward. Each tile's states are recomputed from its
-     checkpoint in registers (the forward's associative scan), then the reverse recurrence
+     checkpoint in registers (an associative scan, as the forward's), then the reverse recurrence
      G_t = dy_t C_t + a_{t+1} G_{t+1} (G: the gradient of the loss with respect to h_t) is one
      more associative scan over the tile read back to front, and every gradient of the tile
      follows element-wise from h_t and G_t (formulas at `_reverse_kernel`).
@@ -105,6 +105,20 @@ def _tile_states(h_in, delta, x, A, B_tile):
     return states, h_out
 
 
+@triton.jit
+def _tile_decayed_states(h_in, decay, inputs_before):
+    """a_t h_(t-1) for each step t of a tile in time order, [CHUNK, BLOCK_D, BLOCK_N]: the
+    state entering each step times the step's decay, from `decay` (a_t) and `inputs_before`
+    (step t - 1's input; ignored in row 0, where h_in enters). A scan of its own rather than
+    h_t minus step t's input, whose rounding at h_t's magnitude is all of it once a_t is below
+    fp32's resolution."""
+    step = tl.arange(0, decay.shape[0])[:, None, None]
+    decay, inputs_before = tl.broadcast(decay, inputs_before)  # SCALAR_DECAY: one decay for the whole state
+    carried = decay * tl.where(step == 0, h_in[None, :, :], inputs_before)
+    _, decayed = tl.associative_scan((decay, carried), 0, _combine)
+    return decayed
+
+
 # Loop bounds: not specialising on them keeps one compiled variant whatever the sequence length.
 _UNSPECIALISED = ["seq", "n_chunks"]
 
@@ -168,11 +182,13 @@ def _reverse_kernel(
         dy_t = g_t silu(z_t);  dz_t = g_t (C_t . h_t + D x_t) silu'(z_t)   (without z: dy_t = g_t)
         G_t = dy_t C_t + a_{t+1} G_{t+1}   (a_t = exp(delta_t A); at the last step a G is dstate)
         dC_t = sum_d dy_t h_t;  dB_t = sum_d G_t delta_t x_t;  dD = sum_t dy_t x_t
-        dx_t = dy_t D + delta_t (G_t . B_t);  q_t = G_t a_t h_{t-1} = G_t (h_t - delta_t x_t B_t)
+        dx_t = dy_t D + delta_t (G_t . B_t);  q_t = G_t a_t h_{t-1}
         ddelta_t = x_t (G_t . B_t) + q_t . A;  dA = sum_t delta_t q_t;  dh0 = a_0 G_0
 
-    a_t h_{t-1} is taken as h_t minus the step's input, which needs no shifted copy of the
-    states and differs from it only by a rounding at h_t's magnitude. PACKED: as the checkpoints."""
+    a_t h_{t-1} is scanned from the checkpoint with each step's decay and the input of the step
+    before it (`_tile_decayed_states`), and h_t is it plus the step's input: under decays below
+    fp32's resolution, dA (a sum of those terms alone) is then as accurate as they are.
+    PACKED: as the checkpoints."""
     row, group, d, mask_d = program_coords(dim_per_group, groups, BLOCK_D, WIDE_OFFSETS)
     first, length = _sequence_of(row, cu_seqlens_ptr, seq, PACKED)
     n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
@@ -213,16 +229,17 @@ def _reverse_kernel(
     tiles = tl.cdiv(length, CHUNK)
     for k in range(0, tiles):
         c = tiles - 1 - k
-        # The tile's states in time order, from its checkpoint, then read back to front.
+        # a_t h_{t-1} over the tile in time order, from its checkpoint, then read back to front.
         t_fwd = offset_index(c * CHUNK + i, WIDE_OFFSETS)
-        mask_fwd = t_fwd < length
+        t_before = t_fwd - 1
+        mask_before = (i > 0) & (t_before < length)
         h_in = tl.load(ckpt_ptr + (row * n_chunks + c) * dim * nstate + in_ckpt, mask=mask_dn, other=0.0)
-        states, _ = _tile_states(
-            h_in,
-            _load_td(delta_base, t_fwd, mask_fwd, d_delta, mask_d, s_dl_l, s_dl_d, ACC),
-            _load_td(x_base, t_fwd, mask_fwd, d, mask_d, s_x_l, s_x_d, ACC), A,
-            _load_td(B_base, t_fwd, mask_fwd, n, mask_n, s_B_l, s_B_n, ACC))
-        h = tl.flip(states, 0)
+        delta_fwd = _load_td(delta_base, t_fwd, t_fwd < length, d_delta, mask_d, s_dl_l, s_dl_d, ACC)
+        u_before = (_load_td(delta_base, t_before, mask_before, d_delta, mask_d, s_dl_l, s_dl_d, ACC)
+                    * _load_td(x_base, t_before, mask_before, d, mask_d, s_x_l, s_x_d, ACC))
+        B_before = _load_td(B_base, t_before, mask_before, n, mask_n, s_B_l, s_B_n, ACC)
+        decayed = tl.flip(_tile_decayed_states(h_in, tl.exp(delta_fwd[:, :, None] * A[None, :, :]),
+                                               u_before[:, :, None] * B_before[:, None, :]), 0)
 
         t = offset_index(c * CHUNK + (CHUNK - 1) - i, WIDE_OFFSETS)
         mask_t = t < length
@@ -236,6 +253,8 @@ def _reverse_kernel(
         g = _load_td(dy_base, t, mask_t, d, mask_d, s_dy_l, s_dy_d, ACC)
         B_tile = _load_td(B_base, t, mask_t, n, mask_n, s_B_l, s_B_n, ACC)
         C_tile = _load_td(C_base, t, mask_t, n, mask_n, s_C_l, s_C_n, ACC)
+        u = delta * x
+        h = decayed + u[:, :, None] * B_tile[:, None, :]
 
         if HAS_Z:
             z = _load_td(z_ptr + row * s_z_b + first * s_z_l, t, mask_t, d, mask_d, s_z_l, s_z_d, ACC)
@@ -248,6 +267,9 @@ def _reverse_kernel(
             dy = g * z * sg
         else:
             dy = g
+        # dC here, so that h is dead before the G scan (only `decayed` stays live for q).
+        t_n = bc_row + t[:, None] * (groups * nstate) + n[None, :]
+        tl.atomic_add(dC_ptr + t_n, tl.sum(dy[:, :, None] * h, axis=1), mask=mask_tn)
 
         # G over the tile back to front; the carry enters at the tile's last step (row 0).
         # Padded steps past the sequence end have dy = 0 and decay 1, so the carry (dstate)
@@ -258,15 +280,10 @@ def _reverse_kernel(
         decay_next, v = tl.broadcast(decay_next, v)
         _, G = tl.associative_scan((decay_next, v), 0, _combine)
 
-        u = delta * x
-        dB_tile = tl.sum(G * u[:, :, None], axis=1)
-        dC_tile = tl.sum(dy[:, :, None] * h, axis=1)
-        t_n = bc_row + t[:, None] * (groups * nstate) + n[None, :]
-        tl.atomic_add(dB_ptr + t_n, dB_tile, mask=mask_tn)
-        tl.atomic_add(dC_ptr + t_n, dC_tile, mask=mask_tn)
+        tl.atomic_add(dB_ptr + t_n, tl.sum(G * u[:, :, None], axis=1), mask=mask_tn)
 
         dhB = tl.sum(G * B_tile[:, None, :], axis=2)
-        q = G * (h - u[:, :, None] * B_tile[:, None, :])
+        q = G * decayed
         ddelta = x * dhB + tl.sum(q * A[None, :, :], axis=2)
         dx = delta * dhB
         if HAS_D:
