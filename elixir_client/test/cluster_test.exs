@@ -535,6 +535,28 @@ defmodule ScanBridge.ClusterTest do
     assert_receive {:stand_in_held, "session_state"}, 1_000
   end
 
+  test "a close whose member does not answer ends by its timeout; the copies are freed later",
+       %{shared: g} do
+    {:ok, s} = Cluster.open_session(g, model: "tiny", batch: 1)
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+    held = snapshot_bytes(owner)
+    # a copy on the owner, which the close leaves no time to free
+    {:ok, _snap} = Cluster.snapshot(s)
+    keeper = Process.monitor(s.pid)
+    os_pid = os_pid!(owner)
+    freeze(os_pid)
+    timeout = 300
+    started = System.monotonic_time(:millisecond)
+    assert {:error, %Error{reason: :timeout}} = Cluster.close_session(s, timeout: timeout)
+    # the owner's own answer, at the deadline: not the keeper's, given up on 100 ms past it
+    assert System.monotonic_time(:millisecond) - started < timeout + 100
+    assert_receive {:DOWN, ^keeper, :process, _pid, :normal}, 1_000
+    thaw(os_pid)
+    # the server closes the session, and frees the copy, of the keeper gone (other tests'
+    # copies may go meanwhile: at most what was held)
+    assert eventually(fn -> snapshot_bytes(owner) <= held end)
+  end
+
   test "without checkpoints a snapshot lives on its server, and closing frees its copies" do
     g = model_group(1)
     [member] = Cluster.members(g)

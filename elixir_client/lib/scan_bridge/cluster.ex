@@ -438,7 +438,14 @@ defmodule ScanBridge.Cluster do
   def session_state(%Session{} = session, opts \\ []),
     do: Session.call(session, :session_state, nil, opts)
 
-  @doc "Closes the session on its server and stops its keeper."
+  @doc """
+  Closes the session on its server and stops its keeper, answering by `:timeout` (plus at most
+  100 ms, as every call): a member that does not answer the close by then gives
+  `{:error, %ScanBridge.Error{reason: :timeout}}`, and the keeper stops all the same (the
+  member's server closes the session when it sees the keeper go). The session's snapshots are
+  freed by the same deadline (and within 2 s); what it leaves no time for, the member's server
+  frees when it sees the keeper go.
+  """
   @spec close_session(session, ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def close_session(%Session{} = session, opts \\ []), do: Session.close(session, opts)
 

@@ -275,9 +275,12 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
+  # The snapshots' copies are freed by the close's deadline too (and within what a checkpoint
+  # may take), so that nothing here answers past it; what that leaves no time for, the owner's
+  # server closes and frees when it sees this keeper go.
   def handle_call({:close, deadline}, _from, state) do
     outcome = if state.owner, do: close_remote(state, deadline), else: :ok
-    {:stop, :normal, outcome, release(state)}
+    {:stop, :normal, outcome, release(state, earlier(deadline, checkpoint_deadline()))}
   end
 
   def handle_call({:snapshot, deadline}, _from, state) do
@@ -879,13 +882,10 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   # What this keeper holds on its members, given back: the snapshots' copies on the owner (those
-  # on a member gone since went with it), then the owner's place in the balancer.
-  defp release(state) do
-    free_remote_snapshots(
-      state,
-      Map.values(state.snapshots),
-      Cluster.deadline(@checkpoint_timeout_ms)
-    )
+  # on a member gone since went with it), freed by `deadline`, then the owner's place in the
+  # balancer.
+  defp release(state, deadline \\ checkpoint_deadline()) do
+    free_remote_snapshots(state, Map.values(state.snapshots), deadline)
 
     if state.token, do: Balancer.checkin(state.token)
     %{state | token: nil, snapshots: %{}}
@@ -1123,8 +1123,11 @@ defmodule ScanBridge.Cluster.Session do
     forget_copy(snapshot, nil)
   end
 
+  # None once `deadline` has passed: sent with no time left, a free would not be sent, and one to
+  # a member cut off would still take its call's grace.
   defp free_remote_snapshots(state, snapshots, deadline) do
-    for %{owner: owner, remote: remote} <- snapshots, owner != nil and owner == state.owner do
+    for %{owner: owner, remote: remote} <- snapshots,
+        owner != nil and owner == state.owner and not expired?(deadline) do
       _freed = ScanBridge.free_snapshot(owner, remote, timeout: Cluster.remaining(deadline))
     end
 
@@ -1155,6 +1158,11 @@ defmodule ScanBridge.Cluster.Session do
       detail: %{}
     }
   end
+
+  defp checkpoint_deadline, do: Cluster.deadline(@checkpoint_timeout_ms)
+
+  defp earlier(:infinity, deadline), do: deadline
+  defp earlier(deadline, other), do: min(deadline, other)
 
   defp expired?(:infinity), do: false
   defp expired?(deadline), do: Cluster.remaining(deadline) == 0
