@@ -263,7 +263,7 @@ class HeldRequest:
     """A request kept back from the wire while the connection's cap is full: sent, re-encoded
     with what is left of its deadline, when an earlier reply frees a slot."""
 
-    op: str
+    op: str | None  # None: a body from send_raw, sent as it is
     wire_args: dict
     parts: list
     deadline_ns: int | None  # perf_counter_ns when its budget runs out; None: it has none
@@ -339,27 +339,31 @@ class FramedClient:
         entry = InFlight(Future(), time.perf_counter_ns())
         deadline_us = None if deadline_s is None else int(deadline_s * 1e6)
         with self._in_flight(request_id, entry) as request_id:
-            entry.future.request_id = request_id  # what cancel() names
             wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
             parts = self._encode(request_id, op, wire_args, deadline_us)
             entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
             deadline_ns = None if deadline_us is None else entry.start_ns + deadline_us * 1000
-            held = self._held_back(request_id, HeldRequest(op, wire_args, parts, deadline_ns))
-            if not held:
-                self._send(parts)
+            held = self._send_or_hold(request_id, HeldRequest(op, wire_args, parts, deadline_ns))
         if held:
-            # While it was being encoded it counted as on the wire, so a reply that came then
-            # released nothing: with nothing left to answer, it and those before it would wait
-            # for ever. Release what the cap has room for now.
             self._send_released()
         return entry.future
 
+    def _send_or_hold(self, request_id, request: HeldRequest) -> bool:
+        """Send `request` (registered in flight already), or hold it; whether it was held. The
+        caller then releases what the cap has room for (`_send_released`): while it was being
+        encoded it counted as on the wire, so a reply that came then released nothing, and with
+        nothing left to answer, it and those before it would wait for ever."""
+        if self._held_back(request_id, request):
+            return True
+        self._send(request.parts)
+        return False
+
     def _held_back(self, request_id, request: HeldRequest) -> bool:
-        """Whether `request` (registered in flight already) is held instead of sent: while this
-        connection has its cap's worth but one on the wire, or others are held before it. A
-        cancel is never held: it takes the slot left for it."""
+        """Whether `request` is held instead of sent: while this connection has its cap's worth
+        but one on the wire, or others are held before it. A cancel is never held: it takes the
+        slot left for it."""
         if self.max_in_flight is None or request.op == "cancel":
             return False
         with self._lock:
@@ -407,6 +411,7 @@ class FramedClient:
         the write returns, and taken out again if sending raises (its caller gets the
         exception, never the Future)."""
         request_id = self._register(request_id, entry)
+        entry.future.request_id = request_id  # what cancel() names
         try:
             yield request_id
         except BaseException:
@@ -633,8 +638,11 @@ class FramedClient:
 
     def send_raw(self, body: bytes, request_id=None) -> Future | None:
         """Write an arbitrary body as one frame (tests and benchmarks). With `request_id`, the
-        reply carrying that id resolves the returned Future; replies with ids that match
-        nothing in flight (e.g. id null for an undecodable body) land in `self.unmatched`."""
+        reply carrying that id resolves the returned Future, and the frame keeps to the cap as
+        a request does (held while the cap is full); without, it is sent at once and not
+        counted against the cap, its reply being one the client cannot tell. Replies with ids
+        that match nothing in flight (e.g. id null for an undecodable body) land in
+        `self.unmatched`."""
         parts = protocol.frame_parts([body])
         return self._send_raw(parts, request_id)
 
@@ -644,8 +652,9 @@ class FramedClient:
             return None
         entry = InFlight(Future(), time.perf_counter_ns(), bytes_out=sum(memoryview(p).nbytes for p in parts))
         with self._in_flight(request_id, entry):
-            entry.future.request_id = request_id  # what cancel() names
-            self._send(parts)
+            held = self._send_or_hold(request_id, HeldRequest(None, {}, parts, None))
+        if held:
+            self._send_released()
         return entry.future
 
     # -- replies --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ the native step path -- and everything else is served as before."""
 from __future__ import annotations
 
 import contextlib
+import select
 import threading
 import time
 
@@ -403,6 +404,39 @@ def test_a_request_held_while_the_last_reply_came_is_sent(tmp_path, inproc):
             encoder.join(10)
             assert held.result(10).ok and late[0].result(10).ok
             assert not client._pending and not client._held
+
+
+@contextlib.contextmanager
+def pipe_capped_at(cap: int):
+    """A client over two pipes, the test its server (test_client's PipeServer), holding
+    requests as it does once `info()` read `max_in_flight_per_peer` = `cap`."""
+    from test_client import PipeServer
+
+    server = PipeServer()
+    server.client.max_in_flight = cap
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def nothing_sent(server) -> bool:
+    """Whether no request waits to be read: the client writes on the thread that sends."""
+    return not select.select([server.requests], [], [], 0)[0]
+
+
+def test_a_raw_request_with_an_id_is_held_under_the_cap_as_submitted_ones_are():
+    """send_raw(..., request_id=...) went straight to the wire, taking the slot kept for
+    cancels (found in review)."""
+    with pipe_capped_at(2) as server:
+        sent = server.client.submit("ping")
+        raw = server.client.send_raw(b"".join(protocol.encode_request(7, "ping", {})), request_id=7)
+        assert server.read_request().id == sent.request_id
+        assert nothing_sent(server), "the raw request took the slot kept for cancels"
+        server.reply(sent.request_id)
+        assert server.read_request().id == 7
+        server.reply(7)
+        assert raw.result(10).ok and not server.client._pending
 
 
 def test_a_request_the_server_had_no_memory_to_read_fails_at_once(tmp_path, monkeypatch, inproc):
