@@ -3,8 +3,8 @@ would ({packet, 4}: a 4-byte big-endian length before each msgpack body), pipeli
 id, converts numpy/torch tensors to wire tensors and back, and returns each result with the
 server's timing split plus its own round trip. `UnixClient(path)` and `ZmqClient(endpoint)`
 have the same API for a server started with `--unix PATH` / `--zmq ENDPOINT`; on those two,
-`info()` also reads the server's per-connection cap, and the client then holds requests past it
-(but one, kept for cancels) until replies free a slot.
+`info()` also reads the server's per-connection cap, and the client then keeps to it: requests
+past the cap but one (the slot kept for cancels) are held until replies free a slot.
 
     with PortClient() as client:
         reply = client.scan(x, dt, A, B, C, return_state=True)
@@ -314,12 +314,15 @@ class FramedClient:
         self.unmatched_count = 0
         self.max_frame_size: int | None = None
         # The server's cap on this connection's requests in flight (info's
-        # max_in_flight_per_peer, adopted on the lanes that have one), or None. One slot is left
-        # for cancels (where the cap has one to spare): past the cap a request waits unread, and
-        # a cancel behind the very request it names would arrive after it ran. Requests past it
-        # are held here, in order, where cancel drops them unsent.
+        # max_in_flight_per_peer, adopted on the lanes that have one), or None. Past the cap a
+        # frame waits unread, and a cancel behind the very request it names would arrive after
+        # it ran, so what is on the wire keeps to the cap, cancels included, and requests leave
+        # one slot of it to cancels (where it has one to spare). Requests past that are held
+        # here, in order, where cancel drops them unsent; cancels past the cap wait apart and go
+        # first, the server answering a cancel as it reads it.
         self.max_in_flight: int | None = None
         self._held: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
+        self._held_cancels: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
@@ -361,33 +364,49 @@ class FramedClient:
         return False
 
     def _held_back(self, request_id, request: HeldRequest) -> bool:
-        """Whether `request` is held instead of sent: while this connection has its cap's worth
-        but one on the wire, or others are held before it. A cancel is never held: it takes the
-        slot left for it."""
-        if self.max_in_flight is None or request.op == "cancel":
+        """Whether `request` is held instead of sent: a request while this connection has its
+        cap's worth but one on the wire, or others are held before it; a cancel while it has
+        the cap's worth, or other cancels wait before it."""
+        if self.max_in_flight is None:
             return False
         with self._lock:
+            if request.op == "cancel":
+                if not self._held_cancels and self._wire_room(not_counting=1, for_cancel=True):
+                    return False
+                self._held_cancels[request_id] = request
+                return True
             if not self._held and self._wire_room(not_counting=1):
                 return False
             self._held[request_id] = request
             return True
 
-    def _wire_room(self, not_counting: int = 0) -> bool:
-        """Whether the cap, less the slot kept for cancels (where it has one to spare), has room
-        for one more request on the wire: those in flight and not held, less `not_counting`
-        registered but not yet sent or held. Called with self._lock held."""
-        on_wire = len(self._pending) - len(self._held) - not_counting
-        return on_wire < max(self.max_in_flight - 1, 1)
+    def _wire_room(self, not_counting: int = 0, *, for_cancel: bool = False) -> bool:
+        """Whether the cap has room for one more request on the wire (less the slot kept for
+        cancels, where it has one to spare), or, `for_cancel`, one more cancel: those in flight
+        and not held count, less `not_counting` registered but not yet sent or held. Called with
+        self._lock held."""
+        on_wire = len(self._pending) - len(self._held) - len(self._held_cancels) - not_counting
+        return on_wire < (self.max_in_flight if for_cancel else max(self.max_in_flight - 1, 1))
 
     def _send_released(self) -> None:
-        """Send held requests, oldest first, while the cap has room (after a reply freed a
-        slot). A request whose deadline has passed goes with a spent budget, which the server
-        answers deadline_exceeded; a send that fails fails its request."""
+        """Send what is held while the cap has room (after a reply freed a slot): cancels first,
+        then requests, each oldest first. A cancel whose request was answered while it waited
+        is dropped. A request whose deadline has passed goes with a spent budget, which the
+        server answers deadline_exceeded; a send that fails fails its request."""
         while True:
             with self._lock:
-                if not self._held or self.max_in_flight is None or not self._wire_room():
+                if self.max_in_flight is None:
                     return
-                request_id, request = self._held.popitem(last=False)
+                if self._held_cancels and self._wire_room(for_cancel=True):
+                    request_id, request = self._held_cancels.popitem(last=False)
+                    named = self._pending.get(request.wire_args["id"])
+                    if named is None or not named.future.cancelled():
+                        self._pending.pop(request_id, None)  # its request was answered: nothing to drop
+                        continue
+                elif self._held and self._wire_room():
+                    request_id, request = self._held.popitem(last=False)
+                else:
+                    return
                 entry = self._pending.get(request_id)
             if entry is None:
                 continue
@@ -418,7 +437,7 @@ class FramedClient:
             with self._lock:
                 self._pending.pop(request_id, None)
             # It counted against the cap while registered: what it held back may go now.
-            if self._held:
+            if self._held or self._held_cancels:
                 self._send_released()
             raise
 
@@ -499,20 +518,34 @@ class FramedClient:
         """Give up on a submitted request: its Future is cancelled (its late reply is dropped)
         and the server asked to drop it if it has not started (SPEC §6 `cancel`; its answer is
         not waited for); one still held here is dropped unsent, nothing asked of the server.
-        False when its reply has come already."""
+        False when its reply has come already.
+
+        Under the cap `info()` read, the cancel takes the slot kept for cancels; with that slot
+        taken (others cancelling at once) it waits for the next reply, goes before held
+        requests, and is dropped if its request is answered meanwhile. So with a cap of 1, where
+        no slot is left, a cancel of the request on the wire is never sent (the server would
+        read it only once that request was answered): only its Future is cancelled, and its
+        deadline (`request`'s timeout, `submit`'s deadline_s) still bounds its wait on the
+        server."""
         if not future.cancel():
             return False
+        request_id = future.request_id
         with self._lock:
-            held = self._held.pop(future.request_id, None) is not None
-            if held:
-                self._pending.pop(future.request_id, None)
-        if held:
-            return True  # never sent: nothing to drop on the server
+            entry = self._pending.get(request_id)
+            if entry is None or entry.future is not future:
+                return True  # its reply came meanwhile, or it failed: nothing to drop
+            if self._held.pop(request_id, None) is not None:
+                del self._pending[request_id]
+                return True  # never sent: nothing to drop on the server
+        self._cancel_at_server(request_id)
+        return True
+
+    def _cancel_at_server(self, request_id) -> None:
+        """Ask the server to drop request `request_id` (sent already); its answer is not waited for."""
         try:
-            self.submit("cancel", {"id": future.request_id})
+            self.submit("cancel", {"id": request_id})
         except ServerExited:
             pass  # nothing left to drop it from
-        return True
 
     def call(self, op: str, timeout: float | None = 60.0, **args) -> dict:
         """The result map; raises BridgeError on an error reply."""
@@ -529,8 +562,8 @@ class FramedClient:
     def info(self) -> dict:
         """The server's `info`; adopts its limits: `max_frame_size` (larger requests are refused
         unsent) and, on the unix and ZeroMQ lanes, `max_in_flight_per_peer`: beyond the cap less
-        one (at least one) on the wire, requests are held here until replies free a slot (see
-        `max_in_flight`)."""
+        one (at least one) on the wire, requests are held here until replies free a slot, and
+        cancels beyond the cap itself (see `max_in_flight` and `cancel`)."""
         info = self.call("info")
         limits = info.get("limits", {})
         self.max_frame_size = limits.get("max_frame_size", self.max_frame_size)
@@ -698,7 +731,7 @@ class FramedClient:
                       round_trip_us=(done - start) / 1000.0, client_encode_us=entry.encode_us if entry else 0.0,
                       client_decode_us=(done - received_ns) / 1000.0, bytes_out=entry.bytes_out if entry else 0,
                       bytes_in=nbytes)
-        if self._held:
+        if self._held or self._held_cancels:
             self._send_released()
         if entry is None:
             self._keep_unmatched(reply)
@@ -718,7 +751,8 @@ class FramedClient:
         could not know its id), taken out of flight: the oldest one whose body has the length
         the reply names, among those sent (a held one was not). Called with self._lock held."""
         for request_id, entry in self._pending.items():
-            if request_id not in self._held and entry.bytes_out - self._frame_overhead == detail.get("length"):
+            unsent = request_id in self._held or request_id in self._held_cancels
+            if not unsent and entry.bytes_out - self._frame_overhead == detail.get("length"):
                 return self._pending.pop(request_id)
         return None
 
@@ -733,6 +767,7 @@ class FramedClient:
             pending = list(self._pending.values())
             self._pending.clear()
             self._held.clear()
+            self._held_cancels.clear()
         for entry in pending:
             settle(entry.future, exc)
 

@@ -439,6 +439,43 @@ def test_a_raw_request_with_an_id_is_held_under_the_cap_as_submitted_ones_are():
         assert raw.result(10).ok and not server.client._pending
 
 
+def test_cancels_past_the_cap_wait_for_a_slot_and_go_before_held_requests():
+    """The server counts a cancel against --max-in-flight-per-peer until it answers it: a
+    second cancel at once (several threads giving up together) went one past the cap (found
+    in review). It waits for the first one's answer, and goes before a held request."""
+    with pipe_capped_at(3) as server:
+        first, second = server.client.submit("ping"), server.client.submit("ping")
+        held = server.client.submit("ping")
+        assert [server.read_request().id for _ in range(2)] == [first.request_id, second.request_id]
+        assert server.client.cancel(first) and server.client.cancel(second)
+        cancel = server.read_request()
+        assert (cancel.op, cancel.args) == ("cancel", {"id": first.request_id})
+        assert nothing_sent(server), "the second cancel went past the cap"
+        server.reply(cancel.id, {"cancelled": True})
+        second_cancel = server.read_request()  # that answer freed the slot, which the held request may not take
+        assert second_cancel.args == {"id": second.request_id}
+        for request_id in (first.request_id, second.request_id, second_cancel.id):
+            server.reply(request_id)
+        assert server.read_request().id == held.request_id
+        server.reply(held.request_id)
+        assert held.result(10).ok and not server.client._pending
+
+
+def test_with_a_cap_of_one_cancel_of_the_request_sent_is_local():
+    """A cap of 1 leaves no slot for cancels: requests go one at a time, and a cancel of the
+    one sent would be read only once it was answered. cancel() cancels its Future and sends
+    nothing; a held request goes when the answer comes."""
+    with pipe_capped_at(1) as server:
+        sent, held = server.client.submit("ping"), server.client.submit("ping")
+        assert server.read_request().id == sent.request_id
+        assert server.client.cancel(sent) and sent.cancelled()
+        assert nothing_sent(server), "a cancel went past a cap of one"
+        server.reply(sent.request_id)
+        assert server.read_request().id == held.request_id
+        server.reply(held.request_id)
+        assert held.result(10).ok and not server.client._pending
+
+
 def test_a_request_the_server_had_no_memory_to_read_fails_at_once(tmp_path, monkeypatch, inproc):
     """Its answer has id nil (the server dropped the frame unread): the client matches it to
     the request by length, as a frame_too_large one, instead of leaving it waiting for ever and
