@@ -323,6 +323,9 @@ class FramedClient:
         self.max_in_flight: int | None = None
         self._held: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
         self._held_cancels: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
+        # Held requests a thread took out to send, by id: True once cancel() asked for them
+        # meanwhile; that thread then drops the request unsent, or sends the cancel after it.
+        self._releasing: dict[object, bool] = {}
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
@@ -408,20 +411,32 @@ class FramedClient:
                 else:
                     return
                 entry = self._pending.get(request_id)
-            if entry is None:
-                continue
+                if entry is None:  # answered before it was sent (a stray reply with its id)
+                    continue
+                self._releasing[request_id] = False
             parts = request.parts
             if request.deadline_ns is not None:
                 left_us = max(0, (request.deadline_ns - time.perf_counter_ns()) // 1000)
                 parts = self._encode(request_id, request.op, request.wire_args, left_us)
                 # Its length may have changed: an id-nil answer to it is matched by length.
                 entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
+            with self._lock:
+                if self._releasing.get(request_id):  # cancelled while taken out: never sent
+                    del self._releasing[request_id]
+                    self._pending.pop(request_id, None)
+                    continue
             try:
                 self._send(parts)
             except Exception as exc:
                 with self._lock:
+                    self._releasing.pop(request_id, None)
                     self._pending.pop(request_id, None)
                 settle(entry.future, exc)
+                continue
+            with self._lock:
+                cancel_asked = self._releasing.pop(request_id, False)
+            if cancel_asked:  # once it was on its way: the cancel goes behind it
+                self._cancel_at_server(request_id)
 
     @contextlib.contextmanager
     def _in_flight(self, request_id, entry: InFlight):
@@ -526,7 +541,8 @@ class FramedClient:
         no slot is left, a cancel of the request on the wire is never sent (the server would
         read it only once that request was answered): only its Future is cancelled, and its
         deadline (`request`'s timeout, `submit`'s deadline_s) still bounds its wait on the
-        server."""
+        server. A held request that another thread is sending as it is cancelled is not sent,
+        or has its cancel sent after it."""
         if not future.cancel():
             return False
         request_id = future.request_id
@@ -537,6 +553,9 @@ class FramedClient:
             if self._held.pop(request_id, None) is not None:
                 del self._pending[request_id]
                 return True  # never sent: nothing to drop on the server
+            if request_id in self._releasing:
+                self._releasing[request_id] = True  # the thread sending it drops it or cancels it
+                return True
         self._cancel_at_server(request_id)
         return True
 

@@ -5,6 +5,7 @@ the native step path -- and everything else is served as before."""
 from __future__ import annotations
 
 import contextlib
+import random
 import select
 import threading
 import time
@@ -461,6 +462,51 @@ def test_cancels_past_the_cap_wait_for_a_slot_and_go_before_held_requests():
         assert held.result(10).ok and not server.client._pending
 
 
+def test_a_request_cancelled_while_its_release_encodes_it_is_not_sent():
+    """A held request is re-encoded with what is left of its deadline when a reply frees a
+    slot; cancelled meanwhile, it was sent after its cancel, which named an id the server had
+    not seen, so that it then ran (found in review)."""
+    with pipe_capped_at(2) as server:
+        sent = server.client.submit("ping")
+        held = server.client.submit("stats", deadline_s=60)
+        server.read_request()
+        encoding, go = paused_encoding(server.client, "stats")
+        server.reply(sent.request_id)  # the reader thread releases `held`: paused in its encoding
+        assert encoding.wait(10)
+        assert server.client.cancel(held)
+        assert nothing_sent(server), "a cancel went for a request not sent yet"
+        go.set()
+        sent.result(10)  # resolved once the release returned
+        assert nothing_sent(server) and held.cancelled() and not server.client._pending
+
+
+def test_a_request_cancelled_while_its_release_writes_it_is_cancelled_after_it(monkeypatch):
+    """A cancel that comes once the releasing thread has begun to send the request goes after
+    it, from that thread (the caller's cancel() does not wait for the write)."""
+    import bridge.client
+
+    with pipe_capped_at(2) as server:
+        sent = server.client.submit("ping")
+        held = server.client.submit("stats")
+        server.read_request()
+        writing, go = threading.Event(), threading.Event()
+        write_all = bridge.client.write_all
+
+        def paused_on_the_reader(fd, parts):
+            if threading.current_thread() is server.client._thread and not go.is_set():
+                writing.set()
+                go.wait(10)
+            write_all(fd, parts)
+
+        monkeypatch.setattr(bridge.client, "write_all", paused_on_the_reader)
+        server.reply(sent.request_id)
+        assert writing.wait(10)
+        assert server.client.cancel(held)
+        go.set()
+        request, cancel = server.read_request(), server.read_request()
+        assert (request.id, cancel.op, cancel.args) == (held.request_id, "cancel", {"id": held.request_id})
+
+
 def test_with_a_cap_of_one_cancel_of_the_request_sent_is_local():
     """A cap of 1 leaves no slot for cancels: requests go one at a time, and a cancel of the
     one sent would be read only once it was answered. cancel() cancels its Future and sends
@@ -474,6 +520,85 @@ def test_with_a_cap_of_one_cancel_of_the_request_sent_is_local():
         assert server.read_request().id == held.request_id
         server.reply(held.request_id)
         assert held.result(10).ok and not server.client._pending
+
+
+class CapWatch:
+    """The far end of a client capped by `pipe_capped_at`, on a thread of its own: it reads
+    every frame as it comes, answers a cancel at once (and the request it names `cancelled`, if
+    waiting) and the other requests in a random order, and notes in `broken` what broke the
+    client's promises: more than the cap unanswered, a cancel before the request it names."""
+
+    def __init__(self, server, cap: int, seed: int):
+        self.server, self.cap = server, cap
+        self.random = random.Random(seed)
+        self.waiting: list = []  # ids read and not answered
+        self.seen: set = set()
+        self.broken: list[str] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.done.is_set() or self.waiting:
+            if select.select([self.server.requests], [], [], 0 if self.waiting else 0.01)[0]:
+                self._read()
+            elif self.waiting:
+                self.server.reply(self.waiting.pop(self.random.randrange(len(self.waiting))))
+
+    def _read(self) -> None:
+        request = self.server.read_request()
+        self.seen.add(request.id)
+        if len(self.waiting) + 1 > self.cap:
+            self.broken.append(f"{len(self.waiting) + 1} in flight, the cap {self.cap}")
+        if request.op != "cancel":
+            self.waiting.append(request.id)
+            return
+        named = request.args["id"]
+        if named not in self.seen:
+            self.broken.append(f"a cancel of {named!r} came before it")
+        if named in self.waiting:
+            self.waiting.remove(named)
+            self.server.error(named, "cancelled")
+        self.server.reply(request.id, {})
+
+    def finish(self) -> list[str]:
+        self.done.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "requests the client sent were never all answered"
+        return self.broken
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_threads_submitting_and_cancelling_at_once_keep_the_clients_promises(cap):
+    """A stress of the hold: threads submit (some with deadlines, so re-encoded when released,
+    some raw) and cancel at once, or wait. The server never has more than the cap unanswered
+    nor a cancel before its request, and every request ends answered or cancelled."""
+    with pipe_capped_at(cap) as server:
+        client, watch = server.client, CapWatch(server, cap, seed=cap)
+
+        def caller(index: int) -> None:
+            rng = random.Random(index)
+            for turn in range(150):
+                if rng.random() < 0.2:
+                    request_id = f"raw-{index}-{turn}"
+                    future = client.send_raw(b"".join(protocol.encode_request(request_id, "ping", {})),
+                                             request_id=request_id)
+                else:
+                    future = client.submit("ping", deadline_s=60 if rng.random() < 0.5 else None)
+                if rng.random() < 0.5:
+                    time.sleep(rng.random() * 1e-4)
+                    client.cancel(future)
+                else:
+                    future.result(60)
+
+        callers = [threading.Thread(target=caller, args=(index,)) for index in range(8)]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join(120)
+        assert watch.finish() == []
+        wait_until(lambda: not client._pending, "requests left in flight")
+        assert not (client._held or client._held_cancels or client._releasing)
 
 
 def test_a_request_the_server_had_no_memory_to_read_fails_at_once(tmp_path, monkeypatch, inproc):
