@@ -842,20 +842,23 @@ def test_simd_variant_ssd_backward_nonfinite_item_leaves_other_items_as_the_refe
                      f"{operand}={value} seed={seed}", tolerance=(rtol, atol * float(expected.abs().max())))
 
 
-# A NaN x through Mamba-2's chunked backward, per variant: NaN in the gradients exactly where the
-# reference has it. dt's and C's were NaN at the steps before it too: E o R took R's NaN past the
-# diagonal, where E is 0, and a's gradient, gathered as row sums less column sums of E o G o R
-# and as the final state's share less each step's, took a NaN from any step of the chunk.
+# A NaN x or dt through Mamba-2's chunked backward, per variant: NaN in the gradients exactly where
+# the reference has it. With NaN x, dt's and C's were NaN at the steps before it too: E o R took R's
+# NaN past the diagonal, where E is 0, and a's gradient, gathered as row sums less column sums of
+# E o G o R and as the final state's share less each step's, took a NaN from any step of the chunk.
+# With NaN dt, dx and dB were NaN at every later step of its chunk: their decays, exp(cs_t - cs_s),
+# took cs's NaN from that step on, though a span of steps after it does not hold its decay.
+@pytest.mark.parametrize("operand", ["x", "dt"])
 @pytest.mark.parametrize("bounds, seq, state_size", SSD_NONFINITE_PATHS)
-def test_simd_variant_ssd_backward_nan_x_spreads_as_in_the_reference(simd_backend, bounds, seq, state_size):
+def test_simd_variant_ssd_backward_nan_spreads_as_in_the_reference(simd_backend, bounds, seq, state_size, operand):
     seed = random_seed()
-    tensors, options, spans = _ssd_backward_inputs_with_a_nonfinite_item(bounds, seq, state_size, "x",
+    tensors, options, spans = _ssd_backward_inputs_with_a_nonfinite_item(bounds, seq, state_size, operand,
                                                                           float("nan"), (1, 2), seed)
     got = simd_backend.ssd_scan_backward(*tensors, **options,
                                          cu_seqlens=None if bounds is None else torch.tensor(bounds))
     rtol, atol = GRAD_TOLERANCES[torch.float32]
     for name, sequence, _, actual, expected in _ssd_gradients_by_sequence(got, tensors, options, spans):
-        what = f"{simd_backend.details['simd']} build d{name} of sequence {sequence} seed={seed}"
+        what = f"{simd_backend.details['simd']} build d{name} of sequence {sequence} {operand}=NaN seed={seed}"
         nan, got_nan = torch.isnan(expected), torch.isnan(actual)
         assert torch.equal(got_nan, nan), (f"{what}: NaN at {got_nan.nonzero().tolist()}, "
                                            f"the reference's at {nan.nonzero().tolist()}")

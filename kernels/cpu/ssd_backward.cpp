@@ -257,6 +257,11 @@ class SsdBackwardRunner {
       w_[t] = t < steps ? static_cast<T>(sum - cs_[t]) : T(0);
       ecs_[t] = t < steps ? static_cast<T>(cs_[t]) : T(0);
     }
+    // A NaN or inf log decay leaves cs non-finite from its step on, where cs_t - cs_s is NaN for
+    // the spans after that step too; such a chunk sums each span over its own steps instead.
+    chunk_deltas_ = deltas_ + t0;
+    finite_spans_ = std::isfinite(sum);
+    if (!finite_spans_) spans_to(steps - 1, w_);
     for (int64_t j = 0; j < QV_; ++j) {
       reinterpret_cast<V*>(w_)[j] = exp_lanes<T>(reinterpret_cast<V*>(w_)[j]);
       reinterpret_cast<V*>(ecs_)[j] = exp_lanes<T>(reinterpret_cast<V*>(ecs_)[j]);
@@ -288,11 +293,22 @@ class SsdBackwardRunner {
     }
   }
 
+  // out[s] = cs_t - cs_s for s <= t, summed over its own steps' log decays (0 past t).
+  void spans_to(int64_t t, T* out) const {
+    double sum = 0;
+    for (int64_t s = t; s >= 0; --s) {
+      out[s] = static_cast<T>(sum);
+      sum += static_cast<double>(chunk_deltas_[s]) * static_cast<double>(A_);
+    }
+    std::fill(out + t + 1, out + QV_ * W, T(0));
+  }
+
   // er_[t, s] = E[t, s], eg_[t, s] = E[t, s] G[t, s], both zero for s > t.
   void decay_matrices(int64_t steps) {
     for (int64_t t = 0; t < steps; ++t) {
       T* e = lanes(er_ + t * QV_);
       for (int64_t s = 0; s < QV_ * W; ++s) e[s] = s <= t ? static_cast<T>(cs_[t] - cs_[s]) : T(0);
+      if (!finite_spans_) spans_to(t, e);
       for (int64_t j = 0; j <= t / W; ++j) {
         er_[t * QV_ + j] = exp_lanes<T>(er_[t * QV_ + j]);
         eg_[t * QV_ + j] = er_[t * QV_ + j] * gm_[t * QV_ + j];
@@ -472,6 +488,9 @@ class SsdBackwardRunner {
   V *bt_, *ut_, *dh_, *dhn_, *dht_, *hint_, *D_, *dD_, *colsums_;
   // cs; cs's gradient from the factors exp(cs_t); a_t's from the factors exp(cs_t - cs_s).
   double *cs_, *dcs_, *da_spans_;
+  // The prepared chunk's: whether its cs is finite, and its deltas.
+  bool finite_spans_ = true;
+  const T* chunk_deltas_ = nullptr;
   V lane_;  // each lane's index
   T *ecs_, *w_, *dots_, *deltas_, *slopes_;
 };
