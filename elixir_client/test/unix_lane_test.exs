@@ -168,28 +168,11 @@ defmodule ScanBridge.UnixLaneTest do
   end
 
   test "an answer with id nil goes to the oldest request of the length it names, at once" do
-    path = TestSupport.socket_path()
-    # the client's socket lane ends here, at a peer this test plays; the server serves the Port
-    {:ok, listener} =
-      :gen_tcp.listen(0, [:binary, packet: 4, active: false, ifaddr: {:local, path}])
-
-    test = self()
-
-    peer =
-      Task.async(fn ->
-        {:ok, socket} = :gen_tcp.accept(listener, 60_000)
-        # start-up: a ping, then info (no limits, no cancel: only the requests below come)
-        answer!(socket, %{"pong" => true})
-        answer!(socket, %{"protocol" => %{"ops" => ["ping", "info"]}, "limits" => %{}})
-        :ok = :gen_tcp.controlling_process(socket, test)
-        socket
-      end)
-
-    opts =
-      TestSupport.server_opts(python: wrapper(path), transport: {:unix, path}, max_in_flight: 3)
-
-    client = start_supervised!({ScanBridge, opts}, id: :dropped_unread)
-    socket = Task.await(peer, 60_000)
+    # no limits, no cancel: only the requests below come
+    {client, socket} =
+      played_server(:dropped_unread, %{"protocol" => %{"ops" => ["ping", "info"]}, "limits" => %{}},
+        max_in_flight: 3
+      )
 
     echo = fn pad ->
       Task.async(fn ->
@@ -232,10 +215,108 @@ defmodule ScanBridge.UnixLaneTest do
     assert state.outstanding == %{} and state.pending == %{}
   end
 
+  # The server's cap counts a cancel until it answers it, and leaves frames past the cap unread:
+  # a cancel past it would wait behind the very request it names. With the cap 4, requests keep
+  # to 3, and the place left takes one cancel at a time.
+  test "cancels keep to the server's cap: the others wait, go before queued requests, or drop" do
+    {client, socket} = played_server(:held_cancels, capped_info(4), [])
+    assert :sys.get_state(client).max_in_flight == 3
+
+    given_up = for _ <- 1..3, do: echo(client, 500)
+    sent = for _ <- given_up, do: request!(socket)["id"]
+    queued = echo(client, 30_000)
+    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
+
+    # their deadlines pass together: one cancel goes, the place left for it
+    for task <- given_up, do: assert({:error, %Error{reason: :timeout}} = Task.await(task))
+    %{"op" => "cancel", "id" => first_cancel, "args" => %{"id" => first}} = request!(socket)
+    assert nothing_sent?(socket), "a second cancel went past the server's cap"
+
+    # one of the others is answered (it had started): its cancel is dropped, the last one goes
+    # in the place that answer left, and the queued request still waits
+    [answered, last] = sent -- [first]
+    reply!(socket, answered, %{"ok" => true, "result" => %{}})
+    %{"op" => "cancel", "id" => last_cancel, "args" => %{"id" => ^last}} = request!(socket)
+    assert nothing_sent?(socket)
+
+    reply!(socket, first_cancel, %{"ok" => true, "result" => %{"cancelled" => true}})
+    reply!(socket, last_cancel, %{"ok" => true, "result" => %{"cancelled" => true}})
+    %{"op" => "echo", "id" => queued_id} = request!(socket)
+
+    for id <- [first, last, queued_id], do: reply!(socket, id, %{"ok" => true, "result" => %{}})
+    assert {:ok, %{}, _timing} = Task.await(queued)
+    assert nothing_sent?(socket)
+    assert eventually(fn -> :sys.get_state(client).outstanding == %{} end)
+    assert :queue.is_empty(:sys.get_state(client).held_cancels)
+  end
+
+  test "with a server cap of 1 no cancel is sent: the request's own deadline bounds it there" do
+    {client, socket} = played_server(:cap_of_one, capped_info(1), [])
+    given_up = echo(client, 200)
+    %{"id" => given_up_id, "deadline_us" => _budget} = request!(socket)
+    queued = echo(client, 30_000)
+
+    assert {:error, %Error{reason: :timeout, message: message}} = Task.await(given_up)
+    assert nothing_sent?(socket), "a cancel went past a cap of 1"
+    assert message =~ "deadline_us"
+
+    reply!(socket, given_up_id, %{"ok" => true, "result" => %{}})
+    %{"op" => "echo", "id" => queued_id} = request!(socket)
+    reply!(socket, queued_id, %{"ok" => true, "result" => %{}})
+    assert {:ok, %{}, _timing} = Task.await(queued)
+    assert nothing_sent?(socket)
+  end
+
+  # A client whose unix lane ends at a peer the test plays (the server serves the Port), which
+  # answers the start-up ping and then `info` with `info`: {the client, the peer's socket}.
+  defp played_server(id, info, opts) do
+    path = TestSupport.socket_path()
+
+    {:ok, listener} =
+      :gen_tcp.listen(0, [:binary, packet: 4, active: false, ifaddr: {:local, path}])
+
+    test = self()
+
+    peer =
+      Task.async(fn ->
+        {:ok, socket} = :gen_tcp.accept(listener, 60_000)
+        answer!(socket, %{"pong" => true})
+        answer!(socket, info)
+        :ok = :gen_tcp.controlling_process(socket, test)
+        socket
+      end)
+
+    opts = TestSupport.server_opts([python: wrapper(path), transport: {:unix, path}] ++ opts)
+    client = start_supervised!({ScanBridge, opts}, id: id)
+    {client, Task.await(peer, 60_000)}
+  end
+
+  # The info of a server that takes deadlines and cancels, `cap` requests in flight per connection.
+  defp capped_info(cap) do
+    %{
+      "protocol" => %{"ops" => ["ping", "info", "echo", "cancel"]},
+      "limits" => %{"max_in_flight_per_peer" => cap}
+    }
+  end
+
+  defp echo(client, timeout),
+    do: Task.async(fn -> Server.request(client, "echo", %{}, timeout) end)
+
+  # Whether the peer's `socket` receives nothing for a while.
+  defp nothing_sent?(socket), do: :gen_tcp.recv(socket, 0, 300) == {:error, :timeout}
+
   # The next request the peer's `socket` receives: {its id, its body's length}.
   defp received!(socket) do
-    {:ok, body} = :gen_tcp.recv(socket, 0, 5_000)
+    body = body!(socket)
     {Msgpack.decode!(body)["id"], byte_size(body)}
+  end
+
+  # The next request the peer's `socket` receives, decoded.
+  defp request!(socket), do: socket |> body!() |> Msgpack.decode!()
+
+  defp body!(socket) do
+    {:ok, body} = :gen_tcp.recv(socket, 0, 5_000)
+    body
   end
 
   # Receive the next request on `socket` and answer it with `result`.

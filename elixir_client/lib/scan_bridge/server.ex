@@ -19,11 +19,17 @@ defmodule ScanBridge.Server do
   `deadline_us`, SPEC §4, §6) is told each request's budget: what is left of its deadline when
   it is sent, as `deadline_us`; it answers one that could not start within it
   `deadline_exceeded` without running it. And when a caller gives up on a request at the
-  server (its deadline passed, or it exited), this process sends `cancel` for it at once, past
+  server (its deadline passed, or it exited), this process sends `cancel` for it, past
   `:max_in_flight`: a request that has not started is dropped (answered `cancelled`, an answer
   dropped here like any late one), so that the server's time goes to callers still waiting; one
   that has started runs to its end, and its late reply is dropped and released as above. An
-  older server gets neither (it would refuse the envelope key as `invalid_request`).
+  older server gets neither (it would refuse the envelope key as `invalid_request`). On the
+  Port lane (stdio has no per-connection cap) the cancel goes at once. On the unix lane it
+  keeps to the server's cap, which counts a cancel until it answers it and leaves frames past
+  it unread, behind the very requests they name: a cancel goes at once while fewer than the
+  cap are at the server, and otherwise waits here for replies to make room, going out before
+  queued requests, oldest first, and dropped unsent if its request is answered meanwhile. So
+  with a cap of 1 no cancel is sent: the request's `deadline_us` still bounds it there.
 
   At most `:max_in_flight` requests are at the server at once; more wait here, in order,
   under their own deadlines. A queued request whose deadline passes, or whose caller exits, is
@@ -50,7 +56,8 @@ defmodule ScanBridge.Server do
   the unix lane `:max_in_flight` is kept one below the server's `max_in_flight_per_peer` (past
   which the server leaves requests unread in the socket, where more would only wait in the
   lane's queue instead of this one's, out of reach of their deadlines; the place left is for
-  cancels, which go past `:max_in_flight` and must be read to drop what they name).
+  cancels, which go past `:max_in_flight` but not past that cap, and must be read to drop what
+  they name).
 
   When the server's OS process exits or its lane closes, every waiting caller gets
   `{:error, %ScanBridge.Error{reason: :server_exited}}` and this process stops, for its
@@ -145,6 +152,13 @@ defmodule ScanBridge.Server do
     # whether the server takes deadline_us and cancel (SPEC §4, §6: its info lists cancel); an
     # older one would refuse a request with deadline_us as invalid
     deadlines: false,
+    # the server's cap on this connection's requests in flight, cancels included (info's
+    # max_in_flight_per_peer), on the unix lane; nil on the Port lane, which has none, or from
+    # a server whose info lacks it
+    server_max_in_flight: nil,
+    # ids of requests given up at the server whose cancels wait for room under
+    # server_max_in_flight, oldest first; one whose request is answered meanwhile is dropped
+    held_cancels: :queue.new(),
     next_id: 0,
     # the group's model names (ScanBridge.Cluster.load_model/4) => this server's model ids
     models: %{},
@@ -515,9 +529,17 @@ defmodule ScanBridge.Server do
   # The answer of a caller whose request was sent and not answered by its deadline.
   defp timed_out(state, id) do
     message =
-      if state.deadlines,
-        do: "no reply before the deadline (the server was asked to drop it if not started)",
-        else: "no reply before the deadline"
+      cond do
+        not state.deadlines ->
+          "no reply before the deadline"
+
+        # no place for a cancel beside the request (send_cancels)
+        state.server_max_in_flight == 1 ->
+          "no reply before the deadline (the server drops it if not started within its deadline_us)"
+
+        true ->
+          "no reply before the deadline (the server is asked to drop it if not started)"
+      end
 
     Error.client(:timeout, message, %{"id" => id})
   end
@@ -611,12 +633,32 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # Sent at once, past :max_in_flight (the server serves a cancel as it arrives, and the
-  # request it drops leaves its place then); with no caller, its answer is dropped.
+  # Past :max_in_flight (the server serves a cancel as it reads it, and the request it drops
+  # leaves its place then), but behind other cancels and within the server's cap (send_cancels).
   defp cancel_at_server(%{deadlines: true} = state, id) when is_map_key(state.outstanding, id),
-    do: send_uncalled(state, "cancel", %{id: id})
+    do: send_cancels(%{state | held_cancels: :queue.in(id, state.held_cancels)})
 
   defp cancel_at_server(state, _id), do: state
+
+  # Send the cancels that wait, oldest first, while the server's cap has room for one more
+  # frame: past it the cancel would wait unread behind the request it names. One whose request
+  # was answered meanwhile is dropped: there is nothing left to drop. With no caller, a cancel's
+  # answer is dropped.
+  defp send_cancels(state) do
+    with true <- cancel_room?(state),
+         {{:value, id}, held} <- :queue.out(state.held_cancels) do
+      state = %{state | held_cancels: held}
+
+      if is_map_key(state.outstanding, id),
+        do: state |> send_uncalled("cancel", %{id: id}) |> send_cancels(),
+        else: send_cancels(state)
+    else
+      _no_room_or_none -> state
+    end
+  end
+
+  defp cancel_room?(%{server_max_in_flight: nil}), do: true
+  defp cancel_room?(state), do: map_size(state.outstanding) < state.server_max_in_flight
 
   # Take request `id`'s caller out of `pending`, its deadline and monitor with it:
   # `{from, state}`, or `{nil, state}` when the caller was answered (or gone) already.
@@ -843,7 +885,15 @@ defmodule ScanBridge.Server do
     {id, Protocol.request_body(head, id, nil), %{state | next_id: id + 1}}
   end
 
+  # What waits for a place at the server, after a reply freed one: held cancels first (up to
+  # the server's cap, of which requests leave one place free), then queued requests.
   defp send_queued(state) do
+    if :queue.is_empty(state.held_cancels),
+      do: send_requests(state),
+      else: state |> send_cancels() |> send_requests()
+  end
+
+  defp send_requests(state) do
     if map_size(state.outstanding) < state.max_in_flight and
          not :gb_trees.is_empty(state.queue) do
       {id, {op, head, size, deadline}, queue} = :gb_trees.take_smallest(state.queue)
@@ -851,7 +901,7 @@ defmodule ScanBridge.Server do
 
       state
       |> transmit(id, op, request_body(state, head, id, deadline), size)
-      |> send_queued()
+      |> send_requests()
     else
       state
     end
@@ -874,7 +924,14 @@ defmodule ScanBridge.Server do
       GenServer.reply(from, {:error, error})
     end)
 
-    %{state | pending: %{}, queue: :gb_trees.empty(), callers: %{}, outstanding: %{}}
+    %{
+      state
+      | pending: %{},
+        queue: :gb_trees.empty(),
+        callers: %{},
+        outstanding: %{},
+        held_cancels: :queue.new()
+    }
   end
 
   defp exited(message, detail), do: Error.client(:server_exited, message, detail)
@@ -949,8 +1006,9 @@ defmodule ScanBridge.Server do
   # the socket, so that more would only wait in the lane's queue, where a passed deadline
   # cannot drop them. One slot of that cap is left free: a cancel (as a health check, or a late
   # reply's free) goes past the client's own cap, and at the server's it would wait unread
-  # behind the very request it is to drop, which would then run. A limit the server's info
-  # lacks (a server older than it) leaves the option as it is.
+  # behind the very request it is to drop, which would then run; cancels keep to the cap
+  # itself (send_cancels). A limit the server's info lacks (a server older than it) leaves
+  # the option as it is.
   defp adopt_limits(state, deadline) do
     lane = if state.socket, do: :socket, else: :port
 
@@ -960,7 +1018,7 @@ defmodule ScanBridge.Server do
 
       state =
         if lane == :socket,
-          do: cap(state, :max_in_flight, room_for_cancels(limits["max_in_flight_per_peer"])),
+          do: adopt_in_flight_cap(state, limits["max_in_flight_per_peer"]),
           else: state
 
       ops = get_in(info, ["protocol", "ops"]) || []
@@ -983,8 +1041,11 @@ defmodule ScanBridge.Server do
 
   defp cap(state, _key, _absent), do: state
 
-  defp room_for_cancels(limit) when is_integer(limit) and limit > 1, do: limit - 1
-  defp room_for_cancels(limit), do: limit
+  defp adopt_in_flight_cap(state, limit) when is_integer(limit) and limit > 0 do
+    cap(%{state | server_max_in_flight: limit}, :max_in_flight, max(limit - 1, 1))
+  end
+
+  defp adopt_in_flight_cap(state, _absent), do: state
 
   # One request without arguments, answered before the deadline, on the given lane.
   defp startup_call(state, lane, op, deadline) do
