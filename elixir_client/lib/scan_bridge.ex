@@ -53,7 +53,8 @@ defmodule ScanBridge do
 
   A call that times out, or whose calling process exits before its answer, is cancelled: the
   client sends the server `cancel` (SPEC §6), which drops the request if it has not started
-  (it is then answered `cancelled`, never run). One that has started runs to its end, so a
+  (it is then answered `cancelled`, never run; on the unix lane cancels keep to the server's
+  per-connection cap, so with a cap of 1 none is sent). One that has started runs to its end, so a
   timed-out call may still have been carried out: its late reply is dropped, a late `put/3`'s
   handle, `open_session/3`'s or `fork/3`'s session, `snapshot/3`'s snapshot or
   `load_model/3`'s model is freed by the client as soon as that reply comes, and a timed-out
@@ -188,7 +189,7 @@ defmodule ScanBridge do
       the unix lane the server's own cap on one connection's requests in flight
       (`--max-in-flight-per-peer`, read from its `info`'s `limits` at start-up), less one,
       caps it: the server leaves requests past its cap unread in the socket, and the place
-      left is for cancels.
+      left is for cancels, which keep to the cap itself (`ScanBridge.Server`).
     * `:max_frame_size` - largest request body sent (default 256 MiB, the server's default
       limit), capped at start-up by the server's own limit (its `info`'s `limits`) and by
       2^32 - 1 bytes, the most a frame's 4-byte length can say; a bigger one is answered
