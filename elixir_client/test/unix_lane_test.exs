@@ -167,7 +167,9 @@ defmodule ScanBridge.UnixLaneTest do
     assert os_process_gone?(os_pid)
   end
 
-  test "an answer with id nil goes to the oldest request of the length it names, at once" do
+  # The server answers a frame it dropped unread as it reads it: an older request as long may be
+  # running then, so which of those it was is known only once the others have their own replies.
+  test "an answer with id nil goes to the request of its length the others as long leave" do
     # no limits, no cancel: only the requests below come
     {client, socket} =
       played_server(:dropped_unread, %{"protocol" => %{"ops" => ["ping", "info"]}, "limits" => %{}},
@@ -182,37 +184,40 @@ defmodule ScanBridge.UnixLaneTest do
 
     # three at the peer, in this order, the second and third as long; a fourth queued behind
     a = echo.(8)
-    {a_id, _length} = received!(socket)
+    {_a_id, a_length} = received!(socket)
     b = echo.(40)
-    {_b_id, length} = received!(socket)
+    {b_id, length} = received!(socket)
     c = echo.(40)
-    {c_id, ^length} = received!(socket)
+    {_c_id, ^length} = received!(socket)
     d = echo.(1)
     assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
 
-    # the server had no memory for b's frame (SPEC §2): its caller is told so now, not at its
-    # deadline, and its place goes to d
-    reply!(socket, nil, %{
-      "ok" => false,
-      "error" => %{
-        "code" => "limit_exceeded",
-        "message" => "no memory to hold a frame of #{length} bytes; it was read and dropped",
-        "detail" => %{"limit" => "memory", "length" => length}
-      }
-    })
+    # the server had no memory for c's frame (SPEC §2), while b runs: either may be the one, so
+    # neither is answered yet, and both keep their places
+    dropped!(socket, length)
+    assert nothing_sent?(socket)
+    assert Task.yield(b, 0) == nil and Task.yield(c, 0) == nil
 
-    assert {:ok, {:error, %Error{reason: :limit_exceeded, detail: %{"length" => ^length}}}} =
-             Task.yield(b, 5_000)
+    # b's own reply says it was not b: b has its result, c is told, and its place goes to d
+    reply!(socket, b_id, %{"ok" => true, "result" => %{"echo" => b_id}})
+    assert {:ok, %{"echo" => ^b_id}, _timing} = Task.await(b, 5_000)
+
+    assert {:error, %Error{reason: :limit_exceeded, detail: %{"length" => ^length}}} =
+             Task.await(c, 5_000)
 
     {d_id, _length} = received!(socket)
 
-    for {task, id} <- [{a, a_id}, {c, c_id}, {d, d_id}] do
-      reply!(socket, id, %{"ok" => true, "result" => %{"echo" => id}})
-      assert {:ok, %{"echo" => ^id}, _timing} = Task.await(task, 5_000)
-    end
+    # one as long as no other is told at once
+    dropped!(socket, a_length)
+
+    assert {:error, %Error{reason: :limit_exceeded, detail: %{"length" => ^a_length}}} =
+             Task.await(a, 5_000)
+
+    reply!(socket, d_id, %{"ok" => true, "result" => %{"echo" => d_id}})
+    assert {:ok, %{"echo" => ^d_id}, _timing} = Task.await(d, 5_000)
 
     state = :sys.get_state(client)
-    assert state.outstanding == %{} and state.pending == %{}
+    assert state.outstanding == %{} and state.pending == %{} and state.dropped_unread == %{}
   end
 
   # The server's cap counts a cancel until it answers it, and leaves frames past the cap unread:
@@ -323,6 +328,18 @@ defmodule ScanBridge.UnixLaneTest do
   defp answer!(socket, result) do
     {id, _length} = received!(socket)
     reply!(socket, id, %{"ok" => true, "result" => result})
+  end
+
+  # The server's answer to a frame of `length` bytes it had no memory to hold (SPEC §2).
+  defp dropped!(socket, length) do
+    reply!(socket, nil, %{
+      "ok" => false,
+      "error" => %{
+        "code" => "limit_exceeded",
+        "message" => "no memory to hold a frame of #{length} bytes; it was read and dropped",
+        "detail" => %{"limit" => "memory", "length" => length}
+      }
+    })
   end
 
   defp reply!(socket, id, reply) do

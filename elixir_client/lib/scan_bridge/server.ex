@@ -40,9 +40,11 @@ defmodule ScanBridge.Server do
 
   A frame the server had no memory to hold is read and dropped there, its id unread, and
   answered with an error whose id is nil and whose detail has the frame's body `length`
-  (`limit_exceeded`, `limit: "memory"`: SPEC §2). That answer goes to the oldest request at the
-  server whose body has that length (two as long cannot be told apart), and its in-flight place
-  is freed, as any answered request's is.
+  (`limit_exceeded`, `limit: "memory"`: SPEC §2). That answer goes to the request at the server
+  whose body has that length, and its in-flight place is freed, as any answered request's is.
+  Where several that long are there, the server answered as it read the frame, while an older
+  one may be running: the answer waits until the others have their own replies, and goes to
+  the one left (each keeping its place meanwhile).
 
   Sending never suspends this process, even while the server reads nothing: the Port is opened
   with `busy_limits_port: :disabled` and the socket with the highest `high_watermark`, so the
@@ -174,6 +176,10 @@ defmodule ScanBridge.Server do
     # it (including timed-out ones, whose late replies may name something to free); the length
     # says which one an answer with id nil (its frame dropped unread) is for
     outstanding: %{},
+    # body length => {answers with id nil for a frame that long, oldest first, the ids at the
+    # server that long when the latest came}, while those ids are more than the answers: each
+    # id answered on its own is ruled out, and once as many are left as answers, they are theirs
+    dropped_unread: %{},
     # id => {op, head, body length, deadline} not yet sent because :max_in_flight requests are
     # outstanding (head: Protocol.request_head/2's; deadline: its monotonic µs, or nil); ids grow with
     # arrival, so the smallest is the oldest, and a deadline or the caller's exit drops its
@@ -688,16 +694,16 @@ defmodule ScanBridge.Server do
       {:reply, nil, {:error, error} = outcome} ->
         # The server could not read a request's id. A frame it drained unread (no memory to
         # hold it; or over its max_frame_size, which this client does not send) is answered
-        # with the body's length (SPEC §2): the oldest request sent with that length is taken
-        # as the one. Otherwise it is the only one in flight, or nobody can be told which it
-        # was (each such caller gets :timeout).
+        # with the body's length (SPEC §2), which names the requests it may be. Otherwise it is
+        # the only one in flight, or nobody can be told which it was (each such caller gets
+        # :timeout).
         case sent_with_length(state, error.detail["length"]) do
-          nil ->
+          [] ->
             Logger.warning("scan-bridge: error reply for id nil: #{error.message}")
             answer_unattributed(state, outcome)
 
-          id ->
-            answer(state, id, outcome)
+          ids ->
+            dropped_unread(state, error.detail["length"], ids, outcome)
         end
 
       {:reply, id, outcome} ->
@@ -712,10 +718,10 @@ defmodule ScanBridge.Server do
   # Reply `id`'s outcome to its caller: any id, this client's (an integer it sent) or one no
   # request had.
   defp answer(state, id, outcome) do
-    {op, state} =
+    {op, body_length, state} =
       case Map.pop(state.outstanding, id) do
-        {{op, _length}, outstanding} -> {op, %{state | outstanding: outstanding}}
-        {nil, _outstanding} -> {nil, state}
+        {{op, body_length}, outstanding} -> {op, body_length, %{state | outstanding: outstanding}}
+        {nil, _outstanding} -> {nil, nil, state}
       end
 
     overdue? = overdue?(state, id)
@@ -743,7 +749,7 @@ defmodule ScanBridge.Server do
           watch_opener(state, op, from, outcome)
       end
 
-    send_queued(state)
+    state |> ruled_out(id, body_length) |> send_queued()
   end
 
   # Whether request `id`'s caller may have stopped waiting: its wait ends @answer_grace_ms
@@ -814,16 +820,51 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # The oldest request at the server whose body is `length` bytes long, or nil. Looked for only
-  # when an answer's id is nil (rare): replies that name their request cost nothing more.
-  defp sent_with_length(state, length) when is_integer(length) do
-    Enum.reduce(state.outstanding, nil, fn
-      {id, {_op, ^length}}, oldest when oldest == nil or id < oldest -> id
-      _other, oldest -> oldest
-    end)
+  # The requests at the server whose bodies are `length` bytes long. Looked for only when an
+  # answer's id is nil (rare).
+  defp sent_with_length(state, length) when is_integer(length),
+    do: for({id, {_op, ^length}} <- state.outstanding, do: id)
+
+  defp sent_with_length(_state, _no_length), do: []
+
+  # An answer with id nil for a frame of `body_length` bytes, which one of `ids` (at the server,
+  # that long) was: given once the others have their own replies (ruled_out/3).
+  defp dropped_unread(state, body_length, ids, outcome) do
+    {outcomes, _ids} = Map.get(state.dropped_unread, body_length, {[], []})
+    # the ids of the earlier answers are all still at the server, and so among these
+    settle_dropped(state, body_length, outcomes ++ [outcome], MapSet.new(ids))
   end
 
-  defp sent_with_length(_state, _no_length), do: nil
+  # Request `id`, `body_length` bytes long, answered (by its own reply, as a rule): no longer
+  # one an answer with id nil for that length may be for. With no such answer waiting (as a
+  # rule), this costs one size check.
+  defp ruled_out(%{dropped_unread: waiting} = state, _id, _body_length) when map_size(waiting) == 0,
+    do: state
+
+  defp ruled_out(state, id, body_length) do
+    case state.dropped_unread do
+      %{^body_length => {outcomes, ids}} ->
+        settle_dropped(state, body_length, outcomes, MapSet.delete(ids, id))
+
+      _other ->
+        state
+    end
+  end
+
+  # As many requests left as answers with id nil for their length: the answers are theirs,
+  # oldest to oldest. Otherwise they wait for more to be ruled out.
+  defp settle_dropped(state, body_length, outcomes, ids) do
+    if MapSet.size(ids) <= length(outcomes) do
+      state = %{state | dropped_unread: Map.delete(state.dropped_unread, body_length)}
+
+      ids
+      |> Enum.sort()
+      |> Enum.zip(outcomes)
+      |> Enum.reduce(state, fn {id, outcome}, state -> answer(state, id, outcome) end)
+    else
+      %{state | dropped_unread: Map.put(state.dropped_unread, body_length, {outcomes, ids})}
+    end
+  end
 
   # A reply that names no request is the answer of the only one in flight, if there is one
   # (its in-flight place is freed with it); with more in flight it is dropped.
@@ -930,6 +971,7 @@ defmodule ScanBridge.Server do
         queue: :gb_trees.empty(),
         callers: %{},
         outstanding: %{},
+        dropped_unread: %{},
         held_cancels: :queue.new()
     }
   end
