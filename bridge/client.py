@@ -267,6 +267,9 @@ class HeldRequest:
     wire_args: dict
     parts: list
     deadline_ns: int | None  # perf_counter_ns when its budget runs out; None: it has none
+    # For a cancel that cancel() sent, the Future of the request it names: once that request is
+    # out of flight, the cancel is dropped unsent. None for others, a caller's own cancel too.
+    cancelling: Future | None = None
 
 
 # How many replies to nothing in flight a client keeps (the latest): a long-lived client
@@ -341,7 +344,13 @@ class FramedClient:
         the client numbers requests 1, 2, ..., passing over ids that callers chose.
         `deadline_s`: the request's budget on the server (SPEC §4 `deadline_us`): still waiting
         to run when it is spent, it is answered `deadline_exceeded` without running. Give up on
-        it sooner with `cancel(future)`."""
+        it sooner with `cancel(future)`. A `cancel` submitted here keeps to the cap as those of
+        `cancel` do, and is sent and answered as any request."""
+        return self._submit(op, args, request_id, deadline_s)
+
+    def _submit(self, op: str, args: dict | None, request_id, deadline_s: float | None,
+                cancelling: Future | None = None) -> Future:
+        """submit's work; `cancelling`: as HeldRequest's."""
         entry = InFlight(Future(), time.perf_counter_ns())
         deadline_us = None if deadline_s is None else int(deadline_s * 1e6)
         with self._in_flight(request_id, entry) as request_id:
@@ -351,7 +360,7 @@ class FramedClient:
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
             deadline_ns = None if deadline_us is None else entry.start_ns + deadline_us * 1000
-            held = self._send_or_hold(request_id, HeldRequest(op, wire_args, parts, deadline_ns))
+            held = self._send_or_hold(request_id, HeldRequest(op, wire_args, parts, deadline_ns, cancelling))
         if held:
             self._send_released()
         return entry.future
@@ -402,9 +411,8 @@ class FramedClient:
                     return
                 if self._held_cancels and self._wire_room(for_cancel=True):
                     request_id, request = self._held_cancels.popitem(last=False)
-                    named = self._pending.get(request.wire_args["id"])
-                    if named is None or not named.future.cancelled():
-                        self._pending.pop(request_id, None)  # its request was answered: nothing to drop
+                    if request.cancelling is not None and self._answered(request.cancelling):
+                        self._pending.pop(request_id, None)  # nothing left to drop
                         continue
                 elif self._held and self._wire_room():
                     request_id, request = self._held.popitem(last=False)
@@ -436,7 +444,7 @@ class FramedClient:
             with self._lock:
                 cancel_asked = self._releasing.pop(request_id, False)
             if cancel_asked:  # once it was on its way: the cancel goes behind it
-                self._cancel_at_server(request_id)
+                self._cancel_at_server(entry.future)
 
     @contextlib.contextmanager
     def _in_flight(self, request_id, entry: InFlight):
@@ -547,8 +555,7 @@ class FramedClient:
             return False
         request_id = future.request_id
         with self._lock:
-            entry = self._pending.get(request_id)
-            if entry is None or entry.future is not future:
+            if self._answered(future):
                 return True  # its reply came meanwhile, or it failed: nothing to drop
             if self._held.pop(request_id, None) is not None:
                 del self._pending[request_id]
@@ -556,13 +563,19 @@ class FramedClient:
             if request_id in self._releasing:
                 self._releasing[request_id] = True  # the thread sending it drops it or cancels it
                 return True
-        self._cancel_at_server(request_id)
+        self._cancel_at_server(future)
         return True
 
-    def _cancel_at_server(self, request_id) -> None:
-        """Ask the server to drop request `request_id` (sent already); its answer is not waited for."""
+    def _answered(self, future: Future) -> bool:
+        """Whether the request of `future` is out of flight: answered, or failed. Called with
+        self._lock held."""
+        entry = self._pending.get(future.request_id)
+        return entry is None or entry.future is not future
+
+    def _cancel_at_server(self, future: Future) -> None:
+        """Ask the server to drop the request of `future` (sent already); its answer is not waited for."""
         try:
-            self.submit("cancel", {"id": request_id})
+            self._submit("cancel", {"id": future.request_id}, None, None, cancelling=future)
         except ServerExited:
             pass  # nothing left to drop it from
 

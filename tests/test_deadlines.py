@@ -10,12 +10,14 @@ import select
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 import torch
 
 import protocol
 from bridge.ops.scan import ScanOp
+from bridge.streams import read_frame
 from bridge.timing import now_ns
 from bridge_fakes import RecordingConnection, served_natively
 from kernel_cases import ScanCase, make_scan_inputs
@@ -520,6 +522,26 @@ def test_with_a_cap_of_one_cancel_of_the_request_sent_is_local():
         assert server.read_request().id == held.request_id
         server.reply(held.request_id)
         assert held.result(10).ok and not server.client._pending
+
+
+def test_a_cancel_request_of_the_callers_own_waits_for_room_and_is_answered():
+    """A `cancel` the caller submits itself (naming any id) keeps to the cap as cancel()'s do,
+    but is the caller's request: sent once there is room, and answered. Found in review: held,
+    it was dropped unsent once the request it named was answered (or at once, for an id not in
+    flight), its Future never resolved; one without an id made the reader thread raise."""
+    with pipe_capped_at(1) as server:
+        sent = server.client.submit("ping")
+        assert server.read_request().id == sent.request_id
+        cancels = [server.client.submit("cancel", args) for args in ({"id": sent.request_id}, {"id": "never-sent"}, {})]
+        assert nothing_sent(server), "a cancel went past a cap of one"
+        server.reply(sent.request_id)
+        for cancel, args in zip(cancels, ({"id": sent.request_id}, {"id": "never-sent"}, {})):
+            assert select.select([server.requests], [], [], 10)[0], f"the cancel {args} was never sent"
+            request = msgpack.unpackb(read_frame(server.requests))  # as it came: the server decodes it
+            assert (request["id"], request["op"], request["args"]) == (cancel.request_id, "cancel", args)
+            server.reply(cancel.request_id, {"cancelled": False})
+            assert cancel.result(10).result == {"cancelled": False}
+        assert sent.result(10).ok and not server.client._pending
 
 
 class CapWatch:
