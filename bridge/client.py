@@ -256,6 +256,8 @@ class InFlight:
     start_ns: int  # perf_counter_ns when submit began
     encode_us: float = 0.0
     bytes_out: int = 0
+    # Its place in the order requests were written, from when its write began; None before.
+    write_order: int | None = None
 
 
 @dataclass
@@ -303,6 +305,7 @@ class FramedClient:
         self._reader = reader
         self._writer_fd = writer_fd
         self._ids = itertools.count(1)
+        self._write_orders = itertools.count()
         self._pending: dict[object, InFlight] = {}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -360,19 +363,19 @@ class FramedClient:
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
             deadline_ns = None if deadline_us is None else entry.start_ns + deadline_us * 1000
-            held = self._send_or_hold(request_id, HeldRequest(op, wire_args, parts, deadline_ns, cancelling))
+            held = self._send_or_hold(request_id, entry, HeldRequest(op, wire_args, parts, deadline_ns, cancelling))
         if held:
             self._send_released()
         return entry.future
 
-    def _send_or_hold(self, request_id, request: HeldRequest) -> bool:
-        """Send `request` (registered in flight already), or hold it; whether it was held. The
-        caller then releases what the cap has room for (`_send_released`): while it was being
-        encoded it counted as on the wire, so a reply that came then released nothing, and with
-        nothing left to answer, it and those before it would wait for ever."""
+    def _send_or_hold(self, request_id, entry: InFlight, request: HeldRequest) -> bool:
+        """Send `request` (registered in flight already, as `entry`), or hold it; whether it was
+        held. The caller then releases what the cap has room for (`_send_released`): while it
+        was being encoded it counted as on the wire, so a reply that came then released nothing,
+        and with nothing left to answer, it and those before it would wait for ever."""
         if self._held_back(request_id, request):
             return True
-        self._send(request.parts)
+        self._send(request.parts, entry)
         return False
 
     def _held_back(self, request_id, request: HeldRequest) -> bool:
@@ -434,7 +437,7 @@ class FramedClient:
                     self._pending.pop(request_id, None)
                     continue
             try:
-                self._send(parts)
+                self._send(parts, entry)
             except Exception as exc:
                 with self._lock:
                     self._releasing.pop(request_id, None)
@@ -490,15 +493,16 @@ class FramedClient:
         """The buffers that carry one request."""
         return protocol.frame_parts(protocol.encode_request(request_id, op, wire_args, deadline_us=deadline_us))
 
-    def _send(self, parts: list) -> None:
-        """Write one frame. A write that fails or is interrupted (KeyboardInterrupt) may have
-        sent part of it, after which the server would read the next request's bytes as the
-        rest: the stream is ended instead (the server drops the partial frame at EOF and
-        answers what came before it), and later requests are refused. An OSError is raised as
-        ServerExited."""
+    def _send(self, parts: list, entry: InFlight | None = None) -> None:
+        """Write one frame (of request `entry`, which takes its write_order). A write that fails
+        or is interrupted (KeyboardInterrupt) may have sent part of it, after which the server
+        would read the next request's bytes as the rest: the stream is ended instead (the server
+        drops the partial frame at EOF and answers what came before it), and later requests are
+        refused. An OSError is raised as ServerExited."""
         with self._write_lock:
             if self._refusal:
                 raise ServerExited(self._refusal)
+            self._take_write_order(entry)
             try:
                 write_all(self._writer_fd, parts)
             except BaseException as exc:
@@ -507,6 +511,13 @@ class FramedClient:
                 if isinstance(exc, OSError):
                     raise ServerExited(self._refusal) from exc
                 raise
+
+    def _take_write_order(self, entry: InFlight | None) -> None:
+        """Give `entry` the next place in the write order: an id-nil answer is matched to the
+        first request written of its length. Called with self._write_lock held, before the
+        write, as the answer may come before the write returns."""
+        if entry is not None:
+            entry.write_order = next(self._write_orders)
 
     def _end_stream(self) -> None:
         """End the outgoing stream, so that the server sees EOF, with requests refused. Where it
@@ -717,7 +728,7 @@ class FramedClient:
             return None
         entry = InFlight(Future(), time.perf_counter_ns(), bytes_out=sum(memoryview(p).nbytes for p in parts))
         with self._in_flight(request_id, entry):
-            held = self._send_or_hold(request_id, HeldRequest(None, {}, parts, None))
+            held = self._send_or_hold(request_id, entry, HeldRequest(None, {}, parts, None))
         if held:
             self._send_released()
         return entry.future
@@ -780,13 +791,12 @@ class FramedClient:
 
     def _dropped_unread(self, detail: dict) -> InFlight | None:
         """The request a reply with id nil answers (the server dropped its frame unread and
-        could not know its id), taken out of flight: the oldest one whose body has the length
-        the reply names, among those sent (a held one was not). Called with self._lock held."""
-        for request_id, entry in self._pending.items():
-            unsent = request_id in self._held or request_id in self._held_cancels
-            if not unsent and entry.bytes_out - self._frame_overhead == detail.get("length"):
-                return self._pending.pop(request_id)
-        return None
+        could not know its id), taken out of flight: the first written whose body has the length
+        the reply names. One not written yet (held, or its thread still on its way to the write)
+        is not it. Called with self._lock held."""
+        written = [(entry.write_order, request_id) for request_id, entry in self._pending.items()
+                   if entry.write_order is not None and entry.bytes_out - self._frame_overhead == detail.get("length")]
+        return self._pending.pop(min(written)[1]) if written else None
 
     def _keep_unmatched(self, reply: Reply) -> None:
         self.unmatched.append(reply)
@@ -1000,8 +1010,10 @@ class ZmqClient(FramedClient):
         parts = protocol.encode_request(request_id, op, wire_args, buffers=buffers, deadline_us=deadline_us)
         return [parts[0] if len(parts) == 1 else b"".join(parts), *(buffers or ())]
 
-    def _send(self, frames: list) -> None:
-        self._outbox.post(frames)
+    def _send(self, frames: list, entry: InFlight | None = None) -> None:
+        with self._write_lock:  # the io thread sends in the order posted
+            self._take_write_order(entry)
+            self._outbox.post(frames)
 
     def send_raw(self, body: bytes, request_id=None, buffers=()) -> Future | None:
         """Send an arbitrary body (and raw buffers) as one message (tests and benchmarks);

@@ -166,6 +166,39 @@ def test_a_request_over_the_frame_limit_gets_the_servers_refusal_and_later_ones_
     assert len(pipe.client._pending) == 1
 
 
+def test_an_id_nil_answer_goes_to_the_request_sent_not_to_an_older_one_not_sent_yet(pipe):
+    """An id-nil answer (a frame the server dropped unread) is matched by length to the oldest
+    request in flight that long: one registered first but not written yet (its thread between
+    encoding and sending) was taken for it (found in review), and the request the server had
+    dropped then waited for ever, holding its slot of the cap."""
+    client = pipe.client
+    checking, go = threading.Event(), threading.Event()
+    check_frame_size = client._check_frame_size
+
+    def paused_once(length: int) -> None:  # what submit does between encoding and sending
+        if not checking.is_set():
+            checking.set()
+            go.wait(REPLY_TIMEOUT_S)
+        check_frame_size(length)
+
+    client._check_frame_size = paused_once
+    submitted = []
+    first = threading.Thread(target=lambda: submitted.append(client.submit("ping")))
+    first.start()
+    assert checking.wait(REPLY_TIMEOUT_S)
+    dropped = client.submit("ping")  # as long as the first one
+    request, length = pipe.read_request_and_length()
+    assert request.id == dropped.request_id
+    pipe.error(None, "limit_exceeded", {"limit": "memory", "length": length})
+    assert dropped.result(REPLY_TIMEOUT_S).error["code"] == "limit_exceeded"
+    go.set()
+    first.join(REPLY_TIMEOUT_S)
+    (sent_later,) = submitted
+    assert pipe.read_request().id == sent_later.request_id
+    pipe.reply(sent_later.request_id, {"pong": True})
+    assert sent_later.result(REPLY_TIMEOUT_S).ok and client._pending == {}
+
+
 def test_info_tells_the_client_the_frame_limit(pipe):
     answered = threading.Thread(target=lambda: pipe.reply(pipe.read_request().id, {"limits": {"max_frame_size": 100}}))
     answered.start()
