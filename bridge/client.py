@@ -274,6 +274,28 @@ class HeldRequest:
     cancelling: Future | None = None
 
 
+@dataclass(slots=True)
+class Received:
+    """A reply as it came, until the request it answers is known."""
+
+    decoded: protocol.Reply
+    result: dict | None  # decoded's result, its tensors converted
+    received_ns: int  # perf_counter_ns when its frame was read
+    done_ns: int  # and when it was decoded
+    nbytes: int
+
+
+@dataclass
+class DroppedAnswers:
+    """Answers with id nil to frames of one length the server had no memory to hold, that came
+    while several requests that long were in flight (SPEC §2: sent as the frame is read, so an
+    older one as long may still be running). Which request each is for is known once no more of
+    those requests are left than answers: those left, in the order they were written."""
+
+    answers: list[Received]  # in the order they came
+    requests: dict[object, InFlight]  # by id: those written, and in flight, when an answer came
+
+
 # How many replies to nothing in flight a client keeps (the latest): a long-lived client
 # must not grow without bound.
 UNMATCHED_KEPT = 1000
@@ -332,6 +354,9 @@ class FramedClient:
         # Held requests a thread took out to send, by id: True once cancel() asked for them
         # meanwhile; that thread then drops the request unsent, or sends the cancel after it.
         self._releasing: dict[object, bool] = {}
+        # Answers with id nil to frames the server had no memory to hold, by body length, while
+        # which request each is for cannot be told yet.
+        self._dropped_answers: dict[int, DroppedAnswers] = {}
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
@@ -756,47 +781,88 @@ class FramedClient:
                                        extra={"raw": bytes(body)}))
             return
         result = result_from_wire(decoded.result, as_torch=self.as_torch) if decoded.ok else None
-        done = time.perf_counter_ns()
+        received = Received(decoded, result, received_ns, time.perf_counter_ns(), nbytes)
         error = decoded.error or {}
         with self._lock:
+            # Each reply whose request is now known, with it (None: no request in flight).
+            answered: list[tuple[InFlight | None, Received]]
             if isinstance(decoded.id, (int, str)):
-                entry = self._pending.pop(decoded.id, None)
+                answered = [(self._pending.pop(decoded.id, None), received)]
+                if self._dropped_answers:  # that request was not one of theirs
+                    answered += self._dropped_answers_told_apart()
             elif error.get("code") == "frame_too_large":
-                entry = self._refused_as_too_large(error.get("detail") or {})
+                answered = [(self._refused_as_too_large(error.get("detail") or {}), received)]
             elif error.get("code") == "limit_exceeded" and (error.get("detail") or {}).get("limit") == "memory":
-                entry = self._dropped_unread(error["detail"])  # a frame the server had no memory to hold
+                answered = self._dropped_unread(received)  # a frame the server had no memory to hold
             else:
-                entry = None
+                answered = [(None, received)]
         if decoded.id is None and error.get("code") == "overloaded":
             self._turned_away = BridgeError("overloaded", error.get("message", ""), error.get("detail"))
-        start = entry.start_ns if entry else received_ns
-        reply = Reply(decoded.id, decoded.ok, result, decoded.error, decoded.timing or {},
-                      round_trip_us=(done - start) / 1000.0, client_encode_us=entry.encode_us if entry else 0.0,
-                      client_decode_us=(done - received_ns) / 1000.0, bytes_out=entry.bytes_out if entry else 0,
-                      bytes_in=nbytes)
         if self._held or self._held_cancels:
             self._send_released()
-        if entry is None:
-            self._keep_unmatched(reply)
-        else:
-            settle(entry.future, reply)
+        for entry, answer in answered:
+            if entry is None:
+                self._keep_unmatched(self._reply(answer, None))
+            else:
+                settle(entry.future, self._reply(answer, entry))
+
+    @staticmethod
+    def _reply(received: Received, entry: InFlight | None) -> Reply:
+        """The Reply to request `entry` (None: to no request in flight)."""
+        decoded, done = received.decoded, received.done_ns
+        start = entry.start_ns if entry else received.received_ns
+        return Reply(decoded.id, decoded.ok, received.result, decoded.error, decoded.timing or {},
+                     round_trip_us=(done - start) / 1000.0, client_encode_us=entry.encode_us if entry else 0.0,
+                     client_decode_us=(done - received.received_ns) / 1000.0,
+                     bytes_out=entry.bytes_out if entry else 0, bytes_in=received.nbytes)
 
     def _refused_as_too_large(self, detail: dict) -> InFlight | None:
         """The request a `frame_too_large` reply (id nil) refused, taken out of flight: the
-        oldest one whose body has the length the reply names (any request that long was
+        first written whose body has the length the reply names (every request that long was
         refused). Called with self._lock held."""
         if isinstance(detail.get("limit"), int):
             self.max_frame_size = detail["limit"]
-        return self._dropped_unread(detail)
+        written = self._written_of_length(detail.get("length"))
+        return self._pending.pop(next(iter(written))) if written else None
 
-    def _dropped_unread(self, detail: dict) -> InFlight | None:
-        """The request a reply with id nil answers (the server dropped its frame unread and
-        could not know its id), taken out of flight: the first written whose body has the length
-        the reply names. One not written yet (held, or its thread still on its way to the write)
-        is not it. Called with self._lock held."""
-        written = [(entry.write_order, request_id) for request_id, entry in self._pending.items()
-                   if entry.write_order is not None and entry.bytes_out - self._frame_overhead == detail.get("length")]
-        return self._pending.pop(min(written)[1]) if written else None
+    def _written_of_length(self, length) -> dict[object, InFlight]:
+        """The requests in flight, by id in the order they were written, whose bodies are
+        `length` bytes long; one not written yet (held, or its thread still on its way to the
+        write) is none of them: an id-nil answer is not its. Called with self._lock held."""
+        written = sorted((entry.write_order, request_id) for request_id, entry in self._pending.items()
+                         if entry.write_order is not None and entry.bytes_out - self._frame_overhead == length)
+        return {request_id: self._pending[request_id] for _, request_id in written}
+
+    def _dropped_unread(self, received: Received) -> list[tuple[InFlight | None, Received]]:
+        """What a `limit_exceeded` (memory) reply with id nil answers: the server dropped a
+        frame unread, not knowing its id, and names its length. With one request that long in
+        flight it is that one's; with several it waits until their own replies leave as many as
+        answers (_dropped_answers_told_apart); with none it is nobody's. Called with self._lock
+        held."""
+        length = received.decoded.error["detail"].get("length")
+        written = self._written_of_length(length)
+        if not written:
+            return [(None, received)]
+        waiting = self._dropped_answers.setdefault(length, DroppedAnswers([], {}))
+        waiting.answers.append(received)
+        waiting.requests.update(written)
+        return self._dropped_answers_told_apart()
+
+    def _dropped_answers_told_apart(self) -> list[tuple[InFlight | None, Received]]:
+        """The waiting id-nil answers whose requests are now known, each with its request (taken
+        out of flight), or None where more answers than requests were left. Called with
+        self._lock held."""
+        told = []
+        for length, waiting in list(self._dropped_answers.items()):
+            left = {request_id: entry for request_id, entry in waiting.requests.items()
+                    if self._pending.get(request_id) is entry}
+            if len(left) > len(waiting.answers):
+                waiting.requests = left
+                continue
+            del self._dropped_answers[length]
+            requests = [self._pending.pop(request_id) for request_id in sorted(left, key=lambda i: left[i].write_order)]
+            told += zip(requests + [None] * (len(waiting.answers) - len(requests)), waiting.answers)
+        return told
 
     def _keep_unmatched(self, reply: Reply) -> None:
         self.unmatched.append(reply)
@@ -810,6 +876,7 @@ class FramedClient:
             self._pending.clear()
             self._held.clear()
             self._held_cancels.clear()
+            self._dropped_answers.clear()
         for entry in pending:
             settle(entry.future, exc)
 

@@ -199,6 +199,29 @@ def test_an_id_nil_answer_goes_to_the_request_sent_not_to_an_older_one_not_sent_
     assert sent_later.result(REPLY_TIMEOUT_S).ok and client._pending == {}
 
 
+def test_an_id_nil_answer_waits_until_one_request_of_its_length_is_left(pipe):
+    """The server answers a frame it had no memory to hold as it reads it (SPEC §2): an older
+    request as long may be running then. The client gave the answer to the oldest one that
+    long (found in review): its caller was told limit_exceeded for a request that ran, its
+    reply was dropped, and the request the server dropped waited for ever, holding its slot.
+    The answer now goes to the one left once the others have their own replies."""
+    client = pipe.client
+    running, dropped, also_running, also_dropped = (client.submit("ping") for _ in range(4))
+    lengths = [pipe.read_request_and_length()[1] for _ in range(4)]
+    assert len(set(lengths)) == 1, "the requests must be as long"
+    for _ in range(2):
+        pipe.error(None, "limit_exceeded", {"limit": "memory", "length": lengths[0]})
+    pipe.reply(also_running.request_id, {"pong": True})
+    assert also_running.result(REPLY_TIMEOUT_S).result == {"pong": True}
+    assert not (running.done() or dropped.done() or also_dropped.done())
+    pipe.reply(running.request_id, {"pong": True})
+    assert running.result(REPLY_TIMEOUT_S).result == {"pong": True}
+    for future in (dropped, also_dropped):
+        error = future.result(REPLY_TIMEOUT_S).error
+        assert (error["code"], error["detail"]["limit"]) == ("limit_exceeded", "memory")
+    assert client._pending == {} and not client.unmatched
+
+
 def test_info_tells_the_client_the_frame_limit(pipe):
     answered = threading.Thread(target=lambda: pipe.reply(pipe.read_request().id, {"limits": {"max_frame_size": 100}}))
     answered.start()
