@@ -231,7 +231,8 @@ class Dispatcher:
     def _admit(self, fast: bool = False, immediate: bool = False) -> bool | OpError | None:
         """Count a request in flight. Returns whether the server was idle (nothing in flight);
         the refusal to answer instead (past --max-pending, or once drain() began; an
-        `immediate` request is past the cap too); for the fast path, None where it must not take
+        `immediate` request is never refused: a cancel adds no work, and it may drop queued work
+        the drain would otherwise wait for); for the fast path, None where it must not take
         the request (then the general way decides).
 
         Checked where the request is counted, under the lock drain() waits under: checked
@@ -239,7 +240,7 @@ class Dispatcher:
         (the server then exits) with this request admitted after it."""
         with self._pending_lock:
             # stop_requested: set by the shutdown op as it runs, before the main loop's drain
-            if not self.accepting or self.server.stop_requested.is_set():
+            if not immediate and (not self.accepting or self.server.stop_requested.is_set()):
                 refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
             elif self._pending >= self.max_pending and not immediate:
                 refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",

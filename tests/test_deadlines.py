@@ -240,6 +240,26 @@ def test_cancel_is_served_past_the_pending_cap(inproc):
     assert conn.reply(queued).error["code"] == "cancelled"
 
 
+def test_cancel_drops_a_queued_request_while_the_server_drains(inproc):
+    """A cancel that comes once the drain began is still served: the request it drops would
+    otherwise run before the server exits (or wait to be answered shutting_down), though its
+    caller has given up on it."""
+    srv = inproc()
+    conn = RecordingConnection()
+    srv.hold(conn)
+    queued = srv.submit(conn, "info")
+    draining = threading.Thread(target=srv.dispatcher.drain, args=(30.0,), daemon=True)
+    draining.start()
+    wait_until(lambda: not srv.dispatcher.accepting, "the drain never began")
+    assert conn.reply(srv.submit(conn, "ping"), timeout=5).error["code"] == "shutting_down"
+    cancel = conn.reply(srv.submit(conn, "cancel", id=queued), timeout=5)
+    assert cancel.ok and cancel.result == {"cancelled": True}, cancel.error
+    assert conn.reply(queued, timeout=5).error["code"] == "cancelled"
+    srv.go()
+    draining.join(5)
+    assert not draining.is_alive(), "the drain still waits for a request the cancel answered"
+
+
 def test_cancel_drops_the_oldest_of_requests_sharing_an_id(inproc):
     srv = inproc()
     conn = RecordingConnection()
