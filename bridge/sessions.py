@@ -261,6 +261,10 @@ class Session:
             part.index_copy_(0, self.slots, parts[name].to(device=part.device, dtype=STATE_DTYPE))
 
 
+# What the bytes held against the pool budget beside the pools are, as a refusal names them.
+HELD_DESCRIPTIONS = {"models": "the model's weights", "snapshots": "the snapshot's rows"}
+
+
 class SessionTable(OwnedTable[Session]):
     def __init__(self, device: torch.device, *, max_sessions: int, max_pool_bytes: int):
         super().__init__(unknown_session)
@@ -312,7 +316,7 @@ class SessionTable(OwnedTable[Session]):
         limit_exceeded when they do not fit; called before they are allocated."""
         with self._lock:
             if nbytes > self.max_pool_bytes - self._pool_bytes():
-                self._refuse(op, f"{what} of", nbytes)
+                self._refuse(op, HELD_DESCRIPTIONS[what], nbytes)
             self._held[what] += nbytes
 
     def unhold(self, what: str, nbytes: int) -> None:

@@ -454,6 +454,21 @@ def test_pool_bytes_limit(inproc):
     assert srv.server.sessions.usage()["pool_bytes"] == 10 * row
 
 
+def test_a_snapshot_or_model_over_the_pool_budget_is_refused_in_words(inproc):
+    """The refusal of what is held beside the pools names it: it read "snapshots of need 80
+    more bytes" (found in review)."""
+    from test_return_state import MODEL_CONFIGS, tiny_weights
+
+    row = 5 * 4 * 4  # one [dim 5, state 4] fp32 row
+    srv = inproc(max_pool_bytes=row)
+    conn = RecordingConnection()
+    session = srv.call(conn, "session_open", batch=1, dim=5, state=4)["session"]
+    error = expect_limit(srv, conn, "session_snapshot", "max_pool_bytes", session=session)
+    assert error["message"].startswith(f"session_snapshot: the snapshot's rows need {row} more bytes of state pool")
+    weights = tiny_weights("mamba", torch.Generator().manual_seed(0))
+    error = expect_limit(srv, conn, "model_load", "max_pool_bytes", config=MODEL_CONFIGS["mamba"], weights=weights)
+    assert error["message"].startswith(f"model_load: the model's weights need {error['detail']['requested']} more")
+
 def test_huge_session_is_refused_before_allocating(inproc):
     srv = inproc()
     conn = RecordingConnection()
