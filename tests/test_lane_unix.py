@@ -393,6 +393,41 @@ def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path,
         assert served._in_flight == 0 and not served._backlog
 
 
+class HoldingDispatcher(RecordingDispatcher):
+    """Records each body and answers none of them: the test answers them through `held`."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = []
+
+    def on_frame(self, conn, body, received_ns, release=None, buffers=(), *, more_input=True):
+        self.bodies.append(bytes(body))
+        release()
+        self.held.append(conn)
+
+
+def test_frames_a_peer_left_unread_past_its_cap_are_not_read_once_it_hung_up(tmp_path):
+    """A peer at its cap that closes leaves its later frames unread in the socket: nothing it
+    sent can be answered any more, so they are not read and run for nobody once its last
+    request in flight is answered; the connection closes and what it owned is freed."""
+    dispatcher = HoldingDispatcher()
+    with unix_lane(tmp_path, dispatcher, max_in_flight=1) as transport:
+        transport.start()
+        peer = raw_unix(transport.path)
+        peer.sendall(b"".join(protocol.encode_frame(name) for name in (b"first", b"second", b"third")))
+        wait_until(lambda: dispatcher.held, "the first frame was never read")
+        (conn,) = transport._connections
+        freed = threading.Event()
+        conn.on_close(lambda _: freed.set())
+        peer.close()
+        with pytest.raises(OSError):
+            dispatcher.held[0].send([b"too late"])
+        wait_until(lambda: freed.is_set() or len(dispatcher.bodies) > 1,
+                   "the connection of a peer gone was neither closed nor read again")
+        assert dispatcher.bodies == [b"first"]
+        assert freed.is_set()
+
+
 def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):
     from bridge.transports.unix import UnixTransport
 

@@ -90,6 +90,11 @@ class StreamConnection(Connection):
     def _done(self, count: int = 1) -> None:
         """`count` replies are answered: written, or never to be (the peer is gone)."""
 
+    @property
+    def peer_gone(self) -> bool:
+        """A reply could not be written: the peer reads nothing more (it closed)."""
+        return self._broken is not None
+
     def send(self, parts: list, buffers: list | None = None) -> None:
         if buffers:
             raise ValueError("a stream reply is one frame: it carries no raw buffers")

@@ -355,6 +355,11 @@ class UnixTransport:
         incoming = conn.incoming
         frames = taken = 0
         while frames < FRAMES_PER_TURN and taken < BYTES_PER_TURN:
+            if incoming.at_frame_start and conn.peer_gone:
+                # What it left unread (past its cap, or behind a request served on this thread)
+                # could never be answered: read, it would only be run for nobody.
+                self._end_input(conn)
+                return
             if incoming.at_frame_start and conn.pause_at_cap():
                 self._selector.unregister(conn.sock)  # an answer wakes it (UnixConnection._done)
                 return
