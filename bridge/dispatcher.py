@@ -11,7 +11,8 @@ dispatcher is the one place that decides how a request is served:
     ExPhil's legacy form), so every later step answers it the same way.
   * admission: one count of requests in flight, under one lock, with the `--max-pending` cap
     (`overloaded`) and shutdown (`shutting_down`); drain() waits until it is 0. An op marked
-    `immediate` (cancel) is served at once on the reader thread, never refused for the cap.
+    `immediate` (cancel; health while its device check needs no launch) is served at once on
+    the reader thread, never refused for the cap.
   * execution: an idle server (nothing in flight, and nothing more waiting on the transport,
     or, on a thread that reads one connection, a request the batcher never gathers) serves the
     request at once on the reader thread; otherwise it queues for the worker, which serves
@@ -70,6 +71,7 @@ class Call:
     prepared: object = None  # the batcher's Item, once prepared
     dropped: bool = False  # a cancel or the drain took it from the queue and answered it (bridge.queued)
     replying: bool = False  # its reply is being written: the fast path may take steps behind it
+    immediate: bool = False  # served as it arrived, beside the ops in flight (Dispatcher.on_frame)
 
     @property
     def op(self) -> str:
@@ -202,6 +204,8 @@ class Dispatcher:
         timing.add("decode", now_ns() - received_ns)
         handler = self.registry.handler(request)
         immediate = getattr(handler, "immediate", False)
+        if callable(immediate):  # a predicate of the server: immediate as things stand now
+            immediate = immediate(self.server)
         # Not admitted again: between the two, a drain could find nothing in flight and report
         # all answered, then refuse the request shutting_down.
         admitted = handed_over.idle if handed_over is not None else self._admit(immediate=immediate)
@@ -210,7 +214,7 @@ class Dispatcher:
             if release:
                 release()
             return
-        call = Call(conn, request, timing, handler, release, enqueued_ns=now_ns())
+        call = Call(conn, request, timing, handler, release, enqueued_ns=now_ns(), immediate=immediate)
         if immediate:  # runs beside the ops in flight, not under the serving lock
             self._serve(call)
             return
@@ -294,6 +298,7 @@ class Dispatcher:
                     self._unanswered_general += 1
                 return HandedOver(idle)
             answered = True
+            self.server.probe.note_launch()
             reply, timing = outcome
             try:
                 self._send(conn, [reply])

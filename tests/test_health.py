@@ -11,6 +11,16 @@ import kernels
 from bridge.client import PortClient, result_from_wire
 from bridge.health import DeviceProbe
 from bridge_fakes import RecordingConnection
+from kernel_cases import ScanCase, make_scan_inputs
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """One entry per selective scan launched (the probe's among them)."""
+    launched = []
+    scan = kernels.selective_scan
+    monkeypatch.setattr(kernels, "selective_scan", lambda *a, **k: launched.append(1) or scan(*a, **k))
+    return launched
 
 
 def test_a_serving_server_is_live_and_ready_over_the_port():
@@ -24,10 +34,7 @@ def test_a_serving_server_is_live_and_ready_over_the_port():
     assert "error" not in kernel and health["checks"]["accepting"] is True
 
 
-def test_a_recent_launch_stands_for_the_device_and_an_old_one_is_redone(monkeypatch):
-    launches = []
-    scan = kernels.selective_scan
-    monkeypatch.setattr(kernels, "selective_scan", lambda *a, **k: launches.append(1) or scan(*a, **k))
+def test_a_recent_launch_stands_for_the_device_and_an_old_one_is_redone(monkeypatch, launches):
     clock = [100.0]
     monkeypatch.setattr(bridge.health.time, "monotonic", lambda: clock[0])
     probe = DeviceProbe(torch.device("cpu"), None)
@@ -55,12 +62,12 @@ def test_a_failing_launch_is_not_ready_and_says_why(monkeypatch, failure, messag
     assert check["ok"] is False and message in check["error"]
 
 
-def test_a_stopping_server_is_live_but_not_ready(inproc):
-    """A health request taken before the stop and run after it says so; one sent after the
-    stop is not taken (shutting_down), as no new request is."""
+def test_a_stopping_server_is_live_but_not_ready(inproc, monkeypatch):
+    """A health request queued before the stop (its probe to launch) and run after it says so;
+    one sent after the stop is answered so at once while that launch is recent, and refused
+    shutting_down, as any new request, once the device check would need a launch."""
     srv = inproc()
     conn, other = RecordingConnection(), RecordingConnection()
-    assert srv.call(conn, "health")["ready"] is True
     srv.hold(other)
     queued = srv.submit(conn, "health")
     srv.server.stop_requested.set()
@@ -70,5 +77,77 @@ def test_a_stopping_server_is_live_but_not_ready(inproc):
     assert health["live"] is True and health["ready"] is False
     assert health["checks"] == {"kernel": health["checks"]["kernel"], "accepting": False}
     assert health["checks"]["kernel"]["ok"] is True
+    assert srv.call(conn, "health")["ready"] is False
+    monkeypatch.setattr(bridge.health, "PROBE_MAX_AGE_S", 0.0)
     refused = srv.request(conn, "health")
     assert not refused.ok and refused.error["code"] == "shutting_down"
+
+
+def scan_inputs() -> dict:
+    return make_scan_inputs(ScanCase(2, 8, 4, 2))
+
+
+def test_a_busy_server_whose_work_completed_answers_at_once(inproc):
+    """Found in review: health was queued behind the server's work, so a healthy server busy
+    with long requests answered its health check late (the Elixir client then restarted it),
+    or past its --max-pending cap not at all. Its recent launches now stand for the device."""
+    srv = inproc(max_delay_us=0, max_pending=3)
+    conn, other = RecordingConnection(), RecordingConnection()
+    assert srv.call(conn, "scan", **scan_inputs())  # a launch completed: the device answered
+    srv.hold(other)
+    queued = [srv.submit(conn, "scan", **scan_inputs()) for _ in range(2)]  # the cap reached
+    health = conn.reply(srv.submit(conn, "health"), timeout=5)  # before the worker goes on
+    assert health.ok, health.error
+    health = result_from_wire(health.result)
+    assert health["ready"] is True
+    kernel = health["checks"]["kernel"]
+    assert kernel["ok"] is True and kernel["source"] == "work" and "latency_us" not in kernel
+    assert 0 <= kernel["age_ms"] <= bridge.health.PROBE_MAX_AGE_S * 1e3
+    srv.go()
+    assert all(conn.reply(i).ok for i in queued)
+
+
+def test_a_busy_server_with_no_recent_launch_queues_the_probe(inproc):
+    """The probe launch is not run beside the server's kernels: it waits its turn."""
+    srv = inproc()
+    conn, other = RecordingConnection(), RecordingConnection()
+    srv.hold(other)
+    queued = srv.submit(conn, "health")
+    with pytest.raises(TimeoutError):
+        conn.reply(queued, timeout=0.2)
+    srv.go()
+    kernel = result_from_wire(conn.reply(queued).result)["checks"]["kernel"]
+    assert kernel["ok"] is True and kernel["source"] == "probe" and kernel["latency_us"] > 0
+
+
+def test_an_idle_server_launches_the_probe(inproc, launches):
+    srv = inproc()
+    conn = RecordingConnection()
+    kernel = srv.call(conn, "health")["checks"]["kernel"]
+    assert kernel["ok"] is True and kernel["source"] == "probe" and launches == [1]
+
+
+def test_work_stands_for_the_device_until_it_is_old(monkeypatch, launches):
+    clock = [100.0]
+    monkeypatch.setattr(bridge.health.time, "monotonic", lambda: clock[0])
+    probe = DeviceProbe(torch.device("cpu"), None)
+    assert not probe.fresh()
+    probe.note_launch()
+    clock[0] += 1.0
+    assert probe.fresh() and probe.check() == {"ok": True, "source": "work", "age_ms": 1000.0}
+    assert not launches
+    clock[0] += bridge.health.PROBE_MAX_AGE_S
+    assert not probe.fresh()
+    assert probe.check()["source"] == "probe" and launches == [1]
+
+
+def test_a_failing_probe_after_old_work_is_not_ready(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(bridge.health.time, "monotonic", lambda: clock[0])
+    probe = DeviceProbe(torch.device("cpu"), None)
+    probe.note_launch()
+    clock[0] += bridge.health.PROBE_MAX_AGE_S + 1
+    monkeypatch.setattr(kernels, "selective_scan", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+    check = probe.check()
+    assert check["ok"] is False and check["source"] == "probe" and "device lost" in check["error"]
+    assert probe.check(launch=False)["ok"] is False  # the newest answer stands while recent

@@ -1144,3 +1144,12 @@ def test_what_the_native_path_keeps_of_models_goes_with_them(inproc):
         assert (native._models, native._model_rows) == ({}, {}), f"seed={seed}: {ending} left entries"
     assert served.taken == 2
 
+
+
+def test_a_native_step_stands_for_the_device_in_the_health_check(inproc):
+    """Its launch, like a batch's, tells the health op the device answered (bridge.health)."""
+    seed, gen, srv, conn, session, consts = seeded_session(inproc, StepCase(1, 4, 2))
+    assert not srv.server.probe.fresh()
+    reply = submit(srv, conn, "step", session=session, **consts, **step_inputs(StepCase(1, 4, 2), gen))
+    assert reply.ok and served_natively(reply), f"seed={seed}: {reply}"
+    assert srv.server.probe.check(launch=False)["source"] == "work", f"seed={seed}"

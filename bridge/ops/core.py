@@ -20,9 +20,10 @@ def ping(server, call) -> dict:
 
 
 def health(server, call) -> dict:
-    """Live (it answers); ready when its device answered a tiny kernel launch lately and it is
-    not stopping (bridge.health)."""
-    kernel = server.probe.check()
+    """Live (it answers); ready when its device answered a kernel launch lately (the server's
+    work or a tiny probe) and it is not stopping (bridge.health)."""
+    # Served at once, it runs beside the server's kernels: it must not launch the probe there.
+    kernel = server.probe.check(launch=not call.immediate)
     accepting = not server.stop_requested.is_set()
     return {"live": True, "ready": kernel["ok"] and accepting, "device": str(server.device),
             "checks": {"kernel": kernel, "accepting": accepting}}
@@ -76,6 +77,9 @@ def cancel(server, call) -> dict:
 
 # Served as it arrives, on the thread that read it: queued, it would wait behind what it cancels.
 cancel.immediate = True
+# Served so while the device's answer is recent (no probe launch, which must not run beside the
+# server's kernels): queued, a busy server would answer its health check late.
+health.immediate = lambda server: server.probe.fresh()
 
 
 def stats(server, call) -> dict:
