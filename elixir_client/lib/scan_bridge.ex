@@ -181,7 +181,9 @@ defmodule ScanBridge do
       `interval` ms once the last answer came; when an answer takes more than `timeout` ms, or
       says it is not ready, the client stops (`{:shutdown, {:unhealthy, why}}`, its callers
       answered `:server_exited`) and its server with it, for its supervisor to start a fresh
-      one. Off by default.
+      one. A server whose work completed a launch within the last 5 s answers at once; one
+      running a single longer request answers after it, so keep `timeout` above the longest
+      request. Off by default.
     * `:group` - serve this group of a cluster (`ScanBridge.Cluster`): a name (atoms, strings,
       numbers, tuples and lists of them) callers on any node of the cluster reach it by.
     * `:max_in_flight` - requests at the server at once (default 256); more wait in order, and
@@ -231,9 +233,9 @@ defmodule ScanBridge do
 
   @doc """
   Whether the server can work (SPEC §6 `health`): `%{"live" => true, "ready" => bool,
-  "device" => str, "checks" => %{"kernel" => %{"ok", "latency_us", "age_ms"}, "accepting"}}`,
-  ready when a tiny scan on its device succeeded within the last few seconds and it is not
-  stopping.
+  "device" => str, "checks" => %{"kernel" => %{"ok", "source", "age_ms", "latency_us"?},
+  "accepting"}}`, ready when its device completed a launch within the last few seconds (its
+  work's, `"source" => "work"`, or a tiny probe scan's, `"probe"`) and it is not stopping.
   """
   @spec health(server, call_opts) :: {:ok, map} | error
   def health(server, opts \\ []) do
