@@ -270,7 +270,6 @@ def _launch(server, op: BatchedOp, items: list[Item]) -> list[dict]:
     # The launch is counted here, once, not with any member's reply, which may still fail to go
     # out (inference_count / execution_count = mean batch).
     server.stats.record_launch(items[0].call.stats_op, rows)
-    server.probe.note_launch()
     return results
 
 

@@ -218,7 +218,8 @@ class Server:
         on the CPU; on CUDA, device events recorded around the kernels API's call, so the time
         includes what the host does inside that call before the kernels reach the GPU (argument
         checks, Triton's launch path), which for a step's microseconds-long kernel may be most of
-        it (docs/performance.md, "GPU kernel timing")."""
+        it (docs/performance.md, "GPU kernel timing"). Work that completes (waited for, on CUDA)
+        tells the health check the device answered (bridge.health); work that raised does not."""
         if self.device.type == "cuda":
             # The server's device's stream, named: the current device is per thread, and ops run on
             # reader threads as well as the worker, where it is GPU 0 whatever --device cuda:N said.
@@ -233,5 +234,6 @@ class Server:
             t0 = now_ns()
             yield
             elapsed = now_ns() - t0
+        self.probe.note_launch()
         for call in calls:
             call.timing.add("kernel", elapsed)

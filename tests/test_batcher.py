@@ -21,7 +21,6 @@ import protocol
 from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, company_wait_end_ns, run_batch
 from bridge.client import PortClient, result_from_wire, to_wire
 from bridge.errors import OpError
-from bridge.health import DeviceProbe
 from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
 from bridge.stats import Stats
@@ -682,7 +681,7 @@ def test_members_whose_session_closed_while_waiting_are_left_out():
     op = RecordingOp()
     items = [fake_item(("k",), 2, session=FakeSession(False)), fake_item(("k",), 3, session=FakeSession(True)),
              fake_item(("k",), 1, session=FakeSession(False))]
-    server = SimpleNamespace(stats=Stats(), probe=DeviceProbe(torch.device("cpu"), None))
+    server = SimpleNamespace(stats=Stats())
     outcomes = dict((id(item), outcome) for item, outcome in run_batch(server, op, items))
     assert [len(launch) for launch in op.launches] == [2]
     assert server.stats.ops["step"]["execution_count"] == 1

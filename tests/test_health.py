@@ -11,7 +11,7 @@ import kernels
 from bridge.client import PortClient, result_from_wire
 from bridge.health import DeviceProbe
 from bridge_fakes import RecordingConnection
-from kernel_cases import ScanCase, make_scan_inputs
+from kernel_cases import ScanCase, SsdCase, backward_inputs, make_scan_inputs, make_ssd_inputs
 
 
 @pytest.fixture
@@ -151,3 +151,32 @@ def test_a_failing_probe_after_old_work_is_not_ready(monkeypatch):
     check = probe.check()
     assert check["ok"] is False and check["source"] == "probe" and "device lost" in check["error"]
     assert probe.check(launch=False)["ok"] is False  # the newest answer stands while recent
+
+
+@pytest.mark.parametrize("op, make_inputs", [
+    pytest.param("scan_backward", lambda: make_scan_inputs(ScanCase(2, 8, 4, 2)), id="scan_backward"),
+    pytest.param("ssd_scan_backward", lambda: make_ssd_inputs(SsdCase(1, 8, 2, 2, 4)), id="ssd_scan_backward"),
+])
+def test_a_server_busy_with_work_that_is_not_batched_answers_at_once(inproc, op, make_inputs):
+    """Found in review: only batched launches and native steps stood for the device, so a server
+    busy with gradients (or model_forward) still queued its health check behind them."""
+    srv = inproc(max_delay_us=0)
+    conn, other = RecordingConnection(), RecordingConnection()
+    inputs = backward_inputs(make_inputs())
+    assert srv.call(conn, op, dy=torch.randn(inputs["x"].shape), **inputs)
+    srv.hold(other)
+    health = conn.reply(srv.submit(conn, "health"), timeout=5)
+    srv.go()
+    assert health.ok, health.error
+    kernel = result_from_wire(health.result)["checks"]["kernel"]
+    assert kernel["ok"] is True and kernel["source"] == "work"
+
+
+def test_kernel_work_that_raised_does_not_stand_for_the_device(inproc):
+    srv = inproc()
+    with pytest.raises(RuntimeError), srv.server.kernel_timer():
+        raise RuntimeError("device lost")
+    assert not srv.server.probe.fresh()
+    with srv.server.kernel_timer():
+        pass
+    assert srv.server.probe.check(launch=False)["source"] == "work"

@@ -232,3 +232,14 @@ def test_a_grown_pool_is_captured_again_and_old_captures_are_dropped(graphs):
         open_and_step(graphs, conn, rows, 1, values, sent)
     assert len(graphs.server.step_graphs._captures) == 2
 
+
+
+def test_a_replayed_step_stands_for_the_device_in_the_health_check(graphs):
+    """A replay runs no kernel_timer: it notes the device's answer itself (bridge.health)."""
+    conn = RecordingConnection()
+    values, sent = constants(True, graphs, conn)
+    session = graphs.call(conn, "session_open", batch=2, dim=DIM, state=STATE)["session"]
+    assert not graphs.server.probe.fresh()
+    step_and_check(graphs, conn, session, 2, values, sent, torch.zeros(2, DIM, STATE))
+    assert [c.runs for c in StandInCapture.made] == [1]
+    assert graphs.server.probe.check(launch=False)["source"] == "work"
