@@ -955,7 +955,11 @@ class PortClient(FramedClient):
         cmd = list(command) if command else [python, "-m", "bridge", *server_args]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                      env=server_env(env), bufsize=0)
-        super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
+        try:
+            super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
+        except BaseException:  # a signal's SystemExit, say: with no client made, nobody would stop it
+            stop_piped_server(self.proc)
+            raise
         weakref.finalize(self, abandon, self.proc.stdin.close, self._pending)
         if command is None:
             # Readiness handshake: the first reply proves imports and device setup are done.

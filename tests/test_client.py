@@ -299,6 +299,26 @@ def test_a_port_client_whose_server_never_answers_its_handshake_stops_that_serve
         os.kill(int(pid_file.read_text()), 0)
 
 
+def test_a_port_client_stopped_while_it_sets_up_stops_the_server_it_spawned(tmp_path, monkeypatch):
+    """A stop signal's SystemExit (the bench's SIGTERM) between the spawn and the readiness
+    handshake left the server running with nobody to stop it (found by a CI run: it outlived
+    the bench)."""
+    pid_file = tmp_path / "server.pid"
+    silent_python = tmp_path / "python"
+    silent_python.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec {shlex.join(SILENT_SERVER)}\n")
+    silent_python.chmod(0o755)
+
+    def stopped_while_setting_up(*args, **kwargs):
+        wait_until(pid_file.exists, "the server did not start")
+        raise SystemExit(128 + signal.SIGTERM)
+
+    monkeypatch.setattr(FramedClient, "__init__", stopped_while_setting_up)
+    with pytest.raises(SystemExit):
+        PortClient(python=str(silent_python))
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
 # A stand-in for `python -m bridge`: reads its stdin to the end, answering nothing.
 SILENT_SERVER = [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"]
 
