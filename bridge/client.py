@@ -593,7 +593,9 @@ class FramedClient:
         with self._lock:
             if self._answered(future):
                 return True  # its reply came meanwhile, or it failed: nothing to drop
-            if self._held.pop(request_id, None) is not None:
+            # A `cancel` the caller submitted waits with those of cancel(), apart from requests.
+            held = self._held_cancels if request_id in self._held_cancels else self._held
+            if held.pop(request_id, None) is not None:
                 del self._pending[request_id]
                 return True  # never sent: nothing to drop on the server
             if request_id in self._releasing:

@@ -564,6 +564,20 @@ def test_a_cancel_request_of_the_callers_own_waits_for_room_and_is_answered():
         assert sent.result(10).ok and not server.client._pending
 
 
+def test_a_cancel_request_of_the_callers_own_held_and_then_cancelled_is_not_sent():
+    """cancel() drops a held request unsent, and a held `cancel` of the caller's own too: it
+    sent a cancel naming that cancel, after it, and the cancel it gave up on went regardless."""
+    with pipe_capped_at(1) as server:
+        sent = server.client.submit("ping")
+        assert server.read_request().id == sent.request_id
+        held_cancel = server.client.submit("cancel", {"id": sent.request_id})
+        assert server.client.cancel(held_cancel) and held_cancel.cancelled()
+        server.reply(sent.request_id)
+        assert sent.result(10).ok
+        assert nothing_sent(server), "a cancel given up on while held was sent"
+        assert not (server.client._pending or server.client._held_cancels)
+
+
 class CapWatch:
     """The far end of a client capped by `pipe_capped_at`, on a thread of its own: it reads
     every frame as it comes, answers a cancel at once (and the request it names `cancelled`, if
