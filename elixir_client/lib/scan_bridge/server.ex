@@ -928,11 +928,7 @@ defmodule ScanBridge.Server do
 
   # What waits for a place at the server, after a reply freed one: held cancels first (up to
   # the server's cap, of which requests leave one place free), then queued requests.
-  defp send_queued(state) do
-    if :queue.is_empty(state.held_cancels),
-      do: send_requests(state),
-      else: state |> send_cancels() |> send_requests()
-  end
+  defp send_queued(state), do: state |> send_cancels() |> send_requests()
 
   defp send_requests(state) do
     if map_size(state.outstanding) < state.max_in_flight and
