@@ -718,12 +718,8 @@ defmodule ScanBridge.Server do
   # Reply `id`'s outcome to its caller: any id, this client's (an integer it sent) or one no
   # request had.
   defp answer(state, id, outcome) do
-    {op, body_length, state} =
-      case Map.pop(state.outstanding, id) do
-        {{op, body_length}, outstanding} -> {op, body_length, %{state | outstanding: outstanding}}
-        {nil, _outstanding} -> {nil, nil, state}
-      end
-
+    {{op, body_length}, outstanding} = Map.pop(state.outstanding, id, {nil, nil})
+    state = %{state | outstanding: outstanding}
     overdue? = overdue?(state, id)
 
     state =
@@ -836,11 +832,7 @@ defmodule ScanBridge.Server do
   end
 
   # Request `id`, `body_length` bytes long, answered (by its own reply, as a rule): no longer
-  # one an answer with id nil for that length may be for. With no such answer waiting (as a
-  # rule), this costs one size check.
-  defp ruled_out(%{dropped_unread: waiting} = state, _id, _body_length) when map_size(waiting) == 0,
-    do: state
-
+  # one an answer with id nil for that length may be for.
   defp ruled_out(state, id, body_length) do
     case state.dropped_unread do
       %{^body_length => {outcomes, ids}} ->
