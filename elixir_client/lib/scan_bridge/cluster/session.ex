@@ -385,7 +385,7 @@ defmodule ScanBridge.Cluster.Session do
   def handle_info({:DOWN, ref, :process, _pid, _reason}, %{opener: ref} = state) do
     # nobody is left to tell if closing fails; a group's server also closes the sessions of an
     # opener (this keeper) that exits
-    _closed = if state.owner, do: close_remote(state, Cluster.deadline(@checkpoint_timeout_ms))
+    _closed = if state.owner, do: close_remote(state, checkpoint_deadline())
     {:stop, :normal, release(state)}
   end
 
@@ -1072,7 +1072,7 @@ defmodule ScanBridge.Cluster.Session do
         snapshot =
           if snapshot.owner == state.owner,
             do: snapshot,
-            else: forget_copy(snapshot, Cluster.deadline(@checkpoint_timeout_ms))
+            else: forget_copy(snapshot, checkpoint_deadline())
 
         %{state | snapshots: Map.put(state.snapshots, id, snapshot)}
 
