@@ -272,9 +272,127 @@ defmodule ScanBridge.UnixLaneTest do
     assert nothing_sent?(socket)
   end
 
+  # The server answers a health check as it reads it while its work keeps completing (SPEC §6),
+  # as it does a cancel: it goes in the place requests leave, ahead of queued requests, and like
+  # a cancel waits here while the server has its cap in flight, where it would be left unread.
+  test "a health check keeps to the server's cap, and goes before queued requests" do
+    {client, socket} =
+      played_server(:capped_health, capped_info(1, ["health"]),
+        health_check: [interval: 50, timeout: 30_000]
+      )
+
+    %{"op" => "health", "id" => first} = request!(socket)
+    slow = echo(client, 30_000)
+    reply!(socket, first, %{"ok" => true, "result" => %{"ready" => true}})
+    %{"op" => "echo", "id" => slow_id} = request!(socket)
+    queued = echo(client, 30_000)
+
+    # the next check comes due while the echo holds the only place
+    assert eventually(fn -> :sys.get_state(client).health_pending not in [nil, first] end)
+    assert nothing_sent?(socket), "a health check went past the server's cap"
+
+    reply!(socket, slow_id, %{"ok" => true, "result" => %{}})
+    %{"op" => "health", "id" => second} = request!(socket)
+    assert nothing_sent?(socket)
+    reply!(socket, second, %{"ok" => true, "result" => %{"ready" => true}})
+    %{"op" => "echo", "id" => queued_id} = request!(socket)
+    reply!(socket, queued_id, %{"ok" => true, "result" => %{}})
+    assert {:ok, %{}, _timing} = Task.await(slow)
+    assert {:ok, %{}, _timing} = Task.await(queued)
+  end
+
+  test "a health check held at the server's cap still times out: the client stops" do
+    {client, socket} =
+      played_server(
+        :held_health,
+        capped_info(1, ["health"]),
+        [health_check: [interval: 50, timeout: 500]],
+        restart: :temporary
+      )
+
+    ref = Process.monitor(client)
+    %{"op" => "health", "id" => first} = request!(socket)
+    slow = echo(client, 30_000)
+    reply!(socket, first, %{"ok" => true, "result" => %{"ready" => true}})
+    %{"op" => "echo"} = request!(socket)
+
+    assert_receive {:DOWN, ^ref, :process, ^client, {:shutdown, {:unhealthy, why}}}, 5_000
+    assert why =~ "within 500 ms" and why =~ "never sent"
+    assert {:error, %Error{reason: :server_exited}} = Task.await(slow)
+  end
+
+  # A free this client sends on its own (a late reply's, here) is a request like any other: it
+  # keeps to :max_in_flight, out of the place left for cancels, queued in order, never dropped.
+  test "a late reply's free keeps to :max_in_flight, and is sent once there is room" do
+    {client, socket} = played_server(:capped_free, capped_info(2), [])
+    put = Task.async(fn -> Server.request(client, "put", %{}, 300) end)
+    %{"op" => "put", "id" => put_id} = request!(socket)
+    assert {:error, %Error{reason: :timeout}} = Task.await(put)
+    %{"op" => "cancel", "id" => cancel_id, "args" => %{"id" => ^put_id}} = request!(socket)
+    queued = echo(client, 30_000)
+    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
+
+    # it had started: its handle is freed, behind the echo queued before the reply came
+    reply!(socket, put_id, %{"ok" => true, "result" => %{"handle" => "h1"}})
+    assert nothing_sent?(socket), "a free took the place left for cancels"
+    reply!(socket, cancel_id, %{"ok" => true, "result" => %{"cancelled" => false}})
+    %{"op" => "echo", "id" => echo_id} = request!(socket)
+    assert nothing_sent?(socket)
+    reply!(socket, echo_id, %{"ok" => true, "result" => %{}})
+    assert {:ok, %{}, _timing} = Task.await(queued)
+
+    %{"op" => "free", "id" => free_id, "args" => %{"handle" => "h1"}} = request!(socket)
+    reply!(socket, free_id, %{"ok" => true, "result" => %{}})
+    assert eventually(fn -> :sys.get_state(client).outstanding == %{} end)
+  end
+
+  # A group's server closes the sessions of an opener that exits: those closes wait for room
+  # as requests do, instead of going past the server's cap, where it would leave them unread.
+  test "an opener's sessions are closed within the server's cap when it exits" do
+    group = {:capped_closes, System.unique_integer()}
+    {client, socket} = played_server(:capped_closes, capped_info(2), group: group)
+
+    opener =
+      Task.async(fn ->
+        for _ <- 1..2,
+            do: {:ok, _result, _timing} = Server.request(client, "session_open", %{}, 30_000)
+
+        receive do: (:exit -> :ok)
+      end)
+
+    sessions =
+      for session <- ["s1", "s2"] do
+        %{"op" => "session_open", "id" => id} = request!(socket)
+        reply!(socket, id, %{"ok" => true, "result" => %{"session" => session}})
+        session
+      end
+
+    assert eventually(fn -> map_size(:sys.get_state(client).opener_of) == 2 end)
+    slow = echo(client, 30_000)
+    %{"op" => "echo", "id" => slow_id} = request!(socket)
+    send(opener.pid, :exit)
+    Task.await(opener)
+
+    assert nothing_sent?(socket), "session_close went past the server's cap"
+    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 2 end)
+    reply!(socket, slow_id, %{"ok" => true, "result" => %{}})
+    assert {:ok, %{}, _timing} = Task.await(slow)
+
+    closed =
+      for _ <- sessions do
+        %{"op" => "session_close", "id" => id, "args" => %{"session" => session}} = request!(socket)
+        assert nothing_sent?(socket)
+        reply!(socket, id, %{"ok" => true, "result" => %{}})
+        session
+      end
+
+    assert Enum.sort(closed) == sessions
+  end
+
   # A client whose unix lane ends at a peer the test plays (the server serves the Port), which
   # answers the start-up ping and then `info` with `info`: {the client, the peer's socket}.
-  defp played_server(id, info, opts) do
+  # `child`: overrides of its child spec.
+  defp played_server(id, info, opts, child \\ []) do
     path = TestSupport.socket_path()
 
     {:ok, listener} =
@@ -292,14 +410,15 @@ defmodule ScanBridge.UnixLaneTest do
       end)
 
     opts = TestSupport.server_opts([python: wrapper(path), transport: {:unix, path}] ++ opts)
-    client = start_supervised!({ScanBridge, opts}, id: id)
+    client = start_supervised!({ScanBridge, opts}, [id: id] ++ child)
     {client, Task.await(peer, 60_000)}
   end
 
-  # The info of a server that takes deadlines and cancels, `cap` requests in flight per connection.
-  defp capped_info(cap) do
+  # The info of a server that takes deadlines and cancels (and `ops`), `cap` requests in flight
+  # per connection.
+  defp capped_info(cap, ops \\ []) do
     %{
-      "protocol" => %{"ops" => ["ping", "info", "echo", "cancel"]},
+      "protocol" => %{"ops" => ["ping", "info", "echo", "cancel" | ops]},
       "limits" => %{"max_in_flight_per_peer" => cap}
     }
   end

@@ -29,14 +29,19 @@ defmodule ScanBridge.Server do
   it unread, behind the very requests they name: a cancel goes at once while fewer than the
   cap are at the server, and otherwise waits here for replies to make room, going out before
   queued requests, oldest first, and dropped unsent if its request is answered meanwhile. So
-  with a cap of 1 no cancel is sent: the request's `deadline_us` still bounds it there.
+  with a cap of 1 no cancel is sent: the request's `deadline_us` still bounds it there. The
+  periodic health check (`:health_check`), which the server also answers as it reads it while
+  its work keeps completing (SPEC §6), keeps to that cap the same way, after held cancels and
+  before queued requests; held, its timeout still runs.
 
   At most `:max_in_flight` requests are at the server at once; more wait here, in order,
   under their own deadlines. A queued request whose deadline passes, or whose caller exits, is
   dropped, never sent (the first answered `:overloaded`, which unlike `:timeout` says that the
-  server surely did not do it): while the server does not answer, the queue holds only the requests of
-  callers still waiting. A caller that exits while its request is at the server is treated as
-  one whose deadline passed: it is cancelled, and what it made is freed when the reply comes.
+  server surely did not do it): while the server does not answer, the queue holds only the
+  requests of callers still waiting, and the frees this process sends on its own (of what a
+  late reply made, or an opener left), which have no deadline and wait their turn. A caller
+  that exits while its request is at the server is treated as one whose deadline passed: it is
+  cancelled, and what it made is freed when the reply comes.
 
   A frame the server had no memory to hold is read and dropped there, its id unread, and
   answered with an error whose id is nil and whose detail has the frame's body `length`
@@ -149,7 +154,8 @@ defmodule ScanBridge.Server do
     :health_check,
     # the group's membership (ScanBridge.Cluster.Member), linked, when started with :group
     :member,
-    # the id of the health check the server has yet to answer, or nil
+    # the id of the health check the server has yet to answer, or nil; one not in `outstanding`
+    # waits for room under server_max_in_flight (send_health/1)
     health_pending: nil,
     # whether the server takes deadline_us and cancel (SPEC §4, §6: its info lists cancel); an
     # older one would refuse a request with deadline_us as invalid
@@ -181,9 +187,9 @@ defmodule ScanBridge.Server do
     # id answered on its own is ruled out, and once as many are left as answers, they are theirs
     dropped_unread: %{},
     # id => {op, head, body length, deadline} not yet sent because :max_in_flight requests are
-    # outstanding (head: Protocol.request_head/2's; deadline: its monotonic µs, or nil); ids grow with
-    # arrival, so the smallest is the oldest, and a deadline or the caller's exit drops its
-    # request in O(log n)
+    # outstanding (a caller's, or a free without one; head: Protocol.request_head/2's; deadline:
+    # its monotonic µs, or nil); ids grow with arrival, so the smallest is the oldest, and a
+    # deadline or the caller's exit drops its request in O(log n)
     queue: :gb_trees.empty(),
     # monitor => id of a pending request, to find the request when its caller exits
     callers: %{}
@@ -442,15 +448,23 @@ defmodule ScanBridge.Server do
     end
   end
 
+  # Its timeout runs from here, whether it goes at once or waits for room (send_health/1).
   def handle_info(:health_check, state) do
-    {head, size} = Protocol.request_head("health", %{})
-    {id, frame, state} = numbered(state, head)
+    id = state.next_id
     Process.send_after(self(), {:health_deadline, id}, state.health_check[:timeout])
-    {:noreply, %{transmit(state, id, :health_check, frame, size) | health_pending: id}}
+    {:noreply, send_health(%{state | next_id: id + 1, health_pending: id})}
   end
 
   def handle_info({:health_deadline, id}, %{health_pending: id} = state) when id != nil do
-    why = "the server did not answer its health check within #{state.health_check[:timeout]} ms"
+    held =
+      if is_map_key(state.outstanding, id),
+        do: "",
+        else: " (never sent: the server's cap of #{state.server_max_in_flight} stayed full)"
+
+    why =
+      "the server did not answer its health check within #{state.health_check[:timeout]} ms" <>
+        held
+
     handle_info({:unhealthy, why}, state)
   end
 
@@ -607,6 +621,11 @@ defmodule ScanBridge.Server do
         callers: Map.put(state.callers, monitor, id)
     }
 
+    send_or_queue(state, id, op, {head, size}, deadline)
+  end
+
+  # Send request `id` now, or queue it while :max_in_flight requests are at the server.
+  defp send_or_queue(state, id, op, {head, size}, deadline) do
     if map_size(state.outstanding) < state.max_in_flight,
       do: transmit(state, id, op, request_body(state, head, id, deadline), size),
       else: %{state | queue: :gb_trees.insert(id, {op, head, size, deadline}, state.queue)}
@@ -651,20 +670,41 @@ defmodule ScanBridge.Server do
   # was answered meanwhile is dropped: there is nothing left to drop. With no caller, a cancel's
   # answer is dropped.
   defp send_cancels(state) do
-    with true <- cancel_room?(state),
+    with true <- server_room?(state),
          {{:value, id}, held} <- :queue.out(state.held_cancels) do
       state = %{state | held_cancels: held}
 
-      if is_map_key(state.outstanding, id),
-        do: state |> send_uncalled("cancel", %{id: id}) |> send_cancels(),
-        else: send_cancels(state)
+      if is_map_key(state.outstanding, id) do
+        {head, size} = Protocol.request_head("cancel", %{id: id})
+        {cancel_id, frame, state} = numbered(state, head)
+        state |> transmit(cancel_id, "cancel", frame, size) |> send_cancels()
+      else
+        send_cancels(state)
+      end
     else
       _no_room_or_none -> state
     end
   end
 
-  defp cancel_room?(%{server_max_in_flight: nil}), do: true
-  defp cancel_room?(state), do: map_size(state.outstanding) < state.server_max_in_flight
+  # The health check asked for and not yet sent, once the server's cap has room for it. The
+  # server answers it as it reads it while its work keeps completing (SPEC §6), as it does a
+  # cancel: so it takes the place requests leave, after held cancels and before queued requests;
+  # past the cap it would only wait unread. While held, its timeout runs (handle_info/2).
+  defp send_health(%{health_pending: id} = state)
+       when id != nil and not is_map_key(state.outstanding, id) do
+    if server_room?(state) do
+      {head, size} = Protocol.request_head("health", %{})
+      transmit(state, id, :health_check, Protocol.request_body(head, id, nil), size)
+    else
+      state
+    end
+  end
+
+  defp send_health(state), do: state
+
+  # Whether the server's cap has room for one more frame (a cancel's or a health check's).
+  defp server_room?(%{server_max_in_flight: nil}), do: true
+  defp server_room?(state), do: map_size(state.outstanding) < state.server_max_in_flight
 
   # Take request `id`'s caller out of `pending`, its deadline and monitor with it:
   # `{from, state}`, or `{nil, state}` when the caller was answered (or gone) already.
@@ -868,8 +908,8 @@ defmodule ScanBridge.Server do
   end
 
   # A late reply's caller was told :timeout and will never learn of the handle, session (opened
-  # or forked), snapshot or model the server made for it: free it now, without a caller (its answer is dropped in turn). It takes
-  # the in-flight place the late reply has just left.
+  # or forked), snapshot or model the server made for it: free it now, without a caller (its
+  # answer is dropped in turn), in the place the late reply has just left when no other waits.
   defp release(state, "put", {:ok, %{"handle" => handle}, _timing}) when is_binary(handle),
     do: send_uncalled(state, "free", %{handle: handle})
 
@@ -905,10 +945,12 @@ defmodule ScanBridge.Server do
 
   defp release(state, _op, _outcome), do: state
 
+  # A free no caller asked for (release/3, an opener's exit) is a request without a deadline:
+  # it keeps to :max_in_flight, out of the place left for cancels, and once queued goes in its
+  # turn, never dropped.
   defp send_uncalled(state, op, args) do
-    {head, size} = Protocol.request_head(op, args)
-    {id, frame, state} = numbered(state, head)
-    transmit(state, id, op, frame, size)
+    id = state.next_id
+    send_or_queue(%{state | next_id: id + 1}, id, op, Protocol.request_head(op, args), nil)
   end
 
   # The next request id, and the body of the request `head` (without a budget) under it (the
@@ -918,9 +960,10 @@ defmodule ScanBridge.Server do
     {id, Protocol.request_body(head, id, nil), %{state | next_id: id + 1}}
   end
 
-  # What waits for a place at the server, after a reply freed one: held cancels first (up to
-  # the server's cap, of which requests leave one place free), then queued requests.
-  defp send_queued(state), do: state |> send_cancels() |> send_requests()
+  # What waits for a place at the server, after a reply freed one: held cancels first, then a
+  # held health check (up to the server's cap, of which requests leave one place free), then
+  # queued requests and frees.
+  defp send_queued(state), do: state |> send_cancels() |> send_health() |> send_requests()
 
   defp send_requests(state) do
     if map_size(state.outstanding) < state.max_in_flight and
@@ -1034,11 +1077,11 @@ defmodule ScanBridge.Server do
   # the client's option when smaller: max_frame_size, and on the unix lane the requests one
   # connection may have in flight (max_in_flight_per_peer), past which the server stops reading
   # the socket, so that more would only wait in the lane's queue, where a passed deadline
-  # cannot drop them. One slot of that cap is left free: a cancel (as a health check, or a late
-  # reply's free) goes past the client's own cap, and at the server's it would wait unread
-  # behind the very request it is to drop, which would then run; cancels keep to the cap
-  # itself (send_cancels). A limit the server's info lacks (a server older than it) leaves
-  # the option as it is.
+  # cannot drop them. One slot of that cap is left free for cancels and health checks, which go
+  # past the client's own cap (a cancel past the server's would wait unread behind the very
+  # request it is to drop, which would then run) but keep to the cap itself (send_cancels,
+  # send_health). A limit the server's info lacks (a server older than it) leaves the option
+  # as it is.
   defp adopt_limits(state, deadline) do
     lane = if state.socket, do: :socket, else: :port
 
