@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=_count, default=defaults.max_sessions,
                    help="sessions open at once, over all connections")
     p.add_argument("--max-pool-bytes", type=_count, default=defaults.max_pool_bytes,
-                   help="device bytes of session state pools")
+                   help="device bytes of session state pools, snapshots and loaded models' weights")
     p.add_argument("--model-dir", dest="model_dirs", action="append", type=_directory, default=[],
                    help="a directory model_load may read checkpoints under (repeatable; relative paths in "
                         "requests are taken under the first); without one, model_load reads no files and "
