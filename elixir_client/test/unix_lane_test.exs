@@ -322,28 +322,37 @@ defmodule ScanBridge.UnixLaneTest do
   end
 
   # A free this client sends on its own (a late reply's, here) is a request like any other: it
-  # keeps to :max_in_flight, out of the place left for cancels, queued in order, never dropped.
-  test "a late reply's free keeps to :max_in_flight, and is sent once there is room" do
-    {client, socket} = played_server(:capped_free, capped_info(2), [])
-    put = Task.async(fn -> Server.request(client, "put", %{}, 300) end)
-    %{"op" => "put", "id" => put_id} = request!(socket)
-    assert {:error, %Error{reason: :timeout}} = Task.await(put)
-    %{"op" => "cancel", "id" => cancel_id, "args" => %{"id" => ^put_id}} = request!(socket)
-    queued = echo(client, 30_000)
-    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
+  # keeps to :max_in_flight, out of the place left for cancels, and goes in its turn, behind
+  # the requests queued before it, never dropped. The late reply comes before its cancel's
+  # answer (no room is left then) or after it (the place it leaves is the queued echo's).
+  for answered_first <- [:late_reply, :cancel] do
+    test "a late reply's free keeps to :max_in_flight and goes in its turn (#{answered_first} first)" do
+      {client, socket} = played_server({:late_free, unquote(answered_first)}, capped_info(2), [])
+      put = Task.async(fn -> Server.request(client, "put", %{}, 300) end)
+      %{"op" => "put", "id" => put_id} = request!(socket)
+      assert {:error, %Error{reason: :timeout}} = Task.await(put)
+      %{"op" => "cancel", "id" => cancel_id, "args" => %{"id" => ^put_id}} = request!(socket)
+      queued = echo(client, 30_000)
+      assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
 
-    # it had started: its handle is freed, behind the echo queued before the reply came
-    reply!(socket, put_id, %{"ok" => true, "result" => %{"handle" => "h1"}})
-    assert nothing_sent?(socket), "a free took the place left for cancels"
-    reply!(socket, cancel_id, %{"ok" => true, "result" => %{"cancelled" => false}})
-    %{"op" => "echo", "id" => echo_id} = request!(socket)
-    assert nothing_sent?(socket)
-    reply!(socket, echo_id, %{"ok" => true, "result" => %{}})
-    assert {:ok, %{}, _timing} = Task.await(queued)
+      # it had started: its handle is freed, behind the echo queued before the reply came
+      replies = [{put_id, %{"handle" => "h1"}}, {cancel_id, %{"cancelled" => false}}]
 
-    %{"op" => "free", "id" => free_id, "args" => %{"handle" => "h1"}} = request!(socket)
-    reply!(socket, free_id, %{"ok" => true, "result" => %{}})
-    assert eventually(fn -> :sys.get_state(client).outstanding == %{} end)
+      [{first_id, first}, {second_id, second}] =
+        if unquote(answered_first) == :cancel, do: Enum.reverse(replies), else: replies
+
+      reply!(socket, first_id, %{"ok" => true, "result" => first})
+      assert nothing_sent?(socket), "a request went past :max_in_flight"
+      reply!(socket, second_id, %{"ok" => true, "result" => second})
+      %{"op" => "echo", "id" => echo_id} = request!(socket)
+      assert nothing_sent?(socket)
+      reply!(socket, echo_id, %{"ok" => true, "result" => %{}})
+      assert {:ok, %{}, _timing} = Task.await(queued)
+
+      %{"op" => "free", "id" => free_id, "args" => %{"handle" => "h1"}} = request!(socket)
+      reply!(socket, free_id, %{"ok" => true, "result" => %{}})
+      assert eventually(fn -> :sys.get_state(client).outstanding == %{} end)
+    end
   end
 
   # A group's server closes the sessions of an opener that exits: those closes wait for room

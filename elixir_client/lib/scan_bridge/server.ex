@@ -624,9 +624,11 @@ defmodule ScanBridge.Server do
     send_or_queue(state, id, op, {head, size}, deadline)
   end
 
-  # Send request `id` now, or queue it while :max_in_flight requests are at the server.
+  # Send request `id` now, or queue it while :max_in_flight requests are at the server or an
+  # older one waits: a late reply's free (release/3) is made in the place that reply left,
+  # before send_queued/1 hands that place to the oldest queued request.
   defp send_or_queue(state, id, op, {head, size}, deadline) do
-    if map_size(state.outstanding) < state.max_in_flight,
+    if map_size(state.outstanding) < state.max_in_flight and :gb_trees.is_empty(state.queue),
       do: transmit(state, id, op, request_body(state, head, id, deadline), size),
       else: %{state | queue: :gb_trees.insert(id, {op, head, size, deadline}, state.queue)}
   end
