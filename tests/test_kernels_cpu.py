@@ -768,31 +768,33 @@ SSD_NONFINITE_PATHS = [
 ]
 
 
-def _ssd_backward_inputs_with_a_nonfinite_item(bounds, seq, state_size, operand, value, bad_item, seed):
-    """Inputs of ssd_scan_backward (rows of `seq` steps, or one row packed at `bounds`) whose
-    (sequence, head) `bad_item` has `value` in `operand` at its step 3, and each sequence's
+def _ssd_backward_inputs_with_a_nonfinite_item(bounds, seq, state_size, operand, value, bad_item, seed, *, z=False):
+    """Inputs of ssd_scan_backward (rows of `seq` steps, or one row packed at `bounds`; with a
+    gate z where `z`) whose (sequence, head) `bad_item` has `value` in `operand` (any of its
+    tensors, dy included) at its step 3 (h0's and dstate's first element), and each sequence's
     (row, first step, steps)."""
     gen = torch.Generator().manual_seed(seed)
     heads, headdim = 3, 5
     rows = 4 if bounds is None else 1
     spans = ([(row, 0, seq) for row in range(rows)] if bounds is None
              else [(0, first, end - first) for first, end in zip(bounds, bounds[1:])])
-    x = torch.randn(rows, seq, heads, headdim, generator=gen)
-    dt = 0.01 + 0.5 * torch.rand(rows, seq, heads, generator=gen)
-    (row, first, _), bad_head = spans[bad_item[0]], bad_item[1]
-    if operand == "x":
-        x[row, first + 3, bad_head, 0] = value
-    else:
-        dt[row, first + 3, bad_head] = value
-    # A group per head, so that each head's B and C gradients are its own.
-    a = _args.check_ssd_scan(x, dt, -0.1 - torch.rand(heads, generator=gen),
-                             torch.randn(rows, seq, heads, state_size, generator=gen),
-                             torch.randn(rows, seq, heads, state_size, generator=gen),
-                             D=torch.randn(heads, generator=gen))
     state_shape = (len(spans), heads, headdim, state_size)
-    options = dict(D=a.D, z=None, dt_bias=None, dt_softplus=False, dt_min=None, dt_max=None, chunk_size=None,
-                   h0=torch.randn(state_shape, generator=gen), dstate=torch.randn(state_shape, generator=gen))
-    return (torch.randn(a.x.shape, generator=gen), a.x, a.dt, a.A, a.B, a.C), options, spans
+    # A group per head, so that each head's B and C gradients are its own.
+    t = dict(x=torch.randn(rows, seq, heads, headdim, generator=gen),
+             dt=0.01 + 0.5 * torch.rand(rows, seq, heads, generator=gen), A=-0.1 - torch.rand(heads, generator=gen),
+             B=torch.randn(rows, seq, heads, state_size, generator=gen),
+             C=torch.randn(rows, seq, heads, state_size, generator=gen), D=torch.randn(heads, generator=gen),
+             h0=torch.randn(state_shape, generator=gen), dstate=torch.randn(state_shape, generator=gen),
+             dy=torch.randn(rows, seq, heads, headdim, generator=gen),
+             z=torch.randn(rows, seq, heads, headdim, generator=gen) if z else None)
+    (row, first, _), bad_head = spans[bad_item[0]], bad_item[1]
+    at = ((bad_item[0], bad_head, 0, 0) if operand in ("h0", "dstate")
+          else (row, first + 3, bad_head) + (() if operand == "dt" else (0,)))
+    t[operand][at] = value
+    a = _args.check_ssd_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], z=t["z"])
+    options = dict(D=a.D, z=a.z, dt_bias=None, dt_softplus=False, dt_min=None, dt_max=None, chunk_size=None,
+                   h0=t["h0"], dstate=t["dstate"])
+    return (t["dy"], a.x, a.dt, a.A, a.B, a.C), options, spans
 
 
 def _ssd_gradients_by_sequence(got, tensors, options, spans):
@@ -807,6 +809,8 @@ def _ssd_gradients_by_sequence(got, tensors, options, spans):
             return t[row:row + 1, first:first + steps]
 
         one = {k: options[k][sequence:sequence + 1] for k in ("h0", "dstate")}
+        if options["z"] is not None:
+            one["z"] = cut(options["z"])
         expected = ssd_scan_backward_ref(cut(dy), cut(x), cut(dt), A, cut(B), cut(C), **{**options, **one})
         for name, e in expected.items():
             if name in ("A", "D"):
@@ -864,6 +868,83 @@ def test_simd_variant_ssd_backward_nan_spreads_as_in_the_reference(simd_backend,
                                            f"the reference's at {nan.nonzero().tolist()}")
         assert_close(actual[~nan], expected[~nan], torch.float32, what,
                      tolerance=(rtol, atol * float(expected[~nan].abs().max())))
+
+
+def _assert_inf_gradient_as_the_reference(actual, expected, what, *, inf_may_be_nan):
+    """Every element the reference has finite, finite and as the reference's; every one it has
+    ±inf, that infinity (or NaN where `inf_may_be_nan`: the chunked form's sums, docs/training.md
+    "Limits"). Where the reference has NaN, anything: inf - inf or 0 * inf of its own order of
+    operations."""
+    finite, inf = torch.isfinite(expected), torch.isinf(expected)
+    lost = finite & ~torch.isfinite(actual)
+    assert not lost.any(), (f"{what}: non-finite at {lost.nonzero().tolist()} where the reference's is finite "
+                            f"({actual[lost].tolist()})")
+    other = inf & (actual != expected) & (~torch.isnan(actual) if inf_may_be_nan else True)
+    assert not other.any(), f"{what}: {actual[other].tolist()} where the reference has {expected[other].tolist()}"
+    if finite.any():
+        rtol, atol = GRAD_TOLERANCES[torch.float32]
+        assert_close(actual[finite], expected[finite], torch.float32, what,
+                     tolerance=(rtol, atol * float(expected[finite].abs().max())))
+
+
+# ±inf in one input of one (batch row, channel), gated by z, through Mamba-1's reverse scan, per
+# variant, over 20 channels (a full and a partial block at every width), the sequence one chunk or
+# (333 steps of state 16, past kWholeSequenceBytes at every width) checkpointed: the reference's
+# IEEE result wherever it has no NaN, its infinities included.
+MAMBA1_INF_PATHS = [
+    pytest.param(40, 5, id="one-chunk-state-5"),
+    pytest.param(333, 16, id="checkpointed-state-16"),
+]
+INF_OPERANDS = ["x", "dt", "B", "C", "z", "dy", "h0", "dstate"]
+INF_VALUES = [pytest.param(float("inf"), id="inf"), pytest.param(float("-inf"), id="minus-inf")]
+
+
+@pytest.mark.parametrize("value", INF_VALUES)
+@pytest.mark.parametrize("operand", INF_OPERANDS)
+@pytest.mark.parametrize("seq, state", MAMBA1_INF_PATHS)
+def test_simd_variant_backward_inf_gives_the_references_result(simd_backend, seq, state, operand, value):
+    from kernels.reference import selective_scan_backward_ref
+
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch, dim = 2, 20
+    t = dict(x=torch.randn(batch, seq, dim, generator=gen), dt=0.01 + 0.5 * torch.rand(batch, seq, dim, generator=gen),
+             A=-0.1 - torch.rand(dim, state, generator=gen), B=torch.randn(batch, seq, 1, state, generator=gen),
+             C=torch.randn(batch, seq, 1, state, generator=gen), D=torch.randn(dim, generator=gen),
+             z=torch.randn(batch, seq, dim, generator=gen), h0=torch.randn(batch, dim, state, generator=gen),
+             dstate=torch.randn(batch, dim, state, generator=gen), dy=torch.randn(batch, seq, dim, generator=gen))
+    # Row 1, channel 3, step 3, state element 2.
+    at = {"B": (1, 3, 0, 2), "C": (1, 3, 0, 2), "h0": (1, 3, 2), "dstate": (1, 3, 2)}.get(operand, (1, 3, 3))
+    t[operand][at] = value
+    kwargs = dict(D=t["D"], z=t["z"], dt_bias=None, dt_softplus=False, dt_min=None, dt_max=None, h0=t["h0"],
+                  dstate=t["dstate"], layout="bld")
+    got = simd_backend.scan_backward(t["dy"], t["x"], t["dt"], t["A"], t["B"], t["C"], **kwargs)
+    expected = selective_scan_backward_ref(t["dy"], t["x"], t["dt"], t["A"], t["B"], t["C"], **kwargs)
+    for name, e in expected.items():
+        _assert_inf_gradient_as_the_reference(
+            got[name], e, f"{simd_backend.details['simd']} build d{name} {operand}={value} seed={seed}",
+            inf_may_be_nan=False)
+
+
+# ±inf in one input of one (sequence, head), gated by z, through Mamba-2's chunked backward, per
+# variant: every gradient the reference has finite, as the reference's; its infinities, or NaN
+# (docs/training.md "Limits"). The products with E (or E o R) multiplied E's zeros past the
+# diagonal by the inf in another step's row of gy, u, B or C: NaN at the chunk's other steps where
+# the reference is finite, in dx and ddt from dy or z, in dB from C, in dC from B, in dz from x or dt.
+@pytest.mark.parametrize("value", INF_VALUES)
+@pytest.mark.parametrize("operand", INF_OPERANDS)
+@pytest.mark.parametrize("bounds, seq, state_size", SSD_NONFINITE_PATHS[1:])
+def test_simd_variant_ssd_backward_inf_keeps_the_references_finite_gradients(simd_backend, bounds, seq, state_size,
+                                                                             operand, value):
+    seed = random_seed()
+    tensors, options, spans = _ssd_backward_inputs_with_a_nonfinite_item(bounds, seq, state_size, operand, value,
+                                                                          (1, 2), seed, z=True)
+    got = simd_backend.ssd_scan_backward(*tensors, **options,
+                                         cu_seqlens=None if bounds is None else torch.tensor(bounds))
+    for name, sequence, _, actual, expected in _ssd_gradients_by_sequence(got, tensors, options, spans):
+        _assert_inf_gradient_as_the_reference(
+            actual, expected, f"{simd_backend.details['simd']} build d{name} of sequence {sequence} "
+                              f"{operand}={value} seed={seed}", inf_may_be_nan=True)
 
 
 # Packed sequences through the backward per variant: a sequence of one step, ones crossing the

@@ -68,6 +68,11 @@ void discretize_head(const ScanBackwardProblem<T>& p, int64_t head, int64_t head
 // with 16-byte vectors, whose products are slower (docs/performance.md, "backward pass").
 constexpr int64_t kChunk = kVectorBytes >= 32 ? 32 : 16;
 
+// The entries of `a` a product reads: all, or for a square `a` (m = k) only a triangle, for E's
+// products (E is zero past its diagonal): a zero times a row of b holding inf is NaN, where the
+// recurrence never multiplies that row in.
+enum class Part { kAll, kLower /* a(i, k) for k <= i */, kUpper /* for k >= i */ };
+
 template <typename T>
 struct Product {
   using V = typename Lanes<T>::V;
@@ -75,47 +80,64 @@ struct Product {
   static constexpr int kRows = 6;
   static constexpr int kCols = 2;
 
+  template <Part kPart = Part::kAll>
   static void run(int64_t m, int64_t nv, int64_t k, const T* a, int64_t ars, int64_t acs, const V* b,
                   int64_t ldb, V* out, int64_t ldo, bool add) {
     for (int64_t j = 0; j < nv; j += kCols)
       for (int64_t i = 0; i < m; i += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, m - i);
-        if (nv - j >= 2) tile_rows<2>(rows, k, a + i * ars, ars, acs, b + j, ldb, out + i * ldo + j, ldo, add);
-        else tile_rows<1>(rows, k, a + i * ars, ars, acs, b + j, ldb, out + i * ldo + j, ldo, add);
+        if (nv - j >= 2)
+          tile_rows<2, kPart>(rows, i, k, a + i * ars, ars, acs, b + j, ldb, out + i * ldo + j, ldo, add);
+        else
+          tile_rows<1, kPart>(rows, i, k, a + i * ars, ars, acs, b + j, ldb, out + i * ldo + j, ldo, add);
       }
   }
 
  private:
-  template <int NR, int MR = kRows>
-  static void tile_rows(int64_t rows, int64_t k, const T* a, int64_t ars, int64_t acs, const V* b, int64_t ldb,
-                        V* out, int64_t ldo, bool add) {
+  template <int NR, Part kPart, int MR = kRows>
+  static void tile_rows(int64_t rows, int64_t i0, int64_t k, const T* a, int64_t ars, int64_t acs, const V* b,
+                        int64_t ldb, V* out, int64_t ldo, bool add) {
     if constexpr (MR > 1) {
       if (rows < MR) {
-        tile_rows<NR, MR - 1>(rows, k, a, ars, acs, b, ldb, out, ldo, add);
+        tile_rows<NR, kPart, MR - 1>(rows, i0, k, a, ars, acs, b, ldb, out, ldo, add);
         return;
       }
     }
-    tile<MR, NR>(k, a, ars, acs, b, ldb, out, ldo, add);
+    tile<MR, NR, kPart>(i0, k, a, ars, acs, b, ldb, out, ldo, add);
   }
 
-  template <int MR, int NR>
-  static void tile(int64_t k, const T* a, int64_t ars, int64_t acs, const V* b, int64_t ldb, V* out, int64_t ldo,
-                   bool add) {
+  // Rows i0 .. i0 + MR. For a triangle, every row takes the k on its side of the tile's
+  // diagonal band, and the band's k = i0 + d only the rows r whose triangle holds it (r >= d
+  // below, r <= d above): in ascending k either way, as the full product sums.
+  template <int MR, int NR, Part kPart>
+  static void tile(int64_t i0, int64_t k, const T* a, int64_t ars, int64_t acs, const V* b, int64_t ldb, V* out,
+                   int64_t ldo, bool add) {
     V acc[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] = add ? out[i * ldo + j] : V{};
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const V* bk = b + kk * ldb;
-      const T* ak = a + kk * acs;
-      V bv[NR];
-      for (int j = 0; j < NR; ++j) bv[j] = bk[j];
-      for (int i = 0; i < MR; ++i) {
-        const V ai = Lanes<T>::splat(ak[i * ars]);
-        for (int j = 0; j < NR; ++j) acc[i][j] += ai * bv[j];
-      }
-    }
+    if constexpr (kPart == Part::kUpper)
+      for (int d = 0; d < MR; ++d) step<NR>(i0 + d, 0, d + 1, a, ars, acs, b, ldb, acc);
+    const int64_t begin = kPart == Part::kUpper ? i0 + MR : 0;
+    const int64_t end = kPart == Part::kLower ? i0 + 1 : k;
+    for (int64_t kk = begin; kk < end; ++kk) step<NR>(kk, 0, MR, a, ars, acs, b, ldb, acc);
+    if constexpr (kPart == Part::kLower)
+      for (int d = 1; d < MR; ++d) step<NR>(i0 + d, d, MR, a, ars, acs, b, ldb, acc);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) out[i * ldo + j] = acc[i][j];
+  }
+
+  // acc[r] += a(r, kk) b[kk] for the tile's rows first <= r < last.
+  template <int NR, int MR>
+  static inline __attribute__((always_inline)) void step(int64_t kk, int first, int last, const T* a, int64_t ars,
+                                                         int64_t acs, const V* b, int64_t ldb, V (&acc)[MR][NR]) {
+    const V* bk = b + kk * ldb;
+    const T* ak = a + kk * acs;
+    V bv[NR];
+    for (int j = 0; j < NR; ++j) bv[j] = bk[j];
+    for (int i = first; i < last; ++i) {
+      const V ai = Lanes<T>::splat(ak[i * ars]);
+      for (int j = 0; j < NR; ++j) acc[i][j] += ai * bv[j];
+    }
   }
 };
 
@@ -327,7 +349,7 @@ class SsdBackwardRunner {
     load_head_rows(p_.dy, t0, steps, g_);
     load_head_rows(p_.z, t0, steps, z_);
     transpose(hin, P_, NV_, hint_, PV_);
-    Mul::run(steps, PV_, steps, lanes(eg_), QV_ * W, 1, u_, PV_, y_, PV_, false);
+    Mul::template run<Part::kLower>(steps, PV_, steps, lanes(eg_), QV_ * W, 1, u_, PV_, y_, PV_, false);
     Mul::run(steps, PV_, N_, lanes(ce_), NV_ * W, 1, hint_, PV_, y_, PV_, true);
     const V one = Lanes<T>::splat(T(1));
     for (int64_t t = 0; t < steps; ++t)
@@ -412,11 +434,11 @@ class SsdBackwardRunner {
       V hd = {};
       for (int64_t i = 0; i < P_ * NV_; ++i) hd += dh_[i] * hin[i];
       dcs_[last] += static_cast<double>(ecs_[last]) * lane_sum(hd);
-      Mul::run(steps, PV_, steps, lanes(eg_), 1, QV_ * W, gy_, PV_, du_, PV_, true);
+      Mul::template run<Part::kUpper>(steps, PV_, steps, lanes(eg_), 1, QV_ * W, gy_, PV_, du_, PV_, true);
       // dB and dC.
-      Mul::run(steps, NV_, steps, lanes(er_), 1, QV_ * W, c_, NV_, db_, NV_, false);
+      Mul::template run<Part::kUpper>(steps, NV_, steps, lanes(er_), 1, QV_ * W, c_, NV_, db_, NV_, false);
       Mul::run(steps, NV_, P_, lanes(uw_), PV_ * W, 1, dh_, NV_, db_, NV_, true);
-      Mul::run(steps, NV_, steps, lanes(er_), QV_ * W, 1, b_, NV_, dc_, NV_, false);
+      Mul::template run<Part::kLower>(steps, NV_, steps, lanes(er_), QV_ * W, 1, b_, NV_, dc_, NV_, false);
       Mul::run(steps, NV_, P_, lanes(gy_), PV_ * W, 1, hin, NV_, zc_, NV_, false);
       row_dots(c_, zc_, steps, NV_);
       for (int64_t t = 0; t < steps; ++t) {
