@@ -191,7 +191,7 @@ defmodule ScanBridge do
       the unix lane the server's own cap on one connection's requests in flight
       (`--max-in-flight-per-peer`, read from its `info`'s `limits` at start-up), less one,
       caps it: the server leaves requests past its cap unread in the socket, and the place
-      left is for cancels, which keep to the cap itself (`ScanBridge.Server`).
+      left is for cancels and health checks, which keep to the cap itself (`ScanBridge.Server`).
     * `:max_frame_size` - largest request body sent (default 256 MiB, the server's default
       limit), capped at start-up by the server's own limit (its `info`'s `limits`) and by
       2^32 - 1 bytes, the most a frame's 4-byte length can say; a bigger one is answered

@@ -63,8 +63,8 @@ defmodule ScanBridge.Server do
   the unix lane `:max_in_flight` is kept one below the server's `max_in_flight_per_peer` (past
   which the server leaves requests unread in the socket, where more would only wait in the
   lane's queue instead of this one's, out of reach of their deadlines; the place left is for
-  cancels, which go past `:max_in_flight` but not past that cap, and must be read to drop what
-  they name).
+  cancels and health checks, which go past `:max_in_flight` but not past that cap: cancels must
+  be read to drop what they name, and a health check is answered as it is read).
 
   When the server's OS process exits or its lane closes, every waiting caller gets
   `{:error, %ScanBridge.Error{reason: :server_exited}}` and this process stops, for its
@@ -948,8 +948,8 @@ defmodule ScanBridge.Server do
   defp release(state, _op, _outcome), do: state
 
   # A free no caller asked for (release/3, an opener's exit) is a request without a deadline:
-  # it keeps to :max_in_flight, out of the place left for cancels, and once queued goes in its
-  # turn, never dropped.
+  # it keeps to :max_in_flight, out of the place left for cancels and health checks, and once
+  # queued goes in its turn, never dropped.
   defp send_uncalled(state, op, args) do
     id = state.next_id
     send_or_queue(%{state | next_id: id + 1}, id, op, Protocol.request_head(op, args), nil)
