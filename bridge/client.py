@@ -258,6 +258,9 @@ class InFlight:
     bytes_out: int = 0
     # Its place in the order requests were written, from when its write began; None before.
     write_order: int | None = None
+    # A raw frame whose id the server cannot read: its answer has id nil (SPEC §4) and is told
+    # apart by the order such frames were written.
+    id_unread: bool = False
 
 
 @dataclass
@@ -336,7 +339,7 @@ class FramedClient:
         # with it set and self._write_lock held, so no write starts on a closed fd's number.
         self._refusal: str | None = None
         # The latest UNMATCHED_KEPT replies whose id matches no request in flight (e.g.
-        # replies with id null to undecodable frames sent with send_raw), and how many came in
+        # replies with id null to undecodable frames send_raw sent without an id), and how many came in
         # all (what a caller waiting for the next one watches: the deque stops growing).
         self.unmatched: collections.deque = collections.deque(maxlen=UNMATCHED_KEPT)
         self.unmatched_count = 0
@@ -357,6 +360,10 @@ class FramedClient:
         # Answers with id nil to frames the server had no memory to hold, by body length, while
         # which request each is for cannot be told yet.
         self._dropped_answers: dict[int, DroppedAnswers] = {}
+        # Raw frames written whose ids the server cannot read, in the order written, until
+        # answered: the server answers each as it reads it, with id nil. One sent without an id
+        # is here too (its Future's request_id None), so that its answer is nobody's.
+        self._ids_unread: collections.deque[InFlight] = collections.deque()
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
@@ -539,10 +546,14 @@ class FramedClient:
 
     def _take_write_order(self, entry: InFlight | None) -> None:
         """Give `entry` the next place in the write order: an id-nil answer is matched to the
-        first request written of its length. Called with self._write_lock held, before the
-        write, as the answer may come before the write returns."""
+        first request written of its length, or, to a frame whose id the server cannot read, to
+        the first such frame written. Called with self._write_lock held, before the write, as
+        the answer may come before the write returns."""
         if entry is not None:
             entry.write_order = next(self._write_orders)
+            if entry.id_unread:
+                with self._lock:
+                    self._ids_unread.append(entry)
 
     def _end_stream(self) -> None:
         """End the outgoing stream, so that the server sees EOF, with requests refused. Where it
@@ -741,24 +752,52 @@ class FramedClient:
 
     def send_raw(self, body: bytes, request_id=None) -> Future | None:
         """Write an arbitrary body as one frame (tests and benchmarks). With `request_id`, the
-        reply carrying that id resolves the returned Future, and the frame keeps to the cap as
-        a request does (held while the cap is full); without, it is sent at once and not
-        counted against the cap, its reply being one the client cannot tell. Replies with ids
-        that match nothing in flight (e.g. id null for an undecodable body) land in
-        `self.unmatched`."""
-        parts = protocol.frame_parts([body])
-        return self._send_raw(parts, request_id)
+        reply to it resolves the returned Future, and the frame keeps to the cap as a request
+        does (held while the cap is full); without, it is sent at once and not counted against
+        the cap, its reply being one the client cannot tell. `request_id` is the id the body
+        carries, or any where the server can read none (an undecodable body: its answer has id
+        null, and comes in the order such frames were written); a body with another id, or a
+        legacy ExPhil request (answered with none), is a ValueError. Replies with ids that
+        match nothing in flight (e.g. id null to an undecodable body sent without an id) land
+        in `self.unmatched`."""
+        return self._send_raw(body, (), protocol.frame_parts([body]), request_id)
 
-    def _send_raw(self, parts: list, request_id) -> Future | None:
-        if request_id is None:
-            self._send(parts)
-            return None
+    def _send_raw(self, body, buffers, parts: list, request_id) -> Future | None:
+        """send_raw's work: `parts` carry `body` and its raw `buffers` (ZeroMQ's)."""
         entry = InFlight(Future(), time.perf_counter_ns(), bytes_out=sum(memoryview(p).nbytes for p in parts))
+        limit = self.max_frame_size
+        # A frame over the limit is never decoded: its answer is matched by length.
+        if limit is None or entry.bytes_out - self._frame_overhead <= limit:
+            entry.id_unread = self._raw_id_unread(body, buffers, request_id)
+        if request_id is None:
+            entry.future.request_id = None  # in _ids_unread, where its answer is nobody's
+            self._send(parts, entry if entry.id_unread else None)
+            return None
         with self._in_flight(request_id, entry):
             held = self._send_or_hold(request_id, entry, HeldRequest(None, {}, parts, None))
         if held:
             self._send_released()
         return entry.future
+
+    @staticmethod
+    def _raw_id_unread(body, buffers, request_id) -> bool:
+        """Whether the server reads no id from `body` (decoding it as the server does), so that
+        its answer has id nil; a body whose answer carries an id other than `request_id` (when
+        given) is a ValueError: that answer would never be the request's."""
+        try:
+            request = protocol.decode_request(body, buffers)
+        except protocol.ProtocolError as exc:
+            legacy, carried = exc.legacy, exc.request_id
+        except Exception:  # a decoder's own failure: the server answers it internal_error, id nil
+            return True
+        else:
+            legacy, carried = request.codec is protocol.LEGACY, request.reply_id
+        if request_id is not None and legacy:
+            raise ValueError(f"request_id: expected none for a legacy ExPhil request, whose answer carries "
+                             f"no id, got {request_id!r}")
+        if request_id is not None and carried is not None and carried != request_id:
+            raise ValueError(f"request_id: expected {carried!r}, the id the body carries, got {request_id!r}")
+        return carried is None and not legacy
 
     # -- replies --------------------------------------------------------------------------
 
@@ -796,8 +835,10 @@ class FramedClient:
                 answered = [(self._refused_as_too_large(error.get("detail") or {}), received)]
             elif error.get("code") == "limit_exceeded" and (error.get("detail") or {}).get("limit") == "memory":
                 answered = self._dropped_unread(received)  # a frame the server had no memory to hold
+            elif error.get("code") == "overloaded":
+                answered = [(None, received)]  # the connection turned away (SPEC §4): no frame's
             else:
-                answered = [(None, received)]
+                answered = [(self._id_unread_answered(), received)]
         if decoded.id is None and error.get("code") == "overloaded":
             self._turned_away = BridgeError("overloaded", error.get("message", ""), error.get("detail"))
         if self._held or self._held_cancels:
@@ -825,7 +866,32 @@ class FramedClient:
         if isinstance(detail.get("limit"), int):
             self.max_frame_size = detail["limit"]
         written = self._written_of_length(detail.get("length"))
+        if not written:
+            self._dropped_unsent_frame(detail.get("length"))
         return self._pending.pop(next(iter(written))) if written else None
+
+    def _id_unread_answered(self) -> InFlight | None:
+        """The request an id-nil answer to a frame the server read is for, taken out of flight:
+        the first written of those whose ids it cannot read, still in flight; None where that
+        was one sent without an id, or none is left. Called with self._lock held."""
+        while self._ids_unread:
+            entry = self._ids_unread.popleft()
+            request_id = entry.future.request_id
+            if request_id is None:
+                return None
+            if self._pending.get(request_id) is entry:
+                return self._pending.pop(request_id)
+        return None
+
+    def _dropped_unsent_frame(self, length) -> None:
+        """An id-nil answer to a frame of `length` bytes that the server dropped unread, with no
+        request in flight that long: if a frame sent without an id, whose id the server cannot
+        read, is that long, the first is the one answered, and leaves the order that answers to
+        such frames are told apart by. Called with self._lock held."""
+        for entry in self._ids_unread:
+            if entry.future.request_id is None and entry.bytes_out - self._frame_overhead == length:
+                self._ids_unread.remove(entry)
+                return
 
     def _written_of_length(self, length) -> dict[object, InFlight]:
         """The requests in flight, by id in the order they were written, whose bodies are
@@ -844,6 +910,7 @@ class FramedClient:
         length = received.decoded.error["detail"].get("length")
         written = self._written_of_length(length)
         if not written:
+            self._dropped_unsent_frame(length)
             return [(None, received)]
         waiting = self._dropped_answers.setdefault(length, DroppedAnswers([], {}))
         waiting.answers.append(received)
@@ -879,6 +946,7 @@ class FramedClient:
             self._held.clear()
             self._held_cancels.clear()
             self._dropped_answers.clear()
+            self._ids_unread.clear()
         for entry in pending:
             settle(entry.future, exc)
 
@@ -1091,7 +1159,7 @@ class ZmqClient(FramedClient):
     def send_raw(self, body: bytes, request_id=None, buffers=()) -> Future | None:
         """Send an arbitrary body (and raw buffers) as one message (tests and benchmarks);
         replies as in FramedClient.send_raw."""
-        return self._send_raw([body, *buffers], request_id)
+        return self._send_raw(body, buffers, [body, *buffers], request_id)
 
     def _reader_target(self) -> tuple:
         # The io loop owns the socket, so it holds the client: close a ZmqClient, always.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import shlex
 import signal
 import sys
@@ -14,6 +15,7 @@ import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -127,6 +129,37 @@ def test_an_id_in_flight_is_refused_and_the_first_request_keeps_its_reply(pipe):
     pipe.reply(pipe.read_request().id, {"which": "first"})
     assert first.result(REPLY_TIMEOUT_S).result == {"which": "first"}
     assert pipe.client._pending == {}
+
+
+def test_a_raw_body_whose_answer_would_not_carry_the_id_it_is_sent_under_is_refused(pipe):
+    """Its answer would carry the body's id (or none, for a legacy ExPhil request) and never
+    resolve the Future, which held its slot of the cap for ever; one whose id another request
+    in flight has took that one's answer (found in review)."""
+    first = pipe.client.submit("ping")  # automatic id 1
+    with pytest.raises(ValueError, match="request_id: expected 1, the id the body carries, got 'other'"):
+        pipe.client.send_raw(b"".join(protocol.encode_request(1, "ping", {})), request_id="other")
+    with pytest.raises(ValueError, match="request_id: expected none .* got 7"):
+        pipe.client.send_raw(msgpack.packb({"op": "scan"}), request_id=7)
+    pipe.reply(pipe.read_request().id, {"which": "first"})
+    assert first.result(REPLY_TIMEOUT_S).result == {"which": "first"}
+    assert pipe.client._pending == {} and nothing_written(pipe)
+
+
+def test_an_id_nil_answer_to_a_frame_too_large_sent_without_an_id_is_told_apart_by_length(pipe):
+    """Answers with id nil to raw frames whose ids the server cannot read are told apart by the
+    order the frames were written; one of those frames refused as too large is answered by
+    length instead, and its place in that order is not another's."""
+    pipe.client.send_raw(b"\xc1" * 100)
+    raw = pipe.client.send_raw(b"\xc1", request_id="raw")
+    assert [read_frame(pipe.requests) for _ in range(2)] == [b"\xc1" * 100, b"\xc1"]
+    pipe.error(None, "frame_too_large", {"length": 100, "limit": 64})
+    pipe.error(None, "decode_error")
+    assert raw.result(REPLY_TIMEOUT_S).error["code"] == "decode_error"
+    assert [reply.error["code"] for reply in pipe.client.unmatched] == ["frame_too_large"]
+
+
+def nothing_written(pipe) -> bool:
+    return not select.select([pipe.requests], [], [], 0)[0]
 
 
 def test_automatic_ids_pass_over_ids_callers_chose(pipe):

@@ -298,12 +298,10 @@ def test_the_python_client_cancels_a_request_whose_timeout_passed(tmp_path, inpr
             assert not client.unmatched and not client._pending
 
 
-@pytest.mark.parametrize("lane", ["unix", "zmq"])
-def test_the_python_client_keeps_a_slot_of_the_cap_for_its_cancels(tmp_path, inproc, lane):
-    """Past --max-in-flight-per-peer a request waits unread, and a cancel behind it arrived
-    after it ran. Once `info` told it the cap, the client sends its cap's worth but one and
-    holds the rest in order: a held request is cancelled unsent, and a cancel of a sent one
-    takes the slot left free."""
+@contextlib.contextmanager
+def lane_capped_at_two(tmp_path, inproc, lane: str):
+    """(server, client): an in-process `lane` ("unix" or "zmq") with a cap of 2 requests in
+    flight per connection, and a client of it that has not yet read the cap."""
     from bridge.client import UnixClient, ZmqClient
     from bridge.transports.zmq import ZmqTransport
     from test_lane_unix import unix_lane
@@ -318,23 +316,33 @@ def test_the_python_client_keeps_a_slot_of_the_cap_for_its_cancels(tmp_path, inp
         transport.start()
         client_cm = UnixClient(transport.path) if lane == "unix" else ZmqClient(transport.endpoints[0])
         with client_cm as client:
-            assert client.info()["limits"]["max_in_flight_per_peer"] == 2 and client.max_in_flight == 2
-            srv.hold(RecordingConnection())
-            sent, held, later = (client.submit("stats") for _ in range(3))
-            assert client.cancel(held), "a held request is cancelled at once"
-            assert client.cancel(sent)
-            wait_until(lambda: errors_counted(srv).get("cancelled") == 1, "the sent request cancelled on the server")
-            srv.go()
-            assert later.result(10).ok
-            assert held.cancelled()
-            # stats ran once (the later one): the held one never reached the server. A reply is
-            # counted once written, which can be after the client has read it.
-            def stats_counted() -> int:
-                return srv.server.stats.snapshot()["ops"]["stats"]["inference_count"]
+            yield srv, client
 
-            wait_until(lambda: stats_counted() > 0, "the later stats request was never counted")
-            assert stats_counted() == 1
-            assert not client._pending
+
+@pytest.mark.parametrize("lane", ["unix", "zmq"])
+def test_the_python_client_keeps_a_slot_of_the_cap_for_its_cancels(tmp_path, inproc, lane):
+    """Past --max-in-flight-per-peer a request waits unread, and a cancel behind it arrived
+    after it ran. Once `info` told it the cap, the client sends its cap's worth but one and
+    holds the rest in order: a held request is cancelled unsent, and a cancel of a sent one
+    takes the slot left free."""
+    with lane_capped_at_two(tmp_path, inproc, lane) as (srv, client):
+        assert client.info()["limits"]["max_in_flight_per_peer"] == 2 and client.max_in_flight == 2
+        srv.hold(RecordingConnection())
+        sent, held, later = (client.submit("stats") for _ in range(3))
+        assert client.cancel(held), "a held request is cancelled at once"
+        assert client.cancel(sent)
+        wait_until(lambda: errors_counted(srv).get("cancelled") == 1, "the sent request cancelled on the server")
+        srv.go()
+        assert later.result(10).ok
+        assert held.cancelled()
+        # stats ran once (the later one): the held one never reached the server. A reply is
+        # counted once written, which can be after the client has read it.
+        def stats_counted() -> int:
+            return srv.server.stats.snapshot()["ops"]["stats"]["inference_count"]
+
+        wait_until(lambda: stats_counted() > 0, "the later stats request was never counted")
+        assert stats_counted() == 1
+        assert not client._pending
 
 
 def test_a_request_the_client_held_goes_with_what_is_left_of_its_deadline(tmp_path, inproc):
@@ -460,6 +468,41 @@ def test_a_raw_request_with_an_id_is_held_under_the_cap_as_submitted_ones_are():
         assert server.read_request().id == 7
         server.reply(7)
         assert raw.result(10).ok and not server.client._pending
+
+
+@pytest.mark.parametrize("lane", ["unix", "zmq"])
+def test_a_raw_frame_whose_id_the_server_cannot_read_frees_its_slot_when_answered(tmp_path, inproc, lane):
+    """send_raw(body, request_id=...) of a body the server reads no id from (malformed on
+    purpose, as fuzzing and protocol tests send) is answered with id nil: the request stayed in
+    flight, holding its slot of the cap, and once a cap's worth had been sent every later
+    request was held for ever (found in review). Such answers come in the order their frames
+    were written, one sent without an id among them."""
+    with lane_capped_at_two(tmp_path, inproc, lane) as (_, client):
+        client.info()
+        assert client.send_raw(b"\xc1") is None  # its answer, first, is nobody's
+        bad_id = msgpack.packb({"v": 1, "id": -1, "op": "ping"})
+        for index, (body, code) in enumerate([(bad_id, "invalid_request"), (b"\xc1", "decode_error")] * 2):
+            reply = client.send_raw(body, request_id=f"raw-{index}").result(10)
+            assert (reply.id, reply.error["code"]) == (None, code)
+        assert client.call("ping") == {"pong": True} and not client._pending
+        assert [reply.error["code"] for reply in client.unmatched] == ["decode_error"]
+
+
+def test_a_raw_frame_whose_id_the_server_cannot_read_and_then_cancelled_frees_its_slot():
+    """Cancelled once sent, its Future is cancelled and a cancel naming the id it was sent
+    under goes, which the server never read; the answer to the frame itself frees the slot."""
+    with pipe_capped_at(2) as server:
+        raw = server.client.send_raw(b"\xc1", request_id="raw")
+        assert read_frame(server.requests) == b"\xc1"
+        assert server.client.cancel(raw)
+        cancel = server.read_request()
+        assert cancel.args == {"id": "raw"}
+        server.error(None, "decode_error")
+        server.reply(cancel.id, {"cancelled": False})
+        later = server.client.submit("ping")
+        wait_until(lambda: not nothing_sent(server), "the later request was held", timeout=10)
+        server.reply(server.read_request().id)
+        assert later.result(10).ok and raw.cancelled() and not server.client._pending
 
 
 def test_cancels_past_the_cap_wait_for_a_slot_and_go_before_held_requests():
