@@ -20,7 +20,8 @@ dispatcher is the one place that decides how a request is served:
     a kernel launch.
   * the op's handler (bridge.ops) runs; its result is encoded by the request's codec and sent.
     A request whose `deadline_us` ran out before it started is answered `deadline_exceeded`
-    instead; a queued one a cancel dropped was answered `cancelled` and is passed over.
+    instead, and one whose connection's peer is known gone by then `cancelled` (its reply could
+    reach nobody); a queued one a cancel dropped was answered `cancelled` and is passed over.
 
 One lock (`_serving`) lets one thread at a time run ops, so ops never run concurrently, and a
 request never overtakes one admitted before it: a fast-path request is served only when every
@@ -121,6 +122,16 @@ def deadline_error(request, received_ns: int) -> OpError | None:
     return OpError("deadline_exceeded",
                    f"deadline_us: expected the request to start within {budget_us} µs, it waited {waited_us} µs",
                    {"deadline_us": budget_us, "waited_us": waited_us})
+
+
+def refusal_to_start(call: Call) -> OpError | None:
+    """The error a request about to start is answered with instead of running: `cancelled` once
+    its connection's peer is known gone (no reply could reach it; counted as a cancel's drop
+    is), `deadline_exceeded` once its budget ran out; None: it runs."""
+    if call.conn.peer_gone:
+        return OpError("cancelled", f"request {call.request.reply_id!r} was dropped before it ran: its connection "
+                       "went away")
+    return deadline_error(call.request, call.timing.received_ns)
 
 
 class Dispatcher:
@@ -405,9 +416,9 @@ class Dispatcher:
     def _serve(self, call: Call) -> None:
         call.timing.add("queue", now_ns() - call.enqueued_ns)
         try:
-            late = deadline_error(call.request, call.timing.received_ns)
-            if late is not None:
-                raise late
+            refusal = refusal_to_start(call)
+            if refusal is not None:
+                raise refusal
             result = call.handler(self.server, call)
         except Exception as exc:  # every failure is answered; the worker lives on
             self._fail(call, exc)
@@ -425,13 +436,13 @@ class Dispatcher:
         for item in batch.items:
             call = item.call
             # Taken only now: until its launch a gathered request has not started, so a cancel
-            # or the drain may have answered it, and its budget may have run out meanwhile.
+            # or the drain may have answered it, and its budget or its peer may have gone meanwhile.
             if not self.server.queued.take(call):
                 continue
             call.timing.add("queue", start - call.enqueued_ns - item.prepare_ns)
-            late = deadline_error(call.request, call.timing.received_ns)
-            if late is not None:
-                self._fail(call, late)
+            refusal = refusal_to_start(call)
+            if refusal is not None:
+                self._fail(call, refusal)
             else:
                 items.append(item)
         if not items:
@@ -472,12 +483,12 @@ class Dispatcher:
 
     def _prepare(self, op: BatchedOp, call: Call):
         """The request's batch item; None when it cannot run (it has been answered). Its deadline
-        is checked each time: one prepared before (served inline, or held behind a launch) may
-        have run out of budget since."""
+        and its peer are checked each time: one prepared before (served inline, or held behind a
+        launch) may have run out of budget, or lost its peer, since."""
         try:
-            late = deadline_error(call.request, call.timing.received_ns)
-            if late is not None:
-                raise late
+            refusal = refusal_to_start(call)
+            if refusal is not None:
+                raise refusal
             if call.prepared is None:
                 call.prepared = prepare(op, self.server, call)
         except Exception as exc:

@@ -1,6 +1,7 @@
 """The unix lane in process (UnixTransport with a stand-in or in-process dispatcher, or driven
 by hand): connections turned away, frames that cannot be read or answered, accept failures,
-turns between connections, one writer thread per connection, taking over a socket path."""
+turns between connections, one writer thread per connection, requests of a peer gone, taking
+over a socket path."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import protocol
 from bridge.streams import read_exact, read_frame
 
+from bridge_fakes import RecordingConnection
 from kernel_cases import ScanCase, UpdateCase, make_scan_inputs, make_update_inputs
 from lane_helpers import REPLY_TIMEOUT_S, RecordingDispatcher, raw_unix, read_reply, request_frame, scan_frame
 from waiting import wait_until
@@ -426,6 +428,63 @@ def test_frames_a_peer_left_unread_past_its_cap_are_not_read_once_it_hung_up(tmp
                    "the connection of a peer gone was neither closed nor read again")
         assert dispatcher.bodies == [b"first"]
         assert freed.is_set()
+
+
+SESSION = {"batch": 1, "dim": 4, "state": 2}
+
+
+def queue_session_opens(srv, transport, count: int):
+    """`count` session_open requests of a fresh connection, read and queued behind a ping that
+    holds the worker (srv.hold): the raw socket and the lane's connection."""
+    srv.hold(RecordingConnection())
+    peer = raw_unix(transport.path)
+    peer.sendall(b"".join(request_frame(i, "session_open", SESSION) for i in range(count)))
+    wait_until(lambda: len(srv.server.queued) == count, "the session_open requests were never queued")
+    (conn,) = transport._connections
+    return peer, conn
+
+
+def test_requests_a_vanished_unix_peer_left_queued_are_dropped_not_run(tmp_path, inproc):
+    """Requests read and queued behind other work when their peer closed its socket could only
+    be run for nobody: found in review, each ran (a session_open opened a session that the
+    connection's release freed again right after). They are answered `cancelled` unrun,
+    counted as cancelled ones are, and the connection closes owning nothing."""
+    srv = inproc()
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=8) as transport:
+        transport.start()
+        peer, conn = queue_session_opens(srv, transport, 4)
+        peer.close()
+        wait_until(lambda: conn._input_ended, "the peer's end of input was never read")
+        srv.go()
+        wait_until(lambda: not transport._connections, "the vanished peer's connection never closed")
+        observer = raw_unix(transport.path)
+        observer.sendall(request_frame("stats", "stats"))
+        stats = read_reply(observer.makefile("rb", buffering=0)).result
+        observer.close()
+    opens = stats["ops"]["session_open"]
+    assert (opens["success_count"], opens["failure_count"], stats["errors"]) == (0, 4, {"cancelled": 4})
+    assert stats["sessions"]["sessions"] == 0 and stats["released"] == {}, "a session was opened for nobody"
+
+
+def test_a_unix_peer_that_only_stopped_sending_has_its_queued_requests_run(tmp_path, inproc):
+    """A peer that shuts down only its sending side still reads: its queued requests run and
+    are answered, and only then is what they opened freed."""
+    srv = inproc()
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=8) as transport:
+        transport.start()
+        peer, conn = queue_session_opens(srv, transport, 3)
+        peer.shutdown(socket.SHUT_WR)
+        wait_until(lambda: conn._input_ended, "the peer's end of input was never read")
+        srv.go()
+        reader = peer.makefile("rb", buffering=0)
+        replies = [read_reply(reader) for _ in range(3)]
+        assert reader.read(1) == b"", "the server kept the connection open after answering all"
+        reader.close()
+        peer.close()
+        wait_until(lambda: not transport._connections, "the half-closed connection never closed")
+    assert [(reply.id, reply.ok) for reply in replies] == [(0, True), (1, True), (2, True)]
+    assert srv.server.stats.snapshot()["released"] == {
+        "closed": {"peers": 1, "sessions": 3, "snapshots": 0, "models": 0, "handles": 0}}
 
 
 def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):

@@ -1,7 +1,7 @@
 """The ZeroMQ lane in process: endpoints and envelopes, and ZmqTransport with a stand-in or an
 in-process dispatcher, DEALERs as peers: each reply's envelope, faults that cost one message,
-the per-peer cap and its queue, the order replies leave in, closing with requests waiting, and
-a peer on a reused descriptor."""
+the per-peer cap and its queue, the order replies leave in, closing with requests waiting, a
+peer on a reused descriptor, and requests of a peer gone."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import protocol
 from bridge.native import NativeStepError
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
 
-from bridge_fakes import InProcessServer
+from bridge_fakes import InProcessServer, RecordingConnection
 from lane_helpers import REPLY_TIMEOUT_S
 from waiting import wait_until
 
@@ -603,6 +603,34 @@ def test_a_zmq_peer_waiting_on_its_own_long_request_is_not_idle(tmp_path):
         time.sleep(0.1)
         assert call(client, 3, "session_state", {"session": session})["ok"]
         assert "idle" not in dispatcher.server.stats.snapshot()["released"]
+
+
+def test_requests_a_disconnected_zmq_peer_left_queued_are_dropped_not_run(tmp_path):
+    """Requests queued behind other work when their peer disconnected could only be run for
+    nobody: found in review, each ran (a session_open opened a session that the peer's release,
+    run again, freed right after). They are answered `cancelled` unrun, counted as cancelled
+    ones are, and nothing is opened for the peer."""
+    srv = InProcessServer()
+    transport = ZmqTransport(srv.dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
+                             max_in_flight=8, hwm=16)
+    transport.start()
+    try:
+        with dealers(transport, 1) as (client,):
+            srv.hold(RecordingConnection())  # the worker busy: what the peer sends is queued
+            for i in range(4):
+                client.send(b"".join(protocol.encode_request(i, "session_open", {"batch": 1, "dim": 4, "state": 2})))
+            wait_until(lambda: len(srv.server.queued) == 4, "the session_open requests were never queued")
+            (peer,) = transport._peers.values()
+        wait_until(lambda: peer.closed, "the peer's disconnection was never seen")
+        srv.go()
+        wait_until(lambda: srv.dispatcher._pending == 0, "the dropped requests were never answered")
+        stats = srv.server.stats.snapshot()
+    finally:
+        transport.close()
+        srv.close()
+    opens = stats["ops"]["session_open"]
+    assert (opens["success_count"], opens["failure_count"], stats["errors"]) == (0, 4, {"cancelled": 4})
+    assert stats["sessions"]["sessions"] == 0 and stats["released"] == {}, "a session was opened for nobody"
 
 
 def test_parts_past_the_most_raw_buffers_are_counted_not_kept(tmp_path, monkeypatch):

@@ -57,6 +57,12 @@ class Connection:
         raise NotImplementedError
 
     @property
+    def peer_gone(self) -> bool:
+        """The peer is known to read nothing more, so its requests that have not started are
+        not run (bridge.dispatcher). Only a transport that can tell says so."""
+        return False
+
+    @property
     def has_close_callbacks(self) -> bool:
         """Something (a session, a tensor handle) waits for this connection to close."""
         with self._close_lock:

@@ -33,7 +33,7 @@ import protocol
 from ..buffers import BufferPool
 from ..timing import now_ns
 from .base import FLUSH_SECONDS, claim_socket_path
-from .framed import IOV_MAX, StreamConnection, WriterThreads, input_waiting
+from .framed import IOV_MAX, StreamConnection, WriterThreads, hung_up, input_waiting
 
 log = logging.getLogger("bridge.unix")
 
@@ -116,6 +116,12 @@ class UnixConnection(StreamConnection):
                 self._paused = False
         if wake:
             self._wake(self)
+
+    @property
+    def peer_gone(self) -> bool:
+        """Also once the peer closed its socket after its last request: hung up, not merely done
+        sending (a peer that shut down only its sending side still reads its replies)."""
+        return super().peer_gone or (self._input_ended and hung_up(self.sock.fileno()))
 
     @property
     def finished(self) -> bool:

@@ -154,6 +154,10 @@ class ZmqReplyTarget:
         self.envelope = envelope
         self.id = peer.id
 
+    @property
+    def peer_gone(self) -> bool:
+        return self.peer.closed
+
     def send(self, parts: list, buffers: list | None = None) -> None:
         self.peer.transport.reply(self, parts, buffers)
 
