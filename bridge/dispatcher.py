@@ -21,7 +21,8 @@ dispatcher is the one place that decides how a request is served:
   * the op's handler (bridge.ops) runs; its result is encoded by the request's codec and sent.
     A request whose `deadline_us` ran out before it started is answered `deadline_exceeded`
     instead, and one whose connection's peer is known gone by then `cancelled` (its reply could
-    reach nobody); a queued one a cancel dropped was answered `cancelled` and is passed over.
+    reach nobody; a `shutdown` still runs: it acts for the server); a queued one a cancel
+    dropped was answered `cancelled` and is passed over.
 
 One lock (`_serving`) lets one thread at a time run ops, so ops never run concurrently, and a
 request never overtakes one admitted before it: a fast-path request is served only when every
@@ -127,8 +128,9 @@ def deadline_error(request, received_ns: int) -> OpError | None:
 def refusal_to_start(call: Call) -> OpError | None:
     """The error a request about to start is answered with instead of running: `cancelled` once
     its connection's peer is known gone (no reply could reach it; counted as a cancel's drop
-    is), `deadline_exceeded` once its budget ran out; None: it runs."""
-    if call.conn.peer_gone:
+    is) unless its op acts for the server (`runs_for_a_gone_peer`: shutdown),
+    `deadline_exceeded` once its budget ran out; None: it runs."""
+    if call.conn.peer_gone and not getattr(call.handler, "runs_for_a_gone_peer", False):
         return OpError("cancelled", f"request {call.request.reply_id!r} was dropped before it ran: its connection "
                        "went away")
     return deadline_error(call.request, call.timing.received_ns)

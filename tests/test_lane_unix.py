@@ -433,13 +433,15 @@ def test_frames_a_peer_left_unread_past_its_cap_are_not_read_once_it_hung_up(tmp
 SESSION = {"batch": 1, "dim": 4, "state": 2}
 
 
-def queue_session_opens(srv, transport, count: int):
-    """`count` session_open requests of a fresh connection, read and queued behind a ping that
-    holds the worker (srv.hold): the raw socket and the lane's connection."""
+def queue_session_opens(srv, transport, count: int, *, then: tuple = ()):
+    """`count` session_open requests of a fresh connection (and the requests `then` names, as
+    (op, args)), read and queued behind a ping that holds the worker (srv.hold): the raw socket
+    and the lane's connection."""
     srv.hold(RecordingConnection())
     peer = raw_unix(transport.path)
-    peer.sendall(b"".join(request_frame(i, "session_open", SESSION) for i in range(count)))
-    wait_until(lambda: len(srv.server.queued) == count, "the session_open requests were never queued")
+    requests = [("session_open", SESSION)] * count + list(then)
+    peer.sendall(b"".join(request_frame(i, op, args) for i, (op, args) in enumerate(requests)))
+    wait_until(lambda: len(srv.server.queued) == len(requests), "the requests were never queued")
     (conn,) = transport._connections
     return peer, conn
 
@@ -464,6 +466,23 @@ def test_requests_a_vanished_unix_peer_left_queued_are_dropped_not_run(tmp_path,
     opens = stats["ops"]["session_open"]
     assert (opens["success_count"], opens["failure_count"], stats["errors"]) == (0, 4, {"cancelled": 4})
     assert stats["sessions"]["sessions"] == 0 and stats["released"] == {}, "a session was opened for nobody"
+
+
+def test_a_shutdown_a_vanished_unix_peer_left_queued_still_stops_the_server(tmp_path, inproc):
+    """A client may send `shutdown` and close without waiting for the answer: what it does is
+    the server's, not its connection's, so it runs once its peer is gone (found in review: it
+    was dropped as `cancelled` with the requests queued before it, and the server ran on)."""
+    srv = inproc()
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=8) as transport:
+        transport.start()
+        peer, conn = queue_session_opens(srv, transport, 1, then=[("shutdown", None)])
+        peer.close()
+        wait_until(lambda: conn._input_ended, "the peer's end of input was never read")
+        srv.go()
+        wait_until(lambda: not transport._connections, "the vanished peer's connection never closed")
+    stats = srv.server.stats.snapshot()
+    assert srv.server.stop_requested.is_set(), "the shutdown was not run"
+    assert (stats["ops"]["shutdown"]["success_count"], stats["errors"]) == (1, {"cancelled": 1})
 
 
 def test_a_unix_peer_that_only_stopped_sending_has_its_queued_requests_run(tmp_path, inproc):

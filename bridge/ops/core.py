@@ -93,5 +93,10 @@ def shutdown(server, call) -> dict:
     return {"stopping": True}
 
 
+# It acts for the server, not for its connection: run even once that peer is gone (a client may
+# send it and close without waiting for the answer), where other requests are dropped unrun.
+shutdown.runs_for_a_gone_peer = True
+
+
 HANDLERS = {"ping": ping, "health": health, "info": info, "cancel": cancel, "stats": stats,
             "shutdown": shutdown}
