@@ -319,6 +319,9 @@ class FramedClient:
 
     # Bytes of a request's frame that do not count against max_frame_size: the length prefix.
     _frame_overhead = protocol.framing.HEADER_SIZE
+    # Whether an `overloaded` reply with id nil turns the connection away (a unix server past
+    # --max-connections) rather than answering a frame whose id the server could not read.
+    _turns_connections_away = True
 
     def __enter__(self):
         return self
@@ -835,12 +838,12 @@ class FramedClient:
                 answered = [(self._refused_as_too_large(error.get("detail") or {}), received)]
             elif error.get("code") == "limit_exceeded" and (error.get("detail") or {}).get("limit") == "memory":
                 answered = self._dropped_unread(received)  # a frame the server had no memory to hold
-            elif error.get("code") == "overloaded":
-                answered = [(None, received)]  # the connection turned away (SPEC §4): no frame's
+            elif error.get("code") == "overloaded" and self._turns_connections_away:
+                # The connection turned away (SPEC §4): no frame's.
+                self._turned_away = BridgeError("overloaded", error.get("message", ""), error.get("detail"))
+                answered = [(None, received)]
             else:
                 answered = [(self._id_unread_answered(), received)]
-        if decoded.id is None and error.get("code") == "overloaded":
-            self._turned_away = BridgeError("overloaded", error.get("message", ""), error.get("detail"))
         if self._held or self._held_cancels:
             self._send_released()
         for entry, answer in answered:
@@ -1144,6 +1147,9 @@ class ZmqClient(FramedClient):
     # A ZeroMQ message has no length prefix: its body and buffers count against the limit.
     _frame_overhead = 0
     _capped_lane = True
+    # Its `overloaded` with id nil answers a message past the peer's --zmq-hwm whose id the
+    # server could not read: it turns no connection away.
+    _turns_connections_away = False
 
     def _encode(self, request_id, op: str, wire_args: dict, deadline_us: int | None = None) -> list:
         """The message's frames: the body, then (multipart) the tensors' raw buffers."""

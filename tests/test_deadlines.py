@@ -299,9 +299,10 @@ def test_the_python_client_cancels_a_request_whose_timeout_passed(tmp_path, inpr
 
 
 @contextlib.contextmanager
-def lane_capped_at_two(tmp_path, inproc, lane: str):
-    """(server, client): an in-process `lane` ("unix" or "zmq") with a cap of 2 requests in
-    flight per connection, and a client of it that has not yet read the cap."""
+def lane_capped_at_two(tmp_path, inproc, lane: str, hwm: int = 16):
+    """(server, client): an in-process `lane` ("unix" or "zmq", with `hwm` requests waiting per
+    peer) with a cap of 2 requests in flight per connection, and a client of it that has not yet
+    read the cap."""
     from bridge.client import UnixClient, ZmqClient
     from bridge.transports.zmq import ZmqTransport
     from test_lane_unix import unix_lane
@@ -311,7 +312,7 @@ def lane_capped_at_two(tmp_path, inproc, lane: str):
         lane_cm = unix_lane(tmp_path, srv.dispatcher, max_in_flight=2)
     else:
         lane_cm = contextlib.closing(ZmqTransport(srv.dispatcher, [f"ipc://{tmp_path}/lane.ipc"],
-                                                  max_frame_size=1 << 20, max_in_flight=2, hwm=16))
+                                                  max_frame_size=1 << 20, max_in_flight=2, hwm=hwm))
     with lane_cm as transport:
         transport.start()
         client_cm = UnixClient(transport.path) if lane == "unix" else ZmqClient(transport.endpoints[0])
@@ -486,6 +487,25 @@ def test_a_raw_frame_whose_id_the_server_cannot_read_frees_its_slot_when_answere
             assert (reply.id, reply.error["code"]) == (None, code)
         assert client.call("ping") == {"pong": True} and not client._pending
         assert [reply.error["code"] for reply in client.unmatched] == ["decode_error"]
+
+
+def test_a_raw_frame_whose_id_the_server_cannot_read_turned_away_past_the_zmq_hwm_gets_that_answer(
+        tmp_path, inproc):
+    """ZeroMQ answers a message past its peer's --zmq-hwm `overloaded` as it comes, with id nil
+    where it cannot read the message's id. The client took that for a connection turned away,
+    nobody's: the frame stayed in flight, and the next id-nil answer, another frame's, was
+    matched to it (found in review)."""
+    with lane_capped_at_two(tmp_path, inproc, "zmq", hwm=1) as (srv, client):
+        srv.hold(RecordingConnection())
+        stats = [client.submit("stats") for _ in range(3)]  # two in flight on the server, one waiting
+        turned_away = client.send_raw(b"\xc1", request_id="turned away")
+        wait_until(lambda: errors_counted(srv).get("overloaded") == 1, "the raw frame was not turned away")
+        srv.go()
+        assert all(future.result(10).ok for future in stats)
+        after = client.send_raw(b"\xc1", request_id="after")
+        assert (turned_away.result(10).id, turned_away.result().error["code"]) == (None, "overloaded")
+        assert after.result(10).error["code"] == "decode_error"
+        assert not client._pending and not client.unmatched
 
 
 def test_a_raw_frame_whose_id_the_server_cannot_read_and_then_cancelled_frees_its_slot():
