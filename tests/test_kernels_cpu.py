@@ -241,6 +241,41 @@ def test_forked_child_computes_without_the_parents_helpers(restore_threads):
     assert os.waitstatus_to_exitcode(statuses[0]) == 0
 
 
+# Run in a fresh process: a daemon thread calls a kernel's binding back to back, and the main
+# thread exits once the calls have begun, so the interpreter finalizes with the thread inside one.
+# Mamba-2's scan, into an output made once: the loop makes no torch call, for torch's own GIL
+# releases (in its ops, in a tensor's deallocation) end such a thread the same way.
+KERNEL_CALLS_AT_EXIT = """
+import threading
+import torch
+from kernels.cpu import build
+ext = build.load_extension()
+x, dt, A = torch.randn(1, 512, 8, 64), torch.rand(1, 512, 8), -torch.rand(8)
+B, C = torch.randn(1, 512, 1, 64), torch.randn(1, 512, 1, 64)
+y = torch.empty_like(x)
+running = threading.Event()
+def calls():
+    while True:
+        ext.ssd_scan(x, dt, A, B, C, None, None, None, False, None, None, None, y, None)
+        running.set()
+threading.Thread(target=calls, daemon=True).start()
+if not running.wait(60):
+    raise SystemExit("the thread's first call did not return")
+"""
+
+
+def test_a_thread_inside_a_kernel_call_at_exit_ends_quietly():
+    """CPython ends a thread that takes the GIL back while the interpreter finalizes (pthread_exit,
+    which unwinds its stack). Taken back in pybind11's gil_scoped_release destructor, noexcept,
+    that unwind was std::terminate: "terminate called without an active exception" and SIGABRT
+    at the exit of a process whose daemon thread (the server's worker) was in a kernel. So was it
+    where torch took the GIL back itself, in a noexcept function, to drop the Python object of y,
+    which ssd_scan took by value and dropped before its GIL was back."""
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CALLS_AT_EXIT], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "terminate" not in proc.stderr, (proc.returncode, proc.stderr)
+
+
 # Run in a fresh process: how often the pool's helper threads (named scan-helper-N, started when
 # the backend loads) have gone to sleep, before and after its kernel calls. A helper offered work
 # runs it, polls for kSpin (1 ms) and sleeps again, a voluntary context switch; one never offered

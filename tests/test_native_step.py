@@ -16,10 +16,14 @@ request without raw buffers that finds nothing in flight, whatever waits behind 
 from __future__ import annotations
 
 import ctypes
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1153,3 +1157,47 @@ def test_a_native_step_stands_for_the_device_in_the_health_check(inproc):
     reply = submit(srv, conn, "step", session=session, **consts, **step_inputs(StepCase(1, 4, 2), gen))
     assert reply.ok and served_natively(reply), f"seed={seed}: {reply}"
     assert srv.server.probe.check(launch=False)["source"] == "work", f"seed={seed}"
+
+
+# Run in a fresh process: a daemon thread has an in-process server serve plain steps natively on
+# it, back to back (a state of 256 keeps it in the kernel most of the time), and the main thread
+# exits once they have begun, so the interpreter finalizes with the thread inside a native step.
+# The request is encoded once: the loop makes no torch call, for torch's own GIL releases end such
+# a thread the same way.
+NATIVE_STEPS_AT_EXIT = """
+import threading
+import torch
+import protocol
+from bridge.client import to_wire
+from bridge.timing import now_ns
+from bridge_fakes import InProcessServer, RecordingConnection, served_natively
+srv, conn = InProcessServer(), RecordingConnection()
+batch, dim, state = 8, 1024, 256
+session = srv.call(conn, "session_open", batch=batch, dim=dim, state=state)["session"]
+args = dict(session=session, x=torch.rand(batch, dim), dt=0.5 * torch.rand(batch, dim),
+            A=-torch.rand(dim, state) - 0.1, B=torch.rand(batch, state), C=torch.rand(batch, state))
+body = b"".join(protocol.encode_request(0, "step", {k: to_wire(v) for k, v in args.items()}))
+running, declined = threading.Event(), []
+def steps():
+    while True:
+        srv.dispatcher.on_frame(conn, bytearray(body), now_ns(), more_input=False)
+        reply = conn.reply(0)
+        if not served_natively(reply):
+            declined.append(reply)
+        running.set()
+threading.Thread(target=steps, daemon=True).start()
+if not running.wait(60):
+    raise SystemExit("the thread's first step did not return")
+if declined:
+    raise SystemExit(f"not served natively: {declined[0]}")
+"""
+
+
+def test_a_thread_inside_a_native_step_at_exit_ends_quietly():
+    """As the kernels' entry points (test_kernels_cpu.py): CPython ends a thread that takes the GIL
+    back while the interpreter finalizes by unwinding its stack, which from inside pybind11's
+    gil_scoped_release destructor, noexcept, was std::terminate and SIGABRT at exit."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", NATIVE_STEPS_AT_EXIT], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}, timeout=120)
+    assert proc.returncode == 0 and "terminate" not in proc.stderr, (proc.returncode, proc.stderr)

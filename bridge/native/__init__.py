@@ -60,7 +60,7 @@ def sources():
 
     return build.Sources(NATIVE_DIR, files=("step.cpp",),
                          headers=(build.SOURCE_DIR / "scan_kernel.h", build.SOURCE_DIR / "ssd_kernel.h",
-                                  build.SOURCE_DIR / "model_step.h"),
+                                  build.SOURCE_DIR / "model_step.h", build.SOURCE_DIR / "released_gil.h"),
                          include_dirs=(build.SOURCE_DIR,))
 
 

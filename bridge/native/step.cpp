@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "model_step.h"
+#include "released_gil.h"
 #include "scan_kernel.h"
 #include "ssd_kernel.h"
 
@@ -967,7 +968,7 @@ class Stepper {
     char error[256] = {0};
     int status;
     {
-      py::gil_scoped_release unlocked;
+      const scan_bridge::ReleasedGil unlocked;
       status = kernel(y, error, sizeof(error));
     }
     if (status != 0) throw std::runtime_error(std::string("native step kernel: ") + error);

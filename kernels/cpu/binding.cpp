@@ -3,9 +3,10 @@
 // calling thread and helper threads (helper_pool.h), as many in all as torch.get_num_threads().
 // Native callers in the process get the same run for a ScanProblem they fill themselves through
 // the "scan_bridge.run_problem" capsule.
-// The GIL is released while the kernel runs. Arguments arrive validated by kernels._args (a
-// ScanProblem through the capsule, by its caller); the checks here cover ranks, dtypes and
-// devices only (sizes are trusted, so a direct call with mismatched sizes reads out of bounds).
+// The GIL is released while the kernel runs (released_gil.h, which says why tensors come by const
+// reference). Arguments arrive validated by kernels._args (a ScanProblem through the capsule, by
+// its caller); the checks here cover ranks, dtypes and devices only (sizes are trusted, so a
+// direct call with mismatched sizes reads out of bounds).
 //
 // Only the light ATen headers are included (not torch/extension.h), which keeps this file's
 // compile short.
@@ -34,6 +35,7 @@
 #include "helper_pool.h"
 #include "linear_kernel.h"
 #include "model_step.h"
+#include "released_gil.h"
 #include "scan_backward.h"
 #include "scan_kernel.h"
 #include "ssd_kernel.h"
@@ -328,7 +330,7 @@ void run_ssd_items(const Problem& p, int64_t items, int64_t per_item, Run run_it
 template <typename T>
 void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
                     const at::Tensor& C, const SsdExtras& extras, const std::optional<at::Tensor>& h0,
-                    at::Tensor& y, const std::optional<at::Tensor>& state_out,
+                    const at::Tensor& y, const std::optional<at::Tensor>& state_out,
                     const std::optional<at::Tensor>& cu_seqlens) {
   scan_bridge::SsdScanProblem<T> p;
   p.batch = x.size(0);
@@ -358,7 +360,7 @@ void ssd_scan_typed(const at::Tensor& x, const at::Tensor& dt, const at::Tensor&
 void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
               const at::Tensor& C, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
               const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
-              std::optional<double> dt_max, const std::optional<at::Tensor>& h0, at::Tensor y,
+              std::optional<double> dt_max, const std::optional<at::Tensor>& h0, const at::Tensor& y,
               const std::optional<at::Tensor>& state_out, const std::optional<at::Tensor>& cu_seqlens) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble) throw std::invalid_argument("ssd x: expected float32 or float64");
@@ -392,9 +394,9 @@ int run_ssd_update(const scan_bridge::SsdUpdateProblem<float>* p, size_t problem
 }
 
 template <typename T>
-void ssd_update_typed(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
+void ssd_update_typed(const at::Tensor& pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
                       const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const SsdExtras& extras,
-                      at::Tensor& y) {
+                      const at::Tensor& y) {
   scan_bridge::SsdUpdateProblem<T> p;
   p.batch = x.size(0);
   p.heads = x.size(1);
@@ -414,11 +416,11 @@ void ssd_update_typed(at::Tensor& pool, const at::Tensor& rows, const at::Tensor
   run_ssd_update_problem(p);
 }
 
-void ssd_state_update(at::Tensor pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
+void ssd_state_update(const at::Tensor& pool, const at::Tensor& rows, const at::Tensor& x, const at::Tensor& dt,
                       const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
                       const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                       const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
-                      std::optional<double> dt_max, at::Tensor y) {
+                      std::optional<double> dt_max, const at::Tensor& y) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble) throw std::invalid_argument("ssd x: expected float32 or float64");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&dt, "dt"}, {&A, "A"}, {&B, "B"}, {&C, "C"}, {&y, "y"}})
@@ -470,7 +472,7 @@ std::vector<at::Tensor> scan_backward_typed(
     const at::Tensor& x, const at::Tensor& dt, const std::optional<at::Tensor>& z, const at::Tensor& dy,
     const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
     const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& h0,
-    const std::optional<at::Tensor>& dstate, const BackwardOptions& o, at::Tensor& dx, at::Tensor& ddt,
+    const std::optional<at::Tensor>& dstate, const BackwardOptions& o, const at::Tensor& dx, const at::Tensor& ddt,
     const std::optional<at::Tensor>& dz, const std::optional<at::Tensor>& dh0,
     const std::optional<at::Tensor>& cu_seqlens) {
   scan_bridge::ScanBackwardProblem<T> p;
@@ -547,7 +549,8 @@ std::vector<at::Tensor> scan_backward(
     const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
     const std::optional<at::Tensor>& dt_bias, bool dt_softplus, std::optional<double> dt_min,
     std::optional<double> dt_max, const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& dstate,
-    bool scalar_decay, int64_t channels_per_dt, at::Tensor dx, at::Tensor ddt, const std::optional<at::Tensor>& dz,
+    bool scalar_decay, int64_t channels_per_dt, const at::Tensor& dx, const at::Tensor& ddt,
+    const std::optional<at::Tensor>& dz,
     const std::optional<at::Tensor>& dh0, const std::optional<at::Tensor>& cu_seqlens) {
   const auto dtype = x.scalar_type();
   if (dtype != at::kFloat && dtype != at::kDouble)
@@ -817,7 +820,7 @@ constexpr int64_t kAloneRows = 16;
 // states are rows `slots` of `conv` and `ssm` (one of each a layer, checked by the caller);
 // returns the final norm's output, or with `logits` that times the model's head^T. A step of at
 // most kAloneRows rows that finds the helpers asleep runs alone, head included.
-at::Tensor step_model(const FusedModel& m, at::Tensor& hidden, const at::Tensor& slots,
+at::Tensor step_model(const FusedModel& m, const at::Tensor& hidden, const at::Tensor& slots,
                       const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm, bool logits) {
   const bool mamba2 = m.mamba2;
   const int64_t di = m.di, n = m.n, rank = m.rank, heads = m.heads, headdim = m.headdim, groups = m.groups;
@@ -978,9 +981,10 @@ at::Tensor forward_model(const FusedModel& m, at::Tensor& hidden, const at::Tens
 // The step as Python calls it: `layers` each with its weights then its conv and ssm state
 // (pool tensors, a row per slot), the model's weights checked on every call; with `head`, the
 // logits (the final norm's output times head^T) instead of the final norm's output.
-at::Tensor model_step(at::Tensor hidden, const at::Tensor& slots, const LayerList& layers, const at::Tensor& norm_f,
-                      const std::vector<int64_t>& dims, double eps, std::optional<double> dt_min,
-                      std::optional<double> dt_max, const std::optional<at::Tensor>& head) {
+at::Tensor model_step(const at::Tensor& hidden, const at::Tensor& slots, const LayerList& layers,
+                      const at::Tensor& norm_f, const std::vector<int64_t>& dims, double eps,
+                      std::optional<double> dt_min, std::optional<double> dt_max,
+                      const std::optional<at::Tensor>& head) {
   const FusedModel model(layers, norm_f, dims, eps, dt_min, dt_max, std::nullopt, head);
   require_operand(hidden, "hidden", at::kFloat);
   require_operand(slots, "slots", at::kLong);
@@ -1105,26 +1109,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan", &scan, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
         py::arg("z"), py::arg("dt_bias"), py::arg("dt_softplus"), py::arg("dt_min"), py::arg("dt_max"), py::arg("h0"),
         py::arg("return_state"), py::arg("layout"), py::arg("cu_seqlens") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("state_update", &state_update, py::call_guard<py::gil_scoped_release>());
+        py::call_guard<scan_bridge::ReleasedGil>());
+  m.def("state_update", &state_update, py::call_guard<scan_bridge::ReleasedGil>());
   m.def("ssd_scan", &ssd_scan, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"),
         py::arg("z"), py::arg("dt_bias"), py::arg("dt_softplus"), py::arg("dt_min"), py::arg("dt_max"), py::arg("h0"),
-        py::arg("y"), py::arg("state"), py::arg("cu_seqlens") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("ssd_state_update", &ssd_state_update, py::call_guard<py::gil_scoped_release>());
+        py::arg("y"), py::arg("state"), py::arg("cu_seqlens") = py::none(), py::call_guard<scan_bridge::ReleasedGil>());
+  m.def("ssd_state_update", &ssd_state_update, py::call_guard<scan_bridge::ReleasedGil>());
   m.def("model_step", &model_step, py::arg("hidden"), py::arg("slots"), py::arg("layers"), py::arg("norm_f"),
         py::arg("dims"), py::arg("eps"), py::arg("dt_min"), py::arg("dt_max"), py::arg("head") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::call_guard<scan_bridge::ReleasedGil>());
   m.def("model_forward", &model_forward, py::arg("embeddings"), py::arg("slots"), py::arg("layers"), py::arg("norm_f"),
         py::arg("dims"), py::arg("eps"), py::arg("dt_min"), py::arg("dt_max"), py::arg("head") = py::none(),
-        py::arg("last_only") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("last_only") = false, py::call_guard<scan_bridge::ReleasedGil>());
   m.def("prepare_model", &prepare_model, py::arg("layers"), py::arg("norm_f"), py::arg("dims"), py::arg("eps"),
         py::arg("dt_min"), py::arg("dt_max"), py::arg("embeddings") = py::none(), py::arg("lm_head") = py::none());
-  m.def("linear", &linear, py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, py::call_guard<scan_bridge::ReleasedGil>());
   m.def("scan_backward", &scan_backward, py::arg("x"), py::arg("dt"), py::arg("z"), py::arg("dy"), py::arg("A"),
         py::arg("B"), py::arg("C"), py::arg("D"), py::arg("dt_bias"), py::arg("dt_softplus"), py::arg("dt_min"),
         py::arg("dt_max"), py::arg("h0"), py::arg("dstate"), py::arg("scalar_decay"), py::arg("channels_per_dt"),
         py::arg("dx"), py::arg("ddt"), py::arg("dz"), py::arg("dh0"), py::arg("cu_seqlens") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::call_guard<scan_bridge::ReleasedGil>());
   m.def("simd", &scan_bridge::simd_description);
   m.def("start_helpers", [] { scan_bridge::HelperPool::shared().start(at::get_num_threads() - 1); },
         "Starts the helper threads torch.get_num_threads() allows, before any call needs them.");

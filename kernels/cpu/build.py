@@ -45,7 +45,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("scan_kernel.cpp", "ssd_kernel.cpp", "scan_backward.cpp", "ssd_backward.cpp", "linear_kernel.cpp",
            "binding.cpp")
 HEADERS = ("scan_kernel.h", "ssd_kernel.h", "scan_backward.h", "linear_kernel.h", "model_step.h", "simd.h",
-           "helper_pool.h")
+           "helper_pool.h", "released_gil.h")
 # -fvisibility=hidden: only the module's init function is exported, so two builds loaded in
 # one process (tests load every SIMD variant side by side) never bind to each other's code.
 # -Wno-psabi: GCC notes that vectors wider than the target's are passed differently; only
