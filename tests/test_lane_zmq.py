@@ -475,21 +475,25 @@ def test_a_zmq_request_answered_overloaded_counts_as_read_and_its_answer_as_sent
         assert stats.snapshot()["frames_in"] - before["frames_in"] == 3
 
 
-def test_zmq_a_peer_on_a_reused_descriptor_outlives_the_old_connections_end(tmp_path):
+@pytest.mark.parametrize("routing_id", [None, b"chosen"], ids=["libzmq's ids", "one chosen id"])
+def test_zmq_a_peer_on_a_reused_descriptor_outlives_the_old_connections_end(tmp_path, routing_id):
     """A connection ends and a new one is accepted on its descriptor before the io loop has
     read the monitor's report of that end; the new peer's first message, in the same round,
     settles the old connection before it is filed under the descriptor, so that report frees
-    the old peer (and its sessions) only. Which descriptor the new connection gets is the
-    kernel's choice: the case is tried until it gets the old one (nearly always the first
-    time; other descriptors opened in between can take it under load)."""
-    assert any(reused_descriptor_round(str(tmp_path / f"reuse{n}.ipc")) for n in range(10)), \
+    the old peer (and its sessions) only. So too when both connections are one client's that
+    chose its routing id (found in review: the new connection's message was filed under the
+    old peer, which that report then freed, so its requests were dropped). Which descriptor
+    the new connection gets is the kernel's choice: the case is tried until it gets the old one
+    (nearly always the first time; other descriptors opened in between can take it under load)."""
+    assert any(reused_descriptor_round(str(tmp_path / f"reuse{n}.ipc"), routing_id) for n in range(10)), \
         "in 10 tries the new connection never got the old one's descriptor"
 
 
-def reused_descriptor_round(ipc_path: str) -> bool:
+def reused_descriptor_round(ipc_path: str, routing_id: bytes | None) -> bool:
     """One try of the case above, the io loop driven by hand (without its thread) so that the
-    monitor is read exactly when a round reads it. Its checks hold whatever the descriptors;
-    returns whether the new connection got the old one's, the case that can fail them."""
+    monitor is read exactly when a round reads it; the peers choose `routing_id` (None: libzmq
+    gives each its own). Its checks hold whatever the descriptors; returns whether the new
+    connection got the old one's, the case that can fail them."""
     opened, freed = [], []
 
     def on_frame(target, body, received_ns, buffers):
@@ -503,6 +507,8 @@ def reused_descriptor_round(ipc_path: str) -> bool:
     try:
         def peer_sends(body: bytes) -> zmq.Socket:
             client = context.socket(zmq.DEALER)
+            if routing_id is not None:
+                client.setsockopt(zmq.ROUTING_ID, routing_id)
             client.connect(transport.endpoints[0])
             client.send(body)
             assert server_socket.poll(5000, zmq.POLLIN), "the server never got the message"
@@ -521,6 +527,9 @@ def reused_descriptor_round(ipc_path: str) -> bool:
         # new connection's ends can take the same lowest free ones.
         wait_until(lambda: not any(os.path.lexists(f"/proc/self/fd/{fd}") for fd in old_fds),
                    "the old connection's descriptors stayed open", timeout=5)
+        # And the ROUTER let go of its routing id: it turns away a connection with an id in use.
+        wait_until(lambda: not routable(server_socket, old_peer.key[1]), "the old routing id stayed in use",
+                   timeout=5)
         new_client = peer_sends(b"new")
         transport._receive(0, server_socket)
         (new_peer, body) = opened[1]
@@ -537,6 +546,18 @@ def reused_descriptor_round(ipc_path: str) -> bool:
     finally:
         context.destroy(linger=0)
         transport.close()
+
+
+def routable(sock: zmq.Socket, routing_id: bytes) -> bool:
+    """Whether the ROUTER `sock` (ROUTER_MANDATORY) has a peer with `routing_id`: an empty
+    message is sent to it if so."""
+    try:
+        sock.send_multipart([routing_id, b""], zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        return False
+    return True
 
 
 def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):

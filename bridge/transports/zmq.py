@@ -28,7 +28,9 @@ ends (EVENT_DISCONNECTED, with the connection's file descriptor), and every mess
 descriptor it came in on (ZMQ_SRCFD). The peers seen on a descriptor whose connection ended are
 gone: their sessions and handles are freed at once, as when a unix connection closes. The
 monitor is read whenever it has news, and before a message is first attributed to a
-descriptor, so that a descriptor reused by a new connection is never mistaken for the old one.
+descriptor (and before each message of a peer that chose its routing id, which its next
+connection brings back), so that a descriptor reused by a new connection is never mistaken for
+the old one.
 What no event reports -- a peer behind a proxy that stays connected, a process frozen with its
 socket open, a libzmq that does not say which descriptor a message came on -- `idle_timeout_s`
 covers: a peer that owns something and has sent nothing for that long, with nothing in flight,
@@ -112,6 +114,12 @@ class CurveKeys:
         if clients_dir is not None and not os.path.isdir(clients_dir):
             raise ValueError(f"--curve-clients {clients_dir}: expected a directory of public certificates")
         return cls(public, secret, clients_dir)
+
+
+def chose_its_routing_id(routing_id: bytes) -> bool:
+    """Whether a peer set its routing id itself: one libzmq gives starts with a zero byte and is
+    never given again, where a chosen one comes back with the peer's next connection."""
+    return routing_id[:1] != b"\0"
 
 
 def split_envelope(frames: list) -> tuple[list, list]:
@@ -335,9 +343,10 @@ class ZmqTransport:
             key = (index, routing_id)
             fd = self._source_fd(frames[0])
             peer = self._peers.get(key)
-            if peer is None or (fd is not None and peer.fd != fd):
+            if peer is None or (fd is not None and (peer.fd != fd or chose_its_routing_id(routing_id))):
                 # A connection that ended before this message came is settled before the
-                # message is attributed to its descriptor: that one may be reused already.
+                # message is attributed to its descriptor: that one may be reused already, by a
+                # new connection of a peer that chose its routing id too.
                 self._connection_events(index)
                 peer = self._peers.get(key)
                 if peer is None:
