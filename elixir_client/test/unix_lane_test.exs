@@ -355,6 +355,29 @@ defmodule ScanBridge.UnixLaneTest do
     end
   end
 
+  # A deadline's timer fires after the deadline itself, and may wait in the mailbox behind the
+  # reply that makes room: a queued request whose deadline has passed is still not sent then.
+  test "a queued request whose deadline passed while a reply made room is never sent" do
+    {client, socket} = played_server(:expired_in_queue, capped_info(2), [])
+    slow = echo(client, 30_000)
+    %{"op" => "echo", "id" => slow_id} = request!(socket)
+    queued = echo(client, 1_000)
+    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
+
+    # the reply comes first; the queued request's deadline timer fires behind it
+    :sys.suspend(client)
+    reply!(socket, slow_id, %{"ok" => true, "result" => %{}})
+    assert eventually(fn -> mailbox_has?(client, &match?({:tcp, _socket, _body}, &1)) end)
+    assert eventually(fn -> mailbox_has?(client, &match?({:deadline, _id}, &1)) end)
+    :sys.resume(client)
+
+    assert {:ok, %{}, _timing} = Task.await(slow)
+    assert {:error, %Error{reason: :overloaded}} = Task.await(queued)
+    assert nothing_sent?(socket), "the request was sent past its deadline"
+    state = :sys.get_state(client)
+    assert state.outstanding == %{} and state.pending == %{}
+  end
+
   # A group's server closes the sessions of an opener that exits: those closes wait for room
   # as requests do, instead of going past the server's cap, where it would leave them unread.
   test "an opener's sessions are closed within the server's cap when it exits" do
@@ -434,6 +457,12 @@ defmodule ScanBridge.UnixLaneTest do
 
   defp echo(client, timeout),
     do: Task.async(fn -> Server.request(client, "echo", %{}, timeout) end)
+
+  # Whether a message in `client`'s mailbox satisfies `match?`.
+  defp mailbox_has?(client, match?) do
+    {:messages, messages} = Process.info(client, :messages)
+    Enum.any?(messages, match?)
+  end
 
   # Whether the peer's `socket` receives nothing for a while.
   defp nothing_sent?(socket), do: :gen_tcp.recv(socket, 0, 300) == {:error, :timeout}

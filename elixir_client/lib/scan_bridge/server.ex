@@ -427,19 +427,7 @@ defmodule ScanBridge.Server do
         {:noreply, state}
 
       {from, :queued, state} ->
-        # Never sent: the server had :max_in_flight requests the whole time. Unlike a timeout,
-        # this one surely did nothing, so it may be sent again as it is.
-        GenServer.reply(
-          from,
-          {:error,
-           Error.client(
-             :overloaded,
-             "no place at the server before the deadline: #{state.max_in_flight} requests " <>
-               "were in flight the whole time, and this one was never sent",
-             %{"id" => id, "max_in_flight" => state.max_in_flight}
-           )}
-        )
-
+        GenServer.reply(from, {:error, never_sent(state, id)})
         {:noreply, state}
 
       {from, :sent, state} ->
@@ -545,6 +533,18 @@ defmodule ScanBridge.Server do
   end
 
   ## Requests and replies
+
+  # The answer of a caller whose request waited here past its deadline, never sent: the server
+  # had :max_in_flight requests the whole time. Unlike a timeout, this one surely did nothing,
+  # so it may be sent again as it is.
+  defp never_sent(state, id) do
+    Error.client(
+      :overloaded,
+      "no place at the server before the deadline: #{state.max_in_flight} requests " <>
+        "were in flight the whole time, and this one was never sent",
+      %{"id" => id, "max_in_flight" => state.max_in_flight}
+    )
+  end
 
   # The answer of a caller whose request was sent and not answered by its deadline.
   defp timed_out(state, id) do
@@ -964,7 +964,8 @@ defmodule ScanBridge.Server do
 
   # What waits for a place at the server, after a reply freed one: held cancels first, then a
   # held health check (up to the server's cap, of which requests leave one place free), then
-  # queued requests and frees.
+  # queued requests and frees, oldest first; one whose deadline has passed is answered
+  # :overloaded instead.
   defp send_queued(state), do: state |> send_cancels() |> send_health() |> send_requests()
 
   defp send_requests(state) do
@@ -973,9 +974,17 @@ defmodule ScanBridge.Server do
       {id, {op, head, size, deadline}, queue} = :gb_trees.take_smallest(state.queue)
       state = %{state | queue: queue}
 
-      state
-      |> transmit(id, op, request_body(state, head, id, deadline), size)
-      |> send_requests()
+      if deadline != nil and deadline <= System.monotonic_time(:microsecond) do
+        # Its deadline timer fires later, and may wait behind the reply that made this room:
+        # sent, it would run (or be refused) for a caller who has given up.
+        {from, state} = take_pending(state, id)
+        GenServer.reply(from, {:error, never_sent(state, id)})
+        send_requests(state)
+      else
+        state
+        |> transmit(id, op, request_body(state, head, id, deadline), size)
+        |> send_requests()
+      end
     else
       state
     end
