@@ -276,12 +276,7 @@ defmodule ScanBridge.UnixLaneTest do
   # as it does a cancel: it goes in the place requests leave, ahead of queued requests, and like
   # a cancel waits here while the server has its cap in flight, where it would be left unread.
   test "a health check keeps to the server's cap, and goes before queued requests" do
-    {client, socket} =
-      played_server(:capped_health, capped_info(1, ["health"]),
-        health_check: [interval: 50, timeout: 30_000]
-      )
-
-    %{"op" => "health", "id" => first} = request!(socket)
+    {client, socket, first} = capped_health_server(:capped_health)
     slow = echo(client, 30_000)
     reply!(socket, first, %{"ok" => true, "result" => %{"ready" => true}})
     %{"op" => "echo", "id" => slow_id} = request!(socket)
@@ -378,6 +373,28 @@ defmodule ScanBridge.UnixLaneTest do
     assert state.outstanding == %{} and state.pending == %{}
   end
 
+  # With a cap of 1 the place a late reply leaves is the held health check's, as when any
+  # other reply leaves it: the free that reply calls for waits behind it.
+  test "with a server cap of 1 a held health check goes before a late reply's free" do
+    {client, socket, first} = capped_health_server(:health_before_free)
+    put = Task.async(fn -> Server.request(client, "put", %{}, 300) end)
+    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
+    reply!(socket, first, %{"ok" => true, "result" => %{"ready" => true}})
+    %{"op" => "put", "id" => put_id} = request!(socket)
+    # the next check comes due while the put holds the only place
+    assert eventually(fn -> :sys.get_state(client).health_pending not in [nil, first] end)
+    assert {:error, %Error{reason: :timeout}} = Task.await(put)
+    assert nothing_sent?(socket)
+
+    reply!(socket, put_id, %{"ok" => true, "result" => %{"handle" => "h1"}})
+    %{"op" => "health", "id" => second} = request!(socket)
+    assert nothing_sent?(socket), "the free went past the server's cap"
+    reply!(socket, second, %{"ok" => true, "result" => %{"ready" => true}})
+    %{"op" => "free", "id" => free_id, "args" => %{"handle" => "h1"}} = request!(socket)
+    reply!(socket, free_id, %{"ok" => true, "result" => %{}})
+    assert eventually(fn -> :sys.get_state(client).outstanding == %{} end)
+  end
+
   # A group's server closes the sessions of an opener that exits: those closes wait for room
   # as requests do, instead of going past the server's cap, where it would leave them unread.
   test "an opener's sessions are closed within the server's cap when it exits" do
@@ -444,6 +461,16 @@ defmodule ScanBridge.UnixLaneTest do
     opts = TestSupport.server_opts([python: wrapper(path), transport: {:unix, path}] ++ opts)
     client = start_supervised!({ScanBridge, opts}, [id: id] ++ child)
     {client, Task.await(peer, 60_000)}
+  end
+
+  # A played server with a cap of 1 whose client asks for its health every 50 ms: {the client,
+  # the peer's socket, the id of the first health check, which the peer has received}.
+  defp capped_health_server(id) do
+    {client, socket} =
+      played_server(id, capped_info(1, ["health"]), health_check: [interval: 50, timeout: 30_000])
+
+    %{"op" => "health", "id" => first} = request!(socket)
+    {client, socket, first}
   end
 
   # The info of a server that takes deadlines and cancels (and `ops`), `cap` requests in flight

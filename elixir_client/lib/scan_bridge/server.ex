@@ -477,7 +477,7 @@ defmodule ScanBridge.Server do
         {:snapshot, id}, state -> send_uncalled(state, "snapshot_free", %{snapshot: id})
       end)
 
-    {:noreply, state}
+    {:noreply, send_queued(state)}
   end
 
   # The caller is gone: nobody will take the answer. As with a passed deadline, a queued
@@ -625,8 +625,7 @@ defmodule ScanBridge.Server do
   end
 
   # Send request `id` now, or queue it while :max_in_flight requests are at the server or an
-  # older one waits: a late reply's free (release/3) is made in the place that reply left,
-  # before send_queued/1 hands that place to the oldest queued request.
+  # older one waits.
   defp send_or_queue(state, id, op, {head, size}, deadline) do
     if map_size(state.outstanding) < state.max_in_flight and :gb_trees.is_empty(state.queue),
       do: transmit(state, id, op, request_body(state, head, id, deadline), size),
@@ -911,7 +910,8 @@ defmodule ScanBridge.Server do
 
   # A late reply's caller was told :timeout and will never learn of the handle, session (opened
   # or forked), snapshot or model the server made for it: free it now, without a caller (its
-  # answer is dropped in turn), in the place the late reply has just left when no other waits.
+  # answer is dropped in turn), queued for the place the late reply has just left, which
+  # send_queued/1 gives to what waits before it.
   defp release(state, "put", {:ok, %{"handle" => handle}, _timing}) when is_binary(handle),
     do: send_uncalled(state, "free", %{handle: handle})
 
@@ -948,11 +948,12 @@ defmodule ScanBridge.Server do
   defp release(state, _op, _outcome), do: state
 
   # A free no caller asked for (release/3, an opener's exit) is a request without a deadline:
-  # it keeps to :max_in_flight, out of the place left for cancels and health checks, and once
-  # queued goes in its turn, never dropped.
+  # queued, for send_queued/1 to send in its turn (after held cancels and a held health check,
+  # within :max_in_flight, behind the requests queued before it), never dropped.
   defp send_uncalled(state, op, args) do
     id = state.next_id
-    send_or_queue(%{state | next_id: id + 1}, id, op, Protocol.request_head(op, args), nil)
+    {head, size} = Protocol.request_head(op, args)
+    %{state | next_id: id + 1, queue: :gb_trees.insert(id, {op, head, size, nil}, state.queue)}
   end
 
   # The next request id, and the body of the request `head` (without a budget) under it (the
@@ -962,10 +963,10 @@ defmodule ScanBridge.Server do
     {id, Protocol.request_body(head, id, nil), %{state | next_id: id + 1}}
   end
 
-  # What waits for a place at the server, after a reply freed one: held cancels first, then a
-  # held health check (up to the server's cap, of which requests leave one place free), then
-  # queued requests and frees, oldest first; one whose deadline has passed is answered
-  # :overloaded instead.
+  # What waits for a place at the server, after a reply freed one (or frees were queued): held
+  # cancels first, then a held health check (up to the server's cap, of which requests leave one
+  # place free), then queued requests and frees, oldest first; one whose deadline has passed is
+  # answered :overloaded instead.
   defp send_queued(state), do: state |> send_cancels() |> send_health() |> send_requests()
 
   defp send_requests(state) do
