@@ -353,11 +353,7 @@ defmodule ScanBridge.UnixLaneTest do
   # A deadline's timer fires after the deadline itself, and may wait in the mailbox behind the
   # reply that makes room: a queued request whose deadline has passed is still not sent then.
   test "a queued request whose deadline passed while a reply made room is never sent" do
-    {client, socket} = played_server(:expired_in_queue, capped_info(2), [])
-    slow = echo(client, 30_000)
-    %{"op" => "echo", "id" => slow_id} = request!(socket)
-    queued = echo(client, 1_000)
-    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
+    {client, socket, {slow, slow_id}, queued} = one_queued(:expired_in_queue, 1_000)
 
     # the reply comes first; the queued request's deadline timer fires behind it
     :sys.suspend(client)
@@ -371,6 +367,28 @@ defmodule ScanBridge.UnixLaneTest do
     assert nothing_sent?(socket), "the request was sent past its deadline"
     state = :sys.get_state(client)
     assert state.outstanding == %{} and state.pending == %{}
+  end
+
+  # A reply can only be for a request at the server: one naming a request still queued here (a
+  # server's mistake) neither answers its caller nor takes it out of the queue half-way.
+  test "a reply naming a request still queued is dropped; the request goes in its turn" do
+    {client, socket, {slow, slow_id}, queued} = one_queued(:queued_named, 30_000)
+    {queued_id, _request} = :gb_trees.smallest(:sys.get_state(client).queue)
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        reply!(socket, queued_id, %{"ok" => true, "result" => %{"stray" => true}})
+        assert nothing_sent?(socket)
+      end)
+
+    assert Task.yield(queued, 0) == nil, "the queued request's caller took the reply"
+    assert log =~ "reply for id #{queued_id}, which no request had, dropped"
+
+    reply!(socket, slow_id, %{"ok" => true, "result" => %{}})
+    %{"op" => "echo", "id" => ^queued_id} = request!(socket)
+    reply!(socket, queued_id, %{"ok" => true, "result" => %{"echo" => queued_id}})
+    assert {:ok, %{"echo" => ^queued_id}, _timing} = Task.await(queued)
+    assert {:ok, %{}, _timing} = Task.await(slow)
   end
 
   # With a cap of 1 the place a late reply leaves is the held health check's, as when any
@@ -461,6 +479,18 @@ defmodule ScanBridge.UnixLaneTest do
     opts = TestSupport.server_opts([python: wrapper(path), transport: {:unix, path}] ++ opts)
     client = start_supervised!({ScanBridge, opts}, [id: id] ++ child)
     {client, Task.await(peer, 60_000)}
+  end
+
+  # A played server with a cap of 2 (requests keep to 1) holding an echo, and an echo of
+  # `timeout` ms queued in the client behind it: {the client, the peer's socket, the held echo's
+  # task and id, the queued echo's task}.
+  defp one_queued(id, timeout) do
+    {client, socket} = played_server(id, capped_info(2), [])
+    slow = echo(client, 30_000)
+    %{"op" => "echo", "id" => slow_id} = request!(socket)
+    queued = echo(client, timeout)
+    assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
+    {client, socket, {slow, slow_id}, queued}
   end
 
   # A played server with a cap of 1 whose client asks for its health every 50 ms: {the client,

@@ -757,36 +757,44 @@ defmodule ScanBridge.Server do
   end
 
   # Reply `id`'s outcome to its caller: any id, this client's (an integer it sent) or one no
-  # request had.
+  # request at the server had (none, one answered already, or one still queued here, which a
+  # reply must not take from its caller while it waits to be sent), which is dropped.
   defp answer(state, id, outcome) do
-    {{op, body_length}, outstanding} = Map.pop(state.outstanding, id, {nil, nil})
-    state = %{state | outstanding: outstanding}
+    case Map.pop(state.outstanding, id) do
+      {nil, _outstanding} ->
+        Logger.warning("scan-bridge: reply for id #{inspect(id)}, which no request had, dropped")
+        state
+
+      {{op, body_length}, outstanding} ->
+        %{state | outstanding: outstanding}
+        |> answer_caller(id, op, outcome)
+        |> ruled_out(id, body_length)
+        |> send_queued()
+    end
+  end
+
+  # Give the outcome of request `id`, answered by the server, to its caller if it still waits;
+  # otherwise drop it, and free what it made.
+  defp answer_caller(state, id, op, outcome) do
     overdue? = overdue?(state, id)
 
-    state =
-      case take_pending(state, id) do
-        {nil, state} when op == nil ->
-          Logger.warning("scan-bridge: reply for id #{inspect(id)}, which no request had, dropped")
-          state
+    case take_pending(state, id) do
+      {nil, state} ->
+        # answered already (its deadline passed, or its caller exited): the late reply is
+        # dropped, and what it made freed
+        release(state, op, outcome)
 
-        {nil, state} ->
-          # answered already (its deadline passed, or its caller exited): the late reply is
-          # dropped, and what it made freed
-          release(state, op, outcome)
+      {from, state} when overdue? ->
+        # came in time, but taken here after its caller stopped waiting (this process was
+        # busy): a late reply all the same
+        message = "the reply came in time but was taken after the deadline, and dropped"
+        GenServer.reply(from, {:error, Error.client(:timeout, message, %{"id" => id})})
+        release(state, op, outcome)
 
-        {from, state} when overdue? ->
-          # came in time, but taken here after its caller stopped waiting (this process was
-          # busy): a late reply all the same
-          message = "the reply came in time but was taken after the deadline, and dropped"
-          GenServer.reply(from, {:error, Error.client(:timeout, message, %{"id" => id})})
-          release(state, op, outcome)
-
-        {from, state} ->
-          GenServer.reply(from, outcome)
-          watch_opener(state, op, from, outcome)
-      end
-
-    state |> ruled_out(id, body_length) |> send_queued()
+      {from, state} ->
+        GenServer.reply(from, outcome)
+        watch_opener(state, op, from, outcome)
+    end
   end
 
   # Whether request `id`'s caller may have stopped waiting: its wait ends @answer_grace_ms
