@@ -353,7 +353,8 @@ defmodule ScanBridge.UnixLaneTest do
   # A deadline's timer fires after the deadline itself, and may wait in the mailbox behind the
   # reply that makes room: a queued request whose deadline has passed is still not sent then.
   test "a queued request whose deadline passed while a reply made room is never sent" do
-    {client, socket, {slow, slow_id}, queued} = one_queued(:expired_in_queue, 1_000)
+    {client, socket, {slow, slow_id}, queued} =
+      one_queued(:expired_in_queue, 1_000, &patient_echo/2)
 
     # the reply comes first; the queued request's deadline timer fires behind it
     :sys.suspend(client)
@@ -485,11 +486,11 @@ defmodule ScanBridge.UnixLaneTest do
   # A played server with a cap of 2 (requests keep to 1) holding an echo, and an echo of
   # `timeout` ms queued in the client behind it: {the client, the peer's socket, the held echo's
   # task and id, the queued echo's task}.
-  defp one_queued(id, timeout) do
+  defp one_queued(id, timeout, queue_echo \\ &echo/2) do
     {client, socket} = played_server(id, capped_info(2), [])
     slow = echo(client, 30_000)
     %{"op" => "echo", "id" => slow_id} = request!(socket)
-    queued = echo(client, timeout)
+    queued = queue_echo.(client, timeout)
     assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
     {client, socket, {slow, slow_id}, queued}
   end
@@ -515,6 +516,16 @@ defmodule ScanBridge.UnixLaneTest do
 
   defp echo(client, timeout),
     do: Task.async(fn -> Server.request(client, "echo", %{}, timeout) end)
+
+  # An echo whose caller waits long past its deadline (Server.request waits only a little past
+  # it), so that a test holding the client up around the deadline still sees the client's answer.
+  defp patient_echo(client, timeout) do
+    Task.async(fn ->
+      {head, size} = ScanBridge.Protocol.request_head("echo", %{})
+      deadline = {timeout, System.monotonic_time(:microsecond) + timeout * 1000}
+      GenServer.call(client, {:request, "echo", head, size, deadline, nil}, 30_000)
+    end)
+  end
 
   # Whether a message in `client`'s mailbox satisfies `match?`.
   defp mailbox_has?(client, match?) do
