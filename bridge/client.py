@@ -256,10 +256,10 @@ class InFlight:
     start_ns: int  # perf_counter_ns when submit began
     encode_us: float = 0.0
     bytes_out: int = 0
-    # Its place in the order requests were written, from when its write began; None before.
+    # Its place in the order frames were written, from when its write began; None before.
     write_order: int | None = None
-    # A raw frame whose id the server cannot read: its answer has id nil (SPEC §4) and is told
-    # apart by the order such frames were written.
+    # A raw frame whose id the server cannot read: its answer has id nil (SPEC §4), told apart
+    # by the order frames were written.
     id_unread: bool = False
 
 
@@ -288,15 +288,19 @@ class Received:
     nbytes: int
 
 
-@dataclass
-class DroppedAnswers:
-    """Answers with id nil to frames of one length the server had no memory to hold, that came
-    while several requests that long were in flight (SPEC §2: sent as the frame is read, so an
-    older one as long may still be running). Which request each is for is known once no more of
-    those requests are left than answers: those left, in the order they were written."""
+@dataclass(slots=True)
+class NilAnswer:
+    """An answer with id nil (SPEC §4) until the frame it is for is known: one the server dropped
+    unread for want of memory, `length` bytes long (SPEC §2), or, with no length, one whose id
+    the server could not read."""
 
-    answers: list[Received]  # in the order they came
-    requests: dict[object, InFlight]  # by id: those written, and in flight, when an answer came
+    received: Received
+    length: int | None
+    # How many frames had their places in the write order when it came: its frame is one of them.
+    written: int
+    # Its frame once known, kept while an earlier answer's is not: those after are for frames
+    # written after it.
+    frame: InFlight | None = None
 
 
 # How many replies to nothing in flight a client keeps (the latest): a long-lived client
@@ -333,7 +337,7 @@ class FramedClient:
         self._reader = reader
         self._writer_fd = writer_fd
         self._ids = itertools.count(1)
-        self._write_orders = itertools.count()
+        self._writes = 0  # frames given a place in the write order
         self._pending: dict[object, InFlight] = {}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -360,13 +364,12 @@ class FramedClient:
         # Held requests a thread took out to send, by id: True once cancel() asked for them
         # meanwhile; that thread then drops the request unsent, or sends the cancel after it.
         self._releasing: dict[object, bool] = {}
-        # Answers with id nil to frames the server had no memory to hold, by body length, while
-        # which request each is for cannot be told yet.
-        self._dropped_answers: dict[int, DroppedAnswers] = {}
-        # Raw frames written whose ids the server cannot read, in the order written, until
-        # answered: the server answers each as it reads it, with id nil. One sent without an id
-        # is here too (its Future's request_id None), so that its answer is nobody's.
-        self._ids_unread: collections.deque[InFlight] = collections.deque()
+        # Raw frames sent without an id whose ids the server cannot read, written and not yet
+        # answered: an answer with id nil may be one's, and is then nobody's.
+        self._unread_unnamed: list[InFlight] = []
+        # Answers with id nil, in the order they came, from the first whose frame is not yet
+        # known (_nil_answers_told_apart).
+        self._nil_answers: list[NilAnswer] = []
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
@@ -548,15 +551,15 @@ class FramedClient:
                 raise
 
     def _take_write_order(self, entry: InFlight | None) -> None:
-        """Give `entry` the next place in the write order: an id-nil answer is matched to the
-        first request written of its length, or, to a frame whose id the server cannot read, to
-        the first such frame written. Called with self._write_lock held, before the write, as
-        the answer may come before the write returns."""
+        """Give `entry` the next place in the write order, by which answers with id nil are
+        told apart (_nil_answers_told_apart). Called with self._write_lock held, before the
+        write, as the answer may come before the write returns."""
         if entry is not None:
-            entry.write_order = next(self._write_orders)
-            if entry.id_unread:
+            entry.write_order = self._writes
+            self._writes += 1
+            if entry.id_unread and entry.future.request_id is None:
                 with self._lock:
-                    self._ids_unread.append(entry)
+                    self._unread_unnamed.append(entry)
 
     def _end_stream(self) -> None:
         """End the outgoing stream, so that the server sees EOF, with requests refused. Where it
@@ -773,7 +776,7 @@ class FramedClient:
         if limit is None or entry.bytes_out - self._frame_overhead <= limit:
             entry.id_unread = self._raw_id_unread(body, buffers, request_id)
         if request_id is None:
-            entry.future.request_id = None  # in _ids_unread, where its answer is nobody's
+            entry.future.request_id = None  # tracked only while an id-nil answer may be its
             self._send(parts, entry if entry.id_unread else None)
             return None
         with self._in_flight(request_id, entry):
@@ -830,20 +833,23 @@ class FramedClient:
         with self._lock:
             # Each reply whose request is now known, with it (None: no request in flight).
             answered: list[tuple[InFlight | None, Received]]
+            code, detail = error.get("code"), error.get("detail") or {}
             if isinstance(decoded.id, (int, str)):
                 answered = [(self._pending.pop(decoded.id, None), received)]
-                if self._dropped_answers:  # that request was not one of theirs
-                    answered += self._dropped_answers_told_apart()
-            elif error.get("code") == "frame_too_large":
-                answered = [(self._refused_as_too_large(error.get("detail") or {}), received)]
-            elif error.get("code") == "limit_exceeded" and (error.get("detail") or {}).get("limit") == "memory":
-                answered = self._dropped_unread(received)  # a frame the server had no memory to hold
-            elif error.get("code") == "overloaded" and self._turns_connections_away:
+                if self._nil_answers:  # that request was none of theirs
+                    answered += self._nil_answers_told_apart()
+            elif code == "frame_too_large":
+                answered = [(self._refused_as_too_large(detail), received)]
+            elif code == "overloaded" and self._turns_connections_away:
                 # The connection turned away (SPEC §4): no frame's.
                 self._turned_away = BridgeError("overloaded", error.get("message", ""), error.get("detail"))
                 answered = [(None, received)]
             else:
-                answered = [(self._id_unread_answered(), received)]
+                # A frame the server had no memory to hold, named by its length, or one whose id
+                # it could not read.
+                memory = code == "limit_exceeded" and detail.get("limit") == "memory"
+                self._nil_answers.append(NilAnswer(received, detail.get("length") if memory else None, self._writes))
+                answered = self._nil_answers_told_apart()
         if self._held or self._held_cancels:
             self._send_released()
         for entry, answer in answered:
@@ -864,77 +870,100 @@ class FramedClient:
 
     def _refused_as_too_large(self, detail: dict) -> InFlight | None:
         """The request a `frame_too_large` reply (id nil) refused, taken out of flight: the
-        first written whose body has the length the reply names (every request that long was
-        refused). Called with self._lock held."""
+        first frame written whose body has the length the reply names (every frame that long
+        was refused); None where that was a raw frame sent without an id, or none is that long.
+        Called with self._lock held."""
         if isinstance(detail.get("limit"), int):
             self.max_frame_size = detail["limit"]
-        written = self._written_of_length(detail.get("length"))
-        if not written:
-            self._dropped_unsent_frame(detail.get("length"))
-        return self._pending.pop(next(iter(written))) if written else None
+        length = detail.get("length")
+        refused = next((frame for frame in self._written() if frame.bytes_out - self._frame_overhead == length), None)
+        return None if refused is None else self._answered_frame(refused)
 
-    def _id_unread_answered(self) -> InFlight | None:
-        """The request an id-nil answer to a frame the server read is for, taken out of flight:
-        the first written of those whose ids it cannot read, still in flight; None where that
-        was one sent without an id, or none is left. Called with self._lock held."""
-        while self._ids_unread:
-            entry = self._ids_unread.popleft()
-            request_id = entry.future.request_id
-            if request_id is None:
-                return None
-            if self._pending.get(request_id) is entry:
-                return self._pending.pop(request_id)
-        return None
+    def _written(self) -> list[InFlight]:
+        """The frames written (or being written) that an answer with id nil may be for, in the
+        order written: the requests in flight, and raw frames sent without an id whose ids the
+        server cannot read. Called with self._lock held."""
+        requests = [entry for entry in self._pending.values() if entry.write_order is not None]
+        return sorted(requests + self._unread_unnamed, key=lambda entry: entry.write_order)
 
-    def _dropped_unsent_frame(self, length) -> None:
-        """An id-nil answer to a frame of `length` bytes that the server dropped unread, with no
-        request in flight that long: if a frame sent without an id, whose id the server cannot
-        read, is that long, the first is the one answered, and leaves the order that answers to
-        such frames are told apart by. Called with self._lock held."""
-        for entry in self._ids_unread:
-            if entry.future.request_id is None and entry.bytes_out - self._frame_overhead == length:
-                self._ids_unread.remove(entry)
-                return
+    def _answered_frame(self, frame: InFlight) -> InFlight | None:
+        """Take `frame` (of `_written`) out of flight: its request, or None for a raw frame sent
+        without an id. Called with self._lock held."""
+        if frame.future.request_id is None:
+            self._unread_unnamed.remove(frame)
+            return None
+        return self._pending.pop(frame.future.request_id)
 
-    def _written_of_length(self, length) -> dict[object, InFlight]:
-        """The requests in flight, by id in the order they were written, whose bodies are
-        `length` bytes long; one not written yet (held, or its thread still on its way to the
-        write) is none of them: an id-nil answer is not its. Called with self._lock held."""
-        written = sorted((entry.write_order, request_id) for request_id, entry in self._pending.items()
-                         if entry.write_order is not None and entry.bytes_out - self._frame_overhead == length)
-        return {request_id: self._pending[request_id] for _, request_id in written}
+    def _nil_answers_told_apart(self) -> list[tuple[InFlight | None, Received]]:
+        """The answers with id nil whose frames are now known, each with its request (taken out
+        of flight), or None: a raw frame sent without an id, or none in flight can be the one
+        (a raw frame sent without an id that the server read an id from is not tracked).
 
-    def _dropped_unread(self, received: Received) -> list[tuple[InFlight | None, Received]]:
-        """What a `limit_exceeded` (memory) reply with id nil answers: the server dropped a
-        frame unread, not knowing its id, and names its length. With one request that long in
-        flight it is that one's; with several it waits until their own replies leave as many as
-        answers (_dropped_answers_told_apart); with none it is nobody's. Called with self._lock
-        held."""
-        length = received.decoded.error["detail"].get("length")
-        written = self._written_of_length(length)
-        if not written:
-            self._dropped_unsent_frame(length)
-            return [(None, received)]
-        waiting = self._dropped_answers.setdefault(length, DroppedAnswers([], {}))
-        waiting.answers.append(received)
-        waiting.requests.update(written)
-        return self._dropped_answers_told_apart()
-
-    def _dropped_answers_told_apart(self) -> list[tuple[InFlight | None, Received]]:
-        """The waiting id-nil answers whose requests are now known, each with its request (taken
-        out of flight), or None where more answers than requests were left. Called with
-        self._lock held."""
-        told = []
-        for length, waiting in list(self._dropped_answers.items()):
-            left = {request_id: entry for request_id, entry in waiting.requests.items()
-                    if self._pending.get(request_id) is entry}
-            if len(left) > len(waiting.answers):
-                waiting.requests = left
-                continue
-            del self._dropped_answers[length]
-            requests = [self._pending.pop(request_id) for request_id in sorted(left, key=lambda i: left[i].write_order)]
-            told += zip(requests + [None] * (len(waiting.answers) - len(requests)), waiting.answers)
+        The server sends each as it reads the frame (SPEC §2, §4), so they come in the order
+        the frames were written, and every frame whose id it cannot read has one. An answer
+        naming a length is for a frame that long it dropped unread, which a reply by id may yet
+        rule out (a request as long may be running); one naming none is for a frame whose id it
+        cannot read. Each goes to its frame once every way of laying the answers so far over the
+        frames in flight, in order, gives it the same one. Called with self._lock held."""
+        told, answers = [], self._nil_answers
+        while answers:
+            frames = sorted(self._written() + [answer.frame for answer in answers if answer.frame is not None],
+                            key=lambda frame: frame.write_order)
+            places = self._nil_answer_places(answers, frames)
+            if places[-1]:
+                break
+            # The first answer that no frame can be given is for one the client does not track.
+            unplaced = answers.pop(next(index for index, found in enumerate(places) if not found))
+            if unplaced.frame is None:
+                told.append((None, unplaced.received))
+        if answers:  # each has a place
+            for answer, found in zip(answers, places):
+                if answer.frame is None and len(found) == 1:
+                    answer.frame = frames[min(found)]
+                    told.append((self._answered_frame(answer.frame), answer.received))
+            while answers and answers[0].frame is not None:
+                del answers[0]
         return told
+
+    def _nil_answer_places(self, answers: list[NilAnswer], frames: list[InFlight]) -> list[set[int]]:
+        """For each of `answers`, the places in `frames` (in the order written) its frame can
+        have in some way of laying them all over the frames in order, skipping no frame surely
+        answered with id nil before the last one's; all empty from the first that has none."""
+        known = {answer.frame.write_order for answer in answers if answer.frame is not None}
+        certain = [frame.id_unread or frame.write_order in known for frame in frames]
+
+        def fits(answer: NilAnswer, frame: InFlight) -> bool:
+            if answer.frame is not None or frame.write_order in known:
+                return frame is answer.frame
+            if frame.write_order >= answer.written:
+                return False
+            if answer.length is None:
+                return frame.id_unread
+            return frame.bytes_out - self._frame_overhead == answer.length
+
+        # Given the answers before: after the place of the one before, no certain frame between.
+        forward, reachable = [], {-1}
+        for answer in answers:
+            found, latest, last_certain = set(), (-1 if -1 in reachable else None), -1
+            for place, frame in enumerate(frames):
+                if latest is not None and latest >= last_certain and fits(answer, frame):
+                    found.add(place)
+                latest = place if place in reachable else latest
+                last_certain = place if certain[place] else last_certain
+            forward.append(reachable := found)
+        if not forward[-1]:
+            return forward
+        # Given the answers after too (past the last answer's frame, frames wait for theirs).
+        places, reachable = [], None
+        for index in reversed(range(len(answers))):
+            found, earliest, next_certain = set(), None, len(frames)
+            for place in reversed(range(len(frames))):
+                if place in forward[index] and (reachable is None or (earliest is not None and earliest <= next_certain)):
+                    found.add(place)
+                earliest = place if reachable is not None and place in reachable else earliest
+                next_certain = place if certain[place] else next_certain
+            places.append(reachable := found)
+        return places[::-1]
 
     def _keep_unmatched(self, reply: Reply) -> None:
         self.unmatched.append(reply)
@@ -948,8 +977,8 @@ class FramedClient:
             self._pending.clear()
             self._held.clear()
             self._held_cancels.clear()
-            self._dropped_answers.clear()
-            self._ids_unread.clear()
+            self._unread_unnamed.clear()
+            self._nil_answers.clear()
         for entry in pending:
             settle(entry.future, exc)
 

@@ -255,6 +255,57 @@ def test_an_id_nil_answer_waits_until_one_request_of_its_length_is_left(pipe):
     assert client._pending == {} and not client.unmatched
 
 
+@pytest.mark.parametrize("written, dropped", [("request, long raw, short raw", "request"),
+                                              ("request, long raw, short raw", "long raw"),
+                                              ("long raw, request, short raw", "long raw")])
+def test_id_nil_answers_to_frames_dropped_unread_and_to_raw_frames_each_find_their_frame(pipe, written, dropped):
+    """The server answers a frame it had no memory to hold (naming its length) and one whose id
+    it cannot read (naming nothing) as it reads each, so id-nil answers come in the order their
+    frames were written (SPEC §2, §4). With a raw frame whose id the server cannot read as long
+    as a request, the client matched the two kinds apart (found in review): the request dropped
+    waited for ever, or the raw frame dropped took the next raw frame's answer, which then waited
+    for ever; each held its slot of the cap."""
+    client = pipe.client
+    length = len(b"".join(protocol.encode_request(1, "ping", {})))
+    futures = {}
+    for name in written.split(", "):
+        if name == "request":
+            futures[name] = client.submit("ping")
+        else:
+            futures[name] = client.send_raw(b"\xc1" * (length if name == "long raw" else 1), request_id=name)
+    read = [pipe.read_request_and_length()[1] if name == "request" else len(read_frame(pipe.requests))
+            for name in futures]
+    assert read == [1 if name == "short raw" else length for name in futures]
+    for name in futures:  # each answered as the server reads it, but the request that runs
+        if name == dropped:
+            pipe.error(None, "limit_exceeded", {"limit": "memory", "length": length})
+        elif name != "request":
+            pipe.error(None, "decode_error")
+    if dropped != "request":
+        pipe.reply(futures["request"].request_id, {"pong": True})
+    for name, future in futures.items():
+        expected = "limit_exceeded" if name == dropped else "decode_error" if name != "request" else None
+        reply = future.result(REPLY_TIMEOUT_S)
+        assert (name, None if reply.ok else reply.error["code"]) == (name, expected)
+    assert client._pending == {} and not client.unmatched
+
+
+def test_an_id_nil_answer_is_for_none_of_the_frames_written_after_it_came(pipe):
+    """The server had read the frame it answers: a request as long sent later is not one it may
+    be for, or, with requests that long sent on and on, it would wait for ever."""
+    client = pipe.client
+    running, dropped = client.submit("ping"), client.submit("ping")
+    length = [pipe.read_request_and_length()[1] for _ in range(2)][-1]
+    pipe.error(None, "limit_exceeded", {"limit": "memory", "length": length})
+    wait_until(lambda: client._nil_answers, "the answer was never read", timeout=REPLY_TIMEOUT_S)
+    later = client.submit("ping")
+    assert pipe.read_request_and_length()[1] == length
+    pipe.reply(running.request_id, {"pong": True})
+    assert dropped.result(REPLY_TIMEOUT_S).error["code"] == "limit_exceeded"
+    pipe.reply(later.request_id, {"pong": True})
+    assert running.result(REPLY_TIMEOUT_S).ok and later.result(REPLY_TIMEOUT_S).ok and client._pending == {}
+
+
 def test_info_tells_the_client_the_frame_limit(pipe):
     answered = threading.Thread(target=lambda: pipe.reply(pipe.read_request().id, {"limits": {"max_frame_size": 100}}))
     answered.start()
