@@ -50,7 +50,8 @@ ERROR_CODES: dict[str, str] = {
     "overloaded": "the server is too busy to accept the request now; retry later",
     "shutting_down": "the server is shutting down and accepts no new work",
     "deadline_exceeded": "the request's deadline_us ran out before it ran; it was not run",
-    "cancelled": "a cancel request dropped this request before it ran; it was not run",
+    "cancelled": ("a cancel request dropped this request before it ran, or its connection went away first "
+                  "(that answer reaches nobody; the server counts it); it was not run"),
     "internal_error": "the server failed in a way that is not the client's fault",
 }
 
