@@ -850,13 +850,15 @@ class FramedClient:
                 memory = code == "limit_exceeded" and detail.get("limit") == "memory"
                 self._nil_answers.append(NilAnswer(received, detail.get("length") if memory else None, self._writes))
                 answered = self._nil_answers_told_apart()
-        if self._held or self._held_cancels:
-            self._send_released()
+        # Settled before the held requests the replies freed slots for are written: a large one
+        # waits for the server to read it, and the replies read must not wait with it.
         for entry, answer in answered:
             if entry is None:
                 self._keep_unmatched(self._reply(answer, None))
             else:
                 settle(entry.future, self._reply(answer, entry))
+        if self._held or self._held_cancels:
+            self._send_released()
 
     @staticmethod
     def _reply(received: Received, entry: InFlight | None) -> Reply:

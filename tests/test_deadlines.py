@@ -561,8 +561,10 @@ def test_a_request_cancelled_while_its_release_encodes_it_is_not_sent():
         assert server.client.cancel(held)
         assert nothing_sent(server), "a cancel went for a request not sent yet"
         go.set()
-        sent.result(10)  # resolved once the release returned
-        assert nothing_sent(server) and held.cancelled() and not server.client._pending
+        assert sent.result(10).ok
+        # Out of flight once the release dropped it: nothing of it can be written after that.
+        wait_until(lambda: not server.client._pending, "the cancelled request stayed in flight", timeout=10)
+        assert nothing_sent(server) and held.cancelled()
 
 
 def test_a_request_cancelled_while_its_release_writes_it_is_cancelled_after_it(monkeypatch):
@@ -603,6 +605,26 @@ def test_with_a_cap_of_one_cancel_of_the_request_sent_is_local():
         assert nothing_sent(server), "a cancel went past a cap of one"
         server.reply(sent.request_id)
         assert server.read_request().id == held.request_id
+        server.reply(held.request_id)
+        assert held.result(10).ok and not server.client._pending
+
+
+def test_a_reply_read_is_settled_before_the_held_request_it_frees_a_slot_for_is_written():
+    """The reader thread wrote the held requests a reply released before resolving that reply:
+    its caller waited for the write, for as long as the server took to read a large request,
+    and a request() timing out meanwhile cancelled a reply already read (found in review).
+    Here the server reads nothing more until the answered request's Future resolves."""
+    with pipe_capped_at(2) as server:
+        sent = server.client.submit("ping")
+        # Far more than a pipe buffers: its write waits for the server to read it.
+        held = server.client.submit("put", {"tensor": np.zeros(1 << 20, np.float32)})
+        assert server.read_request().id == sent.request_id
+        server.reply(sent.request_id)
+        try:
+            answered = sent.result(10)
+        finally:
+            request = server.read_request()  # lets the held request's write finish either way
+        assert answered.ok and request.id == held.request_id
         server.reply(held.request_id)
         assert held.result(10).ok and not server.client._pending
 
