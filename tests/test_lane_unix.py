@@ -459,6 +459,8 @@ def test_requests_a_vanished_unix_peer_left_queued_are_dropped_not_run(tmp_path,
         wait_until(lambda: conn._input_ended, "the peer's end of input was never read")
         srv.go()
         wait_until(lambda: not transport._connections, "the vanished peer's connection never closed")
+        # The connection closes as the last answer goes; its count is recorded right after.
+        wait_until(lambda: srv.dispatcher._pending == 0, "the dropped requests were never answered")
         observer = raw_unix(transport.path)
         observer.sendall(request_frame("stats", "stats"))
         stats = read_reply(observer.makefile("rb", buffering=0)).result
@@ -480,6 +482,7 @@ def test_a_shutdown_a_vanished_unix_peer_left_queued_still_stops_the_server(tmp_
         wait_until(lambda: conn._input_ended, "the peer's end of input was never read")
         srv.go()
         wait_until(lambda: not transport._connections, "the vanished peer's connection never closed")
+        wait_until(lambda: srv.dispatcher._pending == 0, "the queued requests were never answered")
     stats = srv.server.stats.snapshot()
     assert srv.server.stop_requested.is_set(), "the shutdown was not run"
     assert (stats["ops"]["shutdown"]["success_count"], stats["errors"]) == (1, {"cancelled": 1})
