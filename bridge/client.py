@@ -909,7 +909,11 @@ class FramedClient:
         frames in flight, in order, gives it the same one. Called with self._lock held."""
         told, answers = [], self._nil_answers
         while answers:
-            frames = sorted(self._written() + [answer.frame for answer in answers if answer.frame is not None],
+            # A frame written after the last answer came is none's, nor lies between two
+            # answers' frames: left out, a reply re-lays only frames written before that answer.
+            horizon = answers[-1].written
+            frames = sorted([frame for frame in self._written() if frame.write_order < horizon]
+                            + [answer.frame for answer in answers if answer.frame is not None],
                             key=lambda frame: frame.write_order)
             places = self._nil_answer_places(answers, frames)
             if places[-1]:
