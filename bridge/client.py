@@ -27,11 +27,13 @@ import weakref
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 import protocol
 from bridge.dtypes import NUMPY_DTYPES, WIRE_CODES
+from bridge.stop_signals import StopSignalsHeld
 from bridge.streams import read_frame, write_all
 
 
@@ -1037,6 +1039,23 @@ def stop_piped_server(proc: subprocess.Popen, timeout: float = 10.0) -> int:
         return proc.wait()
 
 
+def spawn(command: list[str], stop: Callable[[subprocess.Popen], object], **popen_args) -> subprocess.Popen:
+    """subprocess.Popen(command, **popen_args) with the stop signals held while it runs: a
+    handler's exception (Ctrl-C, the bench's SIGTERM) raised after its fork would leave the child
+    running unheld, and a server still starting reads the end of its stdin only once started.
+    A signal held is delivered once Popen has returned, and `stop(child)` runs before its
+    exception goes on."""
+    child = None
+    try:
+        with StopSignalsHeld():
+            child = subprocess.Popen(command, **popen_args)
+    except BaseException:
+        if child is not None:
+            stop(child)
+        raise
+    return child
+
+
 def abandon(end_stream, pending: dict) -> None:
     """What a client collected without close() (or still open at exit) leaves: its outgoing
     stream is ended (`end_stream`), so that the server answers what is in flight, frees what the
@@ -1061,8 +1080,8 @@ class PortClient(FramedClient):
     def __init__(self, server_args=(), *, python: str = sys.executable, env: dict | None = None,
                  stderr=None, as_torch: bool = False, start_timeout: float = 120.0, command=None):
         cmd = list(command) if command else [python, "-m", "bridge", *server_args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     env=server_env(env), bufsize=0)
+        self.proc = spawn(cmd, stop_piped_server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                          env=server_env(env), bufsize=0)
         try:
             super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
         except BaseException:  # a signal's SystemExit, say: with no client made, nobody would stop it

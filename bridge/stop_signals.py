@@ -18,3 +18,28 @@ def record_stop_signals(signalled: list[int]) -> dict:
     while that thread holds a lock (Event.wait holds its Condition's), so taking any lock there
     (Event.set() included) can deadlock the process."""
     return {signum: signal.signal(signum, lambda signum, frame: signalled.append(signum)) for signum in STOP_SIGNALS}
+
+
+class StopSignalsHeld:
+    """Within the block a stop signal is only recorded; leaving it puts the handlers back and
+    delivers what came. So no signal's exception cuts a step that must finish as one: Popen
+    interrupted after its fork returns no child, and nobody would stop the one it started.
+    Only handlers written in Python are held, and only in the main thread, the one Python runs
+    them in; a signal's default action stays as it is."""
+
+    def __enter__(self) -> StopSignalsHeld:
+        import threading  # here, so that importing this module stays as early as it must be
+
+        self.signalled: list[int] = []
+        self.replaced: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                if callable(signal.getsignal(signum)):
+                    self.replaced[signum] = signal.signal(signum, lambda signum, frame: self.signalled.append(signum))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.replaced.items():
+            signal.signal(signum, handler)
+        for signum in self.signalled:
+            signal.raise_signal(signum)  # runs its handler before returning

@@ -300,6 +300,31 @@ def test_an_echo_floor_goes_with_the_bench_that_started_it(tmp_path, transport):
         shutil.rmtree(os.path.dirname(where.removeprefix("ipc://")), ignore_errors=True)
 
 
+@pytest.mark.parametrize("server", ["spawned-server", "bridge-process"])
+def test_a_bench_server_stopped_while_it_starts_is_stopped(server, monkeypatch):
+    """A stop signal's exit while a bench server waits for the `info` that says where it
+    listens left that server running: no caller held it yet to stop it."""
+    from bridge.bench.floors import BridgeProcess
+    from bridge.client import PortClient
+
+    started = []
+
+    def stopped_while_starting(self, *args, **kwargs):
+        started.append(self.proc.pid)
+        raise SystemExit(128 + signal.SIGTERM)
+
+    with pytest.raises(SystemExit):
+        if server == "spawned-server":
+            monkeypatch.setattr(PortClient, "info", stopped_while_starting)
+            SpawnedServer([TRANSPORTS["unix"]], ["--device", "cpu"])
+        else:
+            monkeypatch.setattr(BridgeProcess, "call", stopped_while_starting)
+            BridgeProcess([], lanes=("unix",))
+    (pid,) = started
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 def test_the_main_job_stopped_by_sigterm_leaves_no_scratch_behind(tmp_path):
     """`python -m bridge.bench` given SIGTERM mid-run (a CI cancel, `timeout`) stops as Ctrl-C
     does: its servers are stopped and their scratch directories removed (the signal's default

@@ -9,6 +9,7 @@ import os
 import select
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import weakref
@@ -402,6 +403,39 @@ def test_a_port_client_stopped_while_it_sets_up_stops_the_server_it_spawned(tmp_
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
 
+
+def test_a_stop_signal_while_the_server_is_spawned_stops_it(tmp_path, monkeypatch):
+    """A stop signal whose handler raises (the bench's SIGTERM) coming while Popen still runs,
+    after its fork, raised out of Popen: the server went on starting with nobody to stop it, and
+    read the end of its stdin only once started (found by a CI run: it outlived the bench)."""
+    pid_file = tmp_path / "server.pid"
+    slow_python = tmp_path / "python"
+    # `python -m bridge ...` becomes a server that takes a while to start, its pid noted.
+    slow_python.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec {shlex.join(SLOW_STARTING_SERVER)}\n")
+    slow_python.chmod(0o755)
+
+    class SignalledWhileSpawning(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            wait_until(pid_file.exists, "the server did not start")
+            signal.raise_signal(signal.SIGTERM)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(subprocess, "Popen", SignalledWhileSpawning)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(SystemExit):
+            PortClient(python=str(slow_python))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+# A stand-in for `python -m bridge` still importing when its stdin closes: it reads it only later.
+SLOW_STARTING_SERVER = [sys.executable, "-c", "import sys, time; time.sleep(3); sys.stdin.buffer.read()"]
 
 # A stand-in for `python -m bridge`: reads its stdin to the end, answering nothing.
 SILENT_SERVER = [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"]

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 import protocol
-from bridge.client import server_env, stop_piped_server
+from bridge.client import server_env, spawn, stop_piped_server
 from bridge.streams import read_exact, write_all
 
 from .cases import EXPHIL_SEQ, Case
@@ -42,8 +42,8 @@ class PortProcess:
         self.command = command
         self.log = tempfile.TemporaryFile(mode="w+b")
         try:
-            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=self.log, env=server_env(), bufsize=0)
+            self.proc = spawn(command, stop_piped_server, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=self.log, env=server_env(), bufsize=0)
         except OSError as exc:
             self.log.close()
             raise BenchError(f"--baseline: cannot start {shlex.join(command)}: {exc}") from exc

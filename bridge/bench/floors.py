@@ -32,7 +32,7 @@ from typing import Callable
 
 import protocol
 from bridge.c_build import c_compiler, compile_c
-from bridge.client import server_env, stop_piped_server, to_wire
+from bridge.client import server_env, spawn, stop_piped_server, to_wire
 from bridge.streams import read_exact, write_all
 from bridge.transports.unix import SOCKET_BUFFER_BYTES
 
@@ -242,18 +242,22 @@ class BridgeProcess:
         values = {name: TRANSPORTS[name].value(self._scratch.name) for name in lanes}
         for name, value in values.items():
             lane_args += [TRANSPORTS[name].option, value]
-        self.proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", device, *server_args, *lane_args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     env=server_env(), bufsize=0)
+        self.proc = spawn([sys.executable, "-m", "bridge", "--device", device, *server_args, *lane_args],
+                          stop_piped_server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                          env=server_env(), bufsize=0)
         self.lane = StreamLane(self.proc.stdout, self.proc.stdin.fileno())
         self.endpoints: dict[str, str] = {}
         self.info: dict | None = None
         if lanes:
-            # Answered once the server serves, every lane bound; it lists where (zmq tcp: the
-            # port the server got).
-            self.info = self.call("info")
-            self.endpoints = {name: TRANSPORTS[name].endpoint(self.info["transports"], value)
-                              for name, value in values.items()}
+            try:
+                # Answered once the server serves, every lane bound; it lists where (zmq tcp:
+                # the port the server got).
+                self.info = self.call("info")
+                self.endpoints = {name: TRANSPORTS[name].endpoint(self.info["transports"], value)
+                                  for name, value in values.items()}
+            except BaseException:
+                self.close()  # a stop signal's exit, say: no caller holds this server yet to stop it
+                raise
 
     def call(self, op: str, **args) -> dict:
         return lane_call(self.lane, op, args)

@@ -219,6 +219,9 @@ class SpawnedServer(BenchServer):
             self.close()
             raise BenchError(f"the server (python -m bridge {' '.join(args)}) did not start: {exc}; "
                              f"its log ends:\n{tail}") from exc
+        except BaseException:
+            self.close()  # a stop signal's exit, say: no caller holds this server yet to stop it
+            raise
 
     def close(self) -> None:
         for lane in self.lanes:
