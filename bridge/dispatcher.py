@@ -125,14 +125,19 @@ def deadline_error(request, received_ns: int) -> OpError | None:
                    {"deadline_us": budget_us, "waited_us": waited_us})
 
 
+def gone_peer_error(request_id) -> OpError:
+    """What a request is answered with, unrun, once its connection's peer is known gone: no
+    reply could reach it (counted as a cancel's drop is)."""
+    return OpError("cancelled", f"request {request_id!r} was dropped before it ran: its connection went away")
+
+
 def refusal_to_start(call: Call) -> OpError | None:
     """The error a request about to start is answered with instead of running: `cancelled` once
-    its connection's peer is known gone (no reply could reach it; counted as a cancel's drop
-    is) unless its op acts for the server (`runs_for_a_gone_peer`: shutdown),
-    `deadline_exceeded` once its budget ran out; None: it runs."""
+    its connection's peer is known gone (gone_peer_error) unless its op acts for the server
+    (`runs_for_a_gone_peer`: shutdown), `deadline_exceeded` once its budget ran out; None: it
+    runs. The fast path checks the same, in the same order (Dispatcher._serve_fast)."""
     if call.conn.peer_gone and not getattr(call.handler, "runs_for_a_gone_peer", False):
-        return OpError("cancelled", f"request {call.request.reply_id!r} was dropped before it ran: its connection "
-                       "went away")
+        return gone_peer_error(call.request.reply_id)
     return deadline_error(call.request, call.timing.received_ns)
 
 
@@ -291,9 +296,10 @@ class Dispatcher:
         try:
             waiting_since = now_ns()
             with self._serving:
-                late = deadline_error(request, received_ns)
-                if late is not None:
-                    self._reply_error(conn, protocol.V1, request.id, late, stats_op=request.op)
+                # As refusal_to_start: the fast path's ops (steps) do nothing for a peer gone.
+                refusal = gone_peer_error(request.id) if conn.peer_gone else deadline_error(request, received_ns)
+                if refusal is not None:
+                    self._reply_error(conn, protocol.V1, request.id, refusal, stats_op=request.op)
                     answered = True
                     return True
                 try:

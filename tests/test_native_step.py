@@ -418,6 +418,43 @@ def test_native_steps_keep_to_max_pending(inproc):
     assert held.conns == conns[:1], f"seed={seed}"
 
 
+def test_a_step_of_a_peer_known_gone_is_answered_cancelled_unrun_as_the_general_path_answers_it(inproc):
+    """A stream peer that closed its end (here the reading end of the reply pipe, a stdio
+    client's stdout) is known gone once a reply to it could not be written, and its steps read
+    after that could only run for nobody. The general path answers them `cancelled` unrun
+    (dispatcher.refusal_to_start); found in review, the native path ran them. Both now answer
+    such a step alike, and count it alike."""
+    from bridge.streams import read_frame
+    from bridge.transports.framed import FdConnection
+
+    case = StepCase(2, 6, 3)
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    consts, frame = constants(case, gen), step_inputs(case, gen)
+    counted = []
+    for native in (True, False):
+        srv = inproc(native_step=native)
+        served = Served(srv) if native else None
+        replies, ours = os.pipe()
+        conn = FdConnection("stdio", ours, start_writer=None)  # a small reply never waits for a writer
+        try:
+            with os.fdopen(replies, "rb", buffering=0) as reader:
+                srv.submit(conn, "session_open", more_input=False, batch=case.batch, dim=case.dim, state=case.state)
+                session = protocol.decode_reply(read_frame(reader)).result["session"]
+            srv.submit(conn, "ping", more_input=False)  # its reply is the one that cannot be written
+            assert conn.peer_gone
+            srv.submit(conn, "step", more_input=False, session=session, **consts, **frame)
+            wait_until(lambda: srv.dispatcher._pending == 0, "the step was never answered")
+        finally:
+            os.close(ours)
+        stats = srv.server.stats.snapshot()
+        step = stats["ops"]["step"]
+        counted.append((step["success_count"], step["failure_count"], step["execution_count"], stats["errors"]))
+        if native:
+            assert served.taken == 0, f"seed={seed}: the native path ran a step of a peer gone"
+    assert counted == [(0, 1, 0, {"cancelled": 1})] * 2, f"seed={seed}"
+
+
 def test_mutated_frames_are_answered_and_the_server_lives_on(inproc):
     """Random byte flips, truncations and insertions in a plain step frame: whatever the native
     parser makes of each, the request gets exactly one reply and the server still steps."""
