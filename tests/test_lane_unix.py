@@ -488,15 +488,20 @@ def test_a_shutdown_a_vanished_unix_peer_left_queued_still_stops_the_server(tmp_
     assert (stats["ops"]["shutdown"]["success_count"], stats["errors"]) == (1, {"cancelled": 1})
 
 
-def test_a_unix_peer_that_only_stopped_sending_has_its_queued_requests_run(tmp_path, inproc):
+@pytest.mark.parametrize("at_cap", [pytest.param(False, id="read"), pytest.param(True, id="paused-at-its-cap")])
+def test_a_unix_peer_that_only_stopped_sending_has_its_queued_requests_run(tmp_path, inproc, at_cap):
     """A peer that shuts down only its sending side still reads: its queued requests run and
-    are answered, and only then is what they opened freed."""
+    are answered, and only then is what they opened freed. At its cap, where its input is not
+    read, that is not taken for a hang-up either."""
     srv = inproc()
-    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=8) as transport:
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=3 if at_cap else 8) as transport:
         transport.start()
         peer, conn = queue_session_opens(srv, transport, 3)
+        if at_cap:
+            wait_until(lambda: conn._paused, "the connection never stopped being read at its cap")
         peer.shutdown(socket.SHUT_WR)
-        wait_until(lambda: conn._input_ended, "the peer's end of input was never read")
+        if not at_cap:
+            wait_until(lambda: conn._input_ended, "the peer's end of input was never read")
         srv.go()
         reader = peer.makefile("rb", buffering=0)
         replies = [read_reply(reader) for _ in range(3)]
@@ -507,6 +512,31 @@ def test_a_unix_peer_that_only_stopped_sending_has_its_queued_requests_run(tmp_p
     assert [(reply.id, reply.ok) for reply in replies] == [(0, True), (1, True), (2, True)]
     assert srv.server.stats.snapshot()["released"] == {
         "closed": {"peers": 1, "sessions": 3, "snapshots": 0, "models": 0, "handles": 0}}
+
+
+@pytest.mark.parametrize("half_close_first", [pytest.param(False, id="closed"),
+                                              pytest.param(True, id="half-closed-then-closed")])
+def test_requests_of_a_peer_that_closed_at_its_cap_are_dropped_not_run(tmp_path, inproc, half_close_first):
+    """A connection at its cap is not read, so the end of its input is not seen: found in
+    review, a peer that closed then (having shut down its sending side first or not) was seen
+    gone only once a reply to it failed, so its first queued request still ran for nobody (a
+    session opened and freed again). Its hang-up is looked for while it is not read: each
+    queued request is answered `cancelled` unrun."""
+    srv = inproc()
+    with unix_lane(tmp_path, srv.dispatcher, max_in_flight=3) as transport:
+        transport.start()
+        peer, conn = queue_session_opens(srv, transport, 3)
+        wait_until(lambda: conn._paused, "the connection never stopped being read at its cap")
+        if half_close_first:
+            peer.shutdown(socket.SHUT_WR)
+        peer.close()
+        srv.go()
+        wait_until(lambda: not transport._connections, "the vanished peer's connection never closed")
+        wait_until(lambda: srv.dispatcher._pending == 0, "the queued requests were never answered")
+    stats = srv.server.stats.snapshot()
+    opens = stats["ops"]["session_open"]
+    assert (opens["success_count"], opens["failure_count"], stats["errors"]) == (0, 3, {"cancelled": 3})
+    assert stats["released"] == {}, "a session was opened for nobody"
 
 
 def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):

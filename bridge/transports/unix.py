@@ -119,9 +119,12 @@ class UnixConnection(StreamConnection):
 
     @property
     def peer_gone(self) -> bool:
-        """Also once the peer closed its socket after its last request: hung up, not merely done
-        sending (a peer that shut down only its sending side still reads its replies)."""
-        return super().peer_gone or (self._input_ended and hung_up(self.sock.fileno()))
+        """Also once the peer closed its socket (hung up, not merely done sending: a peer that
+        shut down only its sending side still reads its replies) where its input is not read:
+        after its last request, or while paused at its cap, where its end of input is not seen.
+        Not while its input is read: what it sent before closing is read first (a `shutdown`
+        among it still runs), and a step read then pays for no system call."""
+        return super().peer_gone or ((self._input_ended or self._paused) and hung_up(self.sock.fileno()))
 
     @property
     def finished(self) -> bool:
