@@ -420,8 +420,8 @@ class FramedClient:
 
     def _held_back(self, request_id, request: HeldRequest) -> bool:
         """Whether `request` is held instead of sent: a request while this connection has its
-        cap's worth but one on the wire, or others are held before it; a cancel while it has
-        the cap's worth, or other cancels wait before it."""
+        cap's worth but one on the wire, or others wait before it (held, cancels too); a cancel
+        while it has the cap's worth, or other cancels wait before it."""
         if self.max_in_flight is None:
             return False
         with self._lock:
@@ -430,7 +430,7 @@ class FramedClient:
                     return False
                 self._held_cancels[request_id] = request
                 return True
-            if not self._held and self._wire_room(not_counting=1):
+            if not (self._held or self._held_cancels) and self._wire_room(not_counting=1):
                 return False
             self._held[request_id] = request
             return True

@@ -663,6 +663,41 @@ def test_a_cancel_request_of_the_callers_own_held_and_then_cancelled_is_not_sent
         assert not (server.client._pending or server.client._held_cancels)
 
 
+def test_with_a_cap_of_one_a_request_goes_after_the_callers_own_held_cancel(monkeypatch):
+    """Cancels go before held requests; but with a cap of 1 a request submitted once the reply
+    freed the one slot, before the reader released the held cancel, went ahead of it, and the
+    cancel then waited for that request's answer too (found in review)."""
+    import bridge.client
+
+    with pipe_capped_at(1) as server:
+        client = server.client
+        sent = client.submit("ping")
+        assert server.read_request().id == sent.request_id
+        cancel = client.submit("cancel", {"id": sent.request_id})  # held: the one slot is taken
+        settled, go = threading.Event(), threading.Event()
+        settle = bridge.client.settle
+
+        def paused_once_settled(future, outcome):  # the reader, between settling and releasing
+            settle(future, outcome)
+            if future is sent:
+                settled.set()
+                go.wait(10)
+
+        monkeypatch.setattr(bridge.client, "settle", paused_once_settled)
+        server.reply(sent.request_id)
+        assert settled.wait(10) and sent.result(10).ok
+        try:
+            later = client.submit("ping")
+            request = server.read_request()
+        finally:
+            go.set()
+        assert (request.id, request.op) == (cancel.request_id, "cancel"), "a request went ahead of a held cancel"
+        server.reply(cancel.request_id, {"cancelled": False})
+        assert server.read_request().id == later.request_id
+        server.reply(later.request_id)
+        assert cancel.result(10).ok and later.result(10).ok and not client._pending
+
+
 class CapWatch:
     """The far end of a client capped by `pipe_capped_at`, on a thread of its own: it reads
     every frame as it comes, answers a cancel at once (and the request it names `cancelled`, if
