@@ -363,9 +363,12 @@ class FramedClient:
         self.max_in_flight: int | None = None
         self._held: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
         self._held_cancels: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
-        # Held requests a thread took out to send, by id: True once cancel() asked for them
-        # meanwhile; that thread then drops the request unsent, or sends the cancel after it.
+        # Held requests the releasing thread took out to send, by id: True once cancel() asked
+        # for them meanwhile; that thread then drops the request unsent, or sends the cancel after
+        # it. One thread at a time releases (_send_released, while _releaser_busy), so that they
+        # go in order, and no request goes past them meanwhile.
         self._releasing: dict[object, bool] = {}
+        self._releaser_busy = False
         # Raw frames sent without an id whose ids the server cannot read, written and not yet
         # answered: an answer with id nil may be one's, and is then nobody's.
         self._unread_unnamed: list[InFlight] = []
@@ -420,8 +423,9 @@ class FramedClient:
 
     def _held_back(self, request_id, request: HeldRequest) -> bool:
         """Whether `request` is held instead of sent: a request while this connection has its
-        cap's worth but one on the wire, or others wait before it (held, cancels too); a cancel
-        while it has the cap's worth, or other cancels wait before it."""
+        cap's worth but one on the wire, or others wait before it (held, cancels too, or a
+        thread is releasing them: it sends this one in its turn); a cancel while it has the
+        cap's worth, or other cancels wait before it."""
         if self.max_in_flight is None:
             return False
         with self._lock:
@@ -430,7 +434,7 @@ class FramedClient:
                     return False
                 self._held_cancels[request_id] = request
                 return True
-            if not (self._held or self._held_cancels) and self._wire_room(not_counting=1):
+            if not (self._held or self._held_cancels or self._releaser_busy) and self._wire_room(not_counting=1):
                 return False
             self._held[request_id] = request
             return True
@@ -446,12 +450,28 @@ class FramedClient:
     def _send_released(self) -> None:
         """Send what is held while the cap has room (after a reply freed a slot): cancels first,
         then requests, each oldest first. A cancel whose request was answered while it waited
-        is dropped. A request whose deadline has passed goes with a spent budget, which the
-        server answers deadline_exceeded; a send that fails fails its request."""
-        while True:
+        is dropped. One thread at a time does, so that each is written before the next is taken
+        out: a thread that finds another at it leaves it what it freed (that one looks again
+        after each send). A request whose deadline has passed goes with a spent budget, which
+        the server answers deadline_exceeded; a send that fails fails its request."""
+        with self._lock:
+            if self._releaser_busy:
+                return
+            self._releaser_busy = True
+        try:
+            while (taken := self._take_released()) is not None:
+                self._send_taken(*taken)
+        except BaseException:
             with self._lock:
-                if self.max_in_flight is None:
-                    return
+                self._releaser_busy = False
+            raise
+
+    def _take_released(self) -> tuple[object, HeldRequest, InFlight] | None:
+        """The next held request the cap has room for, taken out to send (its id, it, its
+        entry); None when there is none, this thread then no longer releasing (decided under
+        the one lock, so that a slot freed after is released by the thread that freed it)."""
+        with self._lock:
+            while self.max_in_flight is not None:
                 if self._held_cancels and self._wire_room(for_cancel=True):
                     request_id, request = self._held_cancels.popitem(last=False)
                     if request.cancelling is not None and self._answered(request.cancelling):
@@ -460,34 +480,39 @@ class FramedClient:
                 elif self._held and self._wire_room():
                     request_id, request = self._held.popitem(last=False)
                 else:
-                    return
+                    break
                 entry = self._pending.get(request_id)
-                if entry is None:  # answered before it was sent (a stray reply with its id)
-                    continue
-                self._releasing[request_id] = False
-            parts = request.parts
-            if request.deadline_ns is not None:
-                left_us = max(0, (request.deadline_ns - time.perf_counter_ns()) // 1000)
-                parts = self._encode(request_id, request.op, request.wire_args, left_us)
-                # Its length may have changed: an id-nil answer to it is matched by length.
-                entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
+                if entry is not None:  # else answered before it was sent (a stray reply with its id)
+                    self._releasing[request_id] = False
+                    return request_id, request, entry
+            self._releaser_busy = False
+            return None
+
+    def _send_taken(self, request_id, request: HeldRequest, entry: InFlight) -> None:
+        """Send a request `_take_released` took out, re-encoded with what is left of its deadline."""
+        parts = request.parts
+        if request.deadline_ns is not None:
+            left_us = max(0, (request.deadline_ns - time.perf_counter_ns()) // 1000)
+            parts = self._encode(request_id, request.op, request.wire_args, left_us)
+            # Its length may have changed: an id-nil answer to it is matched by length.
+            entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
+        with self._lock:
+            if self._releasing.get(request_id):  # cancelled while taken out: never sent
+                del self._releasing[request_id]
+                self._pending.pop(request_id, None)
+                return
+        try:
+            self._send(parts, entry)
+        except Exception as exc:
             with self._lock:
-                if self._releasing.get(request_id):  # cancelled while taken out: never sent
-                    del self._releasing[request_id]
-                    self._pending.pop(request_id, None)
-                    continue
-            try:
-                self._send(parts, entry)
-            except Exception as exc:
-                with self._lock:
-                    self._releasing.pop(request_id, None)
-                    self._pending.pop(request_id, None)
-                settle(entry.future, exc)
-                continue
-            with self._lock:
-                cancel_asked = self._releasing.pop(request_id, False)
-            if cancel_asked:  # once it was on its way: the cancel goes behind it
-                self._cancel_at_server(entry.future)
+                self._releasing.pop(request_id, None)
+                self._pending.pop(request_id, None)
+            settle(entry.future, exc)
+            return
+        with self._lock:
+            cancel_asked = self._releasing.pop(request_id, False)
+        if cancel_asked:  # once it was on its way: the cancel goes behind it
+            self._cancel_at_server(entry.future)
 
     @contextlib.contextmanager
     def _in_flight(self, request_id, entry: InFlight):

@@ -663,6 +663,64 @@ def test_a_cancel_request_of_the_callers_own_held_and_then_cancelled_is_not_sent
         assert not (server.client._pending or server.client._held_cancels)
 
 
+def test_held_requests_go_in_the_order_held_while_two_threads_release_them():
+    """A reply freed a slot and its thread took the first held request out to send, slowed in
+    re-encoding its deadline; a thread whose own request was held then released the next one
+    and wrote it first (found in review). One thread at a time releases: the other leaves it
+    what it freed."""
+    with pipe_capped_at(3) as server:
+        client = server.client
+        sent = client.submit("ping")
+        encoding, go = paused_encoding(client, "info")
+        late = []
+        encoder = threading.Thread(target=lambda: late.append(client.submit("info")))
+        encoder.start()
+        assert encoding.wait(10)  # counted against the cap: the next two are held
+        first, second = client.submit("stats", deadline_s=60), client.submit("health")
+        assert server.read_request().id == sent.request_id
+        releasing, release = paused_encoding(client, "stats")
+        server.reply(sent.request_id)  # the reader takes `first` out: paused in its re-encoding
+        assert releasing.wait(10)
+        go.set()  # the encoder's request is held behind `second`, and its thread releases
+        encoder.join(10)
+        assert nothing_sent(server), "a held request went ahead of the one before it"
+        release.set()
+        assert [server.read_request().id for _ in range(2)] == [first.request_id, second.request_id]
+        for future in (first, second, *late):
+            server.reply(future.request_id)
+            if future is first:
+                assert server.read_request().id == late[0].request_id
+        assert all(future.result(10).ok for future in (sent, first, second, *late)) and not client._pending
+
+
+def test_a_request_submitted_while_a_held_one_is_released_goes_after_it():
+    """With nothing left held while the one taken out was re-encoded, a request submitted then
+    went straight to the wire, ahead of it (found in review)."""
+    with pipe_capped_at(3) as server:
+        client = server.client
+        sent = client.submit("ping")
+        encoding, fail = paused_encoding(client, "info", RuntimeError("cannot encode"))
+        failed = []
+        encoder = threading.Thread(target=lambda: failed.append(pytest.raises(RuntimeError, client.submit, "info")))
+        encoder.start()
+        assert encoding.wait(10)  # counted against the cap: the next one is held
+        held = client.submit("stats", deadline_s=60)
+        assert server.read_request().id == sent.request_id
+        releasing, release = paused_encoding(client, "stats")
+        server.reply(sent.request_id)  # the reader takes `held` out: paused in its re-encoding
+        assert releasing.wait(10)
+        fail.set()  # the encoder's slot is free, and nothing is held
+        encoder.join(10)
+        later = client.submit("ping")
+        assert failed and nothing_sent(server), "a request went ahead of one held before it"
+        release.set()
+        assert [server.read_request().id for _ in range(2)] == [held.request_id, later.request_id]
+        for future in (held, later):
+            server.reply(future.request_id)
+            assert future.result(10).ok
+        assert not client._pending
+
+
 def test_with_a_cap_of_one_a_request_goes_after_the_callers_own_held_cancel(monkeypatch):
     """Cancels go before held requests; but with a cap of 1 a request submitted once the reply
     freed the one slot, before the reader released the held cancel, went ahead of it, and the
