@@ -263,6 +263,9 @@ class InFlight:
     # A raw frame whose id the server cannot read: its answer has id nil (SPEC §4), told apart
     # by the order frames were written.
     id_unread: bool = False
+    # For a cancel that cancel() sent, the Future of the request it names: once that request is
+    # out of flight, the cancel is dropped unwritten. None for others, a caller's own cancel too.
+    cancelling: Future | None = None
 
 
 @dataclass
@@ -274,9 +277,6 @@ class HeldRequest:
     wire_args: dict
     parts: list
     deadline_ns: int | None  # perf_counter_ns when its budget runs out; None: it has none
-    # For a cancel that cancel() sent, the Future of the request it names: once that request is
-    # out of flight, the cancel is dropped unsent. None for others, a caller's own cancel too.
-    cancelling: Future | None = None
 
 
 @dataclass(slots=True)
@@ -396,8 +396,8 @@ class FramedClient:
 
     def _submit(self, op: str, args: dict | None, request_id, deadline_s: float | None,
                 cancelling: Future | None = None) -> Future:
-        """submit's work; `cancelling`: as HeldRequest's."""
-        entry = InFlight(Future(), time.perf_counter_ns())
+        """submit's work; `cancelling`: as InFlight's."""
+        entry = InFlight(Future(), time.perf_counter_ns(), cancelling=cancelling)
         deadline_us = None if deadline_s is None else int(deadline_s * 1e6)
         with self._in_flight(request_id, entry) as request_id:
             wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
@@ -406,20 +406,20 @@ class FramedClient:
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0
             deadline_ns = None if deadline_us is None else entry.start_ns + deadline_us * 1000
-            held = self._send_or_hold(request_id, entry, HeldRequest(op, wire_args, parts, deadline_ns, cancelling))
+            held = self._send_or_hold(request_id, entry, HeldRequest(op, wire_args, parts, deadline_ns))
         if held:
             self._send_released()
         return entry.future
 
     def _send_or_hold(self, request_id, entry: InFlight, request: HeldRequest) -> bool:
         """Send `request` (registered in flight already, as `entry`), or hold it; whether it was
-        held. The caller then releases what the cap has room for (`_send_released`): while it
-        was being encoded it counted as on the wire, so a reply that came then released nothing,
-        and with nothing left to answer, it and those before it would wait for ever."""
+        held, or dropped unwritten (a cancel whose request was answered meanwhile). The caller
+        then releases what the cap has room for (`_send_released`): while it was being encoded
+        it counted as on the wire, so a reply that came then released nothing, and with nothing
+        left to answer, it and those before it would wait for ever."""
         if self._held_back(request_id, request):
             return True
-        self._send(request.parts, entry)
-        return False
+        return not self._send(request.parts, entry)
 
     def _held_back(self, request_id, request: HeldRequest) -> bool:
         """Whether `request` is held instead of sent: a request while this connection has its
@@ -449,11 +449,11 @@ class FramedClient:
 
     def _send_released(self) -> None:
         """Send what is held while the cap has room (after a reply freed a slot): cancels first,
-        then requests, each oldest first. A cancel whose request was answered while it waited
-        is dropped. One thread at a time does, so that each is written before the next is taken
-        out: a thread that finds another at it leaves it what it freed (that one looks again
-        after each send). A request whose deadline has passed goes with a spent budget, which
-        the server answers deadline_exceeded; a send that fails fails its request."""
+        then requests, each oldest first. One thread at a time does, so that each is written
+        before the next is taken out: a thread that finds another at it leaves it what it freed
+        (that one looks again after each send). A request whose deadline has passed goes with a
+        spent budget, which the server answers deadline_exceeded; a send that fails fails its
+        request."""
         with self._lock:
             if self._releaser_busy:
                 return
@@ -474,9 +474,6 @@ class FramedClient:
             while self.max_in_flight is not None:
                 if self._held_cancels and self._wire_room(for_cancel=True):
                     request_id, request = self._held_cancels.popitem(last=False)
-                    if request.cancelling is not None and self._answered(request.cancelling):
-                        self._pending.pop(request_id, None)  # nothing left to drop
-                        continue
                 elif self._held and self._wire_room():
                     request_id, request = self._held.popitem(last=False)
                 else:
@@ -558,16 +555,17 @@ class FramedClient:
         """The buffers that carry one request."""
         return protocol.frame_parts(protocol.encode_request(request_id, op, wire_args, deadline_us=deadline_us))
 
-    def _send(self, parts: list, entry: InFlight | None = None) -> None:
-        """Write one frame (of request `entry`, which takes its write_order). A write that fails
-        or is interrupted (KeyboardInterrupt) may have sent part of it, after which the server
-        would read the next request's bytes as the rest: the stream is ended instead (the server
-        drops the partial frame at EOF and answers what came before it), and later requests are
-        refused. An OSError is raised as ServerExited."""
+    def _send(self, parts: list, entry: InFlight | None = None) -> bool:
+        """Write one frame (of request `entry`, where `_begin_write` lets it); whether it was
+        written. A write that fails or is interrupted (KeyboardInterrupt) may have sent part of
+        it, after which the server would read the next request's bytes as the rest: the stream
+        is ended instead (the server drops the partial frame at EOF and answers what came before
+        it), and later requests are refused. An OSError is raised as ServerExited."""
         with self._write_lock:
             if self._refusal:
                 raise ServerExited(self._refusal)
-            self._take_write_order(entry)
+            if not self._begin_write(entry):
+                return False
             try:
                 write_all(self._writer_fd, parts)
             except BaseException as exc:
@@ -576,17 +574,28 @@ class FramedClient:
                 if isinstance(exc, OSError):
                     raise ServerExited(self._refusal) from exc
                 raise
+        return True
 
-    def _take_write_order(self, entry: InFlight | None) -> None:
-        """Give `entry` the next place in the write order, by which answers with id nil are
-        told apart (_nil_answers_told_apart). Called with self._write_lock held, before the
-        write, as the answer may come before the write returns."""
+    def _begin_write(self, entry: InFlight | None) -> bool:
+        """Whether the frame of `entry` is written, as it is about to be (called with
+        self._write_lock held). Not a cancel of cancel()'s whose request is out of flight: its
+        id may be a later request's already, which the cancel would drop (SPEC §1, §6), and one
+        written after this check is written after the cancel too; it is taken out of flight
+        instead. Otherwise `entry` takes the next place in the write order, by which answers
+        with id nil are told apart (_nil_answers_told_apart): before the write, as the answer
+        may come before the write returns."""
         if entry is not None:
+            if entry.cancelling is not None:
+                with self._lock:
+                    if self._answered(entry.cancelling):
+                        self._pending.pop(entry.future.request_id, None)
+                        return False
             entry.write_order = self._writes
             self._writes += 1
             if entry.id_unread and entry.future.request_id is None:
                 with self._lock:
                     self._unread_unnamed.append(entry)
+        return True
 
     def _end_stream(self) -> None:
         """End the outgoing stream, so that the server sees EOF, with requests refused. Where it
@@ -630,7 +639,8 @@ class FramedClient:
         read it only once that request was answered): only its Future is cancelled, and its
         deadline (`request`'s timeout, `submit`'s deadline_s) still bounds its wait on the
         server. A held request that another thread is sending as it is cancelled is not sent,
-        or has its cancel sent after it."""
+        or has its cancel sent after it. A cancel is never written once its request is out of
+        flight, so that a request given the same id after that is not the one it drops."""
         if not future.cancel():
             return False
         request_id = future.request_id
@@ -1236,10 +1246,12 @@ class ZmqClient(FramedClient):
         parts = protocol.encode_request(request_id, op, wire_args, buffers=buffers, deadline_us=deadline_us)
         return [parts[0] if len(parts) == 1 else b"".join(parts), *(buffers or ())]
 
-    def _send(self, frames: list, entry: InFlight | None = None) -> None:
+    def _send(self, frames: list, entry: InFlight | None = None) -> bool:
         with self._write_lock:  # the io thread sends in the order posted
-            self._take_write_order(entry)
+            if not self._begin_write(entry):
+                return False
             self._outbox.post(frames)
+        return True
 
     def send_raw(self, body: bytes, request_id=None, buffers=()) -> Future | None:
         """Send an arbitrary body (and raw buffers) as one message (tests and benchmarks);

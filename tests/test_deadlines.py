@@ -721,6 +721,33 @@ def test_a_request_submitted_while_a_held_one_is_released_goes_after_it():
         assert not client._pending
 
 
+@pytest.mark.parametrize("cap", [None, 3])
+def test_a_cancel_is_not_written_once_its_request_is_answered_and_its_id_given_again(cap):
+    """The server drops whatever request of the connection waits with the id a cancel names
+    (SPEC §6), and an answered request's id is free again (SPEC §1). cancel() found its request
+    in flight, and its cancel, written after that request was answered and a new one given the
+    same id, dropped the new one (found in review). A cancel is never written once its request
+    is out of flight."""
+    with pipe_capped_at(cap) as server:
+        client = server.client
+        given_up, other = client.submit("ping", request_id="x"), client.submit("ping")
+        assert [server.read_request().id for _ in range(2)] == ["x", other.request_id]
+        encoding, go = paused_encoding(client, "cancel")
+        canceller = threading.Thread(target=client.cancel, args=(given_up,))
+        canceller.start()
+        assert encoding.wait(10)  # cancel() found "x" in flight
+        server.reply("x")
+        server.reply(other.request_id)
+        assert other.result(10).ok  # replies are read in order: "x" is free
+        again = client.submit("ping", request_id="x")
+        assert server.read_request().id == "x"
+        go.set()
+        canceller.join(10)
+        assert nothing_sent(server), "a cancel of the answered request went after the new one with its id"
+        server.reply("x")
+        assert again.result(10).ok and given_up.cancelled() and not client._pending
+
+
 def test_with_a_cap_of_one_a_request_goes_after_the_callers_own_held_cancel(monkeypatch):
     """Cancels go before held requests; but with a cap of 1 a request submitted once the reply
     freed the one slot, before the reader released the held cancel, went ahead of it, and the
