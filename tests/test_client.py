@@ -644,7 +644,7 @@ def test_a_dtype_without_a_wire_code_is_a_type_error_naming_it():
 
 # What the client shares with the server: the wire (protocol) and neutral helpers; never the
 # server, its dispatcher, ops or transports, so a client can change without reading them.
-CLIENT_SHARED_MODULES = {"bridge.dtypes", "bridge.tensors", "bridge.streams", "bridge.outbox"}
+CLIENT_SHARED_MODULES = {"bridge.dtypes", "bridge.tensors", "bridge.streams", "bridge.outbox", "bridge.stop_signals"}
 
 
 def test_the_client_imports_protocol_and_no_server_module():
