@@ -350,8 +350,17 @@ class Dispatcher:
                                             "waiting to run when the time for requests in flight ran out"))
         return False
 
-    def stop(self) -> None:
+    def stop(self, timeout: float) -> bool:
+        """Stop the worker once it has served what was queued before this, and wait up to
+        `timeout` seconds for it to end; returns whether it has. Waited for: an embedding that
+        lets the interpreter finalize with the worker inside an op has the worker ended as it
+        takes the GIL back, which inside a C++ op's released-GIL scope (torch's) is
+        std::terminate. Bounded: an op that never ends (a wedged device) must not hold the
+        caller for good. `python -m bridge` never stops it: it drains, then leaves by os._exit."""
         self._queue.put(_STOP)
+        if self._worker.is_alive():
+            self._worker.join(timeout)
+        return not self._worker.is_alive()
 
     def queue_length(self) -> int:
         """Requests queued that the worker has not taken yet (approximate, as Queue.qsize)."""

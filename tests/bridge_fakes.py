@@ -124,8 +124,10 @@ class InProcessServer:
         return result_from_wire(reply.result, as_torch=True)
 
     def close(self) -> None:
+        """Let the worker go and wait for it to end: no op of this server runs on afterwards."""
         self._gate.set()
-        self.dispatcher.stop()
+        if not self.dispatcher.stop(60):
+            raise TimeoutError("the dispatcher's worker was still serving 60 s after it was stopped")
 
 
 class DrainRace:

@@ -315,6 +315,59 @@ def test_shutdown_op_replies_then_exits():
     assert c.proc.wait(5) == 0
 
 
+# An embedding (an in-process server, as the tests' are) whose worker is inside torch ops, the
+# GIL released, when the dispatcher is stopped and the interpreter then finalizes. The op runs
+# until the thread that stopped the dispatcher waits for the worker, so without that wait it is
+# still running at exit.
+EMBEDDING_STOPPED_IN_AN_OP = r"""
+import sys
+import threading
+
+import torch
+
+from bridge_fakes import InProcessServer, RecordingConnection
+
+
+def waited_for(thread) -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_name == "join" and frame.f_locals.get("self") is thread:
+            return True
+        frame = frame.f_back
+    return False
+
+
+inside = threading.Event()
+
+
+def busy(server, call):
+    inside.set()
+    x = torch.ones(1 << 20)
+    while not waited_for(threading.current_thread()):
+        x.mul_(1.0)
+    return {}
+
+
+srv = InProcessServer(handlers={"info": busy})
+srv.submit(RecordingConnection(), "info")  # more input may follow: queued for the worker
+if not inside.wait(60):
+    raise SystemExit("the worker never started the op")
+srv.close()
+"""
+
+
+def test_an_embedding_that_stops_its_dispatcher_during_an_op_exits_quietly():
+    """Dispatcher.stop() waits for its worker to end: found in review, it only queued the stop,
+    so an embedding that stopped the dispatcher and let the interpreter finalize with the worker
+    inside a torch op died at exit (the worker, taking the GIL back, was ended from inside the
+    op's released-GIL scope: std::terminate, SIGABRT)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join([root, os.path.join(root, "tests")])
+    proc = subprocess.run([sys.executable, "-c", EMBEDDING_STOPPED_IN_AN_OP], cwd=root, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": path}, timeout=120)
+    assert proc.returncode == 0 and "terminate" not in proc.stderr, (proc.returncode, proc.stderr)
+
+
 # A C-level writer hammering fd 1 from another thread while requests are served: the guard
 # must have moved the protocol off fd 1 before any such write can happen.
 STRAY_WRITER = r"""
