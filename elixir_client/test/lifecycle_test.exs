@@ -278,6 +278,48 @@ defmodule ScanBridge.LifecycleTest do
     end
   end
 
+  test "an error reply without an id or a length, two in flight: it goes to the one left" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts())
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    freeze(os_pid)
+    first = Task.async(fn -> ScanBridge.ping(client, timeout: :infinity) end)
+    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
+    second = Task.async(fn -> ScanBridge.ping(client, timeout: :infinity) end)
+    assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 2 end)
+    [first_id, _second_id] = :sys.get_state(client).outstanding |> Map.keys() |> Enum.sort()
+
+    # as a server answers a frame whose id it cannot read (here the second's), which then has
+    # no reply of its own, and answers the first by its id
+    ExUnit.CaptureLog.capture_log(fn ->
+      inject_reply(client, %{
+        "v" => 1,
+        "id" => nil,
+        "ok" => false,
+        "error" => %{"code" => "internal_error", "message" => "no id"}
+      })
+
+      inject_reply(client, %{
+        "v" => 1,
+        "id" => first_id,
+        "ok" => true,
+        "result" => %{"pong" => true}
+      })
+    end)
+
+    assert Task.await(first) == :ok
+    assert {:ok, {:error, %Error{reason: :internal_error}}} = Task.yield(second, 2_000)
+    # its in-flight place is free again
+    assert :sys.get_state(client).outstanding == %{}
+
+    # the frozen server's own replies to both, when it goes on, find no request
+    ExUnit.CaptureLog.capture_log(fn ->
+      thaw(os_pid)
+      assert ScanBridge.ping(client) == :ok
+    end)
+
+    GenServer.stop(client)
+  end
+
   # Report to this test process the ids `client` has at the server (its `outstanding`) after
   # each message it handles, from the events of its sys debug hook, which carry its new state.
   defp watch_in_flight(client) do

@@ -49,7 +49,10 @@ defmodule ScanBridge.Server do
   whose body has that length, and its in-flight place is freed, as any answered request's is.
   Where several that long are there, the server answered as it read the frame, while an older
   one may be running: the answer waits until the others have their own replies, and goes to
-  the one left (each keeping its place meanwhile).
+  the one left (each keeping its place meanwhile). A reply that names no request otherwise (an
+  error with id nil and no length, for a frame whose id the server could not read, or one that
+  cannot be decoded) goes the same way to one of those at the server when it came: the one
+  left once the others have their own replies.
 
   Sending never suspends this process, even while the server reads nothing: the Port is opened
   with `busy_limits_port: :disabled` and the socket with the highest `high_watermark`, so the
@@ -184,7 +187,8 @@ defmodule ScanBridge.Server do
     outstanding: %{},
     # body length => {answers with id nil for a frame that long, oldest first, the ids at the
     # server that long when the latest came}, while those ids are more than the answers: each
-    # id answered on its own is ruled out, and once as many are left as answers, they are theirs
+    # id answered on its own is ruled out, and once as many are left as answers, they are theirs;
+    # and the same under :unattributed for replies naming no request, of any length
     dropped_unread: %{},
     # id => {op, head, body length, deadline} not yet sent because :max_in_flight requests are
     # outstanding (a caller's, or a free without one; head: Protocol.request_head/2's; deadline:
@@ -735,9 +739,8 @@ defmodule ScanBridge.Server do
       {:reply, nil, {:error, error} = outcome} ->
         # The server could not read a request's id. A frame it drained unread (no memory to
         # hold it; or over its max_frame_size, which this client does not send) is answered
-        # with the body's length (SPEC §2), which names the requests it may be. Otherwise it is
-        # the only one in flight, or nobody can be told which it was (each such caller gets
-        # :timeout).
+        # with the body's length (SPEC §2), which names the requests it may be. Otherwise it
+        # may be any of those at the server.
         case sent_with_length(state, error.detail["length"]) do
           [] ->
             Logger.warning("scan-bridge: error reply for id nil: #{error.message}")
@@ -872,8 +875,9 @@ defmodule ScanBridge.Server do
 
   defp sent_with_length(_state, _no_length), do: []
 
-  # An answer with id nil for a frame of `body_length` bytes, which one of `ids` (at the server,
-  # that long) was: given once the others have their own replies (ruled_out/3).
+  # An answer with id nil for a frame of `body_length` bytes (:unattributed: of any), which one
+  # of `ids` (at the server, that long) was: given once the others have their own replies
+  # (ruled_out/3).
   defp dropped_unread(state, body_length, ids, outcome) do
     {outcomes, _ids} = Map.get(state.dropped_unread, body_length, {[], []})
     # the ids of the earlier answers are all still at the server, and so among these
@@ -881,15 +885,14 @@ defmodule ScanBridge.Server do
   end
 
   # Request `id`, `body_length` bytes long, answered (by its own reply, as a rule): no longer
-  # one an answer with id nil for that length may be for.
+  # one an answer with id nil for that length, or one naming no request, may be for.
   defp ruled_out(state, id, body_length) do
-    case state.dropped_unread do
-      %{^body_length => {outcomes, ids}} ->
-        settle_dropped(state, body_length, outcomes, MapSet.delete(ids, id))
-
-      _other ->
-        state
-    end
+    Enum.reduce([body_length, :unattributed], state, fn key, state ->
+      case state.dropped_unread do
+        %{^key => {outcomes, ids}} -> settle_dropped(state, key, outcomes, MapSet.delete(ids, id))
+        _other -> state
+      end
+    end)
   end
 
   # As many requests left as answers with id nil for their length: the answers are theirs,
@@ -907,12 +910,14 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # A reply that names no request is the answer of the only one in flight, if there is one
-  # (its in-flight place is freed with it); with more in flight it is dropped.
+  # A reply that names no request (id nil without a length, or one that cannot be decoded) is
+  # the answer of one of those at the server, whose own reply then never comes: dropped with
+  # none there, and otherwise given, as an answer by length is, to the one left once the
+  # others have their own replies (at once when it is the only one), freeing its place.
   defp answer_unattributed(state, outcome) do
     case Map.keys(state.outstanding) do
-      [id] -> answer(state, id, outcome)
-      _ -> state
+      [] -> state
+      ids -> dropped_unread(state, :unattributed, ids, outcome)
     end
   end
 
