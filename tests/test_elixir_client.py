@@ -75,7 +75,8 @@ def run_mix(args: list[str]) -> ProcessRun:
 
 # The test files (under elixir_client/test/) of the cluster's part; every other file is in the
 # rest. One VM ran the whole suite past TIMEOUT_S in CI; these parts take about as long as each other.
-CLUSTER_TEST_FILES = ("cluster_test.exs", "cluster_peers_test.exs", "peers_test.exs")
+CLUSTER_TEST_FILES = ("cluster_test.exs", "cluster_peers_test.exs", "peers_test.exs",
+                      "remote_callers_test.exs")
 
 
 def exunit_parts() -> dict[str, list[str]]:

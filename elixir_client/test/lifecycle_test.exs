@@ -13,7 +13,8 @@ defmodule ScanBridge.LifecycleTest do
       eventually: 2,
       os_process_gone?: 1,
       freeze: 1,
-      thaw: 1
+      thaw: 1,
+      held_after: 3
     ]
 
   test "the server killed mid-request: every waiter is answered and the supervisor restarts it" do
@@ -434,10 +435,7 @@ defmodule ScanBridge.LifecycleTest do
     # cancel or when the cancel comes after the request started (test/deadlines_test.exs has
     # the client's cancels).
     setup do
-      client = start_supervised!({ScanBridge, TestSupport.server_opts()})
-      TestSupport.without_cancel(client)
-      {:ok, os_pid} = ScanBridge.os_pid(client)
-      %{client: client, os_pid: os_pid}
+      TestSupport.start_without_cancel!()
     end
 
     if reason = TestSupport.skip_reason(:handles), do: @tag(skip: reason)
@@ -587,15 +585,6 @@ defmodule ScanBridge.LifecycleTest do
     assert_raise ArgumentError, ~r/:exit_grace: expected a non-negative integer, got 1.5$/, fn ->
       ScanBridge.child_spec(exit_grace: 1.5)
     end
-  end
-
-  # How many handles or sessions (`gauge`) the server holds once it has done `op` once; nil
-  # before.
-  defp held_after(client, op, gauge) do
-    {:ok, stats} = ScanBridge.stats(client)
-
-    if get_in(stats, ["ops", op, "success_count"]) == 1,
-      do: get_in(stats, [gauge, gauge]) || raise("no #{gauge} count in #{inspect(stats)}")
   end
 
   # Lets the frozen server of the "behind a frozen server" tests go on: the first ping is

@@ -15,6 +15,13 @@ defmodule ScanBridge.Server do
   process's mailbox past its deadline (the process busy, or still starting) is never sent: it
   is answered `:overloaded`, as a queued one is below.
 
+  A caller on another node waits from when it made the call, on a clock this process cannot
+  read: a call that took longer on the way than the caller's grace past its deadline (in
+  transit, or in this busy process's mailbox) may be answered here after its caller stopped
+  waiting. Such a caller says so when it stops (a caller here does too), and its request is
+  given up as at its deadline; and it says when it has taken an answer that made something,
+  which is freed here instead if it gave up or exits first.
+
   A server that takes deadlines (its info lists the `cancel` op, which came with
   `deadline_us`, SPEC §4, §6) is told each request's budget: what is left of its deadline when
   it is sent, as `deadline_us`; it answers one that could not start within it
@@ -196,7 +203,10 @@ defmodule ScanBridge.Server do
     # deadline or the caller's exit drops its request in O(log n)
     queue: :gb_trees.empty(),
     # monitor => id of a pending request, to find the request when its caller exits
-    callers: %{}
+    callers: %{},
+    # callers on other nodes answered with something made (release/3 would free it), which
+    # have yet to say they took it => {monitor, op, outcome}: freed if they gave up or exit
+    unconfirmed: %{}
   ]
 
   @doc "Starts the server process and waits until the server answers; see `ScanBridge.start_link/1`."
@@ -246,7 +256,15 @@ defmodule ScanBridge.Server do
           {{timeout, System.monotonic_time(:microsecond) + timeout * 1000},
            min(timeout + @answer_grace_ms, @max_timeout_ms)}
 
-    call(server, {:request, op, head, size, deadline, closed(op, args)}, wait)
+    case call(server, {:request, op, head, size, deadline, closed(op, args)}, wait) do
+      {:confirm, outcome} ->
+        # what the reply made is ours now: freed by the client process had this caller given up
+        GenServer.cast(server, {:taken, self()})
+        outcome
+
+      outcome ->
+        outcome
+    end
   end
 
   # The session a session_close names, or the snapshot a snapshot_free names, for a group's
@@ -315,6 +333,11 @@ defmodule ScanBridge.Server do
        })}
 
     :exit, {:timeout, _call} ->
+      # Its answer, should it come, is dropped now (the call's alias is gone). A caller on another
+      # node may stop waiting before its deadline there (counted from when the client took the
+      # call): told, the client gives the request up and frees what its answer made.
+      GenServer.cast(server, {:gave_up, self()})
+
       {:error,
        Error.client(
          :timeout,
@@ -411,6 +434,34 @@ defmodule ScanBridge.Server do
   def handle_cast({:name_model, name, id}, state),
     do: {:noreply, %{state | models: Map.put(state.models, name, id)}}
 
+  # A caller on another node took a reply that made something (answer_caller/4): it is theirs.
+  def handle_cast({:taken, pid}, state) do
+    case Map.pop(state.unconfirmed, pid) do
+      {nil, _unconfirmed} ->
+        {:noreply, state}
+
+      {{monitor, op, outcome}, unconfirmed} ->
+        Process.demonitor(monitor, [:flush])
+        state = %{state | unconfirmed: unconfirmed}
+        {:noreply, watch_opener(state, op, {pid, nil}, outcome)}
+    end
+  end
+
+  # A caller stopped waiting before this process answered it (call/3), or before its answer
+  # reached it: treated as one whose deadline passed, and what an answer it never took made is
+  # freed.
+  def handle_cast({:gave_up, pid}, state) do
+    ids = for {id, {{^pid, _tag}, _timer, _monitor, _deadline}} <- state.pending, do: id
+
+    state =
+      Enum.reduce(ids, state, fn id, state ->
+        {_from, _where, state} = give_up(state, id)
+        state
+      end)
+
+    {:noreply, state |> release_unconfirmed(pid) |> send_queued()}
+  end
+
   # Started once this server answers, so that the group never routes to one that does not.
   @impl true
   def handle_continue(:join, state) do
@@ -483,6 +534,12 @@ defmodule ScanBridge.Server do
 
     {:noreply, send_queued(state)}
   end
+
+  # A caller on another node exited before saying it took a reply that made something.
+  def handle_info({:DOWN, monitor, :process, pid, _reason}, state)
+      when is_map_key(state.unconfirmed, pid) and
+             elem(:erlang.map_get(pid, state.unconfirmed), 0) == monitor,
+      do: {:noreply, state |> release_unconfirmed(pid) |> send_queued()}
 
   # The caller is gone: nobody will take the answer. As with a passed deadline, a queued
   # request is dropped, one at the server cancelled, and a late reply's handle or session is
@@ -794,9 +851,33 @@ defmodule ScanBridge.Server do
         GenServer.reply(from, {:error, Error.client(:timeout, message, %{"id" => id})})
         release(state, op, outcome)
 
+      {{pid, _tag} = from, state} when node(pid) != node() ->
+        # The caller's wait started on its node, which this process cannot see: it may have
+        # given up already, and the answer would then reach nobody. It says which (request/4).
+        if frees(op, outcome) do
+          GenServer.reply(from, {:confirm, outcome})
+          entry = {Process.monitor(pid), op, outcome}
+          %{state | unconfirmed: Map.put(state.unconfirmed, pid, entry)}
+        else
+          GenServer.reply(from, outcome)
+          watch_opener(state, op, from, outcome)
+        end
+
       {from, state} ->
         GenServer.reply(from, outcome)
         watch_opener(state, op, from, outcome)
+    end
+  end
+
+  # Free what the answer to caller `pid` (on another node) made, which it did not take.
+  defp release_unconfirmed(state, pid) do
+    case Map.pop(state.unconfirmed, pid) do
+      {nil, _unconfirmed} ->
+        state
+
+      {{monitor, op, outcome}, unconfirmed} ->
+        Process.demonitor(monitor, [:flush])
+        release(%{state | unconfirmed: unconfirmed}, op, outcome)
     end
   end
 
@@ -921,27 +1002,16 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # A late reply's caller was told :timeout and will never learn of the handle, session (opened
-  # or forked), snapshot or model the server made for it: free it now, without a caller (its
-  # answer is dropped in turn), queued for the place the late reply has just left, which
-  # send_queued/1 gives to what waits before it.
-  defp release(state, "put", {:ok, %{"handle" => handle}, _timing}) when is_binary(handle),
-    do: send_uncalled(state, "free", %{handle: handle})
-
-  defp release(state, "session_open", {:ok, %{"session" => session}, _timing})
-       when is_binary(session),
-       do: send_uncalled(state, "session_close", %{session: session})
-
-  defp release(state, "session_fork", {:ok, %{"session" => session}, _timing})
-       when is_binary(session),
-       do: send_uncalled(state, "session_close", %{session: session})
-
-  defp release(state, "session_snapshot", {:ok, %{"snapshot" => snapshot}, _timing})
-       when is_binary(snapshot),
-       do: send_uncalled(state, "snapshot_free", %{snapshot: snapshot})
-
-  defp release(state, "model_load", {:ok, %{"model" => model}, _timing}) when is_binary(model),
-    do: send_uncalled(state, "model_free", %{model: model})
+  # A late reply's caller was told :timeout (or, on another node, gave up before its answer
+  # came) and will never learn of the handle, session (opened or forked), snapshot or model the
+  # server made for it: free it now, without a caller (its answer is dropped in turn), queued
+  # for the place the late reply has just left, which send_queued/1 gives to what waits before it.
+  defp release(state, op, {:ok, _result, _timing} = outcome) when is_binary(op) do
+    case frees(op, outcome) do
+      {free_op, args} -> send_uncalled(state, free_op, args)
+      nil -> state
+    end
+  end
 
   # The periodic health check's answer (it has no caller): ready, the next one in :interval.
   defp release(state, :health_check, {:ok, %{"ready" => true}, _timing}) do
@@ -959,6 +1029,23 @@ defmodule ScanBridge.Server do
   end
 
   defp release(state, _op, _outcome), do: state
+
+  # The request that frees what request `op`'s outcome made ({op, args}), or nil.
+  defp frees("put", {:ok, %{"handle" => handle}, _timing}) when is_binary(handle),
+    do: {"free", %{handle: handle}}
+
+  defp frees(op, {:ok, %{"session" => session}, _timing})
+       when op in ["session_open", "session_fork"] and is_binary(session),
+       do: {"session_close", %{session: session}}
+
+  defp frees("session_snapshot", {:ok, %{"snapshot" => snapshot}, _timing})
+       when is_binary(snapshot),
+       do: {"snapshot_free", %{snapshot: snapshot}}
+
+  defp frees("model_load", {:ok, %{"model" => model}, _timing}) when is_binary(model),
+    do: {"model_free", %{model: model}}
+
+  defp frees(_op, _outcome), do: nil
 
   # A free no caller asked for (release/3, an opener's exit) is a request without a deadline:
   # queued, for send_queued/1 to send in its turn (after held cancels and a held health check,
@@ -1028,7 +1115,8 @@ defmodule ScanBridge.Server do
         callers: %{},
         outstanding: %{},
         dropped_unread: %{},
-        held_cancels: :queue.new()
+        held_cancels: :queue.new(),
+        unconfirmed: %{}
     }
   end
 

@@ -371,6 +371,29 @@ defmodule ScanBridge.TestSupport do
   def without_cancel(client), do: :sys.replace_state(client, &%{&1 | deadlines: false})
 
   @doc """
+  Starts a client under the calling test's supervisor, `without_cancel/1`: what a request its
+  caller gave up made is freed by the client when the request is done. Returns
+  `%{client: pid, os_pid: its server's OS pid}`, for a test's context.
+  """
+  def start_without_cancel! do
+    client = ExUnit.Callbacks.start_supervised!({ScanBridge, server_opts()})
+    without_cancel(client)
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+    %{client: client, os_pid: os_pid}
+  end
+
+  @doc """
+  How many handles or sessions (`gauge`) the server of `client` holds once it has done `op`
+  once; nil before.
+  """
+  def held_after(client, op, gauge) do
+    {:ok, stats} = ScanBridge.stats(client)
+
+    if get_in(stats, ["ops", op, "success_count"]) == 1,
+      do: get_in(stats, [gauge, gauge]) || raise("no #{gauge} count in #{inspect(stats)}")
+  end
+
+  @doc """
   How many `op` requests the server has answered (its `stats`): done, or failed, which
   includes those a cancel dropped before they started.
   """

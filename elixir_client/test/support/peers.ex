@@ -174,6 +174,37 @@ defmodule ScanBridge.TestSupport.Peers do
   @doc "Thaws a peer frozen by `freeze_peer/1` (SIGCONT)."
   def thaw_peer(%{os_pid: os_pid}), do: TestSupport.thaw(os_pid)
 
+  ## Callers on peers
+
+  @doc """
+  Starts a process on the peer that makes calls for the test (`call_from/4`) and lives on
+  between them, as a caller on another node does after a call it gave up on (`:erpc`'s own
+  process exits with its call, which a client it called sees).
+  """
+  def start_caller!(%{node: node}),
+    do: :erpc.call(node, :erlang, :spawn, [__MODULE__, :caller_loop, []], 10_000)
+
+  @doc "What `apply(module, fun, args)` returns in `caller` (`start_caller!/1`)."
+  def call_from(caller, module, fun, args) do
+    ref = make_ref()
+    send(caller, {:apply, self(), ref, module, fun, args})
+
+    receive do
+      {^ref, result} -> result
+    after
+      30_000 -> flunk("#{inspect(caller)} did not return from #{inspect(module)}.#{fun}")
+    end
+  end
+
+  @doc false
+  def caller_loop do
+    receive do
+      {:apply, test, ref, module, fun, args} ->
+        send(test, {ref, apply(module, fun, args)})
+        caller_loop()
+    end
+  end
+
   ## Servers on peers
 
   @doc """
