@@ -486,19 +486,20 @@ class FramedClient:
             return None
 
     def _send_taken(self, request_id, request: HeldRequest, entry: InFlight) -> None:
-        """Send a request `_take_released` took out, re-encoded with what is left of its deadline."""
-        parts = request.parts
-        if request.deadline_ns is not None:
-            left_us = max(0, (request.deadline_ns - time.perf_counter_ns()) // 1000)
-            parts = self._encode(request_id, request.op, request.wire_args, left_us)
-            # Its length may have changed: an id-nil answer to it is matched by length.
-            entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
-        with self._lock:
-            if self._releasing.get(request_id):  # cancelled while taken out: never sent
-                del self._releasing[request_id]
-                self._pending.pop(request_id, None)
-                return
+        """Send a request `_take_released` took out, re-encoded with what is left of its
+        deadline; one that fails to be (re-encoded, or written) fails alone."""
         try:
+            parts = request.parts
+            if request.deadline_ns is not None:
+                left_us = max(0, (request.deadline_ns - time.perf_counter_ns()) // 1000)
+                parts = self._encode(request_id, request.op, request.wire_args, left_us)
+                # Its length may have changed: an id-nil answer to it is matched by length.
+                entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
+            with self._lock:
+                if self._releasing.get(request_id):  # cancelled while taken out: never sent
+                    del self._releasing[request_id]
+                    self._pending.pop(request_id, None)
+                    return
             self._send(parts, entry)
         except Exception as exc:
             with self._lock:

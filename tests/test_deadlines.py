@@ -721,6 +721,34 @@ def test_a_request_submitted_while_a_held_one_is_released_goes_after_it():
         assert not client._pending
 
 
+def test_a_held_request_that_fails_to_be_encoded_again_when_released_fails_alone():
+    """Released, a held request with a deadline is encoded again with what is left of it; a
+    failure there (no memory for a second copy of a large request, say) escaped the releasing
+    thread: on the reader it failed every request as if the server had gone, on a caller's
+    thread it left the request in flight for ever, holding its slot (found in review). It fails
+    that request alone, as a failed write does."""
+    with pipe_capped_at(2) as server:
+        client = server.client
+        sent = client.submit("ping")
+        held = client.submit("stats", deadline_s=60)
+        assert server.read_request().id == sent.request_id and nothing_sent(server)
+        encode = client._encode
+
+        def no_memory_for_stats(request_id, op, *args):
+            if op == "stats":
+                raise MemoryError("no memory for a second copy")
+            return encode(request_id, op, *args)
+
+        client._encode = no_memory_for_stats
+        server.reply(sent.request_id)  # the reader releases `held`
+        with pytest.raises(MemoryError):
+            held.result(10)
+        later = client.submit("ping")
+        assert server.read_request().id == later.request_id
+        server.reply(later.request_id)
+        assert sent.result(10).ok and later.result(10).ok and not client._pending
+
+
 @pytest.mark.parametrize("cap", [None, 3])
 def test_a_cancel_is_not_written_once_its_request_is_answered_and_its_id_given_again(cap):
     """The server drops whatever request of the connection waits with the id a cancel names
