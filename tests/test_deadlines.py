@@ -828,7 +828,9 @@ class CapWatch:
         self.thread.start()
 
     def _serve(self) -> None:
-        while not self.done.is_set() or self.waiting:
+        # Until the client has nothing in flight too: a cancel it holds is written only once the
+        # last reply frees a slot, after everything read so far may have been answered.
+        while not (self.done.is_set() and not self.waiting and not self.server.client._pending):
             if select.select([self.server.requests], [], [], 0 if self.waiting else 0.01)[0]:
                 self._read()
             elif self.waiting:
