@@ -39,7 +39,8 @@ defmodule ScanBridge.RemoteCallersTest do
     # the end of its caller's wait
     :sys.suspend(client)
     freeze(os_pid)
-    put = Task.async(fn -> remote_put(ctx, timeout: 1_000) end)
+    # (its timeout leaves the thawed server seconds to answer before the caller gives up)
+    put = Task.async(fn -> remote_put(ctx, timeout: 3_000) end)
     assert eventually(fn -> match?({:messages, [_]}, Process.info(client, :messages)) end)
     Process.sleep(500)
     :sys.resume(client)
@@ -52,7 +53,7 @@ defmodule ScanBridge.RemoteCallersTest do
              match?({:messages, [{^port, {:data, _}} | _]}, Process.info(client, :messages))
            end)
 
-    assert {:error, %Error{reason: :timeout}} = Task.await(put, 5_000)
+    assert {:error, %Error{reason: :timeout}} = Task.await(put, 10_000)
     :sys.resume(client)
     assert eventually(fn -> held_after(client, "put", "handles") == 0 end)
   end
