@@ -77,6 +77,17 @@ defmodule ScanBridge.RemoteCallersTest do
     assert eventually(fn -> held_after(ctx.client, "put", "handles") == 0 end)
   end
 
+  test "a caller on the client's node that times out leaves the client nothing more to read",
+       ctx do
+    # the client shares its clock and finds the request overdue itself: a give-up would only add
+    # to the mailbox of a client already late
+    :sys.suspend(ctx.client)
+    assert {:error, %Error{reason: :timeout}} = ScanBridge.ping(ctx.client, timeout: 100)
+    {:messages, messages} = Process.info(ctx.client, :messages)
+    :sys.resume(ctx.client)
+    refute Enum.any?(messages, &match?({:"$gen_cast", {:gave_up, _caller}}, &1))
+  end
+
   # ScanBridge.put/3 called from a process on the peer node, which lives on.
   defp remote_put(ctx, opts),
     do: Peers.call_from(ctx.caller, ScanBridge, :put, [ctx.client, tensor(), opts])

@@ -18,9 +18,9 @@ defmodule ScanBridge.Server do
   A caller on another node waits from when it made the call, on a clock this process cannot
   read: a call that took longer on the way than the caller's grace past its deadline (in
   transit, or in this busy process's mailbox) may be answered here after its caller stopped
-  waiting. Such a caller says so when it stops (a caller here does too), and its request is
-  given up as at its deadline; and it says when it has taken an answer that made something,
-  which is freed here instead if it gave up or exits first.
+  waiting. Such a caller says so when it stops, and its request is given up as at its deadline;
+  and it says when it has taken an answer that made something, which is freed here instead if
+  it gave up or exits first.
 
   A server that takes deadlines (its info lists the `cancel` op, which came with
   `deadline_us`, SPEC §4, §6) is told each request's budget: what is left of its deadline when
@@ -335,8 +335,10 @@ defmodule ScanBridge.Server do
     :exit, {:timeout, _call} ->
       # Its answer, should it come, is dropped now (the call's alias is gone). A caller on another
       # node may stop waiting before its deadline there (counted from when the client took the
-      # call): told, the client gives the request up and frees what its answer made.
-      GenServer.cast(server, {:gave_up, self()})
+      # call): told, the client gives the request up and frees what its answer made. A caller on
+      # the client's node shares its clock: the client finds such a request overdue itself, and a
+      # client already late would only have more to read.
+      tell_gave_up(server)
 
       {:error,
        Error.client(
@@ -351,6 +353,14 @@ defmodule ScanBridge.Server do
        Error.client(:server_exited, "the scan-bridge client process exited: #{inspect(reason)}", %{
          "exit_reason" => inspect(reason)
        })}
+  end
+
+  defp tell_gave_up(server) do
+    case GenServer.whereis(server) do
+      pid when is_pid(pid) and node(pid) != node() -> GenServer.cast(pid, {:gave_up, self()})
+      {_name, where} = remote when where != node() -> GenServer.cast(remote, {:gave_up, self()})
+      _here_or_gone -> :ok
+    end
   end
 
   defp server_node(server) when is_pid(server), do: Atom.to_string(node(server))
@@ -447,9 +457,9 @@ defmodule ScanBridge.Server do
     end
   end
 
-  # A caller stopped waiting before this process answered it (call/3), or before its answer
-  # reached it: treated as one whose deadline passed, and what an answer it never took made is
-  # freed.
+  # A caller on another node stopped waiting before this process answered it (call/3), or
+  # before its answer reached it: treated as one whose deadline passed, and what an answer it
+  # never took made is freed.
   def handle_cast({:gave_up, pid}, state) do
     ids = for {id, {{^pid, _tag}, _timer, _monitor, _deadline}} <- state.pending, do: id
 
