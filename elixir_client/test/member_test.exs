@@ -123,6 +123,28 @@ defmodule ScanBridge.Cluster.MemberTest do
     orphan_keeper_loop()
   end
 
+  # A keeper that answers nothing: its node frozen, or cut off from the caller's.
+  defp silent_keeper(group) do
+    spawn_link(fn ->
+      :ok = :pg.join(Cluster.scope(), {:catalogue, group}, self())
+      Process.sleep(:infinity)
+    end)
+  end
+
+  test "a group's free that a keeper does not answer in time is a :timeout, as a load is" do
+    {group, _member} = loading_member()
+    assert {:ok, %{members: 1}} = Cluster.load_model(group, "m", "/models/m")
+    silent_keeper(group)
+    assert eventually(fn -> length(Member.keepers(group)) == 2 end)
+
+    # that member may still hold the model: the free is not done
+    assert {:error, %ScanBridge.Error{reason: :timeout}} =
+             Cluster.free_model(group, "m", timeout: 100)
+
+    assert {:error, %ScanBridge.Error{reason: :timeout}} =
+             Cluster.load_model(group, "m", "/models/m", timeout: 100)
+  end
+
   defp loading_server do
     receive do
       {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->

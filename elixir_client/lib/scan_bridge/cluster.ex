@@ -271,12 +271,7 @@ defmodule ScanBridge.Cluster do
     GenServer.call(keeper, {:load, name, source, opts}, keeper_wait(opts))
   catch
     :exit, {:timeout, _call} ->
-      {:error,
-       Error.client(
-         :timeout,
-         "the member on #{node(keeper)} did not answer before the deadline",
-         %{}
-       )}
+      {:error, keeper_timeout(keeper)}
 
     :exit, reason ->
       {:error,
@@ -286,6 +281,14 @@ defmodule ScanBridge.Cluster do
          %{}
        )}
   end
+
+  defp keeper_timeout(keeper),
+    do:
+      Error.client(
+        :timeout,
+        "the member on #{node(keeper)} did not answer before the deadline",
+        %{}
+      )
 
   # How long a keeper's load or free is waited for: its server's call's :timeout and a second
   # (no longer than a receive takes, 2^32 - 1 ms; :infinity as it is). Raises ArgumentError for
@@ -307,7 +310,9 @@ defmodule ScanBridge.Cluster do
 
   @doc """
   Frees the group's model `name` on every member (and takes it out of what later members
-  load). A member with sessions of it open refuses (`:invalid_argument`): close them first.
+  load). A member with sessions of it open refuses (`:invalid_argument`): close them first. A
+  member that does not answer by `:timeout` and a second (its node frozen or cut off) gives
+  `:timeout`, as for `load_model/4`: it may still hold the model.
   """
   @spec free_model(group, String.t(), ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def free_model(group, name, opts \\ []) do
@@ -318,15 +323,17 @@ defmodule ScanBridge.Cluster do
 
     group
     |> Member.keepers()
-    |> Enum.map(fn keeper ->
-      try do
-        GenServer.call(keeper, {:free, name, opts}, wait)
-      catch
-        :exit, _gone -> :ok
-      end
-    end)
-    # a member whose server went away has freed it with its server
+    |> Enum.map(&free_on(&1, name, opts, wait))
     |> Enum.find(:ok, &failed?/1)
+  end
+
+  # A member whose server went away has freed the model with its server; one that does not
+  # answer in time (its node frozen or cut off) may still hold it, and name it to later members.
+  defp free_on(keeper, name, opts, wait) do
+    GenServer.call(keeper, {:free, name, opts}, wait)
+  catch
+    :exit, {:timeout, _call} -> {:error, keeper_timeout(keeper)}
+    :exit, _gone -> :ok
   end
 
   ## Sessions
