@@ -883,6 +883,23 @@ def test_a_sent_weight_not_finite_is_named_by_its_path_in_the_request(serve):
         "invalid_checkpoint", "args.weights.backbone.layers.0.mixer.out_proj.weight"), error
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
+def test_a_sent_weight_of_an_integer_dtype_is_refused_by_name(serve, dtype):
+    """A checkpoint's integer tensor is refused (checkpoint.py); one sent in model_load's
+    `weights` was converted to floats and loaded (found in review: a client sending quantized
+    bytes got a model of garbage). It is named as sent, and nothing is held."""
+    from test_return_state import MODEL_CONFIGS, tiny_weights
+
+    weights = tiny_weights("mamba", torch.Generator().manual_seed(random_seed()))
+    name = "layers.0.mixer.in_proj.weight"
+    weights[name] = weights[name].to(dtype)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", config=MODEL_CONFIGS["mamba"], weights=weights)
+    assert (error["code"], error["detail"]["field"], error["detail"]["tensor"]) == (
+        "invalid_checkpoint", f"args.weights.{name}", name), error
+    assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
+
+
 def test_a_model_over_the_pool_budget_is_refused_before_it_is_read(serve):
     srv, conn = serve(max_pool_bytes=4096), RecordingConnection()
     error = error_of(srv, conn, "model_load", path="mamba2-lm")

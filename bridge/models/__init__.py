@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..tensors import WIRE_DTYPES
 from .checkpoint import CONFIG, TensorSource, allowed_dirs, checkpoint_file, read_json, resolve_checkpoint
 from .config import ARCHS, ModelConfig, checkpoint_error, parse_config
 from .runtime import Model, param_dtype
@@ -41,6 +42,12 @@ def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtyp
                  hold: Callable[[int], None]) -> Model:
     """The model a client sends: a config map and its tensors by name (on any device)."""
     config = parse_config(raw_config, "args.config")
+    for name, tensor in weights.items():
+        # As a checkpoint's (checkpoint.py): integers would convert to floats and load as a
+        # model of nonsense.
+        if not tensor.is_floating_point():
+            raise checkpoint_error(f"args.weights.{name}", "a floating tensor (f32, bf16, f16, f64)",
+                                   WIRE_DTYPES.get(tensor.dtype, str(tensor.dtype)), tensor=name)
     shapes = {name: tuple(t.shape) for name, t in weights.items()}
     wanted = check_weights(config, shapes, "args.weights")
     hold(planned_bytes(shapes, wanted, dtype))
