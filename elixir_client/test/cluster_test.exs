@@ -977,6 +977,33 @@ defmodule ScanBridge.ClusterTest do
       for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
     end
 
+    test "a member passed over while it lacked the model takes the session's rebuild later" do
+      g = group()
+      backbone = Models.backbone(Models.config(:mamba2), 7)
+      [with_dir, without_dir] = [Models.tmp_dir!(), Models.tmp_dir!()]
+      Models.write_checkpoint(Path.join(with_dir, "tiny"), backbone)
+      has = start_member(g, args: ["--device", "cpu", "--model-dir", with_dir])
+      lacks = start_member(g, args: ["--device", "cpu", "--model-dir", without_dir])
+      # the checkpoint is on one member's host only: loaded there, not on the other
+      assert {:error, %Error{}} = Cluster.load_model(g, "tiny", "tiny")
+      # the open goes to the member without the model first, which passes it over
+      {holder, _member, _held} = hold(g, has)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      assert owner(s) == has
+      Process.exit(holder, :kill)
+      embeds = Models.embeds(1, 4, 8)
+      got = for t <- 0..2, do: step!(s, embeds, t)
+      # the checkpoint copied to that host: the model loads there too
+      Models.write_checkpoint(Path.join(without_dir, "tiny"), backbone)
+      assert {:ok, %{members: 2}} = Cluster.load_model(g, "tiny", "tiny")
+      kill_server!(has)
+      got = got ++ [step!(s, embeds, 3)]
+      assert {:ok, %{member: ^lacks, failovers: 1}} = Cluster.session_info(s)
+      {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+      expected = for t <- 0..3, do: step!(reference, embeds, t)
+      for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+    end
+
     test "after a frame times out and a later one is answered, a failover is refused" do
       g = model_group(2)
       embeds = Models.embeds(1, 4, 8)

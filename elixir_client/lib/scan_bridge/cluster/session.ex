@@ -218,8 +218,9 @@ defmodule ScanBridge.Cluster.Session do
       # answered after that (a rebuild could not reproduce it); {:lost, error}
       status: :ok,
       failovers: 0,
-      # members passed over: gone while keeping it (pg may list a cut-off one for a while), or
-      # without its model
+      # members passed over until the session is placed: gone while keeping it (pg may list a
+      # cut-off one for a while), or without its model; one may come back (its node reconnected)
+      # or load the model since, so a later placement asks it again
       skipped: [],
       # members whose open did not answer in time: tried only when no other member is left
       slow: [],
@@ -649,6 +650,7 @@ defmodule ScanBridge.Cluster.Session do
                  remote: remote,
                  token: token,
                  state_on_reply: true,
+                 skipped: [],
                  slow: [],
                  unplaced: nil
              }, ran}
