@@ -557,6 +557,38 @@ defmodule ScanBridge.ClusterTest do
     assert eventually(fn -> snapshot_bytes(owner) <= held end)
   end
 
+  # A process in group `g` standing for a member that opens one plain session, then goes away
+  # while it closes it: answered as a client answers what it had when its server died.
+  defp dying_on_close_member(g) do
+    member =
+      spawn(fn ->
+        receive do
+          {:"$gen_call", from, {:request, "session_open", _head, _size, _timeout, _closes}} ->
+            GenServer.reply(from, {:ok, %{"session" => "s1"}, %{}})
+        end
+
+        receive do
+          {:"$gen_call", from, {:request, "session_close", _head, _size, _timeout, _closes}} ->
+            died = Error.client(:server_exited, "the server exited with status 137", %{})
+            GenServer.reply(from, {:error, died})
+        end
+      end)
+
+    on_exit(fn -> Process.exit(member, :kill) end)
+    :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
+    member
+  end
+
+  test "a close whose server goes away meanwhile is done: the session went with it" do
+    g = group()
+    member = dying_on_close_member(g)
+    {:ok, s} = Cluster.open_session(g, [batch: 1, dim: 4, state: 2], checkpoint: 2)
+    assert owner(s) == member
+    keeper = Process.monitor(s.pid)
+    assert :ok = Cluster.close_session(s)
+    assert_receive {:DOWN, ^keeper, :process, _pid, :normal}, 1_000
+  end
+
   test "without checkpoints a snapshot lives on its server, and closing frees its copies" do
     g = model_group(1)
     [member] = Cluster.members(g)

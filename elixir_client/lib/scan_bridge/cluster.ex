@@ -449,7 +449,8 @@ defmodule ScanBridge.Cluster do
   Closes the session on its server and stops its keeper, answering by `:timeout` (plus at most
   100 ms, as every call): a member that does not answer the close by then gives
   `{:error, %ScanBridge.Error{reason: :timeout}}`, and the keeper stops all the same (the
-  member's server closes the session when it sees the keeper go). The session's snapshots are
+  member's server closes the session when it sees the keeper go). A member whose server went
+  away before or during the close took the session along: `:ok`. The session's snapshots are
   freed by the same deadline (and within 2 s); what it leaves no time for, the member's server
   frees when it sees the keeper go.
   """

@@ -280,7 +280,7 @@ defmodule ScanBridge.Cluster.Session do
   # may take), so that nothing here answers past it; what that leaves no time for, the owner's
   # server closes and frees when it sees this keeper go.
   def handle_call({:close, deadline}, _from, state) do
-    outcome = if state.owner, do: close_remote(state, deadline), else: :ok
+    outcome = if state.owner, do: state |> close_remote(deadline) |> closed(), else: :ok
     {:stop, :normal, outcome, release(state, earlier(deadline, checkpoint_deadline()))}
   end
 
@@ -882,6 +882,11 @@ defmodule ScanBridge.Cluster.Session do
   defp close_remote(state, deadline) do
     ScanBridge.close_session(state.owner, state.remote, timeout: Cluster.remaining(deadline))
   end
+
+  # An owner that went away before or while the close reached it took the session along, as it
+  # does when its monitor is heard first: the session is closed.
+  defp closed({:error, error} = outcome), do: if(Cluster.gone?(error), do: :ok, else: outcome)
+  defp closed(:ok), do: :ok
 
   # What this keeper holds on its members, given back: the snapshots' copies on the owner (those
   # on a member gone since went with it), freed by `deadline`, then the owner's place in the
