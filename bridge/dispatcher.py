@@ -343,6 +343,9 @@ class Dispatcher:
         started by then are answered `shutting_down` (work still running is not answered)."""
         with self._idle:
             self.accepting = False
+            # Stopping however the stop came (a signal, stdin's end, the shutdown op): health
+            # reads this. Set under the lock, so that a request's admission sees both or neither.
+            self.server.stop_requested.set()
             self._queue.put(_WAKE)
             if self._idle.wait_for(lambda: self._pending == 0, timeout):
                 return True

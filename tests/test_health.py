@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from bridge.client import PortClient, result_from_wire
 from bridge.health import DeviceProbe
 from bridge_fakes import RecordingConnection
 from kernel_cases import ScanCase, SsdCase, backward_inputs, make_scan_inputs, make_ssd_inputs
+from waiting import wait_until
 
 
 @pytest.fixture
@@ -81,6 +84,26 @@ def test_a_stopping_server_is_live_but_not_ready(inproc, monkeypatch):
     monkeypatch.setattr(bridge.health, "PROBE_MAX_AGE_S", 0.0)
     refused = srv.request(conn, "health")
     assert not refused.ok and refused.error["code"] == "shutting_down"
+
+
+def test_a_server_draining_after_a_stop_signal_or_stdin_closing_is_not_ready(inproc):
+    """Found in review: only the shutdown op marked the server stopping, so one draining after
+    SIGTERM or stdin's end (python -m bridge calls drain() itself) answered ready: true while
+    it refused every other new request shutting_down."""
+    srv = inproc()
+    conn, other = RecordingConnection(), RecordingConnection()
+    assert srv.call(conn, "health")["ready"] is True  # its probe launch now stands for the device
+    srv.hold(other)
+    drainer = threading.Thread(target=srv.dispatcher.drain, args=(60,))
+    drainer.start()
+    try:
+        wait_until(lambda: not srv.dispatcher.accepting, "the drain never began")
+        health = srv.call(conn, "health")
+        assert health["live"] is True and health["ready"] is False
+        assert health["checks"]["kernel"]["ok"] is True and health["checks"]["accepting"] is False
+    finally:
+        srv.go()
+        drainer.join(60)
 
 
 def scan_inputs() -> dict:
