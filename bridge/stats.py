@@ -52,7 +52,8 @@ class Stats:
         self._lock = threading.Lock()
         # op -> timing key -> Histogram, or None when not kept
         self._histograms: dict | None = {} if histograms else None
-        self.started = time.time()
+        # Monotonic: a wall clock stepped back or forward must not move the uptime.
+        self.started = time.monotonic()
         self.frames_in = 0
         self.bytes_in = 0
         self.replies_out = 0
@@ -170,7 +171,7 @@ class Stats:
     def snapshot(self) -> dict:
         with self._lock:
             counters = {
-                "uptime_s": time.time() - self.started,
+                "uptime_s": time.monotonic() - self.started,
                 "frames_in": self.frames_in,
                 "bytes_in": self.bytes_in,
                 "replies_out": self.replies_out,

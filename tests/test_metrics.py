@@ -146,6 +146,18 @@ def test_stats_keep_histograms_only_when_asked():
     assert ("step", "decode_us") not in histograms
 
 
+def test_uptime_counts_from_the_start_whatever_the_wall_clock_does(monkeypatch):
+    """Found in review: uptime was wall-clock time since the start, so a clock stepped back
+    (NTP's first sync, an operator's date) made scan_bridge_uptime_seconds and stats' uptime_s
+    negative, and one stepped forward made the server look up for longer than it was."""
+    stats = Stats()
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() - 3600)
+    assert 0 <= stats.snapshot()["uptime_s"] < 60
+    monkeypatch.setattr(time, "time", lambda: wall() + 3600)
+    assert 0 <= stats.snapshot()["uptime_s"] < 60
+
+
 @pytest.mark.parametrize("args, message", [
     pytest.param(["--metrics-port", "70000"], "expected a port in 0..65535", id="past_65535"),
     pytest.param(["--metrics-port", "-1"], "expected an int >= 0", id="negative"),
