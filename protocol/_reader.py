@@ -12,7 +12,7 @@ from typing import NoReturn, Union
 
 import msgspec
 
-from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind, payload
+from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, items, kind, payload
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
 from .schema import KIND_EXPECTED, LAYOUTS, OUTPUTS, SESSION_KINDS, WEIGHTS_DTYPES, valid_request_id
@@ -118,11 +118,13 @@ class Reader:
         self.check_keys(entries, encoded, field, cls)
         return entries
 
-    def array(self, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument) -> list[msgspec.Raw]:
+    def array(self, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument):
+        """The array's items as views, one at a time (`_msgpack.items`), so that a refusal of an
+        item costs no object for each of the others."""
         encoded = memoryview(raw)
         if kind(encoded) != "array":
             self.fail(cls, field, expected, describe(encoded))
-        return self._decode(_ARRAY_DECODER, raw, field, expected, cls)
+        return items(encoded)
 
     def _decode(self, decoder, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument):
         # The enclosing decode only skipped over this value: keys and strings inside it were
@@ -202,11 +204,12 @@ class Reader:
 
     def limits(self, raw: msgspec.Raw, field: str) -> tuple[float, float]:
         encoded = memoryview(raw)
-        if kind(encoded) == "array":
-            items = self._decode(ANY_DECODER, raw, field, KIND_EXPECTED["limits"])
-            if len(items) == 2 and all(type(v) in (int, float) for v in items):
+        # The count first: an array of many items is refused without decoding them.
+        if kind(encoded) == "array" and count(encoded) == 2:
+            pair = self._decode(ANY_DECODER, raw, field, KIND_EXPECTED["limits"])
+            if all(type(v) in (int, float) for v in pair):
                 try:
-                    low, high = float(items[0]), float(items[1])
+                    low, high = float(pair[0]), float(pair[1])
                 except OverflowError:  # an int beyond the float range
                     low = high = math.nan
                 if not (math.isnan(low) or math.isnan(high)):
@@ -251,10 +254,10 @@ class Reader:
                 decoded[key] = self._any_value(value, f"{field}.{key}")
             return decoded
         if what == "array":
-            items = []
+            values = []
             for i, item in enumerate(self.array(raw, field, "a msgpack array")):
-                items.append(self._any_value(item, f"{field}[{i}]"))
-            return items
+                values.append(self._any_value(item, f"{field}[{i}]"))
+            return values
         return self._decode(ANY_DECODER, raw, field, "a msgpack value")
 
     def tensors(self, raw: msgspec.Raw, field: str) -> dict:

@@ -389,6 +389,46 @@ def test_a_frame_without_its_op_is_a_missing_argument_of_the_op_holding_it(op, a
                                  "got": "nothing", "op": op}
 
 
+# An array of a million 1-byte items, the argument's last bytes.
+_MILLION_NILS = b"\xdd\x00\x0f\x42\x40" + b"\xc0" * 1_000_000
+
+
+@pytest.mark.parametrize("body, field, got", [
+    pytest.param(pack(request("session_open", {}))[:-1] + b"\x82\xa5batch\x01\xa6frames" + _MILLION_NILS,
+                 "args.frames[0]", "nil", id="frames"),
+    pytest.param(pack(request("ssd_scan", {}))[:-1] + b"\x81\xa8dt_limit" + _MILLION_NILS,
+                 "args.dt_limit", "array of 1000000 items", id="dt_limit"),
+])
+def test_an_array_argument_is_refused_without_holding_an_object_per_item(body, field, got):
+    # A hostile body's array of 1-byte items, decoded whole before its first item was looked
+    # at, took far more memory than the frame (about 64 bytes an item for frames, 8 for a
+    # limits pair): a 256 MiB frame could have the server allocate gigabytes.
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        error = decode_error(body)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (error.code, error.detail["field"], error.detail["got"]) == ("invalid_argument", field, got)
+    assert peak < len(body)
+
+
+def test_array_items_step_over_every_msgpack_type_as_the_decoder_does():
+    import msgspec
+
+    from protocol._msgpack import items
+
+    values = [0, 127, -1, -32, 255, 65535, 2**32 - 1, 2**64 - 1, -128, -2**15, -2**31, -2**63, 1.5, None,
+              True, False, "", "s" * 31, "s" * 255, "s" * 65536, b"", b"b" * 256, b"b" * 65536, {}, {"k": [1, {"j": []}]},
+              list(range(16)), {str(i): i for i in range(16)}, msgpack.ExtType(1, b"x"),
+              *(msgpack.ExtType(2, b"y" * n) for n in (2, 4, 8, 16, 3, 256, 65536))]
+    encoded = msgpack.packb(values, use_bin_type=True)
+    expected = [bytes(raw) for raw in msgspec.msgpack.Decoder(list[msgspec.Raw]).decode(encoded)]
+    assert [bytes(item) for item in items(memoryview(encoded))] == expected
+    assert len(expected) == len(values)
+
 def _most_elements(dtype: str) -> int:
     """The most elements of `dtype` a shape may span: 2^63 - 1 bytes' worth."""
     return (2**63 - 1) // DTYPES[dtype][0]
