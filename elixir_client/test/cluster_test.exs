@@ -1011,13 +1011,7 @@ defmodule ScanBridge.ClusterTest do
 
     test "a member passed over while it lacked the model takes the session's rebuild later" do
       g = group()
-      backbone = Models.backbone(Models.config(:mamba2), 7)
-      [with_dir, without_dir] = [Models.tmp_dir!(), Models.tmp_dir!()]
-      Models.write_checkpoint(Path.join(with_dir, "tiny"), backbone)
-      has = start_member(g, args: ["--device", "cpu", "--model-dir", with_dir])
-      lacks = start_member(g, args: ["--device", "cpu", "--model-dir", without_dir])
-      # the checkpoint is on one member's host only: loaded there, not on the other
-      assert {:error, %Error{}} = Cluster.load_model(g, "tiny", "tiny")
+      {has, lacks, copy_to_lacks} = tiny_on_one_of_two(g)
       # the open goes to the member without the model first, which passes it over
       {holder, _member, _held} = hold(g, has)
       {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
@@ -1026,14 +1020,33 @@ defmodule ScanBridge.ClusterTest do
       embeds = Models.embeds(1, 4, 8)
       got = for t <- 0..2, do: step!(s, embeds, t)
       # the checkpoint copied to that host: the model loads there too
-      Models.write_checkpoint(Path.join(without_dir, "tiny"), backbone)
+      copy_to_lacks.()
       assert {:ok, %{members: 2}} = Cluster.load_model(g, "tiny", "tiny")
       kill_server!(has)
       got = got ++ [step!(s, embeds, 3)]
       assert {:ok, %{member: ^lacks, failovers: 1}} = Cluster.session_info(s)
-      {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
-      expected = for t <- 0..3, do: step!(reference, embeds, t)
-      for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+      assert_as_fresh(g, got, embeds)
+    end
+
+    test "a session left without an owner takes a member that loaded the model since" do
+      g = group()
+      {has, lacks, copy_to_lacks} = tiny_on_one_of_two(g)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      assert owner(s) == has
+      embeds = Models.embeds(1, 4, 8)
+      got = for t <- 0..2, do: step!(s, embeds, t)
+      # the rebuilds pass over the member without the model: the session has no owner
+      kill_server!(has)
+      assert eventually(fn -> owner(s) == nil end)
+
+      assert {:error, %Error{reason: :no_members}} =
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 3)})
+
+      copy_to_lacks.()
+      assert {:ok, %{members: 1}} = Cluster.load_model(g, "tiny", "tiny")
+      got = got ++ [step!(s, embeds, 3)]
+      assert {:ok, %{member: ^lacks, failovers: 1}} = Cluster.session_info(s)
+      assert_as_fresh(g, got, embeds)
     end
 
     test "after a frame times out and a later one is answered, a failover is refused" do
@@ -1260,6 +1273,26 @@ defmodule ScanBridge.ClusterTest do
 
       assert message =~ "without its model"
     end
+  end
+
+  # Two members of `g`, the checkpoint "tiny" on one's host only (loaded there, not on the
+  # other's): {that member, the other, a function copying it to the other's host}.
+  defp tiny_on_one_of_two(g) do
+    backbone = Models.backbone(Models.config(:mamba2), 7)
+    [with_dir, without_dir] = [Models.tmp_dir!(), Models.tmp_dir!()]
+    Models.write_checkpoint(Path.join(with_dir, "tiny"), backbone)
+    has = start_member(g, args: ["--device", "cpu", "--model-dir", with_dir])
+    lacks = start_member(g, args: ["--device", "cpu", "--model-dir", without_dir])
+    assert {:error, %Error{}} = Cluster.load_model(g, "tiny", "tiny")
+    {has, lacks, fn -> Models.write_checkpoint(Path.join(without_dir, "tiny"), backbone) end}
+  end
+
+  # `got`, a session's model steps of `embeds` from its first frame on, as a fresh session of
+  # "tiny" answers them.
+  defp assert_as_fresh(g, got, embeds) do
+    {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+    expected = for t <- 0..(length(got) - 1), do: step!(reference, embeds, t)
+    for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
   end
 
   defp ok!({:ok, v}), do: v

@@ -218,7 +218,7 @@ defmodule ScanBridge.Cluster.Session do
       # answered after that (a rebuild could not reproduce it); {:lost, error}
       status: :ok,
       failovers: 0,
-      # members passed over until the session is placed: gone while keeping it (pg may list a
+      # members passed over by the placement under way: gone while keeping it (pg may list a
       # cut-off one for a while), or without its model; one may come back (its node reconnected)
       # or load the model since, so a later placement asks it again
       skipped: [],
@@ -854,7 +854,7 @@ defmodule ScanBridge.Cluster.Session do
       {:error, %Error{reason: reason} = error, state} when reason in @unplaced ->
         # no member now, or none answered in time: the checkpoint stays, and the next call
         # tries again
-        {%{state | unplaced: error}, :not_run}
+        {left_unplaced(state, error), :not_run}
 
       {:error, error, state} ->
         {lose(state, "it could not be rebuilt: #{error.message}"), :not_run}
@@ -869,6 +869,10 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   defp unplaced(state), do: state.unplaced || no_owner(state)
+
+  # A placement found no owner: the next call's asks every member again, those this one passed
+  # over included.
+  defp left_unplaced(state, error), do: %{state | unplaced: error, skipped: []}
 
   defp no_owner(state) do
     Error.client(
@@ -1037,7 +1041,7 @@ defmodule ScanBridge.Cluster.Session do
 
       {:error, %Error{reason: reason} = error, state} when reason in @unplaced ->
         # the session is the snapshot's, kept by its checkpoint: the next call reopens it
-        {:reply, {:error, error}, %{state | unplaced: error}}
+        {:reply, {:error, error}, left_unplaced(state, error)}
 
       {:error, error, state} ->
         state = lose(state, "restoring a snapshot failed: #{error.message}")
