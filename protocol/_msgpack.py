@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import msgspec
 
 # One level of a map: keys decoded, values left encoded (views into the input).
@@ -41,26 +42,6 @@ _PAYLOAD_HEADERS = {0xC4: (2, 1), 0xC5: (3, 2), 0xC6: (5, 4), 0xD9: (2, 1), 0xDA
 _CONTAINER_HEADERS = {0xDC: 2, 0xDD: 4, 0xDE: 2, 0xDF: 4}
 
 _SHOWN_STR = 40
-
-# First byte -> how to step over a value: (width of its big-endian length or count field, fixed
-# bytes after that, the count of a fix type, bytes per counted unit, values per counted unit).
-_SKIPS = [(0, 0, 0, 0, 0)] * 256
-for _b in range(0x80, 0x90):
-    _SKIPS[_b] = (0, 0, _b & 0x0F, 0, 2)
-for _b in range(0x90, 0xA0):
-    _SKIPS[_b] = (0, 0, _b & 0x0F, 0, 1)
-for _b in range(0xA0, 0xC0):
-    _SKIPS[_b] = (0, 0, _b & 0x1F, 1, 0)
-for _i in range(3):
-    _SKIPS[0xC4 + _i] = _SKIPS[0xD9 + _i] = (1 << _i, 0, 0, 1, 0)  # bin, str
-    _SKIPS[0xC7 + _i] = (1 << _i, 1, 0, 1, 0)  # ext: its type byte, then the payload
-for _i in range(4):
-    _SKIPS[0xCC + _i] = _SKIPS[0xD0 + _i] = (0, 1 << _i, 0, 0, 0)  # uint, int
-for _i in range(5):
-    _SKIPS[0xD4 + _i] = (0, 1 + (1 << _i), 0, 0, 0)  # fixext
-_SKIPS[0xCA], _SKIPS[0xCB] = (0, 4, 0, 0, 0), (0, 8, 0, 0, 0)
-_SKIPS[0xDC], _SKIPS[0xDD], _SKIPS[0xDE], _SKIPS[0xDF] = (2, 0, 0, 0, 1), (4, 0, 0, 0, 1), (2, 0, 0, 0, 2), (4, 0, 0, 0, 2)
-del _b, _i
 
 
 def kind(encoded: memoryview) -> str:
@@ -92,19 +73,16 @@ def items(encoded: memoryview):
     """The items of an encoded array, one view at a time, for an array the body's decode found
     well formed. Unlike a decode into a list, it holds nothing per item: an array of a million
     1-byte items would otherwise cost an object each, many times the frame's size, before its
-    first item is looked at."""
+    first item is looked at. msgpack's C unpacker steps over each item without building it;
+    nesting past its stack raises msgpack.StackError."""
     first = encoded[0]
-    pos = 1 if first < 0xA0 else 1 + _CONTAINER_HEADERS[first]
+    start = 1 if first < 0xA0 else 1 + _CONTAINER_HEADERS[first]
+    unpacker = msgpack.Unpacker(max_buffer_size=len(encoded))
+    unpacker.feed(encoded[start:])
+    pos = start
     for _ in range(count(encoded)):
-        end, pending = pos, 1
-        while pending:  # no recursion: the values still to step over are counted
-            width, fixed, n, unit_bytes, unit_values = _SKIPS[encoded[end]]
-            end += 1
-            if width:
-                n = int.from_bytes(encoded[end:end + width], "big")
-                end += width
-            end += fixed + n * unit_bytes
-            pending += n * unit_values - 1
+        unpacker.skip()
+        end = start + unpacker.tell()
         yield encoded[pos:end]
         pos = end
 

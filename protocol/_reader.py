@@ -8,8 +8,9 @@ of a multipart message (SPEC §5, "Multipart messages") that tensors may refer t
 from __future__ import annotations
 
 import math
-from typing import NoReturn, Union
+from typing import Iterator, NoReturn, Union
 
+import msgpack
 import msgspec
 
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, items, kind, payload
@@ -118,13 +119,19 @@ class Reader:
         self.check_keys(entries, encoded, field, cls)
         return entries
 
-    def array(self, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument):
+    def array(self, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument) -> Iterator[memoryview]:
         """The array's items as views, one at a time (`_msgpack.items`), so that a refusal of an
         item costs no object for each of the others."""
         encoded = memoryview(raw)
         if kind(encoded) != "array":
             self.fail(cls, field, expected, describe(encoded))
-        return items(encoded)
+        return self._items(encoded, field, expected)
+
+    def _items(self, encoded: memoryview, field: str, expected: str) -> Iterator[memoryview]:
+        try:
+            yield from items(encoded)
+        except msgpack.StackError:
+            self._too_deep(encoded, field, expected, "msgpack's unpacker stack")
 
     def _decode(self, decoder, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument):
         # The enclosing decode only skipped over this value: keys and strings inside it were
@@ -132,14 +139,17 @@ class Reader:
         try:
             return decoder.decode(raw)
         except RecursionError as e:
-            # SPEC §3: nesting that exhausts the decoder is decode_error. Reading a value a level
-            # or more down the stack runs out sooner than the body's decode, which skipped it.
-            got = f"{kind(memoryview(raw))} nested too deep to decode ({e})"
-            raise DecodeError(f"{field}: expected {expected}, got {got}",
-                              detail={"field": field, "expected": expected, "got": got},
-                              request_id=self.request_id, legacy=self.legacy) from None
+            self._too_deep(memoryview(raw), field, expected, str(e))
         except DECODE_FAILURES as e:
             self.fail(cls, field, expected, f"an undecodable {kind(memoryview(raw))} ({e})")
+
+    def _too_deep(self, encoded: memoryview, field: str, expected: str, why: str) -> NoReturn:
+        # SPEC §3: nesting that exhausts the decoder is decode_error. Reading a value a level or
+        # more down the stack runs out sooner than the body's decode, which skipped it.
+        got = f"{kind(encoded)} nested too deep to decode ({why})"
+        raise DecodeError(f"{field}: expected {expected}, got {got}",
+                          detail={"field": field, "expected": expected, "got": got},
+                          request_id=self.request_id, legacy=self.legacy) from None
 
     # -- scalars ------------------------------------------------------------------------
 
