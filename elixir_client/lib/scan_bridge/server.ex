@@ -446,14 +446,9 @@ defmodule ScanBridge.Server do
 
   # A caller on another node took a reply that made something (answer_caller/4): it is theirs.
   def handle_cast({:taken, pid}, state) do
-    case Map.pop(state.unconfirmed, pid) do
-      {nil, _unconfirmed} ->
-        {:noreply, state}
-
-      {{monitor, op, outcome}, unconfirmed} ->
-        Process.demonitor(monitor, [:flush])
-        state = %{state | unconfirmed: unconfirmed}
-        {:noreply, watch_opener(state, op, {pid, nil}, outcome)}
+    case take_unconfirmed(state, pid) do
+      {nil, state} -> {:noreply, state}
+      {{op, outcome}, state} -> {:noreply, watch_opener(state, op, {pid, nil}, outcome)}
     end
   end
 
@@ -881,13 +876,21 @@ defmodule ScanBridge.Server do
 
   # Free what the answer to caller `pid` (on another node) made, which it did not take.
   defp release_unconfirmed(state, pid) do
+    case take_unconfirmed(state, pid) do
+      {nil, state} -> state
+      {{op, outcome}, state} -> release(state, op, outcome)
+    end
+  end
+
+  # The answer caller `pid` has yet to say it took ({op, outcome}, or nil), no longer watched.
+  defp take_unconfirmed(state, pid) do
     case Map.pop(state.unconfirmed, pid) do
       {nil, _unconfirmed} ->
-        state
+        {nil, state}
 
       {{monitor, op, outcome}, unconfirmed} ->
         Process.demonitor(monitor, [:flush])
-        release(%{state | unconfirmed: unconfirmed}, op, outcome)
+        {{op, outcome}, %{state | unconfirmed: unconfirmed}}
     end
   end
 
