@@ -34,6 +34,12 @@ TORCH_DTYPES = {
 }
 WIRE_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 
+
+def wire_name(dtype: torch.dtype) -> str:
+    """A dtype's wire name (SPEC §5), or torch's own for one the wire has none for."""
+    return WIRE_DTYPES.get(dtype, str(dtype))
+
+
 # Frames are received into buffers we own and never reuse while a request is in flight, so the
 # read-only flag some decoders put on views is no hazard; torch warns about it.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..tensors import WIRE_DTYPES
+from ..tensors import wire_name
 from .checkpoint import CONFIG, TensorSource, allowed_dirs, checkpoint_file, read_json, resolve_checkpoint
 from .config import ARCHS, ModelConfig, checkpoint_error, parse_config
 from .runtime import Model, param_dtype
@@ -47,7 +47,7 @@ def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtyp
         # model of nonsense.
         if not tensor.is_floating_point():
             raise checkpoint_error(f"args.weights.{name}", "a floating tensor (f32, bf16, f16, f64)",
-                                   WIRE_DTYPES.get(tensor.dtype, str(tensor.dtype)), tensor=name)
+                                   wire_name(tensor.dtype), tensor=name)
     shapes = {name: tuple(t.shape) for name, t in weights.items()}
     wanted = check_weights(config, shapes, "args.weights")
     hold(planned_bytes(shapes, wanted, dtype))

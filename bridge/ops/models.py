@@ -17,7 +17,7 @@ from .. import models
 from ..batcher import BatchedOp, Item, charge, dtype_of, row_signature, stack_rows, wire_rows
 from ..errors import OpError
 from ..native import NativeStep
-from ..tensors import TORCH_DTYPES, WIRE_DTYPES, host_view, to_wire
+from ..tensors import TORCH_DTYPES, host_view, to_wire, wire_name
 from ..timing import now_ns
 from .sessions import check_reply_with_state_fits, session_of_kind, wire_state, with_states
 
@@ -87,7 +87,7 @@ def model_input(server, call, session, loaded, step: bool) -> tuple[str, object]
     if name == "embeds":
         dtype = dtype_of(value)
         if not dtype.is_floating_point:
-            _invalid(field, "a floating tensor (f32, bf16, f16, f64)", _wire_name(dtype))
+            _invalid(field, "a floating tensor (f32, bf16, f16, f64)", wire_name(dtype))
         return name, value
     if not config.has_embeddings:
         _invalid(field, "embeds, not tokens: this model has no embedding", "tokens")
@@ -103,7 +103,7 @@ def checked_ints(value, field: str, limit: int, expected: str) -> torch.Tensor:
     read where it lies; else invalid_argument naming `field`, `expected` saying the range."""
     dtype = dtype_of(value)
     if dtype not in TOKEN_DTYPES:
-        _invalid(field, "an integer tensor (i32, i64, u8)", _wire_name(dtype))
+        _invalid(field, "an integer tensor (i32, i64, u8)", wire_name(dtype))
     ints = host_view(value) if isinstance(value, protocol.WireTensor) else value
     if ints.numel():
         low, high = int(ints.min()), int(ints.max())
@@ -125,10 +125,6 @@ def window_lengths(server, call, session, seq: int) -> torch.Tensor | None:
                       {"field": field, "expected": f"shape [{session.batch}]", "got": str(shape)})
     lengths = checked_ints(value, field, seq + 1, f"lengths in [0, {seq}] (the window's positions)")
     return lengths.to("cpu", torch.int64)
-
-
-def _wire_name(dtype: torch.dtype) -> str:
-    return WIRE_DTYPES.get(dtype, str(dtype))
 
 
 def _invalid(field: str, expected: str, got: str):
