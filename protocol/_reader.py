@@ -265,7 +265,9 @@ class Reader:
             return decoded
         if what == "array":
             values = []
-            for i, item in enumerate(self.array(raw, field, "a msgpack array")):
+            # Decoded, not stepped over as array() does: stepping feeds the unpacker a copy of
+            # the array, and a copy at every level of nested arrays would multiply the body.
+            for i, item in enumerate(self._decode(_ARRAY_DECODER, raw, field, "a msgpack array")):
                 values.append(self._any_value(item, f"{field}[{i}]"))
             return values
         return self._decode(ANY_DECODER, raw, field, "a msgpack value")
