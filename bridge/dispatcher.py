@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -158,6 +159,7 @@ class Dispatcher:
         # Held while ops run: by the worker, or by a reader thread serving an idle server's request.
         self._serving = threading.Lock()
         self.accepting = True
+        self._stopped = False  # set by stop() under the serving lock: no op runs after it
         self.policy = BatchPolicy(server.config.max_delay_us, server.config.max_batch)
         # A request taken from the queue while gathering a batch that it could not join: the
         # worker serves it next (worker thread only).
@@ -297,7 +299,8 @@ class Dispatcher:
             waiting_since = now_ns()
             with self._serving:
                 # As refusal_to_start: the fast path's ops (steps) do nothing for a peer gone.
-                refusal = gone_peer_error(request.id) if conn.peer_gone else deadline_error(request, received_ns)
+                refusal = (self._stopped_error() or
+                           (gone_peer_error(request.id) if conn.peer_gone else deadline_error(request, received_ns)))
                 if refusal is not None:
                     self._reply_error(conn, protocol.V1, request.id, refusal, stats_op=request.op)
                     answered = True
@@ -354,16 +357,34 @@ class Dispatcher:
         return False
 
     def stop(self, timeout: float) -> bool:
-        """Stop the worker once it has served what was queued before this, and wait up to
-        `timeout` seconds for it to end; returns whether it has. Waited for: an embedding that
-        lets the interpreter finalize with the worker inside an op has the worker ended as it
-        takes the GIL back, which inside a C++ op's released-GIL scope (torch's) is
-        std::terminate. Bounded: an op that never ends (a wedged device) must not hold the
+        """Stop the worker once it has served what was queued before this, wait up to `timeout`
+        seconds for it to end and for an op a reader thread is serving (an idle server's, the
+        fast path's) to end; returns whether both have. A request a reader thread would serve
+        after that is answered `shutting_down`, unrun. Waited for: an embedding that lets the
+        interpreter finalize with a daemon thread (the worker, a lane's reader) inside an op has
+        it ended as it takes the GIL back, which inside a C++ op's released-GIL scope (torch's)
+        is std::terminate. Bounded: an op that never ends (a wedged device) must not hold the
         caller for good. `python -m bridge` never stops it: it drains, then leaves by os._exit."""
+        deadline = time.monotonic() + timeout
         self._queue.put(_STOP)
         if self._worker.is_alive():
             self._worker.join(timeout)
-        return not self._worker.is_alive()
+        if self._worker.is_alive():
+            return False
+        # Every op a reader thread serves runs under the serving lock, the worker's gone: held,
+        # none runs, and none starts after (_stopped_error).
+        if not self._serving.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        self._stopped = True
+        self._serving.release()
+        return True
+
+    def _stopped_error(self) -> OpError | None:
+        """`shutting_down` for a request about to run once stop() has waited for the ops in
+        progress (checked under the serving lock); None before."""
+        if not self._stopped:
+            return None
+        return OpError("shutting_down", "the server has stopped: the request was not run")
 
     def queue_length(self) -> int:
         """Requests queued that the worker has not taken yet (approximate, as Queue.qsize)."""
@@ -394,7 +415,10 @@ class Dispatcher:
             if not reader and (call.dropped if op is not None else not self.server.queued.take(call)):
                 return True
             try:
-                if op is None:
+                stopped = self._stopped_error()  # reader only: the worker has ended by then
+                if stopped is not None:
+                    self._fail(call, stopped)
+                elif op is None:
                     self._serve(call)
                 elif not reader:
                     self._serve_batch(op, call)

@@ -455,6 +455,19 @@ def test_a_step_of_a_peer_known_gone_is_answered_cancelled_unrun_as_the_general_
     assert counted == [(0, 1, 0, {"cancelled": 1})] * 2, f"seed={seed}"
 
 
+def test_a_step_a_reader_thread_would_serve_once_the_dispatcher_stopped_is_refused_unrun(inproc):
+    """Dispatcher.stop() waits for an op a reader thread serves, and one it would serve after
+    that is answered shutting_down unrun: found in review, the native path (as an idle server's
+    inline path: test_server) ran it, on a daemon thread an embedding's exit could end inside it."""
+    case = StepCase(2, 6, 3)
+    seed, gen, srv, conn, session, consts = seeded_session(inproc, case)
+    served = Served(srv)
+    assert srv.dispatcher.stop(60)
+    reply = submit(srv, conn, "step", session=session, **consts, **step_inputs(case, gen))
+    assert not reply.ok and reply.error["code"] == "shutting_down", f"seed={seed}"
+    assert served.taken == 0, f"seed={seed}: the native path ran a step once stopped"
+
+
 def test_mutated_frames_are_answered_and_the_server_lives_on(inproc):
     """Random byte flips, truncations and insertions in a plain step frame: whatever the native
     parser makes of each, the request gets exactly one reply and the server still steps."""

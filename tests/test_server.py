@@ -19,6 +19,7 @@ from bridge.client import PortClient, server_env
 from bridge.device import choose_device
 from bridge.server import Server, ServerConfig
 from protocol.vectors import generate
+from bridge_fakes import RecordingConnection
 from kernel_cases import SCAN_CASES, ScanCase, assert_close, make_scan_inputs, reference_scan
 from waiting import wait_until
 
@@ -315,10 +316,11 @@ def test_shutdown_op_replies_then_exits():
     assert c.proc.wait(5) == 0
 
 
-# An embedding (an in-process server, as the tests' are) whose worker is inside torch ops, the
-# GIL released, when the dispatcher is stopped and the interpreter then finalizes. The op runs
-# until the thread that stopped the dispatcher waits for the worker, so without that wait it is
-# still running at exit.
+# An embedding (an in-process server, as the tests' are) with a torch op running, the GIL
+# released, when it stops the dispatcher and the interpreter then finalizes: on the worker
+# (argv[1] "worker"), or inline on a daemon thread as a lane's reader serves an idle server's
+# request ("reader"). The op runs until the thread that stopped the dispatcher waits for it, so
+# without that wait it is still running at exit.
 EMBEDDING_STOPPED_IN_AN_OP = r"""
 import sys
 import threading
@@ -329,10 +331,14 @@ from bridge_fakes import InProcessServer, RecordingConnection
 
 
 def waited_for(thread) -> bool:
+    # The main thread joins `thread` (the worker), or is in stop() once the worker has ended:
+    # all that stop() can still wait for is the op a reader thread serves.
     frame = sys._current_frames().get(threading.main_thread().ident)
     while frame is not None:
         if frame.f_code.co_name == "join" and frame.f_locals.get("self") is thread:
             return True
+        if frame.f_code.co_name == "stop" and frame.f_locals.get("self") is srv.dispatcher:
+            return not srv.dispatcher._worker.is_alive()
         frame = frame.f_back
     return False
 
@@ -349,23 +355,42 @@ def busy(server, call):
 
 
 srv = InProcessServer(handlers={"info": busy})
-srv.submit(RecordingConnection(), "info")  # more input may follow: queued for the worker
+if sys.argv[1] == "worker":
+    srv.submit(RecordingConnection(), "info")  # more input may follow: queued for the worker
+else:
+    threading.Thread(target=srv.submit, args=(RecordingConnection(), "info"), kwargs={"more_input": False},
+                     name="reader", daemon=True).start()
 if not inside.wait(60):
-    raise SystemExit("the worker never started the op")
+    raise SystemExit("the op never started")
 srv.close()
 """
 
 
-def test_an_embedding_that_stops_its_dispatcher_during_an_op_exits_quietly():
-    """Dispatcher.stop() waits for its worker to end: found in review, it only queued the stop,
-    so an embedding that stopped the dispatcher and let the interpreter finalize with the worker
-    inside a torch op died at exit (the worker, taking the GIL back, was ended from inside the
-    op's released-GIL scope: std::terminate, SIGABRT)."""
+@pytest.mark.parametrize("serving", ["worker", "reader"])
+def test_an_embedding_that_stops_its_dispatcher_during_an_op_exits_quietly(serving):
+    """Dispatcher.stop() waits for the op in progress to end. Found in review: it only queued
+    the stop, so an embedding that stopped the dispatcher and let the interpreter finalize with
+    the worker inside a torch op died at exit (the worker, taking the GIL back, was ended from
+    inside the op's released-GIL scope: std::terminate, SIGABRT); then it joined the worker, but
+    an op served inline on a reader thread (an idle server's, the native step path's) died so."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join([root, os.path.join(root, "tests")])
-    proc = subprocess.run([sys.executable, "-c", EMBEDDING_STOPPED_IN_AN_OP], cwd=root, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": path}, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", EMBEDDING_STOPPED_IN_AN_OP, serving], cwd=root,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}, timeout=120)
     assert proc.returncode == 0 and "terminate" not in proc.stderr, (proc.returncode, proc.stderr)
+
+
+def test_a_request_a_reader_thread_would_serve_once_the_dispatcher_stopped_is_refused_unrun(inproc):
+    """Once stop() has waited for the ops in progress, none starts: found in review, an idle
+    server's request was still served inline on its reader thread (the worker gone), where an
+    embedding's exit could end it inside a torch op."""
+    ran = []
+    srv = inproc(handlers={"info": lambda server, call: ran.append(call) or {}})
+    assert srv.dispatcher.stop(60)
+    conn = RecordingConnection()
+    reply = conn.reply(srv.submit(conn, "info", more_input=False))
+    assert not reply.ok and reply.error["code"] == "shutting_down"
+    assert not ran
 
 
 # A C-level writer hammering fd 1 from another thread while requests are served: the guard
