@@ -20,7 +20,10 @@ defmodule ScanBridge.Cluster.Balancer do
 
   alias ScanBridge.Cluster
 
-  # members: the members seen, each with its monitor
+  # members: the members seen, each with its monitor, which is also the member's generation
+  # here: a member whose node went away and came back (the same pid) is monitored anew, and a
+  # holder's check-in counts only against the generation it checked out (holders: token =>
+  # {counts, member, monitor})
   defstruct calls: %{}, sessions: %{}, holders: %{}, members: %{}
 
   @facts __MODULE__.MemberFacts
@@ -96,12 +99,13 @@ defmodule ScanBridge.Cluster.Balancer do
         member = Enum.min_by(members, &rank(state, kind, &1))
         token = Process.monitor(holder)
         counts = counts(kind)
+        state = watch(state, member)
+        held = {counts, member, state.members[member]}
 
         state =
           state
           |> Map.update!(counts, &Map.update(&1, member, 1, fn n -> n + 1 end))
-          |> Map.update!(:holders, &Map.put(&1, token, {counts, member}))
-          |> watch(member)
+          |> Map.update!(:holders, &Map.put(&1, token, held))
 
         {:reply, {:ok, member, token}, state}
     end
@@ -144,7 +148,7 @@ defmodule ScanBridge.Cluster.Balancer do
     case state.members do
       %{^member => ^ref} ->
         # A member gone: its counts and what was learnt of it go with it (its holders'
-        # check-ins then find nothing).
+        # check-ins then count against nothing, even once it is back).
         :ets.match_delete(@facts, {{member, :_}, :_})
 
         {:noreply,
@@ -165,16 +169,21 @@ defmodule ScanBridge.Cluster.Balancer do
       {nil, _} ->
         state
 
-      {{counts, member}, holders} ->
+      {{counts, member, monitor}, holders} ->
         state = %{state | holders: holders}
 
-        Map.update!(state, counts, fn by_member ->
-          case by_member do
-            %{^member => 1} -> Map.delete(by_member, member)
-            %{^member => n} -> Map.put(by_member, member, n - 1)
-            _gone -> by_member
-          end
-        end)
+        case state.members do
+          %{^member => ^monitor} -> Map.update!(state, counts, &count_down(&1, member))
+          # checked out before the member went away: what it counted went with the member
+          _gone_since -> state
+        end
+    end
+  end
+
+  defp count_down(by_member, member) do
+    case by_member do
+      %{^member => 1} -> Map.delete(by_member, member)
+      %{^member => n} -> Map.put(by_member, member, n - 1)
     end
   end
 
