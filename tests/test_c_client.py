@@ -497,13 +497,13 @@ def test_a_reply_envelope_the_python_client_accepts_is_accepted(scan_client, end
 
 # -- the client's decoder, on vectors of our own ---------------------------------------------------
 
-def run_on_vectors(scan_client, endpoints, tmp_path, extra: dict[str, bytes]):
-    """The client run on the golden vectors plus `extra` ({name: .frame bytes}, each a reply)."""
+def run_on_vectors(scan_client, endpoints, tmp_path, extra: dict[str, bytes], kind: str = "reply"):
+    """The client run on the golden vectors plus `extra` ({name: .frame bytes}, each a `kind`)."""
     vectors = tmp_path / "vectors"
     shutil.copytree(VECTORS, vectors)
     for name, frame in extra.items():
         (vectors / f"{name}.frame").write_bytes(frame)
-        (vectors / f"{name}.json").write_text(f'{{"name": "{name}", "kind": "reply"}}')
+        (vectors / f"{name}.json").write_text(f'{{"name": "{name}", "kind": "{kind}"}}')
     return run_client(scan_client, endpoints["ipc"], vectors)
 
 
@@ -568,6 +568,37 @@ def test_the_decoder_checks_tensors_at_any_depth(scan_client, endpoints, tmp_pat
     run = run_on_vectors(scan_client, endpoints, tmp_path, {"reply_crafted": encode_frame(body)})
     assert run.returncode == 1
     assert f"FAIL: vector reply_crafted (reply): {why}\n1 failure(s)" in run.stderr
+
+
+# A transformers config as model_load sends it: newer ones name the weights' dtype "dtype".
+HF_CONFIG = {"model_type": "mamba2", "hidden_size": 2, "num_hidden_layers": 1, "dtype": "float32"}
+
+
+def model_load(config: dict, weight: dict = VALID_Y) -> bytes:
+    return encode_frame(msgpack.packb({"v": 1, "id": 16, "op": "model_load",
+                                       "args": {"config": config, "weights": {"norm_f.weight": weight}}}))
+
+
+@pytest.mark.parametrize("frame, why", [
+    pytest.param(model_load(HF_CONFIG), None, id="config-with-a-dtype"),
+    pytest.param(model_load({**HF_CONFIG, "extra": {"dtype": "f32", "shape": [2], "data": bytes(7)}}),
+                 "tensor size mismatch", id="tensor-inside-a-config-with-a-dtype"),
+    pytest.param(model_load({"d_model": 2, "n_layer": 1}, {"shape": [2], "data": bytes(8)}), "unknown dtype",
+                 id="tensor-without-a-dtype"),
+])
+def test_a_map_is_a_tensor_by_its_shape_and_data_not_by_a_dtype_key(scan_client, endpoints, tmp_path, frame, why):
+    """SPEC §5: a tensor map has a dtype, a shape and data or buf. Found in review, the client
+    took any map with a dtype key for one, so model_load's config, a transformers config with
+    "dtype": "float32", was refused as an unknown dtype, and a tensor lacking only its dtype was
+    looked through unchecked. It now tells a tensor as the Python client does: by its shape and
+    data (or buf); any other map is looked through, the tensors inside it checked."""
+    run = run_on_vectors(scan_client, endpoints, tmp_path, {"model_load_crafted": frame}, kind="request")
+    if why is None:
+        assert run.returncode == 0, run.stderr
+        assert "vector model_load_crafted " in run.stdout
+    else:
+        assert run.returncode == 1
+        assert f"FAIL: vector model_load_crafted (request): {why}\n1 failure(s)" in run.stderr
 
 
 @pytest.mark.parametrize("body", HUGE_COUNTS)

@@ -250,13 +250,15 @@ static const char *unpack_body(const parts_t *parts, msgpack_unpacked *result) {
 }
 
 /* Checks the tensors in `value`, which lies `depth` levels below args or result: a map with a
- * dtype is a tensor; any other map, and an array, is looked through, since a message carries
- * tensors at any depth (SPEC §5: a model's state map, each of `frames`' results). `used` marks
- * the raw buffers they name. NULL when all are valid, else why not. */
+ * shape and data or buf is a tensor, held to all of SPEC §5 (a dtype, no other key, ...), as the
+ * Python client holds it (protocol/decode.py); any other map, and an array, is looked through,
+ * since a message carries tensors at any depth (SPEC §5: a model's state map, each of `frames`'
+ * results). A dtype alone makes no tensor: model_load's config is a transformers config, whose
+ * "dtype" is "float32". `used` marks the raw buffers they name. NULL when all are valid. */
 static const char *check_nested(const msgpack_object *value, const parts_t *parts, unsigned char *used,
                                 int depth) {
     int is_map = value->type == MSGPACK_OBJECT_MAP;
-    if (is_map && get(value, "dtype")) {
+    if (is_map && get(value, "shape") && (get(value, "data") || get(value, "buf"))) {
         tensor_t t;
         return read_tensor(value, parts, used, &t);
     }
