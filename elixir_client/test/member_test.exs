@@ -145,6 +145,23 @@ defmodule ScanBridge.Cluster.MemberTest do
              Cluster.load_model(group, "m", "/models/m", timeout: 100)
   end
 
+  test "a group's free asks every member at once: silent ones cost one deadline between them" do
+    {group, member} = loading_member()
+    assert {:ok, %{members: 1}} = Cluster.load_model(group, "m", "/models/m")
+    for _ <- 1..3, do: silent_keeper(group)
+    assert eventually(fn -> length(Member.keepers(group)) == 4 end)
+
+    # the deadline is :timeout and a second; one member after another took one each
+    {us, outcome} = :timer.tc(fn -> Cluster.free_model(group, "m", timeout: 100) end)
+    assert {:error, %ScanBridge.Error{reason: :timeout}} = outcome
+    assert us < 2 * 1_100_000, "the free took #{div(us, 1000)} ms"
+    assert GenServer.call(member, :catalogue, 1_000) == %{}
+
+    {us, outcome} = :timer.tc(fn -> Cluster.load_model(group, "m", "/models/m", timeout: 100) end)
+    assert {:error, %ScanBridge.Error{reason: :timeout}} = outcome
+    assert us < 2 * 1_100_000, "the load took #{div(us, 1000)} ms"
+  end
+
   defp loading_server do
     receive do
       {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->

@@ -239,14 +239,11 @@ defmodule ScanBridge.Cluster do
 
       keepers ->
         # every member at once: each loads on its own device
-        results =
-          keepers
-          |> Task.async_stream(&{&1, load_on(&1, name, source, opts)}, timeout: :infinity)
-          |> Enum.map(fn {:ok, result} -> result end)
+        results = ask_keepers(keepers, {:load, name, source, opts}, keeper_wait(opts))
 
-        case Enum.find(results, fn {_keeper, result} -> failed?(result) end) do
-          {keeper, {:error, error}} ->
-            {:error, %{error | detail: Map.put(error.detail, "member", "#{node(keeper)}")}}
+        case first_failure(results) do
+          {:error, _error} = failure ->
+            failure
 
           nil ->
             info = Enum.find_value(results, info, fn {_, result} -> ok_info(result) end)
@@ -256,8 +253,18 @@ defmodule ScanBridge.Cluster do
     end
   end
 
-  # A keeper whose server (or the keeper itself) went away meanwhile is passed over: it leaves
-  # the group with its server.
+  # The first keeper's error, its detail naming the keeper's node, passing over a keeper whose
+  # server (or the keeper itself) went away meanwhile: it leaves the group with its server.
+  defp first_failure(results) do
+    case Enum.find(results, fn {_keeper, result} -> failed?(result) end) do
+      {keeper, {:error, error}} ->
+        {:error, %{error | detail: Map.put(error.detail, "member", "#{node(keeper)}")}}
+
+      nil ->
+        nil
+    end
+  end
+
   defp failed?({:error, %Error{} = error}), do: not gone?(error)
   defp failed?(_ok), do: false
 
@@ -267,20 +274,31 @@ defmodule ScanBridge.Cluster do
   defp ok_info({:ok, info}), do: info
   defp ok_info(_gone), do: nil
 
-  defp load_on(keeper, name, source, opts) do
-    GenServer.call(keeper, {:load, name, source, opts}, keeper_wait(opts))
-  catch
-    :exit, {:timeout, _call} ->
-      {:error, keeper_timeout(keeper)}
+  # Sends `request` to every keeper at once and takes their answers by one deadline, `wait`
+  # from now, so that keepers that do not answer (their nodes frozen or cut off) cost that
+  # deadline once between them. [{keeper, answer}], in the keepers' order: a keeper that went
+  # away answers {:error, :server_exited}, one past the deadline {:error, :timeout}.
+  defp ask_keepers(keepers, request, wait) do
+    deadline = deadline(wait)
 
-    :exit, reason ->
-      {:error,
-       Error.client(
-         :server_exited,
-         "the member on #{node(keeper)} did not load the model: #{inspect(reason, limit: 5)}",
-         %{}
-       )}
+    keepers
+    |> Enum.map(&{&1, :gen_server.send_request(&1, request)})
+    |> Enum.map(fn {keeper, request_id} ->
+      case :gen_server.receive_response(request_id, remaining(deadline)) do
+        {:reply, reply} -> {keeper, reply}
+        :timeout -> {keeper, {:error, keeper_timeout(keeper)}}
+        {:error, {reason, _keeper}} -> {keeper, {:error, keeper_gone(keeper, reason)}}
+      end
+    end)
   end
+
+  defp keeper_gone(keeper, reason),
+    do:
+      Error.client(
+        :server_exited,
+        "the member on #{node(keeper)} went away: #{inspect(reason, limit: 5)}",
+        %{}
+      )
 
   defp keeper_timeout(keeper),
     do:
@@ -310,9 +328,10 @@ defmodule ScanBridge.Cluster do
 
   @doc """
   Frees the group's model `name` on every member (and takes it out of what later members
-  load). A member with sessions of it open refuses (`:invalid_argument`): close them first. A
-  member that does not answer by `:timeout` and a second (its node frozen or cut off) gives
-  `:timeout`, as for `load_model/4`: it may still hold the model.
+  load). Every member is asked at once, and the answer comes by one deadline, `:timeout` and a
+  second. A member with sessions of it open refuses (`:invalid_argument`): close them first. A
+  member that does not answer by the deadline (its node frozen or cut off) gives `:timeout`, as
+  for `load_model/4`: it may still hold the model. The other members free it all the same.
   """
   @spec free_model(group, String.t(), ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def free_model(group, name, opts \\ []) do
@@ -321,19 +340,12 @@ defmodule ScanBridge.Cluster do
     # a bad :timeout raises here, not in every member
     wait = keeper_wait(opts)
 
-    group
-    |> Member.keepers()
-    |> Enum.map(&free_on(&1, name, opts, wait))
-    |> Enum.find(:ok, &failed?/1)
-  end
-
-  # A member whose server went away has freed the model with its server; one that does not
-  # answer in time (its node frozen or cut off) may still hold it, and name it to later members.
-  defp free_on(keeper, name, opts, wait) do
-    GenServer.call(keeper, {:free, name, opts}, wait)
-  catch
-    :exit, {:timeout, _call} -> {:error, keeper_timeout(keeper)}
-    :exit, _gone -> :ok
+    # A member whose server went away has freed the model with its server; one that does not
+    # answer in time (its node frozen or cut off) may still hold it, and name it to later members.
+    case first_failure(ask_keepers(Member.keepers(group), {:free, name, opts}, wait)) do
+      nil -> :ok
+      error -> error
+    end
   end
 
   ## Sessions
