@@ -162,6 +162,92 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert us < 2 * 1_100_000, "the load took #{div(us, 1000)} ms"
   end
 
+  # A server that answers its model_loads and model_frees with `loads` and `frees` in turn (:ok,
+  # or an error's reason; :ok once they run out), telling the test of each.
+  defp scripted_server(test, loads, frees) do
+    receive do
+      {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->
+        send(test, {:model_load, self()})
+        {reply, loads} = List.pop_at(loads, 0, :ok)
+        GenServer.reply(from, scripted(reply, %{"model" => "m1"}))
+        scripted_server(test, loads, frees)
+
+      {:"$gen_call", from, {:request, "model_free", _head, _size, _timeout, _closes}} ->
+        send(test, {:model_free, self()})
+        {reply, frees} = List.pop_at(frees, 0, :ok)
+        GenServer.reply(from, scripted(reply, %{}))
+        scripted_server(test, loads, frees)
+
+      {:"$gen_cast", _naming} ->
+        scripted_server(test, loads, frees)
+    end
+  end
+
+  defp scripted(:ok, result), do: {:ok, result, %{}}
+  defp scripted(reason, _result), do: {:error, ScanBridge.Error.client(reason, "scripted")}
+
+  # A group of two members, their servers scripted; returns the servers and their keepers.
+  defp scripted_members(scripts) do
+    group = {:member_test, System.unique_integer([:positive])}
+    test = self()
+
+    for {loads, frees} <- scripts do
+      server = spawn_link(fn -> scripted_server(test, loads, frees) end)
+      {:ok, member} = Member.start_link(server: server, group: group)
+      assert eventually_member(group, server)
+      {server, member}
+    end
+    |> then(&{group, &1})
+  end
+
+  test "a name one member still holds after a failed load is refused for another model" do
+    {group, [{a, _}, {b, keeper_b}]} = scripted_members([{[], []}, {[:out_of_memory], []}])
+
+    assert {:error, %ScanBridge.Error{reason: :out_of_memory}} =
+             Cluster.load_model(group, "m", "/models/m")
+
+    assert_received {:model_load, ^a}
+    assert_received {:model_load, ^b}
+
+    # a holds "/models/m" under the name: b is not to load another model under it
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument, detail: detail}} =
+             Cluster.load_model(group, "m", "/models/other")
+
+    assert detail["member"] == "#{node()}"
+    refute_received {:model_load, _}
+    assert %{"m" => {"/models/m", [], nil}} = GenServer.call(keeper_b, :catalogue, 1_000)
+
+    # the same model again loads it where it failed
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/m")
+    assert_received {:model_load, ^b}
+    refute_received {:model_load, ^a}
+  end
+
+  test "a name one member still holds after a failed free is refused for another model" do
+    {group, [{a, keeper_a}, {b, keeper_b}]} =
+      scripted_members([{[], [:invalid_argument]}, {[], []}])
+
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/m")
+    assert_received {:model_load, ^a}
+    assert_received {:model_load, ^b}
+    # a has a session of it open: it refuses the free, b frees it
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument}} = Cluster.free_model(group, "m")
+    assert_received {:model_free, ^a}
+    assert_received {:model_free, ^b}
+    assert GenServer.call(keeper_b, :catalogue, 1_000) == %{}
+
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument}} =
+             Cluster.load_model(group, "m", "/models/other")
+
+    refute_received {:model_load, _}
+    assert GenServer.call(keeper_b, :catalogue, 1_000) == %{}
+    assert %{"m" => {"/models/m", [], %{}}} = GenServer.call(keeper_a, :catalogue, 1_000)
+
+    # freed everywhere, the name takes another model
+    assert :ok = Cluster.free_model(group, "m")
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/other")
+  end
+
   defp loading_server do
     receive do
       {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->

@@ -208,8 +208,10 @@ defmodule ScanBridge.Cluster do
   members that join later.
 
   `{:ok, %{members: n, info: info}}` (one member's description), or the first error with
-  `detail["member"]` naming the member's node. A name already given to a different model is
-  `:invalid_argument`; loading the same again is a no-op.
+  `detail["member"]` naming the member's node. Loading the same again is a no-op (and loads it
+  on the members where it failed). A name that any member still gives to a different model
+  (loaded, loading, or recorded by a load that failed there, or kept by a free that failed
+  there) is `:invalid_argument`, and nothing is loaded: `free_model/3` frees the name first.
   """
   @spec load_model(group, String.t(), ScanBridge.model_source(),
           dtype: :f32 | :bf16 | :f16 | String.t(),
@@ -222,8 +224,15 @@ defmodule ScanBridge.Cluster do
     # a bad source or option raises here, in the caller, not in every member (whose load would
     # stop it, and its server with it)
     _args = ScanBridge.model_load_args!(source, opts)
-    _wait = keeper_wait(opts)
-    load_everywhere(group, name, source, opts, %{}, nil)
+    wait = keeper_wait(opts)
+
+    # Every member is asked first whether the name is free for this model: loading on the
+    # members that would take it while another still holds a different one would leave two
+    # models under one name.
+    case first_failure(ask_keepers(Member.keepers(group), {:check, name, source, opts}, wait)) do
+      nil -> load_everywhere(group, name, source, opts, %{}, nil)
+      error -> error
+    end
   end
 
   # Load on every catalogue keeper not done yet, then look again until none is new (see
@@ -331,7 +340,9 @@ defmodule ScanBridge.Cluster do
   load). Every member is asked at once, and the answer comes by one deadline, `:timeout` and a
   second. A member with sessions of it open refuses (`:invalid_argument`): close them first. A
   member that does not answer by the deadline (its node frozen or cut off) gives `:timeout`, as
-  for `load_model/4`: it may still hold the model. The other members free it all the same.
+  for `load_model/4`: it may still hold the model. The other members free it all the same; the
+  name stays the model's (`load_model/4` refuses another under it) until a free succeeds on
+  every member.
   """
   @spec free_model(group, String.t(), ScanBridge.call_opts()) :: :ok | ScanBridge.error()
   def free_model(group, name, opts \\ []) do

@@ -95,6 +95,14 @@ defmodule ScanBridge.Cluster.Member do
     end
   end
 
+  # Whether `name` is free here for this model: no other model is loaded, loading or recorded
+  # under it.
+  def handle_call({:check, name, source, opts}, _from, state) do
+    if held(state, name) in [nil, model(source, opts)],
+      do: {:reply, :ok, state},
+      else: {:reply, {:error, taken(state, name)}, state}
+  end
+
   def handle_call({:free, name, opts}, from, state) do
     case state.loads do
       %{^name => load} ->
@@ -129,20 +137,21 @@ defmodule ScanBridge.Cluster.Member do
 
   # The model `name` on this member's server: recorded in the catalogue whether or not it
   # loads here (members joining later copy it), loaded unless it is already or is loading.
-  # {:done, reply, state}, or {:waiting, state} with `waiter` answered when the load ends.
+  # {:done, reply, state}, or {:waiting, state} with `waiter` answered when the load ends. A
+  # name recorded for another model is refused even where that model failed to load: the
+  # members where it loaded hold it under the name.
   defp adopt(state, name, source, opts, waiter) do
-    model = model(source, opts)
+    {held, model} = {held(state, name), model(source, opts)}
 
     case {state.catalogue, state.loads} do
-      {%{^name => {loaded_source, loaded_opts, info}}, _} when info != nil ->
-        if model(loaded_source, loaded_opts) == model,
-          do: {:done, {:ok, info}, state},
-          else: {:done, {:error, taken(state, name)}, state}
+      _taken when held not in [nil, model] ->
+        {:done, {:error, taken(state, name)}, state}
 
       {_, %{^name => load}} ->
-        if model(load.source, load.opts) == model,
-          do: {:waiting, put_in(state.loads[name], %{load | waiters: [waiter | load.waiters]})},
-          else: {:done, {:error, taken(state, name)}, state}
+        {:waiting, put_in(state.loads[name], %{load | waiters: [waiter | load.waiters]})}
+
+      {%{^name => {_source, _opts, info}}, _} when info != nil ->
+        {:done, {:ok, info}, state}
 
       _absent_or_unloaded ->
         server = state.server
@@ -156,6 +165,14 @@ defmodule ScanBridge.Cluster.Member do
     end
   end
 
+  # The model (`model/2`) recorded under `name`, loaded, loading or not, or nil.
+  defp held(state, name) do
+    case state.catalogue do
+      %{^name => {source, opts, _info}} -> model(source, opts)
+      _absent -> nil
+    end
+  end
+
   # What makes a model the same as another: its source and its weights' dtype ("f32" unless
   # given, as an atom or a string), not the options of the call that loads it (:timeout).
   defp model(source, opts), do: {source, opts |> Keyword.get(:dtype, "f32") |> to_string()}
@@ -163,7 +180,8 @@ defmodule ScanBridge.Cluster.Member do
   defp taken(state, name) do
     ScanBridge.Error.client(
       :invalid_argument,
-      "model name #{inspect(name)} is taken by another model in group #{inspect(state.group)}",
+      "model name #{inspect(name)} is taken by another model in group #{inspect(state.group)} " <>
+        "(Cluster.free_model/3 frees it on every member)",
       %{"field" => "name"}
     )
   end
