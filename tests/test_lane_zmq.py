@@ -560,6 +560,73 @@ def routable(sock: zmq.Socket, routing_id: bytes) -> bool:
     return True
 
 
+@pytest.mark.parametrize("routing_id", [None, b"chosen"], ids=["libzmq's ids", "one chosen id"])
+def test_a_zmq_request_read_after_its_connection_ended_is_its_gone_peers(tmp_path, routing_id):
+    """A client sends a request and leaves at once: the round that reads the request reads the
+    monitor's report of the end first, so the peer is gone before its last request is read.
+    That request is a gone peer's (answered unrun, its reply sent to nobody). Found in review:
+    it was filed under a fresh live peer on the dead descriptor, which no report would end; so
+    a client that chose its routing id and came back under it got the request's late reply, as
+    a reply to an id of its own, and inherited what the request opened."""
+    opened, freed = [], []
+
+    def on_frame(target, body, received_ns, buffers):
+        opened.append((target, bytes(body)))
+        target.on_close(freed.append)  # as a session it opened would
+
+    transport = ZmqTransport(SimpleNamespace(on_frame=on_frame), [f"ipc://{tmp_path}/lane.ipc"],
+                             max_frame_size=1 << 20, max_in_flight=4, hwm=16)
+    server_socket, monitor = transport.sockets[0], transport.monitors[0]
+    context = zmq.Context()
+    held = []  # descriptors kept from the returning client's connection
+    try:
+        def client() -> zmq.Socket:
+            sock = context.socket(zmq.DEALER)
+            if routing_id is not None:
+                sock.setsockopt(zmq.ROUTING_ID, routing_id)
+            sock.connect(transport.endpoints[0])
+            return sock
+
+        leaving = client()
+        leaving.send(b"first")
+        assert server_socket.poll(5000, zmq.POLLIN), "the server never got the first message"
+        transport._receive(0, server_socket)
+        ((first, _),) = opened
+        leaving.send(b"last")
+        leaving.close(linger=5000)  # the last request leaves before the connection ends
+        assert monitor.poll(5000, zmq.POLLIN), "no report of the connection's end"
+        assert server_socket.poll(5000, zmq.POLLIN), "the server never got the last message"
+        # A round of the io loop: the monitor is read before the sockets.
+        transport._connection_events(0)
+        transport._receive(0, server_socket)
+        (last, body) = opened[1]
+        assert body == b"last" and last.peer is not first.peer
+        assert last.peer_gone, "a request read after its connection ended was taken for a live peer's"
+        assert freed == [first.peer, last.peer] and transport._peers == {} and transport._on_fd == {}
+        if routing_id is not None:
+            # The client comes back under its routing id, on another descriptor (the old one's
+            # held, so that no report of its reuse ends the filed peer): the gone request's
+            # reply is not its.
+            held.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(4))
+            back = client()
+            back.send(b"back")
+            assert server_socket.poll(5000, zmq.POLLIN), "the server never got the returning client's message"
+            transport._receive(0, server_socket)
+            (again, _) = opened[2]
+            assert again.peer is not last.peer and not again.peer.closed
+            last.send([b"the gone request's reply"])
+            transport._flush()
+            again.send([b"its own reply"])
+            transport._flush()
+            assert back.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN) and back.recv() == b"its own reply"
+            back.close(linger=0)
+    finally:
+        for fd in held:
+            os.close(fd)
+        context.destroy(linger=0)
+        transport.close()
+
+
 def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
     """--idle-timeout-s: a peer that stays connected but sends nothing for longer than the
     timeout counts as gone, and what it owns is freed (counted as released "idle"); a peer

@@ -30,7 +30,8 @@ gone: their sessions and handles are freed at once, as when a unix connection cl
 monitor is read whenever it has news, and before a message is first attributed to a
 descriptor (and before each message of a peer that chose its routing id, which its next
 connection brings back), so that a descriptor reused by a new connection is never mistaken for
-the old one.
+the old one. A message read from a descriptor whose end was seen, and not yet reused, was sent
+just before that end: it is a gone peer's, answered to nobody (as the dispatcher answers one).
 What no event reports -- a peer behind a proxy that stays connected, a process frozen with its
 socket open, a libzmq that does not say which descriptor a message came on -- `idle_timeout_s`
 covers: a peer that owns something and has sent nothing for that long, with nothing in flight,
@@ -196,6 +197,9 @@ class ZmqTransport:
         self._authenticator = None
         self._peers: dict[tuple[int, bytes], ZmqPeer] = {}
         self._on_fd: dict[tuple[int, int], set[ZmqPeer]] = {}  # (socket index, fd) -> its peers
+        # (socket index, fd) whose connection ended, no new one accepted on it since: what is read
+        # from there still was sent before the end, by a peer gone.
+        self._ended: set[tuple[int, int]] = set()
         self._fds_known = True
         self._backlogged: set[ZmqPeer] = set()  # peers with replies waiting for room in their pipe
         # Replies to send, in order: those made on the io thread and, ahead of each, what other
@@ -348,13 +352,20 @@ class ZmqTransport:
                 # message is attributed to its descriptor: that one may be reused already, by a
                 # new connection of a peer that chose its routing id too.
                 self._connection_events(index)
-                peer = self._peers.get(key)
-                if peer is None:
-                    peer = self._peers[key] = ZmqPeer(self, key)
-                if fd is not None and peer.fd != fd:
-                    self._unlist(peer)
-                    peer.fd = fd
-                    self._on_fd.setdefault((index, fd), set()).add(peer)
+                if (index, fd) in self._ended:
+                    # Sent just before its connection ended, read after the end was seen: its
+                    # peer is gone. Filed under no routing id, so that a peer that comes back
+                    # under its own gets neither its reply nor what it opens.
+                    peer = ZmqPeer(self, key)
+                    peer.mark_closed()
+                else:
+                    peer = self._peers.get(key)
+                    if peer is None:
+                        peer = self._peers[key] = ZmqPeer(self, key)
+                    if fd is not None and peer.fd != fd:
+                        self._unlist(peer)
+                        peer.fd = fd
+                        self._on_fd.setdefault((index, fd), set()).add(peer)
             peer.last_seen = received_at
             # A REQ peer's replies need its delimiter; a DEALER's must have one only when its
             # request had one.
@@ -406,7 +417,12 @@ class ZmqTransport:
         monitor = self.monitors[index]
         while monitor.get(zmq.EVENTS) & zmq.POLLIN:
             event = zmq.utils.monitor.recv_monitor_message(monitor)
-            for peer in self._on_fd.pop((index, event["value"]), ()):
+            where = (index, event["value"])
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._ended.add(where)
+            else:
+                self._ended.discard(where)
+            for peer in self._on_fd.pop(where, ()):
                 if not peer.closed:
                     self._gone(peer, "disconnected")
 
