@@ -181,7 +181,8 @@ def _written(state: torch.Tensor) -> None:
 def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float | None]:
     """mamba_ssm's `dt_limit` pair as this API's (dt_min, dt_max): its default (0, inf) clamps
     nothing; otherwise each finite side is a bound and an infinite side none. A pair whose low
-    side is above its high is a KernelInputError naming dt_limit, as it was given."""
+    side is above its high, or a finite side past float32's range, is a KernelInputError naming
+    dt_limit, as it was given."""
     low, high = dt_limit
     if math.isnan(low) or math.isnan(high):  # compares false with everything: no bound, silently
         raise KernelInputError("dt_limit", "a pair (low, high) of numbers, not NaN", f"({low!r}, {high!r})")
@@ -189,7 +190,12 @@ def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float 
         raise KernelInputError("dt_limit", "a pair (low, high) with low <= high", f"({low!r}, {high!r})")
     if (low, high) == (0.0, math.inf):
         return None, None
-    return (low if math.isfinite(low) else None), (high if math.isfinite(high) else None)
+    bounds = (low if math.isfinite(low) else None), (high if math.isfinite(high) else None)
+    # Refused here, by the name the caller gave: dt_min and dt_max would refuse it by theirs.
+    if any(b is not None and abs(b) > _args._BOUND_LIMIT for b in bounds):
+        raise KernelInputError("dt_limit", "a pair (low, high) whose finite sides are within float32's range "
+                                           f"(at most {_args._BOUND_LIMIT:.4g} in magnitude)", f"({low!r}, {high!r})")
+    return bounds
 
 
 def model_step_kernel(device_type: str, backend: str | None = None):

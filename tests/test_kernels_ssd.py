@@ -689,3 +689,15 @@ def test_dt_limit_bounds_refuses_nan(dt_limit):
     with pytest.raises(kernels.KernelInputError) as info:
         kernels.dt_limit_bounds(dt_limit)
     assert info.value.field == "dt_limit" and "nan" in info.value.got
+
+
+@pytest.mark.parametrize("dt_limit", [
+    pytest.param((0.0, 1e39), id="high"),
+    pytest.param((-1e39, 0.5), id="low"),
+])
+def test_dt_limit_bounds_refuses_a_side_past_float32_by_its_own_name(dt_limit):
+    """A finite side past float32's range went on as the dt_min or dt_max that refuses it, so
+    the error named an argument the caller never gave."""
+    with pytest.raises(kernels.KernelInputError) as info:
+        kernels.dt_limit_bounds(dt_limit)
+    assert info.value.field == "dt_limit" and info.value.got == f"({dt_limit[0]!r}, {dt_limit[1]!r})"

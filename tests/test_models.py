@@ -883,6 +883,18 @@ def test_a_sent_weight_not_finite_is_named_by_its_path_in_the_request(serve):
         "invalid_checkpoint", "args.weights.backbone.layers.0.mixer.out_proj.weight"), error
 
 
+def test_a_dt_limit_past_float32_is_refused_at_load_by_its_path_in_the_config(serve):
+    """As a request's dt_limit is: such a model loaded, then every prefill and step was refused
+    naming args.dt_max, which no request had sent."""
+    from test_return_state import MODEL_CONFIGS, tiny_weights
+
+    weights = tiny_weights("mamba2", torch.Generator().manual_seed(random_seed()))
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", config={**MODEL_CONFIGS["mamba2"], "dt_limit": [0.0, 1e39]},
+                     weights=weights)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "args.config.dt_limit"), error
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
 def test_a_sent_weight_of_an_integer_dtype_is_refused_by_name(serve, dtype):
     """A checkpoint's integer tensor is refused (checkpoint.py); one sent in model_load's

@@ -174,6 +174,8 @@ BAD_REQUESTS = [
                  id="dt_limit-reversed"),
     pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.1, math.nan)), "invalid_argument", "args.dt_limit",
                  id="dt_limit-nan"),
+    pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.0, 1e39)), "invalid_argument", "args.dt_limit",
+                 id="dt_limit-past-float32"),
     pytest.param("ssd_scan", lambda: _ssd(chunk_size=0), "invalid_argument", "args.chunk_size", id="chunk_size-0"),
     pytest.param("ssd_scan", lambda: _ssd(h0=torch.zeros(1, 4, 3, 5), initial_states=torch.zeros(1, 4, 3, 5)),
                  "invalid_argument", "args.initial_states", id="alias-and-name"),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import kernels
+
 from ..errors import OpError
 
 ARCHS = ("mamba", "mamba2")
@@ -126,6 +128,10 @@ class _Keys:
         pair = [_as_float(_json_float(v)) for v in value] if isinstance(value, (list, tuple)) else None
         if pair is None or len(pair) != 2 or any(v is None or math.isnan(v) for v in pair) or pair[0] > pair[1]:
             raise checkpoint_error(f"{self.field}.{key}", "a pair [low, high] with low <= high", repr(value))
+        try:  # a side past float32's range, refused as a request's dt_limit is: at load, not at each call
+            kernels.dt_limit_bounds((pair[0], pair[1]))
+        except kernels.KernelInputError as exc:
+            raise checkpoint_error(f"{self.field}.{key}", exc.expected, repr(value)) from None
         return pair[0], pair[1]
 
     def require(self, key: str, allowed: tuple, meaning: str) -> None:
