@@ -522,9 +522,10 @@ def check_ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
 def check_cu_seqlens(cu_seqlens, batch: int, seq: int) -> list[int]:
     """cu_seqlens: an int32/int64 tensor [n + 1] of sequence boundaries along seq: 0 first, seq
     last, strictly increasing (no empty sequence); the batch must be 1. Returns the boundaries."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise KernelInputError("cu_seqlens", "an int32/int64 tensor",
-                               str(getattr(cu_seqlens, "dtype", type(cu_seqlens).__name__)))
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise KernelInputError("cu_seqlens", "an int32/int64 tensor", type(cu_seqlens).__name__)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):  # named as the caller names dtypes (the bridge: i32, i64)
+        raise DtypeNotAllowed("cu_seqlens", "an integer dtype", (torch.int32, torch.int64), cu_seqlens.dtype)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ShapeMismatch("cu_seqlens", "shape [n + 1] with n >= 1 sequences", f"shape {_shape(cu_seqlens)}")
     if cu_seqlens.is_meta:

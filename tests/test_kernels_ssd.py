@@ -608,7 +608,7 @@ PACKED_ERRORS = [
                  id="not-ending-at-seq"),
     pytest.param(_with(cu_seqlens=lambda a: torch.tensor([1, 3, 7])), INPUT, "cu_seqlens", "1 .. 7",
                  id="not-starting-at-0"),
-    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([0.0, 3.0, 7.0])), INPUT, "cu_seqlens", "float32",
+    pytest.param(_with(cu_seqlens=lambda a: torch.tensor([0.0, 3.0, 7.0])), DTYPE, "cu_seqlens", "float32",
                  id="float-dtype"),
     pytest.param(_with(cu_seqlens=[0, 3, 7]), INPUT, "cu_seqlens", "list", id="a-list"),
     pytest.param(_with(cu_seqlens=lambda a: a["cu_seqlens"].to("meta")), INPUT, "cu_seqlens", "meta",

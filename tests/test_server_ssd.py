@@ -202,6 +202,13 @@ def test_malformed_requests_get_errors_naming_the_field(srv, op, make_args, code
     assert srv.call(conn, "ping") == {"pong": True}
 
 
+def test_a_cu_seqlens_of_another_dtype_names_the_wire_dtypes(srv):
+    """As every other tensor's dtype error does (SPEC §5's names): it said it got torch.float32."""
+    reply = srv.request(RecordingConnection(), "ssd_scan",
+                        **_ssd(cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.float32)))
+    assert (reply.error["detail"]["expected"], reply.error["detail"]["got"]) == ("an integer dtype (i32, i64)", "f32")
+
+
 def test_a_prefill_of_another_state_size_names_b_not_the_h0_it_never_sent(srv):
     """ssd_scan with a session whose state size B does not have: the state is the scan's h0 behind
     the scenes, but the client sent B (found in review: the error named args.h0)."""
