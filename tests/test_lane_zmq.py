@@ -608,6 +608,8 @@ def test_a_zmq_request_read_after_its_connection_ended_is_its_gone_peers(tmp_pat
             # held, so that no report of its reuse ends the filed peer): the gone request's
             # reply is not its.
             held.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(4))
+            # The ROUTER turns away a connection with a routing id still in use.
+            wait_until(lambda: not routable(server_socket, routing_id), "the routing id stayed in use", timeout=5)
             back = client()
             back.send(b"back")
             assert server_socket.poll(5000, zmq.POLLIN), "the server never got the returning client's message"
