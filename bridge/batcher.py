@@ -29,7 +29,7 @@ import kernels
 from protocol import OutTensor, WireTensor
 
 from .errors import OpError
-from .sessions import Session, unknown_session
+from .sessions import Session, StateLost, state_lost, unknown_session
 from .tensors import TORCH_DTYPES, host_view, to_wire
 from .timing import now_ns
 
@@ -235,11 +235,14 @@ def charge(items: list[Item], stage: str, ns: int) -> None:
 
 def run_batch(server, op: BatchedOp, items: list[Item]) -> list[tuple[Item, dict | BaseException]]:
     """Run one gathered batch. Members whose session was closed while they waited (their
-    connection went away) are left out and get unknown_session; the others share one launch."""
+    connection went away) are left out and get unknown_session, and those whose session an
+    earlier launch that failed left lost get state_lost; the others share one launch."""
     outcomes, live = [], []
     for item in items:
         if item.session is not None and item.session.closed:
             outcomes.append((item, unknown_session(item.session.id, "args.session")))
+        elif item.session is not None and item.session.lost:
+            outcomes.append((item, state_lost(item.session.id, "args.session")))
         else:
             live.append(item)
     if not live:
@@ -257,6 +260,8 @@ def run_batch(server, op: BatchedOp, items: list[Item]) -> list[tuple[Item, dict
                 outcomes.append((item, _launch(server, op, [item])[0]))
             except Exception as alone_exc:
                 outcomes.append((item, alone_exc))
+    except StateLost as exc:  # each member is told of its own session's state
+        outcomes.extend((item, exc.of(item.session)) for item in live)
     except Exception as exc:  # the launch failed for all of them
         outcomes.extend((item, exc) for item in live)
     return outcomes

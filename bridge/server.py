@@ -21,7 +21,7 @@ from .health import DeviceProbe
 from .models import allowed_dirs
 from .models.table import LoadedModel, ModelTable
 from .queued import QueuedRequests
-from .sessions import Session, SessionTable, SnapshotTable, StateLayout
+from .sessions import Session, SessionTable, SnapshotTable, StateLayout, state_lost
 from .step_graphs import StepGraphs
 from .stats import Stats
 from .tensors import host_view, to_device
@@ -142,9 +142,13 @@ class Server:
     def resolve_handle(self, conn, handle: str, field: str) -> torch.Tensor:
         return self.handles.get(conn.id, handle, field)
 
-    def session(self, conn, session_id: str, field: str) -> Session:
-        """The session `session_id` opened by `conn`."""
-        return self.sessions.get(conn.id, session_id, field)
+    def session(self, conn, session_id: str, field: str, *, lost_ok: bool = False) -> Session:
+        """The session `session_id` opened by `conn`; state_lost where a failed step left its
+        state undefined, unless `lost_ok` (for an op that overwrites the whole state)."""
+        session = self.sessions.get(conn.id, session_id, field)
+        if session.lost and not lost_ok:
+            raise state_lost(session_id, field)
+        return session
 
     def open_session(self, conn, batch: int, layout: StateLayout) -> Session:
         session = self.sessions.open(conn.id, batch, layout)

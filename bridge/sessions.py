@@ -15,6 +15,11 @@ the connection that opened it (bridge.owned).
 
 Snapshots are copies of a session's rows (every part), kept on the device and owned like
 sessions; they, and loaded models' weights, are held against the same pool-bytes budget.
+
+A step or prefill writes its sessions' rows in place, layer after layer: one that fails partway
+leaves them neither the state before nor after it. The ops run that work in `WritingState`,
+which marks such sessions lost; a lost session is refused (`state_lost`) by every op that reads
+or advances its state until a restore overwrites the whole of it, or it is closed.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import OpError, allocation
+from .errors import OpError, allocation, error_fields
 from .owned import OwnedTable
 
 # The state is kept and accumulated in fp32 whatever the dtype of the inputs (SPEC.md §6.1).
@@ -91,6 +96,14 @@ def unknown_session(session_id: str, field: str) -> OpError:
                    {"field": field, "session": session_id})
 
 
+def state_lost(session_id: str, field: str) -> OpError:
+    """The one error for a session whose state a failed step or prefill left undefined."""
+    return OpError("state_lost",
+                   f"{field}: session {session_id!r} has no defined state: a step or prefill failed partway and "
+                   "left it undefined; restore a snapshot into it (session_restore) or close it",
+                   {"field": field, "session": session_id})
+
+
 class StatePool:
     """The rows of one class (a StateLayout) on the device, and which of them are free. All parts
     of a row lie together in one [capacity, row floats] tensor, each part a view of its columns,
@@ -153,7 +166,8 @@ class Session:
 
     # __weakref__: the native step path (bridge.native) forgets what it kept of a session when
     # the session goes.
-    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "slot_bytes", "span", "closed", "__weakref__")
+    __slots__ = ("id", "batch", "pool", "slot_list", "slots", "slot_bytes", "span", "closed", "lost",
+                 "__weakref__")
 
     def __init__(self, session_id: str, batch: int, pool: StatePool, slot_list: list[int]):
         self.id = session_id
@@ -171,6 +185,9 @@ class Session:
         # Set (under the table's lock) when closed; a batch already holding the session checks it
         # before its launch.
         self.closed = False
+        # Set when a step or prefill failed while writing the rows (lose_state); cleared
+        # when the whole state is written again (write_rows).
+        self.lost = False
 
     @property
     def kind(self) -> str:
@@ -237,7 +254,8 @@ class Session:
             torch.index_select(flat, 0, self.slots, out=rows)
 
     def write_rows(self, rows: torch.Tensor) -> None:
-        """Replace the whole state with what read_rows gave (of a session of the same layout)."""
+        """Replace the whole state with what read_rows gave (of a session of the same layout):
+        a defined state again, whatever a failed step left."""
         flat = self.pool.flat
         if self._one_thread_copy:
             flat.numpy()[self.span if self.span is not None else self.slot_list] = rows.numpy()
@@ -245,6 +263,7 @@ class Session:
             flat[self.span].copy_(rows)
         else:
             flat.index_copy_(0, self.slots, rows)
+        self.lost = False
 
     @property
     def _one_thread_copy(self) -> bool:
@@ -259,6 +278,54 @@ class Session:
         fp32 on the pool's)."""
         for name, part in self.pool.parts.items():
             part.index_copy_(0, self.slots, parts[name].to(device=part.device, dtype=STATE_DTYPE))
+
+
+class StateLost(OpError):
+    """The error of a call that failed while writing sessions' state (lose_state): the call's
+    own code, message and detail, the detail adding `state: "lost"` and the sessions' ids."""
+
+    def __init__(self, cause: BaseException, sessions: list[Session]):
+        code, message, detail = error_fields(cause)
+        ids = [session.id for session in sessions]
+        super().__init__(code, f"{message}; it left the state of session {', '.join(map(repr, ids))} undefined "
+                               "(state_lost until a session_restore)", {**detail, "state": "lost", "sessions": ids})
+        self.cause = cause
+        self.sessions = sessions
+
+    def of(self, session: Session) -> BaseException:
+        """The error as the request on `session` sees it (one of a batch): naming that session
+        alone where the call had begun writing its state, else the call's own error."""
+        return StateLost(self.cause, [session]) if session in self.sessions else self.cause
+
+
+def lose_state(cause: BaseException, sessions: list[Session]) -> StateLost:
+    """Mark `sessions` lost, a call writing their rows having raised `cause`; the error to
+    raise instead."""
+    for session in sessions:
+        session.lost = True
+    return StateLost(cause, list(sessions))
+
+
+class WritingState:
+    """Around a call that writes `sessions`' rows in place (layer after layer, session after
+    session): where it raises, they are lost (lose_state). The list is read then, so a call may
+    add each session as it begins writing it. `unwritten`: what the call raises only before it
+    writes anything (a kernel's argument checks), passed on as it is. A class, not a generator:
+    a step pays for it on every call."""
+
+    __slots__ = ("sessions", "unwritten")
+
+    def __init__(self, sessions: list[Session], unwritten: tuple[type[Exception], ...] = ()):
+        self.sessions = sessions
+        self.unwritten = unwritten
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if isinstance(exc, Exception) and not isinstance(exc, self.unwritten) and self.sessions:
+            raise lose_state(exc, self.sessions) from exc
+        return False
 
 
 # What the bytes held against the pool budget beside the pools are, as a refusal names them.

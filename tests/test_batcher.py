@@ -673,22 +673,26 @@ class RecordingOp(BatchedOp):
         return [{"rows": item.rows} for item in items]
 
 
-def test_members_whose_session_closed_while_waiting_are_left_out():
+def test_members_whose_session_closed_or_was_lost_while_waiting_are_left_out():
+    """A member's session may have closed, or been left lost by a launch that failed partway
+    (SPEC §6.1, state_lost), after the member was prepared."""
     class FakeSession:
-        def __init__(self, closed):
-            self.id, self.closed = f"s-{closed}", closed
+        def __init__(self, closed, lost=False):
+            self.id, self.closed, self.lost = f"s-{closed}-{lost}", closed, lost
 
     op = RecordingOp()
     items = [fake_item(("k",), 2, session=FakeSession(False)), fake_item(("k",), 3, session=FakeSession(True)),
-             fake_item(("k",), 1, session=FakeSession(False))]
+             fake_item(("k",), 1, session=FakeSession(False)), fake_item(("k",), 4, session=FakeSession(False, True))]
     server = SimpleNamespace(stats=Stats())
     outcomes = dict((id(item), outcome) for item, outcome in run_batch(server, op, items))
     assert [len(launch) for launch in op.launches] == [2]
     assert server.stats.ops["step"]["execution_count"] == 1
     assert outcomes[id(items[0])] == {"rows": 2} and outcomes[id(items[2])] == {"rows": 1}
-    closed = outcomes[id(items[1])]
+    closed, lost = outcomes[id(items[1])], outcomes[id(items[3])]
     assert isinstance(closed, OpError) and closed.code == "unknown_session"
-    assert str(closed) == str(unknown_session("s-True", "args.session"))
+    assert str(closed) == str(unknown_session("s-True-False", "args.session"))
+    assert isinstance(lost, OpError) and lost.code == "state_lost"
+    assert lost.detail == {"field": "args.session", "session": "s-False-True"}
     assert items[0].call.timing.extra["batch_rows"] == items[2].call.timing.extra["batch_rows"] == 3
 
 

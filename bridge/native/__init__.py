@@ -44,7 +44,9 @@ import kernels
 import protocol
 from kernels.errors import BackendUnavailable
 
+from ..errors import OpError, error_fields
 from ..models.config import layer_state_names
+from ..sessions import lose_state
 from ..timing import STAGE_KEYS
 
 log = logging.getLogger("bridge")
@@ -77,12 +79,13 @@ def library_path() -> Path:
     return build.module_library_path(sources(), MODULE_NAME, BUILD_SUBDIRECTORY)
 
 
-class NativeStepError(RuntimeError):
+class NativeStepError(OpError):
     """The native path failed after taking a request (its kernel raised): the request must not
-    be served again (its state may have moved), so it is answered with this error."""
+    be served again, and its session's state may have moved, so it is answered with this error:
+    the cause's as the general path would answer it, the session lost (bridge.sessions.lose_state)."""
 
     def __init__(self, request_id, cause: BaseException):
-        super().__init__(f"{type(cause).__name__}: {cause}")
+        super().__init__(*error_fields(cause))
         self.request_id = request_id
 
 
@@ -147,7 +150,8 @@ class NativeStep:
         its session or a handle is not this connection's or not usable here (nothing touched).
         `queued_ns`: how long it waited to be served, its queue_us."""
         session = self.server.sessions.find(conn.id, request.session)
-        if session is None or session.closed:
+        # A lost one (a step that failed partway) is refused by the general path (state_lost).
+        if session is None or session.closed or session.lost:
             return None
         if request.op == "model_step":
             return self._serve_model(conn, request, session, received_ns, queued_ns)
@@ -174,7 +178,7 @@ class NativeStep:
             return self._native.run(request, received_ns, queued_ns, pool_address, session.batch, session.dim,
                                     session.state, slots_address, handle_tensors, state_out)
         except Exception as exc:
-            raise NativeStepError(request.id, exc) from exc
+            raise NativeStepError(request.id, lose_state(exc, [session])) from exc
 
     def _serve_model(self, conn, request, session, received_ns: int, queued_ns: int):
         if session.kind != "model":
@@ -193,15 +197,15 @@ class NativeStep:
             snapshot = self.server.snapshots.find(conn.id, request.snapshot_into)
             if snapshot is None or not snapshot.is_like(session):
                 return None
+        rows = self._model_row_addresses(session, config.n_layer)
+        state = self._state_out(session) if snapshot is not None else None
         try:
             # `snapshot` is held here while the kernel writes into its rows.
             return self._native.run_model(request, received_ns, queued_ns, prepared, session.batch, config.d_model,
-                                          config.vocab_size or 0, config.has_logits,
-                                          *self._model_row_addresses(session, config.n_layer), state_out,
-                                          snapshot.rows.data_ptr() if snapshot is not None else 0,
-                                          self._state_out(session) if snapshot is not None else None)
+                                          config.vocab_size or 0, config.has_logits, *rows, state_out,
+                                          snapshot.rows.data_ptr() if snapshot is not None else 0, state)
         except Exception as exc:
-            raise NativeStepError(request.id, exc) from exc
+            raise NativeStepError(request.id, lose_state(exc, [session])) from exc
 
     def _prepared(self, loaded):
         """The kernel's prepared weights of a loaded model, or None where its step is not fused."""

@@ -17,6 +17,7 @@ from .. import models
 from ..batcher import BatchedOp, Item, charge, dtype_of, row_signature, stack_rows, wire_rows
 from ..errors import OpError
 from ..native import NativeStep
+from ..sessions import WritingState
 from ..tensors import TORCH_DTYPES, host_view, to_wire, wire_name
 from ..timing import now_ns
 from .sessions import check_reply_with_state_fits, session_of_kind, wire_state, with_states
@@ -160,14 +161,15 @@ def model_forward(server, call) -> dict:
     start = now_ns()
     inputs = server.device_tensor(value) if isinstance(value, protocol.WireTensor) else value
     call.timing.add("h2d", now_ns() - start)
-    with server.kernel_timer(call):
-        out = loaded.model.forward(session.pool.parts, session.slots, inputs, output=output,
-                                   last_only=bool(call.args.get("last_only", False)), backend=server.backend,
-                                   lengths=lengths)
-    start = now_ns()
-    result = {output: to_wire(out)}
-    if call.args.get("return_state"):
-        result["state"] = wire_state(session)
+    with WritingState([session]):
+        with server.kernel_timer(call):
+            out = loaded.model.forward(session.pool.parts, session.slots, inputs, output=output,
+                                       last_only=bool(call.args.get("last_only", False)), backend=server.backend,
+                                       lengths=lengths)
+        start = now_ns()
+        result = {output: to_wire(out)}
+        if call.args.get("return_state"):
+            result["state"] = wire_state(session)
     call.timing.add("d2h", now_ns() - start)
     return result
 
@@ -202,14 +204,16 @@ class ModelStepOp(BatchedOp):
         inputs = stack_rows(server, [item.tensors[name] for item in items])
         slots = stack_rows(server, [item.session.slots for item in items])
         charge(items, "h2d", now_ns() - start)
-        with server.kernel_timer(*(item.call for item in items)):
-            # The state before the frame, into the snapshots asked for (a rollback's point
-            # without a round trip of its own); part of the frame's device work.
-            for item in items:
-                if "snapshot_into" in item.options:
-                    item.options["snapshot_into"].take_again(item.session)
-            out = loaded.model.step(lead.session.pool.parts, slots, inputs, output=output, backend=server.backend)
-        return with_states(items, [{output: rows} for rows in wire_rows(out, items)])
+        with WritingState([item.session for item in items]):
+            with server.kernel_timer(*(item.call for item in items)):
+                # The state before the frame, into the snapshots asked for (a rollback's point
+                # without a round trip of its own); part of the frame's device work.
+                for item in items:
+                    if "snapshot_into" in item.options:
+                        item.options["snapshot_into"].take_again(item.session)
+                out = loaded.model.step(lead.session.pool.parts, slots, inputs, output=output,
+                                        backend=server.backend)
+            return with_states(items, [{output: rows} for rows in wire_rows(out, items)])
 
 
 model_step = ModelStepOp()

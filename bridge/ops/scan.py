@@ -13,7 +13,7 @@ from protocol import WireTensor
 from ..batcher import (BatchedOp, Item, charge, dt_options, nbytes_of, row_signature, shared_args, shared_tensors,
                        signature, split_rows, stack_rows, wire_rows)
 from ..errors import OpError
-from ..sessions import STATE_DTYPE
+from ..sessions import STATE_DTYPE, WritingState
 from ..tensors import host_view, to_wire
 from ..timing import now_ns
 from .sessions import check_reply_with_state_fits, check_rows, session_of_kind
@@ -112,27 +112,31 @@ class ScanOp(BatchedOp):
         charge(items, "h2d", now_ns() - start)
         # The final state is computed when anyone needs it: to return, or to keep in a session.
         need_state = any(item.session is not None or item.call.args.get("return_state") for item in items)
-        with server.kernel_timer(*(item.call for item in items)):
-            out = kernels.selective_scan(
-                stacked["x"], stacked["dt"], shared["A"], stacked["B"], stacked["C"],
-                D=shared["D"], z=stacked["z"], dt_bias=shared["dt_bias"], **lead.options,
-                h0=stacked["h0"], return_state=need_state, layout=lead.call.args.get("layout", "bld"),
-                backend=server.backend)
-            y, state = out if need_state else (out, None)
-            if not need_state:
-                states = [None] * len(items)
-            elif len(items) == 1:  # alone: with cu_seqlens, one state row per packed sequence
-                states = [state]
-            else:
-                states = split_rows(state, items)
-            for item, item_state in zip(items, states):
-                if item.session is not None:
-                    item.session.write(item_state)
-        results = [{"y": y_rows} for y_rows in wire_rows(y, items)]
-        start = now_ns()
-        for item, result, item_state in zip(items, results, states):
-            if item.call.args.get("return_state"):
-                result["state"] = to_wire(kept_state(item, item_state))
+        # The kernel reads the sessions' states from copies (h0): only the writes back change them.
+        written = []
+        with WritingState(written):
+            with server.kernel_timer(*(item.call for item in items)):
+                out = kernels.selective_scan(
+                    stacked["x"], stacked["dt"], shared["A"], stacked["B"], stacked["C"],
+                    D=shared["D"], z=stacked["z"], dt_bias=shared["dt_bias"], **lead.options,
+                    h0=stacked["h0"], return_state=need_state, layout=lead.call.args.get("layout", "bld"),
+                    backend=server.backend)
+                y, state = out if need_state else (out, None)
+                if not need_state:
+                    states = [None] * len(items)
+                elif len(items) == 1:  # alone: with cu_seqlens, one state row per packed sequence
+                    states = [state]
+                else:
+                    states = split_rows(state, items)
+                for item, item_state in zip(items, states):
+                    if item.session is not None:
+                        written.append(item.session)
+                        item.session.write(item_state)
+            results = [{"y": y_rows} for y_rows in wire_rows(y, items)]
+            start = now_ns()
+            for item, result, item_state in zip(items, results, states):
+                if item.call.args.get("return_state"):
+                    result["state"] = to_wire(kept_state(item, item_state))
         charge(items, "d2h", now_ns() - start)
         return results
 
@@ -176,18 +180,21 @@ class SsdScanOp(BatchedOp):
         shared = shared_tensors(server, item)
         charge(items, "h2d", now_ns() - start)
         need_state = item.session is not None or bool(item.call.args.get("return_state"))
-        with server.kernel_timer(item.call):
-            out = kernels.ssd_scan(
-                rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"], D=shared["D"], z=rows["z"],
-                dt_bias=shared["dt_bias"], h0=rows["h0"], return_state=need_state, backend=server.backend,
-                **item.options)
-            y, state = out if need_state else (out, None)
-            if item.session is not None:
-                item.session.write(state)
-        result = {"y": to_wire(y)}
-        start = now_ns()
-        if item.call.args.get("return_state"):
-            result["state"] = to_wire(kept_state(item, state))
+        written = []  # as ScanOp's: only the write back changes the session's state
+        with WritingState(written):
+            with server.kernel_timer(item.call):
+                out = kernels.ssd_scan(
+                    rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"], D=shared["D"], z=rows["z"],
+                    dt_bias=shared["dt_bias"], h0=rows["h0"], return_state=need_state, backend=server.backend,
+                    **item.options)
+                y, state = out if need_state else (out, None)
+                if item.session is not None:
+                    written.append(item.session)
+                    item.session.write(state)
+            result = {"y": to_wire(y)}
+            start = now_ns()
+            if item.call.args.get("return_state"):
+                result["state"] = to_wire(kept_state(item, state))
         charge(items, "d2h", now_ns() - start)
         return [result]
 

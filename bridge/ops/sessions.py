@@ -14,7 +14,7 @@ from ..batcher import (BatchedOp, Item, charge, dt_options, dtype_of, member_row
 from ..dispatcher import Call
 from ..errors import OpError, check_reply_fits, error_fields
 from ..native import NativeStep
-from ..sessions import ROW_AXES, StateLayout, state_row_bytes
+from ..sessions import ROW_AXES, StateLayout, StateLost, WritingState, state_row_bytes
 from ..tensors import WIRE_DTYPES, host_view, to_wire
 from ..timing import now_ns
 
@@ -50,6 +50,8 @@ def run_frames(server, call, session, undo) -> list[dict]:
             results.append(handler(server, Call(call.conn, request, call.timing, handler)))
         except Exception as exc:
             undo()
+            if isinstance(exc, StateLost) and (session.closed or not session.lost):
+                exc = exc.cause  # undone: the session is closed, or holds a whole state again
             raise frame_error(exc, i) from exc
         server.stats.record_frame(frame.op)
     return results
@@ -264,7 +266,8 @@ def session_snapshot(server, call) -> dict:
 
 
 def session_restore(server, call) -> dict:
-    session = server.session(call.conn, call.args["session"], "args.session")
+    # The whole state is overwritten: a session a failed step left lost is whole again.
+    session = server.session(call.conn, call.args["session"], "args.session", lost_ok=True)
     if "frames" not in call.args:
         server.snapshots.restore(call.conn.id, call.args["snapshot"], session, "args.snapshot")
         return {"restored": True}
@@ -338,25 +341,31 @@ class StepOp(BatchedOp):
 
     def run(self, server, items: list[Item]) -> list[dict]:
         lead = items[0]
+        sessions = [item.session for item in items]
+        # The kernels (and a capture, which computes nothing) check every argument before they
+        # compute: a step they refuse wrote no row.
+        refused = (kernels.KernelInputError,)
         # Captured steps (CUDA graphs) replay Mamba-1 state updates only.
         mamba2 = lead.session.kind == "ssd"
         if server.step_graphs is not None and not mamba2:
-            y = server.step_graphs.run(items, lead.shared)
-            if y is not None:  # on the host already, its copy charged as d2h
-                server.probe.note_launch()  # the replay waited for the device (no kernel_timer here)
-                return with_states(items, [{"y": y_rows} for y_rows in member_rows(to_wire(y), items)])
+            with WritingState(sessions, unwritten=refused):
+                y = server.step_graphs.run(items, lead.shared)
+                if y is not None:  # on the host already, its copy charged as d2h
+                    server.probe.note_launch()  # the replay waited for the device (no kernel_timer here)
+                    return with_states(items, [{"y": y_rows} for y_rows in member_rows(to_wire(y), items)])
         start = now_ns()
         rows = {name: stack_rows(server, [item.tensors[name] for item in items]) for name in ROW_ARGS}
         slots = stack_rows(server, [item.session.slots for item in items])
         shared = shared_tensors(server, lead)
         charge(items, "h2d", now_ns() - start)
-        with server.kernel_timer(*(item.call for item in items)):
-            update = kernels.ssd_state_update if mamba2 else kernels.selective_state_update
-            y = update(
-                lead.session.pool.rows, rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"],
-                D=shared["D"], z=rows["z"], dt_bias=shared["dt_bias"], **lead.options,
-                slots=slots, backend=server.backend)
-        return with_states(items, [{"y": y_rows} for y_rows in wire_rows(y, items)])
+        with WritingState(sessions, unwritten=refused):
+            with server.kernel_timer(*(item.call for item in items)):
+                update = kernels.ssd_state_update if mamba2 else kernels.selective_state_update
+                y = update(
+                    lead.session.pool.rows, rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"],
+                    D=shared["D"], z=rows["z"], dt_bias=shared["dt_bias"], **lead.options,
+                    slots=slots, backend=server.backend)
+            return with_states(items, [{"y": y_rows} for y_rows in wire_rows(y, items)])
 
 
 step = StepOp()

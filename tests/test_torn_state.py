@@ -1,0 +1,227 @@
+"""A step or prefill that fails partway through writing its sessions' state (SPEC §6.1,
+`state_lost`): its reply keeps the failure's own code and says the state is lost; every later
+op that reads or advances the state is refused `state_lost` until a `session_restore`, after
+which the session steps as a session holding the snapshot's state does; sessions the failing
+call was not writing are untouched.
+
+Failures are injected on in-process servers (tests/bridge_fakes.py): a model's mixer raising
+at its second layer, once the first has written its conv window and ssm state (the composed
+paths: the "torch" backend); a plain step's kernel raising once it has updated the rows; the
+native step path's kernel raising; a prefill's write back raising. A prefill whose scan fails
+has written nothing, and its session is not lost. Inputs are fresh random values, the seed in
+every failure message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from bridge.client import result_from_wire
+from bridge.models.runtime import Model
+from bridge.sessions import Session
+from bridge_fakes import served_natively
+from kernel_cases import random_seed
+from test_return_state import Case, Scene, assert_same_state, output_of
+
+CASES = {
+    "plain-mamba-step": Case("mamba", "step"),
+    "plain-ssd-step": Case("ssd", "step"),
+    "mamba-model-step": Case("mamba", "model_step"),
+    "mamba2-model-step": Case("mamba2", "model_step"),
+    "mamba-model-forward": Case("mamba", "model_forward"),
+    "mamba2-model-forward": Case("mamba2", "model_forward"),
+}
+
+
+def fail_partway(patched: pytest.MonkeyPatch, case: Case) -> tuple[str, list[int]]:
+    """Make `case.op` fail after it has written some of its sessions' state; returns the code
+    its reply then has, and a list that gets the rows of each failing call. A model fails at
+    its second layer (out of memory); a plain step once its kernel has updated the rows (a
+    device error reported late)."""
+    failed_rows = []
+    if case.op.startswith("model_"):
+        name = "_mixer_step" if case.op == "model_step" else "_mixer_seq"
+        mixer = getattr(Model, name)
+
+        def failing_at_the_second_layer(self, layer, h, *args):
+            if layer is self.layers[1]:
+                failed_rows.append(h.shape[0])
+                raise MemoryError("no room for the second layer's activations")
+            return mixer(self, layer, h, *args)
+
+        patched.setattr(Model, name, failing_at_the_second_layer)
+        return "limit_exceeded", failed_rows
+    name = "ssd_state_update" if case.kind == "ssd" else "selective_state_update"
+    update = getattr(kernels, name)
+
+    def failing_after_the_update(pool, x, *args, **kwargs):
+        update(pool, x, *args, **kwargs)
+        failed_rows.append(x.shape[0])
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    patched.setattr(kernels, name, failing_after_the_update)
+    return "internal_error", failed_rows
+
+
+def expect_lost(error: dict, code: str, session: str, seed: int) -> None:
+    """The failing request's error: its own code, the session named as lost."""
+    assert error["code"] == code, f"seed={seed}: {error}"
+    assert (error["detail"].get("state"), error["detail"].get("sessions")) == ("lost", [session]), \
+        f"seed={seed}: {error}"
+
+
+def expect_refused(scene: Scene, session: str, frame: dict) -> None:
+    """Every op that reads or advances the session's state is refused state_lost."""
+    for op, args in ((scene.case.op, frame), (scene.case.op, {**frame, "return_state": True}),
+                     ("session_state", {}), ("session_snapshot", {}), ("session_fork", {})):
+        reply = scene.srv.request(scene.conn, op, session=session, **args)
+        assert not reply.ok and reply.error["code"] == "state_lost", f"seed={scene.seed}: {op} {reply.error}"
+        assert reply.error["detail"] == {"field": "args.session", "session": session}, f"seed={scene.seed}"
+
+
+def expect_restored(scene: Scene, session: str, snapshot: str, twin: str) -> None:
+    """Restored from `snapshot`, the session steps as `twin` (a fork taken with the snapshot)."""
+    scene.call("session_restore", session=session, snapshot=snapshot)
+    for _ in range(2):
+        frame = scene.frame()
+        got, expected = (scene.call(scene.case.op, session=s, **frame) for s in (session, twin))
+        assert torch.equal(output_of(got), output_of(expected)), f"seed={scene.seed}: restored output"
+    assert_same_state(scene.state(session), scene.state(twin), f"seed={scene.seed}, restored state")
+
+
+def stepped_with_a_twin(scene: Scene) -> tuple[str, str, str]:
+    """(a session run a frame, a snapshot of it, a fork of it)."""
+    session = scene.open()
+    scene.call(scene.case.op, session=session, **scene.frame())
+    snapshot = scene.call("session_snapshot", session=session)["snapshot"]
+    return session, snapshot, scene.call("session_fork", session=session)["session"]
+
+
+@pytest.mark.parametrize("case, members", [
+    *(pytest.param(case, 1, id=f"{name}-alone") for name, case in CASES.items()),
+    # the batched ops' steps of two sessions sharing one launch
+    *(pytest.param(case, 2, id=f"{name}-sharing-a-launch")
+      for name, case in CASES.items() if case.op != "model_forward"),
+])
+def test_a_frame_failing_partway_loses_the_state_until_a_restore(inproc, monkeypatch, case, members):
+    """Every member of the failing launch loses its state, each reply naming its own session
+    alone; a fork, of the same pool (and model) but in no launch, keeps its state."""
+    seed = random_seed()
+    scene = Scene(inproc(backend="torch", max_delay_us=0), case, seed)
+    srv, conn = scene.srv, scene.conn
+    first, snapshot, twin = stepped_with_a_twin(scene)
+    sessions = [first, *(scene.open() for _ in range(members - 1))]
+    twin_before = scene.state(twin)
+    with monkeypatch.context() as patched:
+        code, failed_rows = fail_partway(patched, case)
+        srv.hold(conn)
+        ids = [srv.submit(conn, case.op, session=s, **scene.frame()) for s in sessions]
+        srv.go()
+        replies = [conn.reply(i) for i in ids]
+    assert failed_rows == [members * case.batch], f"seed={seed}: not one failing launch: {failed_rows}"
+    for session, reply in zip(sessions, replies):
+        assert not reply.ok, f"seed={seed}: the injected failure did not fail the request"
+        expect_lost(reply.error, code, session, seed)
+        expect_refused(scene, session, scene.frame())
+    assert_same_state(scene.state(twin), twin_before, f"seed={seed}, the untouched session")
+    expect_restored(scene, first, snapshot, twin)
+
+
+@pytest.mark.parametrize("case", [pytest.param(Case("mamba", "step"), id="plain-step"),
+                                  pytest.param(Case("mamba2", "model_step"), id="model-step")])
+def test_a_native_step_whose_kernel_fails_loses_the_state(inproc, monkeypatch, case):
+    """The native path's kernel may have written the rows when it fails: the reply says the
+    state is lost, the native path declines the session, which the general path refuses, and
+    a restored session is stepped natively again."""
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    native = scene.srv.server.fast_path
+    if native is None:
+        pytest.skip("no native step path: the C++ backend is not built here (make kernels)")
+    session, snapshot, twin = stepped_with_a_twin(scene)
+
+    class FailingKernel:
+        def fail(self, *args):
+            raise MemoryError("no room for the step")
+
+        run = run_ssd = run_model = fail
+
+    def submit(session: str, frame: dict):
+        return scene.conn.reply(scene.srv.submit(scene.conn, case.op, more_input=False, session=session, **frame))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(native, "_native", FailingKernel())
+        reply = submit(session, scene.frame())
+    expect_lost(reply.error, "limit_exceeded", session, seed)
+    refused = submit(session, scene.frame())
+    assert refused.error["code"] == "state_lost", f"seed={seed}: {refused.error}"
+    scene.call("session_restore", session=session, snapshot=snapshot)
+    frame = scene.frame()
+    stepped, expected = submit(session, frame), submit(twin, frame)
+    assert served_natively(stepped), f"seed={seed}: the restored session went the general way"
+    assert torch.equal(output_of(result_from_wire(stepped.result, as_torch=True)),
+                       output_of(result_from_wire(expected.result, as_torch=True))), f"seed={seed}"
+
+
+PREFILLS = [pytest.param(Case("mamba", "scan"), "selective_scan", id="scan"),
+            pytest.param(Case("ssd", "ssd_scan"), "ssd_scan", id="ssd-scan")]
+
+
+@pytest.mark.parametrize("case, kernel", PREFILLS)
+def test_a_prefill_whose_scan_fails_keeps_the_state(inproc, monkeypatch, case, kernel):
+    """The scan reads a copy of the session's state: failing, it has written nothing, and the
+    session is neither lost nor changed."""
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    session = scene.open()
+    scene.call(case.op, session=session, **scene.frame())
+    before = scene.state(session)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no room for the window")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kernels, kernel, out_of_memory)
+        error = scene.srv.request(scene.conn, case.op, session=session, **scene.frame()).error
+    assert error["code"] == "limit_exceeded" and "state" not in error["detail"], f"seed={seed}: {error}"
+    assert_same_state(scene.state(session), before, f"seed={seed}")
+    scene.call(case.op, session=session, **scene.frame())
+
+
+@pytest.mark.parametrize("case, kernel", PREFILLS)
+def test_a_prefill_failing_in_its_write_back_loses_the_state(inproc, monkeypatch, case, kernel):
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    session, snapshot, twin = stepped_with_a_twin(scene)
+    write = Session.write
+
+    def failing_after_the_write(self, state):
+        write(self, state)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Session, "write", failing_after_the_write)
+        error = scene.srv.request(scene.conn, case.op, session=session, **scene.frame()).error
+    expect_lost(error, "internal_error", session, seed)
+    expect_refused(scene, session, scene.frame())
+    expect_restored(scene, session, snapshot, twin)
+
+
+def test_a_rollback_whose_frame_fails_partway_is_undone_and_not_lost(inproc, monkeypatch):
+    """session_restore with frames: a frame failing partway is undone by the restore, so its
+    error says nothing of a lost state, and the session holds the snapshot's."""
+    seed = random_seed()
+    case = Case("mamba2", "model_step")
+    scene = Scene(inproc(backend="torch"), case, seed)
+    session, snapshot, twin = stepped_with_a_twin(scene)
+    scene.call(case.op, session=session, **scene.frame())
+    frames = [{"op": case.op, "args": scene.frame()} for _ in range(2)]
+    with monkeypatch.context() as patched:
+        code, _ = fail_partway(patched, case)
+        error = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=snapshot,
+                                  frames=frames).error
+    assert (error["code"], error["detail"].get("frame")) == (code, 0), f"seed={seed}: {error}"
+    assert "state" not in error["detail"] and "sessions" not in error["detail"], f"seed={seed}: {error}"
+    assert_same_state(scene.state(session), scene.state(twin), f"seed={seed}, the snapshot's state")
