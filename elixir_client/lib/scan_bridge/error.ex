@@ -21,11 +21,13 @@ defmodule ScanBridge.Error do
     * the server's error codes (protocol SPEC §7), e.g. `:shape_mismatch`, `:unknown_session`,
       `:overloaded`; whole models add `:unknown_model`, `:unknown_snapshot`,
       `:invalid_checkpoint` (its `detail["field"]` names the key or tensor at fault) and
-      `:path_not_allowed`; `:deadline_exceeded` (the request's budget, its call's deadline,
-      ran out on the server before it started: it was not run) and `:cancelled` (a `cancel`
-      dropped it before it started: it was not run). A code this client does not know becomes
-      `:internal_error`, as the specification requires; `code` keeps the string the server
-      sent.
+      `:path_not_allowed`; `:state_lost` (a step or prefill of the session failed partway,
+      its own error's `detail["state"]` being `"lost"`, and left its state undefined: restore
+      a snapshot into it or close it); `:deadline_exceeded` (the request's budget, its call's
+      deadline, ran out on the server before it started: it was not run) and `:cancelled` (a
+      `cancel` dropped it before it started: it was not run). A code this client does not
+      know becomes `:internal_error`, as the specification requires; `code` keeps the string
+      the server sent.
 
   `detail` is the server's `detail` map (string keys, e.g. `"field"`, `"expected"`, `"got"`)
   or, for client-side reasons, a map saying what happened (e.g. `%{"exit_status" => 137}`).
@@ -34,8 +36,8 @@ defmodule ScanBridge.Error do
   @server_codes ~w(frame_too_large decode_error invalid_request unsupported_version unknown_op
                    missing_argument invalid_argument unknown_dtype tensor_size_mismatch
                    shape_mismatch unknown_session unknown_handle unknown_model unknown_snapshot
-                   invalid_checkpoint path_not_allowed limit_exceeded unsupported overloaded
-                   shutting_down deadline_exceeded cancelled internal_error)
+                   state_lost invalid_checkpoint path_not_allowed limit_exceeded unsupported
+                   overloaded shutting_down deadline_exceeded cancelled internal_error)
   @reason_of_code Map.new(@server_codes, fn code -> {code, String.to_atom(code)} end)
 
   @type server_reason ::
@@ -53,6 +55,7 @@ defmodule ScanBridge.Error do
           | :unknown_handle
           | :unknown_model
           | :unknown_snapshot
+          | :state_lost
           | :invalid_checkpoint
           | :path_not_allowed
           | :limit_exceeded
