@@ -248,6 +248,19 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/other")
   end
 
+  test "a free that a member's server answers :unknown_model frees the name there" do
+    # a's server no longer holds the model: freed there directly, or restarted since
+    {group, [{a, keeper_a}, {b, keeper_b}]} = scripted_members([{[], [:unknown_model]}, {[], []}])
+
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/m")
+    assert :ok = Cluster.free_model(group, "m")
+    assert_received {:model_free, ^a}
+    assert_received {:model_free, ^b}
+    assert GenServer.call(keeper_a, :catalogue, 1_000) == %{}
+    assert GenServer.call(keeper_b, :catalogue, 1_000) == %{}
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/other")
+  end
+
   defp loading_server do
     receive do
       {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->

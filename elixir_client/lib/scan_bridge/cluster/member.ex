@@ -125,12 +125,14 @@ defmodule ScanBridge.Cluster.Member do
 
       {{_source, _opts, info}, catalogue} ->
         case ScanBridge.free_model(state.server, info, opts) do
-          :ok ->
+          {:error, %ScanBridge.Error{reason: reason}} = error when reason != :unknown_model ->
+            {error, state}
+
+          # :unknown_model: the server no longer holds it (freed there directly, or restarted),
+          # so it is freed; kept in the catalogue, it would refuse the name to other models
+          _freed ->
             ScanBridge.Server.name_model(state.server, name, nil)
             {:ok, %{state | catalogue: catalogue}}
-
-          {:error, _} = error ->
-            {error, state}
         end
     end
   end
