@@ -290,6 +290,9 @@ class StateLost(OpError):
         super().__init__(code, f"{message}; it left the state of session {', '.join(map(repr, ids))} undefined "
                                "(state_lost until a session_restore)", {**detail, "state": "lost", "sessions": ids})
         self.cause = cause
+        # Chained even where it is not raised (`of`): the server's log of an internal error
+        # then shows where the failure itself happened.
+        self.__cause__ = cause
         self.sessions = sessions
 
     def of(self, session: Session) -> BaseException:

@@ -14,6 +14,8 @@ every failure message.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -127,6 +129,25 @@ def test_a_frame_failing_partway_loses_the_state_until_a_restore(inproc, monkeyp
         expect_refused(scene, session, scene.frame())
     assert_same_state(scene.state(twin), twin_before, f"seed={seed}, the untouched session")
     expect_restored(scene, first, snapshot, twin)
+
+
+def test_a_failure_that_lost_the_state_is_logged_with_its_own_traceback(inproc, monkeypatch, caplog):
+    """The server's log of an internal error that left a session lost holds the traceback of
+    the failure itself: where it happened is what its maintainer needs."""
+    seed = random_seed()
+    case = Case("mamba", "step")
+    scene = Scene(inproc(backend="torch", max_delay_us=0), case, seed)
+    session = scene.open()
+    with monkeypatch.context() as patched, caplog.at_level(logging.ERROR, logger="bridge"):
+        code, _ = fail_partway(patched, case)
+        error = scene.srv.request(scene.conn, case.op, session=session, **scene.frame()).error
+        # The worker logs the failure once it has replied; it has when it answers the next.
+        refused = scene.srv.request(scene.conn, "session_state", session=session).error
+    expect_lost(error, code, session, seed)
+    assert refused["code"] == "state_lost", f"seed={seed}: {refused}"
+    (record,) = [r for r in caplog.records if r.getMessage() == "op step failed"]
+    logged = logging.Formatter().formatException(record.exc_info)
+    assert "in failing_after_the_update" in logged, f"seed={seed}: {logged}"
 
 
 @pytest.mark.parametrize("case", [pytest.param(Case("mamba", "step"), id="plain-step"),
