@@ -1275,6 +1275,109 @@ defmodule ScanBridge.ClusterTest do
     end
   end
 
+  describe "a session whose state its server lost" do
+    test "a frame failing partway is answered its error; the session is put back on its server" do
+      {g, trigger} = failing_group(2)
+      embeds = Models.embeds(1, 8, 8)
+      {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+      expected = for t <- 0..7, do: step!(reference, embeds, t)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+      {:ok, p} = Cluster.snapshot(s)
+      {:ok, q} = Cluster.snapshot(s)
+      got = for t <- 0..4, do: step!(s, embeds, t)
+      assert {:ok, %{member: owner, session: lost}} = Cluster.session_info(s)
+
+      # frame 5, into q, fails at the model's second layer: its state is lost on the server
+      File.write!(trigger, "")
+
+      assert {:error, %Error{reason: :limit_exceeded, detail: %{"state" => "lost"}}} =
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 5)}, snapshot_into: q)
+
+      refute File.exists?(trigger)
+
+      # reopened on the same server as before frame 5: the checkpoint after frame 2, then 3 and 4
+      assert {:ok, %{member: ^owner, session: healed} = info} = Cluster.session_info(s)
+      assert healed != lost
+      assert %{failovers: 0, status: :ok, frames_since_checkpoint: 2} = info
+      got = got ++ for t <- 5..7, do: step!(s, embeds, t)
+      for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+
+      # the snapshots' copies there are good, restored in place: q holds the state before frame 5
+      assert :ok = Cluster.restore(s, q)
+      Models.assert_rel_close(step!(s, embeds, 5), Enum.at(expected, 5), 1.0e-5, "after q")
+      assert :ok = Cluster.restore(s, p)
+      Models.assert_rel_close(step!(s, embeds, 0), hd(expected), 1.0e-5, "after p")
+      assert {:ok, %{member: ^owner, session: ^healed, failovers: 0}} = Cluster.session_info(s)
+    end
+
+    test "a frame that failed partway after its deadline is undone when the next is refused" do
+      {g, trigger} = failing_group(1)
+      [member] = Cluster.members(g)
+      embeds = Models.embeds(1, 6, 8)
+
+      # without checkpoints nothing rebuilds it: lost on its server until a restore
+      {:ok, plain} = Cluster.open_session(g, model: "tiny", batch: 1)
+      {:ok, p} = Cluster.snapshot(plain)
+      first = step!(plain, embeds, 0)
+      File.write!(trigger, "")
+
+      assert {:error, %Error{detail: %{"state" => "lost"}}} =
+               Cluster.model_step(plain, {:embeds, Models.frame(embeds, 1)})
+
+      assert {:error, %Error{reason: :state_lost}} =
+               Cluster.model_step(plain, {:embeds, Models.frame(embeds, 1)})
+
+      assert :ok = Cluster.restore(plain, p)
+      Models.assert_rel_close(step!(plain, embeds, 0), first, 1.0e-5, "after the restore")
+
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      got = for t <- 0..2, do: step!(s, embeds, t)
+      failures = ops_refused(member, "model_step")
+      # frame 3 fails a second after it is sent, its caller told :timeout before
+      File.write!(trigger, "1")
+
+      assert {:error, %Error{reason: :timeout}} =
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 3)}, timeout: 200)
+
+      assert eventually(fn -> ops_refused(member, "model_step") == failures + 1 end)
+
+      # the server refuses the next: the session is put back as before frame 3, which is undone
+      assert {:error, %Error{reason: :state_lost}} =
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 3)})
+
+      assert {:ok, %{status: :ok, failovers: 0}} = Cluster.session_info(s)
+      assert_as_fresh(g, got ++ for(t <- 3..5, do: step!(s, embeds, t)), embeds)
+    end
+  end
+
+  # A group of `n` members, "tiny" loaded, whose servers fail a model step at its second layer
+  # once a file is written, a second or so late when it says so (support/failing_server):
+  # {the group, that file}.
+  defp failing_group(n) do
+    trigger = Path.join(System.tmp_dir!(), "scan-bridge-fail-#{System.unique_integer([:positive])}")
+    on_exit(fn -> File.rm(trigger) end)
+    env = TestSupport.server_opts()[:env]
+    {"PYTHONPATH", path} = List.keyfind(env, "PYTHONPATH", 0)
+    failing = Path.join(__DIR__, "support/failing_server") <> ":" <> path
+
+    env = [
+      {"SCAN_BRIDGE_TEST_FAIL_PARTWAY", trigger}
+      | List.keystore(env, "PYTHONPATH", 0, {"PYTHONPATH", failing})
+    ]
+
+    g = group()
+    # the composed model step, whose layers the failure is injected between
+    start_members(g, n,
+      args: ["--device", "cpu", "--backend", "torch", "--no-native-step"],
+      env: env
+    )
+
+    assert {:ok, %{members: ^n}} =
+             Cluster.load_model(g, "tiny", Models.backbone(Models.config(:mamba2), 7))
+
+    {g, trigger}
+  end
+
   # Two members of `g`, the checkpoint "tiny" on one's host only (loaded there, not on the
   # other's): {that member, the other, a function copying it to the other's host}.
   defp tiny_on_one_of_two(g) do

@@ -16,6 +16,10 @@ defmodule ScanBridge.Cluster.Session do
   trip) and, with checkpoints, the checkpoint and kept frames of the moment it was taken: after
   a failover it is restored by opening the session afresh from them, as a rebuild does.
 
+  A frame that fails partway on the owner leaves the session's state there undefined (SPEC
+  §6.1, `state_lost`): with checkpoints the session is reopened there from them, as it was
+  before that frame, as a rebuild does.
+
   The rebuilt session is exactly the one the caller has seen, or the session is given up
   (`:session_lost`): a frame that timed out may or may not have been done by the owner, so once a
   later frame has been answered by it, the kept frames no longer say what the state is, and until
@@ -284,7 +288,7 @@ defmodule ScanBridge.Cluster.Session do
     {:stop, :normal, outcome, release(state, earlier(deadline, checkpoint_deadline()))}
   end
 
-  def handle_call({:snapshot, deadline}, _from, state) do
+  def handle_call({:snapshot, deadline}, from, state) do
     on_owner(state, deadline, fn state ->
       case ScanBridge.snapshot(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
         {:ok, remote} ->
@@ -296,7 +300,7 @@ defmodule ScanBridge.Cluster.Session do
 
         {:error, _} = error ->
           # a gone owner is rebuilt by its monitor
-          {:reply, error, state}
+          failed(state, from, [], error)
       end
     end)
   end
@@ -346,14 +350,14 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   # What a fork opens from: this session's dims, checkpoint interval and state now.
-  def handle_call({:fork, deadline}, _from, state) do
+  def handle_call({:fork, deadline}, from, state) do
     on_owner(state, deadline, fn state ->
       case ScanBridge.session_state(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
         {:ok, saved} ->
           {:reply, {:ok, %{dims: state.dims, every: state.every, state: saved}}, state}
 
         {:error, _} = error ->
-          {:reply, error, state}
+          failed(state, from, [], error)
       end
     end)
   end
@@ -425,7 +429,7 @@ defmodule ScanBridge.Cluster.Session do
                 {:reply, outcome, %{state | status: unsure(state.status)}}
 
               true ->
-                {:reply, outcome, state}
+                failed(state, from, opts, outcome)
             end
 
           {{:ok, _} = outcome, saved, state} ->
@@ -461,13 +465,54 @@ defmodule ScanBridge.Cluster.Session do
             {:noreply, advanced(state, kind, input, opts, saved)}
 
           {{:error, %Error{} = error} = outcome, _saved, state} ->
-            state = if Cluster.gone?(error), do: owner_gone(state, error.message), else: state
-
-            {:reply, outcome, state}
+            if Cluster.gone?(error),
+              do: {:reply, outcome, owner_gone(state, error.message)},
+              else: failed(state, from, opts, outcome)
 
           {raised, _saved, state} ->
             {:reply, raised, state}
         end
+    end
+  end
+
+  # An error from the owner, answered; one that says its copy of the state is lost (SPEC §6.1:
+  # this frame failed partway, or one before it did, a frame that timed out say, and this call
+  # was refused) then has the session put back as the checkpoint and kept frames say.
+  defp failed(state, from, opts, {:error, error} = outcome) do
+    cond do
+      error.detail["state"] == "lost" ->
+        # the server copied the state before the frame into snapshot_into's snapshot first
+        GenServer.reply(from, outcome)
+        {:noreply, state |> took_snapshot_into(opts) |> heal(Cluster.deadline(@rebuild_timeout_ms))}
+
+      error.reason == :state_lost ->
+        GenServer.reply(from, outcome)
+        {:noreply, heal(state, Cluster.deadline(@rebuild_timeout_ms))}
+
+      true ->
+        {:reply, outcome, state}
+    end
+  end
+
+  # The session reopened on its owner from the checkpoint, the kept frames run again (a frame
+  # that timed out is undone, as by a rebuild): its snapshots' copies there are the connection's,
+  # not the session's, and stay good. Where the owner does not take it, it is rebuilt on another
+  # member. Without checkpoints, or with kept frames that cannot reproduce the state, the session
+  # stays lost on its owner, whose server refuses it (state_lost) until a restore.
+  defp heal(%{every: nil} = state, _deadline), do: state
+  defp heal(%{status: :tainted} = state, _deadline), do: state
+
+  defp heal(state, deadline) do
+    _closed = close_remote(state, deadline)
+
+    case open_on(state, state.owner, deadline, nil) do
+      {:ok, remote, :not_run} ->
+        %{state | remote: remote, status: :ok, state_on_reply: true}
+
+      _failed ->
+        %{state | remote: nil, skipped: [state.owner | state.skipped]}
+        |> leave_owner(deadline)
+        |> rebuild(deadline)
     end
   end
 
@@ -1011,25 +1056,9 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   defp restore_by_replay(state, {checkpoint, log}, deadline) do
-    state =
-      if state.owner do
-        _closed = close_remote(state, deadline)
-        Process.demonitor(state.owner_monitor, [:flush])
-        Balancer.checkin(state.token)
-        # the session may reopen elsewhere and come back later: a copy left here would then be
-        # restored in place of the state its snapshot has since been given (snapshot_into)
-        forget_copies(state, state.owner, deadline)
-      else
-        state
-      end
-
     fresh = %{
-      state
-      | owner: nil,
-        owner_monitor: nil,
-        remote: nil,
-        token: nil,
-        checkpoint: checkpoint,
+      leave_owner(state, deadline)
+      | checkpoint: checkpoint,
         log: log,
         status: :ok,
         skipped: []
@@ -1047,6 +1076,20 @@ defmodule ScanBridge.Cluster.Session do
         state = lose(state, "restoring a snapshot failed: #{error.message}")
         {:reply, {:error, error}, state}
     end
+  end
+
+  # The session taken off an owner that is still there, to be placed afresh: closed there (unless
+  # `remote` is nil: closed already), its snapshots' copies there freed by `deadline` (the
+  # session may reopen elsewhere and come back later: a copy left would then be restored in place
+  # of the state its snapshot has since been given, by snapshot_into), its place given back.
+  defp leave_owner(%{owner: nil} = state, _deadline), do: state
+
+  defp leave_owner(state, deadline) do
+    _closed = if state.remote, do: close_remote(state, deadline)
+    Process.demonitor(state.owner_monitor, [:flush])
+    Balancer.checkin(state.token)
+    state = forget_copies(state, state.owner, deadline)
+    %{state | owner: nil, owner_monitor: nil, remote: nil, token: nil}
   end
 
   ## A model step into a snapshot (`snapshot_into:`, a snapshot reference of this keeper's)
