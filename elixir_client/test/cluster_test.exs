@@ -3,7 +3,7 @@ defmodule ScanBridge.ClusterTest do
   # nodes is in cluster_peers_test.exs.
   use ExUnit.Case, async: false
 
-  import ScanBridge.TestSupport, only: [eventually: 1, freeze: 1, thaw: 1]
+  import ScanBridge.TestSupport, only: [eventually: 1, eventually: 2, freeze: 1, thaw: 1]
   alias ScanBridge.{Cluster, Error, Tensor, TestSupport}
   alias ScanBridge.Cluster.Balancer
   alias ScanBridge.TestSupport.Models
@@ -1333,13 +1333,14 @@ defmodule ScanBridge.ClusterTest do
       {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
       got = for t <- 0..2, do: step!(s, embeds, t)
       failures = ops_refused(member, "model_step")
-      # frame 3 fails a second after it is sent, its caller told :timeout before
-      File.write!(trigger, "1")
+      # frame 3 fails two seconds after it starts, its caller told :timeout before; the timeout
+      # leaves a slow box time to start the frame, which a deadline passed first would cancel
+      File.write!(trigger, "2")
 
       assert {:error, %Error{reason: :timeout}} =
-               Cluster.model_step(s, {:embeds, Models.frame(embeds, 3)}, timeout: 200)
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 3)}, timeout: 1_000)
 
-      assert eventually(fn -> ops_refused(member, "model_step") == failures + 1 end)
+      assert eventually(fn -> ops_refused(member, "model_step") == failures + 1 end, 10_000)
 
       # the server refuses the next: the session is put back as before frame 3, which is undone
       assert {:error, %Error{reason: :state_lost}} =
@@ -1351,14 +1352,21 @@ defmodule ScanBridge.ClusterTest do
   end
 
   # A group of `n` members, "tiny" loaded, whose servers fail a model step at its second layer
-  # once a file is written, a second or so late when it says so (support/failing_server):
-  # {the group, that file}.
+  # once a file is written, seconds late when it says so (support/failing_server):
+  # {the group, that file}. The hook is copied into a directory of this run's own, so that no
+  # other run shares the file and no bytecode is written into the source tree.
   defp failing_group(n) do
-    trigger = Path.join(System.tmp_dir!(), "scan-bridge-fail-#{System.unique_integer([:positive])}")
-    on_exit(fn -> File.rm(trigger) end)
+    dir = Models.tmp_dir!()
+
+    File.cp!(
+      Path.join(__DIR__, "support/failing_server/sitecustomize.py"),
+      Path.join(dir, "sitecustomize.py")
+    )
+
+    trigger = Path.join(dir, "fail-partway")
     env = TestSupport.server_opts()[:env]
     {"PYTHONPATH", path} = List.keyfind(env, "PYTHONPATH", 0)
-    failing = Path.join(__DIR__, "support/failing_server") <> ":" <> path
+    failing = dir <> ":" <> path
 
     env = [
       {"SCAN_BRIDGE_TEST_FAIL_PARTWAY", trigger}
