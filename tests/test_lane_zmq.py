@@ -528,7 +528,7 @@ def reused_descriptor_round(ipc_path: str, routing_id: bytes | None) -> bool:
         wait_until(lambda: not any(os.path.lexists(f"/proc/self/fd/{fd}") for fd in old_fds),
                    "the old connection's descriptors stayed open", timeout=5)
         # And the ROUTER let go of its routing id: it turns away a connection with an id in use.
-        wait_until(lambda: not routable(server_socket, old_peer.key[1]), "the old routing id stayed in use",
+        wait_until(lambda: released(server_socket, old_peer.key[1]), "the old routing id stayed in use",
                    timeout=5)
         new_client = peer_sends(b"new")
         transport._receive(0, server_socket)
@@ -557,6 +557,17 @@ def routable(sock: zmq.Socket, routing_id: bytes) -> bool:
         if exc.errno != zmq.EHOSTUNREACH:
             raise
         return False
+    return True
+
+
+def released(sock: zmq.Socket, routing_id: bytes) -> bool:
+    """Whether the ROUTER `sock` has let go of `routing_id`, so that a new connection may take
+    it. An ended connection is unroutable at once but keeps its id until the ROUTER reads the
+    end from its pipe, which a poll does; a connection that came under the id meanwhile would be
+    ignored for good."""
+    if routable(sock, routing_id):
+        return False
+    sock.poll(0)
     return True
 
 
@@ -609,7 +620,7 @@ def test_a_zmq_request_read_after_its_connection_ended_is_its_gone_peers(tmp_pat
             # reply is not its.
             held.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(4))
             # The ROUTER turns away a connection with a routing id still in use.
-            wait_until(lambda: not routable(server_socket, routing_id), "the routing id stayed in use", timeout=5)
+            wait_until(lambda: released(server_socket, routing_id), "the routing id stayed in use", timeout=5)
             back = client()
             back.send(b"back")
             assert server_socket.poll(5000, zmq.POLLIN), "the server never got the returning client's message"
