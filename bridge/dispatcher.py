@@ -58,6 +58,13 @@ PARALLEL_OP_ELEMENTS = 1 << 17
 log = logging.getLogger("bridge")
 
 
+def start_openmp_team() -> None:
+    """Run one parallel torch op on the calling thread, so that its OpenMP team is born now
+    (Dispatcher._prepare_thread)."""
+    if torch.get_num_threads() > 1:
+        torch.ones(PARALLEL_OP_ELEMENTS).mul_(2)  # above ATen's grain: runs as a parallel region
+
+
 @dataclass(eq=False)
 class Call:
     """One request in flight."""
@@ -160,6 +167,8 @@ class Dispatcher:
         self._serving = threading.Lock()
         self.accepting = True
         self._stopped = False  # set by stop() under the serving lock: no op runs after it
+        # Held while a thread's first frame starts its OpenMP team (a torch op, beside the ops).
+        self._preparing = threading.Lock()
         self.policy = BatchPolicy(server.config.max_delay_us, server.config.max_batch)
         # A request taken from the queue while gathering a batch that it could not join: the
         # worker serves it next (worker thread only).
@@ -170,19 +179,20 @@ class Dispatcher:
     def start(self) -> None:
         self._worker.start()
 
-    @staticmethod
-    def _prepare_thread() -> None:
+    def _prepare_thread(self) -> None:
         """Start the calling thread's OpenMP team, once per thread, before it serves anything.
         OpenMP gives each thread that runs a parallel torch op a team of its own, born at its
         first such op; which thread serves a request (a reader when idle, the worker when busy)
         depends on timing, so teams born on first use made a long-lived server's thread count
         grow after warm-up. Prepared here, every thread that can serve has its team from its
-        first frame (bench.soak checks the count stays flat)."""
+        first frame (bench.soak checks the count stays flat). None starts once the dispatcher
+        has stopped: it serves nothing then, and stop() waits for one in progress."""
         if getattr(_thread_state, "prepared", False):
             return
         _thread_state.prepared = True
-        if torch.get_num_threads() > 1:
-            torch.ones(PARALLEL_OP_ELEMENTS).mul_(2)  # above ATen's grain: runs as a parallel region
+        with self._preparing:
+            if not self._stopped:
+                start_openmp_team()
 
     def on_frame(self, conn, body, received_ns: int, release: Callable | None = None,
                  buffers=(), *, more_input: bool | Callable[[], bool] = True) -> None:
@@ -250,7 +260,12 @@ class Dispatcher:
             inline = not more_input
         if not (admitted and inline and self._serve_on(call, reader=True)):
             self.server.queued.add(call, self._fail)
-            self._queue.put(call)
+            # Listed before this check, it is answered once stopped: by stop() if it stopped
+            # after, else here (unless stop() took it first). No worker is left to serve it.
+            if not self._stopped:
+                self._queue.put(call)
+            elif self.server.queued.take(call):
+                self._fail(call, self._stopped_error())
 
     def _admit(self, fast: bool = False, immediate: bool = False) -> bool | OpError | None:
         """Count a request in flight. Returns whether the server was idle (nothing in flight);
@@ -358,13 +373,15 @@ class Dispatcher:
 
     def stop(self, timeout: float) -> bool:
         """Stop the worker once it has served what was queued before this, wait up to `timeout`
-        seconds for it to end and for an op a reader thread is serving (an idle server's, the
-        fast path's) to end; returns whether both have. A request a reader thread would serve
-        after that is answered `shutting_down`, unrun. Waited for: an embedding that lets the
-        interpreter finalize with a daemon thread (the worker, a lane's reader) inside an op has
-        it ended as it takes the GIL back, which inside a C++ op's released-GIL scope (torch's)
-        is std::terminate. Bounded: an op that never ends (a wedged device) must not hold the
-        caller for good. `python -m bridge` never stops it: it drains, then leaves by os._exit."""
+        seconds for it to end, for an op a reader thread is serving (an idle server's, the fast
+        path's) and for a thread's first-frame preparation (_prepare_thread) to end; returns
+        whether all have. What is still queued then, and every request after that but an
+        `immediate` one, is answered `shutting_down`, unrun. Waited for: an embedding that lets
+        the interpreter finalize with a daemon thread (the worker, a lane's reader) inside an op
+        has it ended as it takes the GIL back, which inside a C++ op's released-GIL scope
+        (torch's) is std::terminate. Bounded: an op that never ends (a wedged device) must not
+        hold the caller for good. `python -m bridge` never stops it: it drains, then leaves by
+        os._exit."""
         deadline = time.monotonic() + timeout
         self._queue.put(_STOP)
         if self._worker.is_alive():
@@ -377,6 +394,11 @@ class Dispatcher:
             return False
         self._stopped = True
         self._serving.release()
+        # Queued after the worker took its stop: no one else would answer them.
+        self.server.queued.drop_all(self._stopped_error())
+        if not self._preparing.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        self._preparing.release()
         return True
 
     def _stopped_error(self) -> OpError | None:

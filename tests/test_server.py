@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import bridge.dispatcher
 import protocol
 from bridge.client import PortClient, server_env
 from bridge.device import choose_device
@@ -390,6 +392,67 @@ def test_a_request_a_reader_thread_would_serve_once_the_dispatcher_stopped_is_re
     conn = RecordingConnection()
     reply = conn.reply(srv.submit(conn, "info", more_input=False))
     assert not reply.ok and reply.error["code"] == "shutting_down"
+    assert not ran
+
+
+def test_a_request_queued_as_or_after_the_dispatcher_stops_is_refused_unrun(inproc):
+    """What goes to the queue once the worker has taken its stop is answered shutting_down,
+    unrun: found in review, it was never answered (no worker was left to serve it), so an
+    embedding's caller waited for good. Queued while stop() waits for a reader's op, it is
+    answered as stop() ends; queued once stopped, as it is handed over."""
+    ran = []
+    srv = inproc(handlers={"info": lambda server, call: ran.append(call) or {}})
+    conn = RecordingConnection()
+    srv.hold_on_reader(conn)
+    stopped = []
+    stopper = threading.Thread(target=lambda: stopped.append(srv.dispatcher.stop(60)), name="stopper")
+    stopper.start()
+    wait_until(lambda: not srv.dispatcher._worker.is_alive(), "the worker never took its stop")
+    while_stopping = srv.submit(conn, "info")  # more input may follow: queued
+    srv.go()
+    stopper.join(60)
+    assert stopped == [True]
+    once_stopped = srv.submit(conn, "info")
+    for request_id in (while_stopping, once_stopped):
+        reply = conn.reply(request_id, timeout=0)
+        assert not reply.ok and reply.error["code"] == "shutting_down", (request_id, reply)
+    assert not ran
+
+
+def test_stop_waits_for_a_reader_threads_first_frame_preparation_and_none_starts_after(inproc, monkeypatch):
+    """A reader thread's first frame runs a torch op (bridge.dispatcher.start_openmp_team)
+    outside the serving lock: found in review, stop() neither waited for one in progress (it
+    said all had ended) nor kept one from starting after, on a daemon thread an embedding's
+    exit could end inside it (as test_an_embedding_that_stops_its_dispatcher_during_an_op_exits_quietly)."""
+    ran = []
+    srv = inproc(handlers={"info": lambda server, call: ran.append(call) or {}})
+    inside, release, teams = threading.Event(), threading.Event(), []
+    start_team = bridge.dispatcher.start_openmp_team
+
+    def held_team() -> None:
+        if not threading.current_thread().name.startswith("first-frame"):
+            return start_team()  # the worker's, say: not this test's
+        teams.append(threading.current_thread().name)
+        inside.set()
+        if not release.wait(60):
+            raise TimeoutError("the test never let the preparation end")
+
+    monkeypatch.setattr(bridge.dispatcher, "start_openmp_team", held_team)
+    conn = RecordingConnection()
+    ids = []
+    reader = threading.Thread(target=lambda: ids.append(srv.submit(conn, "info")), name="first-frame-1")
+    reader.start()
+    assert inside.wait(60)
+    assert not srv.dispatcher.stop(1), "stop() said all had ended with a preparation in progress"
+    release.set()
+    reader.join(60)
+    assert srv.dispatcher.stop(60)
+    after = threading.Thread(target=lambda: ids.append(srv.submit(conn, "info")), name="first-frame-2")
+    after.start()
+    after.join(60)
+    assert teams == ["first-frame-1"]
+    for request_id in ids:
+        assert conn.reply(request_id, timeout=0).error["code"] == "shutting_down"
     assert not ran
 
 
