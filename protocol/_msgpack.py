@@ -75,12 +75,24 @@ def items(encoded: memoryview):
     1-byte items would otherwise cost an object each, many times the frame's size, before its
     first item is looked at. msgpack's C unpacker steps over each item without building it;
     nesting past its stack raises msgpack.StackError."""
-    first = encoded[0]
-    start = 1 if first < 0xA0 else 1 + _CONTAINER_HEADERS[first]
+    return _values(encoded, count(encoded))
+
+
+def entries(encoded: memoryview):
+    """The entries of an encoded map as (key, value) views, one at a time, as `items` steps
+    over an array's items."""
+    values = _values(encoded, 2 * count(encoded))
+    for key in values:
+        yield key, next(values)
+
+
+def _values(encoded: memoryview, n: int):
+    # The n values after the container's header.
+    start = 1 if encoded[0] < 0xA0 else 1 + _CONTAINER_HEADERS[encoded[0]]
     unpacker = msgpack.Unpacker(max_buffer_size=len(encoded))
     unpacker.feed(encoded[start:])
     pos = start
-    for _ in range(count(encoded)):
+    for _ in range(n):
         unpacker.skip()
         end = start + unpacker.tell()
         yield encoded[pos:end]

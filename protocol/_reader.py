@@ -13,7 +13,7 @@ from typing import Iterator, NoReturn, Union
 import msgpack
 import msgspec
 
-from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, items, kind, payload
+from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, entries, items, kind, payload
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
 from .schema import KIND_EXPECTED, LAYOUTS, OUTPUTS, SESSION_KINDS, WEIGHTS_DTYPES, valid_request_id
@@ -23,7 +23,16 @@ _TENSOR_KEYS = ("dtype", "shape", "data")
 # A tensor of a multipart message: "buf" (an index into the message's raw buffers) stands
 # where "data" would.
 _BUFFER_TENSOR_KEYS = ("dtype", "shape", "buf")
+# Every key a tensor or handle map may hold.
+_TENSOR_NAMES = frozenset(("dtype", "shape", "data", "buf", "handle"))
 _ABSENT = msgspec.Raw(b"")
+# About what decoding a map costs an entry (its key, a Raw, a dict slot). A map of more than a
+# few entries with fewer bytes an entry than that would cost more than its size decoded at once;
+# one of a few entries costs little, and is decoded to name what is wrong with it.
+_DECODED_ENTRY_BYTES = 128
+_FEW_ENTRIES = 64
+# Only a map16 or map32 header announces more than a fixmap's 15 entries.
+_LONG_MAPS = (0xDE, 0xDF)
 DEADLINE_EXPECTED = "a uint of microseconds, or nil"
 
 
@@ -47,10 +56,15 @@ _PY_TO_MSGPACK = {int: "int", float: "float", bool: "bool", type(None): "nil", b
 
 def decode_top_map(body) -> dict[str, msgspec.Raw]:
     """The body's top-level map, values left encoded. Raises DecodeError / InvalidRequest."""
+    encoded = memoryview(body).cast("B")
+    if more_entries(encoded, 0) and _one_map(body):
+        # No request or reply has that many keys. Which are wrong cannot be told without
+        # decoding an object a key: nor can the id, or whether it is a legacy request.
+        raise InvalidRequest("body", f"a map of at most {_FEW_ENTRIES} keys", describe(encoded))
     try:
         top = MAP_DECODER.decode(body)
     except msgspec.ValidationError:
-        got = kind(memoryview(body).cast("B"))
+        got = kind(encoded)
         raise DecodeError(f"body: expected one msgpack map, got {got}",
                           detail={"expected": "one msgpack map", "got": got}) from None
     except DECODE_FAILURES as e:
@@ -65,8 +79,15 @@ def decode_top_map(body) -> dict[str, msgspec.Raw]:
                           detail={"expected": "one msgpack map", "got": str(e)}) from None
     # Which format the map is in decides the shape of the error reply.
     legacy = "id" not in top and "v" not in top
-    Reader(legacy=legacy).check_keys(top, memoryview(body).cast("B"), "body", InvalidRequest)
+    Reader(legacy=legacy).check_keys(top, encoded, "body", InvalidRequest)
     return top
+
+
+def more_entries(encoded: memoryview, most: int) -> bool:
+    """Whether `encoded` is a map of more entries than `most`, the keys it may hold, and than
+    a few: some key of it is unknown or given twice, and decoding them would cost an object
+    each. Callers refuse it from this header."""
+    return encoded.nbytes > 0 and encoded[0] in _LONG_MAPS and count(encoded) > max(most, _FEW_ENTRIES)
 
 
 def _one_map(body) -> bool:
@@ -106,10 +127,22 @@ class Reader:
     def check_keys(self, entries: dict, encoded: memoryview, field: str, cls) -> None:
         for key in entries:
             if type(key) is not str:
-                kind = _PY_TO_MSGPACK.get(type(key), "non-str")
-                self.fail(cls, field, "a map with str keys", f"{'an' if kind == 'int' else 'a'} {kind} key {key!r}")
+                self._not_str_key(key, field, cls)
         if len(entries) != count(encoded):
-            self.fail(cls, field, "a map with distinct keys", "a key given more than once")
+            self._repeated_key(field, cls)
+
+    def _not_str_key(self, key, field: str, cls) -> NoReturn:
+        kind = _PY_TO_MSGPACK.get(type(key), "non-str")
+        self.fail(cls, field, "a map with str keys", f"{'an' if kind == 'int' else 'a'} {kind} key {key!r}")
+
+    def _repeated_key(self, field: str, cls) -> NoReturn:
+        self.fail(cls, field, "a map with distinct keys", "a key given more than once")
+
+    def at_most(self, raw: msgspec.Raw, most: int, field: str, expected: str) -> None:
+        """Refuses a map of `more_entries` than `most` from its header."""
+        encoded = memoryview(raw)
+        if more_entries(encoded, most):
+            self.fail(InvalidArgument, field, expected, describe(encoded))
 
     def map(self, raw: msgspec.Raw, field: str, expected: str, cls) -> dict[str, msgspec.Raw]:
         encoded = memoryview(raw)
@@ -274,8 +307,29 @@ class Reader:
 
     def tensors(self, raw: msgspec.Raw, field: str) -> dict:
         """A map of names to tensors (or handles), each checked as a tensor argument is."""
+        encoded = memoryview(raw)
+        if kind(encoded) == "map":
+            n = count(encoded)
+            if n > _FEW_ENTRIES and n * _DECODED_ENTRY_BYTES > encoded.nbytes:
+                self._check_tensors_one_at_a_time(encoded, field)
         entries = self.map(raw, field, KIND_EXPECTED["tensors"], InvalidArgument)
         return {key: self.tensor(value, f"{field}.{key}") for key, value in entries.items()}
+
+    def _check_tensors_one_at_a_time(self, encoded: memoryview, field: str) -> None:
+        # A map of many small entries would cost many times its size decoded at once, before
+        # its first value is looked at: its values are checked as they are stepped over
+        # (`_msgpack.entries`), the first that is no tensor refused before the rest are read.
+        # What they decode to is not kept: a view of each would cost more than the decode.
+        expected = KIND_EXPECTED["tensors"]
+        try:
+            for key, value in entries(encoded):
+                key = self._decode(ANY_DECODER, key, field, expected)
+                if type(key) is not str:
+                    self._not_str_key(key, field, InvalidArgument)
+                if self.valid_tensor(value, True, self.buffers) is None:
+                    self.tensor(value, f"{field}.{key}")
+        except msgpack.StackError:
+            self._too_deep(encoded, field, expected, "msgpack's unpacker stack")
 
     def size_or_tensors(self, raw: msgspec.Raw, field: str) -> int | dict:
         if kind(memoryview(raw)) == "map":
@@ -307,6 +361,7 @@ class Reader:
         """The tensor checked one value at a time, failing with the first thing wrong: what
         runs when `valid_tensor` declines, and what tests compare `valid_tensor` with."""
         expected = KIND_EXPECTED["tensor" if allow_handle else "tensor_data"]
+        self.at_most(raw, len(_TENSOR_NAMES), field, expected)
         entries = self.map(raw, field, expected, InvalidArgument)
         if "handle" in entries:
             if not allow_handle:

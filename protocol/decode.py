@@ -16,7 +16,7 @@ from typing import Annotated, ClassVar, Literal, NoReturn, Union
 import msgspec
 
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind
-from ._reader import _ARRAY_DECODER, Reader, buffer_views, decode_top_map
+from ._reader import _ARRAY_DECODER, Reader, buffer_views, decode_top_map, more_entries
 from .codecs import V1
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
@@ -209,8 +209,7 @@ def _decode_v1_checked(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, .
     spec = OPS.get(op)
     if spec is None:
         reader.fail(UnknownOp, "op", "one of " + ", ".join(OPS), f"str {op!r}", known=list(OPS))
-    entries = (reader.map(top["args"], "args", "a map of arguments", InvalidRequest)
-               if "args" in top else {})
+    entries = _args_map(reader, top["args"], "args", op, spec, _MOST_ARGS[op], InvalidRequest) if "args" in top else {}
     args = _read_args(reader, op, spec, entries)
     reader.check_buffers_used()
     return Request(reader.request_id, op, args, multipart=bool(buffers), deadline_us=deadline_us)
@@ -229,6 +228,25 @@ def _check_version(reader: Reader, raw: msgspec.Raw) -> None:
     if ANY_DECODER.decode(raw) not in SUPPORTED_VERSIONS:
         reader.fail(UnsupportedVersion, "v", " or ".join(map(str, SUPPORTED_VERSIONS)),
                     describe(encoded), supported=list(SUPPORTED_VERSIONS))
+
+
+def _names(spec: dict[str, Arg]) -> int:
+    # The keys a map of these arguments may hold: each name, and its alias (nil beside it is absent).
+    return len(spec) + sum(name in spec for name in ALIASES.values())
+
+
+_MOST_ARGS = {op: _names(spec) for op, spec in OPS.items()}
+_MOST_FRAME_ARGS = {op: _names(spec) for op, spec in FRAME_ARGS.items()}
+
+
+def _args_map(reader: Reader, raw: msgspec.Raw, field: str, op: str, spec: dict[str, Arg], most: int, cls) -> dict:
+    """The map of `op`'s arguments at `field` (`most`: the keys it may hold)."""
+    encoded = memoryview(raw)
+    if more_entries(encoded, most):  # an unknown argument's error, for one that cannot be named
+        reader.fail(InvalidArgument, field,
+                    f"a map of at most {most} entries (the arguments of {op} and their aliases)",
+                    describe(encoded), known=list(spec))
+    return reader.map(raw, field, "a map of arguments", cls)
 
 
 def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, prefix: str = "args.") -> dict:
@@ -278,6 +296,7 @@ def _read_frames(reader: Reader, raw: msgspec.Raw, field: str, op: str) -> tuple
     frames = []
     for i, item in enumerate(items):
         at = f"{field}[{i}]"
+        reader.at_most(item, len(_FRAME_KEYS), at, "a map {op, args}")
         entries = reader.map(item, at, "a map {op, args}", InvalidArgument)
         for key in entries:
             if key not in _FRAME_KEYS:
@@ -289,7 +308,9 @@ def _read_frames(reader: Reader, raw: msgspec.Raw, field: str, op: str) -> tuple
             reader.fail(InvalidArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS) + " (the ops that advance a session)",
                         f"str {frame_op!r}")
         args_raw = entries.get("args")
-        call_args = {} if args_raw is None else reader.map(args_raw, f"{at}.args", "a map of arguments", InvalidArgument)
+        call_args = ({} if args_raw is None else
+                     _args_map(reader, args_raw, f"{at}.args", frame_op, FRAME_ARGS[frame_op],
+                               _MOST_FRAME_ARGS[frame_op], InvalidArgument))
         frames.append(Frame(frame_op, _read_args(reader, frame_op, FRAME_ARGS[frame_op], call_args, f"{at}.args.")))
     return tuple(frames)
 

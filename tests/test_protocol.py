@@ -389,6 +389,17 @@ def test_a_frame_without_its_op_is_a_missing_argument_of_the_op_holding_it(op, a
                                  "got": "nothing", "op": op}
 
 
+def _error_and_peak(body) -> tuple[ProtocolError, int]:
+    """The error decoding `body` raises, and the most memory the decode held at once."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        return decode_error(body), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 # An array of a million 1-byte items, the argument's last bytes.
 _MILLION_NILS = b"\xdd\x00\x0f\x42\x40" + b"\xc0" * 1_000_000
 
@@ -404,16 +415,82 @@ def test_an_array_argument_is_refused_without_holding_an_object_per_item(body, f
     # at, took far more memory than the frame (about 64 bytes an item for frames, 8 for a
     # limits pair): a 256 MiB frame could have the server allocate gigabytes. Stepping over the
     # items may copy the array once (msgpack's unpacker is fed it), no more.
-    import tracemalloc
-
-    tracemalloc.start()
-    try:
-        error = decode_error(body)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    error, peak = _error_and_peak(body)
     assert (error.code, error.detail["field"], error.detail["got"]) == ("invalid_argument", field, got)
     assert peak < 2 * len(body)
+
+
+_ENTRIES = 250_000
+
+
+def _many_entries(n: int, value: bytes, head: bytes = b"", head_entries: int = 0, tail: bytes = b"") -> bytes:
+    """A map32 of `head`'s entries, n entries of distinct 6-digit keys each holding `value`, and
+    `tail`'s one entry."""
+    total = head_entries + n + bool(tail)
+    return b"\xdf" + total.to_bytes(4, "big") + head + b"".join(b"\xa6%06d" % i + value for i in range(n)) + tail
+
+
+_SESSION_OPEN = pack(request("session_open", {}))[:-1] + b"\x82\xa5batch\x01"
+_WEIGHTS = pack(request("model_load", {}))[:-1] + b"\x81\xa7weights"
+_TINY_TENSOR = msgpack.packb({"dtype": "u8", "shape": [1], "data": b"\x07"})
+
+
+@pytest.mark.parametrize("build, code, field, got", [
+    pytest.param(lambda: _many_entries(_ENTRIES, b"\xc0", b"\xa1v\x01\xa2id\x01\xa2op\xa4ping", 3),
+                 "invalid_request", "body", f"map of {_ENTRIES + 3} entries", id="body"),
+    pytest.param(lambda: pack(request("step", {}))[:-1] + _many_entries(_ENTRIES, b"\xc0"),
+                 "invalid_argument", "args", f"map of {_ENTRIES} entries", id="args"),
+    pytest.param(lambda: _SESSION_OPEN + b"\xa6frames\x91" + _many_entries(_ENTRIES, b"\xc0"),
+                 "invalid_argument", "args.frames[0]", f"map of {_ENTRIES} entries", id="frame"),
+    pytest.param(lambda: _SESSION_OPEN + b"\xa6frames\x91\x82\xa2op\xa4step\xa4args" + _many_entries(_ENTRIES, b"\xc0"),
+                 "invalid_argument", "args.frames[0].args", f"map of {_ENTRIES} entries", id="frame-args"),
+    pytest.param(lambda: pack(request("put", {}))[:-1] + b"\x81\xa6tensor" + _many_entries(_ENTRIES, b"\xc0"),
+                 "invalid_argument", "args.tensor", f"map of {_ENTRIES} entries", id="tensor"),
+    pytest.param(lambda: _WEIGHTS + _many_entries(_ENTRIES, b"\xc0"),
+                 "invalid_argument", "args.weights.000000", "nil", id="weights-nil"),
+    pytest.param(lambda: _WEIGHTS + _many_entries(_ENTRIES, b"\x01"),
+                 "invalid_argument", "args.weights.000000", "int 1", id="weights-int"),
+    pytest.param(lambda: _WEIGHTS + _many_entries(_ENTRIES // 4, _TINY_TENSOR, tail=b"\xa1z\xc0"),
+                 "invalid_argument", "args.weights.z", "nil", id="weights-tensors-then-nil"),
+    pytest.param(lambda: _SESSION_OPEN + b"\xa5state" + _many_entries(_ENTRIES, b"\xc0"),
+                 "invalid_argument", "args.state.000000", "nil", id="state-nil"),
+])
+def test_a_map_of_many_entries_is_refused_without_holding_an_object_per_entry(build, code, field, got):
+    # A hostile body's map of a quarter million small entries was decoded into a dict of a key
+    # and a Raw an entry, many times the frame's size, before its first key or value was looked
+    # at. A map that may hold a few keys is refused from its header; a map of tensors is
+    # stepped over (one copy of it for msgpack's unpacker), its first bad value refused.
+    body = build()
+    error, peak = _error_and_peak(body)
+    assert peak < 2 * len(body)
+    assert (error.code, error.detail["field"], error.detail["got"]) == (code, field, got)
+    assert error.request_id == (None if field == "body" else 1)
+
+
+@pytest.mark.parametrize("multipart", [False, True], ids=["data", "buf"])
+def test_a_map_of_many_small_tensors_decodes_as_one_of_a_few(multipart):
+    # Stepped over to be checked first (more than a few entries, few bytes each), then read as
+    # any map of tensors, a raw buffer's index kept only once the map is read.
+    weights = {f"w{i}": tensor_map("u8", (2,), bytes([i, 1])) for i in range(200)}
+    buffers = []
+    if multipart:
+        for name, tensor in weights.items():
+            weights[name] = {"dtype": "u8", "shape": [2], "buf": len(buffers)}
+            buffers.append(tensor["data"])
+    decoded = decode_request(pack(request("model_load", {"weights": weights})), buffers).args["weights"]
+    assert list(decoded) == list(weights)
+    assert [(t.dtype, t.shape, bytes(t.data)) for t in decoded.values()] == [
+        ("u8", (2,), bytes([i, 1])) for i in range(200)]
+
+
+def test_a_map_of_tensors_nested_past_the_steppers_stack_is_a_decode_error():
+    # As an array's items (below): stepping over a map's entries must end in decode_error.
+    from protocol._reader import Reader
+
+    deep = memoryview(_many_entries(100, b"\xc0", b"\xa1a" + b"\x91" * 5000 + b"\xc0", 1))
+    with pytest.raises(ProtocolError) as caught:
+        Reader().tensors(deep, "args.weights")
+    assert (caught.value.code, caught.value.detail["field"]) == ("decode_error", "args.weights")
 
 
 def test_nested_config_arrays_are_not_copied_once_a_level():
@@ -438,10 +515,10 @@ def test_nested_config_arrays_are_not_copied_once_a_level():
     assert peak_decoding(800) < 2 * peak_decoding(1)
 
 
-def test_array_items_step_over_every_msgpack_type_as_the_decoder_does():
+def test_array_items_and_map_entries_step_over_every_msgpack_type_as_the_decoder_does():
     import msgspec
 
-    from protocol._msgpack import items
+    from protocol._msgpack import entries, items
 
     values = [0, 127, -1, -32, 255, 65535, 2**32 - 1, 2**64 - 1, -128, -2**15, -2**31, -2**63, 1.5, None,
               True, False, "", "s" * 31, "s" * 255, "s" * 65536, b"", b"b" * 256, b"b" * 65536, {}, {"k": [1, {"j": []}]},
@@ -453,6 +530,9 @@ def test_array_items_step_over_every_msgpack_type_as_the_decoder_does():
     encoded = b"\xdc" + len(parts).to_bytes(2, "big") + b"".join(parts)
     expected = [bytes(raw) for raw in msgspec.msgpack.Decoder(list[msgspec.Raw]).decode(encoded)]
     assert [bytes(item) for item in items(memoryview(encoded))] == expected == parts
+    keys = [msgpack.packb(f"k{i}") for i in range(len(parts))]
+    mapped = b"\xde" + len(parts).to_bytes(2, "big") + b"".join(k + part for k, part in zip(keys, parts))
+    assert [(bytes(k), bytes(v)) for k, v in entries(memoryview(mapped))] == list(zip(keys, parts))
 
 
 def test_an_array_nested_past_the_item_steppers_stack_is_a_decode_error():
