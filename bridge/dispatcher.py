@@ -166,7 +166,7 @@ class Dispatcher:
         # Held while ops run: by the worker, or by a reader thread serving an idle server's request.
         self._serving = threading.Lock()
         self.accepting = True
-        self._stopped = False  # set by stop() under the serving lock: no op runs after it
+        self._stopped = False  # set by stop() once the worker has ended: no op starts after it
         # Held while a thread's first frame starts its OpenMP team (a torch op, beside the ops).
         self._preparing = threading.Lock()
         self.policy = BatchPolicy(server.config.max_delay_us, server.config.max_batch)
@@ -375,35 +375,35 @@ class Dispatcher:
         """Stop the worker once it has served what was queued before this, wait up to `timeout`
         seconds for it to end, for an op a reader thread is serving (an idle server's, the fast
         path's) and for a thread's first-frame preparation (_prepare_thread) to end; returns
-        whether all have. What is still queued then, and every request after that but an
-        `immediate` one, is answered `shutting_down`, unrun. Waited for: an embedding that lets
-        the interpreter finalize with a daemon thread (the worker, a lane's reader) inside an op
-        has it ended as it takes the GIL back, which inside a C++ op's released-GIL scope
-        (torch's) is std::terminate. Bounded: an op that never ends (a wedged device) must not
-        hold the caller for good. `python -m bridge` never stops it: it drains, then leaves by
-        os._exit."""
+        whether all have. What is still queued once the worker has ended, and every request
+        after that but an `immediate` one, is answered `shutting_down`, unrun. Waited for: an
+        embedding that lets the interpreter finalize with a daemon thread (the worker, a lane's
+        reader) inside an op has it ended as it takes the GIL back, which inside a C++ op's
+        released-GIL scope (torch's) is std::terminate. Bounded: an op that never ends (a wedged
+        device) must not hold the caller for good. `python -m bridge` never stops it: it
+        drains, then leaves by os._exit."""
         deadline = time.monotonic() + timeout
         self._queue.put(_STOP)
         if self._worker.is_alive():
             self._worker.join(timeout)
         if self._worker.is_alive():
             return False
-        # Every op a reader thread serves runs under the serving lock, the worker's gone: held,
-        # none runs, and none starts after (_stopped_error).
+        # The worker's gone: none starts after this (each op checks it under the serving lock),
+        # and what it left queued is answered now, even if the wait below runs out of time.
+        self._stopped = True
+        self.server.queued.drop_all(self._stopped_error())
+        # Every op a reader thread serves runs under the serving lock: held, none runs.
         if not self._serving.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return False
-        self._stopped = True
         self._serving.release()
-        # Queued after the worker took its stop: no one else would answer them.
-        self.server.queued.drop_all(self._stopped_error())
         if not self._preparing.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return False
         self._preparing.release()
         return True
 
     def _stopped_error(self) -> OpError | None:
-        """`shutting_down` for a request about to run once stop() has waited for the ops in
-        progress (checked under the serving lock); None before."""
+        """`shutting_down` for a request about to run once stop() has found the worker ended
+        (checked under the serving lock); None before."""
         if not self._stopped:
             return None
         return OpError("shutting_down", "the server has stopped: the request was not run")

@@ -419,6 +419,22 @@ def test_a_request_queued_as_or_after_the_dispatcher_stops_is_refused_unrun(inpr
     assert not ran
 
 
+def test_a_stop_out_of_time_for_a_readers_op_still_refuses_what_is_queued_after_it(inproc):
+    """stop() that runs out of time waiting for an op a reader thread serves leaves no worker:
+    found in review, a request queued then (another connection's, the server busy) was never
+    answered, nor was any after it. It is refused unrun; the op in progress still ends ok."""
+    ran = []
+    srv = inproc(handlers={"info": lambda server, call: ran.append(call) or {}})
+    conn, other = RecordingConnection(), RecordingConnection()
+    srv.hold_on_reader(conn)
+    assert not srv.dispatcher.stop(0.1), "stop() said the held op had ended"
+    reply = other.reply(srv.submit(other, "info"), timeout=0)
+    assert not reply.ok and reply.error["code"] == "shutting_down", reply
+    srv.go()
+    assert srv.dispatcher.stop(60)
+    assert not ran
+
+
 def test_stop_waits_for_a_reader_threads_first_frame_preparation_and_none_starts_after(inproc, monkeypatch):
     """A reader thread's first frame runs a torch op (bridge.dispatcher.start_openmp_team)
     outside the serving lock: found in review, stop() neither waited for one in progress (it
