@@ -49,9 +49,13 @@ class _TensorFields(msgspec.Struct, forbid_unknown_fields=True):
 _TENSOR_FIELDS = msgspec.msgpack.Decoder(_TensorFields)
 _RAW_DECODER = msgspec.msgpack.Decoder(msgspec.Raw)
 _ARRAY_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
-# msgpack names of what msgspec decodes values (and map keys: arrays become tuples) into.
-_PY_TO_MSGPACK = {int: "int", float: "float", bool: "bool", type(None): "nil", bytes: "bin",
-                  tuple: "array", list: "array", dict: "map", str: "str"}
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _describe_decoded(value) -> str:
+    """`describe` of a value already decoded, from its encoding again: never its repr, which for
+    a bin, str or array may be nearly as long as the frame, all of it echoed in the reply."""
+    return describe(memoryview(_ENCODER.encode(value)))
 
 
 def decode_top_map(body) -> dict[str, msgspec.Raw]:
@@ -132,8 +136,7 @@ class Reader:
             self._repeated_key(field, cls)
 
     def _not_str_key(self, key, field: str, cls) -> NoReturn:
-        kind = _PY_TO_MSGPACK.get(type(key), "non-str")
-        self.fail(cls, field, "a map with str keys", f"{'an' if kind == 'int' else 'a'} {kind} key {key!r}")
+        self.fail(cls, field, "a map with str keys", f"a non-str key ({_describe_decoded(key)})")
 
     def _repeated_key(self, field: str, cls) -> NoReturn:
         self.fail(cls, field, "a map with distinct keys", "a key given more than once")
@@ -451,8 +454,7 @@ class Reader:
         dims = self._decode(ANY_DECODER, raw, field, expected)
         for i, d in enumerate(dims):
             if type(d) is not int or not 0 <= d <= MAX_DIM:
-                got = "nil" if d is None else f"{_PY_TO_MSGPACK.get(type(d), 'ext')} {d!r}"
-                self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", got)
+                self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", _describe_decoded(d))
         self.check_extent(field, dtype, dims)
         return tuple(dims)
 

@@ -336,13 +336,13 @@ _CONFIG_ARG = b"\x84\xa1v\x01\xa2id\x01\xa2op\xaamodel_load\xa4args\x81\xa6confi
 @pytest.mark.parametrize("config, field, got", [
     pytest.param(b"\x81\xa1a\x82\xa1k\x01\xa1k\x02", "args.config.a", "a key given more than once",
                  id="map-duplicate-key"),
-    pytest.param(b"\x81\xa1a\x81\x01\x01", "args.config.a", "an int key 1", id="map-int-key"),
+    pytest.param(b"\x81\xa1a\x81\x01\x01", "args.config.a", "a non-str key (int 1)", id="map-int-key"),
     pytest.param(b"\x81\xa1a\x91\x82\xa1k\x01\xa1k\x02", "args.config.a[0]", "a key given more than once",
                  id="map-in-array-duplicate-key"),
-    pytest.param(b"\x81\xa1a\x91\x81\x01\x01", "args.config.a[0]", "an int key 1", id="map-in-array-int-key"),
-    pytest.param(b"\x81\xa1a\x91\x81\xc4\x01k\x01", "args.config.a[0]", "a bin key b'k'",
+    pytest.param(b"\x81\xa1a\x91\x81\x01\x01", "args.config.a[0]", "a non-str key (int 1)", id="map-in-array-int-key"),
+    pytest.param(b"\x81\xa1a\x91\x81\xc4\x01k\x01", "args.config.a[0]", "a non-str key (bin of 1 bytes)",
                  id="map-in-array-bin-key"),
-    pytest.param(b"\x81\xa1a\x92\x01\x91\x81\xa1b\x81\x02\x03", "args.config.a[1][0].b", "an int key 2",
+    pytest.param(b"\x81\xa1a\x92\x01\x91\x81\xa1b\x81\x02\x03", "args.config.a[1][0].b", "a non-str key (int 2)",
                  id="map-in-array-in-array"),
 ])
 def test_every_map_in_a_map_argument_has_distinct_str_keys_arrays_included(config, field, got):
@@ -350,6 +350,33 @@ def test_every_map_in_a_map_argument_has_distinct_str_keys_arrays_included(confi
     error = decode_error(_CONFIG_ARG + config)
     assert (error.code, error.request_id, error.detail["field"], error.detail["got"]) == (
         "invalid_argument", 1, field, got)
+
+
+_HUGE = 1 << 20
+
+
+def _many_weights_after(key: bytes) -> bytes:
+    # A map of weights many entries long for its bytes, read one entry at a time, `key` first.
+    weights = b"\xde\x00\x64" + pack(key) + b"\x01" + b"".join(pack(f"w{i}") + b"\x01" for i in range(99))
+    return b"\x84\xa1v\x01\xa2id\x01\xa2op\xaamodel_load\xa4args\x82\xa6config\x80\xa7weights" + weights
+
+
+@pytest.mark.parametrize("body, field, got", [
+    pytest.param(pack({b"k" * _HUGE: 1, "v": 1, "id": 1, "op": "ping"}), "body", f"a non-str key (bin of {_HUGE} bytes)",
+                 id="body-bin-key"),
+    pytest.param(_CONFIG_ARG + pack({tuple(range(_HUGE // 4)): 1}), "args.config",
+                 f"a non-str key (array of {_HUGE // 4} items)", id="config-array-key"),
+    pytest.param(_many_weights_after(b"k" * 4096), "args.weights", "a non-str key (bin of 4096 bytes)",
+                 id="weights-read-one-at-a-time"),
+    pytest.param(pack(request("scan", {"x": {"dtype": "f32", "shape": ["s" * _HUGE], "data": b""}})),
+                 "args.x.shape[0]", f"str of {_HUGE} bytes", id="shape-dim-str"),
+])
+def test_a_huge_value_refused_is_described_not_echoed(body, field, got):
+    # A key's or a dim's repr put the whole of it in the error: a reply as long as the request,
+    # past what a reply may carry for a request near the frame limit.
+    error = decode_error(body)
+    assert (error.detail["field"], error.detail["got"]) == (field, got)
+    assert len(str(error)) < 300
 
 
 @pytest.mark.parametrize("level", [pytest.param(b"\x81\xa1a", id="maps"), pytest.param(b"\x91", id="arrays")])
