@@ -261,6 +261,77 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/other")
   end
 
+  # Stands in the group for `keeper` as a member reached over a slower link: it holds each call
+  # until another comes (or 200 ms pass) and passes the two on in the other order, so that of
+  # two callers the one the other members answer first reaches this member second.
+  defp reordering_link(group, keeper) do
+    link = spawn_link(fn -> reordering_link_loop(keeper) end)
+    :ok = :pg.join(Cluster.scope(), {:catalogue, group}, link)
+    :ok = :pg.leave(Cluster.scope(), {:catalogue, group}, keeper)
+    link
+  end
+
+  defp reordering_link_loop(keeper) do
+    receive do
+      {:"$gen_call", _from, _request} = first ->
+        receive do
+          {:"$gen_call", _from, _request} = second -> send(keeper, second)
+        after
+          200 -> :ok
+        end
+
+        send(keeper, first)
+
+      cast ->
+        send(keeper, cast)
+    end
+
+    reordering_link_loop(keeper)
+  end
+
+  test "two loads of different models under one name at once: one wins on every member" do
+    {group, [near, far]} = loading_members(2)
+    reordering_link(group, far)
+    assert eventually(fn -> length(Member.keepers(group)) == 2 end)
+
+    outcomes =
+      ["/models/a", "/models/b"]
+      |> Enum.map(fn source -> Task.async(fn -> Cluster.load_model(group, "m", source) end) end)
+      |> Enum.map(&Task.await/1)
+
+    assert [{:ok, %{members: 2}}, {:error, %ScanBridge.Error{reason: :invalid_argument} = error}] =
+             Enum.sort_by(outcomes, &elem(&1, 0), :desc)
+
+    assert Exception.message(error) =~ ~s(model name "m")
+    # every member holds the winner's model under the name, and nothing else
+    catalogues = for keeper <- [near, far], do: GenServer.call(keeper, :catalogue, 1_000)
+    assert [%{"m" => {_source, [], %{}}} = catalogue] = Enum.uniq(catalogues)
+    assert map_size(catalogue) == 1
+  end
+
+  test "a load refused a claim releases the claims it made; a claim ends with its caller" do
+    {group, keepers} = loading_members(2)
+    [first, second] = Enum.sort(keepers)
+    test = self()
+
+    claimer =
+      spawn(fn ->
+        send(test, {:claimed, GenServer.call(second, {:claim, "m", "/models/a", []})})
+        Process.sleep(:infinity)
+      end)
+
+    assert_receive {:claimed, :ok}
+    # claimed on the first member, refused on the second: the first is not kept from others
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument} = error} =
+             Cluster.load_model(group, "m", "/models/b")
+
+    assert Exception.message(error) =~ "being loaded as another model"
+    Process.exit(claimer, :kill)
+
+    assert eventually(fn -> match?({:ok, _}, Cluster.load_model(group, "m", "/models/c")) end)
+    assert %{"m" => {"/models/c", [], %{}}} = GenServer.call(first, :catalogue, 1_000)
+  end
+
   defp loading_server do
     receive do
       {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->
@@ -332,11 +403,24 @@ defmodule ScanBridge.Cluster.MemberTest do
 
   # A group of one member whose server answers every load and free.
   defp loading_member do
-    group = {:member_test, System.unique_integer([:positive])}
-    server = spawn_link(&loading_server/0)
-    {:ok, member} = Member.start_link(server: server, group: group)
-    assert eventually_member(group, server)
+    {group, [member]} = loading_members(1)
     {group, member}
+  end
+
+  # A group of `n` members whose servers answer every load and free; returns the group and
+  # the keepers.
+  defp loading_members(n) do
+    group = {:member_test, System.unique_integer([:positive])}
+
+    keepers =
+      for _ <- 1..n do
+        server = spawn_link(&loading_server/0)
+        {:ok, member} = Member.start_link(server: server, group: group)
+        assert eventually_member(group, server)
+        member
+      end
+
+    {group, keepers}
   end
 
   defp eventually(fun), do: ScanBridge.TestSupport.eventually(fun)

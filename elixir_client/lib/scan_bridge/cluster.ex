@@ -212,6 +212,8 @@ defmodule ScanBridge.Cluster do
   on the members where it failed). A name that any member still gives to a different model
   (loaded, loading, or recorded by a load that failed there, or kept by a free that failed
   there) is `:invalid_argument`, and nothing is loaded: `free_model/3` frees the name first.
+  So is a name another `load_model/4` call is loading as a different model meanwhile: of two
+  such calls at once, one loads its model on every member and the other loads nothing.
   """
   @spec load_model(group, String.t(), ScanBridge.model_source(),
           dtype: :f32 | :bf16 | :f16 | String.t(),
@@ -224,14 +226,32 @@ defmodule ScanBridge.Cluster do
     # a bad source or option raises here, in the caller, not in every member (whose load would
     # stop it, and its server with it)
     _args = ScanBridge.model_load_args!(source, opts)
-    wait = keeper_wait(opts)
+    deadline = deadline(keeper_wait(opts))
 
-    # Every member is asked first whether the name is free for this model: loading on the
-    # members that would take it while another still holds a different one would leave two
-    # models under one name.
-    case first_failure(ask_keepers(Member.keepers(group), {:check, name, source, opts}, wait)) do
-      nil -> load_everywhere(group, name, source, opts, %{}, nil)
-      error -> error
+    # The name is claimed for this model on every member first: loading on the members that
+    # would take it while another still holds a different one, or while another caller loads
+    # one, would leave two models under one name. One member after another, in the order every
+    # caller takes, so that of two callers the first member's choice is every member's.
+    keepers = Enum.sort(Member.keepers(group))
+
+    case claim(keepers, {:claim, name, source, opts}, deadline, []) do
+      :ok ->
+        load_everywhere(group, name, source, opts, %{}, nil)
+
+      {error, asked} ->
+        Enum.each(asked, &GenServer.cast(&1, {:release, name, self()}))
+        error
+    end
+  end
+
+  # :ok once every keeper holds the claim (or went away meanwhile), else the first failure and
+  # the keepers asked, whose claims are to be released: the last one's may reach it late.
+  defp claim([], _request, _deadline, _asked), do: :ok
+
+  defp claim([keeper | keepers], request, deadline, asked) do
+    case first_failure(ask_keepers([keeper], request, deadline)) do
+      nil -> claim(keepers, request, deadline, [keeper | asked])
+      error -> {error, [keeper | asked]}
     end
   end
 
@@ -248,7 +268,7 @@ defmodule ScanBridge.Cluster do
 
       keepers ->
         # every member at once: each loads on its own device
-        results = ask_keepers(keepers, {:load, name, source, opts}, keeper_wait(opts))
+        results = ask_keepers(keepers, {:load, name, source, opts}, deadline(keeper_wait(opts)))
 
         case first_failure(results) do
           {:error, _error} = failure ->
@@ -283,13 +303,11 @@ defmodule ScanBridge.Cluster do
   defp ok_info({:ok, info}), do: info
   defp ok_info(_gone), do: nil
 
-  # Sends `request` to every keeper at once and takes their answers by one deadline, `wait`
-  # from now, so that keepers that do not answer (their nodes frozen or cut off) cost that
-  # deadline once between them. [{keeper, answer}], in the keepers' order: a keeper that went
-  # away answers {:error, :server_exited}, one past the deadline {:error, :timeout}.
-  defp ask_keepers(keepers, request, wait) do
-    deadline = deadline(wait)
-
+  # Sends `request` to every keeper at once and takes their answers by one deadline, so that
+  # keepers that do not answer (their nodes frozen or cut off) cost that deadline once between
+  # them. [{keeper, answer}], in the keepers' order: a keeper that went away answers
+  # {:error, :server_exited}, one past the deadline {:error, :timeout}.
+  defp ask_keepers(keepers, request, deadline) do
     keepers
     |> Enum.map(&{&1, :gen_server.send_request(&1, request)})
     |> Enum.map(fn {keeper, request_id} ->
@@ -353,7 +371,7 @@ defmodule ScanBridge.Cluster do
 
     # A member whose server went away has freed the model with its server; one that does not
     # answer in time (its node frozen or cut off) may still hold it, and name it to later members.
-    case first_failure(ask_keepers(Member.keepers(group), {:free, name, opts}, wait)) do
+    case first_failure(ask_keepers(Member.keepers(group), {:free, name, opts}, deadline(wait))) do
       nil -> :ok
       error -> error
     end

@@ -12,6 +12,12 @@ defmodule ScanBridge.Cluster.Member do
   # keeper it finds, then looks again until no new keeper has appeared, so that a member that
   # joined meanwhile either was found or copied a catalogue that already had the model.
   #
+  # `load_model/4` first claims the name for its model on every keeper, one after another, in
+  # one order for every caller: a claim holds the name against other models until that
+  # caller's load reaches the keeper (which then records the model), its release, or its end.
+  # So of two loads of different models under one name at once, the one the first keeper
+  # claims for goes on, and the other is refused there and loads nothing anywhere.
+  #
   # A model loads in a task, so that the keeper answers the others meanwhile (a load can take
   # seconds; a member joining would have waited out its call and joined without this keeper's
   # catalogue). Callers asking for a model already loading wait for that load; a free of it
@@ -23,8 +29,9 @@ defmodule ScanBridge.Cluster.Member do
   alias ScanBridge.Cluster
 
   # loads: the models loading, by name: %{ref:, source:, opts:, waiters:} (callers, `:sync`,
-  # or `{:free, caller, opts}`); sync_left: the loads the join waits for.
-  defstruct [:server, :group, :syncing, catalogue: %{}, loads: %{}, sync_left: 0]
+  # or `{:free, caller, opts}`); claims: {name, caller} => {model, monitor of the caller};
+  # sync_left: the loads the join waits for.
+  defstruct [:server, :group, :syncing, catalogue: %{}, loads: %{}, claims: %{}, sync_left: 0]
 
   @spec start_link(server: pid, group: term) :: GenServer.on_start()
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts)
@@ -83,24 +90,53 @@ defmodule ScanBridge.Cluster.Member do
   def handle_info({:DOWN, _monitor, :process, server, _reason}, %{server: server} = state),
     do: {:stop, :shutdown, state}
 
+  # A caller that ended (or whose node was cut off) without loading or releasing its claim.
+  def handle_info({:DOWN, monitor, :process, caller, _reason}, state) do
+    case Enum.find(state.claims, fn {{_name, by}, {_model, m}} -> {by, m} == {caller, monitor} end) do
+      {key, _claim} -> {:noreply, %{state | claims: Map.delete(state.claims, key)}}
+      nil -> {:noreply, state}
+    end
+  end
+
   def handle_info(_stale, state), do: {:noreply, state}
 
   @impl true
   def handle_call(:catalogue, _from, state), do: {:reply, state.catalogue, state}
 
-  def handle_call({:load, name, source, opts}, from, state) do
-    case adopt(state, name, source, opts, from) do
-      {:done, reply, state} -> {:reply, reply, state}
-      {:waiting, state} -> {:noreply, state}
+  # A load refuses a name another caller claimed for another model; it ends the caller's own
+  # claim, as the catalogue records the model from here.
+  def handle_call({:load, name, source, opts}, {caller, _tag} = from, state) do
+    state = release(state, name, caller)
+
+    if claimed_otherwise?(state, name, model(source, opts)) do
+      {:reply, {:error, taken(state, name, :claimed)}, state}
+    else
+      case adopt(state, name, source, opts, from) do
+        {:done, reply, state} -> {:reply, reply, state}
+        {:waiting, state} -> {:noreply, state}
+      end
     end
   end
 
-  # Whether `name` is free here for this model: no other model is loaded, loading or recorded
-  # under it.
-  def handle_call({:check, name, source, opts}, _from, state) do
-    if held(state, name) in [nil, model(source, opts)],
-      do: {:reply, :ok, state},
-      else: {:reply, {:error, taken(state, name)}, state}
+  # Claims `name` for this model for the caller, if no other model is loaded, loading or
+  # recorded under it here, nor claimed by another caller.
+  def handle_call({:claim, name, source, opts}, {caller, _tag}, state) do
+    model = model(source, opts)
+
+    cond do
+      held(state, name) not in [nil, model] ->
+        {:reply, {:error, taken(state, name, :held)}, state}
+
+      claimed_otherwise?(state, name, model) ->
+        {:reply, {:error, taken(state, name, :claimed)}, state}
+
+      is_map_key(state.claims, {name, caller}) ->
+        {:reply, :ok, state}
+
+      true ->
+        claim = {model, Process.monitor(caller)}
+        {:reply, :ok, put_in(state.claims[{name, caller}], claim)}
+    end
   end
 
   def handle_call({:free, name, opts}, from, state) do
@@ -113,6 +149,26 @@ defmodule ScanBridge.Cluster.Member do
         {reply, state} = free(state, name, opts)
         {:reply, reply, state}
     end
+  end
+
+  @impl true
+  def handle_cast({:release, name, caller}, state), do: {:noreply, release(state, name, caller)}
+
+  defp release(state, name, caller) do
+    case Map.pop(state.claims, {name, caller}) do
+      {nil, _claims} ->
+        state
+
+      {{_model, monitor}, claims} ->
+        Process.demonitor(monitor, [:flush])
+        %{state | claims: claims}
+    end
+  end
+
+  defp claimed_otherwise?(state, name, model) do
+    Enum.any?(state.claims, fn {{claimed, _caller}, {other, _monitor}} ->
+      claimed == name and other != model
+    end)
   end
 
   defp free(state, name, opts) do
@@ -147,7 +203,7 @@ defmodule ScanBridge.Cluster.Member do
 
     case {state.catalogue, state.loads} do
       _taken when held not in [nil, model] ->
-        {:done, {:error, taken(state, name)}, state}
+        {:done, {:error, taken(state, name, :held)}, state}
 
       {_, %{^name => load}} ->
         {:waiting, put_in(state.loads[name], %{load | waiters: [waiter | load.waiters]})}
@@ -179,11 +235,20 @@ defmodule ScanBridge.Cluster.Member do
   # given, as an atom or a string), not the options of the call that loads it (:timeout).
   defp model(source, opts), do: {source, opts |> Keyword.get(:dtype, "f32") |> to_string()}
 
-  defp taken(state, name) do
+  defp taken(state, name, :held) do
     ScanBridge.Error.client(
       :invalid_argument,
       "model name #{inspect(name)} is taken by another model in group #{inspect(state.group)} " <>
         "(Cluster.free_model/3 frees it on every member)",
+      %{"field" => "name"}
+    )
+  end
+
+  defp taken(state, name, :claimed) do
+    ScanBridge.Error.client(
+      :invalid_argument,
+      "model name #{inspect(name)} is being loaded as another model in group " <>
+        "#{inspect(state.group)} by another load_model call",
       %{"field" => "name"}
     )
   end
