@@ -16,10 +16,11 @@ the connection that opened it (bridge.owned).
 Snapshots are copies of a session's rows (every part), kept on the device and owned like
 sessions; they, and loaded models' weights, are held against the same pool-bytes budget.
 
-A step or prefill writes its sessions' rows in place, layer after layer: one that fails partway
-leaves them neither the state before nor after it. The ops run that work in `WritingState`,
-which marks such sessions lost; a lost session is refused (`state_lost`) by every op that reads
-or advances its state until a restore overwrites the whole of it, or it is closed.
+A step or prefill writes its sessions' rows in place, layer after layer, and a restore copies a
+snapshot's rows over them: one that fails partway leaves them neither the state before nor after
+it. The ops run that work in `WritingState`, which marks such sessions lost; a lost session is
+refused (`state_lost`) by every op that reads or advances its state until a restore overwrites
+the whole of it, or it is closed.
 """
 
 from __future__ import annotations
@@ -97,10 +98,10 @@ def unknown_session(session_id: str, field: str) -> OpError:
 
 
 def state_lost(session_id: str, field: str) -> OpError:
-    """The one error for a session whose state a failed step or prefill left undefined."""
+    """The one error for a session whose state a failed step, prefill or restore left undefined."""
     return OpError("state_lost",
-                   f"{field}: session {session_id!r} has no defined state: a step or prefill failed partway and "
-                   "left it undefined; restore a snapshot into it (session_restore) or close it",
+                   f"{field}: session {session_id!r} has no defined state: a step, prefill or restore failed "
+                   "partway and left it undefined; restore a snapshot into it (session_restore) or close it",
                    {"field": field, "session": session_id})
 
 
@@ -185,7 +186,7 @@ class Session:
         # Set (under the table's lock) when closed; a batch already holding the session checks it
         # before its launch.
         self.closed = False
-        # Set when a step or prefill failed while writing the rows (lose_state); cleared
+        # Set when a step, prefill or restore failed while writing the rows (lose_state); cleared
         # when the whole state is written again (write_rows).
         self.lost = False
 
@@ -487,7 +488,10 @@ class SnapshotTable(OwnedTable[Snapshot]):
         return snapshot_id
 
     def restore(self, owner: str, snapshot_id: str, session: Session, field: str) -> None:
-        session.write_rows(self.of_session_like(owner, snapshot_id, session, field).rows)
+        rows = self.of_session_like(owner, snapshot_id, session, field).rows
+        # A copy failing partway leaves some rows the snapshot's and some what they were.
+        with WritingState([session]):
+            session.write_rows(rows)
 
     def of_session_like(self, owner: str, snapshot_id: str, session: Session, field: str) -> Snapshot:
         """The owner's snapshot `snapshot_id`, checked to be one of a session like `session` (its

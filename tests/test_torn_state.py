@@ -25,7 +25,7 @@ from bridge.models.runtime import Model
 from bridge.sessions import Session
 from bridge_fakes import served_natively
 from kernel_cases import random_seed
-from test_return_state import Case, Scene, assert_same_state, output_of
+from test_return_state import DIM, STATE, Case, Scene, assert_same_state, output_of
 
 CASES = {
     "plain-mamba-step": Case("mamba", "step"),
@@ -246,3 +246,62 @@ def test_a_rollback_whose_frame_fails_partway_is_undone_and_not_lost(inproc, mon
     assert (error["code"], error["detail"].get("frame")) == (code, 0), f"seed={seed}: {error}"
     assert "state" not in error["detail"] and "sessions" not in error["detail"], f"seed={seed}: {error}"
     assert_same_state(scene.state(session), scene.state(twin), f"seed={seed}, the snapshot's state")
+
+
+def failing_partway_through_the_copy(patched: pytest.MonkeyPatch) -> None:
+    """Make a whole-state copy into a session (a restore's) fail once it has written its first
+    row: a device error reported late, the rest of the rows as they were."""
+    write_rows = Session.write_rows
+
+    def failing_after_the_first_row(self, rows):
+        first = self.read_rows()
+        first[:1] = rows[:1]
+        write_rows(self, first)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    patched.setattr(Session, "write_rows", failing_after_the_first_row)
+
+
+@pytest.mark.parametrize("case", [pytest.param(Case("mamba", "step"), id="plain-step"),
+                                  pytest.param(Case("mamba2", "model_step"), id="model-step")])
+@pytest.mark.parametrize("with_frames", [pytest.param(False, id="restore"), pytest.param(True, id="rollback")])
+def test_a_restore_failing_partway_through_its_copy_loses_the_state(inproc, monkeypatch, case, with_frames):
+    """A restore that has begun copying the snapshot's rows and fails leaves the session part
+    the snapshot's, part what it was: lost, as a failed step leaves it, until a restore."""
+    seed = random_seed()
+    scene = Scene(inproc(backend="torch"), case, seed)
+    session, snapshot, twin = stepped_with_a_twin(scene)
+    scene.call(case.op, session=session, **scene.frame())
+    frames = {"frames": [{"op": case.op, "args": scene.frame()}]} if with_frames else {}
+    with monkeypatch.context() as patched:
+        failing_partway_through_the_copy(patched)
+        error = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=snapshot,
+                                  **frames).error
+    expect_lost(error, "internal_error", session, seed)
+    expect_refused(scene, session, scene.frame())
+    expect_restored(scene, session, snapshot, twin)
+
+
+def test_a_restore_refused_before_its_copy_leaves_lost_as_it_was(inproc, monkeypatch):
+    """A restore refused for its snapshot (unknown, or of a session unlike it) has copied
+    nothing: a lost session stays lost, one that was not keeps its state."""
+    seed = random_seed()
+    case = Case("mamba", "step")
+    scene = Scene(inproc(backend="torch"), case, seed)
+    lost, _, kept = stepped_with_a_twin(scene)
+    with monkeypatch.context() as patched:
+        fail_partway(patched, case)
+        expect_lost(scene.srv.request(scene.conn, case.op, session=lost, **scene.frame()).error,
+                    "internal_error", lost, seed)
+    unlike = scene.call("session_open", batch=case.batch + 1, dim=DIM, state=STATE)["session"]
+    unlike_snapshot = scene.call("session_snapshot", session=unlike)["snapshot"]
+    kept_before = scene.state(kept)
+    with monkeypatch.context() as patched:
+        failing_partway_through_the_copy(patched)
+        for session in (lost, kept):
+            for snapshot, code in (("no-such-snapshot", "unknown_snapshot"), (unlike_snapshot, "invalid_argument")):
+                error = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=snapshot).error
+                assert (error["code"], error["detail"]["field"]) == (code, "args.snapshot"), f"seed={seed}: {error}"
+                assert "state" not in error["detail"], f"seed={seed}: {error}"
+    expect_refused(scene, lost, scene.frame())
+    assert_same_state(scene.state(kept), kept_before, f"seed={seed}, the session refused a restore")
