@@ -4,6 +4,7 @@ that makes them."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 
@@ -25,6 +26,38 @@ def served_natively(reply) -> bool:
     state into the reply (return_state)."""
     timing = reply.timing
     return timing["h2d_us"] == 0 and (timing["d2h_us"] == 0 or "state" in (reply.result or {}))
+
+
+# What step.cpp calls its kernels through: (problem, its size, error buffer, the buffer's size).
+KERNEL_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t)
+KERNEL_CAPSULES = (("run_problem", b"scan_bridge.run_problem"), ("run_ssd_update", b"scan_bridge.run_ssd_update"),
+                   ("run_model_step", b"scan_bridge.run_model_step"))
+
+
+def stepper_whose_kernels_fail_after_running(kept: list):
+    """A native path's Stepper whose kernels run, then report a failure (a device error reported
+    late): the session's rows have moved when it raises. `kept` gets what must outlive it."""
+    import kernels
+    from bridge.native import _module
+
+    backend = kernels.get_backend("cpu", "cpu")
+    get_pointer, new_capsule = ctypes.pythonapi.PyCapsule_GetPointer, ctypes.pythonapi.PyCapsule_New
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsules = []
+    for attribute, name in KERNEL_CAPSULES:
+        run = KERNEL_FUNCTION(get_pointer(getattr(backend, attribute), name))
+
+        def failing_after_running(problem, size, error, error_size, run=run):
+            if run(problem, size, error, error_size) == 0:
+                ctypes.memmove(error, b"device lost\0", 12)
+            return 1
+
+        kernel = KERNEL_FUNCTION(failing_after_running)
+        kept.append(kernel)
+        capsules.append(new_capsule(ctypes.cast(kernel, ctypes.c_void_p), name, None))
+    return _module().Stepper(*capsules, max_tensor_bytes=protocol.encode.MAX_BIN_BYTES,
+                             max_reply_bytes=protocol.framing.MAX_FRAMEABLE)
 
 
 class RecordingConnection(Connection):

@@ -33,7 +33,7 @@ import protocol
 from bridge.native import NativeStep
 from bridge.tensors import to_wire
 from bridge.timing import STAGE_KEYS, now_ns
-from bridge_fakes import DrainRace, RecordingConnection, served_natively
+from bridge_fakes import DrainRace, RecordingConnection, served_natively, stepper_whose_kernels_fail_after_running
 from kernel_cases import random_seed
 from waiting import wait_until
 
@@ -670,14 +670,11 @@ def test_failures_inside_the_native_path_are_answered(inproc, monkeypatch):
         assert served.taken == 0, name
         monkeypatch.undo()
 
-    class FailingKernel:
-        def run(self, *args):
-            raise RuntimeError("the kernel failed")
-
-    monkeypatch.setattr(native, "_native", FailingKernel())
+    kept = []
+    monkeypatch.setattr(native, "_native", stepper_whose_kernels_fail_after_running(kept))
     reply = submit(srv, conn, "step", session=session, **shared, **step_inputs(case, gen))
     assert not reply.ok and reply.error["code"] == "internal_error", reply.error
-    assert "the kernel failed" in reply.error["message"]
+    assert "device lost" in reply.error["message"]
     stats = srv.server.stats.snapshot()["ops"]["step"]
     assert (stats["success_count"], stats["failure_count"]) == (2, 1), stats
 

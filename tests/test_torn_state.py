@@ -7,9 +7,10 @@ call was not writing are untouched.
 Failures are injected on in-process servers (tests/bridge_fakes.py): a model's mixer raising
 at its second layer, once the first has written its conv window and ssm state (the composed
 paths: the "torch" backend); a plain step's kernel raising once it has updated the rows; the
-native step path's kernel raising; a prefill's write back raising. A prefill whose scan fails
-has written nothing, and its session is not lost. Inputs are fresh random values, the seed in
-every failure message.
+native step path's kernel reporting a failure once it has run; a prefill's write back raising;
+a restore's copy raising partway. A prefill whose scan fails has written nothing, and its
+session is not lost; nor is one whose native step failed before its kernel, which the general
+path then serves. Inputs are fresh random values, the seed in every failure message.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import pytest
 import torch
 
 import kernels
+import protocol
 from bridge.client import result_from_wire
 from bridge.models.runtime import Model
 from bridge.sessions import Session
-from bridge_fakes import served_natively
+from bridge_fakes import served_natively, stepper_whose_kernels_fail_after_running
 from kernel_cases import random_seed
 from test_return_state import DIM, STATE, Case, Scene, assert_same_state, output_of
 
@@ -150,40 +152,98 @@ def test_a_failure_that_lost_the_state_is_logged_with_its_own_traceback(inproc, 
     assert "in failing_after_the_update" in logged, f"seed={seed}: {logged}"
 
 
-@pytest.mark.parametrize("case", [pytest.param(Case("mamba", "step"), id="plain-step"),
-                                  pytest.param(Case("mamba2", "model_step"), id="model-step")])
+NATIVE_CASES = [pytest.param(Case("mamba", "step"), id="plain-step"),
+                pytest.param(Case("mamba2", "model_step"), id="model-step")]
+
+def native_scene(inproc, case: Case, seed: int) -> Scene:
+    scene = Scene(inproc(), case, seed)
+    if scene.srv.server.fast_path is None:
+        pytest.skip("no native step path: the C++ backend is not built here (make kernels)")
+    return scene
+
+
+def submit_native(scene: Scene, session: str, frame: dict):
+    """A step as a client sends it, in one frame: the native path's to take."""
+    return scene.conn.reply(scene.srv.submit(scene.conn, scene.case.op, more_input=False, session=session, **frame))
+
+
+def same_output(got, expected) -> bool:
+    return torch.equal(output_of(result_from_wire(got.result, as_torch=True)),
+                       output_of(result_from_wire(expected.result, as_torch=True)))
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES)
 def test_a_native_step_whose_kernel_fails_loses_the_state(inproc, monkeypatch, case):
     """The native path's kernel may have written the rows when it fails: the reply says the
     state is lost, the native path declines the session, which the general path refuses, and
     a restored session is stepped natively again."""
     seed = random_seed()
-    scene = Scene(inproc(), case, seed)
-    native = scene.srv.server.fast_path
-    if native is None:
-        pytest.skip("no native step path: the C++ backend is not built here (make kernels)")
+    scene = native_scene(inproc, case, seed)
     session, snapshot, twin = stepped_with_a_twin(scene)
-
-    class FailingKernel:
-        def fail(self, *args):
-            raise MemoryError("no room for the step")
-
-        run = run_ssd = run_model = fail
-
-    def submit(session: str, frame: dict):
-        return scene.conn.reply(scene.srv.submit(scene.conn, case.op, more_input=False, session=session, **frame))
-
+    kept = []
     with monkeypatch.context() as patched:
-        patched.setattr(native, "_native", FailingKernel())
-        reply = submit(session, scene.frame())
-    expect_lost(reply.error, "limit_exceeded", session, seed)
-    refused = submit(session, scene.frame())
+        patched.setattr(scene.srv.server.fast_path, "_native", stepper_whose_kernels_fail_after_running(kept))
+        reply = submit_native(scene, session, scene.frame())
+    expect_lost(reply.error, "internal_error", session, seed)
+    assert "device lost" in reply.error["message"], f"seed={seed}: {reply.error}"
+    refused = submit_native(scene, session, scene.frame())
     assert refused.error["code"] == "state_lost", f"seed={seed}: {refused.error}"
     scene.call("session_restore", session=session, snapshot=snapshot)
     frame = scene.frame()
-    stepped, expected = submit(session, frame), submit(twin, frame)
+    stepped, expected = submit_native(scene, session, frame), submit_native(scene, twin, frame)
     assert served_natively(stepped), f"seed={seed}: the restored session went the general way"
-    assert torch.equal(output_of(result_from_wire(stepped.result, as_torch=True)),
-                       output_of(result_from_wire(expected.result, as_torch=True))), f"seed={seed}"
+    assert same_output(stepped, expected), f"seed={seed}"
+
+
+class OutOfMemoryBeforeTheKernel:
+    """A native path's Stepper failing before its kernel: in Python, before the call."""
+
+    def __init__(self, stepper):
+        self.stepper = stepper
+
+    def fail(self, *args):
+        raise MemoryError("no room for the reply")
+
+    run = run_ssd = run_model = fail
+
+
+class OutOfMemoryResolvingHandles(OutOfMemoryBeforeTheKernel):
+    """The same in step.cpp: its lookup of a handle's tensor (a plain step's A) raising."""
+
+    class NoRoom(dict):
+        def get(self, *args):
+            raise MemoryError("no room for the handle's lookup")
+
+    def run(self, *args):
+        *head, handle_tensors, state_out = args
+        return self.stepper.run(*head, self.NoRoom(handle_tensors), state_out)
+
+
+@pytest.mark.parametrize("case, failing", [
+    *(pytest.param(case.values[0], OutOfMemoryBeforeTheKernel, id=f"{case.id}-before-the-call")
+      for case in NATIVE_CASES),
+    pytest.param(Case("mamba", "step"), OutOfMemoryResolvingHandles, id="plain-step-in-step.cpp"),
+])
+def test_a_native_step_failing_before_its_kernel_goes_the_general_way(inproc, monkeypatch, case, failing):
+    """A failure before the native kernel ran touched no row: the session is not lost, and the
+    general path serves the request, its reply and the state after it as a twin's."""
+    seed = random_seed()
+    scene = native_scene(inproc, case, seed)
+    session, _, twin = stepped_with_a_twin(scene)
+    frame = scene.frame()
+    if failing is OutOfMemoryResolvingHandles:
+        frame["A"] = protocol.HandleRef(scene.call("put", tensor=frame["A"])["handle"])
+    native = scene.srv.server.fast_path
+    with monkeypatch.context() as patched:
+        patched.setattr(native, "_native", failing(native._native))
+        stepped = submit_native(scene, session, frame)
+    assert stepped.ok and not served_natively(stepped), f"seed={seed}: {stepped.error}"
+    expected = submit_native(scene, twin, frame)
+    assert same_output(stepped, expected), f"seed={seed}"
+    assert_same_state(scene.state(session), scene.state(twin), f"seed={seed}, the general path's step")
+    frame = scene.frame()
+    stepped, expected = submit_native(scene, session, frame), submit_native(scene, twin, frame)
+    assert served_natively(stepped) and same_output(stepped, expected), f"seed={seed}"
 
 
 PREFILLS = [pytest.param(Case("mamba", "scan"), "selective_scan", id="scan"),

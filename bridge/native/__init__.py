@@ -80,9 +80,11 @@ def library_path() -> Path:
 
 
 class NativeStepError(OpError):
-    """The native path failed after taking a request (its kernel raised): the request must not
-    be served again, and its session's state may have moved, so it is answered with this error:
-    the cause's as the general path would answer it, the session lost (bridge.sessions.lose_state)."""
+    """The native path failed once its kernel began (the module's StateWritten): the request
+    must not be served again, and its session's state may have moved, so it is answered with
+    this error: the cause's as the general path would answer it, the session lost
+    (bridge.sessions.lose_state). What fails before the kernel is raised as it is: nothing was
+    touched, and the dispatcher hands the request to the general path."""
 
     def __init__(self, request_id, cause: BaseException):
         super().__init__(*error_fields(cause))
@@ -109,6 +111,7 @@ class NativeStep:
                                       max_tensor_bytes=protocol.encode.MAX_BIN_BYTES,
                                       max_reply_bytes=protocol.framing.MAX_FRAMEABLE)
         self._state_out_type = module.StateOut
+        self._state_written = module.StateWritten
         self._prepare_model = backend.prepare_model
         # What the kernel needs of a session's pool rows and of a handle's tensor, read from
         # torch once rather than on every step (Python-level work, which a pause makes several
@@ -148,7 +151,8 @@ class NativeStep:
     def serve(self, conn, request, received_ns: int, queued_ns: int) -> tuple[bytes, dict] | None:
         """(reply body, timing) of a parsed plain step, the session's state stepped; None when
         its session or a handle is not this connection's or not usable here (nothing touched).
-        `queued_ns`: how long it waited to be served, its queue_us."""
+        `queued_ns`: how long it waited to be served, its queue_us. NativeStepError where its
+        kernel began and failed; anything else it raises failed before, nothing touched."""
         session = self.server.sessions.find(conn.id, request.session)
         # A lost one (a step that failed partway) is refused by the general path (state_lost).
         if session is None or session.closed or session.lost:
@@ -177,8 +181,8 @@ class NativeStep:
                                             *session.shape, slots_address, handle_tensors, state_out)
             return self._native.run(request, received_ns, queued_ns, pool_address, session.batch, session.dim,
                                     session.state, slots_address, handle_tensors, state_out)
-        except Exception as exc:
-            raise NativeStepError(request.id, lose_state(exc, [session])) from exc
+        except self._state_written as exc:
+            raise self._lost(request, session, exc) from exc.__cause__
 
     def _serve_model(self, conn, request, session, received_ns: int, queued_ns: int):
         if session.kind != "model":
@@ -204,8 +208,14 @@ class NativeStep:
             return self._native.run_model(request, received_ns, queued_ns, prepared, session.batch, config.d_model,
                                           config.vocab_size or 0, config.has_logits, *rows, state_out,
                                           snapshot.rows.data_ptr() if snapshot is not None else 0, state)
-        except Exception as exc:
-            raise NativeStepError(request.id, lose_state(exc, [session])) from exc
+        except self._state_written as exc:
+            raise self._lost(request, session, exc) from exc.__cause__
+
+    @staticmethod
+    def _lost(request, session, exc: BaseException) -> NativeStepError:
+        """The error of a step whose kernel began and then failed (`exc`, StateWritten): its
+        cause's, the session lost."""
+        return NativeStepError(request.id, lose_state(exc.__cause__, [session]))
 
     def _prepared(self, loaded):
         """The kernel's prepared weights of a loaded model, or None where its step is not fused."""

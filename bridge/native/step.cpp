@@ -9,8 +9,10 @@
 // It serves only the plain form of a step (bridge/native/__init__.py says which); for anything
 // else `parse` returns None and the request takes the general path, which gives every error
 // reply. So nothing here reports a request's error to a client: a request it cannot take is
-// handed on untouched, and a request it takes is known to be valid before the state is touched
-// (only a failing kernel is raised, and answered as internal_error by the dispatcher).
+// handed on untouched, and a request it takes is known to be valid before the state is touched.
+// What fails (an allocation, a kernel) is raised: before the kernel as it is, the state as it
+// was, so the general path may serve the request; from the kernel on as StateWritten, its cause
+// the failure, the session's state maybe moved (bridge/native/__init__.py).
 //
 // The kernels are the CPU backend's, called through the capsules its extension exports
 // (kernels/cpu/binding.cpp, "scan_bridge.run_problem" with the ScanProblem of
@@ -28,7 +30,9 @@
 #include <iterator>
 #include <limits>
 #include <memory>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -44,6 +48,28 @@ using scan_bridge::ScanProblem;
 using scan_bridge::Strided;
 
 namespace {
+
+// The type of a failure once the kernel began (raise_state_written), made with the module.
+PyObject* state_written_type = nullptr;
+
+// Raises the exception being handled as StateWritten caused by it (the cause as pybind11 would
+// raise it): the kernel began, the session's rows may have moved, and the caller must not serve
+// the request again nor take the state for what it was.
+[[noreturn]] void raise_state_written() {
+  try {
+    throw;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "native step: an unknown C++ exception");
+  }
+  py::raise_from(state_written_type, "native step: failed once its kernel began writing the state");
+  throw py::error_already_set();
+}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -965,58 +991,63 @@ class Stepper {
     }
 
     const int64_t kernel_start = now_ns();
-    char error[256] = {0};
-    int status;
-    {
-      const scan_bridge::ReleasedGil unlocked;
-      status = kernel(y, error, sizeof(error));
-    }
-    if (status != 0) throw std::runtime_error(std::string("native step kernel: ") + error);
-    const int64_t kernel_end = now_ns();
-    if (state) {
-      for (size_t k = 0; k < state->parts.size(); ++k) {
-        const auto& part = state->parts[k];
-        const size_t row_bytes = 4 * static_cast<size_t>(part.floats);
-        for (int64_t r = 0; r < batch; ++r)
-          std::memcpy(state_at[k] + r * row_bytes, state->pool + slots[r] * state->row_floats + part.offset,
-                      row_bytes);
+    // From here the session's rows may have moved: any failure is raised as StateWritten.
+    try {
+      char error[256] = {0};
+      int status;
+      {
+        const scan_bridge::ReleasedGil unlocked;
+        status = kernel(y, error, sizeof(error));
       }
-    }
-    const int64_t state_end = now_ns();
+      if (status != 0) throw std::runtime_error(std::string("native step kernel: ") + error);
+      const int64_t kernel_end = now_ns();
+      if (state) {
+        for (size_t k = 0; k < state->parts.size(); ++k) {
+          const auto& part = state->parts[k];
+          const size_t row_bytes = 4 * static_cast<size_t>(part.floats);
+          for (int64_t r = 0; r < batch; ++r)
+            std::memcpy(state_at[k] + r * row_bytes, state->pool + slots[r] * state->row_floats + part.offset,
+                        row_bytes);
+        }
+      }
+      const int64_t state_end = now_ns();
 
-    // Everything before the kernel but the wait to be served -- parsing, the caller's session
-    // and handle lookups, these checks -- is the request's decode; the kernel wrote y into the
-    // reply, so there is no host copy of it; the state's copy into the reply is the d2h.
-    double stages[std::size(kStageKeys)] = {(kernel_start - received_ns - queued_ns) / 1e3, queued_ns / 1e3, 0.0,
-                                            (kernel_end - kernel_start) / 1e3,
-                                            state ? (state_end - kernel_end) / 1e3 : 0.0, 0.0};
-    w.raw("\xa6timing");
-    *w.position() = static_cast<uint8_t>(0x80 | kTimingEntries);
-    w.skip(1);
-    stages[5] = (now_ns() - state_end) / 1e3;  // encode_us: the reply up to here
-    for (size_t k = 0; k < std::size(kStageKeys); ++k) {
-      w.fixstr(kStageKeys[k]);
-      w.f64(stages[k]);
-    }
-    // server_us is read last, once the reply is whole, so it covers every stage above and the
-    // writing of these last entries: never less than their sum.
-    w.fixstr("server_us");
-    uint8_t* server_us_at = w.position();
-    w.f64(0.0);
-    w.fixstr("batch_rows");
-    w.uint(static_cast<uint64_t>(batch));
-    const double server_us = (now_ns() - received_ns) / 1e3;
-    Writer(reinterpret_cast<char*>(server_us_at)).f64(server_us);
-    if (w.size() > size) throw std::logic_error("native step: reply larger than sized");
-    raw = reply.release().ptr();
-    if (_PyBytes_Resize(&raw, static_cast<Py_ssize_t>(w.size())) < 0) throw py::error_already_set();
-    reply = py::reinterpret_steal<py::object>(raw);
+      // Everything before the kernel but the wait to be served -- parsing, the caller's session
+      // and handle lookups, these checks -- is the request's decode; the kernel wrote y into the
+      // reply, so there is no host copy of it; the state's copy into the reply is the d2h.
+      double stages[std::size(kStageKeys)] = {(kernel_start - received_ns - queued_ns) / 1e3, queued_ns / 1e3, 0.0,
+                                              (kernel_end - kernel_start) / 1e3,
+                                              state ? (state_end - kernel_end) / 1e3 : 0.0, 0.0};
+      w.raw("\xa6timing");
+      *w.position() = static_cast<uint8_t>(0x80 | kTimingEntries);
+      w.skip(1);
+      stages[5] = (now_ns() - state_end) / 1e3;  // encode_us: the reply up to here
+      for (size_t k = 0; k < std::size(kStageKeys); ++k) {
+        w.fixstr(kStageKeys[k]);
+        w.f64(stages[k]);
+      }
+      // server_us is read last, once the reply is whole, so it covers every stage above and the
+      // writing of these last entries: never less than their sum.
+      w.fixstr("server_us");
+      uint8_t* server_us_at = w.position();
+      w.f64(0.0);
+      w.fixstr("batch_rows");
+      w.uint(static_cast<uint64_t>(batch));
+      const double server_us = (now_ns() - received_ns) / 1e3;
+      Writer(reinterpret_cast<char*>(server_us_at)).f64(server_us);
+      if (w.size() > size) throw std::logic_error("native step: reply larger than sized");
+      raw = reply.release().ptr();
+      if (_PyBytes_Resize(&raw, static_cast<Py_ssize_t>(w.size())) < 0) throw py::error_already_set();
+      reply = py::reinterpret_steal<py::object>(raw);
 
-    py::dict timing;
-    for (size_t k = 0; k < std::size(kStageKeys); ++k) timing[kStageKeys[k]] = stages[k];
-    timing["server_us"] = server_us;
-    timing["batch_rows"] = batch;
-    return py::make_tuple(reply, timing);
+      py::dict timing;
+      for (size_t k = 0; k < std::size(kStageKeys); ++k) timing[kStageKeys[k]] = stages[k];
+      timing["server_us"] = server_us;
+      timing["batch_rows"] = batch;
+      return py::make_tuple(reply, timing);
+    } catch (...) {
+      raise_state_written();
+    }
   }
 
   uint64_t max_tensor_bytes_;
@@ -1050,6 +1081,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::tuple stage_keys(std::size(kStageKeys));
   for (size_t k = 0; k < std::size(kStageKeys); ++k) stage_keys[k] = kStageKeys[k];
   m.attr("STAGE_KEYS") = stage_keys;
+  state_written_type = PyErr_NewExceptionWithDoc(
+      PYBIND11_TOSTRING(TORCH_EXTENSION_NAME) ".StateWritten",
+      "A step failed once its kernel began: the session's state may have moved. __cause__: the failure.",
+      PyExc_Exception, nullptr);
+  if (state_written_type == nullptr) throw py::error_already_set();
+  m.attr("StateWritten") = py::handle(state_written_type);
   py::class_<StateOut>(m, "StateOut")
       .def(py::init<uintptr_t, int64_t, bool, const py::tuple&>(), py::arg("pool"), py::arg("row_floats"),
            py::arg("named"), py::arg("parts"));
