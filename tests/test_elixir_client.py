@@ -75,8 +75,10 @@ def run_mix(args: list[str]) -> ProcessRun:
 
 # The test files (under elixir_client/test/) of the cluster's part; every other file is in the
 # rest. One VM ran the whole suite past TIMEOUT_S in CI; these parts take about as long as each other.
+# Every file that starts `:peer` nodes (and makes its VM distributed) is here, so the rest's VM
+# stays a plain one.
 CLUSTER_TEST_FILES = ("cluster_test.exs", "cluster_peers_test.exs", "peers_test.exs",
-                      "remote_callers_test.exs")
+                      "remote_callers_test.exs", "cluster_balancer_test.exs")
 
 
 def exunit_parts() -> dict[str, list[str]]:
@@ -193,6 +195,17 @@ def test_cluster_benchmark_runs(tmp_path):
     assert all(n > 0 for n in results["trace_patterns_matched"].values()), results["trace_patterns_matched"]
     for name, goal in doc["goals"].items():
         assert {"measured", "target", "met"} <= set(goal) and isinstance(goal["met"], bool), name
+
+
+def test_exunit_files_that_start_peer_nodes_are_in_the_clusters_part():
+    # a file that starts :peer nodes makes its VM distributed: such files share the cluster part
+    def starts_peers(path: str) -> bool:
+        with open(os.path.join(PROJECT, path)) as source:
+            text = source.read()
+        return ":peer.start" in text or "Peers." in text
+
+    starting_peers = [path for path in exunit_parts()["the other files"] if starts_peers(path)]
+    assert starting_peers == [], f"start :peer nodes but are not in CLUSTER_TEST_FILES: {starting_peers}"
 
 
 # Last in the file: by then the child suites have had the others' time to run.
