@@ -332,6 +332,24 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert %{"m" => {"/models/c", [], %{}}} = GenServer.call(first, :catalogue, 1_000)
   end
 
+  test "a member cut off during a free holds the model until a free reaches it; no other loads" do
+    {group, [_, cut_off] = keepers} = loading_members(2)
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/a")
+
+    # its node cut off: :pg drops its keeper, and the free reaches only the other
+    :ok = :pg.leave(Cluster.scope(), {:catalogue, group}, cut_off)
+    assert :ok = Cluster.free_model(group, "m")
+    :ok = :pg.join(Cluster.scope(), {:catalogue, group}, cut_off)
+
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument}} =
+             Cluster.load_model(group, "m", "/models/b")
+
+    assert %{"m" => {"/models/a", [], %{}}} = GenServer.call(cut_off, :catalogue, 1_000)
+    assert :ok = Cluster.free_model(group, "m")
+    for keeper <- keepers, do: assert(GenServer.call(keeper, :catalogue, 1_000) == %{})
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/b")
+  end
+
   defp loading_server do
     receive do
       {:"$gen_call", from, {:request, "model_load", _head, _size, _timeout, _closes}} ->
