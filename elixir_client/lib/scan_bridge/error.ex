@@ -21,7 +21,7 @@ defmodule ScanBridge.Error do
     * the server's error codes (protocol SPEC §7), e.g. `:shape_mismatch`, `:unknown_session`,
       `:overloaded`; whole models add `:unknown_model`, `:unknown_snapshot`,
       `:invalid_checkpoint` (its `detail["field"]` names the key or tensor at fault) and
-      `:path_not_allowed`; `:state_lost` (a step or prefill of the session failed partway,
+      `:path_not_allowed`; `:state_lost` (a step, prefill or restore of the session failed partway,
       its own error's `detail["state"]` being `"lost"`, and left its state undefined: restore
       a snapshot into it or close it); `:deadline_exceeded` (the request's budget, its call's
       deadline, ran out on the server before it started: it was not run) and `:cancelled` (a
