@@ -206,13 +206,16 @@ def test_bf16_weights_follow_transformers_in_bf16_loosely(serve, checkpoints, ar
         exact = model(tokens).logits.double()
         theirs = copy.deepcopy(model).to(torch.bfloat16)(tokens).logits.double()
     # Two bf16 computations that round in different places drift apart over the sequence by
-    # what bf16 loses, which for some random models is most of the logits' range: measured
-    # against the fp32 model, ours must stay within three times transformers' own bf16 error (plus 1 %
-    # of the logits' range, for models where that error is near nothing).
-    ours_err = (torch.cat(got, dim=1).double() - exact).abs().max().item()
-    theirs_err = (theirs - exact).abs().max().item()
-    bound = 3 * theirs_err + 0.01 * exact.abs().max().item()
-    assert ours_err <= bound, f"{arch} bf16 (seed {seed}): max error {ours_err:.3g} against fp32 > {bound:.3g} " \
+    # what bf16 loses. The largest single error of one such computation is too noisy to compare
+    # (it is one sample of a heavy tail), so the root-mean-square error is compared: against
+    # the fp32 model, ours must stay within three times transformers' own bf16 error (plus 1 %
+    # of the logits' RMS, for models where that error is near nothing).
+    def rms(t):
+        return t.pow(2).mean().sqrt().item()
+
+    ours_err, theirs_err = rms(torch.cat(got, dim=1).double() - exact), rms(theirs - exact)
+    bound = 3 * theirs_err + 0.01 * rms(exact)
+    assert ours_err <= bound, f"{arch} bf16 (seed {seed}): RMS error {ours_err:.3g} against fp32 > {bound:.3g} " \
                               f"(transformers in bf16: {theirs_err:.3g})"
 
 
