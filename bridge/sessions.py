@@ -20,7 +20,9 @@ A step or prefill writes its sessions' rows in place, layer after layer, and a r
 snapshot's rows over them: one that fails partway leaves them neither the state before nor after
 it. The ops run that work in `WritingState`, which marks such sessions lost; a lost session is
 refused (`state_lost`) by every op that reads or advances its state until a restore overwrites
-the whole of it, or it is closed.
+the whole of it, or it is closed. A copy into a snapshot (a model step's snapshot_into) that
+fails partway leaves the snapshot undefined instead, and restores from it are refused
+(`state_lost`, naming the snapshot) until a copy into it completes.
 """
 
 from __future__ import annotations
@@ -444,17 +446,27 @@ def unknown_snapshot(snapshot_id: str, field: str) -> OpError:
                    {"field": field, "snapshot": snapshot_id})
 
 
+def snapshot_undefined(snapshot_id: str, field: str) -> OpError:
+    """The error of a restore from a snapshot that a failed copy into it left undefined."""
+    return OpError("state_lost",
+                   f"{field}: snapshot {snapshot_id!r} has no defined state: a model_step's copy into it "
+                   "(snapshot_into) failed partway; step into it again (snapshot_into) or take a new one",
+                   {"field": field, "snapshot": snapshot_id})
+
+
 class Snapshot:
     """A copy of a session's every part at one moment: restorable into any session of the same
-    layout and batch (the session it came from, or a fork of it)."""
+    layout and batch (the session it came from, or a fork of it). `defined` is False while a
+    copy into it that failed partway left it part one state, part another (take_again)."""
 
-    __slots__ = ("layout", "batch", "rows", "nbytes")
+    __slots__ = ("layout", "batch", "rows", "nbytes", "defined")
 
     def __init__(self, session: Session):
         self.layout = session.layout
         self.batch = session.batch
         self.rows = session.read_rows()
         self.nbytes = session.nbytes
+        self.defined = True
 
     def is_like(self, session: Session) -> bool:
         """Whether `session` has this snapshot's model or state shape, and batch: one it can be
@@ -463,8 +475,11 @@ class Snapshot:
 
     def take_again(self, session: Session) -> None:
         """Hold `session`'s state now, in the same memory (a session like the one it came from:
-        SnapshotTable.of_session_like)."""
+        SnapshotTable.of_session_like). Raising, it may have written some rows: it is left
+        undefined until a copy into it completes."""
+        self.defined = False
         session.read_rows_into(self.rows)
+        self.defined = True
 
 
 class SnapshotTable(OwnedTable[Snapshot]):
@@ -488,10 +503,12 @@ class SnapshotTable(OwnedTable[Snapshot]):
         return snapshot_id
 
     def restore(self, owner: str, snapshot_id: str, session: Session, field: str) -> None:
-        rows = self.of_session_like(owner, snapshot_id, session, field).rows
+        snapshot = self.of_session_like(owner, snapshot_id, session, field)
+        if not snapshot.defined:
+            raise snapshot_undefined(snapshot_id, field)
         # A copy failing partway leaves some rows the snapshot's and some what they were.
         with WritingState([session]):
-            session.write_rows(rows)
+            session.write_rows(snapshot.rows)
 
     def of_session_like(self, owner: str, snapshot_id: str, session: Session, field: str) -> Snapshot:
         """The owner's snapshot `snapshot_id`, checked to be one of a session like `session` (its

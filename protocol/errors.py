@@ -44,7 +44,8 @@ ERROR_CODES: dict[str, str] = {
     "unknown_model": "model names no model loaded on this connection",
     "unknown_snapshot": "snapshot names no snapshot held for this connection",
     "state_lost": ("a step, prefill or restore failed partway and left this session's state undefined; restore a "
-                   "snapshot into it (session_restore) or close it"),
+                   "snapshot into it (session_restore) or close it (or a model_step's copy into this snapshot did, "
+                   "and left it so: step into it again or take a new one)"),
     "invalid_checkpoint": "a model's config or weights (files, or sent) cannot be loaded: a tensor missing, mis-shaped or unexpected, an unknown architecture, a corrupt file",
     "path_not_allowed": "a checkpoint path lies outside every directory the server was given with --model-dir (or it was given none)",
     "limit_exceeded": "a server limit (sessions, handles, resident bytes, sizes) would be exceeded, or the server ran out of memory",

@@ -10,7 +10,9 @@ paths: the "torch" backend); a plain step's kernel raising once it has updated t
 native step path's kernel reporting a failure once it has run; a prefill's write back raising;
 a restore's copy raising partway. A prefill whose scan fails has written nothing, and its
 session is not lost; nor is one whose native step failed before its kernel, which the general
-path then serves. Inputs are fresh random values, the seed in every failure message.
+path then serves; nor is one whose model step's copy into a snapshot (`snapshot_into`, made
+before the frame) raised partway: that snapshot is refused by restores until a copy into it
+completes. Inputs are fresh random values, the seed in every failure message.
 """
 
 from __future__ import annotations
@@ -365,3 +367,98 @@ def test_a_restore_refused_before_its_copy_leaves_lost_as_it_was(inproc, monkeyp
                 assert "state" not in error["detail"], f"seed={seed}: {error}"
     expect_refused(scene, lost, scene.frame())
     assert_same_state(scene.state(kept), kept_before, f"seed={seed}, the session refused a restore")
+
+
+def failing_partway_through_a_snapshot_copy(patched: pytest.MonkeyPatch) -> None:
+    """Make a whole-state copy into a snapshot (a model step's snapshot_into) fail once it has
+    written its first row: the rest of the snapshot's rows the state it held before."""
+    def failing_after_the_first_row(self, rows):
+        rows[:1] = self.read_rows()[:1]
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    patched.setattr(Session, "read_rows_into", failing_after_the_first_row)
+
+
+def expect_torn(scene: Scene, session: str, snapshot: str) -> None:
+    """A restore from `snapshot`, with frames or without, is refused, naming it; `session`
+    keeps its state."""
+    before = scene.state(session)
+    for frames in ({}, {"frames": [{"op": scene.case.op, "args": scene.frame()}]}):
+        error = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=snapshot,
+                                  **frames).error
+        assert error["code"] == "state_lost", f"seed={scene.seed}: {error}"
+        assert error["detail"] == {"field": "args.snapshot", "snapshot": snapshot}, f"seed={scene.seed}: {error}"
+        assert "snapshot_into" in error["message"], f"seed={scene.seed}: {error}"
+    assert_same_state(scene.state(session), before, f"seed={scene.seed}, the session refused a restore")
+
+
+def expect_taken_again(scene: Scene, session: str, snapshot: str, take) -> None:
+    """`take(frame)` runs a model step into `snapshot`: restored from it then, the session holds
+    its state before that step."""
+    before = scene.state(session)
+    take({**scene.frame(), "snapshot_into": snapshot})
+    scene.call("session_restore", session=session, snapshot=snapshot)
+    assert_same_state(scene.state(session), before, f"seed={scene.seed}, the snapshot taken again")
+
+
+@pytest.mark.parametrize("members", [pytest.param(1, id="alone"), pytest.param(2, id="sharing-a-launch")])
+def test_a_snapshot_copy_failing_partway_leaves_the_sessions_and_the_snapshot_undefined(
+        inproc, monkeypatch, members):
+    """model_step's copy into `snapshot_into` runs before the frame and writes no session: its
+    failure fails the launch with its own error, no session lost (the launch's other member, not
+    copying, neither), each stepping on as its twin does; the snapshot, part one state, part
+    another, refuses restores until a model step copies into it whole again."""
+    seed = random_seed()
+    case = Case("mamba2", "model_step")
+    scene = Scene(inproc(backend="torch", max_delay_us=0), case, seed)
+    stepped = [stepped_with_a_twin(scene) for _ in range(members)]
+    (session, snapshot, _), *others = stepped
+    with monkeypatch.context() as patched:
+        failing_partway_through_a_snapshot_copy(patched)
+        scene.srv.hold(scene.conn)
+        ids = [scene.srv.submit(scene.conn, case.op, session=session, snapshot_into=snapshot, **scene.frame()),
+               *(scene.srv.submit(scene.conn, case.op, session=other, **scene.frame()) for other, _, _ in others)]
+        scene.srv.go()
+        errors = [scene.conn.reply(i).error for i in ids]
+    for error in errors:
+        assert error is not None and error["code"] == "internal_error", f"seed={seed}: {error}"
+        assert "state" not in error["detail"] and "sessions" not in error["detail"], f"seed={seed}: {error}"
+    for stepped_session, _, twin in stepped:
+        assert_same_state(scene.state(stepped_session), scene.state(twin), f"seed={seed}, the failed step's session")
+        frame = scene.frame()
+        got, expected = (scene.call(case.op, session=s, **frame) for s in (stepped_session, twin))
+        assert torch.equal(output_of(got), output_of(expected)), f"seed={seed}: stepped after the failure"
+    expect_torn(scene, session, snapshot)
+    expect_taken_again(scene, session, snapshot, lambda frame: scene.call(case.op, session=session, **frame))
+
+
+@pytest.mark.parametrize("kernel_fails", [pytest.param(False, id="served"), pytest.param(True, id="kernel-failing")])
+def test_a_native_model_step_into_an_undefined_snapshot_defines_it(inproc, monkeypatch, kernel_fails):
+    """The native path copies into the snapshot before its kernel, a copy that cannot fail; a
+    failure before it sends the step the general way, whose copy may. A snapshot that copy left
+    undefined holds the state before the next native step into it, restorable, whether that
+    step's kernel then succeeds or fails (its session lost)."""
+    seed = random_seed()
+    scene = native_scene(inproc, Case("mamba2", "model_step"), seed)
+    session, snapshot, twin = stepped_with_a_twin(scene)
+    native = scene.srv.server.fast_path
+    with monkeypatch.context() as patched:
+        patched.setattr(native, "_native", OutOfMemoryBeforeTheKernel(native._native))
+        failing_partway_through_a_snapshot_copy(patched)
+        error = submit_native(scene, session, {**scene.frame(), "snapshot_into": snapshot}).error
+    assert error["code"] == "internal_error" and "state" not in error["detail"], f"seed={seed}: {error}"
+    assert_same_state(scene.state(session), scene.state(twin), f"seed={seed}, the failed step's session")
+    expect_torn(scene, session, snapshot)
+    kept = []
+
+    def take(frame):
+        with monkeypatch.context() as patched:
+            if kernel_fails:
+                patched.setattr(native, "_native", stepper_whose_kernels_fail_after_running(kept))
+            reply = submit_native(scene, session, frame)
+        if kernel_fails:
+            expect_lost(reply.error, "internal_error", session, seed)
+        else:
+            assert reply.ok and served_natively(reply), f"seed={seed}: {reply.error}"
+
+    expect_taken_again(scene, session, snapshot, take)

@@ -205,11 +205,23 @@ class NativeStep:
         state = self._state_out(session) if snapshot is not None else None
         try:
             # `snapshot` is held here while the kernel writes into its rows.
-            return self._native.run_model(request, received_ns, queued_ns, prepared, session.batch, config.d_model,
-                                          config.vocab_size or 0, config.has_logits, *rows, state_out,
-                                          snapshot.rows.data_ptr() if snapshot is not None else 0, state)
+            served = self._native.run_model(request, received_ns, queued_ns, prepared, session.batch, config.d_model,
+                                            config.vocab_size or 0, config.has_logits, *rows, state_out,
+                                            snapshot.rows.data_ptr() if snapshot is not None else 0, state)
         except self._state_written as exc:
+            self._took(snapshot)
             raise self._lost(request, session, exc) from exc.__cause__
+        if served is not None:
+            self._took(snapshot)
+        return served
+
+    @staticmethod
+    def _took(snapshot) -> None:
+        """A model step that reached its kernel copied the state into `snapshot` (if it named
+        one) whole first, a copy that cannot fail: it holds a defined state again, whatever an
+        earlier copy left (bridge.sessions.Snapshot.take_again)."""
+        if snapshot is not None:
+            snapshot.defined = True
 
     @staticmethod
     def _lost(request, session, exc: BaseException) -> NativeStepError:

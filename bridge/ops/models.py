@@ -204,13 +204,17 @@ class ModelStepOp(BatchedOp):
         inputs = stack_rows(server, [item.tensors[name] for item in items])
         slots = stack_rows(server, [item.session.slots for item in items])
         charge(items, "h2d", now_ns() - start)
-        with WritingState([item.session for item in items]):
+        # The sessions are written from the step on: a snapshot copy failing before it leaves
+        # them as they were, the snapshot undefined (Snapshot.take_again).
+        written = []
+        with WritingState(written):
             with server.kernel_timer(*(item.call for item in items)):
                 # The state before the frame, into the snapshots asked for (a rollback's point
                 # without a round trip of its own); part of the frame's device work.
                 for item in items:
                     if "snapshot_into" in item.options:
                         item.options["snapshot_into"].take_again(item.session)
+                written.extend(item.session for item in items)
                 out = loaded.model.step(lead.session.pool.parts, slots, inputs, output=output,
                                         backend=server.backend)
             return with_states(items, [{output: rows} for rows in wire_rows(out, items)])

@@ -23,7 +23,9 @@ defmodule ScanBridge.Error do
       `:invalid_checkpoint` (its `detail["field"]` names the key or tensor at fault) and
       `:path_not_allowed`; `:state_lost` (a step, prefill or restore of the session failed partway,
       its own error's `detail["state"]` being `"lost"`, and left its state undefined: restore
-      a snapshot into it or close it); `:deadline_exceeded` (the request's budget, its call's
+      a snapshot into it or close it; or, a restore's, with `detail["snapshot"]`, a model step's
+      copy into that snapshot failed partway and left it undefined: step into it again or take
+      a new one); `:deadline_exceeded` (the request's budget, its call's
       deadline, ran out on the server before it started: it was not run) and `:cancelled` (a
       `cancel` dropped it before it started: it was not run). A code this client does not
       know becomes `:internal_error`, as the specification requires; `code` keeps the string
