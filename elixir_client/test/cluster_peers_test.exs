@@ -21,17 +21,12 @@ defmodule ScanBridge.ClusterPeersTest do
     g = {:peers, System.unique_integer([:positive])}
     peers = Enum.map(1..3, &Peers.start_peer!("member#{&1}"))
     members = Peers.start_servers!(peers, group: g)
-    await_members(g, 3)
+    Peers.await_members(g, 3)
 
     assert {:ok, %{members: 3}} =
              Cluster.load_model(g, "tiny", Models.backbone(Models.config(:mamba2), 5))
 
     %{group: g, peers: peers, members: members}
-  end
-
-  defp await_members(g, n) do
-    assert TestSupport.eventually(fn -> length(Cluster.members(g)) == n end, 20_000),
-           "#{inspect(g)} has #{length(Cluster.members(g))} members, expected #{n}"
   end
 
   defp count(member, op) do
@@ -146,7 +141,7 @@ defmodule ScanBridge.ClusterPeersTest do
   test "a node that joins later gets the models and work", %{group: g} do
     late = Peers.start_peer!("late")
     [member] = Peers.start_servers!([late], group: g)
-    await_members(g, 4)
+    Peers.await_members(g, 4)
     assert {:ok, id} = ScanBridge.Server.model_named(member, "tiny")
     assert is_binary(id)
     assert Enum.all?(scans(g, 12), &match?({:ok, _}, &1))

@@ -14,12 +14,12 @@ defmodule ScanBridge.Cluster.MemberTest do
       send(test, :joined)
 
       receive do
-        {:"$gen_call", from, :catalogue} ->
+        {:"$gen_call", from, :versioned_catalogue} ->
           [other] = Member.keepers(group) -- [self()]
 
           outcome =
             try do
-              {:answered, GenServer.call(other, :catalogue, 1_000)}
+              {:answered, GenServer.call(other, :versioned_catalogue, 1_000)}
             catch
               :exit, {:timeout, _} -> :timed_out
             end
@@ -72,14 +72,19 @@ defmodule ScanBridge.Cluster.MemberTest do
     {:ok, member} = Member.start_link(server: server, group: group)
     assert eventually_member(group, server)
 
-    first = Task.async(fn -> GenServer.call(member, {:load, "m", "/models/m", []}, 5_000) end)
+    first =
+      Task.async(fn -> GenServer.call(member, {:load, "m", "/models/m", [], {1, :test}}, 5_000) end)
+
     assert_receive {:loading, ^server}, 5_000
     # the catalogue while the model loads: recorded, not yet loaded
     assert GenServer.call(member, :catalogue, 1_000) == %{"m" => {"/models/m", [], nil}}
-    second = Task.async(fn -> GenServer.call(member, {:load, "m", "/models/m", []}, 5_000) end)
-    other = GenServer.call(member, {:load, "m", "/models/other", []}, 1_000)
+
+    second =
+      Task.async(fn -> GenServer.call(member, {:load, "m", "/models/m", [], {1, :test}}, 5_000) end)
+
+    other = GenServer.call(member, {:load, "m", "/models/other", [], {1, :test}}, 1_000)
     assert {:error, %ScanBridge.Error{reason: :invalid_argument}} = other
-    free = Task.async(fn -> GenServer.call(member, {:free, "m", []}, 5_000) end)
+    free = Task.async(fn -> GenServer.call(member, {:free, "m", [], :test}, 5_000) end)
     Process.sleep(50)
     send(server, :go)
 
@@ -320,7 +325,7 @@ defmodule ScanBridge.Cluster.MemberTest do
         Process.sleep(:infinity)
       end)
 
-    assert_receive {:claimed, :ok}
+    assert_receive {:claimed, {:ok, _version}}
     # claimed on the first member, refused on the second: the first is not kept from others
     assert {:error, %ScanBridge.Error{reason: :invalid_argument} = error} =
              Cluster.load_model(group, "m", "/models/b")
@@ -332,22 +337,98 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert %{"m" => {"/models/c", [], %{}}} = GenServer.call(first, :catalogue, 1_000)
   end
 
-  test "a member cut off during a free holds the model until a free reaches it; no other loads" do
-    {group, [_, cut_off] = keepers} = loading_members(2)
+  # A keeper's node cut off from the caller's: :pg drops its keeper, and what the caller asks of
+  # the group reaches the others only.
+  defp cut_off(group, keeper), do: :ok = :pg.leave(Cluster.scope(), {:catalogue, group}, keeper)
+
+  # Its node connected again: :pg shows its keeper, and every keeper hears of the node that came
+  # up (here the test's own, whose keepers are each other's).
+  defp reconnect(group, keeper, keepers) do
+    :ok = :pg.join(Cluster.scope(), {:catalogue, group}, keeper)
+    for k <- keepers, do: send(k, {:nodeup, node()})
+  end
+
+  defp catalogue(keeper), do: GenServer.call(keeper, :catalogue, 1_000)
+
+  test "a member cut off during a free holds the model until it is back, then frees it" do
+    {group, [_, far] = keepers} = loading_members(2)
     assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/a")
 
-    # its node cut off: :pg drops its keeper, and the free reaches only the other
-    :ok = :pg.leave(Cluster.scope(), {:catalogue, group}, cut_off)
+    cut_off(group, far)
     assert :ok = Cluster.free_model(group, "m")
-    :ok = :pg.join(Cluster.scope(), {:catalogue, group}, cut_off)
+    # a free that reaches it (before its node is seen to be back) frees it there too
+    :ok = :pg.join(Cluster.scope(), {:catalogue, group}, far)
 
     assert {:error, %ScanBridge.Error{reason: :invalid_argument}} =
              Cluster.load_model(group, "m", "/models/b")
 
-    assert %{"m" => {"/models/a", [], %{}}} = GenServer.call(cut_off, :catalogue, 1_000)
-    assert :ok = Cluster.free_model(group, "m")
-    for keeper <- keepers, do: assert(GenServer.call(keeper, :catalogue, 1_000) == %{})
+    assert %{"m" => {"/models/a", [], %{}}} = catalogue(far)
+    cut_off(group, far)
+    reconnect(group, far, keepers)
+    assert eventually(fn -> catalogue(far) == %{} end)
     assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/b")
+  end
+
+  test "a member cut off while its model's name went to another takes that model when back" do
+    {group, [{near_server, near}, {far_server, far}]} = scripted_members([{[], []}, {[], []}])
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/a")
+    assert_received {:model_load, ^near_server}
+    assert_received {:model_load, ^far_server}
+
+    cut_off(group, far)
+    assert :ok = Cluster.free_model(group, "m")
+    assert {:ok, %{members: 1}} = Cluster.load_model(group, "m", "/models/b")
+    assert_received {:model_free, ^near_server}
+    assert_received {:model_load, ^near_server}
+    # back, it holds "/models/a" under the name, the other "/models/b", newer
+    reconnect(group, far, [near, far])
+    assert_receive {:model_free, ^far_server}, 5_000
+    assert_receive {:model_load, ^far_server}, 5_000
+    assert eventually(fn -> match?(%{"m" => {"/models/b", [], %{}}}, catalogue(far)) end)
+    assert %{"m" => {"/models/b", [], %{}}} = catalogue(near)
+    refute_received {_load_or_free, ^near_server}
+
+    # one model under the name again: the old one is refused, the new one a no-op
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument}} =
+             Cluster.load_model(group, "m", "/models/a")
+
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/b")
+  end
+
+  test "a model given up for a newer one while sessions use it is freed once they close" do
+    # the far server refuses the first free (a session of the model open there)
+    {group, [{_, near}, {far_server, far}]} =
+      scripted_members([{[], []}, {[], [:invalid_argument]}])
+
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/a")
+    cut_off(group, far)
+    assert :ok = Cluster.free_model(group, "m")
+    assert {:ok, %{members: 1}} = Cluster.load_model(group, "m", "/models/b")
+    reconnect(group, far, [near, far])
+
+    assert_receive {:model_free, ^far_server}, 5_000
+    # the newer model loads all the same, and the old one is freed again later
+    assert_receive {:model_load, ^far_server}, 5_000
+    assert_receive {:model_free, ^far_server}, 5_000
+    assert %{"m" => {"/models/b", [], %{}}} = catalogue(far)
+  end
+
+  test "a member joining takes the newest model under each name of the others" do
+    {group, [older, newer]} = loading_members(2)
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/a")
+    cut_off(group, older)
+    assert :ok = Cluster.free_model(group, "m")
+    assert {:ok, %{members: 1}} = Cluster.load_model(group, "m", "/models/b")
+    # back in the group, not yet reconciled: the two disagree
+    :ok = :pg.join(Cluster.scope(), {:catalogue, group}, older)
+
+    for _ <- 1..2 do
+      {_group, [joined]} = loading_members_of(group, 1)
+      assert %{"m" => {"/models/b", [], %{}}} = catalogue(joined)
+    end
+
+    assert %{"m" => {"/models/a", [], %{}}} = catalogue(older)
+    assert %{"m" => {"/models/b", [], %{}}} = catalogue(newer)
   end
 
   defp loading_server do
@@ -427,9 +508,10 @@ defmodule ScanBridge.Cluster.MemberTest do
 
   # A group of `n` members whose servers answer every load and free; returns the group and
   # the keepers.
-  defp loading_members(n) do
-    group = {:member_test, System.unique_integer([:positive])}
+  defp loading_members(n),
+    do: loading_members_of({:member_test, System.unique_integer([:positive])}, n)
 
+  defp loading_members_of(group, n) do
     keepers =
       for _ <- 1..n do
         server = spawn_link(&loading_server/0)

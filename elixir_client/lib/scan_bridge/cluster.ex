@@ -213,7 +213,9 @@ defmodule ScanBridge.Cluster do
   (loaded, loading, or recorded by a load that failed there, or kept by a free that failed
   there) is `:invalid_argument`, and nothing is loaded: `free_model/3` frees the name first.
   So is a name another `load_model/4` call is loading as a different model meanwhile: of two
-  such calls at once, one loads its model on every member and the other loads nothing.
+  such calls at once, one loads its model on every member and the other loads nothing. A member
+  cut off during the call takes the model when its node connects again (docs/cluster.md,
+  "Partitions").
   """
   @spec load_model(group, String.t(), ScanBridge.model_source(),
           dtype: :f32 | :bf16 | :f16 | String.t(),
@@ -234,9 +236,11 @@ defmodule ScanBridge.Cluster do
     # caller takes, so that of two callers the first member's choice is every member's.
     keepers = Enum.sort(Member.keepers(group))
 
-    case claim(keepers, {:claim, name, source, opts}, deadline, []) do
-      :ok ->
-        load_everywhere(group, name, source, opts, %{}, nil)
+    case claim(keepers, {:claim, name, source, opts}, deadline, [], 0) do
+      {:ok, counter} ->
+        # newer than every version of the name the claims saw (ScanBridge.Cluster.Member)
+        version = {counter + 1, {node(), System.unique_integer([:positive])}}
+        load_everywhere(group, {:load, name, source, opts, version}, %{}, nil)
 
       {error, asked} ->
         Enum.each(asked, &GenServer.cast(&1, {:release, name, self()}))
@@ -244,21 +248,28 @@ defmodule ScanBridge.Cluster do
     end
   end
 
-  # :ok once every keeper holds the claim (or went away meanwhile), else the first failure and
-  # the keepers asked, whose claims are to be released: the last one's may reach it late.
-  defp claim([], _request, _deadline, _asked), do: :ok
+  # {:ok, the highest version counter of the name the keepers hold} once every keeper holds the
+  # claim (or went away meanwhile), else the first failure and the keepers asked, whose claims
+  # are to be released: the last one's may reach it late.
+  defp claim([], _request, _deadline, _asked, counter), do: {:ok, counter}
 
-  defp claim([keeper | keepers], request, deadline, asked) do
-    case first_failure(ask_keepers([keeper], request, deadline)) do
-      nil -> claim(keepers, request, deadline, [keeper | asked])
-      error -> {error, [keeper | asked]}
+  defp claim([keeper | keepers], request, deadline, asked, counter) do
+    case ask_keepers([keeper], request, deadline) do
+      [{_keeper, {:ok, {seen, _tag}}}] ->
+        claim(keepers, request, deadline, [keeper | asked], max(counter, seen))
+
+      results ->
+        case first_failure(results) do
+          nil -> claim(keepers, request, deadline, [keeper | asked], counter)
+          error -> {error, [keeper | asked]}
+        end
     end
   end
 
   # Load on every catalogue keeper not done yet, then look again until none is new (see
   # ScanBridge.Cluster.Member). `done`: keeper => whether it loaded the model (false: its server
   # went away, so it is no member any more).
-  defp load_everywhere(group, name, source, opts, done, info) do
+  defp load_everywhere(group, {:load, _name, _source, opts, _version} = load, done, info) do
     case Member.keepers(group) |> Enum.reject(&is_map_key(done, &1)) do
       [] when info == nil ->
         {:error, Error.client(:no_members, "no server serves group #{inspect(group)}", %{})}
@@ -268,7 +279,7 @@ defmodule ScanBridge.Cluster do
 
       keepers ->
         # every member at once: each loads on its own device
-        results = ask_keepers(keepers, {:load, name, source, opts}, deadline(keeper_wait(opts)))
+        results = ask_keepers(keepers, load, deadline(keeper_wait(opts)))
 
         case first_failure(results) do
           {:error, _error} = failure ->
@@ -277,7 +288,7 @@ defmodule ScanBridge.Cluster do
           nil ->
             info = Enum.find_value(results, info, fn {_, result} -> ok_info(result) end)
             done = Enum.reduce(results, done, fn {k, r}, done -> Map.put(done, k, ok?(r)) end)
-            load_everywhere(group, name, source, opts, done, info)
+            load_everywhere(group, load, done, info)
         end
     end
   end
@@ -371,7 +382,10 @@ defmodule ScanBridge.Cluster do
 
     # A member whose server went away has freed the model with its server; one that does not
     # answer in time (its node frozen or cut off) may still hold it, and name it to later members.
-    case first_failure(ask_keepers(Member.keepers(group), {:free, name, opts}, deadline(wait))) do
+    # one tag for every member's record of the free (ScanBridge.Cluster.Member's versions)
+    free = {:free, name, opts, {node(), System.unique_integer([:positive])}}
+
+    case first_failure(ask_keepers(Member.keepers(group), free, deadline(wait))) do
       nil -> :ok
       error -> error
     end

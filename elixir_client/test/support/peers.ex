@@ -88,7 +88,9 @@ defmodule ScanBridge.TestSupport.Peers do
   or its going down does not touch the test. Stopped, with its servers checked gone, when
   the calling test (or module, from `setup_all`) ends.
 
-  Options: `:args`, more `erl` arguments (strings).
+  Options: `:args`, more `erl` arguments (strings); `:cut_off`, true for a peer controlled over
+  its standard I/O rather than the distribution, so that `cut_off/1` can disconnect it and it
+  lives on.
   """
   def start_peer!(name_prefix, opts \\ []) do
     launch!(name_prefix, opts, fn peer -> ExUnit.Callbacks.on_exit(fn -> cleanup!(peer) end) end)
@@ -110,14 +112,18 @@ defmodule ScanBridge.TestSupport.Peers do
         ["-kernel", "net_ticktime", Integer.to_string(:net_kernel.get_net_ticktime())] ++
         Keyword.get(opts, :args, [])
 
+    control = if Keyword.get(opts, :cut_off, false), do: %{connection: :standard_io}, else: %{}
+
     {:ok, pid, node} =
-      :peer.start(%{
-        name: String.to_charlist(name),
-        host: ~c"127.0.0.1",
-        longnames: true,
-        args: Enum.map(args, &String.to_charlist/1),
-        env: Enum.map(env, fn {k, v} -> {String.to_charlist(k), String.to_charlist(v)} end)
-      })
+      :peer.start(
+        Map.merge(control, %{
+          name: String.to_charlist(name),
+          host: ~c"127.0.0.1",
+          longnames: true,
+          args: Enum.map(args, &String.to_charlist/1),
+          env: Enum.map(env, fn {k, v} -> {String.to_charlist(k), String.to_charlist(v)} end)
+        })
+      )
 
     os_pid = :erpc.call(node, :os, :getpid, [], 10_000) |> List.to_integer()
     peer = %{node: node, peer: pid, os_pid: os_pid}
@@ -159,6 +165,28 @@ defmodule ScanBridge.TestSupport.Peers do
     end
 
     assert await_gone([os_pid], 5_000) == [], "peer BEAM #{os_pid} still running after :peer.stop"
+    :ok
+  end
+
+  @doc "Waits (20 s at most) until `group` has `n` members, and fails the test if it does not."
+  def await_members(group, n) do
+    assert TestSupport.eventually(fn -> length(ScanBridge.Cluster.members(group)) == n end, 20_000),
+           "#{inspect(group)} has #{length(ScanBridge.Cluster.members(group))} members, expected #{n}"
+  end
+
+  @doc """
+  Disconnects this node from a peer started with `cut_off: true`, a partition both nodes see at
+  once (`:nodedown`), and returns once it is done; `reconnect/1` ends it.
+  """
+  def cut_off(%{node: node}) do
+    true = Node.disconnect(node)
+    assert TestSupport.eventually(fn -> node not in Node.list() end, 5_000)
+    :ok
+  end
+
+  @doc "Connects this node to a peer `cut_off/1` disconnected."
+  def reconnect(%{node: node}) do
+    true = Node.connect(node)
     :ok
   end
 

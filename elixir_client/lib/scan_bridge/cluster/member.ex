@@ -18,6 +18,14 @@ defmodule ScanBridge.Cluster.Member do
   # So of two loads of different models under one name at once, the one the first keeper
   # claims for goes on, and the other is refused there and loads nothing anywhere.
   #
+  # Every name carries a version, {counter, tag}: a load's is one past every version its claims
+  # saw, a free's one past the freed entry's, and a freed name keeps its version. A keeper that
+  # finds another's newer entry for a name takes it, whatever it held: when a node comes back
+  # after a partition (`:nodeup`) each of its keepers compares catalogues with the keepers there,
+  # so a name freed and given to another model while a member was cut off is not two models
+  # once it is back. A joining member takes the newest entry of each name likewise. A model so
+  # replaced is freed on the server; one that sessions still use is freed once they close.
+  #
   # A model loads in a task, so that the keeper answers the others meanwhile (a load can take
   # seconds; a member joining would have waited out its call and joined without this keeper's
   # catalogue). Callers asking for a model already loading wait for that load; a free of it
@@ -28,10 +36,30 @@ defmodule ScanBridge.Cluster.Member do
 
   alias ScanBridge.Cluster
 
-  # loads: the models loading, by name: %{ref:, source:, opts:, waiters:} (callers, `:sync`,
-  # or `{:free, caller, opts}`); claims: {name, caller} => {model, monitor of the caller};
-  # sync_left: the loads the join waits for.
-  defstruct [:server, :group, :syncing, catalogue: %{}, loads: %{}, claims: %{}, sync_left: 0]
+  # catalogue: name => {source, opts, info or nil}; versions: name => version, of every name
+  # recorded or freed here; loads: the models loading, by name: %{ref:, source:, opts:, waiters:}
+  # (callers, `:sync`, `:reconcile` or `{:free, caller, opts, tag}`); claims: {name, caller} =>
+  # {model, monitor of the caller}; sync_left: the loads the join waits for; retired: model id
+  # => info, models replaced by a newer entry whose free is still to succeed.
+  defstruct [
+    :server,
+    :group,
+    :syncing,
+    catalogue: %{},
+    versions: %{},
+    loads: %{},
+    claims: %{},
+    sync_left: 0,
+    retired: %{}
+  ]
+
+  # The version of a name never recorded here: older than any load's.
+  @unversioned {0, nil}
+  # How often a replaced model still in use is freed again.
+  @retire_retry_ms 2_000
+  # How long keepers on a node that came up are looked for, and how often.
+  @nodeup_wait_ms 5_000
+  @nodeup_poll_ms 100
 
   @spec start_link(server: pid, group: term) :: GenServer.on_start()
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts)
@@ -45,6 +73,7 @@ defmodule ScanBridge.Cluster.Member do
     state = %__MODULE__{server: Keyword.fetch!(opts, :server), group: Keyword.fetch!(opts, :group)}
     # a keeper left behind would answer loads and frees for a server that is gone
     _monitor = Process.monitor(state.server)
+    :ok = :net_kernel.monitor_nodes(true)
     :ok = :pg.join(Cluster.scope(), {:catalogue, state.group}, self())
     {:ok, state, {:continue, :sync}}
   end
@@ -62,17 +91,24 @@ defmodule ScanBridge.Cluster.Member do
   @impl true
   def handle_info({ref, catalogues}, %{syncing: ref} = state) do
     Process.demonitor(ref, [:flush])
-
-    state =
-      Enum.reduce(catalogues, %{state | syncing: nil}, fn {name, {source, opts}}, state ->
-        case adopt(state, name, source, opts, :sync) do
-          {:done, reply, state} -> answer(state, :sync, name, reply)
-          {:waiting, state} -> %{state | sync_left: state.sync_left + 1}
-        end
-      end)
-
-    {:noreply, join_when_synced(state)}
+    {:noreply, %{state | syncing: nil} |> merge(catalogues, :sync) |> join_when_synced()}
   end
+
+  # A node came up (again): its keepers' catalogues are compared with this one's, once they
+  # show in the group (:pg learns of them after the connection).
+  def handle_info({:nodeup, node}, state) do
+    {keeper, group} = {self(), state.group}
+
+    {:ok, _poller} =
+      Task.start(fn -> send(keeper, {:reconcile, catalogues_on(group, node, keeper)}) end)
+
+    {:noreply, state}
+  end
+
+  def handle_info({:reconcile, catalogues}, state),
+    do: {:noreply, merge(state, catalogues, :reconcile)}
+
+  def handle_info(:retry_retired, state), do: {:noreply, free_retired(state)}
 
   def handle_info({ref, result}, state) when is_reference(ref) do
     case Enum.find(state.loads, fn {_name, load} -> load.ref == ref end) do
@@ -103,23 +139,42 @@ defmodule ScanBridge.Cluster.Member do
   @impl true
   def handle_call(:catalogue, _from, state), do: {:reply, state.catalogue, state}
 
+  # name => {{source, opts} or :freed, version}: what another keeper merges (merge/3).
+  def handle_call(:versioned_catalogue, _from, state) do
+    entries =
+      Map.new(state.versions, fn {name, version} ->
+        case state.catalogue do
+          %{^name => {source, opts, _info}} -> {name, {{source, opts}, version}}
+          _freed -> {name, {:freed, version}}
+        end
+      end)
+
+    {:reply, entries, state}
+  end
+
   # A load refuses a name another caller claimed for another model; it ends the caller's own
   # claim, as the catalogue records the model from here.
-  def handle_call({:load, name, source, opts}, {caller, _tag} = from, state) do
+  def handle_call({:load, name, source, opts, version}, {caller, _tag} = from, state) do
     state = release(state, name, caller)
 
-    if claimed_otherwise?(state, name, model(source, opts)) do
-      {:reply, {:error, taken(state, name, :claimed)}, state}
-    else
-      case adopt(state, name, source, opts, from) do
-        {:done, reply, state} -> {:reply, reply, state}
-        {:waiting, state} -> {:noreply, state}
-      end
+    cond do
+      claimed_otherwise?(state, name, model(source, opts)) ->
+        {:reply, {:error, taken(state, name, :claimed)}, state}
+
+      # even where that model failed to load here: the members where it loaded hold it
+      held(state, name) not in [nil, model(source, opts)] ->
+        {:reply, {:error, taken(state, name, :held)}, state}
+
+      true ->
+        case adopt(newer(state, name, version), name, source, opts, from) do
+          {:done, reply, state} -> {:reply, reply, state}
+          {:waiting, state} -> {:noreply, state}
+        end
     end
   end
 
   # Claims `name` for this model for the caller, if no other model is loaded, loading or
-  # recorded under it here, nor claimed by another caller.
+  # recorded under it here, nor claimed by another caller: {:ok, the name's version here}.
   def handle_call({:claim, name, source, opts}, {caller, _tag}, state) do
     model = model(source, opts)
 
@@ -131,22 +186,22 @@ defmodule ScanBridge.Cluster.Member do
         {:reply, {:error, taken(state, name, :claimed)}, state}
 
       is_map_key(state.claims, {name, caller}) ->
-        {:reply, :ok, state}
+        {:reply, {:ok, version(state, name)}, state}
 
       true ->
         claim = {model, Process.monitor(caller)}
-        {:reply, :ok, put_in(state.claims[{name, caller}], claim)}
+        {:reply, {:ok, version(state, name)}, put_in(state.claims[{name, caller}], claim)}
     end
   end
 
-  def handle_call({:free, name, opts}, from, state) do
+  def handle_call({:free, name, opts, tag}, from, state) do
     case state.loads do
       %{^name => load} ->
         {:noreply,
-         put_in(state.loads[name], %{load | waiters: [{:free, from, opts} | load.waiters]})}
+         put_in(state.loads[name], %{load | waiters: [{:free, from, opts, tag} | load.waiters]})}
 
       _idle ->
-        {reply, state} = free(state, name, opts)
+        {reply, state} = free(state, name, opts, tag)
         {:reply, reply, state}
     end
   end
@@ -171,40 +226,133 @@ defmodule ScanBridge.Cluster.Member do
     end)
   end
 
-  defp free(state, name, opts) do
+  # A free leaves the name's version one past the entry's, `tag` that of the free_model call.
+  defp free(state, name, opts, tag) do
     case Map.pop(state.catalogue, name) do
       {nil, _} ->
         {:ok, state}
 
       {{_source, _opts, nil}, catalogue} ->
-        {:ok, %{state | catalogue: catalogue}}
+        {:ok, freed(%{state | catalogue: catalogue}, name, tag)}
 
       {{_source, _opts, info}, catalogue} ->
-        case ScanBridge.free_model(state.server, info, opts) do
-          {:error, %ScanBridge.Error{reason: reason}} = error when reason != :unknown_model ->
-            {error, state}
-
-          # :unknown_model: the server no longer holds it (freed there directly, or restarted),
-          # so it is freed; kept in the catalogue, it would refuse the name to other models
-          _freed ->
+        case free_on_server(state, info, opts) do
+          :ok ->
             ScanBridge.Server.name_model(state.server, name, nil)
-            {:ok, %{state | catalogue: catalogue}}
+            {:ok, freed(%{state | catalogue: catalogue}, name, tag)}
+
+          error ->
+            {error, state}
         end
     end
   end
 
-  # The model `name` on this member's server: recorded in the catalogue whether or not it
-  # loads here (members joining later copy it), loaded unless it is already or is loading.
-  # {:done, reply, state}, or {:waiting, state} with `waiter` answered when the load ends. A
-  # name recorded for another model is refused even where that model failed to load: the
-  # members where it loaded hold it under the name.
+  defp freed(state, name, tag) do
+    {counter, _tag} = version(state, name)
+    put_in(state.versions[name], {counter + 1, tag})
+  end
+
+  # :unknown_model: the server no longer holds it (freed there directly, or restarted), so it is
+  # freed; kept in the catalogue, it would refuse the name to other models.
+  defp free_on_server(state, info, opts) do
+    case ScanBridge.free_model(state.server, info, opts) do
+      {:error, %ScanBridge.Error{reason: reason}} = error when reason != :unknown_model -> error
+      _freed -> :ok
+    end
+  end
+
+  defp version(state, name), do: Map.get(state.versions, name, @unversioned)
+
+  defp newer(state, name, version),
+    do: put_in(state.versions[name], max(version, version(state, name)))
+
+  # Takes, of each name in `catalogues` (versioned, from other keepers), the newest entry where
+  # it is newer than this keeper's: replacing the model held under the name by another, or
+  # freeing it. A name whose model is loading here is merged again once that load has ended.
+  defp merge(state, catalogues, waiter) do
+    catalogues
+    |> Enum.flat_map(&Map.to_list/1)
+    |> Enum.group_by(fn {name, _entry} -> name end, fn {_name, entry} -> entry end)
+    |> Enum.reduce(state, fn {name, entries}, state ->
+      {entry, version} = Enum.max_by(entries, fn {_entry, version} -> version end)
+
+      cond do
+        version <= version(state, name) ->
+          state
+
+        is_map_key(state.loads, name) ->
+          Process.send_after(self(), {:reconcile, [%{name => {entry, version}}]}, @nodeup_poll_ms)
+          state
+
+        true ->
+          take_entry(state, name, entry, version, waiter)
+      end
+    end)
+  end
+
+  defp take_entry(state, name, :freed, version, _waiter),
+    do: put_in(replace(state, name, nil).versions[name], version)
+
+  defp take_entry(state, name, {source, opts}, version, waiter) do
+    state = put_in(replace(state, name, model(source, opts)).versions[name], version)
+
+    case adopt(state, name, source, opts, waiter) do
+      {:done, reply, state} -> answer(state, waiter, name, reply)
+      {:waiting, state} when waiter == :sync -> %{state | sync_left: state.sync_left + 1}
+      {:waiting, state} -> state
+    end
+  end
+
+  # The name's entry here, when it is not `model`, is dropped, and the model it loaded freed
+  # (retired, when sessions still use it); every node's balancer forgets its id here.
+  defp replace(state, name, model) do
+    case state.catalogue do
+      %{^name => {source, opts, info}} ->
+        if model(source, opts) == model,
+          do: state,
+          else: retire(%{state | catalogue: Map.delete(state.catalogue, name)}, name, info)
+
+      _absent ->
+        state
+    end
+  end
+
+  defp retire(state, _name, nil), do: state
+
+  defp retire(state, name, info) do
+    Logger.warning(
+      "scan-bridge: #{inspect(state.group)} member on #{node()} gives model name " <>
+        "#{inspect(name)} up for a newer entry of another member (a free or load made while " <>
+        "this node was apart); it frees model #{info["model"]} here"
+    )
+
+    ScanBridge.Server.name_model(state.server, name, nil)
+
+    GenServer.abcast(
+      [node() | Node.list()],
+      Cluster.Balancer,
+      {:learn_model_id, state.server, name, nil}
+    )
+
+    free_retired(put_in(state.retired[info["model"]], info))
+  end
+
+  # Frees the retired models; those their server still refuses (sessions of them open) are
+  # tried again later.
+  defp free_retired(state) do
+    retired =
+      Map.reject(state.retired, fn {_id, info} -> free_on_server(state, info, []) == :ok end)
+
+    _timer = if retired != %{}, do: Process.send_after(self(), :retry_retired, @retire_retry_ms)
+    %{state | retired: retired}
+  end
+
+  # The model `name` on this member's server (no other model recorded under it here): recorded
+  # in the catalogue whether or not it loads here (members joining later copy it), loaded unless
+  # it is already or is loading. {:done, reply, state}, or {:waiting, state} with `waiter`
+  # answered when the load ends.
   defp adopt(state, name, source, opts, waiter) do
-    {held, model} = {held(state, name), model(source, opts)}
-
     case {state.catalogue, state.loads} do
-      _taken when held not in [nil, model] ->
-        {:done, {:error, taken(state, name, :held)}, state}
-
       {_, %{^name => load}} ->
         {:waiting, put_in(state.loads[name], %{load | waiters: [waiter | load.waiters]})}
 
@@ -269,8 +417,8 @@ defmodule ScanBridge.Cluster.Member do
     load.waiters
     |> Enum.reverse()
     |> Enum.reduce(state, fn
-      {:free, from, opts}, state ->
-        {reply, state} = free(state, name, opts)
+      {:free, from, opts, tag}, state ->
+        {reply, state} = free(state, name, opts, tag)
         GenServer.reply(from, reply)
         state
 
@@ -283,7 +431,7 @@ defmodule ScanBridge.Cluster.Member do
     end)
   end
 
-  defp answer(state, :sync, name, reply) do
+  defp answer(state, waiter, name, reply) when waiter in [:sync, :reconcile] do
     with {:error, error} <- reply do
       Logger.warning(
         "scan-bridge: #{inspect(state.group)} member on #{node()} cannot load model " <>
@@ -308,10 +456,20 @@ defmodule ScanBridge.Cluster.Member do
   defp join_when_synced(state), do: state
 
   defp catalogue_of(keeper) do
-    keeper
-    |> GenServer.call(:catalogue)
-    |> Enum.map(fn {name, {source, opts, _info}} -> {name, {source, opts}} end)
+    [GenServer.call(keeper, :versioned_catalogue)]
   catch
     :exit, _gone -> []
+  end
+
+  # The versioned catalogues of the group's keepers on `node` but `keeper`, once any shows.
+  defp catalogues_on(group, node, keeper, waited \\ 0) do
+    case Enum.filter(keepers(group) -- [keeper], &(node(&1) == node)) do
+      [] when waited < @nodeup_wait_ms ->
+        Process.sleep(@nodeup_poll_ms)
+        catalogues_on(group, node, keeper, waited + @nodeup_poll_ms)
+
+      found ->
+        Enum.flat_map(found, &catalogue_of/1)
+    end
   end
 end
