@@ -35,10 +35,12 @@ system-deps:
 
 # Builds the C++ CPU kernels and the native step path (bridge/native) ahead of time. Where the
 # kernels cannot be built the torch backend serves, where the step path cannot every step takes
-# the general path; either way the reason is printed (and logged again by the server).
+# the general path; either way the reason is printed (and logged again by the server). The two
+# build at once: each spends most of its time in one long compile, on one core.
 kernels: $(STAMP)
-	@$(PY) -c "import kernels.cpu" 2>/dev/null && $(PY) -m kernels.cpu.build || echo "make: CPU kernels not built (see above); the torch backend will serve CPU tensors"
-	@$(PY) -m bridge.native || echo "make: native step path not built (see above); steps take the general path"
+	@{ $(PY) -c "import kernels.cpu" 2>/dev/null && $(PY) -m kernels.cpu.build || echo "make: CPU kernels not built (see above); the torch backend will serve CPU tensors"; } & \
+	{ $(PY) -m bridge.native || echo "make: native step path not built (see above); steps take the general path"; }; \
+	wait
 
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
