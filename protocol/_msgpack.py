@@ -99,6 +99,23 @@ def _values(encoded: memoryview, n: int):
         pos = end
 
 
+def shown_key(key: str) -> str:
+    """A client-chosen key (or name) for an error: its repr when short, else only its size. A
+    key may be nearly as long as the frame, and an error may name it more than once."""
+    return repr(key) if len(key) <= _SHOWN_STR else _long_key(key)
+
+
+def key_path(parent: str, key: str) -> str:
+    """The field of the value at `key` in the map at `parent` ("" for the top level), a long
+    key told by its size as `shown_key` tells it."""
+    step = key if len(key) <= _SHOWN_STR else _long_key(key)
+    return f"{parent}.{step}" if parent else step
+
+
+def _long_key(key: str) -> str:
+    return f"<key of {len(key.encode())} bytes>"
+
+
 def describe(encoded: memoryview) -> str:
     """A short account of an encoded value for error messages ("int -3", "bin of 12 bytes")."""
     what = kind(encoded)

@@ -13,7 +13,8 @@ from typing import Iterator, NoReturn, Union
 import msgpack
 import msgspec
 
-from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, entries, items, kind, payload
+from ._msgpack import (ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, entries, items, key_path, kind,
+                       payload, shown_key)
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
 from .schema import KIND_EXPECTED, LAYOUTS, OUTPUTS, SESSION_KINDS, WEIGHTS_DTYPES, valid_request_id
@@ -297,7 +298,7 @@ class Reader:
         if what == "map":
             decoded = {}
             for key, value in self.map(raw, field, KIND_EXPECTED["map"], InvalidArgument).items():
-                decoded[key] = self._any_value(value, f"{field}.{key}")
+                decoded[key] = self._any_value(value, key_path(field, key))
             return decoded
         if what == "array":
             values = []
@@ -316,7 +317,7 @@ class Reader:
             if n > _FEW_ENTRIES and n * _DECODED_ENTRY_BYTES > encoded.nbytes:
                 self._check_tensors_one_at_a_time(encoded, field)
         entries = self.map(raw, field, KIND_EXPECTED["tensors"], InvalidArgument)
-        return {key: self.tensor(value, f"{field}.{key}") for key, value in entries.items()}
+        return {key: self.tensor(value, key_path(field, key)) for key, value in entries.items()}
 
     def _check_tensors_one_at_a_time(self, encoded: memoryview, field: str) -> None:
         # A map of many small entries would cost many times its size decoded at once, before
@@ -330,7 +331,7 @@ class Reader:
                 if type(key) is not str:
                     self._not_str_key(key, field, InvalidArgument)
                 if self.valid_tensor(value, True, self.buffers) is None:
-                    self.tensor(value, f"{field}.{key}")
+                    self.tensor(value, key_path(field, key))
         except msgpack.StackError:
             self._too_deep(encoded, field, expected, "msgpack's unpacker stack")
 
@@ -371,15 +372,15 @@ class Reader:
                 self.fail(InvalidArgument, field, expected, "a handle map {handle}")
             if len(entries) != 1:
                 self.fail(InvalidArgument, field, "a handle map with the single key 'handle'",
-                          f"keys {sorted(entries)}")
+                          f"keys [{', '.join(map(shown_key, sorted(entries)))}]")
             return HandleRef(self.string(entries["handle"], field + ".handle"))
         if "buf" in entries and "data" in entries:
             self.fail(InvalidArgument, field, "either data or buf, not both", "both")
         keys = _BUFFER_TENSOR_KEYS if "buf" in entries else _TENSOR_KEYS
         for key in entries:
             if key not in keys:
-                self.fail(InvalidArgument, f"{field}.{key}", "only the keys " + ", ".join(keys),
-                          f"unknown key {key!r}")
+                self.fail(InvalidArgument, key_path(field, key), "only the keys " + ", ".join(keys),
+                          f"unknown key {shown_key(key)}")
         for key in keys:
             if key not in entries:
                 self.fail(InvalidArgument, f"{field}.{key}", f"a tensor {key}", "nothing")
@@ -440,7 +441,7 @@ class Reader:
     def dtype(self, raw: msgspec.Raw, field: str) -> str:
         name = self.string(raw, field, expected="a dtype code (" + ", ".join(DTYPES) + ")", allow_empty=True)
         if name not in DTYPES:
-            self.fail(UnknownDtype, field, "one of " + ", ".join(DTYPES), f"str {name!r}",
+            self.fail(UnknownDtype, field, "one of " + ", ".join(DTYPES), describe(memoryview(raw)),
                       known=list(DTYPES))
         return name
 

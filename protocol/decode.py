@@ -15,7 +15,7 @@ from typing import Annotated, ClassVar, Literal, NoReturn, Union
 
 import msgspec
 
-from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, kind
+from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, key_path, kind, shown_key
 from ._reader import _ARRAY_DECODER, Reader, buffer_views, decode_top_map, more_entries
 from .codecs import V1
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
@@ -200,15 +200,15 @@ def _decode_v1_checked(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, .
         _check_version(reader, top["v"])
     for key in top:
         if key not in _ENVELOPE_KEYS:
-            reader.fail(InvalidRequest, key, "only the envelope keys v, id, op, args, deadline_us",
-                        f"unknown key {key!r}")
+            reader.fail(InvalidRequest, key_path("", key), "only the envelope keys v, id, op, args, deadline_us",
+                        f"unknown key {shown_key(key)}")
     deadline_us = reader.deadline(top["deadline_us"]) if "deadline_us" in top else None
     if "op" not in top:
         reader.fail(InvalidRequest, "op", "a str naming the operation", "nothing")
     op = reader.string(top["op"], "op", InvalidRequest, "a str naming the operation", allow_empty=True)
     spec = OPS.get(op)
     if spec is None:
-        reader.fail(UnknownOp, "op", "one of " + ", ".join(OPS), f"str {op!r}", known=list(OPS))
+        reader.fail(UnknownOp, "op", "one of " + ", ".join(OPS), describe(memoryview(top["op"])), known=list(OPS))
     entries = _args_map(reader, top["args"], "args", op, spec, _MOST_ARGS[op], InvalidRequest) if "args" in top else {}
     args = _read_args(reader, op, spec, entries)
     reader.check_buffers_used()
@@ -249,16 +249,16 @@ def _args_map(reader: Reader, raw: msgspec.Raw, field: str, op: str, spec: dict[
     return reader.map(raw, field, "a map of arguments", cls)
 
 
-def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, prefix: str = "args.") -> dict:
+def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, parent: str = "args") -> dict:
     args = {}
     given_as = {}
     for key, raw in entries.items():
         name = ALIASES.get(key, key)
-        field = prefix + key
+        field = key_path(parent, key)
         arg = spec.get(name)
         if arg is None:
             expected = (f"an argument of {op}: " + ", ".join(spec)) if spec else f"no arguments for {op}"
-            reader.fail(InvalidArgument, field, expected, f"unknown argument {key!r}", known=list(spec))
+            reader.fail(InvalidArgument, field, expected, f"unknown argument {shown_key(key)}", known=list(spec))
         # nil is absent (SPEC §3): a nil name beside its alias's value is not giving both.
         if kind(memoryview(raw)) == "nil":
             if arg.required:
@@ -274,7 +274,7 @@ def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, pre
             args[name] = _CHECKS[arg.kind](reader, raw, field)
     for name, arg in spec.items():
         if arg.required and name not in args:
-            reader.fail(MissingArgument, prefix + name, KIND_EXPECTED[arg.kind], "nothing", op=op)
+            reader.fail(MissingArgument, f"{parent}.{name}", KIND_EXPECTED[arg.kind], "nothing", op=op)
     return args
 
 
@@ -300,18 +300,19 @@ def _read_frames(reader: Reader, raw: msgspec.Raw, field: str, op: str) -> tuple
         entries = reader.map(item, at, "a map {op, args}", InvalidArgument)
         for key in entries:
             if key not in _FRAME_KEYS:
-                reader.fail(InvalidArgument, f"{at}.{key}", "only the keys op and args", f"unknown key {key!r}")
+                reader.fail(InvalidArgument, key_path(at, key), "only the keys op and args",
+                            f"unknown key {shown_key(key)}")
         if "op" not in entries:
             reader.fail(MissingArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS), "nothing", op=op)
         frame_op = reader.string(entries["op"], f"{at}.op", expected="one of " + ", ".join(FRAME_OPS))
         if frame_op not in FRAME_OPS:
             reader.fail(InvalidArgument, f"{at}.op", "one of " + ", ".join(FRAME_OPS) + " (the ops that advance a session)",
-                        f"str {frame_op!r}")
+                        describe(memoryview(entries["op"])))
         args_raw = entries.get("args")
         call_args = ({} if args_raw is None else
                      _args_map(reader, args_raw, f"{at}.args", frame_op, FRAME_ARGS[frame_op],
                                _MOST_FRAME_ARGS[frame_op], InvalidArgument))
-        frames.append(Frame(frame_op, _read_args(reader, frame_op, FRAME_ARGS[frame_op], call_args, f"{at}.args.")))
+        frames.append(Frame(frame_op, _read_args(reader, frame_op, FRAME_ARGS[frame_op], call_args, f"{at}.args")))
     return tuple(frames)
 
 
@@ -340,7 +341,7 @@ def decode_reply(body, buffers=()) -> Reply:
         _bad_reply("body", e.expected, e.got)
     for key in top:
         if key not in _REPLY_KEYS:
-            _bad_reply(key, "only the keys " + ", ".join(_REPLY_KEYS), f"unknown key {key!r}")
+            _bad_reply(key_path("", key), "only the keys " + ", ".join(_REPLY_KEYS), f"unknown key {shown_key(key)}")
     for key in ("v", "id", "ok"):
         if key not in top:
             _bad_reply(key, "a reply envelope key", "nothing")
@@ -393,7 +394,7 @@ def _reply_value(raw: msgspec.Raw, field: str, buffers: tuple[memoryview, ...], 
                     _bad_reply(field, "a valid tensor map (dtype, shape, and data or buf holding its bytes)", str(e))
                 used |= reader.used
                 return tensor
-            return {key: _reply_value(item, f"{field}.{key}", buffers, used) for key, item in entries.items()}
+            return {key: _reply_value(item, key_path(field, key), buffers, used) for key, item in entries.items()}
         if what == "array":
             return [_reply_value(item, f"{field}[{i}]", buffers, used)
                     for i, item in enumerate(_ARRAY_DECODER.decode(raw))]

@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import msgspec
 
+from ._msgpack import describe, key_path, shown_key
 from ._reader import Reader
 from .encode import Packer, check_timing
 from .errors import InvalidArgument, InvalidRequest, MissingArgument, UnknownOp
@@ -80,12 +81,12 @@ def decode_legacy(top: dict[str, msgspec.Raw]) -> LegacyRequest:
     op = reader.string(top["op"], "op", InvalidRequest, _OP_EXPECTED, allow_empty=True)
     if op not in LEGACY_OPS:
         reader.fail(UnknownOp, "op", "one of " + ", ".join(LEGACY_OPS) + " (legacy ExPhil)",
-                    f"str {op!r}", known=list(LEGACY_OPS))
+                    describe(memoryview(top["op"])), known=list(LEGACY_OPS))
     if op != "scan":
         for key in top:
             if key != "op":
-                reader.fail(InvalidArgument, key, f"no other key than 'op' for legacy {op}",
-                            f"unknown key {key!r}")
+                reader.fail(InvalidArgument, key_path("", key), f"no other key than 'op' for legacy {op}",
+                            f"unknown key {shown_key(key)}")
         return LegacyRequest(op, {})
     shapes = _declared_shapes(reader, top) if "x_shape" in top else _dims_shapes(reader, top)
     args = {}
@@ -101,8 +102,8 @@ def decode_legacy(top: dict[str, msgspec.Raw]) -> LegacyRequest:
 def _check_keys(reader: Reader, top: dict, keys: tuple[str, ...], form: str) -> None:
     for key in top:
         if key not in keys:
-            reader.fail(InvalidArgument, key, f"only the keys {', '.join(keys)} ({form})",
-                        f"unknown key {key!r}")
+            reader.fail(InvalidArgument, key_path("", key), f"only the keys {', '.join(keys)} ({form})",
+                        f"unknown key {shown_key(key)}")
     for key in keys:
         if key not in top:
             reader.fail(MissingArgument, key, f"the key {key!r} ({form})", "nothing")

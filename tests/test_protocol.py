@@ -379,6 +379,51 @@ def test_a_huge_value_refused_is_described_not_echoed(body, field, got):
     assert len(str(error)) < 300
 
 
+_LONG_KEY = "k" * 100_000
+_ONE_F32 = {"dtype": "f32", "shape": [1], "data": b"\0" * 4}
+
+
+@pytest.mark.parametrize("decode, body, code, expected", [
+    pytest.param(decode_request, pack(request("ping") | {_LONG_KEY: 1}), "invalid_request", "only the envelope keys",
+                 id="envelope-key"),
+    pytest.param(decode_request, pack(request("scan", dict(_ALL_SCAN) | {_LONG_KEY: 1})), "invalid_argument",
+                 "an argument of scan", id="argument"),
+    pytest.param(decode_request, pack(request("session_open", {"frames": [{_LONG_KEY: 1, "op": "step"}]})),
+                 "invalid_argument", "only the keys op and args", id="frame-key"),
+    pytest.param(decode_request, pack(request("put", {"tensor": _ONE_F32 | {_LONG_KEY: 1}})), "invalid_argument",
+                 "only the keys dtype, shape, data", id="tensor-key"),
+    pytest.param(decode_request, pack(request("scan", dict(_ALL_SCAN, x={"handle": "h", _LONG_KEY: 1}))),
+                 "invalid_argument", "a handle map with the single key", id="handle-map-key"),
+    pytest.param(decode_request, pack(request("model_load", {"config": {}, "weights": {_LONG_KEY: {"dtype": "f8"}}})),
+                 "invalid_argument", "a tensor shape", id="tensor-map-name"),
+    pytest.param(decode_request, pack(request("model_load", {"config": {_LONG_KEY: {1: 1}}, "weights": {}})),
+                 "invalid_argument", "a map with str keys", id="map-argument-key"),
+    pytest.param(decode_request, pack(request(_LONG_KEY)), "unknown_op", "one of ping", id="op"),
+    pytest.param(decode_request, pack(request("put", {"tensor": _ONE_F32 | {"dtype": _LONG_KEY}})), "unknown_dtype",
+                 "one of f32", id="dtype"),
+    pytest.param(decode_request, pack(request("session_open", {"frames": [{"op": _LONG_KEY}]})),
+                 "invalid_argument", "one of step", id="frame-op"),
+    pytest.param(decode_request, pack({"op": "ping", _LONG_KEY: 1}), "invalid_argument", "no other key than 'op'",
+                 id="legacy-ping-key"),
+    pytest.param(decode_request, pack(legacy_scan() | {_LONG_KEY: 1}), "invalid_argument", "only the keys op",
+                 id="legacy-scan-key"),
+    pytest.param(decode_request, pack({"op": _LONG_KEY}), "unknown_op", "(legacy ExPhil)", id="legacy-op"),
+    pytest.param(decode_reply, pack({"v": 1, "id": 1, "ok": True, "result": {}, _LONG_KEY: 1}), "decode_error",
+                 "only the keys v, id", id="reply-key"),
+    pytest.param(decode_reply, pack({"v": 1, "id": 1, "ok": True, "result": {_LONG_KEY: {1: 1}}}), "decode_error",
+                 "a map with str keys", id="reply-result-key"),
+])
+def test_a_long_key_or_name_refused_is_told_by_its_size_not_echoed(decode, body, code, expected):
+    # A key or name a client chose went into the error whole, often twice: a reply several
+    # times the request, past what a reply may carry for a request near the frame limit.
+    with pytest.raises(ProtocolError) as info:
+        decode(body)
+    error = info.value
+    reply = b"".join(error.codec.error(error.request_id, error.code, str(error), error.detail))
+    assert (error.code, expected in str(error)) == (code, True), str(error)[:300]
+    assert f"{len(_LONG_KEY)} bytes" in str(error) and len(reply) < 1000
+
+
 @pytest.mark.parametrize("level", [pytest.param(b"\x81\xa1a", id="maps"), pytest.param(b"\x91", id="arrays")])
 def test_nesting_that_exhausts_the_decoder_is_a_decode_error_at_every_depth(level):
     # SPEC §3: nesting deep enough to exhaust the decoder is decode_error. The body's decode
