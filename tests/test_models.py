@@ -1091,6 +1091,47 @@ def test_every_bad_model_request_is_named_and_the_session_survives(serve, name, 
     assert logits.shape == (1, VOCAB)
 
 
+_LONG_NAME = "k" * 100_000
+
+
+def _state_with_long_part(srv, conn) -> tuple[str, dict]:
+    lm = call(srv, conn, "model_load", path="mamba-lm-tied")["model"]
+    session = call(srv, conn, "session_open", model=lm, batch=1)["session"]
+    state = call(srv, conn, "session_state", session=session)["state"]
+    return "session_open", dict(model=lm, batch=1, state={**state, _LONG_NAME: state["layers.0.ssm"]})
+
+
+def _weights_with(*names, dtype=torch.float32):
+    # model_load of a tiny mamba model's weights and a tensor under each of `names`.
+    def request(srv, conn) -> tuple[str, dict]:
+        from test_return_state import MODEL_CONFIGS, tiny_weights
+
+        weights = tiny_weights("mamba", torch.Generator().manual_seed(random_seed()))
+        weights.update((name, torch.zeros(1, dtype=dtype)) for name in names)
+        return "model_load", dict(config=MODEL_CONFIGS["mamba"], weights=weights)
+    return request
+
+
+@pytest.mark.parametrize("request_of, code, expected", [
+    pytest.param(_state_with_long_part, "invalid_argument", "a state part of the model", id="state-part"),
+    pytest.param(_weights_with(_LONG_NAME, dtype=torch.int32), "invalid_checkpoint", "a floating tensor",
+                 id="weight-of-an-integer-dtype"),
+    pytest.param(_weights_with(_LONG_NAME), "invalid_checkpoint", "only the tensors of this mamba config",
+                 id="unexpected-weight"),
+    pytest.param(_weights_with(_LONG_NAME, "backbone." + _LONG_NAME), "invalid_checkpoint", "each tensor once",
+                 id="weight-given-twice"),
+])
+def test_a_long_name_refused_is_told_by_its_size_not_echoed(serve, request_of, code, expected):
+    """A state part's or a weight's name a client chose went into the error whole, up to four
+    times (field, got, the detail's tensor, the message): a reply many times the request."""
+    srv, conn = serve(), RecordingConnection()
+    op, args = request_of(srv, conn)
+    error = error_of(srv, conn, op, **args)
+    told = error["message"] + repr(error["detail"])
+    assert (error["code"], expected in error["detail"]["expected"]) == (code, True), told[:300]
+    assert f"{len(_LONG_NAME)} bytes" in told and len(told) < 1000
+
+
 def test_a_saved_state_part_of_an_integer_dtype_is_invalid_not_mis_shaped(serve):
     """SPEC §6.1: a state of a dtype not floating is invalid_argument, as a plain session's h0
     is (found in review: shape_mismatch, expected and got the same shape)."""

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from protocol import key_path
+
 from ..tensors import wire_name
 from .checkpoint import CONFIG, TensorSource, allowed_dirs, checkpoint_file, read_json, resolve_checkpoint
 from .config import ARCHS, ModelConfig, checkpoint_error, parse_config
@@ -46,8 +48,8 @@ def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtyp
         # As a checkpoint's (checkpoint.py): integers would convert to floats and load as a
         # model of nonsense.
         if not tensor.is_floating_point():
-            raise checkpoint_error(f"args.weights.{name}", "a floating tensor (f32, bf16, f16, f64)",
-                                   wire_name(tensor.dtype), tensor=name)
+            raise checkpoint_error(key_path("args.weights", name), "a floating tensor (f32, bf16, f16, f64)",
+                                   wire_name(tensor.dtype), tensor=key_path("", name))
     shapes = {name: tuple(t.shape) for name, t in weights.items()}
     wanted = check_weights(config, shapes, "args.weights")
     hold(planned_bytes(shapes, wanted, dtype))

@@ -8,6 +8,8 @@ tensor present and of its shape, nothing unexpected -- before anything is conver
 
 from __future__ import annotations
 
+from protocol import key_path, shown_key
+
 from .config import ModelConfig, checkpoint_error
 
 EMBEDDINGS = "embeddings.weight"
@@ -65,8 +67,9 @@ def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field
     for name in shapes:
         canonical = canonical_name(name)
         if canonical in by_canonical:
-            raise checkpoint_error(f"{field}.{name}", "each tensor once",
-                                   f"{name!r} and {by_canonical[canonical]!r} for one tensor", tensor=canonical)
+            raise checkpoint_error(key_path(field, name), "each tensor once",
+                                   f"{shown_key(name)} and {shown_key(by_canonical[canonical])} for one tensor",
+                                   tensor=key_path("", canonical))
         by_canonical[canonical] = name
     # The layer count is the config's (a client's) to say: more layers than tensors cannot all
     # be there, and the first missing is found without listing every layer's shapes first.
@@ -88,8 +91,8 @@ def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field
         elif want is not None:
             wanted.add(name)
         if want is None:
-            raise checkpoint_error(f"{field}.{name}", f"only the tensors of this {config.arch} config",
-                                   f"an unexpected tensor {name!r}", tensor=name)
+            raise checkpoint_error(key_path(field, name), f"only the tensors of this {config.arch} config",
+                                   f"an unexpected tensor {shown_key(name)}", tensor=key_path("", name))
         if tuple(shapes[name]) != want:
             raise checkpoint_error(f"{field}.{name}", f"shape {list(want)}", f"shape {list(shapes[name])}",
                                    tensor=canonical)

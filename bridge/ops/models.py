@@ -40,7 +40,7 @@ def model_load(server, call) -> dict:
         # Wire bytes stay a view of the frame until the budget is checked: the model's own copy
         # (models._build) is then the only one. A handle's tensor is on the device already.
         weights = {name: host_view(value) if isinstance(value, protocol.WireTensor)
-                   else server.tensor_in_map(call, value, f"args.weights.{name}")
+                   else server.tensor_in_map(call, value, protocol.key_path("args.weights", name))
                    for name, value in args["weights"].items()}
 
         def load(hold):

@@ -180,9 +180,11 @@ def state_parts(server, call, layout, batch: int, saved: dict) -> dict:
     expected = {name: (batch, *shape) for name, shape in layout.parts}
     for name in saved:
         if name not in expected:
-            raise OpError("invalid_argument", f"args.state.{name}: expected only the model's state parts "
-                          f"(layers.<i>.conv, layers.<i>.ssm), got {name!r}",
-                          {"field": f"args.state.{name}", "expected": "a state part of the model", "got": name})
+            field = protocol.key_path("args.state", name)
+            raise OpError("invalid_argument", f"{field}: expected only the model's state parts "
+                          f"(layers.<i>.conv, layers.<i>.ssm), got {protocol.shown_key(name)}",
+                          {"field": field, "expected": "a state part of the model",
+                           "got": protocol.key_path("", name)})
     parts = {}
     for name, shape in expected.items():
         field = f"args.state.{name}"
