@@ -16,7 +16,7 @@ SPEC.md (next to this file) is the language-neutral contract; vectors/ holds gol
                 send(frame_parts(e.codec.error(e.request_id, e.code, str(e), e.detail)))
 """
 
-from ._msgpack import key_path, shown_key
+from ._msgpack import key_path, shown_key, shown_value
 from .codecs import CODECS, LEGACY, V1, error_reply_for
 from .decode import Frame, Reply, Request, decode_reply, decode_request
 from .encode import BIG_PAYLOAD, encode_error, encode_reply, encode_request
@@ -37,7 +37,7 @@ __all__ = [
     "OutTensor", "encode_reply", "encode_error", "encode_request", "encode_legacy_reply", "DTYPES", "MAX_NDIM",
     "CODECS", "V1", "LEGACY", "error_reply_for", "ERROR_CODES", "OPS", "ALIASES", "PROTOCOL_VERSION", "BIG_PAYLOAD",
     # client-chosen keys in errors
-    "shown_key", "key_path",
+    "shown_key", "key_path", "shown_value",
     # exceptions
     "ProtocolError", "FrameError", "TruncatedFrame", "DecodeError", "ValidationError",
     "InvalidRequest", "UnsupportedVersion", "UnknownOp", "MissingArgument", "InvalidArgument",

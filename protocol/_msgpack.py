@@ -42,6 +42,7 @@ _PAYLOAD_HEADERS = {0xC4: (2, 1), 0xC5: (3, 2), 0xC6: (5, 4), 0xD9: (2, 1), 0xDA
 _CONTAINER_HEADERS = {0xDC: 2, 0xDD: 4, 0xDE: 2, 0xDF: 4}
 
 _SHOWN_STR = 40
+_VALUE_ENCODER = msgspec.msgpack.Encoder()
 
 
 def kind(encoded: memoryview) -> str:
@@ -114,6 +115,27 @@ def key_path(parent: str, key: str) -> str:
 
 def _long_key(key: str) -> str:
     return f"<key of {len(key.encode())} bytes>"
+
+
+def describe_value(value: Any) -> str:
+    """`describe` of a value already decoded (a msgpack or JSON value), from its encoding again."""
+    return describe(memoryview(_VALUE_ENCODER.encode(value)))
+
+
+def shown_value(value: Any) -> str:
+    """A value a client chose (a checkpoint's config entry, a path) for an error: its repr when
+    short, else an account of it (`describe_value`'s, an int's size), never the whole of it."""
+    sized = isinstance(value, (str, bytes, list, tuple, dict))
+    if not (sized and len(value) > _SHOWN_STR):
+        text = repr(value)
+        if len(text) <= 2 * _SHOWN_STR:
+            return text
+    if isinstance(value, int):
+        return f"int of {value.bit_length()} bits"
+    try:
+        return describe_value(value)
+    except (OverflowError, TypeError, ValueError):  # beyond msgpack: an int past 64 bits inside
+        return f"{type(value).__name__} too long to show"
 
 
 def describe(encoded: memoryview) -> str:

@@ -13,8 +13,8 @@ from typing import Iterator, NoReturn, Union
 import msgpack
 import msgspec
 
-from ._msgpack import (ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, entries, items, key_path, kind,
-                       payload, shown_key)
+from ._msgpack import (ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, describe_value, entries, items,
+                       key_path, kind, payload, shown_key)
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
 from .schema import KIND_EXPECTED, LAYOUTS, OUTPUTS, SESSION_KINDS, WEIGHTS_DTYPES, valid_request_id
@@ -50,13 +50,6 @@ class _TensorFields(msgspec.Struct, forbid_unknown_fields=True):
 _TENSOR_FIELDS = msgspec.msgpack.Decoder(_TensorFields)
 _RAW_DECODER = msgspec.msgpack.Decoder(msgspec.Raw)
 _ARRAY_DECODER = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def _describe_decoded(value) -> str:
-    """`describe` of a value already decoded, from its encoding again: never its repr, which for
-    a bin, str or array may be nearly as long as the frame, all of it echoed in the reply."""
-    return describe(memoryview(_ENCODER.encode(value)))
 
 
 def decode_top_map(body) -> dict[str, msgspec.Raw]:
@@ -137,7 +130,7 @@ class Reader:
             self._repeated_key(field, cls)
 
     def _not_str_key(self, key, field: str, cls) -> NoReturn:
-        self.fail(cls, field, "a map with str keys", f"a non-str key ({_describe_decoded(key)})")
+        self.fail(cls, field, "a map with str keys", f"a non-str key ({describe_value(key)})")
 
     def _repeated_key(self, field: str, cls) -> NoReturn:
         self.fail(cls, field, "a map with distinct keys", "a key given more than once")
@@ -455,7 +448,7 @@ class Reader:
         dims = self._decode(ANY_DECODER, raw, field, expected)
         for i, d in enumerate(dims):
             if type(d) is not int or not 0 <= d <= MAX_DIM:
-                self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", _describe_decoded(d))
+                self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", describe_value(d))
         self.check_extent(field, dtype, dims)
         return tuple(dims)
 

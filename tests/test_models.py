@@ -1132,6 +1132,38 @@ def test_a_long_name_refused_is_told_by_its_size_not_echoed(serve, request_of, c
     assert f"{len(_LONG_NAME)} bytes" in told and len(told) < 1000
 
 
+def _config_with(**entries):
+    # model_load of a tiny mamba model's config with `entries` over it, and its weights.
+    def request(srv, conn) -> tuple[str, dict]:
+        from test_return_state import MODEL_CONFIGS, tiny_weights
+
+        weights = tiny_weights("mamba", torch.Generator().manual_seed(random_seed()))
+        return "model_load", dict(config={**MODEL_CONFIGS["mamba"], **entries}, weights=weights)
+    return request
+
+
+@pytest.mark.parametrize("request_of, code, field", [
+    pytest.param(_config_with(arch=_LONG_NAME), "invalid_checkpoint", "args.config.arch", id="config-arch"),
+    pytest.param(_config_with(d_model=_LONG_NAME), "invalid_checkpoint", "args.config.d_model", id="config-size"),
+    pytest.param(lambda srv, conn: ("model_load", dict(weights={}, config={**tiny_mamba(0).to_diff_dict(),
+                                                                           "architectures": _LONG_NAME})),
+                 "invalid_checkpoint", "args.config.architectures", id="config-architectures"),
+    pytest.param(lambda srv, conn: ("model_load", dict(path=_LONG_NAME)), "invalid_checkpoint", "args.path",
+                 id="path-not-there"),
+    pytest.param(lambda srv, conn: ("model_load", dict(path="../" + _LONG_NAME[3:])), "path_not_allowed", "args.path",
+                 id="path-outside"),
+])
+def test_a_long_value_refused_is_told_by_its_size_not_echoed(serve, request_of, code, field):
+    """A checkpoint's config value or a path a client chose went into the error whole (its repr
+    in the message and the got, the path again in the detail)."""
+    srv, conn = serve(), RecordingConnection()
+    op, args = request_of(srv, conn)
+    error = error_of(srv, conn, op, **args)
+    told = error["message"] + repr(error["detail"])
+    assert (error["code"], error["detail"].get("field")) == (code, field), told[:300]
+    assert f"{len(_LONG_NAME)} bytes" in told and len(told) < 1000, told[:300]
+
+
 def test_a_saved_state_part_of_an_integer_dtype_is_invalid_not_mis_shaped(serve):
     """SPEC §6.1: a state of a dtype not floating is invalid_argument, as a plain session's h0
     is (found in review: shape_mismatch, expected and got the same shape)."""

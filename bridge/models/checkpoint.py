@@ -16,6 +16,8 @@ import os
 import torch
 
 from ..errors import OpError
+from protocol import shown_value
+
 from .config import checkpoint_error
 
 CONFIG = "config.json"
@@ -36,8 +38,9 @@ TORCH_FLOATS = tuple(getattr(torch, name) for name in ("float64", "float32", "fl
 def path_not_allowed(path: str, model_dirs: tuple[str, ...]) -> OpError:
     expected = ("a checkpoint directory under one of the server's --model-dir directories" if model_dirs
                 else "no path: this server was started without --model-dir, so it reads no checkpoint files")
-    return OpError("path_not_allowed", f"args.path: expected {expected}, got {path!r}",
-                   {"field": "args.path", "expected": expected, "got": path})
+    shown = shown_value(path)
+    return OpError("path_not_allowed", f"args.path: expected {expected}, got {shown}",
+                   {"field": "args.path", "expected": expected, "got": path if shown == repr(path) else shown})
 
 
 def resolve_checkpoint(path: str, model_dirs: tuple[str, ...]) -> str:
@@ -50,7 +53,8 @@ def resolve_checkpoint(path: str, model_dirs: tuple[str, ...]) -> str:
     if not any(_under(real, root) for root in model_dirs):
         raise path_not_allowed(path, model_dirs)
     if not os.path.isfile(os.path.join(real, CONFIG)):
-        raise checkpoint_error("args.path", f"a checkpoint directory holding {CONFIG}", f"{path!r} (none there)")
+        raise checkpoint_error("args.path", f"a checkpoint directory holding {CONFIG}",
+                               f"{shown_value(path)} (none there)")
     return real
 
 
@@ -68,12 +72,13 @@ def checkpoint_file(directory: str, name: str, field: str) -> str:
     stay in its directory and be a regular file: reading a FIFO or a device there (a link to
     /dev/zero) would block the serving thread or never end."""
     if "\0" in name:  # no OS path holds a NUL (os.path raises ValueError on one)
-        raise checkpoint_error(field, "a file name in the checkpoint's directory", repr(name))
+        raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name))
     real = os.path.realpath(os.path.join(directory, name))
     if os.path.dirname(real) != directory:
-        raise checkpoint_error(field, "a file name in the checkpoint's directory", repr(name))
+        raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name))
     if not os.path.isfile(real):
-        raise checkpoint_error(field, "a regular file in the checkpoint's directory", f"{name!r} (none such)")
+        raise checkpoint_error(field, "a regular file in the checkpoint's directory",
+                               f"{shown_value(name)} (none such)")
     return real
 
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import kernels
+from protocol import shown_value
 
 from ..errors import OpError
 
@@ -107,31 +108,31 @@ class _Keys:
         if value is None:
             return None
         if type(value) is not int or not 0 < value <= MAX_SIZE:
-            raise checkpoint_error(f"{self.field}.{key}", f"a positive int (at most {MAX_SIZE})", repr(value))
+            raise checkpoint_error(f"{self.field}.{key}", f"a positive int (at most {MAX_SIZE})", shown_value(value))
         return value
 
     def number(self, key: str, default) -> float:
         value = self._get(key, default)
         number = _as_float(value)
         if number is None or not math.isfinite(number) or number <= 0:
-            raise checkpoint_error(f"{self.field}.{key}", "a positive finite number", repr(value))
+            raise checkpoint_error(f"{self.field}.{key}", "a positive finite number", shown_value(value))
         return number
 
     def flag(self, key: str, default: bool) -> bool:
         value = self._get(key, default)
         if type(value) is not bool:
-            raise checkpoint_error(f"{self.field}.{key}", "a bool", repr(value))
+            raise checkpoint_error(f"{self.field}.{key}", "a bool", shown_value(value))
         return value
 
     def limits(self, key: str) -> tuple[float, float]:
         value = self._get(key, (0.0, math.inf))
         pair = [_as_float(_json_float(v)) for v in value] if isinstance(value, (list, tuple)) else None
         if pair is None or len(pair) != 2 or any(v is None or math.isnan(v) for v in pair) or pair[0] > pair[1]:
-            raise checkpoint_error(f"{self.field}.{key}", "a pair [low, high] with low <= high", repr(value))
+            raise checkpoint_error(f"{self.field}.{key}", "a pair [low, high] with low <= high", shown_value(value))
         try:  # a side past float32's range, refused as a request's dt_limit is: at load, not at each call
             kernels.dt_limit_bounds((pair[0], pair[1]))
         except kernels.KernelInputError as exc:
-            raise checkpoint_error(f"{self.field}.{key}", exc.expected, repr(value)) from None
+            raise checkpoint_error(f"{self.field}.{key}", exc.expected, shown_value(value)) from None
         return pair[0], pair[1]
 
     def require(self, key: str, allowed: tuple, meaning: str) -> None:
@@ -139,7 +140,7 @@ class _Keys:
         value = self._get(key, allowed[0])
         if value not in allowed:
             raise checkpoint_error(f"{self.field}.{key}", f"{' or '.join(map(repr, allowed))} ({meaning})",
-                                   repr(value))
+                                   shown_value(value))
 
 
 _REQUIRED = object()
@@ -176,10 +177,10 @@ def parse_config(raw, field: str = "config") -> ModelConfig:
         if raw["model_type"] == "mamba2":
             return _hf_mamba2(keys)
         raise checkpoint_error(f"{field}.model_type", '"mamba" or "mamba2" (transformers\' Mamba layouts)',
-                               repr(raw["model_type"]))
+                               shown_value(raw["model_type"]))
     if "arch" in raw:
         if raw["arch"] not in ARCHS:
-            raise checkpoint_error(f"{field}.arch", '"mamba" or "mamba2"', repr(raw["arch"]))
+            raise checkpoint_error(f"{field}.arch", '"mamba" or "mamba2"', shown_value(raw["arch"]))
         if "ssm_cfg" in raw:  # its keys would go unread, dt_limit and norm_before_gate among them
             raise checkpoint_error(f"{field}.ssm_cfg", "no ssm_cfg with arch (this layout has mamba_ssm's keys "
                                    "at the top level)", "a nested ssm_cfg")
@@ -190,7 +191,7 @@ def parse_config(raw, field: str = "config") -> ModelConfig:
             raise checkpoint_error(f"{field}.ssm_cfg", "a map", type(ssm_cfg).__name__)
         layer = ssm_cfg.get("layer", "Mamba1")
         if layer not in ("Mamba1", "Mamba2"):
-            raise checkpoint_error(f"{field}.ssm_cfg.layer", '"Mamba1" or "Mamba2"', repr(layer))
+            raise checkpoint_error(f"{field}.ssm_cfg.layer", '"Mamba1" or "Mamba2"', shown_value(layer))
         return _mamba_ssm(keys, "mamba2" if layer == "Mamba2" else "mamba", {**raw, **ssm_cfg}, library=True)
     raise checkpoint_error(field, "a Mamba config: transformers' (model_type), mamba_ssm's (d_model, n_layer) "
                            "or this server's (arch)", "keys " + ", ".join(sorted(map(str, raw))[:12]))
@@ -237,10 +238,10 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict, library: bool) -> ModelConfig:
     k.require("rms_norm", (True,), "RMSNorm blocks; this runtime has no LayerNorm")
     if merged.get("d_intermediate", 0):
         raise checkpoint_error(f"{k.field}.d_intermediate", "0 (Mamba blocks only; this runtime has no MLP layers)",
-                               repr(merged["d_intermediate"]))
+                               shown_value(merged["d_intermediate"]))
     if merged.get("attn_layer_idx"):
         raise checkpoint_error(f"{k.field}.attn_layer_idx", "no layers (Mamba blocks only; this runtime has no "
-                               "attention layers)", repr(merged["attn_layer_idx"]))
+                               "attention layers)", shown_value(merged["attn_layer_idx"]))
     vocab = k.size("vocab_size", None)
     if vocab is not None:
         multiple = k.size("pad_vocab_size_multiple", 8 if library else 1)
@@ -260,7 +261,8 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict, library: bool) -> ModelConfig:
     if d_inner % headdim:
         raise checkpoint_error(f"{k.field}.headdim", f"a divisor of expand x d_model ({d_inner})", str(headdim))
     if merged.get("d_ssm") not in (None, d_inner):
-        raise checkpoint_error(f"{k.field}.d_ssm", f"expand x d_model ({d_inner}; no MLP part)", repr(merged["d_ssm"]))
+        raise checkpoint_error(f"{k.field}.d_ssm", f"expand x d_model ({d_inner}; no MLP part)",
+                               shown_value(merged["d_ssm"]))
     k.require("norm_before_gate", (False,), "the gate before the norm, as mamba_ssm's default")
     k.require("rmsnorm", (True,), "the gated RMSNorm after the scan, as mamba_ssm's default")
     if library and common["eps"] != MAMBA_SSM_GATED_EPS:
@@ -268,7 +270,7 @@ def _mamba_ssm(k: _Keys, arch: str, merged: dict, library: bool) -> ModelConfig:
         # has one eps for every norm (transformers' rule, and this server's arch layout's).
         raise checkpoint_error(f"{k.field}.norm_epsilon", f"{MAMBA_SSM_GATED_EPS:g} for a mamba_ssm Mamba-2 config "
                                "(its gated norm's eps is fixed there; this runtime uses one eps for every norm)",
-                               repr(merged["norm_epsilon"]))
+                               shown_value(merged["norm_epsilon"]))
     return ModelConfig(arch="mamba2", d_state=k.size("d_state", 128), dt_rank=0, headdim=headdim,
                        ngroups=_groups(k, "ngroups", d_inner // headdim), dt_limit=k.limits("dt_limit"),
                        chunk_size=k.size("chunk_size", 256), **common)
@@ -280,7 +282,7 @@ def _inner(k: _Keys, d_model: int) -> int:
     channels = expand * d_model
     if not math.isfinite(channels) or int(channels) < 1:
         raise checkpoint_error(f"{k.field}.expand", f"a factor that makes expand x d_model ({d_model}) "
-                               "at least 1 channel", repr(k.raw.get("expand")))
+                               "at least 1 channel", shown_value(k.raw.get("expand")))
     return int(channels)
 
 
@@ -296,7 +298,7 @@ def _hf_head(k: _Keys, tied: bool) -> str | None:
     so) has no head; a *ForCausalLM one has the embedding's (tied) or its own."""
     architectures = k.raw.get("architectures") or []
     if not isinstance(architectures, (list, tuple)):
-        raise checkpoint_error(f"{k.field}.architectures", "a list of class names", repr(architectures))
+        raise checkpoint_error(f"{k.field}.architectures", "a list of class names", shown_value(architectures))
     if architectures and all(isinstance(a, str) and not a.endswith("ForCausalLM") for a in architectures):
         return None
     return "tied" if tied else "own"
