@@ -429,17 +429,18 @@ defmodule ScanBridge.ClusterTest do
     step!(s, embeds, 2)
     release(g, held)
     assert owner(s) == a
+    copies = snapshot_bytes(a)
     {:ok, q} = Cluster.snapshot(s)
-    %{remote: q_copy} = :sys.get_state(s.pid).snapshots[q]
+    assert snapshot_bytes(a) > copies
     for t <- 3..5, do: step!(s, embeds, t)
 
     # p (its copy gone with x) is restored by reopening the session on b: a, still serving,
-    # keeps no copy of q
+    # keeps no copy of q (freed by a process of the keeper's own, soon after)
     held = hold(g, a)
     assert :ok = Cluster.restore(s, p)
     release(g, held)
     assert owner(s) == b
-    assert {:error, %Error{reason: :unknown_snapshot}} = ScanBridge.free_snapshot(a, q_copy)
+    assert eventually(fn -> snapshot_bytes(a) == copies end)
 
     # q is made the state before frame 13 on b, which holds no copy of it; restored after the
     # session went back to a, it is that state
@@ -458,25 +459,36 @@ defmodule ScanBridge.ClusterTest do
 
   # A process in group `g` standing for `server` (a server of no group): every message passed
   # on to it, but a request of op `held` kept unanswered (told to the test), as a server frozen
-  # while it runs it.
-  defp stand_in(g, server, held) do
+  # while it runs it. Given a map of ops instead, each one's request is kept unanswered (:hold)
+  # or answered `reply` ({:answer, reply}); the test changes the map with {:stand_in_rules, map}.
+  defp stand_in(g, server, held) when is_binary(held), do: stand_in(g, server, %{held => :hold})
+
+  defp stand_in(g, server, rules) do
     test = self()
-    member = spawn(fn -> stand_in_loop(test, server, held) end)
+    member = spawn(fn -> stand_in_loop(test, server, rules) end)
     on_exit(fn -> Process.exit(member, :kill) end)
     :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
     member
   end
 
-  defp stand_in_loop(test, server, held) do
+  defp stand_in_loop(test, server, rules) do
     receive do
-      {:"$gen_call", _from, {:request, ^held, _head, _size, _timeout, _closes}} ->
-        send(test, {:stand_in_held, held})
+      {:stand_in_rules, rules} ->
+        stand_in_loop(test, server, rules)
+
+      {:"$gen_call", from, {:request, op, _head, _size, _timeout, _closes}}
+      when is_map_key(rules, op) ->
+        case rules[op] do
+          :hold -> send(test, {:stand_in_held, op})
+          {:answer, reply} -> GenServer.reply(from, reply)
+        end
+
+        stand_in_loop(test, server, rules)
 
       message ->
         send(server, message)
+        stand_in_loop(test, server, rules)
     end
-
-    stand_in_loop(test, server, held)
   end
 
   # A session of group `g` on its member `x` (checkpoint: 2), stepped, with a snapshot taken
@@ -494,12 +506,19 @@ defmodule ScanBridge.ClusterTest do
     {s, snap}
   end
 
+  # A member of `g` and a server of no group (for a stand-in to serve g through), started side
+  # by side: {the member, the server}.
+  defp member_and_lone_server(g) do
+    starting = Task.async(fn -> start_unlinked(TestSupport.server_opts()) end)
+    member = start_member(g)
+    server = Task.await(starting, 60_000)
+    on_exit(fn -> stop_quietly(server) end)
+    {member, server}
+  end
+
   test "a re-simulation after a failover frees its working copy, the caller's deadline spent" do
     g = group()
-    starting = Task.async(fn -> start_unlinked(TestSupport.server_opts()) end)
-    x = start_member(g)
-    y = Task.await(starting, 60_000)
-    on_exit(fn -> stop_quietly(y) end)
+    {x, y} = member_and_lone_server(g)
     # y serves g through a stand-in that never answers a restore
     member = stand_in(g, y, "session_restore")
     sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
@@ -516,6 +535,48 @@ defmodule ScanBridge.ClusterTest do
              Cluster.restore_with_frames(s, snap, frames, timeout: 1_500)
 
     assert_received {:stand_in_held, "session_restore"}
+    assert eventually(fn -> snapshot_bytes(y) == copies end)
+  end
+
+  test "a heal whose open outlasts its deadline on a slow server frees the copies there" do
+    g = group()
+    y = start_unlinked(TestSupport.server_opts())
+    on_exit(fn -> stop_quietly(y) end)
+    # y serves g through a stand-in that passes everything on, until told otherwise
+    member = stand_in(g, y, %{})
+    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+    {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 2)
+    ok!(Cluster.step(s, ssd_frame(sizes)))
+    copies = snapshot_bytes(y)
+    {:ok, _snap} = Cluster.snapshot(s)
+    assert snapshot_bytes(y) > copies
+
+    # the next frame is refused, the state lost there; the heal's open there is answered only
+    # after the heal's deadline: the session leaves y, which still answers a free
+    lost = %Error{reason: :state_lost, message: "the session's state is lost", detail: %{}}
+    send(member, {:stand_in_rules, %{"step" => {:answer, {:error, lost}}, "session_open" => :hold}})
+    assert {:error, %Error{reason: :state_lost}} = Cluster.step(s, ssd_frame(sizes))
+    assert_receive {:stand_in_held, "session_open"}, 1_000
+    # its keeper answers once the heal has given y up
+    assert eventually(fn -> match?({:ok, %{member: nil}}, Cluster.session_info(s)) end, 15_000)
+    assert eventually(fn -> snapshot_bytes(y) == copies end)
+  end
+
+  test "a restore whose close on the old server spends its deadline frees the copies there" do
+    g = group()
+    {x, y} = member_and_lone_server(g)
+    member = stand_in(g, y, %{})
+    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+    {s, p} = failed_over_with_snapshot(g, x, member, sizes)
+    copies = snapshot_bytes(y)
+    {:ok, _q} = Cluster.snapshot(s)
+    assert snapshot_bytes(y) > copies
+
+    # p, its copy gone with x, is restored by reopening the session; closing it on y is answered
+    # only after the restore's deadline
+    send(member, {:stand_in_rules, %{"session_close" => :hold}})
+    assert {:error, %Error{}} = Cluster.restore(s, p, timeout: 500)
+    assert_receive {:stand_in_held, "session_close"}, 1_000
     assert eventually(fn -> snapshot_bytes(y) == copies end)
   end
 

@@ -866,7 +866,7 @@ defmodule ScanBridge.Cluster.Session do
     if state.token, do: Balancer.checkin(state.token)
     skipped = if state.owner, do: [state.owner | state.skipped], else: state.skipped
     # the snapshots' copies there went with it
-    state = forget_copies(state, state.owner, nil)
+    state = forget_copies(state, state.owner, :gone)
     state = %{state | owner: nil, owner_monitor: nil, remote: nil, token: nil, skipped: skipped}
 
     cond do
@@ -1078,17 +1078,18 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # The session taken off an owner that is still there, to be placed afresh: closed there (unless
-  # `remote` is nil: closed already), its snapshots' copies there freed by `deadline` (the
-  # session may reopen elsewhere and come back later: a copy left would then be restored in place
-  # of the state its snapshot has since been given, by snapshot_into), its place given back.
+  # The session taken off an owner that is still there, to be placed afresh: closed there by
+  # `deadline` (unless `remote` is nil: closed already), its snapshots' copies there forgotten
+  # (the session may reopen elsewhere and come back later: a copy kept would then be restored in
+  # place of the state its snapshot has since been given, by snapshot_into) and freed, its place
+  # given back.
   defp leave_owner(%{owner: nil} = state, _deadline), do: state
 
   defp leave_owner(state, deadline) do
     _closed = if state.remote, do: close_remote(state, deadline)
     Process.demonitor(state.owner_monitor, [:flush])
     Balancer.checkin(state.token)
-    state = forget_copies(state, state.owner, deadline)
+    state = forget_copies(state, state.owner, :free)
     %{state | owner: nil, owner_monitor: nil, remote: nil, token: nil}
   end
 
@@ -1126,7 +1127,7 @@ defmodule ScanBridge.Cluster.Session do
         snapshot =
           if snapshot.owner == state.owner,
             do: snapshot,
-            else: forget_copy(snapshot, checkpoint_deadline())
+            else: forget_copy(snapshot, :free)
 
         %{state | snapshots: Map.put(state.snapshots, id, snapshot)}
 
@@ -1152,29 +1153,35 @@ defmodule ScanBridge.Cluster.Session do
 
   # The snapshots whose copies are on `owner`, kept by their checkpoint and frames alone from
   # now on (restored by reopening, or :unknown_snapshot without them); the copies are freed
-  # unless `deadline` is nil (their server is gone).
-  defp forget_copies(state, nil, _deadline), do: state
+  # (`:free`), unless their server is gone with them (`:gone`).
+  defp forget_copies(state, nil, _copies), do: state
 
-  defp forget_copies(state, owner, deadline) do
+  defp forget_copies(state, owner, copies) do
     snapshots =
       Map.new(state.snapshots, fn
-        {id, %{owner: ^owner} = snapshot} -> {id, forget_copy(snapshot, deadline)}
+        {id, %{owner: ^owner} = snapshot} -> {id, forget_copy(snapshot, copies)}
         other -> other
       end)
 
     %{state | snapshots: snapshots}
   end
 
-  defp forget_copy(%{owner: nil} = snapshot, _deadline), do: snapshot
+  defp forget_copy(%{owner: nil} = snapshot, _copies), do: snapshot
 
-  defp forget_copy(snapshot, nil), do: %{snapshot | owner: nil, remote: nil}
+  defp forget_copy(snapshot, copies) do
+    if copies == :free, do: free_apart(snapshot.owner, snapshot.remote)
+    %{snapshot | owner: nil, remote: nil}
+  end
 
-  defp forget_copy(snapshot, deadline) do
-    # a server that went away meanwhile took the copy along: nothing to tell anyone
-    _freed =
-      ScanBridge.free_snapshot(snapshot.owner, snapshot.remote, timeout: Cluster.remaining(deadline))
+  # A copy freed by a process of its own, with a timeout of its own: sent even where the caller's
+  # deadline is spent (a copy left would count against its server's pool until this keeper
+  # exits), and waited for by nobody, as its server may be slow to answer. The server takes the
+  # free from any process; one that went away meanwhile took the copy along.
+  defp free_apart(owner, remote) do
+    {:ok, _freeing} =
+      Task.start(fn -> ScanBridge.free_snapshot(owner, remote, timeout: @checkpoint_timeout_ms) end)
 
-    forget_copy(snapshot, nil)
+    :ok
   end
 
   # None once `deadline` has passed: sent with no time left, a free would not be sent, and one to
