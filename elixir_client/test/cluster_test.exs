@@ -538,14 +538,20 @@ defmodule ScanBridge.ClusterTest do
     assert eventually(fn -> snapshot_bytes(y) == copies end)
   end
 
-  test "a heal whose open outlasts its deadline on a slow server frees the copies there" do
-    g = group()
-    y = start_unlinked(TestSupport.server_opts())
-    on_exit(fn -> stop_quietly(y) end)
-    # y serves g through a stand-in that passes everything on, until told otherwise
-    member = stand_in(g, y, %{})
-    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+  # A session of group `g` (checkpoint: 2) on a server of no group, which serves g through a
+  # stand-in that passes everything on until told otherwise: {the session, the stand-in, the
+  # server}.
+  defp session_through_stand_in(g, sizes) do
+    server = start_unlinked(TestSupport.server_opts())
+    on_exit(fn -> stop_quietly(server) end)
+    member = stand_in(g, server, %{})
     {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 2)
+    {s, member, server}
+  end
+
+  test "a heal whose open outlasts its deadline on a slow server frees the copies there" do
+    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+    {s, member, y} = session_through_stand_in(group(), sizes)
     ok!(Cluster.step(s, ssd_frame(sizes)))
     copies = snapshot_bytes(y)
     {:ok, _snap} = Cluster.snapshot(s)
@@ -577,6 +583,22 @@ defmodule ScanBridge.ClusterTest do
     send(member, {:stand_in_rules, %{"session_close" => :hold}})
     assert {:error, %Error{}} = Cluster.restore(s, p, timeout: 500)
     assert_receive {:stand_in_held, "session_close"}, 1_000
+    assert eventually(fn -> snapshot_bytes(y) == copies end)
+  end
+
+  test "a free read by the keeper after its caller's deadline is sent all the same" do
+    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+    {s, member, y} = session_through_stand_in(group(), sizes)
+    copies = snapshot_bytes(y)
+    {:ok, snap} = Cluster.snapshot(s)
+    assert snapshot_bytes(y) > copies
+
+    # a frame y holds keeps the keeper busy past the free's deadline
+    send(member, {:stand_in_rules, %{"step" => :hold}})
+    stepping = Task.async(fn -> Cluster.step(s, ssd_frame(sizes), timeout: 1_000) end)
+    assert_receive {:stand_in_held, "step"}, 1_000
+    assert {:error, %Error{reason: :timeout}} = Cluster.free_snapshot(s, snap, timeout: 100)
+    assert {:error, %Error{reason: :timeout}} = Task.await(stepping)
     assert eventually(fn -> snapshot_bytes(y) == copies end)
   end
 

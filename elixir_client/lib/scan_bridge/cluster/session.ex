@@ -368,7 +368,13 @@ defmodule ScanBridge.Cluster.Session do
         {:reply, {:error, not_a_snapshot("free_snapshot", id)}, state}
 
       {snapshot, snapshots} ->
-        free_remote_snapshots(state, [snapshot], deadline)
+        # read after its caller's deadline (this keeper busy meanwhile), the free is sent all the
+        # same: the snapshot is forgotten here, and its copy would stay on its server
+        _freed =
+          if expired?(deadline),
+            do: forget_copy(snapshot, :free),
+            else: free_remote_snapshots(state, [snapshot], deadline)
+
         {:reply, :ok, %{state | snapshots: snapshots}}
     end
   end
