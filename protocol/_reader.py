@@ -17,7 +17,8 @@ from ._msgpack import (ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describ
                        key_path, kind, payload, shown_key)
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
-from .schema import KIND_EXPECTED, LAYOUTS, OUTPUTS, SESSION_KINDS, WEIGHTS_DTYPES, valid_request_id
+from .schema import (KIND_EXPECTED, LAYOUTS, MAX_MAP_BYTES, MAX_NAMED_TENSORS, OUTPUTS, SESSION_KINDS,
+                     WEIGHTS_DTYPES, valid_request_id)
 from .tensors import DTYPES, MAX_DIM, MAX_EXTENT_BYTES, MAX_NDIM, HandleRef, WireTensor, extent_bytes
 
 _TENSOR_KEYS = ("dtype", "shape", "data")
@@ -282,6 +283,9 @@ class Reader:
         encoded = memoryview(raw)
         if kind(encoded) != "map":
             self.fail(InvalidArgument, field, KIND_EXPECTED["map"], describe(encoded))
+        if encoded.nbytes > MAX_MAP_BYTES:  # refused from its size, before an object is made of it
+            self.fail(InvalidArgument, field, f"a map of at most {MAX_MAP_BYTES} bytes",
+                      f"a map of {encoded.nbytes} bytes")
         return self._any_value(raw, field)
 
     def _any_value(self, raw: msgspec.Raw, field: str):
@@ -307,6 +311,8 @@ class Reader:
         encoded = memoryview(raw)
         if kind(encoded) == "map":
             n = count(encoded)
+            if n > MAX_NAMED_TENSORS:  # refused from its header, before an entry is read
+                self.fail(InvalidArgument, field, f"a map of at most {MAX_NAMED_TENSORS} tensors", describe(encoded))
             if n > _FEW_ENTRIES and n * _DECODED_ENTRY_BYTES > encoded.nbytes:
                 self._check_tensors_one_at_a_time(encoded, field)
         entries = self.map(raw, field, KIND_EXPECTED["tensors"], InvalidArgument)

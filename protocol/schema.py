@@ -33,6 +33,15 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 # Request ids are msgpack uints (or non-empty strs).
 MAX_REQUEST_ID = 2**64 - 1
+# The encoded size of an argument of kind "map" (a model's config). Decoded, a map of small
+# values costs many times its bytes in Python objects and serving-thread time; real configs are
+# a few KB (a transformers config.json is under 10 KB), so this leaves them ample room while
+# keeping the worst one's decode a fraction of a second.
+MAX_MAP_BYTES = 256 << 10
+# The entries of a map of named tensors (a model's weights, a model session's state): a Mamba
+# checkpoint has at most about a thousand tensors, and a session's state two a layer. Each entry
+# costs objects of its own decoded, so a map of many tiny tensors would cost many times its bytes.
+MAX_NAMED_TENSORS = 16384
 
 
 def valid_request_id(value) -> bool:

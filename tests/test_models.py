@@ -854,6 +854,24 @@ def test_a_config_nested_past_the_json_parsers_depth_is_a_corrupt_file(serve, ch
     assert (error["code"], error["detail"].get("field")) == ("invalid_checkpoint", "config.json"), error
 
 
+@pytest.mark.parametrize("extra, refused", [(0, False), (1, True)], ids=["at-the-bound", "past-it"])
+def test_a_config_file_is_held_to_the_bound_of_a_config_sent(serve, checkpoints, extra, refused):
+    """config.json is read whole and parsed into objects, as a config sent is decoded: held to
+    the same bound (real ones are a few KB)."""
+    from protocol.schema import MAX_MAP_BYTES
+
+    directory = edited_copy(checkpoints[0], "mamba-lm-tied", f"config-of-{MAX_MAP_BYTES + extra}-bytes")
+    config = (directory / "config.json").read_bytes()
+    (directory / "config.json").write_bytes(config + b" " * (MAX_MAP_BYTES + extra - len(config)))
+    srv, conn = serve(), RecordingConnection()
+    reply = srv.request(conn, "model_load", path=directory.name)
+    if refused:
+        assert (reply.error["code"], reply.error["detail"]["field"], reply.error["detail"]["expected"]) == (
+            "invalid_checkpoint", "config.json", f"at most {MAX_MAP_BYTES} bytes of JSON"), reply.error
+    else:
+        assert reply.ok, reply.error
+
+
 def test_a_config_of_more_layers_than_tensors_is_refused_before_listing_them(serve, monkeypatch):
     """A client's config may claim any number of layers: listing each layer's expected shapes
     before comparing any held the serving lock for as long as that list took to build."""

@@ -13,7 +13,7 @@ import protocol
 from protocol import (BIG_PAYLOAD, DTYPES, ERROR_CODES, OPS, HandleRef, LegacyRequest, OutTensor,
                       ProtocolError, Request, WireTensor, decode_reply, decode_request,
                       encode_error, encode_legacy_reply, encode_reply, encode_request)
-from protocol.schema import FRAME_OPS
+from protocol.schema import FRAME_OPS, MAX_MAP_BYTES, MAX_NAMED_TENSORS
 
 RNG = np.random.default_rng()
 NUMPY = {"f32": "<f4", "f16": "<f2", "f64": "<f8", "i32": "<i4", "i64": "<i8", "u8": "u1"}
@@ -364,8 +364,8 @@ def _many_weights_after(key: bytes) -> bytes:
 @pytest.mark.parametrize("body, field, got", [
     pytest.param(pack({b"k" * _HUGE: 1, "v": 1, "id": 1, "op": "ping"}), "body", f"a non-str key (bin of {_HUGE} bytes)",
                  id="body-bin-key"),
-    pytest.param(_CONFIG_ARG + pack({tuple(range(_HUGE // 4)): 1}), "args.config",
-                 f"a non-str key (array of {_HUGE // 4} items)", id="config-array-key"),
+    pytest.param(_CONFIG_ARG + pack({tuple(range(_HUGE // 16)): 1}), "args.config",
+                 f"a non-str key (array of {_HUGE // 16} items)", id="config-array-key"),
     pytest.param(_many_weights_after(b"k" * 4096), "args.weights", "a non-str key (bin of 4096 bytes)",
                  id="weights-read-one-at-a-time"),
     pytest.param(pack(request("scan", {"x": {"dtype": "f32", "shape": ["s" * _HUGE], "data": b""}})),
@@ -518,25 +518,76 @@ _TINY_TENSOR = msgpack.packb({"dtype": "u8", "shape": [1], "data": b"\x07"})
                  "invalid_argument", "args.frames[0].args", f"map of {_ENTRIES} entries", id="frame-args"),
     pytest.param(lambda: pack(request("put", {}))[:-1] + b"\x81\xa6tensor" + _many_entries(_ENTRIES, b"\xc0"),
                  "invalid_argument", "args.tensor", f"map of {_ENTRIES} entries", id="tensor"),
-    pytest.param(lambda: _WEIGHTS + _many_entries(_ENTRIES, b"\xc0"),
+    pytest.param(lambda: _WEIGHTS + _many_entries(MAX_NAMED_TENSORS, b"\xc0"),
                  "invalid_argument", "args.weights.000000", "nil", id="weights-nil"),
-    pytest.param(lambda: _WEIGHTS + _many_entries(_ENTRIES, b"\x01"),
+    pytest.param(lambda: _WEIGHTS + _many_entries(MAX_NAMED_TENSORS, b"\x01"),
                  "invalid_argument", "args.weights.000000", "int 1", id="weights-int"),
-    pytest.param(lambda: _WEIGHTS + _many_entries(_ENTRIES // 4, _TINY_TENSOR, tail=b"\xa1z\xc0"),
+    pytest.param(lambda: _WEIGHTS + _many_entries(MAX_NAMED_TENSORS - 1, _TINY_TENSOR, tail=b"\xa1z\xc0"),
                  "invalid_argument", "args.weights.z", "nil", id="weights-tensors-then-nil"),
-    pytest.param(lambda: _SESSION_OPEN + b"\xa5state" + _many_entries(_ENTRIES, b"\xc0"),
+    pytest.param(lambda: _SESSION_OPEN + b"\xa5state" + _many_entries(MAX_NAMED_TENSORS, b"\xc0"),
                  "invalid_argument", "args.state.000000", "nil", id="state-nil"),
 ])
 def test_a_map_of_many_entries_is_refused_without_holding_an_object_per_entry(build, code, field, got):
     # A hostile body's map of a quarter million small entries was decoded into a dict of a key
     # and a Raw an entry, many times the frame's size, before its first key or value was looked
-    # at. A map that may hold a few keys is refused from its header; a map of tensors is
-    # stepped over (one copy of it for msgpack's unpacker), its first bad value refused.
+    # at. A map that may hold a few keys is refused from its header; a map of tensors within
+    # its bound is stepped over (one copy of it for msgpack's unpacker), its first bad value
+    # refused.
     body = build()
     error, peak = _error_and_peak(body)
     assert peak < 2 * len(body)
     assert (error.code, error.detail["field"], error.detail["got"]) == (code, field, got)
     assert error.request_id == (None if field == "body" else 1)
+
+
+def _config_of(size: int) -> dict:
+    """A config whose encoding is exactly `size` bytes (a str pad past 64 KiB: a str32 header)."""
+    overhead = len(msgpack.packb({"arch": "mamba", "pad": "x" * 65536})) - 65536
+    return {"arch": "mamba", "pad": "x" * (size - overhead)}
+
+
+def test_a_config_at_its_bound_is_decoded():
+    config = _config_of(MAX_MAP_BYTES)
+    assert len(msgpack.packb(config)) == MAX_MAP_BYTES
+    assert decode_request(_CONFIG_ARG + msgpack.packb(config)).args["config"] == config
+
+
+def test_a_config_past_its_bound_is_refused_from_its_size():
+    # A config of a few MB of 1-byte values cost the serving thread a second and 65 times its
+    # bytes in objects; real ones are a few KB. Refused before any of it is decoded.
+    body = _CONFIG_ARG + msgpack.packb(_config_of(MAX_MAP_BYTES + 1))
+    error, peak = _error_and_peak(body)
+    assert (error.code, error.request_id, error.detail["field"], error.detail["expected"], error.detail["got"]) == (
+        "invalid_argument", 1, "args.config", f"a map of at most {MAX_MAP_BYTES} bytes",
+        f"a map of {MAX_MAP_BYTES + 1} bytes")
+    assert peak < len(body)
+
+
+_TENSOR_MAPS = {
+    "weights": (_WEIGHTS, "args.weights"),
+    "state": (_SESSION_OPEN + b"\xa5state", "args.state"),
+}
+
+
+@pytest.mark.parametrize("value", [_TINY_TENSOR, msgpack.packb({"handle": "h"})], ids=["tensor", "handle"])
+@pytest.mark.parametrize("arg", list(_TENSOR_MAPS))
+def test_a_map_of_tensors_at_its_bound_is_decoded(arg, value):
+    prefix, field = _TENSOR_MAPS[arg]
+    decoded = decode_request(prefix + _many_entries(MAX_NAMED_TENSORS, value)).args[arg]
+    assert len(decoded) == MAX_NAMED_TENSORS
+
+
+@pytest.mark.parametrize("arg", list(_TENSOR_MAPS))
+def test_a_map_of_tensors_past_its_bound_is_refused_from_its_header(arg):
+    # A model_load of 200,000 valid tiny tensors cost the serving thread over a second and 19
+    # times its bytes in objects; a real checkpoint has at most about a thousand tensors.
+    prefix, field = _TENSOR_MAPS[arg]
+    body = prefix + _many_entries(MAX_NAMED_TENSORS + 1, _TINY_TENSOR)
+    error, peak = _error_and_peak(body)
+    assert (error.code, error.request_id, error.detail["field"], error.detail["expected"], error.detail["got"]) == (
+        "invalid_argument", 1, field, f"a map of at most {MAX_NAMED_TENSORS} tensors",
+        f"map of {MAX_NAMED_TENSORS + 1} entries")
+    assert peak < len(body)
 
 
 @pytest.mark.parametrize("multipart", [False, True], ids=["data", "buf"])

@@ -19,7 +19,8 @@ import torch
 from protocol import key_path
 
 from ..tensors import wire_name
-from .checkpoint import CONFIG, TensorSource, allowed_dirs, checkpoint_file, read_json, resolve_checkpoint
+from .checkpoint import (CONFIG, MAX_CONFIG_BYTES, TensorSource, allowed_dirs, checkpoint_file, read_json,
+                         resolve_checkpoint)
 from .config import ARCHS, ModelConfig, checkpoint_error, parse_config
 from .runtime import Model, param_dtype
 from .weights import canonical_name, check_weights
@@ -33,7 +34,7 @@ def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, 
     `device`. `hold(nbytes)` is called with the bytes the weights will take before any is read:
     it raises to refuse them."""
     directory = resolve_checkpoint(path, model_dirs)
-    config = parse_config(read_json(checkpoint_file(directory, CONFIG, CONFIG), CONFIG), CONFIG)
+    config = parse_config(read_json(checkpoint_file(directory, CONFIG, CONFIG), CONFIG, MAX_CONFIG_BYTES), CONFIG)
     source = TensorSource(directory)
     wanted = check_weights(config, source.shapes, "weights")
     hold(planned_bytes(source.shapes, wanted, dtype))

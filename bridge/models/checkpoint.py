@@ -17,6 +17,7 @@ import torch
 
 from ..errors import OpError
 from protocol import shown_value
+from protocol.schema import MAX_MAP_BYTES
 
 from .config import checkpoint_error
 
@@ -24,8 +25,10 @@ CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"
-# A config.json or an index bigger than this is not one.
-MAX_JSON_BYTES = 16 << 20
+# A config.json or an index bigger than this is not one. A config.json is held to the bound of
+# a config sent in a request: real ones are a few KB.
+MAX_CONFIG_BYTES = MAX_MAP_BYTES
+MAX_INDEX_BYTES = 16 << 20
 # The floating dtypes a weight may be stored in: one value an element, each converted to the
 # model's dtype. Not the packed ones (safetensors' F4, torch's float4_e2m1fn_x2: two values a
 # byte), which torch cannot convert and whose tensor is not the shape the header declares.
@@ -82,12 +85,12 @@ def checkpoint_file(directory: str, name: str, field: str) -> str:
     return real
 
 
-def read_json(path: str, field: str):
+def read_json(path: str, field: str, max_bytes: int):
     try:
         with open(path, "rb") as f:
-            data = f.read(MAX_JSON_BYTES + 1)  # bounded: the file may have grown since it was checked
-        if len(data) > MAX_JSON_BYTES:
-            raise checkpoint_error(field, f"at most {MAX_JSON_BYTES} bytes of JSON", "more")
+            data = f.read(max_bytes + 1)  # bounded: the file may have grown since it was checked
+        if len(data) > max_bytes:
+            raise checkpoint_error(field, f"at most {max_bytes} bytes of JSON", "more")
         return json.loads(data)
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting past json's depth
         raise checkpoint_error(field, "a readable JSON file", f"{type(e).__name__}: {e}") from None
@@ -103,7 +106,8 @@ class TensorSource:
         self._bin: dict[str, torch.Tensor] | None = None
         names = os.listdir(directory)
         if SAFETENSORS_INDEX in names:
-            index = read_json(checkpoint_file(directory, SAFETENSORS_INDEX, SAFETENSORS_INDEX), SAFETENSORS_INDEX)
+            index = read_json(checkpoint_file(directory, SAFETENSORS_INDEX, SAFETENSORS_INDEX), SAFETENSORS_INDEX,
+                              MAX_INDEX_BYTES)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise checkpoint_error(f"{SAFETENSORS_INDEX}.weight_map", "a map of tensor name to shard file",
