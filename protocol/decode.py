@@ -21,8 +21,8 @@ from .codecs import V1
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
-from .schema import (ALIASES, FRAME_ARGS, FRAME_OPS, KIND_EXPECTED, LAYOUTS, OPS, OUTPUTS, PROTOCOL_VERSION,
-                     SESSION_KINDS, SUPPORTED_VERSIONS, WEIGHTS_DTYPES, Arg, valid_request_id)
+from .schema import (ALIASES, FRAME_ARGS, FRAME_OPS, KIND_EXPECTED, LAYOUTS, MAX_FRAMES, OPS, OUTPUTS,
+                     PROTOCOL_VERSION, SESSION_KINDS, SUPPORTED_VERSIONS, WEIGHTS_DTYPES, Arg, valid_request_id)
 from .tensors import MAX_DIM
 
 _ENVELOPE_KEYS = frozenset(("v", "id", "op", "args", "deadline_us"))
@@ -293,6 +293,9 @@ _FRAME_KEYS = ("op", "args")
 def _read_frames(reader: Reader, raw: msgspec.Raw, field: str, op: str) -> tuple[Frame, ...]:
     """The frames of `op` (session_open's, session_restore's)."""
     items = reader.array(raw, field, KIND_EXPECTED["frames"])
+    encoded = memoryview(raw)
+    if count(encoded) > MAX_FRAMES:  # refused from its header, before a frame is read
+        reader.fail(InvalidArgument, field, f"an array of at most {MAX_FRAMES} frames", describe(encoded))
     frames = []
     for i, item in enumerate(items):
         at = f"{field}[{i}]"

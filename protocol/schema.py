@@ -42,6 +42,9 @@ MAX_MAP_BYTES = 256 << 10
 # checkpoint has at most about a thousand tensors, and a session's state two a layer. Each entry
 # costs objects of its own decoded, so a map of many tiny tensors would cost many times its bytes.
 MAX_NAMED_TENSORS = 16384
+# The calls of one `frames` array: a rollback re-runs a few frames, a session reopened elsewhere
+# those since its last checkpoint. Each decoded frame costs many times its bytes in objects.
+MAX_FRAMES = 4096
 
 
 def valid_request_id(value) -> bool:
