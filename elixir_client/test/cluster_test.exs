@@ -193,6 +193,30 @@ defmodule ScanBridge.ClusterTest do
     Models.assert_rel_close(state, reference_state, 1.0e-6, "state")
   end
 
+  test "a rebuild of more kept frames than one open takes replays them; the member takes frames still" do
+    g = group()
+    start_members(g, 2)
+    sizes = %{batch: 1, heads: 1, headdim: 2, state: 2}
+    frame = ssd_frame(sizes)
+    # no checkpoint comes within the frames kept: one past what a session_open takes (SPEC §3)
+    {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 10_000)
+    {:ok, reference} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes))
+    for _ <- 1..4_097, do: ok!(Cluster.step(s, frame)) && ok!(Cluster.step(reference, frame))
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+    kill_server!(owner)
+    got = ok!(Cluster.step(s, frame)).y
+    assert {:ok, %{failovers: 1, member: member}} = Cluster.session_info(s)
+
+    Models.assert_rel_close(
+      got,
+      ok!(Cluster.step(reference, frame)).y,
+      1.0e-5,
+      "y after the rebuild"
+    )
+
+    assert ScanBridge.Cluster.Balancer.takes_frames?(member)
+  end
+
   test "checkpoints ride on the frames' replies, the caller's own asks answered as asked" do
     g = model_group(2)
     embeds = Models.embeds(1, 12, 8)

@@ -41,6 +41,8 @@ defmodule ScanBridge.Cluster.Session do
   @checkpoint_timeout_ms 2_000
   # A rebuild started by the monitor has no caller's deadline; it gets this long.
   @rebuild_timeout_ms 10_000
+  # The most frames a server takes in one session_open (SPEC §3): more are opened, then replayed.
+  @max_open_frames 4_096
   # How long past a call's deadline its caller waits for this process (which answers by it).
   @answer_grace_ms 100
   # The calls that advance the session's state, and so are kept for a rebuild.
@@ -739,17 +741,18 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # One request where there are frames to run: the open with the kept frames and the pending
-  # one. A refusal is left to the open and replay one by one, which a server from before frames
-  # needs (its refusal names args.frames, and is remembered for the member), and which answers
-  # a frame's error as that frame's own call does (the member closed the session it opened); a
-  # request that timed out or was never sent is not sent again.
+  # One request where there are frames to run, no more than a server takes in one: the open
+  # with the kept frames and the pending one. A refusal is left to the open and replay one by
+  # one, which a server from before frames needs (its refusal names args.frames, and is
+  # remembered for the member), and which answers a frame's error as that frame's own call does
+  # (the member closed the session it opened); a request that timed out or was never sent is
+  # not sent again.
   defp open_on(state, member, deadline, pending) do
     frames =
       for {kind, input, opts} <- Enum.reverse(state.log) ++ List.wrap(pending),
           do: {kind, input, Keyword.delete(opts, :timeout)}
 
-    case frames != [] and Balancer.takes_frames?(member) and
+    case frames != [] and length(frames) <= @max_open_frames and Balancer.takes_frames?(member) and
            open_remote(state, member, deadline, frames) do
       {:ok, remote, results} ->
         {:ok, remote, if(pending, do: List.last(results), else: :not_run)}
