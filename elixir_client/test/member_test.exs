@@ -395,6 +395,36 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/b")
   end
 
+  # What Cluster.catalogue/2 says each member holds under "m": {source, loaded?, version}.
+  defp models_of(group) do
+    assert {:ok, members} = Cluster.catalogue(group, timeout: 100)
+
+    for %{node: node} <- members, do: assert(node == node())
+
+    members
+    |> Enum.map(fn %{models: %{"m" => m}} -> {m.source, is_binary(m.model), m.version} end)
+    |> Enum.sort()
+  end
+
+  test "the group's catalogue tells what each member holds; members apart disagree until back" do
+    {group, [near, far]} = loading_members(2)
+    assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/a")
+    assert models_of(group) == [{"/models/a", true, 1}, {"/models/a", true, 1}]
+
+    cut_off(group, far)
+    assert :ok = Cluster.free_model(group, "m")
+    assert {:ok, %{members: 1}} = Cluster.load_model(group, "m", "/models/b")
+    :ok = :pg.join(Cluster.scope(), {:catalogue, group}, far)
+    # a member that does not answer is left out
+    silent_keeper(group)
+    assert models_of(group) == [{"/models/a", true, 1}, {"/models/b", true, 3}]
+
+    # its node seen to be back (:pg shows its keeper already)
+    for keeper <- [near, far], do: send(keeper, {:nodeup, node()})
+    agreed = [{"/models/b", true, 3}, {"/models/b", true, 3}]
+    assert eventually(fn -> models_of(group) == agreed end)
+  end
+
   test "a model given up for a newer one while sessions use it is freed once they close" do
     # the far server refuses the first free (a session of the model open there)
     {group, [{_, near}, {far_server, far}]} =

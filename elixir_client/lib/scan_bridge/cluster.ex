@@ -380,15 +380,33 @@ defmodule ScanBridge.Cluster do
     # a bad :timeout raises here, not in every member
     wait = keeper_wait(opts)
 
-    # A member whose server went away has freed the model with its server; one that does not
-    # answer in time (its node frozen or cut off) may still hold it, and name it to later members.
     # one tag for every member's record of the free (ScanBridge.Cluster.Member's versions)
     free = {:free, name, opts, {node(), System.unique_integer([:positive])}}
 
+    # A member whose server went away has freed the model with its server; one that does not
+    # answer in time (its node frozen or cut off) may still hold it, and name it to later members.
     case first_failure(ask_keepers(Member.keepers(group), free, deadline(wait))) do
       nil -> :ok
       error -> error
     end
+  end
+
+  @doc """
+  The group's models as each member holds them, to check that the members agree (after a
+  partition, say: docs/cluster.md, "Partitions"). Every member is asked at once; one that does
+  not answer by the deadline (`:timeout`, as for `free_model/3`) is left out.
+
+  `{:ok, members}`, each `%{node: node, server: pid, models: %{name => model}}` with `model`
+  `%{source: path | :sent, dtype: String.t(), model: id | nil, version: non_neg_integer}`:
+  `:sent` for a model sent as config and weights, `model` nil where it is recorded but not
+  loaded there (its load failed, or is under way), `version` the name's version there (a
+  newer one wins when members meet again).
+  """
+  @spec catalogue(group, ScanBridge.call_opts()) :: {:ok, [map]}
+  def catalogue(group, opts \\ []) do
+    opts = ScanBridge.opts!(opts, [:timeout], "catalogue")
+    results = ask_keepers(Member.keepers(group), :describe, deadline(keeper_wait(opts)))
+    {:ok, for({_keeper, {:ok, member}} <- results, do: member)}
   end
 
   ## Sessions

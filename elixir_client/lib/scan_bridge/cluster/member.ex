@@ -60,6 +60,8 @@ defmodule ScanBridge.Cluster.Member do
   # How long keepers on a node that came up are looked for, and how often.
   @nodeup_wait_ms 5_000
   @nodeup_poll_ms 100
+  # How long another keeper's catalogue is waited for.
+  @catalogue_wait_ms 5_000
 
   @spec start_link(server: pid, group: term) :: GenServer.on_start()
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts)
@@ -84,7 +86,7 @@ defmodule ScanBridge.Cluster.Member do
   @impl true
   def handle_continue(:sync, state) do
     others = keepers(state.group) -- [self()]
-    task = Task.async(fn -> Enum.flat_map(others, &catalogue_of/1) end)
+    task = Task.async(fn -> catalogues_of(others) end)
     {:noreply, %{state | syncing: task.ref}}
   end
 
@@ -99,8 +101,7 @@ defmodule ScanBridge.Cluster.Member do
   def handle_info({:nodeup, node}, state) do
     {keeper, group} = {self(), state.group}
 
-    {:ok, _poller} =
-      Task.start(fn -> send(keeper, {:reconcile, catalogues_on(group, node, keeper)}) end)
+    {:ok, _poller} = Task.start(fn -> reconcile_with(keepers_on(group, node, keeper), keeper) end)
 
     {:noreply, state}
   end
@@ -138,6 +139,25 @@ defmodule ScanBridge.Cluster.Member do
 
   @impl true
   def handle_call(:catalogue, _from, state), do: {:reply, state.catalogue, state}
+
+  # What Cluster.catalogue/2 tells of this member.
+  def handle_call(:describe, _from, state) do
+    models =
+      Map.new(state.catalogue, fn {name, {source, opts, info}} ->
+        {counter, _tag} = version(state, name)
+        {_source, dtype} = model(source, opts)
+
+        {name,
+         %{
+           source: if(is_map(source), do: :sent, else: IO.chardata_to_string(source)),
+           dtype: dtype,
+           model: info && info["model"],
+           version: counter
+         }}
+      end)
+
+    {:reply, {:ok, %{node: node(), server: state.server, models: models}}, state}
+  end
 
   # name => {{source, opts} or :freed, version}: what another keeper merges (merge/3).
   def handle_call(:versioned_catalogue, _from, state) do
@@ -455,21 +475,42 @@ defmodule ScanBridge.Cluster.Member do
 
   defp join_when_synced(state), do: state
 
-  defp catalogue_of(keeper) do
-    [GenServer.call(keeper, :versioned_catalogue)]
-  catch
-    :exit, _gone -> []
+  # The keepers' versioned catalogues, asked at once and waited for by one deadline, so that
+  # keepers that do not answer (their nodes frozen or cut off) cost it once between them.
+  defp catalogues_of(keepers) do
+    deadline = System.monotonic_time(:millisecond) + @catalogue_wait_ms
+
+    keepers
+    |> Enum.map(&:gen_server.send_request(&1, :versioned_catalogue))
+    |> Enum.flat_map(fn request ->
+      left = max(deadline - System.monotonic_time(:millisecond), 0)
+
+      case :gen_server.receive_response(request, left) do
+        {:reply, catalogue} -> [catalogue]
+        _gone_or_late -> []
+      end
+    end)
   end
 
-  # The versioned catalogues of the group's keepers on `node` but `keeper`, once any shows.
-  defp catalogues_on(group, node, keeper, waited \\ 0) do
+  # The group's keepers on `node` but `keeper`, once any shows.
+  defp keepers_on(group, node, keeper, waited \\ 0) do
     case Enum.filter(keepers(group) -- [keeper], &(node(&1) == node)) do
       [] when waited < @nodeup_wait_ms ->
         Process.sleep(@nodeup_poll_ms)
-        catalogues_on(group, node, keeper, waited + @nodeup_poll_ms)
+        keepers_on(group, node, keeper, waited + @nodeup_poll_ms)
 
       found ->
-        Enum.flat_map(found, &catalogue_of/1)
+        found
     end
+  end
+
+  # Each of `others`' catalogues merged into `keeper`'s as it comes: one that does not answer
+  # (its node frozen again) holds up none of the others.
+  defp reconcile_with(others, keeper) do
+    for other <- others do
+      {:ok, _asker} = Task.start(fn -> send(keeper, {:reconcile, catalogues_of([other])}) end)
+    end
+
+    :ok
   end
 end
