@@ -109,7 +109,11 @@ defmodule ScanBridge.Cluster.Member do
   def handle_info({:reconcile, catalogues}, state),
     do: {:noreply, merge(state, catalogues, :reconcile)}
 
-  def handle_info(:retry_retired, state), do: {:noreply, free_retired(state)}
+  def handle_info(:retry_retired, state) do
+    state = free_retired(state)
+    _timer = if state.retired != %{}, do: retry_later()
+    {:noreply, state}
+  end
 
   def handle_info({ref, result}, state) when is_reference(ref) do
     case Enum.find(state.loads, fn {_name, load} -> load.ref == ref end) do
@@ -354,18 +358,23 @@ defmodule ScanBridge.Cluster.Member do
       {:learn_model_id, state.server, name, nil}
     )
 
-    free_retired(put_in(state.retired[info["model"]], info))
+    # one retry timer at a time: one is running while earlier retired models wait
+    retrying = state.retired != %{}
+    state = free_retired(put_in(state.retired[info["model"]], info))
+    _timer = if not retrying and state.retired != %{}, do: retry_later()
+    state
   end
 
-  # Frees the retired models; those their server still refuses (sessions of them open) are
-  # tried again later.
+  # Frees the retired models; those their server still refuses (sessions of them open) stay,
+  # to be tried again (retry_later/0).
   defp free_retired(state) do
     retired =
       Map.reject(state.retired, fn {_id, info} -> free_on_server(state, info, []) == :ok end)
 
-    _timer = if retired != %{}, do: Process.send_after(self(), :retry_retired, @retire_retry_ms)
     %{state | retired: retired}
   end
+
+  defp retry_later, do: Process.send_after(self(), :retry_retired, @retire_retry_ms)
 
   # The model `name` on this member's server (no other model recorded under it here): recorded
   # in the catalogue whether or not it loads here (members joining later copy it), loaded unless
