@@ -1417,6 +1417,33 @@ defmodule ScanBridge.ClusterTest do
       assert {:ok, %{member: ^owner, session: ^healed, failovers: 0}} = Cluster.session_info(s)
     end
 
+    test "a frame whose copy into its snapshot failed leaves that snapshot its server's alone" do
+      {g, trigger} = failing_group(2, :snapshot_copy)
+      embeds = Models.embeds(1, 6, 8)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      {:ok, q} = Cluster.snapshot(s)
+      got = for t <- 0..2, do: step!(s, embeds, t)
+      assert {:ok, %{member: owner}} = Cluster.session_info(s)
+
+      # frame 3's copy into q fails before the frame runs: the session is as it was, q undefined
+      File.write!(trigger, "")
+
+      assert {:error, %Error{detail: detail}} =
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 3)}, snapshot_into: q)
+
+      refute detail["state"] == "lost"
+      refute File.exists?(trigger)
+      got = got ++ for t <- 3..4, do: step!(s, embeds, t)
+      assert {:error, %Error{reason: :state_lost}} = Cluster.restore(s, q)
+
+      # after a failover no checkpoint says what q holds: refused, not the state before frame 0
+      kill_server!(owner)
+      got = got ++ [step!(s, embeds, 5)]
+      assert {:ok, %{failovers: 1, status: :ok}} = Cluster.session_info(s)
+      assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.restore(s, q)
+      assert_as_fresh(g, got, embeds)
+    end
+
     test "a frame that failed partway after its deadline is undone when the next is refused" do
       {g, trigger} = failing_group(1)
       [member] = Cluster.members(g)
@@ -1459,10 +1486,11 @@ defmodule ScanBridge.ClusterTest do
   end
 
   # A group of `n` members, "tiny" loaded, whose servers fail a model step at its second layer
-  # once a file is written, seconds late when it says so (support/failing_server):
-  # {the group, that file}. The hook is copied into a directory of this run's own, so that no
-  # other run shares the file and no bytecode is written into the source tree.
-  defp failing_group(n) do
+  # once a file is written, seconds late when it says so, or with `failure` :snapshot_copy its
+  # next copy into a snapshot (support/failing_server): {the group, that file}. The hook is
+  # copied into a directory of this run's own, so that no other run shares the file and no
+  # bytecode is written into the source tree.
+  defp failing_group(n, failure \\ :partway) do
     dir = Models.tmp_dir!()
 
     File.cp!(
@@ -1470,15 +1498,18 @@ defmodule ScanBridge.ClusterTest do
       Path.join(dir, "sitecustomize.py")
     )
 
-    trigger = Path.join(dir, "fail-partway")
+    trigger = Path.join(dir, "fail-#{failure}")
     env = TestSupport.server_opts()[:env]
     {"PYTHONPATH", path} = List.keyfind(env, "PYTHONPATH", 0)
     failing = dir <> ":" <> path
 
-    env = [
-      {"SCAN_BRIDGE_TEST_FAIL_PARTWAY", trigger}
-      | List.keystore(env, "PYTHONPATH", 0, {"PYTHONPATH", failing})
-    ]
+    variable =
+      case failure do
+        :partway -> "SCAN_BRIDGE_TEST_FAIL_PARTWAY"
+        :snapshot_copy -> "SCAN_BRIDGE_TEST_FAIL_SNAPSHOT_COPY"
+      end
+
+    env = [{variable, trigger} | List.keystore(env, "PYTHONPATH", 0, {"PYTHONPATH", failing})]
 
     g = group()
     # the composed model step, whose layers the failure is injected between

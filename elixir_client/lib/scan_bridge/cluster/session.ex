@@ -50,6 +50,29 @@ defmodule ScanBridge.Cluster.Session do
   # The errors of a placement that leave the session to be placed by the next call: no member
   # now, or none answered in time (that one is tried after the others next time).
   @unplaced [:no_members, :timeout, :overloaded, :deadline_exceeded]
+  # The errors of a request refused before it ran (SPEC §7): it wrote nothing, snapshots neither.
+  @refused_before_running [
+    :frame_too_large,
+    :decode_error,
+    :invalid_request,
+    :unsupported_version,
+    :unknown_op,
+    :missing_argument,
+    :invalid_argument,
+    :unknown_dtype,
+    :tensor_size_mismatch,
+    :shape_mismatch,
+    :unknown_session,
+    :unknown_handle,
+    :unknown_model,
+    :unknown_snapshot,
+    :unsupported,
+    :overloaded,
+    :shutting_down,
+    :deadline_exceeded,
+    :cancelled,
+    :not_running
+  ]
   # The calls whose return_state is an option rather than one of the inputs.
   @state_option [:model_step, :model_forward]
   # How an input map asks for the state (return_last_state is mamba_ssm's name for it).
@@ -497,8 +520,13 @@ defmodule ScanBridge.Cluster.Session do
         GenServer.reply(from, outcome)
         {:noreply, heal(state, Cluster.deadline(@rebuild_timeout_ms))}
 
-      true ->
+      error.reason in @refused_before_running ->
         {:reply, outcome, state}
+
+      true ->
+        # its copy into snapshot_into's snapshot may have failed, leaving the snapshot undefined
+        # on the owner (SPEC §6.4), which no checkpoint and frames of this keeper's describe
+        {:reply, outcome, doubt_snapshot_into(state, opts)}
     end
   end
 
@@ -1215,8 +1243,8 @@ defmodule ScanBridge.Cluster.Session do
   defp snapshot_gone(id) do
     Error.client(
       :unknown_snapshot,
-      "restore: snapshot #{inspect(id)} was kept by a server that went away, and the session " <>
-        "kept no checkpoint that could rebuild it",
+      "restore: snapshot #{inspect(id)} was kept by a server that went away, and no checkpoint " <>
+        "of the session's says what it held (none kept, or a frame into it failed or timed out)",
       %{}
     )
   end
