@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", type=_log_level, default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"),
                    help="the log's threshold: " + ", ".join(LOG_LEVELS) + " (default: $SCAN_BRIDGE_LOG, else INFO)")
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
-                   help="compile the kernels for this shape bucket before serving (repeatable); OPTS "
+                   help="compile the Triton kernels for this shape bucket before serving (repeatable; the "
+                        "other backends have nothing to compile); five dims, BxLxHxPxN, name a Mamba-2 "
+                        "bucket of H heads of P channels; OPTS "
                         "is a comma list of the options requests will use: " + ",".join(kernels.WARMUP_OPTIONS) +
                         ", and groups=G, layout=" + "|".join(LAYOUTS) + ", dtype=" + "|".join(warmup_dtypes()) +
                         " (default 1, bld, f32: each is a kernel of its own); `info` lists what was compiled")
