@@ -190,12 +190,22 @@ def test_a_row_of_length_zero_keeps_its_state_and_last_only_gives_each_rows_last
         assert not torch.equal(part[0], before[name][0]), f"{name}: row 0 did not move"
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16", None])
+def test_model_loads_reply_names_its_dtype_as_a_request_does(serve, dtype):
+    """A client reloads or compares a model as its reply describes it: the reply's dtype is the
+    wire name model_load takes (it was torch's, "bfloat16"), "f32" when the load named none."""
+    srv, conn = serve(), RecordingConnection()
+    args = {} if dtype is None else {"dtype": dtype}
+    info = call(srv, conn, "model_load", path="mamba-lm-tied", **args)
+    assert info["dtype"] == (dtype or "f32")
+
+
 @pytest.mark.parametrize("arch", ["mamba-lm-tied", "mamba2-lm"])
 def test_bf16_weights_follow_transformers_in_bf16_loosely(serve, checkpoints, arch):
     model, output, seed = checkpoints[1][arch]
     srv, conn = serve(), RecordingConnection()
     info = call(srv, conn, "model_load", path=arch, dtype="bf16")
-    assert info["dtype"] == "bfloat16"
+    assert info["dtype"] == "bf16"
     session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
     torch.manual_seed(seed + 2)
     tokens = torch.randint(0, VOCAB, (2, PREFIX + 4))

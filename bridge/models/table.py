@@ -8,6 +8,7 @@ from typing import Callable
 from ..errors import OpError, allocation
 from ..owned import OwnedTable
 from ..sessions import SessionTable, StateLayout
+from ..tensors import wire_name
 from .runtime import Model
 
 
@@ -34,7 +35,7 @@ class LoadedModel:
         c = self.model.config
         described = {"model": self.id, "arch": c.arch, "layers": c.n_layer, "d_model": c.d_model,
                      "state_bytes_per_row": self.layout.row_bytes, "weight_bytes": self.model.nbytes,
-                     "dtype": str(self.model.dtype).removeprefix("torch.")}
+                     "dtype": wire_name(self.model.dtype)}  # as model_load takes it
         if c.vocab_size is not None:
             described["vocab_size"] = c.vocab_size
         described["outputs"] = ["logits", "hidden"] if c.has_logits else ["hidden"]
