@@ -700,10 +700,10 @@ defmodule ScanBridge do
 
   Returns the model's description: `"model"` (its id), `"arch"`, `"layers"`, `"d_model"`,
   `"vocab_size"` (with an embedding), `"outputs"`, `"state_bytes_per_row"`,
-  `"weight_bytes"`, `"dtype"`, `"name"`. A config or weights the server cannot use (a tensor
-  missing, mis-shaped, unexpected or not finite; an unknown architecture or setting) is
-  `:invalid_checkpoint`, its `detail["field"]` naming the key or tensor (e.g.
-  `"args.weights.norm_f.weight"`).
+  `"weight_bytes"`, `"dtype"` (as `:dtype`'s strings: `"f32"`, `"bf16"` or `"f16"`), `"name"`.
+  A config or weights the server cannot use (a tensor missing, mis-shaped, unexpected or not
+  finite; an unknown architecture or setting) is `:invalid_checkpoint`, its `detail["field"]`
+  naming the key or tensor (e.g. `"args.weights.norm_f.weight"`).
   """
   @spec load_model(server, model_source, load_opts) :: {:ok, map} | error
   def load_model(server, source, opts \\ []) do

@@ -497,6 +497,7 @@ defmodule ScanBridge.ModelsTest do
         for dtype <- [:f32, :bf16] do
           assert {:ok, info} = ScanBridge.load_model(server, backbone, dtype: dtype, name: "tiny")
           assert info["name"] == "tiny"
+          assert info["dtype"] == Atom.to_string(dtype)
           {:ok, session} = ScanBridge.open_session(server, model: info, batch: 1)
           {:ok, hidden} = ScanBridge.model_forward(server, session, embeds)
           close_and_free(server, info, [session])
