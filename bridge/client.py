@@ -279,6 +279,16 @@ class HeldRequest:
     deadline_ns: int | None  # perf_counter_ns when its budget runs out; None: it has none
 
 
+@dataclass
+class TakenOut:
+    """A held request the releasing thread took out to send, until it is written."""
+
+    request: HeldRequest
+    entry: InFlight
+    # cancel() asked for it meanwhile: it is dropped unsent, or its cancel sent after it.
+    cancel_asked: bool = False
+
+
 @dataclass(slots=True)
 class Received:
     """A reply as it came, until the request it answers is known."""
@@ -363,12 +373,11 @@ class FramedClient:
         self.max_in_flight: int | None = None
         self._held: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
         self._held_cancels: collections.OrderedDict[object, HeldRequest] = collections.OrderedDict()
-        # Held requests the releasing thread took out to send, by id: True once cancel() asked
-        # for them meanwhile; that thread then drops the request unsent, or sends the cancel after
-        # it. One thread at a time releases (_send_released, while _releaser_busy), so that they
-        # go in order, and no request goes past them meanwhile.
-        self._releasing: dict[object, bool] = {}
-        self._releaser_busy = False
+        # Held requests the releasing thread took out to send, by id. One thread at a time
+        # releases (_send_released; _releaser is its ident, or None), so that they go in order,
+        # and no request goes past them meanwhile.
+        self._releasing: dict[object, TakenOut] = {}
+        self._releaser: int | None = None
         # Raw frames sent without an id whose ids the server cannot read, written and not yet
         # answered: an answer with id nil may be one's, and is then nobody's.
         self._unread_unnamed: list[InFlight] = []
@@ -434,7 +443,8 @@ class FramedClient:
                     return False
                 self._held_cancels[request_id] = request
                 return True
-            if not (self._held or self._held_cancels or self._releaser_busy) and self._wire_room(not_counting=1):
+            others_first = self._held or self._held_cancels or self._releaser is not None
+            if not others_first and self._wire_room(not_counting=1):
                 return False
             self._held[request_id] = request
             return True
@@ -453,41 +463,68 @@ class FramedClient:
         before the next is taken out: a thread that finds another at it leaves it what it freed
         (that one looks again after each send). A request whose deadline has passed goes with a
         spent budget, which the server answers deadline_exceeded; a send that fails fails its
-        request."""
-        with self._lock:
-            if self._releaser_busy:
-                return
-            self._releaser_busy = True
+        request. An interrupt (Ctrl-C) ends this thread's turn, with what it took out and had
+        not begun to write held again (_hold_again)."""
+        this_thread = threading.get_ident()
         try:
+            # Claimed inside the `try`: an interrupt just after would keep the turn for ever.
+            with self._lock:
+                if self._releaser is not None:
+                    return
+                self._releaser = this_thread
             while (taken := self._take_released()) is not None:
                 self._send_taken(*taken)
         except BaseException:
             with self._lock:
-                self._releaser_busy = False
+                if self._releaser == this_thread:
+                    self._releaser = None
+                    self._hold_again()
             raise
 
-    def _take_released(self) -> tuple[object, HeldRequest, InFlight] | None:
-        """The next held request the cap has room for, taken out to send (its id, it, its
-        entry); None when there is none, this thread then no longer releasing (decided under
-        the one lock, so that a slot freed after is released by the thread that freed it)."""
+    def _take_released(self) -> tuple[object, TakenOut] | None:
+        """The next held request the cap has room for, taken out to send (its id, and it in
+        `_releasing`); None when there is none, this thread then no longer releasing (decided
+        under the one lock, so that a slot freed after is released by the thread that freed it)."""
         with self._lock:
             while self.max_in_flight is not None:
                 if self._held_cancels and self._wire_room(for_cancel=True):
-                    request_id, request = self._held_cancels.popitem(last=False)
+                    held = self._held_cancels
                 elif self._held and self._wire_room():
-                    request_id, request = self._held.popitem(last=False)
+                    held = self._held
                 else:
                     break
+                request_id, request = next(iter(held.items()))
                 entry = self._pending.get(request_id)
-                if entry is not None:  # else answered before it was sent (a stray reply with its id)
-                    self._releasing[request_id] = False
-                    return request_id, request, entry
-            self._releaser_busy = False
+                if entry is None:  # answered before it was sent (a stray reply with its id)
+                    del held[request_id]
+                    continue
+                # In `_releasing` before it leaves `held`: an interrupt never finds it in neither.
+                taken = self._releasing[request_id] = TakenOut(request, entry)
+                del held[request_id]
+                return request_id, taken
+            self._releaser = None
             return None
 
-    def _send_taken(self, request_id, request: HeldRequest, entry: InFlight) -> None:
+    def _hold_again(self) -> None:
+        """Hold again, first, what this thread took out to send and had not begun to write when
+        an interrupt ended its turn: in flight unsent, it would keep a slot of the cap for ever,
+        its Future never resolved. One cancel() asked for meanwhile leaves flight instead.
+        Called with self._lock held, by the releasing thread."""
+        for request_id, taken in self._releasing.items():
+            if self._pending.get(request_id) is not taken.entry or taken.entry.write_order is not None:
+                continue  # out of flight already, or written: a write cut short ends the stream (_send)
+            if taken.cancel_asked:
+                del self._pending[request_id]
+                continue
+            held = self._held_cancels if taken.request.op == "cancel" else self._held
+            held[request_id] = taken.request
+            held.move_to_end(request_id, last=False)
+        self._releasing.clear()
+
+    def _send_taken(self, request_id, taken: TakenOut) -> None:
         """Send a request `_take_released` took out, re-encoded with what is left of its
         deadline; one that fails to be (re-encoded, or written) fails alone."""
+        request, entry = taken.request, taken.entry
         try:
             parts = request.parts
             if request.deadline_ns is not None:
@@ -496,7 +533,7 @@ class FramedClient:
                 # Its length may have changed: an id-nil answer to it is matched by length.
                 entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
             with self._lock:
-                if self._releasing.get(request_id):  # cancelled while taken out: never sent
+                if taken.cancel_asked:  # cancelled while taken out: never sent
                     del self._releasing[request_id]
                     self._pending.pop(request_id, None)
                     return
@@ -508,7 +545,8 @@ class FramedClient:
             settle(entry.future, exc)
             return
         with self._lock:
-            cancel_asked = self._releasing.pop(request_id, False)
+            del self._releasing[request_id]
+            cancel_asked = taken.cancel_asked
         if cancel_asked:  # once it was on its way: the cancel goes behind it
             self._cancel_at_server(entry.future)
 
@@ -654,7 +692,7 @@ class FramedClient:
                 del self._pending[request_id]
                 return True  # never sent: nothing to drop on the server
             if request_id in self._releasing:
-                self._releasing[request_id] = True  # the thread sending it drops it or cancels it
+                self._releasing[request_id].cancel_asked = True  # the thread sending it drops it or cancels it
                 return True
         self._cancel_at_server(future)
         return True

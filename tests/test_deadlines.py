@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import random
 import select
+import sys
 import threading
 import time
 
@@ -747,6 +748,116 @@ def test_a_held_request_that_fails_to_be_encoded_again_when_released_fails_alone
         assert server.read_request().id == later.request_id
         server.reply(later.request_id)
         assert sent.result(10).ok and later.result(10).ok and not client._pending
+
+
+class LockInterruptedOnce:
+    """A client's `_lock` in its place that raises KeyboardInterrupt (a Ctrl-C) once, as
+    `thread` releases it at the end of a `with` in the function named `leaving`, while
+    `armed()`: the interpreter runs a signal's handler just after such a call returns."""
+
+    def __init__(self, lock, thread: threading.Thread, leaving: str, armed=lambda: True):
+        self.lock, self.thread, self.leaving, self.armed = lock, thread, leaving, armed
+        self.interrupted = False
+
+    def __enter__(self):
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        self.lock.__exit__(*exc)
+        if (not self.interrupted and threading.current_thread() is self.thread
+                and sys._getframe(1).f_code.co_name == self.leaving and self.armed()):
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+
+def interrupt_release_once(client, thread: threading.Thread, where: str, held) -> None:
+    """Have `thread`'s next release of held requests interrupted once, `where`: as it claims
+    its turn to release, as it takes out the request of Future `held`, or as it re-encodes that
+    request (cancelled first, with "re-encoding a cancelled one")."""
+    if where.startswith("re-encoding"):
+        encode = client._encode
+
+        def interrupted(request_id, *args):
+            if request_id == held.request_id and threading.current_thread() is thread and not interrupted.done:
+                interrupted.done = True
+                if where == "re-encoding a cancelled one":
+                    assert client.cancel(held)
+                raise KeyboardInterrupt
+            return encode(request_id, *args)
+
+        interrupted.done = False
+        client._encode = interrupted
+    elif where == "claiming":
+        client._lock = LockInterruptedOnce(client._lock, thread, "_send_released")
+    else:
+        client._lock = LockInterruptedOnce(client._lock, thread, "_take_released", lambda: client._releasing)
+
+
+def release_interrupted(server, where: str):
+    """With a cap of 2, a request held (with a deadline, so re-encoded when released) behind one
+    being encoded on another thread, which then releases it, interrupted `where`
+    (interrupt_release_once); the held request's Future."""
+    client = server.client
+    sent = client.submit("ping")
+    assert server.read_request().id == sent.request_id
+    encoding, go = paused_encoding(client, "info")
+    interrupted = []
+    encoder = threading.Thread(target=lambda: interrupted.append(pytest.raises(KeyboardInterrupt, client.submit,
+                                                                               "info")))
+    encoder.start()
+    assert encoding.wait(10)  # counted against the cap: the next one is held
+    held = client.submit("stats", deadline_s=60)
+    server.reply(sent.request_id)  # frees no slot for `held`: the encoder's request counts
+    assert sent.result(10).ok
+    interrupt_release_once(client, encoder, where, held)
+    go.set()  # the encoder's request is held behind `held`, and its thread releases them
+    encoder.join(10)
+    assert interrupted, "the release was not interrupted"
+    return held
+
+
+def read_within(server, timeout: float = 10) -> protocol.Request:
+    assert select.select([server.requests], [], [], timeout)[0], f"nothing was sent within {timeout} s"
+    return server.read_request()
+
+
+@pytest.mark.parametrize("where", ["claiming", "taking", "re-encoding"])
+def test_a_ctrl_c_while_a_thread_releases_held_requests_leaves_them_to_go_later(where):
+    """A Ctrl-C in a thread releasing held requests: as it claimed its turn (before the `try`
+    that gives the turn up), it kept the turn for ever; as it took a request out, or re-encoded
+    it with what is left of its deadline, that request stayed in flight unsent, its slot of the
+    cap taken for ever. Either way nothing was sent again. The interrupted request is held
+    again, first, and goes with the next release."""
+    with pipe_capped_at(2) as server:
+        client = server.client
+        held = release_interrupted(server, where)
+        later = client.submit("health")  # held behind the two: this thread releases them
+        assert read_within(server).id == held.request_id
+        server.reply(held.request_id)
+        info = read_within(server)
+        assert info.op == "info"
+        server.reply(info.id)
+        assert read_within(server).id == later.request_id
+        server.reply(later.request_id)
+        assert held.result(10).ok and later.result(10).ok
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+
+
+def test_a_request_cancelled_while_its_release_was_interrupted_is_dropped_unsent():
+    """Cancelled while taken out to send, and its release then interrupted by a Ctrl-C, a
+    request stayed in flight unsent, its slot of the cap taken for ever. It is dropped."""
+    with pipe_capped_at(2) as server:
+        client = server.client
+        held = release_interrupted(server, "re-encoding a cancelled one")
+        assert held.cancelled() and held.request_id not in client._pending
+        later = client.submit("health")
+        info = read_within(server)
+        assert info.op == "info"
+        server.reply(info.id)
+        assert read_within(server).id == later.request_id
+        server.reply(later.request_id)
+        assert later.result(10).ok
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
 
 
 @pytest.mark.parametrize("cap", [None, 3])
