@@ -512,7 +512,7 @@ class FramedClient:
         Called with self._lock held, by the releasing thread."""
         for request_id, taken in self._releasing.items():
             if self._pending.get(request_id) is not taken.entry or taken.entry.write_order is not None:
-                continue  # out of flight already, or written: a write cut short ends the stream (_send)
+                continue  # out of flight already, or its write began (one cut short ends a stream: _send)
             if taken.cancel_asked:
                 del self._pending[request_id]
                 continue
