@@ -13,6 +13,33 @@ defmodule ScanBridge.ClusterPartitionTest do
     :ok
   end
 
+  # A group of two members, one here and one on a peer that `Peers.cut_off/1` can cut off,
+  # "tiny" loaded on both: {the group, the peer, the member here, the member there}.
+  defp two_members_apart do
+    g = {:partition, System.unique_integer([:positive])}
+    peer = Peers.start_peer!("apart", cut_off: true)
+    here = start_supervised!({ScanBridge, TestSupport.server_opts(group: g)})
+    [there] = Peers.start_servers!([peer], group: g)
+    Peers.await_members(g, 2)
+    backbone = Models.backbone(Models.config(:mamba2), 1)
+    assert {:ok, %{members: 2}} = Cluster.load_model(g, "tiny", backbone)
+    {g, peer, here, there}
+  end
+
+  # Waits until `member` holds a model other than `old_id` under "tiny" (its catalogue keeper
+  # took a newer entry).
+  defp await_replaced(member, old_id) do
+    assert TestSupport.eventually(
+             fn ->
+               case ScanBridge.Server.model_named(member, "tiny") do
+                 {:ok, id} -> id not in [nil, old_id]
+                 {:error, error} -> flunk("#{inspect(member)}: #{error.message}")
+               end
+             end,
+             20_000
+           )
+  end
+
   # One frame through `member`'s model named "tiny": what distinguishes one model from another.
   defp frame_through(member, frame) do
     {:ok, id} = ScanBridge.Server.model_named(member, "tiny")
@@ -23,13 +50,8 @@ defmodule ScanBridge.ClusterPartitionTest do
   end
 
   test "a member cut off while its model's name went to another model takes that model when back" do
-    g = {:partition, System.unique_integer([:positive])}
-    peer = Peers.start_peer!("apart", cut_off: true)
-    here = start_supervised!({ScanBridge, TestSupport.server_opts(group: g)})
-    [there] = Peers.start_servers!([peer], group: g)
-    Peers.await_members(g, 2)
+    {g, peer, here, there} = two_members_apart()
     config = Models.config(:mamba2)
-    assert {:ok, %{members: 2}} = Cluster.load_model(g, "tiny", Models.backbone(config, 1))
     frame = Models.frame(Models.embeds(1, 1, config["d_model"]), 0)
     {old_id, _} = frame_through(there, frame)
 
@@ -41,12 +63,7 @@ defmodule ScanBridge.ClusterPartitionTest do
     Peers.await_members(g, 2)
 
     # the member that was apart gives its model up and loads the group's newer one
-    assert TestSupport.eventually(
-             fn ->
-               ScanBridge.Server.model_named(there, "tiny") not in [{:ok, nil}, {:ok, old_id}]
-             end,
-             20_000
-           )
+    await_replaced(there, old_id)
 
     {_, want} = frame_through(here, frame)
     {_, got} = frame_through(there, frame)
@@ -55,4 +72,77 @@ defmodule ScanBridge.ClusterPartitionTest do
     assert {:error, %ScanBridge.Error{reason: :unknown_model}} =
              ScanBridge.free_model(there, old_id)
   end
+
+  # A cluster session of "tiny" opened on `member`, checkpointed every 2 frames.
+  defp session_on(g, member) do
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+
+    case Cluster.session_info(s) do
+      {:ok, %{member: ^member}} ->
+        s
+
+      _elsewhere ->
+        on = session_on(g, member)
+        :ok = Cluster.close_session(s)
+        on
+    end
+  end
+
+  test "a session of a model given up while apart is not rebuilt under the name's new model" do
+    {g, peer, here, there} = two_members_apart()
+    config = Models.config(:mamba2)
+    embeds = Models.embeds(1, 3, config["d_model"])
+    frames = for t <- 0..2, do: {:embeds, Models.frame(embeds, t)}
+    {:ok, old_id} = ScanBridge.Server.model_named(here, "tiny")
+    {:ok, reference} = ScanBridge.open_session(here, model: old_id, batch: 1)
+    expected = for f <- frames, do: ok!(ScanBridge.model_step(here, reference, f))
+    :ok = ScanBridge.close_session(here, reference)
+
+    s = session_on(g, here)
+    got = for f <- Enum.take(frames, 2), do: ok!(Cluster.model_step(s, f))
+
+    # apart, the other side frees the name and gives it to another model of the same shapes,
+    # once it sees itself apart too (a call to a member it still listed would connect the nodes)
+    Peers.cut_off(peer)
+    Peers.await_members(g, 1)
+    assert :peer.call(peer.peer, Peers, :await_members, [g, 1], 30_000)
+    assert :ok = :peer.call(peer.peer, Cluster, :free_model, [g, "tiny"], 60_000)
+
+    assert {:ok, %{members: 1}} =
+             :peer.call(
+               peer.peer,
+               Cluster,
+               :load_model,
+               [g, "tiny", Models.backbone(config, 2)],
+               60_000
+             )
+
+    Peers.reconnect(peer)
+    Peers.await_members(g, 2)
+
+    # this node's member takes the newer model under the name; the session goes on with its own
+    await_replaced(here, old_id)
+
+    got = got ++ [ok!(Cluster.model_step(s, Enum.at(frames, 2)))]
+    for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-6, "frame")
+
+    # a fork would run its source's model too, which no member holds under the name any more
+    assert {:error, %ScanBridge.Error{reason: :no_members}} = Cluster.fork(s)
+
+    # its server gone, no member holds its model: refused, never run on the name's new model
+    {:ok, os_pid} = ScanBridge.os_pid(here)
+    TestSupport.kill!(os_pid)
+
+    # (a call the keeper sends before it hears of the exit is answered the exit)
+    assert {:error, %ScanBridge.Error{reason: first}} = Cluster.model_step(s, Enum.at(frames, 0))
+    assert first in [:server_exited, :no_members]
+
+    assert {:error, %ScanBridge.Error{reason: :no_members, message: message}} =
+             Cluster.model_step(s, Enum.at(frames, 0))
+
+    assert message =~ "another model under its name"
+    assert {:ok, _} = ScanBridge.Server.model_named(there, "tiny")
+  end
+
+  defp ok!({:ok, value}), do: value
 end

@@ -406,9 +406,10 @@ defmodule ScanBridge.ClusterTest do
 
   # A process in group `g` standing for a member whose server never answers in time: every
   # request answered :timeout at once (told to the test), a group model's id given.
-  defp slow_member(g) do
+  # It holds a group model under any name as `entry` (ScanBridge.Server.model_entry/3) says.
+  defp slow_member(g, entry) do
     test = self()
-    member = spawn(fn -> slow_member_loop(test) end)
+    member = spawn(fn -> slow_member_loop(test, entry) end)
     on_exit(fn -> Process.exit(member, :kill) end)
     :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
     member
@@ -423,17 +424,17 @@ defmodule ScanBridge.ClusterTest do
     member
   end
 
-  defp slow_member_loop(test) do
+  defp slow_member_loop(test, entry) do
     receive do
-      {:"$gen_call", from, {:model_named, _name}} ->
-        GenServer.reply(from, {:ok, "slow-model"})
+      {:"$gen_call", from, {:model_entry, _name}} ->
+        GenServer.reply(from, {:ok, entry})
 
       {:"$gen_call", from, {:request, op, _head, _size, _timeout, _closes}} ->
         send(test, {:slow_member_asked, op})
         GenServer.reply(from, {:error, Error.client(:timeout, "no reply before the deadline")})
     end
 
-    slow_member_loop(test)
+    slow_member_loop(test, entry)
   end
 
   test "a restore that reopens the session elsewhere leaves no copies behind, stale or not" do
@@ -947,13 +948,13 @@ defmodule ScanBridge.ClusterTest do
       g = model_group(1)
       [member] = Cluster.members(g)
       {:ok, first_id} = ScanBridge.Server.model_named(member, "tiny")
-      named = {ScanBridge.Server, :model_named, 3}
+      named = {ScanBridge.Server, :model_entry, 3}
       :erlang.trace_pattern(named, true, [:call_count])
       on_exit(fn -> :erlang.trace_pattern(named, false, [:call_count]) end)
 
       sessions = for _ <- 1..3, do: ok!(Cluster.open_session(g, model: "tiny", batch: 1))
       assert {:call_count, 1} = :erlang.trace_info(named, :call_count)
-      assert eventually(fn -> Balancer.model_id(member, "tiny") == first_id end)
+      assert eventually(fn -> match?({^first_id, _}, Balancer.model_entry(member, "tiny")) end)
       Enum.each(sessions, &Cluster.close_session/1)
 
       # freed and loaded again under its name: the id this node knew is stale
@@ -974,11 +975,11 @@ defmodule ScanBridge.ClusterTest do
       )
 
       assert {:call_count, 2} = :erlang.trace_info(named, :call_count)
-      assert eventually(fn -> Balancer.model_id(member, "tiny") == new_id end)
+      assert eventually(fn -> match?({^new_id, _}, Balancer.model_entry(member, "tiny")) end)
 
       # a member gone takes what this node learnt of it along
       kill_server!(member)
-      assert eventually(fn -> Balancer.model_id(member, "tiny") == nil end)
+      assert eventually(fn -> Balancer.model_entry(member, "tiny") == nil end)
     end
 
     test "a model name given to another model is refused", %{shared: g} do
@@ -1104,7 +1105,8 @@ defmodule ScanBridge.ClusterTest do
       got = for t <- 0..2, do: step!(s, embeds, t)
       owner = owner(s)
       [healthy] = Cluster.members(g) -- [owner]
-      slow_member(g)
+      {:ok, {_id, fingerprint}} = ScanBridge.Server.model_entry(healthy, "tiny", 5_000)
+      slow_member(g, {"slow-model", fingerprint})
       # the rebuild goes to the slow member first: it keeps no session, the healthy one one
       held = hold(g, healthy)
       kill_server!(owner)

@@ -178,7 +178,8 @@ defmodule ScanBridge.Server do
     # server_max_in_flight, oldest first; one whose request is answered meanwhile is dropped
     held_cancels: :queue.new(),
     next_id: 0,
-    # the group's model names (ScanBridge.Cluster.load_model/4) => this server's model ids
+    # the group's model names (ScanBridge.Cluster.load_model/4) => {this server's model id, the
+    # model's fingerprint}
     models: %{},
     # with :group, the processes that opened sessions or took snapshots => {monitor, a set of
     # {:session, id} and {:snapshot, id}}, and each one's opener, to close or free what an
@@ -303,18 +304,29 @@ defmodule ScanBridge.Server do
   @spec model_named(GenServer.server(), String.t(), timeout) ::
           {:ok, String.t() | nil} | {:error, Error.t()}
   def model_named(server, name, timeout \\ :infinity) do
+    with {:ok, entry} <- model_entry(server, name, timeout), do: {:ok, entry && elem(entry, 0)}
+  end
+
+  @doc false
+  # {the id on this server, the model's fingerprint (ScanBridge.Cluster.Member)} of the group's
+  # model `name`, or nil, waited for as `model_named/3` waits: what a cluster session checks
+  # that it reopens under the model it ran.
+  @spec model_entry(GenServer.server(), String.t(), timeout) ::
+          {:ok, {String.t(), term} | nil} | {:error, Error.t()}
+  def model_entry(server, name, timeout) do
     check!(:timeout, timeout, @timeout_expected, &valid_timeout?/1)
 
     wait =
       if timeout == :infinity, do: :infinity, else: min(timeout + @answer_grace_ms, @max_timeout_ms)
 
-    call(server, {:model_named, name}, wait)
+    call(server, {:model_entry, name}, wait)
   end
 
   @doc false
-  # Told by the group's membership process when it has loaded (or freed: nil) a group model.
-  @spec name_model(GenServer.server(), String.t(), String.t() | nil) :: :ok
-  def name_model(server, name, id), do: GenServer.cast(server, {:name_model, name, id})
+  # Told by the group's membership process when it has loaded ({id, fingerprint}) or freed
+  # (nil) a group model.
+  @spec name_model(GenServer.server(), String.t(), {String.t(), term} | nil) :: :ok
+  def name_model(server, name, entry), do: GenServer.cast(server, {:name_model, name, entry})
 
   defp call(server, message, wait) do
     # The deadline is this process's (answered in handle_info); the caller waits a little past
@@ -434,15 +446,15 @@ defmodule ScanBridge.Server do
 
   def handle_call(:os_pid, _from, state), do: {:reply, {:ok, state.os_pid}, state}
 
-  def handle_call({:model_named, name}, _from, state),
+  def handle_call({:model_entry, name}, _from, state),
     do: {:reply, {:ok, Map.get(state.models, name)}, state}
 
   @impl true
   def handle_cast({:name_model, name, nil}, state),
     do: {:noreply, %{state | models: Map.delete(state.models, name)}}
 
-  def handle_cast({:name_model, name, id}, state),
-    do: {:noreply, %{state | models: Map.put(state.models, name, id)}}
+  def handle_cast({:name_model, name, entry}, state),
+    do: {:noreply, %{state | models: Map.put(state.models, name, entry)}}
 
   # A caller on another node took a reply that made something (answer_caller/4): it is theirs.
   def handle_cast({:taken, pid}, state) do

@@ -49,11 +49,14 @@ defmodule ScanBridge.Cluster.Balancer do
   @spec loads(term) :: %{pid => %{calls: non_neg_integer, sessions: non_neg_integer}}
   def loads(group), do: GenServer.call(__MODULE__, {:loads, group})
 
-  @doc "The id on `member` of the group model `name` as this node learnt it, or nil."
-  @spec model_id(pid, String.t()) :: String.t() | nil
-  def model_id(member, name) do
+  @doc """
+  {the id on `member`, the model's fingerprint} of the group model `name` as this node learnt
+  it, or nil.
+  """
+  @spec model_entry(pid, String.t()) :: {String.t(), term} | nil
+  def model_entry(member, name) do
     case :ets.lookup(@facts, {member, name}) do
-      [{_key, id}] -> id
+      [{_key, entry}] -> entry
       [] -> nil
     end
   rescue
@@ -62,12 +65,12 @@ defmodule ScanBridge.Cluster.Balancer do
   end
 
   @doc """
-  Records the id on `member` (checked out here) of the group model `name`, as the member told
-  it; nil forgets it.
+  Records the entry on `member` (checked out here) of the group model `name` (`model_entry/2`),
+  as the member told it; nil forgets it.
   """
-  @spec learn_model_id(pid, String.t(), String.t() | nil) :: :ok
-  def learn_model_id(member, name, id),
-    do: GenServer.cast(__MODULE__, {:learn_model_id, member, name, id})
+  @spec learn_model(pid, String.t(), {String.t(), term} | nil) :: :ok
+  def learn_model(member, name, entry),
+    do: GenServer.cast(__MODULE__, {:learn_model, member, name, entry})
 
   @doc "Whether `member` takes session_open's frames, as far as this node has learnt."
   @spec takes_frames?(pid) :: boolean
@@ -127,14 +130,14 @@ defmodule ScanBridge.Cluster.Balancer do
     {:noreply, release(state, token)}
   end
 
-  def handle_cast({:learn_model_id, member, name, nil}, state) do
+  def handle_cast({:learn_model, member, name, nil}, state) do
     :ets.delete(@facts, {member, name})
     {:noreply, state}
   end
 
   # A member not watched now is gone (its DOWN came first): nothing to learn of it.
-  def handle_cast({:learn_model_id, member, name, id}, state) do
-    if is_map_key(state.members, member), do: :ets.insert(@facts, {{member, name}, id})
+  def handle_cast({:learn_model, member, name, entry}, state) do
+    if is_map_key(state.members, member), do: :ets.insert(@facts, {{member, name}, entry})
     {:noreply, state}
   end
 

@@ -122,6 +122,8 @@ defmodule ScanBridge.Cluster.Member do
 
       {name, load} ->
         Process.demonitor(ref, [:flush])
+        {fingerprint, result} = result
+        load = Map.put(load, :fingerprint, fingerprint)
         {:noreply, loaded(%{state | loads: Map.delete(state.loads, name)}, name, load, result)}
     end
   end
@@ -355,7 +357,7 @@ defmodule ScanBridge.Cluster.Member do
     GenServer.abcast(
       [node() | Node.list()],
       Cluster.Balancer,
-      {:learn_model_id, state.server, name, nil}
+      {:learn_model, state.server, name, nil}
     )
 
     # one retry timer at a time: one is running while earlier retired models wait
@@ -392,7 +394,10 @@ defmodule ScanBridge.Cluster.Member do
         server = state.server
 
         task =
-          Task.async(fn -> ScanBridge.load_model(server, source, Keyword.put(opts, :name, name)) end)
+          Task.async(fn ->
+            {fingerprint(source, opts),
+             ScanBridge.load_model(server, source, Keyword.put(opts, :name, name))}
+          end)
 
         load = %{ref: task.ref, source: source, opts: opts, waiters: [waiter]}
         state = put_in(state.catalogue[name], {source, opts, nil})
@@ -411,6 +416,12 @@ defmodule ScanBridge.Cluster.Member do
   # What makes a model the same as another: its source and its weights' dtype ("f32" unless
   # given, as an atom or a string), not the options of the call that loads it (:timeout).
   defp model(source, opts), do: {source, opts |> Keyword.get(:dtype, "f32") |> to_string()}
+
+  # The model (model/2) in 16 bytes, alike on every member: what a cluster session keeps of the
+  # model it runs, so that it is never reopened under another given its name (a name's versions
+  # change with every load, the same model's included).
+  defp fingerprint(source, opts),
+    do: :erlang.md5(:erlang.term_to_binary(model(source, opts), [:deterministic]))
 
   defp taken(state, name, :held) do
     ScanBridge.Error.client(
@@ -436,7 +447,7 @@ defmodule ScanBridge.Cluster.Member do
     state =
       case result do
         {:ok, info} ->
-          ScanBridge.Server.name_model(state.server, name, info["model"])
+          ScanBridge.Server.name_model(state.server, name, {info["model"], load.fingerprint})
           put_in(state.catalogue[name], {load.source, load.opts, info})
 
         {:error, _error} ->

@@ -90,8 +90,9 @@ defmodule ScanBridge.Cluster.Session do
       every: Keyword.get(opts, :checkpoint),
       opener: self(),
       deadline: deadline,
-      # a fork's: the state it starts from, as its first checkpoint
-      from: Keyword.get(opts, :from)
+      # a fork's: the state it starts from, as its first checkpoint, and its model's fingerprint
+      from: Keyword.get(opts, :from),
+      model_fingerprint: Keyword.get(opts, :model_fingerprint)
     }
 
     # the keeper starts at once and opens the session after (handle_continue): an open that
@@ -181,14 +182,15 @@ defmodule ScanBridge.Cluster.Session do
   def fork(%__MODULE__{pid: pid, group: group}, opts) do
     deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
 
-    with {:ok, %{dims: dims, every: every, state: saved}} <-
+    with {:ok, %{dims: dims, every: every, state: saved, model_fingerprint: fingerprint}} <-
            request(pid, {:fork, deadline}, wait(deadline)) do
       opts = Keyword.merge([checkpoint: every], opts)
 
       open(group, dims,
         checkpoint: opts[:checkpoint],
         timeout: Cluster.remaining(deadline),
-        from: saved
+        from: saved,
+        model_fingerprint: fingerprint
       )
     end
   end
@@ -258,6 +260,10 @@ defmodule ScanBridge.Cluster.Session do
       unplaced: nil,
       # why the first open failed, for its opener to be told (:opened), or nil
       open_failed: nil,
+      # a group model's session: the fingerprint of the model it runs (Member), once opened (a
+      # fork's, its source's), so that no rebuild reopens it under another model given its name
+      # while a member was apart; nil before (and for sessions of no group model)
+      model_fingerprint: args.model_fingerprint,
       # snapshot ref => %{owner: the member that holds its copy (always the session's owner,
       # or nil: no copy), remote: that copy's id there, replay: {checkpoint, log} of the moment
       # it was taken, or nil where those could not reproduce it (no checkpoints kept, or a frame
@@ -379,7 +385,14 @@ defmodule ScanBridge.Cluster.Session do
     on_owner(state, deadline, fn state ->
       case ScanBridge.session_state(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
         {:ok, saved} ->
-          {:reply, {:ok, %{dims: state.dims, every: state.every, state: saved}}, state}
+          fork = %{
+            dims: state.dims,
+            every: state.every,
+            state: saved,
+            model_fingerprint: state.model_fingerprint
+          }
+
+          {:reply, {:ok, fork}, state}
 
         {:error, _} = error ->
           failed(state, from, [], error)
@@ -542,8 +555,8 @@ defmodule ScanBridge.Cluster.Session do
     _closed = close_remote(state, deadline)
 
     case open_on(state, state.owner, deadline, nil) do
-      {:ok, remote, :not_run} ->
-        %{state | remote: remote, status: :ok, state_on_reply: true}
+      {:ok, remote, :not_run, fingerprint} ->
+        %{state | remote: remote, status: :ok, state_on_reply: true, model_fingerprint: fingerprint}
 
       _failed ->
         %{state | remote: nil, skipped: [state.owner | state.skipped]}
@@ -722,7 +735,7 @@ defmodule ScanBridge.Cluster.Session do
 
       {:ok, member, token} ->
         case open_on(state, member, deadline, pending) do
-          {:ok, remote, ran} ->
+          {:ok, remote, ran, fingerprint} ->
             {:ok,
              %{
                state
@@ -733,7 +746,8 @@ defmodule ScanBridge.Cluster.Session do
                  state_on_reply: true,
                  skipped: [],
                  slow: [],
-                 unplaced: nil
+                 unplaced: nil,
+                 model_fingerprint: fingerprint
              }, ran}
 
           {:error, %Error{reason: reason} = error} when reason in @unplaced ->
@@ -782,8 +796,8 @@ defmodule ScanBridge.Cluster.Session do
 
     case frames != [] and length(frames) <= @max_open_frames and Balancer.takes_frames?(member) and
            open_remote(state, member, deadline, frames) do
-      {:ok, remote, results} ->
-        {:ok, remote, if(pending, do: List.last(results), else: :not_run)}
+      {:ok, remote, results, fingerprint} ->
+        {:ok, remote, if(pending, do: List.last(results), else: :not_run), fingerprint}
 
       {:next, _} = next ->
         next
@@ -805,10 +819,10 @@ defmodule ScanBridge.Cluster.Session do
 
   defp open_then_replay(state, member, deadline) do
     case open_remote(state, member, deadline, []) do
-      {:ok, remote, []} ->
+      {:ok, remote, [], fingerprint} ->
         case replay(member, remote, Enum.reverse(state.log), deadline) do
           :ok ->
-            {:ok, remote, :not_run}
+            {:ok, remote, :not_run, fingerprint}
 
           {:error, error} ->
             # the replay's error is the one to report; a session a failed close leaves is
@@ -826,48 +840,61 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   # The session opened on `member` from the checkpoint, if any, and `frames` run on it:
-  # {:ok, its id there, their results}. A group model's name becomes its id there: as this
-  # node learnt it (Balancer), else, or when that id was freed since, as the member tells it.
+  # {:ok, its id there, their results, its group model's fingerprint or nil}. A group model's
+  # name becomes its id there: as this node learnt it (Balancer), else, or when that id was
+  # freed since or is of another model than the session's, as the member tells it. A member
+  # that holds another model under the name is passed over.
   defp open_remote(%{dims: %{model: name}} = state, member, deadline, frames) do
-    case Balancer.model_id(member, name) do
-      nil ->
-        open_named(state, member, name, deadline, frames)
-
-      id ->
-        case open_with_model(state, member, id, deadline, frames) do
+    case Balancer.model_entry(member, name) do
+      {_id, fingerprint} = entry when state.model_fingerprint in [nil, fingerprint] ->
+        case open_with_model(state, member, entry, deadline, frames) do
           {:error, %Error{reason: :unknown_model}} ->
             open_named(state, member, name, deadline, frames)
 
           result ->
             result
         end
+
+      _unknown_or_other ->
+        open_named(state, member, name, deadline, frames)
     end
   end
 
   defp open_remote(state, member, deadline, frames) do
     dims = if state.checkpoint, do: Map.put(state.dims, :h0, state.checkpoint), else: state.dims
-    request_open(member, dims, deadline, frames)
+
+    with {:ok, remote, results} <- request_open(member, dims, deadline, frames),
+         do: {:ok, remote, results, nil}
   end
 
   defp open_named(state, member, name, deadline, frames) do
     # a frozen member (or node) answers nothing: the open's deadline bounds the wait
-    case ScanBridge.Server.model_named(member, name, Cluster.remaining(deadline)) do
-      {:ok, id} ->
-        Balancer.learn_model_id(member, name, id)
+    case ScanBridge.Server.model_entry(member, name, Cluster.remaining(deadline)) do
+      {:ok, entry} ->
+        Balancer.learn_model(member, name, entry)
 
-        if id,
-          do: open_with_model(state, member, id, deadline, frames),
-          else: {:next, :model_missing}
+        case entry do
+          nil ->
+            {:next, :model_missing}
+
+          {_id, fingerprint} when state.model_fingerprint in [nil, fingerprint] ->
+            open_with_model(state, member, entry, deadline, frames)
+
+          _another ->
+            {:next, :model_replaced}
+        end
 
       {:error, _} = error ->
         error
     end
   end
 
-  defp open_with_model(state, member, id, deadline, frames) do
+  defp open_with_model(state, member, {id, fingerprint}, deadline, frames) do
     dims = %{state.dims | model: id}
     dims = if state.checkpoint, do: Map.put(dims, :state, state.checkpoint), else: dims
-    request_open(member, dims, deadline, frames)
+
+    with {:ok, remote, results} <- request_open(member, dims, deadline, frames),
+         do: {:ok, remote, results, fingerprint}
   end
 
   defp request_open(member, dims, deadline, []) do
@@ -960,7 +987,8 @@ defmodule ScanBridge.Cluster.Session do
     Error.client(
       :no_members,
       "no server of group #{inspect(state.group)} can keep the session now " <>
-        "(#{length(state.skipped)} passed over: gone, or without its model)",
+        "(#{length(state.skipped)} passed over: gone, without its model, or holding another " <>
+        "model under its name, given it while the session's member was apart)",
       %{"skipped" => length(state.skipped)}
     )
   end
