@@ -21,10 +21,14 @@ class Outbox:
         self._closed = False
 
     def post(self, item) -> None:
-        self._items.append(item)
-        with self._closing:
-            if not self._closed:
-                os.eventfd_write(self.fd, 1)
+        try:
+            self._items.append(item)
+        finally:
+            # Woken even when an interrupt (Ctrl-C) cuts this short: what went in would
+            # otherwise wait for the next post.
+            with self._closing:
+                if not self._closed:
+                    os.eventfd_write(self.fd, 1)
 
     def take(self) -> list:
         """Everything posted so far, in order (called by the owner when the fd is readable)."""

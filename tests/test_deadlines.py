@@ -4,6 +4,7 @@ the native step path -- and everything else is served as before."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 import select
@@ -772,9 +773,12 @@ class LockInterruptedOnce:
 
 def interrupt_release_once(client, thread: threading.Thread, where: str, held) -> None:
     """Have `thread`'s next release of held requests interrupted once, `where`: as it claims
-    its turn to release, as it takes out the request of Future `held`, or as it re-encodes that
-    request (cancelled first, with "re-encoding a cancelled one")."""
-    if where.startswith("re-encoding"):
+    its turn to release, as it takes out the request of Future `held`, as it re-encodes that
+    request (cancelled first, with "re-encoding a cancelled one"), or (a ZmqClient) as it
+    posts that request's message to the io thread, before it goes in or after (`post_interrupted_once`)."""
+    if where in ("posting", "posted"):
+        post_interrupted_once(client, held.request_id, where, thread)
+    elif where.startswith("re-encoding"):
         encode = client._encode
 
         def interrupted(request_id, *args):
@@ -816,6 +820,86 @@ def release_interrupted(server, where: str):
     return held
 
 
+class PostedThenInterrupted(collections.deque):
+    """An Outbox's queue in its place that raises KeyboardInterrupt (a Ctrl-C) once, just after
+    the message `interrupted` picks goes in: the interpreter runs a signal's handler just after
+    such a call returns."""
+
+    def __init__(self, items, interrupted):
+        super().__init__(items)
+        self.interrupted = interrupted
+
+    def append(self, item):
+        super().append(item)
+        if self.interrupted(item):
+            raise KeyboardInterrupt
+
+
+def post_interrupted_once(client, request_id, where: str, thread: threading.Thread | None = None) -> None:
+    """Have the post of the message of `request_id` to `client`'s io thread (by `thread`, where
+    given) interrupted once, "posting" (before it goes in) or "posted" (after)."""
+    def picked(frames) -> bool:
+        if picked.done or (thread is not None and threading.current_thread() is not thread):
+            return False
+        picked.done = protocol.decode_request(bytes(frames[0]), frames[1:]).id == request_id
+        return picked.done
+
+    picked.done = False
+    outbox = client._outbox
+    if where == "posted":
+        outbox._items = PostedThenInterrupted(outbox._items, picked)
+        return
+    post = outbox.post
+
+    def interrupted(frames):
+        if frames is not None and picked(frames):
+            raise KeyboardInterrupt
+        post(frames)
+
+    outbox.post = interrupted
+
+
+class RouterPeer:
+    """A ZmqClient's server, played by the test on a ROUTER socket, to one client holding
+    requests as it does once `info()` read `max_in_flight_per_peer` = `cap`."""
+
+    def __init__(self, tmp_path, cap: int):
+        import zmq
+
+        from bridge.client import ZmqClient
+
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        endpoint = f"ipc://{tmp_path}/peer.ipc"
+        self.socket.bind(endpoint)
+        self.client = ZmqClient(endpoint)
+        self.client.max_in_flight = cap
+        self.routing_id = None
+
+    def read_request(self, timeout: float = 10) -> protocol.Request:
+        assert self.socket.poll(timeout * 1000), f"nothing was sent within {timeout} s"
+        self.routing_id, body, *buffers = self.socket.recv_multipart()
+        return protocol.decode_request(body, buffers)
+
+    def reply(self, request_id) -> None:
+        self.socket.send_multipart([self.routing_id, b"".join(protocol.encode_reply(request_id, {}, {}))])
+
+    def close(self) -> None:
+        self.client.close()
+        self.socket.close()
+        self.context.term()
+
+
+@contextlib.contextmanager
+def zmq_peer_capped_at(tmp_path, cap: int):
+    peer = RouterPeer(tmp_path, cap)
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
 def read_within(server, timeout: float = 10) -> protocol.Request:
     assert select.select([server.requests], [], [], timeout)[0], f"nothing was sent within {timeout} s"
     return server.read_request()
@@ -838,6 +922,28 @@ def test_a_ctrl_c_while_a_thread_releases_held_requests_leaves_them_to_go_later(
         assert info.op == "info"
         server.reply(info.id)
         assert read_within(server).id == later.request_id
+        server.reply(later.request_id)
+        assert held.result(10).ok and later.result(10).ok
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+
+
+@pytest.mark.parametrize("where", ["posted"])
+def test_a_ctrl_c_as_a_released_request_is_posted_to_the_zmq_io_thread_leaves_it_to_go(tmp_path, where):
+    """A Ctrl-C as a thread releasing held requests posted one to a ZmqClient's io thread:
+    before its message went in, it stayed in flight unsent (its place in the write order taken,
+    so not held again), its slot of the cap taken for ever; after, it waited for the next post
+    to wake the io thread. Either way nothing was sent again. It goes now, or with the next
+    release."""
+    with zmq_peer_capped_at(tmp_path, 2) as server:
+        client = server.client
+        held = release_interrupted(server, where)
+        later = client.submit("health")
+        assert server.read_request().id == held.request_id
+        server.reply(held.request_id)
+        info = server.read_request()
+        assert info.op == "info"
+        server.reply(info.id)
+        assert server.read_request().id == later.request_id
         server.reply(later.request_id)
         assert held.result(10).ok and later.result(10).ok
         wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
