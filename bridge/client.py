@@ -636,6 +636,15 @@ class FramedClient:
                     self._unread_unnamed.append(entry)
         return True
 
+    def _write_undone(self, entry: InFlight) -> None:
+        """Undo `_begin_write` of `entry`, whose frame did not go after all (an interrupt came
+        first): out of the write order, no answer with id nil is laid over it, and a released
+        request is held again (_hold_again) instead of keeping its slot of the cap for ever."""
+        with self._lock:
+            entry.write_order = None
+            if entry in self._unread_unnamed:
+                self._unread_unnamed.remove(entry)
+
     def _end_stream(self) -> None:
         """End the outgoing stream, so that the server sees EOF, with requests refused. Where it
         closes the writer fd (PortClient), it is called with self._write_lock held, so that no
@@ -1286,10 +1295,17 @@ class ZmqClient(FramedClient):
         return [parts[0] if len(parts) == 1 else b"".join(parts), *(buffers or ())]
 
     def _send(self, frames: list, entry: InFlight | None = None) -> bool:
-        with self._write_lock:  # the io thread sends in the order posted
-            if not self._begin_write(entry):
-                return False
-            self._outbox.post(frames)
+        # The io thread takes what was posted under this lock too: it sends in the order posted,
+        # and a post an interrupt (Ctrl-C) cut short can tell whether its message went in.
+        with self._write_lock:
+            try:
+                if not self._begin_write(entry):
+                    return False
+                self._outbox.post(frames)
+            except BaseException:
+                if entry is not None and entry.write_order is not None and not self._outbox.holds_last(frames):
+                    self._write_undone(entry)
+                raise
         return True
 
     def send_raw(self, body: bytes, request_id=None, buffers=()) -> Future | None:
@@ -1316,7 +1332,9 @@ class ZmqClient(FramedClient):
             while True:
                 ready = dict(poller.poll())
                 if self._outbox.fd in ready:
-                    for frames in self._outbox.take():
+                    with self._write_lock:  # see _send
+                        posted = self._outbox.take()
+                    for frames in posted:
                         if frames is None:  # close()
                             return
                         unsent.append(frames)

@@ -41,6 +41,14 @@ class Outbox:
             items.append(self._items.popleft())
         return items
 
+    def holds_last(self, item) -> bool:
+        """Whether `item` is the last thing posted and not yet taken: after a post an interrupt
+        cut short, whether it went in (while the poster keeps the owner from taking)."""
+        try:
+            return self._items[-1] is item
+        except IndexError:
+            return False
+
     @property
     def pending(self) -> bool:
         """Something was posted and not taken yet."""
