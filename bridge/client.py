@@ -555,14 +555,17 @@ class FramedClient:
         """`entry` in flight under `request_id` (None: the next automatic id), which this yields,
         while its request is sent: registered before the write, as the reply may arrive before
         the write returns, and taken out again if sending raises (its caller gets the
-        exception, never the Future)."""
+        exception, never the Future) -- unless it was sent, an interrupt (Ctrl-C) coming after
+        its write or post: then it stays in flight until answered, counted against the cap, its
+        id not given again meanwhile (a stream ended with requests refused aside)."""
         request_id = self._register(request_id, entry)
         entry.future.request_id = request_id  # what cancel() names
         try:
             yield request_id
         except BaseException:
             with self._lock:
-                self._pending.pop(request_id, None)
+                if entry.write_order is None or self._refusal:
+                    self._pending.pop(request_id, None)
             # It counted against the cap while registered: what it held back may go now.
             if self._held or self._held_cancels:
                 self._send_released()

@@ -965,6 +965,50 @@ def test_a_raw_frame_whose_zmq_post_a_ctrl_c_cut_short_before_it_went_in_is_not_
         assert not client._unread_unnamed
 
 
+@pytest.mark.parametrize("where", ["posting", "posted"])
+def test_a_request_whose_zmq_post_a_ctrl_c_cut_short_is_in_flight_once_its_message_went_in(tmp_path, where):
+    """A Ctrl-C as submit posted a request to a ZmqClient's io thread, after its message went
+    in, took it out of flight though it was sent: it no longer counted against the cap, its
+    reply matched nothing, and given its id again, a request could be answered with that
+    reply. It stays in flight until answered; one whose message did not go in leaves it."""
+    with zmq_peer_capped_at(tmp_path, 2) as server:
+        client = server.client
+        post_interrupted_once(client, "mine", where)
+        with pytest.raises(KeyboardInterrupt):
+            client.submit("ping", request_id="mine")
+        if where == "posted":
+            with pytest.raises(ValueError, match="request still waiting"):
+                client.submit("ping", request_id="mine")
+            assert server.read_request().id == "mine"
+            later = client.submit("health")  # held: "mine" takes the cap's slot for requests
+            assert client._held
+            server.reply("mine")
+        else:
+            later = client.submit("health", request_id="mine")
+        assert server.read_request().id == later.request_id
+        server.reply(later.request_id)
+        assert later.result(10).ok
+        assert not client.unmatched
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+
+
+def test_a_request_written_whole_before_a_ctrl_c_cut_its_submit_short_stays_in_flight():
+    """On a stream, a Ctrl-C as the write lock was let go, the frame written whole, took the
+    request out of flight though the server answers it: its id could be given again, and
+    that request answered with this one's reply."""
+    with pipe_capped_at(2) as server:
+        client = server.client
+        client._write_lock = LockInterruptedOnce(client._write_lock, threading.current_thread(), "_send")
+        with pytest.raises(KeyboardInterrupt):
+            client.submit("ping", request_id="mine")
+        with pytest.raises(ValueError, match="request still waiting"):
+            client.submit("ping", request_id="mine")
+        assert server.read_request().id == "mine"
+        server.reply("mine")
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+        assert not client.unmatched
+
+
 def test_a_request_cancelled_while_its_release_was_interrupted_is_dropped_unsent():
     """Cancelled while taken out to send, and its release then interrupted by a Ctrl-C, a
     request stayed in flight unsent, its slot of the cap taken for ever. It is dropped."""
