@@ -410,9 +410,44 @@ defmodule ScanBridge.ClusterTest do
   # A process in group `g` standing for a member whose server never answers in time: every
   # request answered :timeout at once (told to the test), a group model's id given.
   # It holds a group model under any name as `entry` (ScanBridge.Server.model_entry/3) says.
-  defp slow_member(g, entry) do
+  defp slow_member(g, entry), do: fake_member(g, &slow_member_loop(&1, entry))
+
+  # A process in group `g` standing for a member that answers each request of an op with the
+  # first answer `script` ([{op, answer}]) has left for that op, else :ok; it tells the test
+  # `{name, op}` of each.
+  defp scripted_member(g, name, script), do: fake_member(g, &scripted_loop(&1, name, script))
+
+  defp scripted_loop(test, name, script) do
+    receive do
+      {:"$gen_call", from, {:request, op, _head, _size, _timeout, _closes}} ->
+        send(test, {name, op})
+
+        case List.keytake(script, op, 0) do
+          {{^op, answer}, rest} ->
+            GenServer.reply(from, answer)
+            scripted_loop(test, name, rest)
+
+          nil ->
+            GenServer.reply(from, {:ok, %{}, %{}})
+            scripted_loop(test, name, script)
+        end
+    end
+  end
+
+  defp opened(session), do: {:ok, %{"session" => session}, %{}}
+
+  # How a server from before frames refuses a session_open with frames.
+  defp refused_frames,
+    do: {:error, Error.client(:invalid_argument, "refused", %{"field" => "args.frames"})}
+
+  # A frame for scripted members, which read none.
+  defp scripted_frame, do: {:embeds, Tensor.new(<<0::size(128)>>, :f32, {1, 4})}
+
+  # A process in group `g` running `loop` (given the test's pid), standing for a member; killed
+  # when the test ends.
+  defp fake_member(g, loop) do
     test = self()
-    member = spawn(fn -> slow_member_loop(test, entry) end)
+    member = spawn(fn -> loop.(test) end)
     on_exit(fn -> Process.exit(member, :kill) end)
     :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
     member
@@ -421,10 +456,7 @@ defmodule ScanBridge.ClusterTest do
   # A process in group `g` standing for a member that answers nothing: frozen, or its node cut
   # off.
   defp silent_member(g) do
-    member = spawn(fn -> Process.sleep(:infinity) end)
-    on_exit(fn -> Process.exit(member, :kill) end)
-    :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
-    member
+    fake_member(g, fn _test -> Process.sleep(:infinity) end)
   end
 
   defp slow_member_loop(test, entry) do
@@ -491,13 +523,7 @@ defmodule ScanBridge.ClusterTest do
   # or answered `reply` ({:answer, reply}); the test changes the map with {:stand_in_rules, map}.
   defp stand_in(g, server, held) when is_binary(held), do: stand_in(g, server, %{held => :hold})
 
-  defp stand_in(g, server, rules) do
-    test = self()
-    member = spawn(fn -> stand_in_loop(test, server, rules) end)
-    on_exit(fn -> Process.exit(member, :kill) end)
-    :ok = :pg.join(Cluster.scope(), Cluster.group_key(g), member)
-    member
-  end
+  defp stand_in(g, server, rules), do: fake_member(g, &stand_in_loop(&1, server, rules))
 
   defp stand_in_loop(test, server, rules) do
     receive do
@@ -1447,6 +1473,57 @@ defmodule ScanBridge.ClusterTest do
       assert {:ok, %{failovers: 1, status: :ok}} = Cluster.session_info(s)
       assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.restore(s, q)
       assert_as_fresh(g, got, embeds)
+    end
+
+    test "a frame retried on the member a failover chose that times out leaves the session unsure" do
+      g = group()
+      gone = {:error, Error.client(:server_exited, "the server exited", %{})}
+      scripted_member(g, :a, [{"session_open", opened("s1")}, {"model_step", gone}])
+      {:ok, s} = Cluster.open_session(g, [batch: 1, dim: 4, state: 2], checkpoint: 2)
+
+      # b takes no frames in an open: the frame goes after the rebuild, and times out there
+      scripted_member(g, :b, [
+        {"session_open", refused_frames()},
+        {"session_open", opened("s2")},
+        {"model_step", {:error, Error.client(:timeout, "no reply before the deadline")}}
+      ])
+
+      assert {:error, %Error{reason: :timeout}} = Cluster.model_step(s, scripted_frame())
+      assert_received {:a, "model_step"}
+      assert_received {:b, "model_step"}
+      assert {:ok, %{status: :unsure, failovers: 1}} = Cluster.session_info(s)
+    end
+
+    test "a failed frame into a snapshot kept by checkpoint and frames alone keeps them" do
+      g = group()
+      gone = {:error, Error.client(:server_exited, "the server exited", %{})}
+
+      # a, gone with q's copy, stays in the group: it answers a later open as gone too
+      scripted_member(g, :a, [
+        {"session_open", opened("s1")},
+        {"session_snapshot", {:ok, %{"snapshot" => "q1"}, %{}}},
+        {"model_step", gone},
+        {"session_open", gone}
+      ])
+
+      {:ok, s} = Cluster.open_session(g, [batch: 1, dim: 4, state: 2], checkpoint: 2)
+      {:ok, q} = Cluster.snapshot(s)
+
+      # the frame into q goes to b without a copy (q's went with a), and fails there
+      scripted_member(g, :b, [
+        {"session_open", refused_frames()},
+        {"session_open", opened("s2")},
+        {"model_step", {:error, Error.client(:internal_error, "boom", %{})}},
+        {"session_open", opened("s3")}
+      ])
+
+      assert {:error, %Error{reason: :internal_error}} =
+               Cluster.model_step(s, scripted_frame(), snapshot_into: q)
+
+      # restored by reopening from what q's checkpoint and frames say
+      assert :ok = Cluster.restore(s, q)
+      assert_received {:b, "session_open"}
+      assert {:ok, %{session: "s3"}} = Cluster.session_info(s)
     end
 
     test "a frame that failed partway after its deadline is undone when the next is refused" do

@@ -331,7 +331,7 @@ defmodule ScanBridge.Cluster.Session do
 
         {:error, _} = error ->
           # a gone owner is rebuilt by its monitor
-          failed(state, from, [], error)
+          failed(state, from, nil, [], error)
       end
     end)
   end
@@ -395,7 +395,7 @@ defmodule ScanBridge.Cluster.Session do
           {:reply, {:ok, fork}, state}
 
         {:error, _} = error ->
-          failed(state, from, [], error)
+          failed(state, from, nil, [], error)
       end
     end)
   end
@@ -463,17 +463,11 @@ defmodule ScanBridge.Cluster.Session do
             {:reply, raised, state}
 
           {{:error, %Error{} = error} = outcome, _saved, state} ->
-            cond do
-              Cluster.gone?(error) ->
-                state = owner_gone(state, error.message)
-                retry(state, from, kind, input, opts, deadline, outcome)
-
-              error.reason == :timeout and kind in @advancing ->
-                state = doubt_snapshot_into(state, opts)
-                {:reply, outcome, %{state | status: unsure(state.status)}}
-
-              true ->
-                failed(state, from, opts, outcome)
+            if Cluster.gone?(error) do
+              state = owner_gone(state, error.message)
+              retry(state, from, kind, input, opts, deadline, outcome)
+            else
+              failed(state, from, kind, opts, outcome)
             end
 
           {{:ok, _} = outcome, saved, state} ->
@@ -511,7 +505,7 @@ defmodule ScanBridge.Cluster.Session do
           {{:error, %Error{} = error} = outcome, _saved, state} ->
             if Cluster.gone?(error),
               do: {:reply, outcome, owner_gone(state, error.message)},
-              else: failed(state, from, opts, outcome)
+              else: failed(state, from, kind, opts, outcome)
 
           {raised, _saved, state} ->
             {:reply, raised, state}
@@ -519,10 +513,11 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # An error from the owner, answered; one that says its copy of the state is lost (SPEC §6.1:
-  # this frame failed partway, or one before it did, a frame that timed out say, and this call
-  # was refused) then has the session put back as the checkpoint and kept frames say.
-  defp failed(state, from, opts, {:error, error} = outcome) do
+  # An error from the owner to a call of `kind` (nil: not a frame), answered; one that says its
+  # copy of the state is lost (SPEC §6.1: this frame failed partway, or one before it did, a
+  # frame that timed out say, and this call was refused) then has the session put back as the
+  # checkpoint and kept frames say; a frame that timed out leaves the session in doubt.
+  defp failed(state, from, kind, opts, {:error, error} = outcome) do
     cond do
       error.detail["state"] == "lost" ->
         # the server copied the state before the frame into snapshot_into's snapshot first
@@ -533,13 +528,18 @@ defmodule ScanBridge.Cluster.Session do
         GenServer.reply(from, outcome)
         {:noreply, heal(state, Cluster.deadline(@rebuild_timeout_ms))}
 
+      error.reason == :timeout and kind in @advancing ->
+        state = doubt_snapshot_into(state, opts)
+        {:reply, outcome, %{state | status: unsure(state.status)}}
+
       error.reason in @refused_before_running ->
         {:reply, outcome, state}
 
       true ->
-        # its copy into snapshot_into's snapshot may have failed, leaving the snapshot undefined
-        # on the owner (SPEC §6.4), which no checkpoint and frames of this keeper's describe
-        {:reply, outcome, doubt_snapshot_into(state, opts)}
+        # its copy into snapshot_into's snapshot, where the frame carried one, may have failed,
+        # leaving the snapshot undefined on the owner (SPEC §6.4), as no checkpoint and frames
+        # of this keeper's describe
+        {:reply, outcome, doubt_copy_into(state, opts)}
     end
   end
 
@@ -1211,6 +1211,17 @@ defmodule ScanBridge.Cluster.Session do
 
       _none ->
         state
+    end
+  end
+
+  # doubt_snapshot_into/2 where the frame was sent into the owner's copy (snapshot_into_here/2):
+  # a snapshot kept by its checkpoint and frames alone was not written by the frame.
+  defp doubt_copy_into(state, opts) do
+    with {:ok, id} <- Keyword.fetch(opts, :snapshot_into),
+         %{owner: owner} when owner != nil and owner == state.owner <- state.snapshots[id] do
+      doubt_snapshot_into(state, opts)
+    else
+      _not_sent_into -> state
     end
   end
 
