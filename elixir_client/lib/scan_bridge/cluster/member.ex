@@ -419,9 +419,32 @@ defmodule ScanBridge.Cluster.Member do
 
   # The model (model/2) in 16 bytes, alike on every member: what a cluster session keeps of the
   # model it runs, so that it is never reopened under another given its name (a name's versions
-  # change with every load, the same model's included).
+  # change with every load, the same model's included). Hashed as it is walked, so that sent
+  # weights are not copied, and alike whatever OTP release each member runs (term_to_binary's
+  # encoding of atoms is not).
   defp fingerprint(source, opts),
-    do: :erlang.md5(:erlang.term_to_binary(model(source, opts), [:deterministic]))
+    do: :erlang.md5_final(digest(:erlang.md5_init(), model(source, opts)))
+
+  defp digest(hash, term) when is_binary(term),
+    do: hash |> :erlang.md5_update(<<?b, byte_size(term)::64>>) |> :erlang.md5_update(term)
+
+  defp digest(hash, term) when is_atom(term),
+    do: digest(:erlang.md5_update(hash, "a"), Atom.to_string(term))
+
+  defp digest(hash, term) when is_integer(term),
+    do: digest(:erlang.md5_update(hash, "i"), Integer.to_string(term))
+
+  defp digest(hash, term) when is_float(term), do: :erlang.md5_update(hash, <<?f, term::float-64>>)
+
+  defp digest(hash, term) when is_list(term),
+    do: Enum.reduce(term, :erlang.md5_update(hash, <<?l, length(term)::64>>), &digest(&2, &1))
+
+  defp digest(hash, term) when is_tuple(term),
+    do: digest(:erlang.md5_update(hash, "t"), Tuple.to_list(term))
+
+  # entries in key order (keys are unique, so values are never compared)
+  defp digest(hash, term) when is_map(term),
+    do: digest(:erlang.md5_update(hash, "m"), Enum.sort(Map.to_list(term)))
 
   defp taken(state, name, :held) do
     ScanBridge.Error.client(
