@@ -626,7 +626,7 @@ defmodule ClusterBench do
     after_place = Enum.filter(after_kill, fn {t, _} -> place_call != nil and t >= place_call end)
     at_place = fn pred -> Enum.find_value(after_place, fn {t, e} -> if pred.(e), do: t end) end
     checked_out = at_place.(&match?({:return, {Balancer, :checkout, 3}, _}, &1))
-    named = at_place.(&match?({:return, {ScanBridge.Server, :model_named, 2}, _}, &1))
+    named = at_place.(&match?({:return, {ScanBridge.Server, :model_entry, 3}, _}, &1))
 
     open_call =
       at_place.(fn
@@ -1161,7 +1161,7 @@ defmodule ClusterBench do
   ## Tracing a victim's keeper
 
   # The keeper's steps in a rebuild, timestamped: the DOWN it receives, the calls place/2 or
-  # place/3 makes (Balancer.checkout/3, Server.model_named/2 where called,
+  # place/3 makes (Balancer.checkout/3, Server.model_entry/3 where called,
   # ScanBridge.open_session/3 and replay/4, or open_session_with_frames/4) and its model steps. Only the victim's keepers are traced, from just before the
   # kill to the round's end; a pattern that matches no function (renamed) leaves its times out
   # (null).
@@ -1170,7 +1170,7 @@ defmodule ClusterBench do
     {Session, :place, 3},
     {Session, :replay, 4},
     {Balancer, :checkout, 3},
-    {ScanBridge.Server, :model_named, 2},
+    {ScanBridge.Server, :model_entry, 3},
     {ScanBridge, :open_session, 3},
     {ScanBridge, :open_session_with_frames, 4},
     {ScanBridge, :model_step, 4}
@@ -1473,7 +1473,7 @@ defmodule ClusterBench do
           "the trace began has no return traced, and a DOWN that demonitor flushes is never " <>
           "received); " <>
           "rebuild_started = ScanBridge.Cluster.Session.place/3 (or /2) called; checked_out = " <>
-          "Balancer.checkout/3 returned; model_named = ScanBridge.Server.model_named/2 " <>
+          "Balancer.checkout/3 returned; model_named = ScanBridge.Server.model_entry/3 " <>
           "returned (a call to the new member, made only where this node had not learnt the " <>
           "model's id there: durations.model_named_call's n counts them); opened = " <>
           "ScanBridge.open_session/3 with the checkpoint's state returned, or " <>
