@@ -137,11 +137,12 @@ defmodule ScanBridge.ClusterPartitionTest do
     assert {:error, %ScanBridge.Error{reason: first}} = Cluster.model_step(s, Enum.at(frames, 0))
     assert first in [:server_exited, :no_members]
 
-    assert {:error, %ScanBridge.Error{reason: :no_members, message: message}} =
+    assert {:error, %ScanBridge.Error{reason: :no_members}} =
              Cluster.model_step(s, Enum.at(frames, 0))
 
-    assert message =~ "another model under its name"
-    assert {:ok, _} = ScanBridge.Server.model_named(there, "tiny")
+    # refused though the other member holds a model under the name
+    assert {:ok, id} = ScanBridge.Server.model_named(there, "tiny")
+    assert is_binary(id)
   end
 
   defp ok!({:ok, value}), do: value
