@@ -51,6 +51,7 @@ defmodule ScanBridge.Cluster.Session do
   # now, or none answered in time (that one is tried after the others next time).
   @unplaced [:no_members, :timeout, :overloaded, :deadline_exceeded]
   # The errors of a request refused before it ran (SPEC §7): it wrote nothing, snapshots neither.
+  # (A frame's owner gone, Cluster.gone?/1, is rebuilt before failed/5 would look.)
   @refused_before_running [
     :frame_too_large,
     :decode_error,
@@ -70,8 +71,7 @@ defmodule ScanBridge.Cluster.Session do
     :overloaded,
     :shutting_down,
     :deadline_exceeded,
-    :cancelled,
-    :not_running
+    :cancelled
   ]
   # The calls whose return_state is an option rather than one of the inputs.
   @state_option [:model_step, :model_forward]
