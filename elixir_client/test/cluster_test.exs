@@ -1011,6 +1011,39 @@ defmodule ScanBridge.ClusterTest do
       assert eventually(fn -> Balancer.model_entry(member, "tiny") == nil end)
     end
 
+    test "a node forgets a model its member gives up, even one a keeper asked for just before" do
+      g = model_group(1)
+      [member] = Cluster.members(g)
+      [keeper] = ScanBridge.Cluster.Member.keepers(g)
+      {:ok, old_id} = ScanBridge.Server.model_named(member, "tiny")
+      # a session of the model's own keeps it loaded after the name is given up (retired)
+      {:ok, holder} = ScanBridge.open_session(member, model: old_id, batch: 1)
+
+      # A keeper's ask for the name's entry waits in the server's queue while the member gives
+      # the name up for a newer entry (as after a partition): the server answers the ask with
+      # the old entry after the member has told every node to forget it.
+      :ok = :sys.suspend(member)
+      opening = Task.async(fn -> Cluster.open_session(g, model: "tiny", batch: 1) end)
+      assert eventually(fn -> queued(member, &match?({:"$gen_call", _, {:model_entry, _}}, &1)) end)
+      send(keeper, {:reconcile, [%{"tiny" => {:freed, {1_000, :newer}}}]})
+
+      assert eventually(fn ->
+               queued(member, &match?({:"$gen_call", _, {:request, "model_free", _, _, _, _}}, &1))
+             end)
+
+      :ok = :sys.resume(member)
+      # opened on the old model or not: the ask came before the name was given up
+      _ = Task.await(opening, 10_000)
+      _ = :sys.get_state(Balancer)
+
+      assert Balancer.model_entry(member, "tiny") == nil
+      # a session opened since is not put on the given-up model
+      assert {:error, %Error{reason: :no_members}} =
+               Cluster.open_session(g, model: "tiny", batch: 1)
+
+      assert :ok = ScanBridge.close_session(member, holder)
+    end
+
     test "a model name given to another model is refused", %{shared: g} do
       other = Models.backbone(Models.config(:mamba), 3)
       assert {:error, %Error{reason: :invalid_argument}} = Cluster.load_model(g, "tiny", other)
@@ -1627,4 +1660,10 @@ defmodule ScanBridge.ClusterTest do
   end
 
   defp ok!({:ok, v}), do: v
+
+  # Whether a message `wanted?` picks waits in `pid`'s queue.
+  defp queued(pid, wanted?) do
+    {:messages, messages} = Process.info(pid, :messages)
+    Enum.any?(messages, wanted?)
+  end
 end

@@ -100,7 +100,7 @@ defmodule ScanBridge.Server do
   use GenServer
   require Logger
 
-  alias ScanBridge.{Error, Protocol}
+  alias ScanBridge.{Cluster, Error, Protocol}
 
   @defaults [
     python: nil,
@@ -446,12 +446,17 @@ defmodule ScanBridge.Server do
 
   def handle_call(:os_pid, _from, state), do: {:reply, {:ok, state.os_pid}, state}
 
-  def handle_call({:model_entry, name}, _from, state),
-    do: {:reply, {:ok, Map.get(state.models, name)}, state}
+  def handle_call({:model_entry, name}, {caller, _tag}, state) do
+    entry = Map.get(state.models, name)
+    if state.group != nil, do: Cluster.Balancer.learn_model(node(caller), self(), name, entry)
+    {:reply, {:ok, entry}, state}
+  end
 
   @impl true
-  def handle_cast({:name_model, name, nil}, state),
-    do: {:noreply, %{state | models: Map.delete(state.models, name)}}
+  def handle_cast({:name_model, name, nil}, state) do
+    Cluster.Balancer.forget_model(self(), name)
+    {:noreply, %{state | models: Map.delete(state.models, name)}}
+  end
 
   def handle_cast({:name_model, name, entry}, state),
     do: {:noreply, %{state | models: Map.put(state.models, name, entry)}}

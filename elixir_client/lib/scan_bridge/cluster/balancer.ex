@@ -8,11 +8,12 @@ defmodule ScanBridge.Cluster.Balancer do
   # The counts are this node's only: callers on other nodes are balanced by their own nodes'
   # balancers, each spreading its share (docs/cluster.md, "Routing").
   #
-  # It also keeps what this node's keepers have learnt of members: the ids of group models on
-  # them, so that opening a session (a failover's rebuild above all) asks the member for its
-  # model's id once per node, not once per session; and which members refuse session_open's
-  # frames (servers from before them), so that a rebuild there opens and replays at once rather
-  # than being refused first each time. Read without a message (a protected table), written by
+  # It also keeps what this node has learnt of members: the ids of group models on them, told
+  # by each member's server as it answers a keeper and forgotten at its word, so that opening a
+  # session (a failover's rebuild above all) asks the member for its model's id once per node,
+  # not once per session; and which members refuse session_open's frames (servers from before
+  # them), so that a rebuild there opens and replays at once rather than being refused first
+  # each time. Read without a message (a protected table), written by
   # this process only, a member's entries dropped when it goes; an id stale because its model
   # was freed since is refused by the member (`:unknown_model`) and asked again.
 
@@ -65,12 +66,22 @@ defmodule ScanBridge.Cluster.Balancer do
   end
 
   @doc """
-  Records the entry on `member` (checked out here) of the group model `name` (`model_entry/2`),
-  as the member told it; nil forgets it.
+  Tells `node`'s balancer the entry on `member` (checked out there) of the group model `name`
+  (`model_entry/2`). Sent by the member's server itself as it answers a keeper, and
+  `forget_model/2` likewise: from one sender a balancer takes the two in the order the server
+  answered and renamed, so an entry read before the name was given up can never land after
+  its forgetting (a keeper passing its answer on could, and keep a given-up model's id).
   """
-  @spec learn_model(pid, String.t(), {String.t(), term} | nil) :: :ok
-  def learn_model(member, name, entry),
-    do: GenServer.cast(__MODULE__, {:learn_model, member, name, entry})
+  @spec learn_model(node, pid, String.t(), {String.t(), term} | nil) :: :ok
+  def learn_model(node, member, name, entry),
+    do: GenServer.cast({__MODULE__, node}, {:learn_model, member, name, entry})
+
+  @doc "Tells every connected node's balancer that `member` no longer holds the group model `name`."
+  @spec forget_model(pid, String.t()) :: :ok
+  def forget_model(member, name) do
+    GenServer.abcast([node() | Node.list()], __MODULE__, {:learn_model, member, name, nil})
+    :ok
+  end
 
   @doc "Whether `member` takes session_open's frames, as far as this node has learnt."
   @spec takes_frames?(pid) :: boolean

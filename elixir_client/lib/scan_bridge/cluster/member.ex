@@ -352,13 +352,8 @@ defmodule ScanBridge.Cluster.Member do
         "this node was apart); it frees model #{info["model"]} here"
     )
 
+    # the server tells every node's balancer to forget its id (Balancer.forget_model/2)
     ScanBridge.Server.name_model(state.server, name, nil)
-
-    GenServer.abcast(
-      [node() | Node.list()],
-      Cluster.Balancer,
-      {:learn_model, state.server, name, nil}
-    )
 
     # one retry timer at a time: one is running while earlier retired models wait
     retrying = state.retired != %{}

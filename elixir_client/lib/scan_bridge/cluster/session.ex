@@ -870,9 +870,8 @@ defmodule ScanBridge.Cluster.Session do
   defp open_named(state, member, name, deadline, frames) do
     # a frozen member (or node) answers nothing: the open's deadline bounds the wait
     case ScanBridge.Server.model_entry(member, name, Cluster.remaining(deadline)) do
+      # the member's server has told this node's balancer the entry (Balancer.learn_model/4)
       {:ok, entry} ->
-        Balancer.learn_model(member, name, entry)
-
         case entry do
           nil ->
             {:next, :model_missing}
