@@ -564,8 +564,11 @@ class FramedClient:
             yield request_id
         except BaseException:
             with self._lock:
-                if entry.write_order is None or self._refusal:
-                    self._pending.pop(request_id, None)
+                leaves_flight = entry.write_order is None or self._refusal
+                # An interrupt as the hold let go of its lock finds it held (or taken out to send):
+                # it leaves that too, or the cap would count it neither held nor on the wire.
+                if leaves_flight and not self._answered(entry.future) and not self._dropped_unsent(request_id):
+                    del self._pending[request_id]
             # It counted against the cap while registered: what it held back may go now.
             if self._held or self._held_cancels:
                 self._send_released()
@@ -696,18 +699,24 @@ class FramedClient:
             return False
         request_id = future.request_id
         with self._lock:
-            if self._answered(future):
-                return True  # its reply came meanwhile, or it failed: nothing to drop
-            # A `cancel` the caller submitted waits with those of cancel(), apart from requests.
-            held = self._held_cancels if request_id in self._held_cancels else self._held
-            if held.pop(request_id, None) is not None:
-                del self._pending[request_id]
-                return True  # never sent: nothing to drop on the server
-            if request_id in self._releasing:
-                self._releasing[request_id].cancel_asked = True  # the thread sending it drops it or cancels it
-                return True
+            if self._answered(future) or self._dropped_unsent(request_id):
+                return True  # its reply came meanwhile, or it failed, or it was not sent: nothing to drop
         self._cancel_at_server(future)
         return True
+
+    def _dropped_unsent(self, request_id) -> bool:
+        """Whether the request `request_id` (in flight) was held, and is now out of flight, or
+        taken out to send, and the thread sending it now drops it or cancels it after it; False
+        for one sent. Called with self._lock held."""
+        # A `cancel` the caller submitted waits with those of cancel(), apart from requests.
+        held = self._held_cancels if request_id in self._held_cancels else self._held
+        if held.pop(request_id, None) is not None:
+            del self._pending[request_id]
+            return True
+        if request_id in self._releasing:
+            self._releasing[request_id].cancel_asked = True
+            return True
+        return False
 
     def _answered(self, future: Future) -> bool:
         """Whether the request of `future` is out of flight: answered, or failed. Called with

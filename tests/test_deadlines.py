@@ -1026,6 +1026,27 @@ def test_a_request_cancelled_while_its_release_was_interrupted_is_dropped_unsent
         wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
 
 
+def test_a_request_held_as_a_ctrl_c_cut_its_submit_short_leaves_the_hold_too():
+    """A Ctrl-C as `_held_back` let go of its lock, the request held, took it out of flight but
+    left it held: the cap counted one request too few on the wire, and the one held before it
+    went at once, taking the slot kept for cancels. It leaves the hold with flight."""
+    with pipe_capped_at(2) as server:
+        client = server.client
+        sent, held = client.submit("ping"), client.submit("stats")
+        assert server.read_request().id == sent.request_id
+        client._lock = LockInterruptedOnce(client._lock, threading.current_thread(), "_held_back")
+        with pytest.raises(KeyboardInterrupt):
+            client.submit("health")
+        assert nothing_sent(server), "a held request went past the cap"
+        assert list(client._held) == [held.request_id]
+        server.reply(sent.request_id)
+        assert read_within(server).id == held.request_id
+        server.reply(held.request_id)
+        assert sent.result(10).ok and held.result(10).ok
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+        assert nothing_sent(server)
+
+
 @pytest.mark.parametrize("cap", [None, 3])
 def test_a_cancel_is_not_written_once_its_request_is_answered_and_its_id_given_again(cap):
     """The server drops whatever request of the connection waits with the id a cancel names
