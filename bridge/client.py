@@ -464,7 +464,8 @@ class FramedClient:
         (that one looks again after each send). A request whose deadline has passed goes with a
         spent budget, which the server answers deadline_exceeded; a send that fails fails its
         request. An interrupt (Ctrl-C) ends this thread's turn, with what it took out and had
-        not begun to write held again (_hold_again)."""
+        not begun to write held again (_hold_again), and what is held left to another thread to
+        release (_release_elsewhere)."""
         this_thread = threading.get_ident()
         try:
             # Claimed inside the `try`: an interrupt just after would keep the turn for ever.
@@ -479,7 +480,16 @@ class FramedClient:
                 if self._releaser == this_thread:
                     self._releaser = None
                     self._hold_again()
+                left_held = self._releaser is None and bool(self._held or self._held_cancels)
+            if left_held:
+                self._release_elsewhere()
             raise
+
+    def _release_elsewhere(self) -> None:
+        """Release what is held on a thread of its own, after an interrupt ended a thread's turn
+        to: the replies that freed slots for it came already (their threads left it to that
+        one), and with nothing else on the wire no reply would come to release it."""
+        threading.Thread(target=self._send_released, name="bridge-client-release", daemon=True).start()
 
     def _take_released(self) -> tuple[object, TakenOut] | None:
         """The next held request the cap has room for, taken out to send (its id, and it in

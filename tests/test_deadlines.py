@@ -931,6 +931,25 @@ def test_a_ctrl_c_while_a_thread_releases_held_requests_leaves_them_to_go_later(
         wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
 
 
+@pytest.mark.parametrize("lane, where", [("pipe", "claiming"), ("pipe", "taking"), ("pipe", "re-encoding"),
+                                         ("zmq", "posting")])
+def test_requests_a_ctrl_c_left_held_as_it_released_them_go_with_nothing_else_on_the_wire(tmp_path, lane, where):
+    """A Ctrl-C that ended a thread's release left what it had to send held, for the next reply
+    or submit to release: with nothing on the wire, a caller waiting on a held request hung
+    until unrelated traffic came. Another thread releases them."""
+    with pipe_capped_at(2) if lane == "pipe" else zmq_peer_capped_at(tmp_path, 2) as server:
+        client = server.client
+        read = server.read_request if lane == "zmq" else lambda: read_within(server)
+        held = release_interrupted(server, where)
+        assert read().id == held.request_id
+        server.reply(held.request_id)
+        info = read()
+        assert info.op == "info"
+        server.reply(info.id)
+        assert held.result(10).ok
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+
+
 @pytest.mark.parametrize("where", ["posting", "posted"])
 def test_a_ctrl_c_as_a_released_request_is_posted_to_the_zmq_io_thread_leaves_it_to_go(tmp_path, where):
     """A Ctrl-C as a thread releasing held requests posted one to a ZmqClient's io thread:
