@@ -477,19 +477,26 @@ class FramedClient:
                 self._send_taken(*taken)
         except BaseException:
             with self._lock:
+                cancels_owed = []
                 if self._releaser == this_thread:
                     self._releaser = None
-                    self._hold_again()
+                    cancels_owed = self._hold_again()
                 left_held = self._releaser is None and bool(self._held or self._held_cancels)
-            if left_held:
-                self._release_elsewhere()
+            if cancels_owed or left_held:
+                self._release_elsewhere(cancels_owed)
             raise
 
-    def _release_elsewhere(self) -> None:
-        """Release what is held on a thread of its own, after an interrupt ended a thread's turn
-        to: the replies that freed slots for it came already (their threads left it to that
+    def _release_elsewhere(self, cancels_owed: list[Future]) -> None:
+        """After an interrupt ended a thread's turn to release, on a thread of its own: ask the
+        server to drop the requests of `cancels_owed` (see _hold_again), then release what is
+        held: the replies that freed slots for it came already (their threads left it to that
         one), and with nothing else on the wire no reply would come to release it."""
-        threading.Thread(target=self._send_released, name="bridge-client-release", daemon=True).start()
+        def resume():
+            for future in cancels_owed:
+                self._cancel_at_server(future)
+            self._send_released()
+
+        threading.Thread(target=resume, name="bridge-client-release", daemon=True).start()
 
     def _take_released(self) -> tuple[object, TakenOut] | None:
         """The next held request the cap has room for, taken out to send (its id, and it in
@@ -515,14 +522,21 @@ class FramedClient:
             self._releaser = None
             return None
 
-    def _hold_again(self) -> None:
+    def _hold_again(self) -> list[Future]:
         """Hold again, first, what this thread took out to send and had not begun to write when
         an interrupt ended its turn: in flight unsent, it would keep a slot of the cap for ever,
         its Future never resolved. One cancel() asked for meanwhile leaves flight instead.
-        Called with self._lock held, by the releasing thread."""
+        Returns the Futures of those whose write began and whose cancel this thread was to send
+        after them: unsent, the request would run, its reply dropped. Called with self._lock
+        held, by the releasing thread."""
+        cancels_owed = []
         for request_id, taken in self._releasing.items():
-            if self._pending.get(request_id) is not taken.entry or taken.entry.write_order is not None:
-                continue  # out of flight already, or its write began (one cut short ends a stream: _send)
+            if self._pending.get(request_id) is not taken.entry:
+                continue  # out of flight already
+            if taken.entry.write_order is not None:  # its write began (one cut short ends a stream: _send)
+                if taken.cancel_asked:
+                    cancels_owed.append(taken.entry.future)
+                continue
             if taken.cancel_asked:
                 del self._pending[request_id]
                 continue
@@ -530,6 +544,7 @@ class FramedClient:
             held[request_id] = taken.request
             held.move_to_end(request_id, last=False)
         self._releasing.clear()
+        return cancels_owed
 
     def _send_taken(self, request_id, taken: TakenOut) -> None:
         """Send a request `_take_released` took out, re-encoded with what is left of its
@@ -555,10 +570,15 @@ class FramedClient:
             settle(entry.future, exc)
             return
         with self._lock:
-            del self._releasing[request_id]
             cancel_asked = taken.cancel_asked
+            if not cancel_asked:
+                del self._releasing[request_id]
         if cancel_asked:  # once it was on its way: the cancel goes behind it
+            # Left in `_releasing` until the cancel is asked: an interrupt before that has it
+            # asked from another thread (_hold_again).
             self._cancel_at_server(entry.future)
+            with self._lock:
+                del self._releasing[request_id]
 
     @contextlib.contextmanager
     def _in_flight(self, request_id, entry: InFlight):

@@ -775,9 +775,24 @@ def interrupt_release_once(client, thread: threading.Thread, where: str, held) -
     """Have `thread`'s next release of held requests interrupted once, `where`: as it claims
     its turn to release, as it takes out the request of Future `held`, as it re-encodes that
     request (cancelled first, with "re-encoding a cancelled one"), or (a ZmqClient) as it
-    posts that request's message to the io thread, before it goes in or after (`post_interrupted_once`)."""
+    posts that request's message to the io thread, before it goes in or after (`post_interrupted_once`);
+    or, cancelled once on its way, just after its post ("posted, then cancelled") or as the
+    thread lets go of the lock after its write ("sent, then cancelled")."""
     if where in ("posting", "posted"):
         post_interrupted_once(client, held.request_id, where, thread)
+    elif where == "posted, then cancelled":
+        post_interrupted_once(client, held.request_id, "posted", thread, meanwhile=lambda: client.cancel(held))
+    elif where == "sent, then cancelled":
+        send = client._send
+
+        def cancelled_once_sent(parts, entry=None):
+            written = send(parts, entry)
+            if entry is not None and entry.future is held:
+                assert client.cancel(held)
+            return written
+
+        client._send = cancelled_once_sent
+        client._lock = LockInterruptedOnce(client._lock, thread, "_send_taken", held.cancelled)
     elif where.startswith("re-encoding"):
         encode = client._encode
 
@@ -835,9 +850,11 @@ class PostedThenInterrupted(collections.deque):
             raise KeyboardInterrupt
 
 
-def post_interrupted_once(client, request_id, where: str, thread: threading.Thread | None = None) -> None:
+def post_interrupted_once(client, request_id, where: str, thread: threading.Thread | None = None,
+                          meanwhile=lambda: None) -> None:
     """Have the post of the message of `request_id` to `client`'s io thread (by `thread`, where
-    given) interrupted once, "posting" (before it goes in) or "posted" (after)."""
+    given) interrupted once, "posting" (before it goes in) or "posted" (after), `meanwhile()`
+    called just before."""
     def picked(frames) -> bool:
         if picked.done or (thread is not None and threading.current_thread() is not thread):
             return False
@@ -846,6 +863,8 @@ def post_interrupted_once(client, request_id, where: str, thread: threading.Thre
         except protocol.ProtocolError:
             frame_id = None  # a raw body the server cannot read an id from
         picked.done = frame_id == request_id
+        if picked.done:
+            meanwhile()
         return picked.done
 
     picked.done = False
@@ -904,7 +923,14 @@ def zmq_peer_capped_at(tmp_path, cap: int):
         peer.close()
 
 
+def capped_at(lane: str, tmp_path, cap: int):
+    """A client held to `cap` whose server the test plays: over pipes, or (lane "zmq") ZeroMQ."""
+    return pipe_capped_at(cap) if lane == "pipe" else zmq_peer_capped_at(tmp_path, cap)
+
+
 def read_within(server, timeout: float = 10) -> protocol.Request:
+    if isinstance(server, RouterPeer):
+        return server.read_request(timeout)
     assert select.select([server.requests], [], [], timeout)[0], f"nothing was sent within {timeout} s"
     return server.read_request()
 
@@ -937,16 +963,37 @@ def test_requests_a_ctrl_c_left_held_as_it_released_them_go_with_nothing_else_on
     """A Ctrl-C that ended a thread's release left what it had to send held, for the next reply
     or submit to release: with nothing on the wire, a caller waiting on a held request hung
     until unrelated traffic came. Another thread releases them."""
-    with pipe_capped_at(2) if lane == "pipe" else zmq_peer_capped_at(tmp_path, 2) as server:
+    with capped_at(lane, tmp_path, 2) as server:
         client = server.client
-        read = server.read_request if lane == "zmq" else lambda: read_within(server)
         held = release_interrupted(server, where)
-        assert read().id == held.request_id
+        assert read_within(server).id == held.request_id
         server.reply(held.request_id)
-        info = read()
+        info = read_within(server)
         assert info.op == "info"
         server.reply(info.id)
         assert held.result(10).ok
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+
+
+@pytest.mark.parametrize("lane, where", [("pipe", "sent, then cancelled"), ("zmq", "posted, then cancelled")])
+def test_a_request_cancelled_as_its_release_went_and_a_ctrl_c_cut_it_short_is_cancelled_after_it(
+        tmp_path, lane, where):
+    """cancel() leaves the cancel of a request being released to the thread releasing it, to
+    send once the request is on its way; a Ctrl-C that ended that thread's turn once the request
+    went (written, or its message posted to a ZmqClient's io thread) lost the cancel: the
+    request ran on the server, its reply dropped. The cancel goes after it."""
+    with capped_at(lane, tmp_path, 2) as server:
+        client = server.client
+        held = release_interrupted(server, where)
+        assert held.cancelled()
+        assert read_within(server).id == held.request_id
+        cancel = read_within(server)
+        assert (cancel.op, cancel.args) == ("cancel", {"id": held.request_id})
+        server.reply(cancel.id)
+        server.reply(held.request_id)
+        info = read_within(server)
+        assert info.op == "info"
+        server.reply(info.id)
         wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
 
 
