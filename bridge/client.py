@@ -588,12 +588,14 @@ class FramedClient:
         exception, never the Future) -- unless it was sent, an interrupt (Ctrl-C) coming after
         its write or post: then it stays in flight until answered, counted against the cap, its
         id not given again meanwhile (a stream ended with requests refused aside)."""
-        request_id = self._register(request_id, entry)
-        entry.future.request_id = request_id  # what cancel() names
+        entry.future.request_id = None  # what cancel() names, once registered
         try:
-            yield request_id
+            # Registered inside the `try`: an interrupt as it returned would leave it in flight,
+            # never sent nor resolved, its slot of the cap taken for ever.
+            yield self._register(request_id, entry)
         except BaseException:
             with self._lock:
+                request_id = entry.future.request_id
                 leaves_flight = entry.write_order is None or self._refusal
                 # An interrupt as the hold let go of its lock finds it held (or taken out to send):
                 # it leaves that too, or the cap would count it neither held nor on the wire.
@@ -606,7 +608,7 @@ class FramedClient:
 
     def _register(self, request_id, entry: InFlight):
         """Put `entry` in flight under `request_id`, or under the next automatic id not in
-        flight when that is None; returns the id."""
+        flight when that is None, and name it in its Future; returns the id."""
         with self._lock:
             if self._refusal:
                 raise ServerExited(self._refusal)
@@ -618,6 +620,7 @@ class FramedClient:
                 raise ValueError(f"request_id: expected an id not in flight, got {request_id!r}, "
                                  "which a request still waiting for its reply has")
             self._pending[request_id] = entry
+            entry.future.request_id = request_id
         return request_id
 
     def _check_frame_size(self, length: int) -> None:

@@ -1092,6 +1092,22 @@ def test_a_request_cancelled_while_its_release_was_interrupted_is_dropped_unsent
         wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
 
 
+def test_a_request_registered_as_a_ctrl_c_cut_its_submit_short_leaves_flight():
+    """A Ctrl-C as `_register` let go of its lock left the request in flight, never sent nor
+    resolved: with a cap of 2 it took the one slot for requests for ever, every later request
+    held."""
+    with pipe_capped_at(2) as server:
+        client = server.client
+        client._lock = LockInterruptedOnce(client._lock, threading.current_thread(), "_register")
+        with pytest.raises(KeyboardInterrupt):
+            client.submit("ping")
+        assert not client._pending
+        later = client.submit("health")
+        assert read_within(server).id == later.request_id
+        server.reply(later.request_id)
+        assert later.result(10).ok and not client._pending
+
+
 def test_a_request_held_as_a_ctrl_c_cut_its_submit_short_leaves_the_hold_too():
     """A Ctrl-C as `_held_back` let go of its lock, the request held, took it out of flight but
     left it held: the cap counted one request too few on the wire, and the one held before it
