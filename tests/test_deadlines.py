@@ -1129,6 +1129,35 @@ def test_a_request_held_as_a_ctrl_c_cut_its_submit_short_leaves_the_hold_too():
         assert nothing_sent(server)
 
 
+def test_a_request_held_as_a_ctrl_c_cut_its_submit_short_and_taken_out_meanwhile_is_not_sent():
+    """A Ctrl-C as `_held_back` let go of its lock, the request held and a reply's thread
+    taking it out to send meanwhile, took it out of flight while that thread went on to write
+    it: a request whose submit failed ran on the server, past the cap, uncounted. The thread
+    sending it drops it."""
+    with pipe_capped_at(2) as server:
+        client = server.client
+        sent = client.submit("ping")
+        assert server.read_request().id == sent.request_id
+
+        def taken_out_meanwhile() -> bool:
+            releasing, taken_out_meanwhile.release = paused_encoding(client, "health")
+            server.reply(sent.request_id)  # the reader takes the held request out: paused in its re-encoding
+            assert releasing.wait(10)
+            return True
+
+        client._lock = LockInterruptedOnce(client._lock, threading.current_thread(), "_held_back",
+                                           taken_out_meanwhile)
+        with pytest.raises(KeyboardInterrupt):
+            client.submit("health", deadline_s=60)
+        later = client.submit("stats")  # held behind the one the reader took out
+        taken_out_meanwhile.release.set()
+        assert read_within(server).id == later.request_id, "a request whose submit failed was sent"
+        server.reply(later.request_id)
+        assert sent.result(10).ok and later.result(10).ok
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+        assert nothing_sent(server)
+
+
 @pytest.mark.parametrize("cap", [None, 3])
 def test_a_cancel_is_not_written_once_its_request_is_answered_and_its_id_given_again(cap):
     """The server drops whatever request of the connection waits with the id a cancel names
