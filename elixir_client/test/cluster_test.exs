@@ -640,6 +640,31 @@ defmodule ScanBridge.ClusterTest do
     assert eventually(fn -> snapshot_bytes(y) == copies end)
   end
 
+  test "a restore its keeper reads after its deadline is answered so, and not done" do
+    g = group()
+    [x, y] = start_members(g, 2)
+    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+    {s, p} = failed_over_with_snapshot(g, x, y, sizes)
+
+    # a frame held by y, frozen, keeps the keeper busy past the restore's deadline; p, its copy
+    # gone with x, would be restored by taking the session off y and reopening it
+    os_pid = os_pid!(y)
+    freeze(os_pid)
+    stepping = Task.async(fn -> Cluster.step(s, ssd_frame(sizes), timeout: 1_000) end)
+    assert eventually(fn -> map_size(:sys.get_state(y).outstanding) == 1 end)
+    assert {:error, %Error{reason: :timeout}} = Cluster.restore(s, p, timeout: 100)
+    assert {:error, %Error{reason: :timeout}} = Task.await(stepping)
+    thaw(os_pid)
+
+    # the session stays on y, which holds it once (not a session its keeper let go of unclosed)
+    assert owner(s) == y
+    assert sessions_held(y) == 1
+    ok!(Cluster.step(s, ssd_frame(sizes)))
+    assert owner(s) == y and sessions_held(y) == 1
+  end
+
+  defp sessions_held(member), do: ok!(ScanBridge.stats(member))["sessions"]["sessions"]
+
   test "a free read by the keeper after its caller's deadline is sent all the same" do
     sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
     {s, member, y} = session_through_stand_in(group(), sizes)

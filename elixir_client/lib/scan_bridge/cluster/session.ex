@@ -343,11 +343,16 @@ defmodule ScanBridge.Cluster.Session do
   # request on the owner that holds the snapshot's copy. A frame that fails there leaves the
   # snapshot's state, so the keeper's checkpoint and frames become the snapshot's all the same.
   def handle_call({:restore, id, frames, deadline}, _from, state) do
-    case Map.fetch(state.snapshots, id) do
-      :error ->
+    case {expired?(deadline), Map.fetch(state.snapshots, id)} do
+      {true, _snapshot} ->
+        # as for a frame read late: its caller has been answered :timeout, and reopening the
+        # session with no time left would take it off its server without closing it there
+        {:reply, {:error, deadline_passed(:restore)}, state}
+
+      {false, :error} ->
         {:reply, {:error, not_a_snapshot("restore", id)}, state}
 
-      {:ok, snapshot} ->
+      {false, {:ok, snapshot}} ->
         case {restore_in_place(state, snapshot, frames, deadline), snapshot.replay} do
           {{:ok, results}, _replay} ->
             {:reply, restore_answer(results), restored(state, snapshot),
