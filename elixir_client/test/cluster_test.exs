@@ -3,7 +3,9 @@ defmodule ScanBridge.ClusterTest do
   # nodes is in cluster_peers_test.exs.
   use ExUnit.Case, async: false
 
-  import ScanBridge.TestSupport, only: [eventually: 1, eventually: 2, freeze: 1, thaw: 1]
+  import ScanBridge.TestSupport,
+    only: [eventually: 1, eventually: 2, freeze: 1, thaw: 1, start_unlinked: 1, stop_quietly: 1]
+
   alias ScanBridge.{Cluster, Error, Tensor, TestSupport}
   alias ScanBridge.Cluster.Balancer
   alias ScanBridge.TestSupport.Models
@@ -22,18 +24,6 @@ defmodule ScanBridge.ClusterTest do
     ExUnit.Callbacks.on_exit(fn -> Enum.each(members, &stop_quietly/1) end)
     Enum.each(members, &await_member(group, &1))
     members
-  end
-
-  defp start_unlinked(opts) do
-    {:ok, pid} = ScanBridge.start_link(opts)
-    Process.unlink(pid)
-    pid
-  end
-
-  defp stop_quietly(pid) do
-    GenServer.stop(pid)
-  catch
-    :exit, _already_gone -> :ok
   end
 
   # A member serves once its catalogue is copied; wait for it in the group.

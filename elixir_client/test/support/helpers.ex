@@ -435,6 +435,23 @@ defmodule ScanBridge.TestSupport do
   defp send_signal(os_pid, name),
     do: System.cmd("kill", ["-#{name}", Integer.to_string(os_pid)], stderr_to_stdout: true)
 
+  @doc """
+  Starts a client with `opts`, linked to nothing: a test that kills its server, or stops it,
+  lives on. Stop it with `stop_quietly/1`.
+  """
+  def start_unlinked(opts) do
+    {:ok, pid} = ScanBridge.start_link(opts)
+    Process.unlink(pid)
+    pid
+  end
+
+  @doc "Stops a client, as `GenServer.stop/1`, or nothing where it is gone already."
+  def stop_quietly(pid) do
+    GenServer.stop(pid)
+  catch
+    :exit, _already_gone -> :ok
+  end
+
   @doc "Whether the OS process `os_pid` is gone (Linux: no /proc entry)."
   def os_process_gone?(os_pid), do: not File.exists?("/proc/#{os_pid}")
 
