@@ -25,6 +25,8 @@ defmodule ScanBridge.ClusterChaosTest do
   @rtol 1.0e-5
   # The errors of a call that found no member to take it in time.
   @unplaced [:timeout, :deadline_exceeded, :overloaded, :no_members]
+  # How a server refuses a malformed frame.
+  @refused [:invalid_argument, :shape_mismatch, :tensor_size_mismatch]
 
   @tag timeout: :infinity
   test "a random walk of sessions and faults answers as plain sessions do, and leaves nothing" do
@@ -133,6 +135,7 @@ defmodule ScanBridge.ClusterChaosTest do
     [
       {:open, if(sessions < @max_sessions, do: 3, else: 0)},
       {:step, if(sessions > 0, do: 12, else: 0)},
+      {:burst, if(sessions > 1, do: 2, else: 0)},
       {:snapshot, if(sessions > 0, do: 3, else: 0)},
       {:restore, if(snapshots > 0, do: 3, else: 0)},
       {:free_snapshot, if(snapshots > 0, do: 1, else: 0)},
@@ -185,6 +188,17 @@ defmodule ScanBridge.ClusterChaosTest do
   defp apply_op(:step, world) do
     {id, world} = pick_one(world, sorted_sessions(world))
     step(world, id, fn -> :ok end)
+  end
+
+  # Every session steps at once: their keepers' calls meet on the members.
+  defp apply_op(:burst, world) do
+    {steps, world} =
+      Enum.map_reduce(sorted_sessions(world), note(world, :burst), &prepare_step(&2, &1))
+
+    steps
+    |> Task.async_stream(&send_step/1, timeout: :infinity, ordered: true)
+    |> Enum.zip(steps)
+    |> Enum.reduce(world, fn {{:ok, outcome}, step}, world -> judge_step(world, step, outcome) end)
   end
 
   defp apply_op(:snapshot, world) do
@@ -357,17 +371,44 @@ defmodule ScanBridge.ClusterChaosTest do
   # A step of session `id`, with `during` run meanwhile (a fault racing it: timing decides
   # whether it reaches the call, and the outcome must be one of both).
   defp step(world, id, during) do
-    s = world.sessions[id]
-    {frame, world} = frame(world)
-    # now and then into one of the session's snapshots, as a rollback ring steps
-    {into, world} = pick_into(world, s)
-    opts = if into, do: [snapshot_into: into], else: []
+    {step, world} = prepare_step(world, id)
     fault = Task.async(during)
-    outcome = Cluster.model_step(s.handle, {:embeds, frame}, opts ++ timeout())
+    outcome = send_step(step)
     Task.await(fault, 10_000)
+    judge_step(world, step, outcome)
+  end
+
+  # A step of session `id` drawn: its frame, now and then one of the wrong width (which every
+  # server refuses, running nothing), and now and then a snapshot to step into, as a rollback
+  # ring does.
+  defp prepare_step(world, id) do
+    s = world.sessions[id]
+    {malformed, world} = pick_one(world, [true | List.duplicate(false, 9)])
+    {frame, world} = if malformed, do: frame(world, 7), else: frame(world)
+    {into, world} = pick_into(world, s)
+    {%{id: id, handle: s.handle, frame: frame, malformed: malformed, into: into}, world}
+  end
+
+  defp send_step(%{handle: handle, frame: frame, into: into}) do
+    opts = if into, do: [snapshot_into: into], else: []
+    Cluster.model_step(handle, {:embeds, frame}, opts ++ timeout())
+  end
+
+  defp judge_step(world, %{id: id, frame: frame, malformed: malformed, into: into}, outcome) do
+    s = world.sessions[id]
     world = note(world, {:step, id, brief(outcome)})
 
     case outcome do
+      {:ok, _y} when malformed ->
+        violation!(world, "a malformed frame answered")
+
+      {:error, %Error{reason: reason}} when malformed and reason in @refused ->
+        world
+
+      {:error, %Error{reason: :timeout} = error} when malformed ->
+        world = allow!(world, error, [:timeout], "step")
+        put_session(world, id, %{into_in_doubt(s, into) | doubt: 0})
+
       {:ok, y} ->
         if s.lost == true, do: violation!(world, "step of a lost session answered")
         before = Enum.filter(s.paths, &matches?(world, &1 ++ [frame], y))
@@ -513,8 +554,8 @@ defmodule ScanBridge.ClusterChaosTest do
 
   defp close?(_a, _e), do: false
 
-  defp frame(world) do
-    {t, rand} = Models.uniform({1, 8}, -1.0, 1.0, world.rand)
+  defp frame(world, width \\ 8) do
+    {t, rand} = Models.uniform({1, width}, -1.0, 1.0, world.rand)
     {t, %{world | rand: rand}}
   end
 
