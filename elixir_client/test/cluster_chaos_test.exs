@@ -20,8 +20,11 @@ defmodule ScanBridge.ClusterChaosTest do
   @default_steps 60
   @max_members 3
   @max_sessions 4
-  # What each call of the walk waits: a frozen member costs it, a healthy one answers in ms.
-  @call_timeout 1_000
+  # What each call of the walk waits while a member is frozen: the time a frozen member costs
+  # it. With none frozen no call may time out, and a loaded machine (CI's) can stall a healthy
+  # member for a second: those calls wait longer.
+  @frozen_call_timeout 1_000
+  @call_timeout 15_000
   @rtol 1.0e-5
   # The errors of a call that found no member to take it in time.
   @unplaced [:timeout, :deadline_exceeded, :overloaded, :no_members]
@@ -63,7 +66,7 @@ defmodule ScanBridge.ClusterChaosTest do
   defp walk(world) do
     {op, world} = pick(world, choices(world))
     world = apply_op(op, world)
-    if Enum.any?(world.members, fn {_m, m} -> m.frozen end), do: world, else: settled!(world)
+    if any_frozen?(world), do: world, else: settled!(world)
   end
 
   # With every member answering, each holds the sessions and snapshot copies the keepers say it
@@ -176,7 +179,7 @@ defmodule ScanBridge.ClusterChaosTest do
   defp apply_op(:open, world) do
     {checkpoint, world} = pick_one(world, [nil, 1, 2, 3, 3])
     opts = if checkpoint, do: [checkpoint: checkpoint], else: []
-    outcome = Cluster.open_session(world.group, [model: "tiny", batch: 1], opts ++ timeout())
+    outcome = Cluster.open_session(world.group, [model: "tiny", batch: 1], opts ++ timeout(world))
     world = note(world, {:open, checkpoint, brief(outcome)})
 
     case outcome do
@@ -202,7 +205,7 @@ defmodule ScanBridge.ClusterChaosTest do
   end
 
   defp apply_op(:snapshot, world) do
-    {id, s, outcome, world} = on_session(world, :snapshot, &Cluster.snapshot(&1, timeout()))
+    {id, s, outcome, world} = on_session(world, :snapshot, &Cluster.snapshot(&1, timeout(world)))
 
     case outcome do
       {:ok, ref} ->
@@ -226,8 +229,8 @@ defmodule ScanBridge.ClusterChaosTest do
 
     outcome =
       if frames == [],
-        do: Cluster.restore(s.handle, ref, timeout()),
-        else: Cluster.restore_with_frames(s.handle, ref, model_frames(frames), timeout())
+        do: Cluster.restore(s.handle, ref, timeout(world)),
+        else: Cluster.restore_with_frames(s.handle, ref, model_frames(frames), timeout(world))
 
     world = note(world, {:restore, id, brief(outcome)})
 
@@ -266,7 +269,7 @@ defmodule ScanBridge.ClusterChaosTest do
   defp apply_op(:free_snapshot, world) do
     {id, ref, world} = pick_snapshot(world)
     s = world.sessions[id]
-    outcome = Cluster.free_snapshot(s.handle, ref, timeout())
+    outcome = Cluster.free_snapshot(s.handle, ref, timeout(world))
     world = note(world, {:free_snapshot, id, brief(outcome)})
     # freed or not, the walk uses it no more
     world = put_session(world, id, %{s | snapshots: Map.delete(s.snapshots, ref)})
@@ -278,7 +281,7 @@ defmodule ScanBridge.ClusterChaosTest do
   end
 
   defp apply_op(:fork, world) do
-    {id, s, outcome, world} = on_session(world, :fork, &Cluster.fork(&1, timeout()))
+    {id, s, outcome, world} = on_session(world, :fork, &Cluster.fork(&1, timeout(world)))
 
     case outcome do
       {:ok, handle} ->
@@ -386,12 +389,20 @@ defmodule ScanBridge.ClusterChaosTest do
     {malformed, world} = pick_one(world, [true | List.duplicate(false, 9)])
     {frame, world} = if malformed, do: frame(world, 7), else: frame(world)
     {into, world} = pick_into(world, s)
-    {%{id: id, handle: s.handle, frame: frame, malformed: malformed, into: into}, world}
+
+    {%{
+       id: id,
+       handle: s.handle,
+       frame: frame,
+       malformed: malformed,
+       into: into,
+       timeout: timeout(world)
+     }, world}
   end
 
-  defp send_step(%{handle: handle, frame: frame, into: into}) do
+  defp send_step(%{handle: handle, frame: frame, into: into, timeout: timeout}) do
     opts = if into, do: [snapshot_into: into], else: []
-    Cluster.model_step(handle, {:embeds, frame}, opts ++ timeout())
+    Cluster.model_step(handle, {:embeds, frame}, opts ++ timeout)
   end
 
   defp judge_step(world, %{id: id, frame: frame, malformed: malformed, into: into}, outcome) do
@@ -461,7 +472,7 @@ defmodule ScanBridge.ClusterChaosTest do
 
   defp close(world, id) do
     s = world.sessions[id]
-    outcome = Cluster.close_session(s.handle, timeout())
+    outcome = Cluster.close_session(s.handle, timeout(world))
     world = note(%{world | sessions: Map.delete(world.sessions, id)}, {:close, id, brief(outcome)})
 
     case outcome do
@@ -519,7 +530,7 @@ defmodule ScanBridge.ClusterChaosTest do
   # `:overloaded` (a client still busy with one: not sent) only while a member is frozen;
   # `:no_members` only while no member answers.
   defp allow!(world, %Error{reason: reason} = error, allowed, what) do
-    frozen = Enum.any?(world.members, fn {_m, m} -> m.frozen end)
+    frozen = any_frozen?(world)
     answering = Enum.count(world.members, fn {_m, m} -> not m.frozen end)
 
     ok =
@@ -641,7 +652,10 @@ defmodule ScanBridge.ClusterChaosTest do
 
   ## Reporting
 
-  defp timeout, do: [timeout: @call_timeout]
+  defp timeout(world),
+    do: [timeout: if(any_frozen?(world), do: @frozen_call_timeout, else: @call_timeout)]
+
+  defp any_frozen?(world), do: Enum.any?(world.members, fn {_m, m} -> m.frozen end)
 
   defp brief({:ok, %Tensor{}}), do: :ok
   defp brief({:ok, _}), do: :ok
