@@ -345,8 +345,8 @@ defmodule ScanBridge.Cluster.Session do
   def handle_call({:restore, id, frames, deadline}, _from, state) do
     case {expired?(deadline), Map.fetch(state.snapshots, id)} do
       {true, _snapshot} ->
-        # as for a frame read late: its caller has been answered :timeout, and reopening the
-        # session with no time left would take it off its server without closing it there
+        # as for a frame read late: its caller has been answered :timeout, so what it asked
+        # is not done (a session moved now would be moved behind the caller's back)
         {:reply, {:error, deadline_passed(:restore)}, state}
 
       {false, :error} ->
@@ -565,7 +565,7 @@ defmodule ScanBridge.Cluster.Session do
 
       _failed ->
         %{state | remote: nil, skipped: [state.owner | state.skipped]}
-        |> leave_owner(deadline)
+        |> leave_owner()
         |> rebuild(deadline)
     end
   end
@@ -1126,7 +1126,7 @@ defmodule ScanBridge.Cluster.Session do
 
   defp restore_by_replay(state, {checkpoint, log}, deadline) do
     fresh = %{
-      leave_owner(state, deadline)
+      leave_owner(state)
       | checkpoint: checkpoint,
         log: log,
         status: :ok,
@@ -1147,15 +1147,15 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # The session taken off an owner that is still there, to be placed afresh: closed there by
-  # `deadline` (unless `remote` is nil: closed already), its snapshots' copies there forgotten
-  # (the session may reopen elsewhere and come back later: a copy kept would then be restored in
-  # place of the state its snapshot has since been given, by snapshot_into) and freed, its place
-  # given back.
-  defp leave_owner(%{owner: nil} = state, _deadline), do: state
+  # The session taken off an owner that is still there, to be placed afresh: closed there
+  # (unless `remote` is nil: closed already) apart from the caller's deadline, which goes to the
+  # placement, its snapshots' copies there forgotten (the session may reopen elsewhere and come
+  # back later: a copy kept would then be restored in place of the state its snapshot has since
+  # been given, by snapshot_into) and freed, its place given back.
+  defp leave_owner(%{owner: nil} = state), do: state
 
-  defp leave_owner(state, deadline) do
-    _closed = if state.remote, do: close_remote(state, deadline)
+  defp leave_owner(state) do
+    if state.remote, do: close_apart(state.owner, state.remote)
     Process.demonitor(state.owner_monitor, [:flush])
     Balancer.checkin(state.token)
     state = forget_copies(state, state.owner, :free)
@@ -1253,14 +1253,18 @@ defmodule ScanBridge.Cluster.Session do
     %{snapshot | owner: nil, remote: nil}
   end
 
-  # A copy freed by a process of its own, with a timeout of its own: sent even where the caller's
-  # deadline is spent (a copy left would count against its server's pool until this keeper
-  # exits), and waited for by nobody, as its server may be slow to answer. The server takes the
-  # free from any process; one that went away meanwhile took the copy along.
-  defp free_apart(owner, remote) do
-    {:ok, _freeing} =
-      Task.start(fn -> ScanBridge.free_snapshot(owner, remote, timeout: @checkpoint_timeout_ms) end)
+  # A copy freed, or a session closed, by a process of its own with a timeout of its own: sent
+  # even where the caller's deadline is spent (what is left would count against its server's
+  # pool until this keeper exits), and waited for by nobody, as its server may be slow to
+  # answer. The server takes either from any process; one that went away meanwhile took it along.
+  defp free_apart(owner, remote),
+    do: apart(fn -> ScanBridge.free_snapshot(owner, remote, timeout: @checkpoint_timeout_ms) end)
 
+  defp close_apart(owner, remote),
+    do: apart(fn -> ScanBridge.close_session(owner, remote, timeout: @checkpoint_timeout_ms) end)
+
+  defp apart(request) do
+    {:ok, _sending} = Task.start(request)
     :ok
   end
 
