@@ -13,9 +13,9 @@ defmodule ScanBridge.Cluster.Balancer do
   # session (a failover's rebuild above all) asks the member for its model's id once per node,
   # not once per session; and which members refuse session_open's frames (servers from before
   # them), so that a rebuild there opens and replays at once rather than being refused first
-  # each time. Read without a message (a protected table), written by
-  # this process only, a member's entries dropped when it goes; an id stale because its model
-  # was freed since is refused by the member (`:unknown_model`) and asked again.
+  # each time. Read without a message (a protected table), written by this process only, a
+  # member's entries dropped when it goes; an id stale because its model was freed since is
+  # refused by the member (`:unknown_model`) and asked again.
 
   use GenServer
 
