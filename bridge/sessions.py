@@ -21,7 +21,8 @@ snapshot's rows over them: one that fails partway leaves them neither the state 
 it. The ops run that work in `WritingState`, which marks such sessions lost; a lost session is
 refused (`state_lost`) by every op that reads or advances its state until a restore overwrites
 the whole of it, or it is closed. A copy into a snapshot (a model step's snapshot_into) that
-fails partway leaves the snapshot undefined instead, and restores from it are refused
+fails partway leaves the snapshot undefined instead, and so does a request whose frames copied
+into it and then failed (bridge.ops.sessions.run_frames); restores from it are refused
 (`state_lost`, naming the snapshot) until a copy into it completes.
 """
 
@@ -446,20 +447,28 @@ def unknown_snapshot(snapshot_id: str, field: str) -> OpError:
                    {"field": field, "snapshot": snapshot_id})
 
 
-def snapshot_undefined(snapshot_id: str, field: str) -> OpError:
-    """The error of a restore from a snapshot that a failed copy into it left undefined."""
+# Why a snapshot holds no defined state (Snapshot.undefined_why).
+COPY_FAILED = "a model_step's copy into it (snapshot_into) failed partway"
+FRAMES_FAILED = ("a frame of a request that then failed copied into it (snapshot_into): the state it took "
+                 "was undone")
+
+
+def snapshot_undefined(snapshot_id: str, field: str, why: str) -> OpError:
+    """The error of a restore from a snapshot left undefined, `why` saying what left it so."""
     return OpError("state_lost",
-                   f"{field}: snapshot {snapshot_id!r} has no defined state: a model_step's copy into it "
-                   "(snapshot_into) failed partway; step into it again (snapshot_into) or take a new one",
+                   f"{field}: snapshot {snapshot_id!r} has no defined state: {why}; step into it again "
+                   "(snapshot_into) or take a new one",
                    {"field": field, "snapshot": snapshot_id})
 
 
 class Snapshot:
     """A copy of a session's every part at one moment: restorable into any session of the same
     layout and batch (the session it came from, or a fork of it). `defined` is False while a
-    copy into it that failed partway left it part one state, part another (take_again)."""
+    copy into it that failed partway left it part one state, part another (take_again), or once
+    the request whose frame copied into it failed (`undefine`); `copies_begun` counts the copies
+    into it, so that a request can tell which of its snapshots its frames wrote."""
 
-    __slots__ = ("layout", "batch", "rows", "nbytes", "defined")
+    __slots__ = ("layout", "batch", "rows", "nbytes", "defined", "undefined_why", "copies_begun")
 
     def __init__(self, session: Session):
         self.layout = session.layout
@@ -467,6 +476,8 @@ class Snapshot:
         self.rows = session.read_rows()
         self.nbytes = session.nbytes
         self.defined = True
+        self.undefined_why = ""
+        self.copies_begun = 0
 
     def is_like(self, session: Session) -> bool:
         """Whether `session` has this snapshot's model or state shape, and batch: one it can be
@@ -477,9 +488,14 @@ class Snapshot:
         """Hold `session`'s state now, in the same memory (a session like the one it came from:
         SnapshotTable.of_session_like). Raising, it may have written some rows: it is left
         undefined until a copy into it completes."""
-        self.defined = False
+        self.copies_begun += 1
+        self.undefine(COPY_FAILED)
         session.read_rows_into(self.rows)
         self.defined = True
+
+    def undefine(self, why: str) -> None:
+        self.defined = False
+        self.undefined_why = why
 
 
 class SnapshotTable(OwnedTable[Snapshot]):
@@ -505,7 +521,7 @@ class SnapshotTable(OwnedTable[Snapshot]):
     def restore(self, owner: str, snapshot_id: str, session: Session, field: str) -> None:
         snapshot = self.of_session_like(owner, snapshot_id, session, field)
         if not snapshot.defined:
-            raise snapshot_undefined(snapshot_id, field)
+            raise snapshot_undefined(snapshot_id, field, snapshot.undefined_why)
         # A copy failing partway leaves some rows the snapshot's and some what they were.
         with WritingState([session]):
             session.write_rows(snapshot.rows)

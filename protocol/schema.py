@@ -216,8 +216,5 @@ OPS: dict[str, dict[str, Arg]] = {
     "shutdown": {},
 }
 
-# Each frame op's arguments: its own but the session (the request's is the frame's) and
-# snapshot_into: a frame that fails undoes what the frames before it did, and a snapshot they
-# wrote over could not be given back.
-FRAME_ARGS = {op: {name: arg for name, arg in OPS[op].items() if name not in ("session", "snapshot_into")}
-              for op in FRAME_OPS}
+# Each frame op's arguments: its own but the session (the request's is the frame's).
+FRAME_ARGS = {op: {name: arg for name, arg in OPS[op].items() if name != "session"} for op in FRAME_OPS}

@@ -16,6 +16,9 @@ run on it in the same request, as a client rebuilding a session elsewhere does.
   session as calls one by one after a plain restore would, bit for bit; a frame that fails leaves
   the snapshot's state, and the snapshot stays; an unknown snapshot or a malformed frame runs
   nothing and changes nothing;
+- a model_step frame's snapshot_into (a rollback ring refreshed by the re-simulation) copies as
+  the same step alone would; a request that fails leaves undefined exactly the snapshots its
+  frames copied into, and the one it restores may not be copied into;
 - a multipart request's frames are answered as raw buffers, as the ops alone are, so a window's
   output is not held to a frame's length.
 
@@ -156,9 +159,6 @@ def test_a_failing_frame_closes_the_session_and_is_named(inproc, case):
     pytest.param({"op": "session_state", "args": {}}, "args.frames[0].op", "invalid_argument", id="not-advancing"),
     pytest.param({"op": "step", "args": {"session": "x"}}, "args.frames[0].args.session", "invalid_argument",
                  id="own-session"),
-    # A failing later frame could not give back a snapshot the frame wrote over.
-    pytest.param({"op": "model_step", "args": {"snapshot_into": "p-1"}},
-                 "args.frames[0].args.snapshot_into", "invalid_argument", id="snapshot-into"),
     pytest.param({"op": "step", "args": {}, "then": 1}, "args.frames[0].then", "invalid_argument", id="unknown-key"),
     pytest.param({"args": {}}, "args.frames[0].op", "missing_argument", id="no-op"),
     pytest.param({"op": "step", "args": {"dt": 1}}, "args.frames[0].args.dt", "invalid_argument",
@@ -304,10 +304,10 @@ def test_a_failing_restore_frame_leaves_the_snapshots_state_and_is_named(inproc,
                  id="not-advancing"),
     pytest.param({"frames": [{"op": "step", "args": {"session": "x"}}]}, "args.frames[0].args.session",
                  "invalid_argument", id="own-session"),
-    # Into the snapshot being restored, say: the undo of a later frame's failure would restore
-    # the frame's state instead of the snapshot's.
-    pytest.param({"frames": [{"op": "model_step", "args": {"snapshot_into": "p-1"}}]},
-                 "args.frames[0].args.snapshot_into", "invalid_argument", id="snapshot-into"),
+    # Into the snapshot being restored, in a frame after one that runs: the undo of a later
+    # frame's failure would restore the frame's state instead of the snapshot's.
+    pytest.param({"frames": [{"op": "step", "args": "FRAME"}, {"op": "model_step", "args": {"snapshot_into": "SNAPSHOT"}}]},
+                 "args.frames[1].args.snapshot_into", "invalid_argument", id="snapshot-into-the-restored"),
 ])
 def test_a_restore_refused_runs_no_frame_and_changes_nothing(inproc, args, field, code):
     seed = random_seed()
@@ -317,11 +317,93 @@ def test_a_restore_refused_runs_no_frame_and_changes_nothing(inproc, args, field
     step_before = op_counts(scene, "step")
     request = {"session": session, "snapshot": snapshot,
                "frames": [{"op": "step", "args": scene.frame()}], **args}
+    for frame in request["frames"]:
+        if frame["args"] == "FRAME":
+            frame["args"] = scene.frame()
+        if frame["args"].get("snapshot_into") == "SNAPSHOT":
+            frame["args"]["snapshot_into"] = snapshot
     reply = scene.srv.request(scene.conn, "session_restore", **request)
     assert not reply.ok and reply.error["code"] == code, f"seed={seed}: {reply.error}"
     assert reply.error["detail"]["field"] == field, f"seed={seed}: {reply.error}"
     assert counted_since(step_before, op_counts(scene, "step"))["inference_count"] == 0
     assert_same_state(scene.state(session), found, f"seed={seed}")
+
+
+# -- snapshot_into in frames: a rollback ring refreshed by the re-simulation -------------------
+
+
+def ring(scene: Scene, session: str, count: int) -> list[str]:
+    return [scene.call("session_snapshot", session=session)["snapshot"] for _ in range(count)]
+
+
+def restored_state(scene: Scene, session: str, snapshot: str):
+    """The state `snapshot` holds, read through a fork of `session` restored from it."""
+    fork = scene.call("session_fork", session=session)["session"]
+    scene.call("session_restore", session=fork, snapshot=snapshot)
+    state = scene.state(fork)
+    scene.call("session_close", session=fork)
+    return state
+
+
+@pytest.mark.parametrize("op", ["session_open", "session_restore"])
+@pytest.mark.parametrize("case", [pytest.param(Case("mamba", "model_step"), id="mamba-model-step"),
+                                  pytest.param(Case("mamba2", "model_step", batch=2), id="mamba2-model-step")])
+def test_frames_copy_into_snapshots_as_the_steps_alone_would(inproc, case, op):
+    seed = random_seed()
+    scene = Scene(inproc(), case, seed)
+    session, snapshot, at_snapshot = stepped_with_snapshot(scene, 1)
+    ours, theirs = ring(scene, session, 3), ring(scene, session, 3)
+    frames = [scene.frame() for _ in range(4)]
+    sent = [{"op": "model_step", "args": {**frame, "snapshot_into": into}} for frame, into in zip(frames, ours)]
+    sent.append({"op": "model_step", "args": frames[3]})
+    if op == "session_restore":
+        got = scene.call("session_restore", session=session, snapshot=snapshot, frames=sent)["frames"]
+    else:
+        opened = scene.call("session_open", **open_args(scene, at_snapshot), frames=sent)
+        got, session = opened["frames"], opened["session"]
+    twin = scene.call("session_fork", session=session)["session"]
+    scene.call("session_restore", session=twin, snapshot=snapshot)
+    for i, frame in enumerate(frames):
+        into = {"snapshot_into": theirs[i]} if i < 3 else {}
+        expected = scene.call("model_step", session=twin, **frame, **into)
+        assert torch.equal(output_of(got[i]), output_of(expected)), f"seed={seed}: frame {i}'s output"
+    assert_same_state(scene.state(session), scene.state(twin), f"seed={seed}, the twin's")
+    for i, (mine, its) in enumerate(zip(ours, theirs)):
+        assert_same_state(restored_state(scene, session, mine), restored_state(scene, session, its),
+                          f"seed={seed}, the state before frame {i}")
+    assert_same_state(restored_state(scene, session, ours[0]), at_snapshot, f"seed={seed}, before frame 0")
+
+
+@pytest.mark.parametrize("op", ["session_open", "session_restore"])
+def test_a_failing_frame_leaves_the_snapshots_its_frames_copied_into_undefined(inproc, op):
+    seed = random_seed()
+    scene = Scene(inproc(), Case("mamba2", "model_step", batch=2), seed)
+    session, snapshot, at_snapshot = stepped_with_snapshot(scene, 1)
+    snapshots = ring(scene, session, 4)
+    kept = {s: restored_state(scene, session, s) for s in snapshots}
+    bad = scene.frame()
+    bad["embeds"] = torch.cat([bad["embeds"], bad["embeds"][:1]])
+    # frames 0 and 1 copy and run; frame 2 is refused before its copy; frame 3 never runs
+    inputs = [scene.frame(), scene.frame(), bad, scene.frame()]
+    sent = [{"op": "model_step", "args": {**frame, "snapshot_into": into}} for frame, into in zip(inputs, snapshots)]
+    if op == "session_restore":
+        reply = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=snapshot, frames=sent)
+    else:
+        reply = scene.srv.request(scene.conn, "session_open", **open_args(scene, at_snapshot), frames=sent)
+    assert not reply.ok and reply.error["code"] == "shape_mismatch", f"seed={seed}: {reply.error}"
+    assert reply.error["detail"]["frame"] == 2, f"seed={seed}: {reply.error}"
+    for spoilt in snapshots[:2]:
+        refused = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=spoilt)
+        assert not refused.ok and refused.error["code"] == "state_lost", f"seed={seed}: {refused.error}"
+        assert refused.error["detail"] == {"field": "args.snapshot", "snapshot": spoilt}, refused.error
+        assert "a frame of a request that then failed" in refused.error["message"], refused.error["message"]
+    for untouched in snapshots[2:]:
+        assert_same_state(restored_state(scene, session, untouched), kept[untouched], f"seed={seed}, {untouched}")
+    if op == "session_restore":
+        assert_same_state(scene.state(session), at_snapshot, f"seed={seed}, after the failed request")
+    # a copy into it that completes defines it again
+    scene.call("model_step", session=session, **scene.frame(), snapshot_into=snapshots[0])
+    scene.call("session_restore", session=session, snapshot=snapshots[0])
 
 
 class FramingConnection(RecordingConnection):
@@ -353,6 +435,23 @@ def test_a_result_too_long_to_send_takes_back_what_its_frames_did(inproc, monkey
     assert open_sessions(scene) == before, f"seed={seed}: the request left a session open"
     assert_same_state(scene.state(session), at_snapshot if op == "session_restore" else found,
                       f"seed={seed}, after the unsent result")
+
+
+@pytest.mark.parametrize("op", ["session_open", "session_restore"])
+def test_a_result_too_long_to_send_leaves_the_snapshots_its_frames_copied_into_undefined(inproc, monkeypatch, op):
+    seed = random_seed()
+    scene = Scene(inproc(), Case("mamba", "model_step"), seed, conn=FramingConnection())
+    session, snapshot, at_snapshot = stepped_with_snapshot(scene, 1)
+    into = scene.call("session_snapshot", session=session)["snapshot"]
+    frames = [{"op": "model_step", "args": scene.frame()} for _ in range(24)]
+    frames[0]["args"]["snapshot_into"] = into
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 1024)
+    args = open_args(scene, at_snapshot) if op == "session_open" else {"session": session, "snapshot": snapshot}
+    reply = scene.srv.request(scene.conn, op, **args, frames=frames)
+    assert not reply.ok and reply.error["detail"]["limit"] == "reply_frame_size", f"seed={seed}: {reply.error}"
+    monkeypatch.undo()
+    refused = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=into)
+    assert not refused.ok and refused.error["code"] == "state_lost", f"seed={seed}: {refused.error}"
 
 
 def multipart_request(scene: Scene, op: str, **args) -> protocol.Reply:

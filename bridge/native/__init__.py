@@ -221,6 +221,7 @@ class NativeStep:
         one) whole first, a copy that cannot fail: it holds a defined state again, whatever an
         earlier copy left (bridge.sessions.Snapshot.take_again)."""
         if snapshot is not None:
+            snapshot.copies_begun += 1
             snapshot.defined = True
 
     @staticmethod

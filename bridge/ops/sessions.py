@@ -14,7 +14,7 @@ from ..batcher import (BatchedOp, Item, charge, dt_options, dtype_of, member_row
 from ..dispatcher import Call
 from ..errors import OpError, check_reply_fits, error_fields
 from ..native import NativeStep
-from ..sessions import ROW_AXES, StateLayout, StateLost, WritingState, state_row_bytes
+from ..sessions import FRAMES_FAILED, ROW_AXES, StateLayout, StateLost, WritingState, state_row_bytes
 from ..tensors import WIRE_DTYPES, host_view, to_wire
 from ..timing import now_ns
 
@@ -30,14 +30,23 @@ def session_open(server, call) -> dict:
     # too long to send (a frame's logits, say).
     undo = lambda: close_quietly(server, call.conn, session)  # noqa: E731
     frames = run_frames(server, call, session, undo)
-    call.if_unsent = undo
     return {"session": session.id, "frames": frames}
 
 
 def run_frames(server, call, session, undo) -> list[dict]:
     """Each frame's result, in order. A frame that fails calls `undo`, which takes back what the
     request did, and its error names the frame: what a client reopening a session from a saved
-    state, or rolling one back, needs is all of it or a clear refusal."""
+    state, or rolling one back, needs is all of it or a clear refusal. So does a reply too long
+    to send (`call.if_unsent`). The snapshots the frames copied into (snapshot_into) are left
+    undefined then: the states they took were undone, and what they held before is gone."""
+    named = frames_snapshots(server, call)
+
+    def undo_all() -> None:
+        undo()
+        for snapshot, copies_before in named.items():
+            if snapshot.copies_begun != copies_before:
+                snapshot.undefine(FRAMES_FAILED)
+
     results = []
     for i, frame in enumerate(call.args["frames"]):
         # multipart as the request: its reply carries the frames' results as raw buffers too, so a
@@ -49,12 +58,25 @@ def run_frames(server, call, session, undo) -> list[dict]:
             # on the request's connection, its times added to that request's
             results.append(handler(server, Call(call.conn, request, call.timing, handler)))
         except Exception as exc:
-            undo()
+            undo_all()
             if isinstance(exc, StateLost) and (session.closed or not session.lost):
                 exc = exc.cause  # undone: the session is closed, or holds a whole state again
             raise frame_error(exc, i) from exc
         server.stats.record_frame(frame.op)
+    call.if_unsent = undo_all
     return results
+
+
+def frames_snapshots(server, call) -> dict:
+    """Each snapshot a frame names in snapshot_into and held by this connection, with the copies
+    begun into it so far (an unknown one is the frame's error when it runs)."""
+    named = {}
+    for frame in call.args["frames"]:
+        snapshot_id = frame.args.get("snapshot_into")
+        snapshot = None if snapshot_id is None else server.snapshots.find(call.conn.id, snapshot_id)
+        if snapshot is not None:
+            named[snapshot] = snapshot.copies_begun
+    return named
 
 
 def open_filled(server, call, batch: int, layout: StateLayout, fill=None):
@@ -280,10 +302,23 @@ def session_restore(server, call) -> dict:
         if not session.closed:
             server.snapshots.restore(call.conn.id, call.args["snapshot"], session, "args.snapshot")
 
+    refuse_copies_into_restored(call)
     restore()
-    frames = run_frames(server, call, session, undo=restore)
-    call.if_unsent = restore  # a result too long to send fails the request as a frame would
-    return {"restored": True, "frames": frames}
+    return {"restored": True, "frames": run_frames(server, call, session, undo=restore)}
+
+
+def refuse_copies_into_restored(call) -> None:
+    """A frame may not copy into the snapshot its request restores: a frame failing after it
+    would restore the copy instead of the state the request was asked to restore."""
+    snapshot_id = call.args["snapshot"]
+    for i, frame in enumerate(call.args["frames"]):
+        if frame.args.get("snapshot_into") == snapshot_id:
+            field = f"args.frames[{i}].args.snapshot_into"
+            raise OpError("invalid_argument",
+                          f"{field}: expected a snapshot other than args.snapshot (the one this request restores, "
+                          f"and restores again should a frame fail), got {snapshot_id!r}",
+                          {"field": field, "expected": "a snapshot other than args.snapshot", "got": snapshot_id,
+                           "frame": i})
 
 
 def session_fork(server, call) -> dict:

@@ -320,6 +320,16 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                                                   "args": {"tokens": {"dtype": "i32", "shape": [2, 2],
                                                                       "data": Binary("i32", [3, 7, 2, 5])},
                                                            "last_only": True}}]}}))
+    vectors.append(_request("session_restore_frames_snapshot_into", "roll a model session back to a snapshot "
+                            "and re-simulate two frames, each copying the state before it into a snapshot of a "
+                            "rollback ring",
+                            {"v": 1, "id": 55, "op": "session_restore",
+                             "args": {"session": "s-3", "snapshot": "p-1",
+                                      "frames": [{"op": "model_step",
+                                                  "args": {"tokens": {"dtype": "i32", "shape": [1],
+                                                                      "data": Binary("i32", [token])},
+                                                           "snapshot_into": into}}
+                                                 for token, into in ((4, "p-2"), (9, "p-3"))]}}))
     vectors.append(_request("scan_backward_f32", "gradients of a scan with D, dt_bias, softplus, h0 and dstate",
                             {"v": 1, "id": 25, "op": "scan_backward", "args": {
                                 "dy": tensor("f32", (1, 3, 2), 190), **_scan_args("f32", 1, 3, 2, 2, seed=191),
