@@ -216,8 +216,10 @@ class ModelSession:
     def restore_with_frames(self, snapshot: str, frames) -> list:
         """A rollback in one round trip: restore `snapshot`, then run `frames` on this session,
         (op, args) pairs with op "model_step" or "model_forward" and args that op's own but the
-        session and snapshot_into; each frame's output (and state, with return_state) as step and forward return
-        them. A frame that fails leaves the session holding the snapshot's state."""
+        session; each frame's output (and state, with return_state) as step and forward return
+        them. A model_step frame's snapshot_into refreshes a rollback ring with the corrected
+        states. A frame that fails leaves the session holding the snapshot's state, and the
+        snapshots its frames copied into undefined (SPEC §6.1)."""
         frames = list(frames)
         results = self.client.restore_with_frames(self.id, snapshot, frames)
         return [self._answer(result, bool(args.get("return_state"))) for (_, args), result in zip(frames, results)]
@@ -837,7 +839,7 @@ class FramedClient:
         """A session opened as session_open's `dims` say (batch, dim, state; kind="ssd", heads,
         headdim; model; h0 or a model's saved `state`) with `frames` run on it in the same
         request: (op, args) pairs, op one of step, scan, ssd_scan, model_step, model_forward and
-        args that op's own but the session and snapshot_into (SPEC §6.1). Returns its id and each frame's result. What a
+        args that op's own but the session (SPEC §6.1). Returns its id and each frame's result. What a
         client reopening a session from a saved state runs: the frames answered since, in one
         round trip (SPEC §6.1)."""
         result = self.call("session_open", frames=[{"op": op, "args": args} for op, args in frames], **dims)

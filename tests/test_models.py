@@ -1293,6 +1293,12 @@ def test_a_client_loads_steps_and_rolls_back_through_a_server_process(checkpoint
         session.step(tokens[:, PREFIX + 3].numpy(), snapshot_into=snapshot)
         fork.restore(snapshot)
         assert all(torch.equal(torch.as_tensor(fork.state()[k]), torch.as_tensor(v)) for k, v in before.items())
+        # a rollback whose re-simulated frame refreshes a ring's snapshot with the state before it
+        ring = session.snapshot()
+        session.restore_with_frames(snapshot, [("model_step", {"tokens": tokens[:, PREFIX + 3].numpy(),
+                                                               "snapshot_into": ring})])
+        fork.restore(ring)
+        assert all(torch.equal(torch.as_tensor(fork.state()[k]), torch.as_tensor(v)) for k, v in before.items())
         short = remote.open_session(batch=1)
         ragged = torch.as_tensor(short.forward(tokens[:, :PREFIX].numpy(), lengths=np.array([3], np.int32)))
         rel_close(ragged[:, :3], torch.as_tensor(remote.open_session(batch=1).forward(tokens[:, :3].numpy())), 1e-5,

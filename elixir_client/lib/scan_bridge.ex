@@ -461,8 +461,9 @@ defmodule ScanBridge do
   Each frame is `{call, input}` or `{call, input, opts}`: `call` one of `:step`, `:scan`,
   `:ssd_scan`, `:model_step`, `:model_forward`, and `input` and `opts` what that function takes
   after its session (`scan/3`'s and `ssd_scan/3`'s inputs without `:session`; `opts` only the
-  model calls' `:output`, `:last_only`, `:lengths`, `:return_state`). Returns the session's id and each
-  frame's result, in order, as that function returns it (their `timing`, the request's).
+  model calls' `:output`, `:last_only`, `:lengths`, `:return_state`, and `model_step/4`'s
+  `:snapshot_into`). Returns the session's id and each frame's result, in order, as that
+  function returns it (their `timing`, the request's).
 
   A frame that fails fails the call with its own error, its field named
   `args.frames[i].args.<name>` and `detail["frame"]` i, and leaves no session open. A server
@@ -500,11 +501,9 @@ defmodule ScanBridge do
   defp frame!({call, input, opts}) when call in [:model_step, :model_forward] do
     op = Atom.to_string(call)
 
-    # No :snapshot_into: the server refuses it in a frame (a failed request could not give the
-    # snapshot back).
     allowed =
       if call == :model_step,
-        do: [:output, :return_state],
+        do: [:output, :return_state, :snapshot_into],
         else: [:output, :last_only, :lengths, :return_state]
 
     opts = opts!(opts, allowed, op)
@@ -981,10 +980,17 @@ defmodule ScanBridge do
   state and run the frames since with their corrected inputs, in one round trip. Frames are
   `open_session_with_frames/4`'s; returns each one's result, in order, as that function does.
 
+  A `:model_step` frame's `snapshot_into: id` refreshes a rollback ring as the re-simulation
+  runs: that snapshot takes the corrected state before the frame (not the snapshot restored:
+  `:invalid_argument`, nothing done).
+
   A frame that fails fails the call with its own error, its field named
   `args.frames[i].args.<name>` and `detail["frame"]` i, and leaves the session holding the
-  snapshot's state, as `restore/4` would. The snapshot stays either way. A server from before these frames refuses them
-  (`:invalid_argument`, field `args.frames`) and restores nothing.
+  snapshot's state, as `restore/4` would. The snapshot stays either way; one a frame copied
+  into is left undefined (a restore from it is `:state_lost` until a step copies into it
+  again). A server from before these frames refuses them (`:invalid_argument`, field
+  `args.frames`) and restores nothing; one from before `:snapshot_into` in them refuses that
+  (field `args.frames[i].args.snapshot_into`) and runs nothing.
   """
   @spec restore_with_frames(server, String.t(), String.t(), [frame], call_opts) ::
           {:ok, [term]} | error

@@ -248,15 +248,30 @@ defmodule ScanBridge.ModelsTest do
 
         assert detail["field"] == "args.frames[1].args.embeds" and detail["frame"] == 1
 
-        # the server refuses a snapshot_into in a frame (a failed request could not give the
-        # snapshot back), so the client does not send one
-        assert_raise ArgumentError,
-                     ~r/model_step options: expected only :output, :return_state, got :snapshot_into/,
-                     fn ->
-                       ScanBridge.restore_with_frames(server, session, snapshot, [
-                         {:model_step, elem(hd(frames), 1), [snapshot_into: snapshot]}
-                       ])
-                     end
+        # a re-simulated frame refreshes a ring's snapshot with the state before it; a failed
+        # request leaves the snapshot it copied into undefined
+        assert {:ok, ring} = ScanBridge.snapshot(server, session)
+        input = elem(hd(frames), 1)
+
+        assert {:ok, [_]} =
+                 ScanBridge.restore_with_frames(server, session, snapshot, [
+                   {:model_step, input, [snapshot_into: ring]}
+                 ])
+
+        assert {:ok, probe} = ScanBridge.fork(server, session)
+        assert :ok = ScanBridge.restore(server, probe, snapshot)
+        assert {:ok, before_frame} = ScanBridge.session_state(server, probe)
+        assert :ok = ScanBridge.restore(server, probe, ring)
+        assert {:ok, ^before_frame} = ScanBridge.session_state(server, probe)
+
+        assert {:error, %Error{reason: :shape_mismatch}} =
+                 ScanBridge.restore_with_frames(server, session, snapshot, [
+                   {:model_step, input, [snapshot_into: ring]},
+                   bad
+                 ])
+
+        assert {:error, %Error{reason: :state_lost}} = ScanBridge.restore(server, probe, ring)
+        assert :ok = ScanBridge.close_session(server, probe)
 
         assert {:ok, twin} = ScanBridge.fork(server, session)
         assert ScanBridge.restore(server, twin, snapshot) == :ok

@@ -9,9 +9,9 @@
 # snapshots, taken once: each frame's step copies the state before the frame into the ring's
 # next one (`snapshot_into`), so a frame is one round trip. Every 60 frames it plays a
 # misprediction: the last 7 frames' inputs were wrong, so it restores the snapshot taken before
-# them and re-simulates them, corrected, with one model_forward run in the restore's request (one
-# round trip), then goes on. At the end it prints the step latency (p50/p99) and the rollbacks'
-# cost.
+# them and re-simulates them, corrected, a model_step each run in the restore's request (one
+# round trip), each copying the corrected state before it into the ring, then goes on. At the
+# end it prints the step latency (p50/p99) and the rollbacks' cost.
 #
 # Options (defaults in brackets):
 #   --frames N          frames stepped after the warm-up [180]
@@ -157,18 +157,24 @@ defmodule AgentLoop do
   end
 
   # A misprediction: the inputs of the frames since the oldest state the ring holds were wrong.
-  # Back to the state before them, and the corrected frames re-simulated in one window, in the
-  # same request. The ring's states after it were mispredicted: no longer held.
+  # Back to the state before them, and the corrected frames re-simulated a step each, in the
+  # same request; each step after the first copies the corrected state before it into the
+  # frame's snapshot of the ring, so a later misprediction can still come back to any of them.
   defp rollback(server, session, input, last, stats) do
     first = stats.held |> Map.keys() |> Enum.min()
     snapshot = stats.held[first]
-    frames = last - first + 1
-    resimulate = {:model_forward, window(input, frames), [last_only: true]}
 
-    {us, {:ok, [_out]}} =
-      :timer.tc(fn -> ScanBridge.restore_with_frames(server, session, snapshot, [resimulate]) end)
+    resimulate =
+      for frame <- first..last//1 do
+        # frame `first`'s state before it is the snapshot being restored
+        into = if frame == first, do: [], else: [snapshot_into: stats.held[frame]]
+        {:model_step, frame_input(input), into}
+      end
 
-    %{stats | held: %{first => snapshot}, rollbacks: [{frames, us} | stats.rollbacks]}
+    {us, {:ok, outs}} =
+      :timer.tc(fn -> ScanBridge.restore_with_frames(server, session, snapshot, resimulate) end)
+
+    %{stats | rollbacks: [{length(outs), us} | stats.rollbacks]}
   end
 
   # What rollback netcode stands on: frames re-simulated from a snapshot with the same inputs
@@ -321,9 +327,9 @@ defmodule AgentLoop do
         costs = Enum.map(rollbacks, &elem(&1, 1))
 
         IO.puts(
-          "rollbacks: #{length(rollbacks)} of #{frames} frames, each a restore with one " <>
-            "#{frames}-frame model_forward in its request: p50 #{ms(percentile(costs, 50))} ms, " <>
-            "max #{ms(Enum.max(costs))} ms"
+          "rollbacks: #{length(rollbacks)} of #{frames} frames, each a restore with its " <>
+            "#{frames} model_step frames in its request, the ring refreshed: " <>
+            "p50 #{ms(percentile(costs, 50))} ms, max #{ms(Enum.max(costs))} ms"
         )
     end
 
