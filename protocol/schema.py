@@ -89,7 +89,7 @@ FRAME_OPS = ("step", "scan", "ssd_scan", "model_step", "model_forward")
 # alias -> canonical name; accepted by every op that has the canonical argument, so that a
 # mamba_ssm call (selective_scan_fn, mamba_chunk_scan_combined) maps over one to one.
 ALIASES = {"u": "x", "delta": "dt", "delta_bias": "dt_bias", "delta_softplus": "dt_softplus",
-           "return_last_state": "return_state", "initial_states": "h0"}
+           "return_last_state": "return_state", "return_final_states": "return_state", "initial_states": "h0"}
 
 # The operands every scan, step and backward takes.
 _OPERANDS = {name: Arg("tensor", True) for name in ("x", "dt", "A", "B", "C")}

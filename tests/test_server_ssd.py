@@ -53,8 +53,11 @@ def test_mamba_ssm_names_map_over_one_to_one(srv):
     inputs = make_ssd_inputs(SsdCase(2, 7, 2, 4, 3, h0=True, dt_softplus=True))
     ours = srv.call(conn, "ssd_scan", **inputs)
     theirs_args = {k: v for k, v in inputs.items() if k not in ("h0", "return_state")}
-    theirs = srv.call(conn, "ssd_scan", initial_states=inputs["h0"], return_last_state=True, **theirs_args)
-    assert torch.equal(ours["y"], theirs["y"]) and torch.equal(ours["state"], theirs["state"])
+    for asking in ("return_final_states", "return_last_state"):  # mamba_chunk_scan_combined's, selective_scan's
+        theirs = srv.call(conn, "ssd_scan", initial_states=inputs["h0"], **{asking: True}, **theirs_args)
+        assert torch.equal(ours["y"], theirs["y"]) and torch.equal(ours["state"], theirs["state"]), asking
+    both = srv.request(conn, "ssd_scan", return_final_states=True, return_last_state=True, **theirs_args)
+    assert not both.ok and both.error["code"] == "invalid_argument", both.error
     # dt_limit: (0, inf) clamps nothing; another pair is dt_min, dt_max.
     plain = srv.call(conn, "ssd_scan", **theirs_args)["y"]
     assert torch.equal(srv.call(conn, "ssd_scan", dt_limit=(0.0, math.inf), **theirs_args)["y"], plain)

@@ -291,8 +291,8 @@ defmodule ScanBridge do
   (mamba_ssm's `[low, high]`, `:infinity` for an open side: `[0.0, :infinity]` clamps nothing);
   `:cu_seqlens` (packed sequences, as for `scan/3`); `:chunk_size` (tunes the chunked backends
   only); `:session` (a session opened with `kind: :ssd`, which the scan continues and leaves its
-  final state in). mamba_ssm's names are accepted: `:initial_states`, `:return_last_state`,
-  `:delta_softplus`, `:delta_bias`.
+  final state in). mamba_ssm's names are accepted: `:initial_states`, `:return_final_states`
+  (and `:return_last_state`), `:delta_softplus`, `:delta_bias`.
 
   Returns `y` (in x's dtype), `state` (`[batch, heads, headdim, state]` f32 with
   `return_state: true`, else nil; with `:cu_seqlens`, one row per sequence) and the server's

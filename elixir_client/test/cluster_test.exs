@@ -181,6 +181,21 @@ defmodule ScanBridge.ClusterTest do
     {:ok, state} = Cluster.session_state(s)
     {:ok, reference_state} = Cluster.session_state(reference)
     Models.assert_rel_close(state, reference_state, 1.0e-6, "state")
+
+    # mamba_ssm's names asking for the state, beside the keeper's own ask for a checkpoint
+    # (every second frame: each name is sent on two), which still rides on the replies
+    reads = state_reads(Cluster.members(g))
+
+    for asking <- [:return_final_states, :return_last_state], _frame <- 1..2 do
+      asked = Map.put(window, asking, true)
+      %{state: got} = ok!(Cluster.ssd_scan(s, asked))
+      %{state: expected} = ok!(Cluster.ssd_scan(reference, asked))
+      Models.assert_rel_close(got, expected, 1.0e-6, "#{asking}'s state")
+    end
+
+    ok!(Cluster.step(s, ssd_frame(sizes)))
+    ok!(Cluster.step(s, ssd_frame(sizes)))
+    assert state_reads(Cluster.members(g)) == reads
   end
 
   test "a rebuild of more kept frames than one open takes replays them; the member takes frames still" do

@@ -82,7 +82,7 @@ defmodule ScanBridge.SsdTest do
           initial_states: canonical.h0,
           dt_limit: unquote(limit),
           delta_softplus: unquote(softplus),
-          return_last_state: true
+          return_final_states: true
         })
 
       assert {:ok, result} = ScanBridge.ssd_scan(server, named)

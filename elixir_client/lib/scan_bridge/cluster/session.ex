@@ -75,8 +75,16 @@ defmodule ScanBridge.Cluster.Session do
   ]
   # The calls whose return_state is an option rather than one of the inputs.
   @state_option [:model_step, :model_forward]
-  # How an input map asks for the state (return_last_state is mamba_ssm's name for it).
-  @state_inputs [:return_state, "return_state", :return_last_state, "return_last_state"]
+  # How an input map asks for the state (return_last_state and return_final_states are
+  # mamba_ssm's names for it).
+  @state_inputs [
+    :return_state,
+    "return_state",
+    :return_last_state,
+    "return_last_state",
+    :return_final_states,
+    "return_final_states"
+  ]
 
   @doc false
   @spec open(Cluster.group(), map, Cluster.session_opts()) :: {:ok, t} | {:error, Error.t()}
