@@ -21,7 +21,9 @@ read once from memory after the caches were flushed (`floors`).
 Also snapshot + restore round trips at batch 1, and the server's own time for them, and the
 same with the snapshot taken inside a step (`snapshot_into`: its copy's cost in the step's
 kernel_us); a rollback of ROLLBACK frames (restore, then the corrected frames re-simulated as
-one window) sent as two requests and as one (session_restore with frames), alternated; and
+one window) sent as two requests and as one (session_restore with frames), alternated; the same
+rollback keeping the ring whole (the corrected frames stepped, each copying the state before it
+into a snapshot), as a request each and as one, alternated; and
 paced frames that keep a ring of ROLLBACK snapshots, by requests of their own and by the step's
 `snapshot_into`. The bridge and the echo are driven by the same lean client (pre-encoded frames,
 the reply read whole), one request a frame. The server's weights are sent by the client
@@ -191,6 +193,35 @@ def snapshot_restore_pairs(lane, session: str, pairs: int, warmup: int) -> tuple
             server_us.append(taken.timing["server_us"] + restored.timing["server_us"])
         exchange(lane, lane.frame(encode_request("f", "snapshot_free", {"snapshot": snapshot})))
     return round_trips, server_us
+
+
+def rollback_refreshing_ring(lane, bridge, session: str, snapshot: str, corrected: list[torch.Tensor]) -> dict:
+    """A rollback that keeps the ring whole: restore, then the corrected frames stepped, each
+    after the first copying the state before it into its snapshot of the ring (a later
+    misprediction may come back to any of them). As one request (session_restore with
+    model_step frames taking snapshot_into) and as a restore and a model_step a frame,
+    alternated."""
+    ring = [bridge.call("session_snapshot", session=session)["snapshot"] for _ in corrected[1:]]
+    steps = [{"embeds": frame, "output": "hidden", **({"snapshot_into": ring[i - 1]} if i else {})}
+             for i, frame in enumerate(corrected)]
+    restore = lane.frame(encode_request("r", "session_restore", {"session": session, "snapshot": snapshot}))
+    one_by_one = [lane.frame(encode_request("s", "model_step", {"session": session, **step})) for step in steps]
+    in_one = lane.frame(encode_request("o", "session_restore", {
+        "session": session, "snapshot": snapshot, "frames": [{"op": "model_step", "args": step} for step in steps]}))
+    apart_us, one_us = [], []
+    for i in range(110):
+        t0 = time.perf_counter_ns()
+        exchange(lane, restore)
+        for step in one_by_one:
+            exchange(lane, step)
+        t1 = time.perf_counter_ns()
+        exchange(lane, in_one)
+        if i >= 10:
+            apart_us.append((t1 - t0) / 1000)
+            one_us.append((time.perf_counter_ns() - t1) / 1000)
+    for into in ring:
+        bridge.call("snapshot_free", snapshot=into)
+    return {"rollback_ring_requests": summarize_us(apart_us), "rollback_ring_one_request": summarize_us(one_us)}
 
 
 def rollback_ring_frames(bridge, model: str, batch: int, frames: list[torch.Tensor], count: int) -> dict:
@@ -408,6 +439,7 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
                 one_us.append((time.perf_counter_ns() - t1) / 1000)
         result["rollback_two_requests"] = summarize_us(two_us)
         result["rollback_one_request"] = summarize_us(one_us)
+        result.update(rollback_refreshing_ring(lane, bridge, session, snapshot, frames[WINDOW:WINDOW + ROLLBACK]))
         result.update(rollback_ring_frames(bridge, info["model"], batch, frames, min(frames_n, 120)))
 
         # (b) the old way: a round trip per layer.
@@ -429,6 +461,10 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
         "old_way_over_step": result["old_way"]["p50_us"] / p50,
         "window_over_step": result["window_forward"]["p50_us"] / p50,
         "rollback_two_over_one": result["rollback_two_requests"]["p50_us"] / result["rollback_one_request"]["p50_us"],
+        "rollback_ring_requests_over_one": (result["rollback_ring_requests"]["p50_us"]
+                                            / result["rollback_ring_one_request"]["p50_us"]),
+        "rollback_ring_one_over_window": (result["rollback_ring_one_request"]["p50_us"]
+                                          / result["rollback_one_request"]["p50_us"]),
         "ring_own_requests_over_snapshot_into": (result["ring_frame_own_requests"]["p50_us"]
                                                  / result["ring_frame_snapshot_into"]["p50_us"]),
     }
@@ -465,6 +501,8 @@ def report(r: dict) -> None:
           f"with the restore's server part {into['snapshot_into_restore_server_us']:.1f} µs")
     print(line(f"rollback of {ROLLBACK}: two requests", r["rollback_two_requests"]))
     print(line(f"rollback of {ROLLBACK}: one request", r["rollback_one_request"]))
+    print(line(f"rollback of {ROLLBACK}, ring refreshed: a request each", r["rollback_ring_requests"]))
+    print(line(f"rollback of {ROLLBACK}, ring refreshed: one request", r["rollback_ring_one_request"]))
     print(line(f"ring of {ROLLBACK}: own requests a frame", r["ring_frame_own_requests"]))
     print(line(f"ring of {ROLLBACK}: snapshot_into", r["ring_frame_snapshot_into"]))
     ratios = r["ratios"]

@@ -584,14 +584,16 @@ def test_models_bench_runs_end_to_end(tmp_path):
     (case,) = result["cases"]
     assert (case["arch"], case["batch"], case["model_step"]["n"]) == ("mamba2", 1, 25)
     for part in ("transformers_step", "old_way", "window_forward", "snapshot_restore_round_trips",
-                 "rollback_two_requests", "rollback_one_request", "ring_frame_own_requests",
-                 "ring_frame_snapshot_into"):
+                 "rollback_two_requests", "rollback_one_request", "rollback_ring_requests",
+                 "rollback_ring_one_request", "ring_frame_own_requests", "ring_frame_snapshot_into"):
         assert case[part]["p50_us"] > 0, part
     assert set(case["floors"]) == {"torch_op", "matrix_products", "stack_step_in_process", "matrices_from_memory"}
     assert case["floors"]["matrices_from_memory"]["bytes"] > 0
     assert case["ratios"]["step_over_transformers"] == pytest.approx(
         case["model_step"]["p50_us"] / case["transformers_step"]["p50_us"])
     assert case["ratios"]["old_way_over_step"] == pytest.approx(case["old_way"]["p50_us"] / case["model_step"]["p50_us"])
+    assert case["ratios"]["rollback_ring_requests_over_one"] == pytest.approx(
+        case["rollback_ring_requests"]["p50_us"] / case["rollback_ring_one_request"]["p50_us"])
     assert case["ratios"]["ring_own_requests_over_snapshot_into"] == pytest.approx(
         case["ring_frame_own_requests"]["p50_us"] / case["ring_frame_snapshot_into"]["p50_us"])
     assert "echo" in case or "echo_skipped" in case
