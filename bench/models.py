@@ -208,20 +208,27 @@ def rollback_refreshing_ring(lane, bridge, session: str, snapshot: str, correcte
     one_by_one = [lane.frame(encode_request("s", "model_step", {"session": session, **step})) for step in steps]
     in_one = lane.frame(encode_request("o", "session_restore", {
         "session": session, "snapshot": snapshot, "frames": [{"op": "model_step", "args": step} for step in steps]}))
-    apart_us, one_us = [], []
-    for i in range(110):
-        t0 = time.perf_counter_ns()
-        exchange(lane, restore)
-        for step in one_by_one:
-            exchange(lane, step)
-        t1 = time.perf_counter_ns()
-        exchange(lane, in_one)
-        if i >= 10:
-            apart_us.append((t1 - t0) / 1000)
-            one_us.append((time.perf_counter_ns() - t1) / 1000)
+    apart_us, one_us = alternated_round_trips(lane, [restore, *one_by_one], [in_one])
     for into in ring:
         bridge.call("snapshot_free", snapshot=into)
     return {"rollback_ring_requests": summarize_us(apart_us), "rollback_ring_one_request": summarize_us(one_us)}
+
+
+def alternated_round_trips(lane, first: list, second: list, rounds: int = 100, warmup: int = 10):
+    """The µs each of two request sequences takes, sent one after the other `rounds` times (after
+    `warmup` rounds): the two ways of the same work, timed in the same minutes."""
+    first_us, second_us = [], []
+    for i in range(warmup + rounds):
+        t0 = time.perf_counter_ns()
+        for frame in first:
+            exchange(lane, frame)
+        t1 = time.perf_counter_ns()
+        for frame in second:
+            exchange(lane, frame)
+        if i >= warmup:
+            first_us.append((t1 - t0) / 1000)
+            second_us.append((time.perf_counter_ns() - t1) / 1000)
+    return first_us, second_us
 
 
 def rollback_ring_frames(bridge, model: str, batch: int, frames: list[torch.Tensor], count: int) -> dict:
@@ -427,16 +434,7 @@ def run_case(arch: str, batch: int, frames_n: int, server_args: list[str]) -> di
         forward = lane.frame(encode_request("w", "model_forward", {"session": session, **resimulate}))
         in_one = lane.frame(encode_request("o", "session_restore", {
             "session": session, "snapshot": snapshot, "frames": [{"op": "model_forward", "args": resimulate}]}))
-        two_us, one_us = [], []
-        for i in range(110):
-            t0 = time.perf_counter_ns()
-            exchange(lane, restore)
-            exchange(lane, forward)
-            t1 = time.perf_counter_ns()
-            exchange(lane, in_one)
-            if i >= 10:
-                two_us.append((t1 - t0) / 1000)
-                one_us.append((time.perf_counter_ns() - t1) / 1000)
+        two_us, one_us = alternated_round_trips(lane, [restore, forward], [in_one])
         result["rollback_two_requests"] = summarize_us(two_us)
         result["rollback_one_request"] = summarize_us(one_us)
         result.update(rollback_refreshing_ring(lane, bridge, session, snapshot, frames[WINDOW:WINDOW + ROLLBACK]))
