@@ -672,7 +672,8 @@ defmodule ScanBridge.ClusterTest do
 
   test "a restore that reopens the session elsewhere does not wait on its frozen owner's close" do
     g = group()
-    [x, y] = start_members(g, 2)
+    # two requests in flight fill a member's client
+    [x, y] = start_members(g, 2, max_in_flight: 2)
     sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
     {s, p} = failed_over_with_snapshot(g, x, y, sizes)
     # a copy on y, which the restore forgets as it leaves y
@@ -686,6 +687,9 @@ defmodule ScanBridge.ClusterTest do
     # p's checkpoint; the close on y is no part of what the caller waits for
     os_pid = os_pid!(y)
     freeze(os_pid)
+    # y's client full: the close and the free wait there, unsent, as long as y stays frozen
+    for _ <- 1..2, do: Task.start(fn -> ScanBridge.ping(y, timeout: 10_000) end)
+    assert eventually(fn -> map_size(:sys.get_state(y).outstanding) == 2 end)
     assert :ok = Cluster.restore(s, p, timeout: 3_000)
     assert owner(s) == z
     # frozen past what a checkpoint may take: the close and the free still wait for y

@@ -1261,15 +1261,16 @@ defmodule ScanBridge.Cluster.Session do
     %{snapshot | owner: nil, remote: nil}
   end
 
-  # A copy freed, or a session closed, by a process of its own with a timeout of its own: sent
-  # even where the caller's deadline is spent (what is left would count against its server's
-  # pool until this keeper exits), and waited for by nobody, as its server may be slow to
-  # answer. The server takes either from any process; one that went away meanwhile took it along.
+  # A copy freed, or a session closed, by a process of its own: sent even where the caller's
+  # deadline is spent (what is left would count against its server's pool until this keeper
+  # exits), waited for by nobody, and with no deadline, so that a server frozen, or its client
+  # full, for a while still gets it once it answers again. The server takes either from any
+  # process; one that went away meanwhile took it along (and ended the wait).
   defp free_apart(owner, remote),
-    do: apart(fn -> ScanBridge.free_snapshot(owner, remote, timeout: @checkpoint_timeout_ms) end)
+    do: apart(fn -> ScanBridge.free_snapshot(owner, remote, timeout: :infinity) end)
 
   defp close_apart(owner, remote),
-    do: apart(fn -> ScanBridge.close_session(owner, remote, timeout: @checkpoint_timeout_ms) end)
+    do: apart(fn -> ScanBridge.close_session(owner, remote, timeout: :infinity) end)
 
   defp apart(request) do
     {:ok, _sending} = Task.start(request)
