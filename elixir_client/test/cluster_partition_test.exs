@@ -145,5 +145,41 @@ defmodule ScanBridge.ClusterPartitionTest do
     assert is_binary(id)
   end
 
+  test "a member retiring a model while its server is frozen still gives a joining member the catalogue" do
+    {g, peer, here, _there} = two_members_apart()
+    {:ok, old_id} = ScanBridge.Server.model_named(here, "tiny")
+    # the session keeps the old model in use here, so that it is retired, not freed, below
+    s = session_on(g, here)
+
+    Peers.cut_off(peer)
+    Peers.await_members(g, 1)
+    assert :peer.call(peer.peer, Peers, :await_members, [g, 1], 30_000)
+    assert :ok = :peer.call(peer.peer, Cluster, :free_model, [g, "tiny"], 60_000)
+    backbone = Models.backbone(Models.config(:mamba2), 2)
+
+    assert {:ok, %{members: 1}} =
+             :peer.call(peer.peer, Cluster, :load_model, [g, "tiny", backbone], 60_000)
+
+    Peers.reconnect(peer)
+    Peers.await_members(g, 2)
+    await_replaced(here, old_id)
+
+    # apart again, with here's server frozen while its keeper tries to free the retired model
+    Peers.cut_off(peer)
+    Peers.await_members(g, 1)
+    {:ok, os_pid} = ScanBridge.os_pid(here)
+    TestSupport.freeze(os_pid)
+    Process.sleep(2_500)
+
+    # the one keeper to copy from answers, and the member joins holding the group's model
+    joiner = start_supervised!({ScanBridge, TestSupport.server_opts(group: g)}, id: :joiner)
+    Peers.await_members(g, 2)
+    assert {:ok, id} = ScanBridge.Server.model_named(joiner, "tiny")
+    assert is_binary(id)
+
+    TestSupport.thaw(os_pid)
+    assert :ok = Cluster.close_session(s)
+  end
+
   defp ok!({:ok, value}), do: value
 end

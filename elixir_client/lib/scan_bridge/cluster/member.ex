@@ -40,11 +40,13 @@ defmodule ScanBridge.Cluster.Member do
   # recorded or freed here; loads: the models loading, by name: %{ref:, source:, opts:, waiters:}
   # (callers, `:sync`, `:reconcile` or `{:free, caller, opts, tag}`); claims: {name, caller} =>
   # {model, monitor of the caller}; sync_left: the loads the join waits for; retired: model id
-  # => info, models replaced by a newer entry whose free is still to succeed.
+  # => info, models replaced by a newer entry whose free is still to succeed; freeing: the task
+  # freeing them now, or nil.
   defstruct [
     :server,
     :group,
     :syncing,
+    :freeing,
     catalogue: %{},
     versions: %{},
     loads: %{},
@@ -109,8 +111,11 @@ defmodule ScanBridge.Cluster.Member do
   def handle_info({:reconcile, catalogues}, state),
     do: {:noreply, merge(state, catalogues, :reconcile)}
 
-  def handle_info(:retry_retired, state) do
-    state = free_retired(state)
+  def handle_info(:retry_retired, state), do: {:noreply, free_retired(state)}
+
+  def handle_info({ref, freed}, %{freeing: ref} = state) do
+    Process.demonitor(ref, [:flush])
+    state = %{state | freeing: nil, retired: Map.drop(state.retired, freed)}
     _timer = if state.retired != %{}, do: retry_later()
     {:noreply, state}
   end
@@ -262,7 +267,7 @@ defmodule ScanBridge.Cluster.Member do
         {:ok, freed(%{state | catalogue: catalogue}, name, tag)}
 
       {{_source, _opts, info}, catalogue} ->
-        case free_on_server(state, info, opts) do
+        case free_on_server(state.server, info, opts) do
           :ok ->
             ScanBridge.Server.name_model(state.server, name, nil)
             {:ok, freed(%{state | catalogue: catalogue}, name, tag)}
@@ -280,8 +285,8 @@ defmodule ScanBridge.Cluster.Member do
 
   # :unknown_model: the server no longer holds it (freed there directly, or restarted), so it is
   # freed; kept in the catalogue, it would refuse the name to other models.
-  defp free_on_server(state, info, opts) do
-    case ScanBridge.free_model(state.server, info, opts) do
+  defp free_on_server(server, info, opts) do
+    case ScanBridge.free_model(server, info, opts) do
       {:error, %ScanBridge.Error{reason: reason}} = error when reason != :unknown_model -> error
       _freed -> :ok
     end
@@ -355,21 +360,25 @@ defmodule ScanBridge.Cluster.Member do
     # the server tells every node's balancer to forget its id (Balancer.forget_model/2)
     ScanBridge.Server.name_model(state.server, name, nil)
 
-    # one retry timer at a time: one is running while earlier retired models wait
-    retrying = state.retired != %{}
-    state = free_retired(put_in(state.retired[info["model"]], info))
-    _timer = if not retrying and state.retired != %{}, do: retry_later()
-    state
+    free_retired(put_in(state.retired[info["model"]], info))
   end
 
-  # Frees the retired models; those their server still refuses (sessions of them open) stay,
-  # to be tried again (retry_later/0).
-  defp free_retired(state) do
-    retired =
-      Map.reject(state.retired, fn {_id, info} -> free_on_server(state, info, []) == :ok end)
+  # Frees the retired models in a task, so that this keeper answers the others meanwhile (a
+  # free waits out its timeout on a frozen server, and a member joining would copy nothing
+  # from here). One task at a time; those their server still refuses (sessions of them open)
+  # are tried again once it ends (retry_later/0), with any retired meanwhile.
+  defp free_retired(%{freeing: nil, retired: retired} = state) when retired != %{} do
+    server = state.server
 
-    %{state | retired: retired}
+    task =
+      Task.async(fn ->
+        for {id, info} <- retired, free_on_server(server, info, []) == :ok, do: id
+      end)
+
+    %{state | freeing: task.ref}
   end
+
+  defp free_retired(state), do: state
 
   defp retry_later, do: Process.send_after(self(), :retry_retired, @retire_retry_ms)
 
