@@ -78,7 +78,8 @@ def run_mix(args: list[str]) -> ProcessRun:
 # Every file that starts `:peer` nodes (and makes its VM distributed) is here, so the rest's VM
 # stays a plain one.
 CLUSTER_TEST_FILES = ("cluster_test.exs", "cluster_peers_test.exs", "peers_test.exs",
-                      "remote_callers_test.exs", "cluster_balancer_test.exs", "cluster_partition_test.exs")
+                      "remote_callers_test.exs", "cluster_balancer_test.exs", "cluster_partition_test.exs",
+                      "cluster_chaos_test.exs")
 
 
 def exunit_parts() -> dict[str, list[str]]:
