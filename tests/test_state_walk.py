@@ -5,13 +5,15 @@ An in-process server (tests/bridge_fakes.py) with small --max-sessions / --max-p
 limits, drawn per run, and three connections. Rules open plain Mamba-1 and Mamba-2 sessions (from
 zero or an h0) and sessions of two tiny models (loaded and freed as rules too), step and prefill
 them (return_state sometimes, a model step's snapshot_into too), open and restore with `frames`
-(a frame that fails when it runs, or one the decoder refuses, somewhere among them), snapshot,
-restore, fork, close, free, read states, and close a whole connection; steps of several sessions
-(one of them twice, say) queued together so that they share launches; and requests whose state
-writes fail partway (out of memory, injected): a step, a restore's copy, a frame of session_open
-or session_restore, a model step's copy into a snapshot. Each rule draws valid and sometimes
-invalid arguments: another connection's ids, ids never issued, a session of the wrong kind, a row
-too many, a snapshot of another shape.
+(a frame that fails when it runs, or one the decoder refuses, somewhere among them; model steps
+copying into snapshots), snapshot, restore, fork, close, free, read states, roll a model session
+back (a ring of its snapshots, one restored with frames copying into the others, or into itself:
+refused), and close a whole connection; steps of several sessions (one of them twice, say)
+queued together so that they share launches; and requests whose state writes fail partway (out
+of memory, injected): a step, a restore's copy, a frame of session_open or session_restore, a
+model step's copy into a snapshot. Each rule draws valid and sometimes invalid arguments: another
+connection's ids, ids never issued, a session of the wrong kind, a row too many, a snapshot of
+another shape.
 
 The oracle:
 - every reply is the one SPEC.md says: a success, or exactly the error code (and field, or limit)
@@ -24,8 +26,8 @@ The oracle:
   state bit for bit (a re-simulation after a restore);
 - a session is lost (refused `state_lost` by every op that reads or advances it) exactly after a
   step or a restore's copy failed partway, until a restore; a frame failing so is undone, and
-  its error says nothing was lost; a snapshot a failed copy left undefined is refused by
-  restores until a copy into it completes;
+  its error says nothing was lost; a snapshot a failed copy left undefined, or one a frame
+  copied into before its request failed, is refused by restores until a copy into it completes;
 - after every rule, `stats`' sessions section (sessions, pools and their rows in use, model and
   snapshot bytes, pool bytes within the budget) equals what the model holds, and so do the
   server's tables (each session's lost flag too); its counts (each op's successes, failures and
@@ -139,6 +141,19 @@ class Planned:
     check: object
     held: Held | None
     snapshot: Held | None = None  # a restore's, or a model step's snapshot_into
+
+
+@dataclass
+class Frames:
+    """A request's frames as sent (`wire`) and, for each, (op, args, its model op's memo key, the
+    snapshot its snapshot_into names: None for none or one never taken); `spoiled`: the index of a
+    bad one, `bad` how ("rows", "garbled"), `name` the input it spoils (x or embeds)."""
+
+    wire: list
+    oracle: list
+    name: str
+    spoiled: int | None = None
+    bad: str | None = None
 
 
 @dataclass(eq=False)
@@ -271,9 +286,10 @@ MODEL_OP_REFUSALS = {"rows": ("shape_mismatch", "args.embeds"), "tokens": ("inva
                      "neither": ("invalid_argument", "args"), "logits": ("invalid_argument", "args.output")}
 
 # A request's frames, each (whether it is a window, a prefill or a model_forward; a plain
-# frame's input seed; a model frame's); a bad one among them: "rows" (refused when it runs: a
-# row too many), "garbled" (refused by the decoder: x or embeds not a tensor).
-FRAME_SPECS = st.lists(st.tuples(st.booleans(), SEED, MODEL_INPUTS), min_size=0, max_size=3)
+# frame's input seed; a model frame's; a model step's snapshot_into, picked); a bad one among
+# them: "rows" (refused when it runs: a row too many), "garbled" (refused by the decoder: x or
+# embeds not a tensor).
+FRAME_SPECS = st.lists(st.tuples(st.booleans(), SEED, MODEL_INPUTS, st.none() | PICK), min_size=0, max_size=3)
 BAD_FRAME = st.sampled_from([None, None, "rows", "garbled"])
 
 
@@ -495,56 +511,99 @@ class StateWalk(RuleBasedStateMachine):
             self.learn(after, result["state"], f"{what}: its return_state")
         return after
 
-    def plain_frames(self, kind: str, shape: tuple, batch: int, specs, bad, bad_at: int):
-        """(wire frames, [(op, args, memo)], the failing frame's index or None) for a plain
-        session; `bad` at `bad_at` (modulo the frames) where drawn."""
-        frames, oracle = [], []
-        for prefill, seed, _ in specs:
+    def plain_frames(self, kind: str, shape: tuple, batch: int, specs, bad=None, bad_at: int = 0) -> Frames:
+        """Frames for a plain session; `bad` at `bad_at` (modulo the frames) where drawn."""
+        frames = Frames([], [], "x")
+        for prefill, seed, _, _ in specs:
             op = ("scan" if kind == "mamba" else "ssd_scan") if prefill else "step"
             args = plain_inputs(kind, shape, batch, seed, seq=SEQ if prefill else None,
                                 groups=2 if kind == "ssd" else 1)
-            frames.append({"op": op, "args": args})
-            oracle.append((op, args, None))
-        return self.spoil(frames, oracle, "x", bad, bad_at)
+            frames.wire.append({"op": op, "args": args})
+            frames.oracle.append((op, args, None, None))
+        return self.spoil(frames, bad, bad_at)
 
-    def model_frames(self, batch: int, specs, bad, bad_at: int):
-        frames, oracle = [], []
-        for forward, _, seed in specs:
+    def model_frames(self, held: Held, specs, bad=None, bad_at: int = 0) -> Frames:
+        """Frames for a model session like `held`, a model step's snapshot_into mostly one its
+        connection may copy into."""
+        frames = Frames([], [], "embeds")
+        for forward, _, seed, into in specs:
             op = "model_forward" if forward else "model_step"
-            args = {"embeds": model_input(batch, seed, SEQ if forward else None)}
-            frames.append({"op": op, "args": args})
-            oracle.append((op, args, (op, seed, torch.float32)))
-        return self.spoil(frames, oracle, "embeds", bad, bad_at)
+            args = {"embeds": model_input(held.batch, seed, SEQ if forward else None)}
+            snapshot = None
+            if into is not None and not forward:
+                snapshot = self.pick(self.snapshots, into, self.like(held, held.conn) if into < MOSTLY else None)
+                args["snapshot_into"] = snapshot.id if snapshot else "never-taken"
+            frames.wire.append({"op": op, "args": args})
+            frames.oracle.append((op, args, (op, seed, torch.float32), snapshot))
+        return self.spoil(frames, bad, bad_at)
 
     @staticmethod
-    def spoil(frames: list, oracle: list, name: str, bad, bad_at: int):
-        if bad is None or not frames:
-            return frames, oracle, None
-        i = bad_at % len(frames)
-        args = dict(frames[i]["args"])
-        if bad == "rows":
-            args[name] = torch.cat([args[name], args[name][:1]])
-        else:
-            args[name] = "not a tensor"
-        frames[i] = {"op": frames[i]["op"], "args": args}
-        return frames, oracle, i
+    def spoil(frames: Frames, bad, bad_at: int) -> Frames:
+        if bad is None or not frames.wire:
+            return frames
+        i = bad_at % len(frames.wire)
+        args = dict(frames.wire[i]["args"])
+        args[frames.name] = torch.cat([args[frames.name], args[frames.name][:1]]) if bad == "rows" else "not a tensor"
+        frames.wire[i] = {"op": frames.wire[i]["op"], "args": args}
+        frames.spoiled, frames.bad = i, bad
+        return frames
 
-    def run_frames(self, held: Held, value: Value, oracle: list, results: list, what: str) -> Value:
-        assert len(results) == len(oracle), f"{what}: {len(results)} frame results"
-        for i, ((op, args, memo), result) in enumerate(zip(oracle, results)):
-            assert "state" not in result, f"{what}: frame {i} carries the state unasked"
-            value = self.advance(held.layout, value, op, args, memo, result, f"{what}, frame {i}")
-        self.frames_ran(op for op, _, _ in oracle)
-        return value
+    def refused_when_decoded(self, reply, frames: Frames | None, what: str) -> bool:
+        """Whether the decoder refused the request for a garbled frame (checked so)."""
+        if frames is None or frames.bad != "garbled":
+            return False
+        self.expect(reply, "invalid_argument", f"args.frames[{frames.spoiled}].args.{frames.name}", decoding=True,
+                    what=what)
+        return True
 
-    def frame_error(self, reply, bad: str, bad_at: int, name: str, oracle: list, what: str) -> None:
-        """A spoiled frame's error: refused when decoded, or when it runs (the frames before it
-        ran)."""
-        if bad == "garbled":
-            self.expect(reply, "invalid_argument", f"args.frames[{bad_at}].args.{name}", decoding=True, what=what)
-        else:
-            self.expect(reply, "shape_mismatch", f"args.frames[{bad_at}].args.{name}", frame=bad_at, what=what)
-            self.frames_ran(op for op, _, _ in oracle[:bad_at])
+    def failing_frame(self, frames: Frames, held: Held, injected: int | None):
+        """(index, code, field or None, limit or None, the snapshots its frames copied into) of
+        the first frame to fail when it runs: the spoiled one, a copy into a snapshot the
+        connection does not hold or of another class, or the `injected`-th state write failing
+        partway (after its frame's copy); None when none fails."""
+        copied, writes = [], 0
+        for i, (op, args, _, snapshot) in enumerate(frames.oracle):
+            field = f"args.frames[{i}].args"
+            if i == frames.spoiled:
+                return i, "shape_mismatch", f"{field}.{frames.name}", None, copied
+            if "snapshot_into" in args:
+                if not self.holds_snapshot(snapshot, held.conn):
+                    return i, "unknown_snapshot", f"{field}.snapshot_into", None, copied
+                if (snapshot.layout, snapshot.batch) != (held.layout, held.batch):
+                    return i, "invalid_argument", f"{field}.snapshot_into", None, copied
+                copied.append(snapshot)
+            if op in ("step", "model_step"):
+                if writes == injected:
+                    return i, "limit_exceeded", None, "memory", copied
+                writes += 1
+        return None
+
+    def expect_frames(self, reply, held: Held, frames: Frames, what: str, injected: int | None = None):
+        """The result of a request whose frames run on `held` once it is open or restored, its
+        frames checked and `held` advanced through them; None where a frame fails (checked so):
+        what the frames before it did is undone, and the snapshots its frames copied into are
+        left undefined (SPEC §6.1)."""
+        failing = self.failing_frame(frames, held, injected)
+        if failing is None:
+            result = self.expect(reply, None, what=what)
+            assert len(result["frames"]) == len(frames.oracle), f"{what}: {len(result['frames'])} frame results"
+            value = held.value
+            for i, ((op, args, memo, snapshot), frame) in enumerate(zip(frames.oracle, result["frames"])):
+                assert "state" not in frame, f"{what}: frame {i} carries the state unasked"
+                if snapshot is not None:  # the state before the frame, whole again
+                    snapshot.value, snapshot.lost = value, False
+                    event("frames: a copy into a snapshot")
+                value = self.advance(held.layout, value, op, args, memo, frame, f"{what}, frame {i}")
+            held.value = value
+            self.frames_ran(op for op, _, _, _ in frames.oracle)
+            return result
+        i, code, field, limit, copied = failing
+        self.expect(reply, code, field, limit=limit, frame=i, what=what)
+        self.frames_ran(op for op, _, _, _ in frames.oracle[:i])
+        for snapshot in copied:
+            snapshot.value, snapshot.lost = Value(None), True
+            event("frames: a copy into a snapshot undone")
+        return None
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -564,37 +623,35 @@ class StateWalk(RuleBasedStateMachine):
             state = torch.randn(batch, *shape, generator=torch.Generator().manual_seed(seed), dtype=h0)
             args["h0"] = state
             value = Value(state.to(torch.float64), state.float())
-        frames, oracle, failing = [], [], None
+        frames = None
         if specs is not None:
-            frames, oracle, failing = self.plain_frames(kind, shape, batch, specs, bad, bad_at)
-            args["frames"] = frames
+            frames = self.plain_frames(kind, shape, batch, specs, bad, bad_at)
+            args["frames"] = frames.wire
         row_bytes = plain_row_bytes(shape)
         refusal = self.open_refusal(batch, layout, row_bytes)
         what = f"session_open {kind} {list(shape)} batch {batch}"
         reply = self.request(conn, "session_open", **args)
-        if failing is not None and bad == "garbled":
-            return self.frame_error(reply, bad, failing, "x", oracle, what)
+        if self.refused_when_decoded(reply, frames, what):
+            return
         if h0 == "bad":
             return self.expect(reply, "shape_mismatch", "args.h0", what=what)
-        self.expect_opened(reply, Held("", conn, layout, batch, row_bytes, value), refusal,
-                           None if specs is None else (oracle, failing, bad, "x"), what)
+        self.expect_opened(reply, Held("", conn, layout, batch, row_bytes, value), refusal, frames, what)
 
-    def expect_opened(self, reply, held: Held, refusal: str | None, frames, what: str) -> None:
+    def expect_opened(self, reply, held: Held, refusal: str | None, frames: Frames | None, what: str,
+                      injected: int | None = None) -> None:
         """A session_open whose arguments passed: refused by the limit it exceeds, or failing
-        at a frame that runs (opened, then closed again), or `held` opened, its frames run on it.
-        `frames`: (their oracle, the failing one's index or None, its fault, its input's name)."""
+        at a frame that runs (opened, then closed again), or `held` opened, its frames run on it."""
         if refusal is not None:
             return self.expect(reply, "limit_exceeded", limit=refusal, what=what)
         self.watched.add(held.conn)
-        oracle, failing, bad, name = frames or ((), None, None, None)
-        if failing is not None:
-            return self.frame_error(reply, bad, failing, name, oracle, what)
-        result = self.expect(reply, None, what=what)
-        held.id = result["session"]
-        if frames is not None:
-            held.value = self.run_frames(held, held.value, oracle, result["frames"], what)
-        else:
+        if frames is None:
+            result = self.expect(reply, None, what=what)
             assert "frames" not in result, f"{what}: frames unasked"
+        else:
+            result = self.expect_frames(reply, held, frames, what, injected)
+            if result is None:
+                return
+        held.id = result["session"]
         self.sessions[held.id] = held
 
     @rule(which=PICK, asker=ASKER, batch=st.integers(1, 2),
@@ -616,21 +673,21 @@ class StateWalk(RuleBasedStateMachine):
             elif state == "random":
                 value = Value(None, parts)
             args["state"] = parts
-        frames, oracle, failing = [], [], None
+        opened = Held("", conn, layout, batch, loaded.row_bytes if loaded else 0, value)
+        frames = None
         if specs is not None:
-            frames, oracle, failing = self.model_frames(batch, specs, bad, bad_at)
-            args["frames"] = frames
+            frames = self.model_frames(opened, specs, bad, bad_at)
+            args["frames"] = frames.wire
         refusal = self.open_refusal(batch, layout, loaded.row_bytes) if loaded else None
         what = f"session_open of a model, batch {batch}"
         reply = self.request(conn, "session_open", **args)
-        if failing is not None and bad == "garbled":
-            return self.frame_error(reply, bad, failing, "embeds", oracle, what)
+        if self.refused_when_decoded(reply, frames, what):
+            return
         if loaded is None or loaded.conn != conn:
             return self.expect(reply, "unknown_model", "args.model", what=what)
         if state == "bad":
             return self.expect(reply, "shape_mismatch", "args.state.layers.1.conv", what=what)
-        self.expect_opened(reply, Held("", conn, layout, batch, loaded.row_bytes, value), refusal,
-                           None if specs is None else (oracle, failing, bad, "embeds"), what)
+        self.expect_opened(reply, opened, refusal, frames, what)
 
     # -- stepping --------------------------------------------------------------------------
 
@@ -819,50 +876,32 @@ class StateWalk(RuleBasedStateMachine):
             what = "session_restore failing partway"
             if not self.expect_restore_refusal(reply, held, conn, snapshot, what):
                 self.lose(reply, held, what)
-        elif what == "open frames":
-            loaded = self.pick(self.models, which)
-            model = loaded is not None and asker % 2 == 0
-            conn = loaded.conn if model else asker % CONNECTIONS
-            batch = 1 + seed % 2
-            if model:
-                layout, row_bytes = ("model", loaded.id), loaded.row_bytes
-                args = {"model": loaded.id, "batch": batch}
-                specs = [(False, seed + i, (seed + i) % 4) for i in range(frames)]
-                wire, _, _ = self.model_frames(batch, specs, None, 0)
-            else:
-                layout, row_bytes = ("mamba", MAMBA_SHAPES[0]), plain_row_bytes(MAMBA_SHAPES[0])
-                args = {"batch": batch, "dim": MAMBA_SHAPES[0][0], "state": MAMBA_SHAPES[0][1]}
-                wire, _, _ = self.plain_frames("mamba", MAMBA_SHAPES[0], batch,
-                                               [(False, seed + i, 0) for i in range(frames)], None, 0)
-            failing = at % frames
-            refusal = self.open_refusal(batch, layout, row_bytes)
-            with failing_writes(layout, succeeding=failing):
-                reply = self.request(conn, "session_open", **args, frames=wire)
-            what = "session_open whose frame fails partway"
-            if refusal is not None:
-                return self.expect(reply, "limit_exceeded", limit=refusal, what=what)
-            self.watched.add(conn)  # opened, then closed again
-            self.expect(reply, "limit_exceeded", limit="memory", frame=failing, what=what)
-            self.frames_ran(frame["op"] for frame in wire[:failing])
         else:
-            snapshot = self.pick(self.snapshots, into)
-            held, conn, session = self.session_for(which, asker, self.restorable(snapshot))
+            # steps only (each a state write), a model step's copying into a snapshot now and then
             failing = at % frames
-            specs = [(False, seed + i, (seed + i) % 4) for i in range(frames)]
-            if held is not None and held.kind == "model":
-                wire, _, _ = self.model_frames(held.batch, specs, None, 0)
+            specs = [(False, seed + i, (seed + i) % 4, into + i if i % 2 == 0 else None) for i in range(frames)]
+            if what == "restore frames":
+                planned = self.plan_restore(which, asker, into, specs, None, 0, injected=failing)
+                with failing_writes(planned.held.layout if planned.held is not None else ("mamba",), failing):
+                    reply = self.request(planned.conn, planned.op, **planned.args)
+                return planned.check(reply)
+            loaded = self.pick(self.models, which)
+            if loaded is not None and asker % 2 == 0:
+                layout, row_bytes, args = ("model", loaded.id), loaded.row_bytes, {"model": loaded.id}
+                conn = loaded.conn
             else:
-                kind, shape = held.layout if held is not None else ("mamba", MAMBA_SHAPES[0])
-                wire, _, _ = self.plain_frames(kind, shape, held.batch if held else 1, specs, None, 0)
-            with failing_writes(held.layout if held is not None else ("mamba",), succeeding=failing):
-                reply = self.request(conn, "session_restore", session=session,
-                                     snapshot=snapshot.id if snapshot else "never-taken", frames=wire)
-            what = "session_restore whose frame fails partway"
-            if self.expect_restore_refusal(reply, held, conn, snapshot, what):
-                return
-            self.expect(reply, "limit_exceeded", limit="memory", frame=failing, what=what)
-            self.frames_ran(frame["op"] for frame in wire[:failing])
-            held.value, held.lost = snapshot.value, False
+                shape = MAMBA_SHAPES[0]
+                layout, row_bytes, args = ("mamba", shape), plain_row_bytes(shape), {"dim": shape[0], "state": shape[1]}
+                conn = asker % CONNECTIONS
+            batch = 1 + seed % 2
+            opened = Held("", conn, layout, batch, row_bytes, self.zero_value(layout, batch))
+            frames = (self.model_frames(opened, specs) if layout[0] == "model"
+                      else self.plain_frames("mamba", layout[1], batch, specs))
+            refusal = self.open_refusal(batch, layout, row_bytes)
+            with failing_writes(layout, failing):
+                reply = self.request(conn, "session_open", batch=batch, **args, frames=frames.wire)
+            self.expect_opened(reply, opened, refusal, frames, "session_open whose frame fails partway",
+                               injected=failing)
 
     def expect_restore_refusal(self, reply, held, conn: int, snapshot, what: str) -> bool:
         """Whether the restore is refused before its copy (checked so), the session as it was."""
@@ -903,52 +942,75 @@ class StateWalk(RuleBasedStateMachine):
     def copy(self, fork, which, asker):
         """session_snapshot or session_fork: a copy of the session's state, held against the
         pool budget (a fork's rows as any session's, a snapshot's beside the pools)."""
+        self.take_copy(*self.session_for(which, asker), fork)
+
+    def take_copy(self, held: Held | None, conn: int, session: str, fork: bool) -> Held | None:
+        """The copy `conn` asked for of the session it names (None: refused, checked so)."""
         op = "session_fork" if fork else "session_snapshot"
-        held, conn, session = self.session_for(which, asker)
         refusal = None
         if self.owns(held, conn):
             refusal = (self.open_refusal(held.batch, held.layout, held.row_bytes) if fork
                        else self.held_refusal(held.nbytes))
         reply = self.request(conn, op, session=session)
         if self.refused_for_the_session(reply, held, conn, op):
-            return
+            return None
         if refusal is not None:
             return self.expect(reply, "limit_exceeded", limit=refusal, what=op)
         copied = self.expect(reply, None, what=op)["session" if fork else "snapshot"]
-        (self.sessions if fork else self.snapshots)[copied] = Held(copied, conn, held.layout, held.batch,
-                                                                   held.row_bytes, held.value)
+        copy = Held(copied, conn, held.layout, held.batch, held.row_bytes, held.value)
+        (self.sessions if fork else self.snapshots)[copied] = copy
         self.watched.add(conn)
+        return copy
 
-    def plan_restore(self, which, asker, into, specs, bad, bad_at) -> Planned:
-        # mostly a snapshot first, then a session it restores into
-        snapshot = self.pick(self.snapshots, into)
-        held, conn, session = self.session_for(which, asker, self.restorable(snapshot) if which < MOSTLY else None)
+    def restore_frames(self, held: Held | None, specs, bad=None, bad_at: int = 0) -> Frames:
+        """Frames for a restore into `held` (one of the first plain class for an id never issued)."""
+        if held is not None and held.kind == "model":
+            return self.model_frames(held, specs, bad, bad_at)
+        kind, shape = held.layout if held is not None else ("mamba", MAMBA_SHAPES[0])
+        return self.plain_frames(kind, shape, held.batch if held else 1, specs, bad, bad_at)
+
+    def plan_restore(self, which, asker, into, specs, bad, bad_at, injected: int | None = None,
+                     chosen: tuple | None = None) -> Planned:
+        """A session_restore, with frames where `specs` are given; `injected`: the frame whose
+        state write fails partway (failing_writes), if any; `chosen`: (the session, its
+        connection, the snapshot) where not picked by `which`, `asker` and `into`."""
+        if chosen is not None:
+            held, conn, snapshot = chosen
+            session = held.id
+        else:  # mostly a snapshot first, then a session it restores into
+            snapshot = self.pick(self.snapshots, into)
+            held, conn, session = self.session_for(which, asker,
+                                                   self.restorable(snapshot) if which < MOSTLY else None)
         args = {"session": session, "snapshot": snapshot.id if snapshot else "never-taken"}
-        oracle, failing = [], None
-        name = "embeds" if held is not None and held.kind == "model" else "x"
+        frames = None
         if specs is not None:
-            if name == "embeds":
-                args["frames"], oracle, failing = self.model_frames(held.batch, specs, bad, bad_at)
-            else:
-                kind, shape = held.layout if held is not None else ("mamba", MAMBA_SHAPES[0])
-                args["frames"], oracle, failing = self.plain_frames(kind, shape, held.batch if held else 1, specs,
-                                                                    bad, bad_at)
+            frames = self.restore_frames(held, specs, bad, bad_at)
+            args["frames"] = frames.wire
         what = "session_restore" + (" with frames" if specs is not None else "")
 
         def check(reply):
-            if failing is not None and bad == "garbled":
-                return self.frame_error(reply, bad, failing, name, oracle, what)
+            if self.refused_when_decoded(reply, frames, what):
+                return
+            if self.owns(held, conn) and frames is not None:
+                # a frame copying into the snapshot being restored, which a later frame's failure
+                # would restore again: nothing restored or run
+                into_it = [i for i, frame in enumerate(frames.wire)
+                           if frame["args"].get("snapshot_into") == args["snapshot"]]
+                if into_it:
+                    return self.expect(reply, "invalid_argument", f"args.frames[{into_it[0]}].args.snapshot_into",
+                                       frame=into_it[0], what=what)
             if self.expect_restore_refusal(reply, held, conn, snapshot, what):
                 return
             held.value, held.lost = snapshot.value, False
-            if failing is not None:  # the session holds the snapshot's state, as a restore alone leaves it
-                return self.frame_error(reply, bad, failing, name, oracle, what)
-            result = self.expect(reply, None, what=what)
-            assert result["restored"] is True, f"{what}: {result}"
-            if specs is not None:
-                held.value = self.run_frames(held, held.value, oracle, result["frames"], what)
-            else:
+            if frames is None:
+                result = self.expect(reply, None, what=what)
                 assert "frames" not in result, f"{what}: frames unasked"
+            else:
+                result = self.expect_frames(reply, held, frames, what, injected)
+                if result is None:  # the session holds the snapshot's state, as a restore alone leaves it
+                    held.value = snapshot.value
+                    return
+            assert result["restored"] is True, f"{what}: {result}"
 
         return Planned(conn, "session_restore", args, check, held, snapshot)
 
@@ -956,6 +1018,25 @@ class StateWalk(RuleBasedStateMachine):
     @walked
     def restore(self, which, asker, into, specs, bad, bad_at):
         self.run_alone(self.plan_restore(which, asker, into, specs, bad, bad_at))
+
+    @rule(which=PICK, ring=st.integers(1, 3), restored=st.integers(0, 2),
+          steps=st.lists(st.tuples(MODEL_INPUTS, st.none() | PICK), min_size=1, max_size=4), bad=BAD_FRAME,
+          bad_at=st.integers(0, 3))
+    @walked
+    def rollback(self, which, ring, restored, steps, bad, bad_at):
+        """A netcode client's rollback on a model session: a ring of snapshots of it, then a
+        restore of one of them whose model steps copy into the ring (SPEC §6.4), the restored
+        one among them now and then (refused)."""
+        specs = [(False, 0, seed, into) for seed, into in steps]
+        held = self.pick(self.sessions, which, of_model)
+        if held is None or held.kind != "model" or held.lost:
+            return
+        taken = [self.take_copy(held, held.conn, held.id, fork=False) for _ in range(ring)]
+        taken = [snapshot for snapshot in taken if snapshot is not None]
+        if not taken:
+            return
+        chosen = (held, held.conn, taken[restored % len(taken)])
+        self.run_alone(self.plan_restore(0, 0, 0, specs, bad, bad_at, chosen=chosen))
 
     def plan_read_state(self, which, asker) -> Planned:
         held, conn, session = self.session_for(which, asker)
