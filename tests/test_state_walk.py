@@ -39,7 +39,8 @@ CI runs a few short walks. A longer run:
 
     SCAN_BRIDGE_WALK_EXAMPLES=2000 .venv/bin/pytest -q -p no:cacheprovider tests/test_state_walk.py
 
-(SCAN_BRIDGE_WALK_STEPS sets the rules per walk, 40 by default.)
+(SCAN_BRIDGE_WALK_STEPS sets the rules per walk, 40 by default; `--hypothesis-show-statistics`
+shows how often each op met each outcome.)
 """
 
 from __future__ import annotations
@@ -279,7 +280,8 @@ def pool_key(pool: dict) -> tuple:
 
 
 # What a burst queues: steps mostly, among requests on the same sessions.
-QUEUED = ("step", "step", "model_step", "model_step", "session_restore", "session_state", "session_close")
+QUEUED = ("step", "step", "step", "step", "model_step", "model_step", "model_step", "model_step", "model_forward",
+          "session_restore", "session_state", "session_close", "snapshot_free")
 
 # What a model op with a bad argument is refused: (code, field).
 MODEL_OP_REFUSALS = {"rows": ("shape_mismatch", "args.embeds"), "tokens": ("invalid_argument", "args.tokens"),
@@ -807,7 +809,8 @@ class StateWalk(RuleBasedStateMachine):
     @walked
     def burst(self, queued, constants, options):
         """Requests queued behind a held one, then served: steps and model steps (some of one
-        session, some refused) among restores, state reads and closes of the same sessions.
+        session, some refused) among model_forwards, restores, state reads, closes and snapshot
+        frees of the same sessions and snapshots.
         Steps that fit share a launch (SPEC §6.3), and every request is answered as if it had
         run alone, in the order they arrived. The plain steps share A, D and dt_bias, so that
         they may batch."""
@@ -816,12 +819,15 @@ class StateWalk(RuleBasedStateMachine):
             if op == "step":
                 planned.append(self.plan_step(which, asker, False, seed, torch.float32, options, 1, return_state, bad,
                                               constants))
-            elif op == "model_step":
-                planned.append(self.plan_model_op(which, asker, False, seed % 4, return_state, into, bad))
+            elif op in ("model_step", "model_forward"):
+                planned.append(self.plan_model_op(which, asker, op == "model_forward", seed % 4, return_state, into,
+                                                  bad))
             elif op == "session_restore":
                 planned.append(self.plan_restore(which, asker, which if into is None else into, None, None, 0))
             elif op == "session_state":
                 planned.append(self.plan_read_state(which, asker))
+            elif op == "snapshot_free":
+                planned.append(self.plan_free_snapshot(which if into is None else into, asker))
             else:
                 planned.append(self.plan_close(which, asker))
         self.srv.hold(self.conns[0])
@@ -832,7 +838,7 @@ class StateWalk(RuleBasedStateMachine):
             reply = self.conns[p.conn].reply(request_id)
             p.check(reply)
             rows = next((p.args[name].shape[0] for name in ("x", "embeds") if name in p.args), 0)
-            if reply.ok and rows and reply.timing["batch_rows"] > rows:
+            if reply.ok and reply.timing.get("batch_rows", 0) > rows:
                 event("burst: a launch shared")
 
     # -- failures partway ------------------------------------------------------------------
@@ -1059,9 +1065,9 @@ class StateWalk(RuleBasedStateMachine):
     def release(self, what, which, asker):
         """session_close, snapshot_free or model_free: one rule, so that a walk frees no more
         often than it makes."""
-        if what == "session":
-            return self.run_alone(self.plan_close(which, asker))
-        {"snapshot": self.free_snapshot, "model": self.free_model}[what](which, asker)
+        if what == "model":
+            return self.free_model(which, asker)
+        self.run_alone((self.plan_close if what == "session" else self.plan_free_snapshot)(which, asker))
 
     def plan_close(self, which, asker) -> Planned:
         held, conn, session = self.session_for(which, asker)
@@ -1074,14 +1080,18 @@ class StateWalk(RuleBasedStateMachine):
 
         return Planned(conn, "session_close", {"session": session}, check, held)
 
-    def free_snapshot(self, which, asker):
+    def plan_free_snapshot(self, which, asker) -> Planned:
         snapshot = self.pick(self.snapshots, which)
         conn = self.asker(snapshot, asker)
-        reply = self.request(conn, "snapshot_free", snapshot=snapshot.id if snapshot else "never-taken")
-        if snapshot is None or snapshot.conn != conn:
-            return self.expect(reply, "unknown_snapshot", "args.snapshot", what="snapshot_free")
-        assert self.expect(reply, None, what="snapshot_free") == {"freed": True}
-        del self.snapshots[snapshot.id]
+
+        def check(reply):
+            if not self.holds_snapshot(snapshot, conn):
+                return self.expect(reply, "unknown_snapshot", "args.snapshot", what="snapshot_free")
+            assert self.expect(reply, None, what="snapshot_free") == {"freed": True}
+            del self.snapshots[snapshot.id]
+
+        return Planned(conn, "snapshot_free", {"snapshot": snapshot.id if snapshot else "never-taken"}, check,
+                       None, snapshot)
 
     # -- models and connections ------------------------------------------------------------
 
