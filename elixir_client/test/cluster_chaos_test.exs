@@ -444,6 +444,9 @@ defmodule ScanBridge.ClusterChaosTest do
 
     world = %{world | sessions: Enum.reduce(there, world.sessions, &cut_off(&2, &1, racing))}
     world = note(world, {:cut, there})
+    # apart as a network partition is: a connection either node tries meanwhile (a late reply
+    # sent there, say) fails its handshake rather than joining them again
+    true = :peer.call(world.peer.peer, :erlang, :set_cookie, [node(), :chaos_apart])
     cut = fn -> Peers.cut_off(world.peer) end
     world = if racing, do: step(world, racing, cut), else: tap(world, fn _ -> cut.() end)
     Peers.await_members(world.group, length(on(world, :here)))
@@ -463,6 +466,7 @@ defmodule ScanBridge.ClusterChaosTest do
   # on the peer's side meanwhile, its newer version wins on every member, and the walk waits
   # until every member (and this node's balancer) names that model.
   defp apply_op(:heal, world) do
+    true = :peer.call(world.peer.peer, :erlang, :set_cookie, [node(), Node.get_cookie()])
     Peers.reconnect(world.peer)
     all = map_size(world.members)
     Peers.await_members(world.group, all)
