@@ -326,9 +326,15 @@ class StateWalk(RuleBasedStateMachine):
     # -- the server, the connections and the model -------------------------------------------
 
     @initialize(max_sessions=st.sampled_from([3, 6, 10]), max_pool_bytes=st.sampled_from([12_000, 16_000, 40_000]),
-                owners=st.lists(CONN, min_size=4, max_size=4))
-    def start(self, max_sessions, max_pool_bytes, owners):
-        self.srv = InProcessServer(max_sessions=max_sessions, max_pool_bytes=max_pool_bytes)
+                owners=st.lists(CONN, min_size=4, max_size=4), backend=st.sampled_from([None, None, "torch"]),
+                native_step=st.booleans() | st.just(True))
+    def start(self, max_sessions, max_pool_bytes, owners, backend, native_step):
+        """A server (the device's default kernels backend, or torch's composed one; lone plain and
+        model steps on the native path, or not) with both models loaded and a session of each
+        kind open, as far as the limits allow, so that a walk spends its rules on them rather
+        than on finding nothing."""
+        self.srv = InProcessServer(max_sessions=max_sessions, max_pool_bytes=max_pool_bytes, backend=backend,
+                                   native_step=native_step)
         self.conns = [RecordingConnection() for _ in range(CONNECTIONS)]
         self.sessions: dict[str, Held] = {}
         self.snapshots: dict[str, Held] = {}
@@ -340,8 +346,6 @@ class StateWalk(RuleBasedStateMachine):
         self.counted: dict[str, Counter] = defaultdict(Counter)
         self.errors = Counter()
         self.op_of: dict[int, str] = {}  # the op of each request not yet answered, by id
-        # Both models loaded and a session of each kind open to begin with (as far as the limits
-        # allow), so that a walk spends its rules on them rather than on finding nothing.
         for conn, arch in zip(owners, sorted(MODEL_CONFIGS)):
             self.load_model(conn=conn, arch=arch)
         for which in range(len(self.models)):
