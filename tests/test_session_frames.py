@@ -325,6 +325,7 @@ def test_a_restore_refused_runs_no_frame_and_changes_nothing(inproc, args, field
     reply = scene.srv.request(scene.conn, "session_restore", **request)
     assert not reply.ok and reply.error["code"] == code, f"seed={seed}: {reply.error}"
     assert reply.error["detail"]["field"] == field, f"seed={seed}: {reply.error}"
+    assert "frame" not in reply.error["detail"], f"seed={seed}: nothing ran, yet {reply.error}"
     assert counted_since(step_before, op_counts(scene, "step"))["inference_count"] == 0
     assert_same_state(scene.state(session), found, f"seed={seed}")
 

@@ -1007,8 +1007,10 @@ class StateWalk(RuleBasedStateMachine):
                 into_it = [i for i, frame in enumerate(frames.wire)
                            if frame["args"].get("snapshot_into") == args["snapshot"]]
                 if into_it:
-                    return self.expect(reply, "invalid_argument", f"args.frames[{into_it[0]}].args.snapshot_into",
-                                       frame=into_it[0], what=what)
+                    self.expect(reply, "invalid_argument", f"args.frames[{into_it[0]}].args.snapshot_into", what=what)
+                    # refused before anything ran: no detail.frame, which says the restore was done
+                    assert "frame" not in reply.error["detail"], f"{what}: {reply.error}"
+                    return
             if self.expect_restore_refusal(reply, held, conn, snapshot, what):
                 return
             held.value, held.lost = snapshot.value, False

@@ -309,7 +309,8 @@ def session_restore(server, call) -> dict:
 
 def refuse_copies_into_restored(call) -> None:
     """A frame may not copy into the snapshot its request restores: a frame failing after it
-    would restore the copy instead of the state the request was asked to restore."""
+    would restore the copy instead of the state the request was asked to restore. Refused before
+    anything runs, so without detail.frame, which says that the restore was done (SPEC §6.4)."""
     snapshot_id = call.args["snapshot"]
     for i, frame in enumerate(call.args["frames"]):
         if frame.args.get("snapshot_into") == snapshot_id:
@@ -317,8 +318,7 @@ def refuse_copies_into_restored(call) -> None:
             raise OpError("invalid_argument",
                           f"{field}: expected a snapshot other than args.snapshot (the one this request restores, "
                           f"and restores again should a frame fail), got {snapshot_id!r}",
-                          {"field": field, "expected": "a snapshot other than args.snapshot", "got": snapshot_id,
-                           "frame": i})
+                          {"field": field, "expected": "a snapshot other than args.snapshot", "got": snapshot_id})
 
 
 def session_fork(server, call) -> dict:
