@@ -463,21 +463,25 @@ def snapshot_undefined(snapshot_id: str, field: str, why: str) -> OpError:
 
 class Snapshot:
     """A copy of a session's every part at one moment: restorable into any session of the same
-    layout and batch (the session it came from, or a fork of it). `defined` is False while a
-    copy into it that failed partway left it part one state, part another (take_again), or once
-    the request whose frame copied into it failed (`undefine`); `copies_begun` counts the copies
-    into it, so that a request can tell which of its snapshots its frames wrote."""
+    layout and batch (the session it came from, or a fork of it). `undefined_why` says why it
+    holds no defined state, None while it does: a copy into it failed partway and left it part
+    one state, part another (take_again), or the request whose frame copied into it failed;
+    `copies_begun` counts the copies into it, so that a request can tell which of its snapshots
+    its frames wrote."""
 
-    __slots__ = ("layout", "batch", "rows", "nbytes", "defined", "undefined_why", "copies_begun")
+    __slots__ = ("layout", "batch", "rows", "nbytes", "undefined_why", "copies_begun")
 
     def __init__(self, session: Session):
         self.layout = session.layout
         self.batch = session.batch
         self.rows = session.read_rows()
         self.nbytes = session.nbytes
-        self.defined = True
-        self.undefined_why = ""
+        self.undefined_why: str | None = None
         self.copies_begun = 0
+
+    @property
+    def defined(self) -> bool:
+        return self.undefined_why is None
 
     def is_like(self, session: Session) -> bool:
         """Whether `session` has this snapshot's model or state shape, and batch: one it can be
@@ -489,13 +493,9 @@ class Snapshot:
         SnapshotTable.of_session_like). Raising, it may have written some rows: it is left
         undefined until a copy into it completes."""
         self.copies_begun += 1
-        self.undefine(COPY_FAILED)
+        self.undefined_why = COPY_FAILED
         session.read_rows_into(self.rows)
-        self.defined = True
-
-    def undefine(self, why: str) -> None:
-        self.defined = False
-        self.undefined_why = why
+        self.undefined_why = None
 
 
 class SnapshotTable(OwnedTable[Snapshot]):

@@ -222,7 +222,7 @@ class NativeStep:
         earlier copy left (bridge.sessions.Snapshot.take_again)."""
         if snapshot is not None:
             snapshot.copies_begun += 1
-            snapshot.defined = True
+            snapshot.undefined_why = None
 
     @staticmethod
     def _lost(request, session, exc: BaseException) -> NativeStepError:

@@ -45,7 +45,7 @@ def run_frames(server, call, session, undo) -> list[dict]:
         undo()
         for snapshot, copies_before in named.items():
             if snapshot.copies_begun != copies_before:
-                snapshot.undefine(FRAMES_FAILED)
+                snapshot.undefined_why = FRAMES_FAILED
 
     results = []
     for i, frame in enumerate(call.args["frames"]):
