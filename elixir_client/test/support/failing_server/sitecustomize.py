@@ -33,15 +33,23 @@ if _TRIGGER:
     Model._mixer_step = _failing_at_the_second_layer
 
 if _COPY_TRIGGER:
-    from bridge.sessions import Snapshot
+    from bridge.sessions import Session, Snapshot
 
     _take_again = Snapshot.take_again
+    _read_rows_into = Session.read_rows_into
 
+    def _failing_read(self, rows):
+        raise MemoryError("no room to copy the session into the snapshot (injected by a test)")
+
+    # The copy fails inside the real take_again, so that its own bookkeeping marks the snapshot.
     def _failing_copy(self, session):
-        if os.path.exists(_COPY_TRIGGER):
-            os.remove(_COPY_TRIGGER)
-            self.defined = False
-            raise MemoryError("no room to copy the session into the snapshot (injected by a test)")
-        return _take_again(self, session)
+        if not os.path.exists(_COPY_TRIGGER):
+            return _take_again(self, session)
+        os.remove(_COPY_TRIGGER)
+        Session.read_rows_into = _failing_read
+        try:
+            return _take_again(self, session)
+        finally:
+            Session.read_rows_into = _read_rows_into
 
     Snapshot.take_again = _failing_copy
