@@ -38,7 +38,7 @@ system-deps:
 # the general path; either way the reason is printed (and logged again by the server). The two
 # build at once: each spends most of its time in one long compile, on one core.
 kernels: $(STAMP)
-	@{ $(PY) -c "import kernels.cpu" 2>/dev/null && $(PY) -m kernels.cpu.build || echo "make: CPU kernels not built (see above); the torch backend will serve CPU tensors"; } & \
+	@{ $(PY) -c "import scan_kernels.cpu" 2>/dev/null && $(PY) -m scan_kernels.cpu.build || echo "make: CPU kernels not built (see above); the torch backend will serve CPU tensors"; } & \
 	{ $(PY) -m bridge.native || echo "make: native step path not built (see above); steps take the general path"; }; \
 	wait
 

@@ -1,6 +1,6 @@
 """The scans' backward pass on the CPU (issue 35): the C++ reverse scan against torch autograd.
 
-For each case, in one run: the cpu backend's backward (kernels.selective_scan_backward /
+For each case, in one run: the cpu backend's backward (scan_kernels.selective_scan_backward /
 ssd_scan_backward) in every SIMD variant this CPU executes, its forward in the same variant,
 and torch autograd through the "torch" backend's step-by-step form (the forward under autograd,
 then `.backward()`, each timed). Ratios: torch autograd's `.backward()` alone over the C++
@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import kernels
+import scan_kernels
 from bench.kernels import simd_backends
 from bridge.bench.cases import DT_CLAMP
 from bridge.bench.machine import output_path, write_results
-from kernels import _args
+from scan_kernels import _args
 
 GOALS = {"torch_autograd_over_backward": 5.0, "backward_over_forward": 3.0, "peak_extra_over_inputs": 2.0}
 GPU_GOALS = {**GOALS, "torch_autograd_over_backward": 20.0}
@@ -131,7 +131,7 @@ def peaks_in_fresh_process(case_name: str) -> dict:
 def measure_peaks(case: Case) -> dict:
     args = inputs_of(case)
     dy = torch.randn(args["x"].shape, generator=torch.Generator().manual_seed(1))
-    _, backward = backward_call(case, kernels._registry.get_backend("cpu", "cpu"), args, dy)
+    _, backward = backward_call(case, scan_kernels._registry.get_backend("cpu", "cpu"), args, dy)
     backward()  # loads the library and starts the helper threads
     cpu = peak_extra_bytes(backward)
     return {"cpu": cpu, "torch_autograd": torch_autograd(case, args, dy, reps=0, peak=True)["peak_extra_bytes"]}
@@ -177,7 +177,7 @@ def backward_call(case: Case, backend, args: dict, dy: torch.Tensor):
 def torch_autograd(case: Case, args: dict, dy: torch.Tensor, reps: int, peak: bool = False) -> dict:
     """Forward under autograd through the torch backend's differentiable form, then .backward(),
     on the inputs' device."""
-    from kernels.reference import selective_scan_ref, ssd_scan_ref
+    from scan_kernels.reference import selective_scan_ref, ssd_scan_ref
 
     trained = [k for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias") if k in args]
     forward_ref = ssd_scan_ref if case.kind == "ssd" else selective_scan_ref
@@ -274,12 +274,12 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     names = args.backends.split(",") if args.backends else ["triton" if device.type == "cuda" else "cpu"]
-    unusable = [n for n in names if n not in kernels.available_backends()]
+    unusable = [n for n in names if n not in scan_kernels.available_backends()]
     if unusable:
-        raise SystemExit(f"backends unavailable here: {', '.join(f'{n} ({kernels.unavailable_backends().get(n)})' for n in unusable)}")
+        raise SystemExit(f"backends unavailable here: {', '.join(f'{n} ({scan_kernels.unavailable_backends().get(n)})' for n in unusable)}")
     try:
-        variants = {name: kernels._registry.get_backend(name, device.type) for name in names}
-    except kernels.BackendUnavailable as exc:
+        variants = {name: scan_kernels._registry.get_backend(name, device.type) for name in names}
+    except scan_kernels.BackendUnavailable as exc:
         raise SystemExit(f"--backends on {device.type}: {exc}") from exc
     unavailable = {}
     if names == ["cpu"]:

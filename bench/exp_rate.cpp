@@ -1,6 +1,6 @@
 // How many fp32 decays exp(dt * A) a second the C++ kernels' own vector math computes on this
 // CPU, per SIMD variant: the exp throughput bound of a Mamba-1 scan, which computes one decay
-// per state element. Built from kernels/cpu/scan_kernel.cpp itself (included, so the probe
+// per state element. Built from scan_kernels/cpu/scan_kernel.cpp itself (included, so the probe
 // times the very inline code the kernels use), with the variant's flags.
 //
 //   exp_rate THREADS SECONDS  ->  prints "decays_per_second simd_description"

@@ -1,6 +1,6 @@
 """The exp throughput the CPU allows the C++ kernels, per SIMD variant: decays exp(dt A) a
 second, computed by the kernels' own vector math (bench/exp_rate.cpp includes
-kernels/cpu/scan_kernel.cpp), on 1 thread and on as many as the kernels use.
+scan_kernels/cpu/scan_kernel.cpp), on 1 thread and on as many as the kernels use.
 
 A Mamba-1 scan computes one decay per state element, so elements / rate is the time its exps
 alone take: the scan's time over it says how close a variant gets to that bound (issue 32).
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bridge.bench.machine import output_path, write_results
-from kernels.cpu import build
+from scan_kernels.cpu import build
 
 SOURCE = Path(__file__).with_name("exp_rate.cpp")
 KERNEL_DIR = Path(build.__file__).parent

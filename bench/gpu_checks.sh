@@ -14,9 +14,9 @@
 # Run from the repository root; PYTHON (default python3) is the Python that holds torch with
 # CUDA. Packages the machine lacks (pyzmq, msgspec) are installed first from the wheels in .whl/
 # where that folder exists (`pip download --only-binary=:all:` for that machine's Python).
-# BASELINE, where set, is another checkout (its kernels/ is enough: `git archive REV kernels`
-# unpacked into an ignored folder that travels with the tree) whose Triton calls the kernels
-# part times beside this tree's. A part that fails is reported and the next one runs; the exit
+# BASELINE, where set, is another checkout (its scan_kernels/ is enough, kernels/ before the
+# package's rename: `git archive REV scan_kernels` unpacked into an ignored folder that travels
+# with the tree) whose Triton calls the kernels part times beside this tree's. A part that fails is reported and the next one runs; the exit
 # status is the number of parts that failed.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_checks.sh OUT [tests|kernels|backward ...]}

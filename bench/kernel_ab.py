@@ -1,5 +1,5 @@
 """Two builds of the CPU backend's C++ kernels timed against each other in one process: the
-kernels/cpu sources of a git revision (the base) against those of the working tree, or of
+scan_kernels/cpu sources of a git revision (the base) against those of the working tree, or of
 another revision, on bench.kernels' cases and inputs.
 
     python -m bench.kernel_ab [--base REV] [--other REV] [--cases step-32x512x16,exphil]
@@ -7,14 +7,14 @@ another revision, on bench.kernels' cases and inputs.
 
 A case is one of bench.kernels' (a forward call) or "backward-" and one of bench.backward's
 (the backward pass on that bench's inputs, e.g. backward-exphil). Both builds are called through
-the working tree's kernels/cpu/__init__.py, so two revisions whose bindings take other arguments
+the working tree's scan_kernels/cpu/__init__.py, so two revisions whose bindings take other arguments
 cannot be compared here. The other side, when its sources are the checkout's (the default: the
 working tree), is the checkout's own build, the one `make kernels` made: only the base compiles.
 
 Why one process: on a shared machine one process's speed for the same build drifts by more
 than a kernel change is worth (docs/performance.md, "CPU kernels": the runs' spread), so an A/B
 of separate processes needs many of them and still blurs small differences. Here each build is
-loaded under a module name of its own (kernels.cpu.build.load_sources), and short blocks of
+loaded under a module name of its own (scan_kernels.cpu.build.load_sources), and short blocks of
 calls alternate between the two, the order swapped every round, so both builds meet the same
 machine state. Reported per (case, threads): the median and p20 of the blocks' mean call time
 for each build, their ratio base / other (above 1: the other build is faster), and the
@@ -50,13 +50,14 @@ from pathlib import Path
 import torch
 
 from bridge.bench.machine import output_path, write_results
-from kernels.cpu import backend_from, build
+from scan_kernels.cpu import backend_from, build
 
 from . import backward
 from .kernels import CASES_BY_NAME, backend_call, make_inputs
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_PATH = "kernels/cpu"  # where the sources sit in a revision's tree
+# Where the sources sit in a revision's tree: the first of these it has (the package was renamed).
+SOURCE_PATHS = ("scan_kernels/cpu", "kernels/cpu")
 WORKING_TREE = "working tree"
 HELPER_SPIN_SECONDS = 0.001  # helper_pool.h's kSpin (a test keeps the two equal)
 BLOCK_SECONDS = 0.001  # calls per block: about this long
@@ -114,10 +115,12 @@ def sources_at(revision: str, destination: Path) -> str:
         return WORKING_TREE
     commit = _git("rev-parse", "--verify", f"{revision}^{{commit}}", revision=revision).decode().strip()
     # A revision older than a source file builds without it (its binding does not use it).
-    present = set(_git("ls-tree", "--name-only", f"{commit}:{SOURCE_PATH}", revision=revision).decode().split())
+    tree = _git("ls-tree", "--name-only", commit, revision=revision).decode().split()
+    source_path = next((p for p in SOURCE_PATHS if p.split("/")[0] in tree), SOURCE_PATHS[0])
+    present = set(_git("ls-tree", "--name-only", f"{commit}:{source_path}", revision=revision).decode().split())
     for name in names:
         if name in present:
-            (destination / name).write_bytes(_git("show", f"{commit}:{SOURCE_PATH}/{name}", revision=revision))
+            (destination / name).write_bytes(_git("show", f"{commit}:{source_path}/{name}", revision=revision))
     return commit
 
 
@@ -163,7 +166,7 @@ def load_builds(base: str, other: str) -> tuple[tuple, tuple]:
         checkouts_own = are_the_checkouts_sources(sides["other"][1])
         # A failure there is reported when this process loads that side (and builds it again).
         beside = None if checkouts_own else subprocess.Popen(
-            [sys.executable, "-m", "kernels.cpu.build", "--sources", str(sides["other"][1]),
+            [sys.executable, "-m", "scan_kernels.cpu.build", "--sources", str(sides["other"][1]),
              "--module-prefix", module_prefix("other")], cwd=REPO)
         try:
             loaded = {"base": load_build(sides["base"][1], base, commits["base"], "base")}

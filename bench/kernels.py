@@ -29,7 +29,7 @@ reason printed (the speedup over it is then absent).
 
 `--simd` also measures each variant's exp throughput (bench.exp_rate) in the run and gives its
 Mamba-1 rows their exp bound: one decay per state element at that rate. `--simd` adds the C++
-backend built in each named SIMD variant (kernels.cpu.build.SIMD_VARIANTS;
+backend built in each named SIMD variant (scan_kernels.cpu.build.SIMD_VARIANTS;
 `all`: every one this CPU executes) as rows `cpu-<variant>`, side by side with the "cpu" backend
 (the variant that serves by default, or SCAN_BRIDGE_SIMD's; `backend_details` names it) and the
 baselines. `--rounds N` measures every backend of a case N times, in alternating order (the
@@ -56,11 +56,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import kernels
+import scan_kernels
 from bridge.bench.cases import DT_CLAMP
 from bridge.bench.machine import output_path, summarize_us, write_results
-from kernels import _args
-from kernels._registry import get_backend
+from scan_kernels import _args
+from scan_kernels._registry import get_backend
 
 BASELINES = ("reference", "torch")
 # Candidate backends per device type, in report order; only available ones run.
@@ -303,8 +303,8 @@ def backend_status(names, device_type: str) -> tuple[list[str], dict]:
     ok, skipped = [], {}
     for name in names:
         try:
-            kernels.select_backend(device_type, name)
-        except (kernels.BackendUnavailable, kernels.UnknownBackend) as exc:
+            scan_kernels.select_backend(device_type, name)
+        except (scan_kernels.BackendUnavailable, scan_kernels.UnknownBackend) as exc:
             skipped[name] = str(exc)
         else:
             ok.append(name)
@@ -314,7 +314,7 @@ def backend_status(names, device_type: str) -> tuple[list[str], dict]:
 def simd_backends(names: list[str]) -> tuple[dict, dict]:
     """({"cpu-<variant>": Backend}, {"cpu-<variant>": reason unavailable}) for the SIMD variants
     named ("all": every one this CPU executes), each built as its own module."""
-    from kernels.cpu import backend_from, build
+    from scan_kernels.cpu import backend_from, build
 
     if names == ["all"]:
         names = [v.name for v in build.executable_variants()]
@@ -322,7 +322,7 @@ def simd_backends(names: list[str]) -> tuple[dict, dict]:
     for name in names:
         try:
             loaded[f"cpu-{name}"] = backend_from(build.load_extension(variant=build.variant_named(name)))
-        except kernels.BackendUnavailable as exc:
+        except scan_kernels.BackendUnavailable as exc:
             unavailable[f"cpu-{name}"] = str(exc)
     return loaded, unavailable
 
@@ -330,7 +330,7 @@ def simd_backends(names: list[str]) -> tuple[dict, dict]:
 def measure_exp_rates(extra: dict, details: dict, available: list[str]) -> dict:
     """{backend: decays a second} for each SIMD variant's row and for "cpu" (the variant that
     serves), measured now by bench.exp_rate's probe on as many threads as the kernels use."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     from . import exp_rate
 

@@ -9,7 +9,7 @@ half a frame apart, the order swapped each frame, paced 1/60 s (`paced`) and the
 
 In this process too, without IPC (`in_process`, a frame's sleep before each step, alternated in
 rounds as bench.model_step_ab alternates two builds): both models' fused steps, and the bf16
-model's step composed of torch ops and `kernels` calls (`fused=False`), the path every bf16
+model's step composed of torch ops and `scan_kernels` calls (`fused=False`), the path every bf16
 model took before the fused step read bf16 weights.
 
 Outputs are compared as well: each bf16 step's hidden state against the f32 one's (the error

@@ -1,5 +1,5 @@
 """Two builds of the CPU backend's fused model step timed against each other in one process, as
-bench.kernel_ab does for the kernels: the kernels/cpu sources of a git revision (the base)
+bench.kernel_ab does for the kernels: the scan_kernels/cpu sources of a git revision (the base)
 against those of the working tree (or another revision), on bench.models' ExPhil-sized models.
 
     python -m bench.model_step_ab [--base REV] [--other REV] [--archs mamba,mamba2]

@@ -169,9 +169,9 @@ def _torch_args(inputs: dict) -> dict:
 
 def reference_scan(inputs: dict, ssd: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(y, state) of the kernels' reference backend, in this process."""
-    import kernels
+    import scan_kernels
 
-    scan = kernels.ssd_scan if ssd else kernels.selective_scan
+    scan = scan_kernels.ssd_scan if ssd else scan_kernels.selective_scan
     y, state = scan(**{**_torch_args(inputs), "return_state": True}, backend="reference")
     return y.numpy(), state.numpy()
 
@@ -180,9 +180,9 @@ def reference_steps(state: np.ndarray, frames: list[dict], A: np.ndarray, ssd: b
     """The state after stepping `state` through `frames` with the kernels' reference backend."""
     import torch
 
-    import kernels
+    import scan_kernels
 
-    update = kernels.ssd_state_update if ssd else kernels.selective_state_update
+    update = scan_kernels.ssd_state_update if ssd else scan_kernels.selective_state_update
     h = torch.from_numpy(np.array(state))
     for f in frames:
         update(h, **_torch_args({**f, "A": A}), **DT_CLAMP, backend="reference")

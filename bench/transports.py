@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-import kernels
+import scan_kernels
 import protocol
 from bridge.cli import tune_malloc
 from bridge.bench.cases import EXPHIL_SEQ, Case
@@ -171,7 +171,7 @@ def concurrent_inputs(count: int, seed: int) -> tuple[dict, np.ndarray]:
     """`count` distinct small scans (one row each, sharing A) and the reference y of each."""
     inputs = Case("scan", CONCURRENT["seq"], count, CONCURRENT["dim"], CONCURRENT["state"]).inputs(seed)
     t = {k: torch.from_numpy(v).double() for k, v in inputs.items()}
-    y = kernels.selective_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], backend="reference")
+    y = scan_kernels.selective_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], backend="reference")
     return inputs, y.float().numpy()
 
 

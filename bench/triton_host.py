@@ -39,9 +39,13 @@ import json, os, sys, time
 calls, device = int(sys.argv[1]), sys.argv[2]
 if device == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+import importlib
 import torch
-import kernels
-from kernels.triton_kernels import common
+try:
+    import scan_kernels
+except ImportError:  # a tree from before the package took that name
+    import kernels as scan_kernels
+common = importlib.import_module(scan_kernels.__name__ + ".triton_kernels.common")
 
 launches = []
 launch = common.Launch.run
@@ -66,27 +70,27 @@ def ssd(b, l, h, p, n):
 def cases():
     m = mamba1(32, 60, 512, 16)
     D = rand(512)
-    yield "scan exphil", lambda: kernels.selective_scan(**m, D=D, dt_softplus=True, backend="triton")
+    yield "scan exphil", lambda: scan_kernels.selective_scan(**m, D=D, dt_softplus=True, backend="triton")
     state, slots = rand(64, 512, 16), torch.arange(32, device=device)
     step = dict(x=rand(32, 512), dt=rand(32, 512), A=-rand(512, 16), B=rand(32, 1, 16), C=rand(32, 1, 16))
-    yield "state_update 32x512x16", lambda: kernels.selective_state_update(
+    yield "state_update 32x512x16", lambda: scan_kernels.selective_state_update(
         state, **step, D=D, dt_softplus=True, slots=slots, backend="triton")
     s, D_heads = ssd(32, 60, 8, 64, 16), rand(8)
-    yield "ssd_scan exphil", lambda: kernels.ssd_scan(**s, D=D_heads, dt_softplus=True, backend="triton")
+    yield "ssd_scan exphil", lambda: scan_kernels.ssd_scan(**s, D=D_heads, dt_softplus=True, backend="triton")
     h0 = rand(32, 8, 64, 16)
-    yield "ssd_scan exphil, h0 and state", lambda: kernels.ssd_scan(
+    yield "ssd_scan exphil, h0 and state", lambda: scan_kernels.ssd_scan(
         **s, D=D_heads, dt_softplus=True, h0=h0, return_state=True, backend="triton")
     big, D_big = ssd(1, 1024, 24, 64, 128), rand(24)
-    yield "ssd_scan 130m", lambda: kernels.ssd_scan(**big, D=D_big, dt_softplus=True, backend="triton")
+    yield "ssd_scan 130m", lambda: scan_kernels.ssd_scan(**big, D=D_big, dt_softplus=True, backend="triton")
     ssd_state = rand(64, 8, 64, 16)
     ssd_step = dict(x=rand(32, 8, 64), dt=rand(32, 8), A=-rand(8), B=rand(32, 1, 16), C=rand(32, 1, 16))
-    yield "ssd_state_update 32x8x64x16", lambda: kernels.ssd_state_update(
+    yield "ssd_state_update 32x8x64x16", lambda: scan_kernels.ssd_state_update(
         ssd_state, **ssd_step, D=D_heads, dt_softplus=True, slots=slots, backend="triton")
     if device != "cpu":  # their torch ops would run here, on the CPU: timed where they are launched
         dy, dy_ssd = rand(32, 60, 512), rand(32, 60, 8, 64)
-        yield "scan_backward exphil", lambda: kernels.selective_scan_backward(
+        yield "scan_backward exphil", lambda: scan_kernels.selective_scan_backward(
             dy, **m, D=D, dt_softplus=True, backend="triton")
-        yield "ssd_scan_backward exphil", lambda: kernels.ssd_scan_backward(
+        yield "ssd_scan_backward exphil", lambda: scan_kernels.ssd_scan_backward(
             dy_ssd, **s, D=D_heads, dt_softplus=True, backend="triton")
 
 out = {}

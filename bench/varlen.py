@@ -2,14 +2,14 @@
 
 For each case, in one run and one process, alternated: the C++ backend taking the packed call
 whole (`Backend.packs_sequences`), the same backend called once per sequence (the way every
-backend served packed sequences before, kernels/_varlen.py's split), and a padded batch (every
+backend served packed sequences before, scan_kernels/_varlen.py's split), and a padded batch (every
 sequence padded to the longest, one call: what a caller without varlen sends, more work than
 the others). Each sequence starts from its own row of h0 and its final state is returned.
 Ratios: per-sequence calls over the packed call, and the padded batch over the packed call;
 the packed and per-sequence outputs are compared (they differ by float32 rounding at most: a
 one-step sequence called alone takes the step path, whose sums run in another order). The
 backward likewise: the packed call's gradients in one C++ call against one call a sequence
-(kernels/_varlen.py's split of the backward), its gradients compared relative to the largest.
+(scan_kernels/_varlen.py's split of the backward), its gradients compared relative to the largest.
 
     python -m bench.varlen [--cases exphil-agents,many-short,ssd-exphil-agents,1x768-4-long] [--reps N]
                            [--json bench/results/varlen.json]
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import kernels
-from kernels import _args, _varlen
+import scan_kernels
+from scan_kernels import _args, _varlen
 from bench.backward import alternated_medians_ms
 from bridge.bench.cases import DT_CLAMP
 from bridge.bench.machine import output_path, write_results
@@ -87,15 +87,15 @@ def run_case(case: Case, reps: int) -> dict:
     padded = inputs_of(case, len(lengths), max(lengths), seed=2)
     h0 = torch.randn(len(lengths), *state_shape(case), generator=torch.Generator().manual_seed(3))
     ssd = case.kind == "ssd"
-    scan = kernels.ssd_scan if ssd else kernels.selective_scan
-    cpu = kernels._registry.get_backend("cpu", "cpu")
+    scan = scan_kernels.ssd_scan if ssd else scan_kernels.selective_scan
+    cpu = scan_kernels._registry.get_backend("cpu", "cpu")
     backend_scan = cpu.ssd_scan if ssd else cpu.scan
 
     def one_call():
         return scan(**packed, h0=h0, return_state=True, cu_seqlens=bounds, backend="cpu")
 
     def per_sequence():
-        # kernels/_varlen.py's split, as kernels.selective_scan / ssd_scan run it for a backend
+        # scan_kernels/_varlen.py's split, as scan_kernels.selective_scan / ssd_scan run it for a backend
         # that does not pack: the call checked once, then one backend call a sequence.
         a = (_args.check_ssd_scan if ssd else _args.check_scan)(**packed, return_state=True)
         kw = a.backend_kwargs()
@@ -110,7 +110,7 @@ def run_case(case: Case, reps: int) -> dict:
         return scan(**padded, h0=h0, return_state=True, backend="cpu")
 
     dy = torch.randn(packed["x"].shape, generator=torch.Generator().manual_seed(4))
-    gradients = kernels.ssd_scan_backward if ssd else kernels.selective_scan_backward
+    gradients = scan_kernels.ssd_scan_backward if ssd else scan_kernels.selective_scan_backward
     backend_backward = cpu.ssd_scan_backward if ssd else cpu.scan_backward
 
     def backward_one_call():
@@ -155,13 +155,13 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
-    if "cpu" not in kernels.available_backends():
-        raise SystemExit(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    if "cpu" not in scan_kernels.available_backends():
+        raise SystemExit(f"the cpu backend is unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     load_before = os.getloadavg()
     cases = [run_case(CASES[name], args.reps) for name in args.cases.split(",")]
     if args.json:
         write_results(args.json, "varlen", {
-            "cases": cases, "simd": kernels.backend_details().get("cpu", {}).get("simd"),
+            "cases": cases, "simd": scan_kernels.backend_details().get("cpu", {}).get("simd"),
             "load_before": load_before, "load_after": os.getloadavg(), "torch_threads": torch.get_num_threads()})
     return 0
 

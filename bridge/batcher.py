@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import kernels
+import scan_kernels
 from protocol import OutTensor, WireTensor
 
 from .errors import OpError
@@ -96,7 +96,7 @@ def dt_options(args: dict) -> dict:
                           f"args.dt_limit: expected either dt_limit or dt_min/dt_max, got both dt_limit and {given}",
                           {"field": "args.dt_limit", "expected": "either dt_limit or dt_min/dt_max",
                            "got": f"both dt_limit and {given}"})
-        dt_min, dt_max = kernels.dt_limit_bounds(args["dt_limit"])
+        dt_min, dt_max = scan_kernels.dt_limit_bounds(args["dt_limit"])
     return {"dt_softplus": bool(args.get("dt_softplus", False)), "dt_min": dt_min, "dt_max": dt_max}
 
 
@@ -249,7 +249,7 @@ def run_batch(server, op: BatchedOp, items: list[Item]) -> list[tuple[Item, dict
         return outcomes
     try:
         outcomes.extend(zip(live, _launch(server, op, live)))
-    except kernels.KernelInputError as exc:
+    except scan_kernels.KernelInputError as exc:
         if len(live) == 1:
             outcomes.append((live[0], exc))
             return outcomes

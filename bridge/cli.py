@@ -26,7 +26,7 @@ STOP_POLL_SECONDS = 0.02
 def build_parser() -> argparse.ArgumentParser:
     # The defaults live in ServerConfig; importing it loads torch, which main() loads right
     # after parsing anyway.
-    import kernels
+    import scan_kernels
     from protocol.schema import LAYOUTS
 
     from .server import ServerConfig
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the Triton kernels for this shape bucket before serving (repeatable; the "
                         "other backends have nothing to compile); five dims, BxLxHxPxN, name a Mamba-2 "
                         "bucket of H heads of P channels; OPTS "
-                        "is a comma list of the options requests will use: " + ",".join(kernels.WARMUP_OPTIONS) +
+                        "is a comma list of the options requests will use: " + ",".join(scan_kernels.WARMUP_OPTIONS) +
                         ", and groups=G, layout=" + "|".join(LAYOUTS) + ", dtype=" + "|".join(warmup_dtypes()) +
                         " (default 1, bld, f32: each is a kernel of its own); `info` lists what was compiled")
     p.add_argument("--max-pending", type=_positive, default=defaults.max_pending,
@@ -250,7 +250,7 @@ def open_lanes(args, dispatcher) -> list:
 def warmup_dtypes() -> dict:
     """The dtypes a warmup bucket may name, by wire code: the floating ones (SPEC §5), which the
     kernels take."""
-    from kernels import FLOAT_DTYPES
+    from scan_kernels import FLOAT_DTYPES
 
     from .tensors import WIRE_DTYPES
 
@@ -258,9 +258,9 @@ def warmup_dtypes() -> dict:
 
 
 def warmup_shape(text: str) -> dict:
-    """`32x60x512x16:D,z,dtype=bf16` → the shape dict `kernels.warmup` takes; five dims,
+    """`32x60x512x16:D,z,dtype=bf16` → the shape dict `scan_kernels.warmup` takes; five dims,
     `32x60x8x64x16`, name a Mamba-2 bucket (heads 8, headdim 64)."""
-    from kernels import WARMUP_OPTIONS
+    from scan_kernels import WARMUP_OPTIONS
     from protocol.schema import LAYOUTS
 
     dtypes = warmup_dtypes()
@@ -374,11 +374,11 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
     if stop_requested_while_starting():
         return 0
     if args.warmup:
-        import kernels
+        import scan_kernels
 
         try:
-            server.compiled = kernels.warmup(args.warmup, device=server.device, backend=server.backend)
-        except (kernels.KernelInputError, kernels.BackendUnavailable) as exc:
+            server.compiled = scan_kernels.warmup(args.warmup, device=server.device, backend=server.backend)
+        except (scan_kernels.KernelInputError, scan_kernels.BackendUnavailable) as exc:
             # a bucket the backend refuses: say so before serving anything
             log.error("cannot start: --warmup: %s", exc)
             return 2

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-import kernels
+import scan_kernels
 import protocol
 
 from .tensors import WIRE_DTYPES
@@ -76,16 +76,16 @@ def error_fields(exc: BaseException) -> tuple[str, str, dict]:
     """(code, message, detail) for an exception raised while serving a request."""
     if isinstance(exc, (OpError, protocol.ProtocolError)):
         return exc.code, str(exc), dict(exc.detail or {})
-    if isinstance(exc, kernels.KernelInputError):
-        code = "shape_mismatch" if isinstance(exc, kernels.ShapeMismatch) else "invalid_argument"
+    if isinstance(exc, scan_kernels.KernelInputError):
+        code = "shape_mismatch" if isinstance(exc, scan_kernels.ShapeMismatch) else "invalid_argument"
         field = exc.field if exc.field.startswith("args.") else f"args.{exc.field}"
         expected, got = exc.expected, exc.got
-        if isinstance(exc, kernels.DtypeNotAllowed):
+        if isinstance(exc, scan_kernels.DtypeNotAllowed):
             # named as the client sent them and SPEC §5 lists them, not as torch does
             expected = f"{exc.kind} ({', '.join(WIRE_DTYPES[d] for d in exc.allowed)})"
             got = WIRE_DTYPES.get(exc.dtype, got)
         return code, f"{field}: expected {expected}, got {got}", {"field": field, "expected": expected, "got": got}
-    if isinstance(exc, kernels.BackendUnavailable):
+    if isinstance(exc, scan_kernels.BackendUnavailable):
         return "unsupported", str(exc), {}
     if is_out_of_memory(exc):
         return error_fields(out_of_memory("serving the request", exc))

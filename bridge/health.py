@@ -13,7 +13,7 @@ import time
 
 import torch
 
-import kernels
+import scan_kernels
 
 # How recent a launch must be to stand for the device now.
 PROBE_MAX_AGE_S = 5.0
@@ -58,7 +58,7 @@ class DeviceProbe:
         start = time.perf_counter_ns()
         try:
             ones = torch.ones(1, 2, 1, device=self.device)
-            y = kernels.selective_scan(ones, ones, -ones[0, :1], ones, ones, backend=self.backend)
+            y = scan_kernels.selective_scan(ones, ones, -ones[0, :1], ones, ones, backend=self.backend)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             ok = bool(torch.isfinite(y).all())

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-import kernels
+import scan_kernels
 import protocol
 
 from .device import DeviceChoice
@@ -89,7 +89,7 @@ class Server:
         self.config = config
         self.device_choice = device
         self.device = device.device
-        self.backend = kernels.select_backend(self.device.type, config.backend)
+        self.backend = scan_kernels.select_backend(self.device.type, config.backend)
         self.stats = Stats(histograms=config.metrics_port is not None)
         # http://host:port/metrics once bridge.metrics serves it (info reports it)
         self.metrics_endpoint: str | None = None
@@ -100,7 +100,7 @@ class Server:
         self.transports: list[str] = []
         self.compiled: list[str] = []
         # Backends that read unaligned memory themselves need no aligned copy of inputs.
-        self.unaligned_ok = kernels.reads_unaligned(self.backend, self.device.type)
+        self.unaligned_ok = scan_kernels.reads_unaligned(self.backend, self.device.type)
         self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
                                      max_pool_bytes=config.max_pool_bytes)
         self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)

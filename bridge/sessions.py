@@ -6,7 +6,7 @@ one part [dim, state] a row, Mamba-2's "ssd" one part [heads, headdim, state], a
 sessions (kind "model", one class per loaded model) every layer's conv and ssm state. Each part is
 a [capacity, *part shape] fp32 tensor on the device whose rows are handed out as slots. A session of `batch` rows owns `batch` slots (any
 rows of its class's pool, not necessarily contiguous), and a step passes them to
-`kernels.selective_state_update(..., slots=...)` (`kernels.ssd_state_update` for "ssd"); that is what lets steps of many sessions of one
+`scan_kernels.selective_state_update(..., slots=...)` (`scan_kernels.ssd_state_update` for "ssd"); that is what lets steps of many sessions of one
 class share a kernel launch (bridge.batcher).
 
 A pool grows by doubling (one device copy of its rows; slot numbers stay valid) as far as the

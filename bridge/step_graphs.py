@@ -1,4 +1,4 @@
-"""Steps on CUDA through captured state updates (kernels.capture_state_update): a launch whose
+"""Steps on CUDA through captured state updates (scan_kernels.capture_state_update): a launch whose
 rows, session pool, shapes, options and A/D/dt_bias tensors were seen before replays that
 capture instead of going through the kernels API and Triton's launch path again.
 
@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-import kernels
+import scan_kernels
 from protocol import WireTensor
 
 from .tensors import TORCH_DTYPES
@@ -84,11 +84,11 @@ class StepGraphs:
                     torch.zeros((rows, *value.shape[1:]), dtype=TORCH_DTYPES[value.dtype], device=device)
                     for name, value in lead.tensors.items()}
         try:
-            capture = kernels.capture_state_update(
+            capture = scan_kernels.capture_state_update(
                 lead.session.pool.rows, examples["x"], examples["dt"], shared["A"], examples["B"],
                 examples["C"], D=shared["D"], z=examples["z"], dt_bias=shared["dt_bias"], **lead.options,
                 slots=torch.zeros(rows, dtype=torch.int64, device=device), backend=self.backend)
-        except kernels.KernelInputError:
+        except scan_kernels.KernelInputError:
             raise  # the request's own error, as the general path would report it
         except Exception:
             log.exception("capturing a %d-row step failed; steps like it take the general path", rows)

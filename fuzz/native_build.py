@@ -1,7 +1,7 @@
 """The native step parser's fuzzing build: bridge/native/step.cpp compiled with clang under
 AddressSanitizer and UndefinedBehaviorSanitizer, with libFuzzer's coverage instrumentation
 (-fsanitize=fuzzer-no-link), into a Python module of its own, beside the CPU kernels it calls
-(kernels/cpu/scan_kernel.cpp and ssd_kernel.cpp behind fuzz/native/run_problem_shim.cpp),
+(scan_kernels/cpu/scan_kernel.cpp and ssd_kernel.cpp behind fuzz/native/run_problem_shim.cpp),
 sanitized too. The kernels are compiled by g++, as the server's is: clang 14 has no _Float16 on x86 without
 AVX512-FP16, which the kernel's half-precision paths use. Both compilers' ASan and UBSan emit
 calls into the same runtime interface (compiler-rt's), which the preloaded runtime serves.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_SOURCE = ROOT / "bridge" / "native" / "step.cpp"
-KERNEL_DIR = ROOT / "kernels" / "cpu"
+KERNEL_DIR = ROOT / "scan_kernels" / "cpu"
 KERNEL_SOURCES = ("scan_kernel.cpp", "ssd_kernel.cpp")
 SHIM_SOURCE = Path(__file__).resolve().parent / "native" / "run_problem_shim.cpp"
 MUTATOR_SHIM_SOURCE = Path(__file__).resolve().parent / "native" / "custom_mutator_shim.c"
@@ -38,7 +38,7 @@ MUTATOR_SHIM_NAME = "libfuzz_custom_mutator.so"
 BUILD_DIR = ROOT / "build" / "fuzz" / "native_step"
 MODULE_NAME = "scan_bridge_native_step_fuzz"
 CLANG_ENV = "FUZZ_CLANGXX"  # another clang++ than the one on PATH
-GXX_ENV = "CXX"  # the kernels' compiler, as kernels/cpu/build.py reads it
+GXX_ENV = "CXX"  # the kernels' compiler, as scan_kernels/cpu/build.py reads it
 # The plan the runner chose, for the harness process it starts: "asan:<library>" or "gcc".
 PLAN_ENV = "FUZZ_NATIVE_STEP_BUILD"
 
@@ -48,7 +48,7 @@ SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all")
 CLANG_SANITIZE = (*SANITIZE, "-fno-sanitize=vptr,function")
 GCC_SANITIZE = (*SANITIZE, "-fno-sanitize=vptr")
 CFLAGS = ("-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-fPIC", "-fvisibility=hidden", "-march=native")
-# The parser's warnings are shown; the kernel's are its own build's business (kernels/cpu/build.py).
+# The parser's warnings are shown; the kernel's are its own build's business (scan_kernels/cpu/build.py).
 PARSER_FLAGS = (*CLANG_SANITIZE, "-fsanitize=fuzzer-no-link", "-Wall")
 KERNEL_FLAGS = (*GCC_SANITIZE, "-w")
 # Exit codes of a sanitizer finding, told apart from a Python exception's in the runner.

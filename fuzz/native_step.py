@@ -127,12 +127,12 @@ def setup() -> dict:
         capsules = [_capsule_of(library, kernel) for kernel in _CAPSULES]
         _target.sanitized = True
         info.update(build="clang, sanitized", library=library, asan=True, ubsan=True, cpp_coverage=True,
-                    kernel="kernels/cpu/scan_kernel.cpp and ssd_kernel.cpp (g++, ASan + UBSan) on one thread")
+                    kernel="scan_kernels/cpu/scan_kernel.cpp and ssd_kernel.cpp (g++, ASan + UBSan) on one thread")
     else:
-        from kernels.errors import BackendUnavailable
+        from scan_kernels.errors import BackendUnavailable
 
         try:
-            import kernels
+            import scan_kernels
             import torch
 
             from bridge import native
@@ -140,12 +140,12 @@ def setup() -> dict:
             torch.set_num_threads(1)  # the kernel's helper threads: one core, as the sanitized build
 
             _target.module = native._module()
-            backend = kernels.get_backend("cpu", "cpu")
+            backend = scan_kernels.get_backend("cpu", "cpu")
             capsules = [getattr(backend, kernel) for kernel in _CAPSULES]
         except BackendUnavailable as exc:
             raise HarnessUnavailable(f"the gcc build of the native step path is unavailable: {exc}") from exc
         info.update(build="gcc (bridge.native, the server's own)", library=_target.module.__file__, asan=False,
-                    ubsan=False, cpp_coverage=False, kernel="the cpu backend's (kernels/cpu, gcc)",
+                    ubsan=False, cpp_coverage=False, kernel="the cpu backend's (scan_kernels/cpu, gcc)",
                     fallback=plan.removeprefix("gcc:") or "no sanitized build was planned")
     _target.stepper = _target.module.Stepper(*capsules)
     _target.placements = (GuardedPlacement(MAX_LEN), GuardedPlacement(MAX_LEN))

@@ -37,10 +37,10 @@ KERNEL_CAPSULES = (("run_problem", b"scan_bridge.run_problem"), ("run_ssd_update
 def stepper_whose_kernels_fail_after_running(kept: list):
     """A native path's Stepper whose kernels run, then report a failure (a device error reported
     late): the session's rows have moved when it raises. `kept` gets what must outlive it."""
-    import kernels
+    import scan_kernels
     from bridge.native import _module
 
-    backend = kernels.get_backend("cpu", "cpu")
+    backend = scan_kernels.get_backend("cpu", "cpu")
     get_pointer, new_capsule = ctypes.pythonapi.PyCapsule_GetPointer, ctypes.pythonapi.PyCapsule_New
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]

@@ -1,7 +1,7 @@
 """Shared test harness for every kernels backend: named cases, fresh random inputs (never
 zeros), a per-dtype tolerance table and the helpers that compare a backend with the reference.
 
-Each backend's tests draw cases from here and compare against `kernels.reference` run in
+Each backend's tests draw cases from here and compare against `scan_kernels.reference` run in
 float64, so a backend is never checked against itself.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
+import scan_kernels
 
 # The skips a run expects, and so the only ones CI accepts (tests/conftest.py). Without a GPU:
 # the cases that need a CUDA device, and the Triton cases the interpreter runs in one split only.
@@ -42,8 +42,8 @@ def expected_skip(reason: str) -> bool:
 
 def _simd_variant_not_executable(reason: str) -> bool:
     """A SIMD variant's skip stands only when this CPU cannot execute that variant: the reason is
-    the one kernels.cpu.build gives for it now."""
-    from kernels.cpu import build
+    the one scan_kernels.cpu.build gives for it now."""
+    from scan_kernels.cpu import build
 
     name = reason.removeprefix("SIMD variant ").split(":", 1)[0]
     variants = [v for v in build.SIMD_VARIANTS if v.name == name]
@@ -179,7 +179,7 @@ def _draw_slots(pool: int, batch: int, padding_rows: int, device, gen) -> torch.
 
 
 def make_scan_inputs(case: ScanCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
-    """Keyword arguments for `kernels.selective_scan` (without backend)."""
+    """Keyword arguments for `scan_kernels.selective_scan` (without backend)."""
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
     b, l, d, n, g = case.batch, case.seq, case.dim, case.state, case.groups
     if case.layout == "bld":
@@ -204,7 +204,7 @@ def make_scan_inputs(case: ScanCase, dtype=torch.float32, device="cpu", seed=Non
 
 
 def make_update_inputs(case: UpdateCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
-    """Keyword arguments for `kernels.selective_state_update` (without backend); `state` is a
+    """Keyword arguments for `scan_kernels.selective_state_update` (without backend); `state` is a
     fresh random fp32 pool."""
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
     b, d, n, g = case.batch, case.dim, case.state, case.groups
@@ -226,8 +226,8 @@ def make_update_inputs(case: UpdateCase, dtype=torch.float32, device="cpu", seed
 
 def reference_scan(inputs: dict):
     """(y, state) from the float64 reference for the same inputs."""
-    from kernels import _args
-    from kernels.reference import selective_scan_ref
+    from scan_kernels import _args
+    from scan_kernels.reference import selective_scan_ref
 
     a = _args.check_scan(**{**inputs, "return_state": True})
     return selective_scan_ref(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs(),
@@ -236,7 +236,7 @@ def reference_scan(inputs: dict):
 
 def reference_update(inputs: dict):
     """(y, new_state) from the float64 reference applied to a copy of inputs["state"]."""
-    from kernels.reference import selective_state_update_ref
+    from scan_kernels.reference import selective_state_update_ref
 
     state = inputs["state"].clone().to(torch.float64)
     kw = {k: v for k, v in inputs.items() if k != "state"}
@@ -303,12 +303,12 @@ def cpu_backends() -> list[str]:
     """The backends the generic suites test: every available one serving CPU tensors but the
     reference (the oracle) and Triton (its own interpreter suite)."""
     names = []
-    for name in kernels.available_backends():
+    for name in scan_kernels.available_backends():
         if name in ("reference", "triton"):
             continue
         try:
-            kernels.select_backend("cpu", name)
-        except kernels.BackendUnavailable:
+            scan_kernels.select_backend("cpu", name)
+        except scan_kernels.BackendUnavailable:
             continue  # available, but for other devices only
         names.append(name)
     return names
@@ -329,10 +329,10 @@ def state_tolerance(dtype):
 
 
 def assert_scan_matches_reference(backend: str, case, dtype, seed: int, what: str, device="cpu") -> None:
-    """kernels.selective_scan on `backend` (inputs on `device`) against the float64 reference:
+    """scan_kernels.selective_scan on `backend` (inputs on `device`) against the float64 reference:
     y (shape and dtype too) and, with return_state, the state."""
     inputs = make_scan_inputs(case, dtype, device, seed=seed)
-    out = kernels.selective_scan(**inputs, backend=backend)
+    out = scan_kernels.selective_scan(**inputs, backend=backend)
     y, state = out if isinstance(out, tuple) else (out, None)
     assert_scan_outputs_match_reference(case, dtype, inputs, y, state, what)
 
@@ -352,11 +352,11 @@ def assert_scan_outputs_match_reference(case, dtype, inputs: dict, y, state, wha
 
 
 def assert_update_matches_reference(backend: str, case, dtype, seed: int, what: str) -> None:
-    """kernels.selective_state_update on `backend` against the float64 reference: y, padding
+    """scan_kernels.selective_state_update on `backend` against the float64 reference: y, padding
     rows' y zero, the live slots' state rows updated and every other pool row untouched."""
     inputs = make_update_inputs(case, dtype, seed=seed)
     before = inputs["state"].clone()
-    y = kernels.selective_state_update(**inputs, backend=backend)
+    y = scan_kernels.selective_state_update(**inputs, backend=backend)
     assert_update_outputs_match_reference(case, dtype, inputs, before, y, what)
 
 
@@ -491,7 +491,7 @@ def _add_ssd_options(args: dict, case, x_shape, dtype, device, gen) -> None:
 
 
 def make_ssd_inputs(case: SsdCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
-    """Keyword arguments for `kernels.ssd_scan` (without backend)."""
+    """Keyword arguments for `scan_kernels.ssd_scan` (without backend)."""
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
     b, l, h, p, n, g = case.batch, case.seq, case.heads, case.headdim, case.state, case.groups
     xs = (b, l, h, p)
@@ -524,7 +524,7 @@ def make_decay_regime_inputs(case: SsdCase, minus_A: float, dt_range: tuple[floa
 
 
 def make_ssd_update_inputs(case: SsdUpdateCase, dtype=torch.float32, device="cpu", seed=None) -> dict:
-    """Keyword arguments for `kernels.ssd_state_update` (without backend); `state` is a fresh
+    """Keyword arguments for `scan_kernels.ssd_state_update` (without backend); `state` is a fresh
     random fp32 pool."""
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % (2**31))
     b, h, p, n, g = case.batch, case.heads, case.headdim, case.state, case.groups
@@ -546,8 +546,8 @@ def make_ssd_update_inputs(case: SsdUpdateCase, dtype=torch.float32, device="cpu
 
 def reference_ssd_scan(inputs: dict):
     """(y, state) from the float64 reference for the same inputs."""
-    from kernels import _args
-    from kernels.reference import ssd_scan_ref
+    from scan_kernels import _args
+    from scan_kernels.reference import ssd_scan_ref
 
     a = _args.check_ssd_scan(**{**inputs, "return_state": True})
     return ssd_scan_ref(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs(), compute_dtype=torch.float64)
@@ -555,7 +555,7 @@ def reference_ssd_scan(inputs: dict):
 
 def reference_ssd_update(inputs: dict):
     """(y, new_state) from the float64 reference applied to a float64 copy of inputs["state"]."""
-    from kernels.reference import ssd_state_update_ref
+    from scan_kernels.reference import ssd_state_update_ref
 
     state = inputs["state"].clone().to(torch.float64)
     kw = {k: v for k, v in inputs.items() if k != "state"}
@@ -564,24 +564,24 @@ def reference_ssd_update(inputs: dict):
 
 
 def assert_ssd_matches_reference(backend: str, case, dtype, seed: int, what: str, device="cpu") -> None:
-    """kernels.ssd_scan on `backend` against the float64 reference: y and, with return_state,
+    """scan_kernels.ssd_scan on `backend` against the float64 reference: y and, with return_state,
     the state."""
     inputs = make_ssd_inputs(case, dtype, device, seed=seed)
-    out = kernels.ssd_scan(**inputs, backend=backend)
+    out = scan_kernels.ssd_scan(**inputs, backend=backend)
     y, state = out if isinstance(out, tuple) else (out, None)
     assert_scan_outputs_match_reference(case, dtype, inputs, y, state, what, reference=reference_ssd_scan)
 
 
 def assert_ssd_update_matches_reference(backend: str, case, dtype, seed: int, what: str, device="cpu") -> None:
-    """kernels.ssd_state_update on `backend` against the float64 reference: y, padding rows'
+    """scan_kernels.ssd_state_update on `backend` against the float64 reference: y, padding rows'
     y zero, the live slots' state rows updated and every other pool row untouched."""
     inputs = make_ssd_update_inputs(case, dtype, device, seed=seed)
     before = inputs["state"].clone()
-    y = kernels.ssd_state_update(**inputs, backend=backend)
+    y = scan_kernels.ssd_state_update(**inputs, backend=backend)
     assert_update_outputs_match_reference(case, dtype, inputs, before, y, what, reference=reference_ssd_update)
 
 
-# -- gradients (kernels.selective_scan_backward / ssd_scan_backward) -----------------------------
+# -- gradients (scan_kernels.selective_scan_backward / ssd_scan_backward) -----------------------------
 
 # Gradients sum many products (dA and dB over a whole sequence), so each is compared with an
 # absolute tolerance scaled by the reference gradient's largest magnitude; the relative part is

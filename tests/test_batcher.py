@@ -651,7 +651,7 @@ def test_answered_requests_leave_no_reference_cycles(inproc):
         srv.request(conn, "ping")  # the worker has finished the batch before it answers this
         gc.collect()
         ours = [type(o).__qualname__ for o in gc.garbage
-                if type(o).__module__.split(".")[0] in ("bridge", "protocol", "kernels")]
+                if type(o).__module__.split(".")[0] in ("bridge", "protocol", "scan_kernels")]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()

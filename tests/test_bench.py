@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 import pytest
 
-import kernels
+import scan_kernels
 import protocol
 from bridge.bench import plot as plot_mod
 from bridge.bench.baseline import run_baseline
@@ -185,7 +185,7 @@ def test_results_tell_machines_of_one_model_name_apart():
     """A VM's model name ("AMD EPYC") is the same on Zen 3 and Zen 5: the family and model
     numbers, the SIMD sets and the kernels' variant tell them apart (found in review)."""
     from bridge.bench import machine
-    from kernels.cpu.build import selected_variant
+    from scan_kernels.cpu.build import selected_variant
 
     info = machine.machine_info()
     assert set(info["cpu_simd_flags"]) <= set(machine.SIMD_FLAGS)
@@ -659,8 +659,8 @@ def test_model_step_ab_times_two_builds_of_one_revision(tmp_path):
     """`python -m bench.model_step_ab`, HEAD against HEAD, tiny, beside a busy core: both builds'
     steps of the same model agree bit for bit, each pacing has both builds' times and the ratios
     are of its own numbers."""
-    if "cpu" not in kernels.available_backends():
-        pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    if "cpu" not in scan_kernels.available_backends():
+        pytest.skip(f"the cpu backend is unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     from bench import model_step_ab
 
     out = tmp_path / "ab.json"
@@ -710,14 +710,14 @@ def test_server_ab_says_what_a_model_step_case_is(text, capsys):
 def test_backward_bench_runs_end_to_end(tmp_path):
     """`python -m bench.backward` (issue 35's benchmark) on its tiny case: every SIMD variant this
     CPU executes, torch autograd and the peak memory in one run, the ratios of its own numbers."""
-    if "cpu" not in kernels.available_backends():
-        pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    if "cpu" not in scan_kernels.available_backends():
+        pytest.skip(f"the cpu backend is unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     out = tmp_path / "backward.json"
     proc = run_marked([sys.executable, "-m", "bench.backward", "--cases", "2x64x32x16", "--reps", "2",
                        "--torch-reps", "1", "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
     assert proc.failure() is None, proc.failure()
     (case,) = json.loads(out.read_text())["cases"]
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     assert set(case["variants"]) == {"cpu", *(f"cpu-{v.name}" for v in build.executable_variants())}
     cpu = case["variants"]["cpu"]
@@ -735,8 +735,8 @@ def test_backward_bench_times_the_triton_backward_as_on_a_gpu(tmp_path):
     Triton's interpreter, both kinds' smallest cases: the triton backward and forward timed,
     torch autograd beside them, the ratios of its own numbers, the run's device and backends
     recorded."""
-    if "triton" not in kernels.available_backends():
-        pytest.skip(f"the triton backend is unavailable: {kernels.unavailable_backends().get('triton')}")
+    if "triton" not in scan_kernels.available_backends():
+        pytest.skip(f"the triton backend is unavailable: {scan_kernels.unavailable_backends().get('triton')}")
     out = tmp_path / "backward.json"
     proc = run_marked([sys.executable, "-m", "bench.backward", "--backends", "triton", "--cases",
                        "1x8x16x4,ssd-1x16x2x8x4", "--reps", "1", "--torch-reps", "1", "--json", str(out)],
@@ -775,15 +775,15 @@ def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
     """`python -m bench.varlen` on its tiny case, in this process: the packed call, the
     per-sequence calls and the padded batch timed, and both ways of the backward, their ratios
     of its own numbers, and the two ways' outputs and gradients within float32 rounding."""
-    if "cpu" not in kernels.available_backends():
-        pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    if "cpu" not in scan_kernels.available_backends():
+        pytest.skip(f"the cpu backend is unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     from bench import varlen
 
     out = tmp_path / "varlen.json"
     assert varlen.main(["--cases", "tiny", "--reps", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     (case,) = report["cases"]
-    assert report["benchmark"] == "varlen" and report["simd"] == kernels.backend_details()["cpu"]["simd"]
+    assert report["benchmark"] == "varlen" and report["simd"] == scan_kernels.backend_details()["cpu"]["simd"]
     assert case["steps"] == sum(case["lengths"]) and len(case["lengths"]) == case["case"]["sequences"]
     assert case["ratios"]["per_sequence_over_packed"] == pytest.approx(case["per_sequence_ms"] / case["packed_ms"])
     assert case["ratios"]["padded_over_packed"] == pytest.approx(case["padded_ms"] / case["packed_ms"])
@@ -795,8 +795,8 @@ def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
 def test_ssd_step_bench_runs_end_to_end(tmp_path):
     """`python -m bench.ssd_step` (Mamba-2 steps, native path against --no-native-step), tiny:
     both servers in one run, each stepping the way its mode says, the ratios of its own numbers."""
-    if "cpu" not in kernels.available_backends():
-        pytest.skip(f"the cpu backend is unavailable: {kernels.unavailable_backends().get('cpu')}")
+    if "cpu" not in scan_kernels.available_backends():
+        pytest.skip(f"the cpu backend is unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     out = tmp_path / "ssd_step.json"
     proc = run_marked([sys.executable, "-m", "bench.ssd_step", "--steps", "20", "--rounds", "1", "--json", str(out)],
                       timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
@@ -952,7 +952,7 @@ def test_transports_bench_says_what_it_expected(argv, message, capsys):
 # --- the package boundary ----------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parent.parent
-INSTALLED = ("bridge", "kernels", "protocol")
+INSTALLED = ("bridge", "scan_kernels", "protocol")
 
 
 def _imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -1051,7 +1051,7 @@ def test_exp_rate_probe_times_the_kernels_exp(tmp_path):
     """bench.exp_rate builds its probe from the kernels' own source, in the baseline variant
     (every x86-64 and aarch64 CPU executes it), and reports a positive rate naming that variant."""
     from bench import exp_rate
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     variant = build.variant_named("baseline")
     rate, description = exp_rate.measure(exp_rate.compile_probe(variant, tmp_path), 1, 0.05)

@@ -657,6 +657,6 @@ def test_the_client_imports_protocol_and_no_server_module():
             imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module)
-    ours = {name for name in imported if name.split(".")[0] in ("bridge", "kernels", "protocol")}
+    ours = {name for name in imported if name.split(".")[0] in ("bridge", "scan_kernels", "protocol")}
     assert "protocol" in ours
     assert ours - {"protocol"} <= CLIENT_SHARED_MODULES, sorted(ours - {"protocol"} - CLIENT_SHARED_MODULES)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bridge.client import PortClient
-from kernels.reference import selective_scan_ref
+from scan_kernels.reference import selective_scan_ref
 
 from waiting import wait_until
 

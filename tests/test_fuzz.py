@@ -295,7 +295,7 @@ def test_every_legacy_form_is_generated_valid_for_some_seed():
 
 def test_generated_step_requests_are_taken_by_the_native_parser():
     from bridge import native
-    from kernels.errors import BackendUnavailable
+    from scan_kernels.errors import BackendUnavailable
 
     try:
         module = native._module()

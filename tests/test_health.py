@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bridge.health
-import kernels
+import scan_kernels
 from bridge.client import PortClient, result_from_wire
 from bridge.health import DeviceProbe
 from bridge_fakes import RecordingConnection
@@ -21,8 +21,8 @@ from waiting import wait_until
 def launches(monkeypatch) -> list:
     """One entry per selective scan launched (the probe's among them)."""
     launched = []
-    scan = kernels.selective_scan
-    monkeypatch.setattr(kernels, "selective_scan", lambda *a, **k: launched.append(1) or scan(*a, **k))
+    scan = scan_kernels.selective_scan
+    monkeypatch.setattr(scan_kernels, "selective_scan", lambda *a, **k: launched.append(1) or scan(*a, **k))
     return launched
 
 
@@ -60,7 +60,7 @@ def test_a_failing_launch_is_not_ready_and_says_why(monkeypatch, failure, messag
             raise failure
         return torch.full_like(x, float("nan"))
 
-    monkeypatch.setattr(kernels, "selective_scan", broken)
+    monkeypatch.setattr(scan_kernels, "selective_scan", broken)
     check = DeviceProbe(torch.device("cpu"), None).check()
     assert check["ok"] is False and message in check["error"]
 
@@ -170,7 +170,7 @@ def test_a_failing_probe_after_old_work_is_not_ready(monkeypatch):
     probe = DeviceProbe(torch.device("cpu"), None)
     probe.note_launch()
     clock[0] += bridge.health.PROBE_MAX_AGE_S + 1
-    monkeypatch.setattr(kernels, "selective_scan", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+    monkeypatch.setattr(scan_kernels, "selective_scan", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
     check = probe.check()
     assert check["ok"] is False and check["source"] == "probe" and "device lost" in check["error"]
     assert probe.check(launch=False)["ok"] is False  # the newest answer stands while recent

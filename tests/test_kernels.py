@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+import scan_kernels
 from kernel_cases import (
     DTYPES, LARGE_SCAN_CASES, SCAN_CASES, UPDATE_CASES, ScanCase, UpdateCase, assert_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference,
@@ -57,7 +57,7 @@ def test_long_strong_decay_stays_finite(backend):
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
     inputs["dt_bias"] = inputs["dt_bias"] + 10.0  # softplus(dt) ~ 10 with A in [-2, -0.1]
     y_ref, state_ref = reference_scan(inputs)
-    y, state = kernels.selective_scan(**inputs, backend=backend)
+    y, state = scan_kernels.selective_scan(**inputs, backend=backend)
     assert torch.isfinite(y).all() and torch.isfinite(state).all(), f"{what}: inf or NaN"
     assert_close(y, y_ref, torch.float32, f"{what} y")
     assert_close(state, state_ref, torch.float32, f"{what} state")
@@ -89,10 +89,10 @@ def test_scan_in_two_calls_equals_one(backend, case, split):
     seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
-    y_full, state_full = kernels.selective_scan(**inputs, backend=backend)
-    y1, state1 = kernels.selective_scan(**_seq_slice(inputs, case.layout, 0, split), backend=backend)
+    y_full, state_full = scan_kernels.selective_scan(**inputs, backend=backend)
+    y1, state1 = scan_kernels.selective_scan(**_seq_slice(inputs, case.layout, 0, split), backend=backend)
     second = {**_seq_slice(inputs, case.layout, split, case.seq), "h0": state1}
-    y2, state2 = kernels.selective_scan(**second, backend=backend)
+    y2, state2 = scan_kernels.selective_scan(**second, backend=backend)
     seq_axis = 1 if case.layout == "bld" else 2
     assert_close(torch.cat([y1, y2], dim=seq_axis), y_full, torch.float32, f"{what} y")
     assert_close(state2, state_full, torch.float32, f"{what} state")
@@ -106,13 +106,13 @@ def test_prefill_then_state_updates_equals_one_scan(backend, steps):
     seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
-    y_full, state_full = kernels.selective_scan(**inputs, backend=backend)
+    y_full, state_full = scan_kernels.selective_scan(**inputs, backend=backend)
     prefill = case.seq - steps
-    _, state = kernels.selective_scan(**_seq_slice(inputs, "bld", 0, prefill), backend=backend)
+    _, state = scan_kernels.selective_scan(**_seq_slice(inputs, "bld", 0, prefill), backend=backend)
     shared = {k: inputs[k] for k in ("A", "D", "dt_bias", "dt_softplus", "dt_min", "dt_max")}
     for t in range(prefill, case.seq):
         step = {k: inputs[k][:, t] for k in ("x", "dt", "B", "C", "z")}
-        y_t = kernels.selective_state_update(state, **step, **shared, backend=backend)
+        y_t = scan_kernels.selective_state_update(state, **step, **shared, backend=backend)
         assert_close(y_t, y_full[:, t], torch.float32, f"{what} y at step {t}")
     assert_close(state, state_full, torch.float32, f"{what} state")
 
@@ -134,7 +134,7 @@ def test_scan_strided_inputs(backend, case, restride):
     inputs = make_scan_inputs(case, torch.float32, seed=seed)
     strided = {k: restride(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     assert not strided["x"].is_contiguous()
-    y, state = kernels.selective_scan(**strided, backend=backend)
+    y, state = scan_kernels.selective_scan(**strided, backend=backend)
     assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{backend} seed={seed}")
 
 
@@ -150,7 +150,7 @@ def test_state_update_strided_inputs_and_state(backend, restride):
     state = strided["state"]
     assert not state.is_contiguous()
     before = state.clone()
-    y = kernels.selective_state_update(**strided, backend=backend)
+    y = scan_kernels.selective_state_update(**strided, backend=backend)
     assert_update_outputs_match_reference(case, torch.float32, strided, before, y, what)
     if restride is nan_gapped:
         gaps = state._base[..., 1]
@@ -164,7 +164,7 @@ def test_state_update_int32_slots(backend):
     inputs = make_update_inputs(case, torch.float32, seed=seed)
     inputs["slots"] = inputs["slots"].to(torch.int32)
     before = inputs["state"].clone()
-    y = kernels.selective_state_update(**inputs, backend=backend)
+    y = scan_kernels.selective_state_update(**inputs, backend=backend)
     assert_update_outputs_match_reference(case, torch.float32, inputs, before, y, f"{backend} seed={seed}")
 
 
@@ -173,7 +173,7 @@ def test_state_update_all_padding_rows_touch_nothing(backend):
     case = UpdateCase(4, 10, 3, pool=6, padding_rows=4, D=True, z=True)
     inputs = make_update_inputs(case, torch.float32, seed=random_seed())
     before = inputs["state"].clone()
-    y = kernels.selective_state_update(**inputs, backend=backend)
+    y = scan_kernels.selective_state_update(**inputs, backend=backend)
     assert torch.equal(y, torch.zeros(4, 10))
     assert torch.equal(inputs["state"], before)
 
@@ -191,7 +191,7 @@ def test_state_update_all_padding_rows_touch_nothing(backend):
 def test_torch_backend_blocks_agree_with_reference(monkeypatch, block_bytes, layout):
     """The torch backend splits channels and sequence into L2-sized blocks; tiny block sizes
     force every boundary (channel blocks with a remainder, chunk carries) on a small case."""
-    from kernels import eager
+    from scan_kernels import eager
 
     monkeypatch.setattr(eager, "_BLOCK_BYTES", block_bytes)
     case = ScanCase(2, 10, 12, 4, groups=2, layout=layout, D=True, z=True, dt_bias=True,
@@ -247,8 +247,8 @@ SCAN_ERRORS = [
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scan_rejects_malformed_arguments(backend, change, field, got):
     args = change(_scan_base())
-    with pytest.raises(kernels.KernelInputError) as info:
-        kernels.selective_scan(**args, backend=backend)
+    with pytest.raises(scan_kernels.KernelInputError) as info:
+        scan_kernels.selective_scan(**args, backend=backend)
     err = info.value
     assert err.field == field, f"field {err.field!r} ({err}), expected {field!r}"
     assert got in err.got, f"got {err.got!r} does not mention {got!r}"
@@ -313,8 +313,8 @@ UPDATE_ERRORS = [
 def test_state_update_rejects_malformed_arguments(backend, change, field, got):
     args = change(_update_base())
     state_before = args["state"].clone() if isinstance(args["state"], torch.Tensor) else None
-    with pytest.raises(kernels.KernelInputError) as info:
-        kernels.selective_state_update(**args, backend=backend)
+    with pytest.raises(scan_kernels.KernelInputError) as info:
+        scan_kernels.selective_state_update(**args, backend=backend)
     err = info.value
     assert err.field == field, f"field {err.field!r} ({err}), expected {field!r}"
     assert got in err.got, f"got {err.got!r} does not mention {got!r}"
@@ -323,14 +323,14 @@ def test_state_update_rejects_malformed_arguments(backend, change, field, got):
         assert torch.equal(args["state"], state_before), "a rejected call changed the state"
 
 
-@pytest.mark.parametrize("update", [pytest.param(kernels.selective_state_update, id="mamba1"),
-                                    pytest.param(kernels.ssd_state_update, id="ssd")])
+@pytest.mark.parametrize("update", [pytest.param(scan_kernels.selective_state_update, id="mamba1"),
+                                    pytest.param(scan_kernels.ssd_state_update, id="ssd")])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_update_is_an_in_place_write_to_autograd(backend, update):
     """A graph that saved the state before an update cannot compute its gradients from the
     values the update wrote: every backend counts the write in the state's version, as torch's
     in-place ops do (the cpu one writes through its address, which autograd does not see)."""
-    if update is kernels.selective_state_update:
+    if update is scan_kernels.selective_state_update:
         args = make_update_inputs(UpdateCase(2, 6, 3), torch.float32, seed=random_seed())
     else:
         args = make_ssd_update_inputs(SsdUpdateCase(2, 4, 3, 6), torch.float32, seed=random_seed())
@@ -341,8 +341,8 @@ def test_an_update_is_an_in_place_write_to_autograd(backend, update):
         loss.backward()
 
 
-@pytest.mark.parametrize("update", [pytest.param(kernels.selective_state_update, id="mamba1"),
-                                    pytest.param(kernels.ssd_state_update, id="ssd")])
+@pytest.mark.parametrize("update", [pytest.param(scan_kernels.selective_state_update, id="mamba1"),
+                                    pytest.param(scan_kernels.ssd_state_update, id="ssd")])
 @pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("reference", id="reference")])
 def test_an_update_reads_operands_that_require_grad_as_constants(backend, update):
     """State updates are not differentiable: with A = -exp(A_log) of a parameter, and x and D
@@ -350,7 +350,7 @@ def test_an_update_reads_operands_that_require_grad_as_constants(backend, update
     (the torch and reference backends' tracked in-place ops left it requiring grad, so the
     next call refused it); y and the state are those of the same calls without grad."""
     seed = random_seed()
-    if update is kernels.selective_state_update:
+    if update is scan_kernels.selective_state_update:
         args = make_update_inputs(UpdateCase(2, 6, 3, D=True), torch.float32, seed=seed)
     else:
         args = make_ssd_update_inputs(SsdUpdateCase(2, 4, 3, 6, D=True), torch.float32, seed=seed)
@@ -375,9 +375,9 @@ def test_an_argument_of_the_wrong_type_is_an_invalid_argument_on_the_wire(change
     KernelInputError as invalid_argument."""
     from bridge.errors import error_fields
 
-    with pytest.raises(kernels.KernelInputError) as info:
-        kernels.selective_scan(**change(_scan_base()), backend="reference")
-    assert not isinstance(info.value, kernels.ShapeMismatch), repr(info.value)
+    with pytest.raises(scan_kernels.KernelInputError) as info:
+        scan_kernels.selective_scan(**change(_scan_base()), backend="reference")
+    assert not isinstance(info.value, scan_kernels.ShapeMismatch), repr(info.value)
     assert error_fields(info.value)[0] == "invalid_argument"
 
 
@@ -389,14 +389,14 @@ def test_an_argument_of_the_wrong_type_is_an_invalid_argument_on_the_wire(change
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_numpy_scalar_clamp_bounds_act_as_their_float(backend, bound):
     inputs = _scan_base()
-    y_numpy, _ = kernels.selective_scan(**inputs, dt_min=bound, dt_max=bound, backend=backend)
-    y_float, _ = kernels.selective_scan(**inputs, dt_min=float(bound), dt_max=float(bound), backend=backend)
+    y_numpy, _ = scan_kernels.selective_scan(**inputs, dt_min=bound, dt_max=bound, backend=backend)
+    y_float, _ = scan_kernels.selective_scan(**inputs, dt_min=float(bound), dt_max=float(bound), backend=backend)
     assert torch.equal(y_numpy, y_float)
 
 
 def test_unknown_backend_is_rejected():
-    with pytest.raises(kernels.UnknownBackend) as info:
-        kernels.selective_scan(**_scan_base(), backend="no-such-backend")
+    with pytest.raises(scan_kernels.UnknownBackend) as info:
+        scan_kernels.selective_scan(**_scan_base(), backend="no-such-backend")
     assert info.value.field == "backend"
     assert "no-such-backend" in info.value.got
     assert "'torch'" in info.value.expected
@@ -405,16 +405,16 @@ def test_unknown_backend_is_rejected():
 # --- backend selection ----------------------------------------------------------------------
 
 def test_cpu_selection_prefers_the_native_backend():
-    expected = "cpu" if "cpu" in kernels.available_backends() else "torch"
-    assert kernels.select_backend("cpu") == expected
+    expected = "cpu" if "cpu" in scan_kernels.available_backends() else "torch"
+    assert scan_kernels.select_backend("cpu") == expected
 
 
 def test_named_backend_is_selected_as_named():
-    assert kernels.select_backend("cpu", "torch") == "torch"
-    assert kernels.select_backend("cpu", "reference") == "reference"
-    with pytest.raises(kernels.UnknownBackend):
-        kernels.select_backend("cpu", "no-such-backend")
+    assert scan_kernels.select_backend("cpu", "torch") == "torch"
+    assert scan_kernels.select_backend("cpu", "reference") == "reference"
+    with pytest.raises(scan_kernels.UnknownBackend):
+        scan_kernels.select_backend("cpu", "no-such-backend")
 
 
 def test_torch_backend_is_always_available():
-    assert "torch" in kernels.available_backends(), kernels.unavailable_backends().get("torch")
+    assert "torch" in scan_kernels.available_backends(), scan_kernels.unavailable_backends().get("torch")

@@ -1,5 +1,5 @@
-"""Gradients of the scans (kernels.selective_scan_backward, kernels.ssd_scan_backward, and
-autograd through kernels.selective_scan / kernels.ssd_scan).
+"""Gradients of the scans (scan_kernels.selective_scan_backward, scan_kernels.ssd_scan_backward, and
+autograd through scan_kernels.selective_scan / scan_kernels.ssd_scan).
 
 - torch.autograd.gradcheck in float64: the reference (the oracle), and the cpu backend's own
   float64 path against finite differences of its own forward;
@@ -22,8 +22,8 @@ import textwrap
 import pytest
 import torch
 
-import kernels
-from kernels import _registry
+import scan_kernels
+from scan_kernels import _registry
 from kernel_cases import (DTYPES, LARGE_SCAN_CASES, LARGE_SSD_SCAN_CASES, SCAN_CASES, SSD_DECAY_REGIMES,
                           SSD_SCAN_CASES, ScanCase, SsdCase, assert_grads_close, backward_inputs, cpu_backends,
                           make_cotangents, make_decay_regime_inputs, make_scan_inputs, make_ssd_inputs, random_seed)
@@ -46,7 +46,7 @@ def _scan_x_shape(inputs: dict) -> tuple:
 
 
 def _grads(kind: str, inputs: dict, dy, dstate, backend: str) -> dict:
-    backward = kernels.ssd_scan_backward if kind == "ssd" else kernels.selective_scan_backward
+    backward = scan_kernels.ssd_scan_backward if kind == "ssd" else scan_kernels.selective_scan_backward
     return backward(dy, **backward_inputs(inputs), dstate=dstate, backend=backend)
 
 
@@ -80,7 +80,7 @@ def _gradcheck(kind: str, backend: str, case, seed: int) -> None:
     inputs = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     names = [n for n in GRAD_INPUT_NAMES if inputs.get(n) is not None]
     leaves = [inputs[n].detach().requires_grad_(True) for n in names]
-    scan = kernels.ssd_scan if kind == "ssd" else kernels.selective_scan
+    scan = scan_kernels.ssd_scan if kind == "ssd" else scan_kernels.selective_scan
     options = {k: v for k, v in inputs.items() if k not in names and k != "return_state"}
 
     def f(*tensors):
@@ -92,16 +92,16 @@ def _gradcheck(kind: str, backend: str, case, seed: int) -> None:
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("case", GRADCHECK_SCAN_CASES)
 def test_scan_gradcheck(backend, case):
-    if backend not in kernels.available_backends():
-        pytest.skip(f"backend {backend} unavailable: {kernels.unavailable_backends().get(backend)}")
+    if backend not in scan_kernels.available_backends():
+        pytest.skip(f"backend {backend} unavailable: {scan_kernels.unavailable_backends().get(backend)}")
     _gradcheck("scan", backend, case, random_seed())
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("case", GRADCHECK_SSD_CASES)
 def test_ssd_gradcheck(backend, case):
-    if backend not in kernels.available_backends():
-        pytest.skip(f"backend {backend} unavailable: {kernels.unavailable_backends().get(backend)}")
+    if backend not in scan_kernels.available_backends():
+        pytest.skip(f"backend {backend} unavailable: {scan_kernels.unavailable_backends().get(backend)}")
     _gradcheck("ssd", backend, case, random_seed())
 
 
@@ -222,7 +222,7 @@ def test_packed_scan_backward_matches_each_sequence(backend, layout):
     inputs["h0"] = torch.randn(len(bounds) - 1, 12, 4, generator=torch.Generator().manual_seed(seed))
     dy, dstate = make_cotangents(inputs, _scan_x_shape(inputs), (len(bounds) - 1, 12, 4), True, seed)
     cu = torch.tensor(bounds, dtype=torch.int32)
-    got = kernels.selective_scan_backward(dy, **backward_inputs(inputs), dstate=dstate, cu_seqlens=cu, backend=backend)
+    got = scan_kernels.selective_scan_backward(dy, **backward_inputs(inputs), dstate=dstate, cu_seqlens=cu, backend=backend)
     expected = _per_sequence_reference("scan", inputs, dy, dstate, bounds)
     assert_grads_close(got, expected, backward_inputs(inputs), torch.float32, f"{backend} packed seed={seed}")
 
@@ -236,7 +236,7 @@ def test_packed_ssd_scan_backward_matches_each_sequence(backend):
     inputs["h0"] = torch.randn(len(bounds) - 1, 4, 3, 5, generator=torch.Generator().manual_seed(seed))
     dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), (len(bounds) - 1, 4, 3, 5), True, seed)
     cu = torch.tensor(bounds, dtype=torch.int64)
-    got = kernels.ssd_scan_backward(dy, **backward_inputs(inputs), dstate=dstate, cu_seqlens=cu, backend=backend)
+    got = scan_kernels.ssd_scan_backward(dy, **backward_inputs(inputs), dstate=dstate, cu_seqlens=cu, backend=backend)
     expected = _per_sequence_reference("ssd", inputs, dy, dstate, bounds)
     assert_grads_close(got, expected, backward_inputs(inputs), torch.float32, f"{backend} packed ssd seed={seed}")
 
@@ -254,7 +254,7 @@ def test_autograd_through_selective_scan(backend):
     dy, dstate = make_cotangents(inputs, _scan_x_shape(inputs), _scan_state_shape(inputs), True, seed)
     trained = ("A", "D", "dt_bias", "x")
     leaves = {k: (v.detach().requires_grad_(True) if k in trained else v) for k, v in inputs.items()}
-    y, state = kernels.selective_scan(**{**leaves, "return_state": True}, backend=backend)
+    y, state = scan_kernels.selective_scan(**{**leaves, "return_state": True}, backend=backend)
     assert y.grad_fn is not None
     ((y * dy).sum() + (state * dstate).sum()).backward()
     expected = _grads("scan", inputs, dy, dstate, "reference")
@@ -269,7 +269,7 @@ def test_autograd_through_ssd_scan_y_only():
     inputs = make_ssd_inputs(case, seed=seed)
     dy, _ = make_cotangents(inputs, tuple(inputs["x"].shape), _ssd_state_shape(inputs), False, seed)
     A = inputs["A"].detach().requires_grad_(True)
-    y = kernels.ssd_scan(**{**inputs, "A": A, "return_state": False})
+    y = scan_kernels.ssd_scan(**{**inputs, "A": A, "return_state": False})
     (y * dy).sum().backward()
     expected = _grads("ssd", inputs, dy, None, "reference")["A"]
     torch.testing.assert_close(A.grad, expected.float(), rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
@@ -282,7 +282,7 @@ def test_a_second_derivative_is_refused_not_silently_zero(scan):
     inputs = (make_scan_inputs(ScanCase(1, 5, 3, 2), seed=1) if scan == "scan"
               else make_ssd_inputs(SsdCase(1, 5, 2, 3, 2), seed=1))
     x = inputs["x"].detach().requires_grad_(True)
-    forward = kernels.selective_scan if scan == "scan" else kernels.ssd_scan
+    forward = scan_kernels.selective_scan if scan == "scan" else scan_kernels.ssd_scan
     y = forward(**{**inputs, "x": x, "return_state": False})
     with pytest.raises(RuntimeError, match="differentiable once"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
@@ -300,19 +300,19 @@ def test_return_state_is_checked_with_autograd_as_without(scan, requires_grad, v
     inputs = (make_scan_inputs(ScanCase(1, 5, 3, 2), seed=1) if scan == "scan"
               else make_ssd_inputs(SsdCase(1, 5, 2, 3, 2), seed=1))
     x = inputs["x"].detach().requires_grad_(requires_grad)
-    forward = kernels.selective_scan if scan == "scan" else kernels.ssd_scan
-    with pytest.raises(kernels.KernelInputError) as info:
+    forward = scan_kernels.selective_scan if scan == "scan" else scan_kernels.ssd_scan
+    with pytest.raises(scan_kernels.KernelInputError) as info:
         forward(**{**inputs, "x": x, "return_state": value})
     assert info.value.field == "return_state", f"field {info.value.field!r} ({info.value})"
 
 
 def test_no_autograd_without_requires_grad_or_under_no_grad():
     inputs = make_scan_inputs(ScanCase(1, 4, 3, 2), seed=1)
-    y, _ = kernels.selective_scan(**inputs)  # ScanCase returns the state by default
+    y, _ = scan_kernels.selective_scan(**inputs)  # ScanCase returns the state by default
     assert y.grad_fn is None
     x = inputs["x"].detach().requires_grad_(True)
     with torch.no_grad():
-        y, _ = kernels.selective_scan(**{**inputs, "x": x})
+        y, _ = scan_kernels.selective_scan(**{**inputs, "x": x})
     assert y.grad_fn is None
 
 
@@ -328,7 +328,7 @@ def test_clamp_passes_no_gradient_outside_its_bounds(backend):
     x, B, C, dy = (torch.randn(*s, generator=gen) for s in ((b, l, d), (b, l, n), (b, l, n), (b, l, d)))
     dt = torch.rand(b, l, d, generator=gen) * 0.6  # below, inside and above [0.1, 0.4]
     A = -torch.rand(d, n, generator=gen) - 0.2
-    grads = kernels.selective_scan_backward(dy, x, dt, A, B, C, dt_min=0.1, dt_max=0.4, backend=backend)
+    grads = scan_kernels.selective_scan_backward(dy, x, dt, A, B, C, dt_min=0.1, dt_max=0.4, backend=backend)
     outside = (dt < 0.1) | (dt > 0.4)
     assert outside.any() and (~outside).any()
     assert bool((grads["dt"][outside] == 0).all())
@@ -338,26 +338,26 @@ def test_clamp_passes_no_gradient_outside_its_bounds(backend):
 def test_bad_cotangents_are_named():
     inputs = backward_inputs(make_scan_inputs(ScanCase(2, 5, 4, 3), seed=2))
     x = inputs["x"]
-    with pytest.raises(kernels.ShapeMismatch, match=r"dy: expected shape \[2, 5, 4\]"):
-        kernels.selective_scan_backward(x[:, :3], **inputs)
-    with pytest.raises(kernels.DtypeNotAllowed, match="dy: expected a floating dtype"):
-        kernels.selective_scan_backward(x.to(torch.int32), **inputs)
-    with pytest.raises(kernels.ShapeMismatch, match=r"dstate: expected shape \[2, 4, 3\]"):
-        kernels.selective_scan_backward(x, **inputs, dstate=torch.zeros(2, 4, 4))
-    with pytest.raises(kernels.KernelInputError, match="dy: expected a torch.Tensor"):
-        kernels.selective_scan_backward([1.0], **inputs)
+    with pytest.raises(scan_kernels.ShapeMismatch, match=r"dy: expected shape \[2, 5, 4\]"):
+        scan_kernels.selective_scan_backward(x[:, :3], **inputs)
+    with pytest.raises(scan_kernels.DtypeNotAllowed, match="dy: expected a floating dtype"):
+        scan_kernels.selective_scan_backward(x.to(torch.int32), **inputs)
+    with pytest.raises(scan_kernels.ShapeMismatch, match=r"dstate: expected shape \[2, 4, 3\]"):
+        scan_kernels.selective_scan_backward(x, **inputs, dstate=torch.zeros(2, 4, 4))
+    with pytest.raises(scan_kernels.KernelInputError, match="dy: expected a torch.Tensor"):
+        scan_kernels.selective_scan_backward([1.0], **inputs)
 
 
 def test_a_named_backend_without_a_backward_pass_is_refused(monkeypatch):
     """backend="name" without a backward is an error naming it; backend=None passes it over."""
-    cpu_default = kernels.select_backend("cpu")
+    cpu_default = scan_kernels.select_backend("cpu")
     without = dataclasses.replace(_registry.get_backend(cpu_default, "cpu"), scan_backward=None,
                                   ssd_scan_backward=None)
     monkeypatch.setitem(_registry._loaded, cpu_default, without)
     inputs = backward_inputs(make_scan_inputs(ScanCase(1, 3, 2, 2), seed=3))
-    with pytest.raises(kernels.BackendUnavailable, match=f"backend '{cpu_default}' has no scan_backward"):
-        kernels.selective_scan_backward(inputs["x"], **inputs, backend=cpu_default)
-    assert set(kernels.selective_scan_backward(inputs["x"], **inputs)) == {"x", "dt", "A", "B", "C"}
+    with pytest.raises(scan_kernels.BackendUnavailable, match=f"backend '{cpu_default}' has no scan_backward"):
+        scan_kernels.selective_scan_backward(inputs["x"], **inputs, backend=cpu_default)
+    assert set(scan_kernels.selective_scan_backward(inputs["x"], **inputs)) == {"x", "dt", "A", "B", "C"}
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -366,7 +366,7 @@ def test_a_named_backend_without_a_backward_pass_is_refused(monkeypatch):
 # process as the growth of its peak resident set (VmHWM, reset through /proc/self/clear_refs)
 # over what the inputs already hold.
 _MEMORY_SCRIPT = textwrap.dedent("""
-    import json, torch, kernels
+    import json, torch, scan_kernels
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
@@ -376,12 +376,12 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     B, C = (torch.randn(batch, seq, 1, n, generator=gen) for _ in range(2))
     A, D, bias = -torch.rand(dim, n, generator=gen) - 0.1, torch.randn(dim), torch.randn(dim)
     options = dict(D=D, z=z, dt_bias=bias, dt_softplus=True, dt_min=0.001, dt_max=1.0, backend="cpu")
-    kernels.selective_scan_backward(dy[:, :64], x[:, :64], dt[:, :64], A, B[:, :64], C[:, :64],
+    scan_kernels.selective_scan_backward(dy[:, :64], x[:, :64], dt[:, :64], A, B[:, :64], C[:, :64],
                                     **{**options, "z": z[:, :64]})  # loads the library, starts helpers
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = status("VmRSS")
-    grads = kernels.selective_scan_backward(dy, x, dt, A, B, C, **options)
+    grads = scan_kernels.selective_scan_backward(dy, x, dt, A, B, C, **options)
     print(json.dumps({"peak_extra": status("VmHWM") - before, "threads": torch.get_num_threads(),
                       "grads": sum(g.numel() * g.element_size() for g in grads.values()),
                       "inputs": sum(t.numel() * t.element_size() for t in (x, dt, z, dy, B, C, A, D, bias))}))
@@ -394,8 +394,8 @@ def test_cpu_backward_peak_memory_is_bounded_by_its_chunks():
     tiles, plus 8 MiB of allocator slack. dt is discretized inside the kernel, so no [batch,
     seq, dim] temporary counts. The whole state history (4096 x 768 x 16 fp32: 192 MiB) would be
     far above it."""
-    if "cpu" not in kernels.available_backends():
-        pytest.skip(f"cpu backend unavailable: {kernels.unavailable_backends().get('cpu')}")
+    if "cpu" not in scan_kernels.available_backends():
+        pytest.skip(f"cpu backend unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     run = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     m = json.loads(run.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""What is particular to the "cpu" backend (kernels/cpu/), beyond the generic suite in
+"""What is particular to the "cpu" backend (scan_kernels/cpu/), beyond the generic suite in
 test_kernels.py that runs the shared cases against every backend:
 
 - its two code paths (sequence mode for seq > 1, step mode for seq == 1) at sizes that reach
@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import _args
+import scan_kernels
+from scan_kernels import _args
 from kernel_cases import (
     DTYPES, GRAD_TOLERANCES, STATE_TOLERANCE, TOLERANCES, ScanCase, UpdateCase, assert_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference, assert_update_matches_reference,
@@ -46,8 +46,8 @@ from waiting import poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
-if "cpu" not in kernels.available_backends():
-    pytest.skip(f"cpu backend unavailable: {kernels.unavailable_backends().get('cpu')}",
+if "cpu" not in scan_kernels.available_backends():
+    pytest.skip(f"cpu backend unavailable: {scan_kernels.unavailable_backends().get('cpu')}",
                 allow_module_level=True)
 
 ALL = dict(D=True, z=True, dt_bias=True, dt_softplus=True, clamp=True, h0=True)
@@ -77,7 +77,7 @@ UPDATE_CASES = [
 
 
 def _scan(inputs, **overrides):
-    return kernels.selective_scan(**{**inputs, **overrides}, backend="cpu")
+    return scan_kernels.selective_scan(**{**inputs, **overrides}, backend="cpu")
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_softplus_of_dt_across_its_range():
     dt = torch.linspace(-30, 25, channels) + torch.rand(channels, generator=g) * (55 / channels)
     unit = torch.zeros(1, state)
     unit[0, 0] = 1
-    y = kernels.selective_state_update(torch.zeros(1, channels, state), torch.ones(1, channels), dt[None],
+    y = scan_kernels.selective_state_update(torch.zeros(1, channels, state), torch.ones(1, channels), dt[None],
                                        torch.full((channels, state), -1e-30), unit, unit.clone(),
                                        dt_softplus=True, backend="cpu")
     expected = torch.nn.functional.softplus(dt.double())
@@ -134,7 +134,7 @@ def test_state_update_in_a_float64_pool(case):
     inputs = make_update_inputs(case, torch.float64, seed=seed)
     inputs["state"] = inputs["state"].to(torch.float64)
     before = inputs["state"].clone()
-    y = kernels.selective_state_update(**inputs, backend="cpu")
+    y = scan_kernels.selective_state_update(**inputs, backend="cpu")
     assert_update_outputs_match_reference(case, torch.float64, inputs, before, y, f"cpu seed={seed}")
 
 
@@ -178,7 +178,7 @@ def test_state_update_threads_give_identical_results(restore_threads, threads):
     for n in (1, threads):
         torch.set_num_threads(n)
         pool = state.clone()
-        y = kernels.selective_state_update(**{**inputs, "state": pool}, backend="cpu")
+        y = scan_kernels.selective_state_update(**{**inputs, "state": pool}, backend="cpu")
         results.append((y, pool))
     (y1, pool1), (yn, pooln) = results
     assert torch.equal(y1, yn) and torch.equal(pool1, pooln)
@@ -248,7 +248,7 @@ def test_forked_child_computes_without_the_parents_helpers(restore_threads):
 KERNEL_CALLS_AT_EXIT = """
 import threading
 import torch
-from kernels.cpu import build
+from scan_kernels.cpu import build
 ext = build.load_extension()
 x, dt, A = torch.randn(1, 512, 8, 64), torch.rand(1, 512, 8), -torch.rand(8)
 B, C = torch.randn(1, 512, 1, 64), torch.randn(1, 512, 1, 64)
@@ -284,7 +284,7 @@ HELPER_PROBE = """
 import json, os, sys, time
 import torch
 torch.set_num_threads(2)
-import kernels
+import scan_kernels
 from kernel_cases import UpdateCase, make_update_inputs
 def helper_sleeps():
     tasks = "/proc/self/task"
@@ -299,11 +299,11 @@ def helper_sleeps():
 rows = [int(r) for r in sys.argv[1:]]
 inputs = [make_update_inputs(UpdateCase(r, 512, 16), seed=k) for k, r in enumerate(rows)]
 tiny = make_update_inputs(UpdateCase(1, 16, 16), seed=len(rows))  # below one thread's share
-kernels.selective_state_update(**tiny, backend="cpu")  # loads the backend; offers no work
+scan_kernels.selective_state_update(**tiny, backend="cpu")  # loads the backend; offers no work
 time.sleep(0.05)  # not synchronisation: past the pool's spin (kSpin), so the helpers sleep
 before = helper_sleeps()
 for args in inputs:
-    kernels.selective_state_update(**args, backend="cpu")
+    scan_kernels.selective_state_update(**args, backend="cpu")
 time.sleep(0.05)  # past kSpin again: a helper that was offered work has gone back to sleep
 print(json.dumps([before, helper_sleeps()]))
 """
@@ -365,7 +365,7 @@ def test_state_update_pool_at_odd_byte_offset(state_size):
     before = inputs["state"].clone()
     keep = []
     odd = {k: _at_odd_offset(v, keep) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    y = kernels.selective_state_update(**odd, backend="cpu")
+    y = scan_kernels.selective_state_update(**odd, backend="cpu")
     assert_update_outputs_match_reference(case, torch.float32, odd, before, y, f"cpu seed={seed}")
 
 
@@ -376,8 +376,8 @@ def test_ssd_scan_inputs_at_odd_byte_offsets():
     inputs = make_ssd_inputs(case, torch.float32, seed=seed)
     keep = []
     odd = {k: _at_odd_offset(v, keep) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    y_aligned, state_aligned = kernels.ssd_scan(**inputs, backend="cpu")
-    y, state = kernels.ssd_scan(**odd, backend="cpu")
+    y_aligned, state_aligned = scan_kernels.ssd_scan(**inputs, backend="cpu")
+    y, state = scan_kernels.ssd_scan(**odd, backend="cpu")
     assert torch.equal(y, y_aligned) and torch.equal(state, state_aligned), f"seed={seed}"
 
 
@@ -388,7 +388,7 @@ def test_ssd_state_update_pool_and_inputs_at_odd_byte_offsets():
     before = inputs["state"].clone()
     keep = []
     odd = {k: _at_odd_offset(v, keep) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    y = kernels.ssd_state_update(**odd, backend="cpu")
+    y = scan_kernels.ssd_state_update(**odd, backend="cpu")
     assert_update_outputs_match_reference(case, torch.float32, odd, before, y, f"cpu ssd seed={seed}",
                                           reference=reference_ssd_update)
 
@@ -397,12 +397,12 @@ def test_ssd_state_update_pool_and_inputs_at_odd_byte_offsets():
 
 def test_second_process_reuses_the_built_library():
     """What `make` runs; with the library built, a fresh process only imports it."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     library = build.library_path()
     assert library.is_file(), "the backend loaded, so its library must exist"
     mtime = library.stat().st_mtime_ns
-    proc = subprocess.run([sys.executable, "-m", "kernels.cpu.build"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "scan_kernels.cpu.build"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert str(library) in proc.stdout
@@ -411,7 +411,7 @@ def test_second_process_reuses_the_built_library():
 
 def test_digest_follows_sources(tmp_path, monkeypatch):
     """A library built from other sources (or flags, or for another CPU) is never loaded."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     for name in build.SOURCES + build.HEADERS:
         (tmp_path / name).write_bytes((build.SOURCE_DIR / name).read_bytes())
@@ -425,16 +425,16 @@ def test_digest_follows_sources(tmp_path, monkeypatch):
 
 
 def test_no_compiler_is_one_reason_and_torch_serves(monkeypatch, caplog):
-    from kernels import _registry
-    from kernels.cpu import build
+    from scan_kernels import _registry
+    from scan_kernels.cpu import build
 
     monkeypatch.setenv("CXX", "/nonexistent/c++")  # also a new digest: nothing built for it
     monkeypatch.setattr(_registry, "_loaded", {})
     monkeypatch.setattr(_registry, "_unavailable", {})
     assert not build.library_path().exists()
-    with caplog.at_level(logging.INFO, logger="kernels"):
-        assert kernels.select_backend("cpu") == "torch"
-        assert kernels.select_backend("cpu") == "torch"
+    with caplog.at_level(logging.INFO, logger="scan_kernels"):
+        assert scan_kernels.select_backend("cpu") == "torch"
+        assert scan_kernels.select_backend("cpu") == "torch"
     reason = _registry._unavailable["cpu"]
     assert "no C++ compiler" in reason and "/nonexistent/c++" in reason and "\n" not in reason
     assert [r.getMessage() for r in caplog.records if "'cpu'" in r.getMessage()] == [
@@ -442,14 +442,14 @@ def test_no_compiler_is_one_reason_and_torch_serves(monkeypatch, caplog):
 
 
 def test_compile_error_is_one_line_with_the_log(tmp_path, monkeypatch):
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     (tmp_path / "broken.cpp").write_text("int f() { return undeclared_name; }\n")
     monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
     monkeypatch.setattr(build, "SOURCES", ("broken.cpp",))
     monkeypatch.setattr(build, "HEADERS", ())
     monkeypatch.setattr(build, "build_root", lambda: tmp_path / "out")
-    with pytest.raises(kernels.BackendUnavailable) as info:
+    with pytest.raises(scan_kernels.BackendUnavailable) as info:
         build.load_extension()
     reason = str(info.value)
     assert "undeclared_name" in reason and "\n" not in reason
@@ -457,7 +457,7 @@ def test_compile_error_is_one_line_with_the_log(tmp_path, monkeypatch):
     assert log.is_file() and "undeclared_name" in log.read_text()
 
 
-# Every SIMD variant (kernels.cpu.build.SIMD_VARIANTS: AVX-512, AVX2, the baseline) built
+# Every SIMD variant (scan_kernels.cpu.build.SIMD_VARIANTS: AVX-512, AVX2, the baseline) built
 # explicitly and run against the reference, whichever one serves by default: a few cases per
 # variant that reach its full and partial blocks (a block is one vector of channels: 16, 8 or 4
 # in fp32), its unrolled state-16 step, the generic-state paths, several time chunks, the
@@ -481,7 +481,7 @@ SIMD_UPDATE_CASES = [
 
 # Every SIMD variant built at once, beside this file's first tests, rather than one after another
 # when the variants' tests come to each (and before the other files' benches that load them all).
-VARIANT_BUILDS = BackgroundRun(lambda: ([sys.executable, "-m", "kernels.cpu.build", "--all"],
+VARIANT_BUILDS = BackgroundRun(lambda: ([sys.executable, "-m", "scan_kernels.cpu.build", "--all"],
                                         {"timeout_s": 1200, "cwd": ROOT}))
 
 
@@ -491,7 +491,7 @@ def start_background_runs(selected: set[str]) -> None:
 
 
 def _simd_variant_names():
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     return [v.name for v in build.SIMD_VARIANTS]
 
@@ -502,7 +502,7 @@ def simd_backend(request):
     default one). A variant this CPU cannot execute is skipped with the reason
     (build.unsupported_reason, which kernel_cases.expected_skip checks again in CI); one it
     executes must build."""
-    from kernels.cpu import backend_from, build
+    from scan_kernels.cpu import backend_from, build
 
     variant = build.variant_named(request.param)
     reason = build.unsupported_reason(variant)
@@ -512,7 +512,7 @@ def simd_backend(request):
         pytest.fail(failure)
     try:
         backend = backend_from(build.load_extension(variant=variant))
-    except kernels.BackendUnavailable as exc:
+    except scan_kernels.BackendUnavailable as exc:
         pytest.fail(f"SIMD variant {variant.name}: this CPU executes it, but it did not build: {exc}")
     assert backend.details["simd"] == variant.name, backend.details
     print(f"\nSIMD variant {variant.name}: {backend.details['simd_description']} ({backend.details['library']})")
@@ -602,13 +602,13 @@ def test_simd_variant_nonfinite_row_leaves_other_rows_y_as_the_reference(simd_ba
         y = simd_backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
         state = inputs["state"]
         expected_state = before.clone()
-        y_ref = kernels.selective_state_update(**{**inputs, "state": expected_state}, backend="reference")
+        y_ref = scan_kernels.selective_state_update(**{**inputs, "state": expected_state}, backend="reference")
         slots = inputs.get("slots")
         bad_state_row = NONFINITE_ROW if slots is None else int(slots[NONFINITE_ROW])
     else:
         a = _args.check_scan(**inputs)
         y, state = simd_backend.scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
-        y_ref, expected_state = kernels.selective_scan(**inputs, backend="reference")
+        y_ref, expected_state = scan_kernels.selective_scan(**inputs, backend="reference")
         bad_state_row = NONFINITE_ROW
     bad_y = (NONFINITE_ROW,) + (0,) * (y.dim() - 2) + (NONFINITE_CHANNEL,)
     assert not torch.isfinite(y_ref[bad_y]) and not torch.isfinite(y[bad_y]), f"{what}: the bad channel's y is finite"
@@ -714,8 +714,8 @@ def test_simd_variant_packed_sequences_match_each_sequence(simd_backend, kind, c
 @pytest.mark.parametrize("op", ["scan", "ssd_scan"])
 def test_the_binding_refuses_malformed_packed_bounds(op, cu_seqlens, batch, message):
     """The kernels index with the boundaries unchecked, so the binding checks them itself: a
-    caller that bypasses kernels._args gets an error, not a read past the operands."""
-    from kernels.cpu import build
+    caller that bypasses scan_kernels._args gets an error, not a read past the operands."""
+    from scan_kernels.cpu import build
 
     ext = build.load_extension()
     bounds = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens)
@@ -734,7 +734,7 @@ def test_the_binding_refuses_malformed_packed_bounds(op, cu_seqlens, batch, mess
 def test_the_backward_binding_refuses_shared_dt_columns_without_scalar_decay():
     """The Mamba-1 runner reads dt, dt_bias and A per channel: dt columns shared by several
     channels (a Mamba-2 head's) come with scalar_decay only, else it would read past dt."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     ext = build.load_extension()
     x = torch.randn(1, 5, 8)
@@ -765,7 +765,7 @@ SIMD_BACKWARD_CASES = [
 
 @pytest.mark.parametrize("kind, case, dtype", SIMD_BACKWARD_CASES)
 def test_simd_variant_backward_matches_reference(simd_backend, kind, case, dtype):
-    from kernels.reference import selective_scan_backward_ref, ssd_scan_backward_ref
+    from scan_kernels.reference import selective_scan_backward_ref, ssd_scan_backward_ref
 
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -835,7 +835,7 @@ def _ssd_backward_inputs_with_a_nonfinite_item(bounds, seq, state_size, operand,
 def _ssd_gradients_by_sequence(got, tensors, options, spans):
     """(name, sequence, head axis, got's part, the reference's) for each gradient: the reference run
     on each sequence alone, its A's and D's summed over the sequences (sequence None)."""
-    from kernels.reference import ssd_scan_backward_ref
+    from scan_kernels.reference import ssd_scan_backward_ref
 
     dy, x, dt, A, B, C = tensors
     sums = {}
@@ -938,7 +938,7 @@ INF_VALUES = [pytest.param(float("inf"), id="inf"), pytest.param(float("-inf"), 
 @pytest.mark.parametrize("operand", INF_OPERANDS)
 @pytest.mark.parametrize("seq, state", MAMBA1_INF_PATHS)
 def test_simd_variant_backward_inf_gives_the_references_result(simd_backend, seq, state, operand, value):
-    from kernels.reference import selective_scan_backward_ref
+    from scan_kernels.reference import selective_scan_backward_ref
 
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -1000,7 +1000,7 @@ SIMD_PACKED_BACKWARD_CASES = [
 def test_simd_variant_packed_backward_matches_each_sequence(simd_backend, kind, bounds, case, dtype):
     """The packed call's gradients against the reference's of each sequence alone, joined as
     the packed call joins them (the weights' summed over the sequences)."""
-    from kernels.reference import selective_scan_backward_ref, ssd_scan_backward_ref
+    from scan_kernels.reference import selective_scan_backward_ref, ssd_scan_backward_ref
 
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -1040,7 +1040,7 @@ def test_simd_variant_packed_backward_matches_each_sequence(simd_backend, kind, 
                      tolerance=(rtol, atol * float(expected.abs().max())))
 
 
-# The model step's matrix products (kernels/cpu/linear_kernel.h): rows, in, features, bias, and
+# The model step's matrix products (scan_kernels/cpu/linear_kernel.h): rows, in, features, bias, and
 # the input's row stride past `in` (a column slice, as the Mamba-1 step's dt is).
 LINEAR_CASES = [
     pytest.param(1, 256, 1152, True, 0, id="exphil-in-proj-one-row"),
@@ -1059,7 +1059,7 @@ LINEAR_CASES = [
 def test_simd_variant_linear_matches_reference(simd_backend, rows, width, features, bias, row_gap, weight_dtype):
     """bf16 weights (a model loaded in bf16) are widened exactly, so against the float64 product
     of the same bf16 values the tolerance is fp32's, as for fp32 weights."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     ext = build.load_extension(variant=build.variant_named(simd_backend.details["simd"]))
     seed = random_seed()
@@ -1083,7 +1083,7 @@ def test_simd_variant_linear_matches_reference(simd_backend, rows, width, featur
     pytest.param(lambda: torch.tensor(1.0), id="0d-weight"),
 ])
 def test_linear_refuses_a_weight_that_is_not_2d(weight):
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     ext = build.load_extension()
     with pytest.raises(ValueError, match=r"weight: expected a 2-d tensor \[features, in\], got \d-d"):
@@ -1091,7 +1091,7 @@ def test_linear_refuses_a_weight_that_is_not_2d(weight):
 
 
 def test_linear_refuses_operands_that_do_not_fit():
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     ext = build.load_extension()
     with pytest.raises(ValueError, match=r"weight \[3, 5\]"):
@@ -1115,26 +1115,26 @@ def test_ssd_results_do_not_depend_on_the_thread_count():
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            outputs.append(kernels.ssd_scan(**inputs, backend="cpu"))
+            outputs.append(scan_kernels.ssd_scan(**inputs, backend="cpu"))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
 
 
 def test_default_variant_is_the_best_the_cpu_executes(monkeypatch):
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     monkeypatch.delenv(build.SIMD_ENV, raising=False)
     assert build.selected_variant() == build.executable_variants()[0]
     assert build.executable_variants()[-1].name == "baseline"
-    backend = kernels.get_backend("cpu", "cpu")
+    backend = scan_kernels.get_backend("cpu", "cpu")
     if os.environ.get(build.SIMD_ENV) is None:
         assert backend.details["simd"] == build.executable_variants()[0].name, backend.details
-    assert kernels.backend_details()["cpu"] == backend.details
+    assert scan_kernels.backend_details()["cpu"] == backend.details
 
 
 def test_simd_env_forces_a_variant_and_refuses_what_the_cpu_cannot_execute(monkeypatch):
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     for variant in build.SIMD_VARIANTS:
         monkeypatch.setenv(build.SIMD_ENV, variant.name)
@@ -1143,23 +1143,23 @@ def test_simd_env_forces_a_variant_and_refuses_what_the_cpu_cannot_execute(monke
             assert build.selected_variant() == variant
             assert build.library_path().name == f"{build.MODULE_NAME}_{variant.name}.so"
         else:
-            with pytest.raises(kernels.BackendUnavailable, match=f"{build.SIMD_ENV}={variant.name}: .*cannot"):
+            with pytest.raises(scan_kernels.BackendUnavailable, match=f"{build.SIMD_ENV}={variant.name}: .*cannot"):
                 build.selected_variant()
     monkeypatch.setenv(build.SIMD_ENV, "avx1024")
-    with pytest.raises(kernels.BackendUnavailable, match="SIMD variant 'avx1024': expected one of .*baseline"):
+    with pytest.raises(scan_kernels.BackendUnavailable, match="SIMD variant 'avx1024': expected one of .*baseline"):
         build.selected_variant()
     # A CPU without the variant's instruction sets: refused with the flags it lacks, not built.
     monkeypatch.setattr(build, "_cpu_flags", lambda: {"sse2"})
     monkeypatch.setenv(build.SIMD_ENV, build.SIMD_VARIANTS[0].name)
     if build.SIMD_VARIANTS[0].cpu_flags:
-        with pytest.raises(kernels.BackendUnavailable, match="cannot execute it .*lacks"):
+        with pytest.raises(scan_kernels.BackendUnavailable, match="cannot execute it .*lacks"):
             build.load_extension()
     assert [v.name for v in build.executable_variants()] == ["baseline"]
 
 
 def test_variants_build_apart():
     """Each variant has its own flags, module name and digest, so that all load side by side."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     variants = build.SIMD_VARIANTS
     assert len({build.variant_module_name(v) for v in variants}) == len(variants)
@@ -1177,7 +1177,7 @@ def test_kernels_compile_for_aarch64(tmp_path):
     target) cross-compiled for aarch64 with the baseline's flags: NEON vectors, no x86
     intrinsics, no warnings. Compile only; the compiler is Debian's g++-aarch64-linux-gnu
     (.ci/system-deps.sh installs it)."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     compiler = shutil.which(AARCH64_CXX)
     if compiler is None:
@@ -1199,7 +1199,7 @@ def test_bench_runner_reports_every_backend(tmp_path):
 
     from bench import kernels as bench_kernels
 
-    out = tmp_path / "kernels.json"
+    out = tmp_path / "scan_kernels.json"
     # The CPU's backends, also where a GPU would make cuda the default device.
     assert bench_kernels.main(["--quick", "--device", "cpu", "--cases", "1x4x16x4,step-32x512x16",
                                "--json", str(out)]) == 0
@@ -1220,7 +1220,7 @@ def test_bench_runner_times_every_simd_variant_side_by_side(tmp_path):
     default cpu backend and the baselines, each the median of its alternated rounds, and the
     variant of each named in backend_details."""
     from bench import kernels as bench_kernels
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     out = tmp_path / "simd.json"
     assert bench_kernels.main(["--quick", "--device", "cpu", "--cases", "1x4x16x4", "--simd", "all",
@@ -1296,7 +1296,7 @@ def test_kernel_ab_times_two_builds_of_one_revision(tmp_path):
     import json
 
     from bench import kernel_ab
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -1337,9 +1337,9 @@ extern "C" __attribute__((visibility("default"))) PyObject* SCAN_BRIDGE_INIT(TOR
 def test_a_copy_without_sources_is_refused_by_name(tmp_path, capsys):
     """A directory holding none of the sources (a wrong --sources): a one-line refusal naming it,
     in the API and from the command, not the build tool's own error."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
-    with pytest.raises(kernels.BackendUnavailable, match=f"{tmp_path}: expected the kernel sources"):
+    with pytest.raises(scan_kernels.BackendUnavailable, match=f"{tmp_path}: expected the kernel sources"):
         build.load_sources(tmp_path, "scan_bridge_cpu_test")
     assert build.main(["--sources", str(tmp_path), "--module-prefix", "scan_bridge_cpu_test"]) == 1
     assert f"{tmp_path} not built: {tmp_path}: expected the kernel sources" in capsys.readouterr().err
@@ -1352,7 +1352,7 @@ def test_each_copy_of_the_sources_loads_as_a_module_of_its_own(tmp_path, monkeyp
     description), never the one first loaded under a name. The copies are of a one-function
     extension standing in for the kernels' sources: the naming is under test, not the kernels,
     and each copy of those costs a whole build (kernel_ab's test builds them)."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     default = build.load_extension()
     monkeypatch.setattr(build, "SOURCES", ("describe.cpp",))
@@ -1380,7 +1380,7 @@ def test_kernel_ab_sleeps_past_the_helper_pools_spin():
 
     from bench import kernel_ab
 
-    spin = re.search(r"kSpin\{(\d+)\}", (ROOT / "kernels/cpu/helper_pool.h").read_text())
+    spin = re.search(r"kSpin\{(\d+)\}", (ROOT / "scan_kernels/cpu/helper_pool.h").read_text())
     assert spin, "kSpin not found in helper_pool.h"
     assert kernel_ab.HELPER_SPIN_SECONDS == int(spin.group(1)) * 1e-6
 
@@ -1390,7 +1390,7 @@ def test_kernel_ab_reports_builds_that_compute_differently():
     torch backend (same math, other rounding) on every kind of case."""
     from bench import kernel_ab
 
-    pair = (kernels.get_backend("cpu", "cpu"), kernels.get_backend("torch", "cpu"))
+    pair = (scan_kernels.get_backend("cpu", "cpu"), scan_kernels.get_backend("torch", "cpu"))
     for name in ("1x4x16x4", "step-32x512x16", "backward-2x64x32x16"):
         difference, of_largest = kernel_ab.output_differences(kernel_ab.case_named(name), pair)
         # Relative per element, so an output that cancels to near zero sets it, and the step's
@@ -1402,7 +1402,7 @@ def test_kernel_ab_reports_builds_that_compute_differently():
 
 def test_kernel_ab_copies_the_working_tree_sources(tmp_path):
     from bench import kernel_ab
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     assert kernel_ab.sources_at(kernel_ab.WORKING_TREE, tmp_path) == kernel_ab.WORKING_TREE
     for name in build.SOURCES + build.HEADERS:

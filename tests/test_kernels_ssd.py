@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-import kernels
+import scan_kernels
 from kernel_cases import (
     DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_DECAY_REGIMES, SSD_SCAN_CASES, SSD_UPDATE_CASES, STRIDED, ScanCase, SsdCase,
     SsdUpdateCase, assert_close, assert_packed_matches_each_sequence, assert_scan_outputs_match_reference,
@@ -61,7 +61,7 @@ def test_ssd_update_int32_slots(backend):
     inputs = make_ssd_update_inputs(case, F32, seed=seed)
     inputs["slots"] = inputs["slots"].to(torch.int32)
     before = inputs["state"].clone()
-    y = kernels.ssd_state_update(**inputs, backend=backend)
+    y = scan_kernels.ssd_state_update(**inputs, backend=backend)
     assert_update_outputs_match_reference(case, F32, inputs, before, y, f"{backend} seed={seed}",
                                           reference=reference_ssd_update)
 
@@ -71,7 +71,7 @@ def test_ssd_update_all_padding_rows_touch_nothing(backend):
     case = SsdUpdateCase(4, 2, 3, 5, pool=6, padding_rows=4, D=True, z=True)
     inputs = make_ssd_update_inputs(case, F32, seed=random_seed())
     before = inputs["state"].clone()
-    y = kernels.ssd_state_update(**inputs, backend=backend)
+    y = scan_kernels.ssd_state_update(**inputs, backend=backend)
     assert torch.equal(y, torch.zeros(4, 2, 3))
     assert torch.equal(inputs["state"], before)
 
@@ -86,7 +86,7 @@ def test_ssd_long_strong_decay_stays_finite(backend):
     what = f"{backend} seed={seed}"
     inputs = make_ssd_inputs(case, F32, seed=seed)
     inputs["dt_bias"] = inputs["dt_bias"] + 10.0  # softplus(dt) ~ 10 with A in [-2, -0.1]
-    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
     assert torch.isfinite(y).all() and torch.isfinite(state).all(), f"{what}: inf or NaN"
     assert_scan_outputs_match_reference(case, F32, inputs, y, state, what, reference=reference_ssd_scan)
 
@@ -98,7 +98,7 @@ def test_ssd_scan_decay_regimes(backend, minus_A, dt_range, seq):
     seed = random_seed()
     what = f"{backend} A={-minus_A} dt in {dt_range} seed={seed}"
     inputs = make_decay_regime_inputs(case, minus_A, dt_range, seed)
-    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
     y_ref, state_ref = reference_ssd_scan(inputs)
     # Against the largest magnitude (at least 1): where the state grows a millionfold, entries
     # of y that cancel to near zero carry fp32 rounding of that size in any formulation.
@@ -111,7 +111,7 @@ def test_ssd_scan_decay_regimes(backend, minus_A, dt_range, seq):
 # others small: minus A, the large dt. The chunk's cumulative log decay then reaches thousands
 # after that step, and decays between the small steps after it, taken as differences of it, were
 # off by its fp32 rounding there (1e-3 in the exponent), which the large input's share of y,
-# decaying slowly over those steps, carried (the torch form did; kernels/eager_ssd.py,
+# decaying slowly over those steps, carried (the torch form did; scan_kernels/eager_ssd.py,
 # "Exponents").
 SSD_LARGE_STEP_REGIMES = [
     pytest.param(16.0, 500.0, id="dtA-8000"),
@@ -126,7 +126,7 @@ def test_ssd_scan_one_large_step_then_small_ones(backend, minus_A, large_dt):
     seed = random_seed()
     inputs = make_decay_regime_inputs(case, minus_A, (0.001, 0.05), seed)
     inputs["dt"][:, 1::32] = large_dt  # the second step of every chunk
-    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
     assert_scan_outputs_match_reference(case, F32, inputs, y, state, f"{backend} seed={seed}",
                                         reference=reference_ssd_scan)
 
@@ -142,7 +142,7 @@ def test_a_state_growing_past_e44_within_a_chunk_or_a_step(backend):
     inputs = dict(x=torch.rand(1, seq, 2, 3, generator=gen), dt=torch.rand(1, seq, 2, generator=gen) * 0.2 + 1.1,
                   A=torch.ones(2), B=torch.rand(1, seq, 1, 4, generator=gen), C=torch.rand(1, seq, 1, 4, generator=gen),
                   return_state=True)
-    y, state = kernels.ssd_scan(**inputs, chunk_size=64, backend=backend)
+    y, state = scan_kernels.ssd_scan(**inputs, chunk_size=64, backend=backend)
     y_ref, state_ref = reference_ssd_scan(inputs)
     for got, expected, name in ((y, y_ref, "y"), (state, state_ref, "state")):
         scale = float(expected.abs().max())
@@ -151,10 +151,10 @@ def test_a_state_growing_past_e44_within_a_chunk_or_a_step(backend):
     step = dict(state=torch.rand(2, 2, 3, 4, generator=gen), x=torch.rand(2, 2, 3, generator=gen),
                 dt=torch.full((2, 2), 50.0), A=torch.ones(2), B=torch.rand(2, 1, 4, generator=gen),
                 C=torch.rand(2, 1, 4, generator=gen))
-    expected = kernels.ssd_state_update(**{**step, "state": step["state"].double(),
+    expected = scan_kernels.ssd_state_update(**{**step, "state": step["state"].double(),
                                            **{k: step[k].double() for k in ("x", "dt", "A", "B", "C")}},
                                         backend="reference")
-    got = kernels.ssd_state_update(**step, backend=backend)
+    got = scan_kernels.ssd_state_update(**step, backend=backend)
     scale = float(expected.abs().max())
     assert_close(got.double() / scale, expected / scale, F32, f"{backend} seed={seed} one step of e^50")
 
@@ -179,11 +179,11 @@ def test_a_state_decayed_past_e44_then_grown_back(backend, chunk_size):
         inputs["dt"][:, decay_step], inputs["dt"][:, growth_step] = 50.0, -50.0
         inputs["x"][:, decay_step:growth_step] = 0.0
     y_ref, state_ref = reference_ssd_scan(inputs)
-    y, state = kernels.ssd_scan(**{**packed_slice(inputs, "ssd", 0, prefill), "chunk_size": chunk_size}, backend=backend)
+    y, state = scan_kernels.ssd_scan(**{**packed_slice(inputs, "ssd", 0, prefill), "chunk_size": chunk_size}, backend=backend)
     assert_close(y, y_ref[:, :prefill], F32, f"{what} prefill y")
     for t in range(prefill, seq):
         step = {k: inputs[k][:, t] for k in ("x", "dt", "B", "C")}
-        y_t = kernels.ssd_state_update(state, **step, A=inputs["A"], backend=backend)
+        y_t = scan_kernels.ssd_state_update(state, **step, A=inputs["A"], backend=backend)
         assert_close(y_t, y_ref[:, t], F32, f"{what} y at step {t}")
     assert_close(state, state_ref, F32, f"{what} state")
 
@@ -224,7 +224,7 @@ def test_a_non_finite_input_spreads_as_in_the_recurrence(backend, name, value, c
         inputs["x"][0, 5, 1, 0] = value
     else:
         inputs["dt"][0, 5, 1] = value
-    y, state = kernels.ssd_scan(**inputs, backend=backend)
+    y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
     y_ref, state_ref = reference_ssd_scan(inputs)
     assert not torch.isfinite(y_ref[0, 5, 1]).all(), f"{what}: the case does not reach y"
     _assert_same_nans_infs_and_close(y, y_ref, f"{what} y")
@@ -263,9 +263,9 @@ def test_ssd_scan_in_two_calls_equals_one(backend, case, split):
     seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_ssd_inputs(case, F32, seed=seed)
-    y_full, state_full = kernels.ssd_scan(**inputs, backend=backend)
-    y1, state1 = kernels.ssd_scan(**packed_slice(inputs, "ssd", 0, split), backend=backend)
-    y2, state2 = kernels.ssd_scan(**{**packed_slice(inputs, "ssd", split, case.seq), "h0": state1}, backend=backend)
+    y_full, state_full = scan_kernels.ssd_scan(**inputs, backend=backend)
+    y1, state1 = scan_kernels.ssd_scan(**packed_slice(inputs, "ssd", 0, split), backend=backend)
+    y2, state2 = scan_kernels.ssd_scan(**{**packed_slice(inputs, "ssd", split, case.seq), "h0": state1}, backend=backend)
     assert_close(torch.cat([y1, y2], dim=1), y_full, F32, f"{what} y")
     assert_close(state2, state_full, F32, f"{what} state")
 
@@ -288,7 +288,7 @@ def test_chunk_size_changes_nothing(backend, case):
     first = None
     for chunk in CHUNK_SIZES:
         what = f"{backend} chunk_size={chunk} seed={seed}"
-        y, state = kernels.ssd_scan(**{**inputs, "chunk_size": chunk}, backend=backend)
+        y, state = scan_kernels.ssd_scan(**{**inputs, "chunk_size": chunk}, backend=backend)
         assert y.is_contiguous(), f"{what}: y not contiguous"
         assert_scan_outputs_match_reference(case, F32, inputs, y, state, what, reference=reference_ssd_scan)
         if first is None:
@@ -308,9 +308,9 @@ def test_ssd_prefill_then_state_updates_equals_one_scan(backend, steps):
     seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_ssd_inputs(case, F32, seed=seed)
-    y_full, state_full = kernels.ssd_scan(**inputs, backend=backend)
+    y_full, state_full = scan_kernels.ssd_scan(**inputs, backend=backend)
     prefill = case.seq - steps
-    _, state = kernels.ssd_scan(**packed_slice(inputs, "ssd", 0, prefill), backend=backend)
+    _, state = scan_kernels.ssd_scan(**packed_slice(inputs, "ssd", 0, prefill), backend=backend)
     slots = torch.tensor([4, 0, 2])
     pool = torch.randn(6, *state.shape[1:], generator=torch.Generator().manual_seed(seed))
     pool[slots] = state
@@ -318,7 +318,7 @@ def test_ssd_prefill_then_state_updates_equals_one_scan(backend, steps):
     shared = {k: inputs[k] for k in ("A", "D", "dt_bias", "dt_softplus", "dt_min", "dt_max")}
     for t in range(prefill, case.seq):
         step = {k: inputs[k][:, t] for k in ("x", "dt", "B", "C", "z")}
-        y_t = kernels.ssd_state_update(pool, **step, **shared, slots=slots, backend=backend)
+        y_t = scan_kernels.ssd_state_update(pool, **step, **shared, slots=slots, backend=backend)
         assert_close(y_t, y_full[:, t], F32, f"{what} y at step {t}")
     assert_close(pool[slots], state_full, F32, f"{what} state")
     assert torch.equal(pool[[1, 3, 5]], others), f"{what}: other sessions' rows changed"
@@ -366,8 +366,8 @@ def test_ssd_scan_equals_mamba1_scan_per_channel(backend, case):
     seed = random_seed()
     what = f"{backend} seed={seed}"
     inputs = make_ssd_inputs(case, F32, seed=seed)
-    y, state = kernels.ssd_scan(**inputs, backend=backend)
-    y1, state1 = kernels.selective_scan(**_as_mamba1(inputs, case.headdim, head_axis=2), backend=backend)
+    y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
+    y1, state1 = scan_kernels.selective_scan(**_as_mamba1(inputs, case.headdim, head_axis=2), backend=backend)
     assert_close(y.flatten(2), y1, F32, f"{what} y")
     assert_close(state.flatten(1, 2), state1, F32, f"{what} state")
 
@@ -380,8 +380,8 @@ def test_ssd_update_equals_mamba1_update_per_channel(backend):
     what = f"{backend} seed={seed}"
     inputs = make_ssd_update_inputs(case, F32, seed=seed)
     mamba1 = _as_mamba1(inputs, case.headdim, head_axis=1)
-    y = kernels.ssd_state_update(**inputs, backend=backend)
-    y1 = kernels.selective_state_update(**mamba1, backend=backend)
+    y = scan_kernels.ssd_state_update(**inputs, backend=backend)
+    y1 = scan_kernels.selective_state_update(**mamba1, backend=backend)
     assert_close(y.flatten(1), y1, F32, f"{what} y")
     assert_close(inputs["state"].flatten(1, 2), mamba1["state"], F32, f"{what} pool")
 
@@ -412,7 +412,7 @@ def test_ssd_packed_sequences_are_separate_scans(backend, dtype, h0, return_stat
     seed = random_seed()
     inputs = make_ssd_inputs(case, dtype, seed=seed)
     rows = _seq_rows((4, 3, 5), seed) if h0 else None
-    out = kernels.ssd_scan(**inputs, h0=rows, cu_seqlens=torch.tensor(BOUNDS), backend=backend)
+    out = scan_kernels.ssd_scan(**inputs, h0=rows, cu_seqlens=torch.tensor(BOUNDS), backend=backend)
     y, state = out if return_state else (out, None)
     assert_packed_matches_each_sequence(y, state, inputs, rows, BOUNDS, "ssd", dtype, f"{backend} seed={seed}")
 
@@ -427,7 +427,7 @@ def test_mamba1_packed_sequences_are_separate_scans(backend, layout, h0, return_
     inputs = make_scan_inputs(case, F32, seed=seed)
     rows = _seq_rows((6, 4), seed) if h0 else None
     cu = torch.tensor(BOUNDS, dtype=torch.int32)
-    out = kernels.selective_scan(**inputs, h0=rows, cu_seqlens=cu, backend=backend)
+    out = scan_kernels.selective_scan(**inputs, h0=rows, cu_seqlens=cu, backend=backend)
     y, state = out if return_state else (out, None)
     assert_packed_matches_each_sequence(y, state, inputs, rows, BOUNDS, layout, F32, f"{backend} seed={seed}")
 
@@ -443,7 +443,7 @@ def test_ssd_scan_strided_inputs(backend, restride):
     inputs = make_ssd_inputs(case, F32, seed=seed)
     strided = {k: restride(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     assert not strided["x"].is_contiguous()
-    y, state = kernels.ssd_scan(**strided, backend=backend)
+    y, state = scan_kernels.ssd_scan(**strided, backend=backend)
     assert_scan_outputs_match_reference(case, F32, inputs, y, state, f"{backend} seed={seed}",
                                         reference=reference_ssd_scan)
 
@@ -460,7 +460,7 @@ def test_ssd_update_strided_inputs_and_state(backend, restride):
     state = strided["state"]
     assert not state.is_contiguous()
     before = state.clone()
-    y = kernels.ssd_state_update(**strided, backend=backend)
+    y = scan_kernels.ssd_state_update(**strided, backend=backend)
     assert_update_outputs_match_reference(case, F32, strided, before, y, what, reference=reference_ssd_update)
     if restride is nan_gapped:
         assert torch.isnan(state._base[..., 1]).all(), f"{what}: the update wrote outside the state view"
@@ -474,7 +474,7 @@ def _ssd_base() -> dict:
     return make_ssd_inputs(case, F32, seed=random_seed())
 
 
-SHAPE, INPUT, DTYPE = kernels.ShapeMismatch, kernels.KernelInputError, kernels.DtypeNotAllowed
+SHAPE, INPUT, DTYPE = scan_kernels.ShapeMismatch, scan_kernels.KernelInputError, scan_kernels.DtypeNotAllowed
 
 SSD_SCAN_ERRORS = [
     # (change to the valid arguments, error class, field, a fragment of `got`)
@@ -510,7 +510,7 @@ SSD_SCAN_ERRORS = [
 
 
 def _assert_rejected(call, args, exc, field, got):
-    with pytest.raises(kernels.KernelInputError) as info:
+    with pytest.raises(scan_kernels.KernelInputError) as info:
         call(**args)
     err = info.value
     assert type(err) is exc, f"{type(err).__name__} ({err}), expected {exc.__name__}"
@@ -522,7 +522,7 @@ def _assert_rejected(call, args, exc, field, got):
 @pytest.mark.parametrize("change,exc,field,got", SSD_SCAN_ERRORS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ssd_scan_rejects_malformed_arguments(backend, change, exc, field, got):
-    _assert_rejected(lambda **a: kernels.ssd_scan(**a, backend=backend), change(_ssd_base()), exc, field, got)
+    _assert_rejected(lambda **a: scan_kernels.ssd_scan(**a, backend=backend), change(_ssd_base()), exc, field, got)
 
 
 def _inference_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -579,7 +579,7 @@ SSD_UPDATE_ERRORS = [
 def test_ssd_update_rejects_malformed_arguments(backend, change, exc, field, got):
     args = change(_ssd_update_base())
     before = args["state"].clone()
-    _assert_rejected(lambda **a: kernels.ssd_state_update(**a, backend=backend), args, exc, field, got)
+    _assert_rejected(lambda **a: scan_kernels.ssd_state_update(**a, backend=backend), args, exc, field, got)
     assert torch.equal(args["state"], before), "a rejected call changed the state"
 
 
@@ -628,14 +628,14 @@ def test_packed_scans_reject_malformed_boundaries(kind, change, exc, field, got)
     first backend of each scan is enough."""
     args = change(_packed_base(kind))
     if kind == "ssd":
-        _assert_rejected(kernels.ssd_scan, {**args, "backend": BACKENDS[0].values[0]}, exc, field, got)
+        _assert_rejected(scan_kernels.ssd_scan, {**args, "backend": BACKENDS[0].values[0]}, exc, field, got)
     else:
-        _assert_rejected(kernels.selective_scan, {**args, "backend": BACKENDS[0].values[0]}, exc, field, got)
+        _assert_rejected(scan_kernels.selective_scan, {**args, "backend": BACKENDS[0].values[0]}, exc, field, got)
 
 
 def test_torch_backend_has_the_ssd_kernels():
     """So the suite above always runs on at least one backend."""
-    assert "torch" in cpu_backends(), kernels.unavailable_backends().get("torch")
+    assert "torch" in cpu_backends(), scan_kernels.unavailable_backends().get("torch")
 
 
 # --- the SSD cases of bench.kernels ------------------------------------------------------------
@@ -669,12 +669,12 @@ def test_bench_times_ssd_cases():
     pytest.param((0.25, math.inf), (0.25, None), id="infinite-high"),
 ])
 def test_dt_limit_bounds_maps_mamba_ssm_pairs(dt_limit, bounds):
-    assert kernels.dt_limit_bounds(dt_limit) == bounds
+    assert scan_kernels.dt_limit_bounds(dt_limit) == bounds
 
 
 def test_dt_limit_bounds_refuses_a_reversed_pair_by_its_own_name():
-    with pytest.raises(kernels.KernelInputError) as info:
-        kernels.dt_limit_bounds((0.5, 0.1))
+    with pytest.raises(scan_kernels.KernelInputError) as info:
+        scan_kernels.dt_limit_bounds((0.5, 0.1))
     assert info.value.field == "dt_limit" and info.value.got == "(0.5, 0.1)"
 
 
@@ -686,8 +686,8 @@ def test_dt_limit_bounds_refuses_a_reversed_pair_by_its_own_name():
 def test_dt_limit_bounds_refuses_nan(dt_limit):
     """NaN compares false with everything: it passed the order check and was dropped as no
     bound (found in review), where dt_min and dt_max refuse it."""
-    with pytest.raises(kernels.KernelInputError) as info:
-        kernels.dt_limit_bounds(dt_limit)
+    with pytest.raises(scan_kernels.KernelInputError) as info:
+        scan_kernels.dt_limit_bounds(dt_limit)
     assert info.value.field == "dt_limit" and "nan" in info.value.got
 
 
@@ -698,6 +698,6 @@ def test_dt_limit_bounds_refuses_nan(dt_limit):
 def test_dt_limit_bounds_refuses_a_side_past_float32_by_its_own_name(dt_limit):
     """A finite side past float32's range went on as the dt_min or dt_max that refuses it, so
     the error named an argument the caller never gave."""
-    with pytest.raises(kernels.KernelInputError) as info:
-        kernels.dt_limit_bounds(dt_limit)
+    with pytest.raises(scan_kernels.KernelInputError) as info:
+        scan_kernels.dt_limit_bounds(dt_limit)
     assert info.value.field == "dt_limit" and info.value.got == f"({dt_limit[0]!r}, {dt_limit[1]!r})"

@@ -23,7 +23,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot be tested")
 
-import kernels  # noqa: E402
+import scan_kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
     CUDA_COMPILES_EVERY_KERNEL, DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, ON_CUDA, SCAN_CASES,
     TOLERANCES, TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_same_nans_and_close,
@@ -31,12 +31,12 @@ from kernel_cases import (  # noqa: E402
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, reference_update, state_dtype,
     assert_packed_matches_each_sequence,
 )
-from kernels import _args  # noqa: E402
-from kernels._registry import get_backend  # noqa: E402
-from kernels.triton_kernels import common, configs  # noqa: E402
-from kernels.triton_kernels.common import run_on_device_of  # noqa: E402
-from kernels.triton_kernels import scan as triton_scan  # noqa: E402
-from kernels.triton_kernels import state_update as triton_update  # noqa: E402
+from scan_kernels import _args  # noqa: E402
+from scan_kernels._registry import get_backend  # noqa: E402
+from scan_kernels.triton_kernels import common, configs  # noqa: E402
+from scan_kernels.triton_kernels.common import run_on_device_of  # noqa: E402
+from scan_kernels.triton_kernels import scan as triton_scan  # noqa: E402
+from scan_kernels.triton_kernels import state_update as triton_update  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -66,7 +66,7 @@ def _scan_split_params():
 def _backend(device: str):
     try:
         return get_backend("triton", device)
-    except kernels.BackendUnavailable as exc:
+    except scan_kernels.BackendUnavailable as exc:
         pytest.skip(f"{TRITON_NOT_SERVING.format(device=device)}: {exc}")
 
 
@@ -133,8 +133,8 @@ def test_packed_scan_matches_each_sequence(device, layout):
 
 
 def test_the_public_api_hands_packed_sequences_to_the_kernels_whole(monkeypatch):
-    """kernels.selective_scan gives the backend the packed call with its boundaries: one set of
-    launches, not one a sequence (kernels/_varlen.py's split)."""
+    """scan_kernels.selective_scan gives the backend the packed call with its boundaries: one set of
+    launches, not one a sequence (scan_kernels/_varlen.py's split)."""
     _backend("cpu")
     seen = []
     launches = triton_scan.scan_launches
@@ -145,7 +145,7 @@ def test_the_public_api_hands_packed_sequences_to_the_kernels_whole(monkeypatch)
 
     monkeypatch.setattr(triton_scan, "scan_launches", counted)
     inputs = make_scan_inputs(ScanCase(1, PACKED_BOUNDS[-1], 4, 4), torch.float32, "cpu", seed=random_seed())
-    kernels.selective_scan(**inputs, cu_seqlens=torch.tensor(PACKED_BOUNDS, dtype=torch.int32), backend="triton")
+    scan_kernels.selective_scan(**inputs, cu_seqlens=torch.tensor(PACKED_BOUNDS, dtype=torch.int32), backend="triton")
     assert [None if b is None else b.tolist() for b in seen] == [PACKED_BOUNDS]
 
 
@@ -231,7 +231,7 @@ def test_scan_reads_strided_views(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_scan_through_public_api(device):
-    """`kernels.selective_scan(..., backend="triton")` reaches these kernels (3-D B/C included)."""
+    """`scan_kernels.selective_scan(..., backend="triton")` reaches these kernels (3-D B/C included)."""
     _backend(device)
     seed = random_seed()
     assert_scan_matches_reference("triton", ScanCase(2, 7, 5, 3, bc_3d=True, D=True), torch.float32, seed,
@@ -271,7 +271,7 @@ def _stage(capture, inputs: dict):
 
 def _capture_and_stage(inputs: dict):
     """A capture made from `inputs`' shapes, with `inputs` staged."""
-    return _stage(kernels.capture_state_update(**inputs, backend="triton"), inputs)
+    return _stage(scan_kernels.capture_state_update(**inputs, backend="triton"), inputs)
 
 
 @ON_CUDA
@@ -320,11 +320,11 @@ def test_a_capture_takes_only_its_own_sizes():
 def test_capture_checks_its_arguments_and_captures_only_on_cuda(device):
     _backend(device)
     inputs = make_update_inputs(UpdateCase(3, 20, 16, pool=5), torch.float32, device, seed=random_seed())
-    with pytest.raises(kernels.ShapeMismatch, match="slots"):
-        kernels.capture_state_update(**{**inputs, "slots": inputs["slots"][:2]}, backend="triton")
-    with pytest.raises(kernels.KernelInputError, match="slots: expected an int32/int64 tensor"):
-        kernels.capture_state_update(**{**inputs, "slots": None}, backend="triton")
-    capture = kernels.capture_state_update(**inputs, backend="triton")
+    with pytest.raises(scan_kernels.ShapeMismatch, match="slots"):
+        scan_kernels.capture_state_update(**{**inputs, "slots": inputs["slots"][:2]}, backend="triton")
+    with pytest.raises(scan_kernels.KernelInputError, match="slots: expected an int32/int64 tensor"):
+        scan_kernels.capture_state_update(**{**inputs, "slots": None}, backend="triton")
+    capture = scan_kernels.capture_state_update(**inputs, backend="triton")
     # The interpreter compiles nothing to capture; a GPU's Triton does.
     assert (capture is None) == (device == "cpu")
 
@@ -371,14 +371,14 @@ def test_clamp_keeps_a_nan_dt_nan(device):
     inputs = make_scan_inputs(case, torch.float32, device, seed=seed)
     inputs["dt"][0, 3, 0] = float("nan")
     y_ref, state_ref = reference_scan(inputs)
-    y, state = kernels.selective_scan(**inputs, backend="triton")
+    y, state = scan_kernels.selective_scan(**inputs, backend="triton")
     assert_same_nans_and_close(y, y_ref, f"scan y seed={seed}")
     assert_same_nans_and_close(state, state_ref, f"scan state seed={seed}")
 
     update = make_update_inputs(UpdateCase(2, 4, 3, pool=3, clamp=True), torch.float32, device, seed=seed)
     update["dt"][0, 1] = float("nan")
     y_ref, state_ref = reference_update(update)
-    y = kernels.selective_state_update(**update, backend="triton")
+    y = scan_kernels.selective_state_update(**update, backend="triton")
     assert_same_nans_and_close(y, y_ref, f"update y seed={seed}")
     assert_same_nans_and_close(update["state"], state_ref, f"update state seed={seed}")
 
@@ -418,7 +418,7 @@ def test_scan_then_steps_continue_the_sequence(device):
     _, state = triton_scan.selective_scan(**_normalised_scan(head), blocks=blocks)
     for t in range(prefix, case.seq):
         step = {k: inputs[k][:, t] for k in ("x", "dt", "z", "B", "C")}
-        y_t = kernels.selective_state_update(state, **step, A=inputs["A"], D=inputs["D"],
+        y_t = scan_kernels.selective_state_update(state, **step, A=inputs["A"], D=inputs["D"],
                                              dt_bias=inputs["dt_bias"], dt_softplus=True, backend="triton")
         assert_close(y_t, y_ref[:, t], torch.float32, f"y at step {t} seed={seed}")
 
@@ -550,7 +550,7 @@ def test_warmup_runs_each_bucket_and_describes_it(device):
         dict(batch=2, seq=7, dim=4, headdim=3, state=5, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
              clamp=True, h0=True, return_state=True),  # Mamba-2
     ]
-    described = kernels.warmup(shapes, device=device, dtype=torch.float32, backend="triton")
+    described = scan_kernels.warmup(shapes, device=device, dtype=torch.float32, backend="triton")
     assert len(described) == 8
     assert described[0].startswith("triton scan bld batch=2 seq=5 dim=6 state=3 groups=1 float32")
     assert described[1].startswith("triton state_update batch=2 dim=6 state=3 groups=1 float32 slots=True")
@@ -581,8 +581,8 @@ def test_warmup_runs_each_bucket_and_describes_it(device):
 ])
 def test_warmup_rejects_bad_buckets(shape, field):
     _backend("cpu" if not CUDA else "cuda")
-    with pytest.raises(kernels.KernelInputError) as info:
-        kernels.warmup([shape], device="cpu" if not CUDA else "cuda", backend="triton")
+    with pytest.raises(scan_kernels.KernelInputError) as info:
+        scan_kernels.warmup([shape], device="cpu" if not CUDA else "cuda", backend="triton")
     assert info.value.field == field
 
 
@@ -590,7 +590,7 @@ def test_launcher_rejects_a_wrong_out_tensor():
     device = "cpu" if not CUDA else "cuda"
     _backend(device)
     args = _args.check_scan(**make_scan_inputs(ScanCase(1, 3, 2, 2), torch.float32, device, seed=random_seed()))
-    with pytest.raises(kernels.KernelInputError) as info:
+    with pytest.raises(scan_kernels.KernelInputError) as info:
         triton_scan.selective_scan(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(),
                                    out=torch.empty(1, 3, 3, device=device))
     assert info.value.field == "out"
@@ -611,7 +611,7 @@ def test_kernels_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "kernels.triton_kernels.aot_check", "--arch", "90"],
+    done = subprocess.run([sys.executable, "-m", "scan_kernels.triton_kernels.aot_check", "--arch", "90"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -642,7 +642,7 @@ def test_sequence_split_plan(shape, segments):
 def test_host_integer_helpers_agree_with_tritons():
     """The launchers plan with common.cdiv and common.next_power_of_2 (plain ints, no constexpr
     wrapper): the same values as Triton's own, over sizes and block widths a plan meets."""
-    from kernels.triton_kernels import common
+    from scan_kernels.triton_kernels import common
 
     sizes = [*range(1, 1100), 4095, 4096, 4097, (1 << 31) - 1, 1 << 31, (1 << 31) + 1]
     assert [common.next_power_of_2(n) for n in sizes] == [triton.next_power_of_2(n) for n in sizes]
@@ -651,7 +651,7 @@ def test_host_integer_helpers_agree_with_tritons():
 
 
 def test_state_beyond_the_table_is_refused():
-    with pytest.raises(kernels.KernelInputError) as info:
+    with pytest.raises(scan_kernels.KernelInputError) as info:
         configs.scan_blocks(configs.MAX_STATE + 1, 8)
     assert info.value.field == "A"
 
@@ -662,7 +662,7 @@ def test_state_beyond_the_table_is_refused():
     pytest.param(1e39, id="beyond-fp32"),
 ])
 def test_clamp_bound_pairs_recover_the_fp64_value(value):
-    from kernels.triton_kernels.common import clamp_bounds
+    from scan_kernels.triton_kernels.common import clamp_bounds
 
     _, (high, low, *_rest) = clamp_bounds(value, None)
     assert high == float(torch.tensor(value, dtype=torch.float32))

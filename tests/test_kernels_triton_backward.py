@@ -1,4 +1,4 @@
-"""The Triton backward pass (kernels/triton_kernels/backward.py) against the float64 reference's
+"""The Triton backward pass (scan_kernels/triton_kernels/backward.py) against the float64 reference's
 gradients.
 
 Without a GPU the kernels run on Triton's CPU interpreter (tests/conftest.py sets
@@ -6,8 +6,8 @@ TRITON_INTERPRET=1 before triton is imported), where the backend takes 4-step x 
 (backward.INTERPRETER_BLOCKS): the small odd shapes below then cross several tiles (checkpoints)
 and channel blocks with remainders in each, and the state size pads to a power of two. With
 CUDA the same tests run on the GPU with the production block table, plus larger sizes and the
-peak memory of a call. Every case goes through the public kernels.selective_scan_backward /
-kernels.ssd_scan_backward with backend="triton", compared with backend="reference"; inputs are
+peak memory of a call. Every case goes through the public scan_kernels.selective_scan_backward /
+scan_kernels.ssd_scan_backward with backend="triton", compared with backend="reference"; inputs are
 fresh random draws and the seed is in every failure message.
 """
 
@@ -23,14 +23,14 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot be tested")
 
-import kernels  # noqa: E402
+import scan_kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
     CUDA_COMPILES_EVERY_KERNEL, ON_CUDA, TRITON_NOT_SERVING, ScanCase, SsdCase, assert_grads_close, backward_inputs,
     make_cotangents, make_scan_inputs, make_ssd_inputs, nan_gapped, random_seed,
 )
-from kernels import _args  # noqa: E402
-from kernels._registry import get_backend  # noqa: E402
-from kernels.triton_kernels import backward as triton_backward  # noqa: E402
+from scan_kernels import _args  # noqa: E402
+from scan_kernels._registry import get_backend  # noqa: E402
+from scan_kernels.triton_kernels import backward as triton_backward  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -43,7 +43,7 @@ F32_F64 = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id
 def _backend(device: str):
     try:
         return get_backend("triton", device)
-    except kernels.BackendUnavailable as exc:
+    except scan_kernels.BackendUnavailable as exc:
         pytest.skip(f"{TRITON_NOT_SERVING.format(device=device)}: {exc}")
 
 
@@ -55,7 +55,7 @@ def _state_shape(kind: str, inputs: dict) -> tuple:
 
 
 def _grads(kind: str, inputs: dict, dy, dstate, backend: str) -> dict:
-    backward = kernels.ssd_scan_backward if kind == "ssd" else kernels.selective_scan_backward
+    backward = scan_kernels.ssd_scan_backward if kind == "ssd" else scan_kernels.selective_scan_backward
     return backward(dy, **backward_inputs(inputs), dstate=dstate, backend=backend)
 
 
@@ -168,13 +168,13 @@ def test_table_blocks_on_the_interpreter():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_autograd_through_selective_scan(device):
-    """kernels.selective_scan(..., backend="triton") under autograd reaches this backward."""
+    """scan_kernels.selective_scan(..., backend="triton") under autograd reaches this backward."""
     _backend(device)
     seed = random_seed()
     inputs = make_scan_inputs(ScanCase(1, 6, 4, 2, D=True, z=True), torch.float32, device, seed=seed)
     dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), _state_shape("scan", inputs), True, seed)
     leaves = {k: v.detach().requires_grad_(True) if k in ("x", "A", "D") else v for k, v in inputs.items()}
-    y, state = kernels.selective_scan(**leaves, backend="triton")
+    y, state = scan_kernels.selective_scan(**leaves, backend="triton")
     ((y * dy).sum() + (state * dstate).sum()).backward()
     expected = _grads("scan", inputs, dy, dstate, "reference")
     assert_grads_close({k: leaves[k].grad for k in ("x", "A", "D")}, expected,
@@ -196,7 +196,7 @@ def test_a_state_past_the_table_is_refused_first_naming_its_argument(kind, case,
     monkeypatch.setattr(triton_backward, "_discretize_dt", discretize_called)
     make = make_ssd_inputs if kind == "ssd" else make_scan_inputs
     inputs = make(case, torch.float32, seed=random_seed())
-    with pytest.raises(kernels.KernelInputError) as info:
+    with pytest.raises(scan_kernels.KernelInputError) as info:
         _grads(kind, inputs, torch.ones_like(inputs["x"]), None, "triton")
     assert info.value.field == field and "1024" in str(info.value)
 
@@ -251,7 +251,7 @@ def test_cuda_peak_memory_is_far_below_the_state_history():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    grads = kernels.selective_scan_backward(dy, x, dt, A, B, C, D=rand(dim), z=z, dt_softplus=True, backend="triton")
+    grads = scan_kernels.selective_scan_backward(dy, x, dt, A, B, C, D=rand(dim), z=z, dt_softplus=True, backend="triton")
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     history = batch * seq * dim * state * 4
@@ -279,12 +279,12 @@ def test_real_sizes_on_gpu(kind, case, dtype):
 
 
 # Compiles each kernel variant family for sm_90 in a fresh process without the interpreter, as
-# kernels.triton_kernels.aot_check does for the forward kernels (through its helpers).
+# scan_kernels.triton_kernels.aot_check does for the forward kernels (through its helpers).
 _COMPILE_SCRIPT = textwrap.dedent("""
     import dataclasses, torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
-    from kernels.triton_kernels import aot_check, backward as tb
+    from scan_kernels.triton_kernels import aot_check, backward as tb
     gen = torch.Generator().manual_seed(0)
     def rand(*shape, dtype=torch.float32):
         return torch.rand(shape, generator=gen).to(dtype)
@@ -359,7 +359,7 @@ def test_packed_backward_matches_reference(kind, case, device):
     rows = (len(PACKED_BOUNDS) - 1, *_state_shape(kind, inputs)[1:])
     inputs["h0"] = torch.randn(rows, generator=torch.Generator().manual_seed(seed)).to(device)
     dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), rows, True, seed)
-    backward = kernels.ssd_scan_backward if kind == "ssd" else kernels.selective_scan_backward
+    backward = scan_kernels.ssd_scan_backward if kind == "ssd" else scan_kernels.selective_scan_backward
     cu = torch.tensor(PACKED_BOUNDS)
     got = backward(dy, **backward_inputs(inputs), dstate=dstate, cu_seqlens=cu, backend="triton")
     expected = backward(dy, **backward_inputs(inputs), dstate=dstate, cu_seqlens=cu, backend="reference")

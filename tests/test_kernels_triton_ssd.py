@@ -9,7 +9,7 @@ interpreter runs the 16-bit dots through the same hi/lo split a GPU does); the s
 every SSD_UPDATE_CASES case in fp32 and a small one with every option in each other dtype. With
 CUDA the same tests run on the GPU with the production block table, plus real sizes in every
 dtype; without one, tests/test_kernels_triton.py compiles them for sm_90
-(kernels.triton_kernels.aot_check) to prove what the interpreter cannot check (block shapes
+(scan_kernels.triton_kernels.aot_check) to prove what the interpreter cannot check (block shapes
 tl.dot accepts, lowering, no spills).
 
 Outputs are NaN-filled before the launch (the launchers take `out=` / `state_out=`), so an
@@ -24,7 +24,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot be tested")
 
-import kernels  # noqa: E402
+import scan_kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
     DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES,
     TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_same_nans_and_close, assert_scan_outputs_match_reference,
@@ -33,11 +33,11 @@ from kernel_cases import (  # noqa: E402
     state_tolerance,
     assert_packed_matches_each_sequence,
 )
-from kernels import _args  # noqa: E402
-from kernels._registry import get_backend  # noqa: E402
-from kernels.triton_kernels import common, configs  # noqa: E402
-from kernels.triton_kernels import ssd  # noqa: E402
-from kernels.triton_kernels.common import run_on_device_of  # noqa: E402
+from scan_kernels import _args  # noqa: E402
+from scan_kernels._registry import get_backend  # noqa: E402
+from scan_kernels.triton_kernels import common, configs  # noqa: E402
+from scan_kernels.triton_kernels import ssd  # noqa: E402
+from scan_kernels.triton_kernels.common import run_on_device_of  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -56,7 +56,7 @@ INTERPRETER_UPDATE_BLOCKS = configs.SsdUpdateBlocks(block_p=8, block_n=16, num_w
 def _backend(device: str):
     try:
         return get_backend("triton", device)
-    except kernels.BackendUnavailable as exc:
+    except scan_kernels.BackendUnavailable as exc:
         pytest.skip(f"{TRITON_NOT_SERVING.format(device=device)}: {exc}")
 
 
@@ -236,7 +236,7 @@ def test_ssd_scan_chunk_boundaries(seq, chunk_size, device):
 # One large step early in every chunk, small ones after it (as tests/test_kernels_ssd.py's
 # SSD_LARGE_STEP_REGIMES: minus A, the large dt): the chunk kernels took each decay as
 # exp(cs_m - cs_k) of an fp32 cumulative sum, off by its rounding once cs is in the thousands
-# (found in review); cs is kept and differenced in fp64 (kernels/triton_kernels/ssd.py).
+# (found in review); cs is kept and differenced in fp64 (scan_kernels/triton_kernels/ssd.py).
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("minus_A, large_dt", [
     pytest.param(16.0, 500.0, id="dtA-8000"),
@@ -325,7 +325,7 @@ def test_ssd_scan_reads_strided_views(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_ssd_through_public_api(device):
-    """`kernels.ssd_scan` / `kernels.ssd_state_update` with backend="triton" reach these
+    """`scan_kernels.ssd_scan` / `scan_kernels.ssd_state_update` with backend="triton" reach these
     kernels, with the production blocks."""
     _backend(device)
     seed = random_seed()
@@ -391,7 +391,7 @@ def test_ssd_scan_refuses_a_final_state_in_h0s_memory():
     storage would give y from the wrong state, so the launcher refuses it, naming state_out."""
     inputs = make_ssd_inputs(SsdCase(1, 5, 2, 4, 3, h0=True), torch.float32, "cpu", seed=random_seed())
     args = _args.check_ssd_scan(**inputs)
-    with pytest.raises(kernels.KernelInputError) as info:
+    with pytest.raises(scan_kernels.KernelInputError) as info:
         ssd.ssd_scan_launches(args.x, args.dt, args.A, args.B, args.C, **args.backend_kwargs(), out=None,
                               state_out=args.h0, blocks=INTERPRETER_SSD_BLOCKS)
     assert info.value.field == "state_out"

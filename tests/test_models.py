@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+import scan_kernels
 
 from bridge.client import BridgeError
 from bridge.models import load_weights
@@ -495,7 +495,7 @@ def test_ten_thousand_fp32_steps_stay_near_a_float64_run(arch, checkpoints):
 def test_the_fused_step_is_the_composed_one(checkpoints, arch):
     """The C++ backend's one-call model step against the same step composed of torch ops and
     kernels calls: outputs and every state part, rows in scattered pool slots, random state."""
-    if kernels.model_step_kernel("cpu", cpu_backends()[-1]) is None:
+    if scan_kernels.model_step_kernel("cpu", cpu_backends()[-1]) is None:
         pytest.skip("no fused model step: the C++ backend is not built here (make kernels)")
     model = checkpoints[1][arch][0]
     config = json.loads(model.config.to_json_string())
@@ -524,7 +524,7 @@ def test_the_prefill_takes_the_backends_products_and_agrees_with_torchs(checkpoi
     """On the C++ backend the composed prefill's matrix products are the fused step's (kernels.
     linear_kernel): every one of them, and the outputs and every state part agree with the same
     prefill through F.linear; rows in scattered pool slots, random state."""
-    product = kernels.linear_kernel("cpu", cpu_backends()[-1])
+    product = scan_kernels.linear_kernel("cpu", cpu_backends()[-1])
     if product is None:
         pytest.skip("no backend product: the C++ backend is not built here (make kernels)")
     model = checkpoints[1][arch][0]
@@ -536,12 +536,12 @@ def test_the_prefill_takes_the_backends_products_and_agrees_with_torchs(checkpoi
     slots = torch.tensor([5, 0, 3])
     tokens = torch.randint(0, VOCAB, (3, 9), generator=generator)
     calls = []
-    monkeypatch.setattr(kernels, "linear_kernel", lambda *a: lambda *x: calls.append(1) or product(*x))
+    monkeypatch.setattr(scan_kernels, "linear_kernel", lambda *a: lambda *x: calls.append(1) or product(*x))
     with torch.no_grad():
         a = m.forward(ours, slots, tokens, output="logits", backend="cpu", fused=False)
         per_layer = 4 if m.arch == "mamba" else 2  # in_proj, (x_proj, dt_proj,) out_proj
         assert len(calls) == per_layer * m.config.n_layer, f"{len(calls)} products by the backend's kernel"
-        monkeypatch.setattr(kernels, "linear_kernel", lambda *a: None)
+        monkeypatch.setattr(scan_kernels, "linear_kernel", lambda *a: None)
         b = m.forward(theirs, slots, tokens, output="logits", backend="cpu", fused=False)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: torch rounds each product's output
     rel_close(a, b, tolerance, f"{arch} {dtype} logits")
@@ -560,10 +560,10 @@ FUSED_PREFILLS = {  # (rows, seq, output, last_only): a window, one position, tw
 @pytest.mark.parametrize("case", FUSED_PREFILLS)
 @pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm"])
 def test_the_fused_prefill_is_the_composed_one(checkpoints, arch, case):
-    """The C++ backend's one-call prefill (kernels.model_forward_kernel) against the same prefill
+    """The C++ backend's one-call prefill (scan_kernels.model_forward_kernel) against the same prefill
     composed of torch ops and kernels calls: outputs and every state part, rows in scattered pool
     slots, random state, then a second window from the state the first left."""
-    if kernels.model_forward_kernel("cpu", cpu_backends()[-1]) is None:
+    if scan_kernels.model_forward_kernel("cpu", cpu_backends()[-1]) is None:
         pytest.skip("no fused prefill: the C++ backend is not built here (make kernels)")
     rows, seq, output, last_only = FUSED_PREFILLS[case]
     model = checkpoints[1][arch][0]
@@ -604,8 +604,8 @@ def _bf16_prefill_frames(model, parts, slots, generator, oracle=False):
                                     backend="torch" if oracle else "cpu", fused=not oracle)
 
 
-BF16_FUSED = {"step": (kernels.model_step_kernel, _bf16_step_frames),
-              "prefill": (kernels.model_forward_kernel, _bf16_prefill_frames)}
+BF16_FUSED = {"step": (scan_kernels.model_step_kernel, _bf16_step_frames),
+              "prefill": (scan_kernels.model_forward_kernel, _bf16_prefill_frames)}
 
 
 @pytest.mark.parametrize("call", BF16_FUSED)

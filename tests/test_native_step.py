@@ -575,9 +575,9 @@ CAPSULES = [
 def capsule_function(attribute: str, name: bytes):
     """The cpu backend's capsule `attribute` as a callable: (problem, its size, error buffer,
     the buffer's size) -> 0, or 1 with the error's message in the buffer."""
-    import kernels
+    import scan_kernels
 
-    capsule = getattr(kernels.get_backend("cpu", "cpu"), attribute)
+    capsule = getattr(scan_kernels.get_backend("cpu", "cpu"), attribute)
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
     get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     return ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
+import scan_kernels
 import protocol
 from bridge.client import result_from_wire
 from bridge.models.config import parse_config
@@ -356,7 +356,7 @@ def test_a_step_replayed_from_a_capture_returns_the_state_too(inproc, monkeypatc
     from test_step_graphs import StandInCapture
 
     monkeypatch.setattr(StandInCapture, "made", [])
-    monkeypatch.setattr(kernels, "capture_state_update", StandInCapture)
+    monkeypatch.setattr(scan_kernels, "capture_state_update", StandInCapture)
     seed = random_seed()
     srv = inproc(device="cpu", native_step=False, max_delay_us=0)
     srv.server.step_graphs = StepGraphs(srv.server.backend)

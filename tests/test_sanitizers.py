@@ -2,12 +2,12 @@
 
 AddressSanitizer and UndefinedBehaviorSanitizer: the CPU kernels' and the native step path's own
 suites run again in a child pytest whose extensions are built with -fsanitize=address,undefined
-(kernels.cpu.build's SANITIZE_ENV), every finding fatal. The native path parses untrusted frames
+(scan_kernels.cpu.build's SANITIZE_ENV), every finding fatal. The native path parses untrusted frames
 in a long-lived server, and the kernels write through pool slots and raw addresses: an
 out-of-bounds read or write there would pass an ordinary run unnoticed. The child's servers (the
 suites start some) inherit the environment and load the same builds.
 
-ThreadSanitizer: the kernels' helper pool (kernels/cpu/helper_pool.h), whose calls and helpers
+ThreadSanitizer: the kernels' helper pool (scan_kernels/cpu/helper_pool.h), whose calls and helpers
 meet through atomics, driven by tests/cpp/helper_pool_stress.cpp. Python and torch are not built
 for TSan, so the pool is tested alone, not through the extension.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from bridge import native
-from kernels.cpu import build
+from scan_kernels.cpu import build
 from process_runs import BackgroundRun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def sanitized_child(*command: str):
 # most of its time. A test that needs a library still being built waits for that build (the
 # build directory's lock), then loads it.
 SANITIZED_BUILDS = {
-    "the sanitized builds of the kernels": BackgroundRun(lambda: sanitized_child("-m", "kernels.cpu.build", "--all")),
+    "the sanitized builds of the kernels": BackgroundRun(lambda: sanitized_child("-m", "scan_kernels.cpu.build", "--all")),
     "the sanitized build of the native step module": BackgroundRun(lambda: sanitized_child("-m", "bridge.native")),
 }
 SANITIZED_SUITES = BackgroundRun(lambda: sanitized_child("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", DESELECT,
@@ -148,7 +148,7 @@ def test_the_helper_pool_is_race_free_under_thread_sanitizer(tmp_path):
         pytest.skip("no ThreadSanitizer runtime (libtsan) for the C++ compiler here")
     binary = tmp_path / "helper_pool_stress"
     build = subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-g", "-Wall", "-fsanitize=thread",
-                            "-pthread", "-I", str(ROOT / "kernels" / "cpu"), str(POOL_STRESS), "-o", str(binary)],
+                            "-pthread", "-I", str(ROOT / "scan_kernels" / "cpu"), str(POOL_STRESS), "-o", str(binary)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(binary), "3", "1000"], capture_output=True, text=True, timeout=300,

@@ -545,13 +545,13 @@ def test_warmup_compiles_before_serving_and_info_lists_it():
 
 def test_a_warmup_that_fails_to_compile_stops_the_server_with_its_traceback(monkeypatch, caplog):
     """A compile failure is not a bad bucket: the log keeps its traceback, which says where."""
-    import kernels
+    import scan_kernels
     from bridge import cli
 
     def failing_warmup(*args, **kwargs):
         raise RuntimeError("the compiler gave up")
 
-    monkeypatch.setattr(kernels, "warmup", failing_warmup)
+    monkeypatch.setattr(scan_kernels, "warmup", failing_warmup)
     with open(os.devnull, "wb") as protocol_out, caplog.at_level(logging.ERROR, logger="bridge"):
         assert cli.main(["--device", "cpu", "--warmup", "1x3x4x2"], protocol_fd=protocol_out.fileno()) == 2
     record = caplog.records[-1]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+import scan_kernels
 from bridge.client import PortClient, server_env
 from bridge_fakes import RecordingConnection
 from kernel_cases import (ScanCase, SsdCase, backward_inputs, make_cotangents, make_scan_inputs, make_ssd_inputs,
@@ -18,11 +18,11 @@ from kernel_cases import (ScanCase, SsdCase, backward_inputs, make_cotangents, m
 
 @pytest.fixture
 def srv(inproc):
-    return inproc(backend="cpu" if "cpu" in kernels.available_backends() else "torch", max_delay_us=0)
+    return inproc(backend="cpu" if "cpu" in scan_kernels.available_backends() else "torch", max_delay_us=0)
 
 
 def _expected(op: str, dy, inputs: dict, dstate, backend: str) -> dict:
-    backward = kernels.ssd_scan_backward if op == "ssd_scan_backward" else kernels.selective_scan_backward
+    backward = scan_kernels.ssd_scan_backward if op == "ssd_scan_backward" else scan_kernels.selective_scan_backward
     return {"d" + k: v for k, v in backward(dy, **inputs, dstate=dstate, backend=backend).items()}
 
 
@@ -65,7 +65,7 @@ def test_packed_sequences(srv):
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     dstate = torch.randn(2, 4, 3)
     got = srv.call(RecordingConnection(), "scan_backward", dy=dy, cu_seqlens=cu, dstate=dstate, **inputs)
-    expected = kernels.selective_scan_backward(dy, **inputs, dstate=dstate, cu_seqlens=cu, backend=srv.server.backend)
+    expected = scan_kernels.selective_scan_backward(dy, **inputs, dstate=dstate, cu_seqlens=cu, backend=srv.server.backend)
     assert all(torch.equal(got["d" + k], v) for k, v in expected.items())
 
 
@@ -105,14 +105,14 @@ def test_forward_and_backward_over_a_server_process():
     case = ScanCase(2, 13, 8, 4, D=True, z=True, dt_bias=True, dt_softplus=True, h0=True)
     inputs = make_scan_inputs(case, seed=seed)
     dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), (2, 8, 4), True, seed)
-    backend = kernels.select_backend("cpu")
+    backend = scan_kernels.select_backend("cpu")
     with PortClient(["--device", "cpu"], env=server_env(), as_torch=True) as client:
         assert client.info()["backend"] == backend
         forward = client.scan(**inputs).unwrap()
         got = client.scan_backward(dy, **backward_inputs(inputs), dstate=dstate).unwrap()
-    y, state = kernels.selective_scan(**inputs, backend=backend)
+    y, state = scan_kernels.selective_scan(**inputs, backend=backend)
     assert torch.equal(forward["y"], y) and torch.equal(forward["state"], state)
-    expected = kernels.selective_scan_backward(dy, **backward_inputs(inputs), dstate=dstate, backend=backend)
+    expected = scan_kernels.selective_scan_backward(dy, **backward_inputs(inputs), dstate=dstate, backend=backend)
     assert set(got) == {"d" + k for k in expected}
     for name, value in expected.items():
         assert torch.equal(got["d" + name], value), f"d{name} seed={seed}"

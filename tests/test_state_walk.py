@@ -19,7 +19,7 @@ The oracle:
 - every reply is the one SPEC.md says: a success, or exactly the error code (and field, or limit)
   the situation has (§6.1, §6.4, §7), never internal_error; limit_exceeded exactly where the
   usage the server reported before the request leaves no room;
-- a plain session's outputs and state follow the float64 reference kernels (kernels.reference)
+- a plain session's outputs and state follow the float64 reference kernels (scan_kernels.reference)
   within the inputs' dtype's tolerance; a model session's state is known where it was read
   (session_state, return_state) and every copy of it (snapshot, restore, fork) reads back bit
   for bit; a model op run again from the same state on the same input gives the same output and
@@ -59,14 +59,14 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-import kernels
+import scan_kernels
 from bridge.client import result_from_wire
 from bridge.models.config import parse_config
 from bridge.models.runtime import Model
 from bridge.sessions import Session
 from bridge_fakes import InProcessServer, RecordingConnection
 from kernel_cases import STATE_TOLERANCE, assert_close
-from kernels.reference import selective_scan_ref, selective_state_update_ref, ssd_scan_ref, ssd_state_update_ref
+from scan_kernels.reference import selective_scan_ref, selective_state_update_ref, ssd_scan_ref, ssd_state_update_ref
 from test_return_state import D_MODEL, MODEL_CONFIGS, tiny_weights, uniform
 
 EXAMPLES = int(os.environ.get("SCAN_BRIDGE_WALK_EXAMPLES", "0"))
@@ -234,7 +234,7 @@ def failing_writes(layout: tuple, succeeding: int):
     if layout[0] == "model":
         owner, name = Model, "step"
     else:
-        owner, name = kernels, "ssd_state_update" if layout[0] == "ssd" else "selective_state_update"
+        owner, name = scan_kernels, "ssd_state_update" if layout[0] == "ssd" else "selective_state_update"
     original = getattr(owner, name)
     calls = itertools.count()
 

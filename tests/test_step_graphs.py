@@ -1,5 +1,5 @@
 """bridge.step_graphs: which steps replay a captured state update, what each replay is given,
-and what they fall back to. Captures exist only on CUDA (kernels.capture_state_update; their own
+and what they fall back to. Captures exist only on CUDA (scan_kernels.capture_state_update; their own
 tests are in test_kernels_triton.py, and the server's CUDA cases in test_batcher.py and
 test_sessions.py step through them); here a stand-in capture on the CPU computes what a replay
 would, from the bytes it was given, so that the bridge's part runs in every CI.
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+import scan_kernels
 import protocol
-from kernels import _args
+from scan_kernels import _args
 from bridge.client import result_from_wire
 from bridge.step_graphs import StepGraphs
 from bridge.timing import Timing
@@ -54,7 +54,7 @@ class StandInCapture:
         for name, (dtype, shape) in self.shapes.items():
             inputs[name] = torch.from_numpy(np.frombuffer(self.staged[name], np.uint8).copy()).view(dtype).view(shape)
         held = {name: ref() for name, ref in self.held.items()}
-        return kernels.selective_state_update(held.pop("state"), inputs.pop("x"), inputs.pop("dt"), held.pop("A"),
+        return scan_kernels.selective_state_update(held.pop("state"), inputs.pop("x"), inputs.pop("dt"), held.pop("A"),
                                               inputs.pop("B"), inputs.pop("C"), **held, **inputs, **self.options)
 
 
@@ -62,7 +62,7 @@ class StandInCapture:
 def graphs(inproc, monkeypatch):
     """An in-process CPU server whose steps go through StepGraphs, with stand-in captures."""
     StandInCapture.made = []
-    monkeypatch.setattr(kernels, "capture_state_update", StandInCapture)
+    monkeypatch.setattr(scan_kernels, "capture_state_update", StandInCapture)
     srv = inproc(device="cpu", native_step=False, max_delay_us=0)
     srv.server.step_graphs = StepGraphs(srv.server.backend, capacity=2)
     return srv
@@ -157,7 +157,7 @@ def failing_captures(graphs, monkeypatch) -> list[int]:
         attempts.append(x.shape[0])
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(kernels, "capture_state_update", failing)
+    monkeypatch.setattr(scan_kernels, "capture_state_update", failing)
     return attempts
 
 

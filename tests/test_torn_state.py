@@ -22,7 +22,7 @@ import logging
 import pytest
 import torch
 
-import kernels
+import scan_kernels
 import protocol
 from bridge.client import result_from_wire
 from bridge.models.runtime import Model
@@ -60,14 +60,14 @@ def fail_partway(patched: pytest.MonkeyPatch, case: Case) -> tuple[str, list[int
         patched.setattr(Model, name, failing_at_the_second_layer)
         return "limit_exceeded", failed_rows
     name = "ssd_state_update" if case.kind == "ssd" else "selective_state_update"
-    update = getattr(kernels, name)
+    update = getattr(scan_kernels, name)
 
     def failing_after_the_update(pool, x, *args, **kwargs):
         update(pool, x, *args, **kwargs)
         failed_rows.append(x.shape[0])
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    patched.setattr(kernels, name, failing_after_the_update)
+    patched.setattr(scan_kernels, name, failing_after_the_update)
     return "internal_error", failed_rows
 
 
@@ -266,7 +266,7 @@ def test_a_prefill_whose_scan_fails_keeps_the_state(inproc, monkeypatch, case, k
         raise MemoryError("no room for the window")
 
     with monkeypatch.context() as patched:
-        patched.setattr(kernels, kernel, out_of_memory)
+        patched.setattr(scan_kernels, kernel, out_of_memory)
         error = scene.srv.request(scene.conn, case.op, session=session, **scene.frame()).error
     assert error["code"] == "limit_exceeded" and "state" not in error["detail"], f"seed={seed}: {error}"
     assert_same_state(scene.state(session), before, f"seed={seed}")

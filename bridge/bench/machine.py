@@ -31,7 +31,7 @@ def _first_cpu() -> dict[str, str]:
     return fields
 
 
-# The instruction sets the kernels' SIMD variants need (kernels/cpu/build.py).
+# The instruction sets the kernels' SIMD variants need (scan_kernels/cpu/build.py).
 SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f")
 
 
@@ -42,7 +42,7 @@ def _cpu_identity() -> dict:
     cpu = _first_cpu()
     flags = set(cpu.get("flags", "").split())
     try:
-        from kernels.cpu.build import BackendUnavailable, selected_variant
+        from scan_kernels.cpu.build import BackendUnavailable, selected_variant
     except ImportError:  # a bench run where the kernels package is not installed
         variant = None
     else:

@@ -47,7 +47,7 @@ _running: tuple[int, int] | None = None  # (the guard's pid, the pipe's write en
 def library_path() -> Path:
     """Where the guard's library is built: beside the kernels' builds, by the digest of its source
     and compiler."""
-    from kernels.cpu.build import build_root
+    from scan_kernels.cpu.build import build_root
 
     digest = hashlib.sha256(SOURCE.read_bytes() + str(c_compiler()).encode()).hexdigest()[:16]
     return build_root() / "exit_guard" / digest / "libexit_guard.so"

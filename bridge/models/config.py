@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import kernels
+import scan_kernels
 from protocol import shown_value
 
 from ..errors import OpError
@@ -130,8 +130,8 @@ class _Keys:
         if pair is None or len(pair) != 2 or any(v is None or math.isnan(v) for v in pair) or pair[0] > pair[1]:
             raise checkpoint_error(f"{self.field}.{key}", "a pair [low, high] with low <= high", shown_value(value))
         try:  # a side past float32's range, refused as a request's dt_limit is: at load, not at each call
-            kernels.dt_limit_bounds((pair[0], pair[1]))
-        except kernels.KernelInputError as exc:
+            scan_kernels.dt_limit_bounds((pair[0], pair[1]))
+        except scan_kernels.KernelInputError as exc:
             raise checkpoint_error(f"{self.field}.{key}", exc.expected, shown_value(value)) from None
         return pair[0], pair[1]
 

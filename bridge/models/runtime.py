@@ -4,7 +4,7 @@ rows kept elsewhere (the server's pool): every layer's conv window and ssm state
 Each block is transformers' MambaBlock / Mamba2Block: RMSNorm, the mixer, the residual added
 (kept in fp32 where the config says); the mixer is in_proj, a causal depthwise conv1d and SiLU,
 then Mamba-1's x_proj/dt_proj and selective scan, or Mamba-2's split of x, B, C, dt, its SSD
-scan and gated RMSNorm; out_proj last. Every scan and state update goes through `kernels`, so a
+scan and gated RMSNorm; out_proj last. Every scan and state update goes through `scan_kernels`, so a
 model runs on whichever backend the server serves. Nothing here knows of the wire.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import kernels
+import scan_kernels
 
 from .config import ModelConfig, layer_state_names
 from .weights import EMBEDDINGS, LM_HEAD
@@ -24,7 +24,7 @@ from .weights import EMBEDDINGS, LM_HEAD
 # Per-channel constants and the conv kept in fp32 whatever the weights' dtype: the kernels take
 # them so, and the conv's window is fp32 state. A is -exp(A_log), computed once at load.
 FP32_TENSORS = ("A_log", "D", "dt_bias", "dt_proj.bias", "conv1d.weight", "conv1d.bias")
-# The weight dtypes the backends' fused model step reads (kernels.model_step_kernel); state and
+# The weight dtypes the backends' fused model step reads (scan_kernels.model_step_kernel); state and
 # activations are fp32 in it whatever they are.
 FUSED_STEP_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -66,7 +66,7 @@ class Model:
         self.embeddings = tensors.get(EMBEDDINGS)
         self.lm_head = self.embeddings if config.lm_head == "tied" else tensors.get(LM_HEAD)
         self.layers = [self._layer(tensors, f"layers.{i}.") for i in range(config.n_layer)]
-        dt_min, dt_max = kernels.dt_limit_bounds(config.dt_limit)
+        dt_min, dt_max = scan_kernels.dt_limit_bounds(config.dt_limit)
         self.dt_limits = {"dt_min": dt_min, "dt_max": dt_max}
         # What the backend's fused step takes that never changes: the sizes, and each layer's
         # weights in its order (the pool's parts follow them per call: they move when it grows).
@@ -113,7 +113,7 @@ class Model:
         if lengths is not None and bool((lengths != inputs.shape[1]).any()):
             return self._forward_ragged(parts, slots, inputs, lengths, output=output, last_only=last_only,
                                         backend=backend, fused=fused)
-        kernel = self._fused_kernel(parts, backend, kernels.model_forward_kernel) if fused else None
+        kernel = self._fused_kernel(parts, backend, scan_kernels.model_forward_kernel) if fused else None
         if kernel is not None:
             return self._call_fused(kernel, parts, slots, inputs, output, copy=False, last_only=last_only)
         product = self._product(backend)
@@ -151,7 +151,7 @@ class Model:
         if callable(fused):
             kernel = fused
         else:
-            kernel = self._fused_kernel(parts, backend, kernels.model_step_kernel) if fused else None
+            kernel = self._fused_kernel(parts, backend, scan_kernels.model_step_kernel) if fused else None
         if kernel is not None:
             return self._call_fused(kernel, parts, slots, inputs, output)
         hidden = self._embed(inputs)
@@ -163,7 +163,7 @@ class Model:
 
     def fused_arguments(self) -> tuple | None:
         """What a backend's fused step reads of this model, for a native caller to prepare once
-        (kernels/cpu/model_step.h): (each layer's weights, norm_f, dims, eps, dt_min, dt_max,
+        (scan_kernels/cpu/model_step.h): (each layer's weights, norm_f, dims, eps, dt_min, dt_max,
         the embedding, the head), the last two None where the model has none; None where the
         model composes its step (weights in another dtype, or not on the CPU)."""
         if not self._steps_fused:
@@ -176,7 +176,7 @@ class Model:
         takes these weights (the fused step's, fp32 products of fp32 or bf16 weights), since
         torch's CPU products of a few rows cost several times it (docs/performance.md,
         "model forward"); else F.linear."""
-        kernel = kernels.linear_kernel(self.device.type, backend) if self._fused else None
+        kernel = scan_kernels.linear_kernel(self.device.type, backend) if self._fused else None
         if kernel is None:
             return F.linear
 
@@ -188,7 +188,7 @@ class Model:
         return product
 
     def _fused_kernel(self, parts: dict[str, torch.Tensor], backend: str | None, which: Callable):
-        """`which` (kernels.model_step_kernel or model_forward_kernel) for this model, or None where
+        """`which` (scan_kernels.model_step_kernel or model_forward_kernel) for this model, or None where
         its step or prefill is composed."""
         if not self._steps_fused:
             return None
@@ -234,14 +234,14 @@ class Model:
             x, z = projected.split(c.d_inner, dim=-1)
             x = _conv_seq(layer, x, conv, slots)
             dt, B, C = product(x, layer.x_proj, None).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
-            y, state = kernels.selective_scan(
+            y, state = scan_kernels.selective_scan(
                 x, product(dt, layer.dt_proj, None), layer.A, B, C, D=layer.D, z=z, dt_bias=layer.dt_bias,
                 dt_softplus=True, h0=h0, return_state=True, backend=backend)
         else:
             z, xBC, dt = projected.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
             x, B, C = _conv_seq(layer, xBC, conv, slots).split(
                 [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
-            y, state = kernels.ssd_scan(
+            y, state = scan_kernels.ssd_scan(
                 x.unflatten(-1, (c.nheads, c.headdim)), dt, layer.A, B.unflatten(-1, (c.ngroups, c.d_state)),
                 C.unflatten(-1, (c.ngroups, c.d_state)), D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True,
                 **self.dt_limits, h0=h0, return_state=True, backend=backend)
@@ -256,14 +256,14 @@ class Model:
             x, z = projected.split(c.d_inner, dim=-1)
             x = _conv_step(layer, x, conv, slots)
             dt, B, C = F.linear(x, layer.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)
-            y = kernels.selective_state_update(
+            y = scan_kernels.selective_state_update(
                 ssm, x, F.linear(dt, layer.dt_proj), layer.A, B, C, D=layer.D, z=z, dt_bias=layer.dt_bias,
                 dt_softplus=True, slots=slots, backend=backend)
         else:
             z, xBC, dt = projected.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
             x, B, C = _conv_step(layer, xBC, conv, slots).split(
                 [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
-            y = kernels.ssd_state_update(
+            y = scan_kernels.ssd_state_update(
                 ssm, x.unflatten(-1, (c.nheads, c.headdim)), dt, layer.A, B.unflatten(-1, (c.ngroups, c.d_state)),
                 C.unflatten(-1, (c.ngroups, c.d_state)), D=layer.D, dt_bias=layer.dt_bias, dt_softplus=True,
                 **self.dt_limits, slots=slots, backend=backend)

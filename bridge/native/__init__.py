@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import scan_kernels
 import protocol
-from kernels.errors import BackendUnavailable
+from scan_kernels.errors import BackendUnavailable
 
 from ..errors import OpError, error_fields
 from ..models.config import layer_state_names
@@ -53,12 +53,12 @@ log = logging.getLogger("bridge")
 
 NATIVE_DIR = Path(__file__).resolve().parent
 MODULE_NAME = "scan_bridge_native_step"
-BUILD_SUBDIRECTORY = "native_step"  # under kernels.cpu.build.build_root()
+BUILD_SUBDIRECTORY = "native_step"  # under scan_kernels.cpu.build.build_root()
 
 
 def sources():
-    """What the module is built from (kernels.cpu.build.Sources)."""
-    from kernels.cpu import build
+    """What the module is built from (scan_kernels.cpu.build.Sources)."""
+    from scan_kernels.cpu import build
 
     return build.Sources(NATIVE_DIR, files=("step.cpp",),
                          headers=(build.SOURCE_DIR / "scan_kernel.h", build.SOURCE_DIR / "ssd_kernel.h",
@@ -67,14 +67,14 @@ def sources():
 
 
 def _module():
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     return build.load_module(sources(), MODULE_NAME, BUILD_SUBDIRECTORY)
 
 
 def library_path() -> Path:
     """Where the module's library is built for this process's flags."""
-    from kernels.cpu import build
+    from scan_kernels.cpu import build
 
     return build.module_library_path(sources(), MODULE_NAME, BUILD_SUBDIRECTORY)
 
@@ -138,7 +138,7 @@ class NativeStep:
             return None
         if server not in _PATHS:
             try:
-                _PATHS[server] = cls(server, _module(), kernels.get_backend("cpu", "cpu"))
+                _PATHS[server] = cls(server, _module(), scan_kernels.get_backend("cpu", "cpu"))
             except BackendUnavailable as exc:
                 log.warning("native step path unavailable, steps take the general path: %s", exc)
                 _PATHS[server] = None

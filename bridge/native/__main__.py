@@ -4,7 +4,7 @@
 import sys
 import time
 
-from kernels.errors import BackendUnavailable
+from scan_kernels.errors import BackendUnavailable
 
 from . import _module
 

@@ -15,9 +15,9 @@
 // the failure, the session's state maybe moved (bridge/native/__init__.py).
 //
 // The kernels are the CPU backend's, called through the capsules its extension exports
-// (kernels/cpu/binding.cpp, "scan_bridge.run_problem" with the ScanProblem of
-// kernels/cpu/scan_kernel.h, "scan_bridge.run_ssd_update" with the SsdUpdateProblem of
-// kernels/cpu/ssd_kernel.h): this file knows the wire, the kernels do not.
+// (scan_kernels/cpu/binding.cpp, "scan_bridge.run_problem" with the ScanProblem of
+// scan_kernels/cpu/scan_kernel.h, "scan_bridge.run_ssd_update" with the SsdUpdateProblem of
+// scan_kernels/cpu/ssd_kernel.h): this file knows the wire, the kernels do not.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-import kernels
+import scan_kernels
 import protocol
 
 from .. import __version__
@@ -58,9 +58,9 @@ def info(server, call) -> dict:
         "cuda_graphs": None if server.step_graphs is None else {"captured": server.step_graphs.captured},
         "devices": devices,
         "kernels": {
-            "available": kernels.available_backends(),
-            "unavailable": kernels.unavailable_backends(),
-            "details": kernels.backend_details(),
+            "available": scan_kernels.available_backends(),
+            "unavailable": scan_kernels.unavailable_backends(),
+            "details": scan_kernels.backend_details(),
             "compiled": list(server.compiled),
         },
         "transports": list(server.transports),

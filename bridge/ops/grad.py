@@ -4,7 +4,7 @@ tensor input given, "d" + its name. They run alone (not batched)."""
 
 from __future__ import annotations
 
-import kernels
+import scan_kernels
 from protocol import WireTensor
 
 from ..batcher import dt_options
@@ -35,11 +35,11 @@ def _gradients(server, call, backward, options: dict) -> dict:
 
 
 def scan_backward(server, call) -> dict:
-    return _gradients(server, call, kernels.selective_scan_backward, {"layout": call.args.get("layout", "bld")})
+    return _gradients(server, call, scan_kernels.selective_scan_backward, {"layout": call.args.get("layout", "bld")})
 
 
 def ssd_scan_backward(server, call) -> dict:
-    return _gradients(server, call, kernels.ssd_scan_backward, {"chunk_size": call.args.get("chunk_size")})
+    return _gradients(server, call, scan_kernels.ssd_scan_backward, {"chunk_size": call.args.get("chunk_size")})
 
 
 HANDLERS = {"scan_backward": scan_backward, "ssd_scan_backward": ssd_scan_backward}

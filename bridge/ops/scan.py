@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import scan_kernels
 from protocol import WireTensor
 
 from ..batcher import (BatchedOp, Item, charge, dt_options, nbytes_of, row_signature, shared_args, shared_tensors,
@@ -44,7 +44,7 @@ def _check_session_dims(session, x, A, layout: str) -> None:
 
 
 def prefilled_session(server, call, kind: str, op: str):
-    """The session a scan prefills (of `kind`), or None; a session excludes h0 and cu_seqlens."""
+    """The session a scan prefills (of `kind`), or None; a session excludes h0 and packed sequences."""
     args = call.args
     if args.get("session") is None:
         return None
@@ -116,7 +116,7 @@ class ScanOp(BatchedOp):
         written = []
         with WritingState(written):
             with server.kernel_timer(*(item.call for item in items)):
-                out = kernels.selective_scan(
+                out = scan_kernels.selective_scan(
                     stacked["x"], stacked["dt"], shared["A"], stacked["B"], stacked["C"],
                     D=shared["D"], z=stacked["z"], dt_bias=shared["dt_bias"], **lead.options,
                     h0=stacked["h0"], return_state=need_state, layout=lead.call.args.get("layout", "bld"),
@@ -183,7 +183,7 @@ class SsdScanOp(BatchedOp):
         written = []  # as ScanOp's: only the write back changes the session's state
         with WritingState(written):
             with server.kernel_timer(item.call):
-                out = kernels.ssd_scan(
+                out = scan_kernels.ssd_scan(
                     rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"], D=shared["D"], z=rows["z"],
                     dt_bias=shared["dt_bias"], h0=rows["h0"], return_state=need_state, backend=server.backend,
                     **item.options)

@@ -4,7 +4,7 @@ put, free. What they manage lives in bridge.sessions and bridge.handles; step is
 
 from __future__ import annotations
 
-import kernels
+import scan_kernels
 import torch
 
 import protocol
@@ -149,8 +149,8 @@ def open_plain_session(server, call):
 def require_float(value, field: str) -> None:
     """invalid_argument unless `value` (a tensor or WireTensor) has a floating dtype: a state's."""
     dtype = dtype_of(value)
-    if dtype not in kernels.FLOAT_DTYPES:
-        expected = f"a floating dtype ({', '.join(WIRE_DTYPES[d] for d in kernels.FLOAT_DTYPES)})"
+    if dtype not in scan_kernels.FLOAT_DTYPES:
+        expected = f"a floating dtype ({', '.join(WIRE_DTYPES[d] for d in scan_kernels.FLOAT_DTYPES)})"
         got = WIRE_DTYPES[dtype]
         raise OpError("invalid_argument", f"{field}: expected {expected}, got {got}",
                       {"field": field, "expected": expected, "got": got})
@@ -381,7 +381,7 @@ class StepOp(BatchedOp):
         sessions = [item.session for item in items]
         # The kernels (and a capture, which computes nothing) check every argument before they
         # compute: a step they refuse wrote no row.
-        refused = (kernels.KernelInputError,)
+        refused = (scan_kernels.KernelInputError,)
         # Captured steps (CUDA graphs) replay Mamba-1 state updates only.
         mamba2 = lead.session.kind == "ssd"
         if server.step_graphs is not None and not mamba2:
@@ -397,7 +397,7 @@ class StepOp(BatchedOp):
         charge(items, "h2d", now_ns() - start)
         with WritingState(sessions, unwritten=refused):
             with server.kernel_timer(*(item.call for item in items)):
-                update = kernels.ssd_state_update if mamba2 else kernels.selective_state_update
+                update = scan_kernels.ssd_state_update if mamba2 else scan_kernels.selective_state_update
                 y = update(
                     lead.session.pool.rows, rows["x"], rows["dt"], shared["A"], rows["B"], rows["C"],
                     D=shared["D"], z=rows["z"], dt_bias=shared["dt_bias"], **lead.options,

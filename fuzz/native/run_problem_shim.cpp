@@ -2,7 +2,7 @@
 // RunProblemFn, ssd_kernel.h's RunSsdUpdateFn), for the fuzzing build of bridge/native/step.cpp
 // (fuzz/native_build.py).
 //
-// Why not the real one: the "cpu" backend's capsule comes from kernels/cpu/binding.cpp, an ATen
+// Why not the real one: the "cpu" backend's capsule comes from scan_kernels/cpu/binding.cpp, an ATen
 // extension that needs torch and cannot be built with clang's sanitizers and loaded beside an
 // uninstrumented torch. This runs the same kernel code (scan_kernel.cpp, ssd_kernel.cpp,
 // compiled into the same sanitized library) on the calling thread only: the binding's helper

@@ -1,4 +1,4 @@
-// HelperPool (kernels/cpu/helper_pool.h) under load, for ThreadSanitizer: several threads call
+// HelperPool (scan_kernels/cpu/helper_pool.h) under load, for ThreadSanitizer: several threads call
 // run() at once, many times, each call summing an array split among the caller and the helpers
 // through a shared range counter, and every call's sum is checked. Some calls throw, from the
 // caller's share or from a helper's, and run() must hand the error back; calls inside a

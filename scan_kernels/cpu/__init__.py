@@ -1,9 +1,9 @@
-"""The "cpu" backend: C++ SIMD kernels (kernels/cpu/scan_kernel.cpp) for CPU tensors.
+"""The "cpu" backend: C++ SIMD kernels (scan_kernels/cpu/scan_kernel.cpp) for CPU tensors.
 
 One pass over the sequence per (batch row, block of channels) with the state in L1,
 vectorized over channels; the state update works on the pool in place, vectorized over the
 state; as many threads as torch.get_num_threads(). The extension is compiled once per machine
-by `python -m kernels.cpu.build` (see build.py), in the best SIMD variant the CPU executes or
+by `python -m scan_kernels.cpu.build` (see build.py), in the best SIMD variant the CPU executes or
 the one SCAN_BRIDGE_SIMD names; where it cannot be built, `load_backend` raises
 BackendUnavailable with the reason and the registry falls back to the "torch" backend.
 """
@@ -18,7 +18,7 @@ from ..eager import _compute_dtype
 
 
 def load_backend() -> Backend:
-    # Imported here, not at module level, so `python -m kernels.cpu.build` runs it only once.
+    # Imported here, not at module level, so `python -m scan_kernels.cpu.build` runs it only once.
     from . import build
 
     ext = build.load_extension()

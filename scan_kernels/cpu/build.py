@@ -1,6 +1,6 @@
 """Build and load the C++ extension behind the "cpu" backend.
 
-`python -m kernels.cpu.build` compiles it ahead of time (the Makefile's `kernels` target; with
+`python -m scan_kernels.cpu.build` compiles it ahead of time (the Makefile's `kernels` target; with
 `--all`, every SIMD variant the CPU executes, at once);
 `load_extension()` imports the built library, compiling it first only when no library matches.
 
@@ -36,7 +36,7 @@ import torch
 
 from ..errors import BackendUnavailable
 
-log = logging.getLogger("kernels")
+log = logging.getLogger("scan_kernels")
 
 # Python caches extension modules by name: a differently built library must use another name
 # to be loaded beside this one. Each SIMD variant's module is MODULE_NAME + "_" + its name.
@@ -396,19 +396,19 @@ def _build_all(verbose: bool) -> int:
     (docs/performance.md, "make test time")."""
     import subprocess
 
-    command = [sys.executable, "-m", "kernels.cpu.build", *(["--verbose"] if verbose else [])]
+    command = [sys.executable, "-m", "scan_kernels.cpu.build", *(["--verbose"] if verbose else [])]
     builds = [(variant, subprocess.Popen(command, env={**os.environ, SIMD_ENV: variant.name}))
               for variant in executable_variants()]
     failed = [variant.name for variant, build in builds if build.wait() != 0]
     if failed:
-        print(f"kernels.cpu: variants not built: {', '.join(failed)} (see above)", file=sys.stderr)
+        print(f"scan_kernels.cpu: variants not built: {', '.join(failed)} (see above)", file=sys.stderr)
     return 1 if failed else 0
 
 
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kernels.cpu.build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scan_kernels.cpu.build", description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     parser.add_argument("--print-dir", action="store_true", help="print the build directory and exit")
     parser.add_argument("--all", action="store_true",
@@ -423,28 +423,28 @@ def main(argv=None) -> int:
         try:
             ext = load_sources(args.sources, args.module_prefix)
         except BackendUnavailable as exc:
-            print(f"kernels.cpu: {args.sources} not built: {exc}", file=sys.stderr)
+            print(f"scan_kernels.cpu: {args.sources} not built: {exc}", file=sys.stderr)
             return 1
-        print(f"kernels.cpu: {ext.__file__} ready ({ext.simd()})")
+        print(f"scan_kernels.cpu: {ext.__file__} ready ({ext.simd()})")
         return 0
     try:
         variant = selected_variant()
     except BackendUnavailable as exc:
-        print(f"kernels.cpu: not built: {exc}", file=sys.stderr)
+        print(f"scan_kernels.cpu: not built: {exc}", file=sys.stderr)
         return 1
     if args.print_dir:
         print(build_directory(variant))
         return 0
     start = time.perf_counter()
     if not library_path(variant).is_file():
-        print(f"kernels.cpu: compiling the {variant.name} variant into {build_directory(variant)} (about 20 s)",
+        print(f"scan_kernels.cpu: compiling the {variant.name} variant into {build_directory(variant)} (about 20 s)",
               flush=True)
     try:
         ext = load_extension(verbose=args.verbose, variant=variant)
     except BackendUnavailable as exc:
-        print(f"kernels.cpu: not built: {exc}", file=sys.stderr)
+        print(f"scan_kernels.cpu: not built: {exc}", file=sys.stderr)
         return 1
-    print(f"kernels.cpu: {ext.__file__} ready ({ext.simd()}) in {time.perf_counter() - start:.1f} s")
+    print(f"scan_kernels.cpu: {ext.__file__} ready ({ext.simd()}) in {time.perf_counter() - start:.1f} s")
     return 0
 
 

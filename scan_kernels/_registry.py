@@ -5,7 +5,7 @@ Each backend lives in its own module exposing `load_backend() -> Backend`, which
 reason a backend is unavailable is logged once and kept for `unavailable_backends()` (the
 server's `info` op reports it).
 
-Backend call signatures (arguments already validated and normalised by `kernels._args`):
+Backend call signatures (arguments already validated and normalised by `scan_kernels._args`):
 
     scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state, layout)
         -> (y, state_or_None)
@@ -14,7 +14,7 @@ Backend call signatures (arguments already validated and normalised by `kernels.
              chunk_size) -> (y, state_or_None)            (D already [heads, headdim])
     ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots) -> y
     scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
-                  layout) -> {input name: gradient in the compute dtype}   (kernels/backward.py)
+                  layout) -> {input name: gradient in the compute dtype}   (scan_kernels/backward.py)
     ssd_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0,
                       dstate, chunk_size) -> {input name: gradient}
 """
@@ -29,14 +29,14 @@ from typing import Callable
 
 from .errors import BackendUnavailable, UnknownBackend
 
-log = logging.getLogger("kernels")
+log = logging.getLogger("scan_kernels")
 
 # name -> module; order is the listing order of available_backends().
 BACKEND_MODULES = {
-    "reference": "kernels.reference",
-    "torch": "kernels.eager",
-    "cpu": "kernels.cpu",
-    "triton": "kernels.triton_kernels",
+    "reference": "scan_kernels.reference",
+    "torch": "scan_kernels.eager",
+    "cpu": "scan_kernels.cpu",
+    "triton": "scan_kernels.triton_kernels",
 }
 
 # For backend=None: the first available backend that serves the tensors' device type.
@@ -66,33 +66,33 @@ class Backend:
     reads_unaligned: bool = False
     # The ops ("scan", "ssd_scan", "scan_backward", "ssd_scan_backward") that take `cu_seqlens`
     # (a CPU int64 tensor [n + 1]) themselves: sequences packed along seq in one call; for the
-    # others kernels/_varlen.py makes one call per sequence.
+    # others scan_kernels/_varlen.py makes one call per sequence.
     packs_sequences: frozenset = frozenset()
     details: dict = field(default_factory=dict)
     # A PyCapsule "scan_bridge.run_problem" running the backend's kernel on a ScanProblem
-    # (kernels/cpu/scan_kernel.h) that a native caller in this process fills itself (the
+    # (scan_kernels/cpu/scan_kernel.h) that a native caller in this process fills itself (the
     # bridge's native step path); None for backends without one.
     run_problem: object | None = None
     # Likewise "scan_bridge.run_ssd_update", the Mamba-2 state update on an SsdUpdateProblem
-    # (kernels/cpu/ssd_kernel.h).
+    # (scan_kernels/cpu/ssd_kernel.h).
     run_ssd_update: object | None = None
-    # Captures a state update for replay (kernels.capture_state_update); None: nothing to capture.
+    # Captures a state update for replay (scan_kernels.capture_state_update); None: nothing to capture.
     capture_state_update: Callable | None = None
-    # One frame through a whole Mamba / Mamba-2 stack in one call (kernels.model_step_kernel);
+    # One frame through a whole Mamba / Mamba-2 stack in one call (scan_kernels.model_step_kernel);
     # None: the caller composes the step from the ops above.
     model_step: Callable | None = None
-    # A prefill of such a stack in one call (kernels.model_forward_kernel); None: composed.
+    # A prefill of such a stack in one call (scan_kernels.model_forward_kernel); None: composed.
     model_forward: Callable | None = None
     # That step's matrix product, for callers that compose a sequence from the ops above
-    # (kernels.linear_kernel): x [rows, in] fp32 times w [features, in]^T (fp32 or bf16) plus an
+    # (scan_kernels.linear_kernel): x [rows, in] fp32 times w [features, in]^T (fp32 or bf16) plus an
     # fp32 bias -> [rows, features] fp32; None: the caller uses torch's.
     linear: Callable | None = None
-    # For native callers' model steps (kernels/cpu/model_step.h): prepare_model(layers' weights,
+    # For native callers' model steps (scan_kernels/cpu/model_step.h): prepare_model(layers' weights,
     # norm_f, dims, eps, dt_min, dt_max) -> a "scan_bridge.fused_model" capsule, and the capsule
     # "scan_bridge.run_model_step" that steps one; None for backends without them.
     prepare_model: Callable | None = None
     run_model_step: object | None = None
-    # Gradients of the two scans (kernels/backward.py); None: this backend has no backward pass.
+    # Gradients of the two scans (scan_kernels/backward.py); None: this backend has no backward pass.
     scan_backward: Callable | None = None
     ssd_scan_backward: Callable | None = None
 

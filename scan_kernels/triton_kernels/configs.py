@@ -7,7 +7,7 @@ reproducible. The tables are keyed by BLOCK_N, the state size rounded up to a po
 (Triton tiles are powers of two; the padded lanes are masked).
 
 The sizes below are reasoned from register budgets and checked by compiling for sm_90 without a
-GPU (`python -m kernels.triton_kernels.aot_check`: registers per thread, no spills); they have not
+GPU (`python -m scan_kernels.triton_kernels.aot_check`: registers per thread, no spills); they have not
 been timed on a GPU (the session that wrote them had none), which is open work.
 """
 

@@ -33,7 +33,7 @@ A, dt_bias [heads], B, C [batch, seq, groups, state] (group g serves heads g*H/G
 D [heads] or [heads, headdim], state [batch, heads, headdim, state]. `chunk_size` tunes the
 chunked backends only (torch, triton); every backend computes the same y.
 
-Gradients (kernels/backward.py): selective_scan_backward(dy, x, dt, A, B, C, *, ..., h0, dstate,
+Gradients (scan_kernels/backward.py): selective_scan_backward(dy, x, dt, A, B, C, *, ..., h0, dstate,
 layout, cu_seqlens, backend) and ssd_scan_backward(...) -> {input name: gradient}; with grad
 mode on and an input that requires grad, selective_scan and ssd_scan are differentiable.
 
@@ -41,7 +41,7 @@ cu_seqlens (both scans): an int32/int64 tensor [n + 1] of boundaries of n sequen
 along seq of a batch-1 input; each starts from h0[i] (h0 then has n rows) or zeros, and the
 returned state has one row per sequence. Backends run them in one call where they can
 (`Backend.packs_sequences`: the cpu and triton backends' scans and backwards), else
-one call a sequence (kernels/_varlen.py).
+one call a sequence (scan_kernels/_varlen.py).
 """
 
 from __future__ import annotations
@@ -200,14 +200,14 @@ def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float 
 
 def model_step_kernel(device_type: str, backend: str | None = None):
     """The backend's fused step of a whole Mamba / Mamba-2 stack (fp32, weights and state as
-    bridge.models lays them out; see kernels/cpu/binding.cpp `model_step`), or None where it has
+    bridge.models lays them out; see scan_kernels/cpu/binding.cpp `model_step`), or None where it has
     none. Its math is bridge.models.runtime's, which tests hold it to."""
     return get_backend(backend, device_type).model_step
 
 
 def model_forward_kernel(device_type: str, backend: str | None = None):
     """The backend's fused prefill of such a stack (hidden [rows, seq, d_model], the states in pool
-    rows read and left after the last timestep; kernels/cpu/binding.cpp `model_forward`), or None
+    rows read and left after the last timestep; scan_kernels/cpu/binding.cpp `model_forward`), or None
     where it has none. Its math is bridge.models.runtime's composed prefill, which tests hold it
     to."""
     return get_backend(backend, device_type).model_forward
@@ -215,7 +215,7 @@ def model_forward_kernel(device_type: str, backend: str | None = None):
 
 def linear_kernel(device_type: str, backend: str | None = None):
     """The backend's matrix product, the one its fused model step runs (x [rows, in] fp32 times
-    w [features, in]^T, w fp32 or bf16, plus an optional fp32 bias, fp32 out; kernels/cpu/
+    w [features, in]^T, w fp32 or bf16, plus an optional fp32 bias, fp32 out; scan_kernels/cpu/
     binding.cpp `linear`), or None where it has none and torch's serves."""
     return get_backend(backend, device_type).linear
 
@@ -229,7 +229,7 @@ def capture_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
     tensors every replay reads. The capture's `stage(name, bytes)` writes one call's x, dt, B,
     C, z or slots, and `run()` computes it, updating the state in place, and returns y in pinned
     host memory that the next run overwrites; `alive()` is false once state, A, D or dt_bias is
-    freed, and then it refuses to run (kernels/triton_kernels/graphs.py)."""
+    freed, and then it refuses to run (scan_kernels/triton_kernels/graphs.py)."""
     if slots is None:
         raise KernelInputError("slots", "an int32/int64 tensor (a capture updates pool rows by slot)", "None")
     # The slots' values are placeholders here (the bridge's are zeros): repeats are not refused.

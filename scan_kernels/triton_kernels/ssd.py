@@ -474,7 +474,7 @@ def _state_strides(state: torch.Tensor | None) -> tuple[int, ...]:
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
              dt_max=None, h0=None, return_state=False, chunk_size=None, cu_seqlens=None, out=None,
              state_out=None, blocks=None):
-    """The "triton" backend's SSD scan; arguments as normalised by `kernels._args.check_ssd_scan`
+    """The "triton" backend's SSD scan; arguments as normalised by `scan_kernels._args.check_ssd_scan`
     (D [heads, headdim]), and `cu_seqlens` (int64 [n + 1], checked) for sequences packed along a
     batch-1 input's seq. Returns (y in x's dtype, the final state or None).
 
@@ -657,7 +657,7 @@ def _ssd_update_kernel(
 def ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                      dt_min=None, dt_max=None, slots=None, out=None, blocks=None):
     """The "triton" backend's SSD state update; arguments as normalised by
-    `kernels._args.check_ssd_state_update`. Returns y [batch, heads, headdim] in x's dtype;
+    `scan_kernels._args.check_ssd_state_update`. Returns y [batch, heads, headdim] in x's dtype;
     `state` rows are updated in place. Rows must name distinct slots (two rows on one slot
     would race on its state).
 

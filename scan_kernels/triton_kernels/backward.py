@@ -1,6 +1,6 @@
 """Gradients of the selective scan (Mamba-1) and of the SSD scan (Mamba-2) in Triton.
 
-The cpu backend's design (kernels/cpu/scan_backward.cpp) on the GPU. Storing the state history
+The cpu backend's design (scan_kernels/cpu/scan_backward.cpp) on the GPU. Storing the state history
 would take [batch, seq, dim, state] values, `state` times the size of x, so it is never stored.
 A program owns (batch row, BLOCK_D channels of one group), as in the forward, and two launches
 run over the same grid:
@@ -21,7 +21,7 @@ dD sum over the batch only: each program writes its row's sums once to [batch, d
 partials that torch adds up, which keeps them deterministic.
 
 dt's discretisation (bias, softplus, clamp) and its chain rule stay in torch
-(kernels.eager._discretize_dt, kernels.backward.discretize_backward): the kernels take
+(scan_kernels.eager._discretize_dt, scan_kernels.backward.discretize_backward): the kernels take
 the discretised dt ("delta") and return its gradient. Mamba-2 runs on the same kernels with
 heads x headdim as channels, one decay per channel (SCALAR_DECAY) and each head's dt shared by
 its headdim channels; the per-channel gradients of dt and A are summed back over headdim.
@@ -48,7 +48,7 @@ from .scan import _combine, _sequence_of
 # BLOCK_N -> blocks. The reverse pass keeps several [CHUNK, BLOCK_D, BLOCK_N] tiles live at once
 # (the states, their reversed copy, G, two decays, q) besides the tile's loads, so a row holds a
 # quarter of the forward table's tile (configs.SCAN_TABLE): 1024 values over 8 warps, 4 per
-# thread per tile. Compiled for sm_90 (ptxas -v, as kernels.triton_kernels.aot_check does) every
+# thread per tile. Compiled for sm_90 (ptxas -v, as scan_kernels.triton_kernels.aot_check does) every
 # row fits the registers without spilling in fp32 and in fp64, which twice the tile did not.
 # CHUNK is also the checkpoint interval (the checkpoints are the state history / CHUNK), so it
 # stays 16 while the channels can shrink and gives way only past BLOCK_N 64, down to 2 (at 1024
@@ -424,7 +424,7 @@ def backward_launches(dy, x, delta, A, B, C, *, D, z, h0, dstate, per_decay: int
 
 def selective_scan_backward(dy, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, dstate,
                             layout, cu_seqlens=None, blocks=None):
-    """The "triton" backend's scan_backward (kernels/_registry.py), packed sequences whole;
+    """The "triton" backend's scan_backward (scan_kernels/_registry.py), packed sequences whole;
     `blocks` overrides the block table (tests)."""
     check_state_size(A.shape[1], "A")  # refused before any work; A is [dim, state]
     f = accumulation_dtype(x)

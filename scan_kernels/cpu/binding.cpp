@@ -4,7 +4,7 @@
 // Native callers in the process get the same run for a ScanProblem they fill themselves through
 // the "scan_bridge.run_problem" capsule.
 // The GIL is released while the kernel runs (released_gil.h, which says why tensors come by const
-// reference). Arguments arrive validated by kernels._args (a ScanProblem through the capsule, by
+// reference). Arguments arrive validated by scan_kernels._args (a ScanProblem through the capsule, by
 // its caller); the checks here cover ranks, dtypes and devices only (sizes are trusted, so a
 // direct call with mismatched sizes reads out of bounds).
 //
@@ -145,7 +145,7 @@ ScanProblem problem_from(const at::Tensor& x, const at::Tensor& dt, const at::Te
 }
 
 // The boundaries of sequences packed along `seq` time steps of one batch row, checked here
-// too (kernels._args checks them for callers; the kernels index with them unchecked): an int64
+// too (scan_kernels._args checks them for callers; the kernels index with them unchecked): an int64
 // CPU tensor [n + 1] rising strictly from 0 to seq. Null when absent.
 const int64_t* packed_bounds(const std::optional<at::Tensor>& cu_seqlens, int64_t batch, int64_t seq,
                              const char* op) {
@@ -273,7 +273,7 @@ int run_problem(const ScanProblem* p, size_t problem_size, char* error, size_t e
 }  // namespace
 
 // --- Mamba-2 (SSD) --------------------------------------------------------------------------
-// kernels/cpu/__init__.py hands contiguous tensors of one compute dtype (D as [heads, headdim]);
+// scan_kernels/cpu/__init__.py hands contiguous tensors of one compute dtype (D as [heads, headdim]);
 // what is checked here is that contract, not the user's input.
 
 void require_operand(const at::Tensor& t, const char* name, at::ScalarType dtype, const char* op = "ssd") {
@@ -435,7 +435,7 @@ void ssd_state_update(const at::Tensor& pool, const at::Tensor& rows, const at::
 }
 
 // --- The scan's backward pass -----------------------------------------------------------------
-// kernels/cpu/__init__.py hands contiguous [batch, seq, channel] tensors of one compute dtype
+// scan_kernels/cpu/__init__.py hands contiguous [batch, seq, channel] tensors of one compute dtype
 // ("bld"; Mamba-2's heads x headdim as channels, with scalar_decay, and dt, dt_bias, A per head:
 // channels_per_dt = headdim). Items are shared out as the forward's are; each thread sums into
 // its own seat's slice of dA, dD, ddt_bias, dB and dC, and the slices are added here, with dA

@@ -96,7 +96,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
                            dt_softplus=False, dt_min=None, dt_max=None, slots=None,
                            out=None, blocks=None):
     """The "triton" backend's state update; arguments as normalised by
-    `kernels._args.check_state_update` (B, C [batch, groups, state]). Returns y [batch, dim] in
+    `scan_kernels._args.check_state_update` (B, C [batch, groups, state]). Returns y [batch, dim] in
     x's dtype; `state` rows are updated in place.
 
     Internal keywords: `out` receives y instead of a fresh tensor (tests pass a NaN-filled one);

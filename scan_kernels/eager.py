@@ -66,7 +66,7 @@ def _block_sizes(batch: int, seq: int, groups: int, per_group: int, state: int, 
 
 def selective_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0,
                    return_state, layout):
-    """Arguments as normalised by `kernels._args.check_scan` (B, C with a groups axis)."""
+    """Arguments as normalised by `scan_kernels._args.check_scan` (B, C with a groups axis)."""
     f = _compute_dtype(x)
     # Read both layouts through "bld"-ordered views: x, dt, z [b, l, d]; B, C [b, l, g, n].
     if layout == "bdl":
@@ -173,7 +173,7 @@ class LiveRows:
 
 def selective_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
                            slots):
-    """Arguments as normalised by `kernels._args.check_state_update` (B, C with a groups axis).
+    """Arguments as normalised by `scan_kernels._args.check_state_update` (B, C with a groups axis).
     Updates `state` in place at rows `slots` (rows 0..batch-1 when None); a negative slot is a
     padding row: its y is 0 and no state row is touched."""
     f = _compute_dtype(x)
@@ -205,7 +205,7 @@ def selective_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus,
 
 def _autograd_backward(ref_backward):
     """The compact autograd form: torch.autograd through the step-by-step transcription
-    (kernels/reference.py) in the compute dtype rather than float64. Autograd keeps every step's
+    (scan_kernels/reference.py) in the compute dtype rather than float64. Autograd keeps every step's
     state: memory grows with batch x seq x dim x state, unlike the cpu backend's."""
 
     def backward(dy, x, *args, **kwargs):

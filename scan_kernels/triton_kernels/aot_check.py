@@ -1,6 +1,6 @@
 """Compile the Triton kernels for CUDA GPUs on a machine that has none.
 
-    python -m kernels.triton_kernels.aot_check [--arch 90] [--arch 80] ...
+    python -m scan_kernels.triton_kernels.aot_check [--arch 90] [--arch 80] ...
 
 The interpreter proves the kernels' arithmetic but compiles nothing, so it cannot catch what only
 the GPU compiler rejects (a non-constexpr global, an op without a lowering) or a block size that

@@ -116,7 +116,7 @@ const char* simd_description();
 // vector exp (simd.h): for the fused model step's conv outputs and gates (binding.cpp).
 void silu_in_place(float* values, int64_t count);
 
-// The kernel run for native callers in this process (kernels/cpu/binding.cpp exports it, the
+// The kernel run for native callers in this process (scan_kernels/cpu/binding.cpp exports it, the
 // bridge's native step path calls it): `problem_size` is sizeof(ScanProblem) as the caller was
 // compiled; 0 on success, else the error's message is in `error`.
 using RunProblemFn = int (*)(const ScanProblem* problem, size_t problem_size, char* error, size_t error_size);

@@ -13,12 +13,12 @@ input's shape (a 3-D B gets a 3-D dB, a [heads] D a [heads] dD); A's, D's and dt
 compute dtype (fp32; fp64 for fp64 x), the others in their inputs' dtypes. softplus and the
 clamp differentiate as torch's do: the clamp passes no gradient where dt lies outside it.
 
-`kernels.selective_scan` and `kernels.ssd_scan` go through `ScanFunction` (a
+`scan_kernels.selective_scan` and `scan_kernels.ssd_scan` go through `ScanFunction` (a
 torch.autograd.Function) when grad mode is on and an input requires grad, so their outputs
 (y and the returned state) backpropagate through these functions.
 
 Backends implement `scan_backward` / `ssd_scan_backward` over arguments normalised by
-kernels._args (4-D B and C; D [heads, headdim] for SSD) and return every gradient in the compute
+scan_kernels._args (4-D B and C; D [heads, headdim] for SSD) and return every gradient in the compute
 dtype: "reference" by autograd through the float64 transcription (the oracle), "torch" by
 autograd through the same step-by-step form in the compute dtype, "cpu" by its C++ reverse scan.
 """
@@ -190,7 +190,7 @@ def bdl_layout(grads: dict) -> dict:
     return grads
 
 
-# --- kernels.selective_scan / kernels.ssd_scan under autograd --------------------------------
+# --- scan_kernels.selective_scan / scan_kernels.ssd_scan under autograd --------------------------------
 
 
 @dataclass(frozen=True)

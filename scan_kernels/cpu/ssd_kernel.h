@@ -71,7 +71,7 @@ struct SsdUpdateProblem {
 template <typename T>
 void ssd_update_items(const SsdUpdateProblem<T>& p, int64_t begin, int64_t end);
 
-// The fp32 state update run for native callers in this process (kernels/cpu/binding.cpp
+// The fp32 state update run for native callers in this process (scan_kernels/cpu/binding.cpp
 // exports it; the bridge's native step path calls it for Mamba-2 sessions), as RunProblemFn
 // for Mamba-1: `problem_size` is sizeof(SsdUpdateProblem<float>) as the caller was compiled;
 // 0 on success, else the error's message is in `error`. Every pointer is aligned to its type.

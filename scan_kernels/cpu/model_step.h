@@ -1,7 +1,7 @@
 // A whole model's step for native callers in this process (the bridge's native step path):
 // the weights are prepared once (a "scan_bridge.fused_model" capsule, made by the backend's
 // `prepare_model`), and each step is a ModelStepProblem run through the capsule
-// "scan_bridge.run_model_step" (kernels/cpu/binding.cpp, `model_step`, is the math).
+// "scan_bridge.run_model_step" (scan_kernels/cpu/binding.cpp, `model_step`, is the math).
 #pragma once
 
 #include <cstddef>

@@ -179,7 +179,7 @@ def _warm_ssd_state_update(spec: WarmupShape, device, dtype) -> str:
 
 
 def _ssd_options(spec: WarmupShape, device, dtype, x_shape) -> dict:
-    """D (per head, spread over headdim as kernels._args leaves it), z, dt_bias and the dt
+    """D (per head, spread over headdim as scan_kernels._args leaves it), z, dt_bias and the dt
     options of a Mamba-2 bucket."""
     h, p = spec.dim, spec.headdim
     return dict(D=_uniform((h,), torch.float32, device, -0.5, 0.5).unsqueeze(1).expand(h, p) if spec.D else None,

@@ -37,7 +37,7 @@ class CapturedStateUpdate:
     """One state update problem, captured; see the module docstring."""
 
     def __init__(self, state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots):
-        """Arguments as `kernels._args.check_state_update` normalised them (B, C [batch, groups,
+        """Arguments as `scan_kernels._args.check_state_update` normalised them (B, C [batch, groups,
         state]; CUDA tensors); x, dt, B, C, z and slots give only shapes and dtypes."""
         self.device = x.device
         self.rows, self.dim = x.shape

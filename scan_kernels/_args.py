@@ -1,6 +1,6 @@
 """Validation and normalisation shared by every backend.
 
-The public functions in `kernels/__init__.py` call these before dispatching, so a backend
+The public functions in `scan_kernels/__init__.py` call these before dispatching, so a backend
 receives arguments that are known to be consistent:
 
 scan (layout "bld"):  x, dt, z [batch, seq, dim]; B, C [batch, seq, groups, state]
@@ -243,8 +243,8 @@ class UpdateArgs:
 def check_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                        dt_min=None, dt_max=None, slots=None, distinct_slots=False) -> UpdateArgs:
     """`distinct_slots`: refuse two rows naming one pool row, as an update that runs does
-    (kernels.selective_state_update); a capture's slots give a shape and dtype alone, and the
-    bridge's are placeholder zeros (kernels.capture_state_update)."""
+    (scan_kernels.selective_state_update); a capture's slots give a shape and dtype alone, and the
+    bridge's are placeholder zeros (scan_kernels.capture_state_update)."""
     state = _require_tensor("state", state)
     if state.dim() != 3:
         raise ShapeMismatch("state", "3 dimensions ([pool, dim, state])", f"shape {_shape(state)}")

@@ -3,7 +3,7 @@
 Runs on CUDA tensors when a GPU is present, and on CPU tensors through Triton's interpreter when
 TRITON_INTERPRET=1 is set before triton is first imported (how the tests prove the kernels on a
 machine without a GPU; far too slow to serve). Nothing here imports triton until
-`load_backend()` runs, so `import kernels` stays cheap and works without triton installed.
+`load_backend()` runs, so `import scan_kernels` stays cheap and works without triton installed.
 
     scan.py          forward scan: chunked associative scan, sequence segments with carries
     state_update.py  one timestep for many rows, state in place, slots into a state pool

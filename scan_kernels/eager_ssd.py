@@ -52,7 +52,7 @@ multiplied by the zeros above the diagonal (0 x NaN = NaN) into the rows of its 
 and the form sums C·B over the state before it meets x, where the recurrence sums C_n h_n over
 state entries that are already infinite (it gives NaN for inf - inf where the form gives ±inf).
 So a scan whose y or final state comes out non-finite is computed again by the recurrence
-(kernels/reference.py in the compute dtype), which puts NaN and inf where every other backend
+(scan_kernels/reference.py in the compute dtype), which puts NaN and inf where every other backend
 does; a finite one pays only the sums that find out (on CUDA, a host sync).
 
 Accumulation in fp32 (fp64 for fp64 inputs); y in x's dtype, the state in the compute dtype.
@@ -123,7 +123,7 @@ def _all_finite(*tensors) -> bool:
 
 def ssd_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, h0, return_state,
              chunk_size):
-    """Arguments as normalised by `kernels._args.check_ssd_scan` (D [heads, headdim])."""
+    """Arguments as normalised by `scan_kernels._args.check_ssd_scan` (D [heads, headdim])."""
     options = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max, h0=h0,
                    return_state=return_state)
     y, final = _chunked_scan(x, dt, A, B, C, **options, chunk_size=chunk_size)
@@ -214,7 +214,7 @@ def _chunked_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
 
 
 def ssd_state_update(state, x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max, slots):
-    """Arguments as normalised by `kernels._args.check_ssd_state_update`. Updates `state` in
+    """Arguments as normalised by `scan_kernels._args.check_ssd_state_update`. Updates `state` in
     place at rows `slots` (rows 0..batch-1 when None); a negative slot is a padding row: its y is
     0 and no state row is touched."""
     f = _compute_dtype(x)

@@ -288,7 +288,7 @@ def _bc_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_min=None, dt_max=None, h0=None, return_state=False, layout="bld",
                    cu_seqlens=None, out=None, state_out=None, blocks=None, segment_len=None):
-    """The "triton" backend's scan; arguments as normalised by `kernels._args.check_scan`, and
+    """The "triton" backend's scan; arguments as normalised by `scan_kernels._args.check_scan`, and
     `cu_seqlens` (int64 [n + 1], checked) for sequences packed along a batch-1 input's seq.
 
     Internal keywords: `out` / `state_out` receive y / the final state instead of fresh
