@@ -124,7 +124,9 @@ OPS: dict[str, dict[str, Arg]] = {
         "dt_limit": Arg("limits"),
         "h0": Arg("tensor"),
         "return_state": Arg("bool"),
+        "return_varlen_states": Arg("bool"),
         "cu_seqlens": Arg("tensor"),
+        "seq_idx": Arg("tensor"),
         "chunk_size": Arg("size"),
         "session": Arg("str"),
     },
@@ -147,6 +149,7 @@ OPS: dict[str, dict[str, Arg]] = {
         "h0": Arg("tensor"),
         "dstate": Arg("tensor"),
         "cu_seqlens": Arg("tensor"),
+        "seq_idx": Arg("tensor"),
         "chunk_size": Arg("size"),
     },
     # return_state (here and on the model ops): the reply also carries the session's state

@@ -9,8 +9,8 @@
     capture_state_update(state, x, dt, A, B, C, *, ..., slots, backend=None)
                         -> a replayable state update (a CUDA graph) | None
     ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
-             dt_max=None, h0=None, return_state=False, cu_seqlens=None, chunk_size=None,
-             backend=None) -> y | (y, state)
+             dt_max=None, h0=None, return_state=False, cu_seqlens=None, seq_idx=None,
+             chunk_size=None, backend=None) -> y | (y, state)
     ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                      dt_min=None, dt_max=None, slots=None, backend=None) -> y   (state in place)
 
@@ -39,7 +39,9 @@ mode on and an input that requires grad, selective_scan and ssd_scan are differe
 
 cu_seqlens (both scans): an int32/int64 tensor [n + 1] of boundaries of n sequences packed
 along seq of a batch-1 input; each starts from h0[i] (h0 then has n rows) or zeros, and the
-returned state has one row per sequence. Backends run them in one call where they can
+returned state has one row per sequence. ssd_scan and ssd_scan_backward also take mamba_ssm's
+`seq_idx` [1, seq] (each position's sequence index) for the same boundaries, alone or beside a
+cu_seqlens it must agree with. Backends run them in one call where they can
 (`Backend.packs_sequences`: the cpu and triton backends' scans and backwards), else
 one call a sequence (scan_kernels/_varlen.py).
 """
@@ -127,9 +129,12 @@ def selective_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
 
 
 def ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
-             dt_max=None, h0=None, return_state=False, cu_seqlens=None, chunk_size=None, backend=None):
+             dt_max=None, h0=None, return_state=False, cu_seqlens=None, seq_idx=None, chunk_size=None,
+             backend=None):
     # Checked here: the autograd branch below reads it, ahead of _args' checks.
     return_state = _args._flag("return_state", return_state)
+    if seq_idx is not None:
+        cu_seqlens = _args.cu_seqlens_of_seq_idx(seq_idx, cu_seqlens, x)
     if wants_grad(x, dt, A, B, C, D, z, dt_bias, h0):
         spec = ScanSpec(True, (("dt_softplus", dt_softplus), ("dt_min", dt_min), ("dt_max", dt_max),
                                ("chunk_size", chunk_size)), cu_seqlens, backend)

@@ -519,6 +519,37 @@ def check_ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
 # --- variable-length batches ----------------------------------------------------------------
 
 
+def cu_seqlens_of_seq_idx(seq_idx, cu_seqlens, x):
+    """mamba_ssm's `seq_idx` (an int32/int64 tensor [batch, seq] of each position's sequence
+    index; the state starts again wherever it changes) as the cu_seqlens it describes, checked
+    against the cu_seqlens given beside it (mamba_ssm passes both for per-sequence states)."""
+    if not isinstance(seq_idx, torch.Tensor):
+        raise KernelInputError("seq_idx", "an int32/int64 tensor", type(seq_idx).__name__)
+    if seq_idx.dtype not in (torch.int32, torch.int64):
+        raise DtypeNotAllowed("seq_idx", "an integer dtype", (torch.int32, torch.int64), seq_idx.dtype)
+    if seq_idx.is_meta:
+        raise KernelInputError("seq_idx", "a tensor with values (its boundaries are read)", "a tensor on meta")
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and tuple(seq_idx.shape) != tuple(x.shape[:2]):
+        raise ShapeMismatch("seq_idx", f"shape [batch, seq] = {list(x.shape[:2])} (x's)", f"shape {_shape(seq_idx)}")
+    if seq_idx.dim() != 2 or seq_idx.shape[0] != 1 or seq_idx.shape[1] == 0:
+        raise ShapeMismatch("seq_idx", "shape [1, seq] with seq >= 1 (sequences are packed along seq of batch 1)",
+                            f"shape {_shape(seq_idx)}")
+    row = seq_idx[0].cpu()
+    starts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+    derived = torch.tensor([0, *starts, row.shape[0]], dtype=torch.int64)
+    if cu_seqlens is not None:
+        given = check_cu_seqlens(cu_seqlens, 1, row.shape[0])
+        bounds = derived.tolist()
+        if given != bounds:
+            at = next((i for i, (g, b) in enumerate(zip(given, bounds)) if g != b), min(len(given), len(bounds)))
+            raise KernelInputError("seq_idx", f"the sequences cu_seqlens gives ({len(given) - 1}, boundary {at} at "
+                                   f"{given[at] if at < len(given) else 'none'})",
+                                   f"{len(bounds) - 1} sequences, boundary {at} at "
+                                   f"{bounds[at] if at < len(bounds) else 'none'}")
+        return cu_seqlens
+    return derived
+
+
 def check_cu_seqlens(cu_seqlens, batch: int, seq: int) -> list[int]:
     """cu_seqlens: an int32/int64 tensor [n + 1] of sequence boundaries along seq: 0 first, seq
     last, strictly increasing (no empty sequence); the batch must be 1. Returns the boundaries."""

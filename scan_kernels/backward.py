@@ -4,7 +4,7 @@
                             dt_min=None, dt_max=None, h0=None, dstate=None, layout="bld",
                             cu_seqlens=None, backend=None) -> {"x": dx, "dt": ddt, ...}
     ssd_scan_backward(dy, x, dt, A, B, C, *, ..., h0=None, dstate=None, cu_seqlens=None,
-                      chunk_size=None, backend=None) -> {"x": dx, ...}
+                      seq_idx=None, chunk_size=None, backend=None) -> {"x": dx, ...}
 
 dy is the gradient of the loss with respect to y (x's shape), dstate (optional) that with respect
 to the final state the forward returns. The result holds one gradient per input given, keyed by
@@ -112,7 +112,10 @@ def selective_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
 
 
 def ssd_scan_backward(dy, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
-                      dt_max=None, h0=None, dstate=None, cu_seqlens=None, chunk_size=None, backend=None) -> dict:
+                      dt_max=None, h0=None, dstate=None, cu_seqlens=None, seq_idx=None, chunk_size=None,
+                      backend=None) -> dict:
+    if seq_idx is not None:
+        cu_seqlens = _args.cu_seqlens_of_seq_idx(seq_idx, cu_seqlens, x)
     packed = cu_seqlens is not None
     args = _args.check_ssd_scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                 dt_min=dt_min, dt_max=dt_max, h0=None if packed else h0, chunk_size=chunk_size)

@@ -241,6 +241,25 @@ def test_packed_ssd_scan_backward_matches_each_sequence(backend):
     assert_grads_close(got, expected, backward_inputs(inputs), torch.float32, f"{backend} packed ssd seed={seed}")
 
 
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_ssd_scan_backward_takes_seq_idx_for_the_sequences_it_marks(backend):
+    """mamba_ssm's seq_idx gives the gradients of the packed sequences it marks (each a sequence
+    of its own, from its own h0 row), alone or beside the cu_seqlens it agrees with."""
+    seed = random_seed()
+    bounds = [0, 5, 6, 13]
+    case = SsdCase(1, bounds[-1], 4, 3, 5, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True)
+    inputs = make_ssd_inputs(case, seed=seed)
+    inputs["h0"] = torch.randn(len(bounds) - 1, 4, 3, 5, generator=torch.Generator().manual_seed(seed))
+    dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), (len(bounds) - 1, 4, 3, 5), True, seed)
+    seq_idx = torch.tensor([0] * 5 + [1] + [2] * 7, dtype=torch.int32)[None]
+    expected = _per_sequence_reference("ssd", inputs, dy, dstate, bounds)
+    for cu in ({}, {"cu_seqlens": torch.tensor(bounds)}):
+        got = scan_kernels.ssd_scan_backward(dy, **backward_inputs(inputs), dstate=dstate, seq_idx=seq_idx, **cu,
+                                             backend=backend)
+        assert_grads_close(got, expected, backward_inputs(inputs), torch.float32,
+                           f"{backend} seq_idx {'with' if cu else 'without'} cu_seqlens seed={seed}")
+
+
 # -- autograd through the public forward -----------------------------------------------------
 
 

@@ -633,6 +633,66 @@ def test_packed_scans_reject_malformed_boundaries(kind, change, exc, field, got)
         _assert_rejected(scan_kernels.selective_scan, {**args, "backend": BACKENDS[0].values[0]}, exc, field, got)
 
 
+def _seq_idx_of(bounds: list[int], values: list[int]) -> torch.Tensor:
+    """mamba_ssm's seq_idx [1, seq] for sequences cut at `bounds`, sequence i marked values[i]."""
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    return torch.tensor(values, dtype=torch.int32).repeat_interleave(torch.tensor(lengths))[None]
+
+
+# mamba_ssm's callers number the sequences 0, 1, 2, ...; a sequence ends wherever the index
+# changes, so any values that change at the boundaries (a repeat apart included) mean the same.
+SEQ_IDX_VALUES = [pytest.param([0, 1, 2, 3], id="numbered"), pytest.param([7, 2, 7, 0], id="any-changes")]
+
+
+@pytest.mark.parametrize("values", SEQ_IDX_VALUES)
+@pytest.mark.parametrize("with_cu_seqlens", [False, True], ids=["alone", "beside-cu_seqlens"])
+@pytest.mark.parametrize("h0,return_state", PACKED_OPTIONS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_seq_idx_gives_the_sequences_it_marks(backend, h0, return_state, with_cu_seqlens, values):
+    case = SsdCase(1, BOUNDS[-1], 4, 3, 5, groups=2, chunk_size=4, D=True, z=True, dt_bias=True,
+                   dt_softplus=True, return_state=return_state)
+    seed = random_seed()
+    inputs = make_ssd_inputs(case, F32, seed=seed)
+    rows = _seq_rows((4, 3, 5), seed) if h0 else None
+    cu = {"cu_seqlens": torch.tensor(BOUNDS, dtype=torch.int32)} if with_cu_seqlens else {}
+    out = scan_kernels.ssd_scan(**inputs, h0=rows, seq_idx=_seq_idx_of(BOUNDS, values), **cu, backend=backend)
+    y, state = out if return_state else (out, None)
+    assert_packed_matches_each_sequence(y, state, inputs, rows, BOUNDS, "ssd", F32, f"{backend} seed={seed}")
+
+
+SEQ_IDX_ERRORS = [
+    pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 2, 7], [0, 1])), INPUT, "seq_idx",
+                 "2 sequences, boundary 1 at 2", id="disagrees-with-cu_seqlens"),
+    pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 5, 7], [0, 1, 2])), INPUT, "seq_idx",
+                 "3 sequences, boundary 2 at 5", id="one-more-sequence"),
+    pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 7], [0, 1])[:, :6]), SHAPE, "seq_idx", "[1, 6]",
+                 id="shorter-than-x"),
+    pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 7], [0, 1])[0]), SHAPE, "seq_idx", "[7]", id="1d"),
+    pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 7], [0, 1]).float()), DTYPE, "seq_idx", "float32",
+                 id="float-dtype"),
+    pytest.param(_with(seq_idx=[[0, 0, 0, 1, 1, 1, 1]]), INPUT, "seq_idx", "list", id="a-list"),
+    pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 7], [0, 1]).to("meta")), INPUT, "seq_idx", "meta",
+                 id="on-meta"),
+    pytest.param(lambda a: {**_batch_doubled(a), "cu_seqlens": None,
+                            "seq_idx": _seq_idx_of([0, 3, 7], [0, 1]).repeat(2, 1)}, SHAPE, "seq_idx", "[2, 7]",
+                 id="batch-not-1"),
+]
+
+
+@pytest.mark.parametrize("change,exc,field,got", SEQ_IDX_ERRORS)
+@pytest.mark.parametrize("op", ["forward", "backward"])
+def test_ssd_seq_idx_rejects_what_marks_no_packed_sequences(op, change, exc, field, got):
+    """The checks come before any backend runs; `_packed_base` cuts seq 7 at [0, 3, 7]."""
+    args = change({**_packed_base("ssd"), "seq_idx": _seq_idx_of([0, 3, 7], [0, 1])})
+    backend = BACKENDS[0].values[0]
+    if op == "forward":
+        _assert_rejected(scan_kernels.ssd_scan, {**args, "backend": backend}, exc, field, got)
+    else:
+        args = {k: v for k, v in args.items() if k != "return_state"}  # the forward's alone
+        _assert_rejected(lambda **a: scan_kernels.ssd_scan_backward(torch.ones_like(a["x"]), **a),
+                         {**args, "backend": backend}, exc, field, got)
+
+
 def test_torch_backend_has_the_ssd_kernels():
     """So the suite above always runs on at least one backend."""
     assert "torch" in cpu_backends(), scan_kernels.unavailable_backends().get("torch")

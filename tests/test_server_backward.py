@@ -69,6 +69,18 @@ def test_packed_sequences(srv):
     assert all(torch.equal(got["d" + k], v) for k, v in expected.items())
 
 
+def test_ssd_packed_sequences_by_seq_idx(srv):
+    """ssd_scan_backward takes mamba_ssm's seq_idx for the sequences cu_seqlens would give."""
+    inputs = backward_inputs(make_ssd_inputs(SsdCase(1, 8, 2, 3, 4, h0=False), seed=8))
+    dy = torch.randn(inputs["x"].shape)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 3], dtype=torch.int32)
+    dstate = torch.randn(2, 2, 3, 4)
+    got = srv.call(RecordingConnection(), "ssd_scan_backward", dy=dy, seq_idx=seq_idx, dstate=dstate, **inputs)
+    expected = scan_kernels.ssd_scan_backward(dy, **inputs, dstate=dstate, cu_seqlens=cu, backend=srv.server.backend)
+    assert all(torch.equal(got["d" + k], v) for k, v in expected.items())
+
+
 def _scan():
     return backward_inputs(make_scan_inputs(ScanCase(1, 4, 3, 2), seed=7))
 

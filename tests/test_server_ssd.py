@@ -95,6 +95,36 @@ def test_packed_sequences_equal_separate_scans(srv, op):
         assert_close(packed["state"][i:i + 1], state_ref, torch.float32, f"sequence {i} state", STATE_TOLERANCE)
 
 
+def test_mamba_ssm_varlen_arguments_give_the_packed_sequences(srv):
+    """A mamba_chunk_scan_combined call's varlen arguments as mamba_ssm names them: seq_idx
+    (alone, or beside cu_seqlens) and return_varlen_states give the reply cu_seqlens and
+    return_state give, one state row per sequence."""
+    conn = RecordingConnection()
+    inputs = make_ssd_inputs(SsdCase(1, 10, 2, 3, 4, D=True, z=True, dt_bias=True, dt_softplus=True))
+    inputs.pop("return_state")
+    cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    seq_idx = torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2, 2, 2]], dtype=torch.int32)
+    expected = srv.call(conn, "ssd_scan", **inputs, cu_seqlens=cu, return_state=True)
+    assert expected["state"].shape[0] == 3
+    for args in ({"seq_idx": seq_idx, "return_state": True},
+                 {"seq_idx": seq_idx, "cu_seqlens": cu, "return_varlen_states": True},
+                 {"cu_seqlens": cu, "return_varlen_states": True},
+                 {"seq_idx": seq_idx, "return_final_states": True, "return_varlen_states": True}):
+        got = srv.call(conn, "ssd_scan", **inputs, **args)
+        assert torch.equal(got["y"], expected["y"]) and torch.equal(got["state"], expected["state"]), sorted(args)
+    plain = srv.call(conn, "ssd_scan", **inputs, seq_idx=seq_idx)
+    assert torch.equal(plain["y"], expected["y"]) and "state" not in plain
+
+
+def test_a_prefill_refuses_seq_idx(srv):
+    """A session holds one state per row, as with cu_seqlens."""
+    conn = RecordingConnection()
+    session = srv.call(conn, "session_open", kind="ssd", batch=1, heads=4, headdim=3, state=5)["session"]
+    reply = srv.request(conn, "ssd_scan", session=session, **_ssd(seq_idx=torch.zeros(1, 6, dtype=torch.int32)))
+    assert (reply.error["code"], reply.error["detail"]["field"]) == ("invalid_argument", "args.seq_idx"), reply.error
+    assert srv.call(conn, "session_state", session=session)["state"].abs().sum() == 0
+
+
 def test_ssd_prefill_then_steps_equal_one_scan(srv):
     conn = RecordingConnection()
     case = SsdCase(2, 8, 4, 3, 5, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True, clamp=True)
@@ -168,6 +198,15 @@ BAD_REQUESTS = [
                  "invalid_argument", "args.cu_seqlens", id="cu_seqlens-float"),
     pytest.param("ssd_scan", lambda: _ssd(h0=torch.zeros(3, 4, 3, 5), cu_seqlens=torch.tensor([0, 2, 6])),
                  "shape_mismatch", "args.h0", id="h0-rows-not-sequences"),
+    pytest.param("ssd_scan", lambda: _ssd(seq_idx=torch.tensor([[0, 0, 1, 1, 1, 1]], dtype=torch.int32),
+                                          cu_seqlens=torch.tensor([0, 4, 6])),
+                 "invalid_argument", "args.seq_idx", id="seq_idx-disagrees-with-cu_seqlens"),
+    pytest.param("ssd_scan", lambda: _ssd(seq_idx=torch.zeros(1, 5, dtype=torch.int32)), "shape_mismatch",
+                 "args.seq_idx", id="seq_idx-shorter-than-x"),
+    pytest.param("ssd_scan", lambda: _ssd(return_varlen_states=True), "invalid_argument",
+                 "args.return_varlen_states", id="varlen-states-of-no-packed-sequences"),
+    pytest.param("scan", lambda: {**make_scan_inputs(ScanCase(1, 6, 4, 3)), "seq_idx": torch.zeros(1, 6)},
+                 "invalid_argument", "args.seq_idx", id="seq_idx-on-mamba1"),
     pytest.param("scan", lambda: {**make_scan_inputs(ScanCase(2, 6, 4, 3)), "cu_seqlens": torch.tensor([0, 6])},
                  "shape_mismatch", "args.x", id="cu_seqlens-batch-not-1"),
     pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.1, 0.2), dt_max=0.3), "invalid_argument", "args.dt_limit",

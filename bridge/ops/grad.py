@@ -10,7 +10,7 @@ from protocol import WireTensor
 from ..batcher import dt_options
 from ..tensors import to_wire
 from ..timing import now_ns
-from .scan import cu_seqlens_arg
+from .scan import boundaries_arg
 
 INPUTS = ("dy", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0", "dstate")
 
@@ -22,8 +22,9 @@ def _gradients(server, call, backward, options: dict) -> dict:
         value = server.tensor_arg(call, name)
         t[name] = server.device_tensor(value) if isinstance(value, WireTensor) else value
     call.timing.add("h2d", now_ns() - start)
-    if "cu_seqlens" in call.args:
-        options["cu_seqlens"] = cu_seqlens_arg(server, call)
+    for name in ("cu_seqlens", "seq_idx"):
+        if name in call.args:
+            options[name] = boundaries_arg(server, call, name)
     with server.kernel_timer(call):
         grads = backward(t["dy"], t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], z=t["z"],
                          dt_bias=t["dt_bias"], h0=t["h0"], dstate=t["dstate"], backend=server.backend,

@@ -50,16 +50,17 @@ def prefilled_session(server, call, kind: str, op: str):
         return None
     session = session_of_kind(server, call, (kind,), op)
     for name, why in (("h0", "the session's state is the initial state"),
-                      ("cu_seqlens", "a session holds one state per row, not per packed sequence")):
+                      ("cu_seqlens", "a session holds one state per row, not per packed sequence"),
+                      ("seq_idx", "a session holds one state per row, not per packed sequence")):
         if name in args:
             raise OpError("invalid_argument", f"args.{name}: expected no {name} with a session ({why}), got a tensor",
                           {"field": f"args.{name}", "expected": "nothing", "got": "a tensor"})
     return session
 
 
-def cu_seqlens_arg(server, call):
-    """cu_seqlens as a host tensor: the kernels read its boundaries on the host in any case."""
-    value = server.tensor_arg(call, "cu_seqlens")
+def boundaries_arg(server, call, name: str = "cu_seqlens"):
+    """cu_seqlens or seq_idx as a host tensor: the kernels read the boundaries on the host in any case."""
+    value = server.tensor_arg(call, name)
     return host_view(value) if isinstance(value, WireTensor) else value.cpu()
 
 
@@ -89,7 +90,7 @@ class ScanOp(BatchedOp):
         options = dt_options(args)
         key = None
         if "cu_seqlens" in args:
-            options["cu_seqlens"] = cu_seqlens_arg(server, call)
+            options["cu_seqlens"] = boundaries_arg(server, call)
         # Only requests whose per-row values all have x's rows share a launch (else one request's
         # extra row could make up for another's missing one), and none of x's sizes is 0 (the
         # stacked x would not be empty); a malformed request runs alone, and the kernel's error
@@ -165,9 +166,17 @@ class SsdScanOp(BatchedOp):
                               {"field": "args.B", "expected": f"state {session.state}", "got": str(list(B.shape))})
             check_reply_with_state_fits(call, session, nbytes_of(own["x"]))
         options = dt_options(args)
-        for name in ("cu_seqlens", "chunk_size"):
+        for name in ("cu_seqlens", "seq_idx"):
             if name in args:
-                options[name] = cu_seqlens_arg(server, call) if name == "cu_seqlens" else args[name]
+                options[name] = boundaries_arg(server, call, name)
+        if "chunk_size" in args:
+            options["chunk_size"] = args["chunk_size"]
+        if args.get("return_varlen_states") and not ("cu_seqlens" in options or "seq_idx" in options):
+            raise OpError("invalid_argument",
+                          "args.return_varlen_states: expected packed sequences (cu_seqlens or seq_idx) to return "
+                          "a state for, got neither",
+                          {"field": "args.return_varlen_states", "expected": "cu_seqlens or seq_idx",
+                           "got": "neither"})
         rows = own["x"].shape[0] if len(own["x"].shape) else 1
         return Item(call, None, rows, own, shared_args(server, call), session, options)
 
@@ -179,7 +188,8 @@ class SsdScanOp(BatchedOp):
             rows["h0"] = item.session.read()
         shared = shared_tensors(server, item)
         charge(items, "h2d", now_ns() - start)
-        need_state = item.session is not None or bool(item.call.args.get("return_state"))
+        returned = bool(item.call.args.get("return_state") or item.call.args.get("return_varlen_states"))
+        need_state = item.session is not None or returned
         written = []  # as ScanOp's: only the write back changes the session's state
         with WritingState(written):
             with server.kernel_timer(item.call):
@@ -193,7 +203,7 @@ class SsdScanOp(BatchedOp):
                     item.session.write(state)
             result = {"y": to_wire(y)}
             start = now_ns()
-            if item.call.args.get("return_state"):
+            if returned:
                 result["state"] = to_wire(kept_state(item, state))
         charge(items, "d2h", now_ns() - start)
         return [result]

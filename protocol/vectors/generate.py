@@ -240,6 +240,14 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
                                 **_scan_args("f32", 1, 5, 3, 2, seed=180),
                                 "cu_seqlens": {"dtype": "i32", "shape": [3], "data": Binary("i32", [0, 2, 5])},
                                 "h0": tensor("f32", (2, 3, 2), 185), "return_state": True}}))
+    vectors.append(_request("ssd_scan_seq_idx",
+                            "Mamba-2 scan of two packed sequences as mamba_ssm's varlen call names them: "
+                            "seq_idx (i32 [1, seq]) beside cu_seqlens, return_varlen_states",
+                            {"v": 1, "id": 38, "op": "ssd_scan", "args": {
+                                **_ssd_args("f32", 1, 5, 2, 2, 2, 1, seed=190),
+                                "seq_idx": {"dtype": "i32", "shape": [1, 5], "data": Binary("i32", [0, 0, 1, 1, 1])},
+                                "cu_seqlens": {"dtype": "i32", "shape": [3], "data": Binary("i32", [0, 2, 5])},
+                                "return_varlen_states": True}}))
     vectors.append(_request("session_open_ssd", "open a Mamba-2 session: batch 2, 2 heads x 2, state 3",
                             {"v": 1, "id": 13, "op": "session_open",
                              "args": {"kind": "ssd", "batch": 2, "heads": 2, "headdim": 2, "state": 3}}))
