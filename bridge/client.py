@@ -804,8 +804,9 @@ class FramedClient:
     def ssd_scan(self, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to a Mamba-2 (SSD) scan (x [batch, seq, heads, headdim], dt [batch, seq, heads],
         A [heads], B, C [batch, seq, groups, state]); `reply.unwrap()["y"]` (and "state"
-        [batch, heads, headdim, state] with return_state=True). mamba_ssm's option names
-        (initial_states, dt_limit, ...) are taken as they are."""
+        [batch, heads, headdim, state] with return_state=True; a row per packed sequence with
+        cu_seqlens or seq_idx). mamba_ssm's option names (initial_states, dt_limit, seq_idx,
+        return_varlen_states, ...) are taken as they are."""
         return self.request("ssd_scan", {"x": x, "dt": dt, "A": A, "B": B, "C": C, **options}, timeout)
 
     def scan_backward(self, dy, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
