@@ -342,10 +342,6 @@ defmodule ScanBridge.ClusterTest do
       Cluster.model_step(s, frame, snapshot_into: "p-1")
     end
 
-    assert_raise ArgumentError, ~r/Cluster.restore_with_frames :snapshot_into: not in/, fn ->
-      Cluster.restore_with_frames(s, hd(ring), [{:model_step, frame, [snapshot_into: hd(ring)]}])
-    end
-
     Enum.each(ring, &(:ok = Cluster.free_snapshot(s, &1)))
   end
 
@@ -384,6 +380,126 @@ defmodule ScanBridge.ClusterTest do
 
     again = for t <- 5..7, do: step!(s, embeds, t)
     for {a, e} <- close.(again, 5), do: Models.assert_rel_close(a, e, 1.0e-5, "after the failure")
+  end
+
+  # A rollback's model_step frame of `embeds`' frame t, with `opts` (snapshot_into:, say).
+  defp rollback_frame(embeds, t, opts \\ []),
+    do: {:model_step, {:embeds, Models.frame(embeds, t)}, opts}
+
+  test "a rollback's frames step into a ring's snapshots, restored in place and after a failover" do
+    {g, embeds, mispredicted, expected} = rollback_game(10)
+
+    close = fn got, from, what ->
+      for {a, e} <- Enum.zip(got, Enum.drop(expected, from)),
+          do: Models.assert_rel_close(a, e, 1.0e-5, what)
+    end
+
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+    [p, q] = for _ <- 1..2, do: ok!(Cluster.snapshot(s))
+    for t <- 0..4, do: step!(s, embeds, t)
+    {:ok, snap} = Cluster.snapshot(s)
+    for t <- 5..7, do: step!(s, mispredicted, t)
+
+    # frames 5-7 corrected, p taking the state before frame 6 and q before frame 7
+    frames = [
+      rollback_frame(embeds, 5),
+      rollback_frame(embeds, 6, snapshot_into: p),
+      rollback_frame(embeds, 7, snapshot_into: q)
+    ]
+
+    assert {:ok, again} = Cluster.restore_with_frames(s, snap, frames)
+    close.(again, 5, "re-simulated")
+    step!(s, mispredicted, 8)
+
+    # each restored from its copy on the owner, the session there the same
+    {:ok, %{member: owner, session: remote}} = Cluster.session_info(s)
+    assert :ok = Cluster.restore(s, p)
+    close.(for(t <- 6..7, do: step!(s, embeds, t)), 6, "from p's copy")
+    assert :ok = Cluster.restore(s, q)
+    assert {:ok, %{member: ^owner, session: ^remote}} = Cluster.session_info(s)
+
+    # rebuilt from q's checkpoint and frames, in the open: the checkpoint after frame 2, then
+    # frames 3-6, 5 and 6 the rollback's (6 sent into p)
+    kill_server!(owner)
+    close.([step!(s, embeds, 7)], 7, "rebuilt")
+    assert {:ok, %{failovers: 1, member: other}} = Cluster.session_info(s)
+
+    # each restored from its checkpoint and frames, replayed one by one where the member takes
+    # no frames in an open
+    Balancer.learn_refuses_frames(other)
+    assert eventually(fn -> not Balancer.takes_frames?(other) end)
+    assert :ok = Cluster.restore(s, p)
+    close.(for(t <- 6..8, do: step!(s, embeds, t)), 6, "from p's frames")
+    assert :ok = Cluster.restore(s, q)
+    close.(for(t <- 7..9, do: step!(s, embeds, t)), 7, "from q's frames")
+  end
+
+  test "a rollback's failed frames leave the snapshots they stepped into undefined, not stale" do
+    {g, embeds, mispredicted, expected} = rollback_game(8)
+    close = fn got, t, what -> Models.assert_rel_close(got, Enum.at(expected, t), 1.0e-5, what) end
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+    step!(s, embeds, 0)
+    {:ok, p} = Cluster.snapshot(s)
+    step!(s, embeds, 1)
+    {:ok, q} = Cluster.snapshot(s)
+    for t <- 2..4, do: step!(s, embeds, t)
+    {:ok, snap} = Cluster.snapshot(s)
+    for t <- 5..6, do: step!(s, mispredicted, t)
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+
+    # frame 2 is refused as it comes: the restore stands, and p and q, which frames 0 and 1
+    # copied into, are left undefined on the server
+    bad = {:model_step, {:embeds, Models.frame(Models.embeds(2, 1, 8), 0)}, []}
+
+    frames = [
+      rollback_frame(embeds, 5, snapshot_into: p),
+      rollback_frame(embeds, 6, snapshot_into: q)
+    ]
+
+    assert {:error, %Error{reason: :shape_mismatch, detail: %{"frame" => 2}}} =
+             Cluster.restore_with_frames(s, snap, frames ++ [bad])
+
+    close.(step!(s, embeds, 5), 5, "after the failed frame")
+    assert {:error, %Error{reason: :state_lost}} = Cluster.restore(s, p)
+    assert {:error, %Error{reason: :state_lost}} = Cluster.restore(s, q)
+    close.(step!(s, embeds, 6), 6, "after the refused restores")
+
+    # into the snapshot restored, or one not the session's: refused before anything is sent
+    restores = fn -> ops_done(owner, "session_restore") + ops_refused(owner, "session_restore") end
+    sent = restores.()
+
+    assert {:error, %Error{reason: :invalid_argument, message: message}} =
+             Cluster.restore_with_frames(s, snap, [
+               hd(frames),
+               rollback_frame(embeds, 6, snapshot_into: snap)
+             ])
+
+    assert message =~ "frame 1 :snapshot_into: expected a snapshot other than the one restored"
+
+    assert {:error, %Error{reason: :unknown_snapshot}} =
+             Cluster.restore_with_frames(s, snap, [
+               rollback_frame(embeds, 5, snapshot_into: make_ref())
+             ])
+
+    assert_raise ArgumentError,
+                 ~r/frame 0 :snapshot_into: expected a snapshot of this session/,
+                 fn ->
+                   Cluster.restore_with_frames(s, snap, [
+                     rollback_frame(embeds, 5, snapshot_into: "p-1")
+                   ])
+                 end
+
+    assert restores.() == sent
+    close.(step!(s, embeds, 7), 7, "after the refusals")
+
+    # after a failover no checkpoint says what p and q hold: refused, not their states before
+    # frames 1 and 2; the snapshot restored is restored from its checkpoint and frames
+    kill_server!(owner)
+    assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.restore(s, p)
+    assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.restore(s, q)
+    assert :ok = Cluster.restore(s, snap)
+    for t <- 5..7, do: close.(step!(s, embeds, t), t, "from the restored snapshot")
+    assert {:ok, %{failovers: 1}} = Cluster.session_info(s)
   end
 
   # A process holding one session count on `member` in this node's balancer, so that the next
@@ -1569,6 +1685,53 @@ defmodule ScanBridge.ClusterTest do
       assert_as_fresh(g, got, embeds)
     end
 
+    test "a rollback failing partway or timing out leaves its frames' snapshots their server's" do
+      {g, trigger} = failing_group(2)
+      embeds = Models.embeds(1, 6, 8)
+      expected = fresh_steps(g, embeds, 6)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+      [p, q] = for _ <- 1..2, do: ok!(Cluster.snapshot(s))
+      for t <- 0..2, do: step!(s, embeds, t)
+      {:ok, snap} = Cluster.snapshot(s)
+      for t <- 3..4, do: step!(s, embeds, t)
+      assert {:ok, %{member: owner}} = Cluster.session_info(s)
+
+      # frame 0, into p, fails at the model's second layer: the restore stands, p undefined
+      File.write!(trigger, "")
+
+      assert {:error, %Error{reason: :limit_exceeded, detail: %{"frame" => 0}}} =
+               Cluster.restore_with_frames(s, snap, [
+                 rollback_frame(embeds, 3, snapshot_into: p),
+                 rollback_frame(embeds, 4)
+               ])
+
+      refute File.exists?(trigger)
+      got = [step!(s, embeds, 3)]
+      assert {:error, %Error{reason: :state_lost}} = Cluster.restore(s, p)
+
+      # frame 0, into q, fails two seconds after it starts, its caller told :timeout before
+      failures = ops_refused(owner, "session_restore")
+      File.write!(trigger, "2")
+
+      assert {:error, %Error{reason: :timeout}} =
+               Cluster.restore_with_frames(s, snap, [rollback_frame(embeds, 3, snapshot_into: q)],
+                 timeout: 1_000
+               )
+
+      assert eventually(fn -> ops_refused(owner, "session_restore") == failures + 1 end, 10_000)
+      assert {:error, %Error{reason: :state_lost}} = Cluster.restore(s, q)
+      assert {:ok, %{status: :unsure}} = Cluster.session_info(s)
+
+      # after a failover neither is restored from the checkpoint and frames it held before
+      kill_server!(owner)
+      assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.restore(s, p)
+      assert {:error, %Error{reason: :unknown_snapshot}} = Cluster.restore(s, q)
+      assert :ok = Cluster.restore(s, snap)
+      got = got ++ for(t <- 3..5, do: step!(s, embeds, t))
+      wanted = [Enum.at(expected, 3) | Enum.slice(expected, 3..5)]
+      for {a, e} <- Enum.zip(got, wanted), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+    end
+
     test "a frame retried on the member a failover chose that times out leaves the session unsure" do
       g = group()
       gone = {:error, Error.client(:server_exited, "the server exited", %{})}
@@ -1715,9 +1878,14 @@ defmodule ScanBridge.ClusterTest do
   # `got`, a session's model steps of `embeds` from its first frame on, as a fresh session of
   # "tiny" answers them.
   defp assert_as_fresh(g, got, embeds) do
-    {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
-    expected = for t <- 0..(length(got) - 1), do: step!(reference, embeds, t)
+    expected = fresh_steps(g, embeds, length(got))
     for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
+  end
+
+  # A fresh session of "tiny"'s model steps of `embeds`' first `frames` frames.
+  defp fresh_steps(g, embeds, frames) do
+    {:ok, reference} = Cluster.open_session(g, model: "tiny", batch: 1)
+    for t <- 0..(frames - 1), do: step!(reference, embeds, t)
   end
 
   defp ok!({:ok, v}), do: v

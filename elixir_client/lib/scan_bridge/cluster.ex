@@ -495,14 +495,19 @@ defmodule ScanBridge.Cluster do
   @spec model_step(session, ScanBridge.model_input(), keyword) ::
           {:ok, ScanBridge.model_result()} | ScanBridge.error()
   def model_step(%Session{} = session, input, opts \\ []) do
+    _fetched = snapshot_into!(opts, "Cluster.model_step")
+    Session.call(session, :model_step, input, opts)
+  end
+
+  defp snapshot_into!(opts, what) do
     case Keyword.fetch(opts, :snapshot_into) do
       {:ok, snapshot} when not is_reference(snapshot) ->
         raise ArgumentError,
-              "Cluster.model_step :snapshot_into: expected a snapshot of this session " <>
+              "#{what} :snapshot_into: expected a snapshot of this session " <>
                 "(Cluster.snapshot/2), got #{inspect(snapshot, limit: 5)}"
 
-      _ok ->
-        Session.call(session, :model_step, input, opts)
+      fetched ->
+        fetched
     end
   end
 
@@ -562,23 +567,38 @@ defmodule ScanBridge.Cluster do
   the snapshot's checkpoint and kept frames first, and `frames` run there after. They are kept
   for a rebuild as the session's own calls are. Returns each frame's result, in order. A frame
   that fails leaves the session holding the snapshot's state. Options: `:timeout`.
+
+  A `:model_step` frame's `snapshot_into: other` (another snapshot of this session) refreshes a
+  rollback ring as the frames run: `other` takes the state before that frame, as
+  `model_step/3`'s `snapshot_into:` would give it. Into `snapshot` itself it is
+  `:invalid_argument`, nothing done: a frame failing after it would restore it again. A call
+  that fails or times out leaves every snapshot its frames step into as a `model_step/3` into
+  it that failed or timed out does: its server's alone, and restoring one whose copy the frames
+  left undefined (SPEC §6.4) is `:state_lost`, never another state.
   """
   @spec restore_with_frames(session, reference, [ScanBridge.frame()], ScanBridge.call_opts()) ::
           {:ok, [term]} | ScanBridge.error()
   def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ [])
       when is_list(frames) do
-    for {:model_step, _input, frame_opts} when is_list(frame_opts) <- frames,
-        do: no_snapshot_into!(frame_opts, "restore_with_frames")
+    into =
+      for {{:model_step, _input, frame_opts}, i} when is_list(frame_opts) <-
+            Enum.with_index(frames),
+          {:ok, into} <- [snapshot_into!(frame_opts, "Cluster.restore_with_frames frame #{i}")],
+          do: {i, into}
 
-    Session.restore_with_frames(session, snapshot, frames, opts)
+    case List.keyfind(into, snapshot, 1) do
+      nil -> Session.restore_with_frames(session, snapshot, frames, opts)
+      {i, _restored} -> {:error, into_restored(i)}
+    end
   end
 
-  defp no_snapshot_into!(opts, op) do
-    if Keyword.keyword?(opts) and Keyword.has_key?(opts, :snapshot_into) do
-      raise ArgumentError,
-            "Cluster.#{op} :snapshot_into: not in a rollback's frames (step into snapshots " <>
-              "with Cluster.model_step/3)"
-    end
+  defp into_restored(i) do
+    Error.client(
+      :invalid_argument,
+      "Cluster.restore_with_frames frame #{i} :snapshot_into: expected a snapshot other than " <>
+        "the one restored (a frame failing after it would restore that one again), got it",
+      %{"field" => "args.frames[#{i}].args.snapshot_into"}
+    )
   end
 
   @doc """

@@ -361,34 +361,12 @@ defmodule ScanBridge.Cluster.Session do
         {:reply, {:error, not_a_snapshot("restore", id)}, state}
 
       {false, {:ok, snapshot}} ->
-        case {restore_in_place(state, snapshot, frames, deadline), snapshot.replay} do
-          {{:ok, results}, _replay} ->
-            {:reply, restore_answer(results), restored(state, snapshot),
-             {:continue, {:kept, frames}}}
+        case Enum.reject(frames_into(frames), &is_map_key(state.snapshots, &1)) do
+          [] ->
+            restore_snapshot(state, id, snapshot, frames, deadline)
 
-          {{:raise, _exception} = raised, _replay} ->
-            {:reply, raised, state}
-
-          {{:error, %Error{detail: %{"frame" => _}}} = error, _replay} ->
-            {:reply, error, restored(state, snapshot)}
-
-          {{:error, %Error{reason: :timeout}} = error, _replay} ->
-            # the owner may or may not have done it, as with a frame that timed out
-            {:reply, error, %{state | status: unsure(state.status)}}
-
-          {{:error, %Error{} = error} = outcome, replay} ->
-            # reopened from the snapshot's checkpoint only when the owner went away with its
-            # copy; any other error (:overloaded, :deadline_exceeded: not run) leaves the
-            # session as it was
-            if replay != nil and Cluster.gone?(error),
-              do: restore_by_replay(state, replay, frames, deadline),
-              else: {:reply, outcome, state}
-
-          {:elsewhere, nil} ->
-            {:reply, {:error, snapshot_gone(id)}, state}
-
-          {:elsewhere, replay} ->
-            restore_by_replay(state, replay, frames, deadline)
+          [unknown | _] ->
+            {:reply, {:error, not_a_snapshot("restore_with_frames :snapshot_into", unknown)}, state}
         end
     end
   end
@@ -1038,6 +1016,40 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
+  # The snapshot put back, and the frames run after it: in place, else by reopening the session
+  # from the snapshot's checkpoint and kept frames.
+  defp restore_snapshot(state, id, snapshot, frames, deadline) do
+    case {restore_in_place(state, snapshot, frames, deadline), snapshot.replay} do
+      {{:ok, results}, _replay} ->
+        {:reply, restore_answer(results), restored(state, snapshot), {:continue, {:kept, frames}}}
+
+      {{:raise, _exception} = raised, _replay} ->
+        {:reply, raised, state}
+
+      {{:error, %Error{detail: %{"frame" => _}} = error} = outcome, _replay} ->
+        {:reply, outcome, state |> restored(snapshot) |> doubt_frames_into(frames, error)}
+
+      {{:error, %Error{reason: :timeout} = error} = outcome, _replay} ->
+        # the owner may or may not have done it, as with a frame that timed out
+        state = doubt_frames_into(state, frames, error)
+        {:reply, outcome, %{state | status: unsure(state.status)}}
+
+      {{:error, %Error{} = error} = outcome, replay} ->
+        # reopened from the snapshot's checkpoint only when the owner went away with its
+        # copy; any other error (:overloaded, :deadline_exceeded: not run) leaves the
+        # session as it was, and the frames' snapshots in doubt where it may have run
+        if replay != nil and Cluster.gone?(error),
+          do: restore_by_replay(state, replay, frames, deadline),
+          else: {:reply, outcome, doubt_frames_into(state, frames, error)}
+
+      {:elsewhere, nil} ->
+        {:reply, {:error, snapshot_gone(id)}, state}
+
+      {:elsewhere, replay} ->
+        restore_by_replay(state, replay, frames, deadline)
+    end
+  end
+
   # The snapshot's copy put back on the owner that took it, if it still owns the session, and
   # `frames` run there in the same request: {:ok, their results, nil for none}, an error, or
   # :elsewhere.
@@ -1053,7 +1065,7 @@ defmodule ScanBridge.Cluster.Session do
              do: {:ok, nil}
 
       true ->
-        ScanBridge.restore_with_frames(owner, state.remote, remote, frames,
+        ScanBridge.restore_with_frames(owner, state.remote, remote, frames_here(frames, state),
           timeout: Cluster.remaining(deadline)
         )
     end
@@ -1066,19 +1078,25 @@ defmodule ScanBridge.Cluster.Session do
   defp restore_answer(nil), do: :ok
   defp restore_answer(results), do: {:ok, results}
 
-  # The frames a restore ran, kept for a rebuild after the snapshot's; a checkpoint taken when
-  # they complete one (read after the last of them, so that none is kept twice).
+  # The frames a restore ran, each kept for a rebuild after the snapshot's as a frame answered
+  # is (advanced/5): the snapshot it stepped into, if any, recorded as the state before it, and
+  # the frame kept without it. A checkpoint is taken when they complete one (read after the last
+  # of them, so that none is kept twice).
   defp kept(state, []), do: state
   defp kept(%{every: nil} = state, _frames), do: state
 
   defp kept(state, frames) do
-    log = Enum.reduce(frames, state.log, fn frame, log -> [kept_frame(frame) | log] end)
-    state = %{state | log: log}
-    if length(log) >= state.every, do: checkpoint(state), else: state
+    state = Enum.reduce(frames, state, &keep_frame/2)
+    if length(state.log) >= state.every, do: checkpoint(state), else: state
   end
 
-  defp kept_frame({kind, input}), do: {kind, input, []}
-  defp kept_frame({kind, input, opts}), do: {kind, input, Keyword.delete(opts, :timeout)}
+  defp keep_frame({kind, input}, state), do: keep_frame({kind, input, []}, state)
+
+  defp keep_frame({kind, input, opts}, state) do
+    state = took_snapshot_into(state, opts)
+    opts = opts |> without_snapshot_into() |> Keyword.delete(:timeout)
+    %{state | log: [{kind, input, opts} | state.log]}
+  end
 
   # After a restore the keeper's checkpoint and frames are the snapshot's, or, where it kept
   # none that reproduce it, a failover is refused until the next checkpoint.
@@ -1114,15 +1132,21 @@ defmodule ScanBridge.Cluster.Session do
       {:ok, copy} ->
         outcome =
           try do
-            ScanBridge.restore_with_frames(state.owner, state.remote, copy, frames, timeout.())
+            here = frames_here(frames, state)
+            ScanBridge.restore_with_frames(state.owner, state.remote, copy, here, timeout.())
           after
             _freed = ScanBridge.free_snapshot(state.owner, copy, timeout: @checkpoint_timeout_ms)
           end
 
         case outcome do
-          {:ok, results} -> {:reply, {:ok, results}, state, {:continue, {:kept, frames}}}
-          {:error, %Error{reason: :timeout}} = error -> {:reply, error, %{state | status: :unsure}}
-          {:error, _} = error -> {:reply, error, state}
+          {:ok, results} ->
+            {:reply, {:ok, results}, state, {:continue, {:kept, frames}}}
+
+          {:error, %Error{reason: :timeout} = error} ->
+            {:reply, {:error, error}, %{doubt_frames_into(state, frames, error) | status: :unsure}}
+
+          {:error, error} ->
+            {:reply, {:error, error}, doubt_frames_into(state, frames, error)}
         end
 
       {:error, _} = error ->
@@ -1238,6 +1262,45 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   defp without_snapshot_into(opts), do: Keyword.delete(opts, :snapshot_into)
+
+  ## A rollback's frames into snapshots (a restore's model_step frames with `snapshot_into:`)
+
+  # The snapshots the frames step into, in order.
+  defp frames_into(frames) do
+    for {:model_step, _input, opts} when is_list(opts) <- frames,
+        {:ok, id} <- [Keyword.fetch(opts, :snapshot_into)],
+        do: id
+  end
+
+  # The frames as sent to the owner: each into the owner's copy of its snapshot, or into none
+  # (snapshot_into_here/2), the snapshot then kept by its checkpoint and frames alone (kept/2).
+  defp frames_here(frames, state) do
+    Enum.map(frames, fn
+      {:model_step, input, opts} when is_list(opts) ->
+        {:model_step, input, snapshot_into_here(opts, state)}
+
+      frame ->
+        frame
+    end)
+  end
+
+  # A rollback's request that failed: the server leaves undefined each snapshot whose copy a
+  # frame began (SPEC §6.4), which the frames' error does not tell, so every snapshot a frame
+  # stepped into is taken as a frame into it that failed in that way (failed/5); one the owner
+  # refused before running anything, or that went with its server, is left as it was.
+  defp doubt_frames_into(state, frames, %Error{reason: reason, detail: detail} = error) do
+    cond do
+      reason == :timeout ->
+        Enum.reduce(frames_into(frames), state, &doubt_snapshot_into(&2, snapshot_into: &1))
+
+      Cluster.gone?(error) or
+          (reason in @refused_before_running and not is_map_key(detail, "frame")) ->
+        state
+
+      true ->
+        Enum.reduce(frames_into(frames), state, &doubt_copy_into(&2, snapshot_into: &1))
+    end
+  end
 
   # The snapshots whose copies are on `owner`, kept by their checkpoint and frames alone from
   # now on (restored by reopening, or :unknown_snapshot without them); the copies are freed
