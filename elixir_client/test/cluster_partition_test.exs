@@ -1,9 +1,11 @@
 defmodule ScanBridge.ClusterPartitionTest do
   # A group of two members, one on this node and one on a `:peer` node, cut apart and joined
-  # again: what the group did to a model's name meanwhile is what both members hold after.
+  # again, or one's keeper silent (its node frozen) while the other meets it: what the group did
+  # to a model's name meanwhile is what both members hold after.
   use ExUnit.Case, async: false
 
   alias ScanBridge.{Cluster, TestSupport}
+  alias ScanBridge.Cluster.Member
   alias ScanBridge.TestSupport.{Models, Peers}
 
   @moduletag :cluster
@@ -24,6 +26,25 @@ defmodule ScanBridge.ClusterPartitionTest do
     backbone = Models.backbone(Models.config(:mamba2), 1)
     assert {:ok, %{members: 2}} = Cluster.load_model(g, "tiny", backbone)
     {g, peer, here, there}
+  end
+
+  # Cuts the peer off, and returns once both sides see the group without the other's member (a
+  # call to a member one side still listed would connect the nodes again).
+  defp cut_apart(g, peer) do
+    Peers.cut_off(peer)
+    Peers.await_members(g, 1)
+    assert :peer.call(peer.peer, Peers, :await_members, [g, 1], 30_000)
+  end
+
+  # Cuts the peer off; its side then frees "tiny" and gives the name to another model of the same
+  # shapes.
+  defp replace_apart(g, peer) do
+    cut_apart(g, peer)
+    assert :ok = :peer.call(peer.peer, Cluster, :free_model, [g, "tiny"], 60_000)
+    backbone = Models.backbone(Models.config(:mamba2), 2)
+
+    assert {:ok, %{members: 1}} =
+             :peer.call(peer.peer, Cluster, :load_model, [g, "tiny", backbone], 60_000)
   end
 
   # Waits until `member` holds a model other than `old_id` under "tiny" (its catalogue keeper
@@ -101,22 +122,7 @@ defmodule ScanBridge.ClusterPartitionTest do
     s = session_on(g, here)
     got = for f <- Enum.take(frames, 2), do: ok!(Cluster.model_step(s, f))
 
-    # apart, the other side frees the name and gives it to another model of the same shapes,
-    # once it sees itself apart too (a call to a member it still listed would connect the nodes)
-    Peers.cut_off(peer)
-    Peers.await_members(g, 1)
-    assert :peer.call(peer.peer, Peers, :await_members, [g, 1], 30_000)
-    assert :ok = :peer.call(peer.peer, Cluster, :free_model, [g, "tiny"], 60_000)
-
-    assert {:ok, %{members: 1}} =
-             :peer.call(
-               peer.peer,
-               Cluster,
-               :load_model,
-               [g, "tiny", Models.backbone(config, 2)],
-               60_000
-             )
-
+    replace_apart(g, peer)
     Peers.reconnect(peer)
     Peers.await_members(g, 2)
 
@@ -150,16 +156,7 @@ defmodule ScanBridge.ClusterPartitionTest do
     {:ok, old_id} = ScanBridge.Server.model_named(here, "tiny")
     # the session keeps the old model in use here, so that it is retired, not freed, below
     s = session_on(g, here)
-
-    Peers.cut_off(peer)
-    Peers.await_members(g, 1)
-    assert :peer.call(peer.peer, Peers, :await_members, [g, 1], 30_000)
-    assert :ok = :peer.call(peer.peer, Cluster, :free_model, [g, "tiny"], 60_000)
-    backbone = Models.backbone(Models.config(:mamba2), 2)
-
-    assert {:ok, %{members: 1}} =
-             :peer.call(peer.peer, Cluster, :load_model, [g, "tiny", backbone], 60_000)
-
+    replace_apart(g, peer)
     Peers.reconnect(peer)
     Peers.await_members(g, 2)
     await_replaced(here, old_id)
@@ -180,6 +177,87 @@ defmodule ScanBridge.ClusterPartitionTest do
     TestSupport.thaw(os_pid)
     assert :ok = Cluster.close_session(s)
   end
+
+  describe "a catalogue keeper silent past the wait for it" do
+    # longer than a keeper waits for another's catalogue before it goes on without it
+    @silent_ms 6_000
+
+    test "a member joining while it is frozen takes its models once it thaws, still connected" do
+      g = {:partition, System.unique_integer([:positive])}
+      peer = Peers.start_peer!("silent")
+      [there] = Peers.start_servers!([peer], group: g)
+      Peers.await_members(g, 1)
+      backbone = Models.backbone(Models.config(:mamba2), 1)
+      assert {:ok, %{members: 1}} = Cluster.load_model(g, "tiny", backbone)
+      :ok = :net_kernel.monitor_nodes(true)
+
+      Peers.freeze_peer(peer)
+      joiner = start_supervised!({ScanBridge, TestSupport.server_opts(group: g)}, id: :joiner)
+      # it serves without the silent keeper's catalogue rather than wait for it
+      assert TestSupport.eventually(fn -> joiner in Cluster.members(g) end, 20_000)
+      assert {:ok, nil} = model_named(joiner)
+      Peers.thaw_peer(peer)
+
+      assert TestSupport.eventually(
+               fn -> match?({:ok, id} when is_binary(id), model_named(joiner)) end,
+               20_000
+             ),
+             "the member that joined while the keeper was frozen never took its model"
+
+      {:ok, members} = Cluster.catalogue(g)
+      assert [%{"tiny" => a}, %{"tiny" => b}] = Enum.map(members, & &1.models)
+      assert is_binary(a.model) and is_binary(b.model)
+      assert Map.delete(a, :model) == Map.delete(b, :model)
+      assert {:ok, id} = model_named(there)
+      assert is_binary(id)
+      # the nodes stayed connected: no :nodeup started a reconcile
+      refute_received {:nodedown, _node}
+    end
+
+    test "a member meeting it again after a partition takes its newer entries once it answers" do
+      {g, peer, here, _there} = two_members_apart()
+      {:ok, old_id} = model_named(here)
+      replace_apart(g, peer)
+
+      # the peer's keeper answers nothing as the nodes connect again, and for a while after
+      [keeper] = :peer.call(peer.peer, Member, :keepers, [g], 10_000)
+      :ok = :peer.call(peer.peer, :sys, :suspend, [keeper], 10_000)
+      Peers.reconnect(peer)
+      Peers.await_members(g, 2)
+      Process.sleep(@silent_ms)
+      :ok = :peer.call(peer.peer, :sys, :resume, [keeper], 10_000)
+
+      await_replaced(here, old_id)
+    end
+
+    test "its late answer gives a joining member no model under a name freed meanwhile" do
+      {g, peer, here, there} = two_members_apart()
+      cut_apart(g, peer)
+      assert :ok = Cluster.free_model(g, "tiny")
+
+      # the peer's keeper, still holding the name's older entry, is silent as the nodes connect
+      # again and a member joins here
+      [keeper] = :peer.call(peer.peer, Member, :keepers, [g], 10_000)
+      :ok = :peer.call(peer.peer, :sys, :suspend, [keeper], 10_000)
+      Peers.reconnect(peer)
+      Peers.await_members(g, 2)
+      joiner = start_supervised!({ScanBridge, TestSupport.server_opts(group: g)}, id: :joiner)
+      Peers.await_members(g, 3)
+      Process.sleep(@silent_ms)
+      :ok = :peer.call(peer.peer, :sys, :resume, [keeper], 10_000)
+
+      # it answered both members before it took the newer entry from them and freed the model
+      assert TestSupport.eventually(fn -> model_named(there) == {:ok, nil} end, 20_000)
+      # (each member's task that waited for the answer passes it on in a message of its own)
+      Process.sleep(500)
+      {:ok, members} = Cluster.catalogue(g)
+      assert Enum.map(members, & &1.models) == [%{}, %{}, %{}]
+      assert {:ok, nil} = model_named(here)
+      assert {:ok, nil} = model_named(joiner)
+    end
+  end
+
+  defp model_named(member), do: ScanBridge.Server.model_named(member, "tiny")
 
   defp ok!({:ok, value}), do: value
 end

@@ -8,9 +8,10 @@ defmodule ScanBridge.Cluster.Member do
   #
   # No registry: each member keeps its own copy of the catalogue. A member joins the group's
   # catalogue keepers first, then copies every other keeper's catalogue and loads what it
-  # lacks, and only then offers its server for work. `load_model/4` records a model on every
-  # keeper it finds, then looks again until no new keeper has appeared, so that a member that
-  # joined meanwhile either was found or copied a catalogue that already had the model.
+  # lacks, and only then offers its server for work; a keeper silent past the wait for it is
+  # asked again, and its catalogue merged once it answers. `load_model/4` records a model on
+  # every keeper it finds, then looks again until no new keeper has appeared, so that a member
+  # that joined meanwhile either was found or copied a catalogue that already had the model.
   #
   # `load_model/4` first claims the name for its model on every keeper, one after another, in
   # one order for every caller: a claim holds the name against other models until that
@@ -62,7 +63,8 @@ defmodule ScanBridge.Cluster.Member do
   # How long keepers on a node that came up are looked for, and how often.
   @nodeup_wait_ms 5_000
   @nodeup_poll_ms 100
-  # How long another keeper's catalogue is waited for.
+  # How long a joining keeper waits for the others' catalogues before it serves without them,
+  # and how often a task still waiting for one checks that the keeper it asks for lives.
   @catalogue_wait_ms 5_000
 
   @spec start_link(server: pid, group: term) :: GenServer.on_start()
@@ -92,9 +94,12 @@ defmodule ScanBridge.Cluster.Member do
     {:noreply, %{state | syncing: task.ref}}
   end
 
+  # The keepers that did not answer in time are asked again rather than waited for: their nodes
+  # stay connected, so no :nodeup would bring their catalogues here.
   @impl true
-  def handle_info({ref, catalogues}, %{syncing: ref} = state) do
+  def handle_info({ref, {catalogues, silent}}, %{syncing: ref} = state) do
     Process.demonitor(ref, [:flush])
+    :ok = reconcile_with(silent, self())
     {:noreply, %{state | syncing: nil} |> merge(catalogues, :sync) |> join_when_synced()}
   end
 
@@ -523,18 +528,20 @@ defmodule ScanBridge.Cluster.Member do
   defp join_when_synced(state), do: state
 
   # The keepers' versioned catalogues, asked at once and waited for by one deadline, so that
-  # keepers that do not answer (their nodes frozen or cut off) cost it once between them.
+  # keepers that do not answer (their nodes frozen or cut off) cost it once between them:
+  # {the catalogues, the keepers still silent at the deadline}.
   defp catalogues_of(keepers) do
     deadline = System.monotonic_time(:millisecond) + @catalogue_wait_ms
 
     keepers
-    |> Enum.map(&:gen_server.send_request(&1, :versioned_catalogue))
-    |> Enum.flat_map(fn request ->
+    |> Enum.map(&{&1, :gen_server.send_request(&1, :versioned_catalogue)})
+    |> Enum.reduce({[], []}, fn {keeper, request}, {catalogues, silent} ->
       left = max(deadline - System.monotonic_time(:millisecond), 0)
 
       case :gen_server.receive_response(request, left) do
-        {:reply, catalogue} -> [catalogue]
-        _gone_or_late -> []
+        {:reply, catalogue} -> {[catalogue | catalogues], silent}
+        :timeout -> {catalogues, [keeper | silent]}
+        {:error, _gone} -> {catalogues, silent}
       end
     end)
   end
@@ -552,12 +559,30 @@ defmodule ScanBridge.Cluster.Member do
   end
 
   # Each of `others`' catalogues merged into `keeper`'s as it comes: one that does not answer
-  # (its node frozen again) holds up none of the others.
+  # (its node frozen again) holds up none of the others, and is waited for until it does.
   defp reconcile_with(others, keeper) do
     for other <- others do
-      {:ok, _asker} = Task.start(fn -> send(keeper, {:reconcile, catalogues_of([other])}) end)
+      {:ok, _asker} =
+        Task.start(fn ->
+          request = :gen_server.send_request(other, :versioned_catalogue)
+
+          with %{} = catalogue <- answered_catalogue(request, keeper),
+               do: send(keeper, {:reconcile, [catalogue]})
+        end)
     end
 
     :ok
+  end
+
+  # The catalogue `request` asked for, once it comes; nil when the keeper asked goes first
+  # (stopped, or its node disconnected: the :nodeup reconcile asks it again once it is back),
+  # or `keeper` does.
+  defp answered_catalogue(request, keeper) do
+    # wait_response, unlike receive_response, keeps the request waiting past its timeout
+    case :gen_server.wait_response(request, @catalogue_wait_ms) do
+      {:reply, catalogue} -> catalogue
+      :timeout -> if Process.alive?(keeper), do: answered_catalogue(request, keeper)
+      {:error, _gone} -> nil
+    end
   end
 end
