@@ -31,21 +31,21 @@ from bridge.bench.machine import commit_info, output_path, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Run by each child with its tree first on sys.path: the kernels API only (both trees have it).
-# Inputs are built once per case, outside the timed calls; a call's median over `calls` is its
-# host time.
+# Run by each child with its tree first on sys.path: the kernels API only (both trees have it),
+# under the package name the tree has (argv[3]). Inputs are built once per case, outside the
+# timed calls; a call's median over `calls` is its host time.
 CHILD = r"""
 import json, os, sys, time
-calls, device = int(sys.argv[1]), sys.argv[2]
+calls, device, package = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 if device == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 import importlib
 import torch
-try:
-    import scan_kernels
-except ImportError:  # a tree from before the package took that name
-    import kernels as scan_kernels
-common = importlib.import_module(scan_kernels.__name__ + ".triton_kernels.common")
+scan_kernels = importlib.import_module(package)
+# An editable install finds its own checkout's package where the tree has none by that name.
+if not os.path.realpath(scan_kernels.__file__).startswith(os.path.join(os.path.realpath(os.getcwd()), "")):
+    sys.exit(f"{package} came from {scan_kernels.__file__}, not from the tree {os.getcwd()}")
+common = importlib.import_module(package + ".triton_kernels.common")
 
 launches = []
 launch = common.Launch.run
@@ -118,6 +118,11 @@ print(json.dumps(out))
 """
 
 
+def kernels_package(tree: str) -> str:
+    """The name of the kernels package in `tree`: `kernels` in a tree from before the rename."""
+    return "scan_kernels" if os.path.isdir(os.path.join(tree, "scan_kernels")) else "kernels"
+
+
 def child_run(tree: str, calls: int, device: str) -> dict:
     """One child's figures, per case: µs a call (on the CPU the host work's median, on CUDA the
     mean of calls back to back) and launches a call."""
@@ -126,8 +131,8 @@ def child_run(tree: str, calls: int, device: str) -> dict:
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(calls), device], capture_output=True, text=True,
-                          env=env, cwd=tree, timeout=1800)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(calls), device, kernels_package(tree)],
+                          capture_output=True, text=True, env=env, cwd=tree, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"the child of {tree} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

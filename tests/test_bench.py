@@ -831,6 +831,26 @@ def test_triton_host_bench_times_both_trees_and_counts_launches(tmp_path):
         assert case["paired_ratio_median"] == pytest.approx(case["baseline"]["rounds_us"][0] / case["this"]["rounds_us"][0])
 
 
+def test_triton_host_times_a_tree_from_before_the_rename_by_its_own_package(tmp_path):
+    """A baseline tree whose package is still `kernels` is timed by that package, not by this
+    checkout's `scan_kernels`, which the editable install finds from any directory (found in
+    review: the child imported `scan_kernels` whenever it could, so such a baseline timed this
+    tree). The stand-in's every call makes 7 launches, which no real call makes."""
+    from bench import triton_host
+
+    common = tmp_path / "kernels" / "triton_kernels"
+    common.mkdir(parents=True)
+    (common / "__init__.py").write_text("")
+    (common / "common.py").write_text("class Launch:\n    def __init__(self):\n        self.kernel = 'stand-in'\n\n"
+                                      "    def run(self):\n        pass\n")
+    (tmp_path / "kernels" / "__init__.py").write_text(
+        "from .triton_kernels.common import Launch\n\n\n"
+        "def _call(*args, **kwargs):\n    for _ in range(7):\n        Launch().run()\n\n\n"
+        "selective_scan = selective_state_update = ssd_scan = ssd_state_update = _call\n")
+    launches = {name: case["launches"] for name, case in triton_host.child_run(str(tmp_path), 1, "cpu").items()}
+    assert set(launches.values()) == {7}, launches
+
+
 def test_metrics_cost_bench_runs_end_to_end(tmp_path):
     """`python -m bench.metrics_cost` (issue 37's endpoint), tiny: both record timings, a served
     step and a scrape in one run, the ratio of its own numbers."""
