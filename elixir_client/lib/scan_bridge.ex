@@ -297,8 +297,8 @@ defmodule ScanBridge do
   instead of `:cu_seqlens`) and `:return_varlen_states` (a state per packed sequence).
 
   Returns `y` (in x's dtype), `state` (`[batch, heads, headdim, state]` f32 with
-  `return_state: true`, else nil; with `:cu_seqlens`, one row per sequence) and the server's
-  `timing`.
+  `return_state: true` or `return_varlen_states: true`, else nil; with `:cu_seqlens` or
+  `:seq_idx`, one row per sequence) and the server's `timing`.
   """
   @spec ssd_scan(server, inputs, call_opts) :: {:ok, scan_result} | error
   def ssd_scan(server, inputs, opts \\ []) do
