@@ -521,8 +521,10 @@ def check_ssd_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=Non
 
 def cu_seqlens_of_seq_idx(seq_idx, cu_seqlens, x):
     """mamba_ssm's `seq_idx` (an int32/int64 tensor [batch, seq] of each position's sequence
-    index; the state starts again wherever it changes) as the cu_seqlens it describes, checked
-    against the cu_seqlens given beside it (mamba_ssm passes both for per-sequence states)."""
+    index, never decreasing; the state starts again wherever it grows) as the cu_seqlens it
+    describes, checked against the cu_seqlens given beside it (mamba_ssm passes both for
+    per-sequence states). Decreasing indexes are refused: mamba_ssm's kernels assume none, and
+    would let positions of one index see each other across the sequences between them."""
     if not isinstance(seq_idx, torch.Tensor):
         raise KernelInputError("seq_idx", "an int32/int64 tensor", type(seq_idx).__name__)
     if seq_idx.dtype not in (torch.int32, torch.int64):
@@ -535,6 +537,11 @@ def cu_seqlens_of_seq_idx(seq_idx, cu_seqlens, x):
         raise ShapeMismatch("seq_idx", "shape [1, seq] with seq >= 1 (sequences are packed along seq of batch 1)",
                             f"shape {_shape(seq_idx)}")
     row = seq_idx[0].cpu()
+    falls = torch.nonzero(row[1:] < row[:-1]).flatten()
+    if falls.numel():
+        at = int(falls[0]) + 1
+        raise KernelInputError("seq_idx", "sequence indexes that never decrease",
+                               f"{int(row[at - 1])} then {int(row[at])} at position {at}")
     starts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
     derived = torch.tensor([0, *starts, row.shape[0]], dtype=torch.int64)
     if cu_seqlens is not None:

@@ -640,8 +640,8 @@ def _seq_idx_of(bounds: list[int], values: list[int]) -> torch.Tensor:
 
 
 # mamba_ssm's callers number the sequences 0, 1, 2, ...; a sequence ends wherever the index
-# changes, so any values that change at the boundaries (a repeat apart included) mean the same.
-SEQ_IDX_VALUES = [pytest.param([0, 1, 2, 3], id="numbered"), pytest.param([7, 2, 7, 0], id="any-changes")]
+# grows, so any increasing values (with gaps, from any start) mean the same.
+SEQ_IDX_VALUES = [pytest.param([0, 1, 2, 3], id="numbered"), pytest.param([2, 5, 6, 11], id="gaps")]
 
 
 @pytest.mark.parametrize("values", SEQ_IDX_VALUES)
@@ -665,6 +665,8 @@ SEQ_IDX_ERRORS = [
                  "2 sequences, boundary 1 at 2", id="disagrees-with-cu_seqlens"),
     pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 5, 7], [0, 1, 2])), INPUT, "seq_idx",
                  "3 sequences, boundary 2 at 5", id="one-more-sequence"),
+    pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 7], [1, 0])), INPUT, "seq_idx", "1 then 0 at position 3",
+                 id="decreasing"),
     pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 7], [0, 1])[:, :6]), SHAPE, "seq_idx", "[1, 6]",
                  id="shorter-than-x"),
     pytest.param(_with(seq_idx=lambda a: _seq_idx_of([0, 3, 7], [0, 1])[0]), SHAPE, "seq_idx", "[7]", id="1d"),

@@ -293,8 +293,9 @@ defmodule ScanBridge do
   only); `:session` (a session opened with `kind: :ssd`, which the scan continues and leaves its
   final state in). mamba_ssm's names are accepted: `:initial_states`, `:return_final_states`
   (and `:return_last_state`), `:delta_softplus`, `:delta_bias`, and its varlen arguments:
-  `:seq_idx` (`[1, seq]`, each position's sequence index: the sequences it marks, beside or
-  instead of `:cu_seqlens`) and `:return_varlen_states` (a state per packed sequence).
+  `:seq_idx` (`[1, seq]`, each position's sequence index, never decreasing: the sequences it
+  marks, beside or instead of `:cu_seqlens`) and `:return_varlen_states` (a state per packed
+  sequence).
 
   Returns `y` (in x's dtype), `state` (`[batch, heads, headdim, state]` f32 with
   `return_state: true` or `return_varlen_states: true`, else nil; with `:cu_seqlens` or
