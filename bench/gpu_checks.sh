@@ -16,8 +16,8 @@
 # where that folder exists (`pip download --only-binary=:all:` for that machine's Python).
 # BASELINE, where set, is another checkout (its scan_kernels/ is enough, kernels/ before the
 # package's rename: `git archive REV scan_kernels` unpacked into an ignored folder that travels
-# with the tree) whose Triton calls the kernels part times beside this tree's. A part that fails is reported and the next one runs; the exit
-# status is the number of parts that failed.
+# with the tree) whose Triton calls the kernels part times beside this tree's. A part that
+# fails is reported and the next one runs; the exit status is the number of parts that failed.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_checks.sh OUT [tests|kernels|backward ...]}
 shift
