@@ -1895,4 +1895,39 @@ defmodule ScanBridge.ClusterTest do
     {:messages, messages} = Process.info(pid, :messages)
     Enum.any?(messages, wanted?)
   end
+
+  describe "a rollback refused before it runs" do
+    test "a rollback from a snapshot left undefined keeps its frames' snapshots by checkpoint" do
+      {g, embeds, mispredicted, expected} = rollback_game(8)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+      step!(s, embeds, 0)
+      {:ok, p} = Cluster.snapshot(s)
+      for t <- 1..4, do: step!(s, embeds, t)
+      [q, snap] = for _ <- 1..2, do: ok!(Cluster.snapshot(s))
+      for t <- 5..6, do: step!(s, mispredicted, t)
+      {:ok, %{member: owner}} = Cluster.session_info(s)
+
+      # q, copied into by a frame before one refused, is left undefined on the server
+      bad = {:model_step, {:embeds, Models.frame(Models.embeds(2, 1, 8), 0)}, []}
+
+      assert {:error, %Error{reason: :shape_mismatch, detail: %{"frame" => 1}}} =
+               Cluster.restore_with_frames(s, snap, [
+                 rollback_frame(embeds, 5, snapshot_into: q),
+                 bad
+               ])
+
+      # restoring q is refused before anything runs: the frame into p is not sent into its copy
+      assert {:error, %Error{reason: :state_lost}} =
+               Cluster.restore_with_frames(s, q, [rollback_frame(embeds, 5, snapshot_into: p)])
+
+      Models.assert_rel_close(step!(s, embeds, 5), Enum.at(expected, 5), 1.0e-5, "snap's")
+
+      # after a failover p is restored from its checkpoint and frames, as it was never touched
+      kill_server!(owner)
+      assert :ok = Cluster.restore(s, p)
+
+      for t <- 1..3,
+          do: Models.assert_rel_close(step!(s, embeds, t), Enum.at(expected, t), 1.0e-5, "p's")
+    end
+  end
 end

@@ -1287,14 +1287,15 @@ defmodule ScanBridge.Cluster.Session do
   # A rollback's request that failed: the server leaves undefined each snapshot whose copy a
   # frame began (SPEC §6.4), which the frames' error does not tell, so every snapshot a frame
   # stepped into is taken as a frame into it that failed in that way (failed/5); one the owner
-  # refused before running anything, or that went with its server, is left as it was.
+  # refused before running anything (state_lost from a restored snapshot a failed copy left
+  # undefined among them), or that went with its server, is left as it was.
   defp doubt_frames_into(state, frames, %Error{reason: reason, detail: detail} = error) do
     cond do
       reason == :timeout ->
         Enum.reduce(frames_into(frames), state, &doubt_snapshot_into(&2, snapshot_into: &1))
 
       Cluster.gone?(error) or
-          (reason in @refused_before_running and not is_map_key(detail, "frame")) ->
+          (reason in [:state_lost | @refused_before_running] and not is_map_key(detail, "frame")) ->
         state
 
       true ->
