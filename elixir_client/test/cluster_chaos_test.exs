@@ -2,20 +2,23 @@ defmodule ScanBridge.ClusterChaosTest do
   # A seeded random walk over a group of servers, on this node and (in most walks) one on a
   # `:peer` node: cluster sessions opened, stepped (into snapshots now and then), snapshotted,
   # restored (with a rollback's frames now and then, one of them malformed now and then, after
-  # a good one), forked and closed, while members are killed (some kills racing a step), frozen,
-  # thawed and started, and the peer is cut off and joined again (its model's name freed and
-  # given to another model meanwhile, on its side, now and then). Every keeper is on this node.
-  # The oracle is a plain server: every frame answered must be what a session there fed the
-  # same frames answers (of the model the session runs); after a call that timed out, either
-  # with or without it. An error is only one docs/cluster.md allows for the faults of the
-  # moment: a session of the member cut off is rebuilt here, or lost where it keeps no
-  # checkpoint (or a frame is in doubt), its server's snapshots with it; a session whose model's
-  # name went to another model while apart runs on, and once it leaves its member, no member
-  # takes it (`:no_members`), nor a fork of it. Whenever no member is frozen, every member holds
-  # the sessions and snapshot copies the keepers say it does (read from their state; a member
-  # cut off, over `:peer.call`: nothing, its server closed what the keepers here opened), and
-  # the balancer counts them; at the end, everything closed, thawed and joined, nothing is held
-  # anywhere and no keeper is left.
+  # a good one, and some of them stepping into the session's other snapshots, as a rollback
+  # ring is refreshed), forked and closed, while members are killed (some kills racing a
+  # step), frozen, thawed and started, and the peer is cut off and joined again (its model's
+  # name freed and given to another model meanwhile, on its side, now and then). Every keeper
+  # is on this node. The oracle is a plain server: every frame answered must be what a session
+  # there fed the same frames answers (of the model the session runs), and every snapshot
+  # restored what it was given; after a call that timed out, either with or without it. An
+  # error is only one docs/cluster.md allows for the faults of the moment: a session of the
+  # member cut off is rebuilt here, or lost where it keeps no checkpoint (or a frame is in
+  # doubt), its server's snapshots with it; a snapshot a failed rollback's frame copied into
+  # answers `:state_lost` on its server, or, as its server's alone, `:unknown_snapshot` once
+  # the session left it; a session whose model's name went to another model while apart runs
+  # on, and once it leaves its member, no member takes it (`:no_members`), nor a fork of it.
+  # Whenever no member is frozen, every member holds the sessions and snapshot copies the
+  # keepers say it does (read from their state; a member cut off, over `:peer.call`: nothing,
+  # its server closed what the keepers here opened), and the balancer counts them; at the end,
+  # everything closed, thawed and joined, nothing is held anywhere and no keeper is left.
   #
   # CHAOS_SEED and CHAOS_STEPS run other walks (a fixed seed and a short walk by default; a
   # seed that is a multiple of 4 walks without a peer); a violation's report names the seed and
@@ -188,7 +191,7 @@ defmodule ScanBridge.ClusterChaosTest do
       {:open, if(sessions < @max_sessions, do: 3, else: 0)},
       {:step, if(sessions > 0, do: 12, else: 0)},
       {:burst, if(sessions > 1, do: 2, else: 0)},
-      {:snapshot, if(sessions > 0, do: 3, else: 0)},
+      {:snapshot, if(sessions > 0, do: 5, else: 0)},
       {:restore, if(snapshots > 0, do: 3, else: 0)},
       {:free_snapshot, if(snapshots > 0, do: 1, else: 0)},
       {:fork, if(sessions > 0 and sessions < @max_sessions, do: 1, else: 0)},
@@ -265,7 +268,7 @@ defmodule ScanBridge.ClusterChaosTest do
         answered_unless_stranded!(world, s, "snapshot")
         # without checkpoints, or taken while a frame is in doubt, a snapshot is its server's
         fragile = s.checkpoint == nil or s.doubt != nil
-        snapshot = %{paths: s.paths, fragile: fragile}
+        snapshot = %{paths: s.paths, fragile: fragile, undefined: false, copy_at: at(world, s)}
         put_session(world, id, %{s | snapshots: Map.put(s.snapshots, ref, snapshot), lost: false})
 
       {:error, error} ->
@@ -280,7 +283,7 @@ defmodule ScanBridge.ClusterChaosTest do
     # a rollback's re-simulation now and then: frames run after the restore, in its request;
     # now and then one of them, after a good one, of the wrong width (which the server refuses
     # as it comes to it, leaving the snapshot's state: what the frames before it did is undone)
-    {count, world} = pick_one(world, [0, 0, 1, 2, 3])
+    {count, world} = pick_one(world, [0, 1, 2, 3])
     {frames, world} = Enum.map_reduce(List.duplicate(nil, count), world, fn _, w -> frame(w) end)
 
     {bad, world} =
@@ -289,11 +292,15 @@ defmodule ScanBridge.ClusterChaosTest do
         else: {nil, world}
 
     {frames, world} = if bad, do: malformed_at(world, frames, bad), else: {frames, world}
+    {ring, world} = pick_ring(world, s, ref, count)
+    # a snapshot whose copy may be on a member the session left is restored by reopening it
+    s = if snapshot.copy_at != at(world, s), do: %{s | moves: s.moves + 1}, else: s
+    world = put_session(world, id, s)
 
     outcome =
       if frames == [],
         do: Cluster.restore(s.handle, ref, timeout(world)),
-        else: Cluster.restore_with_frames(s.handle, ref, model_frames(frames), timeout(world))
+        else: Cluster.restore_with_frames(s.handle, ref, model_frames(frames, ring), timeout(world))
 
     kind =
       cond do
@@ -302,6 +309,7 @@ defmodule ScanBridge.ClusterChaosTest do
         true -> :restore
       end
 
+    kind = if Enum.any?(ring), do: {kind, :into_ring}, else: kind
     world = note(world, {kind, id, brief(outcome)})
     # what the frames leave done: all of them, or none where one fails
     done_frames = if bad, do: [], else: frames
@@ -323,6 +331,7 @@ defmodule ScanBridge.ClusterChaosTest do
         paths = Enum.uniq(s.paths ++ snapshot.paths ++ done)
         # a lost session may be the snapshot's now, reopened by the next call
         lost = if s.lost == true and not snapshot.fragile, do: :maybe, else: s.lost
+        s = ring_in_doubt(s, ring, snapshot.paths, frames, bad)
         put_session(world, id, %{s | paths: paths, doubt: 0, lost: lost})
 
       {:error, %Error{reason: reason} = error} when bad != nil and reason in @refused ->
@@ -330,7 +339,13 @@ defmodule ScanBridge.ClusterChaosTest do
         unless error.detail["frame"] == bad,
           do: violation!(world, "restore's frame #{bad} refused, named #{inspect(error.detail)}")
 
-        restored!(world, id, s, snapshot, snapshot.paths)
+        s = ring_refused(world, s, ring, bad)
+        restored!(world, id, s, ref, snapshot.paths)
+
+      # a snapshot a failed rollback's frame copied into: refused, nothing restored or run, the
+      # ring as it was
+      {:error, %Error{reason: :state_lost}} when snapshot.undefined != false ->
+        put_session(world, id, into(s, ref, %{snapshot | undefined: true}))
 
       {:error, error} ->
         session_error(world, id, error, [], "restore")
@@ -339,13 +354,9 @@ defmodule ScanBridge.ClusterChaosTest do
         violation!(world, "restore with a malformed frame (#{bad}) answered :ok")
 
       restored ->
-        restored!(
-          world,
-          id,
-          s,
-          snapshot,
-          resimulated(world, s, snapshot.paths, frames, restored, id)
-        )
+        paths = resimulated(world, s, snapshot.paths, frames, restored, id)
+        s = ring_refreshed(s, ring, snapshot, paths, frames)
+        restored!(world, id, s, ref, paths)
     end
   end
 
@@ -525,6 +536,11 @@ defmodule ScanBridge.ClusterChaosTest do
     end)
   end
 
+  # A snapshot as the walk knows it: `paths`, the frame sequences its state may be the result
+  # of; `fragile`, whether it may be its server's alone (`:unknown_snapshot` once the session may
+  # have left that server); `undefined`, whether a failed rollback's frame copied into it there
+  # (SPEC §6.4: restoring it answers `:state_lost`; `:maybe`: either), until a frame copies into
+  # it whole; `copy_at`, where the session was when it was taken (at/2).
   defp pick_into(world, %{snapshots: snapshots}) when snapshots != %{} do
     {u, rand} = :rand.uniform_s(4, world.rand)
     world = %{world | rand: rand}
@@ -533,15 +549,19 @@ defmodule ScanBridge.ClusterChaosTest do
 
   defp pick_into(world, _s), do: {nil, world}
 
-  defp into(s, nil, _snapshot), do: s
-  defp into(s, ref, snapshot), do: %{s | snapshots: Map.put(s.snapshots, ref, snapshot)}
+  # Snapshot `ref` of `s` given `fields` (a frame stepped into it, say: its copy where it was).
+  defp into(s, nil, _fields), do: s
+
+  defp into(s, ref, fields),
+    do: %{s | snapshots: Map.update!(s.snapshots, ref, &Map.merge(&1, fields))}
 
   # A step into a snapshot that timed out may or may not have copied into it: its server's alone.
   defp into_in_doubt(s, nil), do: s
 
   defp into_in_doubt(s, ref) do
     old = s.snapshots[ref]
-    into(s, ref, %{paths: Enum.uniq(old.paths ++ s.paths), fragile: true})
+    undefined = if old.undefined == true, do: :maybe, else: old.undefined
+    into(s, ref, %{paths: Enum.uniq(old.paths ++ s.paths), fragile: true, undefined: undefined})
   end
 
   # A session holding snapshots, and one of them.
@@ -553,7 +573,86 @@ defmodule ScanBridge.ClusterChaosTest do
     {id, ref, world}
   end
 
-  defp model_frames(frames), do: for(f <- frames, do: {:model_step, {:embeds, f}})
+  # A rollback's frames, each stepping into its snapshot of `ring` (nil: none).
+  defp model_frames(frames, ring) do
+    for {f, into} <- Enum.zip(frames, ring),
+        do: {:model_step, {:embeds, f}, if(into, do: [snapshot_into: into], else: [])}
+  end
+
+  # The snapshots a rollback's frames step into, a frame's nil for none: now and then one of
+  # the session's others than the one restored, each once, as a rollback ring is refreshed by
+  # its re-simulation.
+  defp pick_ring(world, s, restored, count) do
+    others = s.snapshots |> Map.keys() |> Enum.sort() |> List.delete(restored)
+
+    {ring, {world, _left}} =
+      Enum.map_reduce(List.duplicate(nil, count), {world, others}, fn _, {world, left} ->
+        {u, rand} = :rand.uniform_s(2, world.rand)
+
+        {into, world} =
+          if u == 1, do: pick_one(%{world | rand: rand}, left), else: {nil, %{world | rand: rand}}
+
+        {into, {world, List.delete(left, into)}}
+      end)
+
+    {ring, world}
+  end
+
+  # `fun.(snapshot, i)` for each snapshot of the ring, frame i's.
+  defp update_ring(s, ring, fun) do
+    for {ref, i} <- Enum.with_index(ring), ref != nil, reduce: s do
+      s -> %{s | snapshots: Map.update!(s.snapshots, ref, &fun.(&1, i))}
+    end
+  end
+
+  # A rollback answered: each snapshot of the ring holds the state before its frame, `paths`
+  # (the session's after the frames) less that frame and those after it.
+  defp ring_refreshed(s, ring, restored, paths, frames) do
+    origins = paths |> Enum.map(&Enum.drop(&1, -length(frames))) |> Enum.uniq()
+    fragile = s.checkpoint == nil or restored.fragile
+
+    update_ring(s, ring, fn old, i ->
+      before = Enum.map(origins, &(&1 ++ Enum.take(frames, i)))
+      %{old | paths: before, fragile: fragile, undefined: false}
+    end)
+  end
+
+  # A rollback whose frame `bad` was refused, the frames before it run: the server leaves
+  # undefined each snapshot they copied into (SPEC §6.4), and the keeper keeps none of the ring
+  # by its checkpoint and frames. A snapshot whose copy may be on a member the session left
+  # may have been sent no copy, and hold what it held.
+  defp ring_refused(world, s, ring, bad) do
+    update_ring(s, ring, fn old, i ->
+      undefined =
+        cond do
+          i >= bad -> old.undefined
+          old.copy_at == at(world, s) or old.undefined == true -> true
+          true -> :maybe
+        end
+
+      %{old | fragile: true, undefined: undefined}
+    end)
+  end
+
+  # A rollback that timed out: done or not on its server (each snapshot of the ring holding
+  # what it held, or the state before its frame, from the restored snapshot's `paths`), or,
+  # with a frame refused (`bad`), undefined where a frame before it copied; its server's alone.
+  defp ring_in_doubt(s, ring, paths, frames, bad) do
+    update_ring(s, ring, fn old, i ->
+      cond do
+        bad != nil and i < bad ->
+          %{old | fragile: true, undefined: if(old.undefined == true, do: true, else: :maybe)}
+
+        bad != nil ->
+          %{old | fragile: true}
+
+        true ->
+          copied = Enum.map(paths, &(&1 ++ Enum.take(frames, i)))
+          undefined = if old.undefined == true, do: :maybe, else: old.undefined
+          %{old | paths: Enum.uniq(old.paths ++ copied), fragile: true, undefined: undefined}
+      end
+    end)
+  end
 
   # `frames` with the one at `at` replaced by one of the wrong width.
   defp malformed_at(world, frames, at) do
@@ -561,14 +660,21 @@ defmodule ScanBridge.ClusterChaosTest do
     {List.replace_at(frames, at, bad), world}
   end
 
-  # A restore answered: the session is the snapshot's, `paths` after the frames it ran.
-  defp restored!(world, id, s, snapshot, paths) do
+  # A restore of snapshot `ref` answered: the session is the snapshot's, `paths` after the
+  # frames it ran, and the snapshot's copy holds a state.
+  defp restored!(world, id, s, ref, paths) do
+    snapshot = s.snapshots[ref]
+
+    if snapshot.undefined == true,
+      do: violation!(world, "restore of a snapshot a failed rollback's frame copied into answered")
+
     # a lost session is reopened from a snapshot its checkpoints keep, and is no more lost
     if s.lost == true and snapshot.fragile,
       do: violation!(world, "restore of a lost session from its server's snapshot answered")
 
     answered_unless_stranded!(world, s, "restore")
     doubt = if snapshot.fragile, do: 0
+    s = into(s, ref, %{snapshot | undefined: false})
     put_session(world, id, %{s | paths: paths, doubt: doubt, lost: false})
   end
 
@@ -658,7 +764,8 @@ defmodule ScanBridge.ClusterChaosTest do
                 "#{length(s.paths)} possible paths"
             )
 
-        s = into(s, into, %{paths: before, fragile: s.checkpoint == nil or s.doubt != nil})
+        fragile = s.checkpoint == nil or s.doubt != nil
+        s = into(s, into, %{paths: before, fragile: fragile, undefined: false})
         s = %{s | paths: Enum.map(before, &(&1 ++ [frame])), lost: false}
         put_session(world, id, answered(s))
 
@@ -728,6 +835,7 @@ defmodule ScanBridge.ClusterChaosTest do
       doubt: nil,
       lost: false,
       kills_at_open: world.kills,
+      moves: 0,
       cut_off: 0,
       stranded: false,
       snapshots: %{}
@@ -746,6 +854,12 @@ defmodule ScanBridge.ClusterChaosTest do
   # Whether the session's owner may have gone away since it opened: a member killed (any: the
   # walk does not follow which member each session is on), or a cut that took its owner.
   defp owner_moved?(world, s), do: world.kills > s.kills_at_open or s.cut_off > 0
+
+  # Where the session is, as far as the walk tells places apart: it may have left its member
+  # only by a kill, a cut that took its owner, or a restore of a snapshot taken before one of
+  # them (reopened elsewhere from its checkpoint, `moves`). A snapshot's copy is on the member
+  # it was taken on, so on the session's while this is what it was then.
+  defp at(world, s), do: {world.kills, s.cut_off, s.moves}
 
   # What a session whose owner was cut off is: rebuilt here (not lost) from its checkpoint and
   # kept frames, unless it keeps none (lost) or a frame answered after one that timed out may
