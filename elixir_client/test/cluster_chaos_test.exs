@@ -618,19 +618,25 @@ defmodule ScanBridge.ClusterChaosTest do
   end
 
   # A rollback whose frame `bad` was refused, the frames before it run: the server leaves
-  # undefined each snapshot they copied into (SPEC §6.4), and the keeper keeps none of the ring
-  # by its checkpoint and frames. A snapshot whose copy may be on a member the session left
-  # may have been sent no copy, and hold what it held.
+  # undefined each snapshot they copied into (SPEC §6.4), and the keeper keeps none of those,
+  # nor the refused frame's, by its checkpoint and frames; the snapshots of the frames after it,
+  # which never ran, are as they were. A snapshot whose copy may be on a member the session
+  # left may have been sent no copy, and hold what it held.
   defp ring_refused(world, s, ring, bad) do
     update_ring(s, ring, fn old, i ->
-      undefined =
-        cond do
-          i >= bad -> old.undefined
-          old.copy_at == at(world, s) or old.undefined == true -> true
-          true -> :maybe
-        end
+      cond do
+        i > bad ->
+          old
 
-      %{old | fragile: true, undefined: undefined}
+        i == bad ->
+          %{old | fragile: true}
+
+        true ->
+          undefined =
+            if old.copy_at == at(world, s) or old.undefined == true, do: true, else: :maybe
+
+          %{old | fragile: true, undefined: undefined}
+      end
     end)
   end
 

@@ -502,6 +502,36 @@ defmodule ScanBridge.ClusterTest do
     assert {:ok, %{failovers: 1}} = Cluster.session_info(s)
   end
 
+  test "a rollback failing at a frame leaves the snapshots of the frames after it as they were" do
+    {g, embeds, mispredicted, expected} = rollback_game(6)
+    close = fn got, t, what -> Models.assert_rel_close(got, Enum.at(expected, t), 1.0e-5, what) end
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+    step!(s, embeds, 0)
+    {:ok, r} = Cluster.snapshot(s)
+    for t <- 1..3, do: step!(s, embeds, t)
+    {:ok, snap} = Cluster.snapshot(s)
+    for t <- 4..5, do: step!(s, mispredicted, t)
+    {:ok, %{member: owner}} = Cluster.session_info(s)
+
+    # frame 1 is refused as it comes, so frame 2, which would step into r, never runs: r still
+    # holds the state after frame 0, in its copy and in its checkpoint and frames
+    bad = {:model_step, {:embeds, Models.frame(Models.embeds(2, 1, 8), 0)}, []}
+
+    assert {:error, %Error{reason: :shape_mismatch, detail: %{"frame" => 1}}} =
+             Cluster.restore_with_frames(s, snap, [
+               rollback_frame(embeds, 4),
+               bad,
+               rollback_frame(embeds, 5, snapshot_into: r)
+             ])
+
+    assert :ok = Cluster.restore(s, r)
+    close.(step!(s, embeds, 1), 1, "from r in place")
+    kill_server!(owner)
+    assert :ok = Cluster.restore(s, r)
+    close.(step!(s, embeds, 1), 1, "from r after a failover")
+    assert {:ok, %{failovers: 1}} = Cluster.session_info(s)
+  end
+
   # A process holding one session count on `member` in this node's balancer, so that the next
   # placement goes elsewhere; released, the balancer has seen it go.
   defp hold(g, member) do

@@ -1286,9 +1286,10 @@ defmodule ScanBridge.Cluster.Session do
 
   # A rollback's request that failed: the server leaves undefined each snapshot whose copy a
   # frame began (SPEC §6.4), which the frames' error does not tell, so every snapshot a frame
-  # stepped into is taken as a frame into it that failed in that way (failed/5); one the owner
-  # refused before running anything (state_lost from a restored snapshot a failed copy left
-  # undefined among them), or that went with its server, is left as it was.
+  # up to the failing one (`detail["frame"]`; every frame where none is named) stepped into is
+  # taken as a frame into it that failed in that way (failed/5); the frames after it never ran.
+  # One the owner refused before running anything (state_lost from a restored snapshot a
+  # failed copy left undefined among them), or that went with its server, is left as it was.
   defp doubt_frames_into(state, frames, %Error{reason: reason, detail: detail} = error) do
     cond do
       reason == :timeout ->
@@ -1299,7 +1300,9 @@ defmodule ScanBridge.Cluster.Session do
         state
 
       true ->
-        Enum.reduce(frames_into(frames), state, &doubt_copy_into(&2, snapshot_into: &1))
+        ran = with %{"frame" => i} when is_integer(i) <- detail, do: Enum.take(frames, i + 1)
+        ran = if is_list(ran), do: ran, else: frames
+        Enum.reduce(frames_into(ran), state, &doubt_copy_into(&2, snapshot_into: &1))
     end
   end
 
