@@ -543,10 +543,9 @@ def cu_seqlens_of_seq_idx(seq_idx, cu_seqlens, x):
         raise KernelInputError("seq_idx", "sequence indexes that never decrease",
                                f"{int(row[at - 1])} then {int(row[at])} at position {at}")
     starts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
-    derived = torch.tensor([0, *starts, row.shape[0]], dtype=torch.int64)
+    bounds = [0, *starts, row.shape[0]]
     if cu_seqlens is not None:
         given = check_cu_seqlens(cu_seqlens, 1, row.shape[0])
-        bounds = derived.tolist()
         if given != bounds:
             at = next((i for i, (g, b) in enumerate(zip(given, bounds)) if g != b), min(len(given), len(bounds)))
             raise KernelInputError("seq_idx", f"the sequences cu_seqlens gives ({len(given) - 1}, boundary {at} at "
@@ -554,7 +553,7 @@ def cu_seqlens_of_seq_idx(seq_idx, cu_seqlens, x):
                                    f"{len(bounds) - 1} sequences, boundary {at} at "
                                    f"{bounds[at] if at < len(bounds) else 'none'}")
         return cu_seqlens
-    return derived
+    return torch.tensor(bounds, dtype=torch.int64)
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, seq: int) -> list[int]:

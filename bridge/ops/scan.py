@@ -49,9 +49,8 @@ def prefilled_session(server, call, kind: str, op: str):
     if args.get("session") is None:
         return None
     session = session_of_kind(server, call, (kind,), op)
-    for name, why in (("h0", "the session's state is the initial state"),
-                      ("cu_seqlens", "a session holds one state per row, not per packed sequence"),
-                      ("seq_idx", "a session holds one state per row, not per packed sequence")):
+    packed = "a session holds one state per row, not per packed sequence"
+    for name, why in (("h0", "the session's state is the initial state"), ("cu_seqlens", packed), ("seq_idx", packed)):
         if name in args:
             raise OpError("invalid_argument", f"args.{name}: expected no {name} with a session ({why}), got a tensor",
                           {"field": f"args.{name}", "expected": "nothing", "got": "a tensor"})

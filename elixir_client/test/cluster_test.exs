@@ -386,6 +386,9 @@ defmodule ScanBridge.ClusterTest do
   defp rollback_frame(embeds, t, opts \\ []),
     do: {:model_step, {:embeds, Models.frame(embeds, t)}, opts}
 
+  # A frame of the wrong width, which a server refuses as it comes to it.
+  defp wrong_width_frame, do: rollback_frame(Models.embeds(2, 1, 8), 0)
+
   test "a rollback's frames step into a ring's snapshots, restored in place and after a failover" do
     {g, embeds, mispredicted, expected} = rollback_game(10)
 
@@ -449,7 +452,7 @@ defmodule ScanBridge.ClusterTest do
 
     # frame 2 is refused as it comes: the restore stands, and p and q, which frames 0 and 1
     # copied into, are left undefined on the server
-    bad = {:model_step, {:embeds, Models.frame(Models.embeds(2, 1, 8), 0)}, []}
+    bad = wrong_width_frame()
 
     frames = [
       rollback_frame(embeds, 5, snapshot_into: p),
@@ -515,7 +518,7 @@ defmodule ScanBridge.ClusterTest do
 
     # frame 1 is refused as it comes, so frame 2, which would step into r, never runs: r still
     # holds the state after frame 0, in its copy and in its checkpoint and frames
-    bad = {:model_step, {:embeds, Models.frame(Models.embeds(2, 1, 8), 0)}, []}
+    bad = wrong_width_frame()
 
     assert {:error, %Error{reason: :shape_mismatch, detail: %{"frame" => 1}}} =
              Cluster.restore_with_frames(s, snap, [
@@ -1938,7 +1941,7 @@ defmodule ScanBridge.ClusterTest do
       {:ok, %{member: owner}} = Cluster.session_info(s)
 
       # q, copied into by a frame before one refused, is left undefined on the server
-      bad = {:model_step, {:embeds, Models.frame(Models.embeds(2, 1, 8), 0)}, []}
+      bad = wrong_width_frame()
 
       assert {:error, %Error{reason: :shape_mismatch, detail: %{"frame" => 1}}} =
                Cluster.restore_with_frames(s, snap, [

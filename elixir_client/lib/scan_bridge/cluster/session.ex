@@ -1300,8 +1300,12 @@ defmodule ScanBridge.Cluster.Session do
         state
 
       true ->
-        ran = with %{"frame" => i} when is_integer(i) <- detail, do: Enum.take(frames, i + 1)
-        ran = if is_list(ran), do: ran, else: frames
+        ran =
+          case detail do
+            %{"frame" => i} when is_integer(i) -> Enum.take(frames, i + 1)
+            _no_frame_named -> frames
+          end
+
         Enum.reduce(frames_into(ran), state, &doubt_copy_into(&2, snapshot_into: &1))
     end
   end
