@@ -6,6 +6,9 @@ defmodule ScanBridge.Cluster.MemberTest do
   alias ScanBridge.Cluster
   alias ScanBridge.Cluster.Member
 
+  # Generous: a keeper stalled for a second on a loaded machine is not what these tests test.
+  defp catalogue(keeper), do: GenServer.call(keeper, :catalogue, 5_000)
+
   # A keeper that, asked for its catalogue, first asks the asker for its own (as a member that
   # started at the same moment does while it syncs), reports how that went, then answers.
   defp asking_back_keeper(group, test) do
@@ -19,7 +22,9 @@ defmodule ScanBridge.Cluster.MemberTest do
 
           outcome =
             try do
-              {:answered, GenServer.call(other, :versioned_catalogue, 1_000)}
+              # under the member's own wait for this keeper, so a member that cannot answer
+              # before that wait ends times this call out
+              {:answered, GenServer.call(other, :versioned_catalogue, 3_000)}
             catch
               :exit, {:timeout, _} -> :timed_out
             end
@@ -77,12 +82,12 @@ defmodule ScanBridge.Cluster.MemberTest do
 
     assert_receive {:loading, ^server}, 5_000
     # the catalogue while the model loads: recorded, not yet loaded
-    assert GenServer.call(member, :catalogue, 1_000) == %{"m" => {"/models/m", [], nil}}
+    assert catalogue(member) == %{"m" => {"/models/m", [], nil}}
 
     second =
       Task.async(fn -> GenServer.call(member, {:load, "m", "/models/m", [], {1, :test}}, 5_000) end)
 
-    other = GenServer.call(member, {:load, "m", "/models/other", [], {1, :test}}, 1_000)
+    other = GenServer.call(member, {:load, "m", "/models/other", [], {1, :test}}, 5_000)
     assert {:error, %ScanBridge.Error{reason: :invalid_argument}} = other
     free = Task.async(fn -> GenServer.call(member, {:free, "m", [], :test}, 5_000) end)
     Process.sleep(50)
@@ -93,7 +98,7 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert :ok = Task.await(free)
     assert_receive :freed
     refute_received {:loading, _}
-    assert GenServer.call(member, :catalogue, 1_000) == %{}
+    assert catalogue(member) == %{}
   end
 
   test "a keeper stops when its server stops, GenServer.stop's :normal exit included" do
@@ -160,7 +165,7 @@ defmodule ScanBridge.Cluster.MemberTest do
     {us, outcome} = :timer.tc(fn -> Cluster.free_model(group, "m", timeout: 100) end)
     assert {:error, %ScanBridge.Error{reason: :timeout}} = outcome
     assert us < 2 * 1_100_000, "the free took #{div(us, 1000)} ms"
-    assert GenServer.call(member, :catalogue, 1_000) == %{}
+    assert catalogue(member) == %{}
 
     {us, outcome} = :timer.tc(fn -> Cluster.load_model(group, "m", "/models/m", timeout: 100) end)
     assert {:error, %ScanBridge.Error{reason: :timeout}} = outcome
@@ -220,7 +225,7 @@ defmodule ScanBridge.Cluster.MemberTest do
 
     assert detail["member"] == "#{node()}"
     refute_received {:model_load, _}
-    assert %{"m" => {"/models/m", [], nil}} = GenServer.call(keeper_b, :catalogue, 1_000)
+    assert %{"m" => {"/models/m", [], nil}} = catalogue(keeper_b)
 
     # the same model again loads it where it failed
     assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/m")
@@ -239,14 +244,14 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert {:error, %ScanBridge.Error{reason: :invalid_argument}} = Cluster.free_model(group, "m")
     assert_received {:model_free, ^a}
     assert_received {:model_free, ^b}
-    assert GenServer.call(keeper_b, :catalogue, 1_000) == %{}
+    assert catalogue(keeper_b) == %{}
 
     assert {:error, %ScanBridge.Error{reason: :invalid_argument}} =
              Cluster.load_model(group, "m", "/models/other")
 
     refute_received {:model_load, _}
-    assert GenServer.call(keeper_b, :catalogue, 1_000) == %{}
-    assert %{"m" => {"/models/m", [], %{}}} = GenServer.call(keeper_a, :catalogue, 1_000)
+    assert catalogue(keeper_b) == %{}
+    assert %{"m" => {"/models/m", [], %{}}} = catalogue(keeper_a)
 
     # freed everywhere, the name takes another model
     assert :ok = Cluster.free_model(group, "m")
@@ -261,8 +266,8 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert :ok = Cluster.free_model(group, "m")
     assert_received {:model_free, ^a}
     assert_received {:model_free, ^b}
-    assert GenServer.call(keeper_a, :catalogue, 1_000) == %{}
-    assert GenServer.call(keeper_b, :catalogue, 1_000) == %{}
+    assert catalogue(keeper_a) == %{}
+    assert catalogue(keeper_b) == %{}
     assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/other")
   end
 
@@ -309,7 +314,7 @@ defmodule ScanBridge.Cluster.MemberTest do
 
     assert Exception.message(error) =~ ~s(model name "m")
     # every member holds the winner's model under the name, and nothing else
-    catalogues = for keeper <- [near, far], do: GenServer.call(keeper, :catalogue, 1_000)
+    catalogues = for keeper <- [near, far], do: catalogue(keeper)
     assert [%{"m" => {_source, [], %{}}} = catalogue] = Enum.uniq(catalogues)
     assert map_size(catalogue) == 1
   end
@@ -334,7 +339,7 @@ defmodule ScanBridge.Cluster.MemberTest do
     Process.exit(claimer, :kill)
 
     assert eventually(fn -> match?({:ok, _}, Cluster.load_model(group, "m", "/models/c")) end)
-    assert %{"m" => {"/models/c", [], %{}}} = GenServer.call(first, :catalogue, 1_000)
+    assert %{"m" => {"/models/c", [], %{}}} = catalogue(first)
   end
 
   # A keeper's node cut off from the caller's: :pg drops its keeper, and what the caller asks of
@@ -347,8 +352,6 @@ defmodule ScanBridge.Cluster.MemberTest do
     :ok = :pg.join(Cluster.scope(), {:catalogue, group}, keeper)
     for k <- keepers, do: send(k, {:nodeup, node()})
   end
-
-  defp catalogue(keeper), do: GenServer.call(keeper, :catalogue, 1_000)
 
   test "a member cut off during a free holds the model until it is back, then frees it" do
     {group, [_, far] = keepers} = loading_members(2)
@@ -395,9 +398,10 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert {:ok, %{members: 2}} = Cluster.load_model(group, "m", "/models/b")
   end
 
-  # What Cluster.catalogue/2 says each member holds under "m": {source, loaded?, version}.
+  # What Cluster.catalogue/2 says each member holds under "m": {source, loaded?, version}. The
+  # timeout is what a silent keeper costs each call, and long enough for a loaded machine.
   defp models_of(group) do
-    assert {:ok, members} = Cluster.catalogue(group, timeout: 100)
+    assert {:ok, members} = Cluster.catalogue(group, timeout: 1_000)
 
     for %{node: node} <- members, do: assert(node == node())
 
@@ -510,7 +514,7 @@ defmodule ScanBridge.Cluster.MemberTest do
     end
 
     assert Process.alive?(member)
-    assert GenServer.call(member, :catalogue, 1_000) == %{}
+    assert catalogue(member) == %{}
   end
 
   test "loading a group's model again, with another :timeout or the dtype spelt otherwise, is a no-op" do
