@@ -430,7 +430,10 @@ def test_the_wait_for_company_leaves_a_quarter_of_a_deadline_at_least_a_millisec
 
 
 def test_a_waiting_batch_starts_its_members_within_their_deadlines(inproc):
-    srv = inproc(max_delay_us=400_000, native_step=False)
+    # The margin the wait leaves, a quarter of the budget, outlasts a loaded box's late wake-up;
+    # the delay is past the budget, so a wait that ignored the deadline would miss it.
+    budget_us = 400_000
+    srv = inproc(max_delay_us=5 * budget_us, native_step=False)
     conn = RecordingConnection()
     shared = shared_constants(4, 2, {})
     a, b = open_prefilled(srv, conn, 1, 4, 2), open_prefilled(srv, conn, 1, 4, 2)
@@ -438,9 +441,9 @@ def test_a_waiting_batch_starts_its_members_within_their_deadlines(inproc):
     ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 4, 2, shared, {})) for s in (a, b)]
     srv.go()
     assert [conn.reply(i).timing["batch_rows"] for i in ids] == [2, 2]  # company is now expected
-    reply = conn.reply(srv.submit(conn, "step", session=a, deadline_us=50_000, **step_inputs(1, 4, 2, shared, {})))
+    reply = conn.reply(srv.submit(conn, "step", session=a, deadline_us=budget_us, **step_inputs(1, 4, 2, shared, {})))
     assert reply.ok, reply.error
-    assert reply.timing["queue_us"] < 50_000 and reply.timing["batch_rows"] == 1
+    assert reply.timing["queue_us"] < budget_us and reply.timing["batch_rows"] == 1
 
 
 def test_a_request_gathered_into_a_waiting_batch_can_be_cancelled(inproc):
@@ -504,7 +507,7 @@ def test_policy_waits_only_for_expected_company():
 def test_a_lone_caller_never_waits_and_company_is_waited_for(inproc, more_input):
     """The wait policy, where steps go through the batcher: without the native step path (on
     the CPU it serves at once every step that finds nothing in flight, tests/test_native_step.py)."""
-    delay_us = 300_000
+    delay_us = 500_000
     srv = inproc(max_delay_us=delay_us, native_step=False)
     conn = RecordingConnection()
     shared = shared_constants(4, 2, {})
@@ -512,7 +515,8 @@ def test_a_lone_caller_never_waits_and_company_is_waited_for(inproc, more_input)
     for _ in range(3):
         reply = conn.reply(srv.submit(conn, "step", session=a, more_input=more_input,
                                       **step_inputs(1, 4, 2, shared, {})))
-        assert reply.ok and reply.timing["queue_us"] < delay_us / 3
+        # A wait for company is the whole delay at least; anything shorter is a loaded box's lateness.
+        assert reply.ok and reply.timing["queue_us"] < 0.8 * delay_us
     srv.hold(conn)
     ids = [srv.submit(conn, "step", session=s, **step_inputs(1, 4, 2, shared, {})) for s in (a, b)]
     srv.go()
