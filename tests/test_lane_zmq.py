@@ -649,7 +649,8 @@ def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
         assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
         return msgpack.unpackb(sock.recv())
 
-    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=0.3) as (dispatcher, transport), \
+    # A timeout that a stall of the loaded box between two of the chatty peer's pings stays under.
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=1.0) as (dispatcher, transport), \
             dealers(transport, 2) as (silent, chatty):
         server = dispatcher.server
         shape = {"batch": 1, "dim": 2, "state": 2}
@@ -687,8 +688,11 @@ def test_a_zmq_peer_waiting_on_its_own_long_request_is_not_idle(tmp_path):
     """Idle time counts from a peer's last message or its last answer: found in review, a
     request that ran longer than the timeout left its peer counted silent the moment its reply
     went, and the peer's session was freed while it paused far less than the timeout."""
+    idle_timeout_s = 1.0  # well over the pause after the long request's answer, on a loaded box too
+    idle_check_s = idle_timeout_s / 4  # how often the lane looks (ZmqTransport._idle_check_s)
+
     def slow_info(server, call):
-        time.sleep(0.6)
+        time.sleep(1.2 * idle_timeout_s)
         return {"info": True}
 
     def call(sock, request_id, op, args=None) -> dict:
@@ -696,12 +700,13 @@ def test_a_zmq_peer_waiting_on_its_own_long_request_is_not_idle(tmp_path):
         assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
         return msgpack.unpackb(sock.recv())
 
-    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=0.3,
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=idle_timeout_s,
                                   handlers={"info": slow_info}) as (dispatcher, transport), \
             dealers(transport, 1) as (client,):
         session = call(client, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})["result"]["session"]
         assert call(client, 2, "info")["ok"]  # longer than the timeout
-        time.sleep(0.1)
+        # Not synchronisation: a pause in which the lane looks for idle peers at least once.
+        time.sleep(1.2 * idle_check_s)
         assert call(client, 3, "session_state", {"session": session})["ok"]
         assert "idle" not in dispatcher.server.stats.snapshot()["released"]
 
