@@ -735,9 +735,9 @@ defmodule ScanBridge.ClusterTest do
     frames = for _ <- 1..2, do: {:step, ssd_frame(sizes)}
 
     # reopened on y from the snapshot's checkpoint, a copy taken there for the frames, which
-    # raise (a bad frame) or take the whole deadline: the copy is freed all the same
+    # raise (a bad frame) or take the whole deadline: the copy is freed all the same (apart)
     assert_raise ArgumentError, fn -> Cluster.restore_with_frames(s, snap, [{:bogus, %{}}]) end
-    assert snapshot_bytes(y) == copies
+    assert eventually(fn -> snapshot_bytes(y) == copies end)
 
     assert {:error, %Error{reason: :timeout}} =
              Cluster.restore_with_frames(s, snap, frames, timeout: 1_500)
@@ -1365,6 +1365,57 @@ defmodule ScanBridge.ClusterTest do
       for {a, e} <- Enum.zip(got, expected), do: Models.assert_rel_close(a, e, 1.0e-5, "frame")
       assert {:ok, %{failovers: 1, member: ^old}} = Cluster.session_info(s2)
       assert ops_refused(old, "session_open") == 1
+    end
+
+    # With @refusing_frames, a member from before frames (an open and a replay rebuild on it)
+    # that refuses the replayed step, and takes 3 s to close a session: longer than a checkpoint
+    # may take.
+    @failing_replay """
+
+    import time
+
+    import bridge.ops
+    import bridge.ops.models
+
+
+    def refused(self, server, call):
+        raise OpError("invalid_argument", "args.embeds: refused by the test's stand-in", {"field": "args.embeds"})
+
+
+    def slow_close(server, call):
+        time.sleep(3)
+        return bridge.ops.sessions.session_close(server, call)
+
+
+    bridge.ops.models.ModelStepOp.prepare = refused
+    bridge.ops.REGISTRY.register("session_close", slow_close)
+    """
+
+    test "a replay that fails is answered at once; the session it opened is closed apart" do
+      dir = Models.tmp_dir!()
+      File.write!(Path.join(dir, "sitecustomize.py"), @refusing_frames <> @failing_replay)
+      env = TestSupport.server_opts()[:env]
+      {_, path} = List.keyfind(env, "PYTHONPATH", 0)
+      g = model_group(1)
+      embeds = Models.embeds(1, 6, 8)
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 3)
+      for t <- 0..4, do: step!(s, embeds, t)
+      {:ok, %{member: owner}} = Cluster.session_info(s)
+      env = List.keystore(env, "PYTHONPATH", 0, {"PYTHONPATH", dir <> ":" <> path})
+      # on the general path, where the stand-in's refusal is
+      failing = start_member(g, env: env, args: ["--device", "cpu", "--no-native-step"])
+      kill_server!(owner)
+      started = System.monotonic_time(:millisecond)
+
+      assert {:error, %Error{reason: :session_lost} = error} =
+               Cluster.model_step(s, {:embeds, Models.frame(embeds, 5)})
+
+      assert Exception.message(error) =~ "could not be rebuilt: args.embeds: refused by the test's"
+      # not held up by the close (a close waited for would take the checkpoint's 2 s)
+      assert System.monotonic_time(:millisecond) - started < 2_000
+      # closed all the same, once the stand-in answers
+      assert ops_done(failing, "session_open") == 1
+      assert eventually(fn -> sessions_held(failing) == 0 end, 10_000)
     end
 
     test "a rebuild whose open times out keeps the session, rebuilt on another member next" do

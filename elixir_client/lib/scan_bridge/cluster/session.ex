@@ -816,9 +816,9 @@ defmodule ScanBridge.Cluster.Session do
             {:ok, remote, :not_run, fingerprint}
 
           {:error, error} ->
-            # the replay's error is the one to report; a session a failed close leaves is
-            # closed by its server when this keeper exits (a group's server watches openers)
-            _closed = ScanBridge.close_session(member, remote, timeout: @checkpoint_timeout_ms)
+            # the replay's error is the one to report, now: the close goes apart, not waited
+            # for, so a member frozen meanwhile costs the caller nothing past its deadline
+            close_apart(member, remote)
             if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
         end
 
@@ -1122,9 +1122,8 @@ defmodule ScanBridge.Cluster.Session do
 
   # The frames of a restore that went by replay, run on the session's new owner as a restore
   # with frames runs them: from a copy taken there first and freed after, so that a frame that
-  # fails leaves the snapshot's state there too. The copy is freed whatever the frames did, with
-  # a deadline of its own: the caller's may be spent by then, and a copy left would stay on the
-  # server (in its pool) until this keeper exits.
+  # fails leaves the snapshot's state there too. The copy is freed apart whatever the frames did
+  # (free_apart/2): the caller's deadline may be spent by then, and its answer is not held up.
   defp frames_after_replay(state, frames, deadline) do
     timeout = fn -> [timeout: Cluster.remaining(deadline)] end
 
@@ -1135,7 +1134,7 @@ defmodule ScanBridge.Cluster.Session do
             here = frames_here(frames, state)
             ScanBridge.restore_with_frames(state.owner, state.remote, copy, here, timeout.())
           after
-            _freed = ScanBridge.free_snapshot(state.owner, copy, timeout: @checkpoint_timeout_ms)
+            free_apart(state.owner, copy)
           end
 
         case outcome do
