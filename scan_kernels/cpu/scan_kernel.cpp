@@ -788,7 +788,15 @@ void silu_in_place(float* values, int64_t count) {
     VU* v = reinterpret_cast<VU*>(values + i);
     *v = Math<float>::silu(V(*v));
   }
-  for (; i < count; ++i) values[i] = values[i] / (1.0f + std::exp(-values[i]));
+  // The tail through the same vector math, zero-padded: a value's silu must not depend on where
+  // it falls, or a row's result would change with the rows a pass holds beside it.
+  if (i < count) {
+    alignas(64) float tail[W] = {};
+    std::copy(values + i, values + count, tail);
+    VU* v = reinterpret_cast<VU*>(tail);
+    *v = Math<float>::silu(V(*v));
+    std::copy(tail, tail + (count - i), values + i);
+  }
 }
 
 const char* simd_description() {
