@@ -1076,6 +1076,32 @@ def test_simd_variant_linear_matches_reference(simd_backend, rows, width, featur
         f"{simd_backend.details['simd']} linear {rows}x{width} -> {features} {weight_dtype} weights seed={seed}"
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["f32-weights", "bf16-weights"])
+@pytest.mark.parametrize("rows, width, features, bias, row_gap", [c for c in LINEAR_CASES if c.values[0] > 1] + [
+    # whole blocks of features over an `in` short of, and past, a vector: a tiny model's widths
+    pytest.param(5, 12, 48, False, 0, id="in-short-of-a-vector-whole-blocks"),
+    pytest.param(5, 24, 48, True, 0, id="in-past-a-vector-whole-blocks"),
+])
+def test_simd_variant_linear_gives_a_row_what_it_gives_it_alone(simd_backend, rows, width, features, bias, row_gap,
+                                                                weight_dtype):
+    """Bit for bit, whatever rows a call holds beside it: the batcher shares a model step's pass
+    between sessions, and a rollback re-simulates a frame alone. bf16 weights are widened once
+    for a call of many rows and read as stored for one; the remainder past `in`'s last whole
+    vector was summed differently in the two (found by the state walk)."""
+    from scan_kernels.cpu import build
+
+    ext = build.load_extension(variant=build.variant_named(simd_backend.details["simd"]))
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width + row_gap, generator=gen)[:, :width]
+    w = torch.randn(features, width, generator=gen).to(weight_dtype)
+    b = torch.randn(features, generator=gen) if bias else None
+    together = ext.linear(x, w, b)
+    for row in range(rows):
+        assert torch.equal(ext.linear(x[row:row + 1], w, b)[0], together[row]), \
+            f"{simd_backend.details['simd']} linear {rows}x{width} -> {features} {weight_dtype}: row {row} seed={seed}"
+
+
 @pytest.mark.parametrize("weight", [
     # [3, 4, 2] passed as [features 3, in 4], its product wrong (found in review)
     pytest.param(lambda: torch.randn(3, 4, 2), id="3d-weight"),

@@ -38,9 +38,23 @@ inline V load(const uint16_t* p) {
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return widen_bf16(w); }
 
-// Features j .. j + W of one row x: out[0 .. W).
-template <typename Weight>
-inline void dot_block(const float* __restrict x, const Weight* __restrict w, int64_t in, float* __restrict out) {
+// out[c] += the products of x and weight row c over k in [whole, in), c < W: `in` past its last
+// whole vector. Out of line, so that every caller runs the one compiled form: inlined, the
+// compiler fused its multiply-adds differently beside different vector bodies, and a row's sums
+// then changed with the number of rows in the call.
+template <typename Stored>
+__attribute__((noinline)) void tail_sums(const float* __restrict x, const Stored* __restrict w, int64_t whole,
+                                         int64_t in, float* __restrict out) {
+  for (int64_t k = whole; k < in; ++k)
+    for (int c = 0; c < W; ++c) out[c] += x[k] * widen(w[c * in + k]);
+}
+
+// Features j .. j + W of one row x: out[0 .. W). `w`: the block's weights as the vectors read
+// them (bf16 widened once for a call's rows, or as stored); `stored`: the same weights as
+// stored, which the remainder reads whatever `w` is, so that it is one computation either way.
+template <typename Weight, typename Stored>
+inline void dot_block(const float* __restrict x, const Weight* __restrict w, const Stored* __restrict stored,
+                      int64_t in, float* __restrict out) {
   const int64_t whole = in / W * W;
   V acc[W];
   for (int c = 0; c < W; ++c) acc[c] = V{};
@@ -51,8 +65,7 @@ inline void dot_block(const float* __restrict x, const Weight* __restrict w, int
   }
   const V sums = LaneSums<float>::of(acc);
   std::memcpy(out, &sums, sizeof(V));
-  for (int64_t k = whole; k < in; ++k)
-    for (int c = 0; c < W; ++c) out[c] += x[k] * widen(w[c * in + k]);
+  if (whole < in) tail_sums(x, stored, whole, in, out);
 }
 
 template <typename Weight>
@@ -82,11 +95,11 @@ const float* widened_block(const uint16_t* w, int64_t n) {
 }
 
 // Features j .. j + W of every row.
-template <typename Weight>
-void block_rows(const LinearProblem& p, const Weight* w, int64_t j) {
+template <typename Weight, typename Stored>
+void block_rows(const LinearProblem& p, const Weight* w, const Stored* stored, int64_t j) {
   for (int64_t r = 0; r < p.rows; ++r) {
     float* out = p.out + r * p.features + j;
-    dot_block(p.x + r * p.x_stride, w, p.in, out);
+    dot_block(p.x + r * p.x_stride, w, stored, p.in, out);
     if (p.bias)
       for (int c = 0; c < W; ++c) out[c] += p.bias[j + c];
   }
@@ -99,11 +112,11 @@ void features(const LinearProblem& p, const Weight* weights, int64_t begin, int6
     const Weight* w = weights + j * p.in;
     if constexpr (std::is_same_v<Weight, uint16_t>) {
       if (p.rows > 1) {
-        block_rows(p, widened_block(w, W * p.in), j);
+        block_rows(p, widened_block(w, W * p.in), w, j);
         continue;
       }
     }
-    block_rows(p, w, j);
+    block_rows(p, w, w, j);
   }
   for (; j < end; ++j)
     for (int64_t r = 0; r < p.rows; ++r)
