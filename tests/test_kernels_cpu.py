@@ -1054,11 +1054,9 @@ LINEAR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["f32-weights", "bf16-weights"])
-@pytest.mark.parametrize("rows, width, features, bias, row_gap", LINEAR_CASES)
-def test_simd_variant_linear_matches_reference(simd_backend, rows, width, features, bias, row_gap, weight_dtype):
-    """bf16 weights (a model loaded in bf16) are widened exactly, so against the float64 product
-    of the same bf16 values the tolerance is fp32's, as for fp32 weights."""
+def linear_operands(simd_backend, rows, width, features, bias, row_gap, weight_dtype):
+    """The variant's extension, the seed, and random x (rows `row_gap` past `width` apart), w and
+    bias (or None) of a LINEAR_CASES case."""
     from scan_kernels.cpu import build
 
     ext = build.load_extension(variant=build.variant_named(simd_backend.details["simd"]))
@@ -1067,6 +1065,15 @@ def test_simd_variant_linear_matches_reference(simd_backend, rows, width, featur
     x = torch.randn(rows, width + row_gap, generator=gen)[:, :width]
     w = torch.randn(features, width, generator=gen).to(weight_dtype)
     b = torch.randn(features, generator=gen) if bias else None
+    return ext, seed, x, w, b
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["f32-weights", "bf16-weights"])
+@pytest.mark.parametrize("rows, width, features, bias, row_gap", LINEAR_CASES)
+def test_simd_variant_linear_matches_reference(simd_backend, rows, width, features, bias, row_gap, weight_dtype):
+    """bf16 weights (a model loaded in bf16) are widened exactly, so against the float64 product
+    of the same bf16 values the tolerance is fp32's, as for fp32 weights."""
+    ext, seed, x, w, b = linear_operands(simd_backend, rows, width, features, bias, row_gap, weight_dtype)
     got = ext.linear(x, w, b)
     expected = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     # fp32 sums of `width` products, in another order than the float64 reference's
@@ -1088,14 +1095,7 @@ def test_simd_variant_linear_gives_a_row_what_it_gives_it_alone(simd_backend, ro
     between sessions, and a rollback re-simulates a frame alone. bf16 weights are widened once
     for a call of many rows and read as stored for one; the remainder past `in`'s last whole
     vector was summed differently in the two (found by the state walk)."""
-    from scan_kernels.cpu import build
-
-    ext = build.load_extension(variant=build.variant_named(simd_backend.details["simd"]))
-    seed = random_seed()
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, width + row_gap, generator=gen)[:, :width]
-    w = torch.randn(features, width, generator=gen).to(weight_dtype)
-    b = torch.randn(features, generator=gen) if bias else None
+    ext, seed, x, w, b = linear_operands(simd_backend, rows, width, features, bias, row_gap, weight_dtype)
     together = ext.linear(x, w, b)
     for row in range(rows):
         assert torch.equal(ext.linear(x[row:row + 1], w, b)[0], together[row]), \
