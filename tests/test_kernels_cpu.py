@@ -1094,7 +1094,7 @@ def test_simd_variant_linear_gives_a_row_what_it_gives_it_alone(simd_backend, ro
     """Bit for bit, whatever rows a call holds beside it: the batcher shares a model step's pass
     between sessions, and a rollback re-simulates a frame alone. bf16 weights are widened once
     for a call of many rows and read as stored for one; the remainder past `in`'s last whole
-    vector was summed differently in the two (found by the state walk)."""
+    vector was summed differently in the two."""
     ext, seed, x, w, b = linear_operands(simd_backend, rows, width, features, bias, row_gap, weight_dtype)
     together = ext.linear(x, w, b)
     for row in range(rows):

@@ -524,9 +524,10 @@ def test_a_rows_fused_step_does_not_depend_on_the_rows_beside_it(arch, dtype):
     """A session's frame gives the same bits stepped alone as in a pass with other sessions'
     rows (the batcher shares passes), so that a rollback's re-simulation reproduces a frame that
     was batched. Widths of no vector size's multiple (22 channels, 46 conv outputs), so that
-    some values of a pass fall past its last whole vector. Found by the state walk: there the
-    silu of the conv outputs and gates took another exp than in the vectors, and a bf16 model's
-    products summed the remainder of their inputs otherwise for one row than for many."""
+    some values of a pass fall past its last whole vector. The state walk found the silu of the
+    conv outputs and gates taking another exp there than in the vectors; checking its reach found
+    a bf16 model's products summing the remainder of their inputs otherwise for one row than for
+    many."""
     if scan_kernels.model_step_kernel("cpu", cpu_backends()[-1]) is None:
         pytest.skip("no fused model step: the C++ backend is not built here (make kernels)")
     seed = random_seed()

@@ -816,8 +816,8 @@ defmodule ScanBridge.Cluster.Session do
             {:ok, remote, :not_run, fingerprint}
 
           {:error, error} ->
-            # the replay's error is the one to report, now: the close goes apart, not waited
-            # for, so a member frozen meanwhile costs the caller nothing past its deadline
+            # the replay's error is answered at once; the close goes apart, so a member frozen
+            # meanwhile costs the caller nothing past its deadline
             close_apart(member, remote)
             if Cluster.gone?(error), do: {:next, error}, else: {:error, error}
         end
