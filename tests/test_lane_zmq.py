@@ -796,25 +796,37 @@ def ipc_lane(path) -> ZmqTransport:
     return ZmqTransport(None, [f"ipc://{path}"], max_frame_size=1 << 20, max_in_flight=4, hwm=4)
 
 
-def test_a_lane_whose_io_thread_does_not_stop_still_removes_its_ipc_file(tmp_path, monkeypatch):
-    """At shutdown an io thread still busy (dropping a message of millions of frames, say) keeps
-    its sockets open, but the lane's ipc socket file goes (found in review: it was left, and a
-    server started next on the path refused it as another server's)."""
+def test_an_io_thread_busy_past_the_deadline_closes_the_lane_itself_when_it_returns(tmp_path):
+    """At shutdown an io thread still busy (serving a request where it read it, dropping a message
+    of millions of frames) is not waited for past the deadline: the lane's ipc socket file goes at
+    once, and the thread sends the reply it was making and closes the sockets when it returns
+    (found in review: close() waited 1 s whatever its deadline, then left the sockets open for
+    good and the reply unsent). The path's next server's file is not the old lane's to remove."""
     path = tmp_path / "lane.ipc"
-    srv = InProcessServer(native_step=False)
-    transport = ZmqTransport(srv.dispatcher, [f"ipc://{path}"], max_frame_size=1 << 20, max_in_flight=4, hwm=4)
-    transport.start()
-    io_thread = transport._thread
-    stuck = threading.Event()
-    monkeypatch.setattr(transport, "_thread", types.SimpleNamespace(ident=io_thread.ident, join=stuck.wait,
-                                                                    is_alive=lambda: True))
-    try:
-        transport.close(time.monotonic())
+    entered, release = threading.Event(), threading.Event()
+
+    def on_frame(target, body, received_ns, buffers):
+        entered.set()
+        release.wait(REPLY_TIMEOUT_S)
+        target.send([b"done: " + bytes(body)])
+
+    with zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight=1) as (transport, client):
+        client.send(b"slow")
+        assert entered.wait(REPLY_TIMEOUT_S), "the request never reached the dispatcher"
+        started = time.monotonic()
+        transport.close(started)  # a deadline already reached: nothing is waited for
+        assert time.monotonic() - started < 0.9, "close() waited long past its deadline"
         assert not path.exists(), "the lane left its socket file behind"
-    finally:
-        io_thread.join(10)  # it saw the stop
-        transport._close_sockets()
-        srv.close()
+        assert not transport.sockets[0].closed  # still the busy thread's
+        path.write_bytes(b"")  # the next server's file at the same path
+        release.set()
+        transport._thread.join(REPLY_TIMEOUT_S)
+        assert not transport._thread.is_alive()
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), "the reply made after the deadline never left"
+        assert client.recv() == b"done: slow"
+        assert all(sock.closed for sock in transport.sockets + transport.monitors)
+        assert transport.context.closed
+        assert path.exists(), "the old lane removed a file at its path made after it closed"
 
 
 def test_an_ipc_path_is_not_taken_from_a_live_server_and_is_removed_on_close(tmp_path):

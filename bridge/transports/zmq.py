@@ -208,6 +208,11 @@ class ZmqTransport:
         self._flushing = False
         self._stop = threading.Event()
         self._closed = False
+        # Who closes the sockets when the io thread outlives close()'s wait: the thread itself,
+        # once it returns from what held it (_io_stopped and _close_deadline, under _ending).
+        self._ending = threading.Lock()
+        self._io_stopped = False
+        self._close_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="zmq-io", daemon=True)
         try:
             for endpoint in endpoints:
@@ -257,28 +262,37 @@ class ZmqTransport:
     def close(self, deadline: float | None = None) -> None:
         """Stop the io thread, send the replies already posted and those posted meanwhile (until
         `deadline`, time.monotonic(); FLUSH_SECONDS from now by default), and close the sockets
-        (queued messages get LINGER_MS to leave)."""
+        (queued messages get LINGER_MS to leave). An io thread still busy at the deadline (a
+        request it serves where it read it, a huge message it drops) is not waited for: it sends
+        and closes the lane itself when it returns; the ipc socket files go at once, so that a
+        server started next finds the paths free."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + FLUSH_SECONDS if deadline is None else deadline
         if self._thread.ident is not None:  # started
             self._stop.set()
             self.outbox.post(None)
-            self._thread.join(1.0)
-            if self._thread.is_alive():
-                # Its sockets cannot be closed under it (and the context would wait for them);
-                # their files can go, so that a server started next finds the paths free.
-                log.error("the zmq io thread did not stop; replies still queued are lost")
-                self._unlink_ipc_paths()
-                return
-            deadline = time.monotonic() + FLUSH_SECONDS if deadline is None else deadline
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            with self._ending:
+                if not self._io_stopped:
+                    self._close_deadline = deadline
+                    log.warning("the zmq io thread is still busy at the shutdown deadline; it closes the "
+                                "lane when it returns, replies queued until then are sent then")
+                    self._unlink_ipc_paths()
+                    return
+        self._finish(deadline)
+
+    def _finish(self, deadline: float) -> None:
+        """Send what is queued and posted (one try, then until `deadline`), and close the
+        sockets: on close()'s thread, or on the io thread where it outlived close()'s wait."""
+        self._flush()
+        while (self.outbox.pending or self._replies or self._backlogged) and time.monotonic() < deadline:
+            time.sleep(RETRY_MS / 1000)
             self._flush()
-            while (self.outbox.pending or self._replies or self._backlogged) and time.monotonic() < deadline:
-                time.sleep(RETRY_MS / 1000)
-                self._flush()
-            if self.outbox.pending or self._replies or self._backlogged:
-                log.warning("zmq lane: replies to %d peers still unsent at the shutdown deadline are lost",
-                            len(self._backlogged) + bool(self.outbox.pending or self._replies))
+        if self.outbox.pending or self._replies or self._backlogged:
+            log.warning("zmq lane: replies to %d peers still unsent at the shutdown deadline are lost",
+                        len(self._backlogged) + bool(self.outbox.pending or self._replies))
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -294,7 +308,9 @@ class ZmqTransport:
         self._unlink_ipc_paths()
 
     def _unlink_ipc_paths(self) -> None:
-        for path in self._ipc_paths:  # libzmq leaves the socket files of ipc endpoints behind
+        # Once only: a file at the path later is a server's started since.
+        paths, self._ipc_paths = self._ipc_paths, []
+        for path in paths:  # libzmq leaves the socket files of ipc endpoints behind
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -333,6 +349,11 @@ class ZmqTransport:
                 # A fault in one message or event (a bug) costs that one, not the lane: every
                 # peer's requests would go unanswered while the server runs on.
                 log.exception("zmq io thread: a message or event could not be handled")
+        with self._ending:
+            self._io_stopped = True
+            deadline = self._close_deadline
+        if deadline is not None:  # close() gave up waiting for this thread: the lane is its to close
+            self._finish(deadline)
 
     def _receive(self, index: int, sock: zmq.Socket) -> None:
         for _ in range(RECEIVE_BATCH):
