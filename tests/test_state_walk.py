@@ -509,7 +509,11 @@ class StateWalk(RuleBasedStateMachine):
             output = result["hidden"]
             if memo in value.after:
                 before, after = value.after[memo]
-                assert torch.equal(output, before), f"{what}: run again from the same state, another output"
+                again = f"{what}: run again from the same state, another output"
+                if self.srv.server.backend == "cpu":  # bit for bit, batched or alone (SPEC §6.3)
+                    assert torch.equal(output, before), again
+                else:  # torch's products may round otherwise with more rows in a launch
+                    assert_close(output, before, torch.float32, again)
             else:
                 after = Value(None)
                 value.after[memo] = (output, after)
