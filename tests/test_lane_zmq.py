@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 import threading
-import types
 import time
 from collections import deque
 from types import SimpleNamespace
