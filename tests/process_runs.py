@@ -40,8 +40,9 @@ class ProcessRun:
     def output(self) -> str:
         return self.stdout + self.stderr
 
-    def failure(self, what: str | None = None) -> str | None:
-        """Why the run failed, with the end of its output; None when it exited 0 alone."""
+    def failure(self, what: str | None = None, excerpts: list[str] = ()) -> str | None:
+        """Why the run failed, with `excerpts` of its output (what the caller knows to look for)
+        and the output's end; None when it exited 0 alone."""
         what = what or " ".join(self.command)
         problems = []
         if self.returncode is None:
@@ -51,7 +52,7 @@ class ProcessRun:
         if self.leftovers:
             problems.append(f"{len(self.leftovers)} process(es) it started outlived it by more than "
                             f"{self.leftover_grace_s} s (killed now): " + "; ".join(self.leftovers))
-        return "\n".join(problems + [self.output[-8000:]]) if problems else None
+        return "\n".join(problems + list(excerpts) + [self.output[-8000:]]) if problems else None
 
 
 def run_marked(command: list[str], *, timeout_s: float, cwd=None, env: dict | None = None,

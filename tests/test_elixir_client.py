@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -102,6 +103,28 @@ def exunit_build_path(part: str) -> str:
 def exunit_command(part: str, files: list[str]):
     env = mix_env(exunit_build_path(part))
     return [shutil.which("mix"), "test", *files], {"timeout_s": EXUNIT_TIMEOUT_S, "cwd": PROJECT, "env": env}
+
+
+# ExUnit's report of one failed test: "  1) test name (Module)", then lines indented under it.
+EXUNIT_FAILURE_HEADER = re.compile(r"^\s+\d+\) (test|doctest) ")
+EXUNIT_FAILURE_MAX_LINES = 80
+
+
+def exunit_failure_reports(output: str) -> list[str]:
+    """The failed tests' reports in a `mix test` output. ExUnit prints each as the test fails, in
+    the middle of the run's logs, so a failure message showing the output's end can miss them."""
+    lines = output.splitlines()
+    reports = []
+    for start, line in enumerate(lines):
+        if not EXUNIT_FAILURE_HEADER.match(line):
+            continue
+        end = start + 1
+        # the report ends where a line starts at column 0 again (a log line, the next dot)
+        while end < len(lines) and end - start < EXUNIT_FAILURE_MAX_LINES and (
+                not lines[end] or lines[end][0].isspace()):
+            end += 1
+        reports.append("\n".join(lines[start:end]).rstrip())
+    return reports
 
 
 EXUNIT_SUITES = {part: BackgroundRun(lambda part=part, files=files: exunit_command(part, files))
@@ -209,6 +232,37 @@ def test_exunit_files_that_start_peer_nodes_are_in_the_clusters_part():
     assert starting_peers == [], f"start :peer nodes but are not in CLUSTER_TEST_FILES: {starting_peers}"
 
 
+def test_exunit_failure_reports_are_found_among_the_logs():
+    output = "\n".join([
+        "..",
+        "09:35:43.188 [warning] 'global' at node :a requested disconnect from node :b",
+        "",
+        "  1) test a frozen member's session moves (ScanBridge.ClusterTest)",
+        "     test/cluster_test.exs:120",
+        "     Assertion with == failed",
+        "",
+        "     left:  1",
+        "     right: 2",
+        "     stacktrace:",
+        "       test/cluster_test.exs:131: (test)",
+        "",
+        "09:35:56.730 [warning] scan-bridge: a member gives model name \"tiny\" up",
+        ".",
+        "  2) doctest ScanBridge.open/2 (3) (ScanBridge.DocTest)",
+        "     lib/scan_bridge.ex:40",
+        "",
+        "Finished in 1.0 seconds",
+    ])
+    reports = exunit_failure_reports(output)
+    assert [report.splitlines()[0].strip() for report in reports] == [
+        "1) test a frozen member's session moves (ScanBridge.ClusterTest)",
+        "2) doctest ScanBridge.open/2 (3) (ScanBridge.DocTest)"]
+    assert reports[0].endswith("test/cluster_test.exs:131: (test)")
+    assert "right: 2" in reports[0] and "[warning]" not in reports[0]
+    assert reports[1].endswith("lib/scan_bridge.ex:40")
+    assert exunit_failure_reports("....\nFinished in 1.0 seconds\n84 tests, 0 failures") == []
+
+
 # Last in the file: by then the child suites have had the others' time to run.
 def test_exunit_suite_passes():
     find_mix()
@@ -219,7 +273,8 @@ def test_exunit_suite_passes():
         finally:
             shutil.rmtree(exunit_build_path(part), ignore_errors=True)
         print(f"`mix test` on {part}:\n{run.output}")
-        if failure := run.failure(f"`mix test` on {part} in elixir_client/"):
+        if failure := run.failure(f"`mix test` on {part} in elixir_client/",
+                                  exunit_failure_reports(run.stdout)):
             failures.append(failure)
     if failures:
         pytest.fail("\n\n".join(failures))
