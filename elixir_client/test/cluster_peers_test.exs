@@ -154,7 +154,8 @@ defmodule ScanBridge.ClusterPeersTest do
     outcomes = scans(g, 9, timeout: 300)
     elapsed = System.monotonic_time(:millisecond) - t0
     # the deadline, the 50 ms a caller waits past it, and scheduling on a loaded 2-core box
-    assert elapsed < 300 + 400, "the calls took #{elapsed} ms"
+    # (not the frozen member's answer)
+    assert elapsed < 300 + 2_000, "the calls took #{elapsed} ms"
 
     {timeouts, answered} =
       Enum.split_with(outcomes, &match?({:error, %Error{reason: :timeout}}, &1))

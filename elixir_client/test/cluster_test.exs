@@ -895,8 +895,9 @@ defmodule ScanBridge.ClusterTest do
     timeout = 300
     started = System.monotonic_time(:millisecond)
     assert {:error, %Error{reason: :timeout}} = Cluster.close_session(s, timeout: timeout)
-    # the owner's own answer, at the deadline: not the keeper's, given up on 100 ms past it
-    assert System.monotonic_time(:millisecond) - started < timeout + 100
+    # by its deadline, with room for a loaded box's scheduling: not by the frozen owner
+    assert System.monotonic_time(:millisecond) - started < timeout + 2_000
+    # and the keeper, not waiting on the owner either, is gone soon after
     assert_receive {:DOWN, ^keeper, :process, _pid, :normal}, 1_000
     thaw(os_pid)
     # the server closes the session, and frees the copy, of the keeper gone (other tests'
@@ -1150,8 +1151,8 @@ defmodule ScanBridge.ClusterTest do
       t0 = System.monotonic_time(:millisecond)
       assert {:error, %Error{reason: :overloaded}} = Cluster.scan(g, inputs, timeout: 100)
       elapsed = System.monotonic_time(:millisecond) - t0
-      # its deadline, and scheduling on a loaded 2-core box
-      assert elapsed >= 100 and elapsed < 100 + 400, "answered after #{elapsed} ms"
+      # its deadline, and scheduling on a loaded 2-core box (not the frozen member's answer)
+      assert elapsed >= 100 and elapsed < 100 + 2_000, "answered after #{elapsed} ms"
     end
 
     test "inputs that belong to one server are refused in the caller", %{shared: g} do

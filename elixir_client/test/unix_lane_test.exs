@@ -396,7 +396,8 @@ defmodule ScanBridge.UnixLaneTest do
   # other reply leaves it: the free that reply calls for waits behind it.
   test "with a server cap of 1 a held health check goes before a late reply's free" do
     {client, socket, first} = capped_health_server(:health_before_free)
-    put = Task.async(fn -> Server.request(client, "put", %{}, 300) end)
+    # a deadline the put must not reach while queued (it would leave unsent), on a loaded box too
+    put = Task.async(fn -> Server.request(client, "put", %{}, 1_500) end)
     assert eventually(fn -> :gb_trees.size(:sys.get_state(client).queue) == 1 end)
     reply!(socket, first, %{"ok" => true, "result" => %{"ready" => true}})
     %{"op" => "put", "id" => put_id} = request!(socket)
