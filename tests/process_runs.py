@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from waiting import poll_until
@@ -40,7 +41,7 @@ class ProcessRun:
     def output(self) -> str:
         return self.stdout + self.stderr
 
-    def failure(self, what: str | None = None, excerpts: list[str] = ()) -> str | None:
+    def failure(self, what: str | None = None, excerpts: Sequence[str] = ()) -> str | None:
         """Why the run failed, with `excerpts` of its output (what the caller knows to look for)
         and the output's end; None when it exited 0 alone."""
         what = what or " ".join(self.command)
