@@ -33,6 +33,7 @@ import torch
 
 import protocol
 from bridge.client import result_from_wire, to_wire
+from bridge.sessions import Session
 from bridge.timing import now_ns
 from bridge_fakes import RecordingConnection
 from kernel_cases import random_seed
@@ -405,6 +406,37 @@ def test_a_failing_frame_leaves_the_snapshots_its_frames_copied_into_undefined(i
     # a copy into it that completes defines it again
     scene.call("model_step", session=session, **scene.frame(), snapshot_into=snapshots[0])
     scene.call("session_restore", session=session, snapshot=snapshots[0])
+
+
+def test_a_failing_frame_whose_undo_fails_too_still_leaves_the_copied_snapshots_undefined(inproc, monkeypatch):
+    """The restore that undoes a failed rollback can fail itself (out of memory): the reply is
+    then that failure's, the session lost (SPEC §6.1), and the snapshots the frames copied into
+    are still undefined (found in review: marking them came after the undo, which raised)."""
+    seed = random_seed()
+    scene = Scene(inproc(), Case("mamba2", "model_step", batch=2), seed)
+    session, snapshot, _ = stepped_with_snapshot(scene, 1)
+    into = scene.call("session_snapshot", session=session)["snapshot"]
+    bad = scene.frame()
+    bad["embeds"] = torch.cat([bad["embeds"], bad["embeds"][:1]])
+    sent = [{"op": "model_step", "args": {**scene.frame(), "snapshot_into": into}}, {"op": "model_step", "args": bad}]
+    writes = []
+    write_rows = Session.write_rows
+
+    def undo_runs_out_of_memory(self, rows):
+        writes.append(self.id)
+        if len(writes) == 2:  # the request's restore, then the undo's
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return write_rows(self, rows)
+
+    monkeypatch.setattr(Session, "write_rows", undo_runs_out_of_memory)
+    reply = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=snapshot, frames=sent)
+    monkeypatch.undo()
+    assert len(writes) == 2, f"seed={seed}: the session's rows written {len(writes)} times, not restored and undone"
+    assert not reply.ok and reply.error["detail"].get("state") == "lost", f"seed={seed}: {reply.error}"
+    refused = scene.srv.request(scene.conn, "session_restore", session=session, snapshot=into)
+    assert not refused.ok and refused.error["code"] == "state_lost", f"seed={seed}: {refused.error}"
+    # the snapshot restored is whole: the lost session is whole again from it
+    scene.call("session_restore", session=session, snapshot=snapshot)
 
 
 class FramingConnection(RecordingConnection):

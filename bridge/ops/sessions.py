@@ -42,10 +42,13 @@ def run_frames(server, call, session, undo) -> list[dict]:
     named = frames_snapshots(server, call)
 
     def undo_all() -> None:
-        undo()
-        for snapshot, copies_before in named.items():
-            if snapshot.copies_begun != copies_before:
-                snapshot.undefined_why = FRAMES_FAILED
+        # The copies are void whether or not the undo itself completes.
+        try:
+            undo()
+        finally:
+            for snapshot, copies_before in named.items():
+                if snapshot.copies_begun != copies_before:
+                    snapshot.undefined_why = FRAMES_FAILED
 
     results = []
     for i, frame in enumerate(call.args["frames"]):
@@ -82,7 +85,7 @@ def frames_snapshots(server, call) -> dict:
 def open_filled(server, call, batch: int, layout: StateLayout, fill=None):
     """A new session of `layout`, `fill(session)` run on it first; a fill that fails (an
     allocation, say) closes it again, so that a failed request leaves nothing open."""
-    session = server.open_session(call.conn, batch, layout)
+    session = server.open_session(call.conn, batch, layout, call.request.op)
     if fill is not None:
         try:
             fill(session)
