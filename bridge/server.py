@@ -150,8 +150,8 @@ class Server:
             raise state_lost(session_id, field)
         return session
 
-    def open_session(self, conn, batch: int, layout: StateLayout) -> Session:
-        session = self.sessions.open(conn.id, batch, layout)
+    def open_session(self, conn, batch: int, layout: StateLayout, op: str = "session_open") -> Session:
+        session = self.sessions.open(conn.id, batch, layout, op)
         self._watch(conn)
         return session
 

@@ -350,13 +350,13 @@ class SessionTable(OwnedTable[Session]):
         # session snapshots.
         self._held = {"models": 0, "snapshots": 0}
 
-    def open(self, owner: str, batch: int, layout: StateLayout) -> Session:
-        """A new session of `batch` rows whose state is zero. Limits are checked before anything
-        is allocated."""
+    def open(self, owner: str, batch: int, layout: StateLayout, op: str = "session_open") -> Session:
+        """A new session of `batch` rows whose state is zero, for the request `op` (named by a
+        refusal). Limits are checked before anything is allocated."""
         with self._lock:
             if len(self) >= self.max_sessions:
                 raise OpError("limit_exceeded",
-                              f"session_open: at most {self.max_sessions} sessions may be open at once "
+                              f"{op}: at most {self.max_sessions} sessions may be open at once "
                               f"(--max-sessions), {len(self)} are",
                               {"limit": "max_sessions", "max": self.max_sessions, "open": len(self)})
             pool = self._pools.get(layout)
@@ -367,17 +367,17 @@ class SessionTable(OwnedTable[Session]):
                 if missing > room:
                     what = (f"{list(layout.shape)} fp32 state" if len(layout.parts) == 1
                             else f"{row_bytes}-byte model state")
-                    self._refuse("session_open", f"{batch} rows of {what}", missing * row_bytes)
+                    self._refuse(op, f"{batch} rows of {what}", missing * row_bytes)
                 grown = pool if pool is not None else StatePool(layout, self.device)
                 # Double when the budget allows, so that n opens cost O(log n) pool copies.
-                with allocation("session_open"):
+                with allocation(op):
                     grown.grow(grown.capacity + max(missing, min(grown.capacity, room)))
                 # Kept only once it holds rows: a pool whose growth failed would hold no session
                 # that could ever close it.
                 pool = self._pools[layout] = grown
             slots = pool.take(batch)
             try:
-                with allocation("session_open"):
+                with allocation(op):
                     _, session = self._add(owner, lambda session_id: Session(session_id, batch, pool, slots))
             except BaseException:
                 self._give_back(pool, slots)

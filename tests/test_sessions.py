@@ -435,7 +435,10 @@ def test_session_count_limit(inproc):
     first = srv.call(conn, "session_open", batch=1, dim=3, state=2)["session"]
     srv.call(conn, "session_open", batch=1, dim=5, state=2)
     error = expect_limit(srv, conn, "session_open", "max_sessions", batch=1, dim=3, state=2)
-    assert "--max-sessions" in error["message"]
+    assert error["message"].startswith("session_open: ") and "--max-sessions" in error["message"]
+    # a fork is a session too; its refusal names the op asked (it named session_open: review)
+    error = expect_limit(srv, conn, "session_fork", "max_sessions", session=first)
+    assert error["message"].startswith("session_fork: at most 2 sessions"), error["message"]
     srv.call(conn, "session_close", session=first)
     srv.call(conn, "session_open", batch=1, dim=3, state=2)
 
@@ -449,6 +452,8 @@ def test_pool_bytes_limit(inproc):
     assert error["detail"]["requested"] == 5 * row and error["detail"]["max"] == 10 * row
     srv.call(conn, "session_open", batch=4, dim=5, state=4)  # exactly fills the budget
     expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=1, dim=1, state=1)
+    error = expect_limit(srv, conn, "session_fork", "max_pool_bytes", session=six)
+    assert error["message"].startswith("session_fork: 6 rows of [5, 4] fp32 state need"), error["message"]
     srv.call(conn, "session_close", session=six)
     srv.call(conn, "session_open", batch=6, dim=5, state=4)  # its rows are free again
     assert srv.server.sessions.usage()["pool_bytes"] == 10 * row
