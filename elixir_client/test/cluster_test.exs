@@ -52,6 +52,35 @@ defmodule ScanBridge.ClusterTest do
     %{shared: g, members: members}
   end
 
+  # A keeper, a catalogue keeper or the balancer ended by a misaddressed message would take a
+  # session's checkpoint, or the node's view of the group, with it.
+  test "a call or cast a cluster process does not take is refused or dropped; each serves on",
+       %{shared: g} do
+    {:ok, s} = Cluster.open_session(g, [batch: 1, dim: 4, state: 2], checkpoint: 2)
+    [keeper | _] = Cluster.Member.keepers(g)
+    balancer = Process.whereis(Balancer)
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        for pid <- [s.pid, keeper, balancer] do
+          assert {:error, %Error{reason: :invalid_argument}} =
+                   GenServer.call(pid, {:no_such_call, 1})
+
+          GenServer.cast(pid, {:no_such_cast, 1})
+        end
+
+        send(balancer, :no_such_message)
+        # calls behind the casts: each has handled them when it answers
+        assert {:ok, %{status: :ok}} = Cluster.session_info(s)
+        assert is_map(GenServer.call(keeper, :catalogue, 5_000))
+        assert is_map(Cluster.loads(g))
+      end)
+
+    assert log =~ "takes no call {:no_such_call, 1}" and log =~ "takes no cast {:no_such_cast, 1}"
+    assert Process.whereis(Balancer) == balancer and Process.alive?(keeper)
+    assert :ok = Cluster.close_session(s)
+  end
+
   test "stateless calls spread over the members and are right", %{shared: g, members: members} do
     inputs = TestSupport.scan_inputs(%{batch: 1, seq: 64, dim: 64, state: 8})
     {:ok, direct} = ScanBridge.scan(hd(members), inputs)

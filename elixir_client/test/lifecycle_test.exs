@@ -147,6 +147,26 @@ defmodule ScanBridge.LifecycleTest do
     GenServer.stop(client)
   end
 
+  test "a call the client does not take is refused, a cast dropped; it serves on" do
+    {:ok, client} = ScanBridge.start_link(TestSupport.server_opts())
+    {:ok, os_pid} = ScanBridge.os_pid(client)
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        assert {:error, %Error{reason: :invalid_argument, message: message}} =
+                 GenServer.call(client, {:no_such_call, 1})
+
+        assert message =~ "takes no call {:no_such_call, 1}"
+        GenServer.cast(client, {:no_such_cast, 1})
+        assert :ok = ScanBridge.ping(client)
+      end)
+
+    assert log =~ "takes no cast {:no_such_cast, 1}"
+    # the same OS server: nothing was restarted
+    assert {:ok, ^os_pid} = ScanBridge.os_pid(client)
+    GenServer.stop(client)
+  end
+
   test "health: a serving server is live and ready" do
     {:ok, client} = ScanBridge.start_link(TestSupport.server_opts())
 

@@ -100,7 +100,7 @@ defmodule ScanBridge.Server do
   use GenServer
   require Logger
 
-  alias ScanBridge.{Cluster, Error, Protocol}
+  alias ScanBridge.{Cluster, Error, Protocol, Unexpected}
 
   @defaults [
     python: nil,
@@ -452,6 +452,8 @@ defmodule ScanBridge.Server do
     {:reply, {:ok, entry}, state}
   end
 
+  def handle_call(request, _from, state), do: {:reply, Unexpected.call(__MODULE__, request), state}
+
   @impl true
   def handle_cast({:name_model, name, nil}, state) do
     Cluster.Balancer.forget_model(self(), name)
@@ -482,6 +484,11 @@ defmodule ScanBridge.Server do
       end)
 
     {:noreply, state |> release_unconfirmed(pid) |> send_queued()}
+  end
+
+  def handle_cast(request, state) do
+    Unexpected.cast(__MODULE__, request)
+    {:noreply, state}
   end
 
   # Started once this server answers, so that the group never routes to one that does not.

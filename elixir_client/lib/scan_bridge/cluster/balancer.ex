@@ -19,7 +19,7 @@ defmodule ScanBridge.Cluster.Balancer do
 
   use GenServer
 
-  alias ScanBridge.Cluster
+  alias ScanBridge.{Cluster, Unexpected}
 
   # members: the members seen, each with its monitor, which is also the member's generation
   # here: a member whose node went away and came back (the same pid) is monitored anew, and a
@@ -135,6 +135,8 @@ defmodule ScanBridge.Cluster.Balancer do
     {:reply, loads, state}
   end
 
+  def handle_call(request, _from, state), do: {:reply, Unexpected.call(__MODULE__, request), state}
+
   @impl true
   def handle_cast({:checkin, token}, state) do
     Process.demonitor(token, [:flush])
@@ -154,6 +156,11 @@ defmodule ScanBridge.Cluster.Balancer do
 
   def handle_cast({:learn_refuses_frames, member}, state) do
     if is_map_key(state.members, member), do: :ets.insert(@facts, {{member, :refuses_frames}, true})
+    {:noreply, state}
+  end
+
+  def handle_cast(request, state) do
+    Unexpected.cast(__MODULE__, request)
     {:noreply, state}
   end
 
@@ -177,6 +184,9 @@ defmodule ScanBridge.Cluster.Balancer do
         {:noreply, release(state, ref)}
     end
   end
+
+  # Anything else (a message sent to the wrong process) is not this process's to act on.
+  def handle_info(_other, state), do: {:noreply, state}
 
   defp release(state, token) do
     case Map.pop(state.holders, token) do

@@ -35,7 +35,7 @@ defmodule ScanBridge.Cluster.Member do
   use GenServer
   require Logger
 
-  alias ScanBridge.Cluster
+  alias ScanBridge.{Cluster, Unexpected}
 
   # catalogue: name => {source, opts, info or nil}; versions: name => version, of every name
   # recorded or freed here; loads: the models loading, by name: %{ref:, source:, opts:, waiters:}
@@ -242,8 +242,15 @@ defmodule ScanBridge.Cluster.Member do
     end
   end
 
+  def handle_call(request, _from, state), do: {:reply, Unexpected.call(__MODULE__, request), state}
+
   @impl true
   def handle_cast({:release, name, caller}, state), do: {:noreply, release(state, name, caller)}
+
+  def handle_cast(request, state) do
+    Unexpected.cast(__MODULE__, request)
+    {:noreply, state}
+  end
 
   defp release(state, name, caller) do
     case Map.pop(state.claims, {name, caller}) do

@@ -29,7 +29,7 @@ defmodule ScanBridge.Cluster.Session do
   use GenServer, restart: :temporary
   require Logger
 
-  alias ScanBridge.{Cluster, Error}
+  alias ScanBridge.{Cluster, Error, Unexpected}
   alias ScanBridge.Cluster.Balancer
 
   @enforce_keys [:pid]
@@ -419,6 +419,14 @@ defmodule ScanBridge.Cluster.Session do
     }
 
     {:reply, {:ok, info}, state}
+  end
+
+  def handle_call(request, _from, state), do: {:reply, Unexpected.call(__MODULE__, request), state}
+
+  @impl true
+  def handle_cast(request, state) do
+    Unexpected.cast(__MODULE__, request)
+    {:noreply, state}
   end
 
   @impl true
