@@ -268,6 +268,9 @@ class InFlight:
     # For a cancel that cancel() sent, the Future of the request it names: once that request is
     # out of flight, the cancel is dropped unwritten. None for others, a caller's own cancel too.
     cancelling: Future | None = None
+    # ZmqClient: the connection its message went out on (how many had ended before), None
+    # while none has taken it.
+    sent_on: int | None = None
 
 
 @dataclass
@@ -1299,10 +1302,11 @@ class ZmqClient(FramedClient):
     ZeroMQ sockets are not thread-safe: one io thread owns the socket, sends what `submit`
     posts from any thread, and resolves replies; so the client is thread-safe.
 
-    ZeroMQ reconnects behind the socket and reports no peer going away: when the server
-    dies, requests in flight are never answered and never fail with ServerExited. Callers
-    find out by their timeouts (`request`'s, or `Future.result(timeout)`); only close()
-    fails what is still in flight."""
+    ZeroMQ connects again behind the socket when the connection ends (the server died or
+    restarted, a tcp connection broke): the requests that went out on it fail with
+    ServerExited, as no reply to them can come (the server drops what a gone peer asked for,
+    its sessions and handles with it), and the client goes on, those held back by the cap and
+    new ones going out on the next connection. Only close() ends the client."""
 
     def __init__(self, endpoint: str, *, multipart: bool = True, as_torch: bool = False,
                  curve_server_key: bytes | None = None, curve_keypair: tuple[bytes, bytes] | None = None):
@@ -1318,6 +1322,11 @@ class ZmqClient(FramedClient):
         # The server bounds what it accepts; the client never blocks (or drops) its own sends.
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
+        # Messages queue only on a connection made, and are dropped with it when it ends, so
+        # that none of those failed with it reaches the next server (_connection_ended).
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._connections_ended = 0  # the io thread's count
         if curve_server_key is not None:
             public, secret = curve_keypair or zmq.curve_keypair()
             self._socket.curve_serverkey = curve_server_key
@@ -1345,13 +1354,14 @@ class ZmqClient(FramedClient):
     def _send(self, frames: list, entry: InFlight | None = None) -> bool:
         # The io thread takes what was posted under this lock too: it sends in the order posted,
         # and a post an interrupt (Ctrl-C) cut short can tell whether its message went in.
+        message = (frames, entry)
         with self._write_lock:
             try:
                 if not self._begin_write(entry):
                     return False
-                self._outbox.post(frames)
+                self._outbox.post(message)
             except BaseException:
-                if entry is not None and entry.write_order is not None and not self._outbox.holds_last(frames):
+                if entry is not None and entry.write_order is not None and not self._outbox.holds_last(message):
                     self._write_undone(entry)
                 raise
         return True
@@ -1371,6 +1381,7 @@ class ZmqClient(FramedClient):
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._outbox.fd, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         # Messages the socket would not take yet: a DEALER with no connected peer (the server
         # not up yet, or refusing this client's CURVE handshake) blocks a send, and a blocked
         # io thread could neither receive nor stop for close().
@@ -1382,23 +1393,59 @@ class ZmqClient(FramedClient):
                 if self._outbox.fd in ready:
                     with self._write_lock:  # see _send
                         posted = self._outbox.take()
-                    for frames in posted:
-                        if frames is None:  # close()
+                    for message in posted:
+                        if message is None:  # close()
                             return
-                        unsent.append(frames)
+                        unsent.append(message)
                 if ready.get(self._socket, 0) & zmq.POLLIN:
                     self._receive_all()
+                # Every end reported is taken before a send: the next connection comes a
+                # reconnect interval after the end's report, so a message that goes now goes
+                # on a connection whose end, if any, is still to be reported.
+                self._take_connection_ends()
                 while unsent:
+                    frames, entry = unsent[0]
                     try:
-                        self._socket.send_multipart(unsent[0], zmq.NOBLOCK, copy=False)
+                        self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    if entry is not None:
+                        entry.sent_on = self._connections_ended
                     unsent.popleft()
                 if bool(unsent) != watching_out:
                     watching_out = bool(unsent)
                     poller.register(self._socket, zmq.POLLIN | (zmq.POLLOUT if watching_out else 0))
         finally:
             self._fail_all(ServerExited("the client was closed with requests outstanding"))
+
+    def _take_connection_ends(self) -> None:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                recv_monitor_message(self._monitor, zmq.NOBLOCK)  # EVENT_DISCONNECTED only
+            except zmq.Again:
+                return
+            self._connection_ended()
+
+    def _connection_ended(self) -> None:
+        """The connection ended: the requests whose messages went out on it fail (their replies
+        can no longer come: they would go to the gone connection), and what is held goes out on
+        the next (on the io thread: a post to the outbox, sent once connected)."""
+        ended = self._connections_ended
+        self._connections_ended += 1
+        with self._lock:
+            lost = [(request_id, entry) for request_id, entry in self._pending.items() if entry.sent_on == ended]
+            for request_id, _ in lost:
+                del self._pending[request_id]
+            self._unread_unnamed[:] = [entry for entry in self._unread_unnamed if entry.sent_on != ended]
+            # Answers with id nil still to be matched came on it, and their frames went on it.
+            self._nil_answers.clear()
+        for _, entry in lost:
+            settle(entry.future, ServerExited("the connection to the server ended before its reply "
+                                              "(ZeroMQ connects again; the server dropped what it held for it)"))
+        self._send_released()
 
     def _receive_all(self) -> None:
         import zmq
@@ -1420,6 +1467,9 @@ class ZmqClient(FramedClient):
         if self._thread.is_alive():
             # Closing a socket its thread still uses aborts the process: leave both behind.
             raise RuntimeError(f"the ZeroMQ client's io thread did not stop within {timeout} s")
+        if not self._socket.closed:  # a second close()
+            self._socket.disable_monitor()
+        self._monitor.close()
         self._socket.close()
         self._context.term()
         self._outbox.close()

@@ -851,9 +851,12 @@ def post_interrupted_once(client, request_id, where: str, thread: threading.Thre
     """Have the post of the message of `request_id` to `client`'s io thread (by `thread`, where
     given) interrupted once, "posting" (before it goes in) or "posted" (after), `meanwhile()`
     called just before."""
-    def picked(frames) -> bool:
+    def picked(message) -> bool:
+        """Whether `message` (a ZmqClient's post: its frames and what it keeps of the request)
+        is the one to interrupt."""
         if picked.done or (thread is not None and threading.current_thread() is not thread):
             return False
+        frames, _ = message
         try:
             frame_id = protocol.decode_request(bytes(frames[0]), frames[1:]).id
         except protocol.ProtocolError:
@@ -870,10 +873,10 @@ def post_interrupted_once(client, request_id, where: str, thread: threading.Thre
         return
     post = outbox.post
 
-    def interrupted(frames):
-        if frames is not None and picked(frames):
+    def interrupted(message):
+        if message is not None and picked(message):
             raise KeyboardInterrupt
-        post(frames)
+        post(message)
 
     outbox.post = interrupted
 
@@ -892,9 +895,20 @@ class RouterPeer:
         self.socket.setsockopt(zmq.LINGER, 0)
         endpoint = f"ipc://{tmp_path}/peer.ipc"
         self.socket.bind(endpoint)
+        self.endpoint = endpoint
         self.client = ZmqClient(endpoint)
         self.client.max_in_flight = cap
         self.routing_id = None
+
+    def restart(self) -> None:
+        """The server gone and another in its place at the same endpoint (the client's
+        connection ends, and it connects again)."""
+        import zmq
+
+        self.socket.close()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(self.endpoint)
 
     def read_request(self, timeout: float = 10) -> protocol.Request:
         assert self.socket.poll(timeout * 1000), f"nothing was sent within {timeout} s"
@@ -1052,6 +1066,35 @@ def test_a_request_whose_zmq_post_a_ctrl_c_cut_short_is_in_flight_once_its_messa
         assert later.result(10).ok
         assert not client.unmatched
         wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+
+
+def test_requests_sent_on_a_zmq_connection_that_ended_fail_and_the_held_go_on_the_next(tmp_path):
+    """ZeroMQ connects again when its connection ends, and no reply to what went out on it can
+    come: those requests kept their slots of the cap for ever, so that after the cap's worth of
+    them (one, at a cap of 2) every request was held unsent, the client useless with the server
+    back (found in review). They fail with ServerExited; what the cap held goes out on the next
+    connection, and nothing of the ended one does."""
+    from bridge.client import ServerExited
+
+    with zmq_peer_capped_at(tmp_path, 2) as server:
+        client = server.client
+        lost = client.submit("ping")
+        assert server.read_request().id == lost.request_id
+        held = client.submit("health")
+        assert list(client._held) == [held.request_id]
+        server.restart()
+        with pytest.raises(ServerExited, match="connection to the server ended"):
+            lost.result(10)
+        first = server.read_request()
+        assert first.id == held.request_id, f"{first.op} {first.id} came first on the new connection"
+        server.reply(held.request_id)
+        assert held.result(10).ok
+        later = client.submit("stats")
+        assert server.read_request().id == later.request_id
+        server.reply(later.request_id)
+        assert later.result(10).ok
+        wait_until(lambda: not client._pending, "requests left in flight", timeout=10)
+        assert not client.unmatched
 
 
 def test_a_request_written_whole_before_a_ctrl_c_cut_its_submit_short_stays_in_flight():
