@@ -81,6 +81,26 @@ defmodule ScanBridge.ClusterTest do
     assert :ok = Cluster.close_session(s)
   end
 
+  # Both were sent on and raised in a member's load task (ending the member and its server) or
+  # in a session's keeper (losing the session), found in review.
+  test "a model source or a call's options that cannot be sent raise in the caller; all live on",
+       %{shared: g, members: members} do
+    too_big = %{config: %{"d_model" => Integer.pow(2, 70)}, weights: %{}}
+    assert_raise ArgumentError, ~r/2\^64/, fn -> Cluster.load_model(g, "bad", too_big) end
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 1)
+    frame = {:embeds, Models.frame(Models.embeds(1, 1, 8), 0)}
+
+    assert_raise ArgumentError, ~r/expected a keyword list/, fn ->
+      Cluster.model_step(s, frame, [:return_state])
+    end
+
+    assert_raise ArgumentError, ~r/expected only/, fn -> Cluster.model_forward(s, frame, foo: 1) end
+    assert {:ok, %{status: :ok}} = Cluster.session_info(s)
+    assert {:ok, _} = Cluster.model_step(s, frame)
+    assert Enum.sort(Cluster.members(g)) == Enum.sort(members)
+    assert :ok = Cluster.close_session(s)
+  end
+
   test "stateless calls spread over the members and are right", %{shared: g, members: members} do
     inputs = TestSupport.scan_inputs(%{batch: 1, seq: 64, dim: 64, state: 8})
     {:ok, direct} = ScanBridge.scan(hd(members), inputs)

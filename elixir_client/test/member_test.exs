@@ -48,6 +48,19 @@ defmodule ScanBridge.Cluster.MemberTest do
     assert eventually_member(group, server)
   end
 
+  test "a load whose source cannot be sent fails; the keeper lives on" do
+    group = {:member_test, System.unique_integer([:positive])}
+    server = spawn_link(fn -> Process.sleep(:infinity) end)
+    {:ok, member} = Member.start_link(server: server, group: group)
+    source = %{config: %{"d_model" => Integer.pow(2, 70)}, weights: %{}}
+    version = {1, {node(), System.unique_integer([:positive])}}
+
+    assert {:error, %ScanBridge.Error{reason: :invalid_argument}} =
+             GenServer.call(member, {:load, "bad", source, [], version}, 5_000)
+
+    assert is_map(catalogue(member))
+  end
+
   # A server whose model_load answers only when told: {:loading, self()} to the test, then
   # the model "m1" after :go. Counts nothing else.
   defp slow_loading_server(test) do

@@ -35,7 +35,7 @@ defmodule ScanBridge.Cluster do
   docs/cluster.md.
   """
 
-  alias ScanBridge.{Error, Tensor}
+  alias ScanBridge.{Error, Protocol, Tensor}
   alias ScanBridge.Cluster.{Balancer, Member, Session}
 
   @default_timeout 30_000
@@ -226,8 +226,8 @@ defmodule ScanBridge.Cluster do
     name = name!(name, "load_model name")
     opts = ScanBridge.opts!(opts, [:dtype, :timeout], "load_model")
     # a bad source or option raises here, in the caller, not in every member (whose load would
-    # stop it, and its server with it)
-    _args = ScanBridge.model_load_args!(source, opts)
+    # stop it, and its server with it): built and encoded as each member's request will be
+    {_head, _size} = Protocol.request_head("model_load", ScanBridge.model_load_args!(source, opts))
     deadline = deadline(keeper_wait(opts))
 
     # The name is claimed for this model on every member first: loading on the members that

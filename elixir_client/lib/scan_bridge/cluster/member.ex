@@ -409,16 +409,21 @@ defmodule ScanBridge.Cluster.Member do
       _absent_or_unloaded ->
         server = state.server
 
-        task =
-          Task.async(fn ->
-            {fingerprint(source, opts),
-             ScanBridge.load_model(server, source, Keyword.put(opts, :name, name))}
-          end)
+        task = Task.async(fn -> {fingerprint(source, opts), load(server, name, source, opts)} end)
 
         load = %{ref: task.ref, source: source, opts: opts, waiters: [waiter]}
         state = put_in(state.catalogue[name], {source, opts, nil})
         {:waiting, put_in(state.loads[name], load)}
     end
+  end
+
+  # A source that cannot be sent fails its load, not this keeper (the task is linked to it):
+  # Cluster.load_model/4 refuses one in its caller, and what other keepers copy came from one.
+  defp load(server, name, source, opts) do
+    ScanBridge.load_model(server, source, Keyword.put(opts, :name, name))
+  rescue
+    exception in ArgumentError ->
+      {:error, ScanBridge.Error.client(:invalid_argument, Exception.message(exception))}
   end
 
   # The model (`model/2`) recorded under `name`, loaded, loading or not, or nil.

@@ -142,6 +142,7 @@ defmodule ScanBridge.Cluster.Session do
   @doc false
   @spec call(t, atom, term, keyword) :: {:ok, term} | {:error, Error.t()}
   def call(%__MODULE__{pid: pid}, kind, input, opts) do
+    call_opts!(opts, kind)
     deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
     opts = Keyword.delete(opts, :timeout)
 
@@ -149,6 +150,23 @@ defmodule ScanBridge.Cluster.Session do
       {:raise, exception} -> raise exception
       outcome -> outcome
     end
+  end
+
+  # The options a model call takes, as its own function checks them.
+  @model_call_opts %{
+    model_step: [:output, :return_state, :snapshot_into, :timeout],
+    model_forward: [:output, :last_only, :return_state, :lengths, :timeout]
+  }
+
+  # Checked here, in the caller: the keeper acts on some itself (a checkpoint's :return_state)
+  # before the call's own function would check them, and a bad one would end it.
+  defp call_opts!(opts, kind) do
+    unless is_list(opts) and Keyword.keyword?(opts) do
+      raise ArgumentError,
+            "Cluster.#{kind} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
+    end
+
+    with %{^kind => known} <- @model_call_opts, do: ScanBridge.opts!(opts, known, "Cluster.#{kind}")
   end
 
   @doc false
