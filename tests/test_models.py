@@ -833,6 +833,45 @@ def test_a_weight_of_a_packed_float_dtype_is_refused_by_name(serve, checkpoints,
     assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
 
 
+@pytest.mark.parametrize("stored", [
+    pytest.param(lambda t: t.to_sparse(), id="sparse-coo"),
+    pytest.param(lambda t: t.to_sparse_csr(), id="sparse-csr"),
+    pytest.param(lambda t: torch.empty_like(t, device="meta"), id="meta-no-data"),
+])
+def test_a_bin_weight_that_is_not_dense_data_is_refused_by_name(serve, checkpoints, stored):
+    """torch.load keeps a sparse layout, and a model saved from the meta device holds no data:
+    each failed the conversion as internal_error (found in review)."""
+    config = {"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}
+    directory = checkpoints[0] / f"not-dense-{random_seed()}"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = _own_layout_tensors(config)
+    tensors["layers.0.mixer.out_proj.weight"] = stored(tensors["layers.0.mixer.out_proj.weight"])
+    torch.save(tensors, directory / "pytorch_model.bin")
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    field = "pytorch_model.bin.layers.0.mixer.out_proj.weight"
+    assert (error["code"], error["detail"].get("field")) == ("invalid_checkpoint", field), error
+    assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
+
+
+def test_a_bin_saved_from_parameters_that_require_grad_runs(serve, checkpoints):
+    """torch.save(dict(model.named_parameters())) keeps requires_grad: loaded so, every forward
+    and step failed on the runtime's in-place ops and left the session lost (found in review)."""
+    config = {"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}
+    directory = checkpoints[0] / "bin-of-parameters"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = {name: torch.nn.Parameter(t * 0.3) for name, t in _own_layout_tensors(config).items()}
+    torch.save(tensors, directory / "pytorch_model.bin")
+    srv, conn = serve(), RecordingConnection()
+    info = call(srv, conn, "model_load", path=directory.name)
+    session = call(srv, conn, "session_open", model=info["model"], batch=1)["session"]
+    tokens = torch.randint(0, 8, (1, 3))
+    assert call(srv, conn, "model_forward", session=session, tokens=tokens)["logits"].shape == (1, 3, 8)
+    assert call(srv, conn, "model_step", session=session, tokens=tokens[:, 0])["logits"].shape == (1, 8)
+
+
 def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve, checkpoints, tmp_path, inproc):
     root = checkpoints[0]
     outside = tmp_path / "outside"

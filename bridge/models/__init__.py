@@ -69,8 +69,10 @@ def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device,
     for name, tensor in named:
         canonical = canonical_name(name)
         given_as[canonical] = name
-        # Always a copy: a file's mapping or a request's frame does not outlive the load.
-        tensors[canonical] = tensor.to(device=device, dtype=param_dtype(canonical, dtype), copy=True).contiguous()
+        # Always a copy: a file's mapping or a request's frame does not outlive the load; detached,
+        # as a .bin saved from parameters keeps requires_grad, which the runtime's in-place ops refuse.
+        tensors[canonical] = tensor.detach().to(device=device, dtype=param_dtype(canonical, dtype),
+                                                copy=True).contiguous()
     for canonical, tensor in tensors.items():
         if not torch.isfinite(tensor).all():
             raise checkpoint_error(f"{field}.{given_as[canonical]}", "finite values", "NaN or infinity",

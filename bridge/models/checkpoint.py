@@ -160,6 +160,10 @@ class TensorSource:
                 got = str(tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise checkpoint_error(f"{TORCH_BIN}.{name}", "a floating tensor of one value an element", got,
                                        tensor=str(name))
+            # torch.load keeps a sparse layout, and a model saved from the meta device holds no data.
+            if tensor.layout != torch.strided or tensor.is_meta:
+                got = "a meta tensor (no data)" if tensor.is_meta else f"a {tensor.layout} tensor"
+                raise checkpoint_error(f"{TORCH_BIN}.{name}", "a dense tensor with data", got, tensor=name)
             self.shapes[name] = tuple(tensor.shape)
         self._bin = state
 
