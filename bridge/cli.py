@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions open at once, over all connections")
     p.add_argument("--max-pool-bytes", type=_count, default=defaults.max_pool_bytes,
                    help="device bytes of session state pools, snapshots and loaded models' weights")
+    p.add_argument("--max-snapshots", type=_count, default=defaults.max_snapshots,
+                   help="session snapshots held at once, over all connections")
+    p.add_argument("--max-models", type=_count, default=defaults.max_models,
+                   help="models loaded at once, over all connections")
     p.add_argument("--model-dir", dest="model_dirs", action="append", type=_directory, default=[],
                    help="a directory model_load may read checkpoints under (repeatable; relative paths in "
                         "requests are taken under the first); without one, model_load reads no files and "

@@ -33,11 +33,7 @@ class HandleTable(OwnedTable[torch.Tensor]):
             self._check_room(nbytes)
 
     def _check_room(self, nbytes: int) -> None:
-        if len(self) >= self.max_handles:
-            raise OpError("limit_exceeded",
-                          f"put: at most {self.max_handles} tensor handles may be held at once "
-                          f"(--max-handles), {len(self)} are",
-                          {"limit": "max_handles", "max": self.max_handles, "held": len(self)})
+        self._refuse_past(self.max_handles, "put", "tensor handles", "--max-handles")
         if self._bytes + nbytes > self.max_bytes:
             raise OpError("limit_exceeded",
                           f"put: a tensor of {nbytes} bytes does not fit: {self._bytes} of "

@@ -58,6 +58,13 @@ class OwnedTable(abc.ABC, Generic[Value]):
                 self._remove(entry_id)
         return len(mine)
 
+    def _refuse_past(self, most: int, op: str, what: str, flag: str) -> None:
+        """limit_exceeded for `op` when `most` entries (`what`, capped by the server flag `flag`)
+        are held already. Called with the lock held."""
+        if len(self) >= most:
+            raise OpError("limit_exceeded", f"{op}: at most {most} {what} may be held at once ({flag}), {len(self)} are",
+                          {"limit": flag.removeprefix("--").replace("-", "_"), "max": most, "held": len(self)})
+
     def _add(self, owner: str, make: Callable[[str], Value]) -> tuple[str, Value]:
         """(id, value) of a new entry of `owner`'s, its value made by `make(id)`. Called with the
         lock held."""

@@ -46,6 +46,8 @@ class ServerConfig:
     # What may stay on the device between requests, over all connections.
     max_sessions: int = 4096
     max_pool_bytes: int = 1 << 30
+    max_snapshots: int = 65536
+    max_models: int = 256
     max_handles: int = 4096
     max_handle_bytes: int = 1 << 30
     # The socket lanes' caps (bridge.transports): requests one unix connection or ZeroMQ peer may
@@ -104,8 +106,8 @@ class Server:
         self.sessions = SessionTable(self.device, max_sessions=config.max_sessions,
                                      max_pool_bytes=config.max_pool_bytes)
         self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)
-        self.snapshots = SnapshotTable(self.sessions)
-        self.models = ModelTable(self.sessions)
+        self.snapshots = SnapshotTable(self.sessions, max_snapshots=config.max_snapshots)
+        self.models = ModelTable(self.sessions, max_models=config.max_models)
         self.model_dirs = allowed_dirs(config.model_dirs)
         # The one op fast path that serves requests straight from their frames (the step op's
         # native path; bridge.dispatcher says when), or None: every request goes the general way.

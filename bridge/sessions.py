@@ -501,17 +501,23 @@ class Snapshot:
 class SnapshotTable(OwnedTable[Snapshot]):
     """Snapshots, each held against the sessions' pool budget."""
 
-    def __init__(self, sessions: SessionTable):
+    def __init__(self, sessions: SessionTable, *, max_snapshots: int):
         super().__init__(unknown_snapshot)
         self.sessions = sessions
+        # A count apart from the bytes: a snapshot of a small session costs the host more than
+        # the rows it holds against the pool.
+        self.max_snapshots = max_snapshots
 
     def take(self, owner: str, session: Session) -> str:
+        with self._lock:
+            self._refuse_past(self.max_snapshots, "session_snapshot", "snapshots", "--max-snapshots")
         nbytes = session.nbytes
         self.sessions.hold("snapshots", nbytes, "session_snapshot")
         try:
             with allocation("session_snapshot"):
                 snapshot = Snapshot(session)
             with self._lock:
+                self._refuse_past(self.max_snapshots, "session_snapshot", "snapshots", "--max-snapshots")
                 snapshot_id, _ = self._add(owner, lambda _: snapshot)
         except BaseException:
             self.sessions.unhold("snapshots", nbytes)

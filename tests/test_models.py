@@ -1063,6 +1063,35 @@ def test_a_freed_model_gives_back_what_its_load_held(serve, monkeypatch):
     assert srv.server.sessions.usage()["model_bytes"] == 0
 
 
+def test_models_and_snapshots_held_at_once_are_capped_apart_from_their_bytes(serve):
+    """A tiny model or snapshot holds a few bytes against --max-pool-bytes and costs the host
+    far more (its tensors and entries): without a count a client could fill the host's memory
+    under the pool budget (found in review). --max-models and --max-snapshots bound them."""
+    srv, conn = serve(max_models=2, max_snapshots=2), RecordingConnection()
+    models = [call(srv, conn, "model_load", path="mamba2-lm")["model"] for _ in range(2)]
+    error = error_of(srv, conn, "model_load", path="mamba2-lm")
+    assert (error["code"], error["detail"]) == ("limit_exceeded", {"limit": "max_models", "max": 2, "held": 2}), error
+    assert error["message"].startswith("model_load: at most 2 models may be held at once (--max-models)"), error
+    session = call(srv, conn, "session_open", model=models[0], batch=1)["session"]
+    snapshots = [call(srv, conn, "session_snapshot", session=session)["snapshot"] for _ in range(2)]
+    error = error_of(srv, conn, "session_snapshot", session=session)
+    assert (error["code"], error["detail"]) == ("limit_exceeded", {"limit": "max_snapshots", "max": 2, "held": 2})
+    limits = call(srv, conn, "info")["limits"]
+    assert (limits["max_models"], limits["max_snapshots"]) == (2, 2), limits
+    call(srv, conn, "snapshot_free", snapshot=snapshots[0])
+    call(srv, conn, "session_snapshot", session=session)
+    call(srv, conn, "model_free", model=models[1])
+    call(srv, conn, "model_load", path="mamba2-lm")
+
+
+def test_a_model_name_is_held_to_256_bytes(serve):
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path="mamba2-lm", name="é" * 129)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_argument", "args.name"), error
+    assert "at most 256 bytes" in error["message"] and "258 bytes" in error["message"], error
+    assert call(srv, conn, "model_load", path="mamba2-lm", name="é" * 128)["name"] == "é" * 128
+
+
 def test_weights_snapshots_and_sessions_share_the_pool_budget(serve):
     srv, conn = serve(), RecordingConnection()
     info = call(srv, conn, "model_load", path="mamba2-lm")

@@ -45,13 +45,18 @@ class LoadedModel:
 
 
 class ModelTable(OwnedTable[LoadedModel]):
-    def __init__(self, sessions: SessionTable):
+    def __init__(self, sessions: SessionTable, *, max_models: int):
         super().__init__(unknown_model)
         self.sessions = sessions
+        # A count apart from the bytes: a tiny model costs the host more than the weights it
+        # holds against the pool.
+        self.max_models = max_models
 
     def load(self, owner: str, load: Callable[[Callable[[int], None]], Model], name: str | None) -> LoadedModel:
         """`load(hold)` builds the model, calling `hold(nbytes)` before it allocates the weights;
         the bytes stay held until the model is freed, and are given back if the load fails."""
+        with self._lock:
+            self._refuse_past(self.max_models, "model_load", "models", "--max-models")
         held = []
 
         def hold(nbytes: int) -> None:
@@ -62,6 +67,7 @@ class ModelTable(OwnedTable[LoadedModel]):
             with allocation("model_load"):
                 model = load(hold)
             with self._lock:
+                self._refuse_past(self.max_models, "model_load", "models", "--max-models")
                 _, loaded = self._add(owner, lambda model_id: LoadedModel(model_id, name, model, sum(held)))
         except BaseException:
             for nbytes in held:

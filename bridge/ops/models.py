@@ -23,9 +23,17 @@ from ..timing import now_ns
 from .sessions import check_reply_with_state_fits, session_of_kind, wire_state, with_states
 
 
+# A model's name is kept with it and echoed in replies: a bound on what a request makes the
+# server hold.
+MAX_NAME_BYTES = 256
+
+
 def model_load(server, call) -> dict:
     args = call.args
     dtype = TORCH_DTYPES[args.get("dtype", "f32")]
+    name_bytes = len(args.get("name", "").encode())
+    if name_bytes > MAX_NAME_BYTES:
+        _invalid("args.name", f"a name of at most {MAX_NAME_BYTES} bytes (UTF-8)", f"{name_bytes} bytes")
     from_path = "path" in args
     sent = [name for name in ("config", "weights") if name in args]
     if from_path == bool(sent) or (sent and len(sent) != 2):
