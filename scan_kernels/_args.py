@@ -59,7 +59,7 @@ _BOUND_LIMIT = float(torch.finfo(torch.float32).max)
 def _flag(name: str, v) -> bool:
     """A yes-or-no option: a bool (numpy's too), or None for no; never read by truthiness,
     which would take the string "false" for yes."""
-    if v is None or isinstance(v, bool) or type(v).__name__ == "bool_":
+    if v is None or isinstance(v, (bool, np.bool_)):
         return bool(v)
     raise KernelInputError(name, "a bool", type(v).__name__)
 

@@ -255,6 +255,17 @@ def test_scan_rejects_malformed_arguments(backend, change, field, got):
     assert err.expected and err.expected in str(err)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_takes_numpy_booleans_as_flags(backend):
+    """numpy 2 names its bool type "bool", not "bool_": a test of the name refused np.True_
+    ("expected a bool, got bool"; found in review)."""
+    args = _scan_base()
+    y_np, state_np = scan_kernels.selective_scan(**{**args, "dt_softplus": np.True_, "return_state": np.True_},
+                                                 backend=backend)
+    y, state = scan_kernels.selective_scan(**{**args, "dt_softplus": True, "return_state": True}, backend=backend)
+    assert torch.equal(y_np, y) and torch.equal(state_np, state)
+
+
 def _inference_tensor(t: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return t.clone()
