@@ -540,14 +540,14 @@ def zmq_peer_dropped(endpoint: str, counts: dict) -> None:
         conn = Conn(client, "zmq-dropped")
         session = conn.call("session_open", batch=1, dim=8, state=4)["session"]
         conn.send_raw([bytes(MAX_FRAME_SIZE + 1)])
-        # Requests sent while the connection is being dropped may be lost with it: ask until
-        # one is answered on the new connection.
+        # Requests sent on the connection being dropped fail with it (ServerExited, the client
+        # seeing it end): ask until one is answered on the new connection.
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         while True:
             request_id, future = conn.submit("session_state", {"session": session})
             try:
                 reply = future.result(0.5)
-            except concurrent.futures.TimeoutError:
+            except (concurrent.futures.TimeoutError, ServerExited):
                 if time.monotonic() > deadline:
                     raise Broken("zmq: a peer dropped for an oversized frame was not served again") from None
                 continue
