@@ -142,7 +142,7 @@ defmodule ScanBridge.Cluster.Session do
   @doc false
   @spec call(t, atom, term, keyword) :: {:ok, term} | {:error, Error.t()}
   def call(%__MODULE__{pid: pid}, kind, input, opts) do
-    call_opts!(opts, kind)
+    :ok = call_opts!(opts, kind)
     deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
     opts = Keyword.delete(opts, :timeout)
 
@@ -166,7 +166,12 @@ defmodule ScanBridge.Cluster.Session do
             "Cluster.#{kind} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
     end
 
-    with %{^kind => known} <- @model_call_opts, do: ScanBridge.opts!(opts, known, "Cluster.#{kind}")
+    case @model_call_opts do
+      %{^kind => known} -> _checked = ScanBridge.opts!(opts, known, "Cluster.#{kind}")
+      _plain_call -> opts
+    end
+
+    :ok
   end
 
   @doc false
