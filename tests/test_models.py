@@ -835,7 +835,8 @@ def test_a_weight_of_a_packed_float_dtype_is_refused_by_name(serve, checkpoints,
 
 @pytest.mark.parametrize("stored", [
     pytest.param(lambda t: t.to_sparse(), id="sparse-coo"),
-    pytest.param(lambda t: t.to_sparse_csr(), id="sparse-csr"),
+    pytest.param(lambda t: t.to_sparse_csr(), id="sparse-csr",
+                 marks=pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")),
     pytest.param(lambda t: torch.empty_like(t, device="meta"), id="meta-no-data"),
 ])
 def test_a_bin_weight_that_is_not_dense_data_is_refused_by_name(serve, checkpoints, stored):
