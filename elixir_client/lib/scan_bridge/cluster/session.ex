@@ -166,11 +166,9 @@ defmodule ScanBridge.Cluster.Session do
             "Cluster.#{kind} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
     end
 
-    case @model_call_opts do
-      %{^kind => known} -> _checked = ScanBridge.opts!(opts, known, "Cluster.#{kind}")
-      _plain_call -> opts
-    end
-
+    # a plain call's options are not checked further, as its own function does not
+    known = Map.get(@model_call_opts, kind, Keyword.keys(opts))
+    _checked = ScanBridge.opts!(opts, known, "Cluster.#{kind}")
     :ok
   end
 
