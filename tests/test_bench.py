@@ -207,9 +207,14 @@ def test_commit_info_of_another_checkout_says_whether_it_was_edited(tmp_path):
     subprocess.run([*git, "add", "f"], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
     head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
-    assert commit_info(str(tmp_path))["commit"] == head and commit_info(str(tmp_path))["dirty"] is False
+    clean = commit_info(str(tmp_path))
+    assert (clean["commit"], clean["dirty"], clean["dirty_paths"], clean["diff_sha256"]) == (head, False, [], None)
     (tmp_path / "f").write_text("2")
-    assert commit_info(str(tmp_path)) == {"commit": head, "dirty": True, "branch": commit_info(str(tmp_path))["branch"]}
+    edited = commit_info(str(tmp_path))
+    assert (edited["commit"], edited["dirty"], edited["dirty_paths"]) == (head, True, ["f"]), edited
+    # which edit: another one digests otherwise
+    (tmp_path / "f").write_text("3")
+    assert commit_info(str(tmp_path))["diff_sha256"] not in (None, edited["diff_sha256"])
 
 
 @pytest.mark.parametrize("flag", ["--json", "--plot"])

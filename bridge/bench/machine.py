@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -108,26 +109,38 @@ def machine_info() -> dict:
 COMMIT_VARIABLE = "SCAN_BRIDGE_COMMIT"
 
 
+# The most changed paths commit_info names; the digest of the diff covers them all.
+DIRTY_PATHS_KEPT = 100
+
+
 def commit_info(root: str | None = None) -> dict:
     """The commit of the checkout at `root` (by default this one), whether its files differ
-    from it (tracked files changed, or files git does not ignore added), and its branch (empty
-    strings outside a git checkout, as for an installed package)."""
+    from it (tracked files changed, or files git does not ignore added), which (`dirty_paths`,
+    as `git status --porcelain` names them) and a SHA-256 of `git diff HEAD` (`diff_sha256`,
+    tracked changes only; None when clean), so that a recording from an edited tree says what
+    was edited; and its branch (empty strings outside a git checkout, as for an installed
+    package)."""
     this_checkout = root is None
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    def git(*args):
+    def git(*args, strip=True):
         try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
+        return out.strip() if strip else out
 
     if this_checkout and os.environ.get(COMMIT_VARIABLE):
         # A copy of the tree shipped elsewhere (to a GPU machine, say), whose git metadata may be
         # missing or stale: the commit is named by whoever shipped it, and whether the copy
         # matched it is not known here.
         return {"commit": os.environ[COMMIT_VARIABLE], "dirty": None, "branch": None, "named_by": COMMIT_VARIABLE}
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+    # "XY PATH" a line: the status letters' leading space is part of the format
+    changed = [line[3:] for line in git("status", "--porcelain", strip=False).splitlines() if line]
+    diff = git("diff", "HEAD", strip=False) if changed else ""
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed),
+            "dirty_paths": changed[:DIRTY_PATHS_KEPT],
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if changed else None,
             "branch": git("rev-parse", "--abbrev-ref", "HEAD")}
 
 

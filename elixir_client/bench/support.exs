@@ -79,18 +79,31 @@ defmodule BenchSupport do
     })
   end
 
+  # As bridge.bench.machine.commit_info: the commit, whether and where the tree was edited
+  # (`git status --porcelain`'s paths, at most 100), a SHA-256 of `git diff HEAD`, the branch.
   def commit do
     git = fn args ->
       case System.cmd("git", args, cd: @root, stderr_to_stdout: true) do
-        {out, 0} -> String.trim(out)
+        {out, 0} -> out
         _ -> ""
       end
     end
 
+    # "XY PATH" a line: the status letters' leading space is part of the format
+    changed =
+      for line <- String.split(git.(["status", "--porcelain"]), "\n", trim: true),
+          do: binary_part(line, 3, byte_size(line) - 3)
+
+    diff_sha256 =
+      if changed != [],
+        do: Base.encode16(:crypto.hash(:sha256, git.(["diff", "HEAD"])), case: :lower)
+
     %{
-      "commit" => git.(["rev-parse", "HEAD"]),
-      "dirty" => git.(["status", "--porcelain"]) != "",
-      "branch" => git.(["rev-parse", "--abbrev-ref", "HEAD"])
+      "commit" => String.trim(git.(["rev-parse", "HEAD"])),
+      "dirty" => changed != [],
+      "dirty_paths" => Enum.take(changed, 100),
+      "diff_sha256" => diff_sha256,
+      "branch" => String.trim(git.(["rev-parse", "--abbrev-ref", "HEAD"]))
     }
   end
 end
