@@ -17,7 +17,7 @@ from kernel_cases import (
     assert_scan_matches_reference, assert_scan_outputs_match_reference,
     assert_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
     make_update_inputs, random_seed, reference_scan, STRIDED, nan_gapped, with_changes, cpu_backends,
-    SsdUpdateCase, make_ssd_update_inputs,
+    SsdUpdateCase, make_ssd_update_inputs, ZERO_DECAY_REGIMES, with_zero_decays,
 )
 
 
@@ -30,6 +30,16 @@ BACKENDS = [pytest.param(name, id=name) for name in cpu_backends()]
 def test_scan_matches_reference(backend, case, dtype):
     seed = random_seed()
     assert_scan_matches_reference(backend, case, dtype, seed, f"{backend} seed={seed}")
+
+
+@pytest.mark.parametrize("regime", ZERO_DECAY_REGIMES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_with_decays_of_zero(backend, regime):
+    case = ScanCase(2, 7, 5, 3, D=True, z=True, dt_softplus=True, h0=True)
+    seed = random_seed()
+    inputs = with_zero_decays(make_scan_inputs(case, seed=seed), regime)
+    y, state = scan_kernels.selective_scan(**inputs, backend=backend)
+    assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{backend} {regime} seed={seed}")
 
 
 @pytest.mark.parametrize("case", LARGE_SCAN_CASES)

@@ -39,7 +39,7 @@ from kernel_cases import (
     assert_update_outputs_match_reference,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, SsdCase, SsdUpdateCase, make_ssd_inputs,
     make_ssd_update_inputs, reference_ssd_scan, reference_ssd_update, assert_packed_matches_each_sequence,
-    nan_gapped,
+    nan_gapped, ZERO_DECAY_REGIMES, assert_grads_close_where_reference_finite, with_zero_decays,
 )
 from process_runs import BackgroundRun
 from waiting import poll_until
@@ -789,6 +789,28 @@ def test_simd_variant_backward_matches_reference(simd_backend, kind, case, dtype
     for name, e in expected.items():
         assert_close(got[name], e, dtype, f"{simd_backend.details['simd']} build {kind} d{name} {case} seed={seed}",
                      tolerance=(rtol, atol * float(e.abs().max())))
+
+
+# Decays of 0 (kernel_cases.ZERO_DECAY_REGIMES) through Mamba-2's chunked backward, per variant, over
+# two chunks at every width: a step's log decay of -1e15 summed into a chunk's cs left the spans of
+# the steps after it to its rounding (dx off by half its size).
+@pytest.mark.parametrize("regime", ZERO_DECAY_REGIMES)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")])
+def test_simd_variant_ssd_backward_with_decays_of_zero(simd_backend, dtype, regime):
+    from scan_kernels.reference import ssd_scan_backward_ref
+
+    seed = random_seed()
+    inputs = with_zero_decays(make_ssd_inputs(SsdCase(2, 40, 3, 20, 5, D=True, z=True, h0=True), dtype, seed=seed),
+                              regime)
+    a = _args.check_ssd_scan(**inputs)
+    gen = torch.Generator().manual_seed(seed)
+    dy = torch.randn(a.x.shape, generator=gen).to(dtype)
+    kwargs = dict(D=a.D, z=a.z, dt_bias=None, dt_softplus=False, dt_min=None, dt_max=None, h0=a.h0,
+                  dstate=torch.randn(a.h0.shape, generator=gen), chunk_size=None)
+    assert_grads_close_where_reference_finite(
+        simd_backend.ssd_scan_backward(dy, a.x, a.dt, a.A, a.B, a.C, **kwargs),
+        ssd_scan_backward_ref(dy, a.x, a.dt, a.A, a.B, a.C, **kwargs), dtype,
+        f"{simd_backend.details['simd']} build {regime} seed={seed}")
 
 
 # A NaN or inf in one (sequence, head)'s x or dt through Mamba-2's chunked backward, per variant:

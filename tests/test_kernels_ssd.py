@@ -20,7 +20,7 @@ from kernel_cases import (
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
     make_decay_regime_inputs, make_scan_inputs, make_ssd_inputs, make_ssd_update_inputs, nan_gapped, packed_slice,
     random_seed,
-    reference_ssd_scan, reference_ssd_update, cpu_backends,
+    reference_ssd_scan, reference_ssd_update, cpu_backends, ZERO_DECAY_REGIMES, with_zero_decays,
 )
 from kernel_cases import with_changes as _with
 
@@ -128,6 +128,17 @@ def test_ssd_scan_one_large_step_then_small_ones(backend, minus_A, large_dt):
     inputs["dt"][:, 1::32] = large_dt  # the second step of every chunk
     y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
     assert_scan_outputs_match_reference(case, F32, inputs, y, state, f"{backend} seed={seed}",
+                                        reference=reference_ssd_scan)
+
+
+@pytest.mark.parametrize("regime", ZERO_DECAY_REGIMES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ssd_scan_with_decays_of_zero(backend, regime):
+    case = SsdCase(2, 7, 3, 4, 3, chunk_size=4, D=True, z=True, dt_softplus=True, h0=True)
+    seed = random_seed()
+    inputs = with_zero_decays(make_ssd_inputs(case, seed=seed), regime)
+    y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
+    assert_scan_outputs_match_reference(case, F32, inputs, y, state, f"{backend} {regime} seed={seed}",
                                         reference=reference_ssd_scan)
 
 

@@ -29,7 +29,7 @@ from kernel_cases import (  # noqa: E402
     TOLERANCES, TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_same_nans_and_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference, assert_update_outputs_match_reference,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, reference_update, state_dtype,
-    assert_packed_matches_each_sequence,
+    assert_packed_matches_each_sequence, ZERO_DECAY_REGIMES, with_zero_decays,
 )
 from scan_kernels import _args  # noqa: E402
 from scan_kernels._registry import get_backend  # noqa: E402
@@ -104,6 +104,22 @@ def test_scan_matches_reference(case, split, interpreter_slow, device):
     blocks = INTERPRETER_SCAN_BLOCKS if device == "cpu" else None
     segment_len = case.seq if split == "whole" else 2 * _chunk(case, blocks)
     _check_scan(case, torch.float32, device, blocks, segment_len, what=split)
+
+
+# Padded steps past a tile's end have dt 0, and with A of -inf their exp(0 * A) was NaN, the
+# final state NaN with it. Segments of two tiles: the look-back over carries decays by -inf too.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("regime", ZERO_DECAY_REGIMES)
+@pytest.mark.parametrize("split", ["whole", "two-tiles"])
+def test_scan_with_decays_of_zero(split, regime, device):
+    _backend(device)
+    case = ScanCase(2, 11, 5, 3, D=True, z=True, dt_softplus=True, h0=True)
+    seed = random_seed()
+    inputs = with_zero_decays(make_scan_inputs(case, torch.float32, device, seed=seed), regime)
+    blocks = INTERPRETER_SCAN_BLOCKS if device == "cpu" else None
+    segment_len = case.seq if split == "whole" else 2 * _chunk(case, blocks)
+    y, state = _run_scan(inputs, blocks, segment_len)
+    assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{split} {regime} seed={seed}")
 
 
 # Packed sequences (cu_seqlens) in one launch: sequences of 1, 5 and 11 steps, so with

@@ -25,8 +25,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import scan_kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
-    CUDA_COMPILES_EVERY_KERNEL, ON_CUDA, TRITON_NOT_SERVING, ScanCase, SsdCase, assert_grads_close, backward_inputs,
-    make_cotangents, make_scan_inputs, make_ssd_inputs, nan_gapped, random_seed,
+    CUDA_COMPILES_EVERY_KERNEL, ON_CUDA, TRITON_NOT_SERVING, ZERO_DECAY_REGIMES, ScanCase, SsdCase, assert_grads_close,
+    assert_grads_close_where_reference_finite, backward_inputs, make_cotangents, make_scan_inputs, make_ssd_inputs,
+    nan_gapped, random_seed, with_zero_decays,
 )
 from scan_kernels import _args  # noqa: E402
 from scan_kernels._registry import get_backend  # noqa: E402
@@ -131,6 +132,22 @@ def test_gradients_under_decay_below_fp32_resolution(kind, case, device):
                     A=torch.full_like(A, -2.0))
 
     _check(kind, case, torch.float32, device, overrides=strong_decay)
+
+
+# A of -inf: padded steps' exp(0 * A) was NaN, and q A (q of a decay of 0) NaN where the
+# reference's other gradients are finite; its own ddt is NaN there (A times a decay of 0).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("regime", ZERO_DECAY_REGIMES)
+@pytest.mark.parametrize("kind, case", STRONG_DECAY_CASES)
+def test_gradients_with_decays_of_zero(kind, case, regime, device):
+    _backend(device)
+    seed = random_seed()
+    make = make_ssd_inputs if kind == "ssd" else make_scan_inputs
+    inputs = with_zero_decays(make(case, torch.float32, device, seed=seed), regime)
+    dy, dstate = make_cotangents(inputs, tuple(inputs["x"].shape), _state_shape(kind, inputs), True, seed)
+    assert_grads_close_where_reference_finite(_grads(kind, inputs, dy, dstate, "triton"),
+                                              _grads(kind, inputs, dy, dstate, "reference"), torch.float32,
+                                              f"triton {kind} {regime} seed={seed}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -31,7 +31,7 @@ from kernel_cases import (  # noqa: E402
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
     make_decay_regime_inputs, make_ssd_inputs, make_ssd_update_inputs, random_seed, reference_ssd_scan, reference_ssd_update, state_dtype,
     state_tolerance,
-    assert_packed_matches_each_sequence,
+    assert_packed_matches_each_sequence, ZERO_DECAY_REGIMES, with_zero_decays,
 )
 from scan_kernels import _args  # noqa: E402
 from scan_kernels._registry import get_backend  # noqa: E402
@@ -251,6 +251,21 @@ def test_ssd_scan_one_large_step_then_small_ones(minus_A, large_dt, device):
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     y, state = _run_scan(inputs, _scan_blocks(device))
     assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{device} seed={seed}",
+                                        reference=reference_ssd_scan)
+
+
+# A chunk's summed log decays were -inf (A of -inf), -inf minus -inf NaN, or -1e30 with every
+# later step's share lost in its rounding: y and the state NaN or garbage. Several chunks, the
+# last one short.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("regime", ZERO_DECAY_REGIMES)
+def test_ssd_scan_with_decays_of_zero(regime, device):
+    _backend(device)
+    case = SsdCase(2, 11, 3, 4, 3, chunk_size=4, D=True, z=True, dt_softplus=True, h0=True)
+    seed = random_seed()
+    inputs = with_zero_decays(make_ssd_inputs(case, torch.float32, device, seed=seed), regime)
+    y, state = _run_scan(inputs, _scan_blocks(device))
+    assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{device} {regime} seed={seed}",
                                         reference=reference_ssd_scan)
 
 

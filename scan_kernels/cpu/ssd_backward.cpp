@@ -60,6 +60,14 @@ void discretize_head(const ScanBackwardProblem<T>& p, int64_t head, int64_t head
   }
 }
 
+// A step's log decay delta A in fp64, floored at -1024, where its exp is already 0 in fp32 and
+// fp64: an A of -inf or a huge delta would otherwise make cs_t - cs_s NaN or leave the later
+// steps' spans to its rounding. NaN stays NaN (the comparison is false).
+inline double log_decay(double delta, double A) {
+  constexpr double kFloor = -1024.0;
+  const double a = delta * A;
+  return a < kFloor ? kFloor : a;
+}
 
 // out[i, :] (+)= sum_k a(i, k) b[k, :] for i < m over nv vectors of columns. `out` and `b` are
 // row-major in whole vectors (their row strides ldo, ldb counted in vectors); a(i, k) =
@@ -272,15 +280,16 @@ class SsdBackwardRunner {
     // Summed in fp64: cs_t - cs_s then loses nothing to the sums' rounding.
     double sum = 0;
     for (int64_t t = 0; t < steps; ++t) {
-      sum += static_cast<double>(deltas_[t0 + t]) * static_cast<double>(A_);
+      sum += log_decay(deltas_[t0 + t], A_);
       cs_[t] = sum;
     }
     for (int64_t t = 0; t < QV_ * W; ++t) {
       w_[t] = t < steps ? static_cast<T>(sum - cs_[t]) : T(0);
       ecs_[t] = t < steps ? static_cast<T>(cs_[t]) : T(0);
     }
-    // A NaN or inf log decay leaves cs non-finite from its step on, where cs_t - cs_s is NaN for
-    // the spans after that step too; such a chunk sums each span over its own steps instead.
+    // A NaN or +inf log decay (-inf is floored) leaves cs non-finite from its step on, where
+    // cs_t - cs_s is NaN for the spans after that step too; such a chunk sums each span over its
+    // own steps instead.
     chunk_deltas_ = deltas_ + t0;
     finite_spans_ = std::isfinite(sum);
     if (!finite_spans_) spans_to(steps - 1, w_);
@@ -320,7 +329,7 @@ class SsdBackwardRunner {
     double sum = 0;
     for (int64_t s = t; s >= 0; --s) {
       out[s] = static_cast<T>(sum);
-      sum += static_cast<double>(chunk_deltas_[s]) * static_cast<double>(A_);
+      sum += log_decay(chunk_deltas_[s], A_);
     }
     std::fill(out + t + 1, out + QV_ * W, T(0));
   }

@@ -40,8 +40,8 @@ from ..eager import _discretize_dt
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, cdiv, next_power_of_2, offset_index, packed_rows, program_coords, row_strides,
-    run_on_device_of, triton_dtype, wide_offsets,
+    Launch, accumulation_dtype, cdiv, finite_decay_rate, next_power_of_2, offset_index, packed_rows, program_coords,
+    row_strides, run_on_device_of, triton_dtype, wide_offsets,
 )
 from .scan import _combine, _sequence_of
 
@@ -75,13 +75,14 @@ INTERPRETER_BLOCKS = configs.ScanBlocks(block_d=4, chunk=4, num_warps=1)
 def _decay_rates(A_ptr, d, mask_d, n, mask_n, per_decay, s_A_d, s_A_n, SCALAR_DECAY: tl.constexpr,
                  ACC: tl.constexpr):
     """A as [BLOCK_D, BLOCK_N] (0 where masked, so padded state entries never decay), or with
-    SCALAR_DECAY one rate per channel, A[d // per_decay], as [BLOCK_D, 1]."""
+    SCALAR_DECAY one rate per channel, A[d // per_decay], as [BLOCK_D, 1]; -inf as
+    `finite_decay_rate` reads it."""
     if SCALAR_DECAY:
         A = tl.load(A_ptr + (d // per_decay) * s_A_d, mask=mask_d, other=0.0).to(ACC)[:, None]
     else:
         A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n,
                     mask=mask_d[:, None] & mask_n[None, :], other=0.0).to(ACC)
-    return A
+    return finite_decay_rate(A)
 
 
 @triton.jit

@@ -45,8 +45,8 @@ import triton.language as tl
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, cdiv, check_out, clamp_bounds, discretize_dt, offset_index, program_coords,
-    packed_rows, row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
+    Launch, accumulation_dtype, cdiv, check_out, clamp_bounds, discretize_dt, finite_decay_rate, offset_index,
+    program_coords, packed_rows, row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
 
@@ -133,7 +133,7 @@ def _segment_state_kernel(
     n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
     mask_n = n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
-    A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask_dn, other=0.0).to(ACC)
+    A = finite_decay_rate(tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask_dn, other=0.0).to(ACC))
     bias = tl.zeros([BLOCK_D], dtype=ACC)  # read only when HAS_DT_BIAS
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(ACC)
@@ -179,7 +179,7 @@ def _scan_output_kernel(
     n = offset_index(tl.arange(0, BLOCK_N), WIDE_OFFSETS)
     mask_n = n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
-    A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask_dn, other=0.0).to(ACC)
+    A = finite_decay_rate(tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mask_dn, other=0.0).to(ACC))
     bias = tl.zeros([BLOCK_D], dtype=ACC)  # read only when HAS_DT_BIAS
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + d * s_bias, mask=mask_d, other=0.0).to(ACC)

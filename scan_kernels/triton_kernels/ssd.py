@@ -28,8 +28,11 @@ upper triangle cannot overflow. The cumsums restart at every chunk, and are kept
 differenced there before the exponent goes back to the accumulation dtype: one step of dt·A in
 the thousands early in a chunk makes cs that large after it, and in fp32 the differences between
 the small steps after it would be off by its rounding in the exponent, an error the large
-step's share of y, decaying slowly over those steps, carries. A NaN dt makes y NaN from its step on and the final
-state NaN, for its head only, as the recurrence does.
+step's share of y, decaying slowly over those steps, carries. A step's dt·A below -1024 (its
+decay 0 in fp32 and fp64 alike) counts as -1024: an A of -inf or a huge dt would otherwise put
+-inf or a value whose rounding swamps every later step into cs, and differences of them would
+be NaN or garbage where the recurrence's decays are 0. A NaN dt makes y NaN from its step on
+and the final state NaN, for its head only, as the recurrence does.
 
 Dots. The contractions (C.B^T, the masked scores times x, C times the entering state, x^T times
 the decayed B) are tl.dot tiles, each block dimension at least 16 (configs.MIN_DOT_BLOCK) as a
@@ -65,7 +68,7 @@ import triton.language as tl
 from ..errors import KernelInputError
 from . import configs
 from .common import (
-    Launch, accumulation_dtype, cdiv, check_out, clamp_bounds, discretize_dt, interpreter_active,
+    Launch, accumulation_dtype, cdiv, check_out, clamp_bounds, discretize_dt, finite_decay_rate, interpreter_active,
     next_power_of_2, offset_index, packed_rows, row_strides, run_on_device_of, silu, triton_dtype, wide_offsets,
 )
 
@@ -173,6 +176,9 @@ def _load_tile(base, rows, s_rows, mask_rows, cols, s_cols, mask_cols, dtype: tl
                    mask=mask_rows[:, None] & mask_cols[None, :], other=0.0).to(dtype)
 
 
+# Per-step log decays are floored here (module docstring): exp of it is 0 in fp32 and in fp64.
+LOG_DECAY_FLOOR = tl.constexpr(-1024.0)
+
 # Sequence and chunk counts change with every call: not specialising on them keeps one compiled
 # variant per option set and block choice.
 _UNSPECIALISED = ["seq", "nchunks", "chunk", "n_local", "cumsum_programs"]
@@ -222,9 +228,11 @@ def _ssd_cumsum(
     if HAS_DT_BIAS:
         dt += tl.load(dt_bias_ptr + hh * s_bias, mask=mask_h, other=0.0).to(ACC)[None, :]
     dt = discretize_dt(dt, mask, DT_SOFTPLUS, HAS_CLAMP, dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo)
-    A = tl.load(A_ptr + hh * s_A, mask=mask_h, other=0.0).to(ACC)
+    A = finite_decay_rate(tl.load(A_ptr + hh * s_A, mask=mask_h, other=0.0).to(ACC))
     # Past the end dt is 0, so cs holds its last value there: cs[chunk - 1] is the chunk's total.
-    cs = tl.cumsum((dt * A[None, :]).to(tl.float64), axis=0)  # fp64: module docstring
+    log_decay = (dt * A[None, :]).to(tl.float64)
+    log_decay = tl.where(log_decay < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, log_decay)
+    cs = tl.cumsum(log_decay, axis=0)  # fp64: module docstring
     out = (b * nchunks + c) * heads * chunk + hh[None, :] * chunk + t[:, None]
     store_mask = (t < chunk)[:, None] & mask_h[None, :]
     tl.store(dt_out_ptr + out, dt, mask=store_mask)
