@@ -221,8 +221,8 @@ defmodule ScanBridge.Protocol do
   Read a reply body, checked as the protocol's reference decoder (`protocol/decode.py`
   `decode_reply`) checks one: only the keys v, id, ok, result, error and timing; v 1; id nil,
   a uint or a non-empty str; ok a bool, with a result (ok) or error map; timing, when there,
-  a map; every str UTF-8; and every map meant as a tensor (shape, and data or buf) exactly
-  dtype, shape and data (`ScanBridge.Tensor.from_wire/1`). `{:reply, id, outcome}` for such a
+  a map; every str UTF-8, every map key a str; and every map meant as a tensor (shape, and
+  data or buf) exactly dtype, shape and data (`ScanBridge.Tensor.from_wire/1`). `{:reply, id, outcome}` for such a
   reply (`id` is nil when the server could not read the request's id) and for a map with a
   uint id that is otherwise not one (its outcome a `:decode_error`), `{:error, error}` for any
   other body.
@@ -287,7 +287,7 @@ defmodule ScanBridge.Protocol do
       not is_map(Map.get(reply, "timing", %{})) ->
         "timing is not a map"
 
-      problem = Enum.find_value(reply, fn {key, value} -> tensor_problem(value, key) end) ->
+      problem = Enum.find_value(reply, fn {key, value} -> value_problem(value, key) end) ->
         problem
 
       true ->
@@ -297,26 +297,30 @@ defmodule ScanBridge.Protocol do
 
   defp valid_id?(id), do: id == nil or id in 0..@max_uint64 or (is_binary(id) and id != "")
 
-  # The first map under `value` meant as a tensor that is not a valid one, as a problem.
-  defp tensor_problem(%{} = map, field) do
-    if Map.has_key?(map, "shape") and (Map.has_key?(map, "data") or Map.has_key?(map, "buf")) do
-      case Tensor.from_wire(map) do
-        {:ok, _tensor} -> nil
-        {:error, message} -> "#{field}: #{message}"
-      end
-    else
-      Enum.find_value(map, fn {key, item} -> tensor_problem(item, "#{field}.#{key_name(key)}") end)
+  # The first thing under `value` the reference decoder refuses, as a problem: a map meant as a
+  # tensor that is not a valid one, or a map with a key that is not a str (SPEC §3: every map's
+  # keys are strs, inside the result too).
+  defp value_problem(%{} = map, field) do
+    cond do
+      Map.has_key?(map, "shape") and (Map.has_key?(map, "data") or Map.has_key?(map, "buf")) ->
+        case Tensor.from_wire(map) do
+          {:ok, _tensor} -> nil
+          {:error, message} -> "#{field}: #{message}"
+        end
+
+      key = Enum.find(Map.keys(map), &(not is_binary(&1))) ->
+        "#{field}: a non-str key #{inspect(key)}"
+
+      true ->
+        Enum.find_value(map, fn {key, item} -> value_problem(item, "#{field}.#{key}") end)
     end
   end
 
-  defp tensor_problem(list, field) when is_list(list) do
+  defp value_problem(list, field) when is_list(list) do
     list
     |> Enum.with_index()
-    |> Enum.find_value(fn {item, i} -> tensor_problem(item, "#{field}[#{i}]") end)
+    |> Enum.find_value(fn {item, i} -> value_problem(item, "#{field}[#{i}]") end)
   end
 
-  defp tensor_problem(_value, _field), do: nil
-
-  defp key_name(key) when is_binary(key), do: key
-  defp key_name(key), do: inspect(key)
+  defp value_problem(_value, _field), do: nil
 end
