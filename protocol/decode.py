@@ -252,6 +252,7 @@ def _args_map(reader: Reader, raw: msgspec.Raw, field: str, op: str, spec: dict[
 def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, parent: str = "args") -> dict:
     args = {}
     given_as = {}
+    nil_required = {}  # name -> the field of its first nil: refused unless its alias gives it
     for key, raw in entries.items():
         name = ALIASES.get(key, key)
         field = key_path(parent, key)
@@ -259,10 +260,11 @@ def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, par
         if arg is None:
             expected = (f"an argument of {op}: " + ", ".join(spec)) if spec else f"no arguments for {op}"
             reader.fail(InvalidArgument, field, expected, f"unknown argument {shown_key(key)}", known=list(spec))
-        # nil is absent (SPEC §3): a nil name beside its alias's value is not giving both.
+        # nil is absent (SPEC §3): a nil name beside its alias's value is not giving both. For a
+        # required argument nil alone is no value, refused once no alias has given one.
         if kind(memoryview(raw)) == "nil":
             if arg.required:
-                reader.fail(InvalidArgument, field, KIND_EXPECTED[arg.kind], "nil")
+                nil_required.setdefault(name, field)
             continue
         if name in given_as:
             reader.fail(InvalidArgument, field, f"either {name!r} or its alias, not both",
@@ -272,6 +274,9 @@ def _read_args(reader: Reader, op: str, spec: dict[str, Arg], entries: dict, par
             args[name] = _read_frames(reader, raw, field, op)
         else:
             args[name] = _CHECKS[arg.kind](reader, raw, field)
+    for name, field in nil_required.items():
+        if name not in args:
+            reader.fail(InvalidArgument, field, KIND_EXPECTED[spec[name].kind], "nil")
     for name, arg in spec.items():
         if arg.required and name not in args:
             reader.fail(MissingArgument, f"{parent}.{name}", KIND_EXPECTED[arg.kind], "nothing", op=op)

@@ -149,6 +149,25 @@ def test_a_nil_beside_its_alias_is_absent_not_both(given):
         "return_state": expected.get("return_state", expected.get("return_last_state"))}
 
 
+@pytest.mark.parametrize("nil_alias, name", [
+    pytest.param("u", "x", id="x-beside-nil-u"),
+    pytest.param("delta", "dt", id="dt-beside-nil-delta"),
+])
+@pytest.mark.parametrize("order", ["nil-first", "nil-last"])
+def test_a_nil_alias_beside_a_required_argument_is_absent(nil_alias, name, order):
+    """SPEC §6: an alias beside its name is refused, "a nil one is not given" (found in review:
+    refused as a required argument's nil). Alone, a required argument's nil is still refused."""
+    args = scan_args()
+    given = {nil_alias: None, **args} if order == "nil-first" else {**args, nil_alias: None}
+    req = decode_request(pack(request("scan", given)))
+    assert bytes(req.args[name].data) == args[name]["data"]
+    alone = {k: v for k, v in args.items() if k != name} | {nil_alias: None}
+    with pytest.raises(ProtocolError) as refused:
+        decode_request(pack(request("scan", alone)))
+    assert refused.value.code == "invalid_argument"
+    assert refused.value.detail["field"] == f"args.{nil_alias}" and refused.value.detail["got"] == "nil"
+
+
 def test_handle_reference_in_place_of_a_tensor():
     args = scan_args()
     args["A"] = {"handle": "weights-A"}
