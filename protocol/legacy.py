@@ -53,6 +53,11 @@ class LegacyCodec:
         return encode_legacy_reply(result)
 
     def error(self, request_id, code: str, message: str, detail: dict | None = None) -> list:
+        # SPEC §7: a legacy error names the request's top-level key; the scan op's own checks
+        # name the v1 argument it became ("args.A.shape").
+        field = (detail or {}).get("field")
+        if isinstance(field, str) and field.startswith("args.") and message.startswith(field):
+            message = field[len("args."):] + message[len(field):]
         return encode_legacy_reply({"status": "error", "message": message})
 
 

@@ -110,3 +110,13 @@ def test_errors_use_exphil_shape(client, req):
     assert set(reply) == {"status", "message"}
     assert reply["status"] == "error" and isinstance(reply["message"], str) and reply["message"]
     assert exphil_call(client, {"op": "ping"})["status"] == "ok"
+
+
+def test_an_error_found_by_the_scan_op_names_the_legacy_key(client):
+    # SPEC §7 (legacy: the top-level key): the op checks the v1 arguments the request became, and
+    # its message named "args.A" (found in review).
+    f32 = lambda n: b"\0" * (4 * n)  # noqa: E731
+    reply = exphil_call(client, {"op": "scan", "x": f32(2), "dt": f32(2), "A": f32(4), "B": f32(2), "C": f32(2),
+                                 "x_shape": [1, 2, 1], "dt_shape": [1, 2, 1], "A_shape": [2, 2],
+                                 "B_shape": [1, 2, 1], "C_shape": [1, 2, 1]})
+    assert reply["status"] == "error" and reply["message"].startswith("A: expected shape"), reply
