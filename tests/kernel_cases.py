@@ -661,6 +661,49 @@ def with_zero_decays(inputs: dict, regime: str) -> dict:
     return out
 
 
+# An infinite x in one (row, channel) of a state update (Mamba-1's, "update", or Mamba-2's,
+# "ssd_update") or of a scan's step 2 ("scan"), where B and C are positive: the reference's y is
+# +inf there. State sizes with padding lanes past them at every vector width (3, 5; 8 with
+# AVX-512's 16 fp32 lanes) and none (16): B's padding times dt x there is 0 * inf, NaN, which the
+# updates' sums over the state took into y (found in review).
+INFINITE_INPUT_STATES = [3, 5, 8, 16]
+
+
+def with_an_infinite_x(kind: str, state: int, seed: int) -> dict:
+    """Inputs (no D, whose D x would make the reference's y NaN) as INFINITE_INPUT_STATES says."""
+    if kind == "scan":
+        inputs = make_scan_inputs(ScanCase(3, 5, 6, state, z=True), seed=seed)
+        at = (1, 2, 1)
+    elif kind == "update":
+        inputs = make_update_inputs(UpdateCase(3, 6, state, z=True), seed=seed)
+        at = (1, 1)
+    else:
+        inputs = make_ssd_update_inputs(SsdUpdateCase(3, 2, 5, state, z=True), seed=seed)
+        at = (1, 1, 2)
+    inputs["x"][at] = float("inf")
+    inputs["B"], inputs["C"] = inputs["B"].abs() + 0.1, inputs["C"].abs() + 0.1
+    return inputs
+
+
+def reference_with_an_infinite_x(kind: str, inputs: dict):
+    """(y, state) of the float64 reference; a state update's pool left as it was."""
+    reference = {"scan": reference_scan, "update": reference_update, "ssd_update": reference_ssd_update}[kind]
+    return reference({**inputs, "return_state": True} if kind == "scan" else inputs)
+
+
+def assert_infinities_as_the_reference(actual, expected, what: str) -> None:
+    """NaN where the reference has NaN, its very infinities where it has them (some), and
+    fp32-close elsewhere."""
+    inf = torch.isinf(expected)
+    assert inf.any(), f"{what}: the reference has no infinity to compare"
+    nan = torch.isnan(actual)
+    assert torch.equal(nan, torch.isnan(expected)), f"{what}: NaN at {nan.nonzero().tolist()}"
+    assert torch.equal(actual[inf].double(), expected[inf].double()), \
+        f"{what}: {actual[inf].tolist()} where the reference has {expected[inf].tolist()}"
+    finite = torch.isfinite(expected)
+    assert_close(actual[finite], expected[finite], torch.float32, what)
+
+
 # --- packed sequences (cu_seqlens) -------------------------------------------------------------
 
 def packed_slice(inputs: dict, kind: str, start: int, stop: int) -> dict:

@@ -17,7 +17,8 @@ from kernel_cases import (
     assert_scan_matches_reference, assert_scan_outputs_match_reference,
     assert_update_matches_reference, assert_update_outputs_match_reference, make_scan_inputs,
     make_update_inputs, random_seed, reference_scan, STRIDED, nan_gapped, with_changes, cpu_backends,
-    SsdUpdateCase, make_ssd_update_inputs, ZERO_DECAY_REGIMES, with_zero_decays,
+    SsdUpdateCase, make_ssd_update_inputs, ZERO_DECAY_REGIMES, with_zero_decays, INFINITE_INPUT_STATES,
+    assert_infinities_as_the_reference, reference_with_an_infinite_x, with_an_infinite_x,
 )
 
 
@@ -40,6 +41,23 @@ def test_scan_with_decays_of_zero(backend, regime):
     inputs = with_zero_decays(make_scan_inputs(case, seed=seed), regime)
     y, state = scan_kernels.selective_scan(**inputs, backend=backend)
     assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{backend} {regime} seed={seed}")
+
+
+@pytest.mark.parametrize("state_size", INFINITE_INPUT_STATES)
+@pytest.mark.parametrize("kind", ["scan", "update", "ssd_update"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_infinite_x_gives_the_references_infinity(backend, kind, state_size):
+    seed = random_seed()
+    inputs = with_an_infinite_x(kind, state_size, seed)
+    y_ref, state_ref = reference_with_an_infinite_x(kind, inputs)
+    if kind == "scan":
+        y, state = scan_kernels.selective_scan(**inputs, backend=backend)
+    else:
+        update = scan_kernels.selective_state_update if kind == "update" else scan_kernels.ssd_state_update
+        y, state = update(**inputs, backend=backend), inputs["state"]
+    what = f"{backend} {kind} state {state_size} seed={seed}"
+    assert_infinities_as_the_reference(y, y_ref, f"{what} y")
+    assert_infinities_as_the_reference(state, state_ref, f"{what} state")
 
 
 @pytest.mark.parametrize("case", LARGE_SCAN_CASES)

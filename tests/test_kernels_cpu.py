@@ -40,6 +40,7 @@ from kernel_cases import (
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, SsdCase, SsdUpdateCase, make_ssd_inputs,
     make_ssd_update_inputs, reference_ssd_scan, reference_ssd_update, assert_packed_matches_each_sequence,
     nan_gapped, ZERO_DECAY_REGIMES, assert_grads_close_where_reference_finite, with_zero_decays,
+    INFINITE_INPUT_STATES, assert_infinities_as_the_reference, reference_with_an_infinite_x, with_an_infinite_x,
 )
 from process_runs import BackgroundRun
 from waiting import poll_until
@@ -620,6 +621,28 @@ def test_simd_variant_nonfinite_row_leaves_other_rows_y_as_the_reference(simd_ba
     tolerance = TOLERANCES[torch.bfloat16] if state.dtype == torch.bfloat16 else STATE_TOLERANCE
     assert_close(state[good_state], expected_state[good_state], state.dtype,
                  f"{what} state outside the bad row's bad channel", tolerance)
+
+
+# The bad channel itself (kernel_cases.INFINITE_INPUT_STATES): the update's padding lanes past the
+# state took 0 * inf, NaN, into y's sum where the reference's y is +inf.
+@pytest.mark.parametrize("state_size", INFINITE_INPUT_STATES)
+@pytest.mark.parametrize("kind", ["scan", "update", "ssd_update"])
+def test_simd_variant_infinite_x_gives_the_references_infinity(simd_backend, kind, state_size):
+    seed = random_seed()
+    inputs = with_an_infinite_x(kind, state_size, seed)
+    y_ref, state_ref = reference_with_an_infinite_x(kind, inputs)
+    if kind == "scan":
+        a = _args.check_scan(**inputs)
+        y, state = simd_backend.scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    elif kind == "update":
+        a = _args.check_state_update(**inputs)
+        y, state = simd_backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs()), inputs["state"]
+    else:
+        a = _args.check_ssd_state_update(**inputs)
+        y, state = simd_backend.ssd_state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs()), inputs["state"]
+    what = f"{simd_backend.details['simd']} build {kind} state {state_size} seed={seed}"
+    assert_infinities_as_the_reference(y, y_ref, f"{what} y")
+    assert_infinities_as_the_reference(state, state_ref, f"{what} state")
 
 
 # Mamba-2 per variant: headdim full and partial vectors and blocks (16, 8 or 4 fp32 lanes, two

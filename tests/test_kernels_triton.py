@@ -29,7 +29,8 @@ from kernel_cases import (  # noqa: E402
     TOLERANCES, TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_same_nans_and_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference, assert_update_outputs_match_reference,
     make_scan_inputs, make_update_inputs, random_seed, reference_scan, reference_update, state_dtype,
-    assert_packed_matches_each_sequence, ZERO_DECAY_REGIMES, with_zero_decays,
+    assert_packed_matches_each_sequence, ZERO_DECAY_REGIMES, with_zero_decays, INFINITE_INPUT_STATES,
+    assert_infinities_as_the_reference, reference_with_an_infinite_x, with_an_infinite_x,
 )
 from scan_kernels import _args  # noqa: E402
 from scan_kernels._registry import get_backend  # noqa: E402
@@ -120,6 +121,35 @@ def test_scan_with_decays_of_zero(split, regime, device):
     segment_len = case.seq if split == "whole" else 2 * _chunk(case, blocks)
     y, state = _run_scan(inputs, blocks, segment_len)
     assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{split} {regime} seed={seed}")
+
+
+# kernel_cases.INFINITE_INPUT_STATES: the padded state entries past a state of 3, 5 (BLOCK_N 4, 8)
+# held 0 * inf, NaN, which y's sum took where the reference's y is +inf; and an A of +inf made a
+# padded step's exp(0 * A) NaN, the final state with it.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_size", INFINITE_INPUT_STATES)
+@pytest.mark.parametrize("kind", ["scan", "update", "ssd_update"])
+def test_an_infinite_input_gives_the_references_infinity(kind, state_size, device):
+    _backend(device)
+    seed = random_seed()
+    inputs = with_an_infinite_x(kind, state_size, seed)
+    y_ref, state_ref = reference_with_an_infinite_x(kind, inputs)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if kind == "scan":
+        y, state = scan_kernels.selective_scan(**inputs, backend="triton")
+    else:
+        update = scan_kernels.selective_state_update if kind == "update" else scan_kernels.ssd_state_update
+        y, state = update(**inputs, backend="triton"), inputs["state"]
+    what = f"{device} {kind} state {state_size} seed={seed}"
+    assert_infinities_as_the_reference(y.cpu(), y_ref, f"{what} y")
+    assert_infinities_as_the_reference(state.cpu(), state_ref, f"{what} state")
+    if kind == "scan":
+        # h0 of ones: from a zero state the reference's first decay of inf times 0 is NaN.
+        grows = dict(inputs, x=torch.ones_like(inputs["x"]), A=inputs["A"].clone(),
+                     h0=torch.ones(state.shape, device=device))
+        grows["A"][1, 0] = float("inf")
+        _, state = scan_kernels.selective_scan(**grows, backend="triton")
+        assert_infinities_as_the_reference(state.cpu(), reference_scan(grows)[1], f"{what} A = +inf state")
 
 
 # Packed sequences (cu_seqlens) in one launch: sequences of 1, 5 and 11 steps, so with

@@ -532,9 +532,12 @@ class SequenceRunner {
 // with zeros in A, B, C (and h) past the state size;
 // dt[c] (as discretize leaves it) and dtx[c] are its scalars (read as broadcast operands). Returns y (before D and z)
 // with channel c in lane c. kFullVecs > 0 instantiates the common full block of W channels whose
-// state is kFullVecs vectors, fully unrolled so the W accumulators stay in registers.
-template <typename T, int kFullVecs>
-typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, int64_t A_stride,
+// state is kFullVecs vectors, fully unrolled so the W accumulators stay in registers. kPadded:
+// the last vector has lanes past the state (`state` says how many are real), whose B padding
+// times dt x is NaN where dt x is infinite (0 * inf); y sums only the real lanes of it, as the
+// reference's y is that infinity there.
+template <typename T, int kFullVecs, bool kPadded>
+typename Lanes<T>::V step_block(int lanes, int64_t vecs, int64_t state, const T* __restrict A, int64_t A_stride,
                                 T* __restrict h, int64_t h_stride, const T* __restrict dt,
                                 const T* __restrict dtx, const typename Lanes<T>::V* __restrict B,
                                 const typename Lanes<T>::V* __restrict C) {
@@ -544,6 +547,9 @@ typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, 
   if constexpr (kFullVecs > 0) vecs = kFullVecs;
   V acc[W];
   for (int c = 0; c < W; ++c) acc[c] = V{};
+  V lane{};
+  for (int i = 0; i < W; ++i) lane[i] = static_cast<T>(i);
+  [[maybe_unused]] const auto real = lane < static_cast<T>(state - (vecs - 1) * W);
   auto decay = [&](int c, int64_t k) __attribute__((always_inline)) {
     return Math<T>::decay(Lanes<T>::splat(dt[c]), *reinterpret_cast<const VU*>(A + c * A_stride + k * W));
   };
@@ -552,7 +558,11 @@ typename Lanes<T>::V step_block(int lanes, int64_t vecs, const T* __restrict A, 
     VU* hp = reinterpret_cast<VU*>(h + c * h_stride + k * W);
     const V hk = a * V(*hp) + B[k] * dtx[c];
     *hp = hk;
-    acc[LaneSums<T>::kSlot[c]] += hk * C[k];
+    const V term = hk * C[k];
+    if constexpr (kPadded)
+      acc[LaneSums<T>::kSlot[c]] += k == vecs - 1 ? (real ? term : V{}) : term;
+    else
+      acc[LaneSums<T>::kSlot[c]] += term;
   };
   if constexpr (kFullVecs > 0 && kVectorBytes == 32) {
     // AVX2's sixteen registers cannot hold exp's constants and the W accumulators at once (the
@@ -682,9 +692,16 @@ class StepRunner {
     const T* dtx = reinterpret_cast<const T*>(dtx_ + block);
     const V* Bg = Bs_ + g * vecs_;
     const V* Cg = Cs_ + g * vecs_;
-    V y = lanes == W && vecs_ == kFullVecs
-              ? step_block<T, kFullVecs>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg)
-              : step_block<T, 0>(lanes, vecs_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
+    const bool full = lanes == W && vecs_ == kFullVecs, padded = N_ % W != 0;
+    V y;
+    if (full && !padded)
+      y = step_block<T, kFullVecs, false>(lanes, vecs_, N_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
+    else if (full)
+      y = step_block<T, kFullVecs, true>(lanes, vecs_, N_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
+    else if (!padded)
+      y = step_block<T, 0, false>(lanes, vecs_, N_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
+    else
+      y = step_block<T, 0, true>(lanes, vecs_, N_, A, A_stride, h, h_stride, dt, dtx, Bg, Cg);
     if (!in_place_ && p_.state_out.data != nullptr) {
       const auto& so = p_.state_out.stride;
       store_2d(p_.state_out, row * so[0] + d0 * so[1], so[1], so[2], lanes, N_int_, h,

@@ -64,16 +64,17 @@ def discretize_dt(dt, exists, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr
     return tl.where(exists, dt, 0.0)
 
 
-# The most negative finite fp32: a decay rate A of -inf (A = -exp(A_log) past fp32's range) is
-# read as this, so that a padded step's dt of 0 gives 0 * A = 0 and decay 1 rather than NaN.
-# A real step's dt * A is then -inf or below -1e3, and its decay 0, as the reference's.
-FINITE_RATE_FLOOR = tl.constexpr(-3.4028234663852886e38)
+# The largest finite fp32: a decay rate A of -inf (A = -exp(A_log) past fp32's range) or +inf
+# is read as -+ this, so that a padded step's dt of 0 gives 0 * A = 0 and decay 1 rather than
+# NaN. A real step's decay is then 0 (or inf) as the reference's, for any dt above 1e-35.
+FINITE_RATE_BOUND = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
 def finite_decay_rate(A):
-    """A with -inf read as FINITE_RATE_FLOOR; NaN stays NaN (a comparison with it is false)."""
-    return tl.where(A < FINITE_RATE_FLOOR, FINITE_RATE_FLOOR, A)
+    """A with -inf and inf read as -+FINITE_RATE_BOUND; NaN stays NaN (its comparisons are false)."""
+    A = tl.where(A < -FINITE_RATE_BOUND, -FINITE_RATE_BOUND, A)
+    return tl.where(A > FINITE_RATE_BOUND, FINITE_RATE_BOUND, A)
 
 
 @triton.jit

@@ -213,7 +213,8 @@ def _scan_output_kernel(
             HAS_DT_BIAS, DT_SOFTPLUS, HAS_CLAMP, ACC, CHUNK, WIDE_OFFSETS)
         C_tile = tl.load(C_base + t[:, None] * s_C_l + n[None, :] * s_C_n, mask=mask_tn, other=0.0).to(ACC)
         states, h = _tile_states(h, dt, x, A, B_tile, CHUNK)
-        y = tl.sum(states * C_tile[:, None, :], axis=2)
+        # Padded state entries hold 0 * B's padding; an infinite dt x makes them NaN (0 * inf).
+        y = tl.sum(tl.where(mask_n[None, None, :], states * C_tile[:, None, :], 0.0), axis=2)
         if HAS_D:
             y += x * D[None, :]
         if HAS_Z:

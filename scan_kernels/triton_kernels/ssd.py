@@ -653,7 +653,8 @@ def _ssd_update_kernel(
         hs = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(ACC)
         hs = decay * hs + dt_x[:, None] * B[None, :]
         tl.store(state_ptrs, hs.to(state_ptr.dtype.element_ty), mask=mask_pn)
-        y += tl.sum(hs * C[None, :], axis=1)
+        # Padded entries hold 0 * B's padding, NaN for an infinite dt x or decay (0 * inf).
+        y += tl.sum(tl.where(mask_n[None, :], hs * C[None, :], 0.0), axis=1)
     if HAS_D:
         y += x * tl.load(D_ptr + h * s_D_h + p * s_D_p, mask=mask_live_p, other=0.0).to(ACC)
     if HAS_Z:

@@ -62,7 +62,8 @@ def _state_update_kernel(
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * B[None, :]
     tl.store(state_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_live_dn)
 
-    y = tl.sum(h * C[None, :], axis=1)
+    # Padded state entries hold 0 * B's padding; an infinite dt x makes them NaN (0 * inf).
+    y = tl.sum(tl.where(mask_live_n[None, :], h * C[None, :], 0.0), axis=1)
     if HAS_D:
         y += x * tl.load(D_ptr + d * s_D, mask=mask_live_d, other=0.0).to(ACC)
     if HAS_Z:
