@@ -360,15 +360,37 @@ def test_an_ok_that_is_not_a_bool_is_a_malformed_reply(scan_client, endpoints, t
     assert "scan inline: a malformed reply (ok is not a bool)" in run.stderr
 
 
-def test_timing_keys_that_are_not_str_are_not_printed(scan_client, endpoints, tmp_path):
+def _ping_reply_with(**entries) -> bytes:
+    """Ping's reply with `entries` (result, timing), as msgpack's own str for raw bytes."""
+    return msgpack.packb({"v": 1, "id": 1, "ok": True, **entries}, use_bin_type=False)
+
+
+# Each map's keys UTF-8 strs, each once, every other str UTF-8, at any depth of result, error and
+# timing (SPEC §3), as protocol/decode.py's decode_reply holds a reply: the client took such
+# replies (found in review), and printed what it could of a timing map with other keys.
+@pytest.mark.parametrize("body, why", [
+    pytest.param(_ping_reply_with(result={"pong": True, 5: 1}), "a map key that is not a str", id="int-key-in-result"),
+    pytest.param(_ping_reply_with(result={"pong": True}, timing={"server_us": 7, 5: 1}), "a map key that is not a str",
+                 id="int-key-in-timing"),
+    pytest.param(b"\x84\xa1v\x01\xa2id\x01\xa2ok\xc3\xa6result\x82\xa4pong\xc3\xa4pong\xc3",
+                 "a map key given twice", id="key-twice-in-result"),
+    pytest.param(_ping_reply_with(result={"pong": True, "a": [{"b": b"\xff"}]}), "a str that is not UTF-8",
+                 id="non-utf8-str-in-result"),
+    pytest.param(_ping_reply_with(result={"pong": True, b"\xc3\x28": 1}), "a map key that is not UTF-8",
+                 id="non-utf8-key"),
+    pytest.param(_ping_reply_with(result={"pong": True}, timing={"t": {"shape": [1], "data": 5}}),
+                 "unknown dtype", id="bad-tensor-in-timing"),
+    pytest.param(msgpack.packb({"v": 1, "id": b"\xed\xa0\x80", "ok": True, "result": {"pong": True}},
+                               use_bin_type=False), "id a str that is not UTF-8", id="surrogate-in-str-id"),
+])
+def test_a_reply_with_a_bad_key_or_str_anywhere_is_malformed(scan_client, endpoints, tmp_path, body, why):
     def scenario(request_id, frames, forward):
         reply = forward(frames)
-        return [[edited(reply[0], timing={"server_us": 7, 5: 1})]] if request_id == 1 else [reply]
+        return [[body]] if request_id == 1 else [reply]
 
     run = run_through(scan_client, endpoints, tmp_path, scenario)
-    assert run.returncode == 0, run.stderr
-    ping = next(line for line in run.stdout.splitlines() if line.startswith("ping "))
-    assert ping.endswith("| server_us=7.0 | ipc " + ping.rsplit("| ipc ", 1)[1])
+    assert run.returncode == 1
+    assert f"ping: a malformed reply ({why})" in run.stderr, run.stderr
 
 
 def test_a_timing_key_longer_than_the_client_prints_is_cut_short(scan_client, endpoints, tmp_path):
@@ -561,7 +583,7 @@ VALID_Y = {"dtype": "f32", "shape": [2], "data": bytes(8)}
     pytest.param({"frames": [{"y": {"dtype": "f32", "shape": [1], "buf": 0}}]}, "buf names no raw buffer",
                  id="buf-in-an-array"),
     pytest.param(nested(VALID_Y, c_define("MAX_DEPTH") + 1),
-                 f"values nested more than {c_define('MAX_DEPTH')} levels below args or result", id="too-deep"),
+                 f"values nested more than {c_define('MAX_DEPTH')} levels below args, result, error or timing", id="too-deep"),
 ])
 def test_the_decoder_checks_tensors_at_any_depth(scan_client, endpoints, tmp_path, result, why):
     body = msgpack.packb({"v": 1, "id": 9, "ok": True, "result": result, "timing": {}})

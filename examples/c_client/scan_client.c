@@ -44,7 +44,7 @@
  * kept in arrays that grow as they come, up to this cap, which keeps a peer from making the
  * client hold frames without end: room for a 64-layer model's state in each of 500 frames. */
 #define MAX_PARTS 65536
-/* How deep below args or result check_tensors looks for tensors: one MAX_DEPTH levels down is
+/* How deep below args, result, error or timing check_tensors looks: one MAX_DEPTH levels down is
  * checked, anything deeper refused rather than left unchecked (SPEC §3 leaves a decoder its own
  * nesting limit). The deepest an op nests a tensor is 4: frames, [i], state, then the tensor. */
 #define MAX_DEPTH 16
@@ -249,41 +249,94 @@ static const char *unpack_body(const parts_t *parts, msgpack_unpacked *result) {
     return NULL;
 }
 
-/* Checks the tensors in `value`, which lies `depth` levels below args or result: a map with a
- * shape and data or buf is a tensor, held to all of SPEC §5 (a dtype, no other key, ...), as the
- * Python client holds it (protocol/decode.py); any other map, and an array, is looked through,
- * since a message carries tensors at any depth (SPEC §5: a model's state map, each of `frames`'
- * results). A dtype alone makes no tensor: model_load's config is a transformers config, whose
- * "dtype" is "float32". `used` marks the raw buffers they name. NULL when all are valid. */
+/* Whether the n bytes at s are UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing past
+ * U+10FFFF), as SPEC §3 wants every str but tensor data. */
+static int utf8_valid(const unsigned char *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = s[i];
+        size_t len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+        if (len == 0 || len > n - i) return 0;
+        uint32_t cp = len == 1 ? c : c & (0x7F >> len);
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80) return 0;
+            cp = cp << 6 | (s[i + k] & 0x3F);
+        }
+        static const uint32_t least[5] = {0, 0, 0x80, 0x800, 0x10000};
+        if (cp < least[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+        i += len;
+    }
+    return 1;
+}
+
+static int compare_keys(const void *a, const void *b) {
+    const msgpack_object_str *x = *(const msgpack_object_str *const *)a, *y = *(const msgpack_object_str *const *)b;
+    if (x->size != y->size) return x->size < y->size ? -1 : 1;
+    return memcmp(x->ptr, y->ptr, x->size);
+}
+
+/* SPEC §3: a map's keys are UTF-8 strs, each once. NULL when they are, else why not. */
+static const char *check_keys(const msgpack_object *map) {
+    uint32_t n = map->via.map.size;
+    if (n == 0) return NULL;
+    const msgpack_object_str **keys = malloc(n * sizeof *keys);
+    if (keys == NULL) return "no memory to check a map's keys";
+    const char *why = NULL;
+    for (uint32_t i = 0; i < n && !why; i++) {
+        const msgpack_object *key = &map->via.map.ptr[i].key;
+        if (key->type != MSGPACK_OBJECT_STR) why = "a map key that is not a str";
+        else if (!utf8_valid((const unsigned char *)key->via.str.ptr, key->via.str.size)) why = "a map key that is not UTF-8";
+        else keys[i] = &key->via.str;
+    }
+    if (!why) {
+        qsort(keys, n, sizeof *keys, compare_keys);
+        for (uint32_t i = 1; i < n && !why; i++)
+            if (compare_keys(&keys[i - 1], &keys[i]) == 0) why = "a map key given twice";
+    }
+    free(keys);
+    return why;
+}
+
+/* Checks `value`, which lies `depth` levels below args, result, error or timing: every map's keys
+ * UTF-8 strs, each once, and every other str UTF-8 (SPEC §3); a map with a shape and data or buf
+ * is a tensor, held to all of SPEC §5 (a dtype, no other key, ...; its data may be a str of any
+ * bytes), as the Python client holds it (protocol/decode.py); any other map, and an array, is
+ * looked through, since a message carries tensors at any depth (SPEC §5: a model's state map,
+ * each of `frames`' results). A dtype alone makes no tensor: model_load's config is a
+ * transformers config, whose "dtype" is "float32", and tensor_size_mismatch's detail has dtype
+ * and shape keys. `used` marks the raw buffers they name. NULL when all are valid. */
 static const char *check_nested(const msgpack_object *value, const parts_t *parts, unsigned char *used,
                                 int depth) {
+    if (value->type == MSGPACK_OBJECT_STR)
+        return utf8_valid((const unsigned char *)value->via.str.ptr, value->via.str.size) ? NULL : "a str that is not UTF-8";
     int is_map = value->type == MSGPACK_OBJECT_MAP;
+    const char *why = is_map ? check_keys(value) : NULL;
+    if (why) return why;
     if (is_map && get(value, "shape") && (get(value, "data") || get(value, "buf"))) {
         tensor_t t;
         return read_tensor(value, parts, used, &t);
     }
     uint32_t n = is_map ? value->via.map.size : value->type == MSGPACK_OBJECT_ARRAY ? value->via.array.size : 0;
     if (n > 0 && depth == MAX_DEPTH)
-        return "values nested more than " STRINGIFY(MAX_DEPTH) " levels below args or result";
+        return "values nested more than " STRINGIFY(MAX_DEPTH) " levels below args, result, error or timing";
     for (uint32_t i = 0; i < n; i++) {
-        const char *why = check_nested(is_map ? &value->via.map.ptr[i].val : &value->via.array.ptr[i], parts, used,
-                                       depth + 1);
+        why = check_nested(is_map ? &value->via.map.ptr[i].val : &value->via.array.ptr[i], parts, used, depth + 1);
         if (why) return why;
     }
     return NULL;
 }
 
-/* Checks the tensors of an unpacked message, and that each raw buffer is named by one. The
- * tensors lie under a request's `args` and a reply's `result` (SPEC §5, §6), and nowhere else:
- * an error's `detail` has dtype and shape keys too (tensor_size_mismatch, SPEC §7) and is no
- * tensor, and neither is args or result itself, whose dtype is a weights dtype (model_load).
- * NULL when all are valid, else why not. */
+/* Checks the values of an unpacked message (check_nested), and that each raw buffer is named by
+ * a tensor. They lie under a request's `args` and a reply's `result`, `error` and `timing`
+ * (SPEC §4 to §6); the envelope's own values check_envelope checks. NULL when all are valid,
+ * else why not. */
 static const char *check_tensors(const msgpack_object *message, const parts_t *parts) {
-    static const char *const holders[] = {"args", "result"};
+    static const char *const holders[] = {"args", "result", "error", "timing"};
     unsigned char *used = calloc((size_t)parts->count + 1, 1);
     const char *why = used ? NULL : "no memory to check the raw buffers";
     for (size_t h = 0; h < sizeof holders / sizeof holders[0] && !why; h++) {
         const msgpack_object *values = get(message, holders[h]);
+        if (values && values->type == MSGPACK_OBJECT_MAP) why = check_keys(values);
         for (uint32_t i = 0; values && values->type == MSGPACK_OBJECT_MAP && i < values->via.map.size && !why; i++)
             why = check_nested(&values->via.map.ptr[i].val, parts, used, 1);
     }
@@ -325,6 +378,8 @@ static const char *check_envelope(const msgpack_object *message) {
     if (id->type != MSGPACK_OBJECT_NIL && id->type != MSGPACK_OBJECT_POSITIVE_INTEGER &&
         (id->type != MSGPACK_OBJECT_STR || id->via.str.size == 0))
         return "id neither nil, a uint nor a non-empty str";
+    if (id->type == MSGPACK_OBJECT_STR && !utf8_valid((const unsigned char *)id->via.str.ptr, id->via.str.size))
+        return "id a str that is not UTF-8";
     if (ok->type != MSGPACK_OBJECT_BOOLEAN) return "ok is not a bool";
     if (ok->via.boolean && (value[RESULT] == NULL || value[RESULT]->type != MSGPACK_OBJECT_MAP))
         return "result is not a map";
@@ -579,12 +634,12 @@ static int exchange(void *sock, const char *what, uint64_t id, const msgpack_sbu
             close_reply(reply);
             continue;
         }
-        if (!ok->via.boolean) {
+        if ((why = check_tensors(message, &reply->parts)) != NULL) {
+            fail("%s: a malformed reply (%s)", what, why);
+        } else if (!ok->via.boolean) {
             const msgpack_object *error = get(message, "error");
             msgpack_object_print_buffer(text, sizeof text, error ? *error : *message);
             fail("%s: an error reply: %s", what, text);
-        } else if ((why = check_tensors(message, &reply->parts)) != NULL) {
-            fail("%s: a malformed reply (%s)", what, why);
         } else {
             return 1;
         }
@@ -652,8 +707,8 @@ static void print_timing(const char *what, const msgpack_object *reply, double r
         const msgpack_object *k = &timing->via.map.ptr[i].key, *v = &timing->via.map.ptr[i].val;
         double value = v->type == MSGPACK_OBJECT_FLOAT64 || v->type == MSGPACK_OBJECT_FLOAT32 ? v->via.f64
                        : v->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? (double)v->via.u64 : 0;
-        if (k->type != MSGPACK_OBJECT_STR) continue;  /* keys are str (SPEC §3): print no other */
         if (key_is(k, "server_us")) server_us = value;
+        /* exchange took the reply once check_tensors found every key a str */
         printf(" %.*s%s=%.1f", printed_length(k->via.str.size), k->via.str.ptr,
                k->via.str.size > MAX_PRINTED_KEY ? "..." : "", value);
     }
