@@ -15,9 +15,10 @@ dispatcher is the one place that decides how a request is served:
     the reader thread, never refused for the cap.
   * execution: an idle server (nothing in flight, and nothing more waiting on the transport,
     or, on a thread that reads one connection, a request the batcher never gathers) serves the
-    request at once on the reader thread; otherwise it queues for the worker, which serves
-    queued requests in arrival order, gathering batchable ones (bridge.batcher) that can share
-    a kernel launch.
+    request at once on the reader thread, unless its op is `worker_only` (one that may run for
+    seconds: the reader would read nothing else meanwhile); otherwise it queues for the worker,
+    which serves queued requests in arrival order, gathering batchable ones (bridge.batcher)
+    that can share a kernel launch.
   * the op's handler (bridge.ops) runs; its result is encoded by the request's codec and sent.
     A request whose `deadline_us` ran out before it started is answered `deadline_exceeded`
     instead, and one whose connection's peer is known gone by then `cancelled` (its reply could
@@ -254,7 +255,11 @@ class Dispatcher:
         # batcher never gathers is served so even when more input waits: queued, it would send
         # the native steps read behind it the general way until it is answered. A thread that
         # reads for many (True: ZeroMQ's, a unix reader with others waiting) is not held up so.
-        if callable(more_input):
+        # A `worker_only` op (one that may run for seconds) never is: the thread that reads its
+        # lane would read nothing else, health and cancels included, until it ends.
+        if getattr(handler, "worker_only", False):
+            inline = False
+        elif callable(more_input):
             inline = call.batched_op is None or not more_input()
         else:
             inline = not more_input

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import bridge.health
+import bridge.models
 import scan_kernels
 from bridge.client import PortClient, result_from_wire
 from bridge.health import DeviceProbe
 from bridge_fakes import RecordingConnection
-from kernel_cases import ScanCase, SsdCase, backward_inputs, make_scan_inputs, make_ssd_inputs
+from kernel_cases import (ScanCase, SsdCase, UpdateCase, backward_inputs, make_scan_inputs, make_ssd_inputs,
+                          make_update_inputs)
 from waiting import wait_until
 
 
@@ -203,3 +205,50 @@ def test_kernel_work_that_raised_does_not_stand_for_the_device(inproc):
     with srv.server.kernel_timer():
         pass
     assert srv.server.probe.check(launch=False)["source"] == "work"
+
+
+def _model_load_args() -> dict:
+    # Enough to reach the weights' load (patched below): nothing is built.
+    return {"config": {"model_type": "mamba"}, "weights": {"w": torch.zeros(1)}}
+
+
+@pytest.mark.parametrize("op, patched, make_args", [
+    pytest.param("scan_backward", (scan_kernels, "selective_scan_backward"),
+                 lambda: backward_inputs(make_scan_inputs(ScanCase(2, 8, 4, 2))), id="scan_backward"),
+    pytest.param("ssd_scan_backward", (scan_kernels, "ssd_scan_backward"),
+                 lambda: backward_inputs(make_ssd_inputs(SsdCase(1, 8, 2, 2, 4))), id="ssd_scan_backward"),
+    pytest.param("model_load", (bridge.models, "load_weights"), _model_load_args, id="model_load"),
+])
+def test_a_call_that_may_run_for_seconds_leaves_its_lane_read(inproc, monkeypatch, op, patched, make_args):
+    """Found in review: on a lane one thread reads (stdio; unix), an idle server served a training
+    call or a model's load on that thread, which read nothing else until it ended: health waited
+    behind it (the Elixir client's health check could stop a healthy server) and a cancel could
+    not reach the requests sent after it. Such ops go to the worker."""
+    srv = inproc()
+    conn = RecordingConnection()
+    assert srv.call(conn, "scan", **scan_inputs())  # a recent launch: health is answered at once
+    session = srv.call(conn, "session_open", batch=1, dim=4, state=2)["session"]
+    reader, ran_on, release = threading.current_thread(), [], threading.Event()
+
+    def held(*args, **kwargs):
+        ran_on.append(threading.current_thread())
+        if ran_on[0] is not reader:
+            release.wait(60)
+        raise RuntimeError("held, then failed")
+
+    monkeypatch.setattr(*patched, held)
+    args = make_args()
+    if op != "model_load":
+        args["dy"] = torch.randn(args["x"].shape)
+    long = srv.submit(conn, op, more_input=False, **args)  # as a stdio or a lone unix reader would
+    try:
+        wait_until(lambda: ran_on, f"{op} never ran")
+        assert ran_on[0] is not reader, f"{op} was served on the thread that read it"
+        assert srv.call(conn, "health")["ready"] is True
+        step = make_update_inputs(UpdateCase(1, 4, 2))
+        queued = srv.submit(conn, "step", session=session, **{k: v for k, v in step.items() if k != "state"})
+        assert srv.call(conn, "cancel", id=queued) == {"cancelled": True}
+    finally:
+        release.set()
+    assert conn.reply(queued).error["code"] == "cancelled"
+    assert not conn.reply(long).ok

@@ -43,4 +43,8 @@ def ssd_scan_backward(server, call) -> dict:
     return _gradients(server, call, scan_kernels.ssd_scan_backward, {"chunk_size": call.args.get("chunk_size")})
 
 
+# Training's calls can take seconds, and a reader thread serving one reads nothing else meanwhile
+# (health, a cancel): the worker serves them (Dispatcher.on_frame).
+scan_backward.worker_only = ssd_scan_backward.worker_only = True
+
 HANDLERS = {"scan_backward": scan_backward, "ssd_scan_backward": ssd_scan_backward}

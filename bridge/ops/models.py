@@ -59,6 +59,11 @@ def model_load(server, call) -> dict:
     return loaded.describe()
 
 
+# A checkpoint's read can take seconds, and a reader thread serving it reads nothing else
+# meanwhile (health, a cancel): the worker serves it (Dispatcher.on_frame).
+model_load.worker_only = True
+
+
 def model_free(server, call) -> dict:
     loaded = server.model(call.conn, call.args["model"], "args.model")
     server.free_model(call.conn, loaded)
