@@ -683,6 +683,10 @@ class Dispatcher:
         try:
             conn.send(parts, buffers)  # buffers: a multipart reply's (ZeroMQ only)
         except OSError as exc:
-            log.warning("could not reply to %s: %s", getattr(conn, "id", conn), exc)
+            # A peer gone with many requests queued fails each of their replies: one warning says so.
+            first = not conn.reply_failed
+            conn.reply_failed = True
+            log.log(logging.WARNING if first else logging.DEBUG, "could not reply to %s: %s%s", conn.id, exc,
+                    "" if first else " (not its first)")
             return
         self.server.stats.reply_out(parts, buffers or (), lane=conn.lane)

@@ -572,3 +572,30 @@ def test_a_bad_warmup_bucket_stops_the_server_with_a_reason(bucket, expected):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert expected in result.stderr, result.stderr
+
+
+class GoneConnection(RecordingConnection):
+    """A peer gone: every reply fails to be written, as a stream lane's does then."""
+
+    def __init__(self):
+        super().__init__()
+        self.attempts = 0
+
+    def send(self, parts: list, buffers: list | None = None) -> None:
+        self.attempts += 1
+        raise BrokenPipeError(f"{self.id}: the peer is gone")
+
+
+def test_a_gone_peer_with_many_requests_queued_is_warned_of_once(inproc, caplog):
+    """Found in review: each queued request of a vanished unix peer logged its own warning that
+    its reply could not be written (64 for a peer gone at its in-flight cap)."""
+    srv = inproc()
+    gone, other = GoneConnection(), RecordingConnection()
+    srv.hold(other)
+    for _ in range(5):
+        srv.submit(gone, "info")
+    with caplog.at_level(logging.DEBUG, logger="bridge"):
+        srv.go()
+        wait_until(lambda: gone.attempts == 5, "the replies were never attempted")
+    failures = [r for r in caplog.records if "could not reply" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.WARNING] + [logging.DEBUG] * 4, failures

@@ -47,6 +47,7 @@ class Connection:
         self.lane = kind  # what the stats count its frames and bytes under
         self.closed = False
         self.close_reason = "closed"  # or "idle": a ZeroMQ peer silent past --idle-timeout-s
+        self.reply_failed = False  # a reply to it could not be written (bridge.dispatcher logs the first)
         self._close_callbacks = []
         self._close_lock = threading.Lock()
 

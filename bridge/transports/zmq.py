@@ -167,6 +167,14 @@ class ZmqReplyTarget:
     def peer_gone(self) -> bool:
         return self.peer.closed
 
+    @property
+    def reply_failed(self) -> bool:
+        return self.peer.reply_failed
+
+    @reply_failed.setter
+    def reply_failed(self, failed: bool) -> None:
+        self.peer.reply_failed = failed
+
     def send(self, parts: list, buffers: list | None = None) -> None:
         self.peer.transport.reply(self, parts, buffers)
 
