@@ -145,7 +145,8 @@ def _requests(ops: dict):
                                      "session_restore, by op.",
                                      labels=["op"])
     launches = CounterMetricFamily("scan_bridge_kernel_launches",
-                                   "Kernel launches (a batch of requests is one), by op.", labels=["op"])
+                                   "Executions, by op, as Triton's execution_count: a batch of requests is one "
+                                   "launch, and any other request one execution, a ping's too.", labels=["op"])
     for op, entry in sorted(ops.items()):
         requests.add_metric([op, "success"], entry["success_count"])
         requests.add_metric([op, "failure"], entry["failure_count"])

@@ -1,7 +1,8 @@
 """Cumulative counters for the `stats` op, modelled on Triton Inference Server's statistics
 extension: per op, `inference_count` (requests served successfully, as Triton counts them, and
-frames run inside session_open or session_restore) and `execution_count` (kernel launches;
-their ratio is the mean batch in requests: a failed request is counted for no launch),
+frames run inside session_open or session_restore) and `execution_count` (executions: a batch's
+launch is one, any other request one; their ratio is the mean batch in requests: a failed
+request is counted for no execution),
 successes and failures (of requests: a frame is part of its request's), and cumulative
 microseconds per stage; plus gauges of what the server holds now (sessions, tensor handles).
 Frames and bytes are counted per lane too (stdio, unix, zmq), and what connections that went
