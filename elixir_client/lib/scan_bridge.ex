@@ -886,7 +886,9 @@ defmodule ScanBridge do
 
   # A list of non-negative integers becomes an i32 tensor; a tensor goes as it is.
   defp lengths_arg!(lengths, op) when is_list(lengths) do
-    unless Enum.all?(lengths, &(is_integer(&1) and &1 >= 0)) do
+    # An improper list first: Enum would raise FunctionClauseError on it (a cluster session's
+    # keeper, which makes the call, lives through an ArgumentError only).
+    unless not List.improper?(lengths) and Enum.all?(lengths, &(is_integer(&1) and &1 >= 0)) do
       raise ArgumentError,
             "#{op} :lengths: expected non-negative integers, got #{inspect(lengths, limit: 5)}"
     end

@@ -95,6 +95,11 @@ defmodule ScanBridge.ClusterTest do
     end
 
     assert_raise ArgumentError, ~r/expected only/, fn -> Cluster.model_forward(s, frame, foo: 1) end
+    # found in review: an improper list raised FunctionClauseError in the keeper, which ended it
+    assert_raise ArgumentError, ~r/:lengths/, fn ->
+      Cluster.model_forward(s, frame, lengths: [1 | 1])
+    end
+
     assert {:ok, %{status: :ok}} = Cluster.session_info(s)
     assert {:ok, _} = Cluster.model_step(s, frame)
     assert Enum.sort(Cluster.members(g)) == Enum.sort(members)

@@ -34,6 +34,15 @@ defmodule ScanBridge.TensorTest do
     assert Tensor.from_list([-2.5], :bf16, {1}).data == high
   end
 
+  test "a struct built by hand whose bytes are not its shape's is refused, not read in part" do
+    # found in review: 6 bytes as f32 {2} read back as one element, an unknown dtype as none
+    for {data, dtype, shape} <- [{<<0::48>>, :f32, {2}}, {<<0::32>>, :f8, {1}}, {<<>>, :f32, {3}}] do
+      assert_raise ArgumentError, fn ->
+        Tensor.to_list(%Tensor{data: data, dtype: dtype, shape: shape})
+      end
+    end
+  end
+
   test "non-finite elements read back as atoms" do
     data = <<0x7FC00000::32-little, 0x7F800000::32-little, 0xFF800000::32-little>>
     assert Tensor.to_list(Tensor.new(data, :f32, {3})) == [:nan, :infinity, :neg_infinity]

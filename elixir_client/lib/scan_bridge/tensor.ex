@@ -88,13 +88,16 @@ defmodule ScanBridge.Tensor do
 
   @doc """
   The elements as a flat list in C order (floats for float dtypes; `:nan`, `:infinity` and
-  `:neg_infinity` for the IEEE values Erlang floats cannot hold).
+  `:neg_infinity` for the IEEE values Erlang floats cannot hold). A struct whose data is not
+  its shape's bytes in its dtype raises `ArgumentError`, as `new/3` does.
 
       iex> ScanBridge.Tensor.from_list([0.5, -1.25], :f16, {2}) |> ScanBridge.Tensor.to_list()
       [0.5, -1.25]
   """
   @spec to_list(t) :: [number | ScanBridge.IEEE.special()]
-  def to_list(%__MODULE__{data: data, dtype: dtype}) do
+  def to_list(%__MODULE__{data: data, dtype: dtype, shape: shape}) do
+    # a struct can be built without new/3: its bytes are held to its dtype and shape first
+    new(data, dtype, shape)
     size = @itemsize[dtype]
     for <<element::binary-size(size) <- data>>, do: unpack(element, dtype)
   end
