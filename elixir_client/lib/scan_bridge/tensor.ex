@@ -97,7 +97,7 @@ defmodule ScanBridge.Tensor do
   @spec to_list(t) :: [number | ScanBridge.IEEE.special()]
   def to_list(%__MODULE__{data: data, dtype: dtype, shape: shape}) do
     # a struct can be built without new/3: its bytes are held to its dtype and shape first
-    new(data, dtype, shape)
+    _checked = new(data, dtype, shape)
     size = @itemsize[dtype]
     for <<element::binary-size(size) <- data>>, do: unpack(element, dtype)
   end
