@@ -407,7 +407,9 @@ defmodule ScanBridge do
   `session_state/3` before going on when that matters.
   """
   @spec step(server, String.t(), inputs, call_opts) :: {:ok, step_result} | error
-  def step(server, session, inputs, opts \\ []) when is_binary(session) do
+  def step(server, session, inputs, opts \\ []) do
+    session = id!(session, "step session")
+
     args =
       inputs
       |> Protocol.wire_args!("step")
@@ -474,9 +476,9 @@ defmodule ScanBridge do
   """
   @spec open_session_with_frames(server, map | keyword, [frame], call_opts) ::
           {:ok, String.t(), [term]} | error
-  def open_session_with_frames(server, dims, frames, opts \\ []) when is_list(frames) do
+  def open_session_with_frames(server, dims, frames, opts \\ []) do
     args = dims |> session_dims!() |> session_model!() |> Protocol.wire_args!("open_session")
-    calls = Enum.map(frames, &frame!/1)
+    calls = frames |> frames!("open_session_with_frames") |> Enum.map(&frame!/1)
 
     args =
       Map.put(
@@ -584,9 +586,9 @@ defmodule ScanBridge do
 
   @doc "Closes a session and frees its state."
   @spec close_session(server, String.t(), call_opts) :: :ok | error
-  def close_session(server, session, opts \\ []) when is_binary(session) do
-    with {:ok, _result, _timing} <- request(server, "session_close", %{session: session}, opts),
-         do: :ok
+  def close_session(server, session, opts \\ []) do
+    args = %{session: id!(session, "close_session session")}
+    with {:ok, _result, _timing} <- request(server, "session_close", args, opts), do: :ok
   end
 
   @doc """
@@ -597,8 +599,10 @@ defmodule ScanBridge do
   for Mamba-2), which `open_session/3` takes back as `state:`.
   """
   @spec session_state(server, String.t(), call_opts) :: {:ok, Tensor.t() | model_state} | error
-  def session_state(server, session, opts \\ []) when is_binary(session) do
-    with {:ok, result, _timing} <- request(server, "session_state", %{session: session}, opts),
+  def session_state(server, session, opts \\ []) do
+    args = %{session: id!(session, "session_state session")}
+
+    with {:ok, result, _timing} <- request(server, "session_state", args, opts),
          do: result_state(result)
   end
 
@@ -626,7 +630,17 @@ defmodule ScanBridge do
 
   @doc "Frees a tensor kept by `put/2`."
   @spec free(server, handle, call_opts) :: :ok | error
-  def free(server, {:handle, id}, opts \\ []) when is_binary(id) do
+  def free(server, handle, opts \\ []) do
+    id =
+      case handle do
+        {:handle, id} ->
+          id!(id, "free handle")
+
+        other ->
+          raise ArgumentError,
+                "free handle: expected {:handle, id} as put/2 gives it, got #{inspect(other, limit: 5)}"
+      end
+
     with {:ok, _result, _timing} <- request(server, "free", %{handle: id}, opts), do: :ok
   end
 
@@ -999,8 +1013,8 @@ defmodule ScanBridge do
   """
   @spec restore_with_frames(server, String.t(), String.t(), [frame], call_opts) ::
           {:ok, [term]} | error
-  def restore_with_frames(server, session, snapshot, frames, opts \\ []) when is_list(frames) do
-    calls = Enum.map(frames, &frame!/1)
+  def restore_with_frames(server, session, snapshot, frames, opts \\ []) do
+    calls = frames |> frames!("restore_with_frames") |> Enum.map(&frame!/1)
 
     args = %{
       session: id!(session, "restore_with_frames session"),
@@ -1042,8 +1056,21 @@ defmodule ScanBridge do
   ## Helpers
 
   defp request(server, op, args, opts) do
+    unless is_list(opts) and Keyword.keyword?(opts) do
+      raise ArgumentError, "#{op} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
+    end
+
     Server.request(server, op, args, Keyword.get(opts, :timeout, @default_timeout))
   end
+
+  defp frames!(frames, _what) when is_list(frames), do: frames
+
+  defp frames!(other, what),
+    do:
+      raise(
+        ArgumentError,
+        "#{what} frames: expected a list of frames, got #{inspect(other, limit: 5)}"
+      )
 
   defp result_tensor(result, key) do
     case Tensor.from_wire(Map.get(result, key)) do

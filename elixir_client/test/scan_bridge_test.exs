@@ -187,6 +187,34 @@ defmodule ScanBridgeTest do
     assert :sys.get_state(server).outstanding == %{}
   end
 
+  test "ids, frames and options of the wrong kind raise ArgumentError in the caller", %{
+    server: server
+  } do
+    # found in review: function clauses' guards raised FunctionClauseError for these
+    x = Tensor.from_list([1.0], :f32, {1, 1})
+
+    for {call, pattern} <- [
+          {fn -> ScanBridge.step(server, :session, %{x: x}) end, ~r/^step session: expected an id/},
+          {fn -> ScanBridge.step(server, "", %{x: x}) end, ~r/^step session: expected an id/},
+          {fn -> ScanBridge.close_session(server, nil) end, ~r/^close_session session/},
+          {fn -> ScanBridge.session_state(server, 123) end, ~r/^session_state session/},
+          {fn -> ScanBridge.free(server, "id") end, ~r/^free handle/},
+          {fn -> ScanBridge.free(server, {:handle, 7}) end, ~r/^free handle/},
+          {fn -> ScanBridge.restore_with_frames(server, "s", "n", nil) end,
+           ~r/frames: expected a list/},
+          {fn ->
+             ScanBridge.open_session_with_frames(server, [batch: 1, dim: 1, state: 1], :none)
+           end, ~r/frames: expected a list/},
+          {fn -> ScanBridge.ping(server, 5000) end, ~r/^ping options: expected a keyword list/},
+          {fn -> ScanBridge.scan(server, %{x: x}, %{timeout: 10}) end, ~r/^scan options/}
+        ] do
+      assert_raise ArgumentError, pattern, call
+    end
+
+    assert ScanBridge.ping(server) == :ok
+    assert :sys.get_state(server).outstanding == %{}
+  end
+
   test "a bad :timeout raises in the caller, and the client goes on", %{server: server} do
     for bad <- [-1, nil, 1.5, "100", 0x1_0000_0000] do
       assert_raise ArgumentError,
