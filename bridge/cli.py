@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-frame-size", type=_positive, default=defaults.max_frame_size,
                    help="largest request in bytes; a bigger stream frame, or ZeroMQ message in several frames, is "
                         "drained and answered with frame_too_large; ZeroMQ drops a peer that sends a single "
-                        "frame bigger than this")
+                        "frame bigger than this (default: %(default)s)")
     p.add_argument("--log-level", type=_log_level, default=os.environ.get("SCAN_BRIDGE_LOG", "INFO"),
                    help="the log's threshold: " + ", ".join(LOG_LEVELS) + " (default: $SCAN_BRIDGE_LOG, else INFO)")
     p.add_argument("--warmup", action="append", default=[], type=warmup_shape, metavar="BxLxDxN[:OPTS]",
@@ -52,21 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
                         ", and groups=G, layout=" + "|".join(LAYOUTS) + ", dtype=" + "|".join(warmup_dtypes()) +
                         " (default 1, bld, f32: each is a kernel of its own); `info` lists what was compiled")
     p.add_argument("--max-pending", type=_positive, default=defaults.max_pending,
-                   help="requests in flight before new ones are answered with overloaded")
+                   help="requests in flight before new ones are answered with overloaded (default: %(default)s)")
     p.add_argument("--max-delay-us", type=_delay_us, default=defaults.max_delay_us,
                    help="how long a batch of step/scan requests may wait for more after its first "
                         "arrived, in microseconds; it waits only for as many as recently came together "
-                        "(0: never wait; what is already queued is still batched)")
+                        "(0: never wait; what is already queued is still batched; default %(default)s)")
     p.add_argument("--max-batch", type=_positive, default=defaults.max_batch,
-                   help="most rows one batched kernel launch takes (1: no batching)")
+                   help="most rows one batched kernel launch takes (1: no batching; default %(default)s)")
     p.add_argument("--max-sessions", type=_count, default=defaults.max_sessions,
-                   help="sessions open at once, over all connections")
+                   help="sessions open at once, over all connections (default: %(default)s)")
     p.add_argument("--max-pool-bytes", type=_count, default=defaults.max_pool_bytes,
-                   help="device bytes of session state pools, snapshots and loaded models' weights")
+                   help="device bytes of session state pools, snapshots and loaded models' weights "
+                        "(default: %(default)s)")
     p.add_argument("--max-snapshots", type=_count, default=defaults.max_snapshots,
-                   help="session snapshots held at once, over all connections")
+                   help="session snapshots held at once, over all connections (default: %(default)s)")
     p.add_argument("--max-models", type=_count, default=defaults.max_models,
-                   help="models loaded at once, over all connections")
+                   help="models loaded at once, over all connections (default: %(default)s)")
     p.add_argument("--model-dir", dest="model_dirs", action="append", type=_directory, default=[],
                    help="a directory model_load may read checkpoints under (repeatable; relative paths in "
                         "requests are taken under the first); without one, model_load reads no files and "
@@ -77,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default=defaults.metrics_host,
                    help="the address the metrics endpoint binds (default 127.0.0.1: this machine only)")
     p.add_argument("--max-handles", type=_count, default=defaults.max_handles,
-                   help="tensor handles held at once, over all connections")
+                   help="tensor handles held at once, over all connections (default: %(default)s)")
     p.add_argument("--max-handle-bytes", type=_count, default=defaults.max_handle_bytes,
-                   help="device bytes of tensors held as handles")
+                   help="device bytes of tensors held as handles (default: %(default)s)")
     p.add_argument("--threads", type=_threads, default=defaults.threads,
                    help="CPU threads one kernel call may use (default: torch's, the machine's cores); fewer "
                         "leaves cores to clients on the same machine, which can cut their tail latency")
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(without it, any client that knows the server's public key may)")
     p.add_argument("--max-in-flight-per-peer", type=_positive, default=defaults.max_in_flight_per_peer,
                    help="requests one unix connection or ZeroMQ peer may have in flight; its later requests "
-                        "wait (in its socket buffer, or in its queue on ZeroMQ)")
+                        "wait (in its socket buffer, or in its queue on ZeroMQ; default %(default)s)")
     p.add_argument("--zmq-hwm", type=_positive, default=1000,
                    help="ZeroMQ high-water mark: messages queued per peer each way, and requests a peer may "
                         "have waiting beyond its in-flight cap before it is answered overloaded")
@@ -122,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "in flight, it has neither sent a request nor been answered one for SECONDS: a peer whose "
                         "end is never seen counts as gone (default: never)")
     p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
-                   help="unix connections served at once; another is answered overloaded and closed")
+                   help="unix connections served at once; another is answered overloaded and closed "
+                        "(default: %(default)s)")
     return p
 
 
