@@ -272,3 +272,23 @@ def test_the_endpoint_url_is_one_a_client_can_parse(host, url):
 
     assert endpoint_url(host, 9100) == url
     assert urllib.parse.urlsplit(url).port == 9100
+
+
+def test_a_frame_inside_a_session_open_is_a_launch_of_its_sessions_rows(inproc):
+    """Found in review: a frame counted a launch but no batch_rows, so the two counts of an op
+    run as frames disagreed."""
+    from bridge.client import result_from_wire
+    from bridge_fakes import RecordingConnection
+
+    srv = inproc()
+    srv.server.stats = Stats(histograms=True)  # as a server with --metrics-port keeps them
+    conn = RecordingConnection()
+    rng = np.random.default_rng()
+    step = {"x": rng.standard_normal((2, 3), dtype=np.float32), "dt": np.full((2, 3), 0.1, np.float32),
+            "A": -np.ones((3, 2), np.float32), "B": rng.standard_normal((2, 2), dtype=np.float32),
+            "C": rng.standard_normal((2, 2), dtype=np.float32)}
+    frames = [{"op": "step", "args": step}] * 3
+    assert srv.call(conn, "session_open", batch=2, dim=3, state=2, frames=frames)["session"]
+    histogram = srv.server.stats.histograms()[("step", "batch_rows")]
+    assert sum(histogram.counts) == 3 and histogram.sum == 6
+    assert result_from_wire(srv.call(conn, "stats"))["ops"]["step"]["execution_count"] == 3

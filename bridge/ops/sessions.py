@@ -65,7 +65,7 @@ def run_frames(server, call, session, undo) -> list[dict]:
             if isinstance(exc, StateLost) and (session.closed or not session.lost):
                 exc = exc.cause  # undone: the session is closed, or holds a whole state again
             raise frame_error(exc, i) from exc
-        server.stats.record_frame(frame.op)
+        server.stats.record_frame(frame.op, session.batch)
     call.if_unsent = undo_all
     return results
 
