@@ -112,20 +112,21 @@ class Stats:
         """One kernel launch that served a batch of `op` requests (`rows` rows), counted apart
         from them."""
         with self._lock:
-            self.ops[op]["execution_count"] += 1
-            if self._histograms is not None:
-                self._op_histograms(op)["batch_rows"].observe(rows)
+            self._launched(op, rows)
 
     def record_frame(self, op: str, rows: int) -> None:
         """A frame of `op` that ran inside a session_open or session_restore request: one
         inference and its own launch of its session's `rows` (frames run unbatched), its time
         and outcome counted with that request's."""
         with self._lock:
-            entry = self.ops[op]
-            entry["inference_count"] += 1
-            entry["execution_count"] += 1
-            if self._histograms is not None:
-                self._op_histograms(op)["batch_rows"].observe(rows)
+            self.ops[op]["inference_count"] += 1
+            self._launched(op, rows)
+
+    def _launched(self, op: str, rows: int) -> None:
+        # Called with the lock held.
+        self.ops[op]["execution_count"] += 1
+        if self._histograms is not None:
+            self._op_histograms(op)["batch_rows"].observe(rows)
 
     def record(self, op: str, timing: dict | None, *, ok: bool, executions: int = 1,
                error_code: str | None = None) -> None:

@@ -1056,11 +1056,7 @@ defmodule ScanBridge do
   ## Helpers
 
   defp request(server, op, args, opts) do
-    unless is_list(opts) and Keyword.keyword?(opts) do
-      raise ArgumentError, "#{op} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
-    end
-
-    Server.request(server, op, args, Keyword.get(opts, :timeout, @default_timeout))
+    Server.request(server, op, args, Keyword.get(keyword!(opts, op), :timeout, @default_timeout))
   end
 
   defp frames!(frames, _what) when is_list(frames), do: frames
@@ -1101,6 +1097,17 @@ defmodule ScanBridge do
         "#{what}: expected an id (a non-empty string), got #{inspect(other, limit: 5)}"
       )
 
+  @doc false
+  # A call's options, any keys: a keyword list, or ArgumentError naming `fun`.
+  @spec keyword!(term, String.t()) :: keyword
+  def keyword!(opts, fun) do
+    unless is_list(opts) and Keyword.keyword?(opts) do
+      raise ArgumentError, "#{fun} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
+    end
+
+    opts
+  end
+
   defp model_id!(%{"model" => id}, what), do: id!(id, what)
   defp model_id!(id, what) when is_binary(id) and id != "", do: id!(id, what)
 
@@ -1114,11 +1121,7 @@ defmodule ScanBridge do
   # The options of a call that takes more than :timeout: a keyword list of `known` keys.
   @spec opts!(term, [atom], String.t()) :: keyword
   def opts!(opts, known, fun) do
-    unless is_list(opts) and Keyword.keyword?(opts) do
-      raise ArgumentError, "#{fun} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
-    end
-
-    case Keyword.keys(opts) -- known do
+    case Keyword.keys(keyword!(opts, fun)) -- known do
       [] ->
         opts
 

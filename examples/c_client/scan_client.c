@@ -44,7 +44,7 @@
  * kept in arrays that grow as they come, up to this cap, which keeps a peer from making the
  * client hold frames without end: room for a 64-layer model's state in each of 500 frames. */
 #define MAX_PARTS 65536
-/* How deep below args, result, error or timing check_tensors looks: one MAX_DEPTH levels down is
+/* How deep below args, result, error or timing check_values looks: one MAX_DEPTH levels down is
  * checked, anything deeper refused rather than left unchecked (SPEC §3 leaves a decoder its own
  * nesting limit). The deepest an op nests a tensor is 4: frames, [i], state, then the tensor. */
 #define MAX_DEPTH 16
@@ -328,9 +328,10 @@ static const char *check_nested(const msgpack_object *value, const parts_t *part
 
 /* Checks the values of an unpacked message (check_nested), and that each raw buffer is named by
  * a tensor. They lie under a request's `args` and a reply's `result`, `error` and `timing`
- * (SPEC §4 to §6); the envelope's own values check_envelope checks. NULL when all are valid,
- * else why not. */
-static const char *check_tensors(const msgpack_object *message, const parts_t *parts) {
+ * (SPEC §4 to §6); the envelope's own values check_envelope checks. A holder's own keys are
+ * checked, but it is no tensor itself: args' dtype is a weights dtype (model_load). NULL when
+ * all are valid, else why not. */
+static const char *check_values(const msgpack_object *message, const parts_t *parts) {
     static const char *const holders[] = {"args", "result", "error", "timing"};
     unsigned char *used = calloc((size_t)parts->count + 1, 1);
     const char *why = used ? NULL : "no memory to check the raw buffers";
@@ -350,7 +351,7 @@ static const char *check_tensors(const msgpack_object *message, const parts_t *p
  * every raw buffer named. NULL when it decodes, else why not. */
 static const char *decode_message(const parts_t *parts, msgpack_unpacked *result) {
     const char *why = unpack_body(parts, result);
-    return why ? why : check_tensors(&result->data, parts);
+    return why ? why : check_values(&result->data, parts);
 }
 
 /* Checks a reply's envelope (SPEC §3, §4) by the rules of the Python client (decode_reply in
@@ -634,7 +635,7 @@ static int exchange(void *sock, const char *what, uint64_t id, const msgpack_sbu
             close_reply(reply);
             continue;
         }
-        if ((why = check_tensors(message, &reply->parts)) != NULL) {
+        if ((why = check_values(message, &reply->parts)) != NULL) {
             fail("%s: a malformed reply (%s)", what, why);
         } else if (!ok->via.boolean) {
             const msgpack_object *error = get(message, "error");
@@ -708,7 +709,7 @@ static void print_timing(const char *what, const msgpack_object *reply, double r
         double value = v->type == MSGPACK_OBJECT_FLOAT64 || v->type == MSGPACK_OBJECT_FLOAT32 ? v->via.f64
                        : v->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? (double)v->via.u64 : 0;
         if (key_is(k, "server_us")) server_us = value;
-        /* exchange took the reply once check_tensors found every key a str */
+        /* exchange took the reply once check_values found every key a str */
         printf(" %.*s%s=%.1f", printed_length(k->via.str.size), k->via.str.ptr,
                k->via.str.size > MAX_PRINTED_KEY ? "..." : "", value);
     }

@@ -161,14 +161,13 @@ defmodule ScanBridge.Cluster.Session do
   # Checked here, in the caller: the keeper acts on some itself (a checkpoint's :return_state)
   # before the call's own function would check them, and a bad one would end it.
   defp call_opts!(opts, kind) do
-    unless is_list(opts) and Keyword.keyword?(opts) do
-      raise ArgumentError,
-            "Cluster.#{kind} options: expected a keyword list, got #{inspect(opts, limit: 5)}"
-    end
+    # a plain call's options are only a keyword list, as its own function takes them
+    _checked =
+      case @model_call_opts do
+        %{^kind => known} -> ScanBridge.opts!(opts, known, "Cluster.#{kind}")
+        _plain -> ScanBridge.keyword!(opts, "Cluster.#{kind}")
+      end
 
-    # a plain call's options are not checked further, as its own function does not
-    known = Map.get(@model_call_opts, kind, Keyword.keys(opts))
-    _checked = ScanBridge.opts!(opts, known, "Cluster.#{kind}")
     :ok
   end
 
