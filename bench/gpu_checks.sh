@@ -6,7 +6,8 @@
 # log, and the benches' JSON (each with machine and commit info), to be committed under
 # bench/results/ and cited where their figures are read.
 #
-#   bash bench/gpu_checks.sh OUT [tests|kernels|backward ...]   (default: all three, in that order)
+#   bash bench/gpu_checks.sh OUT [kernel-tests|tune|tests|kernels|backward ...]
+#                                       (default: tests kernels backward, in that order)
 #
 # The parts' limits add up to 13 minutes: where one command may run at most 10, run `tests` in
 # one and `kernels backward` in the next.
@@ -19,7 +20,7 @@
 # with the tree) whose Triton calls the kernels part times beside this tree's. A part that
 # fails is reported and the next one runs; the exit status is the number of parts that failed.
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_checks.sh OUT [tests|kernels|backward ...]}
+out=${1:?usage: bash bench/gpu_checks.sh OUT [kernel-tests|tune|tests|kernels|backward ...]}
 shift
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests kernels backward)
@@ -51,6 +52,11 @@ run() {  # run NAME SECONDS COMMAND...: the command's output to OUT/NAME.log, it
 
 for part in "${parts[@]}"; do
     case $part in
+        kernel-tests)  # the Triton kernels' CUDA cases alone: a shorter first look than `tests`
+            run kernel-tests 170 "$py" -m pytest -q -p no:cacheprovider -n 16 --durations=10 \
+                tests/test_kernels_triton.py tests/test_kernels_triton_ssd.py tests/test_kernels_triton_backward.py ;;
+        tune)  # the SSD scan's tile table: each candidate timed and checked against float64
+            run tune 170 "$py" -m bench.ssd_tune --seconds 0.2 --json "$out/ssd-tune-cuda.json" ;;
         tests)  # the CUDA cases: every case of these files runs on the GPU, the interpreter's skip
             run tests 300 "$py" -m pytest -q -p no:cacheprovider -n 8 --durations=10 \
                 tests/test_kernels_triton.py tests/test_kernels_triton_ssd.py tests/test_kernels_triton_backward.py \
@@ -63,10 +69,10 @@ for part in "${parts[@]}"; do
             run triton_host 120 "$py" -m bench.triton_host --device cuda --rounds 6 --calls 300 \
                 ${BASELINE:+--baseline "$BASELINE"} --json "$out/triton-host-cuda.json" ;;
         backward)  # issue 35's GPU goal: the Triton backward >= 20x torch autograd
-            run backward 180 "$py" -m bench.backward --device cuda --reps 20 \
+            run backward 150 "$py" -m bench.backward --device cuda --reps 20 \
                 --cases exphil,1x768x1024x16,ssd-1x1024x8x64x64 --json "$out/backward-cuda.json" ;;
         *)
-            echo "gpu_checks: unknown part $part (tests, kernels, backward)" >&2
+            echo "gpu_checks: unknown part $part (kernel-tests, tune, tests, kernels, backward)" >&2
             failed=$((failed + 1)) ;;
     esac
 done

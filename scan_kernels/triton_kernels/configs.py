@@ -163,6 +163,10 @@ SSD_BLOCKS = {
     torch.float32: SsdBlocks(block_m=32, block_k=32, block_p=32, block_n=32, num_warps=4),
     torch.float64: SsdBlocks(block_m=32, block_k=32, block_p=32, block_n=32, num_warps=4),
 }
+# tl.dot's input_precision for fp32 operands: "ieee" (FMA units), or "tf32x3" (tensor cores,
+# each operand split into a tf32 high and low part and three products summed: about fp32's
+# accuracy).
+SSD_FP32_DOT = "ieee"
 # Elements per program of the chunk cumsum and of the state passing (no dots: plain registers).
 SSD_ELEMENTWISE_BLOCK = 2048
 

@@ -74,15 +74,18 @@ from .common import (
 
 
 @triton.jit
-def _mma(a, b, acc, UPCAST: tl.constexpr):
+def _mma(a, b, acc, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr):
     """acc + a @ b, both operands in the dot dtype: 16-bit operands multiply exactly into the
-    fp32 accumulator (tensor cores), fp32 and fp64 ones in IEEE precision (no tf32). UPCAST (the
+    fp32 accumulator (tensor cores), fp32 ones as FP32_DOT says (configs.SSD_FP32_DOT), fp64
+    ones in IEEE precision. UPCAST (the
     interpreter, bf16 only): its dot reads bf16 data as integers, so the bf16 values are widened
     to fp32 first, which gives the same exact products."""
     if UPCAST:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif a.dtype.primitive_bitwidth == 16:
         acc = tl.dot(a, b, acc)
+    elif a.dtype.primitive_bitwidth == 32:
+        acc = tl.dot(a, b, acc, input_precision=FP32_DOT)
     else:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
@@ -107,35 +110,35 @@ def _split(a, dtype: tl.constexpr):
 
 
 @triton.jit
-def _dot_computed_left(a, b, acc, UPCAST: tl.constexpr):
+def _dot_computed_left(a, b, acc, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr):
     """acc + a @ b where a was computed in the accumulation dtype and b is an input in the dot
     dtype: with a 16-bit b, a goes in as hi + lo halves, its rows scaled first for fp16 (see the
     module docstring)."""
     if b.dtype.is_fp16():
         scale, inverse = _fp16_scales(a, 1)
         hi, lo = _split(a * inverse[:, None], b.dtype)
-        acc += _mma(lo, b, _mma(hi, b, tl.zeros_like(acc), UPCAST), UPCAST) * scale[:, None]
+        acc += _mma(lo, b, _mma(hi, b, tl.zeros_like(acc), UPCAST, FP32_DOT), UPCAST, FP32_DOT) * scale[:, None]
     elif b.dtype.is_bf16():
         hi, lo = _split(a, b.dtype)
-        acc = _mma(lo, b, _mma(hi, b, acc, UPCAST), UPCAST)
+        acc = _mma(lo, b, _mma(hi, b, acc, UPCAST, FP32_DOT), UPCAST, FP32_DOT)
     else:
-        acc = _mma(a.to(b.dtype), b, acc, UPCAST)
+        acc = _mma(a.to(b.dtype), b, acc, UPCAST, FP32_DOT)
     return acc
 
 
 @triton.jit
-def _dot_computed_right(a, b, acc, UPCAST: tl.constexpr):
+def _dot_computed_right(a, b, acc, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr):
     """acc + a @ b where a is an input in the dot dtype and b was computed (the mirror of
     `_dot_computed_left`: for fp16, b's columns are scaled)."""
     if a.dtype.is_fp16():
         scale, inverse = _fp16_scales(b, 0)
         hi, lo = _split(b * inverse[None, :], a.dtype)
-        acc += _mma(a, lo, _mma(a, hi, tl.zeros_like(acc), UPCAST), UPCAST) * scale[None, :]
+        acc += _mma(a, lo, _mma(a, hi, tl.zeros_like(acc), UPCAST, FP32_DOT), UPCAST, FP32_DOT) * scale[None, :]
     elif a.dtype.is_bf16():
         hi, lo = _split(b, a.dtype)
-        acc = _mma(a, lo, _mma(a, hi, acc, UPCAST), UPCAST)
+        acc = _mma(a, lo, _mma(a, hi, acc, UPCAST, FP32_DOT), UPCAST, FP32_DOT)
     else:
-        acc = _mma(a, b.to(a.dtype), acc, UPCAST)
+        acc = _mma(a, b.to(a.dtype), acc, UPCAST, FP32_DOT)
     return acc
 
 
@@ -191,7 +194,8 @@ def _ssd_prep_kernel(
     dt_min_hi, dt_min_lo, dt_max_hi, dt_max_lo,
     s_dt_b, s_dt_l, s_dt_h, s_A, s_bias, s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_CLAMP: tl.constexpr, PACKED: tl.constexpr,
-    DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """Steps 1 and 2, which depend on nothing but the inputs, in one launch (see the module
@@ -204,7 +208,7 @@ def _ssd_prep_kernel(
     else:
         _ssd_cb(pid - cumsum_programs, B_ptr, C_ptr, cb_ptr, cu_seqlens_ptr, seq, nchunks, chunk, groups, nstate,
                 s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
-                PACKED, DOT, UPCAST, ACC, BLOCK_M, BLOCK_K, BLOCK_N, WIDE_OFFSETS)
+                PACKED, DOT, UPCAST, FP32_DOT, ACC, BLOCK_M, BLOCK_K, BLOCK_N, WIDE_OFFSETS)
 
 
 @triton.jit
@@ -244,7 +248,7 @@ def _ssd_cb(
     pid, B_ptr, C_ptr, cb_ptr, cu_seqlens_ptr,
     seq, nchunks, chunk, groups, nstate,
     s_B_b, s_B_l, s_B_g, s_B_n, s_C_b, s_C_l, s_C_g, s_C_n,
-    PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr, ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """cb[b, c, g, m, k] = C_m . B_k for the block (m block, k block) of one chunk and group
@@ -267,7 +271,7 @@ def _ssd_cb(
             mask_n = n < nstate
             C_tile = _load_tile(C_base, m, s_C_l, mask_m, n, s_C_n, mask_n, DOT)
             B_tile = _load_tile(B_base, n, s_B_n, mask_n, k, s_B_l, mask_k, DOT)
-            acc = _mma(C_tile, B_tile, acc, UPCAST)
+            acc = _mma(C_tile, B_tile, acc, UPCAST, FP32_DOT)
         out = ((b * nchunks + c) * groups + g) * chunk * chunk
         tl.store(cb_ptr + out + m[:, None] * chunk + k[None, :], acc,
                  mask=(m < chunk)[:, None] & (k < chunk)[None, :])
@@ -279,7 +283,8 @@ def _ssd_chunk_state_kernel(
     seq, nchunks, chunk, n_local, heads, heads_per_group, headdim, nstate,
     s_x_b, s_x_l, s_x_h, s_x_p, s_B_b, s_B_l, s_B_g, s_B_n, s_h0_b, s_h0_h, s_h0_p, s_h0_n,
     s_st_b, s_st_c, s_st_h, s_st_p, s_st_n,
-    ADD_H0: tl.constexpr, PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    ADD_H0: tl.constexpr, PACKED: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """states[b, c, h] = sum_k exp(cs_last - cs_k) dt_k x_k (x) B_k over chunk c (from a zero
@@ -312,7 +317,7 @@ def _ssd_chunk_state_kernel(
         cs_k = tl.load(cs_ptr + row + k, mask=mask_k, other=0.0)
         dt_k = tl.load(dt_d_ptr + row + k, mask=mask_k, other=0.0)
         weight = tl.where(mask_k, tl.exp((cs_last - cs_k).to(ACC)) * dt_k, 0.0)
-        acc = _dot_computed_right(x_t, B_tile * weight[:, None], acc, UPCAST)
+        acc = _dot_computed_right(x_t, B_tile * weight[:, None], acc, UPCAST, FP32_DOT)
     out = states_ptr + b * s_st_b + c * s_st_c + h * s_st_h
     tl.store(out + p[:, None] * s_st_p + n[None, :] * s_st_n, acc.to(states_ptr.dtype.element_ty),
              mask=mask_p[:, None] & mask_n[None, :])
@@ -365,7 +370,7 @@ def _ssd_chunk_scan_kernel(
     s_x_b, s_x_l, s_x_h, s_x_p, s_z_b, s_z_l, s_z_h, s_z_p, s_y_b, s_y_l, s_y_h, s_y_p,
     s_C_b, s_C_l, s_C_g, s_C_n, s_D_h, s_D_p, s_st_b, s_st_c, s_st_h, s_st_p, s_st_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_STATES: tl.constexpr, PACKED: tl.constexpr,
-    DOT: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    DOT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr, ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
@@ -397,7 +402,7 @@ def _ssd_chunk_scan_kernel(
                 mask_n = n < nstate
                 C_tile = _load_tile(C_base, m, s_C_l, mask_m, n, s_C_n, mask_n, DOT)
                 entering = _load_tile(state_base, n, s_st_n, mask_n, p, s_st_p, mask_p, ACC)
-                acc = _dot_computed_right(C_tile, entering, acc, UPCAST)
+                acc = _dot_computed_right(C_tile, entering, acc, UPCAST, FP32_DOT)
             acc *= tl.exp(cs_m.to(ACC))[:, None]
 
         cb_base = cb_ptr + ((b * nchunks + c) * groups + g) * chunk * chunk
@@ -417,7 +422,7 @@ def _ssd_chunk_scan_kernel(
             decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], 0.0).to(ACC))
             scores = tl.where(causal, cb * decay * dt_k[None, :], 0.0)
             x_k = _load_tile(x_base, k, s_x_l, mask_k, p, s_x_p, mask_p, DOT)
-            acc = _dot_computed_left(scores, x_k, acc, UPCAST)
+            acc = _dot_computed_left(scores, x_k, acc, UPCAST, FP32_DOT)
 
         if HAS_D:
             x_m = _load_tile(x_base, m, s_x_l, mask_m, p, s_x_p, mask_p, ACC)
@@ -436,6 +441,7 @@ class SsdPlan:
     nchunks: int
     blocks: configs.SsdBlocks
     dot: torch.dtype  # the dtype the dots multiply in
+    fp32_dot: str  # tl.dot's input_precision for fp32 operands (configs.SSD_FP32_DOT)
 
 
 def _dot_dtype(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, acc: torch.dtype) -> torch.dtype:
@@ -460,7 +466,8 @@ def plan_ssd_scan(x, B, C, chunk_size: int | None, blocks: configs.SsdBlocks | N
     seq = seq or x.shape[1]
     chunk = min(chunk_size or configs.SSD_CHUNK, configs.SSD_MAX_CHUNK, seq)
     dot = _dot_dtype(x, B, C, accumulation_dtype(x))
-    return SsdPlan(chunk, cdiv(seq, chunk), configs.ssd_blocks(headdim, B.shape[3], chunk, dot, blocks), dot)
+    return SsdPlan(chunk, cdiv(seq, chunk), configs.ssd_blocks(headdim, B.shape[3], chunk, dot, blocks), dot,
+                   configs.SSD_FP32_DOT)
 
 
 def _grid(*counts: int) -> tuple[int]:
@@ -550,7 +557,7 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
     acc_tl, dot_tl = triton_dtype(acc), _TL_DTYPES[plan.dot]
     # The interpreter's dot reads bf16 operands as integers (see _mma).
     upcast = plan.dot == torch.bfloat16 and interpreter_active()
-    dots = dict(DOT=dot_tl, UPCAST=upcast, WIDE_OFFSETS=wide)
+    dots = dict(DOT=dot_tl, UPCAST=upcast, FP32_DOT=plan.fp32_dot, WIDE_OFFSETS=wide)
     warps = bl.num_warps
     heads_per_group = heads // groups
     s_x, s_B, s_C, s_dt = (row_strides(t.stride(), packed) for t in (x, B, C, dt))
