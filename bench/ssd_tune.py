@@ -7,9 +7,10 @@ run, with each candidate's error against a float64 run of the same inputs.
 
 Per (case, dtype, candidate): the call's time as `bench.kernels` takes it (do_bench: host work
 and launches included, which bounds small calls on a GPU), the device's own time (the call
-captured as a CUDA graph and replayed, so host work drops out), the largest |y - y64| and
+captured as a CUDA graph and replayed, so host work drops out), the host's part of the call (unsynchronised), the largest |y - y64| and
 |state - state64| over the largest |y64| and |state64|, and a per-kernel split of the device
-time (torch.profiler). The candidates are set through `configs` (SSD_FP32_DOT and the SSD_BLOCKS
+time (torch.profiler; torch's form, which reads values on the host and cannot be captured, has
+only that split and its sum). The candidates are set through `configs` (SSD_FP32_DOT and the SSD_BLOCKS
 row of the dots' dtype) for the run and put back after it. `--device cpu` runs the same plumbing
 on small sizes under TRITON_INTERPRET=1 (wall time, no graphs): a check of the script, not a
 measurement.
@@ -42,23 +43,25 @@ class Candidate:
     chunk: int | None = None  # None: configs.SSD_CHUNK
 
 
-# fp32 rows: the table's IEEE tiles, then tensor cores through tf32x3 at 16-bit-like tiles; one
-# plain tf32 row shows what the split costs (its error is tf32's, not a candidate for fp32 work).
+# fp32 rows: the table's (tf32x3 at 32 x 32 tiles, chunk 128), the IEEE dots it replaced, and
+# neighbours in tiles and chunk; one plain tf32 row shows what the split costs (its error is
+# tf32's, not a candidate for fp32 work).
 FP32_CANDIDATES = [
-    Candidate("table", "ieee", None),
-    Candidate("tf32x3-32", "tf32x3", Blocks(32, 32, 32, 32, 4)),
+    Candidate("table", "tf32x3", None),
+    Candidate("ieee-32", "ieee", Blocks(32, 32, 32, 32, 4)),
+    Candidate("ieee-32-c256", "ieee", Blocks(32, 32, 32, 32, 4), chunk=256),
+    Candidate("tf32x3-32-c256", "tf32x3", Blocks(32, 32, 32, 32, 4), chunk=256),
+    Candidate("tf32x3-32-c64", "tf32x3", Blocks(32, 32, 32, 32, 4), chunk=64),
     Candidate("tf32x3-64-k32-w4", "tf32x3", Blocks(64, 32, 64, 64, 4)),
-    Candidate("tf32x3-64-k32-w8", "tf32x3", Blocks(64, 32, 64, 64, 8)),
     Candidate("tf32x3-64-k64-w4", "tf32x3", Blocks(64, 64, 64, 64, 4)),
-    Candidate("tf32x3-128-k32-w8", "tf32x3", Blocks(128, 32, 64, 64, 8)),
-    Candidate("tf32x3-64-k32-w4-c128", "tf32x3", Blocks(64, 32, 64, 64, 4), chunk=128),
-    Candidate("tf32-64-k32-w4", "tf32", Blocks(64, 32, 64, 64, 4)),
+    Candidate("tf32x3-32-k64-w4", "tf32x3", Blocks(32, 64, 32, 32, 4)),
+    Candidate("tf32-32", "tf32", Blocks(32, 32, 32, 32, 4)),
 ]
 HALF_CANDIDATES = [
-    Candidate("table", "ieee", None),
-    Candidate("16b-64-k32-w8", "ieee", Blocks(64, 32, 64, 64, 8)),
-    Candidate("16b-128-k32-w8", "ieee", Blocks(128, 32, 64, 64, 8)),
-    Candidate("16b-64-k32-w4-c128", "ieee", None, chunk=128),
+    Candidate("table", "tf32x3", None),
+    Candidate("16b-c256", "tf32x3", None, chunk=256),
+    Candidate("16b-c64", "tf32x3", None, chunk=64),
+    Candidate("16b-128-k32-w8", "tf32x3", Blocks(128, 32, 64, 64, 8)),
 ]
 # Small enough for the interpreter: the script's own check on a CPU.
 SMOKE_CASE = KernelCase("ssd-smoke", "ssd-scan", batch=2, dim=2 * 16, state=16, seq=40, heads=2)
@@ -98,6 +101,20 @@ def time_call(fn, device: torch.device, seconds: float) -> float:
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def host_time(fn, calls: int = 50) -> float:
+    """Median µs of the host's part of a call: each call timed to its return, unsynchronised (its
+    launches queued), the device drained every few calls so the queue never fills."""
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        if i % 5 == 4:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return sorted(times)[len(times) // 2]
 
 
@@ -155,9 +172,13 @@ def run_case(case: KernelCase, dtype: torch.dtype, device: torch.device, seconds
     rows = []
     on_gpu = device.type == "cuda"
     torch_fn = call_of(inputs, "torch", None)
+    # torch's chunked form reads values on the host (no capture): its device time is its kernels' sum.
     rows.append({"candidate": "torch-chunked", "call_us": time_call(torch_fn, device, seconds),
-                 "device_us": graph_time(torch_fn, seconds) if on_gpu else None,
                  **relative_errors(torch_fn(), want)})
+    if on_gpu:
+        rows[-1]["host_us"] = host_time(torch_fn)
+        rows[-1]["kernels_us"] = kernel_split(torch_fn)
+        rows[-1]["kernel_sum_us"] = sum(rows[-1]["kernels_us"].values())
     print(f"{case.name} {dtype}: torch {rows[-1]['call_us']:.1f} µs", flush=True)
     dot = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
     for candidate in FP32_CANDIDATES if dot == torch.float32 else HALF_CANDIDATES:
@@ -171,8 +192,10 @@ def run_case(case: KernelCase, dtype: torch.dtype, device: torch.device, seconds
                 row.update(relative_errors(fn(), want))
                 row["call_us"] = time_call(fn, device, seconds)
                 if on_gpu:
+                    row["host_us"] = host_time(fn)
                     row["device_us"] = graph_time(fn, seconds)
                     row["kernels_us"] = kernel_split(fn)
+                    row["kernel_sum_us"] = sum(row["kernels_us"].values())
             except Exception as exc:  # a candidate that fails to compile is reported, the rest run
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             return row
@@ -181,7 +204,8 @@ def run_case(case: KernelCase, dtype: torch.dtype, device: torch.device, seconds
         row["speedup_vs_torch"] = rows[0]["call_us"] / row["call_us"] if "call_us" in row else None
         rows.append(row)
         print(f"  {candidate.name}: " + (row.get("error") or
-              f"call {row['call_us']:.1f} µs device {row.get('device_us') or float('nan'):.1f} µs "
+              f"call {row['call_us']:.1f} µs host {row.get('host_us') or float('nan'):.1f} "
+              f"device {row.get('device_us') or float('nan'):.1f} µs "
               f"y err {row['y_rel_err']:.2e} state err {row['state_rel_err']:.2e} "
               f"x{row['speedup_vs_torch']:.2f} torch"), flush=True)
     return rows

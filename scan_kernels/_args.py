@@ -329,6 +329,10 @@ def _check_slots(slots, pool: int, batch: int, *, distinct: bool = True):
     if slots.is_meta:
         raise KernelInputError("slots", "a tensor with values (its indices are checked against the pool)",
                                "a tensor on meta")
+    if slots.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph capture there are no values to read (a read would end the
+        # capture) and a replay reads whatever the tensor holds then: the capturer vouches.
+        return slots
     # The slots on the host: a sync on CUDA (one per step), as int() of their max was; kept,
     # since an index past the pool would make the Triton kernel write outside `state`.
     values = slots.tolist() if slots.numel() <= _LISTED_SLOTS else slots.cpu().numpy()

@@ -149,7 +149,7 @@ def test_an_infinite_input_gives_the_references_infinity(kind, state_size, devic
                      h0=torch.ones(state.shape, device=device))
         grows["A"][1, 0] = float("inf")
         _, state = scan_kernels.selective_scan(**grows, backend="triton")
-        assert_infinities_as_the_reference(state.cpu(), reference_scan(grows)[1], f"{what} A = +inf state")
+        assert_infinities_as_the_reference(state.cpu(), reference_scan(grows)[1].cpu(), f"{what} A = +inf state")
 
 
 # Packed sequences (cu_seqlens) in one launch: sequences of 1, 5 and 11 steps, so with

@@ -7,8 +7,9 @@ reproducible. The tables are keyed by BLOCK_N, the state size rounded up to a po
 (Triton tiles are powers of two; the padded lanes are masked).
 
 The sizes below are reasoned from register budgets and checked by compiling for sm_90 without a
-GPU (`python -m scan_kernels.triton_kernels.aot_check`: registers per thread, no spills); they have not
-been timed on a GPU (the session that wrote them had none), which is open work.
+GPU (`python -m scan_kernels.triton_kernels.aot_check`: registers per thread, no spills); the SSD
+scan's were also timed against other tiles on an H200 (`bench.ssd_tune`), the others have not
+been timed on a GPU.
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ class SsdBlocks:
     num_warps: int
 
 
-# The chunk the scan takes when the caller names none: mamba_ssm's default, where the quadratic
-# intra-chunk work (chunk x chunk per head) and the sequential pass over chunk states balance.
-SSD_CHUNK = 256
+# The chunk the scan takes when the caller names none: half mamba_ssm's 256, which ran slower
+# on an H200 at the 130m layer in fp32 and bf16 alike (docs/performance.md, "Triton SSD tiles").
+SSD_CHUNK = 128
 # Larger chunks are run at this size (the result does not depend on it): the chunk cumsum holds
 # a whole chunk in one block, and the C.B^T buffer grows as batch x seq x groups x chunk.
 SSD_MAX_CHUNK = 1024
@@ -154,9 +155,11 @@ SSD_MAX_CHUNK = 1024
 MIN_DOT_BLOCK = 16
 # Keyed by the dtype the dots multiply in (ssd.py). 16-bit operands go to tensor cores: 64 x 64
 # output tiles over 4 warps, time steps of 32 (64 made ptxas spill the chunk scan at headdim
-# <= 32). fp32 (IEEE, no tf32) and fp64 dots run on FMA units, where each thread holds its rows
-# and columns of both operands across the whole inner axis: 32 x 32 tiles keep every kernel
-# under 255 registers without spills. Checked by compiling for sm_90 (no GPU); not timed.
+# <= 32). fp32 ones go there too through tf32x3, whose split operands take registers: at 64 x 64
+# the chunk scan spills, at 32 x 32 it does not. fp64 dots run on FMA units, where each thread
+# holds its rows and columns of both operands across the whole inner axis: 32 x 32 tiles keep
+# every kernel under 255 registers without spills. Timed against other tiles by `bench.ssd_tune`
+# on an H200 (docs/performance.md, "Triton SSD tiles").
 SSD_BLOCKS = {
     torch.float16: SsdBlocks(block_m=64, block_k=32, block_p=64, block_n=64, num_warps=4),
     torch.bfloat16: SsdBlocks(block_m=64, block_k=32, block_p=64, block_n=64, num_warps=4),
@@ -165,8 +168,9 @@ SSD_BLOCKS = {
 }
 # tl.dot's input_precision for fp32 operands: "ieee" (FMA units), or "tf32x3" (tensor cores,
 # each operand split into a tf32 high and low part and three products summed: about fp32's
-# accuracy).
-SSD_FP32_DOT = "ieee"
+# accuracy), which ran the 130m layer's chunk scan faster on an H200 (docs/performance.md,
+# "Triton SSD tiles"). The interpreter multiplies in IEEE fp32 whatever this says.
+SSD_FP32_DOT = "tf32x3"
 # Elements per program of the chunk cumsum and of the state passing (no dots: plain registers).
 SSD_ELEMENTWISE_BLOCK = 2048
 

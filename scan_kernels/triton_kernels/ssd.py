@@ -87,7 +87,7 @@ def _mma(a, b, acc, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr):
     elif a.dtype.primitive_bitwidth == 32:
         acc = tl.dot(a, b, acc, input_precision=FP32_DOT)
     else:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float64)
     return acc
 
 
@@ -582,8 +582,10 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
             _grid(batch, n_local, heads, cdiv(headdim, bl.block_p), cdiv(nstate, bl.block_n)),
             (x, B, dt_d, cs, h0, states, cu_seqlens, seq, nchunks, chunk, n_local, heads, heads_per_group, headdim,
              nstate, *s_x, *s_B, *s_h0, *state_strides),
+            # IEEE fp32 here whatever the plan: tf32x3's split operands spilled this kernel's
+            # registers and did not make it faster (docs/performance.md, "Triton SSD tiles").
             dict(ADD_H0=one_chunk and h0 is not None, PACKED=packed, ACC=acc_tl, BLOCK_K=bl.block_k,
-                 BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dots),
+                 BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dict(dots, FP32_DOT="ieee")),
             warps))
     if not one_chunk:
         block_e = min(next_power_of_2(headdim * nstate), configs.SSD_ELEMENTWISE_BLOCK)
