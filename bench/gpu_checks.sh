@@ -6,7 +6,7 @@
 # log, and the benches' JSON (each with machine and commit info), to be committed under
 # bench/results/ and cited where their figures are read.
 #
-#   bash bench/gpu_checks.sh OUT [kernel-tests|tune|tests|kernels|backward ...]
+#   bash bench/gpu_checks.sh OUT [kernel-tests|graphs|tune|tests|kernels|backward ...]
 #                                       (default: tests kernels backward, in that order)
 #
 # The parts' limits add up to 13 minutes: where one command may run at most 10, run `tests` in
@@ -20,7 +20,7 @@
 # with the tree) whose Triton calls the kernels part times beside this tree's. A part that
 # fails is reported and the next one runs; the exit status is the number of parts that failed.
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_checks.sh OUT [kernel-tests|tune|tests|kernels|backward ...]}
+out=${1:?usage: bash bench/gpu_checks.sh OUT [kernel-tests|graphs|tune|tests|kernels|backward ...]}
 shift
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests kernels backward)
@@ -54,13 +54,17 @@ for part in "${parts[@]}"; do
     case $part in
         kernel-tests)  # the Triton kernels' CUDA cases alone: a shorter first look than `tests`
             run kernel-tests 170 "$py" -m pytest -q -p no:cacheprovider -n 16 --durations=10 \
-                tests/test_kernels_triton.py tests/test_kernels_triton_ssd.py tests/test_kernels_triton_backward.py ;;
-        tune)  # the SSD scan's tile table: each candidate timed and checked against float64
-            run tune 170 "$py" -m bench.ssd_tune --seconds 0.2 --json "$out/ssd-tune-cuda.json" ;;
-        tests)  # the CUDA cases: every case of these files runs on the GPU, the interpreter's skip
-            run tests 300 "$py" -m pytest -q -p no:cacheprovider -n 8 --durations=10 \
                 tests/test_kernels_triton.py tests/test_kernels_triton_ssd.py tests/test_kernels_triton_backward.py \
-                tests/test_kernels_ssd.py tests/test_step_graphs.py tests/test_sessions.py tests/test_batcher.py ;;
+                tests/test_model_graphs.py ;;
+        graphs)  # captured model steps (issue 34): the server's steps against composed ones
+            run model-graphs 150 "$py" -m bench.model_graphs --json "$out/model-graphs-cuda.json" ;;
+        tune)  # the SSD scan's tile table: each candidate timed and checked against float64
+            run tune 150 "$py" -m bench.ssd_tune --seconds 0.2 --json "$out/ssd-tune-cuda.json" ;;
+        tests)  # the CUDA cases: every case of these files runs on the GPU, the interpreter's skip
+            run tests 250 "$py" -m pytest -q -p no:cacheprovider -n 16 --durations=10 \
+                tests/test_kernels_triton.py tests/test_kernels_triton_ssd.py tests/test_kernels_triton_backward.py \
+                tests/test_kernels_ssd.py tests/test_step_graphs.py tests/test_model_graphs.py tests/test_sessions.py \
+                tests/test_batcher.py ;;
         kernels)  # issue 33's GPU goal: the Triton SSD scan >= 10x torch's chunked form; then each
                   # Triton call's pace with its launches (against BASELINE's kernels where given)
             run kernels 180 "$py" -m bench.kernels --device cuda \
@@ -72,7 +76,7 @@ for part in "${parts[@]}"; do
             run backward 150 "$py" -m bench.backward --device cuda --reps 20 \
                 --cases exphil,1x768x1024x16,ssd-1x1024x8x64x64 --json "$out/backward-cuda.json" ;;
         *)
-            echo "gpu_checks: unknown part $part (kernel-tests, tune, tests, kernels, backward)" >&2
+            echo "gpu_checks: unknown part $part (kernel-tests, graphs, tune, tests, kernels, backward)" >&2
             failed=$((failed + 1)) ;;
     esac
 done

@@ -19,6 +19,7 @@ from .errors import allocation
 from .handles import HandleTable
 from .health import DeviceProbe
 from .models import allowed_dirs
+from .models.graphs import ModelStepGraphs
 from .models.table import LoadedModel, ModelTable
 from .queued import QueuedRequests
 from .sessions import Session, SessionTable, SnapshotTable, StateLayout, state_lost
@@ -113,8 +114,10 @@ class Server:
         # native path; bridge.dispatcher says when), or None: every request goes the general way.
         self.fast_path = registry.fast_path(self)
         # Steps on CUDA replaying captured state updates (None: every step calls the kernels API).
-        self.step_graphs = (StepGraphs(self.backend) if config.cuda_graphs and self.device.type == "cuda"
-                            else None)
+        graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.step_graphs = StepGraphs(self.backend) if graphs else None
+        # Model steps on CUDA replaying a capture of the whole stack (None: composed every time).
+        self.model_step_graphs = ModelStepGraphs() if graphs else None
         self.stats.add_gauge("sessions", self.sessions.usage)
         self.stats.add_gauge("handles", self.handles.usage)
         self._watched: set[str] = set()  # ids of connections whose close frees what they own

@@ -17,6 +17,7 @@ import scan_kernels
 import protocol
 from scan_kernels import _args
 from bridge.client import result_from_wire
+from bridge.models.graphs import ModelStepGraphs
 from bridge.step_graphs import StepGraphs
 from bridge.timing import Timing
 from bridge_fakes import RecordingConnection
@@ -65,6 +66,7 @@ def graphs(inproc, monkeypatch):
     monkeypatch.setattr(scan_kernels, "capture_state_update", StandInCapture)
     srv = inproc(device="cpu", native_step=False, max_delay_us=0)
     srv.server.step_graphs = StepGraphs(srv.server.backend, capacity=2)
+    srv.server.model_step_graphs = ModelStepGraphs()  # as a CUDA server has; no model steps here
     return srv
 
 
@@ -110,7 +112,7 @@ def test_steps_like_earlier_ones_replay_one_capture(graphs):
     values, sent = constants(True, graphs, conn)
     open_and_step(graphs, conn, 3, 4, values, sent)
     assert [c.runs for c in StandInCapture.made] == [4]
-    assert graphs.call(conn, "info")["cuda_graphs"] == {"captured": 1}
+    assert graphs.call(conn, "info")["cuda_graphs"] == {"captured": 1, "model_steps_captured": 0}
 
 
 def test_a_cpu_server_has_no_step_graphs(inproc):

@@ -55,7 +55,8 @@ def info(server, call) -> dict:
         "device": server.device_choice.describe(),
         "backend": server.backend,
         "native_step": server.fast_path is not None,
-        "cuda_graphs": None if server.step_graphs is None else {"captured": server.step_graphs.captured},
+        "cuda_graphs": None if server.step_graphs is None else {
+            "captured": server.step_graphs.captured, "model_steps_captured": server.model_step_graphs.captured},
         "devices": devices,
         "kernels": {
             "available": scan_kernels.available_backends(),

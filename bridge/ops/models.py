@@ -228,8 +228,13 @@ class ModelStepOp(BatchedOp):
                     if "snapshot_into" in item.options:
                         item.options["snapshot_into"].take_again(item.session)
                 written.extend(item.session for item in items)
-                out = loaded.model.step(lead.session.pool.parts, slots, inputs, output=output,
-                                        backend=server.backend)
+                out = None
+                if server.model_step_graphs is not None:
+                    out = server.model_step_graphs.step(loaded.model, lead.session.pool.parts, slots, inputs,
+                                                        output=output, backend=server.backend)
+                if out is None:
+                    out = loaded.model.step(lead.session.pool.parts, slots, inputs, output=output,
+                                            backend=server.backend)
             return with_states(items, [{output: rows} for rows in wire_rows(out, items)])
 
 

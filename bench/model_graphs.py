@@ -1,0 +1,108 @@
+"""Captured model steps on a GPU (issue 34): `model_step` over the Port to a server on CUDA that
+replays a capture of the whole stack (bridge.models.graphs) against one that composes every step
+(`--no-cuda-graphs`), in one run, on bench.models' ExPhil-sized models (embeddings in, hidden
+out) at batch 1 and 32.
+
+Both servers load the same weights, prefill the same 60-frame window, then take the same frames
+in rounds that alternate between them, a round a server's frames back to back (a paced frame
+on a GPU costs the same host work, and the comparison is of that work). Per (arch, batch): each
+server's round trip, server_us and kernel_us (p50, p99), the ratio of the composed step's
+p50 to the captured one's, and the largest difference between the two servers' outputs over
+their largest output.
+
+    python -m bench.model_graphs [--rounds 6] [--frames 40] [--batches 1,32] [--device cuda] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from bridge.bench.floors import BridgeProcess, encode_request, exchange
+from bridge.bench.machine import output_path, summarize_us, write_results
+from bridge.client import result_from_wire
+
+from .models import D_MODEL, WINDOW, exphil_model
+
+SERVERS = {"captured": [], "composed": ["--no-cuda-graphs"]}
+
+
+def run_case(bridges: dict, arch: str, batch: int, rounds: int, frames_n: int) -> dict:
+    _, config, weights = exphil_model(arch, seed=batch)
+    g = torch.Generator().manual_seed(11)
+    window = torch.randn(batch, WINDOW, D_MODEL, generator=g)
+    frames = [torch.randn(batch, D_MODEL, generator=g) for _ in range(rounds * frames_n)]
+    sessions, requests = {}, {}
+    for name, bridge in bridges.items():
+        model = bridge.call("model_load", config=config, weights=weights)["model"]
+        sessions[name] = bridge.call("session_open", model=model, batch=batch)["session"]
+        bridge.call("model_forward", session=sessions[name], embeds=window, output="hidden", last_only=True)
+        requests[name] = [bridge.lane.frame(encode_request(i, "model_step", {
+            "session": sessions[name], "embeds": f, "output": "hidden"})) for i, f in enumerate(frames)]
+    times = {name: {"round_trip": [], "server": [], "kernel": []} for name in bridges}
+    outputs = {name: [] for name in bridges}
+    for r in range(rounds):
+        order = list(bridges) if r % 2 == 0 else list(bridges)[::-1]
+        for name in order:
+            for request in requests[name][r * frames_n:(r + 1) * frames_n]:
+                us, reply = exchange(bridges[name].lane, request, f"{name} model_step")
+                times[name]["round_trip"].append(us)
+                times[name]["server"].append(reply.timing.get("server_us", 0.0))
+                times[name]["kernel"].append(reply.timing.get("kernel_us", 0.0))
+                outputs[name].append(np.asarray(result_from_wire(reply.result)["hidden"]))
+    # The first round of each warms (captures, compiles): the rest are reported.
+    skip = frames_n
+    result = {"arch": arch, "batch": batch, "rounds": rounds, "frames_a_round": frames_n}
+    for name in bridges:
+        result[name] = {stage: summarize_us(values[skip:]) for stage, values in times[name].items()}
+    result["composed_over_captured"] = {
+        stage: result["composed"][stage]["p50_us"] / result["captured"][stage]["p50_us"]
+        for stage in ("round_trip", "server", "kernel")}
+    captured, composed = np.stack(outputs["captured"]), np.stack(outputs["composed"])
+    result["max_rel_diff"] = float(np.abs(captured - composed).max() / max(np.abs(composed).max(), 1e-30))
+    return result
+
+
+def report(r: dict) -> None:
+    c, e = r["captured"], r["composed"]
+    print(f"{r['arch']:7s} batch {r['batch']:3d}: round trip p50 {c['round_trip']['p50_us']:8.1f} µs captured, "
+          f"{e['round_trip']['p50_us']:8.1f} composed ({r['composed_over_captured']['round_trip']:.2f}x); "
+          f"server {c['server']['p50_us']:.1f} / {e['server']['p50_us']:.1f} µs; p99 "
+          f"{c['round_trip']['p99_us']:.1f} / {e['round_trip']['p99_us']:.1f}; outputs within "
+          f"{r['max_rel_diff']:.2e}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--frames", type=int, default=40, help="frames a round")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--archs", default="mamba,mamba2")
+    p.add_argument("--device", default="cuda", help="cpu: the same plumbing with nothing captured, a check "
+                   "of this script")
+    p.add_argument("--json", type=output_path)
+    args = p.parse_args(argv)
+    if args.rounds < 2:
+        p.error(f"--rounds: expected at least 2 (the first warms), got {args.rounds}")
+    bridges = {name: BridgeProcess(server_args, device=args.device) for name, server_args in SERVERS.items()}
+    try:
+        info = {name: bridge.call("info") for name, bridge in bridges.items()}
+        cases = []
+        for arch in args.archs.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                cases.append(run_case(bridges, arch, batch, args.rounds, args.frames))
+                report(cases[-1])
+        captured = bridges["captured"].call("info")["cuda_graphs"]
+    finally:
+        for bridge in bridges.values():
+            bridge.close()
+    if args.json:
+        write_results(args.json, "model-graphs", {
+            "servers": SERVERS, "backend": info["captured"]["backend"], "cuda_graphs": captured, "cases": cases})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""A model's whole step on CUDA as one captured graph (issue 34): every layer's norm, projections,
+conv window, state update and gated norm, and the final norm and head, replayed in one call.
+Composed, a step of a 4-layer model is about a hundred launches, each with host work that
+bounds a small step on a GPU (docs/performance.md, "model step graphs").
+
+A capture serves one (model, rows, input shape and dtype, output, backend, state pool). It owns
+the step's input and slot buffers, which a call fills before the replay, and the output the
+replay writes. The model's weights and the pool's parts are read at the addresses they had at
+capture: a capture holds them weakly and is replayed only while they are the same tensors
+(a pool that grew has new parts, so the next step captures again). A capture's warm-up runs on
+scratch state, so capturing never touches a session's state; the kernels do not check slot
+values inside a capture (scan_kernels._args), so a capture trusts the session's own slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+log = logging.getLogger("bridge")
+
+
+class ModelStepGraphs:
+    """Captured model steps, the last `capacity` used kept; kinds that failed to capture take the
+    composed step from then on (the last `capacity` of them remembered)."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self._captures: OrderedDict = OrderedDict()
+        self._failed: OrderedDict = OrderedDict()
+        self.captured = 0  # captures made, for `info`
+        self._lock = threading.Lock()  # a replay's buffers are shared by every call of its kind
+
+    def step(self, model, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
+             output: str, backend: str | None) -> torch.Tensor | None:
+        """The step's output (a tensor of its own), the pool rows `slots` updated, as
+        `model.step` gives them; None where this kind of step failed to capture (then nothing
+        ran)."""
+        with self._lock:
+            return self._step(model, parts, slots, inputs, output, backend)
+
+    def _step(self, model, parts, slots, inputs, output, backend):
+        kind = (id(model), tuple(inputs.shape), inputs.dtype, slots.dtype, output, backend,
+                tuple((name, p.data_ptr(), tuple(p.shape), p.dtype) for name, p in parts.items()))
+        if kind in self._failed:
+            return None
+        capture = self._captures.get(kind)
+        if capture is None or not capture.serves(model, parts):
+            try:
+                capture = _Capture(model, parts, slots, inputs, output, backend)
+            except Exception:
+                log.exception("capturing a %d-row model step failed; steps like it are composed", inputs.shape[0])
+                _remember(self._failed, kind, None, self.capacity)
+                return None
+            self.captured += 1
+        _remember(self._captures, kind, capture, self.capacity)
+        return capture.run(slots, inputs)
+
+
+class _Capture:
+    def __init__(self, model, parts, slots, inputs, output, backend):
+        device = inputs.device
+        rows = inputs.shape[0]
+        self._model = weakref.ref(model)
+        self._parts = {name: weakref.ref(p) for name, p in parts.items()}
+        self._inputs = inputs.clone()  # real values for the warm-up: tokens index the embedding
+        self._slots = torch.empty_like(slots)
+        scratch = {name: torch.zeros((rows, *p.shape[1:]), dtype=p.dtype, device=device) for name, p in parts.items()}
+        scratch_slots = torch.arange(rows, dtype=slots.dtype, device=device)
+        with torch.cuda.device(device):
+            # Off the graph first (Triton compiles on a first launch, which a capture cannot
+            # hold), on a side stream as torch's capture wants, on scratch state.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model.step(scratch, scratch_slots, self._inputs, output=output, backend=backend)
+            torch.cuda.current_stream().wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._out = model.step(parts, self._slots, self._inputs, output=output, backend=backend)
+            torch.cuda.current_stream().synchronize()
+
+    def serves(self, model, parts) -> bool:
+        """Whether the model and the pool's parts are still the tensors captured."""
+        return self._model() is model and all(self._parts[name]() is p for name, p in parts.items())
+
+    def run(self, slots: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        self._inputs.copy_(inputs)
+        self._slots.copy_(slots)
+        self._graph.replay()
+        return self._out.clone()
+
+
+def _remember(table: OrderedDict, kind, value, capacity: int) -> None:
+    table[kind] = value
+    table.move_to_end(kind)
+    while len(table) > capacity:
+        table.popitem(last=False)
