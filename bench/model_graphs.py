@@ -8,7 +8,8 @@ in rounds that alternate between them, a round a server's frames back to back (a
 on a GPU costs the same host work, and the comparison is of that work). Per (arch, batch): each
 server's round trip, server_us and kernel_us (p50, p99), the ratio of the composed step's
 p50 to the captured one's, and the largest difference between the two servers' outputs over
-their largest output.
+their largest output, and each server's against transformers' own forward of the same window
+and frames in this process on the CPU (with any NaN counted).
 
     python -m bench.model_graphs [--rounds 6] [--frames 40] [--batches 1,32] [--device cuda] [--json FILE]
 """
@@ -29,16 +30,25 @@ from .models import D_MODEL, WINDOW, exphil_model
 SERVERS = {"captured": [], "composed": ["--no-cuda-graphs"]}
 
 
+def oracle(model, window: torch.Tensor, frames: list[torch.Tensor]) -> np.ndarray:
+    """transformers' own outputs for the frames after the window, in this process on the CPU."""
+    with torch.no_grad():
+        hidden = model(inputs_embeds=torch.cat([window, torch.stack(frames, dim=1)], dim=1)).last_hidden_state
+    return hidden[:, window.shape[1]:].transpose(0, 1).numpy()
+
+
 def run_case(bridges: dict, arch: str, batch: int, rounds: int, frames_n: int) -> dict:
-    _, config, weights = exphil_model(arch, seed=batch)
+    model, config, weights = exphil_model(arch, seed=batch)
     g = torch.Generator().manual_seed(11)
     window = torch.randn(batch, WINDOW, D_MODEL, generator=g)
     frames = [torch.randn(batch, D_MODEL, generator=g) for _ in range(rounds * frames_n)]
-    sessions, requests = {}, {}
+    sessions, requests, prefill_nan = {}, {}, {}
     for name, bridge in bridges.items():
-        model = bridge.call("model_load", config=config, weights=weights)["model"]
-        sessions[name] = bridge.call("session_open", model=model, batch=batch)["session"]
-        bridge.call("model_forward", session=sessions[name], embeds=window, output="hidden", last_only=True)
+        loaded = bridge.call("model_load", config=config, weights=weights)["model"]
+        sessions[name] = bridge.call("session_open", model=loaded, batch=batch)["session"]
+        prefilled = bridge.call("model_forward", session=sessions[name], embeds=window, output="hidden",
+                                last_only=True)
+        prefill_nan[name] = int(np.isnan(np.asarray(result_from_wire(prefilled)["hidden"])).sum())
         requests[name] = [bridge.lane.frame(encode_request(i, "model_step", {
             "session": sessions[name], "embeds": f, "output": "hidden"})) for i, f in enumerate(frames)]
     times = {name: {"round_trip": [], "server": [], "kernel": []} for name in bridges}
@@ -51,7 +61,8 @@ def run_case(bridges: dict, arch: str, batch: int, rounds: int, frames_n: int) -
                 times[name]["round_trip"].append(us)
                 times[name]["server"].append(reply.timing.get("server_us", 0.0))
                 times[name]["kernel"].append(reply.timing.get("kernel_us", 0.0))
-                outputs[name].append(np.asarray(result_from_wire(reply.result)["hidden"]))
+                # A copy: the decoded tensor is a view of the lane's buffer, which the next reply fills.
+                outputs[name].append(np.array(result_from_wire(reply.result)["hidden"]))
     # The first round of each warms (captures, compiles): the rest are reported.
     skip = frames_n
     result = {"arch": arch, "batch": batch, "rounds": rounds, "frames_a_round": frames_n}
@@ -62,6 +73,13 @@ def run_case(bridges: dict, arch: str, batch: int, rounds: int, frames_n: int) -
         for stage in ("round_trip", "server", "kernel")}
     captured, composed = np.stack(outputs["captured"]), np.stack(outputs["composed"])
     result["max_rel_diff"] = float(np.abs(captured - composed).max() / max(np.abs(composed).max(), 1e-30))
+    want = oracle(model, window, frames)
+    scale = float(np.abs(want).max())
+    result["against_transformers_cpu"] = {
+        name: {"max_rel_err": float(np.abs(got - want).max() / scale), "prefill_nan": prefill_nan[name],
+               "nan_frames": int(np.isnan(got).any(axis=(1, 2)).sum()),
+               "first_nan_frame": int(np.argmax(np.isnan(got).any(axis=(1, 2)))) if np.isnan(got).any() else None}
+        for name, got in (("captured", captured), ("composed", composed))}
     return result
 
 
@@ -71,7 +89,7 @@ def report(r: dict) -> None:
           f"{e['round_trip']['p50_us']:8.1f} composed ({r['composed_over_captured']['round_trip']:.2f}x); "
           f"server {c['server']['p50_us']:.1f} / {e['server']['p50_us']:.1f} µs; p99 "
           f"{c['round_trip']['p99_us']:.1f} / {e['round_trip']['p99_us']:.1f}; outputs within "
-          f"{r['max_rel_diff']:.2e}", flush=True)
+          f"{r['max_rel_diff']:.2e}; against transformers on the CPU {r['against_transformers_cpu']}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,7 @@ def cuda_model(arch: str, seed: int):
     make_config, cls, _ = ARCHS[arch]
     model = randomized(getattr(transformers, cls)(make_config(seed)))
     config = json.loads(model.config.to_json_string())
+    config["architectures"] = [cls]  # a backbone has no head: its class says so, as a saved one's config does
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     return model, load_weights(config, weights, torch.float32, torch.device("cuda"), lambda n: None)
 
