@@ -3,13 +3,19 @@ conv window, state update and gated norm, and the final norm and head, replayed 
 Composed, a step of a 4-layer model is about a hundred launches, each with host work that
 bounds a small step on a GPU (docs/performance.md, "model step graphs").
 
-A capture serves one (model, rows, input shape and dtype, output, backend, state pool). It owns
-the step's input and slot buffers, which a call fills before the replay, and the output the
-replay writes. The model's weights and the pool's parts are read at the addresses they had at
-capture: a capture holds them weakly and is replayed only while they are the same tensors
-(a pool that grew has new parts, so the next step captures again). A capture's warm-up runs on
-scratch state, so capturing never touches a session's state; the kernels do not check slot
-values inside a capture (scan_kernels._args), so a capture trusts the session's own slots.
+A capture serves one (model, rows, input shape and dtype, output, state pool). It owns the
+step's input and slot buffers, which a call fills before the replay, and the output the replay
+writes. The model's weights and the pool's parts are read at the addresses they had at capture:
+a capture holds them weakly and is replayed only while they are the same tensors (a pool that
+grew has new parts, so the next step captures again); captures whose model or parts are gone
+are dropped when the next one is made. A capture's warm-up runs on scratch state laid out as
+the pool's parts are (strides and alignment, which Triton specialises on: a kernel compiled
+inside a capture would void it), so capturing never touches a session's state; the kernels do
+not check slot values inside a capture (scan_kernels._args), so a capture trusts the session's
+own slots. Only the triton backend's steps are captured: the others read values on the host.
+
+Nothing else touches the GPU during a capture: every op runs under the dispatcher's one serving
+lock (docs/architecture.md), the model step op among them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from collections import OrderedDict
 import torch
 
 log = logging.getLogger("bridge")
+
+CAPTURED_BACKEND = "triton"
 
 
 class ModelStepGraphs:
@@ -38,18 +46,22 @@ class ModelStepGraphs:
     def step(self, model, parts: dict[str, torch.Tensor], slots: torch.Tensor, inputs: torch.Tensor, *,
              output: str, backend: str | None) -> torch.Tensor | None:
         """The step's output (a tensor of its own), the pool rows `slots` updated, as
-        `model.step` gives them; None where this kind of step failed to capture (then nothing
-        ran)."""
+        `model.step` gives them; None where the backend's steps are not captured or this kind
+        failed to capture (then nothing ran)."""
         with self._lock:
             return self._step(model, parts, slots, inputs, output, backend)
 
     def _step(self, model, parts, slots, inputs, output, backend):
-        kind = (id(model), tuple(inputs.shape), inputs.dtype, slots.dtype, output, backend,
-                tuple((name, p.data_ptr(), tuple(p.shape), p.dtype) for name, p in parts.items()))
+        if backend != CAPTURED_BACKEND:
+            return None
+        kind = (id(model), tuple(inputs.shape), inputs.dtype, slots.dtype, output,
+                tuple((name, p.data_ptr(), tuple(p.shape), p.stride(), p.dtype) for name, p in parts.items()))
         if kind in self._failed:
             return None
         capture = self._captures.get(kind)
         if capture is None or not capture.serves(model, parts):
+            for stale in [k for k, c in self._captures.items() if not c.alive()]:
+                del self._captures[stale]
             try:
                 capture = _Capture(model, parts, slots, inputs, output, backend)
             except Exception:
@@ -69,20 +81,30 @@ class _Capture:
         self._parts = {name: weakref.ref(p) for name, p in parts.items()}
         self._inputs = inputs.clone()  # real values for the warm-up: tokens index the embedding
         self._slots = torch.empty_like(slots)
-        scratch = {name: torch.zeros((rows, *p.shape[1:]), dtype=p.dtype, device=device) for name, p in parts.items()}
+        scratch = {name: _scratch_like(p, rows) for name, p in parts.items()}
         scratch_slots = torch.arange(rows, dtype=slots.dtype, device=device)
         with torch.cuda.device(device):
-            # Off the graph first (Triton compiles on a first launch, which a capture cannot
-            # hold), on a side stream as torch's capture wants, on scratch state.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                model.step(scratch, scratch_slots, self._inputs, output=output, backend=backend)
-            torch.cuda.current_stream().wait_stream(side)
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._out = model.step(parts, self._slots, self._inputs, output=output, backend=backend)
-            torch.cuda.current_stream().synchronize()
+            serving = torch.cuda.current_stream()
+            try:
+                # Off the graph first (Triton compiles on a first launch, which a capture cannot
+                # hold), on a side stream as torch's capture wants, on scratch state.
+                side = torch.cuda.Stream()
+                side.wait_stream(serving)
+                with torch.cuda.stream(side):
+                    model.step(scratch, scratch_slots, self._inputs, output=output, backend=backend)
+                serving.wait_stream(side)
+                self._graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self._graph):
+                    self._out = model.step(parts, self._slots, self._inputs, output=output, backend=backend)
+            finally:
+                # A capture CUDA voids leaves torch's capture stream current (its exit raises
+                # before restoring the stream): the serving stream is made current again.
+                torch.cuda.set_stream(serving)
+            serving.synchronize()
+
+    def alive(self) -> bool:
+        """Whether the model and every part captured are still allocated."""
+        return self._model() is not None and all(ref() is not None for ref in self._parts.values())
 
     def serves(self, model, parts) -> bool:
         """Whether the model and the pool's parts are still the tensors captured."""
@@ -93,6 +115,15 @@ class _Capture:
         self._slots.copy_(slots)
         self._graph.replay()
         return self._out.clone()
+
+
+def _scratch_like(part: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zeros of `rows` rows laid out as `part` is: its strides, and its offset into a buffer of
+    the allocator's alignment (parts are views into one flat pool)."""
+    shape = (rows, *part.shape[1:])
+    extent = part.storage_offset() + sum((n - 1) * s for n, s in zip(shape, part.stride())) + 1
+    buffer = torch.zeros(extent, dtype=part.dtype, device=part.device)
+    return buffer.as_strided(shape, part.stride(), part.storage_offset())
 
 
 def _remember(table: OrderedDict, kind, value, capacity: int) -> None:
