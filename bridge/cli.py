@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads one kernel call may use (default: torch's, the machine's cores); fewer "
                         "leaves cores to clients on the same machine, which can cut their tail latency")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="on CUDA, launch every step through the kernels API instead of replaying a captured "
-                        "state update (a CUDA graph) for steps shaped like ones seen before")
+                   help="on CUDA, launch every step and model step through the kernels API and torch instead "
+                        "of replaying a captured state update or model step (a CUDA graph) for steps shaped "
+                        "like ones seen before")
     p.add_argument("--no-exit-guard", dest="exit_guard", action="store_false",
                    help="run without the exit guard (bridge.exit_guard), a process sharing the server's memory "
                         "so that a killed server's pipes and sockets close before its memory is freed")
