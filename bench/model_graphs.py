@@ -4,8 +4,8 @@ replays a capture of the whole stack (bridge.models.graphs) against one that com
 out) at batch 1 and 32.
 
 Both servers load the same weights, prefill the same 60-frame window, then take the same frames
-in rounds that alternate between them, a round a server's frames back to back (a paced frame
-on a GPU costs the same host work, and the comparison is of that work). Per (arch, batch): each
+in rounds that alternate between them, a round a server's frames back to back (not paced: the
+comparison is of each step's own work, most of it on the host). Per (arch, batch): each
 server's round trip, server_us and kernel_us (p50, p99), the ratio of the composed step's
 p50 to the captured one's, and the largest difference between the two servers' outputs over
 their largest output, and each server's against transformers' own forward of the same window

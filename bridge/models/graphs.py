@@ -1,6 +1,6 @@
 """A model's whole step on CUDA as one captured graph (issue 34): every layer's norm, projections,
 conv window, state update and gated norm, and the final norm and head, replayed in one call.
-Composed, a step of a 4-layer model is about a hundred launches, each with host work that
+Composed, each of those is an op of its own, dozens of launches a step, each with host work that
 bounds a small step on a GPU (docs/performance.md, "model step graphs").
 
 A capture serves one (model, rows, input shape and dtype, output, state pool). It owns the

@@ -583,7 +583,7 @@ def ssd_scan_launches(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_
             (x, B, dt_d, cs, h0, states, cu_seqlens, seq, nchunks, chunk, n_local, heads, heads_per_group, headdim,
              nstate, *s_x, *s_B, *s_h0, *state_strides),
             # IEEE fp32 here whatever the plan: tf32x3's split operands spilled this kernel's
-            # registers and did not make it faster (docs/performance.md, "Triton SSD tiles").
+            # registers when compiled for sm_90 (docs/performance.md, "Triton SSD tiles").
             dict(ADD_H0=one_chunk and h0 is not None, PACKED=packed, ACC=acc_tl, BLOCK_K=bl.block_k,
                  BLOCK_P=bl.block_p, BLOCK_N=bl.block_n, **dict(dots, FP32_DOT="ieee")),
             warps))
