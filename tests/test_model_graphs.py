@@ -15,13 +15,12 @@ from bridge.models import load_weights
 from bridge.models import graphs as graphs_module
 from bridge.models.graphs import ModelStepGraphs
 from bridge_fakes import RecordingConnection
-from kernel_cases import random_seed
+from kernel_cases import NO_CUDA, random_seed
 
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 from test_models import ARCHS, VOCAB, backbone_request, randomized, rel_close  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA device here: model steps are captured on a GPU only")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 POOL = 6
 CAPTURED_BACKEND = graphs_module.CAPTURED_BACKEND
 
