@@ -174,6 +174,8 @@ class Server:
         """Free a model no session uses, and its sessions' snapshots."""
         self.models.free(conn.id, loaded.id, "args.model")
         self.snapshots.drop_model(loaded.id)
+        if self.model_step_graphs is not None:
+            self.model_step_graphs.forget(loaded.model)
 
     def take_snapshot(self, conn, session: Session) -> str:
         snapshot = self.snapshots.take(conn.id, session)
@@ -212,6 +214,8 @@ class Server:
         sessions = self.sessions.release_owner(conn.id)
         snapshots = self.snapshots.release_owner(conn.id)
         models = self.models.release_owner(conn.id)
+        if models and self.model_step_graphs is not None:
+            self.model_step_graphs.forget()  # the captures of the models just released
         handles = self.handles.release_owner(conn.id)
         reason = getattr(conn, "close_reason", "closed")
         self.stats.record_release(reason, {"sessions": sessions, "snapshots": snapshots, "models": models,

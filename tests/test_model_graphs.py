@@ -1,10 +1,13 @@
 """bridge.models.graphs: a model's whole step captured as one CUDA graph, against the same step
 composed of torch ops and kernels calls, and the server's model_step through it against a
-server that composes every step. CUDA only: without a GPU every case skips, saying so (CI has
-none; a lent GPU machine runs them, bench/gpu_checks.sh)."""
+server that composes every step. Captures exist on CUDA only: those cases skip without a GPU,
+saying so (CI has none; a lent GPU machine runs them, bench/gpu_checks.sh). The cache around
+them (which kinds capture, what is replayed, forgotten or not tried again) runs in every CI with
+a stand-in capture on the CPU that composes the step it stands for."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -20,29 +23,30 @@ from kernel_cases import NO_CUDA, random_seed
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 from test_models import ARCHS, VOCAB, backbone_request, randomized, rel_close  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 POOL = 6
 CAPTURED_BACKEND = graphs_module.CAPTURED_BACKEND
 
 
-def cuda_model(arch: str, seed: int):
-    """(the transformers model, the runtime's fp32 model of its weights on the GPU)."""
+def model_on(arch: str, seed: int, device: str = "cuda"):
+    """(the transformers model, the runtime's fp32 model of its weights on `device`)."""
     make_config, cls, _ = ARCHS[arch]
     model = randomized(getattr(transformers, cls)(make_config(seed)))
     config = json.loads(model.config.to_json_string())
     config["architectures"] = [cls]  # a backbone has no head: its class says so, as a saved one's config does
     weights = {k: v.detach() for k, v in model.state_dict().items()}
-    return model, load_weights(config, weights, torch.float32, torch.device("cuda"), lambda n: None)
+    return model, load_weights(config, weights, torch.float32, torch.device(device), lambda n: None)
 
 
-def random_pool(m, generator, layout: str = "separate") -> dict[str, torch.Tensor]:
+def random_pool(m, generator, layout: str = "separate", device: str = "cuda") -> dict[str, torch.Tensor]:
     """Random state for POOL rows: a tensor a part ("separate"), or views into one flat pool as
     the server's (bridge.sessions), each part at an offset of no 16-byte multiple ("one-pool")."""
     shapes = dict(m.config.state_parts())
     if layout == "separate":
-        return {name: (torch.randn((POOL, *shape), generator=generator) * 0.3).cuda() for name, shape in shapes.items()}
+        return {name: (torch.randn((POOL, *shape), generator=generator) * 0.3).to(device)
+                for name, shape in shapes.items()}
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
-    flat = (torch.randn((POOL, sum(sizes.values()) + 3 * len(sizes) + 1), generator=generator) * 0.3).cuda()
+    flat = (torch.randn((POOL, sum(sizes.values()) + 3 * len(sizes) + 1), generator=generator) * 0.3).to(device)
     parts, offset = {}, 1
     for name, shape in shapes.items():
         parts[name] = flat[:, offset:offset + sizes[name]].unflatten(1, shape)
@@ -50,12 +54,13 @@ def random_pool(m, generator, layout: str = "separate") -> dict[str, torch.Tenso
     return parts
 
 
-def frame_inputs(m, arch: str, rows: int, generator) -> torch.Tensor:
+def frame_inputs(m, arch: str, rows: int, generator, device: str = "cuda") -> torch.Tensor:
     if arch.endswith("backbone"):
-        return torch.randn(rows, m.config.d_model, generator=generator).cuda()
-    return torch.randint(0, VOCAB, (rows,), generator=generator).cuda()
+        return torch.randn(rows, m.config.d_model, generator=generator).to(device)
+    return torch.randint(0, VOCAB, (rows,), generator=generator).to(device)
 
 
+@needs_cuda
 @pytest.mark.parametrize("layout", ["separate", "one-pool"])
 @pytest.mark.parametrize("arch", ["mamba-lm-untied", "mamba2-lm", "mamba2-backbone"])
 def test_a_captured_step_is_the_composed_one(arch, layout, backend=CAPTURED_BACKEND):
@@ -66,7 +71,7 @@ def test_a_captured_step_is_the_composed_one(arch, layout, backend=CAPTURED_BACK
     must copy (Triton specialises on it)."""
     seed = random_seed()
     generator = torch.Generator().manual_seed(seed)
-    _, m = cuda_model(arch, seed)
+    _, m = model_on(arch, seed)
     output = ARCHS[arch][2]
     captured = random_pool(m, generator, layout)
     composed = {name: t.clone() for name, t in captured.items()}
@@ -85,12 +90,13 @@ def test_a_captured_step_is_the_composed_one(arch, layout, backend=CAPTURED_BACK
     assert graphs.captured == 2, f"{what}: {graphs.captured} captures for two row counts"
 
 
+@needs_cuda
 def test_a_pool_whose_parts_moved_is_captured_again():
     """A pool that grew has new parts: the capture made on the old ones is not replayed over
     them (it would write the freed memory), the step is captured again and updates the new."""
     seed = random_seed()
     generator = torch.Generator().manual_seed(seed)
-    _, m = cuda_model("mamba2-lm", seed)
+    _, m = model_on("mamba2-lm", seed)
     pool = random_pool(m, generator)
     graphs = ModelStepGraphs()
     slots = torch.tensor([2], device="cuda")
@@ -107,21 +113,111 @@ def test_a_pool_whose_parts_moved_is_captured_again():
         rel_close(grown[name], expected[name], 1e-5, f"seed={seed}: {name} of the grown pool")
 
 
-def test_a_backend_that_reads_values_on_the_host_is_left_to_the_caller(monkeypatch):
-    """The torch backend's state updates find their live rows with torch.nonzero, which a
-    capture cannot hold (CUDA voids the capture): its steps are not captured at all."""
-    made = []
-    monkeypatch.setattr(graphs_module, "_Capture", lambda *args: made.append(args))
+class StandInCapture(graphs_module._Held):
+    """_Capture on the CPU: holds what a capture holds, and runs the composed step it stands for
+    (on the torch backend) instead of a replay."""
+
+    made: list["StandInCapture"] = []
+    refuse = False  # make the next captures fail, as one CUDA voids would
+
+    def __init__(self, model, parts, slots, inputs, output, backend):
+        if StandInCapture.refuse:
+            raise RuntimeError("the capture was voided")
+        super().__init__(model, parts)
+        self.output, self.runs = output, 0
+        StandInCapture.made.append(self)
+
+    def run(self, slots, inputs):
+        self.runs += 1
+        parts = {name: ref() for name, ref in self._parts.items()}
+        return self._model().step(parts, slots, inputs, output=self.output, backend="torch")
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    StandInCapture.made, StandInCapture.refuse = [], False
+    monkeypatch.setattr(graphs_module, "_Capture", StandInCapture)
     seed = random_seed()
     generator = torch.Generator().manual_seed(seed)
-    _, m = cuda_model("mamba-lm-untied", seed)
-    pool = random_pool(m, generator)
-    graphs = ModelStepGraphs()
-    slots = torch.tensor([4, 1], device="cuda")
+    _, m = model_on("mamba2-lm", seed, "cpu")
+    return m, random_pool(m, generator, "one-pool", "cpu"), generator
+
+
+def cpu_step(graphs, m, pool, slots, generator, backend=CAPTURED_BACKEND):
+    tokens = frame_inputs(m, "mamba2-lm", len(slots), generator, "cpu")
     with torch.no_grad():
-        assert graphs.step(m, pool, slots, frame_inputs(m, "mamba-lm-untied", 2, generator), output="logits",
-                           backend="torch") is None
-    assert made == [] and graphs.captured == 0
+        return graphs.step(m, pool, torch.tensor(slots), tokens, output="logits", backend=backend)
+
+
+def test_steps_of_one_kind_replay_one_capture_and_a_new_row_count_captures_anew(stand_in):
+    m, pool, generator = stand_in
+    graphs = ModelStepGraphs()
+    composed = {name: t.clone() for name, t in pool.items()}
+    for slots in ([5, 0, 3], [1, 4, 2], [5, 0, 3]):
+        tokens = frame_inputs(m, "mamba2-lm", len(slots), generator, "cpu")
+        with torch.no_grad():
+            got = graphs.step(m, pool, torch.tensor(slots), tokens, output="logits", backend=CAPTURED_BACKEND)
+            want = m.step(composed, torch.tensor(slots), tokens, output="logits", backend="torch")
+        assert torch.equal(got, want)
+    assert [c.runs for c in StandInCapture.made] == [3] and graphs.captured == 1
+    cpu_step(graphs, m, pool, [2], generator)
+    assert [c.runs for c in StandInCapture.made] == [3, 1] and len(graphs) == 2
+
+
+def test_other_backends_steps_are_not_captured(stand_in):
+    """The torch backend's state updates find their live rows with torch.nonzero, a read that
+    voids a capture: its steps are left to the caller, no capture tried."""
+    m, pool, generator = stand_in
+    graphs = ModelStepGraphs()
+    assert cpu_step(graphs, m, pool, [4, 1], generator, backend="torch") is None
+    assert StandInCapture.made == [] and graphs.captured == 0
+
+
+def test_a_kind_that_failed_to_capture_is_not_tried_again(stand_in):
+    m, pool, generator = stand_in
+    graphs = ModelStepGraphs()
+    StandInCapture.refuse = True
+    assert cpu_step(graphs, m, pool, [4, 1], generator) is None
+    StandInCapture.refuse = False
+    assert cpu_step(graphs, m, pool, [0, 3], generator) is None  # the same kind: composed by the caller
+    assert StandInCapture.made == [] and graphs.captured == 0
+    assert cpu_step(graphs, m, pool, [2], generator) is not None  # another kind captures
+    assert graphs.captured == 1
+
+
+def test_a_freed_models_captures_and_those_of_a_moved_pool_are_dropped(stand_in):
+    """Captures hold their model and parts weakly; forgetting a model drops its captures, and a
+    model or pool that is gone drops its captures at the next capture or forget."""
+    m, pool, generator = stand_in
+    graphs = ModelStepGraphs()
+    cpu_step(graphs, m, pool, [1], generator)
+    _, other = model_on("mamba2-lm", random_seed(), "cpu")
+    other_pool = random_pool(other, generator, "separate", "cpu")
+    cpu_step(graphs, other, other_pool, [1], generator)
+    assert len(graphs) == 2
+    graphs.forget(m)
+    assert len(graphs) == 1
+    del other, other_pool
+    gc.collect()
+    graphs.forget()
+    assert len(graphs) == 0
+    mine = random_pool(m, generator, "one-pool", "cpu")
+    cpu_step(graphs, m, mine, [1], generator)
+    grown = {name: torch.cat([t, torch.zeros_like(t)]) for name, t in mine.items()}
+    cpu_step(graphs, m, grown, [1], generator)  # the pool moved: captured anew
+    del mine
+    gc.collect()
+    cpu_step(graphs, m, grown, [2, 3], generator)  # a new capture drops the old pool's
+    assert graphs.captured == 5 and len(graphs) == 2
+
+
+def test_the_least_recently_used_capture_goes_past_capacity(stand_in):
+    m, pool, generator = stand_in
+    graphs = ModelStepGraphs(capacity=2)
+    for slots in ([1], [1, 2], [1], [1, 2, 3], [1, 2]):
+        cpu_step(graphs, m, pool, slots, generator)
+    # 1 row, 2 rows, 1 row again (most recent), 3 rows (2 rows out), 2 rows anew.
+    assert graphs.captured == 4 and len(graphs) == 2
 
 
 def serve_backbone(inproc, model, **config):
@@ -131,11 +227,12 @@ def serve_backbone(inproc, model, **config):
     return srv, conn, srv.call(conn, "session_open", model=loaded, batch=2)["session"]
 
 
+@needs_cuda
 def test_the_servers_model_steps_replay_a_capture_and_agree_with_composed_ones(inproc):
     """ExPhil's case over the server on a GPU: a backbone sent by the client, a prefill, then
     frames; one server captures its steps, the other (`--no-cuda-graphs`) composes them."""
     seed = random_seed()
-    model, _ = cuda_model("mamba2-backbone", seed)
+    model, _ = model_on("mamba2-backbone", seed)
     servers = {graphs: serve_backbone(inproc, model, cuda_graphs=graphs, backend=CAPTURED_BACKEND)
                for graphs in (True, False)}
     generator = torch.Generator().manual_seed(seed)

@@ -7,8 +7,8 @@ A capture serves one (model, rows, input shape and dtype, output, state pool). I
 step's input and slot buffers, which a call fills before the replay, and the output the replay
 writes. The model's weights and the pool's parts are read at the addresses they had at capture:
 a capture holds them weakly and is replayed only while they are the same tensors (a pool that
-grew has new parts, so the next step captures again); captures whose model or parts are gone
-are dropped when the next one is made. A capture's warm-up runs on scratch state laid out as
+grew has new parts, so the next step captures again); a model's captures are dropped when it
+is freed, and those whose model or parts are gone when the next capture is made. A capture's warm-up runs on scratch state laid out as
 the pool's parts are (strides and alignment, which Triton specialises on: a kernel compiled
 inside a capture would void it), so capturing never touches a session's state; the kernels do
 not check slot values inside a capture (scan_kernels._args), so a capture trusts the session's
@@ -60,8 +60,7 @@ class ModelStepGraphs:
             return None
         capture = self._captures.get(kind)
         if capture is None or not capture.serves(model, parts):
-            for stale in [k for k, c in self._captures.items() if not c.alive()]:
-                del self._captures[stale]
+            self._drop(None)
             try:
                 capture = _Capture(model, parts, slots, inputs, output, backend)
             except Exception:
@@ -72,13 +71,46 @@ class ModelStepGraphs:
         _remember(self._captures, kind, capture, self.capacity)
         return capture.run(slots, inputs)
 
+    def __len__(self) -> int:
+        """Captures held."""
+        return len(self._captures)
 
-class _Capture:
-    def __init__(self, model, parts, slots, inputs, output, backend):
-        device = inputs.device
-        rows = inputs.shape[0]
+    def forget(self, model=None) -> None:
+        """Drop the captures of `model` (one being freed) and those whose model or pool parts
+        are gone, giving their graphs' memory back."""
+        with self._lock:
+            self._drop(model)
+
+    def _drop(self, model) -> None:
+        for kind in [k for k, c in self._captures.items() if not c.alive() or c.model_is(model)]:
+            del self._captures[kind]
+
+
+class _Held:
+    """The model and pool parts a capture reads at their addresses, held weakly: a capture never
+    keeps a model's or a pool's memory alive, and is replayed only over the very tensors."""
+
+    def __init__(self, model, parts: dict[str, torch.Tensor]):
         self._model = weakref.ref(model)
         self._parts = {name: weakref.ref(p) for name, p in parts.items()}
+
+    def alive(self) -> bool:
+        """Whether the model and every part captured are still allocated."""
+        return self._model() is not None and all(ref() is not None for ref in self._parts.values())
+
+    def model_is(self, model) -> bool:
+        return model is not None and self._model() is model
+
+    def serves(self, model, parts) -> bool:
+        """Whether the model and the pool's parts are still the tensors captured."""
+        return self._model() is model and all(self._parts[name]() is p for name, p in parts.items())
+
+
+class _Capture(_Held):
+    def __init__(self, model, parts, slots, inputs, output, backend):
+        super().__init__(model, parts)
+        device = inputs.device
+        rows = inputs.shape[0]
         self._inputs = inputs.clone()  # real values for the warm-up: tokens index the embedding
         self._slots = torch.empty_like(slots)
         scratch = {name: _scratch_like(p, rows) for name, p in parts.items()}
@@ -101,14 +133,6 @@ class _Capture:
                 # before restoring the stream): the serving stream is made current again.
                 torch.cuda.set_stream(serving)
             serving.synchronize()
-
-    def alive(self) -> bool:
-        """Whether the model and every part captured are still allocated."""
-        return self._model() is not None and all(ref() is not None for ref in self._parts.values())
-
-    def serves(self, model, parts) -> bool:
-        """Whether the model and the pool's parts are still the tensors captured."""
-        return self._model() is model and all(self._parts[name]() is p for name, p in parts.items())
 
     def run(self, slots: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         self._inputs.copy_(inputs)
