@@ -726,7 +726,7 @@ defmodule ScanBridge do
     opts = opts!(opts, [:dtype, :name, :timeout], "load_model")
     args = model_load_args!(source, opts)
 
-    with {:ok, result, _timing} <- request(server, "model_load", args, opts),
+    with {:ok, result, _timing} <- checked_request(server, "model_load", args, opts),
          {:ok, _id} <- result_string(result, "model"),
          do: {:ok, result}
   end
@@ -818,7 +818,7 @@ defmodule ScanBridge do
     opts = opts!(opts, [:output, :last_only, :return_state, :lengths, :timeout], "model_forward")
     args = model_args!(session, input, opts, "model_forward")
 
-    with {:ok, result, _timing} <- request(server, "model_forward", args, opts),
+    with {:ok, result, _timing} <- checked_request(server, "model_forward", args, opts),
          do: model_answer(result, Keyword.get(opts, :return_state, false))
   end
 
@@ -848,7 +848,7 @@ defmodule ScanBridge do
     opts = opts!(opts, [:output, :return_state, :snapshot_into, :timeout], "model_step")
     args = model_args!(session, input, opts, "model_step")
 
-    with {:ok, result, _timing} <- request(server, "model_step", args, opts),
+    with {:ok, result, _timing} <- checked_request(server, "model_step", args, opts),
          do: model_answer(result, Keyword.get(opts, :return_state, false))
   end
 
@@ -1055,8 +1055,15 @@ defmodule ScanBridge do
 
   ## Helpers
 
+  # A plain call's request: its options are :timeout alone, and any other is refused (a
+  # misspelt `timout:` would otherwise run with the default).
   defp request(server, op, args, opts) do
-    Server.request(server, op, args, Keyword.get(keyword!(opts, op), :timeout, @default_timeout))
+    checked_request(server, op, args, opts!(opts, [:timeout], op))
+  end
+
+  # The request of a call that checked its own options beside :timeout (opts!/3).
+  defp checked_request(server, op, args, opts) do
+    Server.request(server, op, args, Keyword.get(opts, :timeout, @default_timeout))
   end
 
   defp frames!(frames, _what) when is_list(frames), do: frames

@@ -95,6 +95,13 @@ defmodule ScanBridge.ClusterTest do
     end
 
     assert_raise ArgumentError, ~r/expected only/, fn -> Cluster.model_forward(s, frame, foo: 1) end
+    # a plain call's options are its own function's: :timeout alone
+    assert_raise ArgumentError,
+                 ~r/^Cluster.session_state options: expected only :timeout, got :as$/,
+                 fn ->
+                   Cluster.session_state(s, as: :map)
+                 end
+
     # found in review: an improper list raised FunctionClauseError in the keeper, which ended it
     assert_raise ArgumentError, ~r/:lengths/, fn ->
       Cluster.model_forward(s, frame, lengths: [1 | 1])

@@ -215,6 +215,26 @@ defmodule ScanBridgeTest do
     assert :sys.get_state(server).outstanding == %{}
   end
 
+  # found in review: a plain call ran a misspelt `timout:` with the default timeout
+  test "a plain call's unknown option raises in the caller, naming it", %{server: server} do
+    x = Tensor.from_list([1.0], :f32, {1, 1})
+
+    for {call, pattern} <- [
+          {fn -> ScanBridge.ping(server, timout: 10) end,
+           ~r/^ping options: expected only :timeout, got :timout$/},
+          {fn -> ScanBridge.scan(server, %{x: x}, return_state: true) end,
+           ~r/^scan options: expected only :timeout, got :return_state$/},
+          {fn -> ScanBridge.step(server, "s", %{x: x}, timeout: 10, output: :hidden) end,
+           ~r/^step options: expected only :timeout, got :output$/},
+          {fn -> ScanBridge.close_session(server, "s", retry: true) end, ~r/got :retry$/}
+        ] do
+      assert_raise ArgumentError, pattern, call
+    end
+
+    assert ScanBridge.ping(server, timeout: 5000) == :ok
+    assert :sys.get_state(server).outstanding == %{}
+  end
+
   test "a bad :timeout raises in the caller, and the client goes on", %{server: server} do
     for bad <- [-1, nil, 1.5, "100", 0x1_0000_0000] do
       assert_raise ArgumentError,

@@ -161,12 +161,9 @@ defmodule ScanBridge.Cluster.Session do
   # Checked here, in the caller: the keeper acts on some itself (a checkpoint's :return_state)
   # before the call's own function would check them, and a bad one would end it.
   defp call_opts!(opts, kind) do
-    # a plain call's options are only a keyword list, as its own function takes them
+    # a plain call takes :timeout alone, as its own function does
     _checked =
-      case @model_call_opts do
-        %{^kind => known} -> ScanBridge.opts!(opts, known, "Cluster.#{kind}")
-        _plain -> ScanBridge.keyword!(opts, "Cluster.#{kind}")
-      end
+      ScanBridge.opts!(opts, Map.get(@model_call_opts, kind, [:timeout]), "Cluster.#{kind}")
 
     :ok
   end
