@@ -30,7 +30,7 @@ import scan_kernels
 from bridge.bench.machine import output_path, write_results
 from scan_kernels.triton_kernels import configs
 
-from .kernels import CASES_BY_NAME, KernelCase, make_inputs
+from .kernels import CASES_BY_NAME, Budget, KernelCase, make_inputs, measure
 
 Blocks = configs.SsdBlocks
 
@@ -89,19 +89,8 @@ def relative_errors(got, want) -> dict:
 
 
 def time_call(fn, device: torch.device, seconds: float) -> float:
-    """Median µs of a call: do_bench on a GPU, wall time on the CPU."""
-    fn()
-    if device.type == "cuda":
-        from triton.testing import do_bench
-        return do_bench(fn, warmup=max(1, round(seconds * 250)), rep=max(1, round(seconds * 1000)),
-                        quantiles=[0.5, 0.2, 0.8])[0] * 1e3
-    times = []
-    end = time.perf_counter() + seconds
-    while not times or time.perf_counter() < end:
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return sorted(times)[len(times) // 2]
+    """Median µs of a call, as bench.kernels times one (do_bench on a GPU, wall time on the CPU)."""
+    return measure(fn, device, Budget(seconds, min_reps=1, max_reps=100_000))["median_us"]
 
 
 def host_time(fn, calls: int = 50) -> float:
@@ -118,24 +107,14 @@ def host_time(fn, calls: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graph_time(fn, seconds: float) -> float | None:
+def graph_time(fn, device: torch.device, seconds: float) -> float | None:
     """Median µs of a replay of `fn` captured as a CUDA graph: the device's time, host work gone."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
+        graph, _ = scan_kernels.capture_graph(fn, device)
     except Exception as exc:  # a form that syncs with the host cannot be captured: say so
         print(f"  capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-    from triton.testing import do_bench
-    return do_bench(graph.replay, warmup=max(1, round(seconds * 250)), rep=max(1, round(seconds * 1000)),
-                    quantiles=[0.5, 0.2, 0.8])[0] * 1e3
+    return measure(graph.replay, device, Budget(seconds, min_reps=1, max_reps=100_000))["median_us"]
 
 
 def kernel_split(fn, reps: int = 20) -> dict:
@@ -193,7 +172,7 @@ def run_case(case: KernelCase, dtype: torch.dtype, device: torch.device, seconds
                 row["call_us"] = time_call(fn, device, seconds)
                 if on_gpu:
                     row["host_us"] = host_time(fn)
-                    row["device_us"] = graph_time(fn, seconds)
+                    row["device_us"] = graph_time(fn, device, seconds)
                     row["kernels_us"] = kernel_split(fn)
                     row["kernel_sum_us"] = sum(row["kernels_us"].values())
             except Exception as exc:  # a candidate that fails to compile is reported, the rest run

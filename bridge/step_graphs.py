@@ -22,6 +22,7 @@ import torch
 import scan_kernels
 from protocol import WireTensor
 
+from .models.graphs import remember_recent
 from .tensors import TORCH_DTYPES
 from .timing import now_ns
 
@@ -94,15 +95,9 @@ class StepGraphs:
             log.exception("capturing a %d-row step failed; steps like it take the general path", rows)
             capture = None
         if capture is None:
-            self._remember(self._failed, kind, None)
+            remember_recent(self._failed, kind, None, self.capacity)
             return None
         self.captured += 1
-        self._remember(self._captures, kind, capture)
+        remember_recent(self._captures, kind, capture, self.capacity)
         return capture
 
-    def _remember(self, table: OrderedDict, kind, value) -> None:
-        """`kind` as the most recently used entry of `table`, which keeps the last `capacity`."""
-        table[kind] = value
-        table.move_to_end(kind)
-        while len(table) > self.capacity:
-            table.popitem(last=False)

@@ -8,6 +8,7 @@
                            backend=None) -> y      (state updated in place)
     capture_state_update(state, x, dt, A, B, C, *, ..., slots, backend=None)
                         -> a replayable state update (a CUDA graph) | None
+    capture_graph(run, device, *, warm_up=None) -> (a CUDA graph of run(), what it returned)
     ssd_scan(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_min=None,
              dt_max=None, h0=None, return_state=False, cu_seqlens=None, seq_idx=None,
              chunk_size=None, backend=None) -> y | (y, state)
@@ -55,6 +56,7 @@ import torch
 from . import _args, _varlen
 from .backward import ScanFunction, ScanSpec, selective_scan_backward, ssd_scan_backward, wants_grad
 from ._args import FLOAT_DTYPES
+from .cuda_graphs import capture_graph
 from ._registry import available_backends, backend_details, get_backend, unavailable_backends
 from .errors import BackendUnavailable, DtypeNotAllowed, KernelInputError, ShapeMismatch, UnknownBackend
 
@@ -63,7 +65,7 @@ __all__ = [
     "select_backend", "reads_unaligned", "warmup", "WARMUP_OPTIONS", "KernelInputError", "DtypeNotAllowed", "ShapeMismatch",
     "BackendUnavailable", "UnknownBackend", "FLOAT_DTYPES", "capture_state_update", "ssd_scan",
     "ssd_state_update", "model_step_kernel", "model_forward_kernel", "linear_kernel", "dt_limit_bounds",
-    "selective_scan_backward", "ssd_scan_backward",
+    "selective_scan_backward", "ssd_scan_backward", "capture_graph",
 ]
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 
 import pytest
 import torch
 
 from bridge.models import load_weights
+from bridge.sessions import STATE_DTYPE, StateLayout
 from bridge.models import graphs as graphs_module
 from bridge.models.graphs import ModelStepGraphs
 from bridge_fakes import RecordingConnection
@@ -39,19 +39,14 @@ def model_on(arch: str, seed: int, device: str = "cuda"):
 
 
 def random_pool(m, generator, layout: str = "separate", device: str = "cuda") -> dict[str, torch.Tensor]:
-    """Random state for POOL rows: a tensor a part ("separate"), or views into one flat pool as
-    the server's (bridge.sessions), each part at an offset of no 16-byte multiple ("one-pool")."""
-    shapes = dict(m.config.state_parts())
+    """Random state for POOL rows: a tensor a part ("separate"), or the server's views into one
+    flat pool (StateLayout.split), one float off the allocator's alignment ("one-pool")."""
     if layout == "separate":
         return {name: (torch.randn((POOL, *shape), generator=generator) * 0.3).to(device)
-                for name, shape in shapes.items()}
-    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
-    flat = (torch.randn((POOL, sum(sizes.values()) + 3 * len(sizes) + 1), generator=generator) * 0.3).to(device)
-    parts, offset = {}, 1
-    for name, shape in shapes.items():
-        parts[name] = flat[:, offset:offset + sizes[name]].unflatten(1, shape)
-        offset += sizes[name] + 3
-    return parts
+                for name, shape in m.config.state_parts()}
+    layout = StateLayout("model", tuple(m.config.state_parts()))
+    flat = (torch.randn((POOL, 1 + layout.row_bytes // STATE_DTYPE.itemsize), generator=generator) * 0.3).to(device)
+    return layout.split(flat[:, 1:])
 
 
 def frame_inputs(m, arch: str, rows: int, generator, device: str = "cuda") -> torch.Tensor:

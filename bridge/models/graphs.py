@@ -8,11 +8,12 @@ step's input and slot buffers, which a call fills before the replay, and the out
 writes. The model's weights and the pool's parts are read at the addresses they had at capture:
 a capture holds them weakly and is replayed only while they are the same tensors (a pool that
 grew has new parts, so the next step captures again); a model's captures are dropped when it
-is freed, and those whose model or parts are gone when the next capture is made. A capture's warm-up runs on scratch state laid out as
-the pool's parts are (strides and alignment, which Triton specialises on: a kernel compiled
-inside a capture would void it), so capturing never touches a session's state; the kernels do
-not check slot values inside a capture (scan_kernels._args), so a capture trusts the session's
-own slots. Only the triton backend's steps are captured: the others read values on the host.
+is freed, and those whose model or parts are gone when the next capture is made. A capture's
+warm-up runs on scratch state laid out as the pool's parts are (strides and alignment, which
+Triton specialises on: a kernel compiled inside a capture would void it), so capturing never
+touches a session's state; the kernels do not check slot values inside a capture
+(scan_kernels._args), so a capture trusts the session's own slots. Only the triton backend's
+steps are captured: the others read values on the host.
 
 Nothing else touches the GPU during a capture: every op runs under the dispatcher's one serving
 lock (docs/architecture.md), the model step op among them.
@@ -26,6 +27,8 @@ import weakref
 from collections import OrderedDict
 
 import torch
+
+import scan_kernels
 
 log = logging.getLogger("bridge")
 
@@ -65,10 +68,10 @@ class ModelStepGraphs:
                 capture = _Capture(model, parts, slots, inputs, output, backend)
             except Exception:
                 log.exception("capturing a %d-row model step failed; steps like it are composed", inputs.shape[0])
-                _remember(self._failed, kind, None, self.capacity)
+                remember_recent(self._failed, kind, None, self.capacity)
                 return None
             self.captured += 1
-        _remember(self._captures, kind, capture, self.capacity)
+        remember_recent(self._captures, kind, capture, self.capacity)
         return capture.run(slots, inputs)
 
     def __len__(self) -> int:
@@ -115,24 +118,9 @@ class _Capture(_Held):
         self._slots = torch.empty_like(slots)
         scratch = {name: _scratch_like(p, rows) for name, p in parts.items()}
         scratch_slots = torch.arange(rows, dtype=slots.dtype, device=device)
-        with torch.cuda.device(device):
-            serving = torch.cuda.current_stream()
-            try:
-                # Off the graph first (Triton compiles on a first launch, which a capture cannot
-                # hold), on a side stream as torch's capture wants, on scratch state.
-                side = torch.cuda.Stream()
-                side.wait_stream(serving)
-                with torch.cuda.stream(side):
-                    model.step(scratch, scratch_slots, self._inputs, output=output, backend=backend)
-                serving.wait_stream(side)
-                self._graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self._graph):
-                    self._out = model.step(parts, self._slots, self._inputs, output=output, backend=backend)
-            finally:
-                # A capture CUDA voids leaves torch's capture stream current (its exit raises
-                # before restoring the stream): the serving stream is made current again.
-                torch.cuda.set_stream(serving)
-            serving.synchronize()
+        self._graph, self._out = scan_kernels.capture_graph(
+            lambda: model.step(parts, self._slots, self._inputs, output=output, backend=backend), device,
+            warm_up=lambda: model.step(scratch, scratch_slots, self._inputs, output=output, backend=backend))
 
     def run(self, slots: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         self._inputs.copy_(inputs)
@@ -150,7 +138,8 @@ def _scratch_like(part: torch.Tensor, rows: int) -> torch.Tensor:
     return buffer.as_strided(shape, part.stride(), part.storage_offset())
 
 
-def _remember(table: OrderedDict, kind, value, capacity: int) -> None:
+def remember_recent(table: OrderedDict, kind, value, capacity: int) -> None:
+    """`kind` as the most recently used entry of `table`, which keeps the last `capacity`."""
     table[kind] = value
     table.move_to_end(kind)
     while len(table) > capacity:

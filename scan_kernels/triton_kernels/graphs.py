@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 import torch
 
+from ..cuda_graphs import capture_graph
 from .common import run_on_device_of
 from .state_update import update_launch
 
@@ -102,18 +103,8 @@ class CapturedStateUpdate:
 
 
 def _capture(launch, slots: torch.Tensor, x: torch.Tensor) -> torch.cuda.CUDAGraph:
-    """`launch` captured as a graph. It runs once first, off the graph (Triton compiles on a
-    first launch, which a capture cannot contain), with every slot -1: padding rows, whose state
-    the kernel neither reads nor writes."""
+    """`launch` captured as a graph, its warm-up run with every slot -1: padding rows, whose
+    state the kernel neither reads nor writes."""
     slots.fill_(-1)
-    with torch.cuda.device(x.device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run_on_device_of(x, [launch])
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run_on_device_of(x, [launch])
-        torch.cuda.current_stream().synchronize()
+    graph, _ = capture_graph(lambda: run_on_device_of(x, [launch]), x.device)
     return graph

@@ -77,9 +77,8 @@ from .common import (
 def _mma(a, b, acc, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr):
     """acc + a @ b, both operands in the dot dtype: 16-bit operands multiply exactly into the
     fp32 accumulator (tensor cores), fp32 ones as FP32_DOT says (configs.SSD_FP32_DOT), fp64
-    ones in IEEE precision. UPCAST (the
-    interpreter, bf16 only): its dot reads bf16 data as integers, so the bf16 values are widened
-    to fp32 first, which gives the same exact products."""
+    ones in IEEE precision. UPCAST (the interpreter, bf16 only): its dot reads bf16 data as
+    integers, so the bf16 values are widened to fp32 first, which gives the same exact products."""
     if UPCAST:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif a.dtype.primitive_bitwidth == 16:
