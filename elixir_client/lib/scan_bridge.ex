@@ -902,7 +902,7 @@ defmodule ScanBridge do
   defp lengths_arg!(lengths, op) when is_list(lengths) do
     # An improper list first: Enum would raise FunctionClauseError on it (a cluster session's
     # keeper, which makes the call, lives through an ArgumentError only).
-    unless not List.improper?(lengths) and Enum.all?(lengths, &(is_integer(&1) and &1 >= 0)) do
+    if List.improper?(lengths) or not Enum.all?(lengths, &(is_integer(&1) and &1 >= 0)) do
       raise ArgumentError,
             "#{op} :lengths: expected non-negative integers, got #{inspect(lengths, limit: 5)}"
     end
