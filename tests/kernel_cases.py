@@ -662,8 +662,9 @@ def with_zero_decays(inputs: dict, regime: str) -> dict:
 
 
 # An infinite x in one (row, channel) of a state update (Mamba-1's, "update", or Mamba-2's,
-# "ssd_update") or of a scan's step 2 ("scan"), where B and C are positive: the reference's y is
-# +inf there. State sizes with padding lanes past them at every vector width (3, 5; 8 with
+# "ssd_update"), of a scan's step 2 ("scan") or of an SSD scan's step 5 ("ssd_scan": the second
+# of a chunk of 4, with chunks after it), where B and C are positive: the reference's y is +inf
+# there and from there on, its steps before finite. State sizes with padding lanes past them at every vector width (3, 5; 8 with
 # AVX-512's 16 fp32 lanes) and none (16): B's padding times dt x there is 0 * inf, NaN, which the
 # updates' sums over the state took into y (found in review).
 INFINITE_INPUT_STATES = [3, 5, 8, 16]
@@ -677,6 +678,9 @@ def with_an_infinite_x(kind: str, state: int, seed: int) -> dict:
     elif kind == "update":
         inputs = make_update_inputs(UpdateCase(3, 6, state, z=True), seed=seed)
         at = (1, 1)
+    elif kind == "ssd_scan":
+        inputs = make_ssd_inputs(SsdCase(2, 11, 2, 5, state, z=True, chunk_size=4, h0=True), seed=seed)
+        at = (1, 5, 1, 2)
     else:
         inputs = make_ssd_update_inputs(SsdUpdateCase(3, 2, 5, state, z=True), seed=seed)
         at = (1, 1, 2)
@@ -687,7 +691,8 @@ def with_an_infinite_x(kind: str, state: int, seed: int) -> dict:
 
 def reference_with_an_infinite_x(kind: str, inputs: dict):
     """(y, state) of the float64 reference; a state update's pool left as it was."""
-    reference = {"scan": reference_scan, "update": reference_update, "ssd_update": reference_ssd_update}[kind]
+    reference = {"scan": reference_scan, "ssd_scan": reference_ssd_scan, "update": reference_update,
+                 "ssd_update": reference_ssd_update}[kind]
     return reference({**inputs, "return_state": True} if kind == "scan" else inputs)
 
 

@@ -44,7 +44,7 @@ def test_scan_with_decays_of_zero(backend, regime):
 
 
 @pytest.mark.parametrize("state_size", INFINITE_INPUT_STATES)
-@pytest.mark.parametrize("kind", ["scan", "update", "ssd_update"])
+@pytest.mark.parametrize("kind", ["scan", "ssd_scan", "update", "ssd_update"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_infinite_x_gives_the_references_infinity(backend, kind, state_size):
     seed = random_seed()
@@ -52,6 +52,8 @@ def test_an_infinite_x_gives_the_references_infinity(backend, kind, state_size):
     y_ref, state_ref = reference_with_an_infinite_x(kind, inputs)
     if kind == "scan":
         y, state = scan_kernels.selective_scan(**inputs, backend=backend)
+    elif kind == "ssd_scan":
+        y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
     else:
         update = scan_kernels.selective_state_update if kind == "update" else scan_kernels.ssd_state_update
         y, state = update(**inputs, backend=backend), inputs["state"]

@@ -627,7 +627,7 @@ def test_simd_variant_nonfinite_row_leaves_other_rows_y_as_the_reference(simd_ba
 # The bad channel itself (kernel_cases.INFINITE_INPUT_STATES): the update's padding lanes past the
 # state took 0 * inf, NaN, into y's sum where the reference's y is +inf.
 @pytest.mark.parametrize("state_size", INFINITE_INPUT_STATES)
-@pytest.mark.parametrize("kind", ["scan", "update", "ssd_update"])
+@pytest.mark.parametrize("kind", ["scan", "ssd_scan", "update", "ssd_update"])
 def test_simd_variant_infinite_x_gives_the_references_infinity(simd_backend, kind, state_size):
     seed = random_seed()
     inputs = with_an_infinite_x(kind, state_size, seed)
@@ -635,6 +635,9 @@ def test_simd_variant_infinite_x_gives_the_references_infinity(simd_backend, kin
     if kind == "scan":
         a = _args.check_scan(**inputs)
         y, state = simd_backend.scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    elif kind == "ssd_scan":
+        a = _args.check_ssd_scan(**inputs)
+        y, state = simd_backend.ssd_scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
     elif kind == "update":
         a = _args.check_state_update(**inputs)
         y, state = simd_backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs()), inputs["state"]

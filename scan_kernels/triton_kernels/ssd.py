@@ -48,6 +48,14 @@ both exactly: any finite fp32 operand fits fp16's range (65504) that way, a row'
 fp32's exponent range, so its split is not scaled (only values within 2^-9 of fp32's largest
 would round to inf). Other dtypes (fp32, mixed, fp64) multiply in IEEE fp32 (no tf32) or fp64.
 
+Non-finite x. An inf or NaN x at step k reaches the rows before k in its chunk and head channel
+too: the causal dot multiplies it by the zeros above the diagonal, and 0 x inf is NaN (the rows
+before its chunk, other channels and heads, and everything the reference makes non-finite come
+out as there). The torch backend recomputes such a scan by the recurrence, which needs a host
+sync; taking the non-finite values out of the dots and adding their part back by counting dots
+was tried and left out: the chunk-scan kernel has no registers to spare for it at sm_90 (it
+spilled in every 16-bit and the fp64 variant).
+
 Offsets: the batch row, the chunk and the head are int64 scalars in every base pointer; offsets
 within a chunk tile are int32 unless an input's per-row extent reaches 2^31 elements (the
 WIDE_OFFSETS variant, common.wide_offsets). Inputs are read through strides; y is stored in x's
