@@ -1008,16 +1008,33 @@ INF_VALUES = [pytest.param(float("inf"), id="inf"), pytest.param(float("-inf"), 
 @pytest.mark.parametrize("operand", INF_OPERANDS)
 @pytest.mark.parametrize("seq, state", MAMBA1_INF_PATHS)
 def test_simd_variant_backward_inf_gives_the_references_result(simd_backend, seq, state, operand, value):
+    _check_mamba1_backward_inf(simd_backend, seq, state, operand, value, dim=20, positive=False)
+
+
+# The same with every other input positive, so that the infinities the sums over channels take
+# in share a sign and the reference's dB (from C) and dC (from B) are infinities, not NaN; over 21
+# channels, a partial block at every width. The sums took in the partial block's padding lanes,
+# where the inf times the padding's zero dy is NaN (found in review).
+@pytest.mark.parametrize("value", INF_VALUES)
+@pytest.mark.parametrize("operand", ["B", "C"])
+@pytest.mark.parametrize("seq, state", MAMBA1_INF_PATHS)
+def test_simd_variant_backward_inf_sums_over_channels_as_the_reference(simd_backend, seq, state, operand, value):
+    _check_mamba1_backward_inf(simd_backend, seq, state, operand, value, dim=21, positive=True)
+
+
+def _check_mamba1_backward_inf(simd_backend, seq, state, operand, value, *, dim, positive):
     from scan_kernels.reference import selective_scan_backward_ref
 
     seed = random_seed()
     gen = torch.Generator().manual_seed(seed)
-    batch, dim = 2, 20
+    batch = 2
     t = dict(x=torch.randn(batch, seq, dim, generator=gen), dt=0.01 + 0.5 * torch.rand(batch, seq, dim, generator=gen),
              A=-0.1 - torch.rand(dim, state, generator=gen), B=torch.randn(batch, seq, 1, state, generator=gen),
              C=torch.randn(batch, seq, 1, state, generator=gen), D=torch.randn(dim, generator=gen),
              z=torch.randn(batch, seq, dim, generator=gen), h0=torch.randn(batch, dim, state, generator=gen),
              dstate=torch.randn(batch, dim, state, generator=gen), dy=torch.randn(batch, seq, dim, generator=gen))
+    if positive:
+        t.update({k: t[k].abs() + 0.1 for k in ("x", "B", "C", "D", "z", "h0", "dstate", "dy")})
     # Row 1, channel 3, step 3, state element 2.
     at = {"B": (1, 3, 0, 2), "C": (1, 3, 0, 2), "h0": (1, 3, 2), "dstate": (1, 3, 2)}.get(operand, (1, 3, 3))
     def reference(stand_in):
@@ -1028,6 +1045,9 @@ def test_simd_variant_backward_inf_gives_the_references_result(simd_backend, seq
         return u, kwargs, selective_scan_backward_ref(u["dy"], u["x"], u["dt"], u["A"], u["B"], u["C"], **kwargs)
 
     t, kwargs, expected = reference(value)
+    if positive:
+        summed = "C" if operand == "B" else "B"  # the gradients are keyed by their inputs' names
+        assert torch.isinf(expected[summed]).any(), f"the reference's {summed} has no infinity to compare"
     probed = reference(math.copysign(PROBE, value))[2]
     got = simd_backend.scan_backward(t["dy"], t["x"], t["dt"], t["A"], t["B"], t["C"], **kwargs)
     for name, e in expected.items():

@@ -42,6 +42,7 @@ class BackwardRunner {
         scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
                  10 * Scratch::bytes<V>(chunk_) + Scratch::bytes<V>((chunk_ + 1) * N_) +
                  Scratch::bytes<V>(chunk_ * N_) + 2 * Scratch::bytes<V>(N_)) {
+    for (int l = 0; l < W; ++l) lane_[l] = static_cast<T>(l);
     ckpt_ = scratch_.take<V>(chunks_ * N_);
     A_ = scratch_.take<V>(N_);
     dh_ = scratch_.take<V>(N_);
@@ -210,8 +211,8 @@ class BackwardRunner {
         reverse_step(t);
         // This step's dB and dC terms are summed over the lanes at once, while in L1.
         const int64_t at = seat_offset + (first_ + t0 + t) * bc_stride_ + g * N_;
-        add_lane_sums(dBp_, p_.dB + at);
-        add_lane_sums(dCp_, p_.dC + at);
+        add_lane_sums(dBp_, p_.dB + at, lanes);
+        add_lane_sums(dCp_, p_.dC + at, lanes);
       }
       store_tile(p_.dx, t0, steps, d0, lanes, dxs_);
       store_tile(p_.ddt, t0, steps, d0, lanes, dds_);
@@ -293,12 +294,18 @@ class BackwardRunner {
     }
   };
 
-  // out[n] += the sum of the lanes of v[n], for n < state: W sums at a time, put back in input
-  // order by one shuffle and added to `out` as one vector where W of them fit.
-  void add_lane_sums(const V* v, T* out) {
+  // out[n] += the sum of the first `lanes` lanes of v[n], for n < state: W sums at a time, put
+  // back in input order by one shuffle and added to `out` as one vector where W of them fit.
+  // The lanes past a partial block's channels are left out by a select, not summed as zeros:
+  // there an infinite B or C times the padding's zero dy is NaN.
+  void add_lane_sums(const V* v, T* out, int lanes) {
+    const T channels = static_cast<T>(lanes);
     for (int64_t n0 = 0; n0 < N_; n0 += W) {
       V tmp[W];
-      for (int i = 0; i < W; ++i) tmp[i] = n0 + i < N_ ? v[n0 + i] : V{};
+      for (int i = 0; i < W; ++i) {
+        tmp[i] = n0 + i < N_ ? v[n0 + i] : V{};
+        if (lanes < W) tmp[i] = lane_ < channels ? tmp[i] : V{};
+      }
       const V sums = Shuffles<T>::template apply<SumOfInput>(LaneSums<T>::of(tmp), V{});
       if (n0 + W <= N_) {
         *reinterpret_cast<typename Lanes<T>::Unaligned*>(out + n0) += sums;
@@ -322,6 +329,7 @@ class BackwardRunner {
       *dds_, *dzs_;
   const T *Bs_ = nullptr, *Cs_ = nullptr;  // the packed chunk's first B and C rows
   V *hist_, *decay_, *dBp_, *dCp_;
+  V lane_;  // each lane's index
 };
 
 }  // namespace
