@@ -265,5 +265,20 @@ defmodule ScanBridge.BackwardTest do
       {final, ""} = Float.parse(final)
       assert final < initial, output
     end
+
+    test "exits 2 with its usage for an unknown option or an unreadable value" do
+      for args <- [["--bogus", "1"], ["--steps", "abc"]] do
+        {output, status} =
+          System.cmd("mix", ["run", @example | args],
+            cd: Path.join(TestSupport.repo_root(), "elixir_client"),
+            env: [{"MIX_ENV", "test"}, {"PYTHON", TestSupport.python()}],
+            stderr_to_stdout: true
+          )
+
+        assert status == 2, output
+        assert output =~ "sgd: #{hd(args)}: ", output
+        assert output =~ "usage: mix run", output
+      end
+    end
   end
 end

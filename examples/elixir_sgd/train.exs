@@ -194,7 +194,14 @@ defmodule SgdExample do
   ## Options and the server
 
   defp options!(argv) do
-    {parsed, rest} = OptionParser.parse!(argv, strict: @switches)
+    {parsed, rest, invalid} = OptionParser.parse(argv, strict: @switches)
+
+    case invalid do
+      [] -> :ok
+      [{name, nil} | _] -> usage!("#{name}: an unknown option, or one without its value")
+      [{name, value} | _] -> usage!("#{name}: not a valid value: #{inspect(value)}")
+    end
+
     if rest != [], do: usage!("unexpected arguments #{inspect(rest)}")
     opts = Keyword.merge(@defaults, parsed)
 
