@@ -52,7 +52,8 @@ from .scan import _combine, _sequence_of
 # row fits the registers without spilling in fp32 and in fp64, which twice the tile did not.
 # CHUNK is also the checkpoint interval (the checkpoints are the state history / CHUNK), so it
 # stays 16 while the channels can shrink and gives way only past BLOCK_N 64, down to 2 (at 1024
-# that is 2048 values, which still fit). Not timed on a GPU.
+# that is 2048 values, which still fit). Timed on a GPU by bench.backward --device cuda
+# (docs/performance.md, "backward pass").
 #             BLOCK_N  block_d  chunk  warps
 BACKWARD_TABLE = (
     (4, configs.ScanBlocks(16, 16, 8)),
