@@ -15,6 +15,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from protocol import ERROR_CODES
+
 from .stats import TOTALLED_KEYS
 
 # A scraper needs one connection and sends its request at once: past these, a connection is
@@ -115,8 +117,10 @@ class ServerCollector:
         yield from _histograms(self.server.stats.histograms())
         errors = CounterMetricFamily("scan_bridge_errors", "Error replies by code (SPEC §7).",
                                      labels=["code"])
-        for code, count in sorted(stats["errors"].items()):
-            errors.add_metric([code], count)
+        # Every code from the start, at 0 until its first reply: a series that appears only with
+        # its first error reads as missing to a rate or absence alert until then.
+        for code in sorted(set(ERROR_CODES) | set(stats["errors"])):
+            errors.add_metric([code], stats["errors"].get(code, 0))
         yield errors
         for name, key, what in (("frames_in", "frames_in", "Request frames read, by lane."),
                                 ("replies_out", "replies_out", "Replies handed to the lane to send, by lane."),

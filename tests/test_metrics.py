@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.client import BridgeError, PortClient, server_env
+from protocol import ERROR_CODES
 from bridge.stats import LATENCY_BUCKETS_US, Histogram, Stats
 from waiting import wait_until
 
@@ -57,6 +58,10 @@ def test_the_endpoint_agrees_with_stats_while_serving():
     assert samples[("scan_bridge_kernel_launches_total", (("op", "scan"),))] == scan["execution_count"]
     assert samples[("scan_bridge_inferences_total", (("op", "scan"),))] == scan["inference_count"] == 3
     assert samples[("scan_bridge_errors_total", (("code", "shape_mismatch"),))] == stats["errors"]["shape_mismatch"]
+    # The codes no reply has used yet are there, at 0.
+    assert set(stats["errors"]) == {"shape_mismatch"}
+    assert {code: samples[("scan_bridge_errors_total", (("code", code),))] for code in ERROR_CODES} == {
+        code: (1 if code == "shape_mismatch" else 0) for code in ERROR_CODES}
     assert samples[("scan_bridge_sessions", ())] == 1
     assert samples[("scan_bridge_frames_in_total", (("lane", "stdio"),))] >= 6
     server = (("op", "scan"), ("stage", "server"))
