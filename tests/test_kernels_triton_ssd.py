@@ -385,19 +385,17 @@ def test_a_non_finite_x_stays_in_its_channel_from_its_chunk_on(device, value, dt
     case = SsdCase(2, 21, 3, 5, 6, chunk_size=8, D=True, z=True, h0=True)
     inputs = make_ssd_inputs(case, dtype, device, seed=seed)
     inputs["x"][1, 10, 2, 3] = value
-    y_ref, state_ref = reference_ssd_scan(inputs)
-    y, state = _run_scan(inputs, _scan_blocks(device))
+    y_ref, state_ref = (t.cpu() for t in reference_ssd_scan(inputs))
+    y, state = (t.cpu() for t in _run_scan(inputs, _scan_blocks(device)))
     allowed = ~torch.isfinite(y_ref)
     allowed[1, 8:10, 2, 3] = True  # the rows of its chunk (8 to 15) before it
     for name, actual, expected, may in (("y", y, y_ref, allowed), ("state", state, state_ref, ~torch.isfinite(state_ref))):
         finite = torch.isfinite(expected)
         assert (~finite).any(), f"{name} seed={seed}: the reference is finite"
-        bad = ~torch.isfinite(actual).cpu()
+        bad = ~torch.isfinite(actual)
         assert bad[~finite].all(), f"{name} seed={seed}: finite where the reference is not"
         assert not bad[~may].any(), f"{name} seed={seed}: non-finite at {(bad & ~may).nonzero().tolist()}"
-        keep = ~may
-        assert_close(actual.cpu()[keep], expected.cpu()[keep], dtype if name == "y" else torch.float32,
-                     f"{name} seed={seed}")
+        assert_close(actual[~may], expected[~may], dtype if name == "y" else torch.float32, f"{name} seed={seed}")
 
 
 # --- the state update -----------------------------------------------------------------------------

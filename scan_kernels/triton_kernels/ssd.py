@@ -54,7 +54,7 @@ before its chunk, other channels and heads, and everything the reference makes n
 out as there). The torch backend recomputes such a scan by the recurrence, which needs a host
 sync; taking the non-finite values out of the dots and adding their part back by counting dots
 was tried and left out: the chunk-scan kernel has no registers to spare for it at sm_90 (it
-spilled in every 16-bit and the fp64 variant).
+spilled in every 16-bit and the fp64 variant; docs/performance.md, "Triton SSD tiles").
 
 Offsets: the batch row, the chunk and the head are int64 scalars in every base pointer; offsets
 within a chunk tile are int32 unless an input's per-row extent reaches 2^31 elements (the
