@@ -18,6 +18,7 @@ import torch
 
 from protocol import key_path
 
+from ..errors import OpError
 from ..tensors import wire_name
 from .checkpoint import (CONFIG, MAX_CONFIG_BYTES, TensorSource, allowed_dirs, checkpoint_file, read_json,
                          resolve_checkpoint)
@@ -65,16 +66,23 @@ def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: t
 def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device, field: str) -> Model:
     """The model of `named` (each tensor under its name as given); a tensor that is not finite is
     invalid_checkpoint, named `field`.<its name as given>, as check_weights names the others."""
-    tensors, given_as = {}, {}
+    tensors = {}
     for name, tensor in named:
         canonical = canonical_name(name)
-        given_as[canonical] = name
         # Always a copy: a file's mapping or a request's frame does not outlive the load; detached,
         # as a .bin saved from parameters keeps requires_grad, which the runtime's in-place ops refuse.
-        tensors[canonical] = tensor.detach().to(device=device, dtype=param_dtype(canonical, dtype),
-                                                copy=True).contiguous()
-    for canonical, tensor in tensors.items():
-        if not torch.isfinite(tensor).all():
-            raise checkpoint_error(f"{field}.{given_as[canonical]}", "finite values", "NaN or infinity",
-                                   tensor=canonical)
+        converted = tensor.detach().to(device=device, dtype=param_dtype(canonical, dtype), copy=True).contiguous()
+        if not torch.isfinite(converted).all():
+            raise _not_finite(f"{field}.{name}", canonical, tensor, converted.dtype)
+        tensors[canonical] = converted
     return Model(config, tensors)
+
+
+def _not_finite(field: str, canonical: str, stored: torch.Tensor, dtype: torch.dtype) -> OpError:
+    """The error for a weight that is not finite in the model's dtype: stored so, or finite as
+    stored but past the range of the dtype it was converted to (an f16 load of a large weight)."""
+    wide = stored.detach().to(torch.float64)
+    if not torch.isfinite(wide).all():
+        return checkpoint_error(field, "finite values", "NaN or infinity", tensor=canonical)
+    return checkpoint_error(field, f"values within {wire_name(dtype)}'s range (|x| <= {torch.finfo(dtype).max:g})",
+                            f"a value of {wide.abs().max().item():g}", tensor=canonical)

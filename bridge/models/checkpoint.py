@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 
 import torch
 
@@ -36,6 +37,12 @@ SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M
 TORCH_FLOATS = tuple(getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
                                                        "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                                        "float8_e8m0fnu") if hasattr(torch, name))
+
+
+def failure(exc: Exception, path: str) -> str:
+    """A reader's exception as an error's `got`, the file named by its name alone: where the
+    operator keeps checkpoints is not the client's to learn."""
+    return f"{type(exc).__name__}: {exc}".replace(path, os.path.basename(path))
 
 
 def path_not_allowed(path: str, model_dirs: tuple[str, ...]) -> OpError:
@@ -93,7 +100,7 @@ def read_json(path: str, field: str, max_bytes: int):
             raise checkpoint_error(field, f"at most {max_bytes} bytes of JSON", "more")
         return json.loads(data)
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting past json's depth
-        raise checkpoint_error(field, "a readable JSON file", f"{type(e).__name__}: {e}") from None
+        raise checkpoint_error(field, "a readable JSON file", failure(e, path)) from None
 
 
 class TensorSource:
@@ -144,13 +151,16 @@ class TensorSource:
         except OpError:
             raise
         except Exception as e:  # safetensors' own errors: a corrupt or lying header, a short file
-            raise checkpoint_error(shown, "a valid safetensors file", f"{type(e).__name__}: {e}") from None
+            raise checkpoint_error(shown, "a valid safetensors file", failure(e, path)) from None
 
     def _read_bin(self, path: str) -> None:
+        # Mapped where torch can map it (its zip format), so a tensor's bytes are read as it is
+        # converted; torch's legacy format (before 1.6, or _use_new_zipfile_serialization=False)
+        # cannot be mapped and is read whole.
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
         except Exception as e:
-            raise checkpoint_error(TORCH_BIN, "a torch state dict (weights only)", f"{type(e).__name__}: {e}") from None
+            raise checkpoint_error(TORCH_BIN, "a torch state dict (weights only)", failure(e, path)) from None
         if not isinstance(state, dict):
             raise checkpoint_error(TORCH_BIN, "a state dict", type(state).__name__)
         for name, tensor in state.items():
@@ -183,4 +193,4 @@ class TensorSource:
             except OpError:
                 raise
             except Exception as e:
-                raise checkpoint_error(shown, "a readable safetensors file", f"{type(e).__name__}: {e}") from None
+                raise checkpoint_error(shown, "a readable safetensors file", failure(e, path)) from None
