@@ -19,16 +19,22 @@ dispatcher is the one place that decides how a request is served:
     seconds: the reader would read nothing else meanwhile); otherwise it queues for the worker,
     which serves queued requests in arrival order, gathering batchable ones (bridge.batcher)
     that can share a kernel launch.
+  * background: an op whose handler returns `Background` (model_load: a checkpoint's read can
+    take seconds) finishes on the loader thread, outside the serving lock, while the worker
+    serves the other connections; its own connection's later requests wait for its reply, so
+    each connection's requests still run in the order they came.
   * the op's handler (bridge.ops) runs; its result is encoded by the request's codec and sent.
     A request whose `deadline_us` ran out before it started is answered `deadline_exceeded`
     instead, and one whose connection's peer is known gone by then `cancelled` (its reply could
     reach nobody; a `shutdown` still runs: it acts for the server); a queued one a cancel
     dropped was answered `cancelled` and is passed over.
 
-One lock (`_serving`) lets one thread at a time run ops, so ops never run concurrently, and a
-request never overtakes one admitted before it: a fast-path request is served only when every
-request that went the general way has been answered or is having its reply written. Every failure becomes a structured error reply; nothing
-a client sends can stop the serving threads. Why steps take the fast path under load too, and
+One lock (`_serving`) lets one thread at a time run ops, so ops never run concurrently (but a
+background request's rest, which touches only what the server's tables lock), and a request
+never overtakes one admitted before it (but another connection's background request): a
+fast-path request is served only when every request that went the general way has been
+answered or is having its reply written. Every failure becomes a structured error reply;
+nothing a client sends can stop the serving threads. Why steps take the fast path under load too, and
 why a lone request skips the worker: docs/performance.md (native step path; inline when idle).
 """
 
@@ -120,6 +126,24 @@ class HandedOver:
     idle: bool
 
 
+@dataclass(frozen=True)
+class Background:
+    """A handler's result when the rest of its request may run apart from the other ops: `finish()`
+    returns the result to answer with, or raises the error to. It runs on the dispatcher's
+    loader thread, outside the serving lock, so it may touch only state its own locks guard (the
+    server's tables). Off the worker (an op a reader serves), it runs there and then."""
+
+    finish: Callable[[], dict]
+
+
+@dataclass(frozen=True, eq=False)
+class _Resume:
+    """Queued by the loader thread once `conn`'s background request is answered: the worker then
+    serves the requests of `conn` it held back meanwhile."""
+
+    conn: object
+
+
 def deadline_error(request, received_ns: int) -> OpError | None:
     """`deadline_exceeded` when the request's budget (deadline_us, from when its frame was
     complete) has run out; None while it has not, or when it has none (SPEC §4)."""
@@ -174,11 +198,18 @@ class Dispatcher:
         # A request taken from the queue while gathering a batch that it could not join: the
         # worker serves it next (worker thread only).
         self._held: Call | None = None
+        # Background requests (Background) and the thread that finishes them, one at a time.
+        self._background: queue.SimpleQueue = queue.SimpleQueue()
+        self._loader = threading.Thread(target=self._load, name="bridge-loader", daemon=True)
+        # Connections with a background request unanswered, each with the requests it sent after
+        # it, held back in arrival order (worker thread only).
+        self._waiting_for_background: dict[object, list[Call]] = {}
 
     # -- transport side -------------------------------------------------------------------
 
     def start(self) -> None:
         self._worker.start()
+        self._loader.start()
 
     def _prepare_thread(self) -> None:
         """Start the calling thread's OpenMP team, once per thread, before it serves anything.
@@ -378,8 +409,9 @@ class Dispatcher:
 
     def stop(self, timeout: float) -> bool:
         """Stop the worker once it has served what was queued before this, wait up to `timeout`
-        seconds for it to end, for an op a reader thread is serving (an idle server's, the fast
-        path's) and for a thread's first-frame preparation (_prepare_thread) to end; returns
+        seconds for it to end, then for the loader thread's background requests (Background),
+        for an op a reader thread is serving (an idle server's, the fast path's) and for a
+        thread's first-frame preparation (_prepare_thread) to end; returns
         whether all have. What is still queued once the worker has ended, and every request
         after that but an `immediate` one, is answered `shutting_down`, unrun. Waited for: an
         embedding that lets the interpreter finalize with a daemon thread (the worker, a lane's
@@ -392,6 +424,12 @@ class Dispatcher:
         if self._worker.is_alive():
             self._worker.join(timeout)
         if self._worker.is_alive():
+            return False
+        # After the worker: a background request it started finishes and is answered first.
+        self._background.put(_STOP)
+        if self._loader.is_alive():
+            self._loader.join(max(0.0, deadline - time.monotonic()))
+        if self._loader.is_alive():
             return False
         # The worker's gone: none starts after this (each op checks it under the serving lock),
         # and what it left queued is answered now, even if the wait below runs out of time.
@@ -426,14 +464,54 @@ class Dispatcher:
             call = self._next_call()
             if call is _STOP:
                 return
-            if call is not _WAKE:
+            if isinstance(call, _Resume):
+                self._resume(call.conn)
+            elif call is not _WAKE and not self._held_back(call):
                 self._serve_on(call, reader=False)
 
-    def _serve_on(self, call: Call, *, reader: bool) -> bool:
+    def _held_back(self, call: Call) -> bool:
+        """Hold `call` back if a background request of its connection is unanswered."""
+        waiting = self._waiting_for_background.get(call.conn)
+        if waiting is None:
+            return False
+        waiting.append(call)
+        return True
+
+    def _resume(self, conn) -> None:
+        """Serve the requests `conn` sent after its background one, in their order, each alone (a
+        batch gathered for one could take a later request of `conn` ahead of one held here)."""
+        held = self._waiting_for_background.pop(conn, [])
+        for i, call in enumerate(held):
+            if conn in self._waiting_for_background:  # one of them was a background request too
+                self._waiting_for_background[conn].extend(held[i:])
+                return
+            self._serve_on(call, reader=False, alone=True)
+
+    def _load(self) -> None:
+        """The loader thread: finishes background requests, one at a time, and answers them."""
+        while True:
+            work = self._background.get()
+            if work is _STOP:
+                return
+            call, background = work
+            self._prepare_thread()
+            try:
+                try:
+                    result = background.finish()
+                except Exception as exc:  # every failure is answered; the loader lives on
+                    self._fail(call, exc)
+                else:
+                    self._answer(call, result)
+            except Exception:  # a bug in reply writing must not stop the loader
+                log.exception("finishing %s in the background failed", call.op)
+            self._queue.put(_Resume(call.conn))
+
+    def _serve_on(self, call: Call, *, reader: bool, alone: bool = False) -> bool:
         """Serve `call`, one thread at a time. The worker serves a batched request with the
-        batch it leads. A reader thread serves it alone, unless requests like it recently came
-        together: then it serves nothing and returns False, so that the worker gathers the
-        request with those that arrive meanwhile (waiting for them as the batch policy says)."""
+        batch it leads (`alone`: as a batch of its own). A reader thread serves it alone, unless
+        requests like it recently came together: then it serves nothing and returns False, so
+        that the worker gathers the request with those that arrive meanwhile (waiting for them
+        as the batch policy says)."""
         op = call.batched_op
         with self._serving:
             # The worker takes a request from the cancellable set only once it may run it: while
@@ -446,7 +524,11 @@ class Dispatcher:
                 if stopped is not None:
                     self._fail(call, stopped)
                 elif op is None:
-                    self._serve(call)
+                    self._serve(call, worker=not reader)
+                elif alone:
+                    item = self._prepare(op, call)
+                    if item is not None:
+                        self._run_batch(op, Batch(item))
                 elif not reader:
                     self._serve_batch(op, call)
                 else:
@@ -477,20 +559,26 @@ class Dispatcher:
                     call = self._queue.get(block, timeout)
                 except queue.Empty:
                     return None
-            if call is _STOP or call is _WAKE or not call.dropped:
+            if call is _STOP or call is _WAKE or isinstance(call, _Resume) or not call.dropped:
                 return call
 
     def _hold(self, call) -> None:
         """Keep `call`, met while gathering a batch it cannot join, to be served next."""
         self._held = call
 
-    def _serve(self, call: Call) -> None:
+    def _serve(self, call: Call, *, worker: bool = False) -> None:
         call.timing.add("queue", now_ns() - call.enqueued_ns)
         try:
             refusal = refusal_to_start(call)
             if refusal is not None:
                 raise refusal
             result = call.handler(self.server, call)
+            if isinstance(result, Background):
+                if worker:
+                    self._waiting_for_background[call.conn] = []
+                    self._background.put((call, result))
+                    return
+                result = result.finish()
         except Exception as exc:  # every failure is answered; the worker lives on
             self._fail(call, exc)
         else:
@@ -539,7 +627,8 @@ class Dispatcher:
             call = self._next_call(block=wait is not None, timeout=wait)
             if call is None or call is _WAKE:
                 break
-            if call is _STOP or call.batched_op is not op:
+            if call is _STOP or isinstance(call, _Resume) or call.batched_op is not op \
+                    or call.conn in self._waiting_for_background:
                 self._hold(call)
                 break
             item = self._prepare(op, call)

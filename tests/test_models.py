@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -871,6 +872,85 @@ def test_a_bin_saved_from_parameters_that_require_grad_runs(serve, checkpoints):
     tokens = torch.randint(0, 8, (1, 3))
     assert call(srv, conn, "model_forward", session=session, tokens=tokens)["logits"].shape == (1, 3, 8)
     assert call(srv, conn, "model_step", session=session, tokens=tokens[:, 0])["logits"].shape == (1, 8)
+
+
+class GatedLoads:
+    """bridge.models.load_checkpoint held at its start until `go()`: a load that takes as long
+    as the test wants. `started` is set once a load is inside it."""
+
+    def __init__(self, monkeypatch):
+        import bridge.models
+
+        self.started, self._gate = threading.Event(), threading.Event()
+        load = bridge.models.load_checkpoint
+
+        def gated(*args, **kwargs):
+            self.started.set()
+            if not self._gate.wait(60):
+                raise TimeoutError("the test never let the load go on")
+            return load(*args, **kwargs)
+
+        monkeypatch.setattr(bridge.models, "load_checkpoint", gated)
+
+    def go(self) -> None:
+        self._gate.set()
+
+
+def test_a_load_lets_other_connections_run_and_holds_back_its_own(serve, monkeypatch):
+    """A checkpoint's read runs apart from the other ops: another connection's requests are
+    answered while it reads (found in review: a load on one connection stalled every game's
+    steps for all of it), and its own connection's later requests wait for its reply, in order."""
+    srv = serve()
+    loader, other = RecordingConnection(), RecordingConnection()
+    model = call(srv, other, "model_load", path="mamba-lm-tied")["model"]
+    session = call(srv, other, "session_open", model=model, batch=1)["session"]
+    gate = GatedLoads(monkeypatch)
+    load_id = srv.submit(loader, "model_load", path="mamba2-lm")
+    assert gate.started.wait(60)
+    after_load = [srv.submit(loader, "ping"), srv.submit(loader, "info")]
+    # Served while the load is held: a step of the other connection's model, and a ping.
+    assert call(srv, other, "model_step", session=session, tokens=torch.tensor([3]))["logits"].shape == (1, VOCAB)
+    assert call(srv, other, "ping")["pong"] is True
+    assert loader.answered == []
+    gate.go()
+    assert loader.reply(load_id).ok
+    assert all(loader.reply(request_id).ok for request_id in after_load)
+    assert loader.answered == [load_id, *after_load]
+
+
+def test_a_load_failing_in_the_background_is_answered_and_its_connection_served_on(serve, checkpoints,
+                                                                                     monkeypatch):
+    gate = GatedLoads(monkeypatch)
+    directory = edited_copy(checkpoints[0], "mamba2-lm", "background-nan",
+                            weights=_nan("backbone.layers.0.mixer.out_proj.weight"))
+    srv, conn = serve(), RecordingConnection()
+    load_id = srv.submit(conn, "model_load", path=directory.name)
+    assert gate.started.wait(60)
+    ping_id = srv.submit(conn, "ping")
+    gate.go()
+    assert conn.reply(load_id).error["code"] == "invalid_checkpoint"
+    assert conn.reply(ping_id).ok and conn.answered == [load_id, ping_id]
+    assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
+
+
+def test_stopping_waits_for_a_background_load_and_answers_what_it_held_back(serve, monkeypatch):
+    """stop() ends the worker, then lets the background load finish and be answered; what its
+    connection sent after it is answered shutting_down, unrun."""
+    gate = GatedLoads(monkeypatch)
+    srv, conn = serve(), RecordingConnection()
+    load_id = srv.submit(conn, "model_load", path="mamba-lm-tied")
+    assert gate.started.wait(60)
+    ping_id = srv.submit(conn, "ping")
+    stopped = []
+    stopper = threading.Thread(target=lambda: stopped.append(srv.dispatcher.stop(60)))
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()  # waiting for the load
+    gate.go()
+    stopper.join(60)
+    assert stopped == [True]
+    assert conn.reply(load_id).ok
+    assert conn.reply(ping_id).error["code"] == "shutting_down"
 
 
 def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve, checkpoints, tmp_path, inproc):

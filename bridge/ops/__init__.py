@@ -1,6 +1,7 @@
 """Op handlers, registered by op name and reply codec (protocol.codecs).
 
-A handler is `handler(server, call) -> result dict`. One module per family of ops, each with
+A handler is `handler(server, call) -> result dict`, or a `bridge.dispatcher.Background` whose
+`finish()` returns it apart from the other ops (model_load). One module per family of ops, each with
 its table of handlers, registered in `REGISTRY` below. Handlers that are
 `bridge.batcher.BatchedOp`s (step, scan) are batched by the dispatcher; an op with a fast path
 for requests it can serve straight from their frame (the native step) offers it through

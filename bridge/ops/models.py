@@ -15,6 +15,7 @@ import protocol
 
 from .. import models
 from ..batcher import BatchedOp, Item, charge, dtype_of, row_signature, stack_rows, wire_rows
+from ..dispatcher import Background
 from ..errors import OpError
 from ..native import NativeStep
 from ..sessions import WritingState
@@ -53,14 +54,20 @@ def model_load(server, call) -> dict:
 
         def load(hold):
             return models.load_weights(args["config"], weights, dtype, server.device, hold)
-    start = now_ns()
-    loaded = server.load_model(call.conn, load, args.get("name"))
-    call.timing.add("h2d", now_ns() - start)
-    return loaded.describe()
+    def finish() -> dict:
+        start = now_ns()
+        loaded = server.load_model(call.conn, load, args.get("name"))
+        call.timing.add("h2d", now_ns() - start)
+        return loaded.describe()
+
+    # A load can take seconds: its read and build run apart from the other ops, so other
+    # connections' steps go on meanwhile (the tables it adds to lock themselves). Not on CUDA,
+    # where its allocations beside a step graph's capture would void the capture.
+    return finish() if server.device.type == "cuda" else Background(finish)
 
 
-# A checkpoint's read can take seconds, and a reader thread serving it reads nothing else
-# meanwhile (health, a cancel): the worker serves it (Dispatcher.on_frame).
+# A reader thread serving it would read nothing else meanwhile (health, a cancel): the worker
+# serves it (Dispatcher.on_frame), and finishes it in the background (Background).
 model_load.worker_only = True
 
 
