@@ -148,6 +148,48 @@ def test_prefill_then_steps_match_transformers_with_its_cache(serve, checkpoints
 
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("arch", ["mamba-lm-tied", "mamba2-lm", "mamba2-backbone"])
+def test_a_long_window_runs_in_passes_as_transformers_runs_it_whole(serve, checkpoints, arch, backend,
+                                                                    monkeypatch):
+    """A window past PREFILL_PASS_ELEMENTS runs as passes, each from the state the one before
+    left (a request of many tokens took memory in proportion to them, found in review): its
+    outputs, its last_only output, rows of their own lengths and the steps after equal
+    transformers' whole run. The bound is shrunk here to passes of 8 positions."""
+    from bridge.models import runtime
+
+    monkeypatch.setattr(runtime, "PREFILL_PASS_ALIGN", 8)
+    monkeypatch.setattr(runtime, "PREFILL_PASS_ELEMENTS", 3 * 12 * 9)  # 3 rows of d_model 12: 8 positions
+    passes = []
+    in_passes = runtime.Model._forward_in_passes
+    monkeypatch.setattr(runtime.Model, "_forward_in_passes",
+                        lambda self, *a, **k: passes.append(a[3]) or in_passes(self, *a, **k))
+    model, output, seed = checkpoints[1][arch]
+    srv, conn = serve(backend), RecordingConnection()
+    loaded = call(srv, conn, "model_load", path=arch)["model"]
+    torch.manual_seed(seed + 3)
+    window, steps = 37, 2
+    tokens = torch.randint(0, VOCAB, (3, window + steps))
+    oracle = oracle_outputs(model, tokens, output, window)
+    what = f"{arch} on {backend} (seed {seed})"
+    for last_only in (False, True):
+        session = call(srv, conn, "session_open", model=loaded, batch=3)["session"]
+        got = call(srv, conn, "model_forward", session=session, tokens=tokens[:, :window], output=output,
+                   last_only=last_only)[output]
+        rel_close(got, oracle[:, window - 1:window] if last_only else oracle[:, :window], 1e-4, what)
+        stepped = torch.stack([call(srv, conn, "model_step", session=session, tokens=tokens[:, t], output=output)[output]
+                               for t in range(window, window + steps)], dim=1)
+        rel_close(stepped, oracle[:, window:], 1e-4, what + ", the steps after")
+    assert passes == [8, 8], passes
+    lengths = [window, 20, 3]
+    session = call(srv, conn, "session_open", model=loaded, batch=3)["session"]
+    got = call(srv, conn, "model_forward", session=session, tokens=tokens[:, :window], output=output,
+               lengths=torch.tensor(lengths, dtype=torch.int32))[output]
+    for i, n in enumerate(lengths):
+        alone = oracle_outputs(model, tokens[i:i + 1, :n], output, n)
+        rel_close(got[i:i + 1, :n], alone, 1e-4, f"{what}, row {i} of length {n}")
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("arch", ["mamba-lm-tied", "mamba2-lm", "mamba2-backbone"])
 def test_rows_of_a_window_run_their_own_lengths_as_transformers_runs_each_alone(serve, checkpoints, arch, backend):
     """`lengths`: each row prefills only its own first positions, then the rows step together;
     every row equals transformers' run of that row alone, and its outputs past its length are

@@ -27,6 +27,14 @@ FP32_TENSORS = ("A_log", "D", "dt_bias", "dt_proj.bias", "conv1d.weight", "conv1
 # The weight dtypes the backends' fused model step reads (scan_kernels.model_step_kernel); state and
 # activations are fp32 in it whatever they are.
 FUSED_STEP_DTYPES = (torch.float32, torch.bfloat16)
+# A prefill longer than this many rows x positions x d_model runs as several, each from the
+# state the one before left: its activations, several times d_model wide a position, are held
+# to a bound whatever window a request sends, where one pass let a small request of many
+# tokens take gigabytes (docs/performance.md, "prefill passes"). Ordinary windows are one pass.
+PREFILL_PASS_ELEMENTS = 1 << 21
+# Passes start at multiples of this many positions: the chunked SSD scan's chunks (up to 256)
+# then fall where one pass's would.
+PREFILL_PASS_ALIGN = 256
 
 
 def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -106,13 +114,17 @@ class Model:
                 lengths: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
         """A prefill of `inputs` (tokens [b, l] or embeddings [b, l, d_model]) from the state in
         rows `slots` of `parts`, which are left holding the state at the end; the scan runs once
-        per layer over the whole sequence. `lengths` ([b] ints in 0 .. l, on the host): row i
+        per layer over the whole sequence (a long one in passes: PREFILL_PASS_ELEMENTS). `lengths` ([b] ints in 0 .. l, on the host): row i
         runs only its first lengths[i] positions, its state left after them, its outputs past
         them zero; with `last_only`, its output is its own last position's. In one call where
         the backend has a fused prefill (as `step`'s fused step; `fused=False` composes it)."""
         if lengths is not None and bool((lengths != inputs.shape[1]).any()):
             return self._forward_ragged(parts, slots, inputs, lengths, output=output, last_only=last_only,
                                         backend=backend, fused=fused)
+        per_pass = self.prefill_pass_positions(inputs.shape[0])
+        if inputs.shape[1] > per_pass:
+            return self._forward_in_passes(parts, slots, inputs, per_pass, output=output, last_only=last_only,
+                                           backend=backend, fused=fused)
         kernel = self._fused_kernel(parts, backend, scan_kernels.model_forward_kernel) if fused else None
         if kernel is not None:
             return self._call_fused(kernel, parts, slots, inputs, output, copy=False, last_only=last_only)
@@ -125,6 +137,30 @@ class Model:
         if last_only:
             hidden = hidden[:, -1:]
         return self._output(hidden, output)
+
+    def prefill_pass_positions(self, rows: int) -> int:
+        """The most positions one prefill pass of `rows` rows runs (PREFILL_PASS_ELEMENTS)."""
+        positions = PREFILL_PASS_ELEMENTS // max(1, rows * self.config.d_model)
+        return max(PREFILL_PASS_ALIGN, positions - positions % PREFILL_PASS_ALIGN)
+
+    def _forward_in_passes(self, parts, slots, inputs, per_pass: int, *, output, last_only, backend,
+                           fused) -> torch.Tensor:
+        """forward() as passes of `per_pass` positions, each continuing from the state the one
+        before left; their outputs written into one tensor (only the last pass's last, with
+        `last_only`)."""
+        seq = inputs.shape[1]
+        out = None
+        for begin in range(0, seq, per_pass):
+            end = min(seq, begin + per_pass)
+            part = self.forward(parts, slots, inputs[:, begin:end], output=output, last_only=last_only,
+                                backend=backend, fused=fused)
+            if last_only:
+                out = part
+                continue
+            if out is None:
+                out = part.new_empty((part.shape[0], seq, *part.shape[2:]))
+            out[:, begin:end] = part
+        return out
 
     def _forward_ragged(self, parts, slots, inputs, lengths, *, output, last_only, backend, fused) -> torch.Tensor:
         """forward() with rows of several lengths: one prefill for the rows of each length, each
