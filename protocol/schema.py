@@ -7,7 +7,7 @@ Each argument has a kind, checked by the decoder one value at a time:
     bool         true / false
     number       a finite int or float (delivered as float)
     str          a non-empty str
-    size         a positive int
+    size         a positive int below 2^63
     layout       "bld" or "bdl"
     limits       a pair [low, high] of numbers, each finite or an infinity (mamba_ssm's dt_limit)
     kind         "mamba" or "ssd" (a session's model generation)
@@ -65,7 +65,7 @@ KIND_EXPECTED = {
     "bool": "a bool",
     "number": "a finite number",
     "str": "a non-empty str",
-    "size": "a positive int",
+    "size": "a positive int below 2^63",
     "layout": '"bld" or "bdl"',
     "limits": "a pair [low, high] of numbers (finite or infinite, not NaN)",
     "kind": '"mamba" or "ssd"',
@@ -73,7 +73,7 @@ KIND_EXPECTED = {
     "weights_dtype": '"f32", "bf16" or "f16"',
     "map": "a map with str keys",
     "tensors": "a map of str names to tensor maps or handle maps",
-    "size_or_tensors": "a positive int, or a map of str names to tensor maps or handle maps",
+    "size_or_tensors": "a positive int below 2^63, or a map of str names to tensor maps or handle maps",
     "request_id": "a uint or a non-empty str",
     "frames": "an array of maps {op, args}",
 }
