@@ -649,6 +649,51 @@ def test_simd_variant_infinite_x_gives_the_references_infinity(simd_backend, kin
     assert_infinities_as_the_reference(state, state_ref, f"{what} state")
 
 
+# A decay past every float's range (exp(-1e4)) is 0, as exp's underflow is: a huge state decays
+# to 0, an infinite one to NaN (0 * inf), as in the float64 reference. The AVX2 and baseline
+# exp2 clamped its exponent at -126, so the decay was 2^-126: 5e37 left about 0.6 and inf stayed
+# inf (found in review).
+@pytest.mark.parametrize("held", [5e37, math.inf], ids=["huge", "inf"])
+@pytest.mark.parametrize("kind", ["scan", "ssd_scan", "update", "ssd_update"])
+def test_simd_variant_decay_that_underflows_is_zero_as_the_references(simd_backend, kind, held):
+    dim, state = 3, 5  # partial vectors in every variant
+    one = dict(dt=1e4, A=-1.0)
+    if kind in ("scan", "ssd_scan"):
+        x_shape, dt_shape = ((1, 1, dim), (1, 1, dim)) if kind == "scan" else ((1, 1, 1, dim), (1, 1, 1))
+        A = torch.full((dim, state) if kind == "scan" else (1,), one["A"])
+        h_shape = (1, dim, state) if kind == "scan" else (1, 1, dim, state)
+        inputs = dict(x=torch.zeros(x_shape), dt=torch.full(dt_shape, one["dt"]), A=A, B=torch.ones(1, 1, 1, state),
+                      C=torch.ones(1, 1, 1, state), h0=torch.full(h_shape, held), return_state=True)
+        public = scan_kernels.selective_scan if kind == "scan" else scan_kernels.ssd_scan
+        y_ref, state_ref = public(**{k: v.double() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()},
+                                  backend="reference")
+        check = _args.check_scan if kind == "scan" else _args.check_ssd_scan
+        a = check(**inputs)
+        run = simd_backend.scan if kind == "scan" else simd_backend.ssd_scan
+        y, got = run(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    else:
+        x_shape, dt_shape = ((1, dim), (1, dim)) if kind == "update" else ((1, 1, dim), (1, 1))
+        A = torch.full((dim, state) if kind == "update" else (1,), one["A"])
+        s_shape = (1, dim, state) if kind == "update" else (1, 1, dim, state)
+        inputs = dict(x=torch.zeros(x_shape), dt=torch.full(dt_shape, one["dt"]), A=A,
+                      B=torch.ones(1, 1, state) if kind == "ssd_update" else torch.ones(1, state),
+                      C=torch.ones(1, 1, state) if kind == "ssd_update" else torch.ones(1, state))
+        public = scan_kernels.selective_state_update if kind == "update" else scan_kernels.ssd_state_update
+        state_ref = torch.full(s_shape, held, dtype=torch.float64)
+        y_ref = public(state_ref, **{k: v.double() for k, v in inputs.items()}, backend="reference")
+        got = torch.full(s_shape, held)
+        check = _args.check_state_update if kind == "update" else _args.check_ssd_state_update
+        a = check(got, **inputs)
+        run = simd_backend.state_update if kind == "update" else simd_backend.ssd_state_update
+        y = run(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    what = f"{simd_backend.details['simd']} build {kind} from {held}"
+    for name, g, e in (("y", y, y_ref), ("state", got, state_ref)):
+        expected = e.float()
+        assert expected.isnan().all() if math.isinf(held) else (expected == 0).all(), f"{what}: the reference's {name}"
+        assert torch.equal(g.float().isnan(), expected.isnan()), f"{what} {name}: {g.flatten().tolist()}"
+        assert (g.float()[~expected.isnan()] == 0).all(), f"{what} {name}: {g.flatten().tolist()}"
+
+
 # Mamba-2 per variant: headdim full and partial vectors and blocks (16, 8 or 4 fp32 lanes, two
 # vectors a block), groups, every option, each dtype's conversion path.
 SIMD_SSD_SCAN_CASES = [

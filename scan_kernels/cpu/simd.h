@@ -133,14 +133,16 @@ struct Math<float> {
                     c3 = 0.05550733953714371f, c4 = 0.009671509265899658f,
                     c5 = 0.0013264698209241033f;
     typedef int32_t VI __attribute__((vector_size(kVectorBytes)));
-    // Clamp so 2^n is a normal float or inf, NaN passing through.
+    // Clamp so 2^n is 0 (n = -127: its exponent field is 0), a normal float or inf, NaN passing
+    // through: below 2^-126.5 the result is 0, as exp's underflow is (a clamp at -126 left
+    // 2^-126, so a decay to 0 kept a trace of a huge state, and 0 times inf was not NaN).
 #if defined(__AVX2__)
     // One vmaxps and one vminps, where GCC makes a compare and a blend of each comparison
     // below; they return their second operand when either is NaN.
-    t = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-126.0f), t));
+    t = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), t));
 #else
     // Comparisons are false for NaN.
-    t = t < -126.0f ? -126.0f : t;
+    t = t < -127.0f ? -127.0f : t;
     t = t > 128.0f ? 128.0f : t;
 #endif
     // Adding 1.5 * 2^23 + 127 rounds t to an integer whose low mantissa bits hold n + 127, the
