@@ -50,6 +50,7 @@ one call a sequence (scan_kernels/_varlen.py).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -189,8 +190,16 @@ def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float 
     """mamba_ssm's `dt_limit` pair as this API's (dt_min, dt_max): its default (0, inf) clamps
     nothing; otherwise each finite side is a bound and an infinite side none. A pair whose low
     side is above its high, or a finite side past float32's range, is a KernelInputError naming
-    dt_limit, as it was given."""
-    low, high = dt_limit
+    dt_limit, as it was given; so is anything but a pair of real numbers (bools and tensors too)."""
+    pair = tuple(dt_limit) if isinstance(dt_limit, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                                 for v in pair):
+        raise KernelInputError("dt_limit", "a pair (low, high) of numbers", _shown_limit(dt_limit))
+    try:
+        low, high = float(pair[0]), float(pair[1])
+    except OverflowError:  # an int beyond the float range
+        raise KernelInputError("dt_limit", "a pair (low, high) of numbers within the float range",
+                               _shown_limit(dt_limit)) from None
     if math.isnan(low) or math.isnan(high):  # compares false with everything: no bound, silently
         raise KernelInputError("dt_limit", "a pair (low, high) of numbers, not NaN", f"({low!r}, {high!r})")
     if low > high:
@@ -203,6 +212,11 @@ def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float 
         raise KernelInputError("dt_limit", "a pair (low, high) whose finite sides are within float32's range "
                                            f"(at most {_args._BOUND_LIMIT:.4g} in magnitude)", f"({low!r}, {high!r})")
     return bounds
+
+
+def _shown_limit(value) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def model_step_kernel(device_type: str, backend: str | None = None):

@@ -765,6 +765,23 @@ def test_dt_limit_bounds_refuses_nan(dt_limit):
 
 
 @pytest.mark.parametrize("dt_limit", [
+    pytest.param((0.0, 1.0, 2.0), id="three"),
+    pytest.param((0.1,), id="one"),
+    pytest.param(None, id="none"),
+    pytest.param(("a", "b"), id="strs"),
+    pytest.param((True, 2.0), id="a-bool"),
+    pytest.param((torch.tensor(0.0), torch.tensor(1.0)), id="tensors"),
+    pytest.param((0, 10 ** 400), id="an-int-past-floats"),
+])
+def test_dt_limit_bounds_refuses_what_is_not_a_pair_of_numbers_by_its_own_name(dt_limit):
+    """Unpacked and compared first, these raised ValueError or TypeError from inside, or (a
+    pair of tensors) went on to be refused as dt_min (found in review)."""
+    with pytest.raises(scan_kernels.KernelInputError) as info:
+        scan_kernels.dt_limit_bounds(dt_limit)
+    assert info.value.field == "dt_limit" and "a pair (low, high) of numbers" in info.value.expected
+
+
+@pytest.mark.parametrize("dt_limit", [
     pytest.param((0.0, 1e39), id="high"),
     pytest.param((-1e39, 0.5), id="low"),
 ])
