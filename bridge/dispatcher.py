@@ -138,10 +138,11 @@ class Background:
 
 @dataclass(frozen=True, eq=False)
 class _Resume:
-    """Queued by the loader thread once `conn`'s background request is answered: the worker then
-    serves the requests of `conn` it held back meanwhile."""
+    """Queued by the loader thread once a background request is answered: the worker then serves
+    the requests its connection (`conn_id`: a ZeroMQ peer's requests each come with a reply
+    target of their own, the peer's id on every one) sent after it."""
 
-    conn: object
+    conn_id: str
 
 
 def deadline_error(request, received_ns: int) -> OpError | None:
@@ -201,9 +202,9 @@ class Dispatcher:
         # Background requests (Background) and the thread that finishes them, one at a time.
         self._background: queue.SimpleQueue = queue.SimpleQueue()
         self._loader = threading.Thread(target=self._load, name="bridge-loader", daemon=True)
-        # Connections with a background request unanswered, each with the requests it sent after
-        # it, held back in arrival order (worker thread only).
-        self._waiting_for_background: dict[object, list[Call]] = {}
+        # Connections (by id) with a background request unanswered, each with the requests it
+        # sent after it, held back in arrival order (worker thread only).
+        self._waiting_for_background: dict[str, list[Call]] = {}
 
     # -- transport side -------------------------------------------------------------------
 
@@ -408,10 +409,11 @@ class Dispatcher:
         return False
 
     def stop(self, timeout: float) -> bool:
-        """Stop the worker once it has served what was queued before this, wait up to `timeout`
-        seconds for it to end, then for the loader thread's background requests (Background),
-        for an op a reader thread is serving (an idle server's, the fast path's) and for a
-        thread's first-frame preparation (_prepare_thread) to end; returns
+        """Stop the worker once it has served what was queued before this (what a connection
+        sent behind a background request once that is answered), wait up to `timeout` seconds
+        for it to end, then for the loader thread, for an op a reader thread is serving (an idle
+        server's, the fast path's) and for a thread's first-frame preparation (_prepare_thread)
+        to end; returns
         whether all have. What is still queued once the worker has ended, and every request
         after that but an `immediate` one, is answered `shutting_down`, unrun. Waited for: an
         embedding that lets the interpreter finalize with a daemon thread (the worker, a lane's
@@ -425,16 +427,16 @@ class Dispatcher:
             self._worker.join(timeout)
         if self._worker.is_alive():
             return False
-        # After the worker: a background request it started finishes and is answered first.
+        # The worker's gone: none starts after this (each op checks it under the serving lock),
+        # and what it left queued is answered now, even if the waits below run out of time.
+        self._stopped = True
+        self.server.queued.drop_all(self._stopped_error())
+        # The worker waited for every background request it started (_work): the loader is idle.
         self._background.put(_STOP)
         if self._loader.is_alive():
             self._loader.join(max(0.0, deadline - time.monotonic()))
         if self._loader.is_alive():
             return False
-        # The worker's gone: none starts after this (each op checks it under the serving lock),
-        # and what it left queued is answered now, even if the wait below runs out of time.
-        self._stopped = True
-        self.server.queued.drop_all(self._stopped_error())
         # Every op a reader thread serves runs under the serving lock: held, none runs.
         if not self._serving.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return False
@@ -460,30 +462,36 @@ class Dispatcher:
 
     def _work(self) -> None:
         self._prepare_thread()
+        stopping = False
         while True:
             call = self._next_call()
             if call is _STOP:
-                return
-            if isinstance(call, _Resume):
-                self._resume(call.conn)
-            elif call is not _WAKE and not self._held_back(call):
+                stopping = True
+            elif isinstance(call, _Resume):
+                self._resume(call.conn_id)
+            elif call is not _WAKE and not stopping and not self._held_back(call):
                 self._serve_on(call, reader=False)
+            # Stopped, the worker still serves what was queued before the stop behind a
+            # background request, once it is answered; what came after is left to stop().
+            if stopping and not self._waiting_for_background:
+                return
 
     def _held_back(self, call: Call) -> bool:
         """Hold `call` back if a background request of its connection is unanswered."""
-        waiting = self._waiting_for_background.get(call.conn)
+        waiting = self._waiting_for_background.get(call.conn.id)
         if waiting is None:
             return False
         waiting.append(call)
         return True
 
-    def _resume(self, conn) -> None:
-        """Serve the requests `conn` sent after its background one, in their order, each alone (a
-        batch gathered for one could take a later request of `conn` ahead of one held here)."""
-        held = self._waiting_for_background.pop(conn, [])
+    def _resume(self, conn_id: str) -> None:
+        """Serve the requests a connection sent after its background one, in their order, each
+        alone (a batch gathered for one could take a later request of the connection ahead of
+        one held here)."""
+        held = self._waiting_for_background.pop(conn_id, [])
         for i, call in enumerate(held):
-            if conn in self._waiting_for_background:  # one of them was a background request too
-                self._waiting_for_background[conn].extend(held[i:])
+            if conn_id in self._waiting_for_background:  # one of them was a background request too
+                self._waiting_for_background[conn_id].extend(held[i:])
                 return
             self._serve_on(call, reader=False, alone=True)
 
@@ -498,13 +506,18 @@ class Dispatcher:
             try:
                 try:
                     result = background.finish()
-                except Exception as exc:  # every failure is answered; the loader lives on
-                    self._fail(call, exc)
-                else:
-                    self._answer(call, result)
+                except Exception as exc:
+                    result = exc
+                # Answered under the serving lock, as the worker answers: a fast-path step of the
+                # same connection must not be answered before this reply is written.
+                with self._serving:
+                    if isinstance(result, Exception):  # every failure is answered; the loader lives on
+                        self._fail(call, result)
+                    else:
+                        self._answer(call, result)
             except Exception:  # a bug in reply writing must not stop the loader
                 log.exception("finishing %s in the background failed", call.op)
-            self._queue.put(_Resume(call.conn))
+            self._queue.put(_Resume(call.conn.id))
 
     def _serve_on(self, call: Call, *, reader: bool, alone: bool = False) -> bool:
         """Serve `call`, one thread at a time. The worker serves a batched request with the
@@ -575,7 +588,7 @@ class Dispatcher:
             result = call.handler(self.server, call)
             if isinstance(result, Background):
                 if worker:
-                    self._waiting_for_background[call.conn] = []
+                    self._waiting_for_background[call.conn.id] = []
                     self._background.put((call, result))
                     return
                 result = result.finish()
@@ -628,7 +641,7 @@ class Dispatcher:
             if call is None or call is _WAKE:
                 break
             if call is _STOP or isinstance(call, _Resume) or call.batched_op is not op \
-                    or call.conn in self._waiting_for_background:
+                    or call.conn.id in self._waiting_for_background:
                 self._hold(call)
                 break
             item = self._prepare(op, call)

@@ -975,24 +975,38 @@ def test_a_load_failing_in_the_background_is_answered_and_its_connection_served_
     assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
 
 
-def test_stopping_waits_for_a_background_load_and_answers_what_it_held_back(serve, monkeypatch):
-    """stop() ends the worker, then lets the background load finish and be answered; what its
-    connection sent after it is answered shutting_down, unrun."""
+def test_stopping_serves_what_a_background_load_held_back_and_refuses_what_came_after(serve, monkeypatch):
+    """stop() lets the worker serve what was queued before it, a background load's connection's
+    requests behind it included, once the load is answered; what comes after the stop is
+    answered shutting_down. A stop out of time leaves nothing unanswered once the load ends and
+    stop() is called again (found in review: the held requests were never answered)."""
     gate = GatedLoads(monkeypatch)
-    srv, conn = serve(), RecordingConnection()
+    srv, conn, late = serve(), RecordingConnection(), RecordingConnection()
     load_id = srv.submit(conn, "model_load", path="mamba-lm-tied")
     assert gate.started.wait(60)
     ping_id = srv.submit(conn, "ping")
-    stopped = []
-    stopper = threading.Thread(target=lambda: stopped.append(srv.dispatcher.stop(60)))
-    stopper.start()
-    stopper.join(0.2)
-    assert stopper.is_alive()  # waiting for the load
+    assert srv.dispatcher.stop(0.2) is False  # the worker waits for the load
+    late_id = srv.submit(late, "info")
     gate.go()
-    stopper.join(60)
-    assert stopped == [True]
-    assert conn.reply(load_id).ok
-    assert conn.reply(ping_id).error["code"] == "shutting_down"
+    assert srv.dispatcher.stop(60) is True
+    assert conn.reply(load_id).ok and conn.reply(ping_id).ok and conn.answered == [load_id, ping_id]
+    assert late.reply(late_id).error["code"] == "shutting_down"
+
+
+def test_a_zmq_peers_requests_each_with_its_own_reply_target_wait_for_its_load(serve, monkeypatch):
+    """A ZeroMQ peer's requests each come with a reply target of their own, the peer's id on
+    every one: they were not held back behind its load (found in review), and a shutdown sent
+    after a load ran beside it."""
+    gate = GatedLoads(monkeypatch)
+    srv, first, second = serve(), RecordingConnection(), RecordingConnection()
+    second.id = first.id  # two reply targets of one peer
+    load_id = srv.submit(first, "model_load", path="mamba-lm-tied")
+    assert gate.started.wait(60)
+    ping_id = srv.submit(second, "ping")
+    with pytest.raises(TimeoutError):
+        second.reply(ping_id, timeout=0.3)
+    gate.go()
+    assert first.reply(load_id).ok and second.reply(ping_id).ok
 
 
 def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve, checkpoints, tmp_path, inproc):
