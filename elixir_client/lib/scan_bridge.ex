@@ -170,8 +170,9 @@ defmodule ScanBridge do
 
   Options:
 
-    * `:python` - the interpreter (default: `$SCAN_BRIDGE_PYTHON`, else `python3` on PATH);
-      the `bridge` package must be importable by it (see `:env`).
+    * `:python` - the interpreter, a path or a command name looked up on PATH (default:
+      `$SCAN_BRIDGE_PYTHON`, else `python3` on PATH); the `bridge` package must be importable
+      by it (see `:env`).
     * `:args` - extra server arguments, e.g. `["--device", "cuda"]`.
     * `:env` - environment for the server, `[{"PYTHONPATH", "/srv/scan-bridge"}]`; a `nil`
       value unsets a variable.
@@ -268,8 +269,8 @@ defmodule ScanBridge do
   from its own row of h0 or from zeros; not with `:session`). mamba_ssm's names are accepted:
   `:u`, `:delta`, `:delta_bias`, `:delta_softplus`, `:return_last_state`, `:initial_states`.
 
-  Returns `y` (in x's dtype), `state` (`[batch, dim, state]` f32 with `return_state: true`,
-  else nil; with `:cu_seqlens`, `[n, dim, state]`, one row per sequence) and the server's
+  Returns `y` (in x's dtype), `state` (`[batch, dim, state]` f32, f64 for f64 inputs without
+  `:session`, with `return_state: true`, else nil; with `:cu_seqlens`, `[n, dim, state]`, one row per sequence) and the server's
   `timing`.
   """
   @spec scan(server, inputs, call_opts) :: {:ok, scan_result} | error
@@ -297,8 +298,8 @@ defmodule ScanBridge do
   marks, beside or instead of `:cu_seqlens`) and `:return_varlen_states` (a state per packed
   sequence).
 
-  Returns `y` (in x's dtype), `state` (`[batch, heads, headdim, state]` f32 with
-  `return_state: true` or `return_varlen_states: true`, else nil; with `:cu_seqlens` or
+  Returns `y` (in x's dtype), `state` (`[batch, heads, headdim, state]` f32, f64 for f64 inputs
+  without `:session`, with `return_state: true` or `return_varlen_states: true`, else nil; with `:cu_seqlens` or
   `:seq_idx`, one row per sequence) and the server's `timing`.
   """
   @spec ssd_scan(server, inputs, call_opts) :: {:ok, scan_result} | error

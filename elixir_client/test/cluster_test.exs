@@ -87,6 +87,17 @@ defmodule ScanBridge.ClusterTest do
        %{shared: g, members: members} do
     too_big = %{config: %{"d_model" => Integer.pow(2, 70)}, weights: %{}}
     assert_raise ArgumentError, ~r/2\^64/, fn -> Cluster.load_model(g, "bad", too_big) end
+    # found in review: loaded on the handle's server alone, the name claimed on every member
+    handled = Models.backbone(Models.config(:mamba2), 7)
+    name = hd(Map.keys(handled.weights))
+    handled = %{handled | weights: Map.put(handled.weights, name, {:handle, "h1"})}
+
+    assert_raise ArgumentError, ~r/a handle is one server's/, fn ->
+      Cluster.load_model(g, "handled", handled)
+    end
+
+    assert {:ok, catalogue} = Cluster.catalogue(g)
+    refute Enum.any?(catalogue, &is_map_key(&1.models, "handled"))
     {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 1)
     frame = {:embeds, Models.frame(Models.embeds(1, 1, 8), 0)}
 
@@ -257,6 +268,37 @@ defmodule ScanBridge.ClusterTest do
     ok!(Cluster.step(s, ssd_frame(sizes)))
     ok!(Cluster.step(s, ssd_frame(sizes)))
     assert state_reads(Cluster.members(g)) == reads
+  end
+
+  # A rebuild or a fork opens the session with its checkpoint as :h0: beside the initial state
+  # under another name, that open was refused as the state given twice, so the session was
+  # lost on failover and its fork refused (found in review).
+  for name <- [:initial_states, "initial_states", "h0"] do
+    test "a session opened with its initial state as #{inspect(name)} forks and fails over" do
+      g = group()
+      start_members(g, 2)
+      h0 = TestSupport.random(:f32, {1, 2, 4})
+      frames = for _ <- 1..4, do: plain_frame(1, 2, 4)
+      {:ok, reference} = Cluster.open_session(g, %{batch: 1, dim: 2, state: 4, h0: h0})
+      expected = for f <- frames, do: ok!(Cluster.step(reference, f)).y
+
+      dims = %{:batch => 1, :dim => 2, :state => 4, unquote(name) => h0}
+      {:ok, s} = Cluster.open_session(g, dims, checkpoint: 1)
+      first = for f <- Enum.take(frames, 2), do: ok!(Cluster.step(s, f)).y
+      assert {:ok, _fork} = Cluster.fork(s)
+      kill_server!(owner(s))
+      rest = for f <- Enum.drop(frames, 2), do: ok!(Cluster.step(s, f)).y
+      assert {:ok, %{failovers: 1}} = Cluster.session_info(s)
+      for {a, e} <- Enum.zip(first ++ rest, expected), do: assert(a.data == e.data)
+    end
+  end
+
+  test "an initial state given under two names is refused in the caller" do
+    h0 = TestSupport.random(:f32, {1, 2, 4})
+
+    assert_raise ArgumentError, ~r/expected the initial state once/, fn ->
+      Cluster.open_session(group(), %{batch: 1, dim: 2, state: 4, h0: h0, initial_states: h0})
+    end
   end
 
   test "a rebuild of more kept frames than one open takes replays them; the member takes frames still" do

@@ -565,6 +565,29 @@ defmodule ScanBridge.LifecycleTest do
       assert message =~ "/nonexistent/python"
     end
 
+    # Found in review: the Port spawns a path only, so "python3" itself failed with :enoent.
+    test "an interpreter named by its command is looked up on PATH" do
+      dir = Path.join(System.tmp_dir!(), "scan_bridge_path_#{System.unique_integer([:positive])}")
+      File.mkdir_p!(dir)
+      # a script, not a link: a venv's interpreter finds its packages from where it lies
+      command = Path.join(dir, "scan-bridge-python")
+      File.write!(command, "#!/bin/sh\nexec #{TestSupport.server_opts()[:python]} \"$@\"\n")
+      File.chmod!(command, 0o755)
+      path = System.get_env("PATH")
+      System.put_env("PATH", dir <> ":" <> path)
+
+      try do
+        assert {:ok, client} =
+                 ScanBridge.start_link(TestSupport.server_opts(python: "scan-bridge-python"))
+
+        assert :ok = ScanBridge.ping(client)
+        GenServer.stop(client)
+      after
+        System.put_env("PATH", path)
+        File.rm_rf!(dir)
+      end
+    end
+
     test "the server exits during start-up" do
       assert {:error, %Error{reason: :startup_failed, detail: %{"exit_status" => 2}}} =
                ScanBridge.start_link(TestSupport.server_opts(args: ["--no-such-option"]))

@@ -185,15 +185,18 @@ defmodule ScanBridge.Cluster do
               "#{fun} inputs: expected no :session in a group call (a session is one " <>
                 "server's: use a cluster session), got one"
 
-      {name, {:handle, _}} ->
-        raise ArgumentError,
-              "#{fun} input #{name}: expected a tensor, got a {:handle, id} (a handle is one " <>
-                "server's; a group call may go to any)"
-
-      _ ->
-        :ok
+      entry ->
+        no_handle!(entry, "#{fun} input", "a group call may go to any")
     end)
   end
+
+  # A handle is one server's: a group's calls and models go to other members too.
+  defp no_handle!({name, {:handle, _}}, what, why) do
+    raise ArgumentError,
+          "#{what} #{name}: expected a tensor, got a {:handle, id} (a handle is one server's; #{why})"
+  end
+
+  defp no_handle!(_entry, _what, _why), do: :ok
 
   # ScanBridge's own check names what it expected.
   defp stateless_inputs!(_inputs, _fun), do: :ok
@@ -228,6 +231,7 @@ defmodule ScanBridge.Cluster do
     # a bad source or option raises here, in the caller, not in every member (whose load would
     # stop it, and its server with it): built and encoded as each member's request will be
     {_head, _size} = Protocol.request_head("model_load", ScanBridge.model_load_args!(source, opts))
+    sent_weights!(source)
     deadline = deadline(keeper_wait(opts))
 
     # The name is claimed for this model on every member first: loading on the members that
@@ -247,6 +251,21 @@ defmodule ScanBridge.Cluster do
         error
     end
   end
+
+  # A group model's weights go to every member (a handle among them loaded it on its own server
+  # alone, and the name stayed claimed on the others).
+  defp sent_weights!(source) when is_map(source) do
+    weights = Map.get(source, :weights, Map.get(source, "weights"))
+
+    if is_map(weights) do
+      Enum.each(
+        weights,
+        &no_handle!(&1, "load_model weights", "a group model is loaded on every member")
+      )
+    end
+  end
+
+  defp sent_weights!(_source), do: :ok
 
   # {:ok, the highest version counter of the name the keepers hold} once every keeper holds the
   # claim (or went away meanwhile), else the first failure and the keepers asked, whose claims
@@ -463,7 +482,9 @@ defmodule ScanBridge.Cluster do
     # a group model's session, its model named by either key (a plain session's :state is a size)
     model? = is_map_key(dims, :model) or is_map_key(dims, "model")
 
-    Map.new(dims, fn
+    dims
+    |> initial_state_as_h0()
+    |> Map.new(fn
       {key, model} when key in [:model, "model"] ->
         {:model, name!(model, "open_session model")}
 
@@ -475,6 +496,24 @@ defmodule ScanBridge.Cluster do
       entry ->
         entry
     end)
+  end
+
+  # The initial state under :h0 whichever name it came by (mamba_ssm's :initial_states, or a
+  # string key): a rebuild and a fork give the session its checkpoint as :h0, beside which
+  # another name for it was refused as given twice.
+  defp initial_state_as_h0(dims) do
+    case Enum.filter([:h0, "h0", :initial_states, "initial_states"], &is_map_key(dims, &1)) do
+      [] ->
+        dims
+
+      [key] ->
+        dims |> Map.delete(key) |> Map.put(:h0, Map.fetch!(dims, key))
+
+      keys ->
+        raise ArgumentError,
+              "open_session: expected the initial state once, as h0 or initial_states, got " <>
+                inspect(keys)
+    end
   end
 
   @doc "`ScanBridge.step/4` on a cluster session. Options: `:timeout`."

@@ -1444,6 +1444,11 @@ defmodule ScanBridge.Server do
             ":python: expected the path of a Python interpreter (or SCAN_BRIDGE_PYTHON, or python3 on PATH), got #{inspect(python)}"
     end
 
+    # A bare command name is looked up on PATH, as a shell would: the Port's spawn_executable
+    # takes a path only.
+    python =
+      if String.contains?(python, "/"), do: python, else: System.find_executable(python) || python
+
     check!(
       :args,
       opts[:args],
