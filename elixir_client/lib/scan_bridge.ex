@@ -1067,7 +1067,14 @@ defmodule ScanBridge do
     Server.request(server, op, args, Keyword.get(opts, :timeout, @default_timeout))
   end
 
-  defp frames!(frames, _what) when is_list(frames), do: frames
+  # An improper list first: Enum would raise FunctionClauseError on it.
+  defp frames!(frames, what) when is_list(frames) do
+    if List.improper?(frames) do
+      raise ArgumentError, "#{what} frames: expected a list of frames, got an improper list"
+    end
+
+    frames
+  end
 
   defp frames!(other, what),
     do:

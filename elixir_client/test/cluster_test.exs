@@ -118,6 +118,10 @@ defmodule ScanBridge.ClusterTest do
       Cluster.model_forward(s, frame, lengths: [1 | 1])
     end
 
+    assert_raise ArgumentError, ~r/got an improper list/, fn ->
+      Cluster.restore_with_frames(s, "snapshot", [{:model_step, frame, []} | :x])
+    end
+
     assert {:ok, %{status: :ok}} = Cluster.session_info(s)
     assert {:ok, _} = Cluster.model_step(s, frame)
     assert Enum.sort(Cluster.members(g)) == Enum.sort(members)

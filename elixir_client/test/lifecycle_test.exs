@@ -603,6 +603,13 @@ defmodule ScanBridge.LifecycleTest do
       assert_raise ArgumentError, ~r/unknown keys \[:colour\]/, fn ->
         ScanBridge.start_link(colour: :blue)
       end
+
+      # found in review: each raised FunctionClauseError from Enum
+      for {key, value} <- [args: ["--device" | "cpu"], env: [{"A", "b"} | :x], group: [:a | :b]] do
+        assert_raise ArgumentError, ~r/^:#{key}: expected/, fn ->
+          ScanBridge.start_link(TestSupport.server_opts([{key, value}]))
+        end
+      end
     end
   end
 

@@ -555,6 +555,13 @@ defmodule ScanBridge.ModelsTest do
              ~r/load_model weights.a: expected a ScanBridge.Tensor/},
             {fn -> ScanBridge.load_model(server, %{config: %{"f" => {1}}, weights: %{}}) end,
              ~r/load_model config.f: expected nil, a boolean/},
+            # found in review: FunctionClauseError from Enum, as the frames' below
+            {fn -> ScanBridge.load_model(server, %{config: %{"a" => [1 | 2]}, weights: %{}}) end,
+             ~r/load_model config.a: expected a proper list/},
+            {fn -> ScanBridge.open_session_with_frames(server, [batch: 1], [{:step, %{}} | :x]) end,
+             ~r/open_session_with_frames frames: expected a list of frames, got an improper list/},
+            {fn -> ScanBridge.restore_with_frames(server, session, "s", [{:step, %{}} | :x]) end,
+             ~r/restore_with_frames frames: expected a list of frames, got an improper list/},
             {fn -> ScanBridge.load_model(server, %{config: %{"a" => 2, a: 1}, weights: %{}}) end,
              ~r/load_model config: expected each name once, got a both as an atom and as a string/},
             {fn -> ScanBridge.load_model(server, "m", dtype: :f64) end,

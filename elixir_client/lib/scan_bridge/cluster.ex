@@ -190,6 +190,9 @@ defmodule ScanBridge.Cluster do
     end)
   end
 
+  # ScanBridge's own check names what it expected.
+  defp stateless_inputs!(_inputs, _fun), do: :ok
+
   # A handle is one server's: a group's calls and models go to other members too.
   defp no_handle!({name, {:handle, _}}, what, why) do
     raise ArgumentError,
@@ -197,9 +200,6 @@ defmodule ScanBridge.Cluster do
   end
 
   defp no_handle!(_entry, _what, _why), do: :ok
-
-  # ScanBridge's own check names what it expected.
-  defp stateless_inputs!(_inputs, _fun), do: :ok
 
   ## Models
 
@@ -619,6 +619,11 @@ defmodule ScanBridge.Cluster do
           {:ok, [term]} | ScanBridge.error()
   def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ [])
       when is_list(frames) do
+    if List.improper?(frames) do
+      raise ArgumentError,
+            "Cluster.restore_with_frames frames: expected a list of frames, got an improper list"
+    end
+
     into =
       for {{:model_step, _input, frame_opts}, i} when is_list(frame_opts) <-
             Enum.with_index(frames),

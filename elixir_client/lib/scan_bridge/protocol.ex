@@ -142,6 +142,10 @@ defmodule ScanBridge.Protocol do
   defp config_value!(value, _what) when is_atom(value), do: Atom.to_string(value)
 
   defp config_value!(list, what) when is_list(list) do
+    if List.improper?(list) do
+      raise ArgumentError, "#{what}: expected a proper list, got #{inspect(list, limit: 5)}"
+    end
+
     list
     |> Enum.with_index()
     |> Enum.map(fn {value, i} -> config_value!(value, "#{what}[#{i}]") end)

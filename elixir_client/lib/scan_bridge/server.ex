@@ -1453,7 +1453,7 @@ defmodule ScanBridge.Server do
       :args,
       opts[:args],
       "a list of strings",
-      &(is_list(&1) and Enum.all?(&1, fn a -> is_binary(a) end))
+      &(is_list(&1) and not List.improper?(&1) and Enum.all?(&1, fn a -> is_binary(a) end))
     )
 
     check!(:env, opts[:env], "a list or map of {name, value | nil} strings", &valid_env?/1)
@@ -1504,17 +1504,21 @@ defmodule ScanBridge.Server do
     do: timeout == :infinity or (is_integer(timeout) and timeout in 0..@max_timeout_ms)
 
   defp valid_env?(env) when is_list(env) or is_map(env) do
-    Enum.all?(env, fn
-      {k, v} -> is_binary(k) and (is_binary(v) or is_nil(v))
-      _ -> false
-    end)
+    (is_map(env) or not List.improper?(env)) and
+      Enum.all?(env, fn
+        {k, v} -> is_binary(k) and (is_binary(v) or is_nil(v))
+        _ -> false
+      end)
   end
 
   defp valid_env?(_), do: false
 
   defp valid_group?(group) when is_atom(group) or is_binary(group) or is_number(group), do: true
   defp valid_group?(group) when is_tuple(group), do: valid_group?(Tuple.to_list(group))
-  defp valid_group?(group) when is_list(group), do: Enum.all?(group, &valid_group?/1)
+
+  defp valid_group?(group) when is_list(group),
+    do: not List.improper?(group) and Enum.all?(group, &valid_group?/1)
+
   defp valid_group?(_), do: false
 
   defp check!(key, value, expected, valid?) do
