@@ -1128,21 +1128,22 @@ def test_a_sent_weight_not_finite_is_named_by_its_path_in_the_request(serve):
 
 
 def test_a_weight_past_the_load_dtypes_range_is_named_so_not_as_not_finite(serve):
-    """A finite weight beyond f16's range is refused in an f16 load, as past that range (found in
-    review: "NaN or infinity", which blamed the file); it loads in f32 and bf16."""
+    """A finite weight beyond f16's range is refused in an f16 load, as past that range, naming
+    the value (found in review: "NaN or infinity", which blamed the file); it loads in f32 and
+    bf16."""
     from bridge.models.config import parse_config
     from bridge.models.weights import expected_shapes
 
     config = {"arch": "mamba", "d_model": 8, "n_layer": 1, "vocab_size": 16}
     weights = {name: torch.rand(shape) for name, shape in expected_shapes(parse_config(config)).items()}
-    weights["layers.0.mixer.out_proj.weight"][0, 0] = 1e5
+    weights["layers.0.mixer.out_proj.weight"][0, 0] = -1e5
     srv, conn = serve(), RecordingConnection()
     for dtype in ("f32", "bf16"):
         assert call(srv, conn, "model_load", config=config, weights=weights, dtype=dtype)["dtype"] == dtype
     error = error_of(srv, conn, "model_load", config=config, weights=weights, dtype="f16")
     assert (error["code"], error["detail"]["field"]) == (
         "invalid_checkpoint", "args.weights.layers.0.mixer.out_proj.weight"), error
-    assert "f16's range" in error["detail"]["expected"] and error["detail"]["got"] == "a value of 100000", error
+    assert "f16's range" in error["detail"]["expected"] and error["detail"]["got"] == "a value of -100000", error
 
 
 def test_a_bin_in_torchs_legacy_format_loads(serve, checkpoints):

@@ -32,8 +32,9 @@ __all__ = ["ARCHS", "Model", "ModelConfig", "allowed_dirs", "load_checkpoint", "
 def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, device: torch.device,
                     hold: Callable[[int], None]) -> Model:
     """The model in checkpoint directory `path` (under `model_dirs`), its weights in `dtype` on
-    `device`. `hold(nbytes)` is called with the bytes the weights will take before any is read:
-    it raises to refuse them."""
+    `device`. `hold(nbytes)` is called with the bytes the weights will take before any is read
+    (but a legacy-format pytorch_model.bin's, read whole to learn its shapes): it raises to
+    refuse them."""
     directory = resolve_checkpoint(path, model_dirs)
     config = parse_config(read_json(checkpoint_file(directory, CONFIG, CONFIG), CONFIG, MAX_CONFIG_BYTES), CONFIG)
     source = TensorSource(directory)
@@ -81,8 +82,8 @@ def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device,
 def _not_finite(field: str, canonical: str, stored: torch.Tensor, dtype: torch.dtype) -> OpError:
     """The error for a weight that is not finite in the model's dtype: stored so, or finite as
     stored but past the range of the dtype it was converted to (an f16 load of a large weight)."""
-    wide = stored.detach().to(torch.float64)
+    wide = stored.detach().to(torch.float64).flatten()
     if not torch.isfinite(wide).all():
         return checkpoint_error(field, "finite values", "NaN or infinity", tensor=canonical)
     return checkpoint_error(field, f"values within {wire_name(dtype)}'s range (|x| <= {torch.finfo(dtype).max:g})",
-                            f"a value of {wide.abs().max().item():g}", tensor=canonical)
+                            f"a value of {wide[wide.abs().argmax()].item():g}", tensor=canonical)

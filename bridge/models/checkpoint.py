@@ -156,7 +156,7 @@ class TensorSource:
     def _read_bin(self, path: str) -> None:
         # Mapped where torch can map it (its zip format), so a tensor's bytes are read as it is
         # converted; torch's legacy format (before 1.6, or _use_new_zipfile_serialization=False)
-        # cannot be mapped and is read whole.
+        # cannot be mapped and is read whole, before the pool budget is checked (SPEC §6.4).
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
         except Exception as e:

@@ -1068,7 +1068,8 @@ defmodule ScanBridge do
   end
 
   # An improper list first: Enum would raise FunctionClauseError on it.
-  defp frames!(frames, what) when is_list(frames) do
+  @doc false
+  def frames!(frames, what) when is_list(frames) do
     if List.improper?(frames) do
       raise ArgumentError, "#{what} frames: expected a list of frames, got an improper list"
     end
@@ -1076,7 +1077,7 @@ defmodule ScanBridge do
     frames
   end
 
-  defp frames!(other, what),
+  def frames!(other, what),
     do:
       raise(
         ArgumentError,

@@ -254,18 +254,14 @@ defmodule ScanBridge.Cluster do
 
   # A group model's weights go to every member (a handle among them loaded it on its own server
   # alone, and the name stayed claimed on the others).
-  defp sent_weights!(source) when is_map(source) do
-    weights = Map.get(source, :weights, Map.get(source, "weights"))
-
-    if is_map(weights) do
+  defp sent_weights!(%{weights: weights}),
+    do:
       Enum.each(
         weights,
         &no_handle!(&1, "load_model weights", "a group model is loaded on every member")
       )
-    end
-  end
 
-  defp sent_weights!(_source), do: :ok
+  defp sent_weights!(_path), do: :ok
 
   # {:ok, the highest version counter of the name the keepers hold} once every keeper holds the
   # claim (or went away meanwhile), else the first failure and the keepers asked, whose claims
@@ -619,10 +615,7 @@ defmodule ScanBridge.Cluster do
           {:ok, [term]} | ScanBridge.error()
   def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ [])
       when is_list(frames) do
-    if List.improper?(frames) do
-      raise ArgumentError,
-            "Cluster.restore_with_frames frames: expected a list of frames, got an improper list"
-    end
+    ScanBridge.frames!(frames, "Cluster.restore_with_frames")
 
     into =
       for {{:model_step, _input, frame_opts}, i} when is_list(frame_opts) <-
