@@ -615,7 +615,7 @@ defmodule ScanBridge.Cluster do
           {:ok, [term]} | ScanBridge.error()
   def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ [])
       when is_list(frames) do
-    ScanBridge.frames!(frames, "Cluster.restore_with_frames")
+    frames = ScanBridge.frames!(frames, "Cluster.restore_with_frames")
 
     into =
       for {{:model_step, _input, frame_opts}, i} when is_list(frame_opts) <-
