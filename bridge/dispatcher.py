@@ -538,24 +538,20 @@ class Dispatcher:
                     self._fail(call, stopped)
                 elif op is None:
                     self._serve(call, worker=not reader)
-                elif alone:
-                    item = self._prepare(op, call)
-                    if item is not None:
-                        self._run_batch(op, Batch(item))
-                elif not reader:
-                    self._serve_batch(op, call)
+                elif alone or reader:
+                    return self._serve_alone(op, call, wait_for_company=reader)
                 else:
-                    return self._serve_alone(op, call)
+                    self._serve_batch(op, call)
             except Exception:  # a bug in reply writing must not stop the serving thread
                 log.exception("serving %s failed", call.op)
         return True
 
-    def _serve_alone(self, op: BatchedOp, call: Call) -> bool:
-        """Serve a batchable request as a batch of its own, unless requests like it recently
-        came together (then False: it is left for the worker to gather)."""
+    def _serve_alone(self, op: BatchedOp, call: Call, *, wait_for_company: bool) -> bool:
+        """Serve a batchable request as a batch of its own, unless (`wait_for_company`) requests
+        like it recently came together (then False: it is left for the worker to gather)."""
         item = self._prepare(op, call)
         if item is not None:
-            if self.policy.expects_company(item.key, now_ns()):
+            if wait_for_company and self.policy.expects_company(item.key, now_ns()):
                 return False
             self._run_batch(op, Batch(item))
         return True

@@ -114,9 +114,10 @@ class Model:
                 lengths: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
         """A prefill of `inputs` (tokens [b, l] or embeddings [b, l, d_model]) from the state in
         rows `slots` of `parts`, which are left holding the state at the end; the scan runs once
-        per layer over the whole sequence (a long one in passes: PREFILL_PASS_ELEMENTS). `lengths` ([b] ints in 0 .. l, on the host): row i
-        runs only its first lengths[i] positions, its state left after them, its outputs past
-        them zero; with `last_only`, its output is its own last position's. In one call where
+        per layer over the whole sequence (a long one in passes: PREFILL_PASS_ELEMENTS).
+        `lengths` ([b] ints in 0 .. l, on the host): row i runs only its first lengths[i]
+        positions, its state left after them, its outputs past them zero; with `last_only`, its
+        output is its own last position's. In one call where
         the backend has a fused prefill (as `step`'s fused step; `fused=False` composes it)."""
         if lengths is not None and bool((lengths != inputs.shape[1]).any()):
             return self._forward_ragged(parts, slots, inputs, lengths, output=output, last_only=last_only,
