@@ -455,6 +455,15 @@ struct BackwardOptions {
 template <typename T>
 void sum_into_columns(const T* seats, int64_t threads, int64_t rows, int64_t dim, int64_t width, int64_t kept,
                       int64_t per, T* out) {
+  if (per == 1 && kept == width) {
+    // dB, dC, dD: the seats' slices summed elementwise, in a flat loop the compiler vectorizes
+    // (the general nest below costs more than the sums at their sizes).
+    const int64_t n = rows * dim * width;
+    std::copy(seats, seats + n, out);
+    for (int64_t seat = 1; seat < threads; ++seat)
+      for (int64_t i = 0; i < n; ++i) out[i] += seats[seat * n + i];
+    return;
+  }
   const int64_t columns = dim / per;
   std::fill(out, out + rows * columns * kept, T{0});
   for (int64_t seat = 0; seat < threads; ++seat)
