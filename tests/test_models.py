@@ -412,7 +412,20 @@ def backbone_request(model) -> tuple[dict, dict]:
     return config, weights
 
 
-def test_a_backbone_sent_by_the_client_takes_embeddings_and_gives_hidden_states(serve, checkpoints):
+@pytest.mark.parametrize("passes", [False, True], ids=["whole", "in-passes"])
+def test_a_backbone_sent_by_the_client_takes_embeddings_and_gives_hidden_states(serve, checkpoints, passes,
+                                                                               monkeypatch):
+    """In passes: the prefill's window of embeddings past PREFILL_PASS_ELEMENTS (shrunk here to
+    passes of 4 positions) runs as passes, as a window of tokens does."""
+    from bridge.models import runtime
+
+    ran = []
+    if passes:
+        monkeypatch.setattr(runtime, "PREFILL_PASS_ALIGN", 4)
+        monkeypatch.setattr(runtime, "PREFILL_PASS_ELEMENTS", 2 * 12 * 5)  # 2 rows of d_model 12: 4 positions
+        in_passes = runtime.Model._forward_in_passes
+        monkeypatch.setattr(runtime.Model, "_forward_in_passes",
+                            lambda self, *a, **k: ran.append(a[3]) or in_passes(self, *a, **k))
     model, _, seed = checkpoints[1]["mamba2-backbone"]
     config, weights = backbone_request(model)
     srv, conn = serve(), RecordingConnection()
@@ -427,6 +440,7 @@ def test_a_backbone_sent_by_the_client_takes_embeddings_and_gives_hidden_states(
     with torch.no_grad():
         expected = model(inputs_embeds=embeds).last_hidden_state
     rel_close(torch.cat(got, dim=1), expected, 1e-4, f"backbone (seed {seed})")
+    assert ran == ([4] if passes else []), ran
     assert error_of(srv, conn, "model_step", session=session, tokens=torch.zeros(2, dtype=torch.int64))["detail"][
         "field"] == "args.tokens"
 
