@@ -337,7 +337,16 @@ def main(argv=None, protocol_fd: int | None = None, signalled: list[int] | None 
 
 
 def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
-    args = build_parser().parse_args(argv)
+    # `--help` is read by a person, piped into less or grep: argparse prints it on sys.stdout,
+    # which the guard points at stderr, so it goes to the real stdout here (nothing else is
+    # written while the arguments are parsed; their errors stay on stderr).
+    stdout = sys.stdout
+    sys.stdout = open(os.dup(protocol_fd), "w", encoding="utf-8")
+    try:
+        args = build_parser().parse_args(argv)
+    finally:
+        sys.stdout.close()
+        sys.stdout = stdout
     logging.basicConfig(stream=sys.stderr, level=args.log_level,
                         format="%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("bridge")

@@ -155,6 +155,20 @@ def test_a_stop_signal_while_the_server_imports_its_modules_ends_it_quietly(tmp_
     assert "Traceback" not in log, log[-3000:]
 
 
+def test_help_is_printed_on_stdout_for_a_person_to_page():
+    """Found by a newcomer's walk: the stdout guard sent argparse's help to stderr, so
+    `python -m bridge --help | less` showed nothing. A bad option's message stays on stderr."""
+    shown = subprocess.run([sys.executable, "-m", "bridge", "--help"], capture_output=True, env=server_env(),
+                           timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert shown.stdout.startswith(b"usage: python -m bridge") and b"--max-pool-bytes" in shown.stdout
+    assert shown.stderr == b""
+    refused = subprocess.run([sys.executable, "-m", "bridge", "--no-such-option"], capture_output=True,
+                             env=server_env(), timeout=120)
+    assert refused.returncode == 2 and refused.stdout == b""
+    assert b"unrecognized arguments: --no-such-option" in refused.stderr
+
+
 def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_path):
     """A reply handed to a writer thread counts as answered; the server must not exit before
     the writer has written it (within transports.base.FLUSH_SECONDS): a client that reads 0.1 s after
