@@ -3,7 +3,7 @@ defmodule ScanBridge.MixProject do
 
   # No dependencies: hex.pm is unreachable where this is built and tested, and the client only
   # needs OTP. Nx support compiles in only when Nx is loaded while this compiles (undeclared, it
-  # is left out from Elixir 1.15 on; see the main README's Limits).
+  # is left out from Elixir 1.15 on, which keeps undeclared applications off the compile path).
   def project do
     [
       app: :scan_bridge,

@@ -13,7 +13,7 @@ against a 60 FPS frame (16.7 ms).
 
     python -m bridge.bench --quick --json bench/out/bridge-bench-quick.json --plot bench/out/bridge-bench.png
     python -m bridge.bench --backends all --sizes step,60,496
-    python -m bridge.bench --baseline "python -m bridge.bench.exphil_standin"
+    python -m bridge.bench --baseline ".venv/bin/python -m bridge.bench.exphil_standin"   # an interpreter with msgpack
 """
 
 from __future__ import annotations
