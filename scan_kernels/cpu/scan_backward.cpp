@@ -256,7 +256,8 @@ class BackwardRunner {
     const T* Ct = Cs_ + t * bc_stride_;
     V dy = gs_[t];
     if (p_.z != nullptr) {
-      V y = D_[0] * x;
+      // Without D no D x term at all: 0 * inf would make an infinite x's y NaN.
+      V y = p_.D != nullptr ? D_[0] * x : V{};
       for (int64_t n = 0; n < N_; ++n) y += h[n] * Ct[n];
       const V z = zs_[t];
       const V sg = Math<T>::sigmoid(z);
@@ -280,7 +281,7 @@ class BackwardRunner {
       qA += q * A_[n];
       dh_[n] = a[n] * dh;
     }
-    dxs_[t] = dy * D_[0] + dl * dhB;
+    dxs_[t] = p_.D != nullptr ? dy * D_[0] + dl * dhB : dl * dhB;
     dds_[t] = (x * dhB + qA) * slope_[t];
     dbias_[0] += dds_[t];
   }
