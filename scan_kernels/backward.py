@@ -25,6 +25,7 @@ autograd through the same step-by-step form in the compute dtype, "cpu" by its C
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -146,9 +147,11 @@ def autograd_backward(forward, compute: torch.dtype, dy, dstate, tensors: dict, 
     """Gradients of `forward(**tensors, **options, return_state=..., compute_dtype=compute)`
     (a reference-style function returning (y, state)) by torch.autograd, every input taken as
     a `compute` leaf: the gradients come out in `compute`. An input the output does not depend
-    on gets zeros."""
-    leaves = {name: t.detach().to(compute).requires_grad_(True) for name, t in tensors.items() if t is not None}
-    with torch.enable_grad():
+    on gets zeros. Under torch.inference_mode too (as the C++ backward runs there): the graph is
+    built outside it, from copies of any inference tensors (they cannot require grad)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = {name: t.detach().to(compute, copy=t.is_inference()).requires_grad_(True)
+                  for name, t in tensors.items() if t is not None}
         y, state = forward(**{name: leaves.get(name) for name in tensors}, **options,
                            return_state=dstate is not None, compute_dtype=compute)
         outputs, cotangents = [y], [dy.to(compute)]
@@ -222,7 +225,9 @@ class ScanFunction(torch.autograd.Function):
 
         scan = ssd_scan if spec.ssd else selective_scan
         y, state = scan(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, h0=h0, return_state=True, **spec.kwargs())
-        ctx.spec = spec
+        # The backward reads the boundaries the forward ran on, whatever the caller refills its
+        # buffer with meanwhile (a copy: a few ints).
+        ctx.spec = spec if spec.cu_seqlens is None else dataclasses.replace(spec, cu_seqlens=spec.cu_seqlens.clone())
         ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, h0)
         ctx.set_materialize_grads(False)
         return y, state

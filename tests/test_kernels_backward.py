@@ -303,6 +303,57 @@ def test_autograd_through_selective_scan(backend):
     assert all(leaves[k].grad is None for k in ("dt", "B", "C", "z", "h0"))
 
 
+def _small_problem(scan: str, seq: int, states: int, seed: int):
+    """(inputs with D and z, dy) of a small batch-1 Mamba-1 ("scan") or Mamba-2 ("ssd") problem
+    whose state cotangent would have `states` rows."""
+    if scan == "scan":
+        inputs, state_shape = make_scan_inputs(ScanCase(1, seq, 5, 3, D=True, z=True), seed=seed), (states, 5, 3)
+    else:
+        inputs, state_shape = make_ssd_inputs(SsdCase(1, seq, 2, 3, 4, D=True, z=True), seed=seed), (states, 2, 3, 4)
+    dy, _ = make_cotangents(inputs, tuple(inputs["x"].shape), state_shape, False, seed)
+    return inputs, dy
+
+
+@pytest.mark.parametrize("scan", ["scan", "ssd"])
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_autograd_keeps_the_sequence_bounds_the_forward_ran_on(backend, scan):
+    """A caller that refills its cu_seqlens buffer before .backward() (the next micro-batch's
+    bounds, gradient accumulation) gets the gradients of the forward it ran: the function kept
+    the caller's tensor itself and read the new bounds (found in review)."""
+    seed = random_seed()
+    bounds, refilled = [0, 2, 9], [0, 6, 9]
+    inputs, dy = _small_problem(scan, 9, 2, seed)
+    forward = scan_kernels.selective_scan if scan == "scan" else scan_kernels.ssd_scan
+    A = inputs["A"].detach().requires_grad_(True)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    y = forward(**{**inputs, "A": A, "return_state": False}, cu_seqlens=cu, backend=backend)
+    cu.copy_(torch.tensor(refilled))
+    (y * dy).sum().backward()
+    expected = _per_sequence_reference(scan, inputs, dy, None, bounds)["A"]
+    torch.testing.assert_close(A.grad.double(), expected.double(), rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("scan", ["scan", "ssd"])
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_the_backward_runs_under_inference_mode_as_under_no_grad(backend, scan):
+    """The explicit backward of the torch backend (the fallback where the C++ build fails) built
+    its autograd graph under enable_grad, which does not leave inference mode: inside
+    torch.inference_mode, or given tensors made there, it raised (found in review)."""
+    inputs, dy = _small_problem(scan, 7, 1, random_seed())
+    backward = scan_kernels.selective_scan_backward if scan == "scan" else scan_kernels.ssd_scan_backward
+    args = backward_inputs(inputs)
+    expected = backward(dy, **args, backend=backend)
+    with torch.inference_mode():
+        inside = backward(dy, **args, backend=backend)
+        made_there = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        dy_made_there = dy.clone()
+    outside = backward(dy_made_there, **made_there, backend=backend)
+    for got, where in ((inside, "inside inference_mode"), (outside, "of inference tensors")):
+        assert got.keys() == expected.keys(), where
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=f"{backend} d{name} {where}")
+
+
 def test_autograd_through_ssd_scan_y_only():
     seed = random_seed()
     case = SsdCase(1, 9, 2, 4, 3, D=True, z=True)
