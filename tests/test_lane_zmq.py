@@ -54,6 +54,14 @@ def test_bad_endpoints_are_refused_with_what_was_expected(endpoint):
     pytest.param([b"id", b"", b"body"], [b"id", b""], [b"body"], id="req"),
     pytest.param([b"id", b"", b"body", b"buf"], [b"id", b""], [b"body", b"buf"], id="req-multipart"),
     pytest.param([b"id", b""], [b"id"], [b""], id="dealer-empty-body"),
+    pytest.param([b"proxy", b"\0abcd", b"", b"\x81body"], [b"proxy", b"\0abcd", b""], [b"\x81body"],
+                 id="req-behind-a-proxy"),
+    pytest.param([b"p2", b"p1", b"\0abcd", b"", b"\x81body", b"buf"], [b"p2", b"p1", b"\0abcd", b""],
+                 [b"\x81body", b"buf"], id="req-behind-two-proxies"),
+    pytest.param([b"id", b"\x81body", b"", b"buf"], [b"id"], [b"\x81body", b"", b"buf"],
+                 id="dealer-body-then-empty-buffer"),
+    pytest.param([b"id", *[b"\0hop"] * 8, b"", b"\x81body"], [b"id"], [*[b"\0hop"] * 8, b"", b"\x81body"],
+                 id="more-hops-than-a-route-may-have"),
 ])
 def test_the_envelope_is_the_routing_id_and_a_req_delimiter(frames, envelope, message):
     assert split_envelope(frames) == (envelope, message)
@@ -527,7 +535,7 @@ def reused_descriptor_round(ipc_path: str, routing_id: bytes | None) -> bool:
         wait_until(lambda: not any(os.path.lexists(f"/proc/self/fd/{fd}") for fd in old_fds),
                    "the old connection's descriptors stayed open", timeout=5)
         # And the ROUTER let go of its routing id: it turns away a connection with an id in use.
-        wait_until(lambda: released(server_socket, old_peer.key[1]), "the old routing id stayed in use",
+        wait_until(lambda: released(server_socket, old_peer.key[1][0]), "the old routing id stayed in use",
                    timeout=5)
         new_client = peer_sends(b"new")
         transport._receive(0, server_socket)
@@ -665,6 +673,53 @@ def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
         assert call(chatty, 4, "session_state", {"session": chatty_session})["ok"]
         assert server.stats.snapshot()["released"] == {
             "idle": {"peers": 1, "sessions": 1, "snapshots": 0, "models": 0, "handles": 0}}
+
+
+def test_req_clients_behind_a_zmq_proxy_are_answered_each_a_peer_of_its_own(tmp_path):
+    """Behind a ROUTER/DEALER proxy (zmq.proxy), a REQ client's request comes with the proxy's
+    routing id, the client's and the delimiter. Found in review: the client's routing id was
+    read as the body, and the decode_error reply went back to the proxy alone, which dropped it:
+    the client waited for ever. Each client is answered, owns what it opens (not the other
+    client's session), and loses it when the proxy's connection ends."""
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4) as (dispatcher, transport):
+        context = zmq.Context()
+        front, back = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+        front.bind(f"ipc://{tmp_path}/proxy.ipc")
+        back.connect(transport.endpoints[0])
+
+        def run_proxy():
+            try:
+                zmq.proxy(front, back)
+            except zmq.ContextTerminated:
+                pass
+            finally:  # the context's term() waits for every socket to close
+                front.close(linger=0)
+                back.close(linger=0)
+
+        proxy = threading.Thread(target=run_proxy, daemon=True)
+        proxy.start()
+        clients = [context.socket(zmq.REQ) for _ in range(2)]
+        try:
+            def call(sock, request_id, op, args=None) -> dict:
+                sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
+                assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op} through the proxy"
+                return msgpack.unpackb(sock.recv())
+
+            for sock in clients:
+                sock.connect(f"ipc://{tmp_path}/proxy.ipc")
+            assert [call(sock, 1, "ping")["ok"] for sock in clients] == [True, True]
+            shape = {"batch": 1, "dim": 2, "state": 2}
+            first, second = (call(sock, 2, "session_open", shape)["result"]["session"] for sock in clients)
+            assert call(clients[0], 3, "session_state", {"session": first})["ok"]
+            assert call(clients[1], 3, "session_state", {"session": first})["error"]["code"] == "unknown_session"
+            assert dispatcher.server.sessions.usage()["sessions"] == 2
+        finally:
+            for sock in clients:
+                sock.close(linger=0)
+            context.term()  # ends the proxy (ETERM) and its connection to the lane
+            proxy.join(REPLY_TIMEOUT_S)
+        wait_until(lambda: dispatcher.server.sessions.usage()["sessions"] == 0,
+                   "the proxied clients' sessions outlived the proxy's connection", timeout=REPLY_TIMEOUT_S)
 
 
 def test_a_tiny_idle_timeout_polls_no_more_often_than_every_millisecond(tmp_path, monkeypatch):

@@ -67,8 +67,11 @@ RECEIVE_BATCH = 64
 # object while an empty one costs its sender next to nothing, so a message of very many of them
 # stalled every peer.
 MAX_RAW_BUFFERS = 4096
-# The routing id, REQ's empty delimiter and the body, before the raw buffers.
-ENVELOPE_AND_BODY = 3
+# Routing ids a request may carry before a REQ delimiter: its peer's, and one for each ROUTER/
+# DEALER proxy between that client and this socket (the nearest first).
+MAX_ROUTE = 8
+# The routing ids, REQ's empty delimiter and the body, before the raw buffers.
+ENVELOPE_AND_BODY = MAX_ROUTE + 2
 # How often replies to a peer whose pipe was full are tried again.
 RETRY_MS = 2
 # How long closing waits for queued replies to leave.
@@ -123,11 +126,25 @@ def chose_its_routing_id(routing_id: bytes) -> bool:
     return routing_id[:1] != b"\0"
 
 
+# What a body's first byte is (a msgpack map: fixmap, map 16, map 32), and a routing id a proxy
+# added before a delimiter may not be: the two are told apart by it.
+_MAP_FIRST_BYTES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+
+def _may_be_routing_id(frame) -> bool:
+    return 0 < len(frame) <= 255 and memoryview(frame)[0] not in _MAP_FIRST_BYTES
+
+
 def split_envelope(frames: list) -> tuple[list, list]:
-    """(envelope, message) of a message received on a ROUTER: the routing id, plus the empty
-    delimiter a REQ peer puts before its message; the message is the body and raw buffers."""
-    if len(frames) >= 3 and len(frames[1]) == 0:
-        return frames[:2], frames[2:]
+    """(envelope, message) of a message received on a ROUTER: the routing id, plus, for a
+    request sent with REQ's empty delimiter, the routing ids proxies added before it (each a
+    ROUTER/DEALER device's, up to MAX_ROUTE in all) and the delimiter; the message is the body
+    and raw buffers. Without a delimiter a routing id could not be told from a body."""
+    for i in range(1, min(len(frames) - 1, MAX_ROUTE + 1)):
+        if len(frames[i]) == 0:
+            return frames[:i + 1], frames[i + 1:]
+        if not _may_be_routing_id(frames[i]):
+            break
     return frames[:1], frames[1:]
 
 
@@ -135,10 +152,12 @@ class ZmqPeer(Connection):
     """One ZeroMQ peer of one socket: owner of the sessions and handles it opens. Its state
     is touched only by the io thread; replies to it go through a ZmqReplyTarget."""
 
-    def __init__(self, transport: "ZmqTransport", key: tuple[int, bytes]):
+    def __init__(self, transport: "ZmqTransport", key: tuple[int, tuple[bytes, ...]]):
         super().__init__("zmq")
         self.transport = transport
-        self.key = key  # (index of its socket, routing id)
+        # (index of its socket, route): the routing ids of its requests' envelope, its own first;
+        # behind a proxy, each client is a peer of its own, all on the proxy's connection.
+        self.key = key
         self.socket = transport.sockets[key[0]]
         self.fd: int | None = None  # the descriptor of the connection its messages come in on
         self.last_seen = time.monotonic()  # when its latest message came, or its latest answer left
@@ -203,7 +222,7 @@ class ZmqTransport:
         self.sockets: list[zmq.Socket] = []
         self.monitors: list[zmq.Socket] = []  # one per socket, same index
         self._authenticator = None
-        self._peers: dict[tuple[int, bytes], ZmqPeer] = {}
+        self._peers: dict[tuple[int, tuple[bytes, ...]], ZmqPeer] = {}
         self._on_fd: dict[tuple[int, int], set[ZmqPeer]] = {}  # (socket index, fd) -> its peers
         # (socket index, fd) whose connection ended, no new one accepted on it since: what is read
         # from there still was sent before the end, by a peer gone.
@@ -372,8 +391,9 @@ class ZmqTransport:
             received_ns = now_ns()
             received_at = time.monotonic()
             envelope, message = split_envelope(frames)
-            routing_id = envelope[0].bytes
-            key = (index, routing_id)
+            route = tuple(frame.bytes for frame in envelope[:-1]) if len(envelope) > 1 else (envelope[0].bytes,)
+            routing_id = route[0]
+            key = (index, route)
             fd = self._source_fd(frames[0])
             peer = self._peers.get(key)
             if peer is None or (fd is not None and (peer.fd != fd or chose_its_routing_id(routing_id))):
@@ -396,9 +416,9 @@ class ZmqTransport:
                         peer.fd = fd
                         self._on_fd.setdefault((index, fd), set()).add(peer)
             peer.last_seen = received_at
-            # A REQ peer's replies need its delimiter; a DEALER's must have one only when its
-            # request had one.
-            target = ZmqReplyTarget(peer, [routing_id, b""] if len(envelope) == 2 else [routing_id])
+            # A REQ peer's replies need its delimiter (and a proxied one its route); a DEALER's
+            # must have one only when its request had one.
+            target = ZmqReplyTarget(peer, [*route, b""] if len(envelope) > 1 else [routing_id])
             request = (message, received_ns, target)
             buffers = parts - len(envelope) - 1
             if buffers > MAX_RAW_BUFFERS:
