@@ -252,12 +252,14 @@ class Dispatcher:
         except Exception as exc:
             # Every frame read is answered once, a bug in the decoder's too (as internal_error,
             # id nil): the transport counts it in flight until then.
+            stats_op = None
             if isinstance(exc, protocol.ProtocolError):
                 codec, request_id = exc.codec, exc.request_id
+                stats_op = None if exc.op is None else codec.stats_prefix + exc.op
             else:
                 log.exception("decoding a request failed")
                 codec, request_id = protocol.V1, None
-            self._reply_error(conn, codec, request_id, exc)
+            self._reply_error(conn, codec, request_id, exc, stats_op=stats_op)
             if handed_over is not None:
                 self._replying_uncalled()
                 self._leave()
@@ -273,7 +275,8 @@ class Dispatcher:
         # all answered, then refuse the request shutting_down.
         admitted = handed_over.idle if handed_over is not None else self._admit(immediate=immediate)
         if isinstance(admitted, OpError):
-            self._reply_error(conn, request.codec, request.reply_id, admitted)
+            self._reply_error(conn, request.codec, request.reply_id, admitted,
+                              stats_op=request.codec.stats_prefix + request.op)
             if release:
                 release()
             return
@@ -755,8 +758,8 @@ class Dispatcher:
 
     def _reply_error(self, conn, codec, request_id, exc: BaseException, *, stats_op: str | None = None) -> str:
         """Answer with the error `exc` maps to, in `codec`; returns its code. `stats_op`: the op
-        the stats count the failure for; without one (the request was refused before it became
-        a call), only the error code is counted."""
+        the stats count the failure for; without one (a frame refused before a known op was read
+        from it), only the error code is counted."""
         code, message, detail = error_fields(exc)
         try:
             parts = codec.error(request_id, code, message, detail)

@@ -18,7 +18,7 @@ import msgspec
 from ._msgpack import ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, key_path, kind, shown_key
 from ._reader import _ARRAY_DECODER, Reader, buffer_views, decode_top_map, more_entries
 from .codecs import V1
-from .errors import (DecodeError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
+from .errors import (DecodeError, ProtocolError, InvalidArgument, InvalidRequest, MissingArgument, UnknownOp,
                      UnsupportedVersion, ValidationError)
 from .legacy import LegacyRequest, decode_legacy
 from .schema import (ALIASES, FRAME_ARGS, FRAME_OPS, KIND_EXPECTED, LAYOUTS, MAX_FRAMES, OPS, OUTPUTS,
@@ -209,9 +209,13 @@ def _decode_v1_checked(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, .
     spec = OPS.get(op)
     if spec is None:
         reader.fail(UnknownOp, "op", "one of " + ", ".join(OPS), describe(memoryview(top["op"])), known=list(OPS))
-    entries = _args_map(reader, top["args"], "args", op, spec, _MOST_ARGS[op], InvalidRequest) if "args" in top else {}
-    args = _read_args(reader, op, spec, entries)
-    reader.check_buffers_used()
+    try:
+        entries = _args_map(reader, top["args"], "args", op, spec, _MOST_ARGS[op], InvalidRequest) if "args" in top else {}
+        args = _read_args(reader, op, spec, entries)
+        reader.check_buffers_used()
+    except ProtocolError as exc:
+        exc.op = op  # counted as that op's failure (one of OPS: a bounded set of names)
+        raise
     return Request(reader.request_id, op, args, multipart=bool(buffers), deadline_us=deadline_us)
 
 

@@ -66,6 +66,8 @@ class ProtocolError(Exception):
     detail      JSON-able dict, sent as the error reply's `detail`
     request_id  the request's id when it was parsed before the failure, else None
     legacy      True when the request was recognised as ExPhil legacy (reply in legacy shape)
+    op          the op named, when the failure came after a known op was read (its arguments),
+                else None: the op the failure is counted for
     """
 
     code = "internal_error"  # every class that is raised sets its own
@@ -76,6 +78,7 @@ class ProtocolError(Exception):
         self.detail = {} if detail is None else detail
         self.request_id = request_id
         self.legacy = legacy
+        self.op: str | None = None
 
     @property
     def codec(self):

@@ -13,6 +13,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.client import BridgeError, PortClient, server_env
@@ -69,6 +70,27 @@ def test_the_endpoint_agrees_with_stats_while_serving():
     assert samples[("scan_bridge_stage_seconds_bucket", (("le", "+Inf"),) + server)] == 3
     assert samples[("scan_bridge_stage_seconds_sum", server)] == pytest.approx(scan["server_us"] * 1e-6, rel=1e-6)
     assert samples[("scan_bridge_batch_rows_count", (("op", "scan"),))] == 3
+
+
+def test_requests_refused_before_they_run_count_as_their_ops_failures(inproc):
+    """Found in review: a request refused as its arguments were read (missing_argument), past
+    --max-pending (overloaded) or while the server drains (shutting_down) was counted only by
+    its code, so the per-op failure counts, and an alert on their ratio, read nothing during
+    an overload or a restart. A frame that names no known op is counted by its code alone."""
+    from bridge_fakes import RecordingConnection
+
+    srv, conn, busy = inproc(max_pending=1), RecordingConnection(), RecordingConnection()
+    assert srv.request(conn, "scan", x=torch.zeros(1, 2, 3)).error["code"] == "missing_argument"
+    srv.hold(busy)  # the one request --max-pending allows, in flight
+    assert srv.request(conn, "session_open", batch=1, dim=2, state=2).error["code"] == "overloaded"
+    srv.go()
+    srv.server.stop_requested.set()
+    assert srv.request(conn, "session_open", batch=1, dim=2, state=2).error["code"] == "shutting_down"
+    assert srv.request(conn, "no_such_op").error["code"] == "unknown_op"
+    stats = srv.server.stats.snapshot()
+    assert stats["ops"]["scan"]["failure_count"] == 1 and stats["ops"]["session_open"]["failure_count"] == 2
+    assert "no_such_op" not in stats["ops"]
+    assert stats["errors"] == {"missing_argument": 1, "overloaded": 1, "shutting_down": 1, "unknown_op": 1}
 
 
 def test_lanes_and_what_closed_connections_left_are_counted_apart(tmp_path):
