@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import socket
 import socketserver
 import threading
@@ -18,6 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from protocol import ERROR_CODES
 
 from .stats import TOTALLED_KEYS
+
+log = logging.getLogger("bridge.metrics")
 
 # A scraper needs one connection and sends its request at once: past these, a connection is
 # closed, so that idle or half-sent ones cannot hold a thread and a descriptor each for ever.
@@ -35,9 +38,22 @@ def serve_metrics(server, host: str, port: int) -> int:
     registry.register(ServerCollector(server))
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     httpd = BoundedServer(family, address[:2], QuietHandler)
-    httpd.set_app(make_wsgi_app(registry))
+    httpd.set_app(answering_head(make_wsgi_app(registry)))
     threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
     return httpd.server_port
+
+
+def answering_head(app):
+    """`app`, with HEAD answered as GET is but without a body (RFC 9110 §9.3.2), as `curl -I`
+    and load balancers' checks send it: prometheus_client's app refuses it, with a body."""
+    def head_as_get(environ, start_response):
+        if environ.get("REQUEST_METHOD") != "HEAD":
+            return app(environ, start_response)
+        body = app({**environ, "REQUEST_METHOD": "GET"}, start_response)
+        if hasattr(body, "close"):
+            body.close()
+        return [b""]
+    return head_as_get
 
 
 def endpoint_url(host: str, port: int) -> str:
@@ -105,6 +121,11 @@ class BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self._room.release()
+
+    def handle_error(self, request, client_address):
+        # socketserver prints a traceback to stderr, past the logs' format and level: a client
+        # that resets its connection, or a port scanner's, is no fault of the server's.
+        log.debug("metrics: a request from %s failed", client_address, exc_info=True)
 
 
 class ServerCollector:

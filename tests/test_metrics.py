@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.parse
@@ -248,6 +249,46 @@ def test_a_request_sent_a_byte_at_a_time_is_cut_off_at_the_timeout(monkeypatch):
         closed.set()
         assert time.monotonic() - started < 20, "the trickling connection was kept past its deadline"
         sender.join(10)
+
+
+def test_a_head_request_gets_the_gets_headers_and_no_body():
+    """`curl -I` and load balancers' checks send HEAD: prometheus_client's app answered it 405,
+    with a body (RFC 9110 forbids one). Found in review."""
+    from bridge import metrics
+    from bridge.device import choose_device
+    from bridge.server import Server, ServerConfig
+
+    port = metrics.serve_metrics(Server(ServerConfig(device="cpu"), choose_device("cpu")), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as head:
+        assert head.status == 200 and head.read() == b""
+        assert head.headers["Content-Type"].startswith("text/plain")
+    with urllib.request.urlopen(url, timeout=10) as get:
+        assert b"scan_bridge_uptime_seconds" in get.read()
+
+
+def test_a_connection_reset_by_its_client_writes_no_traceback():
+    """socketserver printed each failed request's traceback to stderr, past the logs' format and
+    --log-level: a client resetting its connection (a port scanner, a TCP check) wrote one a
+    connection into the server's log. Found in review."""
+    script = textwrap.dedent("""
+        import socket, struct, time
+        from bridge import metrics
+        from bridge.device import choose_device
+        from bridge.server import Server, ServerConfig
+        port = metrics.serve_metrics(Server(ServerConfig(device="cpu"), choose_device("cpu")), "127.0.0.1", 0)
+        for _ in range(3):
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x")  # half a request, then a reset
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+        time.sleep(1)  # not synchronisation: the handler threads' time to fail, or not
+        import urllib.request
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).status == 200
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=server_env(), timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "Exception occurred" not in run.stderr, run.stderr[-3000:]
 
 
 def test_idle_connections_are_bounded_and_closed_when_their_request_never_comes(monkeypatch):
