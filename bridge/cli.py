@@ -337,16 +337,17 @@ def main(argv=None, protocol_fd: int | None = None, signalled: list[int] | None 
 
 
 def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
-    # `--help` is read by a person, piped into less or grep: argparse prints it on sys.stdout,
-    # which the guard points at stderr, so it goes to the real stdout here (nothing else is
-    # written while the arguments are parsed; their errors stay on stderr).
-    stdout = sys.stdout
-    sys.stdout = open(os.dup(protocol_fd), "w", encoding="utf-8")
-    try:
-        args = build_parser().parse_args(argv)
-    finally:
-        sys.stdout.close()
-        sys.stdout = stdout
+    parser = build_parser()
+
+    def print_help(file=None):
+        # `--help` is read by a person, piped into less or grep: argparse prints it on
+        # sys.stdout, which the guard points at stderr, so it goes to the real stdout (only it:
+        # another thread's print meanwhile must not reach the protocol's descriptor).
+        with open(os.dup(protocol_fd), "w", encoding="utf-8") as out:
+            argparse.ArgumentParser.print_help(parser, out)
+
+    parser.print_help = print_help
+    args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=args.log_level,
                         format="%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("bridge")
