@@ -48,6 +48,10 @@ class BridgeError(Exception):
         self.detail = detail or {}
         self.timing = timing or {}
 
+    def __reduce__(self):
+        # Exception's default rebuilds from self.args (the one formatted string): keep every field.
+        return type(self), (self.code, self.message, self.detail, self.timing)
+
 
 class ServerExited(ConnectionError):
     """The connection to the server is gone (the server exited or closed its end, a write failed,
@@ -84,11 +88,11 @@ def to_wire(value):
     """numpy array / torch tensor → protocol.OutTensor (data is a zero-copy view when the
     array is little-endian and C-contiguous, else a copy that is); numpy scalars → Python
     numbers, as options such as dt_min take them (np.asarray(x) makes a 0-d tensor); a dict's
-    values each (a model's weights or state), and a list's items (session_open's frames); other
-    values pass through."""
+    values each (a model's weights or state), and a list's or tuple's items (session_open's
+    frames, dt_limit), as a list; other values pass through."""
     if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [to_wire(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
@@ -137,12 +141,13 @@ class RemoteModel:
         self.info = info
         self.id = info["model"]
 
-    def open_session(self, batch: int = 1, state: dict | None = None) -> ModelSession:
-        """A session of `batch` rows: zero state, or `state` as `ModelSession.state()` gave it."""
+    def open_session(self, batch: int = 1, state: dict | None = None, timeout: float | None = 60.0) -> ModelSession:
+        """A session of `batch` rows: zero state, or `state` as `ModelSession.state()` gave it.
+        Here and in ModelSession, `timeout` is as `request`'s."""
         args = {"model": self.id, "batch": batch}
         if state is not None:
             args["state"] = state
-        return ModelSession(self.client, self.client.call("session_open", **args)["session"], batch)
+        return ModelSession(self.client, self.client.call("session_open", timeout, **args)["session"], batch)
 
     def free(self) -> None:
         self.client.call("model_free", model=self.id)
@@ -174,7 +179,7 @@ class ModelSession:
         return (out, state) if return_state else out
 
     def forward(self, tokens=None, *, embeds=None, output: str | None = None, last_only: bool = False,
-                return_state: bool = False, lengths=None):
+                return_state: bool = False, lengths=None, timeout: float | None = 60.0):
         """Prefill tokens [batch, seq] (or embeds [batch, seq, d_model]) from the current
         state, leaving the state at the end; the logits (or hidden states) [batch, seq, ...].
         With lengths ([batch] ints, at most seq), row i runs only its first lengths[i]
@@ -185,7 +190,7 @@ class ModelSession:
             args["last_only"] = True
         if lengths is not None:
             args["lengths"] = lengths
-        return self._answer(self.client.call("model_forward", **args), return_state)
+        return self._answer(self.client.call("model_forward", timeout, **args), return_state)
 
     def step_reply(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False,
                    snapshot_into: str | None = None, timeout: float | None = 60.0) -> Reply:
@@ -197,23 +202,23 @@ class ModelSession:
         return self.client.request("model_step", args, timeout)
 
     def step(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False,
-             snapshot_into: str | None = None):
+             snapshot_into: str | None = None, timeout: float | None = 60.0):
         """One frame: tokens [batch] (or embeds [batch, d_model]) -> logits (or hidden) [batch, ...];
         with return_state, (output, state) as `forward` gives them. With snapshot_into (a
         snapshot's id, from `snapshot`), that snapshot takes the state as it was before this frame,
         in the same round trip: a rollback ring kept without requests of its own."""
         reply = self.step_reply(tokens, embeds=embeds, output=output, return_state=return_state,
-                                snapshot_into=snapshot_into)
+                                snapshot_into=snapshot_into, timeout=timeout)
         return self._answer(reply.unwrap(), return_state)
 
-    def snapshot(self) -> str:
+    def snapshot(self, timeout: float | None = 60.0) -> str:
         """A copy of the whole state, kept on the server; its id, for `restore`."""
-        return self.client.call("session_snapshot", session=self.id)["snapshot"]
+        return self.client.call("session_snapshot", timeout, session=self.id)["snapshot"]
 
-    def restore(self, snapshot: str) -> None:
-        self.client.call("session_restore", session=self.id, snapshot=snapshot)
+    def restore(self, snapshot: str, timeout: float | None = 60.0) -> None:
+        self.client.call("session_restore", timeout, session=self.id, snapshot=snapshot)
 
-    def restore_with_frames(self, snapshot: str, frames) -> list:
+    def restore_with_frames(self, snapshot: str, frames, timeout: float | None = 60.0) -> list:
         """A rollback in one round trip: restore `snapshot`, then run `frames` on this session,
         (op, args) pairs with op "model_step" or "model_forward" and args that op's own but the
         session; each frame's output (and state, with return_state) as step and forward return
@@ -221,19 +226,20 @@ class ModelSession:
         states. A frame that fails leaves the session holding the snapshot's state, and the
         snapshots its frames copied into undefined (SPEC §6.1)."""
         frames = list(frames)
-        results = self.client.restore_with_frames(self.id, snapshot, frames)
+        results = self.client.restore_with_frames(self.id, snapshot, frames, timeout)
         return [self._answer(result, bool(args.get("return_state"))) for (_, args), result in zip(frames, results)]
 
     def free_snapshot(self, snapshot: str) -> None:
         self.client.call("snapshot_free", snapshot=snapshot)
 
-    def fork(self) -> ModelSession:
+    def fork(self, timeout: float | None = 60.0) -> ModelSession:
         """A new session holding a copy of this one's state, stepped independently."""
-        return ModelSession(self.client, self.client.call("session_fork", session=self.id)["session"], self.batch)
+        return ModelSession(self.client, self.client.call("session_fork", timeout, session=self.id)["session"],
+                            self.batch)
 
-    def state(self) -> dict:
+    def state(self, timeout: float | None = 60.0) -> dict:
         """Every layer's state by name (layers.<i>.conv, layers.<i>.ssm), fp32."""
-        return self.client.call("session_state", session=self.id)["state"]
+        return self.client.call("session_state", timeout, session=self.id)["state"]
 
     def close(self) -> None:
         self.client.call("session_close", session=self.id)
@@ -271,6 +277,8 @@ class InFlight:
     # ZmqClient: the connection its message went out on (how many had ended before), None
     # while none has taken it.
     sent_on: int | None = None
+    # The request's op (None for send_raw's): what a late reply to a cancelled one created is freed.
+    op: str | None = None
 
 
 @dataclass
@@ -319,6 +327,16 @@ class NilAnswer:
     # written after it.
     frame: InFlight | None = None
 
+
+# Ops whose result names something the connection now owns, with the op (and its argument) that
+# frees it: what a late reply to a cancelled request created is freed (FramedClient._free_late).
+FREED_BY = {
+    "put": ("free", "handle"),
+    "session_open": ("session_close", "session"),
+    "session_fork": ("session_close", "session"),
+    "session_snapshot": ("snapshot_free", "snapshot"),
+    "model_load": ("model_free", "model"),
+}
 
 # How many replies to nothing in flight a client keeps (the latest): a long-lived client
 # must not grow without bound.
@@ -411,7 +429,7 @@ class FramedClient:
     def _submit(self, op: str, args: dict | None, request_id, deadline_s: float | None,
                 cancelling: Future | None = None) -> Future:
         """submit's work; `cancelling`: as InFlight's."""
-        entry = InFlight(Future(), time.perf_counter_ns(), cancelling=cancelling)
+        entry = InFlight(Future(), time.perf_counter_ns(), cancelling=cancelling, op=op)
         deadline_us = None if deadline_s is None else int(deadline_s * 1e6)
         with self._in_flight(request_id, entry) as request_id:
             wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
@@ -616,7 +634,7 @@ class FramedClient:
         flight when that is None, and name it in its Future; returns the id."""
         with self._lock:
             if self._refusal:
-                raise ServerExited(self._refusal)
+                raise self._refusal_error()
             if request_id is None:
                 request_id = next(self._ids)
                 while request_id in self._pending:
@@ -646,7 +664,7 @@ class FramedClient:
         it), and later requests are refused. An OSError is raised as ServerExited."""
         with self._write_lock:
             if self._refusal:
-                raise ServerExited(self._refusal)
+                raise self._refusal_error()
             if not self._begin_write(entry):
                 return False
             try:
@@ -654,10 +672,24 @@ class FramedClient:
             except BaseException as exc:
                 self._refuse_requests(f"a write failed part way ({exc!r}); the stream was ended")
                 self._end_stream()
-                if isinstance(exc, OSError):
-                    raise ServerExited(self._refusal) from exc
-                raise
-        return True
+                if not isinstance(exc, OSError):
+                    raise
+                failed = exc
+            else:
+                return True
+        # The server closed its end first: a unix server past --max-connections says why in an
+        # `overloaded` reply the reader may not have read yet (SPEC §4); give it a moment.
+        if threading.current_thread() is not self._thread:
+            self._thread.join(1.0)
+        raise self._refusal_error() from failed
+
+    def _refusal_error(self) -> Exception:
+        """Why requests are refused: the server's `overloaded` where it turned this connection
+        away (a fresh instance each time), else ServerExited."""
+        turned = self._turned_away
+        if turned is not None:
+            return BridgeError(turned.code, turned.message, turned.detail)
+        return ServerExited(self._refusal)
 
     def _begin_write(self, entry: InFlight | None) -> bool:
         """Whether the frame of `entry` is written, as it is about to be (called with
@@ -703,9 +735,13 @@ class FramedClient:
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
         """Send a request and wait at most `timeout` seconds (None: for ever) for its reply.
         The timeout is its deadline on the server too; when it passes the request is cancelled
-        (`cancel`) and TimeoutError raised. It bounds the wait for the reply, not the send: a
+        (`cancel`: what it created anyway is freed) and TimeoutError raised. Not from a Future's
+        done callback, which runs on the thread that reads the replies (RuntimeError): submit. It bounds the wait for the reply, not the send: a
         request larger than what the connection buffers waits for the server to read it (a
         server past its per-connection cap reads more only as it answers, SPEC §7)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{op!r}: a blocking call on the client's reader thread (a Future's done "
+                               "callback) would wait for a reply that only this thread can read; use submit()")
         future = self.submit(op, args, deadline_s=timeout)
         try:
             reply = future.result(timeout)
@@ -719,8 +755,9 @@ class FramedClient:
         return reply
 
     def cancel(self, future: Future) -> bool:
-        """Give up on a submitted request: its Future is cancelled (its late reply is dropped)
-        and the server asked to drop it if it has not started (SPEC §6 `cancel`; its answer is
+        """Give up on a submitted request: its Future is cancelled (its late reply is dropped,
+        and what that reply says it created, a handle, session, snapshot or model, freed: nobody
+        else learns its id) and the server asked to drop it if it has not started (SPEC §6 `cancel`; its answer is
         not waited for); one still held here is dropped unsent, nothing asked of the server.
         False when its reply has come already.
 
@@ -849,12 +886,12 @@ class FramedClient:
         result = self.call("session_open", frames=[{"op": op, "args": args} for op, args in frames], **dims)
         return result["session"], result["frames"]
 
-    def restore_with_frames(self, session: str, snapshot: str, frames) -> list[dict]:
+    def restore_with_frames(self, session: str, snapshot: str, frames, timeout: float | None = 60.0) -> list[dict]:
         """Restore `snapshot` into `session` and run `frames` on it in the same request, as
         `open_session_with_frames` runs its own: each frame's result. A rollback and its
         re-simulation in one round trip; a frame that fails leaves the snapshot's state
         (SPEC §6.4)."""
-        result = self.call("session_restore", session=session, snapshot=snapshot,
+        result = self.call("session_restore", timeout, session=session, snapshot=snapshot,
                            frames=[{"op": op, "args": args} for op, args in frames])
         return result["frames"]
 
@@ -877,12 +914,12 @@ class FramedClient:
     # -- whole models (SPEC §6.4) -----------------------------------------------------------
 
     def load_model(self, path: str | None = None, *, config: dict | None = None, weights: dict | None = None,
-                   dtype: str | None = None, name: str | None = None) -> RemoteModel:
+                   dtype: str | None = None, name: str | None = None, timeout: float | None = 60.0) -> RemoteModel:
         """A model loaded on the server: from a checkpoint directory `path` under the server's
         --model-dir, or from a `config` map and `weights` (name -> array or handle) sent here.
         `dtype`: "f32" (default), "bf16" or "f16" for the weights; state is always fp32."""
         args = {"path": path, "config": config, "weights": weights, "dtype": dtype, "name": name}
-        info = self.call("model_load", **{k: v for k, v in args.items() if v is not None})
+        info = self.call("model_load", timeout, **{k: v for k, v in args.items() if v is not None})
         return RemoteModel(self, info)
 
     def put(self, tensor) -> protocol.HandleRef:
@@ -993,8 +1030,24 @@ class FramedClient:
                 self._keep_unmatched(self._reply(answer, None))
             else:
                 settle(entry.future, self._reply(answer, entry))
+                if entry.future.cancelled() and answer.decoded.ok and entry.op in FREED_BY:
+                    self._free_late(entry.op, answer.result)
         if self._held or self._held_cancels:
             self._send_released()
+
+    def _free_late(self, op: str, result: dict) -> None:
+        """Free what a request its caller gave up on (a timeout, cancel()) created anyway: it had
+        started, so the cancel could not drop it, and nobody holds the id its reply names. Sent
+        from a thread of its own: this reader must not wait for a write."""
+        free_op, key = FREED_BY[op]
+
+        def send():
+            try:
+                self._submit(free_op, {key: result[key]}, None, None)
+            except (ServerExited, BridgeError, KeyError):
+                pass
+
+        threading.Thread(target=send, name="bridge-client-free-late", daemon=True).start()
 
     @staticmethod
     def _reply(received: Received, entry: InFlight | None) -> Reply:

@@ -325,6 +325,75 @@ def test_callers_waiting_when_the_server_turns_the_connection_away_get_overloade
     assert turned_away.value.code == "overloaded" and turned_away.value.detail == {"limit": 1}
 
 
+@pytest.mark.parametrize("op, args, result, free_op, freed", [
+    pytest.param("put", {"tensor": np.zeros(2, np.float32)}, {"handle": "h7"}, "free", {"handle": "h7"}, id="put"),
+    pytest.param("session_open", {"batch": 1, "dim": 2, "state": 2}, {"session": "s7"}, "session_close",
+                 {"session": "s7"}, id="session_open"),
+    pytest.param("session_snapshot", {"session": "s1"}, {"snapshot": "p7"}, "snapshot_free", {"snapshot": "p7"},
+                 id="session_snapshot"),
+    pytest.param("model_load", {"path": "m"}, {"model": "m7"}, "model_free", {"model": "m7"}, id="model_load"),
+])
+def test_what_a_request_given_up_on_created_anyway_is_freed(pipe, op, args, result, free_op, freed):
+    """A request that started before its cancel came runs to its end: its late reply names what
+    it created, which nobody else learns. The client dropped it, so a caller timing requests
+    out leaked handles, sessions, snapshots or models until limit_exceeded (found in review);
+    it now frees each."""
+    future = pipe.client.submit(op, args)
+    request = pipe.read_request()
+    assert pipe.client.cancel(future)
+    cancel = pipe.read_request()
+    assert (cancel.op, cancel.args["id"]) == ("cancel", request.id)
+    pipe.reply(cancel.id, {"cancelled": False})  # it had started
+    pipe.reply(request.id, result)
+    assert select.select([pipe.requests], [], [], REPLY_TIMEOUT_S)[0], f"no {free_op} was sent"
+    free = pipe.read_request()
+    assert (free.op, free.args) == (free_op, freed)
+    pipe.reply(free.id, {"freed": True})
+
+
+def test_an_error_reply_to_a_request_given_up_on_frees_nothing(pipe):
+    future = pipe.client.submit("session_open", {"batch": 1, "dim": 2, "state": 2})
+    request = pipe.read_request()
+    assert pipe.client.cancel(future)
+    pipe.reply(pipe.read_request().id, {"cancelled": True})
+    pipe.error(request.id, "cancelled")
+    ping = pipe.client.submit("ping")
+    assert pipe.read_request().op == "ping"  # the next request, not a session_close
+    pipe.reply(ping.request_id)
+    ping.result(REPLY_TIMEOUT_S)
+
+
+def test_a_blocking_call_in_a_done_callback_is_refused_not_left_to_freeze_the_client(pipe):
+    """A done callback runs on the thread that reads the replies: a request() there waited for
+    a reply only that thread could read, and every reply waited out its timeout (found in
+    review)."""
+    raised = []
+    first = pipe.client.submit("ping")
+
+    def callback(_):
+        try:
+            pipe.client.request("ping", timeout=REPLY_TIMEOUT_S)
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    first.add_done_callback(callback)
+    pipe.reply(pipe.read_request().id)
+    first.result(REPLY_TIMEOUT_S)
+    wait_until(lambda: raised, "the callback's request was not refused", REPLY_TIMEOUT_S)
+    assert "reader thread" in str(raised[0])
+
+
+def test_a_bridge_error_survives_pickling_as_a_process_pool_sends_it():
+    import copy
+    import pickle
+
+    error = BridgeError("unknown_session", "args.session: no such session", {"field": "args.session"}, {"server_us": 3})
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert (again.code, again.message, again.detail, again.timing) == (
+            error.code, error.message, error.detail, error.timing)
+        assert str(again) == str(error)
+
+
 def test_replies_to_nothing_in_flight_are_kept_only_up_to_a_bound(pipe):
     for index in range(UNMATCHED_KEPT + 5):
         pipe.reply(f"stray-{index}")
@@ -631,6 +700,8 @@ def test_numpy_arrays_travel_with_their_shape_and_values(array):
 
 def test_numpy_scalars_travel_as_numbers():
     assert [to_wire(v) for v in (np.float32(0.5), np.int64(3), np.bool_(True))] == [0.5, 3, True]
+    # In a tuple too, as mamba_ssm's callers pass dt_limit.
+    assert to_wire((np.float32(0.5), np.float32(2.0))) == [0.5, 2.0]
     assert type(to_wire(np.int64(3))) is int
 
 

@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -69,6 +70,27 @@ def test_a_connection_turned_away_counts_its_answer_as_sent(tmp_path, inproc):
     assert [after[key] - before[key] for key in ("frames_in", "replies_out", "bytes_out")] == \
         [1, 2, len(body) + len(pong)]
     assert after["errors"]["overloaded"] - before["errors"].get("overloaded", 0) == 1
+
+
+def test_a_unix_client_turned_away_raises_overloaded_not_server_exited(tmp_path, inproc):
+    """SPEC §4: past --max-connections the server answers `overloaded` (retry later) and closes.
+    Found in review: the Python client's write then failed, often before its reader had read
+    that answer, and the caller got ServerExited (the server gone), also on a client that made
+    no request before the close: a busy server could not be told from a dead one."""
+    from bridge.client import BridgeError, UnixClient
+
+    srv = inproc()
+    with unix_lane(tmp_path, srv.dispatcher, max_connections=1) as transport:
+        transport.start()
+        with UnixClient(transport.path) as kept:
+            kept.ping()
+            for settle_s in (0.0, 0.0, 0.3):
+                with UnixClient(transport.path) as turned_away:
+                    time.sleep(settle_s)  # not synchronisation: with 0.3 s the close has come first
+                    with pytest.raises(BridgeError) as refused:
+                        turned_away.ping()
+                    assert refused.value.code == "overloaded" and refused.value.detail == {"limit": 1}
+            kept.ping()
 
 
 def test_connections_already_closed_do_not_keep_a_live_one_out(tmp_path, inproc):
