@@ -383,16 +383,16 @@ class StateWalk(RuleBasedStateMachine):
     def request(self, conn: int, op: str, **args):
         return self.conns[conn].reply(self.submit(conn, op, **args))
 
-    def count(self, reply, decoding: bool) -> None:
+    def count(self, reply) -> None:
         """What `stats` counts for `reply`: under its op, a success (and an inference) or a
-        failure, and the error's code; a request the decoder refused only by its code."""
+        failure, and the error's code; a request the decoder refused too (SPEC §6.3: every op
+        the walk sends is known)."""
         op = self.op_of.pop(reply.id)
         if reply.ok:
             self.counted[op].update(("success_count", "inference_count"))
         else:
             self.errors[reply.error["code"]] += 1
-            if not decoding:
-                self.counted[op]["failure_count"] += 1
+            self.counted[op]["failure_count"] += 1
 
     def frames_ran(self, ops) -> None:
         """Frames that ran inside a request: an inference of each one's op."""
@@ -403,12 +403,10 @@ class StateWalk(RuleBasedStateMachine):
         return self.expect(self.request(conn, op, **args), None, what=op)
 
     def expect(self, reply, code: str | None, field: str | None = None, *, limit: str | None = None,
-               frame: int | None = None, lost: Held | None = None, decoding: bool = False,
-               what: str = "") -> dict | None:
+               frame: int | None = None, lost: Held | None = None, what: str = "") -> dict | None:
         """The reply's result where `code` is None; else check it is that error (its field,
-        limit, frame where given; `lost`: the session it says it left lost, else none;
-        `decoding`: refused by the decoder)."""
-        self.count(reply, decoding)
+        limit, frame where given; `lost`: the session it says it left lost, else none)."""
+        self.count(reply)
         error = reply.error
         if what != "stats":
             event(f"{what.split()[0]}: {error['code'] if error else 'ok'}")
@@ -562,7 +560,7 @@ class StateWalk(RuleBasedStateMachine):
         """Whether the decoder refused the request for a garbled frame (checked so)."""
         if frames is None or frames.bad != "garbled":
             return False
-        self.expect(reply, "invalid_argument", f"args.frames[{frames.spoiled}].args.{frames.name}", decoding=True,
+        self.expect(reply, "invalid_argument", f"args.frames[{frames.spoiled}].args.{frames.name}",
                     what=what)
         return True
 
