@@ -60,6 +60,11 @@ def test_bad_endpoints_are_refused_with_what_was_expected(endpoint):
                  [b"\x81body", b"buf"], id="req-behind-two-proxies"),
     pytest.param([b"id", b"\x81body", b"", b"buf"], [b"id"], [b"\x81body", b"", b"buf"],
                  id="dealer-body-then-empty-buffer"),
+    pytest.param([b"proxy", b"\0abcd", b"\x81body", b"buf"], [b"proxy", b"\0abcd"], [b"\x81body", b"buf"],
+                 id="dealer-behind-a-proxy"),
+    pytest.param([b"id", b"\x93\x01\x02\x03"], [b"id"], [b"\x93\x01\x02\x03"], id="dealer-body-not-a-map"),
+    pytest.param([b"id", b"x" * 256, b"\x81body"], [b"id"], [b"x" * 256, b"\x81body"],
+                 id="a-frame-too-long-for-a-routing-id"),
     pytest.param([b"id", *[b"\0hop"] * 8, b"", b"\x81body"], [b"id"], [*[b"\0hop"] * 8, b"", b"\x81body"],
                  id="more-hops-than-a-route-may-have"),
 ])
@@ -675,12 +680,15 @@ def test_a_silent_zmq_peer_past_the_idle_timeout_loses_what_it_owns(tmp_path):
             "idle": {"peers": 1, "sessions": 1, "snapshots": 0, "models": 0, "handles": 0}}
 
 
-def test_req_clients_behind_a_zmq_proxy_are_answered_each_a_peer_of_its_own(tmp_path):
-    """Behind a ROUTER/DEALER proxy (zmq.proxy), a REQ client's request comes with the proxy's
-    routing id, the client's and the delimiter. Found in review: the client's routing id was
-    read as the body, and the decode_error reply went back to the proxy alone, which dropped it:
-    the client waited for ever. Each client is answered, owns what it opens (not the other
-    client's session), and loses it when the proxy's connection ends."""
+def test_clients_behind_a_zmq_proxy_are_answered_each_a_peer_of_its_own(tmp_path):
+    """Behind a ROUTER/DEALER proxy (zmq.proxy), a request comes with the proxy's routing id,
+    the client's, a REQ client's delimiter and the body. Found in review: the client's routing
+    id was read as the body, and the decode_error reply went back to the proxy alone, which
+    dropped it: the client waited for ever. Each client, REQ or this project's ZmqClient (a
+    DEALER, no delimiter), is answered, owns what it opens (not another client's session), and
+    loses it when the proxy's connection ends."""
+    from bridge.client import ZmqClient
+
     with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4) as (dispatcher, transport):
         context = zmq.Context()
         front, back = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
@@ -712,7 +720,15 @@ def test_req_clients_behind_a_zmq_proxy_are_answered_each_a_peer_of_its_own(tmp_
             first, second = (call(sock, 2, "session_open", shape)["result"]["session"] for sock in clients)
             assert call(clients[0], 3, "session_state", {"session": first})["ok"]
             assert call(clients[1], 3, "session_state", {"session": first})["error"]["code"] == "unknown_session"
-            assert dispatcher.server.sessions.usage()["sessions"] == 2
+            dealer = ZmqClient(f"ipc://{tmp_path}/proxy.ipc")
+            try:
+                assert dealer.request("ping", timeout=REPLY_TIMEOUT_S).unwrap() == {"pong": True}
+                dealer.call("session_open", REPLY_TIMEOUT_S, **shape)
+                assert dealer.request("session_state", {"session": second}, REPLY_TIMEOUT_S).error[
+                    "code"] == "unknown_session"
+            finally:
+                dealer.close()
+            assert dispatcher.server.sessions.usage()["sessions"] == 3
         finally:
             for sock in clients:
                 sock.close(linger=0)

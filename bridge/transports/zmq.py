@@ -127,23 +127,30 @@ def chose_its_routing_id(routing_id: bytes) -> bool:
 
 
 # What a body's first byte is (a msgpack map: fixmap, map 16, map 32), and a routing id a proxy
-# added before a delimiter may not be: the two are told apart by it.
+# added may not start with: the two are told apart by it.
 _MAP_FIRST_BYTES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 
 
-def _may_be_routing_id(frame) -> bool:
-    return 0 < len(frame) <= 255 and memoryview(frame)[0] not in _MAP_FIRST_BYTES
+def _starts_as_map(frame) -> bool:
+    return len(frame) > 0 and memoryview(frame)[0] in _MAP_FIRST_BYTES
 
 
 def split_envelope(frames: list) -> tuple[list, list]:
-    """(envelope, message) of a message received on a ROUTER: the routing id, plus, for a
-    request sent with REQ's empty delimiter, the routing ids proxies added before it (each a
-    ROUTER/DEALER device's, up to MAX_ROUTE in all) and the delimiter; the message is the body
-    and raw buffers. Without a delimiter a routing id could not be told from a body."""
-    for i in range(1, min(len(frames) - 1, MAX_ROUTE + 1)):
-        if len(frames[i]) == 0:
-            return frames[:i + 1], frames[i + 1:]
-        if not _may_be_routing_id(frames[i]):
+    """(envelope, message) of a message received on a ROUTER: its route, the routing ids before
+    the body (the peer's, then one for each ROUTER/DEALER proxy between the client and this
+    socket, up to MAX_ROUTE in all), and REQ's empty delimiter when the request had one; the
+    message is the body and raw buffers. A routing id is 1 to 255 bytes and does not start as a
+    msgpack map does, which every body does; anything else leaves the route the peer's id alone
+    and the rest the message (a malformed request, answered as such)."""
+    for i in range(1, min(len(frames), MAX_ROUTE + 1)):
+        frame = frames[i]
+        if len(frame) == 0:
+            if i + 1 < len(frames):
+                return frames[:i + 1], frames[i + 1:]
+            break
+        if _starts_as_map(frame):
+            return frames[:i], frames[i:]
+        if len(frame) > 255:
             break
     return frames[:1], frames[1:]
 
@@ -391,7 +398,8 @@ class ZmqTransport:
             received_ns = now_ns()
             received_at = time.monotonic()
             envelope, message = split_envelope(frames)
-            route = tuple(frame.bytes for frame in envelope[:-1]) if len(envelope) > 1 else (envelope[0].bytes,)
+            delimited = len(envelope) > 1 and len(envelope[-1]) == 0  # routing ids are never empty
+            route = tuple(frame.bytes for frame in (envelope[:-1] if delimited else envelope))
             routing_id = route[0]
             key = (index, route)
             fd = self._source_fd(frames[0])
@@ -416,9 +424,9 @@ class ZmqTransport:
                         peer.fd = fd
                         self._on_fd.setdefault((index, fd), set()).add(peer)
             peer.last_seen = received_at
-            # A REQ peer's replies need its delimiter (and a proxied one its route); a DEALER's
-            # must have one only when its request had one.
-            target = ZmqReplyTarget(peer, [*route, b""] if len(envelope) > 1 else [routing_id])
+            # Replies go back along the route; a REQ peer's need its delimiter, a DEALER's must
+            # have one only when its request had one.
+            target = ZmqReplyTarget(peer, [*route, b""] if delimited else [*route])
             request = (message, received_ns, target)
             buffers = parts - len(envelope) - 1
             if buffers > MAX_RAW_BUFFERS:
