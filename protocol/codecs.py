@@ -37,16 +37,17 @@ V1 = V1Codec()
 CODECS = (V1, LEGACY)
 
 
-def error_reply_for(body, buffers, code: str, message: str, detail: dict | None = None) -> list:
+def error_reply_for(body, buffers, code: str, message: str, detail: dict | None = None) -> tuple[list, str | None]:
     """An error reply to the request in `body`, in its codec and with its id where they can be
-    read (else v1 with no id): for a transport that turns a request away unread."""
+    read (else v1 with no id), and the op the stats count it for (None where no known op was
+    read): for a transport that turns a request away unread."""
     from .decode import decode_request  # decode imports this module
     from .errors import ProtocolError
 
     try:
         request = decode_request(body, buffers)
     except ProtocolError as exc:
-        codec, request_id = exc.codec, exc.request_id
+        codec, request_id, op = exc.codec, exc.request_id, exc.op
     else:
-        codec, request_id = request.codec, request.reply_id
-    return codec.error(request_id, code, message, detail)
+        codec, request_id, op = request.codec, request.reply_id, request.op
+    return codec.error(request_id, code, message, detail), None if op is None else codec.stats_prefix + op

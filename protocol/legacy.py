@@ -27,7 +27,7 @@ import msgspec
 from ._msgpack import describe, key_path, shown_key
 from ._reader import Reader
 from .encode import Packer, check_timing
-from .errors import InvalidArgument, InvalidRequest, MissingArgument, UnknownOp
+from .errors import InvalidArgument, InvalidRequest, MissingArgument, ProtocolError, UnknownOp
 from .tensors import OutTensor, WireTensor
 
 LEGACY_OPS = ("scan", "ping", "info")
@@ -87,6 +87,14 @@ def decode_legacy(top: dict[str, msgspec.Raw]) -> LegacyRequest:
     if op not in LEGACY_OPS:
         reader.fail(UnknownOp, "op", "one of " + ", ".join(LEGACY_OPS) + " (legacy ExPhil)",
                     describe(memoryview(top["op"])), known=list(LEGACY_OPS))
+    try:
+        return _legacy_request(reader, top, op)
+    except ProtocolError as exc:
+        exc.op = op  # counted as that op's failure, as a v1 request's (decode.py)
+        raise
+
+
+def _legacy_request(reader: Reader, top: dict[str, msgspec.Raw], op: str) -> LegacyRequest:
     if op != "scan":
         for key in top:
             if key != "op":

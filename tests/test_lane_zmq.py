@@ -461,7 +461,8 @@ def test_an_overloaded_answer_leaves_after_the_replies_posted_before_it(tmp_path
 def test_a_zmq_request_answered_overloaded_counts_as_read_and_its_answer_as_sent(tmp_path):
     """A peer's request past its cap and its queue is declined by the lane, not the
     dispatcher: it must still count in frames_in and bytes_in, and its answer in replies_out
-    and bytes_out, as the dispatcher counts every other request and reply."""
+    and bytes_out, as the dispatcher counts every other request and reply, and as its op's
+    failure (SPEC §6.3; found in review: counted only under its code)."""
     ping_may_answer = threading.Event()
 
     def held_ping(server, call):
@@ -482,6 +483,7 @@ def test_a_zmq_request_answered_overloaded_counts_as_read_and_its_answer_as_sent
         after = stats.snapshot()
         assert [after[key] - before[key] for key in ("frames_in", "bytes_in", "replies_out", "bytes_out")] == \
             [2, len(pings[0]) + len(pings[2]), 1, len(declined)]
+        assert after["ops"]["ping"]["failure_count"] == 1 and after["errors"]["overloaded"] == 1
         ping_may_answer.set()
         assert sorted(reply_ids(client, 2)) == [1, 2]
         assert stats.snapshot()["frames_in"] - before["frames_in"] == 3

@@ -12,6 +12,7 @@ import time
 import urllib.parse
 import urllib.request
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -78,6 +79,7 @@ def test_requests_refused_before_they_run_count_as_their_ops_failures(inproc):
     --max-pending (overloaded) or while the server drains (shutting_down) was counted only by
     its code, so the per-op failure counts, and an alert on their ratio, read nothing during
     an overload or a restart. A frame that names no known op is counted by its code alone."""
+    from bridge.transports.base import Connection
     from bridge_fakes import RecordingConnection
 
     srv, conn, busy = inproc(max_pending=1), RecordingConnection(), RecordingConnection()
@@ -88,10 +90,17 @@ def test_requests_refused_before_they_run_count_as_their_ops_failures(inproc):
     srv.server.stop_requested.set()
     assert srv.request(conn, "session_open", batch=1, dim=2, state=2).error["code"] == "shutting_down"
     assert srv.request(conn, "no_such_op").error["code"] == "unknown_op"
+    # An ExPhil request (SPEC §9) refused for its arguments: its legacy op's failure.
+    legacy_replies = []
+    legacy = Connection("test")
+    legacy.send = lambda parts, buffers=None: legacy_replies.append(msgpack.unpackb(b"".join(parts)))
+    srv.dispatcher.on_frame(legacy, bytearray(msgpack.packb({"op": "scan", "batch": 1})), time.perf_counter_ns())
+    assert legacy_replies and legacy_replies[0]["status"] == "error", legacy_replies
     stats = srv.server.stats.snapshot()
     assert stats["ops"]["scan"]["failure_count"] == 1 and stats["ops"]["session_open"]["failure_count"] == 2
+    assert stats["ops"]["legacy_scan"]["failure_count"] == 1
     assert "no_such_op" not in stats["ops"]
-    assert stats["errors"] == {"missing_argument": 1, "overloaded": 1, "shutting_down": 1, "unknown_op": 1}
+    assert stats["errors"] == {"missing_argument": 2, "overloaded": 1, "shutting_down": 1, "unknown_op": 1}
 
 
 def test_lanes_and_what_closed_connections_left_are_counted_apart(tmp_path):

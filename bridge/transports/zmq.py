@@ -514,12 +514,15 @@ class ZmqTransport:
     def _turn_away(self, peer: ZmqPeer, request: tuple, code: str, text: str, detail: dict) -> None:
         """Answer `request` with error `code` at once, unread by the dispatcher."""
         message, _, target = request
-        parts = protocol.error_reply_for(message[0].buffer, [frame.buffer for frame in message[1:]],
-                                         code, text, detail)
-        # Read and answered as the dispatcher counts a request and its reply.
+        parts, op = protocol.error_reply_for(message[0].buffer, [frame.buffer for frame in message[1:]],
+                                             code, text, detail)
+        # Read and answered as the dispatcher counts a request and its reply (SPEC §6.3).
         stats = self.dispatcher.server.stats
         stats.frame_in(sum(len(frame) for frame in message), target.lane)
-        stats.record_error(code)
+        if op is None:
+            stats.record_error(code)
+        else:
+            stats.record(op, None, ok=False, error_code=code)
         stats.reply_out(parts, lane=target.lane)
         peer.in_flight += 1  # answered like any other request: _answered gives it back
         # Queued like a reply made here (behind replies the worker posted for this peer before,
