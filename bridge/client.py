@@ -49,8 +49,9 @@ class BridgeError(Exception):
         self.timing = timing or {}
 
     def __reduce__(self):
-        # Exception's default rebuilds from self.args (the one formatted string): keep every field.
-        return type(self), (self.code, self.message, self.detail, self.timing)
+        # Exception's default rebuilds from self.args (the one formatted string): keep every
+        # field, and what was set on it since (add_note's notes).
+        return type(self), (self.code, self.message, self.detail, self.timing), self.__dict__
 
 
 class ServerExited(ConnectionError):
@@ -410,6 +411,7 @@ class FramedClient:
         # An `overloaded` reply with id nil: the server turned this connection away and closes
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
+        self._turned_away_told = False  # a request refused so has been told (_refusal_error)
         self._thread = self._start_reader()
 
     # -- requests -------------------------------------------------------------------------
@@ -685,11 +687,18 @@ class FramedClient:
 
     def _refusal_error(self) -> Exception:
         """Why requests are refused: the server's `overloaded` where it turned this connection
-        away (a fresh instance each time), else ServerExited."""
+        away, for the first request refused so (a retry belongs on a new client: this
+        connection is closed, and `overloaded` again for ever would keep a retry loop on it),
+        else ServerExited."""
         turned = self._turned_away
-        if turned is not None:
+        if turned is None:
+            return ServerExited(self._refusal)
+        # Unlocked (a caller may hold self._lock): two first refusals at once may both say overloaded.
+        told, self._turned_away_told = self._turned_away_told, True
+        if not told:
             return BridgeError(turned.code, turned.message, turned.detail)
-        return ServerExited(self._refusal)
+        return ServerExited(f"the server turned this connection away ({turned.code}, {turned.detail}): "
+                            "open a new client to retry")
 
     def _begin_write(self, entry: InFlight | None) -> bool:
         """Whether the frame of `entry` is written, as it is about to be (called with

@@ -388,10 +388,11 @@ def test_a_bridge_error_survives_pickling_as_a_process_pool_sends_it():
     import pickle
 
     error = BridgeError("unknown_session", "args.session: no such session", {"field": "args.session"}, {"server_us": 3})
+    error.add_note("while stepping frame 7")
     for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
         assert (again.code, again.message, again.detail, again.timing) == (
             error.code, error.message, error.detail, error.timing)
-        assert str(again) == str(error)
+        assert str(again) == str(error) and again.__notes__ == ["while stepping frame 7"]
 
 
 def test_replies_to_nothing_in_flight_are_kept_only_up_to_a_bound(pipe):

@@ -77,7 +77,7 @@ def test_a_unix_client_turned_away_raises_overloaded_not_server_exited(tmp_path,
     Found in review: the Python client's write then failed, often before its reader had read
     that answer, and the caller got ServerExited (the server gone), also on a client that made
     no request before the close: a busy server could not be told from a dead one."""
-    from bridge.client import BridgeError, UnixClient
+    from bridge.client import BridgeError, ServerExited, UnixClient
 
     srv = inproc()
     with unix_lane(tmp_path, srv.dispatcher, max_connections=1) as transport:
@@ -90,6 +90,9 @@ def test_a_unix_client_turned_away_raises_overloaded_not_server_exited(tmp_path,
                     with pytest.raises(BridgeError) as refused:
                         turned_away.ping()
                     assert refused.value.code == "overloaded" and refused.value.detail == {"limit": 1}
+                    # Once told, a retry on the closed connection is ServerExited: a new client's.
+                    with pytest.raises(ServerExited, match="open a new client to retry"):
+                        turned_away.ping()
             kept.ping()
 
 
