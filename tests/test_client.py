@@ -383,6 +383,32 @@ def test_a_blocking_call_in_a_done_callback_is_refused_not_left_to_freeze_the_cl
     assert "reader thread" in str(raised[0])
 
 
+@pytest.mark.parametrize("call, op, result", [
+    pytest.param(lambda c, t: c.load_model("m", timeout=t), "model_load", {"model": "m1"}, id="load_model"),
+    pytest.param(lambda c, t: bridge.client.RemoteModel(c, {"model": "m1"}).open_session(timeout=t), "session_open",
+                 {"session": "s1"}, id="open_session"),
+    pytest.param(lambda c, t: bridge.client.ModelSession(c, "s1", 1).forward(np.zeros((1, 3), np.int64), timeout=t),
+                 "model_forward", {"logits": to_wire(np.zeros((1, 3, 2), np.float32))}, id="forward"),
+    pytest.param(lambda c, t: bridge.client.ModelSession(c, "s1", 1).snapshot(timeout=t), "session_snapshot",
+                 {"snapshot": "p1"}, id="snapshot"),
+    pytest.param(lambda c, t: bridge.client.ModelSession(c, "s1", 1).restore_with_frames("p1", [], timeout=t),
+                 "session_restore", {"frames": []}, id="restore_with_frames"),
+    pytest.param(lambda c, t: bridge.client.ModelSession(c, "s1", 1).fork(timeout=t), "session_fork",
+                 {"session": "s2"}, id="fork"),
+])
+def test_the_model_api_takes_a_timeout_that_is_the_requests_deadline(pipe, call, op, result):
+    """A large checkpoint's load or a long prefill outlasted the fixed 60 s the model API gave
+    every call but step (found in review): each takes `timeout`, its deadline on the server."""
+    done = []
+    caller = threading.Thread(target=lambda: done.append(call(pipe.client, 300.0)))
+    caller.start()
+    request = pipe.read_request()
+    assert request.op == op and request.deadline_us == 300_000_000
+    pipe.reply(request.id, result)
+    caller.join(REPLY_TIMEOUT_S)
+    assert done, "the call did not return"
+
+
 def test_a_bridge_error_survives_pickling_as_a_process_pool_sends_it():
     import copy
     import pickle
