@@ -339,7 +339,7 @@ def main(argv=None, protocol_fd: int | None = None, signalled: list[int] | None 
 def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
     parser = build_parser()
 
-    def print_help(file=None):
+    def print_help(_file=None):  # argparse's signature; always the real stdout
         # `--help` is read by a person, piped into less or grep: argparse prints it on
         # sys.stdout, which the guard points at stderr, so it goes to the real stdout (only it:
         # another thread's print meanwhile must not reach the protocol's descriptor).

@@ -744,10 +744,11 @@ class FramedClient:
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
         """Send a request and wait at most `timeout` seconds (None: for ever) for its reply.
         The timeout is its deadline on the server too; when it passes the request is cancelled
-        (`cancel`: what it created anyway is freed) and TimeoutError raised. Not from a Future's
-        done callback, which runs on the thread that reads the replies (RuntimeError): submit. It bounds the wait for the reply, not the send: a
-        request larger than what the connection buffers waits for the server to read it (a
-        server past its per-connection cap reads more only as it answers, SPEC §7)."""
+        (`cancel`: what it created anyway is freed) and TimeoutError raised. It bounds the wait
+        for the reply, not the send: a request larger than what the connection buffers waits
+        for the server to read it (a server past its per-connection cap reads more only as it
+        answers, SPEC §7). Not from a Future's done callback, which runs on the thread that
+        reads the replies (RuntimeError: use submit there)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError(f"{op!r}: a blocking call on the client's reader thread (a Future's done "
                                "callback) would wait for a reply that only this thread can read; use submit()")

@@ -44,15 +44,23 @@ def serve_metrics(server, host: str, port: int) -> int:
 
 
 def answering_head(app):
-    """`app`, with HEAD answered as GET is but without a body (RFC 9110 §9.3.2), as `curl -I`
-    and load balancers' checks send it: prometheus_client's app refuses it, with a body."""
+    """`app`, with HEAD answered as GET is, its status and headers (the length GET's body would
+    have, RFC 9110 §8.6), but without a body (§9.3.2), as `curl -I` and load balancers' checks
+    send it: prometheus_client's app refuses it, with a body."""
     def head_as_get(environ, start_response):
         if environ.get("REQUEST_METHOD") != "HEAD":
             return app(environ, start_response)
-        body = app({**environ, "REQUEST_METHOD": "GET"}, start_response)
-        if hasattr(body, "close"):
-            body.close()
-        return [b""]
+        started = []
+        body = app({**environ, "REQUEST_METHOD": "GET"}, lambda *args: started.append(args))
+        try:
+            length = sum(len(chunk) for chunk in body)
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+        status, headers, *exc_info = started[0]
+        headers = [(k, v) for k, v in headers if k.lower() != "content-length"] + [("Content-Length", str(length))]
+        start_response(status, headers, *exc_info)
+        return []
     return head_as_get
 
 

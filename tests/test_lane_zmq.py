@@ -68,7 +68,7 @@ def test_bad_endpoints_are_refused_with_what_was_expected(endpoint):
     pytest.param([b"id", *[b"\0hop"] * 8, b"", b"\x81body"], [b"id"], [*[b"\0hop"] * 8, b"", b"\x81body"],
                  id="more-hops-than-a-route-may-have"),
 ])
-def test_the_envelope_is_the_routing_id_and_a_req_delimiter(frames, envelope, message):
+def test_the_envelope_is_the_route_and_a_req_delimiter(frames, envelope, message):
     assert split_envelope(frames) == (envelope, message)
 
 

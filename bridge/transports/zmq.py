@@ -1,6 +1,6 @@
 """The ZeroMQ lane: ROUTER sockets on ipc:// and tcp:// endpoints; one ZeroMQ message is one
-request (SPEC §2): routing id, an empty delimiter when the peer is a REQ socket, the msgpack
-body, then the raw buffers of a multipart request (SPEC §5). Each reply goes back with the
+request (SPEC §2): its route (the routing id, one more for each ROUTER/DEALER proxy on the
+way), an empty delimiter when the client is a REQ socket, the msgpack body, then the raw buffers of a multipart request (SPEC §5). Each reply goes back with the
 envelope its request came with (a DEALER may send the delimiter with one request and not with
 the next): the dispatcher answers a request through a `ZmqReplyTarget`, its peer and envelope.
 
@@ -141,7 +141,9 @@ def split_envelope(frames: list) -> tuple[list, list]:
     socket, up to MAX_ROUTE in all), and REQ's empty delimiter when the request had one; the
     message is the body and raw buffers. A routing id is 1 to 255 bytes and does not start as a
     msgpack map does, which every body does; anything else leaves the route the peer's id alone
-    and the rest the message (a malformed request, answered as such)."""
+    and the rest the message (a malformed request, answered as such), but a malformed (non-map)
+    body of at most 255 bytes followed by an empty frame or a map is read as a routing id (its
+    error reply then goes astray)."""
     for i in range(1, min(len(frames), MAX_ROUTE + 1)):
         frame = frames[i]
         if len(frame) == 0:
@@ -162,8 +164,9 @@ class ZmqPeer(Connection):
     def __init__(self, transport: "ZmqTransport", key: tuple[int, tuple[bytes, ...]]):
         super().__init__("zmq")
         self.transport = transport
-        # (index of its socket, route): the routing ids of its requests' envelope, its own first;
-        # behind a proxy, each client is a peer of its own, all on the proxy's connection.
+        # (index of its socket, route): the routing ids of its requests' envelope, the nearest
+        # hop's first; behind a proxy, each client is a peer of its own, all on the proxy's
+        # connection.
         self.key = key
         self.socket = transport.sockets[key[0]]
         self.fd: int | None = None  # the descriptor of the connection its messages come in on
@@ -178,8 +181,8 @@ class ZmqPeer(Connection):
 class ZmqReplyTarget:
     """What the dispatcher answers one request through, as it would a connection: the peer
     (whose id owns the sessions and handles the request opens, freed when it goes) and the
-    envelope the request came with, which its reply is sent after: the routing id, and the
-    empty delimiter when the request had one."""
+    envelope the request came with, which its reply is sent after: the route (its routing ids),
+    and the empty delimiter when the request had one."""
 
     __slots__ = ("peer", "envelope", "id")
     lane = "zmq"
@@ -597,8 +600,9 @@ class ZmqTransport:
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         frames = [*envelope, body, *(buffers or ())]
         # Replies to served requests are never dropped: at most max_in_flight of them can wait
-        # (a request is not dispatched while that many are unsent). Only `overloaded` answers
-        # to a peer that floods without reading are unbounded, and only those are dropped.
+        # (a request is not dispatched while that many are unsent). Only the lane's own refusals
+        # (`overloaded`, too many raw buffers) to a peer that floods without reading are
+        # unbounded, and only those are dropped.
         if droppable and len(peer.unsent) >= self.hwm + self.max_in_flight:
             log.warning("%s: overloaded answer dropped: the peer reads none of its replies (%d waiting)",
                         peer.id, len(peer.unsent))
