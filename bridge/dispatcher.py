@@ -110,7 +110,7 @@ class Call:
     @property
     def stats_op(self) -> str:
         """The op's name in the stats, where a legacy request's ops are counted apart."""
-        return self.codec.stats_prefix + self.op
+        return self.request.stats_op
 
 
 _STOP = object()
@@ -255,7 +255,7 @@ class Dispatcher:
             stats_op = None
             if isinstance(exc, protocol.ProtocolError):
                 codec, request_id = exc.codec, exc.request_id
-                stats_op = None if exc.op is None else codec.stats_prefix + exc.op
+                stats_op = exc.stats_op
             else:
                 log.exception("decoding a request failed")
                 codec, request_id = protocol.V1, None
@@ -275,8 +275,7 @@ class Dispatcher:
         # all answered, then refuse the request shutting_down.
         admitted = handed_over.idle if handed_over is not None else self._admit(immediate=immediate)
         if isinstance(admitted, OpError):
-            self._reply_error(conn, request.codec, request.reply_id, admitted,
-                              stats_op=request.codec.stats_prefix + request.op)
+            self._reply_error(conn, request.codec, request.reply_id, admitted, stats_op=request.stats_op)
             if release:
                 release()
             return

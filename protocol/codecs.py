@@ -47,7 +47,7 @@ def error_reply_for(body, buffers, code: str, message: str, detail: dict | None 
     try:
         request = decode_request(body, buffers)
     except ProtocolError as exc:
-        codec, request_id, op = exc.codec, exc.request_id, exc.op
+        codec, request_id, stats_op = exc.codec, exc.request_id, exc.stats_op
     else:
-        codec, request_id, op = request.codec, request.reply_id, request.op
-    return codec.error(request_id, code, message, detail), None if op is None else codec.stats_prefix + op
+        codec, request_id, stats_op = request.codec, request.reply_id, request.stats_op
+    return codec.error(request_id, code, message, detail), stats_op

@@ -59,6 +59,11 @@ class Request:
         """The id its replies carry."""
         return self.id
 
+    @property
+    def stats_op(self) -> str:
+        """The op's name in the stats (a legacy request's are counted apart)."""
+        return self.codec.stats_prefix + self.op
+
 
 def decode_request(body, buffers=()) -> Request | LegacyRequest:
     """Decode one frame body. A map with an "id" or "v" key is v1; any other map is a legacy

@@ -87,6 +87,11 @@ class ProtocolError(Exception):
 
         return LEGACY if self.legacy else V1
 
+    @property
+    def stats_op(self) -> str | None:
+        """The op the stats count the failure for, as a request's `stats_op`; None without one."""
+        return None if self.op is None else self.codec.stats_prefix + self.op
+
 
 class FrameError(ProtocolError):
     """The byte stream does not split into frames as announced."""

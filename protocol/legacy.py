@@ -78,6 +78,11 @@ class LegacyRequest:
     deadline_us: ClassVar = None
     codec: ClassVar = LEGACY
 
+    @property
+    def stats_op(self) -> str:
+        """The op's name in the stats: counted apart from v1's."""
+        return self.codec.stats_prefix + self.op
+
 
 def decode_legacy(top: dict[str, msgspec.Raw]) -> LegacyRequest:
     reader = Reader(legacy=True)
