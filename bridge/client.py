@@ -683,6 +683,10 @@ class FramedClient:
         # `overloaded` reply the reader may not have read yet (SPEC §4); give it a moment.
         if threading.current_thread() is not self._thread:
             self._thread.join(1.0)
+        if entry is not None and entry.future.done() and not entry.future.cancelled():
+            # The reader failed it with the rest in flight at the close (_fail_all): that is its answer.
+            if (answer := entry.future.exception()) is not None:
+                raise answer from failed
         raise self._refusal_error() from failed
 
     def _refusal_error(self) -> Exception:
@@ -1184,6 +1188,9 @@ class FramedClient:
             self._held_cancels.clear()
             self._unread_unnamed.clear()
             self._nil_answers.clear()
+            if pending and exc is self._turned_away:
+                # Those requests are told the turn-away; later ones are a new client's (_refusal_error).
+                self._turned_away_told = True
         for entry in pending:
             settle(entry.future, exc)
 

@@ -9,6 +9,7 @@ import os
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -584,6 +585,31 @@ def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
         reader.close()
         served.close()
         listener.close()
+
+
+def test_a_turn_away_settling_requests_in_flight_is_told_to_them_once(tmp_path):
+    """A request in flight when the server turned the connection away fails `overloaded` at
+    the close; the next is ServerExited, a new client's to retry. Found in CI: failing those
+    in flight did not count as telling, and the next request got `overloaded` again."""
+    client, listener, served = unix_client_of_a_stand_in(tmp_path)
+    served.settimeout(REPLY_TIMEOUT_S)
+    reader = served.makefile("rb", buffering=0)
+    try:
+        waiting = client.submit("ping")
+        assert read_frame(reader) is not None  # read before it is turned away: in flight
+        write_all(served.fileno(), protocol.frame_parts(
+            protocol.encode_error(None, "overloaded", "at most 1 connection", {"limit": 1})))
+        served.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(BridgeError) as refused:
+            waiting.result(REPLY_TIMEOUT_S)
+        assert refused.value.code == "overloaded" and refused.value.detail == {"limit": 1}
+        with pytest.raises(ServerExited, match="open a new client to retry"):
+            client.ping()
+    finally:
+        reader.close()
+        served.close()
+        listener.close()
+        client.close()
 
 
 def test_closing_a_unix_client_whose_server_never_answers_fails_what_is_in_flight(tmp_path):
