@@ -3,11 +3,14 @@
 // through a shared range counter, and every call's sum is checked. Some calls throw, from the
 // caller's share or from a helper's, and run() must hand the error back; calls inside a
 // HelperPool::Alone scope (some nested in a second) must get no help; a forked child calls
-// run() too. Exits 0 when every check held (tests/test_helper_pool_threads.py builds and runs it).
+// run() too. Then one caller alone makes calls whose share waits for a helper to take part (or
+// throw): those are certain to be helped, however the helpers were scheduled before. Exits 0
+// when every check held (tests/test_sanitizers.py builds and runs it).
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <stdexcept>
@@ -31,18 +34,33 @@ struct Outcome {
   bool helped = false;  // a helper took ranges
 };
 
+// How long a caller's share waits for a helper (await_help): far past any wake-up, however loaded.
+constexpr std::chrono::seconds kHelpWait{20};
+
 // One call of run(): sums 0 .. kElements-1 (stored in `data`); `throwing_seat` (or -1) throws
-// instead of taking ranges.
-Outcome one_call(const std::vector<int64_t>& data, int helpers, HelperPool::Wake wake, int throwing_seat) {
+// instead of taking ranges. With `await_help` the caller's share (seat 0) starts only once the
+// throwing helper threw (a helper took a range, where none throws), or kHelpWait passed.
+Outcome one_call(const std::vector<int64_t>& data, int helpers, HelperPool::Wake wake, int throwing_seat,
+                 bool await_help = false) {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> sum{0};
   std::atomic<bool> helped{false};
+  std::atomic<bool> thrown{false};
   Outcome outcome;
   try {
     HelperPool::shared().run(
         helpers,
         [&](int seat) {
-          if (seat == throwing_seat) throw std::runtime_error("seat " + std::to_string(seat));
+          if (seat == throwing_seat) {
+            thrown.store(true);
+            throw std::runtime_error("seat " + std::to_string(seat));
+          }
+          if (seat == 0 && await_help) {
+            const auto until = std::chrono::steady_clock::now() + kHelpWait;
+            // The thrower, when there is one (other helpers may take every range before it comes).
+            std::atomic<bool>& awaited = throwing_seat > 0 ? thrown : helped;
+            while (!awaited.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+          }
           for (;;) {
             const int64_t begin = next.fetch_add(kRange);
             if (begin >= kElements) return;
@@ -115,6 +133,23 @@ int main(int argc, char** argv) {
   int status = 0;
   if (child < 0 || waitpid(child, &status, 0) != child || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
     fail("the forked child's call");
+
+  // One caller, nothing replacing its call in the pool: the helpers woken for it take part.
+  for (int c = 0; c < 24; ++c) {
+    const int helpers = 1 + c % 3;
+    const int throwing_seat = c % 2 == 0 ? 1 + (c / 2) % helpers : -1;
+    const Outcome got = one_call(data, helpers, HelperPool::Wake::always, throwing_seat, true);
+    const std::string call = "lone call " + std::to_string(c);
+    if (throwing_seat > 0) {
+      if (!got.threw || got.error != "seat " + std::to_string(throwing_seat))
+        fail(call + ": the helper's error was not handed back" + (got.threw ? " (" + got.error + ")" : ""));
+      helper_errors += got.threw;
+    } else if (!got.helped) {
+      fail(call + ": no helper took part");
+    }
+    helped_calls += got.helped;
+    if (got.sum != expected) fail(call + ": sum " + std::to_string(got.sum));
+  }
 
   if (failures.load() != 0) {
     std::fprintf(stderr, "%d failure(s)\n", failures.load());
