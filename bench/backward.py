@@ -267,6 +267,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=output_path)
     p.add_argument("--peaks", metavar="CASE", help=argparse.SUPPRESS)  # one case's peak memory, as JSON
     args = p.parse_args(argv)
+    unknown = [name for name in args.cases.split(",") if name not in CASES]
+    if unknown:
+        p.error(f"--cases: expected names from {', '.join(CASES)}, got {', '.join(map(repr, unknown))}")
+    for flag, value in (("--reps", args.reps), ("--torch-reps", args.torch_reps)):
+        if value < 1:  # each time is a median over the reps: none leaves nothing to report
+            p.error(f"{flag}: expected at least 1, got {value}")
     if args.peaks:
         print(json.dumps(measure_peaks(CASES[args.peaks])))
         return 0

@@ -155,6 +155,11 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
+    unknown = [name for name in args.cases.split(",") if name not in CASES]
+    if unknown:
+        p.error(f"--cases: expected names from {', '.join(CASES)}, got {', '.join(map(repr, unknown))}")
+    if args.reps < 1:  # each time is a median over the reps: none leaves nothing to report
+        p.error(f"--reps: expected at least 1, got {args.reps}")
     if "cpu" not in scan_kernels.available_backends():
         raise SystemExit(f"the cpu backend is unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     load_before = os.getloadavg()

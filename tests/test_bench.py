@@ -797,6 +797,27 @@ def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
     assert 0 <= case["max_abs_difference"] < 1e-4 and 0 <= case["max_gradient_difference"] < 1e-4
 
 
+@pytest.mark.parametrize("bench_name, argv, messages", [
+    pytest.param("backward", ["--cases", "exphil,pigeon"], ("--cases: expected names from exphil, ", "got 'pigeon'"),
+                 id="backward-case"),
+    pytest.param("backward", ["--reps", "0"], ("--reps: expected at least 1, got 0",), id="backward-reps"),
+    pytest.param("backward", ["--torch-reps", "0"], ("--torch-reps: expected at least 1, got 0",),
+                 id="backward-torch-reps"),
+    pytest.param("varlen", ["--cases", "tiny,pigeon"], ("--cases: expected names from exphil-agents, ", "got 'pigeon'"),
+                 id="varlen-case"),
+    pytest.param("varlen", ["--reps", "0"], ("--reps: expected at least 1, got 0",), id="varlen-reps"),
+])
+def test_kernel_benches_refuse_what_they_cannot_run(bench_name, argv, messages, capsys):
+    """A case name they do not have or no repetitions: refused before anything is timed, the
+    message naming what was expected and what came."""
+    module = importlib.import_module(f"bench.{bench_name}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert all(message in err for message in messages), err
+
+
 def test_ssd_step_bench_runs_end_to_end(tmp_path):
     """`python -m bench.ssd_step` (Mamba-2 steps, native path against --no-native-step), tiny:
     both servers in one run, each stepping the way its mode says, the ratios of its own numbers."""
