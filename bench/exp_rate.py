@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -50,9 +51,16 @@ def measure(binary: Path, threads: int, seconds: float) -> tuple[float, str]:
 
 
 def _variants(names: str) -> list[build.SimdVariant]:
+    """The variants `--simd` names; BackendUnavailable for one not known or not executed here
+    (its probe would die of an illegal instruction)."""
     if names == "all":
         return list(build.executable_variants())
-    return [build.variant_named(n) for n in names.split(",")]
+    variants = [build.variant_named(n) for n in names.split(",")]
+    for variant in variants:
+        reason = build.unsupported_reason(variant)
+        if reason:
+            raise build.BackendUnavailable(reason)
+    return variants
 
 
 def main(argv=None) -> int:
@@ -63,7 +71,14 @@ def main(argv=None) -> int:
     p.add_argument("--scan-json", type=Path)
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
-    variants = _variants(args.simd)
+    if not 0 < args.seconds < math.inf:
+        p.error(f"--seconds: expected a finite duration above 0, got {args.seconds}")
+    if args.threads < 1:
+        p.error(f"--threads: expected at least 1, got {args.threads}")
+    try:
+        variants = _variants(args.simd)
+    except build.BackendUnavailable as exc:
+        p.error(f"--simd: {exc}")
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in variants:

@@ -806,10 +806,20 @@ def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
     pytest.param("varlen", ["--cases", "tiny,pigeon"], ("--cases: expected names from exphil-agents, ", "got 'pigeon'"),
                  id="varlen-case"),
     pytest.param("varlen", ["--reps", "0"], ("--reps: expected at least 1, got 0",), id="varlen-reps"),
+    pytest.param("exp_rate", ["--simd", "pigeon"], ("--simd: SIMD variant 'pigeon': expected one of",), id="exp-simd"),
+    pytest.param("exp_rate", ["--simd", "avx2"], ("--simd: SIMD variant avx2: this CPU cannot execute it",),
+                 id="exp-simd-not-here"),
+    pytest.param("exp_rate", ["--seconds", "0"], ("--seconds: expected a finite duration above 0, got 0.0",),
+                 id="exp-seconds"),
+    pytest.param("exp_rate", ["--threads", "0"], ("--threads: expected at least 1, got 0",), id="exp-threads"),
 ])
-def test_kernel_benches_refuse_what_they_cannot_run(bench_name, argv, messages, capsys):
-    """A case name they do not have or no repetitions: refused before anything is timed, the
-    message naming what was expected and what came."""
+def test_kernel_benches_refuse_what_they_cannot_run(bench_name, argv, messages, capsys, monkeypatch):
+    """A case name or SIMD variant they do not have (or this CPU does not execute: a CPU with
+    only the baseline's instructions here), no repetitions, no time: refused before anything
+    is built or timed, the message naming what was expected and what came."""
+    from scan_kernels.cpu import build
+
+    monkeypatch.setattr(build, "_cpu_flags", lambda: {"sse2"})
     module = importlib.import_module(f"bench.{bench_name}")
     with pytest.raises(SystemExit) as exit_info:
         module.main(argv)
