@@ -1746,6 +1746,47 @@ defmodule ScanBridge.ClusterTest do
       assert :ok = Cluster.close_session(s)
     end
 
+    # Found in review: these ran a misspelt option with the default 30 s deadline, and raised
+    # FunctionClauseError for options (or frames) that are not a list.
+    test "a session call's unknown option, or options or frames not a list, raise in the caller",
+         %{shared: g} do
+      frame = {:embeds, Models.frame(Models.embeds(1, 1, 8), 0)}
+      {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 2)
+      {:ok, snap} = Cluster.snapshot(s)
+
+      for {fun, call} <- [
+            {"snapshot", &Cluster.snapshot(s, &1)},
+            {"restore", &Cluster.restore(s, snap, &1)},
+            {"restore_with_frames", &Cluster.restore_with_frames(s, snap, [], &1)},
+            {"free_snapshot", &Cluster.free_snapshot(s, snap, &1)},
+            {"close_session", &Cluster.close_session(s, &1)}
+          ] do
+        assert_raise ArgumentError,
+                     "Cluster.#{fun} options: expected only :timeout, got :timout",
+                     fn -> call.(timout: 16) end
+
+        assert_raise ArgumentError,
+                     "Cluster.#{fun} options: expected a keyword list, got :fast",
+                     fn -> call.(:fast) end
+      end
+
+      assert_raise ArgumentError,
+                   "Cluster.model_step options: expected a keyword list, got :fast",
+                   fn ->
+                     Cluster.model_step(s, frame, :fast)
+                   end
+
+      assert_raise ArgumentError,
+                   "Cluster.restore_with_frames frames: expected a list of frames, got :none",
+                   fn -> Cluster.restore_with_frames(s, snap, :none) end
+
+      assert {:ok, %{status: :ok, frames_since_checkpoint: 0}} = Cluster.session_info(s)
+      assert {:ok, _logits} = Cluster.model_step(s, frame)
+      assert :ok = Cluster.restore(s, snap)
+      assert :ok = Cluster.free_snapshot(s, snap)
+      assert :ok = Cluster.close_session(s)
+    end
+
     test "opening a group model's session on a member that answers nothing ends by its deadline" do
       g = group()
       silent_member(g)

@@ -530,7 +530,9 @@ defmodule ScanBridge.Cluster do
   @spec model_step(session, ScanBridge.model_input(), keyword) ::
           {:ok, ScanBridge.model_result()} | ScanBridge.error()
   def model_step(%Session{} = session, input, opts \\ []) do
-    _fetched = snapshot_into!(opts, "Cluster.model_step")
+    _fetched =
+      opts |> ScanBridge.keyword!("Cluster.model_step") |> snapshot_into!("Cluster.model_step")
+
     Session.call(session, :model_step, input, opts)
   end
 
@@ -613,8 +615,7 @@ defmodule ScanBridge.Cluster do
   """
   @spec restore_with_frames(session, reference, [ScanBridge.frame()], ScanBridge.call_opts()) ::
           {:ok, [term]} | ScanBridge.error()
-  def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ [])
-      when is_list(frames) do
+  def restore_with_frames(%Session{} = session, snapshot, frames, opts \\ []) do
     frames = ScanBridge.frames!(frames, "Cluster.restore_with_frames")
 
     into =

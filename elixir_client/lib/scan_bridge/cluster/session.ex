@@ -171,7 +171,7 @@ defmodule ScanBridge.Cluster.Session do
   @doc false
   @spec close(t, ScanBridge.call_opts()) :: :ok | {:error, Error.t()}
   def close(%__MODULE__{pid: pid}, opts) do
-    deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
+    deadline = Cluster.deadline(timeout!(opts, "close_session"))
 
     case request(pid, {:close, deadline}, wait(deadline)) do
       {:error, %Error{reason: :not_running}} -> :ok
@@ -185,18 +185,18 @@ defmodule ScanBridge.Cluster.Session do
 
   @doc false
   @spec snapshot(t, ScanBridge.call_opts()) :: {:ok, reference} | {:error, Error.t()}
-  def snapshot(%__MODULE__{pid: pid}, opts), do: timed(pid, opts, &{:snapshot, &1})
+  def snapshot(%__MODULE__{pid: pid}, opts), do: timed(pid, opts, "snapshot", &{:snapshot, &1})
 
   @doc false
   @spec restore(t, reference, ScanBridge.call_opts()) :: :ok | {:error, Error.t()}
   def restore(%__MODULE__{pid: pid}, snapshot, opts),
-    do: timed(pid, opts, &{:restore, snapshot, &1})
+    do: timed(pid, opts, "restore", &{:restore, snapshot, &1})
 
   @doc false
   @spec restore_with_frames(t, reference, [ScanBridge.frame()], ScanBridge.call_opts()) ::
           {:ok, [term]} | {:error, Error.t()}
   def restore_with_frames(%__MODULE__{pid: pid}, snapshot, frames, opts) do
-    case timed(pid, opts, &{:restore, snapshot, frames, &1}) do
+    case timed(pid, opts, "restore_with_frames", &{:restore, snapshot, frames, &1}) do
       {:raise, exception} -> raise exception
       outcome -> outcome
     end
@@ -223,12 +223,17 @@ defmodule ScanBridge.Cluster.Session do
   @doc false
   @spec free_snapshot(t, reference, ScanBridge.call_opts()) :: :ok | {:error, Error.t()}
   def free_snapshot(%__MODULE__{pid: pid}, snapshot, opts),
-    do: timed(pid, opts, &{:free_snapshot, snapshot, &1})
+    do: timed(pid, opts, "free_snapshot", &{:free_snapshot, snapshot, &1})
 
-  defp timed(pid, opts, message) do
-    deadline = Cluster.deadline(Keyword.get(opts, :timeout, 30_000))
+  defp timed(pid, opts, fun, message) do
+    deadline = Cluster.deadline(timeout!(opts, fun))
     request(pid, message.(deadline), wait(deadline))
   end
+
+  # The :timeout of a call that takes no other option: a misspelt one is refused, not run with
+  # the default deadline.
+  defp timeout!(opts, fun),
+    do: opts |> ScanBridge.opts!([:timeout], "Cluster.#{fun}") |> Keyword.get(:timeout, 30_000)
 
   defp wait(:infinity), do: :infinity
   # capped at the longest receive timeout the BEAM takes, 2^32 - 1 ms
