@@ -25,7 +25,7 @@ from bridge.bench.floors import BridgeProcess, encode_request, exchange
 from bridge.bench.machine import output_path, summarize_us, write_results
 from bridge.client import result_from_wire
 
-from .models import D_MODEL, WINDOW, exphil_model
+from .models import D_MODEL, WINDOW, archs_arg, batches_arg, exphil_model
 
 SERVERS = {"captured": [], "composed": ["--no-cuda-graphs"]}
 
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--frames", type=int, default=40, help="frames a round")
-    p.add_argument("--batches", default="1,32")
-    p.add_argument("--archs", default="mamba,mamba2")
+    p.add_argument("--batches", type=batches_arg, default="1,32")
+    p.add_argument("--archs", type=archs_arg, default="mamba,mamba2")
     p.add_argument("--device", default="cuda", help="cpu: the same plumbing with nothing captured, a check "
                    "of this script")
     p.add_argument("--json", type=output_path)
@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     try:
         info = {name: bridge.call("info") for name, bridge in bridges.items()}
         cases = []
-        for arch in args.archs.split(","):
-            for batch in (int(b) for b in args.batches.split(",")):
+        for arch in args.archs:
+            for batch in args.batches:
                 cases.append(run_case(bridges, arch, batch, args.rounds, args.frames))
                 report(cases[-1])
         captured = bridges["captured"].call("info")["cuda_graphs"]

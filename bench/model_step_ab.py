@@ -27,7 +27,7 @@ from bridge.bench.machine import output_path, summarize_us, write_results
 from bridge.models import load_weights
 
 from .kernel_ab import WORKING_TREE, RevisionError, load_builds
-from .models import D_MODEL, FRAME_SECONDS, busy_neighbour, exphil_model
+from .models import D_MODEL, FRAME_SECONDS, archs_arg, batches_arg, busy_neighbour, exphil_model
 
 ROUNDS = 6  # alternations per (model, batch, pacing); --frames is split over them
 
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="HEAD", help="git revision of the base build (default HEAD)")
     p.add_argument("--other", default=WORKING_TREE, help="git revision of the other build (default: the working tree)")
-    p.add_argument("--archs", default="mamba,mamba2")
-    p.add_argument("--batches", default="1,32")
+    p.add_argument("--archs", type=archs_arg, default="mamba,mamba2")
+    p.add_argument("--batches", type=batches_arg, default="1,32")
     p.add_argument("--frames", type=int, default=120, help="steps per build and pacing (default 120)")
     p.add_argument("--neighbour", action="store_true", help="keep one core busy with another process throughout")
     p.add_argument("--json", type=output_path, help="write results with machine and commit info to this file")
@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     try:
         (base, base_commit), (other, other_commit) = load_builds(args.base, args.other)
         with busy_neighbour(args.neighbour):
-            for arch in args.archs.split(","):
-                for batch in (int(b) for b in args.batches.split(",")):
+            for arch in args.archs:
+                for batch in args.batches:
                     cases.append(run_case(arch, batch, args.frames, (base, other)))
                     report(cases[-1])
     except RevisionError as exc:

@@ -65,7 +65,24 @@ D_MODEL = 256
 LM_VOCAB = 512  # the causal LMs' tokens: a game agent's action vocabulary, say
 # Written before each read of the matrices from memory: several times any cache here.
 EVICT_BYTES = 64 << 20
+# exphil_model's architectures: any other name would be built as Mamba-2 and recorded under it.
+ARCHS = ("mamba", "mamba2")
 GOALS = {"step_over_transformers": 0.1, "step_over_echo": 3.0, "old_way_over_step": 4.0, "snapshot_restore_us": 50.0}
+
+
+def archs_arg(text: str) -> list[str]:
+    """argparse type of `--archs`: comma-separated names from ARCHS."""
+    names = text.split(",")
+    if not all(name in ARCHS for name in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(ARCHS)}, got {text!r}")
+    return names
+
+
+def batches_arg(text: str) -> list[int]:
+    """argparse type of `--batches`: comma-separated batch sizes of 1 or more."""
+    if not all(item.isdigit() and int(item) >= 1 for item in text.split(",")):
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes of 1 or more, got {text!r}")
+    return [int(item) for item in text.split(",")]
 
 
 def exphil_model(arch: str, seed: int, lm: bool = False):
@@ -527,15 +544,15 @@ def case_main(prog: str, doc: str, benchmark: str, run_case, report, argv=None) 
     frames)` for each arch and batch asked for, each reported, all written as `benchmark`."""
     p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     p.add_argument("--frames", type=int, default=300)
-    p.add_argument("--batches", default="1,32")
-    p.add_argument("--archs", default="mamba,mamba2")
+    p.add_argument("--batches", type=batches_arg, default="1,32")
+    p.add_argument("--archs", type=archs_arg, default="mamba,mamba2")
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     if args.frames <= WARMUP:
         p.error(f"--frames: expected more than the {WARMUP} warm-up frames, got {args.frames}")
     cases = []
-    for arch in args.archs.split(","):
-        for batch in (int(b) for b in args.batches.split(",")):
+    for arch in args.archs:
+        for batch in args.batches:
             cases.append(run_case(arch, batch, args.frames))
             report(cases[-1])
     if args.json:
@@ -546,8 +563,8 @@ def case_main(prog: str, doc: str, benchmark: str, run_case, report, argv=None) 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=300)
-    p.add_argument("--batches", default="1,32")
-    p.add_argument("--archs", default="mamba,mamba2")
+    p.add_argument("--batches", type=batches_arg, default="1,32")
+    p.add_argument("--archs", type=archs_arg, default="mamba,mamba2")
     p.add_argument("--server-arg", action="append", default=[])
     p.add_argument("--neighbour", action="store_true", help="keep one core busy with another process throughout")
     p.add_argument("--json", type=output_path)
@@ -555,8 +572,8 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     cases = []
     with busy_neighbour(args.neighbour):
-        for arch in args.archs.split(","):
-            for batch in (int(b) for b in args.batches.split(",")):
+        for arch in args.archs:
+            for batch in args.batches:
                 cases.append(run_case(arch, batch, args.frames, args.server_arg))
                 report(cases[-1])
     if args.json:

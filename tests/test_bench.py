@@ -712,6 +712,23 @@ def test_server_ab_says_what_a_model_step_case_is(text, capsys):
     assert "expected arch:batch" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bench_name", ["models", "model_native_ab", "model_dtype_ab", "model_graphs", "model_step_ab"])
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--archs", "mamba,mamba1"],
+                 "argument --archs: expected comma-separated names from mamba, mamba2, got 'mamba,mamba1'", id="arch"),
+    pytest.param(["--batches", "1,0"],
+                 "argument --batches: expected comma-separated batch sizes of 1 or more, got '1,0'", id="batch"),
+])
+def test_model_benches_refuse_an_arch_or_batch_they_cannot_build(bench_name, argv, message, capsys):
+    """An arch name they do not know would be built as Mamba-2 and recorded under that name,
+    a bad batch would fail after the cases before it ran: both refused before anything runs."""
+    module = importlib.import_module(f"bench.{bench_name}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main([*argv, "--frames", "40"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_backward_bench_runs_end_to_end(tmp_path):
     """`python -m bench.backward` (issue 35's benchmark) on its tiny case: every SIMD variant this
     CPU executes, torch autograd and the peak memory in one run, the ratios of its own numbers."""
