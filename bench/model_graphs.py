@@ -93,7 +93,8 @@ def report(r: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.model_graphs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--frames", type=int, default=40, help="frames a round")
     p.add_argument("--batches", type=batches_arg, default="1,32")

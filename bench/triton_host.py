@@ -139,7 +139,8 @@ def child_run(tree: str, calls: int, device: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.triton_host", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.triton_host", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", help="another checkout of this project to compare with")
     parser.add_argument("--rounds", type=int, default=6, help="children per tree, the trees taking turns")
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per case and child")

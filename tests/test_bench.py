@@ -814,6 +814,20 @@ def test_varlen_bench_times_packed_against_per_sequence_calls(tmp_path):
     assert 0 <= case["max_abs_difference"] < 1e-4 and 0 <= case["max_gradient_difference"] < 1e-4
 
 
+@pytest.mark.parametrize("name", sorted(
+    f"bench.{path.stem}" for path in (Path(__file__).resolve().parent.parent / "bench").glob("*.py")
+    if path.stem != "__init__") + ["bridge.bench.__main__", "bridge.bench.exphil_standin"])
+def test_each_bench_help_says_its_first_paragraph_whole(name, capsys):
+    """`--help` opens with the module's first paragraph, every word of it (argparse may wrap it
+    anew): a description cut at a line's end stops mid-sentence."""
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    first_paragraph = " ".join(module.__doc__.split("\n\n")[0].split())
+    assert first_paragraph in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("bench_name, argv, messages", [
     pytest.param("backward", ["--cases", "exphil,pigeon"], ("--cases: expected names from exphil, ", "got 'pigeon'"),
                  id="backward-case"),
