@@ -177,6 +177,28 @@ defmodule ScanBridge.ClusterTest do
     assert eventually(fn -> Enum.all?(Cluster.loads(g), fn {_, load} -> load.calls == 0 end) end)
   end
 
+  # Found in review: it stayed in the group until its OS process was gone, :exit_grace later
+  # for one that does not read its stdin's end, and the calls routed to it meanwhile waited.
+  test "a member being stopped leaves its group at once, before its server has exited" do
+    g = group()
+    member = start_member(g, exit_grace: 5_000)
+    {:ok, os_pid} = ScanBridge.os_pid(member)
+    # frozen, the server cannot read its stdin's end: stopping waits out the grace
+    freeze(os_pid)
+
+    ExUnit.CaptureLog.capture_log(fn ->
+      stopping = Task.async(fn -> GenServer.stop(member) end)
+
+      assert eventually(fn -> member not in Cluster.members(g) and Process.alive?(member) end),
+             "the stopping member stayed in its group"
+
+      assert {:error, %Error{reason: :no_members}} =
+               Cluster.scan(g, TestSupport.scan_inputs(%{batch: 1, seq: 2, dim: 4, state: 2}))
+
+      assert Task.await(stopping, 10_000) == :ok
+    end)
+  end
+
   defp ops_done(member, op \\ "scan") do
     {:ok, stats} = ScanBridge.stats(member)
     get_in(stats, ["ops", op, "success_count"]) || 0

@@ -88,11 +88,12 @@ defmodule ScanBridge.Server do
 
   Started with `group:`, once its server answers this process links a
   `ScanBridge.Cluster.Member`, which loads the group's models and then puts this process in the
-  group's `:pg` group; if either stops, so does the other. Such a server also closes the
-  sessions a process opened (`session_open`, `session_fork`) and frees the snapshots it took
-  (`session_snapshot`) when that process exits: a cluster session's keeper may sit on another
-  node and go down with it, leaving nobody to close them (snapshots belong to the connection,
-  not to a session, so closing its sessions would leave them).
+  group's `:pg` group; if either stops, so does the other. Stopping, this process leaves the
+  group first, so that no call is routed to it while it waits for its server to exit. Such a
+  server also closes the sessions a process opened (`session_open`, `session_fork`) and frees
+  the snapshots it took (`session_snapshot`) when that process exits: a cluster session's
+  keeper may sit on another node and go down with it, leaving nobody to close them (snapshots
+  belong to the connection, not to a session, so closing its sessions would leave them).
 
   Use it through `ScanBridge`.
   """
@@ -619,6 +620,9 @@ defmodule ScanBridge.Server do
 
   @impl true
   def terminate(_reason, state) do
+    # Out of the group first: stopping waits for the OS process (up to :exit_grace and the
+    # kill), and calls routed here meanwhile would wait with it, never served.
+    if state.group != nil, do: :pg.leave(Cluster.scope(), Cluster.group_key(state.group), self())
     state |> fail_all("the scan-bridge client stopped", %{}) |> stop_server()
   end
 
