@@ -181,8 +181,8 @@ defmodule ScanBridge do
     * `:health_check` - `[interval: ms, timeout: ms]`: ask the server's `health` every
       `interval` ms once the last answer came; when an answer takes more than `timeout` ms, or
       says it is not ready, the client stops (`{:shutdown, {:unhealthy, why}}`, its callers
-      answered `:server_exited`) and its server with it, for its supervisor to start a fresh
-      one. A server whose work completed a launch within the last 5 s answers at once; one
+      answered `:server_exited`) and kills its server at once (no `:exit_grace`), for its
+      supervisor to start a fresh one. A server whose work completed a launch within the last 5 s answers at once; one
       running a single longer request answers after it, so keep `timeout` above the longest
       request. Off by default.
     * `:group` - serve this group of a cluster (`ScanBridge.Cluster`): a name (atoms, strings,

@@ -541,12 +541,14 @@ defmodule ScanBridge.Server do
     handle_info({:unhealthy, why}, state)
   end
 
-  # Stopped for the supervisor to start a fresh server: this one's OS process is stopped too
-  # (killed when it does not exit within :exit_grace).
+  # Stopped for the supervisor to start a fresh server: this one's OS process is killed at
+  # once. Given :exit_grace, a server that stopped answering would not read its stdin's end
+  # either, and its sessions' failover and the fresh server would wait out the grace.
   def handle_info({:unhealthy, why}, state) do
-    Logger.error("scan-bridge: #{why}; stopping it")
+    Logger.error("scan-bridge: #{why}; killing it")
     state = fail_all(state, "the server was stopped as unhealthy: #{why}", %{})
-    {:stop, {:shutdown, {:unhealthy, why}}, state}
+    if state.os_pid, do: kill_os_process(state.os_pid)
+    {:stop, {:shutdown, {:unhealthy, why}}, %{state | os_pid: nil}}
   end
 
   # A group's session opener is gone: its sessions are closed (watch_opener/4).
@@ -1408,15 +1410,19 @@ defmodule ScanBridge.Server do
         "scan-bridge: server #{os_pid} still running after its stdin closed; killing it"
       )
 
-      _output = :os.cmd(~c"kill -KILL #{os_pid}")
-      # SIGKILL is not synchronous: wait (briefly) for it to land, so that a stopped client
-      # has surely stopped its server.
-      unless gone_within?(os_pid, @kill_wait_ms) do
-        Logger.error("scan-bridge: server #{os_pid} still there #{@kill_wait_ms} ms after SIGKILL")
-      end
+      kill_os_process(os_pid)
     end
 
     :ok
+  end
+
+  defp kill_os_process(os_pid) do
+    _output = :os.cmd(~c"kill -KILL #{os_pid}")
+    # SIGKILL is not synchronous: wait (briefly) for it to land, so that a stopped client has
+    # surely stopped its server.
+    unless gone_within?(os_pid, @kill_wait_ms) do
+      Logger.error("scan-bridge: server #{os_pid} still there #{@kill_wait_ms} ms after SIGKILL")
+    end
   end
 
   defp gone_within?(os_pid, ms), do: poll_gone(os_pid, System.monotonic_time(:millisecond) + ms)
