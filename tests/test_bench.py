@@ -38,7 +38,7 @@ SERVER = [sys.executable, "-m", "bridge", "--device", "cpu"]
 
 # The JSON schema, spelled out: changing a key breaks whoever reads bench/results, so it must
 # be a deliberate change here too.
-TOP_KEYS = {"benchmark", "schema_version", "machine_info", "commit_info", "config", "rows", "fits",
+TOP_KEYS = {"benchmark", "schema_version", "machine_info", "commit_info", "servers", "config", "rows", "fits",
             "baseline_command", "baseline", "skipped", "failures", "elapsed_s"}
 ROW_KEYS = [
     "transport", "backend", "device", "case", "op",
@@ -470,14 +470,19 @@ def test_connect_measures_a_running_server(tmp_path, capsys):
     if TRANSPORTS["unix"].missing():
         pytest.skip(TRANSPORTS["unix"].missing())
     path = str(tmp_path / "bridge.sock")
-    server = subprocess.Popen([*SERVER, "--unix", path], stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([*SERVER, "--unix", path, "--threads", "1"], stdin=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
     try:
         out_json = tmp_path / "connect.json"
         assert main(["--connect", f"unix:{path}", "--sizes", "step,2", "--iterations", "3",
                      "--json", str(out_json)]) == 0, capsys.readouterr().err
-        rows = json.loads(out_json.read_text())["rows"]
+        document = json.loads(out_json.read_text())
+        rows = document["rows"]
         assert [(r["transport"], r["case"]) for r in rows] == [("unix", "step"), ("unix", "scan L=2")]
         assert all(r["iterations"] == 3 for r in rows)
+        # The server's own configuration, which nothing else in the results can say here.
+        (info,) = document["servers"]
+        assert (info["pid"], info["devices"][0]["threads"]) == (server.pid, 1)
     finally:
         server.terminate()
         assert server.wait(10) == 0

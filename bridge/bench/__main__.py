@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", metavar="CMD",
                    help="also send ExPhil-format requests to this Port-style server command and to ours, "
                         "and print the ratio (exit 1 where their results differ or it fails)")
-    p.add_argument("--json", type=output_path, metavar="FILE", help="write the rows, machine_info and commit_info here")
+    p.add_argument("--json", type=output_path, metavar="FILE",
+                   help="write the rows, machine_info, commit_info and each server's info here")
     p.add_argument("--plot", type=output_path, metavar="FILE.png", help="write stacked bars of the stages here (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     return p
@@ -91,13 +92,14 @@ def _named_backends(text: str) -> list[str] | None:
 
 
 def run_sweep(cases: list[Case], open_server, backends: list[str] | None, plan: tuple[int, int, float],
-              seed: int, progress: Progress) -> tuple[list[dict], list[dict]]:
-    """Rows for every backend × case × transport, and what was skipped with why.
-    `open_server(backend)` gives a SpawnedServer or ConnectedServer (backend None: its default)."""
+              seed: int, progress: Progress) -> tuple[list[dict], list[dict], list[dict]]:
+    """Rows for every backend × case × transport, what was skipped with why, and the `info` of
+    each server measured. `open_server(backend)` gives a SpawnedServer or ConnectedServer
+    (backend None: its default)."""
     iterations, warmup, max_seconds = plan
     per_backend = len(cases) * (warmup + iterations)
     progress.total = per_backend * (len(backends) if backends else 1)
-    rows, skipped = [], []
+    rows, skipped, infos = [], [], []
     queue = list(backends) if backends else [None]
     discover = backends is None  # "all": the first server says which backends there are
     while queue:
@@ -111,6 +113,7 @@ def run_sweep(cases: list[Case], open_server, backends: list[str] | None, plan: 
             continue
         with server:
             skipped += server.skipped
+            infos.append(server.info)
             if discover:
                 discover = False
                 others = [b for b in server.info["kernels"]["available"]
@@ -133,7 +136,7 @@ def run_sweep(cases: list[Case], open_server, backends: list[str] | None, plan: 
                     rows.append(make_row(case, lane.transport, server.backend, server.device, samples[lane.transport]))
                     if lane.floor_missing:
                         skipped.append({"what": f"floor of {lane.transport}", "reason": lane.floor_missing})
-    return rows, _unique(skipped)
+    return rows, _unique(skipped), infos
 
 
 def _unique(items: list[dict]) -> list[dict]:
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
     baseline_rows = []
     failures = []  # why the run exits 1 after reporting what it measured
     try:
-        rows, sweep_skipped = run_sweep(cases, open_server, backends, plan, args.seed, progress)
+        rows, sweep_skipped, servers = run_sweep(cases, open_server, backends, plan, args.seed, progress)
     except BenchError as exc:
         progress.finish()
         print(f"python -m bridge.bench: {exc}", file=sys.stderr)
@@ -214,6 +217,10 @@ def main(argv=None) -> int:
     if args.json:
         document = {"benchmark": "bridge-bench", "schema_version": SCHEMA_VERSION,
                     "machine_info": machine_info(), "commit_info": commit_info(),
+                    # What each server said of itself: its threads, kernels' SIMD variant, limits
+                    # and versions, which machine_info (this process's) does not show for a
+                    # server with arguments of its own or one reached by --connect.
+                    "servers": servers,
                     "config": {"argv": sys.argv[1:] if argv is None else list(argv), "quick": args.quick,
                                "sizes": [c.name for c in cases], "iterations": plan[0], "warmup": plan[1],
                                "max_seconds": plan[2], "server_args": None if args.connect else server_args},
