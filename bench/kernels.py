@@ -60,7 +60,7 @@ import scan_kernels
 from bridge.bench.cases import DT_CLAMP
 from bridge.bench.machine import output_path, summarize_us, write_results
 from scan_kernels import _args
-from scan_kernels._registry import get_backend
+from scan_kernels._registry import BACKEND_MODULES, get_backend
 
 BASELINES = ("reference", "torch")
 # Candidate backends per device type, in report order; only available ones run.
@@ -516,6 +516,18 @@ def main(argv=None) -> int:
         p.error(f"--gap-seconds: expected 0 or more, got {args.gap_seconds}")
     if args.rounds < 1:
         p.error(f"--rounds: expected at least 1, got {args.rounds}")
+    # A name no build knows is a typo, refused; a known one this machine lacks is reported and
+    # skipped, as the results record what each machine could run.
+    unknown = [name for name in args.backends.split(",") if name not in BACKEND_MODULES] if args.backends else []
+    if unknown:
+        p.error(f"--backends: expected names from {', '.join(BACKEND_MODULES)}, got {', '.join(map(repr, unknown))}")
+    if args.simd and args.simd != "all":
+        from scan_kernels.cpu.build import SIMD_VARIANTS
+
+        unknown = [name for name in args.simd.split(",") if name not in {v.name for v in SIMD_VARIANTS}]
+        if unknown:
+            p.error(f"--simd: expected 'all' or names from {', '.join(v.name for v in SIMD_VARIANTS)}, "
+                    f"got {', '.join(map(repr, unknown))}")
     if args.runs > 1:
         return repeated(args, argv)
 

@@ -848,6 +848,10 @@ def test_each_bench_help_says_its_first_paragraph_whole(name, capsys):
     pytest.param("exp_rate", ["--seconds", "0"], ("--seconds: expected a finite duration above 0, got 0.0",),
                  id="exp-seconds"),
     pytest.param("exp_rate", ["--threads", "0"], ("--threads: expected at least 1, got 0",), id="exp-threads"),
+    pytest.param("kernels", ["--backends", "torch,cpux", "--cases", "1x4x16x4", "--quick"],
+                 ("--backends: expected names from reference, torch, cpu, triton, got 'cpux'",), id="kernels-backend"),
+    pytest.param("kernels", ["--backends", "torch", "--simd", "avx2,pigeon", "--cases", "1x4x16x4", "--quick"],
+                 ("--simd: expected 'all' or names from ", "got 'pigeon'"), id="kernels-simd"),
 ])
 def test_kernel_benches_refuse_what_they_cannot_run(bench_name, argv, messages, capsys, monkeypatch):
     """A case name or SIMD variant they do not have (or this CPU does not execute: a CPU with
