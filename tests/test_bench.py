@@ -464,6 +464,19 @@ def test_cli_says_what_it_expected(argv, status, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_sweep_cut_short_says_where_and_writes_nothing(tmp_path, capsys):
+    """A request failing mid-sweep (here one over the server's frame limit, after the step was
+    measured) stops the run with what failed, not a traceback, and no JSON that looks whole."""
+    from bridge.bench.__main__ import main
+
+    out_json = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--sizes", "step,15", "--iterations", "3", "--transports", "stdio",
+                 "--server-arg=--max-frame-size", "--server-arg", "1000000", "--json", str(out_json)]) == 1
+    err = capsys.readouterr().err
+    assert "scan 32×15×512×16 on backend cpu failed, so nothing is written: frame_too_large" in err, err
+    assert not out_json.exists()
+
+
 def test_connect_measures_a_running_server(tmp_path, capsys):
     from bridge.bench.__main__ import main
 

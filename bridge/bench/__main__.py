@@ -25,7 +25,10 @@ import signal
 import sys
 import time
 
+from bridge import client as clients
+
 from . import baseline as baseline_mod
+from . import floors
 from .cases import DEFAULT_SIZES, EXPHIL_SEQ, QUICK_SIZES, Case, parse_sizes
 from .lanes import BenchError, ConnectedServer, SpawnedServer, choose_transports
 from .machine import commit_info, machine_info, output_path
@@ -129,8 +132,14 @@ def run_sweep(cases: list[Case], open_server, backends: list[str] | None, plan: 
                     progress.skip_to(start + warmup + iterations)
                     continue
                 progress.start(f"{case.label} · backend {server.backend} · {', '.join(l.transport for l in server.lanes)}")
-                samples = measure_case(case, server.lanes, iterations=iterations, warmup=warmup,
-                                       max_seconds=max_seconds, seed=seed, on_iteration=progress.advance)
+                try:
+                    samples = measure_case(case, server.lanes, iterations=iterations, warmup=warmup,
+                                           max_seconds=max_seconds, seed=seed, on_iteration=progress.advance)
+                except (clients.BridgeError, clients.ServerExited, floors.EchoUnavailable, TimeoutError,
+                        OSError, EOFError) as exc:
+                    # The run stops here, so that no results document stands for a sweep cut short.
+                    raise BenchError(f"{case.label} on backend {server.backend} failed, so nothing is "
+                                     f"written: {exc}") from exc
                 progress.skip_to(start + warmup + iterations)
                 for lane in server.lanes:
                     rows.append(make_row(case, lane.transport, server.backend, server.device, samples[lane.transport]))
