@@ -479,19 +479,22 @@ defmodule ScanBridge do
           {:ok, String.t(), [term]} | error
   def open_session_with_frames(server, dims, frames, opts \\ []) do
     args = dims |> session_dims!() |> session_model!() |> Protocol.wire_args!("open_session")
-    calls = frames |> frames!("open_session_with_frames") |> Enum.map(&frame!/1)
-
-    args =
-      Map.put(
-        args,
-        "frames",
-        Enum.map(calls, fn {op, frame_args, _} -> %{"op" => op, "args" => frame_args} end)
-      )
+    {sent, calls} = frames_arg!(frames, "open_session_with_frames")
+    args = Map.put(args, "frames", sent)
 
     with {:ok, result, timing} <- request(server, "session_open", args, opts),
          {:ok, session} <- result_string(result, "session"),
          {:ok, results} <- frame_results(Map.get(result, "frames"), calls, timing),
          do: {:ok, session, results}
+  end
+
+  @doc false
+  # `frames` as a request carries them (session_open's and session_restore's "frames"), and each
+  # one's call (frame!/1). Raises ArgumentError for frames that cannot be sent.
+  @spec frames_arg!(term, String.t()) :: {[map], [{String.t(), map, function}]}
+  def frames_arg!(frames, what) do
+    calls = frames |> frames!(what) |> Enum.map(&frame!/1)
+    {Enum.map(calls, fn {op, args, _answer} -> %{"op" => op, "args" => args} end), calls}
   end
 
   # A frame: its op, its arguments (no session: the frame's is the one being opened) and how
@@ -1015,12 +1018,12 @@ defmodule ScanBridge do
   @spec restore_with_frames(server, String.t(), String.t(), [frame], call_opts) ::
           {:ok, [term]} | error
   def restore_with_frames(server, session, snapshot, frames, opts \\ []) do
-    calls = frames |> frames!("restore_with_frames") |> Enum.map(&frame!/1)
+    {sent, calls} = frames_arg!(frames, "restore_with_frames")
 
     args = %{
       session: id!(session, "restore_with_frames session"),
       snapshot: id!(snapshot, "restore_with_frames snapshot"),
-      frames: Enum.map(calls, fn {op, frame_args, _} -> %{"op" => op, "args" => frame_args} end)
+      frames: sent
     }
 
     with {:ok, result, timing} <- request(server, "session_restore", args, opts),

@@ -496,6 +496,15 @@ defmodule ScanBridge.ClusterTest do
     assert new_owner != owner
     for {a, e} <- close.(rest, 8), do: Models.assert_rel_close(a, e, 1.0e-5, "after the failover")
 
+    # found in review: a frame that cannot be sent raised only once the session had been
+    # reopened from the snapshot, leaving it there; on its server it raises before anything
+    {:ok, before} = Cluster.session_state(s)
+
+    for malformed <- [{:bogus, %{}}, {:model_step, hd(frames) |> elem(1), [output: :probabilities]}] do
+      assert_raise ArgumentError, fn -> Cluster.restore_with_frames(s, snap, [malformed]) end
+      assert {:ok, ^before} = Cluster.session_state(s)
+    end
+
     # the snapshot's copy went with its server: reopened from its checkpoint, then the frames
     assert {:ok, again} = Cluster.restore_with_frames(s, snap, frames)
     rest = for t <- 8..11, do: step!(s, embeds, t)
@@ -864,10 +873,7 @@ defmodule ScanBridge.ClusterTest do
     frames = for _ <- 1..2, do: {:step, ssd_frame(sizes)}
 
     # reopened on y from the snapshot's checkpoint, a copy taken there for the frames, which
-    # raise (a bad frame) or take the whole deadline: the copy is freed all the same (apart)
-    assert_raise ArgumentError, fn -> Cluster.restore_with_frames(s, snap, [{:bogus, %{}}]) end
-    assert eventually(fn -> snapshot_bytes(y) == copies end)
-
+    # take the whole deadline: the copy is freed all the same (apart)
     assert {:error, %Error{reason: :timeout}} =
              Cluster.restore_with_frames(s, snap, frames, timeout: 1_500)
 

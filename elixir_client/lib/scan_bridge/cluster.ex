@@ -603,7 +603,8 @@ defmodule ScanBridge.Cluster do
   on the server that holds the snapshot's copy. After a failover the session is reopened from
   the snapshot's checkpoint and kept frames first, and `frames` run there after. They are kept
   for a rebuild as the session's own calls are. Returns each frame's result, in order. A frame
-  that fails leaves the session holding the snapshot's state. Options: `:timeout`.
+  that fails leaves the session holding the snapshot's state; one that cannot be sent raises
+  `ArgumentError` in the caller, nothing done. Options: `:timeout`.
 
   A `:model_step` frame's `snapshot_into: other` (another snapshot of this session) refreshes a
   rollback ring as the frames run: `other` takes the state before that frame, as
@@ -624,11 +625,26 @@ defmodule ScanBridge.Cluster do
           {:ok, into} <- [snapshot_into!(frame_opts, "Cluster.restore_with_frames frame #{i}")],
           do: {i, into}
 
+    # Checked and encoded here, as ScanBridge does before it sends anything: after a failover
+    # the keeper reopens the session from the snapshot before it sends the frames.
+    {sent, _calls} =
+      frames
+      |> Enum.map(&without_snapshot_into/1)
+      |> ScanBridge.frames_arg!("Cluster.restore_with_frames")
+
+    {_head, _size} = Protocol.request_head("session_restore", %{frames: sent})
+
     case List.keyfind(into, snapshot, 1) do
       nil -> Session.restore_with_frames(session, snapshot, frames, opts)
       {i, _restored} -> {:error, into_restored(i)}
     end
   end
+
+  # A frame without its snapshot_into: (a reference here, the snapshot's id on its server there).
+  defp without_snapshot_into({:model_step, input, opts}) when is_list(opts),
+    do: {:model_step, input, Keyword.delete(opts, :snapshot_into)}
+
+  defp without_snapshot_into(frame), do: frame
 
   defp into_restored(i) do
     Error.client(
