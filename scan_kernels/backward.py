@@ -66,6 +66,9 @@ def _finish(grads: dict, given: dict, compute: torch.dtype) -> dict:
     return out
 
 
+# The backward builds no graph (ScanFunction.backward refuses a second derivative): inputs that
+# require grad gave gradients with a partial one (the Triton backend's chain rule through dt).
+@torch.no_grad()
 def _gradients(one, args, dy, *, h0, dstate, cu_seqlens, packs: bool, given: dict, seq_axis: int, bc_axis: int,
                state_shape: tuple[int, ...], state_meaning: str) -> dict:
     """`one(dy, x, dt, B, C, z, h0, dstate)` (a backend's backward, the rest bound) over the

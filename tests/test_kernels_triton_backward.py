@@ -198,6 +198,28 @@ def test_autograd_through_selective_scan(device):
                        {k: inputs[k] for k in ("x", "A", "D")}, torch.float32, f"seed={seed}")
 
 
+@pytest.mark.parametrize("kind, case", [
+    pytest.param("scan", ScanCase(1, 6, 4, 2, dt_bias=True, dt_softplus=True, clamp=True), id="mamba1"),
+    pytest.param("ssd", SsdCase(1, 6, 2, 3, 2, dt_bias=True, dt_softplus=True, clamp=True), id="mamba2"),
+])
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_of_inputs_that_require_grad_carry_no_graph(kind, case, device):
+    """Called with inputs that require grad (a module's parameters), the backward returns plain
+    gradients as the other backends do: ddt and ddt_bias came with a graph through softplus's
+    derivative alone, a wrong second derivative and a graph kept alive (found in review)."""
+    _backend(device)
+    seed = random_seed()
+    make = make_ssd_inputs if kind == "ssd" else make_scan_inputs
+    inputs = make(case, torch.float32, device, seed=seed)
+    dy, _ = make_cotangents(inputs, tuple(inputs["x"].shape), _state_shape(kind, inputs), False, seed)
+    leaves = {k: v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in inputs.items()}
+    got = _grads(kind, leaves, dy, None, "triton")
+    assert not [name for name, g in got.items() if g.requires_grad], f"seed={seed}"
+    expected = _grads(kind, inputs, dy, None, "reference")
+    assert_grads_close(got, expected, backward_inputs(inputs), torch.float32, f"triton {kind} seed={seed}")
+
+
 @pytest.mark.parametrize("kind, case, field", [
     pytest.param("scan", ScanCase(1, 2, 2, 1025), "A", id="mamba1-names-A"),
     pytest.param("ssd", SsdCase(1, 2, 2, 2, 1025), "B", id="mamba2-names-B"),
