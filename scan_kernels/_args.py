@@ -40,6 +40,8 @@ def _require_tensor(name: str, t) -> torch.Tensor:
         raise KernelInputError(name, "a torch.Tensor", type(t).__name__)
     if t.layout != torch.strided:
         raise KernelInputError(name, "a dense (strided) tensor", f"layout {t.layout}")
+    if t.is_nested:  # strided in layout, but its shape cannot be read (torch raises an internal error)
+        raise KernelInputError(name, "a dense (strided) tensor", "a nested tensor")
     if t.dtype not in FLOAT_DTYPES:
         raise DtypeNotAllowed(name, "a floating dtype", FLOAT_DTYPES, t.dtype)
     return t
