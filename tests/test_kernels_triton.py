@@ -624,6 +624,9 @@ def test_warmup_runs_each_bucket_and_describes_it(device):
                  id="groups-not-dividing-heads"),
     pytest.param(dict(batch=1, seq=2, dim=4, headdim=4, state=2, layout="bdl"), "shapes.layout",
                  id="ssd-bdl-layout"),
+    # An option is a bool, not read by its truthiness: "false" warmed the variant with D.
+    pytest.param(dict(batch=1, seq=2, dim=4, state=2, D="false"), "shapes.D", id="option-str"),
+    pytest.param(dict(batch=1, seq=2, dim=4, state=2, slots=0), "shapes.slots", id="slots-int"),
 ])
 def test_warmup_rejects_bad_buckets(shape, field):
     _backend("cpu" if not CUDA else "cuda")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .._args import FLOAT_DTYPES, FLOAT_DTYPES_EXPECTED, LAYOUTS, LAYOUTS_EXPECTED
+from .._args import FLOAT_DTYPES, FLOAT_DTYPES_EXPECTED, LAYOUTS, LAYOUTS_EXPECTED, _flag
 from ..errors import KernelInputError
 from . import configs, scan, ssd, state_update
 from .common import cdiv, interpreter_active
@@ -66,6 +66,11 @@ class WarmupShape:
             value = getattr(spec, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise KernelInputError(f"shapes.{name}", "a positive int", repr(value))
+        # The options choose compiled variants: read by truthiness, "false" would warm the one with it.
+        from .. import WARMUP_OPTIONS
+
+        for name in (*WARMUP_OPTIONS, "slots"):
+            _flag(f"shapes.{name}", getattr(spec, name))
         if spec.dim % spec.groups:
             axis = "heads" if spec.ssd else "dim"
             raise KernelInputError("shapes.groups", f"a divisor of {axis} ({spec.dim})", str(spec.groups))
