@@ -214,6 +214,34 @@ defmodule ScanBridge.ClusterTest do
   defp state_reads(%{} = reads, gone), do: state_reads(Map.keys(reads) -- [gone])
   defp state_reads(members), do: Map.new(members, &{&1, ops_done(&1, "session_state")})
 
+  # Found in review: restarted with no other member left, it joined with an empty catalogue, so
+  # the group's models, and the sessions of them, were gone until loaded again.
+  test "a lone member restarted by its supervisor loads the group's models again" do
+    g = group()
+    name = :"lone_member_#{System.unique_integer([:positive])}"
+    children = [{ScanBridge, TestSupport.server_opts(group: g, name: name)}]
+    {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+    first = Process.whereis(name)
+    :ok = await_member(g, first)
+    model = Models.backbone(Models.config(:mamba2), 7)
+    {:ok, %{members: 1}} = Cluster.load_model(g, "tiny", model)
+    embeds = Models.embeds(1, 2, 8)
+    {:ok, s} = Cluster.open_session(g, [model: "tiny", batch: 1], checkpoint: 4)
+    step!(s, embeds, 0)
+
+    kill_server!(first)
+    # the fresh server starts first: seconds on a loaded machine
+    assert eventually(fn -> match?([pid] when pid != first, Cluster.members(g)) end, 60_000)
+
+    assert {:ok, [%{models: %{"tiny" => %{model: id}}}]} = Cluster.catalogue(g)
+    assert is_binary(id), "the restarted member does not hold the group's model"
+    # the session, kept by its checkpoint and frame, is rebuilt there
+    assert {:ok, _logits} = Cluster.model_step(s, {:embeds, Models.frame(embeds, 1)})
+    assert {:ok, %{failovers: 1}} = Cluster.session_info(s)
+    assert :ok = Cluster.close_session(s)
+    Supervisor.stop(supervisor)
+  end
+
   test "a model session fails over with a checkpoint and answers as an uninterrupted run" do
     g = group()
     start_members(g, 2)

@@ -1,8 +1,9 @@
 defmodule ScanBridge.Application do
   @moduledoc false
   # What every node that runs scan-bridge clients or routes to them needs: the `:pg` scope the
-  # servers of a group join (`ScanBridge.Cluster`), this node's balancer, and the supervisor of
-  # the cluster sessions opened from this node.
+  # servers of a group join (`ScanBridge.Cluster`), this node's balancer, what this node's
+  # members held of their groups' catalogues, and the supervisor of the cluster sessions opened
+  # from this node.
 
   use Application
 
@@ -42,6 +43,7 @@ defmodule ScanBridge.Application do
     children = [
       %{id: :pg, start: {:pg, :start_link, [ScanBridge.Cluster.scope()]}},
       ScanBridge.Cluster.Balancer,
+      ScanBridge.Cluster.NodeCatalogue,
       {DynamicSupervisor, name: ScanBridge.Cluster.Sessions, strategy: :one_for_one}
     ]
 

@@ -7,9 +7,11 @@ defmodule ScanBridge.Cluster.Member do
   # server in the group once it holds them.
   #
   # No registry: each member keeps its own copy of the catalogue. A member joins the group's
-  # catalogue keepers first, then copies every other keeper's catalogue and loads what it
-  # lacks, and only then offers its server for work; a keeper silent past the wait for it is
-  # asked again, and its catalogue merged once it answers. `load_model/4` records a model on
+  # catalogue keepers first, then copies every other keeper's catalogue, and the one its node
+  # remembers of its keepers (NodeCatalogue: a member restarted with no other keeper left
+  # copies its former self's), and loads what it lacks, and only then offers its server for
+  # work; a keeper silent past the wait for it is asked again, and its catalogue merged once it
+  # answers. `load_model/4` records a model on
   # every keeper it finds, then looks again until no new keeper has appeared, so that a member
   # that joined meanwhile either was found or copied a catalogue that already had the model.
   #
@@ -36,6 +38,7 @@ defmodule ScanBridge.Cluster.Member do
   require Logger
 
   alias ScanBridge.{Cluster, Unexpected}
+  alias ScanBridge.Cluster.NodeCatalogue
 
   # catalogue: name => {source, opts, info or nil}; versions: name => version, of every name
   # recorded or freed here; loads: the models loading, by name: %{ref:, source:, opts:, waiters:}
@@ -100,7 +103,12 @@ defmodule ScanBridge.Cluster.Member do
   def handle_info({ref, {catalogues, silent}}, %{syncing: ref} = state) do
     Process.demonitor(ref, [:flush])
     :ok = reconcile_with(silent, self())
-    {:noreply, %{state | syncing: nil} |> merge(catalogues, :sync) |> join_when_synced()}
+    # and what this node's keepers held: with no other keeper left, a member restarted by its
+    # supervisor takes its former self's catalogue
+    catalogues = [NodeCatalogue.recall(state.group) | catalogues]
+
+    {:noreply,
+     %{state | syncing: nil} |> merge(catalogues, :sync) |> join_when_synced() |> remembered()}
   end
 
   # A node came up (again): its keepers' catalogues are compared with this one's, once they
@@ -114,7 +122,7 @@ defmodule ScanBridge.Cluster.Member do
   end
 
   def handle_info({:reconcile, catalogues}, state),
-    do: {:noreply, merge(state, catalogues, :reconcile)}
+    do: {:noreply, state |> merge(catalogues, :reconcile) |> remembered()}
 
   def handle_info(:retry_retired, state), do: {:noreply, free_retired(state)}
 
@@ -134,7 +142,8 @@ defmodule ScanBridge.Cluster.Member do
         Process.demonitor(ref, [:flush])
         {fingerprint, result} = result
         load = Map.put(load, :fingerprint, fingerprint)
-        {:noreply, loaded(%{state | loads: Map.delete(state.loads, name)}, name, load, result)}
+        state = loaded(%{state | loads: Map.delete(state.loads, name)}, name, load, result)
+        {:noreply, remembered(state)}
     end
   end
 
@@ -175,18 +184,8 @@ defmodule ScanBridge.Cluster.Member do
     {:reply, {:ok, %{node: node(), server: state.server, models: models}}, state}
   end
 
-  # name => {{source, opts} or :freed, version}: what another keeper merges (merge/3).
-  def handle_call(:versioned_catalogue, _from, state) do
-    entries =
-      Map.new(state.versions, fn {name, version} ->
-        case state.catalogue do
-          %{^name => {source, opts, _info}} -> {name, {{source, opts}, version}}
-          _freed -> {name, {:freed, version}}
-        end
-      end)
-
-    {:reply, entries, state}
-  end
+  # What another keeper merges (merge/3).
+  def handle_call(:versioned_catalogue, _from, state), do: {:reply, versioned(state), state}
 
   # A load refuses a name another caller claimed for another model; it ends the caller's own
   # claim, as the catalogue records the model from here.
@@ -203,8 +202,8 @@ defmodule ScanBridge.Cluster.Member do
 
       true ->
         case adopt(newer(state, name, version), name, source, opts, from) do
-          {:done, reply, state} -> {:reply, reply, state}
-          {:waiting, state} -> {:noreply, state}
+          {:done, reply, state} -> {:reply, reply, remembered(state)}
+          {:waiting, state} -> {:noreply, remembered(state)}
         end
     end
   end
@@ -238,7 +237,7 @@ defmodule ScanBridge.Cluster.Member do
 
       _idle ->
         {reply, state} = free(state, name, opts, tag)
-        {:reply, reply, state}
+        {:reply, reply, remembered(state)}
     end
   end
 
@@ -250,6 +249,22 @@ defmodule ScanBridge.Cluster.Member do
   def handle_cast(request, state) do
     Unexpected.cast(__MODULE__, request)
     {:noreply, state}
+  end
+
+  # name => {{source, opts} or :freed, version}, of every name recorded or freed here.
+  defp versioned(state) do
+    Map.new(state.versions, fn {name, version} ->
+      case state.catalogue do
+        %{^name => {source, opts, _info}} -> {name, {{source, opts}, version}}
+        _freed -> {name, {:freed, version}}
+      end
+    end)
+  end
+
+  # The catalogue as it is now, for a member this node starts later (NodeCatalogue).
+  defp remembered(state) do
+    NodeCatalogue.remember(state.group, versioned(state))
+    state
   end
 
   defp release(state, name, caller) do
