@@ -23,6 +23,7 @@ import scan_kernels
 
 from bridge.client import BridgeError
 from bridge.models import load_weights
+from bridge.models.config import layer_state_names
 from bridge_fakes import RecordingConnection
 from kernel_cases import cpu_backends, random_seed
 
@@ -573,6 +574,74 @@ def test_the_fused_step_is_the_composed_one(checkpoints, arch):
     # Slots come from the server's sessions; one outside the pool is refused, not written past.
     with pytest.raises(ValueError, match="outside the pool"):
         m.step(fused, torch.tensor([6]), tokens[:1], output="logits", backend="cpu")
+
+
+def _shorter(t: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    return t.narrow(axis, 0, t.shape[axis] - 1).contiguous()
+
+
+def _not_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t() if t.dim() == 2 else t[:1].expand(t.shape)
+
+
+# A layer's tensors as scan_kernels.model_step_kernel takes them (binding.cpp's LayerTensor), one
+# made wrong; each read through a raw pointer, past its end or at the wrong place.
+FUSED_BAD_LAYER_TENSORS = {
+    "norm-short": ("mamba", 0, "norm", _shorter),
+    "conv-not-contiguous": ("mamba", 3, "conv", _not_contiguous),
+    "conv-bias-short": ("mamba2", 4, "conv bias", _shorter),
+    "A-wrong-state-size": ("mamba", 5, "A", lambda t: _shorter(t, 1)),
+    "A-expanded": ("mamba2", 5, "A", _not_contiguous),
+    "D-short": ("mamba2", 6, "D", _shorter),
+    "dt-bias-bf16": ("mamba2", 7, "dt_bias", lambda t: t.bfloat16()),
+    "in-proj-short": ("mamba2", 1, "in_proj", _shorter),
+    "out-proj-short": ("mamba", 8, "out_proj", _shorter),
+    "x-proj-short": ("mamba", 10, "x_proj", _shorter),
+    "gate-norm-short": ("mamba2", 12, "gate norm", _shorter),
+    "conv-state-narrow": ("mamba2", 13, "conv state", lambda t: _shorter(t, 2)),
+    "ssm-state-short": ("mamba", 14, "ssm state", lambda t: _shorter(t, 2)),
+    "ssm-state-of-mamba1-shape": ("mamba2", 14, "ssm state", lambda t: t.flatten(1, 2)),
+}
+
+
+@pytest.mark.parametrize("kernel", ["step", "forward"])
+@pytest.mark.parametrize("case", FUSED_BAD_LAYER_TENSORS)
+def test_the_fused_kernels_refuse_a_layer_tensor_they_would_misread(case, kernel):
+    """scan_kernels.model_step_kernel and model_forward_kernel are public: a caller's layer
+    tensor of the wrong size, layout or dtype is a ValueError naming it. Found in review: only
+    their presence was checked, and the loops read norms, convs, A, D and dt_bias through raw
+    pointers past their ends (a bridge model builds them right; a direct caller need not)."""
+    which = scan_kernels.model_step_kernel if kernel == "step" else scan_kernels.model_forward_kernel
+    fused = which("cpu", cpu_backends()[-1])
+    if fused is None:
+        pytest.skip("no fused model step: the C++ backend is not built here (make kernels)")
+    arch, index, name, spoil = FUSED_BAD_LAYER_TENSORS[case]
+    seed = random_seed()
+    model = (transformers.MambaForCausalLM(tiny_mamba(seed, hidden_size=11)) if arch == "mamba" else
+             transformers.Mamba2ForCausalLM(tiny_mamba2(seed, hidden_size=11, num_heads=2, head_dim=11)))
+    config = json.loads(model.config.to_json_string())
+    m = load_weights(config, {k: v.detach() for k, v in model.state_dict().items()}, torch.float32,
+                     torch.device("cpu"), lambda n: None)
+    state = {part: torch.zeros((2, *shape)) for part, shape in m.config.state_parts()}
+    layers = [list(weights) + [state[part] for part in layer_state_names(i)]
+              for i, weights in enumerate(m._fused_weights)]
+    inputs = torch.zeros((1, m.config.d_model) if kernel == "step" else (1, 3, m.config.d_model))
+    call = (inputs, torch.tensor([1]), layers, m._fused_norm_f, m._fused_dims, m.config.eps, None, None)
+    with torch.no_grad():
+        fused(*call)  # as the model builds them: taken
+        layers[0][index] = spoil(layers[0][index])
+        with pytest.raises(ValueError, match=f"layer 0 {name}: expected"):
+            fused(*call)
+
+
+@pytest.mark.parametrize("dims", [[2, 22, 4, 1, 2, 11, 1], [1, 22, 4, 1, 3, 11, 1], [1, 22, 4, 1, 2, 11, 4]],
+                         ids=["no-such-arch", "heads-times-headdim-not-d-inner", "groups-not-dividing-heads"])
+def test_the_fused_step_refuses_dims_it_would_misread(dims):
+    fused = scan_kernels.model_step_kernel("cpu", cpu_backends()[-1])
+    if fused is None:
+        pytest.skip("no fused model step: the C++ backend is not built here (make kernels)")
+    with pytest.raises(ValueError, match="model_step: dims"):
+        fused(torch.zeros(1, 11), torch.tensor([0]), [], torch.ones(11), dims, 1e-5, None, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

@@ -622,8 +622,12 @@ struct FusedModel {
              const std::optional<at::Tensor>& head = std::nullopt)
       : norm_f(norm), embeddings(embedding), lm_head(head), eps(eps_), dt_min(min), dt_max(max) {
     if (dims.size() != 7) throw std::invalid_argument("model_step: expected 7 dims");
+    if (dims[0] != 0 && dims[0] != 1)
+      throw std::invalid_argument("model_step: dims[0]: expected 0 (Mamba-1) or 1 (Mamba-2), got " +
+                                  std::to_string(dims[0]));
     mamba2 = dims[0] == 1;
     di = dims[1], n = dims[2], rank = dims[3], heads = dims[4], headdim = dims[5], groups = dims[6];
+    check_dims();
     require_operand(norm_f, "norm_f", at::kFloat, "model_step");
     d = norm_f.numel();
     for (const auto* t : {&embeddings, &lm_head}) {
@@ -645,10 +649,99 @@ struct FusedModel {
         if (!layer[i].has_value())
           throw std::invalid_argument("model_step: layer tensor " + std::to_string(int(i)) + " missing");
       layers.emplace_back(layer.begin(), layer.begin() + kLayerWeights);
+      check_layer(layers.size() - 1);
     }
   }
 
   const at::Tensor& weight(size_t layer, LayerTensor i) const { return *layers[layer][i]; }
+
+  // The conv's channels: Mamba-1's x, Mamba-2's x | B | C.
+  int64_t conv_channels() const { return mamba2 ? di + 2 * groups * n : di; }
+
+  // Each layer's conv state [pool, conv_channels, width] and ssm state ([pool, d_inner, state],
+  // Mamba-2's [pool, heads, headdim, state]), fp32, as the loops and kernels index them.
+  void check_states(const char* op, size_t l, const at::Tensor& conv, const at::Tensor& ssm) const {
+    const int64_t width = weight(l, kConv).size(1);
+    const std::vector<int64_t> ssm_sizes = mamba2 ? std::vector<int64_t>{-1, heads, headdim, n}
+                                                  : std::vector<int64_t>{-1, di, n};
+    if (conv.scalar_type() != at::kFloat || !conv.device().is_cpu() || !sizes_are(conv, {-1, conv_channels(), width}) ||
+        conv.stride(2) != 1)
+      throw std::invalid_argument(std::string(op) + ": layer " + std::to_string(l) +
+                                  " conv state: expected a CPU tensor of Float [pool, " + std::to_string(conv_channels()) +
+                                  ", " + std::to_string(width) + "] with its last axis contiguous, got " + described(conv));
+    if (ssm.scalar_type() != at::kFloat || !ssm.device().is_cpu() || !sizes_are(ssm, ssm_sizes))
+      throw std::invalid_argument(std::string(op) + ": layer " + std::to_string(l) +
+                                  " ssm state: expected a CPU tensor of Float " + shown_sizes(ssm_sizes) + ", got " +
+                                  described(ssm));
+  }
+
+ private:
+  // Whether `t` has `sizes` (-1: any size of at least 1).
+  static bool sizes_are(const at::Tensor& t, const std::vector<int64_t>& sizes) {
+    if (t.dim() != static_cast<int64_t>(sizes.size())) return false;
+    for (size_t i = 0; i < sizes.size(); ++i)
+      if (sizes[i] < 0 ? t.size(i) < 1 : t.size(i) != sizes[i]) return false;
+    return true;
+  }
+
+  static std::string shown_sizes(const std::vector<int64_t>& sizes) {
+    std::string shown = "[";
+    for (size_t i = 0; i < sizes.size(); ++i)
+      shown += (i ? ", " : "") + (sizes[i] < 0 ? std::string("any") : std::to_string(sizes[i]));
+    return shown + "]";
+  }
+
+  static std::string described(const at::Tensor& t) {
+    std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+    return std::string(c10::toString(t.scalar_type())) + " " + shown_sizes(sizes) + (t.is_contiguous() ? "" : " (not contiguous)") +
+           (t.device().is_cpu() ? "" : " on " + t.device().str());
+  }
+
+  // The sizes the loops below index by: a tensor read through a raw pointer past its end would
+  // read other memory, not raise.
+  void check_dims() const {
+    const bool positive = di >= 1 && n >= 1 && (mamba2 ? heads >= 1 && headdim >= 1 && groups >= 1 : rank >= 1);
+    if (!positive || (mamba2 && (heads * headdim != di || heads % groups != 0)))
+      throw std::invalid_argument("model_step: dims: expected positive sizes" +
+                                  std::string(mamba2 ? ", heads * headdim == d_inner and groups dividing heads" : "") +
+                                  ", got d_inner " + std::to_string(di) + ", state " + std::to_string(n) +
+                                  ", dt_rank " + std::to_string(rank) + ", heads " + std::to_string(heads) +
+                                  ", headdim " + std::to_string(headdim) + ", groups " + std::to_string(groups));
+  }
+
+  // Layer l's weights of the sizes its step reads: contiguous CPU tensors, fp32 where a loop reads
+  // them as floats (the products' and Mamba-1's state-update operands keep their kernels' dtype checks).
+  void check_layer(size_t l) const {
+    const auto& layer = layers[l];
+    const int64_t d_in_proj = mamba2 ? 2 * di + 2 * groups * n + heads : 2 * di, per_head = mamba2 ? heads : di;
+    // Its taps, of which the state's windows must have as many (check_states); -1: none to read.
+    const int64_t width = layer[kConv]->dim() == 2 && layer[kConv]->size(1) >= 1 ? layer[kConv]->size(1) : -1;
+    const std::vector<std::tuple<LayerTensor, const char*, std::vector<int64_t>, bool>> expected{
+        {kNorm, "norm", {d}, true},
+        {kInProj, "in_proj", {d_in_proj, d}, false},
+        {kInProjBias, "in_proj bias", {d_in_proj}, true},
+        {kConv, "conv", {conv_channels(), width}, true},
+        {kConvBias, "conv bias", {conv_channels()}, true},
+        {kA, "A", mamba2 ? std::vector<int64_t>{heads} : std::vector<int64_t>{di, n}, mamba2},
+        {kD, "D", {per_head}, mamba2},
+        {kDtBias, "dt_bias", {per_head}, mamba2},
+        {kOutProj, "out_proj", {d, di}, false},
+        {kOutProjBias, "out_proj bias", {d}, true},
+        {kXProj, "x_proj", {rank + 2 * n, di}, false},
+        {kDtProj, "dt_proj", {di, rank}, false},
+        {kGateNorm, "gate norm", {di}, true},
+    };
+    for (const auto& [i, name, sizes, fp32] : expected) {
+      const auto& t = layer[i];
+      const bool read = mamba2 ? i != kXProj && i != kDtProj : i != kGateNorm;
+      if (!t.has_value() || !read) continue;
+      if (!t->device().is_cpu() || !t->is_contiguous() || (fp32 && t->scalar_type() != at::kFloat) ||
+          !sizes_are(*t, sizes))
+        throw std::invalid_argument("model_step: layer " + std::to_string(l) + " " + name +
+                                    ": expected a contiguous CPU tensor" + (fp32 ? " of Float " : " ") +
+                                    shown_sizes(sizes) + ", got " + described(*t));
+    }
+  }
 };
 
 // Every row's slot below `pool`.
@@ -892,12 +985,13 @@ at::Tensor step_model(const FusedModel& m, const at::Tensor& hidden, const at::T
 }
 
 // Each layer's conv and ssm state (the last two of its tensors), every slot checked against them.
-void layer_states(const char* op, const LayerList& layers, const at::Tensor& slots, int64_t rows,
-                  std::vector<at::Tensor>& conv, std::vector<at::Tensor>& ssm) {
+void layer_states(const char* op, const FusedModel& model, const LayerList& layers, const at::Tensor& slots,
+                  int64_t rows, std::vector<at::Tensor>& conv, std::vector<at::Tensor>& ssm) {
   if (slots.numel() != rows) throw std::invalid_argument(std::string(op) + ": expected a slot for each input row");
   for (const auto& layer : layers) {
     if (layer.size() != kLayerTensors || !layer[kConvState] || !layer[kSsmState])
       throw std::invalid_argument(std::string(op) + ": expected 15 tensors a layer, its state last");
+    model.check_states(op, conv.size(), *layer[kConvState], *layer[kSsmState]);
     conv.push_back(*layer[kConvState]);
     ssm.push_back(*layer[kSsmState]);
     check_slots(slots.data_ptr<int64_t>(), slots.numel(), std::min(conv.back().size(0), ssm.back().size(0)));
@@ -1000,7 +1094,7 @@ at::Tensor model_step(const at::Tensor& hidden, const at::Tensor& slots, const L
   if (hidden.dim() != 2 || hidden.size(1) != model.d)
     throw std::invalid_argument("model_step: expected hidden [rows, " + std::to_string(model.d) + "]");
   std::vector<at::Tensor> conv, ssm;
-  layer_states("model_step", layers, slots, hidden.size(0), conv, ssm);
+  layer_states("model_step", model, layers, slots, hidden.size(0), conv, ssm);
   return step_model(model, hidden, slots, conv, ssm, head.has_value());
 }
 
@@ -1020,7 +1114,7 @@ at::Tensor model_forward(const at::Tensor& embeddings, const at::Tensor& slots, 
   at::Tensor hidden = at::empty(embeddings.sizes(), embeddings.options());
   std::copy(embeddings.data_ptr<float>(), embeddings.data_ptr<float>() + embeddings.numel(), hidden.data_ptr<float>());
   std::vector<at::Tensor> conv, ssm;
-  layer_states("model_forward", layers, slots, embeddings.size(0), conv, ssm);
+  layer_states("model_forward", model, layers, slots, embeddings.size(0), conv, ssm);
   if (model.mamba2)
     for (const auto& state : ssm)
       if (state.stride(3) != 1 || state.stride(2) != model.n || state.stride(1) != model.headdim * model.n)
