@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from bridge.bench.machine import output_path, summarize_us, write_results
+from bridge.bench.machine import output_path, positive_count, summarize_us, write_results
 from protocol.encode import encode_request
 from protocol.framing import HEADER_SIZE, encode_frame, parse_frame_header
 
@@ -78,7 +78,7 @@ def kill_to_eof_ms(name: str) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=positive_count, default=10)
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     names = list(VARIANTS)

@@ -48,7 +48,7 @@ import protocol
 from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.bench.floors import (BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
                                  frame_bytes, lane_call, open_floor)
-from bridge.bench.machine import output_path, summarize_us, write_results
+from bridge.bench.machine import output_path, positive_count, summarize_us, write_results
 from bridge.bench.measure import FRAME_BUDGET_60FPS_US
 from bridge.client import PortClient
 
@@ -421,14 +421,14 @@ def delay_sweep(delays: list[int], rows: int, callers: int, seconds: float, roun
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=positive_count, default=600)
     p.add_argument("--windows", type=int, default=40, help="window re-sends to compare with")
-    p.add_argument("--repeats", type=int, default=3, help="(a) runs, each with a fresh server")
-    p.add_argument("--callers", type=int, default=8)
+    p.add_argument("--repeats", type=positive_count, default=3, help="(a) runs, each with a fresh server")
+    p.add_argument("--callers", type=positive_count, default=8)
     p.add_argument("--rows", default="1,32", help="session batch of each caller in (b), comma-separated")
     p.add_argument("--lanes", default="stdio", help=f"(b)'s lanes, comma-separated, of {', '.join(CALLER_LANES)}")
     p.add_argument("--seconds", type=float, default=2.0, help="length of one (b) run")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=positive_count, default=3)
     p.add_argument("--delays", default="", help="(c): --max-delay-us values to sweep, comma-separated "
                                                 "(over stdio, with (b)'s first --rows)")
     p.add_argument("--skip", default="", help="parts to skip, e.g. a or b")

@@ -18,7 +18,7 @@ import urllib.request
 
 import numpy as np
 
-from bridge.bench.machine import output_path, summarize_us, write_results
+from bridge.bench.machine import output_path, positive_count, summarize_us, write_results
 from bridge.client import PortClient
 from bridge.stats import Stats
 from bridge.timing import STAGE_KEYS
@@ -62,9 +62,9 @@ def served_steps(steps: int) -> tuple[list[float], list[float]]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.metrics_cost", description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=200_000, help="records a round")
-    parser.add_argument("--rounds", type=int, default=7, help="alternated rounds of off and on")
-    parser.add_argument("--steps", type=int, default=500, help="served steps for scale")
+    parser.add_argument("--records", type=positive_count, default=200_000, help="records a round")
+    parser.add_argument("--rounds", type=positive_count, default=7, help="alternated rounds of off and on")
+    parser.add_argument("--steps", type=positive_count, default=500, help="served steps for scale")
     parser.add_argument("--json", type=output_path, default="bench/out/metrics_cost.json")
     args = parser.parse_args(argv)
 

@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 
-from bridge.bench.machine import commit_info, output_path, write_results
+from bridge.bench.machine import commit_info, output_path, positive_count, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.triton_host", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", help="another checkout of this project to compare with")
-    parser.add_argument("--rounds", type=int, default=6, help="children per tree, the trees taking turns")
-    parser.add_argument("--calls", type=int, default=2000, help="timed calls per case and child")
+    parser.add_argument("--rounds", type=positive_count, default=6, help="children per tree, the trees taking turns")
+    parser.add_argument("--calls", type=positive_count, default=2000, help="timed calls per case and child")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: real launches on the GPU, each case's calls back to back")
     parser.add_argument("--json", type=output_path, default=os.path.join(ROOT, "bench", "out", "triton_host.json"))

@@ -881,6 +881,24 @@ def test_kernel_benches_refuse_what_they_cannot_run(bench_name, argv, messages, 
     assert all(message in err for message in messages), err
 
 
+@pytest.mark.parametrize("bench_name, flag", [
+    ("metrics_cost", "--records"), ("metrics_cost", "--rounds"), ("metrics_cost", "--steps"),
+    ("exit_guard", "--rounds"), ("triton_host", "--rounds"), ("triton_host", "--calls"),
+    ("game_loop", "--steps"), ("game_loop", "--repeats"), ("game_loop", "--callers"), ("game_loop", "--rounds"),
+])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_benches_refuse_a_count_of_none(bench_name, flag, value, capsys):
+    """Rounds, calls, steps or records of none left nothing to take a median of: the run went
+    through (servers started, children built) and raised at its end (found in review)."""
+    module = importlib.import_module(f"bench.{bench_name}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main([flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    expected = "expected a whole number of at least 1, got 'two'" if value == "two" else f"expected at least 1, got {value}"
+    assert f"{flag}: " in err and expected in err, err
+
+
 def test_ssd_step_bench_runs_end_to_end(tmp_path):
     """`python -m bench.ssd_step` (Mamba-2 steps, native path against --no-native-step), tiny:
     both servers in one run, each stepping the way its mode says, the ratios of its own numbers."""

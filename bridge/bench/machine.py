@@ -161,6 +161,18 @@ def output_path(path: str) -> str:
     return path
 
 
+def positive_count(text: str) -> int:
+    """argparse type of a count of rounds, calls or records: at least 1, as a run of none has no
+    median to report (it raised once the run was over)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
 def write_results(path: str, benchmark: str, fields: dict) -> None:
     """The results document for `path`: the benchmark's name, machine_info, commit_info, then
     `fields`. The document is built before the file is opened: opening it first truncates a
