@@ -379,6 +379,30 @@ defmodule ScanBridge.ClusterTest do
     assert ScanBridge.Cluster.Balancer.takes_frames?(member)
   end
 
+  # Found in review: a state read went to the rebuild's open as a frame, which no open takes, so
+  # the session was opened plainly and its kept frames replayed one request each.
+  test "a state read in flight when its member goes rebuilds the session in one request" do
+    g = group()
+    members = start_members(g, 2)
+    sizes = %{batch: 1, heads: 1, headdim: 2, state: 2}
+    {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 100)
+    for _ <- 1..3, do: ok!(Cluster.step(s, ssd_frame(sizes)))
+    owner = owner(s)
+    [other] = members -- [owner]
+    steps = ops_done(other, "step")
+    {:ok, os_pid} = ScanBridge.os_pid(owner)
+    freeze(os_pid)
+    reading = Task.async(fn -> Cluster.session_state(s, timeout: 10_000) end)
+    # the read waits at the owner's client when its server dies
+    assert eventually(fn -> map_size(:sys.get_state(owner).pending) == 1 end)
+    TestSupport.kill!(os_pid)
+
+    assert {:ok, %Tensor{}} = Task.await(reading, 15_000)
+    assert {:ok, %{failovers: 1, member: ^other}} = Cluster.session_info(s)
+    # the kept frames ran in the rebuild's open, not as steps of their own
+    assert ops_done(other, "step") == steps
+  end
+
   test "checkpoints ride on the frames' replies, the caller's own asks answered as asked" do
     g = model_group(2)
     embeds = Models.embeds(1, 12, 8)

@@ -498,12 +498,14 @@ defmodule ScanBridge.Cluster.Session do
     end
   end
 
-  # The call in flight when the owner went away, sent to the rebuilt session (once): on the
-  # rebuild's open, after the kept frames, where the new owner takes frames there; else after it.
+  # The call in flight when the owner went away, sent to the rebuilt session (once): a frame on
+  # the rebuild's open, after the kept frames, where the new owner takes frames there; else, and
+  # a state read (no frame an open takes), after it.
   defp retry(state, from, kind, input, opts, deadline, first_outcome) do
     # a new owner is asked for the state on a frame's reply (place/3)
     asking = asking(%{state | state_on_reply: true}, kind, input, opts)
-    {state, ran} = rebuild(state, deadline, sent_frame(kind, input, opts, asking))
+    pending = if kind in @advancing, do: sent_frame(kind, input, opts, asking)
+    {state, ran} = rebuild(state, deadline, pending)
 
     cond do
       match?({:lost, _}, state.status) ->
