@@ -1287,6 +1287,11 @@ def test_linear_refuses_operands_that_do_not_fit():
         ext.linear(torch.randn(2, 4), torch.randn(3, 4, dtype=torch.float16), None)
     with pytest.raises(ValueError, match="bias: expected a contiguous CPU tensor of Float, got BFloat16"):
         ext.linear(torch.randn(2, 4), torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="input: expected each row contiguous .* got stride 2"):
+        ext.linear(torch.randn(2, 8)[:, ::2], torch.randn(3, 4), None)
+    # A row of one input has no stride to keep: taken whatever torch gives it.
+    one_input = torch.randn(6).as_strided((3, 1), (2, 5))
+    torch.testing.assert_close(ext.linear(one_input, torch.ones(4, 1), None), one_input.expand(-1, 4))
 
 
 def test_ssd_results_do_not_depend_on_the_thread_count():

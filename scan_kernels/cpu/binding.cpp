@@ -843,7 +843,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   if (w.dim() != 2)
     throw std::invalid_argument("model_step: a product's weight: expected a 2-d tensor [features, in], got " +
                                 std::to_string(w.dim()) + "-d");
-  if (x.stride(1) != 1 || x.size(1) != w.size(1) || (bias.has_value() && bias->numel() != w.size(0)))
+  // Rows may lie any stride apart, but each is read as contiguous.
+  if (x.size(1) > 1 && x.stride(1) != 1)
+    throw std::invalid_argument("model_step: a product's input: expected each row contiguous (stride 1 along its " +
+                                std::to_string(x.size(1)) + " inputs), got stride " + std::to_string(x.stride(1)));
+  if (x.size(1) != w.size(1) || (bias.has_value() && bias->numel() != w.size(0)))
     throw std::invalid_argument("model_step: a product's operands do not fit: input [" + std::to_string(x.size(0)) +
                                 ", " + std::to_string(x.size(1)) + "], weight [" + std::to_string(w.size(0)) + ", " +
                                 std::to_string(w.size(1)) + "]");
