@@ -100,7 +100,12 @@ defmodule ScanBridge.TensorTest do
     {"data not a binary", :new, [[1], :f32, {1}], "expected a binary, got \\[1\\]"},
     {"list length", :from_list, [[1.0], :f32, {2}], "expected 2 numbers .* got 1"},
     {"int out of range", :from_list, [[256], :u8, {1}], "fits u8, got 256"},
-    {"float for an int dtype", :from_list, [[1.5], :i32, {1}], "fits i32, got 1.5"}
+    {"float for an int dtype", :from_list, [[1.5], :i32, {1}], "fits i32, got 1.5"},
+    # found in review: FunctionClauseError, and an ArgumentError from length/1 naming neither
+    {"values not a list", :from_list, [{1.0}, :f32, {1}],
+     "tensor values: expected a list of numbers, got \\{1.0\\}"},
+    {"values an improper list", :from_list, [[1.0 | 2.0], :f32, {2}],
+     "tensor values: expected a list of numbers, got an improper list"}
   ]
 
   for {name, fun, args, pattern} <- @invalid do

@@ -77,6 +77,11 @@ defmodule ScanBridge.Tensor do
     check_dtype!(dtype)
     check_shape!(shape)
 
+    # an improper list first: length/1 would raise naming neither what was expected nor what came
+    if List.improper?(values) do
+      raise ArgumentError, "tensor values: expected a list of numbers, got an improper list"
+    end
+
     if length(values) != elements(shape) do
       raise ArgumentError,
             "tensor values: expected #{elements(shape)} numbers for shape #{inspect(shape)}, " <>
@@ -84,6 +89,11 @@ defmodule ScanBridge.Tensor do
     end
 
     new(IO.iodata_to_binary(Enum.map(values, &pack(&1, dtype))), dtype, shape)
+  end
+
+  def from_list(values, _dtype, _shape) do
+    raise ArgumentError,
+          "tensor values: expected a list of numbers, got #{inspect(values, limit: 5)}"
   end
 
   @doc """
