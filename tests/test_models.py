@@ -1136,14 +1136,15 @@ def test_a_checkpoints_own_files_are_read_only_in_its_directory_and_only_if_regu
     assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "pytorch_model.bin"), error
 
 
-def test_an_index_naming_a_shard_no_path_can_name_is_refused_by_name(serve, checkpoints):
-    """A shard name the OS cannot take (a NUL in it; JSON writes one as \\u0000) is the index's
-    fault like any other name outside the directory (found in review: os.path raised ValueError,
-    an internal_error)."""
-    directory = edited_copy(checkpoints[0], "mamba2-lm", "index-names-a-nul")
+@pytest.mark.parametrize("char", ["\0", "\ud800"], ids=["nul", "lone-surrogate"])
+def test_an_index_naming_a_shard_no_path_can_name_is_refused_by_name(serve, checkpoints, char):
+    """A shard name the OS cannot take is the index's fault like any other name outside the
+    directory: a NUL (JSON's \\u0000; os.path raised ValueError, an internal_error, found in
+    review), or a lone surrogate (JSON's \\ud800), which no file name encodes to."""
+    directory = edited_copy(checkpoints[0], "mamba2-lm", f"index-names-{ord(char)}")
     (directory / "model.safetensors").rename(directory / "shard.safetensors")
     with open(directory / "model.safetensors.index.json", "w") as f:
-        json.dump({"weight_map": {"backbone.norm_f.weight": "shard\0.safetensors"}}, f)
+        json.dump({"weight_map": {"backbone.norm_f.weight": f"shard{char}.safetensors"}}, f)
     srv, conn = serve(), RecordingConnection()
     error = error_of(srv, conn, "model_load", path=directory.name)
     assert (error["code"], error["detail"].get("field")) == (

@@ -81,10 +81,11 @@ def checkpoint_file(directory: str, name: str, field: str) -> str:
     """A file of the checkpoint (config.json, the index, a shard the index names), which must
     stay in its directory and be a regular file: reading a FIFO or a device there (a link to
     /dev/zero) would block the serving thread or never end."""
-    if "\0" in name:  # no OS path holds a NUL (os.path raises ValueError on one)
-        raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name))
-    real = os.path.realpath(os.path.join(directory, name))
-    if os.path.dirname(real) != directory:
+    try:
+        real = os.path.realpath(os.path.join(directory, name))
+    except ValueError:  # no file name holds a NUL, or a lone surrogate (JSON's \ud800), which UTF-8 cannot encode
+        real = None
+    if real is None or os.path.dirname(real) != directory:
         raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name))
     if not os.path.isfile(real):
         raise checkpoint_error(field, "a regular file in the checkpoint's directory",
