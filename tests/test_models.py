@@ -1151,6 +1151,29 @@ def test_an_index_naming_a_shard_no_path_can_name_is_refused_by_name(serve, chec
         "invalid_checkpoint", "model.safetensors.index.json.weight_map"), error
 
 
+@pytest.mark.parametrize("source", ["index", "bin"])
+def test_a_tensor_name_no_reply_can_encode_is_named_escaped(serve, checkpoints, source):
+    """JSON's \\ud800 and a pickle's string decode to a lone surrogate, which UTF-8 cannot
+    encode: an error naming such a tensor could not be written, and the load went unanswered."""
+    name = "\ud800"
+    directory = edited_copy(checkpoints[0], "mamba2-lm", f"tensor-named-a-surrogate-{source}")
+    if source == "index":
+        with open(directory / "model.safetensors.index.json", "w") as f:
+            json.dump({"weight_map": {name: "model.safetensors"}}, f)
+        field = "model.safetensors.\\ud800"
+    else:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(directory / "model.safetensors"))
+        (directory / "model.safetensors").unlink()
+        torch.save({**tensors, name: torch.zeros(1)}, directory / "pytorch_model.bin")
+        field = "weights.\\ud800"
+    srv, conn = serve(), RecordingConnection()
+    reply = conn.reply(srv.submit(conn, "model_load", path=directory.name), timeout=30)
+    assert (reply.error["code"], reply.error["detail"]["field"]) == ("invalid_checkpoint", field), reply.error
+    assert call(srv, conn, "model_load", path="mamba2-lm")["layers"] == 2
+
+
 def test_a_config_nested_past_the_json_parsers_depth_is_a_corrupt_file(serve, checkpoints):
     """json raises RecursionError, not ValueError, for nesting past its depth (found in review: an
     internal_error where SPEC §6.4 says a corrupt file is invalid_checkpoint)."""

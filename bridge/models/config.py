@@ -28,9 +28,17 @@ MAMBA_SSM_GATED_EPS = 1e-5
 
 
 def checkpoint_error(field: str, expected: str, got: str, **extra) -> OpError:
-    """The one error for a checkpoint (files, or config and weights sent) that cannot be loaded."""
+    """The one error for a checkpoint (files, or config and weights sent) that cannot be loaded.
+    Its text may name a file's keys or tensors, which JSON (\\ud800) and pickle may give as lone
+    surrogates that no reply can encode: those are written escaped, as repr writes them."""
+    field, expected, got = _encodable(field), _encodable(expected), _encodable(got)
+    extra = {key: _encodable(value) if isinstance(value, str) else value for key, value in extra.items()}
     return OpError("invalid_checkpoint", f"{field}: expected {expected}, got {got}",
                    {"field": field, "expected": expected, "got": got, **extra})
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
