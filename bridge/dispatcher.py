@@ -615,8 +615,22 @@ class Dispatcher:
                 self._fail(call, refusal)
             else:
                 items.append(item)
-        if not items:
-            return
+        if items and items[0] is not batch.items[0]:
+            # The others were gathered by the lead's shared values, which a cancel or the drain
+            # that answered it may have let a later frame overwrite in its buffer: they launch
+            # together only as far as they match the first left, the rest in launches after.
+            while items:
+                group = Batch(items[0])
+                for item in items[1:]:
+                    if not group.accepts(item, self.policy.max_batch):
+                        break
+                    group.add(item)
+                self._launch(op, group.items)
+                items = items[len(group.items):]
+        elif items:
+            self._launch(op, items)
+
+    def _launch(self, op: BatchedOp, items: list) -> None:
         for item, outcome in run_batch(self.server, op, items):
             try:
                 if isinstance(outcome, BaseException):

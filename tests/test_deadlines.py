@@ -18,12 +18,14 @@ import pytest
 import torch
 
 import protocol
+from bridge.buffers import BufferPool
+from bridge.client import to_wire
 from bridge.ops.scan import ScanOp
 from bridge.streams import read_frame
 from bridge.timing import now_ns
 from bridge_fakes import RecordingConnection, served_natively
 from kernel_cases import ScanCase, make_scan_inputs
-from test_batcher import open_prefilled, shared_constants, state_of, step_inputs
+from test_batcher import check_step, open_prefilled, shared_constants, state_of, step_inputs
 from waiting import wait_until
 
 DIM, STATE = 6, 4
@@ -212,6 +214,41 @@ def test_cancel_drops_a_request_held_behind_a_launch_it_could_not_join(inproc):
     assert "uptime_s" in conn.reply(behind).result, "the later request with that id should have run"
     assert conn.answered.count(behind) == 2, "a request was answered twice, or not at all"
     assert len(srv.server.queued) == 0
+
+
+def test_a_batch_whose_lead_a_cancel_dropped_launches_only_members_alike(inproc):
+    """Members gathered behind a lead are compared with its A, D and dt_bias, which lie in its
+    frame buffer. A cancel that drops the lead while the batch waits for company gives that
+    buffer back, and the next frame read into it makes the lead look like that frame: a step
+    with another A joins, and must not be launched with the first member's A."""
+    srv = inproc(max_delay_us=30_000_000)
+    pool = BufferPool()
+    conn = RecordingConnection()
+    sessions = [open_prefilled(srv, conn, 2, DIM, STATE) for _ in range(3)]
+    before = state_of(srv, conn, sessions[2])
+    # Company is expected: a batch waits for a third member.
+    srv.dispatcher.policy.wait_s = lambda batch, now: 30.0 if len(batch.items) < 3 else None
+    first, other = shared_constants(DIM, STATE, {}), shared_constants(DIM, STATE, {})
+    assert not torch.equal(first["A"], other["A"])
+
+    def pooled_step(request_id: int, session: str, inputs: dict) -> None:
+        args = {k: to_wire(v) for k, v in inputs.items()} | {"session": session}
+        body = b"".join(protocol.encode_request(request_id, "step", args))
+        view, release = pool.acquire(len(body))
+        view[:] = body
+        srv.dispatcher.on_frame(conn, view, now_ns(), release)
+
+    srv.hold(conn)
+    pooled_step(1001, sessions[0], step_inputs(2, DIM, STATE, first, {}))
+    pooled_step(1002, sessions[1], step_inputs(2, DIM, STATE, first, {}))
+    srv.go()
+    wait_until(lambda: srv.dispatcher.queue_length() == 0, "the worker never gathered the two steps")
+    assert srv.call(conn, "cancel", id=1001) == {"cancelled": True}
+    # Read into the buffer the cancelled lead gave back: the same size, the same layout.
+    late = step_inputs(2, DIM, STATE, other, {})
+    pooled_step(1003, sessions[2], late)
+    assert conn.reply(1002).ok
+    check_step(conn.reply(1003), late, before, state_of(srv, conn, sessions[2]), "a step with its own A")
 
 
 def test_cancel_finds_nothing_to_drop_when_the_request_is_not_waiting(inproc):
