@@ -1114,6 +1114,36 @@ def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve,
     assert error["code"] == "path_not_allowed" and "without --model-dir" in error["message"]
 
 
+@pytest.mark.parametrize("swapped", ["directory", "config"])
+def test_a_link_swapped_in_after_the_check_is_not_followed(serve, checkpoints, tmp_path, monkeypatch, swapped):
+    """Whoever may write in a model directory may swap a link in between the check of a file's
+    path and its open: for the checkpoint directory, or for its config.json, leading outside to
+    a file whose values an error would echo. What is read is what was checked."""
+    from bridge.models import checkpoint
+
+    root = checkpoints[0]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text(json.dumps({"model_type": "secret-of-outside"}))
+    directory = edited_copy(root, "mamba-lm-tied", f"swapped-{swapped}")
+    link, target = (directory, outside) if swapped == "directory" else (directory / "config.json",
+                                                                          outside / "config.json")
+    realpath = os.path.realpath
+
+    def checked_then_swapped(path):
+        real = realpath(path)
+        if real == str(directory / "config.json") and not os.path.islink(link):
+            os.rename(link, tmp_path / "moved")
+            os.symlink(target, link)
+        return real
+
+    monkeypatch.setattr(checkpoint.os.path, "realpath", checked_then_swapped)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "config.json"), error
+    assert "secret-of-outside" not in str(error)
+
+
 def test_a_checkpoints_own_files_are_read_only_in_its_directory_and_only_if_regular(serve, checkpoints, tmp_path):
     """The index of a sharded checkpoint, like its config and shards, is refused as a link out of
     the directory, or as anything but a regular file (a FIFO there would block the serving

@@ -36,7 +36,8 @@ def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, 
     (but a legacy-format pytorch_model.bin's, read whole to learn its shapes): it raises to
     refuse them."""
     directory = resolve_checkpoint(path, model_dirs)
-    config = parse_config(read_json(checkpoint_file(directory, CONFIG, CONFIG), CONFIG, MAX_CONFIG_BYTES), CONFIG)
+    with checkpoint_file(directory, CONFIG, CONFIG) as config_path:
+        config = parse_config(read_json(config_path, CONFIG, MAX_CONFIG_BYTES), CONFIG)
     source = TensorSource(directory)
     wanted = check_weights(config, source.shapes, "weights")
     hold(planned_bytes(source.shapes, wanted, dtype))

@@ -5,14 +5,18 @@ A checkpoint is a directory holding config.json and one of: model.safetensors;
 model.safetensors.index.json and its shards (transformers' sharded layout); pytorch_model.bin
 (mamba_ssm's, read with torch.load(weights_only=True)). Every file opened is resolved, symlinks
 followed, and must lie under an allowed directory, so that no request -- a relative path, a
-symlink, a shard name in an index -- makes the server read anything else.
+symlink, a shard name in an index -- makes the server read anything else. It is then opened
+along that resolved path without following any link, and read through that open file, so that
+a link swapped in after the check leads nowhere.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import zipfile
+from contextlib import contextmanager
 
 import torch
 
@@ -39,10 +43,10 @@ TORCH_FLOATS = tuple(getattr(torch, name) for name in ("float64", "float32", "fl
                                                        "float8_e8m0fnu") if hasattr(torch, name))
 
 
-def failure(exc: Exception, path: str) -> str:
-    """A reader's exception as an error's `got`, the file named by its name alone: where the
-    operator keeps checkpoints is not the client's to learn."""
-    return f"{type(exc).__name__}: {exc}".replace(path, os.path.basename(path))
+def failure(exc: Exception, path: str, name: str) -> str:
+    """A reader's exception as an error's `got`, the file at `path` named by its `name` alone:
+    where the operator keeps checkpoints is not the client's to learn."""
+    return f"{type(exc).__name__}: {exc}".replace(path, name)
 
 
 def path_not_allowed(path: str, model_dirs: tuple[str, ...]) -> OpError:
@@ -77,20 +81,47 @@ def _under(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
-def checkpoint_file(directory: str, name: str, field: str) -> str:
+@contextmanager
+def checkpoint_file(directory: str, name: str, field: str):
     """A file of the checkpoint (config.json, the index, a shard the index names), which must
     stay in its directory and be a regular file: reading a FIFO or a device there (a link to
-    /dev/zero) would block the serving thread or never end."""
+    /dev/zero) would block the serving thread or never end. Yields a path naming the open file
+    itself (/dev/fd/N), good for the readers that take only a path, until the block ends."""
     try:
         real = os.path.realpath(os.path.join(directory, name))
     except ValueError:  # no file name holds a NUL, or a lone surrogate (JSON's \ud800), which UTF-8 cannot encode
         real = None
     if real is None or os.path.dirname(real) != directory:
         raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name))
-    if not os.path.isfile(real):
-        raise checkpoint_error(field, "a regular file in the checkpoint's directory",
-                               f"{shown_value(name)} (none such)")
-    return real
+    expected = "a regular file in the checkpoint's directory"
+    try:
+        # Non-blocking: a FIFO swapped in after the check is opened at once, then refused.
+        fd = _open_unlinked(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        raise checkpoint_error(field, expected, f"{shown_value(name)} ({os.strerror(e.errno)})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise checkpoint_error(field, expected, f"{shown_value(name)} (not a regular file)")
+        yield f"/dev/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def _open_unlinked(real: str, flags: int) -> int:
+    """`real`, a resolved path, opened one component at a time, none followed if it is a link
+    (ELOOP or ENOTDIR then): a link swapped in anywhere along it since it was resolved."""
+    parts = real.split(os.sep)[1:]
+    # O_PATH where there is one: a directory that may be searched but not read is walked, as
+    # the path itself would be.
+    walk = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(os.sep, walk)
+    try:
+        for part in parts[:-1]:
+            fd, parent = os.open(part, walk, dir_fd=fd), fd
+            os.close(parent)
+        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def read_json(path: str, field: str, max_bytes: int):
@@ -101,7 +132,7 @@ def read_json(path: str, field: str, max_bytes: int):
             raise checkpoint_error(field, f"at most {max_bytes} bytes of JSON", "more")
         return json.loads(data)
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting past json's depth
-        raise checkpoint_error(field, "a readable JSON file", failure(e, path)) from None
+        raise checkpoint_error(field, "a readable JSON file", failure(e, path, field)) from None
 
 
 class TensorSource:
@@ -109,28 +140,38 @@ class TensorSource:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self._files: dict[str, str] = {}  # tensor name -> file
+        self._files: dict[str, str] = {}  # tensor name -> the name of its file in the directory
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._bin: dict[str, torch.Tensor] | None = None
-        names = os.listdir(directory)
+        try:
+            fd = _open_unlinked(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                names = os.listdir(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise checkpoint_error("args.path", "a checkpoint directory", os.strerror(e.errno)) from None
         if SAFETENSORS_INDEX in names:
-            index = read_json(checkpoint_file(directory, SAFETENSORS_INDEX, SAFETENSORS_INDEX), SAFETENSORS_INDEX,
-                              MAX_INDEX_BYTES)
+            with checkpoint_file(directory, SAFETENSORS_INDEX, SAFETENSORS_INDEX) as path:
+                index = read_json(path, SAFETENSORS_INDEX, MAX_INDEX_BYTES)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise checkpoint_error(f"{SAFETENSORS_INDEX}.weight_map", "a map of tensor name to shard file",
                                        type(weight_map).__name__)
             for shard in sorted(set(weight_map.values())):
-                self._read_header(checkpoint_file(directory, shard, f"{SAFETENSORS_INDEX}.weight_map"), shard)
+                with checkpoint_file(directory, shard, f"{SAFETENSORS_INDEX}.weight_map") as path:
+                    self._read_header(path, shard)
             missing = set(weight_map) - set(self.shapes)
             if missing:
                 name = min(missing)
                 raise checkpoint_error(f"{weight_map[name]}.{name}", "the tensor its index names", "nothing",
                                        tensor=name)
         elif SAFETENSORS in names:
-            self._read_header(checkpoint_file(directory, SAFETENSORS, SAFETENSORS), SAFETENSORS)
+            with checkpoint_file(directory, SAFETENSORS, SAFETENSORS) as path:
+                self._read_header(path, SAFETENSORS)
         elif TORCH_BIN in names:
-            self._read_bin(checkpoint_file(directory, TORCH_BIN, TORCH_BIN))
+            with checkpoint_file(directory, TORCH_BIN, TORCH_BIN) as path:
+                self._read_bin(path)
         else:
             raise checkpoint_error("args.path", f"{SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} in the directory",
                                    "none of them")
@@ -148,11 +189,11 @@ class TensorSource:
                     if name in self.shapes:
                         raise checkpoint_error(f"{shown}.{name}", "each tensor in one shard", "it in two", tensor=name)
                     self.shapes[name] = tuple(sliced.get_shape())
-                    self._files[name] = path
+                    self._files[name] = shown
         except OpError:
             raise
         except Exception as e:  # safetensors' own errors: a corrupt or lying header, a short file
-            raise checkpoint_error(shown, "a valid safetensors file", failure(e, path)) from None
+            raise checkpoint_error(shown, "a valid safetensors file", failure(e, path, shown)) from None
 
     def _read_bin(self, path: str) -> None:
         # Mapped where torch can map it (its zip format), so a tensor's bytes are read as it is
@@ -161,7 +202,8 @@ class TensorSource:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
         except Exception as e:
-            raise checkpoint_error(TORCH_BIN, "a torch state dict (weights only)", failure(e, path)) from None
+            raise checkpoint_error(TORCH_BIN, "a torch state dict (weights only)",
+                                   failure(e, path, TORCH_BIN)) from None
         if not isinstance(state, dict):
             raise checkpoint_error(TORCH_BIN, "a state dict", type(state).__name__)
         for name, tensor in state.items():
@@ -185,13 +227,13 @@ class TensorSource:
             return
         from safetensors import safe_open
 
-        for path in sorted({self._files[name] for name in names}):
-            shown = os.path.basename(path)
-            try:
-                with safe_open(path, "pt") as f:
-                    for name in sorted(n for n in names if self._files[n] == path):
-                        yield name, f.get_tensor(name)
-            except OpError:
-                raise
-            except Exception as e:
-                raise checkpoint_error(shown, "a readable safetensors file", failure(e, path)) from None
+        for shown in sorted({self._files[name] for name in names}):
+            with checkpoint_file(self.directory, shown, shown) as path:
+                try:
+                    with safe_open(path, "pt") as f:
+                        for name in sorted(n for n in names if self._files[n] == shown):
+                            yield name, f.get_tensor(name)
+                except OpError:
+                    raise
+                except Exception as e:
+                    raise checkpoint_error(shown, "a readable safetensors file", failure(e, path, shown)) from None
