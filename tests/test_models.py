@@ -1144,6 +1144,31 @@ def test_a_link_swapped_in_after_the_check_is_not_followed(serve, checkpoints, t
     assert "secret-of-outside" not in str(error)
 
 
+@pytest.mark.parametrize("rewritten", [torch.ones(4096), torch.ones(12, dtype=torch.int64)], ids=["shape", "dtype"])
+def test_a_file_rewritten_after_its_header_was_read_is_refused(serve, checkpoints, monkeypatch, rewritten):
+    """A shard's tensors are read after every header is checked and the budget held for them: one
+    rewritten meanwhile made a model its config does not describe, of weights the budget did not
+    count, or of integers converted to floats."""
+    from safetensors.torch import load_file
+
+    from bridge.models import checkpoint
+
+    directory = edited_copy(checkpoints[0], "mamba-lm-tied", f"rewritten-after-its-header-{rewritten.dtype}")
+    tensors = dict(load_file(str(directory / "model.safetensors")), **{"backbone.norm_f.weight": rewritten})
+    read = checkpoint.TensorSource.tensors
+
+    def rewritten_then_read(source, names):
+        save_file(tensors, str(directory / "model.safetensors"))
+        return read(source, names)
+
+    monkeypatch.setattr(checkpoint.TensorSource, "tensors", rewritten_then_read)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"]["field"]) == (
+        "invalid_checkpoint", "model.safetensors.backbone.norm_f.weight"), error
+    assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
+
+
 def test_a_checkpoints_own_files_are_read_only_in_its_directory_and_only_if_regular(serve, checkpoints, tmp_path):
     """The index of a sharded checkpoint, like its config and shards, is refused as a link out of
     the directory, or as anything but a regular file (a FIFO there would block the serving

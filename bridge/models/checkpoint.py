@@ -232,7 +232,15 @@ class TensorSource:
                 try:
                     with safe_open(path, "pt") as f:
                         for name in sorted(n for n in names if self._files[n] == shown):
-                            yield name, f.get_tensor(name)
+                            tensor = f.get_tensor(name)
+                            # Opened anew: a file rewritten since its header was read may hold
+                            # other tensors than those checked and held against the budget.
+                            if tuple(tensor.shape) != self.shapes[name] or tensor.dtype not in TORCH_FLOATS:
+                                raise checkpoint_error(f"{shown}.{name}", f"a floating tensor of shape "
+                                                       f"{list(self.shapes[name])}, as its header said when the "
+                                                       "load began", f"{tensor.dtype} of shape {list(tensor.shape)}",
+                                                       tensor=name)
+                            yield name, tensor
                 except OpError:
                     raise
                 except Exception as e:
