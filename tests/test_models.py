@@ -1169,6 +1169,18 @@ def test_a_file_rewritten_after_its_header_was_read_is_refused(serve, checkpoint
     assert srv.server.sessions.usage()["model_bytes"] == 0 and len(srv.server.models) == 0
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="open files are listed from /proc")
+def test_a_load_failing_mid_read_leaves_no_file_open(serve, checkpoints):
+    """A weight found not finite stops the read with its file open: the reply's exception, kept
+    by the thread that answered it, kept the file open (and mapped) until that thread's next load."""
+    directory = edited_copy(checkpoints[0], "mamba-lm-tied", "not-finite-mid-read",
+                            weights=lambda t: {**t, "backbone.norm_f.weight": torch.full((12,), float("nan"))})
+    srv, conn = serve(), RecordingConnection()
+    assert error_of(srv, conn, "model_load", path=directory.name)["code"] == "invalid_checkpoint"
+    opened = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    assert str(directory / "model.safetensors") not in opened
+
+
 def test_a_checkpoints_own_files_are_read_only_in_its_directory_and_only_if_regular(serve, checkpoints, tmp_path):
     """The index of a sharded checkpoint, like its config and shards, is refused as a link out of
     the directory, or as anything but a regular file (a FIFO there would block the serving

@@ -11,6 +11,7 @@ pool (bridge.sessions). The runtime builds on the kernels API and knows nothing 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -41,7 +42,10 @@ def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, 
     source = TensorSource(directory)
     wanted = check_weights(config, source.shapes, "weights")
     hold(planned_bytes(source.shapes, wanted, dtype))
-    return _build(config, source.tensors(wanted), dtype, device, "weights")
+    # Closed here: a build that fails mid-read leaves the reader paused with its file open, for
+    # as long as anything keeps the error's traceback.
+    with contextlib.closing(source.tensors(wanted)) as named:
+        return _build(config, named, dtype, device, "weights")
 
 
 def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
