@@ -576,6 +576,10 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq: int) -> list[int]:
     if batch != 1:
         raise ShapeMismatch("x", "batch 1 (sequences are packed along seq when cu_seqlens is given)",
                             f"batch {batch}")
+    # Refused before its values are read: listed, each costs a Python int, many times its bytes.
+    if cu_seqlens.shape[0] > seq + 1:
+        raise ShapeMismatch("cu_seqlens", f"shape [n + 1] with n <= seq ({seq}) sequences (none empty)",
+                            f"shape {_shape(cu_seqlens)}")
     bounds = [int(v) for v in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != seq:
         raise KernelInputError("cu_seqlens", f"boundaries from 0 to seq ({seq})",

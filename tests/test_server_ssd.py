@@ -251,6 +251,23 @@ def test_a_cu_seqlens_of_another_dtype_names_the_wire_dtypes(srv):
     assert (reply.error["detail"]["expected"], reply.error["detail"]["got"]) == ("an integer dtype (i32, i64)", "f32")
 
 
+# More boundaries than seq + 1 cannot be strictly increasing from 0 to seq. Refused from the
+# shape: reading the values first made a Python int of each, many times the frame's bytes (found
+# in review).
+@pytest.mark.parametrize("op, make_args", [
+    pytest.param("ssd_scan", lambda: _ssd(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, 6, 6])), id="ssd-one-too-many"),
+    pytest.param("ssd_scan", lambda: _ssd(cu_seqlens=torch.full((1 << 20,), 1000, dtype=torch.int32)),
+                 id="ssd-many-out-of-range"),
+    pytest.param("scan", lambda: {**make_scan_inputs(ScanCase(1, 6, 4, 3)),
+                                  "cu_seqlens": torch.full((1 << 20,), 1000, dtype=torch.int32)},
+                 id="scan-many-out-of-range"),
+])
+def test_a_cu_seqlens_longer_than_seq_is_refused_from_its_shape(srv, op, make_args):
+    reply = srv.request(RecordingConnection(), op, **make_args())
+    assert (reply.error["code"], reply.error["detail"]["field"]) == ("shape_mismatch", "args.cu_seqlens"), reply.error
+    assert "n <= seq (6)" in reply.error["detail"]["expected"], reply.error
+
+
 def test_a_prefill_of_another_state_size_names_b_not_the_h0_it_never_sent(srv):
     """ssd_scan with a session whose state size B does not have: the state is the scan's h0 behind
     the scenes, but the client sent B (found in review: the error named args.h0)."""
