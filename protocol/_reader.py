@@ -62,18 +62,19 @@ def decode_top_map(body) -> dict[str, msgspec.Raw]:
         raise InvalidRequest("body", f"a map of at most {_FEW_ENTRIES} keys", describe(encoded))
     try:
         top = MAP_DECODER.decode(body)
-    except msgspec.ValidationError:
+    except msgspec.ValidationError as e:
         got = kind(encoded)
-        raise DecodeError(f"body: expected one msgpack map, got {got}",
-                          detail={"expected": "one msgpack map", "got": got}) from None
+        if got != "map":
+            raise DecodeError(f"body: expected one msgpack map, got {got}",
+                              detail={"expected": "one msgpack map", "got": got}) from None
+        if not _one_map(body):  # malformed past a key that is no str
+            raise DecodeError(f"body: not one msgpack value: {e}",
+                              detail={"expected": "one msgpack map", "got": "a malformed map"}) from None
+        # One more non-str key (SPEC §3). The keys cannot be read, so neither can whether it is
+        # a legacy request.
+        Reader().not_str_key(encoded, "body", InvalidRequest)
     except DECODE_FAILURES as e:
-        if isinstance(e, msgspec.DecodeError) and "hashable" in str(e) and _one_map(body):
-            # msgspec calls a key it cannot hash (a map, an ext, an array holding one)
-            # malformed; in a well-formed map it is one more non-str key (SPEC §3). Its keys
-            # cannot be read, so neither can whether it is a legacy request. Its other
-            # DecodeErrors are malformed bodies: since msgspec 0.23 an invalid UTF-8 key is one.
-            raise InvalidRequest("body", "a map with str keys",
-                                 "a map or ext key (or an array key holding one)") from None
+        # Malformed bodies: since msgspec 0.23 an invalid UTF-8 key is one.
         raise DecodeError(f"body: not one msgpack value: {e}",
                           detail={"expected": "one msgpack map", "got": str(e)}) from None
     # Which format the map is in decides the shape of the error reply.
@@ -123,15 +124,24 @@ class Reader:
 
     # -- containers ---------------------------------------------------------------------
 
-    def check_keys(self, entries: dict, encoded: memoryview, field: str, cls) -> None:
-        for key in entries:
-            if type(key) is not str:
-                self._not_str_key(key, field, cls)
+    def check_keys(self, entries: dict[str, msgspec.Raw], encoded: memoryview, field: str, cls) -> None:
+        """The str keys MAP_DECODER gave of the map `encoded` are distinct."""
         if len(entries) != count(encoded):
             self._repeated_key(field, cls)
 
-    def _not_str_key(self, key, field: str, cls) -> NoReturn:
-        self.fail(cls, field, "a map with str keys", f"a non-str key ({describe_value(key)})")
+    def not_str_key(self, encoded: memoryview, field: str, cls) -> NoReturn:
+        """Refuses the map `encoded`, whose decode found a key that is no str, naming the first
+        such key from its encoding: stepped over, never decoded."""
+        try:
+            for key, _ in entries(encoded):
+                if kind(key) != "str":
+                    self._not_str(key, field, cls)
+        except msgpack.StackError:
+            self._too_deep(encoded, field, "a map with str keys", "msgpack's unpacker stack")
+        raise AssertionError(f"{field}: no key of the map is anything but a str")
+
+    def _not_str(self, key: memoryview, field: str, cls) -> NoReturn:
+        self.fail(cls, field, "a map with str keys", f"a non-str key ({describe(key)})")
 
     def _repeated_key(self, field: str, cls) -> NoReturn:
         self.fail(cls, field, "a map with distinct keys", "a key given more than once")
@@ -171,6 +181,8 @@ class Reader:
             return decoder.decode(raw)
         except RecursionError as e:
             self._too_deep(memoryview(raw), field, expected, str(e))
+        except msgspec.ValidationError:  # MAP_DECODER's alone (callers check kinds): a key that is no str
+            self.not_str_key(memoryview(raw), field, cls)
         except DECODE_FAILURES as e:
             self.fail(cls, field, expected, f"an undecodable {kind(memoryview(raw))} ({e})")
 
@@ -245,16 +257,17 @@ class Reader:
 
     def limits(self, raw: msgspec.Raw, field: str) -> tuple[float, float]:
         encoded = memoryview(raw)
-        # The count first: an array of many items is refused without decoding them.
-        if kind(encoded) == "array" and count(encoded) == 2:
+        # The count first, then each item's kind: an array of many items, or an item that is one,
+        # is refused without decoding them.
+        if kind(encoded) == "array" and count(encoded) == 2 and all(
+                kind(item) in ("int", "float") for item in self._items(encoded, field, KIND_EXPECTED["limits"])):
             pair = self._decode(ANY_DECODER, raw, field, KIND_EXPECTED["limits"])
-            if all(type(v) in (int, float) for v in pair):
-                try:
-                    low, high = float(pair[0]), float(pair[1])
-                except OverflowError:  # an int beyond the float range
-                    low = high = math.nan
-                if not (math.isnan(low) or math.isnan(high)):
-                    return low, high
+            try:
+                low, high = float(pair[0]), float(pair[1])
+            except OverflowError:  # an int beyond the float range
+                low = high = math.nan
+            if not (math.isnan(low) or math.isnan(high)):
+                return low, high
         self.fail(InvalidArgument, field, KIND_EXPECTED["limits"], describe(encoded))
 
     def session_kind(self, raw: msgspec.Raw, field: str) -> str:
@@ -326,9 +339,9 @@ class Reader:
         expected = KIND_EXPECTED["tensors"]
         try:
             for key, value in entries(encoded):
+                if kind(key) != "str":
+                    self._not_str(key, field, InvalidArgument)
                 key = self._decode(ANY_DECODER, key, field, expected)
-                if type(key) is not str:
-                    self._not_str_key(key, field, InvalidArgument)
                 if self.valid_tensor(value, True, self.buffers) is None:
                     self.tensor(value, key_path(field, key))
         except msgpack.StackError:
@@ -451,9 +464,13 @@ class Reader:
             self.fail(InvalidArgument, field, expected, describe(encoded))
         if count(encoded) > MAX_NDIM:
             self.fail(InvalidArgument, field, expected, f"{count(encoded)} dims")
+        # Each dim's kind before any is decoded: one that is an array of many items costs nothing.
+        for i, item in enumerate(self._items(encoded, field, expected)):
+            if kind(item) != "int":
+                self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", describe(item))
         dims = self._decode(ANY_DECODER, raw, field, expected)
         for i, d in enumerate(dims):
-            if type(d) is not int or not 0 <= d <= MAX_DIM:
+            if not 0 <= d <= MAX_DIM:
                 self.fail(InvalidArgument, f"{field}[{i}]", "a non-negative int", describe_value(d))
         self.check_extent(field, dtype, dims)
         return tuple(dims)

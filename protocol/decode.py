@@ -26,6 +26,9 @@ from .schema import (ALIASES, FRAME_ARGS, FRAME_OPS, KIND_EXPECTED, LAYOUTS, MAX
 from .tensors import MAX_DIM
 
 _ENVELOPE_KEYS = frozenset(("v", "id", "op", "args", "deadline_us"))
+# Every valid envelope value is one of these: anything else (an array of a million items, say)
+# is refused at its header, not decoded, and the checked path names it.
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(Union[int, str, None])
 _ID_EXPECTED = KIND_EXPECTED["request_id"]
 # Schema kind -> the Reader method that checks a value of that kind.
 _CHECKS = {"tensor": Reader.tensor, "tensor_data": Reader.tensor_data, "bool": Reader.boolean,
@@ -145,10 +148,10 @@ def _decode_valid_v1(top: dict[str, msgspec.Raw], buffers: tuple[memoryview, ...
     if "args" not in top or "op" not in top or "id" not in top or not _ENVELOPE_KEYS.issuperset(top):
         return None
     try:
-        request_id = ANY_DECODER.decode(top["id"])
-        version = ANY_DECODER.decode(top["v"]) if "v" in top else PROTOCOL_VERSION
-        op = ANY_DECODER.decode(top["op"])
-        deadline_us = ANY_DECODER.decode(top["deadline_us"]) if "deadline_us" in top else None
+        request_id = _ENVELOPE_DECODER.decode(top["id"])
+        version = _ENVELOPE_DECODER.decode(top["v"]) if "v" in top else PROTOCOL_VERSION
+        op = _ENVELOPE_DECODER.decode(top["op"])
+        deadline_us = _ENVELOPE_DECODER.decode(top["deadline_us"]) if "deadline_us" in top else None
     except DECODE_FAILURES:
         return None
     if not valid_request_id(request_id) or type(version) is not int or version not in SUPPORTED_VERSIONS:
@@ -394,10 +397,13 @@ def _reply_value(raw: msgspec.Raw, field: str, buffers: tuple[memoryview, ...], 
             tensor = Reader.valid_tensor(raw, False, buffers, used)
             if tensor is not None:
                 return tensor
-            entries = MAP_DECODER.decode(raw)
             # SPEC §3: every map's keys are distinct strs, inside the result too. Decoded into
             # a dict, a key given twice keeps only its last value, unchecked the others.
             try:
+                try:
+                    entries = MAP_DECODER.decode(raw)
+                except msgspec.ValidationError:
+                    Reader().not_str_key(encoded, field, InvalidRequest)
                 Reader().check_keys(entries, encoded, field, InvalidRequest)
             except ValidationError as e:
                 _bad_reply(field, e.expected, e.got)

@@ -511,6 +511,51 @@ def test_an_array_argument_is_refused_without_holding_an_object_per_item(body, f
     assert peak < 2 * len(body)
 
 
+def _entry(key: bytes, value: bytes) -> bytes:
+    return msgpack.packb(key.decode()) + value
+
+
+def _envelope(*entries: bytes) -> bytes:
+    return bytes([0x80 | len(entries)]) + b"".join(entries)
+
+
+_V, _ID, _PING, _NO_ARGS = _entry(b"v", b"\x01"), _entry(b"id", b"\x01"), _entry(b"op", b"\xa4ping"), _entry(b"args", b"\x80")
+_MANY_NILS = "array of 1000000 items"
+
+
+@pytest.mark.parametrize("body, code, field, got", [
+    pytest.param(_envelope(_V, _entry(b"id", _MILLION_NILS), _PING, _NO_ARGS), "invalid_request", "id", _MANY_NILS,
+                 id="id"),
+    pytest.param(_envelope(_entry(b"v", _MILLION_NILS), _ID, _PING, _NO_ARGS), "invalid_request", "v", _MANY_NILS,
+                 id="v"),
+    pytest.param(_envelope(_V, _ID, _entry(b"op", _MILLION_NILS), _NO_ARGS), "invalid_request", "op", _MANY_NILS,
+                 id="op"),
+    pytest.param(_envelope(_V, _ID, _PING, _NO_ARGS, _entry(b"deadline_us", _MILLION_NILS)), "invalid_request",
+                 "deadline_us", _MANY_NILS, id="deadline_us"),
+    pytest.param(pack(request("ssd_scan", {}))[:-1] + b"\x81\xa8dt_limit\x92" + _MILLION_NILS + b"\x00",
+                 "invalid_argument", "args.dt_limit", "array of 2 items", id="dt_limit-item"),
+    pytest.param(pack(request("put", {}))[:-1] + b"\x81\xa6tensor\x83\xa5dtype\xa3f32\xa5shape\x91" + _MILLION_NILS
+                 + b"\xa4data\xc4\x00", "invalid_argument", "args.tensor.shape[0]", _MANY_NILS, id="shape-dim"),
+    pytest.param(_envelope(_V, _ID, _PING, _MILLION_NILS + b"\x01"), "invalid_request", "body",
+                 f"a non-str key ({_MANY_NILS})", id="body-key"),
+    pytest.param(_envelope(_V, _ID, _PING, _entry(b"args", b"\x81" + _MILLION_NILS + b"\x01")), "invalid_request",
+                 "args", f"a non-str key ({_MANY_NILS})", id="args-key"),
+    # within the config's bound on its bytes
+    pytest.param(_CONFIG_ARG + b"\x81\xdd\x00\x03\x0d\x40" + b"\xc0" * 200_000 + b"\x01", "invalid_argument",
+                 "args.config", "a non-str key (array of 200000 items)", id="config-key"),
+    pytest.param(pack(request("model_load", {}))[:-1] + b"\x81\xa7weights\x81" + _MILLION_NILS
+                 + msgpack.packb({"dtype": "u8", "shape": [1], "data": b"\x07"}), "invalid_argument", "args.weights",
+                 f"a non-str key ({_MANY_NILS})", id="weights-key"),
+])
+def test_a_value_refused_for_its_kind_is_not_decoded_first(body, code, field, got):
+    # Found in review: an envelope value, a limits pair's item, a shape's dim and a map's key
+    # were decoded whole before their kind was looked at, an object for each of an array's
+    # items: a 256 MiB frame could have the server allocate gigabytes.
+    error, peak = _error_and_peak(body)
+    assert (error.code, error.detail["field"], error.detail["got"]) == (code, field, got)
+    assert peak < 2 * len(body)
+
+
 _TINY_STEP = {"op": "step", "args": {name: {"dtype": "f32", "shape": [1, 1, 1], "data": b"\0" * 4}
                                      for name in ("x", "dt", "A", "B", "C")}}
 _FRAMES_OF = {
