@@ -17,6 +17,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import math
 import os
 import socket
 import subprocess
@@ -432,7 +433,7 @@ class FramedClient:
                 cancelling: Future | None = None) -> Future:
         """submit's work; `cancelling`: as InFlight's."""
         entry = InFlight(Future(), time.perf_counter_ns(), cancelling=cancelling, op=op)
-        deadline_us = None if deadline_s is None else int(deadline_s * 1e6)
+        deadline_us = wire_deadline_us(deadline_s)
         with self._in_flight(request_id, entry) as request_id:
             wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
             parts = self._encode(request_id, op, wire_args, deadline_us)
@@ -757,8 +758,10 @@ class FramedClient:
             raise RuntimeError(f"{op!r}: a blocking call on the client's reader thread (a Future's done "
                                "callback) would wait for a reply that only this thread can read; use submit()")
         future = self.submit(op, args, deadline_s=timeout)
+        # A wait past what a lock's wait takes (infinity included) is a wait for ever.
+        wait_s = None if timeout is None or timeout > threading.TIMEOUT_MAX else timeout
         try:
-            reply = future.result(timeout)
+            reply = future.result(wait_s)
         except FutureTimeout:  # the builtin TimeoutError from Python 3.11 on, a class of its own before
             if self.cancel(future):
                 raise TimeoutError(f"no reply to {op!r} within {timeout} s") from None
@@ -1193,6 +1196,20 @@ class FramedClient:
                 self._turned_away_told = True
         for entry in pending:
             settle(entry.future, exc)
+
+
+# SPEC §4: deadline_us is a uint64; a longer budget than it holds is as good as none.
+_LONGEST_DEADLINE_US = 2**64 - 1
+
+
+def wire_deadline_us(deadline_s: float | None) -> int | None:
+    """A request's budget in seconds as its `deadline_us`: None (and infinity) for none; a
+    ValueError for one no request can have (negative, NaN), not a frame the server refuses."""
+    if deadline_s is None or deadline_s == math.inf:
+        return None
+    if not deadline_s >= 0:
+        raise ValueError(f"deadline: expected seconds >= 0, infinity or None, got {deadline_s!r}")
+    return min(int(deadline_s * 1e6), _LONGEST_DEADLINE_US)
 
 
 def read_replies(reader, client_ref: weakref.ref) -> None:

@@ -5,6 +5,7 @@ ordering is deterministic."""
 from __future__ import annotations
 
 import gc
+import math
 import os
 import select
 import shlex
@@ -408,6 +409,35 @@ def test_the_model_api_takes_a_timeout_that_is_the_requests_deadline(pipe, call,
     pipe.reply(request.id, result)
     caller.join(REPLY_TIMEOUT_S)
     assert done, "the call did not return"
+
+
+@pytest.mark.parametrize("timeout, deadline_us", [
+    pytest.param(math.inf, None, id="infinity-is-none"),
+    pytest.param(1e20, 2**64 - 1, id="past-uint64-is-the-longest"),
+])
+def test_any_timeout_a_caller_may_mean_is_a_deadline_the_server_takes(pipe, timeout, deadline_us):
+    """`request(timeout=math.inf)` raised OverflowError, and a timeout past what deadline_us
+    holds one from the encoder (found in review): both mean a wait for ever, no deadline to
+    speak of."""
+    done = []
+    caller = threading.Thread(target=lambda: done.append(pipe.client.request("ping", timeout=timeout)))
+    caller.start()
+    request = pipe.read_request()
+    assert request.deadline_us == deadline_us
+    pipe.reply(request.id, {"pong": True})
+    caller.join(REPLY_TIMEOUT_S)
+    assert done and done[0].ok
+
+
+@pytest.mark.parametrize("deadline_s", [-1.0, math.nan, -math.inf], ids=["negative", "nan", "minus-infinity"])
+def test_a_deadline_no_request_can_have_is_refused_before_sending(pipe, deadline_s):
+    with pytest.raises(ValueError, match=f"deadline: expected seconds >= 0, infinity or None, got {deadline_s!r}"):
+        pipe.client.submit("ping", deadline_s=deadline_s)
+    ping = pipe.client.submit("ping")  # nothing of the refused one was sent or kept in flight
+    request = pipe.read_request()
+    assert request.op == "ping" and request.deadline_us is None
+    pipe.reply(request.id, {"pong": True})
+    assert ping.result(REPLY_TIMEOUT_S).ok
 
 
 def test_a_bridge_error_survives_pickling_as_a_process_pool_sends_it():
