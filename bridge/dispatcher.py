@@ -777,9 +777,11 @@ class Dispatcher:
         try:
             parts = codec.error(request_id, code, message, detail)
         except (TypeError, ValueError):  # a detail msgpack cannot carry must not cost the reply
-            log.exception("error detail of %s cannot be encoded", code)
+            log.exception("error reply of %s cannot be encoded as it is", code)
             if code not in protocol.ERROR_CODES:  # a server bug, but the request is still answered
                 code, message = "internal_error", f"unregistered error code {code!r}: {message}"
+            # Nor a message that is no UTF-8 (a lone surrogate from a file or tensor name).
+            message = message.encode("utf-8", "backslashreplace").decode("utf-8")
             parts = codec.error(request_id, code, message, {})
         try:
             self._send(conn, parts)

@@ -19,6 +19,7 @@ import bridge.dispatcher
 import protocol
 from bridge.client import PortClient, server_env
 from bridge.device import choose_device
+from bridge.errors import OpError
 from bridge.server import Server, ServerConfig
 from protocol.vectors import generate
 from bridge_fakes import RecordingConnection
@@ -380,6 +381,29 @@ def test_an_embedding_that_stops_its_dispatcher_during_an_op_exits_quietly(servi
     proc = subprocess.run([sys.executable, "-c", EMBEDDING_STOPPED_IN_AN_OP, serving], cwd=root,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}, timeout=120)
     assert proc.returncode == 0 and "terminate" not in proc.stderr, (proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("exc, message", [
+    pytest.param(ValueError("no tensor named '\ud800' here"), "ValueError: no tensor named '\\ud800' here",
+                 id="internal-message"),
+    pytest.param(OpError("invalid_argument", "args.name: got '\ud800'", {"got": "\ud800"}),
+                 "args.name: got '\\ud800'", id="message-and-detail"),
+    pytest.param(OpError("invalid_argument", "args.name: not a name", {"got": "\ud800"}),
+                 "args.name: not a name", id="detail"),
+])
+def test_an_error_whose_text_is_no_utf8_is_still_answered(inproc, exc, message):
+    """A message or detail holding a lone surrogate (a name read from a file) cannot be encoded as
+    msgpack's UTF-8: the detail was dropped, but the message, encoded again as it was, failed the
+    reply too, and the request went unanswered (found in review)."""
+    def raising(server, call):
+        raise exc
+
+    srv = inproc(handlers={"info": raising})
+    conn = RecordingConnection()
+    reply = srv.request(conn, "info")
+    assert not reply.ok and reply.error["code"] in ("internal_error", "invalid_argument")
+    assert reply.error["message"] == message and reply.error["detail"] == {}, reply.error
+    assert srv.call(conn, "ping") == {"pong": True}
 
 
 def test_a_request_a_reader_thread_would_serve_once_the_dispatcher_stopped_is_refused_unrun(inproc):
