@@ -70,9 +70,8 @@ def decode_top_map(body) -> dict[str, msgspec.Raw]:
         if not _one_map(body):  # malformed past a key that is no str
             raise DecodeError(f"body: not one msgpack value: {e}",
                               detail={"expected": "one msgpack map", "got": "a malformed map"}) from None
-        # One more non-str key (SPEC §3). The keys cannot be read, so neither can whether it is
-        # a legacy request.
-        Reader().not_str_key(encoded, "body", InvalidRequest)
+        # One more non-str key (SPEC §3), refused in the form its str keys say, as any other.
+        Reader(legacy=not _names_v1(encoded)).not_str_key(encoded, "body", InvalidRequest)
     except DECODE_FAILURES as e:
         # Malformed bodies: since msgspec 0.23 an invalid UTF-8 key is one.
         raise DecodeError(f"body: not one msgpack value: {e}",
@@ -88,6 +87,15 @@ def more_entries(encoded: memoryview, most: int) -> bool:
     a few: some key of it is unknown or given twice, and decoding them would cost an object
     each. Callers refuse it from this header."""
     return encoded.nbytes > 0 and encoded[0] in _LONG_MAPS and count(encoded) > max(most, _FEW_ENTRIES)
+
+
+def _names_v1(encoded: memoryview) -> bool:
+    """Whether the well-formed map `encoded` has an "id" or "v" key (a v1 request), its keys
+    stepped over, none decoded."""
+    try:
+        return any(kind(key) == "str" and payload(key) in (b"id", b"v") for key, _ in entries(encoded))
+    except msgpack.StackError:  # not_str_key then refuses it as too deep
+        return True
 
 
 def _one_map(body) -> bool:

@@ -884,6 +884,8 @@ _INVALID_LEGACY = [
     ("unknown-op", {"op": "step"}, "unknown_op", "op"),
     ("empty-op", {"op": ""}, "unknown_op", "op"),
     ("ping-extra-key", {"op": "ping", "x": 1}, "invalid_argument", "x"),
+    # No "id" or "v" among its str keys: legacy, whatever its other key is.
+    ("int-key", {"op": "ping", 1: 2}, "invalid_request", "body"),
     ("missing-C", {k: v for k, v in legacy_scan().items() if k != "C"}, "missing_argument", "C"),
     ("unknown-key", dict(legacy_scan(), dt_softplus=True), "invalid_argument", "dt_softplus"),
     ("zero-batch", dict(legacy_scan(), batch=0), "invalid_argument", "batch"),
