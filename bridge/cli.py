@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
                    help="unix connections served at once; another is answered overloaded and closed "
                         "(default: %(default)s)")
+    p.add_argument("--max-zmq-peers", type=_positive, default=defaults.max_zmq_peers,
+                   help="ZeroMQ peers (routes) held at once, with requests in flight, waiting or unsent, or "
+                        "owning something; a request from another is answered overloaded (default: %(default)s)")
     return p
 
 
@@ -246,7 +249,8 @@ def open_lanes(args, dispatcher) -> list:
             curve = CurveKeys.load(args.curve_secret_key, args.curve_clients) if args.curve_secret_key else None
             lanes.append(ZmqTransport(dispatcher, args.zmq, max_frame_size=args.max_frame_size,
                                       max_in_flight=args.max_in_flight_per_peer, hwm=args.zmq_hwm,
-                                      curve=curve, idle_timeout_s=args.idle_timeout_s))
+                                      curve=curve, idle_timeout_s=args.idle_timeout_s,
+                                      max_peers=args.max_zmq_peers))
     except Exception:
         for lane in lanes:
             lane.close()

@@ -57,6 +57,9 @@ class ServerConfig:
     # in-flight bound within the first.
     max_in_flight_per_peer: int = 64
     max_connections: int = 256
+    # ZeroMQ peers held at once: each route is a peer with its own cap and queue, and one
+    # connection may make up routes at will, so they are bounded over the lane as connections are.
+    max_zmq_peers: int = 4096
     # Seconds a ZeroMQ peer owning something may stay silent before it counts as gone and what
     # it owns is freed (ZeroMQ does not always tell when a peer leaves); None: never.
     idle_timeout_s: float | None = None

@@ -282,13 +282,14 @@ class FakeNativeStep:
 
 @contextlib.contextmanager
 def zmq_lane_with_dispatcher(tmp_path, native_step, max_in_flight: int, handlers: dict | None = None,
-                             hwm: int = 16, idle_timeout_s: float | None = None):
+                             hwm: int = 16, idle_timeout_s: float | None = None, max_peers: int = 64):
     """A ZeroMQ lane in front of a real Dispatcher whose native step path is `native_step`,
     started; closed after."""
     srv = InProcessServer(native_step=False, handlers=handlers)
     srv.dispatcher.fast_path = native_step
     transport = ZmqTransport(srv.dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
-                             max_in_flight=max_in_flight, hwm=hwm, idle_timeout_s=idle_timeout_s)
+                             max_in_flight=max_in_flight, hwm=hwm, idle_timeout_s=idle_timeout_s,
+                             max_peers=max_peers)
     transport.start()
     try:
         yield srv.dispatcher, transport
@@ -833,6 +834,60 @@ def test_parts_past_the_most_raw_buffers_are_counted_not_kept(tmp_path, monkeypa
         server.close(linger=0)
         client.close(linger=0)
         context.term()
+
+
+def test_routes_made_up_past_the_peer_cap_are_answered_overloaded_and_kept_nowhere(tmp_path):
+    """Each route is a peer with its own in-flight cap and queue, and one connection can make up
+    routes without end (a routing id of its own choosing before each body): found in review, a
+    client that reads nothing held requests and replies on as many peers as it sent routes. Past
+    --max-zmq-peers a new route's request is answered overloaded at once and kept nowhere (its
+    answer neither, when its pipe is full); once the peers held are answered and forgotten, a
+    new route is served again."""
+    ping_may_answer = threading.Event()
+
+    def held_ping(server, call):
+        if not ping_may_answer.wait(REPLY_TIMEOUT_S):
+            raise TimeoutError("the test never let the ping be answered")
+        return {"pong": True}
+
+    def replies_by_route(client, count):
+        replies = {}
+        while len(replies) < count and client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
+            route, body = client.recv_multipart()
+            reply = msgpack.unpackb(body)
+            replies[route] = reply["result"] if reply["ok"] else reply["error"]
+        return replies
+
+    ping = b"".join(protocol.encode_request(1, "ping", {}))
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=1, handlers={"ping": held_ping},
+                                  max_peers=2) as (dispatcher, transport), dealers(transport, 1) as (client,):
+        routes = [b"route-%d" % i for i in range(6)]
+        try:
+            for route in routes:
+                client.send_multipart([route, ping])
+            turned_away = replies_by_route(client, 4)
+            assert sorted(turned_away) == routes[2:], turned_away
+            assert all(error["code"] == "overloaded" and error["detail"] == {"limit": 2}
+                       for error in turned_away.values()), turned_away
+            assert len(transport._peers) == 2
+            # Nor is an answer kept for such a route while its pipe is full: it is dropped.
+            real_send = transport.sockets[0].send_multipart
+
+            def full_for_one_route(frames, *args, **kwargs):  # on the io thread
+                if frames[1] == b"route-full":  # after the DEALER's own routing id
+                    raise zmq.Again()
+                return real_send(frames, *args, **kwargs)
+
+            transport.sockets[0].send_multipart = full_for_one_route
+            client.send_multipart([b"route-full", ping])
+            client.send_multipart([b"route-after", ping])
+            assert list(replies_by_route(client, 1)) == [b"route-after"]
+            assert not transport._backlogged and len(transport._peers) == 2
+        finally:
+            ping_may_answer.set()
+        assert replies_by_route(client, 2) == {route: {"pong": True} for route in routes[:2]}
+        client.send_multipart([b"route-new", ping])
+        assert replies_by_route(client, 1) == {b"route-new": {"pong": True}}
 
 
 @pytest.mark.parametrize("extra", [pytest.param(1, id="one-past"), pytest.param(5000, id="thousands-past")])

@@ -176,6 +176,8 @@ class ZmqPeer(Connection):
         self.in_flight = 0
         self.waiting: collections.deque = collections.deque()
         self.unsent: collections.deque = collections.deque()
+        # False for one made up past the lane's cap of peers: filed nowhere, it is only answered.
+        self.kept = True
 
 
 class ZmqReplyTarget:
@@ -215,8 +217,12 @@ class ZmqTransport:
     """One ROUTER socket per endpoint, all served by one io thread."""
 
     def __init__(self, dispatcher, endpoints: list[str], *, max_frame_size: int, max_in_flight: int,
-                 hwm: int, curve: CurveKeys | None = None, idle_timeout_s: float | None = None):
+                 hwm: int, curve: CurveKeys | None = None, idle_timeout_s: float | None = None,
+                 max_peers: int = 4096):
         self.dispatcher = dispatcher
+        # Peers held at once, over all sockets: each route a message names is a peer with a cap
+        # and a queue of its own, and a connection can make up routes without end.
+        self.max_peers = max_peers
         self.idle_timeout_s = idle_timeout_s
         # How often peers are looked at for idleness: a fraction of the timeout, so one is
         # freed at most a quarter of it late.
@@ -421,8 +427,12 @@ class ZmqTransport:
                 else:
                     peer = self._peers.get(key)
                     if peer is None:
-                        peer = self._peers[key] = ZmqPeer(self, key)
-                    if fd is not None and peer.fd != fd:
+                        peer = ZmqPeer(self, key)
+                        if len(self._peers) < self.max_peers:
+                            self._peers[key] = peer
+                        else:
+                            peer.kept = False
+                    if peer.kept and fd is not None and peer.fd != fd:
                         self._unlist(peer)
                         peer.fd = fd
                         self._on_fd.setdefault((index, fd), set()).add(peer)
@@ -436,6 +446,9 @@ class ZmqTransport:
                 self._turn_away(peer, request, "limit_exceeded", f"buffers: expected at most {MAX_RAW_BUFFERS} raw "
                                 f"buffers after the body, got {buffers}",
                                 {"limit": "raw_buffers", "max": MAX_RAW_BUFFERS, "requested": buffers})
+            elif not peer.kept:
+                self._turn_away(peer, request, "overloaded", f"more than {self.max_peers} ZeroMQ peers held at "
+                                "once; retry later", {"limit": self.max_peers})
             elif peer.in_flight < self.max_in_flight:
                 self._dispatch(peer, request)
             elif len(peer.waiting) < self.hwm:
@@ -621,6 +634,10 @@ class ZmqTransport:
             try:
                 peer.socket.send_multipart(peer.unsent[0], zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                if not peer.kept:  # it holds nothing, its answer neither: dropped
+                    peer.unsent.popleft()
+                    self._answered(peer)
+                    return
                 self._backlogged.add(peer)
                 return
             except zmq.ZMQError as exc:
