@@ -162,7 +162,8 @@ def deadline_error(request, received_ns: int) -> OpError | None:
 def gone_peer_error(request_id) -> OpError:
     """What a request is answered with, unrun, once its connection's peer is known gone: no
     reply could reach it (counted as a cancel's drop is)."""
-    return OpError("cancelled", f"request {request_id!r} was dropped before it ran: its connection went away")
+    return OpError("cancelled", f"request {protocol.shown_value(request_id)} was dropped before it ran: its "
+                   "connection went away")
 
 
 def refusal_to_start(call: Call) -> OpError | None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from protocol import shown_value
+
 from .errors import OpError
 from .owned import OwnedTable
 
 
 def unknown_handle(handle: str, field: str) -> OpError:
-    return OpError("unknown_handle", f"{field}: no tensor handle {handle!r} is held for this connection",
+    return OpError("unknown_handle", f"{field}: no tensor handle {shown_value(handle)} is held for this connection",
                    {"field": field, "handle": handle})
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from protocol import shown_value
+
 from .errors import OpError
 
 
@@ -59,7 +61,8 @@ class QueuedRequests:
             if not entries:
                 del self._waiting[(conn_id, request_id)]
             call.dropped = True
-        answer(call, OpError("cancelled", f"request {request_id!r} was cancelled by request {by!r} before it ran",
+        answer(call, OpError("cancelled", f"request {shown_value(request_id)} was cancelled by request "
+                                          f"{shown_value(by)} before it ran",
                              {"cancelled_by": by}))
         return True
 

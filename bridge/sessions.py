@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from protocol import shown_value
+
 from .errors import OpError, allocation, error_fields
 from .owned import OwnedTable
 
@@ -96,7 +98,7 @@ class StateLayout:
 def unknown_session(session_id: str, field: str) -> OpError:
     """The one error for a session that is not open on the asking connection (never issued,
     closed, or another connection's)."""
-    return OpError("unknown_session", f"{field}: no session {session_id!r} is open on this connection",
+    return OpError("unknown_session", f"{field}: no session {shown_value(session_id)} is open on this connection",
                    {"field": field, "session": session_id})
 
 
@@ -443,7 +445,7 @@ def _pool_usage(pool: StatePool) -> dict:
 
 
 def unknown_snapshot(snapshot_id: str, field: str) -> OpError:
-    return OpError("unknown_snapshot", f"{field}: no snapshot {snapshot_id!r} is held for this connection",
+    return OpError("unknown_snapshot", f"{field}: no snapshot {shown_value(snapshot_id)} is held for this connection",
                    {"field": field, "snapshot": snapshot_id})
 
 

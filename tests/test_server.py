@@ -20,6 +20,7 @@ import protocol
 from bridge.client import PortClient, server_env
 from bridge.device import choose_device
 from bridge.errors import OpError
+from bridge.timing import now_ns
 from bridge.server import Server, ServerConfig
 from protocol.vectors import generate
 from bridge_fakes import RecordingConnection
@@ -623,3 +624,39 @@ def test_a_gone_peer_with_many_requests_queued_is_warned_of_once(inproc, caplog)
         wait_until(lambda: gone.attempts == 5, "the replies were never attempted")
     failures = [r for r in caplog.records if "could not reply" in r.getMessage()]
     assert [r.levelno for r in failures] == [logging.WARNING] + [logging.DEBUG] * 4, failures
+
+
+# An id no server issues, whose repr is four times its size.
+CHOSEN_ID = "\x00" * 4096
+
+
+@pytest.mark.parametrize("op, args, key", [
+    pytest.param("session_state", {"session": CHOSEN_ID}, "session", id="session"),
+    pytest.param("free", {"handle": CHOSEN_ID}, "handle", id="handle"),
+    pytest.param("model_free", {"model": CHOSEN_ID}, "model", id="model"),
+    pytest.param("snapshot_free", {"snapshot": CHOSEN_ID}, "snapshot", id="snapshot"),
+])
+def test_an_unknown_id_the_client_chose_is_told_by_its_size_in_the_message(inproc, op, args, key):
+    """Found in review: the message quoted the id given with repr(), up to four times its bytes
+    (a NUL is `\\x00`), on top of the copy in `detail`: a request made its error reply five times
+    its own size. A long id is told by its size, as a long key is; `detail` still carries it."""
+    srv, conn = inproc(), RecordingConnection()
+    error = srv.request(conn, op, **args).error
+    assert error["code"] == f"unknown_{key}" and error["detail"][key] == CHOSEN_ID
+    assert len(error["message"]) < 200 and "str of 4096 bytes" in error["message"], error["message"][:200]
+
+
+def test_a_cancelled_request_whose_id_the_client_chose_is_told_by_its_size(inproc):
+    """As above, for the ids a cancel's answer names (the request's and the cancel's own)."""
+    srv, conn = inproc(), RecordingConnection()
+    srv.hold(conn)
+    try:
+        for request_id, op, args in ((CHOSEN_ID, "ping", {}), (CHOSEN_ID + "!", "cancel", {"id": CHOSEN_ID})):
+            srv.dispatcher.on_frame(conn, bytearray(b"".join(protocol.encode_request(request_id, op, args))),
+                                    now_ns())
+        assert conn.reply(CHOSEN_ID + "!").result == {"cancelled": True}
+        error = conn.reply(CHOSEN_ID).error
+    finally:
+        srv.go()
+    assert error["code"] == "cancelled" and error["detail"] == {"cancelled_by": CHOSEN_ID + "!"}
+    assert len(error["message"]) < 200, error["message"][:200]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from protocol import shown_value
+
 from ..errors import OpError, allocation
 from ..owned import OwnedTable
 from ..sessions import SessionTable, StateLayout
@@ -13,7 +15,7 @@ from .runtime import Model
 
 
 def unknown_model(model_id: str, field: str) -> OpError:
-    return OpError("unknown_model", f"{field}: no model {model_id!r} is loaded for this connection",
+    return OpError("unknown_model", f"{field}: no model {shown_value(model_id)} is loaded for this connection",
                    {"field": field, "model": model_id})
 
 

@@ -320,7 +320,7 @@ def refuse_copies_into_restored(call) -> None:
             field = f"args.frames[{i}].args.snapshot_into"
             raise OpError("invalid_argument",
                           f"{field}: expected a snapshot other than args.snapshot (the one this request restores, "
-                          f"and restores again should a frame fail), got {snapshot_id!r}",
+                          f"and restores again should a frame fail), got {protocol.shown_value(snapshot_id)}",
                           {"field": field, "expected": "a snapshot other than args.snapshot", "got": snapshot_id})
 
 
