@@ -980,3 +980,42 @@ def test_an_ipc_path_is_not_taken_from_a_live_server_and_is_removed_on_close(tmp
     path.write_text("not a socket")
     with pytest.raises(OSError, match="non-socket file"):
         ipc_lane(path)
+
+
+def test_a_peer_flooding_without_reading_gets_one_warning_not_one_a_message(tmp_path, caplog):
+    """Found in review: each `overloaded` answer dropped for a peer that reads none of its
+    replies logged a warning, so a client could make the server write a log line for every
+    message it sent. The first drop is logged; the rest are counted, and told once its replies
+    leave again."""
+    ping_may_answer = threading.Event()
+
+    def held_ping(server, call):
+        if not ping_may_answer.wait(REPLY_TIMEOUT_S):
+            raise TimeoutError("the test never let the ping be answered")
+        return {"pong": True}
+
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=1, hwm=1,
+                                  handlers={"ping": held_ping}) as (dispatcher, transport):
+        real_send = transport.sockets[0].send_multipart
+        pipe_full = threading.Event()
+        pipe_full.set()
+
+        def full_while_set(frames, *args, **kwargs):  # on the io thread
+            if pipe_full.is_set():
+                raise zmq.Again()
+            return real_send(frames, *args, **kwargs)
+
+        transport.sockets[0].send_multipart = full_while_set
+        with dealers(transport, 1) as (client,):
+            try:
+                for i in range(20):  # one in flight, one waiting, 18 answered overloaded
+                    client.send(b"".join(protocol.encode_request(i, "ping", {})))
+                wait_until(lambda: dispatcher.server.stats.snapshot()["errors"].get("overloaded") == 18,
+                           "the pings past the peer's queue were never answered")
+            finally:
+                ping_may_answer.set()
+            pipe_full.clear()
+            assert sorted(reply_ids(client, 4)) == [0, 1, 2, 3]  # the two pongs and two answers kept
+    drops = [r.getMessage() for r in caplog.records if "overloaded answer" in r.getMessage()]
+    assert len(drops) == 2, drops
+    assert "further ones" in drops[0] and "16 overloaded answers" in drops[1], drops

@@ -178,6 +178,8 @@ class ZmqPeer(Connection):
         self.unsent: collections.deque = collections.deque()
         # False for one made up past the lane's cap of peers: filed nowhere, it is only answered.
         self.kept = True
+        # `overloaded` answers dropped since its replies last left: logged once, not one a message.
+        self.answers_dropped = 0
 
 
 class ZmqReplyTarget:
@@ -617,8 +619,10 @@ class ZmqTransport:
         # (`overloaded`, too many raw buffers) to a peer that floods without reading are
         # unbounded, and only those are dropped.
         if droppable and len(peer.unsent) >= self.hwm + self.max_in_flight:
-            log.warning("%s: overloaded answer dropped: the peer reads none of its replies (%d waiting)",
-                        peer.id, len(peer.unsent))
+            peer.answers_dropped += 1
+            if peer.answers_dropped == 1:
+                log.warning("%s: overloaded answer dropped: the peer reads none of its replies (%d waiting); "
+                            "further ones are counted until its replies leave again", peer.id, len(peer.unsent))
             self._answered(peer)
             return
         peer.unsent.append(frames)
@@ -645,6 +649,11 @@ class ZmqTransport:
                     self._gone(peer)
                     return
                 log.warning("%s: a reply could not be sent and is dropped: %s", peer.id, exc)
+            else:
+                if peer.answers_dropped:
+                    log.warning("%s: its replies leave again; %d overloaded answers were dropped in all",
+                                peer.id, peer.answers_dropped)
+                    peer.answers_dropped = 0
             peer.unsent.popleft()
             self._answered(peer)
         self._backlogged.discard(peer)
