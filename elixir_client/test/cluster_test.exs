@@ -242,6 +242,28 @@ defmodule ScanBridge.ClusterTest do
     Supervisor.stop(supervisor)
   end
 
+  # Found in review: the node remembered a stopped group's catalogue for good, so a group started
+  # again under its name took the old models back and refused its own under their names.
+  test "a group stopped on purpose and started again under its name starts with no models" do
+    g = group()
+    name = :"restarted_group_#{System.unique_integer([:positive])}"
+    children = [{ScanBridge, TestSupport.server_opts(group: g, name: name)}]
+    {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+    :ok = await_member(g, Process.whereis(name))
+    {:ok, %{members: 1}} = Cluster.load_model(g, "tiny", Models.backbone(Models.config(:mamba2), 7))
+    Supervisor.stop(supervisor)
+
+    {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+    :ok = await_member(g, Process.whereis(name))
+    assert {:ok, [%{models: models}]} = Cluster.catalogue(g)
+    assert models == %{}, "the group started again took back the stopped one's models"
+
+    assert {:ok, %{members: 1}} =
+             Cluster.load_model(g, "tiny", Models.backbone(Models.config(:mamba), 8))
+
+    Supervisor.stop(supervisor)
+  end
+
   test "a model session fails over with a checkpoint and answers as an uninterrupted run" do
     g = group()
     start_members(g, 2)

@@ -621,12 +621,28 @@ defmodule ScanBridge.Server do
   def handle_info(_message, state), do: {:noreply, state}
 
   @impl true
-  def terminate(_reason, state) do
+  def terminate(reason, state) do
     # Out of the group first: stopping waits for the OS process (up to :exit_grace and the
     # kill), and calls routed here meanwhile would wait with it, never served.
-    if state.group != nil, do: :pg.leave(Cluster.scope(), Cluster.group_key(state.group), self())
+    if state.group != nil do
+      :pg.leave(Cluster.scope(), Cluster.group_key(state.group), self())
+      forget_group_if_stopped(reason, state)
+    end
+
     state |> fail_all("the scan-bridge client stopped", %{}) |> stop_server()
   end
+
+  # A group stopped on purpose, its last member here with it, is forgotten by this node: started
+  # again under its name, it starts with no models, as a new group would. A server that failed
+  # leaves the catalogue to the member restarted in its place (Cluster.NodeCatalogue).
+  defp forget_group_if_stopped(reason, state) when reason in [:normal, :shutdown] do
+    others_here =
+      Enum.filter(Cluster.Member.keepers(state.group) -- [state.member], &(node(&1) == node()))
+
+    if others_here == [], do: Cluster.NodeCatalogue.forget(state.group)
+  end
+
+  defp forget_group_if_stopped(_reason, _state), do: :ok
 
   ## Requests and replies
 

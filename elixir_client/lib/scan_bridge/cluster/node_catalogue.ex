@@ -3,8 +3,8 @@ defmodule ScanBridge.Cluster.NodeCatalogue do
   # The group catalogues this node's catalogue keepers (ScanBridge.Cluster.Member) held, the
   # newest entry of each name: a member that starts here with no other keeper of its group left
   # (the group's only member, restarted by its supervisor) takes the group's models from here,
-  # as it would from another keeper. A keeper lives and dies with its server, this process with
-  # the node. One per node, started by the application; written by the keepers' casts, read
+  # as it would from another keeper; a group stopped on purpose is forgotten. A keeper lives and
+  # dies with its server, this process with the node. One per node, started by the application; written by the keepers' casts, read
   # without a message.
 
   use GenServer
@@ -19,6 +19,10 @@ defmodule ScanBridge.Cluster.NodeCatalogue do
   @doc "Records a keeper's versioned catalogue of `group` (name => {entry, version})."
   @spec remember(term, map) :: :ok
   def remember(group, entries), do: GenServer.cast(__MODULE__, {:remember, group, entries})
+
+  @doc "Forgets what this node's keepers of `group` held (the group was stopped on purpose)."
+  @spec forget(term) :: :ok
+  def forget(group), do: GenServer.cast(__MODULE__, {:forget, group})
 
   @doc "The newest entry of each name this node's keepers of `group` held."
   @spec recall(term) :: map
@@ -46,6 +50,11 @@ defmodule ScanBridge.Cluster.NodeCatalogue do
       end)
 
     :ets.insert(@table, {group, newest})
+    {:noreply, state}
+  end
+
+  def handle_cast({:forget, group}, state) do
+    :ets.delete(@table, group)
     {:noreply, state}
   end
 
