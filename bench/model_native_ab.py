@@ -29,7 +29,7 @@ from bridge.bench.floors import BridgeProcess, EchoUnavailable, encode_request, 
 from bridge.bench.machine import summarize_us
 from bridge.tensors import host_view
 
-from .models import D_MODEL, LM_VOCAB, WARMUP, WINDOW, case_main, exphil_model, wait_for_frame
+from .models import ARCHS, D_MODEL, LM_VOCAB, WARMUP, WINDOW, case_main, exphil_model, wait_for_frame
 
 MODES = {"native": [], "general": ["--no-native-step"]}
 MAX_RELATIVE_DIFFERENCE = 1e-4
@@ -131,7 +131,8 @@ def report(case: dict) -> None:
 
 
 def main(argv=None) -> int:
-    return case_main("python -m bench.model_native_ab", __doc__, "model_native_ab", run_case, report, argv)
+    return case_main("python -m bench.model_native_ab", __doc__, "model_native_ab", run_case, report, argv,
+                     archs=(*ARCHS, *(arch + LM_SUFFIX for arch in ARCHS)))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -70,11 +71,12 @@ ARCHS = ("mamba", "mamba2")
 GOALS = {"step_over_transformers": 0.1, "step_over_echo": 3.0, "old_way_over_step": 4.0, "snapshot_restore_us": 50.0}
 
 
-def archs_arg(text: str) -> list[str]:
-    """argparse type of `--archs`: comma-separated names from ARCHS."""
+def archs_arg(text: str, known: tuple[str, ...] = ARCHS) -> list[str]:
+    """argparse type of `--archs`: comma-separated names from `known` (a bench's own, ARCHS by
+    default; `functools.partial` gives it others)."""
     names = text.split(",")
-    if not all(name in ARCHS for name in names):
-        raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(ARCHS)}, got {text!r}")
+    if not all(name in known for name in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(known)}, got {text!r}")
     return names
 
 
@@ -539,13 +541,14 @@ def busy_neighbour(enabled: bool):
             neighbour.wait()
 
 
-def case_main(prog: str, doc: str, benchmark: str, run_case, report, argv=None) -> int:
+def case_main(prog: str, doc: str, benchmark: str, run_case, report, argv=None, archs: tuple[str, ...] = ARCHS) -> int:
     """The command line of a bench over bench.models' ExPhil-sized cases: `run_case(arch, batch,
-    frames)` for each arch and batch asked for, each reported, all written as `benchmark`."""
+    frames)` for each arch (of `archs`, the names run_case builds) and batch asked for, each
+    reported, all written as `benchmark`."""
     p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     p.add_argument("--frames", type=int, default=300)
     p.add_argument("--batches", type=batches_arg, default="1,32")
-    p.add_argument("--archs", type=archs_arg, default="mamba,mamba2")
+    p.add_argument("--archs", type=functools.partial(archs_arg, known=archs), default="mamba,mamba2")
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     if args.frames <= WARMUP:
