@@ -257,13 +257,14 @@ def test_a_native_step_reply_too_large_to_frame_is_answered_with_an_error_and_th
 
 
 def test_an_error_reply_too_large_to_frame_is_answered_with_a_small_one(tmp_path, monkeypatch, inproc):
-    """An error reply echoes what the request sent (here an unknown session's id, in the message
-    and the detail), and may be too long to frame where the request was not: it is answered
-    limit_exceeded as a result too long is, not left unanswered (at a cap of one request in
-    flight, the connection would never be read again)."""
+    """An error reply echoes what the request sent (here an unknown session's id, in the
+    detail) and says more, so it may be too long to frame where the request was not: it is
+    answered limit_exceeded as a result too long is, not left unanswered (at a cap of one
+    request in flight, the connection would never be read again)."""
     frames = [request_frame(1, "session_close", {"session": "x" * 1500}),
               request_frame(2, "ping")]  # framed before the limit is lowered
-    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", 2048)
+    # The request's own length: its reply, the id and more, is longer.
+    monkeypatch.setattr(protocol.framing, "MAX_FRAMEABLE", len(frames[0]) - protocol.framing.HEADER_SIZE)
     with unix_lane(tmp_path, inproc().dispatcher, max_in_flight=1) as transport:
         transport.start()
         conn = raw_unix(transport.path)
