@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bridge.bench.machine import output_path, write_results
+from bridge.bench.machine import output_path, positive_count, write_results
 from scan_kernels.cpu import build
 
 SOURCE = Path(__file__).with_name("exp_rate.cpp")
@@ -67,14 +67,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--simd", default="all")
     p.add_argument("--seconds", type=float, default=1.0)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--threads", type=positive_count, default=torch.get_num_threads())
     p.add_argument("--scan-json", type=Path)
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     if not 0 < args.seconds < math.inf:
         p.error(f"--seconds: expected a finite duration above 0, got {args.seconds}")
-    if args.threads < 1:
-        p.error(f"--threads: expected at least 1, got {args.threads}")
     try:
         variants = _variants(args.simd)
     except build.BackendUnavailable as exc:

@@ -58,7 +58,7 @@ import torch
 
 import scan_kernels
 from bridge.bench.cases import DT_CLAMP
-from bridge.bench.machine import output_path, summarize_us, write_results
+from bridge.bench.machine import output_path, positive_count, summarize_us, write_results
 from scan_kernels import _args
 from scan_kernels._registry import BACKEND_MODULES, get_backend
 
@@ -497,25 +497,21 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=_args.LAYOUTS, default="bld", help="layout of the scan cases")
     p.add_argument("--simd", help="comma-separated SIMD variants of the C++ backend to time beside it, each "
                    "built as its own module (rows cpu-<variant>); 'all': every one this CPU executes")
-    p.add_argument("--rounds", type=int, default=1, help="measure each backend this many times per case, "
+    p.add_argument("--rounds", type=positive_count, default=1, help="measure each backend this many times per case, "
                    "in alternating order, and report the median of the rounds (default 1)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads before measuring")
     p.add_argument("--reference-reps", type=int, default=3, help="repetitions of the reference (default 3)")
     p.add_argument("--reference-max-elements", type=int, default=1 << 25,
                    help="skip the reference above this size of its largest tensor (batch*seq*dim*state for "
                    "Mamba-1; default 2^25)")
-    p.add_argument("--runs", type=int, default=1, help="repeat the measurement in this many fresh "
+    p.add_argument("--runs", type=positive_count, default=1, help="repeat the measurement in this many fresh "
                    "processes and summarise over them (default 1: this process only)")
     p.add_argument("--gap-seconds", type=float, default=0.0, help="pause between runs (with --runs)")
     p.add_argument("--json", type=output_path, help="write results with machine and commit info to this file")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
-    if args.runs < 1:
-        p.error(f"--runs: expected at least 1, got {args.runs}")
     if args.gap_seconds < 0:
         p.error(f"--gap-seconds: expected 0 or more, got {args.gap_seconds}")
-    if args.rounds < 1:
-        p.error(f"--rounds: expected at least 1, got {args.rounds}")
     # A name no build knows is a typo, refused; a known one this machine lacks is reported and
     # skipped, as the results record what each machine could run.
     unknown = [name for name in args.backends.split(",") if name not in BACKEND_MODULES] if args.backends else []

@@ -84,7 +84,7 @@ import numpy as np
 
 from bridge.bench.cases import DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.bench.lanes import TRANSPORTS, log_tail
-from bridge.bench.machine import output_path, write_results
+from bridge.bench.machine import output_path, positive_count, write_results
 from bridge.client import BridgeError, PortClient, ServerExited, UnixClient, ZmqClient, server_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1098,7 +1098,7 @@ def main(argv=None) -> int:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--rounds", type=int, help="rounds (default 30); the first third warms up")
     length.add_argument("--minutes", type=float, help="run this long instead; the first third warms up")
-    p.add_argument("--steps", type=int, default=100, help="steps of each lane's plain session per round")
+    p.add_argument("--steps", type=positive_count, default=100, help="steps of each lane's plain session per round")
     p.add_argument("--churn", type=int, default=20, help="unix and ZeroMQ connections churned per round")
     p.add_argument("--kills", type=int, default=1, help="clients killed mid-request per round on unix and on ZeroMQ")
     p.add_argument("--rss-bound-kib", type=int, default=RSS_BOUND_KIB,
@@ -1114,8 +1114,6 @@ def main(argv=None) -> int:
         p.error(f"--rounds: expected at least 3 (the first third warms up), got {args.rounds}")
     if args.minutes is not None and args.minutes <= 0:
         p.error(f"--minutes: expected a positive duration, got {args.minutes}")
-    if args.steps < 1:
-        p.error(f"--steps: expected at least 1, got {args.steps}")
     try:
         result = soak(args.rounds, args.minutes, args.steps, args.churn, args.kills, args.rss_bound_kib)
     except (Broken, BridgeError) as exc:

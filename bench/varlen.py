@@ -27,7 +27,7 @@ import scan_kernels
 from scan_kernels import _args, _varlen
 from bench.backward import alternated_medians_ms
 from bridge.bench.cases import DT_CLAMP
-from bridge.bench.machine import output_path, write_results
+from bridge.bench.machine import output_path, positive_count, write_results
 
 
 @dataclass(frozen=True)
@@ -152,14 +152,12 @@ def run_case(case: Case, reps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--reps", type=positive_count, default=30)
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
     unknown = [name for name in args.cases.split(",") if name not in CASES]
     if unknown:
         p.error(f"--cases: expected names from {', '.join(CASES)}, got {', '.join(map(repr, unknown))}")
-    if args.reps < 1:  # each time is a median over the reps: none leaves nothing to report
-        p.error(f"--reps: expected at least 1, got {args.reps}")
     if "cpu" not in scan_kernels.available_backends():
         raise SystemExit(f"the cpu backend is unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     load_before = os.getloadavg()
