@@ -167,10 +167,10 @@ def compile_flags(variant: SimdVariant | None = None) -> tuple[tuple[str, ...], 
     if not names:
         return cflags, LDFLAGS
     sanitize = "-fsanitize=" + ",".join(names)
-    # -O1 (over CFLAGS' -O3) and line tables only (-g1): ASan's own advice for instrumented
-    # builds; instrumenting the kernels' templates at -O3 with full debug info is what made the
-    # sanitizer pass long (it is mostly compiling).
-    return (cflags + (sanitize, "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-O1", "-g1"),
+    # -O0 (over CFLAGS' -O3) and line tables only (-g1): the sanitizer pass is mostly compiling,
+    # and the suite's small shapes run no slower for it; unoptimised code also keeps every load
+    # and store of the source for the sanitizers to check (docs/performance.md, "make test time").
+    return (cflags + (sanitize, "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-O0", "-g1"),
             LDFLAGS + (sanitize,))
 
 
