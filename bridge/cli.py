@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="free what a ZeroMQ peer owns (sessions, handles, models, snapshots) once, with nothing "
                         "in flight, it has neither sent a request nor been answered one for SECONDS: a peer whose "
                         "end is never seen counts as gone (default: never)")
+    p.add_argument("--stall-timeout-s", type=_seconds_or_never, default=defaults.stall_timeout_s,
+                   metavar="SECONDS|never",
+                   help="end the input of a unix connection that sent part of a frame and then nothing for "
+                        "SECONDS: that frame is dropped, the requests before it are answered, and the "
+                        "connection closes (default: %(default)s)")
     p.add_argument("--max-connections", type=_positive, default=defaults.max_connections,
                    help="unix connections served at once; another is answered overloaded and closed "
                         "(default: %(default)s)")
@@ -229,6 +234,15 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_never(text: str) -> float | None:
+    if text == "never":
+        return None
+    try:
+        return _positive_seconds(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 or never, got {text!r}") from None
+
+
 def open_lanes(args, dispatcher) -> list:
     """The unix and ZeroMQ transports the arguments name, bound and ready to start."""
     from .transports.unix import UnixTransport
@@ -242,7 +256,8 @@ def open_lanes(args, dispatcher) -> list:
         for path in args.unix:
             lanes.append(UnixTransport(dispatcher, path, max_frame_size=args.max_frame_size,
                                        max_in_flight=args.max_in_flight_per_peer,
-                                       max_connections=args.max_connections))
+                                       max_connections=args.max_connections,
+                                       stall_timeout_s=args.stall_timeout_s))
         if args.zmq:
             from .transports.zmq import CurveKeys, ZmqTransport
 

@@ -63,6 +63,10 @@ class ServerConfig:
     # Seconds a ZeroMQ peer owning something may stay silent before it counts as gone and what
     # it owns is freed (ZeroMQ does not always tell when a peer leaves); None: never.
     idle_timeout_s: float | None = None
+    # Seconds a unix connection may leave a frame half-sent before its input is ended and that
+    # frame dropped, so that a hung or hostile peer cannot hold a connection's slot and its
+    # frame's bytes for ever; None: never.
+    stall_timeout_s: float | None = 60.0
     # Serve plain steps that find nothing but native steps in flight in C++ (bridge.native), where it can.
     native_step: bool = True
     # On CUDA, replay captured state updates for steps like ones seen before (bridge.step_graphs).
@@ -81,8 +85,9 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
 
 
-# The limits `info` reports: every max_* setting, and the idle timeout.
-LIMITS = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name.startswith("max_")) + ("idle_timeout_s",)
+# The limits `info` reports: every max_* setting, and the timeouts.
+LIMITS = tuple(f.name for f in dataclasses.fields(ServerConfig) if f.name.startswith("max_")) + (
+    "idle_timeout_s", "stall_timeout_s")
 
 
 class Server:

@@ -73,13 +73,36 @@ def test_an_idle_timeout_must_be_a_positive_number_of_seconds(value, capsys):
     assert f"expected a number of seconds > 0, got {value!r}" in capsys.readouterr().err
 
 
-def test_the_idle_timeout_is_reported_with_the_limits():
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon", "Never"])
+def test_a_stall_timeout_must_be_a_positive_number_of_seconds_or_never(value, capsys):
+    from bridge.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--stall-timeout-s", value])
+    assert f"expected a number of seconds > 0 or never, got {value!r}" in capsys.readouterr().err
+
+
+def test_the_timeouts_are_reported_with_the_limits_and_a_stalled_unix_frame_is_dropped(tmp_path):
+    """`info` reports both timeouts; the server's own sweep ends the input of a unix connection
+    stalled inside a frame (tests/test_lane_unix.py drives that sweep by hand) and says so."""
+    from bridge.cli import build_parser
     from bridge.client import PortClient
 
-    with PortClient(["--device", "cpu", "--idle-timeout-s", "2.5"]) as client:
-        assert client.info()["limits"]["idle_timeout_s"] == 2.5
+    assert build_parser().parse_args(["--stall-timeout-s", "never"]).stall_timeout_s is None
+    path = str(tmp_path / "s.sock")
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log, PortClient(["--device", "cpu", "--idle-timeout-s", "2.5", "--stdio",
+                                                  "--unix", path, "--stall-timeout-s", "0.5"], stderr=log) as client:
+        assert {k: client.info()["limits"][k] for k in ("idle_timeout_s", "stall_timeout_s")} == \
+            {"idle_timeout_s": 2.5, "stall_timeout_s": 0.5}
+        peer = raw_unix(path)
+        peer.sendall(request_frame(1, "ping")[:7])
+        assert peer.recv(1) == b"", "the server answered a frame it never had whole"
+        peer.close()
+    assert "--stall-timeout-s" in log_path.read_text(errors="replace")
     with PortClient(["--device", "cpu"]) as client:
-        assert client.info()["limits"]["idle_timeout_s"] is None
+        limits = client.info()["limits"]
+        assert (limits["idle_timeout_s"], limits["stall_timeout_s"]) == (None, 60.0)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])

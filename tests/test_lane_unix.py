@@ -435,6 +435,68 @@ class HoldingDispatcher(RecordingDispatcher):
         self.held.append(conn)
 
 
+def test_a_connection_stalled_inside_a_frame_is_answered_up_to_it_and_closed(tmp_path):
+    """--stall-timeout-s: a peer that sent a whole request, then part of another and nothing
+    more, gets the first answered; past the timeout the sweep drops the part (SPEC §2: a stream
+    that ends inside a frame loses that frame) and the connection closes, its slot free again.
+    Before, the half-sent frame held the connection and its bytes for ever. Driven by hand,
+    the peer's silence made by moving its last input back."""
+    with unix_lane(tmp_path, RecordingDispatcher(), stall_timeout_s=5.0) as transport, \
+            contextlib.closing(raw_unix(transport.path)) as peer:
+        transport._accept()
+        (conn,) = transport._connections
+        peer.sendall(protocol.encode_frame(b"whole") + struct.pack(">I", 100) + b"begun")
+        transport._read(conn, others_waiting=False)
+        assert transport.dispatcher.bodies == [b"whole"] and not conn.incoming.at_frame_start
+        transport._sweep()
+        assert conn in transport._connections, "a frame stalled for less than the timeout was dropped"
+        conn.last_input -= 5.0
+        transport._sweep()
+        assert conn not in transport._connections
+        reader = peer.makefile("rb", buffering=0)
+        assert read_frame(reader) == b"whole"
+        assert reader.read(1) == b"", "the connection stayed open, or the dropped frame was answered"
+
+
+@pytest.mark.parametrize("stall_timeout_s, begun", [(5.0, False), (None, True)],
+                         ids=["idle-between-frames", "no-timeout"])
+def test_a_connection_is_not_ended_idle_between_frames_or_without_a_timeout(tmp_path, stall_timeout_s, begun):
+    """A peer silent between frames is idle, not stalled (the Elixir client holds its connection
+    open between calls), and without a timeout a half-sent frame waits as long as it takes."""
+    with unix_lane(tmp_path, RecordingDispatcher(), stall_timeout_s=stall_timeout_s) as transport, \
+            contextlib.closing(raw_unix(transport.path)) as peer:
+        transport._accept()
+        (conn,) = transport._connections
+        peer.sendall(protocol.encode_frame(b"whole") + (struct.pack(">I", 100) if begun else b""))
+        transport._read(conn, others_waiting=False)
+        conn.last_input -= 3600.0
+        transport._sweep()
+        assert conn in transport._connections
+        peer.sendall(bytes(100) if begun else protocol.encode_frame(b"next"))
+        transport._read(conn, others_waiting=False)
+        assert transport.dispatcher.bodies == [b"whole", bytes(100) if begun else b"next"]
+
+
+def test_a_frame_whose_rest_waits_unread_is_not_stalled(tmp_path):
+    """The reading thread serves some requests itself and sweeps late after one that ran long:
+    a frame whose rest came meanwhile, waiting unread in the socket, was held up by the server,
+    not by its peer, and is read whole."""
+    with unix_lane(tmp_path, RecordingDispatcher(), stall_timeout_s=5.0) as transport, \
+            contextlib.closing(raw_unix(transport.path)) as peer:
+        transport._accept()
+        (conn,) = transport._connections
+        frame = protocol.encode_frame(b"a frame sent in two parts")
+        peer.sendall(frame[:10])
+        transport._read(conn, others_waiting=False)
+        peer.sendall(frame[10:])
+        wait_until(conn.more_input, "the frame's rest never reached the server's socket")
+        conn.last_input -= 3600.0
+        transport._sweep()
+        assert conn in transport._connections, "a frame whose rest was waiting to be read was dropped"
+        transport._read(conn, others_waiting=False)
+        assert transport.dispatcher.bodies == [b"a frame sent in two parts"]
+
+
 def test_frames_a_peer_left_unread_past_its_cap_are_not_read_once_it_hung_up(tmp_path):
     """A peer at its cap that closes leaves its later frames unread in the socket: nothing it
     sent can be answered any more, so they are not read and run for nobody once its last

@@ -14,7 +14,10 @@ are written as on stdio (framed.StreamConnection: non-blocking, the rest of a re
 not take in time handed to a writer thread of its own), with a shorter budget when the reading
 thread writes, which every connection waits on (`READER_STALL_SECONDS`, `READER_WRITE_SECONDS`).
 A connection whose peer has closed its end and whose replies are all written (or undeliverable)
-is closed, and what it owned (sessions, tensor handles) is freed through `mark_closed`.
+is closed, and what it owned (sessions, tensor handles) is freed through `mark_closed`. So is
+one whose peer stopped partway through a frame and sent nothing more for `stall_timeout_s`:
+that frame is lost, as when a stream ends inside one (SPEC §2), and the connection's slot and
+the bytes its frame holds are not kept for ever by a peer that hung or left them on purpose.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class UnixConnection(StreamConnection):
         # peer's input ended (EOF or an error); either way an answer may be what it waits for.
         self._paused = False
         self._input_ended = False
+        # When its input last brought bytes (reading thread only): a frame begun and not
+        # continued since is stalled.
+        self.last_input = time.monotonic()
 
     # -- reading side (the transport's reading thread) ------------------------------------
 
@@ -153,12 +159,15 @@ class UnixTransport:
     """Listens on `path`; one thread accepts and reads every connection."""
 
     def __init__(self, dispatcher, path: str, *, max_frame_size: int, max_in_flight: int,
-                 max_connections: int):
+                 max_connections: int, stall_timeout_s: float | None = None):
+        """`stall_timeout_s`: how long a connection may leave a frame half-sent before its input
+        is ended (None: for ever)."""
         self.dispatcher = dispatcher
         self.path = path
         self.max_frame_size = max_frame_size
         self.max_in_flight = max_in_flight
         self.max_connections = max_connections
+        self.stall_timeout_s = stall_timeout_s
         self.pool = BufferPool(max_buffers=POOLED_BUFFERS)
         self._connections: set[UnixConnection] = set()
         self._listener = _listen(path)
@@ -282,12 +291,23 @@ class UnixTransport:
             self._read_guarded(conn, others_waiting)
 
     def _sweep(self) -> None:
-        """Every SWEEP_SECONDS: retry a paused accept, and look at every connection not being
-        read, in case a wake-up for it was lost."""
+        """Every SWEEP_SECONDS: retry a paused accept, look at every connection not being read,
+        in case a wake-up for it was lost, and end the input of those stalled inside a frame."""
         self._resume_accepting()
+        now = time.monotonic()
         for conn in list(self._connections):
             if not self._registered(conn.sock):
                 self._look_at(conn)
+            elif self._stalled(conn, now):
+                log.warning("%s: sent part of a frame and nothing more for %g s (--stall-timeout-s): that "
+                            "frame is dropped and the connection's input ends", conn.id, self.stall_timeout_s)
+                self._end_input(conn)
+
+    def _stalled(self, conn: UnixConnection, now: float) -> bool:
+        """Inside a frame, no bytes for stall_timeout_s, and none waiting now: bytes waiting
+        unread mean this thread was the one held up (serving a request), not the peer."""
+        return (self.stall_timeout_s is not None and not conn.incoming.at_frame_start
+                and now - conn.last_input >= self.stall_timeout_s and not input_waiting(conn.sock.fileno()))
 
     def _registered(self, fileobj) -> bool:
         return fileobj.fileno() >= 0 and self._selector.get_map().get(fileobj) is not None
@@ -383,6 +403,7 @@ class UnixTransport:
             if not n:
                 self._end_input(conn)
                 return
+            conn.last_input = time.monotonic()
             taken += n
             frame = incoming.advance(n)
             if frame is None:
