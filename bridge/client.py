@@ -1318,7 +1318,8 @@ class PortClient(FramedClient):
                 raise
 
     def close(self, timeout: float = 10.0) -> int:
-        """Close stdin (the server finishes what is in flight and exits) and wait."""
+        """Close stdin (the server finishes what is in flight and exits) and wait; its exit
+        status, once the reader has handed over the replies it wrote and its stdout is closed."""
         self._refuse_requests("the client is closed")
         if not self._write_lock.acquire(timeout=timeout):
             # A write is stuck on a server that reads nothing: killing it ends the write (EPIPE).
@@ -1328,7 +1329,14 @@ class PortClient(FramedClient):
             self._end_stream()
         finally:
             self._write_lock.release()
-        return stop_piped_server(self.proc, timeout)
+        status = stop_piped_server(self.proc, timeout)
+        # Its stdout ends with its exit, unless a process it started holds it. Closed only once
+        # the reader is done: a close under its read would not wake it, and frees the fd's number.
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.proc.stdout.close()
+        return status
 
     def _end_stream(self) -> None:
         self.proc.stdin.close()

@@ -580,6 +580,28 @@ def test_a_port_client_dropped_without_close_is_collected_and_its_server_stops()
         waiting.result(REPLY_TIMEOUT_S)
 
 
+# A stand-in for `python -m bridge` that answers its one request once its stdin ends, then exits.
+ANSWERS_AT_THE_END = [sys.executable, "-c", """
+import sys, protocol
+from bridge.streams import read_frame, write_all
+request = protocol.decode_request(read_frame(sys.stdin.buffer.raw))
+sys.stdin.buffer.read()
+write_all(1, protocol.frame_parts(protocol.encode_reply(request.id, {"last": True}, {})))
+"""]
+
+
+def test_closing_a_port_client_hands_over_the_last_replies_and_closes_the_servers_stdout():
+    """close() waited for the server's exit but not for the reader to read what the server wrote
+    before it, and left the server's stdout open until the client was collected (found in
+    review: a ResourceWarning for every client closed)."""
+    client = PortClient(command=ANSWERS_AT_THE_END)
+    answered = client.submit("ping")
+    assert client.close() == 0
+    assert answered.result(0).result == {"last": True}
+    assert client.proc.stdout.closed
+    assert not client._thread.is_alive()
+
+
 def unix_client_of_a_stand_in(tmp_path):
     """A UnixClient connected to a listener the test holds: (client, listener, the accepted
     connection), the server's end for the test to read, answer or leave mute."""
