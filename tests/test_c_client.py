@@ -665,6 +665,19 @@ def test_a_zero_dimension_makes_no_elements_up_to_the_largest_extent(scan_client
     assert "vector reply_empty " in run.stdout
 
 
+def test_a_vector_that_is_a_directory_is_refused(scan_client, endpoints, tmp_path):
+    # Sized by ftell, a directory named as a vector announced LONG_MAX bytes, and reserving room
+    # for them and a NUL overflowed a long: the sanitized client stopped there.
+    vectors = tmp_path / "vectors"
+    shutil.copytree(VECTORS, vectors)
+    (vectors / "reply_odd.frame").mkdir()
+    (vectors / "reply_odd.json").write_text('{"name": "reply_odd", "kind": "reply"}')
+    run = run_client(scan_client, endpoints["ipc"], vectors)
+    assert run.returncode == 1
+    assert f"FAIL: vector reply_odd: cannot read {vectors}/reply_odd.frame: not a regular file\n1 failure(s)" \
+        in run.stderr
+
+
 def test_every_vector_is_checked_however_many(scan_client, endpoints, tmp_path):
     reply = (pathlib.Path(VECTORS) / "reply_ping.frame").read_bytes()
     run = run_on_vectors(scan_client, endpoints, tmp_path, {f"reply_ping_{i:03}": reply for i in range(300)})

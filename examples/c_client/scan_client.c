@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -392,21 +393,25 @@ static const char *check_envelope(const msgpack_object *message) {
 
 /* -- golden vectors ------------------------------------------------------------------------ */
 
-static char *read_file(const char *path, size_t *size) {
+/* Reads a regular file whole into *data (NUL-terminated) and its size into *size. NULL, or why
+ * not. Not sized by ftell: it gives -1 for a pipe and LONG_MAX for a directory on ext4. */
+static const char *read_file(const char *path, char **data, size_t *size) {
     FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *data = malloc(n + 1);
-    if (data && fread(data, 1, n, f) != (size_t)n) {
-        free(data);
-        data = NULL;
-    }
+    if (!f) return strerror(errno);
+    struct stat st;
+    const char *why = fstat(fileno(f), &st) != 0 ? strerror(errno) : !S_ISREG(st.st_mode) ? "not a regular file" : NULL;
+    *data = why ? NULL : malloc((size_t)st.st_size + 1);
+    if (!why && !*data) why = "no memory for it";
+    if (!why && fread(*data, 1, (size_t)st.st_size, f) != (size_t)st.st_size) why = "read short of its size";
     fclose(f);
-    if (data) data[n] = 0;
-    *size = (size_t)n;
-    return data;
+    if (why) {
+        free(*data);
+        *data = NULL;
+        return why;
+    }
+    (*data)[st.st_size] = 0;
+    *size = (size_t)st.st_size;
+    return NULL;
 }
 
 /* The string value of `"key": "..."` in a JSON text, copied into out (empty when absent). */
@@ -425,16 +430,15 @@ static void json_string(const char *json, const char *key, char *out, size_t cap
 
 /* Checks one vector: what decoding finds against what its JSON says. */
 static void check_vector(const char *dir, const char *name) {
-    char path[4096];
+    char frame_path[4096], json_path[4096], *frame = NULL, *json = NULL;
     size_t size, json_size;
-    snprintf(path, sizeof path, "%s/%s.frame", dir, name);
-    char *frame = read_file(path, &size);
-    snprintf(path, sizeof path, "%s/%s.json", dir, name);
-    char *json = read_file(path, &json_size);
-    if (!frame || !json) {
-        fail("vector %s: cannot read its files", name);
+    snprintf(frame_path, sizeof frame_path, "%s/%s.frame", dir, name);
+    snprintf(json_path, sizeof json_path, "%s/%s.json", dir, name);
+    const char *unread = frame_path, *why = read_file(frame_path, &frame, &size);
+    if (!why) unread = json_path, why = read_file(json_path, &json, &json_size);
+    if (why) {
+        fail("vector %s: cannot read %s: %s", name, unread, why);
         free(frame);
-        free(json);
         return;
     }
     char kind[32], code[64];
@@ -444,7 +448,6 @@ static void check_vector(const char *dir, const char *name) {
 
     /* The parts, each length-prefixed (one part except in multipart/). */
     parts_t parts = {.count = 0};
-    const char *why = NULL;
     size_t pos = 0;
     while (pos < size && !why) {
         if (size - pos < 4) { why = "truncated frame header"; break; }
