@@ -1453,6 +1453,9 @@ class ZmqClient(FramedClient):
         # and a post an interrupt (Ctrl-C) cut short can tell whether its message went in.
         message = (frames, entry)
         with self._write_lock:
+            # Refused as a stream's is: once closed, nothing takes the outbox's messages.
+            if self._refusal:
+                raise self._refusal_error()
             try:
                 if not self._begin_write(entry):
                     return False

@@ -698,6 +698,15 @@ def test_a_zmq_client_closed_twice_closes_its_files_once(tmp_path):
             os.close(fd)
 
 
+def test_a_raw_frame_sent_on_a_closed_zmq_client_is_refused(tmp_path):
+    """send_raw without an id on a closed ZmqClient went into an outbox nobody read and
+    returned as if sent, where the stream clients raise ServerExited (found in review)."""
+    client = bridge.client.ZmqClient(f"ipc://{tmp_path}/nobody.ipc")
+    client.close()
+    with pytest.raises(ServerExited, match="the client is closed"):
+        client.send_raw(b"\xc1")
+
+
 def test_a_deadline_exceeded_reply_to_a_timed_request_is_its_timeout(pipe):
     """The timeout is the request's deadline on the server: when the server's deadline_exceeded
     comes before the waiting thread wakes, request() still raises TimeoutError, as documented."""
