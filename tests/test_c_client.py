@@ -360,6 +360,20 @@ def test_an_ok_that_is_not_a_bool_is_a_malformed_reply(scan_client, endpoints, t
     assert "scan inline: a malformed reply (ok is not a bool)" in run.stderr
 
 
+def test_a_reply_that_never_comes_is_reported_as_a_timeout(scan_client, endpoints, tmp_path):
+    # ZMQ_RCVTIMEO running out is EAGAIN, which zmq_strerror calls "Resource temporarily
+    # unavailable": the client said that of a server that never answered. This build waits
+    # 200 ms for a reply, not a minute; the proxy drops the ping.
+    client = tmp_path / "scan_client-sanitized"
+    build = subprocess.run([compiler(), "-O1", "-std=c11", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                            "-DREPLY_TIMEOUT_MS=200", "-o", str(client), os.path.join(CLIENT_DIR, "scan_client.c"),
+                            "-lzmq", "-lmsgpackc", "-lm"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = run_through(str(client), endpoints, tmp_path, lambda request_id, frames, forward: [])
+    assert run.returncode == 1
+    assert "FAIL: ping: no reply: none came within 200 ms\n1 failure(s)" in run.stderr
+
+
 def _ping_reply_with(**entries) -> bytes:
     """Ping's reply with `entries` (result, timing), as msgpack's own str for raw bytes."""
     return msgpack.packb({"v": 1, "id": 1, "ok": True, **entries}, use_bin_type=False)

@@ -36,7 +36,9 @@
 #error "scan_client needs a little-endian host: it uses tensor bytes in the host's byte order"
 #endif
 
+#ifndef REPLY_TIMEOUT_MS  /* a test builds the client with a shorter wait */
 #define REPLY_TIMEOUT_MS 60000
+#endif
 /* fp32 against a double reference, as the Python tests compare (mamba_ssm's fp32 tolerances). */
 #define RTOL 3e-4
 #define ATOL 1e-3
@@ -567,7 +569,10 @@ static const char *receive_message(void *sock, reply_t *reply) {
         if (msg == NULL) msg = &spare;
         zmq_msg_init(msg);
         if (zmq_msg_recv(msg, sock, 0) < 0) {
-            const char *why = zmq_strerror(zmq_errno());
+            /* EAGAIN is ZMQ_RCVTIMEO running out: zmq_strerror would say "Resource temporarily
+             * unavailable" of a server that never answered. */
+            const char *why = zmq_errno() == EAGAIN ? "none came within " STRINGIFY(REPLY_TIMEOUT_MS) " ms"
+                                                    : zmq_strerror(zmq_errno());
             zmq_msg_close(msg);
             if (msg != &spare) free(msg);
             close_frames(reply);
