@@ -1351,15 +1351,18 @@ class UnixClient(FramedClient):
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline = time.monotonic() + connect_timeout
-        while True:
-            try:
-                self.sock.connect(path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > deadline:
-                    self.sock.close()
-                    raise
-                time.sleep(0.05)
+        try:
+            while True:
+                try:
+                    self.sock.connect(path)
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        except BaseException:  # no client reaches the caller to close it (a path AF_UNIX refuses, Ctrl-C)
+            self.sock.close()
+            raise
         super().__init__(self.sock.makefile("rb", buffering=0), self.sock.fileno(), as_torch=as_torch)
         weakref.finalize(self, abandon, functools.partial(shut_sending, self.sock), self._pending)
 

@@ -617,6 +617,23 @@ def unix_client_of_a_stand_in(tmp_path):
     return client, listener, served
 
 
+def test_a_unix_client_that_cannot_connect_closes_its_socket(tmp_path, monkeypatch):
+    """Only a missing or refusing server's socket was closed: any other failure to connect (a
+    path too long for AF_UNIX) left it open for as long as the exception was held (found in
+    review)."""
+    made = []
+
+    class Recorded(socket.socket):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(bridge.client.socket, "socket", Recorded)
+    with pytest.raises(OSError, match="path too long"):
+        bridge.client.UnixClient(str(tmp_path / ("x" * 200)))
+    assert [sock.fileno() for sock in made] == [-1]
+
+
 def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
     """The server frees what a connection owned when it ends: a client collected without
     close() must end it (its reader thread, blocked on the socket, would keep it open)."""
