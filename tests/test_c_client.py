@@ -472,6 +472,20 @@ def test_a_reply_announcing_more_elements_than_it_has_bytes_is_refused(either_cl
     assert f"FAIL: ping: a reply that does not decode ({TOO_MANY})\n1 failure(s)" in run.stderr
 
 
+@pytest.mark.parametrize("levels, why", [
+    pytest.param(31, f"values nested more than {c_define('MAX_DEPTH')} levels below args, result, error or timing",
+                 id="32-deep"),
+    pytest.param(32, "values nested more than msgpack-c's 32 levels, or no memory to unpack them", id="33-deep"),
+])
+def test_a_reply_nested_deeper_than_msgpack_c_unpacks_is_told_so(scan_client, endpoints, tmp_path, levels, why):
+    # msgpack-c unpacks maps and arrays 32 deep at most and answers NOMEM past that: the client
+    # called such a reply, one msgpack value, "not one msgpack value".
+    body = msgpack.packb({"v": 1, "id": 1, "ok": True, "result": nested(True, levels)})
+    run = run_through(scan_client, endpoints, tmp_path, lambda request_id, frames, forward: [[body]])
+    assert run.returncode == 1
+    assert why in run.stderr, run.stderr
+
+
 def envelope(*entries) -> bytes:
     """A map of `entries` ((key, value) pairs, repeats kept), packed."""
     return bytes([0x80 | len(entries)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in entries)

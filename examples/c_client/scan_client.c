@@ -245,8 +245,11 @@ static const char *unpack_body(const parts_t *parts, msgpack_unpacked *result) {
     if (parts->count == 0) return "no body";
     const char *why = scan_body((const unsigned char *)parts->at[0].data, parts->at[0].size);
     if (why) return why;  /* checked before msgpack-c allocates anything for it */
-    if (msgpack_unpack_next(result, parts->at[0].data, parts->at[0].size, &offset) != MSGPACK_UNPACK_SUCCESS)
-        return "not one msgpack value";
+    msgpack_unpack_return unpacked = msgpack_unpack_next(result, parts->at[0].data, parts->at[0].size, &offset);
+    /* msgpack-c unpacks maps and arrays 32 deep at most, and says NOMEM of one deeper too. */
+    if (unpacked == MSGPACK_UNPACK_NOMEM_ERROR)
+        return "values nested more than msgpack-c's 32 levels, or no memory to unpack them";
+    if (unpacked != MSGPACK_UNPACK_SUCCESS) return "not one msgpack value";
     if (offset != parts->at[0].size) return "bytes after the msgpack value";
     if (result->data.type != MSGPACK_OBJECT_MAP) return "not a map";
     return NULL;
