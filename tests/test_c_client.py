@@ -492,6 +492,7 @@ def envelope(*entries) -> bytes:
     return bytes([0x80 | len(entries)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in entries)
 
 
+HELD_TENSOR = "a tensor as result, error or timing, not a map of values"
 PONG = [("v", 1), ("id", 1), ("ok", True), ("result", {"pong": True}), ("timing", {"server_us": 1})]
 ERROR = {"code": "internal_error", "message": "x", "detail": {}}
 
@@ -520,6 +521,13 @@ def pong(**changes) -> list:
     pytest.param(pong(result=None), "result is not a map", id="ok-without-result"),
     pytest.param(pong(ok=False, result=None, error="boom"), "error is not a map", id="error-not-a-map"),
     pytest.param(pong(timing=[]), "timing is not a map", id="timing-not-a-map"),
+    # A tensor's map holds no values: the client took these (found in review), and printed the
+    # malformed tensor's keys as timing stages.
+    pytest.param(pong(result={"dtype": "f32", "shape": [1], "data": bytes(4)}), HELD_TENSOR, id="result-a-tensor"),
+    pytest.param(pong(ok=False, result=None, error={"dtype": "u8", "shape": [0], "data": b""}), HELD_TENSOR,
+                 id="error-a-tensor"),
+    pytest.param(pong(timing={"dtype": "f32", "shape": [1], "data": bytes(3)}), HELD_TENSOR,
+                 id="timing-a-malformed-tensor"),
 ])
 def test_a_reply_with_a_malformed_envelope_is_refused(either_client, endpoints, tmp_path, entries, why):
     # As the Python client refuses it (decode_reply), whatever its id. The real reply comes

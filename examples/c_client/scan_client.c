@@ -303,6 +303,12 @@ static const char *check_keys(const msgpack_object *map) {
     return why;
 }
 
+/* Whether a value is a tensor's map (SPEC §5): one with a shape and data or buf, as the Python
+ * client tells one (protocol/decode.py). */
+static int is_tensor(const msgpack_object *value) {
+    return get(value, "shape") && (get(value, "data") || get(value, "buf"));
+}
+
 /* Checks `value`, which lies `depth` levels below args, result, error or timing: every map's keys
  * UTF-8 strs, each once, and every other str UTF-8 (SPEC §3); a map with a shape and data or buf
  * is a tensor, held to all of SPEC §5 (a dtype, no other key, ...; its data may be a str of any
@@ -318,7 +324,7 @@ static const char *check_nested(const msgpack_object *value, const parts_t *part
     int is_map = value->type == MSGPACK_OBJECT_MAP;
     const char *why = is_map ? check_keys(value) : NULL;
     if (why) return why;
-    if (is_map && get(value, "shape") && (get(value, "data") || get(value, "buf"))) {
+    if (is_tensor(value)) {
         tensor_t t;
         return read_tensor(value, parts, used, &t);
     }
@@ -364,7 +370,8 @@ static const char *decode_message(const parts_t *parts, msgpack_unpacked *result
  * protocol/decode.py), so that the two accept the same replies: every key one of the six a reply
  * has, none twice (get() would take the first and ignore the rest); v, id and ok present; v the
  * version this client speaks; id nil, a uint or a non-empty str; ok a bool; result (when ok) or
- * error (when not) a map; timing, which an error reply may lack, a map. NULL when valid. */
+ * error (when not) a map; timing, which an error reply may lack, a map; none of these a tensor's
+ * map. NULL when valid. */
 static const char *check_envelope(const msgpack_object *message) {
     enum { V, ID, OK, RESULT, ERROR, TIMING, KEYS };
     static const char *const names[KEYS] = {"v", "id", "ok", "result", "error", "timing"};
@@ -393,6 +400,9 @@ static const char *check_envelope(const msgpack_object *message) {
     if (!ok->via.boolean && (value[ERROR] == NULL || value[ERROR]->type != MSGPACK_OBJECT_MAP))
         return "error is not a map";
     if (value[TIMING] != NULL && value[TIMING]->type != MSGPACK_OBJECT_MAP) return "timing is not a map";
+    /* A tensor's map holds no values: decode_reply refuses one in their place too. */
+    if (is_tensor(value[ok->via.boolean ? RESULT : ERROR]) || is_tensor(value[TIMING]))
+        return "a tensor as result, error or timing, not a map of values";
     return NULL;
 }
 
