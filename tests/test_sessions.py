@@ -459,6 +459,19 @@ def test_pool_bytes_limit(inproc):
     assert srv.server.sessions.usage()["pool_bytes"] == 10 * row
 
 
+def test_a_pool_bytes_refusal_requests_the_rows_past_those_free(inproc):
+    """detail.requested is what the pool must grow by (SPEC §6.1), which SPEC called the bytes
+    the session needs: a session of 5 rows in a pool with 3 free asks for 2 rows more."""
+    row = 5 * 4 * 4
+    srv = inproc(max_pool_bytes=7 * row)
+    conn = RecordingConnection()
+    first, _ = (srv.call(conn, "session_open", batch=3, dim=5, state=4)["session"] for _ in range(2))
+    srv.call(conn, "session_close", session=first)  # 3 of the pool's 6 rows are free
+    error = expect_limit(srv, conn, "session_open", "max_pool_bytes", batch=5, dim=5, state=4)
+    assert error["detail"] == {"limit": "max_pool_bytes", "max": 7 * row, "in_use": 6 * row, "requested": 2 * row}
+    srv.call(conn, "session_open", batch=4, dim=5, state=4)  # one row more fits
+
+
 def test_a_snapshot_or_model_over_the_pool_budget_is_refused_in_words(inproc):
     """The refusal of what is held beside the pools names it: it read "snapshots of need 80
     more bytes" (found in review)."""
