@@ -1489,7 +1489,13 @@ def test_model_free_refuses_a_model_in_use_then_frees_it_and_its_snapshots(serve
     assert info["name"] == "agent"
     session = call(srv, conn, "session_open", model=info["model"], batch=1)["session"]
     call(srv, conn, "session_snapshot", session=session)
-    assert error_of(srv, conn, "model_free", model=info["model"])["detail"]["field"] == "args.model"
+    other = call(srv, conn, "session_open", model=info["model"], batch=1)["session"]
+    error = error_of(srv, conn, "model_free", model=info["model"])
+    assert (error["detail"]["field"], error["detail"]["got"]) == ("args.model", "a model 2 open sessions use")
+    assert error["message"] == ("args.model: expected a model no open session uses, got a model 2 open sessions "
+                                "use (close them first)")
+    call(srv, conn, "session_close", session=other)
+    assert error_of(srv, conn, "model_free", model=info["model"])["detail"]["got"] == "a model an open session uses"
     call(srv, conn, "session_close", session=session)
     assert call(srv, conn, "model_free", model=info["model"]) == {"freed": True}
     assert srv.server.sessions.usage()["pool_bytes"] == 0

@@ -82,11 +82,10 @@ class ModelTable(OwnedTable[LoadedModel]):
         loaded = self.get(owner, model_id, field)
         open_sessions = self.sessions.of_model(loaded.id)
         if open_sessions:
+            got = f"a model {open_sessions} open sessions use" if open_sessions > 1 else "a model an open session uses"
             raise OpError("invalid_argument",
-                          f"{field}: expected a model no open session uses, got one {open_sessions} sessions use "
-                          "(close them first)",
-                          {"field": field, "expected": "a model no open session uses",
-                           "got": f"{open_sessions} open sessions"})
+                          f"{field}: expected a model no open session uses, got {got} (close them first)",
+                          {"field": field, "expected": "a model no open session uses", "got": got})
         self.remove(owner, model_id, field)
 
     def _released(self, loaded: LoadedModel) -> None:
