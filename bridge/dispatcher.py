@@ -20,9 +20,10 @@ dispatcher is the one place that decides how a request is served:
     which serves queued requests in arrival order, gathering batchable ones (bridge.batcher)
     that can share a kernel launch.
   * background: an op whose handler returns `Background` (model_load: a checkpoint's read can
-    take seconds) finishes on the loader thread, outside the serving lock, while the worker
-    serves the other connections; its own connection's later requests wait for its reply, so
-    each connection's requests still run in the order they came.
+    take seconds; shutdown, so that it comes after the loads before it) finishes on the loader
+    thread, one at a time, outside the serving lock, while the worker serves the other
+    connections; its own connection's later requests wait for its reply, so each connection's
+    requests still run in the order they came.
   * the op's handler (bridge.ops) runs; its result is encoded by the request's codec and sent.
     A request whose `deadline_us` ran out before it started is answered `deadline_exceeded`
     instead, and one whose connection's peer is known gone by then `cancelled` (its reply could

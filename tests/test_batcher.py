@@ -20,6 +20,7 @@ import torch
 import protocol
 from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, company_wait_end_ns, run_batch
 from bridge.client import PortClient, result_from_wire, to_wire
+from bridge.dispatcher import Background
 from bridge.errors import OpError
 from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
@@ -611,6 +612,40 @@ def test_after_shutdown_answers_no_new_request_is_taken(inproc):
     reply = srv.request(conn, "session_open", batch=1, dim=2, state=2)
     assert not reply.ok and reply.error["code"] == "shutting_down", reply.error
     assert srv.server.sessions.usage()["sessions"] == 0
+
+
+def test_a_shutdown_waits_for_a_load_another_connection_sent_before_it(inproc):
+    """docs/operations.md: a shutdown runs in its turn, after the requests admitted before it.
+    A CPU model_load finishes on the loader thread, beside the worker: the shutdown ran there
+    meanwhile, and the drain that followed cut the load off unanswered once it took longer than
+    the drain's time (found in review)."""
+    gate, started = threading.Event(), threading.Event()
+
+    def load(server, call):
+        def finish():
+            started.set()
+            if not gate.wait(60):
+                raise TimeoutError("the test never let the load go on")
+            return {"model": "m-1"}
+
+        return Background(finish)
+
+    load.worker_only = True
+    srv = inproc(handlers={"model_load": load})
+    loader, operator, other = RecordingConnection(), RecordingConnection(), RecordingConnection()
+    load_id = srv.submit(loader, "model_load", path="checkpoint")
+    assert started.wait(60)
+    stop_id = srv.submit(operator, "shutdown")
+    try:
+        # The worker serves in arrival order: once this ping is answered, it has served the shutdown.
+        assert srv.request(other, "ping").ok
+        assert operator.answered == [] and not srv.server.stop_requested.is_set()
+    finally:
+        gate.set()
+    assert loader.reply(load_id).ok
+    assert operator.reply(stop_id).result == {"stopping": True}
+    assert srv.server.stop_requested.is_set()
+    assert srv.dispatcher.drain(5) is True
 
 
 def test_a_request_behind_one_in_flight_waits_its_turn(inproc):

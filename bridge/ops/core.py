@@ -12,6 +12,7 @@ import scan_kernels
 import protocol
 
 from .. import __version__
+from ..dispatcher import Background
 from ..server import LIMITS
 
 
@@ -87,11 +88,16 @@ def stats(server, call) -> dict:
     return server.stats.snapshot()
 
 
-def shutdown(server, call) -> dict:
-    # From here on requests are refused shutting_down (the dispatcher's admission reads it); the
-    # main loop drains what is in flight, this reply among it, and exits.
-    server.stop_requested.set()
-    return {"stopping": True}
+def shutdown(server, call) -> Background:
+    def stop() -> dict:
+        # From here on requests are refused shutting_down (the dispatcher's admission reads it);
+        # the main loop drains what is in flight, this reply among it, and exits.
+        server.stop_requested.set()
+        return {"stopping": True}
+
+    # Finished by the loader thread after the model loads handed to it before: run beside one
+    # still reading, the stop's drain would cut that load off unanswered.
+    return Background(stop)
 
 
 # It acts for the server, not for its connection: run even once that peer is gone (a client may
