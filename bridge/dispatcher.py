@@ -508,17 +508,21 @@ class Dispatcher:
             call, background = work
             self._prepare_thread()
             try:
-                try:
-                    result = background.finish()
-                except Exception as exc:
-                    result = exc
-                # Answered under the serving lock, as the worker answers: a fast-path step of the
-                # same connection must not be answered before this reply is written.
-                with self._serving:
-                    if isinstance(result, Exception):  # every failure is answered; the loader lives on
-                        self._fail(call, result)
-                    else:
-                        self._answer(call, result)
+                # Not started until now (others' loads may have gone first): a cancel or the
+                # drain may have answered it meanwhile, and its budget or its peer may have gone.
+                if self.server.queued.take(call):
+                    try:
+                        refusal = refusal_to_start(call)
+                        result = refusal if refusal is not None else background.finish()
+                    except Exception as exc:
+                        result = exc
+                    # Answered under the serving lock, as the worker answers: a fast-path step of
+                    # the same connection must not be answered before this reply is written.
+                    with self._serving:
+                        if isinstance(result, Exception):  # every failure is answered; the loader lives on
+                            self._fail(call, result)
+                        else:
+                            self._answer(call, result)
             except Exception:  # a bug in reply writing must not stop the loader
                 log.exception("finishing %s in the background failed", call.op)
             self._queue.put(_Resume(call.conn.id))
@@ -589,6 +593,8 @@ class Dispatcher:
             if isinstance(result, Background):
                 if worker:
                     self._waiting_for_background[call.conn.id] = []
+                    # Cancellable again until the loader takes it (_load).
+                    self.server.queued.add(call, self._fail, oldest=True)
                     self._background.put((call, result))
                     return
                 result = result.finish()

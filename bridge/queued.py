@@ -1,10 +1,10 @@
-"""Requests waiting for the dispatcher's worker, by connection and id, so that a `cancel` can
-drop one before it runs (SPEC §6), and a drain that runs out of time can answer those that never
-started.
+"""Requests waiting for the dispatcher's worker (or, handed back by it, for its loader thread),
+by connection and id, so that a `cancel` can drop one before it runs (SPEC §6), and a drain that
+runs out of time can answer those that never started.
 
-Each waiting request is taken exactly once: by the worker, which then runs it, or by a cancel
-or the drain, which has it answered (`cancelled`, `shutting_down`) at once through the answer
-function it was queued with (the worker then passes over it).
+Each time it waits, a request is taken exactly once: by the thread that then runs it, or by a
+cancel or the drain, which has it answered (`cancelled`, `shutting_down`) at once through the
+answer function it was queued with (that thread then passes over it).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class QueuedRequests:
             entries.insert(0 if oldest else len(entries), (call, answer))
 
     def take(self, call) -> bool:
-        """The worker takes `call` to run it: False when a cancel took it first (it has been
-        answered)."""
+        """The worker (or the loader) takes `call` to run it: False when a cancel took it first
+        (it has been answered)."""
         request_id = call.request.reply_id
         with self._lock:
             if call.dropped:

@@ -13,7 +13,7 @@ import pytest
 import protocol
 from bridge.client import BridgeError, result_from_wire, to_wire
 from bridge.device import choose_device
-from bridge.dispatcher import Dispatcher
+from bridge.dispatcher import Background, Dispatcher
 from bridge.ops import REGISTRY
 from bridge.server import Server, ServerConfig
 from bridge.timing import now_ns
@@ -212,6 +212,42 @@ class DrainRace:
         if self._drainer is not threading.current_thread():
             self._drainer.join(60)
         return self.events
+
+
+class BackgroundLoads:
+    """A model_load stand-in for InProcessServer's `handlers` (`{"model_load": loads.handler}`)
+    that finishes in the background as a CPU load does (bridge.dispatcher.Background), its
+    answer `{"model": path}`. Every load but those whose `path` is in `quick` holds the loader
+    thread until `go()`; `started` lists the paths whose finishing began, in order."""
+
+    def __init__(self, quick: tuple = ()):
+        self.quick = quick
+        self.started: list = []
+        self._began = threading.Condition()
+        self._gate = threading.Event()
+
+    def handler(self, server, call):
+        path = call.args["path"]
+
+        def finish() -> dict:
+            with self._began:
+                self.started.append(path)
+                self._began.notify_all()
+            if path not in self.quick and not self._gate.wait(60):
+                raise TimeoutError("the test never let the load go on")
+            return {"model": path}
+
+        return Background(finish)
+
+    handler.worker_only = True  # as model_load's
+
+    def wait_started(self, path: str) -> None:
+        with self._began:
+            if not self._began.wait_for(lambda: path in self.started, 60):
+                raise TimeoutError(f"the load of {path} never began")
+
+    def go(self) -> None:
+        self._gate.set()
 
 
 @pytest.fixture

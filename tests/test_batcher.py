@@ -20,7 +20,6 @@ import torch
 import protocol
 from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, company_wait_end_ns, run_batch
 from bridge.client import PortClient, result_from_wire, to_wire
-from bridge.dispatcher import Background
 from bridge.errors import OpError
 from bridge.ops.scan import BATCH_MAX_X_BYTES
 from bridge.sessions import unknown_session
@@ -28,7 +27,7 @@ from bridge.stats import Stats
 from bridge.timing import Timing, now_ns
 from kernel_cases import (ON_CUDA, SERVER_DEVICES, STATE_TOLERANCE, ScanCase, UpdateCase, assert_close,
                           make_scan_inputs, make_update_inputs, reference_scan, reference_update)
-from bridge_fakes import DrainRace, RecordingConnection, served_natively
+from bridge_fakes import BackgroundLoads, DrainRace, RecordingConnection, served_natively
 from waiting import wait_until
 
 SHARED = ("A", "D", "dt_bias")
@@ -619,29 +618,18 @@ def test_a_shutdown_waits_for_a_load_another_connection_sent_before_it(inproc):
     A CPU model_load finishes on the loader thread, beside the worker: the shutdown ran there
     meanwhile, and the drain that followed cut the load off unanswered once it took longer than
     the drain's time (found in review)."""
-    gate, started = threading.Event(), threading.Event()
-
-    def load(server, call):
-        def finish():
-            started.set()
-            if not gate.wait(60):
-                raise TimeoutError("the test never let the load go on")
-            return {"model": "m-1"}
-
-        return Background(finish)
-
-    load.worker_only = True
-    srv = inproc(handlers={"model_load": load})
+    loads = BackgroundLoads()
+    srv = inproc(handlers={"model_load": loads.handler})
     loader, operator, other = RecordingConnection(), RecordingConnection(), RecordingConnection()
     load_id = srv.submit(loader, "model_load", path="checkpoint")
-    assert started.wait(60)
+    loads.wait_started("checkpoint")
     stop_id = srv.submit(operator, "shutdown")
     try:
         # The worker serves in arrival order: once this ping is answered, it has served the shutdown.
         assert srv.request(other, "ping").ok
         assert operator.answered == [] and not srv.server.stop_requested.is_set()
     finally:
-        gate.set()
+        loads.go()
     assert loader.reply(load_id).ok
     assert operator.reply(stop_id).result == {"stopping": True}
     assert srv.server.stop_requested.is_set()

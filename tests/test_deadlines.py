@@ -18,12 +18,13 @@ import pytest
 import torch
 
 import protocol
+from bridge import dispatcher
 from bridge.buffers import BufferPool
 from bridge.client import to_wire
 from bridge.ops.scan import ScanOp
 from bridge.streams import read_frame
 from bridge.timing import now_ns
-from bridge_fakes import RecordingConnection, served_natively
+from bridge_fakes import BackgroundLoads, RecordingConnection, served_natively
 from kernel_cases import ScanCase, make_scan_inputs
 from test_batcher import check_step, open_prefilled, shared_constants, state_of, step_inputs
 from waiting import wait_until
@@ -297,6 +298,33 @@ def test_cancel_drops_a_queued_request_while_the_server_drains(inproc):
     srv.go()
     draining.join(5)
     assert not draining.is_alive(), "the drain still waits for a request the cancel answered"
+
+
+def test_a_load_waiting_for_another_connections_load_is_checked_for_its_deadline_and_cancellable(
+        inproc, monkeypatch):
+    """A CPU model_load finishes on the loader thread, one load at a time: one handed to it
+    behind another connection's has not started. It ran all the same once its budget was spent
+    while it waited, and a cancel of it answered false and let it run (found in review)."""
+    loads = BackgroundLoads(quick=("late", "dropped"))
+    srv = inproc(handlers={"model_load": loads.handler})
+    first, late_peer, dropping_peer, other = (RecordingConnection() for _ in range(4))
+    first_id = srv.submit(first, "model_load", path="first")
+    loads.wait_started("first")
+    late = srv.submit(late_peer, "model_load", path="late", deadline_us=60_000_000)
+    dropped = srv.submit(dropping_peer, "model_load", path="dropped")
+    try:
+        # The worker serves in arrival order: once this ping is answered, both loads wait for the loader.
+        assert srv.request(other, "ping").ok
+        assert srv.call(dropping_peer, "cancel", id=dropped) == {"cancelled": True}
+        real_now = dispatcher.now_ns  # two minutes on: the late load's budget is spent
+        monkeypatch.setattr(dispatcher, "now_ns", lambda: real_now() + 120_000_000_000)
+    finally:
+        loads.go()
+    assert first.reply(first_id).ok
+    assert late_peer.reply(late).error["code"] == "deadline_exceeded"
+    assert dropping_peer.reply(dropped).error["code"] == "cancelled"
+    assert loads.started == ["first"]
+    assert srv.dispatcher.drain(5) is True
 
 
 def test_cancel_drops_the_oldest_of_requests_sharing_an_id(inproc):
