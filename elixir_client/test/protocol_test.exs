@@ -92,6 +92,26 @@ defmodule ScanBridge.ProtocolTest do
     end
   end
 
+  # SPEC §5: a tensor's data may be a str (as Msgpax packs binaries), its bytes not UTF-8; the
+  # reference decoder takes it. Found in review: the whole reply was refused as invalid_utf8.
+  test "a tensor's data sent as a str that is not UTF-8 is read as its bytes" do
+    data = <<0, 0, 0xC0, 0xFF>>
+    tensor = [<<0x83, 0xA5, "dtype", 0xA3, "f32", 0xA5, "shape", 0x91, 1, 0xA4, "data">>]
+    head = <<0x84, 0xA1, "v", 1, 0xA2, "id", 3, 0xA2, "ok", 0xC3, 0xA6, "result", 0x81>>
+
+    for str_header <- [<<0xA4>>, <<0xD9, 4>>, <<0xDB, 4::32>>] do
+      body = IO.iodata_to_binary([head, 0xA1, "y", tensor, str_header, data])
+      assert {:reply, 3, {:ok, %{"y" => wire}, %{}}} = Protocol.decode_reply(body)
+      assert {:ok, %ScanBridge.Tensor{data: ^data, shape: {1}}} = ScanBridge.Tensor.from_wire(wire)
+    end
+
+    # a "data" str outside a map meant as a tensor is a str like any other
+    body = IO.iodata_to_binary([head, 0xA1, "y", 0x81, 0xA4, "data", 0xA4, data])
+
+    assert {:error, %Error{reason: :decode_error, detail: %{"problem" => "invalid_utf8"}}} =
+             Protocol.decode_reply(body)
+  end
+
   test "a str that is not UTF-8 makes the reply undecodable" do
     bad = <<0xA1, 0xFF>>
 

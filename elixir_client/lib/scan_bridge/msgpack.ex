@@ -35,7 +35,8 @@ defmodule ScanBridge.Msgpack do
   a duplicate key, bytes after the value, a truncated value, the reserved byte 0xC1 and ext
   types are errors. Float NaN and infinities (which Erlang floats cannot hold) decode as
   `:nan`, `:infinity` and `:neg_infinity`. `decode/2` with `utf8: true` also refuses a str
-  (value or key) that is not UTF-8, as the protocol's reference decoder does for a reply.
+  (value or key) that is not UTF-8, as the protocol's reference decoder does for a reply, but
+  for the `"data"` of a map with a `"shape"` (a tensor's data may be a str of any bytes, SPEC §5).
   """
 
   alias ScanBridge.{Error, IEEE, Tensor}
@@ -281,10 +282,10 @@ defmodule ScanBridge.Msgpack do
   defp value(<<0xDD, count::32, r::binary>>, u), do: array(r, count, [], u)
 
   defp value(<<n, r::binary>> = at, u) when n in 0x80..0x8F,
-    do: map(r, n - 0x80, [], n - 0x80, at, u)
+    do: map(r, n - 0x80, [], n - 0x80, at, nil, u)
 
-  defp value(<<0xDE, count::16, r::binary>> = at, u), do: map(r, count, [], count, at, u)
-  defp value(<<0xDF, count::32, r::binary>> = at, u), do: map(r, count, [], count, at, u)
+  defp value(<<0xDE, count::16, r::binary>> = at, u), do: map(r, count, [], count, at, nil, u)
+  defp value(<<0xDF, count::32, r::binary>> = at, u), do: map(r, count, [], count, at, nil, u)
   defp value(<<0xC1, _::binary>> = at, _u), do: throw({:msgpack, "reserved_byte_0xc1", at})
 
   defp value(<<n, _::binary>> = at, _u) when n in 0xC7..0xC9 or n in 0xD4..0xD8,
@@ -314,16 +315,31 @@ defmodule ScanBridge.Msgpack do
     array(r, count - 1, [item | acc], u)
   end
 
-  defp map(r, 0, acc, count, at, _u) do
+  # `bad_data`: where a "data" str that is not UTF-8 starts, or nil; it is refused once the
+  # map is read unless the map has a "shape", which makes it a tensor's data (SPEC §5).
+  defp map(r, 0, acc, count, at, bad_data, _u) do
     map = :maps.from_list(acc)
     if map_size(map) != count, do: throw({:msgpack, "duplicate_key", at})
+
+    if bad_data != nil and not is_map_key(map, "shape"),
+      do: throw({:msgpack, "invalid_utf8", bad_data})
+
     {map, r}
   end
 
-  defp map(r, left, acc, count, at, u) do
+  defp map(r, left, acc, count, at, bad_data, u) do
     {key, r} = value(r, u)
-    {val, r} = value(r, u)
-    map(r, left - 1, [{key, val} | acc], count, at, u)
+
+    case r do
+      <<n, _::binary>> when u and key == "data" and (n in 0xA0..0xBF or n in 0xD9..0xDB) ->
+        {s, rest} = value(r, false)
+        bad_data = if String.valid?(s), do: bad_data, else: r
+        map(rest, left - 1, [{key, s} | acc], count, at, bad_data, u)
+
+      _ ->
+        {val, rest} = value(r, u)
+        map(rest, left - 1, [{key, val} | acc], count, at, bad_data, u)
+    end
   end
 
   defp failure(problem, at) do

@@ -225,8 +225,9 @@ defmodule ScanBridge.Protocol do
   Read a reply body, checked as the protocol's reference decoder (`protocol/decode.py`
   `decode_reply`) checks one: only the keys v, id, ok, result, error and timing; v 1; id nil,
   a uint or a non-empty str; ok a bool, with a result (ok) or error map; timing, when there,
-  a map; every str UTF-8, every map key a str; and every map meant as a tensor (shape, and
-  data or buf) exactly dtype, shape and data (`ScanBridge.Tensor.from_wire/1`). `{:reply, id, outcome}` for such a
+  a map; every str UTF-8 (but a tensor's data, SPEC §5), every map key a str; and every map
+  meant as a tensor (shape, and data or buf) exactly dtype, shape and data
+  (`ScanBridge.Tensor.from_wire/1`). `{:reply, id, outcome}` for such a
   reply (`id` is nil when the server could not read the request's id) and for a map with a
   uint id that is otherwise not one (its outcome a `:decode_error`), `{:error, error}` for any
   other body.
