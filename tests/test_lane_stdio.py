@@ -1,8 +1,9 @@
-"""The stdio lane in process: its reader (`serve_frames`) on pipes, with a stand-in dispatcher."""
+"""The stdio lane in process: its reader (`serve_frames`) on pipes or a socket, with a stand-in dispatcher."""
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -97,3 +98,29 @@ def test_a_peer_that_closes_its_input_and_reads_no_replies_ends_the_readers_wait
     os.close(replies_in)
     writers.join(time.monotonic() + REPLY_TIMEOUT_S)
     os.close(replies_out)
+
+
+def test_a_socket_peer_that_shuts_down_its_sending_side_and_reads_no_replies_ends_the_readers_wait():
+    """As above where stdin and stdout are one socket (a libuv parent's socketpair, socat,
+    systemd): such a peer ends its input by shutting down its sending side only, which poll
+    tells as POLLRDHUP, not the POLLHUP of a pipe's close, so the reader waited for it for ever
+    and the server never stopped."""
+    from bridge.transports import framed
+    from bridge.transports.framed import WriterThreads, serve_frames
+    from bridge.transports.stdio import reply_connection
+
+    server_end, peer = socket.socketpair()
+    writers = WriterThreads()
+    conn = reply_connection(server_end.fileno(), writers.start)
+    with server_end, peer, open(server_end.fileno(), "rb", buffering=0, closefd=False) as raw:
+        reading = threading.Thread(target=serve_frames, args=(raw, conn, RecordingDispatcher(), BufferPool(), 8 << 20),
+                                   daemon=True)
+        reading.start()
+        peer.sendall(protocol.encode_frame(bytes(4 << 20)))  # echoed: more than the socket holds
+        before_hang_up = time.monotonic()  # the grace runs from this shutdown (see above)
+        peer.shutdown(socket.SHUT_WR)
+        wait_until(lambda: conn._backlog, "the reply never waited for its reader")
+        reading.join(REPLY_TIMEOUT_S)
+        assert not reading.is_alive(), "the reader still waits for a peer that ended its input"
+        assert time.monotonic() - before_hang_up >= framed.HANGUP_GRACE_S
+    assert writers.join(time.monotonic() + REPLY_TIMEOUT_S) == 0

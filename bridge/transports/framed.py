@@ -182,8 +182,9 @@ class StreamConnection(Connection):
         """Return True once no reply waits for the writer thread: a reader that takes no more of
         a peer's requests meanwhile keeps what a peer that does not read its replies costs
         bounded (the unix lane bounds it by its cap of requests in flight instead). False when
-        the peer hung up `input_fd` (closed its end) and its replies were still unwritten
-        HANGUP_GRACE_S later: its input is then at its end."""
+        the peer hung up `input_fd` (closed its end, or a socket's sending side: a stdio peer
+        on a socket ends its input so) and its replies were still unwritten HANGUP_GRACE_S
+        later: its input is then at its end."""
         if not self._backlog:  # the check without the lock costs a request nearly nothing
             return True
         hung_up_at = None
@@ -193,7 +194,7 @@ class StreamConnection(Connection):
                 if not self._backlog:
                     continue
                 if hung_up_at is None:
-                    hung_up_at = time.monotonic() if hung_up(input_fd) else None
+                    hung_up_at = time.monotonic() if hung_up(input_fd, sending_side=True) else None
                 elif time.monotonic() - hung_up_at > HANGUP_GRACE_S:
                     return False
         return True
@@ -246,11 +247,14 @@ class SocketFdConnection(StreamConnection):
         return self._stream.sendmsg(views[:IOV_MAX], (), socket.MSG_DONTWAIT)
 
 
-def hung_up(fd: int) -> bool:
-    """Whether the other end of `fd` (a pipe's writer, a socket's peer) has closed it."""
+def hung_up(fd: int, *, sending_side: bool = False) -> bool:
+    """Whether the other end of `fd` (a pipe's writer, a socket's peer) has closed it; with
+    `sending_side`, also a socket's peer that shut down only its sending side (POLLRDHUP): our
+    input from it has ended, though it may still read."""
+    ended = select.POLLRDHUP if sending_side else 0
     poller = select.poll()
-    poller.register(fd, select.POLLIN)  # POLLHUP and POLLERR are reported whatever is asked
-    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+    poller.register(fd, select.POLLIN | ended)  # POLLHUP and POLLERR are reported whatever is asked
+    return any(events & (select.POLLHUP | select.POLLERR | ended) for _, events in poller.poll(0))
 
 
 def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
