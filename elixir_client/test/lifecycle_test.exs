@@ -600,6 +600,43 @@ defmodule ScanBridge.LifecycleTest do
                ScanBridge.start_link(TestSupport.server_opts(args: ["--no-such-option"]))
     end
 
+    # found in review: start-up read info's ops with get_in/2 and `in`, which raise on a
+    # "protocol" that is not a map or "ops" that is not a list: init crashed with an exception
+    test "an info whose protocol or ops are malformed is read as an older server's" do
+      dir = Path.join(System.tmp_dir!(), "scan_bridge_info_#{System.unique_integer([:positive])}")
+      File.mkdir_p!(Path.join(dir, "bridge"))
+      File.write!(Path.join(dir, "bridge/__init__.py"), "")
+
+      # a server that answers ping, and info with whatever SCAN_BRIDGE_TEST_INFO holds (JSON)
+      File.write!(Path.join(dir, "bridge/__main__.py"), """
+      import json, os, struct, sys
+      import msgspec
+      info = json.loads(os.environ["SCAN_BRIDGE_TEST_INFO"])
+      while len(head := sys.stdin.buffer.read(4)) == 4:
+          request = msgspec.msgpack.decode(sys.stdin.buffer.read(struct.unpack(">I", head)[0]))
+          result = {"pong": True} if request["op"] == "ping" else info
+          body = msgspec.msgpack.encode({"v": 1, "id": request["id"], "ok": True, "result": result})
+          sys.stdout.buffer.write(struct.pack(">I", len(body)) + body)
+          sys.stdout.buffer.flush()
+      """)
+
+      try do
+        for info <- [
+              ~s({"protocol": "v1"}),
+              ~s({"protocol": [1]}),
+              ~s({"protocol": {"ops": "cancel"}})
+            ] do
+          opts = [env: [{"PYTHONPATH", dir}, {"SCAN_BRIDGE_TEST_INFO", info}]]
+          assert {:ok, client} = ScanBridge.start_link(TestSupport.server_opts(opts)), info
+          assert ScanBridge.ping(client) == :ok
+          refute :sys.get_state(client).deadlines
+          GenServer.stop(client)
+        end
+      after
+        File.rm_rf!(dir)
+      end
+    end
+
     test "bad options name what was expected" do
       assert_raise ArgumentError,
                    ~r/:transport: expected :port or \{:unix, path\}, got :pipe/,

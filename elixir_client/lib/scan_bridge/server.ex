@@ -1266,7 +1266,14 @@ defmodule ScanBridge.Server do
           do: adopt_in_flight_cap(state, limits["max_in_flight_per_peer"]),
           else: state
 
-      ops = get_in(info, ["protocol", "ops"]) || []
+      # info without a list of ops (an older server's, or a malformed one) takes no op for
+      # granted, rather than raising in init
+      ops =
+        case info["protocol"] do
+          %{"ops" => ops} when is_list(ops) -> ops
+          _none -> []
+        end
+
       state = %{state | deadlines: "cancel" in ops}
 
       if state.health_check && "health" not in ops,
