@@ -218,7 +218,7 @@ defmodule ScanBridge do
   @spec child_spec([Server.option()]) :: Supervisor.child_spec()
   def child_spec(opts) do
     %{
-      id: Keyword.get(opts, :name, __MODULE__),
+      id: opts |> keyword!("child_spec") |> Keyword.get(:name, __MODULE__),
       start: {__MODULE__, :start_link, [opts]},
       type: :worker,
       restart: :permanent,

@@ -648,6 +648,15 @@ defmodule ScanBridge.LifecycleTest do
         ScanBridge.start_link(colour: :blue)
       end
 
+      # found in review: options as a map raised FunctionClauseError from Keyword
+      assert_raise ArgumentError, ~r/^start_link options: expected a keyword list, got %\{/, fn ->
+        ScanBridge.start_link(%{python: TestSupport.python()})
+      end
+
+      assert_raise ArgumentError, ~r/^child_spec options: expected a keyword list, got %\{/, fn ->
+        ScanBridge.child_spec(%{name: :some_scan})
+      end
+
       # found in review: each raised FunctionClauseError from Enum
       for {key, value} <- [args: ["--device" | "cpu"], env: [{"A", "b"} | :x], group: [:a | :b]] do
         assert_raise ArgumentError, ~r/^:#{key}: expected/, fn ->

@@ -228,6 +228,8 @@ defmodule ScanBridge.Server do
   def stop_time_ms(opts) do
     # checked here too: a supervisor reads the child spec (ScanBridge.child_spec/1) before
     # start_link/1 checks the options
+    opts = ScanBridge.keyword!(opts, "child_spec")
+
     case Keyword.get(opts, :exit_grace, @defaults[:exit_grace]) do
       grace when is_integer(grace) and grace >= 0 ->
         grace + @kill_wait_ms + @stop_margin_ms
@@ -1467,7 +1469,7 @@ defmodule ScanBridge.Server do
   ## Options
 
   defp validate!(opts) do
-    opts = Keyword.validate!(opts, @defaults)
+    opts = opts |> ScanBridge.keyword!("start_link") |> Keyword.validate!(@defaults)
 
     python =
       opts[:python] || System.get_env("SCAN_BRIDGE_PYTHON") || System.find_executable("python3")
