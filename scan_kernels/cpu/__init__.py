@@ -79,7 +79,8 @@ def backend_from(ext) -> Backend:
         in_place = (state.dtype == f and (state.shape[0] == 0 or state[0].is_contiguous())
                     and state.data_ptr() % state.element_size() == 0)
         if in_place:
-            pool, kernel_rows = state, rows.contiguous()
+            # The kernel reads the slots as int64 too: int64 slots from a frame may start at any byte.
+            pool, kernel_rows = state, _aligned(rows.contiguous())
         else:
             live = torch.nonzero(rows >= 0).squeeze(1)
             pool_rows = rows.index_select(0, live)
