@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
@@ -124,3 +125,48 @@ def test_a_socket_peer_that_shuts_down_its_sending_side_and_reads_no_replies_end
         assert not reading.is_alive(), "the reader still waits for a peer that ended its input"
         assert time.monotonic() - before_hang_up >= framed.HANGUP_GRACE_S
     assert writers.join(time.monotonic() + REPLY_TIMEOUT_S) == 0
+
+
+class ReadsNoted:
+    """The reader's input, which notes that a read was tried (and returned)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.tried = threading.Event()
+
+    def readinto(self, view):
+        try:
+            return self.raw.readinto(view)
+        finally:
+            self.tried.set()
+
+    def fileno(self):
+        return self.raw.fileno()
+
+
+def test_a_stdin_whose_description_a_parent_made_non_blocking_is_waited_on_not_taken_for_its_end():
+    """O_NONBLOCK belongs to an open file description, which stdin may share with the parent
+    that set it: a read with no input yet then finds none (readinto returns None), which the
+    reader took for the end of its input, so the server stopped at once ("stdin closed")."""
+    from bridge.transports.framed import FdConnection, WriterThreads, serve_frames
+
+    requests_in, requests_out = os.pipe()
+    replies_in, replies_out = os.pipe()
+    os.set_blocking(requests_in, False)
+    writers = WriterThreads()
+    conn = FdConnection("stdio", replies_out, writers.start)
+    with open(requests_in, "rb", buffering=0) as raw, open(replies_in, "rb", buffering=0) as replies:
+        watched = ReadsNoted(raw)
+        reading = threading.Thread(target=serve_frames, args=(watched, conn, RecordingDispatcher(), BufferPool(),
+                                                              1 << 20), daemon=True)
+        reading.start()
+        assert watched.tried.wait(REPLY_TIMEOUT_S), "the reader never tried to read"
+        with open(requests_out, "wb", buffering=0) as requests:
+            requests.write(protocol.encode_frame(b"late"))
+            answered = select.poll()
+            answered.register(replies, select.POLLIN)
+            assert answered.poll(REPLY_TIMEOUT_S * 1000), "a request sent late got no answer"
+            assert bytes(read_frame(replies)) == b"late"
+        reading.join(REPLY_TIMEOUT_S)
+        assert not reading.is_alive(), "the reader did not end at its input's end"
+    os.close(replies_out)

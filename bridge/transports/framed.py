@@ -268,6 +268,13 @@ def serve_frames(reader, conn, dispatcher, pool, max_frame_size: int) -> None:
     more_input = functools.partial(input_waiting, reader.fileno())
     while True:
         count = reader.readinto(incoming.space())
+        if count is None:
+            # No input yet, not its end: a stdin whose description a parent, sharing it, made
+            # non-blocking (left so: the parent expects it). Waited for as a blocking read would.
+            waiting = select.poll()
+            waiting.register(reader.fileno(), select.POLLIN)
+            waiting.poll()
+            continue
         if not count:
             incoming.eof()  # the peer is gone: a frame it left unfinished gets no answer
             return
