@@ -284,6 +284,21 @@ def test_ssd_scan_in_two_calls_equals_one(backend, case, split):
 CHUNK_SIZES = [1, 2, 5, 8, 13, 64, None]
 
 
+@pytest.mark.parametrize("seq, chunk_size, chunk", [
+    pytest.param(1000, None, 64, id="default"),
+    pytest.param(10, 64, 10, id="longer-than-seq"),
+    pytest.param(5000, 4096, 1024, id="capped"),
+    pytest.param(5000, 2 ** 40, 1024, id="capped-huge"),
+])
+def test_the_torch_backends_chunk_is_capped(seq, chunk_size, chunk):
+    """A chunk_size as long as the sequence made the torch form's [Q, Q] decays and scores
+    quadratic in seq (a wire client sends chunk_size): larger chunks run at MAX_CHUNK, as on Triton."""
+    from scan_kernels import eager_ssd
+
+    assert (eager_ssd.DEFAULT_CHUNK, eager_ssd.MAX_CHUNK) == (64, 1024)
+    assert eager_ssd._chunk_size(chunk_size, seq) == chunk
+
+
 @pytest.mark.parametrize("case", [
     pytest.param(SsdCase(2, 13, 4, 3, 6, groups=2, D=True, z=True, dt_bias=True, dt_softplus=True,
                          h0=True), id="seq13"),
