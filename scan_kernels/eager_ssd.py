@@ -198,7 +198,8 @@ def _chunked_scan(x, dt, A, B, C, *, D, z, dt_bias, dt_softplus, dt_min, dt_max,
     final = None
     if return_state:
         last = torch.addcmul(states6[:, -1], chunk_decay[:, -1], entering6[:, -1])  # [b, g, n, h/g, p]
-        final = last.permute(0, 1, 3, 4, 2).reshape(batch, heads, headdim, n)
+        # contiguous as every other backend's state (with one group reshape keeps a strided view)
+        final = last.permute(0, 1, 3, 4, 2).reshape(batch, heads, headdim, n).contiguous()
 
     # y [batch, seq, heads, headdim] written as [b, c, Q, g, h/g, p].
     y = torch.empty(batch, length, heads, headdim, dtype=f, device=dev)

@@ -308,14 +308,16 @@ def test_the_torch_backends_chunk_is_capped(seq, chunk_size, chunk):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chunk_size_changes_nothing(backend, case):
     """Chunks of 1, of sizes that divide seq or leave a remainder, of exactly seq and beyond it:
-    each matches the reference, and each the others; y is contiguous however seq was padded."""
+    each matches the reference, and each the others; y and the state are contiguous however seq
+    was padded and however many groups there are (the torch form's state was a strided view
+    with one group)."""
     seed = random_seed()
     inputs = make_ssd_inputs(case, F32, seed=seed)
     first = None
     for chunk in CHUNK_SIZES:
         what = f"{backend} chunk_size={chunk} seed={seed}"
         y, state = scan_kernels.ssd_scan(**{**inputs, "chunk_size": chunk}, backend=backend)
-        assert y.is_contiguous(), f"{what}: y not contiguous"
+        assert y.is_contiguous() and state.is_contiguous(), f"{what}: y or the state not contiguous"
         assert_scan_outputs_match_reference(case, F32, inputs, y, state, what, reference=reference_ssd_scan)
         if first is None:
             first = (y, state)
