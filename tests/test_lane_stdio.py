@@ -170,3 +170,19 @@ def test_a_stdin_whose_description_a_parent_made_non_blocking_is_waited_on_not_t
         reading.join(REPLY_TIMEOUT_S)
         assert not reading.is_alive(), "the reader did not end at its input's end"
     os.close(replies_out)
+
+
+def test_a_hang_up_is_still_seen_where_poll_has_no_sending_side_flag(monkeypatch):
+    """POLLRDHUP (a socket's peer that shut down its sending side) is Linux's: elsewhere the
+    stdio reader's wait for a peer that stops reading raised AttributeError, ending the lane,
+    where a closed pipe is still seen as hung up."""
+    from bridge.transports.framed import hung_up
+
+    monkeypatch.delattr(select, "POLLRDHUP", raising=False)
+    read_end, write_end = os.pipe()
+    try:
+        assert not hung_up(read_end, sending_side=True)
+        os.close(write_end)
+        assert hung_up(read_end, sending_side=True)
+    finally:
+        os.close(read_end)

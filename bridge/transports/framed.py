@@ -250,8 +250,9 @@ class SocketFdConnection(StreamConnection):
 def hung_up(fd: int, *, sending_side: bool = False) -> bool:
     """Whether the other end of `fd` (a pipe's writer, a socket's peer) has closed it; with
     `sending_side`, also a socket's peer that shut down only its sending side (POLLRDHUP): our
-    input from it has ended, though it may still read."""
-    ended = select.POLLRDHUP if sending_side else 0
+    input from it has ended, though it may still read; where poll has no such flag (it is
+    Linux's), such a peer is seen once it closes."""
+    ended = getattr(select, "POLLRDHUP", 0) if sending_side else 0
     poller = select.poll()
     poller.register(fd, select.POLLIN | ended)  # POLLHUP and POLLERR are reported whatever is asked
     return any(events & (select.POLLHUP | select.POLLERR | ended) for _, events in poller.poll(0))
