@@ -1218,17 +1218,23 @@ def read_replies(reader, client_ref: weakref.ref) -> None:
     finalizer then stops its server) and the thread ends with the stream."""
     ended = None
     try:
-        while (body := read_frame(reader)) is not None:
+        while (body := _next_reply_frame(reader)) is not None:
             received = time.perf_counter_ns()
             client = client_ref()
             if client is None:
                 return
-            client._deliver(body, received, len(body) + protocol.framing.HEADER_SIZE)
+            try:
+                client._deliver(body, received, len(body) + protocol.framing.HEADER_SIZE)
+            except MemoryError:
+                raise
+            except Exception as exc:
+                # A reply this client failed on (its own bug, most likely): told as such, with
+                # its cause, not as the server's end.
+                ended = ServerExited(f"a reply could not be handled ({type(exc).__name__}: {exc}); "
+                                     "the connection is no longer used")
+                ended.__cause__ = exc
+                return
             del client  # not held while waiting for the next frame
-    except ConnectionResetError:
-        pass  # the server closed with our requests unread (a unix peer it turned away): an end like EOF
-    except (OSError, ValueError):
-        pass  # the client closed the stream under this read (close() gave up waiting): an end too
     except MemoryError as exc:
         # A reply with no memory to hold it is lost, and whose it was cannot be told: every
         # request fails now rather than one waiting for ever.
@@ -1237,6 +1243,16 @@ def read_replies(reader, client_ref: weakref.ref) -> None:
         client = client_ref()
         if client is not None:
             client._fail_all(ended or client._turned_away or ServerExited("the server closed its end before replying"))
+
+
+def _next_reply_frame(reader) -> memoryview | None:
+    """read_frame, None at any end of the stream."""
+    try:
+        return read_frame(reader)
+    except ConnectionResetError:
+        return None  # the server closed with our requests unread (a unix peer it turned away): an end like EOF
+    except (OSError, ValueError):
+        return None  # the client closed the stream under this read (close() gave up waiting): an end too
 
 
 def server_env(extra: dict | None = None) -> dict:

@@ -109,6 +109,23 @@ def test_a_reply_with_no_memory_to_hold_it_fails_every_request_at_once(monkeypat
         server.close()
 
 
+def test_a_reply_the_client_fails_on_is_told_with_its_cause_not_as_the_servers_end(monkeypatch, pipe):
+    """A reply whose handling raised (a ValueError of the client's own) ended the reader as if
+    the server had closed its end: every request failed with "the server closed its end before
+    replying", the cause hidden (found in review)."""
+    def failing(*args, **kwargs):
+        raise ValueError("a tensor this client cannot read")
+
+    monkeypatch.setattr(bridge.client, "result_from_wire", failing)
+    lost, waiting = pipe.client.submit("stats"), pipe.client.submit("ping")
+    pipe.reply(pipe.read_request().id, {"pad": "x"})
+    for future in (lost, waiting):
+        with pytest.raises(ServerExited, match="a reply could not be handled \\(ValueError: a tensor this client "
+                                               "cannot read\\)") as raised:
+            future.result(REPLY_TIMEOUT_S)
+        assert isinstance(raised.value.__cause__, ValueError)
+
+
 def test_a_cancelled_request_leaves_the_client_serving_the_others(pipe):
     cancelled, kept = pipe.client.submit("ping"), pipe.client.submit("ping")
     assert cancelled.cancel()
