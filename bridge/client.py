@@ -746,6 +746,16 @@ class FramedClient:
         with self._lock:
             self._refusal = self._refusal or reason
 
+    def _closed_elsewhere(self, timeout: float) -> bool:
+        """Whether close() was called on the reader thread (a Future's done callback): it cannot
+        wait for itself, so requests are refused now and the close goes on in a thread of its
+        own, which waits for the reader once the callback has returned."""
+        if threading.current_thread() is not self._thread:
+            return False
+        self._refuse_requests("the client is closed")
+        threading.Thread(target=self.close, args=(timeout,), name="bridge-client-close", daemon=True).start()
+        return True
+
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
         """Send a request and wait at most `timeout` seconds (None: for ever) for its reply.
         The timeout is its deadline on the server too; when it passes the request is cancelled
@@ -1385,7 +1395,10 @@ class UnixClient(FramedClient):
     _capped_lane = True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop sending; the server answers what is in flight and closes its end; then close."""
+        """Stop sending; the server answers what is in flight and closes its end; then close.
+        From a Future's done callback it returns at once, closing once the callback has returned."""
+        if self._closed_elsewhere(timeout):
+            return
         self._refuse_requests("the client is closed")
         # Also ends a write in progress (EPIPE), which the lock below waits for.
         self._end_stream()
@@ -1579,7 +1592,10 @@ class ZmqClient(FramedClient):
                           [f.buffer for f in frames[1:]])
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the io thread (requests still in flight fail with ServerExited) and close."""
+        """Stop the io thread (requests still in flight fail with ServerExited) and close.
+        From a Future's done callback it returns at once, closing once the callback has returned."""
+        if self._closed_elsewhere(timeout):
+            return
         self._refuse_requests("the client is closed")
         self._outbox.post(None)
         self._thread.join(timeout)

@@ -714,6 +714,77 @@ def test_closing_a_unix_client_whose_server_never_answers_fails_what_is_in_fligh
         listener.close()
 
 
+def close_in_a_done_callback(client, answer) -> list:
+    """Call client.close() in the done callback of a request that `answer()` (the test's server)
+    replies to; what the close raised, once the callback has run (None: nothing)."""
+    outcome = []
+
+    def callback(_):
+        try:
+            client.close()
+        except Exception as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    future = client.submit("ping")
+    future.add_done_callback(callback)
+    answer()
+    future.result(REPLY_TIMEOUT_S)
+    wait_until(lambda: outcome, "the done callback did not run", REPLY_TIMEOUT_S)
+    return outcome
+
+
+def test_a_unix_client_closed_in_a_done_callback_closes_its_socket(tmp_path):
+    """close() on the reader thread joined that very thread: "cannot join current thread", which
+    the Future only logged, and the socket stayed open until garbage collection (found in
+    review). It returns at once instead, the close going on once the callback has returned."""
+    client, listener, served = unix_client_of_a_stand_in(tmp_path)
+    served.settimeout(REPLY_TIMEOUT_S)
+    reader = served.makefile("rb", buffering=0)
+    try:
+        def answer():
+            request = protocol.decode_request(read_frame(reader))
+            write_all(served.fileno(), protocol.frame_parts(protocol.encode_reply(request.id, {}, {})))
+
+        assert close_in_a_done_callback(client, answer) == [None]
+        with pytest.raises(ServerExited, match="the client is closed"):
+            client.submit("ping")
+        assert read_frame(reader) is None, "the client did not stop sending"
+        served.shutdown(socket.SHUT_WR)  # the server's end, after what was in flight
+        wait_until(lambda: client.sock.fileno() == -1, "the socket was not closed", REPLY_TIMEOUT_S)
+    finally:
+        reader.close()
+        served.close()
+        listener.close()
+
+
+def test_a_zmq_client_closed_in_a_done_callback_closes_its_context(tmp_path):
+    """As a unix client's: close() on the io thread joined that very thread, and the socket and
+    ZeroMQ context stayed open (found in review)."""
+    import zmq
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/peer.ipc")
+    client = bridge.client.ZmqClient(f"ipc://{tmp_path}/peer.ipc")
+    try:
+        def answer():
+            assert router.poll(REPLY_TIMEOUT_S * 1000), "nothing was sent"
+            peer, body = router.recv_multipart()
+            router.send_multipart([peer, b"".join(protocol.encode_reply(protocol.decode_request(body).id, {}, {}))])
+
+        assert close_in_a_done_callback(client, answer) == [None]
+        with pytest.raises(ServerExited, match="the client is closed"):
+            client.submit("ping")
+        wait_until(lambda: client._context.closed, "the ZeroMQ context was not closed", REPLY_TIMEOUT_S)
+    finally:
+        client.close()
+        router.close()
+        context.term()
+
+
 def test_a_zmq_client_closed_twice_closes_its_files_once(tmp_path):
     """The second close() closed the outbox eventfd's number again, by then maybe another
     file's (found in review)."""
