@@ -642,6 +642,9 @@ class FramedClient:
                 request_id = next(self._ids)
                 while request_id in self._pending:
                     request_id = next(self._ids)
+            elif not protocol.schema.valid_request_id(request_id):
+                # Checked before the lookup: True is a key equal to 1, so it would pass for that id.
+                raise ValueError(f"request_id: expected a uint or a non-empty str, got {request_id!r}")
             elif request_id in self._pending:
                 raise ValueError(f"request_id: expected an id not in flight, got {request_id!r}, "
                                  "which a request still waiting for its reply has")
@@ -961,9 +964,10 @@ class FramedClient:
         reply to it resolves the returned Future, and the frame keeps to the cap as a request
         does (held while the cap is full); without, it is sent at once and not counted against
         the cap, its reply being one the client cannot tell. `request_id` is the id the body
-        carries, or any where the server can read none (an undecodable body: its answer has id
-        null, and comes in the order such frames were written); a body with another id, or a
-        legacy ExPhil request (answered with none), is a ValueError. Replies with ids that
+        carries, or any id (a uint or a non-empty str) where the server can read none (an
+        undecodable body: its answer has id null, and comes in the order such frames were
+        written); a body with another id, or a legacy ExPhil request (answered with none), or a
+        request_id that is not an id, is a ValueError. Replies with ids that
         match nothing in flight (e.g. id null to an undecodable body sent without an id) land
         in `self.unmatched`."""
         return self._send_raw(body, (), protocol.frame_parts([body]), request_id)

@@ -151,6 +151,23 @@ def test_an_id_in_flight_is_refused_and_the_first_request_keeps_its_reply(pipe):
     assert pipe.client._pending == {}
 
 
+@pytest.mark.parametrize("send", [
+    pytest.param(lambda client, request_id: client.submit("ping", request_id=request_id), id="submit"),
+    pytest.param(lambda client, request_id: client.send_raw(b"\xc1", request_id=request_id), id="send_raw"),
+])
+@pytest.mark.parametrize("request_id", [True, False, -1, ""])
+def test_a_request_id_that_is_not_an_id_is_refused_as_such(pipe, send, request_id):
+    """True == 1 as a dict key: request_id=True while id 1 was in flight was refused as "an id
+    in flight" (found in review). SPEC §4 ids are a uint or a non-empty str, never a bool."""
+    first, zero = pipe.client.submit("ping", request_id=1), pipe.client.submit("ping", request_id=0)
+    with pytest.raises(ValueError, match=f"expected a uint or a non-empty str, got {request_id!r}"):
+        send(pipe.client, request_id)
+    for future in (first, zero):
+        pipe.reply(pipe.read_request().id)
+        future.result(REPLY_TIMEOUT_S)
+    assert nothing_written(pipe)
+
+
 def test_a_raw_body_whose_answer_would_not_carry_the_id_it_is_sent_under_is_refused(pipe):
     """Its answer would carry the body's id (or none, for a legacy ExPhil request) and never
     resolve the Future, which held its slot of the cap for ever; one whose id another request
