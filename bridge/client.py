@@ -637,7 +637,7 @@ class FramedClient:
         flight when that is None, and name it in its Future; returns the id."""
         with self._lock:
             if self._refusal:
-                raise self._refusal_error()
+                raise self._refusal_error(entry)
             if request_id is None:
                 request_id = next(self._ids)
                 while request_id in self._pending:
@@ -670,7 +670,7 @@ class FramedClient:
         it), and later requests are refused. An OSError is raised as ServerExited."""
         with self._write_lock:
             if self._refusal:
-                raise self._refusal_error()
+                raise self._refusal_error(entry)
             if not self._begin_write(entry):
                 return False
             try:
@@ -691,15 +691,16 @@ class FramedClient:
             # The reader failed it with the rest in flight at the close (_fail_all): that is its answer.
             if (answer := entry.future.exception()) is not None:
                 raise answer from failed
-        raise self._refusal_error() from failed
+        raise self._refusal_error(entry) from failed
 
-    def _refusal_error(self) -> Exception:
-        """Why requests are refused: the server's `overloaded` where it turned this connection
-        away, for the first request refused so (a retry belongs on a new client: this
-        connection is closed, and `overloaded` again for ever would keep a retry loop on it),
-        else ServerExited."""
+    def _refusal_error(self, entry: InFlight | None = None) -> Exception:
+        """Why requests are refused (`entry`: the one refused): the server's `overloaded` where it
+        turned this connection away, for the first request refused so (a retry belongs on a new
+        client: this connection is closed, and `overloaded` again for ever would keep a retry
+        loop on it), else ServerExited. A cancel of cancel()'s is never the one told: nobody
+        sees its refusal (_cancel_at_server)."""
         turned = self._turned_away
-        if turned is None:
+        if turned is None or (entry is not None and entry.cancelling is not None):
             return ServerExited(self._refusal)
         # Unlocked (a caller may hold self._lock): two first refusals at once may both say overloaded.
         told, self._turned_away_told = self._turned_away_told, True
@@ -833,8 +834,10 @@ class FramedClient:
         """Ask the server to drop the request of `future` (sent already); its answer is not waited for."""
         try:
             self._submit("cancel", {"id": future.request_id}, None, None, cancelling=future)
-        except ServerExited:
-            pass  # nothing left to drop it from
+        except (ServerExited, BridgeError):
+            # Nothing left to drop it from: the connection is gone, or the server turned it away
+            # (the cancel's write failed and the reader failed it with `overloaded`, _send).
+            pass
 
     def call(self, op: str, timeout: float | None = 60.0, **args) -> dict:
         """The result map; raises BridgeError on an error reply."""
@@ -1491,7 +1494,7 @@ class ZmqClient(FramedClient):
         with self._write_lock:
             # Refused as a stream's is: once closed, nothing takes the outbox's messages.
             if self._refusal:
-                raise self._refusal_error()
+                raise self._refusal_error(entry)
             try:
                 if not self._begin_write(entry):
                     return False

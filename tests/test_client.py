@@ -361,6 +361,24 @@ def test_callers_waiting_when_the_server_turns_the_connection_away_get_overloade
     assert turned_away.value.code == "overloaded" and turned_away.value.detail == {"limit": 1}
 
 
+def test_a_cancel_the_server_turned_away_first_neither_raises_nor_takes_the_turn_aways_telling(pipe):
+    """cancel() (and so a request() whose timeout passed) writing its cancel after the server
+    turned the connection away, before the reader saw the end: the write failed and cancel()
+    raised BridgeError overloaded, not TimeoutError's path, and took the one telling of it from
+    the next request (found in review)."""
+    waiting = pipe.client.submit("ping")
+    pipe.read_request()
+    pipe.error(None, "overloaded", {"limit": 1})
+    wait_until(lambda: pipe.client._turned_away is not None, "the turn-away was not read", REPLY_TIMEOUT_S)
+    pipe.requests.close()  # the server's end, with the reply stream still open: the cancel's write fails
+    assert pipe.client.cancel(waiting) is True
+    with pytest.raises(BridgeError) as refused:
+        pipe.client.submit("ping")
+    assert refused.value.code == "overloaded" and refused.value.detail == {"limit": 1}
+    pipe.hang_up()
+    assert waiting.cancelled()
+
+
 @pytest.mark.parametrize("op, args, result, free_op, freed", [
     pytest.param("put", {"tensor": np.zeros(2, np.float32)}, {"handle": "h7"}, "free", {"handle": "h7"}, id="put"),
     pytest.param("session_open", {"batch": 1, "dim": 2, "state": 2}, {"session": "s7"}, "session_close",
