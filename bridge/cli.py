@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                         " (default 1, bld, f32: each is a kernel of its own); `info` lists what was compiled")
     p.add_argument("--max-pending", type=_positive, default=defaults.max_pending,
                    help="requests in flight before new ones are answered with overloaded (default: %(default)s)")
+    p.add_argument("--max-pending-bytes", type=_positive, default=defaults.max_pending_bytes,
+                   help="bytes of requests in flight (their frames) over all connections before new ones are "
+                        "answered with overloaded; a request with nothing else in flight is taken whatever its "
+                        "size (default: %(default)s)")
     p.add_argument("--max-delay-us", type=_delay_us, default=defaults.max_delay_us,
                    help="how long a batch of step/scan requests may wait for more after its first "
                         "arrived, in microseconds; it waits only for as many as recently came together "

@@ -90,6 +90,7 @@ class Call:
     dropped: bool = False  # a cancel or the drain took it from the queue and answered it (bridge.queued)
     replying: bool = False  # its reply is being written: the fast path may take steps behind it
     immediate: bool = False  # served as it arrived, beside the ops in flight (Dispatcher.on_frame)
+    nbytes: int = 0  # its frame's bytes (and raw buffers'), counted in flight until it is answered
 
     @property
     def op(self) -> str:
@@ -183,10 +184,12 @@ class Dispatcher:
         self.registry = server.registry  # its handlers serve every op the decoders let through
         self.fast_path = server.fast_path
         self.max_pending = server.config.max_pending
+        self.max_pending_bytes = server.config.max_pending_bytes
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # Requests in flight (admitted, not yet answered), and of those the general path's
         # whose reply is not yet being written (Dispatcher._replying).
         self._pending = 0
+        self._pending_bytes = 0  # their frames' bytes, which they hold until answered
         self._unanswered_general = 0
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
@@ -237,8 +240,8 @@ class Dispatcher:
         asked only where the answer matters; only a transport that can tell that none is
         (stdio, unix) lets it be False, and so an idle server serve the request on this thread."""
         self._prepare_thread()
-        self.server.stats.frame_in(len(body) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0),
-                                   conn.lane)
+        nbytes = len(body) + (sum(memoryview(b).nbytes for b in buffers) if buffers else 0)
+        self.server.stats.frame_in(nbytes, conn.lane)
         handed_over = None  # a request the fast path admitted, then declined: counted in flight already
         if self.fast_path is not None and not buffers:
             taken = self._serve_fast(conn, body, received_ns)
@@ -264,7 +267,7 @@ class Dispatcher:
             self._reply_error(conn, codec, request_id, exc, stats_op=stats_op)
             if handed_over is not None:
                 self._replying_uncalled()
-                self._leave()
+                self._leave(nbytes)
             if release:
                 release()
             return
@@ -275,13 +278,14 @@ class Dispatcher:
             immediate = immediate(self.server)
         # Not admitted again: between the two, a drain could find nothing in flight and report
         # all answered, then refuse the request shutting_down.
-        admitted = handed_over.idle if handed_over is not None else self._admit(immediate=immediate)
+        admitted = handed_over.idle if handed_over is not None else self._admit(nbytes, immediate=immediate)
         if isinstance(admitted, OpError):
             self._reply_error(conn, request.codec, request.reply_id, admitted, stats_op=request.stats_op)
             if release:
                 release()
             return
-        call = Call(conn, request, timing, handler, release, enqueued_ns=now_ns(), immediate=immediate)
+        call = Call(conn, request, timing, handler, release, enqueued_ns=now_ns(), immediate=immediate,
+                    nbytes=nbytes)
         if immediate:  # runs beside the ops in flight, not under the serving lock
             self._serve(call)
             return
@@ -308,9 +312,10 @@ class Dispatcher:
             elif self.server.queued.take(call):
                 self._fail(call, self._stopped_error())
 
-    def _admit(self, fast: bool = False, immediate: bool = False) -> bool | OpError | None:
-        """Count a request in flight. Returns whether the server was idle (nothing in flight);
-        the refusal to answer instead (past --max-pending, or once drain() began; an
+    def _admit(self, nbytes: int, fast: bool = False, immediate: bool = False) -> bool | OpError | None:
+        """Count a request of `nbytes` in flight. Returns whether the server was idle (nothing in
+        flight); the refusal to answer instead (past --max-pending, or --max-pending-bytes unless
+        it is the only one, or once drain() began; an
         `immediate` request is never refused: a cancel adds no work, and it may drop queued work
         the drain would otherwise wait for); for the fast path, None where it must not take
         the request (then the general way decides).
@@ -325,11 +330,15 @@ class Dispatcher:
             elif self._pending >= self.max_pending and not immediate:
                 refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
                                   {"limit": self.max_pending})
+            elif self._pending and self._pending_bytes + nbytes > self.max_pending_bytes and not immediate:
+                refusal = OpError("overloaded", f"more than {self.max_pending_bytes} bytes of requests in flight",
+                                  {"limit": self.max_pending_bytes})
             elif fast and self._unanswered_general:
                 return None  # a general-path request in flight must not be overtaken
             else:
                 idle = self._pending == 0
                 self._pending += 1
+                self._pending_bytes += nbytes
                 self._unanswered_general += not fast
                 return idle
         return None if fast else refusal
@@ -347,7 +356,7 @@ class Dispatcher:
         except Exception:
             log.exception("fast path failed parsing a request")
             return False
-        idle = None if request is None else self._admit(fast=True)
+        idle = None if request is None else self._admit(len(body), fast=True)
         if idle is None:
             return False
         answered = False
@@ -387,7 +396,7 @@ class Dispatcher:
             return True
         finally:
             if answered:
-                self._leave()
+                self._leave(len(body))
 
     def on_frame_error(self, conn, exc: protocol.FrameDropped) -> None:
         """A frame drained unread by the transport (oversized, or no memory to hold it): read,
@@ -752,7 +761,7 @@ class Dispatcher:
             if call.release:
                 call.release()
         finally:
-            self._leave()
+            self._leave(call.nbytes)
 
     def _replying_uncalled(self) -> None:
         """_replying for a request handed over by the fast path that never became a call."""
@@ -770,10 +779,11 @@ class Dispatcher:
             with self._pending_lock:
                 self._unanswered_general -= 1
 
-    def _leave(self) -> None:
-        """A request is no longer in flight (drain waits for none to be)."""
+    def _leave(self, nbytes: int) -> None:
+        """A request of `nbytes` is no longer in flight (drain waits for none to be)."""
         with self._idle:
             self._pending -= 1
+            self._pending_bytes -= nbytes
             if self._pending == 0:
                 self._idle.notify_all()
 

@@ -37,6 +37,9 @@ class ServerConfig:
     backend: str | None = None
     max_frame_size: int = protocol.DEFAULT_MAX_FRAME_SIZE
     max_pending: int = 4096
+    # Bytes of requests in flight (their frames, held until answered) over all connections: the
+    # count above alone let thousands of large frames be held at once.
+    max_pending_bytes: int = 4 << 30
     # Dynamic batching (bridge.batcher): how long a batch may wait for company after its first
     # request arrived (0: never wait; requests already queued still join), and the most rows
     # one launch takes. On the CPU no delay beat 0, since requests queue up behind each launch

@@ -280,6 +280,26 @@ def test_cancel_is_served_past_the_pending_cap(inproc):
     assert conn.reply(queued).error["code"] == "cancelled"
 
 
+def test_requests_past_the_pending_bytes_cap_are_refused_until_answered(inproc):
+    """--max-pending-bytes: the count of requests in flight alone let thousands of large frames
+    be held at once. A request that would take their bytes past the cap is answered
+    `overloaded` (a cancel never is), a smaller one still fits, one alone is taken whatever its
+    size, and the bytes leave the count as requests are answered, refused or not."""
+    srv = inproc(max_pending_bytes=20000)
+    conn = RecordingConnection()
+    srv.hold(conn)
+    queued = srv.submit(conn, "put", tensor=torch.zeros(64, 64))  # 16 KiB of data
+    refused = conn.reply(srv.submit(conn, "put", tensor=torch.zeros(64, 64)), timeout=5)
+    assert refused.error["code"] == "overloaded" and refused.error["detail"] == {"limit": 20000}
+    fits = srv.submit(conn, "info")
+    cancel = conn.reply(srv.submit(conn, "cancel", id=fits, pad="x" * 20000), timeout=5)
+    assert cancel.error["code"] == "invalid_argument", cancel.error  # admitted past the cap, then refused
+    srv.go()
+    assert conn.reply(queued).ok and conn.reply(fits).ok
+    assert srv.request(conn, "put", tensor=torch.zeros(128, 64)).ok  # 32 KiB, nothing else in flight
+    assert (srv.dispatcher._pending, srv.dispatcher._pending_bytes) == (0, 0)
+
+
 def test_cancel_drops_a_queued_request_while_the_server_drains(inproc):
     """A cancel that comes once the drain began is still served: the request it drops would
     otherwise run before the server exits (or wait to be answered shutting_down), though its

@@ -419,6 +419,20 @@ def test_native_steps_keep_to_max_pending(inproc):
     assert held.conns == conns[:1], f"seed={seed}"
 
 
+def test_native_steps_keep_to_max_pending_bytes(inproc):
+    """--max-pending-bytes as --max-pending: a step alone is taken whatever its bytes, one that
+    would take the bytes in flight past the cap is answered `overloaded`, and every native
+    step's bytes leave the count with its answer."""
+    seed = random_seed()
+    srv = inproc(max_delay_us=0, max_pending_bytes=1)
+    conns, replies, held = steps_of_two_connections(srv, seed)
+    assert replies[0].ok, f"seed={seed}: {replies[0]}"
+    assert replies[1].error == {"code": "overloaded", "message": "more than 1 bytes of requests in flight",
+                                "detail": {"limit": 1}}, f"seed={seed}: {replies[1]}"
+    assert held.conns == conns[:1], f"seed={seed}"
+    assert (srv.dispatcher._pending, srv.dispatcher._pending_bytes) == (0, 0)
+
+
 def test_a_step_of_a_peer_known_gone_is_answered_cancelled_unrun_as_the_general_path_answers_it(inproc):
     """A stream peer that closed its end (here the reading end of the reply pipe, a stdio
     client's stdout) is known gone once a reply to it could not be written, and its steps read
