@@ -32,7 +32,7 @@ same recurrence with a scalar decay per head, h_t = exp(dt_t A) h_{t-1} + dt_t x
 a [headdim, state] state per head; x, z [batch, seq, heads, headdim], dt [batch, seq, heads],
 A, dt_bias [heads], B, C [batch, seq, groups, state] (group g serves heads g*H/G .. (g+1)*H/G - 1),
 D [heads] or [heads, headdim], state [batch, heads, headdim, state]. `chunk_size` tunes the
-chunked backends only (torch, triton; each runs a larger one at its cap, 1024); every backend
+chunked backends only (torch, triton; a larger one than 1024 runs at 1024); every backend
 computes the same y.
 
 Gradients (scan_kernels/backward.py): selective_scan_backward(dy, x, dt, A, B, C, *, ..., h0, dstate,

@@ -447,6 +447,13 @@ def _check_ssd_groups(name: str, t: torch.Tensor, heads: int) -> None:
         raise ShapeMismatch(name, f"a group count dividing heads ({heads})", f"{groups} groups")
 
 
+# The chunked backends (torch, triton) run a larger chunk_size at this size; the result does not
+# depend on it. Their per-chunk buffers (the torch form's [Q, Q] decays and scores, Triton's
+# C.B^T, its cumsum's one block) grow as seq x chunk: uncapped, a chunk as long as a request's
+# sequence makes them quadratic in it.
+MAX_CHUNK = 1024
+
+
 def _check_chunk_size(chunk_size) -> int | None:
     if chunk_size is None:
         return None

@@ -65,6 +65,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._args import MAX_CHUNK
 from .eager import LiveRows, _compute_dtype, _discretize_dt
 from .reference import ssd_scan_ref
 
@@ -75,14 +76,10 @@ from .reference import ssd_scan_ref
 # chunks of 32 to 256, 64 was fastest with one thread and with two (32 to 128 somewhat slower,
 # 256 clearly). Not timed on CUDA, where the same balance of memory traffic applies.
 DEFAULT_CHUNK = 64
-# Larger chunks are run at this size (the result does not depend on it): the decay and score
-# matrices grow as seq x heads x Q, so a chunk_size as long as a request's sequence would make
-# them quadratic in it, gigabytes for one scan that fits in a frame.
-MAX_CHUNK = 1024
 
 
 def _chunk_size(chunk_size: int | None, seq: int) -> int:
-    """The chunk actually used: the caller's or the default, at most MAX_CHUNK, and never more
+    """The chunk actually used: the caller's or the default, at most _args.MAX_CHUNK, and never more
     than seq (a shorter sequence is one unpadded chunk)."""
     return min(seq, chunk_size or DEFAULT_CHUNK, MAX_CHUNK)
 

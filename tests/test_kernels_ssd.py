@@ -292,10 +292,10 @@ CHUNK_SIZES = [1, 2, 5, 8, 13, 64, None]
 ])
 def test_the_torch_backends_chunk_is_capped(seq, chunk_size, chunk):
     """A chunk_size as long as the sequence made the torch form's [Q, Q] decays and scores
-    quadratic in seq (a wire client sends chunk_size): larger chunks run at MAX_CHUNK, as on Triton."""
-    from scan_kernels import eager_ssd
+    quadratic in seq (a wire client sends chunk_size): larger chunks run at _args.MAX_CHUNK, as on Triton."""
+    from scan_kernels import _args, eager_ssd
 
-    assert (eager_ssd.DEFAULT_CHUNK, eager_ssd.MAX_CHUNK) == (64, 1024)
+    assert (eager_ssd.DEFAULT_CHUNK, _args.MAX_CHUNK) == (64, 1024)
     assert eager_ssd._chunk_size(chunk_size, seq) == chunk
 
 

@@ -148,9 +148,6 @@ class SsdBlocks:
 # The chunk the scan takes when the caller names none: half mamba_ssm's 256, which ran slower
 # on an H200 at the 130m layer in fp32 and bf16 alike (docs/performance.md, "Triton SSD tiles").
 SSD_CHUNK = 128
-# Larger chunks are run at this size (the result does not depend on it): the chunk cumsum holds
-# a whole chunk in one block, and the C.B^T buffer grows as batch x seq x groups x chunk.
-SSD_MAX_CHUNK = 1024
 # tl.dot on a GPU needs every block dimension >= 16, so each is padded (masked) to at least this.
 MIN_DOT_BLOCK = 16
 # Keyed by the dtype the dots multiply in (ssd.py). 16-bit operands go to tensor cores: 64 x 64

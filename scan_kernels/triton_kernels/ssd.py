@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._args import MAX_CHUNK
 from ..errors import KernelInputError
 from . import configs
 from .common import (
@@ -465,13 +466,13 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 def plan_ssd_scan(x, B, C, chunk_size: int | None, blocks: configs.SsdBlocks | None = None,
                   seq: int | None = None) -> SsdPlan:
-    """The chunk (the caller's, the default, at most configs.SSD_MAX_CHUNK and never longer
+    """The chunk (the caller's, the default, at most _args.MAX_CHUNK and never longer
     than the sequence, `seq` or x's: one chunk of the whole sequence is the same computation)
     and the blocks (the table's, or `blocks`, which tests shrink to reach several blocks per
     axis)."""
     headdim = x.shape[3]
     seq = seq or x.shape[1]
-    chunk = min(chunk_size or configs.SSD_CHUNK, configs.SSD_MAX_CHUNK, seq)
+    chunk = min(chunk_size or configs.SSD_CHUNK, MAX_CHUNK, seq)
     dot = _dot_dtype(x, B, C, accumulation_dtype(x))
     return SsdPlan(chunk, cdiv(seq, chunk), configs.ssd_blocks(headdim, B.shape[3], chunk, dot, blocks), dot,
                    configs.SSD_FP32_DOT)
