@@ -21,9 +21,21 @@ $(PY):
 # torch comes first, pinned, so that the project's unpinned requirement is already met and pip
 # never picks a torch itself: on these CPU machines torch==2.13.0 is the local CPU build, where
 # an unpinned one would pull gigabytes of CUDA wheels (from PyPI the same pin is a CUDA build).
+#
+# pip works on one core. The kernels need torch and ninja alone, so they compile on the other
+# while pip installs the rest, and the native step path (which imports the rest) while the
+# installed files are byte-compiled; their output goes to .venv/*-build.log, and `kernels` below
+# finds them built, or builds them again and says why not. pip byte-compiles one file after
+# another: compileall -j 0 does the same on every core. Its exit status is ignored, as pip ignores
+# the same errors: torch ships a file of Python 3.12 syntax, compiled only if ever imported.
 $(STAMP): pyproject.toml | $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,triton]'
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile torch==2.13.0 numpy
+	$(PY) -m pip install --quiet --no-compile ninja
+	@$(PY) -m scan_kernels.cpu.build > $(VENV)/kernels-build.log 2>&1 & \
+	$(PY) -m pip install --quiet --no-compile -e '.[dev,triton]' || { wait; exit 1; }; \
+	$(PY) -m bridge.native > $(VENV)/native-step-build.log 2>&1 & \
+	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
+	wait
 	touch $(STAMP)
 
 # system-deps first: it installs the compilers that `kernels` builds with.
