@@ -54,8 +54,12 @@ kernels: $(STAMP)
 	{ $(PY) -m bridge.native || echo "make: native step path not built (see above); steps take the general path"; }; \
 	wait
 
+# The suites start hundreds of Python processes (servers, benches, child suites). Where the
+# environment sets PYTHONDONTWRITEBYTECODE, each would compile the checkout's modules again and
+# each pytest process rewrite and compile every test module: the run writes those caches
+# (__pycache__/, git-ignored) whatever the environment says.
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The main job: where the time goes, per transport and payload size, against each lane's echo floor.
 # Writes into the git-ignored bench/out/, so a run leaves the tracked tree as it was; compare
