@@ -531,10 +531,11 @@ def report(r: dict) -> None:
 
 @contextlib.contextmanager
 def busy_neighbour(enabled: bool):
-    """While the block runs, a process spinning on one core (`--neighbour`) where `enabled`."""
+    """While the block runs, a process spinning on one core (`--neighbour`) where `enabled`;
+    the block is given that process (its Popen), or None."""
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if enabled else None
     try:
-        yield
+        yield neighbour
     finally:
         if neighbour is not None:
             neighbour.kill()

@@ -595,15 +595,15 @@ def test_game_loop_bench_runs_end_to_end(tmp_path):
 
 
 def test_models_bench_runs_end_to_end(tmp_path):
-    """`python -m bench.models` (issue 34's benchmark), tiny, beside a busy core: every comparison
-    runs in one run and the ratios are of its own numbers."""
+    """`python -m bench.models` (issue 34's benchmark), tiny: every comparison runs in one run
+    and the ratios are of its own numbers. (`--neighbour`'s spinning process: below.)"""
     pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
     out = tmp_path / "models.json"
     proc = run_marked([sys.executable, "-m", "bench.models", "--frames", "25", "--batches", "1", "--archs", "mamba2",
-                       "--neighbour", "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
+                       "--json", str(out)], timeout_s=300, cwd=Path(__file__).resolve().parent.parent)
     assert proc.failure() is None, proc.failure()
     result = json.loads(out.read_text())
-    assert result["neighbour"] is True
+    assert result["neighbour"] is False
     (case,) = result["cases"]
     assert (case["arch"], case["batch"], case["model_step"]["n"]) == ("mamba2", 1, 25)
     for part in ("transformers_step", "old_way", "window_forward", "snapshot_restore_round_trips",
@@ -629,6 +629,22 @@ def test_models_bench_runs_end_to_end(tmp_path):
         assert case["echo_reading_matrices"]["p50_us"] > 0
         assert case["ratios"]["echo_reading_matrices_over_transformers"] == pytest.approx(
             case["echo_reading_matrices"]["p50_us"] / case["transformers_step"]["p50_us"])
+
+
+def test_the_neighbour_spins_while_the_block_runs_and_is_gone_after():
+    """`--neighbour` (bench.models, bench.model_step_ab): a process spinning on a core for the
+    block, killed and reaped when it ends; none without the flag. The benches' smoke runs above
+    go without it: a spinning process there would only take a core from the rest of the suite."""
+    from bench.models import busy_neighbour
+
+    with busy_neighbour(False) as neighbour:
+        assert neighbour is None
+    with busy_neighbour(True) as neighbour:
+        with pytest.raises(subprocess.TimeoutExpired):
+            neighbour.wait(timeout=0.2)
+        with open(f"/proc/{neighbour.pid}/cmdline", "rb") as cmdline:
+            assert b"while True: pass" in cmdline.read()
+    assert neighbour.returncode is not None and gone_or_zombie(neighbour.pid)
 
 
 def model_bench_case(tmp_path, module: str, arch: str) -> dict:
@@ -679,18 +695,18 @@ def test_model_native_ab_bench_runs_end_to_end(tmp_path, arch, given, output):
 
 
 def test_model_step_ab_times_two_builds_of_one_revision(tmp_path):
-    """`python -m bench.model_step_ab`, HEAD against HEAD, tiny, beside a busy core: both builds'
-    steps of the same model agree bit for bit, each pacing has both builds' times and the ratios
-    are of its own numbers."""
+    """`python -m bench.model_step_ab`, HEAD against HEAD, tiny: both builds' steps of the same
+    model agree bit for bit, each pacing has both builds' times and the ratios are of its own
+    numbers."""
     if "cpu" not in scan_kernels.available_backends():
         pytest.skip(f"the cpu backend is unavailable: {scan_kernels.unavailable_backends().get('cpu')}")
     from bench import model_step_ab
 
     out = tmp_path / "ab.json"
     assert model_step_ab.main(["--base", "HEAD", "--other", "HEAD", "--frames", "6", "--archs", "mamba,mamba2",
-                               "--batches", "2", "--neighbour", "--json", str(out)]) == 0
+                               "--batches", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["neighbour"] is True
+    assert report["neighbour"] is False
     assert report["base"]["details"]["library"] != report["other"]["details"]["library"]
     assert [(c["arch"], c["batch"]) for c in report["cases"]] == [("mamba", 2), ("mamba2", 2)]
     for case in report["cases"]:
