@@ -1114,6 +1114,54 @@ def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve,
     assert error["code"] == "path_not_allowed" and "without --model-dir" in error["message"]
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_a_hub_cache_snapshot_loads_through_its_links_into_blobs(serve, checkpoints, sharded):
+    """Hugging Face's hub cache keeps models--ORG--NAME/snapshots/REV/FILE as links to
+    ../../blobs/HASH: with --model-dir at the cache, a snapshot loads through them and runs as
+    transformers runs the model. A name the index gives with a directory in it is refused,
+    though it would resolve under --model-dir."""
+    import hashlib
+
+    root = checkpoints[0]
+    model, output, seed = checkpoints[1]["mamba2-lm"]
+    repo = root / f"models--tiny--mamba2-{'sharded' if sharded else 'one-file'}"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    source = repo / "source"
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(source, max_shard_size=weight_bytes // 3 if sharded else "10GB")
+    names = sorted(p.name for p in source.iterdir())
+    assert ("model.safetensors.index.json" in names) == sharded, names
+    for name in names:
+        data = (source / name).read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.join("..", "..", "blobs", blob.name), snapshot / name)
+        (source / name).unlink()
+    source.rmdir()
+    srv, conn = serve(), RecordingConnection()
+    info = call(srv, conn, "model_load", path=str(snapshot.relative_to(root)))
+    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
+    torch.manual_seed(seed + 2)
+    tokens = torch.randint(0, VOCAB, (2, PREFIX + 2))
+    got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX], output=output)[output]]
+    for t in range(PREFIX, PREFIX + 2):
+        got.append(call(srv, conn, "model_step", session=session, tokens=tokens[:, t].to(torch.int32),
+                        output=output)[output][:, None])
+    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, f"hub snapshot (seed {seed})")
+    if sharded:
+        index_link = snapshot / "model.safetensors.index.json"
+        index = json.loads(index_link.read_text())
+        shard = next(iter(index["weight_map"].values()))
+        index["weight_map"] = {k: f"../0123abcd/{v}" if v == shard else v for k, v in index["weight_map"].items()}
+        index_link.unlink()
+        index_link.write_text(json.dumps(index))
+        error = error_of(srv, conn, "model_load", path=str(snapshot.relative_to(root)))
+        assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "model.safetensors.index.json.weight_map")
+        assert "file name in the checkpoint's directory" in error["message"], error
+
+
 @pytest.mark.parametrize("swapped", ["directory", "config"])
 def test_a_link_swapped_in_after_the_check_is_not_followed(serve, checkpoints, tmp_path, monkeypatch, swapped):
     """Whoever may write in a model directory may swap a link in between the check of a file's

@@ -37,9 +37,9 @@ def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, 
     (but a legacy-format pytorch_model.bin's, read whole to learn its shapes): it raises to
     refuse them."""
     directory = resolve_checkpoint(path, model_dirs)
-    with checkpoint_file(directory, CONFIG, CONFIG) as config_path:
+    with checkpoint_file(directory, CONFIG, CONFIG, model_dirs) as config_path:
         config = parse_config(read_json(config_path, CONFIG, MAX_CONFIG_BYTES), CONFIG)
-    source = TensorSource(directory)
+    source = TensorSource(directory, model_dirs)
     wanted = check_weights(config, source.shapes, "weights")
     hold(planned_bytes(source.shapes, wanted, dtype))
     # Closed here: a build that fails mid-read leaves the reader paused with its file open, for

@@ -7,7 +7,9 @@ model.safetensors.index.json and its shards (transformers' sharded layout); pyto
 followed, and must lie under an allowed directory, so that no request -- a relative path, a
 symlink, a shard name in an index -- makes the server read anything else. It is then opened
 along that resolved path without following any link, and read through that open file, so that
-a link swapped in after the check leads nowhere.
+a link swapped in after the check leads nowhere. A checkpoint's own files are named in its
+directory; as links they may lead anywhere under an allowed directory: Hugging Face's hub
+cache keeps a snapshot's files as links into the model's blobs/.
 """
 
 from __future__ import annotations
@@ -82,17 +84,21 @@ def _under(path: str, root: str) -> bool:
 
 
 @contextmanager
-def checkpoint_file(directory: str, name: str, field: str):
-    """A file of the checkpoint (config.json, the index, a shard the index names), which must
-    stay in its directory and be a regular file: reading a FIFO or a device there (a link to
-    /dev/zero) would block the serving thread or never end. Yields a path naming the open file
-    itself (/dev/fd/N), good for the readers that take only a path, until the block ends."""
+def checkpoint_file(directory: str, name: str, field: str, roots: tuple[str, ...]):
+    """A file of the checkpoint (config.json, the index, a shard the index names): a name in
+    its directory, which resolves under one of `roots` (the allowed directories, resolved) and
+    is a regular file: reading a FIFO or a device there (a link to /dev/zero) would block the
+    serving thread or never end. Yields a path naming the open file itself (/dev/fd/N), good
+    for the readers that take only a path, until the block ends."""
     try:
         real = os.path.realpath(os.path.join(directory, name))
     except ValueError:  # no file name holds a NUL, or a lone surrogate (JSON's \ud800), which UTF-8 cannot encode
         real = None
-    if real is None or os.path.dirname(real) != directory:
+    if real is None or os.path.basename(name) != name or name in (os.curdir, os.pardir):
         raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name))
+    if not any(_under(real, root) for root in roots):
+        raise checkpoint_error(field, "a file of the checkpoint that resolves under --model-dir",
+                               f"{shown_value(name)} (resolving outside)")
     expected = "a regular file in the checkpoint's directory"
     try:
         # Non-blocking: a FIFO swapped in after the check is opened at once, then refused.
@@ -138,8 +144,9 @@ def read_json(path: str, field: str, max_bytes: int):
 class TensorSource:
     """A checkpoint's tensors: names and shapes from the headers, data read on demand."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, roots: tuple[str, ...]):
         self.directory = directory
+        self.roots = roots
         self._files: dict[str, str] = {}  # tensor name -> the name of its file in the directory
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._bin: dict[str, torch.Tensor] | None = None
@@ -152,14 +159,14 @@ class TensorSource:
         except OSError as e:
             raise checkpoint_error("args.path", "a checkpoint directory", os.strerror(e.errno)) from None
         if SAFETENSORS_INDEX in names:
-            with checkpoint_file(directory, SAFETENSORS_INDEX, SAFETENSORS_INDEX) as path:
+            with checkpoint_file(directory, SAFETENSORS_INDEX, SAFETENSORS_INDEX, roots) as path:
                 index = read_json(path, SAFETENSORS_INDEX, MAX_INDEX_BYTES)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise checkpoint_error(f"{SAFETENSORS_INDEX}.weight_map", "a map of tensor name to shard file",
                                        type(weight_map).__name__)
             for shard in sorted(set(weight_map.values())):
-                with checkpoint_file(directory, shard, f"{SAFETENSORS_INDEX}.weight_map") as path:
+                with checkpoint_file(directory, shard, f"{SAFETENSORS_INDEX}.weight_map", roots) as path:
                     self._read_header(path, shard)
             missing = set(weight_map) - set(self.shapes)
             if missing:
@@ -167,10 +174,10 @@ class TensorSource:
                 raise checkpoint_error(f"{weight_map[name]}.{name}", "the tensor its index names", "nothing",
                                        tensor=name)
         elif SAFETENSORS in names:
-            with checkpoint_file(directory, SAFETENSORS, SAFETENSORS) as path:
+            with checkpoint_file(directory, SAFETENSORS, SAFETENSORS, roots) as path:
                 self._read_header(path, SAFETENSORS)
         elif TORCH_BIN in names:
-            with checkpoint_file(directory, TORCH_BIN, TORCH_BIN) as path:
+            with checkpoint_file(directory, TORCH_BIN, TORCH_BIN, roots) as path:
                 self._read_bin(path)
         else:
             raise checkpoint_error("args.path", f"{SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_BIN} in the directory",
@@ -228,7 +235,7 @@ class TensorSource:
         from safetensors import safe_open
 
         for shown in sorted({self._files[name] for name in names}):
-            with checkpoint_file(self.directory, shown, shown) as path:
+            with checkpoint_file(self.directory, shown, shown, self.roots) as path:
                 try:
                     with safe_open(path, "pt") as f:
                         for name in sorted(n for n in names if self._files[n] == shown):
