@@ -1314,7 +1314,8 @@ def abandon(end_stream, pending: dict) -> None:
     """What a client collected without close() (or still open at exit) leaves: its outgoing
     stream is ended (`end_stream`), so that the server answers what is in flight, frees what the
     connection owned and closes its end (a Port server exits, unwaited), which ends the reader
-    thread; the callers still waiting fail (nothing is left to hand them replies)."""
+    thread (a ZeroMQ client's io loop is told to end instead, and closes its sockets); the
+    callers still waiting fail (nothing is left to hand them replies)."""
     end_stream()
     for entry in list(pending.values()):
         settle(entry.future, ServerExited("the client was dropped without close()"))
@@ -1470,9 +1471,11 @@ class ZmqClient(FramedClient):
             self._socket.curve_secretkey = secret
         self._socket.connect(endpoint)
         self._outbox = Outbox()
-        # FramedClient's streams stay unused: the reader thread it starts runs _read_replies
-        # below, the socket's io loop.
+        # FramedClient's streams stay unused: the reader thread it starts runs zmq_io_loop, the
+        # socket's io loop.
         super().__init__(None, -1, as_torch=as_torch)
+        # Dropped without close(): the post ends the io loop, which closes what it owns.
+        weakref.finalize(self, abandon, functools.partial(self._outbox.post, None), self._pending)
 
     # A ZeroMQ message has no length prefix: its body and buffers count against the limit.
     _frame_overhead = 0
@@ -1511,51 +1514,8 @@ class ZmqClient(FramedClient):
         return self._send_raw(body, buffers, [body, *buffers], request_id)
 
     def _reader_target(self) -> tuple:
-        # The io loop owns the socket, so it holds the client: close a ZmqClient, always.
-        return self._read_replies, ()
-
-    def _read_replies(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._outbox.fd, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        # Messages the socket would not take yet: a DEALER with no connected peer (the server
-        # not up yet, or refusing this client's CURVE handshake) blocks a send, and a blocked
-        # io thread could neither receive nor stop for close().
-        unsent: collections.deque = collections.deque()
-        watching_out = False  # polling for room to send: only while something waits for it
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if self._outbox.fd in ready:
-                    with self._write_lock:  # see _send
-                        posted = self._outbox.take()
-                    for message in posted:
-                        if message is None:  # close()
-                            return
-                        unsent.append(message)
-                if ready.get(self._socket, 0) & zmq.POLLIN:
-                    self._receive_all()
-                # Every end reported is taken before a send: the next connection comes a
-                # reconnect interval after the end's report, so a message that goes now goes
-                # on a connection whose end, if any, is still to be reported.
-                self._take_connection_ends()
-                while unsent:
-                    frames, entry = unsent[0]
-                    try:
-                        self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    if entry is not None:
-                        entry.sent_on = self._connections_ended
-                    unsent.popleft()
-                if bool(unsent) != watching_out:
-                    watching_out = bool(unsent)
-                    poller.register(self._socket, zmq.POLLIN | (zmq.POLLOUT if watching_out else 0))
-        finally:
-            self._fail_all(ServerExited("the client was closed with requests outstanding"))
+        return zmq_io_loop, (self._context, self._socket, self._monitor, self._outbox, self._write_lock,
+                             weakref.ref(self))
 
     def _take_connection_ends(self) -> None:
         import zmq
@@ -1609,9 +1569,63 @@ class ZmqClient(FramedClient):
         if self._thread.is_alive():
             # Closing a socket its thread still uses aborts the process: leave both behind.
             raise RuntimeError(f"the ZeroMQ client's io thread did not stop within {timeout} s")
-        if not self._socket.closed:  # a second close()
-            self._socket.disable_monitor()
-        self._monitor.close()
-        self._socket.close()
-        self._context.term()
-        self._outbox.close()
+
+
+def zmq_io_loop(context, sock, monitor, outbox, write_lock, client_ref: weakref.ref) -> None:
+    """A ZmqClient's io thread: it owns the socket, sends what the client posts, hands replies
+    and connection ends to the client, and closes the sockets, the context and the outbox when
+    it ends. It holds the client only between polls, so that a client dropped without close()
+    is collected: its finalizer's post (abandon) wakes the loop, which finds it gone."""
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(outbox.fd, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    # Messages the socket would not take yet: a DEALER with no connected peer (the server
+    # not up yet, or refusing this client's CURVE handshake) blocks a send, and a blocked
+    # io thread could neither receive nor stop for close().
+    unsent: collections.deque = collections.deque()
+    watching_out = False  # polling for room to send: only while something waits for it
+    try:
+        while True:
+            ready = dict(poller.poll())
+            client = client_ref()
+            if client is None:
+                return
+            if outbox.fd in ready:
+                with write_lock:  # see ZmqClient._send
+                    posted = outbox.take()
+                for message in posted:
+                    if message is None:  # close(), or the client's finalizer
+                        return
+                    unsent.append(message)
+            if ready.get(sock, 0) & zmq.POLLIN:
+                client._receive_all()
+            # Every end reported is taken before a send: the next connection comes a
+            # reconnect interval after the end's report, so a message that goes now goes
+            # on a connection whose end, if any, is still to be reported.
+            client._take_connection_ends()
+            while unsent:
+                frames, entry = unsent[0]
+                try:
+                    sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if entry is not None:
+                    entry.sent_on = client._connections_ended
+                unsent.popleft()
+            if bool(unsent) != watching_out:
+                watching_out = bool(unsent)
+                poller.register(sock, zmq.POLLIN | (zmq.POLLOUT if watching_out else 0))
+            del client  # not held while polling
+    finally:
+        client = client_ref()
+        if client is not None:
+            client._fail_all(ServerExited("the client was closed with requests outstanding"))
+        del client
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+        context.term()
+        outbox.close()

@@ -820,6 +820,34 @@ def test_a_zmq_client_closed_in_a_done_callback_closes_its_context(tmp_path):
         context.term()
 
 
+def test_a_zmq_client_dropped_without_close_is_collected_and_closes_its_sockets(tmp_path):
+    """Its io thread held the client, so one dropped without close() was never collected: its
+    thread, sockets, context and eventfd lived as long as the process (found in review). Now
+    it is collected, the thread ends and closes them, and a caller still waiting is told."""
+    import zmq
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/peer.ipc")
+    try:
+        client = bridge.client.ZmqClient(f"ipc://{tmp_path}/peer.ipc")
+        waiting = client.submit("ping")
+        assert router.poll(REPLY_TIMEOUT_S * 1000), "nothing was sent"
+        thread, zmq_context, outbox = client._thread, client._context, client._outbox
+        collected = weakref.ref(client)
+        del client
+        gc.collect()
+        assert collected() is None
+        thread.join(REPLY_TIMEOUT_S)
+        assert not thread.is_alive() and zmq_context.closed and outbox._closed
+        with pytest.raises(ServerExited, match="dropped without close"):
+            waiting.result(REPLY_TIMEOUT_S)
+    finally:
+        router.close()
+        context.term()
+
+
 def test_a_zmq_client_closed_twice_closes_its_files_once(tmp_path):
     """The second close() closed the outbox eventfd's number again, by then maybe another
     file's (found in review)."""
