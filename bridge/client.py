@@ -1351,9 +1351,14 @@ class PortClient(FramedClient):
                 self.close()  # no client reaches the caller to close: the server must not run on
                 raise
 
-    def close(self, timeout: float = 10.0) -> int:
+    def close(self, timeout: float = 10.0) -> int | None:
         """Close stdin (the server finishes what is in flight and exits) and wait; its exit
-        status, once the reader has handed over the replies it wrote and its stdout is closed."""
+        status, once the reader has handed over the replies it wrote and its stdout is closed.
+        From a Future's done callback it returns None at once, closing once the callback has
+        returned (the status is then `proc.returncode`): waiting there for the server's exit, the
+        reader would read none of the replies the server still writes."""
+        if self._closed_elsewhere(timeout):
+            return None
         self._refuse_requests("the client is closed")
         if not self._write_lock.acquire(timeout=timeout):
             # A write is stuck on a server that reads nothing: killing it ends the write (EPIPE).
@@ -1366,10 +1371,9 @@ class PortClient(FramedClient):
         status = stop_piped_server(self.proc, timeout)
         # Its stdout ends with its exit, unless a process it started holds it. Closed only once
         # the reader is done: a close under its read would not wake it, and frees the fd's number.
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self.proc.stdout.close()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.proc.stdout.close()
         return status
 
     def _end_stream(self) -> None:

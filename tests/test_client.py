@@ -654,6 +654,39 @@ def test_closing_a_port_client_hands_over_the_last_replies_and_closes_the_server
     assert not client._thread.is_alive()
 
 
+# A stand-in for `python -m bridge` that answers the first of two requests, then exits a while
+# after its stdin ends.
+ANSWERS_THE_FIRST_THEN_LINGERS = [sys.executable, "-c", """
+import sys, time, protocol
+from bridge.streams import read_frame, write_all
+first = protocol.decode_request(read_frame(sys.stdin.buffer.raw))
+read_frame(sys.stdin.buffer.raw)
+write_all(1, protocol.frame_parts(protocol.encode_reply(first.id, {}, {})))
+sys.stdin.buffer.read()
+time.sleep(2)
+"""]
+
+
+def test_a_port_client_closed_in_a_done_callback_returns_at_once_and_closes_after():
+    """close() on the reader thread waited there for the server's exit, while the server wrote
+    replies no one read: a server with replies still to write blocked until close() killed it
+    (found in review). It returns None at once, the close going on once the callback has
+    returned: the server is still running then, and exits in its own time."""
+    client = PortClient(command=ANSWERS_THE_FIRST_THEN_LINGERS)
+    outcome = []
+    first = client.submit("ping")
+    first.add_done_callback(lambda _: outcome.append((client.close(), client.proc.poll())))
+    second = client.submit("ping")
+    first.result(REPLY_TIMEOUT_S)
+    wait_until(lambda: outcome, "the done callback did not run", REPLY_TIMEOUT_S)
+    assert outcome == [(None, None)]
+    with pytest.raises(ServerExited):
+        second.result(REPLY_TIMEOUT_S)
+    assert client.proc.wait(REPLY_TIMEOUT_S) == 0
+    wait_until(lambda: client.proc.stdout.closed, "the server's stdout was not closed", REPLY_TIMEOUT_S)
+    assert client.close() == 0
+
+
 def unix_client_of_a_stand_in(tmp_path):
     """A UnixClient connected to a listener the test holds: (client, listener, the accepted
     connection), the server's end for the test to read, answer or leave mute."""
