@@ -1114,19 +1114,16 @@ def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve,
     assert error["code"] == "path_not_allowed" and "without --model-dir" in error["message"]
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
-def test_a_hub_cache_snapshot_loads_through_its_links_into_blobs(serve, checkpoints, sharded):
-    """Hugging Face's hub cache keeps models--ORG--NAME/snapshots/REV/FILE as links to
-    ../../blobs/HASH: with --model-dir at the cache, a snapshot loads through them and runs as
-    transformers runs the model. A name the index gives with a directory in it is refused,
-    though it would resolve under --model-dir."""
+def hub_cache_repo(root, model, model_id: str, revision: str, *, sharded: bool):
+    """`model` saved as Hugging Face's hub cache keeps a download under `root`:
+    models--ORG--NAME/snapshots/REVISION/FILE, each a link to ../../blobs/HASH, and refs/main
+    naming the revision. Its snapshot directory."""
     import hashlib
 
-    root = checkpoints[0]
-    model, output, seed = checkpoints[1]["mamba2-lm"]
-    repo = root / f"models--tiny--mamba2-{'sharded' if sharded else 'one-file'}"
-    snapshot = repo / "snapshots" / "0123abcd"
+    repo = root / ("models--" + model_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
     (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
     snapshot.mkdir(parents=True)
     source = repo / "source"
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -1140,8 +1137,12 @@ def test_a_hub_cache_snapshot_loads_through_its_links_into_blobs(serve, checkpoi
         os.symlink(os.path.join("..", "..", "blobs", blob.name), snapshot / name)
         (source / name).unlink()
     source.rmdir()
-    srv, conn = serve(), RecordingConnection()
-    info = call(srv, conn, "model_load", path=str(snapshot.relative_to(root)))
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def steps_match_transformers(srv, conn, path, model, output, seed):
+    info = call(srv, conn, "model_load", path=path)
     session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
     torch.manual_seed(seed + 2)
     tokens = torch.randint(0, VOCAB, (2, PREFIX + 2))
@@ -1149,7 +1150,21 @@ def test_a_hub_cache_snapshot_loads_through_its_links_into_blobs(serve, checkpoi
     for t in range(PREFIX, PREFIX + 2):
         got.append(call(srv, conn, "model_step", session=session, tokens=tokens[:, t].to(torch.int32),
                         output=output)[output][:, None])
-    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, f"hub snapshot (seed {seed})")
+    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, f"{path} (seed {seed})")
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_a_hub_cache_snapshot_loads_through_its_links_into_blobs(serve, checkpoints, sharded):
+    """Hugging Face's hub cache keeps models--ORG--NAME/snapshots/REV/FILE as links to
+    ../../blobs/HASH: with --model-dir at the cache, a snapshot loads through them and runs as
+    transformers runs the model. A name the index gives with a directory in it is refused,
+    though it would resolve under --model-dir."""
+    root = checkpoints[0]
+    model, output, seed = checkpoints[1]["mamba2-lm"]
+    snapshot = hub_cache_repo(root, model, f"tiny/mamba2-{'sharded' if sharded else 'one-file'}", "0123abcd",
+                              sharded=sharded)
+    srv, conn = serve(), RecordingConnection()
+    steps_match_transformers(srv, conn, str(snapshot.relative_to(root)), model, output, seed)
     if sharded:
         index_link = snapshot / "model.safetensors.index.json"
         index = json.loads(index_link.read_text())
@@ -1160,6 +1175,29 @@ def test_a_hub_cache_snapshot_loads_through_its_links_into_blobs(serve, checkpoi
         error = error_of(srv, conn, "model_load", path=str(snapshot.relative_to(root)))
         assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "model.safetensors.index.json.weight_map")
         assert "file name in the checkpoint's directory" in error["message"], error
+
+
+def test_a_hub_model_id_loads_the_snapshot_its_main_ref_names(serve, checkpoints, tmp_path):
+    """`path` ORG/NAME, where no directory of that name holds a config: the snapshot the hub
+    cache's refs/main names. A ref naming no snapshot, or naming one by a path, loads nothing;
+    a ref that is a link out of --model-dir is not read."""
+    root = checkpoints[0]
+    model, output, seed = checkpoints[1]["mamba-lm-tied"]
+    hub_cache_repo(root, model, "tiny-org/mamba-by-id", "feedbeef", sharded=False)
+    srv, conn = serve(), RecordingConnection()
+    steps_match_transformers(srv, conn, "tiny-org/mamba-by-id", model, output, seed)
+    ref = root / "models--tiny-org--mamba-by-id" / "refs" / "main"
+    outside = tmp_path / "outside-ref"
+    outside.write_text("feedbeef")
+    for content in ("0000", "../snapshots/feedbeef", None):
+        ref.unlink()
+        if content is None:
+            os.symlink(outside, ref)
+        else:
+            ref.write_text(content)
+        error = error_of(srv, conn, "model_load", path="tiny-org/mamba-by-id")
+        assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "args.path"), (content, error)
+    assert error_of(srv, conn, "model_load", path="tiny-org/no-such-model")["code"] == "invalid_checkpoint"
 
 
 @pytest.mark.parametrize("swapped", ["directory", "config"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import zipfile
 from contextlib import contextmanager
@@ -36,6 +37,8 @@ TORCH_BIN = "pytorch_model.bin"
 # a config sent in a request: real ones are a few KB.
 MAX_CONFIG_BYTES = MAX_MAP_BYTES
 MAX_INDEX_BYTES = 16 << 20
+# A hub cache's refs/main holds a commit hash and a newline.
+HUB_REF_MAX_BYTES = 256
 # The floating dtypes a weight may be stored in: one value an element, each converted to the
 # model's dtype. Not the packed ones (safetensors' F4, torch's float4_e2m1fn_x2: two values a
 # byte), which torch cannot convert and whose tensor is not the shape the header declares.
@@ -61,17 +64,50 @@ def path_not_allowed(path: str, model_dirs: tuple[str, ...]) -> OpError:
 
 def resolve_checkpoint(path: str, model_dirs: tuple[str, ...]) -> str:
     """The real path of a checkpoint directory under an allowed one (relative paths are taken
-    under the first). The same error for a path outside as for one that does not exist there
-    would tell a client which files exist; outside, nothing is looked at but the path."""
+    under the first), or of the snapshot a hub model id names (hub_snapshot) where no such
+    directory holds a config. The same error for a path outside as for one that does not exist
+    there would tell a client which files exist; outside, nothing is looked at but the path."""
     if not model_dirs or "\0" in path:  # no OS path holds a NUL
         raise path_not_allowed(path, model_dirs)
     real = os.path.realpath(os.path.join(model_dirs[0], path))
     if not any(_under(real, root) for root in model_dirs):
         raise path_not_allowed(path, model_dirs)
-    if not os.path.isfile(os.path.join(real, CONFIG)):
+    if os.path.isfile(os.path.join(real, CONFIG)):
+        return real
+    snapshot = hub_snapshot(path, model_dirs)
+    if snapshot is None:
         raise checkpoint_error("args.path", f"a checkpoint directory holding {CONFIG}",
                                f"{shown_value(path)} (none there)")
-    return real
+    return snapshot
+
+
+# A hub model id: NAME or ORG/NAME, as Hugging Face allows them.
+HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
+HUB_REVISION = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def hub_snapshot(model_id: str, model_dirs: tuple[str, ...]) -> str | None:
+    """The real path of the snapshot `refs/main` names of hub model `model_id` (ORG/NAME) in a
+    Hugging Face hub cache that is one of `model_dirs` (models--ORG--NAME/snapshots/REV), the
+    first that has one; None where none does. What is read stays under that directory."""
+    if not HUB_ID.fullmatch(model_id) or ".." in model_id:
+        return None
+    for root in model_dirs:
+        repo = os.path.join(root, "models--" + model_id.replace("/", "--"))
+        if not os.path.isfile(os.path.join(repo, "refs", "main")):
+            continue
+        try:
+            with checkpoint_file(os.path.join(repo, "refs"), "main", "args.path", (root,)) as ref:
+                with open(ref, "rb") as f:
+                    revision = f.read(HUB_REF_MAX_BYTES).decode("ascii", "replace").strip()
+        except OpError:
+            continue
+        if not HUB_REVISION.fullmatch(revision) or revision in (os.curdir, os.pardir):
+            continue
+        real = os.path.realpath(os.path.join(repo, "snapshots", revision))
+        if _under(real, root) and os.path.isfile(os.path.join(real, CONFIG)):
+            return real
+    return None
 
 
 def allowed_dirs(dirs) -> tuple[str, ...]:
