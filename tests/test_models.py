@@ -137,14 +137,21 @@ def test_prefill_then_steps_match_transformers_with_its_cache(serve, checkpoints
     info = call(srv, conn, "model_load", path=arch)
     assert (info["arch"], info["layers"], info["d_model"]) == (
         "mamba" if arch.startswith("mamba-") else "mamba2", 2, 12)
-    session = call(srv, conn, "session_open", model=info["model"], batch=3)["session"]
-    torch.manual_seed(seed + 1)
-    tokens = torch.randint(0, VOCAB, (3, PREFIX + STEPS))
+    assert_prefill_then_steps_match(srv, conn, info["model"], model, output, batch=3, steps=STEPS, seed=seed + 1,
+                                    what=f"{arch} on {backend} (seed {seed})")
+
+
+def assert_prefill_then_steps_match(srv, conn, loaded, model, output, *, batch, steps, seed, what):
+    """A session of the loaded model `loaded`: a prefill of PREFIX random tokens (from `seed`),
+    then `steps` single steps, equal to transformers' run of `model` with its cache."""
+    session = call(srv, conn, "session_open", model=loaded, batch=batch)["session"]
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, PREFIX + steps))
     got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX], output=output)[output]]
-    for t in range(PREFIX, PREFIX + STEPS):
+    for t in range(PREFIX, PREFIX + steps):
         got.append(call(srv, conn, "model_step", session=session, tokens=tokens[:, t].to(torch.int32),
                         output=output)[output][:, None])
-    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, f"{arch} on {backend} (seed {seed})")
+    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, what)
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -1142,15 +1149,9 @@ def hub_cache_repo(root, model, model_id: str, revision: str, *, sharded: bool):
 
 
 def steps_match_transformers(srv, conn, path, model, output, seed):
-    info = call(srv, conn, "model_load", path=path)
-    session = call(srv, conn, "session_open", model=info["model"], batch=2)["session"]
-    torch.manual_seed(seed + 2)
-    tokens = torch.randint(0, VOCAB, (2, PREFIX + 2))
-    got = [call(srv, conn, "model_forward", session=session, tokens=tokens[:, :PREFIX], output=output)[output]]
-    for t in range(PREFIX, PREFIX + 2):
-        got.append(call(srv, conn, "model_step", session=session, tokens=tokens[:, t].to(torch.int32),
-                        output=output)[output][:, None])
-    rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, f"{path} (seed {seed})")
+    loaded = call(srv, conn, "model_load", path=path)["model"]
+    assert_prefill_then_steps_match(srv, conn, loaded, model, output, batch=2, steps=2, seed=seed + 2,
+                                    what=f"{path} (seed {seed})")
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])

@@ -94,9 +94,7 @@ def hub_snapshot(model_id: str, model_dirs: tuple[str, ...]) -> str | None:
         return None
     for root in model_dirs:
         repo = os.path.join(root, "models--" + model_id.replace("/", "--"))
-        if not os.path.isfile(os.path.join(repo, "refs", "main")):
-            continue
-        try:
+        try:  # a missing ref, as any file the checkpoint lacks, is an OpError
             with checkpoint_file(os.path.join(repo, "refs"), "main", "args.path", (root,)) as ref:
                 with open(ref, "rb") as f:
                     revision = f.read(HUB_REF_MAX_BYTES).decode("ascii", "replace").strip()
