@@ -1445,7 +1445,8 @@ class ZmqClient(FramedClient):
     restarted, a tcp connection broke): the requests that went out on it fail with
     ServerExited, as no reply to them can come (the server drops what a gone peer asked for,
     its sessions and handles with it), and the client goes on, those held back by the cap and
-    new ones going out on the next connection. Only close() ends the client. A message past the
+    new ones going out on the next connection: the end of a connection never ends the client;
+    close() does, and so does dropping the last reference to it. A message past the
     server's max_frame_size is such an end too (ZeroMQ drops the connection, SPEC §2), with no
     reply to learn the limit from: call info() first, and larger requests are refused here."""
 
