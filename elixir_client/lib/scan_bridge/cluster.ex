@@ -138,9 +138,12 @@ defmodule ScanBridge.Cluster do
   end
 
   defp attempt(group, fun, inputs, deadline, retries, tried) do
-    case Balancer.checkout(group, :call, tried) do
+    case Balancer.checkout(group, :call, tried, remaining(deadline)) do
       :no_members ->
         {:error, no_members(group, tried)}
+
+      :timeout ->
+        {:error, balancer_timeout("#{fun}")}
 
       {:ok, member, token} ->
         outcome =
@@ -165,6 +168,17 @@ defmodule ScanBridge.Cluster do
             outcome
         end
     end
+  end
+
+  @doc false
+  # The error of a call or placement whose deadline passed while this node's balancer was
+  # choosing its member (a balancer behind a backlog): nothing was sent.
+  def balancer_timeout(what) do
+    %Error{
+      reason: :deadline_exceeded,
+      message: "#{what}: the deadline passed while this node's balancer chose a member; not sent",
+      detail: %{}
+    }
   end
 
   defp no_members(group, []),

@@ -24,7 +24,7 @@ defmodule ScanBridge.Cluster.Balancer do
   # members: the members seen, each with its monitor, which is also the member's generation
   # here: a member whose node went away and came back (the same pid) is monitored anew, and a
   # holder's check-in counts only against the generation it checked out (holders: token =>
-  # {counts, member, monitor})
+  # {counts, member, monitor, {holder, the holder's request ref}})
   defstruct calls: %{}, sessions: %{}, holders: %{}, members: %{}
 
   @facts __MODULE__.MemberFacts
@@ -35,11 +35,23 @@ defmodule ScanBridge.Cluster.Balancer do
   @doc """
   A member of `group` for a call (`:call`, the fewest calls in flight) or a session
   (`:session`, the fewest sessions), leaving out `exclude`; ties go to this node's members, then
-  to chance. `{:ok, member, token}`, the token for `checkin/1`, or `:no_members`.
+  to chance. `{:ok, member, token}`, the token for `checkin/1`, `:no_members`, or `:timeout`
+  where the balancer did not answer within `wait` (ms or `:infinity`; the caller's deadline):
+  what it then checks out for the caller it gives back at once.
   """
-  @spec checkout(term, :call | :session, [pid]) :: {:ok, pid, reference} | :no_members
-  def checkout(group, kind, exclude \\ []) do
-    GenServer.call(__MODULE__, {:checkout, group, kind, exclude, self()})
+  @spec checkout(term, :call | :session, [pid], timeout) ::
+          {:ok, pid, reference} | :no_members | :timeout
+  def checkout(group, kind, exclude \\ [], wait \\ :infinity) do
+    request = make_ref()
+
+    try do
+      GenServer.call(__MODULE__, {:checkout, group, kind, exclude, self(), request}, wait)
+    catch
+      :exit, {:timeout, _} ->
+        # behind the checkout from this process, so the balancer has made it when this comes
+        GenServer.cast(__MODULE__, {:abandon, self(), request})
+        :timeout
+    end
   end
 
   @doc "Gives back what `checkout/3` took."
@@ -104,7 +116,7 @@ defmodule ScanBridge.Cluster.Balancer do
   end
 
   @impl true
-  def handle_call({:checkout, group, kind, exclude, holder}, _from, state) do
+  def handle_call({:checkout, group, kind, exclude, holder, request}, _from, state) do
     case Cluster.members(group) -- exclude do
       [] ->
         {:reply, :no_members, state}
@@ -114,7 +126,7 @@ defmodule ScanBridge.Cluster.Balancer do
         token = Process.monitor(holder)
         counts = counts(kind)
         state = watch(state, member)
-        held = {counts, member, state.members[member]}
+        held = {counts, member, state.members[member], {holder, request}}
 
         state =
           state
@@ -141,6 +153,17 @@ defmodule ScanBridge.Cluster.Balancer do
   def handle_cast({:checkin, token}, state) do
     Process.demonitor(token, [:flush])
     {:noreply, release(state, token)}
+  end
+
+  # A checkout its caller stopped waiting for: found by the caller's request (rare, so by a scan).
+  def handle_cast({:abandon, holder, request}, state) do
+    abandoned =
+      Enum.find_value(state.holders, fn
+        {token, {_counts, _member, _monitor, {^holder, ^request}}} -> token
+        _other -> nil
+      end)
+
+    if abandoned, do: handle_cast({:checkin, abandoned}, state), else: {:noreply, state}
   end
 
   def handle_cast({:learn_model, member, name, nil}, state) do
@@ -193,7 +216,7 @@ defmodule ScanBridge.Cluster.Balancer do
       {nil, _} ->
         state
 
-      {{counts, member, monitor}, holders} ->
+      {{counts, member, monitor, _request}, holders} ->
         state = %{state | holders: holders}
 
         case state.members do

@@ -752,9 +752,12 @@ defmodule ScanBridge.Cluster.Session do
   # the member runs them all on the open itself: {:ok, state, its outcome}; else :not_run, and
   # the caller sends it.
   defp place(state, deadline, pending) do
-    case checkout(state) do
+    case checkout(state, Cluster.remaining(deadline)) do
       :no_members ->
         {:error, no_owner(state), state}
+
+      :timeout ->
+        {:error, Cluster.balancer_timeout("placing the session"), state}
 
       {:ok, member, token} ->
         case open_on(state, member, deadline, pending) do
@@ -796,10 +799,10 @@ defmodule ScanBridge.Cluster.Session do
 
   # A member to open the session on: none passed over, and one whose open did not answer in time
   # only when no other is left.
-  defp checkout(state) do
-    case Balancer.checkout(state.group, :session, state.skipped ++ state.slow) do
+  defp checkout(state, wait) do
+    case Balancer.checkout(state.group, :session, state.skipped ++ state.slow, wait) do
       :no_members when state.slow != [] ->
-        Balancer.checkout(state.group, :session, state.skipped)
+        Balancer.checkout(state.group, :session, state.skipped, wait)
 
       checked_out ->
         checked_out
