@@ -148,13 +148,51 @@ typedef struct {
 
 /* Checks a tensor map {dtype, shape, data | buf} against SPEC §5; NULL when valid, else why.
  * `used` (may be NULL) marks the raw buffers it names. */
+static int printed_length(uint32_t size);
+
+/* What read_tensor refused, with what it expected and what came (one client thread reads replies). */
+static char tensor_why[200];
+
+static const char *tensor_refused(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tensor_why, sizeof tensor_why, fmt, ap);
+    va_end(ap);
+    return tensor_why;
+}
+
+/* A msgpack object's type, as a refusal names what came. */
+static const char *type_name(const msgpack_object *o) {
+    if (o == NULL) return "nothing";
+    switch (o->type) {
+        case MSGPACK_OBJECT_NIL: return "nil";
+        case MSGPACK_OBJECT_BOOLEAN: return "a bool";
+        case MSGPACK_OBJECT_POSITIVE_INTEGER: return "an unsigned int";
+        case MSGPACK_OBJECT_NEGATIVE_INTEGER: return "a negative int";
+        case MSGPACK_OBJECT_FLOAT32: case MSGPACK_OBJECT_FLOAT64: return "a float";
+        case MSGPACK_OBJECT_STR: return "a str";
+        case MSGPACK_OBJECT_BIN: return "a bin";
+        case MSGPACK_OBJECT_ARRAY: return "an array";
+        case MSGPACK_OBJECT_MAP: return "a map";
+        default: return "an ext";
+    }
+}
+
 static const char *read_tensor(const msgpack_object *map, const parts_t *parts, unsigned char *used,
                                tensor_t *out) {
     const msgpack_object *dtype = get(map, "dtype"), *shape = get(map, "shape");
     const msgpack_object *data = get(map, "data"), *buf = get(map, "buf");
     size_t size = itemsize(dtype);
-    if (size == 0) return "unknown dtype";
-    if (shape == NULL || shape->type != MSGPACK_OBJECT_ARRAY || shape->via.array.size > 8) return "bad shape";
+    if (size == 0) {
+        const char *dtypes = "unknown dtype: expected f32, f16, bf16, f64, i32, i64 or u8, got";
+        if (dtype != NULL && dtype->type == MSGPACK_OBJECT_STR)
+            return tensor_refused("%s \"%.*s\"", dtypes, printed_length(dtype->via.str.size), dtype->via.str.ptr);
+        return tensor_refused("%s %s", dtypes, type_name(dtype));
+    }
+    if (shape == NULL || shape->type != MSGPACK_OBJECT_ARRAY)
+        return tensor_refused("bad shape: expected an array of at most 8 dimensions, got %s", type_name(shape));
+    if (shape->via.array.size > 8)
+        return tensor_refused("bad shape: expected at most 8 dimensions, got %u", shape->via.array.size);
     /* The shape's extent (SPEC §5), with checked multiplies: a product that wraps would let
      * [2^62, 4] f32 pass with 0 bytes. A zero dimension leaves no elements but counts as 1 in
      * the extent, so [0, 2^61] f32 is refused too. Within the extent, the element and byte
@@ -162,7 +200,11 @@ static const char *read_tensor(const msgpack_object *map, const parts_t *parts, 
     uint64_t elements = 1, extent = size;
     for (uint32_t i = 0; i < shape->via.array.size; i++) {
         const msgpack_object *dim = &shape->via.array.ptr[i];
-        if (dim->type != MSGPACK_OBJECT_POSITIVE_INTEGER || dim->via.u64 > MAX_EXTENT) return "bad dimension";
+        if (dim->type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+            return tensor_refused("bad dimension %u: expected an unsigned int, got %s", i, type_name(dim));
+        if (dim->via.u64 > MAX_EXTENT)
+            return tensor_refused("bad dimension %u: expected at most 2^63 - 1, got %llu", i,
+                                  (unsigned long long)dim->via.u64);
         if (__builtin_mul_overflow(extent, dim->via.u64 ? dim->via.u64 : 1, &extent) || extent > MAX_EXTENT)
             return "shape of more than 2^63 - 1 bytes";
         elements *= dim->via.u64;
@@ -170,19 +212,29 @@ static const char *read_tensor(const msgpack_object *map, const parts_t *parts, 
     uint64_t nbytes = elements * size;
     if ((data == NULL) == (buf == NULL) || map->via.map.size != 3) return "not exactly dtype, shape and one of data/buf";
     if (data != NULL) {
-        if (data->type != MSGPACK_OBJECT_BIN && data->type != MSGPACK_OBJECT_STR) return "data neither bin nor str";
+        if (data->type != MSGPACK_OBJECT_BIN && data->type != MSGPACK_OBJECT_STR)
+            return tensor_refused("data neither bin nor str: got %s", type_name(data));
         out->bytes = data->via.bin.ptr;  /* bin and str share the layout {size, ptr} */
         out->nbytes = data->via.bin.size;
     } else {
         /* Not `buf + 1 >= count`: buf = 2^64 − 1 would wrap to 0 and name the body. */
-        if (buf->type != MSGPACK_OBJECT_POSITIVE_INTEGER || buf->via.u64 >= (uint64_t)parts->count - 1)
-            return "buf names no raw buffer";
+        if (buf->type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+            return tensor_refused("buf names no raw buffer: expected an unsigned int, got %s", type_name(buf));
+        if (parts->count == 1)
+            return tensor_refused("buf names no raw buffer: the frame has none after its body, got buf %llu",
+                                  (unsigned long long)buf->via.u64);
+        if (buf->via.u64 >= (uint64_t)parts->count - 1)
+            return tensor_refused("buf names no raw buffer: expected an index below %d (the frame's raw "
+                                  "buffers after its body), got %llu", parts->count - 1,
+                                  (unsigned long long)buf->via.u64);
         out->bytes = parts->at[buf->via.u64 + 1].data;
         out->nbytes = parts->at[buf->via.u64 + 1].size;
         if (used) used[buf->via.u64 + 1] = 1;
     }
     out->elements = elements;
-    if (out->nbytes != nbytes) return "tensor size mismatch";
+    if (out->nbytes != nbytes)
+        return tensor_refused("tensor size mismatch: its shape and dtype need %llu bytes, its data holds %llu",
+                              (unsigned long long)nbytes, (unsigned long long)out->nbytes);
     return NULL;
 }
 
