@@ -54,7 +54,7 @@ defmodule ScanBridge.Cluster.Balancer do
     end
   end
 
-  @doc "Gives back what `checkout/3` took."
+  @doc "Gives back what `checkout/4` took."
   @spec checkin(reference) :: :ok
   def checkin(token), do: GenServer.cast(__MODULE__, {:checkin, token})
 
