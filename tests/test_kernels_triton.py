@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import scan_kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
+    INTERPRETER_NONFINITE_WARNINGS,
     CUDA_COMPILES_EVERY_KERNEL, DTYPES, INTERPRETER_OTHER_SPLIT, LARGE_SCAN_CASES, ON_CUDA, SCAN_CASES,
     TOLERANCES, TRITON_NOT_SERVING, UPDATE_CASES, ScanCase, UpdateCase, assert_close, assert_same_nans_and_close,
     assert_scan_matches_reference, assert_scan_outputs_match_reference, assert_update_outputs_match_reference,
@@ -109,6 +110,7 @@ def test_scan_matches_reference(case, split, interpreter_slow, device):
 
 # Padded steps past a tile's end have dt 0, and with A of -inf their exp(0 * A) was NaN, the
 # final state NaN with it. Segments of two tiles: the look-back over carries decays by -inf too.
+@INTERPRETER_NONFINITE_WARNINGS
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("regime", ZERO_DECAY_REGIMES)
 @pytest.mark.parametrize("split", ["whole", "two-tiles"])
@@ -126,6 +128,7 @@ def test_scan_with_decays_of_zero(split, regime, device):
 # kernel_cases.INFINITE_INPUT_STATES: the padded state entries past a state of 3, 5 (BLOCK_N 4, 8)
 # held 0 * inf, NaN, which y's sum took where the reference's y is +inf; and an A of +inf made a
 # padded step's exp(0 * A) NaN, the final state with it.
+@INTERPRETER_NONFINITE_WARNINGS
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("state_size", INFINITE_INPUT_STATES)
 @pytest.mark.parametrize("kind", ["scan", "update", "ssd_update"])

@@ -26,6 +26,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import scan_kernels  # noqa: E402
 from kernel_cases import (  # noqa: E402
+    INTERPRETER_NONFINITE_WARNINGS,
     DTYPES, LARGE_SSD_SCAN_CASES, ON_CUDA, SSD_SCAN_CASES, SSD_UPDATE_CASES,
     TRITON_NOT_SERVING, SsdCase, SsdUpdateCase, assert_close, assert_same_nans_and_close, assert_scan_outputs_match_reference,
     assert_ssd_matches_reference, assert_ssd_update_matches_reference, assert_update_outputs_match_reference,
@@ -257,6 +258,7 @@ def test_ssd_scan_one_large_step_then_small_ones(minus_A, large_dt, device):
 # A chunk's summed log decays were -inf (A of -inf), -inf minus -inf NaN, or -1e30 with every
 # later step's share lost in its rounding: y and the state NaN or garbage. Several chunks, the
 # last one short.
+@INTERPRETER_NONFINITE_WARNINGS
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("regime", ZERO_DECAY_REGIMES)
 def test_ssd_scan_with_decays_of_zero(regime, device):
@@ -373,6 +375,7 @@ def test_a_nan_dt_spreads_as_in_the_recurrence(device):
     assert_same_nans_and_close(update["state"], state_ref, f"update state seed={seed}")
 
 
+@INTERPRETER_NONFINITE_WARNINGS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("device", DEVICES)
