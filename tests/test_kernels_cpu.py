@@ -288,26 +288,39 @@ import torch
 torch.set_num_threads(2)
 import scan_kernels
 from kernel_cases import UpdateCase, make_update_inputs
-def helper_sleeps():
+# {name: (state letter, voluntary context switches)} of the pool's helper threads.
+def helpers():
     tasks = "/proc/self/task"
-    counts = {}
+    found = {}
     for tid in os.listdir(tasks):
         with open(f"{tasks}/{tid}/comm") as f:
             name = f.read().strip()
         if name.startswith("scan-helper-"):
             with open(f"{tasks}/{tid}/status") as f:
-                counts[name] = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
-    return counts
+                fields = dict(line.split(":", 1) for line in f)
+            found[name] = (fields["State"].split()[0], int(fields["voluntary_ctxt_switches"]))
+    return found
+# Each helper's count of sleeps once all are asleep and stay so for 20 ms: a helper still on its
+# way to sleep (the spin, then a yield loop) counts one more sleep when it gets there, which on a
+# loaded machine can be long after the call that woke it, or after the pool started it.
+def sleeps_once_asleep():
+    end, last = time.monotonic() + 30, None
+    while time.monotonic() < end:
+        now = helpers()
+        if now == last and all(state == "S" for state, _ in now.values()):
+            return {name: count for name, (_, count) in now.items()}
+        last = now
+        time.sleep(0.02)
+    raise SystemExit(f"the helpers were not all asleep for 20 ms within 30 s: {last}")
 rows = [int(r) for r in sys.argv[1:]]
 inputs = [make_update_inputs(UpdateCase(r, 512, 16), seed=k) for k, r in enumerate(rows)]
 tiny = make_update_inputs(UpdateCase(1, 16, 16), seed=len(rows))  # below one thread's share
 scan_kernels.selective_state_update(**tiny, backend="cpu")  # loads the backend; offers no work
-time.sleep(0.05)  # not synchronisation: past the pool's spin (kSpin), so the helpers sleep
-before = helper_sleeps()
+before = sleeps_once_asleep()
+time.sleep(0.05)  # past the pool's spin (kSpin), so the first call below comes long after the last
 for args in inputs:
     scan_kernels.selective_state_update(**args, backend="cpu")
-time.sleep(0.05)  # past kSpin again: a helper that was offered work has gone back to sleep
-print(json.dumps([before, helper_sleeps()]))
+print(json.dumps([before, sleeps_once_asleep()]))
 """
 
 
