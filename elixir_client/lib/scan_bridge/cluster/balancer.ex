@@ -24,7 +24,7 @@ defmodule ScanBridge.Cluster.Balancer do
   # members: the members seen, each with its monitor, which is also the member's generation
   # here: a member whose node went away and came back (the same pid) is monitored anew, and a
   # holder's check-in counts only against the generation it checked out (holders: token =>
-  # {counts, member, monitor, {holder, the holder's request ref}})
+  # {counts, member, monitor, the checkout's request ref})
   defstruct calls: %{}, sessions: %{}, holders: %{}, members: %{}
 
   @facts __MODULE__.MemberFacts
@@ -49,7 +49,7 @@ defmodule ScanBridge.Cluster.Balancer do
     catch
       :exit, {:timeout, _} ->
         # behind the checkout from this process, so the balancer has made it when this comes
-        GenServer.cast(__MODULE__, {:abandon, self(), request})
+        GenServer.cast(__MODULE__, {:abandon, request})
         :timeout
     end
   end
@@ -126,7 +126,7 @@ defmodule ScanBridge.Cluster.Balancer do
         token = Process.monitor(holder)
         counts = counts(kind)
         state = watch(state, member)
-        held = {counts, member, state.members[member], {holder, request}}
+        held = {counts, member, state.members[member], request}
 
         state =
           state
@@ -155,11 +155,11 @@ defmodule ScanBridge.Cluster.Balancer do
     {:noreply, release(state, token)}
   end
 
-  # A checkout its caller stopped waiting for: found by the caller's request (rare, so by a scan).
-  def handle_cast({:abandon, holder, request}, state) do
+  # A checkout its caller stopped waiting for: found by its request (rare, so by a scan).
+  def handle_cast({:abandon, request}, state) do
     abandoned =
       Enum.find_value(state.holders, fn
-        {token, {_counts, _member, _monitor, {^holder, ^request}}} -> token
+        {token, {_counts, _member, _monitor, ^request}} -> token
         _other -> nil
       end)
 
