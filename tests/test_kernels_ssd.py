@@ -139,7 +139,7 @@ def test_ssd_scan_with_decays_of_zero(backend, regime):
     inputs = with_zero_decays(make_ssd_inputs(case, seed=seed), regime)
     y, state = scan_kernels.ssd_scan(**inputs, backend=backend)
     assert_scan_outputs_match_reference(case, F32, inputs, y, state, f"{backend} {regime} seed={seed}",
-                                        reference=reference_ssd_scan)
+                                        reference=reference_ssd_scan, to_term_magnitudes=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -268,7 +268,7 @@ def test_ssd_scan_with_decays_of_zero(regime, device):
     inputs = with_zero_decays(make_ssd_inputs(case, torch.float32, device, seed=seed), regime)
     y, state = _run_scan(inputs, _scan_blocks(device))
     assert_scan_outputs_match_reference(case, torch.float32, inputs, y, state, f"{device} {regime} seed={seed}",
-                                        reference=reference_ssd_scan)
+                                        reference=reference_ssd_scan, to_term_magnitudes=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
