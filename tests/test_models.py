@@ -23,7 +23,7 @@ import scan_kernels
 
 from bridge.client import BridgeError
 from bridge.models import load_weights
-from bridge.models.config import layer_state_names
+from bridge.models.config import layer_state_names, parse_config
 from bridge_fakes import RecordingConnection
 from kernel_cases import cpu_backends, random_seed
 
@@ -103,6 +103,11 @@ def oracle_outputs(model, tokens, output, prefix=PREFIX):
     return torch.cat(results, dim=1)
 
 
+def position_width(model) -> int:
+    """The position_width of a transformers model's config as the server reads it."""
+    return parse_config(json.loads(model.config.to_json_string())).position_width
+
+
 def rel_close(actual, expected, rtol, what):
     """Close relative to the largest magnitude (logits of random models span orders)."""
     actual, expected = torch.as_tensor(actual).double(), expected.double()
@@ -154,6 +159,52 @@ def assert_prefill_then_steps_match(srv, conn, loaded, model, output, *, batch, 
     rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, output), 1e-4, what)
 
 
+# Models whose widest buffer a position is far wider than d_model, each with the backend where
+# that buffer is held: Mamba-1 with expand 64 (its in_proj 128 x d_model) and Mamba-2 with heads
+# of one channel (the torch form's decays and scores, heads x its chunk, about 2,000 x d_model);
+# and one as wide as its in_proj.
+WIDE_POSITION_MODELS = [
+    pytest.param("MambaForCausalLM", dict(hidden_size=8, expand=64, time_step_rank=1), "cpu", id="mamba-expand-64"),
+    pytest.param("Mamba2ForCausalLM", dict(hidden_size=8, expand=16, head_dim=1, num_heads=128, n_groups=1),
+                 "torch", id="mamba2-heads-of-1"),
+    pytest.param("MambaForCausalLM", dict(hidden_size=512, expand=1, time_step_rank=1), "cpu", id="mamba-expand-1"),
+]
+
+
+@pytest.mark.parametrize("cls, sizes, backend", WIDE_POSITION_MODELS)
+def test_a_long_prefills_memory_is_bounded_by_its_passes_whatever_the_models_widths(tmp_path, cls, sizes, backend):
+    """A pass holds about a dozen buffers of at most the config's position_width a position,
+    PREFILL_PASS_ELEMENTS of them in all (rows x positions x width), so a window of 65,536 tokens
+    raises the server's peak resident set by at most 12 x that many fp32 numbers, whatever
+    d_model is. Passes sized by d_model alone ran each model below but the last as one pass
+    (found in review): gigabytes for this 256 KiB request."""
+    from bridge.client import PortClient, server_env
+    from bridge.models import runtime
+
+    if backend not in scan_kernels.available_backends():
+        pytest.skip(f"{backend} backend unavailable: {scan_kernels.unavailable_backends().get(backend)}")
+    config_class = getattr(transformers, cls.replace("ForCausalLM", "Config"))
+    getattr(transformers, cls)(config_class(vocab_size=16, state_size=4, num_hidden_layers=1, **sizes)).save_pretrained(
+        tmp_path / "wide")
+
+    def status(pid, key):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    with PortClient(["--device", "cpu", "--backend", backend, "--model-dir", str(tmp_path)], env=server_env()) as client:
+        pid = client.request("info", {}).unwrap()["pid"]
+        session = client.load_model("wide").open_session(batch=1)
+        session.forward(np.zeros((1, 300), np.int32), last_only=True)  # a first pass: what stays allocated
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) back to the resident set
+        before = status(pid, "VmRSS")
+        session.forward(np.zeros((1, 65536), np.int32), last_only=True)
+        peak_extra = status(pid, "VmHWM") - before
+    bound = 12 * runtime.PREFILL_PASS_ELEMENTS * 4
+    print(f"{cls} {sizes} on {backend}: peak +{peak_extra / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")
+    assert peak_extra <= bound, f"peak +{peak_extra / 2**20:.0f} MiB, over {bound / 2**20:.0f} MiB"
+
+
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("arch", ["mamba-lm-tied", "mamba2-lm", "mamba2-backbone"])
 def test_a_long_window_runs_in_passes_as_transformers_runs_it_whole(serve, checkpoints, arch, backend,
@@ -164,13 +215,13 @@ def test_a_long_window_runs_in_passes_as_transformers_runs_it_whole(serve, check
     transformers' whole run. The bound is shrunk here to passes of 8 positions."""
     from bridge.models import runtime
 
+    model, output, seed = checkpoints[1][arch]
     monkeypatch.setattr(runtime, "PREFILL_PASS_ALIGN", 8)
-    monkeypatch.setattr(runtime, "PREFILL_PASS_ELEMENTS", 3 * 12 * 9)  # 3 rows of d_model 12: 8 positions
+    monkeypatch.setattr(runtime, "PREFILL_PASS_ELEMENTS", 3 * position_width(model) * 9)  # 3 rows: 8 positions
     passes = []
     in_passes = runtime.Model._forward_in_passes
     monkeypatch.setattr(runtime.Model, "_forward_in_passes",
                         lambda self, *a, **k: passes.append(a[3]) or in_passes(self, *a, **k))
-    model, output, seed = checkpoints[1][arch]
     srv, conn = serve(backend), RecordingConnection()
     loaded = call(srv, conn, "model_load", path=arch)["model"]
     torch.manual_seed(seed + 3)
@@ -428,13 +479,13 @@ def test_a_backbone_sent_by_the_client_takes_embeddings_and_gives_hidden_states(
     from bridge.models import runtime
 
     ran = []
+    model, _, seed = checkpoints[1]["mamba2-backbone"]
     if passes:
         monkeypatch.setattr(runtime, "PREFILL_PASS_ALIGN", 4)
-        monkeypatch.setattr(runtime, "PREFILL_PASS_ELEMENTS", 2 * 12 * 5)  # 2 rows of d_model 12: 4 positions
+        monkeypatch.setattr(runtime, "PREFILL_PASS_ELEMENTS", 2 * position_width(model) * 5)  # 2 rows: 4 positions
         in_passes = runtime.Model._forward_in_passes
         monkeypatch.setattr(runtime.Model, "_forward_in_passes",
                             lambda self, *a, **k: ran.append(a[3]) or in_passes(self, *a, **k))
-    model, _, seed = checkpoints[1]["mamba2-backbone"]
     config, weights = backbone_request(model)
     srv, conn = serve(), RecordingConnection()
     handle = call(srv, conn, "put", tensor=weights.pop("norm_f.weight"))["handle"]

@@ -23,6 +23,10 @@ from ..errors import OpError
 ARCHS = ("mamba", "mamba2")
 # The largest size a config may give: a tensor dimension (torch's are int64).
 MAX_SIZE = 2**63 - 1
+# The chunks the chunked Mamba-2 scans take by default (a model's prefill names none), the torch
+# form's and Triton's: a position holds heads x a chunk of decays and scores there, and
+# d_inner x state / a chunk of the chunk states.
+SSD_DEFAULT_CHUNKS = (64, 128)
 # mamba_ssm's Mamba2 builds its gated RMSNorm with this eps, whatever norm_epsilon says.
 MAMBA_SSM_GATED_EPS = 1e-5
 
@@ -69,6 +73,17 @@ class ModelConfig:
     def conv_dim(self) -> int:
         """Channels of the causal conv: x alone (Mamba-1), or x, B and C (Mamba-2)."""
         return self.d_inner if self.arch == "mamba" else self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def position_width(self) -> int:
+        """The most numbers a layer holds in one buffer a position (logits aside): the residual,
+        the in_proj's output (z and x; for Mamba-2 B, C and dt too), Mamba-1's x_proj output,
+        and the chunked Mamba-2 scans' decay and score rows and share of the chunk states."""
+        if self.arch == "mamba":
+            return max(self.d_model, 2 * self.d_inner, self.dt_rank + 2 * self.d_state)
+        in_proj = 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
+        shortest, longest = SSD_DEFAULT_CHUNKS
+        return max(self.d_model, in_proj, self.nheads * longest, -(-self.d_inner * self.d_state // shortest))
 
     @property
     def has_embeddings(self) -> bool:

@@ -27,11 +27,12 @@ FP32_TENSORS = ("A_log", "D", "dt_bias", "dt_proj.bias", "conv1d.weight", "conv1
 # The weight dtypes the backends' fused model step reads (scan_kernels.model_step_kernel); state and
 # activations are fp32 in it whatever they are.
 FUSED_STEP_DTYPES = (torch.float32, torch.bfloat16)
-# A prefill longer than this many rows x positions x d_model runs as several, each from the
-# state the one before left: its activations, several times d_model wide a position, are held
-# to a bound whatever window a request sends, where one pass let a small request of many
-# tokens take gigabytes (docs/performance.md, "prefill passes"). Ordinary windows are one pass.
-PREFILL_PASS_ELEMENTS = 1 << 21
+# A prefill longer than this many rows x positions x the config's position_width runs as
+# several, each from the state the one before left: its activations, a few buffers of at most
+# that width a position, are held to a bound whatever window a request sends, where one pass
+# let a small request of many tokens take gigabytes (docs/performance.md, "prefill passes").
+# Ordinary windows are one pass.
+PREFILL_PASS_ELEMENTS = 1 << 23
 # Passes start at multiples of this many positions: the chunked SSD scan's chunks (up to 256)
 # then fall where one pass's would.
 PREFILL_PASS_ALIGN = 256
@@ -141,7 +142,7 @@ class Model:
 
     def prefill_pass_positions(self, rows: int) -> int:
         """The most positions one prefill pass of `rows` rows runs (PREFILL_PASS_ELEMENTS)."""
-        positions = PREFILL_PASS_ELEMENTS // max(1, rows * self.config.d_model)
+        positions = PREFILL_PASS_ELEMENTS // max(1, rows * self.config.position_width)
         return max(PREFILL_PASS_ALIGN, positions - positions % PREFILL_PASS_ALIGN)
 
     def _forward_in_passes(self, parts, slots, inputs, per_pass: int, *, output, last_only, backend,
