@@ -171,6 +171,18 @@ WIDE_POSITION_MODELS = [
 ]
 
 
+def test_position_width_counts_the_chunks_the_mamba2_backends_take():
+    """SSD_DEFAULT_CHUNKS is the torch form's default chunk and Triton's: a backend's longer
+    chunk would hold more decay and score rows a position than position_width counts."""
+    from bridge.models.config import SSD_DEFAULT_CHUNKS
+    from scan_kernels import eager_ssd
+
+    pytest.importorskip("triton", reason="triton is not installed: its default chunk cannot be read")
+    from scan_kernels.triton_kernels import configs
+
+    assert SSD_DEFAULT_CHUNKS == (eager_ssd.DEFAULT_CHUNK, configs.SSD_CHUNK)
+
+
 @pytest.mark.parametrize("cls, sizes, backend", WIDE_POSITION_MODELS)
 def test_a_long_prefills_memory_is_bounded_by_its_passes_whatever_the_models_widths(tmp_path, cls, sizes, backend):
     """A pass holds about a dozen buffers of at most the config's position_width a position,
