@@ -26,6 +26,10 @@ class OwnedTable(abc.ABC, Generic[Value]):
         self._unknown = unknown
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[str, Value]] = {}  # id -> (owner, value)
+        self._counts: dict[str, int] = {}  # owner -> how many entries it holds
+        # Called, outside the lock, with an owner whose last entry `remove` (or a subclass's
+        # drop) released: it may own nothing any more (bridge.server stops watching it).
+        self.on_emptied: Callable[[str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,13 +46,18 @@ class OwnedTable(abc.ABC, Generic[Value]):
             raise self._unknown(entry_id, field)
         return value
 
+    def holds_any(self, owner: str) -> bool:
+        with self._lock:
+            return owner in self._counts
+
     def remove(self, owner: str, entry_id: str, field: str) -> None:
         """Release `entry_id`, which `owner` must own."""
         with self._lock:
             entry = self._entries.get(entry_id)
             if entry is None or entry[0] != owner:
                 raise self._unknown(entry_id, field)
-            self._remove(entry_id)
+            emptied = self._remove(entry_id)
+        self._tell_emptied([emptied])
 
     def release_owner(self, owner: str) -> int:
         """Release everything `owner` owns (its connection went away); returns how many."""
@@ -71,12 +80,26 @@ class OwnedTable(abc.ABC, Generic[Value]):
         entry_id = secrets.token_urlsafe(16)
         value = make(entry_id)
         self._entries[entry_id] = (owner, value)
+        self._counts[owner] = self._counts.get(owner, 0) + 1
         return entry_id, value
 
-    def _remove(self, entry_id: str) -> None:
-        """Drop an entry and free what it holds. Called with the lock held."""
-        _, value = self._entries.pop(entry_id)
+    def _remove(self, entry_id: str) -> str | None:
+        """Drop an entry and free what it holds; returns its owner if that was the owner's last
+        entry. Called with the lock held."""
+        owner, value = self._entries.pop(entry_id)
+        left = self._counts.pop(owner) - 1
+        if left:
+            self._counts[owner] = left
         self._released(value)
+        return None if left else owner
+
+    def _tell_emptied(self, owners) -> None:
+        """on_emptied for each owner `_remove` said it emptied (None for the others). Called
+        without the lock."""
+        if self.on_emptied is not None:
+            for owner in owners:
+                if owner is not None:
+                    self.on_emptied(owner)
 
     @abc.abstractmethod
     def _released(self, value: Value) -> None:

@@ -131,7 +131,10 @@ class Server:
         self.model_step_graphs = ModelStepGraphs() if graphs else None
         self.stats.add_gauge("sessions", self.sessions.usage)
         self.stats.add_gauge("handles", self.handles.usage)
-        self._watched: set[str] = set()  # ids of connections whose close frees what they own
+        self._watched: dict[str, object] = {}  # id -> connection whose close frees what it owns
+        self._tables = (self.sessions, self.snapshots, self.models, self.handles)
+        for table in self._tables:
+            table.on_emptied = self._owner_emptied
         self._watched_lock = threading.Lock()
         self._released = weakref.WeakSet()  # connections gone, whose release has run
 
@@ -212,12 +215,23 @@ class Server:
         with self._watched_lock:
             if conn.id in self._watched:
                 return
-            self._watched.add(conn.id)
+            self._watched[conn.id] = conn
         conn.on_close(self._release_connection)
+
+    def _owner_emptied(self, owner: str) -> None:
+        """Stop watching a connection that freed the last of what it owned: a ZeroMQ peer is held
+        (against --max-zmq-peers, and freed as idle past --idle-timeout-s) while something waits
+        for its close. One that creates something again is watched again (_watch)."""
+        with self._watched_lock:
+            if any(table.holds_any(owner) for table in self._tables):
+                return
+            conn = self._watched.pop(owner, None)
+        if conn is not None:
+            conn.remove_close_callback(self._release_connection)
 
     def _release_connection(self, conn) -> None:
         with self._watched_lock:
-            self._watched.discard(conn.id)
+            self._watched.pop(conn.id, None)
             # Released before: this is what requests it left behind made after it went.
             gone_now = conn not in self._released
             self._released.add(conn)

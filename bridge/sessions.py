@@ -549,8 +549,9 @@ class SnapshotTable(OwnedTable[Snapshot]):
     def drop_model(self, model_id: str) -> None:
         """Free every snapshot of a model's sessions (the model is being freed)."""
         with self._lock:
-            for snapshot_id in [i for i, (_, s) in self._entries.items() if s.layout.model == model_id]:
-                self._remove(snapshot_id)
+            emptied = [self._remove(snapshot_id)
+                       for snapshot_id in [i for i, (_, s) in self._entries.items() if s.layout.model == model_id]]
+        self._tell_emptied(emptied)
 
     def _released(self, snapshot: Snapshot) -> None:
         self.sessions.unhold("snapshots", snapshot.nbytes)

@@ -812,6 +812,36 @@ def test_requests_a_disconnected_zmq_peer_left_queued_are_dropped_not_run(tmp_pa
     assert stats["sessions"]["sessions"] == 0 and stats["released"] == {}, "a session was opened for nobody"
 
 
+def test_a_zmq_peer_that_freed_what_it_owned_is_held_no_longer(tmp_path):
+    """A peer is held against --max-zmq-peers while it owns something (or has a request in
+    flight); found in review, one that had freed all it opened stayed held for good, so that
+    past the cap every new peer was answered overloaded (and with --idle-timeout-s one owning
+    nothing was counted released). Two peers fill a cap of two; once each has freed what it
+    opened it is let go, and a third peer is served."""
+    def call(sock, request_id, op, args=None) -> dict:
+        sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
+        assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["ok"], reply
+        return reply["result"]
+
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, max_peers=2) as (dispatcher, transport), \
+            dealers(transport, 3) as (putter, opener, third):
+        handle = call(putter, 1, "put", {"tensor": protocol.OutTensor("f32", (2,), bytes(8))})["handle"]
+        session = call(opener, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})["session"]
+        snapshot = call(opener, 2, "session_snapshot", {"session": session})["snapshot"]
+        assert len(transport._peers) == 2
+        call(putter, 2, "free", {"handle": handle})
+        call(opener, 3, "session_close", {"session": session})
+        wait_until(lambda: len(transport._peers) == 1, "the peer that freed its handle was never let go")
+        (held,) = transport._peers.values()
+        assert held.has_close_callbacks, "the peer holding a snapshot was let go"
+        call(opener, 4, "snapshot_free", {"snapshot": snapshot})
+        wait_until(lambda: not transport._peers, "the peer that freed its snapshot was never let go")
+        assert call(third, 1, "ping") == {"pong": True}
+        assert dispatcher.server.stats.snapshot()["released"] == {}
+
+
 def test_parts_past_the_most_raw_buffers_are_counted_not_kept(tmp_path, monkeypatch):
     """The reading of such a message itself: every part counted, but past the cap none kept (a
     frame object each), and the message read off whole (found in review: the test below sees

@@ -1634,6 +1634,8 @@ def test_closing_the_connection_frees_models_sessions_and_snapshots(serve):
 
 
 def test_model_free_refuses_a_model_in_use_then_frees_it_and_its_snapshots(serve):
+    """Freeing the model and with it the snapshot, the last things the connection held, ends the
+    wait for its close (test_sessions.py: a ZeroMQ peer is held while one waits)."""
     srv, conn = serve(), RecordingConnection()
     info = call(srv, conn, "model_load", path="mamba-lm-tied", name="agent")
     assert info["name"] == "agent"
@@ -1647,8 +1649,10 @@ def test_model_free_refuses_a_model_in_use_then_frees_it_and_its_snapshots(serve
     call(srv, conn, "session_close", session=other)
     assert error_of(srv, conn, "model_free", model=info["model"])["detail"]["got"] == "a model an open session uses"
     call(srv, conn, "session_close", session=session)
+    assert conn.has_close_callbacks, "not watched while it held a model and a snapshot"
     assert call(srv, conn, "model_free", model=info["model"]) == {"freed": True}
     assert srv.server.sessions.usage()["pool_bytes"] == 0
+    assert not conn.has_close_callbacks, "still watched with nothing held"
     assert error_of(srv, conn, "model_free", model=info["model"])["code"] == "unknown_model"
 
 

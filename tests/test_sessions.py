@@ -419,6 +419,29 @@ def test_what_a_closed_connection_opens_is_freed_at_once(inproc):
         "closed": {"peers": 1, "sessions": 2, "snapshots": 0, "models": 0, "handles": 1}}
 
 
+def test_a_connection_is_watched_for_its_close_only_while_it_owns_something(inproc):
+    """What a connection owns is freed by a callback waiting for its close, and a ZeroMQ peer is
+    held while one waits (bridge.transports.zmq): found in review, the callback stayed after the
+    connection had freed all it owned. Freeing the last thing, whatever it is, ends the wait;
+    owning again starts it; a close then frees what is owned."""
+    srv = inproc()
+    conn = RecordingConnection()
+    handle = srv.call(conn, "put", tensor=torch.rand(3) + 0.5)["handle"]
+    session = srv.call(conn, "session_open", batch=1, dim=2, state=2)["session"]
+    snapshot = srv.call(conn, "session_snapshot", session=session)["snapshot"]
+    for op, args in [("free", {"handle": handle}), ("session_close", {"session": session})]:
+        srv.call(conn, op, **args)
+        assert conn.has_close_callbacks, f"not watched after {op}, with a snapshot still held"
+    srv.call(conn, "snapshot_free", snapshot=snapshot)
+    assert not conn.has_close_callbacks, "still watched with nothing held"
+    srv.call(conn, "session_open", batch=1, dim=2, state=2)
+    assert conn.has_close_callbacks, "not watched again once it held a session"
+    conn.mark_closed()
+    assert srv.server.sessions.usage()["sessions"] == 0
+    assert srv.server.stats.snapshot()["released"] == {
+        "closed": {"peers": 1, "sessions": 1, "snapshots": 0, "models": 0, "handles": 0}}
+
+
 # -- limits ----------------------------------------------------------------------------------
 
 

@@ -341,7 +341,6 @@ class StateWalk(RuleBasedStateMachine):
         self.models: dict[str, Loaded] = {}
         self.zero: dict[tuple, Value] = {}
         self.released = {"peers": 0, "sessions": 0, "snapshots": 0, "models": 0, "handles": 0}
-        self.watched: set[int] = set()  # connections something was made for: their close is a release
         # What `stats` counts: per op, successes, failures and inferences; errors by code.
         self.counted: dict[str, Counter] = defaultdict(Counter)
         self.errors = Counter()
@@ -651,7 +650,6 @@ class StateWalk(RuleBasedStateMachine):
         at a frame that runs (opened, then closed again), or `held` opened, its frames run on it."""
         if refusal is not None:
             return self.expect(reply, "limit_exceeded", limit=refusal, what=what)
-        self.watched.add(held.conn)
         if frames is None:
             result = self.expect(reply, None, what=what)
             assert "frames" not in result, f"{what}: frames unasked"
@@ -971,7 +969,6 @@ class StateWalk(RuleBasedStateMachine):
         copied = self.expect(reply, None, what=op)["session" if fork else "snapshot"]
         copy = Held(copied, conn, held.layout, held.batch, held.row_bytes, held.value)
         (self.sessions if fork else self.snapshots)[copied] = copy
-        self.watched.add(conn)
         return copy
 
     def restore_frames(self, held: Held | None, specs, bad=None, bad_at: int = 0) -> Frames:
@@ -1116,7 +1113,6 @@ class StateWalk(RuleBasedStateMachine):
         row_bytes = sum(plain_row_bytes(shape) for _, shape in PARTS[arch])
         assert info["state_bytes_per_row"] == row_bytes, info
         self.models[info["model"]] = Loaded(info["model"], conn, arch, weight_bytes, row_bytes)
-        self.watched.add(conn)
 
     def free_model(self, which, asker):
         # mostly one in use, refused: a model freed early leaves the walk without its sessions
@@ -1149,8 +1145,7 @@ class StateWalk(RuleBasedStateMachine):
             table = getattr(self, what)
             for entry in entries:
                 del table[entry.id]
-        if conn in self.watched:
-            self.watched.discard(conn)
+        if any(owned.values()):  # a connection that owns nothing has nothing released
             self.released["peers"] += 1
             for what, entries in owned.items():
                 self.released[what] += len(entries)

@@ -76,6 +76,12 @@ class Connection:
             else:
                 self._close_callbacks.append(callback)
 
+    def remove_close_callback(self, callback) -> None:
+        """Undo one on_close(callback) not yet run (nothing is left for it to free)."""
+        with self._close_lock:
+            if callback in self._close_callbacks:
+                self._close_callbacks.remove(callback)
+
     def mark_closed(self, reason: str = "closed") -> None:
         with self._close_lock:
             if self.closed:

@@ -214,6 +214,9 @@ class ZmqReplyTarget:
     def on_close(self, callback) -> None:
         self.peer.on_close(callback)
 
+    def remove_close_callback(self, callback) -> None:
+        self.peer.remove_close_callback(callback)
+
 
 class ZmqTransport:
     """One ROUTER socket per endpoint, all served by one io thread."""
