@@ -823,4 +823,5 @@ class Dispatcher:
             log.log(logging.WARNING if first else logging.DEBUG, "could not reply to %s: %s%s", conn.id, exc,
                     "" if first else " (not its first)")
             return
-        self.server.stats.reply_out(parts, buffers or (), lane=conn.lane)
+        if not conn.counts_replies_it_sends:
+            self.server.stats.reply_out(parts, buffers or (), lane=conn.lane)

@@ -42,6 +42,10 @@ class Connection:
     """One peer. Sessions and handles opened over it belong to it and are freed when it closes
     (`on_close` callbacks)."""
 
+    # Whether the transport counts a reply (stats.reply_out) when it leaves rather than the
+    # dispatcher once `send` returns: one that sends later, and may drop it then, says so.
+    counts_replies_it_sends = False
+
     def __init__(self, kind: str):
         self.id = f"{kind}:{next(_ids)}"
         self.lane = kind  # what the stats count its frames and bytes under

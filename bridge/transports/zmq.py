@@ -190,6 +190,9 @@ class ZmqReplyTarget:
 
     __slots__ = ("peer", "envelope", "id")
     lane = "zmq"
+    # Posted to the io thread, a reply may still be dropped there (its peer gone): counted as
+    # it leaves (ZmqTransport._send_unsent).
+    counts_replies_it_sends = True
 
     def __init__(self, peer: ZmqPeer, envelope: list):
         self.peer = peer
@@ -537,14 +540,13 @@ class ZmqTransport:
         message, _, target = request
         parts, op = protocol.error_reply_for(message[0].buffer, [frame.buffer for frame in message[1:]],
                                              code, text, detail)
-        # Read and answered as the dispatcher counts a request and its reply (SPEC §6.3).
+        # Read as the dispatcher counts a request (SPEC §6.3); its answer counts as it leaves.
         stats = self.dispatcher.server.stats
         stats.frame_in(sum(len(frame) for frame in message), target.lane)
         if op is None:
             stats.record_error(code)
         else:
             stats.record(op, None, ok=False, error_code=code)
-        stats.reply_out(parts, lane=target.lane)
         peer.in_flight += 1  # answered like any other request: _answered gives it back
         # Queued like a reply made here (behind replies the worker posted for this peer before,
         # which an id-less legacy client tells apart by order alone) and sent at once: the
@@ -616,7 +618,7 @@ class ZmqTransport:
         # One ZeroMQ frame per body: a body of several parts (big inline tensors) is joined;
         # raw buffers go as frames of their own, without copies.
         body = parts[0] if len(parts) == 1 else b"".join(parts)
-        frames = [*envelope, body, *(buffers or ())]
+        reply = ([*envelope, body, *(buffers or ())], len(envelope))  # its frames, and where its body is
         # Replies to served requests are never dropped: at most max_in_flight of them can wait
         # (a request is not dispatched while that many are unsent). Only the lane's own refusals
         # (`overloaded`, too many raw buffers) to a peer that floods without reading are
@@ -628,7 +630,7 @@ class ZmqTransport:
                             "further ones are counted until its replies leave again", peer.id, len(peer.unsent))
             self._answered(peer)
             return
-        peer.unsent.append(frames)
+        peer.unsent.append(reply)
         self._send_unsent(peer)
 
     def _send_unsent(self, peer: ZmqPeer) -> None:
@@ -638,8 +640,9 @@ class ZmqTransport:
         pyzmq retries EINTR itself, so what fails here (ENOTSOCK, ETERM: the lane is closing)
         would fail again, and kept it would hold the peer at its cap for good."""
         while peer.unsent:
+            frames, body_at = peer.unsent[0]
             try:
-                peer.socket.send_multipart(peer.unsent[0], zmq.NOBLOCK, copy=False)
+                peer.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 if not peer.kept:  # it holds nothing, its answer neither: dropped
                     peer.unsent.popleft()
@@ -653,6 +656,8 @@ class ZmqTransport:
                     return
                 log.warning("%s: a reply could not be sent and is dropped: %s", peer.id, exc)
             else:
+                body_and_buffers = frames[body_at:]
+                self.dispatcher.server.stats.reply_out(body_and_buffers[:1], body_and_buffers[1:], lane=peer.lane)
                 if peer.answers_dropped:
                     log.warning("%s: its replies leave again; %d overloaded answers were dropped in all",
                                 peer.id, peer.answers_dropped)
