@@ -535,6 +535,33 @@ defmodule ScanBridge.LifecycleTest do
       assert eventually(fn -> held_after(ctx.client, "put", "handles") == 0 end)
     end
 
+    if reason = TestSupport.skip_reason(:handles), do: @tag(skip: reason)
+
+    # Found in review: the caller's :DOWN, behind the reply, was flushed when the reply was
+    # taken, and the reply went to the dead caller: the handle stayed on the server.
+    test "a put whose caller exits once its reply waits in the busy client: its handle is freed",
+         ctx do
+      %{client: client, os_pid: os_pid} = ctx
+      %{port: port} = :sys.get_state(client)
+      freeze(os_pid)
+      tensor = TestSupport.random(:f32, {4, 2})
+      caller = spawn(fn -> ScanBridge.put(client, tensor, timeout: :infinity) end)
+      assert eventually(fn -> map_size(:sys.get_state(client).outstanding) == 1 end)
+      :sys.suspend(client)
+      thaw(os_pid)
+      assert eventually(fn -> match?({:messages, [_ | _]}, Process.info(client, :messages)) end)
+      assert {:messages, [{^port, {:data, _reply}}]} = Process.info(client, :messages)
+      Process.exit(caller, :kill)
+
+      assert eventually(fn ->
+               {:messages, messages} = Process.info(client, :messages)
+               Enum.any?(messages, &match?({:DOWN, _, :process, ^caller, :killed}, &1))
+             end)
+
+      :sys.resume(client)
+      assert eventually(fn -> held_after(client, "put", "handles") == 0 end)
+    end
+
     if reason = TestSupport.skip_reason(:sessions), do: @tag(skip: reason)
 
     test "an open_session whose caller exits while it is at the server: it is closed", ctx do

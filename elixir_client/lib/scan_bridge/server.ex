@@ -890,11 +890,17 @@ defmodule ScanBridge.Server do
   # otherwise drop it, and free what it made.
   defp answer_caller(state, id, op, outcome) do
     overdue? = overdue?(state, id)
+    exited? = caller_exited?(state, id)
 
     case take_pending(state, id) do
       {nil, state} ->
         # answered already (its deadline passed, or its caller exited): the late reply is
         # dropped, and what it made freed
+        release(state, op, outcome)
+
+      {_from, state} when exited? ->
+        # its caller exited before this process took the reply (its :DOWN waits behind it):
+        # nobody takes the answer, which is dropped, and what it made freed
         release(state, op, outcome)
 
       {from, state} when overdue? ->
@@ -939,6 +945,18 @@ defmodule ScanBridge.Server do
       {{monitor, op, outcome}, unconfirmed} ->
         Process.demonitor(monitor, [:flush])
         {{op, outcome}, %{state | unconfirmed: unconfirmed}}
+    end
+  end
+
+  # Whether request `id`'s caller has exited, its :DOWN not yet handled here: then its monitor
+  # is found gone. Either way the monitor is dropped (take_pending follows).
+  defp caller_exited?(state, id) do
+    case state.pending do
+      %{^id => {_from, _timer, monitor, _deadline}} ->
+        not Process.demonitor(monitor, [:flush, :info])
+
+      _ ->
+        false
     end
   end
 
