@@ -32,6 +32,9 @@ defmodule ScanBridge.TensorTest do
     assert Tensor.to_list(Tensor.from_list([1.01171875], :bf16, {1})) == [1.015625]
     <<_low::16, high::binary-2>> = <<-2.5::float-32-little>>
     assert Tensor.from_list([-2.5], :bf16, {1}).data == high
+    # through f32, as torch converts f64: 1 + 2^-8 + 2^-30 becomes the tie 1 + 2^-8 there, so
+    # 1.0, where the bf16 nearest the f64 is 1 + 2^-7
+    assert Tensor.to_list(Tensor.from_list([1.00390625 + :math.pow(2, -30)], :bf16, {1})) == [1.0]
   end
 
   test "a struct built by hand whose bytes are not its shape's is refused, not read in part" do

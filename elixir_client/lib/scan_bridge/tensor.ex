@@ -59,8 +59,9 @@ defmodule ScanBridge.Tensor do
   end
 
   @doc """
-  A tensor from a flat list of numbers in C order. Floats are rounded to the dtype (bf16:
-  round to nearest even); integers must fit the dtype. Float dtypes also take `:nan`,
+  A tensor from a flat list of numbers in C order. Floats are rounded to the dtype, to nearest
+  even (bf16: first to f32, then to bf16, as torch converts an f64 tensor, which can differ from
+  the bf16 nearest the f64 by one unit); integers must fit the dtype. Float dtypes also take `:nan`,
   `:infinity` and `:neg_infinity`, the atoms `to_list/1` gives for them.
 
       iex> ScanBridge.Tensor.from_list([1, -2, 3], :i32, {3}).data
