@@ -293,6 +293,23 @@ class HeldRequest:
     parts: list
     deadline_ns: int | None  # perf_counter_ns when its budget runs out; None: it has none
 
+    def owned(self) -> "HeldRequest":
+        """This request with copies of the bytes its parts and tensors view: written after
+        submit returned, it sends what the caller's arrays held when it was submitted."""
+        return HeldRequest(self.op, _owned_args(self.wire_args), [bytes(memoryview(p)) for p in self.parts],
+                           self.deadline_ns)
+
+
+def _owned_args(value):
+    """Request arguments with each tensor's data copied (to_wire's are views of the arrays)."""
+    if isinstance(value, protocol.OutTensor):
+        return protocol.OutTensor(value.dtype, value.shape, bytes(memoryview(value.data)))
+    if isinstance(value, dict):
+        return {k: _owned_args(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_owned_args(v) for v in value]
+    return value
+
 
 @dataclass
 class TakenOut:
@@ -360,6 +377,10 @@ class FramedClient:
 
     # Bytes of a request's frame that do not count against max_frame_size: the length prefix.
     _frame_overhead = protocol.framing.HEADER_SIZE
+    # Whether a write can wait for the server to read, which it may not do while replies wait
+    # for this client to read them (SPEC §7): the reader thread then leaves writes to a writer
+    # thread of their own (a Future's done callback's submit, the held requests a reply frees).
+    _writes_wait_for_the_server = True
     # Whether an `overloaded` reply with id nil turns the connection away (a unix server past
     # --max-connections) rather than answering a frame whose id the server could not read.
     _turns_connections_away = True
@@ -403,6 +424,9 @@ class FramedClient:
         # and no request goes past them meanwhile.
         self._releasing: dict[object, TakenOut] = {}
         self._releaser: int | None = None
+        # The thread that releases held requests for the reader thread (_wake_writer), once needed.
+        self._writer: threading.Thread | None = None
+        self._writer_wake = threading.Event()
         # Raw frames sent without an id whose ids the server cannot read, written and not yet
         # answered: an answer with id nil may be one's, and is then nobody's.
         self._unread_unnamed: list[InFlight] = []
@@ -420,7 +444,9 @@ class FramedClient:
     def submit(self, op: str, args: dict | None = None, *, request_id=None,
                deadline_s: float | None = None) -> Future:
         """Send one request (or, past the cap `info()` read, hold it to send when a reply frees a
-        slot, with what is left of its deadline); the Future resolves to its Reply. `request_id` (a uint or a
+        slot, with what is left of its deadline, and with copies of its arrays' bytes: they may
+        change once this returns); the Future resolves to its Reply. From a Future's done
+        callback (the reader thread) a writer thread sends it, so the replies keep being read. `request_id` (a uint or a
         non-empty str) must not be one in flight (SPEC §1): that is a ValueError. By default
         the client numbers requests 1, 2, ..., passing over ids that callers chose.
         `deadline_s`: the request's budget on the server (SPEC §4 `deadline_us`): still waiting
@@ -460,26 +486,31 @@ class FramedClient:
         """Whether `request` is held instead of sent: a request while this connection has its
         cap's worth but one on the wire, or others wait before it (held, cancels too, or a
         thread is releasing them: it sends this one in its turn); a cancel while it has the
-        cap's worth, or other cancels wait before it."""
-        if self.max_in_flight is None:
+        cap's worth, or other cancels wait before it; any request made on the reader thread where
+        a write can wait for the server (the writer thread sends it: _send_released). Held, it
+        keeps copies of what its tensors view (HeldRequest.owned)."""
+        on_reader = self._writes_wait_for_the_server and threading.current_thread() is self._thread
+        if self.max_in_flight is None and not on_reader:
             return False
         with self._lock:
             if request.op == "cancel":
-                if not self._held_cancels and self._wire_room(not_counting=1, for_cancel=True):
+                if not on_reader and not self._held_cancels and self._wire_room(not_counting=1, for_cancel=True):
                     return False
-                self._held_cancels[request_id] = request
+                self._held_cancels[request_id] = request.owned()
                 return True
             others_first = self._held or self._held_cancels or self._releaser is not None
-            if not others_first and self._wire_room(not_counting=1):
+            if not on_reader and not others_first and self._wire_room(not_counting=1):
                 return False
-            self._held[request_id] = request
+            self._held[request_id] = request.owned()
             return True
 
     def _wire_room(self, not_counting: int = 0, *, for_cancel: bool = False) -> bool:
         """Whether the cap has room for one more request on the wire (less the slot kept for
         cancels, where it has one to spare), or, `for_cancel`, one more cancel: those in flight
         and not held count, less `not_counting` registered but not yet sent or held. Called with
-        self._lock held."""
+        self._lock held. Without a cap, always."""
+        if self.max_in_flight is None:
+            return True
         on_wire = len(self._pending) - len(self._held) - len(self._held_cancels) - not_counting
         return on_wire < (self.max_in_flight if for_cancel else max(self.max_in_flight - 1, 1))
 
@@ -491,7 +522,11 @@ class FramedClient:
         spent budget, which the server answers deadline_exceeded; a send that fails fails its
         request. An interrupt (Ctrl-C) ends this thread's turn, with what it took out and had
         not begun to write held again (_hold_again), and what is held left to another thread to
-        release (_release_elsewhere)."""
+        release (_release_elsewhere). On the reader thread where a write can wait for the
+        server, the writer thread does it (_wake_writer)."""
+        if self._writes_wait_for_the_server and threading.current_thread() is self._thread:
+            self._wake_writer()
+            return
         this_thread = threading.get_ident()
         try:
             # Claimed inside the `try`: an interrupt just after would keep the turn for ever.
@@ -512,6 +547,27 @@ class FramedClient:
                 self._release_elsewhere(cancels_owed)
             raise
 
+    def _wake_writer(self) -> None:
+        """Have the writer thread release what is held, for the reader thread: a write there
+        could wait for the server to read while the server waits for this reader to read its
+        replies (a big request from a done callback over stdio would stop the client for good)."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_released, name="bridge-client-writer",
+                                                daemon=True)
+                self._writer.start()
+        self._writer_wake.set()
+
+    def _write_released(self) -> None:
+        """The writer thread: releases what is held each time it is woken, until requests are
+        refused (the client closed, the server gone), when what is still held fails so."""
+        while True:
+            self._writer_wake.wait()
+            self._writer_wake.clear()
+            self._send_released()
+            if self._refusal:
+                return
+
     def _release_elsewhere(self, cancels_owed: list[Future]) -> None:
         """After an interrupt ended a thread's turn to release, on a thread of its own: ask the
         server to drop the requests of `cancels_owed` (see _hold_again), then release what is
@@ -529,7 +585,7 @@ class FramedClient:
         `_releasing`); None when there is none, this thread then no longer releasing (decided
         under the one lock, so that a slot freed after is released by the thread that freed it)."""
         with self._lock:
-            while self.max_in_flight is not None:
+            while True:
                 if self._held_cancels and self._wire_room(for_cancel=True):
                     held = self._held_cancels
                 elif self._held and self._wire_room():
@@ -749,6 +805,7 @@ class FramedClient:
     def _refuse_requests(self, reason: str) -> None:
         with self._lock:
             self._refusal = self._refusal or reason
+        self._writer_wake.set()  # to fail what it holds, and end
 
     def _closed_elsewhere(self, timeout: float) -> bool:
         """Whether close() was called on the reader thread (a Future's done callback): it cannot
@@ -1485,6 +1542,8 @@ class ZmqClient(FramedClient):
     # A ZeroMQ message has no length prefix: its body and buffers count against the limit.
     _frame_overhead = 0
     _capped_lane = True
+    # Its sends are posted to the io thread, which is the reader: none waits.
+    _writes_wait_for_the_server = False
     # Its `overloaded` with id nil answers a message past the peer's --zmq-hwm whose id the
     # server could not read: it turns no connection away.
     _turns_connections_away = False

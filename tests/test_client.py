@@ -437,6 +437,50 @@ def test_a_blocking_call_in_a_done_callback_is_refused_not_left_to_freeze_the_cl
     assert "reader thread" in str(raised[0])
 
 
+def test_a_done_callbacks_submit_leaves_the_reader_reading_while_it_is_written(pipe):
+    """submit() is what a done callback may call, on the thread that reads the replies; found in
+    review, it wrote there, and a request larger than the pipe waited for a server that read
+    nothing while its own replies waited for that thread (SPEC §7, stdio): the client stopped
+    for good. The write goes to a writer thread: a reply larger than the pipe, written while
+    the callback's request waits unread, reaches its caller, and the request then goes whole."""
+    big = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: many times what a pipe holds
+    stats, first = pipe.client.submit("stats"), pipe.client.submit("ping")
+    stats_id, ping_id = pipe.read_request().id, pipe.read_request().id
+    submitted = []
+    first.add_done_callback(lambda _: submitted.append(pipe.client.submit("put", {"tensor": big})))
+    pipe.reply(ping_id)
+    answering = threading.Thread(target=pipe.reply, args=(stats_id, {"pad": "x" * (4 << 20)}), daemon=True)
+    try:
+        wait_until(lambda: submitted, "the callback's submit did not return", REPLY_TIMEOUT_S)
+        answering.start()
+        assert stats.result(REPLY_TIMEOUT_S).ok, "the reply written meanwhile did not arrive"
+    finally:
+        put = pipe.read_request()  # read in any case: a write stuck on the reader thread ends
+    assert put.op == "put" and np.array_equal(np.frombuffer(put.args["tensor"].data, np.float32), big)
+    pipe.reply(put.id, {"handle": "h1"})
+    assert submitted[0].result(REPLY_TIMEOUT_S).result == {"handle": "h1"}
+    answering.join(REPLY_TIMEOUT_S)
+
+
+def test_a_request_held_after_submit_sends_the_arrays_as_they_were_then(pipe):
+    """A request held back (past the cap `info()` read) is written after submit() returned;
+    found in review, it kept views of the caller's arrays, and a buffer the caller reused
+    meanwhile went out changed. Held, it keeps copies of what it sends."""
+    pipe.client.max_in_flight = 2  # one on the wire, one slot kept for cancels
+    first = pipe.client.submit("ping")
+    h0 = np.full((1, 64, 64), 1.0, np.float32)  # 16 KiB: sent as a view of the array
+    held = pipe.client.submit("session_open", {"batch": 1, "dim": 64, "state": 64, "h0": h0})
+    assert len(pipe.client._held) == 1
+    h0[:] = 7.0
+    pipe.reply(pipe.read_request().id)
+    first.result(REPLY_TIMEOUT_S)
+    request = pipe.read_request()
+    assert request.op == "session_open"
+    assert np.unique(np.frombuffer(request.args["h0"].data, np.float32)).tolist() == [1.0]
+    pipe.reply(request.id, {"session": "s1"})
+    held.result(REPLY_TIMEOUT_S)
+
+
 @pytest.mark.parametrize("call, op, result", [
     pytest.param(lambda c, t: c.load_model("m", timeout=t), "model_load", {"model": "m1"}, id="load_model"),
     pytest.param(lambda c, t: bridge.client.RemoteModel(c, {"model": "m1"}).open_session(timeout=t), "session_open",
