@@ -425,6 +425,47 @@ defmodule ScanBridge.ClusterTest do
     assert ops_done(other, "step") == steps
   end
 
+  # Found in review: a snapshot or a fork read in flight when the owner's server died was
+  # answered :server_exited, where docs/cluster.md has the call in flight answered from the
+  # rebuilt session.
+  for op <- [:snapshot, :fork] do
+    @op op
+    test "a #{op} in flight when its member goes is answered from the rebuilt session" do
+      g = group()
+      members = start_members(g, 2)
+      sizes = %{batch: 1, heads: 1, headdim: 2, state: 2}
+      {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 100)
+      for _ <- 1..3, do: ok!(Cluster.step(s, ssd_frame(sizes)))
+      {:ok, before} = Cluster.session_state(s)
+      owner = owner(s)
+      [other] = members -- [owner]
+      {:ok, os_pid} = ScanBridge.os_pid(owner)
+      freeze(os_pid)
+      # a fork is its opener's: read in the process that made it, before that one ends
+      call =
+        Task.async(fn ->
+          made = apply(Cluster, @op, [s, [timeout: 10_000]])
+          {made, forks_state(made)}
+        end)
+
+      assert eventually(fn -> map_size(:sys.get_state(owner).pending) == 1 end)
+      TestSupport.kill!(os_pid)
+
+      assert {{:ok, made}, forks_state} = Task.await(call, 15_000)
+      assert {:ok, %{failovers: 1, member: ^other}} = Cluster.session_info(s)
+
+      case @op do
+        :snapshot ->
+          ok!(Cluster.step(s, ssd_frame(sizes)))
+          assert :ok = Cluster.restore(s, made)
+          assert Cluster.session_state(s) == {:ok, before}
+
+        :fork ->
+          assert forks_state == {:ok, before}
+      end
+    end
+  end
+
   test "checkpoints ride on the frames' replies, the caller's own asks answered as asked" do
     g = model_group(2)
     embeds = Models.embeds(1, 12, 8)
@@ -1307,6 +1348,9 @@ defmodule ScanBridge.ClusterTest do
       C: TestSupport.random(:f32, {b, seq, 1, n})
     }
   end
+
+  defp forks_state({:ok, %Cluster.Session{} = fork}), do: Cluster.session_state(fork)
+  defp forks_state(_not_a_fork), do: nil
 
   defp ssd_frame(%{batch: b, heads: h, headdim: p, state: n}) do
     %{

@@ -349,22 +349,8 @@ defmodule ScanBridge.Cluster.Session do
     {:stop, :normal, outcome, release(state, earlier(deadline, checkpoint_deadline()))}
   end
 
-  def handle_call({:snapshot, deadline}, from, state) do
-    on_owner(state, deadline, fn state ->
-      case ScanBridge.snapshot(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
-        {:ok, remote} ->
-          replay = if state.every != nil and state.status == :ok, do: {state.checkpoint, state.log}
-
-          id = make_ref()
-          snapshot = %{owner: state.owner, remote: remote, replay: replay}
-          {:reply, {:ok, id}, %{state | snapshots: Map.put(state.snapshots, id, snapshot)}}
-
-        {:error, _} = error ->
-          # a gone owner is rebuilt by its monitor
-          failed(state, from, nil, [], error)
-      end
-    end)
-  end
+  def handle_call({:snapshot, deadline}, from, state),
+    do: on_owner(state, deadline, &take_snapshot(&1, from, deadline, :retry))
 
   def handle_call({:restore, id, deadline}, from, state),
     do: handle_call({:restore, id, [], deadline}, from, state)
@@ -394,24 +380,8 @@ defmodule ScanBridge.Cluster.Session do
   end
 
   # What a fork opens from: this session's dims, checkpoint interval and state now.
-  def handle_call({:fork, deadline}, from, state) do
-    on_owner(state, deadline, fn state ->
-      case ScanBridge.session_state(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
-        {:ok, saved} ->
-          fork = %{
-            dims: state.dims,
-            every: state.every,
-            state: saved,
-            model_fingerprint: state.model_fingerprint
-          }
-
-          {:reply, {:ok, fork}, state}
-
-        {:error, _} = error ->
-          failed(state, from, nil, [], error)
-      end
-    end)
-  end
+  def handle_call({:fork, deadline}, from, state),
+    do: on_owner(state, deadline, &read_for_fork(&1, from, deadline, :retry))
 
   def handle_call({:free_snapshot, id, deadline}, _from, state) do
     case Map.pop(state.snapshots, id) do
@@ -1048,6 +1018,60 @@ defmodule ScanBridge.Cluster.Session do
       match?({:lost, _}, state.status) -> {:reply, {:error, elem(state.status, 1)}, state}
       state.owner == nil -> {:reply, {:error, unplaced(state)}, state}
       true -> call.(state)
+    end
+  end
+
+  # A snapshot of the session taken on its owner; `again`: :retry where the owner going away
+  # meanwhile moves the call to the rebuilt session (failed_on_owner), :once there.
+  defp take_snapshot(state, from, deadline, again) do
+    case ScanBridge.snapshot(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
+      {:ok, remote} ->
+        replay = if state.every != nil and state.status == :ok, do: {state.checkpoint, state.log}
+
+        id = make_ref()
+        snapshot = %{owner: state.owner, remote: remote, replay: replay}
+        {:reply, {:ok, id}, %{state | snapshots: Map.put(state.snapshots, id, snapshot)}}
+
+      {:error, _} = outcome ->
+        again_there = &take_snapshot(&1, from, deadline, &2)
+        failed_on_owner(state, from, deadline, outcome, again, again_there)
+    end
+  end
+
+  # The session's state read from its owner, and what a fork opens with it; `again` as above.
+  defp read_for_fork(state, from, deadline, again) do
+    case ScanBridge.session_state(state.owner, state.remote, timeout: Cluster.remaining(deadline)) do
+      {:ok, saved} ->
+        fork = %{
+          dims: state.dims,
+          every: state.every,
+          state: saved,
+          model_fingerprint: state.model_fingerprint
+        }
+
+        {:reply, {:ok, fork}, state}
+
+      {:error, _} = outcome ->
+        again_there = &read_for_fork(&1, from, deadline, &2)
+        failed_on_owner(state, from, deadline, outcome, again, again_there)
+    end
+  end
+
+  # A call other than a frame that failed on the owner (`call.(state, again)` makes it). Where the
+  # owner went away with it in flight, the session is rebuilt on another member and the call made
+  # there once (`again` :retry, then :once), as a frame's is (retry/7); where it cannot be placed
+  # in time, the error that told of the owner's going.
+  defp failed_on_owner(state, from, deadline, {:error, error} = outcome, again, call) do
+    if again == :retry and Cluster.gone?(error) do
+      state = state |> owner_gone(error.message) |> rebuild(deadline)
+
+      cond do
+        match?({:lost, _}, state.status) -> {:reply, {:error, elem(state.status, 1)}, state}
+        state.owner == nil or expired?(deadline) -> {:reply, outcome, state}
+        true -> call.(state, :once)
+      end
+    else
+      failed(state, from, nil, [], outcome)
     end
   end
 
