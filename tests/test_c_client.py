@@ -12,6 +12,7 @@ failure: the CI machine installs them (.ci/system-deps.sh)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pathlib
 import re
@@ -288,6 +289,28 @@ def test_the_scan_check_fails_when_y_is_not_finite(scan_client, endpoints, tmp_p
     assert "1 failure(s)" in run.stderr and "scan multipart " in run.stdout
 
 
+@pytest.mark.parametrize("request_id, shape", [pytest.param(2, [12, 37, 2], id="scan-reversed"),
+                                               pytest.param(2, [888], id="scan-flat"),
+                                               pytest.param(3, [2, 9, 3, 4], id="ssd-scan-heads-and-headdim-swapped")])
+def test_a_y_of_the_right_values_in_another_shape_fails_the_check(scan_client, endpoints, tmp_path, request_id,
+                                                                   shape):
+    # Found in review: only y's element count was checked, so a y of x's values in any other
+    # shape (a bdl layout's, say) passed.
+    def scenario(this_id, frames, forward):
+        reply = forward(frames)
+        if this_id != request_id:
+            return [reply]
+        message = msgpack.unpackb(reply[0])
+        assert math.prod(message["result"]["y"]["shape"]) == math.prod(shape)
+        message["result"]["y"]["shape"] = shape
+        return [[msgpack.packb(message), *reply[1:]]]
+
+    run = run_through(scan_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 1, run.stdout
+    assert f"y's shape is not x's (got [{', '.join(map(str, shape))}])" in run.stderr, run.stderr
+    assert "1 failure(s)" in run.stderr
+
+
 def test_a_reply_with_a_nil_id_is_reported(scan_client, endpoints, tmp_path):
     error = {"code": "decode_error", "message": "body: expected a msgpack map", "detail": {}}
     nil_id = msgpack.packb({"v": 1, "id": None, "ok": False, "error": error})
@@ -455,6 +478,46 @@ def test_the_printed_length_of_a_key_stays_in_range_past_2_gib(tmp_path):
                                                            text=True, check=True).stdout.splitlines())
     assert printed == {"0": "0", str(limit): str(limit), str(limit + 1): str(limit), str(2**31 - 1): str(limit),
                        str(2**31): str(limit), str(2**32 - 1): str(limit)}
+
+
+PRINT_DRIVER = r"""
+/* scan_client.c's print_object on objects holding a str of 2 GiB or more, whose bytes are not
+ * there: msgpack-c's printer would read them to a NUL, past the end. */
+#define main scan_client_main
+#include "scan_client.c"
+#undef main
+
+int main(void) {
+    char text[128];
+    msgpack_object str = {.type = MSGPACK_OBJECT_STR, .via.str = {.size = 3, .ptr = "abc"}};
+    print_object(text, sizeof text, &str);
+    printf("%s\n", text);
+    str.via.str.size = (uint32_t)INT32_MAX + 1;
+    print_object(text, sizeof text, &str);
+    printf("%s\n", text);
+    msgpack_object_kv kv = {.key = {.type = MSGPACK_OBJECT_STR, .via.str = {.size = 7, .ptr = "message"}}, .val = str};
+    msgpack_object map = {.type = MSGPACK_OBJECT_MAP, .via.map = {.size = 1, .ptr = &kv}};
+    msgpack_object array = {.type = MSGPACK_OBJECT_ARRAY, .via.array = {.size = 1, .ptr = &map}};
+    print_object(text, sizeof text, &array);
+    printf("%s\n", text);
+    return 0;
+}
+"""
+
+
+def test_a_reply_holding_a_str_of_2_gib_is_not_printed_past_its_end(tmp_path):
+    # Found in review: an error reply (or an id) was printed by msgpack-c, which casts a str's
+    # size to an int, and one of 2^31 bytes was read to a NUL, past the body.
+    require_toolchain()
+    (tmp_path / "driver.c").write_text(PRINT_DRIVER)
+    build = subprocess.run([compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", CLIENT_DIR, "-o",
+                            str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-lzmq", "-lmsgpackc", "-lm"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(tmp_path / "driver")], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    not_printed = "(not printed: it holds a str or bin of 2 GiB or more)"
+    assert run.stdout.splitlines() == ['"abc"', not_printed, not_printed]
 
 
 # msgpack-c allocates room for an array's or map's elements as soon as it reads their count: the
