@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight-per-peer", type=_positive, default=defaults.max_in_flight_per_peer,
                    help="requests one unix connection or ZeroMQ peer may have in flight; its later requests "
                         "wait (in its socket buffer, or in its queue on ZeroMQ; default %(default)s)")
-    p.add_argument("--zmq-hwm", type=_positive, default=1000,
+    p.add_argument("--zmq-hwm", type=_hwm, default=1000,
                    help="ZeroMQ high-water mark: messages queued per peer each way, and requests a peer may "
                         "have waiting beyond its in-flight cap before it is answered overloaded")
     p.add_argument("--idle-timeout-s", type=_positive_seconds, default=defaults.idle_timeout_s, metavar="SECONDS",
@@ -195,6 +195,16 @@ def _positive(text: str) -> int:
     return value
 
 
+# libzmq takes its high-water marks as a C int.
+MAX_ZMQ_HWM = 2**31 - 1
+
+
+def _hwm(text: str) -> int:
+    if _whole(text) > MAX_ZMQ_HWM:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_ZMQ_HWM} messages (libzmq's int), got {text!r}")
+    return _positive(text)
+
+
 # A minute: a batch held longer outlasts any caller's patience, and a wait past the timeout
 # threading takes raised in the gatherer, leaving that batch unanswered.
 MAX_DELAY_US = 60_000_000
@@ -258,10 +268,13 @@ def open_lanes(args, dispatcher) -> list:
     lanes = []
     try:
         for path in args.unix:
-            lanes.append(UnixTransport(dispatcher, path, max_frame_size=args.max_frame_size,
-                                       max_in_flight=args.max_in_flight_per_peer,
-                                       max_connections=args.max_connections,
-                                       stall_timeout_s=args.stall_timeout_s))
+            try:
+                lanes.append(UnixTransport(dispatcher, path, max_frame_size=args.max_frame_size,
+                                           max_in_flight=args.max_in_flight_per_peer,
+                                           max_connections=args.max_connections,
+                                           stall_timeout_s=args.stall_timeout_s))
+            except OSError as exc:  # a path too long, in no directory, not ours to bind
+                raise OSError(f"--unix {path}: {exc.strerror or exc}") from exc
         if args.zmq:
             from .transports.zmq import CurveKeys, ZmqTransport
 
@@ -298,11 +311,12 @@ def warmup_shape(text: str) -> dict:
     dims, _, opts = text.partition(":")
     try:
         values = [int(v) for v in dims.lower().split("x")]
-        if len(values) not in (4, 5):
+        if len(values) not in (4, 5) or min(values) < 1:
             raise ValueError
     except ValueError:
         raise argparse.ArgumentTypeError("expected BATCHxSEQxDIMxSTATE or, for Mamba-2, "
-                                         f"BATCHxSEQxHEADSxHEADDIMxSTATE[:OPTIONS], got {text!r}") from None
+                                         f"BATCHxSEQxHEADSxHEADDIMxSTATE[:OPTIONS], each a positive int, "
+                                         f"got {text!r}") from None
     if len(values) == 5:
         batch, seq, heads, headdim, state = values
         shape = {"batch": batch, "seq": seq, "dim": heads, "headdim": headdim, "state": state}
@@ -371,6 +385,11 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
 
     parser.print_help = print_help
     args = parser.parse_args(argv)
+    if "SCAN_BRIDGE_LOG" in os.environ:  # refused even where --log-level overrides it
+        try:
+            _log_level(os.environ["SCAN_BRIDGE_LOG"])
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"$SCAN_BRIDGE_LOG: {exc}")
     logging.basicConfig(stream=sys.stderr, level=args.log_level,
                         format="%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("bridge")
@@ -434,8 +453,9 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
 
         try:
             port = serve_metrics(server, config.metrics_host, config.metrics_port)
-        except OSError as exc:  # an address in use or not this machine's
-            log.error("cannot start: --metrics-port: %s", exc)
+        except OSError as exc:  # a port in use, a host not this machine's or one the resolver refuses
+            log.error("cannot start: --metrics-host %s --metrics-port %s: %s", config.metrics_host,
+                      config.metrics_port, exc)
             return 2
         except UnicodeError as exc:  # a name the resolver's IDNA encoding refuses (an empty or long label)
             log.error("cannot start: --metrics-host %r: %s", config.metrics_host, exc)

@@ -52,6 +52,11 @@ def test_a_zmq_port_libzmq_would_take_modulo_is_refused(endpoint):
                  id="frame-size-past-msgpack"),
     # a wait past threading's timeout raised in the gatherer and left its batch unanswered (found in review)
     pytest.param(["--max-delay-us", str(10**16)], {}, "--max-delay-us: expected at most", id="delay-past-a-minute"),
+    # libzmq's int: past it the start failed saying only "value too large to convert to int" (found in review)
+    pytest.param(["--zmq-hwm", str(2**31)], {}, "--zmq-hwm: expected at most 2147483647", id="hwm-past-libzmq"),
+    # taken on the cpu backend, which compiles nothing, and refused only by Triton's (found in review)
+    pytest.param(["--warmup", "0x60x512x16"], {}, "each a positive int, got '0x60x512x16'", id="warmup-of-no-rows"),
+    pytest.param(["--warmup=-5x-1x3x4:groups=7"], {}, "each a positive int", id="warmup-negative"),
 ])
 def test_a_bad_setting_is_refused_with_a_message_not_a_traceback(argv, env, message, capsys, monkeypatch):
     from bridge.cli import build_parser
@@ -62,6 +67,39 @@ def test_a_bad_setting_is_refused_with_a_message_not_a_traceback(argv, env, mess
         build_parser().parse_args(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_log_level_in_the_environment_is_refused_beside_the_flag():
+    """operations.md: another name, from either, is refused at start; with --log-level given,
+    $SCAN_BRIDGE_LOG was not looked at (found in review)."""
+    run = subprocess.run([sys.executable, "-m", "bridge", "--log-level", "INFO"], capture_output=True, text=True,
+                         env={**server_env(), "SCAN_BRIDGE_LOG": "verbose"}, timeout=120, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2, run.stderr
+    assert "$SCAN_BRIDGE_LOG: expected one of DEBUG, INFO" in run.stderr and "got 'verbose'" in run.stderr
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/dir/u.sock", "/tmp/" + "p" * 120 + ".sock"],
+                         ids=["no-directory", "path-past-af-unix"])
+def test_a_unix_path_that_cannot_be_bound_is_named_in_the_refusal(path):
+    """The start stopped with exit 2 and only the OS's words, "AF_UNIX path too long" say, naming
+    neither the flag nor the path (found in review)."""
+    from bridge.cli import build_parser, open_lanes
+
+    with pytest.raises(OSError, match=f"^--unix {path}: "):
+        open_lanes(build_parser().parse_args(["--unix", path]), dispatcher=None)
+
+
+def test_a_frame_size_past_libzmqs_int64_is_served_on_zmq(tmp_path):
+    """Any --max-frame-size up to 2^64 - 1 is taken (operations.md); libzmq's MAXMSGSIZE is an
+    int64, and one past it stopped the start (found in review)."""
+    endpoint = f"ipc://{tmp_path}/z.ipc"
+    srv = ServerProcess(str(tmp_path), "--zmq", endpoint, "--max-frame-size", str(2**64 - 1))
+    try:
+        with ZmqClient(endpoint) as client:
+            assert client.request("ping", timeout=REPLY_TIMEOUT_S).unwrap() == {"pong": True}
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.stop() == 0, srv.log()
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])

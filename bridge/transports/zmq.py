@@ -286,7 +286,8 @@ class ZmqTransport:
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         # A bigger single frame is refused by ZeroMQ itself (the peer is disconnected) before
         # it is buffered; bodies plus raw buffers over the limit are answered frame_too_large.
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_size)
+        # libzmq takes an int64: a limit past it limits no frame either.
+        sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_frame_size, 2**63 - 1))
         if curve is not None and endpoint.startswith("tcp://"):
             if curve.clients_dir is not None and self._authenticator is None:
                 from zmq.auth.thread import ThreadAuthenticator
