@@ -651,8 +651,9 @@ def test_a_request_cancelled_while_its_release_encodes_it_is_not_sent():
 
 
 def test_a_request_cancelled_while_its_release_writes_it_is_cancelled_after_it(monkeypatch):
-    """A cancel that comes once the releasing thread has begun to send the request goes after
-    it, from that thread (the caller's cancel() does not wait for the write)."""
+    """A cancel that comes once the releasing thread (the client's writer, for the reader that
+    read the freeing reply) has begun to send the request goes after it, from that thread (the
+    caller's cancel() does not wait for the write)."""
     import bridge.client
 
     with pipe_capped_at(2) as server:
@@ -662,13 +663,13 @@ def test_a_request_cancelled_while_its_release_writes_it_is_cancelled_after_it(m
         writing, go = threading.Event(), threading.Event()
         write_all = bridge.client.write_all
 
-        def paused_on_the_reader(fd, parts):
-            if threading.current_thread() is server.client._thread and not go.is_set():
+        def paused_on_the_writer(fd, parts):
+            if threading.current_thread() is server.client._writer and not go.is_set():
                 writing.set()
                 go.wait(10)
             write_all(fd, parts)
 
-        monkeypatch.setattr(bridge.client, "write_all", paused_on_the_reader)
+        monkeypatch.setattr(bridge.client, "write_all", paused_on_the_writer)
         server.reply(sent.request_id)
         assert writing.wait(10)
         assert server.client.cancel(held)
