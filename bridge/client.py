@@ -1516,22 +1516,28 @@ class ZmqClient(FramedClient):
         self.endpoint = endpoint
         self.multipart = multipart
         self._context = zmq.Context(io_threads=1)
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # The server bounds what it accepts; the client never blocks (or drops) its own sends.
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        # Messages queue only on a connection made, and are dropped with it when it ends, so
-        # that none of those failed with it reaches the next server (_connection_ended).
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            self._socket = self._context.socket(zmq.DEALER)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            # The server bounds what it accepts; the client never blocks (or drops) its own sends.
+            self._socket.setsockopt(zmq.SNDHWM, 0)
+            self._socket.setsockopt(zmq.RCVHWM, 0)
+            # Messages queue only on a connection made, and are dropped with it when it ends, so
+            # that none of those failed with it reaches the next server (_connection_ended).
+            self._socket.setsockopt(zmq.IMMEDIATE, 1)
+            self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            if curve_server_key is not None:
+                public, secret = curve_keypair or zmq.curve_keypair()
+                self._socket.curve_serverkey = curve_server_key
+                self._socket.curve_publickey = public
+                self._socket.curve_secretkey = secret
+            self._socket.connect(endpoint)
+        except BaseException:
+            # A bad endpoint or key: what was made is closed now, not whenever the half-built
+            # client is collected (its traceback holds it).
+            self._context.destroy(linger=0)
+            raise
         self._connections_ended = 0  # the io thread's count
-        if curve_server_key is not None:
-            public, secret = curve_keypair or zmq.curve_keypair()
-            self._socket.curve_serverkey = curve_server_key
-            self._socket.curve_publickey = public
-            self._socket.curve_secretkey = secret
-        self._socket.connect(endpoint)
         self._outbox = Outbox()
         # FramedClient's streams stay unused: the reader thread it starts runs zmq_io_loop, the
         # socket's io loop.

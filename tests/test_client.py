@@ -871,6 +871,26 @@ def test_a_unix_client_closed_in_a_done_callback_closes_its_socket(tmp_path):
         listener.close()
 
 
+@pytest.mark.parametrize("endpoint, kwargs", [pytest.param("bogus://nowhere", {}, id="bad-endpoint"),
+                                              pytest.param("tcp://127.0.0.1:9", {"curve_server_key": b"short"},
+                                                           id="bad-server-key")])
+def test_a_zmq_client_that_fails_to_start_leaves_nothing_open(endpoint, kwargs):
+    """Its context and sockets (eight descriptors) stayed open while the exception lived, its
+    traceback holding the half-built client, until the collector ran (found in review)."""
+    import zmq
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    failures = []
+    before = open_fds()
+    for _ in range(3):
+        with pytest.raises((zmq.ZMQError, ValueError, TypeError)) as failed:
+            bridge.client.ZmqClient(endpoint, **kwargs)
+        failures.append(failed.value)  # kept alive, with its traceback
+    assert open_fds() == before
+
+
 def test_a_zmq_client_closed_in_a_done_callback_closes_its_context(tmp_path):
     """As a unix client's: close() on the io thread joined that very thread, and the socket and
     ZeroMQ context stayed open (found in review)."""
