@@ -452,6 +452,18 @@ def test_a_timing_key_longer_than_the_client_prints_is_cut_short(scan_client, en
     assert expected in ping, ping
 
 
+def build_driver(tmp_path, source: str) -> str:
+    """A C program `source` that includes scan_client.c (its main renamed) to call its functions,
+    built strictly; returns its path."""
+    require_toolchain()
+    (tmp_path / "driver.c").write_text(source)
+    build = subprocess.run([compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", CLIENT_DIR, "-o",
+                            str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-lzmq", "-lmsgpackc", "-lm"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    return str(tmp_path / "driver")
+
+
 DRIVER = r"""
 /* scan_client.c's printed_length at the int boundary a str's 4-byte size crosses. */
 #define main scan_client_main
@@ -467,14 +479,9 @@ int main(void) {
 
 
 def test_the_printed_length_of_a_key_stays_in_range_past_2_gib(tmp_path):
-    require_toolchain()
-    (tmp_path / "driver.c").write_text(DRIVER)
-    build = subprocess.run([compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", CLIENT_DIR, "-o",
-                            str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-lzmq", "-lmsgpackc", "-lm"],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+    driver = build_driver(tmp_path, DRIVER)
     limit = c_define("MAX_PRINTED_KEY")
-    printed = dict(line.split() for line in subprocess.run([str(tmp_path / "driver")], capture_output=True,
+    printed = dict(line.split() for line in subprocess.run([driver], capture_output=True,
                                                            text=True, check=True).stdout.splitlines())
     assert printed == {"0": "0", str(limit): str(limit), str(limit + 1): str(limit), str(2**31 - 1): str(limit),
                        str(2**31): str(limit), str(2**32 - 1): str(limit)}
@@ -508,13 +515,7 @@ int main(void) {
 def test_a_reply_holding_a_str_of_2_gib_is_not_printed_past_its_end(tmp_path):
     # Found in review: an error reply (or an id) was printed by msgpack-c, which casts a str's
     # size to an int, and one of 2^31 bytes was read to a NUL, past the body.
-    require_toolchain()
-    (tmp_path / "driver.c").write_text(PRINT_DRIVER)
-    build = subprocess.run([compiler(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-I", CLIENT_DIR, "-o",
-                            str(tmp_path / "driver"), str(tmp_path / "driver.c"), "-lzmq", "-lmsgpackc", "-lm"],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(tmp_path / "driver")], capture_output=True, text=True, timeout=30)
+    run = subprocess.run([build_driver(tmp_path, PRINT_DRIVER)], capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     not_printed = "(not printed: it holds a str or bin of 2 GiB or more)"
     assert run.stdout.splitlines() == ['"abc"', not_printed, not_printed]

@@ -10,6 +10,8 @@ defmodule ScanBridge.ClusterTest do
   alias ScanBridge.Cluster.Balancer
   alias ScanBridge.TestSupport.Models
 
+  @ssd_sizes %{batch: 1, heads: 1, headdim: 2, state: 2}
+
   defp start_member(group, extra \\ []), do: hd(start_members(group, 1, extra))
 
   # Servers take seconds to start (the interpreter loads torch): start them side by side, each
@@ -404,11 +406,7 @@ defmodule ScanBridge.ClusterTest do
   # Found in review: a state read went to the rebuild's open as a frame, which no open takes, so
   # the session was opened plainly and its kept frames replayed one request each.
   test "a state read in flight when its member goes rebuilds the session in one request" do
-    g = group()
-    members = start_members(g, 2)
-    sizes = %{batch: 1, heads: 1, headdim: 2, state: 2}
-    {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 100)
-    for _ <- 1..3, do: ok!(Cluster.step(s, ssd_frame(sizes)))
+    {s, members} = stepped_ssd_session()
     owner = owner(s)
     [other] = members -- [owner]
     steps = ops_done(other, "step")
@@ -431,11 +429,7 @@ defmodule ScanBridge.ClusterTest do
   for op <- [:snapshot, :fork] do
     @op op
     test "a #{op} in flight when its member goes is answered from the rebuilt session" do
-      g = group()
-      members = start_members(g, 2)
-      sizes = %{batch: 1, heads: 1, headdim: 2, state: 2}
-      {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(sizes), checkpoint: 100)
-      for _ <- 1..3, do: ok!(Cluster.step(s, ssd_frame(sizes)))
+      {s, members} = stepped_ssd_session()
       {:ok, before} = Cluster.session_state(s)
       owner = owner(s)
       [other] = members -- [owner]
@@ -456,7 +450,7 @@ defmodule ScanBridge.ClusterTest do
 
       case @op do
         :snapshot ->
-          ok!(Cluster.step(s, ssd_frame(sizes)))
+          ok!(Cluster.step(s, ssd_frame(@ssd_sizes)))
           assert :ok = Cluster.restore(s, made)
           assert Cluster.session_state(s) == {:ok, before}
 
@@ -1347,6 +1341,16 @@ defmodule ScanBridge.ClusterTest do
       B: TestSupport.random(:f32, {b, seq, 1, n}),
       C: TestSupport.random(:f32, {b, seq, 1, n})
     }
+  end
+
+  # A small ssd session (@ssd_sizes) on one of a new group's two members, three frames in,
+  # checkpointed only at its open; and the members.
+  defp stepped_ssd_session do
+    g = group()
+    members = start_members(g, 2)
+    {:ok, s} = Cluster.open_session(g, [kind: :ssd] ++ Map.to_list(@ssd_sizes), checkpoint: 100)
+    for _ <- 1..3, do: ok!(Cluster.step(s, ssd_frame(@ssd_sizes)))
+    {s, members}
   end
 
   defp forks_state({:ok, %Cluster.Session{} = fork}), do: Cluster.session_state(fork)
