@@ -525,7 +525,10 @@ class FramedClient:
         release (_release_elsewhere). On the reader thread where a write can wait for the
         server, the writer thread does it (_wake_writer)."""
         if self._writes_wait_for_the_server and threading.current_thread() is self._thread:
-            self._wake_writer()
+            with self._lock:
+                releasable = self._releasable()
+            if releasable:
+                self._wake_writer()
             return
         this_thread = threading.get_ident()
         try:
@@ -585,13 +588,7 @@ class FramedClient:
         `_releasing`); None when there is none, this thread then no longer releasing (decided
         under the one lock, so that a slot freed after is released by the thread that freed it)."""
         with self._lock:
-            while True:
-                if self._held_cancels and self._wire_room(for_cancel=True):
-                    held = self._held_cancels
-                elif self._held and self._wire_room():
-                    held = self._held
-                else:
-                    break
+            while (held := self._releasable()) is not None:
                 request_id, request = next(iter(held.items()))
                 entry = self._pending.get(request_id)
                 if entry is None:  # answered before it was sent (a stray reply with its id)
@@ -603,6 +600,15 @@ class FramedClient:
                 return request_id, taken
             self._releaser = None
             return None
+
+    def _releasable(self):
+        """Where the next request the cap has room for is held (the held cancels, else the held
+        requests), or None. Called with self._lock held."""
+        if self._held_cancels and self._wire_room(for_cancel=True):
+            return self._held_cancels
+        if self._held and self._wire_room():
+            return self._held
+        return None
 
     def _hold_again(self) -> list[Future]:
         """Hold again, first, what this thread took out to send and had not begun to write when
