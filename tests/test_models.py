@@ -1505,6 +1505,136 @@ def test_a_checkpoint_read_error_names_the_file_not_where_it_lies(serve, checkpo
     assert str(root) not in json.dumps(error), error
 
 
+# A load in a process of its own, while another thread saves the checkpoint over itself as
+# save_file does (the file opened for writing, so truncated, then written): the process must
+# live to print what each load got.
+_SAVED_OVER_WHILE_LOADING = """
+import os, sys, threading, time, torch
+from bridge.models import load_checkpoint
+from bridge.errors import OpError
+root, seconds = sys.argv[1], float(sys.argv[2])
+path = os.path.join(root, "saved-over", "model.safetensors")
+data = open(path, "rb").read()
+stop = threading.Event()
+def save_over():
+    while not stop.is_set():
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.write(data[len(data) // 2:])
+threading.Thread(target=save_over, daemon=True).start()
+got, end = {}, time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
+        load_checkpoint("saved-over", (root,), torch.float32, torch.device("cpu"), lambda n: None)
+        what = "loaded"
+    except OpError as e:
+        what = e.code
+    got[what] = got.get(what, 0) + 1
+stop.set()
+print(got)
+"""
+
+
+def test_a_checkpoint_saved_over_while_it_loads_is_refused_or_loaded_and_the_server_lives(tmp_path):
+    """The files were mapped: a save in place truncating one while its tensors were read killed
+    the server with SIGBUS (found in review). Each load now either gets the weights or is
+    invalid_checkpoint."""
+    import subprocess
+    import sys
+
+    config = {"arch": "mamba", "d_model": 64, "n_layer": 24, "vocab_size": 64}
+    directory = tmp_path / "saved-over"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(_own_layout_tensors(config), str(directory / "model.safetensors"))
+    run = subprocess.run([sys.executable, "-c", _SAVED_OVER_WHILE_LOADING, str(tmp_path), "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    got = eval(run.stdout)  # a dict of counts the child printed
+    assert set(got) <= {"loaded", "invalid_checkpoint"} and sum(got.values()) > 0, got
+
+
+def _bin_directory(root, name: str, tensors: dict, *, compressed: bool = False):
+    import io
+    import zipfile
+
+    config = {"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}
+    directory = root / name
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    saved = io.BytesIO()
+    torch.save(tensors, saved)
+    if compressed:  # each record as torch.save stores it, then deflated
+        source, saved = zipfile.ZipFile(io.BytesIO(saved.getvalue())), io.BytesIO()
+        with zipfile.ZipFile(saved, "w", zipfile.ZIP_DEFLATED) as out:
+            for record in source.infolist():
+                out.writestr(record.filename, source.read(record))
+    (directory / "pytorch_model.bin").write_bytes(saved.getvalue())
+    return directory
+
+
+def test_a_bin_whose_records_are_compressed_or_bigger_than_its_tensors_is_refused(serve, checkpoints):
+    """torch.load inflates a deflated record whole before anything is checked: a pytorch_model.bin
+    of a few MB made the server allocate GBs (found in review). torch.save never compresses. A
+    tensor kept as a view of a bigger storage would read more than the budget was held for."""
+    config = {"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}
+    tensors = {name: t * 0.3 for name, t in _own_layout_tensors(config).items()}
+    srv, conn = serve(), RecordingConnection()
+    compressed = _bin_directory(checkpoints[0], "bin-compressed", tensors, compressed=True)
+    error = error_of(srv, conn, "model_load", path=compressed.name)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "pytorch_model.bin"), error
+    assert "uncompressed" in error["detail"]["expected"], error
+    name = next(iter(tensors))
+    viewed = dict(tensors, **{name: torch.zeros(tensors[name].numel() + 4096)[:tensors[name].numel()]
+                               .view(tensors[name].shape)})
+    error = error_of(srv, conn, "model_load", path=_bin_directory(checkpoints[0], "bin-viewed", viewed).name)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "pytorch_model.bin"), error
+    assert "bytes of storage" in error["detail"]["got"], error
+    assert len(srv.server.models) == 0
+    stored = _bin_directory(checkpoints[0], "bin-stored", tensors)
+    assert call(srv, conn, "model_load", path=stored.name)["model"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="open files are listed from /proc")
+def test_a_safetensors_file_too_big_to_map_is_refused_and_leaves_no_file_open(serve, checkpoints):
+    """Its mapping failed and left a descriptor open, each load another, until no file could be
+    opened (found in review). The file is sparse: its header declares more than memory holds."""
+    directory = edited_copy(checkpoints[0], "mamba-lm-tied", "too-big-to-map")
+    header = json.dumps({"backbone.norm_f.weight": {"dtype": "F32", "shape": [1 << 39],
+                                                    "data_offsets": [0, 1 << 41]}}).encode()
+    path = directory / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + (1 << 41))
+    srv, conn = serve(), RecordingConnection()
+    opened = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        assert error_of(srv, conn, "model_load", path=directory.name)["code"] in ("invalid_checkpoint",
+                                                                                  "limit_exceeded")
+    assert len(os.listdir("/proc/self/fd")) == opened
+
+
+def test_a_path_climbing_out_or_failing_to_resolve_is_refused_alike(serve, checkpoints, monkeypatch):
+    """`X/../model` was resolved, looking up X wherever it lay, so that whether it loaded told a
+    client what existed outside --model-dir; a link along a path that could not be read
+    answered internal_error with its reader's message (both found in review)."""
+    from bridge.models import checkpoint
+
+    srv, conn = serve(), RecordingConnection()
+    for path in ("no-such-dir/../mamba-lm-tied", "mamba-lm-tied/../mamba-lm-tied",
+                 "/proc/self/exe/" + "../" * 12 + str(checkpoints[0] / "mamba-lm-tied").lstrip("/")):
+        error = error_of(srv, conn, "model_load", path=path)
+        assert (error["code"], error["detail"]["field"]) == ("path_not_allowed", "args.path"), (path, error)
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(checkpoint.os.path, "realpath", unreadable)
+    error = error_of(srv, conn, "model_load", path="mamba-lm-tied")
+    assert (error["code"], error["detail"]["field"]) == ("path_not_allowed", "args.path"), error
+    assert str(checkpoints[0]) not in json.dumps(error), error
+
+
 def test_a_dt_limit_past_float32_is_refused_at_load_by_its_path_in_the_config(serve):
     """As a request's dt_limit is: such a model loaded, then every prefill and step was refused
     naming args.dt_max, which no request had sent."""

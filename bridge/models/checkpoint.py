@@ -7,14 +7,16 @@ model.safetensors.index.json and its shards (transformers' sharded layout); pyto
 followed, and must lie under an allowed directory, so that no request -- a relative path, a
 symlink, a shard name in an index -- makes the server read anything else. It is then opened
 along that resolved path without following any link, and read through that open file, so that
-a link swapped in after the check leads nowhere. A checkpoint's own files are named in its
-directory; as links they may lead anywhere under an allowed directory: Hugging Face's hub
-cache keeps a snapshot's files as links into the model's blobs/.
+a link swapped in after the check leads nowhere; its data is read, not mapped, so that a file
+saved over while it is read is a short read, not a fault. A checkpoint's own files are named
+in its directory; as links they may lead anywhere under an allowed directory: Hugging Face's
+hub cache keeps a snapshot's files as links into the model's blobs/.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -66,13 +68,21 @@ def resolve_checkpoint(path: str, model_dirs: tuple[str, ...]) -> str:
     """The real path of a checkpoint directory under an allowed one (relative paths are taken
     under the first), or of the snapshot a hub model id names (hub_snapshot) where no such
     directory holds a config. The same error for a path outside as for one that does not exist
-    there would tell a client which files exist; outside, nothing is looked at but the path."""
-    if not model_dirs or "\0" in path:  # no OS path holds a NUL
+    there would tell a client which files exist: a path resolving outside, or whose resolution
+    fails (a link it may not read), is refused alike. A `..` is refused before anything is
+    looked at: resolved, it would look up whatever precedes it, wherever that is."""
+    # No OS path holds a NUL.
+    if not model_dirs or "\0" in path or os.pardir in path.split(os.sep):
         raise path_not_allowed(path, model_dirs)
-    real = os.path.realpath(os.path.join(model_dirs[0], path))
+    try:
+        real = os.path.realpath(os.path.join(model_dirs[0], path))
+    except (OSError, ValueError):  # ValueError: a lone surrogate, which no file name holds
+        raise path_not_allowed(path, model_dirs) from None
     if not any(_under(real, root) for root in model_dirs):
         raise path_not_allowed(path, model_dirs)
-    if os.path.isfile(os.path.join(real, CONFIG)):
+    # Present, not followed: a config.json that is a link out is refused by checkpoint_file
+    # alike whether its target exists or not.
+    if os.path.lexists(os.path.join(real, CONFIG)):
         return real
     snapshot = hub_snapshot(path, model_dirs)
     if snapshot is None:
@@ -102,8 +112,11 @@ def hub_snapshot(model_id: str, model_dirs: tuple[str, ...]) -> str | None:
             continue
         if not HUB_REVISION.fullmatch(revision) or revision in (os.curdir, os.pardir):
             continue
-        real = os.path.realpath(os.path.join(repo, "snapshots", revision))
-        if _under(real, root) and os.path.isfile(os.path.join(real, CONFIG)):
+        try:
+            real = os.path.realpath(os.path.join(repo, "snapshots", revision))
+        except OSError:
+            continue
+        if _under(real, root) and os.path.lexists(os.path.join(real, CONFIG)):
             return real
     return None
 
@@ -124,12 +137,15 @@ def checkpoint_file(directory: str, name: str, field: str, roots: tuple[str, ...
     is a regular file: reading a FIFO or a device there (a link to /dev/zero) would block the
     serving thread or never end. Yields a path naming the open file itself (/dev/fd/N), good
     for the readers that take only a path, until the block ends."""
+    if os.path.basename(name) != name or name in (os.curdir, os.pardir, ""):
+        raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name))
     try:
         real = os.path.realpath(os.path.join(directory, name))
     except ValueError:  # no file name holds a NUL, or a lone surrogate (JSON's \ud800), which UTF-8 cannot encode
-        real = None
-    if real is None or os.path.basename(name) != name or name in (os.curdir, os.pardir):
-        raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name))
+        raise checkpoint_error(field, "a file name in the checkpoint's directory", shown_value(name)) from None
+    except OSError as e:  # a link along it that may not be read, or swapped while it was resolved
+        raise checkpoint_error(field, "a file of the checkpoint that resolves under --model-dir",
+                               f"{shown_value(name)} ({os.strerror(e.errno)})") from None
     if not any(_under(real, root) for root in roots):
         raise checkpoint_error(field, "a file of the checkpoint that resolves under --model-dir",
                                f"{shown_value(name)} (resolving outside)")
@@ -183,7 +199,8 @@ class TensorSource:
         self.roots = roots
         self._files: dict[str, str] = {}  # tensor name -> the name of its file in the directory
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self._bin: dict[str, torch.Tensor] | None = None
+        self._bin: dict[str, torch.Tensor] | None = None  # a legacy-format pytorch_model.bin's, read whole
+        self._bin_stored: int | None = None  # a zip-format one's bytes of storage, read in tensors()
         try:
             fd = _open_unlinked(directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -218,71 +235,185 @@ class TensorSource:
                                    "none of them")
 
     def _read_header(self, path: str, shown: str) -> None:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(path, "pt") as f:
-                for name in f.keys():
-                    sliced = f.get_slice(name)
-                    if sliced.get_dtype() not in SAFETENSORS_FLOATS:
-                        expected = f"a floating tensor ({', '.join(SAFETENSORS_FLOATS)})"
-                        raise checkpoint_error(f"{shown}.{name}", expected, sliced.get_dtype(), tensor=name)
-                    if name in self.shapes:
-                        raise checkpoint_error(f"{shown}.{name}", "each tensor in one shard", "it in two", tensor=name)
-                    self.shapes[name] = tuple(sliced.get_shape())
-                    self._files[name] = shown
-        except OpError:
-            raise
-        except Exception as e:  # safetensors' own errors: a corrupt or lying header, a short file
-            raise checkpoint_error(shown, "a valid safetensors file", failure(e, path, shown)) from None
+        with open(path, "rb") as f:
+            for name, entry in safetensors_header(f, shown).items():
+                if name in self.shapes:
+                    raise checkpoint_error(f"{shown}.{name}", "each tensor in one shard", "it in two", tensor=name)
+                self.shapes[name] = entry.shape
+                self._files[name] = shown
 
     def _read_bin(self, path: str) -> None:
-        # Mapped where torch can map it (its zip format), so a tensor's bytes are read as it is
-        # converted; torch's legacy format (before 1.6, or _use_new_zipfile_serialization=False)
-        # cannot be mapped and is read whole, before the pool budget is checked (SPEC §6.4).
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-        except Exception as e:
-            raise checkpoint_error(TORCH_BIN, "a torch state dict (weights only)",
-                                   failure(e, path, TORCH_BIN)) from None
-        if not isinstance(state, dict):
-            raise checkpoint_error(TORCH_BIN, "a state dict", type(state).__name__)
-        for name, tensor in state.items():
-            if not isinstance(name, str):
-                raise checkpoint_error(TORCH_BIN, "a state dict keyed by tensor names", f"a key {name!r}")
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype not in TORCH_FLOATS:
-                got = str(tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise checkpoint_error(f"{TORCH_BIN}.{name}", "a floating tensor of one value an element", got,
-                                       tensor=str(name))
-            # torch.load keeps a sparse layout, and a model saved from the meta device holds no data.
-            if tensor.layout != torch.strided or tensor.is_meta:
-                got = "a meta tensor (no data)" if tensor.is_meta else f"a {tensor.layout} tensor"
-                raise checkpoint_error(f"{TORCH_BIN}.{name}", "a dense tensor with data", got, tensor=name)
-            self.shapes[name] = tuple(tensor.shape)
-        self._bin = state
+        # torch's zip format is mapped to learn its shapes (no data is read), then read anew, not
+        # mapped, once the budget is held (tensors()); its legacy format (before 1.6, or
+        # _use_new_zipfile_serialization=False) cannot be mapped and is read whole, before the
+        # budget is checked (SPEC §6.4).
+        zipped = zipfile.is_zipfile(path)
+        state = load_bin(path, mapped=zipped)
+        self.shapes.update((name, tuple(tensor.shape)) for name, tensor in state.items())
+        if zipped:
+            self._bin_stored = stored_bytes(state)
+        else:
+            self._bin = state
 
     def tensors(self, names: set[str]):
         """(name, tensor) of each of `names`, read one file at a time."""
         if self._bin is not None:
             yield from ((name, self._bin[name]) for name in sorted(names))
             return
-        from safetensors import safe_open
-
+        if self._bin_stored is not None:
+            with checkpoint_file(self.directory, TORCH_BIN, TORCH_BIN, self.roots) as path:
+                state = load_bin(path, mapped=False) if zipfile.is_zipfile(path) else None
+            # Read anew, as a shard is: a file rewritten since its shapes were learnt may hold
+            # other tensors, or more bytes, than the budget was held for.
+            if state is None or stored_bytes(state) != self._bin_stored or any(
+                    tuple(state[name].shape) != self.shapes[name] if name in state else True for name in names):
+                raise checkpoint_error(TORCH_BIN, "the tensors its shapes were learnt from when the load began",
+                                       "a file rewritten since")
+            yield from ((name, state[name]) for name in sorted(names))
+            return
         for shown in sorted({self._files[name] for name in names}):
-            with checkpoint_file(self.directory, shown, shown, self.roots) as path:
-                try:
-                    with safe_open(path, "pt") as f:
-                        for name in sorted(n for n in names if self._files[n] == shown):
-                            tensor = f.get_tensor(name)
-                            # Opened anew: a file rewritten since its header was read may hold
-                            # other tensors than those checked and held against the budget.
-                            if tuple(tensor.shape) != self.shapes[name] or tensor.dtype not in TORCH_FLOATS:
-                                raise checkpoint_error(f"{shown}.{name}", f"a floating tensor of shape "
-                                                       f"{list(self.shapes[name])}, as its header said when the "
-                                                       "load began", f"{tensor.dtype} of shape {list(tensor.shape)}",
-                                                       tensor=name)
-                            yield name, tensor
-                except OpError:
-                    raise
-                except Exception as e:
-                    raise checkpoint_error(shown, "a readable safetensors file", failure(e, path, shown)) from None
+            with checkpoint_file(self.directory, shown, shown, self.roots) as path, open(path, "rb") as f:
+                # Read anew: a file rewritten since its header was read may hold other tensors
+                # than those checked and held against the budget.
+                header = safetensors_header(f, shown)
+                for name in sorted(n for n in names if self._files[n] == shown):
+                    entry = header.get(name)
+                    if entry is None or entry.shape != self.shapes[name]:
+                        got = "nothing" if entry is None else f"{entry.dtype} of shape {list(entry.shape)}"
+                        raise checkpoint_error(f"{shown}.{name}", f"a floating tensor of shape "
+                                               f"{list(self.shapes[name])}, as its header said when the load began",
+                                               got, tensor=name)
+                    yield name, entry.read(f, f"{shown}.{name}")
+
+
+# torch.save's zip format stores every record uncompressed, and its pickle is a few KB: a
+# compressed record (what a zip bomb needs) or a big pickle is not a state dict torch saved.
+MAX_BIN_PICKLE_BYTES = 16 << 20
+
+
+def load_bin(path: str, *, mapped: bool) -> dict[str, torch.Tensor]:
+    """The state dict in pytorch_model.bin at `path`, each entry a dense floating tensor under
+    its name; `mapped` (the zip format only): the storages mapped, none of their data read."""
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                records = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            raise checkpoint_error(TORCH_BIN, "a torch state dict (weights only)",
+                                   failure(e, path, TORCH_BIN)) from None
+        for record in records:
+            if record.compress_type != zipfile.ZIP_STORED:
+                raise checkpoint_error(TORCH_BIN, "records stored uncompressed, as torch.save writes them",
+                                       f"{shown_value(record.filename)} compressed")
+            if record.filename.endswith(".pkl") and record.file_size > MAX_BIN_PICKLE_BYTES:
+                raise checkpoint_error(TORCH_BIN, f"a pickle of at most {MAX_BIN_PICKLE_BYTES} bytes",
+                                       f"{shown_value(record.filename)} of {record.file_size}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+    except Exception as e:
+        raise checkpoint_error(TORCH_BIN, "a torch state dict (weights only)", failure(e, path, TORCH_BIN)) from None
+    if not isinstance(state, dict):
+        raise checkpoint_error(TORCH_BIN, "a state dict", type(state).__name__)
+    for name, tensor in state.items():
+        if not isinstance(name, str):
+            raise checkpoint_error(TORCH_BIN, "a state dict keyed by tensor names", f"a key {name!r}")
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in TORCH_FLOATS:
+            got = str(tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise checkpoint_error(f"{TORCH_BIN}.{name}", "a floating tensor of one value an element", got,
+                                   tensor=str(name))
+        # torch.load keeps a sparse layout, and a model saved from the meta device holds no data.
+        if tensor.layout != torch.strided or tensor.is_meta:
+            got = "a meta tensor (no data)" if tensor.is_meta else f"a {tensor.layout} tensor"
+            raise checkpoint_error(f"{TORCH_BIN}.{name}", "a dense tensor with data", got, tensor=name)
+    # A tensor may be a view of a storage far bigger than itself (torch.save keeps a slice's
+    # whole storage): what is read would then be more than the budget was held for.
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}
+    tensor_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    if sum(storages.values()) > tensor_bytes:
+        raise checkpoint_error(TORCH_BIN, f"storages holding its tensors' {tensor_bytes} bytes",
+                               f"{sum(storages.values())} bytes of storage")
+    return state
+
+
+def stored_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}.values())
+
+
+# safetensors' format: an 8-byte little-endian header length, the header (JSON: each tensor's
+# dtype, shape and byte range in the data after it), the data. Read here through the open file
+# rather than mapped: a mapped file truncated while it is read (a save in place, which opens
+# it for writing first) kills the process with SIGBUS, and a file too big to map leaked the
+# mapper's descriptor. A header bigger than safetensors' own bound is not one.
+SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+                      "F8_E8M0": getattr(torch, "float8_e8m0fnu", None)}
+
+
+class SafetensorsEntry:
+    """One tensor of a safetensors file: its dtype, shape and where its bytes lie in the file."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], start: int, nbytes: int):
+        self.dtype, self.shape, self.start, self.nbytes = dtype, shape, start, nbytes
+
+    def read(self, f, field: str) -> torch.Tensor:
+        data = torch.empty(self.nbytes, dtype=torch.uint8)
+        view, done = memoryview(data.numpy()), 0
+        while done < self.nbytes:  # preadv may return less than asked
+            n = os.preadv(f.fileno(), [view[done:]], self.start + done)
+            if n == 0:
+                raise checkpoint_error(field, f"{self.nbytes} bytes of tensor data at byte {self.start}",
+                                       f"the file ending after {done} of them")
+            done += n
+        return data.view(self.dtype).reshape(self.shape)
+
+
+def safetensors_header(f, shown: str) -> dict[str, SafetensorsEntry]:
+    """The tensors the header of open safetensors file `f` (shown as `shown`) declares, each
+    checked to be floating and to lie, whole, in the file, none overlapping another."""
+    def corrupt(got: str) -> OpError:
+        return checkpoint_error(shown, "a valid safetensors file", got)
+
+    size = os.fstat(f.fileno()).st_size
+    prefix = os.pread(f.fileno(), 8, 0)
+    if len(prefix) < 8:
+        raise corrupt(f"a file of {len(prefix)} bytes")
+    length = int.from_bytes(prefix, "little")
+    if length > min(SAFETENSORS_MAX_HEADER_BYTES, size - 8):
+        raise corrupt(f"a header of {length} bytes in a file of {size}")
+    raw = os.pread(f.fileno(), length, 8)
+    try:
+        header = json.loads(raw) if len(raw) == length else None
+    except (ValueError, RecursionError) as e:
+        raise corrupt(f"a header that is not JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise corrupt("a header that is not a JSON object" if len(raw) == length else "a file shorter than its header")
+    data_start, data_size = 8 + length, size - 8 - length
+    entries: dict[str, SafetensorsEntry] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        field = f"{shown}.{name}"
+        if not (isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
+                and isinstance(spec.get("shape"), list) and isinstance(spec.get("data_offsets"), list)):
+            raise checkpoint_error(shown, f"{name}: a tensor's dtype, shape and data_offsets", shown_value(spec),
+                                   tensor=name)
+        dtype = SAFETENSORS_DTYPES.get(spec["dtype"])
+        if dtype is None:
+            expected = f"a floating tensor ({', '.join(SAFETENSORS_FLOATS)})"
+            raise checkpoint_error(field, expected, shown_value(spec["dtype"]), tensor=name)
+        shape, offsets = spec["shape"], spec["data_offsets"]
+        if not all(type(n) is int and n >= 0 for n in shape + offsets) or len(offsets) != 2:
+            raise checkpoint_error(shown, f"{name}: a shape and data_offsets [begin, end] of non-negative integers",
+                                   shown_value({"shape": shape, "data_offsets": offsets}), tensor=name)
+        begin, end = offsets
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not begin <= end <= data_size or end - begin != nbytes:
+            raise checkpoint_error(shown, f"{name}: {nbytes} bytes (shape {shape}, {spec['dtype']}) within the "
+                                   f"{data_size} bytes of data", f"data_offsets {offsets}", tensor=name)
+        entries[name] = SafetensorsEntry(dtype, tuple(shape), data_start + begin, nbytes)
+    spans = sorted((e.start, e.start + e.nbytes, name) for name, e in entries.items() if e.nbytes)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise checkpoint_error(shown, f"{second}: data of its own", f"bytes shared with {first}", tensor=second)
+    return entries
