@@ -971,6 +971,45 @@ def test_a_bad_checkpoint_is_named_and_nothing_is_kept(serve, checkpoints, name,
     assert call(srv, conn, "model_load", path="mamba2-lm")["layers"] == 2  # serves on
 
 
+def test_a_saved_copy_of_a_tied_head_loads_only_as_the_embeddings(serve, checkpoints):
+    """mamba_ssm saves a tied head's copy beside the embeddings: it was checked for shape and
+    dropped, so a copy that differed (or was NaN) loaded and was served as the embeddings, where
+    transformers projects with the copy (found in review)."""
+    srv, conn = serve(), RecordingConnection()
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    logits, held = {}, []
+    for name, head in (("same", lambda t: t.clone()), ("own", lambda t: t + 0.5),
+                       ("not-finite", lambda t: torch.full_like(t, float("nan")))):
+        directory = edited_copy(checkpoints[0], "mamba-lm-tied", f"tied-head-{name}",
+                                weights=lambda t: {**t, "lm_head.weight": head(t["backbone.embeddings.weight"])})
+        if name != "same":
+            error = error_of(srv, conn, "model_load", path=directory.name)
+            assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "weights.lm_head.weight"), error
+            continue
+        for path in (directory.name, "mamba-lm-tied"):
+            loaded = call(srv, conn, "model_load", path=path)
+            held.append(loaded["weight_bytes"])
+            session = call(srv, conn, "session_open", model=loaded["model"], batch=1)["session"]
+            logits[path] = call(srv, conn, "model_forward", session=session, tokens=tokens)["logits"]
+    assert torch.equal(*logits.values())
+    # The copy is read to be checked, not kept: the budget holds the model without it.
+    assert held[0] == held[1] and srv.server.sessions.usage()["model_bytes"] == sum(held)
+
+
+def test_a_config_naming_the_activation_swish_loads_as_silu(serve, checkpoints):
+    """transformers runs "swish" as SiLU: such a config was refused as an unknown activation."""
+    srv, conn = serve(), RecordingConnection()
+    tokens = torch.tensor([[2, 7, 1]])
+    logits = []
+    for arch in ("mamba-lm-tied", "mamba2-lm"):
+        directory = edited_copy(checkpoints[0], arch, f"swish-{arch}", config=lambda c: {**c, "hidden_act": "swish"})
+        for path in (directory.name, arch):
+            model = call(srv, conn, "model_load", path=path)["model"]
+            session = call(srv, conn, "session_open", model=model, batch=1)["session"]
+            logits.append(call(srv, conn, "model_forward", session=session, tokens=tokens)["logits"])
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[2], logits[3])
+
+
 @pytest.mark.parametrize("how", ["truncated", "lying-header", "garbage"])
 def test_a_corrupt_safetensors_file_is_refused(serve, checkpoints, how):
     directory = edited_copy(checkpoints[0], "mamba-lm-tied", f"corrupt-{how}")

@@ -25,7 +25,7 @@ from .checkpoint import (CONFIG, MAX_CONFIG_BYTES, TensorSource, allowed_dirs, c
                          resolve_checkpoint)
 from .config import ARCHS, ModelConfig, checkpoint_error, parse_config
 from .runtime import Model, param_dtype
-from .weights import canonical_name, check_weights
+from .weights import EMBEDDINGS, LM_HEAD, canonical_name, check_weights
 
 __all__ = ["ARCHS", "Model", "ModelConfig", "allowed_dirs", "load_checkpoint", "load_weights", "parse_config"]
 
@@ -40,11 +40,11 @@ def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, 
     with checkpoint_file(directory, CONFIG, CONFIG, model_dirs) as config_path:
         config = parse_config(read_json(config_path, CONFIG, MAX_CONFIG_BYTES), CONFIG)
     source = TensorSource(directory, model_dirs)
-    wanted = check_weights(config, source.shapes, "weights")
+    wanted, tied_copy = check_weights(config, source.shapes, "weights")
     hold(planned_bytes(source.shapes, wanted, dtype))
     # Closed here: a build that fails mid-read leaves the reader paused with its file open, for
     # as long as anything keeps the error's traceback.
-    with contextlib.closing(source.tensors(wanted)) as named:
+    with contextlib.closing(source.tensors(wanted | {tied_copy} - {None})) as named:
         return _build(config, named, dtype, device, "weights")
 
 
@@ -59,9 +59,10 @@ def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtyp
             raise checkpoint_error(key_path("args.weights", name), "a floating tensor (f32, bf16, f16, f64)",
                                    wire_name(tensor.dtype), tensor=key_path("", name))
     shapes = {name: tuple(t.shape) for name, t in weights.items()}
-    wanted = check_weights(config, shapes, "args.weights")
+    wanted, tied_copy = check_weights(config, shapes, "args.weights")
     hold(planned_bytes(shapes, wanted, dtype))
-    return _build(config, ((name, weights[name]) for name in wanted), dtype, device, "args.weights")
+    return _build(config, ((name, weights[name]) for name in wanted | {tied_copy} - {None}), dtype, device,
+                  "args.weights")
 
 
 def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: torch.dtype) -> int:
@@ -72,15 +73,22 @@ def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: t
 def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device, field: str) -> Model:
     """The model of `named` (each tensor under its name as given); a tensor that is not finite is
     invalid_checkpoint, named `field`.<its name as given>, as check_weights names the others."""
-    tensors = {}
+    tensors, given = {}, {}
     for name, tensor in named:
         canonical = canonical_name(name)
+        given[canonical] = name
         # Always a copy: a file's mapping or a request's frame does not outlive the load; detached,
         # as a .bin saved from parameters keeps requires_grad, which the runtime's in-place ops refuse.
         converted = tensor.detach().to(device=device, dtype=param_dtype(canonical, dtype), copy=True).contiguous()
         if not torch.isfinite(converted).all():
             raise _not_finite(f"{field}.{name}", canonical, tensor, converted.dtype)
         tensors[canonical] = converted
+    if config.lm_head == "tied" and LM_HEAD in tensors:
+        # A saved copy of the tied head: one that differs is a contradiction the libraries
+        # resolve apart (transformers projects with it, mamba_ssm loads it as the embeddings).
+        if not torch.equal(tensors.pop(LM_HEAD), tensors[EMBEDDINGS]):
+            raise checkpoint_error(f"{field}.{given[LM_HEAD]}", "a copy of the embeddings, as the config ties "
+                                   "the head to them", "a matrix of its own", tensor=LM_HEAD)
     return Model(config, tensors)
 
 

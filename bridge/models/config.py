@@ -224,7 +224,7 @@ def _hf_mamba(k: _Keys) -> ModelConfig:
     d_model = k.size("hidden_size", _REQUIRED)
     d_inner = k.size("intermediate_size", None) or _inner(k, d_model)
     dt_rank = _dt_rank(k, "time_step_rank", d_model)
-    k.require("hidden_act", ("silu",), "the activation this runtime runs")
+    k.require("hidden_act", ("silu", "swish"), "the activation this runtime runs")
     return ModelConfig(
         arch="mamba", d_model=d_model, n_layer=k.size("num_hidden_layers", _REQUIRED),
         vocab_size=k.size("vocab_size", _REQUIRED), d_state=k.size("state_size", 16),
@@ -242,7 +242,7 @@ def _hf_mamba2(k: _Keys) -> ModelConfig:
         raise checkpoint_error(f"{k.field}.num_heads", f"num_heads x head_dim = expand x hidden_size ({d_inner})",
                                f"{nheads} x {headdim}")
     k.require("rms_norm", (True,), "RMSNorm blocks; this runtime has no LayerNorm")
-    k.require("hidden_act", ("silu",), "the activation this runtime runs")
+    k.require("hidden_act", ("silu", "swish"), "the activation this runtime runs")
     return ModelConfig(
         arch="mamba2", d_model=d_model, n_layer=k.size("num_hidden_layers", _REQUIRED),
         vocab_size=k.size("vocab_size", _REQUIRED), d_state=k.size("state_size", 128),

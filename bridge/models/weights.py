@@ -24,8 +24,8 @@ def canonical_name(name: str) -> str:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the model, by canonical name. A tied head is the embedding itself, so
-    `lm_head.weight` is listed only for a head of its own (a saved copy of a tied one is checked
-    and ignored, see `check_weights`)."""
+    `lm_head.weight` is listed only for a head of its own (a saved copy of a tied one is read to
+    be checked, see `check_weights`)."""
     c = config
     shapes: dict[str, tuple[int, ...]] = {}
     if c.has_embeddings:
@@ -59,10 +59,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field: str) -> set[str]:
+def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                  field: str) -> tuple[set[str], str | None]:
     """Check the checkpoint's tensor shapes (by original name) against the config's; returns the
-    original names to load. Raises invalid_checkpoint naming the first tensor missing,
-    mis-shaped or unexpected."""
+    original names to load, and the name of a saved copy of a tied head (mamba_ssm saves one),
+    to be read only to check that it is the embeddings (_build). Raises invalid_checkpoint
+    naming the first tensor missing, mis-shaped or unexpected."""
     by_canonical: dict[str, str] = {}
     for name in shapes:
         canonical = canonical_name(name)
@@ -83,11 +85,11 @@ def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field
             raise checkpoint_error(f"{field}.{canonical}", f"a tensor of shape {list(shape)}", "nothing",
                                    tensor=canonical)
     tied_head = config.lm_head == "tied"
-    wanted = set()
+    wanted, tied_copy = set(), None
     for canonical, name in by_canonical.items():
         want = expected.get(canonical)
         if want is None and tied_head and canonical == LM_HEAD:
-            want = expected[EMBEDDINGS]  # a saved copy of the tied head: checked, then ignored
+            want, tied_copy = expected[EMBEDDINGS], name
         elif want is not None:
             wanted.add(name)
         if want is None:
@@ -96,4 +98,4 @@ def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], field
         if tuple(shapes[name]) != want:
             raise checkpoint_error(f"{field}.{name}", f"shape {list(want)}", f"shape {list(shapes[name])}",
                                    tensor=canonical)
-    return wanted
+    return wanted, tied_copy
