@@ -712,6 +712,38 @@ def test_simd_variant_decay_that_underflows_is_zero_as_the_references(simd_backe
         assert (g.float()[~expected.isnan()] == 0).all(), f"{what} {name}: {g.flatten().tolist()}"
 
 
+
+@pytest.mark.parametrize("dt, dt_max", [(3e38, None), (math.inf, 3e38)], ids=["dt-past-max-over-log2e", "inf-clamped"])
+@pytest.mark.parametrize("kind", ["scan", "update"])
+def test_simd_variant_dt_near_fp32s_largest_decays_as_the_references(simd_backend, kind, dt, dt_max):
+    """dt was kept times log2(e), which rounds to inf for a dt past 2.4e38: with A = 0, inf * 0
+    gave NaN where exp(dt A) is 1 (found in review). A finite dt there now decays as the reference."""
+    dim, state = 3, 5  # partial vectors in every variant
+    A, B, C = torch.zeros(dim, state), torch.ones(1, 1, state), torch.ones(1, 1, state)
+    A[1] = -1.0  # a channel that decays to nothing beside ones that keep their state
+    x, dts = torch.full((1, 1, dim), 1e-30), torch.full((1, 1, dim), dt)
+    h0 = torch.full((1, dim, state), 2.0)
+    if kind == "scan":
+        inputs = dict(x=x, dt=dts, A=A, B=B.unsqueeze(1), C=C.unsqueeze(1), h0=h0, dt_max=dt_max, return_state=True)
+        y_ref, state_ref = scan_kernels.selective_scan(
+            **{k: v.double() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, backend="reference")
+        a = _args.check_scan(**inputs)
+        y, got = simd_backend.scan(a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    else:
+        inputs = dict(x=x[:, 0], dt=dts[:, 0], A=A, B=B[:, 0], C=C[:, 0], dt_max=dt_max)
+        state_ref = h0.double()
+        y_ref = scan_kernels.selective_state_update(
+            state_ref, **{k: v.double() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()},
+            backend="reference")
+        got = h0.clone()
+        a = _args.check_state_update(got, **inputs)
+        y = simd_backend.state_update(a.state, a.x, a.dt, a.A, a.B, a.C, **a.backend_kwargs())
+    what = f"{simd_backend.details['simd']} build {kind}, dt {dt}"
+    for name, g, e in (("y", y, y_ref), ("state", got, state_ref)):
+        assert torch.isfinite(e).all(), f"{what}: the reference's {name}"
+        torch.testing.assert_close(g.double(), e, rtol=1e-6, atol=0, msg=lambda m: f"{what} {name}: {m}")
+
+
 # Mamba-2 per variant: headdim full and partial vectors and blocks (16, 8 or 4 fp32 lanes, two
 # vectors a block), groups, every option, each dtype's conversion path.
 SIMD_SSD_SCAN_CASES = [

@@ -166,7 +166,7 @@ class BackwardRunner {
       dls_[t] = d;
       slope_[t] = slope;
       dtx_[t] = d * xs_[t];
-      dts_[t] = d * Math<T>::kDecayScale;
+      dts_[t] = Math<T>::scale_dt(d);
     }
     const int64_t first = (first_ + t0) * bc_stride_ + g * N_;
     Bs_ = p_.B + first;

@@ -163,6 +163,14 @@ struct Math<float> {
   // rounding changes from step to step like that of dt * A itself.
   static constexpr float kDecayScale = kLog2e;
   static inline V decay(V scaled_dt, V A) { return exp2(scaled_dt * A); }
+  // dt * kDecayScale, held at fp32's largest where a finite dt past it (3e38) would round to
+  // inf: inf * A is NaN for A = 0, where exp(dt A) is 1. An infinite dt stays so.
+  static inline V scale_dt(V dt) {
+    const V max = Lanes<float>::splat(3.4028234663852886e38f);
+    const V scaled = dt * kDecayScale;
+    const V held = dt > 0.0f ? max : -max;
+    return ((scaled > max) | (scaled < -max)) & (dt <= max) & (dt >= -max) ? held : scaled;
+  }
 
   // torch's softplus (threshold 20): max(x, 0) + log1p(exp(-|x|)), with
   // log1p(e) = 2 atanh(s), s = e / (2 + e) <= 1/3, and atanh(s) / s = 1 + s^2 q(s^2) with q a
@@ -197,6 +205,7 @@ struct Math<double> {
   static constexpr int W = Lanes<double>::W;
 
   static constexpr double kDecayScale = 1.0;
+  static inline V scale_dt(V dt) { return dt; }
   static inline V decay(V dt, V A) {
     V r;
     for (int i = 0; i < W; ++i) r[i] = std::exp(dt[i] * A[i]);
