@@ -33,7 +33,7 @@ a [headdim, state] state per head; x, z [batch, seq, heads, headdim], dt [batch,
 A, dt_bias [heads], B, C [batch, seq, groups, state] (group g serves heads g*H/G .. (g+1)*H/G - 1),
 D [heads] or [heads, headdim], state [batch, heads, headdim, state]. `chunk_size` tunes the
 chunked backends only (torch, triton; a larger one than 1024 runs at 1024); every backend
-computes the same y.
+computes the same y, short of float's range in an intermediate (docs/performance.md).
 
 Gradients (scan_kernels/backward.py): selective_scan_backward(dy, x, dt, A, B, C, *, ..., h0, dstate,
 layout, cu_seqlens, backend) and ssd_scan_backward(...) -> {input name: gradient}; with grad
