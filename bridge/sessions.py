@@ -10,7 +10,9 @@ rows of its class's pool, not necessarily contiguous), and a step passes them to
 class share a kernel launch (bridge.batcher).
 
 A pool grows by doubling (one device copy of its rows; slot numbers stay valid) as far as the
-pool-bytes limit allows, and is dropped when its last session closes. Every session belongs to
+pool-bytes limit allows, gives back the free rows at its end when at most a quarter of it is in
+use or the budget is short (at the next session open or snapshot), and is dropped when its last
+session closes. Every session belongs to
 the connection that opened it (bridge.owned).
 
 Snapshots are copies of a session's rows (every part), kept on the device and owned like
@@ -153,6 +155,21 @@ class StatePool:
         flat[: old.shape[0]].copy_(old)
         self._free.extend(range(old.shape[0], capacity))
         self._set_rows(flat)
+
+    def rows_to_keep(self) -> int:
+        """The capacity the rows in use need where they stay where they are: one past the last."""
+        end = self.capacity
+        for slot in reversed(self._free):  # sorted: the free rows at the end come last
+            if slot != end - 1:
+                break
+            end = slot
+        return end
+
+    def shrink(self, capacity: int) -> None:
+        """Drop the rows from `capacity` on, all free (rows_to_keep): one copy of the rest, whose
+        slot numbers stay valid, as a growth's do."""
+        self._set_rows(self.flat[:capacity].clone())
+        self._free = [slot for slot in self._free if slot < capacity]
 
     def take(self, count: int) -> list[int]:
         taken, self._free = self._free[:count], self._free[count:]
@@ -364,6 +381,7 @@ class SessionTable(OwnedTable[Session]):
             pool = self._pools.get(layout)
             row_bytes = layout.row_bytes
             missing = batch - (pool.free_rows if pool else 0)
+            self._shrink_pools(max(missing, 0) * row_bytes, op, keep=layout)
             if missing > 0:
                 room = (self.max_pool_bytes - self._pool_bytes()) // row_bytes  # rows the budget still allows
                 if missing > room:
@@ -387,10 +405,29 @@ class SessionTable(OwnedTable[Session]):
             pool.flat.index_fill_(0, session.slots, 0.0)
             return session
 
-    def hold(self, what: str, nbytes: int, op: str) -> None:
+    def _shrink_pools(self, needed: int, op: str, keep: StateLayout | None = None) -> None:
+        """Give back the free rows at the end of pools (a pool doubles, and is otherwise kept
+        whole until its last session closes, so that one session left after a burst held the
+        burst's rows, and the budget they took): those of a pool at most a quarter in use, or of
+        every pool while the budget lacks `needed` bytes; not `keep`'s, about to take rows. Moves
+        no row, but replaces pools' tensors: only an op may call it (they run one at a time,
+        Dispatcher._serving), never a load running beside them."""
+        for pool in list(self._pools.values()):
+            short = needed > self.max_pool_bytes - self._pool_bytes()
+            if pool.layout == keep or not (short or pool.free_rows * 4 >= 3 * pool.capacity):
+                continue
+            end = pool.rows_to_keep()
+            if end < pool.capacity and (short or end * 4 <= pool.capacity):
+                with allocation(op):
+                    pool.shrink(end)
+
+    def hold(self, what: str, nbytes: int, op: str, *, from_op: bool = False) -> None:
         """Count `nbytes` of `what` ("models", "snapshots") against --max-pool-bytes, or raise
-        limit_exceeded when they do not fit; called before they are allocated."""
+        limit_exceeded when they do not fit; called before they are allocated. `from_op`: called
+        by an op, which may shrink pools (_shrink_pools) to make room."""
         with self._lock:
+            if from_op:
+                self._shrink_pools(nbytes, op)
             if nbytes > self.max_pool_bytes - self._pool_bytes():
                 self._refuse(op, HELD_DESCRIPTIONS[what], nbytes)
             self._held[what] += nbytes
@@ -514,7 +551,7 @@ class SnapshotTable(OwnedTable[Snapshot]):
         with self._lock:
             self._refuse_past(self.max_snapshots, "session_snapshot", "snapshots", "--max-snapshots")
         nbytes = session.nbytes
-        self.sessions.hold("snapshots", nbytes, "session_snapshot")
+        self.sessions.hold("snapshots", nbytes, "session_snapshot", from_op=True)
         try:
             with allocation("session_snapshot"):
                 snapshot = Snapshot(session)

@@ -482,6 +482,39 @@ def test_pool_bytes_limit(inproc):
     assert srv.server.sessions.usage()["pool_bytes"] == 10 * row
 
 
+
+@pytest.mark.parametrize("then", ["open-another-class", "snapshot", "open-the-same-class"])
+def test_a_pool_gives_back_the_rows_a_departed_burst_left_at_its_end(inproc, then):
+    """A pool was kept at its peak while one session of its class stayed open: one left after a
+    burst held the burst's rows, and the budget with them, refusing every other class (found in
+    review). An op that needs the room, or any open while the pool is at most a quarter in use,
+    takes the free rows at its end back; the session left keeps its state and steps on."""
+    row = 8 * 4 * 4  # one [dim 8, state 4] fp32 row
+    srv = inproc(max_pool_bytes=64 * row)
+    keeper, burst = RecordingConnection(), RecordingConnection()
+    inputs = make_scan_inputs(ScanCase(1, 4, 8, 4))
+    kept = srv.call(keeper, "session_open", batch=1, dim=8, state=4)["session"]
+    srv.call(keeper, "step", session=kept, **timestep(inputs, 0))
+    for _ in range(40):
+        srv.call(burst, "session_open", batch=1, dim=8, state=4)
+    assert srv.server.sessions.usage()["pool_bytes"] == 64 * row  # doubled to the whole budget
+    burst.mark_closed()
+    (pool,) = srv.server.sessions.usage()["pools"]
+    assert (pool["capacity"], pool["rows_in_use"]) == (64, 1), pool
+    if then == "open-another-class":
+        srv.call(keeper, "session_open", batch=60, dim=4, state=4)  # 30 rows of the first class
+    elif then == "snapshot":
+        assert srv.call(keeper, "session_snapshot", session=kept)["snapshot"]
+    else:
+        srv.call(keeper, "session_open", batch=1, dim=8, state=4)
+    first = next(p for p in srv.server.sessions.usage()["pools"] if p["dim"] == 8)
+    assert first["capacity"] == (1 if then != "open-the-same-class" else 64), first
+    srv.call(keeper, "step", session=kept, **timestep(inputs, 1))
+    reference = reference_scan({**inputs, **window(inputs, 0, 2)})[1]
+    assert_close(srv.call(keeper, "session_state", session=kept)["state"], reference, torch.float32, "kept",
+                 STATE_TOLERANCE)
+
+
 def test_a_pool_bytes_refusal_requests_the_rows_past_those_free(inproc):
     """detail.requested is what the pool must grow by (SPEC §6.1), which SPEC called the bytes
     the session needs: a session of 5 rows in a pool with 3 free asks for 2 rows more."""
