@@ -429,6 +429,36 @@ def test_second_process_reuses_the_built_library():
     assert library.stat().st_mtime_ns == mtime, "the library was rebuilt"
 
 
+
+_LOAD_PAST_A_STALE_LOCK = """
+import shutil, sys
+from pathlib import Path
+from scan_kernels.cpu import build
+built = build.build_directory()
+root = Path(sys.argv[1])
+build.build_root = lambda: root
+copy = build.build_directory()
+shutil.copytree(built, copy)
+(copy / "lock").write_text("")  # what torch's FileBaton leaves when its builder is killed
+build.load_extension()
+print("stale lock gone:", not (copy / "lock").exists())
+"""
+
+
+def test_a_build_killed_midway_leaves_no_lock_later_starts_wait_on(tmp_path):
+    """torch's build lock is removed only by a build that ends: a server killed mid-build (a
+    client's start timeout) left it, and every later start waited on it for ever, deaf to
+    SIGTERM (found in review). A build now holds an flock, which dies with its holder, and
+    takes a lock file found under it for a killed build's: the library is linked again."""
+    from scan_kernels.cpu import build
+
+    assert build.library_path().is_file(), "the backend loaded, so its library must exist"
+    proc = subprocess.run([sys.executable, "-c", _LOAD_PAST_A_STALE_LOCK, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stale lock gone: True" in proc.stdout, proc.stdout
+
+
 def test_digest_follows_sources(tmp_path, monkeypatch):
     """A library built from other sources (or flags, or for another CPU) is never loaded."""
     from scan_kernels.cpu import build

@@ -10,7 +10,7 @@ Each build lives in a directory named by a digest of everything that determines 
 when the package is installed read-only). A process that finds a matching library imports it
 directly, in milliseconds, without touching the compiler or ninja; a library built for another
 CPU, torch or source revision is never loaded. Concurrent builds of the same digest are
-serialised by torch's lock file in that directory.
+serialised by an flock in that directory (_build_lock), which a build killed midway lets go.
 
 The kernels build in one of several SIMD variants (SIMD_VARIANTS: AVX-512, AVX2, the portable
 baseline), each with its own flags and module name: by default the best this CPU executes;
@@ -21,6 +21,7 @@ variant the CPU cannot execute is refused with BackendUnavailable.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -29,6 +30,7 @@ import platform
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +89,7 @@ SIMD_VARIANTS = _machine_variants()
 SANITIZE_ENV = "SCAN_BRIDGE_SANITIZE"
 SANITIZERS = ("address", "undefined")
 _LOCK_FILE = "lock"  # torch.utils.cpp_extension's FileBaton, present while a build runs
+_BUILD_FLOCK = "build.flock"  # flocked by the process building there (_build_lock)
 
 
 def _requested_sanitizers() -> tuple[str, ...]:
@@ -379,15 +382,44 @@ def _load(directory: Path, sources: Sources, module_name: str, verbose: bool, va
     _check_sanitizer_runtime()
     library = _library_in(directory, module_name)
     if library.is_file() and not (directory / _LOCK_FILE).exists():
-        try:
-            return _import_built(library, module_name)
-        except ImportError as exc:
-            raise BackendUnavailable(f"cannot load {library}: {exc}") from exc
+        return _import_library(library, module_name)
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise BackendUnavailable(f"no C++ compiler ({compiler!r} not found)")
-    log.info("kernels: building the C++ extension %s in %s (once per machine)", module_name, directory)
-    return _compile(directory, verbose, sources, module_name, variant or selected_variant())
+    with _build_lock(directory) as killed_mid_build:
+        if library.is_file() and not killed_mid_build:  # built by the process this one waited for
+            return _import_library(library, module_name)
+        if killed_mid_build:  # its library may be half written: linked again
+            library.unlink(missing_ok=True)
+        log.info("kernels: building the C++ extension %s in %s (once per machine)", module_name, directory)
+        return _compile(directory, verbose, sources, module_name, variant or selected_variant())
+
+
+def _import_library(library: Path, module_name: str):
+    try:
+        return _import_built(library, module_name)
+    except ImportError as exc:
+        raise BackendUnavailable(f"cannot load {library}: {exc}") from exc
+
+
+@contextmanager
+def _build_lock(directory: Path):
+    """Held while this process builds in `directory`: an flock, which the system lets go when its
+    holder dies. torch's own lock file (_LOCK_FILE) is removed only by a build that ends, so one
+    killed mid-build (a client's start timeout) left it for every later build to wait on for
+    ever; under the flock no build of ours runs, and one found is stale: removed, and whether
+    there was one yielded."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / _BUILD_FLOCK, "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("kernels: waiting for another process's build in %s", directory)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = directory / _LOCK_FILE
+        killed_mid_build = stale.exists()
+        stale.unlink(missing_ok=True)
+        yield killed_mid_build
 
 
 def _build_all(verbose: bool) -> int:
