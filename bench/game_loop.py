@@ -422,7 +422,7 @@ def delay_sweep(delays: list[int], rows: int, callers: int, seconds: float, roun
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_count, default=600)
-    p.add_argument("--windows", type=int, default=40, help="window re-sends to compare with")
+    p.add_argument("--windows", type=positive_count, default=40, help="window re-sends to compare with")
     p.add_argument("--repeats", type=positive_count, default=3, help="(a) runs, each with a fresh server")
     p.add_argument("--callers", type=positive_count, default=8)
     p.add_argument("--rows", default="1,32", help="session batch of each caller in (b), comma-separated")

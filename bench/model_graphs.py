@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from bridge.bench.floors import BridgeProcess, encode_request, exchange
-from bridge.bench.machine import output_path, summarize_us, write_results
+from bridge.bench.machine import output_path, positive_count, summarize_us, write_results
 from bridge.client import result_from_wire
 
 from .models import D_MODEL, WINDOW, archs_arg, batches_arg, exphil_model
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.model_graphs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--frames", type=int, default=40, help="frames a round")
+    p.add_argument("--frames", type=positive_count, default=40, help="frames a round")
     p.add_argument("--batches", type=batches_arg, default="1,32")
     p.add_argument("--archs", type=archs_arg, default="mamba,mamba2")
     p.add_argument("--device", default="cuda", help="cpu: the same plumbing with nothing captured, a check "

@@ -573,6 +573,8 @@ def main(argv=None) -> int:
     p.add_argument("--neighbour", action="store_true", help="keep one core busy with another process throughout")
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
+    if args.frames <= WARMUP:
+        p.error(f"--frames: expected more than the {WARMUP} warm-up frames, got {args.frames}")
     load_before = os.getloadavg()
     cases = []
     with busy_neighbour(args.neighbour):

@@ -22,7 +22,7 @@ import numpy as np
 import protocol
 from bench.game_loop import WARMUP, open_step_echo, paced_exchanges
 from bridge.bench.floors import BridgeProcess, encode_request, exchange
-from bridge.bench.machine import output_path, summarize_us, write_results
+from bridge.bench.machine import output_path, positive_count, summarize_us, write_results
 
 ROWS, HEADS, HEADDIM, STATE = 32, 8, 64, 16
 MODES = {"native": [], "general": ["--no-native-step"]}
@@ -70,8 +70,8 @@ def run(mode: str, steps: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=positive_count, default=300)
+    p.add_argument("--rounds", type=positive_count, default=3)
     p.add_argument("--json", type=output_path, help="write the results (with machine and commit info) to this file")
     args = p.parse_args(argv)
     runs = {mode: [] for mode in MODES}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections import defaultdict
@@ -198,6 +199,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (--device cpu checks the script under the interpreter)")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Read when triton is first imported, which this module's imports have done: run anew.
+        os.execve(sys.executable, [sys.executable, "-m", "bench.ssd_tune", *(sys.argv[1:] if argv is None else argv)],
+                  {**os.environ, "TRITON_INTERPRET": "1"})
     device = torch.device(args.device)
     results = []
     for pair in args.runs.split(","):
@@ -207,6 +214,10 @@ def main(argv=None) -> int:
                         "rows": run_case(case, getattr(torch, dtype_name), device, args.seconds)})
     if args.json:
         write_results(args.json, "ssd-tune", {"device": str(device), "seconds": args.seconds, "results": results})
+    untimed = [f"{r['case']}:{r['dtype']}" for r in results if not any("call_us" in row for row in r["rows"][1:])]
+    if untimed:
+        print(f"no Triton candidate ran for {', '.join(untimed)} (each one's error is above)", file=sys.stderr)
+        return 1
     return 0
 
 

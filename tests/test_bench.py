@@ -267,6 +267,41 @@ def test_server_ab_refuses_rollbacks_past_its_frames(frames, capsys):
     assert f"--rollback-frames: expected 0 to 32, got {frames}" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("bench_name, argv, message", [
+    pytest.param("models", ["--frames", "20"], "--frames: expected more than the 20 warm-up frames, got 20",
+                 id="models-frames-all-warm-up"),
+    pytest.param("game_loop", ["--windows", "0"], "--windows: expected at least 1, got 0", id="game-loop-no-windows"),
+    pytest.param("ssd_step", ["--steps", "0"], "--steps: expected at least 1, got 0", id="ssd-step-no-steps"),
+    pytest.param("ssd_step", ["--rounds", "0"], "--rounds: expected at least 1, got 0", id="ssd-step-no-rounds"),
+    pytest.param("model_graphs", ["--frames", "0"], "--frames: expected at least 1, got 0",
+                 id="model-graphs-no-frames"),
+])
+def test_benches_refuse_counts_that_leave_nothing_to_report(bench_name, argv, message, capsys):
+    """Each measured first and then raised on an empty median, minutes in (found in review)."""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"bench.{bench_name}").main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_ssd_tune_on_the_cpu_times_every_candidate_under_the_interpreter(tmp_path):
+    """`--device cpu` is the script's own check: it ran without the interpreter, every candidate
+    failing as "the CPU interpreter is off", and exited 0 (found in review)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    out = tmp_path / "tune.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = run_marked([sys.executable, "-m", "bench.ssd_tune", "--device", "cpu", "--runs", "ssd-exphil:float32",
+                       "--seconds", "0.01", "--json", str(out)], timeout_s=300,
+                      cwd=Path(__file__).resolve().parent.parent, env=env)
+    assert proc.failure() is None, proc.failure()
+    (run,) = json.loads(out.read_text())["results"]
+    candidates = run["rows"][1:]
+    assert candidates and all("call_us" in row and "error" not in row for row in candidates), candidates
+
+
 def test_bench_refuses_a_device_for_a_server_it_connects_to():
     """--connect drives a running server: a --device was ignored, and recorded as if applied."""
     from bridge.bench.__main__ import main
