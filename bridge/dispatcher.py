@@ -278,7 +278,8 @@ class Dispatcher:
             immediate = immediate(self.server)
         # Not admitted again: between the two, a drain could find nothing in flight and report
         # all answered, then refuse the request shutting_down.
-        admitted = handed_over.idle if handed_over is not None else self._admit(nbytes, immediate=immediate)
+        admitted = handed_over.idle if handed_over is not None else self._admit(
+            nbytes, immediate=immediate, past_caps=getattr(handler, "past_caps", False))
         if isinstance(admitted, OpError):
             self._reply_error(conn, request.codec, request.reply_id, admitted, stats_op=request.stats_op)
             if release:
@@ -312,13 +313,16 @@ class Dispatcher:
             elif self.server.queued.take(call):
                 self._fail(call, self._stopped_error())
 
-    def _admit(self, nbytes: int, fast: bool = False, immediate: bool = False) -> bool | OpError | None:
+    def _admit(self, nbytes: int, fast: bool = False, immediate: bool = False,
+               past_caps: bool = False) -> bool | OpError | None:
         """Count a request of `nbytes` in flight. Returns whether the server was idle (nothing in
         flight); the refusal to answer instead (past --max-pending, or --max-pending-bytes unless
         it is the only one, or once drain() began; an
         `immediate` request is never refused: a cancel adds no work, and it may drop queued work
-        the drain would otherwise wait for); for the fast path, None where it must not take
-        the request (then the general way decides).
+        the drain would otherwise wait for; one `past_caps` is not refused for the caps: a health
+        check refused `overloaded` by a server busy with long requests would have it killed);
+        for the fast path, None where it must not take the request (then the general way
+        decides).
 
         Checked where the request is counted, under the lock drain() waits under: checked
         before, drain could find nothing in flight between the two and report all answered
@@ -327,10 +331,11 @@ class Dispatcher:
             # stop_requested: set by the shutdown op as it runs, before the main loop's drain
             if not immediate and (not self.accepting or self.server.stop_requested.is_set()):
                 refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
-            elif self._pending >= self.max_pending and not immediate:
+            elif self._pending >= self.max_pending and not (immediate or past_caps):
                 refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
                                   {"limit": self.max_pending})
-            elif self._pending and self._pending_bytes + nbytes > self.max_pending_bytes and not immediate:
+            elif self._pending and self._pending_bytes + nbytes > self.max_pending_bytes and not (immediate or
+                                                                                                 past_caps):
                 refusal = OpError("overloaded", f"more than {self.max_pending_bytes} bytes of requests in flight",
                                   {"limit": self.max_pending_bytes})
             elif fast and self._unanswered_general:

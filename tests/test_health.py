@@ -145,6 +145,26 @@ def test_a_busy_server_with_no_recent_launch_queues_the_probe(inproc):
     assert kernel["ok"] is True and kernel["source"] == "probe" and kernel["latency_us"] > 0
 
 
+
+@pytest.mark.parametrize("cap", ["max_pending", "max_pending_bytes"])
+def test_a_server_at_its_pending_cap_with_no_recent_launch_queues_the_probe_not_refuses_it(inproc, cap):
+    """Past --max-pending (or its bytes) with no launch in the last 5 s, health was refused
+    `overloaded`, and the Elixir client killed the healthy server for it (found in review). It
+    waits its turn, as SPEC §6 says, and answers once the work before it is done."""
+    srv = inproc(**({"max_pending": 2} if cap == "max_pending" else {"max_pending_bytes": 1}))
+    conn, other = RecordingConnection(), RecordingConnection()
+    srv.hold(other)  # in flight: a request past a byte cap is refused unless alone
+    queued = [srv.submit(conn, "scan", **scan_inputs())] if cap == "max_pending" else []  # the cap reached
+    health = srv.submit(conn, "health")
+    with pytest.raises(TimeoutError):
+        conn.reply(health, timeout=0.2)
+    srv.go()
+    assert all(conn.reply(i).ok for i in queued)
+    reply = conn.reply(health)
+    assert reply.ok, reply.error
+    assert result_from_wire(reply.result)["ready"] is True
+
+
 def test_an_idle_server_launches_the_probe(inproc, launches):
     srv = inproc()
     conn = RecordingConnection()

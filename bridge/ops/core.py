@@ -82,6 +82,9 @@ cancel.immediate = True
 # Served so while the device's answer is recent (no probe launch, which must not run beside the
 # server's kernels): queued, a busy server would answer its health check late.
 health.immediate = lambda server: server.probe.fresh()
+# And otherwise queued for the probe, but never refused for --max-pending(-bytes): a server busy
+# with long requests answers its health check once they are done (SPEC §6), not `overloaded`.
+health.past_caps = True
 
 
 def stats(server, call) -> dict:
