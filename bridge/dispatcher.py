@@ -55,6 +55,7 @@ import protocol
 from .batcher import Batch, BatchedOp, BatchPolicy, prepare, run_batch
 from .errors import OpError, error_fields, reply_too_large
 from .native import NativeStepError
+from .throttled_log import ThrottledWarning
 from .timing import Timing, now_ns
 
 # Which threads have started their OpenMP team (Dispatcher._prepare_thread).
@@ -193,6 +194,7 @@ class Dispatcher:
         self._unanswered_general = 0
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
+        self._reply_failures = ThrottledWarning(log)
         self._worker = threading.Thread(target=self._work, name="bridge-worker", daemon=True)
         # Held while ops run: by the worker, or by a reader thread serving an idle server's request.
         self._serving = threading.Lock()
@@ -822,11 +824,13 @@ class Dispatcher:
         try:
             conn.send(parts, buffers)  # buffers: a multipart reply's (ZeroMQ only)
         except OSError as exc:
-            # A peer gone with many requests queued fails each of their replies: one warning says so.
-            first = not conn.reply_failed
-            conn.reply_failed = True
-            log.log(logging.WARNING if first else logging.DEBUG, "could not reply to %s: %s%s", conn.id, exc,
-                    "" if first else " (not its first)")
+            # A peer gone with many requests queued fails each of their replies: one warning says
+            # so, and peers gone one after another are warned of at most once an interval.
+            if conn.reply_failed:
+                log.debug("could not reply to %s: %s (not its first)", conn.id, exc)
+            else:
+                conn.reply_failed = True
+                self._reply_failures.warn("could not reply to %s: %s", conn.id, exc)
             return
         if not conn.counts_replies_it_sends:
             self.server.stats.reply_out(parts, buffers or (), lane=conn.lane)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import socket
 import struct
@@ -70,6 +71,26 @@ def test_a_connection_turned_away_counts_its_answer_as_sent(tmp_path, inproc):
     assert [after[key] - before[key] for key in ("frames_in", "replies_out", "bytes_out")] == \
         [1, 2, len(body) + len(pong)]
     assert after["errors"]["overloaded"] - before["errors"].get("overloaded", 0) == 1
+
+
+
+def test_connections_turned_away_are_warned_of_at_most_once_an_interval(tmp_path, inproc, caplog):
+    """Each connection past --max-connections logged a warning: 3000 connects in a second wrote
+    3000 lines (found in review). They are counted (stats, metrics) and warned of once an
+    interval."""
+    srv = inproc()
+    with caplog.at_level(logging.WARNING, logger="bridge"), \
+            unix_lane(tmp_path, srv.dispatcher, max_connections=1) as transport:
+        transport.start()
+        kept = raw_unix(transport.path)
+        kept.sendall(request_frame(1, "ping"))
+        assert read_reply(kept.makefile("rb", buffering=0)).ok
+        for _ in range(5):
+            with raw_unix(transport.path) as turned_away:
+                body = read_frame(turned_away.makefile("rb", buffering=0))
+                assert protocol.decode_reply(body).error["code"] == "overloaded"
+        kept.close()
+    assert len([r for r in caplog.records if "turned away" in r.getMessage()]) == 1
 
 
 def test_a_unix_client_turned_away_raises_overloaded_not_server_exited(tmp_path, inproc):

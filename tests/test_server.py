@@ -628,6 +628,22 @@ def test_a_gone_peer_with_many_requests_queued_is_warned_of_once(inproc, caplog)
     assert [r.levelno for r in failures] == [logging.WARNING] + [logging.DEBUG] * 4, failures
 
 
+
+def test_peers_gone_one_after_another_are_warned_of_at_most_once_an_interval(inproc, caplog):
+    """Each connection that went before reading its replies logged a warning of its own: a
+    client could write the log full by connecting, sending and closing (found in review)."""
+    srv = inproc()
+    gone, other = [GoneConnection() for _ in range(5)], RecordingConnection()
+    srv.hold(other)
+    for conn in gone:
+        srv.submit(conn, "info")
+    with caplog.at_level(logging.DEBUG, logger="bridge"):
+        srv.go()
+        wait_until(lambda: all(conn.attempts == 1 for conn in gone), "the replies were never attempted")
+    failures = [r for r in caplog.records if "could not reply" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.WARNING], failures
+
+
 # An id no server issues, whose repr is four times its size.
 CHOSEN_ID = "\x00" * 4096
 

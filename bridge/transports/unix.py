@@ -34,6 +34,7 @@ import time
 import protocol
 
 from ..buffers import BufferPool
+from ..throttled_log import ThrottledWarning
 from ..timing import now_ns
 from .base import FLUSH_SECONDS, claim_socket_path
 from .framed import IOV_MAX, StreamConnection, WriterThreads, hung_up, input_waiting
@@ -170,6 +171,7 @@ class UnixTransport:
         self.stall_timeout_s = stall_timeout_s
         self.pool = BufferPool(max_buffers=POOLED_BUFFERS)
         self._connections: set[UnixConnection] = set()
+        self._turned_away = ThrottledWarning(log)
         self._listener = _listen(path)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
@@ -363,7 +365,7 @@ class UnixTransport:
     def _turn_away(self, conn: UnixConnection) -> None:
         """Answer a connection over the cap with one `overloaded` error (id nil) and close it."""
         message = f"the server serves at most {self.max_connections} unix connections at once"
-        log.warning("%s turned away: %s", conn.id, message)
+        self._turned_away.warn("%s turned away: %s", conn.id, message)
         parts = protocol.encode_error(None, "overloaded", message, {"limit": self.max_connections})
         stats = self.dispatcher.server.stats
         stats.record_error("overloaded")
