@@ -484,9 +484,9 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
         lane.start()
     log.info("serving %s on %s (%s), backend %s%s", ", ".join(server.transports), device.device,
              device.reason, server.backend, f", pipe sizes {sizes}" if stdio else "")
-    while not (signalled or server.stop_requested.is_set() or (stdio and stdio.eof.is_set())):
+    while not (signalled or server.stop_requested.is_set() or (stdio and stdio.input_ended())):
         time.sleep(STOP_POLL_SECONDS)
-    why = "stdin closed" if stdio and stdio.eof.is_set() else "stop requested"
+    why = "stdin closed" if stdio and stdio.input_ended() else "stop requested"
     started = time.monotonic()
     drained = dispatcher.drain(DRAIN_SECONDS)
     flush_deadline = time.monotonic() + FLUSH_SECONDS

@@ -17,7 +17,7 @@ import torch
 
 import bridge.dispatcher
 import protocol
-from bridge.client import PortClient, server_env
+from bridge.client import PortClient, ServerExited, server_env
 from bridge.device import choose_device
 from bridge.errors import OpError
 from bridge.timing import now_ns
@@ -302,6 +302,27 @@ def test_eof_finishes_requests_in_flight():
     for f in futures:
         assert "y" in f.result(30).unwrap()
     assert c.proc.wait(5) == 0
+
+
+
+def test_eof_while_a_lone_long_request_runs_exits_within_the_drain():
+    """An idle server serves a lone request on the thread that reads stdin, which reads the
+    input's end only once that request is done: a 10 s scan kept the server running for nobody
+    that long after its Port closed (found in review). Its drain now gives up on it within seconds."""
+    c = spawn_server("--backend", "reference")
+    wait_ready(c)
+    steps = 2_000_000  # the reference's plain recurrence: tens of seconds, whatever the machine
+    inputs = {"x": np.ones((1, steps, 1), np.float32), "dt": np.full((1, steps, 1), 0.01, np.float32),
+              "A": -np.ones((1, 1), np.float32), "B": np.ones((1, steps, 1), np.float32),
+              "C": np.ones((1, steps, 1), np.float32)}
+    running = c.submit("scan", inputs)
+    time.sleep(1.0)
+    c.proc.stdin.close()
+    # Within a few seconds (the reference's loop holds the GIL the main loop needs), not the
+    # scan's tens: its reply never comes.
+    assert c.proc.wait(15) == 0
+    with pytest.raises(ServerExited):  # unanswered: the drain does not wait for it
+        running.result(5)
 
 
 def test_sigterm_exits_zero_within_a_second():

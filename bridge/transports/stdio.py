@@ -18,7 +18,8 @@ import time
 
 from ..buffers import BufferPool
 from .base import FLUSH_SECONDS
-from .framed import FdConnection, SocketFdConnection, StreamConnection, WriterThreads, serve_frames
+from .framed import (FdConnection, SocketFdConnection, StreamConnection, WriterThreads, hung_up, input_waiting,
+                     serve_frames)
 
 log = logging.getLogger("bridge.stdio")
 
@@ -47,6 +48,12 @@ def nonblocking_pipe(fd: int) -> int:
         return fd
 
 
+# How long the peer's end is seen closed, with nothing left to read, before the input counts as
+# ended though the reader has not read its end (input_ended): far longer than the reader takes
+# to put the last frame it read in flight.
+HANGUP_SEEN_S = 0.3
+
+
 class StdioTransport:
     def __init__(self, dispatcher, in_fd: int, out_fd: int, max_frame_size: int):
         self.dispatcher = dispatcher
@@ -56,10 +63,28 @@ class StdioTransport:
         self.max_frame_size = max_frame_size
         self.pool = BufferPool()
         self.eof = threading.Event()
+        self._hung_up_since: float | None = None  # input_ended's
         self._thread = threading.Thread(target=self._run, name="stdio-reader", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def input_ended(self) -> bool:
+        """The peer closed its end and nothing of its input is left unread. Asked of the pipe
+        too, not only told by the reader, which reads the end only once done serving a request
+        an idle server gave it (a long scan): the server would serve on for nobody meanwhile,
+        where SPEC §1 has it answer what is in flight within its drain, or not. Seen so for
+        HANGUP_SEEN_S first: the last frame read may not yet be in flight. Called by one thread."""
+        if self.eof.is_set():
+            return True
+        fd = self.reader.fileno()
+        if not hung_up(fd, sending_side=True) or input_waiting(fd):
+            self._hung_up_since = None
+            return False
+        now = time.monotonic()
+        if self._hung_up_since is None:
+            self._hung_up_since = now
+        return now - self._hung_up_since >= HANGUP_SEEN_S
 
     def close(self, deadline: float | None = None) -> None:
         """Give the writer thread until `deadline` (time.monotonic(); FLUSH_SECONDS from now by
