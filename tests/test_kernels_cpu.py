@@ -431,7 +431,7 @@ def test_second_process_reuses_the_built_library():
 
 
 _LOAD_PAST_A_STALE_LOCK = """
-import shutil, sys
+import shutil, subprocess, sys
 from pathlib import Path
 from scan_kernels.cpu import build
 built = build.build_directory()
@@ -440,8 +440,10 @@ build.build_root = lambda: root
 copy = build.build_directory()
 shutil.copytree(built, copy)
 (copy / "lock").write_text("")  # what torch's FileBaton leaves when its builder is killed
+orphan = subprocess.Popen(["sleep", "1.5"], cwd=copy)  # as a killed build's compiler, working there
 build.load_extension()
 print("stale lock gone:", not (copy / "lock").exists())
+print("orphan done first:", orphan.poll() is not None)
 """
 
 
@@ -449,14 +451,16 @@ def test_a_build_killed_midway_leaves_no_lock_later_starts_wait_on(tmp_path):
     """torch's build lock is removed only by a build that ends: a server killed mid-build (a
     client's start timeout) left it, and every later start waited on it for ever, deaf to
     SIGTERM (found in review). A build now holds an flock, which dies with its holder, and
-    takes a lock file found under it for a killed build's: the library is linked again."""
+    takes a lock file found under it for a killed build's: it waits for the compilers that
+    build left working there (they outlive it, found in review too), then links the library
+    again."""
     from scan_kernels.cpu import build
 
     assert build.library_path().is_file(), "the backend loaded, so its library must exist"
     proc = subprocess.run([sys.executable, "-c", _LOAD_PAST_A_STALE_LOCK, str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "stale lock gone: True" in proc.stdout, proc.stdout
+    assert "stale lock gone: True" in proc.stdout and "orphan done first: True" in proc.stdout, proc.stdout
 
 
 def test_digest_follows_sources(tmp_path, monkeypatch):

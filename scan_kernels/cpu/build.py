@@ -418,8 +418,38 @@ def _build_lock(directory: Path):
             fcntl.flock(held, fcntl.LOCK_EX)
         stale = directory / _LOCK_FILE
         killed_mid_build = stale.exists()
+        if killed_mid_build:
+            _wait_for_orphans(directory)
         stale.unlink(missing_ok=True)
         yield killed_mid_build
+
+
+# How long at most a build waits for what a killed one left compiling (_wait_for_orphans).
+ORPHAN_WAIT_S = 600.0
+
+
+def _wait_for_orphans(directory: Path) -> None:
+    """Wait while processes work in `directory`: ninja and the compilers of a build whose server
+    was killed outlive it, and go on writing objects there, which a build of ours beside them
+    would write too. Found by their working directory (/proc, Linux; elsewhere nothing is
+    waited for)."""
+    def working_there() -> list[int]:
+        pids = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if int(entry.name) != os.getpid() and os.readlink(entry / "cwd") == str(directory):
+                    pids.append(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to look at
+                continue
+        return pids
+
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    pids = working_there()
+    if pids:
+        log.info("kernels: waiting for %d processes a killed build left running in %s", len(pids), directory)
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pids = working_there()
 
 
 def _build_all(verbose: bool) -> int:
