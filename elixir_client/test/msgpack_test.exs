@@ -140,6 +140,20 @@ defmodule ScanBridge.MsgpackTest do
     end
   end
 
+  test "nesting past 512 containers is refused, not recursed into" do
+    # A reply nested millions deep took the VM's memory (found in review).
+    nested = fn depth, header -> :binary.copy(header, depth) <> <<0xC0>> end
+    assert {:ok, _} = Msgpack.decode(nested.(512, <<0x91>>))
+
+    for header <- [<<0x91>>, <<0x81, 0xA1, "k">>] do
+      assert {:error, %ScanBridge.Error{reason: :decode_error, detail: %{"problem" => "too_deep"}}} =
+               Msgpack.decode(nested.(513, header))
+    end
+
+    assert {:error, %ScanBridge.Error{detail: %{"problem" => "too_deep"}}} =
+             Msgpack.decode(nested.(1_000_000, <<0x91>>))
+  end
+
   test "utf8: true refuses a str, value or key, that is not UTF-8; a bin is bytes" do
     for body <- [<<0xA1, 0xFF>>, <<0x81, 0xA1, 0xFF, 1>>, <<0x91, 0xD9, 2, 0xC3, 0x28>>] do
       assert {:ok, _} = Msgpack.decode(body)

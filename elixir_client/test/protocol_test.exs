@@ -76,13 +76,41 @@ defmodule ScanBridge.ProtocolTest do
           error_detail:
             "84A17601A2696403A26F6BC2A56572726F7282A4636F6465AE696E7465726E616C5F6572726F72A664657461696C810701",
           # {"v": 1, "id": 3, "ok": true, "result": {"pong": true}, "timing": {1: 2}}
-          timing: "85A17601A2696403A26F6BC3A6726573756C7481A4706F6E67C3A674696D696E67810102"
+          timing: "85A17601A2696403A26F6BC3A6726573756C7481A4706F6E67C3A674696D696E67810102",
+          # nil and false keys were let through: Enum.find's answer read as none found (found
+          # in review). {"v": 1, "id": 3, "ok": true, "result": {"t": {nil: 2}}, "timing": {}}
+          nil_key: "85A17601A2696403A26F6BC3A6726573756C7481A17481C002A674696D696E6780",
+          # {"v": 1, "id": 3, "ok": false, "error": {"code": "x", "message": "m", "detail": {nil: 1}}}
+          nil_key_in_error_detail:
+            "84A17601A2696403A26F6BC2A56572726F7283A4636F6465A178A76D657373616765A16DA664657461696C81C001"
         ] do
       assert {:reply, 3, {:error, %Error{reason: :decode_error, message: message}}} =
                Protocol.decode_reply(Base.decode16!(hex)),
              "#{what}"
 
       assert message =~ "non-str key", "#{what}: #{message}"
+    end
+  end
+
+  test "a false key at the top is refused as any other unknown key" do
+    # {"v": 1, "id": 3, "ok": true, "result": {}, false: 1}
+    hex = "85A17601A2696403A26F6BC3A6726573756C7480C201"
+
+    assert {:reply, 3, {:error, %Error{reason: :decode_error, message: message}}} =
+             Protocol.decode_reply(Base.decode16!(hex))
+
+    assert message =~ "unknown key false"
+  end
+
+  test "a result, error or timing that is a tensor, not a map, is refused" do
+    error = %{"v" => 1, "id" => 3, "ok" => false, "error" => tensor()}
+
+    for {what, reply} <- [
+          result: ok(%{"result" => tensor()}),
+          timing: ok(%{"timing" => tensor()}),
+          error: error
+        ] do
+      assert {:reply, 3, {:error, %Error{reason: :decode_error}}} = decode(reply), "#{what}"
     end
   end
 

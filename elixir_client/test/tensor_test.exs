@@ -119,6 +119,16 @@ defmodule ScanBridge.TensorTest do
     end
   end
 
+  test "new/3 and from_list/3 refuse a shape the wire refuses: past 2^63-1 bytes or a dim past 2^63-1" do
+    # Built and sent, then refused by the server (found in review); from_wire refused them.
+    for {dtype, shape} <- [{:f32, {0, 2 ** 61}}, {:u8, {0, 2 ** 63}}, {:f32, {2 ** 63 - 1, 0, 2}}] do
+      assert_raise ArgumentError, ~r/2\^63-1/, fn -> Tensor.new(<<>>, dtype, shape) end
+      assert_raise ArgumentError, ~r/2\^63-1/, fn -> Tensor.from_list([], dtype, shape) end
+    end
+
+    assert %Tensor{} = Tensor.new(<<>>, :f32, {0, 2 ** 61 - 1})
+  end
+
   test "from_wire checks like new/3 and makes no atoms from the server's strings" do
     data = <<1.5::float-32-little, 2.5::float-32-little>>
 

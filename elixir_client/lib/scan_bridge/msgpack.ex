@@ -33,7 +33,8 @@ defmodule ScanBridge.Msgpack do
   Every format of the specification except ext types (the protocol has none). Both str and
   bin become binaries, which are sub-binaries of the input (no copy); maps have string keys;
   a duplicate key, bytes after the value, a truncated value, the reserved byte 0xC1 and ext
-  types are errors. Float NaN and infinities (which Erlang floats cannot hold) decode as
+  types are errors, and so is nesting more than 512 containers deep (SPEC §3: nesting deep
+  enough to exhaust a decoder is a `decode_error`). Float NaN and infinities (which Erlang floats cannot hold) decode as
   `:nan`, `:infinity` and `:neg_infinity`. `decode/2` with `utf8: true` also refuses a str
   (value or key) that is not UTF-8, as the protocol's reference decoder does for a reply, but
   for the `"data"` of a map with a `"shape"` (a tensor's data may be a str of any bytes, SPEC §5).
@@ -82,11 +83,13 @@ defmodule ScanBridge.Msgpack do
       iex> {error.reason, error.detail}
       {:decode_error, %{"problem" => "truncated", "at" => 2}}
   """
+  @max_depth 512
+
   @spec decode(binary, [{:utf8, boolean}]) :: {:ok, term} | {:error, Error.t()}
   def decode(binary, opts \\ []) when is_binary(binary) do
     utf8? = Keyword.get(opts, :utf8, false)
 
-    case value(binary, utf8?) do
+    case value(binary, utf8?, 0) do
       {term, <<>>} -> {:ok, term}
       {_term, rest} -> {:error, failure("trailing_bytes", byte_size(binary) - byte_size(rest))}
     end
@@ -250,49 +253,57 @@ defmodule ScanBridge.Msgpack do
     raise ArgumentError, "msgpack: expected a #{kind} of at most 2^32-1 items/bytes, got #{n}"
   end
 
-  ## Decoding: value(binary, utf8?) -> {term, rest}; failures throw
-  ## {:msgpack, problem, rest_at_failure}; utf8?: a str must be UTF-8
+  ## Decoding: value(binary, utf8?, depth) -> {term, rest}; failures throw
+  ## {:msgpack, problem, rest_at_failure}; utf8?: a str must be UTF-8; depth: the containers
+  ## around the value
 
-  defp value(<<0xC0, r::binary>>, _u), do: {nil, r}
-  defp value(<<0xC2, r::binary>>, _u), do: {false, r}
-  defp value(<<0xC3, r::binary>>, _u), do: {true, r}
-  defp value(<<n, r::binary>>, _u) when n <= 0x7F, do: {n, r}
-  defp value(<<n, r::binary>>, _u) when n >= 0xE0, do: {n - 0x100, r}
-  defp value(<<0xCC, n, r::binary>>, _u), do: {n, r}
-  defp value(<<0xCD, n::16, r::binary>>, _u), do: {n, r}
-  defp value(<<0xCE, n::32, r::binary>>, _u), do: {n, r}
-  defp value(<<0xCF, n::64, r::binary>>, _u), do: {n, r}
-  defp value(<<0xD0, n::signed-8, r::binary>>, _u), do: {n, r}
-  defp value(<<0xD1, n::signed-16, r::binary>>, _u), do: {n, r}
-  defp value(<<0xD2, n::signed-32, r::binary>>, _u), do: {n, r}
-  defp value(<<0xD3, n::signed-64, r::binary>>, _u), do: {n, r}
-  defp value(<<0xCA, f::float-32, r::binary>>, _u), do: {f, r}
-  defp value(<<0xCA, bits::32, r::binary>>, _u), do: {IEEE.special(bits, :f32), r}
-  defp value(<<0xCB, f::float-64, r::binary>>, _u), do: {f, r}
-  defp value(<<0xCB, bits::64, r::binary>>, _u), do: {IEEE.special(bits, :f64), r}
-  defp value(<<n, r::binary>> = at, u) when n in 0xA0..0xBF, do: str(r, n - 0xA0, at, u)
-  defp value(<<0xD9, len, r::binary>> = at, u), do: str(r, len, at, u)
-  defp value(<<0xDA, len::16, r::binary>> = at, u), do: str(r, len, at, u)
-  defp value(<<0xDB, len::32, r::binary>> = at, u), do: str(r, len, at, u)
-  defp value(<<0xC4, len, r::binary>> = at, _u), do: bytes(r, len, at)
-  defp value(<<0xC5, len::16, r::binary>> = at, _u), do: bytes(r, len, at)
-  defp value(<<0xC6, len::32, r::binary>> = at, _u), do: bytes(r, len, at)
-  defp value(<<n, r::binary>>, u) when n in 0x90..0x9F, do: array(r, n - 0x90, [], u)
-  defp value(<<0xDC, count::16, r::binary>>, u), do: array(r, count, [], u)
-  defp value(<<0xDD, count::32, r::binary>>, u), do: array(r, count, [], u)
+  defp value(<<0xC0, r::binary>>, _u, _d), do: {nil, r}
+  defp value(<<0xC2, r::binary>>, _u, _d), do: {false, r}
+  defp value(<<0xC3, r::binary>>, _u, _d), do: {true, r}
+  defp value(<<n, r::binary>>, _u, _d) when n <= 0x7F, do: {n, r}
+  defp value(<<n, r::binary>>, _u, _d) when n >= 0xE0, do: {n - 0x100, r}
+  defp value(<<0xCC, n, r::binary>>, _u, _d), do: {n, r}
+  defp value(<<0xCD, n::16, r::binary>>, _u, _d), do: {n, r}
+  defp value(<<0xCE, n::32, r::binary>>, _u, _d), do: {n, r}
+  defp value(<<0xCF, n::64, r::binary>>, _u, _d), do: {n, r}
+  defp value(<<0xD0, n::signed-8, r::binary>>, _u, _d), do: {n, r}
+  defp value(<<0xD1, n::signed-16, r::binary>>, _u, _d), do: {n, r}
+  defp value(<<0xD2, n::signed-32, r::binary>>, _u, _d), do: {n, r}
+  defp value(<<0xD3, n::signed-64, r::binary>>, _u, _d), do: {n, r}
+  defp value(<<0xCA, f::float-32, r::binary>>, _u, _d), do: {f, r}
+  defp value(<<0xCA, bits::32, r::binary>>, _u, _d), do: {IEEE.special(bits, :f32), r}
+  defp value(<<0xCB, f::float-64, r::binary>>, _u, _d), do: {f, r}
+  defp value(<<0xCB, bits::64, r::binary>>, _u, _d), do: {IEEE.special(bits, :f64), r}
+  defp value(<<n, r::binary>> = at, u, _d) when n in 0xA0..0xBF, do: str(r, n - 0xA0, at, u)
+  defp value(<<0xD9, len, r::binary>> = at, u, _d), do: str(r, len, at, u)
+  defp value(<<0xDA, len::16, r::binary>> = at, u, _d), do: str(r, len, at, u)
+  defp value(<<0xDB, len::32, r::binary>> = at, u, _d), do: str(r, len, at, u)
+  defp value(<<0xC4, len, r::binary>> = at, _u, _d), do: bytes(r, len, at)
+  defp value(<<0xC5, len::16, r::binary>> = at, _u, _d), do: bytes(r, len, at)
+  defp value(<<0xC6, len::32, r::binary>> = at, _u, _d), do: bytes(r, len, at)
 
-  defp value(<<n, r::binary>> = at, u) when n in 0x80..0x8F,
-    do: map(r, n - 0x80, [], n - 0x80, at, nil, u)
+  defp value(<<n, r::binary>>, u, d) when n in 0x90..0x9F,
+    do: array(r, n - 0x90, [], u, deeper(d, r))
 
-  defp value(<<0xDE, count::16, r::binary>> = at, u), do: map(r, count, [], count, at, nil, u)
-  defp value(<<0xDF, count::32, r::binary>> = at, u), do: map(r, count, [], count, at, nil, u)
-  defp value(<<0xC1, _::binary>> = at, _u), do: throw({:msgpack, "reserved_byte_0xc1", at})
+  defp value(<<0xDC, count::16, r::binary>>, u, d), do: array(r, count, [], u, deeper(d, r))
+  defp value(<<0xDD, count::32, r::binary>>, u, d), do: array(r, count, [], u, deeper(d, r))
 
-  defp value(<<n, _::binary>> = at, _u) when n in 0xC7..0xC9 or n in 0xD4..0xD8,
+  defp value(<<n, r::binary>> = at, u, d) when n in 0x80..0x8F,
+    do: map(r, n - 0x80, [], n - 0x80, at, nil, u, deeper(d, at))
+
+  defp value(<<0xDE, count::16, r::binary>> = at, u, d),
+    do: map(r, count, [], count, at, nil, u, deeper(d, at))
+
+  defp value(<<0xDF, count::32, r::binary>> = at, u, d),
+    do: map(r, count, [], count, at, nil, u, deeper(d, at))
+
+  defp value(<<0xC1, _::binary>> = at, _u, _d), do: throw({:msgpack, "reserved_byte_0xc1", at})
+
+  defp value(<<n, _::binary>> = at, _u, _d) when n in 0xC7..0xC9 or n in 0xD4..0xD8,
     do: throw({:msgpack, "ext_type", at})
 
   # Empty input, or a header whose fixed-size part is cut off.
-  defp value(at, _u), do: throw({:msgpack, "truncated", at})
+  defp value(at, _u, _d), do: throw({:msgpack, "truncated", at})
 
   defp str(r, len, at, false), do: bytes(r, len, at)
 
@@ -308,16 +319,21 @@ defmodule ScanBridge.Msgpack do
     end
   end
 
-  defp array(r, 0, acc, _u), do: {Enum.reverse(acc), r}
+  defp array(r, 0, acc, _u, _d), do: {Enum.reverse(acc), r}
 
-  defp array(r, count, acc, u) do
-    {item, r} = value(r, u)
-    array(r, count - 1, [item | acc], u)
+  defp array(r, count, acc, u, d) do
+    {item, r} = value(r, u, d)
+    array(r, count - 1, [item | acc], u, d)
   end
+
+  # A container `d` deep holding another: past @max_depth a reply is refused, not recursed
+  # into (a hostile one nested millions deep took the VM's memory).
+  defp deeper(d, _at) when d < @max_depth, do: d + 1
+  defp deeper(_d, at), do: throw({:msgpack, "too_deep", at})
 
   # `bad_data`: where a "data" str that is not UTF-8 starts, or nil; it is refused once the
   # map is read unless the map has a "shape", which makes it a tensor's data (SPEC §5).
-  defp map(r, 0, acc, count, at, bad_data, _u) do
+  defp map(r, 0, acc, count, at, bad_data, _u, _d) do
     map = :maps.from_list(acc)
     if map_size(map) != count, do: throw({:msgpack, "duplicate_key", at})
 
@@ -327,18 +343,18 @@ defmodule ScanBridge.Msgpack do
     {map, r}
   end
 
-  defp map(r, left, acc, count, at, bad_data, u) do
-    {key, r} = value(r, u)
+  defp map(r, left, acc, count, at, bad_data, u, d) do
+    {key, r} = value(r, u, d)
 
     case r do
       <<n, _::binary>> when u and key == "data" and (n in 0xA0..0xBF or n in 0xD9..0xDB) ->
-        {s, rest} = value(r, false)
+        {s, rest} = value(r, false, d)
         bad_data = if String.valid?(s), do: bad_data, else: r
-        map(rest, left - 1, [{key, s} | acc], count, at, bad_data, u)
+        map(rest, left - 1, [{key, s} | acc], count, at, bad_data, u, d)
 
       _ ->
-        {val, rest} = value(r, u)
-        map(rest, left - 1, [{key, val} | acc], count, at, bad_data, u)
+        {val, rest} = value(r, u, d)
+        map(rest, left - 1, [{key, val} | acc], count, at, bad_data, u, d)
     end
   end
 

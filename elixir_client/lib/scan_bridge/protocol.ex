@@ -271,8 +271,8 @@ defmodule ScanBridge.Protocol do
     body_key = if reply["ok"] == false, do: "error", else: "result"
 
     cond do
-      unknown = Enum.find(Map.keys(reply), &(&1 not in @reply_keys)) ->
-        "unknown key #{inspect(unknown)}"
+      unknown = find_key(reply, &(&1 not in @reply_keys)) ->
+        "unknown key #{inspect(elem(unknown, 0))}"
 
       missing = Enum.find(["v", "id", "ok"], &(not Map.has_key?(reply, &1))) ->
         "no #{missing}"
@@ -286,10 +286,10 @@ defmodule ScanBridge.Protocol do
       not is_boolean(reply["ok"]) ->
         "ok is not a bool"
 
-      not is_map(reply[body_key]) ->
+      not is_map(reply[body_key]) or tensor_map?(reply[body_key]) ->
         "#{body_key} is not a map"
 
-      not is_map(Map.get(reply, "timing", %{})) ->
+      not is_map(Map.get(reply, "timing", %{})) or tensor_map?(reply["timing"]) ->
         "timing is not a map"
 
       problem = Enum.find_value(reply, fn {key, value} -> value_problem(value, key) end) ->
@@ -307,14 +307,14 @@ defmodule ScanBridge.Protocol do
   # keys are strs, inside the result too).
   defp value_problem(%{} = map, field) do
     cond do
-      Map.has_key?(map, "shape") and (Map.has_key?(map, "data") or Map.has_key?(map, "buf")) ->
+      tensor_map?(map) ->
         case Tensor.from_wire(map) do
           {:ok, _tensor} -> nil
           {:error, message} -> "#{field}: #{message}"
         end
 
-      key = Enum.find(Map.keys(map), &(not is_binary(&1))) ->
-        "#{field}: a non-str key #{inspect(key)}"
+      key = find_key(map, &(not is_binary(&1))) ->
+        "#{field}: a non-str key #{inspect(elem(key, 0))}"
 
       true ->
         Enum.find_value(map, fn {key, item} -> value_problem(item, "#{field}.#{key}") end)
@@ -328,4 +328,14 @@ defmodule ScanBridge.Protocol do
   end
 
   defp value_problem(_value, _field), do: nil
+
+  # A map meant as a tensor (SPEC §5), which result, error and timing are not.
+  defp tensor_map?(value),
+    do:
+      is_map(value) and Map.has_key?(value, "shape") and
+        (Map.has_key?(value, "data") or Map.has_key?(value, "buf"))
+
+  # The first key of `map` that `bad?` holds for, as {key}: a nil or false key is found too,
+  # where Enum.find's answer would read as none found.
+  defp find_key(map, bad?), do: Enum.find_value(Map.keys(map), &if(bad?.(&1), do: {&1}))
 end

@@ -42,7 +42,7 @@ defmodule ScanBridge.Tensor do
   @spec new(binary, dtype, tuple) :: t
   def new(data, dtype, shape) when is_binary(data) do
     check_dtype!(dtype)
-    check_shape!(shape)
+    check_shape!(shape, dtype)
     expected = elements(shape) * @itemsize[dtype]
 
     if byte_size(data) != expected do
@@ -76,7 +76,7 @@ defmodule ScanBridge.Tensor do
   @spec from_list([number | ScanBridge.IEEE.special()], dtype, tuple) :: t
   def from_list(values, dtype, shape) when is_list(values) do
     check_dtype!(dtype)
-    check_shape!(shape)
+    check_shape!(shape, dtype)
 
     # an improper list first: length/1 would raise naming neither what was expected nor what came
     if List.improper?(values) do
@@ -239,16 +239,20 @@ defmodule ScanBridge.Tensor do
         "tensor dtype: expected one of #{inspect(@dtypes)}, got #{inspect(dtype)}"
       )
 
-  defp check_shape!(shape) when is_tuple(shape) and tuple_size(shape) <= @max_rank do
+  # As the wire takes it (wire_shape: dims and extent within 2^63-1, SPEC §5): a shape past it
+  # was built and sent, and refused by the server.
+  defp check_shape!(shape, dtype) when is_tuple(shape) and tuple_size(shape) <= @max_rank do
     dims = Tuple.to_list(shape)
 
     unless Enum.all?(dims, &(is_integer(&1) and &1 >= 0)) do
       raise ArgumentError,
             "tensor shape: expected a tuple of non-negative integers, got #{inspect(shape)}"
     end
+
+    with {:error, message} <- wire_shape(dims, dtype), do: raise(ArgumentError, message)
   end
 
-  defp check_shape!(shape) do
+  defp check_shape!(shape, _dtype) do
     raise ArgumentError,
           "tensor shape: expected a tuple of at most #{@max_rank} non-negative integers, got #{inspect(shape)}"
   end
