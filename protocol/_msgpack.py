@@ -19,7 +19,15 @@ import msgspec
 # (SPEC §3): one of another kind is refused at its header (msgspec.ValidationError), not decoded
 # first, which for an array key of a million 1-byte items cost an object each.
 MAP_DECODER = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
-ANY_DECODER = msgspec.msgpack.Decoder()
+
+
+def _no_ext(code: int, data: memoryview):
+    raise msgspec.DecodeError(f"an ext type ({code}): the protocol has none (SPEC §3)")
+
+
+# Ext types decoded were handed on as msgspec.msgpack.Ext (in a config, a reply's result), where
+# the other codecs refuse them.
+ANY_DECODER = msgspec.msgpack.Decoder(ext_hook=_no_ext)
 # What msgspec raises on malformed input: UnicodeDecodeError for a str (or key) that is not
 # UTF-8, RecursionError for absurdly deep nesting.
 DECODE_FAILURES = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)

@@ -424,6 +424,9 @@ def _ping_reply_with(**entries) -> bytes:
                  f"{UNKNOWN_DTYPE} nothing", id="bad-tensor-in-timing"),
     pytest.param(msgpack.packb({"v": 1, "id": b"\xed\xa0\x80", "ok": True, "result": {"pong": True}},
                                use_bin_type=False), "id a str that is not UTF-8", id="surrogate-in-str-id"),
+    # The protocol has no ext types (SPEC §3): the other codecs refuse one (found in review).
+    pytest.param(_ping_reply_with(result={"pong": True, "e": msgpack.ExtType(1, b"\x00")}),
+                 "an ext type (the protocol has none)", id="ext-in-result"),
 ])
 def test_a_reply_with_a_bad_key_or_str_anywhere_is_malformed(scan_client, endpoints, tmp_path, body, why):
     def scenario(request_id, frames, forward):

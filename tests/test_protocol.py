@@ -749,6 +749,22 @@ def test_array_items_and_map_entries_step_over_every_msgpack_type_as_the_decoder
     assert [(bytes(k), bytes(v)) for k, v in entries(memoryview(mapped))] == list(zip(keys, parts))
 
 
+
+def test_an_ext_type_in_a_request_or_a_reply_is_refused_naming_where_it_lies():
+    """The protocol has no ext types (SPEC §3): a request's config held one as a
+    msgspec.msgpack.Ext, and a reply's result handed one to the caller, where the Elixir and C
+    codecs refuse them (found in review)."""
+    ext = msgpack.ExtType(1, b"\x00")
+    body = msgpack.packb({"v": 1, "id": 7, "op": "model_load", "args": {"config": {"a": ext}}})
+    with pytest.raises(ProtocolError) as caught:
+        protocol.decode_request(body)
+    assert (caught.value.code, caught.value.detail["field"]) == ("invalid_argument", "args.config.a")
+    assert "ext type" in caught.value.detail["got"]
+    reply = msgpack.packb({"v": 1, "id": 7, "ok": True, "result": {"t": ext}, "timing": {}})
+    with pytest.raises(protocol.DecodeError, match=r"result\.t: .*ext type"):
+        protocol.decode_reply(reply)
+
+
 def test_an_array_nested_past_the_item_steppers_stack_is_a_decode_error():
     # The body's decode refuses such nesting first today; were its limit ever deeper than
     # msgpack's unpacker's stack, stepping over the items must still end in decode_error (SPEC

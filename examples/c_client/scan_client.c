@@ -374,6 +374,7 @@ static const char *check_nested(const msgpack_object *value, const parts_t *part
                                 int depth) {
     if (value->type == MSGPACK_OBJECT_STR)
         return utf8_valid((const unsigned char *)value->via.str.ptr, value->via.str.size) ? NULL : "a str that is not UTF-8";
+    if (value->type == MSGPACK_OBJECT_EXT) return "an ext type (the protocol has none)";
     int is_map = value->type == MSGPACK_OBJECT_MAP;
     const char *why = is_map ? check_keys(value) : NULL;
     if (why) return why;
