@@ -331,7 +331,7 @@ void discretize(const ScanProblem& p, int count, typename Lanes<T>::V* dt,
     if (p.has_dt_min) d = d < lo ? lo : d;
     if (p.has_dt_max) d = d > hi ? hi : d;
     dtx[i] = d * x[i];
-    dt[i] = Math<T>::scale_dt(d);
+    dt[i] = d * Math<T>::kDecayScale;
   }
 }
 

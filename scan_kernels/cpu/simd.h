@@ -163,8 +163,9 @@ struct Math<float> {
   // rounding changes from step to step like that of dt * A itself.
   static constexpr float kDecayScale = kLog2e;
   static inline V decay(V scaled_dt, V A) { return exp2(scaled_dt * A); }
-  // dt * kDecayScale, held at fp32's largest where a finite dt past it (3e38) would round to
-  // inf: inf * A is NaN for A = 0, where exp(dt A) is 1. An infinite dt stays so.
+  // The backward's dt * kDecayScale, held at fp32's largest where a finite dt past 2.4e38 would
+  // round to inf: inf * A is NaN for A = 0, where exp(dt A) is 1. An infinite dt stays so. Not
+  // the forward's: there even one min cost the AVX2 step 2% (docs/performance.md, "dt scale").
   static inline V scale_dt(V dt) {
     const V max = Lanes<float>::splat(3.4028234663852886e38f);
     const V scaled = dt * kDecayScale;
