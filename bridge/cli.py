@@ -390,8 +390,12 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
             _log_level(os.environ["SCAN_BRIDGE_LOG"])
         except argparse.ArgumentTypeError as exc:
             parser.error(f"$SCAN_BRIDGE_LOG: {exc}")
-    logging.basicConfig(stream=sys.stderr, level=args.log_level,
-                        format="%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s")
+    from .log_stream import StderrLog
+
+    log_output = StderrLog(sys.stderr)
+    log_output.setFormatter(
+        logging.Formatter("%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level, handlers=[log_output])
     log = logging.getLogger("bridge")
     log.debug("starting")
 

@@ -163,6 +163,31 @@ def test_a_socket_only_server_ignores_stdin_and_stops_on_a_stop_signal(tmp_path,
     assert not os.path.exists(unix_path)
 
 
+
+def test_a_server_whose_stderr_nobody_reads_serves_on_and_stops(tmp_path):
+    """A parent that pipes the server's stderr and reads none of it: once the pipe was full, the
+    unix reader logging a closed connection's freed session blocked in the write, holding
+    logging's lock; every unix connection stalled, and stdin's end and SIGTERM no longer stopped
+    the server, whose stop is logged too (found in review). The log's lines are dropped instead."""
+    unix_path = str(tmp_path / "s.sock")
+    env = {**os.environ, **server_env()}
+    proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", "--unix", unix_path],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        wait_until(lambda: os.path.exists(unix_path), "the unix lane never came up", 120)
+        for i in range(800):  # a line logged each (the session it freed): far past a pipe's 64 KiB
+            with raw_unix(unix_path) as sock:
+                sock.sendall(request_frame(i, "session_open", {"batch": 1, "dim": 1, "state": 1}))
+                assert read_reply(sock.makefile("rb", buffering=0)).ok
+        with UnixClient(unix_path) as client:
+            assert client.ping() == {"pong": True}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_stop_signal_during_start_up_ends_the_server_quietly(tmp_path, signum):
