@@ -302,6 +302,25 @@ def test_ssd_tune_on_the_cpu_times_every_candidate_under_the_interpreter(tmp_pat
     assert candidates and all("call_us" in row and "error" not in row for row in candidates), candidates
 
 
+def test_ssd_tune_refuses_cuda_without_a_gpu_and_fails_where_no_candidate_ran(monkeypatch, capsys):
+    """Without a GPU, `--device cuda` is refused before anything is measured; a run in which no
+    Triton candidate got a time exits 1, naming the case (found by mutating the fix: nothing
+    failed)."""
+    import torch
+
+    from bench import ssd_tune
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            ssd_tune.main(["--device", "cuda"])
+        assert "no CUDA device here" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as the run re-executed for the interpreter
+    monkeypatch.setattr(ssd_tune, "run_case", lambda *args: [
+        {"candidate": "torch-chunked", "call_us": 1.0}, {"candidate": "tf32-32", "error": "BackendUnavailable: off"}])
+    assert ssd_tune.main(["--device", "cpu", "--runs", "ssd-exphil:float32"]) == 1
+    assert "no Triton candidate ran for" in capsys.readouterr().err
+
+
 def test_bench_refuses_a_device_for_a_server_it_connects_to():
     """--connect drives a running server: a --device was ignored, and recorded as if applied."""
     from bridge.bench.__main__ import main

@@ -481,6 +481,41 @@ def test_a_request_held_after_submit_sends_the_arrays_as_they_were_then(pipe):
     held.result(REPLY_TIMEOUT_S)
 
 
+def test_a_request_held_with_a_deadline_sends_the_arrays_as_they_were_then(pipe):
+    """A held request with a deadline is encoded anew from its arguments when it is released:
+    their arrays must be copies too (found by mutating the fix above: nothing failed)."""
+    pipe.client.max_in_flight = 2
+    first = pipe.client.submit("ping")
+    h0 = np.full((1, 64, 64), 1.0, np.float32)
+    held = pipe.client.submit("session_open", {"batch": 1, "dim": 64, "state": 64, "h0": h0}, deadline_s=30)
+    assert len(pipe.client._held) == 1
+    h0[:] = 7.0
+    pipe.reply(pipe.read_request().id)
+    first.result(REPLY_TIMEOUT_S)
+    request = pipe.read_request()
+    assert np.unique(np.frombuffer(request.args["h0"].data, np.float32)).tolist() == [1.0]
+    pipe.reply(request.id, {"session": "s1"})
+    held.result(REPLY_TIMEOUT_S)
+
+
+def test_a_held_requests_arrays_inside_lists_are_copies_too(pipe):
+    """A frame's arrays lie in a list of maps (session_open's frames): held, they are copied as
+    a top-level argument's are (found by mutating the fix: nothing failed)."""
+    pipe.client.max_in_flight = 2
+    first = pipe.client.submit("ping")
+    x = np.full((1, 64, 64), 1.0, np.float32)
+    held = pipe.client.submit("session_open", {"batch": 1, "frames": [{"op": "model_step", "args": {"embeds": x}}]},
+                              deadline_s=30)
+    x[:] = 7.0
+    pipe.reply(pipe.read_request().id)
+    first.result(REPLY_TIMEOUT_S)
+    request = pipe.read_request()
+    sent = request.args["frames"][0].args["embeds"]
+    assert np.unique(np.frombuffer(sent.data, np.float32)).tolist() == [1.0]
+    pipe.reply(request.id, {"session": "s1"})
+    held.result(REPLY_TIMEOUT_S)
+
+
 @pytest.mark.parametrize("call, op, result", [
     pytest.param(lambda c, t: c.load_model("m", timeout=t), "model_load", {"model": "m1"}, id="load_model"),
     pytest.param(lambda c, t: bridge.client.RemoteModel(c, {"model": "m1"}).open_session(timeout=t), "session_open",

@@ -996,6 +996,39 @@ def test_a_saved_copy_of_a_tied_head_loads_only_as_the_embeddings(serve, checkpo
     assert held[0] == held[1] and srv.server.sessions.usage()["model_bytes"] == sum(held)
 
 
+def test_a_sent_copy_of_a_tied_head_is_checked_as_a_files(serve):
+    """model_load {config, weights} takes the same path: a sent lm_head.weight that is not the
+    tied embeddings is refused (found by mutating the fix: only files were tested)."""
+    from bridge.models.config import parse_config
+    from bridge.models.weights import expected_shapes
+
+    config = {"arch": "mamba", "d_model": 8, "n_layer": 1, "vocab_size": 16}
+    weights = {name: torch.rand(shape) for name, shape in expected_shapes(parse_config(config)).items()}
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", config=config,
+                     weights={**weights, "lm_head.weight": weights["embeddings.weight"] + 1})
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "args.weights.lm_head.weight"), error
+    assert call(srv, conn, "model_load", config=config,
+                weights={**weights, "lm_head.weight": weights["embeddings.weight"].clone()})["model"]
+
+
+@pytest.mark.parametrize("raw, width", [
+    # Mamba-1 with a wide state: x_proj's output, dt_rank + 2 state, is the widest buffer.
+    ({"model_type": "mamba", "hidden_size": 16, "expand": 1, "state_size": 256, "num_hidden_layers": 1,
+      "vocab_size": 16, "time_step_rank": 1}, 513),
+    # Mamba-2 of many groups: in_proj's output, 2 d_inner + 2 groups state + heads.
+    ({"model_type": "mamba2", "hidden_size": 64, "expand": 2, "num_heads": 8, "head_dim": 16, "n_groups": 8,
+      "state_size": 128, "num_hidden_layers": 1, "vocab_size": 16}, 2312),
+    # Mamba-2 of a wide state and one group: the chunked scan's states, d_inner state / 64.
+    ({"model_type": "mamba2", "hidden_size": 256, "expand": 2, "num_heads": 8, "head_dim": 64, "n_groups": 1,
+      "state_size": 256, "num_hidden_layers": 1, "vocab_size": 16}, 2048),
+], ids=["mamba-x-proj", "mamba2-in-proj", "mamba2-chunk-states"])
+def test_a_models_position_width_is_its_widest_buffer_a_position(raw, width):
+    """What sizes a prefill's passes (SPEC §6.4): each term, where it is the widest, is the
+    width (found by mutating the fix: dropping any of these three terms failed no test)."""
+    assert parse_config(raw).position_width == width
+
+
 def test_a_config_naming_the_activation_swish_loads_as_silu(serve, checkpoints):
     """transformers runs "swish" as SiLU: such a config was refused as an unknown activation."""
     srv, conn = serve(), RecordingConnection()
@@ -1632,6 +1665,61 @@ def test_a_bin_whose_records_are_compressed_or_bigger_than_its_tensors_is_refuse
     assert len(srv.server.models) == 0
     stored = _bin_directory(checkpoints[0], "bin-stored", tensors)
     assert call(srv, conn, "model_load", path=stored.name)["model"]
+
+
+def test_a_zip_bin_rewritten_after_its_shapes_were_learnt_is_refused(serve, checkpoints, monkeypatch):
+    """As a shard rewritten after its header was read: a pytorch_model.bin is read anew once the
+    budget is held, and one holding more storage than its shapes said is refused, not read past
+    the budget (found by mutating the fix: nothing failed)."""
+    from bridge.models import checkpoint
+
+    config = {"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}
+    tensors = {name: t * 0.3 for name, t in _own_layout_tensors(config).items()}
+    directory = _bin_directory(checkpoints[0], "bin-rewritten", tensors)
+    grown = dict(tensors, extra=torch.zeros(1 << 20))  # 4 MiB the budget was not held for
+    read = checkpoint.TensorSource.tensors
+
+    def rewritten_then_read(source, names):
+        torch.save(grown, str(directory / "pytorch_model.bin"))
+        return read(source, names)
+
+    monkeypatch.setattr(checkpoint.TensorSource, "tensors", rewritten_then_read)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "pytorch_model.bin"), error
+
+
+def test_a_bin_whose_pickle_is_past_16_mib_is_refused_before_it_is_unpickled(serve, checkpoints):
+    """A real state dict's pickle is a few KB: a bigger one is not what torch.save wrote."""
+    import zipfile
+
+    from bridge.models import checkpoint
+
+    directory = checkpoints[0] / "bin-big-pickle"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}))
+    with zipfile.ZipFile(directory / "pytorch_model.bin", "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02}q\x00." + b"\x00" * checkpoint.MAX_BIN_PICKLE_BYTES)
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "pytorch_model.bin"), error
+    assert "pickle of at most" in error["detail"]["expected"], error
+
+
+@pytest.mark.parametrize("offsets, why", [([[0, 64], [32, 96]], "shared"), ([[-4, 60], [64, 128]], "non-negative")],
+                         ids=["overlapping", "negative"])
+def test_a_safetensors_header_whose_tensors_overlap_or_start_before_the_data_is_refused(serve, checkpoints,
+                                                                                          offsets, why):
+    """The header's byte ranges are checked as safetensors checks them: two tensors sharing bytes,
+    or one starting before the data (in the header itself), are a corrupt file."""
+    directory = edited_copy(checkpoints[0], "mamba-lm-tied", f"header-{why}")
+    header = {f"t{i}": {"dtype": "F32", "shape": [16], "data_offsets": pair} for i, pair in enumerate(offsets)}
+    encoded = json.dumps(header).encode()
+    (directory / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + bytes(128))
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", path=directory.name)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_checkpoint", "model.safetensors"), error
+    assert why in error["detail"]["expected"] + error["detail"]["got"], error
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="open files are listed from /proc")

@@ -325,6 +325,26 @@ def test_eof_while_a_lone_long_request_runs_exits_within_the_drain():
         running.result(5)
 
 
+def test_requests_written_before_eof_are_answered_though_a_lone_long_one_runs():
+    """The hang-up the main loop sees counts as the input's end only with nothing left unread:
+    a request written before stdin closed, behind a long one the reader serves, is read and
+    answered (found by mutating that fix: nothing failed)."""
+    c = spawn_server("--backend", "reference")
+    wait_ready(c)
+    steps = 250_000  # seconds of the reference's plain recurrence
+    inputs = {"x": np.ones((1, steps, 1), np.float32), "dt": np.full((1, steps, 1), 0.01, np.float32),
+              "A": -np.ones((1, 1), np.float32), "B": np.ones((1, steps, 1), np.float32),
+              "C": np.ones((1, steps, 1), np.float32)}
+    running = c.submit("scan", inputs)
+    time.sleep(0.3)  # the reader now serves it
+    after = c.submit("ping")
+    time.sleep(0.3)
+    c.proc.stdin.close()
+    assert running.result(120).ok
+    assert after.result(10).ok
+    assert c.proc.wait(15) == 0
+
+
 def test_sigterm_exits_zero_within_a_second():
     c = spawn_server()
     wait_ready(c)

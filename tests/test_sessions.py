@@ -515,6 +515,22 @@ def test_a_pool_gives_back_the_rows_a_departed_burst_left_at_its_end(inproc, the
                  STATE_TOLERANCE)
 
 
+def test_a_pool_at_most_a_quarter_in_use_gives_back_its_end_at_any_open(inproc):
+    """SPEC §6.1: with room to spare in the budget, a pool at most a quarter in use still gives
+    back the free rows at its end at the next open of another class (found by mutating the fix
+    above: only the budget-short path was tested)."""
+    row = 8 * 4 * 4
+    srv = inproc(max_pool_bytes=1024 * row)
+    keeper, burst = RecordingConnection(), RecordingConnection()
+    srv.call(keeper, "session_open", batch=1, dim=8, state=4)
+    for _ in range(40):
+        srv.call(burst, "session_open", batch=1, dim=8, state=4)
+    burst.mark_closed()
+    srv.call(keeper, "session_open", batch=1, dim=4, state=4)
+    first = next(p for p in srv.server.sessions.usage()["pools"] if p["dim"] == 8)
+    assert first["capacity"] == 1, first
+
+
 def test_a_pool_bytes_refusal_requests_the_rows_past_those_free(inproc):
     """detail.requested is what the pool must grow by (SPEC §6.1), which SPEC called the bytes
     the session needs: a session of 5 rows in a pool with 3 free asks for 2 rows more."""
