@@ -81,7 +81,7 @@ for part in "${parts[@]}"; do
                 --cases ssd-130m,ssd-exphil,ssd-step-130m,ssd-step-exphil,exphil,step-32x512x16 \
                 --json "$out/kernels-cuda-ssd.json" ;;
         host)  # each Triton call's pace with its launches (against BASELINE's kernels where given);
-               # its figures come once every round is done
+               # its figures written after every round
             run triton_host 120 "$py" -m bench.triton_host --device cuda --rounds 6 --calls 300 \
                 ${BASELINE:+--baseline "$BASELINE"} --json "$out/triton-host-cuda.json" ;;
         backward)  # issue 35's GPU goal: the Triton backward >= 20x torch autograd

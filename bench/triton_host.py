@@ -151,26 +151,15 @@ def main(argv=None) -> int:
 
     trees = {"this": ROOT, **({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})}
     runs: dict[str, list[dict]] = {side: [] for side in trees}
+    cases = []
     for r in range(args.rounds):
         order = list(trees) if r % 2 == 0 else list(reversed(trees))
         for side in order:
             runs[side].append(child_run(trees[side], args.calls, args.device))
             print(f"round {r + 1}/{args.rounds}: {side} done", file=sys.stderr, flush=True)
-
-    cases = []
-    for name in runs["this"][0]:
-        case = {"case": name}
-        for side in trees:
-            medians = [run[name]["call_us"] for run in runs[side]]
-            case[side] = {"host_us": statistics.median(medians), "rounds_us": medians,
-                          "launches": runs[side][0][name]["launches"]}
-        if "baseline" in case:
-            case["baseline_over_this"] = case["baseline"]["host_us"] / case["this"]["host_us"]
-            # Each round's two children ran one after the other: their ratio cancels the box's
-            # drift between rounds.
-            case["paired_ratio_median"] = statistics.median(
-                b / t for b, t in zip(case["baseline"]["rounds_us"], case["this"]["rounds_us"]))
-        cases.append(case)
+        # Written after every round: a run cut short (a GPU lease's part limit) keeps its rounds.
+        cases = summarize(runs)
+        write(args, trees, cases, rounds_done=r + 1)
 
     for case in cases:
         line = f"{case['case']:32s} {case['this']['host_us']:7.1f} µs, {case['this']['launches']} launches"
@@ -178,8 +167,31 @@ def main(argv=None) -> int:
             line += (f"; baseline {case['baseline']['host_us']:7.1f} µs, {case['baseline']['launches']} launches"
                      f" ({case['baseline_over_this']:.2f}x, paired {case['paired_ratio_median']:.2f}x)")
         print(line)
+    return 0
+
+
+def summarize(runs: dict[str, list[dict]]) -> list[dict]:
+    """Each case's figures over the rounds run so far, each tree's and their ratios."""
+    cases = []
+    for name in runs["this"][0]:
+        case = {"case": name}
+        for side, side_runs in runs.items():
+            medians = [run[name]["call_us"] for run in side_runs]
+            case[side] = {"host_us": statistics.median(medians), "rounds_us": medians,
+                          "launches": side_runs[0][name]["launches"]}
+        if "baseline" in case:
+            case["baseline_over_this"] = case["baseline"]["host_us"] / case["this"]["host_us"]
+            # Each round's two children ran one after the other: their ratio cancels the box's
+            # drift between rounds.
+            case["paired_ratio_median"] = statistics.median(
+                b / t for b, t in zip(case["baseline"]["rounds_us"], case["this"]["rounds_us"]))
+        cases.append(case)
+    return cases
+
+
+def write(args, trees: dict[str, str], cases: list[dict], rounds_done: int) -> None:
     write_results(args.json, "triton_host", {
-        "rounds": args.rounds, "calls": args.calls, "device": args.device,
+        "rounds": args.rounds, "rounds_done": rounds_done, "calls": args.calls, "device": args.device,
         "baseline_tree": trees.get("baseline"),
         "baseline_commit": commit_info(trees["baseline"]) if trees.get("baseline") else None,
         "method": ("host µs a call (median of each child's calls, then median over the rounds), Triton's "
@@ -189,7 +201,6 @@ def main(argv=None) -> int:
                    "once after (a small call's pace is its host work, Triton's launches included), the median "
                    "over the rounds"),
         "cases": cases})
-    return 0
 
 
 if __name__ == "__main__":

@@ -1021,6 +1021,28 @@ def test_triton_host_bench_times_both_trees_and_counts_launches(tmp_path):
         assert case["paired_ratio_median"] == pytest.approx(case["baseline"]["rounds_us"][0] / case["this"]["rounds_us"][0])
 
 
+def test_triton_host_writes_its_figures_after_every_round(tmp_path, monkeypatch):
+    """They came only once every round was done: a GPU run's part cut short by its limit kept
+    nothing (found in review). A run stopped in its second round keeps its first."""
+    from bench import triton_host
+
+    children = []
+
+    def child_run(tree, calls, device):
+        children.append(tree)
+        if len(children) > 1:
+            raise RuntimeError("the part's limit ran out")
+        return {"ssd_scan": {"call_us": 5.0, "launches": 2}}
+
+    monkeypatch.setattr(triton_host, "child_run", child_run)
+    out = tmp_path / "triton_host.json"
+    with pytest.raises(RuntimeError):
+        triton_host.main(["--rounds", "3", "--json", str(out)])
+    document = json.loads(out.read_text())
+    assert (document["rounds"], document["rounds_done"]) == (3, 1)
+    assert document["cases"] == [{"case": "ssd_scan", "this": {"host_us": 5.0, "rounds_us": [5.0], "launches": 2}}]
+
+
 def test_triton_host_times_a_tree_from_before_the_rename_by_its_own_package(tmp_path):
     """A baseline tree whose package is still `kernels` is timed by that package, not by this
     checkout's `scan_kernels`, which the editable install finds from any directory (found in
