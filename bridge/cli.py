@@ -390,7 +390,7 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
             _log_level(os.environ["SCAN_BRIDGE_LOG"])
         except argparse.ArgumentTypeError as exc:
             parser.error(f"$SCAN_BRIDGE_LOG: {exc}")
-    from .log_stream import StderrLog
+    from .logs import StderrLog
 
     log_output = StderrLog(sys.stderr)
     log_output.setFormatter(

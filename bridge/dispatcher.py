@@ -55,7 +55,7 @@ import protocol
 from .batcher import Batch, BatchedOp, BatchPolicy, prepare, run_batch
 from .errors import OpError, error_fields, reply_too_large
 from .native import NativeStepError
-from .throttled_log import ThrottledWarning
+from .logs import ThrottledWarning
 from .timing import Timing, now_ns
 
 # Which threads have started their OpenMP team (Dispatcher._prepare_thread).

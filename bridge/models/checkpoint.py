@@ -44,7 +44,10 @@ HUB_REF_MAX_BYTES = 256
 # The floating dtypes a weight may be stored in: one value an element, each converted to the
 # model's dtype. Not the packed ones (safetensors' F4, torch's float4_e2m1fn_x2: two values a
 # byte), which torch cannot convert and whose tensor is not the shape the header declares.
-SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0")
+# safetensors' names for them (the F8 ones where this torch has them).
+SAFETENSORS_FLOATS = {name: getattr(torch, dtype) for name, dtype in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")) if hasattr(torch, dtype)}
 TORCH_FLOATS = tuple(getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
                                                        "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                                        "float8_e8m0fnu") if hasattr(torch, name))
@@ -327,15 +330,15 @@ def load_bin(path: str, *, mapped: bool) -> dict[str, torch.Tensor]:
             raise checkpoint_error(f"{TORCH_BIN}.{name}", "a dense tensor with data", got, tensor=name)
     # A tensor may be a view of a storage far bigger than itself (torch.save keeps a slice's
     # whole storage): what is read would then be more than the budget was held for.
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}
-    tensor_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    if sum(storages.values()) > tensor_bytes:
+    tensor_bytes, storage_bytes = sum(t.numel() * t.element_size() for t in state.values()), stored_bytes(state)
+    if storage_bytes > tensor_bytes:
         raise checkpoint_error(TORCH_BIN, f"storages holding its tensors' {tensor_bytes} bytes",
-                               f"{sum(storages.values())} bytes of storage")
+                               f"{storage_bytes} bytes of storage")
     return state
 
 
 def stored_bytes(state: dict[str, torch.Tensor]) -> int:
+    """The bytes of the state dict's storages, each counted once (tied tensors share one)."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}.values())
 
 
@@ -345,9 +348,6 @@ def stored_bytes(state: dict[str, torch.Tensor]) -> int:
 # it for writing first) kills the process with SIGBUS, and a file too big to map leaked the
 # mapper's descriptor. A header bigger than safetensors' own bound is not one.
 SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
-                      "F8_E8M0": getattr(torch, "float8_e8m0fnu", None)}
 
 
 class SafetensorsEntry:
@@ -398,7 +398,7 @@ def safetensors_header(f, shown: str) -> dict[str, SafetensorsEntry]:
                 and isinstance(spec.get("shape"), list) and isinstance(spec.get("data_offsets"), list)):
             raise checkpoint_error(shown, f"{name}: a tensor's dtype, shape and data_offsets", shown_value(spec),
                                    tensor=name)
-        dtype = SAFETENSORS_DTYPES.get(spec["dtype"])
+        dtype = SAFETENSORS_FLOATS.get(spec["dtype"])
         if dtype is None:
             expected = f"a floating tensor ({', '.join(SAFETENSORS_FLOATS)})"
             raise checkpoint_error(field, expected, shown_value(spec["dtype"]), tensor=name)

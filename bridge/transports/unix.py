@@ -34,7 +34,7 @@ import time
 import protocol
 
 from ..buffers import BufferPool
-from ..throttled_log import ThrottledWarning
+from ..logs import ThrottledWarning
 from ..timing import now_ns
 from .base import FLUSH_SECONDS, claim_socket_path
 from .framed import IOV_MAX, StreamConnection, WriterThreads, hung_up, input_waiting

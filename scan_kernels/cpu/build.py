@@ -306,7 +306,6 @@ def _compile(directory: Path, verbose: bool, sources: Sources, module_name: str,
     if shutil.which("ninja") is None and os.path.exists(os.path.join(venv_bin, "ninja")):
         # A venv's pip-installed ninja is only on PATH when the venv is activated.
         os.environ["PATH"] = venv_bin + os.pathsep + path_before
-    directory.mkdir(parents=True, exist_ok=True)
     cflags, ldflags = compile_flags(variant)
     try:
         return cpp_extension.load(

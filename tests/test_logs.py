@@ -1,17 +1,17 @@
-"""bridge.throttled_log: a warning a peer can cause at will, logged at once, then at most once an
+"""bridge.logs: a warning a peer can cause at will, logged at once, then at most once an
 interval with the count of those left out."""
 
 from __future__ import annotations
 
 import logging
 
-from bridge import throttled_log
+from bridge import logs
 
 
 def test_a_warning_is_logged_at_once_then_once_an_interval_saying_what_it_left_out(monkeypatch, caplog):
     now = [100.0]
-    monkeypatch.setattr(throttled_log.time, "monotonic", lambda: now[0])
-    warning = throttled_log.ThrottledWarning(logging.getLogger("bridge.test"), interval_s=60.0)
+    monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
+    warning = logs.ThrottledWarning(logging.getLogger("bridge.test"), interval_s=60.0)
     with caplog.at_level(logging.WARNING, logger="bridge.test"):
         for peer in "abcde":
             warning.warn("peer %s went", peer)
