@@ -353,6 +353,22 @@ def tune_malloc() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
 
 
+LOG_FORMAT = "%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s"
+
+
+def _serve_log() -> None:
+    """From serving on, log through StderrLog: a stderr nobody reads must hold up no lane."""
+    from .logs import StderrLog
+
+    root = logging.getLogger()
+    serving = StderrLog(sys.stderr)
+    serving.setFormatter(logging.Formatter(LOG_FORMAT))
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.flush()
+    root.addHandler(serving)
+
+
 def main(argv=None, protocol_fd: int | None = None, signalled: list[int] | None = None) -> int:
     """Serves until a stop signal, a shutdown request or (Port mode) stdin's end, then exits the
     process; returns only when the server did not start (or was stopped while starting), with
@@ -390,12 +406,9 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
             _log_level(os.environ["SCAN_BRIDGE_LOG"])
         except argparse.ArgumentTypeError as exc:
             parser.error(f"$SCAN_BRIDGE_LOG: {exc}")
-    from .logs import StderrLog
-
-    log_output = StderrLog(sys.stderr)
-    log_output.setFormatter(
-        logging.Formatter("%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level, handlers=[log_output])
+    # Start-up's few lines are written as they are logged, each marking how far it got (a stop
+    # signal's handling depends on it); the lanes' logging goes through StderrLog (_serve_log).
+    logging.basicConfig(stream=sys.stderr, level=args.log_level, format=LOG_FORMAT)
     log = logging.getLogger("bridge")
     log.debug("starting")
 
@@ -483,6 +496,7 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
     # stdio closes last (below): unix removes its socket file before stdio's writer may wait
     # out the flush deadline, so that no new client connects meanwhile.
     every_lane = lanes + ([stdio] if stdio else [])
+    _serve_log()
     dispatcher.start()
     for lane in every_lane:
         lane.start()
