@@ -22,7 +22,7 @@ import torch
 import scan_kernels
 
 from bridge.client import BridgeError
-from bridge.models import load_weights
+from bridge.models import load_checkpoint, load_weights
 from bridge.models.config import layer_state_names, parse_config
 from bridge_fakes import RecordingConnection
 from kernel_cases import cpu_backends, random_seed
@@ -1558,6 +1558,40 @@ def test_a_bin_in_torchs_legacy_format_loads(serve, checkpoints):
                        batch=1)["session"]
         outputs[fmt] = call(srv, conn, "model_forward", session=session, tokens=torch.tensor([[1, 5, 2]]))["logits"]
     assert torch.equal(outputs["zip"], outputs["legacy"])
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_checkpoint_read_in_the_models_dtype_is_kept_not_copied_but_weights_sent_are(checkpoints, tmp_path,
+                                                                                        monkeypatch, fmt):
+    """Each tensor read was copied again into the model (found in review): a load's peak held
+    every weight twice over (a .bin's whole state beside the model). One sent inline lies in the
+    request's frame, which does not outlive the load: that one is copied."""
+    import bridge.models.checkpoint as checkpoint_module
+    config = {"arch": "mamba", "d_model": 4, "n_layer": 1, "vocab_size": 8}
+    tensors = {name: t * 0.3 for name, t in _own_layout_tensors(config).items()}
+    directory = tmp_path / fmt
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        save_file(tensors, str(directory / "model.safetensors"))
+    else:
+        torch.save(tensors, directory / "pytorch_model.bin")
+    read = []
+    original = (checkpoint_module.SafetensorsEntry.read if fmt == "safetensors" else checkpoint_module.load_bin)
+
+    def recording(*args, **kwargs):
+        got = original(*args, **kwargs)
+        read.extend([got] if fmt == "safetensors" else got.values())
+        return got
+
+    monkeypatch.setattr(*((checkpoint_module.SafetensorsEntry, "read") if fmt == "safetensors" else
+                          (checkpoint_module, "load_bin")), recording)
+    model = load_checkpoint(fmt, (str(tmp_path),), torch.float32, torch.device("cpu"), lambda n: None)
+    read_at = {t.data_ptr() for t in read}
+    assert model.layers[0].in_proj.data_ptr() in read_at and model.norm_f.data_ptr() in read_at
+    sent = load_weights(config, tensors, torch.float32, torch.device("cpu"), lambda n: None)
+    assert sent.layers[0].in_proj.data_ptr() != tensors["layers.0.mixer.in_proj.weight"].data_ptr()
+    assert torch.equal(sent.layers[0].in_proj, model.layers[0].in_proj)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])

@@ -45,7 +45,7 @@ def load_checkpoint(path: str, model_dirs: tuple[str, ...], dtype: torch.dtype, 
     # Closed here: a build that fails mid-read leaves the reader paused with its file open, for
     # as long as anything keeps the error's traceback.
     with contextlib.closing(source.tensors(wanted | {tied_copy} - {None})) as named:
-        return _build(config, named, dtype, device, "weights")
+        return _build(config, named, dtype, device, "weights", owned=True)
 
 
 def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
@@ -62,7 +62,7 @@ def load_weights(raw_config, weights: dict[str, torch.Tensor], dtype: torch.dtyp
     wanted, tied_copy = check_weights(config, shapes, "args.weights")
     hold(planned_bytes(shapes, wanted, dtype))
     return _build(config, ((name, weights[name]) for name in wanted | {tied_copy} - {None}), dtype, device,
-                  "args.weights")
+                  "args.weights", owned=False)
 
 
 def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: torch.dtype) -> int:
@@ -70,16 +70,20 @@ def planned_bytes(shapes: dict[str, tuple[int, ...]], wanted: set[str], dtype: t
     return sum(math.prod(shapes[name]) * param_dtype(canonical_name(name), dtype).itemsize for name in wanted)
 
 
-def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device, field: str) -> Model:
+def _build(config: ModelConfig, named, dtype: torch.dtype, device: torch.device, field: str, *,
+           owned: bool) -> Model:
     """The model of `named` (each tensor under its name as given); a tensor that is not finite is
-    invalid_checkpoint, named `field`.<its name as given>, as check_weights names the others."""
+    invalid_checkpoint, named `field`.<its name as given>, as check_weights names the others.
+    `owned`: the tensors were read for this load alone, so one already in the model's dtype and
+    on its device is kept, not copied (a load's peak memory would otherwise hold each twice)."""
     tensors, given = {}, {}
     for name, tensor in named:
         canonical = canonical_name(name)
         given[canonical] = name
-        # Always a copy: a file's mapping or a request's frame does not outlive the load; detached,
-        # as a .bin saved from parameters keeps requires_grad, which the runtime's in-place ops refuse.
-        converted = tensor.detach().to(device=device, dtype=param_dtype(canonical, dtype), copy=True).contiguous()
+        # Otherwise a copy: a request's frame does not outlive the load. Detached, as a .bin saved
+        # from parameters keeps requires_grad, which the runtime's in-place ops refuse.
+        converted = tensor.detach().to(device=device, dtype=param_dtype(canonical, dtype),
+                                       copy=not owned).contiguous()
         if not torch.isfinite(converted).all():
             raise _not_finite(f"{field}.{name}", canonical, tensor, converted.dtype)
         tensors[canonical] = converted
