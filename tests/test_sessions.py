@@ -531,6 +531,27 @@ def test_a_pool_at_most_a_quarter_in_use_gives_back_its_end_at_any_open(inproc):
     assert first["capacity"] == 1, first
 
 
+def test_a_pool_whose_last_row_in_use_lies_past_its_first_quarter_is_not_copied_for_room_to_spare(inproc):
+    """With room in the budget, a pool gives back its end only where it keeps at most a quarter:
+    trimming a few rows behind a session at the end would copy the pool at every open of
+    another class for little (found by mutating the shrink: nothing guarded it)."""
+    row = 8 * 4 * 4
+    srv = inproc(max_pool_bytes=1024 * row)
+    keeper, burst, last = RecordingConnection(), RecordingConnection(), RecordingConnection()
+    srv.call(keeper, "session_open", batch=1, dim=8, state=4)
+    for _ in range(39):
+        srv.call(burst, "session_open", batch=1, dim=8, state=4)
+    srv.call(last, "session_open", batch=1, dim=8, state=4)  # row 40 of 64
+    burst.mark_closed()
+    srv.call(keeper, "session_open", batch=1, dim=4, state=4)
+    first = next(p for p in srv.server.sessions.usage()["pools"] if p["dim"] == 8)
+    assert (first["capacity"], first["rows_in_use"]) == (64, 2), first
+    last.mark_closed()  # now its end can go: one row kept of 64
+    srv.call(keeper, "session_open", batch=1, dim=4, state=4)
+    first = next(p for p in srv.server.sessions.usage()["pools"] if p["dim"] == 8)
+    assert first["capacity"] == 1, first
+
+
 def test_a_pool_bytes_refusal_requests_the_rows_past_those_free(inproc):
     """detail.requested is what the pool must grow by (SPEC §6.1), which SPEC called the bytes
     the session needs: a session of 5 rows in a pool with 3 free asks for 2 rows more."""
