@@ -990,6 +990,35 @@ defmodule ScanBridge.ClusterTest do
     assert eventually(fn -> snapshot_bytes(y) == copies end)
   end
 
+  test "a re-simulation after a failover whose new server goes away mid-frames runs on another" do
+    g = group()
+    {x, y} = member_and_lone_server(g)
+    member = stand_in(g, y, %{})
+    sizes = %{batch: 1, heads: 2, headdim: 4, state: 3}
+    {s, snap} = failed_over_with_snapshot(g, x, member, sizes)
+    z = start_member(g)
+    frames = for _ <- 1..2, do: {:step, ssd_frame(sizes)}
+
+    # the restore reopens the session on y (z held), whose server goes away with the frames in
+    # flight there: it was answered :server_exited with the restore done and the frames not
+    # (found in review)
+    held = hold(g, z)
+    send(member, {:stand_in_rules, %{"session_restore" => :hold}})
+    rollback = Task.async(fn -> Cluster.restore_with_frames(s, snap, frames, timeout: 10_000) end)
+    assert_receive {:stand_in_held, "session_restore"}, 5_000
+    ref = Process.monitor(y)
+    System.cmd("kill", ["-9", "#{os_pid!(y)}"])
+    assert_receive {:DOWN, ^ref, :process, _, why}, 5_000
+    Process.exit(member, why)
+
+    assert {:ok, [_, _] = results} = Task.await(rollback, 15_000)
+    assert owner(s) == z
+    release(g, held)
+    # what the same rollback gives from the snapshot again
+    assert {:ok, again} = Cluster.restore_with_frames(s, snap, frames)
+    assert Enum.map(again, & &1.y) == Enum.map(results, & &1.y)
+  end
+
   # A session of group `g` (checkpoint: 2) on a server of no group, which serves g through a
   # stand-in that passes everything on until told otherwise: {the session, the stand-in, the
   # server}.

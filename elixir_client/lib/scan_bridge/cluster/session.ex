@@ -1172,9 +1172,9 @@ defmodule ScanBridge.Cluster.Session do
   defp restore_by_replay(state, replay, [], deadline),
     do: restore_by_replay(state, replay, deadline)
 
-  defp restore_by_replay(state, replay, frames, deadline) do
+  defp restore_by_replay(state, replay, frames, deadline, again \\ :retry) do
     case restore_by_replay(state, replay, deadline) do
-      {:reply, :ok, state} -> frames_after_replay(state, frames, deadline)
+      {:reply, :ok, state} -> frames_after_replay(state, frames, deadline, again)
       failed -> failed
     end
   end
@@ -1183,12 +1183,14 @@ defmodule ScanBridge.Cluster.Session do
   # with frames runs them: from a copy taken there first and freed after, so that a frame that
   # fails leaves the snapshot's state there too. The copy is freed apart whatever the frames did
   # (free_apart/2): the caller's deadline may be spent by then, and its answer is not held up.
-  defp frames_after_replay(state, frames, deadline) do
+  # Where that owner goes away meanwhile, the session is reopened from the snapshot's checkpoint
+  # again and the frames run there, once (`again`), as a frame in flight is (retry/7).
+  defp frames_after_replay(state, frames, deadline, again) do
     timeout = fn -> [timeout: Cluster.remaining(deadline)] end
 
-    case ScanBridge.snapshot(state.owner, state.remote, timeout.()) do
-      {:ok, copy} ->
-        outcome =
+    outcome =
+      case ScanBridge.snapshot(state.owner, state.remote, timeout.()) do
+        {:ok, copy} ->
           try do
             here = frames_here(frames, state)
             ScanBridge.restore_with_frames(state.owner, state.remote, copy, here, timeout.())
@@ -1196,23 +1198,50 @@ defmodule ScanBridge.Cluster.Session do
             free_apart(state.owner, copy)
           end
 
-        case outcome do
-          {:ok, results} ->
-            {:reply, {:ok, results}, state, {:continue, {:kept, frames}}}
+        {:error, error} ->
+          {:copy_failed, error}
+      end
 
-          {:error, %Error{reason: :timeout} = error} ->
-            {:reply, {:error, error}, %{doubt_frames_into(state, frames, error) | status: :unsure}}
+    case outcome do
+      {:ok, results} ->
+        {:reply, {:ok, results}, state, {:continue, {:kept, frames}}}
 
-          {:error, error} ->
-            {:reply, {:error, error}, doubt_frames_into(state, frames, error)}
-        end
+      {_failed, %Error{} = error} when again == :retry ->
+        if Cluster.gone?(error) and not expired?(deadline),
+          do: replay_again(owner_gone(state, error.message), frames, deadline, error),
+          else: frames_failed(state, frames, outcome)
 
-      {:error, _} = error ->
-        {:reply, error, state}
+      _failed ->
+        frames_failed(state, frames, outcome)
     end
   rescue
     exception in ArgumentError -> {:reply, {:raise, exception}, state}
   end
+
+  # The snapshot's checkpoint and kept frames are the session's since the first reopening.
+  defp replay_again(%{status: {:lost, lost}} = state, _frames, _deadline, _error),
+    do: {:reply, {:error, lost}, state}
+
+  defp replay_again(state, frames, deadline, error) do
+    case restore_by_replay(state, {state.checkpoint, state.log}, frames, deadline, :once) do
+      # no member took it now: the session is the snapshot's, placed by the next call
+      {:reply, {:error, %Error{reason: reason}}, state} when reason in @unplaced ->
+        {:reply, {:error, error}, state}
+
+      replied ->
+        replied
+    end
+  end
+
+  # The restore stands (the session holds the snapshot's state); the frames were not done, or
+  # may have been where they timed out.
+  defp frames_failed(state, _frames, {:copy_failed, error}), do: {:reply, {:error, error}, state}
+
+  defp frames_failed(state, frames, {:error, %Error{reason: :timeout} = error}),
+    do: {:reply, {:error, error}, %{doubt_frames_into(state, frames, error) | status: :unsure}}
+
+  defp frames_failed(state, frames, {:error, error}),
+    do: {:reply, {:error, error}, doubt_frames_into(state, frames, error)}
 
   defp restore_by_replay(state, {checkpoint, log}, deadline) do
     fresh = %{
