@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+import concurrent.futures
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -437,7 +438,9 @@ class FramedClient:
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
         self._turned_away_told = False  # a request refused so has been told (_refusal_error)
+        self._pid = os.getpid()
         self._thread = self._start_reader()
+        _clients.add(self)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -556,20 +559,10 @@ class FramedClient:
         replies (a big request from a done callback over stdio would stop the client for good)."""
         with self._lock:
             if self._writer is None:
-                self._writer = threading.Thread(target=self._write_released, name="bridge-client-writer",
-                                                daemon=True)
+                self._writer = threading.Thread(target=write_released, args=(self._writer_wake, weakref.ref(self)),
+                                                name="bridge-client-writer", daemon=True)
                 self._writer.start()
         self._writer_wake.set()
-
-    def _write_released(self) -> None:
-        """The writer thread: releases what is held each time it is woken, until requests are
-        refused (the client closed, the server gone), when what is still held fails so."""
-        while True:
-            self._writer_wake.wait()
-            self._writer_wake.clear()
-            self._send_released()
-            if self._refusal:
-                return
 
     def _release_elsewhere(self, cancels_owed: list[Future]) -> None:
         """After an interrupt ended a thread's turn to release, on a thread of its own: ask the
@@ -813,6 +806,19 @@ class FramedClient:
             self._refusal = self._refusal or reason
         self._writer_wake.set()  # to fail what it holds, and end
 
+    def _forsaken_in_child(self) -> None:
+        """This process is a fork of the client's (_forsake_clients_in_child): its requests are
+        refused and its copies of the client's descriptors closed. The locks are new ones: a
+        thread of the parent's may have held one at the fork, and none runs here."""
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._refusal = f"the client belongs to process {self._pid}, of which this one is a fork"
+        self._close_copies()
+
+    def _close_copies(self) -> None:
+        """Close this process's copies of the client's descriptors, ending nothing of the
+        parent's (a close, not a shutdown); by default there is none to close."""
+
     def _closed_elsewhere(self, timeout: float) -> bool:
         """Whether close() was called on the reader thread (a Future's done callback): it cannot
         wait for itself, so requests are refused now and the close goes on in a thread of its
@@ -843,6 +849,12 @@ class FramedClient:
             if self.cancel(future):
                 raise TimeoutError(f"no reply to {op!r} within {timeout} s") from None
             reply = future.result()  # its reply came meanwhile
+        except BaseException:
+            # Interrupted (Ctrl-C, a signal handler's exception): nobody waits for the reply now,
+            # so the request is given up as at a timeout and what it creates is freed.
+            with contextlib.suppress(Exception):
+                self.cancel(future)
+            raise
         if not reply.ok and reply.error["code"] == "deadline_exceeded":
             # The deadline is this timeout: the server found it spent before this thread woke.
             raise TimeoutError(f"no reply to {op!r} within {timeout} s (the server found its deadline passed)")
@@ -1325,6 +1337,23 @@ def read_replies(reader, client_ref: weakref.ref) -> None:
             client._fail_all(ended or client._turned_away or ServerExited("the server closed its end before replying"))
 
 
+def write_released(wake: threading.Event, client_ref: weakref.ref) -> None:
+    """A stream client's writer thread (FramedClient._wake_writer): releases what is held each
+    time it is woken, until requests are refused (the client closed, the server gone), when what
+    is still held fails so. It holds the client weakly, as the reader does: a client dropped
+    without close() is collected, and its finalizer wakes this thread to end."""
+    while True:
+        wake.wait()
+        wake.clear()
+        client = client_ref()
+        if client is None:
+            return
+        client._send_released()
+        if client._refusal:
+            return
+        del client  # not held while waiting to be woken
+
+
 def _next_reply_frame(reader) -> memoryview | None:
     """read_frame, None at any end of the stream."""
     try:
@@ -1345,8 +1374,8 @@ def server_env(extra: dict | None = None) -> dict:
 
 
 def stop_piped_server(proc: subprocess.Popen, timeout: float = 10.0) -> int:
-    """Close a server's stdin (it finishes what is in flight and exits) and wait for its exit
-    status; a server still there after `timeout` seconds is killed, never left behind."""
+    """Close a server's stdin (it answers what is in flight within its drain and exits) and wait
+    for its exit status; a server still there after `timeout` seconds is killed, never left behind."""
     if proc.stdin and not proc.stdin.closed:
         proc.stdin.close()
     try:
@@ -1373,15 +1402,36 @@ def spawn(command: list[str], stop: Callable[[subprocess.Popen], object], **pope
     return child
 
 
-def abandon(end_stream, pending: dict) -> None:
+def abandon(end_stream, pending: dict, writer_wake: threading.Event, pid: int) -> None:
     """What a client collected without close() (or still open at exit) leaves: its outgoing
     stream is ended (`end_stream`), so that the server answers what is in flight, frees what the
     connection owned and closes its end (a Port server exits, unwaited), which ends the reader
-    thread (a ZeroMQ client's io loop is told to end instead, and closes its sockets); the
-    callers still waiting fail (nothing is left to hand them replies)."""
+    thread (a ZeroMQ client's io loop is told to end instead, and closes its sockets); its
+    writer thread is woken to end; the callers still waiting fail (nothing is left to hand them
+    replies). Nothing in a forked child (another `pid`): the stream is its parent's."""
+    if os.getpid() != pid:
+        return
     end_stream()
+    writer_wake.set()
     for entry in list(pending.values()):
         settle(entry.future, ServerExited("the client was dropped without close()"))
+
+
+# The clients this process made, for a child forked from it (register_at_fork below).
+_clients: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forsake_clients_in_child() -> None:
+    """In a forked child, the parent's clients are the parent's: the child's copies of their
+    descriptors are closed, so that the parent's close still ends its stream (a Port server sees
+    EOF only once every copy of its stdin's writing end is closed) and nothing the child does,
+    or leaves at its exit, reaches the parent's connection; their calls in the child raise."""
+    for client in list(_clients):
+        client._forsaken_in_child()
+    _clients.clear()
+
+
+os.register_at_fork(after_in_child=_forsake_clients_in_child)
 
 
 def shut_sending(sock: socket.socket) -> None:
@@ -1405,7 +1455,7 @@ class PortClient(FramedClient):
         except BaseException:  # a signal's SystemExit, say: with no client made, nobody would stop it
             stop_piped_server(self.proc)
             raise
-        weakref.finalize(self, abandon, self.proc.stdin.close, self._pending)
+        weakref.finalize(self, abandon, self.proc.stdin.close, self._pending, self._writer_wake, self._pid)
         if command is None:
             # Readiness handshake: the first reply proves imports and device setup are done.
             try:
@@ -1415,14 +1465,23 @@ class PortClient(FramedClient):
                 raise
 
     def close(self, timeout: float = 10.0) -> int | None:
-        """Close stdin (the server finishes what is in flight and exits) and wait; its exit
-        status, once the reader has handed over the replies it wrote and its stdout is closed.
-        From a Future's done callback it returns None at once, closing once the callback has
-        returned (the status is then `proc.returncode`): waiting there for the server's exit, the
-        reader would read none of the replies the server still writes."""
+        """Wait up to `timeout` seconds for the requests in flight to be answered, then close
+        stdin (the server answers what is still in flight within its drain, docs/operations.md
+        "Shutdown", and exits) and wait up to `timeout` more; its exit status, once the reader
+        has handed over the replies it wrote and its stdout is closed. From a Future's done
+        callback it returns None at once, closing once the callback has returned (the status is
+        then `proc.returncode`): waiting there for the server's exit, the reader would read none
+        of the replies the server still writes. In a forked child, None: the server is the
+        parent's."""
+        if os.getpid() != self._pid:
+            return None
         if self._closed_elsewhere(timeout):
             return None
         self._refuse_requests("the client is closed")
+        # Answered before stdin closes: past the server's drain, work still running would not be.
+        with self._lock:
+            in_flight = [entry.future for entry in self._pending.values()]
+        concurrent.futures.wait(in_flight, timeout)
         if not self._write_lock.acquire(timeout=timeout):
             # A write is stuck on a server that reads nothing: killing it ends the write (EPIPE).
             self.proc.kill()
@@ -1441,6 +1500,10 @@ class PortClient(FramedClient):
 
     def _end_stream(self) -> None:
         self.proc.stdin.close()
+
+    def _close_copies(self) -> None:
+        self.proc.stdin.close()  # unbuffered (bufsize=0): nothing of the parent's is flushed
+        self.proc.stdout.close()
 
 
 class UnixClient(FramedClient):
@@ -1465,14 +1528,16 @@ class UnixClient(FramedClient):
             self.sock.close()
             raise
         super().__init__(self.sock.makefile("rb", buffering=0), self.sock.fileno(), as_torch=as_torch)
-        weakref.finalize(self, abandon, functools.partial(shut_sending, self.sock), self._pending)
+        weakref.finalize(self, abandon, functools.partial(shut_sending, self.sock), self._pending, self._writer_wake,
+                         self._pid)
 
     _capped_lane = True
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop sending; the server answers what is in flight and closes its end; then close.
-        From a Future's done callback it returns at once, closing once the callback has returned."""
-        if self._closed_elsewhere(timeout):
+        From a Future's done callback it returns at once, closing once the callback has returned;
+        in a forked child at once (the connection is the parent's)."""
+        if os.getpid() != self._pid or self._closed_elsewhere(timeout):
             return
         self._refuse_requests("the client is closed")
         # Also ends a write in progress (EPIPE), which the lock below waits for.
@@ -1491,6 +1556,10 @@ class UnixClient(FramedClient):
 
     def _end_stream(self) -> None:
         shut_sending(self.sock)
+
+    def _close_copies(self) -> None:
+        self._reader.close()  # the socket's descriptor closes with the last of the two
+        self.sock.close()
 
 
 class ZmqClient(FramedClient):
@@ -1549,7 +1618,8 @@ class ZmqClient(FramedClient):
         # socket's io loop.
         super().__init__(None, -1, as_torch=as_torch)
         # Dropped without close(): the post ends the io loop, which closes what it owns.
-        weakref.finalize(self, abandon, functools.partial(self._outbox.post, None), self._pending)
+        weakref.finalize(self, abandon, functools.partial(self._outbox.post, None), self._pending, self._writer_wake,
+                         self._pid)
 
     # A ZeroMQ message has no length prefix: its body and buffers count against the limit.
     _frame_overhead = 0
@@ -1636,8 +1706,9 @@ class ZmqClient(FramedClient):
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the io thread (requests still in flight fail with ServerExited) and close.
-        From a Future's done callback it returns at once, closing once the callback has returned."""
-        if self._closed_elsewhere(timeout):
+        From a Future's done callback it returns at once, closing once the callback has returned;
+        in a forked child at once (the sockets are the parent's, and no io thread runs there)."""
+        if os.getpid() != self._pid or self._closed_elsewhere(timeout):
             return
         self._refuse_requests("the client is closed")
         self._outbox.post(None)

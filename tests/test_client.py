@@ -721,6 +721,34 @@ write_all(1, protocol.frame_parts(protocol.encode_reply(request.id, {"last": Tru
 """]
 
 
+# A stand-in for `python -m bridge` that answers its one request a second after it came, unless
+# its stdin ends first: as the server, which at stdin's end drains for less than that.
+GIVES_UP_AT_THE_END = [sys.executable, "-c", """
+import os, sys, threading, protocol
+from bridge.streams import read_frame, write_all
+request = protocol.decode_request(read_frame(sys.stdin.buffer.raw))
+ended = threading.Event()
+def read_to_the_end():  # os.read: a daemon thread in a buffered read would hold its lock at exit
+    while os.read(0, 65536):
+        pass
+    ended.set()
+threading.Thread(target=read_to_the_end, daemon=True).start()
+if not ended.wait(1.0):
+    write_all(1, protocol.frame_parts(protocol.encode_reply(request.id, {"done": True}, {})))
+ended.wait(10)
+"""]
+
+
+def test_closing_a_port_client_waits_for_the_requests_in_flight_before_ending_stdin():
+    """close() said the server finishes what is in flight, but closed stdin at once, and the
+    server answers only what its drain allows: a `with PortClient()` block's submitted work was
+    lost at its end (found in review). It waits for the replies first, within its timeout."""
+    client = PortClient(command=GIVES_UP_AT_THE_END)
+    answered = client.submit("ping")
+    assert client.close(timeout=REPLY_TIMEOUT_S) == 0
+    assert answered.result(0).result == {"done": True}
+
+
 def test_closing_a_port_client_hands_over_the_last_replies_and_closes_the_servers_stdout():
     """close() waited for the server's exit but not for the reader to read what the server wrote
     before it, and left the server's stdout open until the client was collected (found in
@@ -754,7 +782,9 @@ def test_a_port_client_closed_in_a_done_callback_returns_at_once_and_closes_afte
     client = PortClient(command=ANSWERS_THE_FIRST_THEN_LINGERS)
     outcome = []
     first = client.submit("ping")
-    first.add_done_callback(lambda _: outcome.append((client.close(), client.proc.poll())))
+    # (its close waits for `second`, which this server answers only at stdin's end: 3 s, then
+    # as long again for the exit, which comes 2 s after that end)
+    first.add_done_callback(lambda _: outcome.append((client.close(timeout=3), client.proc.poll())))
     second = client.submit("ping")
     first.result(REPLY_TIMEOUT_S)
     wait_until(lambda: outcome, "the done callback did not run", REPLY_TIMEOUT_S)
@@ -818,6 +848,121 @@ def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
         reader.close()
         served.close()
         listener.close()
+
+
+def test_a_unix_client_dropped_once_its_writer_thread_ran_is_collected(tmp_path):
+    """The writer thread (a done callback's submit) held the client strongly: one dropped
+    without close() was never collected, its threads, socket and place under the server's
+    --max-connections kept for the life of the process (found in review)."""
+    writers_before = {t for t in threading.enumerate() if t.name == "bridge-client-writer"}
+    client, listener, served = unix_client_of_a_stand_in(tmp_path)
+    served.settimeout(REPLY_TIMEOUT_S)
+    reader = served.makefile("rb", buffering=0)
+    try:
+        client_ref, submitted = weakref.ref(client), []
+        first = client.submit("ping")
+        first.add_done_callback(lambda _: submitted.append(client_ref().submit("ping")))
+        request = protocol.decode_request(read_frame(reader))
+        write_all(served.fileno(), protocol.frame_parts(protocol.encode_reply(request.id, {}, {})))
+        assert protocol.decode_request(read_frame(reader)).op == "ping"  # written by the writer thread
+        writers = {t for t in threading.enumerate() if t.name == "bridge-client-writer"} - writers_before
+        assert writers
+        del client, first
+        gc.collect()
+        assert client_ref() is None
+        assert reader.read(1) == b"", "the dropped client's connection did not end"
+        for writer in writers:
+            writer.join(REPLY_TIMEOUT_S)
+            assert not writer.is_alive()
+        with pytest.raises(ServerExited, match="dropped without close"):
+            submitted[0].result(REPLY_TIMEOUT_S)
+    finally:
+        reader.close()
+        served.close()
+        listener.close()
+
+
+# A client made before a fork, its server a stand-in; the child exits normally (its finalizers
+# and atexit run) or lives on, and the parent's client must go on (unix: its connection not
+# ended by the child) or close as if the child were not there (port: the server sees stdin's end).
+FORKED_CLIENT = """
+import os, socket, sys, time
+import bridge.client, protocol
+from bridge.streams import read_frame, write_all
+
+case = sys.argv[1]
+if case == "unix":
+    path = os.path.join(sys.argv[2], "fork.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    client = bridge.client.UnixClient(path)
+    served, _ = listener.accept()
+else:
+    client = bridge.client.PortClient(command=[sys.executable, "-c", "import sys; sys.stdin.buffer.read()"])
+child = os.fork()
+if child == 0:
+    try:
+        client.submit("ping")
+    except bridge.client.ServerExited as exc:
+        print("child:", exc, flush=True)
+    if case == "port":
+        time.sleep(30)  # alive, holding whatever it inherited
+    sys.exit(0)
+if case == "unix":
+    os.waitpid(child, 0)
+    served.settimeout(5)
+    future = client.submit("ping")
+    request = protocol.decode_request(read_frame(served.makefile("rb", buffering=0)))
+    write_all(served.fileno(), protocol.frame_parts(protocol.encode_reply(request.id, {"pong": True}, {})))
+    print("parent:", future.result(5).result, flush=True)
+else:
+    started = time.monotonic()
+    status = client.close(timeout=5)
+    print("parent:", status, "in", round(time.monotonic() - started), "s", flush=True)
+    os.kill(child, 9)
+    os.waitpid(child, 0)
+"""
+
+
+@pytest.mark.parametrize("case", ["unix", "port"])
+def test_a_forked_child_neither_ends_nor_holds_up_its_parents_client(tmp_path, case):
+    """A child forked from a process holding a UnixClient shut the shared socket down at its
+    normal exit (its finalizer), ending the parent's connection; one alive holding a
+    PortClient's stdin kept the server from seeing its end, so the parent's close waited out
+    its timeout and killed the server (found in review). The child's copies are closed at the
+    fork, and its calls refused."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_CLIENT)
+    done = subprocess.run([sys.executable, str(script), case, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=bridge.client.server_env())
+    assert done.returncode == 0, done.stderr
+    assert "child: the client belongs to process" in done.stdout, done.stdout
+    assert ("parent: {'pong': True}" if case == "unix" else "parent: 0 in 0 s") in done.stdout, done.stdout
+
+
+def test_an_interrupted_request_is_cancelled(pipe):
+    """A request whose caller was interrupted (Ctrl-C, a signal handler's exception) stayed in
+    flight: the server ran it and what it created (a session) was never freed (found in review).
+    It is cancelled as at a timeout."""
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Interrupted):
+            pipe.client.request("session_open", {"batch": 1, "dim": 2, "state": 2}, timeout=REPLY_TIMEOUT_S)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    request = pipe.read_request()
+    assert select.select([pipe.requests], [], [], REPLY_TIMEOUT_S)[0], "no cancel was sent"
+    cancel = pipe.read_request()
+    assert (cancel.op, cancel.args["id"]) == ("cancel", request.id)
 
 
 def test_a_turn_away_settling_requests_in_flight_is_told_to_them_once(tmp_path):
