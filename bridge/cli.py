@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a ZeroMQ ROUTER socket on ENDPOINT: ipc://PATH or tcp://[HOST]:PORT "
                         "(HOST defaults to 127.0.0.1; name * or an address to listen beyond loopback; "
                         "PORT * picks a free one); repeatable")
-    p.add_argument("--unix", action="append", default=[], metavar="PATH",
+    p.add_argument("--unix", action="append", default=[], metavar="PATH", type=_socket_path,
                    help="serve the stdio framing on a unix socket at PATH, many connections; repeatable")
     p.add_argument("--curve-secret-key", metavar="FILE",
                    help="encrypt the tcp ZeroMQ endpoints with CURVE, using this server certificate "
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "wait (in its socket buffer, or in its queue on ZeroMQ; default %(default)s)")
     p.add_argument("--zmq-hwm", type=_hwm, default=1000,
                    help="ZeroMQ high-water mark: messages queued per peer each way, and requests a peer may "
-                        "have waiting beyond its in-flight cap before it is answered overloaded")
+                        "have waiting beyond its in-flight cap before it is answered overloaded (default 1000)")
     p.add_argument("--idle-timeout-s", type=_positive_seconds, default=defaults.idle_timeout_s, metavar="SECONDS",
                    help="free what a ZeroMQ peer owns (sessions, handles, models, snapshots) once, with nothing "
                         "in flight, it has neither sent a request nor been answered one for SECONDS: a peer whose "
@@ -149,6 +149,14 @@ def device_request(text: str) -> str:
         parse_device(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _socket_path(text: str) -> str:
+    # An empty one (an unset variable in a unit file) would bind an unnamed abstract socket
+    # nobody can connect to.
+    if not text:
+        raise argparse.ArgumentTypeError("expected a socket path, got an empty one")
     return text
 
 
@@ -259,6 +267,7 @@ def _seconds_or_never(text: str) -> float | None:
 
 def open_lanes(args, dispatcher) -> list:
     """The unix and ZeroMQ transports the arguments name, bound and ready to start."""
+    from .transports.base import SocketPathTaken
     from .transports.unix import UnixTransport
 
     if args.curve_clients and not args.curve_secret_key:
@@ -273,6 +282,8 @@ def open_lanes(args, dispatcher) -> list:
                                            max_in_flight=args.max_in_flight_per_peer,
                                            max_connections=args.max_connections,
                                            stall_timeout_s=args.stall_timeout_s))
+            except SocketPathTaken:
+                raise  # named already
             except OSError as exc:  # a path too long, in no directory, not ours to bind
                 raise OSError(f"--unix {path}: {exc.strerror or exc}") from exc
         if args.zmq:
@@ -406,6 +417,16 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
             _log_level(os.environ["SCAN_BRIDGE_LOG"])
         except argparse.ArgumentTypeError as exc:
             parser.error(f"$SCAN_BRIDGE_LOG: {exc}")
+    if os.environ.get("SCAN_BRIDGE_SIMD", "").strip():
+        # A variant asked for that cannot be had (a typo, or one this CPU lacks) left the C++
+        # backend unavailable, and the default one then served from torch, many times slower.
+        from scan_kernels.cpu.build import selected_variant
+        from scan_kernels.errors import BackendUnavailable
+
+        try:
+            selected_variant()
+        except BackendUnavailable as exc:
+            parser.error(f"${exc}")
     # Start-up's few lines are written as they are logged, each marking how far it got (a stop
     # signal's handling depends on it); the lanes' logging goes through StderrLog (_serve_log).
     logging.basicConfig(stream=sys.stderr, level=args.log_level, format=LOG_FORMAT)

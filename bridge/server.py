@@ -4,6 +4,7 @@ what lives on the device between requests (sessions, snapshots, models, tensor h
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from contextlib import contextmanager
@@ -120,7 +121,8 @@ class Server:
         self.handles = HandleTable(max_handles=config.max_handles, max_bytes=config.max_handle_bytes)
         self.snapshots = SnapshotTable(self.sessions, max_snapshots=config.max_snapshots)
         self.models = ModelTable(self.sessions, max_models=config.max_models)
-        self.model_dirs = allowed_dirs(config.model_dirs)
+        # Absolute now (the working directory is this start's), resolved at each load (model_dirs).
+        self._model_dirs_given = tuple(os.path.abspath(d) for d in config.model_dirs)
         # The one op fast path that serves requests straight from their frames (the step op's
         # native path; bridge.dispatcher says when), or None: every request goes the general way.
         self.fast_path = registry.fast_path(self)
@@ -137,6 +139,12 @@ class Server:
             table.on_emptied = self._owner_emptied
         self._watched_lock = threading.Lock()
         self._released = weakref.WeakSet()  # connections gone, whose release has run
+
+    @property
+    def model_dirs(self) -> tuple[str, ...]:
+        """The --model-dir roots as they resolve now: a link among them re-pointed while the
+        server runs (a deploy's `current` link) is followed from then on."""
+        return allowed_dirs(self._model_dirs_given)
 
     def tensor_arg(self, call, name: str) -> protocol.WireTensor | torch.Tensor | None:
         """The request argument `name` as it came: wire bytes not yet made a tensor, or a

@@ -17,8 +17,27 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 PIPE_SIZE = 1 << 20
 
 
+def open_missing_std_fds() -> None:
+    """Open /dev/null on each of fds 0-2 the server was started without (a daemon's `2>&-`):
+    the next descriptor made would take its number (the protocol's duplicate of stdout taking 0),
+    and Python, finding it closed at start, left its sys stream None, which logging and the exit's
+    flush then fail on."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDONLY if mode == "r" else os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        setattr(sys, name, open(fd, mode, closefd=False))
+
+
 def claim_protocol_stdout() -> int:
     """Return a private fd carrying what was stdout; fd 1 (and sys.stdout) now go to stderr."""
+    open_missing_std_fds()
     protocol_fd = os.dup(1)
     os.set_inheritable(protocol_fd, False)
     os.dup2(2, 1)

@@ -57,6 +57,8 @@ def test_a_zmq_port_libzmq_would_take_modulo_is_refused(endpoint):
     # taken on the cpu backend, which compiles nothing, and refused only by Triton's (found in review)
     pytest.param(["--warmup", "0x60x512x16"], {}, "each a positive int, got '0x60x512x16'", id="warmup-of-no-rows"),
     pytest.param(["--warmup=-5x-1x3x4:groups=7"], {}, "each a positive int", id="warmup-negative"),
+    # an unset variable in a unit file: served on an unnamed abstract socket (found in review)
+    pytest.param(["--unix", ""], {}, "--unix: expected a socket path, got an empty one", id="unix-empty"),
 ])
 def test_a_bad_setting_is_refused_with_a_message_not_a_traceback(argv, env, message, capsys, monkeypatch):
     from bridge.cli import build_parser
@@ -78,6 +80,17 @@ def test_a_bad_log_level_in_the_environment_is_refused_beside_the_flag():
     assert "$SCAN_BRIDGE_LOG: expected one of DEBUG, INFO" in run.stderr and "got 'verbose'" in run.stderr
 
 
+@pytest.mark.parametrize("simd, message", [("avx2x", "expected one of"), ("avx1024", "expected one of")],
+                         ids=["misspelt", "no-such-build"])
+def test_a_simd_build_the_cpu_backend_cannot_have_is_refused_at_start(simd, message):
+    """A misspelt $SCAN_BRIDGE_SIMD left the C++ backend unavailable and the default backend
+    served from torch, many times slower, said only at INFO (found in review)."""
+    run = subprocess.run([sys.executable, "-m", "bridge"], capture_output=True, text=True, timeout=120,
+                         env={**server_env(), "SCAN_BRIDGE_SIMD": simd}, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2, run.stderr
+    assert f"$SCAN_BRIDGE_SIMD={simd}: " in run.stderr and message in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("path", ["/nonexistent/dir/u.sock", "/tmp/" + "p" * 120 + ".sock"],
                          ids=["no-directory", "path-past-af-unix"])
 def test_a_unix_path_that_cannot_be_bound_is_named_in_the_refusal(path):
@@ -87,6 +100,21 @@ def test_a_unix_path_that_cannot_be_bound_is_named_in_the_refusal(path):
 
     with pytest.raises(OSError, match=f"^--unix {path}: "):
         open_lanes(build_parser().parse_args(["--unix", path]), dispatcher=None)
+
+
+def test_a_unix_path_a_live_server_holds_is_named_once_in_the_refusal(tmp_path):
+    """The refusal read "--unix P: --unix P: another server is listening there" (found in review)."""
+    import socket
+
+    from bridge.cli import build_parser, open_lanes
+
+    path = str(tmp_path / "live.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+        live.bind(path)
+        live.listen(1)
+        with pytest.raises(OSError) as refused:
+            open_lanes(build_parser().parse_args(["--unix", path]), dispatcher=None)
+    assert str(refused.value) == f"--unix {path}: another server is listening there"
 
 
 def test_a_frame_size_past_libzmqs_int64_is_served_on_zmq(tmp_path):
@@ -162,6 +190,35 @@ def test_a_socket_only_server_ignores_stdin_and_stops_on_a_stop_signal(tmp_path,
     assert time.monotonic() - started < 1.0
     assert not os.path.exists(unix_path)
 
+
+
+@pytest.mark.parametrize("closed", [0, 1, 2], ids=["stdin", "stdout", "stderr"])
+def test_a_server_started_without_a_standard_descriptor_serves_and_stops_cleanly(tmp_path, closed):
+    """A daemon's `2>&-` (or `>&-`, `<&-`): with stderr closed the log writer died and the exit's
+    flush failed, exit 1 after seconds; with stdout closed the server never started (its
+    duplicate took fd 0); with stdin closed the stdio lane logged a traceback (found in review).
+    /dev/null is opened on a missing one."""
+    unix_path = str(tmp_path / "s.sock")
+    lanes = ["--stdio", "--unix", unix_path] if closed == 0 else ["--unix", unix_path]
+    log = open(tmp_path / "log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "bridge", "--device", "cpu", *lanes], stdin=subprocess.DEVNULL,
+                            stderr=log, env={**os.environ, **server_env()}, preexec_fn=lambda: os.close(closed))
+    try:
+        if closed == 0:  # the stdio lane's input ends at once, which stops the server
+            assert proc.wait(120) == 0
+        else:
+            wait_until(lambda: os.path.exists(unix_path), "the unix lane never came up", 120)
+            with UnixClient(unix_path) as client:
+                assert client.ping() == {"pong": True}
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 0
+            assert time.monotonic() - started < 2.0
+    finally:
+        proc.kill()
+        log.close()
+    if closed != 2:
+        assert "Traceback" not in (tmp_path / "log").read_text(), (tmp_path / "log").read_text()
 
 
 def test_a_server_whose_stderr_nobody_reads_serves_on_and_stops(tmp_path):

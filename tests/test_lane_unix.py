@@ -649,6 +649,25 @@ def test_requests_of_a_peer_that_closed_at_its_cap_are_dropped_not_run(tmp_path,
     assert stats["released"] == {}, "a session was opened for nobody"
 
 
+def test_a_lane_closing_leaves_the_socket_file_of_a_server_started_since_on_its_path(tmp_path):
+    """A lane removed whatever file lay at its path when it closed: a server started after the
+    first one's file was deleted (a /tmp cleaner, an operator's rm) lost its own file when the
+    first stopped, and nobody could reach it (found in review)."""
+    from bridge.transports.unix import UnixTransport
+
+    options = dict(max_frame_size=1024, max_in_flight=1, max_connections=1)
+    path = str(tmp_path / "lane.sock")
+    first = UnixTransport(None, path, **options)
+    os.unlink(path)
+    second = UnixTransport(None, path, **options)
+    try:
+        first.close()
+        assert os.path.exists(path), "the first lane removed the second's socket file"
+    finally:
+        second.close()
+    assert not os.path.exists(path)
+
+
 def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):
     from bridge.transports.unix import UnixTransport
 

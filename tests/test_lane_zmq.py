@@ -997,6 +997,24 @@ def test_an_io_thread_busy_past_the_deadline_closes_the_lane_itself_when_it_retu
         assert path.exists(), "the old lane removed a file at its path made after it closed"
 
 
+def test_an_ipc_lane_closing_leaves_the_socket_file_of_a_server_bound_there_since(tmp_path):
+    """A lane closing removed whatever file lay at its ipc path once its context ended: a
+    server restarted on the path meanwhile (it takes the file over as a dead one's once the
+    old socket closes) lost its file, unreachable from then on (found in review)."""
+    import socket
+
+    path = tmp_path / "lane.ipc"
+    first = ipc_lane(path)
+    os.unlink(path)
+    replacement = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    replacement.bind(str(path))  # a server bound there since
+    try:
+        first.close()
+        assert path.exists(), "the closing lane removed the socket file of the server bound there since"
+    finally:
+        replacement.close()
+
+
 def test_an_ipc_path_is_not_taken_from_a_live_server_and_is_removed_on_close(tmp_path):
     """libzmq unlinks whatever socket file lies at an ipc path and binds over it: a second
     server there would leave the first running, unreachable. A live server's path is refused,

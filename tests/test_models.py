@@ -1256,6 +1256,28 @@ def test_paths_outside_the_model_dirs_are_refused_before_anything_is_read(serve,
     assert error["code"] == "path_not_allowed" and "without --model-dir" in error["message"]
 
 
+def test_a_model_dir_that_is_a_link_is_followed_where_it_points_at_each_load(checkpoints, tmp_path, inproc):
+    """--model-dir was resolved once at start: a deploy re-pointing a `current` link to a new
+    release (the old one removed) had every load refused, the operator's own path among them
+    (found in review)."""
+    import shutil
+
+    releases = tmp_path / "releases"
+    shutil.copytree(checkpoints[0] / "mamba-lm-tied", releases / "1" / "agent")
+    current = tmp_path / "current"
+    os.symlink(releases / "1", current)
+    srv, conn = inproc(backend="torch", model_dirs=(str(current),)), RecordingConnection()
+    assert call(srv, conn, "model_load", path="agent")["model"]
+    shutil.copytree(checkpoints[0] / "mamba2-lm", releases / "2" / "agent")
+    os.symlink(releases / "2", tmp_path / "next")
+    os.replace(tmp_path / "next", current)
+    shutil.rmtree(releases / "1")
+    for path in ("agent", str(current / "agent")):
+        assert call(srv, conn, "model_load", path=path)["arch"] == "mamba2", path
+    error = error_of(srv, conn, "model_load", path=str(releases / "1" / "agent"))
+    assert error["code"] == "path_not_allowed", error
+
+
 def hub_cache_repo(root, model, model_id: str, revision: str, *, sharded: bool):
     """`model` saved as Hugging Face's hub cache keeps a download under `root`:
     models--ORG--NAME/snapshots/REVISION/FILE, each a link to ../../blobs/HASH, and refs/main

@@ -125,8 +125,15 @@ def hub_snapshot(model_id: str, model_dirs: tuple[str, ...]) -> str | None:
 
 
 def allowed_dirs(dirs) -> tuple[str, ...]:
-    """The operator's --model-dir list, resolved once at start."""
-    return tuple(os.path.realpath(d) for d in dirs)
+    """The operator's --model-dir list, resolved (links followed); one that cannot be resolved
+    now is kept as given, and a path under it is refused as it fails to resolve too."""
+    def resolved(directory: str) -> str:
+        try:
+            return os.path.realpath(directory)
+        except OSError:
+            return directory
+
+    return tuple(resolved(d) for d in dirs)
 
 
 def _under(path: str, root: str) -> bool:

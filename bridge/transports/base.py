@@ -17,6 +17,10 @@ _ids = itertools.count(1)
 FLUSH_SECONDS = 0.5
 
 
+class SocketPathTaken(OSError):
+    """A socket path another file holds, named with its option and path."""
+
+
 def claim_socket_path(path: str, option: str) -> None:
     """Make `path` free for a socket this server binds (`option` names it in errors): a stale
     socket file a dead server left is removed, but a live server's socket, or any other file,
@@ -26,16 +30,37 @@ def claim_socket_path(path: str, option: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(mode):
-        raise OSError(f"{option} {path}: expected a free path or a stale socket, got an existing non-socket file")
+        raise SocketPathTaken(f"{option} {path}: expected a free path or a stale socket, got an existing non-socket "
+                              "file")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
     except ConnectionRefusedError:
         os.unlink(path)  # nobody listens: a dead server's leftover
     else:
-        raise OSError(f"{option} {path}: another server is listening there")
+        raise SocketPathTaken(f"{option} {path}: another server is listening there")
     finally:
         probe.close()
+
+
+class SocketFile:
+    """The socket file this server bound at `path`, known by its device and inode: removed on
+    close only while it is still that file. One there since is another server's (started after
+    this one's file was deleted, or claiming the path while this one stops: the path lingers
+    unlistened once the socket closes), and removing it would leave that server unreachable."""
+
+    def __init__(self, path: str):
+        self.path = path
+        found = os.lstat(path)
+        self._identity = (found.st_dev, found.st_ino)
+
+    def remove(self) -> None:
+        try:
+            found = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (found.st_dev, found.st_ino) == self._identity:
+            os.unlink(self.path)
 
 
 class Connection:

@@ -36,7 +36,7 @@ import protocol
 from ..buffers import BufferPool
 from ..logs import ThrottledWarning
 from ..timing import now_ns
-from .base import FLUSH_SECONDS, claim_socket_path
+from .base import FLUSH_SECONDS, SocketFile, claim_socket_path
 from .framed import IOV_MAX, StreamConnection, WriterThreads, hung_up, input_waiting
 
 log = logging.getLogger("bridge.unix")
@@ -173,6 +173,7 @@ class UnixTransport:
         self._connections: set[UnixConnection] = set()
         self._turned_away = ThrottledWarning(log)
         self._listener = _listen(path)
+        self._socket_file = SocketFile(path)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
         # Other threads ask the reading thread to look at a connection again by adding it to
@@ -201,10 +202,7 @@ class UnixTransport:
         (time.monotonic(); FLUSH_SECONDS from now by default) to write the replies they were
         handed (connections end with the process, and the dispatcher counts a reply handed to a
         writer as answered)."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._socket_file.remove()
         if self._thread.is_alive():
             self._stopping = True  # the reading thread closes the listener it waits on
             self._wake(None)

@@ -56,7 +56,7 @@ import protocol
 
 from ..outbox import Outbox
 from ..timing import now_ns
-from .base import FLUSH_SECONDS, Connection, claim_socket_path
+from .base import FLUSH_SECONDS, Connection, SocketFile, claim_socket_path
 
 log = logging.getLogger("bridge.zmq")
 
@@ -242,7 +242,7 @@ class ZmqTransport:
         self.context = zmq.Context(io_threads=1)
         self.outbox = Outbox()
         self.endpoints: list[str] = []
-        self._ipc_paths: list[str] = []  # the socket files of its ipc endpoints, removed on close
+        self._ipc_files: list[SocketFile] = []  # the socket files of its ipc endpoints, removed on close
         self.sockets: list[zmq.Socket] = []
         self.monitors: list[zmq.Socket] = []  # one per socket, same index
         self._authenticator = None
@@ -306,7 +306,7 @@ class ZmqTransport:
         sock.bind(endpoint)
         self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         if ipc_path is not None:
-            self._ipc_paths.append(self.endpoints[-1].removeprefix("ipc://"))
+            self._ipc_files.append(SocketFile(self.endpoints[-1].removeprefix("ipc://")))
 
     def start(self) -> None:
         self._thread.start()
@@ -360,13 +360,9 @@ class ZmqTransport:
         self._unlink_ipc_paths()
 
     def _unlink_ipc_paths(self) -> None:
-        # Once only: a file at the path later is a server's started since.
-        paths, self._ipc_paths = self._ipc_paths, []
-        for path in paths:  # libzmq leaves the socket files of ipc endpoints behind
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        files, self._ipc_files = self._ipc_files, []
+        for socket_file in files:  # libzmq leaves the socket files of ipc endpoints behind
+            socket_file.remove()
 
     # -- the io thread --------------------------------------------------------------------
 
