@@ -225,6 +225,28 @@ def test_closing_the_zmq_lane_answers_requests_that_waited_past_the_peers_cap(tm
         assert replies == [b"first done", b"shutting down: second"]
 
 
+def test_requests_waiting_past_the_cap_of_a_peer_gone_are_counted_read_and_cancelled(tmp_path):
+    """SPEC §6.3: every message read counts in frames_in. A peer's requests held past its cap
+    and dropped when it went were counted nowhere (found in review): they count as read, and as
+    `cancelled` under their op, as the dispatcher counts a request it drops for a gone peer."""
+    held = []
+
+    def on_frame(target, body, received_ns, buffers):
+        held.append(target)  # never answered: the peer stays at its cap
+
+    with zmq_lane_and_dealer(tmp_path, on_frame, max_in_flight=1) as (transport, client):
+        pings = [b"".join(bytes(p) for p in protocol.encode_request(i, "ping", {})) for i in range(4)]
+        for ping in pings:
+            client.send(ping)
+        wait_until(lambda: held and len(held[0].peer.waiting) == 3, "three requests never waited in the lane")
+        client.close(linger=0)
+        stats = transport.dispatcher.server.stats
+        wait_until(lambda: stats.frames_in == 3, "the dropped requests were not counted as read")
+        snapshot = stats.snapshot()
+        assert snapshot["errors"].get("cancelled") == 3 and snapshot["ops"]["ping"]["failure_count"] == 3, snapshot
+        assert stats.bytes_in == sum(len(ping) for ping in pings[1:])
+
+
 def test_a_long_queue_of_requests_answered_on_the_io_thread_is_worked_off_in_turn(tmp_path, caplog):
     """A peer's requests wait past its cap of one in flight; when the first is answered, each
     waiting one is dispatched in turn and answered on the io thread itself (as the native step

@@ -676,13 +676,28 @@ class ZmqTransport:
     def _gone(self, peer: ZmqPeer, how: str = "vanished") -> None:
         log.info("%s %s; %d replies and %d requests of its dropped", peer.id, how, len(peer.unsent),
                  len(peer.waiting))
-        peer.waiting.clear()
+        self._drop_waiting(peer)
         self._backlogged.discard(peer)
         self._forget(peer)
         peer.mark_closed("idle" if how == "idle" else "closed")
         for _ in range(len(peer.unsent)):
             peer.unsent.popleft()
             self._answered(peer)
+
+    def _drop_waiting(self, peer: ZmqPeer) -> None:
+        """Drop the requests a gone peer sent past its in-flight cap: read off the socket, each
+        counts in frames_in, and as `cancelled`, as the dispatcher counts a request it drops for
+        a peer gone (SPEC §6.3)."""
+        stats = self.dispatcher.server.stats
+        while peer.waiting:
+            message, _, target = peer.waiting.popleft()
+            stats.frame_in(sum(len(frame) for frame in message), target.lane)
+            _, op = protocol.error_reply_for(message[0].buffer, [frame.buffer for frame in message[1:]],
+                                             "cancelled", "its peer is gone")
+            if op is None:
+                stats.record_error("cancelled")
+            else:
+                stats.record(op, None, ok=False, error_code="cancelled")
 
     def _answered(self, peer: ZmqPeer) -> None:
         peer.in_flight -= 1
