@@ -185,14 +185,15 @@ class ModelSession:
                 return_state: bool = False, lengths=None, timeout: float | None = 60.0):
         """Prefill tokens [batch, seq] (or embeds [batch, seq, d_model]) from the current
         state, leaving the state at the end; the logits (or hidden states) [batch, seq, ...].
-        With lengths ([batch] ints, at most seq), row i runs only its first lengths[i]
-        positions (its outputs past them zero). With return_state, (output, state): the state
+        With lengths ([batch] ints, at most seq: an integer array or a list), row i runs only
+        its first lengths[i] positions (its outputs past them zero). With return_state, (output, state): the state
         after the window as `state()` gives it, with no round trip of its own."""
         args = self._args(tokens, embeds, output, return_state)
         if last_only:
             args["last_only"] = True
         if lengths is not None:
-            args["lengths"] = lengths
+            # A list goes as an i64 tensor, which the server takes (a msgpack array it refuses).
+            args["lengths"] = np.asarray(lengths, np.int64) if isinstance(lengths, (list, tuple)) else lengths
         return self._answer(self.client.call("model_forward", timeout, **args), return_state)
 
     def step_reply(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False,
