@@ -18,7 +18,8 @@ another shape.
 The oracle:
 - every reply is the one SPEC.md says: a success, or exactly the error code (and field, or limit)
   the situation has (§6.1, §6.4, §7), never internal_error; limit_exceeded exactly where the
-  usage the server reported before the request leaves no room;
+  usage the server reported before the request leaves no room, counting the free rows at the
+  pools' ends that an open or a snapshot gives back (§6.1);
 - a plain session's outputs and state follow the float64 reference kernels (scan_kernels.reference)
   within the inputs' dtype's tolerance; a model session's state is known where it was read
   (session_state, return_state) and every copy of it (snapshot, restore, fork) reads back bit
@@ -461,13 +462,25 @@ class StateWalk(RuleBasedStateMachine):
         pools = {pool_key(p): p for p in usage["pools"]}
         pool = pools.get(layout)
         missing = batch - (pool["capacity"] - pool["rows_in_use"] if pool else 0)
-        if missing > 0 and missing * row_bytes > usage["max_pool_bytes"] - usage["pool_bytes"]:
+        if missing > 0 and missing * row_bytes > self.room(usage, keep=layout):
             return "max_pool_bytes"
         return None
 
-    def held_refusal(self, nbytes: int) -> str | None:
+    def held_refusal(self, nbytes: int, *, by_an_op: bool) -> str | None:
+        """The limit `nbytes` held beside the pools exceeds: a snapshot's (`by_an_op`, which may
+        take back the pools' free end rows) or a model's."""
         usage = self.usage()
-        return "max_pool_bytes" if nbytes > usage["max_pool_bytes"] - usage["pool_bytes"] else None
+        room = self.room(usage) if by_an_op else usage["max_pool_bytes"] - usage["pool_bytes"]
+        return "max_pool_bytes" if nbytes > room else None
+
+    def room(self, usage: dict, keep: tuple | None = None) -> int:
+        """The bytes an op finds for what it adds (SPEC §6.1): the budget left, and the free rows
+        at the end of every pool but `keep`'s, which pools give back when it is short. Read off
+        the server's pools (their rows' order is not in `usage`), listed in usage's order."""
+        pools = zip(usage["pools"], self.srv.server.sessions._pools.values())
+        spare = sum((pool.capacity - pool.rows_to_keep()) * pool.row_bytes for listed, pool in pools
+                    if pool_key(listed) != keep)
+        return usage["max_pool_bytes"] - usage["pool_bytes"] + spare
 
     def zero_value(self, layout: tuple, batch: int) -> Value:
         """The one Value of a zero state of that class and batch (a model op's re-runs from zero
@@ -960,7 +973,7 @@ class StateWalk(RuleBasedStateMachine):
         refusal = None
         if self.owns(held, conn):
             refusal = (self.open_refusal(held.batch, held.layout, held.row_bytes) if fork
-                       else self.held_refusal(held.nbytes))
+                       else self.held_refusal(held.nbytes, by_an_op=True))
         reply = self.request(conn, op, session=session)
         if self.refused_for_the_session(reply, held, conn, op):
             return None
@@ -1104,7 +1117,7 @@ class StateWalk(RuleBasedStateMachine):
     @walked
     def load_model(self, conn, arch):
         weight_bytes = sum(t.numel() * 4 for t in WEIGHTS[arch].values())
-        refusal = self.held_refusal(weight_bytes)
+        refusal = self.held_refusal(weight_bytes, by_an_op=False)
         reply = self.request(conn, "model_load", config=MODEL_CONFIGS[arch], weights=WEIGHTS[arch])
         if refusal is not None:
             return self.expect(reply, "limit_exceeded", limit=refusal, what="model_load")
