@@ -126,6 +126,47 @@ defmodule ScanBridge.DeadlinesTest do
       assert :sys.get_state(client).pending |> Map.keys() |> length() == 1
       assert cancelled_pings(let_server_go(ctx, long), ctx.before) == 1
     end
+
+    # A GenServer closing its session in terminate/2, killed at its shutdown timeout: the
+    # close was cancelled and the session stayed for the connection's life (found in review).
+    test "but a close or free whose caller exits is carried out, sent or still queued", ctx do
+      client = ctx.client
+      {:ok, s} = ScanBridge.open_session(client, batch: 1, dim: 4, state: 2)
+      {:ok, queued_s} = ScanBridge.open_session(client, batch: 1, dim: 4, state: 2)
+      {:ok, snap} = ScanBridge.snapshot(client, s)
+      {:ok, h} = ScanBridge.put(client, Tensor.from_list([1.0], :f32, {1}))
+      long = hold_server(ctx)
+      # the long scan and three releases at the server: the fourth waits in the client
+      :sys.replace_state(client, &%{&1 | max_in_flight: 4})
+
+      releases = [
+        fn -> ScanBridge.free(client, h, timeout: :infinity) end,
+        fn -> ScanBridge.free_snapshot(client, snap, timeout: :infinity) end,
+        fn -> ScanBridge.close_session(client, s, timeout: :infinity) end,
+        fn -> ScanBridge.close_session(client, queued_s, timeout: :infinity) end
+      ]
+
+      callers =
+        for {release, i} <- Enum.with_index(releases, 1) do
+          caller = spawn(release)
+          assert eventually(fn -> map_size(:sys.get_state(client).pending) == 1 + i end)
+          caller
+        end
+
+      assert :gb_trees.size(:sys.get_state(client).queue) == 1
+      Enum.each(callers, &Process.exit(&1, :kill))
+      assert eventually(fn -> map_size(:sys.get_state(client).pending) == 1 end)
+      let_server_go(ctx, long)
+      assert eventually(fn -> :gb_trees.is_empty(:sys.get_state(client).queue) end)
+      assert eventually(fn -> :sys.get_state(client).outstanding == %{} end)
+      {:ok, stats} = ScanBridge.stats(client)
+
+      held =
+        {stats["sessions"]["sessions"], stats["sessions"]["snapshot_bytes"],
+         stats["handles"]["handles"]}
+
+      assert held == {0, 0, 0}
+    end
   end
 
   describe "on the unix lane, the connection's cap at the server small" do

@@ -384,6 +384,9 @@ defmodule ScanBridge.Server do
 
   ## Callbacks
 
+  # Requests that free what a connection holds (release/3 sends them too).
+  @releases ["session_close", "free", "snapshot_free", "model_free"]
+
   @impl true
   def init(opts) do
     Process.flag(:trap_exit, true)
@@ -577,11 +580,17 @@ defmodule ScanBridge.Server do
 
   # The caller is gone: nobody will take the answer. As with a passed deadline, a queued
   # request is dropped, one at the server cancelled, and a late reply's handle or session is
-  # freed.
+  # freed; but a release is carried out all the same (orphan/2).
   def handle_info({:DOWN, monitor, :process, _caller, _reason}, state)
       when is_map_key(state.callers, monitor) do
-    {_from, _where, state} = give_up(state, state.callers[monitor])
-    {:noreply, state}
+    id = state.callers[monitor]
+
+    if release?(op_of(state, id)) do
+      {:noreply, orphan(state, id)}
+    else
+      {_from, _where, state} = give_up(state, id)
+      {:noreply, state}
+    end
   end
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
@@ -770,6 +779,34 @@ defmodule ScanBridge.Server do
       {nil, state} -> {nil, nil, state}
       {from, state} when queued? -> {from, :queued, unqueue(state, id)}
       {from, state} -> {from, :sent, cancel_at_server(state, id)}
+    end
+  end
+
+  # A close or free (a caller's terminate/2, say) whose caller exited: nobody else holds the id,
+  # so dropped or cancelled what it frees would stay on the server for the connection's life.
+  # It is sent (or, at the server, answered) as a release no caller asked for is (send_uncalled/3).
+  defp orphan(state, id) do
+    {_from, state} = take_pending(state, id)
+
+    case :gb_trees.lookup(id, state.queue) do
+      {:value, {op, head, size, _deadline}} ->
+        %{state | queue: :gb_trees.update(id, {op, head, size, nil}, state.queue)}
+
+      :none ->
+        state
+    end
+  end
+
+  # A close or free, as call/4 names it (with the id it frees where a group watches it).
+  defp release?({op, _id}), do: op in @releases
+  defp release?(op), do: op in @releases
+
+  # The op of request `id`, queued here or at the server; nil once answered.
+  defp op_of(state, id) do
+    case {:gb_trees.lookup(id, state.queue), state.outstanding} do
+      {{:value, {op, _head, _size, _deadline}}, _} -> op
+      {:none, %{^id => {op, _length}}} -> op
+      _answered -> nil
     end
   end
 
