@@ -6,6 +6,7 @@ admits only the clients whose keys it was given."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -334,8 +335,30 @@ def test_shutdown_writes_the_replies_a_slow_unix_reader_has_not_taken_yet(tmp_pa
         reader.close()
         conn.close()
         assert srv.proc.wait(REPLY_TIMEOUT_S) == 0, srv.log()
+        # any client may stop the server: the log names the connection that did
+        assert re.search(r"unix:\d+ asked the server to stop \(shutdown\)", srv.log()), srv.log()
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_a_curve_clients_directory_with_a_file_that_is_no_certificate_is_refused_at_start(tmp_path):
+    """pyzmq's authenticator logged the file it could not read and then admitted no client: one
+    empty .key locked every known client out of a server that started and looked healthy (found
+    in review)."""
+    import zmq.auth
+
+    from bridge.transports.zmq import CurveKeys
+
+    keys, clients = tmp_path / "keys", tmp_path / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    _, server_secret_file = zmq.auth.create_certificates(str(keys), "server")
+    zmq.auth.create_certificates(str(clients), "alice")
+    os.unlink(clients / "alice.key_secret")
+    CurveKeys.load(server_secret_file, str(clients))
+    (clients / "bob.key").write_text("")
+    with pytest.raises(ValueError, match=r"--curve-clients .*: expected public certificates, got bob.key"):
+        CurveKeys.load(server_secret_file, str(clients))
 
 
 def test_curve_admits_only_known_clients(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
@@ -14,6 +15,8 @@ import protocol
 from .. import __version__
 from ..dispatcher import Background
 from ..server import LIMITS
+
+log = logging.getLogger("bridge")
 
 
 def ping(server, call) -> dict:
@@ -92,6 +95,9 @@ def stats(server, call) -> dict:
 
 
 def shutdown(server, call) -> Background:
+    # Any client may send it: the log says which connection did.
+    log.info("%s asked the server to stop (shutdown)", call.conn.id)
+
     def stop() -> dict:
         # From here on requests are refused shutting_down (the dispatcher's admission reads it);
         # the main loop drains what is in flight, this reply among it, and exits.

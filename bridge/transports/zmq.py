@@ -115,8 +115,18 @@ class CurveKeys:
         if secret is None:
             raise ValueError(f"--curve-secret-key {secret_file}: expected a secret certificate "
                              "(the .key_secret file), got one without a secret key")
-        if clients_dir is not None and not os.path.isdir(clients_dir):
-            raise ValueError(f"--curve-clients {clients_dir}: expected a directory of public certificates")
+        if clients_dir is not None:
+            if not os.path.isdir(clients_dir):
+                raise ValueError(f"--curve-clients {clients_dir}: expected a directory of public certificates")
+            # pyzmq's authenticator logs a certificate it cannot read and then admits no client
+            # at all: one bad file would lock every client out of a server that looks healthy.
+            for name in sorted(os.listdir(clients_dir)):
+                if name.endswith(".key"):
+                    try:
+                        zmq.auth.load_certificate(os.path.join(clients_dir, name))
+                    except (OSError, ValueError) as exc:
+                        raise ValueError(f"--curve-clients {clients_dir}: expected public certificates, got "
+                                         f"{name} ({exc})") from None
         return cls(public, secret, clients_dir)
 
 
