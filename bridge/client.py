@@ -349,15 +349,9 @@ class NilAnswer:
     frame: InFlight | None = None
 
 
-# Ops whose result names something the connection now owns, with the op (and its argument) that
-# frees it: what a late reply to a cancelled request created is freed (FramedClient._free_late).
-FREED_BY = {
-    "put": ("free", "handle"),
-    "session_open": ("session_close", "session"),
-    "session_fork": ("session_close", "session"),
-    "session_snapshot": ("snapshot_free", "snapshot"),
-    "model_load": ("model_free", "model"),
-}
+# What a late reply to a cancelled request created is freed (FramedClient._free_late): by op, the
+# op that frees it and its argument.
+FREED_BY = protocol.schema.FREED_BY
 
 # How many replies to nothing in flight a client keeps (the latest): a long-lived client
 # must not grow without bound.

@@ -221,3 +221,16 @@ OPS: dict[str, dict[str, Arg]] = {
 
 # Each frame op's arguments: its own but the session (the request's is the frame's).
 FRAME_ARGS = {op: {name: arg for name, arg in OPS[op].items() if name != "session"} for op in FRAME_OPS}
+
+# Ops whose result names something the connection then owns, with the op (and its argument, the
+# result's key) that frees it. A client frees what a request it gave up on made anyway (a late
+# reply nobody reads would otherwise leave it held for the connection's life); the Python client
+# reads this table, the Elixir client's `frees/2` mirrors it (a test compares them). An op that
+# creates something belongs here.
+FREED_BY = {
+    "put": ("free", "handle"),
+    "session_open": ("session_close", "session"),
+    "session_fork": ("session_close", "session"),
+    "session_snapshot": ("snapshot_free", "snapshot"),
+    "model_load": ("model_free", "model"),
+}
