@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 import warnings
 
 import msgpack
@@ -383,19 +384,44 @@ def test_an_ok_that_is_not_a_bool_is_a_malformed_reply(scan_client, endpoints, t
     assert "scan inline: a malformed reply (ok is not a bool)" in run.stderr
 
 
-def test_a_reply_that_never_comes_is_reported_as_a_timeout(scan_client, endpoints, tmp_path):
-    # ZMQ_RCVTIMEO running out is EAGAIN, which zmq_strerror calls "Resource temporarily
-    # unavailable": the client said that of a server that never answered. This build waits
-    # 200 ms for a reply, not a minute; the proxy drops the ping.
-    client = tmp_path / os.path.basename(scan_client)  # sanitized as the fixture's build is, or not
+def build_waiting_200_ms(scan_client, tmp_path) -> str:
+    """The client built to wait 200 ms for a reply, not a minute (sanitized as the fixture's
+    build is, or not)."""
+    client = tmp_path / os.path.basename(scan_client)
     sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"] if scan_client.endswith("-sanitized") else []
     build = subprocess.run([compiler(), "-O1", "-std=c11", *sanitize, "-DREPLY_TIMEOUT_MS=200", "-o", str(client),
                             os.path.join(CLIENT_DIR, "scan_client.c"), "-lzmq", "-lmsgpackc", "-lm"],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
-    run = run_through(str(client), endpoints, tmp_path, lambda request_id, frames, forward: [])
+    return str(client)
+
+
+def test_a_reply_that_never_comes_is_reported_as_a_timeout(scan_client, endpoints, tmp_path):
+    # ZMQ_RCVTIMEO running out is EAGAIN, which zmq_strerror calls "Resource temporarily
+    # unavailable": the client said that of a server that never answered. The proxy drops the ping.
+    client = build_waiting_200_ms(scan_client, tmp_path)
+    run = run_through(client, endpoints, tmp_path, lambda request_id, frames, forward: [])
     assert run.returncode == 1
     assert "FAIL: ping: no reply: none came within 200 ms\n1 failure(s)" in run.stderr
+
+
+def test_replies_to_other_requests_do_not_stretch_the_wait_for_a_reply(scan_client, endpoints, tmp_path):
+    # Each message had the whole timeout to come, so a reply to another id every 50 ms kept the
+    # client waiting as long as they came (found in review): the timeout runs from the send.
+    client = build_waiting_200_ms(scan_client, tmp_path)
+    flood = 60  # 3 s of them
+
+    def scenario(request_id, frames, forward):
+        reply = forward(frames)
+        for _ in range(flood):
+            time.sleep(0.05)
+            yield [edited(reply[0], id=999)]
+
+    run = run_through(client, endpoints, tmp_path, scenario)
+    assert run.returncode == 1
+    dropped = re.search(r"FAIL: ping: no reply: none came within 200 ms \((\d+) replies to other requests dropped "
+                        r"meanwhile\)", run.stderr)
+    assert dropped and int(dropped.group(1)) < flood // 2, run.stderr[-2000:]
 
 
 # The start of the client's refusal of a tensor's dtype; what came follows it.
@@ -479,6 +505,50 @@ int main(void) {
     return 0;
 }
 """
+
+
+SIGNALLED_DRIVER = r"""
+/* scan_client.c's ping with a timer's signal every 20 ms meanwhile, as in a program with a
+ * profiler or a SIGCHLD handler: libzmq's receive gives EINTR whatever SA_RESTART says. */
+#define _POSIX_C_SOURCE 200809L
+#include <signal.h>
+#include <sys/time.h>
+#define main scan_client_main
+#include "scan_client.c"
+#undef main
+
+static void tick(int signum) { (void)signum; }
+
+int main(int argc, char **argv) {
+    (void)argc;
+    struct sigaction action = {.sa_handler = tick, .sa_flags = SA_RESTART};
+    sigaction(SIGALRM, &action, NULL);
+    struct itimerval every = {.it_interval = {0, 20000}, .it_value = {0, 20000}};
+    setitimer(ITIMER_REAL, &every, NULL);
+    void *context = zmq_ctx_new(), *sock = zmq_socket(context, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_connect(sock, argv[1]);
+    int ok = run_ping(sock);
+    zmq_close(sock);
+    zmq_ctx_term(context);
+    return ok ? 0 : 1;
+}
+"""
+
+
+def test_a_signal_during_the_wait_for_a_reply_is_waited_through(endpoints, tmp_path):
+    # A signal while waiting failed the request "Interrupted system call" (found in review).
+    driver = build_driver(tmp_path, SIGNALLED_DRIVER)
+
+    def scenario(request_id, frames, forward):
+        reply = forward(frames)
+        time.sleep(0.3)  # fifteen signals meanwhile
+        return [reply]
+
+    with proxy(endpoints["ipc"], tmp_path, scenario) as endpoint:
+        run = subprocess.run([driver, endpoint], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
 
 
 def test_the_printed_length_of_a_key_stays_in_range_past_2_gib(tmp_path):

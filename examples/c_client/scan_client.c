@@ -599,7 +599,8 @@ static void free_buffer(void *data, void *hint) {
 }
 
 /* Sends the body (copied) and the raw buffers (zero copy) as one message; 0 on success. The
- * buffers must come from malloc and are ZeroMQ's from then on, sent or not: it frees them
+ * buffers must come from malloc, each its own allocation given once (one array passed for two
+ * tensors would be freed twice), and are ZeroMQ's from then on, sent or not: it frees them
  * (free_buffer) when it is done, and this frees those it never took. The caller must not touch
  * them again: freeing them itself, even after a reply or a timeout, could pull them from under
  * a send still in progress. A send that fails after the body went out leaves the socket inside
@@ -623,10 +624,23 @@ static int send_request(void *sock, const msgpack_sbuffer *body, const parts_t *
     return sent ? 0 : -1;
 }
 
-/* Receives one whole message into reply->parts. One of more than MAX_PARTS parts, or one memory
- * runs out for, is read to its end and dropped, so that its rest is not taken for the next
- * message. NULL on success, else why not, with no frame left open. */
-static const char *receive_message(void *sock, reply_t *reply) {
+/* Receives one part into msg by `deadline` (now_us()'s clock); 0, or -1 with zmq_errno() set
+ * (EAGAIN: the deadline passed). A signal's EINTR (libzmq gives it whatever SA_RESTART says) is
+ * a wait to go on with, on the time left. */
+static int receive_part(void *sock, zmq_msg_t *msg, double deadline) {
+    for (;;) {
+        double left_ms = (deadline - now_us()) / 1000;
+        int timeout = left_ms > 0 ? (int)left_ms : 0;
+        zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+        if (zmq_msg_recv(msg, sock, 0) >= 0) return 0;
+        if (zmq_errno() != EINTR) return -1;
+    }
+}
+
+/* Receives one whole message into reply->parts by `deadline`. One of more than MAX_PARTS
+ * parts, or one memory runs out for, is read to its end and dropped, so that its rest is not
+ * taken for the next message. NULL on success, else why not, with no frame left open. */
+static const char *receive_message(void *sock, reply_t *reply, double deadline) {
     const char *dropped = NULL;  /* why the message is being read to its end and dropped */
     int more = 1;
     reply->parts = (parts_t){.count = 0};
@@ -635,8 +649,8 @@ static const char *receive_message(void *sock, reply_t *reply) {
         if (msg == NULL && !dropped) dropped = "no memory for the message's parts";
         if (msg == NULL) msg = &spare;
         zmq_msg_init(msg);
-        if (zmq_msg_recv(msg, sock, 0) < 0) {
-            /* EAGAIN is ZMQ_RCVTIMEO running out: zmq_strerror would say "Resource temporarily
+        if (receive_part(sock, msg, deadline) != 0) {
+            /* EAGAIN is the deadline passing: zmq_strerror would say "Resource temporarily
              * unavailable" of a server that never answered. */
             const char *why = zmq_errno() == EAGAIN ? "none came within " STRINGIFY(REPLY_TIMEOUT_MS) " ms"
                                                     : zmq_strerror(zmq_errno());
@@ -665,18 +679,22 @@ static const char *receive_message(void *sock, reply_t *reply) {
  * it (close_reply); else 0, after saying why (fail). A reply whose envelope is malformed fails,
  * whatever its id: with a key twice, say, which request it answers is unclear. Replies are
  * matched by id (SPEC §1): one with another id answers some other request (a late reply to one
- * that timed out, say) and is dropped, never taken for this one's. Each message gets
- * REPLY_TIMEOUT_MS to come: the server answers each request once, so no more replies are
- * dropped than requests were sent. */
+ * that timed out, say) and is dropped, never taken for this one's. The reply has REPLY_TIMEOUT_MS
+ * from the send to come, however many replies to others come meanwhile. */
 static int exchange(void *sock, const char *what, uint64_t id, const msgpack_sbuffer *body,
                     const parts_t *buffers, reply_t *reply) {
-    double start = now_us();
+    double start = now_us(), deadline = start + REPLY_TIMEOUT_MS * 1000.0;
+    int others = 0;  /* replies to other ids dropped while waiting */
     if (send_request(sock, body, buffers) != 0) {
         fail("%s: not sent: %s", what, zmq_strerror(errno));
         return 0;
     }
     for (;;) {
-        const char *why = receive_message(sock, reply);
+        const char *why = receive_message(sock, reply, deadline);
+        if (why && others) {
+            fail("%s: no reply: %s (%d replies to other requests dropped meanwhile)", what, why, others);
+            return 0;
+        }
         if (why) {
             fail("%s: no reply: %s", what, why);
             return 0;
@@ -708,6 +726,7 @@ static int exchange(void *sock, const char *what, uint64_t id, const msgpack_sbu
             fprintf(stderr, "%s: dropped a reply to id %s, not this request's id %llu\n", what, text,
                     (unsigned long long)id);
             close_reply(reply);
+            others++;
             continue;
         }
         if ((why = check_values(message, &reply->parts)) != NULL) {
@@ -1076,8 +1095,7 @@ int main(int argc, char **argv) {
     rng_state = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ 0x9E3779B97F4A7C15ull;
     void *context = zmq_ctx_new();
     void *sock = zmq_socket(context, ZMQ_DEALER);
-    int timeout = REPLY_TIMEOUT_MS, linger = 0;
-    zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    int linger = 0;  /* each receive sets its own timeout: what is left of its request's */
     zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger);
     if (zmq_connect(sock, argv[1]) != 0) {
         fail("connect %s: %s", argv[1], zmq_strerror(zmq_errno()));
