@@ -419,17 +419,57 @@ def delay_sweep(delays: list[int], rows: int, callers: int, seconds: float, roun
             for d, runs in results.items()]
 
 
+def comma_separated(parse, expected: str):
+    """An argparse type: comma-separated values, each `parse`d (ValueError: not one), checked
+    before any part runs (a bad one found after part (a) lost its minutes of measurement)."""
+    def parse_all(text: str) -> list:
+        try:
+            return [parse(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {expected}, got {text!r}") from None
+    return parse_all
+
+
+def _at_least(least: int):
+    def parse(item: str) -> int:
+        if not item.strip().isdigit() or int(item) < least:
+            raise ValueError(item)
+        return int(item)
+    return parse
+
+
+def _lane(item: str) -> str:
+    # bridge.bench's name for the ZeroMQ lane (zmq-ipc) is taken too
+    lane = {"zmq-ipc": "zmq"}.get(item.strip(), item.strip())
+    if lane not in CALLER_LANES:
+        raise ValueError(item)
+    return lane
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_count, default=600)
     p.add_argument("--windows", type=positive_count, default=40, help="window re-sends to compare with")
     p.add_argument("--repeats", type=positive_count, default=3, help="(a) runs, each with a fresh server")
     p.add_argument("--callers", type=positive_count, default=8)
-    p.add_argument("--rows", default="1,32", help="session batch of each caller in (b), comma-separated")
-    p.add_argument("--lanes", default="stdio", help=f"(b)'s lanes, comma-separated, of {', '.join(CALLER_LANES)}")
-    p.add_argument("--seconds", type=float, default=2.0, help="length of one (b) run")
+    p.add_argument("--rows", type=comma_separated(_at_least(1), "batch sizes of 1 or more"), default=[1, 32],
+                   help="session batch of each caller in (b), comma-separated")
+    p.add_argument("--lanes", type=comma_separated(_lane, f"lanes of {', '.join(CALLER_LANES)}"), default=["stdio"],
+                   help=f"(b)'s lanes, comma-separated, of {', '.join(CALLER_LANES)}")
+    p.add_argument("--seconds", type=positive_seconds, default=2.0, help="length of one (b) run")
     p.add_argument("--rounds", type=positive_count, default=3)
-    p.add_argument("--delays", default="", help="(c): --max-delay-us values to sweep, comma-separated "
+    p.add_argument("--delays", type=comma_separated(_at_least(0), "--max-delay-us values of 0 or more"), default=[],
+                   help="(c): --max-delay-us values to sweep, comma-separated "
                                                 "(over stdio, with (b)'s first --rows)")
     p.add_argument("--skip", default="", help="parts to skip, e.g. a or b")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for the servers")
@@ -437,6 +477,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=output_path, help="write the results (with machine and commit info) to this file, "
                                    "e.g. bench/results/game_loop.json")
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA device here")
     # The machine may be shared: its load is recorded with the results.
     load_before = os.getloadavg()
     results = {}
@@ -470,8 +515,8 @@ def main(argv=None) -> int:
               f", bytes ratio {summary['median_bytes_ratio']:.1f}×")
     if "b" not in args.skip:
         results["concurrent"] = []
-        for lane in args.lanes.split(","):
-            for rows in (int(x) for x in args.rows.split(",")):
+        for lane in args.lanes:
+            for rows in args.rows:
                 r = concurrent(rows, args.callers, args.seconds, args.rounds, args.server_arg, lane, args.device)
                 results["concurrent"].append(r)
                 m = r["median_steps_per_s"]
@@ -488,8 +533,8 @@ def main(argv=None) -> int:
                              f"defaults over batched --no-native-step {r['defaults_over_batched_general']:.2f}×")
                 print(line)
     if args.delays:
-        rows = int(args.rows.split(",")[0])
-        results["delay_sweep"] = delay_sweep([int(x) for x in args.delays.split(",")], rows, args.callers,
+        rows = args.rows[0]
+        results["delay_sweep"] = delay_sweep(args.delays, rows, args.callers,
                                              args.seconds, args.rounds, args.server_arg, args.device)
         for r in results["delay_sweep"]:
             print(f"(c) --max-delay-us {r['max_delay_us']:5d}: {r['median_steps_per_s']:7.0f} steps/s, "
@@ -503,4 +548,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from bridge.bench import exit_on_stop_signals
+
+    exit_on_stop_signals()
     raise SystemExit(main())

@@ -512,6 +512,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.gap_seconds < 0:
         p.error(f"--gap-seconds: expected 0 or more, got {args.gap_seconds}")
+    if args.reference_reps < 1:
+        p.error(f"--reference-reps: expected at least 1, got {args.reference_reps}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads: expected at least 1, got {args.threads}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
     # A name no build knows is a typo, refused; a known one this machine lacks is reported and
     # skipped, as the results record what each machine could run.
     unknown = [name for name in args.backends.split(",") if name not in BACKEND_MODULES] if args.backends else []
@@ -563,4 +569,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from bridge.bench import exit_on_stop_signals
+
+    exit_on_stop_signals()
     raise SystemExit(main())

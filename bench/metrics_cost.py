@@ -23,6 +23,8 @@ from bridge.client import PortClient
 from bridge.stats import Stats
 from bridge.timing import STAGE_KEYS
 
+# Steps between the served run's scrapes of /metrics.
+SCRAPE_EVERY = 10
 # A step's timing as the dispatcher records it: every stage, the whole, the rows of its launch.
 STEP_TIMING = {**{key: 5.0 for key in STAGE_KEYS}, "server_us": 60.0, "batch_rows": 1}
 STEP_SHAPES = {"batch": 32, "dim": 512, "state": 16}
@@ -39,7 +41,7 @@ def record_ns(histograms: bool, records: int) -> float:
 
 def served_steps(steps: int) -> tuple[list[float], list[float]]:
     """server_us of `steps` back-to-back steps of a 32x512x16 session, and each scrape's µs
-    (one every 10 steps), from a server with the endpoint on."""
+    (one every SCRAPE_EVERY steps), from a server with the endpoint on."""
     rng = np.random.default_rng(0)
     b, d, n = STEP_SHAPES["batch"], STEP_SHAPES["dim"], STEP_SHAPES["state"]
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
@@ -52,7 +54,7 @@ def served_steps(steps: int) -> tuple[list[float], list[float]]:
             reply = client.request("step", {"session": session, **inputs})
             reply.unwrap()
             server_us.append(reply.timing["server_us"])
-            if i % 10 == 9:
+            if i % SCRAPE_EVERY == SCRAPE_EVERY - 1:
                 start = time.perf_counter_ns()
                 with urllib.request.urlopen(url, timeout=10) as response:
                     response.read()
@@ -67,6 +69,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=positive_count, default=500, help="served steps for scale")
     parser.add_argument("--json", type=output_path, default="bench/out/metrics_cost.json")
     args = parser.parse_args(argv)
+    if args.steps < SCRAPE_EVERY:
+        parser.error(f"--steps: expected at least {SCRAPE_EVERY} (a scrape every {SCRAPE_EVERY} steps), got {args.steps}")
 
     off, on = [], []
     for _ in range(args.rounds):
@@ -93,4 +97,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from bridge.bench import exit_on_stop_signals
+
+    exit_on_stop_signals()
     main()

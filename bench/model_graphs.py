@@ -103,6 +103,8 @@ def main(argv=None) -> int:
                    "of this script")
     p.add_argument("--json", type=output_path)
     args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here (--device cpu checks the plumbing)")
     if args.rounds < 2:
         p.error(f"--rounds: expected at least 2 (the first warms), got {args.rounds}")
     bridges = {name: BridgeProcess(server_args, device=args.device) for name, server_args in SERVERS.items()}
@@ -124,4 +126,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from bridge.bench import exit_on_stop_signals
+
+    exit_on_stop_signals()
     raise SystemExit(main())

@@ -302,9 +302,12 @@ def main(argv=None) -> int:
         print(f"{key}: baseline {results['medians']['baseline'][key]:.0f} µs, this {results['medians']['this'][key]:.0f} µs, "
               f"ratio {ratio:.3f} (goal ≤ {GOAL_RATIO})")
     if args.json:
-        write_results(args.json, "server_ab", results)
+        write_results(args.json, "server_ab", {**results, "server_args": args.server_arg})
     return 0
 
 
 if __name__ == "__main__":
+    from bridge.bench import exit_on_stop_signals
+
+    exit_on_stop_signals()
     sys.exit(main())

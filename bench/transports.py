@@ -88,7 +88,8 @@ class Server(BridgeProcess):
     def __init__(self, server_args: list[str], lanes: tuple[str, ...] = ("unix", "zmq-ipc", "zmq-tcp")):
         self.log = tempfile.TemporaryFile()
         super().__init__(server_args, stderr=self.log, lanes=tuple(lane for lane in lanes if lane != "stdio"))
-        self.backend = (self.info or self.call("info"))["backend"]
+        self.info = self.info or self.call("info")
+        self.backend = self.info["backend"]
 
     def close(self) -> None:
         super().close()
@@ -291,7 +292,9 @@ def run(args) -> dict:
         if python_client is not None:
             python_client.close()
         server.close()
-    return {"backend": server.backend, "rows": rows, "concurrency": concurrency, "outbox_hop_us": outbox_hop(),
+    # The server's arguments and own info: machine info is the bench process's (its threads, say).
+    return {"backend": server.backend, "server_args": args.server_arg, "server_info": server.info,
+            "rows": rows, "concurrency": concurrency, "outbox_hop_us": outbox_hop(),
             "goals": {"big_ipc_over_echo": GOAL_IPC_OVER_ECHO,
                       "stdio_big_bridge_cost_over_echo": GOAL_BRIDGE_COST_OVER_ECHO,
                       "lost_duplicated_misrouted": 0}}
@@ -366,4 +369,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from bridge.bench import exit_on_stop_signals
+
+    exit_on_stop_signals()
     raise SystemExit(main())

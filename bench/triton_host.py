@@ -148,6 +148,11 @@ def main(argv=None) -> int:
                         help="cuda: real launches on the GPU, each case's calls back to back")
     parser.add_argument("--json", type=output_path, default=os.path.join(ROOT, "bench", "out", "triton_host.json"))
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch  # the children's, not this process's, otherwise
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here")
 
     trees = {"this": ROOT, **({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})}
     runs: dict[str, list[dict]] = {side: [] for side in trees}
@@ -204,4 +209,7 @@ def write(args, trees: dict[str, str], cases: list[dict], rounds_done: int) -> N
 
 
 if __name__ == "__main__":
+    from bridge.bench import exit_on_stop_signals
+
+    exit_on_stop_signals()
     sys.exit(main())

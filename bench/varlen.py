@@ -170,4 +170,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from bridge.bench import exit_on_stop_signals
+
+    exit_on_stop_signals()
     raise SystemExit(main())

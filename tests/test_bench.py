@@ -215,6 +215,11 @@ def test_commit_info_of_another_checkout_says_whether_it_was_edited(tmp_path):
     # which edit: another one digests otherwise
     (tmp_path / "f").write_text("3")
     assert commit_info(str(tmp_path))["diff_sha256"] not in (None, edited["diff_sha256"])
+    # A directory inside the checkout (an installed package's site-packages in a project's venv)
+    # is not that checkout: its commit and edits are some other code's (found in review).
+    (tmp_path / "venv" / "site-packages").mkdir(parents=True)
+    inside = commit_info(str(tmp_path / "venv" / "site-packages"))
+    assert (inside["commit"], inside["dirty"], inside["dirty_paths"]) == ("", None, []), inside
 
 
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
@@ -276,6 +281,19 @@ def test_server_ab_refuses_rollbacks_past_its_frames(frames, capsys):
     pytest.param("ssd_step", ["--rounds", "0"], "--rounds: expected at least 1, got 0", id="ssd-step-no-rounds"),
     pytest.param("model_graphs", ["--frames", "0"], "--frames: expected at least 1, got 0",
                  id="model-graphs-no-frames"),
+    # each taken as given and parsed once the parts before had run (found in review)
+    pytest.param("game_loop", ["--lanes", "stdio,pigeon"], "--lanes: expected comma-separated lanes",
+                 id="game-loop-unknown-lane"),
+    pytest.param("game_loop", ["--rows", "1,0"], "--rows: expected comma-separated batch sizes of 1 or more",
+                 id="game-loop-no-rows"),
+    pytest.param("game_loop", ["--delays", "100,x"], "--delays: expected comma-separated --max-delay-us",
+                 id="game-loop-bad-delay"),
+    pytest.param("game_loop", ["--seconds", "0"], "--seconds: expected a number of seconds > 0",
+                 id="game-loop-no-seconds"),
+    pytest.param("metrics_cost", ["--steps", "9"], "--steps: expected at least 10", id="metrics-cost-no-scrape"),
+    pytest.param("kernels", ["--reference-reps", "0"], "--reference-reps: expected at least 1, got 0",
+                 id="kernels-no-reference"),
+    pytest.param("kernels", ["--threads", "-2"], "--threads: expected at least 1, got -2", id="kernels-no-threads"),
 ])
 def test_benches_refuse_counts_that_leave_nothing_to_report(bench_name, argv, message, capsys):
     """Each measured first and then raised on an empty median, minutes in (found in review)."""
@@ -384,16 +402,22 @@ def test_a_bench_server_stopped_while_it_starts_is_stopped(server, monkeypatch):
         os.kill(pid, 0)
 
 
-def test_the_main_job_stopped_by_sigterm_leaves_no_scratch_behind(tmp_path):
-    """`python -m bridge.bench` given SIGTERM mid-run (a CI cancel, `timeout`) stops as Ctrl-C
-    does: its servers are stopped and their scratch directories removed (the signal's default
-    action left the unix server's socket directory behind)."""
+@pytest.mark.parametrize("bench", [
+    pytest.param(["bridge.bench", "--quick", "--transports", "unix", "--sizes", "step", "--device", "cpu"],
+                 id="main-job"),
+    # the repo-only benches took the signal's default action too (found in review)
+    pytest.param(["bench.transports", "--lanes", "unix", "--cases", "exphil", "--iterations", "200", "--clients", "0"],
+                 id="repo-bench"),
+])
+def test_a_bench_stopped_by_sigterm_leaves_no_scratch_behind(tmp_path, bench):
+    """A bench given SIGTERM mid-run (a CI cancel, `timeout`) stops as Ctrl-C does: its servers
+    are stopped and their scratch directories removed (the signal's default action left the unix
+    server's socket directory behind)."""
     from waiting import wait_until
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "bridge.bench", "--quick", "--transports", "unix", "--sizes",
-                             "step", "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", *bench], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             cwd=ROOT, env={**os.environ, "TMPDIR": str(scratch)})
     try:
         wait_until(lambda: any(scratch.iterdir()) and children_of(proc.pid), "the bench started no server",
@@ -577,6 +601,26 @@ def test_baseline_flags_results_that_differ(tmp_path):
                         ["--device", "cpu"], iterations=3, warmup=0, max_seconds=30.0,
                         seed=np.random.SeedSequence().entropy % 2**32)
     assert [(r["results_agree"], r["baseline_over_bridge_ratio"]) for r in rows] == [(False, None)]
+
+
+def test_the_baseline_is_compared_with_each_backend_measured_and_never_beside_connect(tmp_path, capsys):
+    """--baseline spawned a default server whatever --backends measured, and beside --connect
+    one of its own: its ratio described a server nobody chose (found in review)."""
+    from bridge.bench.__main__ import main
+
+    script = tmp_path / "wrong_server.py"
+    script.write_text(WRONG_SERVER)
+    out_json = tmp_path / "bench.json"
+    main(["--device", "cpu", "--transports", "stdio", "--sizes", "3", "--iterations", "3", "--backends",
+          "reference,cpu", "--baseline", shlex.join([sys.executable, str(script)]), "--json", str(out_json)])
+    document = json.loads(out_json.read_text())
+    assert [(r["backend"], r["case"]) for r in document["baseline"]] == [("reference", "scan L=3"), ("cpu", "scan L=3")]
+    assert "bridge (reference) p50" in capsys.readouterr().out
+    assert main(["--connect", "unix:/nonexistent.sock", "--baseline", "their-server"]) == 2
+    assert "--baseline: it compares a server it spawns; expected no --connect with it" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # no port: libzmq's "Invalid argument", mid-run
+        main(["--connect", "tcp://localhost"])
+    assert refused.value.code == 2 and "expected unix:PATH, ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("baseline, complaint", [
@@ -1089,10 +1133,12 @@ def test_transports_bench_runs_end_to_end(tmp_path):
         pytest.skip(f"bench.transports needs every lane's echo floor: {missing}")
     out = tmp_path / "transports.json"
     proc = run_marked([sys.executable, "-m", "bench.transports", "--iterations", "2", "--clients", "3",
-                       "--requests", "30", "--json", str(out)], timeout_s=300,
+                       "--requests", "30", "--server-arg=--threads=1", "--json", str(out)], timeout_s=300,
                       cwd=Path(__file__).resolve().parent.parent)
     assert proc.failure() is None, proc.failure()
     result = json.loads(out.read_text())["results"]
+    # what the server ran with, which the machine info (the bench process's) does not say
+    assert result["server_args"] == ["--threads=1"] and result["server_info"]["devices"][0]["threads"] == 1
     assert [(r["case"], r["lane"]) for r in result["rows"]] == [
         (case, lane) for case in ("exphil", "step") for lane, _ in ROWS]
     for row in result["rows"]:

@@ -7,4 +7,17 @@ commit recorded with every result.
 
 The repo-only benches in the checkout's top-level bench/ (`python -m bench.transports`,
 `bench.game_loop`, ...) build on floors.py and machine.py; nothing here imports them, and they
-are not installed."""
+are not installed. Each bench's main installs exit_on_stop_signals."""
+
+import signal
+
+
+def exit_on_stop_signals() -> None:
+    """SIGTERM and SIGHUP end the run through every `finally`, as Ctrl-C does: the servers and
+    echoes it started are stopped and their scratch directories removed, where the signals'
+    default action would end the process with none of that done."""
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
+import re
 import sys
 import time
 
 from bridge import client as clients
 
 from . import baseline as baseline_mod
+from . import exit_on_stop_signals
 from . import floors
 from .cases import DEFAULT_SIZES, EXPHIL_SEQ, QUICK_SIZES, Case, parse_sizes
 from .lanes import BenchError, ConnectedServer, SpawnedServer, choose_transports
@@ -40,6 +41,13 @@ SCHEMA_VERSION = 1
 # "--backends all" leaves out the float64 oracle: it materializes [batch, seq, dim, state]
 # (half a GB at the largest size) and serves tests, not traffic.
 ORACLE_BACKEND = "reference"
+
+
+def connect_endpoint(text: str) -> str:
+    """argparse type of --connect: refused here, not by libzmq once the run started."""
+    if re.fullmatch(r"unix:.+|ipc://.+|tcp://[^/]+:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"expected unix:PATH, ipc://PATH or tcp://HOST:PORT, got {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the reference oracle) or comma-separated names")
     p.add_argument("--transports", help="comma-separated transports from stdio, unix, zmq-ipc, zmq-tcp "
                                          "(default: all that this checkout serves)")
-    p.add_argument("--connect", metavar="ENDPOINT",
+    p.add_argument("--connect", metavar="ENDPOINT", type=connect_endpoint,
                    help="measure a running server instead of spawning one: unix:PATH, ipc://PATH or tcp://HOST:PORT")
     p.add_argument("--server-arg", action="append", default=[], help="one more argument for the server (repeatable)")
     p.add_argument("--baseline", metavar="CMD",
@@ -164,6 +172,8 @@ def main(argv=None) -> int:
             if backends != [None] or args.transports or args.server_arg or args.device != "auto":
                 raise BenchError("--connect: the server is already running; expected no --backends, "
                                  "--transports, --server-arg or --device with it")
+            if args.baseline:  # it would be measured beside a server of its own, not the one connected to
+                raise BenchError("--baseline: it compares a server it spawns; expected no --connect with it")
             skipped = []
 
             def open_server(backend):
@@ -192,14 +202,18 @@ def main(argv=None) -> int:
                                                         f"{EXPHIL_SEQ} timesteps"})
     elif args.baseline:
         iterations, warmup, max_seconds = plan
-        progress.total = progress.done + len(windows) * (warmup + iterations)
+        progress.total = progress.done + len(backends) * len(windows) * (warmup + iterations)
         progress.start(f"baseline: {args.baseline}")
-        try:  # a baseline that fails loses only itself: the finished sweep is still reported
-            baseline_rows = baseline_mod.run_baseline(args.baseline, windows, server_args, iterations=iterations,
-                                                      warmup=warmup, max_seconds=max_seconds, seed=args.seed,
-                                                      on_iteration=progress.advance)
-        except BenchError as exc:
-            failures.append(f"--baseline: {exc}")
+        for backend in backends:  # against each server the sweep measured
+            try:  # a baseline that fails loses only itself: the finished sweep is still reported
+                rows_of = baseline_mod.run_baseline(args.baseline, windows,
+                                                    [*server_args, *(["--backend", backend] if backend else [])],
+                                                    iterations=iterations, warmup=warmup, max_seconds=max_seconds,
+                                                    seed=args.seed, on_iteration=progress.advance)
+            except BenchError as exc:
+                failures.append(f"--baseline ({backend or 'default backend'}): {exc}")
+                continue
+            baseline_rows += [{"backend": backend or "default", **row} for row in rows_of]
         differ = [r["case"] for r in baseline_rows if not r["results_agree"]]
         if differ:
             failures.append(f"--baseline: its results differ from python -m bridge's on {', '.join(differ)}")
@@ -246,17 +260,6 @@ def main(argv=None) -> int:
     for failure in failures:
         print(f"python -m bridge.bench: {failure}", file=sys.stderr)
     return 1 if failures else 0
-
-
-def exit_on_stop_signals() -> None:
-    """SIGTERM and SIGHUP end the run through every `finally`, as Ctrl-C does: the servers and
-    echoes it started are stopped and their scratch directories removed, where the signals'
-    default action would end the process with none of that done."""
-    def stop(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, stop)
 
 
 if __name__ == "__main__":

@@ -118,8 +118,8 @@ def commit_info(root: str | None = None) -> dict:
     from it (tracked files changed, or files git does not ignore added), which (`dirty_paths`,
     as `git status --porcelain` names them) and a SHA-256 of `git diff HEAD` (`diff_sha256`,
     tracked changes only; None when clean), so that a recording from an edited tree says what
-    was edited; and its branch (empty strings outside a git checkout, as for an installed
-    package)."""
+    was edited; and its branch (empty strings, `dirty` None, where `root` is not a checkout's
+    root, as for an installed package)."""
     this_checkout = root is None
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -135,6 +135,11 @@ def commit_info(root: str | None = None) -> dict:
         # missing or stale: the commit is named by whoever shipped it, and whether the copy
         # matched it is not known here.
         return {"commit": os.environ[COMMIT_VARIABLE], "dirty": None, "branch": None, "named_by": COMMIT_VARIABLE}
+    top = git("rev-parse", "--show-toplevel")
+    if not top or os.path.realpath(top) != os.path.realpath(root):
+        # Not a checkout's root: an installed package, whose site-packages may lie inside some
+        # other project's repository (a venv in it), whose commit and edits are not this code's.
+        return {"commit": "", "dirty": None, "dirty_paths": [], "diff_sha256": None, "branch": ""}
     # "XY PATH" a line: the status letters' leading space is part of the format
     changed = [line[3:] for line in git("status", "--porcelain", strip=False).splitlines() if line]
     diff = git("diff", "HEAD", strip=False) if changed else ""

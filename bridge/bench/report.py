@@ -129,7 +129,8 @@ def baseline_table(command: str, rows: list[dict]) -> str:
     out = [f"\nbaseline: {command}  vs  python -m bridge — ExPhil-format requests over pipes, one at a time"]
     for r in rows:
         agree = "" if r["results_agree"] else "   RESULTS DIFFER"
-        out.append(f"  {r['case']:<12}{r['request_bytes'] / 1e6:>7.2f} MB   bridge p50 {fmt_us(r['bridge_p50_us']):>8}"
+        out.append(f"  {r['case']:<12}{r['request_bytes'] / 1e6:>7.2f} MB   bridge ({r['backend']}) p50 "
+                   f"{fmt_us(r['bridge_p50_us']):>8}"
                    f"   baseline p50 {fmt_us(r['baseline_p50_us']):>8}   baseline / bridge = "
                    f"{fmt_ratio(r['baseline_over_bridge_ratio'])}{agree}")
     return "\n".join(out)
