@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import weakref
-import concurrent.futures
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -192,8 +191,7 @@ class ModelSession:
         if last_only:
             args["last_only"] = True
         if lengths is not None:
-            # A list goes as an i64 tensor, which the server takes (a msgpack array it refuses).
-            args["lengths"] = np.asarray(lengths, np.int64) if isinstance(lengths, (list, tuple)) else lengths
+            args["lengths"] = integer_list(lengths, "lengths") if isinstance(lengths, (list, tuple)) else lengths
         return self._answer(self.client.call("model_forward", timeout, **args), return_state)
 
     def step_reply(self, tokens=None, *, embeds=None, output: str | None = None, return_state: bool = False,
@@ -231,7 +229,7 @@ class ModelSession:
         snapshots its frames copied into undefined (SPEC §6.1)."""
         frames = list(frames)
         results = self.client.restore_with_frames(self.id, snapshot, frames, timeout)
-        return [self._answer(result, bool(args.get("return_state"))) for (_, args), result in zip(frames, results)]
+        return [self._answer(result, asks_for_state(args)) for (_, args), result in zip(frames, results)]
 
     def free_snapshot(self, snapshot: str) -> None:
         self.client.call("snapshot_free", snapshot=snapshot)
@@ -247,6 +245,37 @@ class ModelSession:
 
     def close(self) -> None:
         self.client.call("session_close", session=self.id)
+
+
+# return_state and the names mamba_ssm gives it, each of which the server takes (SPEC §6).
+STATE_FLAGS = ("return_state", *(alias for alias, name in protocol.ALIASES.items() if name == "return_state"))
+
+
+def asks_for_state(args: dict) -> bool:
+    """Whether a frame's args ask for the state after it, by any of its names."""
+    return any(args.get(flag) for flag in STATE_FLAGS)
+
+
+def integer_list(values, name: str) -> np.ndarray:
+    """A list of ints as the i64 tensor the server takes (a msgpack array it refuses); a float
+    among them is refused, not truncated (as the server refuses a float tensor)."""
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected ints, got {values!r}")
+    return array.astype(np.int64)
+
+
+def wait_settled(futures: list[Future], timeout: float) -> None:
+    """Wait up to `timeout` seconds for each of `futures` to be answered or cancelled:
+    concurrent.futures.wait never counts one cancelled by Future.cancel() (its waiters are told
+    only of a cancel the executor notifies), and would wait out the timeout for it."""
+    settled = threading.Semaphore(0)
+    for future in futures:
+        future.add_done_callback(lambda _: settled.release())  # at once for one done already
+    deadline = time.monotonic() + timeout
+    for _ in futures:
+        if not settled.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return
 
 
 def settle(future: Future, outcome) -> None:
@@ -940,11 +969,11 @@ class FramedClient:
     def stats(self) -> dict:
         return self.call("stats")
 
-    def scan(self, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+    def scan(self, x, dt, A, B, C, *, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to a scan; `reply.unwrap()["y"]` (and "state" with return_state=True)."""
         return self.request("scan", {"x": x, "dt": dt, "A": A, "B": B, "C": C, **options}, timeout)
 
-    def ssd_scan(self, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+    def ssd_scan(self, x, dt, A, B, C, *, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to a Mamba-2 (SSD) scan (x [batch, seq, heads, headdim], dt [batch, seq, heads],
         A [heads], B, C [batch, seq, groups, state]); `reply.unwrap()["y"]` (and "state"
         [batch, heads, headdim, state] with return_state=True; a row per packed sequence with
@@ -952,7 +981,7 @@ class FramedClient:
         return_varlen_states, ...) are taken as they are."""
         return self.request("ssd_scan", {"x": x, "dt": dt, "A": A, "B": B, "C": C, **options}, timeout)
 
-    def scan_backward(self, dy, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+    def scan_backward(self, dy, x, dt, A, B, C, *, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to a scan's backward pass: the forward's arguments (as `scan` takes them, no
         session) plus dy, the gradient of y, and optionally dstate, that of the final state;
         `reply.unwrap()` holds "dx", "ddt", "dA", "dB", "dC" and "dD", "dz", "ddt_bias", "dh0"
@@ -960,7 +989,7 @@ class FramedClient:
         return self.request("scan_backward", {"dy": dy, "x": x, "dt": dt, "A": A, "B": B, "C": C, **options},
                             timeout)
 
-    def ssd_scan_backward(self, dy, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+    def ssd_scan_backward(self, dy, x, dt, A, B, C, *, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to a Mamba-2 (SSD) scan's backward pass, as `scan_backward` for `ssd_scan`."""
         return self.request("ssd_scan_backward", {"dy": dy, "x": x, "dt": dt, "A": A, "B": B, "C": C, **options},
                             timeout)
@@ -998,7 +1027,7 @@ class FramedClient:
                            frames=[{"op": op, "args": args} for op, args in frames])
         return result["frames"]
 
-    def step(self, session: str, x, dt, A, B, C, timeout: float | None = 60.0, **options) -> Reply:
+    def step(self, session: str, x, dt, A, B, C, *, timeout: float | None = 60.0, **options) -> Reply:
         """Reply to one timestep of `session` (x, dt, z [batch, dim]; B, C [batch, state]; a
         Mamba-2 session: x, z [batch, heads, headdim], dt [batch, heads], B, C [batch, groups,
         state], A [heads]); `reply.unwrap()["y"]`, and with return_state=True "state", the
@@ -1476,7 +1505,7 @@ class PortClient(FramedClient):
         # Answered before stdin closes: past the server's drain, work still running would not be.
         with self._lock:
             in_flight = [entry.future for entry in self._pending.values()]
-        concurrent.futures.wait(in_flight, timeout)
+        wait_settled(in_flight, timeout)
         if not self._write_lock.acquire(timeout=timeout):
             # A write is stuck on a server that reads nothing: killing it ends the write (EPIPE).
             self.proc.kill()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import re
 import select
 import shlex
 import signal
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -542,12 +544,12 @@ def test_the_model_api_takes_a_timeout_that_is_the_requests_deadline(pipe, call,
     assert done, "the call did not return"
 
 
-def test_a_forwards_lengths_given_as_a_list_go_as_an_integer_tensor(pipe):
+def test_a_forwards_lengths_given_as_a_list_or_tuple_go_as_an_integer_tensor(pipe):
     """The docstring's "[batch] ints" taken at its word, a list, went as a msgpack array the
     server refuses (found in review; the Elixir client takes a list)."""
     done = []
     session = bridge.client.ModelSession(pipe.client, "s1", 2)
-    caller = threading.Thread(target=lambda: done.append(session.forward(np.zeros((2, 3), np.int64), lengths=[1, 3])))
+    caller = threading.Thread(target=lambda: done.append(session.forward(np.zeros((2, 3), np.int64), lengths=(1, 3))))
     caller.start()
     request = pipe.read_request()
     lengths = request.args["lengths"]
@@ -556,6 +558,38 @@ def test_a_forwards_lengths_given_as_a_list_go_as_an_integer_tensor(pipe):
     pipe.reply(request.id, {"logits": to_wire(np.zeros((2, 3, 2), np.float32))})
     caller.join(REPLY_TIMEOUT_S)
     assert done, "the call did not return"
+
+
+def test_a_forwards_lengths_given_as_a_list_of_floats_are_refused_not_truncated(pipe):
+    session = bridge.client.ModelSession(pipe.client, "s1", 2)
+    with pytest.raises(ValueError, match=r"lengths: expected ints, got \[1.5, 3\]"):
+        session.forward(np.zeros((2, 3), np.int64), lengths=[1.5, 3])
+    assert nothing_written(pipe)
+
+
+def test_the_scan_methods_take_their_timeout_by_name_only(pipe):
+    """A mamba_ssm call's sixth positional (chunk_size, D) became the timeout and the server's
+    deadline, silently (found in review)."""
+    x = np.zeros((1, 4, 2, 2), np.float32)
+    with pytest.raises(TypeError):
+        pipe.client.ssd_scan(x, x[..., 0], np.zeros(2, np.float32), x, x, 4)
+    assert nothing_written(pipe)
+
+
+def test_a_rollback_frame_asking_for_its_state_by_an_alias_gets_it(pipe):
+    """restore_with_frames looked for return_state only: a frame asking by mamba_ssm's name
+    had its state dropped from what it returned (found in review)."""
+    done = []
+    session = bridge.client.ModelSession(pipe.client, "s1", 1)
+    frame = ("model_step", {"tokens": np.zeros(1, np.int64), "return_last_state": True})
+    caller = threading.Thread(target=lambda: done.append(session.restore_with_frames("p1", [frame])))
+    caller.start()
+    request = pipe.read_request()
+    state = {"layers.0.ssm": to_wire(np.ones((1, 2), np.float32))}
+    pipe.reply(request.id, {"frames": [{"logits": to_wire(np.zeros((1, 3), np.float32)), "state": state}]})
+    caller.join(REPLY_TIMEOUT_S)
+    ((out, got_state),) = done[0]
+    assert out.shape == (1, 3) and set(got_state) == {"layers.0.ssm"}
 
 
 @pytest.mark.parametrize("timeout, deadline_us", [
@@ -765,6 +799,29 @@ def test_closing_a_port_client_waits_for_the_requests_in_flight_before_ending_st
     assert answered.result(0).result == {"done": True}
 
 
+# A stand-in for `python -m bridge` that answers cancels only, and exits at its stdin's end.
+ANSWERS_CANCELS = [sys.executable, "-c", """
+import sys, protocol
+from bridge.streams import read_frame, write_all
+while (body := read_frame(sys.stdin.buffer.raw)) is not None:
+    request = protocol.decode_request(body)
+    if request.op == "cancel":
+        write_all(1, protocol.frame_parts(protocol.encode_reply(request.id, {"cancelled": True}, {})))
+"""]
+
+
+def test_closing_a_port_client_does_not_wait_for_a_request_it_gave_up_on():
+    """close() waited for the requests in flight with concurrent.futures.wait, which never
+    counts a Future cancelled by its caller: after any timed-out or interrupted request it
+    waited out its whole timeout (found in review)."""
+    client = PortClient(command=ANSWERS_CANCELS)
+    with pytest.raises(TimeoutError):
+        client.request("ping", timeout=0.2)
+    started = time.monotonic()
+    assert client.close(timeout=REPLY_TIMEOUT_S) == 0
+    assert time.monotonic() - started < REPLY_TIMEOUT_S / 2
+
+
 def test_closing_a_port_client_hands_over_the_last_replies_and_closes_the_servers_stdout():
     """close() waited for the server's exit but not for the reader to read what the server wrote
     before it, and left the server's stdout open until the client was collected (found in
@@ -916,6 +973,10 @@ if case == "unix":
     served, _ = listener.accept()
 else:
     client = bridge.client.PortClient(command=[sys.executable, "-c", "import sys; sys.stdin.buffer.read()"])
+print("parent is", os.getpid(), flush=True)
+if case == "unix":  # in flight at the fork: the child's exit must not settle it, nor run its callback
+    pending = client.submit("ping")
+    pending.add_done_callback(lambda f: print("callback ran in", os.getpid(), flush=True))
 child = os.fork()
 if child == 0:
     try:
@@ -929,9 +990,11 @@ if case == "unix":
     os.waitpid(child, 0)
     served.settimeout(5)
     future = client.submit("ping")
-    request = protocol.decode_request(read_frame(served.makefile("rb", buffering=0)))
-    write_all(served.fileno(), protocol.frame_parts(protocol.encode_reply(request.id, {"pong": True}, {})))
-    print("parent:", future.result(5).result, flush=True)
+    reader = served.makefile("rb", buffering=0)
+    for _ in range(2):
+        request = protocol.decode_request(read_frame(reader))
+        write_all(served.fileno(), protocol.frame_parts(protocol.encode_reply(request.id, {"pong": True}, {})))
+    print("parent:", future.result(5).result, pending.result(5).result, flush=True)
 else:
     started = time.monotonic()
     status = client.close(timeout=5)
@@ -954,23 +1017,29 @@ def test_a_forked_child_neither_ends_nor_holds_up_its_parents_client(tmp_path, c
                           timeout=60, env=bridge.client.server_env())
     assert done.returncode == 0, done.stderr
     assert "child: the client belongs to process" in done.stdout, done.stdout
-    assert ("parent: {'pong': True}" if case == "unix" else "parent: 0 in 0 s") in done.stdout, done.stdout
+    assert ("parent: {'pong': True} {'pong': True}" if case == "unix" else "parent: 0 in 0 s") in done.stdout, \
+        done.stdout
+    parent = re.search(r"parent is (\d+)", done.stdout).group(1)
+    callbacks = [line for line in done.stdout.splitlines() if line.startswith("callback ran in")]
+    assert callbacks == ([f"callback ran in {parent}"] if case == "unix" else []), done.stdout
 
 
-def test_an_interrupted_request_is_cancelled(pipe):
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, Interrupted], ids=["ctrl-c", "a-handlers-exception"])
+def test_an_interrupted_request_is_cancelled(pipe, interruption):
     """A request whose caller was interrupted (Ctrl-C, a signal handler's exception) stayed in
     flight: the server ran it and what it created (a session) was never freed (found in review).
     It is cancelled as at a timeout."""
-    class Interrupted(Exception):
-        pass
-
     def interrupt(*_):
-        raise Interrupted
+        raise interruption
 
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.2)
-        with pytest.raises(Interrupted):
+        with pytest.raises(interruption):
             pipe.client.request("session_open", {"batch": 1, "dim": 2, "state": 2}, timeout=REPLY_TIMEOUT_S)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

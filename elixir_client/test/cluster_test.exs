@@ -89,6 +89,13 @@ defmodule ScanBridge.ClusterTest do
        %{shared: g, members: members} do
     too_big = %{config: %{"d_model" => Integer.pow(2, 70)}, weights: %{}}
     assert_raise ArgumentError, ~r/2\^64/, fn -> Cluster.load_model(g, "bad", too_big) end
+    # a name past what a server takes: refused on every member, naming args.name (found in review)
+    assert_raise ArgumentError,
+                 ~r/load_model name: expected a non-empty string of at most 256/,
+                 fn ->
+                   Cluster.load_model(g, String.duplicate("n", 257), too_big)
+                 end
+
     # found in review: loaded on the handle's server alone, the name claimed on every member
     handled = Models.backbone(Models.config(:mamba2), 7)
     name = hd(Map.keys(handled.weights))

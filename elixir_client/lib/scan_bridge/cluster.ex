@@ -218,7 +218,8 @@ defmodule ScanBridge.Cluster do
   ## Models
 
   @doc """
-  Loads a model on every member of `group` under `name` (a non-empty string), and on every
+  Loads a model on every member of `group` under `name` (a non-empty string of at most 256
+  bytes), and on every
   member that joins the group later; `source` and `opts` (`:dtype`, `:timeout`) as for
   `ScanBridge.load_model/3`. A path must name a checkpoint on every member's host (under its
   `--model-dir`); a model sent as config and weights is kept by every member's node, for the
@@ -695,11 +696,16 @@ defmodule ScanBridge.Cluster do
 
   ## Helpers
 
-  defp name!(name, _what) when is_binary(name) and name != "", do: name
+  # At most the 256 bytes a server takes as a model's name (SPEC §6.4): each member is given it,
+  # and one longer was refused there naming `args.name`, which the caller never sent.
+  defp name!(name, _what) when is_binary(name) and name != "" and byte_size(name) <= 256, do: name
 
   defp name!(other, what),
     do:
-      raise(ArgumentError, "#{what}: expected a non-empty string, got #{inspect(other, limit: 5)}")
+      raise(
+        ArgumentError,
+        "#{what}: expected a non-empty string of at most 256 bytes, got #{inspect(other, limit: 5)}"
+      )
 
   @doc false
   @spec deadline(timeout) :: deadline
