@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 
 
@@ -24,10 +25,24 @@ def compile_c(output: str | os.PathLike, source: str | os.PathLike, flags=(), li
     output = os.fspath(output)
     os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
     partial = f"{output}.{os.getpid()}.partial"
-    result = subprocess.run([compiler, "-O2", *flags, "-o", partial, os.fspath(source), *libs],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
+    # In a group of its own, stopped whole if the caller is stopped meanwhile (a bench's SIGTERM):
+    # killing the driver alone left its cc1 and as running, and their temporary files behind.
+    compiling = subprocess.Popen([compiler, "-O2", *flags, "-o", partial, os.fspath(source), *libs],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, errors = compiling.communicate()
+        if compiling.returncode != 0:
+            raise OSError(f"{os.path.basename(compiler)} failed on {os.path.basename(source)}: {errors.strip()}")
+        os.replace(partial, output)
+    except BaseException:
+        if compiling.poll() is None:
+            # SIGTERM first: the driver then removes its temporary files itself.
+            os.killpg(compiling.pid, signal.SIGTERM)
+            try:
+                compiling.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(compiling.pid, signal.SIGKILL)
+                compiling.wait()
         if os.path.exists(partial):
             os.unlink(partial)
-        raise OSError(f"{os.path.basename(compiler)} failed on {os.path.basename(source)}: {result.stderr.strip()}")
-    os.replace(partial, output)
+        raise

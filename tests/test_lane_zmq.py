@@ -1019,6 +1019,14 @@ def test_an_io_thread_busy_past_the_deadline_closes_the_lane_itself_when_it_retu
         assert path.exists(), "the old lane removed a file at its path made after it closed"
 
 
+def test_an_abstract_ipc_endpoint_has_no_file_to_claim_or_remove():
+    """ipc://@name (Linux's abstract namespace) served until the lane's socket file was known by
+    its inode, which an abstract socket lacks: the start failed (found in review)."""
+    lane = ipc_lane(f"@scan-bridge-test-{os.getpid()}")
+    assert lane.endpoints[0].startswith("ipc://@")
+    lane.close()
+
+
 def test_an_ipc_lane_closing_leaves_the_socket_file_of_a_server_bound_there_since(tmp_path):
     """A lane closing removed whatever file lay at its ipc path once its context ended: a
     server restarted on the path meanwhile (it takes the file over as a dead one's once the

@@ -202,18 +202,19 @@ def main(argv=None) -> int:
                                                         f"{EXPHIL_SEQ} timesteps"})
     elif args.baseline:
         iterations, warmup, max_seconds = plan
-        progress.total = progress.done + len(backends) * len(windows) * (warmup + iterations)
+        measured = list(dict.fromkeys(info["backend"] for info in servers))  # started, so named by their info
+        progress.total = progress.done + len(measured) * len(windows) * (warmup + iterations)
         progress.start(f"baseline: {args.baseline}")
-        for backend in backends:  # against each server the sweep measured
+        for backend in measured:  # against each server the sweep measured
             try:  # a baseline that fails loses only itself: the finished sweep is still reported
                 rows_of = baseline_mod.run_baseline(args.baseline, windows,
-                                                    [*server_args, *(["--backend", backend] if backend else [])],
+                                                    [*server_args, "--backend", backend],
                                                     iterations=iterations, warmup=warmup, max_seconds=max_seconds,
                                                     seed=args.seed, on_iteration=progress.advance)
             except BenchError as exc:
-                failures.append(f"--baseline ({backend or 'default backend'}): {exc}")
+                failures.append(f"--baseline (backend {backend}): {exc}")
                 continue
-            baseline_rows += [{"backend": backend or "default", **row} for row in rows_of]
+            baseline_rows += [{"backend": backend, **row} for row in rows_of]
         differ = [r["case"] for r in baseline_rows if not r["results_agree"]]
         if differ:
             failures.append(f"--baseline: its results differ from python -m bridge's on {', '.join(differ)}")
