@@ -668,6 +668,16 @@ def test_a_lane_closing_leaves_the_socket_file_of_a_server_started_since_on_its_
     assert not os.path.exists(path)
 
 
+def test_a_unix_path_starting_with_at_is_a_file_removed_on_close(tmp_path, monkeypatch):
+    """`--unix @name` binds a file of that name (only ZeroMQ spells the abstract namespace so):
+    the lane took it for an abstract socket and left it behind (found in review)."""
+    from bridge.transports.unix import UnixTransport
+
+    monkeypatch.chdir(tmp_path)
+    UnixTransport(None, "@lane", max_frame_size=1024, max_in_flight=1, max_connections=1).close()
+    assert not (tmp_path / "@lane").exists()
+
+
 def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):
     from bridge.transports.unix import UnixTransport
 

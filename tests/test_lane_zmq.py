@@ -1019,10 +1019,14 @@ def test_an_io_thread_busy_past_the_deadline_closes_the_lane_itself_when_it_retu
         assert path.exists(), "the old lane removed a file at its path made after it closed"
 
 
-def test_an_abstract_ipc_endpoint_has_no_file_to_claim_or_remove():
+def test_an_abstract_ipc_endpoint_has_no_file_to_claim_or_remove(tmp_path, monkeypatch):
     """ipc://@name (Linux's abstract namespace) served until the lane's socket file was known by
-    its inode, which an abstract socket lacks: the start failed (found in review)."""
-    lane = ipc_lane(f"@scan-bridge-test-{os.getpid()}")
+    its inode, which an abstract socket lacks: the start failed; and a file named @name in the
+    working directory, nothing to do with it, was claimed as its path (both found in review)."""
+    name = f"@scan-bridge-test-{os.getpid()}"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text("not this endpoint's")  # refused as "a non-socket file" there
+    lane = ipc_lane(name)
     assert lane.endpoints[0].startswith("ipc://@")
     lane.close()
 

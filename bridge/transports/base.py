@@ -51,13 +51,10 @@ class SocketFile:
 
     def __init__(self, path: str):
         self.path = path
-        # An abstract socket (ipc://@name, Linux) is no file: there is nothing to remove.
-        found = None if path.startswith("@") else os.lstat(path)
-        self._identity = found and (found.st_dev, found.st_ino)
+        found = os.lstat(path)
+        self._identity = (found.st_dev, found.st_ino)
 
     def remove(self) -> None:
-        if self._identity is None:
-            return
         try:
             found = os.lstat(self.path)
         except FileNotFoundError:

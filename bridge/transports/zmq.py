@@ -310,12 +310,14 @@ class ZmqTransport:
             sock.curve_secretkey = curve.secret
         self.monitors.append(sock.get_monitor_socket(CONNECTION_EVENTS))
         ipc_path = endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else None
-        if ipc_path is not None and ipc_path != "*":
+        # ipc://@name (Linux's abstract namespace, libzmq's spelling) is no file to claim or remove.
+        socket_file = ipc_path is not None and not ipc_path.startswith("@")
+        if socket_file and ipc_path != "*":
             # libzmq would unlink a live server's socket there and bind over it.
             claim_socket_path(ipc_path, "--zmq ipc://")
         sock.bind(endpoint)
         self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        if ipc_path is not None:
+        if socket_file:
             self._ipc_files.append(SocketFile(self.endpoints[-1].removeprefix("ipc://")))
 
     def start(self) -> None:
