@@ -8,6 +8,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 import protocol
 from bridge.buffers import BufferPool
 from bridge.streams import read_frame
@@ -69,6 +71,33 @@ def test_a_stdio_peer_whose_replies_wait_for_it_has_no_more_requests_read_meanwh
         assert not reading.is_alive()
     os.close(replies_out)
     assert writers.join(time.monotonic() + REPLY_TIMEOUT_S) == 0
+
+
+def test_a_reply_no_writer_thread_can_be_started_for_breaks_the_connection_not_the_lane(monkeypatch):
+    """Out of memory, a thread could not be started for a reply the peer did not take at once:
+    the reply stayed queued with no writer, every later one behind it, the connection silent for
+    good, and the lane's close failed joining a thread never started (found in review). The
+    connection is now broken (its peer gone), and the lane closes."""
+    from bridge.transports.framed import FdConnection, WriterThreads
+
+    replies_in, replies_out = os.pipe()
+    os.set_blocking(replies_out, False)
+    writers = WriterThreads()
+    conn = FdConnection("stdio", replies_out, writers.start)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(OSError, match="no thread to write the rest of a reply"):
+        conn.send([bytes(1 << 20)])  # more than the pipe holds: the rest would go to a writer
+    monkeypatch.undo()
+    assert conn.peer_gone and not conn._backlog
+    with pytest.raises(BrokenPipeError):
+        conn.send([b"later"])
+    assert writers.join(time.monotonic() + REPLY_TIMEOUT_S) == 0
+    os.close(replies_in)
+    os.close(replies_out)
 
 
 def test_a_peer_that_closes_its_input_and_reads_no_replies_ends_the_readers_wait():

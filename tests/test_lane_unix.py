@@ -395,6 +395,37 @@ def test_a_unix_connection_streaming_a_large_frame_gives_the_others_their_turn(t
         assert not conn.incoming.at_frame_start and transport.dispatcher.bodies == []
 
 
+def test_a_reply_no_writer_thread_can_be_started_for_ends_the_connection(tmp_path):
+    """Out of memory, no writer thread could be started for a reply the peer did not take at
+    once: the connection hung for good, its peer answered nothing and told nothing (found in
+    review). The connection is ended: its peer reads its end."""
+    class ReplyingAsTheDispatcherDoes(BigReplyDispatcher):
+        def on_frame(self, conn, body, received_ns, release=None, buffers=(), *, more_input=True):
+            release()
+
+            def send():
+                with contextlib.suppress(OSError):  # the dispatcher logs a reply it could not write
+                    conn.send([bytes(body[:1]) * self.REPLY_BYTES])
+
+            threading.Thread(target=send, daemon=True).start()
+
+    size = BigReplyDispatcher.REPLY_BYTES
+    with unix_lane(tmp_path, ReplyingAsTheDispatcherDoes()) as transport, \
+            contextlib.closing(raw_unix(transport.path)) as conn:
+        def no_thread(_conn):
+            raise RuntimeError("can't start new thread")
+
+        transport._writers.start = no_thread
+        transport.start()
+        conn.sendall(protocol.encode_frame(b"A"))  # its reply, far past the socket's buffer, is not read yet
+        time.sleep(0.5)  # not synchronisation: the reply's write stalls meanwhile, and would go to a writer
+        conn.settimeout(REPLY_TIMEOUT_S)
+        got = 0
+        while chunk := conn.recv(1 << 20):
+            got += len(chunk)
+        assert 0 < got < 4 + size, got  # a part, then the end
+
+
 def test_one_writer_thread_at_a_time_writes_a_unix_connections_replies(tmp_path, monkeypatch):
     """A writer thread that has written the last reply of its backlog must be gone as far as a
     new reply can tell: here it lingers (its _done held), while reply B, written by another

@@ -87,6 +87,10 @@ class StreamConnection(Connection):
         """(stall_s, budget_s) for a reply written by the calling thread (see _write_now)."""
         return STALL_SECONDS, WRITE_SECONDS
 
+    def _abandon_stream(self) -> None:
+        """A reply cut off mid-frame leaves the stream unusable: end it where the transport can,
+        so that the peer sees its end rather than waiting for replies that cannot come."""
+
     def _done(self, count: int = 1) -> None:
         """`count` replies are answered: written, or never to be (the peer is gone)."""
 
@@ -111,8 +115,15 @@ class StreamConnection(Connection):
                 try:
                     if not self._write_now(views, stall_s, budget_s):
                         self._backlog.append(views)
-                        self._start_writer(self)
-                        return
+                        try:
+                            self._start_writer(self)
+                            return
+                        except RuntimeError as exc:
+                            # No thread to be had (out of memory, a thread limit): the reply,
+                            # perhaps written in part, can never be finished, nor any after it.
+                            self._backlog.clear()
+                            self._abandon_stream()
+                            raise OSError(f"no thread to write the rest of a reply: {exc}") from exc
                 except OSError as exc:
                     self._broken = self._broken or exc
                     failure = exc
@@ -209,10 +220,13 @@ class WriterThreads:
         self._lock = threading.Lock()
 
     def start(self, conn: StreamConnection) -> None:
+        """Start `conn`'s writer thread; RuntimeError where none can be started (nothing kept)."""
         writer = threading.Thread(target=self._write, args=(conn,), name=f"{conn.id}-writer", daemon=True)
+        # Listed once started (join() cannot wait on one that never was), under the lock its end
+        # takes to unlist itself.
         with self._lock:
+            writer.start()
             self._threads.add(writer)
-        writer.start()
 
     def _write(self, conn: StreamConnection) -> None:
         try:

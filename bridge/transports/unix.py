@@ -22,6 +22,7 @@ the bytes its frame holds are not kept for ever by a peer that hung or left them
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -149,6 +150,11 @@ class UnixConnection(StreamConnection):
 
     def _write_nowait(self, views: list[memoryview]) -> int:
         return self.sock.sendmsg(views[:IOV_MAX], (), socket.MSG_DONTWAIT)
+
+    def _abandon_stream(self) -> None:
+        # Both ways: the peer reads its end, and the reading thread, woken, closes the connection.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def _write_budget(self) -> tuple[float, float]:
         if threading.current_thread() is self._reading_thread:
