@@ -38,7 +38,7 @@ import torch
 
 from protocol import shown_value
 
-from .errors import OpError, allocation, error_fields
+from .errors import OpError, allocation, error_fields, is_out_of_memory
 from .owned import OwnedTable
 
 # The state is kept and accumulated in fp32 whatever the dtype of the inputs (SPEC.md §6.1).
@@ -389,9 +389,15 @@ class SessionTable(OwnedTable[Session]):
                             else f"{row_bytes}-byte model state")
                     self._refuse(op, f"{batch} rows of {what}", missing * row_bytes)
                 grown = pool if pool is not None else StatePool(layout, self.device)
-                # Double when the budget allows, so that n opens cost O(log n) pool copies.
+                # Double when the budget allows, so that n opens cost O(log n) pool copies; where
+                # the machine has no memory for the doubling, only what this open needs.
                 with allocation(op):
-                    grown.grow(grown.capacity + max(missing, min(grown.capacity, room)))
+                    try:
+                        grown.grow(grown.capacity + max(missing, min(grown.capacity, room)))
+                    except Exception as exc:
+                        if not is_out_of_memory(exc) or min(grown.capacity, room) <= missing:
+                            raise
+                        grown.grow(grown.capacity + missing)
                 # Kept only once it holds rows: a pool whose growth failed would hold no session
                 # that could ever close it.
                 pool = self._pools[layout] = grown

@@ -552,6 +552,28 @@ def test_a_pool_whose_last_row_in_use_lies_past_its_first_quarter_is_not_copied_
     assert first["capacity"] == 1, first
 
 
+def test_a_pool_the_machine_cannot_double_grows_by_what_the_open_needs(inproc, monkeypatch):
+    """A pool always doubled: with memory for the session but not for the doubling, a one-row
+    open was refused `memory` (found in review, the server under a memory limit)."""
+    from bridge import sessions
+
+    real_grow = sessions.StatePool.grow
+
+    def grow_within(self, capacity):
+        if capacity > 6:  # the machine's memory, here
+            raise MemoryError
+        real_grow(self, capacity)
+
+    monkeypatch.setattr(sessions.StatePool, "grow", grow_within)
+    srv, conn = inproc(max_pool_bytes=1 << 20), RecordingConnection()
+    for _ in range(6):  # capacity 1, 2, 4, then no 8-row pool to be had: 5, and no 10: 6
+        srv.call(conn, "session_open", batch=1, dim=8, state=4)
+    (pool,) = srv.server.sessions.usage()["pools"]
+    assert (pool["capacity"], pool["rows_in_use"]) == (6, 6), pool
+    error = expect_limit(srv, conn, "session_open", "memory", batch=1, dim=8, state=4)
+    assert srv.server.sessions.usage()["pools"][0]["capacity"] == 6, error
+
+
 def test_a_pool_bytes_refusal_requests_the_rows_past_those_free(inproc):
     """detail.requested is what the pool must grow by (SPEC §6.1), which SPEC called the bytes
     the session needs: a session of 5 rows in a pool with 3 free asks for 2 rows more."""
