@@ -48,7 +48,8 @@ import protocol
 from bridge.bench.cases import BATCH, DIM, DT_CLAMP, EXPHIL_SEQ, STATE, Case
 from bridge.bench.floors import (BridgeProcess, EchoUnavailable, ZmqLane, encode_request, exchange,
                                  frame_bytes, lane_call, open_floor)
-from bridge.bench.machine import output_path, positive_count, summarize_us, write_results
+from bridge.bench.machine import at_least, comma_separated, output_path, positive_count, summarize_us, write_results
+from bridge.cli import positive_seconds
 from bridge.bench.measure import FRAME_BUDGET_60FPS_US
 from bridge.client import PortClient
 
@@ -419,25 +420,6 @@ def delay_sweep(delays: list[int], rows: int, callers: int, seconds: float, roun
             for d, runs in results.items()]
 
 
-def comma_separated(parse, expected: str):
-    """An argparse type: comma-separated values, each `parse`d (ValueError: not one), checked
-    before any part runs (a bad one found after part (a) lost its minutes of measurement)."""
-    def parse_all(text: str) -> list:
-        try:
-            return [parse(item) for item in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {expected}, got {text!r}") from None
-    return parse_all
-
-
-def _at_least(least: int):
-    def parse(item: str) -> int:
-        if not item.strip().isdigit() or int(item) < least:
-            raise ValueError(item)
-        return int(item)
-    return parse
-
-
 def _lane(item: str) -> str:
     # bridge.bench's name for the ZeroMQ lane (zmq-ipc) is taken too
     lane = {"zmq-ipc": "zmq"}.get(item.strip(), item.strip())
@@ -446,29 +428,19 @@ def _lane(item: str) -> str:
     return lane
 
 
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_count, default=600)
     p.add_argument("--windows", type=positive_count, default=40, help="window re-sends to compare with")
     p.add_argument("--repeats", type=positive_count, default=3, help="(a) runs, each with a fresh server")
     p.add_argument("--callers", type=positive_count, default=8)
-    p.add_argument("--rows", type=comma_separated(_at_least(1), "batch sizes of 1 or more"), default=[1, 32],
+    p.add_argument("--rows", type=comma_separated(at_least(1), "batch sizes of 1 or more"), default=[1, 32],
                    help="session batch of each caller in (b), comma-separated")
     p.add_argument("--lanes", type=comma_separated(_lane, f"lanes of {', '.join(CALLER_LANES)}"), default=["stdio"],
                    help=f"(b)'s lanes, comma-separated, of {', '.join(CALLER_LANES)}")
     p.add_argument("--seconds", type=positive_seconds, default=2.0, help="length of one (b) run")
     p.add_argument("--rounds", type=positive_count, default=3)
-    p.add_argument("--delays", type=comma_separated(_at_least(0), "--max-delay-us values of 0 or more"), default=[],
+    p.add_argument("--delays", type=comma_separated(at_least(0), "--max-delay-us values of 0 or more"), default=[],
                    help="(c): --max-delay-us values to sweep, comma-separated "
                                                 "(over stdio, with (b)'s first --rows)")
     p.add_argument("--skip", default="", help="parts to skip, e.g. a or b")

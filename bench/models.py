@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 import protocol
 from bridge.bench.floors import BridgeProcess, EchoUnavailable, encode_request, exchange, lane_call, open_floor
-from bridge.bench.machine import output_path, summarize_us, write_results
+from bridge.bench.machine import at_least, comma_separated, output_path, summarize_us, write_results
 from bridge.models import load_weights
 
 from .game_loop import FRAME_SECONDS, wait_for_frame
@@ -80,11 +80,8 @@ def archs_arg(text: str, known: tuple[str, ...] = ARCHS) -> list[str]:
     return names
 
 
-def batches_arg(text: str) -> list[int]:
-    """argparse type of `--batches`: comma-separated batch sizes of 1 or more."""
-    if not all(item.isdigit() and int(item) >= 1 for item in text.split(",")):
-        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes of 1 or more, got {text!r}")
-    return [int(item) for item in text.split(",")]
+# argparse type of `--batches`
+batches_arg = comma_separated(at_least(1), "batch sizes of 1 or more")
 
 
 def exphil_model(arch: str, seed: int, lm: bool = False):

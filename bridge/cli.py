@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zmq-hwm", type=_hwm, default=1000,
                    help="ZeroMQ high-water mark: messages queued per peer each way, and requests a peer may "
                         "have waiting beyond its in-flight cap before it is answered overloaded (default 1000)")
-    p.add_argument("--idle-timeout-s", type=_positive_seconds, default=defaults.idle_timeout_s, metavar="SECONDS",
+    p.add_argument("--idle-timeout-s", type=positive_seconds, default=defaults.idle_timeout_s, metavar="SECONDS",
                    help="free what a ZeroMQ peer owns (sessions, handles, models, snapshots) once, with nothing "
                         "in flight, it has neither sent a request nor been answered one for SECONDS: a peer whose "
                         "end is never seen counts as gone (default: never)")
@@ -246,7 +246,7 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -260,7 +260,7 @@ def _seconds_or_never(text: str) -> float | None:
     if text == "never":
         return None
     try:
-        return _positive_seconds(text)
+        return positive_seconds(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 or never, got {text!r}") from None
 

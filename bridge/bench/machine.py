@@ -178,6 +178,26 @@ def positive_count(text: str) -> int:
     return value
 
 
+def comma_separated(parse, expected: str):
+    """An argparse type: comma-separated values, each `parse`d (ValueError: not one), so that a
+    bad one is refused before the run, not found minutes into it."""
+    def parse_all(text: str) -> list:
+        try:
+            return [parse(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {expected}, got {text!r}") from None
+    return parse_all
+
+
+def at_least(least: int):
+    """comma_separated's `parse` of a whole number of at least `least`."""
+    def parse(item: str) -> int:
+        if not item.strip().isdigit() or int(item) < least:
+            raise ValueError(item)
+        return int(item)
+    return parse
+
+
 def write_results(path: str, benchmark: str, fields: dict) -> None:
     """The results document for `path`: the benchmark's name, machine_info, commit_info, then
     `fields`. The document is built before the file is opened: opening it first truncates a
