@@ -37,17 +37,22 @@ V1 = V1Codec()
 CODECS = (V1, LEGACY)
 
 
-def error_reply_for(body, buffers, code: str, message: str, detail: dict | None = None) -> tuple[list, str | None]:
-    """An error reply to the request in `body`, in its codec and with its id where they can be
-    read (else v1 with no id), and the op the stats count it for (None where no known op was
-    read): for a transport that turns a request away unread."""
+def request_facts(body, buffers) -> tuple:
+    """(codec, id to reply under, op the stats count it for) of the request in `body`, as far as
+    they can be read (else v1, no id, None): for a transport that answers or drops it unread."""
     from .decode import decode_request  # decode imports this module
     from .errors import ProtocolError
 
     try:
         request = decode_request(body, buffers)
     except ProtocolError as exc:
-        codec, request_id, stats_op = exc.codec, exc.request_id, exc.stats_op
-    else:
-        codec, request_id, stats_op = request.codec, request.reply_id, request.stats_op
+        return exc.codec, exc.request_id, exc.stats_op
+    return request.codec, request.reply_id, request.stats_op
+
+
+def error_reply_for(body, buffers, code: str, message: str, detail: dict | None = None) -> tuple[list, str | None]:
+    """An error reply to the request in `body`, in its codec and with its id where they can be
+    read (else v1 with no id), and the op the stats count it for (None where no known op was
+    read): for a transport that turns a request away unread."""
+    codec, request_id, stats_op = request_facts(body, buffers)
     return codec.error(request_id, code, message, detail), stats_op

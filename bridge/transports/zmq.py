@@ -704,8 +704,7 @@ class ZmqTransport:
         while peer.waiting:
             message, _, target = peer.waiting.popleft()
             stats.frame_in(sum(len(frame) for frame in message), target.lane)
-            _, op = protocol.error_reply_for(message[0].buffer, [frame.buffer for frame in message[1:]],
-                                             "cancelled", "its peer is gone")
+            _, _, op = protocol.codecs.request_facts(message[0].buffer, [frame.buffer for frame in message[1:]])
             if op is None:
                 stats.record_error("cancelled")
             else:
