@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve stdio (the BEAM Port lane) beside --zmq/--unix, and stop when stdin closes, "
                         "as a Port server does; the default when neither is given")
     p.add_argument("--zmq", action="append", default=[], metavar="ENDPOINT",
-                   help="serve a ZeroMQ ROUTER socket on ENDPOINT: ipc://PATH or tcp://[HOST]:PORT "
-                        "(HOST defaults to 127.0.0.1; name * or an address to listen beyond loopback; "
-                        "PORT * picks a free one); repeatable")
+                   help="serve a ZeroMQ ROUTER socket on ENDPOINT: ipc://PATH or tcp://HOST:PORT "
+                        "(HOST may be left out: 127.0.0.1; name * or an address to listen beyond loopback, "
+                        "an IPv6 one in brackets; PORT * picks a free one); repeatable")
     p.add_argument("--unix", action="append", default=[], metavar="PATH", type=_socket_path,
                    help="serve the stdio framing on a unix socket at PATH, many connections; repeatable")
     p.add_argument("--curve-secret-key", metavar="FILE",

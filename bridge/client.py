@@ -258,11 +258,13 @@ def asks_for_state(args: dict) -> bool:
 
 def integer_list(values, name: str) -> np.ndarray:
     """A list of ints as the i64 tensor the server takes (a msgpack array it refuses); a float
-    among them is refused, not truncated (as the server refuses a float tensor)."""
-    array = np.asarray(values)
-    if array.size and array.dtype.kind not in "iu":
-        raise ValueError(f"{name}: expected ints, got {values!r}")
-    return array.astype(np.int64)
+    or a bool among them is refused, not converted, and one past i64 is refused, not wrapped."""
+    for value in values:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name}: expected ints, got {values!r}")
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{name}: expected ints within i64, got {values!r}")
+    return np.array(values, dtype=np.int64)
 
 
 def wait_settled(futures: list[Future], timeout: float) -> None:
@@ -1624,6 +1626,8 @@ class ZmqClient(FramedClient):
             # Messages queue only on a connection made, and are dropped with it when it ends, so
             # that none of those failed with it reaches the next server (_connection_ended).
             self._socket.setsockopt(zmq.IMMEDIATE, 1)
+            # An IPv6 literal only: a name resolving to ::1 first would not reach an IPv4 server.
+            self._socket.setsockopt(zmq.IPV6, endpoint.startswith("tcp://["))
             self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             if curve_server_key is not None:
                 public, secret = curve_keypair or zmq.curve_keypair()

@@ -30,6 +30,16 @@ START_TIMEOUT_S = 180.0
 REPLY_TIMEOUT_S = 60.0
 
 
+def ipv6_loopback_missing() -> str | None:
+    """Why this machine cannot serve on ::1 (a container may have no IPv6), or None."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as error:
+        return f"this machine has no IPv6 loopback: {error}"
+    return None
+
+
 def numpy_args(inputs: dict) -> dict:
     return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 

@@ -135,16 +135,19 @@ def either_client(request) -> str:
 def endpoints(scan_client, tmp_path_factory):
     """A live server on zmq ipc and tcp; its tcp port is read from `info` over the unix lane."""
     from bridge.client import UnixClient
-    from lane_helpers import ServerProcess
+    from lane_helpers import ServerProcess, ipv6_loopback_missing
 
     directory = tmp_path_factory.mktemp("c-client")
     unix_path = str(directory / "bridge.sock")
+    ipv6 = [] if ipv6_loopback_missing() else ["--zmq", "tcp://[::1]:*"]
     srv = ServerProcess(str(directory), "--unix", unix_path, "--zmq", f"ipc://{directory}/bridge.ipc",
-                        "--zmq", "tcp://:*")
+                        "--zmq", "tcp://:*", *ipv6)
     srv.wait_for_path(unix_path)
     with UnixClient(unix_path) as client:
         zmq = [entry.split(" ", 1)[1] for entry in client.info()["transports"] if entry.startswith("zmq ")]
-    yield {"ipc": next(e for e in zmq if e.startswith("ipc://")), "tcp": next(e for e in zmq if e.startswith("tcp://"))}
+    yield {"ipc": next(e for e in zmq if e.startswith("ipc://")),
+           "tcp": next(e for e in zmq if e.startswith("tcp://1")),
+           "tcp6": next((e for e in zmq if e.startswith("tcp://[")), None)}
     assert srv.stop() == 0, srv.log()
 
 
@@ -158,8 +161,13 @@ def count_vectors() -> int:
                for name in os.listdir(d))
 
 
-@pytest.mark.parametrize("lane", [pytest.param("ipc", id="zmq-ipc"), pytest.param("tcp", id="zmq-tcp")])
+@pytest.mark.parametrize("lane", [pytest.param("ipc", id="zmq-ipc"), pytest.param("tcp", id="zmq-tcp"),
+                                  pytest.param("tcp6", id="zmq-tcp-ipv6")])
 def test_the_c_client_checks_vectors_ping_and_scans(scan_client, endpoints, lane):
+    if endpoints[lane] is None:
+        from lane_helpers import ipv6_loopback_missing
+
+        pytest.skip(ipv6_loopback_missing())
     run = run_client(scan_client, endpoints[lane], timeout=300)
     print(run.stdout)
     assert run.returncode == 0, run.stderr

@@ -560,10 +560,17 @@ def test_a_forwards_lengths_given_as_a_list_or_tuple_go_as_an_integer_tensor(pip
     assert done, "the call did not return"
 
 
-def test_a_forwards_lengths_given_as_a_list_of_floats_are_refused_not_truncated(pipe):
+@pytest.mark.parametrize("lengths, refusal", [
+    pytest.param([1.5, 3], r"expected ints, got \[1.5, 3\]", id="a-float-not-truncated"),
+    pytest.param([True, 2], r"expected ints, got \[True, 2\]", id="a-bool-not-taken-for-one"),
+    pytest.param([2**63, 1], r"expected ints within i64", id="past-i64-not-wrapped"),
+    pytest.param([-(2**63) - 1, 1], r"expected ints within i64", id="below-i64-not-wrapped"),
+])
+def test_a_forwards_lengths_list_that_is_not_i64_ints_is_refused(pipe, lengths, refusal):
+    """numpy took [True, 2] for [1, 2] and wrapped 2**63 to -2**63 (found in review)."""
     session = bridge.client.ModelSession(pipe.client, "s1", 2)
-    with pytest.raises(ValueError, match=r"lengths: expected ints, got \[1.5, 3\]"):
-        session.forward(np.zeros((2, 3), np.int64), lengths=[1.5, 3])
+    with pytest.raises(ValueError, match="lengths: " + refusal):
+        session.forward(np.zeros((2, 3), np.int64), lengths=lengths)
     assert nothing_written(pipe)
 
 

@@ -25,7 +25,7 @@ from bridge.stats import Stats
 from bridge.transports.zmq import ZmqTransport, resolve_endpoint, split_envelope
 
 from bridge_fakes import InProcessServer, RecordingConnection
-from lane_helpers import REPLY_TIMEOUT_S
+from lane_helpers import REPLY_TIMEOUT_S, ipv6_loopback_missing
 from waiting import wait_until
 
 
@@ -34,6 +34,7 @@ from waiting import wait_until
     pytest.param("tcp://:*", "tcp://127.0.0.1:*", id="any-port-on-loopback"),
     pytest.param("tcp://*:5555", "tcp://*:5555", id="every-interface-when-named"),
     pytest.param("tcp://10.1.2.3:7", "tcp://10.1.2.3:7", id="named-address"),
+    pytest.param("tcp://[::1]:5555", "tcp://[::1]:5555", id="ipv6-address-in-brackets"),
     pytest.param("ipc:///tmp/x.ipc", "ipc:///tmp/x.ipc", id="ipc"),
 ])
 def test_endpoints_bind_loopback_unless_a_host_is_named(given, bound):
@@ -43,10 +44,32 @@ def test_endpoints_bind_loopback_unless_a_host_is_named(given, bound):
 @pytest.mark.parametrize("endpoint", [
     pytest.param("tcp://localhost", id="no-port"), pytest.param("inproc://x", id="inproc"),
     pytest.param("ipc://", id="no-path"), pytest.param("127.0.0.1:5555", id="no-scheme"),
+    pytest.param("tcp://::1:5555", id="ipv6-address-not-in-brackets"), pytest.param("tcp://[]:5555", id="empty-brackets"),
+    pytest.param("tcp://[::1]", id="ipv6-address-no-port"),
 ])
 def test_bad_endpoints_are_refused_with_what_was_expected(endpoint):
     with pytest.raises(ValueError, match="expected ipc://PATH or tcp://"):
         resolve_endpoint(endpoint)
+
+
+def test_a_zmq_lane_on_an_ipv6_address_answers_a_client_there():
+    """`tcp://[::1]:PORT` failed at bind with "No such device" (found in review): libzmq serves
+    an IPv6 address only on sockets with its IPV6 option, the server's and the client's."""
+    from bridge.client import ZmqClient
+
+    if why := ipv6_loopback_missing():
+        pytest.skip(why)
+    srv = InProcessServer()
+    transport = ZmqTransport(srv.dispatcher, ["tcp://[::1]:*"], max_frame_size=1 << 20, max_in_flight=8, hwm=16)
+    try:
+        transport.start()
+        (endpoint,) = transport.endpoints
+        assert endpoint.startswith("tcp://[::1]:"), endpoint
+        with ZmqClient(endpoint) as client:
+            assert client.ping() == {"pong": True}
+    finally:
+        transport.close()
+        srv.close()
 
 
 @pytest.mark.parametrize("frames, envelope, message", [

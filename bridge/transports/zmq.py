@@ -81,19 +81,28 @@ CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 LOOPBACK = "127.0.0.1"
 
 
+def names_ipv6_host(endpoint: str) -> bool:
+    """A `tcp://[ADDRESS]:PORT` endpoint: an IPv6 literal, which libzmq binds or connects to
+    only on a socket with its IPV6 option set (else "No such device")."""
+    return endpoint.startswith("tcp://[")
+
+
 def resolve_endpoint(endpoint: str) -> str:
     """The endpoint to bind: `ipc://PATH` as given; `tcp://HOST:PORT` with HOST defaulting to
     the loopback address (a server is reachable from other hosts only when a host, such as *
     or an interface address, is named). PORT may be * for any free port; a number past 65535,
-    which libzmq would take modulo 2^16, is refused."""
+    which libzmq would take modulo 2^16, is refused. An IPv6 address is written in brackets
+    (RFC 3986): bare, its colons would read as the port's."""
     scheme, _, rest = endpoint.partition("://")
     if scheme == "ipc" and rest:
         return endpoint
     if scheme == "tcp":
         host, sep, port = rest.rpartition(":")
-        if sep and (port == "*" or (port.isascii() and port.isdigit() and int(port) <= 65535)):
+        bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+        if (sep and (port == "*" or (port.isascii() and port.isdigit() and int(port) <= 65535))
+                and (bracketed or not any(c in host for c in ":[]"))):
             return f"tcp://{host or LOOPBACK}:{port}"
-    raise ValueError(f"--zmq: expected ipc://PATH or tcp://[HOST]:PORT, got {endpoint!r}")
+    raise ValueError(f"--zmq: expected ipc://PATH or tcp://HOST:PORT (an IPv6 HOST in brackets), got {endpoint!r}")
 
 
 @dataclass(frozen=True)
@@ -298,6 +307,8 @@ class ZmqTransport:
         # it is buffered; bodies plus raw buffers over the limit are answered frame_too_large.
         # libzmq takes an int64: a limit past it limits no frame either.
         sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_frame_size, 2**63 - 1))
+        # Only for a bracketed host: on `*` it would listen on IPv6 as well, which `*` never meant.
+        sock.setsockopt(zmq.IPV6, names_ipv6_host(endpoint))
         if curve is not None and endpoint.startswith("tcp://"):
             if curve.clients_dir is not None and self._authenticator is None:
                 from zmq.auth.thread import ThreadAuthenticator

@@ -1097,6 +1097,10 @@ int main(int argc, char **argv) {
     void *sock = zmq_socket(context, ZMQ_DEALER);
     int linger = 0;  /* each receive sets its own timeout: what is left of its request's */
     zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger);
+    /* An IPv6 literal (tcp://[::1]:PORT) connects only with this set; a host name is left
+     * IPv4, which a server on 127.0.0.1 alone answers. */
+    int ipv6 = strncmp(argv[1], "tcp://[", 7) == 0;
+    zmq_setsockopt(sock, ZMQ_IPV6, &ipv6, sizeof ipv6);
     if (zmq_connect(sock, argv[1]) != 0) {
         fail("connect %s: %s", argv[1], zmq_strerror(zmq_errno()));
     } else if (run_ping(sock)) {
