@@ -677,6 +677,12 @@ def pong(**changes) -> list:
                  id="error-a-tensor"),
     pytest.param(pong(timing={"dtype": "f32", "shape": [1], "data": bytes(3)}), HELD_TENSOR,
                  id="timing-a-malformed-tensor"),
+    # The holder ok does not name is read too, as decode_reply reads it (found in review).
+    pytest.param(pong(error={"dtype": "zz", "shape": [2], "data": bytes(8)}),
+                 'unknown dtype: expected f32, f16, bf16, f64, i32, i64 or u8, got "zz"', id="ok-with-a-malformed-tensor-error"),
+    pytest.param(pong(ok=False, result={"dtype": "f32", "shape": [2], "data": bytes(3)}, error=ERROR),
+                 "tensor size mismatch: its shape and dtype need 8 bytes, its data holds 3",
+                 id="error-with-a-malformed-tensor-result"),
 ])
 def test_a_reply_with_a_malformed_envelope_is_refused(either_client, endpoints, tmp_path, entries, why):
     # As the Python client refuses it (decode_reply), whatever its id. The real reply comes

@@ -152,4 +152,53 @@ defmodule ScanBridge.ProtocolTest do
     assert {:error, %Error{reason: :decode_error, detail: %{"problem" => "invalid_utf8"}}} =
              Protocol.decode_reply(body)
   end
+
+  # SPEC §3: map keys and the id are strs, a dtype a str code; the Python and C decoders refuse
+  # a bin there. Found in review: this one read a bin as the binary a str gives.
+  test "a bin where the protocol wants a str makes the reply undecodable" do
+    tensor = fn dtype_header ->
+      [0x83, 0xA5, "dtype", dtype_header, "u8", 0xA5, "shape", 0x91, 1, 0xA4, "data", 0xC4, 1, 7]
+    end
+
+    ok_with = fn id, key_header, y ->
+      [
+        0x84,
+        key_header,
+        "v",
+        1,
+        0xA2,
+        "id",
+        id,
+        0xA2,
+        "ok",
+        0xC3,
+        0xA6,
+        "result",
+        0x81,
+        0xA1,
+        "y",
+        y
+      ]
+    end
+
+    for {what, body, problem} <- [
+          {"an envelope key", ok_with.(3, [0xC4, 1], tensor.(0xA2)), "bin_key"},
+          {"the id", ok_with.([0xC4, 3, "abc"], 0xA1, tensor.(0xA2)), "bin_id"},
+          {"a tensor's dtype", ok_with.(3, 0xA1, tensor.([0xC4, 2])), "bin_dtype"},
+          {"a key in the result", ok_with.(3, 0xA1, [0x81, 0xC4, 1, "k", 1]), "bin_key"}
+        ] do
+      assert {:error, %Error{reason: :decode_error, detail: %{"problem" => ^problem}}} =
+               Protocol.decode_reply(IO.iodata_to_binary(body)),
+             what
+    end
+
+    # the same replies written with strs are read, and a bin dtype outside a tensor is a value
+    assert {:reply, 3, {:ok, %{"y" => _}, %{}}} =
+             Protocol.decode_reply(IO.iodata_to_binary(ok_with.(3, 0xA1, tensor.(0xA2))))
+
+    not_a_tensor = [0x81, 0xA5, "dtype", 0xC4, 2, "u8"]
+
+    assert {:reply, 3, {:ok, %{"y" => %{"dtype" => "u8"}}, %{}}} =
+             Protocol.decode_reply(IO.iodata_to_binary(ok_with.(3, 0xA1, not_a_tensor)))
+  end
 end

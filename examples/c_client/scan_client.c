@@ -395,14 +395,20 @@ static const char *check_nested(const msgpack_object *value, const parts_t *part
 /* Checks the values of an unpacked message (check_nested), and that each raw buffer is named by
  * a tensor. They lie under a request's `args` and a reply's `result`, `error` and `timing`
  * (SPEC §4 to §6); the envelope's own values check_envelope checks. A holder's own keys are
- * checked, but it is no tensor itself: args' dtype is a weights dtype (model_load). NULL when
- * all are valid, else why not. */
+ * checked, but it is no tensor itself: args' dtype is a weights dtype (model_load). A reply's
+ * holder with a tensor's keys is read as one, as decode_reply reads every value of a reply,
+ * the holder ok does not name too (check_envelope refuses a tensor as the one it names). NULL
+ * when all are valid, else why not. */
 static const char *check_values(const msgpack_object *message, const parts_t *parts) {
     static const char *const holders[] = {"args", "result", "error", "timing"};
     unsigned char *used = calloc((size_t)parts->count + 1, 1);
     const char *why = used ? NULL : "no memory to check the raw buffers";
     for (size_t h = 0; h < sizeof holders / sizeof holders[0] && !why; h++) {
         const msgpack_object *values = get(message, holders[h]);
+        if (values && h > 0 && is_tensor(values)) {
+            why = check_nested(values, parts, used, 0);
+            continue;
+        }
         if (values && values->type == MSGPACK_OBJECT_MAP) why = check_keys(values);
         for (uint32_t i = 0; values && values->type == MSGPACK_OBJECT_MAP && i < values->via.map.size && !why; i++)
             why = check_nested(&values->via.map.ptr[i].val, parts, used, 1);

@@ -37,7 +37,9 @@ defmodule ScanBridge.Msgpack do
   enough to exhaust a decoder is a `decode_error`). Float NaN and infinities (which Erlang floats cannot hold) decode as
   `:nan`, `:infinity` and `:neg_infinity`. `decode/2` with `utf8: true` also refuses a str
   (value or key) that is not UTF-8, as the protocol's reference decoder does for a reply, but
-  for the `"data"` of a map with a `"shape"` (a tensor's data may be a str of any bytes, SPEC §5).
+  for the `"data"` of a map with a `"shape"` (a tensor's data may be a str of any bytes, SPEC §5);
+  and a bin where that decoder wants a str: a map key, the top-level map's `"id"`, and the
+  `"dtype"` of a map with a `"shape"` and `"data"` or `"buf"` (a tensor's).
   """
 
   alias ScanBridge.{Error, IEEE, Tensor}
@@ -289,13 +291,13 @@ defmodule ScanBridge.Msgpack do
   defp value(<<0xDD, count::32, r::binary>>, u, d), do: array(r, count, [], u, deeper(d, r))
 
   defp value(<<n, r::binary>> = at, u, d) when n in 0x80..0x8F,
-    do: map(r, n - 0x80, [], n - 0x80, at, nil, u, deeper(d, at))
+    do: map(r, n - 0x80, [], n - 0x80, at, %{}, u, deeper(d, at))
 
   defp value(<<0xDE, count::16, r::binary>> = at, u, d),
-    do: map(r, count, [], count, at, nil, u, deeper(d, at))
+    do: map(r, count, [], count, at, %{}, u, deeper(d, at))
 
   defp value(<<0xDF, count::32, r::binary>> = at, u, d),
-    do: map(r, count, [], count, at, nil, u, deeper(d, at))
+    do: map(r, count, [], count, at, %{}, u, deeper(d, at))
 
   defp value(<<0xC1, _::binary>> = at, _u, _d), do: throw({:msgpack, "reserved_byte_0xc1", at})
 
@@ -331,30 +333,46 @@ defmodule ScanBridge.Msgpack do
   defp deeper(d, _at) when d < @max_depth, do: d + 1
   defp deeper(_d, at), do: throw({:msgpack, "too_deep", at})
 
-  # `bad_data`: where a "data" str that is not UTF-8 starts, or nil; it is refused once the
-  # map is read unless the map has a "shape", which makes it a tensor's data (SPEC §5).
-  defp map(r, 0, acc, count, at, bad_data, _u, _d) do
+  # `doubts`: where a "data" str that is not UTF-8 starts (`:data`), and where a "dtype" bin
+  # does (`:dtype`), decided once the map is read: the data is refused unless the map has a
+  # "shape", which makes it a tensor's data (SPEC §5); the dtype only in a tensor's map.
+  defp map(r, 0, acc, count, at, doubts, _u, _d) do
     map = :maps.from_list(acc)
     if map_size(map) != count, do: throw({:msgpack, "duplicate_key", at})
+    shape? = is_map_key(map, "shape")
 
-    if bad_data != nil and not is_map_key(map, "shape"),
-      do: throw({:msgpack, "invalid_utf8", bad_data})
+    if is_map_key(doubts, :data) and not shape?,
+      do: throw({:msgpack, "invalid_utf8", doubts.data})
+
+    if is_map_key(doubts, :dtype) and shape? and
+         (is_map_key(map, "data") or is_map_key(map, "buf")),
+       do: throw({:msgpack, "bin_dtype", doubts.dtype})
 
     {map, r}
   end
 
-  defp map(r, left, acc, count, at, bad_data, u, d) do
+  defp map(<<n, _::binary>> = r, _left, _acc, _count, _at, _doubts, true, _d) when n in 0xC4..0xC6,
+    do: throw({:msgpack, "bin_key", r})
+
+  defp map(r, left, acc, count, at, doubts, u, d) do
     {key, r} = value(r, u, d)
 
     case r do
       <<n, _::binary>> when u and key == "data" and (n in 0xA0..0xBF or n in 0xD9..0xDB) ->
         {s, rest} = value(r, false, d)
-        bad_data = if String.valid?(s), do: bad_data, else: r
-        map(rest, left - 1, [{key, s} | acc], count, at, bad_data, u, d)
+        doubts = if String.valid?(s), do: doubts, else: Map.put_new(doubts, :data, r)
+        map(rest, left - 1, [{key, s} | acc], count, at, doubts, u, d)
+
+      <<n, _::binary>> when u and key == "id" and d == 1 and n in 0xC4..0xC6 ->
+        throw({:msgpack, "bin_id", r})
+
+      <<n, _::binary>> when u and key == "dtype" and n in 0xC4..0xC6 ->
+        {val, rest} = value(r, u, d)
+        map(rest, left - 1, [{key, val} | acc], count, at, Map.put(doubts, :dtype, r), u, d)
 
       _ ->
         {val, rest} = value(r, u, d)
-        map(rest, left - 1, [{key, val} | acc], count, at, bad_data, u, d)
+        map(rest, left - 1, [{key, val} | acc], count, at, doubts, u, d)
     end
   end
 
