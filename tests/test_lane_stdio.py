@@ -130,6 +130,33 @@ def test_a_peer_that_closes_its_input_and_reads_no_replies_ends_the_readers_wait
     os.close(replies_out)
 
 
+def test_a_stdio_peer_that_closes_its_input_has_the_grace_to_read_its_replies_before_it_counts_as_ended():
+    """operations.md: a peer that closes stdin gets HANGUP_GRACE_S to read the replies waiting
+    for it before its input counts as ended. The server's own poll (input_ended) ended it after
+    HANGUP_SEEN_S and began the shutdown, cutting off a reply the peer read within the grace
+    (found in review)."""
+    from bridge.transports import framed
+    from bridge.transports.stdio import StdioTransport
+
+    requests_in, requests_out = os.pipe()
+    replies_in, replies_out = os.pipe()
+    transport = StdioTransport(RecordingDispatcher(), requests_in, replies_out, 1 << 20)
+    transport.start()
+    try:
+        with open(requests_out, "wb", buffering=0) as requests:
+            requests.write(protocol.encode_frame(bytes(256) * 1024))  # echoed: more than the pipe holds
+            wait_until(lambda: transport.conn.replies_waiting, "the reply never waited for its reader")
+            before_hang_up = time.monotonic()
+        wait_until(transport.input_ended, "the input never counted as ended")
+        assert time.monotonic() - before_hang_up >= framed.HANGUP_GRACE_S
+    finally:
+        with open(replies_in, "rb", buffering=0) as replies:
+            assert len(read_frame(replies)) == 256 * 1024, "the reply the peer reads late is cut off"
+            transport.close()
+        os.close(requests_in)
+        os.close(replies_out)
+
+
 def test_a_socket_peer_that_shuts_down_its_sending_side_and_reads_no_replies_ends_the_readers_wait():
     """As above where stdin and stdout are one socket (a libuv parent's socketpair, socat,
     systemd): such a peer ends its input by shutting down its sending side only, which poll

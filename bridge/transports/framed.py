@@ -95,6 +95,11 @@ class StreamConnection(Connection):
         """`count` replies are answered: written, or never to be (the peer is gone)."""
 
     @property
+    def replies_waiting(self) -> bool:
+        """Replies the peer has not taken yet wait for the writer thread."""
+        return bool(self._backlog)
+
+    @property
     def peer_gone(self) -> bool:
         """A reply could not be written: the peer reads nothing more (it closed)."""
         return self._broken is not None

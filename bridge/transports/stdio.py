@@ -18,8 +18,8 @@ import time
 
 from ..buffers import BufferPool
 from .base import FLUSH_SECONDS
-from .framed import (FdConnection, SocketFdConnection, StreamConnection, WriterThreads, hung_up, input_waiting,
-                     serve_frames)
+from .framed import (HANGUP_GRACE_S, FdConnection, SocketFdConnection, StreamConnection, WriterThreads, hung_up,
+                     input_waiting, serve_frames)
 
 log = logging.getLogger("bridge.stdio")
 
@@ -50,7 +50,8 @@ def nonblocking_pipe(fd: int) -> int:
 
 # How long the peer's end is seen closed, with nothing left to read, before the input counts as
 # ended though the reader has not read its end (input_ended): far longer than the reader takes
-# to put the last frame it read in flight.
+# to put the last frame it read in flight. A peer with replies still to read has the reader's
+# grace (framed.HANGUP_GRACE_S) instead, as operations.md promises it.
 HANGUP_SEEN_S = 0.3
 
 
@@ -74,7 +75,8 @@ class StdioTransport:
         too, not only told by the reader, which reads the end only once done serving a request
         an idle server gave it (a long scan): the server would serve on for nobody meanwhile,
         where SPEC §1 has it answer what is in flight within its drain, or not. Seen so for
-        HANGUP_SEEN_S first: the last frame read may not yet be in flight. Called by one thread."""
+        HANGUP_SEEN_S first: the last frame read may not yet be in flight; HANGUP_GRACE_S while
+        replies wait for the peer to read them, the time the reader gives it. Called by one thread."""
         if self.eof.is_set():
             return True
         fd = self.reader.fileno()
@@ -84,7 +86,7 @@ class StdioTransport:
         now = time.monotonic()
         if self._hung_up_since is None:
             self._hung_up_since = now
-        return now - self._hung_up_since >= HANGUP_SEEN_S
+        return now - self._hung_up_since >= (HANGUP_GRACE_S if self.conn.replies_waiting else HANGUP_SEEN_S)
 
     def close(self, deadline: float | None = None) -> None:
         """Give the writer thread until `deadline` (time.monotonic(); FLUSH_SECONDS from now by
