@@ -112,8 +112,10 @@ def shared_args(server, call) -> dict:
 
 def same_values(a: WireTensor | torch.Tensor | None, b: WireTensor | torch.Tensor | None) -> bool:
     """True when `a` and `b` (wire bytes as they came, or a handle's tensor) are the same tensor
-    or hold equal values, dtype and shape too. Wire bytes are compared as bytes on the host, so
-    that no member's copy goes to the device only to be compared."""
+    or hold the same bits, dtype and shape too: a -0.0 of one member's is not another's 0.0,
+    which would change the signs of zeros in its state (SPEC §6.3: bit for bit a launch of its
+    own). Wire bytes are compared on the host, so that no member's copy goes to the device only
+    to be compared."""
     if a is b:
         return True
     if a is None or b is None or signature(a) != signature(b):
@@ -122,8 +124,13 @@ def same_values(a: WireTensor | torch.Tensor | None, b: WireTensor | torch.Tenso
         return bool(np.array_equal(np.frombuffer(a.data, np.uint8), np.frombuffer(b.data, np.uint8)))
     wire, tensor = (a, b) if isinstance(a, WireTensor) else (b, a)
     if isinstance(wire, WireTensor):
-        return torch.equal(host_view(wire).to(tensor.device), tensor)
-    return a.device == b.device and torch.equal(a, b)
+        return torch.equal(bits(host_view(wire)).to(tensor.device), bits(tensor))
+    return a.device == b.device and torch.equal(bits(a), bits(b))
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, to compare as such (torch.equal takes -0.0 for 0.0, a NaN for no NaN)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def shared_tensors(server, lead: Item) -> dict:

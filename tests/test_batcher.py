@@ -9,6 +9,7 @@ requests queue up behind it, so that what it gathers on release is known exactly
 from __future__ import annotations
 
 import gc
+import math
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import protocol
-from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, company_wait_end_ns, run_batch
+from bridge.batcher import Batch, BatchedOp, BatchPolicy, Item, company_wait_end_ns, run_batch, same_values
 from bridge.client import PortClient, result_from_wire, to_wire
 from bridge.errors import OpError
 from bridge.ops.scan import BATCH_MAX_X_BYTES
@@ -165,6 +166,22 @@ def test_only_requests_with_equal_constants_share_a_launch(inproc, pattern, expe
         assert_launch_stages_shared(replies)
     for i, reply in enumerate(replies):
         check_step(reply, inputs[i], before[i], state_of(srv, conn, sessions[i]), f"caller {i}")
+
+
+@pytest.mark.parametrize("first, second", [
+    pytest.param("wire", "handle", id="wire-and-handle"), pytest.param("handle", "wire", id="handle-and-wire"),
+    pytest.param("handle", "handle", id="two-handles"), pytest.param("wire", "wire", id="two-wires"),
+])
+def test_constants_differing_only_in_the_sign_of_a_zero_share_no_launch(first, second):
+    """A handle's -0.0 was taken for another member's 0.0 (torch.equal), and the launch ran with
+    the lead's: the other's state came out with zeros of the other sign, not bit for bit its own
+    launch's (found in review). Equal bits, a NaN's too, still share one."""
+    def as_given(values, form):
+        tensor = torch.tensor(values, dtype=torch.float32)
+        return tensor if form == "handle" else protocol.WireTensor("f32", (len(values),), memoryview(tensor.numpy().tobytes()))
+
+    assert not same_values(as_given([-0.0, 1.0], first), as_given([0.0, 1.0], second))
+    assert same_values(as_given([-0.0, math.nan], first), as_given([-0.0, math.nan], second))
 
 
 def test_two_steps_of_one_session_are_two_launches_in_order(inproc):
