@@ -182,7 +182,7 @@ def discretize_backward(ddelta, dt, dt_bias, dt_softplus, dt_min, dt_max, f):
         inside = clamped_input >= dt_min if dt_min is not None else None
         if dt_max is not None:
             inside = clamped_input <= dt_max if inside is None else inside.logical_and_(clamped_input <= dt_max)
-        grad.mul_(inside)
+        grad.masked_fill_(~inside, 0)  # selected, as torch.clamp's: an infinite grad times 0 is NaN
         del clamped_input, inside
     if dt_softplus:
         grad.mul_(torch.sigmoid(raw).masked_fill_(raw > 20, 1))

@@ -498,3 +498,23 @@ def test_cpu_backward_peak_memory_is_bounded_by_its_chunks():
           f"inputs {m['inputs'] / 2**20:.1f} MiB, history {history / 2**20:.0f} MiB")
     assert m["peak_extra"] <= bound, m
     assert bound < history / 2
+
+
+@pytest.mark.parametrize("dt_softplus", [pytest.param(False, id="plain"), pytest.param(True, id="softplus")])
+def test_the_clamps_cut_passes_no_infinite_gradient_as_nan(dt_softplus):
+    """The Triton backward's discretization: torch.clamp selects a zero gradient outside its
+    bounds, where a multiply by the mask made an infinite one NaN, in ddt and in the summed
+    ddt_bias (found in review)."""
+    from scan_kernels.backward import discretize_backward
+
+    dt = torch.tensor([[0.2, 0.9, 0.01, 0.3]])  # the second past dt_max, the third below dt_min
+    if dt_softplus:
+        dt = torch.log(torch.expm1(dt))  # softplus gives the values above back
+    ddelta = torch.tensor([[1.5, math.inf, -math.inf, 2.0]])
+    ddt, ddt_bias = discretize_backward(ddelta.clone(), dt, torch.zeros(4), dt_softplus, 0.05, 0.5, torch.float32)
+    dt_leaf = dt.clone().requires_grad_()
+    clamped = (torch.nn.functional.softplus(dt_leaf) if dt_softplus else dt_leaf).clamp(0.05, 0.5)
+    clamped.backward(ddelta)
+    assert ddt[0, 1] == ddt[0, 2] == 0, ddt
+    torch.testing.assert_close(ddt, dt_leaf.grad, rtol=1e-6, atol=0)  # sigmoid against softplus' own form
+    torch.testing.assert_close(ddt_bias, dt_leaf.grad[0], rtol=1e-6, atol=0)

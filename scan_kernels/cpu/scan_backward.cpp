@@ -282,7 +282,9 @@ class BackwardRunner {
       dh_[n] = a[n] * dh;
     }
     dxs_[t] = p_.D != nullptr ? dy * D_[0] + dl * dhB : dl * dhB;
-    dds_[t] = (x * dhB + qA) * slope_[t];
+    // A zero slope is the clamp's cut: torch.clamp selects a zero there, which an infinite
+    // gradient times the slope would make NaN.
+    dds_[t] = slope_[t] == V{} ? V{} : (x * dhB + qA) * slope_[t];
     dbias_[0] += dds_[t];
   }
 

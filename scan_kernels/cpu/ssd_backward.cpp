@@ -469,7 +469,9 @@ class SsdBackwardRunner {
         const T da = static_cast<T>(dcs_from_t + da_spans_[t]);
         const T delta = deltas_[t0 + t];
         dA += da * delta;
-        const T ddt = (da * A_ + dots_[t]) * slopes_[t0 + t];
+        // A zero slope is the clamp's cut: a zero selected, as torch.clamp's, not inf * 0.
+        const T slope = slopes_[t0 + t];
+        const T ddt = slope == T(0) ? T(0) : (da * A_ + dots_[t]) * slope;
         dbias += ddt;
         p_.ddt[(first_ + t0 + t) * H_ + h_] = ddt;
         const V d = Lanes<T>::splat(delta);
