@@ -1920,6 +1920,20 @@ def test_a_model_name_is_held_to_256_bytes(serve):
     assert call(srv, conn, "model_load", path="mamba2-lm", name="é" * 128)["name"] == "é" * 128
 
 
+@pytest.mark.parametrize("path", [pytest.param("a/" * 2049, id="many-components"),
+                                  pytest.param("é" * 2049, id="one-long-name")])
+def test_a_model_path_past_path_max_is_refused_before_it_is_resolved(serve, monkeypatch, path):
+    """A path of megabytes ("a/" repeated) took realpath minutes on the loader, which every
+    connection's loads waited behind (found in review): refused past PATH_MAX, unresolved."""
+    srv, conn = serve(), RecordingConnection()
+    monkeypatch.setattr(os.path, "realpath", lambda *a, **k: pytest.fail("the long path was resolved"))
+    error = error_of(srv, conn, "model_load", path=path)
+    assert (error["code"], error["detail"]["field"]) == ("invalid_argument", "args.path"), error
+    assert "at most 4096 bytes" in error["message"] and f"{len(path.encode())} bytes" in error["message"], error
+    monkeypatch.undo()
+    assert call(srv, conn, "model_load", path="./" * 2040 + "mamba2-lm")["arch"] == "mamba2"
+
+
 def test_weights_snapshots_and_sessions_share_the_pool_budget(serve):
     srv, conn = serve(), RecordingConnection()
     info = call(srv, conn, "model_load", path="mamba2-lm")

@@ -27,6 +27,8 @@ from .sessions import check_reply_with_state_fits, session_of_kind, wire_state, 
 # A model's name is kept with it and echoed in replies: a bound on what a request makes the
 # server hold.
 MAX_NAME_BYTES = 256
+# Linux's PATH_MAX: no longer path opens, and resolving one of megabytes took the loader minutes.
+MAX_PATH_BYTES = 4096
 
 
 def model_load(server, call) -> dict:
@@ -36,6 +38,9 @@ def model_load(server, call) -> dict:
     if name_bytes > MAX_NAME_BYTES:
         _invalid("args.name", f"a name of at most {MAX_NAME_BYTES} bytes (UTF-8)", f"{name_bytes} bytes")
     from_path = "path" in args
+    path_bytes = len(args["path"].encode(errors="surrogatepass")) if from_path else 0
+    if path_bytes > MAX_PATH_BYTES:
+        _invalid("args.path", f"a path of at most {MAX_PATH_BYTES} bytes (UTF-8)", f"{path_bytes} bytes")
     sent = [name for name in ("config", "weights") if name in args]
     if from_path == bool(sent) or (sent and len(sent) != 2):
         got = ", ".join((["path"] if from_path else []) + sent) or "none of them"
