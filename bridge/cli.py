@@ -171,18 +171,20 @@ def _directory(text: str) -> str:
 MAX_COUNT = 2**64 - 1
 
 
-def _whole(text: str) -> int:
+def _whole(text: str, least: int = 0) -> int:
+    """`text` as an int of at least `least`; refused naming that bound (a flag's own, so that
+    the message never suggests a value the flag refuses too)."""
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {text!r}")
     return value
 
 
-def _count(text: str) -> int:
-    value = _whole(text)
+def _count(text: str, least: int = 0) -> int:
+    value = _whole(text, least)
     if value > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"expected an int <= 2**64-1 (what info and stats report a limit as), "
                                          f"got {text!r}")
@@ -197,10 +199,7 @@ def _port(text: str) -> int:
 
 
 def _positive(text: str) -> int:
-    value = _count(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
+    return _count(text, least=1)
 
 
 # libzmq takes its high-water marks as a C int.
@@ -208,7 +207,7 @@ MAX_ZMQ_HWM = 2**31 - 1
 
 
 def _hwm(text: str) -> int:
-    if _whole(text) > MAX_ZMQ_HWM:
+    if _whole(text, least=1) > MAX_ZMQ_HWM:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_ZMQ_HWM} messages (libzmq's int), got {text!r}")
     return _positive(text)
 
@@ -230,7 +229,7 @@ MAX_THREADS = 4096
 
 
 def _threads(text: str) -> int:
-    if _whole(text) > MAX_THREADS:
+    if _whole(text, least=1) > MAX_THREADS:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {text!r}")
     return _positive(text)
 

@@ -60,6 +60,12 @@ def test_a_zmq_port_libzmq_would_take_modulo_is_refused(endpoint):
     pytest.param(["--warmup=-5x-1x3x4:groups=7"], {}, "each a positive int", id="warmup-negative"),
     # an unset variable in a unit file: served on an unnamed abstract socket (found in review)
     pytest.param(["--unix", ""], {}, "--unix: expected a socket path, got an empty one", id="unix-empty"),
+    # a flag of at least 1 said ">= 0" for these, and the 0 it suggested was refused next (found in review)
+    pytest.param(["--max-batch", "-1"], {}, "--max-batch: expected an int >= 1, got '-1'", id="count-negative"),
+    pytest.param(["--threads", "two"], {}, "--threads: expected an int >= 1, got 'two'", id="threads-not-an-int"),
+    pytest.param(["--zmq-hwm", "-1"], {}, "--zmq-hwm: expected an int >= 1, got '-1'", id="hwm-negative"),
+    pytest.param(["--max-pool-bytes", "-1"], {}, "--max-pool-bytes: expected an int >= 0, got '-1'",
+                 id="zero-allowed-negative"),
 ])
 def test_a_bad_setting_is_refused_with_a_message_not_a_traceback(argv, env, message, capsys, monkeypatch):
     from bridge.cli import build_parser
