@@ -42,6 +42,9 @@ def _require_tensor(name: str, t) -> torch.Tensor:
         raise KernelInputError(name, "a dense (strided) tensor", f"layout {t.layout}")
     if t.is_nested:  # strided in layout, but its shape cannot be read (torch raises an internal error)
         raise KernelInputError(name, "a dense (strided) tensor", "a nested tensor")
+    if t.is_neg():  # its memory holds the negated values, which the C++ and Triton kernels would read
+        raise KernelInputError(name, "a tensor without torch's negative bit (resolve_neg() it)",
+                               "a negative view (such as z.conj().imag)")
     if t.dtype not in FLOAT_DTYPES:
         raise DtypeNotAllowed(name, "a floating dtype", FLOAT_DTYPES, t.dtype)
     return t

@@ -246,6 +246,13 @@ def _nested(t: torch.Tensor) -> torch.Tensor:
         return torch.nested.nested_tensor(list(t))
 
 
+def _negative_view(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as a view with torch's negative bit, as z.conj().imag gives one."""
+    view = torch.complex(torch.zeros_like(t), -t).conj().imag
+    assert view.is_neg() and torch.equal(view, t)
+    return view
+
+
 SCAN_ERRORS = [
     # (change to the valid arguments, field, a fragment of `got`)
     pytest.param(with_changes(x=lambda a: a["x"].tolist()), "x", "list", id="x-not-a-tensor"),
@@ -279,6 +286,9 @@ SCAN_ERRORS = [
     # Strided in layout, but without sizes: reading its shape raised torch's internal error.
     pytest.param(with_changes(x=lambda a: _nested(a["x"])), "x", "nested", id="x-nested"),
     pytest.param(with_changes(h0=lambda a: _nested(a["h0"])), "h0", "nested", id="h0-nested"),
+    # Its memory holds the negated values: the cpu backend computed with them (found in review).
+    pytest.param(with_changes(D=lambda a: _negative_view(a["D"])), "D", "negative view", id="D-negative-view"),
+    pytest.param(with_changes(x=lambda a: _negative_view(a["x"])), "x", "negative view", id="x-negative-view"),
     # A flag is a bool, not a value read by its truthiness: "false" applied softplus.
     pytest.param(with_changes(dt_softplus="false"), "dt_softplus", "str", id="dt_softplus-str"),
     pytest.param(with_changes(return_state=[0]), "return_state", "list", id="return_state-list"),
@@ -319,6 +329,8 @@ def _update_base() -> dict:
 
 
 UPDATE_ERRORS = [
+    pytest.param(with_changes(state=lambda a: _negative_view(a["state"])), "state", "negative view",
+                 id="state-negative-view"),
     pytest.param(with_changes(state=lambda a: a["state"][0]), "state", "[6, 3]", id="state-2d"),
     pytest.param(with_changes(state=lambda a: a["state"].to(torch.int64)), "state", "int64",
                  id="state-int-dtype"),
