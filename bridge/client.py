@@ -106,10 +106,13 @@ def to_wire(value):
         # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d).
         arr = np.require(value, wire_dtype, "C")
         return protocol.OutTensor(WIRE_CODES[wire_dtype], arr.shape, arr)
-    if type(value).__module__.startswith("torch"):
+    # Looked up, not imported: a client that never made a torch tensor need not load torch. A
+    # subclass (another library's tensor type) is sent as the tensor it is.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         from bridge.tensors import to_wire as tensor_to_wire
 
-        return tensor_to_wire(value.detach())
+        return tensor_to_wire(value.detach().as_subclass(torch.Tensor))
     return value
 
 
@@ -491,7 +494,12 @@ class FramedClient:
         deadline_us = wire_deadline_us(deadline_s)
         with self._in_flight(request_id, entry) as request_id:
             wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
-            parts = self._encode(request_id, op, wire_args, deadline_us)
+            try:
+                parts = self._encode(request_id, op, wire_args, deadline_us)
+            except protocol.FrameTooLarge as too_large:
+                raise BridgeError("frame_too_large", f"{too_large.length} bytes exceed the {too_large.limit} "
+                                  "that msgpack's bin or a 4-byte length prefix can carry; it was not sent",
+                                  too_large.detail) from too_large
             entry.bytes_out = sum(memoryview(p).nbytes for p in parts)
             self._check_frame_size(entry.bytes_out - self._frame_overhead)
             entry.encode_us = (time.perf_counter_ns() - entry.start_ns) / 1000.0

@@ -238,6 +238,16 @@ def test_a_request_over_the_frame_limit_gets_the_servers_refusal_and_later_ones_
     assert len(pipe.client._pending) == 1
 
 
+def test_a_tensor_past_what_msgpack_carries_is_a_bridge_error_and_nothing_is_sent(pipe):
+    """A tensor of 4 GiB raised protocol.FrameTooLarge, not the BridgeError (frame_too_large) a
+    caller catches for a request too large (found in review)."""
+    huge = np.zeros(2**32 + 8, np.uint8)  # calloc'd: never touched, no memory taken
+    with pytest.raises(BridgeError, match="frame_too_large") as refused:
+        pipe.client.submit("put", {"tensor": huge})
+    assert refused.value.detail == {"length": 2**32 + 8, "limit": 2**32 - 1}
+    assert pipe.client._pending == {} and nothing_written(pipe)
+
+
 def test_an_id_nil_answer_goes_to_the_request_sent_not_to_an_older_one_not_sent_yet(pipe):
     """An id-nil answer (a frame the server dropped unread) is matched by length to the oldest
     request in flight that long: one registered first but not written yet (its thread between
@@ -1354,6 +1364,22 @@ def test_numpy_scalars_travel_as_numbers():
     # In a tuple too, as mamba_ssm's callers pass dt_limit.
     assert to_wire((np.float32(0.5), np.float32(2.0))) == [0.5, 2.0]
     assert type(to_wire(np.int64(3))) is int
+
+
+def test_a_torch_tensor_subclass_travels_as_its_tensor_and_other_torch_objects_are_refused():
+    """Tensors were told apart by their class's module: another library's subclass (MONAI's
+    MetaTensor) was refused as not encodable, and a torch.dtype failed on .detach() (found in
+    review)."""
+    torch = pytest.importorskip("torch")
+
+    class MetaTensor(torch.Tensor):
+        pass
+
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3).as_subclass(MetaTensor)
+    received = from_wire(through_the_wire(tensor))
+    np.testing.assert_array_equal(received, np.arange(6, dtype=np.float32).reshape(2, 3))
+    with pytest.raises(TypeError, match="cannot encode a torch.dtype"):
+        protocol.encode_request(1, "model_load", to_wire({"dtype": torch.bfloat16}))
 
 
 def test_a_dtype_without_a_wire_code_is_a_type_error_naming_it():
