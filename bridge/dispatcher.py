@@ -192,6 +192,11 @@ class Dispatcher:
         self._pending = 0
         self._pending_bytes = 0  # their frames' bytes, which they hold until answered
         self._unanswered_general = 0
+        # Of those in flight, the ones whose reply is being written (and their bytes): the caps
+        # do not count them, or a client sending its next request as a reply reaches it would
+        # find the one answered still counted, and be refused past a cap it never reached.
+        self._leaving = 0
+        self._leaving_bytes = 0
         self._pending_lock = threading.Lock()
         self._idle = threading.Condition(self._pending_lock)
         self._reply_failures = ThrottledWarning(log)
@@ -333,11 +338,11 @@ class Dispatcher:
             # stop_requested: set by the shutdown op as it runs, before the main loop's drain
             if not immediate and (not self.accepting or self.server.stop_requested.is_set()):
                 refusal = OpError("shutting_down", "the server is shutting down and takes no new requests")
-            elif self._pending >= self.max_pending and not (immediate or past_caps):
+            elif self._pending - self._leaving >= self.max_pending and not (immediate or past_caps):
                 refusal = OpError("overloaded", f"more than {self.max_pending} requests in flight",
                                   {"limit": self.max_pending})
-            elif self._pending and self._pending_bytes + nbytes > self.max_pending_bytes and not (immediate or
-                                                                                                 past_caps):
+            elif (self._pending > self._leaving and self._pending_bytes - self._leaving_bytes + nbytes >
+                  self.max_pending_bytes and not (immediate or past_caps)):
                 refusal = OpError("overloaded", f"more than {self.max_pending_bytes} bytes of requests in flight",
                                   {"limit": self.max_pending_bytes})
             elif fast and self._unanswered_general:
@@ -366,7 +371,7 @@ class Dispatcher:
         idle = None if request is None else self._admit(len(body), fast=True)
         if idle is None:
             return False
-        answered = False
+        answered = leaving = False
         try:
             waiting_since = now_ns()
             with self._serving:
@@ -394,6 +399,8 @@ class Dispatcher:
             answered = True
             self.server.probe.note_launch()
             reply, timing = outcome
+            self._begin_leaving(len(body))
+            leaving = True
             try:
                 self._send(conn, [reply])
             except protocol.FrameTooLarge as exc:  # nothing was written: the error is the answer
@@ -403,7 +410,7 @@ class Dispatcher:
             return True
         finally:
             if answered:
-                self._leave(len(body))
+                self._leave(len(body), leaving)
 
     def on_frame_error(self, conn, exc: protocol.FrameDropped) -> None:
         """A frame drained unread by the transport (oversized, or no memory to hold it): read,
@@ -768,7 +775,7 @@ class Dispatcher:
             if call.release:
                 call.release()
         finally:
-            self._leave(call.nbytes)
+            self._leave(call.nbytes, call.replying)
 
     def _replying_uncalled(self) -> None:
         """_replying for a request handed over by the fast path that never became a call."""
@@ -785,12 +792,25 @@ class Dispatcher:
             call.replying = True
             with self._pending_lock:
                 self._unanswered_general -= 1
+                self._leaving += 1
+                self._leaving_bytes += call.nbytes
 
-    def _leave(self, nbytes: int) -> None:
-        """A request of `nbytes` is no longer in flight (drain waits for none to be)."""
+    def _begin_leaving(self, nbytes: int) -> None:
+        """A request of `nbytes` is answered, its reply about to be written: the caps count it no
+        more (drain still does, until _leave)."""
+        with self._pending_lock:
+            self._leaving += 1
+            self._leaving_bytes += nbytes
+
+    def _leave(self, nbytes: int, leaving: bool = False) -> None:
+        """A request of `nbytes` is no longer in flight (drain waits for none to be); `leaving`:
+        counted so since its reply began (_begin_leaving, _replying)."""
         with self._idle:
             self._pending -= 1
             self._pending_bytes -= nbytes
+            if leaving:
+                self._leaving -= 1
+                self._leaving_bytes -= nbytes
             if self._pending == 0:
                 self._idle.notify_all()
 

@@ -280,6 +280,38 @@ def test_cancel_is_served_past_the_pending_cap(inproc):
     assert conn.reply(queued).error["code"] == "cancelled"
 
 
+class AnsweringConnection(RecordingConnection):
+    """A peer that sends its next request (`then`) as its first reply reaches it: before the
+    server has finished with the request answered."""
+
+    def __init__(self):
+        super().__init__()
+        self.then = None
+
+    def send(self, parts: list, buffers: list | None = None) -> None:
+        super().send(parts, buffers)
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+
+
+@pytest.mark.parametrize("cap", [pytest.param({"max_pending": 1}, id="max-pending"),
+                                 pytest.param({"max_pending_bytes": 10}, id="max-pending-bytes")])
+def test_a_request_sent_as_the_last_reply_arrives_is_not_refused_for_it(inproc, cap):
+    """A sequential client at the cap got `overloaded` now and then (found in review): its next
+    request came (on ZeroMQ's io thread) while the one answered was still counted in flight,
+    its reply written but the worker not yet done with it."""
+    srv = inproc(**cap)
+    conn = AnsweringConnection()
+    later = []
+    conn.then = lambda: later.append(srv.submit(conn, "info"))
+    assert srv.request(conn, "info").ok
+    reply = conn.reply(later[0])
+    assert reply.ok, reply.error
+    assert (srv.dispatcher._pending, srv.dispatcher._pending_bytes) == (0, 0)
+    assert (srv.dispatcher._leaving, srv.dispatcher._leaving_bytes) == (0, 0)
+
+
 def test_requests_past_the_pending_bytes_cap_are_refused_until_answered(inproc):
     """--max-pending-bytes: the count of requests in flight alone let thousands of large frames
     be held at once. A request that would take their bytes past the cap is answered

@@ -433,6 +433,34 @@ def test_native_steps_keep_to_max_pending_bytes(inproc):
     assert (srv.dispatcher._pending, srv.dispatcher._pending_bytes) == (0, 0)
 
 
+def test_a_native_step_sent_as_the_last_reply_arrives_is_not_refused_for_it(inproc):
+    """A client stepping one frame at a time at --max-pending 1 was refused `overloaded` now and
+    then (found in review): its next step came while the one answered, its reply written, was
+    still counted in flight."""
+    case = StepCase(1, 4, 2)
+    seed = random_seed()
+    gen = torch.Generator().manual_seed(seed)
+    srv, conn = inproc(max_pending=1), RecordingConnection()
+    session, consts = open_session(srv, conn, case, constants(case, gen))
+    served, later, replies = Served(srv), [], []
+    send = conn.send
+
+    def answering(parts, buffers=None):
+        send(parts, buffers)
+        replies.append(None)
+        if len(replies) == 1:  # the next step, sent as the first reply arrives
+            later.append(srv.submit(conn, "step", session=session, more_input=False, **consts,
+                                    **step_inputs(case, gen)))
+
+    conn.send = answering
+    first = srv.submit(conn, "step", session=session, more_input=False, **consts, **step_inputs(case, gen))
+    for request_id in (first, later[0]):
+        reply = conn.reply(request_id)
+        assert reply.ok, f"seed={seed}: {reply.error}"
+    assert served.taken == 2, f"seed={seed}"
+    assert (srv.dispatcher._pending, srv.dispatcher._leaving) == (0, 0)
+
+
 def test_a_step_of_a_peer_known_gone_is_answered_cancelled_unrun_as_the_general_path_answers_it(inproc):
     """A stream peer that closed its end (here the reading end of the reply pipe, a stdio
     client's stdout) is known gone once a reply to it could not be written, and its steps read
