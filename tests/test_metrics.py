@@ -103,6 +103,27 @@ def test_requests_refused_before_they_run_count_as_their_ops_failures(inproc):
     assert stats["errors"] == {"missing_argument": 2, "overloaded": 1, "shutting_down": 1, "unknown_op": 1}
 
 
+def test_exphil_requests_are_timed_as_v1_ones_are(inproc):
+    """A legacy reply has no timing to carry, and its codec never asked for it: legacy_scan,
+    legacy_ping and legacy_info were counted with every stage at 0 and no histogram sample, so
+    an ExPhil deployment saw its traffic and no latency (found in review)."""
+    from bridge.transports.base import Connection
+
+    srv, replies = inproc(), []
+    legacy = Connection("test")
+    legacy.send = lambda parts, buffers=None: replies.append(msgpack.unpackb(b"".join(parts)))
+    zeros = bytes(4 * 2 * 3)
+    scan = {"op": "scan", "batch": 1, "seq_len": 2, "hidden": 3, "state": 1, "x": zeros, "dt": zeros,
+            "A": bytes(4 * 3), "B": bytes(4 * 2), "C": bytes(4 * 2)}
+    for message in (scan, {"op": "ping"}):
+        srv.dispatcher.on_frame(legacy, bytearray(msgpack.packb(message)), time.perf_counter_ns())
+    wait_until(lambda: len(replies) == 2, "the legacy requests were never answered")
+    assert [reply["status"] for reply in replies] == ["ok", "ok"], replies
+    ops = srv.server.stats.snapshot()["ops"]
+    for op, stages in (("legacy_scan", ("server_us", "kernel_us", "encode_us")), ("legacy_ping", ("server_us",))):
+        assert ops[op]["success_count"] == 1 and all(ops[op][stage] > 0 for stage in stages), ops[op]
+
+
 def test_lanes_and_what_closed_connections_left_are_counted_apart(tmp_path):
     """Frames and bytes per lane add up to the totals; a unix connection that closes owning a
     session and a handle shows in scan_bridge_released_total."""
