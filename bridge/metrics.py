@@ -140,6 +140,11 @@ class ServerCollector:
     def __init__(self, server):
         self.server = server
 
+    def describe(self):
+        """The metric families, by which the registry finds this collector for a scrape that
+        asks for some by name (`?name[]=`): none, without it."""
+        return list(self.collect())
+
     def collect(self):
         stats = self.server.stats.snapshot()
         yield from _requests(stats["ops"])
