@@ -910,10 +910,11 @@ def test_parts_past_the_most_raw_buffers_are_counted_not_kept(tmp_path, monkeypa
     try:
         server.bind(f"ipc://{tmp_path}/parts.ipc")
         client.connect(f"ipc://{tmp_path}/parts.ipc")
-        client.send_multipart([b"body", *[b""] * 5000])
+        client.send_multipart([b"body", *[b"xy"] * 5000])
         assert server.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN)
-        frames, parts = ZmqTransport._receive_message(server)
+        frames, parts, unkept_bytes = ZmqTransport._receive_message(server)
         assert parts == 1 + 1 + 5000  # the routing id, the body, the buffers
+        assert unkept_bytes == 2 * (parts - len(frames))  # counted as read (found in review)
         assert len(frames) == zmq_lane.ENVELOPE_AND_BODY + zmq_lane.MAX_RAW_BUFFERS + 1
         assert not server.get(zmq.RCVMORE)
     finally:
@@ -990,7 +991,7 @@ def test_a_message_of_more_raw_buffers_than_a_request_may_have_is_turned_away_un
             dealers(transport, 1) as (client,):
         at_limit = list(protocol.encode_request(1, "put", {"tensor": tensor}, buffers=(buffers := [])))
         client.send_multipart([b"".join(at_limit), *buffers, *[b"\x00" * 4] * 3])  # 4 raw buffers: stray ones
-        client.send_multipart([b"".join(protocol.encode_request(2, "ping", {})), *[b""] * (4 + extra)])
+        client.send_multipart([b"".join(protocol.encode_request(2, "ping", {})), *[b"\x00"] * (4 + extra)])
         client.send(b"".join(protocol.encode_request(3, "ping", {})))
         replies = {}
         while len(replies) < 3 and client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN):
@@ -1001,7 +1002,12 @@ def test_a_message_of_more_raw_buffers_than_a_request_may_have_is_turned_away_un
         assert replies[2]["error"]["code"] == "limit_exceeded", replies[2]
         assert replies[2]["error"]["detail"] == {"limit": "raw_buffers", "max": 4, "requested": 4 + extra}
         assert replies[3]["result"] == {"pong": True}
-        assert dispatcher.server.stats.snapshot()["errors"]["limit_exceeded"] == 1
+        stats = dispatcher.server.stats.snapshot()
+        assert stats["errors"]["limit_exceeded"] == 1
+        # Every byte sent counts as read, those of the parts dropped unkept too (found in review).
+        sent = sum(len(part) for part in at_limit) + 4 + 3 * 4 + len(b"".join(protocol.encode_request(2, "ping", {}))) + \
+            (4 + extra) + len(b"".join(protocol.encode_request(3, "ping", {})))
+        assert stats["lanes"]["zmq"]["bytes_in"] == sent, stats["lanes"]["zmq"]
 
 
 def ipc_lane(path) -> ZmqTransport:

@@ -429,7 +429,7 @@ class ZmqTransport:
     def _receive(self, index: int, sock: zmq.Socket) -> None:
         for _ in range(RECEIVE_BATCH):
             try:
-                frames, parts = self._receive_message(sock)
+                frames, parts, unkept_bytes = self._receive_message(sock)
             except zmq.Again:
                 return
             received_ns = now_ns()
@@ -473,7 +473,8 @@ class ZmqTransport:
             if buffers > MAX_RAW_BUFFERS:
                 self._turn_away(peer, request, "limit_exceeded", f"buffers: expected at most {MAX_RAW_BUFFERS} raw "
                                 f"buffers after the body, got {buffers}",
-                                {"limit": "raw_buffers", "max": MAX_RAW_BUFFERS, "requested": buffers})
+                                {"limit": "raw_buffers", "max": MAX_RAW_BUFFERS, "requested": buffers},
+                                unkept_bytes)
             elif not peer.kept:
                 self._turn_away(peer, request, "overloaded", f"more than {self.max_peers} ZeroMQ peers held at "
                                 "once; retry later", {"limit": self.max_peers})
@@ -485,18 +486,18 @@ class ZmqTransport:
                 self._decline(peer, request)
 
     @staticmethod
-    def _receive_message(sock: zmq.Socket) -> tuple[list, int]:
+    def _receive_message(sock: zmq.Socket) -> tuple[list, int, int]:
         """The next message's parts, up to the most a request may have (the rest read and
-        dropped), and how many it had; zmq.Again when none waits. A message arrives whole, so
-        only its first part can find none."""
+        dropped), how many it had, and the bytes of those dropped; zmq.Again when none waits. A
+        message arrives whole, so only its first part can find none."""
         frames = [sock.recv(zmq.NOBLOCK, copy=False)]
         while frames[-1].more and len(frames) < ENVELOPE_AND_BODY + MAX_RAW_BUFFERS + 1:
             frames.append(sock.recv(copy=False))
-        parts = len(frames)
+        parts, unkept_bytes = len(frames), 0
         while sock.get(zmq.RCVMORE):
-            sock.recv(copy=True)
+            unkept_bytes += len(sock.recv(copy=True))
             parts += 1
-        return frames, parts
+        return frames, parts, unkept_bytes
 
     def _source_fd(self, frame: zmq.Frame) -> int | None:
         """The descriptor a message came in on; None where libzmq no longer tells (its peers'
@@ -555,14 +556,16 @@ class ZmqTransport:
         self._turn_away(peer, request, "overloaded", f"more than {self.hwm} requests of this peer waiting; retry later",
                         {"limit": self.hwm})
 
-    def _turn_away(self, peer: ZmqPeer, request: tuple, code: str, text: str, detail: dict) -> None:
-        """Answer `request` with error `code` at once, unread by the dispatcher."""
+    def _turn_away(self, peer: ZmqPeer, request: tuple, code: str, text: str, detail: dict,
+                   unkept_bytes: int = 0) -> None:
+        """Answer `request` with error `code` at once, unread by the dispatcher; `unkept_bytes`:
+        those of its parts read and dropped, which count as read too."""
         message, _, target = request
         parts, op = protocol.error_reply_for(message[0].buffer, [frame.buffer for frame in message[1:]],
                                              code, text, detail)
         # Read as the dispatcher counts a request (SPEC §6.3); its answer counts as it leaves.
         stats = self.dispatcher.server.stats
-        stats.frame_in(sum(len(frame) for frame in message), target.lane)
+        stats.frame_in(sum(len(frame) for frame in message) + unkept_bytes, target.lane)
         if op is None:
             stats.record_error(code)
         else:
