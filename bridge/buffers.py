@@ -18,10 +18,15 @@ import mmap
 import threading
 
 MIN_CAPACITY = 64 * 1024
+# Pooled buffers keep their pages committed for as long as the server runs, its clients gone or
+# not: a lane keeps at most this much, and no buffer larger than MAX_POOLED_BUFFER, whose page
+# faults cost little beside the work a frame that large brings.
+MAX_POOLED_BYTES = 128 * 1024 * 1024
+MAX_POOLED_BUFFER = 32 * 1024 * 1024
 
 
 class BufferPool:
-    def __init__(self, max_buffers: int = 8, max_pooled_bytes: int = 512 * 1024 * 1024):
+    def __init__(self, max_buffers: int = 8, max_pooled_bytes: int = MAX_POOLED_BYTES):
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self.max_buffers = max_buffers
@@ -43,6 +48,6 @@ class BufferPool:
 
     def _release(self, buf: mmap.mmap) -> None:
         with self._lock:
-            if len(self._free) < self.max_buffers and \
+            if len(buf) <= MAX_POOLED_BUFFER and len(self._free) < self.max_buffers and \
                     sum(map(len, self._free)) + len(buf) <= self.max_pooled_bytes:
                 self._free.append(buf)
