@@ -50,9 +50,8 @@ class LegacyCodec:
     stats_prefix = "legacy_"
 
     def reply(self, request, result: dict, timing, buffers: list | None = None) -> list:
-        parts = encode_legacy_reply(result)
-        timing()  # not sent (a legacy reply has no place for it), but the stats count its stages
-        return parts
+        # ExPhil's map patterns ignore the key; its client reads the kernel/bridge split from it.
+        return encode_legacy_reply(result, timing=timing)
 
     def error(self, request_id, code: str, message: str, detail: dict | None = None) -> list:
         # SPEC §7: a legacy error names the request's top-level key; the scan op's own checks

@@ -57,7 +57,9 @@ def exphil_expected(inp):
 
 
 def check_ok_reply(reply, inp, shape):
-    assert set(reply) == {"status", "result", "shape"}
+    # The timing last, as a v1 reply's: the kernel/bridge split (found in review: none was sent).
+    assert list(reply) == ["status", "result", "shape", "timing"]
+    assert reply["timing"]["kernel_us"] > 0 and reply["timing"]["server_us"] >= reply["timing"]["kernel_us"]
     assert reply["status"] == "ok"
     assert reply["shape"] == list(shape)
     y = torch.from_numpy(np.frombuffer(reply["result"], dtype=np.float32).reshape(shape).copy())
