@@ -1186,12 +1186,14 @@ def _check_mamba1_backward_inf(simd_backend, seq, state, operand, value, *, dim,
             inf_may_be_nan=False, unsettled=_unsettled_signs(e, probed[name]))
 
 
-# An infinite x at a step the clamp cuts off (every other input positive, so that the reference's
-# other gradients are no NaN): torch.clamp selects a zero gradient there, where the kernels
-# multiplied by the clamp's zero slope, inf * 0 = NaN in ddt and in Mamba-1's summed ddt_bias
-# (found in review).
+# An infinite x at a step whose dt the clamp cuts off (every other input positive, so that the
+# reference's other gradients are no NaN): torch.clamp selects a zero gradient there, where the
+# kernels multiplied by the clamp's zero slope, inf * 0 = NaN in ddt and in Mamba-1's summed
+# ddt_bias (found in review). A softplus slope that underflows to zero is no cut: it multiplies,
+# as torch's does, and the infinite gradient does not vanish into a 0 (found in review of that fix).
+@pytest.mark.parametrize("cut", ["clamp", "softplus-underflow"])
 @pytest.mark.parametrize("kind", ["scan", "ssd"])
-def test_simd_variant_backward_gives_a_step_the_clamp_cuts_off_a_zero_ddt(simd_backend, kind):
+def test_simd_variant_backward_zeroes_ddt_only_where_the_clamp_cuts_dt(simd_backend, kind, cut):
     import scan_kernels
 
     gen = torch.Generator().manual_seed(random_seed())
@@ -1199,22 +1201,30 @@ def test_simd_variant_backward_gives_a_step_the_clamp_cuts_off_a_zero_ddt(simd_b
     if kind == "scan":
         x, dt, dy = positive(1, 6, 4), torch.full((1, 6, 4), 0.2), positive(1, 6, 4)
         operands = (x, dt, -positive(4, 3), positive(1, 6, 1, 3), positive(1, 6, 1, 3))
-        options = dict(dt_bias=torch.zeros(4), dt_max=0.5, layout="bld")
+        options = dict(dt_bias=torch.zeros(4), layout="bld")
         x[0, 2, 1] = math.inf
         backward = scan_kernels.selective_scan_backward
     else:
         x, dt, dy = positive(1, 6, 2, 2), torch.full((1, 6, 2), 0.2), positive(1, 6, 2, 2)
         operands = (x, dt, -positive(2), positive(1, 6, 1, 3), positive(1, 6, 1, 3))
-        options = dict(dt_bias=None, dt_max=0.5, chunk_size=4)
+        options = dict(dt_bias=None, chunk_size=4)
         x[0, 2, 1, 0] = math.inf
         backward = scan_kernels.ssd_scan_backward
-    dt[0, 2, 1] = 0.9  # past dt_max
-    options.update(D=None, z=None, dt_softplus=False, dt_min=None, h0=None, dstate=None)
+    if cut == "clamp":
+        dt[0, 2, 1] = 0.9  # past dt_max
+        options.update(dt_softplus=False, dt_max=0.5)
+    else:
+        dt[0, 2, 1] = -200.0  # softplus' slope is 0 in fp32
+        options.update(dt_softplus=True, dt_max=None)
+    options.update(D=None, z=None, dt_min=None, h0=None, dstate=None)
     expected = backward(dy, *operands, **options, backend="reference")
     got = getattr(simd_backend, "ssd_scan_backward" if kind == "ssd" else "scan_backward")(dy, *operands, **options)
-    assert expected["dt"][0, 2, 1] == 0 and got["dt"][0, 2, 1] == 0, got["dt"][0, :, 1]
-    if kind == "scan":
-        assert got["dt_bias"][1] == expected["dt_bias"][1] == -math.inf, got["dt_bias"]
+    if cut == "clamp":
+        assert expected["dt"][0, 2, 1] == 0 and got["dt"][0, 2, 1] == 0, got["dt"][0, :, 1]
+        if kind == "scan":
+            assert got["dt_bias"][1] == expected["dt_bias"][1] == -math.inf, got["dt_bias"]
+    else:
+        assert not math.isfinite(expected["dt"][0, 2, 1]) and not math.isfinite(got["dt"][0, 2, 1]), got["dt"][0, :, 1]
 
 
 # ±inf in one input of one (sequence, head), gated by z, through Mamba-2's chunked backward, per

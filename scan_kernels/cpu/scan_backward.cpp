@@ -40,7 +40,7 @@ class BackwardRunner {
         chunk_(chunk_steps(p, longest_)),
         chunks_((longest_ + chunk_ - 1) / chunk_),
         scratch_(Scratch::bytes<V>(chunks_ * N_) + 3 * Scratch::bytes<V>(N_) + 4 * Scratch::bytes<V>(1) +
-                 10 * Scratch::bytes<V>(chunk_) + Scratch::bytes<V>((chunk_ + 1) * N_) +
+                 11 * Scratch::bytes<V>(chunk_) + Scratch::bytes<V>((chunk_ + 1) * N_) +
                  Scratch::bytes<V>(chunk_ * N_) + 2 * Scratch::bytes<V>(N_)) {
     for (int l = 0; l < W; ++l) lane_[l] = static_cast<T>(l);
     ckpt_ = scratch_.take<V>(chunks_ * N_);
@@ -54,6 +54,7 @@ class BackwardRunner {
     xs_ = scratch_.take<V>(chunk_);
     dls_ = scratch_.take<V>(chunk_);
     slope_ = scratch_.take<V>(chunk_);
+    kept_ = scratch_.take<V>(chunk_);
     dts_ = scratch_.take<V>(chunk_);
     dtx_ = scratch_.take<V>(chunk_);
     gs_ = scratch_.take<V>(chunk_);
@@ -148,23 +149,24 @@ class BackwardRunner {
     const V one = Lanes<T>::splat(static_cast<T>(1)), zero = V{};
     for (int t = 0; t < steps; ++t) {
       const V v = dls_[t] + bias_[0];
-      V d = v, slope = one;
+      V d = v, slope = one, kept = one;
       if (p_.dt_softplus) {
         d = Math<T>::softplus(v);
         slope = v > static_cast<T>(20) ? one : Math<T>::sigmoid(v);
       }
-      // The forward's clamp lets NaN through; torch.clamp's gradient is 0 for it (its
-      // comparisons are false), so the slope's test is written the other way round.
+      // `kept`: zero where the clamp cut dt. The forward's clamp lets NaN through; torch.clamp's
+      // gradient is 0 for it (its comparisons are false), so the test is written the other way round.
       if (p_.has_dt_min) {
-        slope = d >= lo ? slope : zero;
+        kept = d >= lo ? kept : zero;
         d = d < lo ? lo : d;
       }
       if (p_.has_dt_max) {
-        slope = d <= hi ? slope : zero;
+        kept = d <= hi ? kept : zero;
         d = d > hi ? hi : d;
       }
       dls_[t] = d;
       slope_[t] = slope;
+      kept_[t] = kept;
       dtx_[t] = d * xs_[t];
       dts_[t] = Math<T>::scale_dt(d);
     }
@@ -282,9 +284,9 @@ class BackwardRunner {
       dh_[n] = a[n] * dh;
     }
     dxs_[t] = p_.D != nullptr ? dy * D_[0] + dl * dhB : dl * dhB;
-    // A zero slope is the clamp's cut: torch.clamp selects a zero there, which an infinite
-    // gradient times the slope would make NaN.
-    dds_[t] = slope_[t] == V{} ? V{} : (x * dhB + qA) * slope_[t];
+    // Where the clamp cut dt, torch.clamp selects a zero gradient: an infinite one times a zero
+    // would be NaN. A softplus slope that underflowed to zero multiplies, as torch's does.
+    dds_[t] = kept_[t] == V{} ? V{} : (x * dhB + qA) * slope_[t];
     dbias_[0] += dds_[t];
   }
 
@@ -328,7 +330,7 @@ class BackwardRunner {
   Scratch scratch_;
   int64_t prepared_block_ = -1;
   int64_t first_ = 0, length_ = 0, item_chunks_ = 0;  // the running item's sequence (run())
-  V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *dts_, *dtx_, *gs_, *zs_, *dxs_,
+  V *ckpt_, *A_, *dh_, *dA_, *D_, *dD_, *bias_, *dbias_, *xs_, *dls_, *slope_, *kept_, *dts_, *dtx_, *gs_, *zs_, *dxs_,
       *dds_, *dzs_;
   const T *Bs_ = nullptr, *Cs_ = nullptr;  // the packed chunk's first B and C rows
   V *hist_, *decay_, *dBp_, *dCp_;

@@ -33,30 +33,32 @@ namespace scan_bridge {
 namespace {
 
 // Head `head` of `heads` at times first .. first + length of the packed operands: delta_t (dt
-// through bias, softplus and clamp, as ssd_kernel.cpp takes it) and d(delta)/d(dt).
+// through bias, softplus and clamp, as ssd_kernel.cpp takes it), d(delta)/d(dt) within the
+// clamp's range, and whether dt lay in it (`kept`, 1 or 0).
 template <typename T>
 void discretize_head(const ScanBackwardProblem<T>& p, int64_t head, int64_t heads, int64_t first, int64_t length,
-                     T* deltas, T* slopes) {
+                     T* deltas, T* slopes, T* kept) {
   const T lo = static_cast<T>(p.dt_min), hi = static_cast<T>(p.dt_max);
   const T bias = p.dt_bias == nullptr ? T(0) : p.dt_bias[head];
   for (int64_t t = 0; t < length; ++t) {
     const T v = p.dt[(first + t) * heads + head] + bias;
-    T d = v, slope = 1;
+    T d = v, slope = 1, inside = 1;
     if (p.dt_softplus && v <= T(20)) {
       d = std::log1p(std::exp(v));
       slope = T(1) / (T(1) + std::exp(-v));
     }
     // torch.clamp's gradient is 0 outside the range and for NaN (its comparisons are false).
     if (p.has_dt_min) {
-      slope = d >= lo ? slope : T(0);
+      inside = d >= lo ? inside : T(0);
       d = d < lo ? lo : d;
     }
     if (p.has_dt_max) {
-      slope = d <= hi ? slope : T(0);
+      inside = d <= hi ? inside : T(0);
       d = d > hi ? hi : d;
     }
     deltas[t] = d;
     slopes[t] = slope;
+    kept[t] = inside;
   }
 }
 
@@ -174,7 +176,7 @@ class SsdBackwardRunner {
                  Scratch::bytes<V>(NV_ * W * QV_) + Scratch::bytes<V>(PV_ * W * QV_) +
                  2 * Scratch::bytes<V>(PV_ * W * NV_) + 2 * Scratch::bytes<V>(NV_ * W * PV_) +
                  2 * Scratch::bytes<V>(PV_) + Scratch::bytes<V>(QV_) + 3 * Scratch::bytes<double>(Q_) +
-                 3 * Scratch::bytes<T>(QV_ * W) + 2 * Scratch::bytes<T>(longest_)) {
+                 3 * Scratch::bytes<T>(QV_ * W) + 3 * Scratch::bytes<T>(longest_)) {
     // Matrices have whole vectors of rows as well as of columns, for transposing W x W blocks;
     // their padding rows and lanes stay zero.
     hin_ = scratch_.take<V>(chunks_ * PV_ * W * NV_);
@@ -196,6 +198,7 @@ class SsdBackwardRunner {
     for (T** v : {&ecs_, &w_, &dots_}) *v = scratch_.take<T>(QV_ * W);
     deltas_ = scratch_.take<T>(longest_);
     slopes_ = scratch_.take<T>(longest_);
+    kept_ = scratch_.take<T>(longest_);
     for (int l = 0; l < W; ++l) lane_[l] = static_cast<T>(l);
   }
 
@@ -215,7 +218,7 @@ class SsdBackwardRunner {
     first_ = p_.cu_seqlens == nullptr ? b_index_ * p_.seq : p_.cu_seqlens[b_index_];
     length_ = p_.cu_seqlens == nullptr ? p_.seq : p_.cu_seqlens[b_index_ + 1] - first_;
     item_chunks_ = (length_ + Q_ - 1) / Q_;
-    discretize_head(p_, h_, H_, first_, length_, deltas_, slopes_);
+    discretize_head(p_, h_, H_, first_, length_, deltas_, slopes_, kept_);
     std::memset(static_cast<void*>(D_), 0, PV_ * sizeof(V));
     if (p_.D != nullptr) std::memcpy(static_cast<void*>(D_), p_.D + h_ * P_, P_ * sizeof(T));
     chunk_states();
@@ -469,9 +472,8 @@ class SsdBackwardRunner {
         const T da = static_cast<T>(dcs_from_t + da_spans_[t]);
         const T delta = deltas_[t0 + t];
         dA += da * delta;
-        // A zero slope is the clamp's cut: a zero selected, as torch.clamp's, not inf * 0.
-        const T slope = slopes_[t0 + t];
-        const T ddt = slope == T(0) ? T(0) : (da * A_ + dots_[t]) * slope;
+        // Where the clamp cut dt, a zero selected, as torch.clamp's, not inf * 0.
+        const T ddt = kept_[t0 + t] == T(0) ? T(0) : (da * A_ + dots_[t]) * slopes_[t0 + t];
         dbias += ddt;
         p_.ddt[(first_ + t0 + t) * H_ + h_] = ddt;
         const V d = Lanes<T>::splat(delta);
@@ -525,7 +527,7 @@ class SsdBackwardRunner {
   bool finite_spans_ = true;
   const T* chunk_deltas_ = nullptr;
   V lane_;  // each lane's index
-  T *ecs_, *w_, *dots_, *deltas_, *slopes_;
+  T *ecs_, *w_, *dots_, *deltas_, *slopes_, *kept_;
 };
 
 }  // namespace
