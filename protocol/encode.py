@@ -28,6 +28,9 @@ from .tensors import HandleRef, OutTensor, WireTensor
 BIG_PAYLOAD = 16 * 1024
 # msgpack's bin 32 carries its length in 4 bytes.
 MAX_BIN_BYTES = 0xFFFFFFFF
+# Containers nested deeper are refused by the encoder: a server's decoder refuses such a body
+# before it reads the id, and its answer (id nil, no length) names no request to wake.
+MAX_NESTING = 512
 _SCALAR_ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -77,9 +80,12 @@ class Packer:
         else:
             self.small += view
 
-    def value(self, value, path: str) -> None:
+    def value(self, value, path: str, depth: int = 0) -> None:
         """Encode `value`: dict (str keys), list, tuple, str, int, float, bool, None, bytes-like
-        (as bin), OutTensor or WireTensor (as a tensor map), HandleRef (as {"handle": ...})."""
+        (as bin), OutTensor or WireTensor (as a tensor map), HandleRef (as {"handle": ...}).
+        `depth`: the containers around it, at most MAX_NESTING."""
+        if depth > MAX_NESTING:
+            raise ValueError(f"{path}: expected values nested at most {MAX_NESTING} containers deep (SPEC §3)")
         if isinstance(value, (OutTensor, WireTensor)):
             self.small.append(0x83)
             self.small += b"\xa5dtype"
@@ -102,11 +108,11 @@ class Packer:
                 if not isinstance(key, str):
                     raise TypeError(f"{path}: expected str keys, got {type(key).__name__} key {key!r}")
                 _SCALAR_ENCODER.encode_into(key, self.small, -1)
-                self.value(item, f"{path}.{key}")
+                self.value(item, f"{path}.{key}", depth + 1)
         elif isinstance(value, (list, tuple)):
             self._header(len(value), 0x90, 0xDC, 0xDD)
             for i, item in enumerate(value):
-                self.value(item, f"{path}[{i}]")
+                self.value(item, f"{path}[{i}]", depth + 1)
         elif isinstance(value, (bytes, bytearray, memoryview)):
             view = memoryview(value)
             self.binary(view if view.format == "B" and view.ndim == 1 else view.cast("B"))

@@ -217,6 +217,24 @@ def test_a_request_that_fails_to_encode_leaves_nothing_in_flight(pipe):
     assert pipe.client._pending == {}
 
 
+def test_a_request_nested_past_what_the_server_reads_is_refused_in_the_caller(pipe):
+    """Its answer (id nil, no length: the server could not read its id) named no request, and
+    the call waited out its timeout (found in review)."""
+    from protocol.encode import MAX_NESTING
+
+    deep = 1
+    for _ in range(MAX_NESTING):
+        deep = [deep]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # as an application may: to_wire's own recursion then takes it
+    try:
+        with pytest.raises(ValueError, match="nested at most"):
+            pipe.client.submit("model_load", {"config": {"a": deep}, "weights": {}})
+    finally:
+        sys.setrecursionlimit(limit)
+    assert pipe.client._pending == {} and nothing_written(pipe)
+
+
 def test_a_request_over_the_frame_limit_gets_the_servers_refusal_and_later_ones_are_not_sent(pipe):
     big = pipe.client.submit("put", {"tensor": np.zeros(2048, np.float32)})
     small = pipe.client.submit("ping")

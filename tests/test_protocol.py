@@ -715,6 +715,27 @@ def test_a_map_of_many_small_tensors_decodes_as_one_of_a_few(multipart):
         ("u8", (2,), bytes([i, 1])) for i in range(200)]
 
 
+def _nested(depth: int):
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_the_encoder_refuses_what_a_decoder_could_not_read_and_takes_what_it_can():
+    """A body nested past the server's decoder is refused before its id is read: the answer (id
+    nil, no length) named no request, and the Python client's call waited out its timeout
+    (found in review). The encoder stops at MAX_NESTING, which decoders take."""
+    from protocol.encode import MAX_NESTING
+
+    # args, config and its entry's list are three containers around the list's own levels.
+    deepest = decode_request(memoryview(b"".join(
+        encode_request(1, "model_load", {"config": {"a": _nested(MAX_NESTING - 2)}, "weights": {}}))))
+    assert deepest.args["config"]["a"] == _nested(MAX_NESTING - 2)
+    with pytest.raises(ValueError, match=rf"args.config.a(\[0\])+: expected values nested at most {MAX_NESTING}"):
+        encode_request(1, "model_load", {"config": {"a": _nested(MAX_NESTING - 1)}, "weights": {}})
+
+
 def test_a_map_of_tensors_nested_past_the_steppers_stack_is_a_decode_error():
     # As an array's items (below): stepping over a map's entries must end in decode_error.
     from protocol._reader import Reader
