@@ -1059,7 +1059,10 @@ class FramedClient:
                    dtype: str | None = None, name: str | None = None, timeout: float | None = 60.0) -> RemoteModel:
         """A model loaded on the server: from a checkpoint directory `path` under the server's
         --model-dir, or from a `config` map and `weights` (name -> array or handle) sent here.
-        `dtype`: "f32" (default), "bf16" or "f16" for the weights; state is always fp32."""
+        `dtype`: "f32" (default), "bf16" or "f16" for the weights; state is always fp32. A
+        transformers model goes as `config=json.loads(model.config.to_json_string())` and
+        `weights=model.state_dict()`: `config.to_dict()` keeps int keys (id2label), which the
+        protocol refuses (SPEC §3)."""
         args = {"path": path, "config": config, "weights": weights, "dtype": dtype, "name": name}
         info = self.call("model_load", timeout, **{k: v for k, v in args.items() if v is not None})
         return RemoteModel(self, info)
