@@ -323,6 +323,18 @@ def test_h0_of_another_float_dtype_is_kept_as_fp32(inproc, dtype):
     assert state.dtype == torch.float32 and torch.equal(state, h0.float())
 
 
+def test_the_copy_of_h0_into_the_session_is_timed_as_h2d_as_session_states_out_is_d2h(inproc, monkeypatch):
+    """The copy of an opened session's h0 into its pool was timed in no stage (found in review),
+    where session_state's copy out is d2h_us: made slow here, as a large one to a GPU is."""
+    import time
+
+    srv, conn = inproc(), RecordingConnection()
+    write = bridge.sessions.Session.write
+    monkeypatch.setattr(bridge.sessions.Session, "write", lambda self, h0: (time.sleep(0.05), write(self, h0))[1])
+    timing = srv.request(conn, "session_open", batch=2, dim=4, state=3, h0=torch.randn(2, 4, 3)).timing
+    assert timing["h2d_us"] >= 50_000, timing
+
+
 def test_h0_may_be_a_handle(inproc):
     srv, conn = inproc(), RecordingConnection()
     h0 = torch.randn(1, 2, 3, 4)

@@ -200,8 +200,8 @@ class SsdScanOp(BatchedOp):
                 if item.session is not None:
                     written.append(item.session)
                     item.session.write(state)
-            result = {"y": to_wire(y)}
             start = now_ns()
+            result = {"y": to_wire(y)}
             if returned:
                 result["state"] = to_wire(kept_state(item, state))
         charge(items, "d2h", now_ns() - start)
