@@ -75,9 +75,14 @@ class Reply:
     extra: dict = field(default_factory=dict)
 
     @property
-    def ipc_us(self) -> float:
-        """Round trip minus everything the server did and the client codec: transport cost."""
-        return self.round_trip_us - self.timing.get("server_us", 0.0) - self.client_encode_us - self.client_decode_us
+    def ipc_us(self) -> float | None:
+        """Round trip minus everything the server did and the client codec: transport cost. None
+        for a reply without `server_us` (an error reply may have no timing, SPEC §8): the round
+        trip alone would count the server's time as transport."""
+        server_us = self.timing.get("server_us")
+        if server_us is None:
+            return None
+        return self.round_trip_us - server_us - self.client_encode_us - self.client_decode_us
 
     def unwrap(self) -> dict:
         if not self.ok:

@@ -217,6 +217,16 @@ def test_a_request_that_fails_to_encode_leaves_nothing_in_flight(pipe):
     assert pipe.client._pending == {}
 
 
+def test_ipc_is_the_round_trip_less_the_servers_time_and_none_without_it():
+    """An error reply may carry no timing: its ipc_us was the whole round trip, the server's
+    time counted as transport (found in review)."""
+    timed = bridge.client.Reply(1, True, {}, None, {"server_us": 300.0}, round_trip_us=1000.0,
+                                client_encode_us=50.0, client_decode_us=25.0)
+    assert timed.ipc_us == 625.0
+    untimed = bridge.client.Reply(2, False, None, {"code": "deadline_exceeded"}, {}, round_trip_us=1000.0)
+    assert untimed.ipc_us is None
+
+
 def test_a_request_nested_past_what_the_server_reads_is_refused_in_the_caller(pipe):
     """Its answer (id nil, no length: the server could not read its id) named no request, and
     the call waited out its timeout (found in review)."""
