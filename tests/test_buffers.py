@@ -5,6 +5,10 @@ from __future__ import annotations
 from bridge.buffers import MAX_POOLED_BUFFER, MAX_POOLED_BYTES, BufferPool
 
 
+def test_the_pool_keeps_what_operations_md_says():
+    assert (MAX_POOLED_BYTES, MAX_POOLED_BUFFER) == (128 << 20, 32 << 20)
+
+
 def test_a_buffer_is_reused_once_given_back():
     pool = BufferPool()
     view, release = pool.acquire(100_000)

@@ -598,6 +598,10 @@ def test_a_forwards_lengths_given_as_a_list_or_tuple_go_as_an_integer_tensor(pip
     assert done, "the call did not return"
 
 
+def test_a_lengths_list_takes_every_i64_up_to_its_bounds():
+    assert bridge.client.integer_list([-(2**63), 2**63 - 1, np.int64(3)], "lengths").tolist() == [-(2**63), 2**63 - 1, 3]
+
+
 @pytest.mark.parametrize("lengths, refusal", [
     pytest.param([1.5, 3], r"expected ints, got \[1.5, 3\]", id="a-float-not-truncated"),
     pytest.param([True, 2], r"expected ints, got \[True, 2\]", id="a-bool-not-taken-for-one"),

@@ -312,6 +312,21 @@ def test_a_request_sent_as_the_last_reply_arrives_is_not_refused_for_it(inproc, 
     assert (srv.dispatcher._leaving, srv.dispatcher._leaving_bytes) == (0, 0)
 
 
+def test_the_bytes_of_a_request_whose_reply_is_being_written_leave_the_bytes_cap(inproc):
+    """As above with another request in flight: the caps count the queued one's bytes, not the
+    answered one's (a mutant that counted them survived the test above)."""
+    size = len(b"".join(protocol.encode_request(1, "info", {})))
+    srv = inproc(max_pending_bytes=2 * size)
+    conn = AnsweringConnection()
+    later = []
+    conn.then = lambda: later.extend([srv.submit(conn, "info"), srv.submit(conn, "info")])
+    assert srv.request(conn, "info").ok
+    replies = [conn.reply(request_id) for request_id in later]
+    assert [reply.ok for reply in replies] == [True, True], [reply.error for reply in replies]
+    assert (srv.dispatcher._pending, srv.dispatcher._pending_bytes) == (0, 0)
+    assert (srv.dispatcher._leaving, srv.dispatcher._leaving_bytes) == (0, 0)
+
+
 def test_requests_past_the_pending_bytes_cap_are_refused_until_answered(inproc):
     """--max-pending-bytes: the count of requests in flight alone let thousands of large frames
     be held at once. A request that would take their bytes past the cap is answered

@@ -72,6 +72,30 @@ def test_a_zmq_lane_on_an_ipv6_address_answers_a_client_there():
         srv.close()
 
 
+def test_a_zmq_lane_on_every_interface_listens_on_ipv4_alone():
+    """operations.md: `tcp://*:PORT` is every IPv4 interface; IPv6 is asked for in brackets
+    (a server setting libzmq's IPV6 option on every tcp socket would answer on ::1 too)."""
+    if why := ipv6_loopback_missing():
+        pytest.skip(why)
+    srv = InProcessServer()
+    transport = ZmqTransport(srv.dispatcher, ["tcp://*:*"], max_frame_size=1 << 20, max_in_flight=8, hwm=16)
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    try:
+        transport.start()
+        port = transport.endpoints[0].rsplit(":", 1)[1]
+        peer.setsockopt(zmq.IPV6, 1)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(f"tcp://[::1]:{port}")
+        peer.send(b"".join(protocol.encode_request(1, "ping", {})))
+        assert not peer.poll(1000), "a server told `*` answered over IPv6"
+    finally:
+        peer.close()
+        context.term()
+        transport.close()
+        srv.close()
+
+
 @pytest.mark.parametrize("frames, envelope, message", [
     pytest.param([b"id", b"body"], [b"id"], [b"body"], id="dealer"),
     pytest.param([b"id", b"body", b"buf"], [b"id"], [b"body", b"buf"], id="dealer-multipart"),

@@ -183,6 +183,8 @@ defmodule ScanBridge.ProtocolTest do
 
     for {what, body, problem} <- [
           {"an envelope key", ok_with.(3, [0xC4, 1], tensor.(0xA2)), "bin_key"},
+          {"an envelope key as bin 16", ok_with.(3, [0xC5, 0, 1], tensor.(0xA2)), "bin_key"},
+          {"an envelope key as bin 32", ok_with.(3, [0xC6, 0, 0, 0, 1], tensor.(0xA2)), "bin_key"},
           {"the id", ok_with.([0xC4, 3, "abc"], 0xA1, tensor.(0xA2)), "bin_id"},
           {"a tensor's dtype", ok_with.(3, 0xA1, tensor.([0xC4, 2])), "bin_dtype"},
           {"a key in the result", ok_with.(3, 0xA1, [0x81, 0xC4, 1, "k", 1]), "bin_key"}
@@ -200,5 +202,19 @@ defmodule ScanBridge.ProtocolTest do
 
     assert {:reply, 3, {:ok, %{"y" => %{"dtype" => "u8"}}, %{}}} =
              Protocol.decode_reply(IO.iodata_to_binary(ok_with.(3, 0xA1, not_a_tensor)))
+
+    # a map with data but no shape is no tensor either, and an "id" below the envelope a value
+    data_no_shape = [0x82, 0xA5, "dtype", 0xC4, 2, "u8", 0xA4, "data", 0xC4, 1, 7]
+
+    assert {:reply, 3, {:ok, %{"y" => %{"dtype" => "u8", "data" => <<7>>}}, %{}}} =
+             Protocol.decode_reply(IO.iodata_to_binary(ok_with.(3, 0xA1, data_no_shape)))
+
+    nested_id = [0x81, 0xA2, "id", 0xC4, 1, "k"]
+
+    assert {:reply, 3, {:ok, %{"y" => %{"id" => "k"}}, %{}}} =
+             Protocol.decode_reply(IO.iodata_to_binary(ok_with.(3, 0xA1, nested_id)))
+
+    # and a plain decode, not a reply's, takes a bin key as before
+    assert {:ok, %{"k" => 1}} = ScanBridge.Msgpack.decode(<<0x81, 0xC4, 1, "k", 1>>)
   end
 end
