@@ -1502,6 +1502,13 @@ class PortClient(FramedClient):
             # Readiness handshake: the first reply proves imports and device setup are done.
             try:
                 self.request("ping", timeout=start_timeout).unwrap()
+            except ServerExited as exc:
+                status = self.close()
+                if status is None:
+                    raise
+                # Its reason went to its stderr: the status at least tells a refused flag (2).
+                raise ServerExited(f"the server exited with status {status} during start-up, before "
+                                   "answering (its log, on stderr, says why)") from exc
             except BaseException:
                 self.close()  # no client reaches the caller to close: the server must not run on
                 raise

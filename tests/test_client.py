@@ -502,6 +502,13 @@ def test_a_done_callbacks_submit_leaves_the_reader_reading_while_it_is_written(p
     answering.join(REPLY_TIMEOUT_S)
 
 
+def test_a_server_that_exits_during_start_up_is_reported_with_its_status(tmp_path):
+    """A refused flag (a --model-dir that does not exist) told only "the server closed its end
+    before replying" (found in review): the caller learns the exit status and where the reason is."""
+    with pytest.raises(ServerExited, match="exited with status 2 during start-up"):
+        PortClient(["--device", "cpu", "--model-dir", str(tmp_path / "missing")], stderr=subprocess.DEVNULL)
+
+
 def test_a_request_held_after_submit_sends_the_arrays_as_they_were_then(pipe):
     """A request held back (past the cap `info()` read) is written after submit() returned;
     found in review, it kept views of the caller's arrays, and a buffer the caller reused
