@@ -266,17 +266,22 @@ class Reader:
     def limits(self, raw: msgspec.Raw, field: str) -> tuple[float, float]:
         encoded = memoryview(raw)
         # The count first, then each item's kind: an array of many items, or an item that is one,
-        # is refused without decoding them.
-        if kind(encoded) == "array" and count(encoded) == 2 and all(
-                kind(item) in ("int", "float") for item in self._items(encoded, field, KIND_EXPECTED["limits"])):
-            pair = self._decode(ANY_DECODER, raw, field, KIND_EXPECTED["limits"])
-            try:
-                low, high = float(pair[0]), float(pair[1])
-            except OverflowError:  # an int beyond the float range
-                low = high = math.nan
-            if not (math.isnan(low) or math.isnan(high)):
-                return low, high
-        self.fail(InvalidArgument, field, KIND_EXPECTED["limits"], describe(encoded))
+        # is refused without decoding them; a pair's bad item is named, as `args.dt_limit[1]`.
+        if kind(encoded) != "array" or count(encoded) != 2:
+            self.fail(InvalidArgument, field, KIND_EXPECTED["limits"], describe(encoded))
+        bounds = []
+        for index, item in enumerate(self._items(encoded, field, KIND_EXPECTED["limits"])):
+            value = math.nan
+            if kind(item) in ("int", "float"):
+                try:
+                    value = float(ANY_DECODER.decode(item))
+                except OverflowError:  # an int beyond the float range
+                    pass
+            if math.isnan(value):
+                self.fail(InvalidArgument, f"{field}[{index}]", "a number (finite or infinite, not NaN)",
+                          describe(item))
+            bounds.append(value)
+        return bounds[0], bounds[1]
 
     def session_kind(self, raw: msgspec.Raw, field: str) -> str:
         expected = KIND_EXPECTED["kind"]

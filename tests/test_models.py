@@ -1920,6 +1920,20 @@ def test_a_model_name_is_held_to_256_bytes(serve):
     assert call(srv, conn, "model_load", path="mamba2-lm", name="é" * 128)["name"] == "é" * 128
 
 
+@pytest.mark.parametrize("config, got", [
+    pytest.param({"y" * 100_000: 1}, "keys <key of 100000 bytes>", id="a-long-key"),
+    pytest.param({}, "an empty map", id="no-keys"),
+])
+def test_a_config_of_no_known_layout_is_told_by_its_keys_not_echoing_them(serve, config, got):
+    """Its keys went into the error whole, a 100,000-byte key twice (found in review); none
+    said "keys " and nothing."""
+    srv, conn = serve(), RecordingConnection()
+    error = error_of(srv, conn, "model_load", config=config, weights={})
+    assert (error["code"], error["detail"]["field"], error["detail"]["got"]) == ("invalid_checkpoint", "args.config",
+                                                                              got), str(error)[:300]
+    assert len(error["message"]) < 1000
+
+
 @pytest.mark.parametrize("path", [pytest.param("a/" * 2049, id="many-components"),
                                   pytest.param("é" * 2049, id="one-long-name")])
 def test_a_model_path_past_path_max_is_refused_before_it_is_resolved(serve, monkeypatch, path):

@@ -240,7 +240,7 @@ BAD_REQUESTS = [
     # named as sent, not as the dt_max it becomes
     pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.5, 0.1)), "invalid_argument", "args.dt_limit",
                  id="dt_limit-reversed"),
-    pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.1, math.nan)), "invalid_argument", "args.dt_limit",
+    pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.1, math.nan)), "invalid_argument", "args.dt_limit[1]",
                  id="dt_limit-nan"),
     pytest.param("ssd_scan", lambda: _ssd(dt_limit=(0.0, 1e39)), "invalid_argument", "args.dt_limit",
                  id="dt_limit-past-float32"),

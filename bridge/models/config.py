@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 import scan_kernels
-from protocol import shown_value
+from protocol import shown_key, shown_value
 
 from ..errors import OpError
 
@@ -217,7 +217,8 @@ def parse_config(raw, field: str = "config") -> ModelConfig:
             raise checkpoint_error(f"{field}.ssm_cfg.layer", '"Mamba1" or "Mamba2"', shown_value(layer))
         return _mamba_ssm(keys, "mamba2" if layer == "Mamba2" else "mamba", {**raw, **ssm_cfg}, library=True)
     raise checkpoint_error(field, "a Mamba config: transformers' (model_type), mamba_ssm's (d_model, n_layer) "
-                           "or this server's (arch)", "keys " + ", ".join(sorted(map(str, raw))[:12]))
+                           "or this server's (arch)",
+                           "keys " + ", ".join(shown_key(str(key)) for key in sorted(map(str, raw))[:12]) if raw else "an empty map")
 
 
 def _hf_mamba(k: _Keys) -> ModelConfig:
