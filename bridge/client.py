@@ -173,7 +173,8 @@ class ModelSession:
 
     def _args(self, tokens, embeds, output: str | None, return_state: bool) -> dict:
         if (tokens is None) == (embeds is None):
-            raise ValueError("expected exactly one of tokens and embeds")
+            raise ValueError("expected exactly one of tokens and embeds, got "
+                             + ("neither" if tokens is None else "tokens and embeds"))
         args = {"session": self.id, **({"tokens": tokens} if tokens is not None else {"embeds": embeds})}
         if output is not None:
             args["output"] = output
@@ -267,11 +268,11 @@ def asks_for_state(args: dict) -> bool:
 def integer_list(values, name: str) -> np.ndarray:
     """A list of ints as the i64 tensor the server takes (a msgpack array it refuses); a float
     or a bool among them is refused, not converted, and one past i64 is refused, not wrapped."""
-    for value in values:
+    for index, value in enumerate(values):  # the first bad one named: the list may be long
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name}: expected ints, got {values!r}")
+            raise ValueError(f"{name}[{index}]: expected an int, got {type(value).__name__} {value!r:.40}")
         if not -(2**63) <= value < 2**63:
-            raise ValueError(f"{name}: expected ints within i64, got {values!r}")
+            raise ValueError(f"{name}[{index}]: expected an int within i64, got {value!r:.40}")
     return np.array(values, dtype=np.int64)
 
 

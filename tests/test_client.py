@@ -605,20 +605,30 @@ def test_a_forwards_lengths_given_as_a_list_or_tuple_go_as_an_integer_tensor(pip
     assert done, "the call did not return"
 
 
+def test_a_forward_of_neither_or_both_inputs_says_which_came(pipe):
+    session = bridge.client.ModelSession(pipe.client, "s1", 2)
+    with pytest.raises(ValueError, match="exactly one of tokens and embeds, got neither$"):
+        session.forward()
+    with pytest.raises(ValueError, match="got tokens and embeds$"):
+        session.forward(np.zeros((2, 3), np.int64), embeds=np.zeros((2, 3, 4), np.float32))
+    assert nothing_written(pipe)
+
+
 def test_a_lengths_list_takes_every_i64_up_to_its_bounds():
     assert bridge.client.integer_list([-(2**63), 2**63 - 1, np.int64(3)], "lengths").tolist() == [-(2**63), 2**63 - 1, 3]
 
 
 @pytest.mark.parametrize("lengths, refusal", [
-    pytest.param([1.5, 3], r"expected ints, got \[1.5, 3\]", id="a-float-not-truncated"),
-    pytest.param([True, 2], r"expected ints, got \[True, 2\]", id="a-bool-not-taken-for-one"),
-    pytest.param([2**63, 1], r"expected ints within i64", id="past-i64-not-wrapped"),
-    pytest.param([-(2**63) - 1, 1], r"expected ints within i64", id="below-i64-not-wrapped"),
+    pytest.param([3, 1.5], r"\[1\]: expected an int, got float 1.5$", id="a-float-not-truncated"),
+    pytest.param([True, 2], r"\[0\]: expected an int, got bool True$", id="a-bool-not-taken-for-one"),
+    pytest.param([2**63, 1], r"\[0\]: expected an int within i64", id="past-i64-not-wrapped"),
+    pytest.param([-(2**63) - 1, 1], r"\[0\]: expected an int within i64", id="below-i64-not-wrapped"),
+    pytest.param([*range(100_000), 1.5], r"\[100000\]: expected an int, got float 1.5$", id="long-not-echoed"),
 ])
 def test_a_forwards_lengths_list_that_is_not_i64_ints_is_refused(pipe, lengths, refusal):
     """numpy took [True, 2] for [1, 2] and wrapped 2**63 to -2**63 (found in review)."""
     session = bridge.client.ModelSession(pipe.client, "s1", 2)
-    with pytest.raises(ValueError, match="lengths: " + refusal):
+    with pytest.raises(ValueError, match="lengths" + refusal):
         session.forward(np.zeros((2, 3), np.int64), lengths=lengths)
     assert nothing_written(pipe)
 
