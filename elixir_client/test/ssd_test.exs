@@ -206,6 +206,20 @@ defmodule ScanBridge.SsdTest do
     end
   end
 
+  # Found in review: a list of two numbers was sent as a dt_limit pair wherever it came, and
+  # the server refused it; of any other length it raised here.
+  test "a list where a tensor goes raises before anything is sent, whatever its length", %{
+    server: server
+  } do
+    inputs = ssd_inputs(%{batch: 1, seq: 2, heads: 2, headdim: 2, state: 2, groups: 1}, [])
+
+    for bad <- [[1.0], [1.0, 1.0], [1.0, 1.0, 1.0]] do
+      assert_raise ArgumentError,
+                   ~r/ssd_scan input D: expected a tensor, .* got #{Regex.escape(inspect(bad))}/,
+                   fn -> ScanBridge.ssd_scan(server, Map.put(inputs, :D, bad)) end
+    end
+  end
+
   test "a scan of packed sequences (cu_seqlens i32) equals separate scans", %{server: server} do
     inputs = TestSupport.scan_inputs(%{batch: 1, seq: 5, dim: 3, state: 2})
     cu = Tensor.from_list([0, 2, 5], :i32, {3})

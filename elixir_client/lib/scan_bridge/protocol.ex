@@ -62,7 +62,13 @@ defmodule ScanBridge.Protocol do
               "#{op} inputs: expected each argument once, got #{key} both as an atom and as a string"
       end
 
-      Map.put(args, key, wire_value!(value, "#{op} input #{key}"))
+      what = "#{op} input #{key}"
+
+      Map.put(
+        args,
+        key,
+        if(key == "dt_limit", do: wire_limits!(value, what), else: wire_value!(value, what))
+      )
     end)
   end
 
@@ -87,9 +93,6 @@ defmodule ScanBridge.Protocol do
 
   defp wire_value!(value, _what) when is_atom(value), do: Atom.to_string(value)
   defp wire_value!({:handle, id}, _what) when is_binary(id), do: %{handle: id}
-  # A pair of bounds (dt_limit), a side of which may be unbounded: Erlang floats hold no
-  # infinity, so the atoms stand for it and Msgpack sends them as float infinities.
-  defp wire_value!([low, high] = pair, _what) when bound?(low) and bound?(high), do: pair
   defp wire_value!(%_{} = tensor, what), do: Tensor.cast!(tensor, what)
   # A map of names to tensors (SPEC §6 *tensors*: a model session's saved state).
   defp wire_value!(%{} = tensors, what), do: wire_tensors!(tensors, what)
@@ -97,7 +100,18 @@ defmodule ScanBridge.Protocol do
   defp wire_value!(value, what) do
     raise ArgumentError,
           "#{what}: expected a tensor, a {:handle, id}, a map of names to tensors, a boolean, " <>
-            "a number, a string, or a [low, high] pair of numbers, :neg_infinity or :infinity, " <>
+            "a number or a string, got #{inspect(value, limit: 5)}"
+  end
+
+  # dt_limit alone is a pair of bounds, a side of which may be unbounded: Erlang floats hold no
+  # infinity, so the atoms stand for it and Msgpack sends them as float infinities. A list
+  # anywhere else is refused as any list is, whatever its length.
+  defp wire_limits!([low, high] = pair, _what) when bound?(low) and bound?(high), do: pair
+  defp wire_limits!(value, what) when not is_list(value), do: wire_value!(value, what)
+
+  defp wire_limits!(value, what) do
+    raise ArgumentError,
+          "#{what}: expected a [low, high] pair of numbers, :neg_infinity or :infinity, " <>
             "got #{inspect(value, limit: 5)}"
   end
 
