@@ -265,6 +265,18 @@ def asks_for_state(args: dict) -> bool:
     return any(args.get(flag) for flag in STATE_FLAGS)
 
 
+def wire_arguments(args: dict) -> dict:
+    """A request's arguments as to_wire makes them; one it refuses (an array of a dtype the
+    wire has no code for) is named, as the encoder names what it refuses."""
+    wired = {}
+    for name, value in args.items():
+        try:
+            wired[name] = to_wire(value)
+        except TypeError as exc:
+            raise TypeError(f"args.{name}: {exc}") from exc
+    return wired
+
+
 def integer_list(values, name: str) -> np.ndarray:
     """A list of ints as the i64 tensor the server takes (a msgpack array it refuses); a float
     or a bool among them is refused, not converted, and one past i64 is refused, not wrapped."""
@@ -499,7 +511,7 @@ class FramedClient:
         entry = InFlight(Future(), time.perf_counter_ns(), cancelling=cancelling, op=op)
         deadline_us = wire_deadline_us(deadline_s)
         with self._in_flight(request_id, entry) as request_id:
-            wire_args = {k: to_wire(v) for k, v in (args or {}).items()}
+            wire_args = wire_arguments(args or {})
             try:
                 parts = self._encode(request_id, op, wire_args, deadline_us)
             except protocol.FrameTooLarge as too_large:

@@ -1431,6 +1431,13 @@ def test_a_torch_tensor_subclass_travels_as_its_tensor_and_other_torch_objects_a
         protocol.encode_request(1, "model_load", to_wire({"dtype": torch.bfloat16}))
 
 
+def test_an_argument_of_a_dtype_without_a_wire_code_is_named(pipe):
+    """Found in review: the error named the dtype but not which argument had it."""
+    with pytest.raises(TypeError, match=r"^args.D: dtype bool has no wire code"):
+        pipe.client.submit("scan", {"D": np.ones(2, bool)})
+    assert pipe.client._pending == {} and nothing_written(pipe)
+
+
 def test_a_dtype_without_a_wire_code_is_a_type_error_naming_it():
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="torch dtype torch.bool has no wire code; expected one of"):
