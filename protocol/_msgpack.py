@@ -124,7 +124,8 @@ def key_path(parent: str, key: str) -> str:
 
 
 def _long_key(key: str) -> str:
-    return f"<key of {len(key.encode())} bytes>"
+    # surrogatepass: a JSON config's key may hold a lone surrogate (a \udc80 escape).
+    return f"<key of {len(key.encode(errors='surrogatepass'))} bytes>"
 
 
 def describe_value(value: Any) -> str:

@@ -26,7 +26,7 @@ import msgspec
 
 from ._msgpack import describe, key_path, shown_key
 from ._reader import Reader
-from .encode import Packer, check_timing
+from .encode import Packer
 from .errors import InvalidArgument, InvalidRequest, MissingArgument, ProtocolError, UnknownOp
 from .tensors import OutTensor, WireTensor
 
@@ -180,5 +180,5 @@ def encode_legacy_reply(reply: dict, *, timing=None) -> list:
         packer.value(value, f"reply[{key!r}]")
     if timing is not None:
         packer.value("timing", "reply key")
-        packer.value(check_timing(timing), "timing")
+        packer.timing(timing)
     return packer.finish()

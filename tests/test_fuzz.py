@@ -428,7 +428,7 @@ def test_a_dt_limit_holding_a_str_that_is_not_utf8_is_invalid_argument(op):
     body = b"\x83\xa2id\x01\xa2op" + pack(op) + b"\xa4args\x81\xa8dt_limit\x92\x00\xa1\xad"
     with pytest.raises(protocol.InvalidArgument) as raised:
         protocol.decode_request(body)
-    assert raised.value.detail["field"] == "args.dt_limit" and raised.value.request_id == 1
+    assert raised.value.detail["field"] == "args.dt_limit[1]" and raised.value.request_id == 1
 
 
 def _planted_decoder_bug(body, buffers=()):

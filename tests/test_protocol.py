@@ -541,6 +541,12 @@ _V, _ID, _PING, _NO_ARGS = _entry(b"v", b"\x01"), _entry(b"id", b"\x01"), _entry
 _MANY_NILS = "array of 1000000 items"
 
 
+def test_a_long_key_holding_a_lone_surrogate_is_told_by_its_size():
+    """A config.json key may hold a \\udc80 escape: telling it by size raised UnicodeEncodeError,
+    internal_error where the config's own error was due (found in review)."""
+    assert protocol.shown_key("\udc80" * 50) == "<key of 150 bytes>"
+
+
 @pytest.mark.parametrize("dt_limit, field, got", [
     pytest.param([0.001, None], "args.dt_limit[1]", "nil", id="nil-for-an-open-side"),
     pytest.param([0.0, "inf"], "args.dt_limit[1]", "str", id="str"),

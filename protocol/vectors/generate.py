@@ -410,12 +410,18 @@ def build_vectors() -> list[tuple[str, bytes, dict]]:
     vectors.append(_request("legacy_ping", "ExPhil ping", {"op": "ping"}, kind="legacy_request"))
     result = Binary("f32", values("f32", batch * seq * hidden, 120))
     scan_reply = {"status": "ok", "result": OutTensor("f32", (batch, seq, hidden), result.to_bytes())}
-    vectors.append(_reply("legacy_reply_scan", "ExPhil scan reply", encode_legacy_reply(scan_reply),
-                          {"status": "ok", "result": result, "shape": [batch, seq, hidden]},
+    # An ok legacy reply's timing comes last (SPEC §9), a scan's with batch_rows as a v1 one's.
+    legacy_timing = {"decode_us": 21, "queue_us": 1, "h2d_us": 0, "kernel_us": 310, "d2h_us": 0,
+                     "encode_us": 3, "server_us": 342, "batch_rows": 2}
+    vectors.append(_reply("legacy_reply_scan", "ExPhil scan reply, timing last",
+                          encode_legacy_reply(scan_reply, timing=legacy_timing),
+                          {"status": "ok", "result": result, "shape": [batch, seq, hidden], "timing": legacy_timing},
                           kind="legacy_reply"))
     ping_reply = {"status": "ok", "message": "pong", "device": "cpu", "cuda_available": False}
-    vectors.append(_reply("legacy_reply_ping", "ExPhil ping reply (extra keys after status)",
-                          encode_legacy_reply(ping_reply), ping_reply, kind="legacy_reply"))
+    legacy_ping_timing = {"decode_us": 2, "server_us": 6}
+    vectors.append(_reply("legacy_reply_ping", "ExPhil ping reply (extra keys after status, timing last)",
+                          encode_legacy_reply(ping_reply, timing=legacy_ping_timing),
+                          {**ping_reply, "timing": legacy_ping_timing}, kind="legacy_reply"))
     error_reply = {"status": "error", "message": "x: expected 96 bytes (f32 [2, 3, 4]), got 92 bytes"}
     vectors.append(_reply("legacy_reply_error", "ExPhil error reply", encode_legacy_reply(error_reply),
                           error_reply, kind="legacy_reply"))
