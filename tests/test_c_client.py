@@ -427,9 +427,11 @@ def test_replies_to_other_requests_do_not_stretch_the_wait_for_a_reply(scan_clie
 
     run = run_through(client, endpoints, tmp_path, scenario)
     assert run.returncode == 1
-    dropped = re.search(r"FAIL: ping: no reply: none came within 200 ms \((\d+) replies to other requests dropped "
-                        r"meanwhile\)", run.stderr)
-    assert dropped and int(dropped.group(1)) < flood // 2, run.stderr[-2000:]
+    # On a loaded box none may have come within the 200 ms (the count then left out): stretched,
+    # the wait would have taken most of the flood.
+    dropped = re.search(r"FAIL: ping: no reply: none came within 200 ms(?: \((\d+) replies to other requests "
+                        r"dropped meanwhile\))?\n", run.stderr)
+    assert dropped and int(dropped.group(1) or 0) < flood // 2, run.stderr[-2000:]
 
 
 # The start of the client's refusal of a tensor's dtype; what came follows it.
