@@ -19,8 +19,8 @@ import threading
 
 MIN_CAPACITY = 64 * 1024
 # Pooled buffers keep their pages committed for as long as the server runs, its clients gone or
-# not: a lane keeps at most this much, and no buffer larger than MAX_POOLED_BUFFER, whose page
-# faults cost little beside the work a frame that large brings.
+# not: a lane keeps at most this much, and no buffer larger than MAX_POOLED_BUFFER (a frame past
+# it, far larger than the ExPhil-sized ones the pool is for, pays its page faults each time).
 MAX_POOLED_BYTES = 128 * 1024 * 1024
 MAX_POOLED_BUFFER = 32 * 1024 * 1024
 

@@ -27,7 +27,8 @@ from .sessions import check_reply_with_state_fits, session_of_kind, wire_state, 
 # A model's name is kept with it and echoed in replies: a bound on what a request makes the
 # server hold.
 MAX_NAME_BYTES = 256
-# Linux's PATH_MAX: no longer path opens, and resolving one of megabytes took the loader minutes.
+# Linux's PATH_MAX: no longer path opens, and resolving one costs the loader time quadratic in
+# its length, every other connection's load waiting behind it.
 MAX_PATH_BYTES = 4096
 
 
