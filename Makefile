@@ -4,13 +4,17 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Every Python package `make setup` installs, at the version CI last passed with: a clean clone
+# resolves what upstream released since, which has broken the suites before. `make lock` renews it.
+LOCK   := constraints.txt
+TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 # Test files run on this many pytest-xdist workers, a file to a worker (tests/conftest.py says
 # in which order); 0 runs them in this process, one after another. More workers than cores: much
 # of the suite waits on servers, peer nodes and child suites rather than computing.
 TEST_WORKERS ?= 4
 
-.PHONY: all test bench bench-record setup kernels system-deps clean
+.PHONY: all test bench bench-record setup kernels system-deps lock clean
 
 all: test
 
@@ -19,7 +23,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # torch comes first, pinned, so that the project's unpinned requirement is already met and pip
-# never picks a torch itself: on these CPU machines torch==2.13.0 is the local CPU build, where
+# never picks a torch itself: on these CPU machines $(TORCH) is the local CPU build, where
 # an unpinned one would pull gigabytes of CUDA wheels (from PyPI the same pin is a CUDA build).
 #
 # pip works on one core. The kernels need torch and ninja alone, so they compile on the other
@@ -28,11 +32,11 @@ $(PY):
 # finds them built, or builds them again and says why not. pip byte-compiles one file after
 # another: compileall -j 0 does the same on every core. Its exit status is ignored, as pip ignores
 # the same errors: torch ships a file of Python 3.12 syntax, compiled only if ever imported.
-$(STAMP): pyproject.toml | $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile torch==2.13.0 numpy
-	$(PY) -m pip install --quiet --no-compile ninja
+$(STAMP): pyproject.toml $(LOCK) | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile -c $(LOCK) $(TORCH) numpy
+	$(PY) -m pip install --quiet --no-compile -c $(LOCK) ninja
 	@$(PY) -m scan_kernels.cpu.build > $(VENV)/kernels-build.log 2>&1 & \
-	$(PY) -m pip install --quiet --no-compile -e '.[dev,triton]' || { wait; exit 1; }; \
+	$(PY) -m pip install --quiet --no-compile -c $(LOCK) -e '.[dev,triton]' || { wait; exit 1; }; \
 	$(PY) -m bridge.native > $(VENV)/native-step-build.log 2>&1 & \
 	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
 	wait
@@ -73,6 +77,20 @@ bench: setup
 # Run it on purpose, then commit both files.
 bench-record: setup
 	$(PY) -m bridge.bench $(BENCH_ARGS) --json bench/results/bridge-bench-quick.json --plot docs/bridge-bench.png
+
+# Renews $(LOCK) from what pip resolves today in a fresh virtualenv (the project's requirements,
+# torch pinned as above); run the suites on it before committing the new file.
+LOCK_VENV := build/lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install --quiet --no-compile $(TORCH) numpy
+	$(LOCK_VENV)/bin/python -m pip install --quiet --no-compile ninja -e '.[dev,triton]'
+	{ echo "# Written by \`make lock\`: every package \`make setup\` installs, pinned (see the Makefile)."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | sed -e 's/+cpu$$//' -e '/^pip==/d'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 clean:
 	rm -rf $(VENV) build bench/out .pytest_cache
