@@ -1664,7 +1664,7 @@ class ZmqClient(FramedClient):
             self._socket.setsockopt(zmq.IMMEDIATE, 1)
             # An IPv6 literal only: a name resolving to ::1 first would not reach an IPv4 server.
             self._socket.setsockopt(zmq.IPV6, endpoint.startswith("tcp://["))
-            self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
             if curve_server_key is not None:
                 public, secret = curve_keypair or zmq.curve_keypair()
                 self._socket.curve_serverkey = curve_server_key
@@ -1677,6 +1677,8 @@ class ZmqClient(FramedClient):
             self._context.destroy(linger=0)
             raise
         self._connections_ended = 0  # the io thread's count
+        # Between a connection's end and the next connection's start (the io thread's): no send.
+        self._reconnecting = False
         self._outbox = Outbox()
         # FramedClient's streams stay unused: the reader thread it starts runs zmq_io_loop, the
         # socket's io loop.
@@ -1727,16 +1729,26 @@ class ZmqClient(FramedClient):
         return zmq_io_loop, (self._context, self._socket, self._monitor, self._outbox, self._write_lock,
                              weakref.ref(self))
 
-    def _take_connection_ends(self) -> None:
+    def _take_connection_events(self) -> None:
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
         while True:
             try:
-                recv_monitor_message(self._monitor, zmq.NOBLOCK)  # EVENT_DISCONNECTED only
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return
-            self._connection_ended()
+            if event == zmq.EVENT_DISCONNECTED:
+                self._reconnecting = True
+                self._connection_ended()
+            elif self._reconnecting:  # EVENT_CONNECTED: the next connection
+                # libzmq reports an end before it tells the socket to drop the ended connection's
+                # queue, and a send may skip reading what it was told: a message sent on the end's
+                # report alone could go into that queue and be lost. The drop was told before the
+                # next connection began, so once the socket has read what it was told (EVENTS
+                # makes it read all), a send goes on the next connection.
+                self._socket.getsockopt(zmq.EVENTS)
+                self._reconnecting = False
 
     def _connection_ended(self) -> None:
         """The connection ended: the requests whose messages went out on it fail (their replies
@@ -1813,11 +1825,10 @@ def zmq_io_loop(context, sock, monitor, outbox, write_lock, client_ref: weakref.
                     unsent.append(message)
             if ready.get(sock, 0) & zmq.POLLIN:
                 client._receive_all()
-            # Every end reported is taken before a send: the next connection comes a
-            # reconnect interval after the end's report, so a message that goes now goes
-            # on a connection whose end, if any, is still to be reported.
-            client._take_connection_ends()
-            while unsent:
+            # Every end reported is taken before a send: a message that goes now goes on a
+            # connection whose end, if any, is still to be reported.
+            client._take_connection_events()
+            while unsent and not client._reconnecting:
                 frames, entry = unsent[0]
                 try:
                     sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -1826,8 +1837,9 @@ def zmq_io_loop(context, sock, monitor, outbox, write_lock, client_ref: weakref.
                 if entry is not None:
                     entry.sent_on = client._connections_ended
                 unsent.popleft()
-            if bool(unsent) != watching_out:
-                watching_out = bool(unsent)
+            # Not while reconnecting: the ended connection's queue may still take messages.
+            if (bool(unsent) and not client._reconnecting) != watching_out:
+                watching_out = not watching_out
                 poller.register(sock, zmq.POLLIN | (zmq.POLLOUT if watching_out else 0))
             del client  # not held while polling
     finally:
