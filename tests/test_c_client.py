@@ -382,6 +382,22 @@ def test_a_real_error_reply_with_dtype_and_shape_in_its_detail_is_an_error_reply
     assert '"dtype"=>"f32", "shape"=>[2, 3]' in run.stderr  # msgpack-c prints maps so
 
 
+@pytest.mark.parametrize("size", [510, 511, 600])
+def test_an_error_detail_holding_a_long_printable_bin_is_printed_cut_short(either_client, endpoints, tmp_path, size):
+    # msgpack-c leaves its print buffer unterminated where a bin of printable bytes fills it: the
+    # client printed the message on past its buffer (the sanitized build's stack-buffer-overflow).
+    def scenario(request_id, frames, forward):
+        if request_id != 1:
+            return [forward(frames)]
+        error = {"code": "internal_error", "message": "boom", "detail": {"blob": b"a" * size}}
+        return [[msgpack.packb({"v": 1, "id": 1, "ok": False, "error": error})]]
+
+    run = run_through(either_client, endpoints, tmp_path, scenario)
+    assert run.returncode == 1, run.stderr
+    line = next(line for line in run.stderr.splitlines() if line.startswith("FAIL: ping: an error reply: "))
+    assert '"internal_error"' in line and len(line) <= len("FAIL: ping: an error reply: ") + 511, line
+
+
 def test_an_ok_that_is_not_a_bool_is_a_malformed_reply(scan_client, endpoints, tmp_path):
     def scenario(request_id, frames, forward):
         reply = forward(frames)

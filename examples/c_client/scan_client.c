@@ -812,12 +812,17 @@ static int printable(const msgpack_object *o) {
     }
 }
 
-/* `o` printed into `text` by msgpack-c, or a note saying why not (printable). */
+/* `o` printed into `text` by msgpack-c, or a note saying why not (printable). msgpack-c leaves
+ * the buffer unterminated where a bin of printable bytes fills it: the last byte is set here. */
 static void print_object(char *text, size_t size, const msgpack_object *o) {
-    if (printable(o))
+    if (size == 0) return;
+    if (printable(o)) {
+        text[0] = 0;
         msgpack_object_print_buffer(text, size, *o);
-    else
+        text[size - 1] = 0;
+    } else {
         snprintf(text, size, "(not printed: it holds a str or bin of 2 GiB or more)");
+    }
 }
 
 /* How many bytes of a timing key of `size` bytes to print with "%.*s": at most MAX_PRINTED_KEY.
