@@ -113,6 +113,28 @@ def test_prefill_returns_the_state_it_keeps(client, dtype):
     client.close_session(session)
 
 
+def test_a_sessions_requests_pipelined_on_one_connection_run_in_the_order_sent(client):
+    """SPEC §1: none of a connection's requests overtakes one sent before it, so a client may
+    send a session's steps and state reads without waiting for each reply."""
+    s = ScanCase(2, 12, 6, 3, D=True)
+    inputs = make_scan_inputs(s)
+    y_ref, _ = reference_scan(inputs)
+    session = client.open_session(s.batch, s.dim, s.state)
+    steps, states = [], []
+    for t in range(s.seq):
+        steps.append(client.submit("step", {"session": session, **timestep(inputs, t)}))
+        if t % 4 == 1:
+            states.append((t, client.submit("session_state", {"session": session})))
+    for t, future in enumerate(steps):
+        assert_close(future.result(60).unwrap()["y"], y_ref.select(time_axis(s.layout), t), torch.float32,
+                     f"step {t} y")
+    for t, future in states:
+        _, after_t = reference_scan(window(inputs, 0, t + 1))
+        assert_close(future.result(60).unwrap()["state"], after_t, torch.float32, f"state after step {t}",
+                     STATE_TOLERANCE)
+    client.close_session(session)
+
+
 def test_a_new_session_starts_from_zero(client):
     session = client.open_session(3, 4, 2)
     state = client.session_state(session)
