@@ -495,6 +495,58 @@ def test_no_compiler_is_one_reason_and_torch_serves(monkeypatch, caplog):
         f"kernels backend 'cpu' unavailable: {reason}"]
 
 
+def test_a_build_root_that_cannot_be_written_is_one_reason_and_torch_serves(tmp_path, monkeypatch):
+    """A read-only cache (a container's root, a service user's missing home) raised OSError out
+    of the build, which stopped the server's start and made `info` fail (found in review)."""
+    from scan_kernels import _registry
+    from scan_kernels.cpu import build
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(build, "build_root", lambda: blocker / "kernels_cpu")
+    monkeypatch.setattr(_registry, "_loaded", {})
+    monkeypatch.setattr(_registry, "_unavailable", {})
+    assert scan_kernels.select_backend("cpu") == "torch"
+    reason = _registry._unavailable["cpu"]
+    assert reason.startswith(f"cannot build in {blocker}/kernels_cpu/") and "\n" not in reason, reason
+
+
+_LOAD_FROM_A_READ_ONLY_CHECKOUT = """
+import os, sys
+from pathlib import Path
+from scan_kernels.cpu import build
+from bridge import exit_guard, native
+checkout = build.SOURCE_DIR.parents[1]
+built = [build.library_path(), native.library_path(), exit_guard.library_path()]
+writable = os.access
+os.access = lambda path, mode, **kw: False if Path(path) == checkout else writable(path, mode, **kw)
+print("kernels:", build.load_extension().__file__ == str(built[0]))
+print("native:", native.library_path() == built[1])
+print("guard:", exit_guard.library_path() == built[2])
+print("cache untouched:", not any(Path(sys.argv[1]).iterdir()))
+"""
+
+
+def test_a_read_only_checkout_serves_the_libraries_built_in_it(tmp_path):
+    """Deployed read-only, or run as another user, a checkout `make setup` built left its
+    libraries unused: each start built them again in torch's cache, tens of seconds, past a
+    client's start-up timeout (found in review)."""
+    from bridge import exit_guard, native
+    from scan_kernels.cpu import build
+
+    native._module()  # each built as make setup builds them
+    exit_guard.start()
+    assert all(path.is_file() for path in (build.library_path(), native.library_path(), exit_guard.library_path()))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _LOAD_FROM_A_READ_ONLY_CHECKOUT, str(cache)], cwd=ROOT,
+                          env={**os.environ, "XDG_CACHE_HOME": str(cache)}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:4] == ["kernels: True", "native: True", "guard: True", "cache untouched: True"], (
+        proc.stdout, proc.stderr[-2000:])
+
+
 def test_compile_error_is_one_line_with_the_log(tmp_path, monkeypatch):
     from scan_kernels.cpu import build
 

@@ -45,12 +45,12 @@ _running: tuple[int, int] | None = None  # (the guard's pid, the pipe's write en
 
 
 def library_path() -> Path:
-    """Where the guard's library is built: beside the kernels' builds, by the digest of its source
-    and compiler."""
-    from scan_kernels.cpu.build import build_root
+    """Where the guard's library is built (or was, in a read-only checkout): beside the kernels'
+    builds, by the digest of its source and compiler."""
+    from scan_kernels.cpu.build import located
 
     digest = hashlib.sha256(SOURCE.read_bytes() + str(c_compiler()).encode()).hexdigest()[:16]
-    return build_root() / "exit_guard" / digest / "libexit_guard.so"
+    return located(Path("exit_guard") / digest / "libexit_guard.so")
 
 
 def start() -> int | None:

@@ -259,13 +259,36 @@ def build_root() -> Path:
     return Path(get_default_build_root()) / "scan_bridge_cpu"
 
 
+def _read_only_checkout_root() -> Path | None:
+    """`<checkout>/build/kernels_cpu` where the checkout is not writable: a tree `make setup` built,
+    deployed read-only or run as another user, whose libraries serve rather than a build of the
+    same in torch's cache (tens of seconds at a server's start)."""
+    checkout = SOURCE_DIR.parents[1]
+    if (checkout / "pyproject.toml").is_file() and not os.access(checkout, os.W_OK):
+        return checkout / "build" / "kernels_cpu"
+    return None
+
+
+def located(relative: Path) -> Path:
+    """`build_root()/relative`, or the read-only checkout's built file of that name where only
+    it exists (a library of the same digest: the same sources, flags, compiler and CPU)."""
+    built = build_root() / relative
+    prebuilt_root = _read_only_checkout_root()
+    if built.exists() or prebuilt_root is None or not (prebuilt_root / relative).is_file():
+        return built
+    if (prebuilt_root / relative).with_name(_LOCK_FILE).exists():  # a build killed midway left it
+        return built
+    return prebuilt_root / relative
+
+
 def build_directory(variant: SimdVariant | None = None) -> Path:
     return build_root() / build_digest(variant=variant)
 
 
 def library_path(variant: SimdVariant | None = None) -> Path:
+    """The variant's library: where it was built, or where it is built when loaded."""
     variant = variant or selected_variant()
-    return _library_in(build_directory(variant), variant_module_name(variant))
+    return located(_library_in(Path(build_digest(variant=variant)), variant_module_name(variant)))
 
 
 def _library_in(directory: Path, module_name: str) -> Path:
@@ -337,8 +360,8 @@ def load_extension(*, verbose: bool = False, variant: SimdVariant | None = None)
     reason = unsupported_reason(variant)
     if reason is not None:
         raise BackendUnavailable(reason)
-    return _load(build_directory(variant), _kernel_sources(SOURCE_DIR), variant_module_name(variant), verbose,
-                 variant)
+    return _load(Path(build_digest(variant=variant)), _kernel_sources(SOURCE_DIR), variant_module_name(variant),
+                 verbose, variant)
 
 
 def load_sources(source_dir: Path, name_prefix: str):
@@ -367,31 +390,36 @@ def load_module(sources: Sources, module_name: str, subdirectory: str):
 
 def module_library_path(sources: Sources, module_name: str, subdirectory: str) -> Path:
     """Where load_module builds (or finds) that extension's library for this process's flags."""
-    return _library_in(_module_directory(sources, module_name, subdirectory), module_name)
+    return located(_library_in(_module_directory(sources, module_name, subdirectory), module_name))
 
 
 def _module_directory(sources: Sources, module_name: str, subdirectory: str) -> Path:
-    return build_root() / subdirectory / build_digest(sources, module_name)
+    """Relative to the build root."""
+    return Path(subdirectory) / build_digest(sources, module_name)
 
 
-def _load(directory: Path, sources: Sources, module_name: str, verbose: bool, variant: SimdVariant | None = None):
-    """The library in `directory` imported, compiled first (in `variant`, by default the selected
-    one) if it is not there; BackendUnavailable with one line of reason when it cannot be built
-    or loaded."""
+def _load(relative: Path, sources: Sources, module_name: str, verbose: bool, variant: SimdVariant | None = None):
+    """The library in `relative` (to the build root) imported, compiled first (in `variant`, by
+    default the selected one) if it is not there; BackendUnavailable with one line of reason
+    when it cannot be built or loaded."""
     _check_sanitizer_runtime()
-    library = _library_in(directory, module_name)
+    library = located(_library_in(relative, module_name))
+    directory = library.parent
     if library.is_file() and not (directory / _LOCK_FILE).exists():
         return _import_library(library, module_name)
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise BackendUnavailable(f"no C++ compiler ({compiler!r} not found)")
-    with _build_lock(directory) as killed_mid_build:
-        if library.is_file() and not killed_mid_build:  # built by the process this one waited for
-            return _import_library(library, module_name)
-        if killed_mid_build:  # its library may be half written: linked again
-            library.unlink(missing_ok=True)
-        log.info("kernels: building the C++ extension %s in %s (once per machine)", module_name, directory)
-        return _compile(directory, verbose, sources, module_name, variant or selected_variant())
+    try:
+        with _build_lock(directory) as killed_mid_build:
+            if library.is_file() and not killed_mid_build:  # built by the process this one waited for
+                return _import_library(library, module_name)
+            if killed_mid_build:  # its library may be half written: linked again
+                library.unlink(missing_ok=True)
+            log.info("kernels: building the C++ extension %s in %s (once per machine)", module_name, directory)
+            return _compile(directory, verbose, sources, module_name, variant or selected_variant())
+    except OSError as exc:  # a read-only or full cache: the torch backend serves
+        raise BackendUnavailable(f"cannot build in {directory}: {exc}") from exc
 
 
 def _import_library(library: Path, module_name: str):
