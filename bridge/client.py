@@ -8,7 +8,7 @@ past the cap but one (the slot kept for cancels) are held until replies free a s
 
     with PortClient() as client:
         reply = client.scan(x, dt, A, B, C, return_state=True)
-        reply.result["y"], reply.timing["kernel_us"], reply.round_trip_us
+        reply.unwrap()["y"], reply.timing["kernel_us"], reply.round_trip_us
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def _written(state: torch.Tensor) -> None:
     torch.autograd.graph.increment_version(state)
 
 
-def dt_limit_bounds(dt_limit: tuple[float, float]) -> tuple[float | None, float | None]:
+def dt_limit_bounds(dt_limit: tuple[float, float] | list[float]) -> tuple[float | None, float | None]:
     """mamba_ssm's `dt_limit` pair as this API's (dt_min, dt_max): its default (0, inf) clamps
     nothing; otherwise each finite side is a bound and an infinite side none. A pair whose low
     side is above its high, or a finite side past float32's range, is a KernelInputError naming
