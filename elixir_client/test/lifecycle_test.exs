@@ -664,6 +664,39 @@ defmodule ScanBridge.LifecycleTest do
       end
     end
 
+    # found in review: a start-up info answered with an error was told as the decoded tuple
+    test "a start-up info answered with an error names the server's code and message" do
+      dir = Path.join(System.tmp_dir!(), "scan_bridge_info_#{System.unique_integer([:positive])}")
+      File.mkdir_p!(Path.join(dir, "bridge"))
+      File.write!(Path.join(dir, "bridge/__init__.py"), "")
+
+      File.write!(Path.join(dir, "bridge/__main__.py"), """
+      import struct, sys
+      import msgspec
+      refusal = {"code": "internal_error", "message": "info: cannot build the kernels", "detail": {"why": "ro"}}
+      while len(head := sys.stdin.buffer.read(4)) == 4:
+          request = msgspec.msgpack.decode(sys.stdin.buffer.read(struct.unpack(">I", head)[0]))
+          outcome = {"ok": True, "result": {"pong": True}} if request["op"] == "ping" else {"ok": False, "error": refusal}
+          body = msgspec.msgpack.encode({"v": 1, "id": request["id"], **outcome})
+          sys.stdout.buffer.write(struct.pack(">I", len(body)) + body)
+          sys.stdout.buffer.flush()
+      """)
+
+      try do
+        opts = [env: [{"PYTHONPATH", dir}]]
+
+        assert {:error, %Error{reason: :startup_failed, message: message, detail: detail}} =
+                 ScanBridge.start_link(TestSupport.server_opts(opts))
+
+        assert message ==
+                 "the server answered the start-up info with internal_error: info: cannot build the kernels"
+
+        assert detail == %{"code" => "internal_error", "detail" => %{"why" => "ro"}}
+      after
+        File.rm_rf!(dir)
+      end
+    end
+
     test "bad options name what was expected" do
       assert_raise ArgumentError,
                    ~r/:transport: expected :port or \{:unix, path\}, got :pipe/,

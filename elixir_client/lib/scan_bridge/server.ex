@@ -1405,6 +1405,16 @@ defmodule ScanBridge.Server do
       {:reply, ^id, {:ok, result, _timing}} ->
         {:ok, result, state}
 
+      {:reply, ^id, {:error, %Error{} = refusal}} ->
+        code = refusal.code || Atom.to_string(refusal.reason)
+
+        {:error,
+         Error.client(
+           :startup_failed,
+           "the server answered the start-up #{op} with #{code}: #{refusal.message}",
+           %{"code" => code, "detail" => refusal.detail}
+         ), state}
+
       other ->
         {:error,
          Error.client(
