@@ -85,8 +85,13 @@ def items(encoded: memoryview):
     well formed. Unlike a decode into a list, it holds nothing per item: an array of a million
     1-byte items would otherwise cost an object each, many times the frame's size, before its
     first item is looked at. msgpack's C unpacker steps over each item without building it;
-    nesting past its stack raises msgpack.StackError."""
+    nesting past its stack raises one of STEPPED_TOO_DEEP."""
     return _values(encoded, count(encoded))
+
+
+# What stepping over nesting too deep raises: StackError from msgpack's C unpacker, RecursionError
+# from its pure-Python fallback (installed where no wheel fits, on PyPy, or MSGPACK_PUREPYTHON).
+STEPPED_TOO_DEEP = (msgpack.StackError, RecursionError)
 
 
 def entries(encoded: memoryview):

@@ -10,11 +10,10 @@ from __future__ import annotations
 import math
 from typing import Iterator, NoReturn, Union
 
-import msgpack
 import msgspec
 
-from ._msgpack import (ANY_DECODER, DECODE_FAILURES, MAP_DECODER, count, describe, describe_value, entries, items,
-                       key_path, kind, payload, shown_key)
+from ._msgpack import (ANY_DECODER, DECODE_FAILURES, MAP_DECODER, STEPPED_TOO_DEEP, count, describe, describe_value,
+                       entries, items, key_path, kind, payload, shown_key)
 from .errors import (DecodeError, InvalidArgument, InvalidRequest, TensorSizeMismatch, UnknownDtype,
                      ValidationError)
 from .schema import (KIND_EXPECTED, LAYOUTS, MAX_MAP_BYTES, MAX_NAMED_TENSORS, OUTPUTS, SESSION_KINDS,
@@ -94,7 +93,7 @@ def _names_v1(encoded: memoryview) -> bool:
     stepped over, none decoded."""
     try:
         return any(kind(key) == "str" and payload(key) in (b"id", b"v") for key, _ in entries(encoded))
-    except msgpack.StackError:  # not_str_key then refuses it as too deep
+    except STEPPED_TOO_DEEP:  # not_str_key then refuses it as too deep
         return True
 
 
@@ -144,7 +143,7 @@ class Reader:
             for key, _ in entries(encoded):
                 if kind(key) != "str":
                     self._not_str(key, field, cls)
-        except msgpack.StackError:
+        except STEPPED_TOO_DEEP:
             self._too_deep(encoded, field, "a map with str keys", "msgpack's unpacker stack")
         raise AssertionError(f"{field}: no key of the map is anything but a str")
 
@@ -179,7 +178,7 @@ class Reader:
     def _items(self, encoded: memoryview, field: str, expected: str) -> Iterator[memoryview]:
         try:
             yield from items(encoded)
-        except msgpack.StackError:
+        except STEPPED_TOO_DEEP:
             self._too_deep(encoded, field, expected, "msgpack's unpacker stack")
 
     def _decode(self, decoder, raw: msgspec.Raw, field: str, expected: str, cls=InvalidArgument):
@@ -357,7 +356,7 @@ class Reader:
                 key = self._decode(ANY_DECODER, key, field, expected)
                 if self.valid_tensor(value, True, self.buffers) is None:
                     self.tensor(value, key_path(field, key))
-        except msgpack.StackError:
+        except STEPPED_TOO_DEEP:
             self._too_deep(encoded, field, expected, "msgpack's unpacker stack")
 
     def size_or_tensors(self, raw: msgspec.Raw, field: str) -> int | dict:
