@@ -1152,7 +1152,12 @@ class FramedClient:
 
     def _reader_target(self) -> tuple:
         """(function, args) the reader thread runs: a stream's reader holds the client weakly."""
-        return read_replies, (self._reader, weakref.ref(self))
+        return read_replies, (self._reader, weakref.ref(self), self._release_when_dropped())
+
+    def _release_when_dropped(self) -> Callable[[], None]:
+        """What close() would have closed, for the reader thread to close once the stream ends
+        with the client collected; it must not hold the client."""
+        return lambda: None
 
     def _deliver(self, body, received_ns: int, nbytes: int, buffers=()) -> None:
         """Resolve the request a reply body answers (`buffers`: the raw buffers of a multipart
@@ -1359,17 +1364,18 @@ def wire_deadline_us(deadline_s: float | None) -> int | None:
     return min(int(deadline_s * 1e6), _LONGEST_DEADLINE_US)
 
 
-def read_replies(reader, client_ref: weakref.ref) -> None:
+def read_replies(reader, client_ref: weakref.ref, release: Callable[[], None]) -> None:
     """A stream client's reader thread: hands each reply frame to the client. It holds the
-    client weakly, so that a client dropped without close() is collected (a PortClient's
-    finalizer then stops its server) and the thread ends with the stream."""
+    client weakly, so that a client dropped without close() is collected (its finalizer ends the
+    stream, abandon), and the thread reads what the server still writes to the stream's end,
+    then closes what close() would have (`release`: the socket, or the server's pipe and exit)."""
     ended = None
     try:
         while (body := _next_reply_frame(reader)) is not None:
             received = time.perf_counter_ns()
             client = client_ref()
             if client is None:
-                return
+                continue  # dropped: the server, its stream ended, answers what is in flight and closes
             try:
                 client._deliver(body, received, len(body) + protocol.framing.HEADER_SIZE)
             except MemoryError:
@@ -1390,6 +1396,8 @@ def read_replies(reader, client_ref: weakref.ref) -> None:
         client = client_ref()
         if client is not None:
             client._fail_all(ended or client._turned_away or ServerExited("the server closed its end before replying"))
+        else:
+            release()
 
 
 def write_released(wake: threading.Event, client_ref: weakref.ref) -> None:
@@ -1438,6 +1446,20 @@ def stop_piped_server(proc: subprocess.Popen, timeout: float = 10.0) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def _stop_and_close(proc: subprocess.Popen) -> None:
+    """stop_piped_server, then the server's stdout closed: for a server no reader reads (a
+    dropped PortClient's, once its reader saw the end; one whose client was never made), which
+    is waited for, not left a zombie."""
+    stop_piped_server(proc)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _close_all(closeables) -> None:
+    for closeable in closeables:
+        closeable.close()
 
 
 def spawn(command: list[str], stop: Callable[[subprocess.Popen], object], **popen_args) -> subprocess.Popen:
@@ -1503,12 +1525,16 @@ class PortClient(FramedClient):
     def __init__(self, server_args=(), *, python: str = sys.executable, env: dict | None = None,
                  stderr=None, as_torch: bool = False, start_timeout: float = 120.0, command=None):
         cmd = list(command) if command else [python, "-m", "bridge", *server_args]
-        self.proc = spawn(cmd, stop_piped_server, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+        self.proc = spawn(cmd, _stop_and_close, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                           env=server_env(env), bufsize=0)
         try:
             super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
         except BaseException:  # a signal's SystemExit, say: with no client made, nobody would stop it
             stop_piped_server(self.proc)
+            reader = getattr(self, "_thread", None)
+            if reader is not None:  # its stdout is closed once the reader is done with it
+                reader.join(10.0)
+            self.proc.stdout.close()
             raise
         weakref.finalize(self, abandon, self.proc.stdin.close, self._pending, self._writer_wake, self._pid)
         if command is None:
@@ -1562,6 +1588,9 @@ class PortClient(FramedClient):
 
     def _end_stream(self) -> None:
         self.proc.stdin.close()
+
+    def _release_when_dropped(self) -> Callable[[], None]:
+        return functools.partial(_stop_and_close, self.proc)
 
     def _close_copies(self) -> None:
         self.proc.stdin.close()  # unbuffered (bufsize=0): nothing of the parent's is flushed
@@ -1618,6 +1647,9 @@ class UnixClient(FramedClient):
 
     def _end_stream(self) -> None:
         shut_sending(self.sock)
+
+    def _release_when_dropped(self) -> Callable[[], None]:
+        return functools.partial(_close_all, (self._reader, self.sock))
 
     def _close_copies(self) -> None:
         self._reader.close()  # the socket's descriptor closes with the last of the two

@@ -771,11 +771,16 @@ def test_a_port_client_stopped_while_it_sets_up_stops_the_server_it_spawned(tmp_
         wait_until(pid_file.exists, "the server did not start")
         raise SystemExit(128 + signal.SIGTERM)
 
+    spawned = []
+    spawn = bridge.client.spawn
+    monkeypatch.setattr(bridge.client, "spawn", lambda *args, **kwargs: spawned.append(spawn(*args, **kwargs)) or
+                        spawned[-1])
     monkeypatch.setattr(FramedClient, "__init__", stopped_while_setting_up)
     with pytest.raises(SystemExit):
         PortClient(python=str(silent_python))
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
+    assert spawned[0].stdout.closed  # not left to the collector (a ResourceWarning, found in review)
 
 
 def test_a_stop_signal_while_the_server_is_spawned_stops_it(tmp_path, monkeypatch):
@@ -788,9 +793,12 @@ def test_a_stop_signal_while_the_server_is_spawned_stops_it(tmp_path, monkeypatc
     slow_python.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec {shlex.join(SLOW_STARTING_SERVER)}\n")
     slow_python.chmod(0o755)
 
+    spawned = []
+
     class SignalledWhileSpawning(subprocess.Popen):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            spawned.append(self)
             wait_until(pid_file.exists, "the server did not start")
             signal.raise_signal(signal.SIGTERM)
 
@@ -806,6 +814,7 @@ def test_a_stop_signal_while_the_server_is_spawned_stops_it(tmp_path, monkeypatc
         signal.signal(signal.SIGTERM, previous)
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
+    assert spawned[0].stdout.closed
 
 
 # A stand-in for `python -m bridge` still importing when its stdin closes: it reads it only later.
@@ -816,13 +825,17 @@ SILENT_SERVER = [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"]
 
 
 def test_a_port_client_dropped_without_close_is_collected_and_its_server_stops():
+    """...and is waited for, its stdout closed: it was left a zombie, the pipe open (found in
+    review: ResourceWarnings, and under -W error never reaped)."""
     client = PortClient(command=SILENT_SERVER)
     server, collected = client.proc, weakref.ref(client)
     waiting = client.submit("ping")
     del client
     gc.collect()
     assert collected() is None
-    assert server.wait(REPLY_TIMEOUT_S) == 0
+    wait_until(lambda: server.returncode is not None and server.stdout.closed, "the dropped client's server "
+               "waited for and its stdout closed", timeout=REPLY_TIMEOUT_S)
+    assert server.returncode == 0
     with pytest.raises(ServerExited, match="dropped without close"):
         waiting.result(REPLY_TIMEOUT_S)
 
@@ -976,13 +989,17 @@ def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
     try:
         waiting = client.submit("ping")
         assert read_frame(reader) is not None
-        collected = weakref.ref(client)
+        collected, client_socket = weakref.ref(client), client.sock
         del client
         gc.collect()
         assert collected() is None
         assert reader.read(1) == b"", "the dropped client's connection did not end"
         with pytest.raises(ServerExited, match="dropped without close"):
             waiting.result(REPLY_TIMEOUT_S)
+        reader.close()
+        served.close()  # the end of the stream the dropped client's reader waits for
+        # Closed by its reader, not left to the collector (a ResourceWarning, found in review).
+        wait_until(lambda: client_socket.fileno() == -1, "the dropped client's socket closed", timeout=REPLY_TIMEOUT_S)
     finally:
         reader.close()
         served.close()

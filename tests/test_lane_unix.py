@@ -709,6 +709,29 @@ def test_a_unix_path_starting_with_at_is_a_file_removed_on_close(tmp_path, monke
     assert not (tmp_path / "@lane").exists()
 
 
+def test_a_unix_lane_that_fails_to_open_or_never_starts_leaves_no_socket_open(tmp_path, monkeypatch):
+    """A path that cannot be bound left its listener open, and a lane closed before it started
+    (another lane failing to open) its wake-up pair and selector: sockets unclosed until the
+    collector found them (ResourceWarnings, found in review)."""
+    import bridge.transports.unix as unix
+
+    made = []
+
+    class Recorded(socket.socket):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(unix.socket, "socket", Recorded)
+    monkeypatch.setattr(unix.socket, "socketpair", lambda: (Recorded(socket.AF_UNIX), Recorded(socket.AF_UNIX)))
+    options = dict(max_frame_size=1024, max_in_flight=1, max_connections=1)
+    with pytest.raises(OSError):
+        unix.UnixTransport(None, str(tmp_path / "no-such-directory" / "lane.sock"), **options)
+    lane = unix.UnixTransport(None, str(tmp_path / "lane.sock"), **options)
+    lane.close()
+    assert len(made) == 4 and [sock.fileno() for sock in made] == [-1] * 4
+
+
 def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):
     from bridge.transports.unix import UnixTransport
 

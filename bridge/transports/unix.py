@@ -212,8 +212,9 @@ class UnixTransport:
         if self._thread.is_alive():
             self._stopping = True  # the reading thread closes the listener it waits on
             self._wake(None)
-        else:
-            self._listener.close()
+        else:  # never started (another lane failed to open): nothing else closes these
+            for closeable in (self._listener, self._selector, self._wake_receive, self._wake_send):
+                closeable.close()
         unwritten = self._writers.join(time.monotonic() + FLUSH_SECONDS if deadline is None else deadline)
         if unwritten:
             log.warning("unix lane: %d connections' replies still unwritten at the shutdown deadline are lost",
@@ -463,6 +464,10 @@ def _listen(path: str) -> socket.socket:
     never a live server's socket or any other file."""
     claim_socket_path(path, "--unix")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(LISTEN_BACKLOG)
+    try:
+        listener.bind(path)
+        listener.listen(LISTEN_BACKLOG)
+    except BaseException:
+        listener.close()
+        raise
     return listener
