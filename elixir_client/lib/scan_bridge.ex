@@ -186,7 +186,9 @@ defmodule ScanBridge do
       running a single longer request answers after it, so keep `timeout` above the longest
       request. Off by default.
     * `:group` - serve this group of a cluster (`ScanBridge.Cluster`): a name (atoms, strings,
-      numbers, tuples and lists of them) callers on any node of the cluster reach it by.
+      numbers, tuples and lists of them) callers on any node of the cluster reach it by. The
+      server joins once it holds the group's models, after this returns
+      (`ScanBridge.Cluster.await_members/3` waits for it).
     * `:max_in_flight` - requests at the server at once (default 256); more wait in order, and
       one whose deadline passes before it is sent is answered `:overloaded`. On
       the unix lane the server's own cap on one connection's requests in flight

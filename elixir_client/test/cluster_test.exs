@@ -223,6 +223,29 @@ defmodule ScanBridge.ClusterTest do
   defp state_reads(%{} = reads, gone), do: state_reads(Map.keys(reads) -- [gone])
   defp state_reads(members), do: Map.new(members, &{&1, ops_done(&1, "session_state")})
 
+  # Found in review: start_link returns before its server joins (it joins once it holds the
+  # group's models), so a group called right after its members started found none.
+  test "await_members waits for members started a moment before" do
+    g = group()
+    name = :"awaited_member_#{System.unique_integer([:positive])}"
+    children = [{ScanBridge, TestSupport.server_opts(group: g, name: name)}]
+    {:ok, supervisor} = Supervisor.start_link(children, strategy: :one_for_one)
+    assert {:ok, [member]} = Cluster.await_members(g, 1, 30_000)
+    assert member == Process.whereis(name)
+    inputs = TestSupport.scan_inputs(%{batch: 1, seq: 2, dim: 4, state: 2})
+    assert {:ok, %{y: _}} = Cluster.scan(g, inputs, retry: true)
+
+    assert {:error, %Error{reason: :no_members, detail: %{"members" => 1}}} =
+             Cluster.await_members(g, 2, 50)
+
+    assert_raise ArgumentError, ~r/count: expected a positive integer, got 0/, fn ->
+      Cluster.await_members(g, 0)
+    end
+
+    assert_raise ArgumentError, ~r/:timeout: expected/, fn -> Cluster.await_members(g, 1, -1) end
+    Supervisor.stop(supervisor)
+  end
+
   # Found in review: restarted with no other member left, it joined with an empty catalogue, so
   # the group's models, and the sessions of them, were gone until loaded again.
   test "a lone member restarted by its supervisor loads the group's models again" do

@@ -76,6 +76,48 @@ defmodule ScanBridge.Cluster do
   def members(group), do: :pg.get_members(scope(), group_key(group))
 
   @doc """
+  Waits until `group` has at least `count` members, on any node, for at most `timeout` ms
+  (default 5 000): `{:ok, members}`, or `{:error, %ScanBridge.Error{reason: :no_members}}`
+  (its `detail["members"]`, how many there were). A client started with `group:` joins once
+  its server answers and holds the group's models, after `ScanBridge.start_link/1` has
+  returned: an application that starts its members and calls the group at once waits here
+  first, or its first calls find `:no_members`.
+  """
+  @spec await_members(group, pos_integer, timeout) :: {:ok, [pid]} | ScanBridge.error()
+  def await_members(group, count \\ 1, timeout \\ 5_000) do
+    unless is_integer(count) and count > 0,
+      do:
+        raise(
+          ArgumentError,
+          "await_members count: expected a positive integer, got #{inspect(count)}"
+        )
+
+    await_count(group, count, deadline(timeout))
+  end
+
+  # Polled: a join is a :pg update on every node, which this node sees without a message to it.
+  defp await_count(group, count, deadline) do
+    members = members(group)
+
+    cond do
+      length(members) >= count ->
+        {:ok, members}
+
+      remaining(deadline) == 0 ->
+        {:error,
+         Error.client(
+           :no_members,
+           "group #{inspect(group)} has #{length(members)} of the #{count} members awaited",
+           %{"members" => length(members)}
+         )}
+
+      true ->
+        Process.sleep(min(10, remaining(deadline)))
+        await_count(group, count, deadline)
+    end
+  end
+
+  @doc """
   This node's load on each member of `group`: `%{member => %{calls: n, sessions: n}}`, the
   calls in flight and the sessions kept from this node.
   """
@@ -443,9 +485,9 @@ defmodule ScanBridge.Cluster do
 
   @doc """
   Opens a session on a member of `group` (the one with the fewest sessions kept from this
-  node) and returns its handle, for `step/4`, `model_step/4`, `model_forward/4`, `scan/3` and
-  `ssd_scan/3` with `:session`, `session_state/2`, `snapshot/2`, `restore/3` and
-  `close_session/2` of this module.
+  node) and returns its handle, for `step/3`, `model_step/3`, `model_forward/3`, `scan/3` and
+  `ssd_scan/3` (given the session in place of the group), `session_state/2`, `snapshot/2`,
+  `restore/3` and `close_session/2` of this module.
 
   `dims` as for `ScanBridge.open_session/3`, with `model:` a name given to `load_model/4`.
   Options:
