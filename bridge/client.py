@@ -485,6 +485,9 @@ class FramedClient:
         # it (SPEC §4), which the requests in flight then fail with.
         self._turned_away: BridgeError | None = None
         self._turned_away_told = False  # a request refused so has been told (_refusal_error)
+        # Cleared once the server refuses `deadline_us` (a v1 server older than it, SPEC §4): no
+        # request on this connection carries one after that.
+        self._sends_deadlines = True
         self._pid = os.getpid()
         self._thread = self._start_reader()
         _clients.add(self)
@@ -509,7 +512,7 @@ class FramedClient:
                 cancelling: Future | None = None) -> Future:
         """submit's work; `cancelling`: as InFlight's."""
         entry = InFlight(Future(), time.perf_counter_ns(), cancelling=cancelling, op=op)
-        deadline_us = wire_deadline_us(deadline_s)
+        deadline_us = wire_deadline_us(deadline_s) if self._sends_deadlines else None
         with self._in_flight(request_id, entry) as request_id:
             wire_args = wire_arguments(args or {})
             try:
@@ -883,7 +886,9 @@ class FramedClient:
 
     def request(self, op: str, args: dict | None = None, timeout: float | None = 60.0) -> Reply:
         """Send a request and wait at most `timeout` seconds (None: for ever) for its reply.
-        The timeout is its deadline on the server too; when it passes the request is cancelled
+        The timeout is its deadline on the server too (a v1 server older than `deadline_us`
+        refuses it unrun: the request goes again without one, as the connection's later
+        requests do); when it passes the request is cancelled
         (`cancel`: what it created anyway is freed) and TimeoutError raised. It bounds the wait
         for the reply, not the send: a request larger than what the connection buffers waits
         for the server to read it (a server past its per-connection cap reads more only as it
@@ -892,6 +897,7 @@ class FramedClient:
         if threading.current_thread() is self._thread:
             raise RuntimeError(f"{op!r}: a blocking call on the client's reader thread (a Future's done "
                                "callback) would wait for a reply that only this thread can read; use submit()")
+        sends_deadline = self._sends_deadlines and wire_deadline_us(timeout) is not None
         future = self.submit(op, args, deadline_s=timeout)
         # A wait past what a lock's wait takes (infinity included) is a wait for ever.
         wait_s = None if timeout is None or timeout > threading.TIMEOUT_MAX else timeout
@@ -910,6 +916,9 @@ class FramedClient:
         if not reply.ok and reply.error["code"] == "deadline_exceeded":
             # The deadline is this timeout: the server found it spent before this thread woke.
             raise TimeoutError(f"no reply to {op!r} within {timeout} s (the server found its deadline passed)")
+        if sends_deadline and _refuses_deadlines(reply.error):
+            # Refused unrun by a server older than deadline_us: sent again without one.
+            return self.request(op, args, timeout)
         return reply
 
     def cancel(self, future: Future) -> bool:
@@ -1176,6 +1185,8 @@ class FramedClient:
             # Each reply whose request is now known, with it (None: no request in flight).
             answered: list[tuple[InFlight | None, Received]]
             code, detail = error.get("code"), error.get("detail") or {}
+            if _refuses_deadlines(error):
+                self._sends_deadlines = False
             if isinstance(decoded.id, (int, str)):
                 answered = [(self._pending.pop(decoded.id, None), received)]
                 if self._nil_answers:  # that request was none of theirs
@@ -1352,6 +1363,13 @@ class FramedClient:
 
 # SPEC §4: deadline_us is a uint64; a longer budget than it holds is as good as none.
 _LONGEST_DEADLINE_US = 2**64 - 1
+
+
+def _refuses_deadlines(error: dict | None) -> bool:
+    """Whether a reply's `error` refuses its request's `deadline_us`: this client sends only
+    those SPEC §4 takes, so the server is a v1 one older than it."""
+    return bool(error) and error.get("code") == "invalid_request" and \
+        (error.get("detail") or {}).get("field") == "deadline_us"
 
 
 def wire_deadline_us(deadline_s: float | None) -> int | None:

@@ -817,6 +817,35 @@ def test_a_stop_signal_while_the_server_is_spawned_stops_it(tmp_path, monkeypatc
     assert spawned[0].stdout.closed
 
 
+# A stand-in for a v1 server older than deadline_us (SPEC §4): it refuses the key, as those did,
+# and answers anything else with the op and the envelope's keys it was sent.
+BEFORE_DEADLINES = [sys.executable, "-c", """
+import msgpack, sys
+from bridge.streams import read_frame, write_all
+import protocol
+while (frame := read_frame(sys.stdin.buffer.raw)) is not None:
+    request = msgpack.unpackb(frame)
+    if "deadline_us" in request:
+        error = {"code": "invalid_request", "message": "deadline_us: expected only the envelope keys v, id, op, "
+                 "args, got unknown key 'deadline_us'", "detail": {"field": "deadline_us"}}
+        reply = {"v": 1, "id": request["id"], "ok": False, "error": error}
+    else:
+        reply = {"v": 1, "id": request["id"], "ok": True, "result": {"op": request["op"], "keys": sorted(request)}}
+    write_all(1, protocol.frame_parts([msgpack.packb(reply)]))
+"""]
+
+
+def test_a_server_older_than_deadlines_is_sent_none_and_the_call_goes_again():
+    """Every call sent its timeout as deadline_us, which v1 servers before it refuse as an
+    unknown envelope key: against one, each call failed, ping too (found in review). The
+    refused call goes again without it, and the connection's later requests carry none."""
+    with PortClient(command=BEFORE_DEADLINES) as client:
+        assert client.call("ping") == {"op": "ping", "keys": ["args", "id", "op", "v"]}
+        later = client.submit("stats", deadline_s=5.0)
+        assert later.result(REPLY_TIMEOUT_S).unwrap()["keys"] == ["args", "id", "op", "v"]
+        assert not client.unmatched
+
+
 # A stand-in for `python -m bridge` still importing when its stdin closes: it reads it only later.
 SLOW_STARTING_SERVER = [sys.executable, "-c", "import sys, time; time.sleep(3); sys.stdin.buffer.read()"]
 
