@@ -26,7 +26,9 @@ class OwnedTable(abc.ABC, Generic[Value]):
         self._unknown = unknown
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[str, Value]] = {}  # id -> (owner, value)
-        self._counts: dict[str, int] = {}  # owner -> how many entries it holds
+        # owner -> the ids of its entries: a connection's close frees what it holds without a
+        # look at every other connection's (release_owner)
+        self._owned: dict[str, set[str]] = {}
         # Called, outside the lock, with an owner whose last entry `remove` (or a subclass's
         # drop) released: it may own nothing any more (bridge.server stops watching it).
         self.on_emptied: Callable[[str], None] | None = None
@@ -48,7 +50,7 @@ class OwnedTable(abc.ABC, Generic[Value]):
 
     def holds_any(self, owner: str) -> bool:
         with self._lock:
-            return owner in self._counts
+            return owner in self._owned
 
     def remove(self, owner: str, entry_id: str, field: str) -> None:
         """Release `entry_id`, which `owner` must own."""
@@ -62,7 +64,7 @@ class OwnedTable(abc.ABC, Generic[Value]):
     def release_owner(self, owner: str) -> int:
         """Release everything `owner` owns (its connection went away); returns how many."""
         with self._lock:
-            mine = [entry_id for entry_id, (entry_owner, _) in self._entries.items() if entry_owner == owner]
+            mine = list(self._owned.get(owner, ()))
             for entry_id in mine:
                 self._remove(entry_id)
         return len(mine)
@@ -80,16 +82,18 @@ class OwnedTable(abc.ABC, Generic[Value]):
         entry_id = secrets.token_urlsafe(16)
         value = make(entry_id)
         self._entries[entry_id] = (owner, value)
-        self._counts[owner] = self._counts.get(owner, 0) + 1
+        self._owned.setdefault(owner, set()).add(entry_id)
         return entry_id, value
 
     def _remove(self, entry_id: str) -> str | None:
         """Drop an entry and free what it holds; returns its owner if that was the owner's last
         entry. Called with the lock held."""
         owner, value = self._entries.pop(entry_id)
-        left = self._counts.pop(owner) - 1
-        if left:
-            self._counts[owner] = left
+        ids = self._owned[owner]
+        ids.discard(entry_id)
+        left = len(ids)
+        if not left:
+            del self._owned[owner]
         self._released(value)
         return None if left else owner
 

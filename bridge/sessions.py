@@ -123,7 +123,10 @@ class StatePool:
         self.row_bytes = layout.row_bytes
         self.device = device
         self._set_rows(torch.empty((0, layout.row_bytes // STATE_DTYPE.itemsize), dtype=STATE_DTYPE, device=device))
-        self._free: list[int] = []  # kept sorted: low rows first, so sessions sit close together
+        # Low rows first, so that sessions sit close together: sorted when read, not at each
+        # give_back (a connection's close gives back each of its sessions' rows in turn).
+        self._free: list[int] = []
+        self._free_unsorted = False
 
     def _set_rows(self, flat: torch.Tensor) -> None:
         self.flat = flat
@@ -156,10 +159,16 @@ class StatePool:
         self._free.extend(range(old.shape[0], capacity))
         self._set_rows(flat)
 
+    def _sorted_free(self) -> list[int]:
+        if self._free_unsorted:
+            self._free.sort()
+            self._free_unsorted = False
+        return self._free
+
     def rows_to_keep(self) -> int:
         """The capacity the rows in use need where they stay where they are: one past the last."""
         end = self.capacity
-        for slot in reversed(self._free):  # sorted: the free rows at the end come last
+        for slot in reversed(self._sorted_free()):  # the free rows at the end come last
             if slot != end - 1:
                 break
             end = slot
@@ -172,12 +181,13 @@ class StatePool:
         self._free = [slot for slot in self._free if slot < capacity]
 
     def take(self, count: int) -> list[int]:
-        taken, self._free = self._free[:count], self._free[count:]
+        free = self._sorted_free()
+        taken, self._free = free[:count], free[count:]
         return taken
 
     def give_back(self, slots: list[int]) -> None:
         self._free.extend(slots)
-        self._free.sort()
+        self._free_unsorted = True
 
 
 class Session:
@@ -418,14 +428,17 @@ class SessionTable(OwnedTable[Session]):
         every pool while the budget lacks `needed` bytes; not `keep`'s, about to take rows. Moves
         no row, but replaces pools' tensors: only an op may call it (they run one at a time,
         Dispatcher._serving), never a load running beside them."""
+        in_use = self._pool_bytes()  # kept up to date here: summed again per pool, a look cost O(pools²)
         for pool in list(self._pools.values()):
-            short = needed > self.max_pool_bytes - self._pool_bytes()
+            short = needed > self.max_pool_bytes - in_use
             if pool.layout == keep or not (short or pool.free_rows * 4 >= 3 * pool.capacity):
                 continue
             end = pool.rows_to_keep()
             if end < pool.capacity and (short or end * 4 <= pool.capacity):
+                before = pool.nbytes
                 with allocation(op):
                     pool.shrink(end)
+                in_use -= before - pool.nbytes
 
     def hold(self, what: str, nbytes: int, op: str, *, from_op: bool = False) -> None:
         """Count `nbytes` of `what` ("models", "snapshots") against --max-pool-bytes, or raise

@@ -766,3 +766,68 @@ def test_bad_limit_flags_are_refused(flag, value, expected):
                           timeout=120, stdin=subprocess.DEVNULL, env=server_env())
     assert proc.returncode == 2
     assert f"{flag}: expected an int {expected}, got '{value}'" in proc.stderr
+
+
+# -- what a request costs as the server's state grows --------------------------------------------
+#
+# Counted, not timed (timings belong in benchmarks): the work each of these did grew with the
+# state held, found in review by timing a server holding thousands of sessions or hundreds of
+# pools (a connection's close stalled every client; an open cost O(pools²)).
+
+def _table(**limits) -> bridge.sessions.SessionTable:
+    return bridge.sessions.SessionTable(torch.device("cpu"), **{"max_sessions": 10_000, "max_pool_bytes": 2**30,
+                                                                **limits})
+
+
+def _layout(dim: int) -> bridge.sessions.StateLayout:
+    return bridge.sessions.StateLayout.single("mamba", (dim, 2))
+
+
+class _CountedSorts(list):
+    sorts = 0
+
+    def sort(self, *args, **kwargs):
+        type(self).sorts += 1
+        super().sort(*args, **kwargs)
+
+
+def test_closing_a_connection_sorts_its_pools_free_rows_once_not_per_session():
+    table = _table()
+    for _ in range(300):
+        table.open("leaving", 1, _layout(3))
+    keeper = table.open("staying", 1, _layout(3))
+    pool = keeper.pool
+    pool._free = _CountedSorts(pool._free)
+    _CountedSorts.sorts = 0
+    assert table.release_owner("leaving") == 300
+    reopened = table.open("staying", 2, _layout(3))
+    assert _CountedSorts.sorts <= 1
+    assert reopened.slot_list == sorted(reopened.slot_list) and reopened.slot_list[0] == 0  # low rows first
+
+
+def test_an_open_sums_the_pools_bytes_a_bounded_number_of_times_whatever_the_pools():
+    table = _table()
+    for dim in range(1, 201):  # 200 pools, one session each
+        table.open("other", 1, _layout(dim))
+    sums = []
+    pool_bytes = table._pool_bytes
+    table._pool_bytes = lambda: sums.append(1) or pool_bytes()
+    table.open("mine", 1, _layout(500))
+    assert len(sums) <= 3, f"{len(sums)} sums of every pool's bytes for one open among 200 pools"
+
+
+def test_a_connections_close_looks_at_its_own_entries_only():
+    class CountedItems(dict):
+        looks = 0
+
+        def items(self):
+            type(self).looks += 1
+            return super().items()
+
+    table = _table()
+    for _ in range(500):
+        table.open("holder", 1, _layout(3))
+    table.open("leaving", 1, _layout(3))
+    table._entries = CountedItems(table._entries)
+    assert table.release_owner("leaving") == 1
+    assert CountedItems.looks == 0 and len(table) == 500 and not table.holds_any("leaving")
