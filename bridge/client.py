@@ -489,6 +489,7 @@ class FramedClient:
         # request on this connection carries one after that.
         self._sends_deadlines = True
         self._pid = os.getpid()
+        self._leftovers = Leftovers(self._release_when_dropped())
         self._thread = self._start_reader()
         _clients.add(self)
 
@@ -1161,11 +1162,11 @@ class FramedClient:
 
     def _reader_target(self) -> tuple:
         """(function, args) the reader thread runs: a stream's reader holds the client weakly."""
-        return read_replies, (self._reader, weakref.ref(self), self._release_when_dropped())
+        return read_replies, (self._reader, weakref.ref(self), self._leftovers)
 
     def _release_when_dropped(self) -> Callable[[], None]:
-        """What close() would have closed, for the reader thread to close once the stream ends
-        with the client collected; it must not hold the client."""
+        """What close() would have closed, for whichever comes last of the stream's end and the
+        client's collection without close() to close (Leftovers); it must not hold the client."""
         return lambda: None
 
     def _deliver(self, body, received_ns: int, nbytes: int, buffers=()) -> None:
@@ -1382,11 +1383,41 @@ def wire_deadline_us(deadline_s: float | None) -> int | None:
     return min(int(deadline_s * 1e6), _LONGEST_DEADLINE_US)
 
 
-def read_replies(reader, client_ref: weakref.ref, release: Callable[[], None]) -> None:
+class Leftovers:
+    """What a stream client collected without close() leaves to close (its socket, or its
+    server's pipe and exit): closed by whichever comes last of the stream's end (the reader
+    thread) and the client's collection (its finalizer, abandon). Either may come first: a
+    server that went, or a client dropped with its server still up."""
+
+    def __init__(self, release: Callable[[], None]):
+        self._release: Callable[[], None] | None = release
+        self._lock = threading.Lock()
+        self._ended = self._dropped = False
+
+    def stream_ended(self) -> None:
+        with self._lock:
+            self._ended = True
+        self._release_if_both()
+
+    def client_dropped(self) -> None:
+        with self._lock:
+            self._dropped = True
+        self._release_if_both()
+
+    def _release_if_both(self) -> None:
+        with self._lock:
+            release = self._release if self._ended and self._dropped else None
+            if release is not None:
+                self._release = None
+        if release is not None:
+            release()
+
+
+def read_replies(reader, client_ref: weakref.ref, leftovers: Leftovers) -> None:
     """A stream client's reader thread: hands each reply frame to the client. It holds the
     client weakly, so that a client dropped without close() is collected (its finalizer ends the
-    stream, abandon), and the thread reads what the server still writes to the stream's end,
-    then closes what close() would have (`release`: the socket, or the server's pipe and exit)."""
+    stream, abandon), and the thread reads what the server still writes to the stream's end;
+    then what the client leaves is closed, once it is collected too (`leftovers`)."""
     ended = None
     try:
         while (body := _next_reply_frame(reader)) is not None:
@@ -1414,8 +1445,8 @@ def read_replies(reader, client_ref: weakref.ref, release: Callable[[], None]) -
         client = client_ref()
         if client is not None:
             client._fail_all(ended or client._turned_away or ServerExited("the server closed its end before replying"))
-        else:
-            release()
+        del client
+        leftovers.stream_ended()
 
 
 def write_released(wake: threading.Event, client_ref: weakref.ref) -> None:
@@ -1497,19 +1528,23 @@ def spawn(command: list[str], stop: Callable[[subprocess.Popen], object], **pope
     return child
 
 
-def abandon(end_stream, pending: dict, writer_wake: threading.Event, pid: int) -> None:
+def abandon(end_stream, pending: dict, writer_wake: threading.Event, pid: int,
+            leftovers: Leftovers | None = None) -> None:
     """What a client collected without close() (or still open at exit) leaves: its outgoing
     stream is ended (`end_stream`), so that the server answers what is in flight, frees what the
-    connection owned and closes its end (a Port server exits, unwaited), which ends the reader
-    thread (a ZeroMQ client's io loop is told to end instead, and closes its sockets); its
-    writer thread is woken to end; the callers still waiting fail (nothing is left to hand them
-    replies). Nothing in a forked child (another `pid`): the stream is its parent's."""
+    connection owned and closes its end (a Port server exits), which ends the reader thread (a
+    ZeroMQ client's io loop is told to end instead, and closes its sockets); its writer thread
+    is woken to end; the callers still waiting fail (nothing is left to hand them replies); and
+    what it leaves is closed once the stream has ended too (`leftovers`). Nothing in a forked
+    child (another `pid`): the stream is its parent's."""
     if os.getpid() != pid:
         return
     end_stream()
     writer_wake.set()
     for entry in list(pending.values()):
         settle(entry.future, ServerExited("the client was dropped without close()"))
+    if leftovers is not None:
+        leftovers.client_dropped()
 
 
 # The clients this process made, for a child forked from it (register_at_fork below).
@@ -1554,7 +1589,8 @@ class PortClient(FramedClient):
                 reader.join(10.0)
             self.proc.stdout.close()
             raise
-        weakref.finalize(self, abandon, self.proc.stdin.close, self._pending, self._writer_wake, self._pid)
+        weakref.finalize(self, abandon, self.proc.stdin.close, self._pending, self._writer_wake, self._pid,
+                         self._leftovers)
         if command is None:
             # Readiness handshake: the first reply proves imports and device setup are done.
             try:
@@ -1638,7 +1674,7 @@ class UnixClient(FramedClient):
             raise
         super().__init__(self.sock.makefile("rb", buffering=0), self.sock.fileno(), as_torch=as_torch)
         weakref.finalize(self, abandon, functools.partial(shut_sending, self.sock), self._pending, self._writer_wake,
-                         self._pid)
+                         self._pid, self._leftovers)
 
     _capped_lane = True
 

@@ -869,6 +869,20 @@ def test_a_port_client_dropped_without_close_is_collected_and_its_server_stops()
         waiting.result(REPLY_TIMEOUT_S)
 
 
+def test_a_port_client_dropped_after_its_server_ended_waits_for_it_and_closes_its_pipe():
+    """The other order: the server gone first (killed, or a shutdown), its end seen while the
+    client lived, then the client dropped (found in review: a zombie and an open pipe still)."""
+    client = PortClient(command=SILENT_SERVER)
+    server = client.proc
+    server.kill()
+    client._thread.join(REPLY_TIMEOUT_S)
+    assert not client._thread.is_alive(), "the reader did not see the server's end"
+    del client
+    gc.collect()
+    wait_until(lambda: server.returncode is not None and server.stdout.closed, "the dropped client's server "
+               "waited for and its stdout closed", timeout=REPLY_TIMEOUT_S)
+
+
 # A stand-in for `python -m bridge` that answers its one request once its stdin ends, then exits.
 ANSWERS_AT_THE_END = [sys.executable, "-c", """
 import sys, protocol
@@ -1033,6 +1047,18 @@ def test_a_unix_client_dropped_without_close_ends_its_connection(tmp_path):
         reader.close()
         served.close()
         listener.close()
+
+
+def test_a_unix_client_dropped_after_its_server_closed_closes_its_socket(tmp_path):
+    client, listener, served = unix_client_of_a_stand_in(tmp_path)
+    client_socket = client.sock
+    served.close()
+    listener.close()
+    client._thread.join(REPLY_TIMEOUT_S)
+    assert not client._thread.is_alive(), "the reader did not see the server's end"
+    del client
+    gc.collect()
+    assert client_socket.fileno() == -1, "the socket of a client dropped after its server closed is left open"
 
 
 def test_a_unix_client_dropped_once_its_writer_thread_ran_is_collected(tmp_path):
