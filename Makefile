@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# Every Python package `make setup` installs, at the version CI last passed with: a clean clone
-# resolves what upstream released since, which has broken the suites before. `make lock` renews it.
+# Every Python package `make setup` installs (pip, and the editable install's build backend,
+# too), at the version CI last passed with: a clean clone resolves what upstream released since,
+# which has broken the suites before. `make lock` renews it.
 LOCK   := constraints.txt
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
@@ -20,7 +21,7 @@ all: test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade -c $(LOCK) pip
 
 # torch comes first, pinned, so that the project's unpinned requirement is already met and pip
 # never picks a torch itself: on these CPU machines $(TORCH) is the local CPU build, where
@@ -36,7 +37,7 @@ $(STAMP): pyproject.toml $(LOCK) | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet --no-compile -c $(LOCK) $(TORCH) numpy
 	$(PY) -m pip install --quiet --no-compile -c $(LOCK) ninja
 	@$(PY) -m scan_kernels.cpu.build > $(VENV)/kernels-build.log 2>&1 & \
-	$(PY) -m pip install --quiet --no-compile -c $(LOCK) -e '.[dev,triton]' || { wait; exit 1; }; \
+	$(PY) -m pip install --quiet --no-compile -c $(LOCK) --build-constraint $(LOCK) -e '.[dev,triton]' || { wait; exit 1; }; \
 	$(PY) -m bridge.native > $(VENV)/native-step-build.log 2>&1 & \
 	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
 	wait
@@ -88,7 +89,7 @@ lock:
 	$(LOCK_VENV)/bin/python -m pip install --quiet --no-compile $(TORCH) numpy
 	$(LOCK_VENV)/bin/python -m pip install --quiet --no-compile ninja -e '.[dev,triton]'
 	{ echo "# Written by \`make lock\`: every package \`make setup\` installs, pinned (see the Makefile)."; \
-	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | sed -e 's/+cpu$$//' -e '/^pip==/d'; } > $(LOCK).new
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | sed -e 's/+cpu$$//'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 	rm -rf $(LOCK_VENV)
 

@@ -39,6 +39,8 @@ def test_the_lock_pins_every_requirement_within_its_declared_range():
     pins = _lock()
     unpinned = [str(r) for r in _project_requirements() if canonicalize_name(r.name) not in pins]
     assert not unpinned, f"constraints.txt pins none of {unpinned}: run `make lock`"
+    # What `make setup` installs besides the requirements: pip itself, the editable build's backend.
+    assert {"pip", "setuptools"} <= set(pins), "constraints.txt must pin pip and setuptools too: run `make lock`"
     outside = [f"{r} (locked {pins[canonicalize_name(r.name)]})" for r in _project_requirements()
                if not r.specifier.contains(pins[canonicalize_name(r.name)], prereleases=True)]
     assert not outside, f"constraints.txt pins versions pyproject.toml refuses: {outside}"

@@ -499,7 +499,8 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m scan_kernels.cpu.build", description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
-    parser.add_argument("--print-dir", action="store_true", help="print the build directory and exit")
+    parser.add_argument("--print-dir", action="store_true",
+                        help="print the directory the library is loaded from (or built in) and exit")
     parser.add_argument("--all", action="store_true",
                         help="build every SIMD variant this CPU executes, each in a process of its own, at once")
     parser.add_argument("--sources", type=Path, metavar="DIR",
@@ -522,7 +523,7 @@ def main(argv=None) -> int:
         print(f"scan_kernels.cpu: not built: {exc}", file=sys.stderr)
         return 1
     if args.print_dir:
-        print(build_directory(variant))
+        print(library_path(variant).parent)
         return 0
     start = time.perf_counter()
     if not library_path(variant).is_file():
