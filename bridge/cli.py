@@ -363,6 +363,41 @@ def tune_malloc() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
 
 
+# Descriptors the server holds beside its connections: its lanes, pipes, the exit guard's, the
+# checkpoint files a load opens, the metrics endpoint's.
+OWN_DESCRIPTORS = 64
+
+
+def raise_descriptor_limit(args) -> int:
+    """The soft limit on open descriptors raised to the hard one (returned): each unix
+    connection and ZeroMQ peer holds one, and where none is left libzmq aborts the process on
+    an ipc:// listener and spins accepting on a tcp:// one. Where even the hard limit is below
+    what the connection caps allow, a warning says so."""
+    import resource
+
+    log = logging.getLogger("bridge")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:  # the kernel's own bound, fs.nr_open, still applies
+        try:
+            with open("/proc/sys/fs/nr_open") as nr_open:
+                hard = int(nr_open.read())
+        except (OSError, ValueError):
+            hard = max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.info("open-files limit left at %d: %s", soft, exc)
+    allowed = (args.max_connections if args.unix else 0) + (args.max_zmq_peers if args.zmq else 0)
+    if allowed and soft != resource.RLIM_INFINITY and allowed + OWN_DESCRIPTORS > soft:
+        log.warning("the open-files limit (%d) is below what --max-connections and --max-zmq-peers allow "
+                    "(%d connections, and about %d descriptors of the server's own): past it a unix lane "
+                    "pauses accepting, and libzmq aborts the server on an ipc:// lane and spins on a tcp:// "
+                    "one; raise `ulimit -n` or lower the caps", soft, allowed, OWN_DESCRIPTORS)
+    return soft
+
+
 LOG_FORMAT = "%(asctime)s scan-bridge[%(process)d] %(levelname)s %(name)s: %(message)s"
 
 
@@ -438,6 +473,7 @@ def _start_and_serve(argv, protocol_fd: int, signalled: list[int]) -> int:
         return bool(signalled)
 
     tune_malloc()
+    raise_descriptor_limit(args)
     if args.exit_guard:
         exit_guard.start()
 
