@@ -835,6 +835,51 @@ def test_a_tiny_idle_timeout_polls_no_more_often_than_every_millisecond(tmp_path
     assert timeouts and timeouts.count(0) <= len(timeouts) // 2, f"{timeouts.count(0)} of {len(timeouts)} polls were 0 ms"
 
 
+def test_the_lane_starts_the_thread_zero_copy_replies_need(tmp_path, monkeypatch):
+    """pyzmq starts it at the first large reply; where no thread could be had then, that reply
+    failed at every retry and its peer waited for good (found in review under a pids limit)."""
+    import zmq.utils.garbage
+
+    keeper = zmq.utils.garbage.GarbageCollector()
+    monkeypatch.setattr(zmq.utils.garbage, "gc", keeper)
+    try:
+        with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4):
+            assert keeper.is_alive()
+    finally:
+        keeper.stop()
+
+
+def test_a_paused_server_does_not_count_the_pause_as_its_peers_silence(tmp_path, monkeypatch):
+    """A server paused past --idle-timeout-s (SIGSTOP, a container's freezer) woke to an idle
+    check before libzmq handed over what its peers sent meanwhile, and freed a pinging peer's
+    session as idle (found in review). Here the io thread is held in its poll, as a pause holds
+    it, while the peer pings."""
+    hold = threading.Event()
+
+    class HeldPoller(zmq.Poller):
+        def poll(self, timeout=None):
+            if hold.is_set():
+                hold.clear()
+                time.sleep(2.5)  # the pause: past the timeout, nothing read
+                return []
+            return super().poll(timeout)
+
+    def call(sock, request_id, op, args=None) -> dict:
+        sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
+        assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
+        return msgpack.unpackb(sock.recv())
+
+    monkeypatch.setattr(zmq, "Poller", HeldPoller)
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=1.0) as (dispatcher, transport), \
+            dealers(transport, 1) as (client,):
+        session = call(client, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})["result"]["session"]
+        hold.set()  # taken by the io thread's next poll, within its idle check's quarter second
+        time.sleep(0.5)  # the peer pings during the pause
+        assert call(client, 2, "ping")["ok"]
+        assert call(client, 3, "session_state", {"session": session})["ok"], "the pinging peer's session was freed"
+        assert "idle" not in dispatcher.server.stats.snapshot()["released"]
+
+
 def test_a_zmq_peer_waiting_on_its_own_long_request_is_not_idle(tmp_path):
     """Idle time counts from a peer's last message or its last answer: found in review, a
     request that ran longer than the timeout left its peer counted silent the moment its reply

@@ -332,6 +332,13 @@ class ZmqTransport:
             self._ipc_files.append(SocketFile(self.endpoints[-1].removeprefix("ipc://")))
 
     def start(self) -> None:
+        # pyzmq starts the thread that holds zero-copy sends' buffers (a large reply's) at the
+        # first such send: started here, a thread shortage fails the start rather than that
+        # send, again at every retry, its peer waiting for good.
+        import zmq.utils.garbage
+
+        if not zmq.utils.garbage.gc.is_alive():
+            zmq.utils.garbage.gc.start()
         self._thread.start()
 
     def close(self, deadline: float | None = None) -> None:
@@ -691,8 +698,15 @@ class ZmqTransport:
 
     def _free_idle_peers(self) -> None:
         """Peers that own something, have nothing in flight and sent nothing for idle_timeout_s
-        are gone: what they own is freed."""
+        are gone: what they own is freed. A check much later than due finds the io thread was
+        held (the process paused, SIGSTOP or a container's freezer; a long stall): peers were
+        not listened to meanwhile, so that time is not counted as their silence (their messages
+        of it may still be on their way through libzmq)."""
         now = time.monotonic()
+        held_s = now - self._next_idle_check
+        if held_s > self._idle_check_s:
+            for peer in self._peers.values():
+                peer.last_seen += held_s
         self._next_idle_check = now + self._idle_check_s
         for peer in list(self._peers.values()):
             if (now - peer.last_seen > self.idle_timeout_s and peer.in_flight == 0 and not peer.waiting
