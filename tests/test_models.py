@@ -2286,3 +2286,28 @@ def test_a_client_loads_steps_and_rolls_back_through_a_server_process(checkpoint
         assert exc.value.code == "path_not_allowed"
     got += [s[:, None] for s in steps]
     rel_close(torch.cat(got, dim=1), oracle_outputs(model, tokens, "logits"), 1e-4, f"over the Port (seed {seed})")
+
+
+@pytest.mark.parametrize("short_of, limit", [("EMFILE", "open_files"), ("ENFILE", "open_files"),
+                                             ("ENOMEM", "memory")])
+def test_a_checkpoint_file_the_server_had_no_descriptor_for_is_a_limit_not_a_bad_checkpoint(
+        tmp_path, monkeypatch, short_of, limit):
+    """Out of descriptors, config.json's open failed and the load was answered invalid_checkpoint,
+    which a client takes for good; the same load succeeds once descriptors are free (found in
+    review under `ulimit -n`)."""
+    import errno
+
+    import bridge.models.checkpoint as checkpoint
+    from bridge.errors import OpError
+
+    (tmp_path / "config.json").write_text("{}")
+
+    def short(real, flags):
+        raise OSError(getattr(errno, short_of), os.strerror(getattr(errno, short_of)))
+
+    monkeypatch.setattr(checkpoint, "_open_unlinked", short)
+    with pytest.raises(OpError) as refused:
+        with checkpoint.checkpoint_file(str(tmp_path), "config.json", "config.json", (str(tmp_path),)):
+            pass
+    assert refused.value.code == "limit_exceeded"
+    assert refused.value.detail == {"limit": limit, "field": "config.json"}

@@ -15,6 +15,7 @@ hub cache keeps a snapshot's files as links into the model's blobs/.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -164,6 +165,10 @@ def checkpoint_file(directory: str, name: str, field: str, roots: tuple[str, ...
         # Non-blocking: a FIFO swapped in after the check is opened at once, then refused.
         fd = _open_unlinked(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as e:
+        if e.errno in _SHORT_OF:  # the server's want, not the checkpoint's fault: a retry may load it
+            limit = _SHORT_OF[e.errno]
+            raise OpError("limit_exceeded", f"{field}: the server could not open {shown_value(name)}: "
+                          f"{os.strerror(e.errno)}", {"limit": limit, "field": field}) from None
         raise checkpoint_error(field, expected, f"{shown_value(name)} ({os.strerror(e.errno)})") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -171,6 +176,10 @@ def checkpoint_file(directory: str, name: str, field: str, roots: tuple[str, ...
         yield f"/dev/fd/{fd}"
     finally:
         os.close(fd)
+
+
+# An open that failed for what the server lacked, by SPEC §7's limit name.
+_SHORT_OF = {errno.EMFILE: "open_files", errno.ENFILE: "open_files", errno.ENOMEM: "memory"}
 
 
 def _open_unlinked(real: str, flags: int) -> int:
