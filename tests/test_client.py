@@ -846,6 +846,32 @@ def test_a_server_older_than_deadlines_is_sent_none_and_the_call_goes_again():
         assert not client.unmatched
 
 
+# A stand-in for a server: answers "bad" invalid_request naming args.x, and anything else with
+# whether it carried deadline_us and how many "bad" it has seen.
+REFUSES_AN_ARGUMENT = [sys.executable, "-c", """
+import struct, sys, msgspec
+bad = 0
+while len(head := sys.stdin.buffer.read(4)) == 4:
+    request = msgspec.msgpack.decode(sys.stdin.buffer.read(struct.unpack(">I", head)[0]))
+    if request["op"] == "bad":
+        bad += 1
+        outcome = {"ok": False, "error": {"code": "invalid_request", "message": "args.x: expected an int",
+                                          "detail": {"field": "args.x", "expected": "an int", "got": "a str"}}}
+    else:
+        outcome = {"ok": True, "result": {"deadline_us": "deadline_us" in request, "bad_seen": bad}, "timing": {}}
+    body = msgspec.msgpack.encode({"v": 1, "id": request["id"], **outcome})
+    sys.stdout.buffer.write(struct.pack(">I", len(body)) + body)
+    sys.stdout.buffer.flush()
+"""]
+
+
+def test_a_refusal_of_another_field_keeps_deadlines_and_is_not_sent_again():
+    with PortClient(command=REFUSES_AN_ARGUMENT) as client:
+        assert client.call("ping") == {"deadline_us": True, "bad_seen": 0}
+        assert client.request("bad").error["code"] == "invalid_request"
+        assert client.call("ping") == {"deadline_us": True, "bad_seen": 1}
+
+
 # A stand-in for `python -m bridge` still importing when its stdin closes: it reads it only later.
 SLOW_STARTING_SERVER = [sys.executable, "-c", "import sys, time; time.sleep(3); sys.stdin.buffer.read()"]
 
@@ -867,6 +893,47 @@ def test_a_port_client_dropped_without_close_is_collected_and_its_server_stops()
     assert server.returncode == 0
     with pytest.raises(ServerExited, match="dropped without close"):
         waiting.result(REPLY_TIMEOUT_S)
+
+
+# Stand-ins for `python -m bridge`: one that drains for seconds once its stdin ends; one that
+# answers its one request, once its stdin ends, with more than a pipe holds, then exits.
+DRAINS_FOR_SECONDS = [sys.executable, "-c", "import sys, time; sys.stdin.buffer.read(); time.sleep(5)"]
+ANSWERS_MORE_THAN_A_PIPE_HOLDS = [sys.executable, "-c", """
+import sys, protocol
+from bridge.streams import read_frame, write_all
+request = protocol.decode_request(read_frame(sys.stdin.buffer.raw))
+sys.stdin.buffer.read()
+for _ in range(4):
+    write_all(1, protocol.frame_parts(protocol.encode_reply(request.id, {"pad": b"x" * (1 << 20)}, {})))
+"""]
+
+
+def test_dropping_a_port_client_waits_for_nothing_and_its_server_finishes_its_replies():
+    """The drop ends the stream; what it leaves is closed by the reader once its server is done:
+    the collecting thread does not wait out the server's drain, and the replies the server
+    still writes are read (not left to fill the pipe until the server is killed)."""
+    client = PortClient(command=DRAINS_FOR_SECONDS)
+    server = client.proc
+    dropped_at = time.monotonic()
+    del client
+    gc.collect()
+    assert time.monotonic() - dropped_at < 2.5 and server.returncode is None, "the drop waited for the server"
+    server.wait(REPLY_TIMEOUT_S)
+
+    client = PortClient(command=ANSWERS_MORE_THAN_A_PIPE_HOLDS)
+    server = client.proc
+    client.submit("ping")
+    del client
+    gc.collect()
+    assert server.wait(REPLY_TIMEOUT_S) == 0, "the server was killed, its replies unread"
+
+
+def test_a_live_port_clients_pipe_stays_open_after_its_server_ended():
+    client = PortClient(command=SILENT_SERVER)
+    client.proc.kill()
+    client._thread.join(REPLY_TIMEOUT_S)
+    assert not client.proc.stdout.closed, "closed under a client still in use"
+    client.close()
 
 
 def test_a_port_client_dropped_after_its_server_ended_waits_for_it_and_closes_its_pipe():

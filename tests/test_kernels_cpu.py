@@ -523,6 +523,12 @@ os.access = lambda path, mode, **kw: False if Path(path) == checkout else writab
 print("kernels:", build.load_extension().__file__ == str(built[0]))
 print("native:", native.library_path() == built[1])
 print("guard:", exit_guard.library_path() == built[2])
+print("library:", build.library_path() == built[0])
+import contextlib, io
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    build.main(["--print-dir"])
+print("print-dir:", printed.getvalue().strip() == str(built[0].parent))
 print("cache untouched:", not any(Path(sys.argv[1]).iterdir()))
 """
 
@@ -543,8 +549,23 @@ def test_a_read_only_checkout_serves_the_libraries_built_in_it(tmp_path):
                           env={**os.environ, "XDG_CACHE_HOME": str(cache)}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[:4] == ["kernels: True", "native: True", "guard: True", "cache untouched: True"], (
-        proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.split("\n")[:6] == ["kernels: True", "native: True", "guard: True", "library: True",
+                                          "print-dir: True", "cache untouched: True"], (proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_read_only_checkouts_build_that_a_killed_build_left_is_not_used(tmp_path, monkeypatch):
+    """Its lock file says a build was killed midway: its library may be half written."""
+    from scan_kernels.cpu import build
+
+    prebuilt, cache = tmp_path / "checkout-build", tmp_path / "cache"
+    library = Path("digest") / "lib.so"
+    (prebuilt / library).parent.mkdir(parents=True)
+    (prebuilt / library).write_bytes(b"")
+    monkeypatch.setattr(build, "_read_only_checkout_root", lambda: prebuilt)
+    monkeypatch.setattr(build, "build_root", lambda: cache)
+    assert build.located(library) == prebuilt / library
+    (prebuilt / library).with_name(build._LOCK_FILE).write_text("")
+    assert build.located(library) == cache / library
 
 
 def test_compile_error_is_one_line_with_the_log(tmp_path, monkeypatch):

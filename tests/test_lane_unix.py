@@ -725,11 +725,13 @@ def test_a_unix_lane_that_fails_to_open_or_never_starts_leaves_no_socket_open(tm
     monkeypatch.setattr(unix.socket, "socket", Recorded)
     monkeypatch.setattr(unix.socket, "socketpair", lambda: (Recorded(socket.AF_UNIX), Recorded(socket.AF_UNIX)))
     options = dict(max_frame_size=1024, max_in_flight=1, max_connections=1)
+    open_before = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError):
         unix.UnixTransport(None, str(tmp_path / "no-such-directory" / "lane.sock"), **options)
     lane = unix.UnixTransport(None, str(tmp_path / "lane.sock"), **options)
     lane.close()
     assert len(made) == 4 and [sock.fileno() for sock in made] == [-1] * 4
+    assert sorted(os.listdir("/proc/self/fd")) == open_before  # the selector's epoll descriptor too
 
 
 def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):

@@ -831,3 +831,24 @@ def test_a_connections_close_looks_at_its_own_entries_only():
     table._entries = CountedItems(table._entries)
     assert table.release_owner("leaving") == 1
     assert CountedItems.looks == 0 and len(table) == 500 and not table.holds_any("leaving")
+
+
+@pytest.mark.parametrize("room_from", ["both pools", "the first pool"])
+def test_an_open_short_of_budget_shrinks_the_pools_it_needs_and_no_more(room_from):
+    """_shrink_pools gives back pools' free tail rows while the budget lacks the open's bytes,
+    counting what each shrink gave back: too little counted, an open that fits is refused; too
+    much, pools shrink that need not."""
+    table = _table()
+    first, second, opened = _layout(8), _layout(3), _layout(16)
+    firsts = [table.open("x", 1, first) for _ in range(8)]
+    seconds = [table.open("x", 1, second) for _ in range(8)]
+    for session in firsts[5:]:  # the first pool: its last 3 of 8 rows free
+        table.remove("x", session.id, "session")
+    table.remove("x", seconds[7].id, "session")  # the second: its last row free
+    first_pool, second_pool = firsts[0].pool, seconds[0].pool
+    freed = first_pool.nbytes - 5 * first.row_bytes
+    if room_from == "both pools":
+        freed += second_pool.nbytes - 7 * second.row_bytes
+    table.max_pool_bytes = table._pool_bytes() - freed + opened.row_bytes
+    table.open("x", 1, opened)
+    assert (first_pool.capacity, second_pool.capacity) == ((5, 7) if room_from == "both pools" else (5, 8))

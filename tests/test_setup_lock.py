@@ -66,3 +66,14 @@ def test_the_lock_holds_what_its_pinned_packages_require_here():
         missing += [f"{name} needs {r}" for r in map(Requirement, requires)
                     if _applies(r) and canonicalize_name(r.name) not in pins]
     assert not missing, f"constraints.txt is not closed: {missing}; run `make lock`"
+
+
+def test_every_pip_install_of_make_setup_is_held_to_the_lock():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    installs = [line.strip() for line in makefile.splitlines() if "$(PY) -m pip install" in line]
+    assert len(installs) >= 4, installs  # pip itself, torch, ninja, the project
+    unheld = [line for line in installs if "-c $(LOCK)" not in line]
+    assert not unheld, f"pip installs in make setup not held to constraints.txt: {unheld}"
+    editable = [line for line in installs if " -e " in line]
+    # -c does not reach the isolated build environment of the editable install: its backend too.
+    assert editable and all("--build-constraint $(LOCK)" in line for line in editable), editable
