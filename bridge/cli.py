@@ -389,9 +389,9 @@ def raise_descriptor_limit(args) -> int:
             soft = hard
         except (ValueError, OSError) as exc:
             log.info("open-files limit left at %d: %s", soft, exc)
-    allowed = (args.max_connections if args.unix else 0) + (args.max_zmq_peers if args.zmq else 0)
+    allowed = args.max_connections * len(args.unix) + (args.max_zmq_peers if args.zmq else 0)  # a cap a unix lane
     if allowed and soft != resource.RLIM_INFINITY and allowed + OWN_DESCRIPTORS > soft:
-        log.warning("the open-files limit (%d) is below what --max-connections and --max-zmq-peers allow "
+        log.warning("the open-files limit (%d) is below what --max-connections (each --unix) and --max-zmq-peers allow "
                     "(%d connections, and about %d descriptors of the server's own): past it a unix lane "
                     "pauses accepting, and libzmq aborts the server on an ipc:// lane and spins on a tcp:// "
                     "one; raise `ulimit -n` or lower the caps", soft, allowed, OWN_DESCRIPTORS)

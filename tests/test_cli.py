@@ -404,13 +404,14 @@ _DESCRIPTOR_LIMIT = """
 import argparse, logging, resource, sys
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(levelname)s %(message)s")
 from bridge.cli import raise_descriptor_limit
-args = argparse.Namespace(unix=["lane.sock"], zmq=[], max_connections=int(sys.argv[1]), max_zmq_peers=4096)
+args = argparse.Namespace(unix=["lane.sock"] * int(sys.argv[2]), zmq=[], max_connections=int(sys.argv[1]),
+                          max_zmq_peers=4096)
 print("limit", raise_descriptor_limit(args), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 """
 
 
-@pytest.mark.parametrize("connections", [16, "past the hard limit"])
-def test_the_server_raises_its_open_files_limit_to_the_hard_one_and_warns_below_its_caps(connections):
+@pytest.mark.parametrize("connections, lanes", [(16, 1), ("past the hard limit", 1), ("each lane's half", 2)])
+def test_the_server_raises_its_open_files_limit_to_the_hard_one_and_warns_below_its_caps(connections, lanes):
     """Each connection holds a descriptor, and past the limit libzmq aborts the server on an
     ipc:// lane (found in review at the soft limit of 1024, under the default caps)."""
     import resource
@@ -419,8 +420,10 @@ def test_the_server_raises_its_open_files_limit_to_the_hard_one_and_warns_below_
     if hard == resource.RLIM_INFINITY:
         with open("/proc/sys/fs/nr_open") as nr_open:
             hard = int(nr_open.read())
-    allowed = 16 if connections == 16 else hard + 1
-    run = subprocess.run([sys.executable, "-c", _DESCRIPTOR_LIMIT, str(allowed)], capture_output=True, text=True,
+    # --max-connections caps each --unix lane: two lanes of half the limit are past it.
+    allowed = {16: 16, "past the hard limit": hard + 1, "each lane's half": hard // 2 + 1}[connections]
+    run = subprocess.run([sys.executable, "-c", _DESCRIPTOR_LIMIT, str(allowed), str(lanes)], capture_output=True,
+                         text=True,
                          timeout=60, env=server_env(),
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(
                              resource.RLIMIT_NOFILE)[1])))

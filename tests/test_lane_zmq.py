@@ -880,6 +880,62 @@ def test_a_paused_server_does_not_count_the_pause_as_its_peers_silence(tmp_path,
         assert "idle" not in dispatcher.server.stats.snapshot()["released"]
 
 
+def test_a_peer_whose_request_waited_for_the_lane_to_start_is_still_freed_once_silent(tmp_path):
+    """The first idle check, due at 0, took the whole monotonic clock for a pause and pushed a
+    peer answered in the lane's first turn (a client queued before the server started) that
+    far into the future: never freed (found in review)."""
+    srv = InProcessServer(native_step=False)
+    transport = ZmqTransport(srv.dispatcher, [f"ipc://{tmp_path}/lane.ipc"], max_frame_size=1 << 20,
+                             max_in_flight=4, hwm=16, idle_timeout_s=0.5, max_peers=64)
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    try:
+        client.connect(transport.endpoints[0])
+        client.send(b"".join(protocol.encode_request(1, "session_open", {"batch": 1, "dim": 2, "state": 2})))
+        time.sleep(0.3)  # waiting when the lane's thread starts
+        transport.start()
+        assert client.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN) and msgpack.unpackb(client.recv())["ok"]
+        wait_until(lambda: "idle" in srv.server.stats.snapshot()["released"], "the silent peer was never freed",
+                   timeout=REPLY_TIMEOUT_S)
+    finally:
+        client.close(0)
+        context.term()
+        transport.close()
+        srv.close()
+
+
+def test_a_peer_answered_after_a_pause_is_freed_its_timeout_after_that(tmp_path, monkeypatch):
+    """The pause's shift applies to peers silent through it, not to one heard or answered after
+    it in the same turn: that one was freed the pause's length late (found in review)."""
+    hold = threading.Event()
+
+    class HeldPoller(zmq.Poller):
+        def poll(self, timeout=None):
+            if hold.is_set():
+                hold.clear()
+                time.sleep(3.0)  # held, then it reads what came meanwhile
+                return super().poll(200)
+            return super().poll(timeout)
+
+    def call(sock, request_id, op, args=None) -> dict:
+        sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
+        assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
+        return msgpack.unpackb(sock.recv())
+
+    monkeypatch.setattr(zmq, "Poller", HeldPoller)
+    with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=0.5) as (dispatcher, transport), \
+            dealers(transport, 1) as (client,):
+        call(client, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})
+        hold.set()
+        time.sleep(0.3)  # the io thread is held by now
+        call(client, 2, "cancel", {"id": 99})  # sent during the hold, answered on the io thread after it
+        answered = time.monotonic()
+        wait_until(lambda: "idle" in dispatcher.server.stats.snapshot()["released"], "the silent peer was never "
+                   "freed", timeout=REPLY_TIMEOUT_S)
+        # 0.5 s of silence, checked every 0.125 s; the bug's 3 s more is far past the slack.
+        assert time.monotonic() - answered < 2.5
+
+
 def test_a_zmq_peer_waiting_on_its_own_long_request_is_not_idle(tmp_path):
     """Idle time counts from a peer's last message or its last answer: found in review, a
     request that ran longer than the timeout left its peer counted silent the moment its reply

@@ -2311,3 +2311,23 @@ def test_a_checkpoint_file_the_server_had_no_descriptor_for_is_a_limit_not_a_bad
             pass
     assert refused.value.code == "limit_exceeded"
     assert refused.value.detail == {"limit": limit, "field": "config.json"}
+
+
+def test_a_hub_models_ref_the_server_had_no_descriptor_for_is_a_limit_too(tmp_path, monkeypatch):
+    """hub_snapshot took every OpError of its ref's open for a cache without the model: out of
+    descriptors, `org/name` was answered invalid_checkpoint "(none there)" (found in review)."""
+    import errno
+
+    import bridge.models.checkpoint as checkpoint
+    from bridge.errors import OpError
+
+    (tmp_path / "models--org--tiny" / "refs").mkdir(parents=True)
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
+
+    def short(real, flags):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(checkpoint, "_open_unlinked", short)
+    with pytest.raises(OpError) as refused:
+        checkpoint.hub_snapshot("org/tiny", (str(tmp_path),))
+    assert (refused.value.code, refused.value.detail["limit"]) == ("limit_exceeded", "open_files")

@@ -110,9 +110,16 @@ def hub_snapshot(model_id: str, model_dirs: tuple[str, ...]) -> str | None:
         repo = os.path.join(root, "models--" + model_id.replace("/", "--"))
         try:  # a missing ref, as any file the checkpoint lacks, is an OpError
             with checkpoint_file(os.path.join(repo, "refs"), "main", "args.path", (root,)) as ref:
-                with open(ref, "rb") as f:
-                    revision = f.read(HUB_REF_MAX_BYTES).decode("ascii", "replace").strip()
-        except OpError:
+                try:
+                    with open(ref, "rb") as f:
+                        revision = f.read(HUB_REF_MAX_BYTES).decode("ascii", "replace").strip()
+                except OSError as e:
+                    if e.errno in _SHORT_OF:
+                        raise _short_of(e, "args.path", "refs/main") from None
+                    raise
+        except OpError as e:
+            if e.code == "limit_exceeded":  # the server's want: the load may succeed sent again
+                raise
             continue
         if not HUB_REVISION.fullmatch(revision) or revision in (os.curdir, os.pardir):
             continue
@@ -166,9 +173,7 @@ def checkpoint_file(directory: str, name: str, field: str, roots: tuple[str, ...
         fd = _open_unlinked(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as e:
         if e.errno in _SHORT_OF:  # the server's want, not the checkpoint's fault: a retry may load it
-            limit = _SHORT_OF[e.errno]
-            raise OpError("limit_exceeded", f"{field}: the server could not open {shown_value(name)}: "
-                          f"{os.strerror(e.errno)}", {"limit": limit, "field": field}) from None
+            raise _short_of(e, field, shown_value(name)) from None
         raise checkpoint_error(field, expected, f"{shown_value(name)} ({os.strerror(e.errno)})") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -180,6 +185,11 @@ def checkpoint_file(directory: str, name: str, field: str, roots: tuple[str, ...
 
 # An open that failed for what the server lacked, by SPEC §7's limit name.
 _SHORT_OF = {errno.EMFILE: "open_files", errno.ENFILE: "open_files", errno.ENOMEM: "memory"}
+
+
+def _short_of(e: OSError, field: str, shown: str) -> OpError:
+    return OpError("limit_exceeded", f"{field}: the server could not open {shown}: {os.strerror(e.errno)}",
+                   {"limit": _SHORT_OF[e.errno], "field": field})
 
 
 def _open_unlinked(real: str, flags: int) -> int:

@@ -339,6 +339,8 @@ class ZmqTransport:
 
         if not zmq.utils.garbage.gc.is_alive():
             zmq.utils.garbage.gc.start()
+        if self._idle_check_s is not None:  # the first check is due a check's interval from now
+            self._next_idle_check = time.monotonic() + self._idle_check_s
         self._thread.start()
 
     def close(self, deadline: float | None = None) -> None:
@@ -703,10 +705,12 @@ class ZmqTransport:
         not listened to meanwhile, so that time is not counted as their silence (their messages
         of it may still be on their way through libzmq)."""
         now = time.monotonic()
-        held_s = now - self._next_idle_check
+        due = self._next_idle_check
+        held_s = now - due
         if held_s > self._idle_check_s:
             for peer in self._peers.values():
-                peer.last_seen += held_s
+                if peer.last_seen < due:  # silent through the hold, not heard since
+                    peer.last_seen = min(now, peer.last_seen + held_s)
         self._next_idle_check = now + self._idle_check_s
         for peer in list(self._peers.values()):
             if (now - peer.last_seen > self.idle_timeout_s and peer.in_flight == 0 and not peer.waiting
