@@ -849,34 +849,45 @@ def test_the_lane_starts_the_thread_zero_copy_replies_need(tmp_path, monkeypatch
         keeper.stop()
 
 
-def test_a_paused_server_does_not_count_the_pause_as_its_peers_silence(tmp_path, monkeypatch):
-    """A server paused past --idle-timeout-s (SIGSTOP, a container's freezer) woke to an idle
-    check before libzmq handed over what its peers sent meanwhile, and freed a pinging peer's
-    session as idle (found in review). Here the io thread is held in its poll, as a pause holds
-    it, while the peer pings."""
+def call_dealer(sock, request_id, op: str, args: dict | None = None) -> dict:
+    """One request on a DEALER socket, and its reply decoded."""
+    sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
+    assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
+    return msgpack.unpackb(sock.recv())
+
+
+def holding_the_io_thread(monkeypatch, seconds: float, reads_after: bool) -> threading.Event:
+    """An Event that, once set, holds a lane's io thread in its next poll for `seconds`, as a
+    paused process or a long stall holds it; then the poll reads what came meanwhile
+    (`reads_after`) or nothing. For lanes started after this."""
     hold = threading.Event()
 
     class HeldPoller(zmq.Poller):
         def poll(self, timeout=None):
             if hold.is_set():
                 hold.clear()
-                time.sleep(2.5)  # the pause: past the timeout, nothing read
-                return []
+                time.sleep(seconds)
+                return super().poll(200) if reads_after else []
             return super().poll(timeout)
 
-    def call(sock, request_id, op, args=None) -> dict:
-        sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
-        assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
-        return msgpack.unpackb(sock.recv())
-
     monkeypatch.setattr(zmq, "Poller", HeldPoller)
+    return hold
+
+
+def test_a_paused_server_does_not_count_the_pause_as_its_peers_silence(tmp_path, monkeypatch):
+    """A server paused past --idle-timeout-s (SIGSTOP, a container's freezer) woke to an idle
+    check before libzmq handed over what its peers sent meanwhile, and freed a pinging peer's
+    session as idle (found in review). Here the io thread is held in its poll, as a pause holds
+    it, while the peer pings."""
+    hold = holding_the_io_thread(monkeypatch, 2.5, reads_after=False)
     with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=1.0) as (dispatcher, transport), \
             dealers(transport, 1) as (client,):
-        session = call(client, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})["result"]["session"]
+        session = call_dealer(client, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})["result"]["session"]
         hold.set()  # taken by the io thread's next poll, within its idle check's quarter second
         time.sleep(0.5)  # the peer pings during the pause
-        assert call(client, 2, "ping")["ok"]
-        assert call(client, 3, "session_state", {"session": session})["ok"], "the pinging peer's session was freed"
+        assert call_dealer(client, 2, "ping")["ok"]
+        assert call_dealer(client, 3, "session_state", {"session": session})["ok"], \
+            "the pinging peer's session was freed"
         assert "idle" not in dispatcher.server.stats.snapshot()["released"]
 
 
@@ -907,28 +918,13 @@ def test_a_peer_whose_request_waited_for_the_lane_to_start_is_still_freed_once_s
 def test_a_peer_answered_after_a_pause_is_freed_its_timeout_after_that(tmp_path, monkeypatch):
     """The pause's shift applies to peers silent through it, not to one heard or answered after
     it in the same turn: that one was freed the pause's length late (found in review)."""
-    hold = threading.Event()
-
-    class HeldPoller(zmq.Poller):
-        def poll(self, timeout=None):
-            if hold.is_set():
-                hold.clear()
-                time.sleep(3.0)  # held, then it reads what came meanwhile
-                return super().poll(200)
-            return super().poll(timeout)
-
-    def call(sock, request_id, op, args=None) -> dict:
-        sock.send(b"".join(protocol.encode_request(request_id, op, args or {})))
-        assert sock.poll(REPLY_TIMEOUT_S * 1000, zmq.POLLIN), f"no reply to {op}"
-        return msgpack.unpackb(sock.recv())
-
-    monkeypatch.setattr(zmq, "Poller", HeldPoller)
+    hold = holding_the_io_thread(monkeypatch, 3.0, reads_after=True)
     with zmq_lane_with_dispatcher(tmp_path, None, max_in_flight=4, idle_timeout_s=0.5) as (dispatcher, transport), \
             dealers(transport, 1) as (client,):
-        call(client, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})
+        call_dealer(client, 1, "session_open", {"batch": 1, "dim": 2, "state": 2})
         hold.set()
         time.sleep(0.3)  # the io thread is held by now
-        call(client, 2, "cancel", {"id": 99})  # sent during the hold, answered on the io thread after it
+        call_dealer(client, 2, "cancel", {"id": 99})  # sent during the hold, answered on the io thread after it
         answered = time.monotonic()
         wait_until(lambda: "idle" in dispatcher.server.stats.snapshot()["released"], "the silent peer was never "
                    "freed", timeout=REPLY_TIMEOUT_S)
