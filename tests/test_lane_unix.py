@@ -9,6 +9,7 @@ import contextlib
 import errno
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
@@ -753,3 +754,34 @@ def test_a_unix_path_is_taken_over_only_from_a_dead_server(tmp_path):
     with pytest.raises(OSError, match="non-socket file"):
         UnixTransport(None, str(tmp_path / "file"), **options)
     assert (tmp_path / "file").read_text() == "data"
+
+
+def test_accepting_paused_out_of_descriptors_is_warned_once_a_while_not_at_every_sweep(tmp_path, caplog):
+    """Out of descriptors, accepting pauses and is tried again at each sweep (every second),
+    and each try warned again: a log line a second while the shortage lasted (found in review
+    under `ulimit -n`)."""
+    from bridge.transports.unix import UnixTransport
+
+    lane = UnixTransport(None, str(tmp_path / "lane.sock"), max_frame_size=1024, max_in_flight=1, max_connections=1)
+    try:
+        class OutOfDescriptors:
+            def __init__(self, listener):
+                self._listener = listener
+
+            def accept(self):
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+            def __getattr__(self, name):
+                return getattr(self._listener, name)
+
+        real = lane._listener
+        lane._selector.register(real, selectors.EVENT_READ)
+        lane._listener = OutOfDescriptors(real)
+        with caplog.at_level(logging.WARNING, logger="bridge"):
+            for _ in range(5):  # five sweeps' tries
+                lane._accept()
+                lane._selector.register(real, selectors.EVENT_READ)
+        assert sum("accepting paused" in record.getMessage() for record in caplog.records) == 1
+        lane._listener = real
+    finally:
+        lane.close()

@@ -178,6 +178,8 @@ class UnixTransport:
         self.pool = BufferPool(max_buffers=POOLED_BUFFERS)
         self._connections: set[UnixConnection] = set()
         self._turned_away = ThrottledWarning(log)
+        # Out of descriptors, accepting pauses and is tried again at each sweep: said once a while.
+        self._paused = ThrottledWarning(log)
         self._listener = _listen(path)
         self._socket_file = SocketFile(path)
         self._listener.setblocking(False)
@@ -342,8 +344,8 @@ class UnixTransport:
                     continue
                 # Out of file descriptors, say: the listener is left out of the selector, which
                 # would report it ready again at once, until a connection closes or the next sweep.
-                log.warning("unix lane: accepting paused until a connection closes (or for %g s): %s",
-                            SWEEP_SECONDS, exc)
+                self._paused.warn("unix lane: accepting paused until a connection closes (or for %g s): %s",
+                                  SWEEP_SECONDS, exc)
                 self._selector.unregister(self._listener)
                 return
             sock.setblocking(True)  # replies are written blocking by writer threads
