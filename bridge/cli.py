@@ -377,24 +377,25 @@ def raise_descriptor_limit(args) -> int:
 
     log = logging.getLogger("bridge")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = hard
     if hard == resource.RLIM_INFINITY:  # the kernel's own bound, fs.nr_open, still applies
         try:
             with open("/proc/sys/fs/nr_open") as nr_open:
-                hard = int(nr_open.read())
+                highest = int(nr_open.read())
         except (OSError, ValueError):
-            hard = max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < hard:
+            highest = max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < highest:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-            soft = hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (highest, hard))
+            soft = highest
         except (ValueError, OSError) as exc:
             log.info("open-files limit left at %d: %s", soft, exc)
-    allowed = args.max_connections * len(args.unix) + (args.max_zmq_peers if args.zmq else 0)  # a cap a unix lane
+    allowed = args.max_connections * len(args.unix) + (args.max_zmq_peers if args.zmq else 0)  # a cap each lane
     if allowed and soft != resource.RLIM_INFINITY and allowed + OWN_DESCRIPTORS > soft:
-        log.warning("the open-files limit (%d) is below what --max-connections (each --unix) and --max-zmq-peers allow "
-                    "(%d connections, and about %d descriptors of the server's own): past it a unix lane "
-                    "pauses accepting, and libzmq aborts the server on an ipc:// lane and spins on a tcp:// "
-                    "one; raise `ulimit -n` or lower the caps", soft, allowed, OWN_DESCRIPTORS)
+        log.warning("the open-files limit (%d) is below what --max-connections (each --unix) and "
+                    "--max-zmq-peers allow (%d connections, and about %d descriptors of the server's own): "
+                    "past it a unix lane pauses accepting, and libzmq aborts the server on an ipc:// lane and "
+                    "spins on a tcp:// one; raise `ulimit -n` or lower the caps", soft, allowed, OWN_DESCRIPTORS)
     return soft
 
 

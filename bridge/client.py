@@ -1395,17 +1395,14 @@ class Leftovers:
         self._ended = self._dropped = False
 
     def stream_ended(self) -> None:
-        with self._lock:
-            self._ended = True
-        self._release_if_both()
+        self._came("_ended")
 
     def client_dropped(self) -> None:
-        with self._lock:
-            self._dropped = True
-        self._release_if_both()
+        self._came("_dropped")
 
-    def _release_if_both(self) -> None:
+    def _came(self, which: str) -> None:
         with self._lock:
+            setattr(self, which, True)
             release = self._release if self._ended and self._dropped else None
             if release is not None:
                 self._release = None
@@ -1497,11 +1494,14 @@ def stop_piped_server(proc: subprocess.Popen, timeout: float = 10.0) -> int:
         return proc.wait()
 
 
-def _stop_and_close(proc: subprocess.Popen) -> None:
-    """stop_piped_server, then the server's stdout closed: for a server no reader reads (a
-    dropped PortClient's, once its reader saw the end; one whose client was never made), which
-    is waited for, not left a zombie."""
+def _stop_and_close(proc: subprocess.Popen, reader: threading.Thread | None = None) -> None:
+    """stop_piped_server, then the server's stdout closed once `reader`, if any, is done with it
+    (a close under its read would not wake it): for a server no client reads any more (a dropped
+    PortClient's, once its reader saw the end; one whose client was never made), which is waited
+    for, not left a zombie."""
     stop_piped_server(proc)
+    if reader is not None:
+        reader.join(10.0)
     if proc.stdout is not None:
         proc.stdout.close()
 
@@ -1583,11 +1583,7 @@ class PortClient(FramedClient):
         try:
             super().__init__(self.proc.stdout, self.proc.stdin.fileno(), as_torch=as_torch)
         except BaseException:  # a signal's SystemExit, say: with no client made, nobody would stop it
-            stop_piped_server(self.proc)
-            reader = getattr(self, "_thread", None)
-            if reader is not None:  # its stdout is closed once the reader is done with it
-                reader.join(10.0)
-            self.proc.stdout.close()
+            _stop_and_close(self.proc, getattr(self, "_thread", None))
             raise
         weakref.finalize(self, abandon, self.proc.stdin.close, self._pending, self._writer_wake, self._pid,
                          self._leftovers)

@@ -706,13 +706,11 @@ class ZmqTransport:
         of it may still be on their way through libzmq)."""
         now = time.monotonic()
         due = self._next_idle_check
-        held_s = now - due
-        if held_s > self._idle_check_s:
-            for peer in self._peers.values():
-                if peer.last_seen < due:  # silent through the hold, not heard since
-                    peer.last_seen = min(now, peer.last_seen + held_s)
+        held_s = now - due if now - due > self._idle_check_s else 0.0
         self._next_idle_check = now + self._idle_check_s
         for peer in list(self._peers.values()):
+            if held_s and peer.last_seen < due:  # silent through the hold, not heard since
+                peer.last_seen = min(now, peer.last_seen + held_s)
             if (now - peer.last_seen > self.idle_timeout_s and peer.in_flight == 0 and not peer.waiting
                     and peer.has_close_callbacks):
                 self._gone(peer, "idle")
